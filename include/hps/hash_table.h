@@ -1,0 +1,107 @@
+// Device-portable hash table of embedding rows (the device tier's store).
+//
+// The cuDF concurrent_unordered_map scheme: open addressing with linear probing
+// over a fixed number of slots, the all-ones key marking an empty slot, and a
+// slot claimed by an atomic compare-and-swap on its key. Each slot owns one row
+// of `row_floats` float32 values (embedding + optimizer state), stored by slot.
+// The table never grows: keep the load below ~0.8, since probes lengthen as it
+// fills, and a claim that finds no empty slot raises TableFullError.
+//
+// Every operation is a bulk call over arrays. The probe and row-update bodies are
+// written once and run either by a CPU launcher (a parallel loop over `threads`
+// cores) or by CUDA kernels (when built with CUDA and a device is present).
+//
+// Thread safety: any number of calls may run at once. Calls racing on the same
+// key are well-defined for insert/accumulate/lookup_or_init/apply_gradients
+// among themselves; a find or export racing a write of the same key may see the
+// key before its row is complete (as in cuDF and cuco), so the node loads a
+// batch's working set before it serves reads of it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "hps/optimizer.h"
+
+namespace hps {
+
+// Reserved as the empty-slot marker; rejected as a key at every API boundary.
+inline constexpr uint64_t kEmptyKey = ~uint64_t{0};
+
+// Raised when a claim finds no empty slot. Keys placed before it stay placed.
+class TableFullError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct HashTableOptions {
+  uint64_t capacity = 0;  ///< slots, and so the most keys it holds; > 0
+  int32_t row_floats = 0; ///< floats per row; > 0
+  int32_t threads = 0;    ///< CPU launcher threads; 0 = all cores
+  int32_t cuda_device = -1;  ///< -1: host memory and CPU launcher; >= 0: that GPU
+};
+
+class HashTable {
+ public:
+  virtual ~HashTable() = default;
+
+  virtual uint64_t capacity() const = 0;
+  virtual int32_t row_floats() const = 0;
+  virtual uint64_t size() const = 0;
+  // "cpu" or "cuda:N".
+  virtual std::string device() const = 0;
+
+  // Inserts absent keys with their rows (n, row_floats); present keys keep their
+  // rows. Of duplicates inside one call, one row is stored (the first, on the
+  // CPU). inserted[i] (optional) is 1 where keys[i]'s row was written. Returns
+  // the number of keys inserted.
+  virtual uint64_t insert(const uint64_t* keys, uint64_t n, const float* rows,
+                          uint8_t* inserted) = 0;
+
+  // Copies the rows of present keys into rows_out (n, row_floats); rows of
+  // absent keys are zero. found[i] (optional) is 1 for present keys. Returns hits.
+  virtual uint64_t find(const uint64_t* keys, uint64_t n, float* rows_out,
+                        uint8_t* found) const = 0;
+
+  // Adds deltas (n, row_floats) to the rows of keys; an absent key first gets a
+  // zero row. Duplicates sum.
+  virtual void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) = 0;
+
+  // Overwrites the rows of present keys; absent keys are skipped (found[i] = 0).
+  // Returns the number of keys assigned.
+  virtual uint64_t assign(const uint64_t* keys, uint64_t n, const float* rows,
+                          uint8_t* found) = 0;
+
+  // Embeddings (n, opt.dim) of keys; absent keys get a row initialised from
+  // (opt.init.seed, key). Requires row_floats() == opt.row_floats().
+  virtual void lookup_or_init(const uint64_t* keys, uint64_t n, const SparseOptimizer& opt,
+                              float* embeddings_out) = 0;
+
+  // Sums grads (n, opt.dim) per distinct key and applies the optimizer once per
+  // key; absent keys are initialised first, as in lookup_or_init.
+  virtual void apply_gradients(const uint64_t* keys, uint64_t n, const float* grads,
+                               const SparseOptimizer& opt) = 0;
+
+  // Writes up to max_rows (key, row) pairs in slot order; returns how many.
+  virtual uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const = 0;
+
+  // Removes every key; rows return to zero.
+  virtual void clear() = 0;
+};
+
+// Throws std::invalid_argument for bad options, std::runtime_error when the
+// requested CUDA device is not available.
+std::unique_ptr<HashTable> NewHashTable(const HashTableOptions& options);
+
+// Whether this build contains the CUDA launcher.
+bool CudaCompiled();
+// Usable CUDA devices; 0 when CUDA is not compiled in, or the driver is missing
+// or too old ("no GPU, use host devices").
+int CudaDeviceCount();
+
+// Throws std::invalid_argument if a key equals kEmptyKey, naming its index.
+void CheckKeys(const uint64_t* keys, uint64_t n);
+
+}  // namespace hps

@@ -1,0 +1,29 @@
+"""hps: a hierarchical parameter server for CTR and recommendation models.
+
+Embedding rows live in a device tier (per-GPU hash tables, or host partitions
+without a GPU), a host-memory cache and an SSD store; this package is the
+Python face of the native core.
+"""
+from hps._core import __version__, cuda_compiled, cuda_device_count
+from hps.errors import HpsError, TableFullError
+from hps.hash_table import EMPTY_KEY, HashTable
+from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
+from hps.embedding import EmbeddingTable
+
+__all__ = [
+    "EMPTY_KEY",
+    "AdaGrad",
+    "Adam",
+    "EmbeddingTable",
+    "HashTable",
+    "HpsError",
+    "Normal",
+    "RowWiseAdaGrad",
+    "SGD",
+    "TableFullError",
+    "Uniform",
+    "Zeros",
+    "__version__",
+    "cuda_compiled",
+    "cuda_device_count",
+]

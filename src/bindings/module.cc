@@ -1,0 +1,250 @@
+// hps._core: converts numpy arrays and Python values to the native API and
+// back, releasing the GIL around every bulk call. No logic lives here beyond
+// checking that an argument has the type, shape and layout the call needs.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "hps/config.h"
+#include "hps/hash_table.h"
+#include "hps/optimizer.h"
+
+namespace py = pybind11;
+
+namespace {
+
+std::string DtypeName(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+
+void RequireContiguous(const py::array& a, const char* name) {
+  if (!(a.flags() & py::array::c_style)) {
+    throw py::value_error(std::string(name) +
+                          " must be C-contiguous; pass numpy.ascontiguousarray(" + name + ")");
+  }
+}
+
+// uint64 keys, or int64 keys reinterpreted bit for bit.
+const uint64_t* KeysArg(const py::array& a, const char* name) {
+  if (!a.dtype().is(py::dtype::of<uint64_t>()) && !a.dtype().is(py::dtype::of<int64_t>())) {
+    throw py::type_error(std::string(name) + " must be an array of uint64 or int64, got " +
+                         DtypeName(a));
+  }
+  if (a.ndim() != 1) {
+    throw py::value_error(std::string(name) + " must be 1-D, got " + std::to_string(a.ndim()) +
+                          " dimensions");
+  }
+  RequireContiguous(a, name);
+  return static_cast<const uint64_t*>(a.data());
+}
+
+// A float32 (n, columns) array.
+const float* RowsArg(const py::array& a, const char* name, uint64_t n, int64_t columns) {
+  if (!a.dtype().is(py::dtype::of<float>())) {
+    throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
+  }
+  if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != n || a.shape(1) != columns) {
+    std::string shape = "(";
+    for (py::ssize_t d = 0; d < a.ndim(); ++d) {
+      if (d > 0) shape.append(", ");
+      shape.append(std::to_string(a.shape(d)));
+    }
+    shape.append(a.ndim() == 1 ? ",)" : ")");
+    throw py::value_error(std::string(name) + " must have shape (" + std::to_string(n) + ", " +
+                          std::to_string(columns) + "), got " + shape);
+  }
+  RequireContiguous(a, name);
+  return static_cast<const float*>(a.data());
+}
+
+py::array_t<float> NewRows(uint64_t n, int64_t columns) {
+  return py::array_t<float>({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(columns)});
+}
+
+uint8_t* Bytes(py::array_t<bool>& a) { return reinterpret_cast<uint8_t*>(a.mutable_data()); }
+
+hps::OptimizerKind ParseOptimizer(const std::string& name) {
+  if (name == "sgd") return hps::OptimizerKind::kSgd;
+  if (name == "adagrad") return hps::OptimizerKind::kAdaGrad;
+  if (name == "rowwise_adagrad") return hps::OptimizerKind::kRowWiseAdaGrad;
+  if (name == "adam") return hps::OptimizerKind::kAdam;
+  throw py::value_error("optimizer kind must be one of sgd, adagrad, rowwise_adagrad, adam; got '" +
+                        name + "'");
+}
+
+hps::InitKind ParseInit(const std::string& name) {
+  if (name == "zeros") return hps::InitKind::kZeros;
+  if (name == "uniform") return hps::InitKind::kUniform;
+  if (name == "normal") return hps::InitKind::kNormal;
+  throw py::value_error("initializer must be one of zeros, uniform, normal; got '" + name + "'");
+}
+
+std::string InitName(hps::InitKind kind) {
+  switch (kind) {
+    case hps::InitKind::kZeros:
+      return "zeros";
+    case hps::InitKind::kUniform:
+      return "uniform";
+    case hps::InitKind::kNormal:
+      return "normal";
+  }
+  return "unknown";
+}
+
+using Table = hps::HashTable;
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "hps native core (hash table, sparse optimizers)";
+  m.attr("__version__") = HPS_VERSION;
+  m.attr("EMPTY_KEY") = py::int_(hps::kEmptyKey);
+  // The root of hps's own errors; bad arguments stay ValueError / TypeError.
+  py::object hps_error = py::reinterpret_steal<py::object>(
+      PyErr_NewExceptionWithDoc("hps._core.HpsError", "Base class of errors raised by hps.",
+                                PyExc_Exception, nullptr));
+  m.attr("HpsError") = hps_error;
+  py::register_exception<hps::TableFullError>(m, "TableFullError", hps_error.ptr());
+
+  m.def("cuda_compiled", &hps::CudaCompiled, "Whether this build has the CUDA launchers.");
+  m.def("cuda_device_count", &hps::CudaDeviceCount,
+        "Usable CUDA devices; 0 without a GPU or a recent enough driver.");
+
+  py::class_<hps::SparseOptimizer>(m, "SparseOptimizer")
+      .def(py::init([](int32_t dim, const std::string& kind, float lr, float beta1, float beta2,
+                       float eps, float initial_accumulator, const std::string& init,
+                       float init_scale, uint64_t seed) {
+             hps::SparseOptimizer o;
+             o.dim = dim;
+             o.opt = {ParseOptimizer(kind), lr, beta1, beta2, eps, initial_accumulator};
+             o.init = {ParseInit(init), init_scale, seed};
+             o.validate();
+             return o;
+           }),
+           py::arg("dim"), py::arg("kind"), py::arg("lr"), py::arg("beta1") = 0.9f,
+           py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f, py::arg("initial_accumulator") = 0.0f,
+           py::arg("init") = "uniform", py::arg("init_scale") = 0.01f, py::arg("seed") = 0)
+      .def_property_readonly("dim", [](const hps::SparseOptimizer& o) { return o.dim; })
+      .def_property_readonly("kind", [](const hps::SparseOptimizer& o) { return hps::ToString(o.opt.kind); })
+      .def_property_readonly("lr", [](const hps::SparseOptimizer& o) { return o.opt.lr; })
+      .def_property_readonly("beta1", [](const hps::SparseOptimizer& o) { return o.opt.beta1; })
+      .def_property_readonly("beta2", [](const hps::SparseOptimizer& o) { return o.opt.beta2; })
+      .def_property_readonly("eps", [](const hps::SparseOptimizer& o) { return o.opt.eps; })
+      .def_property_readonly("initial_accumulator",
+                             [](const hps::SparseOptimizer& o) { return o.opt.initial_accumulator; })
+      .def_property_readonly("init", [](const hps::SparseOptimizer& o) { return InitName(o.init.kind); })
+      .def_property_readonly("init_scale", [](const hps::SparseOptimizer& o) { return o.init.scale; })
+      .def_property_readonly("seed", [](const hps::SparseOptimizer& o) { return o.init.seed; })
+      .def_property_readonly("row_floats", &hps::SparseOptimizer::row_floats)
+      .def("initial_rows", [](const hps::SparseOptimizer& o, const py::array& keys) {
+        const uint64_t* k = KeysArg(keys, "keys");
+        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        hps::CheckKeys(k, n);
+        auto out = NewRows(n, o.row_floats());
+        float* dst = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          o.initial_rows(k, n, dst);
+        }
+        return out;
+      }, py::arg("keys"), "Initial rows (n, row_floats) of keys: embedding then optimizer state.");
+
+  py::class_<Table>(m, "HashTable")
+      .def(py::init([](uint64_t capacity, int32_t row_floats, int32_t threads, int32_t cuda_device) {
+             return hps::NewHashTable({capacity, row_floats, threads, cuda_device});
+           }),
+           py::arg("capacity"), py::arg("row_floats"), py::arg("threads") = 0,
+           py::arg("cuda_device") = -1)
+      .def_property_readonly("capacity", &Table::capacity)
+      .def_property_readonly("row_floats", &Table::row_floats)
+      .def_property_readonly("device", &Table::device)
+      .def("__len__", &Table::size)
+      .def_property_readonly("size", &Table::size)
+      .def("insert", [](Table& t, const py::array& keys, const py::array& rows) {
+        const uint64_t* k = KeysArg(keys, "keys");
+        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const float* r = RowsArg(rows, "rows", n, t.row_floats());
+        py::array_t<bool> inserted(static_cast<py::ssize_t>(n));
+        uint8_t* flags = Bytes(inserted);
+        {
+          py::gil_scoped_release release;
+          t.insert(k, n, r, flags);
+        }
+        return inserted;
+      }, py::arg("keys"), py::arg("rows"))
+      .def("find", [](const Table& t, const py::array& keys) {
+        const uint64_t* k = KeysArg(keys, "keys");
+        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        auto rows = NewRows(n, t.row_floats());
+        py::array_t<bool> found(static_cast<py::ssize_t>(n));
+        float* out = rows.mutable_data();
+        uint8_t* flags = Bytes(found);
+        {
+          py::gil_scoped_release release;
+          t.find(k, n, out, flags);
+        }
+        return py::make_tuple(rows, found);
+      }, py::arg("keys"))
+      .def("accumulate", [](Table& t, const py::array& keys, const py::array& deltas) {
+        const uint64_t* k = KeysArg(keys, "keys");
+        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const float* d = RowsArg(deltas, "deltas", n, t.row_floats());
+        py::gil_scoped_release release;
+        t.accumulate(k, n, d);
+      }, py::arg("keys"), py::arg("deltas"))
+      .def("assign", [](Table& t, const py::array& keys, const py::array& rows) {
+        const uint64_t* k = KeysArg(keys, "keys");
+        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const float* r = RowsArg(rows, "rows", n, t.row_floats());
+        py::array_t<bool> found(static_cast<py::ssize_t>(n));
+        uint8_t* flags = Bytes(found);
+        {
+          py::gil_scoped_release release;
+          t.assign(k, n, r, flags);
+        }
+        return found;
+      }, py::arg("keys"), py::arg("rows"))
+      .def("lookup_or_init", [](Table& t, const py::array& keys, const hps::SparseOptimizer& opt) {
+        const uint64_t* k = KeysArg(keys, "keys");
+        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        auto out = NewRows(n, opt.dim);
+        float* dst = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          t.lookup_or_init(k, n, opt, dst);
+        }
+        return out;
+      }, py::arg("keys"), py::arg("optimizer"))
+      .def("apply_gradients",
+           [](Table& t, const py::array& keys, const py::array& grads, const hps::SparseOptimizer& opt) {
+             const uint64_t* k = KeysArg(keys, "keys");
+             const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+             const float* g = RowsArg(grads, "grads", n, opt.dim);
+             py::gil_scoped_release release;
+             t.apply_gradients(k, n, g, opt);
+           },
+           py::arg("keys"), py::arg("grads"), py::arg("optimizer"))
+      .def("export", [](const Table& t) {
+        const uint64_t n = t.size();
+        py::array_t<uint64_t> keys(static_cast<py::ssize_t>(n));
+        auto rows = NewRows(n, t.row_floats());
+        uint64_t* k = keys.mutable_data();
+        float* r = rows.mutable_data();
+        uint64_t written = 0;
+        {
+          py::gil_scoped_release release;
+          written = t.export_rows(k, r, n);
+        }
+        if (written != n) {  // only when another thread inserted mid-export
+          keys.resize({static_cast<py::ssize_t>(written)});
+          rows.resize({static_cast<py::ssize_t>(written), static_cast<py::ssize_t>(t.row_floats())});
+        }
+        return py::make_tuple(keys, rows);
+      })
+      .def("clear", [](Table& t) {
+        py::gil_scoped_release release;
+        t.clear();
+      });
+}

@@ -1,0 +1,373 @@
+// The CUDA launcher of the hash table: slots and rows in device memory, one
+// thread per key running the bodies of table_kernels.h. The bulk calls take
+// host arrays (the same contract as the CPU launcher), stage them through
+// device buffers and block until done.
+//
+// Threads may share a key here, so accumulation uses atomic adds, and
+// operations that both claim and read a row run as two kernels: the kernel
+// boundary orders a claimer's row write before any reader of that row.
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "hps/hash_table.h"
+#include "table_kernels.h"
+
+namespace hps {
+namespace {
+
+using detail::FindOrClaim;
+using detail::FindSlot;
+using detail::TableRef;
+
+void Check(cudaError_t status, const char* what, const char* file, int line) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what + ": " +
+                             cudaGetErrorString(status));
+  }
+}
+#define HPS_CUDA_TRY(call) Check((call), #call, __FILE__, __LINE__)
+
+constexpr int kBlock = 256;
+unsigned Blocks(uint64_t n) { return static_cast<unsigned>((n + kBlock - 1) / kBlock); }
+
+struct Counters {
+  unsigned long long claimed;
+  unsigned long long counted;
+  unsigned long long full;
+};
+
+__device__ void Count(unsigned long long* c) { atomicAdd(c, 1ULL); }
+
+__global__ void FillKeys(uint64_t* keys, uint64_t n) {
+  const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (i < n) keys[i] = kEmptyKey;
+}
+
+__global__ void InsertKernel(TableRef t, const uint64_t* keys, uint64_t n, const float* rows,
+                             uint8_t* inserted, Counters* c) {
+  const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  bool claimed = false;
+  const int64_t slot = FindOrClaim(t, keys[i], &claimed);
+  if (slot < 0) Count(&c->full);
+  if (claimed) {
+    detail::CopyRow(t.row(slot), rows + i * t.stride, t.stride);
+    Count(&c->claimed);
+    Count(&c->counted);
+  }
+  inserted[i] = claimed ? 1 : 0;
+}
+
+__global__ void FindKernel(TableRef t, const uint64_t* keys, uint64_t n, uint32_t columns,
+                           float* out, uint8_t* found, Counters* c) {
+  const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  const int64_t slot = FindSlot(t, keys[i]);
+  if (slot >= 0) {
+    detail::CopyRow(out + i * columns, t.row(slot), columns);
+    Count(&c->counted);
+  } else {
+    detail::ZeroRow(out + i * columns, columns);
+  }
+  found[i] = slot >= 0 ? 1 : 0;
+}
+
+__global__ void AccumulateKernel(TableRef t, const uint64_t* keys, uint64_t n, const float* deltas,
+                                 Counters* c) {
+  const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  bool claimed = false;
+  const int64_t slot = FindOrClaim(t, keys[i], &claimed);
+  if (slot < 0) {
+    Count(&c->full);
+    return;
+  }
+  if (claimed) Count(&c->claimed);
+  detail::AddRow<true>(t.row(slot), deltas + i * t.stride, t.stride);
+}
+
+__global__ void AssignKernel(TableRef t, const uint64_t* keys, uint64_t n, const float* rows,
+                             uint8_t* found, Counters* c) {
+  const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  const int64_t slot = FindSlot(t, keys[i]);
+  if (slot >= 0) {
+    detail::CopyRow(t.row(slot), rows + i * t.stride, t.stride);
+    Count(&c->counted);
+  }
+  found[i] = slot >= 0 ? 1 : 0;
+}
+
+// Phase one of lookup_or_init: make every key present, initialised.
+__global__ void EnsureKernel(TableRef t, const uint64_t* keys, uint64_t n, SparseOptimizer opt,
+                             Counters* c) {
+  const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  bool claimed = false;
+  const int64_t slot = FindOrClaim(t, keys[i], &claimed);
+  if (slot < 0) Count(&c->full);
+  if (claimed) {
+    detail::InitRow(opt, keys[i], t.row(slot));
+    Count(&c->claimed);
+  }
+}
+
+// One thread per slot of the gradient-sum table: each distinct key once.
+__global__ void ApplyKernel(TableRef t, TableRef sums, SparseOptimizer opt, Counters* c) {
+  const uint64_t s = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (s >= sums.slots) return;
+  const uint64_t key = sums.keys[s];
+  if (key == kEmptyKey) return;
+  bool claimed = false;
+  const int64_t slot = FindOrClaim(t, key, &claimed);
+  if (slot < 0) {
+    Count(&c->full);
+    return;
+  }
+  if (claimed) {
+    detail::InitRow(opt, key, t.row(slot));
+    Count(&c->claimed);
+  }
+  detail::ApplyUpdate(opt, t.row(slot), sums.row(s));
+}
+
+__global__ void ExportKernel(TableRef t, uint64_t* keys_out, float* rows_out, uint64_t max_rows,
+                             Counters* c) {
+  const uint64_t s = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (s >= t.slots) return;
+  const uint64_t key = t.keys[s];
+  if (key == kEmptyKey) return;
+  const unsigned long long out = atomicAdd(&c->counted, 1ULL);
+  if (out >= max_rows) return;
+  keys_out[out] = key;
+  detail::CopyRow(rows_out + out * t.stride, t.row(s), t.stride);
+}
+
+// A device allocation freed with its owner.
+template <class T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(uint64_t count) : count_(count) {
+    if (count > 0) HPS_CUDA_TRY(cudaMalloc(&data_, count * sizeof(T)));
+  }
+  ~DeviceArray() {
+    if (data_) cudaFree(data_);
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  T* get() const { return data_; }
+  void upload(const T* host) { HPS_CUDA_TRY(cudaMemcpy(data_, host, bytes(), cudaMemcpyHostToDevice)); }
+  void download(T* host, uint64_t count) const {
+    HPS_CUDA_TRY(cudaMemcpy(host, data_, count * sizeof(T), cudaMemcpyDeviceToHost));
+  }
+  uint64_t bytes() const { return count_ * sizeof(T); }
+
+ private:
+  uint64_t count_;
+  T* data_ = nullptr;
+};
+
+class CudaHashTable final : public HashTable {
+ public:
+  CudaHashTable(uint64_t capacity, int32_t row_floats, int device)
+      : device_(device),
+        keys_((SetDevice(device), capacity)),
+        rows_(capacity * static_cast<uint64_t>(row_floats)),
+        counters_(1) {
+    ref_ = TableRef{keys_.get(), rows_.get(), capacity, static_cast<uint32_t>(row_floats)};
+    clear();
+  }
+
+  uint64_t capacity() const override { return ref_.slots; }
+  int32_t row_floats() const override { return static_cast<int32_t>(ref_.stride); }
+  uint64_t size() const override { return size_; }
+  std::string device() const override { return "cuda:" + std::to_string(device_); }
+
+  uint64_t insert(const uint64_t* keys, uint64_t n, const float* rows, uint8_t* inserted) override {
+    CheckKeys(keys, n);
+    if (n == 0) return 0;
+    SetDevice(device_);
+    auto d_keys = Upload(keys, n);
+    auto d_rows = Upload(rows, n * ref_.stride);
+    DeviceArray<uint8_t> d_flags(n);
+    ResetCounters();
+    InsertKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, d_rows->get(), d_flags.get(),
+                                        counters_.get());
+    const Counters c = Finish();
+    if (inserted) d_flags.download(inserted, n);
+    Settle(c);
+    return c.counted;
+  }
+
+  uint64_t find(const uint64_t* keys, uint64_t n, float* rows_out, uint8_t* found) const override {
+    CheckKeys(keys, n);
+    return Gather(keys, n, ref_.stride, rows_out, found);
+  }
+
+  void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {
+    CheckKeys(keys, n);
+    if (n == 0) return;
+    SetDevice(device_);
+    auto d_keys = Upload(keys, n);
+    auto d_deltas = Upload(deltas, n * ref_.stride);
+    ResetCounters();
+    AccumulateKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, d_deltas->get(),
+                                            counters_.get());
+    Settle(Finish());
+  }
+
+  uint64_t assign(const uint64_t* keys, uint64_t n, const float* rows, uint8_t* found) override {
+    CheckKeys(keys, n);
+    if (n == 0) return 0;
+    SetDevice(device_);
+    auto d_keys = Upload(keys, n);
+    auto d_rows = Upload(rows, n * ref_.stride);
+    DeviceArray<uint8_t> d_found(n);
+    ResetCounters();
+    AssignKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, d_rows->get(), d_found.get(),
+                                        counters_.get());
+    const Counters c = Finish();
+    if (found) d_found.download(found, n);
+    return c.counted;
+  }
+
+  void lookup_or_init(const uint64_t* keys, uint64_t n, const SparseOptimizer& opt,
+                      float* embeddings_out) override {
+    CheckOptimizer(opt);
+    CheckKeys(keys, n);
+    if (n == 0) return;
+    SetDevice(device_);
+    auto d_keys = Upload(keys, n);
+    ResetCounters();
+    EnsureKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, opt, counters_.get());
+    Settle(Finish());
+    Gather(keys, n, static_cast<uint32_t>(opt.dim), embeddings_out, nullptr);
+  }
+
+  void apply_gradients(const uint64_t* keys, uint64_t n, const float* grads,
+                       const SparseOptimizer& opt) override {
+    CheckOptimizer(opt);
+    CheckKeys(keys, n);
+    if (n == 0) return;
+    CudaHashTable sums(std::max<uint64_t>(2 * n, 64), opt.dim, device_);
+    sums.accumulate(keys, n, grads);
+    SetDevice(device_);
+    ResetCounters();
+    ApplyKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());
+    Settle(Finish());
+  }
+
+  uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
+    SetDevice(device_);
+    const uint64_t n = std::min(max_rows, size_);
+    DeviceArray<uint64_t> d_keys(n);
+    DeviceArray<float> d_rows(n * ref_.stride);
+    ResetCounters();
+    ExportKernel<<<Blocks(ref_.slots), kBlock>>>(ref_, d_keys.get(), d_rows.get(), n,
+                                                 counters_.get());
+    Finish();
+    d_keys.download(keys_out, n);
+    d_rows.download(rows_out, n * ref_.stride);
+    return n;
+  }
+
+  void clear() override {
+    SetDevice(device_);
+    FillKeys<<<Blocks(ref_.slots), kBlock>>>(ref_.keys, ref_.slots);
+    HPS_CUDA_TRY(cudaMemset(ref_.rows, 0, rows_.bytes()));
+    HPS_CUDA_TRY(cudaDeviceSynchronize());
+    size_ = 0;
+  }
+
+ private:
+  static void SetDevice(int device) { HPS_CUDA_TRY(cudaSetDevice(device)); }
+
+  template <class T>
+  static std::unique_ptr<DeviceArray<T>> Upload(const T* host, uint64_t count) {
+    auto d = std::make_unique<DeviceArray<T>>(count);
+    d->upload(host);
+    return d;
+  }
+
+  uint64_t Gather(const uint64_t* keys, uint64_t n, uint32_t columns, float* out,
+                  uint8_t* found) const {
+    if (n == 0) return 0;
+    SetDevice(device_);
+    auto d_keys = Upload(keys, n);
+    DeviceArray<float> d_out(n * columns);
+    DeviceArray<uint8_t> d_found(n);
+    ResetCounters();
+    FindKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, columns, d_out.get(), d_found.get(),
+                                      counters_.get());
+    const Counters c = Finish();
+    d_out.download(out, n * columns);
+    if (found) d_found.download(found, n);
+    return c.counted;
+  }
+
+  void CheckOptimizer(const SparseOptimizer& opt) const {
+    opt.validate();
+    if (opt.row_floats() != row_floats()) {
+      throw std::invalid_argument("optimizer needs rows of " + std::to_string(opt.row_floats()) +
+                                  " floats, but the table's rows have " +
+                                  std::to_string(row_floats()));
+    }
+  }
+
+  void ResetCounters() const { HPS_CUDA_TRY(cudaMemset(counters_.get(), 0, sizeof(Counters))); }
+
+  Counters Finish() const {
+    HPS_CUDA_TRY(cudaGetLastError());
+    HPS_CUDA_TRY(cudaDeviceSynchronize());
+    Counters c{};
+    counters_.download(&c, 1);
+    return c;
+  }
+
+  void Settle(const Counters& c) {
+    size_ += c.claimed;
+    if (c.full > 0) {
+      throw TableFullError("hash table on " + device() + " full: " + std::to_string(c.full) +
+                           " key(s) found no free slot (capacity " + std::to_string(ref_.slots) +
+                           ", size " + std::to_string(size_) + ")");
+    }
+  }
+
+  int device_;
+  DeviceArray<uint64_t> keys_;
+  DeviceArray<float> rows_;
+  DeviceArray<Counters> counters_;
+  TableRef ref_{};
+  uint64_t size_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<HashTable> NewCudaHashTable(const HashTableOptions& options) {
+  const int devices = CudaDeviceCount();
+  if (options.cuda_device >= devices) {
+    throw std::runtime_error("hash table: CUDA device " + std::to_string(options.cuda_device) +
+                             " requested, but " + std::to_string(devices) +
+                             " usable CUDA device(s) found");
+  }
+  return std::make_unique<CudaHashTable>(options.capacity, options.row_floats,
+                                         options.cuda_device);
+}
+
+bool CudaCompiled() { return true; }
+
+int CudaDeviceCount() {
+  int n = 0;
+  // No driver, or one too old ("driver version is insufficient"), means no GPU.
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky error so later calls start clean
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace hps

@@ -1,0 +1,234 @@
+// Probe, row and optimizer bodies shared by the CPU launcher (hash_table.cc)
+// and the CUDA launcher (hash_table_cuda.cu). Everything here is HPS_HD and
+// free of allocation, so one body serves both; the CPU tests therefore test the
+// logic the GPU runs.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "hps/config.h"
+#include "hps/hash_table.h"
+#include "hps/optimizer.h"
+
+#if defined(__CUDA_ARCH__)
+#include <cuda/atomic>
+#else
+#include <atomic>
+#endif
+
+namespace hps::detail {
+
+inline constexpr int64_t kNoSlot = -1;
+
+// A non-owning view of a table's storage, cheap to pass to a kernel.
+struct TableRef {
+  uint64_t* keys;   // (slots), kEmptyKey where free
+  float* rows;      // (slots, stride); zero in free slots
+  uint64_t slots;
+  uint32_t stride;
+
+  HPS_HD float* row(uint64_t slot) const { return rows + slot * stride; }
+};
+
+// murmur3's 64-bit finaliser: sequential keys must not land in sequential slots.
+HPS_HD inline uint64_t Mix64(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  k *= 0xc4ceb9fe1a85ec53ULL;
+  k ^= k >> 33;
+  return k;
+}
+
+HPS_HD inline uint64_t MulHigh(uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umul64hi(a, b);
+#else
+  __extension__ using U128 = unsigned __int128;
+  return static_cast<uint64_t>((static_cast<U128>(a) * b) >> 64);
+#endif
+}
+
+// Maps the high bits of the mixed key onto [0, slots) without a division, so
+// any slot count works (Lemire's multiply-shift range reduction).
+HPS_HD inline uint64_t HomeSlot(uint64_t key, uint64_t slots) { return MulHigh(Mix64(key), slots); }
+
+// Which of `parts` CPU threads owns a key; uses the low bits, independent of
+// the home slot's high bits.
+HPS_HD inline uint32_t OwnerOf(uint64_t key, uint32_t parts) {
+  return static_cast<uint32_t>(Mix64(key) % parts);
+}
+
+HPS_HD inline uint64_t LoadKey(const uint64_t* p) {
+#if defined(__CUDA_ARCH__)
+  return cuda::atomic_ref<const uint64_t, cuda::thread_scope_device>(*p).load(
+      cuda::std::memory_order_relaxed);
+#else
+  return std::atomic_ref<const uint64_t>(*p).load(std::memory_order_relaxed);
+#endif
+}
+
+// Returns the key that was in *p; the claim succeeded iff that equals `expected`.
+HPS_HD inline uint64_t CasKey(uint64_t* p, uint64_t expected, uint64_t desired) {
+#if defined(__CUDA_ARCH__)
+  cuda::atomic_ref<uint64_t, cuda::thread_scope_device>(*p).compare_exchange_strong(
+      expected, desired, cuda::std::memory_order_relaxed);
+#else
+  std::atomic_ref<uint64_t>(*p).compare_exchange_strong(expected, desired,
+                                                        std::memory_order_relaxed);
+#endif
+  return expected;
+}
+
+HPS_HD inline void AtomicAdd(float* p, float v) {
+#if defined(__CUDA_ARCH__)
+  cuda::atomic_ref<float, cuda::thread_scope_device>(*p).fetch_add(v,
+                                                                   cuda::std::memory_order_relaxed);
+#else
+  std::atomic_ref<float>(*p).fetch_add(v, std::memory_order_relaxed);
+#endif
+}
+
+HPS_HD inline int64_t FindSlot(const TableRef& t, uint64_t key) {
+  uint64_t s = HomeSlot(key, t.slots);
+  for (uint64_t step = 0; step < t.slots; ++step) {
+    const uint64_t k = LoadKey(t.keys + s);
+    if (k == key) return static_cast<int64_t>(s);
+    if (k == kEmptyKey) return kNoSlot;
+    if (++s == t.slots) s = 0;
+  }
+  return kNoSlot;
+}
+
+// The slot holding `key`, claiming the first empty one on its probe path if the
+// key is absent; kNoSlot when the table is full. *claimed is true iff this call
+// took the slot, and so owes it its row.
+HPS_HD inline int64_t FindOrClaim(const TableRef& t, uint64_t key, bool* claimed) {
+  uint64_t s = HomeSlot(key, t.slots);
+  *claimed = false;
+  for (uint64_t step = 0; step < t.slots; ++step) {
+    uint64_t k = LoadKey(t.keys + s);
+    if (k == kEmptyKey) {
+      k = CasKey(t.keys + s, kEmptyKey, key);
+      if (k == kEmptyKey) {
+        *claimed = true;
+        return static_cast<int64_t>(s);
+      }
+    }
+    if (k == key) return static_cast<int64_t>(s);
+    if (++s == t.slots) s = 0;
+  }
+  return kNoSlot;
+}
+
+HPS_HD inline void CopyRow(float* dst, const float* src, uint32_t n) {
+  for (uint32_t j = 0; j < n; ++j) dst[j] = src[j];
+}
+
+HPS_HD inline void ZeroRow(float* dst, uint32_t n) {
+  for (uint32_t j = 0; j < n; ++j) dst[j] = 0.0f;
+}
+
+// kAtomic: the CUDA launcher, where threads may share a key. The CPU launcher
+// gives each key to one thread, so plain adds are race-free there.
+template <bool kAtomic>
+HPS_HD inline void AddRow(float* dst, const float* src, uint32_t n) {
+  for (uint32_t j = 0; j < n; ++j) {
+    if constexpr (kAtomic) {
+      AtomicAdd(dst + j, src[j]);
+    } else {
+      dst[j] += src[j];
+    }
+  }
+}
+
+// ---- initialisation: a pure function of (seed, key, column) ----
+
+// A uniform float in [0, 1) from 24 well-mixed bits.
+HPS_HD inline float UnitFloat(uint64_t seed, uint64_t key, uint32_t column) {
+  const uint64_t h = Mix64(Mix64(key ^ Mix64(seed)) + 0x9e3779b97f4a7c15ULL * (column + 1));
+  return static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
+}
+
+HPS_HD inline float InitialValue(const InitializerOptions& init, uint64_t key, uint32_t column) {
+  switch (init.kind) {
+    case InitKind::kZeros:
+      return 0.0f;
+    case InitKind::kUniform:
+      return init.scale * (2.0f * UnitFloat(init.seed, key, column) - 1.0f);
+    case InitKind::kNormal: {
+      // Box-Muller on two independent streams of the same (seed, key, column).
+      const float u1 = 1.0f - UnitFloat(init.seed, key, 2 * column);  // (0, 1]
+      const float u2 = UnitFloat(init.seed, key, 2 * column + 1);
+      return init.scale * sqrtf(-2.0f * logf(u1)) * cosf(6.283185307179586f * u2);
+    }
+  }
+  return 0.0f;
+}
+
+HPS_HD inline void InitRow(const SparseOptimizer& o, uint64_t key, float* row) {
+  const uint32_t dim = static_cast<uint32_t>(o.dim);
+  for (uint32_t j = 0; j < dim; ++j) row[j] = InitialValue(o.init, key, j);
+  float* state = row + dim;
+  switch (o.opt.kind) {
+    case OptimizerKind::kSgd:
+      break;
+    case OptimizerKind::kAdaGrad:
+      for (uint32_t j = 0; j < dim; ++j) state[j] = o.opt.initial_accumulator;
+      break;
+    case OptimizerKind::kRowWiseAdaGrad:
+      state[0] = o.opt.initial_accumulator;
+      break;
+    case OptimizerKind::kAdam:
+      for (uint32_t j = 0; j < 2 * dim + 1; ++j) state[j] = 0.0f;
+      break;
+  }
+}
+
+// One optimizer step of a row with its summed gradient. The formulas follow
+// torch.optim (Adagrad: lr * g / (sqrt(h) + eps); Adam: bias-corrected moments).
+HPS_HD inline void ApplyUpdate(const SparseOptimizer& o, float* row, const float* grad) {
+  const uint32_t dim = static_cast<uint32_t>(o.dim);
+  const float lr = o.opt.lr;
+  const float eps = o.opt.eps;
+  float* state = row + dim;
+  switch (o.opt.kind) {
+    case OptimizerKind::kSgd:
+      for (uint32_t j = 0; j < dim; ++j) row[j] -= lr * grad[j];
+      break;
+    case OptimizerKind::kAdaGrad:
+      for (uint32_t j = 0; j < dim; ++j) {
+        state[j] += grad[j] * grad[j];
+        row[j] -= lr * grad[j] / (sqrtf(state[j]) + eps);
+      }
+      break;
+    case OptimizerKind::kRowWiseAdaGrad: {
+      float sum_sq = 0.0f;
+      for (uint32_t j = 0; j < dim; ++j) sum_sq += grad[j] * grad[j];
+      state[0] += sum_sq / static_cast<float>(dim);
+      const float scale = lr / (sqrtf(state[0]) + eps);
+      for (uint32_t j = 0; j < dim; ++j) row[j] -= scale * grad[j];
+      break;
+    }
+    case OptimizerKind::kAdam: {
+      float* m = state;
+      float* v = state + dim;
+      float& step = state[2 * dim];
+      step += 1.0f;
+      const float b1 = o.opt.beta1;
+      const float b2 = o.opt.beta2;
+      const float bias1 = 1.0f - powf(b1, step);
+      const float bias2_sqrt = sqrtf(1.0f - powf(b2, step));
+      const float step_size = lr / bias1;
+      for (uint32_t j = 0; j < dim; ++j) {
+        m[j] = b1 * m[j] + (1.0f - b1) * grad[j];
+        v[j] = b2 * v[j] + (1.0f - b2) * grad[j] * grad[j];
+        row[j] -= step_size * m[j] / (sqrtf(v[j]) / bias2_sqrt + eps);
+      }
+      break;
+    }
+  }
+}
+
+}  // namespace hps::detail
