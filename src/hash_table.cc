@@ -1,9 +1,11 @@
 // The CPU launcher of the hash table: host memory, a parallel loop over cores.
 //
-// Write operations give each key to one thread (OwnerOf), so a key's row is
-// only ever touched by one thread: duplicate keys keep their call order, and
-// rows are updated with plain stores rather than atomics. Threads still race on
-// empty slots, which the CAS in FindOrClaim settles.
+// Inside a write call each key belongs to one thread (OwnerOf), so a key's row
+// is only ever touched by one thread: duplicate keys keep their call order, and
+// rows are updated with plain stores rather than atomics (a locked add per float
+// would also drain the store buffer and stall the prefetch pipeline). Threads
+// still race on empty slots, which the CAS in FindOrClaim settles. Between
+// calls, a shared mutex lets reads overlap and gives a write the table alone.
 //
 // Random slots are far apart in a large table, so every loop is software
 // pipelined: the home slot of key i + 2D is prefetched, key i + D is probed and
@@ -15,6 +17,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <shared_mutex>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -125,6 +128,7 @@ class CpuHashTable final : public HashTable {
   uint64_t insert(const uint64_t* keys, uint64_t n, const float* rows,
                   uint8_t* inserted) override {
     CheckKeys(keys, n);
+    std::unique_lock lock(mutex_);
     if (inserted) std::memset(inserted, 0, n);  // keys that find no slot stay 0
     const uint32_t stride = ref_.stride;
     return ForOwnedKeys(keys, n, /*row_write=*/true, [&](uint64_t i, const Probed& p) {
@@ -136,6 +140,7 @@ class CpuHashTable final : public HashTable {
 
   uint64_t find(const uint64_t* keys, uint64_t n, float* rows_out, uint8_t* found) const override {
     CheckKeys(keys, n);
+    std::shared_lock lock(mutex_);
     const uint32_t stride = ref_.stride;
     return FindEach(keys, n, stride, [&](uint64_t i, int64_t slot) {
       float* out = rows_out + i * stride;
@@ -150,6 +155,7 @@ class CpuHashTable final : public HashTable {
 
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {
     CheckKeys(keys, n);
+    std::unique_lock lock(mutex_);
     const uint32_t stride = ref_.stride;
     ForOwnedKeys(keys, n, /*row_write=*/true, [&](uint64_t i, const Probed& p) {
       AddRow<false>(ref_.row(p.slot), deltas + i * stride, stride);
@@ -159,6 +165,7 @@ class CpuHashTable final : public HashTable {
 
   uint64_t assign(const uint64_t* keys, uint64_t n, const float* rows, uint8_t* found) override {
     CheckKeys(keys, n);
+    std::unique_lock lock(mutex_);
     const uint32_t stride = ref_.stride;
     return RunOwned(
         keys, n, /*row_write=*/true,
@@ -175,6 +182,7 @@ class CpuHashTable final : public HashTable {
                       float* embeddings_out) override {
     CheckOptimizer(opt);
     CheckKeys(keys, n);
+    std::unique_lock lock(mutex_);
     const uint32_t dim = static_cast<uint32_t>(opt.dim);
     ForOwnedKeys(keys, n, /*row_write=*/false, [&](uint64_t i, const Probed& p) {
       float* row = ref_.row(p.slot);
@@ -193,6 +201,7 @@ class CpuHashTable final : public HashTable {
     // the gradient, so duplicates must meet before the optimizer sees them.
     CpuHashTable sums(std::max<uint64_t>(2 * n, 64), opt.dim, threads_);
     sums.accumulate(keys, n, grads);
+    std::unique_lock lock(mutex_);
     const TableRef& s = sums.ref_;
     const int parts = PartsFor(s.slots, threads_);
     std::vector<uint64_t> claimed(static_cast<size_t>(parts), 0);
@@ -225,6 +234,7 @@ class CpuHashTable final : public HashTable {
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
+    std::shared_lock lock(mutex_);
     const int parts = PartsFor(ref_.slots, threads_);
     std::vector<uint64_t> counts(static_cast<size_t>(parts) + 1, 0);
     RunParts(parts, [&](int part) {
@@ -251,6 +261,7 @@ class CpuHashTable final : public HashTable {
   }
 
   void clear() override {
+    std::unique_lock lock(mutex_);
     const uint64_t bytes = rows_.bytes();
     const int parts = PartsFor(bytes / 4096, threads_);
     RunParts(parts, [&](int part) {
@@ -370,6 +381,7 @@ class CpuHashTable final : public HashTable {
   TableRef ref_{};
   int threads_;
   std::atomic<uint64_t> size_{0};
+  mutable std::shared_mutex mutex_;  // shared: find, export; exclusive: the rest
 };
 
 }  // namespace

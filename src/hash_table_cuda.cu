@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -188,6 +189,7 @@ class CudaHashTable final : public HashTable {
   std::string device() const override { return "cuda:" + std::to_string(device_); }
 
   uint64_t insert(const uint64_t* keys, uint64_t n, const float* rows, uint8_t* inserted) override {
+    std::lock_guard lock(mutex_);
     CheckKeys(keys, n);
     if (n == 0) return 0;
     SetDevice(device_);
@@ -204,11 +206,13 @@ class CudaHashTable final : public HashTable {
   }
 
   uint64_t find(const uint64_t* keys, uint64_t n, float* rows_out, uint8_t* found) const override {
+    std::lock_guard lock(mutex_);
     CheckKeys(keys, n);
     return Gather(keys, n, ref_.stride, rows_out, found);
   }
 
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {
+    std::lock_guard lock(mutex_);
     CheckKeys(keys, n);
     if (n == 0) return;
     SetDevice(device_);
@@ -221,6 +225,7 @@ class CudaHashTable final : public HashTable {
   }
 
   uint64_t assign(const uint64_t* keys, uint64_t n, const float* rows, uint8_t* found) override {
+    std::lock_guard lock(mutex_);
     CheckKeys(keys, n);
     if (n == 0) return 0;
     SetDevice(device_);
@@ -237,6 +242,7 @@ class CudaHashTable final : public HashTable {
 
   void lookup_or_init(const uint64_t* keys, uint64_t n, const SparseOptimizer& opt,
                       float* embeddings_out) override {
+    std::lock_guard lock(mutex_);
     CheckOptimizer(opt);
     CheckKeys(keys, n);
     if (n == 0) return;
@@ -250,6 +256,7 @@ class CudaHashTable final : public HashTable {
 
   void apply_gradients(const uint64_t* keys, uint64_t n, const float* grads,
                        const SparseOptimizer& opt) override {
+    std::lock_guard lock(mutex_);
     CheckOptimizer(opt);
     CheckKeys(keys, n);
     if (n == 0) return;
@@ -262,6 +269,7 @@ class CudaHashTable final : public HashTable {
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
+    std::lock_guard lock(mutex_);
     SetDevice(device_);
     const uint64_t n = std::min(max_rows, size_);
     DeviceArray<uint64_t> d_keys(n);
@@ -276,6 +284,7 @@ class CudaHashTable final : public HashTable {
   }
 
   void clear() override {
+    std::lock_guard lock(mutex_);
     SetDevice(device_);
     FillKeys<<<Blocks(ref_.slots), kBlock>>>(ref_.keys, ref_.slots);
     HPS_CUDA_TRY(cudaMemset(ref_.rows, 0, rows_.bytes()));
@@ -343,6 +352,9 @@ class CudaHashTable final : public HashTable {
   DeviceArray<Counters> counters_;
   TableRef ref_{};
   uint64_t size_ = 0;
+  // Calls are serialised: they share the counters and the host-side size, and
+  // kernels on one device's default stream run one after another anyway.
+  mutable std::mutex mutex_;
 };
 
 }  // namespace

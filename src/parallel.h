@@ -15,7 +15,7 @@
 namespace hps::detail {
 
 // Below this many items per thread, starting a thread costs more than it saves.
-inline constexpr uint64_t kMinItemsPerThread = 16384;
+inline constexpr uint64_t kMinItemsPerThread = 4096;
 
 inline int HardwareThreads() {
   const unsigned n = std::thread::hardware_concurrency();

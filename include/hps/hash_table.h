@@ -11,11 +11,9 @@
 // written once and run either by a CPU launcher (a parallel loop over `threads`
 // cores) or by CUDA kernels (when built with CUDA and a device is present).
 //
-// Thread safety: any number of calls may run at once. Calls racing on the same
-// key are well-defined for insert/accumulate/lookup_or_init/apply_gradients
-// among themselves; a find or export racing a write of the same key may see the
-// key before its row is complete (as in cuDF and cuco), so the node loads a
-// batch's working set before it serves reads of it.
+// Thread safety: any number of threads may call at once. Reads (find, export)
+// share the table; every other call has it to itself. The lock-free CAS scheme
+// works inside a call, where the launcher's threads race for slots.
 #pragma once
 
 #include <cstdint>

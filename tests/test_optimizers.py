@@ -1,0 +1,219 @@
+"""Fused sparse optimizers against a NumPy reference, step by step, and the
+deterministic (seed, key) initialiser."""
+import numpy as np
+import pytest
+
+import hps
+
+M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+# ---------------------------------------------------------------- reference
+
+def mix64(k):
+    k = np.asarray(k, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        k = k ^ (k >> np.uint64(33))
+        k = k * np.uint64(0xFF51AFD7ED558CCD)
+        k = k ^ (k >> np.uint64(33))
+        k = k * np.uint64(0xC4CEB9FE1A85EC53)
+        k = k ^ (k >> np.uint64(33))
+    return k
+
+
+def unit_float(seed, keys, column):
+    with np.errstate(over="ignore"):
+        h = mix64(mix64(keys ^ mix64(np.uint64(seed))) +
+                  np.uint64(0x9E3779B97F4A7C15) * np.uint64(column + 1))
+    return (h >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+
+
+def reference_init(keys, dim, init, scale, seed):
+    cols = []
+    for j in range(dim):
+        if init == "zeros":
+            cols.append(np.zeros(len(keys), np.float32))
+        elif init == "uniform":
+            cols.append(np.float32(scale) * (np.float32(2) * unit_float(seed, keys, j) - np.float32(1)))
+        else:
+            u1 = np.float32(1) - unit_float(seed, keys, 2 * j)
+            u2 = unit_float(seed, keys, 2 * j + 1)
+            cols.append(np.float32(scale) * np.sqrt(np.float32(-2) * np.log(u1)) *
+                        np.cos(np.float32(2 * np.pi) * u2))
+    return np.stack(cols, axis=1).astype(np.float32)
+
+
+class Reference:
+    """The optimizer formulas of hps.optim, written independently in NumPy."""
+
+    def __init__(self, dim, optimizer, init_rows):
+        self.dim, self.opt, self.init_rows = dim, optimizer, init_rows
+        self.emb, self.state = {}, {}
+
+    def _ensure(self, key):
+        if key not in self.emb:
+            self.emb[key] = self.init_rows(np.array([key], np.uint64))[0, :self.dim].astype(np.float64)
+            o = self.opt
+            if isinstance(o, hps.RowWiseAdaGrad):
+                self.state[key] = {"h": float(o.initial_accumulator_value)}
+            elif isinstance(o, hps.AdaGrad):
+                self.state[key] = {"h": np.full(self.dim, o.initial_accumulator_value)}
+            elif isinstance(o, hps.Adam):
+                self.state[key] = {"m": np.zeros(self.dim), "v": np.zeros(self.dim), "t": 0}
+            else:
+                self.state[key] = {}
+
+    def pull(self, keys):
+        for k in keys.tolist():
+            self._ensure(k)
+        return np.array([self.emb[k] for k in keys.tolist()])
+
+    def push(self, keys, grads):
+        summed = {}
+        for k, g in zip(keys.tolist(), grads.astype(np.float64)):
+            summed[k] = summed.get(k, 0) + g
+        o = self.opt
+        for k, g in summed.items():
+            self._ensure(k)
+            w, s = self.emb[k], self.state[k]
+            if isinstance(o, hps.RowWiseAdaGrad):
+                s["h"] += np.mean(g * g)
+                w -= o.lr * g / (np.sqrt(s["h"]) + o.eps)
+            elif isinstance(o, hps.AdaGrad):
+                s["h"] += g * g
+                w -= o.lr * g / (np.sqrt(s["h"]) + o.eps)
+            elif isinstance(o, hps.Adam):
+                s["t"] += 1
+                s["m"] = o.beta1 * s["m"] + (1 - o.beta1) * g
+                s["v"] = o.beta2 * s["v"] + (1 - o.beta2) * g * g
+                step = o.lr / (1 - o.beta1 ** s["t"])
+                w -= step * s["m"] / (np.sqrt(s["v"]) / np.sqrt(1 - o.beta2 ** s["t"]) + o.eps)
+            else:
+                w -= o.lr * g
+
+
+OPTIMIZERS = [
+    hps.SGD(lr=0.1),
+    hps.AdaGrad(lr=0.05, eps=1e-8, initial_accumulator_value=0.1),
+    hps.RowWiseAdaGrad(lr=0.05, eps=1e-8),
+    hps.Adam(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8),
+    hps.Adam(lr=0.01, beta1=0.0, beta2=0.99, eps=1e-6),
+]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: repr(o))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_numpy_reference_step_by_step(optimizer, threads):
+    dim = 8
+    emb = hps.EmbeddingTable(40_000, dim, optimizer=optimizer, initializer=hps.Normal(0.1),
+                             seed=7, threads=threads)
+    ref = Reference(dim, optimizer, emb.native_optimizer.initial_rows)
+    rng = np.random.default_rng(1)
+    for step in range(12):
+        # Skewed keys: many duplicates per push, some keys updated every step.
+        n = 12_000 if step % 3 == 0 else 500
+        keys = (rng.zipf(1.3, n) % 20_000).astype(np.uint64)
+        grads = rng.normal(0, 1, (n, dim)).astype(np.float32)
+        # float32 sums of up to ~1000 duplicate gradients vs float64: ~1e-6 apart.
+        np.testing.assert_allclose(emb.pull(keys), ref.pull(keys), rtol=1e-5, atol=2e-5)
+        emb.push(keys, grads)
+        ref.push(keys, grads)
+    all_keys = np.array(sorted(ref.emb), np.uint64)
+    np.testing.assert_allclose(emb.pull(all_keys), ref.pull(all_keys), rtol=1e-5, atol=2e-5)
+    assert len(emb) == len(ref.emb)
+
+
+def test_row_layout_holds_optimizer_state():
+    dim = 4
+    assert hps.EmbeddingTable(8, dim, optimizer=hps.SGD()).table.row_floats == dim
+    assert hps.EmbeddingTable(8, dim, optimizer=hps.AdaGrad()).table.row_floats == 2 * dim
+    assert hps.EmbeddingTable(8, dim, optimizer=hps.RowWiseAdaGrad()).table.row_floats == dim + 1
+    adam = hps.EmbeddingTable(8, dim, optimizer=hps.Adam(), initializer=hps.Zeros())
+    adam.push(np.array([5, 5], np.uint64), np.ones((2, dim), np.float32))
+    rows, _ = adam.table.find(np.array([5], np.uint64))
+    m, v, t = rows[0, dim:2 * dim], rows[0, 2 * dim:3 * dim], rows[0, 3 * dim]
+    np.testing.assert_allclose(m, 0.1 * 2.0, rtol=1e-6)  # (1 - beta1) * summed gradient 2
+    np.testing.assert_allclose(v, 0.001 * 4.0, rtol=1e-4)  # 1 - 0.999 in float32
+    assert t == 1.0                                     # one step for the two duplicates
+
+
+def test_push_of_unseen_keys_starts_from_their_initial_rows():
+    emb = hps.EmbeddingTable(64, 3, optimizer=hps.SGD(lr=1.0), initializer=hps.Uniform(0.5), seed=3)
+    keys = np.array([10, 11], np.uint64)
+    init = emb.native_optimizer.initial_rows(keys)
+    emb.push(keys, np.ones((2, 3), np.float32))
+    np.testing.assert_allclose(emb.pull(keys), init - 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- initialiser
+
+@pytest.mark.parametrize("init, scale", [("uniform", 0.05), ("normal", 0.2), ("zeros", 0.0)])
+def test_initial_rows_match_reference_formula(init, scale):
+    initializer = {"uniform": hps.Uniform(scale), "normal": hps.Normal(scale), "zeros": hps.Zeros()}[init]
+    emb = hps.EmbeddingTable(8, 6, optimizer=hps.SGD(), initializer=initializer, seed=99)
+    keys = np.array([0, 1, 2**63, 2**64 - 2, 12345], np.uint64)
+    np.testing.assert_allclose(emb.native_optimizer.initial_rows(keys),
+                               reference_init(keys, 6, init, scale, 99), rtol=2e-6, atol=1e-7)
+
+
+def test_initialisation_is_a_pure_function_of_seed_and_key():
+    keys = np.random.default_rng(0).integers(0, 2**62, 20_000, dtype=np.uint64)
+    a = hps.EmbeddingTable(50_000, 8, initializer=hps.Normal(0.1), seed=5, threads=1)
+    b = hps.EmbeddingTable(30_000, 8, initializer=hps.Normal(0.1), seed=5, threads=2)
+    c = hps.EmbeddingTable(50_000, 8, initializer=hps.Normal(0.1), seed=6)
+    first = a.pull(keys)
+    b.pull(keys[::-1].copy())        # another order, another thread split, another capacity
+    np.testing.assert_array_equal(b.pull(keys), first)
+    assert not np.allclose(c.pull(keys), first)
+
+
+def test_initialiser_distributions():
+    keys = np.arange(200_000, dtype=np.uint64)
+    uniform = hps.EmbeddingTable(300_000, 4, initializer=hps.Uniform(0.5)).pull(keys)
+    assert uniform.min() >= -0.5 and uniform.max() < 0.5
+    assert abs(uniform.mean()) < 0.003 and abs(uniform.std() - 0.5 / np.sqrt(3)) < 0.003
+    normal = hps.EmbeddingTable(300_000, 4, initializer=hps.Normal(0.2)).pull(keys)
+    assert abs(normal.mean()) < 0.002 and abs(normal.std() - 0.2) < 0.002
+    # Columns are independent streams, not copies of one another.
+    assert abs(np.corrcoef(normal[:, 0], normal[:, 1])[0, 1]) < 0.01
+
+
+# ---------------------------------------------------------------- bad settings
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"optimizer": hps.SGD(lr=0.0)}, "lr must be a finite number > 0"),
+    ({"optimizer": hps.SGD(lr=float("nan"))}, "lr must be a finite number > 0"),
+    ({"optimizer": hps.Adam(beta1=1.0)}, r"beta1 must be in \[0, 1\)"),
+    ({"optimizer": hps.Adam(beta2=-0.1)}, r"beta2 must be in \[0, 1\)"),
+    ({"optimizer": hps.AdaGrad(eps=-1.0)}, "eps must be a finite number >= 0"),
+    ({"optimizer": hps.AdaGrad(initial_accumulator_value=-1.0)}, "initial_accumulator must be"),
+    ({"initializer": hps.Normal(-1.0)}, "initializer scale must be"),
+])
+def test_bad_optimizer_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        hps.EmbeddingTable(8, 4, **kwargs)
+
+
+def test_bad_optimizer_arguments():
+    with pytest.raises(ValueError, match="dim must be > 0"):
+        hps.EmbeddingTable(8, 0)
+    with pytest.raises(TypeError, match="optimizer must be hps.SGD"):
+        hps.EmbeddingTable(8, 4, optimizer="adam")
+    with pytest.raises(TypeError, match="initializer must be hps.Uniform"):
+        hps.EmbeddingTable(8, 4, initializer=0.1)
+
+
+def test_optimizer_must_match_the_table_rows():
+    emb = hps.EmbeddingTable(8, 4, optimizer=hps.Adam())
+    sgd = hps.EmbeddingTable(8, 4, optimizer=hps.SGD()).native_optimizer
+    with pytest.raises(ValueError, match="needs rows of 4 floats, but the table's rows have 13"):
+        emb.table.lookup_or_init(np.array([1], np.uint64), sgd)
+
+
+def test_gradient_shape_is_checked():
+    emb = hps.EmbeddingTable(8, 4)
+    with pytest.raises(ValueError, match=r"grads must have shape \(2, 4\), got \(2, 8\)"):
+        emb.push(np.array([1, 2], np.uint64), np.ones((2, 8), np.float32))
+    with pytest.raises(ValueError, match="reserved empty-slot key"):
+        emb.push(np.array([hps.EMPTY_KEY], np.uint64), np.ones((1, 4), np.float32))
+    assert len(emb) == 0
