@@ -193,6 +193,47 @@ int64_t ProcFieldKb(const char* path, const char* field) {
 
 int64_t AnonHugeKb() { return ProcFieldKb("/proc/self/smaps_rollup", "AnonHugePages"); }
 
+// CPU time of the whole machine and of this process, in clock ticks, so that
+// the CPUs other work took during a measurement can be told apart from ours.
+struct CpuSample {
+  uint64_t busy = 0, total = 0, self = 0;
+  bool ok = false;
+};
+
+CpuSample SampleCpu() {
+  CpuSample c;
+  std::ifstream st("/proc/stat");
+  std::string label;
+  uint64_t v[8] = {};  // user nice system idle iowait irq softirq steal (guest is inside user)
+  if (!(st >> label) || label != "cpu") return c;
+  for (uint64_t& x : v) st >> x;
+  for (uint64_t x : v) c.total += x;
+  c.busy = c.total - v[3] - v[4];  // steal counts as busy: the hypervisor ran someone else
+  std::ifstream me("/proc/self/stat");
+  std::string line;
+  if (!std::getline(me, line)) return c;
+  const auto paren = line.rfind(')');  // comm may hold spaces
+  if (paren == std::string::npos) return c;
+  std::istringstream rest(line.substr(paren + 2));
+  std::string field;
+  uint64_t utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {  // field 3 is state; 14 utime, 15 stime
+    if (i == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
+    if (i == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  c.self = utime + stime;
+  c.ok = true;
+  return c;
+}
+
+// Average CPUs busy with something other than this process between a and b.
+double OtherCpus(const CpuSample& a, const CpuSample& b, long cpus) {
+  if (!a.ok || !b.ok || b.total <= a.total || cpus <= 0) return NAN;
+  const double per_cpu = static_cast<double>(b.total - a.total) / static_cast<double>(cpus);
+  const double others = static_cast<double>(b.busy - a.busy) - static_cast<double>(b.self - a.self);
+  return std::max(0.0, others / per_cpu);
+}
+
 std::string CpuModel() {
   std::ifstream f("/proc/cpuinfo");
   std::string line;
@@ -401,7 +442,8 @@ using BoostMap =
 
 // --------------------------------------------------------------- harness ----
 
-const std::vector<std::string> kImpls = {"hps_t1", "hps_t2", "absl", "boost"};
+const std::vector<std::string> kAllImpls = {"hps_t1", "hps_t2", "absl", "boost"};
+std::vector<std::string> kImpls = kAllImpls;  // those selected by --impls, in this order
 const std::vector<std::string> kOps = {"insert", "find_hit", "find_mix", "accumulate"};
 
 struct Options {
@@ -420,6 +462,7 @@ struct WidthResult {
   std::map<std::string, std::vector<double>> construct_ms;                  // impl -> runs
   std::map<std::string, uint64_t> slots;                                    // impl -> slots
   std::map<std::string, double> huge_mib;  // impl -> AnonHugePages gained by build + insert
+  std::map<std::string, std::vector<double>> other_cpus;  // impl -> CPUs others used, per run
 };
 
 template <class Op>
@@ -476,6 +519,7 @@ WidthResult RunWidth(const Options& opt, const KeyData& d, uint64_t capacity) {
       const std::string& name = kImpls[(k + static_cast<size_t>(r)) % kImpls.size()];
       const std::string tag = "W=" + std::to_string(W) + " " + name;
       const int64_t huge_before = AnonHugeKb();
+      const CpuSample cpu_before = SampleCpu();
 
       auto t0 = Clock::now();
       std::unique_ptr<Impl> impl = make[name]();
@@ -534,14 +578,17 @@ WidthResult RunWidth(const Options& opt, const KeyData& d, uint64_t capacity) {
         }
       }
 
+      const double others = OtherCpus(cpu_before, SampleCpu(), sysconf(_SC_NPROCESSORS_ONLN));
+      res.other_cpus[name].push_back(others);
       const double mops[4] = {n / t_insert / 1e6, n / t_hit / 1e6, n / t_mix / 1e6, n / t_acc / 1e6};
       for (size_t o = 0; o < kOps.size(); ++o) res.mops[kOps[o]][name].push_back(mops[o]);
       res.construct_ms[name].push_back(construct_s * 1e3);
       std::fprintf(stderr,
                    "[W=%d rep %d/%d] %-6s construct %7.1f ms | insert %7.2f | find_hit %7.2f | "
-                   "find_mix %7.2f | accumulate %7.2f Mops/s | +%.0f MiB huge pages\n",
+                   "find_mix %7.2f | accumulate %7.2f Mops/s | +%.0f MiB huge pages | "
+                   "others used %.2f CPUs\n",
                    W, r + 1, opt.repeats, name.c_str(), construct_s * 1e3, mops[0], mops[1], mops[2],
-                   mops[3], res.huge_mib.count(name) ? res.huge_mib[name] : -1.0);
+                   mops[3], res.huge_mib.count(name) ? res.huge_mib[name] : -1.0, others);
       impl.reset();  // free before the next structure is built
     }
   }
@@ -586,7 +633,8 @@ uint64_t PeerBytesEstimate(uint64_t capacity, int w) {
 void Usage(FILE* f) {
   std::fprintf(f,
                "usage: hash_table_bench [--quick] [--keys N] [--repeats R] [--widths 16,64]\n"
-               "                        [--peer-hugepages | --no-peer-hugepages] [--batch B] [--seed S]\n"
+               "                        [--peer-hugepages | --no-peer-hugepages] [--load L]\n"
+               "                        [--impls LIST] [--batch B] [--seed S]\n"
                "  --quick              1M keys, 1 repeat (unless --keys/--repeats say otherwise)\n"
                "  --keys N             distinct keys (default 10000000)\n"
                "  --repeats R          runs per measurement, fresh table per run (default 3)\n"
@@ -594,6 +642,10 @@ void Usage(FILE* f) {
                "  --peer-hugepages     peers allocate blocks >= 2 MiB with mmap + MADV_HUGEPAGE\n"
                "                       like our table (default); --no-peer-hugepages or\n"
                "                       --peer-hugepages=off gives them plain operator new\n"
+               "  --load L             our table's capacity is keys / L (default 0.8); the peers\n"
+               "                       are reserved to the same capacity\n"
+               "  --impls LIST         run only these, of hps_t1,hps_t2,absl,boost (default all;\n"
+               "                       ratios whose sides are missing are null)\n"
                "  --batch B            keys per call (default 0: one call over all keys)\n"
                "  --seed S             key and shuffle seed (default 20240607)\n"
                "Progress goes to stderr; one JSON line with all figures to stdout.\n");
@@ -661,6 +713,34 @@ Options Parse(int argc, char** argv) {
       }
     } else if (a == "--no-peer-hugepages") {
       g_peer_hugepages = false;
+    } else if (a == "--load") {
+      char* end = nullptr;
+      const std::string v = value();
+      o.load = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || !(o.load > 0.0 && o.load <= 1.0)) {
+        std::fprintf(stderr, "hash_table_bench: --load must be in (0, 1], not '%s'\n", v.c_str());
+        std::exit(1);
+      }
+    } else if (a == "--impls") {
+      std::vector<std::string> want;
+      std::stringstream ss(value());
+      std::string w;
+      while (std::getline(ss, w, ',')) {
+        if (std::find(kAllImpls.begin(), kAllImpls.end(), w) == kAllImpls.end()) {
+          std::fprintf(stderr, "hash_table_bench: unknown implementation '%s' (hps_t1,hps_t2,absl,boost)\n",
+                       w.c_str());
+          std::exit(1);
+        }
+        want.push_back(w);
+      }
+      kImpls.clear();
+      for (const auto& impl : kAllImpls) {
+        if (std::find(want.begin(), want.end(), impl) != want.end()) kImpls.push_back(impl);
+      }
+      if (kImpls.empty()) {
+        std::fprintf(stderr, "hash_table_bench: --impls selects nothing\n");
+        std::exit(1);
+      }
     } else if (a == "--batch") {
       o.batch = number(value(), "--batch");
     } else if (a == "--seed") {
@@ -691,6 +771,8 @@ Options Parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   const auto wall0 = Clock::now();
   const Options opt = Parse(argc, argv);
+  // Other work on a shared machine skews every figure; keep the evidence.
+  const std::string loadavg_start = ReadFirstLine("/proc/loadavg");
   const uint64_t n = opt.keys;
   const uint64_t capacity = static_cast<uint64_t>(std::ceil(static_cast<double>(n) / opt.load));
 
@@ -732,6 +814,14 @@ int main(int argc, char** argv) {
     return 3;
   }
 
+  const CpuSample idle0 = SampleCpu();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const double others_at_start = OtherCpus(idle0, SampleCpu(), cores_online);
+  if (others_at_start > 0.1) {
+    std::fprintf(stderr, "  warning: other work is using %.2f CPUs; it will skew the figures\n",
+                 others_at_start);
+  }
+  const CpuSample run0 = SampleCpu();
   const auto g0 = Clock::now();
   const KeyData data = MakeKeys(n, opt.seed);
   std::fprintf(stderr, "  keys generated and shuffled in %.2f s\n",
@@ -746,9 +836,11 @@ int main(int argc, char** argv) {
     << (opt.quick ? "true" : "false");
   j << ",\"config\":{\"keys\":" << n << ",\"repeats\":" << opt.repeats << ",\"widths\":[";
   for (size_t i = 0; i < opt.widths.size(); ++i) j << (i ? "," : "") << opt.widths[i];
+  j << "],\"impls\":[";
+  for (size_t i = 0; i < kImpls.size(); ++i) j << (i ? "," : "") << JsonString(kImpls[i]);
   j << "],\"seed\":" << opt.seed << ",\"batch\":" << (opt.batch ? opt.batch : n)
     << ",\"hps_capacity\":" << capacity << ",\"hps_load\":" << JsonNum(static_cast<double>(n) / capacity, 4)
-    << ",\"hps_capacity_rule\":\"keys / 0.8\""
+    << ",\"hps_capacity_rule\":" << JsonString("ceil(keys / " + JsonNum(opt.load, 2) + ")")
     << ",\"peer_reserve\":" << capacity << ",\"peer_hugepages\":" << (g_peer_hugepages ? "true" : "false")
     << ",\"peer_threads\":1"
     << ",\"hps_threads\":{\"hps_t1\":1,\"hps_t2\":2}"
@@ -792,6 +884,10 @@ int main(int argc, char** argv) {
       const auto it = r.huge_mib.find(kImpls[k]);
       j << (k ? "," : "") << "\"" << kImpls[k] << "\":" << JsonNum(it == r.huge_mib.end() ? NAN : it->second, 0);
     }
+    j << "},\"other_cpus_max\":{";
+    for (size_t k = 0; k < kImpls.size(); ++k) {
+      j << (k ? "," : "") << "\"" << kImpls[k] << "\":" << JsonNum(Summarise(r.other_cpus.at(kImpls[k])).max, 2);
+    }
     j << "},\"construct_ms\":{";
     for (size_t k = 0; k < kImpls.size(); ++k) {
       const Stats s = Summarise(r.construct_ms.at(kImpls[k]));
@@ -813,14 +909,22 @@ int main(int argc, char** argv) {
       }
       j << "}";
     }
+    // Ratios of medians; null where --impls left out a side.
+    auto has = [&](const char* impl) { return std::find(kImpls.begin(), kImpls.end(), impl) != kImpls.end(); };
     j << "},\"ratios\":{\"hps_t1_over_best_peer\":{";
     for (size_t o = 0; o < kOps.size(); ++o) {
       const auto& m = med[kOps[o]];
-      const bool absl_best = m.at("absl") >= m.at("boost");
-      const double best = absl_best ? m.at("absl") : m.at("boost");
-      const double ratio = m.at("hps_t1") / best;
-      j << (o ? "," : "") << "\"" << kOps[o] << "\":{\"ratio\":" << JsonNum(ratio)
-        << ",\"best_peer\":\"" << (absl_best ? "absl" : "boost") << "\"}";
+      const char* best_peer = nullptr;
+      for (const char* peer : {"absl", "boost"}) {
+        if (has(peer) && (!best_peer || m.at(peer) > m.at(best_peer))) best_peer = peer;
+      }
+      j << (o ? "," : "") << "\"" << kOps[o] << "\":";
+      if (!best_peer || !has("hps_t1")) {
+        j << "null";
+        continue;
+      }
+      const double ratio = m.at("hps_t1") / m.at(best_peer);
+      j << "{\"ratio\":" << JsonNum(ratio) << ",\"best_peer\":\"" << best_peer << "\"}";
       if (kOps[o].rfind("find", 0) == 0 && !(ratio >= 1.0)) {
         fails.push_back("W=" + ws + " " + kOps[o] + " hps_t1/best_peer " + JsonNum(ratio) + " < 1.0");
       }
@@ -828,8 +932,13 @@ int main(int argc, char** argv) {
     j << "},\"hps_t2_over_hps_t1\":{";
     for (size_t o = 0; o < kOps.size(); ++o) {
       const auto& m = med[kOps[o]];
+      j << (o ? "," : "") << "\"" << kOps[o] << "\":";
+      if (!has("hps_t1") || !has("hps_t2")) {
+        j << "null";
+        continue;
+      }
       const double ratio = m.at("hps_t2") / m.at("hps_t1");
-      j << (o ? "," : "") << "\"" << kOps[o] << "\":" << JsonNum(ratio);
+      j << JsonNum(ratio);
       if (!(ratio >= 1.7)) {
         fails.push_back("W=" + ws + " " + kOps[o] + " scaling hps_t2/hps_t1 " + JsonNum(ratio) + " < 1.7");
       }
@@ -838,10 +947,21 @@ int main(int argc, char** argv) {
   }
   j << "}";
   j << ",\"targets\":{\"rule\":" << JsonString("find (hit and mix) hps_t1 >= 1.0x best peer; hps_t2/hps_t1 >= 1.7 for every op")
-    << ",\"met\":" << (fails.empty() ? "true" : "false") << ",\"misses\":[";
+    << ",\"met\":" << (kImpls.size() < kAllImpls.size() ? "null" : fails.empty() ? "true" : "false")
+    << ",\"misses\":[";
   for (size_t i = 0; i < fails.size(); ++i) j << (i ? "," : "") << JsonString(fails[i]);
   j << "]}";
   const double wall = std::chrono::duration<double>(Clock::now() - wall0).count();
+  rusage self{};
+  getrusage(RUSAGE_SELF, &self);
+  const double cpu_s = self.ru_utime.tv_sec + self.ru_utime.tv_usec / 1e6 + self.ru_stime.tv_sec +
+                       self.ru_stime.tv_usec / 1e6;
+  j << ",\"other_cpus\":{\"before\":" << JsonNum(others_at_start, 2)
+    << ",\"during\":" << JsonNum(OtherCpus(run0, SampleCpu(), cores_online), 2)
+    << ",\"note\":" << JsonString("average CPUs busy with other processes (incl. steal); ~0 means a quiet machine") << "}";
+  j << ",\"loadavg_start\":" << JsonString(loadavg_start)
+    << ",\"loadavg_end\":" << JsonString(ReadFirstLine("/proc/loadavg"))
+    << ",\"process_cpu_s\":" << JsonNum(cpu_s, 1);
   j << ",\"planned_peak_gib\":" << JsonNum(plan_gib, 2) << ",\"peak_rss_gib\":" << JsonNum(PeakRssGib(), 2)
     << ",\"wall_s\":" << JsonNum(wall, 1) << "}";
 
