@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The test command: on a fresh Debian machine it installs what the build needs,
+# builds and installs hps, runs the Python tests, then builds the native core
+# under AddressSanitizer+UBSan and ThreadSanitizer and runs the native tests
+# there, and runs the hash-table benchmark in --quick mode. Any failure stops it
+# with a non-zero exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==== %s ====\n' "$*"; }
+
+apt_packages=(liburing-dev libgtest-dev libabsl-dev libboost1.81-dev pkg-config)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  step "apt-get install ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}"
+fi
+
+PY="${PYTHON:-python3}"
+step "pip install .[test] (builds hps._core)"
+mkdir -p build-logs
+"$PY" -m pip install -q --upgrade cmake ninja
+if ! "$PY" -m pip install -v ".[test]" >build-logs/pip-install.log 2>&1; then
+  tail -n 60 build-logs/pip-install.log
+  echo "pip install failed; the whole log is build-logs/pip-install.log" >&2
+  exit 1
+fi
+grep -E -e "-- hps:" build-logs/pip-install.log
+"$PY" -c "import hps; print('hps', hps.__version__, 'cuda compiled:', hps.cuda_compiled(), 'cuda devices:', hps.cuda_device_count())"
+
+step "pytest"
+# The source package sits in python/hps, so this imports the installed build.
+"$PY" -m pytest -p no:cacheprovider tests
+
+native() {  # name, extra cmake args...
+  local dir="build-$1"; shift
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPS_BUILD_TESTS=ON -DHPS_CUDA=OFF "$@" \
+    >"build-logs/configure-$(basename "$dir").log"
+  cmake --build "$dir"
+  ctest --test-dir "$dir" --output-on-failure
+}
+step "native tests under AddressSanitizer + UBSan"
+native asan -DHPS_SANITIZE=address,undefined
+step "native tests under ThreadSanitizer"
+native tsan -DHPS_SANITIZE=thread
+
+step "hash-table benchmark, --quick"
+bash bench/hash_table.sh --quick
