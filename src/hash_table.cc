@@ -34,7 +34,6 @@ namespace detail {
 namespace {
 
 constexpr uint64_t kAhead = 16;       // keys between prefetch, probe and finish
-constexpr int64_t kSkipped = -2;      // a key this thread does not own
 constexpr uint64_t kCacheLine = 64;
 
 // Anonymous mapping: zero-filled by the kernel (the rows' zero invariant comes
@@ -77,45 +76,62 @@ void PrefetchRow(const float* row, uint32_t floats, bool for_write) {
   for (; p < end; p += kCacheLine) for_write ? PrefetchWrite(p) : PrefetchRead(p);
 }
 
-struct Probed {
-  int64_t slot = kSkipped;
+// One item of a thread's sequence on its way through the pipeline.
+struct Probe {
+  uint64_t item = 0;  // index into the call's arrays
+  uint64_t key = 0;
+  uint64_t home = 0;
+  int64_t slot = kNoSlot;
   bool claimed = false;
 };
 
-// The software pipeline over items [begin, end). owns(i) says whether this
-// thread handles item i; key(i) is its key; probe(i) -> Probed finds its slot;
-// finish(i, probed) does the row work. finish runs in item order.
-template <class Owns, class Key, class Probe, class Finish>
-void Pipeline(const TableRef& t, uint64_t begin, uint64_t end, bool row_write, const Owns& owns,
-              const Key& key, const Probe& probe, const Finish& finish) {
-  Probed ring[kAhead];
-  for (uint64_t step = begin; step < end + 2 * kAhead; ++step) {
-    if (step < end && owns(step)) PrefetchRead(t.keys + HomeSlot(key(step), t.slots));
-    if (step >= begin + 2 * kAhead) {
-      const uint64_t i = step - 2 * kAhead;
-      const Probed& p = ring[i % kAhead];
-      if (p.slot != kSkipped) finish(i, p);
+// The software pipeline over `count` items. next_item() yields the item indices
+// in order, key_of(item) their keys; items whose key is kEmptyKey (free slots
+// of a table being scanned) are passed over. probe(Probe&) sets slot and
+// claimed; finish(const Probe&) does the row work, in item order.
+template <class NextItem, class KeyOf, class ProbeFn, class Finish>
+void Pipeline(const TableRef& t, uint64_t count, bool row_write, NextItem next_item,
+              const KeyOf& key_of, const ProbeFn& probe, const Finish& finish) {
+  constexpr uint64_t kRing = 2 * kAhead;
+  Probe ring[kRing];
+  for (uint64_t step = 0; step < count + 2 * kAhead; ++step) {
+    if (step >= 2 * kAhead) {
+      const Probe& p = ring[(step - 2 * kAhead) % kRing];
+      if (p.key != kEmptyKey) finish(p);
     }
-    if (step >= begin + kAhead && step - kAhead < end) {
-      const uint64_t i = step - kAhead;
-      Probed& p = ring[i % kAhead];
-      if (owns(i)) {
-        p = probe(i);
+    if (step >= kAhead && step - kAhead < count) {
+      Probe& p = ring[(step - kAhead) % kRing];
+      if (p.key != kEmptyKey) {
+        probe(p);
         if (p.slot >= 0) PrefetchRow(t.row(static_cast<uint64_t>(p.slot)), t.stride, row_write);
-      } else {
-        p = Probed{};
+      }
+    }
+    if (step < count) {
+      Probe& p = ring[step % kRing];
+      p.item = next_item();
+      p.key = key_of(p.item);
+      if (p.key != kEmptyKey) {
+        p.home = HomeSlot(p.key, t.slots);
+        PrefetchRead(t.keys + p.home);
+        PrefetchRead(t.keys + (p.home + kBucketSlots) % t.slots);
       }
     }
   }
 }
 
+inline uint64_t Sum(const std::vector<uint64_t>& v) {
+  uint64_t total = 0;
+  for (uint64_t x : v) total += x;
+  return total;
+}
+
 class CpuHashTable final : public HashTable {
  public:
   CpuHashTable(uint64_t capacity, int32_t row_floats, int32_t threads)
-      : keys_(capacity * sizeof(uint64_t)),
-        rows_(capacity * static_cast<uint64_t>(row_floats) * sizeof(float)),
+      : keys_(RoundToBuckets(capacity) * sizeof(uint64_t)),
+        rows_(RoundToBuckets(capacity) * static_cast<uint64_t>(row_floats) * sizeof(float)),
         threads_(threads > 0 ? threads : HardwareThreads()) {
-    ref_ = TableRef{keys_.as<uint64_t>(), rows_.as<float>(), capacity,
+    ref_ = TableRef{keys_.as<uint64_t>(), rows_.as<float>(), RoundToBuckets(capacity),
                     static_cast<uint32_t>(row_floats)};
     FillKeysEmpty();
   }
@@ -131,9 +147,9 @@ class CpuHashTable final : public HashTable {
     std::unique_lock lock(mutex_);
     if (inserted) std::memset(inserted, 0, n);  // keys that find no slot stay 0
     const uint32_t stride = ref_.stride;
-    return ForOwnedKeys(keys, n, /*row_write=*/true, [&](uint64_t i, const Probed& p) {
-      if (p.claimed) CopyRow(ref_.row(p.slot), rows + i * stride, stride);
-      if (inserted) inserted[i] = p.claimed ? 1 : 0;
+    return ClaimEach(keys, n, [&](const Probe& p) {
+      if (p.claimed) CopyRow(ref_.row(p.slot), rows + p.item * stride, stride);
+      if (inserted) inserted[p.item] = p.claimed ? 1 : 0;
       return p.claimed;
     });
   }
@@ -142,23 +158,36 @@ class CpuHashTable final : public HashTable {
     CheckKeys(keys, n);
     std::shared_lock lock(mutex_);
     const uint32_t stride = ref_.stride;
-    return FindEach(keys, n, stride, [&](uint64_t i, int64_t slot) {
-      float* out = rows_out + i * stride;
-      if (slot >= 0) {
-        CopyRow(out, ref_.row(static_cast<uint64_t>(slot)), stride);
-      } else {
-        ZeroRow(out, stride);
-      }
-      if (found) found[i] = slot >= 0 ? 1 : 0;
+    const int parts = PartsFor(n, threads_);
+    std::vector<uint64_t> hits(static_cast<size_t>(parts), 0);
+    RunParts(parts, [&](int part) {
+      uint64_t item = PartBegin(n, part, parts);
+      uint64_t h = 0;
+      Pipeline(
+          ref_, PartBegin(n, part + 1, parts) - item, /*row_write=*/false,
+          [&item] { return item++; }, [keys](uint64_t i) { return keys[i]; },
+          [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
+          [&](const Probe& p) {
+            float* out = rows_out + p.item * stride;
+            if (p.slot >= 0) {
+              CopyRow(out, ref_.row(static_cast<uint64_t>(p.slot)), stride);
+            } else {
+              ZeroRow(out, stride);
+            }
+            if (found) found[p.item] = p.slot >= 0 ? 1 : 0;
+            h += p.slot >= 0;
+          });
+      hits[static_cast<size_t>(part)] = h;
     });
+    return Sum(hits);
   }
 
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {
     CheckKeys(keys, n);
     std::unique_lock lock(mutex_);
     const uint32_t stride = ref_.stride;
-    ForOwnedKeys(keys, n, /*row_write=*/true, [&](uint64_t i, const Probed& p) {
-      AddRow<false>(ref_.row(p.slot), deltas + i * stride, stride);
+    ClaimEach(keys, n, [&](const Probe& p) {
+      AddRow<false>(ref_.row(p.slot), deltas + p.item * stride, stride);
       return p.claimed;
     });
   }
@@ -167,15 +196,18 @@ class CpuHashTable final : public HashTable {
     CheckKeys(keys, n);
     std::unique_lock lock(mutex_);
     const uint32_t stride = ref_.stride;
-    return RunOwned(
-        keys, n, /*row_write=*/true,
-        [&](uint64_t i) { return Probed{FindSlot(ref_, keys[i]), false}; },
-        [&](uint64_t i, const Probed& p) {
-          if (p.slot >= 0) CopyRow(ref_.row(static_cast<uint64_t>(p.slot)), rows + i * stride, stride);
-          if (found) found[i] = p.slot >= 0 ? 1 : 0;
-          return p.slot >= 0;
+    std::vector<uint64_t> assigned;
+    ForOwnedItems(keys, n, /*row_write=*/true,
+        [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
+        [&](const Probe& p, uint64_t& counted) {
+          if (p.slot >= 0) {
+            CopyRow(ref_.row(static_cast<uint64_t>(p.slot)), rows + p.item * stride, stride);
+            ++counted;
+          }
+          if (found) found[p.item] = p.slot >= 0 ? 1 : 0;
         },
-        /*count_full=*/false);
+        &assigned, nullptr, nullptr);
+    return Sum(assigned);
   }
 
   void lookup_or_init(const uint64_t* keys, uint64_t n, const SparseOptimizer& opt,
@@ -184,10 +216,10 @@ class CpuHashTable final : public HashTable {
     CheckKeys(keys, n);
     std::unique_lock lock(mutex_);
     const uint32_t dim = static_cast<uint32_t>(opt.dim);
-    ForOwnedKeys(keys, n, /*row_write=*/false, [&](uint64_t i, const Probed& p) {
+    ClaimEach(keys, n, [&](const Probe& p) {
       float* row = ref_.row(p.slot);
-      if (p.claimed) InitRow(opt, keys[i], row);
-      CopyRow(embeddings_out + i * dim, row, dim);
+      if (p.claimed) InitRow(opt, p.key, row);
+      CopyRow(embeddings_out + p.item * dim, row, dim);
       return p.claimed;
     });
   }
@@ -203,34 +235,34 @@ class CpuHashTable final : public HashTable {
     sums.accumulate(keys, n, grads);
     std::unique_lock lock(mutex_);
     const TableRef& s = sums.ref_;
+    // Each distinct key is one slot of `sums`, so threads splitting its slots
+    // never share a key.
     const int parts = PartsFor(s.slots, threads_);
     std::vector<uint64_t> claimed(static_cast<size_t>(parts), 0);
     std::vector<uint64_t> full(static_cast<size_t>(parts), 0);
     RunParts(parts, [&](int part) {
-      const uint64_t begin = PartBegin(s.slots, part, parts);
-      const uint64_t end = PartBegin(s.slots, part + 1, parts);
+      uint64_t slot = PartBegin(s.slots, part, parts);
+      uint64_t cl = 0, f = 0;
       Pipeline(
-          ref_, begin, end, /*row_write=*/true,
-          [&](uint64_t i) { return s.keys[i] != kEmptyKey; }, [&](uint64_t i) { return s.keys[i]; },
-          [&](uint64_t i) {
-            Probed p;
-            p.slot = FindOrClaim(ref_, s.keys[i], &p.claimed);
-            return p;
-          },
-          [&](uint64_t i, const Probed& p) {
+          ref_, PartBegin(s.slots, part + 1, parts) - slot, /*row_write=*/true,
+          [&slot] { return slot++; }, [&s](uint64_t i) { return s.keys[i]; },
+          [&](Probe& p) { p.slot = ClaimSlot(p, parts); },
+          [&](const Probe& p) {
             if (p.slot < 0) {
-              ++full[part];
+              ++f;
               return;
             }
             float* row = ref_.row(static_cast<uint64_t>(p.slot));
             if (p.claimed) {
-              InitRow(opt, s.keys[i], row);
-              ++claimed[part];
+              InitRow(opt, p.key, row);
+              ++cl;
             }
-            ApplyUpdate(opt, row, s.row(i));
+            ApplyUpdate(opt, row, s.row(p.item));
           });
+      claimed[static_cast<size_t>(part)] = cl;
+      full[static_cast<size_t>(part)] = f;
     });
-    Settle(claimed, full);
+    Settle(Sum(claimed), Sum(full));
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -240,7 +272,7 @@ class CpuHashTable final : public HashTable {
     RunParts(parts, [&](int part) {
       uint64_t c = 0;
       for (uint64_t s = PartBegin(ref_.slots, part, parts); s < PartBegin(ref_.slots, part + 1, parts); ++s) {
-        c += LoadKey(ref_.keys + s) != kEmptyKey;
+        c += ref_.keys[s] != kEmptyKey;
       }
       counts[static_cast<size_t>(part) + 1] = c;
     });
@@ -250,7 +282,7 @@ class CpuHashTable final : public HashTable {
       uint64_t out = counts[static_cast<size_t>(part)];
       for (uint64_t s = PartBegin(ref_.slots, part, parts);
            s < PartBegin(ref_.slots, part + 1, parts) && out < max_rows; ++s) {
-        const uint64_t k = LoadKey(ref_.keys + s);
+        const uint64_t k = ref_.keys[s];
         if (k == kEmptyKey) continue;
         keys_out[out] = k;
         CopyRow(rows_out + out * stride, ref_.row(s), stride);
@@ -292,84 +324,94 @@ class CpuHashTable final : public HashTable {
     }
   }
 
-  // Read-only: contiguous chunks, any thread may read any key.
-  template <class Finish>
-  uint64_t FindEach(const uint64_t* keys, uint64_t n, uint32_t /*stride*/, const Finish& finish) const {
-    const int parts = PartsFor(n, threads_);
-    std::vector<uint64_t> hits(static_cast<size_t>(parts), 0);
-    RunParts(parts, [&](int part) {
-      uint64_t h = 0;
-      Pipeline(
-          ref_, PartBegin(n, part, parts), PartBegin(n, part + 1, parts), /*row_write=*/false,
-          [](uint64_t) { return true; }, [&](uint64_t i) { return keys[i]; },
-          [&](uint64_t i) { return Probed{FindSlot(ref_, keys[i]), false}; },
-          [&](uint64_t i, const Probed& p) {
-            finish(i, p.slot);
-            h += p.slot >= 0;
-          });
-      hits[static_cast<size_t>(part)] = h;
-    });
-    uint64_t total = 0;
-    for (uint64_t h : hits) total += h;
-    return total;
+  // With one thread in the call nothing else can claim a slot (writers hold
+  // the table exclusively), so the claim needs no CAS.
+  int64_t ClaimSlot(Probe& p, int parts) {
+    return parts == 1 ? FindOrClaim<false>(ref_, p.key, p.home, &p.claimed)
+                      : FindOrClaim<true>(ref_, p.key, p.home, &p.claimed);
   }
 
-  // Finds or claims each key's slot, then finish(i, probed) -> whether it counts.
+  // Finds or claims each key's slot, then finish(probe) -> whether it counts.
+  // Keys that found no free slot make the call raise TableFullError.
   template <class Finish>
-  uint64_t ForOwnedKeys(const uint64_t* keys, uint64_t n, bool row_write, const Finish& finish) {
-    return RunOwned(
-        keys, n, row_write,
-        [&](uint64_t i) {
-          Probed p;
-          p.slot = FindOrClaim(ref_, keys[i], &p.claimed);
-          return p;
+  uint64_t ClaimEach(const uint64_t* keys, uint64_t n, const Finish& finish) {
+    std::vector<uint64_t> counted, claimed, full;
+    int parts = 1;
+    ForOwnedItems(keys, n, /*row_write=*/true,
+        [&](Probe& p) { p.slot = ClaimSlot(p, parts); },
+        [&](const Probe& p, uint64_t& c) {
+          if (p.slot >= 0) c += finish(p);
         },
-        finish, /*count_full=*/true);
+        &counted, &claimed, &full, &parts);
+    Settle(Sum(claimed), Sum(full));
+    return Sum(counted);
   }
 
-  // Each thread handles the keys it owns, in call order. A key whose claim found
-  // no slot is counted, and the call then raises TableFullError.
-  template <class Probe, class Finish>
-  uint64_t RunOwned(const uint64_t* keys, uint64_t n, bool row_write, const Probe& probe,
-                    const Finish& finish, bool count_full) {
+  // Runs the pipeline on each thread over the keys it owns, in call order, so
+  // that one key's rows are only ever touched by one thread. finish(probe,
+  // counted) may bump the thread's count. Per-thread counts of what was
+  // counted, claimed, and found full go to the vectors given.
+  template <class ProbeFn, class Finish>
+  void ForOwnedItems(const uint64_t* keys, uint64_t n, bool row_write, const ProbeFn& probe,
+                     const Finish& finish, std::vector<uint64_t>* counted,
+                     std::vector<uint64_t>* claimed, std::vector<uint64_t>* full,
+                     int* parts_out = nullptr) {
     const int parts = PartsFor(n, threads_);
-    std::vector<uint64_t> counted(static_cast<size_t>(parts), 0);
-    std::vector<uint64_t> claimed(static_cast<size_t>(parts), 0);
-    std::vector<uint64_t> full(static_cast<size_t>(parts), 0);
-    RunParts(parts, [&](int part) {
-      const uint32_t me = static_cast<uint32_t>(part);
-      const uint32_t of = static_cast<uint32_t>(parts);
+    if (parts_out) *parts_out = parts;
+    for (auto* v : {counted, claimed, full}) {
+      if (v) v->assign(static_cast<size_t>(parts), 0);
+    }
+    // owned[chunk][owner]: the items of one chunk of the call that one owner
+    // handles, in call order. Bucketing in parallel first lets each owner's
+    // pipeline run over its own items only, at full depth.
+    std::vector<std::vector<std::vector<uint64_t>>> owned(static_cast<size_t>(parts));
+    if (parts > 1) {
+      RunParts(parts, [&](int chunk) {
+        auto& lists = owned[static_cast<size_t>(chunk)];
+        lists.resize(static_cast<size_t>(parts));
+        const uint64_t begin = PartBegin(n, chunk, parts);
+        const uint64_t end = PartBegin(n, chunk + 1, parts);
+        for (auto& l : lists) l.reserve((end - begin) / static_cast<uint64_t>(parts) * 9 / 8 + 16);
+        for (uint64_t i = begin; i < end; ++i) {
+          lists[OwnerOf(keys[i], static_cast<uint32_t>(parts))].push_back(i);
+        }
+      });
+    }
+    RunParts(parts, [&](int me) {
+      uint64_t count = n;
+      // Walks owned[0][me], owned[1][me], ... as one sequence.
+      size_t chunk = 0, at = 0;
+      auto next_item = [&]() -> uint64_t {
+        if (parts == 1) return at++;
+        while (at == owned[chunk][static_cast<size_t>(me)].size()) {
+          ++chunk;
+          at = 0;
+        }
+        return owned[chunk][static_cast<size_t>(me)][at++];
+      };
+      if (parts > 1) {
+        count = 0;
+        for (const auto& lists : owned) count += lists[static_cast<size_t>(me)].size();
+      }
       uint64_t c = 0, cl = 0, f = 0;
-      Pipeline(
-          ref_, 0, n, row_write, [&](uint64_t i) { return parts == 1 || OwnerOf(keys[i], of) == me; },
-          [&](uint64_t i) { return keys[i]; }, probe,
-          [&](uint64_t i, const Probed& p) {
-            if (p.slot < 0) {
-              f += count_full;
-              if (!count_full) finish(i, p);
-              return;
-            }
-            c += finish(i, p);
-            cl += p.claimed;
-          });
-      counted[me] = c;
-      claimed[me] = cl;
-      full[me] = f;
+      Pipeline(ref_, count, row_write, next_item, [keys](uint64_t i) { return keys[i]; }, probe,
+               [&](const Probe& p) {
+                 if (p.slot < 0) ++f;
+                 cl += p.claimed;
+                 finish(p, c);
+               });
+      const size_t m = static_cast<size_t>(me);
+      if (counted) (*counted)[m] = c;
+      if (claimed) (*claimed)[m] = cl;
+      if (full) (*full)[m] = f;
     });
-    Settle(claimed, full);
-    uint64_t total = 0;
-    for (uint64_t c : counted) total += c;
-    return total;
   }
 
   // Adds this call's claims to the size, then reports keys that found no slot.
-  void Settle(const std::vector<uint64_t>& claimed, const std::vector<uint64_t>& full) {
-    uint64_t added = 0, missed = 0;
-    for (uint64_t c : claimed) added += c;
-    for (uint64_t f : full) missed += f;
-    size_.fetch_add(added, std::memory_order_relaxed);
-    if (missed > 0) {
-      throw TableFullError("hash table full: " + std::to_string(missed) +
+  void Settle(uint64_t claimed, uint64_t full) {
+    size_.fetch_add(claimed, std::memory_order_relaxed);
+    if (full > 0) {
+      throw TableFullError("hash table full: " + std::to_string(full) +
                            " key(s) found no free slot (capacity " + std::to_string(ref_.slots) +
                            ", size " + std::to_string(size()) +
                            "); the keys that found one were stored");

@@ -176,10 +176,11 @@ class CudaHashTable final : public HashTable {
  public:
   CudaHashTable(uint64_t capacity, int32_t row_floats, int device)
       : device_(device),
-        keys_((SetDevice(device), capacity)),
-        rows_(capacity * static_cast<uint64_t>(row_floats)),
+        keys_((SetDevice(device), detail::RoundToBuckets(capacity))),
+        rows_(detail::RoundToBuckets(capacity) * static_cast<uint64_t>(row_floats)),
         counters_(1) {
-    ref_ = TableRef{keys_.get(), rows_.get(), capacity, static_cast<uint32_t>(row_floats)};
+    ref_ = TableRef{keys_.get(), rows_.get(), detail::RoundToBuckets(capacity),
+                    static_cast<uint32_t>(row_floats)};
     clear();
   }
 

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "hps/config.h"
 #include "hps/hash_table.h"
@@ -50,14 +51,27 @@ HPS_HD inline uint64_t MulHigh(uint64_t a, uint64_t b) {
 #endif
 }
 
-// Maps the high bits of the mixed key onto [0, slots) without a division, so
-// any slot count works (Lemire's multiply-shift range reduction).
-HPS_HD inline uint64_t HomeSlot(uint64_t key, uint64_t slots) { return MulHigh(Mix64(key), slots); }
+// Slots form buckets of one cache line (8 keys). A key's probe starts at the
+// first slot of its home bucket and runs linearly from there, so one line holds
+// every candidate slot of most probes, hits and misses alike, and that one line
+// is what the CPU launcher prefetches. (cuco calls this a probing window.)
+inline constexpr uint64_t kBucketSlots = 8;
 
-// Which of `parts` CPU threads owns a key; uses the low bits, independent of
-// the home slot's high bits.
+// Tables hold whole buckets: a capacity rounds up to a multiple of 8 slots.
+HPS_HD inline uint64_t RoundToBuckets(uint64_t capacity) {
+  return (capacity + kBucketSlots - 1) / kBucketSlots * kBucketSlots;
+}
+
+// Maps the high bits of the mixed key onto a bucket without a division, so any
+// bucket count works (Lemire's multiply-shift range reduction).
+HPS_HD inline uint64_t HomeSlot(uint64_t key, uint64_t slots) {
+  return MulHigh(Mix64(key), slots / kBucketSlots) * kBucketSlots;
+}
+
+// Which of `parts` CPU threads owns a key: the low half of the mixed key, so
+// owners do not follow the home bucket (which the high bits pick).
 HPS_HD inline uint32_t OwnerOf(uint64_t key, uint32_t parts) {
-  return static_cast<uint32_t>(Mix64(key) % parts);
+  return static_cast<uint32_t>(((Mix64(key) & 0xffffffffULL) * parts) >> 32);
 }
 
 HPS_HD inline uint64_t LoadKey(const uint64_t* p) {
@@ -90,10 +104,14 @@ HPS_HD inline void AtomicAdd(float* p, float v) {
 #endif
 }
 
-HPS_HD inline int64_t FindSlot(const TableRef& t, uint64_t key) {
-  uint64_t s = HomeSlot(key, t.slots);
+// The slot of `key`, probing from `home`, or kNoSlot. Plain loads: every call
+// that finds without claiming (find, assign) has the table to itself, so no
+// key can change under it. (A branchless compare of the whole bucket measured
+// slower here than this early-exit scan: most hits end in the first slots.)
+HPS_HD inline int64_t FindSlot(const TableRef& t, uint64_t key, uint64_t home) {
+  uint64_t s = home;
   for (uint64_t step = 0; step < t.slots; ++step) {
-    const uint64_t k = LoadKey(t.keys + s);
+    const uint64_t k = t.keys[s];
     if (k == key) return static_cast<int64_t>(s);
     if (k == kEmptyKey) return kNoSlot;
     if (++s == t.slots) s = 0;
@@ -101,16 +119,26 @@ HPS_HD inline int64_t FindSlot(const TableRef& t, uint64_t key) {
   return kNoSlot;
 }
 
+HPS_HD inline int64_t FindSlot(const TableRef& t, uint64_t key) {
+  return FindSlot(t, key, HomeSlot(key, t.slots));
+}
+
 // The slot holding `key`, claiming the first empty one on its probe path if the
 // key is absent; kNoSlot when the table is full. *claimed is true iff this call
-// took the slot, and so owes it its row.
-HPS_HD inline int64_t FindOrClaim(const TableRef& t, uint64_t key, bool* claimed) {
-  uint64_t s = HomeSlot(key, t.slots);
+// took the slot, and so owes it its row. kConcurrent: other threads may claim
+// slots at the same time (atomic loads and CAS); otherwise plain ones suffice.
+template <bool kConcurrent = true>
+HPS_HD inline int64_t FindOrClaim(const TableRef& t, uint64_t key, uint64_t home, bool* claimed) {
+  uint64_t s = home;
   *claimed = false;
   for (uint64_t step = 0; step < t.slots; ++step) {
-    uint64_t k = LoadKey(t.keys + s);
+    uint64_t k = kConcurrent ? LoadKey(t.keys + s) : t.keys[s];
     if (k == kEmptyKey) {
-      k = CasKey(t.keys + s, kEmptyKey, key);
+      if constexpr (kConcurrent) {
+        k = CasKey(t.keys + s, kEmptyKey, key);
+      } else {
+        t.keys[s] = key;
+      }
       if (k == kEmptyKey) {
         *claimed = true;
         return static_cast<int64_t>(s);
@@ -122,12 +150,24 @@ HPS_HD inline int64_t FindOrClaim(const TableRef& t, uint64_t key, bool* claimed
   return kNoSlot;
 }
 
+HPS_HD inline int64_t FindOrClaim(const TableRef& t, uint64_t key, bool* claimed) {
+  return FindOrClaim<true>(t, key, HomeSlot(key, t.slots), claimed);
+}
+
 HPS_HD inline void CopyRow(float* dst, const float* src, uint32_t n) {
+#if defined(__CUDA_ARCH__)
   for (uint32_t j = 0; j < n; ++j) dst[j] = src[j];
+#else
+  std::memcpy(dst, src, n * sizeof(float));  // a runtime-width loop costs ~4x the instructions
+#endif
 }
 
 HPS_HD inline void ZeroRow(float* dst, uint32_t n) {
+#if defined(__CUDA_ARCH__)
   for (uint32_t j = 0; j < n; ++j) dst[j] = 0.0f;
+#else
+  std::memset(dst, 0, n * sizeof(float));
+#endif
 }
 
 // kAtomic: the CUDA launcher, where threads may share a key. The CPU launcher

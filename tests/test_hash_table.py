@@ -98,9 +98,11 @@ def test_empty_calls():
 
 
 def test_repr_and_properties():
-    t = hps.HashTable(100, 8, threads=2)
-    assert (t.capacity, t.row_floats, t.device) == (100, 8, "cpu")
-    assert "capacity=100" in repr(t)
+    t = hps.HashTable(96, 8, threads=2)
+    assert (t.capacity, t.row_floats, t.device) == (96, 8, "cpu")
+    assert "capacity=96" in repr(t)
+    # Slots come in buckets of 8 (one cache line of keys).
+    assert hps.HashTable(100, 1).capacity == 104 and hps.HashTable(1, 1).capacity == 8
 
 
 # ---------------------------------------------------------------- full table
@@ -121,16 +123,16 @@ def test_full_table_raises_and_keeps_what_fit():
 
 @pytest.mark.parametrize("op", ["accumulate", "lookup_or_init", "apply_gradients"])
 def test_full_table_raises_for_every_claiming_op(op):
-    emb = hps.EmbeddingTable(4, 2, optimizer=hps.SGD())
-    keys = u64(range(6))
-    with pytest.raises(hps.TableFullError):
+    emb = hps.EmbeddingTable(8, 2, optimizer=hps.SGD())
+    keys = u64(range(12))
+    with pytest.raises(hps.TableFullError, match=r"4 key\(s\) found no free slot"):
         if op == "accumulate":
-            emb.table.accumulate(keys, np.ones((6, emb.table.row_floats), np.float32))
+            emb.table.accumulate(keys, np.ones((12, emb.table.row_floats), np.float32))
         elif op == "lookup_or_init":
             emb.pull(keys)
         else:
-            emb.push(keys, np.ones((6, 2), np.float32))
-    assert len(emb) == 4
+            emb.push(keys, np.ones((12, 2), np.float32))
+    assert len(emb) == 8
 
 
 # ---------------------------------------------------------------- bad input

@@ -35,7 +35,7 @@ class TableFullError : public std::runtime_error {
 };
 
 struct HashTableOptions {
-  uint64_t capacity = 0;  ///< slots, and so the most keys it holds; > 0
+  uint64_t capacity = 0;  ///< slots, the most keys it holds; > 0, rounded up to a multiple of 8
   int32_t row_floats = 0; ///< floats per row; > 0
   int32_t threads = 0;    ///< CPU launcher threads; 0 = all cores
   int32_t cuda_device = -1;  ///< -1: host memory and CPU launcher; >= 0: that GPU
