@@ -196,15 +196,18 @@ class CpuHashTable final : public HashTable {
     CheckKeys(keys, n);
     std::unique_lock lock(mutex_);
     const uint32_t stride = ref_.stride;
-    const Counts c = ForOwnedItems(keys, n, PartsFor(n, threads_), /*row_write=*/true,
+    std::vector<uint64_t> assigned;
+    ForOwnedItems(keys, n, /*row_write=*/true,
         [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
-        [&](const Probe& p) {
+        [&](const Probe& p, uint64_t& counted) {
+          if (p.slot >= 0) {
+            CopyRow(ref_.row(static_cast<uint64_t>(p.slot)), rows + p.item * stride, stride);
+            ++counted;
+          }
           if (found) found[p.item] = p.slot >= 0 ? 1 : 0;
-          if (p.slot < 0) return false;
-          CopyRow(ref_.row(static_cast<uint64_t>(p.slot)), rows + p.item * stride, stride);
-          return true;
-        });
-    return c.counted;
+        },
+        &assigned, nullptr, nullptr);
+    return Sum(assigned);
   }
 
   void lookup_or_init(const uint64_t* keys, uint64_t n, const SparseOptimizer& opt,
@@ -235,23 +238,31 @@ class CpuHashTable final : public HashTable {
     // Each distinct key is one slot of `sums`, so threads splitting its slots
     // never share a key.
     const int parts = PartsFor(s.slots, threads_);
-    std::vector<Counts> counts(static_cast<size_t>(parts));
+    std::vector<uint64_t> claimed(static_cast<size_t>(parts), 0);
+    std::vector<uint64_t> full(static_cast<size_t>(parts), 0);
     RunParts(parts, [&](int part) {
       uint64_t slot = PartBegin(s.slots, part, parts);
-      Counts& c = counts[static_cast<size_t>(part)];
+      uint64_t cl = 0, f = 0;
       Pipeline(
           ref_, PartBegin(s.slots, part + 1, parts) - slot, /*row_write=*/true,
           [&slot] { return slot++; }, [&s](uint64_t i) { return s.keys[i]; },
           [&](Probe& p) { p.slot = ClaimSlot(p, parts); },
           [&](const Probe& p) {
-            c.Add(p, false);
-            if (p.slot < 0) return;
+            if (p.slot < 0) {
+              ++f;
+              return;
+            }
             float* row = ref_.row(static_cast<uint64_t>(p.slot));
-            if (p.claimed) InitRow(opt, p.key, row);
+            if (p.claimed) {
+              InitRow(opt, p.key, row);
+              ++cl;
+            }
             ApplyUpdate(opt, row, s.row(p.item));
           });
+      claimed[static_cast<size_t>(part)] = cl;
+      full[static_cast<size_t>(part)] = f;
     });
-    Settle(Counts::Total(counts));
+    Settle(Sum(claimed), Sum(full));
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -313,28 +324,6 @@ class CpuHashTable final : public HashTable {
     }
   }
 
-  // What one call did, per thread and in total.
-  struct Counts {
-    uint64_t counted = 0;  // what the operation reports (inserted, assigned)
-    uint64_t claimed = 0;  // slots it took
-    uint64_t no_slot = 0;  // keys without a slot: absent (assign), or no free one left (claims)
-
-    void Add(const Probe& p, bool counts) {
-      counted += counts;
-      claimed += p.claimed;
-      no_slot += p.slot < 0;
-    }
-    static Counts Total(const std::vector<Counts>& parts) {
-      Counts t;
-      for (const Counts& c : parts) {
-        t.counted += c.counted;
-        t.claimed += c.claimed;
-        t.no_slot += c.no_slot;
-      }
-      return t;
-    }
-  };
-
   // With one thread in the call nothing else can claim a slot (writers hold
   // the table exclusively), so the claim needs no CAS.
   int64_t ClaimSlot(Probe& p, int parts) {
@@ -346,20 +335,32 @@ class CpuHashTable final : public HashTable {
   // Keys that found no free slot make the call raise TableFullError.
   template <class Finish>
   uint64_t ClaimEach(const uint64_t* keys, uint64_t n, const Finish& finish) {
-    const int parts = PartsFor(n, threads_);
-    const Counts c = ForOwnedItems(
-        keys, n, parts, /*row_write=*/true, [&](Probe& p) { p.slot = ClaimSlot(p, parts); },
-        [&](const Probe& p) { return p.slot >= 0 && finish(p); });
-    Settle(c);
-    return c.counted;
+    std::vector<uint64_t> counted, claimed, full;
+    int parts = 1;
+    ForOwnedItems(keys, n, /*row_write=*/true,
+        [&](Probe& p) { p.slot = ClaimSlot(p, parts); },
+        [&](const Probe& p, uint64_t& c) {
+          if (p.slot >= 0) c += finish(p);
+        },
+        &counted, &claimed, &full, &parts);
+    Settle(Sum(claimed), Sum(full));
+    return Sum(counted);
   }
 
-  // Runs the pipeline on `parts` threads, each over the keys it owns, in call
-  // order, so that one key's row is only ever touched by one thread.
-  // finish(probe) returns whether the item counts.
+  // Runs the pipeline on each thread over the keys it owns, in call order, so
+  // that one key's rows are only ever touched by one thread. finish(probe,
+  // counted) may bump the thread's count. Per-thread counts of what was
+  // counted, claimed, and found full go to the vectors given.
   template <class ProbeFn, class Finish>
-  Counts ForOwnedItems(const uint64_t* keys, uint64_t n, int parts, bool row_write,
-                       const ProbeFn& probe, const Finish& finish) {
+  void ForOwnedItems(const uint64_t* keys, uint64_t n, bool row_write, const ProbeFn& probe,
+                     const Finish& finish, std::vector<uint64_t>* counted,
+                     std::vector<uint64_t>* claimed, std::vector<uint64_t>* full,
+                     int* parts_out = nullptr) {
+    const int parts = PartsFor(n, threads_);
+    if (parts_out) *parts_out = parts;
+    for (auto* v : {counted, claimed, full}) {
+      if (v) v->assign(static_cast<size_t>(parts), 0);
+    }
     // owned[chunk][owner]: the items of one chunk of the call that one owner
     // handles, in call order. Bucketing in parallel first lets each owner's
     // pipeline run over its own items only, at full depth.
@@ -376,35 +377,41 @@ class CpuHashTable final : public HashTable {
         }
       });
     }
-    std::vector<Counts> counts(static_cast<size_t>(parts));
     RunParts(parts, [&](int me) {
-      const size_t mine = static_cast<size_t>(me);
       uint64_t count = n;
+      // Walks owned[0][me], owned[1][me], ... as one sequence.
       size_t chunk = 0, at = 0;
       auto next_item = [&]() -> uint64_t {
         if (parts == 1) return at++;
-        while (at == owned[chunk][mine].size()) {  // walk owned[0][me], owned[1][me], ...
+        while (at == owned[chunk][static_cast<size_t>(me)].size()) {
           ++chunk;
           at = 0;
         }
-        return owned[chunk][mine][at++];
+        return owned[chunk][static_cast<size_t>(me)][at++];
       };
       if (parts > 1) {
         count = 0;
-        for (const auto& lists : owned) count += lists[mine].size();
+        for (const auto& lists : owned) count += lists[static_cast<size_t>(me)].size();
       }
-      Counts& c = counts[mine];
+      uint64_t c = 0, cl = 0, f = 0;
       Pipeline(ref_, count, row_write, next_item, [keys](uint64_t i) { return keys[i]; }, probe,
-               [&](const Probe& p) { c.Add(p, finish(p)); });
+               [&](const Probe& p) {
+                 if (p.slot < 0) ++f;
+                 cl += p.claimed;
+                 finish(p, c);
+               });
+      const size_t m = static_cast<size_t>(me);
+      if (counted) (*counted)[m] = c;
+      if (claimed) (*claimed)[m] = cl;
+      if (full) (*full)[m] = f;
     });
-    return Counts::Total(counts);
   }
 
-  // Adds a call's claims to the size, then reports keys that found no slot.
-  void Settle(const Counts& c) {
-    size_.fetch_add(c.claimed, std::memory_order_relaxed);
-    if (c.no_slot > 0) {
-      throw TableFullError("hash table full: " + std::to_string(c.no_slot) +
+  // Adds this call's claims to the size, then reports keys that found no slot.
+  void Settle(uint64_t claimed, uint64_t full) {
+    size_.fetch_add(claimed, std::memory_order_relaxed);
+    if (full > 0) {
+      throw TableFullError("hash table full: " + std::to_string(full) +
                            " key(s) found no free slot (capacity " + std::to_string(ref_.slots) +
                            ", size " + std::to_string(size()) +
                            "); the keys that found one were stored");
