@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test command: on a fresh Debian machine it installs what the build needs,
-# builds and installs hps, runs the Python tests, then builds the native core
-# under AddressSanitizer+UBSan and ThreadSanitizer and runs the native tests
-# there, and runs the hash-table benchmark in --quick mode. Any failure stops it
-# with a non-zero exit.
+# builds and installs hps, builds the native core under AddressSanitizer+UBSan
+# and ThreadSanitizer and runs the native tests there, runs the hash-table
+# benchmark in --quick mode, and ends with the Python tests. Any failure stops
+# it with a non-zero exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,10 +34,6 @@ fi
 grep -E -e "-- hps:" build-logs/pip-install.log
 "$PY" -c "import hps; print('hps', hps.__version__, 'cuda compiled:', hps.cuda_compiled(), 'cuda devices:', hps.cuda_device_count())"
 
-step "pytest"
-# The source package sits in python/hps, so this imports the installed build.
-"$PY" -m pytest -p no:cacheprovider tests
-
 native() {  # name, extra cmake args...
   local dir="build-$1"; shift
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPS_BUILD_TESTS=ON -DHPS_CUDA=OFF "$@" \
@@ -52,3 +48,7 @@ native tsan -DHPS_SANITIZE=thread
 
 step "hash-table benchmark, --quick"
 bash bench/hash_table.sh --quick
+
+step "pytest"
+# The source package sits in python/hps, so this imports the installed build.
+"$PY" -m pytest -p no:cacheprovider tests
