@@ -8,15 +8,15 @@
 // calls, a shared mutex lets reads overlap and gives a write the table alone.
 //
 // Random slots are far apart in a large table, so every loop is software
-// pipelined: the home slot of key i + 2D is prefetched, key i + D is probed and
-// its row prefetched, and key i is finished, keeping ~D cache misses in flight.
+// pipelined over D = kAhead items: the home bucket of item i + 2D (and the line
+// after it) is prefetched, item i + D is probed and its row prefetched, and item
+// i is finished, keeping ~2D cache misses in flight.
 #include <sys/mman.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <shared_mutex>
 #include <string>
 #include <system_error>

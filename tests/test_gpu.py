@@ -9,9 +9,8 @@ needs_gpu = pytest.mark.skipif(
     GPUS == 0, reason="no usable CUDA device (no GPU, or the driver is missing or too old)")
 
 
+@pytest.mark.skipif(GPUS > 0, reason="a GPU is present; this checks the message given without one")
 def test_cuda_request_without_a_gpu_says_why():
-    if GPUS > 0:
-        pytest.skip("a GPU is present; this checks the message given without one")
     with pytest.raises(RuntimeError, match="CUDA device 0 requested, but"):
         hps.HashTable(16, 4, device="cuda:0")
 
