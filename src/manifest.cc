@@ -1,0 +1,153 @@
+#include "manifest.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "crc32c.h"
+#include "param_file.h"  // IoError, CorruptionError, ReadFully
+
+namespace hps::detail {
+namespace {
+
+constexpr uint32_t kRecordHeaderBytes = 8;
+constexpr uint32_t kMaxPayloadBytes = 1 + 2 * sizeof(uint64_t);
+
+[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
+  throw IoError(path + ": " + what + ": " + std::strerror(errno));
+}
+
+uint64_t Field(const uint8_t* payload, size_t index) {
+  uint64_t v;
+  std::memcpy(&v, payload + 1 + index * sizeof(uint64_t), sizeof v);
+  return v;
+}
+
+}  // namespace
+
+ManifestReplay ReplayManifest(const std::string& path) {
+  ManifestReplay replay;
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return replay;
+    ThrowErrno("open", path);
+  }
+  std::vector<uint8_t> log;
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    ThrowErrno("stat", path);
+  }
+  log.resize(static_cast<size_t>(st.st_size));
+  try {
+    ReadFully(fd, path, 0, log.data(), log.size());
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+  close(fd);
+
+  ManifestState pending = replay.state;
+  uint64_t at = 0;
+  while (at + kRecordHeaderBytes <= log.size()) {
+    uint32_t length, crc;
+    std::memcpy(&length, log.data() + at, 4);
+    std::memcpy(&crc, log.data() + at + 4, 4);
+    if (length == 0 || length > kMaxPayloadBytes || at + kRecordHeaderBytes + length > log.size()) {
+      break;  // torn
+    }
+    const uint8_t* payload = log.data() + at + kRecordHeaderBytes;
+    if (Crc32c(payload, length) != crc) break;
+    const auto edit = static_cast<ManifestEdit>(payload[0]);
+    const std::string where = path + ": record at byte " + std::to_string(at) + ": ";
+    if (edit == ManifestEdit::kAddFile && length == 17) {
+      const uint64_t seq = Field(payload, 0);
+      if (!pending.live_files.emplace(seq, Field(payload, 1)).second) {
+        throw CorruptionError(where + "adds file " + std::to_string(seq) + ", which is live");
+      }
+      pending.max_sequence = std::max(pending.max_sequence, seq);
+    } else if (edit == ManifestEdit::kDropFile && length == 9) {
+      const uint64_t seq = Field(payload, 0);
+      if (pending.live_files.erase(seq) == 0) {
+        throw CorruptionError(where + "drops file " + std::to_string(seq) + ", which is not live");
+      }
+    } else if (edit == ManifestEdit::kCommit && length == 1) {
+      pending.commits += 1;
+      replay.state = pending;
+      replay.valid_bytes = at + kRecordHeaderBytes + length;
+    } else {
+      throw CorruptionError(where + "unknown edit type " + std::to_string(payload[0]) +
+                            " of " + std::to_string(length) + " bytes");
+    }
+    at += kRecordHeaderBytes + length;
+  }
+  replay.ignored_bytes = log.size() - replay.valid_bytes;
+  return replay;
+}
+
+ManifestWriter::ManifestWriter(const std::string& path, uint64_t valid_bytes)
+    : path_(path), bytes_(valid_bytes) {
+  fd_ = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) ThrowErrno("open", path);
+  if (ftruncate(fd_, static_cast<off_t>(valid_bytes)) != 0 || fdatasync(fd_) != 0) {
+    const int error = errno;
+    close(fd_);
+    errno = error;
+    ThrowErrno("cut back to the last commit", path);
+  }
+}
+
+ManifestWriter::~ManifestWriter() {
+  if (fd_ >= 0) close(fd_);
+}
+
+void ManifestWriter::Append(ManifestEdit edit, const std::vector<uint64_t>& fields) {
+  std::vector<uint8_t> payload(1 + fields.size() * sizeof(uint64_t));
+  payload[0] = static_cast<uint8_t>(edit);
+  if (!fields.empty()) std::memcpy(payload.data() + 1, fields.data(), fields.size() * sizeof(uint64_t));
+  const uint32_t length = static_cast<uint32_t>(payload.size());
+  const uint32_t crc = Crc32c(payload.data(), payload.size());
+  const size_t at = pending_.size();
+  pending_.resize(at + kRecordHeaderBytes + length);
+  std::memcpy(pending_.data() + at, &length, 4);
+  std::memcpy(pending_.data() + at + 4, &crc, 4);
+  std::memcpy(pending_.data() + at + kRecordHeaderBytes, payload.data(), length);
+}
+
+void ManifestWriter::AddFile(uint64_t sequence, uint64_t records) {
+  Append(ManifestEdit::kAddFile, {sequence, records});
+}
+
+void ManifestWriter::DropFile(uint64_t sequence) { Append(ManifestEdit::kDropFile, {sequence}); }
+
+void ManifestWriter::Commit() {
+  Append(ManifestEdit::kCommit, {});
+  // On failure, cut the log back so no half-written commit precedes the next
+  // append (replay would stop at it anyway), and drop the edits: the caller
+  // learns that nothing since the last commit is durable.
+  auto fail = [&](const char* what) {
+    const int error = errno;
+    const int cut = ftruncate(fd_, static_cast<off_t>(bytes_));
+    (void)cut;  // the throw below reports the original error
+    pending_.clear();
+    errno = error;
+    ThrowErrno(what, path_);
+  };
+  for (uint64_t done = 0; done < pending_.size();) {
+    const ssize_t w = pwrite(fd_, pending_.data() + done, pending_.size() - done,
+                             static_cast<off_t>(bytes_ + done));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail("append commit");
+    }
+    done += static_cast<uint64_t>(w);
+  }
+  if (fdatasync(fd_) != 0) fail("sync commit");
+  bytes_ += pending_.size();
+  pending_.clear();
+}
+
+}  // namespace hps::detail

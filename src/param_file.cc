@@ -1,0 +1,252 @@
+#include "param_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "crc32c.h"
+
+namespace hps::detail {
+namespace {
+
+constexpr char kMagic[8] = {'H', 'P', 'S', 'P', 'A', 'R', 'A', 'M'};
+constexpr uint64_t kWriteChunk = uint64_t{1} << 20;  // bytes per pwrite
+
+[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
+  throw IoError(path + ": " + what + ": " + std::strerror(errno));
+}
+
+[[noreturn]] void ThrowCorrupt(const std::string& path, const std::string& what) {
+  throw CorruptionError(path + ": not a valid hps parameter file: " + what);
+}
+
+uint32_t HeaderCrc(ParamFileHeader h) {
+  h.header_crc = 0;
+  return Crc32c(&h, sizeof h);
+}
+
+// Appends bytes at the file's end offset through a 1 MiB staging buffer, so a
+// file goes out in few large sequential writes.
+class SequentialWriter {
+ public:
+  SequentialWriter(int fd, const std::string& path) : fd_(fd), path_(path) {
+    buffer_.reserve(kWriteChunk);
+  }
+  void Append(const void* data, uint64_t bytes) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    while (bytes > 0) {
+      const uint64_t take = std::min<uint64_t>(bytes, kWriteChunk - buffer_.size());
+      buffer_.insert(buffer_.end(), p, p + take);
+      p += take;
+      bytes -= take;
+      if (buffer_.size() == kWriteChunk) Flush();
+    }
+  }
+  void PadToBlock() {
+    const uint64_t total = offset_ + buffer_.size();
+    buffer_.resize(buffer_.size() + (RoundUpToBlock(total) - total), 0);
+    if (buffer_.size() >= kWriteChunk) Flush();
+  }
+  void Flush() {
+    uint64_t done = 0;
+    while (done < buffer_.size()) {
+      const ssize_t w = pwrite(fd_, buffer_.data() + done, buffer_.size() - done,
+                               static_cast<off_t>(offset_ + done));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        ThrowErrno("write", path_);
+      }
+      done += static_cast<uint64_t>(w);
+    }
+    offset_ += buffer_.size();
+    buffer_.clear();
+  }
+  uint64_t offset() const { return offset_ + buffer_.size(); }
+
+ private:
+  int fd_;
+  const std::string& path_;
+  std::vector<uint8_t> buffer_;
+  uint64_t offset_ = 0;
+};
+
+}  // namespace
+
+void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes) {
+  auto* p = static_cast<uint8_t*>(data);
+  while (bytes > 0) {
+    const ssize_t r = pread(fd, p, bytes, static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      ThrowErrno("read", path);
+    }
+    if (r == 0) ThrowCorrupt(path, "file ends early, at byte " + std::to_string(offset));
+    p += r;
+    offset += static_cast<uint64_t>(r);
+    bytes -= static_cast<uint64_t>(r);
+  }
+}
+
+uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row_bytes,
+                        const uint64_t* keys, const uint8_t* rows, uint64_t n) {
+  if (row_bytes == 0) throw std::invalid_argument(path + ": row_bytes must be > 0");
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) ThrowErrno("create", path);
+  uint64_t written = 0;
+  try {
+    ParamFileHeader h{};
+    std::memcpy(h.magic, kMagic, sizeof kMagic);
+    h.version = kParamFileVersion;
+    h.row_bytes = row_bytes;
+    h.sequence = sequence;
+    h.records = n;
+    h.keys_crc = Crc32c(keys, n * sizeof(uint64_t));
+    h.rows_crc = Crc32c(rows, n * row_bytes);
+    h.header_crc = HeaderCrc(h);
+
+    SequentialWriter out(fd, path);
+    out.Append(&h, sizeof h);
+    out.PadToBlock();
+    out.Append(keys, n * sizeof(uint64_t));
+    out.PadToBlock();
+    out.Append(rows, n * row_bytes);
+    out.PadToBlock();
+    out.Flush();
+    written = out.offset();
+    if (fdatasync(fd) != 0) ThrowErrno("sync", path);
+  } catch (...) {
+    close(fd);
+    unlink(path.c_str());  // a partial file must never be mistaken for data
+    throw;
+  }
+  if (close(fd) != 0) {
+    const int error = errno;
+    unlink(path.c_str());
+    errno = error;
+    ThrowErrno("close", path);
+  }
+  return written;
+}
+
+ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool verify_rows) {
+  ParamFile f;
+  f.path_ = path;
+  f.fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd_ < 0) ThrowErrno("open", path);
+
+  ReadFully(f.fd_, path, 0, &f.header_, sizeof f.header_);
+  const ParamFileHeader& h = f.header_;
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) ThrowCorrupt(path, "bad magic");
+  if (HeaderCrc(h) != h.header_crc) ThrowCorrupt(path, "header CRC mismatch");
+  if (h.version != kParamFileVersion) {
+    ThrowCorrupt(path, "format version " + std::to_string(h.version) + ", this build reads " +
+                           std::to_string(kParamFileVersion));
+  }
+  if (h.row_bytes != row_bytes) {
+    ThrowCorrupt(path, "rows of " + std::to_string(h.row_bytes) + " bytes, the store expects " +
+                           std::to_string(row_bytes));
+  }
+  const off_t size = lseek(f.fd_, 0, SEEK_END);
+  if (size < 0) ThrowErrno("seek", path);
+  const ParamFileLayout layout = f.layout();
+  if (static_cast<uint64_t>(size) != layout.file_bytes()) {
+    ThrowCorrupt(path, "length " + std::to_string(size) + " bytes, the header implies " +
+                           std::to_string(layout.file_bytes()));
+  }
+
+  f.keys_.resize(h.records);
+  ReadFully(f.fd_, path, layout.keys_offset(), f.keys_.data(), h.records * sizeof(uint64_t));
+  if (Crc32c(f.keys_.data(), h.records * sizeof(uint64_t)) != h.keys_crc) {
+    ThrowCorrupt(path, "keys CRC mismatch");
+  }
+  if (verify_rows) {
+    std::vector<uint8_t> chunk(kWriteChunk);
+    const uint64_t total = h.records * h.row_bytes;
+    uint32_t crc = 0;
+    for (uint64_t done = 0; done < total;) {
+      const uint64_t take = std::min<uint64_t>(chunk.size(), total - done);
+      ReadFully(f.fd_, path, layout.rows_offset() + done, chunk.data(), take);
+      crc = Crc32c(chunk.data(), take, crc);
+      done += take;
+    }
+    if (crc != h.rows_crc) ThrowCorrupt(path, "rows CRC mismatch");
+  }
+  return f;
+}
+
+ParamFile::ParamFile(ParamFile&& other) noexcept { *this = std::move(other); }
+
+ParamFile& ParamFile::operator=(ParamFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    path_ = std::move(other.path_);
+    fd_ = std::exchange(other.fd_, -1);
+    header_ = other.header_;
+    keys_ = std::move(other.keys_);
+  }
+  return *this;
+}
+
+ParamFile::~ParamFile() {
+  if (fd_ >= 0) close(fd_);
+}
+
+uint64_t ParamFile::ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) const {
+  const ParamFileLayout layout = this->layout();
+  const uint64_t row_bytes = header_.row_bytes;
+  struct Run {
+    uint64_t first, last;  // blocks, inclusive
+    uint64_t buffer_offset;
+  };
+  std::vector<Run> runs;
+  runs.reserve(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (slots[i] >= header_.records) {
+      throw std::out_of_range(path_ + ": slot " + std::to_string(slots[i]) + " of " +
+                              std::to_string(header_.records) + " records");
+    }
+    const uint64_t begin = layout.row_offset(slots[i]);
+    runs.push_back({begin / kBlockBytes, (begin + row_bytes - 1) / kBlockBytes, 0});
+  }
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.first < b.first; });
+  std::vector<Run> merged;
+  for (const Run& r : runs) {
+    if (!merged.empty() && r.first <= merged.back().last + 1) {
+      merged.back().last = std::max(merged.back().last, r.last);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  uint64_t blocks = 0;
+  for (const Run& r : merged) blocks += r.last - r.first + 1;
+  const uint64_t region_first = layout.rows_offset() / kBlockBytes;
+  const uint64_t region_blocks = (layout.file_bytes() - layout.rows_offset()) / kBlockBytes;
+  if (blocks >= region_blocks && region_blocks > 0) {  // one sequential read moves no more
+    merged.assign(1, Run{region_first, region_first + region_blocks - 1, 0});
+    blocks = region_blocks;
+  }
+  std::vector<uint8_t> buffer(blocks * kBlockBytes);
+  uint64_t at = 0;
+  for (Run& r : merged) {
+    r.buffer_offset = at;
+    const uint64_t bytes = (r.last - r.first + 1) * kBlockBytes;
+    ReadFully(fd_, path_, r.first * kBlockBytes, buffer.data() + at, bytes);
+    at += bytes;
+  }
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t begin = layout.row_offset(slots[i]);
+    const uint64_t block = begin / kBlockBytes;
+    const auto run = std::upper_bound(merged.begin(), merged.end(), block,
+                                      [](uint64_t b, const Run& r) { return b < r.first; }) -
+                     1;
+    std::memcpy(out + i * row_bytes,
+                buffer.data() + run->buffer_offset + (begin - run->first * kBlockBytes), row_bytes);
+  }
+  return blocks * kBlockBytes;
+}
+
+}  // namespace hps::detail

@@ -1,0 +1,112 @@
+// A parameter file of SSD-PS: one immutable batch of (key, row) records,
+// written once and sequentially, then only read (docs/ssd_format.md).
+//
+//   [header block, 4 KiB][keys: records x uint64, padded to 4 KiB]
+//   [rows: records x row_bytes, padded to 4 KiB]
+//
+// Keys and rows live in separate regions, each with its own CRC-32C, so that
+// reopening a store verifies and indexes a file by reading its keys alone.
+// Every region starts on a 4 KiB boundary, as O_DIRECT reads need.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace hps {
+
+// A file that is not what it must be: bad magic, version, sizes or CRC. The
+// message names the file and the field.
+class CorruptionError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A failed system call; the message names the file, the call and errno's text.
+class IoError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+
+inline constexpr uint64_t kBlockBytes = 4096;
+inline constexpr uint32_t kParamFileVersion = 1;
+
+inline uint64_t RoundUpToBlock(uint64_t bytes) {
+  return (bytes + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
+}
+
+// DO NOT CHANGE THE LAYOUT: it is the first bytes of every file on disk
+// (little-endian; the rest of the header block is zero).
+struct ParamFileHeader {
+  char magic[8];        // "HPSPARAM"
+  uint32_t version;     // kParamFileVersion
+  uint32_t row_bytes;   // bytes per row
+  uint64_t sequence;    // the store's sequence number of this file
+  uint64_t records;     // number of (key, row) records
+  uint32_t keys_crc;    // CRC-32C of the keys region's records * 8 bytes
+  uint32_t rows_crc;    // CRC-32C of the rows region's records * row_bytes bytes
+  uint32_t header_crc;  // CRC-32C of this struct with header_crc = 0
+  uint32_t reserved;    // 0
+};
+static_assert(sizeof(ParamFileHeader) == 48, "on-disk header size");
+
+// Where things are in a file of `records` rows of `row_bytes`.
+struct ParamFileLayout {
+  uint32_t row_bytes;
+  uint64_t records;
+
+  uint64_t keys_offset() const { return kBlockBytes; }
+  uint64_t rows_offset() const { return kBlockBytes + RoundUpToBlock(records * sizeof(uint64_t)); }
+  uint64_t file_bytes() const { return rows_offset() + RoundUpToBlock(records * row_bytes); }
+  uint64_t row_offset(uint64_t slot) const { return rows_offset() + slot * row_bytes; }
+};
+
+// Writes a new file at `path` (which must not exist) holding keys[i] with
+// rows (n, row_bytes), then syncs it. On any failure the partial file is
+// removed and IoError names it. Returns the bytes written.
+uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row_bytes,
+                        const uint64_t* keys, const uint8_t* rows, uint64_t n);
+
+// An open, validated parameter file. Not copyable; movable.
+class ParamFile {
+ public:
+  // Checks the header (magic, version, row size, file length, header CRC)
+  // and the keys region's CRC, loading the keys; with verify_rows, the rows
+  // region's CRC too. Throws CorruptionError or IoError naming the file.
+  static ParamFile Open(const std::string& path, uint32_t row_bytes, bool verify_rows);
+
+  ParamFile(ParamFile&& other) noexcept;
+  ParamFile& operator=(ParamFile&& other) noexcept;
+  ParamFile(const ParamFile&) = delete;
+  ParamFile& operator=(const ParamFile&) = delete;
+  ~ParamFile();
+
+  const std::string& path() const { return path_; }
+  const ParamFileHeader& header() const { return header_; }
+  ParamFileLayout layout() const { return {header_.row_bytes, header_.records}; }
+  // keys()[slot] is the key of record `slot`.
+  const std::vector<uint64_t>& keys() const { return keys_; }
+
+  // Copies the rows of `slots` into out (n, row_bytes). Reads each run of
+  // neighbouring 4 KiB blocks once, or the whole rows region when that moves
+  // fewer bytes. Returns the bytes read from the file.
+  uint64_t ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) const;
+
+ private:
+  ParamFile() = default;
+
+  std::string path_;
+  int fd_ = -1;
+  ParamFileHeader header_{};
+  std::vector<uint64_t> keys_;
+};
+
+// Reads exactly `bytes` at `offset`, retrying short reads; IoError names the
+// file, CorruptionError a file shorter than expected.
+void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes);
+
+}  // namespace detail
+}  // namespace hps

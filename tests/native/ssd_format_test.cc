@@ -1,0 +1,269 @@
+// SSD-PS on-disk formats: CRC-32C, parameter files, the manifest log.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "crc32c.h"
+#include "manifest.h"
+#include "param_file.h"
+
+namespace hps::detail {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TempDir : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/hps-ssd-test-XXXXXX";
+    ASSERT_NE(mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string Path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
+
+  static void FlipByte(const std::string& path, uint64_t offset) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(offset));
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x5a;
+    f.seekp(static_cast<std::streamoff>(offset));
+    f.write(&c, 1);
+  }
+
+  std::string dir_;
+};
+
+// RFC 3720, appendix B.4, and the usual check value.
+TEST(Crc32c, KnownVectors) {
+  EXPECT_EQ(Crc32c("123456789", 9), 0xe3069283u);
+  std::vector<uint8_t> zeros(32, 0), ones(32, 0xff), up(32);
+  for (int i = 0; i < 32; ++i) up[i] = static_cast<uint8_t>(i);
+  EXPECT_EQ(Crc32c(zeros.data(), 32), 0x8a9136aau);
+  EXPECT_EQ(Crc32c(ones.data(), 32), 0x62a8ab43u);
+  EXPECT_EQ(Crc32c(up.data(), 32), 0x46dd794eu);
+  EXPECT_EQ(Crc32c(nullptr, 0), 0u);
+  EXPECT_EQ(Crc32cPortable("123456789", 9), 0xe3069283u);
+  EXPECT_EQ(Crc32cPortable(up.data(), 32), 0x46dd794eu);
+}
+
+TEST(Crc32c, ContinuesAcrossPieces) {
+  std::vector<uint8_t> data(1000);
+  std::mt19937 rng(1);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  const uint32_t whole = Crc32c(data.data(), data.size());
+  EXPECT_EQ(Crc32cPortable(data.data(), data.size()), whole);  // both paths agree
+  for (size_t cut : {0, 1, 7, 8, 9, 500, 999, 1000}) {
+    EXPECT_EQ(Crc32c(data.data() + cut, data.size() - cut, Crc32c(data.data(), cut)), whole);
+  }
+}
+
+struct Records {
+  std::vector<uint64_t> keys;
+  std::vector<uint8_t> rows;
+};
+
+Records MakeRecords(uint64_t n, uint32_t row_bytes, uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  Records r;
+  r.keys.resize(n);
+  r.rows.resize(n * row_bytes);
+  for (auto& k : r.keys) k = rng();
+  for (auto& b : r.rows) b = static_cast<uint8_t>(rng());
+  return r;
+}
+
+using ParamFileTest = TempDir;
+
+TEST_F(ParamFileTest, RoundTripsKeysAndRowsForAnyRowSize) {
+  for (uint32_t row_bytes : {1u, 36u, 128u, 4096u, 5000u}) {
+    const uint64_t n = 777;
+    const Records r = MakeRecords(n, row_bytes, row_bytes);
+    const std::string path = Path("f" + std::to_string(row_bytes));
+    const uint64_t written = WriteParamFile(path, 42, row_bytes, r.keys.data(), r.rows.data(), n);
+    EXPECT_EQ(written, fs::file_size(path));
+    EXPECT_EQ(written % kBlockBytes, 0u);
+
+    ParamFile f = ParamFile::Open(path, row_bytes, /*verify_rows=*/true);
+    EXPECT_EQ(f.header().sequence, 42u);
+    EXPECT_EQ(f.header().records, n);
+    EXPECT_EQ(f.keys(), r.keys);
+
+    // A few scattered rows: only their blocks are read.
+    const std::vector<uint64_t> few = {500, 3, 3, 776, 0};
+    std::vector<uint8_t> out(few.size() * row_bytes);
+    const uint64_t read = f.ReadRows(few.data(), few.size(), out.data());
+    const uint64_t region = f.layout().file_bytes() - f.layout().rows_offset();
+    EXPECT_LE(read, region);
+    for (size_t i = 0; i < few.size(); ++i) {
+      ASSERT_EQ(std::memcmp(out.data() + i * row_bytes, r.rows.data() + few[i] * row_bytes, row_bytes), 0)
+          << "row_bytes " << row_bytes << " slot " << few[i];
+    }
+    // Every row, reversed: the whole region in one read.
+    std::vector<uint64_t> all(n);
+    for (uint64_t i = 0; i < n; ++i) all[i] = n - 1 - i;
+    std::vector<uint8_t> every(n * row_bytes);
+    EXPECT_EQ(f.ReadRows(all.data(), n, every.data()), region);
+    for (uint64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(std::memcmp(every.data() + i * row_bytes, r.rows.data() + (n - 1 - i) * row_bytes, row_bytes), 0);
+    }
+  }
+}
+
+TEST_F(ParamFileTest, EmptyFile) {
+  WriteParamFile(Path("empty"), 1, 16, nullptr, nullptr, 0);
+  ParamFile f = ParamFile::Open(Path("empty"), 16, true);
+  EXPECT_TRUE(f.keys().empty());
+  EXPECT_EQ(fs::file_size(Path("empty")), kBlockBytes);
+}
+
+TEST_F(ParamFileTest, NeverOverwritesAnExistingFile) {
+  const Records r = MakeRecords(10, 8, 1);
+  WriteParamFile(Path("f"), 1, 8, r.keys.data(), r.rows.data(), 10);
+  const auto size = fs::file_size(Path("f"));
+  EXPECT_THROW(WriteParamFile(Path("f"), 2, 8, r.keys.data(), r.rows.data(), 5), IoError);
+  EXPECT_EQ(fs::file_size(Path("f")), size);
+  EXPECT_EQ(ParamFile::Open(Path("f"), 8, true).header().sequence, 1u);
+}
+
+void ExpectCorrupt(const std::string& path, uint32_t row_bytes, bool verify_rows,
+                   const std::string& what) {
+  try {
+    ParamFile::Open(path, row_bytes, verify_rows);
+    ADD_FAILURE() << "opened " << path << ", expected: " << what;
+  } catch (const CorruptionError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(path), std::string::npos) << message;
+    EXPECT_NE(message.find(what), std::string::npos) << message;
+  }
+}
+
+TEST_F(ParamFileTest, CorruptionIsReportedWithFileAndField) {
+  const uint32_t row_bytes = 64;
+  const Records r = MakeRecords(100, row_bytes, 3);
+  const std::string path = Path("f");
+  WriteParamFile(path, 9, row_bytes, r.keys.data(), r.rows.data(), 100);
+  const ParamFileLayout layout{row_bytes, 100};
+
+  const std::string copy = Path("copy");
+  auto fresh = [&] {
+    fs::copy_file(path, copy, fs::copy_options::overwrite_existing);
+    return copy;
+  };
+  FlipByte(fresh(), 20);
+  ExpectCorrupt(copy, row_bytes, false, "header CRC mismatch");
+  FlipByte(fresh(), 0);
+  ExpectCorrupt(copy, row_bytes, false, "bad magic");
+  FlipByte(fresh(), layout.keys_offset() + 13);
+  ExpectCorrupt(copy, row_bytes, false, "keys CRC mismatch");
+  FlipByte(fresh(), layout.rows_offset() + 77);
+  ExpectCorrupt(copy, row_bytes, true, "rows CRC mismatch");
+  EXPECT_NO_THROW(ParamFile::Open(copy, row_bytes, false));  // rows unchecked by request
+  fs::resize_file(fresh(), layout.file_bytes() - kBlockBytes);
+  ExpectCorrupt(copy, row_bytes, false, "the header implies");
+  ExpectCorrupt(path, 32, false, "rows of 64 bytes, the store expects 32");
+  EXPECT_THROW(ParamFile::Open(Path("missing"), row_bytes, false), IoError);
+}
+
+using ManifestTest = TempDir;
+
+TEST_F(ManifestTest, MissingManifestIsAnEmptyStore) {
+  const ManifestReplay r = ReplayManifest(Path("MANIFEST"));
+  EXPECT_TRUE(r.state.live_files.empty());
+  EXPECT_EQ(r.valid_bytes, 0u);
+}
+
+TEST_F(ManifestTest, ReplaysCommittedEditsOnly) {
+  const std::string path = Path("MANIFEST");
+  {
+    ManifestWriter w(path, 0);
+    w.AddFile(1, 100);
+    w.AddFile(2, 50);
+    w.Commit();
+    w.DropFile(1);
+    w.AddFile(3, 70);
+    w.Commit();
+    w.AddFile(4, 10);  // never committed: never written
+  }
+  const ManifestReplay r = ReplayManifest(path);
+  EXPECT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{2, 50}, {3, 70}}));
+  EXPECT_EQ(r.state.commits, 2u);
+  EXPECT_EQ(r.state.max_sequence, 3u);
+  EXPECT_EQ(r.valid_bytes, fs::file_size(path));
+  EXPECT_EQ(r.ignored_bytes, 0u);
+}
+
+TEST_F(ManifestTest, TornLastCommitFallsBackToThePreviousOne) {
+  const std::string path = Path("MANIFEST");
+  uint64_t first_commit_bytes = 0;
+  {
+    ManifestWriter w(path, 0);
+    w.AddFile(1, 100);
+    w.Commit();
+    first_commit_bytes = w.bytes();
+    w.AddFile(2, 5);
+    w.DropFile(1);
+    w.Commit();
+  }
+  const uint64_t full = fs::file_size(path);
+  // A crash can stop the second append at any byte.
+  for (uint64_t cut = first_commit_bytes; cut < full; ++cut) {
+    const std::string torn = Path("torn");
+    fs::copy_file(path, torn, fs::copy_options::overwrite_existing);
+    fs::resize_file(torn, cut);
+    const ManifestReplay r = ReplayManifest(torn);
+    ASSERT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{1, 100}})) << "cut at " << cut;
+    ASSERT_EQ(r.valid_bytes, first_commit_bytes);
+    ASSERT_EQ(r.ignored_bytes, cut - first_commit_bytes);
+    // Appending after a replay cuts the torn tail off first.
+    {
+      ManifestWriter w(torn, r.valid_bytes);
+      w.AddFile(7, 1);
+      w.Commit();
+    }
+    ASSERT_EQ(ReplayManifest(torn).state.live_files,
+              (std::map<uint64_t, uint64_t>{{1, 100}, {7, 1}}));
+  }
+}
+
+TEST_F(ManifestTest, ACorruptRecordEndsTheLog) {
+  const std::string path = Path("MANIFEST");
+  {
+    ManifestWriter w(path, 0);
+    w.AddFile(1, 1);
+    w.Commit();
+    w.AddFile(2, 2);
+    w.Commit();
+  }
+  FlipByte(path, fs::file_size(path) - 3);  // inside the second commit's records
+  const ManifestReplay r = ReplayManifest(path);
+  EXPECT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{1, 1}}));
+  EXPECT_GT(r.ignored_bytes, 0u);
+}
+
+TEST_F(ManifestTest, ContradictoryCommittedEditsAreCorruption) {
+  const std::string path = Path("MANIFEST");
+  {
+    ManifestWriter w(path, 0);
+    w.DropFile(5);
+    w.Commit();
+  }
+  try {
+    ReplayManifest(path);
+    ADD_FAILURE() << "replayed a drop of an unknown file";
+  } catch (const CorruptionError& e) {
+    EXPECT_NE(std::string(e.what()).find("drops file 5, which is not live"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace hps::detail
