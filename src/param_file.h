@@ -14,21 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "hps/ssd_store.h"  // CorruptionError, IoError
+
 namespace hps {
-
-// A file that is not what it must be: bad magic, version, sizes or CRC. The
-// message names the file and the field.
-class CorruptionError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// A failed system call; the message names the file, the call and errno's text.
-class IoError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 namespace detail {
 
 inline constexpr uint64_t kBlockBytes = 4096;

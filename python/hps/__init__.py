@@ -5,21 +5,25 @@ without a GPU), a host-memory cache and an SSD store; this package is the
 Python face of the native core.
 """
 from hps._core import __version__, cuda_compiled, cuda_device_count
-from hps.errors import HpsError, TableFullError
+from hps.errors import CorruptionError, HpsError, IoError, TableFullError
 from hps.hash_table import EMPTY_KEY, HashTable
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
+from hps.ssd_store import SsdStore
 
 __all__ = [
     "EMPTY_KEY",
     "AdaGrad",
     "Adam",
+    "CorruptionError",
     "EmbeddingTable",
     "HashTable",
     "HpsError",
+    "IoError",
     "Normal",
     "RowWiseAdaGrad",
     "SGD",
+    "SsdStore",
     "TableFullError",
     "Uniform",
     "Zeros",

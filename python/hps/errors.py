@@ -2,8 +2,9 @@
 
 Bad arguments (wrong dtype, shape, the reserved key, out-of-range settings)
 raise the built-in TypeError or ValueError with a message naming the argument;
-conditions of the system itself derive from HpsError.
+conditions of the system itself derive from HpsError: a full table, a
+damaged file (CorruptionError, naming it), a failed system call (IoError).
 """
-from hps._core import HpsError, TableFullError
+from hps._core import CorruptionError, HpsError, IoError, TableFullError
 
-__all__ = ["HpsError", "TableFullError"]
+__all__ = ["CorruptionError", "HpsError", "IoError", "TableFullError"]

@@ -12,6 +12,7 @@
 #include "hps/config.h"
 #include "hps/hash_table.h"
 #include "hps/optimizer.h"
+#include "hps/ssd_store.h"
 
 namespace py = pybind11;
 
@@ -57,6 +58,17 @@ const float* RowsArg(const py::array& a, const char* name, uint64_t n, int64_t c
   }
   RequireContiguous(a, name);
   return static_cast<const float*>(a.data());
+}
+
+// A C-contiguous (n, k) array of any dtype whose rows are row_bytes long.
+const uint8_t* ByteRowsArg(const py::array& a, const char* name, uint64_t n, uint32_t row_bytes) {
+  if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != n ||
+      static_cast<uint64_t>(a.shape(1) * a.itemsize()) != row_bytes) {
+    throw py::value_error(std::string(name) + " must be a 2-D array of " + std::to_string(n) +
+                          " rows of " + std::to_string(row_bytes) + " bytes each");
+  }
+  RequireContiguous(a, name);
+  return static_cast<const uint8_t*>(a.data());
 }
 
 py::array_t<float> NewRows(uint64_t n, int64_t columns) {
@@ -107,6 +119,8 @@ PYBIND11_MODULE(_core, m) {
                                 PyExc_Exception, nullptr));
   m.attr("HpsError") = hps_error;
   py::register_exception<hps::TableFullError>(m, "TableFullError", hps_error.ptr());
+  py::register_exception<hps::CorruptionError>(m, "CorruptionError", hps_error.ptr());
+  py::register_exception<hps::IoError>(m, "IoError", hps_error.ptr());
 
   m.def("cuda_compiled", &hps::CudaCompiled, "Whether this build has the CUDA launchers.");
   m.def("cuda_device_count", &hps::CudaDeviceCount,
@@ -246,5 +260,55 @@ PYBIND11_MODULE(_core, m) {
       .def("clear", [](Table& t) {
         py::gil_scoped_release release;
         t.clear();
+      });
+
+  py::class_<hps::SsdStore>(m, "SsdStore")
+      .def(py::init([](const std::string& path, uint32_t row_bytes, uint64_t file_records,
+                       bool verify_rows_on_open) {
+             return hps::SsdStore::Open({path, row_bytes, file_records, verify_rows_on_open});
+           }),
+           py::arg("path"), py::arg("row_bytes"), py::arg("file_records") = uint64_t{1} << 16,
+           py::arg("verify_rows_on_open") = false)
+      .def_property_readonly("row_bytes", &hps::SsdStore::row_bytes)
+      .def("__len__", &hps::SsdStore::size)
+      .def("put", [](hps::SsdStore& s, const py::array& keys, const py::array& rows) {
+        const uint64_t* k = KeysArg(keys, "keys");
+        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const uint8_t* r = ByteRowsArg(rows, "rows", n, s.row_bytes());
+        py::gil_scoped_release release;
+        s.Put(k, n, r);
+      }, py::arg("keys"), py::arg("rows"))
+      .def("get", [](hps::SsdStore& s, const py::array& keys) {
+        const uint64_t* k = KeysArg(keys, "keys");
+        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        py::array_t<uint8_t> rows({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(s.row_bytes())});
+        py::array_t<bool> found(static_cast<py::ssize_t>(n));
+        uint8_t* out = rows.mutable_data();
+        uint8_t* flags = Bytes(found);
+        {
+          py::gil_scoped_release release;
+          s.Get(k, n, out, flags);
+        }
+        return py::make_tuple(rows, found);
+      }, py::arg("keys"))
+      .def("commit", [](hps::SsdStore& s) {
+        py::gil_scoped_release release;
+        s.Commit();
+      })
+      .def("stats", [](const hps::SsdStore& s) {
+        const hps::SsdStoreStats st = s.stats();
+        py::dict d;
+        d["files"] = st.files;
+        d["live_records"] = st.live_records;
+        d["stale_records"] = st.stale_records;
+        d["disk_bytes"] = st.disk_bytes;
+        d["rows_written"] = st.rows_written;
+        d["bytes_written"] = st.bytes_written;
+        d["rows_read"] = st.rows_read;
+        d["bytes_read"] = st.bytes_read;
+        d["bytes_requested"] = st.bytes_requested;
+        d["commits"] = st.commits;
+        d["io_path"] = st.io_path;
+        return d;
       });
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "crc32c.h"
+#include "hps/ssd_store.h"
 #include "manifest.h"
 #include "param_file.h"
 
@@ -263,6 +264,28 @@ TEST_F(ManifestTest, ContradictoryCommittedEditsAreCorruption) {
   } catch (const CorruptionError& e) {
     EXPECT_NE(std::string(e.what()).find("drops file 5, which is not live"), std::string::npos);
   }
+}
+
+using SsdStoreTest = TempDir;
+
+TEST_F(SsdStoreTest, PutGetCommitReopen) {
+  const uint32_t row_bytes = 24;
+  const Records first = MakeRecords(1000, row_bytes, 5);
+  const Records second = MakeRecords(300, row_bytes, 6);
+  {
+    auto store = SsdStore::Open({dir_, row_bytes, 128, false});
+    store->Put(first.keys.data(), 1000, first.rows.data());
+    store->Commit();
+    store->Put(second.keys.data(), 300, second.rows.data());  // never committed
+    EXPECT_EQ(store->size(), 1300u);
+  }
+  auto store = SsdStore::Open({dir_, row_bytes, 128, true});
+  ASSERT_EQ(store->size(), 1000u);
+  std::vector<uint8_t> out(1000 * row_bytes);
+  std::vector<uint8_t> found(1000);
+  EXPECT_EQ(store->Get(first.keys.data(), 1000, out.data(), found.data()), 1000u);
+  EXPECT_EQ(out, first.rows);
+  EXPECT_EQ(store->Get(second.keys.data(), 1, out.data(), found.data()), 0u);
 }
 
 }  // namespace

@@ -1,0 +1,86 @@
+// SSD-PS: the tier that keeps the rows that fit neither in device nor in host
+// memory, as immutable parameter files on disk (docs/ssd_format.md).
+//
+// put() never updates in place: a batch of rows becomes new files, written
+// sequentially, and the index then points at the new copies; the old ones
+// become stale, counted per file. commit() makes everything put so far durable
+// through the manifest. open() of an existing store replays the manifest,
+// deletes files that were never committed, and rebuilds the index from the
+// live files' keys.
+//
+// This is the pread/pwrite path. Still to come (issue 3): io_uring with
+// O_DIRECT, background compaction of files more than half stale, and a
+// compact index (std::unordered_map costs ~40 bytes a key).
+//
+// Thread safety: calls are serialised by one mutex.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "hps/hash_table.h"  // kEmptyKey
+
+namespace hps {
+
+// A file that is not what it must be: bad magic, version, sizes or CRC. The
+// message names the file and the field.
+class CorruptionError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A failed system call (a full disk, a missing file); the message names the
+// file, the call and errno's text.
+class IoError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct SsdStoreOptions {
+  std::string path;                       ///< a directory; created if missing
+  uint32_t row_bytes = 0;                 ///< bytes per row; > 0; fixed for the store's life
+  uint64_t file_records = uint64_t{1} << 16;  ///< records per parameter file; > 0
+  bool verify_rows_on_open = false;       ///< also check every file's rows CRC at open (reads all)
+};
+
+struct SsdStoreStats {
+  uint64_t files = 0;           ///< parameter files in use (committed or not)
+  uint64_t live_records = 0;    ///< records the index points at: the stored keys
+  uint64_t stale_records = 0;   ///< records superseded by a later put
+  uint64_t disk_bytes = 0;      ///< bytes of those files
+  uint64_t rows_written = 0;
+  uint64_t bytes_written = 0;
+  uint64_t rows_read = 0;
+  uint64_t bytes_read = 0;      ///< bytes read from files by get
+  uint64_t bytes_requested = 0; ///< rows_read * row_bytes; read amplification = bytes_read / this
+  uint64_t commits = 0;
+  std::string io_path;          ///< "pread": how rows are read and written
+};
+
+class SsdStore {
+ public:
+  // Creates the store at options.path, or opens the one there. Throws
+  // std::invalid_argument for bad options, a row size other than the store's,
+  // or a path that holds something other than a store; CorruptionError naming
+  // the file for a damaged one; IoError for failed system calls.
+  static std::unique_ptr<SsdStore> Open(const SsdStoreOptions& options);
+
+  virtual ~SsdStore() = default;
+
+  // Stores rows (n, row_bytes) under keys; of duplicate keys the last wins.
+  // Readable at once, durable after commit().
+  virtual void Put(const uint64_t* keys, uint64_t n, const uint8_t* rows) = 0;
+  // Copies the rows of present keys into rows_out (n, row_bytes); absent keys
+  // get zero rows and found[i] = 0 (found may be null). Returns the hits.
+  virtual uint64_t Get(const uint64_t* keys, uint64_t n, uint8_t* rows_out, uint8_t* found) = 0;
+  // Makes every put so far durable: a crash after this returns reopens to it.
+  virtual void Commit() = 0;
+
+  virtual uint64_t size() const = 0;
+  virtual uint32_t row_bytes() const = 0;
+  virtual SsdStoreStats stats() const = 0;
+};
+
+}  // namespace hps

@@ -1,0 +1,45 @@
+"""SSD-PS: rows on disk in immutable parameter files (docs/ssd_format.md)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from hps import _core
+
+
+class SsdStore(_core.SsdStore):
+    """Fixed-size rows under uint64 keys in a directory of parameter files.
+
+    put(keys, rows) writes new files (never in place); get(keys) reads the rows
+    back, grouped by file; commit() makes every put so far durable. Opening an
+    existing directory replays its manifest: puts that were never committed are
+    gone, committed ones are all there.
+
+    ``rows`` is any C-contiguous 2-D array whose rows are ``row_bytes`` long
+    (float32 embeddings of dim row_bytes / 4, say); ``get(keys, dtype)`` views
+    the rows it returns as ``dtype``.
+
+    >>> import numpy as np, tempfile, hps
+    >>> path = tempfile.mkdtemp()
+    >>> store = hps.SsdStore(path, row_bytes=8)
+    >>> store.put(np.array([1, 2], np.uint64), np.array([[1, 2], [3, 4]], np.float32))
+    >>> store.commit()
+    >>> rows, found = hps.SsdStore(path, row_bytes=8).get(np.array([2, 9], np.uint64), np.float32)
+    >>> rows.tolist(), found.tolist()
+    ([[3.0, 4.0], [0.0, 0.0]], [True, False])
+
+    This is the pread/pwrite path; io_uring with O_DIRECT and background
+    compaction are still to come.
+    """
+
+    def __init__(self, path: str | os.PathLike, row_bytes: int, *, file_records: int = 1 << 16,
+                 verify_rows_on_open: bool = False):
+        super().__init__(os.fspath(path), row_bytes, file_records, verify_rows_on_open)
+
+    def get(self, keys: np.ndarray, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
+        rows, found = super().get(keys)
+        return rows.view(dtype), found
+
+    def __repr__(self) -> str:
+        return f"SsdStore(row_bytes={self.row_bytes}, size={len(self)})"

@@ -1,0 +1,191 @@
+"""SSD-PS against a dict model, across reopens, and its errors."""
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+import hps
+
+ROW_BYTES = 12  # 3 float32
+
+
+def u64(values):
+    return np.asarray(values, dtype=np.uint64)
+
+
+def rows_for(keys, salt):
+    keys = np.asarray(keys, dtype=np.float64)
+    return np.stack([keys % 997, keys % 13 + salt, np.full(keys.size, salt)], axis=1).astype(np.float32)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random put / get / commit / reopen. A reopen keeps exactly what was
+    committed, whatever was put after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dir = None
+        self.store = None
+        self.model = {}
+        self.committed = {}
+        self.salt = 0.0
+
+    def open(self):
+        self.store = hps.SsdStore(self.dir, ROW_BYTES, file_records=50)
+
+    @rule(seed=st.integers(0, 2**32), size=st.sampled_from([0, 1, 30, 120]),
+          universe=st.sampled_from([20, 500]))
+    def put(self, seed, size, universe):
+        self.ensure_open()
+        keys = np.random.default_rng(seed).integers(0, universe, size).astype(np.uint64)
+        self.salt += 1
+        rows = rows_for(keys, self.salt)
+        self.store.put(keys, rows)
+        for k, row in zip(keys.tolist(), rows):  # the last duplicate wins
+            self.model[k] = row
+
+    @rule(seed=st.integers(0, 2**32), size=st.sampled_from([1, 40, 300]))
+    def get(self, seed, size):
+        self.ensure_open()
+        keys = np.random.default_rng(seed).integers(0, 520, size).astype(np.uint64)
+        rows, found = self.store.get(keys, np.float32)
+        for i, k in enumerate(keys.tolist()):
+            assert found[i] == (k in self.model)
+            np.testing.assert_array_equal(rows[i], self.model.get(k, np.zeros(3, np.float32)))
+
+    @rule()
+    def commit(self):
+        self.ensure_open()
+        self.store.commit()
+        self.committed = dict(self.model)
+
+    @rule()
+    def reopen(self):
+        self.ensure_open()
+        del self.store
+        self.open()
+        self.model = dict(self.committed)
+
+    @invariant()
+    def sizes_match(self):
+        if self.store is not None:
+            assert len(self.store) == len(self.model)
+            s = self.store.stats()
+            assert s["live_records"] == len(self.model)
+
+    def ensure_open(self):
+        if self.store is None:
+            self.open()
+
+
+@pytest.fixture
+def store_machine(tmp_path):
+    counter = iter(range(10**6))
+
+    class Machine(StoreMachine):
+        def __init__(self):
+            super().__init__()
+            self.dir = tmp_path / f"store{next(counter)}"
+
+    return Machine
+
+
+def test_store_against_dict_model(store_machine):
+    store_machine.TestCase.settings = settings(
+        max_examples=30, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    store_machine.TestCase().runTest()
+
+
+def test_stale_records_and_read_amplification(tmp_path):
+    store = hps.SsdStore(tmp_path / "s", 16, file_records=100)
+    keys = u64(range(1000))
+    store.put(keys, np.zeros((1000, 4), np.float32))
+    store.put(keys[:300], np.ones((300, 4), np.float32))
+    s = store.stats()
+    assert (s["files"], s["live_records"], s["stale_records"]) == (13, 1000, 300)
+    rows, found = store.get(keys[::100].copy(), np.float32)
+    assert found.all() and (rows[:3] == 1).all() and (rows[3:] == 0).all()
+    s = store.stats()
+    assert s["rows_read"] == 10 and s["bytes_requested"] == 160
+    assert s["bytes_read"] == 10 * 4096  # one block per scattered row
+    assert s["io_path"] == "pread"
+
+
+def test_uncommitted_files_are_removed_on_open(tmp_path):
+    path = tmp_path / "s"
+    store = hps.SsdStore(path, 8, file_records=10)
+    store.put(u64(range(25)), np.zeros((25, 2), np.float32))
+    store.commit()
+    store.put(u64(range(100, 150)), np.zeros((50, 2), np.float32))
+    files_before = len([f for f in os.listdir(path) if f.endswith(".hpf")])
+    assert files_before == 3 + 5
+    del store
+    reopened = hps.SsdStore(path, 8)
+    assert len(reopened) == 25
+    assert len([f for f in os.listdir(path) if f.endswith(".hpf")]) == 3
+    assert not reopened.get(u64([120]))[1].any()
+
+
+# ---------------------------------------------------------------- errors
+
+def test_bad_keys_and_rows(tmp_path):
+    store = hps.SsdStore(tmp_path / "s", 8)
+    with pytest.raises(ValueError, match=r"keys\[1\] is 0xffffffffffffffff"):
+        store.put(u64([1, hps.EMPTY_KEY]), np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match="rows must be a 2-D array of 2 rows of 8 bytes each"):
+        store.put(u64([1, 2]), np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="rows must be C-contiguous"):
+        store.put(u64([1, 2]), np.zeros((2, 4), np.float32)[:, ::2])
+    with pytest.raises(TypeError, match="keys must be an array of uint64 or int64"):
+        store.get(np.array([1.5]))
+    assert len(store) == 0
+
+
+def test_paths_that_are_not_stores(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("hello")
+    with pytest.raises(ValueError, match="is not a directory, so not an hps store"):
+        hps.SsdStore(a_file, 8)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not an hps store .no STORE file. and is not empty"):
+        hps.SsdStore(foreign, 8)
+    with pytest.raises(ValueError, match="row_bytes must be > 0"):
+        hps.SsdStore(tmp_path / "new", 0)
+
+
+def test_row_size_is_fixed_for_the_store(tmp_path):
+    hps.SsdStore(tmp_path / "s", 8).commit()
+    with pytest.raises(ValueError, match="holds rows of 8 bytes, not 16"):
+        hps.SsdStore(tmp_path / "s", 16)
+
+
+def test_a_corrupt_file_is_named(tmp_path):
+    path = tmp_path / "s"
+    store = hps.SsdStore(path, 8)
+    store.put(u64(range(10)), np.zeros((10, 2), np.float32))
+    store.commit()
+    del store
+    (victim,) = [f for f in os.listdir(path) if f.endswith(".hpf")]
+    with open(path / victim, "r+b") as f:
+        f.seek(4096 + 3)  # inside the keys region
+        f.write(b"\xff")
+    with pytest.raises(hps.CorruptionError, match=f"{victim}: not a valid hps parameter file: keys CRC"):
+        hps.SsdStore(path, 8)
+
+
+def test_a_missing_live_file_is_named(tmp_path):
+    path = tmp_path / "s"
+    store = hps.SsdStore(path, 8)
+    store.put(u64([1]), np.zeros((1, 2), np.float32))
+    store.commit()
+    del store
+    (victim,) = [f for f in os.listdir(path) if f.endswith(".hpf")]
+    os.remove(path / victim)
+    with pytest.raises(hps.CorruptionError, match=f"{victim}: listed as live in .*MANIFEST but missing"):
+        hps.SsdStore(path, 8)
