@@ -224,13 +224,24 @@ class FileStore final : public SsdStore {
 
   void Commit() override {
     std::lock_guard lock(mutex_);
-    SyncDirectory(options_.path);  // the new files' names, before the manifest points at them
-    for (uint64_t sequence : uncommitted_) {
-      manifest_->AddFile(sequence, files_.at(sequence).file.header().records);
+    CommitLocked();
+    uint64_t on_disk = 0;
+    for (const auto& entry : files_) on_disk += entry.second.file.header().records;
+    if (static_cast<double>(on_disk) > options_.compaction_trigger * static_cast<double>(index_.size())) {
+      try {
+        CompactLocked();
+      } catch (const std::exception& e) {
+        // The user's commit above stands; the compaction changed nothing.
+        ++stats_.compaction_failures;
+        stats_.last_error = e.what();
+      }
     }
-    manifest_->Commit();
-    uncommitted_.clear();
-    ++commits_;
+  }
+
+  void Compact() override {
+    std::lock_guard lock(mutex_);
+    CommitLocked();
+    CompactLocked();
   }
 
   uint64_t size() const override {
@@ -266,6 +277,74 @@ class FileStore final : public SsdStore {
 
   std::string Path(const std::string& name) const { return (fs::path(options_.path) / name).string(); }
 
+  // REQUIRES: mutex_ held.
+  void CommitLocked() {
+    SyncDirectory(options_.path);  // the new files' names, before the manifest points at them
+    for (uint64_t sequence : uncommitted_) {
+      manifest_->AddFile(sequence, files_.at(sequence).file.header().records);
+    }
+    manifest_->Commit();
+    uncommitted_.clear();
+    ++commits_;
+  }
+
+  // REQUIRES: mutex_ held, nothing uncommitted (the index is the committed state).
+  void CompactLocked() {
+    std::vector<uint64_t> victims;
+    for (const auto& [sequence, f] : files_) {
+      if (2 * f.stale > f.file.header().records) victims.push_back(sequence);
+    }
+    if (victims.empty()) return;
+    // The live records of the victims, read file by file.
+    const uint32_t row_bytes = options_.row_bytes;
+    std::vector<uint64_t> keys;
+    std::vector<uint8_t> rows;
+    std::vector<uint64_t> slots;
+    for (uint64_t sequence : victims) {
+      const ParamFile& file = files_.at(sequence).file;
+      slots.clear();
+      for (uint64_t slot = 0; slot < file.keys().size(); ++slot) {
+        const Location& at = index_.at(file.keys()[slot]);
+        if (at.sequence == sequence && at.slot == slot) slots.push_back(slot);
+      }
+      const size_t before = keys.size();
+      for (uint64_t slot : slots) keys.push_back(file.keys()[slot]);
+      rows.resize(keys.size() * row_bytes);
+      stats_.bytes_read += file.ReadRows(slots.data(), slots.size(), rows.data() + before * row_bytes);
+    }
+    // New files first; if any write fails, they go and nothing else changed.
+    std::vector<std::pair<uint64_t, ParamFile>> written;
+    try {
+      for (uint64_t begin = 0; begin < keys.size(); begin += options_.file_records) {
+        const uint64_t count = std::min<uint64_t>(options_.file_records, keys.size() - begin);
+        const uint64_t sequence = next_sequence_++;
+        const std::string file = Path(FileName(sequence));
+        stats_.bytes_written += detail::WriteParamFile(file, sequence, row_bytes, keys.data() + begin,
+                                                       rows.data() + begin * row_bytes, count);
+        written.emplace_back(sequence, ParamFile::Open(file, row_bytes, false));
+      }
+      SyncDirectory(options_.path);
+      for (const auto& [sequence, file] : written) manifest_->AddFile(sequence, file.header().records);
+      for (uint64_t sequence : victims) manifest_->DropFile(sequence);
+      manifest_->Commit();
+    } catch (...) {
+      for (const auto& entry : written) fs::remove(entry.second.path());
+      throw;
+    }
+    // Committed: swap the index over, then delete the victims (a crash before
+    // the deletion leaves files the manifest no longer lists; open removes them).
+    for (auto& [sequence, file] : written) Index(sequence, std::move(file));
+    for (uint64_t sequence : victims) {
+      const std::string path = files_.at(sequence).file.path();
+      files_.erase(sequence);
+      fs::remove(path);
+    }
+    SyncDirectory(options_.path);
+    ++commits_;
+    ++stats_.compactions;
+    stats_.compacted_records += keys.size();
+  }
+
   // Points the index at every record of `file`; the copies it supersedes go stale.
   void Index(uint64_t sequence, ParamFile file) {
     const std::vector<uint64_t>& keys = file.keys();
@@ -296,6 +375,9 @@ std::unique_ptr<SsdStore> SsdStore::Open(const SsdStoreOptions& options) {
   if (options.path.empty()) throw std::invalid_argument("ssd store: path must not be empty");
   if (options.row_bytes == 0) throw std::invalid_argument("ssd store: row_bytes must be > 0");
   if (options.file_records == 0) throw std::invalid_argument("ssd store: file_records must be > 0");
+  if (!(options.compaction_trigger >= 1.0)) {
+    throw std::invalid_argument("ssd store: compaction_trigger must be >= 1 (records on disk / live records)");
+  }
   return std::make_unique<FileStore>(options);
 }
 

@@ -34,7 +34,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.salt = 0.0
 
     def open(self):
-        self.store = hps.SsdStore(self.dir, ROW_BYTES, file_records=50)
+        self.store = hps.SsdStore(self.dir, ROW_BYTES, file_records=50, compaction_trigger=1.2)
 
     @rule(seed=st.integers(0, 2**32), size=st.sampled_from([0, 1, 30, 120]),
           universe=st.sampled_from([20, 500]))
@@ -61,6 +61,20 @@ class StoreMachine(RuleBasedStateMachine):
         self.ensure_open()
         self.store.commit()
         self.committed = dict(self.model)
+        self.check_space_bound()
+
+    @rule()
+    def compact(self):
+        self.ensure_open()
+        self.store.compact()  # commits first
+        self.committed = dict(self.model)
+        self.check_space_bound()
+        s = self.store.stats()
+        assert s["compaction_failures"] == 0, s["last_error"]
+
+    def check_space_bound(self):
+        s = self.store.stats()
+        assert s["live_records"] + s["stale_records"] <= 2 * s["live_records"], s
 
     @rule()
     def reopen(self):
@@ -113,6 +127,33 @@ def test_stale_records_and_read_amplification(tmp_path):
     assert s["rows_read"] == 10 and s["bytes_requested"] == 160
     assert s["bytes_read"] == 10 * 4096  # one block per scattered row
     assert s["io_path"] == "pread"
+
+
+def test_compaction_rewrites_stale_files_and_keeps_every_row(tmp_path):
+    path = tmp_path / "s"
+    store = hps.SsdStore(path, 16, file_records=100, compaction_trigger=1.5)
+    keys = u64(range(1000))
+    expected = np.zeros(1000, np.float32)
+    for round_ in range(1, 9):
+        # A rotating window of 600 keys: victims keep some live records to move.
+        window = np.random.default_rng(round_).permutation((np.arange(600) + 300 * round_) % 1000)
+        store.put(keys[window], np.full((600, 4), round_, np.float32))
+        expected[window] = round_
+        store.commit()
+        s = store.stats()
+        assert s["live_records"] + s["stale_records"] <= 1.5 * s["live_records"]
+    s = store.stats()
+    assert s["compactions"] >= 2 and s["compacted_records"] > 0 and s["compaction_failures"] == 0
+    assert len([f for f in os.listdir(path) if f.endswith(".hpf")]) == s["files"]
+    for reopened in (store, hps.SsdStore(path, 16)):
+        rows, found = reopened.get(keys, np.float32)
+        assert found.all()
+        np.testing.assert_array_equal(rows[:, 0], expected)
+
+
+def test_compaction_trigger_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="compaction_trigger must be >= 1"):
+        hps.SsdStore(tmp_path / "s", 8, compaction_trigger=0.5)
 
 
 def test_uncommitted_files_are_removed_on_open(tmp_path):

@@ -4,13 +4,15 @@
 // put() never updates in place: a batch of rows becomes new files, written
 // sequentially, and the index then points at the new copies; the old ones
 // become stale, counted per file. commit() makes everything put so far durable
-// through the manifest. open() of an existing store replays the manifest,
+// through the manifest, then compacts if the files hold too many stale
+// records. open() of an existing store replays the manifest,
 // deletes files that were never committed, and rebuilds the index from the
 // live files' keys.
 //
-// This is the pread/pwrite path. Still to come (issue 3): io_uring with
-// O_DIRECT, background compaction of files more than half stale, and a
-// compact index (std::unordered_map costs ~40 bytes a key).
+// This is the pread/pwrite path, compacting synchronously inside commit().
+// Still to come (issue 3): io_uring with O_DIRECT, compaction on a background
+// thread that blocks readers for one file swap at most, and a compact index
+// (std::unordered_map costs ~40 bytes a key).
 //
 // Thread safety: calls are serialised by one mutex.
 #pragma once
@@ -43,6 +45,7 @@ struct SsdStoreOptions {
   uint32_t row_bytes = 0;                 ///< bytes per row; > 0; fixed for the store's life
   uint64_t file_records = uint64_t{1} << 16;  ///< records per parameter file; > 0
   bool verify_rows_on_open = false;       ///< also check every file's rows CRC at open (reads all)
+  double compaction_trigger = 1.5;        ///< compact at commit once records on disk > this x live; >= 1
 };
 
 struct SsdStoreStats {
@@ -56,6 +59,10 @@ struct SsdStoreStats {
   uint64_t bytes_read = 0;      ///< bytes read from files by get
   uint64_t bytes_requested = 0; ///< rows_read * row_bytes; read amplification = bytes_read / this
   uint64_t commits = 0;
+  uint64_t compactions = 0;          ///< compaction runs that committed
+  uint64_t compacted_records = 0;    ///< live records rewritten by them
+  uint64_t compaction_failures = 0;  ///< runs that failed and changed nothing (see last_error)
+  std::string last_error;            ///< the message of the last failed compaction
   std::string io_path;          ///< "pread": how rows are read and written
 };
 
@@ -76,7 +83,16 @@ class SsdStore {
   // get zero rows and found[i] = 0 (found may be null). Returns the hits.
   virtual uint64_t Get(const uint64_t* keys, uint64_t n, uint8_t* rows_out, uint8_t* found) = 0;
   // Makes every put so far durable: a crash after this returns reopens to it.
+  // Then, when records on disk exceed compaction_trigger x live records,
+  // compacts (below); a compaction that fails is counted in the stats and
+  // leaves the committed state as it was.
   virtual void Commit() = 0;
+  // Rewrites the live records of every file more than half stale into new
+  // files and drops the old ones, in one manifest commit; afterwards no file
+  // is more than half stale, so disk use stays under 2x the live records.
+  // Requires no uncommitted puts (it would otherwise drop committed copies
+  // that only an uncommitted put supersedes): commits them first.
+  virtual void Compact() = 0;
 
   virtual uint64_t size() const = 0;
   virtual uint32_t row_bytes() const = 0;

@@ -12,9 +12,11 @@ class SsdStore(_core.SsdStore):
     """Fixed-size rows under uint64 keys in a directory of parameter files.
 
     put(keys, rows) writes new files (never in place); get(keys) reads the rows
-    back, grouped by file; commit() makes every put so far durable. Opening an
-    existing directory replays its manifest: puts that were never committed are
-    gone, committed ones are all there.
+    back, grouped by file; commit() makes every put so far durable, then
+    compacts once records on disk exceed ``compaction_trigger`` x the live ones
+    (rewriting files more than half stale, so disk use stays under 2x live).
+    Opening an existing directory replays its manifest: puts that were never
+    committed are gone, committed ones are all there.
 
     ``rows`` is any C-contiguous 2-D array whose rows are ``row_bytes`` long
     (float32 embeddings of dim row_bytes / 4, say); ``get(keys, dtype)`` views
@@ -29,13 +31,14 @@ class SsdStore(_core.SsdStore):
     >>> rows.tolist(), found.tolist()
     ([[3.0, 4.0], [0.0, 0.0]], [True, False])
 
-    This is the pread/pwrite path; io_uring with O_DIRECT and background
-    compaction are still to come.
+    This is the pread/pwrite path with compaction inside commit(); io_uring
+    with O_DIRECT and compaction on a background thread are still to come.
     """
 
     def __init__(self, path: str | os.PathLike, row_bytes: int, *, file_records: int = 1 << 16,
-                 verify_rows_on_open: bool = False):
-        super().__init__(os.fspath(path), row_bytes, file_records, verify_rows_on_open)
+                 verify_rows_on_open: bool = False, compaction_trigger: float = 1.5):
+        super().__init__(os.fspath(path), row_bytes, file_records, verify_rows_on_open,
+                         compaction_trigger)
 
     def get(self, keys: np.ndarray, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
         rows, found = super().get(keys)

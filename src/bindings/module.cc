@@ -264,11 +264,12 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<hps::SsdStore>(m, "SsdStore")
       .def(py::init([](const std::string& path, uint32_t row_bytes, uint64_t file_records,
-                       bool verify_rows_on_open) {
-             return hps::SsdStore::Open({path, row_bytes, file_records, verify_rows_on_open});
+                       bool verify_rows_on_open, double compaction_trigger) {
+             return hps::SsdStore::Open(
+                 {path, row_bytes, file_records, verify_rows_on_open, compaction_trigger});
            }),
            py::arg("path"), py::arg("row_bytes"), py::arg("file_records") = uint64_t{1} << 16,
-           py::arg("verify_rows_on_open") = false)
+           py::arg("verify_rows_on_open") = false, py::arg("compaction_trigger") = 1.5)
       .def_property_readonly("row_bytes", &hps::SsdStore::row_bytes)
       .def("__len__", &hps::SsdStore::size)
       .def("put", [](hps::SsdStore& s, const py::array& keys, const py::array& rows) {
@@ -295,6 +296,10 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         s.Commit();
       })
+      .def("compact", [](hps::SsdStore& s) {
+        py::gil_scoped_release release;
+        s.Compact();
+      })
       .def("stats", [](const hps::SsdStore& s) {
         const hps::SsdStoreStats st = s.stats();
         py::dict d;
@@ -308,6 +313,10 @@ PYBIND11_MODULE(_core, m) {
         d["bytes_read"] = st.bytes_read;
         d["bytes_requested"] = st.bytes_requested;
         d["commits"] = st.commits;
+        d["compactions"] = st.compactions;
+        d["compacted_records"] = st.compacted_records;
+        d["compaction_failures"] = st.compaction_failures;
+        d["last_error"] = st.last_error;
         d["io_path"] = st.io_path;
         return d;
       });

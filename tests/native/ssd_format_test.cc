@@ -286,6 +286,20 @@ TEST_F(SsdStoreTest, PutGetCommitReopen) {
   EXPECT_EQ(store->Get(first.keys.data(), 1000, out.data(), found.data()), 1000u);
   EXPECT_EQ(out, first.rows);
   EXPECT_EQ(store->Get(second.keys.data(), 1, out.data(), found.data()), 0u);
+
+  // Overwrite 600 of the 1000 keys and compact: files more than half stale
+  // move their live records to new files, and every row reads back.
+  const Records update = MakeRecords(600, row_bytes, 7);
+  store->Put(first.keys.data(), 600, update.rows.data());
+  store->Compact();
+  const SsdStoreStats st = store->stats();
+  EXPECT_GE(st.compactions, 1u);
+  EXPECT_LE(st.live_records + st.stale_records, 2 * st.live_records);
+  store = SsdStore::Open({dir_, row_bytes, 128, true});
+  EXPECT_EQ(store->Get(first.keys.data(), 1000, out.data(), found.data()), 1000u);
+  EXPECT_EQ(std::memcmp(out.data(), update.rows.data(), 600 * row_bytes), 0);
+  EXPECT_EQ(std::memcmp(out.data() + 600 * row_bytes, first.rows.data() + 600 * row_bytes,
+                        400 * row_bytes), 0);
 }
 
 }  // namespace
