@@ -8,6 +8,7 @@
 #include <cstring>
 #include <utility>
 
+#include "block_reader.h"
 #include "crc32c.h"
 
 namespace hps::detail {
@@ -132,7 +133,8 @@ uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row
   return written;
 }
 
-ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool verify_rows) {
+ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool verify_rows,
+                          bool direct_reads) {
   ParamFile f;
   f.path_ = path;
   f.fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -175,6 +177,10 @@ ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool veri
     }
     if (crc != h.rows_crc) ThrowCorrupt(path, "rows CRC mismatch");
   }
+  if (direct_reads) {
+    // Refused by some filesystems (tmpfs: EINVAL); reads then use the page cache.
+    f.direct_fd_ = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  }
   return f;
 }
 
@@ -183,8 +189,10 @@ ParamFile::ParamFile(ParamFile&& other) noexcept { *this = std::move(other); }
 ParamFile& ParamFile::operator=(ParamFile&& other) noexcept {
   if (this != &other) {
     if (fd_ >= 0) close(fd_);
+    if (direct_fd_ >= 0) close(direct_fd_);
     path_ = std::move(other.path_);
     fd_ = std::exchange(other.fd_, -1);
+    direct_fd_ = std::exchange(other.direct_fd_, -1);
     header_ = other.header_;
     keys_ = std::move(other.keys_);
   }
@@ -193,15 +201,12 @@ ParamFile& ParamFile::operator=(ParamFile&& other) noexcept {
 
 ParamFile::~ParamFile() {
   if (fd_ >= 0) close(fd_);
+  if (direct_fd_ >= 0) close(direct_fd_);
 }
 
-uint64_t ParamFile::ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) const {
+ParamFile::RowsPlan ParamFile::PlanRows(const uint64_t* slots, uint64_t n) const {
   const ParamFileLayout layout = this->layout();
   const uint64_t row_bytes = header_.row_bytes;
-  struct Run {
-    uint64_t first, last;  // blocks, inclusive
-    uint64_t buffer_offset;
-  };
   std::vector<Run> runs;
   runs.reserve(n);
   for (uint64_t i = 0; i < n; ++i) {
@@ -213,40 +218,59 @@ uint64_t ParamFile::ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) co
     runs.push_back({begin / kBlockBytes, (begin + row_bytes - 1) / kBlockBytes, 0});
   }
   std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.first < b.first; });
-  std::vector<Run> merged;
+  RowsPlan plan;
   for (const Run& r : runs) {
-    if (!merged.empty() && r.first <= merged.back().last + 1) {
-      merged.back().last = std::max(merged.back().last, r.last);
+    if (!plan.runs.empty() && r.first <= plan.runs.back().last + 1) {
+      plan.runs.back().last = std::max(plan.runs.back().last, r.last);
     } else {
-      merged.push_back(r);
+      plan.runs.push_back(r);
     }
   }
   uint64_t blocks = 0;
-  for (const Run& r : merged) blocks += r.last - r.first + 1;
+  for (const Run& r : plan.runs) blocks += r.last - r.first + 1;
   const uint64_t region_first = layout.rows_offset() / kBlockBytes;
   const uint64_t region_blocks = (layout.file_bytes() - layout.rows_offset()) / kBlockBytes;
   if (blocks >= region_blocks && region_blocks > 0) {  // one sequential read moves no more
-    merged.assign(1, Run{region_first, region_first + region_blocks - 1, 0});
+    plan.runs.assign(1, Run{region_first, region_first + region_blocks - 1, 0});
     blocks = region_blocks;
   }
-  std::vector<uint8_t> buffer(blocks * kBlockBytes);
-  uint64_t at = 0;
-  for (Run& r : merged) {
-    r.buffer_offset = at;
-    const uint64_t bytes = (r.last - r.first + 1) * kBlockBytes;
-    ReadFully(fd_, path_, r.first * kBlockBytes, buffer.data() + at, bytes);
-    at += bytes;
+  for (Run& r : plan.runs) {
+    r.buffer_offset = plan.bytes;
+    plan.bytes += (r.last - r.first + 1) * kBlockBytes;
   }
+  return plan;
+}
+
+void ParamFile::AddReads(const RowsPlan& plan, uint8_t* buffer, std::vector<ReadRequest>* reads) const {
+  for (const Run& r : plan.runs) {
+    reads->push_back(ReadRequest{read_fd(), &path_, r.first * kBlockBytes,
+                                 (r.last - r.first + 1) * kBlockBytes, buffer + r.buffer_offset});
+  }
+}
+
+void ParamFile::CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint64_t* slots,
+                         uint64_t n, uint8_t* out) const {
+  const ParamFileLayout layout = this->layout();
+  const uint64_t row_bytes = header_.row_bytes;
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t begin = layout.row_offset(slots[i]);
     const uint64_t block = begin / kBlockBytes;
-    const auto run = std::upper_bound(merged.begin(), merged.end(), block,
+    const auto run = std::upper_bound(plan.runs.begin(), plan.runs.end(), block,
                                       [](uint64_t b, const Run& r) { return b < r.first; }) -
                      1;
-    std::memcpy(out + i * row_bytes,
-                buffer.data() + run->buffer_offset + (begin - run->first * kBlockBytes), row_bytes);
+    std::memcpy(out + i * row_bytes, buffer + run->buffer_offset + (begin - run->first * kBlockBytes),
+                row_bytes);
   }
-  return blocks * kBlockBytes;
+}
+
+uint64_t ParamFile::ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) const {
+  const RowsPlan plan = PlanRows(slots, n);
+  AlignedBuffer buffer(plan.bytes);
+  std::vector<ReadRequest> reads;
+  AddReads(plan, buffer.data(), &reads);
+  for (const ReadRequest& r : reads) ReadFully(r.fd, path_, r.offset, r.buffer, r.bytes);
+  CopyRows(plan, buffer.data(), slots, n, out);
+  return plan.bytes;
 }
 
 }  // namespace hps::detail

@@ -19,6 +19,8 @@
 namespace hps {
 namespace detail {
 
+struct ReadRequest;
+
 inline constexpr uint64_t kBlockBytes = 4096;
 inline constexpr uint32_t kParamFileVersion = 1;
 
@@ -63,8 +65,11 @@ class ParamFile {
  public:
   // Checks the header (magic, version, row size, file length, header CRC)
   // and the keys region's CRC, loading the keys; with verify_rows, the rows
-  // region's CRC too. Throws CorruptionError or IoError naming the file.
-  static ParamFile Open(const std::string& path, uint32_t row_bytes, bool verify_rows);
+  // region's CRC too. With direct_reads, rows are read through a second,
+  // O_DIRECT descriptor (bypassing the page cache) where the filesystem
+  // allows it. Throws CorruptionError or IoError naming the file.
+  static ParamFile Open(const std::string& path, uint32_t row_bytes, bool verify_rows,
+                        bool direct_reads = false);
 
   ParamFile(ParamFile&& other) noexcept;
   ParamFile& operator=(ParamFile&& other) noexcept;
@@ -78,16 +83,35 @@ class ParamFile {
   // keys()[slot] is the key of record `slot`.
   const std::vector<uint64_t>& keys() const { return keys_; }
 
-  // Copies the rows of `slots` into out (n, row_bytes). Reads each run of
-  // neighbouring 4 KiB blocks once, or the whole rows region when that moves
-  // fewer bytes. Returns the bytes read from the file.
+  // The reads that fetch some rows: each run of neighbouring 4 KiB blocks
+  // once, or the whole rows region when that moves no more bytes.
+  struct Run {
+    uint64_t first, last;    // blocks, inclusive
+    uint64_t buffer_offset;  // where the run lands in the plan's buffer
+  };
+  struct RowsPlan {
+    std::vector<Run> runs;  // by first block
+    uint64_t bytes = 0;     // the buffer the runs fill, a multiple of 4 KiB
+  };
+  RowsPlan PlanRows(const uint64_t* slots, uint64_t n) const;
+  // The reads of a plan into `buffer` (4 KiB aligned, plan.bytes long).
+  void AddReads(const RowsPlan& plan, uint8_t* buffer, std::vector<ReadRequest>* reads) const;
+  // Copies the rows of `slots` from a plan's filled buffer into out (n, row_bytes).
+  void CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint64_t* slots, uint64_t n,
+                uint8_t* out) const;
+  // PlanRows + pread + CopyRows. Returns the bytes read from the file.
   uint64_t ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) const;
+  // Whether rows are read with O_DIRECT.
+  bool direct() const { return direct_fd_ >= 0; }
 
  private:
   ParamFile() = default;
 
+  int read_fd() const { return direct_fd_ >= 0 ? direct_fd_ : fd_; }
+
   std::string path_;
   int fd_ = -1;
+  int direct_fd_ = -1;
   ParamFileHeader header_{};
   std::vector<uint64_t> keys_;
 };

@@ -15,6 +15,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "block_reader.h"
 #include "manifest.h"
 #include "param_file.h"
 
@@ -29,6 +30,7 @@ constexpr const char* kStoreMarker = "STORE";
 constexpr const char* kManifest = "MANIFEST";
 constexpr const char* kFileSuffix = ".hpf";
 constexpr int kStoreVersion = 1;
+constexpr uint64_t kReadWaveBytes = uint64_t{64} << 20;  // blocks buffered per wave of a get
 
 [[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
   throw IoError(path + ": " + what + ": " + std::strerror(errno));
@@ -104,7 +106,8 @@ void CheckOrCreateMarker(const std::string& dir, uint32_t row_bytes) {
 
 class FileStore final : public SsdStore {
  public:
-  explicit FileStore(const SsdStoreOptions& options) : options_(options) {
+  explicit FileStore(const SsdStoreOptions& options)
+      : options_(options), reader_(detail::NewBlockReader(options.use_io_uring)) {
     const std::string& dir = options_.path;
     if (fs::exists(dir) && !fs::is_directory(dir)) {
       throw std::invalid_argument(dir + " is not a directory, so not an hps store");
@@ -129,7 +132,8 @@ class FileStore final : public SsdStore {
       if (!fs::exists(file)) {
         throw CorruptionError(file + ": listed as live in " + manifest + " but missing");
       }
-      ParamFile f = ParamFile::Open(file, options_.row_bytes, options_.verify_rows_on_open);
+      ParamFile f = ParamFile::Open(file, options_.row_bytes, options_.verify_rows_on_open,
+                                    options_.direct_io);
       if (f.header().records != records || f.header().sequence != sequence) {
         throw CorruptionError(file + ": header says sequence " +
                               std::to_string(f.header().sequence) + " with " +
@@ -176,7 +180,7 @@ class FileStore final : public SsdStore {
         const std::string file = Path(FileName(sequence));
         stats_.bytes_written +=
             detail::WriteParamFile(file, sequence, row_bytes, file_keys.data(), file_rows.data(), count);
-        written.emplace_back(sequence, ParamFile::Open(file, row_bytes, false));
+        written.emplace_back(sequence, ParamFile::Open(file, row_bytes, false, options_.direct_io));
       }
     } catch (...) {
       for (const auto& entry : written) fs::remove(entry.second.path());
@@ -206,16 +210,50 @@ class FileStore final : public SsdStore {
       by_file[it->second.sequence].emplace_back(it->second.slot, i);
       ++hits;
     }
-    std::vector<uint64_t> slots;
-    std::vector<uint8_t> buffer;
+    // Plan every file's block runs, then read them in waves of at most
+    // kReadWaveBytes, with all of a wave's reads in flight at once.
+    struct Group {
+      const ParamFile* file;
+      std::vector<uint64_t> slots;
+      const std::vector<std::pair<uint64_t, uint64_t>>* requests;
+      ParamFile::RowsPlan plan;
+      uint64_t offset = 0;  // in the wave's buffer
+    };
+    std::vector<Group> groups;
+    groups.reserve(by_file.size());
     for (const auto& [sequence, requests] : by_file) {
-      slots.clear();
-      for (const auto& r : requests) slots.push_back(r.first);
-      buffer.resize(slots.size() * row_bytes);
-      stats_.bytes_read += files_.at(sequence).file.ReadRows(slots.data(), slots.size(), buffer.data());
-      for (size_t j = 0; j < requests.size(); ++j) {
-        std::memcpy(rows_out + requests[j].second * row_bytes, buffer.data() + j * row_bytes, row_bytes);
+      Group g{&files_.at(sequence).file, {}, &requests, {}, 0};
+      for (const auto& r : requests) g.slots.push_back(r.first);
+      g.plan = g.file->PlanRows(g.slots.data(), g.slots.size());
+      groups.push_back(std::move(g));
+    }
+    std::vector<uint8_t> rows;
+    for (size_t begin = 0; begin < groups.size();) {
+      size_t end = begin;
+      uint64_t bytes = 0;
+      while (end < groups.size() && (end == begin || bytes + groups[end].plan.bytes <= kReadWaveBytes)) {
+        groups[end].offset = bytes;
+        bytes += groups[end].plan.bytes;
+        ++end;
       }
+      detail::AlignedBuffer buffer(bytes);
+      std::vector<detail::ReadRequest> reads;
+      for (size_t g = begin; g < end; ++g) {
+        groups[g].file->AddReads(groups[g].plan, buffer.data() + groups[g].offset, &reads);
+      }
+      reader_->ReadAll(reads);
+      stats_.bytes_read += bytes;
+      for (size_t g = begin; g < end; ++g) {
+        const Group& group = groups[g];
+        rows.resize(group.slots.size() * row_bytes);
+        group.file->CopyRows(group.plan, buffer.data() + group.offset, group.slots.data(),
+                             group.slots.size(), rows.data());
+        for (size_t j = 0; j < group.slots.size(); ++j) {
+          std::memcpy(rows_out + (*group.requests)[j].second * row_bytes, rows.data() + j * row_bytes,
+                      row_bytes);
+        }
+      }
+      begin = end;
     }
     stats_.rows_read += hits;
     stats_.bytes_requested += hits * row_bytes;
@@ -257,7 +295,8 @@ class FileStore final : public SsdStore {
     s.files = files_.size();
     s.live_records = index_.size();
     s.commits = commits_;
-    s.io_path = "pread";
+    s.io_path = reader_->name();
+    if (!files_.empty() && files_.begin()->second.file.direct()) s.io_path += "+O_DIRECT";
     for (const auto& [sequence, f] : files_) {
       s.stale_records += f.stale;
       s.disk_bytes += f.file.layout().file_bytes();
@@ -321,7 +360,7 @@ class FileStore final : public SsdStore {
         const std::string file = Path(FileName(sequence));
         stats_.bytes_written += detail::WriteParamFile(file, sequence, row_bytes, keys.data() + begin,
                                                        rows.data() + begin * row_bytes, count);
-        written.emplace_back(sequence, ParamFile::Open(file, row_bytes, false));
+        written.emplace_back(sequence, ParamFile::Open(file, row_bytes, false, options_.direct_io));
       }
       SyncDirectory(options_.path);
       for (const auto& [sequence, file] : written) manifest_->AddFile(sequence, file.header().records);
@@ -359,6 +398,7 @@ class FileStore final : public SsdStore {
   }
 
   SsdStoreOptions options_;
+  std::unique_ptr<detail::BlockReader> reader_;
   mutable std::mutex mutex_;
   std::unordered_map<uint64_t, Location> index_;
   std::map<uint64_t, LiveFile> files_;  // by sequence

@@ -9,10 +9,12 @@
 // deletes files that were never committed, and rebuilds the index from the
 // live files' keys.
 //
-// This is the pread/pwrite path, compacting synchronously inside commit().
-// Still to come (issue 3): io_uring with O_DIRECT, compaction on a background
-// thread that blocks readers for one file swap at most, and a compact index
-// (std::unordered_map costs ~40 bytes a key).
+// Reads go through io_uring with O_DIRECT where the kernel and filesystem
+// allow (pread and the page cache otherwise; stats().io_path says which);
+// writes are buffered pwrite + fdatasync. Compaction runs inside commit().
+// Still to come (issue 3): O_DIRECT io_uring writes, compaction on a
+// background thread that blocks readers for one file swap at most, and a
+// compact index (std::unordered_map costs ~40 bytes a key).
 //
 // Thread safety: calls are serialised by one mutex.
 #pragma once
@@ -46,6 +48,8 @@ struct SsdStoreOptions {
   uint64_t file_records = uint64_t{1} << 16;  ///< records per parameter file; > 0
   bool verify_rows_on_open = false;       ///< also check every file's rows CRC at open (reads all)
   double compaction_trigger = 1.5;        ///< compact at commit once records on disk > this x live; >= 1
+  bool use_io_uring = true;               ///< read through io_uring where the kernel allows, else pread
+  bool direct_io = true;                  ///< read rows with O_DIRECT where the filesystem allows
 };
 
 struct SsdStoreStats {
@@ -63,7 +67,7 @@ struct SsdStoreStats {
   uint64_t compacted_records = 0;    ///< live records rewritten by them
   uint64_t compaction_failures = 0;  ///< runs that failed and changed nothing (see last_error)
   std::string last_error;            ///< the message of the last failed compaction
-  std::string io_path;          ///< "pread": how rows are read and written
+  std::string io_path;          ///< how rows are read: "io_uring" or "pread", "+O_DIRECT" when direct
 };
 
 class SsdStore {

@@ -31,14 +31,18 @@ class SsdStore(_core.SsdStore):
     >>> rows.tolist(), found.tolist()
     ([[3.0, 4.0], [0.0, 0.0]], [True, False])
 
-    This is the pread/pwrite path with compaction inside commit(); io_uring
-    with O_DIRECT and compaction on a background thread are still to come.
+    Reads go through io_uring with O_DIRECT where the kernel and filesystem
+    allow, else pread and the page cache (``stats()["io_path"]`` says which;
+    ``use_io_uring`` / ``direct_io`` turn them off). Writes are buffered
+    pwrite + fdatasync, and compaction runs inside commit(); O_DIRECT writes
+    and compaction on a background thread are still to come.
     """
 
     def __init__(self, path: str | os.PathLike, row_bytes: int, *, file_records: int = 1 << 16,
-                 verify_rows_on_open: bool = False, compaction_trigger: float = 1.5):
+                 verify_rows_on_open: bool = False, compaction_trigger: float = 1.5,
+                 use_io_uring: bool = True, direct_io: bool = True):
         super().__init__(os.fspath(path), row_bytes, file_records, verify_rows_on_open,
-                         compaction_trigger)
+                         compaction_trigger, use_io_uring, direct_io)
 
     def get(self, keys: np.ndarray, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
         rows, found = super().get(keys)

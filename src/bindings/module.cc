@@ -264,12 +264,14 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<hps::SsdStore>(m, "SsdStore")
       .def(py::init([](const std::string& path, uint32_t row_bytes, uint64_t file_records,
-                       bool verify_rows_on_open, double compaction_trigger) {
-             return hps::SsdStore::Open(
-                 {path, row_bytes, file_records, verify_rows_on_open, compaction_trigger});
+                       bool verify_rows_on_open, double compaction_trigger, bool use_io_uring,
+                       bool direct_io) {
+             return hps::SsdStore::Open({path, row_bytes, file_records, verify_rows_on_open,
+                                         compaction_trigger, use_io_uring, direct_io});
            }),
            py::arg("path"), py::arg("row_bytes"), py::arg("file_records") = uint64_t{1} << 16,
-           py::arg("verify_rows_on_open") = false, py::arg("compaction_trigger") = 1.5)
+           py::arg("verify_rows_on_open") = false, py::arg("compaction_trigger") = 1.5,
+           py::arg("use_io_uring") = true, py::arg("direct_io") = true)
       .def_property_readonly("row_bytes", &hps::SsdStore::row_bytes)
       .def("__len__", &hps::SsdStore::size)
       .def("put", [](hps::SsdStore& s, const py::array& keys, const py::array& rows) {
