@@ -27,8 +27,13 @@ void RequireContiguous(const py::array& a, const char* name) {
   }
 }
 
-// uint64 keys, or int64 keys reinterpreted bit for bit.
-const uint64_t* KeysArg(const py::array& a, const char* name) {
+// A checked key array: 1-D uint64 (or int64, reinterpreted bit for bit).
+struct Keys {
+  const uint64_t* data;
+  uint64_t n;
+};
+
+Keys KeysArg(const py::array& a, const char* name) {
   if (!a.dtype().is(py::dtype::of<uint64_t>()) && !a.dtype().is(py::dtype::of<int64_t>())) {
     throw py::type_error(std::string(name) + " must be an array of uint64 or int64, got " +
                          DtypeName(a));
@@ -38,7 +43,7 @@ const uint64_t* KeysArg(const py::array& a, const char* name) {
                           " dimensions");
   }
   RequireContiguous(a, name);
-  return static_cast<const uint64_t*>(a.data());
+  return {static_cast<const uint64_t*>(a.data()), static_cast<uint64_t>(a.shape(0))};
 }
 
 // A float32 (n, columns) array.
@@ -76,6 +81,21 @@ py::array_t<float> NewRows(uint64_t n, int64_t columns) {
 }
 
 uint8_t* Bytes(py::array_t<bool>& a) { return reinterpret_cast<uint8_t*>(a.mutable_data()); }
+
+// Runs lookup(rows_out, found_out) without the GIL over fresh arrays of n rows
+// and returns (rows, found).
+template <class T, class Lookup>
+py::tuple RowsAndFound(uint64_t n, uint64_t columns, const Lookup& lookup) {
+  py::array_t<T> rows({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(columns)});
+  py::array_t<bool> found(static_cast<py::ssize_t>(n));
+  T* out = rows.mutable_data();
+  uint8_t* flags = Bytes(found);
+  {
+    py::gil_scoped_release release;
+    lookup(out, flags);
+  }
+  return py::make_tuple(rows, found);
+}
 
 hps::OptimizerKind ParseOptimizer(const std::string& name) {
   if (name == "sgd") return hps::OptimizerKind::kSgd;
@@ -153,8 +173,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("seed", [](const hps::SparseOptimizer& o) { return o.init.seed; })
       .def_property_readonly("row_floats", &hps::SparseOptimizer::row_floats)
       .def("initial_rows", [](const hps::SparseOptimizer& o, const py::array& keys) {
-        const uint64_t* k = KeysArg(keys, "keys");
-        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const auto [k, n] = KeysArg(keys, "keys");
         hps::CheckKeys(k, n);
         auto out = NewRows(n, o.row_floats());
         float* dst = out.mutable_data();
@@ -177,8 +196,7 @@ PYBIND11_MODULE(_core, m) {
       .def("__len__", &Table::size)
       .def_property_readonly("size", &Table::size)
       .def("insert", [](Table& t, const py::array& keys, const py::array& rows) {
-        const uint64_t* k = KeysArg(keys, "keys");
-        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const auto [k, n] = KeysArg(keys, "keys");
         const float* r = RowsArg(rows, "rows", n, t.row_floats());
         py::array_t<bool> inserted(static_cast<py::ssize_t>(n));
         uint8_t* flags = Bytes(inserted);
@@ -189,28 +207,18 @@ PYBIND11_MODULE(_core, m) {
         return inserted;
       }, py::arg("keys"), py::arg("rows"))
       .def("find", [](const Table& t, const py::array& keys) {
-        const uint64_t* k = KeysArg(keys, "keys");
-        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
-        auto rows = NewRows(n, t.row_floats());
-        py::array_t<bool> found(static_cast<py::ssize_t>(n));
-        float* out = rows.mutable_data();
-        uint8_t* flags = Bytes(found);
-        {
-          py::gil_scoped_release release;
-          t.find(k, n, out, flags);
-        }
-        return py::make_tuple(rows, found);
+        const auto [k, n] = KeysArg(keys, "keys");
+        return RowsAndFound<float>(n, static_cast<uint64_t>(t.row_floats()),
+                                   [&, k = k, n = n](float* out, uint8_t* flags) { t.find(k, n, out, flags); });
       }, py::arg("keys"))
       .def("accumulate", [](Table& t, const py::array& keys, const py::array& deltas) {
-        const uint64_t* k = KeysArg(keys, "keys");
-        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const auto [k, n] = KeysArg(keys, "keys");
         const float* d = RowsArg(deltas, "deltas", n, t.row_floats());
         py::gil_scoped_release release;
         t.accumulate(k, n, d);
       }, py::arg("keys"), py::arg("deltas"))
       .def("assign", [](Table& t, const py::array& keys, const py::array& rows) {
-        const uint64_t* k = KeysArg(keys, "keys");
-        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const auto [k, n] = KeysArg(keys, "keys");
         const float* r = RowsArg(rows, "rows", n, t.row_floats());
         py::array_t<bool> found(static_cast<py::ssize_t>(n));
         uint8_t* flags = Bytes(found);
@@ -221,8 +229,7 @@ PYBIND11_MODULE(_core, m) {
         return found;
       }, py::arg("keys"), py::arg("rows"))
       .def("lookup_or_init", [](Table& t, const py::array& keys, const hps::SparseOptimizer& opt) {
-        const uint64_t* k = KeysArg(keys, "keys");
-        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const auto [k, n] = KeysArg(keys, "keys");
         auto out = NewRows(n, opt.dim);
         float* dst = out.mutable_data();
         {
@@ -233,8 +240,7 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("keys"), py::arg("optimizer"))
       .def("apply_gradients",
            [](Table& t, const py::array& keys, const py::array& grads, const hps::SparseOptimizer& opt) {
-             const uint64_t* k = KeysArg(keys, "keys");
-             const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+             const auto [k, n] = KeysArg(keys, "keys");
              const float* g = RowsArg(grads, "grads", n, opt.dim);
              py::gil_scoped_release release;
              t.apply_gradients(k, n, g, opt);
@@ -275,24 +281,15 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("row_bytes", &hps::SsdStore::row_bytes)
       .def("__len__", &hps::SsdStore::size)
       .def("put", [](hps::SsdStore& s, const py::array& keys, const py::array& rows) {
-        const uint64_t* k = KeysArg(keys, "keys");
-        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
+        const auto [k, n] = KeysArg(keys, "keys");
         const uint8_t* r = ByteRowsArg(rows, "rows", n, s.row_bytes());
         py::gil_scoped_release release;
         s.Put(k, n, r);
       }, py::arg("keys"), py::arg("rows"))
       .def("get", [](hps::SsdStore& s, const py::array& keys) {
-        const uint64_t* k = KeysArg(keys, "keys");
-        const uint64_t n = static_cast<uint64_t>(keys.shape(0));
-        py::array_t<uint8_t> rows({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(s.row_bytes())});
-        py::array_t<bool> found(static_cast<py::ssize_t>(n));
-        uint8_t* out = rows.mutable_data();
-        uint8_t* flags = Bytes(found);
-        {
-          py::gil_scoped_release release;
-          s.Get(k, n, out, flags);
-        }
-        return py::make_tuple(rows, found);
+        const auto [k, n] = KeysArg(keys, "keys");
+        return RowsAndFound<uint8_t>(n, s.row_bytes(),
+                                     [&, k = k, n = n](uint8_t* out, uint8_t* flags) { s.Get(k, n, out, flags); });
       }, py::arg("keys"))
       .def("commit", [](hps::SsdStore& s) {
         py::gil_scoped_release release;

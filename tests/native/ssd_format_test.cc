@@ -24,9 +24,12 @@ namespace fs = std::filesystem;
 class TempDir : public ::testing::Test {
  protected:
   void SetUp() override {
-    char pattern[] = "/tmp/hps-ssd-test-XXXXXX";
-    ASSERT_NE(mkdtemp(pattern), nullptr);
-    dir_ = pattern;
+    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = (fs::temp_directory_path() / ("hps-ssd-test-" + std::to_string(getpid()) + "-" +
+                                         test->test_suite_name() + "-" + test->name()))
+               .string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string Path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
