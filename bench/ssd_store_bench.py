@@ -496,28 +496,23 @@ class MemCgroup:
             except OSError:
                 pass
 
+    # Per cgroup version: single-number files, and the "key value" file with the OOM counters.
+    _COUNTERS = {1: (("memory.max_usage_in_bytes", "memory.failcnt"), "memory.oom_control", "oom_control"),
+                 2: (("memory.peak",), "memory.events", "events")}
+
     def snapshot(self):
         out = {}
-        if self.version == 1:
-            for name in ("memory.max_usage_in_bytes", "memory.failcnt"):
-                v = self._read(name)
-                if v is not None:
-                    out[name] = int(v)
-            oc = self._read("memory.oom_control")
-            if oc:
-                for line in oc.splitlines():
-                    k, _, v = line.partition(" ")
-                    out[f"oom_control.{k}"] = int(v)
-        elif self.version == 2:
-            for name in ("memory.peak",):
-                v = self._read(name)
-                if v is not None:
-                    out[name] = int(v)
-            ev = self._read("memory.events")
-            if ev:
-                for line in ev.splitlines():
-                    k, _, v = line.partition(" ")
-                    out[f"events.{k}"] = int(v)
+        if self.version not in self._COUNTERS:
+            return out
+        numbers, pairs_file, prefix = self._COUNTERS[self.version]
+        for name in numbers:
+            v = self._read(name)
+            if v is not None:
+                out[name] = int(v)
+        pairs = self._read(pairs_file)
+        for line in (pairs or "").splitlines():
+            k, _, v = line.partition(" ")
+            out[f"{prefix}.{k}"] = int(v)
         return out
 
     def enter(self):  # runs in the child before exec
