@@ -8,14 +8,13 @@
 #include <cstring>
 #include <utility>
 
-#include "block_reader.h"
 #include "crc32c.h"
 
 namespace hps::detail {
 namespace {
 
 constexpr char kMagic[8] = {'H', 'P', 'S', 'P', 'A', 'R', 'A', 'M'};
-constexpr uint64_t kWriteChunk = uint64_t{1} << 20;  // bytes per pwrite
+constexpr uint64_t kIoChunk = uint64_t{1} << 20;  // bytes per read or write request
 
 [[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
   throw IoError(path + ": " + what + ": " + std::strerror(errno));
@@ -29,51 +28,6 @@ uint32_t HeaderCrc(ParamFileHeader h) {
   h.header_crc = 0;
   return Crc32c(&h, sizeof h);
 }
-
-// Appends bytes at the file's end offset through a 1 MiB staging buffer, so a
-// file goes out in few large sequential writes.
-class SequentialWriter {
- public:
-  SequentialWriter(int fd, const std::string& path) : fd_(fd), path_(path) {
-    buffer_.reserve(kWriteChunk);
-  }
-  void Append(const void* data, uint64_t bytes) {
-    const auto* p = static_cast<const uint8_t*>(data);
-    while (bytes > 0) {
-      const uint64_t take = std::min<uint64_t>(bytes, kWriteChunk - buffer_.size());
-      buffer_.insert(buffer_.end(), p, p + take);
-      p += take;
-      bytes -= take;
-      if (buffer_.size() == kWriteChunk) Flush();
-    }
-  }
-  void PadToBlock() {
-    const uint64_t total = offset_ + buffer_.size();
-    buffer_.resize(buffer_.size() + (RoundUpToBlock(total) - total), 0);
-    if (buffer_.size() >= kWriteChunk) Flush();
-  }
-  void Flush() {
-    uint64_t done = 0;
-    while (done < buffer_.size()) {
-      const ssize_t w = pwrite(fd_, buffer_.data() + done, buffer_.size() - done,
-                               static_cast<off_t>(offset_ + done));
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        ThrowErrno("write", path_);
-      }
-      done += static_cast<uint64_t>(w);
-    }
-    offset_ += buffer_.size();
-    buffer_.clear();
-  }
-  uint64_t offset() const { return offset_ + buffer_.size(); }
-
- private:
-  int fd_;
-  const std::string& path_;
-  std::vector<uint8_t> buffer_;
-  uint64_t offset_ = 0;
-};
 
 }  // namespace
 
@@ -92,33 +46,62 @@ void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uin
   }
 }
 
-uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row_bytes,
-                        const uint64_t* keys, const uint8_t* rows, uint64_t n) {
-  if (row_bytes == 0) throw std::invalid_argument(path + ": row_bytes must be > 0");
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) ThrowErrno("create", path);
-  uint64_t written = 0;
-  try {
-    ParamFileHeader h{};
-    std::memcpy(h.magic, kMagic, sizeof kMagic);
-    h.version = kParamFileVersion;
-    h.row_bytes = row_bytes;
-    h.sequence = sequence;
-    h.records = n;
-    h.keys_crc = Crc32c(keys, n * sizeof(uint64_t));
-    h.rows_crc = Crc32c(rows, n * row_bytes);
-    h.header_crc = HeaderCrc(h);
+void WriteFully(int fd, const std::string& path, uint64_t offset, const void* data, uint64_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    const ssize_t w = pwrite(fd, p, bytes, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      ThrowErrno("write", path);
+    }
+    if (w == 0) throw IoError(path + ": write: no progress (disk full?)");
+    p += w;
+    offset += static_cast<uint64_t>(w);
+    bytes -= static_cast<uint64_t>(w);
+  }
+}
 
-    SequentialWriter out(fd, path);
-    out.Append(&h, sizeof h);
-    out.PadToBlock();
-    out.Append(keys, n * sizeof(uint64_t));
-    out.PadToBlock();
-    out.Append(rows, n * row_bytes);
-    out.PadToBlock();
-    out.Flush();
-    written = out.offset();
-    if (fdatasync(fd) != 0) ThrowErrno("sync", path);
+ParamFileImage::ParamFileImage(uint32_t row_bytes, uint64_t records)
+    : layout_{row_bytes, records}, buffer_(layout_.file_bytes()) {
+  if (row_bytes == 0) throw std::invalid_argument("parameter file: row_bytes must be > 0");
+}
+
+uint64_t ParamFileImage::Write(const std::string& path, uint64_t sequence, BlockIo& io, bool direct) {
+  ParamFileHeader h{};
+  std::memcpy(h.magic, kMagic, sizeof kMagic);
+  h.version = kParamFileVersion;
+  h.row_bytes = layout_.row_bytes;
+  h.sequence = sequence;
+  h.records = layout_.records;
+  h.keys_crc = Crc32c(keys(), layout_.records * sizeof(uint64_t));
+  h.rows_crc = Crc32c(row(0), layout_.records * layout_.row_bytes);
+  h.header_crc = HeaderCrc(h);
+  std::memcpy(buffer_.data(), &h, sizeof h);
+
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+  int fd = direct ? open(path.c_str(), flags | O_DIRECT, 0644) : open(path.c_str(), flags, 0644);
+  if (fd < 0 && direct && errno == EINVAL) {
+    // The filesystem refuses O_DIRECT (older tmpfs), possibly after creating
+    // the file; the name is this write's own, so start it over buffered.
+    unlink(path.c_str());
+    fd = open(path.c_str(), flags, 0644);
+  }
+  if (fd < 0) ThrowErrno("create", path);
+  const uint64_t total = layout_.file_bytes();
+  try {
+    // Claim the space first: a full disk (or RLIMIT_FSIZE) then fails here,
+    // cleanly, rather than as a short O_DIRECT write whose remainder is
+    // misaligned. Filesystems without fallocate just write.
+    const int claimed = total > 0 ? posix_fallocate(fd, 0, static_cast<off_t>(total)) : 0;
+    if (claimed != 0 && claimed != EOPNOTSUPP && claimed != EINVAL) {
+      errno = claimed;
+      ThrowErrno("allocate", path);
+    }
+    std::vector<IoRequest> writes;
+    for (uint64_t offset = 0; offset < total; offset += kIoChunk) {
+      writes.push_back(IoRequest{fd, &path, offset, std::min(kIoChunk, total - offset), buffer_.data() + offset});
+    }
+    io.WriteAll(writes);
   } catch (...) {
     close(fd);
     unlink(path.c_str());  // a partial file must never be mistaken for data
@@ -130,6 +113,20 @@ uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row
     errno = error;
     ThrowErrno("close", path);
   }
+  return total;
+}
+
+uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row_bytes,
+                        const uint64_t* keys, const uint8_t* rows, uint64_t n) {
+  if (row_bytes == 0) throw std::invalid_argument(path + ": row_bytes must be > 0");
+  ParamFileImage image(row_bytes, n);
+  if (n > 0) {
+    std::memcpy(image.keys(), keys, n * sizeof(uint64_t));
+    std::memcpy(image.row(0), rows, n * row_bytes);
+  }
+  std::unique_ptr<BlockIo> io = NewBlockIo(false);
+  const uint64_t written = image.Write(path, sequence, *io, false);
+  ParamFile::Open(path, row_bytes, false).Sync();
   return written;
 }
 
@@ -160,13 +157,8 @@ ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool veri
                            std::to_string(layout.file_bytes()));
   }
 
-  f.keys_.resize(h.records);
-  ReadFully(f.fd_, path, layout.keys_offset(), f.keys_.data(), h.records * sizeof(uint64_t));
-  if (Crc32c(f.keys_.data(), h.records * sizeof(uint64_t)) != h.keys_crc) {
-    ThrowCorrupt(path, "keys CRC mismatch");
-  }
   if (verify_rows) {
-    std::vector<uint8_t> chunk(kWriteChunk);
+    std::vector<uint8_t> chunk(kIoChunk);
     const uint64_t total = h.records * h.row_bytes;
     uint32_t crc = 0;
     for (uint64_t done = 0; done < total;) {
@@ -194,9 +186,21 @@ ParamFile& ParamFile::operator=(ParamFile&& other) noexcept {
     fd_ = std::exchange(other.fd_, -1);
     direct_fd_ = std::exchange(other.direct_fd_, -1);
     header_ = other.header_;
-    keys_ = std::move(other.keys_);
   }
   return *this;
+}
+
+std::vector<uint64_t> ParamFile::ReadKeys() const {
+  std::vector<uint64_t> keys(header_.records);
+  ReadFully(fd_, path_, layout().keys_offset(), keys.data(), header_.records * sizeof(uint64_t));
+  if (Crc32c(keys.data(), header_.records * sizeof(uint64_t)) != header_.keys_crc) {
+    ThrowCorrupt(path_, "keys CRC mismatch");
+  }
+  return keys;
+}
+
+void ParamFile::Sync() const {
+  if (fdatasync(fd_) != 0) ThrowErrno("sync", path_);
 }
 
 ParamFile::~ParamFile() {
@@ -241,9 +245,9 @@ ParamFile::RowsPlan ParamFile::PlanRows(const uint64_t* slots, uint64_t n) const
   return plan;
 }
 
-void ParamFile::AddReads(const RowsPlan& plan, uint8_t* buffer, std::vector<ReadRequest>* reads) const {
+void ParamFile::AddReads(const RowsPlan& plan, uint8_t* buffer, std::vector<IoRequest>* reads) const {
   for (const Run& r : plan.runs) {
-    reads->push_back(ReadRequest{read_fd(), &path_, r.first * kBlockBytes,
+    reads->push_back(IoRequest{read_fd(), &path_, r.first * kBlockBytes,
                                  (r.last - r.first + 1) * kBlockBytes, buffer + r.buffer_offset});
   }
 }
@@ -266,9 +270,9 @@ void ParamFile::CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint
 uint64_t ParamFile::ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) const {
   const RowsPlan plan = PlanRows(slots, n);
   AlignedBuffer buffer(plan.bytes);
-  std::vector<ReadRequest> reads;
+  std::vector<IoRequest> reads;
   AddReads(plan, buffer.data(), &reads);
-  for (const ReadRequest& r : reads) ReadFully(r.fd, path_, r.offset, r.buffer, r.bytes);
+  for (const IoRequest& r : reads) ReadFully(r.fd, path_, r.offset, r.buffer, r.bytes);
   CopyRows(plan, buffer.data(), slots, n, out);
   return plan.bytes;
 }

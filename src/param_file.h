@@ -14,12 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "block_io.h"
 #include "hps/ssd_store.h"  // CorruptionError, IoError
 
 namespace hps {
 namespace detail {
 
-struct ReadRequest;
+struct IoRequest;
+class BlockIo;
 
 inline constexpr uint64_t kBlockBytes = 4096;
 inline constexpr uint32_t kParamFileVersion = 1;
@@ -54,18 +56,37 @@ struct ParamFileLayout {
   uint64_t row_offset(uint64_t slot) const { return rows_offset() + slot * row_bytes; }
 };
 
-// Writes a new file at `path` (which must not exist) holding keys[i] with
-// rows (n, row_bytes), then syncs it. On any failure the partial file is
-// removed and IoError names it. Returns the bytes written.
+// A parameter file being assembled in memory, in its on-disk layout, so that
+// it goes out in large aligned writes (O_DIRECT) with no staging copy.
+class ParamFileImage {
+ public:
+  ParamFileImage(uint32_t row_bytes, uint64_t records);
+  ParamFileLayout layout() const { return layout_; }
+  uint64_t* keys() { return reinterpret_cast<uint64_t*>(buffer_.data() + layout_.keys_offset()); }
+  uint8_t* row(uint64_t slot) { return buffer_.data() + layout_.row_offset(slot); }
+
+  // Seals the header (CRCs) and writes the image as the new file `path`
+  // (which must not exist) through `io`, with O_DIRECT when `direct` and the
+  // filesystem allows it. Not synced: ParamFile::Sync() does that before a
+  // commit names the file. On failure the partial file is removed and
+  // IoError names it. Returns the bytes written.
+  uint64_t Write(const std::string& path, uint64_t sequence, BlockIo& io, bool direct);
+
+ private:
+  ParamFileLayout layout_;
+  AlignedBuffer buffer_;
+};
+
+// Writes and syncs a new file at `path` holding keys[i] with rows (n,
+// row_bytes), with pwrite; for tests and tools. Returns the bytes written.
 uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row_bytes,
                         const uint64_t* keys, const uint8_t* rows, uint64_t n);
 
 // An open, validated parameter file. Not copyable; movable.
 class ParamFile {
  public:
-  // Checks the header (magic, version, row size, file length, header CRC)
-  // and the keys region's CRC, loading the keys; with verify_rows, the rows
-  // region's CRC too. With direct_reads, rows are read through a second,
+  // Checks the header (magic, version, row size, file length, header CRC);
+  // with verify_rows, the rows region's CRC too. With direct_reads, rows are read through a second,
   // O_DIRECT descriptor (bypassing the page cache) where the filesystem
   // allows it. Throws CorruptionError or IoError naming the file.
   static ParamFile Open(const std::string& path, uint32_t row_bytes, bool verify_rows,
@@ -80,8 +101,11 @@ class ParamFile {
   const std::string& path() const { return path_; }
   const ParamFileHeader& header() const { return header_; }
   ParamFileLayout layout() const { return {header_.row_bytes, header_.records}; }
-  // keys()[slot] is the key of record `slot`.
-  const std::vector<uint64_t>& keys() const { return keys_; }
+  // The keys of the records, by slot, read from disk and checked against
+  // their CRC (the store keeps none in memory: its index has them).
+  std::vector<uint64_t> ReadKeys() const;
+  // Makes the file's data durable (fdatasync).
+  void Sync() const;
 
   // The reads that fetch some rows: each run of neighbouring 4 KiB blocks
   // once, or the whole rows region when that moves no more bytes.
@@ -95,7 +119,7 @@ class ParamFile {
   };
   RowsPlan PlanRows(const uint64_t* slots, uint64_t n) const;
   // The reads of a plan into `buffer` (4 KiB aligned, plan.bytes long).
-  void AddReads(const RowsPlan& plan, uint8_t* buffer, std::vector<ReadRequest>* reads) const;
+  void AddReads(const RowsPlan& plan, uint8_t* buffer, std::vector<IoRequest>* reads) const;
   // Copies the rows of `slots` from a plan's filled buffer into out (n, row_bytes).
   void CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint64_t* slots, uint64_t n,
                 uint8_t* out) const;
@@ -113,12 +137,13 @@ class ParamFile {
   int fd_ = -1;
   int direct_fd_ = -1;
   ParamFileHeader header_{};
-  std::vector<uint64_t> keys_;
 };
 
 // Reads exactly `bytes` at `offset`, retrying short reads; IoError names the
 // file, CorruptionError a file shorter than expected.
 void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes);
+// Writes exactly `bytes` at `offset`, retrying short writes; IoError names the file.
+void WriteFully(int fd, const std::string& path, uint64_t offset, const void* data, uint64_t bytes);
 
 }  // namespace detail
 }  // namespace hps

@@ -4,18 +4,23 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
-#include <sstream>
+#include <optional>
+#include <shared_mutex>
+#include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
-#include "block_reader.h"
+#include "block_io.h"
+#include "key_index.h"
 #include "manifest.h"
 #include "param_file.h"
 
@@ -23,6 +28,7 @@ namespace hps {
 namespace {
 
 namespace fs = std::filesystem;
+using detail::KeyIndex;
 using detail::ManifestWriter;
 using detail::ParamFile;
 
@@ -104,10 +110,13 @@ void CheckOrCreateMarker(const std::string& dir, uint32_t row_bytes) {
   SyncDirectory(dir);
 }
 
+// Record ids: handle * file_records + slot, 32 bits, so that the index takes
+// 12 bytes a slot. Handles are reused once their file is gone.
 class FileStore final : public SsdStore {
  public:
   explicit FileStore(const SsdStoreOptions& options)
-      : options_(options), reader_(detail::NewBlockReader(options.use_io_uring)) {
+      : options_(options), io_pool_(options.use_io_uring) {
+    max_handles_ = (uint64_t{KeyIndex::kNone}) / options_.file_records;
     const std::string& dir = options_.path;
     if (fs::exists(dir) && !fs::is_directory(dir)) {
       throw std::invalid_argument(dir + " is not a directory, so not an hps store");
@@ -132,102 +141,131 @@ class FileStore final : public SsdStore {
       if (!fs::exists(file)) {
         throw CorruptionError(file + ": listed as live in " + manifest + " but missing");
       }
-      ParamFile f = ParamFile::Open(file, options_.row_bytes, options_.verify_rows_on_open,
-                                    options_.direct_io);
-      if (f.header().records != records || f.header().sequence != sequence) {
+      auto f = std::make_shared<const ParamFile>(
+          ParamFile::Open(file, options_.row_bytes, options_.verify_rows_on_open, options_.direct_io));
+      if (f->header().records != records || f->header().sequence != sequence) {
         throw CorruptionError(file + ": header says sequence " +
-                              std::to_string(f.header().sequence) + " with " +
-                              std::to_string(f.header().records) + " records, " + manifest +
+                              std::to_string(f->header().sequence) + " with " +
+                              std::to_string(f->header().records) + " records, " + manifest +
                               " says " + std::to_string(sequence) + " with " + std::to_string(records));
       }
-      Index(sequence, std::move(f));
+      const std::vector<uint64_t> keys = f->ReadKeys();
+      Index(AddEntry(sequence, std::move(f), true), keys);
     }
     SyncDirectory(dir);  // the removals above
     manifest_ = std::make_unique<ManifestWriter>(manifest, replay.valid_bytes);
+    if (options_.background_compaction) compactor_ = std::thread([this] { CompactorLoop(); });
+  }
+
+  ~FileStore() override {
+    {
+      std::lock_guard lock(compaction_mutex_);
+      stopping_ = true;
+    }
+    compaction_cv_.notify_all();
+    if (compactor_.joinable()) compactor_.join();
   }
 
   void Put(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {
     CheckKeys(keys, n);
-    std::lock_guard lock(mutex_);
+    if (n >= KeyIndex::kNone) throw std::invalid_argument("ssd store: put of more than 2^32 - 2 rows in one call");
+    std::lock_guard put_lock(put_mutex_);
     // The last of duplicate keys wins: keep one record per key.
-    std::vector<uint64_t> order;
-    order.reserve(n);
+    std::vector<uint32_t> order;
     {
-      std::unordered_set<uint64_t> seen;
-      seen.reserve(n);
-      for (uint64_t i = n; i-- > 0;) {
-        if (seen.insert(keys[i]).second) order.push_back(i);
+      KeyIndex last;
+      for (uint64_t i = 0; i < n; ++i) last.Upsert(keys[i], static_cast<uint32_t>(i));
+      order.reserve(last.size());
+      for (uint64_t i = 0; i < n; ++i) {
+        if (last.Find(keys[i]) == i) order.push_back(static_cast<uint32_t>(i));
       }
-      std::reverse(order.begin(), order.end());
     }
     // Write every file first; only a fully written batch enters the index, so
     // a failed put (a full disk, say) changes nothing.
     const uint32_t row_bytes = options_.row_bytes;
-    std::vector<std::pair<uint64_t, ParamFile>> written;
+    struct Written {
+      uint64_t sequence;
+      std::shared_ptr<const ParamFile> file;
+      std::vector<uint64_t> keys;
+    };
+    std::vector<Written> written;
+    uint64_t bytes = 0;
     try {
-      std::vector<uint64_t> file_keys;
-      std::vector<uint8_t> file_rows;
+      auto io = io_pool_.Acquire();
       for (uint64_t begin = 0; begin < order.size(); begin += options_.file_records) {
         const uint64_t count = std::min<uint64_t>(options_.file_records, order.size() - begin);
-        file_keys.resize(count);
-        file_rows.resize(count * row_bytes);
+        detail::ParamFileImage image(row_bytes, count);
+        uint64_t* file_keys = image.keys();
         for (uint64_t j = 0; j < count; ++j) {
           const uint64_t i = order[begin + j];
           file_keys[j] = keys[i];
-          std::memcpy(file_rows.data() + j * row_bytes, rows + i * row_bytes, row_bytes);
+          std::memcpy(image.row(j), rows + i * row_bytes, row_bytes);
         }
         const uint64_t sequence = next_sequence_++;
-        const std::string file = Path(FileName(sequence));
-        stats_.bytes_written +=
-            detail::WriteParamFile(file, sequence, row_bytes, file_keys.data(), file_rows.data(), count);
-        written.emplace_back(sequence, ParamFile::Open(file, row_bytes, false, options_.direct_io));
+        const std::string path = Path(FileName(sequence));
+        bytes += image.Write(path, sequence, *io, options_.direct_io);
+        written.push_back({sequence,
+                           std::make_shared<const ParamFile>(ParamFile::Open(path, row_bytes, false, options_.direct_io)),
+                           std::vector<uint64_t>(file_keys, file_keys + count)});
+      }
+      std::unique_lock lock(mutex_);
+      if (entries_.size() - free_handles_.size() + written.size() > max_handles_) {
+        throw std::runtime_error("ssd store: more than " + std::to_string(max_handles_) +
+                                 " files would be live; raise file_records");
       }
     } catch (...) {
-      for (const auto& entry : written) fs::remove(entry.second.path());
+      for (const Written& w : written) fs::remove(w.file->path());
       throw;
     }
-    for (auto& [sequence, file] : written) {
-      uncommitted_.push_back(sequence);
-      Index(sequence, std::move(file));
+    for (Written& w : written) {  // one file at a time, so readers wait one file's indexing at most
+      std::unique_lock lock(mutex_);
+      const uint32_t handle = AddEntry(w.sequence, std::move(w.file), false);
+      uncommitted_.push_back(handle);
+      Index(handle, w.keys);
     }
-    stats_.rows_written += order.size();
+    counters_.rows_written += order.size();
+    counters_.bytes_written += bytes;
   }
 
   uint64_t Get(const uint64_t* keys, uint64_t n, uint8_t* rows_out, uint8_t* found) override {
     CheckKeys(keys, n);
-    std::lock_guard lock(mutex_);
     const uint32_t row_bytes = options_.row_bytes;
-    // Group the requests by file, so each file is read once per call.
-    std::map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> by_file;  // seq -> (slot, i)
-    uint64_t hits = 0;
-    for (uint64_t i = 0; i < n; ++i) {
-      const auto it = index_.find(keys[i]);
-      if (found) found[i] = it != index_.end();
-      if (it == index_.end()) {
-        std::memset(rows_out + i * row_bytes, 0, row_bytes);
-        continue;
-      }
-      by_file[it->second.sequence].emplace_back(it->second.slot, i);
-      ++hits;
-    }
-    // Plan every file's block runs, then read them in waves of at most
-    // kReadWaveBytes, with all of a wave's reads in flight at once.
+    // Group the requests by file, so each file is read once per call. The
+    // groups hold their files: a compaction may drop one meanwhile, and its
+    // descriptors stay readable until the last holder lets go.
     struct Group {
-      const ParamFile* file;
+      std::shared_ptr<const ParamFile> file;
       std::vector<uint64_t> slots;
-      const std::vector<std::pair<uint64_t, uint64_t>>* requests;
+      std::vector<uint64_t> requests;  // i of each slot
       ParamFile::RowsPlan plan;
       uint64_t offset = 0;  // in the wave's buffer
     };
     std::vector<Group> groups;
-    groups.reserve(by_file.size());
-    for (const auto& [sequence, requests] : by_file) {
-      Group g{&files_.at(sequence).file, {}, &requests, {}, 0};
-      for (const auto& r : requests) g.slots.push_back(r.first);
-      g.plan = g.file->PlanRows(g.slots.data(), g.slots.size());
-      groups.push_back(std::move(g));
+    uint64_t hits = 0;
+    {
+      std::shared_lock lock(mutex_);
+      std::unordered_map<uint32_t, size_t> group_of;  // handle -> groups index
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint32_t id = index_.Find(keys[i]);
+        if (found) found[i] = id != KeyIndex::kNone;
+        if (id == KeyIndex::kNone) {
+          std::memset(rows_out + i * row_bytes, 0, row_bytes);
+          continue;
+        }
+        const uint32_t handle = static_cast<uint32_t>(id / options_.file_records);
+        auto [it, inserted] = group_of.try_emplace(handle, groups.size());
+        if (inserted) groups.push_back(Group{entries_[handle].file, {}, {}, {}, 0});
+        groups[it->second].slots.push_back(id % options_.file_records);
+        groups[it->second].requests.push_back(i);
+        ++hits;
+      }
     }
+    for (Group& g : groups) g.plan = g.file->PlanRows(g.slots.data(), g.slots.size());
+    // Read the planned block runs in waves of at most kReadWaveBytes, with
+    // all of a wave's reads in flight at once.
+    auto io = io_pool_.Acquire();
     std::vector<uint8_t> rows;
+    uint64_t bytes_read = 0;
     for (size_t begin = 0; begin < groups.size();) {
       size_t end = begin;
       uint64_t bytes = 0;
@@ -237,176 +275,452 @@ class FileStore final : public SsdStore {
         ++end;
       }
       detail::AlignedBuffer buffer(bytes);
-      std::vector<detail::ReadRequest> reads;
+      std::vector<detail::IoRequest> reads;
       for (size_t g = begin; g < end; ++g) {
         groups[g].file->AddReads(groups[g].plan, buffer.data() + groups[g].offset, &reads);
       }
-      reader_->ReadAll(reads);
-      stats_.bytes_read += bytes;
+      io->ReadAll(reads);
+      bytes_read += bytes;
       for (size_t g = begin; g < end; ++g) {
         const Group& group = groups[g];
         rows.resize(group.slots.size() * row_bytes);
         group.file->CopyRows(group.plan, buffer.data() + group.offset, group.slots.data(),
                              group.slots.size(), rows.data());
         for (size_t j = 0; j < group.slots.size(); ++j) {
-          std::memcpy(rows_out + (*group.requests)[j].second * row_bytes, rows.data() + j * row_bytes,
-                      row_bytes);
+          std::memcpy(rows_out + group.requests[j] * row_bytes, rows.data() + j * row_bytes, row_bytes);
         }
       }
       begin = end;
     }
-    stats_.rows_read += hits;
-    stats_.bytes_requested += hits * row_bytes;
+    counters_.bytes_read += bytes_read;
+    counters_.rows_read += hits;
     return hits;
   }
 
   void Commit() override {
-    std::lock_guard lock(mutex_);
+    std::unique_lock put_lock(put_mutex_);
     CommitLocked();
-    uint64_t on_disk = 0;
-    for (const auto& entry : files_) on_disk += entry.second.file.header().records;
-    if (static_cast<double>(on_disk) > options_.compaction_trigger * static_cast<double>(index_.size())) {
-      try {
-        CompactLocked();
-      } catch (const std::exception& e) {
-        // The user's commit above stands; the compaction changed nothing.
-        ++stats_.compaction_failures;
-        stats_.last_error = e.what();
+    CompactionJob job;
+    {
+      std::lock_guard lock(compaction_mutex_);
+      if (compaction_active_ || !OverTrigger()) return;
+      compaction_active_ = true;
+      job = Plan(/*to_trigger=*/true);
+      if (options_.background_compaction) {
+        job_ = std::move(job);
+        compaction_cv_.notify_all();
+        return;
       }
     }
+    put_lock.unlock();
+    FinishCompaction(RunCompaction(std::move(job)));  // a failure is in the stats; the commit stands
   }
 
   void Compact() override {
-    std::lock_guard lock(mutex_);
-    CommitLocked();
-    CompactLocked();
+    std::unique_lock compaction_lock(compaction_mutex_);
+    compaction_cv_.wait(compaction_lock, [this] { return !compaction_active_; });
+    compaction_active_ = true;
+    compaction_lock.unlock();
+    CompactionJob job;
+    try {
+      std::lock_guard put_lock(put_mutex_);
+      CommitLocked();
+      job = Plan(/*to_trigger=*/false);
+    } catch (...) {
+      FinishCompaction();
+      throw;
+    }
+    const std::string error = RunCompaction(std::move(job));
+    FinishCompaction(error);
+    if (!error.empty()) throw IoError(error);
+  }
+
+  void WaitForCompaction() override {
+    std::unique_lock lock(compaction_mutex_);
+    compaction_cv_.wait(lock, [this] { return !compaction_active_; });
   }
 
   uint64_t size() const override {
-    std::lock_guard lock(mutex_);
+    std::shared_lock lock(mutex_);
     return index_.size();
   }
 
   uint32_t row_bytes() const override { return options_.row_bytes; }
 
   SsdStoreStats stats() const override {
-    std::lock_guard lock(mutex_);
-    SsdStoreStats s = stats_;
-    s.files = files_.size();
+    SsdStoreStats s;
+    s.rows_written = counters_.rows_written;
+    s.bytes_written = counters_.bytes_written;
+    s.rows_read = counters_.rows_read;
+    s.bytes_read = counters_.bytes_read;
+    s.bytes_requested = counters_.rows_read * options_.row_bytes;
+    s.compactions = counters_.compactions;
+    s.compacted_records = counters_.compacted_records;
+    s.compaction_failures = counters_.compaction_failures;
+    s.compaction_lock_max_us = counters_.compaction_lock_max_ns / 1000.0;
+    {
+      std::lock_guard lock(compaction_mutex_);
+      s.last_error = last_error_;
+      s.compaction_running = compaction_active_;
+    }
+    std::shared_lock lock(mutex_);
+    s.files = by_sequence_.size();
     s.live_records = index_.size();
+    s.index_bytes = index_.memory_bytes();
     s.commits = commits_;
-    s.io_path = reader_->name();
-    if (!files_.empty() && files_.begin()->second.file.direct()) s.io_path += "+O_DIRECT";
-    for (const auto& [sequence, f] : files_) {
-      s.stale_records += f.stale;
-      s.disk_bytes += f.file.layout().file_bytes();
+    s.io_path = io_pool_.name();
+    if (!by_sequence_.empty() && Entry(by_sequence_.begin()->second).file->direct()) s.io_path += "+O_DIRECT";
+    for (const auto& [sequence, handle] : by_sequence_) {
+      s.stale_records += Entry(handle).stale;
+      s.disk_bytes += Entry(handle).file->layout().file_bytes();
     }
     return s;
   }
 
  private:
-  struct Location {
-    uint64_t sequence;
-    uint64_t slot;
+  struct FileEntry {
+    std::shared_ptr<const ParamFile> file;  // null: a free handle
+    uint64_t sequence = 0;
+    uint64_t stale = 0;      // records whose key now lives in a later file
+    bool committed = false;
+    bool victim = false;     // being compacted away
   };
-  struct LiveFile {
-    ParamFile file;
-    uint64_t stale = 0;  // records whose key now lives in a later file
+  // A compaction: victims in chunks; each chunk's live records become new
+  // files (sequences reserved at planning, so they order before any later
+  // put) and replace the chunk's victims in one manifest commit.
+  struct CompactionJob {
+    std::vector<std::vector<uint32_t>> chunks;  // victim handles
+    uint64_t next_sequence = 0;  // the reserved range
+    uint64_t end_sequence = 0;
+  };
+  struct Counters {
+    std::atomic<uint64_t> rows_written{0}, bytes_written{0}, rows_read{0}, bytes_read{0};
+    std::atomic<uint64_t> compactions{0}, compacted_records{0}, compaction_failures{0};
+    std::atomic<uint64_t> compaction_lock_max_ns{0};
   };
 
   std::string Path(const std::string& name) const { return (fs::path(options_.path) / name).string(); }
-
-  // REQUIRES: mutex_ held.
-  void CommitLocked() {
-    SyncDirectory(options_.path);  // the new files' names, before the manifest points at them
-    for (uint64_t sequence : uncommitted_) {
-      manifest_->AddFile(sequence, files_.at(sequence).file.header().records);
-    }
-    manifest_->Commit();
-    uncommitted_.clear();
-    ++commits_;
+  FileEntry& Entry(uint32_t handle) { return entries_[handle]; }
+  const FileEntry& Entry(uint32_t handle) const { return entries_[handle]; }
+  uint32_t RecordId(uint32_t handle, uint64_t slot) const {
+    return static_cast<uint32_t>(handle * options_.file_records + slot);
   }
 
-  // REQUIRES: mutex_ held, nothing uncommitted (the index is the committed state).
-  void CompactLocked() {
-    std::vector<uint64_t> victims;
-    for (const auto& [sequence, f] : files_) {
-      if (2 * f.stale > f.file.header().records) victims.push_back(sequence);
-    }
-    if (victims.empty()) return;
-    // The live records of the victims, read file by file.
-    const uint32_t row_bytes = options_.row_bytes;
-    std::vector<uint64_t> keys;
-    std::vector<uint8_t> rows;
-    std::vector<uint64_t> slots;
-    for (uint64_t sequence : victims) {
-      const ParamFile& file = files_.at(sequence).file;
-      slots.clear();
-      for (uint64_t slot = 0; slot < file.keys().size(); ++slot) {
-        const Location& at = index_.at(file.keys()[slot]);
-        if (at.sequence == sequence && at.slot == slot) slots.push_back(slot);
+  // REQUIRES: mutex_ held exclusively (or the constructor).
+  uint32_t AddEntry(uint64_t sequence, std::shared_ptr<const ParamFile> file, bool committed) {
+    uint32_t handle;
+    if (!free_handles_.empty()) {
+      handle = free_handles_.back();
+      free_handles_.pop_back();
+    } else {
+      if (entries_.size() >= max_handles_) {
+        throw std::runtime_error("ssd store: more than " + std::to_string(max_handles_) +
+                                 " files live; raise file_records");
       }
-      const size_t before = keys.size();
-      for (uint64_t slot : slots) keys.push_back(file.keys()[slot]);
-      rows.resize(keys.size() * row_bytes);
-      stats_.bytes_read += file.ReadRows(slots.data(), slots.size(), rows.data() + before * row_bytes);
+      handle = static_cast<uint32_t>(entries_.size());
+      entries_.emplace_back();
     }
-    // New files first; if any write fails, they go and nothing else changed.
-    std::vector<std::pair<uint64_t, ParamFile>> written;
+    records_on_disk_ += file->header().records;
+    entries_[handle] = FileEntry{std::move(file), sequence, 0, committed, false};
+    by_sequence_.emplace(sequence, handle);
+    return handle;
+  }
+
+  // REQUIRES: mutex_ held exclusively.
+  void RemoveEntry(uint32_t handle) {
+    FileEntry& e = Entry(handle);
+    records_on_disk_ -= e.file->header().records;
+    by_sequence_.erase(e.sequence);
+    e = FileEntry{};
+    free_handles_.push_back(handle);
+  }
+
+  // Points the index at every record of a file; the copies it supersedes go
+  // stale. A superseded copy in a compaction's victim is remembered: it may
+  // be the committed copy, which the compaction must carry over.
+  // REQUIRES: mutex_ held exclusively.
+  void Index(uint32_t handle, const std::vector<uint64_t>& keys) {
+    for (uint64_t slot = 0; slot < keys.size(); ++slot) {
+      const uint32_t old = index_.Upsert(keys[slot], RecordId(handle, slot));
+      if (old == KeyIndex::kNone) continue;
+      FileEntry& was = Entry(static_cast<uint32_t>(old / options_.file_records));
+      was.stale += 1;
+      if (was.victim) superseded_victim_copies_.try_emplace(keys[slot], old);
+    }
+  }
+
+  // Makes the puts so far durable. REQUIRES: put_mutex_ held.
+  void CommitLocked() {
+    std::vector<std::pair<uint32_t, std::shared_ptr<const ParamFile>>> pending;
+    {
+      std::shared_lock lock(mutex_);
+      for (uint32_t handle : uncommitted_) pending.emplace_back(handle, Entry(handle).file);
+    }
+    for (const auto& entry : pending) entry.second->Sync();
+    SyncDirectory(options_.path);  // the new files' names, before the manifest points at them
+    {
+      std::lock_guard manifest_lock(manifest_mutex_);
+      for (const auto& [handle, file] : pending) manifest_->AddFile(file->header().sequence, file->header().records);
+      manifest_->Commit();
+      ++commits_;
+    }
+    std::unique_lock lock(mutex_);
+    for (const auto& entry : pending) Entry(entry.first).committed = true;
+    uncommitted_.clear();
+  }
+
+  bool OverTrigger() const {
+    std::shared_lock lock(mutex_);
+    return static_cast<double>(records_on_disk_) > options_.compaction_trigger * static_cast<double>(index_.size());
+  }
+
+  // Chooses the victims: every committed file more than half stale, and,
+  // when `to_trigger` and that would still leave disk use above the
+  // trigger, the most stale of the rest (under uniform updates every file
+  // goes stale at the same pace and few ever pass half). REQUIRES:
+  // put_mutex_ held (no put between the commit and the reserved sequences).
+  CompactionJob Plan(bool to_trigger) {
+    std::unique_lock lock(mutex_);
+    std::vector<uint32_t> candidates;
+    for (const auto& [sequence, handle] : by_sequence_) {
+      const FileEntry& e = Entry(handle);
+      if (e.committed && e.stale > 0) candidates.push_back(handle);
+    }
+    auto stale_fraction = [&](uint32_t h) {
+      return static_cast<double>(Entry(h).stale) / static_cast<double>(Entry(h).file->header().records);
+    };
+    std::stable_sort(candidates.begin(), candidates.end(),
+                     [&](uint32_t a, uint32_t b) { return stale_fraction(a) > stale_fraction(b); });
+    // Aim halfway between live and the trigger, so compactions do not follow
+    // every commit.
+    const double live = static_cast<double>(index_.size());
+    const double target = live * (1.0 + (options_.compaction_trigger - 1.0) / 2.0);
+    double on_disk = static_cast<double>(records_on_disk_);
+    std::vector<uint32_t> victims;
+    for (uint32_t h : candidates) {
+      const bool half_stale = 2 * Entry(h).stale > Entry(h).file->header().records;
+      if (!half_stale && !(to_trigger && on_disk > target)) break;
+      victims.push_back(h);
+      on_disk -= static_cast<double>(Entry(h).stale);
+    }
+    CompactionJob job;
+    uint64_t outputs = 0, chunk_live = 0;
+    for (uint32_t h : victims) {
+      FileEntry& e = Entry(h);
+      e.victim = true;
+      if (job.chunks.empty() || chunk_live >= options_.file_records) {
+        outputs += (chunk_live + options_.file_records - 1) / options_.file_records;
+        job.chunks.emplace_back();
+        chunk_live = 0;
+      }
+      job.chunks.back().push_back(h);
+      chunk_live += e.file->header().records - e.stale;
+    }
+    outputs += (chunk_live + options_.file_records - 1) / options_.file_records;
+    job.next_sequence = next_sequence_;
+    next_sequence_ += outputs;
+    job.end_sequence = next_sequence_;
+    return job;
+  }
+
+  void CompactorLoop() {
+    std::unique_lock lock(compaction_mutex_);
+    for (;;) {
+      compaction_cv_.wait(lock, [this] { return stopping_ || job_.has_value(); });
+      if (stopping_) return;
+      CompactionJob job = std::move(*job_);
+      job_.reset();
+      lock.unlock();
+      const std::string error = RunCompaction(std::move(job));
+      // Puts committed during the run may have pushed disk use over the
+      // trigger again; with nothing uncommitted, a new job can be planned.
+      std::unique_lock put_lock(put_mutex_);
+      lock.lock();
+      bool again = false;
+      if (error.empty() && !stopping_) {
+        std::shared_lock index_lock(mutex_);
+        again = uncommitted_.empty();
+      }
+      if (again && OverTrigger()) {
+        job_ = Plan(/*to_trigger=*/true);
+        continue;
+      }
+      lock.unlock();
+      put_lock.unlock();
+      FinishCompaction(error);
+      lock.lock();
+    }
+  }
+
+  // Runs a planned job chunk by chunk. Returns "" or the error that stopped
+  // it (also counted in the stats); a failed chunk changes nothing, the
+  // chunks before it stay done.
+  std::string RunCompaction(CompactionJob job) {
+    std::string error;
+    size_t done = 0;
     try {
-      for (uint64_t begin = 0; begin < keys.size(); begin += options_.file_records) {
-        const uint64_t count = std::min<uint64_t>(options_.file_records, keys.size() - begin);
-        const uint64_t sequence = next_sequence_++;
-        const std::string file = Path(FileName(sequence));
-        stats_.bytes_written += detail::WriteParamFile(file, sequence, row_bytes, keys.data() + begin,
-                                                       rows.data() + begin * row_bytes, count);
-        written.emplace_back(sequence, ParamFile::Open(file, row_bytes, false, options_.direct_io));
+      for (; done < job.chunks.size(); ++done) {
+        {
+          std::lock_guard lock(compaction_mutex_);
+          if (stopping_) break;
+        }
+        CompactChunk(job.chunks[done], &job);
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+      ++counters_.compaction_failures;
+    }
+    std::unique_lock lock(mutex_);
+    for (size_t c = done; c < job.chunks.size(); ++c) {
+      for (uint32_t h : job.chunks[c]) Entry(h).victim = false;
+    }
+    superseded_victim_copies_.clear();
+    return error;
+  }
+
+  void FinishCompaction(const std::string& error = "") {
+    {
+      std::lock_guard lock(compaction_mutex_);
+      compaction_active_ = false;
+      if (!error.empty()) last_error_ = error;
+    }
+    compaction_cv_.notify_all();
+  }
+
+  void CompactChunk(const std::vector<uint32_t>& victims, CompactionJob* job) {
+    const uint32_t row_bytes = options_.row_bytes;
+    // Keep the copies that were live when the job was planned: those the
+    // index still points at, and those a put has superseded since (which
+    // stay live-at-planning however the index moves on). Only their rows are
+    // read, with no lock held while reading.
+    struct Kept {
+      uint64_t key;
+      uint32_t from;  // record id in a victim
+    };
+    std::vector<Kept> kept;
+    std::vector<uint8_t> rows;
+    std::vector<std::shared_ptr<const ParamFile>> sources;
+    {
+      std::shared_lock lock(mutex_);
+      for (uint32_t h : victims) sources.push_back(Entry(h).file);
+    }
+    for (size_t v = 0; v < victims.size(); ++v) {
+      const std::vector<uint64_t> keys = sources[v]->ReadKeys();
+      std::vector<uint64_t> slots;
+      {
+        std::shared_lock lock(mutex_);
+        for (uint64_t slot = 0; slot < keys.size(); ++slot) {
+          const uint32_t id = RecordId(victims[v], slot);
+          bool live = index_.Find(keys[slot]) == id;
+          if (!live) {
+            const auto it = superseded_victim_copies_.find(keys[slot]);
+            live = it != superseded_victim_copies_.end() && it->second == id;
+          }
+          if (!live) continue;
+          slots.push_back(slot);
+          kept.push_back({keys[slot], id});
+        }
+      }
+      const size_t before = rows.size();
+      rows.resize(before + slots.size() * row_bytes);
+      counters_.bytes_read += sources[v]->ReadRows(slots.data(), slots.size(), rows.data() + before);
+    }
+    // New files, synced; on failure they go and nothing else changed.
+    struct Output {
+      uint64_t sequence;
+      std::shared_ptr<const ParamFile> file;
+      uint64_t begin, count;  // in kept
+    };
+    std::vector<Output> outputs;
+    uint64_t bytes = 0;
+    try {
+      auto io = io_pool_.Acquire();
+      for (uint64_t begin = 0; begin < kept.size(); begin += options_.file_records) {
+        const uint64_t count = std::min<uint64_t>(options_.file_records, kept.size() - begin);
+        if (job->next_sequence >= job->end_sequence) {
+          throw std::logic_error("ssd store compaction: more live records than planned");
+        }
+        const uint64_t sequence = job->next_sequence++;
+        detail::ParamFileImage image(row_bytes, count);
+        for (uint64_t j = 0; j < count; ++j) {
+          image.keys()[j] = kept[begin + j].key;
+          std::memcpy(image.row(j), rows.data() + (begin + j) * row_bytes, row_bytes);
+        }
+        const std::string path = Path(FileName(sequence));
+        bytes += image.Write(path, sequence, *io, options_.direct_io);
+        auto file = std::make_shared<const ParamFile>(ParamFile::Open(path, row_bytes, false, options_.direct_io));
+        file->Sync();
+        outputs.push_back({sequence, std::move(file), begin, count});
       }
       SyncDirectory(options_.path);
-      for (const auto& [sequence, file] : written) manifest_->AddFile(sequence, file.header().records);
-      for (uint64_t sequence : victims) manifest_->DropFile(sequence);
+      std::lock_guard manifest_lock(manifest_mutex_);
+      for (const Output& out : outputs) manifest_->AddFile(out.sequence, out.count);
+      for (const auto& victim : sources) manifest_->DropFile(victim->header().sequence);
       manifest_->Commit();
+      ++commits_;
     } catch (...) {
-      for (const auto& entry : written) fs::remove(entry.second.path());
+      for (const Output& out : outputs) fs::remove(out.file->path());
       throw;
     }
-    // Committed: swap the index over, then delete the victims (a crash before
-    // the deletion leaves files the manifest no longer lists; open removes them).
-    for (auto& [sequence, file] : written) Index(sequence, std::move(file));
-    for (uint64_t sequence : victims) {
-      const std::string path = files_.at(sequence).file.path();
-      files_.erase(sequence);
-      fs::remove(path);
-    }
-    SyncDirectory(options_.path);
-    ++commits_;
-    ++stats_.compactions;
-    stats_.compacted_records += keys.size();
-  }
-
-  // Points the index at every record of `file`; the copies it supersedes go stale.
-  void Index(uint64_t sequence, ParamFile file) {
-    const std::vector<uint64_t>& keys = file.keys();
-    for (uint64_t slot = 0; slot < keys.size(); ++slot) {
-      auto [it, inserted] = index_.try_emplace(keys[slot], Location{sequence, slot});
-      if (!inserted) {
-        files_.at(it->second.sequence).stale += 1;
-        it->second = Location{sequence, slot};
+    // Committed: swap the index over. Readers wait for this block only.
+    const auto swap_start = std::chrono::steady_clock::now();
+    {
+      std::unique_lock lock(mutex_);
+      for (Output& out : outputs) {
+        const uint32_t handle = AddEntry(out.sequence, std::move(out.file), true);
+        for (uint64_t j = 0; j < out.count; ++j) {
+          const Kept& k = kept[out.begin + j];
+          const uint32_t to = RecordId(handle, j);
+          if (index_.Replace(k.key, k.from, to)) continue;
+          Entry(handle).stale += 1;  // a put superseded it since planning
+          const auto it = superseded_victim_copies_.find(k.key);
+          if (it != superseded_victim_copies_.end() && it->second == k.from) it->second = to;
+        }
       }
+      for (uint32_t h : victims) RemoveEntry(h);
     }
-    files_.emplace(sequence, LiveFile{std::move(file), 0});
+    const uint64_t swap_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                       std::chrono::steady_clock::now() - swap_start)
+                                                       .count());
+    uint64_t max_ns = counters_.compaction_lock_max_ns;
+    while (swap_ns > max_ns && !counters_.compaction_lock_max_ns.compare_exchange_weak(max_ns, swap_ns)) {
+    }
+    // A crash before these removals leaves files the manifest no longer
+    // lists; open removes them. Readers still holding one keep reading it.
+    for (const auto& victim : sources) fs::remove(victim->path());
+    SyncDirectory(options_.path);
+    counters_.bytes_written += bytes;
+    ++counters_.compactions;
+    counters_.compacted_records += kept.size();
   }
 
-  SsdStoreOptions options_;
-  std::unique_ptr<detail::BlockReader> reader_;
-  mutable std::mutex mutex_;
-  std::unordered_map<uint64_t, Location> index_;
-  std::map<uint64_t, LiveFile> files_;  // by sequence
-  std::vector<uint64_t> uncommitted_;   // sequences written since the last commit
+  const SsdStoreOptions options_;
+  detail::BlockIoPool io_pool_;
+  uint64_t max_handles_ = 0;
+
+  // Lock order: put_mutex_, compaction_mutex_, manifest_mutex_, mutex_.
+  std::mutex put_mutex_;  // one put or commit at a time: files enter the index in sequence order
+  uint64_t next_sequence_ = 1;                   // guarded by put_mutex_
+  mutable std::shared_mutex mutex_;              // the index and the files; readers share it
+  KeyIndex index_;
+  std::vector<FileEntry> entries_;               // by handle
+  std::vector<uint32_t> free_handles_;
+  std::map<uint64_t, uint32_t> by_sequence_;     // sequence -> handle
+  std::vector<uint32_t> uncommitted_;            // handles written since the last commit
+  uint64_t records_on_disk_ = 0;
+  std::unordered_map<uint64_t, uint32_t> superseded_victim_copies_;  // key -> victim record id
+  std::mutex manifest_mutex_;
   std::unique_ptr<ManifestWriter> manifest_;
-  uint64_t next_sequence_ = 1;
-  uint64_t commits_ = 0;
-  SsdStoreStats stats_;
+  std::atomic<uint64_t> commits_{0};
+
+  mutable std::mutex compaction_mutex_;
+  std::condition_variable compaction_cv_;
+  bool compaction_active_ = false;  // a job is planned or running
+  bool stopping_ = false;
+  std::optional<CompactionJob> job_;  // handed to the background thread
+  std::string last_error_;
+  std::thread compactor_;
+  Counters counters_;
 };
 
 }  // namespace

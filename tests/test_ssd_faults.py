@@ -7,6 +7,7 @@ full disk in all but name) must not limit the runner's own files.
 """
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -90,13 +91,18 @@ def test_sigkill_at_random_moments_reopens_to_a_committed_state(tmp_path):
             reported += 1
         else:
             assert same(got, state_after(reported)), f"attempt {attempt}: not commit {reported} or {reported + 1}"
-        # No file of an unfinished put or compaction survives the reopen, and
-        # compaction (every batch overwrites keys) keeps disk under 2x live.
+        # No file of an unfinished put or compaction survives the reopen; a
+        # compaction that the kill cut short, run again, brings disk under 2x live.
         store = hps.SsdStore(path, ROW_BYTES)
         s = store.stats()
         files = len([f for f in os.listdir(path) if f.endswith(".hpf")])
         assert files == s["files"]
+        store.commit()
+        store.wait_for_compaction()
+        s = store.stats()
+        assert s["compaction_failures"] == 0, s["last_error"]
         assert s["live_records"] + s["stale_records"] <= 2 * s["live_records"], s
+        del store
     assert reported >= 8
 
 
@@ -138,7 +144,7 @@ def test_full_disk_fails_the_put_and_keeps_the_store_working(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "error:" in done.stdout and "File too large" in done.stdout, done.stdout
-    assert ".hpf: write: File too large" in done.stdout
+    assert re.search(r"\.hpf: (allocate|(io_uring )?write): File too large", done.stdout), done.stdout
     assert done.stdout.strip().endswith("recovered")
     store = hps.SsdStore(path, 1024)
     assert len(store) == 2100

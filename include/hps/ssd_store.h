@@ -2,21 +2,19 @@
 // memory, as immutable parameter files on disk (docs/ssd_format.md).
 //
 // put() never updates in place: a batch of rows becomes new files, written
-// sequentially, and the index then points at the new copies; the old ones
-// become stale, counted per file. commit() makes everything put so far durable
-// through the manifest, then compacts if the files hold too many stale
-// records. open() of an existing store replays the manifest,
-// deletes files that were never committed, and rebuilds the index from the
-// live files' keys.
+// sequentially with O_DIRECT through io_uring, and the index then points at
+// the new copies; the old ones become stale, counted per file. commit() makes
+// everything put so far durable through the manifest, then, once the files
+// hold too many stale records, hands a compaction to a background thread.
+// open() of an existing store replays the manifest, deletes files that were
+// never committed, and rebuilds the index from the live files' keys.
 //
-// Reads go through io_uring with O_DIRECT where the kernel and filesystem
-// allow (pread and the page cache otherwise; stats().io_path says which);
-// writes are buffered pwrite + fdatasync. Compaction runs inside commit().
-// Still to come (issue 3): O_DIRECT io_uring writes, compaction on a
-// background thread that blocks readers for one file swap at most, and a
-// compact index (std::unordered_map costs ~40 bytes a key).
+// Where the kernel or filesystem refuses io_uring or O_DIRECT (tmpfs, say),
+// pread/pwrite and the page cache take over; stats().io_path says which.
 //
-// Thread safety: calls are serialised by one mutex.
+// Thread safety: any call from any thread. Gets run concurrently with each
+// other and with a put's or a compaction's file I/O; they wait only while
+// the index changes (one file's keys at a time).
 #pragma once
 
 #include <cstdint>
@@ -49,7 +47,8 @@ struct SsdStoreOptions {
   bool verify_rows_on_open = false;       ///< also check every file's rows CRC at open (reads all)
   double compaction_trigger = 1.5;        ///< compact at commit once records on disk > this x live; >= 1
   bool use_io_uring = true;               ///< read through io_uring where the kernel allows, else pread
-  bool direct_io = true;                  ///< read rows with O_DIRECT where the filesystem allows
+  bool direct_io = true;                  ///< read and write rows with O_DIRECT where the filesystem allows
+  bool background_compaction = true;      ///< compact on a thread; false: inside commit()
 };
 
 struct SsdStoreStats {
@@ -67,7 +66,10 @@ struct SsdStoreStats {
   uint64_t compacted_records = 0;    ///< live records rewritten by them
   uint64_t compaction_failures = 0;  ///< runs that failed and changed nothing (see last_error)
   std::string last_error;            ///< the message of the last failed compaction
-  std::string io_path;          ///< how rows are read: "io_uring" or "pread", "+O_DIRECT" when direct
+  bool compaction_running = false;   ///< a compaction is planned or under way
+  double compaction_lock_max_us = 0; ///< longest a compaction held readers off (one file swap)
+  uint64_t index_bytes = 0;     ///< memory of the key index
+  std::string io_path;          ///< how rows move: "io_uring" or "pread", "+O_DIRECT" when direct
 };
 
 class SsdStore {
@@ -87,16 +89,20 @@ class SsdStore {
   // get zero rows and found[i] = 0 (found may be null). Returns the hits.
   virtual uint64_t Get(const uint64_t* keys, uint64_t n, uint8_t* rows_out, uint8_t* found) = 0;
   // Makes every put so far durable: a crash after this returns reopens to it.
-  // Then, when records on disk exceed compaction_trigger x live records,
-  // compacts (below); a compaction that fails is counted in the stats and
-  // leaves the committed state as it was.
+  // Then, when records on disk exceed compaction_trigger x live records and
+  // no compaction is under way, starts one: the files more than half stale,
+  // and the most stale of the others until disk use is back halfway between
+  // live and the trigger. Its victims are rewritten in chunks of about one
+  // file of live records, each swapped in by its own manifest commit, so a
+  // crash at any instant reopens to a committed state. A compaction that
+  // fails is counted in the stats and leaves the committed state as it was.
   virtual void Commit() = 0;
-  // Rewrites the live records of every file more than half stale into new
-  // files and drops the old ones, in one manifest commit; afterwards no file
-  // is more than half stale, so disk use stays under 2x the live records.
-  // Requires no uncommitted puts (it would otherwise drop committed copies
-  // that only an uncommitted put supersedes): commits them first.
+  // Commits, then rewrites the live records of every file more than half
+  // stale, in the calling thread (after any compaction under way); afterwards
+  // no file is more than half stale. Throws IoError if it fails.
   virtual void Compact() = 0;
+  // Returns once no compaction is under way.
+  virtual void WaitForCompaction() = 0;
 
   virtual uint64_t size() const = 0;
   virtual uint32_t row_bytes() const = 0;

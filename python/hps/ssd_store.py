@@ -12,9 +12,11 @@ class SsdStore(_core.SsdStore):
     """Fixed-size rows under uint64 keys in a directory of parameter files.
 
     put(keys, rows) writes new files (never in place); get(keys) reads the rows
-    back, grouped by file; commit() makes every put so far durable, then
-    compacts once records on disk exceed ``compaction_trigger`` x the live ones
-    (rewriting files more than half stale, so disk use stays under 2x live).
+    back, grouped by file; commit() makes every put so far durable, then, once
+    records on disk exceed ``compaction_trigger`` x the live ones, starts a
+    compaction on a background thread (``background_compaction=False`` runs it
+    inside commit()); ``wait_for_compaction()`` waits for it, ``compact()``
+    runs one in the caller's thread.
     Opening an existing directory replays its manifest: puts that were never
     committed are gone, committed ones are all there.
 
@@ -31,18 +33,18 @@ class SsdStore(_core.SsdStore):
     >>> rows.tolist(), found.tolist()
     ([[3.0, 4.0], [0.0, 0.0]], [True, False])
 
-    Reads go through io_uring with O_DIRECT where the kernel and filesystem
-    allow, else pread and the page cache (``stats()["io_path"]`` says which;
-    ``use_io_uring`` / ``direct_io`` turn them off). Writes are buffered
-    pwrite + fdatasync, and compaction runs inside commit(); O_DIRECT writes
-    and compaction on a background thread are still to come.
+    Reads and writes go through io_uring with O_DIRECT where the kernel and
+    filesystem allow, else pread/pwrite and the page cache
+    (``stats()["io_path"]`` says which; ``use_io_uring`` / ``direct_io`` turn
+    them off). Any method may be called from any thread; gets run in parallel.
     """
 
     def __init__(self, path: str | os.PathLike, row_bytes: int, *, file_records: int = 1 << 16,
                  verify_rows_on_open: bool = False, compaction_trigger: float = 1.5,
-                 use_io_uring: bool = True, direct_io: bool = True):
+                 use_io_uring: bool = True, direct_io: bool = True,
+                 background_compaction: bool = True):
         super().__init__(os.fspath(path), row_bytes, file_records, verify_rows_on_open,
-                         compaction_trigger, use_io_uring, direct_io)
+                         compaction_trigger, use_io_uring, direct_io, background_compaction)
 
     def get(self, keys: np.ndarray, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
         rows, found = super().get(keys)

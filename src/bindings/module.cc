@@ -271,13 +271,15 @@ PYBIND11_MODULE(_core, m) {
   py::class_<hps::SsdStore>(m, "SsdStore")
       .def(py::init([](const std::string& path, uint32_t row_bytes, uint64_t file_records,
                        bool verify_rows_on_open, double compaction_trigger, bool use_io_uring,
-                       bool direct_io) {
+                       bool direct_io, bool background_compaction) {
              return hps::SsdStore::Open({path, row_bytes, file_records, verify_rows_on_open,
-                                         compaction_trigger, use_io_uring, direct_io});
+                                         compaction_trigger, use_io_uring, direct_io,
+                                         background_compaction});
            }),
            py::arg("path"), py::arg("row_bytes"), py::arg("file_records") = uint64_t{1} << 16,
            py::arg("verify_rows_on_open") = false, py::arg("compaction_trigger") = 1.5,
-           py::arg("use_io_uring") = true, py::arg("direct_io") = true)
+           py::arg("use_io_uring") = true, py::arg("direct_io") = true,
+           py::arg("background_compaction") = true)
       .def_property_readonly("row_bytes", &hps::SsdStore::row_bytes)
       .def("__len__", &hps::SsdStore::size)
       .def("put", [](hps::SsdStore& s, const py::array& keys, const py::array& rows) {
@@ -299,6 +301,10 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         s.Compact();
       })
+      .def("wait_for_compaction", [](hps::SsdStore& s) {
+        py::gil_scoped_release release;
+        s.WaitForCompaction();
+      })
       .def("stats", [](const hps::SsdStore& s) {
         const hps::SsdStoreStats st = s.stats();
         py::dict d;
@@ -316,6 +322,9 @@ PYBIND11_MODULE(_core, m) {
         d["compacted_records"] = st.compacted_records;
         d["compaction_failures"] = st.compaction_failures;
         d["last_error"] = st.last_error;
+        d["compaction_running"] = st.compaction_running;
+        d["compaction_lock_max_us"] = st.compaction_lock_max_us;
+        d["index_bytes"] = st.index_bytes;
         d["io_path"] = st.io_path;
         return d;
       });

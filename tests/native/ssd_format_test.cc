@@ -8,11 +8,15 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <atomic>
 #include <string>
+#include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "crc32c.h"
 #include "hps/ssd_store.h"
+#include "key_index.h"
 #include "manifest.h"
 #include "param_file.h"
 
@@ -100,7 +104,7 @@ TEST_F(ParamFileTest, RoundTripsKeysAndRowsForAnyRowSize) {
     ParamFile f = ParamFile::Open(path, row_bytes, /*verify_rows=*/true);
     EXPECT_EQ(f.header().sequence, 42u);
     EXPECT_EQ(f.header().records, n);
-    EXPECT_EQ(f.keys(), r.keys);
+    EXPECT_EQ(f.ReadKeys(), r.keys);
 
     // A few scattered rows: only their blocks are read.
     const std::vector<uint64_t> few = {500, 3, 3, 776, 0};
@@ -126,7 +130,7 @@ TEST_F(ParamFileTest, RoundTripsKeysAndRowsForAnyRowSize) {
 TEST_F(ParamFileTest, EmptyFile) {
   WriteParamFile(Path("empty"), 1, 16, nullptr, nullptr, 0);
   ParamFile f = ParamFile::Open(Path("empty"), 16, true);
-  EXPECT_TRUE(f.keys().empty());
+  EXPECT_TRUE(f.ReadKeys().empty());
   EXPECT_EQ(fs::file_size(Path("empty")), kBlockBytes);
 }
 
@@ -142,7 +146,7 @@ TEST_F(ParamFileTest, NeverOverwritesAnExistingFile) {
 void ExpectCorrupt(const std::string& path, uint32_t row_bytes, bool verify_rows,
                    const std::string& what) {
   try {
-    ParamFile::Open(path, row_bytes, verify_rows);
+    ParamFile::Open(path, row_bytes, verify_rows).ReadKeys();  // as the store does at open
     ADD_FAILURE() << "opened " << path << ", expected: " << what;
   } catch (const CorruptionError& e) {
     const std::string message = e.what();
@@ -303,6 +307,107 @@ TEST_F(SsdStoreTest, PutGetCommitReopen) {
   EXPECT_EQ(std::memcmp(out.data(), update.rows.data(), 600 * row_bytes), 0);
   EXPECT_EQ(std::memcmp(out.data() + 600 * row_bytes, first.rows.data() + 600 * row_bytes,
                         400 * row_bytes), 0);
+}
+
+TEST(KeyIndex, MatchesAMapThroughGrowth) {
+  KeyIndex index;
+  std::unordered_map<uint64_t, uint32_t> model;
+  std::mt19937_64 rng(5);
+  for (uint32_t i = 0; i < 200000; ++i) {
+    const uint64_t key = rng() % 150000;  // repeats: updates as well as inserts
+    const auto it = model.find(key);
+    const uint32_t expected_old = it == model.end() ? KeyIndex::kNone : it->second;
+    ASSERT_EQ(index.Upsert(key, i), expected_old);
+    model[key] = i;
+  }
+  ASSERT_EQ(index.size(), model.size());
+  for (const auto& [key, value] : model) ASSERT_EQ(index.Find(key), value);
+  EXPECT_EQ(index.Find(1u << 30), KeyIndex::kNone);
+  // Replace only from the expected value.
+  const uint64_t key = model.begin()->first;
+  const uint32_t value = model.begin()->second;
+  EXPECT_FALSE(index.Replace(key, value + 1, 7));
+  EXPECT_TRUE(index.Replace(key, value, 7));
+  EXPECT_EQ(index.Find(key), 7u);
+  EXPECT_FALSE(index.Replace(1u << 30, KeyIndex::kNone, 7));
+  // 12 bytes a slot at load 0.4-0.8.
+  EXPECT_LE(index.memory_bytes(), model.size() * 12 / 0.35);
+}
+
+// Readers, a writer and the background compaction at once; run under TSan.
+TEST_F(SsdStoreTest, ConcurrentGetsPutsAndCompaction) {
+  constexpr uint32_t row_bytes = 16;
+  constexpr uint64_t n = 3000;
+  SsdStoreOptions options;
+  options.path = dir_;
+  options.row_bytes = row_bytes;
+  options.file_records = 100;
+  options.compaction_trigger = 1.2;
+  auto store = SsdStore::Open(options);
+  // Row of key k at version v: (k, v, k, v) as uint32.
+  auto row_of = [](uint64_t k, uint32_t v, uint8_t* out) {
+    const uint32_t words[4] = {static_cast<uint32_t>(k), v, static_cast<uint32_t>(k), v};
+    std::memcpy(out, words, sizeof words);
+  };
+  std::vector<uint64_t> keys(n);
+  std::vector<uint8_t> rows(n * row_bytes);
+  for (uint64_t k = 0; k < n; ++k) {
+    keys[k] = k;
+    row_of(k, 0, rows.data() + k * row_bytes);
+  }
+  store->Put(keys.data(), n, rows.data());
+  store->Commit();
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> bad{0};
+  auto reader = [&](uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint64_t> ask(200);
+    std::vector<uint8_t> out(ask.size() * row_bytes), found(ask.size());
+    while (!stop) {
+      for (auto& k : ask) k = rng() % n;
+      store->Get(ask.data(), ask.size(), out.data(), found.data());
+      for (size_t i = 0; i < ask.size(); ++i) {
+        uint32_t w[4];
+        std::memcpy(w, out.data() + i * row_bytes, sizeof w);
+        if (!found[i] || w[0] != ask[i] || w[2] != ask[i] || w[1] != w[3]) ++bad;
+      }
+      (void)store->stats();
+    }
+  };
+  std::thread r1(reader, 1), r2(reader, 2);
+  std::vector<uint32_t> version(n, 0);
+  std::mt19937_64 rng(3);
+  for (uint32_t v = 1; v <= 20; ++v) {
+    std::vector<uint64_t> subset;
+    for (uint64_t k = 0; k < n; ++k) {
+      if (rng() % 2) subset.push_back(k);
+    }
+    std::vector<uint8_t> update(subset.size() * row_bytes);
+    for (size_t i = 0; i < subset.size(); ++i) {
+      row_of(subset[i], v, update.data() + i * row_bytes);
+      version[subset[i]] = v;
+    }
+    store->Put(subset.data(), subset.size(), update.data());
+    store->Commit();
+  }
+  stop = true;
+  r1.join();
+  r2.join();
+  EXPECT_EQ(bad.load(), 0u);
+  store->WaitForCompaction();
+  SsdStoreStats st = store->stats();
+  EXPECT_GE(st.compactions, 2u);
+  EXPECT_EQ(st.compaction_failures, 0u) << st.last_error;
+  EXPECT_LE(st.live_records + st.stale_records, static_cast<uint64_t>(1.2 * n));
+  store.reset();
+  store = SsdStore::Open(options);
+  std::vector<uint8_t> out(n * row_bytes), found(n);
+  ASSERT_EQ(store->Get(keys.data(), n, out.data(), found.data()), n);
+  for (uint64_t k = 0; k < n; ++k) {
+    uint32_t w[4];
+    std::memcpy(w, out.data() + k * row_bytes, sizeof w);
+    ASSERT_EQ(w[1], version[k]) << "key " << k;
+  }
 }
 
 }  // namespace

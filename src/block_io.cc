@@ -1,0 +1,223 @@
+#include "block_io.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <unordered_map>
+#include <utility>
+
+#include "hps/config.h"
+#include "param_file.h"  // ReadFully, WriteFully, IoError
+
+#if HPS_HAVE_LIBURING
+#include <liburing.h>
+#endif
+
+namespace hps::detail {
+namespace {
+
+class PosixIo final : public BlockIo {
+ public:
+  void ReadAll(std::vector<IoRequest>& requests) override {
+    for (const IoRequest& r : requests) ReadFully(r.fd, *r.path, r.offset, r.buffer, r.bytes);
+  }
+  void WriteAll(std::vector<IoRequest>& requests) override {
+    for (const IoRequest& r : requests) WriteFully(r.fd, *r.path, r.offset, r.buffer, r.bytes);
+  }
+  const char* name() const override { return "pread"; }
+};
+
+#if HPS_HAVE_LIBURING
+constexpr unsigned kQueueDepth = 64;
+constexpr uint64_t kMaxOpBytes = uint64_t{1} << 30;  // io_uring lengths are 32-bit
+
+class UringIo final : public BlockIo {
+ public:
+  // nullptr when the kernel refuses io_uring (too old, or forbidden).
+  static std::unique_ptr<UringIo> Create() {
+    std::unique_ptr<UringIo> io(new UringIo);
+    if (io_uring_queue_init(kQueueDepth, &io->ring_, 0) != 0) return nullptr;
+    io->ready_ = true;
+    return io;
+  }
+  ~UringIo() override {
+    if (ready_) io_uring_queue_exit(&ring_);
+  }
+
+  void ReadAll(std::vector<IoRequest>& requests) override { Run(requests, false); }
+  void WriteAll(std::vector<IoRequest>& requests) override { Run(requests, true); }
+  const char* name() const override { return "io_uring"; }
+
+ private:
+  UringIo() = default;
+
+  void Run(std::vector<IoRequest>& requests, bool write) {
+    write_ = write;
+    pending_done_.clear();
+    size_t next = 0, in_flight = 0;
+    try {
+      while (next < requests.size() || in_flight > 0) {
+        while (next < requests.size() && in_flight < kQueueDepth) {
+          Queue(&requests[next], requests[next].bytes, 0);
+          ++next;
+          ++in_flight;
+        }
+        const int submitted = io_uring_submit(&ring_);
+        if (submitted < 0) ThrowUring("submit", submitted, *requests.front().path);
+        io_uring_cqe* cqe = nullptr;
+        const int waited = io_uring_wait_cqe(&ring_, &cqe);
+        if (waited < 0) {
+          if (waited == -EINTR) continue;
+          ThrowUring("wait", waited, *requests.front().path);
+        }
+        // Drain every completion that is ready.
+        unsigned head;
+        unsigned seen = 0;
+        io_uring_for_each_cqe(&ring_, head, cqe) {
+          ++seen;
+          auto* r = static_cast<IoRequest*>(io_uring_cqe_get_data(cqe));
+          const int res = cqe->res;
+          const uint64_t done = pending_done_[r];
+          if (res == -EINTR || res == -EAGAIN) {
+            Queue(r, r->bytes - done, done);  // the same operation again
+            continue;
+          }
+          if (res < 0) {
+            io_uring_cq_advance(&ring_, seen);
+            --in_flight;
+            if (write_ && done > 0) {  // the kernel cut the write short: no room, usually
+              throw IoError(*r->path + ": io_uring write: " + std::strerror(-res) + " after a short write at byte " +
+                            std::to_string(r->offset + done) + " (disk full or file size limit?)");
+            }
+            ThrowUring(write_ ? "write" : "read", res, *r->path);
+          }
+          if (res == 0) {
+            io_uring_cq_advance(&ring_, seen);
+            --in_flight;
+            if (write_) throw IoError(*r->path + ": io_uring write: no progress (disk full?)");
+            throw CorruptionError(*r->path + ": not a valid hps parameter file: file ends early, at byte " +
+                                  std::to_string(r->offset + done));
+          }
+          const uint64_t total = done + static_cast<uint64_t>(res);
+          if (total < r->bytes) {
+            Queue(r, r->bytes - total, total);  // short: ask for the rest
+          } else {
+            pending_done_.erase(r);
+            --in_flight;
+          }
+        }
+        io_uring_cq_advance(&ring_, seen);
+      }
+    } catch (...) {
+      Drain(in_flight);
+      throw;
+    }
+  }
+
+  // After a failure, waits out the operations still in flight: their
+  // buffers belong to the caller, who is about to free them.
+  void Drain(size_t in_flight) {
+    io_uring_submit(&ring_);
+    while (in_flight > 0) {
+      io_uring_cqe* cqe = nullptr;
+      const int waited = io_uring_wait_cqe(&ring_, &cqe);
+      if (waited == -EINTR) continue;
+      if (waited < 0) return;  // the ring itself is broken; nothing more to wait for
+      io_uring_cqe_seen(&ring_, cqe);
+      --in_flight;
+    }
+  }
+
+  // Queues `bytes` of r starting `done` bytes in; operations longer than
+  // kMaxOpBytes finish as a series of short ones.
+  void Queue(IoRequest* r, uint64_t bytes, uint64_t done) {
+    bytes = std::min(bytes, kMaxOpBytes);
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (sqe == nullptr) {  // full: hand the queued ones to the kernel first
+      io_uring_submit(&ring_);
+      sqe = io_uring_get_sqe(&ring_);
+      if (sqe == nullptr) throw IoError(*r->path + ": io_uring submission queue stays full");
+    }
+    if (write_) {
+      io_uring_prep_write(sqe, r->fd, r->buffer + done, static_cast<unsigned>(bytes), r->offset + done);
+    } else {
+      io_uring_prep_read(sqe, r->fd, r->buffer + done, static_cast<unsigned>(bytes), r->offset + done);
+    }
+    io_uring_sqe_set_data(sqe, r);
+    pending_done_[r] = done;
+  }
+
+  [[noreturn]] static void ThrowUring(const char* what, int res, const std::string& path) {
+    throw IoError(path + ": io_uring " + what + ": " + std::strerror(-res));
+  }
+
+  io_uring ring_{};
+  bool ready_ = false;
+  bool write_ = false;
+  std::unordered_map<IoRequest*, uint64_t> pending_done_;  // bytes already moved
+};
+#endif
+
+}  // namespace
+
+AlignedBuffer::AlignedBuffer(uint64_t bytes) {
+  const uint64_t rounded = (bytes + 4095) / 4096 * 4096;
+  if (rounded > 0) {
+    data_ = static_cast<uint8_t*>(std::aligned_alloc(4096, rounded));
+    if (data_ == nullptr) throw std::bad_alloc();
+    std::memset(data_, 0, rounded);
+  }
+}
+
+AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+
+AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept : data_(std::exchange(other.data_, nullptr)) {}
+
+AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
+  if (this != &other) {
+    std::free(data_);
+    data_ = std::exchange(other.data_, nullptr);
+  }
+  return *this;
+}
+
+std::unique_ptr<BlockIo> NewBlockIo(bool prefer_uring) {
+#if HPS_HAVE_LIBURING
+  if (prefer_uring) {
+    if (auto io = UringIo::Create()) return io;
+  }
+#else
+  (void)prefer_uring;
+#endif
+  return std::make_unique<PosixIo>();
+}
+
+BlockIoPool::BlockIoPool(bool prefer_uring) : prefer_uring_(prefer_uring) {
+  std::unique_ptr<BlockIo> first = NewBlockIo(prefer_uring);
+  name_ = first->name();
+  idle_.push_back(std::move(first));
+}
+
+BlockIoPool::Lease BlockIoPool::Acquire() {
+  {
+    std::lock_guard lock(mutex_);
+    if (!idle_.empty()) {
+      std::unique_ptr<BlockIo> io = std::move(idle_.back());
+      idle_.pop_back();
+      return Lease(this, std::move(io));
+    }
+  }
+  return Lease(this, NewBlockIo(prefer_uring_));
+}
+
+void BlockIoPool::Return(std::unique_ptr<BlockIo> io) {
+  if (io == nullptr) return;
+  std::lock_guard lock(mutex_);
+  idle_.push_back(std::move(io));
+}
+
+}  // namespace hps::detail

@@ -1,0 +1,89 @@
+// Moves many block-aligned ranges between files and memory at once: through
+// io_uring (liburing), with up to kQueueDepth operations in flight, or with
+// plain pread/pwrite when io_uring is not compiled in or the kernel refuses
+// it. With O_DIRECT descriptors, offsets, sizes and buffers must all be 4 KiB
+// aligned; the callers' are.
+//
+// One BlockIo serves one thread at a time (an io_uring is not shared);
+// BlockIoPool hands them out to concurrent callers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace hps::detail {
+
+struct IoRequest {
+  int fd;
+  const std::string* path;  // for error messages
+  uint64_t offset;
+  uint64_t bytes;
+  uint8_t* buffer;
+};
+
+class BlockIo {
+ public:
+  virtual ~BlockIo() = default;
+  // Reads every request fully; throws IoError (or CorruptionError for a file
+  // that ends early) naming the file.
+  virtual void ReadAll(std::vector<IoRequest>& requests) = 0;
+  // Writes every request fully; throws IoError naming the file (a full disk
+  // is ENOSPC, or EFBIG past RLIMIT_FSIZE).
+  virtual void WriteAll(std::vector<IoRequest>& requests) = 0;
+  // "io_uring" or "pread".
+  virtual const char* name() const = 0;
+};
+
+// A 4 KiB-aligned, zero-filled byte buffer, as O_DIRECT needs.
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(uint64_t bytes);
+  ~AlignedBuffer();
+  AlignedBuffer(AlignedBuffer&& other) noexcept;
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  uint8_t* data() const { return data_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+};
+
+// io_uring when `prefer_uring` and available, else pread/pwrite.
+std::unique_ptr<BlockIo> NewBlockIo(bool prefer_uring);
+
+// BlockIo objects for concurrent callers; each caller holds one for a call.
+class BlockIoPool {
+ public:
+  explicit BlockIoPool(bool prefer_uring);
+  const char* name() const { return name_; }
+
+  class Lease {
+   public:
+    Lease(BlockIoPool* pool, std::unique_ptr<BlockIo> io) : pool_(pool), io_(std::move(io)) {}
+    ~Lease() { pool_->Return(std::move(io_)); }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    BlockIo* operator->() const { return io_.get(); }
+    BlockIo& operator*() const { return *io_; }
+
+   private:
+    BlockIoPool* pool_;
+    std::unique_ptr<BlockIo> io_;
+  };
+  Lease Acquire();
+
+ private:
+  void Return(std::unique_ptr<BlockIo> io);
+
+  bool prefer_uring_;
+  const char* name_;
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<BlockIo>> idle_;
+};
+
+}  // namespace hps::detail
