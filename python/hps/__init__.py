@@ -10,16 +10,19 @@ from hps.hash_table import EMPTY_KEY, HashTable
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
 from hps.ssd_store import SsdStore
+from hps.mem_cache import CacheFullError, MemCache, parse_bytes
 
 __all__ = [
     "EMPTY_KEY",
     "AdaGrad",
+    "CacheFullError",
     "Adam",
     "CorruptionError",
     "EmbeddingTable",
     "HashTable",
     "HpsError",
     "IoError",
+    "MemCache",
     "Normal",
     "RowWiseAdaGrad",
     "SGD",
@@ -30,4 +33,5 @@ __all__ = [
     "__version__",
     "cuda_compiled",
     "cuda_device_count",
+    "parse_bytes",
 ]

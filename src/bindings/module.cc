@@ -6,11 +6,13 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 
 #include "hps/config.h"
 #include "hps/hash_table.h"
+#include "hps/mem_cache.h"
 #include "hps/optimizer.h"
 #include "hps/ssd_store.h"
 
@@ -95,6 +97,40 @@ py::tuple RowsAndFound(uint64_t n, uint64_t columns, const Lookup& lookup) {
     lookup(out, flags);
   }
   return py::make_tuple(rows, found);
+}
+
+// A Python loader, called from native code without the GIL: takes a uint64
+// array, returns (rows of row_bytes each, dirty bool array).
+hps::RowLoader PythonLoader(py::object loader, uint32_t row_bytes) {
+  if (loader.is_none()) return {};
+  auto held = std::make_shared<py::object>(std::move(loader));
+  return [held, row_bytes](const uint64_t* keys, uint64_t n, uint8_t* rows, uint8_t* dirty) {
+    py::gil_scoped_acquire acquire;
+    py::array_t<uint64_t> k(static_cast<py::ssize_t>(n));
+    std::memcpy(k.mutable_data(), keys, n * sizeof(uint64_t));
+    const py::tuple result = (*held)(k);
+    if (result.size() != 2) throw py::value_error("MEM-PS loader must return (rows, dirty)");
+    const py::array r = py::array::ensure(result[0]);
+    std::memcpy(rows, ByteRowsArg(r, "loader rows", n, row_bytes), n * row_bytes);
+    const py::array_t<bool, py::array::c_style | py::array::forcecast> d(result[1]);
+    if (static_cast<uint64_t>(d.size()) != n) throw py::value_error("MEM-PS loader: dirty must have one flag a key");
+    std::memcpy(dirty, d.data(), n);
+  };
+}
+
+// A Python sink, called from native code without the GIL with (keys, rows as
+// an (n, row_bytes) uint8 array); both arrays are copies it may keep.
+hps::RowSink PythonSink(py::object sink, uint32_t row_bytes) {
+  if (sink.is_none()) return {};
+  auto held = std::make_shared<py::object>(std::move(sink));
+  return [held, row_bytes](const uint64_t* keys, uint64_t n, const uint8_t* rows) {
+    py::gil_scoped_acquire acquire;
+    py::array_t<uint64_t> k(static_cast<py::ssize_t>(n));
+    std::memcpy(k.mutable_data(), keys, n * sizeof(uint64_t));
+    py::array_t<uint8_t> r({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(row_bytes)});
+    std::memcpy(r.mutable_data(), rows, n * row_bytes);
+    (*held)(k, r);
+  };
 }
 
 hps::OptimizerKind ParseOptimizer(const std::string& name) {
@@ -326,6 +362,76 @@ PYBIND11_MODULE(_core, m) {
         d["compaction_lock_max_us"] = st.compaction_lock_max_us;
         d["index_bytes"] = st.index_bytes;
         d["io_path"] = st.io_path;
+        return d;
+      });
+
+  py::register_exception<hps::CacheFullError>(m, "CacheFullError", PyExc_RuntimeError);
+  m.attr("CACHE_POLICIES") = hps::CachePolicyNames();
+  py::class_<hps::MemCache>(m, "MemCache")
+      .def(py::init([](uint32_t row_bytes, uint64_t capacity, const std::string& policy, uint32_t shards,
+                       double lru_fraction, py::object loader, py::object sink) {
+             hps::MemCacheOptions o;
+             o.row_bytes = row_bytes;
+             o.capacity = capacity;
+             o.policy = hps::ParseCachePolicy(policy);
+             o.shards = shards;
+             o.lru_fraction = lru_fraction;
+             return hps::MemCache::New(o, PythonLoader(std::move(loader), row_bytes),
+                                       PythonSink(std::move(sink), row_bytes));
+           }),
+           py::arg("row_bytes"), py::arg("capacity"), py::arg("policy") = "lru+lfu", py::arg("shards") = 0,
+           py::arg("lru_fraction") = 0.5, py::arg("loader") = py::none(), py::arg("sink") = py::none())
+      .def_static("capacity_for_budget", &hps::MemCache::CapacityForBudget, py::arg("budget_bytes"),
+                  py::arg("row_bytes"))
+      .def_property_readonly("row_bytes", &hps::MemCache::row_bytes)
+      .def("pull", [](hps::MemCache& c, const py::array& keys, bool pin) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        return RowsAndFound<uint8_t>(n, c.row_bytes(), [&, k = k, n = n](uint8_t* out, uint8_t* hit) {
+          c.Pull(k, n, out, pin, hit);
+        });
+      }, py::arg("keys"), py::arg("pin") = false)
+      .def("write_back", [](hps::MemCache& c, const py::array& keys, const py::array& rows) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const uint8_t* r = ByteRowsArg(rows, "rows", n, c.row_bytes());
+        py::gil_scoped_release release;
+        c.WriteBack(k, n, r);
+      }, py::arg("keys"), py::arg("rows"))
+      .def("unpin", [](hps::MemCache& c, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::gil_scoped_release release;
+        c.Unpin(k, n);
+      }, py::arg("keys"))
+      .def("access", [](hps::MemCache& c, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<bool> hit(static_cast<py::ssize_t>(n));
+        uint8_t* h = Bytes(hit);
+        {
+          py::gil_scoped_release release;
+          c.Access(k, n, h);
+        }
+        return hit;
+      }, py::arg("keys"))
+      .def("flush_dirty", [](hps::MemCache& c) {
+        py::gil_scoped_release release;
+        c.FlushDirty();
+      })
+      .def("__contains__", [](const hps::MemCache& c, uint64_t key) { return c.Contains(key); })
+      .def("stats", [](const hps::MemCache& c) {
+        const hps::MemCacheStats st = c.stats();
+        py::dict d;
+        d["capacity"] = st.capacity;
+        d["size"] = st.size;
+        d["pinned"] = st.pinned;
+        d["dirty"] = st.dirty;
+        d["hits"] = st.hits;
+        d["misses"] = st.misses;
+        d["evictions"] = st.evictions;
+        d["dirty_evictions"] = st.dirty_evictions;
+        d["rows_loaded"] = st.rows_loaded;
+        d["rows_flushed"] = st.rows_flushed;
+        d["shards"] = st.shards;
+        d["arena_bytes"] = st.arena_bytes;
+        d["numa_nodes"] = st.numa_nodes;
         return d;
       });
 }

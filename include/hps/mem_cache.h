@@ -1,0 +1,112 @@
+// MEM-PS: the host-memory cache of embedding rows between the device tier and
+// SSD-PS (the MLSys 2020 paper's section 5).
+//
+// Rows live in a fixed arena of `capacity` slots. A row that is not cached
+// comes from the loader (SSD-PS, or a fresh initialisation) and takes a free
+// slot or evicts one chosen by the replacement policy; a dirty victim (its
+// only copy) goes to the sink, which writes it to SSD-PS, before the call
+// returns. Rows of the batches in flight are pinned: out of the policy's
+// reach until they are written back or unpinned.
+//
+// Policies: "lru"; "lfu" (in-cache counts, ties to the least recent);
+// "lru+lfu", the paper's: a visited row enters an LRU, the LRU's evictions
+// enter an LFU, and the LFU's evictions leave the cache; "w-tinylfu": a 1%
+// LRU window in front of a segmented LRU, whose admission compares the
+// window's victim with the main victim by a count-min sketch of recent
+// access frequency (aged by halving), so one-off keys cannot flush hot ones.
+//
+// Concurrency: the keys are split over shards by hash, each with its own
+// lock, policy and slots, so hits on different shards never contend. Misses
+// are loaded under one miss lock: a row being evicted is in the sink before
+// anyone can miss on it and read an older copy from SSD-PS.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace hps {
+
+enum class CachePolicyKind { kLru, kLfu, kLruLfu, kWTinyLfu };
+
+// "lru", "lfu", "lru+lfu" or "w-tinylfu"; std::invalid_argument lists them.
+CachePolicyKind ParseCachePolicy(const std::string& name);
+std::string ToString(CachePolicyKind kind);
+// The names ParseCachePolicy accepts, in that order.
+std::vector<std::string> CachePolicyNames();
+
+// A call that would need more slots than the unpinned ones of a shard. The
+// message says how many rows the batch needs and how many are pinned.
+class CacheFullError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct MemCacheOptions {
+  uint32_t row_bytes = 0;      ///< bytes per row; > 0
+  uint64_t capacity = 0;       ///< rows; > 0
+  CachePolicyKind policy = CachePolicyKind::kLruLfu;
+  double lru_fraction = 0.5;   ///< lru+lfu: the LRU's share of the slots, in (0, 1]
+  uint32_t shards = 0;         ///< 0: one per 4096 rows of capacity, at most 64
+};
+
+struct MemCacheStats {
+  uint64_t capacity = 0;         ///< slots, over all shards
+  uint64_t size = 0;             ///< rows cached
+  uint64_t pinned = 0;           ///< rows pinned now
+  uint64_t dirty = 0;            ///< rows cached whose only copy is here
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t evictions = 0;
+  uint64_t dirty_evictions = 0;  ///< evictions that went to the sink
+  uint64_t rows_loaded = 0;      ///< rows asked of the loader
+  uint64_t rows_flushed = 0;     ///< rows sent to the sink by FlushDirty
+  uint64_t shards = 0;
+  uint64_t arena_bytes = 0;
+  int numa_nodes = 1;            ///< the arena is interleaved across them when > 1
+};
+
+// Fills rows (n, row_bytes) for keys that are not cached; dirty[i] = 1 marks a
+// row that exists nowhere else yet (0: it can be loaded again).
+using RowLoader = std::function<void(const uint64_t* keys, uint64_t n, uint8_t* rows, uint8_t* dirty)>;
+// Receives evicted or flushed dirty rows: their only copy, to be stored.
+using RowSink = std::function<void(const uint64_t* keys, uint64_t n, const uint8_t* rows)>;
+
+class MemCache {
+ public:
+  // Throws std::invalid_argument for bad options. The loader and sink may be
+  // empty for a cache that only replays traces (Access).
+  static std::unique_ptr<MemCache> New(const MemCacheOptions& options, RowLoader loader, RowSink sink);
+  // Rows that a byte budget holds, counting each row's bookkeeping.
+  static uint64_t CapacityForBudget(uint64_t budget_bytes, uint32_t row_bytes);
+
+  virtual ~MemCache() = default;
+
+  // Copies the rows of keys into out (n, row_bytes): cached ones are hits,
+  // the others come from the loader (one call, distinct keys) and enter the
+  // cache. With pin, every row of keys is pinned once per occurrence and
+  // stays cached until WriteBack or Unpin. hit[i] (optional) = 1 for hits.
+  // Throws CacheFullError, changing nothing that the caller can see, when a
+  // shard has too few unpinned slots for its share of the new rows.
+  virtual uint64_t Pull(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) = 0;
+  // Overwrites the rows of pinned keys, marks them dirty and unpins them.
+  // std::invalid_argument names a key that is not pinned (nothing changes).
+  virtual void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows) = 0;
+  // Unpins keys, leaving their rows as they are.
+  virtual void Unpin(const uint64_t* keys, uint64_t n) = 0;
+  // Trace replay: hits are visits; misses enter the cache with zero rows,
+  // clean, unpinned, without the loader. hit[i] (optional). Returns hits.
+  virtual uint64_t Access(const uint64_t* keys, uint64_t n, uint8_t* hit) = 0;
+  // Sends every dirty row to the sink, in batches; they stay cached, clean.
+  virtual void FlushDirty() = 0;
+  // Whether key is cached, without counting a visit.
+  virtual bool Contains(uint64_t key) const = 0;
+
+  virtual uint32_t row_bytes() const = 0;
+  virtual MemCacheStats stats() const = 0;
+};
+
+}  // namespace hps

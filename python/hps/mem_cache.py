@@ -1,0 +1,70 @@
+"""MEM-PS: the host-memory cache of rows between the device tier and SSD-PS."""
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from hps import _core
+
+POLICIES: tuple[str, ...] = tuple(_core.CACHE_POLICIES)
+CacheFullError = _core.CacheFullError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
+          "tib": 1 << 40}
+
+
+def parse_bytes(value: Union[int, str], name: str = "size") -> int:
+    """Bytes from an int or a string such as "8GiB", "512 MiB", "1.5GB" or "4096"."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+        return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be an int or a string like '8GiB', got {type(value).__name__}")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name}: cannot read {value!r} as a size; write e.g. '8GiB', '512MiB' or '4096'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class MemCache(_core.MemCache):
+    """Rows of ``row_bytes`` under uint64 keys, in ``capacity`` rows of host memory
+    (or as many as ``budget`` bytes hold, bookkeeping included).
+
+    ``pull(keys, pin)`` returns (rows, hit): cached rows are hits, the others come
+    from ``loader(keys) -> (rows, dirty)`` in one call and enter the cache,
+    evicting by ``policy`` (one of POLICIES); an evicted dirty row goes to
+    ``sink(keys, rows)`` before the call returns. Pinned rows stay until
+    ``write_back(keys, rows)`` (which marks them dirty) or ``unpin(keys)``.
+    ``access(keys)`` replays a trace: hits are visits, misses enter with zero rows.
+
+    >>> import numpy as np, hps
+    >>> cache = hps.MemCache(row_bytes=8, capacity=2, policy="lru")
+    >>> cache.access(np.array([1, 2, 1, 3, 2], np.uint64)).tolist()
+    [False, False, True, False, False]
+    """
+
+    POLICIES = POLICIES
+
+    def __init__(self, row_bytes: int, capacity: Optional[int] = None, *,
+                 budget: Union[int, str, None] = None, policy: str = "lru+lfu", shards: int = 0,
+                 lru_fraction: float = 0.5, loader: Optional[Callable] = None,
+                 sink: Optional[Callable] = None):
+        if (capacity is None) == (budget is None):
+            raise ValueError("give exactly one of capacity (rows) and budget (bytes, e.g. '8GiB')")
+        if budget is not None:
+            capacity = _core.MemCache.capacity_for_budget(parse_bytes(budget, "budget"), row_bytes)
+            if capacity == 0:
+                raise ValueError(f"budget {budget!r} holds no row of {row_bytes} bytes")
+        super().__init__(row_bytes, capacity, policy, shards, lru_fraction, loader, sink)
+
+    def pull(self, keys: np.ndarray, pin: bool = False, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
+        rows, hit = super().pull(keys, pin)
+        return rows.view(dtype), hit
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"MemCache(row_bytes={self.row_bytes}, size={s['size']}, capacity={s['capacity']})"

@@ -1,0 +1,353 @@
+#include "cache_policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace hps::detail {
+namespace {
+
+// Doubly linked lists threaded through per-slot arrays: a slot is in at most
+// one of the lists at a time, so one pair of arrays serves them all.
+class SlotLists {
+ public:
+  SlotLists(uint32_t capacity, int lists)
+      : prev_(capacity, kNoSlot), next_(capacity, kNoSlot), heads_(lists), sizes_(lists, 0) {}
+
+  void PushFront(int list, uint32_t slot) {
+    Ends& e = heads_[list];
+    prev_[slot] = kNoSlot;
+    next_[slot] = e.front;
+    if (e.front != kNoSlot) prev_[e.front] = slot;
+    e.front = slot;
+    if (e.back == kNoSlot) e.back = slot;
+    ++sizes_[list];
+  }
+  void Remove(int list, uint32_t slot) {
+    Ends& e = heads_[list];
+    if (prev_[slot] != kNoSlot) next_[prev_[slot]] = next_[slot]; else e.front = next_[slot];
+    if (next_[slot] != kNoSlot) prev_[next_[slot]] = prev_[slot]; else e.back = prev_[slot];
+    prev_[slot] = next_[slot] = kNoSlot;
+    --sizes_[list];
+  }
+  uint32_t Back(int list) const { return heads_[list].back; }
+  uint32_t size(int list) const { return sizes_[list]; }
+
+ private:
+  struct Ends {
+    uint32_t front = kNoSlot, back = kNoSlot;
+  };
+  std::vector<uint32_t> prev_, next_;
+  std::vector<Ends> heads_;
+  std::vector<uint32_t> sizes_;
+};
+
+// A binary min-heap of slots by (frequency, last visit), with each slot's
+// position kept so that a visit or removal is O(log n).
+class FrequencyHeap {
+ public:
+  explicit FrequencyHeap(uint32_t capacity) : pos_(capacity, kAbsent), freq_(capacity, 0), tick_(capacity, 0) {}
+
+  uint32_t& freq(uint32_t slot) { return freq_[slot]; }
+  bool contains(uint32_t slot) const { return pos_[slot] != kAbsent; }
+  bool empty() const { return heap_.empty(); }
+
+  void Push(uint32_t slot, uint64_t tick) {
+    tick_[slot] = tick;
+    pos_[slot] = static_cast<uint32_t>(heap_.size());
+    heap_.push_back(slot);
+    Up(pos_[slot]);
+  }
+  void Remove(uint32_t slot) {
+    const uint32_t at = pos_[slot];
+    const uint32_t last = heap_.back();
+    heap_.pop_back();
+    pos_[slot] = kAbsent;
+    if (at < heap_.size()) {
+      heap_[at] = last;
+      pos_[last] = at;
+      Up(at);
+      Down(pos_[last]);
+    }
+  }
+  uint32_t PopMin() {
+    const uint32_t slot = heap_.front();
+    Remove(slot);
+    return slot;
+  }
+
+ private:
+  static constexpr uint32_t kAbsent = UINT32_MAX;
+
+  bool Less(uint32_t a, uint32_t b) const {
+    return freq_[a] != freq_[b] ? freq_[a] < freq_[b] : tick_[a] < tick_[b];
+  }
+  void Up(uint32_t at) {
+    while (at > 0) {
+      const uint32_t parent = (at - 1) / 2;
+      if (!Less(heap_[at], heap_[parent])) break;
+      Swap(at, parent);
+      at = parent;
+    }
+  }
+  void Down(uint32_t at) {
+    for (;;) {
+      const uint32_t left = 2 * at + 1, right = left + 1;
+      uint32_t least = at;
+      if (left < heap_.size() && Less(heap_[left], heap_[least])) least = left;
+      if (right < heap_.size() && Less(heap_[right], heap_[least])) least = right;
+      if (least == at) return;
+      Swap(at, least);
+      at = least;
+    }
+  }
+  void Swap(uint32_t a, uint32_t b) {
+    std::swap(heap_[a], heap_[b]);
+    pos_[heap_[a]] = a;
+    pos_[heap_[b]] = b;
+  }
+
+  std::vector<uint32_t> heap_;
+  std::vector<uint32_t> pos_;
+  std::vector<uint32_t> freq_;
+  std::vector<uint64_t> tick_;
+};
+
+class Lru final : public CachePolicy {
+ public:
+  explicit Lru(uint32_t capacity) : lists_(capacity, 1) {}
+  void Add(uint32_t slot, uint64_t) override { lists_.PushFront(0, slot); }
+  void Touch(uint32_t slot) override {
+    lists_.Remove(0, slot);
+    lists_.PushFront(0, slot);
+  }
+  void Detach(uint32_t slot) override { lists_.Remove(0, slot); }
+  void Reattach(uint32_t slot) override { lists_.PushFront(0, slot); }
+  uint32_t Evict() override {
+    const uint32_t slot = lists_.Back(0);
+    if (slot != kNoSlot) lists_.Remove(0, slot);
+    return slot;
+  }
+
+ private:
+  SlotLists lists_;
+};
+
+class Lfu final : public CachePolicy {
+ public:
+  explicit Lfu(uint32_t capacity) : heap_(capacity) {}
+  void Add(uint32_t slot, uint64_t) override {
+    heap_.freq(slot) = 1;
+    heap_.Push(slot, ++tick_);
+  }
+  void Touch(uint32_t slot) override {
+    heap_.Remove(slot);
+    Reattach(slot);
+  }
+  void Detach(uint32_t slot) override { heap_.Remove(slot); }
+  void Reattach(uint32_t slot) override {
+    ++heap_.freq(slot);
+    heap_.Push(slot, ++tick_);
+  }
+  uint32_t Evict() override { return heap_.empty() ? kNoSlot : heap_.PopMin(); }
+
+ private:
+  FrequencyHeap heap_;
+  uint64_t tick_ = 0;
+};
+
+// The paper's: visits go to the LRU; the LRU's overflow goes to the LFU, the
+// LFU's minimum leaves. Counts follow a row while it is cached.
+class LruLfu final : public CachePolicy {
+ public:
+  LruLfu(uint32_t capacity, double lru_fraction)
+      : lists_(capacity, 1),
+        heap_(capacity),
+        lru_capacity_(std::max<uint32_t>(1, static_cast<uint32_t>(std::lround(capacity * lru_fraction)))) {}
+
+  void Add(uint32_t slot, uint64_t) override {
+    heap_.freq(slot) = 1;
+    lists_.PushFront(0, slot);
+    Spill();
+  }
+  void Touch(uint32_t slot) override {
+    Detach(slot);
+    Reattach(slot);
+  }
+  void Detach(uint32_t slot) override {
+    if (heap_.contains(slot)) heap_.Remove(slot); else lists_.Remove(0, slot);
+  }
+  void Reattach(uint32_t slot) override {
+    ++heap_.freq(slot);
+    lists_.PushFront(0, slot);
+    Spill();
+  }
+  uint32_t Evict() override {
+    if (!heap_.empty()) return heap_.PopMin();
+    const uint32_t slot = lists_.Back(0);
+    if (slot != kNoSlot) lists_.Remove(0, slot);
+    return slot;
+  }
+
+ private:
+  void Spill() {
+    while (lists_.size(0) > lru_capacity_) {
+      const uint32_t slot = lists_.Back(0);
+      lists_.Remove(0, slot);
+      heap_.Push(slot, ++tick_);
+    }
+  }
+
+  SlotLists lists_;
+  FrequencyHeap heap_;
+  uint32_t lru_capacity_;
+  uint64_t tick_ = 0;
+};
+
+// Count-min sketch of 4-bit-saturating counters (held in bytes), halved
+// every 10 x capacity increments so that old popularity fades.
+class FrequencySketch {
+ public:
+  explicit FrequencySketch(uint32_t capacity) {
+    uint64_t width = 64;
+    while (width < capacity) width <<= 1;
+    mask_ = width - 1;
+    counters_.assign(kRows * width, 0);
+    reset_at_ = 10 * static_cast<uint64_t>(std::max<uint32_t>(capacity, 1));
+  }
+  void Increment(uint64_t key) {
+    bool grew = false;
+    for (int r = 0; r < kRows; ++r) {
+      uint8_t& c = counters_[r * (mask_ + 1) + Index(key, r)];
+      if (c < kMax) {
+        ++c;
+        grew = true;
+      }
+    }
+    if (grew && ++increments_ >= reset_at_) Halve();
+  }
+  uint32_t Estimate(uint64_t key) const {
+    uint32_t least = kMax;
+    for (int r = 0; r < kRows; ++r) least = std::min<uint32_t>(least, counters_[r * (mask_ + 1) + Index(key, r)]);
+    return least;
+  }
+
+ private:
+  static constexpr int kRows = 4;
+  static constexpr uint8_t kMax = 15;
+
+  uint64_t Index(uint64_t key, int row) const {
+    uint64_t h = (key + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(row + 1)) * 0xbf58476d1ce4e5b9ULL;
+    h ^= h >> 31;
+    h *= 0x94d049bb133111ebULL;
+    h ^= h >> 29;
+    return h & mask_;
+  }
+  void Halve() {
+    for (uint8_t& c : counters_) c >>= 1;
+    increments_ /= 2;
+  }
+
+  std::vector<uint8_t> counters_;
+  uint64_t mask_ = 0;
+  uint64_t increments_ = 0;
+  uint64_t reset_at_ = 0;
+};
+
+// W-TinyLFU: window LRU (1%) -> probation (20% of main) -> protected (80%).
+class WTinyLfu final : public CachePolicy {
+ public:
+  explicit WTinyLfu(uint32_t capacity)
+      : lists_(capacity, 3),
+        segment_(capacity, kNone),
+        keys_(capacity, 0),
+        sketch_(capacity),
+        window_capacity_(std::max<uint32_t>(1, capacity / 100)),
+        protected_capacity_(static_cast<uint32_t>(0.8 * (capacity - std::min(capacity, window_capacity_)))) {}
+
+  void Record(uint64_t key) override { sketch_.Increment(key); }
+  void Add(uint32_t slot, uint64_t key) override {
+    keys_[slot] = key;
+    Push(kWindow, slot);
+    // While the cache fills, the window's overflow enters the main space
+    // unopposed; once it is full, Evict holds the window at its size.
+    while (lists_.size(kWindow) > window_capacity_) Move(lists_.Back(kWindow), kProbation);
+  }
+  void Touch(uint32_t slot) override {
+    const uint8_t was = segment_[slot];
+    lists_.Remove(was, slot);
+    segment_[slot] = kNone;
+    Visit(slot, was);
+  }
+  // The segment stays recorded, so that Reattach knows where the row was.
+  void Detach(uint32_t slot) override { lists_.Remove(segment_[slot], slot); }
+  void Reattach(uint32_t slot) override {
+    const uint8_t was = segment_[slot];
+    segment_[slot] = kNone;
+    Visit(slot, was);
+  }
+  uint32_t Evict() override {
+    const uint32_t main_victim = MainVictim();
+    const uint32_t candidate = lists_.Back(kWindow);
+    if (candidate != kNoSlot && (lists_.size(kWindow) >= window_capacity_ || main_victim == kNoSlot)) {
+      // The window is full: its oldest row competes with the main victim.
+      if (main_victim != kNoSlot && sketch_.Estimate(keys_[candidate]) > sketch_.Estimate(keys_[main_victim])) {
+        Move(candidate, kProbation);
+        return Take(main_victim);
+      }
+      return Take(candidate);
+    }
+    return main_victim == kNoSlot ? kNoSlot : Take(main_victim);
+  }
+
+ private:
+  enum : uint8_t { kWindow = 0, kProbation = 1, kProtected = 2, kNone = 3 };
+
+  void Visit(uint32_t slot, uint8_t was) {
+    if (was == kProbation || was == kProtected) {
+      Push(kProtected, slot);
+      while (lists_.size(kProtected) > protected_capacity_) Move(lists_.Back(kProtected), kProbation);
+    } else {
+      Push(kWindow, slot);
+      while (lists_.size(kWindow) > window_capacity_) Move(lists_.Back(kWindow), kProbation);
+    }
+  }
+  uint32_t MainVictim() const {
+    const uint32_t slot = lists_.Back(kProbation);
+    return slot != kNoSlot ? slot : lists_.Back(kProtected);
+  }
+  void Push(uint8_t segment, uint32_t slot) {
+    lists_.PushFront(segment, slot);
+    segment_[slot] = segment;
+  }
+  void Move(uint32_t slot, uint8_t to) {
+    lists_.Remove(segment_[slot], slot);
+    Push(to, slot);
+  }
+  uint32_t Take(uint32_t slot) {
+    lists_.Remove(segment_[slot], slot);
+    segment_[slot] = kNone;
+    return slot;
+  }
+
+  SlotLists lists_;
+  std::vector<uint8_t> segment_;
+  std::vector<uint64_t> keys_;
+  FrequencySketch sketch_;
+  uint32_t window_capacity_;
+  uint32_t protected_capacity_;
+};
+
+}  // namespace
+
+std::unique_ptr<CachePolicy> NewCachePolicy(CachePolicyKind kind, uint32_t capacity, double lru_fraction) {
+  switch (kind) {
+    case CachePolicyKind::kLru: return std::make_unique<Lru>(capacity);
+    case CachePolicyKind::kLfu: return std::make_unique<Lfu>(capacity);
+    case CachePolicyKind::kLruLfu: return std::make_unique<LruLfu>(capacity, lru_fraction);
+    case CachePolicyKind::kWTinyLfu: return std::make_unique<WTinyLfu>(capacity);
+  }
+  throw std::invalid_argument("unknown cache policy");
+}
+
+}  // namespace hps::detail

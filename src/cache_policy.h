@@ -1,0 +1,37 @@
+// Replacement policies of MEM-PS over the slots of one cache shard
+// (include/hps/mem_cache.h describes them). A policy orders the unpinned,
+// cached slots; the cache tells it what happens and asks it for a victim.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "hps/mem_cache.h"
+
+namespace hps::detail {
+
+inline constexpr uint32_t kNoSlot = UINT32_MAX;
+
+class CachePolicy {
+ public:
+  virtual ~CachePolicy() = default;
+  // Every access to key, hit or miss, before anything else happens to it.
+  virtual void Record(uint64_t /*key*/) {}
+  // A row enters the eviction order for the first time.
+  virtual void Add(uint32_t slot, uint64_t key) = 0;
+  // An ordered (unpinned) row is visited.
+  virtual void Touch(uint32_t slot) = 0;
+  // The row is pinned: out of the order until Reattach.
+  virtual void Detach(uint32_t slot) = 0;
+  // The row is unpinned again; counts as a visit.
+  virtual void Reattach(uint32_t slot) = 0;
+  // Takes a row out of the order and returns its slot to reuse, or kNoSlot
+  // when no row is ordered (all pinned).
+  virtual uint32_t Evict() = 0;
+};
+
+// A policy for `capacity` slots.
+std::unique_ptr<CachePolicy> NewCachePolicy(CachePolicyKind kind, uint32_t capacity, double lru_fraction);
+
+}  // namespace hps::detail

@@ -1,0 +1,508 @@
+#include "hps/mem_cache.h"
+
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+
+#include "cache_policy.h"
+#include "hps/hash_table.h"  // CheckKeys
+
+namespace hps {
+namespace {
+
+using detail::CachePolicy;
+using detail::kNoSlot;
+
+// Bytes of bookkeeping per row besides the row itself: the hash map's node
+// and bucket (~40), key, pins and flags (~14), the policy's links, counts and
+// heap position (~28), with some slack for the allocator.
+constexpr uint64_t kOverheadPerRow = 96;
+constexpr uint64_t kSinkBatchRows = 16384;
+constexpr int kMpolInterleave = 3;  // <linux/mempolicy.h>; no libnuma needed
+
+uint64_t Mix(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  k *= 0xc4ceb9fe1a85ec53ULL;
+  k ^= k >> 33;
+  return k;
+}
+
+int CountNumaNodes() {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  int nodes = 0;
+  for (const auto& entry : fs::directory_iterator("/sys/devices/system/node", error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 4 && name.compare(0, 4, "node") == 0 &&
+        std::all_of(name.begin() + 4, name.end(), ::isdigit)) {
+      ++nodes;
+    }
+  }
+  return std::max(nodes, 1);
+}
+
+// The rows' memory: anonymous pages, interleaved over the NUMA nodes when
+// there are several, so that no node's memory bus carries the whole cache.
+class Arena {
+ public:
+  explicit Arena(uint64_t bytes) : bytes_(std::max<uint64_t>(bytes, 1)) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    data_ = static_cast<uint8_t*>(p);
+    nodes_ = CountNumaNodes();
+    if (nodes_ > 1) {
+      unsigned long mask = nodes_ >= 64 ? ~0UL : (1UL << nodes_) - 1;
+      // Best effort: a kernel without NUMA support leaves the default policy.
+      syscall(SYS_mbind, data_, bytes_, kMpolInterleave, &mask, sizeof(mask) * 8, 0);
+    }
+  }
+  ~Arena() { munmap(data_, bytes_); }
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  uint8_t* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+  int nodes() const { return nodes_; }
+
+ private:
+  uint64_t bytes_;
+  uint8_t* data_ = nullptr;
+  int nodes_ = 1;
+};
+
+struct Shard {
+  mutable std::mutex mutex;
+  uint32_t capacity = 0;
+  uint8_t* rows = nullptr;  // capacity x row_bytes, in the arena
+  std::unordered_map<uint64_t, uint32_t> where;
+  std::vector<uint64_t> keys;
+  std::vector<uint32_t> pins;
+  std::vector<uint8_t> dirty;
+  std::vector<uint8_t> fresh;  // inserted pinned, never yet in the policy's order
+  std::vector<uint32_t> free;
+  std::unique_ptr<CachePolicy> policy;
+  uint64_t pinned = 0, dirty_rows = 0;
+  uint64_t hits = 0, misses = 0, evictions = 0, dirty_evictions = 0;
+};
+
+// Evicted or flushed dirty rows on their way to the sink.
+struct SinkBatch {
+  std::vector<uint64_t> keys;
+  std::vector<uint8_t> rows;
+  void Add(uint64_t key, const uint8_t* row, uint32_t row_bytes) {
+    keys.push_back(key);
+    rows.insert(rows.end(), row, row + row_bytes);
+  }
+};
+
+class ShardedCache final : public MemCache {
+ public:
+  ShardedCache(const MemCacheOptions& o, RowLoader loader, RowSink sink)
+      : row_bytes_(o.row_bytes),
+        loader_(std::move(loader)),
+        sink_(std::move(sink)),
+        arena_(o.capacity * o.row_bytes) {
+    uint64_t shards = o.shards;
+    if (shards == 0) shards = std::clamp<uint64_t>(o.capacity / 4096, 1, 64);
+    shards = std::min<uint64_t>(shards, o.capacity);
+    shards_ = std::vector<Shard>(shards);
+    uint64_t offset = 0;
+    for (uint64_t s = 0; s < shards; ++s) {
+      Shard& shard = shards_[s];
+      shard.capacity = static_cast<uint32_t>(o.capacity / shards + (s < o.capacity % shards ? 1 : 0));
+      shard.rows = arena_.data() + offset * row_bytes_;
+      offset += shard.capacity;
+      shard.where.reserve(shard.capacity);
+      shard.keys.assign(shard.capacity, 0);
+      shard.pins.assign(shard.capacity, 0);
+      shard.dirty.assign(shard.capacity, 0);
+      shard.fresh.assign(shard.capacity, 0);
+      shard.free.resize(shard.capacity);
+      for (uint32_t i = 0; i < shard.capacity; ++i) shard.free[i] = shard.capacity - 1 - i;
+      shard.policy = detail::NewCachePolicy(o.policy, shard.capacity, o.lru_fraction);
+    }
+  }
+
+  uint64_t Pull(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) override {
+    CheckKeys(keys, n);
+    if (hit) std::memset(hit, 0, n);
+    const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
+    // Hits, shard by shard; misses wait for the miss lock.
+    std::vector<uint64_t> missed;
+    uint64_t hits = 0;
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      if (by_shard[s].empty()) continue;
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      for (uint64_t i : by_shard[s]) {
+        shard.policy->Record(keys[i]);
+        const auto it = shard.where.find(keys[i]);
+        if (it == shard.where.end()) {
+          ++shard.misses;
+          missed.push_back(i);
+          continue;
+        }
+        ++shard.hits;
+        ++hits;
+        if (hit) hit[i] = 1;
+        Deliver(shard, it->second, out + i * row_bytes_, pin);
+      }
+    }
+    if (missed.empty()) return hits;
+
+    std::lock_guard miss_lock(miss_mutex_);
+    // Distinct missing keys, each with the requests it answers.
+    std::vector<uint64_t> load_keys;
+    std::vector<std::vector<uint64_t>> requests;
+    {
+      std::unordered_map<uint64_t, size_t> seen;
+      seen.reserve(missed.size());
+      for (uint64_t i : missed) {
+        auto [it, inserted] = seen.try_emplace(keys[i], load_keys.size());
+        if (inserted) {
+          load_keys.push_back(keys[i]);
+          requests.emplace_back();
+        }
+        requests[it->second].push_back(i);
+      }
+    }
+    // Another caller may have loaded some meanwhile; the rest need slots.
+    std::vector<std::vector<size_t>> new_by_shard(shards_.size());
+    for (size_t m = 0; m < load_keys.size(); ++m) {
+      const size_t s = ShardOf(load_keys[m]);
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      const auto it = shard.where.find(load_keys[m]);
+      if (it == shard.where.end()) {
+        new_by_shard[s].push_back(m);
+        continue;
+      }
+      for (uint64_t i : requests[m]) Deliver(shard, it->second, out + i * row_bytes_, pin);
+    }
+    std::string full;
+    for (size_t s = 0; s < shards_.size() && full.empty(); ++s) {
+      const Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      if (new_by_shard[s].size() + shard.pinned > shard.capacity) {
+        full = "MEM-PS budget too small: a shard of " + std::to_string(shard.capacity) + " rows has " +
+               std::to_string(shard.pinned) + " pinned and this call needs " +
+               std::to_string(new_by_shard[s].size()) + " more (" + std::to_string(load_keys.size()) +
+               " new rows of " + std::to_string(row_bytes_) + " bytes over " + std::to_string(shards_.size()) +
+               " shards); raise the budget above the pinned working set of the batches in flight";
+      }
+    }
+    if (!full.empty()) {
+      if (pin) UnpinRequests(keys, n, missed, requests, new_by_shard);
+      throw CacheFullError(full);
+    }
+    std::vector<uint8_t> rows(load_keys.size() * row_bytes_);
+    std::vector<uint8_t> dirty(load_keys.size(), 0);
+    if (!load_keys.empty()) {
+      if (!loader_) throw std::logic_error("MEM-PS: a miss with no loader");
+      loader_(load_keys.data(), load_keys.size(), rows.data(), dirty.data());
+      rows_loaded_ += load_keys.size();
+    }
+    SinkBatch evicted;
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      if (new_by_shard[s].empty()) continue;
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      for (size_t m : new_by_shard[s]) {
+        const uint32_t slot = TakeSlot(shard, &evicted);
+        if (slot == kNoSlot) {  // concurrent pins took the slots counted above
+          throw CacheFullError("MEM-PS budget too small: every row of a shard of " +
+                               std::to_string(shard.capacity) + " rows is pinned");
+        }
+        const uint8_t* row = rows.data() + m * row_bytes_;
+        std::memcpy(shard.rows + uint64_t{slot} * row_bytes_, row, row_bytes_);
+        shard.where.emplace(load_keys[m], slot);
+        shard.keys[slot] = load_keys[m];
+        shard.dirty[slot] = dirty[m];
+        shard.dirty_rows += dirty[m];
+        if (pin) {
+          shard.fresh[slot] = 1;
+          shard.pins[slot] = static_cast<uint32_t>(requests[m].size());
+          ++shard.pinned;
+        } else {
+          shard.policy->Add(slot, load_keys[m]);
+        }
+        for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+      }
+    }
+    Sink(&evicted);
+    return hits;
+  }
+
+  void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {
+    ForPinned(keys, n, "write back", [&](Shard& shard, uint32_t slot, uint64_t i) {
+      std::memcpy(shard.rows + uint64_t{slot} * row_bytes_, rows + i * row_bytes_, row_bytes_);
+      if (!shard.dirty[slot]) {
+        shard.dirty[slot] = 1;
+        ++shard.dirty_rows;
+      }
+    });
+  }
+
+  void Unpin(const uint64_t* keys, uint64_t n) override {
+    ForPinned(keys, n, "unpin", [](Shard&, uint32_t, uint64_t) {});
+  }
+
+  uint64_t Access(const uint64_t* keys, uint64_t n, uint8_t* hit) override {
+    CheckKeys(keys, n);
+    std::lock_guard miss_lock(miss_mutex_);  // evictions only under it
+    const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
+    SinkBatch evicted;
+    uint64_t hits = 0;
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      if (by_shard[s].empty()) continue;
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      for (uint64_t i : by_shard[s]) {
+        const uint64_t key = keys[i];
+        shard.policy->Record(key);
+        const auto it = shard.where.find(key);
+        const bool found = it != shard.where.end();
+        if (hit) hit[i] = found;
+        if (found) {
+          ++shard.hits;
+          ++hits;
+          if (shard.pins[it->second] == 0) shard.policy->Touch(it->second);
+          continue;
+        }
+        ++shard.misses;
+        const uint32_t slot = TakeSlot(shard, &evicted);
+        if (slot == kNoSlot) continue;  // all pinned: the access is served uncached
+        std::memset(shard.rows + uint64_t{slot} * row_bytes_, 0, row_bytes_);
+        shard.where.emplace(key, slot);
+        shard.keys[slot] = key;
+        shard.policy->Add(slot, key);
+      }
+    }
+    Sink(&evicted);
+    return hits;
+  }
+
+  void FlushDirty() override {
+    std::lock_guard miss_lock(miss_mutex_);  // no eviction drops a row between marking and sinking
+    SinkBatch batch;
+    for (Shard& shard : shards_) {
+      {
+        std::lock_guard lock(shard.mutex);
+        for (const auto& [key, slot] : shard.where) {
+          if (!shard.dirty[slot]) continue;
+          batch.Add(key, shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
+          shard.dirty[slot] = 0;
+          --shard.dirty_rows;
+        }
+      }
+      if (batch.keys.size() >= kSinkBatchRows) {
+        rows_flushed_ += batch.keys.size();
+        Sink(&batch);
+      }
+    }
+    rows_flushed_ += batch.keys.size();
+    Sink(&batch);
+  }
+
+  bool Contains(uint64_t key) const override {
+    const Shard& shard = shards_[ShardOf(key)];
+    std::lock_guard lock(shard.mutex);
+    return shard.where.count(key) != 0;
+  }
+
+  uint32_t row_bytes() const override { return row_bytes_; }
+
+  MemCacheStats stats() const override {
+    MemCacheStats st;
+    st.shards = shards_.size();
+    st.arena_bytes = arena_.bytes();
+    st.numa_nodes = arena_.nodes();
+    for (const Shard& shard : shards_) {
+      std::lock_guard lock(shard.mutex);
+      st.capacity += shard.capacity;
+      st.size += shard.where.size();
+      st.pinned += shard.pinned;
+      st.dirty += shard.dirty_rows;
+      st.hits += shard.hits;
+      st.misses += shard.misses;
+      st.evictions += shard.evictions;
+      st.dirty_evictions += shard.dirty_evictions;
+    }
+    std::lock_guard miss_lock(miss_mutex_);
+    st.rows_loaded = rows_loaded_;
+    st.rows_flushed = rows_flushed_;
+    return st;
+  }
+
+ private:
+  size_t ShardOf(uint64_t key) const {
+    __extension__ using U128 = unsigned __int128;
+    return static_cast<size_t>((static_cast<U128>(Mix(key)) * shards_.size()) >> 64);
+  }
+
+  std::vector<std::vector<uint64_t>> GroupByShard(const uint64_t* keys, uint64_t n) const {
+    std::vector<std::vector<uint64_t>> by_shard(shards_.size());
+    for (uint64_t i = 0; i < n; ++i) by_shard[ShardOf(keys[i])].push_back(i);
+    return by_shard;
+  }
+
+  // Copies a cached row out and, with pin, pins it (once per request).
+  // REQUIRES: shard.mutex held.
+  void Deliver(Shard& shard, uint32_t slot, uint8_t* out, bool pin) {
+    std::memcpy(out, shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
+    if (!pin) {
+      if (shard.pins[slot] == 0) shard.policy->Touch(slot);
+      return;
+    }
+    if (shard.pins[slot]++ == 0) {
+      ++shard.pinned;
+      shard.policy->Detach(slot);
+    }
+  }
+
+  // A free slot, or the policy's victim's, whose row (if dirty) joins
+  // `evicted` first. REQUIRES: shard.mutex and miss_mutex_ held.
+  uint32_t TakeSlot(Shard& shard, SinkBatch* evicted) {
+    if (!shard.free.empty()) {
+      const uint32_t slot = shard.free.back();
+      shard.free.pop_back();
+      return slot;
+    }
+    const uint32_t slot = shard.policy->Evict();
+    if (slot == kNoSlot) return kNoSlot;
+    ++shard.evictions;
+    if (shard.dirty[slot]) {
+      evicted->Add(shard.keys[slot], shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
+      shard.dirty[slot] = 0;
+      --shard.dirty_rows;
+      ++shard.dirty_evictions;
+    }
+    shard.where.erase(shard.keys[slot]);
+    return slot;
+  }
+
+  // Hands dirty rows to the sink. REQUIRES: miss_mutex_ held, so that no
+  // miss reads an older copy of them before they are stored.
+  void Sink(SinkBatch* batch) {
+    if (batch->keys.empty()) return;
+    if (!sink_) throw std::logic_error("MEM-PS: dirty rows with no sink");
+    sink_(batch->keys.data(), batch->keys.size(), batch->rows.data());
+    batch->keys.clear();
+    batch->rows.clear();
+  }
+
+  // Undoes the pins a failed Pull took on rows that were cached: its hits
+  // and the misses that another caller loaded meanwhile.
+  void UnpinRequests(const uint64_t* keys, uint64_t n, const std::vector<uint64_t>& missed,
+                     const std::vector<std::vector<uint64_t>>& requests,
+                     const std::vector<std::vector<size_t>>& new_by_shard) {
+    std::vector<uint8_t> loaded_here(requests.size(), 0);
+    for (const auto& ms : new_by_shard) {
+      for (size_t m : ms) loaded_here[m] = 1;
+    }
+    std::vector<uint64_t> pinned;
+    std::vector<uint8_t> was_missed(n, 0);
+    for (uint64_t i : missed) was_missed[i] = 1;
+    for (uint64_t i = 0; i < n; ++i) {
+      if (!was_missed[i]) pinned.push_back(keys[i]);
+    }
+    for (size_t m = 0; m < requests.size(); ++m) {
+      if (loaded_here[m]) continue;
+      for (uint64_t i : requests[m]) pinned.push_back(keys[i]);
+    }
+    Unpin(pinned.data(), pinned.size());
+  }
+
+  // Checks that every key is pinned, then applies `change` and unpins each.
+  template <typename Change>
+  void ForPinned(const uint64_t* keys, uint64_t n, const char* what, Change change) {
+    CheckKeys(keys, n);
+    const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      for (uint64_t i : by_shard[s]) {
+        const auto it = shard.where.find(keys[i]);
+        if (it == shard.where.end() || shard.pins[it->second] == 0) {
+          throw std::invalid_argument("MEM-PS " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
+                                      std::to_string(keys[i]) + " is not pinned");
+        }
+      }
+    }
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      for (uint64_t i : by_shard[s]) {
+        const uint32_t slot = shard.where.at(keys[i]);
+        if (shard.pins[slot] == 0) continue;  // unpinned meanwhile by a concurrent caller
+        change(shard, slot, i);
+        if (--shard.pins[slot] > 0) continue;
+        --shard.pinned;
+        if (shard.fresh[slot]) {
+          shard.fresh[slot] = 0;
+          shard.policy->Add(slot, keys[i]);
+        } else {
+          shard.policy->Reattach(slot);
+        }
+      }
+    }
+  }
+
+  const uint32_t row_bytes_;
+  RowLoader loader_;
+  RowSink sink_;
+  Arena arena_;
+  std::vector<Shard> shards_;
+  mutable std::mutex miss_mutex_;  // loads, inserts, evictions and flushes
+  uint64_t rows_loaded_ = 0, rows_flushed_ = 0;  // guarded by miss_mutex_
+};
+
+}  // namespace
+
+CachePolicyKind ParseCachePolicy(const std::string& name) {
+  if (name == "lru") return CachePolicyKind::kLru;
+  if (name == "lfu") return CachePolicyKind::kLfu;
+  if (name == "lru+lfu") return CachePolicyKind::kLruLfu;
+  if (name == "w-tinylfu") return CachePolicyKind::kWTinyLfu;
+  throw std::invalid_argument("unknown cache policy '" + name + "'; choose one of lru, lfu, lru+lfu, w-tinylfu");
+}
+
+std::string ToString(CachePolicyKind kind) {
+  switch (kind) {
+    case CachePolicyKind::kLru: return "lru";
+    case CachePolicyKind::kLfu: return "lfu";
+    case CachePolicyKind::kLruLfu: return "lru+lfu";
+    case CachePolicyKind::kWTinyLfu: return "w-tinylfu";
+  }
+  return "?";
+}
+
+std::vector<std::string> CachePolicyNames() { return {"lru", "lfu", "lru+lfu", "w-tinylfu"}; }
+
+uint64_t MemCache::CapacityForBudget(uint64_t budget_bytes, uint32_t row_bytes) {
+  return budget_bytes / (row_bytes + kOverheadPerRow);
+}
+
+std::unique_ptr<MemCache> MemCache::New(const MemCacheOptions& options, RowLoader loader, RowSink sink) {
+  if (options.row_bytes == 0) throw std::invalid_argument("MEM-PS: row_bytes must be > 0");
+  if (options.capacity == 0) {
+    throw std::invalid_argument("MEM-PS: capacity must be > 0 rows (the budget holds no row)");
+  }
+  if (options.capacity >= (uint64_t{1} << 32) * std::max<uint64_t>(options.shards, 1)) {
+    throw std::invalid_argument("MEM-PS: capacity must be < 2^32 rows per shard");
+  }
+  if (!(options.lru_fraction > 0.0 && options.lru_fraction <= 1.0)) {
+    throw std::invalid_argument("MEM-PS: lru_fraction must be in (0, 1]");
+  }
+  return std::make_unique<ShardedCache>(options, std::move(loader), std::move(sink));
+}
+
+}  // namespace hps

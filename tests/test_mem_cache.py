@@ -1,0 +1,192 @@
+"""MEM-PS: replacement policies, pinning, write-back through the sink, errors."""
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hps
+
+ROW = 8  # bytes: one uint64 value per row
+
+
+def u64(values):
+    return np.asarray(values, dtype=np.uint64)
+
+
+def python_lru_hits(trace, capacity):
+    cache, hits = OrderedDict(), []
+    for k in trace:
+        if k in cache:
+            cache.move_to_end(k)
+            hits.append(True)
+            continue
+        hits.append(False)
+        if len(cache) == capacity:
+            cache.popitem(last=False)
+        cache[k] = None
+    return hits
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=st.lists(st.integers(0, 30), min_size=1, max_size=300), capacity=st.integers(1, 12))
+def test_lru_matches_a_reference(trace, capacity):
+    cache = hps.MemCache(ROW, capacity, policy="lru", shards=1)
+    assert cache.access(u64(trace)).tolist() == python_lru_hits(trace, capacity)
+
+
+def test_lfu_keeps_the_frequent_and_breaks_ties_by_recency():
+    cache = hps.MemCache(ROW, 2, policy="lfu", shards=1)
+    cache.access(u64([1, 1, 1, 2, 3]))  # 3 evicts 2 (count 1, older than nothing else)
+    assert 1 in cache and 3 in cache and 2 not in cache
+    cache.access(u64([4]))  # 3 (count 1) goes, 1 (count 3) stays
+    assert 1 in cache and 4 in cache and 3 not in cache
+
+
+def test_lru_lfu_moves_lru_overflow_to_the_lfu():
+    # 4 slots, LRU share 2: key 1, visited often, survives a scan that flushes an LRU.
+    cache = hps.MemCache(ROW, 4, policy="lru+lfu", lru_fraction=0.5, shards=1)
+    cache.access(u64([1, 1, 1, 1]))
+    cache.access(u64([10, 11, 12, 13, 14, 15]))
+    assert 1 in cache
+    lru = hps.MemCache(ROW, 4, policy="lru", shards=1)
+    lru.access(u64([1, 1, 1, 1, 10, 11, 12, 13, 14, 15]))
+    assert 1 not in lru
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru+lfu", "w-tinylfu"])
+def test_frequency_aware_policies_resist_scans(policy):
+    """A hot set re-read between one-off keys: LRU loses it, the others keep most of it."""
+    rng = np.random.default_rng(1)
+    hot = np.arange(100, dtype=np.uint64)
+    trace = []
+    for r in range(200):
+        trace.append(rng.choice(hot, 50))
+        trace.append(np.arange(10**6 + r * 200, 10**6 + r * 200 + 200, dtype=np.uint64))  # scan
+    trace = np.concatenate(trace)
+    rates = {}
+    for p in ("lru", policy):
+        cache = hps.MemCache(ROW, 150, policy=p, shards=1)
+        rates[p] = cache.access(trace).mean()
+    assert rates[policy] > rates["lru"] + 0.05, rates
+
+
+def test_every_policy_counts_hits_and_misses():
+    trace = (np.random.default_rng(2).zipf(1.2, 20000) % 5000).astype(np.uint64)
+    for policy in hps.MemCache.POLICIES:
+        cache = hps.MemCache(ROW, 500, policy=policy)
+        hits = cache.access(trace)
+        s = cache.stats()
+        assert s["hits"] == hits.sum() and s["misses"] == len(trace) - hits.sum()
+        assert s["size"] == 500 and s["evictions"] == s["misses"] - 500
+
+
+class Backing:
+    """A dict standing in for SSD-PS: the loader reads it, the sink writes it."""
+
+    def __init__(self):
+        self.rows, self.loads, self.sunk = {}, 0, 0
+        self.lock = threading.Lock()
+
+    def loader(self, keys):
+        with self.lock:
+            self.loads += len(keys)
+            rows = np.array([[self.rows.get(int(k), int(k) * 1000)] for k in keys], np.uint64)
+            dirty = np.array([int(k) not in self.rows for k in keys])
+        return rows, dirty
+
+    def sink(self, keys, rows):
+        with self.lock:
+            self.sunk += len(keys)
+            for k, r in zip(keys.tolist(), rows.view(np.uint64)[:, 0].tolist()):
+                self.rows[k] = r
+
+
+@pytest.mark.parametrize("policy", hps.MemCache.POLICIES)
+def test_dirty_rows_are_never_lost(policy):
+    """Random pinned pulls and write-backs through a cache far smaller than the keys."""
+    backing = Backing()
+    cache = hps.MemCache(ROW, 40, policy=policy, loader=backing.loader, sink=backing.sink)
+    model = {}
+    rng = np.random.default_rng(3)
+    for step in range(300):
+        keys = np.unique(rng.integers(0, 200, rng.integers(1, 20))).astype(np.uint64)
+        rows, _ = cache.pull(keys, pin=True, dtype=np.uint64)
+        expected = [model.get(int(k), int(k) * 1000) for k in keys]
+        assert rows[:, 0].tolist() == expected, step
+        new = (rows + 1).astype(np.uint64)
+        cache.write_back(keys, new)
+        for k, v in zip(keys.tolist(), new[:, 0].tolist()):
+            model[k] = v
+    assert cache.stats()["pinned"] == 0 and cache.stats()["dirty_evictions"] > 0
+    cache.flush_dirty()
+    assert cache.stats()["dirty"] == 0
+    assert {k: backing.rows[k] for k in model} == model
+
+
+def test_pinned_rows_stay_and_a_batch_too_big_fails_cleanly():
+    backing = Backing()
+    cache = hps.MemCache(ROW, 10, policy="lru", shards=1, loader=backing.loader, sink=backing.sink)
+    pinned = u64(range(8))
+    cache.pull(pinned, pin=True)
+    cache.access(u64(range(100, 150)))  # churns only the 2 unpinned slots
+    assert all(k in cache for k in range(8))
+    with pytest.raises(hps.CacheFullError, match="budget too small: a shard of 10 rows has 8 pinned "
+                                                 "and this call needs 3 more"):
+        cache.pull(u64([0, 1, 200, 201, 202]), pin=True)
+    s = cache.stats()
+    assert s["pinned"] == 8  # the failed call's pins on 0 and 1 were undone
+    cache.write_back(pinned, np.zeros((8, 1), np.uint64))
+    assert cache.stats()["pinned"] == 0
+    cache.pull(u64([200, 201, 202]), pin=True)  # fits now
+
+
+def test_write_back_of_an_unpinned_key_is_refused():
+    cache = hps.MemCache(ROW, 10, loader=Backing().loader, sink=Backing().sink)
+    cache.pull(u64([1, 2]), pin=True)
+    with pytest.raises(ValueError, match=r"MEM-PS write back: keys\[1\] = 7 is not pinned"):
+        cache.write_back(u64([1, 7]), np.zeros((2, 1), np.uint64))
+    assert cache.stats()["pinned"] == 2  # nothing changed
+    with pytest.raises(ValueError, match=r"keys\[0\] is 0xffffffffffffffff"):
+        cache.pull(u64([hps.EMPTY_KEY]))
+
+
+def test_budgets_and_options():
+    assert hps.parse_bytes("8GiB") == 8 << 30 and hps.parse_bytes("1.5 MB") == 1_500_000
+    assert hps.parse_bytes(4096) == 4096
+    with pytest.raises(ValueError, match="cannot read '8 parsecs' as a size"):
+        hps.parse_bytes("8 parsecs", "budget")
+    cache = hps.MemCache(64, budget="1MiB")
+    assert cache.stats()["capacity"] == (1 << 20) // (64 + 96)
+    with pytest.raises(ValueError, match="budget '10' holds no row of 64 bytes"):
+        hps.MemCache(64, budget="10")
+    with pytest.raises(ValueError, match="give exactly one of capacity"):
+        hps.MemCache(64)
+    with pytest.raises(ValueError, match="unknown cache policy 'arc'; choose one of lru, lfu, lru\\+lfu, w-tinylfu"):
+        hps.MemCache(64, 10, policy="arc")
+
+
+def test_pulls_from_several_threads():
+    backing = Backing()
+    cache = hps.MemCache(ROW, 300, policy="w-tinylfu", shards=4, loader=backing.loader, sink=backing.sink)
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(200):
+            keys = np.unique(rng.integers(0, 1000, 50)).astype(np.uint64)
+            rows, _ = cache.pull(keys, pin=True, dtype=np.uint64)
+            if (rows[:, 0] % 1000 != 0).any() or (rows[:, 0] // 1000 != keys).any():
+                errors.append(keys)
+            cache.unpin(keys)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = cache.stats()
+    assert s["pinned"] == 0 and s["hits"] + s["misses"] > 0
