@@ -187,8 +187,9 @@ class ShardedCache final : public MemCache {
       }
       for (uint64_t i : requests[m]) Deliver(shard, it->second, out + i * row_bytes_, pin);
     }
+    // Pinned rows must all fit; unpinned ones may pass through uncached.
     std::string full;
-    for (size_t s = 0; s < shards_.size() && full.empty(); ++s) {
+    for (size_t s = 0; s < shards_.size() && full.empty() && pin; ++s) {
       const Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
       if (new_by_shard[s].size() + shard.pinned > shard.capacity) {
@@ -216,12 +217,16 @@ class ShardedCache final : public MemCache {
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
       for (size_t m : new_by_shard[s]) {
+        const uint8_t* row = rows.data() + m * row_bytes_;
         const uint32_t slot = TakeSlot(shard, &evicted);
+        if (slot == kNoSlot && !pin) {  // every row pinned: serve this one uncached
+          for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+          continue;
+        }
         if (slot == kNoSlot) {  // concurrent pins took the slots counted above
           throw CacheFullError("MEM-PS budget too small: every row of a shard of " +
                                std::to_string(shard.capacity) + " rows is pinned");
         }
-        const uint8_t* row = rows.data() + m * row_bytes_;
         std::memcpy(shard.rows + uint64_t{slot} * row_bytes_, row, row_bytes_);
         shard.where.emplace(load_keys[m], slot);
         shard.keys[slot] = load_keys[m];

@@ -11,10 +11,12 @@ from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
 from hps.ssd_store import SsdStore
 from hps.mem_cache import CacheFullError, MemCache, parse_bytes
+from hps.parameter_server import Batch, ParameterServer, ParameterServerConfig, SsdOptions
 
 __all__ = [
     "EMPTY_KEY",
     "AdaGrad",
+    "Batch",
     "CacheFullError",
     "Adam",
     "CorruptionError",
@@ -24,8 +26,11 @@ __all__ = [
     "IoError",
     "MemCache",
     "Normal",
+    "ParameterServer",
+    "ParameterServerConfig",
     "RowWiseAdaGrad",
     "SGD",
+    "SsdOptions",
     "SsdStore",
     "TableFullError",
     "Uniform",

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "hps/config.h"
+#include "hps/device_tier.h"
 #include "hps/hash_table.h"
 #include "hps/mem_cache.h"
 #include "hps/optimizer.h"
@@ -131,6 +132,18 @@ hps::RowSink PythonSink(py::object sink, uint32_t row_bytes) {
     std::memcpy(r.mutable_data(), rows, n * row_bytes);
     (*held)(k, r);
   };
+}
+
+// Optional device ids, one int32 per key.
+const int32_t* OwnersArg(const py::object& owners, uint64_t n) {
+  if (owners.is_none()) return nullptr;
+  const py::array a = py::array::ensure(owners);
+  if (!a || !a.dtype().is(py::dtype::of<int32_t>()) || a.ndim() != 1 || static_cast<uint64_t>(a.shape(0)) != n) {
+    throw py::type_error("owners must be None or a 1-D int32 array with one device id a key (" +
+                         std::to_string(n) + ")");
+  }
+  RequireContiguous(a, "owners");
+  return static_cast<const int32_t*>(a.data());
 }
 
 hps::OptimizerKind ParseOptimizer(const std::string& name) {
@@ -365,7 +378,7 @@ PYBIND11_MODULE(_core, m) {
         return d;
       });
 
-  py::register_exception<hps::CacheFullError>(m, "CacheFullError", PyExc_RuntimeError);
+  py::register_exception<hps::CacheFullError>(m, "CacheFullError", hps_error.ptr());
   m.attr("CACHE_POLICIES") = hps::CachePolicyNames();
   py::class_<hps::MemCache>(m, "MemCache")
       .def(py::init([](uint32_t row_bytes, uint64_t capacity, const std::string& policy, uint32_t shards,
@@ -434,4 +447,81 @@ PYBIND11_MODULE(_core, m) {
         d["numa_nodes"] = st.numa_nodes;
         return d;
       });
+
+  py::class_<hps::DeviceTier>(m, "DeviceTier")
+      .def(py::init([](int32_t devices, uint64_t capacity, const hps::SparseOptimizer& optimizer, bool use_cuda,
+                       int32_t threads) {
+             return hps::DeviceTier::New({devices, capacity, optimizer, use_cuda, threads});
+           }),
+           py::arg("devices"), py::arg("capacity"), py::arg("optimizer"), py::arg("use_cuda") = true,
+           py::arg("threads") = 0)
+      .def_property_readonly("devices", &hps::DeviceTier::devices)
+      .def_property_readonly("kind", &hps::DeviceTier::kind)
+      .def("__len__", &hps::DeviceTier::size)
+      .def_static("modulo_owners", [](const py::array& keys, int32_t devices) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        if (devices <= 0) throw py::value_error("devices must be > 0");
+        py::array_t<int32_t> owners(static_cast<py::ssize_t>(n));
+        int32_t* o = owners.mutable_data();
+        for (uint64_t i = 0; i < n; ++i) o[i] = hps::DeviceTier::ModuloOwner(k[i], devices);
+        return owners;
+      }, py::arg("keys"), py::arg("devices"))
+      .def("insert", [](hps::DeviceTier& t, const py::array& keys, const py::array& rows, const py::object& owners,
+                        int32_t row_floats) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const float* r = RowsArg(rows, "rows", n, row_floats);
+        const int32_t* o = OwnersArg(owners, n);
+        py::gil_scoped_release release;
+        t.Insert(k, n, r, o);
+      }, py::arg("keys"), py::arg("rows"), py::arg("owners"), py::arg("row_floats"))
+      .def("get", [](hps::DeviceTier& t, int32_t worker, const py::array& keys, const py::object& owners, int32_t dim) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const int32_t* o = OwnersArg(owners, n);
+        py::array_t<float> out = NewRows(n, dim);
+        float* e = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          t.Get(worker, k, n, e, o);
+        }
+        return out;
+      }, py::arg("worker"), py::arg("keys"), py::arg("owners"), py::arg("dim"))
+      .def("accumulate", [](hps::DeviceTier& t, int32_t worker, const py::array& keys, const py::array& grads,
+                            const py::object& owners, int32_t dim) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const float* g = RowsArg(grads, "grads", n, dim);
+        const int32_t* o = OwnersArg(owners, n);
+        py::gil_scoped_release release;
+        t.Accumulate(worker, k, n, g, o);
+      }, py::arg("worker"), py::arg("keys"), py::arg("grads"), py::arg("owners"), py::arg("dim"))
+      .def("apply", [](hps::DeviceTier& t) {
+        py::gil_scoped_release release;
+        t.Apply();
+      })
+      .def("read_back", [](const hps::DeviceTier& t, int32_t row_floats) {
+        const uint64_t n = t.size();
+        py::array_t<uint64_t> keys(static_cast<py::ssize_t>(n));
+        py::array_t<float> rows = NewRows(n, row_floats);
+        uint64_t* k = keys.mutable_data();
+        float* r = rows.mutable_data();
+        uint64_t got;
+        {
+          py::gil_scoped_release release;
+          got = t.ReadBack(k, r, n);
+        }
+        if (got != n) throw std::logic_error("device tier: read back fewer rows than it holds");
+        return py::make_tuple(keys, rows);
+      }, py::arg("row_floats"))
+      .def("clear", [](hps::DeviceTier& t) {
+        py::gil_scoped_release release;
+        t.Clear();
+      })
+      .def("transfers", [](const hps::DeviceTier& t) {
+        const hps::TransferMatrix m = t.transfers();
+        const auto g = static_cast<py::ssize_t>(m.devices);
+        py::array_t<uint64_t> rows({g, g}), bytes({g, g});
+        std::memcpy(rows.mutable_data(), m.rows.data(), m.rows.size() * sizeof(uint64_t));
+        std::memcpy(bytes.mutable_data(), m.bytes.data(), m.bytes.size() * sizeof(uint64_t));
+        return py::make_tuple(rows, bytes);
+      })
+      .def("reset_transfers", &hps::DeviceTier::ResetTransfers);
 }

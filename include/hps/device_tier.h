@@ -1,0 +1,83 @@
+// The device tier (HBM-PS): the working parameters of the current batch,
+// spread over G devices of one node (the MLSys 2020 paper's section 4).
+//
+// Each device holds two hash tables: the rows (embedding + optimizer state)
+// of the keys it owns, and the gradients workers have sent it for them. A
+// key's owner comes from the caller (a pluggable partition policy) or, by
+// default, from a modulo hash. Devices are CUDA GPUs when the node has enough
+// of them, otherwise host partitions: the same tables in host memory, run by
+// the CPU launcher.
+//
+// A batch goes: Insert (load the working set) -> Get (each worker pulls the
+// rows of its mini-batch from their owners) -> Accumulate (Algorithm 2:
+// gradients partitioned by owner, sent, summed on the owner) -> Apply (the
+// sparse optimizer, once per key) -> ReadBack (the updated rows go back to
+// MEM-PS) -> Clear. Every row or gradient that moves from one device to
+// another is counted in the transfer matrix.
+//
+// Thread safety: one batch at a time; calls are serialised by the caller.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hps/optimizer.h"
+
+namespace hps {
+
+struct DeviceTierOptions {
+  int32_t devices = 1;           ///< G, > 0
+  uint64_t capacity = 0;         ///< rows per device table; > 0
+  SparseOptimizer optimizer;     ///< fixes the row width (embedding + state)
+  bool use_cuda = true;          ///< GPUs when CudaDeviceCount() >= devices; else host partitions
+  int32_t threads = 0;           ///< CPU launcher threads per host partition; 0 = all cores
+};
+
+struct TransferMatrix {
+  int32_t devices = 0;
+  std::vector<uint64_t> rows;   ///< rows[from * devices + to]
+  std::vector<uint64_t> bytes;  ///< bytes[from * devices + to]
+};
+
+class DeviceTier {
+ public:
+  // Throws std::invalid_argument for bad options.
+  static std::unique_ptr<DeviceTier> New(const DeviceTierOptions& options);
+  virtual ~DeviceTier() = default;
+
+  virtual int32_t devices() const = 0;
+  // "cpu" (host partitions) or "cuda".
+  virtual std::string kind() const = 0;
+  virtual uint64_t size() const = 0;
+
+  // `owners` (n entries in [0, devices), or null for the modulo hash) says
+  // which device holds each key; the caller passes the same for a key every
+  // time within a batch.
+  //
+  // Loads rows (n, row_floats) of the batch's working set onto their owners.
+  // Throws TableFullError when a device's table has no room.
+  virtual void Insert(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) = 0;
+  // Worker device `worker` pulls the embeddings (n, dim) of keys from their
+  // owners. std::out_of_range names a key that was not loaded.
+  virtual void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings,
+                   const int32_t* owners) = 0;
+  // Worker `worker` sends gradients (n, dim) of keys to their owners, which
+  // sum them (duplicates and other workers' included) until Apply.
+  virtual void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
+                          const int32_t* owners) = 0;
+  // Applies the optimizer once to every key with gradients; clears them.
+  virtual void Apply() = 0;
+  // Writes up to max_rows (key, row) pairs of all devices; returns how many.
+  virtual uint64_t ReadBack(uint64_t* keys, float* rows, uint64_t max_rows) const = 0;
+  // Empties every device for the next batch.
+  virtual void Clear() = 0;
+
+  virtual TransferMatrix transfers() const = 0;
+  virtual void ResetTransfers() = 0;
+  // The owner the modulo hash gives a key among `devices`.
+  static int32_t ModuloOwner(uint64_t key, int32_t devices);
+};
+
+}  // namespace hps

@@ -1,0 +1,444 @@
+"""The node parameter server: device tier, MEM-PS cache and SSD-PS composed.
+
+Rows (embedding + optimizer state, float32) live in SSD-PS under
+``<path>/ssd``; the MEM-PS cache holds the hot ones within a byte budget; a
+batch's working set is pinned in MEM-PS and loaded onto the device tier,
+where workers pull embeddings and push gradients (summed at each key's owner
+device, then one optimizer step per key); the updated rows go back to MEM-PS,
+and from there, when evicted, to SSD-PS. A row never seen is initialised as a
+pure function of (seed, key), so it needs no storage until it is updated.
+
+checkpoint() makes everything durable; ParameterServer.open(path) resumes
+from the last checkpoint exactly. A crash between checkpoints loses the
+updates since the last one and nothing else: SSD-PS drops the files it wrote
+after its last commit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+
+from hps import _core
+from hps.mem_cache import MemCache, parse_bytes
+from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
+from hps.ssd_store import SsdStore
+
+METADATA = "hps-parameter-server.json"
+FORMAT_VERSION = 1
+
+_OPTIMIZERS = {"sgd": SGD, "adagrad": AdaGrad, "rowwise_adagrad": RowWiseAdaGrad, "adam": Adam}
+_INITIALIZERS = {"uniform": Uniform, "normal": Normal, "zeros": Zeros}
+
+
+@dataclass
+class SsdOptions:
+    file_records: int = 1 << 16
+    compaction_trigger: float = 1.5
+    use_io_uring: bool = True
+    direct_io: bool = True
+
+
+@dataclass
+class ParameterServerConfig:
+    """What a parameter server is. ``dim``, ``optimizer`` (its kind), ``initializer``
+    and ``seed`` fix what the stored rows mean and cannot change for a path; the
+    rest may differ from one run to the next."""
+
+    dim: int
+    path: str
+    optimizer: Any = field(default_factory=AdaGrad)
+    initializer: Any = field(default_factory=Uniform)
+    seed: int = 0
+    mem_budget: Union[int, str] = "1GiB"
+    cache_policy: str = "lru+lfu"
+    devices: int = 1                    # GPUs when the node has that many, else host partitions
+    device_capacity: int = 1 << 20      # rows per device: a batch's working set / devices must fit
+    write_buffer_rows: int = 1 << 16    # evicted dirty rows gathered per SSD-PS put
+    ssd: SsdOptions = field(default_factory=SsdOptions)
+
+    LAYOUT_FIELDS = ("dim", "optimizer.kind", "initializer", "seed")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["optimizer"] = {"kind": self.optimizer.kind, **dataclasses.asdict(self.optimizer)}
+        d["initializer"] = {"kind": self.initializer.kind, **dataclasses.asdict(self.initializer)}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "ParameterServerConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        for name in ("dim", "path"):
+            if name not in d:
+                raise ValueError(f"{source}: missing field '{name}'")
+        d["optimizer"] = _build(d.get("optimizer", {"kind": "adagrad"}), _OPTIMIZERS, f"{source}: optimizer")
+        d["initializer"] = _build(d.get("initializer", {"kind": "uniform"}), _INITIALIZERS,
+                                  f"{source}: initializer")
+        ssd = d.get("ssd", {})
+        if not isinstance(ssd, SsdOptions):
+            bad = sorted(set(ssd) - {f.name for f in dataclasses.fields(SsdOptions)})
+            if bad:
+                raise ValueError(f"{source}: unknown field(s) ssd.{', ssd.'.join(bad)}")
+            ssd = SsdOptions(**ssd)
+        d["ssd"] = ssd
+        return cls(**d)
+
+    @classmethod
+    def from_toml(cls, path: Union[str, os.PathLike]) -> "ParameterServerConfig":
+        """A config from a TOML file: top-level fields, and [optimizer] (kind, lr, ...),
+        [initializer] (kind, scale) and [ssd] tables."""
+        with open(path, "rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"{os.fspath(path)}: {e}") from None
+        return cls.from_dict(data, source=os.fspath(path))
+
+    def layout(self) -> dict:
+        return {"dim": self.dim, "optimizer.kind": self.optimizer.kind,
+                "initializer": dataclasses.asdict(self.initializer) | {"kind": self.initializer.kind},
+                "seed": self.seed}
+
+
+def _build(spec, table: dict, where: str):
+    if not isinstance(spec, dict):
+        return spec  # already an optimizer / initializer object
+    spec = dict(spec)
+    kind = spec.pop("kind", None)
+    if kind not in table:
+        raise ValueError(f"{where}: kind must be one of {', '.join(table)}, got {kind!r}")
+    try:
+        return table[kind](**spec)
+    except TypeError as e:
+        raise ValueError(f"{where} ({kind}): {e}") from None
+
+
+class _PendingRows:
+    """Evicted dirty rows waiting for one large SSD-PS put; the loader reads
+    them first, so a row on its way to disk is never read stale from disk."""
+
+    def __init__(self, row_floats: int):
+        self.row_floats = row_floats
+        self.keys: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+        self.count = 0
+        self._index = None  # (sorted keys, rows in that order), rebuilt on demand
+
+    def add(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        self.keys.append(keys)
+        self.rows.append(rows)
+        self.count += len(keys)
+        self._index = None
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct keys with their latest rows, keys sorted."""
+        if self._index is None:
+            if not self.keys:
+                self._index = (np.empty(0, np.uint64), np.empty((0, self.row_floats), np.float32))
+            else:
+                keys = np.concatenate(self.keys)[::-1]  # the latest copy first
+                rows = np.concatenate(self.rows)[::-1]
+                uniq, first = np.unique(keys, return_index=True)
+                self._index = (uniq, rows[first])
+        return self._index
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found mask, rows of the found keys in order)."""
+        stored, rows = self.merged()
+        if len(stored) == 0:
+            return np.zeros(len(keys), bool), rows
+        at = np.minimum(np.searchsorted(stored, keys), len(stored) - 1)
+        found = stored[at] == keys
+        return found, rows[at[found]]
+
+    def clear(self) -> None:
+        self.keys, self.rows, self.count, self._index = [], [], 0, None
+
+
+class Batch:
+    """A batch's working set on the device tier (ParameterServer.batch)."""
+
+    def __init__(self, ps: "ParameterServer", keys: np.ndarray):
+        self._ps = ps
+        self.keys = keys  # distinct
+        self._sent: list[np.ndarray] = []
+        self._done = False
+
+    def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
+        """Embeddings (n, dim) of keys, for the mini-batch of device `worker`."""
+        ps = self._ps
+        return ps._tier.get(worker, keys, ps._owners(keys), ps.dim)
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        """Sends gradients (n, dim) from device `worker` to the keys' owners,
+        where they add up until the batch ends."""
+        ps = self._ps
+        ps._tier.accumulate(worker, keys, grads, ps._owners(keys), ps.dim)
+        self._sent.append(np.asarray(keys, dtype=np.uint64))
+
+    def finish(self) -> None:
+        """One optimizer step per key that got gradients; rows back to MEM-PS."""
+        if self._done:
+            return
+        ps = self._ps
+        try:
+            ps._tier.apply()
+            keys, rows = ps._tier.read_back(ps.row_floats)
+            updated = np.isin(keys, np.concatenate(self._sent)) if self._sent else np.zeros(len(keys), bool)
+            ps._cache.write_back(keys[updated], rows[updated])
+            ps._cache.unpin(keys[~updated])
+        finally:
+            self._close()
+
+    def abort(self) -> None:
+        """Drops the batch's updates."""
+        if not self._done:
+            self._ps._cache.unpin(self.keys)
+            self._close()
+
+    def _close(self):
+        self._done = True
+        self._ps._tier.clear()
+        self._ps._batch_lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+
+class ParameterServer:
+    """One node's parameter server over ``config.path`` (created or resumed).
+
+    >>> import numpy as np, tempfile, hps
+    >>> ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=tempfile.mkdtemp(),
+    ...                          optimizer=hps.SGD(lr=0.5), mem_budget="1MiB"))
+    >>> keys = np.array([7, 7], np.uint64)
+    >>> before = ps.pull(keys[:1])
+    >>> ps.push(keys, np.ones((2, 4), np.float32))     # one step with g = 2
+    >>> bool(np.allclose(ps.pull(keys[:1]), before - 1.0))
+    True
+    """
+
+    def __init__(self, config: ParameterServerConfig,
+                 partitioner: Optional[Callable[[np.ndarray, int], np.ndarray]] = None):
+        self.config = config
+        self.dim = config.dim
+        self._native_opt = native_optimizer(config.dim, config.optimizer, config.initializer, config.seed)
+        self.row_floats = self._native_opt.row_floats
+        row_bytes = 4 * self.row_floats
+        os.makedirs(config.path, exist_ok=True)
+        if self._check_path():
+            self._write_metadata(checkpoints=0)  # first: a crash from here on leaves a server to open
+        self._ssd = SsdStore(os.path.join(config.path, "ssd"), row_bytes, file_records=config.ssd.file_records,
+                             compaction_trigger=config.ssd.compaction_trigger,
+                             use_io_uring=config.ssd.use_io_uring, direct_io=config.ssd.direct_io)
+        self._pending = _PendingRows(self.row_floats)
+        self._pending_lock = threading.Lock()
+        self._counts_lock = threading.Lock()
+        self._counts = {"mem_hits": 0, "mem_misses": 0, "pending_hits": 0, "ssd_hits": 0, "initialized": 0,
+                        "ssd_puts": 0, "ssd_rows_put": 0, "pulls": 0, "pushes": 0, "batches": 0,
+                        "checkpoints": 0}
+        self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
+                               loader=self._load, sink=self._sink)
+        self._tier = _core.DeviceTier(config.devices, config.device_capacity, self._native_opt)
+        self._partitioner = partitioner
+        self._batch_lock = threading.Lock()
+
+    # ------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, path: Union[str, os.PathLike], **overrides) -> "ParameterServer":
+        """Resumes the parameter server at path from its last checkpoint;
+        ``overrides`` change the fields that may change (mem_budget, devices, ...)."""
+        meta_path = os.path.join(os.fspath(path), METADATA)
+        if not os.path.exists(meta_path):
+            raise FileNotFoundError(f"{os.fspath(path)} holds no parameter server (no {METADATA})")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        config = ParameterServerConfig.from_dict({**meta["config"], "path": os.fspath(path)}, source=meta_path)
+        for name, value in overrides.items():
+            if not hasattr(config, name):
+                raise ValueError(f"open: unknown config field '{name}'")
+            setattr(config, name, value)
+        return cls(config)
+
+    def _metadata_path(self) -> str:
+        return os.path.join(self.config.path, METADATA)
+
+    def _check_path(self) -> bool:
+        """Whether the path is new; raises if it holds something else."""
+        meta_path = self._metadata_path()
+        if not os.path.exists(meta_path):
+            if os.listdir(self.config.path):
+                raise ValueError(f"{self.config.path} is not empty and holds no parameter server "
+                                 f"(no {METADATA}); give a new or empty directory")
+            return True
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT_VERSION:
+            raise ValueError(f"{meta_path}: format {meta.get('format')}, this build reads {FORMAT_VERSION}")
+        stored = ParameterServerConfig.from_dict({**meta["config"], "path": self.config.path}, source=meta_path)
+        mine, theirs = self.config.layout(), stored.layout()
+        for name in ParameterServerConfig.LAYOUT_FIELDS:
+            if mine[name] != theirs[name]:
+                raise ValueError(f"{self.config.path} holds a parameter server with {name} = {theirs[name]!r}, "
+                                 f"not {mine[name]!r}; open it with ParameterServer.open(path) or use a new path")
+        return False
+
+    def _write_metadata(self, checkpoints: int) -> None:
+        meta = {"format": FORMAT_VERSION, "hps_version": _core.__version__, "checkpoints": checkpoints,
+                "config": {k: v for k, v in self.config.to_dict().items() if k != "path"}}
+        tmp = self._metadata_path() + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._metadata_path())
+        fd = os.open(self.config.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------ MEM-PS plumbing
+    def _load(self, keys: np.ndarray):
+        """MEM-PS misses: pending write-backs, then SSD-PS, then a fresh row."""
+        rows = np.empty((len(keys), self.row_floats), np.float32)
+        with self._pending_lock:
+            in_pending, pending_rows = self._pending.lookup(keys)
+        rows[in_pending] = pending_rows
+        rest = np.flatnonzero(~in_pending)
+        on_ssd = np.zeros(len(rest), bool)
+        if len(rest):
+            ssd_rows, on_ssd = self._ssd.get(keys[rest], np.float32)
+            rows[rest[on_ssd]] = ssd_rows[on_ssd]
+            new = rest[~on_ssd]
+            if len(new):
+                rows[new] = self._native_opt.initial_rows(keys[new])
+        self._count(mem_misses=len(keys), pending_hits=int(in_pending.sum()), ssd_hits=int(on_ssd.sum()),
+                    initialized=len(rest) - int(on_ssd.sum()))
+        # Every row here also exists in pending rows, on SSD, or as (seed, key): clean.
+        return rows, np.zeros(len(keys), bool)
+
+    def _sink(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        with self._pending_lock:
+            self._pending.add(keys, rows.view(np.float32))
+            if self._pending.count >= self.config.write_buffer_rows:
+                self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        """REQUIRES: _pending_lock held."""
+        keys, rows = self._pending.merged()
+        if len(keys):
+            self._ssd.put(keys, rows)
+            self._count(ssd_puts=1, ssd_rows_put=len(keys))
+        self._pending.clear()
+
+    def _count(self, **amounts) -> None:
+        with self._counts_lock:
+            for name, amount in amounts.items():
+                self._counts[name] += amount
+
+    def _owners(self, keys):
+        if self._partitioner is None:
+            return None  # the native modulo hash
+        owners = np.ascontiguousarray(self._partitioner(np.asarray(keys, np.uint64), self.config.devices),
+                                      dtype=np.int32)
+        return owners
+
+    # ------------------------------------------------------------ the API
+    def pull(self, keys: np.ndarray) -> np.ndarray:
+        """Embeddings (n, dim) float32 of keys (uint64), as of the last finished batch."""
+        rows, hit = self._cache.pull(keys, pin=False, dtype=np.float32)
+        self._count(pulls=1, mem_hits=int(hit.sum()))
+        return np.ascontiguousarray(rows[:, :self.dim])
+
+    def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
+        """Sums the gradients (n, dim) of each distinct key and applies one optimizer step."""
+        keys = np.asarray(keys)
+        grads = np.asarray(grads)
+        if grads.dtype != np.float32:
+            raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
+        if grads.ndim != 2 or grads.shape != (len(keys), self.dim):
+            raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
+        with self.batch(keys) as b:
+            b.push(keys, grads)
+        self._count(pushes=1)
+
+    def batch(self, keys: np.ndarray) -> Batch:
+        """Pins the working set of keys in MEM-PS and loads it onto the device tier;
+        the returned Batch serves pulls and pushes until finish() (or the end of a
+        with block) writes the updated rows back. One batch at a time."""
+        if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):
+            raise TypeError(f"keys must be an array of uint64 or int64, got "
+                            f"{getattr(keys, 'dtype', type(keys).__name__)}")
+        uniq = np.unique(keys.view(np.uint64))
+        if len(uniq) and uniq[-1] == np.uint64(_core.EMPTY_KEY):
+            bad = int(np.flatnonzero(keys.view(np.uint64) == np.uint64(_core.EMPTY_KEY))[0])
+            raise ValueError(f"keys[{bad}] is 0xffffffffffffffff, the reserved empty key")
+        owners = self._owners(uniq)
+        per_device = np.bincount(owners if owners is not None else _core.DeviceTier.modulo_owners(uniq, self.config.devices),
+                                 minlength=self.config.devices)
+        if per_device.max(initial=0) > self.config.device_capacity:
+            raise ValueError(f"a batch of {len(uniq)} distinct keys puts {int(per_device.max())} on one device, "
+                             f"more than device_capacity = {self.config.device_capacity}; raise device_capacity")
+        self._batch_lock.acquire()
+        try:
+            rows, hit = self._cache.pull(uniq, pin=True, dtype=np.float32)
+            try:
+                self._tier.insert(uniq, rows, owners, self.row_floats)
+            except BaseException:
+                self._tier.clear()
+                self._cache.unpin(uniq)
+                raise
+        except BaseException:
+            self._batch_lock.release()
+            raise
+        self._count(batches=1, mem_hits=int(hit.sum()))
+        return Batch(self, uniq)
+
+    def checkpoint(self) -> None:
+        """Makes the whole state durable: dirty MEM-PS rows to SSD-PS, an SSD-PS
+        commit, then the metadata. Waits for a batch in flight to finish."""
+        with self._batch_lock:
+            self._cache.flush_dirty()
+            with self._pending_lock:
+                self._flush_pending()
+            self._ssd.commit()
+            self._count(checkpoints=1)
+            with open(self._metadata_path()) as f:
+                done = json.load(f).get("checkpoints", 0)
+            self._write_metadata(checkpoints=done + 1)
+
+    def stats(self) -> dict:
+        rows, transfer_bytes = self._tier.transfers()
+        with self._pending_lock:
+            pending = self._pending.count
+        with self._counts_lock:
+            counts = dict(self._counts)
+        return {"counts": counts, "mem": self._cache.stats(), "ssd": self._ssd.stats(),
+                "pending_rows": pending,
+                "device": {"kind": self._tier.kind, "devices": self._tier.devices,
+                           "transfer_rows": rows.tolist(), "transfer_bytes": transfer_bytes.tolist()}}
+
+    def close(self) -> None:
+        """Releases the stores; what was not checkpointed is dropped."""
+        self._ssd.wait_for_compaction()
+        del self._cache, self._ssd, self._tier
+
+    def __repr__(self) -> str:
+        return f"ParameterServer(dim={self.dim}, path={self.config.path!r})"

@@ -1,0 +1,188 @@
+#include "hps/device_tier.h"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "hps/hash_table.h"
+
+namespace hps {
+namespace {
+
+class Tier final : public DeviceTier {
+ public:
+  explicit Tier(const DeviceTierOptions& o) : o_(o), row_floats_(o.optimizer.row_floats()) {
+    const bool cuda = o.use_cuda && CudaDeviceCount() >= o.devices;
+    for (int32_t d = 0; d < o.devices; ++d) {
+      HashTableOptions t;
+      t.capacity = o.capacity;
+      t.threads = o.threads;
+      t.cuda_device = cuda ? d : -1;
+      t.row_floats = row_floats_;
+      rows_.push_back(NewHashTable(t));
+      t.row_floats = o.optimizer.dim;
+      grads_.push_back(NewHashTable(t));
+    }
+    kind_ = cuda ? "cuda" : "cpu";
+    matrix_.devices = o.devices;
+    matrix_.rows.assign(static_cast<size_t>(o.devices) * o.devices, 0);
+    matrix_.bytes.assign(matrix_.rows.size(), 0);
+  }
+
+  int32_t devices() const override { return o_.devices; }
+  std::string kind() const override { return kind_; }
+  uint64_t size() const override {
+    uint64_t n = 0;
+    for (const auto& t : rows_) n += t->size();
+    return n;
+  }
+
+  void Insert(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) override {
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, rows, row_floats_);
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      if (parts.keys[d].empty()) continue;
+      rows_[d]->insert(parts.keys[d].data(), parts.keys[d].size(), parts.rows[d].data(), nullptr);
+    }
+  }
+
+  void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings,
+           const int32_t* owners) override {
+    CheckWorker(worker);
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    const int32_t dim = o_.optimizer.dim;
+    std::vector<float> found_rows;
+    std::vector<uint8_t> found;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const auto& part = parts.keys[d];
+      if (part.empty()) continue;
+      found_rows.resize(part.size() * row_floats_);
+      found.resize(part.size());
+      rows_[d]->find(part.data(), part.size(), found_rows.data(), found.data());
+      for (size_t j = 0; j < part.size(); ++j) {
+        const uint64_t i = parts.index[d][j];
+        if (!found[j]) {
+          throw std::out_of_range("device tier: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
+                                  " is not loaded on device " + std::to_string(d) +
+                                  "; insert the batch's working set first");
+        }
+        std::memcpy(embeddings + i * dim, found_rows.data() + j * row_floats_, dim * sizeof(float));
+      }
+      Count(d, worker, part.size(), part.size() * dim * sizeof(float));
+    }
+  }
+
+  void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
+                  const int32_t* owners) override {
+    CheckWorker(worker);
+    CheckKeys(keys, n);
+    const int32_t dim = o_.optimizer.dim;
+    const Parts parts = Partition(keys, n, owners, grads, dim);
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      if (parts.keys[d].empty()) continue;
+      grads_[d]->accumulate(parts.keys[d].data(), parts.keys[d].size(), parts.rows[d].data());
+      Count(worker, d, parts.keys[d].size(), parts.keys[d].size() * dim * sizeof(float));
+    }
+  }
+
+  void Apply() override {
+    const int32_t dim = o_.optimizer.dim;
+    std::vector<uint64_t> keys;
+    std::vector<float> grads;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t n = grads_[d]->size();
+      if (n == 0) continue;
+      keys.resize(n);
+      grads.resize(n * dim);
+      const uint64_t got = grads_[d]->export_rows(keys.data(), grads.data(), n);
+      rows_[d]->apply_gradients(keys.data(), got, grads.data(), o_.optimizer);
+      grads_[d]->clear();
+    }
+  }
+
+  uint64_t ReadBack(uint64_t* keys, float* rows, uint64_t max_rows) const override {
+    uint64_t done = 0;
+    for (int32_t d = 0; d < o_.devices && done < max_rows; ++d) {
+      done += rows_[d]->export_rows(keys + done, rows + done * row_floats_, max_rows - done);
+    }
+    return done;
+  }
+
+  void Clear() override {
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      rows_[d]->clear();
+      grads_[d]->clear();
+    }
+  }
+
+  TransferMatrix transfers() const override { return matrix_; }
+  void ResetTransfers() override {
+    std::fill(matrix_.rows.begin(), matrix_.rows.end(), 0);
+    std::fill(matrix_.bytes.begin(), matrix_.bytes.end(), 0);
+  }
+
+ private:
+  // Keys (and their rows of `width` floats, when given) split by owner, with
+  // each one's index in the call.
+  struct Parts {
+    std::vector<std::vector<uint64_t>> keys, index;
+    std::vector<std::vector<float>> rows;
+  };
+
+  Parts Partition(const uint64_t* keys, uint64_t n, const int32_t* owners, const float* rows, int32_t width) const {
+    Parts p;
+    p.keys.resize(o_.devices);
+    p.index.resize(o_.devices);
+    p.rows.resize(o_.devices);
+    for (uint64_t i = 0; i < n; ++i) {
+      const int32_t d = owners ? owners[i] : ModuloOwner(keys[i], o_.devices);
+      if (d < 0 || d >= o_.devices) {
+        throw std::invalid_argument("device tier: owners[" + std::to_string(i) + "] = " + std::to_string(d) +
+                                    " is not a device in [0, " + std::to_string(o_.devices) + ")");
+      }
+      p.keys[d].push_back(keys[i]);
+      p.index[d].push_back(i);
+      if (rows) p.rows[d].insert(p.rows[d].end(), rows + i * width, rows + (i + 1) * width);
+    }
+    return p;
+  }
+
+  void CheckWorker(int32_t worker) const {
+    if (worker < 0 || worker >= o_.devices) {
+      throw std::invalid_argument("device tier: worker " + std::to_string(worker) + " is not a device in [0, " +
+                                  std::to_string(o_.devices) + ")");
+    }
+  }
+
+  void Count(int32_t from, int32_t to, uint64_t rows, uint64_t bytes) {
+    const size_t at = static_cast<size_t>(from) * o_.devices + to;
+    matrix_.rows[at] += rows;
+    matrix_.bytes[at] += bytes;
+  }
+
+  DeviceTierOptions o_;
+  int32_t row_floats_;
+  std::string kind_;
+  std::vector<std::unique_ptr<HashTable>> rows_, grads_;
+  TransferMatrix matrix_;
+};
+
+}  // namespace
+
+int32_t DeviceTier::ModuloOwner(uint64_t key, int32_t devices) {
+  // A mixed key, so that ids sharing low bits still spread.
+  uint64_t k = key;
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  return static_cast<int32_t>(k % static_cast<uint64_t>(devices));
+}
+
+std::unique_ptr<DeviceTier> DeviceTier::New(const DeviceTierOptions& options) {
+  if (options.devices <= 0) throw std::invalid_argument("device tier: devices must be > 0");
+  if (options.capacity == 0) throw std::invalid_argument("device tier: capacity must be > 0 rows per device");
+  options.optimizer.validate();
+  return std::make_unique<Tier>(options);
+}
+
+}  // namespace hps

@@ -1,0 +1,207 @@
+"""The node parameter server against a plain in-memory table of the same optimizer."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import hps
+
+DIM = 4
+
+
+def config(path, **kw):
+    kw.setdefault("optimizer", hps.Adam(lr=0.05))
+    kw.setdefault("mem_budget", 80 * (DIM * 3 + 1) * 4 + 80 * 96)  # ~80 rows of 300 keys: SSD traffic
+    kw.setdefault("ssd", hps.SsdOptions(file_records=64))
+    kw.setdefault("write_buffer_rows", 16)
+    return hps.ParameterServerConfig(dim=DIM, path=str(path), seed=11, **kw)
+
+
+def reference(cfg):
+    return hps.EmbeddingTable(100_000, DIM, optimizer=cfg.optimizer, initializer=cfg.initializer, seed=cfg.seed)
+
+
+def random_steps(seed, steps, universe=300):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        keys = rng.integers(0, universe, rng.integers(1, 60)).astype(np.uint64)
+        grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+        yield keys, grads
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_matches_an_in_memory_table_through_eviction_and_reopen(tmp_path, devices):
+    cfg = config(tmp_path / "ps", devices=devices)
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    probe = np.arange(300, dtype=np.uint64)
+    for step, (keys, grads) in enumerate(random_steps(devices, 60)):
+        ps.push(keys, grads)
+        ref.push(keys, grads)
+        np.testing.assert_array_equal(ps.pull(keys), ref.pull(keys), err_msg=f"step {step}")
+        if step == 30:
+            ps.checkpoint()
+            ps.close()
+            ps = hps.ParameterServer.open(cfg.path)
+    np.testing.assert_array_equal(ps.pull(probe), ref.pull(probe))
+    s = ps.stats()
+    assert s["mem"]["dirty_evictions"] > 0 and s["counts"]["ssd_hits"] > 0 and s["counts"]["ssd_puts"] > 0, s
+    if devices > 1:
+        moved = np.array(s["device"]["transfer_rows"])
+        assert moved.shape == (devices, devices) and moved.sum() > 0
+    ps.checkpoint()
+    ps.close()
+    reopened = hps.ParameterServer.open(cfg.path, mem_budget="1MiB", devices=2)
+    np.testing.assert_array_equal(reopened.pull(probe), ref.pull(probe))
+
+
+def test_batches_sum_gradients_of_all_workers_then_step_once(tmp_path):
+    cfg = config(tmp_path / "ps", devices=2, optimizer=hps.AdaGrad(lr=0.1))
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    keys = np.array([1, 2, 3, 4, 5, 6], np.uint64)
+    g = np.arange(6 * DIM, dtype=np.float32).reshape(6, DIM) / 10
+    with ps.batch(keys) as b:
+        np.testing.assert_array_equal(b.pull(keys[:3], worker=0), ref.pull(keys[:3]))
+        b.push(keys[:4], g[:4], worker=0)
+        b.push(keys[2:], g[2:], worker=1)  # keys 3 and 4 get gradients from both workers
+    summed = g.copy()
+    summed[2:4] += g[2:4]
+    ref.push(keys, summed)
+    np.testing.assert_array_equal(ps.pull(keys), ref.pull(keys))
+    moved = np.array(ps.stats()["device"]["transfer_rows"])
+    assert moved.sum() == 3 + 4 + 4  # rows pulled + gradients sent
+
+
+def test_an_aborted_batch_changes_nothing(tmp_path):
+    cfg = config(tmp_path / "ps")
+    ps = hps.ParameterServer(cfg)
+    keys = np.array([5, 6], np.uint64)
+    before = ps.pull(keys)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ps.batch(keys) as b:
+            b.push(keys, np.ones((2, DIM), np.float32))
+            raise RuntimeError("boom")
+    np.testing.assert_array_equal(ps.pull(keys), before)
+    assert ps.stats()["mem"]["pinned"] == 0
+
+
+CRASHER = textwrap.dedent("""
+    import sys, numpy as np, hps
+    sys.path.insert(0, {tests!r})
+    from test_parameter_server import config, random_steps
+    ps = hps.ParameterServer(config(sys.argv[1]))
+    for step, (keys, grads) in enumerate(random_steps(5, 40)):
+        ps.push(keys, grads)
+        if step == 19:
+            ps.checkpoint()
+            print("checkpointed", flush=True)
+    print("done", flush=True)
+    import os, signal
+    os.kill(os.getpid(), signal.SIGKILL)  # updates after the checkpoint are in flight
+""").format(tests=os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_crash_loses_only_what_followed_the_checkpoint(tmp_path):
+    path = tmp_path / "ps"
+    run = subprocess.run([sys.executable, "-c", CRASHER, str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert run.stdout.split() == ["checkpointed", "done"]
+    cfg = config(path)
+    ref = reference(cfg)
+    for step, (keys, grads) in enumerate(random_steps(5, 20)):
+        ref.push(keys, grads)
+    ps = hps.ParameterServer.open(path)
+    probe = np.arange(300, dtype=np.uint64)
+    np.testing.assert_array_equal(ps.pull(probe), ref.pull(probe))
+
+
+def test_errors_name_what_is_wrong(tmp_path):
+    cfg = config(tmp_path / "ps")
+    ps = hps.ParameterServer(cfg)
+    with pytest.raises(ValueError, match=r"keys\[1\] is 0xffffffffffffffff"):
+        ps.pull(np.array([1, hps.EMPTY_KEY], np.uint64))
+    with pytest.raises(ValueError, match=r"keys\[0\] is 0xffffffffffffffff"):
+        ps.push(np.array([hps.EMPTY_KEY], np.uint64), np.zeros((1, DIM), np.float32))
+    with pytest.raises(TypeError, match="grads must be an array of float32, got float64"):
+        ps.push(np.array([1], np.uint64), np.zeros((1, DIM)))
+    with pytest.raises(ValueError, match=r"grads must have shape \(2, 4\), got \(2, 3\)"):
+        ps.push(np.array([1, 2], np.uint64), np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="keys must be an array of uint64 or int64, got float64"):
+        ps.push(np.array([1.0]), np.zeros((1, DIM), np.float32))
+    with pytest.raises(hps.CacheFullError, match="MEM-PS budget too small"):
+        ps.push(np.arange(1000, dtype=np.uint64), np.zeros((1000, DIM), np.float32))
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.push(np.array([1], np.uint64), np.ones((1, DIM), np.float32))  # still works
+    small_devices = config(tmp_path / "ps2", device_capacity=10, mem_budget="1MiB")
+    with pytest.raises(ValueError, match="more than device_capacity = 10"):
+        hps.ParameterServer(small_devices).push(np.arange(50, dtype=np.uint64), np.zeros((50, DIM), np.float32))
+    ps.checkpoint()
+    ps.close()
+    with pytest.raises(ValueError, match="holds a parameter server with dim = 4, not 8"):
+        hps.ParameterServer(hps.ParameterServerConfig(dim=8, path=cfg.path, seed=11, optimizer=hps.Adam()))
+    with pytest.raises(ValueError, match="optimizer.kind = 'adam', not 'sgd'"):
+        hps.ParameterServer(config(cfg.path, optimizer=hps.SGD()))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty and holds no parameter server"):
+        hps.ParameterServer(config(other))
+    with pytest.raises(FileNotFoundError, match="holds no parameter server"):
+        hps.ParameterServer.open(tmp_path / "nothing")
+
+
+def test_config_from_toml(tmp_path):
+    toml = tmp_path / "ps.toml"
+    toml.write_text(textwrap.dedent(f"""
+        dim = 8
+        path = "{tmp_path / 'ps'}"
+        mem_budget = "64MiB"
+        devices = 2
+        [optimizer]
+        kind = "rowwise_adagrad"
+        lr = 0.2
+        [initializer]
+        kind = "normal"
+        std = 0.1
+        [ssd]
+        file_records = 1024
+    """))
+    cfg = hps.ParameterServerConfig.from_toml(toml)
+    assert cfg.optimizer == hps.RowWiseAdaGrad(lr=0.2) and cfg.initializer == hps.Normal(std=0.1)
+    assert cfg.ssd.file_records == 1024 and cfg.devices == 2
+    ps = hps.ParameterServer(cfg)
+    assert ps.pull(np.array([3], np.uint64)).shape == (1, 8)
+    toml.write_text('dim = 8\npath = "x"\n[optimizer]\nkind = "rmsprop"\n')
+    with pytest.raises(ValueError, match="optimizer: kind must be one of sgd, adagrad, rowwise_adagrad, adam"):
+        hps.ParameterServerConfig.from_toml(toml)
+    toml.write_text('dim = 8\npath = "x"\nmem_budjet = "1GiB"\n')
+    with pytest.raises(ValueError, match="unknown field.s. mem_budjet"):
+        hps.ParameterServerConfig.from_toml(toml)
+
+
+def test_pulls_from_several_threads(tmp_path):
+    cfg = config(tmp_path / "ps", mem_budget=200 * (DIM * 3 + 1) * 4 + 200 * 96)
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    for keys, grads in random_steps(9, 30, universe=1000):
+        ps.push(keys, grads)
+        ref.push(keys, grads)
+    expected = ref.pull(np.arange(1000, dtype=np.uint64))
+    errors = []
+
+    def reader(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(100):
+            keys = rng.integers(0, 1000, 64).astype(np.uint64)
+            if not np.array_equal(ps.pull(keys), expected[keys]):
+                errors.append(keys)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
