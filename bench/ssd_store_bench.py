@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""W1 (a) (BENCHMARKS.md): hps.SsdStore against RocksDB (rocksdict) and LMDB, with fio
-as the device limit, every store inside the same 1 GiB memory cgroup.
+"""W1 (BENCHMARKS.md): (a) hps.SsdStore and (b) the node store (MEM-PS cache + SSD-PS,
+store "hps_node") against RocksDB (rocksdict) and LMDB, with fio as the device limit,
+every store inside the same 1 GiB memory cgroup.
 
     python3 bench/ssd_store_bench.py --quick
     python3 bench/ssd_store_bench.py --rows 5000000 --batches 20 --batch-keys 100000
@@ -52,7 +53,8 @@ SEED = 0x5EED_1234
 ZIPF_A = 1.05
 ZIPF_PERM = 2654435761  # prime; rank r -> index (r * P) mod N
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALL_STORES = ("hps", "rocksdb", "rocksdb_tuned", "lmdb")
+ALL_STORES = ("hps", "hps_node", "rocksdb", "rocksdb_tuned", "lmdb")
+NODE_CACHE_BYTES = 320 << 20  # = RocksDB tuned's block cache (256 MiB) + row cache (64 MiB)
 
 M1 = np.uint64(0xBF58476D1CE4E5B9)
 M2 = np.uint64(0x94D049BB133111EB)
@@ -138,6 +140,45 @@ class HpsStore:
 
     def close(self):
         del self.s
+
+
+class HpsNodeStore(HpsStore):
+    """W1 (b): the node store, MEM-PS cache in front of SSD-PS, as the parameter
+    server uses them: a get pins the batch's rows (misses read SSD-PS in one
+    batched get), the put writes them back into the cache, and durability per
+    batch flushes the dirty rows to SSD-PS and commits."""
+
+    name = "hps_node"
+
+    def __init__(self, path, policy="lru+lfu"):
+        import hps
+        super().__init__(path)
+        self.cache = hps.MemCache(ROW_BYTES, budget=NODE_CACHE_BYTES, policy=policy,
+                                  loader=self._load, sink=self.s.put)
+        self.options.update({"mem_budget_bytes": NODE_CACHE_BYTES, "cache_policy": policy,
+                             "durability": "write back into MEM-PS, then flush dirty rows + commit() per batch"})
+
+    def _load(self, keys):
+        rows, found = self.s.get(keys)
+        if not found.all():
+            raise SystemExit(f"hps_node: {int((~found).sum())} keys missing on SSD-PS")
+        return rows, np.zeros(len(keys), bool)
+
+    def get(self, keys):
+        rows, _ = self.cache.pull(keys, pin=True)
+        return rows, np.ones(len(keys), bool)
+
+    def put(self, keys, rows):
+        self.cache.write_back(keys, rows.view(np.uint8).reshape(len(keys), ROW_BYTES))
+        self.cache.flush_dirty()
+        self.s.commit()
+
+    def stats(self):
+        return {"ssd": dict(self.s.stats()), "mem": dict(self.cache.stats())}
+
+    def close(self):
+        del self.cache
+        super().close()
 
 
 class RocksStore:
@@ -299,6 +340,8 @@ def run_worker(args) -> dict:
     os.makedirs(path, exist_ok=True)
     if name == "hps":
         st = HpsStore(path)
+    elif name == "hps_node":
+        st = HpsNodeStore(path)
     elif name in ("rocksdb", "rocksdb_tuned"):
         st = RocksStore(path, tuned=(name == "rocksdb_tuned"))
     elif name == "lmdb":
@@ -359,7 +402,7 @@ def run_worker(args) -> dict:
     res["load"] = {"rows": n, "seconds": t_store, "wall_seconds_with_generation": time.time() - t_wall0,
                    "rows_per_s": n / t_store, "MB_per_s": n * ROW_BYTES / t_store / 1e6,
                    "disk_bytes_after_load": du_bytes(path)}
-    if name == "hps":
+    if name in ("hps", "hps_node"):
         res["load"]["hps_stats"] = st.stats()
 
     versions = np.zeros(n, np.uint16)
@@ -381,7 +424,7 @@ def run_worker(args) -> dict:
             m = len(keys)
             uniq.append(m)
             # ---- get
-            if name == "hps":
+            if name in ("hps", "hps_node"):
                 t0 = time.perf_counter()
                 rows, found = st.get(keys)
                 dt = time.perf_counter() - t0
@@ -703,6 +746,14 @@ def main():
         ratios["space_hps"] = h["space_amplification"]
         ratios["space_rocksdb_tuned"] = r["space_amplification"]
     out["ratios_hps_over_rocksdb_tuned"] = ratios or None
+    node = out["stores"].get("hps_node")
+    if node and r and node.get("status") == "ok" and r.get("status") == "ok":
+        out["ratios_hps_node_over_rocksdb_tuned"] = {
+            d: {"get_median": node["distributions"][d]["get_rows_per_s"]["median"]
+                / r["distributions"][d]["get_rows_per_s"]["median"],
+                "put_median": node["distributions"][d]["put_rows_per_s"]["median"]
+                / r["distributions"][d]["put_rows_per_s"]["median"]}
+            for d in args.dists}
     fr = out["fio"].get("rand_read_4k_qd64") if isinstance(out["fio"], dict) else None
     if h and h.get("status") == "ok" and fr and "iops" in fr:
         out["hps_uniform_get_over_fio_randread_iops"] = \

@@ -87,6 +87,7 @@ struct Shard {
   std::vector<uint32_t> pins;
   std::vector<uint8_t> dirty;
   std::vector<uint8_t> fresh;  // inserted pinned, never yet in the policy's order
+  std::vector<uint32_t> dirty_slots;  // slots made dirty since the last flush (some since evicted)
   std::vector<uint32_t> free;
   std::unique_ptr<CachePolicy> policy;
   uint64_t pinned = 0, dirty_rows = 0;
@@ -230,8 +231,8 @@ class ShardedCache final : public MemCache {
         std::memcpy(shard.rows + uint64_t{slot} * row_bytes_, row, row_bytes_);
         shard.where.emplace(load_keys[m], slot);
         shard.keys[slot] = load_keys[m];
-        shard.dirty[slot] = dirty[m];
-        shard.dirty_rows += dirty[m];
+        shard.dirty[slot] = 0;
+        if (dirty[m]) MarkDirty(shard, slot);
         if (pin) {
           shard.fresh[slot] = 1;
           shard.pins[slot] = static_cast<uint32_t>(requests[m].size());
@@ -249,10 +250,7 @@ class ShardedCache final : public MemCache {
   void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {
     ForPinned(keys, n, "write back", [&](Shard& shard, uint32_t slot, uint64_t i) {
       std::memcpy(shard.rows + uint64_t{slot} * row_bytes_, rows + i * row_bytes_, row_bytes_);
-      if (!shard.dirty[slot]) {
-        shard.dirty[slot] = 1;
-        ++shard.dirty_rows;
-      }
+      if (!shard.dirty[slot]) MarkDirty(shard, slot);
     });
   }
 
@@ -301,12 +299,13 @@ class ShardedCache final : public MemCache {
     for (Shard& shard : shards_) {
       {
         std::lock_guard lock(shard.mutex);
-        for (const auto& [key, slot] : shard.where) {
+        for (uint32_t slot : shard.dirty_slots) {  // a slot reused since is dirty only if listed again
           if (!shard.dirty[slot]) continue;
-          batch.Add(key, shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
+          batch.Add(shard.keys[slot], shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
           shard.dirty[slot] = 0;
           --shard.dirty_rows;
         }
+        shard.dirty_slots.clear();
       }
       if (batch.keys.size() >= kSinkBatchRows) {
         rows_flushed_ += batch.keys.size();
@@ -370,6 +369,19 @@ class ShardedCache final : public MemCache {
     if (shard.pins[slot]++ == 0) {
       ++shard.pinned;
       shard.policy->Detach(slot);
+    }
+  }
+
+  // REQUIRES: shard.mutex held; the slot is clean.
+  void MarkDirty(Shard& shard, uint32_t slot) {
+    shard.dirty[slot] = 1;
+    ++shard.dirty_rows;
+    shard.dirty_slots.push_back(slot);
+    if (shard.dirty_slots.size() > 2 * uint64_t{shard.capacity}) {  // mostly evicted since: rebuild
+      shard.dirty_slots.clear();
+      for (uint32_t s = 0; s < shard.capacity; ++s) {
+        if (shard.dirty[s]) shard.dirty_slots.push_back(s);
+      }
     }
   }
 
