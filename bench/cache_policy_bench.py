@@ -1,0 +1,444 @@
+#!/usr/bin/env python3
+"""W3 (BENCHMARKS.md): hit rate of the MEM-PS cache's replacement policies against
+LRU, an ideal whole-history LFU and Belady's offline optimum.
+
+    python3 bench/cache_policy_bench.py --quick
+    python3 bench/cache_policy_bench.py                       # full
+    python3 bench/cache_policy_bench.py --zipf-a 0.9 --capacities 0.01,0.1 --criteo ''
+
+Traces (each a uint64 key array, replayed in order):
+  * zipf: `length` accesses drawn from a Zipf(a) law over a finite universe of
+    `universe` keys (P(rank r) ~ 1 / r^a, r = 1..universe); a random permutation
+    maps ranks to key ids, and splitmix64's finaliser (a bijection) maps ids to
+    random-looking uint64 keys. Full: 2M accesses over 1M keys; --quick: 200k over
+    100k. Same seed, same trace.
+  * criteo: the real Criteo sample (default ../shared/data/criteo-sample/
+    train_examples_10k.tsv from the repository root; 40 tab-separated columns:
+    label, I1..I13, C1..C26). For each row in file order, for each categorical
+    field f = 0..25 with a non-empty value v (8 hex digits), one access to the key
+    splitmix64(((f + 1) << 32) | int(v, 16)): distinct per (field, value), stable
+    across runs and machines. Skipped, with a message and a "skipped" entry in the
+    JSON, if the file is absent.
+
+Capacities: fractions (default 1%, 5%, 20%) of the trace's unique keys, in rows.
+
+Policies, all replayed from a cold cache, every miss inserted (demand paging):
+  * native: hps.MemCache(row_bytes=8, capacity=C, policy=p, shards=1) for every p in
+    hps.MemCache.POLICIES; hits = the sum of the masks returned by
+    cache.access(chunk) over chunks of --chunk keys, cross-checked with
+    cache.stats();
+  * offline (bench/cache_baselines.py): py_lru (OrderedDict), ideal_lfu (counts over
+    the whole history), belady (demand-paging MIN: the reference of the ratios) and
+    belady_bypass (MIN allowed to skip inserting the missed key: an upper bound for
+    policies with an admission filter, so a ratio above 1 against `belady` is
+    possible for them, never against belady_bypass).
+
+Hit rate = hits / accesses (first accesses count as misses). The targets of W3 are
+checked per trace and capacity: native lru+lfu >= native lru; the best native
+policy >= 0.90 (floor) and 0.95 (aim) of Belady; the best native policy against
+ideal_lfu. The native LRU must hit exactly as often as py_lru (shards=1 makes the
+native LRU one exact LRU list); a mismatch, or stats() disagreeing with the masks,
+is a bug: it is reported loudly and the exit status is 1. Targets missed are
+results, not errors: they are in the JSON and do not change the exit status.
+
+Progress and the tables go to stderr; the one JSON line with every raw figure goes
+to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import cache_baselines as cb  # noqa: E402
+
+DEFAULT_CRITEO = os.path.normpath(
+    os.path.join(ROOT, "..", "shared", "data", "criteo-sample", "train_examples_10k.tsv"))
+CRITEO_COLUMNS = 40
+CRITEO_FIRST_CATEGORICAL = 14  # label + 13 integer columns
+ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)  # the cache's reserved key: never in a trace
+AIM, FLOOR = 0.95, 0.90
+OFFLINE = ("py_lru", "ideal_lfu", "belady", "belady_bypass")
+
+M1 = np.uint64(0xBF58476D1CE4E5B9)
+M2 = np.uint64(0x94D049BB133111EB)
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, a bijection of uint64 (so distinct in, distinct out)."""
+    x = np.asarray(x, dtype=np.uint64).copy()
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= M1
+        x ^= x >> np.uint64(27)
+        x *= M2
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def checked_keys(keys: np.ndarray, what: str) -> np.ndarray:
+    # mix64 is a bijection, so exactly one input maps to all-ones; a trace that
+    # happens to contain it would be refused by the cache, so refuse it here.
+    if (keys == ALL_ONES).any():
+        raise SystemExit(f"{what}: a key hashed to the reserved all-ones value; change --seed")
+    return keys
+
+
+# ------------------------------------------------------------------ traces
+def zipf_trace(universe: int, length: int, a: float, seed: int) -> np.ndarray:
+    """(length,) uint64: Zipf(a) accesses over `universe` keys (see the module doc)."""
+    rng = np.random.default_rng(seed)
+    weights = np.arange(1, universe + 1, dtype=np.float64) ** -a
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    # Inverse-CDF sampling: rank r (0-based) for u in [cdf[r-1], cdf[r]). The
+    # clip guards against the last cdf value rounding just below 1.
+    ranks = np.minimum(np.searchsorted(cdf, rng.random(length), side="right"), universe - 1)
+    key_ids = rng.permutation(universe)[ranks]
+    return checked_keys(mix64(key_ids.astype(np.uint64) + np.uint64(1)), "zipf")
+
+
+def criteo_trace(path: str) -> tuple[np.ndarray, dict]:
+    """(n,) uint64 keys of the Criteo file's categorical values, and a summary."""
+    raw: list[int] = []
+    rows = malformed = empty = 0
+    with open(path, encoding="ascii") as f:
+        for line_no, line in enumerate(f, 1):
+            cols = line.rstrip("\r\n").split("\t")
+            if len(cols) != CRITEO_COLUMNS:
+                malformed += 1
+                continue
+            rows += 1
+            for field, value in enumerate(cols[CRITEO_FIRST_CATEGORICAL:]):
+                if not value:
+                    empty += 1
+                    continue
+                try:
+                    v = int(value, 16)
+                except ValueError:
+                    raise SystemExit(f"{path}:{line_no}: field C{field + 1} is not hex: {value!r}")
+                if v >= 1 << 32:
+                    raise SystemExit(f"{path}:{line_no}: field C{field + 1} has more than 8 hex digits")
+                # field + 1 keeps the input non-zero (mix64(0) == 0); the value fills
+                # the low 32 bits, so (field, value) -> input is injective.
+                raw.append(((field + 1) << 32) | v)
+    if malformed:
+        log(f"criteo: skipped {malformed} line(s) without {CRITEO_COLUMNS} columns")
+    keys = checked_keys(mix64(np.array(raw, dtype=np.uint64)), "criteo")
+    return keys, {"path": path, "rows": rows, "malformed_lines": malformed,
+                  "empty_values": empty}
+
+
+# ------------------------------------------------------------------ replays
+def replay_native(hps, policy: str, trace: np.ndarray, capacity: int, chunk: int,
+                  problems: list, masks: list | None = None) -> tuple[int, float, dict]:
+    """Hits of the native cache on `trace`, the replay's seconds, and its stats().
+
+    With `masks` (a list), the per-chunk hit masks are appended to it, so that a
+    mismatch with the Python LRU can be located. -1 hits: access() misbehaved (the
+    reason is in `problems`).
+    """
+    cache = hps.MemCache(row_bytes=8, capacity=capacity, policy=policy, shards=1)
+    n = len(trace)
+    hits = 0
+    t0 = time.perf_counter()
+    for start in range(0, n, chunk):
+        keys = trace[start:start + chunk]
+        mask = np.asarray(cache.access(keys))
+        if mask.shape != keys.shape or mask.dtype != np.bool_:
+            problems.append(f"{policy} C={capacity}: access() of {len(keys)} keys returned "
+                            f"shape {mask.shape} dtype {mask.dtype}, expected a bool mask")
+            return -1, 0.0, {}
+        hits += int(np.count_nonzero(mask))
+        if masks is not None:
+            masks.append(mask.copy())
+    seconds = time.perf_counter() - t0
+    stats = {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+             for k, v in dict(cache.stats()).items()}
+    where = f"{policy} C={capacity}"
+    if stats.get("hits") != hits or stats.get("misses") != n - hits:
+        problems.append(f"{where}: stats() says hits={stats.get('hits')} "
+                        f"misses={stats.get('misses')}, the masks say hits={hits} "
+                        f"misses={n - hits}")
+    # The comparisons assume the cache holds exactly `capacity` rows.
+    if "capacity" in stats and stats["capacity"] != capacity:
+        problems.append(f"{where}: stats() capacity={stats['capacity']}, asked for {capacity}")
+    if isinstance(stats.get("size"), int) and stats["size"] > capacity:
+        problems.append(f"{where}: stats() size={stats['size']} exceeds the capacity")
+    return hits, seconds, stats
+
+
+def first_lru_divergence(trace: np.ndarray, capacity: int, native_mask: np.ndarray,
+                         chunk: int) -> str:
+    """Where the native LRU's hits first differ from the Python LRU's, with what an
+    exact LRU would decide there: an access hits iff fewer than `capacity` distinct
+    other keys were accessed since the key's previous access."""
+    py_mask = cb.lru_hit_mask(trace, capacity)
+    diff = np.flatnonzero(py_mask != native_mask)
+    if len(diff) == 0:
+        return "the masks agree access by access"
+    i = int(diff[0])
+    key = int(trace[i])
+    prev = np.flatnonzero(trace[:i] == trace[i])
+    if len(prev):
+        j = int(prev[-1])
+        since = f"previous access at {j}, {len(np.unique(trace[j + 1:i]))} distinct other keys since"
+    else:
+        since = "first access of the key"
+    return (f"{len(diff)} accesses differ; first at index {i} (position {i % chunk} of "
+            f"access() call {i // chunk}), key 0x{key:016x}: native {'hit' if native_mask[i] else 'miss'}, python "
+            f"{'hit' if py_mask[i] else 'miss'} ({since})")
+
+
+OFFLINE_FUNCS = {
+    "py_lru": cb.lru_hits,
+    "ideal_lfu": cb.ideal_lfu_hits,
+    "belady": cb.belady_hits,
+    "belady_bypass": lambda trace, c: cb.belady_hits(trace, c, bypass=True),
+}
+
+
+def ratio(a, b):
+    return None if not b or a is None or a < 0 else a / b
+
+
+def run_trace(name: str, trace: np.ndarray, info: dict, fractions, hps, policies,
+              chunk: int, problems: list) -> dict:
+    n = len(trace)
+    unique = int(len(np.unique(trace)))
+    out = {"accesses": n, "unique_keys": unique, **info, "capacities": []}
+    log(f"{name}: {n:,} accesses, {unique:,} unique keys")
+    bar = progress(len(fractions) * (len(policies) + len(OFFLINE)), name)
+    for frac in fractions:
+        capacity = max(1, round(frac * unique))
+        hits, seconds, native_stats = {}, {}, {}
+        lru_masks: list = []
+        for p in policies:
+            bar.set_postfix_str(f"C={capacity} {p}")
+            hits[p], seconds[p], native_stats[p] = replay_native(
+                hps, p, trace, capacity, chunk, problems, lru_masks if p == "lru" else None)
+            bar.update()
+        for p in OFFLINE:
+            bar.set_postfix_str(f"C={capacity} {p}")
+            t0 = time.perf_counter()
+            hits[p] = OFFLINE_FUNCS[p](trace, capacity)
+            seconds[p] = time.perf_counter() - t0
+            bar.update()
+        row = {"fraction": frac, "rows": capacity, "hits": hits,
+               "hit_rate": {p: (h / n if h >= 0 else None) for p, h in hits.items()},
+               "ratio_to_belady": {p: ratio(h, hits["belady"]) for p, h in hits.items()},
+               "seconds": {p: round(s, 3) for p, s in seconds.items()},
+               "native_stats": native_stats}
+        row["checks"] = capacity_checks(name, row, policies, problems)
+        if row["checks"]["lru_matches_python"] is False and hits["lru"] >= 0:
+            detail = first_lru_divergence(trace, capacity, np.concatenate(lru_masks), chunk)
+            row["checks"]["lru_mismatch_detail"] = detail
+            problems.append(f"  {name} C={capacity}: {detail}")
+        out["capacities"].append(row)
+    bar.close()
+    return out
+
+
+def capacity_checks(name: str, row: dict, policies, problems: list) -> dict:
+    hits = row["hits"]
+    where = f"{name} C={row['rows']} ({row['fraction']:g} of unique keys)"
+    checks: dict = {}
+    if "lru" in hits:
+        checks["lru_matches_python"] = hits["lru"] == hits["py_lru"]
+        if not checks["lru_matches_python"]:
+            problems.append(f"LRU MISMATCH on {where}: native lru hits={hits['lru']}, "
+                            f"python lru hits={hits['py_lru']} "
+                            f"(difference {hits['lru'] - hits['py_lru']:+d})")
+    else:
+        checks["lru_matches_python"] = None
+    checks["lru_lfu_ge_lru"] = (hits["lru+lfu"] >= hits["lru"]
+                                if "lru+lfu" in hits and "lru" in hits else None)
+    valid = [p for p in policies if hits[p] >= 0]
+    if valid:
+        best = max(valid, key=lambda p: hits[p])
+        r = ratio(hits[best], hits["belady"])
+        checks["best_native"] = best
+        checks["best_ratio_to_belady"] = r
+        checks["aim_0.95"] = None if r is None else r >= AIM
+        checks["floor_0.90"] = None if r is None else r >= FLOOR
+        checks["best_over_ideal_lfu"] = ratio(hits[best], hits["ideal_lfu"])
+        checks["best_ge_ideal_lfu"] = hits[best] >= hits["ideal_lfu"]
+    return checks
+
+
+def summary_targets(traces: dict) -> dict:
+    rows = [r for t in traces.values() if "capacities" in t for r in t["capacities"]]
+
+    def all_of(key):
+        vals = [r["checks"].get(key) for r in rows]
+        return None if not vals or any(v is None for v in vals) else all(vals)
+
+    ratios = [r["checks"].get("best_ratio_to_belady") for r in rows]
+    ratios = [x for x in ratios if x is not None]
+    return {"lru_lfu_ge_lru_everywhere": all_of("lru_lfu_ge_lru"),
+            "best_ge_0.90_belady_everywhere (floor)": all_of("floor_0.90"),
+            "best_ge_0.95_belady_everywhere (aim)": all_of("aim_0.95"),
+            "best_ge_ideal_lfu_everywhere (aim)": all_of("best_ge_ideal_lfu"),
+            "native_lru_equals_python_lru": all_of("lru_matches_python"),
+            "min_best_ratio_to_belady": min(ratios) if ratios else None}
+
+
+# ------------------------------------------------------------------ output
+def progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=desc, file=sys.stderr, mininterval=1.0, leave=False)
+    except ImportError:
+        class Plain:  # one line per step, without tqdm
+            def __init__(self):
+                self.done, self.note = 0, ""
+
+            def set_postfix_str(self, s):
+                self.note = s
+
+            def update(self):
+                self.done += 1
+                log(f"{desc}: {self.done}/{total} {self.note}")
+
+            def close(self):
+                pass
+        return Plain()
+
+
+def print_table(name: str, t: dict, policies) -> None:
+    cols = list(policies) + list(OFFLINE)
+    width = max(10, *(len(c) + 1 for c in cols))
+    head = f"{'capacity':>22}" + "".join(f"{c:>{width}}" for c in cols)
+    lines = [f"\n{name}: {t['accesses']:,} accesses, {t['unique_keys']:,} unique keys",
+             "hit rate", head]
+    for r in t["capacities"]:
+        cap = f"{r['fraction'] * 100:g}% = {r['rows']:,} rows"
+        lines.append(f"{cap:>22}" + "".join(
+            f"{r['hit_rate'][c]:>{width}.4f}" if r["hit_rate"][c] is not None else f"{'n/a':>{width}}"
+            for c in cols))
+    lines += ["hit rate / Belady's", head]
+    for r in t["capacities"]:
+        cap = f"{r['fraction'] * 100:g}% = {r['rows']:,} rows"
+        lines.append(f"{cap:>22}" + "".join(
+            f"{r['ratio_to_belady'][c]:>{width}.4f}" if r["ratio_to_belady"][c] is not None
+            else f"{'n/a':>{width}}" for c in cols))
+    for r in t["capacities"]:
+        c = r["checks"]
+        if "best_native" in c and c["best_ratio_to_belady"] is not None:
+            lines.append(
+                f"{r['fraction'] * 100:g}%: best native {c['best_native']} = "
+                f"{c['best_ratio_to_belady']:.4f} of Belady (floor 0.90: "
+                f"{'ok' if c['floor_0.90'] else 'MISSED'}, aim 0.95: "
+                f"{'ok' if c['aim_0.95'] else 'missed'}), "
+                f"{c['best_over_ideal_lfu']:.4f} of ideal LFU; lru+lfu >= lru: "
+                f"{c['lru_lfu_ge_lru']}; native lru == python lru: {c['lru_matches_python']}")
+    log("\n".join(lines))
+
+
+# ------------------------------------------------------------------ main
+def parse():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="Zipf trace of 200k accesses over 100k keys (under a minute)")
+    ap.add_argument("--zipf-a", type=float, default=1.05, help="Zipf exponent (default 1.05)")
+    ap.add_argument("--universe", type=int, help="Zipf key universe (default 1M, --quick 100k)")
+    ap.add_argument("--length", type=int, help="Zipf accesses (default 2M, --quick 200k)")
+    ap.add_argument("--capacities", default="0.01,0.05,0.2",
+                    help="capacities as fractions of each trace's unique keys")
+    ap.add_argument("--criteo", default=DEFAULT_CRITEO,
+                    help="Criteo-format TSV ('' to skip; default: the shared 10k-row sample)")
+    ap.add_argument("--seed", type=int, default=1234, help="seed of the Zipf trace")
+    ap.add_argument("--chunk", type=int, default=4096, help="keys per cache.access() call")
+    args = ap.parse_args()
+    if args.universe is None:
+        args.universe = 100_000 if args.quick else 1_000_000
+    if args.length is None:
+        args.length = 200_000 if args.quick else 2_000_000
+    try:
+        args.fractions = [float(x) for x in args.capacities.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--capacities: not a list of numbers: {args.capacities!r}")
+    if not args.fractions or not all(0 < f <= 1 for f in args.fractions):
+        ap.error("--capacities: fractions in (0, 1]")
+    if args.universe < 1 or args.length < 1 or args.chunk < 1:
+        ap.error("--universe, --length and --chunk must be >= 1")
+    return args
+
+
+def main() -> int:
+    args = parse()
+    try:
+        import hps
+        policies = list(hps.MemCache.POLICIES)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"cache_policy_bench: hps.MemCache is not available ({e}); "
+                         "install the hps package first")
+    t_start = time.time()
+    out = {"benchmark": "W3 cache_policy", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "quick": args.quick, "capacity_fractions": args.fractions, "chunk": args.chunk,
+           "native_policies": policies, "offline_policies": list(OFFLINE),
+           "native_config": {"row_bytes": 8, "shards": 1,
+                             "other_options": "library defaults (e.g. lru+lfu's lru_fraction)"},
+           "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+           "versions": {"hps": getattr(hps, "__version__", None), "numpy": np.__version__},
+           "notes": ["hit rate = hits / accesses from a cold cache; first accesses are misses",
+                     "every policy inserts on a miss (demand paging) except belady_bypass",
+                     "belady = demand-paging MIN (the reference of every ratio); "
+                     "belady_bypass = MIN that may skip inserting, an upper bound for "
+                     "admission-filtered policies",
+                     "ideal_lfu = counts over the whole history, also of evicted keys; "
+                     "ties go to the least recently used",
+                     "capacity rows = round(fraction * unique keys of the trace)"]}
+    problems: list[str] = []
+    traces: dict = {}
+
+    log(f"zipf: a={args.zipf_a}, universe={args.universe:,}, length={args.length:,}, "
+        f"seed={args.seed}")
+    trace = zipf_trace(args.universe, args.length, args.zipf_a, args.seed)
+    traces["zipf"] = run_trace(
+        "zipf", trace, {"zipf_a": args.zipf_a, "universe": args.universe, "seed": args.seed},
+        args.fractions, hps, policies, args.chunk, problems)
+    print_table(f"zipf(a={args.zipf_a:g}, universe={args.universe:,})", traces["zipf"], policies)
+
+    if not args.criteo:
+        traces["criteo"] = {"skipped": "disabled with --criteo ''"}
+    elif not os.path.isfile(args.criteo):
+        traces["criteo"] = {"skipped": f"file not found: {args.criteo}"}
+    else:
+        trace, info = criteo_trace(args.criteo)
+        traces["criteo"] = run_trace("criteo", trace, info, args.fractions, hps, policies,
+                                     args.chunk, problems)
+        print_table(f"criteo ({os.path.basename(args.criteo)}, {info['rows']:,} rows)",
+                    traces["criteo"], policies)
+    if "skipped" in traces["criteo"]:
+        log(f"\ncriteo: SKIPPED: {traces['criteo']['skipped']}")
+
+    out["traces"] = traces
+    out["targets"] = summary_targets(traces)
+    out["problems"] = problems
+    out["ok"] = not problems
+    out["seconds"] = round(time.time() - t_start, 1)
+    log("\ntargets: " + json.dumps(out["targets"]))
+    for p in problems:
+        log(f"cache_policy_bench: PROBLEM: {p}")
+    if problems:
+        log(f"cache_policy_bench: {len(problems)} problem(s); exit status 1")
+    print(json.dumps(out), flush=True)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
