@@ -205,3 +205,25 @@ def test_pulls_from_several_threads(tmp_path):
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_a_prefetch_during_a_batch_sees_its_updates_once_loaded(tmp_path):
+    """The pipeline's order: prefetch batch i+1 while batch i trains; batch i+1
+    enters the device tier after batch i's write-back, with batch i's updates."""
+    cfg = config(tmp_path / "ps", devices=2)
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    steps = list(random_steps(21, 12))
+    pending = ps.prefetch(steps[0][0])
+    for i, (keys, grads) in enumerate(steps):
+        b = ps.batch(pending)
+        if i + 1 < len(steps):
+            pending = ps.prefetch(steps[i + 1][0])  # overlaps keys of batch i
+        np.testing.assert_array_equal(b.pull(keys), ref.pull(keys), err_msg=f"batch {i}")
+        b.push(keys, grads, worker=i % 2)
+        b.finish()
+        ref.push(keys, grads)
+    assert ps.stats()["mem"]["pinned"] == 0
+    with pytest.raises(ValueError, match="a Prefetched can be used once"):
+        used = ps.prefetch(steps[0][0])
+        ps.batch(used).finish()
+        ps.batch(used)

@@ -165,6 +165,21 @@ class _PendingRows:
         self.keys, self.rows, self.count, self._index = [], [], 0, None
 
 
+class Prefetched:
+    """A batch's distinct keys, pinned in MEM-PS by ParameterServer.prefetch."""
+
+    def __init__(self, ps: "ParameterServer", keys: np.ndarray):
+        self._ps = ps
+        self.keys = keys
+        self._used = False
+
+    def release(self) -> None:
+        """Unpins the rows of a prefetch that will not become a batch."""
+        if not self._used:
+            self._used = True
+            self._ps._cache.unpin(self.keys)
+
+
 class Batch:
     """A batch's working set on the device tier (ParameterServer.batch)."""
 
@@ -379,37 +394,62 @@ class ParameterServer:
             b.push(keys, grads)
         self._count(pushes=1)
 
-    def batch(self, keys: np.ndarray) -> Batch:
-        """Pins the working set of keys in MEM-PS and loads it onto the device tier;
+    def prefetch(self, keys: np.ndarray) -> "Prefetched":
+        """Pins the distinct keys' rows in MEM-PS (reading SSD-PS for misses), so
+        that a later batch(prefetched) finds them in memory. Runs alongside a batch
+        in flight: the pipeline's pull stage."""
+        uniq = self._distinct(keys)
+        self._check_device_room(uniq)
+        _, hit = self._cache.pull(uniq, pin=True)
+        self._count(mem_hits=int(hit.sum()))
+        return Prefetched(self, uniq)
+
+    def batch(self, keys: Union[np.ndarray, "Prefetched"]) -> Batch:
+        """Loads the working set of keys (or of a prefetch) onto the device tier;
         the returned Batch serves pulls and pushes until finish() (or the end of a
-        with block) writes the updated rows back. One batch at a time."""
+        with block) writes the updated rows back. One batch at a time: this waits
+        for the one in flight to finish."""
+        prefetched = keys if isinstance(keys, Prefetched) else self.prefetch(keys)
+        if prefetched._ps is not self or prefetched._used:
+            raise ValueError("batch: a Prefetched can be used once, with the server that made it")
+        prefetched._used = True
+        uniq = prefetched.keys
+        self._batch_lock.acquire()
+        try:
+            # Read the rows again now: the previous batch may have updated some
+            # since the prefetch (they are pinned, so these are all hits).
+            rows, _ = self._cache.pull(uniq, pin=False, dtype=np.float32)
+            try:
+                self._tier.insert(uniq, rows, self._owners(uniq), self.row_floats)
+            except BaseException:
+                self._tier.clear()
+                raise
+        except BaseException:
+            self._cache.unpin(uniq)
+            self._batch_lock.release()
+            raise
+        self._count(batches=1)
+        return Batch(self, uniq)
+
+    def _distinct(self, keys: np.ndarray) -> np.ndarray:
         if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):
             raise TypeError(f"keys must be an array of uint64 or int64, got "
                             f"{getattr(keys, 'dtype', type(keys).__name__)}")
-        uniq = np.unique(keys.view(np.uint64))
+        flat = keys.reshape(-1).view(np.uint64)
+        uniq = np.unique(flat)
         if len(uniq) and uniq[-1] == np.uint64(_core.EMPTY_KEY):
-            bad = int(np.flatnonzero(keys.view(np.uint64) == np.uint64(_core.EMPTY_KEY))[0])
+            bad = int(np.flatnonzero(flat == np.uint64(_core.EMPTY_KEY))[0])
             raise ValueError(f"keys[{bad}] is 0xffffffffffffffff, the reserved empty key")
+        return uniq
+
+    def _check_device_room(self, uniq: np.ndarray) -> None:
         owners = self._owners(uniq)
-        per_device = np.bincount(owners if owners is not None else _core.DeviceTier.modulo_owners(uniq, self.config.devices),
-                                 minlength=self.config.devices)
+        if owners is None:
+            owners = _core.DeviceTier.modulo_owners(uniq, self.config.devices)
+        per_device = np.bincount(owners, minlength=self.config.devices)
         if per_device.max(initial=0) > self.config.device_capacity:
             raise ValueError(f"a batch of {len(uniq)} distinct keys puts {int(per_device.max())} on one device, "
                              f"more than device_capacity = {self.config.device_capacity}; raise device_capacity")
-        self._batch_lock.acquire()
-        try:
-            rows, hit = self._cache.pull(uniq, pin=True, dtype=np.float32)
-            try:
-                self._tier.insert(uniq, rows, owners, self.row_floats)
-            except BaseException:
-                self._tier.clear()
-                self._cache.unpin(uniq)
-                raise
-        except BaseException:
-            self._batch_lock.release()
-            raise
-        self._count(batches=1, mem_hits=int(hit.sum()))
-        return Batch(self, uniq)
 
     def checkpoint(self) -> None:
         """Makes the whole state durable: dirty MEM-PS rows to SSD-PS, an SSD-PS
