@@ -124,7 +124,7 @@ def main():
     batches = a.batches or (5 if a.quick else 20)
     batch_keys = 20_000 if a.quick else a.batch_keys
     u_mem, u_ssd = (100_000, 1_000_000) if a.quick else (1_000_000, 10_000_000)
-    row_cost = DIM * 2 * 4 + 96  # row bytes + MEM-PS bookkeeping (MemCache.capacity_for_budget)
+    row_cost = DIM * 2 * 4 + 112  # row bytes + MEM-PS bookkeeping (MemCache.capacity_for_budget)
     workdir = a.dir or tempfile.mkdtemp(prefix="ps-bench-", dir=os.path.join(os.path.dirname(__file__), "results"))
     os.makedirs(workdir, exist_ok=True)
     out = {"benchmark": "parameter_server throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -22,8 +22,9 @@ using detail::kNoSlot;
 
 // Bytes of bookkeeping per row besides the row itself: the hash map's node
 // and bucket (~40), key, pins and flags (~14), the policy's links, counts and
-// heap position (~28), with some slack for the allocator.
-constexpr uint64_t kOverheadPerRow = 96;
+// heap position (~28; ~46 for tinylfu-lfu, whose sketch takes 18 of them),
+// with some slack for the allocator.
+constexpr uint64_t kOverheadPerRow = 112;
 constexpr uint64_t kSinkBatchRows = 16384;
 constexpr int kMpolInterleave = 3;  // <linux/mempolicy.h>; no libnuma needed
 
@@ -489,7 +490,9 @@ CachePolicyKind ParseCachePolicy(const std::string& name) {
   if (name == "lfu") return CachePolicyKind::kLfu;
   if (name == "lru+lfu") return CachePolicyKind::kLruLfu;
   if (name == "w-tinylfu") return CachePolicyKind::kWTinyLfu;
-  throw std::invalid_argument("unknown cache policy '" + name + "'; choose one of lru, lfu, lru+lfu, w-tinylfu");
+  if (name == "tinylfu-lfu") return CachePolicyKind::kTinyLfuLfu;
+  throw std::invalid_argument("unknown cache policy '" + name +
+                              "'; choose one of lru, lfu, lru+lfu, w-tinylfu, tinylfu-lfu");
 }
 
 std::string ToString(CachePolicyKind kind) {
@@ -498,11 +501,12 @@ std::string ToString(CachePolicyKind kind) {
     case CachePolicyKind::kLfu: return "lfu";
     case CachePolicyKind::kLruLfu: return "lru+lfu";
     case CachePolicyKind::kWTinyLfu: return "w-tinylfu";
+    case CachePolicyKind::kTinyLfuLfu: return "tinylfu-lfu";
   }
   return "?";
 }
 
-std::vector<std::string> CachePolicyNames() { return {"lru", "lfu", "lru+lfu", "w-tinylfu"}; }
+std::vector<std::string> CachePolicyNames() { return {"lru", "lfu", "lru+lfu", "w-tinylfu", "tinylfu-lfu"}; }
 
 uint64_t MemCache::CapacityForBudget(uint64_t budget_bytes, uint32_t row_bytes) {
   return budget_bytes / (row_bytes + kOverheadPerRow);

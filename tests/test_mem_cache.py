@@ -56,7 +56,7 @@ def test_lru_lfu_moves_lru_overflow_to_the_lfu():
     assert 1 not in lru
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru+lfu", "w-tinylfu"])
+@pytest.mark.parametrize("policy", ["lfu", "lru+lfu", "w-tinylfu", "tinylfu-lfu"])
 def test_frequency_aware_policies_resist_scans(policy):
     """A hot set re-read between one-off keys: LRU loses it, the others keep most of it."""
     rng = np.random.default_rng(1)
@@ -159,12 +159,12 @@ def test_budgets_and_options():
     with pytest.raises(ValueError, match="cannot read '8 parsecs' as a size"):
         hps.parse_bytes("8 parsecs", "budget")
     cache = hps.MemCache(64, budget="1MiB")
-    assert cache.stats()["capacity"] == (1 << 20) // (64 + 96)
+    assert cache.stats()["capacity"] == (1 << 20) // (64 + 112)
     with pytest.raises(ValueError, match="budget '10' holds no row of 64 bytes"):
         hps.MemCache(64, budget="10")
     with pytest.raises(ValueError, match="give exactly one of capacity"):
         hps.MemCache(64)
-    with pytest.raises(ValueError, match="unknown cache policy 'arc'; choose one of lru, lfu, lru\\+lfu, w-tinylfu"):
+    with pytest.raises(ValueError, match="unknown cache policy 'arc'; choose one of lru, lfu, lru\\+lfu, w-tinylfu, tinylfu-lfu"):
         hps.MemCache(64, 10, policy="arc")
 
 

@@ -16,7 +16,7 @@ DIM = 4
 
 def config(path, **kw):
     kw.setdefault("optimizer", hps.Adam(lr=0.05))
-    kw.setdefault("mem_budget", 80 * (DIM * 3 + 1) * 4 + 80 * 96)  # ~80 rows of 300 keys: SSD traffic
+    kw.setdefault("mem_budget", 80 * (DIM * 3 + 1) * 4 + 80 * 112)  # ~80 rows of 300 keys: SSD traffic
     kw.setdefault("ssd", hps.SsdOptions(file_records=64))
     kw.setdefault("write_buffer_rows", 16)
     return hps.ParameterServerConfig(dim=DIM, path=str(path), seed=11, **kw)
@@ -184,7 +184,7 @@ def test_config_from_toml(tmp_path):
 
 
 def test_pulls_from_several_threads(tmp_path):
-    cfg = config(tmp_path / "ps", mem_budget=200 * (DIM * 3 + 1) * 4 + 200 * 96)
+    cfg = config(tmp_path / "ps", mem_budget=200 * (DIM * 3 + 1) * 4 + 200 * 112)
     ps, ref = hps.ParameterServer(cfg), reference(cfg)
     for keys, grads in random_steps(9, 30, universe=1000):
         ps.push(keys, grads)

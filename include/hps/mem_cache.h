@@ -13,7 +13,11 @@
 // enter an LFU, and the LFU's evictions leave the cache; "w-tinylfu": a 1%
 // LRU window in front of a segmented LRU, whose admission compares the
 // window's victim with the main victim by a count-min sketch of recent
-// access frequency (aged by halving), so one-off keys cannot flush hot ones.
+// access frequency (aged by halving), so one-off keys cannot flush hot ones;
+// "tinylfu-lfu": an LFU (ties to the least recent) whose counts are a wider,
+// slowly aged count-min sketch's estimates of the whole history, also of keys
+// not cached, so that a new row stays only if it is at least as frequent as
+// the coldest cached one: close to an ideal whole-history LFU in bounded memory.
 //
 // Concurrency: the keys are split over shards by hash, each with its own
 // lock, policy and slots, so hits on different shards never contend. Misses
@@ -30,9 +34,10 @@
 
 namespace hps {
 
-enum class CachePolicyKind { kLru, kLfu, kLruLfu, kWTinyLfu };
+enum class CachePolicyKind { kLru, kLfu, kLruLfu, kWTinyLfu, kTinyLfuLfu };
 
-// "lru", "lfu", "lru+lfu" or "w-tinylfu"; std::invalid_argument lists them.
+// "lru", "lfu", "lru+lfu", "w-tinylfu" or "tinylfu-lfu"; std::invalid_argument
+// lists them.
 CachePolicyKind ParseCachePolicy(const std::string& name);
 std::string ToString(CachePolicyKind kind);
 // The names ParseCachePolicy accepts, in that order.
@@ -48,7 +53,7 @@ class CacheFullError : public std::runtime_error {
 struct MemCacheOptions {
   uint32_t row_bytes = 0;      ///< bytes per row; > 0
   uint64_t capacity = 0;       ///< rows; > 0
-  CachePolicyKind policy = CachePolicyKind::kLruLfu;
+  CachePolicyKind policy = CachePolicyKind::kTinyLfuLfu;  // the best of W3 (docs/benchmarks.md)
   double lru_fraction = 0.5;   ///< lru+lfu: the LRU's share of the slots, in (0, 1]
   uint32_t shards = 0;         ///< 0: one per 4096 rows of capacity, at most 64
 };

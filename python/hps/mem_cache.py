@@ -50,7 +50,7 @@ class MemCache(_core.MemCache):
     POLICIES = POLICIES
 
     def __init__(self, row_bytes: int, capacity: Optional[int] = None, *,
-                 budget: Union[int, str, None] = None, policy: str = "lru+lfu", shards: int = 0,
+                 budget: Union[int, str, None] = None, policy: str = "tinylfu-lfu", shards: int = 0,
                  lru_fraction: float = 0.5, loader: Optional[Callable] = None,
                  sink: Optional[Callable] = None):
         if (capacity is None) == (budget is None):

@@ -57,7 +57,7 @@ class ParameterServerConfig:
     initializer: Any = field(default_factory=Uniform)
     seed: int = 0
     mem_budget: Union[int, str] = "1GiB"
-    cache_policy: str = "lru+lfu"
+    cache_policy: str = "tinylfu-lfu"     # the best of W3 (docs/benchmarks.md)
     devices: int = 1                    # GPUs when the node has that many, else host partitions
     device_capacity: int = 1 << 20      # rows per device: a batch's working set / devices must fit
     write_buffer_rows: int = 1 << 16    # evicted dirty rows gathered per SSD-PS put

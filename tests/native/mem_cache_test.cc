@@ -72,7 +72,7 @@ TEST_P(MemCachePolicies, WriteBacksSurviveEvictionAndFlush) {
   for (const auto& [k, v] : model) ASSERT_EQ(backing.rows.at(k), v) << k;
 }
 
-INSTANTIATE_TEST_SUITE_P(All, MemCachePolicies, ::testing::Values("lru", "lfu", "lru+lfu", "w-tinylfu"));
+INSTANTIATE_TEST_SUITE_P(All, MemCachePolicies, ::testing::Values("lru", "lfu", "lru+lfu", "w-tinylfu", "tinylfu-lfu"));
 
 TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
   Backing backing;
