@@ -19,7 +19,11 @@ import dataclasses
 import json
 import os
 import threading
-import tomllib
+import time
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -188,6 +192,7 @@ class Batch:
         self.keys = keys  # distinct
         self._sent: list[np.ndarray] = []
         self._done = False
+        self.wait_seconds = 0.0  # how long batch() waited for the previous batch to finish
 
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
         """Embeddings (n, dim) of keys, for the mini-batch of device `worker`."""
@@ -414,7 +419,9 @@ class ParameterServer:
             raise ValueError("batch: a Prefetched can be used once, with the server that made it")
         prefetched._used = True
         uniq = prefetched.keys
+        waited = time.perf_counter()
         self._batch_lock.acquire()
+        waited = time.perf_counter() - waited
         try:
             # Read the rows again now: the previous batch may have updated some
             # since the prefetch (they are pinned, so these are all hits).
@@ -429,7 +436,9 @@ class ParameterServer:
             self._batch_lock.release()
             raise
         self._count(batches=1)
-        return Batch(self, uniq)
+        b = Batch(self, uniq)
+        b.wait_seconds = waited
+        return b
 
     def _distinct(self, keys: np.ndarray) -> np.ndarray:
         if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):

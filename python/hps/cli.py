@@ -1,0 +1,146 @@
+"""The `hps` command: `hps train --config FILE.toml`, `hps demo`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+DEMO_DEFAULTS = {
+    # Synthetic Criteo-like data; a MEM-PS budget far below the rows the run
+    # touches, so rows move between all three tiers; a few minutes on 2 cores.
+    "train_examples": 1_500_000,
+    "eval_examples": 100_000,
+    "batch_size": 4096,
+    "mem_budget": "24MiB",
+    "dim": 16,
+}
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--path", help="where the parameter server lives (overrides [ps] path)")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--examples", type=int, help="training examples (synthetic data)")
+    p.add_argument("--eval-examples", type=int)
+    p.add_argument("--mem-budget", help="MEM-PS budget, e.g. 512MiB")
+    p.add_argument("--devices", type=int, help="devices of the device tier (host partitions without GPUs)")
+    p.add_argument("--eval-every", type=int, help="evaluate every N batches (0: at the end)")
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N batches (0: at the end)")
+    p.add_argument("--sequential", action="store_true", help="run the stages one after another, not pipelined")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _apply_flags(cfg, a) -> None:
+    if a.path:
+        cfg.ps.path = a.path
+    if a.batch_size:
+        cfg.data.batch_size = a.batch_size
+    if a.examples:
+        cfg.data.train_examples = a.examples
+    if a.eval_examples:
+        cfg.data.eval_examples = a.eval_examples
+    if a.mem_budget:
+        cfg.ps.mem_budget = a.mem_budget
+    if a.devices:
+        cfg.ps.devices = a.devices
+    if a.eval_every is not None:
+        cfg.eval_every = a.eval_every
+    if a.checkpoint_every is not None:
+        cfg.checkpoint_every = a.checkpoint_every
+    if a.sequential:
+        cfg.pipelined = False
+
+
+def _summary_table(summary: dict) -> str:
+    f = summary["final"]
+    p = summary["pipeline"]
+    ps = summary["ps"]
+    mem, ssd = ps["mem"], ps["ssd"]
+    counts = ps["counts"]
+    rows = [
+        ("examples trained", f"{summary['examples']:,}"),
+        ("examples/s", f"{summary['examples_per_s']:,.0f}"),
+        ("eval AUC", f"{f.get('auc', float('nan')):.4f}"),
+        ("eval logloss", f"{f.get('logloss', float('nan')):.4f}"),
+        ("MEM-PS hit rate", f"{mem['hits'] / max(1, mem['hits'] + mem['misses']):.3f}"),
+        ("MEM-PS rows (capacity)", f"{mem['size']:,} ({mem['capacity']:,})"),
+        ("rows from SSD-PS / initialised", f"{counts['ssd_hits']:,} / {counts['initialized']:,}"),
+        ("SSD-PS read / written", f"{ssd['bytes_read'] / 1e6:,.1f} MB / {ssd['bytes_written'] / 1e6:,.1f} MB"),
+        ("SSD-PS files, live rows", f"{ssd['files']:,}, {ssd['live_records']:,}"),
+        ("bound by stage", p["bound_by"]),
+        ("wall / slowest stage", f"{p['wall_over_slowest_stage']:.2f}" if p["wall_over_slowest_stage"] else "-"),
+    ]
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in p["busy_seconds"].items())
+    rows.append(("stage busy time", stages))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_train(a) -> int:
+    from hps.train import TrainConfig, train
+    cfg = TrainConfig.from_toml(a.config)
+    _apply_flags(cfg, a)
+    summary = train(cfg, resume=a.resume, progress=not a.no_progress)
+    print(_summary_table(summary), file=sys.stderr)
+    print(json.dumps({"final": summary["final"], "examples_per_s": summary["examples_per_s"],
+                      "pipeline": summary["pipeline"]}))
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from hps.optim import AdaGrad
+    from hps.parameter_server import ParameterServerConfig
+    from hps.report import write_report
+    from hps.train import DataConfig, TrainConfig, train
+    path = a.path or tempfile.mkdtemp(prefix="hps-demo-")
+    if os.path.exists(path) and os.listdir(path):
+        print(f"hps demo: {path} is not empty; give a new directory", file=sys.stderr)
+        return 2
+    d = DEMO_DEFAULTS
+    cfg = TrainConfig(
+        ps=ParameterServerConfig(dim=d["dim"], path=os.path.join(path, "ps"), optimizer=AdaGrad(lr=0.05),
+                                 mem_budget=d["mem_budget"], write_buffer_rows=1 << 16),
+        data=DataConfig(source="synthetic", batch_size=d["batch_size"], train_examples=d["train_examples"],
+                        eval_examples=d["eval_examples"]),
+        eval_every=40, checkpoint_every=0)
+    _apply_flags(cfg, a)
+    if a.path is None and a.report is None:
+        a.report = os.path.join(path, "report")
+    print(f"hps demo: synthetic Criteo-like data, {cfg.data.train_examples:,} examples, MEM-PS budget "
+          f"{cfg.ps.mem_budget}, parameter server in {cfg.ps.path}", file=sys.stderr)
+    t0 = time.time()
+    summary = train(cfg, progress=not a.no_progress)
+    report_dir = a.report or os.path.join(path, "report")
+    written = write_report(summary, report_dir)
+    print("\nhps demo summary", file=sys.stderr)
+    print(_summary_table(summary), file=sys.stderr)
+    print(f"  {'report':<30}  {', '.join(written)}" if written else "  (no plots: pip install matplotlib)",
+          file=sys.stderr)
+    print(f"  {'wall time':<30}  {time.time() - t0:.0f} s", file=sys.stderr)
+    print(json.dumps({"final": summary["final"], "examples_per_s": summary["examples_per_s"],
+                      "pipeline": summary["pipeline"], "report": written}))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="hps", description="hps: a hierarchical parameter server for CTR models")
+    sub = ap.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a CTR model from a TOML config")
+    t.add_argument("--config", required=True, help="TOML file: training fields, [ps], [ps.optimizer], [data]")
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint at the path")
+    _add_common(t)
+    d = sub.add_parser("demo", help="train on synthetic data through all three tiers and write a report")
+    d.add_argument("--report", help="report directory (default: <path>/report)")
+    _add_common(d)
+    a = ap.parse_args(argv)
+    try:
+        return cmd_train(a) if a.command == "train" else cmd_demo(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hps {a.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The 4-stage training pipeline (the MLSys 2020 paper's Algorithm 1).
+
+    read -> prefetch -> load -> train (+ write back)
+
+- read: the next batch of examples from the data source;
+- prefetch: pin the batch's working set in MEM-PS, reading SSD-PS for misses;
+- load: once the previous batch is written back, put the working set on the device
+  tier and cut the batch into one mini-batch per device;
+- train: the caller's step over the mini-batches (pulls, pushes, dense update), then
+  the write-back of the updated rows to MEM-PS.
+
+Each stage is a thread (train runs in the caller's), joined by bounded queues, so
+reading and SSD I/O of later batches hide behind the training of the current one.
+The device tier takes one batch at a time, and a batch enters it only after the
+previous one's write-back: ParameterServer.batch re-reads the pinned rows then, so
+the pipelined run computes exactly what running the stages one after another does.
+
+Per-stage busy times, waits and queue depths are in ``PipelineStats``; the stage
+with the largest busy time bounds the run.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+
+from hps.parameter_server import Batch, ParameterServer
+
+STAGES = ("read", "prefetch", "load", "train", "write_back")
+_DONE = object()
+
+
+@dataclass
+class PipelineStats:
+    batches: int = 0
+    examples: int = 0
+    wall_seconds: float = 0.0
+    busy_seconds: dict = field(default_factory=lambda: {s: 0.0 for s in STAGES})
+    queue_depth_sum: dict = field(default_factory=lambda: {"read": 0, "prefetch": 0, "load": 0})
+    queue_samples: int = 0
+
+    def bound_by(self) -> str:
+        """The stage that bounds the run: the most busy one (train and write-back
+        are one stage of the pipeline, the device tier's)."""
+        busy = dict(self.busy_seconds)
+        busy["train"] += busy.pop("write_back")
+        return max(busy, key=busy.get)
+
+    def as_dict(self) -> dict:
+        busy = dict(self.busy_seconds)
+        slowest = max(busy["read"], busy["prefetch"], busy["load"], busy["train"] + busy["write_back"])
+        n = max(self.queue_samples, 1)
+        return {"batches": self.batches, "examples": self.examples, "wall_seconds": self.wall_seconds,
+                "examples_per_s": self.examples / self.wall_seconds if self.wall_seconds else 0.0,
+                "busy_seconds": busy, "bound_by": self.bound_by(),
+                "wall_over_slowest_stage": self.wall_seconds / slowest if slowest else None,
+                "mean_queue_depth": {k: v / n for k, v in self.queue_depth_sum.items()}}
+
+
+@dataclass
+class Loaded:
+    """A batch on the device tier, with its examples cut into per-device mini-batches."""
+    data: Any                  # the reader's batch (labels, dense, keys)
+    batch: Batch               # the device tier's view of its working set
+    minibatches: list          # one index array per device
+
+
+TrainStep = Callable[[Loaded], None]
+
+
+class Pipeline:
+    """Runs `train_step` over the batches of `source` through the four stages.
+
+    ``keys_of(data)`` gives a batch's keys (default: ``data.keys``); ``depths`` are
+    the bounded queues' sizes after read, prefetch and load.
+    """
+
+    def __init__(self, ps: ParameterServer, train_step: TrainStep, *, devices: Optional[int] = None,
+                 keys_of: Callable[[Any], np.ndarray] = lambda d: d.keys, depths=(4, 1, 1)):
+        self.ps = ps
+        self.train_step = train_step
+        self.devices = devices or ps.config.devices
+        self.keys_of = keys_of
+        self.depths = depths
+        self.stats = PipelineStats()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ stages
+    def _timed(self, stage: str, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        with self._lock:
+            self.stats.busy_seconds[stage] += time.perf_counter() - t0
+        return out
+
+    def _load(self, data, prefetched) -> Loaded:
+        b = self.ps.batch(prefetched)
+        with self._lock:  # waiting for the previous write-back is not work
+            self.stats.busy_seconds["load"] -= b.wait_seconds
+        n = len(data.labels)
+        minibatches = np.array_split(np.arange(n), self.devices)
+        return Loaded(data, b, minibatches)
+
+    def _train(self, loaded: Loaded) -> None:
+        try:
+            self._timed("train", self.train_step, loaded)
+        except BaseException:
+            loaded.batch.abort()
+            raise
+        self._timed("write_back", loaded.batch.finish)
+        with self._lock:
+            self.stats.batches += 1
+            self.stats.examples += len(loaded.data.labels)
+
+    # ------------------------------------------------------------ runs
+    def run(self, source: Iterable, pipelined: bool = True) -> PipelineStats:
+        t0 = time.perf_counter()
+        try:
+            if pipelined:
+                self._run_pipelined(iter(source))
+            else:
+                self._run_sequential(iter(source))
+        finally:
+            self.stats.wall_seconds += time.perf_counter() - t0
+        return self.stats
+
+    def _run_sequential(self, it: Iterator) -> None:
+        while True:
+            data = self._timed("read", next, it, _DONE)
+            if data is _DONE:
+                return
+            prefetched = self._timed("prefetch", self.ps.prefetch, self.keys_of(data))
+            loaded = self._timed("load", self._load, data, prefetched)
+            self._train(loaded)
+
+    def _run_pipelined(self, it: Iterator) -> None:
+        q_read, q_prefetch, q_load = (queue.Queue(maxsize=d) for d in self.depths)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def put(q, item):
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def get(q):
+            while True:
+                try:
+                    return q.get(timeout=0.1)
+                except queue.Empty:
+                    if stop.is_set():
+                        return _DONE
+
+        def reader():
+            try:
+                while not stop.is_set():
+                    data = self._timed("read", next, it, _DONE)
+                    if not put(q_read, data) or data is _DONE:
+                        return
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                errors.append(e)
+                put(q_read, _DONE)
+
+        def prefetcher():
+            try:
+                while True:
+                    data = get(q_read)
+                    if data is _DONE:
+                        put(q_prefetch, _DONE)
+                        return
+                    prefetched = self._timed("prefetch", self.ps.prefetch, self.keys_of(data))
+                    if not put(q_prefetch, (data, prefetched)):
+                        prefetched.release()
+                        return
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                put(q_prefetch, _DONE)
+
+        def loader():
+            try:
+                while True:
+                    item = get(q_prefetch)
+                    if item is _DONE:
+                        put(q_load, _DONE)
+                        return
+                    loaded = self._timed("load", self._load, *item)
+                    if not put(q_load, loaded):
+                        loaded.batch.abort()
+                        return
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                put(q_load, _DONE)
+
+        threads = [threading.Thread(target=f, name=f"hps-{f.__name__}", daemon=True)
+                   for f in (reader, prefetcher, loader)]
+        for t in threads:
+            t.start()
+        try:
+            while True:
+                loaded = get(q_load)
+                if loaded is _DONE:
+                    break
+                with self._lock:
+                    self.stats.queue_samples += 1
+                    self.stats.queue_depth_sum["read"] += q_read.qsize()
+                    self.stats.queue_depth_sum["prefetch"] += q_prefetch.qsize()
+                    self.stats.queue_depth_sum["load"] += q_load.qsize()
+                self._train(loaded)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+            # Whatever was prefetched or loaded but not trained lets go of its pins.
+            for q in (q_prefetch, q_load):
+                while not q.empty():
+                    item = q.get_nowait()
+                    if isinstance(item, Loaded):
+                        item.batch.abort()
+                    elif isinstance(item, tuple):
+                        item[1].release()
+        if errors:
+            raise errors[0]

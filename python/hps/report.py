@@ -1,0 +1,60 @@
+"""PNG plots of a training run: AUC, throughput, MEM-PS hit rate and stage times."""
+from __future__ import annotations
+
+import os
+
+
+def write_report(summary: dict, directory: str) -> list[str]:
+    """Writes the plots of `summary` (hps.train.train's) into `directory`;
+    returns the files written, or [] when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    os.makedirs(directory, exist_ok=True)
+    history = [h for h in summary["history"] if "auc" in h]
+    written = []
+
+    def save(fig, name):
+        path = os.path.join(directory, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    if history:
+        x = [h["examples"] / 1e6 for h in history]
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+        ax[0].plot(x, [h["auc"] for h in history], marker="o")
+        ax[0].set(xlabel="examples (M)", ylabel="eval AUC", title="AUC")
+        ax[1].plot(x, [h["logloss"] for h in history], marker="o", color="C1")
+        ax[1].set(xlabel="examples (M)", ylabel="eval logloss", title="logloss")
+        save(fig, "auc.png")
+
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(x, [h["mem_hit_rate"] for h in history], marker="o", color="C2")
+        ax.set(xlabel="examples (M)", ylabel="MEM-PS hit rate (cumulative)", title="cache hit rate", ylim=(0, 1))
+        save(fig, "hit_rate.png")
+
+        rates = []
+        for prev, cur in zip(history, history[1:]):
+            dt = cur["seconds"] - prev["seconds"]
+            if dt > 0:
+                rates.append(((cur["examples"]) / 1e6, (cur["examples"] - prev["examples"]) / dt))
+        if rates:
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            ax.plot([r[0] for r in rates], [r[1] for r in rates], marker="o", color="C3")
+            ax.set(xlabel="examples (M)", ylabel="examples/s (incl. eval)", title="throughput")
+            save(fig, "throughput.png")
+
+    busy = summary["pipeline"]["busy_seconds"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(busy)
+    ax.barh(names, [busy[n] for n in names], color="C4")
+    ax.axvline(summary["pipeline"]["wall_seconds"], color="k", linestyle="--", label="wall time")
+    ax.set(xlabel="seconds", title=f"stage busy time (bound by {summary['pipeline']['bound_by']})")
+    ax.legend()
+    save(fig, "stages.png")
+    return written

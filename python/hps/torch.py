@@ -1,0 +1,174 @@
+"""PyTorch integration: embedding bags whose rows live in a ParameterServer.
+
+``EmbeddingBag`` is shaped like ``torch.nn.EmbeddingBag`` (sum or mean pooling over
+bags given by offsets, or over the rows of a 2-D input with optional padding), but
+holds no weight: its forward pulls the rows of the batch's keys from the parameter
+server (from the device tier while a batch is attached, from MEM-PS otherwise) and
+its backward pushes their gradients back, where the sparse optimizer steps once per
+key. Dense parameters stay ordinary torch parameters for any torch optimizer.
+
+``CtrModel`` is the reference click-through-rate model: one pooled embedding per
+categorical field, concatenated with the dense features, through an MLP to a logit.
+
+Requires torch (``pip install torch``); the rest of hps does not.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from hps.parameter_server import Batch, ParameterServer
+
+__all__ = ["EmbeddingBag", "CtrModel"]
+
+
+def _keys_of(t: torch.Tensor) -> np.ndarray:
+    if t.dtype != torch.int64:
+        raise TypeError(f"input must be an int64 tensor of keys (uint64 keys bit-cast), got {t.dtype}")
+    return t.detach().cpu().contiguous().numpy().view(np.uint64)
+
+
+class _PooledLookup(torch.autograd.Function):
+    """Rows of distinct keys, pooled into bags; backward sends per-key gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, keys, bag, weights, counts):
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        rows = torch.from_numpy(module._pull(uniq))
+        elem = rows[torch.from_numpy(inverse)]
+        if weights is not None:
+            elem = elem * weights.unsqueeze(1)
+        bag_t = torch.from_numpy(bag)
+        out = torch.zeros(len(counts), module.dim, dtype=torch.float32)
+        out.index_add_(0, bag_t, elem)
+        if module.mode == "mean":
+            out = out / torch.from_numpy(np.maximum(counts, 1)).to(torch.float32).unsqueeze(1)
+        ctx.module, ctx.uniq, ctx.inverse, ctx.bag, ctx.counts = module, uniq, inverse, bag_t, counts
+        ctx.save_for_backward(weights if weights is not None else torch.empty(0))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (weights,) = ctx.saved_tensors
+        module = ctx.module
+        grad_out = grad_out.to(torch.float32)
+        if module.mode == "mean":
+            grad_out = grad_out / torch.from_numpy(np.maximum(ctx.counts, 1)).to(torch.float32).unsqueeze(1)
+        elem = grad_out[ctx.bag]
+        if weights.numel():
+            elem = elem * weights.unsqueeze(1)
+        per_key = torch.zeros(len(ctx.uniq), module.dim, dtype=torch.float32)
+        per_key.index_add_(0, torch.from_numpy(ctx.inverse), elem)
+        module._push(ctx.uniq, per_key.numpy())
+        return None, None, None, None, None, None
+
+
+class EmbeddingBag(nn.Module):
+    """nn.EmbeddingBag-like pooling over rows kept in `ps`.
+
+    forward(input, offsets=None, per_sample_weights=None):
+      - 1-D input (int64 keys) with offsets (bag starts, like nn.EmbeddingBag);
+      - 2-D input (B, L): one bag per row; entries equal to ``padding_key`` are
+        left out (an empty bag pools to zeros).
+    Returns (B, dim) float32. Gradients go to the parameter server on backward:
+    into the attached batch (``attach``) if there is one, else as a ps.push.
+    """
+
+    def __init__(self, ps: ParameterServer, mode: str = "sum", padding_key: Optional[int] = None):
+        super().__init__()
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        self.ps = ps
+        self.dim = ps.dim
+        self.mode = mode
+        self.padding_key = padding_key
+        # Gives the lookup's output a grad_fn, so backward reaches it.
+        self._anchor = torch.zeros(1, requires_grad=True)
+        self._batch: Optional[Batch] = None
+        self._worker = 0
+
+    def attach(self, batch: Optional[Batch], worker: int = 0) -> None:
+        """Serves lookups from `batch`'s device tier for device `worker` (None: detach)."""
+        self._batch, self._worker = batch, worker
+
+    def _pull(self, keys: np.ndarray) -> np.ndarray:
+        if self._batch is not None:
+            return self._batch.pull(keys, worker=self._worker)
+        return self.ps.pull(keys)
+
+    def _push(self, keys: np.ndarray, grads: np.ndarray) -> None:
+        if self._batch is not None:
+            self._batch.push(keys, np.ascontiguousarray(grads), worker=self._worker)
+        else:
+            self.ps.push(keys, np.ascontiguousarray(grads))
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        keys = _keys_of(input)
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("offsets must be None for a 2-D input (one bag per row)")
+            bags, length = keys.shape
+            bag = np.repeat(np.arange(bags, dtype=np.int64), length)
+            keys = keys.reshape(-1)
+            keep = None
+            if self.padding_key is not None:
+                keep = keys != np.uint64(self.padding_key & 0xFFFFFFFFFFFFFFFF)
+                keys, bag = keys[keep], bag[keep]
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
+                if keep is not None:
+                    per_sample_weights = per_sample_weights[torch.from_numpy(keep)]
+        elif input.dim() == 1:
+            if offsets is None:
+                raise ValueError("a 1-D input needs offsets (the start of each bag)")
+            starts = offsets.detach().cpu().numpy().astype(np.int64)
+            if len(starts) and (starts[0] != 0 or (np.diff(starts) < 0).any() or starts[-1] > len(keys)):
+                raise ValueError("offsets must start at 0, not decrease, and not pass the end of input")
+            bags = len(starts)
+            bag = np.repeat(np.arange(bags, dtype=np.int64), np.diff(np.append(starts, len(keys))))
+        else:
+            raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()} dimensions")
+        counts = np.bincount(bag, minlength=bags).astype(np.int64)
+        weights = None
+        if per_sample_weights is not None:
+            if per_sample_weights.shape != (len(keys),):
+                raise ValueError(f"per_sample_weights must have one weight a key ({len(keys)}), "
+                                 f"got shape {tuple(per_sample_weights.shape)}")
+            weights = per_sample_weights.detach().to(torch.float32)
+        return _PooledLookup.apply(self._anchor, self, keys, bag, weights, counts)
+
+
+class CtrModel(nn.Module):
+    """Per-field pooled embeddings + dense features -> MLP -> logit (apply a
+    sigmoid, or BCEWithLogitsLoss, for the click probability)."""
+
+    def __init__(self, ps: ParameterServer, num_fields: int = 26, num_dense: int = 13,
+                 hidden: Sequence[int] = (512, 256), seed: int = 0):
+        super().__init__()
+        self.embedding = EmbeddingBag(ps, mode="sum")
+        self.num_fields = num_fields
+        gen = torch.Generator().manual_seed(seed)
+        layers: list[nn.Module] = []
+        width = num_fields * ps.dim + num_dense
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+        with torch.no_grad():  # initialised from `seed` alone, whatever torch's global state
+            for m in self.mlp:
+                if isinstance(m, nn.Linear):
+                    bound = 1.0 / np.sqrt(m.in_features)
+                    m.weight.uniform_(-bound, bound, generator=gen)
+                    m.bias.uniform_(-bound, bound, generator=gen)
+
+    def forward(self, keys: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """keys: (B, num_fields) int64, one key per field; dense: (B, num_dense)."""
+        if keys.dim() != 2 or keys.shape[1] != self.num_fields:
+            raise ValueError(f"keys must have shape (B, {self.num_fields}), got {tuple(keys.shape)}")
+        pooled = self.embedding(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)
+        return self.mlp(torch.cat([pooled, dense.to(torch.float32)], dim=1)).squeeze(1)

@@ -1,0 +1,85 @@
+"""hps.torch: EmbeddingBag over a ParameterServer against torch.nn.EmbeddingBag."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="hps.torch needs torch (pip install torch)")
+import hps  # noqa: E402
+import hps.torch as ht  # noqa: E402
+
+DIM = 8
+
+
+def make_ps(tmp_path, lr=0.5, **kw):
+    return hps.ParameterServer(hps.ParameterServerConfig(
+        dim=DIM, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=lr), mem_budget="4MiB", **kw))
+
+
+def torch_twin(ps, vocab):
+    """nn.EmbeddingBag holding the parameter server's initial rows of keys 0..vocab-1."""
+    ref = torch.nn.EmbeddingBag(vocab, DIM, mode="sum", sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(ps.pull(np.arange(vocab, dtype=np.uint64))))
+    return ref
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_offsets_bags_train_like_torch(tmp_path, mode):
+    ps = make_ps(tmp_path)
+    bag = ht.EmbeddingBag(ps, mode=mode)
+    ref = torch_twin(ps, 50)
+    ref.mode = mode
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    rng = np.random.default_rng(0)
+    for step in range(5):
+        keys = torch.from_numpy(rng.integers(0, 50, 30))
+        offsets = torch.tensor([0, 4, 4, 11, 20])  # an empty bag too
+        target = torch.from_numpy(rng.standard_normal((5, DIM)).astype(np.float32))
+        out = bag(keys, offsets)
+        want = ref(keys, offsets)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # summation order differs
+        ((out - target) ** 2).sum().backward()
+        opt.zero_grad()
+        ((want - target) ** 2).sum().backward()
+        opt.step()
+    torch.testing.assert_close(torch.from_numpy(ps.pull(np.arange(50, dtype=np.uint64))), ref.weight.detach(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_padded_input_and_weights(tmp_path):
+    ps = make_ps(tmp_path)
+    bag = ht.EmbeddingBag(ps, padding_key=-1)
+    keys = torch.tensor([[1, 2, -1], [3, -1, -1]])
+    w = torch.tensor([[2.0, 1.0, 9.0], [0.5, 9.0, 9.0]])
+    rows = torch.from_numpy(ps.pull(np.array([1, 2, 3], np.uint64)))
+    out = bag(keys, per_sample_weights=w)
+    torch.testing.assert_close(out, torch.stack([2 * rows[0] + rows[1], 0.5 * rows[2]]))
+    with pytest.raises(ValueError, match="a 1-D input needs offsets"):
+        bag(torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="input must be an int64 tensor"):
+        bag(torch.tensor([[1.0]]))
+
+
+def test_ctr_model_trains_inside_a_batch(tmp_path):
+    ps = make_ps(tmp_path, lr=0.1, devices=2)
+    model = ht.CtrModel(ps, num_fields=3, num_dense=2, hidden=(8,), seed=1)
+    opt = torch.optim.Adam(model.mlp.parameters(), lr=0.01)
+    rng = np.random.default_rng(1)
+    keys = torch.from_numpy(rng.integers(0, 20, (16, 3)))
+    dense = torch.from_numpy(rng.standard_normal((16, 2)).astype(np.float32))
+    labels = torch.from_numpy((rng.random(16) < 0.5).astype(np.float32))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    before = ps.pull(np.arange(20, dtype=np.uint64))
+    losses = []
+    for _ in range(30):
+        with ps.batch(keys.numpy()) as b:
+            model.embedding.attach(b, worker=0)
+            loss = loss_fn(model(keys, dense), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            model.embedding.attach(None)
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert not np.array_equal(ps.pull(np.arange(20, dtype=np.uint64)), before)
+    with pytest.raises(ValueError, match=r"keys must have shape \(B, 3\)"):
+        model(keys[:, :2], dense)
