@@ -294,6 +294,24 @@ class CpuHashTable final : public HashTable {
 
   void clear() override {
     std::unique_lock lock(mutex_);
+    const uint64_t used = size_.load(std::memory_order_relaxed);
+    const uint64_t row_bytes = uint64_t{ref_.stride} * sizeof(float);
+    if (used * row_bytes * 4 < ref_.slots * sizeof(uint64_t) + rows_.bytes()) {
+      // A mostly empty table (the device tier's, between batches): scanning the
+      // keys and zeroing the occupied rows moves far fewer bytes than a memset
+      // of every row.
+      const int parts = PartsFor(ref_.slots / 4096, threads_);
+      RunParts(parts, [&](int part) {
+        const uint64_t end = PartBegin(ref_.slots, part + 1, parts);
+        for (uint64_t slot = PartBegin(ref_.slots, part, parts); slot < end; ++slot) {
+          if (ref_.keys[slot] == kEmptyKey) continue;
+          ref_.keys[slot] = kEmptyKey;
+          std::memset(ref_.row(slot), 0, row_bytes);
+        }
+      });
+      size_.store(0, std::memory_order_relaxed);
+      return;
+    }
     const uint64_t bytes = rows_.bytes();
     const int parts = PartsFor(bytes / 4096, threads_);
     RunParts(parts, [&](int part) {

@@ -63,7 +63,7 @@ class ParameterServerConfig:
     mem_budget: Union[int, str] = "1GiB"
     cache_policy: str = "tinylfu-lfu"     # the best of W3 (docs/benchmarks.md)
     devices: int = 1                    # GPUs when the node has that many, else host partitions
-    device_capacity: int = 1 << 20      # rows per device: a batch's working set / devices must fit
+    device_capacity: int = 1 << 22      # most rows per device: a batch's working set / devices must fit
     write_buffer_rows: int = 1 << 16    # evicted dirty rows gathered per SSD-PS put
     ssd: SsdOptions = field(default_factory=SsdOptions)
 
@@ -275,7 +275,12 @@ class ParameterServer:
                         "checkpoints": 0}
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
                                loader=self._load, sink=self._sink)
-        self._tier = _core.DeviceTier(config.devices, config.device_capacity, self._native_opt)
+        # Device tables start small and double when a batch needs it (up to
+        # device_capacity): clearing and reading back scan every slot, so tables
+        # sized to the batch cost least.
+        self._tier_capacity = min(config.device_capacity, 1 << 16)
+        self._tier = _core.DeviceTier(config.devices, self._tier_capacity, self._native_opt)
+        self._transfers_before = None
         self._partitioner = partitioner
         self._batch_lock = threading.Lock()
 
@@ -426,8 +431,10 @@ class ParameterServer:
             # Read the rows again now: the previous batch may have updated some
             # since the prefetch (they are pinned, so these are all hits).
             rows, _ = self._cache.pull(uniq, pin=False, dtype=np.float32)
+            owners = self._owners(uniq)
+            self._fit_tier(uniq, owners)
             try:
-                self._tier.insert(uniq, rows, self._owners(uniq), self.row_floats)
+                self._tier.insert(uniq, rows, owners, self.row_floats)
             except BaseException:
                 self._tier.clear()
                 raise
@@ -439,6 +446,21 @@ class ParameterServer:
         b = Batch(self, uniq)
         b.wait_seconds = waited
         return b
+
+    def _fit_tier(self, uniq: np.ndarray, owners) -> None:
+        """Grows the (empty) device tables until the batch fills them at most 0.7."""
+        if owners is None:
+            owners = _core.DeviceTier.modulo_owners(uniq, self.config.devices)
+        most = int(np.bincount(owners, minlength=self.config.devices).max(initial=0))
+        capacity = self._tier_capacity
+        while most > 0.7 * capacity and capacity < self.config.device_capacity:
+            capacity = min(2 * capacity, self.config.device_capacity)
+        if capacity != self._tier_capacity:
+            rows, moved = self._tier.transfers()
+            self._transfers_before = (rows, moved) if self._transfers_before is None else \
+                (self._transfers_before[0] + rows, self._transfers_before[1] + moved)
+            self._tier = _core.DeviceTier(self.config.devices, capacity, self._native_opt)
+            self._tier_capacity = capacity
 
     def _distinct(self, keys: np.ndarray) -> np.ndarray:
         if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):
@@ -475,6 +497,8 @@ class ParameterServer:
 
     def stats(self) -> dict:
         rows, transfer_bytes = self._tier.transfers()
+        if self._transfers_before is not None:  # counted by the tables the tier outgrew
+            rows, transfer_bytes = rows + self._transfers_before[0], transfer_bytes + self._transfers_before[1]
         with self._pending_lock:
             pending = self._pending.count
         with self._counts_lock:
@@ -482,6 +506,7 @@ class ParameterServer:
         return {"counts": counts, "mem": self._cache.stats(), "ssd": self._ssd.stats(),
                 "pending_rows": pending,
                 "device": {"kind": self._tier.kind, "devices": self._tier.devices,
+                           "capacity_per_device": self._tier_capacity,
                            "transfer_rows": rows.tolist(), "transfer_bytes": transfer_bytes.tolist()}}
 
     def close(self) -> None:

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""W4 / W4s / W9 (BENCHMARKS.md): `hps train` against plain PyTorch on the same model
+and data, in the same run.
+
+    python3 bench/train_bench.py --quick          # W4, under ~2 minutes
+    python3 bench/train_bench.py                  # W4: MLP 512-256-1
+    python3 bench/train_bench.py --mlp 16         # W4s: the embedding path dominates
+
+Model and data (both sides): synthetic Criteo-like examples (hps.data.SyntheticCriteo,
+26 categorical fields, 13 dense), embeddings of dim 16 per field, summed per field
+(single-hot), concatenated with the dense features, MLP (default 512-256-1), logit;
+batch 4096; embeddings trained by AdaGrad (lr 0.05), the MLP by Adam (lr 1e-3), the
+MLP initialised identically.
+  * hps: hps.train.train: the ParameterServer (MEM budget holding every row, one host
+    partition) behind the 4-stage pipeline, embeddings through hps.torch.
+  * plain PyTorch: one nn.EmbeddingBag(sparse=True, mode="sum") over the keys seen in
+    the run (keys mapped to dense indices before timing), torch.optim.Adagrad on it.
+Both train on the same batches in the same order and evaluate on the same held-out
+examples. Reported: examples/s (training loop only), eval AUC and logloss after the
+same examples, and for hps the pipeline's wall time over its slowest stage (W9).
+One JSON line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_dense, dim):
+    import torch
+    from torch import nn
+    from hps.train import auc, logloss
+    torch.set_num_threads(threads)
+    vocab = np.unique(np.concatenate([b.keys.ravel() for b in train_batches + eval_batches]))
+    index = lambda keys: torch.from_numpy(np.searchsorted(vocab, keys).astype(np.int64))  # noqa: E731
+    train_idx = [index(b.keys) for b in train_batches]
+    eval_idx = [index(b.keys) for b in eval_batches]
+    emb = nn.EmbeddingBag(len(vocab), dim, mode="sum", sparse=True)
+    with torch.no_grad():
+        emb.weight.uniform_(-0.01, 0.01)
+
+    # The MLP of hps.torch.CtrModel: same layers, same initialisation from `seed`.
+    gen = torch.Generator().manual_seed(seed)
+    layers, width = [], 26 * dim + 13
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, 1))
+    mlp = nn.Sequential(*layers)
+    with torch.no_grad():
+        for m in mlp:
+            if isinstance(m, nn.Linear):
+                bound = 1.0 / np.sqrt(m.in_features)
+                m.weight.uniform_(-bound, bound, generator=gen)
+                m.bias.uniform_(-bound, bound, generator=gen)
+    opt_emb = torch.optim.Adagrad(emb.parameters(), lr=lr_emb)
+    opt_mlp = torch.optim.Adam(mlp.parameters(), lr=lr_dense)
+    loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(idx, dense):
+        pooled = emb(idx.reshape(-1, 1)).reshape(idx.shape[0], -1)
+        return mlp(torch.cat([pooled, torch.from_numpy(dense)], 1)).squeeze(1)
+
+    t0 = time.perf_counter()
+    n = 0
+    for b, idx in zip(train_batches, train_idx):
+        loss = loss_fn(forward(idx, b.dense), torch.from_numpy(b.labels))
+        opt_emb.zero_grad()
+        opt_mlp.zero_grad()
+        loss.backward()
+        opt_emb.step()
+        opt_mlp.step()
+        n += len(b.labels)
+    seconds = time.perf_counter() - t0
+    with torch.no_grad():
+        p = np.concatenate([torch.sigmoid(forward(i, b.dense)).numpy() for b, i in zip(eval_batches, eval_idx)])
+    y = np.concatenate([b.labels for b in eval_batches])
+    return {"examples": n, "seconds": seconds, "examples_per_s": n / seconds, "auc": auc(y, p),
+            "logloss": logloss(y, p), "embedding_rows": len(vocab)}
+
+
+def run_hps(args, workdir, hidden):
+    import hps
+    from hps.train import DataConfig, TrainConfig, train
+    rows = 2_000_000  # MEM budget for every row the run can touch (W4: the table fits in memory)
+    cfg = TrainConfig(
+        ps=hps.ParameterServerConfig(dim=args.dim, path=os.path.join(workdir, "ps"),
+                                     optimizer=hps.AdaGrad(lr=args.lr_emb), initializer=hps.Uniform(0.01),
+                                     mem_budget=rows * (args.dim * 2 * 4 + 112), device_capacity=1 << 20),
+        data=DataConfig(batch_size=args.batch_size, train_examples=args.examples,
+                        eval_examples=args.eval_examples, seed=args.seed),
+        hidden=tuple(hidden), dense_lr=args.lr_dense, seed=args.seed, torch_threads=args.threads,
+        pipelined=not args.sequential)
+    summary = train(cfg, progress=False)
+    return {"examples": summary["examples"], "seconds": summary["train_seconds"],
+            "examples_per_s": summary["examples_per_s"], "auc": summary["final"]["auc"],
+            "logloss": summary["final"]["logloss"], "pipeline": summary["pipeline"],
+            "mem_hit_rate": summary["final"]["mem_hit_rate"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--examples", type=int, default=2_000_000)
+    ap.add_argument("--eval-examples", type=int, default=200_000)
+    ap.add_argument("--batch-size", type=int, default=4096)
+    ap.add_argument("--mlp", default="512,256", help="hidden widths, e.g. 512,256 (W4) or 16 (W4s)")
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--lr-emb", type=float, default=0.05)
+    ap.add_argument("--lr-dense", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sequential", action="store_true", help="hps without the pipeline")
+    a = ap.parse_args()
+    if a.quick:
+        a.examples, a.eval_examples = 300_000, 50_000
+    hidden = [int(h) for h in a.mlp.split(",") if h]
+    from hps.data import SyntheticCriteo
+    train_batches = list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.examples))
+    eval_batches = list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.eval_examples,
+                                        part="eval"))
+    out = {"benchmark": "W4s train" if hidden == [16] else "W4 train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
+           "dim": a.dim, "threads": a.threads, "quick": a.quick, "machine": {"cpus": os.cpu_count()}}
+    workdir = tempfile.mkdtemp(prefix="train-bench-", dir=os.path.join(HERE, "results"))
+    try:
+        log("== plain PyTorch ==")
+        out["torch"] = plain_torch(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb,
+                                   a.lr_dense, a.dim)
+        log(f"torch: {out['torch']['examples_per_s']:,.0f} examples/s, AUC {out['torch']['auc']:.4f}")
+        log("== hps ==")
+        out["hps"] = run_hps(a, workdir, hidden)
+        log(f"hps: {out['hps']['examples_per_s']:,.0f} examples/s, AUC {out['hps']['auc']:.4f}, "
+            f"wall/slowest stage {out['hps']['pipeline']['wall_over_slowest_stage']:.2f} "
+            f"(bound by {out['hps']['pipeline']['bound_by']})")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    out["ratio_examples_per_s"] = out["hps"]["examples_per_s"] / out["torch"]["examples_per_s"]
+    out["auc_difference"] = out["hps"]["auc"] - out["torch"]["auc"]
+    out["w9_wall_over_slowest_stage"] = out["hps"]["pipeline"]["wall_over_slowest_stage"]
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
