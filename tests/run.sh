@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: on a fresh Debian machine it installs what the build needs,
-# builds and installs hps, builds the native core under AddressSanitizer+UBSan
-# and ThreadSanitizer and runs the native tests there, runs the hash-table
-# benchmark in --quick mode, and ends with the Python tests. Any failure stops
+# builds and installs hps (with torch and the training extras), builds the
+# native core under AddressSanitizer+UBSan and ThreadSanitizer and runs the
+# native tests there, runs the hash-table benchmark in --quick mode, and ends
+# with the Python tests (which run the other benchmarks' quick modes). Any failure stops
 # it with a non-zero exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +24,12 @@ if ((${#missing[@]})); then
 fi
 
 PY="${PYTHON:-python3}"
-step "pip install .[test] (builds hps._core)"
+step "pip install torch==2.13.0 and .[test,train] (builds hps._core)"
 mkdir -p build-logs
 "$PY" -m pip install -q --upgrade cmake ninja
-if ! "$PY" -m pip install -v ".[test]" >build-logs/pip-install.log 2>&1; then
+# torch first, pinned: the CPU build; an unpinned torch would pull a CUDA build of several GB.
+"$PY" -c 'import torch' 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
+if ! "$PY" -m pip install -v ".[test,train]" >build-logs/pip-install.log 2>&1; then
   tail -n 60 build-logs/pip-install.log
   echo "pip install failed; the whole log is build-logs/pip-install.log" >&2
   exit 1
