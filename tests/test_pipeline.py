@@ -108,3 +108,10 @@ def test_hps_train_command_line(tmp_path):
     run = subprocess.run([sys.executable, "-m", "hps.cli", "train", "--config", str(bad)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown field(s) data.batch_sise" in run.stderr
+
+
+def test_the_example_config_parses():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = TrainConfig.from_toml(os.path.join(root, "examples", "train.toml"))
+    assert cfg.ps.dim == 16 and cfg.ps.optimizer == hps.AdaGrad(lr=0.05) and cfg.data.batch_size == 4096
+    assert cfg.hidden == (512, 256) and cfg.checkpoint_every == 500

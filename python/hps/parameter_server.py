@@ -65,6 +65,8 @@ class ParameterServerConfig:
     devices: int = 1                    # GPUs when the node has that many, else host partitions
     device_capacity: int = 1 << 22      # most rows per device: a batch's working set / devices must fit
     write_buffer_rows: int = 1 << 16    # evicted dirty rows gathered per SSD-PS put
+    device_threads: int = 1             # CPU threads per host partition (0: all cores); a batch's
+                                        # rows are few, and the trainer needs the cores
     ssd: SsdOptions = field(default_factory=SsdOptions)
 
     LAYOUT_FIELDS = ("dim", "optimizer.kind", "initializer", "seed")
@@ -279,7 +281,7 @@ class ParameterServer:
         # device_capacity): clearing and reading back scan every slot, so tables
         # sized to the batch cost least.
         self._tier_capacity = min(config.device_capacity, 1 << 16)
-        self._tier = _core.DeviceTier(config.devices, self._tier_capacity, self._native_opt)
+        self._tier = self._new_tier(self._tier_capacity)
         self._transfers_before = None
         self._partitioner = partitioner
         self._batch_lock = threading.Lock()
@@ -447,6 +449,9 @@ class ParameterServer:
         b.wait_seconds = waited
         return b
 
+    def _new_tier(self, capacity: int):
+        return _core.DeviceTier(self.config.devices, capacity, self._native_opt, threads=self.config.device_threads)
+
     def _fit_tier(self, uniq: np.ndarray, owners) -> None:
         """Grows the (empty) device tables until the batch fills them at most 0.7."""
         if owners is None:
@@ -459,7 +464,7 @@ class ParameterServer:
             rows, moved = self._tier.transfers()
             self._transfers_before = (rows, moved) if self._transfers_before is None else \
                 (self._transfers_before[0] + rows, self._transfers_before[1] + moved)
-            self._tier = _core.DeviceTier(self.config.devices, capacity, self._native_opt)
+            self._tier = self._new_tier(capacity)
             self._tier_capacity = capacity
 
     def _distinct(self, keys: np.ndarray) -> np.ndarray:

@@ -1,0 +1,629 @@
+"""hps.data: key hashing, the TSV and Parquet readers, sharding, the synthetic generator."""
+import doctest
+import gzip
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hps.data
+from hps.data import (CATEGORICAL_COLUMNS, COLUMNS, DENSE_COLUMNS, SENTINEL_KEY, Batch, CriteoParquet,
+                      CriteoTsv, DataError, Source, SyntheticCriteo, feature_keys, list_files, missing_key,
+                      open_criteo, shard_files)
+
+# The real Criteo rows, beside the repository (see SOURCE.md there).
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo-sample" / "train_examples_10k.tsv"
+SAMPLE_ROWS = 10_000
+SAMPLE_POSITIVES = 2_182  # CTR 0.2182, SOURCE.md
+
+needs_sample = pytest.mark.skipif(not SAMPLE.is_file(), reason=f"the Criteo sample is not at {SAMPLE}")
+
+M64 = (1 << 64) - 1
+
+
+def _mix_reference(x: int) -> int:
+    """splitmix64 in plain Python integers: the documented key formula, written independently."""
+    z = (x + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def _unmix(z: int) -> int:
+    """The inverse of _mix_reference: the 64-bit word that hashes to z."""
+    def unxorshift(v, s):
+        x = v
+        for _ in range(64 // s + 1):
+            x = v ^ (x >> s)
+        return x & M64
+    z = unxorshift(z, 31)
+    z = (z * pow(0x94D049BB133111EB, -1, 1 << 64)) & M64
+    z = unxorshift(z, 27)
+    z = (z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & M64
+    z = unxorshift(z, 30)
+    return (z - 0x9E3779B97F4A7C15) & M64
+
+
+def u64(values):
+    return np.asarray(values, dtype=np.uint64)
+
+
+def auc(labels, scores):
+    """Area under the ROC curve, ties counted half (average ranks)."""
+    labels = np.asarray(labels) > 0.5
+    order = np.argsort(scores, kind="stable")
+    sorted_scores = np.asarray(scores)[order]
+    _, start, count = np.unique(sorted_scores, return_index=True, return_counts=True)
+    avg_rank = np.repeat(start + (count + 1) / 2.0, count)
+    ranks = np.empty(len(order))
+    ranks[order] = avg_rank
+    pos = labels.sum()
+    neg = len(labels) - pos
+    return (ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg)
+
+
+def concat(batches):
+    return (np.concatenate([b.labels for b in batches]), np.concatenate([b.dense for b in batches]),
+            np.concatenate([b.keys for b in batches]))
+
+
+def assert_same_rows(a, b):
+    for x, y, name in zip(concat(a), concat(b), ("labels", "dense", "keys"), strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+# ------------------------------------------------------------------ keys
+
+# Computed once from the formula in hps/data.py; they must never change (keys live in checkpoints).
+FIXED_KEYS = [
+    (0, 0x68FD1E64, 15268892257825698560),
+    (0, 0, 14135772400868000056),
+    (25, 0x9727DD16, 11731870180036248102),
+    (12, 0xFFFFFFFF, 2853924094272115107),
+    (1, M64, 8744455057184156162),
+]
+
+
+@pytest.mark.parametrize("field,value,key", FIXED_KEYS)
+def test_feature_keys_fixed_values(field, value, key):
+    assert feature_keys(field, u64([value])).tolist() == [key]
+    assert _mix_reference(((field + 1) << 32) ^ value) == key
+    if value < 1 << 64:
+        assert feature_keys(field, [format(value, "x")]).tolist() == [key]
+
+
+def test_missing_keys_fixed_and_per_field():
+    assert missing_key(0) == 3325205089165959452
+    assert missing_key(25) == 15145487430460569304
+    assert missing_key(0) == _mix_reference((1 << 32) ^ (1 << 63))
+    keys = feature_keys(4, ["", None, "a"], missing=[False, False, True])
+    assert keys.tolist() == [missing_key(4)] * 3
+    assert len({missing_key(f) for f in range(26)}) == 26
+
+
+def test_feature_keys_inputs_agree():
+    hexes = ["68fd1e64", "68FD1E64", b"68fd1e64"]
+    ints = u64([0x68FD1E64] * 3)
+    np.testing.assert_array_equal(feature_keys(3, hexes), feature_keys(3, ints))
+    # Signed columns hold 32-bit hashes bitwise: int32 -1 is 0xffffffff.
+    assert feature_keys(3, np.array([-1], np.int32)).tolist() == feature_keys(3, u64([0xFFFFFFFF])).tolist()
+    grid = np.arange(12, dtype=np.uint64).reshape(3, 4)
+    assert feature_keys(7, grid).shape == (3, 4)
+    assert feature_keys(7, np.uint64(5)).shape == ()
+    assert feature_keys(7, []).shape == (0,)
+
+
+def test_keys_distinct_across_fields_and_values():
+    values = np.arange(5000, dtype=np.uint64) * np.uint64(977)
+    keys = np.concatenate([feature_keys(f, values) for f in range(26)] + [u64([missing_key(f) for f in range(26)])])
+    assert len(np.unique(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("bad", [["xyz"], ["12345678901234567"], ["0x12"], [" 12"], [1.5]])
+def test_feature_keys_rejects(bad):
+    with pytest.raises((ValueError, TypeError)):
+        feature_keys(0, bad)
+
+
+def test_feature_keys_bad_field():
+    with pytest.raises(ValueError, match="field"):
+        feature_keys(-1, [1])
+    with pytest.raises(TypeError):
+        feature_keys(1.0, [1])
+
+
+def test_no_sentinel_key_ever():
+    # The single 64-bit word that hashes to the sentinel, fed in through field 0.
+    pre = _unmix(SENTINEL_KEY)
+    assert _mix_reference(pre) == SENTINEL_KEY
+    value = pre ^ (1 << 32)
+    key = feature_keys(0, u64([value, 1]))
+    assert key[0] != SENTINEL_KEY
+    assert key[0] == 0xFFFF_FFFF_FFFF_FFFE
+    # Both pre-images (of the sentinel and of its replacement) lie outside
+    # fields < 828_541_685 with 32-bit values, as the module documents.
+    assert ((pre >> 32) - 1, pre & 0xFFFFFFFF) == (828_541_685, 0x7B2131AB)
+    repl = _unmix(0xFFFF_FFFF_FFFF_FFFE)
+    assert ((repl >> 32) - 1, repl & 0xFFFFFFFF) == (1_326_503_678, 0xA9921217)
+    rng = np.random.default_rng(0)
+    many = feature_keys(0, rng.integers(0, 1 << 64, 200_000, dtype=np.uint64, endpoint=False))
+    assert not (many == np.uint64(SENTINEL_KEY)).any()
+
+
+# ------------------------------------------------------------------ TSV: the real sample
+
+@needs_sample
+def test_tsv_sample():
+    pytest.importorskip("pyarrow")
+    reader = CriteoTsv(str(SAMPLE), batch_size=4096)
+    batches = list(reader)
+    assert [len(b) for b in batches] == [4096, 4096, 1808]
+    labels, dense, keys = concat(batches)
+    assert labels.dtype == np.float32 and dense.dtype == np.float32 and keys.dtype == np.uint64
+    assert dense.shape == (SAMPLE_ROWS, 13) and keys.shape == (SAMPLE_ROWS, 26)
+    assert labels.sum() == SAMPLE_POSITIVES
+    assert labels.mean() == pytest.approx(0.2182)
+    assert reader.examples_read == SAMPLE_ROWS and reader.malformed == 0
+    assert reader.stats() == {"files": 1, "examples_read": SAMPLE_ROWS, "malformed": 0}
+    assert not (keys == np.uint64(SENTINEL_KEY)).any()
+    assert batches[1].sources == (Source(str(SAMPLE), 4097, 4096),)
+    assert batches[2].locate(5) == (str(SAMPLE), 8198)
+
+    # Rows checked field by field against a plain-Python reading of the line
+    # (the first has an empty integer field, the third empty categoricals).
+    lines = SAMPLE.read_text().splitlines()
+    assert "" in lines[0].split("\t")[1:14] and "" in lines[2].split("\t")[14:]
+    for row in (0, 2, 9999):
+        fields = lines[row].split("\t")
+        assert labels[row] == int(fields[0])
+        raw = np.array([int(v) if v else 0 for v in fields[1:14]], dtype=np.float64)
+        np.testing.assert_array_equal(dense[row], np.log1p(np.maximum(raw, 0)).astype(np.float32))
+        expect = [missing_key(j) if not v else _mix_reference(((j + 1) << 32) ^ int(v, 16))
+                  for j, v in enumerate(fields[14:])]
+        assert keys[row].tolist() == expect
+
+
+@needs_sample
+def test_tsv_sample_small_blocks_and_drop_last():
+    pytest.importorskip("pyarrow")
+    whole = list(CriteoTsv(str(SAMPLE), batch_size=3000))
+    small = list(CriteoTsv(str(SAMPLE), batch_size=3000, block_bytes=50_000, drop_last=True))
+    assert [len(b) for b in small] == [3000, 3000, 3000]
+    assert_same_rows(small, whole[:3])
+    assert small[2].sources[0].first_line == 6001
+
+
+@needs_sample
+def test_tsv_slow_path_reads_what_the_fast_path_reads(tmp_path):
+    pytest.importorskip("pyarrow")
+    # One bad last line sends the file's only block through the per-line parser.
+    bad = tmp_path / "sample_plus_bad.tsv"
+    bad.write_bytes(SAMPLE.read_bytes() + b"1\tgarbage\n")
+    reader = CriteoTsv(str(bad), batch_size=4096, skip_malformed=True, block_bytes=64 << 20)
+    slow = list(reader)
+    assert reader.malformed == 1
+    assert reader.malformed_examples == [f"{bad}:10001: has 2 fields, expected 40"]
+    assert_same_rows(slow, list(CriteoTsv(str(SAMPLE), batch_size=4096)))
+
+
+# ------------------------------------------------------------------ TSV: malformed lines
+
+HEXES = ["68fd1e64", "80e26c9b", "fb936136", "7b4723c4", "25c83c98", "7e0ccccf", "de7995b8", "1f89b562",
+         "a73ee510", "a8cd5504", "b2cb9c98", "37c9c164", "2824a5f6", "1adce6ef", "8ba8b39a", "891b62e7",
+         "e5ba7672", "f54016b9", "21ddcdc9", "b1252a9d", "07b5194c", "", "3a171ecb", "c5c50484", "e8b83407",
+         "9727dd16"]
+INTS = ["1", "1", "5", "0", "1382", "4", "15", "2", "181", "1", "2", "", "-2"]
+
+
+def line(label="0", ints=INTS, hexes=HEXES, **change):
+    fields = dict(zip(COLUMNS, [label] + list(ints) + list(hexes), strict=True))
+    fields.update(change)
+    return "\t".join(fields[c] for c in COLUMNS)
+
+
+def write(path, lines, end="\n"):
+    path.write_text("".join(x + end for x in lines))
+    return str(path)
+
+
+def test_valid_lines_parse(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = write(tmp_path / "ok.tsv", [line(), line(label="1", I1="", C1="ABCDEF01", C2="1")])
+    (batch,) = list(CriteoTsv(path, batch_size=10))
+    assert batch.labels.tolist() == [0.0, 1.0]
+    assert batch.dense[0, 12] == 0.0  # -2 clipped to 0 before log1p
+    assert batch.dense[0, 4] == pytest.approx(np.log1p(1382))
+    assert batch.dense[1, 0] == 0.0  # missing
+    assert batch.keys[1, 0] == feature_keys(0, [0xABCDEF01])[0]
+    assert batch.keys[1, 1] == feature_keys(1, [1])[0]
+    assert batch.keys[0, 21] == missing_key(21)
+
+
+def test_crlf_and_missing_final_newline(tmp_path):
+    pytest.importorskip("pyarrow")
+    lf = list(CriteoTsv(write(tmp_path / "lf.tsv", [line()] * 3), batch_size=10))
+    crlf = list(CriteoTsv(write(tmp_path / "crlf.tsv", [line()] * 3, end="\r\n"), batch_size=10))
+    (tmp_path / "open.tsv").write_text("\n".join([line()] * 3))
+    unterminated = list(CriteoTsv(str(tmp_path / "open.tsv"), batch_size=10))
+    assert_same_rows(lf, crlf)
+    assert_same_rows(lf, unterminated)
+
+
+MALFORMED = [
+    (line()[:-9], "has 39 fields, expected 40", None),
+    (line() + "\t", "has 41 fields, expected 40", None),
+    ("", "is an empty line, expected 40 tab-separated fields", None),
+    (line(I5="abc"), "field I5: 'abc' is not an integer", "I5"),
+    (line(I1=" 5"), "field I1: ' 5' is not an integer", "I1"),  # pyarrow alone would accept these two
+    (line(I13="0x5"), "field I13: '0x5' is not an integer", "I13"),
+    (line(I2="1.5"), "field I2: '1.5' is not an integer", "I2"),
+    (line(I3="99999999999999999999"), "field I3: '99999999999999999999' is out of the 64-bit integer range", "I3"),
+    (line(label="2"), "field label: '2' is not 0 or 1", "label"),
+    (line(label=""), "field label: '' is not 0 or 1", "label"),
+    (line(C3="xyz12345"), "field C3: 'xyz12345' is not a hexadecimal value of 1 to 16 digits", "C3"),
+    (line(C26="1" * 17), "field C26: '11111111111111111' is not a hexadecimal value of 1 to 16 digits", "C26"),
+]
+
+
+@pytest.mark.parametrize("bad,message,field", MALFORMED, ids=[m[1][:40] for m in MALFORMED])
+def test_malformed_line_names_file_line_field(tmp_path, bad, message, field):
+    pytest.importorskip("pyarrow")
+    path = write(tmp_path / "train.tsv", [line(), line(label="1"), bad, line()])
+    with pytest.raises(DataError) as e:
+        list(CriteoTsv(path, batch_size=2))
+    assert str(e.value) == f"{path}:3: {message}"
+    assert (e.value.path, e.value.line, e.value.field) == (path, 3, field)
+    assert isinstance(e.value, ValueError)
+
+
+def test_malformed_line_number_in_a_later_block(tmp_path):
+    pytest.importorskip("pyarrow")
+    lines = [line()] * 500
+    lines[400] = line(C7="nothex!")
+    path = write(tmp_path / "big.tsv", lines)
+    reader = CriteoTsv(path, batch_size=64, block_bytes=1000)
+    seen = 0
+    with pytest.raises(DataError, match=r"big\.tsv:401: field C7: 'nothex!' is not a hexadecimal"):
+        for batch in reader:
+            seen += len(batch)
+    assert seen == 384  # the batches before the bad block's were delivered
+
+
+def test_skip_malformed_counts_and_keeps_first_messages(tmp_path):
+    pytest.importorskip("pyarrow")
+    lines = [line(label=str(i % 2)) for i in range(300)]
+    bad_at = [3, 50, 51, 120, 121, 122, 123, 124, 125, 126, 127, 128, 299]  # 0-based
+    for i in bad_at:
+        lines[i] = line(I4="x")
+    path = write(tmp_path / "skip.tsv", lines)
+    reader = CriteoTsv(path, batch_size=100, skip_malformed=True, block_bytes=2000)
+    batches = list(reader)
+    assert sum(len(b) for b in batches) == 300 - len(bad_at)
+    assert reader.malformed == len(bad_at)
+    assert len(reader.malformed_examples) == hps.data.MAX_MALFORMED_EXAMPLES
+    assert reader.malformed_examples[:2] == [f"{path}:4: field I4: 'x' is not an integer",
+                                             f"{path}:51: field I4: 'x' is not an integer"]
+    # Rows keep their true line numbers around the holes.
+    good = [i + 1 for i in range(300) if i not in bad_at]
+    located = [b.locate(i)[1] for b in batches for i in range(len(b))]
+    assert located == good
+    labels = concat(batches)[0]
+    np.testing.assert_array_equal(labels, [(n - 1) % 2 for n in good])
+    # A second pass starts the count again.
+    list(reader)
+    assert reader.malformed == len(bad_at)
+
+
+def test_gzip_tsv(tmp_path):
+    pytest.importorskip("pyarrow")
+    text = "".join(line(label=str(i % 2)) + "\n" for i in range(20))
+    plain = tmp_path / "a.tsv"
+    plain.write_text(text)
+    with gzip.open(tmp_path / "a.tsv.gz", "wt") as f:
+        f.write(text)
+    assert_same_rows(list(CriteoTsv(str(plain), 7)), list(CriteoTsv(str(tmp_path / "a.tsv.gz"), 7)))
+
+
+# ------------------------------------------------------------------ Parquet
+
+def _sample_table(pa, lines, categorical="hex"):
+    """A pyarrow table of TSV lines, built without hps."""
+    rows = [x.split("\t") for x in lines]
+    cols = {"label": pa.array([int(r[0]) for r in rows], pa.int8())}
+    for j, name in enumerate(DENSE_COLUMNS):
+        cols[name] = pa.array([int(r[1 + j]) if r[1 + j] else None for r in rows], pa.int64())
+    for j, name in enumerate(CATEGORICAL_COLUMNS):
+        values = [r[14 + j] for r in rows]
+        if categorical == "hex":
+            cols[name] = pa.array(values, pa.string())
+        else:  # integers with nulls; stored as int32 bitwise, as some writers do
+            ints = [int(v, 16) if v else None for v in values]
+            cols[name] = pa.array([None if v is None else v - (1 << 32) * (v >= 1 << 31) for v in ints],
+                                  pa.int32())
+    return pa.table(cols)
+
+
+@needs_sample
+@pytest.mark.parametrize("categorical", ["hex", "int32"])
+def test_parquet_round_trip_equals_tsv(tmp_path, categorical):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    lines = SAMPLE.read_text().splitlines()[:3000]
+    tsv = write(tmp_path / "head.tsv", lines)
+    table = _sample_table(pa, lines, categorical)
+    pq.write_table(table, tmp_path / "head.parquet", row_group_size=700)
+    reader = CriteoParquet(str(tmp_path / "head.parquet"), batch_size=1000, read_rows=512)
+    from_parquet = list(reader)
+    assert_same_rows(from_parquet, list(CriteoTsv(tsv, batch_size=1000)))
+    assert from_parquet[1].sources == (Source(str(tmp_path / "head.parquet"), 1001, 1000),)
+    assert reader.malformed == 0
+
+
+def test_parquet_malformed_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = _sample_table(pa, [line(), line(label="1"), line(), line()])
+    table = table.set_column(0, "label", pa.array([0, 1, 2, 0], pa.int64()))
+    table = table.set_column(COLUMNS.index("C4"), "C4", pa.array(["1", "2", "3", "zz"]))
+    path = str(tmp_path / "bad.parquet")
+    pq.write_table(table, path)
+    with pytest.raises(DataError) as e:
+        list(CriteoParquet(path))
+    assert str(e.value) == f"{path}: row 3: field label: 2 is not 0 or 1"
+    reader = CriteoParquet(path, skip_malformed=True)
+    (batch,) = list(reader)
+    assert reader.malformed == 2 and len(batch) == 2
+    assert reader.malformed_examples[1] == f"{path}: row 4: field C4: 'zz' is not a hexadecimal value of 1 to 16 digits"
+    assert [batch.locate(i)[1] for i in range(2)] == [1, 2]
+
+    pq.write_table(table.drop_columns(["I7"]), tmp_path / "narrow.parquet")
+    with pytest.raises(DataError, match="no column I7"):
+        list(CriteoParquet(str(tmp_path / "narrow.parquet")))
+
+
+def test_fsspec_urls(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    fsspec = pytest.importorskip("fsspec")
+    root = f"memory://hps-test-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    try:
+        lines = [line(label=str(i % 2), C1=format(i, "08x")) for i in range(30)]
+        for part in range(3):
+            with fsspec.open(f"{root}/tsv/part-{part}.tsv", "wb") as f:
+                f.write("".join(x + "\n" for x in lines[part * 10:(part + 1) * 10]).encode())
+        local = list(CriteoTsv(write(tmp_path / "all.tsv", lines), batch_size=8))
+        remote = list(CriteoTsv(f"{root}/tsv/part-*.tsv", batch_size=8))
+        assert_same_rows(remote, local)
+        path = remote[0].sources[0].path  # as fsspec spells it: memory:///hps-test-...
+        assert path.startswith("memory://") and path.endswith("/tsv/part-0.tsv")
+        with fsspec.open(f"{root}/pq/x.parquet", "wb") as f:
+            pq.write_table(_sample_table(pa, lines), f)
+        assert_same_rows(list(CriteoParquet(f"{root}/pq", batch_size=8)), local)
+    finally:
+        fs.rm(root, recursive=True)
+
+
+# ------------------------------------------------------------------ sharding and file lists
+
+def test_list_and_shard_files(tmp_path):
+    gen = SyntheticCriteo(seed=2, batch_size=5)
+    for i in (3, 0, 4, 1, 2):
+        gen.write_tsv(str(tmp_path / f"day_{i}.tsv"), 5 + i)
+    (tmp_path / "_SUCCESS").write_text("")
+    (tmp_path / ".day_9.tsv.crc").write_text("")
+    expect = [str(tmp_path / f"day_{i}.tsv") for i in range(5)]
+    assert list_files(tmp_path) == expect
+    assert list_files(str(tmp_path / "day_*.tsv")) == expect
+    assert list_files([expect[3], expect[1]]) == [expect[3], expect[1]]
+    assert shard_files(expect, 1, 2) == [expect[1], expect[3]]
+    assert shard_files(expect, 4, 5) == [expect[4]]
+    with pytest.raises(ValueError, match="rank 2 of 3 gets no file: there are 2 files for 3 ranks"):
+        shard_files(expect[:2], 2, 3)
+    with pytest.raises(ValueError, match="rank"):
+        shard_files(expect, 2, 2)
+    with pytest.raises(FileNotFoundError):
+        list_files(tmp_path / "nope.tsv")
+    with pytest.raises(FileNotFoundError):
+        list_files(str(tmp_path / "nope*.tsv"))
+
+    pytest.importorskip("pyarrow")
+    reader = CriteoTsv(tmp_path, batch_size=4, rank=1, world=2)
+    assert reader.files == [expect[1], expect[3]]
+    batches = list(reader)
+    assert sum(len(b) for b in batches) == 6 + 8
+    assert {s.path for b in batches for s in b.sources} == {expect[1], expect[3]}
+    # A batch runs on across the file boundary and says so.
+    assert batches[1].sources == (Source(expect[1], 5, 2), Source(expect[3], 1, 2))
+    with pytest.raises(ValueError, match="gets no file"):
+        CriteoTsv(tmp_path, rank=5, world=6)
+
+
+def test_open_criteo_picks_the_reader(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    tsv = write(tmp_path / "a.tsv", [line()] * 3)
+    pq.write_table(_sample_table(pa, [line()] * 3), tmp_path / "a.parquet")
+    assert isinstance(open_criteo(tsv), CriteoTsv)
+    assert isinstance(open_criteo(str(tmp_path / "a.parquet")), CriteoParquet)
+    with pytest.raises(ValueError, match="mixes"):
+        open_criteo(tmp_path)
+    assert_same_rows(list(open_criteo(tsv, 2)), list(open_criteo(str(tmp_path / "a.parquet"), 2)))
+
+
+# ------------------------------------------------------------------ synthetic data
+
+@pytest.fixture(scope="module")
+def train_stream():
+    gen = SyntheticCriteo(seed=11, batch_size=8192, examples=160_000)
+    return gen, list(gen)
+
+
+def test_synthetic_batches_have_the_reader_shapes():
+    gen = SyntheticCriteo(seed=0, batch_size=1000, examples=2500)
+    batches = list(gen)
+    assert [len(b) for b in batches] == [1000, 1000, 500] and len(gen) == 3
+    assert len(SyntheticCriteo(seed=0, batch_size=1000, examples=2500, drop_last=True)) == 2
+    b = batches[2]
+    assert isinstance(b, Batch)
+    assert b.labels.dtype == np.float32 and b.labels.shape == (500,)
+    assert b.dense.dtype == np.float32 and b.dense.shape == (500, 13)
+    assert b.keys.dtype == np.uint64 and b.keys.shape == (500, 26)
+    assert b.keys.flags.c_contiguous and b.dense.flags.c_contiguous
+    assert set(np.unique(b.labels)) <= {0.0, 1.0}
+    assert b.locate(499) == ("synthetic:train", 2500)
+    with pytest.raises(TypeError):
+        len(SyntheticCriteo(seed=0))
+
+
+def test_synthetic_is_deterministic(train_stream):
+    gen, batches = train_stream
+    again = list(SyntheticCriteo(seed=11, batch_size=8192, examples=160_000))
+    assert_same_rows(again, batches)
+    # The stream does not depend on batch_size, and a shorter stream is a prefix.
+    other = list(SyntheticCriteo(seed=11, batch_size=777, examples=10_000))
+    for got, want in zip(concat(other), concat(batches), strict=True):
+        np.testing.assert_array_equal(got, want[:10_000])
+    different = next(iter(SyntheticCriteo(seed=12, batch_size=1000)))
+    assert (different.keys != batches[0].keys[:1000]).mean() > 0.5
+
+
+def test_synthetic_parts_and_ranks_are_disjoint_streams_of_one_model(train_stream):
+    gen, batches = train_stream
+    ev = SyntheticCriteo(seed=11, batch_size=8192, examples=20_000, part="eval")
+    eval_batch = next(iter(ev))
+    assert ev.bias == gen.bias
+    assert (eval_batch.keys != batches[0].keys).mean() > 0.3
+    np.testing.assert_array_equal(ev.hidden_logit(eval_batch), gen.hidden_logit(eval_batch))
+    # Three nodes split the stream by blocks; together they hold it exactly.
+    whole = concat(list(SyntheticCriteo(seed=5, batch_size=3000, examples=30_000)))
+    rows = {}
+    for rank in range(3):
+        part = list(SyntheticCriteo(seed=5, batch_size=3000, examples=30_000, rank=rank, world=3))
+        for b in part:
+            for i in range(len(b)):
+                rows[b.locate(i)[1]] = (rank, b, i)
+    assert sorted(rows) == list(range(1, 30_001))
+    for line_no in (1, 4096, 4097, 12289, 30_000):
+        rank, b, i = rows[line_no]
+        np.testing.assert_array_equal(b.keys[i], whole[2][line_no - 1])
+        assert b.labels[i] == whole[0][line_no - 1]
+
+
+def test_synthetic_ctr_and_hidden_model_auc(train_stream):
+    gen, batches = train_stream
+    labels = concat(batches)[0]
+    assert 0.24 <= labels.mean() <= 0.26  # documented: ctr=0.25 +- 0.01
+    logit = np.concatenate([gen.hidden_logit(b) for b in batches])
+    assert auc(labels, logit) > 0.75
+    assert auc(labels, -logit) < 0.25
+
+
+def test_synthetic_is_learnable_across_parts(train_stream):
+    """Per-key click rates counted on "train" rank "eval" examples well (naive Bayes)."""
+    gen, batches = train_stream
+    labels, _, keys = concat(batches)
+    ev = next(iter(SyntheticCriteo(seed=11, batch_size=40_000, examples=40_000, part="eval")))
+    prior = labels.mean()
+    score = np.zeros(len(ev))
+    for f in range(keys.shape[1]):
+        uniq, inverse, count = np.unique(keys[:, f], return_inverse=True, return_counts=True)
+        clicks = np.bincount(inverse, weights=labels)
+        rate = (clicks + 20 * prior) / (count + 20)  # smoothed toward the prior
+        log_odds = np.log(rate / (1 - rate)) - np.log(prior / (1 - prior))
+        at = np.minimum(np.searchsorted(uniq, ev.keys[:, f]), len(uniq) - 1)
+        score += np.where(uniq[at] == ev.keys[:, f], log_odds[at], 0.0)
+    assert auc(ev.labels, score) > 0.7
+
+
+def test_synthetic_ids_are_zipf(train_stream):
+    gen, batches = train_stream
+    keys = concat(batches)[2]
+    n = len(keys)
+    field = 2  # vocabulary 1_000_000
+    is_missing = keys[:, field] == np.uint64(missing_key(field))
+    assert is_missing.mean() == pytest.approx(0.05, abs=0.005)
+    _, counts = np.unique(keys[~is_missing, field], return_counts=True)
+    counts = np.sort(counts)[::-1]
+    ranks = np.arange(1, 1_000_001, dtype=np.float64)
+    p = ranks ** -1.1 / (ranks ** -1.1).sum() * 0.95
+    # The top ids follow r**-1.1 within sampling error.
+    top = counts[:5] / n
+    np.testing.assert_allclose(top, p[:5], rtol=0.06)
+    small = 8  # vocabulary 10: every id shows up
+    assert len(np.unique(keys[:, small])) == 10 + 1
+
+
+def test_synthetic_write_tsv_reads_back(tmp_path):
+    pytest.importorskip("pyarrow")
+    gen = SyntheticCriteo(seed=3, batch_size=1000, examples=5000)
+    assert gen.write_tsv(str(tmp_path / "syn.tsv"), 5000) == 5000
+    assert gen.write_tsv(str(tmp_path / "syn.tsv.gz"), 5000) == 5000
+    assert_same_rows(list(CriteoTsv(str(tmp_path / "syn.tsv"), batch_size=1000)), list(gen))
+    assert_same_rows(list(CriteoTsv(str(tmp_path / "syn.tsv.gz"), batch_size=1000)), list(gen))
+    first = (tmp_path / "syn.tsv").read_text().split("\n", 1)[0].split("\t")
+    assert len(first) == 40 and all(len(v) in (0, 8) for v in first[14:])
+
+
+@pytest.mark.parametrize("kwargs", [dict(seed=-1), dict(part="test"), dict(vocab_sizes=[0, 5]),
+                                    dict(ctr=1.0), dict(batch_size=0), dict(rank=2, world=2),
+                                    dict(cat_missing=1.0), dict(zipf_a=-0.5)])
+def test_synthetic_rejects_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        SyntheticCriteo(**kwargs)
+
+
+@pytest.mark.parametrize("zipf_a", [0.0, 0.8, 1.0, 2.0])
+def test_synthetic_other_skews(zipf_a):
+    gen = SyntheticCriteo(seed=1, zipf_a=zipf_a, vocab_sizes=[5, 64, 65, 100_000], n_dense=2,
+                          batch_size=20_000, examples=20_000, cat_missing=0.0)
+    b = next(iter(gen))
+    assert b.keys.shape == (20_000, 4) and b.dense.shape == (20_000, 2)
+    ranks = np.arange(1, 6, dtype=np.float64)
+    p = ranks ** -zipf_a / (ranks ** -zipf_a).sum()
+    _, counts = np.unique(b.keys[:, 0], return_counts=True)
+    np.testing.assert_allclose(np.sort(counts)[::-1] / 20_000, p, atol=0.015)
+    assert 0.2 < b.labels.mean() < 0.3
+
+
+def test_synthetic_head_ranks_are_exact():
+    """White-box: the table lookup gives the inverse-CDF rank for every draw in the head."""
+    for zipf_a in (1.1, 3.0):
+        gen = SyntheticCriteo(seed=0, zipf_a=zipf_a, vocab_sizes=[40, 64, 1000], n_dense=0)
+        t = np.random.default_rng(1).random((50_000, 3)) * gen._zipf_total
+        head = t < gen._zipf_head_mass
+        exact = np.searchsorted(np.cumsum(np.arange(1, 65) ** -zipf_a), t, side="right") + 1
+        np.testing.assert_array_equal(gen._ranks(t)[head], exact[head])
+
+
+# ------------------------------------------------------------------ packaging
+
+def test_imports_and_generates_without_pyarrow():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["pyarrow"] = None  # any import of pyarrow now fails
+        import hps.data as d
+        b = next(iter(d.SyntheticCriteo(seed=1, batch_size=8, examples=8)))
+        assert b.keys.shape == (8, 26)
+        for reader in (d.CriteoTsv, d.CriteoParquet):
+            try:
+                reader("x.tsv")
+            except ImportError as e:
+                assert "pip install pyarrow" in str(e), e
+            else:
+                raise AssertionError("no ImportError")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_docstring_examples():
+    result = doctest.testmod(hps.data)
+    assert result.attempted > 0
+    assert result.failed == 0
