@@ -55,6 +55,8 @@ import time
 
 import numpy as np
 
+from hps.data import mix64  # splitmix64's finaliser, a bijection of uint64
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
@@ -68,24 +70,12 @@ ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)  # the cache's reserved key: never in a
 AIM, FLOOR = 0.95, 0.90
 OFFLINE = ("py_lru", "ideal_lfu", "belady", "belady_bypass")
 
-M1 = np.uint64(0xBF58476D1CE4E5B9)
-M2 = np.uint64(0x94D049BB133111EB)
 
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, a bijection of uint64 (so distinct in, distinct out)."""
-    x = np.asarray(x, dtype=np.uint64).copy()
-    with np.errstate(over="ignore"):
-        x ^= x >> np.uint64(30)
-        x *= M1
-        x ^= x >> np.uint64(27)
-        x *= M2
-        x ^= x >> np.uint64(31)
-    return x
 
 
 def checked_keys(keys: np.ndarray, what: str) -> np.ndarray:

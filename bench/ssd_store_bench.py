@@ -48,6 +48,8 @@ import time
 
 import numpy as np
 
+from hps.data import mix64  # splitmix64's finaliser, a bijection of uint64
+
 ROW_BYTES = 128
 SEED = 0x5EED_1234
 ZIPF_A = 1.05
@@ -56,8 +58,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ALL_STORES = ("hps", "hps_node", "rocksdb", "rocksdb_tuned", "lmdb")
 NODE_CACHE_BYTES = 320 << 20  # = RocksDB tuned's block cache (256 MiB) + row cache (64 MiB)
 
-M1 = np.uint64(0xBF58476D1CE4E5B9)
-M2 = np.uint64(0x94D049BB133111EB)
 GOLD = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -65,16 +65,6 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijection of uint64."""
-    x = x.astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        x ^= x >> np.uint64(30)
-        x *= M1
-        x ^= x >> np.uint64(27)
-        x *= M2
-        x ^= x >> np.uint64(31)
-    return x
 
 
 def keys_of(idx: np.ndarray) -> np.ndarray:

@@ -3,12 +3,17 @@ import doctest
 
 import pytest
 
+import hps.data
 import hps.embedding
 import hps.hash_table
+import hps.mem_cache
+import hps.parameter_server
 import hps.ssd_store
 
+MODULES = [hps.hash_table, hps.embedding, hps.ssd_store, hps.mem_cache, hps.parameter_server, hps.data]
 
-@pytest.mark.parametrize("module", [hps.hash_table, hps.embedding, hps.ssd_store], ids=lambda m: m.__name__)
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0

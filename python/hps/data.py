@@ -76,6 +76,7 @@ __all__ = [
     "feature_keys",
     "list_files",
     "missing_key",
+    "mix64",
     "open_criteo",
     "shard_files",
 ]
@@ -141,16 +142,23 @@ _SENTINEL_REPLACEMENT = np.uint64(0xFFFF_FFFF_FFFF_FFFE)
 _MAX_FIELD = (1 << 31) - 2  # (field + 1) << 32 must stay below bit 63
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 of a uint64 array (a fresh array; wraps modulo 2**64)."""
+def mix64(x) -> np.ndarray:
+    """splitmix64's finaliser of a uint64 array: a bijection of uint64 (distinct in,
+    distinct out), so it turns ids into random-looking keys (a fresh array)."""
+    z = np.array(x, dtype=np.uint64, copy=True)
     with np.errstate(over="ignore"):
-        z = x + _GAMMA
         z ^= z >> np.uint64(30)
         z *= _MIX1
         z ^= z >> np.uint64(27)
         z *= _MIX2
         z ^= z >> np.uint64(31)
     return z
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of a uint64 array (a fresh array; wraps modulo 2**64)."""
+    with np.errstate(over="ignore"):
+        return mix64(x + _GAMMA)
 
 
 def _keys(field_tags: np.ndarray, values: np.ndarray, missing: Optional[np.ndarray]) -> np.ndarray:
