@@ -61,11 +61,7 @@ class Tier final : public DeviceTier {
       rows_[d]->find(part.data(), part.size(), found_rows.data(), found.data());
       for (size_t j = 0; j < part.size(); ++j) {
         const uint64_t i = parts.index[d][j];
-        if (!found[j]) {
-          throw std::out_of_range("device tier: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
-                                  " is not loaded on device " + std::to_string(d) +
-                                  "; insert the batch's working set first");
-        }
+        if (!found[j]) NotLoaded(keys, i, d);
         std::memcpy(embeddings + i * dim, found_rows.data() + j * row_floats_, dim * sizeof(float));
       }
       Count(d, worker, part.size(), part.size() * dim * sizeof(float));
@@ -85,18 +81,40 @@ class Tier final : public DeviceTier {
     }
   }
 
-  void Apply() override {
+  std::vector<uint64_t> Apply() override {
     const int32_t dim = o_.optimizer.dim;
-    std::vector<uint64_t> keys;
+    std::vector<uint64_t> updated;
     std::vector<float> grads;
     for (int32_t d = 0; d < o_.devices; ++d) {
       const uint64_t n = grads_[d]->size();
       if (n == 0) continue;
-      keys.resize(n);
+      const size_t at = updated.size();
+      updated.resize(at + n);
       grads.resize(n * dim);
-      const uint64_t got = grads_[d]->export_rows(keys.data(), grads.data(), n);
-      rows_[d]->apply_gradients(keys.data(), got, grads.data(), o_.optimizer);
+      const uint64_t got = grads_[d]->export_rows(updated.data() + at, grads.data(), n);
+      updated.resize(at + got);
+      rows_[d]->apply_gradients(updated.data() + at, got, grads.data(), o_.optimizer);
       grads_[d]->clear();
+    }
+    return updated;
+  }
+
+  void Rows(const uint64_t* keys, uint64_t n, float* rows, const int32_t* owners) const override {
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    std::vector<float> found_rows;
+    std::vector<uint8_t> found;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const auto& part = parts.keys[d];
+      if (part.empty()) continue;
+      found_rows.resize(part.size() * row_floats_);
+      found.resize(part.size());
+      rows_[d]->find(part.data(), part.size(), found_rows.data(), found.data());
+      for (size_t j = 0; j < part.size(); ++j) {
+        const uint64_t i = parts.index[d][j];
+        if (!found[j]) NotLoaded(keys, i, d);
+        std::memcpy(rows + i * row_floats_, found_rows.data() + j * row_floats_, row_floats_ * sizeof(float));
+      }
     }
   }
 
@@ -145,6 +163,12 @@ class Tier final : public DeviceTier {
       if (rows) p.rows[d].insert(p.rows[d].end(), rows + i * width, rows + (i + 1) * width);
     }
     return p;
+  }
+
+  [[noreturn]] static void NotLoaded(const uint64_t* keys, uint64_t i, int32_t device) {
+    throw std::out_of_range("device tier: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
+                            " is not loaded on device " + std::to_string(device) +
+                            "; insert the batch's working set first");
   }
 
   void CheckWorker(int32_t worker) const {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "hps/hash_table.h"
+#include "key_index.h"
 #include "parallel.h"
 #include "table_kernels.h"
 
@@ -470,6 +471,23 @@ std::unique_ptr<HashTable> NewHashTable(const HashTableOptions& options) {
   if (options.cuda_device >= 0) return NewCudaHashTable(options);
   return std::make_unique<detail::CpuHashTable>(options.capacity, options.row_floats,
                                                 options.threads);
+}
+
+std::vector<uint64_t> UniqueKeys(const uint64_t* keys, uint64_t n, int64_t* inverse) {
+  CheckKeys(keys, n);
+  if (n >= detail::KeyIndex::kNone) throw std::invalid_argument("UniqueKeys: more than 2^32 - 2 keys");
+  detail::KeyIndex first;
+  std::vector<uint64_t> uniq;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint32_t at = first.Find(keys[i]);
+    if (at == detail::KeyIndex::kNone) {
+      at = static_cast<uint32_t>(uniq.size());
+      first.Upsert(keys[i], at);
+      uniq.push_back(keys[i]);
+    }
+    inverse[i] = at;
+  }
+  return uniq;
 }
 
 }  // namespace hps

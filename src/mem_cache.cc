@@ -317,6 +317,24 @@ class ShardedCache final : public MemCache {
     Sink(&batch);
   }
 
+  void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out) const override {
+    CheckKeys(keys, n);
+    const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      if (by_shard[s].empty()) continue;
+      const Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      for (uint64_t i : by_shard[s]) {
+        const auto it = shard.where.find(keys[i]);
+        if (it == shard.where.end() || shard.pins[it->second] == 0) {
+          throw std::invalid_argument("MEM-PS read: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
+                                      " is not pinned");
+        }
+        std::memcpy(out + i * row_bytes_, shard.rows + uint64_t{it->second} * row_bytes_, row_bytes_);
+      }
+    }
+  }
+
   bool Contains(uint64_t key) const override {
     const Shard& shard = shards_[ShardOf(key)];
     std::lock_guard lock(shard.mutex);

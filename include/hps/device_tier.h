@@ -11,8 +11,8 @@
 // A batch goes: Insert (load the working set) -> Get (each worker pulls the
 // rows of its mini-batch from their owners) -> Accumulate (Algorithm 2:
 // gradients partitioned by owner, sent, summed on the owner) -> Apply (the
-// sparse optimizer, once per key) -> ReadBack (the updated rows go back to
-// MEM-PS) -> Clear. Every row or gradient that moves from one device to
+// sparse optimizer, once per key) -> Rows of the updated keys (they go back
+// to MEM-PS) -> Clear. Every row or gradient that moves from one device to
 // another is counted in the transfer matrix.
 //
 // Thread safety: one batch at a time; calls are serialised by the caller.
@@ -67,8 +67,13 @@ class DeviceTier {
   // sum them (duplicates and other workers' included) until Apply.
   virtual void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
                           const int32_t* owners) = 0;
-  // Applies the optimizer once to every key with gradients; clears them.
-  virtual void Apply() = 0;
+  // Applies the optimizer once to every key with gradients and clears them;
+  // returns those keys (each once).
+  virtual std::vector<uint64_t> Apply() = 0;
+  // The full rows (n, row_floats) of loaded keys, read on their owners (the
+  // write-back's read; not counted as transfers). std::out_of_range names a
+  // key that is not loaded.
+  virtual void Rows(const uint64_t* keys, uint64_t n, float* rows, const int32_t* owners) const = 0;
   // Writes up to max_rows (key, row) pairs of all devices; returns how many.
   virtual uint64_t ReadBack(uint64_t* keys, float* rows, uint64_t max_rows) const = 0;
   // Empties every device for the next batch.

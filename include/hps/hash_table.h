@@ -20,6 +20,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "hps/optimizer.h"
 
@@ -101,5 +102,10 @@ int CudaDeviceCount();
 
 // Throws std::invalid_argument if a key equals kEmptyKey, naming its index.
 void CheckKeys(const uint64_t* keys, uint64_t n);
+
+// The distinct keys in order of first appearance; inverse[i] (n entries) is
+// the index of keys[i] among them. A hash pass, cheaper than sorting. Throws
+// like CheckKeys.
+std::vector<uint64_t> UniqueKeys(const uint64_t* keys, uint64_t n, int64_t* inverse);
 
 }  // namespace hps

@@ -107,6 +107,10 @@ class MemCache {
   virtual uint64_t Access(const uint64_t* keys, uint64_t n, uint8_t* hit) = 0;
   // Sends every dirty row to the sink, in batches; they stay cached, clean.
   virtual void FlushDirty() = 0;
+  // Copies the rows of pinned keys into out (n, row_bytes), without counting
+  // a visit: the rows of a batch in flight, re-read after an earlier batch's
+  // write-back. std::invalid_argument names a key that is not pinned.
+  virtual void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out) const = 0;
   // Whether key is cached, without counting a visit.
   virtual bool Contains(uint64_t key) const = 0;
 

@@ -192,7 +192,6 @@ class Batch:
     def __init__(self, ps: "ParameterServer", keys: np.ndarray):
         self._ps = ps
         self.keys = keys  # distinct
-        self._sent: list[np.ndarray] = []
         self._done = False
         self.wait_seconds = 0.0  # how long batch() waited for the previous batch to finish
 
@@ -206,19 +205,19 @@ class Batch:
         where they add up until the batch ends."""
         ps = self._ps
         ps._tier.accumulate(worker, keys, grads, ps._owners(keys), ps.dim)
-        self._sent.append(np.asarray(keys, dtype=np.uint64))
 
     def finish(self) -> None:
-        """One optimizer step per key that got gradients; rows back to MEM-PS."""
+        """One optimizer step per key that got gradients; their rows back to
+        MEM-PS (dirty), the others' pins released (their rows unchanged)."""
         if self._done:
             return
         ps = self._ps
         try:
-            ps._tier.apply()
-            keys, rows = ps._tier.read_back(ps.row_floats)
-            updated = np.isin(keys, np.concatenate(self._sent)) if self._sent else np.zeros(len(keys), bool)
-            ps._cache.write_back(keys[updated], rows[updated])
-            ps._cache.unpin(keys[~updated])
+            updated = ps._tier.apply()
+            if len(updated):
+                ps._cache.write_back(updated, ps._tier.rows(updated, ps._owners(updated), ps.row_floats))
+            if len(updated) < len(self.keys):
+                ps._cache.unpin(self.keys[~np.isin(self.keys, updated)])
         finally:
             self._close()
 
@@ -431,8 +430,8 @@ class ParameterServer:
         waited = time.perf_counter() - waited
         try:
             # Read the rows again now: the previous batch may have updated some
-            # since the prefetch (they are pinned, so these are all hits).
-            rows, _ = self._cache.pull(uniq, pin=False, dtype=np.float32)
+            # since the prefetch (they are pinned, so they are all in MEM-PS).
+            rows = self._cache.read_pinned(uniq).view(np.float32)
             owners = self._owners(uniq)
             self._fit_tier(uniq, owners)
             try:
@@ -471,11 +470,7 @@ class ParameterServer:
         if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):
             raise TypeError(f"keys must be an array of uint64 or int64, got "
                             f"{getattr(keys, 'dtype', type(keys).__name__)}")
-        flat = keys.reshape(-1).view(np.uint64)
-        uniq = np.unique(flat)
-        if len(uniq) and uniq[-1] == np.uint64(_core.EMPTY_KEY):
-            bad = int(np.flatnonzero(flat == np.uint64(_core.EMPTY_KEY))[0])
-            raise ValueError(f"keys[{bad}] is 0xffffffffffffffff, the reserved empty key")
+        uniq, _ = _core.unique_keys(np.ascontiguousarray(keys.reshape(-1)))  # names a reserved key
         return uniq
 
     def _check_device_room(self, uniq: np.ndarray) -> None:

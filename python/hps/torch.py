@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hps import _core
 from hps.parameter_server import Batch, ParameterServer
 
 __all__ = ["EmbeddingBag", "CtrModel"]
@@ -36,7 +37,7 @@ class _PooledLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, module, keys, bag, weights, counts):
-        uniq, inverse = np.unique(keys, return_inverse=True)
+        uniq, inverse = _core.unique_keys(np.ascontiguousarray(keys))
         rows = torch.from_numpy(module._pull(uniq))
         elem = rows[torch.from_numpy(inverse)]
         if weights is not None:

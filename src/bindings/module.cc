@@ -428,6 +428,16 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         c.FlushDirty();
       })
+      .def("read_pinned", [](const hps::MemCache& c, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<uint8_t> out({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(c.row_bytes())});
+        uint8_t* o = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          c.ReadPinned(k, n, o);
+        }
+        return out;
+      }, py::arg("keys"))
       .def("__contains__", [](const hps::MemCache& c, uint64_t key) { return c.Contains(key); })
       .def("stats", [](const hps::MemCache& c) {
         const hps::MemCacheStats st = c.stats();
@@ -447,6 +457,20 @@ PYBIND11_MODULE(_core, m) {
         d["numa_nodes"] = st.numa_nodes;
         return d;
       });
+
+  m.def("unique_keys", [](const py::array& keys) {
+    const auto [k, n] = KeysArg(keys, "keys");
+    py::array_t<int64_t> inverse(static_cast<py::ssize_t>(n));
+    int64_t* inv = inverse.mutable_data();
+    std::vector<uint64_t> uniq;
+    {
+      py::gil_scoped_release release;
+      uniq = hps::UniqueKeys(k, n, inv);
+    }
+    py::array_t<uint64_t> out(static_cast<py::ssize_t>(uniq.size()));
+    std::memcpy(out.mutable_data(), uniq.data(), uniq.size() * sizeof(uint64_t));
+    return py::make_tuple(out, inverse);
+  }, py::arg("keys"), "(distinct keys in order of first appearance, index of each key among them)");
 
   py::class_<hps::DeviceTier>(m, "DeviceTier")
       .def(py::init([](int32_t devices, uint64_t capacity, const hps::SparseOptimizer& optimizer, bool use_cuda,
@@ -494,9 +518,26 @@ PYBIND11_MODULE(_core, m) {
         t.Accumulate(worker, k, n, g, o);
       }, py::arg("worker"), py::arg("keys"), py::arg("grads"), py::arg("owners"), py::arg("dim"))
       .def("apply", [](hps::DeviceTier& t) {
-        py::gil_scoped_release release;
-        t.Apply();
+        std::vector<uint64_t> updated;
+        {
+          py::gil_scoped_release release;
+          updated = t.Apply();
+        }
+        py::array_t<uint64_t> keys(static_cast<py::ssize_t>(updated.size()));
+        std::memcpy(keys.mutable_data(), updated.data(), updated.size() * sizeof(uint64_t));
+        return keys;
       })
+      .def("rows", [](const hps::DeviceTier& t, const py::array& keys, const py::object& owners, int32_t row_floats) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const int32_t* o = OwnersArg(owners, n);
+        py::array_t<float> out = NewRows(n, row_floats);
+        float* r = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          t.Rows(k, n, r, o);
+        }
+        return out;
+      }, py::arg("keys"), py::arg("owners"), py::arg("row_floats"))
       .def("read_back", [](const hps::DeviceTier& t, int32_t row_floats) {
         const uint64_t n = t.size();
         py::array_t<uint64_t> keys(static_cast<py::ssize_t>(n));
