@@ -106,8 +106,7 @@ def cmd_demo(a) -> int:
                         eval_examples=d["eval_examples"]),
         eval_every=40, checkpoint_every=0)
     _apply_flags(cfg, a)
-    if a.path is None and a.report is None:
-        a.report = os.path.join(path, "report")
+    cfg.ps.path = os.path.join(path, "ps")  # --path names the demo's directory, the server lives inside
     print(f"hps demo: synthetic Criteo-like data, {cfg.data.train_examples:,} examples, MEM-PS budget "
           f"{cfg.ps.mem_budget}, parameter server in {cfg.ps.path}", file=sys.stderr)
     t0 = time.time()

@@ -50,11 +50,25 @@ def write_report(summary: dict, directory: str) -> list[str]:
             save(fig, "throughput.png")
 
     busy = summary["pipeline"]["busy_seconds"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    staged = [h for h in summary["history"] if "stages" in h]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))
     names = list(busy)
-    ax.barh(names, [busy[n] for n in names], color="C4")
-    ax.axvline(summary["pipeline"]["wall_seconds"], color="k", linestyle="--", label="wall time")
-    ax.set(xlabel="seconds", title=f"stage busy time (bound by {summary['pipeline']['bound_by']})")
-    ax.legend()
+    ax[0].barh(names, [busy[n] for n in names], color="C4")
+    ax[0].axvline(summary["pipeline"]["wall_seconds"], color="k", linestyle="--", label="wall time")
+    ax[0].set(xlabel="seconds", title=f"stage busy time (bound by {summary['pipeline']['bound_by']})")
+    ax[0].legend()
+    # Busy seconds per stage between evaluations: which stage bounds when.
+    for name in names:
+        xs, ys = [], []
+        for prev, cur in zip(staged, staged[1:]):
+            dt = cur["seconds"] - prev["seconds"]
+            if dt > 0:
+                xs.append(cur["examples"] / 1e6)
+                ys.append((cur["stages"][name] - prev["stages"][name]) / dt)
+        if xs:
+            ax[1].plot(xs, ys, marker=".", label=name)
+    ax[1].set(xlabel="examples (M)", ylabel="busy fraction of wall time", title="stage times over the run")
+    if staged[1:]:
+        ax[1].legend(fontsize="small")
     save(fig, "stages.png")
     return written
