@@ -140,7 +140,7 @@ class HpsNodeStore(HpsStore):
 
     name = "hps_node"
 
-    def __init__(self, path, policy="lru+lfu"):
+    def __init__(self, path, policy="tinylfu-lfu"):
         import hps
         super().__init__(path)
         self.cache = hps.MemCache(ROW_BYTES, budget=NODE_CACHE_BYTES, policy=policy,

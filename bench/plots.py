@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Plots for docs/benchmarks.md from the benchmarks' JSON lines.
+
+    python3 bench/plots.py w1 bench/results/ssd_store-<date>.json     -> docs/img/w1.png
+    python3 bench/plots.py w3 bench/results/cache_policy-<date>.json  -> docs/img/w3.png
+    python3 bench/plots.py w4 w4.json [w4s.json]                       -> docs/img/w4.png
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMG = os.path.join(ROOT, "docs", "img")
+
+
+def load(path):
+    with open(path) as f:
+        return json.loads(f.read().strip().splitlines()[-1])
+
+
+def w1(path):
+    d = load(path)
+    stores = [s for s, e in d["stores"].items() if e.get("status") == "ok"]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    width = 0.8 / len(stores)
+    ops = [("uniform", "get"), ("zipf", "get"), ("uniform", "put"), ("zipf", "put")]
+    for i, s in enumerate(stores):
+        e = d["stores"][s]
+        gets = [e["distributions"][dist]["get_rows_per_s"]["median"] for dist, op in ops if op == "get"]
+        puts = [e["distributions"][dist]["put_rows_per_s"]["median"] for dist, op in ops if op == "put"]
+        ax[0].bar([x + i * width for x in range(2)], gets, width, label=s)
+        ax[1].bar([x + i * width for x in range(2)], puts, width, label=s)
+    fio = d.get("fio", {}).get("rand_read_4k_qd64", {}).get("iops")
+    if fio:
+        ax[0].axhline(fio, color="k", linestyle="--", label="fio 4K random read IOPS")
+    for a, title in zip(ax, ("batch get", "batch put (durable)")):
+        a.set_xticks([x + 0.4 - width / 2 for x in range(2)], ["uniform", "Zipf 1.05"])
+        a.set(ylabel="rows/s (median over batches)", title=title)
+    ax[1].set_yscale("log")
+    ax[0].legend(fontsize="small")
+    fig.suptitle(f"W1: {d['rows'] / 1e6:.0f}M rows of {d['row_bytes']} B, {d['batches']} batches of "
+                 f"{d['batch_keys'] // 1000}k keys, 1 GiB memory cgroup")
+    save(fig, "w1.png")
+
+
+def w3(path):
+    d = load(path)
+    traces = [t for t, v in d["traces"].items() if "capacities" in v]
+    fig, ax = plt.subplots(1, len(traces), figsize=(6 * len(traces), 3.8), squeeze=False)
+    for a, t in zip(ax[0], traces):
+        caps = d["traces"][t]["capacities"]
+        policies = [p for p in caps[0]["ratio_to_belady"] if p not in ("belady", "belady_bypass", "py_lru")]
+        width = 0.8 / len(policies)
+        for i, p in enumerate(policies):
+            a.bar([x + i * width for x in range(len(caps))], [c["ratio_to_belady"][p] for c in caps], width, label=p)
+        a.axhline(0.95, color="k", linestyle="--", linewidth=0.8)
+        a.axhline(0.90, color="r", linestyle=":", linewidth=0.8)
+        a.set_xticks([x + 0.4 - width / 2 for x in range(len(caps))],
+                     [f"{c['fraction']:.0%}" for c in caps])
+        a.set(ylim=(0.7, 1.0), xlabel="capacity (share of unique keys)", ylabel="hit rate / Belady's", title=t)
+    ax[0][0].legend(fontsize="small", ncol=2)
+    save(fig, "w3.png")
+
+
+def w4(*paths):
+    runs = [load(p) for p in paths]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    names = []
+    for i, r in enumerate(runs):
+        peers = [("hps", r["hps"]["examples_per_s"]), ("PyTorch", r["torch"]["examples_per_s"])]
+        if "torchrec" in r and "examples_per_s" in r["torchrec"]:
+            peers.append(("TorchRec", r["torchrec"]["examples_per_s"]))
+        for j, (n, v) in enumerate(peers):
+            ax.bar(i + j * 0.25, v, 0.25, color=f"C{j}", label=n if i == 0 else None)
+        names.append(f"MLP {'-'.join(map(str, r['mlp']))}")
+    ax.set_xticks([i + 0.25 for i in range(len(runs))], names)
+    ax.set(ylabel="examples/s", title="W4 / W4s: training throughput, same model and data")
+    ax.legend()
+    save(fig, "w4.png")
+
+
+def save(fig, name):
+    os.makedirs(IMG, exist_ok=True)
+    fig.tight_layout()
+    out = os.path.join(IMG, name)
+    fig.savefig(out, dpi=90)
+    print(out)
+
+
+if __name__ == "__main__":
+    {"w1": w1, "w3": w3, "w4": w4}[sys.argv[1]](*sys.argv[2:])
