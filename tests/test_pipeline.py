@@ -115,3 +115,32 @@ def test_the_example_config_parses():
     cfg = TrainConfig.from_toml(os.path.join(root, "examples", "train.toml"))
     assert cfg.ps.dim == 16 and cfg.ps.optimizer == hps.AdaGrad(lr=0.05) and cfg.data.batch_size == 4096
     assert cfg.hidden == (512, 256) and cfg.checkpoint_every == 500
+
+
+def test_hps_train_reads_criteo_tsv_files(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sample = os.path.join(root, "..", "shared", "data", "criteo-sample", "train_examples_10k.tsv")
+    if not os.path.exists(sample):
+        pytest.skip(f"the Criteo sample is not at {sample}")
+    cfg = config(tmp_path / "ps")
+    cfg.data = DataConfig(source=sample, eval_source=sample, batch_size=1024, eval_examples=2048)
+    summary = train(cfg, progress=False)
+    assert summary["examples"] == 10_000 and summary["batches"] == 10
+    assert summary["final"]["eval_examples"] == 2048 and 0 < summary["final"]["auc"] < 1
+
+
+def test_prefetch_waits_for_room_instead_of_failing(tmp_path):
+    """A budget for about one and a half batches: the prefetch of the next batch
+    waits for the current one's write-back; the result equals the sequential run."""
+    tight = config(tmp_path / "tight")
+    tight.ps.mem_budget = 7000 * (4 * 2 * 4 + 112)
+    summary = train(tight, progress=False)
+    assert summary["batches"] == 12 and summary["pipeline"]["prefetch_waits"] > 0
+    seq = config(tmp_path / "seq", pipelined=False)
+    seq.ps.mem_budget = tight.ps.mem_budget
+    train(seq, progress=False)
+    np.testing.assert_array_equal(final_rows(tmp_path / "tight"), final_rows(tmp_path / "seq"))
+    tiny = config(tmp_path / "tiny")
+    tiny.ps.mem_budget = 1000 * (4 * 2 * 4 + 112)  # not even one batch
+    with pytest.raises(hps.CacheFullError, match="MEM-PS budget too small"):
+        train(tiny, progress=False)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
+from hps.mem_cache import CacheFullError
 from hps.parameter_server import Batch, ParameterServer
 
 STAGES = ("read", "prefetch", "load", "train", "write_back")
@@ -42,6 +43,7 @@ class PipelineStats:
     busy_seconds: dict = field(default_factory=lambda: {s: 0.0 for s in STAGES})
     queue_depth_sum: dict = field(default_factory=lambda: {"read": 0, "prefetch": 0, "load": 0})
     queue_samples: int = 0
+    prefetch_waits: int = 0  # times the prefetch waited for MEM-PS room
 
     def bound_by(self) -> str:
         """The stage that bounds the run: the most busy one (train and write-back
@@ -58,7 +60,8 @@ class PipelineStats:
                 "examples_per_s": self.examples / self.wall_seconds if self.wall_seconds else 0.0,
                 "busy_seconds": busy, "bound_by": self.bound_by(),
                 "wall_over_slowest_stage": self.wall_seconds / slowest if slowest else None,
-                "mean_queue_depth": {k: v / n for k, v in self.queue_depth_sum.items()}}
+                "mean_queue_depth": {k: v / n for k, v in self.queue_depth_sum.items()},
+                "prefetch_waits": self.prefetch_waits}
 
 
 @dataclass
@@ -88,6 +91,8 @@ class Pipeline:
         self.depths = depths
         self.stats = PipelineStats()
         self._lock = threading.Lock()
+        self._written_back = threading.Condition(self._lock)  # a batch let go of its pins
+        self._in_flight = 0  # prefetched batches not yet written back
 
     # ------------------------------------------------------------ stages
     def _timed(self, stage: str, fn, *args):
@@ -115,9 +120,31 @@ class Pipeline:
         with self._lock:
             self.stats.batches += 1
             self.stats.examples += len(loaded.data.labels)
+            self._in_flight -= 1
+            self._written_back.notify_all()
+
+    def _prefetch(self, data, stop: Optional[threading.Event] = None):
+        """Pins a batch; when MEM-PS has no room beside the batches in flight,
+        waits for one of them to be written back (backpressure), and fails only
+        when none is left to wait for: then the budget cannot hold one batch."""
+        keys = self.keys_of(data)
+        while True:
+            try:
+                prefetched = self._timed("prefetch", self.ps.prefetch, keys)
+            except CacheFullError:
+                with self._lock:
+                    if self._in_flight == 0 or (stop is not None and stop.is_set()):
+                        raise
+                    self.stats.prefetch_waits += 1
+                    self._written_back.wait(timeout=1.0)
+                continue
+            with self._lock:
+                self._in_flight += 1
+            return prefetched
 
     # ------------------------------------------------------------ runs
     def run(self, source: Iterable, pipelined: bool = True) -> PipelineStats:
+        self._in_flight = 0  # whatever a previous run left in flight it released
         t0 = time.perf_counter()
         try:
             if pipelined:
@@ -133,7 +160,7 @@ class Pipeline:
             data = self._timed("read", next, it, _DONE)
             if data is _DONE:
                 return
-            prefetched = self._timed("prefetch", self.ps.prefetch, self.keys_of(data))
+            prefetched = self._prefetch(data)
             loaded = self._timed("load", self._load, data, prefetched)
             self._train(loaded)
 
@@ -176,7 +203,7 @@ class Pipeline:
                     if data is _DONE:
                         put(q_prefetch, _DONE)
                         return
-                    prefetched = self._timed("prefetch", self.ps.prefetch, self.keys_of(data))
+                    prefetched = self._prefetch(data, stop)
                     if not put(q_prefetch, (data, prefetched)):
                         prefetched.release()
                         return
