@@ -43,8 +43,11 @@ class _PooledLookup(torch.autograd.Function):
         if weights is not None:
             elem = elem * weights.unsqueeze(1)
         bag_t = torch.from_numpy(bag)
-        out = torch.zeros(len(counts), module.dim, dtype=torch.float32)
-        out.index_add_(0, bag_t, elem)
+        if weights is None and len(bag) == len(counts) and (counts == 1).all():
+            out = elem  # one key a bag (single-hot fields): pooling is the identity
+        else:
+            out = torch.zeros(len(counts), module.dim, dtype=torch.float32)
+            out.index_add_(0, bag_t, elem)
         if module.mode == "mean":
             out = out / torch.from_numpy(np.maximum(counts, 1)).to(torch.float32).unsqueeze(1)
         ctx.module, ctx.uniq, ctx.inverse, ctx.bag, ctx.counts = module, uniq, inverse, bag_t, counts
@@ -58,7 +61,7 @@ class _PooledLookup(torch.autograd.Function):
         grad_out = grad_out.to(torch.float32)
         if module.mode == "mean":
             grad_out = grad_out / torch.from_numpy(np.maximum(ctx.counts, 1)).to(torch.float32).unsqueeze(1)
-        elem = grad_out[ctx.bag]
+        elem = grad_out if len(ctx.bag) == len(ctx.counts) and (ctx.counts == 1).all() else grad_out[ctx.bag]
         if weights.numel():
             elem = elem * weights.unsqueeze(1)
         per_key = torch.zeros(len(ctx.uniq), module.dim, dtype=torch.float32)
