@@ -52,20 +52,8 @@ def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_d
     with torch.no_grad():
         emb.weight.uniform_(-0.01, 0.01)
 
-    # The MLP of hps.torch.CtrModel: same layers, same initialisation from `seed`.
-    gen = torch.Generator().manual_seed(seed)
-    layers, width = [], 26 * dim + 13
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    layers.append(nn.Linear(width, 1))
-    mlp = nn.Sequential(*layers)
-    with torch.no_grad():
-        for m in mlp:
-            if isinstance(m, nn.Linear):
-                bound = 1.0 / np.sqrt(m.in_features)
-                m.weight.uniform_(-bound, bound, generator=gen)
-                m.bias.uniform_(-bound, bound, generator=gen)
+    from hps.torch import mlp as ctr_mlp
+    mlp = ctr_mlp(26 * dim + 13, hidden, seed)  # hps.torch.CtrModel's MLP: same layers, same init
     opt_emb = torch.optim.Adagrad(emb.parameters(), lr=lr_emb)
     opt_mlp = torch.optim.Adam(mlp.parameters(), lr=lr_dense)
     loss_fn = nn.BCEWithLogitsLoss()

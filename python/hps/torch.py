@@ -23,7 +23,28 @@ from torch import nn
 from hps import _core
 from hps.parameter_server import Batch, ParameterServer
 
-__all__ = ["EmbeddingBag", "CtrModel"]
+__all__ = ["EmbeddingBag", "CtrModel", "mlp"]
+
+
+def mlp(in_width: int, hidden: Sequence[int], seed: int = 0) -> nn.Sequential:
+    """Linear+ReLU layers of the widths in `hidden`, then one output: the CTR
+    model's MLP, initialised from `seed` alone (uniform +-1/sqrt(fan_in), as
+    torch's default), so that benchmark peers can build the same network."""
+    gen = torch.Generator().manual_seed(seed)
+    layers: list[nn.Module] = []
+    width = in_width
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, 1))
+    net = nn.Sequential(*layers)
+    with torch.no_grad():
+        for m in net:
+            if isinstance(m, nn.Linear):
+                bound = 1.0 / np.sqrt(m.in_features)
+                m.weight.uniform_(-bound, bound, generator=gen)
+                m.bias.uniform_(-bound, bound, generator=gen)
+    return net
 
 
 def _keys_of(t: torch.Tensor) -> np.ndarray:
@@ -155,20 +176,7 @@ class CtrModel(nn.Module):
         super().__init__()
         self.embedding = EmbeddingBag(ps, mode="sum")
         self.num_fields = num_fields
-        gen = torch.Generator().manual_seed(seed)
-        layers: list[nn.Module] = []
-        width = num_fields * ps.dim + num_dense
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        layers.append(nn.Linear(width, 1))
-        self.mlp = nn.Sequential(*layers)
-        with torch.no_grad():  # initialised from `seed` alone, whatever torch's global state
-            for m in self.mlp:
-                if isinstance(m, nn.Linear):
-                    bound = 1.0 / np.sqrt(m.in_features)
-                    m.weight.uniform_(-bound, bound, generator=gen)
-                    m.bias.uniform_(-bound, bound, generator=gen)
+        self.mlp = mlp(num_fields * ps.dim + num_dense, hidden, seed)
 
     def forward(self, keys: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """keys: (B, num_fields) int64, one key per field; dense: (B, num_dense)."""
