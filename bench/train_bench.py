@@ -15,8 +15,8 @@ MLP initialised identically.
     partition) behind the 4-stage pipeline, embeddings through hps.torch.
   * plain PyTorch: one nn.EmbeddingBag(sparse=True, mode="sum") over the keys seen in
     the run (keys mapped to dense indices before timing), torch.optim.Adagrad on it.
-Both train on the same batches in the same order and evaluate on the same held-out
-examples. Reported: examples/s (training loop only), eval AUC and logloss after the
+Both train on the same batches, generated before timing and fed from memory, in the
+same order, and evaluate on the same held-out examples. Reported: examples/s (training loop only), eval AUC and logloss after the
 same examples, and for hps the pipeline's wall time over its slowest stage (W9).
 One JSON line on stdout.
 """
@@ -80,7 +80,7 @@ def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_d
             "logloss": logloss(y, p), "embedding_rows": len(vocab)}
 
 
-def run_hps(args, workdir, hidden):
+def run_hps(args, workdir, hidden, train_batches, eval_batches):
     import hps
     from hps.train import DataConfig, TrainConfig, train
     rows = 2_000_000  # MEM budget for every row the run can touch (W4: the table fits in memory)
@@ -92,7 +92,7 @@ def run_hps(args, workdir, hidden):
                         eval_examples=args.eval_examples, seed=args.seed),
         hidden=tuple(hidden), dense_lr=args.lr_dense, seed=args.seed, torch_threads=args.threads,
         pipelined=not args.sequential)
-    summary = train(cfg, progress=False)
+    summary = train(cfg, progress=False, train_batches=train_batches, eval_batches=eval_batches)
     return {"examples": summary["examples"], "seconds": summary["train_seconds"],
             "examples_per_s": summary["examples_per_s"], "auc": summary["final"]["auc"],
             "logloss": summary["final"]["logloss"], "pipeline": summary["pipeline"],
@@ -130,7 +130,7 @@ def main():
                                    a.lr_dense, a.dim)
         log(f"torch: {out['torch']['examples_per_s']:,.0f} examples/s, AUC {out['torch']['auc']:.4f}")
         log("== hps ==")
-        out["hps"] = run_hps(a, workdir, hidden)
+        out["hps"] = run_hps(a, workdir, hidden, train_batches, eval_batches)
         log(f"hps: {out['hps']['examples_per_s']:,.0f} examples/s, AUC {out['hps']['auc']:.4f}, "
             f"wall/slowest stage {out['hps']['pipeline']['wall_over_slowest_stage']:.2f} "
             f"(bound by {out['hps']['pipeline']['bound_by']})")

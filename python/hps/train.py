@@ -237,11 +237,13 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
-          on_eval: Optional[Callable[[dict], None]] = None) -> dict:
-    """Trains per `cfg`; returns the summary (also written to <path>/train-summary.json)."""
+          on_eval: Optional[Callable[[dict], None]] = None, train_batches=None, eval_batches=None) -> dict:
+    """Trains per `cfg`; returns the summary (also written to <path>/train-summary.json).
+    `train_batches` / `eval_batches` (iterables of hps.data.Batch) replace the
+    sources cfg.data names: a benchmark feeds both sides the same batches from memory."""
     trainer = Trainer(cfg, resume=resume)
-    eval_batches = _eval_batches(cfg)
-    source = _train_source(cfg)
+    eval_batches = list(eval_batches) if eval_batches is not None else _eval_batches(cfg)
+    source = train_batches if train_batches is not None else _train_source(cfg)
     skip = trainer.batches_done
 
     def batches():
