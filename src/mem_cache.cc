@@ -462,23 +462,28 @@ class ShardedCache final : public MemCache {
   void ForPinned(const uint64_t* keys, uint64_t n, const char* what, Change change) {
     CheckKeys(keys, n);
     const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
+    std::vector<std::vector<uint32_t>> slots(shards_.size());  // found in the check, used in the change
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
+      slots[s].reserve(by_shard[s].size());
       for (uint64_t i : by_shard[s]) {
         const auto it = shard.where.find(keys[i]);
         if (it == shard.where.end() || shard.pins[it->second] == 0) {
           throw std::invalid_argument("MEM-PS " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
                                       std::to_string(keys[i]) + " is not pinned");
         }
+        slots[s].push_back(it->second);
       }
     }
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
-      for (uint64_t i : by_shard[s]) {
-        const uint32_t slot = shard.where.at(keys[i]);
-        if (shard.pins[slot] == 0) continue;  // unpinned meanwhile by a concurrent caller
+      for (size_t j = 0; j < by_shard[s].size(); ++j) {
+        const uint64_t i = by_shard[s][j];
+        const uint32_t slot = slots[s][j];
+        // A concurrent caller may have unpinned it meanwhile (and the slot moved on).
+        if (shard.pins[slot] == 0 || shard.keys[slot] != keys[i]) continue;
         change(shard, slot, i);
         if (--shard.pins[slot] > 0) continue;
         --shard.pinned;
