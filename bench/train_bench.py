@@ -15,6 +15,9 @@ MLP initialised identically.
     partition) behind the 4-stage pipeline, embeddings through hps.torch.
   * plain PyTorch: one nn.EmbeddingBag(sparse=True, mode="sum") over the keys seen in
     the run (keys mapped to dense indices before timing), torch.optim.Adagrad on it.
+  * TorchRec (bench/torchrec_peer.py, installed on demand; --no-torchrec skips it): an
+    EmbeddingBagCollection of one table per field, sharded table_wise with the fused
+    kernel (Adagrad in the backward) under DistributedModelParallel, world size 1.
 Both train on the same batches, generated before timing and fed from memory, in the
 same order, and evaluate on the same held-out examples. Reported: examples/s (training loop only), eval AUC and logloss after the
 same examples, and for hps the pipeline's wall time over its slowest stage (W9).
@@ -112,9 +115,11 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sequential", action="store_true", help="hps without the pipeline")
+    ap.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec peer (installed on demand)")
     a = ap.parse_args()
     if a.quick:
-        a.examples, a.eval_examples = 300_000, 50_000
+        a.examples = min(a.examples, 300_000)
+        a.eval_examples = min(a.eval_examples, 50_000)
     hidden = [int(h) for h in a.mlp.split(",") if h]
     from hps.data import SyntheticCriteo
     train_batches = list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.examples))
@@ -129,6 +134,14 @@ def main():
         out["torch"] = plain_torch(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb,
                                    a.lr_dense, a.dim)
         log(f"torch: {out['torch']['examples_per_s']:,.0f} examples/s, AUC {out['torch']['auc']:.4f}")
+        if not a.no_torchrec:
+            log("== TorchRec (fused table-batched embeddings, Adagrad in backward) ==")
+            sys.path.insert(0, HERE)
+            import torchrec_peer
+            torchrec_peer.ensure_installed()
+            out["torchrec"] = torchrec_peer.torchrec(train_batches, eval_batches, hidden, a.threads, a.seed,
+                                                     a.lr_emb, a.lr_dense, a.dim)
+            log(f"torchrec: {out['torchrec']['examples_per_s']:,.0f} examples/s, AUC {out['torchrec']['auc']:.4f}")
         log("== hps ==")
         out["hps"] = run_hps(a, workdir, hidden, train_batches, eval_batches)
         log(f"hps: {out['hps']['examples_per_s']:,.0f} examples/s, AUC {out['hps']['auc']:.4f}, "
@@ -137,6 +150,8 @@ def main():
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out["ratio_examples_per_s"] = out["hps"]["examples_per_s"] / out["torch"]["examples_per_s"]
+    if "torchrec" in out:
+        out["ratio_over_torchrec"] = out["hps"]["examples_per_s"] / out["torchrec"]["examples_per_s"]
     out["auc_difference"] = out["hps"]["auc"] - out["torch"]["auc"]
     out["w9_wall_over_slowest_stage"] = out["hps"]["pipeline"]["wall_over_slowest_stage"]
     print(json.dumps(out), flush=True)

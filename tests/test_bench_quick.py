@@ -23,3 +23,12 @@ def test_cache_policy_quick():
         assert hits["lru"] == hits["py_lru"]  # the native LRU is an exact LRU
         assert hits["belady_bypass"] >= max(hits.values())
         assert hits["lru+lfu"] >= hits["lru"]
+
+
+def test_train_quick_against_pytorch():
+    pytest.importorskip("torch", reason="the training benchmark needs torch")
+    out = run_json("bench/train_bench.py", "--quick", "--no-torchrec", "--examples", "100000",
+                   "--eval-examples", "20000", timeout=600)
+    assert out["hps"]["examples"] == out["torch"]["examples"] == 100_000
+    assert abs(out["auc_difference"]) < 0.002  # same model, same data, same optimizers
+    assert out["w9_wall_over_slowest_stage"] >= 1.0
