@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "hps/hash_table.h"
+#include "mix64.h"
 
 namespace hps {
 namespace {
@@ -48,24 +49,10 @@ class Tier final : public DeviceTier {
   void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings,
            const int32_t* owners) override {
     CheckWorker(worker);
-    CheckKeys(keys, n);
-    const Parts parts = Partition(keys, n, owners, nullptr, 0);
     const int32_t dim = o_.optimizer.dim;
-    std::vector<float> found_rows;
-    std::vector<uint8_t> found;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const auto& part = parts.keys[d];
-      if (part.empty()) continue;
-      found_rows.resize(part.size() * row_floats_);
-      found.resize(part.size());
-      rows_[d]->find(part.data(), part.size(), found_rows.data(), found.data());
-      for (size_t j = 0; j < part.size(); ++j) {
-        const uint64_t i = parts.index[d][j];
-        if (!found[j]) NotLoaded(keys, i, d);
-        std::memcpy(embeddings + i * dim, found_rows.data() + j * row_floats_, dim * sizeof(float));
-      }
-      Count(d, worker, part.size(), part.size() * dim * sizeof(float));
-    }
+    ReadOnOwners(keys, n, owners, embeddings, dim, [&](int32_t device, uint64_t rows) {
+      Count(device, worker, rows, rows * dim * sizeof(float));
+    });
   }
 
   void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
@@ -100,22 +87,7 @@ class Tier final : public DeviceTier {
   }
 
   void Rows(const uint64_t* keys, uint64_t n, float* rows, const int32_t* owners) const override {
-    CheckKeys(keys, n);
-    const Parts parts = Partition(keys, n, owners, nullptr, 0);
-    std::vector<float> found_rows;
-    std::vector<uint8_t> found;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const auto& part = parts.keys[d];
-      if (part.empty()) continue;
-      found_rows.resize(part.size() * row_floats_);
-      found.resize(part.size());
-      rows_[d]->find(part.data(), part.size(), found_rows.data(), found.data());
-      for (size_t j = 0; j < part.size(); ++j) {
-        const uint64_t i = parts.index[d][j];
-        if (!found[j]) NotLoaded(keys, i, d);
-        std::memcpy(rows + i * row_floats_, found_rows.data() + j * row_floats_, row_floats_ * sizeof(float));
-      }
-    }
+    ReadOnOwners(keys, n, owners, rows, row_floats_, [](int32_t, uint64_t) {});
   }
 
   uint64_t ReadBack(uint64_t* keys, float* rows, uint64_t max_rows) const override {
@@ -165,6 +137,30 @@ class Tier final : public DeviceTier {
     return p;
   }
 
+  // Finds keys on their owners and copies the first `width` floats of each
+  // row to out (n, width); sent(device, rows) is told what each device gave.
+  template <typename Sent>
+  void ReadOnOwners(const uint64_t* keys, uint64_t n, const int32_t* owners, float* out, int32_t width,
+                    Sent sent) const {
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    std::vector<float> found_rows;
+    std::vector<uint8_t> found;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const auto& part = parts.keys[d];
+      if (part.empty()) continue;
+      found_rows.resize(part.size() * row_floats_);
+      found.resize(part.size());
+      rows_[d]->find(part.data(), part.size(), found_rows.data(), found.data());
+      for (size_t j = 0; j < part.size(); ++j) {
+        const uint64_t i = parts.index[d][j];
+        if (!found[j]) NotLoaded(keys, i, d);
+        std::memcpy(out + i * width, found_rows.data() + j * row_floats_, width * sizeof(float));
+      }
+      sent(d, part.size());
+    }
+  }
+
   [[noreturn]] static void NotLoaded(const uint64_t* keys, uint64_t i, int32_t device) {
     throw std::out_of_range("device tier: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
                             " is not loaded on device " + std::to_string(device) +
@@ -194,12 +190,7 @@ class Tier final : public DeviceTier {
 }  // namespace
 
 int32_t DeviceTier::ModuloOwner(uint64_t key, int32_t devices) {
-  // A mixed key, so that ids sharing low bits still spread.
-  uint64_t k = key;
-  k ^= k >> 33;
-  k *= 0xff51afd7ed558ccdULL;
-  k ^= k >> 33;
-  return static_cast<int32_t>(k % static_cast<uint64_t>(devices));
+  return static_cast<int32_t>(detail::Mix64(key) % static_cast<uint64_t>(devices));  // ids sharing low bits still spread
 }
 
 std::unique_ptr<DeviceTier> DeviceTier::New(const DeviceTierOptions& options) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "hps/hash_table.h"  // kEmptyKey
+#include "mix64.h"
 
 namespace hps::detail {
 
@@ -29,7 +30,7 @@ class KeyIndex {
 
   // The value stored under key, or kNone.
   uint32_t Find(uint64_t key) const {
-    const uint64_t h = Mix(key);
+    const uint64_t h = Mix64(key);
     const Shard& s = shards_[h >> (64 - kShardBits)];
     if (s.mask == 0) return kNone;
     for (uint64_t i = h & s.mask;; i = (i + 1) & s.mask) {
@@ -40,7 +41,7 @@ class KeyIndex {
 
   // Stores value (not kNone) under key; returns the value it replaced, or kNone.
   uint32_t Upsert(uint64_t key, uint32_t value) {
-    const uint64_t h = Mix(key);
+    const uint64_t h = Mix64(key);
     Shard& s = shards_[h >> (64 - kShardBits)];
     if ((s.size + 1) * 5 > s.capacity() * 4) Grow(&s);
     for (uint64_t i = h & s.mask;; i = (i + 1) & s.mask) {
@@ -61,7 +62,7 @@ class KeyIndex {
 
   // Replaces key's value if it is `expected`; returns whether it was.
   bool Replace(uint64_t key, uint32_t expected, uint32_t value) {
-    const uint64_t h = Mix(key);
+    const uint64_t h = Mix64(key);
     Shard& s = shards_[h >> (64 - kShardBits)];
     if (s.mask == 0) return false;
     for (uint64_t i = h & s.mask;; i = (i + 1) & s.mask) {
@@ -95,15 +96,6 @@ class KeyIndex {
     uint64_t capacity() const { return mask == 0 ? 0 : mask + 1; }
   };
 
-  // murmur3's finaliser: keys may be sequential, homes must not be.
-  static uint64_t Mix(uint64_t k) {
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdULL;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ULL;
-    k ^= k >> 33;
-    return k;
-  }
 
   static void Grow(Shard* s) {
     const uint64_t capacity = s->mask == 0 ? kMinCapacity : 2 * s->capacity();
@@ -116,7 +108,7 @@ class KeyIndex {
     for (uint64_t j = 0; j < s->capacity(); ++j) {
       const uint64_t key = s->keys[j];
       if (key == kEmptyKey) continue;
-      uint64_t i = Mix(key) & grown.mask;
+      uint64_t i = Mix64(key) & grown.mask;
       while (grown.keys[i] != kEmptyKey) i = (i + 1) & grown.mask;
       grown.keys[i] = key;
       grown.values[i] = s->values[j];

@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "cache_policy.h"
+#include "mix64.h"
 #include "hps/hash_table.h"  // CheckKeys
 
 namespace hps {
@@ -27,15 +28,6 @@ using detail::kNoSlot;
 constexpr uint64_t kOverheadPerRow = 112;
 constexpr uint64_t kSinkBatchRows = 16384;
 constexpr int kMpolInterleave = 3;  // <linux/mempolicy.h>; no libnuma needed
-
-uint64_t Mix(uint64_t k) {
-  k ^= k >> 33;
-  k *= 0xff51afd7ed558ccdULL;
-  k ^= k >> 33;
-  k *= 0xc4ceb9fe1a85ec53ULL;
-  k ^= k >> 33;
-  return k;
-}
 
 int CountNumaNodes() {
   namespace fs = std::filesystem;
@@ -368,7 +360,7 @@ class ShardedCache final : public MemCache {
  private:
   size_t ShardOf(uint64_t key) const {
     __extension__ using U128 = unsigned __int128;
-    return static_cast<size_t>((static_cast<U128>(Mix(key)) * shards_.size()) >> 64);
+    return static_cast<size_t>((static_cast<U128>(detail::Mix64(key)) * shards_.size()) >> 64);
   }
 
   std::vector<std::vector<uint64_t>> GroupByShard(const uint64_t* keys, uint64_t n) const {

@@ -11,6 +11,7 @@
 #include "hps/config.h"
 #include "hps/hash_table.h"
 #include "hps/optimizer.h"
+#include "mix64.h"
 
 #if defined(__CUDA_ARCH__)
 #include <cuda/atomic>
@@ -32,15 +33,6 @@ struct TableRef {
   HPS_HD float* row(uint64_t slot) const { return rows + slot * stride; }
 };
 
-// murmur3's 64-bit finaliser: sequential keys must not land in sequential slots.
-HPS_HD inline uint64_t Mix64(uint64_t k) {
-  k ^= k >> 33;
-  k *= 0xff51afd7ed558ccdULL;
-  k ^= k >> 33;
-  k *= 0xc4ceb9fe1a85ec53ULL;
-  k ^= k >> 33;
-  return k;
-}
 
 HPS_HD inline uint64_t MulHigh(uint64_t a, uint64_t b) {
 #if defined(__CUDA_ARCH__)

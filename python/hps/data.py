@@ -48,6 +48,7 @@ Readers are not thread-safe: give each thread its own reader.
 """
 from __future__ import annotations
 
+import abc
 import glob as _glob
 import gzip
 import io
@@ -478,7 +479,7 @@ def _shown(value) -> str:
     return repr(value)
 
 
-class _Reader:
+class _Reader(abc.ABC):
     """What the file readers share: file list, batching and the malformed-line count."""
 
     def __init__(self, paths, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
@@ -515,8 +516,9 @@ class _Reader:
         if len(self.malformed_examples) < MAX_MALFORMED_EXAMPLES:
             self.malformed_examples.append(str(error))
 
+    @abc.abstractmethod
     def _pieces(self) -> Iterator[_Piece]:
-        raise NotImplementedError
+        """The examples of this reader's files, in file order, as pieces."""
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.files)} files, batch_size={self.batch_size}, "
