@@ -110,13 +110,12 @@ void CheckOrCreateMarker(const std::string& dir, uint32_t row_bytes) {
   SyncDirectory(dir);
 }
 
-// Record ids: handle * file_records + slot, 32 bits, so that the index takes
+// Record ids: handle * slots_per_file_ + slot, 32 bits, so that the index takes
 // 12 bytes a slot. Handles are reused once their file is gone.
 class FileStore final : public SsdStore {
  public:
   explicit FileStore(const SsdStoreOptions& options)
       : options_(options), io_pool_(options.use_io_uring) {
-    max_handles_ = (uint64_t{KeyIndex::kNone}) / options_.file_records;
     const std::string& dir = options_.path;
     if (fs::exists(dir) && !fs::is_directory(dir)) {
       throw std::invalid_argument(dir + " is not a directory, so not an hps store");
@@ -126,6 +125,17 @@ class FileStore final : public SsdStore {
 
     const std::string manifest = Path(kManifest);
     const detail::ManifestReplay replay = detail::ReplayManifest(manifest);
+    // Files written under another file_records (or merged by compaction) may
+    // hold more records than this open asks for: ids must fit the largest.
+    slots_per_file_ = options_.file_records;
+    for (const auto& [sequence, records] : replay.state.live_files) {
+      slots_per_file_ = std::max<uint64_t>(slots_per_file_, records);
+    }
+    if (slots_per_file_ >= KeyIndex::kNone) {
+      throw std::invalid_argument("ssd store: " + std::to_string(slots_per_file_) +
+                                  " records in one file; at most 2^32 - 2");
+    }
+    max_handles_ = uint64_t{KeyIndex::kNone} / slots_per_file_;
     commits_ = replay.state.commits;
     next_sequence_ = replay.state.max_sequence + 1;
     // Files not in the last commit were written by puts that were never
@@ -252,10 +262,10 @@ class FileStore final : public SsdStore {
           std::memset(rows_out + i * row_bytes, 0, row_bytes);
           continue;
         }
-        const uint32_t handle = static_cast<uint32_t>(id / options_.file_records);
+        const uint32_t handle = static_cast<uint32_t>(id / slots_per_file_);
         auto [it, inserted] = group_of.try_emplace(handle, groups.size());
         if (inserted) groups.push_back(Group{entries_[handle].file, {}, {}, {}, 0});
-        groups[it->second].slots.push_back(id % options_.file_records);
+        groups[it->second].slots.push_back(id % slots_per_file_);
         groups[it->second].requests.push_back(i);
         ++hits;
       }
@@ -403,7 +413,7 @@ class FileStore final : public SsdStore {
   FileEntry& Entry(uint32_t handle) { return entries_[handle]; }
   const FileEntry& Entry(uint32_t handle) const { return entries_[handle]; }
   uint32_t RecordId(uint32_t handle, uint64_t slot) const {
-    return static_cast<uint32_t>(handle * options_.file_records + slot);
+    return static_cast<uint32_t>(handle * slots_per_file_ + slot);
   }
 
   // REQUIRES: mutex_ held exclusively (or the constructor).
@@ -443,7 +453,7 @@ class FileStore final : public SsdStore {
     for (uint64_t slot = 0; slot < keys.size(); ++slot) {
       const uint32_t old = index_.Upsert(keys[slot], RecordId(handle, slot));
       if (old == KeyIndex::kNone) continue;
-      FileEntry& was = Entry(static_cast<uint32_t>(old / options_.file_records));
+      FileEntry& was = Entry(static_cast<uint32_t>(old / slots_per_file_));
       was.stale += 1;
       if (was.victim) superseded_victim_copies_.try_emplace(keys[slot], old);
     }
@@ -696,6 +706,7 @@ class FileStore final : public SsdStore {
 
   const SsdStoreOptions options_;
   detail::BlockIoPool io_pool_;
+  uint64_t slots_per_file_ = 0;  // record ids: handle * this + slot; >= every file's records
   uint64_t max_handles_ = 0;
 
   // Lock order: put_mutex_, compaction_mutex_, manifest_mutex_, mutex_.

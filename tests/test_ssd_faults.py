@@ -8,6 +8,7 @@ full disk in all but name) must not limit the runner's own files.
 import os
 import random
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -77,8 +78,13 @@ def test_sigkill_at_random_moments_reopens_to_a_committed_state(tmp_path):
                                  stdout=subprocess.PIPE, text=True)
         # Let it commit a few batches, then kill it at an arbitrary instant.
         for _ in range(rng.randint(1, 6)):
+            # A writer that hangs fails the test instead of hanging it.
+            ready, _, _ = select.select([child.stdout], [], [], 60)
+            if not ready:
+                child.kill()
+                pytest.fail(f"attempt {attempt}: the writer printed nothing for 60 s")
             line = child.stdout.readline()
-            assert line, f"writer died on its own (exit {child.poll()})"
+            assert line, f"writer died on its own (exit {child.wait()})"
             reported = int(line)
         time.sleep(rng.random() * 0.03)
         child.send_signal(signal.SIGKILL)

@@ -307,3 +307,23 @@ def test_gets_run_alongside_puts_and_background_compaction(tmp_path):
     for version in range(1, 30):
         expected[np.random.default_rng(version).permutation(n)[: n // 2]] = version
     np.testing.assert_array_equal(final[:, 1], expected)
+
+
+def test_reopening_with_a_smaller_file_records(tmp_path):
+    """Files may hold more records than a later open's file_records (written
+    under a larger setting, or merged by compaction); reopening must still index
+    them. This once crashed the SIGKILL test's writer."""
+    path = tmp_path / "s"
+    big = hps.SsdStore(path, 8, file_records=1000)
+    keys = u64(range(3000))
+    big.put(keys, np.arange(6000, dtype=np.float32).reshape(3000, 2))
+    big.commit()
+    del big
+    small = hps.SsdStore(path, 8, file_records=10)
+    small.put(keys[:50], np.zeros((50, 2), np.float32))  # new files, handles beside the big ones
+    small.commit()
+    rows, found = small.get(keys, np.float32)
+    assert found.all()
+    np.testing.assert_array_equal(rows[50:, 0], np.arange(100, 6000, 2, dtype=np.float32))
+    assert (rows[:50] == 0).all()
+    assert small.stats()["stale_records"] == 50
