@@ -227,3 +227,18 @@ def test_a_prefetch_during_a_batch_sees_its_updates_once_loaded(tmp_path):
         used = ps.prefetch(steps[0][0])
         ps.batch(used).finish()
         ps.batch(used)
+
+
+def test_a_dropped_server_is_freed_with_its_files(tmp_path):
+    """The native cache holds the server's loader and sink; they must not keep
+    the server (its SSD-PS descriptors and compaction thread) alive."""
+    import gc
+    import weakref
+
+    ps = hps.ParameterServer(config(tmp_path / "ps"))
+    ps.push(np.arange(500, dtype=np.uint64), np.ones((500, DIM), np.float32))
+    ps.checkpoint()
+    gone = weakref.ref(ps)
+    del ps
+    gc.collect()
+    assert gone() is None

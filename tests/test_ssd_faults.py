@@ -78,9 +78,11 @@ def test_sigkill_at_random_moments_reopens_to_a_committed_state(tmp_path):
                                  stdout=subprocess.PIPE, text=True)
         # Let it commit a few batches, then kill it at an arbitrary instant.
         for _ in range(rng.randint(1, 6)):
-            # A writer that hangs fails the test instead of hanging it.
-            ready, _, _ = select.select([child.stdout], [], [], 60)
-            if not ready:
+            # A writer that hangs fails the test instead of hanging it (poll: the
+            # runner may hold descriptors past select()'s limit of 1024).
+            poller = select.poll()
+            poller.register(child.stdout, select.POLLIN)
+            if not poller.poll(60_000):
                 child.kill()
                 pytest.fail(f"attempt {attempt}: the writer printed nothing for 60 s")
             line = child.stdout.readline()

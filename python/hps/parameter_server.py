@@ -20,6 +20,7 @@ import json
 import os
 import threading
 import time
+import weakref
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -274,8 +275,13 @@ class ParameterServer:
         self._counts = {"mem_hits": 0, "mem_misses": 0, "pending_hits": 0, "ssd_hits": 0, "initialized": 0,
                         "ssd_puts": 0, "ssd_rows_put": 0, "pulls": 0, "pushes": 0, "batches": 0,
                         "checkpoints": 0}
+        # The native cache holds its loader and sink; bound methods would make a
+        # cycle through C++ that Python's collector cannot see, and every server
+        # dropped without close() would keep its files, threads and memory.
+        me = weakref.ref(self)
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
-                               loader=self._load, sink=self._sink)
+                               loader=lambda keys: me()._load(keys),
+                               sink=lambda keys, rows: me()._sink(keys, rows))
         # Device tables start small and double when a batch needs it (up to
         # device_capacity): clearing and reading back scan every slot, so tables
         # sized to the batch cost least.
