@@ -236,7 +236,7 @@ def test_a_dropped_server_is_freed_with_its_files(tmp_path):
     import weakref
 
     ps = hps.ParameterServer(config(tmp_path / "ps"))
-    ps.push(np.arange(500, dtype=np.uint64), np.ones((500, DIM), np.float32))
+    ps.push(np.arange(50, dtype=np.uint64), np.ones((50, DIM), np.float32))
     ps.checkpoint()
     gone = weakref.ref(ps)
     del ps
