@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from hps import _core
-from hps.mem_cache import MemCache, parse_bytes
+from hps.mem_cache import MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 from hps.ssd_store import SsdStore
 
@@ -40,6 +40,24 @@ FORMAT_VERSION = 1
 
 _OPTIMIZERS = {"sgd": SGD, "adagrad": AdaGrad, "rowwise_adagrad": RowWiseAdaGrad, "adam": Adam}
 _INITIALIZERS = {"uniform": Uniform, "normal": Normal, "zeros": Zeros}
+
+
+def check_fields(cls, d: dict, source: str, prefix: str = "") -> None:
+    """Raises ValueError naming the keys of d that are not fields of the dataclass cls."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown field(s) {', '.join(prefix + u for u in unknown)}; "
+                         f"known: {', '.join(prefix + k for k in sorted(known))}")
+
+
+def load_toml(path) -> dict:
+    """A TOML file's tables; a syntax error names the file."""
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
 
 
 @dataclass
@@ -81,10 +99,7 @@ class ParameterServerConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "ParameterServerConfig":
         d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        check_fields(cls, d, source)
         for name in ("dim", "path"):
             if name not in d:
                 raise ValueError(f"{source}: missing field '{name}'")
@@ -93,9 +108,7 @@ class ParameterServerConfig:
                                   f"{source}: initializer")
         ssd = d.get("ssd", {})
         if not isinstance(ssd, SsdOptions):
-            bad = sorted(set(ssd) - {f.name for f in dataclasses.fields(SsdOptions)})
-            if bad:
-                raise ValueError(f"{source}: unknown field(s) ssd.{', ssd.'.join(bad)}")
+            check_fields(SsdOptions, ssd, source, prefix="ssd.")
             ssd = SsdOptions(**ssd)
         d["ssd"] = ssd
         return cls(**d)
@@ -104,12 +117,7 @@ class ParameterServerConfig:
     def from_toml(cls, path: Union[str, os.PathLike]) -> "ParameterServerConfig":
         """A config from a TOML file: top-level fields, and [optimizer] (kind, lr, ...),
         [initializer] (kind, scale) and [ssd] tables."""
-        with open(path, "rb") as f:
-            try:
-                data = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"{os.fspath(path)}: {e}") from None
-        return cls.from_dict(data, source=os.fspath(path))
+        return cls.from_dict(load_toml(path), source=os.fspath(path))
 
     def layout(self) -> dict:
         return {"dim": self.dim, "optimizer.kind": self.optimizer.kind,

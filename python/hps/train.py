@@ -10,23 +10,18 @@ state is saved beside it, so ``resume=True`` continues from the last checkpoint.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import sys
 import time
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from hps import data as hdata
-from hps.parameter_server import ParameterServer, ParameterServerConfig
+from hps.parameter_server import ParameterServer, ParameterServerConfig, check_fields, load_toml
 from hps.pipeline import Loaded, Pipeline
 
 TRAINER_STATE = "trainer-state.pt"
@@ -61,19 +56,14 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "TrainConfig":
         d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        check_fields(cls, d, source)
         if "ps" not in d:
             raise ValueError(f"{source}: missing table [ps] (dim, path, ...)")
         ps = d["ps"] if isinstance(d["ps"], ParameterServerConfig) else \
             ParameterServerConfig.from_dict(d["ps"], source=f"{source}: [ps]")
         data = d.get("data", {})
         if not isinstance(data, DataConfig):
-            bad = sorted(set(data) - {f.name for f in dataclasses.fields(DataConfig)})
-            if bad:
-                raise ValueError(f"{source}: unknown field(s) data.{', data.'.join(bad)}")
+            check_fields(DataConfig, data, source, prefix="data.")
             data = DataConfig(**data)
         d["ps"], d["data"] = ps, data
         if "hidden" in d:
@@ -82,12 +72,7 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path) -> "TrainConfig":
-        with open(path, "rb") as f:
-            try:
-                raw = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"{os.fspath(path)}: {e}") from None
-        return cls.from_dict(raw, source=os.fspath(path))
+        return cls.from_dict(load_toml(path), source=os.fspath(path))
 
 
 # ---------------------------------------------------------------- metrics
@@ -265,7 +250,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
             bar = None
 
     t_start = time.perf_counter()
-    stage_snapshots: list[dict] = []
 
     def record_eval(final: bool = False) -> None:
         metrics = trainer.evaluate(eval_batches)
