@@ -74,6 +74,15 @@ def _summary_table(summary: dict) -> str:
     ]
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in p["busy_seconds"].items())
     rows.append(("stage busy time", stages))
+    dist = summary.get("distributed")
+    if dist:
+        sync = dist["dense_sync"] + (f", k = {dist['k']}" if dist["dense_sync"] == "kstep" else "")
+        rows.insert(2, ("ranks (nodes)", f"{dist['world']} ({dist['nodes']}), dense sync {sync}"))
+        sent = [r["bytes_sent"] for r in dist["ranks"]]
+        sparse = sum(b["sparse_keys"] + b["sparse_rows"] + b["sparse_grads"] for b in sent) / len(sent)
+        dense = sum(b["dense"] for b in sent) / len(sent)
+        rows.insert(3, ("sent per rank: sparse / dense", f"{sparse / 1e6:,.1f} MB / {dense / 1e6:,.1f} MB"))
+        rows.insert(4, ("tiers and stages below", "rank 0's"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -83,6 +92,8 @@ def cmd_train(a) -> int:
     cfg = TrainConfig.from_toml(a.config)
     _apply_flags(cfg, a)
     summary = train(cfg, resume=a.resume, progress=not a.no_progress)
+    if summary.get("distributed", {}).get("rank", 0) != 0:
+        return 0  # rank 0 speaks for the job
     print(_summary_table(summary), file=sys.stderr)
     print(json.dumps({"final": summary["final"], "examples_per_s": summary["examples_per_s"],
                       "pipeline": summary["pipeline"]}))

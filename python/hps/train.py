@@ -2,14 +2,20 @@
 
 A run is a ``TrainConfig`` (TOML: top-level training fields and the tables
 ``[ps]`` (ParameterServerConfig), ``[ps.optimizer]``, ``[ps.initializer]``,
-``[data]``). The model is ``hps.torch.CtrModel``: its embeddings live in the
+``[data]``, ``[distributed]``). The model is ``hps.torch.CtrModel``: its embeddings live in the
 parameter server (sparse optimizer there), its MLP in torch (Adam). Evaluation
 (AUC, logloss) runs on held-out examples every ``eval_every`` batches and at the
 end; ``checkpoint_every`` batches the parameter server checkpoints and the dense
 state is saved beside it, so ``resume=True`` continues from the last checkpoint.
+
+Under ``mpiexec -n N`` every rank is a node (hps.distributed): its parameter
+server lives in ``<path>/rank<r>``, it reads its share of the data, and
+``<path>/job.json`` records the world size and the step of the last checkpoint
+that every rank completed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,10 +27,12 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from hps import data as hdata
+from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.parameter_server import ParameterServer, ParameterServerConfig, check_fields, load_toml
 from hps.pipeline import Loaded, Pipeline
 
 TRAINER_STATE = "trainer-state.pt"
+JOB_MANIFEST = "job.json"
 
 
 @dataclass
@@ -52,6 +60,7 @@ class TrainConfig:
     pipelined: bool = True
     seed: int = 0                       # the MLP's initialisation
     torch_threads: int = 0              # 0: torch's default
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # under mpiexec
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "TrainConfig":
@@ -65,7 +74,12 @@ class TrainConfig:
         if not isinstance(data, DataConfig):
             check_fields(DataConfig, data, source, prefix="data.")
             data = DataConfig(**data)
-        d["ps"], d["data"] = ps, data
+        dist = d.get("distributed", {})
+        if not isinstance(dist, DistributedConfig):
+            check_fields(DistributedConfig, dist, source, prefix="distributed.")
+            dist = DistributedConfig(**dist)
+        dist.check(f"{source}: [distributed]")
+        d["ps"], d["data"], d["distributed"] = ps, data, dist
         if "hidden" in d:
             d["hidden"] = tuple(int(h) for h in d["hidden"])
         return cls(**d)
@@ -133,28 +147,48 @@ def _eval_batches(cfg: TrainConfig) -> list:
 # ---------------------------------------------------------------- training
 
 class Trainer:
-    """The model, its dense optimizer and the parameter server, stepped by the pipeline."""
+    """The model, its dense optimizer and the parameter server, stepped by the pipeline.
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False):
+    With a `node` (hps.distributed.Node) the parameter server is this rank's shard
+    of the job's (``<path>/rank<r>``) and the dense parameters are kept in step
+    with the other ranks' (DenseSync)."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False, node: Optional[Node] = None):
         import torch
         from hps.torch import CtrModel
         self.torch = torch
         self.cfg = cfg
+        self.node = node
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
-        path = cfg.ps.path
+        ps_cfg = cfg.ps
+        if node is not None:
+            ps_cfg = dataclasses.replace(cfg.ps, path=os.path.join(cfg.ps.path, f"rank{node.rank}"))
+        path = ps_cfg.path
         has_ps = os.path.exists(os.path.join(path, "hps-parameter-server.json"))
-        if resume:
-            if not has_ps:
-                raise FileNotFoundError(f"--resume: {path} holds no parameter server to resume")
-            self.ps = ParameterServer(cfg.ps)
-        else:
-            if has_ps:
-                raise ValueError(f"{path} already holds a parameter server; pass --resume to continue it, "
-                                 f"or give a new path")
-            self.ps = ParameterServer(cfg.ps)
+        job = os.path.join(cfg.ps.path, JOB_MANIFEST)
+        if node is None and os.path.exists(job):
+            with open(job) as f:
+                world = json.load(f)["world"]
+            raise ValueError(f"{cfg.ps.path} holds a distributed job of {world} ranks; run it with "
+                             f"mpiexec -n {world} hps train ...")
+        if resume and not has_ps:
+            raise FileNotFoundError(f"--resume: {path} holds no parameter server to resume")
+        if not resume and has_ps:
+            raise ValueError(f"{path} already holds a parameter server; pass --resume to continue it, "
+                             f"or give a new path")
+        self.state_dir = path
+        self.ps = ParameterServer(ps_cfg)
         self.model = CtrModel(self.ps, num_fields=26, num_dense=13, hidden=cfg.hidden, seed=cfg.seed)
-        self.opt = torch.optim.Adam(self.model.mlp.parameters(), lr=cfg.dense_lr)
+        self.dense_sync = None
+        params = list(self.model.mlp.parameters())
+        if node is None:
+            self.opt = torch.optim.Adam(params, lr=cfg.dense_lr)
+        else:
+            self.ps = DistributedServer(self.ps, node)
+            self.model.embedding.ps = self.ps
+            self.dense_sync = DenseSync(node, params, cfg.dense_lr, cfg.distributed)
+            self.opt = self.dense_sync.make_optimizer(lambda ps_: torch.optim.Adam(ps_, lr=cfg.dense_lr))
         self.loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
         self.batches_done = 0
         self.examples_done = 0
@@ -164,7 +198,7 @@ class Trainer:
 
     # -- state
     def _state_path(self) -> str:
-        return os.path.join(self.cfg.ps.path, TRAINER_STATE)
+        return os.path.join(self.state_dir, TRAINER_STATE)
 
     def _load_state(self) -> None:
         path = self._state_path()
@@ -175,25 +209,36 @@ class Trainer:
         self.opt.load_state_dict(state["opt"])
         self.batches_done, self.examples_done = state["batches_done"], state["examples_done"]
         self.history = state.get("history", [])
+        if self.dense_sync is not None:
+            self.dense_sync.load_state_dict(state["dense_sync"])
 
     def checkpoint(self) -> None:
-        """The parameter server first, then the dense state naming the same step."""
+        """The parameter server first, then the dense state naming the same step;
+        in a job, every rank's, then the job manifest naming that step."""
         self.ps.checkpoint()
         tmp = self._state_path() + ".tmp"
-        self.torch.save({"mlp": self.model.mlp.state_dict(), "opt": self.opt.state_dict(),
-                         "batches_done": self.batches_done, "examples_done": self.examples_done,
-                         "history": self.history}, tmp)
+        state = {"mlp": self.model.mlp.state_dict(), "opt": self.opt.state_dict(),
+                 "batches_done": self.batches_done, "examples_done": self.examples_done,
+                 "history": self.history}
+        if self.dense_sync is not None:
+            state["dense_sync"] = self.dense_sync.state_dict()
+        self.torch.save(state, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, self._state_path())
+        if self.node is not None:
+            steps = self.node.allgather("train", self.batches_done, "checkpoint")
+            if self.node.rank == 0:
+                _write_json_atomic(os.path.join(self.cfg.ps.path, JOB_MANIFEST),
+                                   {"world": self.node.size, "step": min(steps)})
 
     # -- steps
     def step(self, loaded: Loaded) -> None:
         """Forward and backward over each device's mini-batch (gradients go to the
-        owners and add up), then one dense step for the whole batch."""
+        owners and add up), then one dense step for the whole batch (of every rank)."""
         torch = self.torch
         data = loaded.data
-        n = len(data.labels)
+        n = max(getattr(data, "total_examples", len(data.labels)), 1)
         self.opt.zero_grad()
         emb = self.model.embedding
         for worker, idx in enumerate(loaded.minibatches):
@@ -205,30 +250,134 @@ class Trainer:
             loss = self.loss_fn(logits, torch.from_numpy(data.labels[idx])) / n
             loss.backward()
         emb.attach(None)
+        if self.dense_sync is not None:
+            self.dense_sync.reduce_gradients()
         self.opt.step()
+        if self.dense_sync is not None:
+            self.dense_sync.after_step()
 
     def evaluate(self, batches: list) -> dict:
+        """AUC and logloss over `batches`; in a job, rank r scores batches r, r+N, ...
+        (every rank takes part in every round's pull) and all ranks get the metrics."""
         torch = self.torch
         if not batches:
             return {}
+        node = self.node
+        if node is None:
+            mine = list(batches)
+        else:
+            rounds = -(-len(batches) // node.size)
+            mine = [batches[i] if i < len(batches) else None for i in range(node.rank, rounds * node.size, node.size)]
         labels, probs = [], []
         with torch.no_grad():
-            for b in batches:
+            for b in mine:
+                if b is None:
+                    self.ps.pull(np.empty(0, np.uint64))  # this rank's part of the round's exchange
+                    continue
                 logits = self.model(torch.from_numpy(b.keys.view(np.int64)), torch.from_numpy(b.dense))
                 probs.append(torch.sigmoid(logits).numpy())
                 labels.append(b.labels)
-        y, p = np.concatenate(labels), np.concatenate(probs)
+        y = np.concatenate(labels) if labels else np.empty(0, np.float32)
+        p = np.concatenate(probs) if probs else np.empty(0, np.float32)
+        if node is not None:
+            parts = node.allgather("train", (y, p), "evaluation scores")
+            y = np.concatenate([a for a, _ in parts])
+            p = np.concatenate([b for _, b in parts])
         return {"auc": auc(y, p), "logloss": logloss(y, p), "eval_examples": len(y)}
 
 
+def _write_json_atomic(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _collective(node: Optional[Node], fn):
+    """fn() on every rank; if it raises on any, every rank raises (naming the
+    rank), so a setup error ends the job cleanly instead of leaving peers waiting."""
+    if node is None:
+        return fn()
+    result, error = None, None
+    try:
+        result = fn()
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    errors = node.allgather("train", error, "setup")
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise ValueError("; ".join(f"rank {r}: {e}" for r, e in failed))
+    return result
+
+
+def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> None:
+    """Rank 0 checks and writes <path>/job.json (world size, checkpoint step)."""
+    def check():
+        if node.rank != 0:
+            return
+        root = cfg.ps.path
+        manifest = os.path.join(root, JOB_MANIFEST)
+        if resume:
+            if not os.path.exists(manifest):
+                raise FileNotFoundError(f"--resume: {root} holds no distributed job (no {JOB_MANIFEST})")
+            with open(manifest) as f:
+                job = json.load(f)
+            if job["world"] != node.size:
+                raise ValueError(f"{manifest}: the job ran on {job['world']} ranks, this run has {node.size}; "
+                                 f"resume it with mpiexec -n {job['world']}")
+        else:
+            if os.path.exists(root) and os.listdir(root):
+                raise ValueError(f"{root} is not empty; pass --resume to continue the job there, or give a new path")
+            os.makedirs(root, exist_ok=True)
+            _write_json_atomic(manifest, {"world": node.size, "step": 0})
+    _collective(node, check)
+
+
+def _check_resumed_step(trainer: Trainer) -> None:
+    """Every rank must resume from the step job.json names."""
+    node = trainer.node
+    steps = node.allgather("train", trainer.batches_done, "resume")
+    if len(set(steps)) > 1:
+        detail = ", ".join(f"rank {r} at batch {s}" for r, s in enumerate(steps))
+        raise ValueError(f"the ranks' checkpoints are at different steps ({detail}): a crash during a "
+                         f"checkpoint left them apart; the job cannot resume consistently from {trainer.cfg.ps.path}")
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
-          on_eval: Optional[Callable[[dict], None]] = None, train_batches=None, eval_batches=None) -> dict:
+          on_eval: Optional[Callable[[dict], None]] = None, train_batches=None, eval_batches=None,
+          node: Optional[Node] = None) -> dict:
     """Trains per `cfg`; returns the summary (also written to <path>/train-summary.json).
     `train_batches` / `eval_batches` (iterables of hps.data.Batch) replace the
-    sources cfg.data names: a benchmark feeds both sides the same batches from memory."""
-    trainer = Trainer(cfg, resume=resume)
+    sources cfg.data names: a benchmark feeds both sides the same batches from memory.
+
+    Under mpiexec (or given a `node`) this is one rank of a distributed job: every
+    rank calls train() with the same cfg; `train_batches` are this rank's."""
+    if node is None and launched_by_mpi():
+        node = Node(cfg.distributed)
+    if node is not None:
+        _prepare_job(cfg, node, resume)
+    trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node))
+    if node is not None:
+        if resume:
+            _check_resumed_step(trainer)
+        else:
+            trainer.dense_sync.broadcast_parameters()
+        try:
+            return _train(cfg, trainer, progress and node.rank == 0, on_eval, train_batches, eval_batches)
+        except Exception as e:  # noqa: BLE001 - the peers would wait for this rank forever
+            import traceback
+            traceback.print_exc()
+            node.abort(f"{type(e).__name__}: {e}", code=1)
+    return _train(cfg, trainer, progress, on_eval, train_batches, eval_batches)
+
+
+def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, train_batches, eval_batches) -> dict:
+    node = trainer.node
+    rank, world = (node.rank, node.size) if node is not None else (0, 1)
     eval_batches = list(eval_batches) if eval_batches is not None else _eval_batches(cfg)
-    source = train_batches if train_batches is not None else _train_source(cfg)
+    source = train_batches if train_batches is not None else _train_source(cfg, rank, world)
     skip = trainer.batches_done
 
     def batches():
@@ -236,6 +385,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
             if i < skip:
                 continue  # done before the checkpoint we resumed from
             yield b
+
+    steps = batches()
+    if node is not None:
+        empty = hdata.Batch(np.empty(0, np.float32), np.empty((0, 13), np.float32), np.empty((0, 26), np.uint64))
+        steps = trainer.ps.aligned(steps, empty)
 
     bar = None
     if progress:
@@ -262,6 +416,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                  "final": final, **metrics}
         if pipeline.stats.wall_seconds or pipeline.stats.batches:
             entry["stages"] = dict(pipeline.stats.busy_seconds)
+        if "distributed" in s:
+            entry["bytes_sent"] = s["distributed"]["bytes_sent"]
         trainer.history.append(entry)
         if on_eval:
             on_eval(entry)
@@ -272,14 +428,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     def step(loaded: Loaded) -> None:
         trainer.step(loaded)
         trainer.batches_done += 1
-        trainer.examples_done += len(loaded.data.labels)
+        n = getattr(loaded.data, "total_examples", len(loaded.data.labels))
+        trainer.examples_done += n
         if bar is not None:
             s = trainer.ps.stats()
             mem = s["mem"]
             bar.set_postfix({"hit": f"{mem['hits'] / max(1, mem['hits'] + mem['misses']):.3f}",
                              "ssd_MB": f"{(s['ssd']['bytes_read'] + s['ssd']['bytes_written']) / 1e6:.0f}"},
                             refresh=False)
-            bar.update(len(loaded.data.labels))
+            bar.update(n)
 
     pipeline = Pipeline(trainer.ps, step)
 
@@ -297,9 +454,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     pending_checkpoint: list[int] = []
     pipeline.train_step = after_batch_hooks(step)
     # Checkpoints between batches: run the pipeline in segments.
-    it = batches()
     while True:
-        segment = _take_until_checkpoint(it, cfg.checkpoint_every, trainer.batches_done)
+        segment = _take_until_checkpoint(steps, cfg.checkpoint_every, trainer.batches_done)
         seg_stats_before = pipeline.stats.batches
         pipeline.run(segment, pipelined=cfg.pipelined)
         if pending_checkpoint:
@@ -309,17 +465,31 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
             break
     if bar is not None:
         bar.close()
+    if trainer.dense_sync is not None:
+        trainer.dense_sync.after_step(final=True)  # k-step Adam: one model to evaluate and keep
     record_eval(final=True)
     trainer.checkpoint()
+    wall = pipeline.stats.wall_seconds
     summary = {"examples": trainer.examples_done, "batches": trainer.batches_done,
-               "train_seconds": pipeline.stats.wall_seconds,
-               "examples_per_s": pipeline.stats.examples / pipeline.stats.wall_seconds
-               if pipeline.stats.wall_seconds else 0.0,
+               "train_seconds": wall,
+               "examples_per_s": pipeline.stats.examples / wall if wall else 0.0,
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
                "ps": _jsonable(trainer.ps.stats())}
-    with open(os.path.join(cfg.ps.path, "train-summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    if node is not None:
+        ranks = node.allgather("train", {"examples": pipeline.stats.examples, "wall_seconds": wall,
+                                         "bytes_sent": dict(node.bytes_sent)}, "summary")
+        slowest = max(r["wall_seconds"] for r in ranks)
+        trained = sum(r["examples"] for r in ranks)
+        summary["examples_per_s"] = trained / slowest if slowest else 0.0
+        summary["distributed"] = {"rank": node.rank, "world": node.size, "nodes": node.nodes,
+                                  "dense_sync": cfg.distributed.dense_sync, "k": cfg.distributed.k,
+                                  "hierarchical": cfg.distributed.hierarchical,
+                                  "dense_merges": trainer.dense_sync.merges, "ranks": ranks}
+    with open(os.path.join(trainer.state_dir, "train-summary.json"), "w") as f:
+        json.dump(_jsonable(summary), f, indent=1)
     trainer.ps.close()
+    if node is not None:
+        node.close()
     return summary
 
 

@@ -1,0 +1,191 @@
+"""Scenarios that tests/test_distributed.py runs under ``mpiexec -n N``.
+
+    mpiexec -n N python tests/mpi_scenarios.py SCENARIO OUT_DIR [options]
+
+Each rank writes what it saw to OUT_DIR/rank<r>.npz (or .json); the test compares
+that with a single-process reference. The inputs are made by functions here that
+the test imports too, so both sides see the same numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+
+DIM = 4
+
+
+# ---------------------------------------------------------------- shared inputs
+
+def pullpush_round(rank: int, rnd: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys (with repeats, some shared between ranks) and gradients of one round:
+    150 keys a rank, more than its MEM-PS budget holds."""
+    rng = np.random.default_rng(1000 * rank + rnd)
+    keys = rng.integers(1, 150 * world, size=40 + 7 * rank).astype(np.uint64)
+    grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+    return keys, grads
+
+
+def ps_config(path: str, optimizer: str = "adagrad", budget: str = "16KiB"):
+    import hps
+    opt = hps.AdaGrad(lr=0.1) if optimizer == "adagrad" else hps.Adam(lr=0.01)
+    # A budget of a few dozen rows: pulls and pushes go through SSD-PS too.
+    return hps.ParameterServerConfig(dim=DIM, path=path, optimizer=opt, mem_budget=budget, seed=3,
+                                    write_buffer_rows=16)
+
+
+def global_batches(steps: int, per_rank: int, world: int, seed: int = 5) -> list:
+    """`steps` global batches of world * per_rank examples; rank r trains on rows
+    [r * per_rank, (r + 1) * per_rank) of each."""
+    from hps.data import SyntheticCriteo
+    vocab = [50, 200, 1000, 30] * 6 + [100, 7]
+    return list(SyntheticCriteo(seed=seed, batch_size=per_rank * world, examples=steps * per_rank * world,
+                                vocab_sizes=vocab))
+
+
+def rank_part(batch, rank: int, per_rank: int):
+    from hps.data import Batch
+    s = slice(rank * per_rank, (rank + 1) * per_rank)
+    return Batch(batch.labels[s], batch.dense[s], batch.keys[s])
+
+
+def train_config(path: str, dense_sync: str = "allreduce", k: int = 1, hierarchical: bool = False,
+                 ranks_per_node: int = 0, timeout: float = 60.0, pipelined: bool = True):
+    import hps
+    from hps.distributed import DistributedConfig
+    from hps.train import DataConfig, TrainConfig
+    return TrainConfig(
+        ps=hps.ParameterServerConfig(dim=8, path=path, optimizer=hps.AdaGrad(lr=0.05), mem_budget="256KiB",
+                                     devices=2, seed=1),
+        data=DataConfig(batch_size=64), hidden=(16,), dense_lr=0.01, pipelined=pipelined,
+        distributed=DistributedConfig(dense_sync=dense_sync, k=k, hierarchical=hierarchical,
+                                      ranks_per_node=ranks_per_node, timeout=timeout))
+
+
+def kstep_gradient(rank: int, step: int, x: np.ndarray) -> np.ndarray:
+    """A rank's gradient at x: of 0.5 |x - target_r|^2 plus rank- and step-dependent noise."""
+    target = np.linspace(-1, 1, len(x)).astype(np.float32) * (rank + 1)
+    noise = np.random.default_rng(97 * rank + step).standard_normal(len(x)).astype(np.float32) * 0.1
+    return (x - target + noise).astype(np.float32)
+
+
+KSTEP_X0 = np.linspace(0.5, -0.5, 10).astype(np.float32)
+
+
+# ---------------------------------------------------------------- scenarios
+
+def run_pullpush(node, out: str, args) -> None:
+    import hps
+    from hps.distributed import DistributedServer
+    ds = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), args.optimizer)),
+                           node)
+    pulled = {}
+    for rnd in range(args.rounds):
+        keys, grads = pullpush_round(node.rank, rnd, node.size)
+        pulled[f"pull{rnd}"] = ds.pull(keys)
+        ds.push(keys, grads)
+    keys, _ = pullpush_round(node.rank, args.rounds, node.size)
+    pulled["final"] = ds.pull(keys)
+    np.savez(os.path.join(out, f"rank{node.rank}.npz"), **pulled, bytes=np.array(
+        [node.bytes_sent[k] for k in ("sparse_keys", "sparse_rows", "sparse_grads")]),
+        ssd_hits=np.array(ds.stats()["counts"]["ssd_hits"]))
+    ds.close()
+
+
+def run_train(node, out: str, args) -> None:
+    from hps.train import train
+    cfg = train_config(os.path.join(out, "job"), args.dense_sync, args.k, args.hierarchical, args.ranks_per_node,
+                       pipelined=not args.sequential)
+    batches = global_batches(args.steps, args.per_rank, node.size)
+    mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
+    if args.uneven and node.rank == node.size - 1:
+        mine = mine[:-2]  # this rank's data ends two steps early
+    summary = train(cfg, progress=False, train_batches=mine, eval_batches=[], node=node)
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"bytes_sent": summary["distributed"]["ranks"][node.rank]["bytes_sent"],
+                   "batches": summary["batches"], "examples": summary["examples"],
+                   "merges": summary["distributed"]["dense_merges"]}, f)
+
+
+def run_kstep(node, out: str, args) -> None:
+    import torch
+    from hps.distributed import DenseSync, DistributedConfig
+    config = DistributedConfig(dense_sync="kstep", k=args.k, beta1=args.beta1, beta2=0.99, eps=1e-8,
+                               hierarchical=args.hierarchical)
+    x = torch.nn.Parameter(torch.from_numpy(KSTEP_X0.copy()))
+    sync = DenseSync(node, [x], lr=0.05, config=config)
+    opt = sync.make_optimizer(None)
+    xs, vs, ms = [], [], []
+    for t in range(args.steps):
+        opt.zero_grad()
+        x.grad = torch.from_numpy(kstep_gradient(node.rank, t, x.detach().numpy()))
+        opt.step()
+        sync.after_step()
+        st = opt.state[x]
+        xs.append(x.detach().numpy().copy())
+        vs.append(st["v"].numpy().copy())
+        ms.append(st["m"].numpy().copy())
+    np.savez(os.path.join(out, f"rank{node.rank}.npz"), x=np.array(xs), v=np.array(vs), m=np.array(ms),
+             dense_bytes=np.array(node.bytes_sent["dense"]), merges=np.array(sync.merges))
+
+
+def run_allreduce(node, out: str, args) -> None:
+    bufs = {}
+    for n in (1, 5, 1000):
+        buf = (np.arange(n, dtype=np.float64) + 1) * (node.rank + 1)
+        before = node.bytes_sent["dense"]
+        node.allreduce("train", buf, "dense", "test all-reduce", hierarchical=True)
+        bufs[f"sum{n}"] = buf
+        bufs[f"bytes{n}"] = np.array(node.bytes_sent["dense"] - before)
+    np.savez(os.path.join(out, f"rank{node.rank}.npz"), nodes=np.array(node.nodes), **bufs)
+
+
+def run_fail(node, out: str, args) -> None:
+    """Trains; rank 1 stops (SIGSTOP: hung) or exits (died) at its third batch."""
+    from hps.train import train
+    cfg = train_config(os.path.join(out, "job"), timeout=args.timeout)
+    batches = global_batches(12, 32, node.size)
+    mine = [rank_part(b, node.rank, 32) for b in batches]
+
+    def source():
+        for i, b in enumerate(mine):
+            if i == 3 and node.rank == 1:
+                if args.how == "hang":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    os._exit(3)
+            yield b
+    train(cfg, progress=False, train_batches=source(), eval_batches=[], node=node)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=["pullpush", "train", "kstep", "allreduce", "fail"])
+    ap.add_argument("out")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--optimizer", default="adagrad")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--per-rank", type=int, default=48)
+    ap.add_argument("--dense-sync", default="allreduce")
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--beta1", type=float, default=0.0)
+    ap.add_argument("--hierarchical", action="store_true")
+    ap.add_argument("--ranks-per-node", type=int, default=0)
+    ap.add_argument("--sequential", action="store_true")
+    ap.add_argument("--uneven", action="store_true")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--how", default="hang")
+    args = ap.parse_args()
+    from hps.distributed import DistributedConfig, Node
+    node = Node(DistributedConfig(ranks_per_node=args.ranks_per_node, timeout=args.timeout))
+    os.makedirs(args.out, exist_ok=True)
+    globals()[f"run_{args.scenario}"](node, args.out, args)
+    node.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""hps.distributed under mpiexec on localhost (2, 3 and 4 ranks), each scenario
+checked against a single-process reference (tests/mpi_scenarios.py runs the ranks)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import hps
+
+pytest.importorskip("mpi4py", reason="hps.distributed needs mpi4py (pip install '.[mpi]')")
+MPIEXEC = shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "mpi_scenarios.py")
+_spec = importlib.util.spec_from_file_location("mpi_scenarios", SCRIPT)
+sc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sc)
+
+
+def mpirun(n: int, *args, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.run([MPIEXEC, "-n", str(n), *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    if check and p.returncode != 0:
+        raise AssertionError(f"mpiexec -n {n} {' '.join(map(str, args))} exited {p.returncode}\n"
+                             f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}")
+    return p
+
+
+def scenario(n: int, name: str, out, *args, **kw) -> subprocess.CompletedProcess:
+    return mpirun(n, sys.executable, SCRIPT, name, out, *args, **kw)
+
+
+# ---------------------------------------------------------------- sparse: remote pull and push
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_remote_pull_push_equals_one_server(tmp_path, world, optimizer):
+    rounds = 6
+    scenario(world, "pullpush", tmp_path, "--rounds", rounds, "--optimizer", optimizer)
+    got = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
+    ref = hps.ParameterServer(sc.ps_config(str(tmp_path / "reference"), optimizer, budget="1MiB"))
+    for rnd in range(rounds):
+        inputs = [sc.pullpush_round(r, rnd, world) for r in range(world)]
+        for r, (keys, _) in enumerate(inputs):
+            np.testing.assert_allclose(got[r][f"pull{rnd}"], ref.pull(keys), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {r}, round {rnd}")
+        # Every rank's pairs of the round in one push: one step per key with the summed gradient.
+        ref.push(np.concatenate([k for k, _ in inputs]), np.concatenate([g for _, g in inputs]))
+    for r in range(world):
+        keys, _ = sc.pullpush_round(r, rounds, world)
+        np.testing.assert_allclose(got[r]["final"], ref.pull(keys), rtol=1e-5, atol=1e-6)
+        assert got[r]["bytes"].min() > 0  # keys, rows and gradients all crossed to other ranks
+    assert sum(int(g["ssd_hits"]) for g in got) > 0, "the ranks' budgets were meant to push rows through SSD-PS"
+    ref.close()
+
+
+# ---------------------------------------------------------------- training: k = 1 equals one process
+
+def _single_process_reference(tmp_path, world: int, steps: int, per_rank: int, uneven: bool):
+    from hps.train import train
+    batches = sc.global_batches(steps, per_rank, world)
+    if uneven:  # the last rank's data ended two steps early
+        batches = batches[:-2] + [sc.rank_part(b, 0, per_rank * (world - 1)) for b in batches[-2:]]
+    cfg = sc.train_config(str(tmp_path / "single"))
+    train(cfg, progress=False, train_batches=batches, eval_batches=[])
+    return batches
+
+
+def _ps_rows(path: str, keys: np.ndarray) -> np.ndarray:
+    ps = hps.ParameterServer.open(path)
+    try:
+        return ps.pull(keys)
+    finally:
+        ps.close()
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ()),
+    (4, ("--sequential", "--uneven", "--hierarchical", "--ranks-per-node", "2")),
+])
+def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, world, extra):
+    import torch
+    from hps.distributed import owner_ranks
+    steps, per_rank = 6, 48
+    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, *extra)
+    uneven = "--uneven" in extra
+    batches = _single_process_reference(tmp_path, world, steps, per_rank, uneven)
+
+    single = torch.load(tmp_path / "single" / "trainer-state.pt", weights_only=False)
+    for r in range(world):
+        state = torch.load(tmp_path / "job" / "job" / f"rank{r}" / "trainer-state.pt", weights_only=False)
+        assert state["batches_done"] == steps
+        assert state["examples_done"] == sum(len(b) for b in batches)
+        for name, value in single["mlp"].items():
+            torch.testing.assert_close(state["mlp"][name], value, rtol=1e-4, atol=1e-6, msg=f"rank {r}: {name}")
+
+    keys = np.unique(np.concatenate([b.keys.ravel() for b in batches]))
+    expected = _ps_rows(str(tmp_path / "single"), keys)
+    owners = owner_ranks(keys, world)
+    for r in range(world):
+        mine = owners == r
+        assert mine.any()
+        got = _ps_rows(str(tmp_path / "job" / "job" / f"rank{r}"), keys[mine])
+        np.testing.assert_allclose(got, expected[mine], rtol=1e-4, atol=1e-6, err_msg=f"rank {r}'s shard")
+
+    sent = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text())["bytes_sent"] for r in range(world)]
+    n_params = sum(v.numel() for v in single["mlp"].values())
+    for r, b in enumerate(sent):
+        assert b["sparse_keys"] > 0 and b["sparse_rows"] > 0 and b["sparse_grads"] > 0
+        if "--hierarchical" not in extra:
+            # One gradient all-reduce of every dense parameter a step (payload counted).
+            assert b["dense"] == steps * n_params * 4
+
+
+# ---------------------------------------------------------------- dense: k-step Adam
+
+def _kstep_reference(world: int, steps: int, k: int, beta1: float, beta2: float = 0.99, eps: float = 1e-8,
+                     lr: float = 0.05):
+    """Algorithm 2 in NumPy, float32: per rank (x, v, m) after each step."""
+    x = [sc.KSTEP_X0.copy() for _ in range(world)]
+    m = [np.zeros_like(sc.KSTEP_X0) for _ in range(world)]
+    v = [np.full_like(sc.KSTEP_X0, eps) for _ in range(world)]
+    b1, b2 = np.float32(beta1), np.float32(beta2)
+    out = {"x": [], "v": [], "m": []}
+    for t in range(steps):
+        for i in range(world):
+            g = sc.kstep_gradient(i, t, x[i])
+            m[i] = b1 * m[i] + (np.float32(1) - b1) * g
+            v[i] = b2 * v[i] + (np.float32(1) - b2) * g * g
+            x[i] = x[i] - np.float32(lr) * m[i] / np.sqrt(v[i])
+        if (t + 1) % k == 0:
+            xbar = np.sum(x, axis=0, dtype=np.float32) / np.float32(world)
+            vbar = np.sum(v, axis=0, dtype=np.float32) / np.float32(world)
+            x = [xbar.copy() for _ in range(world)]
+            v = [vbar.copy() for _ in range(world)]
+        for name, arr in (("x", x), ("v", v), ("m", m)):
+            out[name].append([a.copy() for a in arr])
+    return {name: np.array(a) for name, a in out.items()}  # (steps, world, n)
+
+
+@pytest.mark.parametrize("world,k,beta1,hier", [(2, 3, 0.0, False), (4, 2, 0.9, True), (3, 1, 0.0, False)])
+def test_kstep_adam_matches_algorithm_2_step_by_step(tmp_path, world, k, beta1, hier):
+    steps = 7
+    args = ["--steps", steps, "--k", k, "--beta1", beta1] + (["--hierarchical", "--ranks-per-node", "2"]
+                                                               if hier else [])
+    scenario(world, "kstep", tmp_path, *args)
+    ref = _kstep_reference(world, steps, k, beta1)
+    for r in range(world):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        for name in ("x", "v", "m"):
+            np.testing.assert_allclose(got[name], ref[name][:, r], rtol=2e-5, atol=1e-6,
+                                       err_msg=f"rank {r}, {name}")
+        assert int(got["merges"]) == steps // k
+        if not hier:  # x and v of 10 floats each, every k steps
+            assert int(got["dense_bytes"]) == (steps // k) * 2 * 10 * 4
+    # Between merges the ranks differ (m stays local), at merges x agrees everywhere.
+    merged = [t for t in range(steps) if (t + 1) % k == 0]
+    xs = np.array([np.load(tmp_path / f"rank{r}.npz")["x"] for r in range(world)])
+    assert np.ptp(xs[:, merged], axis=0).max() < 1e-6
+    apart = [t for t in range(steps) if (t + 1) % k]
+    if apart:
+        assert np.ptp(xs[:, apart], axis=0).max() > 1e-3
+
+
+# ---------------------------------------------------------------- hierarchical all-reduce
+
+@pytest.mark.parametrize("world,ranks_per_node", [(4, 2), (3, 1), (4, 1), (2, 0)])
+def test_hierarchical_allreduce_sums_and_counts_bytes(tmp_path, world, ranks_per_node):
+    scenario(world, "allreduce", tmp_path, "--ranks-per-node", ranks_per_node)
+    total = world * (world + 1) / 2
+    nodes = world // ranks_per_node if ranks_per_node else 1
+    per_node = world // nodes
+    pof2 = 1 << (nodes.bit_length() - 1)
+    for r in range(world):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        assert int(got["nodes"]) == nodes
+        for n in (1, 5, 1000):
+            np.testing.assert_array_equal(got[f"sum{n}"], (np.arange(n) + 1) * total)
+            node_index = r // per_node
+            sends = (pof2.bit_length() - 1) if node_index < pof2 else 1  # log2 exchanges, or one fold-in
+            if node_index < pof2 and node_index + pof2 < nodes:
+                sends += 1  # the result back to the folded node
+            sends += 1 if per_node > 1 else 0  # within the node
+            assert int(got[f"bytes{n}"]) == sends * n * 8, (r, n)
+
+
+# ---------------------------------------------------------------- failures
+
+@pytest.mark.parametrize("how", ["hang", "die"])
+def test_a_lost_rank_ends_the_job_with_a_clear_error(tmp_path, how):
+    t0 = time.monotonic()
+    p = scenario(2, "fail", tmp_path, "--how", how, "--timeout", 4, check=False, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0
+    assert elapsed < 90, f"the job took {elapsed:.0f} s to end"
+    if how == "hang":
+        assert "rank 0 of 2: waited" in p.stderr and "a rank has died or hung; aborting the job" in p.stderr, \
+            p.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- `mpiexec hps train`, checkpoint and resume
+
+TOML = """
+hidden = [16]
+dense_lr = 0.01
+checkpoint_every = {every}
+
+[ps]
+dim = 8
+path = "{path}"
+mem_budget = "1MiB"
+
+[ps.optimizer]
+kind = "adagrad"
+lr = 0.05
+
+[data]
+batch_size = 256
+train_examples = {examples}
+eval_examples = 1024
+vocab_sizes = {vocab}
+
+[distributed]
+dense_sync = "{sync}"
+k = 4  # divides the checkpoint interval and the first run: no extra merge at its end
+timeout = 120
+"""
+
+
+VOCAB = [100, 1000, 5000, 20] * 6 + [50, 50]
+
+
+def _hps_train(n: int, config, *flags, check: bool = True):
+    return mpirun(n, sys.executable, "-m", "hps.cli", "train", "--config", config, "--no-progress", *flags,
+                  check=check)
+
+
+def _write_config(tmp_path, name, path, examples, every=0, sync="kstep"):
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(TOML.format(path=path, examples=examples, every=every, sync=sync, vocab=VOCAB))
+    return cfg
+
+
+def test_hps_train_under_mpiexec_resumes_to_the_same_parameters(tmp_path, capsys):
+    import torch
+    # The synthetic stream goes to the ranks in blocks of 4096 examples.
+    straight = _write_config(tmp_path, "straight", tmp_path / "straight", 32768)
+    p = _hps_train(2, straight)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["final"]["examples"] == 32768 and 0.5 < out["final"]["auc"] <= 1.0
+    assert "ranks (nodes)" in p.stderr and "2 (1), dense sync kstep, k = 4" in p.stderr
+
+    first = _write_config(tmp_path, "first", tmp_path / "resumed", 16384, every=8)
+    _hps_train(2, first)
+    job = json.loads((tmp_path / "resumed" / "job.json").read_text())
+    assert job == {"world": 2, "step": 32}
+    second = _write_config(tmp_path, "second", tmp_path / "resumed", 32768, every=8)
+    _hps_train(2, second, "--resume")
+
+    from hps.data import SyntheticCriteo
+    from hps.distributed import owner_ranks
+    keys = np.unique(np.concatenate([b.keys.ravel() for b in SyntheticCriteo(
+        batch_size=256, examples=32768, vocab_sizes=VOCAB)]))
+    for r in range(2):
+        a = torch.load(tmp_path / "straight" / f"rank{r}" / "trainer-state.pt", weights_only=False)
+        b = torch.load(tmp_path / "resumed" / f"rank{r}" / "trainer-state.pt", weights_only=False)
+        assert a["batches_done"] == b["batches_done"] == 64
+        for name in a["mlp"]:
+            torch.testing.assert_close(b["mlp"][name], a["mlp"][name], rtol=1e-5, atol=1e-7)
+        mine = keys[owner_ranks(keys, 2) == r]
+        np.testing.assert_allclose(_ps_rows(str(tmp_path / "resumed" / f"rank{r}"), mine),
+                                   _ps_rows(str(tmp_path / "straight" / f"rank{r}"), mine), rtol=1e-5, atol=1e-7)
+
+    # The job keeps its world size.
+    p = _hps_train(4, second, "--resume", check=False)
+    assert p.returncode == 2 and "ran on 2 ranks, this run has 4; resume it with mpiexec -n 2" in p.stderr
+    from hps.cli import main
+    assert main(["train", "--config", str(second), "--resume", "--no-progress"]) == 2
+    assert "holds a distributed job of 2 ranks; run it with mpiexec -n 2" in capsys.readouterr().err
+    # A new job refuses a used path.
+    p = _hps_train(2, straight, check=False)
+    assert p.returncode == 2 and "is not empty; pass --resume" in p.stderr
+
+
+def test_inconsistent_checkpoints_are_refused(tmp_path):
+    import torch
+    cfg = _write_config(tmp_path, "job", tmp_path / "job", 8192, every=8)
+    _hps_train(2, cfg)
+    state_path = tmp_path / "job" / "rank1" / "trainer-state.pt"
+    state = torch.load(state_path, weights_only=False)
+    state["batches_done"] -= 8  # as if rank 1 crashed before its last checkpoint
+    torch.save(state, state_path)
+    p = _hps_train(2, _write_config(tmp_path, "more", tmp_path / "job", 16384, every=8), "--resume", check=False)
+    assert p.returncode == 2
+    assert "checkpoints are at different steps (rank 0 at batch 16, rank 1 at batch 8)" in p.stderr, p.stderr[-2000:]
