@@ -4,6 +4,7 @@
     python3 bench/plots.py w1 bench/results/ssd_store-<date>.json     -> docs/img/w1.png
     python3 bench/plots.py w3 bench/results/cache_policy-<date>.json  -> docs/img/w3.png
     python3 bench/plots.py w4 w4.json [w4s.json]                       -> docs/img/w4.png
+    python3 bench/plots.py w6 w6.json                                  -> docs/img/w6.png
 """
 from __future__ import annotations
 
@@ -86,6 +87,30 @@ def w4(*paths):
     save(fig, "w4.png")
 
 
+def w6(path):
+    d = load(path)
+    kstep = [r for r in d["kstep"] if r["dense_sync"] == "kstep"]
+    ar = [r for r in d["kstep"] if r["dense_sync"] == "allreduce"]
+    fig, axes = plt.subplots(1, 3 if d["scaling"] else 2, figsize=(11 if d["scaling"] else 8, 3.6))
+    ks = [r["k"] for r in kstep]
+    axes[0].semilogx(ks, [r["auc"] for r in kstep], "o-", label="k-step Adam")
+    if ar:
+        axes[0].axhline(ar[0]["auc"], color="C1", ls="--", label="gradient all-reduce, Adam")
+    axes[0].set(xlabel="k", ylabel="held-out AUC", title=f"W6: AUC, {d['ranks']} ranks")
+    axes[0].legend(fontsize=8)
+    axes[1].loglog(ks, [r["dense_bytes_per_rank"] / 1e6 for r in kstep], "o-", label="measured")
+    b1 = kstep[0]["dense_bytes_per_rank"] / 1e6 * ks[0]
+    axes[1].loglog(ks, [b1 / k for k in ks], ":", color="gray", label="1/k")
+    axes[1].set(xlabel="k", ylabel="dense MB sent per rank", title="W6: dense bytes")
+    axes[1].legend(fontsize=8)
+    if d["scaling"]:
+        n = [r["ranks"] for r in d["scaling"]]
+        axes[2].plot(n, [r["examples_per_s"] for r in d["scaling"]], "o-")
+        axes[2].set(xlabel="ranks", ylabel="examples/s", title=f"scaling on {d['cores']} cores", xticks=n)
+        axes[2].set_ylim(bottom=0)
+    save(fig, "w6.png")
+
+
 def save(fig, name):
     os.makedirs(IMG, exist_ok=True)
     fig.tight_layout()
@@ -95,4 +120,4 @@ def save(fig, name):
 
 
 if __name__ == "__main__":
-    {"w1": w1, "w3": w3, "w4": w4}[sys.argv[1]](*sys.argv[2:])
+    {"w1": w1, "w3": w3, "w4": w4, "w6": w6}[sys.argv[1]](*sys.argv[2:])

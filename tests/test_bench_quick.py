@@ -32,3 +32,22 @@ def test_train_quick_against_pytorch():
     assert out["hps"]["examples"] == out["torch"]["examples"] == 100_000
     assert abs(out["auc_difference"]) < 0.002  # same model, same data, same optimizers
     assert out["w9_wall_over_slowest_stage"] >= 1.0
+
+
+def test_w6_quick_kstep_bytes_fall_as_1_over_k():
+    pytest.importorskip("torch", reason="the W6 benchmark trains with torch")
+    pytest.importorskip("mpi4py", reason="the W6 benchmark needs mpi4py (pip install '.[mpi]')")
+    import shutil
+    if shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec on PATH (pip install mpich)")
+    out = run_json("bench/w6_bench.py", "--quick", "--examples", "100000", "--eval-examples", "10000",
+                   timeout=600)
+    runs = {(r["dense_sync"], r["k"]): r for r in out["kstep"]}
+    k1, k10, ar = runs[("kstep", 1)], runs[("kstep", 10)], runs[("allreduce", 1)]
+    assert k1["examples"] == k10["examples"] == ar["examples"] == 100_000
+    assert k10["dense_merges"] == -(-k1["dense_merges"] // 10)  # every 10 steps, and once at the end
+    assert k10["dense_bytes_over_k1"] == pytest.approx(k10["dense_merges"] / k1["dense_merges"])
+    assert ar["dense_bytes_over_k1"] == pytest.approx(0.5)  # gradients only, against x and v
+    for r in out["kstep"]:
+        assert r["auc"] > 0.7
+        assert sum(r["sparse_bytes_per_rank_per_batch"].values()) > 0

@@ -303,3 +303,43 @@ def test_inconsistent_checkpoints_are_refused(tmp_path):
     p = _hps_train(2, _write_config(tmp_path, "more", tmp_path / "job", 16384, every=8), "--resume", check=False)
     assert p.returncode == 2
     assert "checkpoints are at different steps (rank 0 at batch 16, rank 1 at batch 8)" in p.stderr, p.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- configuration
+
+def test_distributed_config_errors_name_the_field():
+    from hps.train import TrainConfig
+    base = {"ps": {"dim": 8, "path": "/tmp/unused"}}
+    cfg = TrainConfig.from_dict({**base, "distributed": {"dense_sync": "kstep", "k": 50}})
+    assert cfg.distributed.dense_sync == "kstep" and cfg.distributed.k == 50 and cfg.distributed.beta1 == 0.0
+    with pytest.raises(ValueError, match=r"job.toml: unknown field\(s\) distributed.kk"):
+        TrainConfig.from_dict({**base, "distributed": {"kk": 5}}, source="job.toml")
+    with pytest.raises(ValueError, match="dense_sync must be 'allreduce' or 'kstep', got 'ring'"):
+        TrainConfig.from_dict({**base, "distributed": {"dense_sync": "ring"}})
+    with pytest.raises(ValueError, match="k must be an int >= 1, got 0"):
+        TrainConfig.from_dict({**base, "distributed": {"k": 0}})
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        TrainConfig.from_dict({**base, "distributed": {"timeout": 0}})
+
+
+def test_only_a_launcher_with_several_ranks_makes_a_job(monkeypatch):
+    from hps.distributed import launched_by_mpi
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not launched_by_mpi()
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert not launched_by_mpi()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert launched_by_mpi()
+
+
+def test_owner_ranks_spread_keys_independently_of_the_device_hash():
+    from hps.data import mix64
+    from hps.distributed import owner_ranks
+    keys = mix64(np.arange(1, 200_001, dtype=np.uint64))
+    ranks = owner_ranks(keys, 4)
+    counts = np.bincount(ranks, minlength=4)
+    assert counts.min() > 0.24 * len(keys)
+    # Within one rank, the device tier's mix64(k) mod 2 still splits the keys evenly.
+    devices = mix64(keys[ranks == 0]) % np.uint64(2)
+    assert 0.48 < devices.mean() < 0.52
