@@ -46,6 +46,17 @@ class Tier final : public DeviceTier {
     }
   }
 
+  uint64_t Assign(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) override {
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, rows, row_floats_);
+    uint64_t assigned = 0;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      if (parts.keys[d].empty()) continue;
+      assigned += rows_[d]->assign(parts.keys[d].data(), parts.keys[d].size(), parts.rows[d].data(), nullptr);
+    }
+    return assigned;
+  }
+
   void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings,
            const int32_t* owners) override {
     CheckWorker(worker);

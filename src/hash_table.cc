@@ -13,11 +13,13 @@
 // i is finished, keeping ~2D cache misses in flight.
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <memory>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -488,6 +490,21 @@ std::vector<uint64_t> UniqueKeys(const uint64_t* keys, uint64_t n, int64_t* inve
     inverse[i] = at;
   }
   return uniq;
+}
+
+void SumByInverse(const int64_t* inverse, uint64_t n, const float* rows, int32_t width, uint64_t n_unique,
+                  float* out) {
+  std::fill(out, out + n_unique * static_cast<uint64_t>(width), 0.0f);
+  for (uint64_t i = 0; i < n; ++i) {
+    const int64_t at = inverse[i];
+    if (at < 0 || static_cast<uint64_t>(at) >= n_unique) {
+      throw std::out_of_range("SumByInverse: inverse[" + std::to_string(i) + "] = " + std::to_string(at) +
+                              " is outside [0, " + std::to_string(n_unique) + ")");
+    }
+    float* dst = out + static_cast<uint64_t>(at) * width;
+    const float* src = rows + i * static_cast<uint64_t>(width);
+    for (int32_t j = 0; j < width; ++j) dst[j] += src[j];
+  }
 }
 
 }  // namespace hps

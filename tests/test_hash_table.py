@@ -315,3 +315,23 @@ TableMachine.TestCase.settings = settings(
     max_examples=40, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_table_against_dict_model = TableMachine.TestCase
+
+
+def test_unique_keys_and_sum_by_inverse_round_trip():
+    from hps import _core
+    rng = np.random.default_rng(5)
+    keys = rng.integers(0, 50, 1000).astype(np.uint64)
+    uniq, inverse = _core.unique_keys(keys)
+    assert len(set(uniq.tolist())) == len(uniq) == len(set(keys.tolist()))
+    np.testing.assert_array_equal(uniq[inverse], keys)
+    rows = rng.standard_normal((1000, 3)).astype(np.float32)
+    summed = _core.sum_by_inverse(inverse, rows, len(uniq))
+    expected = np.zeros((len(uniq), 3), np.float64)
+    np.add.at(expected, inverse, rows)
+    np.testing.assert_allclose(summed, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(IndexError, match=r"inverse\[1\] = 7 is outside \[0, 3\)"):
+        _core.sum_by_inverse(np.array([0, 7], np.int64), rows[:2], 3)
+    with pytest.raises(TypeError, match="inverse must be a 1-D array of int64"):
+        _core.sum_by_inverse(np.array([0, 1], np.int32), rows[:2], 3)
+    with pytest.raises(ValueError, match=r"rows must have shape \(2, 3\)"):
+        _core.sum_by_inverse(np.array([0, 1], np.int64), rows[:3], 3)

@@ -229,6 +229,38 @@ def test_a_prefetch_during_a_batch_sees_its_updates_once_loaded(tmp_path):
         ps.batch(used)
 
 
+def test_an_overlapped_batch_takes_the_updates_of_the_one_before(tmp_path):
+    """The pipeline's order with two device tiers: batch i+1 is loaded while batch i
+    trains (its rows read from MEM-PS before batch i's updates), and batch i is
+    written back while batch i+1 trains. Every pull still sees every earlier update."""
+    cfg = config(tmp_path / "ps", devices=2)
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    steps = list(random_steps(23, 14, universe=60))  # consecutive batches share many keys
+    current = ps.batch(ps.prefetch(steps[0][0]), overlap=True)
+    for i, (keys, grads) in enumerate(steps):
+        nxt = ps.batch(ps.prefetch(steps[i + 1][0]), overlap=True) if i + 1 < len(steps) else None
+        np.testing.assert_array_equal(current.pull(keys), ref.pull(keys), err_msg=f"batch {i}")
+        current.push(keys, grads, worker=i % 2)
+        current.apply()
+        ref.push(keys, grads)
+        if i % 3 == 0:  # sometimes the write-back lags behind the next batch's first pull
+            lagging = current
+        else:
+            current.write_back()
+            lagging = None
+        if nxt is not None:
+            k = steps[i + 1][0]
+            np.testing.assert_array_equal(nxt.pull(k), ref.pull(k), err_msg=f"batch {i + 1}, first pull")
+        if lagging is not None:
+            lagging.write_back()
+        current = nxt
+    assert ps.stats()["mem"]["pinned"] == 0
+    every = np.arange(60, dtype=np.uint64)
+    np.testing.assert_array_equal(ps.pull(every), ref.pull(every))
+    ps.checkpoint()
+    ps.close()
+
+
 def test_a_dropped_server_is_freed_with_its_files(tmp_path):
     """The native cache holds the server's loader and sink; they must not keep
     the server (its SSD-PS descriptors and compaction thread) alive."""

@@ -59,6 +59,10 @@ class DeviceTier {
   // Loads rows (n, row_floats) of the batch's working set onto their owners.
   // Throws TableFullError when a device's table has no room.
   virtual void Insert(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) = 0;
+  // Overwrites the rows (n, row_floats) of the keys that are loaded and skips
+  // the others; returns how many were loaded. (The pipeline brings a batch
+  // loaded early up to date with the previous batch's updates.)
+  virtual uint64_t Assign(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) = 0;
   // Worker device `worker` pulls the embeddings (n, dim) of keys from their
   // owners. std::out_of_range names a key that was not loaded.
   virtual void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings,

@@ -108,4 +108,10 @@ void CheckKeys(const uint64_t* keys, uint64_t n);
 // like CheckKeys.
 std::vector<uint64_t> UniqueKeys(const uint64_t* keys, uint64_t n, int64_t* inverse);
 
+// The other half of UniqueKeys for gradients: out (n_unique, width) gets, in
+// row inverse[i], the sum of rows[i] (n, width). One pass in order, so the sums
+// are deterministic. Throws std::out_of_range for an index outside [0, n_unique).
+void SumByInverse(const int64_t* inverse, uint64_t n, const float* rows, int32_t width, uint64_t n_unique,
+                  float* out);
+
 }  // namespace hps

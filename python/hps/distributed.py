@@ -331,9 +331,9 @@ class DistBatch:
         np.add.at(self.grads, pos, np.asarray(grads, np.float32))
         self.touched[pos] = True
 
-    def finish(self) -> None:
-        """Each owner gets the summed gradients of the keys any rank touched and
-        applies one step per key (collective)."""
+    def apply(self) -> None:
+        """Each owner gets the summed gradients of the keys any rank touched,
+        applies one step per key and writes the rows back (collective)."""
         node, pre = self.server.node, self.pre
         try:
             in_send_order = pre.order
@@ -354,6 +354,12 @@ class DistBatch:
             self.local.abort()
             raise
         self.local.finish()
+
+    def write_back(self) -> None:
+        """Done by apply(): the owners' write-back is part of the collective step."""
+
+    def finish(self) -> None:
+        self.apply()
 
     def abort(self) -> None:
         self.local.abort()
@@ -434,7 +440,7 @@ class DistributedServer:
             raise
         return DistPrefetched(uniq, order, counts, asked, local)
 
-    def batch(self, pre: DistPrefetched) -> DistBatch:
+    def batch(self, pre: DistPrefetched, overlap: bool = False) -> DistBatch:
         """The load stage: once this rank's previous batch is written back, its
         union goes onto the device tier and the rows go to the ranks that asked."""
         local = self.local.batch(pre.local)

@@ -195,51 +195,112 @@ class Prefetched:
             self._ps._cache.unpin(self.keys)
 
 
-class Batch:
-    """A batch's working set on the device tier (ParameterServer.batch)."""
+class _TierSlot:
+    """A device tier and whether a batch holds it. The pipeline alternates two,
+    so that the next batch loads while this one trains."""
 
-    def __init__(self, ps: "ParameterServer", keys: np.ndarray):
+    def __init__(self, tier, capacity: int):
+        self.tier = tier
+        self.capacity = capacity
+        self.free = threading.Event()
+        self.free.set()
+
+
+class Batch:
+    """A batch's working set on the device tier (ParameterServer.batch).
+
+    finish() is apply() (one optimizer step per key on the device tier), then
+    write_back() (the rows to MEM-PS, the tier freed); the pipeline runs the
+    write-back on a thread of its own. A batch loaded before the previous one was
+    written back (``overlap``) takes that batch's updated rows from it before
+    its first pull, push or apply, so it sees them all the same."""
+
+    def __init__(self, ps: "ParameterServer", keys: np.ndarray, slot: _TierSlot, previous: Optional["Batch"]):
         self._ps = ps
         self.keys = keys  # distinct
+        self._slot = slot
+        self._tier = slot.tier
+        self._previous = previous
+        self._updated = self._rows = None
+        self._applied = threading.Event()
+        self._written_back = threading.Event()
         self._done = False
-        self.wait_seconds = 0.0  # how long batch() waited for the previous batch to finish
+        self.wait_seconds = 0.0  # how long batch() waited for a device tier to be free
+
+    def _catch_up(self) -> None:
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
+        previous._applied.wait()
+        if len(previous._updated):
+            ps = self._ps
+            self._tier.assign(previous._updated, previous._rows, ps._owners(previous._updated), ps.row_floats)
 
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
         """Embeddings (n, dim) of keys, for the mini-batch of device `worker`."""
+        self._catch_up()
         ps = self._ps
-        return ps._tier.get(worker, keys, ps._owners(keys), ps.dim)
+        return self._tier.get(worker, keys, ps._owners(keys), ps.dim)
 
     def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
         """Sends gradients (n, dim) from device `worker` to the keys' owners,
         where they add up until the batch ends."""
+        self._catch_up()
         ps = self._ps
-        ps._tier.accumulate(worker, keys, grads, ps._owners(keys), ps.dim)
+        self._tier.accumulate(worker, keys, grads, ps._owners(keys), ps.dim)
 
-    def finish(self) -> None:
-        """One optimizer step per key that got gradients; their rows back to
-        MEM-PS (dirty), the others' pins released (their rows unchanged)."""
-        if self._done:
+    def apply(self) -> None:
+        """One optimizer step per key that got gradients, on the device tier."""
+        if self._applied.is_set():
             return
         ps = self._ps
         try:
-            updated = ps._tier.apply()
-            if len(updated):
-                ps._cache.write_back(updated, ps._tier.rows(updated, ps._owners(updated), ps.row_floats))
-            if len(updated) < len(self.keys):
-                ps._cache.unpin(self.keys[~np.isin(self.keys, updated)])
+            self._catch_up()
+            updated = self._tier.apply()
+            rows = self._tier.rows(updated, ps._owners(updated), ps.row_floats)
+        except BaseException:
+            self.abort()
+            raise
+        self._updated, self._rows = updated, rows
+        self._applied.set()
+
+    def write_back(self) -> None:
+        """The updated rows back to MEM-PS (dirty), the others' pins released
+        (their rows unchanged), the device tier freed for the next batch."""
+        if self._done:
+            return
+        if not self._applied.is_set():
+            raise RuntimeError("write_back before apply")
+        ps = self._ps
+        try:
+            if len(self._updated):
+                ps._cache.write_back(self._updated, self._rows)
+            if len(self._updated) < len(self.keys):
+                ps._cache.unpin(self.keys[~np.isin(self.keys, self._updated)])
         finally:
             self._close()
 
+    def finish(self) -> None:
+        """apply(), then write_back()."""
+        self.apply()
+        self.write_back()
+
     def abort(self) -> None:
-        """Drops the batch's updates."""
-        if not self._done:
-            self._ps._cache.unpin(self.keys)
-            self._close()
+        """Drops the batch's updates (those not yet applied)."""
+        if self._done:
+            return
+        if not self._applied.is_set():
+            self._updated = np.empty(0, np.uint64)
+            self._rows = np.empty((0, self._ps.row_floats), np.float32)
+            self._applied.set()  # a batch loaded after this one has nothing to take from it
+        self._ps._cache.unpin(self.keys)
+        self._close()
 
     def _close(self):
         self._done = True
-        self._ps._tier.clear()
-        self._ps._batch_lock.release()
+        self._tier.clear()
+        self._written_back.set()  # before the tier is free: the next load reads MEM-PS then
+        self._slot.free.set()
 
     def __enter__(self):
         return self
@@ -293,11 +354,13 @@ class ParameterServer:
         # Device tables start small and double when a batch needs it (up to
         # device_capacity): clearing and reading back scan every slot, so tables
         # sized to the batch cost least.
-        self._tier_capacity = min(config.device_capacity, 1 << 16)
-        self._tier = self._new_tier(self._tier_capacity)
+        capacity = min(config.device_capacity, 1 << 16)
+        self._slots = [_TierSlot(self._new_tier(capacity), capacity)]
+        self._next_slot = 0
+        self._last_batch: Optional[Batch] = None
         self._transfers_before = None
         self._partitioner = partitioner
-        self._batch_lock = threading.Lock()
+        self._load_lock = threading.Lock()  # one batch() at a time; checkpoint() holds it too
 
     # ------------------------------------------------------------ opening
     @classmethod
@@ -429,56 +492,71 @@ class ParameterServer:
         self._count(mem_hits=int(hit.sum()))
         return Prefetched(self, uniq)
 
-    def batch(self, keys: Union[np.ndarray, "Prefetched"]) -> Batch:
+    def batch(self, keys: Union[np.ndarray, "Prefetched"], *, overlap: bool = False) -> Batch:
         """Loads the working set of keys (or of a prefetch) onto the device tier;
         the returned Batch serves pulls and pushes until finish() (or the end of a
-        with block) writes the updated rows back. One batch at a time: this waits
-        for the one in flight to finish."""
+        with block) writes the updated rows back. This waits for the batch in
+        flight to be written back, or, with ``overlap`` (the pipeline's way), only
+        for the one before it: two device tiers take turns, and the new batch
+        takes the updates of the one in flight from it when that one applies them."""
         prefetched = keys if isinstance(keys, Prefetched) else self.prefetch(keys)
         if prefetched._ps is not self or prefetched._used:
             raise ValueError("batch: a Prefetched can be used once, with the server that made it")
         prefetched._used = True
         uniq = prefetched.keys
         waited = time.perf_counter()
-        self._batch_lock.acquire()
-        waited = time.perf_counter() - waited
         try:
-            # Read the rows again now: the previous batch may have updated some
-            # since the prefetch (they are pinned, so they are all in MEM-PS).
-            rows = self._cache.read_pinned(uniq).view(np.float32)
-            owners = self._owners(uniq)
-            self._fit_tier(uniq, owners)
-            try:
-                self._tier.insert(uniq, rows, owners, self.row_floats)
-            except BaseException:
-                self._tier.clear()
-                raise
+            with self._load_lock:
+                if overlap and len(self._slots) == 1:
+                    first = self._slots[0]
+                    self._slots.append(_TierSlot(self._new_tier(first.capacity), first.capacity))
+                for other in ([] if overlap else self._slots):
+                    other.free.wait()
+                slot = self._slots[self._next_slot]
+                slot.free.wait()
+                waited = time.perf_counter() - waited
+                slot.free.clear()
+                previous = self._last_batch
+                if previous is not None and previous._written_back.is_set():
+                    previous = None  # MEM-PS has its updates (checked before reading MEM-PS)
+                try:
+                    # Read the rows now: an earlier batch may have updated some since the
+                    # prefetch (they are pinned, so they are all in MEM-PS).
+                    rows = self._cache.read_pinned(uniq).view(np.float32)
+                    owners = self._owners(uniq)
+                    self._fit_tier(slot, uniq, owners)
+                    slot.tier.insert(uniq, rows, owners, self.row_floats)
+                except BaseException:
+                    slot.tier.clear()
+                    slot.free.set()
+                    raise
+                self._next_slot = (self._next_slot + 1) % len(self._slots)
+                b = Batch(self, uniq, slot, previous)
+                self._last_batch = b
         except BaseException:
             self._cache.unpin(uniq)
-            self._batch_lock.release()
             raise
         self._count(batches=1)
-        b = Batch(self, uniq)
         b.wait_seconds = waited
         return b
 
     def _new_tier(self, capacity: int):
         return _core.DeviceTier(self.config.devices, capacity, self._native_opt, threads=self.config.device_threads)
 
-    def _fit_tier(self, uniq: np.ndarray, owners) -> None:
-        """Grows the (empty) device tables until the batch fills them at most 0.7."""
+    def _fit_tier(self, slot: _TierSlot, uniq: np.ndarray, owners) -> None:
+        """Grows the slot's (empty) device tables until the batch fills them at most 0.7."""
         if owners is None:
             owners = _core.DeviceTier.modulo_owners(uniq, self.config.devices)
         most = int(np.bincount(owners, minlength=self.config.devices).max(initial=0))
-        capacity = self._tier_capacity
+        capacity = slot.capacity
         while most > 0.7 * capacity and capacity < self.config.device_capacity:
             capacity = min(2 * capacity, self.config.device_capacity)
-        if capacity != self._tier_capacity:
-            rows, moved = self._tier.transfers()
+        if capacity != slot.capacity:
+            rows, moved = slot.tier.transfers()
             self._transfers_before = (rows, moved) if self._transfers_before is None else \
                 (self._transfers_before[0] + rows, self._transfers_before[1] + moved)
-            self._tier = self._new_tier(capacity)
-            self._tier_capacity = capacity
+            slot.tier = self._new_tier(capacity)
+            slot.capacity = capacity
 
     def _distinct(self, keys: np.ndarray) -> np.ndarray:
         if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):
@@ -499,7 +577,9 @@ class ParameterServer:
     def checkpoint(self) -> None:
         """Makes the whole state durable: dirty MEM-PS rows to SSD-PS, an SSD-PS
         commit, then the metadata. Waits for a batch in flight to finish."""
-        with self._batch_lock:
+        with self._load_lock:
+            for slot in self._slots:
+                slot.free.wait()
             self._cache.flush_dirty()
             with self._pending_lock:
                 self._flush_pending()
@@ -510,23 +590,24 @@ class ParameterServer:
             self._write_metadata(checkpoints=done + 1)
 
     def stats(self) -> dict:
-        rows, transfer_bytes = self._tier.transfers()
-        if self._transfers_before is not None:  # counted by the tables the tier outgrew
-            rows, transfer_bytes = rows + self._transfers_before[0], transfer_bytes + self._transfers_before[1]
+        rows, transfer_bytes = self._transfers_before or (0, 0)  # counted by the tables the tier outgrew
+        for slot in self._slots:
+            r, b = slot.tier.transfers()
+            rows, transfer_bytes = rows + r, transfer_bytes + b
         with self._pending_lock:
             pending = self._pending.count
         with self._counts_lock:
             counts = dict(self._counts)
         return {"counts": counts, "mem": self._cache.stats(), "ssd": self._ssd.stats(),
                 "pending_rows": pending,
-                "device": {"kind": self._tier.kind, "devices": self._tier.devices,
-                           "capacity_per_device": self._tier_capacity,
+                "device": {"kind": self._slots[0].tier.kind, "devices": self._slots[0].tier.devices,
+                           "capacity_per_device": max(slot.capacity for slot in self._slots),
                            "transfer_rows": rows.tolist(), "transfer_bytes": transfer_bytes.tolist()}}
 
     def close(self) -> None:
         """Releases the stores; what was not checkpointed is dropped."""
         self._ssd.wait_for_compaction()
-        del self._cache, self._ssd, self._tier
+        del self._cache, self._ssd, self._slots, self._last_batch
 
     def __repr__(self) -> str:
         return f"ParameterServer(dim={self.dim}, path={self.config.path!r})"

@@ -1,19 +1,21 @@
 """The 4-stage training pipeline (the MLSys 2020 paper's Algorithm 1).
 
-    read -> prefetch -> load -> train (+ write back)
+    read -> prefetch -> load -> train -> write back
 
 - read: the next batch of examples from the data source;
 - prefetch: pin the batch's working set in MEM-PS, reading SSD-PS for misses;
-- load: once the previous batch is written back, put the working set on the device
-  tier and cut the batch into one mini-batch per device;
+- load: put the working set on a free device tier and cut the batch into one
+  mini-batch per device;
 - train: the caller's step over the mini-batches (pulls, pushes, dense update), then
-  the write-back of the updated rows to MEM-PS.
+  the optimizer step of the sparse rows on the device tier (Batch.apply);
+- write back: the updated rows to MEM-PS, the device tier freed.
 
 Each stage is a thread (train runs in the caller's), joined by bounded queues, so
 reading and SSD I/O of later batches hide behind the training of the current one.
-The device tier takes one batch at a time, and a batch enters it only after the
-previous one's write-back: ParameterServer.batch re-reads the pinned rows then, so
-the pipelined run computes exactly what running the stages one after another does.
+Two device tiers take turns: batch i+1 loads while batch i trains, and batch i's
+write-back runs while batch i+1 trains. Before its first pull, batch i+1 takes
+the rows batch i updated from batch i (ParameterServer.batch(overlap=True)), so the
+pipelined run computes exactly what running the stages one after another does.
 
 Per-stage busy times, waits and queue depths are in ``PipelineStats``; the stage
 with the largest busy time bounds the run.
@@ -41,20 +43,17 @@ class PipelineStats:
     examples: int = 0
     wall_seconds: float = 0.0
     busy_seconds: dict = field(default_factory=lambda: {s: 0.0 for s in STAGES})
-    queue_depth_sum: dict = field(default_factory=lambda: {"read": 0, "prefetch": 0, "load": 0})
+    queue_depth_sum: dict = field(default_factory=lambda: {"read": 0, "prefetch": 0, "load": 0, "write_back": 0})
     queue_samples: int = 0
     prefetch_waits: int = 0  # times the prefetch waited for MEM-PS room
 
     def bound_by(self) -> str:
-        """The stage that bounds the run: the most busy one (train and write-back
-        are one stage of the pipeline, the device tier's)."""
-        busy = dict(self.busy_seconds)
-        busy["train"] += busy.pop("write_back")
-        return max(busy, key=busy.get)
+        """The stage that bounds the run: the most busy one."""
+        return max(self.busy_seconds, key=self.busy_seconds.get)
 
     def as_dict(self) -> dict:
         busy = dict(self.busy_seconds)
-        slowest = max(busy["read"], busy["prefetch"], busy["load"], busy["train"] + busy["write_back"])
+        slowest = max(busy.values())
         n = max(self.queue_samples, 1)
         return {"batches": self.batches, "examples": self.examples, "wall_seconds": self.wall_seconds,
                 "examples_per_s": self.examples / self.wall_seconds if self.wall_seconds else 0.0,
@@ -102,8 +101,8 @@ class Pipeline:
             self.stats.busy_seconds[stage] += time.perf_counter() - t0
         return out
 
-    def _load(self, data, prefetched) -> Loaded:
-        b = self.ps.batch(prefetched)
+    def _load(self, data, prefetched, overlap: bool = False) -> Loaded:
+        b = self.ps.batch(prefetched, overlap=overlap)
         with self._lock:  # waiting for the previous write-back is not work
             self.stats.busy_seconds["load"] -= b.wait_seconds
         n = len(data.labels)
@@ -111,12 +110,16 @@ class Pipeline:
         return Loaded(data, b, minibatches)
 
     def _train(self, loaded: Loaded) -> None:
+        """The train stage: the caller's step, then the sparse optimizer step."""
         try:
             self._timed("train", self.train_step, loaded)
+            self._timed("train", loaded.batch.apply)
         except BaseException:
             loaded.batch.abort()
             raise
-        self._timed("write_back", loaded.batch.finish)
+
+    def _write_back(self, loaded: Loaded) -> None:
+        self._timed("write_back", loaded.batch.write_back)
         with self._lock:
             self.stats.batches += 1
             self.stats.examples += len(loaded.data.labels)
@@ -163,9 +166,11 @@ class Pipeline:
             prefetched = self._prefetch(data)
             loaded = self._timed("load", self._load, data, prefetched)
             self._train(loaded)
+            self._write_back(loaded)
 
     def _run_pipelined(self, it: Iterator) -> None:
         q_read, q_prefetch, q_load = (queue.Queue(maxsize=d) for d in self.depths)
+        q_write_back: queue.Queue = queue.Queue(maxsize=1)
         stop = threading.Event()
         errors: list[BaseException] = []
 
@@ -218,7 +223,7 @@ class Pipeline:
                     if item is _DONE:
                         put(q_load, _DONE)
                         return
-                    loaded = self._timed("load", self._load, *item)
+                    loaded = self._timed("load", self._load, *item, True)
                     if not put(q_load, loaded):
                         loaded.batch.abort()
                         return
@@ -226,8 +231,21 @@ class Pipeline:
                 errors.append(e)
                 put(q_load, _DONE)
 
+        def writer():
+            try:
+                while True:
+                    loaded = get(q_write_back)
+                    if loaded is _DONE:
+                        return
+                    self._write_back(loaded)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                stop.set()
+
         threads = [threading.Thread(target=f, name=f"hps-{f.__name__}", daemon=True)
                    for f in (reader, prefetcher, loader)]
+        write_back = threading.Thread(target=writer, name="hps-writer", daemon=True)
+        write_back.start()
         for t in threads:
             t.start()
         try:
@@ -240,11 +258,22 @@ class Pipeline:
                     self.stats.queue_depth_sum["read"] += q_read.qsize()
                     self.stats.queue_depth_sum["prefetch"] += q_prefetch.qsize()
                     self.stats.queue_depth_sum["load"] += q_load.qsize()
+                    self.stats.queue_depth_sum["write_back"] += q_write_back.qsize()
                 self._train(loaded)
+                if not put(q_write_back, loaded):
+                    loaded.batch.abort()
+                    break
         finally:
+            # The write-backs of trained batches finish; then the other stages stop.
+            put(q_write_back, _DONE)
+            write_back.join()
             stop.set()
             for t in threads:
                 t.join()
+            while not q_write_back.empty():
+                item = q_write_back.get_nowait()
+                if isinstance(item, Loaded):
+                    item.batch.abort()
             # Whatever was prefetched or loaded but not trained lets go of its pins.
             for q in (q_prefetch, q_load):
                 while not q.empty():

@@ -85,9 +85,9 @@ class _PooledLookup(torch.autograd.Function):
         elem = grad_out if len(ctx.bag) == len(ctx.counts) and (ctx.counts == 1).all() else grad_out[ctx.bag]
         if weights.numel():
             elem = elem * weights.unsqueeze(1)
-        per_key = torch.zeros(len(ctx.uniq), module.dim, dtype=torch.float32)
-        per_key.index_add_(0, torch.from_numpy(ctx.inverse), elem)
-        module._push(ctx.uniq, per_key.numpy())
+        # One pass in C++: torch's index_add_ took 4x as long on these shapes.
+        per_key = _core.sum_by_inverse(ctx.inverse, np.ascontiguousarray(elem.detach().numpy()), len(ctx.uniq))
+        module._push(ctx.uniq, per_key)
         return None, None, None, None, None, None
 
 

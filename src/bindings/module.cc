@@ -471,6 +471,25 @@ PYBIND11_MODULE(_core, m) {
     std::memcpy(out.mutable_data(), uniq.data(), uniq.size() * sizeof(uint64_t));
     return py::make_tuple(out, inverse);
   }, py::arg("keys"), "(distinct keys in order of first appearance, index of each key among them)");
+  m.def("sum_by_inverse", [](const py::array& inverse, const py::array& rows, uint64_t n_unique) {
+    if (!inverse.dtype().is(py::dtype::of<int64_t>()) || inverse.ndim() != 1) {
+      throw py::type_error("inverse must be a 1-D array of int64, got " + DtypeName(inverse));
+    }
+    RequireContiguous(inverse, "inverse");
+    if (rows.ndim() != 2) throw py::value_error("rows must be 2-D (n, width)");
+    const uint64_t n = static_cast<uint64_t>(inverse.shape(0));
+    const int64_t width = rows.shape(1);
+    const float* r = RowsArg(rows, "rows", n, width);
+    py::array_t<float> out = NewRows(n_unique, static_cast<int32_t>(width));
+    float* o = out.mutable_data();
+    {
+      py::gil_scoped_release release;
+      hps::SumByInverse(static_cast<const int64_t*>(inverse.data()), n, r, static_cast<int32_t>(width), n_unique,
+                        o);
+    }
+    return out;
+  }, py::arg("inverse"), py::arg("rows"), py::arg("n_unique"),
+     "(n_unique, width) float32: row inverse[i] sums rows[i] (the gradients of unique_keys' keys)");
 
   py::class_<hps::DeviceTier>(m, "DeviceTier")
       .def(py::init([](int32_t devices, uint64_t capacity, const hps::SparseOptimizer& optimizer, bool use_cuda,
@@ -497,6 +516,14 @@ PYBIND11_MODULE(_core, m) {
         const int32_t* o = OwnersArg(owners, n);
         py::gil_scoped_release release;
         t.Insert(k, n, r, o);
+      }, py::arg("keys"), py::arg("rows"), py::arg("owners"), py::arg("row_floats"))
+      .def("assign", [](hps::DeviceTier& t, const py::array& keys, const py::array& rows, const py::object& owners,
+                        int32_t row_floats) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const float* r = RowsArg(rows, "rows", n, row_floats);
+        const int32_t* o = OwnersArg(owners, n);
+        py::gil_scoped_release release;
+        return t.Assign(k, n, r, o);
       }, py::arg("keys"), py::arg("rows"), py::arg("owners"), py::arg("row_floats"))
       .def("get", [](hps::DeviceTier& t, int32_t worker, const py::array& keys, const py::object& owners, int32_t dim) {
         const auto [k, n] = KeysArg(keys, "keys");

@@ -68,6 +68,29 @@ TEST(DeviceTier, BatchMatchesOneTable) {
   EXPECT_EQ(tier->size(), 0u);
 }
 
+TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const int32_t width = opt.row_floats();
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1});
+  std::vector<uint64_t> keys = {10, 11, 12, 13};
+  std::vector<float> rows(keys.size() * width, 1.0f);
+  tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+  // 11 and 13 are loaded, 99 is not: it is skipped, not added.
+  std::vector<uint64_t> newer = {13, 99, 11};
+  std::vector<float> newer_rows(newer.size() * width);
+  for (size_t i = 0; i < newer_rows.size(); ++i) newer_rows[i] = 2.0f + static_cast<float>(i);
+  EXPECT_EQ(tier->Assign(newer.data(), newer.size(), newer_rows.data(), nullptr), 2u);
+  EXPECT_EQ(tier->size(), keys.size());
+  std::vector<float> got(keys.size() * width);
+  tier->Rows(keys.data(), keys.size(), got.data(), nullptr);
+  for (int32_t j = 0; j < width; ++j) {
+    EXPECT_EQ(got[0 * width + j], 1.0f);                        // 10 untouched
+    EXPECT_EQ(got[1 * width + j], newer_rows[2 * width + j]);  // 11 <- third row
+    EXPECT_EQ(got[2 * width + j], 1.0f);                        // 12 untouched
+    EXPECT_EQ(got[3 * width + j], newer_rows[0 * width + j]);  // 13 <- first row
+  }
+}
+
 TEST(DeviceTier, UniqueKeysKeepsFirstAppearance) {
   std::vector<uint64_t> keys = {9, 4, 9, 7, 4, 9};
   std::vector<int64_t> inverse(keys.size());
@@ -75,6 +98,17 @@ TEST(DeviceTier, UniqueKeysKeepsFirstAppearance) {
   EXPECT_EQ(inverse, (std::vector<int64_t>{0, 1, 0, 2, 1, 0}));
   keys[2] = kEmptyKey;
   EXPECT_THROW(UniqueKeys(keys.data(), keys.size(), inverse.data()), std::invalid_argument);
+}
+
+TEST(DeviceTier, SumByInverseAddsRowsOfTheSameKey) {
+  const std::vector<int64_t> inverse = {0, 1, 0, 2, 1, 0};
+  std::vector<float> rows(inverse.size() * 2);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i);
+  std::vector<float> out(3 * 2, -1.0f);
+  SumByInverse(inverse.data(), inverse.size(), rows.data(), 2, 3, out.data());
+  EXPECT_EQ(out, (std::vector<float>{0 + 4 + 10, 1 + 5 + 11, 2 + 8, 3 + 9, 6, 7}));
+  const std::vector<int64_t> bad = {0, 3};
+  EXPECT_THROW(SumByInverse(bad.data(), 2, rows.data(), 2, 3, out.data()), std::out_of_range);
 }
 
 }  // namespace
