@@ -6,7 +6,8 @@
 // resize copies one shard, not the whole index: the peak stays near the
 // steady size instead of 3x it. Loads stay between 0.4 and 0.8 (about 20
 // bytes a key; std::unordered_map took ~40 plus the allocator's share).
-// There are no deletes (a store never forgets a key), so no tombstones.
+// Erase shifts the rest of the probe run back into the hole, so there are
+// no tombstones. MEM-PS indexes its slots with it too.
 //
 // Not thread-safe: the store's lock guards it.
 #pragma once
@@ -73,6 +74,34 @@ class KeyIndex {
       }
       if (s.keys[i] == kEmptyKey) return false;
     }
+  }
+
+  // Removes key; returns the value it had, or kNone if it was absent.
+  uint32_t Erase(uint64_t key) {
+    const uint64_t h = Mix64(key);
+    Shard& s = shards_[h >> (64 - kShardBits)];
+    if (s.mask == 0) return kNone;
+    uint64_t i = h & s.mask;
+    while (s.keys[i] != key) {
+      if (s.keys[i] == kEmptyKey) return kNone;
+      i = (i + 1) & s.mask;
+    }
+    const uint32_t old = s.values[i];
+    uint64_t hole = i;
+    for (uint64_t j = (i + 1) & s.mask; s.keys[j] != kEmptyKey; j = (j + 1) & s.mask) {
+      // An entry may fill the hole unless its home slot lies in (hole, j]:
+      // then a probe for it would stop at the hole.
+      const uint64_t home = Mix64(s.keys[j]) & s.mask;
+      const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+      if (stays) continue;
+      s.keys[hole] = s.keys[j];
+      s.values[hole] = s.values[j];
+      hole = j;
+    }
+    s.keys[hole] = kEmptyKey;
+    --s.size;
+    --size_;
+    return old;
   }
 
   uint64_t size() const { return size_; }

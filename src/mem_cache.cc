@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "cache_policy.h"
+#include "key_index.h"
 #include "mix64.h"
 #include "hps/hash_table.h"  // CheckKeys
 
@@ -71,11 +72,13 @@ class Arena {
   int nodes_ = 1;
 };
 
+static_assert(kNoSlot == detail::KeyIndex::kNone, "a missing key reads as no slot");
+
 struct Shard {
   mutable std::mutex mutex;
   uint32_t capacity = 0;
   uint8_t* rows = nullptr;  // capacity x row_bytes, in the arena
-  std::unordered_map<uint64_t, uint32_t> where;
+  detail::KeyIndex where;  // key -> slot
   std::vector<uint64_t> keys;
   std::vector<uint32_t> pins;
   std::vector<uint8_t> dirty;
@@ -114,7 +117,6 @@ class ShardedCache final : public MemCache {
       shard.capacity = static_cast<uint32_t>(o.capacity / shards + (s < o.capacity % shards ? 1 : 0));
       shard.rows = arena_.data() + offset * row_bytes_;
       offset += shard.capacity;
-      shard.where.reserve(shard.capacity);
       shard.keys.assign(shard.capacity, 0);
       shard.pins.assign(shard.capacity, 0);
       shard.dirty.assign(shard.capacity, 0);
@@ -138,8 +140,8 @@ class ShardedCache final : public MemCache {
       std::lock_guard lock(shard.mutex);
       for (uint64_t i : by_shard[s]) {
         shard.policy->Record(keys[i]);
-        const auto it = shard.where.find(keys[i]);
-        if (it == shard.where.end()) {
+        const uint32_t slot = shard.where.Find(keys[i]);
+        if (slot == kNoSlot) {
           ++shard.misses;
           missed.push_back(i);
           continue;
@@ -147,7 +149,7 @@ class ShardedCache final : public MemCache {
         ++shard.hits;
         ++hits;
         if (hit) hit[i] = 1;
-        Deliver(shard, it->second, out + i * row_bytes_, pin);
+        Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
       }
     }
     if (missed.empty()) return hits;
@@ -174,12 +176,12 @@ class ShardedCache final : public MemCache {
       const size_t s = ShardOf(load_keys[m]);
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
-      const auto it = shard.where.find(load_keys[m]);
-      if (it == shard.where.end()) {
+      const uint32_t slot = shard.where.Find(load_keys[m]);
+      if (slot == kNoSlot) {
         new_by_shard[s].push_back(m);
         continue;
       }
-      for (uint64_t i : requests[m]) Deliver(shard, it->second, out + i * row_bytes_, pin);
+      for (uint64_t i : requests[m]) Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
     }
     // Pinned rows must all fit; unpinned ones may pass through uncached.
     std::string full;
@@ -214,7 +216,9 @@ class ShardedCache final : public MemCache {
         const uint8_t* row = rows.data() + m * row_bytes_;
         const uint32_t slot = TakeSlot(shard, &evicted);
         if (slot == kNoSlot && !pin) {  // every row pinned: serve this one uncached
-          for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+          if (out) {
+            for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+          }
           continue;
         }
         if (slot == kNoSlot) {  // concurrent pins took the slots counted above
@@ -222,7 +226,7 @@ class ShardedCache final : public MemCache {
                                std::to_string(shard.capacity) + " rows is pinned");
         }
         std::memcpy(shard.rows + uint64_t{slot} * row_bytes_, row, row_bytes_);
-        shard.where.emplace(load_keys[m], slot);
+        shard.where.Upsert(load_keys[m], slot);
         shard.keys[slot] = load_keys[m];
         shard.dirty[slot] = 0;
         if (dirty[m]) MarkDirty(shard, slot);
@@ -233,7 +237,9 @@ class ShardedCache final : public MemCache {
         } else {
           shard.policy->Add(slot, load_keys[m]);
         }
-        for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+        if (out) {
+          for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+        }
       }
     }
     Sink(&evicted);
@@ -264,20 +270,20 @@ class ShardedCache final : public MemCache {
       for (uint64_t i : by_shard[s]) {
         const uint64_t key = keys[i];
         shard.policy->Record(key);
-        const auto it = shard.where.find(key);
-        const bool found = it != shard.where.end();
+        const uint32_t at = shard.where.Find(key);
+        const bool found = at != kNoSlot;
         if (hit) hit[i] = found;
         if (found) {
           ++shard.hits;
           ++hits;
-          if (shard.pins[it->second] == 0) shard.policy->Touch(it->second);
+          if (shard.pins[at] == 0) shard.policy->Touch(at);
           continue;
         }
         ++shard.misses;
         const uint32_t slot = TakeSlot(shard, &evicted);
         if (slot == kNoSlot) continue;  // all pinned: the access is served uncached
         std::memset(shard.rows + uint64_t{slot} * row_bytes_, 0, row_bytes_);
-        shard.where.emplace(key, slot);
+        shard.where.Upsert(key, slot);
         shard.keys[slot] = key;
         shard.policy->Add(slot, key);
       }
@@ -317,12 +323,12 @@ class ShardedCache final : public MemCache {
       const Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
       for (uint64_t i : by_shard[s]) {
-        const auto it = shard.where.find(keys[i]);
-        if (it == shard.where.end() || shard.pins[it->second] == 0) {
+        const uint32_t slot = shard.where.Find(keys[i]);
+        if (slot == kNoSlot || shard.pins[slot] == 0) {
           throw std::invalid_argument("MEM-PS read: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
                                       " is not pinned");
         }
-        std::memcpy(out + i * row_bytes_, shard.rows + uint64_t{it->second} * row_bytes_, row_bytes_);
+        std::memcpy(out + i * row_bytes_, shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
       }
     }
   }
@@ -330,7 +336,7 @@ class ShardedCache final : public MemCache {
   bool Contains(uint64_t key) const override {
     const Shard& shard = shards_[ShardOf(key)];
     std::lock_guard lock(shard.mutex);
-    return shard.where.count(key) != 0;
+    return shard.where.Find(key) != kNoSlot;
   }
 
   uint32_t row_bytes() const override { return row_bytes_; }
@@ -371,8 +377,9 @@ class ShardedCache final : public MemCache {
 
   // Copies a cached row out and, with pin, pins it (once per request).
   // REQUIRES: shard.mutex held.
+  // out == nullptr: pin (or visit) only, the caller wants no copy.
   void Deliver(Shard& shard, uint32_t slot, uint8_t* out, bool pin) {
-    std::memcpy(out, shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
+    if (out) std::memcpy(out, shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
     if (!pin) {
       if (shard.pins[slot] == 0) shard.policy->Touch(slot);
       return;
@@ -413,7 +420,7 @@ class ShardedCache final : public MemCache {
       --shard.dirty_rows;
       ++shard.dirty_evictions;
     }
-    shard.where.erase(shard.keys[slot]);
+    shard.where.Erase(shard.keys[slot]);
     return slot;
   }
 
@@ -460,12 +467,12 @@ class ShardedCache final : public MemCache {
       std::lock_guard lock(shard.mutex);
       slots[s].reserve(by_shard[s].size());
       for (uint64_t i : by_shard[s]) {
-        const auto it = shard.where.find(keys[i]);
-        if (it == shard.where.end() || shard.pins[it->second] == 0) {
+        const uint32_t slot = shard.where.Find(keys[i]);
+        if (slot == kNoSlot || shard.pins[slot] == 0) {
           throw std::invalid_argument("MEM-PS " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
                                       std::to_string(keys[i]) + " is not pinned");
         }
-        slots[s].push_back(it->second);
+        slots[s].push_back(slot);
       }
     }
     for (size_t s = 0; s < shards_.size(); ++s) {

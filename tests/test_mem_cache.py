@@ -143,6 +143,24 @@ def test_pinned_rows_stay_and_a_batch_too_big_fails_cleanly():
     cache.pull(u64([200, 201, 202]), pin=True)  # fits now
 
 
+def test_pin_without_copy_pins_hits_and_misses_alike():
+    backing = Backing()
+    cache = hps.MemCache(ROW, 10, policy="lru", shards=1, loader=backing.loader, sink=backing.sink)
+    cache.pull(u64([1, 2]))  # cached, not pinned
+    hit = cache.pin(u64([2, 3, 3, 4]))
+    assert hit.tolist() == [True, False, False, False]
+    assert cache.stats()["pinned"] == 3
+    assert cache.read_pinned(u64([3, 4])).view(np.uint64)[:, 0].tolist() == [3000, 4000]
+    # Key 3 was asked for twice: two pins, released by two unpins.
+    cache.unpin(u64([2, 3, 4]))
+    assert cache.stats()["pinned"] == 1
+    cache.unpin(u64([3]))
+    assert cache.stats()["pinned"] == 0
+    cache.pin(u64(range(100, 110)))
+    with pytest.raises(hps.CacheFullError, match="has 10 pinned and this call needs 1 more"):
+        cache.pin(u64([500]))
+
+
 def test_write_back_of_an_unpinned_key_is_refused():
     cache = hps.MemCache(ROW, 10, loader=Backing().loader, sink=Backing().sink)
     cache.pull(u64([1, 2]), pin=True)

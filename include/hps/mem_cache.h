@@ -96,6 +96,7 @@ class MemCache {
   // stays cached until WriteBack or Unpin. hit[i] (optional) = 1 for hits.
   // Throws CacheFullError, changing nothing that the caller can see, when a
   // shard has too few unpinned slots for its share of the new rows.
+  // out may be null: the rows are pinned (or visited) and not copied.
   virtual uint64_t Pull(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) = 0;
   // Overwrites the rows of pinned keys, marks them dirty and unpins them.
   // std::invalid_argument names a key that is not pinned (nothing changes).

@@ -488,7 +488,7 @@ class ParameterServer:
         in flight: the pipeline's pull stage."""
         uniq = self._distinct(keys)
         self._check_device_room(uniq)
-        _, hit = self._cache.pull(uniq, pin=True)
+        hit = self._cache.pin(uniq)
         self._count(mem_hits=int(hit.sum()))
         return Prefetched(self, uniq)
 

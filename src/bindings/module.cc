@@ -403,6 +403,16 @@ PYBIND11_MODULE(_core, m) {
           c.Pull(k, n, out, pin, hit);
         });
       }, py::arg("keys"), py::arg("pin") = false)
+      .def("pin", [](hps::MemCache& c, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<bool> hit(static_cast<py::ssize_t>(n));
+        uint8_t* h = Bytes(hit);
+        {
+          py::gil_scoped_release release;
+          c.Pull(k, n, nullptr, /*pin=*/true, h);
+        }
+        return hit;
+      }, py::arg("keys"), "pull(keys, pin=True) without the copy of the rows: returns the hit mask")
       .def("write_back", [](hps::MemCache& c, const py::array& keys, const py::array& rows) {
         const auto [k, n] = KeysArg(keys, "keys");
         const uint8_t* r = ByteRowsArg(rows, "rows", n, c.row_bytes());

@@ -334,6 +334,35 @@ TEST(KeyIndex, MatchesAMapThroughGrowth) {
   EXPECT_LE(index.memory_bytes(), model.size() * 12 / 0.35);
 }
 
+// MEM-PS erases on every eviction: inserts and erases mixed, with dense key
+// ranges so that probe runs are long and the backward shift wraps around.
+TEST(KeyIndex, EraseKeepsEveryOtherKeyFindable) {
+  KeyIndex index;
+  std::unordered_map<uint64_t, uint32_t> model;
+  std::mt19937_64 rng(9);
+  for (uint32_t i = 0; i < 300000; ++i) {
+    const uint64_t key = rng() % 5000;
+    if (rng() % 3 == 0) {
+      const auto it = model.find(key);
+      ASSERT_EQ(index.Erase(key), it == model.end() ? KeyIndex::kNone : it->second);
+      if (it != model.end()) model.erase(it);
+    } else {
+      index.Upsert(key, i);
+      model[key] = i;
+    }
+    if (i % 10007 == 0) {
+      ASSERT_EQ(index.size(), model.size());
+      for (uint64_t k = 0; k < 5000; ++k) {
+        const auto it = model.find(k);
+        ASSERT_EQ(index.Find(k), it == model.end() ? KeyIndex::kNone : it->second) << "key " << k;
+      }
+    }
+  }
+  for (const auto& [key, value] : model) ASSERT_EQ(index.Erase(key), value);
+  EXPECT_EQ(index.size(), 0u);
+  EXPECT_EQ(index.Find(1), KeyIndex::kNone);
+}
+
 // Readers, a writer and the background compaction at once; run under TSan.
 TEST_F(SsdStoreTest, ConcurrentGetsPutsAndCompaction) {
   constexpr uint32_t row_bytes = 16;
