@@ -86,12 +86,12 @@ class Tier final : public DeviceTier {
     for (int32_t d = 0; d < o_.devices; ++d) {
       const uint64_t n = grads_[d]->size();
       if (n == 0) continue;
+      // The gradient table already holds one summed row per key: apply it as it is.
+      rows_[d]->apply_summed_gradients(*grads_[d], o_.optimizer);
       const size_t at = updated.size();
       updated.resize(at + n);
       grads.resize(n * dim);
-      const uint64_t got = grads_[d]->export_rows(updated.data() + at, grads.data(), n);
-      updated.resize(at + got);
-      rows_[d]->apply_gradients(updated.data() + at, got, grads.data(), o_.optimizer);
+      updated.resize(at + grads_[d]->export_rows(updated.data() + at, grads.data(), n));
       grads_[d]->clear();
     }
     return updated;

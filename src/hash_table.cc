@@ -236,36 +236,19 @@ class CpuHashTable final : public HashTable {
     // the gradient, so duplicates must meet before the optimizer sees them.
     CpuHashTable sums(std::max<uint64_t>(2 * n, 64), opt.dim, threads_);
     sums.accumulate(keys, n, grads);
-    std::unique_lock lock(mutex_);
-    const TableRef& s = sums.ref_;
-    // Each distinct key is one slot of `sums`, so threads splitting its slots
-    // never share a key.
-    const int parts = PartsFor(s.slots, threads_);
-    std::vector<uint64_t> claimed(static_cast<size_t>(parts), 0);
-    std::vector<uint64_t> full(static_cast<size_t>(parts), 0);
-    RunParts(parts, [&](int part) {
-      uint64_t slot = PartBegin(s.slots, part, parts);
-      uint64_t cl = 0, f = 0;
-      Pipeline(
-          ref_, PartBegin(s.slots, part + 1, parts) - slot, /*row_write=*/true,
-          [&slot] { return slot++; }, [&s](uint64_t i) { return s.keys[i]; },
-          [&](Probe& p) { p.slot = ClaimSlot(p, parts); },
-          [&](const Probe& p) {
-            if (p.slot < 0) {
-              ++f;
-              return;
-            }
-            float* row = ref_.row(static_cast<uint64_t>(p.slot));
-            if (p.claimed) {
-              InitRow(opt, p.key, row);
-              ++cl;
-            }
-            ApplyUpdate(opt, row, s.row(p.item));
-          });
-      claimed[static_cast<size_t>(part)] = cl;
-      full[static_cast<size_t>(part)] = f;
-    });
-    Settle(Sum(claimed), Sum(full));
+    ApplySums(sums, opt);
+  }
+
+  void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) override {
+    CheckOptimizer(opt);
+    const auto* cpu = dynamic_cast<const CpuHashTable*>(&sums);
+    if (cpu == nullptr || sums.row_floats() != opt.dim) {
+      throw std::invalid_argument("apply_summed_gradients: sums must be a CPU table with rows of dim = " +
+                                  std::to_string(opt.dim) + " floats, got " + sums.device() + " with " +
+                                  std::to_string(sums.row_floats()));
+    }
+    std::shared_lock sums_lock(cpu->mutex_);
+    ApplySums(*cpu, opt);
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -326,6 +309,40 @@ class CpuHashTable final : public HashTable {
   }
 
  private:
+  // REQUIRES: sums holds each key once (a table does).
+  void ApplySums(const CpuHashTable& sums, const SparseOptimizer& opt) {
+    std::unique_lock lock(mutex_);
+    const TableRef& s = sums.ref_;
+    // Each distinct key is one slot of `sums`, so threads splitting its slots
+    // never share a key.
+    const int parts = PartsFor(s.slots, threads_);
+    std::vector<uint64_t> claimed(static_cast<size_t>(parts), 0);
+    std::vector<uint64_t> full(static_cast<size_t>(parts), 0);
+    RunParts(parts, [&](int part) {
+      uint64_t slot = PartBegin(s.slots, part, parts);
+      uint64_t cl = 0, f = 0;
+      Pipeline(
+          ref_, PartBegin(s.slots, part + 1, parts) - slot, /*row_write=*/true,
+          [&slot] { return slot++; }, [&s](uint64_t i) { return s.keys[i]; },
+          [&](Probe& p) { p.slot = ClaimSlot(p, parts); },
+          [&](const Probe& p) {
+            if (p.slot < 0) {
+              ++f;
+              return;
+            }
+            float* row = ref_.row(static_cast<uint64_t>(p.slot));
+            if (p.claimed) {
+              InitRow(opt, p.key, row);
+              ++cl;
+            }
+            ApplyUpdate(opt, row, s.row(p.item));
+          });
+      claimed[static_cast<size_t>(part)] = cl;
+      full[static_cast<size_t>(part)] = f;
+    });
+    Settle(Sum(claimed), Sum(full));
+  }
+
   void FillKeysEmpty() {
     const int parts = PartsFor(ref_.slots / 512, threads_);
     RunParts(parts, [&](int part) {

@@ -263,10 +263,19 @@ class CudaHashTable final : public HashTable {
     if (n == 0) return;
     CudaHashTable sums(std::max<uint64_t>(2 * n, 64), opt.dim, device_);
     sums.accumulate(keys, n, grads);
-    SetDevice(device_);
-    ResetCounters();
-    ApplyKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());
-    Settle(Finish());
+    ApplySums(sums, opt);
+  }
+
+  void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) override {
+    std::lock_guard lock(mutex_);
+    CheckOptimizer(opt);
+    const auto* cuda = dynamic_cast<const CudaHashTable*>(&sums);
+    if (cuda == nullptr || cuda->device_ != device_ || sums.row_floats() != opt.dim) {
+      throw std::invalid_argument("apply_summed_gradients: sums must be a table on " + device() +
+                                  " with rows of dim = " + std::to_string(opt.dim) + " floats, got " +
+                                  sums.device() + " with " + std::to_string(sums.row_floats()));
+    }
+    ApplySums(*cuda, opt);
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -294,6 +303,14 @@ class CudaHashTable final : public HashTable {
   }
 
  private:
+  // REQUIRES: mutex_ held; sums holds each key once (a table does).
+  void ApplySums(const CudaHashTable& sums, const SparseOptimizer& opt) {
+    SetDevice(device_);
+    ResetCounters();
+    ApplyKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());
+    Settle(Finish());
+  }
+
   static void SetDevice(int device) { HPS_CUDA_TRY(cudaSetDevice(device)); }
 
   template <class T>

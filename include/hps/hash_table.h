@@ -83,6 +83,12 @@ class HashTable {
   virtual void apply_gradients(const uint64_t* keys, uint64_t n, const float* grads,
                                const SparseOptimizer& opt) = 0;
 
+  // The same, with the gradients already summed per key in `sums` (a table of
+  // the same kind and device, rows of opt.dim floats): the device tier's
+  // gradient table, applied without copying it out and summing it again.
+  // Throws std::invalid_argument when `sums` is not such a table.
+  virtual void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) = 0;
+
   // Writes up to max_rows (key, row) pairs in slot order; returns how many.
   virtual uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const = 0;
 

@@ -123,6 +123,29 @@ TEST(HashTable, OptimizerStepsOnDuplicates) {
   for (uint64_t i = 0; i < 4 * kBatch; ++i) EXPECT_NEAR(before[i] - after[i], 0.01f, 1e-4f);
 }
 
+TEST(HashTable, SummedGradientsStepLikeRawOnes) {
+  SparseOptimizer opt;
+  opt.dim = 4;
+  opt.opt.kind = OptimizerKind::kAdaGrad;
+  opt.opt.lr = 0.1f;
+  const auto keys = RandomKeys(kBatch, kBatch / 4, 7);
+  std::vector<float> grads(4 * kBatch);
+  for (uint64_t i = 0; i < grads.size(); ++i) grads[i] = static_cast<float>(i % 7) - 3.0f;
+  auto raw = Table(3 * kBatch, opt.row_floats(), 2);
+  raw->apply_gradients(keys.data(), kBatch, grads.data(), opt);
+  auto summed = Table(3 * kBatch, opt.row_floats(), 2);
+  auto sums = Table(3 * kBatch, opt.dim, 2);
+  sums->accumulate(keys.data(), kBatch, grads.data());
+  summed->apply_summed_gradients(*sums, opt);
+  std::vector<float> want(opt.row_floats() * kBatch), got(opt.row_floats() * kBatch);
+  raw->find(keys.data(), kBatch, want.data(), nullptr);
+  summed->find(keys.data(), kBatch, got.data(), nullptr);
+  // Both sum a key's gradients in a table first; the order of the adds may differ.
+  for (uint64_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5f) << i;
+  auto wrong_width = Table(64, opt.row_floats(), 1);
+  EXPECT_THROW(summed->apply_summed_gradients(*wrong_width, opt), std::invalid_argument);
+}
+
 TEST(HashTable, ClearZeroesRows) {
   auto table = Table(2 * kBatch, 2, 2);
   const auto keys = RandomKeys(kBatch, 1u << 30, 9);
