@@ -495,7 +495,7 @@ std::unique_ptr<HashTable> NewHashTable(const HashTableOptions& options) {
 std::vector<uint64_t> UniqueKeys(const uint64_t* keys, uint64_t n, int64_t* inverse) {
   CheckKeys(keys, n);
   if (n >= detail::KeyIndex::kNone) throw std::invalid_argument("UniqueKeys: more than 2^32 - 2 keys");
-  detail::KeyIndex first;
+  detail::KeyIndex first(n);
   std::vector<uint64_t> uniq;
   for (uint64_t i = 0; i < n; ++i) {
     uint32_t at = first.Find(keys[i]);

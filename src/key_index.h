@@ -28,6 +28,14 @@ class KeyIndex {
   static constexpr uint32_t kNone = UINT32_MAX;  // "absent"; never a stored value
 
   KeyIndex() : shards_(kShards) {}
+  // Sized for about `expected` keys up front, so that filling it does not
+  // regrow each shard a dozen times (UniqueKeys knows its upper bound).
+  explicit KeyIndex(uint64_t expected) : shards_(kShards) {
+    const uint64_t per_shard = expected / kShards + 1;
+    uint64_t capacity = kMinCapacity;
+    while (per_shard * 5 > capacity * 3) capacity *= 2;  // load <= 0.6 when full
+    for (Shard& s : shards_) Allocate(&s, capacity);
+  }
 
   // The value stored under key, or kNone.
   uint32_t Find(uint64_t key) const {
@@ -126,14 +134,18 @@ class KeyIndex {
   };
 
 
+  static void Allocate(Shard* s, uint64_t capacity) {
+    s->keys.reset(new uint64_t[capacity]);
+    s->values.reset(new uint32_t[capacity]);
+    s->mask = capacity - 1;
+    std::fill(s->keys.get(), s->keys.get() + capacity, kEmptyKey);
+  }
+
   static void Grow(Shard* s) {
     const uint64_t capacity = s->mask == 0 ? kMinCapacity : 2 * s->capacity();
     Shard grown;
-    grown.keys.reset(new uint64_t[capacity]);
-    grown.values.reset(new uint32_t[capacity]);
-    grown.mask = capacity - 1;
+    Allocate(&grown, capacity);
     grown.size = s->size;
-    std::fill(grown.keys.get(), grown.keys.get() + capacity, kEmptyKey);
     for (uint64_t j = 0; j < s->capacity(); ++j) {
       const uint64_t key = s->keys[j];
       if (key == kEmptyKey) continue;

@@ -334,6 +334,16 @@ TEST(KeyIndex, MatchesAMapThroughGrowth) {
   EXPECT_LE(index.memory_bytes(), model.size() * 12 / 0.35);
 }
 
+TEST(KeyIndex, SizedUpFrontHoldsItsKeysWithoutGrowing) {
+  KeyIndex index(100000);
+  const uint64_t before = index.memory_bytes();
+  EXPECT_GT(before, 0u);
+  for (uint32_t i = 0; i < 100000; ++i) ASSERT_EQ(index.Upsert(uint64_t{i} * 7919, i), KeyIndex::kNone);
+  EXPECT_EQ(index.memory_bytes(), before);  // no shard had to grow
+  for (uint32_t i = 0; i < 100000; ++i) ASSERT_EQ(index.Find(uint64_t{i} * 7919), i);
+  EXPECT_EQ(index.Find(3), KeyIndex::kNone);
+}
+
 // MEM-PS erases on every eviction: inserts and erases mixed, with dense key
 // ranges so that probe runs are long and the backward shift wraps around.
 TEST(KeyIndex, EraseKeepsEveryOtherKeyFindable) {
