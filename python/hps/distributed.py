@@ -332,8 +332,8 @@ class DistBatch:
         self.touched[pos] = True
 
     def apply(self) -> None:
-        """Each owner gets the summed gradients of the keys any rank touched,
-        applies one step per key and writes the rows back (collective)."""
+        """Each owner gets the summed gradients of the keys any rank touched and
+        applies one step per key (collective)."""
         node, pre = self.server.node, self.pre
         try:
             in_send_order = pre.order
@@ -353,13 +353,15 @@ class DistBatch:
         except BaseException:
             self.local.abort()
             raise
-        self.local.finish()
+        self.local.apply()
 
     def write_back(self) -> None:
-        """Done by apply(): the owners' write-back is part of the collective step."""
+        """The owner's updated rows to its MEM-PS (local; the pipeline's writer thread)."""
+        self.local.write_back()
 
     def finish(self) -> None:
         self.apply()
+        self.write_back()
 
     def abort(self) -> None:
         self.local.abort()
@@ -441,9 +443,10 @@ class DistributedServer:
         return DistPrefetched(uniq, order, counts, asked, local)
 
     def batch(self, pre: DistPrefetched, overlap: bool = False) -> DistBatch:
-        """The load stage: once this rank's previous batch is written back, its
-        union goes onto the device tier and the rows go to the ranks that asked."""
-        local = self.local.batch(pre.local)
+        """The load stage: the union this rank was asked for goes onto its device
+        tier, and once its previous batch is applied (or, without `overlap`,
+        written back) the rows go to the ranks that asked."""
+        local = self.local.batch(pre.local, overlap=overlap)
         try:
             rows_out = [local.pull(a) for a in pre.asked]
             rows = self._return_rows("load", pre.keys, pre.order, rows_out, "load rows")
