@@ -2,6 +2,8 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "hps/hash_table.h"
 #include "mix64.h"
@@ -41,8 +43,8 @@ class Tier final : public DeviceTier {
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
     for (int32_t d = 0; d < o_.devices; ++d) {
-      if (parts.keys[d].empty()) continue;
-      rows_[d]->insert(parts.keys[d].data(), parts.keys[d].size(), parts.rows[d].data(), nullptr);
+      if (parts.size[d] == 0) continue;
+      rows_[d]->insert(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
     }
   }
 
@@ -51,8 +53,8 @@ class Tier final : public DeviceTier {
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
     uint64_t assigned = 0;
     for (int32_t d = 0; d < o_.devices; ++d) {
-      if (parts.keys[d].empty()) continue;
-      assigned += rows_[d]->assign(parts.keys[d].data(), parts.keys[d].size(), parts.rows[d].data(), nullptr);
+      if (parts.size[d] == 0) continue;
+      assigned += rows_[d]->assign(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
     }
     return assigned;
   }
@@ -73,9 +75,9 @@ class Tier final : public DeviceTier {
     const int32_t dim = o_.optimizer.dim;
     const Parts parts = Partition(keys, n, owners, grads, dim);
     for (int32_t d = 0; d < o_.devices; ++d) {
-      if (parts.keys[d].empty()) continue;
-      grads_[d]->accumulate(parts.keys[d].data(), parts.keys[d].size(), parts.rows[d].data());
-      Count(worker, d, parts.keys[d].size(), parts.keys[d].size() * dim * sizeof(float));
+      if (parts.size[d] == 0) continue;
+      grads_[d]->accumulate(parts.keys[d], parts.size[d], parts.rows[d]);
+      Count(worker, d, parts.size[d], parts.size[d] * dim * sizeof(float));
     }
   }
 
@@ -125,25 +127,57 @@ class Tier final : public DeviceTier {
  private:
   // Keys (and their rows of `width` floats, when given) split by owner, with
   // each one's index in the call.
+  // A batch's keys (and rows) split by owner. With one device the one part is
+  // the caller's arrays, not a copy of them.
   struct Parts {
-    std::vector<std::vector<uint64_t>> keys, index;
-    std::vector<std::vector<float>> rows;
+    std::vector<const uint64_t*> keys;
+    std::vector<const float*> rows;
+    std::vector<uint64_t> size;
+    std::vector<std::vector<uint64_t>> key_store, index;  // index[d][j]: where part d's j-th key was
+    std::vector<std::vector<float>> row_store;
+    bool whole = false;  // part 0 is the input itself
+    uint64_t Index(int32_t d, uint64_t j) const { return whole ? j : index[d][j]; }
   };
 
   Parts Partition(const uint64_t* keys, uint64_t n, const int32_t* owners, const float* rows, int32_t width) const {
+    const auto devices = static_cast<size_t>(o_.devices);
     Parts p;
-    p.keys.resize(o_.devices);
-    p.index.resize(o_.devices);
-    p.rows.resize(o_.devices);
+    p.keys.assign(devices, nullptr);
+    p.rows.assign(devices, nullptr);
+    p.size.assign(devices, 0);
+    std::vector<int32_t> owner(o_.devices == 1 ? 0 : n);
     for (uint64_t i = 0; i < n; ++i) {
-      const int32_t d = owners ? owners[i] : ModuloOwner(keys[i], o_.devices);
+      const int32_t d = owners ? owners[i] : (o_.devices == 1 ? 0 : ModuloOwner(keys[i], o_.devices));
       if (d < 0 || d >= o_.devices) {
         throw std::invalid_argument("device tier: owners[" + std::to_string(i) + "] = " + std::to_string(d) +
                                     " is not a device in [0, " + std::to_string(o_.devices) + ")");
       }
-      p.keys[d].push_back(keys[i]);
+      if (o_.devices > 1) owner[i] = d;
+      ++p.size[static_cast<size_t>(d)];
+    }
+    if (o_.devices == 1) {
+      p.whole = true;
+      p.keys[0] = keys;
+      p.rows[0] = rows;
+      return p;
+    }
+    p.key_store.resize(devices);
+    p.index.resize(devices);
+    p.row_store.resize(devices);
+    for (size_t d = 0; d < devices; ++d) {
+      p.key_store[d].reserve(p.size[d]);
+      p.index[d].reserve(p.size[d]);
+      if (rows) p.row_store[d].reserve(p.size[d] * static_cast<uint64_t>(width));
+    }
+    for (uint64_t i = 0; i < n; ++i) {
+      const auto d = static_cast<size_t>(owner[i]);
+      p.key_store[d].push_back(keys[i]);
       p.index[d].push_back(i);
-      if (rows) p.rows[d].insert(p.rows[d].end(), rows + i * width, rows + (i + 1) * width);
+      if (rows) p.row_store[d].insert(p.row_store[d].end(), rows + i * width, rows + (i + 1) * width);
+    }
+    for (size_t d = 0; d < devices; ++d) {
+      p.keys[d] = p.key_store[d].data();
+      p.rows[d] = rows ? p.row_store[d].data() : nullptr;
     }
     return p;
   }
@@ -158,17 +192,24 @@ class Tier final : public DeviceTier {
     std::vector<float> found_rows;
     std::vector<uint8_t> found;
     for (int32_t d = 0; d < o_.devices; ++d) {
-      const auto& part = parts.keys[d];
-      if (part.empty()) continue;
-      found_rows.resize(part.size() * row_floats_);
-      found.resize(part.size());
-      rows_[d]->find(part.data(), part.size(), found_rows.data(), found.data());
-      for (size_t j = 0; j < part.size(); ++j) {
-        const uint64_t i = parts.index[d][j];
-        if (!found[j]) NotLoaded(keys, i, d);
-        std::memcpy(out + i * width, found_rows.data() + j * row_floats_, width * sizeof(float));
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      found.resize(size);
+      if (parts.whole && width == row_floats_) {  // straight into out
+        rows_[d]->find(parts.keys[d], size, out, found.data());
+        for (uint64_t j = 0; j < size; ++j) {
+          if (!found[j]) NotLoaded(keys, j, d);
+        }
+      } else {
+        found_rows.resize(size * row_floats_);
+        rows_[d]->find(parts.keys[d], size, found_rows.data(), found.data());
+        for (uint64_t j = 0; j < size; ++j) {
+          const uint64_t i = parts.Index(d, j);
+          if (!found[j]) NotLoaded(keys, i, d);
+          std::memcpy(out + i * width, found_rows.data() + j * row_floats_, width * sizeof(float));
+        }
       }
-      sent(d, part.size());
+      sent(d, size);
     }
   }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "hps/device_tier.h"
@@ -66,6 +67,41 @@ TEST(DeviceTier, BatchMatchesOneTable) {
   EXPECT_THROW(tier->Insert(&missing, 1, rows.data(), &bad_owner), std::invalid_argument);
   tier->Clear();
   EXPECT_EQ(tier->size(), 0u);
+}
+
+// One device reads and writes the caller's arrays in place (no partition copy).
+TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  std::vector<uint64_t> keys = {11, 12, 13, 14, 15};
+  std::vector<float> rows(keys.size() * width);
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  std::vector<std::vector<float>> got_rows, got_emb;
+  for (int32_t devices : {1, 2}) {
+    auto tier = DeviceTier::New({devices, 64, opt, /*use_cuda=*/false, /*threads=*/1});
+    tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+    std::vector<uint64_t> pushed = {13, 11, 13};
+    std::vector<float> g(3 * 4, 0.5f);
+    tier->Accumulate(0, pushed.data(), 3, g.data(), nullptr);
+    tier->Apply();
+    std::vector<float> emb(keys.size() * 4), full(keys.size() * width);
+    tier->Get(0, keys.data(), keys.size(), emb.data(), nullptr);
+    tier->Rows(keys.data(), keys.size(), full.data(), nullptr);
+    got_emb.push_back(emb);
+    got_rows.push_back(full);
+    uint64_t missing[2] = {12, 99};
+    try {
+      tier->Get(0, missing, 2, emb.data(), nullptr);
+      ADD_FAILURE() << "a key that is not loaded must throw";
+    } catch (const std::out_of_range& e) {
+      EXPECT_NE(std::string(e.what()).find("keys[1] = 99"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(got_emb[0], got_emb[1]);
+  EXPECT_EQ(got_rows[0], got_rows[1]);
+  auto one = DeviceTier::New({1, 64, opt, false, 1});
+  int32_t owners[1] = {1};
+  EXPECT_THROW(one->Insert(keys.data(), 1, rows.data(), owners), std::invalid_argument);
 }
 
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
