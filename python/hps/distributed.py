@@ -227,10 +227,6 @@ class Node:
         with self.guard(what):
             return self.comms[stage].allgather(obj)
 
-    def barrier(self, stage: str, what: str) -> None:
-        with self.guard(what):
-            self.comms[stage].Barrier()
-
     def close(self) -> None:
         self._watchdog.stop()
 
@@ -278,7 +274,6 @@ class _StepData:
     example count over all ranks, which the loss is normalised by."""
 
     def __init__(self, batch, total_examples: int):
-        self.batch = batch
         self.labels, self.dense, self.keys = batch.labels, batch.dense, batch.keys
         self.total_examples = total_examples
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Milliseconds per step of the parameter server's batch path, one step at a time
+(no pipeline, no other threads), in the pipeline's overlapped order: batch i+1 is
+loaded before batch i applies, so each batch catches up with the one before.
+
+    python3 bench/batch_steps.py                 # W4's batches: 4096 synthetic examples, dim 16, AdaGrad
+    python3 bench/batch_steps.py --batches 200
+
+Steps, as hps.torch runs them on the train stage's critical path for one device:
+catch_up (the previous batch's updated rows), unique (distinct keys of the batch),
+get+gather (rows from the device tier, one per example), sum+push (gradients summed
+per key, pushed to the device tier), apply+rows (the optimizer step and the read of the
+updated rows). The first 10 batches are not counted. Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import numpy as np
+
+import hps
+from hps import _core
+from hps.data import SyntheticCriteo
+
+STEPS = ("catch_up", "unique", "get+gather", "sum+push", "apply+rows")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=70)
+    ap.add_argument("--batch-size", type=int, default=4096)
+    a = ap.parse_args()
+    batches = list(SyntheticCriteo(seed=0, batch_size=a.batch_size, examples=a.batch_size * a.batches))
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=16, path=tempfile.mkdtemp(prefix="hps-steps-"),
+                                                       optimizer=hps.AdaGrad(lr=0.05), mem_budget="1GiB"))
+    total = dict.fromkeys(STEPS, 0.0)
+    counted, distinct = 0, 0
+    current = ps.batch(ps.prefetch(batches[0].keys), overlap=True)
+    for i in range(1, len(batches) + 1):
+        following = ps.batch(ps.prefetch(batches[i].keys), overlap=True) if i < len(batches) else None
+        keys = np.ascontiguousarray(batches[i - 1].keys.ravel())
+        t = [time.perf_counter()]
+        current._catch_up()
+        t.append(time.perf_counter())
+        uniq, inverse = _core.unique_keys(keys)
+        t.append(time.perf_counter())
+        per_example = current.pull(uniq)[inverse]
+        t.append(time.perf_counter())
+        current.push(uniq, _core.sum_by_inverse(inverse, np.ones_like(per_example), len(uniq)))
+        t.append(time.perf_counter())
+        current.apply()
+        t.append(time.perf_counter())
+        current.write_back()
+        if i > 10:
+            counted += 1
+            distinct += len(uniq)
+            for step, (a0, a1) in zip(STEPS, zip(t, t[1:])):
+                total[step] += a1 - a0
+        current = following
+    ms = {step: 1e3 * v / counted for step, v in total.items()}
+    for step, v in ms.items():
+        print(f"{step:12s} {v:6.2f} ms")
+    print(f"{'total':12s} {sum(ms.values()):6.2f} ms ({distinct // counted:,} distinct keys a batch)")
+    print(json.dumps({"bench": "batch_steps", "batch_size": a.batch_size, "batches": counted,
+                      "distinct_keys_per_batch": distinct // counted, "ms": ms}))
+    ps.close()
+
+
+if __name__ == "__main__":
+    main()
