@@ -54,12 +54,13 @@ def rank_part(batch, rank: int, per_rank: int):
 
 
 def train_config(path: str, dense_sync: str = "allreduce", k: int = 1, hierarchical: bool = False,
-                 ranks_per_node: int = 0, timeout: float = 60.0, pipelined: bool = True):
+                 ranks_per_node: int = 0, timeout: float = 60.0, pipelined: bool = True,
+                 mem_budget: str = "256KiB"):
     import hps
     from hps.distributed import DistributedConfig
     from hps.train import DataConfig, TrainConfig
     return TrainConfig(
-        ps=hps.ParameterServerConfig(dim=8, path=path, optimizer=hps.AdaGrad(lr=0.05), mem_budget="256KiB",
+        ps=hps.ParameterServerConfig(dim=8, path=path, optimizer=hps.AdaGrad(lr=0.05), mem_budget=mem_budget,
                                      devices=2, seed=1),
         data=DataConfig(batch_size=64), hidden=(16,), dense_lr=0.01, pipelined=pipelined,
         distributed=DistributedConfig(dense_sync=dense_sync, k=k, hierarchical=hierarchical,
@@ -99,7 +100,7 @@ def run_pullpush(node, out: str, args) -> None:
 def run_train(node, out: str, args) -> None:
     from hps.train import train
     cfg = train_config(os.path.join(out, "job"), args.dense_sync, args.k, args.hierarchical, args.ranks_per_node,
-                       pipelined=not args.sequential)
+                       pipelined=not args.sequential, mem_budget=args.mem_budget)
     batches = global_batches(args.steps, args.per_rank, node.size)
     mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
     if args.uneven and node.rank == node.size - 1:
@@ -108,7 +109,8 @@ def run_train(node, out: str, args) -> None:
     with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
         json.dump({"bytes_sent": summary["distributed"]["ranks"][node.rank]["bytes_sent"],
                    "batches": summary["batches"], "examples": summary["examples"],
-                   "merges": summary["distributed"]["dense_merges"]}, f)
+                   "merges": summary["distributed"]["dense_merges"],
+                   "prefetch_waits": summary["pipeline"]["prefetch_waits"]}, f)
 
 
 def run_kstep(node, out: str, args) -> None:
@@ -177,6 +179,7 @@ def main() -> None:
     ap.add_argument("--ranks-per-node", type=int, default=0)
     ap.add_argument("--sequential", action="store_true")
     ap.add_argument("--uneven", action="store_true")
+    ap.add_argument("--mem-budget", default="256KiB")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--how", default="hang")
     args = ap.parse_args()

@@ -87,6 +87,9 @@ def _ps_rows(path: str, keys: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("world,extra", [
     (2, ()),
     (4, ("--sequential", "--uneven", "--hierarchical", "--ranks-per-node", "2")),
+    # A budget for little more than one batch in flight: prefetches wait for write-backs
+    # after their keys went to the owners (a retry must not exchange them again).
+    (2, ("--mem-budget", "96KiB")),
 ])
 def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, world, extra):
     import torch
@@ -113,10 +116,27 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
         got = _ps_rows(str(tmp_path / "job" / "job" / f"rank{r}"), keys[mine])
         np.testing.assert_allclose(got, expected[mine], rtol=1e-4, atol=1e-6, err_msg=f"rank {r}'s shard")
 
-    sent = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text())["bytes_sent"] for r in range(world)]
+    reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(world)]
+    if "--mem-budget" in extra:
+        assert sum(r["prefetch_waits"] for r in reports) > 0
+    sent = [r["bytes_sent"] for r in reports]
     n_params = sum(v.numel() for v in single["mlp"].values())
+    dim = 8
+    # Each step a rank sends each distinct key it does not own to its owner once (8 B),
+    # and later that key's gradient and position; it sends rows for the keys the
+    # others asked it for. Every key gets a gradient. A prefetch that waited for room
+    # did not send its keys again.
+    distinct = {}  # (step, rank) -> the rank's distinct keys
+    for t, g in enumerate(sc.global_batches(steps, per_rank, world)):
+        for q in range(world):
+            mine = not (uneven and q == world - 1 and t >= steps - 2)
+            distinct[t, q] = np.unique(sc.rank_part(g, q, per_rank).keys) if mine else np.empty(0, np.uint64)
     for r, b in enumerate(sent):
-        assert b["sparse_keys"] > 0 and b["sparse_rows"] > 0 and b["sparse_grads"] > 0
+        asks = sum(int((owner_ranks(u, world) != q).sum()) for (t, q), u in distinct.items() if q == r)
+        asked = sum(int((owner_ranks(u, world) == r).sum()) for (t, q), u in distinct.items() if q != r)
+        assert b["sparse_keys"] == asks * (8 + 4), f"rank {r}"
+        assert b["sparse_grads"] == asks * dim * 4, f"rank {r}"
+        assert b["sparse_rows"] == asked * dim * 4, f"rank {r}"
         if "--hierarchical" not in extra:
             # One gradient all-reduce of every dense parameter a step (payload counted).
             assert b["dense"] == steps * n_params * 4
