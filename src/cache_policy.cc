@@ -390,6 +390,12 @@ class HistorySketch {
     accesses_ = 0;
     return true;
   }
+  void Prefetch(uint64_t key) const {
+    uint8_t* c[kRows];
+    Locate(key, c);
+    __builtin_prefetch(c[0]);
+    __builtin_prefetch(c[kRows - 1]);
+  }
   uint32_t Estimate(uint64_t key) const {
     uint8_t* c[kRows];
     Locate(key, c);
@@ -443,6 +449,7 @@ class TinyLfuLfu final : public CachePolicy {
   explicit TinyLfuLfu(uint32_t capacity) : lists_(capacity, kBuckets), bucket_(capacity, 0), keys_(capacity, 0),
                                            sketch_(capacity) {}
 
+  void Prefetch(uint64_t key) const override { sketch_.Prefetch(key); }
   void Record(uint64_t key) override {
     // After a halving, rows ordered by their old estimates would be compared
     // with new visits' halved ones: order them by fresh estimates.

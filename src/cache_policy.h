@@ -16,6 +16,8 @@ inline constexpr uint32_t kNoSlot = UINT32_MAX;
 class CachePolicy {
  public:
   virtual ~CachePolicy() = default;
+  // A hint: key will be Recorded (or its slot reattached) soon.
+  virtual void Prefetch(uint64_t /*key*/) const {}
   // Every access to key, hit or miss, before anything else happens to it.
   virtual void Record(uint64_t /*key*/) {}
   // A row enters the eviction order for the first time.

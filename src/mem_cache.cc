@@ -52,6 +52,9 @@ class Arena {
     void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     data_ = static_cast<uint8_t*>(p);
+    // A batch's rows are scattered over the arena, and with 4 KiB pages nearly every
+    // row read missed the TLB as well as the cache. Best effort: THP may be off.
+    madvise(data_, bytes_, MADV_HUGEPAGE);
     nodes_ = CountNumaNodes();
     if (nodes_ > 1) {
       unsigned long mask = nodes_ >= 64 ? ~0UL : (1UL << nodes_) - 1;
@@ -128,6 +131,15 @@ class ShardedCache final : public MemCache {
   }
 
   uint64_t Pull(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) override {
+    return Fetch(keys, n, out, pin, hit, nullptr);
+  }
+
+  uint64_t Pin(const uint64_t* keys, uint64_t n, uint8_t* hit, uint8_t** addresses) override {
+    return Fetch(keys, n, nullptr, /*pin=*/true, hit, addresses);
+  }
+
+  // Pull, and with `addresses` where each (pinned) row is.
+  uint64_t Fetch(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit, uint8_t** addresses) {
     CheckKeys(keys, n);
     if (hit) std::memset(hit, 0, n);
     const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
@@ -138,7 +150,10 @@ class ShardedCache final : public MemCache {
       if (by_shard[s].empty()) continue;
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
-      for (uint64_t i : by_shard[s]) {
+      const std::vector<uint64_t>& mine = by_shard[s];
+      for (size_t j = 0; j < mine.size(); ++j) {
+        if (j + kLookahead < mine.size()) Prefetch(shard, keys[mine[j + kLookahead]]);
+        const uint64_t i = mine[j];
         shard.policy->Record(keys[i]);
         const uint32_t slot = shard.where.Find(keys[i]);
         if (slot == kNoSlot) {
@@ -150,6 +165,7 @@ class ShardedCache final : public MemCache {
         ++hits;
         if (hit) hit[i] = 1;
         Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
+        if (addresses) addresses[i] = shard.rows + uint64_t{slot} * row_bytes_;
       }
     }
     if (missed.empty()) return hits;
@@ -181,7 +197,10 @@ class ShardedCache final : public MemCache {
         new_by_shard[s].push_back(m);
         continue;
       }
-      for (uint64_t i : requests[m]) Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
+      for (uint64_t i : requests[m]) {
+        Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
+        if (addresses) addresses[i] = shard.rows + uint64_t{slot} * row_bytes_;
+      }
     }
     // Pinned rows must all fit; unpinned ones may pass through uncached.
     std::string full;
@@ -239,6 +258,9 @@ class ShardedCache final : public MemCache {
         }
         if (out) {
           for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+        }
+        if (addresses) {
+          for (uint64_t i : requests[m]) addresses[i] = shard.rows + uint64_t{slot} * row_bytes_;
         }
       }
     }
@@ -316,21 +338,24 @@ class ShardedCache final : public MemCache {
   }
 
   void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out) const override {
-    CheckKeys(keys, n);
-    const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
-    for (size_t s = 0; s < shards_.size(); ++s) {
-      if (by_shard[s].empty()) continue;
-      const Shard& shard = shards_[s];
-      std::lock_guard lock(shard.mutex);
-      for (uint64_t i : by_shard[s]) {
-        const uint32_t slot = shard.where.Find(keys[i]);
-        if (slot == kNoSlot || shard.pins[slot] == 0) {
-          throw std::invalid_argument("MEM-PS read: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
-                                      " is not pinned");
-        }
-        std::memcpy(out + i * row_bytes_, shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
-      }
-    }
+    ForEachPinnedRow(keys, n, "read", [&](uint64_t i, const uint8_t* row) {
+      std::memcpy(out + i * row_bytes_, row, row_bytes_);
+    });
+  }
+
+  void PinnedRows(const uint64_t* keys, uint64_t n, uint8_t** rows) const override {
+    // A pinned slot keeps its row where it is until unpinned, so the address outlives the lock.
+    ForEachPinnedRow(keys, n, "rows", [&](uint64_t i, const uint8_t* row) { rows[i] = const_cast<uint8_t*>(row); });
+  }
+
+  void UnpinUpdated(const uint64_t* keys, uint64_t n, const uint8_t* updated,
+                    uint8_t* const* addresses) override {
+    ForPinned(
+        keys, n, "unpin",
+        [&](Shard& shard, uint32_t slot, uint64_t i) {
+          if (updated[i] && !shard.dirty[slot]) MarkDirty(shard, slot);
+        },
+        addresses);
   }
 
   bool Contains(uint64_t key) const override {
@@ -456,9 +481,51 @@ class ShardedCache final : public MemCache {
     Unpin(pinned.data(), pinned.size());
   }
 
+  // visit(i, row) for each key, under its shard's lock; std::invalid_argument
+  // names the first key that is not pinned.
+  template <typename Visit>
+  void ForEachPinnedRow(const uint64_t* keys, uint64_t n, const char* what, Visit visit) const {
+    CheckKeys(keys, n);
+    const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      if (by_shard[s].empty()) continue;
+      const Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      for (uint64_t i : by_shard[s]) {
+        const uint32_t slot = shard.where.Find(keys[i]);
+        if (slot == kNoSlot || shard.pins[slot] == 0) {
+          throw std::invalid_argument("MEM-PS " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
+                                      std::to_string(keys[i]) + " is not pinned");
+        }
+        visit(i, shard.rows + uint64_t{slot} * row_bytes_);
+      }
+    }
+  }
+
+  // A shard's lookups of a key wait on cache misses: the index's probe and
+  // the policy's counters. Asking for them kLookahead keys ahead overlaps
+  // those misses instead of taking them one after another.
+  static constexpr size_t kLookahead = 8;
+  static void Prefetch(const Shard& shard, uint64_t key) {
+    shard.where.Prefetch(key);
+    shard.policy->Prefetch(key);
+  }
+
   // Checks that every key is pinned, then applies `change` and unpins each.
+  // The slot whose row is at `address` in shard, or kNoSlot.
+  uint32_t SlotAt(const Shard& shard, const uint8_t* address) const {
+    const auto offset = static_cast<uint64_t>(address - shard.rows);
+    if (address < shard.rows || offset >= uint64_t{shard.capacity} * row_bytes_ || offset % row_bytes_ != 0) {
+      return kNoSlot;
+    }
+    return static_cast<uint32_t>(offset / row_bytes_);
+  }
+
+  // With `addresses` (rows of the keys, from Pin), the slots come from them
+  // instead of the index.
   template <typename Change>
-  void ForPinned(const uint64_t* keys, uint64_t n, const char* what, Change change) {
+  void ForPinned(const uint64_t* keys, uint64_t n, const char* what, Change change,
+                 uint8_t* const* addresses = nullptr) {
     CheckKeys(keys, n);
     const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
     std::vector<std::vector<uint32_t>> slots(shards_.size());  // found in the check, used in the change
@@ -466,8 +533,17 @@ class ShardedCache final : public MemCache {
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
       slots[s].reserve(by_shard[s].size());
-      for (uint64_t i : by_shard[s]) {
-        const uint32_t slot = shard.where.Find(keys[i]);
+      const std::vector<uint64_t>& mine = by_shard[s];
+      for (size_t j = 0; j < mine.size(); ++j) {
+        const uint64_t i = mine[j];
+        uint32_t slot;
+        if (addresses != nullptr) {
+          slot = SlotAt(shard, addresses[i]);
+          if (slot != kNoSlot && shard.keys[slot] != keys[i]) slot = kNoSlot;
+        } else {
+          if (j + kLookahead < mine.size()) shard.where.Prefetch(keys[mine[j + kLookahead]]);
+          slot = shard.where.Find(keys[i]);
+        }
         if (slot == kNoSlot || shard.pins[slot] == 0) {
           throw std::invalid_argument("MEM-PS " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
                                       std::to_string(keys[i]) + " is not pinned");
@@ -479,6 +555,12 @@ class ShardedCache final : public MemCache {
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
       for (size_t j = 0; j < by_shard[s].size(); ++j) {
+        if (j + kLookahead < by_shard[s].size()) {
+          const uint32_t ahead = slots[s][j + kLookahead];
+          __builtin_prefetch(&shard.pins[ahead]);
+          __builtin_prefetch(&shard.keys[ahead]);
+          shard.policy->Prefetch(keys[by_shard[s][j + kLookahead]]);
+        }
         const uint64_t i = by_shard[s][j];
         const uint32_t slot = slots[s][j];
         // A concurrent caller may have unpinned it meanwhile (and the slot moved on).

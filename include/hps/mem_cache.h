@@ -98,6 +98,9 @@ class MemCache {
   // shard has too few unpinned slots for its share of the new rows.
   // out may be null: the rows are pinned (or visited) and not copied.
   virtual uint64_t Pull(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) = 0;
+  // Pull(keys, n, nullptr, pin = true, hit) that also gives the address of
+  // each row (addresses[i]), valid while it stays pinned: see PinnedRows.
+  virtual uint64_t Pin(const uint64_t* keys, uint64_t n, uint8_t* hit, uint8_t** addresses) = 0;
   // Overwrites the rows of pinned keys, marks them dirty and unpins them.
   // std::invalid_argument names a key that is not pinned (nothing changes).
   virtual void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows) = 0;
@@ -112,6 +115,17 @@ class MemCache {
   // a visit: the rows of a batch in flight, re-read after an earlier batch's
   // write-back. std::invalid_argument names a key that is not pinned.
   virtual void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out) const = 0;
+  // Addresses of the rows of pinned keys, valid while they stay pinned: for
+  // a batch that trains on MEM-PS's rows where they are (HostBatch) instead
+  // of on a copy. Only the holder of a pin writes such a row, and it says so
+  // with UnpinUpdated. std::invalid_argument names a key that is not pinned.
+  virtual void PinnedRows(const uint64_t* keys, uint64_t n, uint8_t** rows) const = 0;
+  // Unpin, marking dirty the rows of keys with updated[i] = 1: rows written
+  // in place through PinnedRows. `addresses` (or null) are the rows' addresses
+  // that Pin or PinnedRows gave, which spare looking the keys up again; a key
+  // whose address does not hold its pinned row is refused like an unpinned one.
+  virtual void UnpinUpdated(const uint64_t* keys, uint64_t n, const uint8_t* updated,
+                            uint8_t* const* addresses) = 0;
   // Whether key is cached, without counting a visit.
   virtual bool Contains(uint64_t key) const = 0;
 
