@@ -6,7 +6,9 @@
 #include <vector>
 
 #include "hps/hash_table.h"
+#include "key_index.h"
 #include "mix64.h"
+#include "table_kernels.h"
 
 namespace hps {
 namespace {
@@ -243,6 +245,167 @@ class Tier final : public DeviceTier {
 
 int32_t DeviceTier::ModuloOwner(uint64_t key, int32_t devices) {
   return static_cast<int32_t>(detail::Mix64(key) % static_cast<uint64_t>(devices));  // ids sharing low bits still spread
+}
+
+HostBatch::HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, uint8_t* const* addresses,
+                     const SparseOptimizer& optimizer)
+    : cache_(cache), optimizer_(optimizer), keys_(keys, keys + n) {
+  Setup();
+  for (uint64_t i = 0; i < n; ++i) rows_[i] = reinterpret_cast<float*>(addresses[i]);
+}
+
+// Not delegating to the constructor above: once that one returned, a throw
+// here would run the destructor, which unpins keys this batch never held.
+HostBatch::HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, const SparseOptimizer& optimizer)
+    : cache_(cache), optimizer_(optimizer), keys_(keys, keys + n) {
+  Setup();
+  BuildIndex();
+  std::vector<uint8_t*> addresses(n);
+  cache.PinnedRows(keys, n, addresses.data());
+  for (uint64_t i = 0; i < n; ++i) rows_[i] = reinterpret_cast<float*>(addresses[i]);
+}
+
+void HostBatch::Setup() {
+  optimizer_.validate();
+  if (cache_.row_bytes() != sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats())) {
+    throw std::invalid_argument("host batch: MEM-PS rows are " + std::to_string(cache_.row_bytes()) +
+                                " bytes, the optimizer's " + std::to_string(sizeof(float) * optimizer_.row_floats()));
+  }
+  const uint64_t n = keys_.size();
+  if (n >= detail::KeyIndex::kNone) throw std::invalid_argument("host batch: more than 2^32 - 2 keys");
+  rows_.resize(n);
+  grads_.assign(n * static_cast<uint64_t>(optimizer_.dim), 0.0f);
+  touched_.assign(n, 0);
+  updated_.assign(n, 0);
+}
+
+void HostBatch::BuildIndex() const {
+  auto index = std::make_unique<detail::KeyIndex>(keys_.size());
+  for (uint64_t i = 0; i < keys_.size(); ++i) {
+    if (index->Upsert(keys_[i], static_cast<uint32_t>(i)) != detail::KeyIndex::kNone) {
+      throw std::invalid_argument("host batch: keys[" + std::to_string(i) + "] = " + std::to_string(keys_[i]) +
+                                  " repeats an earlier key; give distinct keys");
+    }
+  }
+  index_ = std::move(index);
+}
+
+HostBatch::~HostBatch() {
+  try {
+    Release();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw; the keys stay pinned
+  }
+}
+
+void HostBatch::CheckLive(const char* what) const {
+  if (released_) throw std::logic_error(std::string("host batch: ") + what + " after release");
+}
+
+void HostBatch::CheckPositions(const int64_t* positions, uint64_t n, const char* what) const {
+  CheckLive(what);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (positions[i] < 0 || static_cast<uint64_t>(positions[i]) >= keys_.size()) {
+      throw std::out_of_range("host batch " + std::string(what) + ": positions[" + std::to_string(i) + "] = " +
+                              std::to_string(positions[i]) + " is outside [0, " + std::to_string(keys_.size()) +
+                              ")");
+    }
+  }
+}
+
+void HostBatch::Positions(const uint64_t* keys, uint64_t n, int64_t* positions) const {
+  CheckLive("positions");
+  if (!index_) BuildIndex();
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint32_t at = index_->Find(keys[i]);
+    if (at == detail::KeyIndex::kNone) {
+      throw std::out_of_range("host batch: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
+                              " is not in the batch");
+    }
+    positions[i] = at;
+  }
+}
+
+// Rows lie scattered over MEM-PS's arena: each read is a cache (and often a
+// TLB) miss. Asking for the row a few iterations ahead keeps several misses in
+// flight instead of one.
+constexpr uint64_t kLookahead = 8;
+
+void HostBatch::Get(const int64_t* positions, uint64_t n, float* embeddings) const {
+  CheckPositions(positions, n, "get");
+  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
+  if (n <= 2 * keys_.size()) {
+    for (uint64_t i = 0; i < n; ++i) {
+      if (i + kLookahead < n) __builtin_prefetch(rows_[positions[i + kLookahead]]);
+      std::memcpy(embeddings + i * dim, rows_[positions[i]], dim * sizeof(float));
+    }
+    return;
+  }
+  // Many examples a key (a whole batch): each scattered row is read once into
+  // a compact copy, which the examples then read from the cache.
+  std::vector<float> compact(keys_.size() * dim);
+  for (uint64_t p = 0; p < keys_.size(); ++p) {
+    if (p + kLookahead < keys_.size()) __builtin_prefetch(rows_[p + kLookahead]);
+    std::memcpy(compact.data() + p * dim, rows_[p], dim * sizeof(float));
+  }
+  const float* __restrict from = compact.data();
+  float* __restrict to = embeddings;
+  for (uint64_t i = 0; i < n; ++i) std::memcpy(to + i * dim, from + positions[i] * dim, dim * sizeof(float));
+}
+
+void HostBatch::Accumulate(const int64_t* positions, uint64_t n, const float* grads) {
+  CheckPositions(positions, n, "accumulate");
+  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
+  float* __restrict sums = grads_.data();
+  const float* __restrict from = grads;
+  for (uint64_t i = 0; i < n; ++i) {
+    float* __restrict to = sums + positions[i] * dim;
+    const float* __restrict g = from + i * dim;
+    for (uint64_t j = 0; j < dim; ++j) to[j] += g[j];
+    touched_[positions[i]] = 1;
+  }
+}
+
+uint64_t HostBatch::Apply() {
+  CheckLive("apply");
+  const uint32_t dim = static_cast<uint32_t>(optimizer_.dim);
+  const uint64_t row_bytes = sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats());
+  uint64_t stepped = 0;
+  for (uint64_t p = 0; p < keys_.size(); ++p) {
+    if (p + kLookahead < keys_.size() && touched_[p + kLookahead]) {
+      const char* ahead = reinterpret_cast<const char*>(rows_[p + kLookahead]);
+      for (uint64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line, 1);
+    }
+    if (!touched_[p]) continue;
+    float* grad = grads_.data() + p * dim;
+    detail::ApplyUpdate(optimizer_, rows_[p], grad);
+    detail::ZeroRow(grad, dim);
+    touched_[p] = 0;
+    updated_[p] = 1;
+    ++stepped;
+  }
+  return stepped;
+}
+
+void HostBatch::Rows(const int64_t* positions, uint64_t n, float* rows) const {
+  CheckPositions(positions, n, "rows");
+  const uint32_t width = static_cast<uint32_t>(optimizer_.row_floats());
+  for (uint64_t i = 0; i < n; ++i) detail::CopyRow(rows + i * width, rows_[positions[i]], width);
+}
+
+std::vector<uint64_t> HostBatch::UpdatedKeys() const {
+  std::vector<uint64_t> out;
+  for (uint64_t p = 0; p < keys_.size(); ++p) {
+    if (updated_[p]) out.push_back(keys_[p]);
+  }
+  return out;
+}
+
+void HostBatch::Release() {
+  if (released_) return;
+  released_ = true;
+  std::vector<uint8_t*> addresses(rows_.size());
+  for (uint64_t i = 0; i < rows_.size(); ++i) addresses[i] = reinterpret_cast<uint8_t*>(rows_[i]);
+  cache_.UnpinUpdated(keys_.data(), keys_.size(), updated_.data(), addresses.data());
 }
 
 std::unique_ptr<DeviceTier> DeviceTier::New(const DeviceTierOptions& options) {

@@ -23,9 +23,13 @@
 #include <string>
 #include <vector>
 
+#include "hps/mem_cache.h"
 #include "hps/optimizer.h"
 
 namespace hps {
+namespace detail {
+class KeyIndex;
+}
 
 struct DeviceTierOptions {
   int32_t devices = 1;           ///< G, > 0
@@ -87,6 +91,71 @@ class DeviceTier {
   virtual void ResetTransfers() = 0;
   // The owner the modulo hash gives a key among `devices`.
   static int32_t ModuloOwner(uint64_t key, int32_t devices);
+};
+
+// With no GPU and one host partition, a device table would hold a second
+// copy of rows that already sit pinned in MEM-PS's host memory, copied in at
+// load and back at write-back. A HostBatch trains a batch on those pinned
+// rows where they are: the same steps as a DeviceTier batch (get,
+// accumulate, apply), addressed by position in the batch's distinct keys.
+// Rows change only in Apply; Release unpins the keys and marks the updated
+// rows dirty, so MEM-PS stores them when it evicts or flushes them.
+//
+// Thread safety: one thread at a time per batch. Two batches in flight may
+// share keys (each holds its own pin); the caller orders them: the later one
+// reads those rows only after the earlier one applied its step.
+class HostBatch {
+ public:
+  // keys (n, distinct) must each be pinned in cache, which must outlive the
+  // batch; std::invalid_argument names one that is not, or a repeated key.
+  HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, const SparseOptimizer& optimizer);
+  // The same with the rows' addresses from the MemCache::Pin of keys, which
+  // spares looking each key up again; the check for repeated keys then waits
+  // for the first Positions, the one call that needs the keys' index.
+  HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, uint8_t* const* addresses,
+            const SparseOptimizer& optimizer);
+  // Releases the keys if Release has not (the updates applied are kept).
+  ~HostBatch();
+  HostBatch(const HostBatch&) = delete;
+  HostBatch& operator=(const HostBatch&) = delete;
+
+  uint64_t size() const { return keys_.size(); }
+  int32_t dim() const { return optimizer_.dim; }
+  int32_t row_floats() const { return optimizer_.row_floats(); }
+  // positions[i]: where keys[i] is among the batch's keys. std::out_of_range
+  // names a key that is not in the batch.
+  void Positions(const uint64_t* keys, uint64_t n, int64_t* positions) const;
+  // The embeddings (n, dim) of the keys at positions (repeats allowed: one
+  // row per example, gathered straight from MEM-PS).
+  void Get(const int64_t* positions, uint64_t n, float* embeddings) const;
+  // Adds gradients (n, dim) to the keys at positions (repeats sum up).
+  void Accumulate(const int64_t* positions, uint64_t n, const float* grads);
+  // One optimizer step per key that got gradients, on its MEM-PS row; the
+  // gradients are cleared. Returns how many keys it stepped.
+  uint64_t Apply();
+  // The full rows (n, row_floats) at positions, as they are now.
+  void Rows(const int64_t* positions, uint64_t n, float* rows) const;
+  // Keys stepped by any Apply so far, in batch order.
+  std::vector<uint64_t> UpdatedKeys() const;
+  // Unpins every key, the updated ones dirty. Later calls do nothing; no
+  // other call is valid after it.
+  void Release();
+
+ private:
+  void CheckPositions(const int64_t* positions, uint64_t n, const char* what) const;
+  void CheckLive(const char* what) const;
+  void Setup();
+  void BuildIndex() const;
+
+  MemCache& cache_;
+  const SparseOptimizer optimizer_;
+  std::vector<uint64_t> keys_;
+  std::vector<float*> rows_;       // in MEM-PS's arena
+  std::vector<float> grads_;       // (size, dim), summed until Apply
+  std::vector<uint8_t> touched_;   // got a gradient since the last Apply
+  std::vector<uint8_t> updated_;   // stepped by some Apply
+  mutable std::unique_ptr<detail::KeyIndex> index_;  // key -> position, built when first needed
+  bool released_ = false;
 };
 
 }  // namespace hps

@@ -100,6 +100,28 @@ py::tuple RowsAndFound(uint64_t n, uint64_t columns, const Lookup& lookup) {
   return py::make_tuple(rows, found);
 }
 
+// A 1-D C-contiguous int64 array (positions, inverse indices).
+struct Positions {
+  const int64_t* data;
+  uint64_t n;
+};
+
+Positions PositionsArg(const py::array& a, const char* name) {
+  if (!a.dtype().is(py::dtype::of<int64_t>()) || a.ndim() != 1) {
+    throw py::type_error(std::string(name) + " must be a 1-D array of int64, got " + DtypeName(a) + " with " +
+                         std::to_string(a.ndim()) + " dimensions");
+  }
+  RequireContiguous(a, name);
+  return {static_cast<const int64_t*>(a.data()), static_cast<uint64_t>(a.shape(0))};
+}
+
+// Where MemCache::Pin left a batch's rows, for the HostBatch of those keys;
+// holds the cache so that the addresses cannot outlive it.
+struct RowAddresses {
+  py::object cache;
+  std::vector<uint8_t*> rows;
+};
+
 // A Python loader, called from native code without the GIL: takes a uint64
 // array, returns (rows of row_bytes each, dirty bool array).
 hps::RowLoader PythonLoader(py::object loader, uint32_t row_bytes) {
@@ -413,6 +435,20 @@ PYBIND11_MODULE(_core, m) {
         }
         return hit;
       }, py::arg("keys"), "pull(keys, pin=True) without the copy of the rows: returns the hit mask")
+      .def("pin_rows", [](py::object self, const py::array& keys) {
+        hps::MemCache& c = self.cast<hps::MemCache&>();
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<bool> hit(static_cast<py::ssize_t>(n));
+        uint8_t* h = Bytes(hit);
+        auto addresses = std::make_unique<RowAddresses>();
+        addresses->cache = self;
+        addresses->rows.resize(n);
+        {
+          py::gil_scoped_release release;
+          c.Pin(k, n, h, addresses->rows.data());
+        }
+        return py::make_tuple(hit, py::cast(std::move(addresses)));
+      }, py::arg("keys"), "pin(keys), and where the rows are (for HostBatch): (hit mask, RowAddresses)")
       .def("write_back", [](hps::MemCache& c, const py::array& keys, const py::array& rows) {
         const auto [k, n] = KeysArg(keys, "keys");
         const uint8_t* r = ByteRowsArg(rows, "rows", n, c.row_bytes());
@@ -482,19 +518,15 @@ PYBIND11_MODULE(_core, m) {
     return py::make_tuple(out, inverse);
   }, py::arg("keys"), "(distinct keys in order of first appearance, index of each key among them)");
   m.def("sum_by_inverse", [](const py::array& inverse, const py::array& rows, uint64_t n_unique) {
-    if (!inverse.dtype().is(py::dtype::of<int64_t>()) || inverse.ndim() != 1) {
-      throw py::type_error("inverse must be a 1-D array of int64, got " + DtypeName(inverse));
-    }
-    RequireContiguous(inverse, "inverse");
+    const auto [inv, n] = PositionsArg(inverse, "inverse");
     if (rows.ndim() != 2) throw py::value_error("rows must be 2-D (n, width)");
-    const uint64_t n = static_cast<uint64_t>(inverse.shape(0));
     const int64_t width = rows.shape(1);
     const float* r = RowsArg(rows, "rows", n, width);
     py::array_t<float> out = NewRows(n_unique, static_cast<int32_t>(width));
     float* o = out.mutable_data();
     {
       py::gil_scoped_release release;
-      hps::SumByInverse(static_cast<const int64_t*>(inverse.data()), n, r, static_cast<int32_t>(width), n_unique,
+      hps::SumByInverse(inv, n, r, static_cast<int32_t>(width), n_unique,
                         o);
     }
     return out;
@@ -602,4 +634,76 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(rows, bytes);
       })
       .def("reset_transfers", &hps::DeviceTier::ResetTransfers);
+
+  py::class_<RowAddresses>(m, "RowAddresses")
+      .def("__len__", [](const RowAddresses& a) { return a.rows.size(); });
+  py::class_<hps::HostBatch>(m, "HostBatch")
+      .def(py::init([](hps::MemCache& cache, const py::array& keys, const hps::SparseOptimizer& optimizer,
+                       const RowAddresses* addresses) {
+             const auto [k, n] = KeysArg(keys, "keys");
+             if (addresses != nullptr && addresses->rows.size() != n) {
+               throw py::value_error("addresses: " + std::to_string(addresses->rows.size()) +
+                                     " rows for " + std::to_string(n) + " keys");
+             }
+             if (addresses != nullptr && !addresses->cache.is(py::cast(&cache))) {
+               throw py::value_error("addresses: from another MEM-PS cache");
+             }
+             py::gil_scoped_release release;
+             if (addresses == nullptr) return std::make_unique<hps::HostBatch>(cache, k, n, optimizer);
+             return std::make_unique<hps::HostBatch>(cache, k, n, addresses->rows.data(), optimizer);
+           }),
+           py::arg("cache"), py::arg("keys"), py::arg("optimizer"), py::arg("addresses") = nullptr,
+           py::keep_alive<1, 2>(), "addresses: from cache.pin_rows(keys), the same keys")
+      .def("__len__", &hps::HostBatch::size)
+      .def("positions", [](const hps::HostBatch& b, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<int64_t> out(static_cast<py::ssize_t>(n));
+        int64_t* o = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          b.Positions(k, n, o);
+        }
+        return out;
+      }, py::arg("keys"))
+      .def_property_readonly("dim", &hps::HostBatch::dim)
+      .def("get", [](const hps::HostBatch& b, const py::array& positions) {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        py::array_t<float> out = NewRows(n, b.dim());
+        float* o = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          b.Get(p, n, o);
+        }
+        return out;
+      }, py::arg("positions"))
+      .def("accumulate", [](hps::HostBatch& b, const py::array& positions, const py::array& grads) {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        const float* g = RowsArg(grads, "grads", n, b.dim());
+        py::gil_scoped_release release;
+        b.Accumulate(p, n, g);
+      }, py::arg("positions"), py::arg("grads"))
+      .def("apply", [](hps::HostBatch& b) {
+        py::gil_scoped_release release;
+        return b.Apply();
+      })
+      .def("rows", [](const hps::HostBatch& b, const py::array& positions) {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        py::array_t<float> out = NewRows(n, b.row_floats());
+        float* o = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          b.Rows(p, n, o);
+        }
+        return out;
+      }, py::arg("positions"))
+      .def("updated_keys", [](const hps::HostBatch& b) {
+        const std::vector<uint64_t> keys = b.UpdatedKeys();
+        py::array_t<uint64_t> out(static_cast<py::ssize_t>(keys.size()));
+        std::memcpy(out.mutable_data(), keys.data(), keys.size() * sizeof(uint64_t));
+        return out;
+      })
+      .def("release", [](hps::HostBatch& b) {
+        py::gil_scoped_release release;
+        b.Release();
+      });
 }

@@ -3,11 +3,17 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "hps/device_tier.h"
 #include "hps/hash_table.h"
+#include "hps/mem_cache.h"
 
 namespace hps {
 namespace {
@@ -145,6 +151,209 @@ TEST(DeviceTier, SumByInverseAddsRowsOfTheSameKey) {
   EXPECT_EQ(out, (std::vector<float>{0 + 4 + 10, 1 + 5 + 11, 2 + 8, 3 + 9, 6, 7}));
   const std::vector<int64_t> bad = {0, 3};
   EXPECT_THROW(SumByInverse(bad.data(), 2, rows.data(), 2, 3, out.data()), std::out_of_range);
+}
+
+// MEM-PS over initial rows; evicted and flushed rows land in `stored`.
+struct RowStore {
+  explicit RowStore(const SparseOptimizer& o) : opt(o) {}
+  SparseOptimizer opt;
+  std::mutex mutex;
+  std::map<uint64_t, std::vector<float>> stored;
+
+  std::unique_ptr<MemCache> Cache(uint64_t capacity) {
+    MemCacheOptions o;
+    o.row_bytes = static_cast<uint32_t>(opt.row_floats() * sizeof(float));
+    o.capacity = capacity;
+    o.shards = 2;
+    const uint32_t width = static_cast<uint32_t>(opt.row_floats());
+    return MemCache::New(
+        o,
+        [this, width](const uint64_t* keys, uint64_t n, uint8_t* rows, uint8_t* dirty) {
+          std::lock_guard lock(mutex);
+          for (uint64_t i = 0; i < n; ++i) {
+            float* row = reinterpret_cast<float*>(rows) + i * width;
+            const auto it = stored.find(keys[i]);
+            if (it == stored.end()) {
+              opt.initial_rows(keys + i, 1, row);
+            } else {
+              std::memcpy(row, it->second.data(), width * sizeof(float));
+            }
+            dirty[i] = 0;
+          }
+        },
+        [this, width](const uint64_t* keys, uint64_t n, const uint8_t* rows) {
+          std::lock_guard lock(mutex);
+          for (uint64_t i = 0; i < n; ++i) {
+            const float* row = reinterpret_cast<const float*>(rows) + i * width;
+            stored[keys[i]].assign(row, row + width);
+          }
+        });
+  }
+};
+
+TEST(HostBatch, StepsPinnedRowsInPlaceLikeOneTable) {
+  RowStore store(AdaGrad(4));
+  const SparseOptimizer& opt = store.opt;
+  const int32_t width = opt.row_floats();
+  auto cache = store.Cache(64);
+  std::vector<uint64_t> keys = {11, 12, 13, 14, 15};
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
+  HostBatch batch(*cache, keys.data(), keys.size(), opt);
+
+  // Positions of repeated keys, then their embeddings, one row per example.
+  std::vector<uint64_t> examples = {13, 11, 13, 15};
+  std::vector<int64_t> at(examples.size());
+  batch.Positions(examples.data(), examples.size(), at.data());
+  EXPECT_EQ(at, (std::vector<int64_t>{2, 0, 2, 4}));
+  std::vector<float> emb(examples.size() * 4), initial(examples.size() * width);
+  batch.Get(at.data(), at.size(), emb.data());
+  opt.initial_rows(examples.data(), examples.size(), initial.data());
+  for (size_t i = 0; i < examples.size(); ++i) {
+    for (int d = 0; d < 4; ++d) EXPECT_EQ(emb[i * 4 + d], initial[i * width + d]);
+  }
+  std::vector<float> g(examples.size() * 4);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.1f * static_cast<float>(i + 1);
+  batch.Accumulate(at.data(), at.size(), g.data());
+  EXPECT_EQ(batch.Apply(), 3u);
+  EXPECT_EQ(batch.Apply(), 0u);  // the gradients were consumed
+  EXPECT_EQ(batch.UpdatedKeys(), (std::vector<uint64_t>{11, 13, 15}));
+
+  // The same gradients through one table.
+  auto table = NewHashTable({64, width, 1, -1});
+  table->apply_gradients(examples.data(), examples.size(), g.data(), opt);
+  std::vector<uint64_t> updated = {11, 13, 15};
+  std::vector<float> want(3 * width), got(3 * width);
+  table->find(updated.data(), 3, want.data(), nullptr);
+  std::vector<int64_t> upd_at = {0, 2, 4};
+  batch.Rows(upd_at.data(), 3, got.data());
+  EXPECT_EQ(got, want);
+  // They are MEM-PS's rows: a read of the pinned keys sees the step.
+  std::vector<float> cached(3 * width);
+  cache->ReadPinned(updated.data(), 3, reinterpret_cast<uint8_t*>(cached.data()));
+  EXPECT_EQ(cached, want);
+
+  // Release: unpinned, the updated rows dirty (flushed to the store), the others clean.
+  batch.Release();
+  batch.Release();
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_EQ(cache->stats().dirty, 3u);
+  cache->FlushDirty();
+  ASSERT_EQ(store.stored.size(), 3u);
+  EXPECT_EQ(store.stored[13], std::vector<float>(want.begin() + width, want.begin() + 2 * width));
+  EXPECT_THROW(batch.Apply(), std::logic_error);
+}
+
+TEST(HostBatch, TakesTheAddressesThatPinGave) {
+  RowStore store(AdaGrad(2));
+  auto cache = store.Cache(16);
+  std::vector<uint64_t> keys = {4, 8, 15};
+  cache->Pull(keys.data() + 1, 1, nullptr, /*pin=*/false, nullptr);  // 8 cached already: a hit
+  std::vector<uint8_t> hit(3);
+  std::vector<uint8_t*> addresses(3);
+  EXPECT_EQ(cache->Pin(keys.data(), 3, hit.data(), addresses.data()), 1u);
+  EXPECT_EQ(hit, (std::vector<uint8_t>{0, 1, 0}));
+  std::vector<uint8_t*> again(3);
+  cache->PinnedRows(keys.data(), 3, again.data());
+  EXPECT_EQ(addresses, again);
+  // An address that does not hold the key's row is refused, and nothing is unpinned.
+  std::vector<uint8_t*> swapped = {addresses[1], addresses[0], addresses[2]};
+  std::vector<uint8_t> none(3, 0);
+  EXPECT_THROW(cache->UnpinUpdated(keys.data(), 3, none.data(), swapped.data()), std::invalid_argument);
+  std::vector<uint8_t*> outside = {addresses[0], addresses[1], addresses[2] + 1};
+  EXPECT_THROW(cache->UnpinUpdated(keys.data(), 3, none.data(), outside.data()), std::invalid_argument);
+  EXPECT_EQ(cache->stats().pinned, 3u);
+  HostBatch batch(*cache, keys.data(), 3, addresses.data(), store.opt);
+  std::vector<int64_t> at = {2, 0};
+  std::vector<float> emb(4), want(2 * store.opt.row_floats());
+  batch.Get(at.data(), 2, emb.data());
+  std::vector<uint64_t> which = {15, 4};
+  store.opt.initial_rows(which.data(), 2, want.data());
+  EXPECT_EQ(emb[0], want[0]);
+  EXPECT_EQ(emb[3], want[store.opt.row_floats() + 1]);
+  std::vector<uint64_t> probe = {15};
+  std::vector<int64_t> pos(1);
+  batch.Positions(probe.data(), 1, pos.data());  // builds the index now
+  EXPECT_EQ(pos[0], 2);
+  batch.Release();
+  EXPECT_EQ(cache->stats().pinned, 0u);
+
+  // A repeated key given with addresses is refused when the index is built.
+  std::vector<uint64_t> twice = {4, 4};
+  cache->Pin(twice.data(), 2, nullptr, addresses.data());
+  HostBatch repeated(*cache, twice.data(), 2, addresses.data(), store.opt);
+  EXPECT_THROW(repeated.Positions(probe.data(), 0, pos.data()), std::invalid_argument);
+}
+
+TEST(HostBatch, ErrorsNameTheKeyOrPosition) {
+  RowStore store(AdaGrad(2));
+  auto cache = store.Cache(16);
+  std::vector<uint64_t> keys = {1, 2};
+  EXPECT_THROW(HostBatch(*cache, keys.data(), 2, store.opt), std::invalid_argument);  // not pinned
+  cache->Pull(keys.data(), 2, nullptr, true, nullptr);
+  std::vector<uint64_t> twice = {1, 1};
+  try {
+    HostBatch repeated(*cache, twice.data(), 2, store.opt);
+    FAIL() << "a repeated key was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("keys[1] = 1 repeats"), std::string::npos) << e.what();
+  }
+  SparseOptimizer wide = AdaGrad(3);
+  EXPECT_THROW(HostBatch(*cache, keys.data(), 2, wide), std::invalid_argument);  // row width
+  HostBatch batch(*cache, keys.data(), 2, store.opt);
+  std::vector<uint64_t> absent = {2, 9};
+  std::vector<int64_t> at(2);
+  try {
+    batch.Positions(absent.data(), 2, at.data());
+    FAIL() << "an absent key was found";
+  } catch (const std::out_of_range& e) {
+    EXPECT_NE(std::string(e.what()).find("keys[1] = 9 is not in the batch"), std::string::npos) << e.what();
+  }
+  std::vector<int64_t> bad = {0, 2};
+  std::vector<float> out(4);
+  EXPECT_THROW(batch.Get(bad.data(), 2, out.data()), std::out_of_range);
+  EXPECT_THROW(batch.Accumulate(bad.data(), 2, out.data()), std::out_of_range);
+}
+
+// One thread steps a batch's pinned rows while another pins, loads and evicts
+// other keys of the same shards (run under TSan): only the pins are shared.
+TEST(HostBatch, ApplyRacesNothingWithOtherPins) {
+  RowStore store(AdaGrad(4));
+  auto cache = store.Cache(96);
+  std::vector<uint64_t> mine(32);
+  for (uint64_t i = 0; i < mine.size(); ++i) mine[i] = i;
+  cache->Pull(mine.data(), mine.size(), nullptr, true, nullptr);
+  std::thread other([&] {
+    for (uint64_t round = 0; round < 200; ++round) {
+      std::vector<uint64_t> keys;
+      for (uint64_t j = 0; j < 16; ++j) keys.push_back(1000 + (round * 7 + j * 13) % 300);
+      std::sort(keys.begin(), keys.end());
+      keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+      std::vector<uint8_t> rows(keys.size() * cache->row_bytes());
+      cache->Pull(keys.data(), keys.size(), rows.data(), true, nullptr);
+      std::vector<uint8_t> updated(keys.size(), 1);
+      cache->UnpinUpdated(keys.data(), keys.size(), updated.data(), nullptr);
+    }
+  });
+  std::vector<float> g(mine.size() * 4, 0.5f);
+  std::vector<int64_t> at(mine.size());
+  for (int step = 0; step < 200; ++step) {
+    cache->Pull(mine.data(), mine.size(), nullptr, true, nullptr);  // the next batch's pins
+    HostBatch batch(*cache, mine.data(), mine.size(), store.opt);
+    batch.Positions(mine.data(), mine.size(), at.data());
+    batch.Accumulate(at.data(), at.size(), g.data());
+    batch.Apply();
+    batch.Release();
+  }
+  other.join();
+  cache->Unpin(mine.data(), mine.size());
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  // 200 AdaGrad steps of g = 0.5 on every key of `mine`.
+  auto table = NewHashTable({64, store.opt.row_floats(), 1, -1});
+  for (int step = 0; step < 200; ++step) table->apply_gradients(mine.data(), mine.size(), g.data(), store.opt);
+  std::vector<float> want(mine.size() * store.opt.row_floats()), got(want.size());
+  table->find(mine.data(), mine.size(), want.data(), nullptr);
+  cache->Pull(mine.data(), mine.size(), reinterpret_cast<uint8_t*>(got.data()), false, nullptr);
+  EXPECT_EQ(got, want);
 }
 
 }  // namespace
