@@ -62,7 +62,7 @@ def train_config(path: str, dense_sync: str = "allreduce", k: int = 1, hierarchi
     return TrainConfig(
         ps=hps.ParameterServerConfig(dim=8, path=path, optimizer=hps.AdaGrad(lr=0.05), mem_budget=mem_budget,
                                      devices=2, seed=1),
-        data=DataConfig(batch_size=64), hidden=(16,), dense_lr=0.01, pipelined=pipelined,
+        data=DataConfig(batch_size=64), hidden=(16,), dense_lr=0.01, pipelined=pipelined, torch_threads=1,
         distributed=DistributedConfig(dense_sync=dense_sync, k=k, hierarchical=hierarchical,
                                       ranks_per_node=ranks_per_node, timeout=timeout))
 

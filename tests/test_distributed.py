@@ -233,6 +233,7 @@ def test_a_lost_rank_ends_the_job_with_a_clear_error(tmp_path, how):
 TOML = """
 hidden = [16]
 dense_lr = 0.01
+torch_threads = 1  # not tuned: runs compared to each other must sum in the same order
 checkpoint_every = {every}
 
 [ps]

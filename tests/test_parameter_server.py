@@ -34,9 +34,9 @@ def random_steps(seed, steps, universe=300):
         yield keys, grads
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4])
-def test_matches_an_in_memory_table_through_eviction_and_reopen(tmp_path, devices):
-    cfg = config(tmp_path / "ps", devices=devices)
+@pytest.mark.parametrize("devices,in_place", [(1, True), (1, False), (2, False), (4, False)])
+def test_matches_an_in_memory_table_through_eviction_and_reopen(tmp_path, devices, in_place):
+    cfg = config(tmp_path / "ps", devices=devices, host_in_place=in_place)
     ps, ref = hps.ParameterServer(cfg), reference(cfg)
     probe = np.arange(300, dtype=np.uint64)
     for step, (keys, grads) in enumerate(random_steps(devices, 60)):
@@ -49,6 +49,7 @@ def test_matches_an_in_memory_table_through_eviction_and_reopen(tmp_path, device
             ps = hps.ParameterServer.open(cfg.path)
     np.testing.assert_array_equal(ps.pull(probe), ref.pull(probe))
     s = ps.stats()
+    assert s["device"]["kind"] == ("host, in place (MEM-PS rows)" if in_place else "cpu")
     assert s["mem"]["dirty_evictions"] > 0 and s["counts"]["ssd_hits"] > 0 and s["counts"]["ssd_puts"] > 0, s
     if devices > 1:
         moved = np.array(s["device"]["transfer_rows"])
@@ -76,8 +77,9 @@ def test_batches_sum_gradients_of_all_workers_then_step_once(tmp_path):
     assert moved.sum() == 3 + 4 + 4  # rows pulled + gradients sent
 
 
-def test_an_aborted_batch_changes_nothing(tmp_path):
-    cfg = config(tmp_path / "ps")
+@pytest.mark.parametrize("in_place", [True, False])
+def test_an_aborted_batch_changes_nothing(tmp_path, in_place):
+    cfg = config(tmp_path / "ps", host_in_place=in_place)
     ps = hps.ParameterServer(cfg)
     keys = np.array([5, 6], np.uint64)
     before = ps.pull(keys)
@@ -136,7 +138,7 @@ def test_errors_name_what_is_wrong(tmp_path):
         ps.push(np.arange(1000, dtype=np.uint64), np.zeros((1000, DIM), np.float32))
     assert ps.stats()["mem"]["pinned"] == 0
     ps.push(np.array([1], np.uint64), np.ones((1, DIM), np.float32))  # still works
-    small_devices = config(tmp_path / "ps2", device_capacity=10, mem_budget="1MiB")
+    small_devices = config(tmp_path / "ps2", device_capacity=10, mem_budget="1MiB", host_in_place=False)
     with pytest.raises(ValueError, match="more than device_capacity = 10"):
         hps.ParameterServer(small_devices).push(np.arange(50, dtype=np.uint64), np.zeros((50, DIM), np.float32))
     ps.checkpoint()
@@ -207,10 +209,11 @@ def test_pulls_from_several_threads(tmp_path):
     assert not errors
 
 
-def test_a_prefetch_during_a_batch_sees_its_updates_once_loaded(tmp_path):
+@pytest.mark.parametrize("devices", [2, 1])  # 1: a host batch on MEM-PS's rows
+def test_a_prefetch_during_a_batch_sees_its_updates_once_loaded(tmp_path, devices):
     """The pipeline's order: prefetch batch i+1 while batch i trains; batch i+1
     enters the device tier after batch i's write-back, with batch i's updates."""
-    cfg = config(tmp_path / "ps", devices=2)
+    cfg = config(tmp_path / "ps", devices=devices)
     ps, ref = hps.ParameterServer(cfg), reference(cfg)
     steps = list(random_steps(21, 12))
     pending = ps.prefetch(steps[0][0])
@@ -219,7 +222,7 @@ def test_a_prefetch_during_a_batch_sees_its_updates_once_loaded(tmp_path):
         if i + 1 < len(steps):
             pending = ps.prefetch(steps[i + 1][0])  # overlaps keys of batch i
         np.testing.assert_array_equal(b.pull(keys), ref.pull(keys), err_msg=f"batch {i}")
-        b.push(keys, grads, worker=i % 2)
+        b.push(keys, grads, worker=i % devices)
         b.finish()
         ref.push(keys, grads)
     assert ps.stats()["mem"]["pinned"] == 0
@@ -229,18 +232,21 @@ def test_a_prefetch_during_a_batch_sees_its_updates_once_loaded(tmp_path):
         ps.batch(used)
 
 
-def test_an_overlapped_batch_takes_the_updates_of_the_one_before(tmp_path):
+@pytest.mark.parametrize("devices", [2, 1])
+def test_an_overlapped_batch_takes_the_updates_of_the_one_before(tmp_path, devices):
     """The pipeline's order with two device tiers: batch i+1 is loaded while batch i
     trains (its rows read from MEM-PS before batch i's updates), and batch i is
-    written back while batch i+1 trains. Every pull still sees every earlier update."""
-    cfg = config(tmp_path / "ps", devices=2)
+    written back while batch i+1 trains. Every pull still sees every earlier update.
+    (One device: both batches work on the same MEM-PS rows, the later after the
+    earlier's apply.)"""
+    cfg = config(tmp_path / "ps", devices=devices)
     ps, ref = hps.ParameterServer(cfg), reference(cfg)
     steps = list(random_steps(23, 14, universe=60))  # consecutive batches share many keys
     current = ps.batch(ps.prefetch(steps[0][0]), overlap=True)
     for i, (keys, grads) in enumerate(steps):
         nxt = ps.batch(ps.prefetch(steps[i + 1][0]), overlap=True) if i + 1 < len(steps) else None
         np.testing.assert_array_equal(current.pull(keys), ref.pull(keys), err_msg=f"batch {i}")
-        current.push(keys, grads, worker=i % 2)
+        current.push(keys, grads, worker=i % devices)
         current.apply()
         ref.push(keys, grads)
         if i % 3 == 0:  # sometimes the write-back lags behind the next batch's first pull
@@ -259,6 +265,62 @@ def test_an_overlapped_batch_takes_the_updates_of_the_one_before(tmp_path):
     np.testing.assert_array_equal(ps.pull(every), ref.pull(every))
     ps.checkpoint()
     ps.close()
+
+
+def test_a_host_batch_trains_the_pinned_rows_in_place(tmp_path):
+    cfg = config(tmp_path / "ps", optimizer=hps.AdaGrad(lr=0.1))
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    keys = np.array([[5, 9, 5], [7, 9, 3]], np.uint64)
+    pre = ps.prefetch(keys)
+    b = ps.batch(pre)
+    assert isinstance(b, hps.HostBatch)
+    at = b.positions(keys)
+    assert at is pre.inverse  # the prefetch's own keys: no second lookup
+    np.testing.assert_array_equal(b.keys[at], keys.ravel())
+    other = np.array([3, 5, 5], np.uint64)
+    np.testing.assert_array_equal(b.keys[b.positions(other)], other)
+    np.testing.assert_array_equal(b.gather(at), ref.pull(keys.ravel()))
+    grads = np.arange(6 * DIM, dtype=np.float32).reshape(6, DIM) / 7
+    b.accumulate(at, grads)
+    with pytest.raises(IndexError, match="keys\\[0\\] = 4 is not in the batch"):
+        b.pull(np.array([4], np.uint64))
+    with pytest.raises(ValueError, match="worker 1: a host batch has one device"):
+        b.push(other, np.zeros((3, DIM), np.float32), worker=1)
+    b.finish()
+    ref.push(keys.ravel(), grads)
+    np.testing.assert_array_equal(ps.pull(np.unique(keys)), ref.pull(np.unique(keys)))
+    s = ps.stats()
+    assert s["mem"]["pinned"] == 0 and s["mem"]["dirty"] == 4  # the updated rows, to store on eviction
+
+
+def test_an_overlapped_host_batch_reads_only_after_the_one_before_applies(tmp_path):
+    cfg = config(tmp_path / "ps", optimizer=hps.SGD(lr=1.0))
+    ps = hps.ParameterServer(cfg)
+    keys = np.array([1, 2, 3], np.uint64)
+    first = ps.batch(ps.prefetch(keys), overlap=True)
+    second = ps.batch(ps.prefetch(keys[1:]), overlap=True)
+    before = first.pull(keys)
+    first.push(keys, np.ones((3, DIM), np.float32))
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(second.pull(keys[1:])))
+    reader.start()
+    reader.join(timeout=0.3)
+    assert reader.is_alive() and not seen  # waits for first's step
+    first.apply()
+    reader.join(timeout=10)
+    np.testing.assert_array_equal(seen[0], before[1:] - 1.0)
+    # A third overlapped batch waits for a turn: at most two in flight.
+    third = []
+    maker = threading.Thread(target=lambda: third.append(ps.batch(ps.prefetch(keys), overlap=True)))
+    maker.start()
+    maker.join(timeout=0.3)
+    assert maker.is_alive() and not third
+    first.write_back()
+    maker.join(timeout=10)
+    assert third
+    second.finish()
+    third[0].abort()
+    assert ps.stats()["mem"]["pinned"] == 0
 
 
 def test_a_dropped_server_is_freed_with_its_files(tmp_path):

@@ -30,9 +30,10 @@ def final_rows(path):
     return ps.pull(keys)
 
 
-def test_pipelined_training_equals_sequential_exactly(tmp_path):
-    seq = train(config(tmp_path / "seq", pipelined=False, devices=2), progress=False)
-    pip = train(config(tmp_path / "pip", pipelined=True, devices=2), progress=False)
+@pytest.mark.parametrize("devices", [2, 1])  # 1: host batches on MEM-PS's rows, no device tables
+def test_pipelined_training_equals_sequential_exactly(tmp_path, devices):
+    seq = train(config(tmp_path / "seq", pipelined=False, devices=devices), progress=False)
+    pip = train(config(tmp_path / "pip", pipelined=True, devices=devices), progress=False)
     np.testing.assert_array_equal(final_rows(tmp_path / "seq"), final_rows(tmp_path / "pip"))
     assert seq["final"]["auc"] == pip["final"]["auc"]
     mlp_seq = torch.load(tmp_path / "seq" / "trainer-state.pt", weights_only=False)["mlp"]
@@ -144,3 +145,32 @@ def test_prefetch_waits_for_room_instead_of_failing(tmp_path):
     tiny.ps.mem_budget = 1000 * (4 * 2 * 4 + 112)  # not even one batch
     with pytest.raises(hps.CacheFullError, match="MEM-PS budget too small"):
         train(tiny, progress=False)
+
+
+def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):
+    from hps import train as htrain
+
+    class FakeTorch:
+        def __init__(self):
+            self.threads, self.calls = 0, []
+
+        def set_num_threads(self, n):
+            self.threads = n
+            self.calls.append(n)
+
+        def get_num_threads(self):
+            return self.threads
+
+    clock = [0.0]
+    monkeypatch.setattr(htrain.time, "perf_counter", lambda: clock[0])
+    fake = FakeTorch()
+    tuner = htrain.ThreadTuner(fake, cores=4, warmup=2, probe=3)
+    seconds_per_batch = {4: 2.0, 3: 1.0}  # one fewer thread is twice as fast here
+    for _ in range(40):
+        clock[0] += seconds_per_batch[fake.threads]
+        tuner.step(100)
+    assert fake.calls == [4, 3, 3] and tuner.chosen == 3
+    assert tuner.rates == {4: pytest.approx(50.0), 3: pytest.approx(100.0)}
+    assert tuner.as_dict() == {"chosen": 3, "examples_per_s": {"4": pytest.approx(50.0), "3": pytest.approx(100.0)}}
+    one_core = htrain.ThreadTuner(FakeTorch(), cores=1)
+    assert one_core.chosen == 1 and one_core.torch.calls == [1]

@@ -83,3 +83,30 @@ def test_ctr_model_trains_inside_a_batch(tmp_path):
     assert not np.array_equal(ps.pull(np.arange(20, dtype=np.uint64)), before)
     with pytest.raises(ValueError, match=r"keys must have shape \(B, 3\)"):
         model(keys[:, :2], dense)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_host_batches_train_exactly_like_the_device_tier(tmp_path, mode):
+    """hps.torch on a host batch gathers rows by the prefetch's positions and adds
+    gradients per example; through a device tier it pulls distinct keys and pushes
+    their sums. Same parameters after every batch, bit for bit."""
+    runs = {}
+    for in_place in (True, False):
+        ps = make_ps(tmp_path / str(in_place), lr=0.3, host_in_place=in_place)
+        bag = ht.EmbeddingBag(ps, mode=mode)
+        kinds, rows = set(), []
+        for step in range(6):
+            keys = np.random.default_rng(step).integers(0, 40, (32, 3)).astype(np.uint64)
+            weights = torch.from_numpy(np.random.default_rng(step).random((32, 3)).astype(np.float32))
+            with ps.batch(keys) as b:
+                kinds.add(type(b).__name__)
+                bag.attach(b)
+                out = bag(torch.from_numpy(keys.view(np.int64)), per_sample_weights=weights)
+                (out * torch.arange(1, DIM + 1, dtype=torch.float32)).sum().backward()
+                bag.attach(None)
+            rows.append(ps.pull(np.arange(40, dtype=np.uint64)))
+        runs[in_place] = (kinds, rows)
+    assert runs[True][0] == {"HostBatch"} and runs[False][0] == {"Batch"}
+    for step, (a, b) in enumerate(zip(runs[True][1], runs[False][1])):
+        np.testing.assert_array_equal(a, b, err_msg=f"after batch {step}")
+    assert not np.array_equal(runs[True][1][0], runs[True][1][-1])

@@ -11,12 +11,13 @@ from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
 from hps.ssd_store import SsdStore
 from hps.mem_cache import CacheFullError, MemCache, parse_bytes
-from hps.parameter_server import Batch, ParameterServer, ParameterServerConfig, SsdOptions
+from hps.parameter_server import Batch, HostBatch, ParameterServer, ParameterServerConfig, SsdOptions
 
 __all__ = [
     "EMPTY_KEY",
     "AdaGrad",
     "Batch",
+    "HostBatch",
     "CacheFullError",
     "Adam",
     "CorruptionError",

@@ -86,6 +86,8 @@ class ParameterServerConfig:
     write_buffer_rows: int = 1 << 16    # evicted dirty rows gathered per SSD-PS put
     device_threads: int = 1             # CPU threads per host partition (0: all cores); a batch's
                                         # rows are few, and the trainer needs the cores
+    host_in_place: bool = True          # one host partition (no GPU): batches train on MEM-PS's
+                                        # pinned rows (HostBatch) instead of a device-table copy
     ssd: SsdOptions = field(default_factory=SsdOptions)
 
     LAYOUT_FIELDS = ("dim", "optimizer.kind", "initializer", "seed")
@@ -181,11 +183,17 @@ class _PendingRows:
 
 
 class Prefetched:
-    """A batch's distinct keys, pinned in MEM-PS by ParameterServer.prefetch."""
+    """A batch's distinct keys, pinned in MEM-PS by ParameterServer.prefetch;
+    ``flat`` are the keys as given (flattened) and ``inverse`` where each of them
+    is among ``keys``, so that a batch need not look them up again."""
 
-    def __init__(self, ps: "ParameterServer", keys: np.ndarray):
+    def __init__(self, ps: "ParameterServer", keys: np.ndarray, flat: np.ndarray, inverse: np.ndarray,
+                 addresses=None):
         self._ps = ps
         self.keys = keys
+        self.flat = flat
+        self.inverse = inverse
+        self.addresses = addresses  # where MEM-PS pinned the rows (a host batch's, _core.RowAddresses)
         self._used = False
 
     def release(self) -> None:
@@ -206,7 +214,25 @@ class _TierSlot:
         self.free.set()
 
 
-class Batch:
+class _BatchBase:
+    """What both kinds of batch share: finish() and the with-block protocol."""
+
+    def finish(self) -> None:
+        """apply(), then write_back()."""
+        self.apply()
+        self.write_back()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+
+class Batch(_BatchBase):
     """A batch's working set on the device tier (ParameterServer.batch).
 
     finish() is apply() (one optimizer step per key on the device tier), then
@@ -280,11 +306,6 @@ class Batch:
         finally:
             self._close()
 
-    def finish(self) -> None:
-        """apply(), then write_back()."""
-        self.apply()
-        self.write_back()
-
     def abort(self) -> None:
         """Drops the batch's updates (those not yet applied)."""
         if self._done:
@@ -302,14 +323,99 @@ class Batch:
         self._written_back.set()  # before the tier is free: the next load reads MEM-PS then
         self._slot.free.set()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.finish()
-        else:
+class HostBatch(_BatchBase):
+    """A batch trained on its rows where MEM-PS pins them (no GPU, one host
+    partition: ``ParameterServerConfig.host_in_place``). A device table would only
+    hold a copy of those rows, filled at load and read back at write-back; here
+    pull, push and apply work on the pinned rows themselves, and write_back only
+    unpins them (the updated ones dirty). Same interface as Batch, plus
+    positions / gather / accumulate, which hps.torch uses to skip the key lookups:
+    a batch whose keys are the prefetch's already knows where each one is.
+
+    A batch made while the one before it is in flight (``overlap``) shares rows
+    with it; it reads them only once that one has applied its step."""
+
+    def __init__(self, ps: "ParameterServer", prefetched: Prefetched, previous: Optional["HostBatch"]):
+        self._ps = ps
+        self.keys = prefetched.keys
+        self._flat, self._inverse = prefetched.flat, prefetched.inverse
+        self._native = _core.HostBatch(ps._cache, self.keys, ps._native_opt, prefetched.addresses)
+        self._previous = previous
+        self._applied = threading.Event()
+        self._done = False
+        self.wait_seconds = 0.0
+
+    def _catch_up(self) -> None:
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            previous._applied.wait()
+
+    def positions(self, keys: np.ndarray) -> np.ndarray:
+        """Where each of keys (any shape, flattened) is among the batch's keys."""
+        flat = np.ascontiguousarray(keys).reshape(-1)
+        if flat.shape == self._flat.shape and np.array_equal(flat, self._flat):
+            return self._inverse
+        return self._native.positions(flat)
+
+    def gather(self, positions: np.ndarray) -> np.ndarray:
+        """Embeddings (n, dim) of the keys at positions, one row per entry."""
+        self._catch_up()
+        return self._native.get(positions)
+
+    def accumulate(self, positions: np.ndarray, grads: np.ndarray) -> None:
+        """Adds gradients (n, dim) to the keys at positions, until apply()."""
+        self._native.accumulate(positions, grads)
+
+    def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
+        """Embeddings (n, dim) of keys (`worker` is 0: there is one partition)."""
+        self._check_worker(worker)
+        return self.gather(self._native.positions(np.ascontiguousarray(keys)))
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        """Gradients (n, dim) of keys, summed per key until apply()."""
+        self._check_worker(worker)
+        self.accumulate(self._native.positions(np.ascontiguousarray(keys)), np.ascontiguousarray(grads))
+
+    @staticmethod
+    def _check_worker(worker: int) -> None:
+        if worker != 0:
+            raise ValueError(f"worker {worker}: a host batch has one device, worker 0")
+
+    def apply(self) -> None:
+        """One optimizer step per key that got gradients, on its MEM-PS row."""
+        if self._applied.is_set():
+            return
+        try:
+            self._catch_up()
+            with self._ps._rows_lock:
+                self._native.apply()
+        except BaseException:
             self.abort()
+            raise
+        self._applied.set()
+
+    def write_back(self) -> None:
+        """Unpins the rows, the updated ones dirty: MEM-PS holds them already."""
+        if self._done:
+            return
+        if not self._applied.is_set():
+            raise RuntimeError("write_back before apply")
+        self._close()
+
+    def abort(self) -> None:
+        """Drops the gradients not yet applied."""
+        self._applied.set()
+        self._close()
+
+    def _close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._native.release()
+        finally:
+            self._ps._host_batch_done()
 
 
 class ParameterServer:
@@ -354,10 +460,16 @@ class ParameterServer:
         # Device tables start small and double when a batch needs it (up to
         # device_capacity): clearing and reading back scan every slot, so tables
         # sized to the batch cost least.
+        # With one host partition, batches train on MEM-PS's pinned rows (HostBatch).
+        self._in_place = (config.host_in_place and config.devices == 1 and partitioner is None
+                          and _core.cuda_device_count() < 1)
         capacity = min(config.device_capacity, 1 << 16)
-        self._slots = [_TierSlot(self._new_tier(capacity), capacity)]
+        self._slots = [] if self._in_place else [_TierSlot(self._new_tier(capacity), capacity)]
         self._next_slot = 0
-        self._last_batch: Optional[Batch] = None
+        self._last_batch: Optional[Union[Batch, HostBatch]] = None
+        self._host_batches = threading.Condition()  # guards _host_active
+        self._host_active = 0  # host batches not yet written back
+        self._rows_lock = threading.Lock()  # a host batch's apply against pull()'s copy of the rows
         self._transfers_before = None
         self._partitioner = partitioner
         self._load_lock = threading.Lock()  # one batch() at a time; checkpoint() holds it too
@@ -466,7 +578,8 @@ class ParameterServer:
     # ------------------------------------------------------------ the API
     def pull(self, keys: np.ndarray) -> np.ndarray:
         """Embeddings (n, dim) float32 of keys (uint64), as of the last finished batch."""
-        rows, hit = self._cache.pull(keys, pin=False, dtype=np.float32)
+        with self._rows_lock:
+            rows, hit = self._cache.pull(keys, pin=False, dtype=np.float32)
         self._count(pulls=1, mem_hits=int(hit.sum()))
         return np.ascontiguousarray(rows[:, :self.dim])
 
@@ -486,13 +599,17 @@ class ParameterServer:
         """Pins the distinct keys' rows in MEM-PS (reading SSD-PS for misses), so
         that a later batch(prefetched) finds them in memory. Runs alongside a batch
         in flight: the pipeline's pull stage."""
-        uniq = self._distinct(keys)
-        self._check_device_room(uniq)
-        hit = self._cache.pin(uniq)
+        flat, uniq, inverse = self._distinct(keys)
+        addresses = None
+        if self._in_place:
+            hit, addresses = self._cache.pin_rows(uniq)
+        else:
+            self._check_device_room(uniq)
+            hit = self._cache.pin(uniq)
         self._count(mem_hits=int(hit.sum()))
-        return Prefetched(self, uniq)
+        return Prefetched(self, uniq, flat, inverse, addresses)
 
-    def batch(self, keys: Union[np.ndarray, "Prefetched"], *, overlap: bool = False) -> Batch:
+    def batch(self, keys: Union[np.ndarray, "Prefetched"], *, overlap: bool = False) -> Union[Batch, HostBatch]:
         """Loads the working set of keys (or of a prefetch) onto the device tier;
         the returned Batch serves pulls and pushes until finish() (or the end of a
         with block) writes the updated rows back. This waits for the batch in
@@ -503,6 +620,8 @@ class ParameterServer:
         if prefetched._ps is not self or prefetched._used:
             raise ValueError("batch: a Prefetched can be used once, with the server that made it")
         prefetched._used = True
+        if self._in_place:
+            return self._host_batch(prefetched, overlap)
         uniq = prefetched.keys
         waited = time.perf_counter()
         try:
@@ -540,6 +659,36 @@ class ParameterServer:
         b.wait_seconds = waited
         return b
 
+    def _host_batch(self, prefetched: Prefetched, overlap: bool) -> HostBatch:
+        """batch() without a device tier: at most two batches in flight (as with
+        two tiers), the new one ordered after the last."""
+        waited = time.perf_counter()
+        try:
+            with self._load_lock:
+                with self._host_batches:
+                    while self._host_active > (1 if overlap else 0):
+                        self._host_batches.wait()
+                    self._host_active += 1
+                waited = time.perf_counter() - waited
+                previous = self._last_batch
+                try:
+                    b = HostBatch(self, prefetched, previous if previous is not None and not previous._done else None)
+                except BaseException:
+                    self._host_batch_done()
+                    raise
+                self._last_batch = b
+        except BaseException:
+            self._cache.unpin(prefetched.keys)
+            raise
+        self._count(batches=1)
+        b.wait_seconds = waited
+        return b
+
+    def _host_batch_done(self) -> None:
+        with self._host_batches:
+            self._host_active -= 1
+            self._host_batches.notify_all()
+
     def _new_tier(self, capacity: int):
         return _core.DeviceTier(self.config.devices, capacity, self._native_opt, threads=self.config.device_threads)
 
@@ -558,12 +707,14 @@ class ParameterServer:
             slot.tier = self._new_tier(capacity)
             slot.capacity = capacity
 
-    def _distinct(self, keys: np.ndarray) -> np.ndarray:
+    def _distinct(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys flattened, distinct keys, where each key is among them)."""
         if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):
             raise TypeError(f"keys must be an array of uint64 or int64, got "
                             f"{getattr(keys, 'dtype', type(keys).__name__)}")
-        uniq, _ = _core.unique_keys(np.ascontiguousarray(keys.reshape(-1)))  # names a reserved key
-        return uniq
+        flat = np.ascontiguousarray(keys.reshape(-1))
+        uniq, inverse = _core.unique_keys(flat)  # names a reserved key
+        return flat, uniq, inverse
 
     def _check_device_room(self, uniq: np.ndarray) -> None:
         owners = self._owners(uniq)
@@ -580,6 +731,9 @@ class ParameterServer:
         with self._load_lock:
             for slot in self._slots:
                 slot.free.wait()
+            with self._host_batches:
+                while self._host_active:
+                    self._host_batches.wait()
             self._cache.flush_dirty()
             with self._pending_lock:
                 self._flush_pending()
@@ -590,19 +744,24 @@ class ParameterServer:
             self._write_metadata(checkpoints=done + 1)
 
     def stats(self) -> dict:
-        rows, transfer_bytes = self._transfers_before or (0, 0)  # counted by the tables the tier outgrew
-        for slot in self._slots:
-            r, b = slot.tier.transfers()
-            rows, transfer_bytes = rows + r, transfer_bytes + b
         with self._pending_lock:
             pending = self._pending.count
         with self._counts_lock:
             counts = dict(self._counts)
         return {"counts": counts, "mem": self._cache.stats(), "ssd": self._ssd.stats(),
-                "pending_rows": pending,
-                "device": {"kind": self._slots[0].tier.kind, "devices": self._slots[0].tier.devices,
-                           "capacity_per_device": max(slot.capacity for slot in self._slots),
-                           "transfer_rows": rows.tolist(), "transfer_bytes": transfer_bytes.tolist()}}
+                "pending_rows": pending, "device": self._device_stats()}
+
+    def _device_stats(self) -> dict:
+        if self._in_place:
+            return {"kind": "host, in place (MEM-PS rows)", "devices": 1, "capacity_per_device": 0,
+                    "transfer_rows": [[0]], "transfer_bytes": [[0]]}
+        rows, transfer_bytes = self._transfers_before or (0, 0)  # counted by the tables the tier outgrew
+        for slot in self._slots:
+            r, b = slot.tier.transfers()
+            rows, transfer_bytes = rows + r, transfer_bytes + b
+        return {"kind": self._slots[0].tier.kind, "devices": self._slots[0].tier.devices,
+                "capacity_per_device": max(slot.capacity for slot in self._slots),
+                "transfer_rows": rows.tolist(), "transfer_bytes": transfer_bytes.tolist()}
 
     def close(self) -> None:
         """Releases the stores; what was not checkpointed is dropped."""

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hps import _core
-from hps.parameter_server import Batch, ParameterServer
+from hps.parameter_server import Batch, HostBatch, ParameterServer
 
 __all__ = ["EmbeddingBag", "CtrModel", "mlp"]
 
@@ -58,9 +58,17 @@ class _PooledLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, module, keys, bag, weights, counts):
-        uniq, inverse = _core.unique_keys(np.ascontiguousarray(keys))
-        rows = torch.from_numpy(module._pull(uniq))
-        elem = rows[torch.from_numpy(inverse)]
+        batch = module._batch
+        ctx.batch = batch if isinstance(batch, HostBatch) else None
+        if ctx.batch is not None:
+            # One row per key straight from the pinned rows; no distinct-key pass.
+            ctx.positions = ctx.batch.positions(keys)
+            elem = torch.from_numpy(ctx.batch.gather(ctx.positions))
+        else:
+            uniq, inverse = _core.unique_keys(np.ascontiguousarray(keys))
+            rows = torch.from_numpy(module._pull(uniq))
+            elem = rows[torch.from_numpy(inverse)]
+            ctx.uniq, ctx.inverse = uniq, inverse
         if weights is not None:
             elem = elem * weights.unsqueeze(1)
         bag_t = torch.from_numpy(bag)
@@ -71,7 +79,7 @@ class _PooledLookup(torch.autograd.Function):
             out.index_add_(0, bag_t, elem)
         if module.mode == "mean":
             out = out / torch.from_numpy(np.maximum(counts, 1)).to(torch.float32).unsqueeze(1)
-        ctx.module, ctx.uniq, ctx.inverse, ctx.bag, ctx.counts = module, uniq, inverse, bag_t, counts
+        ctx.module, ctx.bag, ctx.counts = module, bag_t, counts
         ctx.save_for_backward(weights if weights is not None else torch.empty(0))
         return out
 
@@ -85,9 +93,12 @@ class _PooledLookup(torch.autograd.Function):
         elem = grad_out if len(ctx.bag) == len(ctx.counts) and (ctx.counts == 1).all() else grad_out[ctx.bag]
         if weights.numel():
             elem = elem * weights.unsqueeze(1)
-        # One pass in C++: torch's index_add_ took 4x as long on these shapes.
-        per_key = _core.sum_by_inverse(ctx.inverse, np.ascontiguousarray(elem.detach().numpy()), len(ctx.uniq))
-        module._push(ctx.uniq, per_key)
+        elem = np.ascontiguousarray(elem.detach().numpy())
+        if ctx.batch is not None:
+            ctx.batch.accumulate(ctx.positions, elem)  # summed per key as they arrive
+        else:
+            # One pass in C++: torch's index_add_ took 4x as long on these shapes.
+            module._push(ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
         return None, None, None, None, None, None
 
 
