@@ -1,27 +1,34 @@
 #!/usr/bin/env python3
-"""W4 / W4s / W9 (BENCHMARKS.md): `hps train` against plain PyTorch on the same model
-and data, in the same run.
+"""W4 / W4s / W9 (BENCHMARKS.md): `hps train` against plain PyTorch (and TorchRec) on the
+same model and data, in the same run.
 
-    python3 bench/train_bench.py --quick          # W4, under ~2 minutes
+    python3 bench/train_bench.py --quick          # W4, under ~3 minutes
     python3 bench/train_bench.py                  # W4: MLP 512-256-1
     python3 bench/train_bench.py --mlp 16         # W4s: the embedding path dominates
+    python3 bench/train_bench.py --rounds 3       # each system 3 times, interleaved; medians
 
-Model and data (both sides): synthetic Criteo-like examples (hps.data.SyntheticCriteo,
+Model and data (all sides): synthetic Criteo-like examples (hps.data.SyntheticCriteo,
 26 categorical fields, 13 dense), embeddings of dim 16 per field, summed per field
 (single-hot), concatenated with the dense features, MLP (default 512-256-1), logit;
 batch 4096; embeddings trained by AdaGrad (lr 0.05), the MLP by Adam (lr 1e-3), the
 MLP initialised identically.
   * hps: hps.train.train: the ParameterServer (MEM budget holding every row, one host
-    partition) behind the 4-stage pipeline, embeddings through hps.torch.
+    partition, so batches train on MEM-PS's rows in place) behind the 4-stage pipeline,
+    embeddings through hps.torch. torch's threads: hps.train's ThreadTuner picks all
+    cores or one fewer on the first batches (--hps-threads fixes them).
   * plain PyTorch: one nn.EmbeddingBag(sparse=True, mode="sum") over the keys seen in
-    the run (keys mapped to dense indices before timing), torch.optim.Adagrad on it.
+    the run (keys mapped to dense indices before timing), torch.optim.Adagrad on it;
+    --threads torch threads (default: every core, the faster for both peers here).
   * TorchRec (bench/torchrec_peer.py, installed on demand; --no-torchrec skips it): an
     EmbeddingBagCollection of one table per field, sharded table_wise with the fused
     kernel (Adagrad in the backward) under DistributedModelParallel, world size 1.
-Both train on the same batches, generated before timing and fed from memory, in the
-same order, and evaluate on the same held-out examples. Reported: examples/s (training loop only), eval AUC and logloss after the
-same examples, and for hps the pipeline's wall time over its slowest stage (W9).
-One JSON line on stdout.
+The batches are generated once, before timing, and each system trains on them from
+memory in its own process (its own thread pools and OpenMP settings), in the same
+order, and evaluates on the same held-out examples. With --rounds the systems take
+turns, so that the machine's drift hits all of them alike; the median run of each is
+reported. Reported: examples/s (training loop only), eval AUC and logloss after the same
+examples, and for hps the pipeline's wall time over its slowest stage (W9). One JSON
+line on stdout.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -93,13 +101,64 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches):
                                      mem_budget=rows * (args.dim * 2 * 4 + 112), device_capacity=1 << 20),
         data=DataConfig(batch_size=args.batch_size, train_examples=args.examples,
                         eval_examples=args.eval_examples, seed=args.seed),
-        hidden=tuple(hidden), dense_lr=args.lr_dense, seed=args.seed, torch_threads=args.threads,
+        hidden=tuple(hidden), dense_lr=args.lr_dense, seed=args.seed, torch_threads=args.hps_threads,
         pipelined=not args.sequential)
     summary = train(cfg, progress=False, train_batches=train_batches, eval_batches=eval_batches)
     return {"examples": summary["examples"], "seconds": summary["train_seconds"],
             "examples_per_s": summary["examples_per_s"], "auc": summary["final"]["auc"],
             "logloss": summary["final"]["logloss"], "pipeline": summary["pipeline"],
-            "mem_hit_rate": summary["final"]["mem_hit_rate"]}
+            "mem_hit_rate": summary["final"]["mem_hit_rate"], "torch_threads": summary["torch_threads"]}
+
+
+SYSTEMS = ("torch", "torchrec", "hps")
+
+
+def save_batches(path, train_batches, eval_batches):
+    np.savez(path, **{f"{part}_{name}": np.concatenate([getattr(b, name) for b in batches])
+                      for part, batches in (("train", train_batches), ("eval", eval_batches))
+                      for name in ("labels", "dense", "keys")})
+
+
+def load_batches(path, batch_size):
+    from hps.data import Batch
+    d = np.load(path)
+    out = []
+    for part in ("train", "eval"):
+        labels, dense, keys = d[f"{part}_labels"], d[f"{part}_dense"], d[f"{part}_keys"]
+        # Copies, not views of one block: separately allocated batches, as a reader
+        # makes them (TorchRec ran ~7% slower on views).
+        out.append([Batch(labels[i:i + batch_size].copy(), dense[i:i + batch_size].copy(),
+                          keys[i:i + batch_size].copy()) for i in range(0, len(labels), batch_size)])
+    return out
+
+
+def run_system(a, system, hidden, data_path, workdir):
+    """One system's run in this process (the --system worker)."""
+    train_batches, eval_batches = load_batches(data_path, a.batch_size)
+    if system == "torch":
+        return plain_torch(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb, a.lr_dense, a.dim)
+    if system == "torchrec":
+        sys.path.insert(0, HERE)
+        import torchrec_peer
+        return torchrec_peer.torchrec(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb,
+                                      a.lr_dense, a.dim)
+    return run_hps(a, workdir, hidden, train_batches, eval_batches)
+
+
+def spawn(a, system, data_path, workdir) -> dict:
+    """Runs one system in a fresh process: each starts with its own thread pools
+    and OpenMP settings, and none inherits another's heap."""
+    argv = [sys.executable, os.path.abspath(__file__), "--system", system, "--data", data_path,
+            "--workdir", workdir]
+    for name in ("examples", "eval_examples", "batch_size", "mlp", "dim", "lr_emb", "lr_dense", "threads",
+                 "hps_threads", "seed"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+    if a.sequential:
+        argv.append("--sequential")
+    run = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"{system} run failed (exit {run.returncode}); its stderr is above")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -112,48 +171,71 @@ def main():
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--lr-emb", type=float, default=0.05)
     ap.add_argument("--lr-dense", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of the peers")
+    ap.add_argument("--hps-threads", type=int, default=0,
+                    help="torch threads of hps (0: hps.train's ThreadTuner picks)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each system, interleaved; medians reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sequential", action="store_true", help="hps without the pipeline")
     ap.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec peer (installed on demand)")
+    ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # worker: one run, one JSON line
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.quick:
         a.examples = min(a.examples, 300_000)
         a.eval_examples = min(a.eval_examples, 50_000)
     hidden = [int(h) for h in a.mlp.split(",") if h]
+    if a.system:
+        print(json.dumps(run_system(a, a.system, hidden, a.data, a.workdir)), flush=True)
+        return
+    systems = [s for s in SYSTEMS if not (s == "torchrec" and a.no_torchrec)]
+    if "torchrec" in systems:
+        sys.path.insert(0, HERE)
+        import torchrec_peer
+        torchrec_peer.ensure_installed()
     from hps.data import SyntheticCriteo
-    train_batches = list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.examples))
-    eval_batches = list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.eval_examples,
-                                        part="eval"))
     out = {"benchmark": "W4s train" if hidden == [16] else "W4 train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
-           "dim": a.dim, "threads": a.threads, "quick": a.quick, "machine": {"cpus": os.cpu_count()}}
+           "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
+           "quick": a.quick, "machine": {"cpus": os.cpu_count()}}
     workdir = tempfile.mkdtemp(prefix="train-bench-", dir=os.path.join(HERE, "results"))
     try:
-        log("== plain PyTorch ==")
-        out["torch"] = plain_torch(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb,
-                                   a.lr_dense, a.dim)
-        log(f"torch: {out['torch']['examples_per_s']:,.0f} examples/s, AUC {out['torch']['auc']:.4f}")
-        if not a.no_torchrec:
-            log("== TorchRec (fused table-batched embeddings, Adagrad in backward) ==")
-            sys.path.insert(0, HERE)
-            import torchrec_peer
-            torchrec_peer.ensure_installed()
-            out["torchrec"] = torchrec_peer.torchrec(train_batches, eval_batches, hidden, a.threads, a.seed,
-                                                     a.lr_emb, a.lr_dense, a.dim)
-            log(f"torchrec: {out['torchrec']['examples_per_s']:,.0f} examples/s, AUC {out['torchrec']['auc']:.4f}")
-        log("== hps ==")
-        out["hps"] = run_hps(a, workdir, hidden, train_batches, eval_batches)
-        log(f"hps: {out['hps']['examples_per_s']:,.0f} examples/s, AUC {out['hps']['auc']:.4f}, "
-            f"wall/slowest stage {out['hps']['pipeline']['wall_over_slowest_stage']:.2f} "
-            f"(bound by {out['hps']['pipeline']['bound_by']})")
+        log("== generating the data ==")
+        data_path = os.path.join(workdir, "batches.npz")
+        save_batches(data_path,
+                     list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.examples)),
+                     list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.eval_examples,
+                                          part="eval")))
+        runs = {s: [] for s in systems}
+        for r in range(a.rounds):
+            for system in systems:
+                log(f"== round {r + 1}/{a.rounds}: {system} ==")
+                shutil.rmtree(os.path.join(workdir, "ps"), ignore_errors=True)
+                result = spawn(a, system, data_path, workdir)
+                runs[system].append(result)
+                extra = ""
+                if system == "hps":
+                    p = result["pipeline"]
+                    extra = (f", wall/slowest stage {p['wall_over_slowest_stage']:.2f} (bound by {p['bound_by']}), "
+                             f"torch threads {result['torch_threads']['chosen']}")
+                log(f"{system}: {result['examples_per_s']:,.0f} examples/s, AUC {result['auc']:.4f}{extra}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    out["ratio_examples_per_s"] = out["hps"]["examples_per_s"] / out["torch"]["examples_per_s"]
-    if "torchrec" in out:
-        out["ratio_over_torchrec"] = out["hps"]["examples_per_s"] / out["torchrec"]["examples_per_s"]
+    for system, results in runs.items():
+        rates = [r["examples_per_s"] for r in results]
+        out[system] = dict(results[int(np.argsort(rates)[len(rates) // 2])])  # the median run
+        out[system]["examples_per_s_runs"] = rates
+    median = {s: out[s]["examples_per_s"] for s in runs}
+    out["ratio_examples_per_s"] = median["hps"] / median["torch"]
+    out["ratio_per_round"] = [h["examples_per_s"] / t["examples_per_s"] for h, t in zip(runs["hps"], runs["torch"])]
+    if "torchrec" in runs:
+        out["ratio_over_torchrec"] = median["hps"] / median["torchrec"]
+        out["ratio_over_torchrec_per_round"] = [h["examples_per_s"] / t["examples_per_s"]
+                                                for h, t in zip(runs["hps"], runs["torchrec"])]
     out["auc_difference"] = out["hps"]["auc"] - out["torch"]["auc"]
     out["w9_wall_over_slowest_stage"] = out["hps"]["pipeline"]["wall_over_slowest_stage"]
+    log(f"median examples/s: " + ", ".join(f"{s} {v:,.0f}" for s, v in median.items()))
     print(json.dumps(out), flush=True)
 
 

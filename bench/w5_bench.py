@@ -192,7 +192,7 @@ def worker_hps(cfg: dict) -> dict:
         data=DataConfig(batch_size=cfg["batch_size"], train_examples=cfg["examples"],
                         eval_examples=cfg["eval_examples"], seed=cfg["seed"]),
         hidden=tuple(cfg["hidden"]), dense_lr=cfg["lr_dense"], seed=cfg["seed"],
-        torch_threads=cfg["threads"], pipelined=True)
+        torch_threads=cfg["hps_threads"], pipelined=True)
     io0 = proc_io()
     summary = train(tc, progress=False)
     ps = at_train_end["ps"]
@@ -202,6 +202,7 @@ def worker_hps(cfg: dict) -> dict:
         "examples_per_s": summary["examples_per_s"],
         "auc": summary["final"]["auc"], "logloss": summary["final"]["logloss"],
         "mem_budget_bytes": cfg["mem_budget"], "mem_capacity_rows": mem["capacity"],
+        "torch_threads": summary["torch_threads"],
         "pipeline": {k: summary["pipeline"][k] for k in
                      ("bound_by", "wall_over_slowest_stage", "busy_seconds", "mean_queue_depth")},
         # at the end of training (before eval and the final checkpoint):
@@ -411,7 +412,9 @@ def parse():
     ap.add_argument("--mlp", default="512,256", help="hidden widths: 512,256 (W4) or 16 (W4s)")
     ap.add_argument("--lr-emb", type=float, default=0.05)
     ap.add_argument("--lr-dense", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of the RocksDB peer")
+    ap.add_argument("--hps-threads", type=int, default=0,
+                    help="torch threads of hps (0: hps.train's ThreadTuner picks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory-limit", type=parse_size, default=parse_size("1GiB"),
                     help="memory cgroup limit of the hps_ssd and rocksdb workers (default 1GiB, as W1; "
@@ -502,7 +505,7 @@ def main():
 
     base_cfg = {"examples": args.examples, "eval_examples": args.eval_examples, "batch_size": args.batch_size,
                 "hidden": hidden, "lr_emb": args.lr_emb, "lr_dense": args.lr_dense, "threads": args.threads,
-                "seed": args.seed}
+                "hps_threads": args.hps_threads, "seed": args.seed}
     worker_cfg = {
         "hps_ssd": {**base_cfg, "mem_budget": mem_budget},
         "rocksdb": {**base_cfg, "rocks_memory": rocks_memory(rocks_total), "rocks_wal": not args.rocks_disable_wal},

@@ -49,6 +49,65 @@ class DataConfig:
     zipf_a: float = 1.1
 
 
+def import_torch():
+    """torch, with its OpenMP workers told to sleep when idle if torch was not
+    imported yet. By default they spin for a while after each parallel region;
+    beside the pipeline's stage threads, a spinning worker holds a core the
+    prefetch or the write-back needs (W4: 37k -> 45k examples/s on 2 cores)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+    return torch
+
+
+class ThreadTuner:
+    """Chooses torch's intra-op threads (TrainConfig.torch_threads = 0) while the
+    run goes: a few batches of warm-up, then ``probe`` batches with every core
+    and ``probe`` with one fewer, then the faster for the rest of the run. The
+    pipeline's stages share the cores with torch: a small MLP gains less from a
+    second thread than they lose (W4s on 2 cores: 146k examples/s with 1 thread,
+    118k with 2), a large one more (W4: 31k with 1, 45k with 2). The thread count
+    may change the order in which torch's kernels sum: runs that must match bit for
+    bit (a resumed run and its straight twin, say) fix torch_threads."""
+
+    def __init__(self, torch, cores: int, warmup: int = 5, probe: int = 12):
+        self.torch = torch
+        self.candidates = [cores, cores - 1] if cores > 1 else [1]
+        self.warmup, self.probe = warmup, probe
+        self.rates: dict[int, float] = {}
+        self.chosen: Optional[int] = None if len(self.candidates) > 1 else 1
+        self._index, self._batch, self._start, self._examples = 0, 0, None, 0
+        torch.set_num_threads(self.candidates[0])
+
+    def step(self, examples: int) -> None:
+        """Called as each batch ends training, with its examples."""
+        if self.chosen is not None:
+            return
+        self._batch += 1
+        if self._batch <= self.warmup:
+            return
+        now = time.perf_counter()
+        if self._start is None:
+            self._start, self._examples = now, 0
+            return
+        self._examples += examples
+        if self._batch < self.warmup + 1 + self.probe:
+            return
+        threads = self.candidates[self._index]
+        self.rates[threads] = self._examples / (now - self._start)
+        self._index += 1
+        if self._index < len(self.candidates):
+            self.torch.set_num_threads(self.candidates[self._index])
+            self._batch, self._start = self.warmup - 2, None  # two batches to settle
+            return
+        self.chosen = max(self.rates, key=self.rates.get)
+        self.torch.set_num_threads(self.chosen)
+
+    def as_dict(self) -> dict:
+        return {"chosen": self.chosen if self.chosen is not None else self.torch.get_num_threads(),
+                "examples_per_s": {str(k): v for k, v in self.rates.items()}}
+
+
 @dataclass
 class TrainConfig:
     ps: ParameterServerConfig
@@ -59,7 +118,7 @@ class TrainConfig:
     checkpoint_every: int = 0           # batches; 0: only at the end
     pipelined: bool = True
     seed: int = 0                       # the MLP's initialisation
-    torch_threads: int = 0              # 0: torch's default
+    torch_threads: int = 0              # 0: tuned on the first batches (ThreadTuner)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # under mpiexec
 
     @classmethod
@@ -154,13 +213,16 @@ class Trainer:
     with the other ranks' (DenseSync)."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, node: Optional[Node] = None):
-        import torch
+        torch = import_torch()
         from hps.torch import CtrModel
         self.torch = torch
         self.cfg = cfg
         self.node = node
+        self.thread_tuner = None
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
+        else:
+            self.thread_tuner = ThreadTuner(torch, os.cpu_count() or 1)
         ps_cfg = cfg.ps
         if node is not None:
             ps_cfg = dataclasses.replace(cfg.ps, path=os.path.join(cfg.ps.path, f"rank{node.rank}"))
@@ -430,6 +492,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, train_ba
         trainer.batches_done += 1
         n = getattr(loaded.data, "total_examples", len(loaded.data.labels))
         trainer.examples_done += n
+        if trainer.thread_tuner is not None:
+            trainer.thread_tuner.step(n)
         if bar is not None:
             s = trainer.ps.stats()
             mem = s["mem"]
@@ -474,6 +538,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, train_ba
                "train_seconds": wall,
                "examples_per_s": pipeline.stats.examples / wall if wall else 0.0,
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
+               "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
+                                 else {"chosen": cfg.torch_threads}),
                "ps": _jsonable(trainer.ps.stats())}
     if node is not None:
         ranks = node.allgather("train", {"examples": pipeline.stats.examples, "wall_seconds": wall,
