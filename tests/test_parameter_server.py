@@ -336,3 +336,28 @@ def test_a_dropped_server_is_freed_with_its_files(tmp_path):
     del ps
     gc.collect()
     assert gone() is None
+
+
+def test_pending_rows_serve_the_latest_copy_of_each_key():
+    """The write buffer against a dict: many sink calls, keys evicted again and again
+    (within one call too), folds of recent calls into the base, then the merge."""
+    from hps.parameter_server import _PendingRows
+    pending, latest = _PendingRows(row_floats=2), {}
+    rng = np.random.default_rng(3)
+    for call in range(40):
+        keys = rng.integers(0, 200, rng.integers(1, 30)).astype(np.uint64)
+        rows = np.stack([keys.astype(np.float32), np.full(len(keys), call, np.float32)], axis=1)
+        rows[:, 0] += np.arange(len(keys), dtype=np.float32) / 100  # tells copies within a call apart
+        pending.add(keys, rows)
+        for k, r in zip(keys.tolist(), rows):
+            latest[k] = r
+        probe = rng.integers(0, 250, 60).astype(np.uint64)
+        found, got = pending.lookup(probe)
+        assert found.tolist() == [k in latest for k in probe.tolist()]
+        want = np.array([latest[k] for k in probe.tolist() if k in latest]).reshape(-1, 2)
+        np.testing.assert_array_equal(got, want, err_msg=f"after call {call}")
+    keys, rows = pending.merged()
+    assert keys.tolist() == sorted(latest)
+    np.testing.assert_array_equal(rows, np.array([latest[k] for k in sorted(latest)]))
+    pending.clear()
+    assert pending.count == 0 and len(pending.merged()[0]) == 0 and not pending.lookup(keys)[0].any()

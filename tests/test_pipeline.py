@@ -165,12 +165,23 @@ def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):
     monkeypatch.setattr(htrain.time, "perf_counter", lambda: clock[0])
     fake = FakeTorch()
     tuner = htrain.ThreadTuner(fake, cores=4, warmup=2, probe=3)
-    seconds_per_batch = {4: 2.0, 3: 1.0}  # one fewer thread is twice as fast here
-    for _ in range(40):
-        clock[0] += seconds_per_batch[fake.threads]
+    batch = 0
+    for _ in range(60):
+        batch += 1
+        # One fewer thread is faster, and the whole run speeds up halfway through the probes.
+        seconds = {4: 2.0, 3: 1.6}[fake.threads] * (1.0 if batch < 12 else 0.5)
+        clock[0] += seconds
         tuner.step(100)
-    assert fake.calls == [4, 3, 3] and tuner.chosen == 3
-    assert tuner.rates == {4: pytest.approx(50.0), 3: pytest.approx(100.0)}
-    assert tuner.as_dict() == {"chosen": 3, "examples_per_s": {"4": pytest.approx(50.0), "3": pytest.approx(100.0)}}
+    assert fake.calls == [4, 3, 4, 3] and tuner.chosen == 3  # A B B A, then the faster
+    assert tuner.rates[3] > tuner.rates[4]
+    assert tuner.as_dict()["chosen"] == 3 and set(tuner.as_dict()["examples_per_s"]) == {"4", "3"}
+
+    # Equal speeds but a run that speeds up: A B B A does not mistake the drift for 3 being faster.
+    clock[0], fake = 0.0, FakeTorch()
+    tuner = htrain.ThreadTuner(fake, cores=4, warmup=2, probe=3)
+    for i in range(60):
+        clock[0] += 2.0 - i * 0.02
+        tuner.step(100)
+    assert tuner.rates[4] == pytest.approx(tuner.rates[3], rel=0.02)
     one_core = htrain.ThreadTuner(FakeTorch(), cores=1)
     assert one_core.chosen == 1 and one_core.torch.calls == [1]

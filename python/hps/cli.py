@@ -74,6 +74,10 @@ def _summary_table(summary: dict) -> str:
     ]
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in p["busy_seconds"].items())
     rows.append(("stage busy time", stages))
+    threads = summary.get("torch_threads", {})
+    tried = ", ".join(f"{n}: {r:,.0f} ex/s" for n, r in threads.get("examples_per_s", {}).items())
+    rows.append(("torch threads", f"{threads.get('chosen', '-')}" + (f" (tuned; {tried})" if tried else "")))
+    rows.append(("device tier", ps["device"]["kind"]))
     dist = summary.get("distributed")
     if dist:
         sync = dist["dense_sync"] + (f", k = {dist['k']}" if dist["dense_sync"] == "kstep" else "")

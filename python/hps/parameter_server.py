@@ -142,44 +142,59 @@ def _build(spec, table: dict, where: str):
 
 class _PendingRows:
     """Evicted dirty rows waiting for one large SSD-PS put; the loader reads
-    them first, so a row on its way to disk is never read stale from disk."""
+    them first, so a row on its way to disk is never read stale from disk.
+
+    Each sink call's rows are kept sorted by key, and every few calls the recent
+    ones fold into one sorted base, so a lookup is a handful of binary searches
+    (newest first) instead of a merge of everything pending (W5: 17 -> ~2 ms a
+    batch)."""
+
+    FOLD_AFTER = 8  # recent chunks before they fold into the base
 
     def __init__(self, row_floats: int):
         self.row_floats = row_floats
-        self.keys: list[np.ndarray] = []
-        self.rows: list[np.ndarray] = []
+        self._base: Optional[tuple[np.ndarray, np.ndarray]] = None  # distinct keys sorted, their rows
+        self._recent: list[tuple[np.ndarray, np.ndarray]] = []      # per sink call: keys sorted, rows; oldest first
         self.count = 0
-        self._index = None  # (sorted keys, rows in that order), rebuilt on demand
 
     def add(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        self.keys.append(keys)
-        self.rows.append(rows)
+        order = np.argsort(keys, kind="stable")
+        self._recent.append((keys[order], rows[order]))
         self.count += len(keys)
-        self._index = None
+        if len(self._recent) > self.FOLD_AFTER:
+            self._base = self.merged()
+            self._recent = []
 
     def merged(self) -> tuple[np.ndarray, np.ndarray]:
         """Distinct keys with their latest rows, keys sorted."""
-        if self._index is None:
-            if not self.keys:
-                self._index = (np.empty(0, np.uint64), np.empty((0, self.row_floats), np.float32))
-            else:
-                keys = np.concatenate(self.keys)[::-1]  # the latest copy first
-                rows = np.concatenate(self.rows)[::-1]
-                uniq, first = np.unique(keys, return_index=True)
-                self._index = (uniq, rows[first])
-        return self._index
+        chunks = ([self._base] if self._base is not None else []) + self._recent
+        if not chunks:
+            return np.empty(0, np.uint64), np.empty((0, self.row_floats), np.float32)
+        if len(chunks) == 1 and chunks[0] is self._base:
+            return self._base
+        keys = np.concatenate([k for k, _ in chunks])[::-1]  # the latest copy first
+        rows = np.concatenate([r for _, r in chunks])[::-1]
+        uniq, first = np.unique(keys, return_index=True)
+        return uniq, rows[first]
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found mask, rows of the found keys in order)."""
-        stored, rows = self.merged()
-        if len(stored) == 0:
-            return np.zeros(len(keys), bool), rows
-        at = np.minimum(np.searchsorted(stored, keys), len(stored) - 1)
-        found = stored[at] == keys
-        return found, rows[at[found]]
+        found = np.zeros(len(keys), bool)
+        rows = np.empty((len(keys), self.row_floats), np.float32)
+        chunks = ([self._base] if self._base is not None else []) + self._recent
+        for stored, stored_rows in reversed(chunks):  # the newest copy wins
+            rest = np.flatnonzero(~found)
+            if len(rest) == 0 or len(stored) == 0:
+                continue
+            wanted = keys[rest]
+            at = np.maximum(np.searchsorted(stored, wanted, side="right") - 1, 0)  # the last of equal keys
+            hit = stored[at] == wanted
+            rows[rest[hit]] = stored_rows[at[hit]]
+            found[rest[hit]] = True
+        return found, rows[found]
 
     def clear(self) -> None:
-        self.keys, self.rows, self.count, self._index = [], [], 0, None
+        self._base, self._recent, self.count = None, [], 0
 
 
 class Prefetched:

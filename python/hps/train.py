@@ -62,46 +62,60 @@ def import_torch():
 
 class ThreadTuner:
     """Chooses torch's intra-op threads (TrainConfig.torch_threads = 0) while the
-    run goes: a few batches of warm-up, then ``probe`` batches with every core
-    and ``probe`` with one fewer, then the faster for the rest of the run. The
-    pipeline's stages share the cores with torch: a small MLP gains less from a
-    second thread than they lose (W4s on 2 cores: 146k examples/s with 1 thread,
-    118k with 2), a large one more (W4: 31k with 1, 45k with 2). The thread count
-    may change the order in which torch's kernels sum: runs that must match bit for
-    bit (a resumed run and its straight twin, say) fix torch_threads."""
+    run goes: a few batches of warm-up, then probes of ``probe`` batches with every
+    core (A) and with one fewer (B) in the order A B B A, so that a run that speeds
+    up or slows down as it goes (caches filling) favours neither; then the faster
+    for the rest of the run. The pipeline's stages share the cores with torch: a
+    small MLP gains less from a second thread than they lose (W4s on 2 cores: 146k
+    examples/s with 1 thread, 118k with 2), a large one more (W4: 31k with 1, 45k
+    with 2). The thread count may change the order in which torch's kernels sum:
+    runs that must match bit for bit (a resumed run and its straight twin, say)
+    fix torch_threads."""
 
-    def __init__(self, torch, cores: int, warmup: int = 5, probe: int = 12):
+    SETTLE = 2  # batches after a change of threads before a probe starts timing
+
+    def __init__(self, torch, cores: int, warmup: int = 6, probe: int = 8):
         self.torch = torch
         self.candidates = [cores, cores - 1] if cores > 1 else [1]
+        self.schedule = [cores, cores - 1, cores - 1, cores] if cores > 1 else []
         self.warmup, self.probe = warmup, probe
         self.rates: dict[int, float] = {}
-        self.chosen: Optional[int] = None if len(self.candidates) > 1 else 1
-        self._index, self._batch, self._start, self._examples = 0, 0, None, 0
+        self.chosen: Optional[int] = None if self.schedule else 1
+        self._totals = {c: [0, 0.0] for c in self.candidates}  # examples, seconds
+        self._probe = 0          # index into schedule
+        self._skip = warmup      # batches still to let pass before timing
+        self._start = None
+        self._batches = self._examples = 0
         torch.set_num_threads(self.candidates[0])
 
     def step(self, examples: int) -> None:
         """Called as each batch ends training, with its examples."""
         if self.chosen is not None:
             return
-        self._batch += 1
-        if self._batch <= self.warmup:
-            return
         now = time.perf_counter()
-        if self._start is None:
-            self._start, self._examples = now, 0
+        if self._skip > 0:
+            self._skip -= 1
+            if self._skip == 0:
+                self._start, self._batches, self._examples = now, 0, 0
             return
+        self._batches += 1
         self._examples += examples
-        if self._batch < self.warmup + 1 + self.probe:
+        if self._batches < self.probe:
             return
-        threads = self.candidates[self._index]
-        self.rates[threads] = self._examples / (now - self._start)
-        self._index += 1
-        if self._index < len(self.candidates):
-            self.torch.set_num_threads(self.candidates[self._index])
-            self._batch, self._start = self.warmup - 2, None  # two batches to settle
+        threads = self.schedule[self._probe]
+        self._totals[threads][0] += self._examples
+        self._totals[threads][1] += now - self._start
+        self._probe += 1
+        if self._probe == len(self.schedule):
+            self.rates = {c: e / t for c, (e, t) in self._totals.items() if t > 0}
+            self.chosen = max(self.rates, key=self.rates.get)
+            self.torch.set_num_threads(self.chosen)
             return
-        self.chosen = max(self.rates, key=self.rates.get)
-        self.torch.set_num_threads(self.chosen)
+        following = self.schedule[self._probe]
+        self._start, self._batches, self._examples = now, 0, 0
+        if following != threads:
+            self.torch.set_num_threads(following)
+            self._skip = self.SETTLE
 
     def as_dict(self) -> dict:
         return {"chosen": self.chosen if self.chosen is not None else self.torch.get_num_threads(),
