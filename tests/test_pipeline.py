@@ -183,5 +183,6 @@ def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):
         clock[0] += 2.0 - i * 0.02
         tuner.step(100)
     assert tuner.rates[4] == pytest.approx(tuner.rates[3], rel=0.02)
+    assert tuner.chosen == 4  # not clearly faster with fewer: all cores
     one_core = htrain.ThreadTuner(FakeTorch(), cores=1)
     assert one_core.chosen == 1 and one_core.torch.calls == [1]

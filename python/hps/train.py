@@ -64,15 +64,17 @@ class ThreadTuner:
     """Chooses torch's intra-op threads (TrainConfig.torch_threads = 0) while the
     run goes: a few batches of warm-up, then probes of ``probe`` batches with every
     core (A) and with one fewer (B) in the order A B B A, so that a run that speeds
-    up or slows down as it goes (caches filling) favours neither; then the faster
-    for the rest of the run. The pipeline's stages share the cores with torch: a
-    small MLP gains less from a second thread than they lose (W4s on 2 cores: 146k
-    examples/s with 1 thread, 118k with 2), a large one more (W4: 31k with 1, 45k
-    with 2). The thread count may change the order in which torch's kernels sum:
-    runs that must match bit for bit (a resumed run and its straight twin, say)
-    fix torch_threads."""
+    up or slows down as it goes (caches filling) favours neither; then one fewer
+    for the rest of the run if it was at least 5% faster, else every core.
+
+    The pipeline's stages share the cores with torch: a small MLP gains less from
+    a second thread than they lose (W4s on 2 cores: 146k examples/s with 1 thread,
+    118k with 2), a large one more (W4: 31k with 1, 45k with 2). The thread count
+    may change the order in which torch's kernels sum: runs that must match bit
+    for bit (a resumed run and its straight twin, say) fix torch_threads."""
 
     SETTLE = 2  # batches after a change of threads before a probe starts timing
+    MARGIN = 1.05  # one fewer thread must be this much faster: probes are noisy, all cores is torch's way
 
     def __init__(self, torch, cores: int, warmup: int = 6, probe: int = 8):
         self.torch = torch
@@ -108,7 +110,8 @@ class ThreadTuner:
         self._probe += 1
         if self._probe == len(self.schedule):
             self.rates = {c: e / t for c, (e, t) in self._totals.items() if t > 0}
-            self.chosen = max(self.rates, key=self.rates.get)
+            every, fewer = self.candidates
+            self.chosen = fewer if self.rates[fewer] > self.MARGIN * self.rates[every] else every
             self.torch.set_num_threads(self.chosen)
             return
         following = self.schedule[self._probe]
