@@ -251,7 +251,7 @@ HostBatch::HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, uint8_t*
                      const SparseOptimizer& optimizer)
     : cache_(cache), optimizer_(optimizer), keys_(keys, keys + n) {
   Setup();
-  for (uint64_t i = 0; i < n; ++i) rows_[i] = reinterpret_cast<float*>(addresses[i]);
+  rows_.assign(addresses, addresses + n);
 }
 
 // Not delegating to the constructor above: once that one returned, a throw
@@ -260,9 +260,7 @@ HostBatch::HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, const Sp
     : cache_(cache), optimizer_(optimizer), keys_(keys, keys + n) {
   Setup();
   BuildIndex();
-  std::vector<uint8_t*> addresses(n);
-  cache.PinnedRows(keys, n, addresses.data());
-  for (uint64_t i = 0; i < n; ++i) rows_[i] = reinterpret_cast<float*>(addresses[i]);
+  cache.PinnedRows(keys, n, rows_.data());
 }
 
 void HostBatch::Setup() {
@@ -377,7 +375,7 @@ uint64_t HostBatch::Apply() {
     }
     if (!touched_[p]) continue;
     float* grad = grads_.data() + p * dim;
-    detail::ApplyUpdate(optimizer_, rows_[p], grad);
+    detail::ApplyUpdate(optimizer_, Row(p), grad);
     detail::ZeroRow(grad, dim);
     touched_[p] = 0;
     updated_[p] = 1;
@@ -389,7 +387,7 @@ uint64_t HostBatch::Apply() {
 void HostBatch::Rows(const int64_t* positions, uint64_t n, float* rows) const {
   CheckPositions(positions, n, "rows");
   const uint32_t width = static_cast<uint32_t>(optimizer_.row_floats());
-  for (uint64_t i = 0; i < n; ++i) detail::CopyRow(rows + i * width, rows_[positions[i]], width);
+  for (uint64_t i = 0; i < n; ++i) detail::CopyRow(rows + i * width, Row(positions[i]), width);
 }
 
 std::vector<uint64_t> HostBatch::UpdatedKeys() const {
@@ -403,9 +401,7 @@ std::vector<uint64_t> HostBatch::UpdatedKeys() const {
 void HostBatch::Release() {
   if (released_) return;
   released_ = true;
-  std::vector<uint8_t*> addresses(rows_.size());
-  for (uint64_t i = 0; i < rows_.size(); ++i) addresses[i] = reinterpret_cast<uint8_t*>(rows_[i]);
-  cache_.UnpinUpdated(keys_.data(), keys_.size(), updated_.data(), addresses.data());
+  cache_.UnpinUpdated(keys_.data(), keys_.size(), updated_.data(), rows_.data());
 }
 
 std::unique_ptr<DeviceTier> DeviceTier::New(const DeviceTierOptions& options) {

@@ -146,11 +146,12 @@ class HostBatch {
   void CheckLive(const char* what) const;
   void Setup();
   void BuildIndex() const;
+  float* Row(uint64_t position) const { return reinterpret_cast<float*>(rows_[position]); }
 
   MemCache& cache_;
   const SparseOptimizer optimizer_;
   std::vector<uint64_t> keys_;
-  std::vector<float*> rows_;       // in MEM-PS's arena
+  std::vector<uint8_t*> rows_;     // in MEM-PS's arena, as MemCache::Pin gave them
   std::vector<float> grads_;       // (size, dim), summed until Apply
   std::vector<uint8_t> touched_;   // got a gradient since the last Apply
   std::vector<uint8_t> updated_;   // stepped by some Apply

@@ -83,6 +83,18 @@ py::array_t<float> NewRows(uint64_t n, int64_t columns) {
   return py::array_t<float>({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(columns)});
 }
 
+// A fresh (n, columns) float32 array, filled by fill(data) without the GIL.
+template <class Fill>
+py::array_t<float> FilledRows(uint64_t n, int64_t columns, const Fill& fill) {
+  py::array_t<float> out = NewRows(n, columns);
+  float* o = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    fill(o);
+  }
+  return out;
+}
+
 uint8_t* Bytes(py::array_t<bool>& a) { return reinterpret_cast<uint8_t*>(a.mutable_data()); }
 
 // Runs lookup(rows_out, found_out) without the GIL over fresh arrays of n rows
@@ -570,13 +582,7 @@ PYBIND11_MODULE(_core, m) {
       .def("get", [](hps::DeviceTier& t, int32_t worker, const py::array& keys, const py::object& owners, int32_t dim) {
         const auto [k, n] = KeysArg(keys, "keys");
         const int32_t* o = OwnersArg(owners, n);
-        py::array_t<float> out = NewRows(n, dim);
-        float* e = out.mutable_data();
-        {
-          py::gil_scoped_release release;
-          t.Get(worker, k, n, e, o);
-        }
-        return out;
+        return FilledRows(n, dim, [&, k = k, n = n](float* e) { t.Get(worker, k, n, e, o); });
       }, py::arg("worker"), py::arg("keys"), py::arg("owners"), py::arg("dim"))
       .def("accumulate", [](hps::DeviceTier& t, int32_t worker, const py::array& keys, const py::array& grads,
                             const py::object& owners, int32_t dim) {
@@ -599,13 +605,7 @@ PYBIND11_MODULE(_core, m) {
       .def("rows", [](const hps::DeviceTier& t, const py::array& keys, const py::object& owners, int32_t row_floats) {
         const auto [k, n] = KeysArg(keys, "keys");
         const int32_t* o = OwnersArg(owners, n);
-        py::array_t<float> out = NewRows(n, row_floats);
-        float* r = out.mutable_data();
-        {
-          py::gil_scoped_release release;
-          t.Rows(k, n, r, o);
-        }
-        return out;
+        return FilledRows(n, row_floats, [&, k = k, n = n](float* r) { t.Rows(k, n, r, o); });
       }, py::arg("keys"), py::arg("owners"), py::arg("row_floats"))
       .def("read_back", [](const hps::DeviceTier& t, int32_t row_floats) {
         const uint64_t n = t.size();
@@ -668,13 +668,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("dim", &hps::HostBatch::dim)
       .def("get", [](const hps::HostBatch& b, const py::array& positions) {
         const auto [p, n] = PositionsArg(positions, "positions");
-        py::array_t<float> out = NewRows(n, b.dim());
-        float* o = out.mutable_data();
-        {
-          py::gil_scoped_release release;
-          b.Get(p, n, o);
-        }
-        return out;
+        return FilledRows(n, b.dim(), [&, p = p, n = n](float* o) { b.Get(p, n, o); });
       }, py::arg("positions"))
       .def("accumulate", [](hps::HostBatch& b, const py::array& positions, const py::array& grads) {
         const auto [p, n] = PositionsArg(positions, "positions");
@@ -688,13 +682,7 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("rows", [](const hps::HostBatch& b, const py::array& positions) {
         const auto [p, n] = PositionsArg(positions, "positions");
-        py::array_t<float> out = NewRows(n, b.row_floats());
-        float* o = out.mutable_data();
-        {
-          py::gil_scoped_release release;
-          b.Rows(p, n, o);
-        }
-        return out;
+        return FilledRows(n, b.row_floats(), [&, p = p, n = n](float* o) { b.Rows(p, n, o); });
       }, py::arg("positions"))
       .def("updated_keys", [](const hps::HostBatch& b) {
         const std::vector<uint64_t> keys = b.UpdatedKeys();
