@@ -165,9 +165,13 @@ class _PendingRows:
             self._base = self.merged()
             self._recent = []
 
+    def _chunks(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The sorted chunks, oldest first."""
+        return ([self._base] if self._base is not None else []) + self._recent
+
     def merged(self) -> tuple[np.ndarray, np.ndarray]:
         """Distinct keys with their latest rows, keys sorted."""
-        chunks = ([self._base] if self._base is not None else []) + self._recent
+        chunks = self._chunks()
         if not chunks:
             return np.empty(0, np.uint64), np.empty((0, self.row_floats), np.float32)
         if len(chunks) == 1 and chunks[0] is self._base:
@@ -181,8 +185,7 @@ class _PendingRows:
         """(found mask, rows of the found keys in order)."""
         found = np.zeros(len(keys), bool)
         rows = np.empty((len(keys), self.row_floats), np.float32)
-        chunks = ([self._base] if self._base is not None else []) + self._recent
-        for stored, stored_rows in reversed(chunks):  # the newest copy wins
+        for stored, stored_rows in reversed(self._chunks()):  # the newest copy wins
             rest = np.flatnonzero(~found)
             if len(rest) == 0 or len(stored) == 0:
                 continue
@@ -472,12 +475,12 @@ class ParameterServer:
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
                                loader=lambda keys: me()._load(keys),
                                sink=lambda keys, rows: me()._sink(keys, rows))
-        # Device tables start small and double when a batch needs it (up to
-        # device_capacity): clearing and reading back scan every slot, so tables
-        # sized to the batch cost least.
         # With one host partition, batches train on MEM-PS's pinned rows (HostBatch).
         self._in_place = (config.host_in_place and config.devices == 1 and partitioner is None
                           and _core.cuda_device_count() < 1)
+        # Device tables start small and double when a batch needs it (up to
+        # device_capacity): clearing and reading back scan every slot, so tables
+        # sized to the batch cost least.
         capacity = min(config.device_capacity, 1 << 16)
         self._slots = [] if self._in_place else [_TierSlot(self._new_tier(capacity), capacity)]
         self._next_slot = 0
