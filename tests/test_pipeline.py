@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -145,6 +146,39 @@ def test_prefetch_waits_for_room_instead_of_failing(tmp_path):
     tiny.ps.mem_budget = 1000 * (4 * 2 * 4 + 112)  # not even one batch
     with pytest.raises(hps.CacheFullError, match="MEM-PS budget too small"):
         train(tiny, progress=False)
+
+
+def test_prefetch_retries_when_the_last_batch_in_flight_is_written_back_during_the_attempt():
+    """The attempt failed while a batch held its pins; that batch's write-back then
+    finished before the prefetch judged the failure. The prefetch tries again
+    rather than blaming the budget (CI caught the old check racing this)."""
+    from hps.pipeline import Pipeline
+
+    class RacingServer:
+        attempts = 0
+
+        def prefetch(self, keys):
+            self.attempts += 1
+            if self.attempts == 1:
+                pipeline._write_back(SimpleNamespace(batch=SimpleNamespace(write_back=lambda: None),
+                                                     data=SimpleNamespace(labels=np.zeros(4))))
+                raise hps.CacheFullError("MEM-PS budget too small: the batch in flight holds the room")
+            return "pinned"
+
+    server = RacingServer()
+    pipeline = Pipeline(server, lambda loaded: None, devices=1)
+    pipeline._in_flight = 1
+    assert pipeline._prefetch(SimpleNamespace(keys=np.arange(3, dtype=np.uint64))) == "pinned"
+    assert server.attempts == 2 and pipeline._in_flight == 1 and pipeline.stats.prefetch_waits == 0
+
+    # With nothing in flight and no write-back meanwhile, the budget is too small: it raises.
+    class FullServer:
+        def prefetch(self, keys):
+            raise hps.CacheFullError("MEM-PS budget too small: not one batch fits")
+
+    pipeline = Pipeline(FullServer(), lambda loaded: None, devices=1)
+    with pytest.raises(hps.CacheFullError, match="not one batch fits"):
+        pipeline._prefetch(SimpleNamespace(keys=np.arange(3, dtype=np.uint64)))
 
 
 def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):

@@ -132,10 +132,16 @@ class Pipeline:
         when none is left to wait for: then the budget cannot hold one batch."""
         keys = self.keys_of(data)
         while True:
+            with self._lock:
+                written_before = self.stats.batches
             try:
                 prefetched = self._timed("prefetch", self.ps.prefetch, keys)
             except CacheFullError:
                 with self._lock:
+                    # A write-back that finished during the attempt freed pins the
+                    # attempt still counted: try again before judging the budget.
+                    if self.stats.batches != written_before:
+                        continue
                     if self._in_flight == 0 or (stop is not None and stop.is_set()):
                         raise
                     self.stats.prefetch_waits += 1
