@@ -328,13 +328,49 @@ void HostBatch::Positions(const uint64_t* keys, uint64_t n, int64_t* positions) 
 // flight instead of one.
 constexpr uint64_t kLookahead = 8;
 
-void HostBatch::Get(const int64_t* positions, uint64_t n, float* embeddings) const {
+RowLayout HostBatch::CheckLayout(RowLayout layout, uint64_t n, const char* what) const {
+  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
+  if (layout.group_stride == 0) layout.group_stride = layout.group * dim;
+  if (layout.group == 0 || n % layout.group != 0 || layout.group_stride < layout.group * dim) {
+    throw std::invalid_argument("host batch " + std::string(what) + ": " + std::to_string(n) +
+                                " rows do not fit groups of " + std::to_string(layout.group) + " rows of " +
+                                std::to_string(dim) + " floats every " + std::to_string(layout.group_stride) +
+                                " floats");
+  }
+  return layout;
+}
+
+namespace {
+// Walks the offsets of consecutive rows of a block laid out as `layout`
+// (rows of dim floats) without a division per row.
+class RowOffsets {
+ public:
+  RowOffsets(RowLayout layout, uint64_t dim) : layout_(layout), dim_(dim) {}
+  uint64_t operator*() const { return group_start_ + in_group_ * dim_; }
+  void operator++() {
+    if (++in_group_ == layout_.group) {
+      in_group_ = 0;
+      group_start_ += layout_.group_stride;
+    }
+  }
+
+ private:
+  RowLayout layout_;
+  uint64_t dim_;
+  uint64_t group_start_ = 0;
+  uint64_t in_group_ = 0;
+};
+}  // namespace
+
+void HostBatch::Get(const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout) const {
   CheckPositions(positions, n, "get");
+  layout = CheckLayout(layout, n, "get");
   const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
   if (n <= 2 * keys_.size()) {
-    for (uint64_t i = 0; i < n; ++i) {
+    RowOffsets at(layout, dim);
+    for (uint64_t i = 0; i < n; ++i, ++at) {
       if (i + kLookahead < n) __builtin_prefetch(rows_[positions[i + kLookahead]]);
-      std::memcpy(embeddings + i * dim, rows_[positions[i]], dim * sizeof(float));
+      std::memcpy(embeddings + *at, rows_[positions[i]], dim * sizeof(float));
     }
     return;
   }
@@ -347,17 +383,20 @@ void HostBatch::Get(const int64_t* positions, uint64_t n, float* embeddings) con
   }
   const float* __restrict from = compact.data();
   float* __restrict to = embeddings;
-  for (uint64_t i = 0; i < n; ++i) std::memcpy(to + i * dim, from + positions[i] * dim, dim * sizeof(float));
+  RowOffsets at(layout, dim);
+  for (uint64_t i = 0; i < n; ++i, ++at) std::memcpy(to + *at, from + positions[i] * dim, dim * sizeof(float));
 }
 
-void HostBatch::Accumulate(const int64_t* positions, uint64_t n, const float* grads) {
+void HostBatch::Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout) {
   CheckPositions(positions, n, "accumulate");
+  layout = CheckLayout(layout, n, "accumulate");
   const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
   float* __restrict sums = grads_.data();
   const float* __restrict from = grads;
-  for (uint64_t i = 0; i < n; ++i) {
+  RowOffsets at(layout, dim);
+  for (uint64_t i = 0; i < n; ++i, ++at) {
     float* __restrict to = sums + positions[i] * dim;
-    const float* __restrict g = from + i * dim;
+    const float* __restrict g = from + *at;
     for (uint64_t j = 0; j < dim; ++j) to[j] += g[j];
     touched_[positions[i]] = 1;
   }

@@ -280,8 +280,26 @@ def test_a_host_batch_trains_the_pinned_rows_in_place(tmp_path):
     other = np.array([3, 5, 5], np.uint64)
     np.testing.assert_array_equal(b.keys[b.positions(other)], other)
     np.testing.assert_array_equal(b.gather(at), ref.pull(keys.ravel()))
+    # Straight into the first columns of a model's input (2 examples, 3 fields, 2 dense).
+    x = np.full((2, 3 * DIM + 2), -1.0, np.float32)
+    assert b.gather(at, x[:, :3 * DIM]) is not None
+    np.testing.assert_array_equal(x[:, :3 * DIM].reshape(6, DIM), ref.pull(keys.ravel()))
+    assert (x[:, 3 * DIM:] == -1.0).all()
+    with pytest.raises(ValueError, match=r"out must hold 6 rows of 4 float32: .* got shape \(2, 10\)"):
+        b.gather(at, x[:, :10])
+    with pytest.raises(TypeError, match="out must be an array of float32"):
+        b.gather(at, np.zeros((6, DIM)))
+    read_only = np.zeros((6, DIM), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writeable"):
+        b.gather(at, read_only)
     grads = np.arange(6 * DIM, dtype=np.float32).reshape(6, DIM) / 7
-    b.accumulate(at, grads)
+    # The gradient of that input: its first columns hold the fields' gradients.
+    grad_x = np.full((2, 3 * DIM + 2), 1e6, np.float32)
+    grad_x[:, :3 * DIM] = grads.reshape(2, 3 * DIM)
+    b.accumulate(at, grad_x[:, :3 * DIM])
+    with pytest.raises(ValueError, match="grads must hold 6 rows"):
+        b.accumulate(at, grad_x)
     with pytest.raises(IndexError, match="keys\\[0\\] = 4 is not in the batch"):
         b.pull(np.array([4], np.uint64))
     with pytest.raises(ValueError, match="worker 1: a host batch has one device"):

@@ -104,6 +104,17 @@ class DeviceTier {
 // Thread safety: one thread at a time per batch. Two batches in flight may
 // share keys (each holds its own pin); the caller orders them: the later one
 // reads those rows only after the earlier one applied its step.
+// Where the n rows (dim floats each) of a HostBatch Get or Accumulate lie:
+// `group` rows one after another (one example's fields), groups
+// `group_stride` floats apart. A model's input matrix can so take the
+// embeddings in its first columns, beside the dense features, with no copy
+// between the lookup and the first layer. The default is a compact (n, dim)
+// block; n must be a multiple of group.
+struct RowLayout {
+  uint64_t group = 1;
+  uint64_t group_stride = 0;  // 0: group * dim, no gap
+};
+
 class HostBatch {
  public:
   // keys (n, distinct) must each be pinned in cache, which must outlive the
@@ -126,10 +137,11 @@ class HostBatch {
   // names a key that is not in the batch.
   void Positions(const uint64_t* keys, uint64_t n, int64_t* positions) const;
   // The embeddings (n, dim) of the keys at positions (repeats allowed: one
-  // row per example, gathered straight from MEM-PS).
-  void Get(const int64_t* positions, uint64_t n, float* embeddings) const;
-  // Adds gradients (n, dim) to the keys at positions (repeats sum up).
-  void Accumulate(const int64_t* positions, uint64_t n, const float* grads);
+  // row per example, gathered straight from MEM-PS), laid out as `layout` says.
+  void Get(const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout = {}) const;
+  // Adds gradients (n, dim), laid out as `layout` says, to the keys at
+  // positions (repeats sum up).
+  void Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout = {});
   // One optimizer step per key that got gradients, on its MEM-PS row; the
   // gradients are cleared. Returns how many keys it stepped.
   uint64_t Apply();
@@ -143,6 +155,8 @@ class HostBatch {
 
  private:
   void CheckPositions(const int64_t* positions, uint64_t n, const char* what) const;
+  // The layout with its stride filled in; std::invalid_argument if n rows do not fit it.
+  RowLayout CheckLayout(RowLayout layout, uint64_t n, const char* what) const;
   void CheckLive(const char* what) const;
   void Setup();
   void BuildIndex() const;

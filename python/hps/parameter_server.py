@@ -369,6 +369,10 @@ class HostBatch(_BatchBase):
         if previous is not None:
             previous._applied.wait()
 
+    @property
+    def dim(self) -> int:
+        return self._native.dim
+
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """Where each of keys (any shape, flattened) is among the batch's keys."""
         flat = np.ascontiguousarray(keys).reshape(-1)
@@ -376,13 +380,16 @@ class HostBatch(_BatchBase):
             return self._inverse
         return self._native.positions(flat)
 
-    def gather(self, positions: np.ndarray) -> np.ndarray:
-        """Embeddings (n, dim) of the keys at positions, one row per entry."""
+    def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Embeddings (n, dim) of the keys at positions, one row per entry; into
+        `out` if given: float32 (n, dim), or (B, k * dim) with B * k = n, which may
+        be the first columns of a wider matrix such as a model's input."""
         self._catch_up()
-        return self._native.get(positions)
+        return self._native.get(positions, out)
 
     def accumulate(self, positions: np.ndarray, grads: np.ndarray) -> None:
-        """Adds gradients (n, dim) to the keys at positions, until apply()."""
+        """Adds gradients to the keys at positions, until apply(); grads are laid
+        out as gather's `out`."""
         self._native.accumulate(positions, grads)
 
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:

@@ -34,7 +34,8 @@ def mlp(in_width: int, hidden: Sequence[int], seed: int = 0) -> nn.Sequential:
     layers: list[nn.Module] = []
     width = in_width
     for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
+        # In place: the ReLU needs no tensor of its own (5% of a W5 step on 2 cores).
+        layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
         width = h
     layers.append(nn.Linear(width, 1))
     net = nn.Sequential(*layers)
@@ -100,6 +101,31 @@ class _PooledLookup(torch.autograd.Function):
             # One pass in C++: torch's index_add_ took 4x as long on these shapes.
             module._push(ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
         return None, None, None, None, None, None
+
+
+class _InputWithFields(torch.autograd.Function):
+    """A host batch's MLP input [field embeddings | dense] in one matrix: the rows
+    are gathered from MEM-PS straight into its first columns (a field of one key
+    pools to its row), and backward hands those columns' gradient to the batch
+    where it lies. The same values as pooling and torch.cat, without the
+    concatenation's copy and the copies of the gradient slice."""
+
+    @staticmethod
+    def forward(ctx, anchor, batch, keys, dense):
+        examples, fields = keys.shape
+        width = fields * batch.dim
+        x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
+        ctx.positions = batch.positions(keys)
+        batch.gather(ctx.positions, x.numpy()[:, :width])
+        x[:, width:] = dense
+        ctx.batch, ctx.width = batch, width
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        grads = grad_x.detach().to(torch.float32).contiguous().numpy()
+        ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width])
+        return None, None, None, None
 
 
 class EmbeddingBag(nn.Module):
@@ -193,5 +219,9 @@ class CtrModel(nn.Module):
         """keys: (B, num_fields) int64, one key per field; dense: (B, num_dense)."""
         if keys.dim() != 2 or keys.shape[1] != self.num_fields:
             raise ValueError(f"keys must have shape (B, {self.num_fields}), got {tuple(keys.shape)}")
-        pooled = self.embedding(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)
+        emb = self.embedding
+        if isinstance(emb._batch, HostBatch) and emb.padding_key is None and not dense.requires_grad:
+            x = _InputWithFields.apply(emb._anchor, emb._batch, _keys_of(keys), dense)
+            return self.mlp(x).squeeze(1)
+        pooled = emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)
         return self.mlp(torch.cat([pooled, dense.to(torch.float32)], dim=1)).squeeze(1)

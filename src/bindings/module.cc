@@ -68,6 +68,40 @@ const float* RowsArg(const py::array& a, const char* name, uint64_t n, int64_t c
   return static_cast<const float*>(a.data());
 }
 
+// n rows of dim float32 in a 2-D array: a C-contiguous (n, dim) one, or a
+// column range (B, k * dim) of a wider matrix with B * k = n, whose row
+// stride HostBatch's RowLayout then follows.
+struct LaidOutRows {
+  float* data;
+  hps::RowLayout layout;
+};
+
+LaidOutRows LaidOutRowsArg(const py::array& a, const char* name, uint64_t n, int32_t dim, bool write) {
+  if (!a.dtype().is(py::dtype::of<float>())) {
+    throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
+  }
+  const auto shape = [&] {
+    std::string out = "(";
+    for (py::ssize_t d = 0; d < a.ndim(); ++d) out += (d ? ", " : "") + std::to_string(a.shape(d));
+    return out + ")";
+  };
+  const bool fits = a.ndim() == 2 && a.shape(1) > 0 && a.shape(1) % dim == 0 && a.strides(1) == sizeof(float) &&
+                    a.strides(0) % static_cast<py::ssize_t>(sizeof(float)) == 0 &&
+                    (a.shape(0) <= 1 || a.strides(0) >= a.shape(1) * static_cast<py::ssize_t>(sizeof(float))) &&
+                    static_cast<uint64_t>(a.shape(0)) * static_cast<uint64_t>(a.shape(1) / dim) == n;
+  if (!fits) {
+    throw py::value_error(std::string(name) + " must hold " + std::to_string(n) + " rows of " +
+                          std::to_string(dim) + " float32: shape (" + std::to_string(n) + ", " +
+                          std::to_string(dim) + "), or (B, k * " + std::to_string(dim) +
+                          ") with B * k = " + std::to_string(n) + " and adjacent columns; got shape " + shape());
+  }
+  if (write && !a.writeable()) throw py::value_error(std::string(name) + " must be writeable");
+  const uint64_t group = static_cast<uint64_t>(a.shape(1) / dim);
+  const uint64_t stride = a.shape(0) <= 1 ? group * static_cast<uint64_t>(dim)
+                                          : static_cast<uint64_t>(a.strides(0)) / sizeof(float);
+  return {static_cast<float*>(const_cast<void*>(a.data())), {group, stride}};
+}
+
 // A C-contiguous (n, k) array of any dtype whose rows are row_bytes long.
 const uint8_t* ByteRowsArg(const py::array& a, const char* name, uint64_t n, uint32_t row_bytes) {
   if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != n ||
@@ -666,16 +700,24 @@ PYBIND11_MODULE(_core, m) {
         return out;
       }, py::arg("keys"))
       .def_property_readonly("dim", &hps::HostBatch::dim)
-      .def("get", [](const hps::HostBatch& b, const py::array& positions) {
+      .def("get", [](const hps::HostBatch& b, const py::array& positions, const py::object& out) -> py::object {
         const auto [p, n] = PositionsArg(positions, "positions");
-        return FilledRows(n, b.dim(), [&, p = p, n = n](float* o) { b.Get(p, n, o); });
-      }, py::arg("positions"))
+        if (out.is_none()) return FilledRows(n, b.dim(), [&, p = p, n = n](float* o) { b.Get(p, n, o); });
+        const LaidOutRows rows = LaidOutRowsArg(out.cast<py::array>(), "out", n, b.dim(), true);
+        {
+          py::gil_scoped_release release;
+          b.Get(p, n, rows.data, rows.layout);
+        }
+        return out;
+      }, py::arg("positions"), py::arg("out") = py::none(),
+         "out: where to write (see accumulate's grads for the shapes it may have)")
       .def("accumulate", [](hps::HostBatch& b, const py::array& positions, const py::array& grads) {
         const auto [p, n] = PositionsArg(positions, "positions");
-        const float* g = RowsArg(grads, "grads", n, b.dim());
+        const LaidOutRows rows = LaidOutRowsArg(grads, "grads", n, b.dim(), false);
         py::gil_scoped_release release;
-        b.Accumulate(p, n, g);
-      }, py::arg("positions"), py::arg("grads"))
+        b.Accumulate(p, n, rows.data, rows.layout);
+      }, py::arg("positions"), py::arg("grads"),
+         "grads: (n, dim), or (B, k * dim) with B * k = n, possibly the first columns of a wider matrix")
       .def("apply", [](hps::HostBatch& b) {
         py::gil_scoped_release release;
         return b.Apply();

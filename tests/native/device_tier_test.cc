@@ -243,6 +243,64 @@ TEST(HostBatch, StepsPinnedRowsInPlaceLikeOneTable) {
   EXPECT_THROW(batch.Apply(), std::logic_error);
 }
 
+TEST(HostBatch, GetsAndAccumulatesRowsLaidOutInAWiderMatrix) {
+  RowStore store(AdaGrad(2));
+  auto cache = store.Cache(16);
+  std::vector<uint64_t> keys = {5, 6, 7};
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
+  HostBatch batch(*cache, keys.data(), keys.size(), store.opt);
+  // Two examples of two fields: their 4 rows go to the first 4 columns of a
+  // (2, 5) matrix whose last column (a dense feature) must stay untouched.
+  const std::vector<int64_t> at = {2, 0, 1, 2};
+  std::vector<float> compact(8);
+  batch.Get(at.data(), 4, compact.data());
+  std::vector<float> wide(10, -1.0f);
+  batch.Get(at.data(), 4, wide.data(), RowLayout{2, 5});
+  EXPECT_EQ(std::vector<float>(wide.begin(), wide.begin() + 4), std::vector<float>(compact.begin(), compact.begin() + 4));
+  EXPECT_EQ(std::vector<float>(wide.begin() + 5, wide.begin() + 9), std::vector<float>(compact.begin() + 4, compact.end()));
+  EXPECT_EQ(wide[4], -1.0f);
+  EXPECT_EQ(wide[9], -1.0f);
+  // The same rows through the whole-batch path (more examples than keys, twice over).
+  const std::vector<int64_t> many = {0, 1, 2, 0, 1, 2, 0, 1};
+  std::vector<float> many_compact(16), many_wide(4 * 5, -1.0f);
+  batch.Get(many.data(), 8, many_compact.data());
+  batch.Get(many.data(), 8, many_wide.data(), RowLayout{2, 5});
+  for (int e = 0; e < 4; ++e) {
+    for (int c = 0; c < 4; ++c) EXPECT_EQ(many_wide[e * 5 + c], many_compact[e * 4 + c]);
+    EXPECT_EQ(many_wide[e * 5 + 4], -1.0f);
+  }
+
+  // Gradients read from the wider layout sum as the compact ones do.
+  std::vector<float> grads_wide = {1, 2, 3, 4, 99, 5, 6, 7, 8, 99};
+  std::vector<float> grads_compact = {1, 2, 3, 4, 5, 6, 7, 8};
+  HostBatch twin_batch(*cache, keys.data(), keys.size(), store.opt);  // a second pin of the same rows
+  batch.Accumulate(at.data(), 4, grads_wide.data(), RowLayout{2, 5});
+  batch.Apply();
+  std::vector<float> after_wide(3 * store.opt.row_floats());
+  const std::vector<int64_t> all = {0, 1, 2};
+  batch.Rows(all.data(), 3, after_wide.data());
+  RowStore fresh_store(AdaGrad(2));
+  auto fresh = fresh_store.Cache(16);
+  fresh->Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+  HostBatch fresh_batch(*fresh, keys.data(), keys.size(), fresh_store.opt);
+  fresh_batch.Accumulate(at.data(), 4, grads_compact.data());
+  fresh_batch.Apply();
+  std::vector<float> after_compact(after_wide.size());
+  fresh_batch.Rows(all.data(), 3, after_compact.data());
+  EXPECT_EQ(after_wide, after_compact);
+  twin_batch.Release();
+
+  // Rows that do not fit the layout are refused, naming the layout.
+  try {
+    batch.Get(at.data(), 3, wide.data(), RowLayout{2, 5});
+    FAIL() << "3 rows in groups of 2 were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("3 rows do not fit groups of 2 rows of 2 floats every 5 floats"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_THROW(batch.Accumulate(at.data(), 4, grads_wide.data(), RowLayout{2, 3}), std::invalid_argument);
+}
+
 TEST(HostBatch, TakesTheAddressesThatPinGave) {
   RowStore store(AdaGrad(2));
   auto cache = store.Cache(16);
