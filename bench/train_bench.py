@@ -26,7 +26,8 @@ The batches are generated once, before timing, and each system trains on them fr
 memory in its own process (its own thread pools and OpenMP settings), in the same
 order, and evaluates on the same held-out examples. With --rounds the systems take
 turns, so that the machine's drift hits all of them alike; the median rate of each is
-reported (the details are the lower median run's), with every round's ratios.
+reported (the details are the lower median run's), with every round's ratios; a
+ratio is the median of the same-round ratios.
 Reported: examples/s (training loop only), eval AUC and logloss after the same
 examples, and for hps the pipeline's wall time over its slowest stage (W9). One JSON
 line on stdout.
@@ -229,12 +230,13 @@ def main():
         out[system]["examples_per_s_runs"] = rates
         out[system]["examples_per_s"] = float(np.median(rates))
     median = {s: out[s]["examples_per_s"] for s in runs}
-    out["ratio_examples_per_s"] = median["hps"] / median["torch"]
+    # A ratio is the median of the same-round ratios (each round's runs ran close in time).
     out["ratio_per_round"] = [h["examples_per_s"] / t["examples_per_s"] for h, t in zip(runs["hps"], runs["torch"])]
+    out["ratio_examples_per_s"] = float(np.median(out["ratio_per_round"]))
     if "torchrec" in runs:
-        out["ratio_over_torchrec"] = median["hps"] / median["torchrec"]
         out["ratio_over_torchrec_per_round"] = [h["examples_per_s"] / t["examples_per_s"]
                                                 for h, t in zip(runs["hps"], runs["torchrec"])]
+        out["ratio_over_torchrec"] = float(np.median(out["ratio_over_torchrec_per_round"]))
     out["auc_difference"] = out["hps"]["auc"] - out["torch"]["auc"]
     out["w9_wall_over_slowest_stage"] = out["hps"]["pipeline"]["wall_over_slowest_stage"]
     log(f"median examples/s: " + ", ".join(f"{s} {v:,.0f}" for s, v in median.items()))
