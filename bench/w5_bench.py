@@ -653,7 +653,8 @@ def log_table(out):
             f"written {h['ssd_bytes_written'] / 1e6:,.0f} MB, bound by {h['pipeline']['bound_by']}, "
             f"wall/slowest stage {h['pipeline']['wall_over_slowest_stage']:.2f}")
     for k, v in out["ratios"].items():
-        log(f"{k}: {v if isinstance(v, dict) else round(v, 4)}")
+        shown = [round(x, 4) for x in v] if isinstance(v, list) else v if isinstance(v, dict) else round(v, 4)
+        log(f"{k}: {shown}")
 
 
 if __name__ == "__main__":

@@ -206,9 +206,21 @@ def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):
         seconds = {4: 2.0, 3: 1.6}[fake.threads] * (1.0 if batch < 12 else 0.5)
         clock[0] += seconds
         tuner.step(100)
-    assert fake.calls == [4, 3, 4, 3] and tuner.chosen == 3  # A B B A, then the faster
+    # A B B A said 3; a second A B B A confirmed it; then the faster.
+    assert fake.calls == [4, 3, 4, 3, 4, 3] and tuner.chosen == 3
     assert tuner.rates[3] > tuner.rates[4]
-    assert tuner.as_dict()["chosen"] == 3 and set(tuner.as_dict()["examples_per_s"]) == {"4", "3"}
+    d = tuner.as_dict()
+    assert d["chosen"] == 3 and set(d["examples_per_s"]) == {"4", "3"} and d["passes"] == 2
+
+    # A first pass misled by a slow spell on every core (3 is not faster): the second
+    # pass does not confirm it, and the tuner keeps every core.
+    clock[0], fake, batch = 0.0, FakeTorch(), 0
+    tuner = htrain.ThreadTuner(fake, cores=4, warmup=2, probe=3)
+    for _ in range(80):
+        batch += 1
+        clock[0] += 2.0 * (1.5 if fake.threads == 4 and batch <= 18 else 1.0)  # pass 1 ends at batch 18
+        tuner.step(100)
+    assert tuner.passes == 2 and tuner.chosen == 4 and fake.calls[-1] == 4
 
     # Equal speeds but a run that speeds up: A B B A does not mistake the drift for 3 being faster.
     clock[0], fake = 0.0, FakeTorch()

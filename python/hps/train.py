@@ -65,7 +65,10 @@ class ThreadTuner:
     run goes: a few batches of warm-up, then probes of ``probe`` batches with every
     core (A) and with one fewer (B) in the order A B B A, so that a run that speeds
     up or slows down as it goes (caches filling) favours neither; then one fewer
-    for the rest of the run if it was at least 5% faster, else every core.
+    for the rest of the run if it was at least 5% faster, else every core. A
+    verdict for one fewer is checked by a second A B B A before it holds: a
+    wrong drop costs the most (W5 on a noisy machine: one pass picked 1 thread
+    and that run trained at 21k examples/s against 28-30k with 2).
 
     The pipeline's stages share the cores with torch: a small MLP gains less from
     a second thread than they lose (W4s on 2 cores: 146k examples/s with 1 thread,
@@ -81,7 +84,8 @@ class ThreadTuner:
         self.candidates = [cores, cores - 1] if cores > 1 else [1]
         self.schedule = [cores, cores - 1, cores - 1, cores] if cores > 1 else []
         self.warmup, self.probe = warmup, probe
-        self.rates: dict[int, float] = {}
+        self.rates: dict[int, float] = {}  # of the last pass
+        self.passes = 0
         self.chosen: Optional[int] = None if self.schedule else 1
         self._totals = {c: [0, 0.0] for c in self.candidates}  # examples, seconds
         self._probe = 0          # index into schedule
@@ -110,10 +114,15 @@ class ThreadTuner:
         self._probe += 1
         if self._probe == len(self.schedule):
             self.rates = {c: e / t for c, (e, t) in self._totals.items() if t > 0}
+            self.passes += 1
             every, fewer = self.candidates
-            self.chosen = fewer if self.rates[fewer] > self.MARGIN * self.rates[every] else every
-            self.torch.set_num_threads(self.chosen)
-            return
+            faster = self.rates[fewer] > self.MARGIN * self.rates[every]
+            if not faster or self.passes == 2:
+                self.chosen = fewer if faster else every
+                self.torch.set_num_threads(self.chosen)
+                return
+            self.schedule = self.schedule + [every, fewer, fewer, every]  # the second pass
+            self._totals = {c: [0, 0.0] for c in self.candidates}
         following = self.schedule[self._probe]
         self._start, self._batches, self._examples = now, 0, 0
         if following != threads:
@@ -122,7 +131,7 @@ class ThreadTuner:
 
     def as_dict(self) -> dict:
         return {"chosen": self.chosen if self.chosen is not None else self.torch.get_num_threads(),
-                "examples_per_s": {str(k): v for k, v in self.rates.items()}}
+                "examples_per_s": {str(k): v for k, v in self.rates.items()}, "passes": self.passes}
 
 
 @dataclass
