@@ -165,7 +165,7 @@ class ShardedCache final : public MemCache {
         ++hits;
         if (hit) hit[i] = 1;
         Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
-        if (addresses) addresses[i] = shard.rows + uint64_t{slot} * row_bytes_;
+        if (addresses) addresses[i] = RowAt(shard, slot);
       }
     }
     if (missed.empty()) return hits;
@@ -199,7 +199,7 @@ class ShardedCache final : public MemCache {
       }
       for (uint64_t i : requests[m]) {
         Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
-        if (addresses) addresses[i] = shard.rows + uint64_t{slot} * row_bytes_;
+        if (addresses) addresses[i] = RowAt(shard, slot);
       }
     }
     // Pinned rows must all fit; unpinned ones may pass through uncached.
@@ -244,7 +244,7 @@ class ShardedCache final : public MemCache {
           throw CacheFullError("MEM-PS budget too small: every row of a shard of " +
                                std::to_string(shard.capacity) + " rows is pinned");
         }
-        std::memcpy(shard.rows + uint64_t{slot} * row_bytes_, row, row_bytes_);
+        std::memcpy(RowAt(shard, slot), row, row_bytes_);
         shard.where.Upsert(load_keys[m], slot);
         shard.keys[slot] = load_keys[m];
         shard.dirty[slot] = 0;
@@ -260,7 +260,7 @@ class ShardedCache final : public MemCache {
           for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
         }
         if (addresses) {
-          for (uint64_t i : requests[m]) addresses[i] = shard.rows + uint64_t{slot} * row_bytes_;
+          for (uint64_t i : requests[m]) addresses[i] = RowAt(shard, slot);
         }
       }
     }
@@ -270,7 +270,7 @@ class ShardedCache final : public MemCache {
 
   void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {
     ForPinned(keys, n, "write back", [&](Shard& shard, uint32_t slot, uint64_t i) {
-      std::memcpy(shard.rows + uint64_t{slot} * row_bytes_, rows + i * row_bytes_, row_bytes_);
+      std::memcpy(RowAt(shard, slot), rows + i * row_bytes_, row_bytes_);
       if (!shard.dirty[slot]) MarkDirty(shard, slot);
     });
   }
@@ -304,7 +304,7 @@ class ShardedCache final : public MemCache {
         ++shard.misses;
         const uint32_t slot = TakeSlot(shard, &evicted);
         if (slot == kNoSlot) continue;  // all pinned: the access is served uncached
-        std::memset(shard.rows + uint64_t{slot} * row_bytes_, 0, row_bytes_);
+        std::memset(RowAt(shard, slot), 0, row_bytes_);
         shard.where.Upsert(key, slot);
         shard.keys[slot] = key;
         shard.policy->Add(slot, key);
@@ -322,7 +322,7 @@ class ShardedCache final : public MemCache {
         std::lock_guard lock(shard.mutex);
         for (uint32_t slot : shard.dirty_slots) {  // a slot reused since is dirty only if listed again
           if (!shard.dirty[slot]) continue;
-          batch.Add(shard.keys[slot], shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
+          batch.Add(shard.keys[slot], RowAt(shard, slot), row_bytes_);
           shard.dirty[slot] = 0;
           --shard.dirty_rows;
         }
@@ -404,7 +404,7 @@ class ShardedCache final : public MemCache {
   // REQUIRES: shard.mutex held.
   // out == nullptr: pin (or visit) only, the caller wants no copy.
   void Deliver(Shard& shard, uint32_t slot, uint8_t* out, bool pin) {
-    if (out) std::memcpy(out, shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
+    if (out) std::memcpy(out, RowAt(shard, slot), row_bytes_);
     if (!pin) {
       if (shard.pins[slot] == 0) shard.policy->Touch(slot);
       return;
@@ -440,7 +440,7 @@ class ShardedCache final : public MemCache {
     if (slot == kNoSlot) return kNoSlot;
     ++shard.evictions;
     if (shard.dirty[slot]) {
-      evicted->Add(shard.keys[slot], shard.rows + uint64_t{slot} * row_bytes_, row_bytes_);
+      evicted->Add(shard.keys[slot], RowAt(shard, slot), row_bytes_);
       shard.dirty[slot] = 0;
       --shard.dirty_rows;
       ++shard.dirty_evictions;
@@ -481,6 +481,13 @@ class ShardedCache final : public MemCache {
     Unpin(pinned.data(), pinned.size());
   }
 
+  uint8_t* RowAt(const Shard& shard, uint32_t slot) const { return shard.rows + uint64_t{slot} * row_bytes_; }
+
+  [[noreturn]] static void NotPinned(const char* what, const uint64_t* keys, uint64_t i) {
+    throw std::invalid_argument("MEM-PS " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
+                                std::to_string(keys[i]) + " is not pinned");
+  }
+
   // visit(i, row) for each key, under its shard's lock; std::invalid_argument
   // names the first key that is not pinned.
   template <typename Visit>
@@ -493,11 +500,8 @@ class ShardedCache final : public MemCache {
       std::lock_guard lock(shard.mutex);
       for (uint64_t i : by_shard[s]) {
         const uint32_t slot = shard.where.Find(keys[i]);
-        if (slot == kNoSlot || shard.pins[slot] == 0) {
-          throw std::invalid_argument("MEM-PS " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
-                                      std::to_string(keys[i]) + " is not pinned");
-        }
-        visit(i, shard.rows + uint64_t{slot} * row_bytes_);
+        if (slot == kNoSlot || shard.pins[slot] == 0) NotPinned(what, keys, i);
+        visit(i, RowAt(shard, slot));
       }
     }
   }
@@ -511,7 +515,6 @@ class ShardedCache final : public MemCache {
     shard.policy->Prefetch(key);
   }
 
-  // Checks that every key is pinned, then applies `change` and unpins each.
   // The slot whose row is at `address` in shard, or kNoSlot.
   uint32_t SlotAt(const Shard& shard, const uint8_t* address) const {
     const auto offset = static_cast<uint64_t>(address - shard.rows);
@@ -521,6 +524,7 @@ class ShardedCache final : public MemCache {
     return static_cast<uint32_t>(offset / row_bytes_);
   }
 
+  // Checks that every key is pinned, then applies `change` and unpins each.
   // With `addresses` (rows of the keys, from Pin), the slots come from them
   // instead of the index.
   template <typename Change>
@@ -544,10 +548,7 @@ class ShardedCache final : public MemCache {
           if (j + kLookahead < mine.size()) shard.where.Prefetch(keys[mine[j + kLookahead]]);
           slot = shard.where.Find(keys[i]);
         }
-        if (slot == kNoSlot || shard.pins[slot] == 0) {
-          throw std::invalid_argument("MEM-PS " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
-                                      std::to_string(keys[i]) + " is not pinned");
-        }
+        if (slot == kNoSlot || shard.pins[slot] == 0) NotPinned(what, keys, i);
         slots[s].push_back(slot);
       }
     }

@@ -49,20 +49,24 @@ Keys KeysArg(const py::array& a, const char* name) {
   return {static_cast<const uint64_t*>(a.data()), static_cast<uint64_t>(a.shape(0))};
 }
 
+// An array's shape as numpy prints it: (3,), (2, 5).
+std::string ShapeOf(const py::array& a) {
+  std::string shape = "(";
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) {
+    if (d > 0) shape.append(", ");
+    shape.append(std::to_string(a.shape(d)));
+  }
+  return shape + (a.ndim() == 1 ? ",)" : ")");
+}
+
 // A float32 (n, columns) array.
 const float* RowsArg(const py::array& a, const char* name, uint64_t n, int64_t columns) {
   if (!a.dtype().is(py::dtype::of<float>())) {
     throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
   }
   if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != n || a.shape(1) != columns) {
-    std::string shape = "(";
-    for (py::ssize_t d = 0; d < a.ndim(); ++d) {
-      if (d > 0) shape.append(", ");
-      shape.append(std::to_string(a.shape(d)));
-    }
-    shape.append(a.ndim() == 1 ? ",)" : ")");
     throw py::value_error(std::string(name) + " must have shape (" + std::to_string(n) + ", " +
-                          std::to_string(columns) + "), got " + shape);
+                          std::to_string(columns) + "), got " + ShapeOf(a));
   }
   RequireContiguous(a, name);
   return static_cast<const float*>(a.data());
@@ -80,11 +84,6 @@ LaidOutRows LaidOutRowsArg(const py::array& a, const char* name, uint64_t n, int
   if (!a.dtype().is(py::dtype::of<float>())) {
     throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
   }
-  const auto shape = [&] {
-    std::string out = "(";
-    for (py::ssize_t d = 0; d < a.ndim(); ++d) out += (d ? ", " : "") + std::to_string(a.shape(d));
-    return out + ")";
-  };
   const bool fits = a.ndim() == 2 && a.shape(1) > 0 && a.shape(1) % dim == 0 && a.strides(1) == sizeof(float) &&
                     a.strides(0) % static_cast<py::ssize_t>(sizeof(float)) == 0 &&
                     (a.shape(0) <= 1 || a.strides(0) >= a.shape(1) * static_cast<py::ssize_t>(sizeof(float))) &&
@@ -93,7 +92,7 @@ LaidOutRows LaidOutRowsArg(const py::array& a, const char* name, uint64_t n, int
     throw py::value_error(std::string(name) + " must hold " + std::to_string(n) + " rows of " +
                           std::to_string(dim) + " float32: shape (" + std::to_string(n) + ", " +
                           std::to_string(dim) + "), or (B, k * " + std::to_string(dim) +
-                          ") with B * k = " + std::to_string(n) + " and adjacent columns; got shape " + shape());
+                          ") with B * k = " + std::to_string(n) + " and adjacent columns; got shape " + ShapeOf(a));
   }
   if (write && !a.writeable()) throw py::value_error(std::string(name) + " must be writeable");
   const uint64_t group = static_cast<uint64_t>(a.shape(1) / dim);
@@ -568,14 +567,9 @@ PYBIND11_MODULE(_core, m) {
     if (rows.ndim() != 2) throw py::value_error("rows must be 2-D (n, width)");
     const int64_t width = rows.shape(1);
     const float* r = RowsArg(rows, "rows", n, width);
-    py::array_t<float> out = NewRows(n_unique, static_cast<int32_t>(width));
-    float* o = out.mutable_data();
-    {
-      py::gil_scoped_release release;
-      hps::SumByInverse(inv, n, r, static_cast<int32_t>(width), n_unique,
-                        o);
-    }
-    return out;
+    return FilledRows(n_unique, width, [&, inv = inv, n = n](float* o) {
+      hps::SumByInverse(inv, n, r, static_cast<int32_t>(width), n_unique, o);
+    });
   }, py::arg("inverse"), py::arg("rows"), py::arg("n_unique"),
      "(n_unique, width) float32: row inverse[i] sums rows[i] (the gradients of unique_keys' keys)");
 
