@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -179,6 +180,39 @@ def test_prefetch_retries_when_the_last_batch_in_flight_is_written_back_during_t
     pipeline = Pipeline(FullServer(), lambda loaded: None, devices=1)
     with pytest.raises(hps.CacheFullError, match="not one batch fits"):
         pipeline._prefetch(SimpleNamespace(keys=np.arange(3, dtype=np.uint64)))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
+def test_helper_threads_run_at_helper_nice_and_the_trainer_does_not(tmp_path):
+    """Read, prefetch, load and write back run at the pipeline's helper_nice; the
+    caller's thread, which trains, keeps its niceness."""
+    from hps.pipeline import Pipeline
+
+    def nice_here():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = {"read": set(), "prefetch": set(), "train": set()}
+    base = nice_here()
+
+    def source():
+        for b in hps.data.SyntheticCriteo(seed=0, batch_size=256, examples=256 * 4, vocab_sizes=SMALL_VOCAB):
+            seen["read"].add(nice_here())
+            yield b
+
+    def keys_of(data):
+        seen["prefetch"].add(nice_here())
+        return data.keys
+
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), mem_budget="64MiB"))
+    pipeline = Pipeline(ps, lambda loaded: seen["train"].add(nice_here()), keys_of=keys_of,
+                        helper_nice=max(base, 7))
+    stats = pipeline.run(source())
+    assert stats.batches == 4 and stats.helper_nice == max(base, 7)
+    assert seen == {"read": {max(base, 7)}, "prefetch": {max(base, 7)}, "train": {base}}
+    assert nice_here() == base
+    for bad in (-1, 20, True, 3.0):
+        with pytest.raises(ValueError, match=r"helper_nice must be an int in \[0, 19\], got"):
+            Pipeline(ps, lambda loaded: None, helper_nice=bad)
 
 
 def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):

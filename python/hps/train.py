@@ -145,6 +145,7 @@ class TrainConfig:
     pipelined: bool = True
     seed: int = 0                       # the MLP's initialisation
     torch_threads: int = 0              # 0: tuned on the first batches (ThreadTuner)
+    helper_nice: int = 19               # niceness of the pipeline's read/prefetch/load/write-back threads
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # under mpiexec
 
     @classmethod
@@ -528,7 +529,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, train_ba
                             refresh=False)
             bar.update(n)
 
-    pipeline = Pipeline(trainer.ps, step)
+    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice)
 
     def after_batch_hooks(inner):
         def wrapped(loaded):
