@@ -11,15 +11,17 @@ in-memory run of hps, in the same run.
 On a shared machine: nice -n 19 flock /tmp/hps-bench.lock python3 bench/w5_bench.py
 
 Model and data (every run): hps.data.SyntheticCriteo (seed 0, batch 4096, default
-vocabularies), generated inside each worker as it trains (never held whole: the
-cgroup is small); 26 fields, one key each, embeddings of dim 16 summed per field,
+vocabularies). The driver generates the training examples once and writes them to
+three flat files in the data directory (labels, dense, keys: 264 B an example);
+every worker maps them and copies out one batch at a time, never holding the
+whole stream (the cgroup is small). 26 fields, one key each, embeddings of dim 16 summed per field,
 concatenated with the 13 dense features, MLP (default 512-256-1) to a logit;
 embeddings by AdaGrad (lr 0.05, eps 1e-10, accumulator from 0), the MLP by Adam
 (lr 1e-3), the MLP initialised from the same seed (hps.torch.CtrModel's init);
 evaluation on 50k held-out examples (the generator's "eval" part).
 
-Sizing. The driver first streams the training examples once and counts the
-distinct keys they touch (R rows). In MEM-PS a row costs 128 B (16 embedding +
+Sizing. As it writes the training examples, the driver counts the distinct keys
+they touch (R rows). In MEM-PS a row costs 128 B (16 embedding +
 16 AdaGrad floats) plus ~112 B of bookkeeping (hps.MemCache.capacity_for_budget),
 so the table is R * 240 B there; the hps MEM budget is a quarter of that.
 
@@ -37,8 +39,8 @@ final JSON line with every raw figure and the ratios):
     rocksdb_tuned (block cache, row cache, bloom filters, direct reads and
     direct flush/compaction I/O, no compression), but with its memory sized to
     the hps MEM budget (see rocks_memory()); inside the same memory cgroup.
-    Its examples/s counts the training loop only, not the generation of the
-    examples (hps's pipeline generates them on a thread, overlapped).
+    Its examples/s counts the training loop only, not the copy of each batch
+    out of the files (hps's pipeline copies them on its read thread, overlapped).
   * hps_mem: W4's in-memory run of hps (MEM budget for every row), run the
     same way but outside the cgroup (--in-memory-cgroup puts it inside).
 
@@ -132,20 +134,29 @@ def build_mlp(hidden, seed):
 
 
 # ------------------------------------------------------------------ sizing
-def count_distinct_keys(examples: int, eval_examples: int, batch_size: int, seed: int) -> dict:
-    """Distinct keys of the training stream (and of train + eval), streamed: per-batch
-    uniques are merged every 32 batches, so only the distinct keys are ever held."""
+STREAM_FILES = (("labels", np.float32, ()), ("dense", np.float32, (DENSE,)), ("keys", np.uint64, (FIELDS,)))
+
+
+def write_stream_and_count_keys(directory: str, examples: int, eval_examples: int, batch_size: int,
+                                seed: int) -> dict:
+    """Writes the training examples to directory/{labels,dense,keys}.bin (read back by
+    stream_batches) and counts the distinct keys of the training stream (and of train
+    + eval): per-batch uniques are merged every 32 batches, so only the distinct keys
+    are ever held."""
     from hps.data import SyntheticCriteo
     t0 = time.perf_counter()
     acc, pending = np.empty(0, np.uint64), []
     per_batch = []
-    for b in SyntheticCriteo(seed=seed, batch_size=batch_size, examples=examples):
-        u = np.unique(b.keys)
-        per_batch.append(len(u))
-        pending.append(u)
-        if len(pending) >= 32:
-            acc = np.unique(np.concatenate([acc] + pending))
-            pending = []
+    files = {name: open(os.path.join(directory, f"{name}.bin"), "wb") for name, _, _ in STREAM_FILES}
+    with files["labels"], files["dense"], files["keys"]:
+        for b in SyntheticCriteo(seed=seed, batch_size=batch_size, examples=examples):
+            for name, dtype, _ in STREAM_FILES:
+                files[name].write(np.ascontiguousarray(getattr(b, name), dtype).data)
+            pending.append(np.unique(b.keys))
+            per_batch.append(len(pending[-1]))
+            if len(pending) >= 32:
+                acc = np.unique(np.concatenate([acc] + pending))
+                pending = []
     acc = np.unique(np.concatenate([acc] + pending))
     ev = [np.unique(b.keys) for b in SyntheticCriteo(seed=seed, batch_size=batch_size,
                                                     examples=eval_examples, part="eval")]
@@ -153,6 +164,16 @@ def count_distinct_keys(examples: int, eval_examples: int, batch_size: int, seed
     return {"train_rows": len(acc), "eval_rows": len(ev), "union_rows": len(np.union1d(acc, ev)),
             "distinct_keys_per_batch_mean": float(np.mean(per_batch)) if per_batch else 0.0,
             "seconds": time.perf_counter() - t0}
+
+
+def stream_batches(directory: str, examples: int, batch_size: int):
+    """The training batches write_stream_and_count_keys wrote, each copied out of the
+    mapped files (the copy is the whole cost of reading: the files were just written)."""
+    from hps.data import Batch
+    maps = {name: np.memmap(os.path.join(directory, f"{name}.bin"), dtype, "r", shape=(examples, *shape))
+            for name, dtype, shape in STREAM_FILES}
+    for i in range(0, examples, batch_size):
+        yield Batch(*(np.array(maps[name][i:i + batch_size]) for name in ("labels", "dense", "keys")))
 
 
 def rocks_memory(total: int) -> dict:
@@ -194,7 +215,8 @@ def worker_hps(cfg: dict) -> dict:
         hidden=tuple(cfg["hidden"]), dense_lr=cfg["lr_dense"], seed=cfg["seed"],
         torch_threads=cfg["hps_threads"], pipelined=True)
     io0 = proc_io()
-    summary = train(tc, progress=False)
+    summary = train(tc, progress=False,
+                    train_batches=stream_batches(cfg["stream_dir"], cfg["examples"], cfg["batch_size"]))
     ps = at_train_end["ps"]
     counts, mem, ssd = ps["counts"], ps["mem"], ps["ssd"]
     return {
@@ -344,8 +366,8 @@ def worker_rocksdb(cfg: dict) -> dict:
     train_seconds = 0.0
     io0 = proc_io()
     t_wall = time.perf_counter()
-    for b in SyntheticCriteo(seed=cfg["seed"], batch_size=cfg["batch_size"], examples=cfg["examples"]):
-        # The generator's time is outside the timed region (hps overlaps it on a thread).
+    for b in stream_batches(cfg["stream_dir"], cfg["examples"], cfg["batch_size"]):
+        # Reading the batch is outside the timed region (hps overlaps it on a thread).
         t0 = time.perf_counter()
         n = len(b.labels)
         uniq, kb, rows, inverse, found = lookup(b.keys)
@@ -459,8 +481,10 @@ def main():
     else:
         os.makedirs(args.dir, exist_ok=True)
 
-    log(f"w5: counting the distinct keys of {args.examples:,} training examples ...")
-    keys = count_distinct_keys(args.examples, args.eval_examples, args.batch_size, args.seed)
+    log(f"w5: writing {args.examples:,} training examples and counting their distinct keys ...")
+    stream_dir = os.path.join(args.dir, "examples")
+    os.makedirs(stream_dir, exist_ok=True)
+    keys = write_stream_and_count_keys(stream_dir, args.examples, args.eval_examples, args.batch_size, args.seed)
     table_rows = keys["train_rows"]
     table_mem_bytes = table_rows * (ROW_BYTES + MEM_OVERHEAD_PER_ROW)
     mem_budget = table_mem_bytes // 4
@@ -505,7 +529,7 @@ def main():
 
     base_cfg = {"examples": args.examples, "eval_examples": args.eval_examples, "batch_size": args.batch_size,
                 "hidden": hidden, "lr_emb": args.lr_emb, "lr_dense": args.lr_dense, "threads": args.threads,
-                "hps_threads": args.hps_threads, "seed": args.seed}
+                "hps_threads": args.hps_threads, "seed": args.seed, "stream_dir": stream_dir}
     worker_cfg = {
         "hps_ssd": {**base_cfg, "mem_budget": mem_budget},
         "rocksdb": {**base_cfg, "rocks_memory": rocks_memory(rocks_total), "rocks_wal": not args.rocks_disable_wal},
@@ -613,8 +637,10 @@ def run_one(kind: str, cfg: dict, cg) -> dict:
 
 def notes(args, out) -> list:
     n = [
-        ("examples/s: hps = pipeline examples / pipeline wall time (generation overlapped on the read "
-         "thread); rocksdb = examples / time in its training loop, the generation of each batch excluded"),
+        ("examples/s: hps = pipeline examples / pipeline wall time (each batch copied out of the example "
+         "files on the read thread, overlapped); rocksdb = examples / time in its training loop, the copy of "
+         "each batch excluded. Both read the same files, written once by the driver (before 2026-11-22 each "
+         "worker generated its examples as it went)"),
         ("hps MEM budget = distinct training rows / 4 * (128 B row + 112 B MEM-PS bookkeeping); the eval "
          "examples touch a few more keys (distinct_keys.union_rows)"),
         ("RocksDB's caches and memtables together get the hps MEM budget (rocksdb_memory), unless "

@@ -51,3 +51,28 @@ def test_w6_quick_kstep_bytes_fall_as_1_over_k():
     for r in out["kstep"]:
         assert r["auc"] > 0.7
         assert sum(r["sparse_bytes_per_rank_per_batch"].values()) > 0
+
+
+def test_w5_small_table_on_ssd_trains_as_in_memory():
+    """W5 on 40k examples: the run with the table 4x its MEM budget reads rows back
+    from SSD-PS and ends with the AUC of the in-memory run (one torch thread each,
+    so both compute the same sums); both read the example files the driver wrote."""
+    pytest.importorskip("torch", reason="the W5 benchmark trains with torch")
+    runs = "hps_ssd,hps_mem"
+    try:
+        import rocksdict  # noqa: F401
+        runs += ",rocksdb"
+    except ImportError:
+        pass
+    out = run_json("bench/w5_bench.py", "--examples", "40000", "--eval-examples", "8000", "--repeat", "1",
+                   "--no-cgroup", "--hps-threads", "1", "--threads", "1", "--runs", runs, timeout=600)
+    ssd, mem = out["runs"]["hps_ssd"], out["runs"]["hps_mem"]
+    assert ssd["status"] == mem["status"] == "ok"
+    assert ssd["examples"] == mem["examples"] == 40_000
+    assert out["table_over_budget"] == pytest.approx(4.0, rel=1e-3)
+    assert ssd["rows_from_ssd"] > 0 and ssd["ssd_rows_read"] > 0 and mem["rows_from_ssd"] == 0
+    assert ssd["auc"] == mem["auc"] and ssd["auc"] > 0.7
+    if "rocksdb" in out["runs"]:
+        rocks = out["runs"]["rocksdb"]
+        assert rocks["status"] == "ok" and rocks["examples"] == 40_000
+        assert abs(rocks["auc"] - ssd["auc"]) < 0.002  # the same model on the same examples
