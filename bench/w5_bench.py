@@ -14,10 +14,11 @@ Model and data (every run): hps.data.SyntheticCriteo (seed 0, batch 4096, defaul
 vocabularies). The driver generates the training examples once and writes them to
 three flat files in the data directory (labels, dense, keys: 264 B an example);
 every worker maps them and copies out one batch at a time, never holding the
-whole stream (the cgroup is small). 26 fields, one key each, embeddings of dim 16 summed per field,
-concatenated with the 13 dense features, MLP (default 512-256-1) to a logit;
-embeddings by AdaGrad (lr 0.05, eps 1e-10, accumulator from 0), the MLP by Adam
-(lr 1e-3), the MLP initialised from the same seed (hps.torch.CtrModel's init);
+whole stream (the cgroup is small). 26 fields, one key each, embeddings of dim
+16 summed per field, concatenated with the 13 dense features, MLP (default
+512-256-1) to a logit; embeddings by AdaGrad (lr 0.05, eps 1e-10, accumulator
+from 0), the MLP by Adam (lr 1e-3), the MLP initialised from the same seed
+(hps.torch.CtrModel's init);
 evaluation on 50k held-out examples (the generator's "eval" part).
 
 Sizing. As it writes the training examples, the driver counts the distinct keys
@@ -58,6 +59,7 @@ limit and the JSON says so. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -147,8 +149,9 @@ def write_stream_and_count_keys(directory: str, examples: int, eval_examples: in
     t0 = time.perf_counter()
     acc, pending = np.empty(0, np.uint64), []
     per_batch = []
-    files = {name: open(os.path.join(directory, f"{name}.bin"), "wb") for name, _, _ in STREAM_FILES}
-    with files["labels"], files["dense"], files["keys"]:
+    with contextlib.ExitStack() as stack:
+        files = {name: stack.enter_context(open(os.path.join(directory, f"{name}.bin"), "wb"))
+                 for name, _, _ in STREAM_FILES}
         for b in SyntheticCriteo(seed=seed, batch_size=batch_size, examples=examples):
             for name, dtype, _ in STREAM_FILES:
                 files[name].write(np.ascontiguousarray(getattr(b, name), dtype).data)
