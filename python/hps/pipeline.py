@@ -26,7 +26,8 @@ every core (torch's intra-op threads) waits at each parallel op for its slowest
 thread, so a helper that takes a core from one of them stalls all of them; at a
 lower priority the helpers run in the trainer's serial gaps instead. When a
 helper's stage bounds the run the trainer waits on its queue, its cores are
-idle, and the helper gets them whatever its niceness (W5: +8% examples/s).
+idle, and the helper gets them whatever its niceness (400k examples of W5:
++8% examples/s; see docs/training.md).
 """
 from __future__ import annotations
 
