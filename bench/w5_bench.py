@@ -453,7 +453,7 @@ def parse():
                     help="rounds of the runs, interleaved (default 2; --quick 1): median and min-max")
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--dir", default=None, help="data directory (default: a new dir under bench/results/)")
-    ap.add_argument("--keep-data", action="store_true")
+    ap.add_argument("--keep-data", action="store_true", help="keep the data directory (the example files, in a --dir)")
     ap.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
     ap.add_argument("--worker-config", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -552,8 +552,8 @@ def main():
     finally:
         if cg:
             cg.remove()
-        if made_dir and not args.keep_data:
-            shutil.rmtree(args.dir, ignore_errors=True)
+        if not args.keep_data:  # the example files too, in a --dir of the caller's
+            shutil.rmtree(args.dir if made_dir else stream_dir, ignore_errors=True)
     out["repeat"] = args.repeat
     out["runs"] = {r: summarize_rounds(entries) for r, entries in rounds.items()}
 
