@@ -266,3 +266,23 @@ def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):
     assert tuner.chosen == 4  # not clearly faster with fewer: all cores
     one_core = htrain.ThreadTuner(FakeTorch(), cores=1)
     assert one_core.chosen == 1 and one_core.torch.calls == [1]
+
+
+def test_dense_adam_is_torchs_adam_fused_where_torch_has_the_kernel():
+    from hps.train import dense_adam
+    torch.manual_seed(0)
+    fused_model, plain_model = torch.nn.Linear(40, 8), torch.nn.Linear(40, 8)
+    plain_model.load_state_dict(fused_model.state_dict())
+    start = fused_model.weight.detach().clone()
+    fused, plain = dense_adam(fused_model.parameters(), 0.01), torch.optim.Adam(plain_model.parameters(), lr=0.01)
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    assert fused.defaults["fused"] is (True if version >= (2, 4) else None)
+    for _ in range(5):
+        x = torch.randn(16, 40)
+        for model, opt in ((fused_model, fused), (plain_model, plain)):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    for a, b in zip(fused_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert (fused_model.weight != start).all()  # the steps moved every weight

@@ -60,6 +60,19 @@ def import_torch():
     return torch
 
 
+def dense_adam(params, lr: float):
+    """torch.optim.Adam over the dense parameters, with torch's fused CPU kernel
+    where this torch has one (2.4 and later): one pass over each tensor instead
+    of a dozen small ops, which the trainer's thread runs between its parallel
+    ones (W5's 512-256-1 MLP on 2 cores: 2.7-3.9 -> 0.8-1.0 ms a step). The
+    benchmarks' peers use it too, so they and hps take the same dense step."""
+    torch = import_torch()
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, TypeError, ValueError):  # no fused kernel for these parameters here
+        return torch.optim.Adam(params, lr=lr)
+
+
 class ThreadTuner:
     """Chooses torch's intra-op threads (TrainConfig.torch_threads = 0) while the
     run goes: a few batches of warm-up, then probes of ``probe`` batches with every
@@ -272,12 +285,12 @@ class Trainer:
         self.dense_sync = None
         params = list(self.model.mlp.parameters())
         if node is None:
-            self.opt = torch.optim.Adam(params, lr=cfg.dense_lr)
+            self.opt = dense_adam(params, cfg.dense_lr)
         else:
             self.ps = DistributedServer(self.ps, node)
             self.model.embedding.ps = self.ps
             self.dense_sync = DenseSync(node, params, cfg.dense_lr, cfg.distributed)
-            self.opt = self.dense_sync.make_optimizer(lambda ps_: torch.optim.Adam(ps_, lr=cfg.dense_lr))
+            self.opt = self.dense_sync.make_optimizer(lambda ps_: dense_adam(ps_, cfg.dense_lr))
         self.loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
         self.batches_done = 0
         self.examples_done = 0
