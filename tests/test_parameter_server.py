@@ -356,26 +356,47 @@ def test_a_dropped_server_is_freed_with_its_files(tmp_path):
     assert gone() is None
 
 
-def test_pending_rows_serve_the_latest_copy_of_each_key():
-    """The write buffer against a dict: many sink calls, keys evicted again and again
-    (within one call too), folds of recent calls into the base, then the merge."""
-    from hps.parameter_server import _PendingRows
-    pending, latest = _PendingRows(row_floats=2), {}
+def test_the_write_buffer_serves_the_latest_copy_of_each_key(tmp_path):
+    """The backing store against a dict: many sink calls, keys evicted again and again
+    (within one call too), puts to SSD-PS when the buffer fills, and loads of keys in
+    the buffer, on SSD-PS and nowhere (their initial rows)."""
+    from hps.optim import native_optimizer
+    opt = native_optimizer(2, hps.SGD(lr=0.1), hps.Uniform(0.5), seed=4)
+    ssd = hps.SsdStore(tmp_path / "ssd", row_bytes=8, file_records=64)
+    backing = hps._core.BackingStore(ssd, opt, write_buffer_rows=50)
+    latest = {}
     rng = np.random.default_rng(3)
     for call in range(40):
-        keys = rng.integers(0, 200, rng.integers(1, 30)).astype(np.uint64)
+        keys = rng.integers(1, 200, rng.integers(1, 30)).astype(np.uint64)
         rows = np.stack([keys.astype(np.float32), np.full(len(keys), call, np.float32)], axis=1)
         rows[:, 0] += np.arange(len(keys), dtype=np.float32) / 100  # tells copies within a call apart
-        pending.add(keys, rows)
+        backing.sink(keys, rows)
         for k, r in zip(keys.tolist(), rows):
             latest[k] = r
-        probe = rng.integers(0, 250, 60).astype(np.uint64)
-        found, got = pending.lookup(probe)
-        assert found.tolist() == [k in latest for k in probe.tolist()]
-        want = np.array([latest[k] for k in probe.tolist() if k in latest]).reshape(-1, 2)
-        np.testing.assert_array_equal(got, want, err_msg=f"after call {call}")
-    keys, rows = pending.merged()
-    assert keys.tolist() == sorted(latest)
+        probe = np.unique(rng.integers(1, 250, 60)).astype(np.uint64)
+        want = np.array([latest[k] if k in latest else opt.initial_rows(np.array([k], np.uint64))[0]
+                         for k in probe.tolist()], np.float32)
+        np.testing.assert_array_equal(backing.load(probe).view(np.float32), want, err_msg=f"after call {call}")
+    c = backing.counts()
+    assert c["puts"] >= 5 and c["rows_put"] >= 250 and 0 < c["pending_rows"] < 50, c
+    assert c["pending_hits"] > 0 and c["ssd_hits"] > 0 and c["initialized"] > 0, c
+    assert c["pending_hits"] + c["ssd_hits"] + c["initialized"] == c["rows_loaded"], c
+    backing.flush()
+    assert backing.counts()["pending_rows"] == 0 and len(ssd) == len(latest)
+    rows, found = ssd.get(np.array(sorted(latest), np.uint64), np.float32)
+    assert found.all()
     np.testing.assert_array_equal(rows, np.array([latest[k] for k in sorted(latest)]))
-    pending.clear()
-    assert pending.count == 0 and len(pending.merged()[0]) == 0 and not pending.lookup(keys)[0].any()
+
+
+def test_the_backing_store_refuses_what_does_not_fit(tmp_path):
+    from hps.optim import native_optimizer
+    opt = native_optimizer(2, hps.SGD(lr=0.1), hps.Uniform(0.5), seed=4)  # rows of 8 bytes
+    with pytest.raises(ValueError, match="the SSD-PS rows are 16 bytes, the optimizer's 8"):
+        hps._core.BackingStore(hps.SsdStore(tmp_path / "a", row_bytes=16), opt, write_buffer_rows=8)
+    backing = hps._core.BackingStore(hps.SsdStore(tmp_path / "b", row_bytes=8), opt, write_buffer_rows=8)
+    with pytest.raises(ValueError, match="write_buffer_rows must be in \\[1, 2\\^31\\], got 0"):
+        hps._core.BackingStore(hps.SsdStore(tmp_path / "c", row_bytes=8), opt, write_buffer_rows=0)
+    with pytest.raises(ValueError, match="loader: a BackingStore of 8-byte rows for a cache of 16-byte rows"):
+        hps.MemCache(16, capacity=4, loader=backing)
+    with pytest.raises(ValueError, match="rows"):
+        backing.sink(np.array([1, 2], np.uint64), np.zeros((2, 3), np.float32))

@@ -20,7 +20,6 @@ import json
 import os
 import threading
 import time
-import weakref
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -138,66 +137,6 @@ def _build(spec, table: dict, where: str):
         return table[kind](**spec)
     except TypeError as e:
         raise ValueError(f"{where} ({kind}): {e}") from None
-
-
-class _PendingRows:
-    """Evicted dirty rows waiting for one large SSD-PS put; the loader reads
-    them first, so a row on its way to disk is never read stale from disk.
-
-    Each sink call's rows are kept sorted by key, and every few calls the recent
-    ones fold into one sorted base, so a lookup is a handful of binary searches
-    (newest first) instead of a merge of everything pending (W5: 17 -> ~2 ms a
-    batch)."""
-
-    FOLD_AFTER = 8  # recent chunks before they fold into the base
-
-    def __init__(self, row_floats: int):
-        self.row_floats = row_floats
-        self._base: Optional[tuple[np.ndarray, np.ndarray]] = None  # distinct keys sorted, their rows
-        self._recent: list[tuple[np.ndarray, np.ndarray]] = []      # per sink call: keys sorted, rows; oldest first
-        self.count = 0
-
-    def add(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        order = np.argsort(keys, kind="stable")
-        self._recent.append((keys[order], rows[order]))
-        self.count += len(keys)
-        if len(self._recent) > self.FOLD_AFTER:
-            self._base = self.merged()
-            self._recent = []
-
-    def _chunks(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The sorted chunks, oldest first."""
-        return ([self._base] if self._base is not None else []) + self._recent
-
-    def merged(self) -> tuple[np.ndarray, np.ndarray]:
-        """Distinct keys with their latest rows, keys sorted."""
-        chunks = self._chunks()
-        if not chunks:
-            return np.empty(0, np.uint64), np.empty((0, self.row_floats), np.float32)
-        if len(chunks) == 1 and chunks[0] is self._base:
-            return self._base
-        keys = np.concatenate([k for k, _ in chunks])[::-1]  # the latest copy first
-        rows = np.concatenate([r for _, r in chunks])[::-1]
-        uniq, first = np.unique(keys, return_index=True)
-        return uniq, rows[first]
-
-    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(found mask, rows of the found keys in order)."""
-        found = np.zeros(len(keys), bool)
-        rows = np.empty((len(keys), self.row_floats), np.float32)
-        for stored, stored_rows in reversed(self._chunks()):  # the newest copy wins
-            rest = np.flatnonzero(~found)
-            if len(rest) == 0 or len(stored) == 0:
-                continue
-            wanted = keys[rest]
-            at = np.maximum(np.searchsorted(stored, wanted, side="right") - 1, 0)  # the last of equal keys
-            hit = stored[at] == wanted
-            rows[rest[hit]] = stored_rows[at[hit]]
-            found[rest[hit]] = True
-        return found, rows[found]
-
-    def clear(self) -> None:
-        self._base, self._recent, self.count = None, [], 0
 
 
 class Prefetched:
@@ -469,19 +408,13 @@ class ParameterServer:
         self._ssd = SsdStore(os.path.join(config.path, "ssd"), row_bytes, file_records=config.ssd.file_records,
                              compaction_trigger=config.ssd.compaction_trigger,
                              use_io_uring=config.ssd.use_io_uring, direct_io=config.ssd.direct_io)
-        self._pending = _PendingRows(self.row_floats)
-        self._pending_lock = threading.Lock()
+        # Evicted rows gather in the write buffer, then go to SSD-PS in large puts;
+        # misses read the buffer, then SSD-PS, then initialise (native, no GIL).
+        self._backing = _core.BackingStore(self._ssd, self._native_opt, config.write_buffer_rows)
         self._counts_lock = threading.Lock()
-        self._counts = {"mem_hits": 0, "mem_misses": 0, "pending_hits": 0, "ssd_hits": 0, "initialized": 0,
-                        "ssd_puts": 0, "ssd_rows_put": 0, "pulls": 0, "pushes": 0, "batches": 0,
-                        "checkpoints": 0}
-        # The native cache holds its loader and sink; bound methods would make a
-        # cycle through C++ that Python's collector cannot see, and every server
-        # dropped without close() would keep its files, threads and memory.
-        me = weakref.ref(self)
+        self._counts = {"mem_hits": 0, "pulls": 0, "pushes": 0, "batches": 0, "checkpoints": 0}
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
-                               loader=lambda keys: me()._load(keys),
-                               sink=lambda keys, rows: me()._sink(keys, rows))
+                               loader=self._backing, sink=self._backing)
         # With one host partition, batches train on MEM-PS's pinned rows (HostBatch).
         self._in_place = (config.host_in_place and config.devices == 1 and partitioner is None
                           and _core.cuda_device_count() < 1)
@@ -554,40 +487,7 @@ class ParameterServer:
         finally:
             os.close(fd)
 
-    # ------------------------------------------------------------ MEM-PS plumbing
-    def _load(self, keys: np.ndarray):
-        """MEM-PS misses: pending write-backs, then SSD-PS, then a fresh row."""
-        rows = np.empty((len(keys), self.row_floats), np.float32)
-        with self._pending_lock:
-            in_pending, pending_rows = self._pending.lookup(keys)
-        rows[in_pending] = pending_rows
-        rest = np.flatnonzero(~in_pending)
-        on_ssd = np.zeros(len(rest), bool)
-        if len(rest):
-            ssd_rows, on_ssd = self._ssd.get(keys[rest], np.float32)
-            rows[rest[on_ssd]] = ssd_rows[on_ssd]
-            new = rest[~on_ssd]
-            if len(new):
-                rows[new] = self._native_opt.initial_rows(keys[new])
-        self._count(mem_misses=len(keys), pending_hits=int(in_pending.sum()), ssd_hits=int(on_ssd.sum()),
-                    initialized=len(rest) - int(on_ssd.sum()))
-        # Every row here also exists in pending rows, on SSD, or as (seed, key): clean.
-        return rows, np.zeros(len(keys), bool)
-
-    def _sink(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        with self._pending_lock:
-            self._pending.add(keys, rows.view(np.float32))
-            if self._pending.count >= self.config.write_buffer_rows:
-                self._flush_pending()
-
-    def _flush_pending(self) -> None:
-        """REQUIRES: _pending_lock held."""
-        keys, rows = self._pending.merged()
-        if len(keys):
-            self._ssd.put(keys, rows)
-            self._count(ssd_puts=1, ssd_rows_put=len(keys))
-        self._pending.clear()
-
+    # ------------------------------------------------------------ plumbing
     def _count(self, **amounts) -> None:
         with self._counts_lock:
             for name, amount in amounts.items():
@@ -760,8 +660,7 @@ class ParameterServer:
                 while self._host_active:
                     self._host_batches.wait()
             self._cache.flush_dirty()
-            with self._pending_lock:
-                self._flush_pending()
+            self._backing.flush()
             self._ssd.commit()
             self._count(checkpoints=1)
             with open(self._metadata_path()) as f:
@@ -769,12 +668,14 @@ class ParameterServer:
             self._write_metadata(checkpoints=done + 1)
 
     def stats(self) -> dict:
-        with self._pending_lock:
-            pending = self._pending.count
+        backing = self._backing.counts()
         with self._counts_lock:
             counts = dict(self._counts)
+        counts.update(mem_misses=backing["rows_loaded"], pending_hits=backing["pending_hits"],
+                      ssd_hits=backing["ssd_hits"], initialized=backing["initialized"],
+                      ssd_puts=backing["puts"], ssd_rows_put=backing["rows_put"])
         return {"counts": counts, "mem": self._cache.stats(), "ssd": self._ssd.stats(),
-                "pending_rows": pending, "device": self._device_stats()}
+                "pending_rows": backing["pending_rows"], "device": self._device_stats()}
 
     def _device_stats(self) -> dict:
         if self._in_place:
@@ -791,7 +692,7 @@ class ParameterServer:
     def close(self) -> None:
         """Releases the stores; what was not checkpointed is dropped."""
         self._ssd.wait_for_compaction()
-        del self._cache, self._ssd, self._slots, self._last_batch
+        del self._cache, self._backing, self._ssd, self._slots, self._last_batch
 
     def __repr__(self) -> str:
         return f"ParameterServer(dim={self.dim}, path={self.config.path!r})"

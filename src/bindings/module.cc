@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "hps/backing_store.h"
 #include "hps/config.h"
 #include "hps/device_tier.h"
 #include "hps/hash_table.h"
@@ -199,6 +200,27 @@ hps::RowSink PythonSink(py::object sink, uint32_t row_bytes) {
     std::memcpy(r.mutable_data(), rows, n * row_bytes);
     (*held)(k, r);
   };
+}
+
+// MEM-PS's loader and sink: a BackingStore's (native: no GIL taken on a
+// miss), or Python callables'.
+hps::BackingStore* BackingArg(const py::object& backing, const char* name, uint32_t row_bytes) {
+  auto* b = backing.cast<hps::BackingStore*>();
+  if (b->row_bytes() != row_bytes) {
+    throw py::value_error(std::string(name) + ": a BackingStore of " + std::to_string(b->row_bytes()) +
+                          "-byte rows for a cache of " + std::to_string(row_bytes) + "-byte rows");
+  }
+  return b;
+}
+
+hps::RowLoader LoaderArg(py::object loader, uint32_t row_bytes) {
+  if (py::isinstance<hps::BackingStore>(loader)) return BackingArg(loader, "loader", row_bytes)->loader();
+  return PythonLoader(std::move(loader), row_bytes);
+}
+
+hps::RowSink SinkArg(py::object sink, uint32_t row_bytes) {
+  if (py::isinstance<hps::BackingStore>(sink)) return BackingArg(sink, "sink", row_bytes)->sink();
+  return PythonSink(std::move(sink), row_bytes);
 }
 
 // Optional device ids, one int32 per key.
@@ -445,6 +467,48 @@ PYBIND11_MODULE(_core, m) {
         return d;
       });
 
+  py::class_<hps::BackingStore>(m, "BackingStore")
+      .def(py::init([](hps::SsdStore& ssd, const hps::SparseOptimizer& optimizer, uint64_t write_buffer_rows) {
+             return std::make_unique<hps::BackingStore>(&ssd, optimizer, write_buffer_rows);
+           }),
+           py::arg("ssd"), py::arg("optimizer"), py::arg("write_buffer_rows"),
+           py::keep_alive<1, 2>())  // the SSD-PS it reads and writes
+      .def_property_readonly("row_bytes", &hps::BackingStore::row_bytes)
+      .def("load", [](hps::BackingStore& b, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        hps::CheckKeys(k, n);
+        py::array_t<uint8_t> rows({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(b.row_bytes())});
+        uint8_t* out = rows.mutable_data();
+        {
+          py::gil_scoped_release release;
+          b.Load(k, n, out, nullptr);
+        }
+        return rows;
+      }, py::arg("keys"))
+      .def("sink", [](hps::BackingStore& b, const py::array& keys, const py::array& rows) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        hps::CheckKeys(k, n);
+        const uint8_t* r = ByteRowsArg(rows, "rows", n, b.row_bytes());
+        py::gil_scoped_release release;
+        b.Sink(k, n, r);
+      }, py::arg("keys"), py::arg("rows"))
+      .def("flush", [](hps::BackingStore& b) {
+        py::gil_scoped_release release;
+        b.Flush();
+      })
+      .def("counts", [](const hps::BackingStore& b) {
+        const hps::BackingStoreCounts c = b.counts();
+        py::dict d;
+        d["rows_loaded"] = c.rows_loaded;
+        d["pending_hits"] = c.pending_hits;
+        d["ssd_hits"] = c.ssd_hits;
+        d["initialized"] = c.initialized;
+        d["puts"] = c.puts;
+        d["rows_put"] = c.rows_put;
+        d["pending_rows"] = c.pending_rows;
+        return d;
+      });
+
   py::register_exception<hps::CacheFullError>(m, "CacheFullError", hps_error.ptr());
   m.attr("CACHE_POLICIES") = hps::CachePolicyNames();
   py::class_<hps::MemCache>(m, "MemCache")
@@ -456,11 +520,12 @@ PYBIND11_MODULE(_core, m) {
              o.policy = hps::ParseCachePolicy(policy);
              o.shards = shards;
              o.lru_fraction = lru_fraction;
-             return hps::MemCache::New(o, PythonLoader(std::move(loader), row_bytes),
-                                       PythonSink(std::move(sink), row_bytes));
+             return hps::MemCache::New(o, LoaderArg(std::move(loader), row_bytes),
+                                       SinkArg(std::move(sink), row_bytes));
            }),
            py::arg("row_bytes"), py::arg("capacity"), py::arg("policy") = "lru+lfu", py::arg("shards") = 0,
-           py::arg("lru_fraction") = 0.5, py::arg("loader") = py::none(), py::arg("sink") = py::none())
+           py::arg("lru_fraction") = 0.5, py::arg("loader") = py::none(), py::arg("sink") = py::none(),
+           py::keep_alive<1, 7>(), py::keep_alive<1, 8>())  // a BackingStore lives as long as the cache
       .def_static("capacity_for_budget", &hps::MemCache::CapacityForBudget, py::arg("budget_bytes"),
                   py::arg("row_bytes"))
       .def_property_readonly("row_bytes", &hps::MemCache::row_bytes)

@@ -1,0 +1,164 @@
+// The backing store under the sanitizers: the write buffer and SSD-PS against
+// a map, behind a real MEM-PS; and loads racing sinks and flushes (TSan).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hps/backing_store.h"
+#include "hps/mem_cache.h"
+#include "hps/ssd_store.h"
+
+namespace hps {
+namespace {
+
+namespace fs = std::filesystem;
+
+// SGD rows of dim 2: two floats, 8 bytes.
+SparseOptimizer Sgd() {
+  SparseOptimizer o;
+  o.dim = 2;
+  o.opt.kind = OptimizerKind::kSgd;
+  o.opt.lr = 0.1f;
+  o.init.seed = 9;
+  return o;
+}
+
+class BackingStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = (fs::temp_directory_path() / ("hps-backing-test-" + std::to_string(getpid()) + "-" + test->name()))
+               .string();
+    fs::remove_all(dir_);
+    SsdStoreOptions o;
+    o.path = dir_;
+    o.row_bytes = 8;
+    o.file_records = 64;
+    ssd_ = SsdStore::Open(o);
+  }
+  void TearDown() override {
+    ssd_.reset();
+    fs::remove_all(dir_);
+  }
+
+  std::string dir_;
+  std::unique_ptr<SsdStore> ssd_;
+};
+
+std::vector<float> Initial(const SparseOptimizer& o, uint64_t key) {
+  std::vector<float> row(2);
+  o.initial_rows(&key, 1, row.data());
+  return row;
+}
+
+TEST_F(BackingStoreTest, MemCacheThroughItMatchesAMap) {
+  const SparseOptimizer opt = Sgd();
+  BackingStore backing(ssd_.get(), opt, /*write_buffer_rows=*/40);
+  MemCacheOptions mo;
+  mo.row_bytes = 8;
+  mo.capacity = 64;
+  auto cache = MemCache::New(mo, backing.loader(), backing.sink());
+  std::map<uint64_t, std::vector<float>> model;  // the latest row of every key written
+  std::mt19937_64 rng(5);
+  for (int step = 0; step < 400; ++step) {
+    std::vector<uint64_t> keys;
+    for (int j = 0; j < 16; ++j) {
+      const uint64_t k = 1 + rng() % 400;
+      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+    }
+    std::vector<float> rows(keys.size() * 2);
+    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), /*pin=*/true, nullptr);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const auto it = model.find(keys[i]);
+      const std::vector<float> want = it == model.end() ? Initial(opt, keys[i]) : it->second;
+      ASSERT_EQ(rows[2 * i], want[0]) << "key " << keys[i] << " at step " << step;
+      ASSERT_EQ(rows[2 * i + 1], want[1]) << "key " << keys[i] << " at step " << step;
+      rows[2 * i] = static_cast<float>(step);
+      rows[2 * i + 1] = static_cast<float>(keys[i]);
+      model[keys[i]] = {rows[2 * i], rows[2 * i + 1]};
+    }
+    cache->WriteBack(keys.data(), keys.size(), reinterpret_cast<const uint8_t*>(rows.data()));
+  }
+  const BackingStoreCounts c = backing.counts();
+  EXPECT_GT(c.puts, 3u);
+  EXPECT_GT(c.pending_hits, 0u);
+  EXPECT_GT(c.ssd_hits, 0u);
+  EXPECT_EQ(c.pending_hits + c.ssd_hits + c.initialized, c.rows_loaded);
+  // Everything to SSD-PS: each key's latest row is there.
+  cache->FlushDirty();
+  backing.Flush();
+  EXPECT_EQ(backing.counts().pending_rows, 0u);
+  for (const auto& [key, row] : model) {
+    std::vector<float> got(2);
+    uint8_t found = 0;
+    ssd_->Get(&key, 1, reinterpret_cast<uint8_t*>(got.data()), &found);
+    ASSERT_TRUE(found) << key;
+    EXPECT_EQ(got, row) << key;
+  }
+}
+
+TEST_F(BackingStoreTest, RefusesRowsOfAnotherSize) {
+  SparseOptimizer wide = Sgd();
+  wide.dim = 4;
+  EXPECT_THROW(BackingStore(ssd_.get(), wide, 8), std::invalid_argument);
+  EXPECT_THROW(BackingStore(ssd_.get(), Sgd(), 0), std::invalid_argument);
+  EXPECT_THROW(BackingStore(nullptr, Sgd(), 8), std::invalid_argument);
+}
+
+// A row holds (key, version): a load must never see another key's row or a
+// torn one, while sinks and flushes run beside it.
+TEST_F(BackingStoreTest, LoadsRaceSinksAndFlushes) {
+  BackingStore backing(ssd_.get(), Sgd(), /*write_buffer_rows=*/32);
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    std::mt19937_64 rng(1);
+    for (int call = 0; call < 300; ++call) {
+      std::vector<uint64_t> keys(8);
+      std::vector<float> rows(16);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        keys[i] = 1 + rng() % 100;
+        rows[2 * i] = static_cast<float>(keys[i]);
+        rows[2 * i + 1] = static_cast<float>(call);
+      }
+      backing.Sink(keys.data(), keys.size(), reinterpret_cast<const uint8_t*>(rows.data()));
+      if (call % 50 == 0) backing.Flush();
+    }
+    stop = true;
+  });
+  std::thread reader([&] {
+    std::mt19937_64 rng(2);
+    const SparseOptimizer opt = Sgd();
+    while (!stop) {
+      std::vector<uint64_t> keys;
+      for (int j = 0; j < 10; ++j) {
+        const uint64_t k = 1 + rng() % 100;
+        if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+      }
+      std::vector<float> rows(keys.size() * 2);
+      backing.Load(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), nullptr);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (rows[2 * i] == static_cast<float>(keys[i])) continue;  // a row that was sunk
+        const std::vector<float> initial = Initial(opt, keys[i]);
+        EXPECT_EQ(rows[2 * i], initial[0]) << "key " << keys[i];
+        EXPECT_EQ(rows[2 * i + 1], initial[1]) << "key " << keys[i];
+      }
+    }
+  });
+  writer.join();
+  reader.join();
+  backing.Flush();
+  const BackingStoreCounts c = backing.counts();
+  EXPECT_EQ(c.pending_rows, 0u);
+  EXPECT_EQ(c.rows_put, ssd_->stats().rows_written);
+}
+
+}  // namespace
+}  // namespace hps
