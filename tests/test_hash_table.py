@@ -324,6 +324,13 @@ def test_unique_keys_and_sum_by_inverse_round_trip():
     uniq, inverse = _core.unique_keys(keys)
     assert len(set(uniq.tolist())) == len(uniq) == len(set(keys.tolist()))
     np.testing.assert_array_equal(uniq[inverse], keys)
+    # The table starts at half as many slots as keys and grows: all distinct, few distinct, none
+    for many in (rng.permutation(20_000).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15),
+                 rng.integers(0, 5, 30_000).astype(np.uint64), np.empty(0, np.uint64)):
+        u, inv = _core.unique_keys(many)
+        _, first = np.unique(many, return_index=True)
+        np.testing.assert_array_equal(u, many[np.sort(first)])  # in order of first appearance
+        np.testing.assert_array_equal(u[inv], many)
     rows = rng.standard_normal((1000, 3)).astype(np.float32)
     summed = _core.sum_by_inverse(inverse, rows, len(uniq))
     expected = np.zeros((len(uniq), 3), np.float64)
