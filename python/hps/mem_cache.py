@@ -37,7 +37,8 @@ class MemCache(_core.MemCache):
     ``pull(keys, pin)`` returns (rows, hit): cached rows are hits, the others come
     from ``loader(keys) -> (rows, dirty)`` in one call and enter the cache,
     evicting by ``policy`` (one of POLICIES); an evicted dirty row goes to
-    ``sink(keys, rows)`` before the call returns. Pinned rows stay until
+    ``sink(keys, rows)`` before the call returns (a ``_core.BackingStore`` may be
+    both loader and sink: the parameter server's, native). Pinned rows stay until
     ``write_back(keys, rows)`` (which marks them dirty) or ``unpin(keys)``.
     ``access(keys)`` replays a trace: hits are visits, misses enter with zero rows.
 
