@@ -268,6 +268,41 @@ def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):
     assert one_core.chosen == 1 and one_core.torch.calls == [1]
 
 
+def test_thread_tuner_stops_early_when_every_core_is_clearly_faster(monkeypatch):
+    from hps import train as htrain
+    clock = [0.0]
+    monkeypatch.setattr(htrain.time, "perf_counter", lambda: clock[0])
+
+    class FakeTorch:
+        threads, calls = 0, []
+
+        def set_num_threads(self, n):
+            self.threads = n
+            self.calls.append(n)
+
+    fake = FakeTorch()
+    fake.calls = []
+    tuner = htrain.ThreadTuner(fake, cores=2, warmup=2, probe=3)
+    on_one = 0
+    for _ in range(40):
+        on_one += fake.threads == 1
+        clock[0] += {2: 1.0, 1: 1.4}[fake.threads]  # every core 1.4x faster
+        tuner.step(100)
+    # A, then B (after SETTLE batches), then the verdict: no second B, no second A.
+    assert fake.calls == [2, 1, 2] and tuner.chosen == 2 and tuner.passes == 1
+    assert on_one == tuner.SETTLE + 3
+    assert tuner.rates[2] == pytest.approx(1.4 * tuner.rates[1])
+
+    # Faster, but not clearly: the whole A B B A runs, and every core stays.
+    fake = FakeTorch()
+    fake.calls = []
+    tuner = htrain.ThreadTuner(fake, cores=2, warmup=2, probe=3)
+    for _ in range(40):
+        clock[0] += {2: 1.0, 1: 1.2}[fake.threads]
+        tuner.step(100)
+    assert fake.calls == [2, 1, 2, 2] and tuner.chosen == 2 and tuner.passes == 1  # A B B A, verdict
+
+
 def test_dense_adam_is_torchs_adam_fused_where_torch_has_the_kernel():
     from hps.train import dense_adam
     torch.manual_seed(0)

@@ -81,7 +81,10 @@ class ThreadTuner:
     for the rest of the run if it was at least 5% faster, else every core. A
     verdict for one fewer is checked by a second A B B A before it holds: a
     wrong drop costs the most (W5 on a noisy machine: one pass picked 1 thread
-    and that run trained at 21k examples/s against 28-30k with 2).
+    and that run trained at 21k examples/s against 28-30k with 2). When the first
+    A and B already show every core CLEAR x faster, the pass stops there: no drift
+    makes a gap that wide, and each probe batch on one fewer thread costs (W5: 8
+    more batches at 27-38k examples/s against 46-56k with 2).
 
     The pipeline's stages share the cores with torch: a small MLP gains less from
     a second thread than they lose (W4s on 2 cores: 146k examples/s with 1 thread,
@@ -91,6 +94,7 @@ class ThreadTuner:
 
     SETTLE = 2  # batches after a change of threads before a probe starts timing
     MARGIN = 1.05  # one fewer thread must be this much faster: probes are noisy, all cores is torch's way
+    CLEAR = 1.25   # all cores this much faster after one probe each: keep them, skip the probes left
 
     def __init__(self, torch, cores: int, warmup: int = 6, probe: int = 8):
         self.torch = torch
@@ -125,10 +129,13 @@ class ThreadTuner:
         self._totals[threads][0] += self._examples
         self._totals[threads][1] += now - self._start
         self._probe += 1
-        if self._probe == len(self.schedule):
-            self.rates = {c: e / t for c, (e, t) in self._totals.items() if t > 0}
+        every, fewer = self.candidates
+        rates = {c: e / t for c, (e, t) in self._totals.items() if t > 0}
+        # All cores this much faster is no drift: the pass need not finish.
+        clear = len(rates) == 2 and rates[every] > self.CLEAR * rates[fewer]
+        if self._probe == len(self.schedule) or clear:
+            self.rates = rates
             self.passes += 1
-            every, fewer = self.candidates
             faster = self.rates[fewer] > self.MARGIN * self.rates[every]
             if not faster or self.passes == 2:
                 self.chosen = fewer if faster else every
