@@ -47,18 +47,18 @@ void BackingStore::Load(const uint64_t* keys, uint64_t n, uint8_t* rows, uint8_t
     std::vector<uint8_t> read(rest.size() * row_bytes_);
     std::vector<uint8_t> found(rest.size());
     on_ssd = ssd_->Get(rest_keys.data(), rest.size(), read.data(), found.data());
-    std::vector<uint64_t> fresh;  // positions of the keys found nowhere, whose keys move to rest_keys' front
+    std::vector<uint64_t> fresh, fresh_keys;  // positions and keys of those found nowhere
     for (size_t j = 0; j < rest.size(); ++j) {
       if (found[j]) {
         std::memcpy(rows + rest[j] * row_bytes_, read.data() + j * row_bytes_, row_bytes_);
       } else {
-        rest_keys[fresh.size()] = rest_keys[j];  // compacts the keys in place: fresh.size() <= j
         fresh.push_back(rest[j]);
+        fresh_keys.push_back(rest_keys[j]);
       }
     }
     if (!fresh.empty()) {
       std::vector<float> initial(fresh.size() * row_bytes_ / sizeof(float));
-      optimizer_.initial_rows(rest_keys.data(), fresh.size(), initial.data());
+      optimizer_.initial_rows(fresh_keys.data(), fresh.size(), initial.data());
       for (size_t j = 0; j < fresh.size(); ++j) {
         std::memcpy(rows + fresh[j] * row_bytes_, initial.data() + j * row_bytes_ / sizeof(float), row_bytes_);
       }

@@ -274,14 +274,14 @@ def test_thread_tuner_stops_early_when_every_core_is_clearly_faster(monkeypatch)
     monkeypatch.setattr(htrain.time, "perf_counter", lambda: clock[0])
 
     class FakeTorch:
-        threads, calls = 0, []
+        def __init__(self):
+            self.threads, self.calls = 0, []
 
         def set_num_threads(self, n):
             self.threads = n
             self.calls.append(n)
 
     fake = FakeTorch()
-    fake.calls = []
     tuner = htrain.ThreadTuner(fake, cores=2, warmup=2, probe=3)
     on_one = 0
     for _ in range(40):
@@ -295,7 +295,6 @@ def test_thread_tuner_stops_early_when_every_core_is_clearly_faster(monkeypatch)
 
     # Faster, but not clearly: the whole A B B A runs, and every core stays.
     fake = FakeTorch()
-    fake.calls = []
     tuner = htrain.ThreadTuner(fake, cores=2, warmup=2, probe=3)
     for _ in range(40):
         clock[0] += {2: 1.0, 1: 1.2}[fake.threads]
