@@ -1,39 +1,22 @@
-"""Turns a hash_table_bench JSON line into the markdown tables of docs/benchmarks.md.
+"""Prints a hash_table_bench JSON line as the markdown tables of docs/benchmarks.md
+(bench/report.py's W2 tables: every implementation, absl_pf included, and hps_t1 over
+the best peer and over the best unprefetched peer, repeat by repeat).
 
-    python bench/hash_table_report.py bench/results/hash_table-<date>.json
+    python3 bench/hash_table_report.py bench/results/hash_table-<date>.json
+
+To put a full run into docs/benchmarks.md, file it instead:
+python3 bench/report.py --add bench/results/hash_table-<date>.json
 """
 import json
+import os
 import sys
 
-OPS = ["insert", "find_hit", "find_mix", "accumulate"]
-IMPLS = ["hps_t1", "hps_t2", "absl", "boost"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import render_w2  # noqa: E402  (one W2 table, here and in the docs)
 
 
-def fmt(stat):
-    return f"{stat['median']:.2f} ({stat['min']:.2f}-{stat['max']:.2f})"
-
-
-def report(result):
-    cfg = result["config"]
-    lines = [
-        f"keys {cfg['keys']:,}, {cfg['repeats']} repeats, hps load {cfg['hps_load']:.2f}, "
-        f"peer huge pages {cfg['peer_hugepages']}; Mops/s, median (min-max)",
-        "",
-    ]
-    for width, r in result["results"].items():
-        lines += [f"**rows of {width} floats** (slots: " +
-                  ", ".join(f"{k} {v:,} (load {r['load'][k]:.2f})" for k, v in r["slots"].items()) + ")",
-                  "",
-                  "| op | " + " | ".join(IMPLS) + " | hps_t1 / best peer | hps_t2 / hps_t1 |",
-                  "|---|" + "---|" * (len(IMPLS) + 2)]
-        for op in OPS:
-            cells = [fmt(r["ops"][op][impl]) for impl in IMPLS]
-            best = r["ratios"]["hps_t1_over_best_peer"][op]
-            scaling = r["ratios"]["hps_t2_over_hps_t1"][op]
-            lines.append(f"| {op} | " + " | ".join(cells) +
-                         f" | {best['ratio']:.2f} ({best['best_peer']}) | {scaling:.2f} |")
-        lines.append("")
-    return "\n".join(lines)
+def report(result: dict) -> str:
+    return "\n".join(render_w2(result))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,504 @@
+#!/usr/bin/env python3
+"""Builds the generated tables of docs/benchmarks.md from the benchmarks' JSON lines.
+
+    python3 bench/report.py                      # rewrite the generated regions of the docs
+    python3 bench/report.py --check              # exit 1 when a region differs from its JSON lines
+    python3 bench/report.py --add RESULT.json    # append a benchmark's JSON line to docs/results/
+
+Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
+commit, uncommitted files, date, machine, command). `--add` files each such line under
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w5, w6, told apart by the line's
+"benchmark" field); it refuses --quick lines and lines without provenance, since a table
+must come from a real run of a recorded command.
+
+docs/benchmarks.md holds one region per workload between the markers
+
+    <!-- report:w4 -->
+    ...
+    <!-- /report:w4 -->
+
+which this script rewrites from the latest line (by provenance date) of that workload's
+file. A workload without a line gets "not measured at this commit", never older
+hand-written figures. Each table gives medians with min-max over the rounds or repeats,
+every round's ratio against the peer with their median, and the commit, date, machine
+and command of the line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
+RESULTS = os.path.join(ROOT, "docs", "results")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w5", "w6")
+REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
+OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
+
+
+class ReportError(Exception):
+    """A results file or the docs cannot be read as this script expects; the
+    message names the file and line."""
+
+
+# ------------------------------------------------------------------ lines
+def workload_of(line: dict) -> str | None:
+    """The workload a benchmark's JSON line belongs to, from its "benchmark" field."""
+    name = str(line.get("benchmark") or line.get("bench") or "")
+    for prefix, wid in (("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4", "w4"),
+                        ("W5", "w5"), ("W6", "w6"), ("w6", "w6")):
+        if name.startswith(prefix):
+            return wid
+    return None
+
+
+def read_lines(path: str) -> list[tuple[int, dict]]:
+    """(line number, object) of every non-empty line of a .jsonl file."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for no, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except ValueError as e:
+                raise ReportError(f"{path}:{no}: not a JSON line ({e})") from None
+            if not isinstance(obj, dict):
+                raise ReportError(f"{path}:{no}: a JSON line must be an object, not {type(obj).__name__}")
+            out.append((no, obj))
+    return out
+
+
+def check_provenance(obj: dict, where: str) -> None:
+    p = obj.get("provenance")
+    if not isinstance(p, dict):
+        raise ReportError(f"{where}: no \"provenance\" object (commit, date, machine, command); "
+                          "run the benchmark at a commit that records it")
+    for field in ("commit", "date", "command"):
+        if not p.get(field):
+            raise ReportError(f"{where}: provenance.{field} is missing")
+
+
+def latest(results_dir: str, wid: str) -> tuple[str, int, int, dict] | None:
+    """(file, line number, lines in the file, object) of the workload's latest line."""
+    path = os.path.join(results_dir, f"{wid}.jsonl")
+    if not os.path.exists(path):
+        return None
+    lines = read_lines(path)
+    for no, obj in lines:
+        where = f"{path}:{no}"
+        check_provenance(obj, where)
+        if workload_of(obj) != wid:
+            raise ReportError(f"{where}: a {workload_of(obj) or 'unknown'} line (benchmark "
+                              f"{obj.get('benchmark')!r}) in the {wid} file")
+    if not lines:
+        return None
+    no, obj = max(lines, key=lambda x: (x[1]["provenance"]["date"], x[0]))
+    return path, no, len(lines), obj
+
+
+# ------------------------------------------------------------------ formatting
+def num(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def spread(median, lo, hi, fmt: str) -> str:
+    """"median (min-max)"; the range is left out when there is one value."""
+    if median is None:
+        return "-"
+    if lo is None or hi is None or (lo == hi == median):
+        return format(median, fmt)
+    return f"{format(median, fmt)} ({format(lo, fmt)}-{format(hi, fmt)})"
+
+
+def of_runs(values, fmt: str) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return spread(statistics.median(values), min(values), max(values), fmt)
+
+
+def per_round(ratios, fmt: str = ".2f") -> str:
+    """"1.02 (rounds: 0.98, 1.02, 1.05)": the median of the same-round ratios, and each."""
+    ratios = [r for r in ratios if r is not None]
+    if not ratios:
+        return "-"
+    med = format(statistics.median(ratios), fmt)
+    if len(ratios) == 1:
+        return f"{med} (one round)"
+    return f"{med} (rounds: {', '.join(format(r, fmt) for r in ratios)})"
+
+
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
+        ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def provenance_lines(path: str, no: int, count: int, obj: dict, root: str) -> list[str]:
+    p = obj["provenance"]
+    m = p.get("machine") or {}
+    dirty = p.get("dirty")
+    commit = f"`{p['commit'][:12]}`"
+    if dirty:
+        commit += f" plus uncommitted changes to {', '.join(f'`{d}`' for d in dirty)}"
+    elif dirty is None:
+        commit += " (whether the tree was clean was not recorded)"
+    machine = ", ".join(x for x in (m.get("cpu_model"), f"{m['cpus']} CPUs" if m.get("cpus") else None,
+                                    f"{m['mem_gib']} GiB" if m.get("mem_gib") else None,
+                                    f"kernel {m['kernel']}" if m.get("kernel") else None) if x)
+    rel = os.path.relpath(path, root)
+    lines = [f"_Generated by `python3 bench/report.py` from `{rel}` (line {no}, the latest of {count}); "
+             "edit the JSON lines, not this region._", "",
+             f"- **Commit:** {commit}",
+             f"- **Date:** {p['date']}",
+             f"- **Machine:** {machine or 'not recorded'}",
+             f"- **Command:** `{p['command']}`"]
+    if obj.get("quick"):
+        lines.append("- **A --quick run:** a smoke test, not a measurement to quote.")
+    return lines + [""]
+
+
+# ------------------------------------------------------------------ W1
+def render_w1(o: dict) -> list[str]:
+    dists = list(o.get("dists") or ["uniform", "zipf"])
+    head = ["store", "status", "load rows/s"]
+    for d in dists:
+        head += [f"{d} get rows/s", f"{d} put rows/s"]
+    rows = []
+    for name, e in o.get("stores", {}).items():
+        if e.get("status") != "ok":
+            rows.append([name, str(e.get("status"))] + ["-"] * (len(head) - 2))
+            continue
+        row = [name, "ok", num(e["load"]["rows_per_s"], ",.0f")]
+        for d in dists:
+            dd = e.get("distributions", {}).get(d)
+            for side in ("get_rows_per_s", "put_rows_per_s"):
+                s = dd and dd.get(side)
+                row.append(spread(s["median"], s["min"], s["max"], ",.0f") if s else "-")
+        rows.append(row)
+    out = [f"{o.get('rows', 0):,} rows of {o.get('row_bytes')} B, {o.get('batches')} batches of "
+           f"{o.get('batch_keys', 0):,} keys per distribution; rows/s per batch: median (min-max) over the "
+           f"batches of one run; memory limit {o.get('memory_limit') or 'none'}.", ""]
+    out += table(head, rows) + [""]
+    for key, label in (("ratios_hps_over_rocksdb_tuned", "hps / rocksdb_tuned"),
+                       ("ratios_hps_node_over_rocksdb_tuned", "hps_node / rocksdb_tuned")):
+        r = o.get(key)
+        if not r:
+            out.append(f"- {label}: not measured (a side is missing or failed)")
+            continue
+        parts = [f"load {r['load']:.2f}"] if "load" in r else []
+        parts += [f"{d} get {r[d]['get_median']:.2f}, put {r[d]['put_median']:.2f}" for d in dists if d in r]
+        out.append(f"- {label} (ratio of the batch medians, one run): " + "; ".join(parts))
+    return out
+
+
+# ------------------------------------------------------------------ W2
+W2_OPS = ("insert", "find_hit", "find_mix", "accumulate")
+W2_PEERS = ("absl", "absl_pf", "boost")
+W2_PLAIN = ("absl", "boost")
+
+
+def w2_round_ratios(ops: dict, op: str, peers) -> tuple[list[float], str | None]:
+    """hps_t1 over the best of `peers`, repeat by repeat (each repeat built every
+    structure once, close in time), and the peer best by median."""
+    present = [p for p in peers if p in ops[op]]
+    if "hps_t1" not in ops[op] or not present:
+        return [], None
+    runs = [ops[op][p]["runs"] for p in present]
+    ours = ops[op]["hps_t1"]["runs"]
+    ratios = [h / max(r[i] for r in runs) for i, h in enumerate(ours) if all(i < len(r) for r in runs)]
+    best = max(present, key=lambda p: ops[op][p]["median"])
+    return ratios, best
+
+
+def render_w2(o: dict) -> list[str]:
+    cfg = o["config"]
+    impls = list(cfg.get("impls") or ["hps_t1", "hps_t2", "absl", "boost"])
+    out = [f"{cfg['keys']:,} keys, {cfg['repeats']} repeat(s), hps load {cfg['hps_load']:.2f}, peer huge pages "
+           f"{cfg['peer_hugepages']}" + (f", absl_pf prefetches {cfg['peer_prefetch']} keys ahead"
+                                         if "absl_pf" in impls else ", no prefetching peer in this run")
+           + "; Mops/s, median (min-max) over the repeats.", ""]
+    for width, r in o["results"].items():
+        ops = r["ops"]
+        out.append(f"**Rows of {width} floats** (load: "
+                   + ", ".join(f"{k} {v:.2f}" for k, v in r["load"].items()) + ")")
+        out.append("")
+        head = ["op"] + impls + ["hps_t1 / best peer", "hps_t1 / best unprefetched peer", "hps_t2 / hps_t1"]
+        rows = []
+        for op in W2_OPS:
+            cells = [spread(ops[op][i]["median"], ops[op][i]["min"], ops[op][i]["max"], ".2f")
+                     if i in ops[op] else "-" for i in impls]
+            ratio_cells = []
+            for peers in (W2_PEERS, W2_PLAIN):
+                ratios, best = w2_round_ratios(ops, op, peers)
+                ratio_cells.append(f"{per_round(ratios)}, best by median: {best}" if best else "-")
+            scaling = [b / a for a, b in zip(ops[op].get("hps_t1", {}).get("runs", []),
+                                             ops[op].get("hps_t2", {}).get("runs", []))]
+            rows.append([op] + cells + ratio_cells + [per_round(scaling)])
+        out += table(head, rows) + [""]
+    t = o.get("targets") or {}
+    if t:
+        met = {True: "met", False: "missed", None: "not judged (not every implementation ran)"}[t.get("met")]
+        out.append(f"- Targets ({t.get('rule')}): {met}" +
+                   (f"; misses: {'; '.join(t['misses'])}" if t.get("misses") else ""))
+    oc = o.get("other_cpus") or {}
+    if oc:
+        out.append(f"- Other work on the machine: {num(oc.get('before'), '.2f')} CPUs before, "
+                   f"{num(oc.get('during'), '.2f')} during the run")
+    return out
+
+
+# ------------------------------------------------------------------ W3
+def w3_trace(name: str, t: dict) -> list[str]:
+    if "skipped" in t:
+        return [f"**{name}**: skipped ({t['skipped']})", ""]
+    desc = ", ".join(f"{k} {t[k]}" for k in ("zipf_a", "universe", "seed") if k in t)
+    out = [f"**{name}**: {t['accesses']:,} accesses, {t['unique_keys']:,} unique keys"
+           + (f" ({desc})" if desc else ""), ""]
+    caps = t["capacities"]
+    if not caps:
+        return out
+    policies = [p for p in caps[0]["hit_rate"] if p != "py_lru"]
+    head = ["capacity"] + policies + ["best native / Belady"]
+    rows = []
+    for c in caps:
+        ch = c.get("checks", {})
+        best = ch.get("best_native")
+        rows.append([f"{c['fraction'] * 100:g}% = {c['rows']:,} rows"]
+                    + [num(c["hit_rate"][p], ".4f") for p in policies]
+                    + [f"{num(ch.get('best_ratio_to_belady'), '.4f')} ({best})" if best else "-"])
+    return out + table(head, rows) + [""]
+
+
+def render_w3(o: dict) -> list[str]:
+    out = ["Hit rates from a cold cache (a replay is deterministic: one run, no range).", ""]
+    tuned = o.get("tuned_on")
+    if tuned:
+        out += [f"Traces the policies' parameters were tuned on: {tuned}", ""]
+    for name, t in o.get("traces", {}).items():
+        out += w3_trace(name, t)
+    held = o.get("held_out")
+    out.append("**Held out** (never used to choose a parameter):")
+    out.append("")
+    if not held:
+        out += ["Not measured: this line has no held-out trace.", ""]
+    else:
+        for name, t in held.get("traces", {}).items():
+            out += w3_trace(name, t)
+    targets = o.get("targets") or {}
+    if targets:
+        out.append("- Targets on the tuning traces: " + ", ".join(f"{k}: {v}" for k, v in targets.items()))
+    if held and held.get("targets"):
+        out.append("- Targets on the held-out trace: " + ", ".join(f"{k}: {v}" for k, v in held["targets"].items()))
+    return out
+
+
+# ------------------------------------------------------------------ W4 / W4s
+W4_NAMES = {"hps": "hps", "torch": "PyTorch", "torchrec": "TorchRec"}
+
+
+def render_w4(o: dict) -> list[str]:
+    out = [f"{o.get('examples', 0):,} training examples, {o.get('eval_examples', 0):,} held out, batch "
+           f"{o.get('batch_size')}, MLP {o.get('mlp')}, {o.get('rounds')} round(s) (each system in its own "
+           "process, the systems taking turns); examples/s: median (min-max) over the rounds.", ""]
+    rows = []
+    for s in ("hps", "torch", "torchrec"):
+        e = o.get(s)
+        if not e:
+            continue
+        runs = e.get("examples_per_s_runs") or [e["examples_per_s"]]
+        rows.append([W4_NAMES[s], spread(e["examples_per_s"], min(runs), max(runs), ",.0f"), str(len(runs)),
+                     num(e.get("auc"), ".4f"), num(e.get("logloss"), ".4f")])
+    out += table(["system", "examples/s", "rounds", "eval AUC", "eval logloss"], rows) + [""]
+    out.append(f"- hps / PyTorch, examples/s: {per_round(o.get('ratio_per_round') or [])}")
+    if "ratio_over_torchrec_per_round" in o:
+        out.append(f"- hps / TorchRec, examples/s: {per_round(o['ratio_over_torchrec_per_round'])}")
+    if o.get("auc_difference") is not None:
+        out.append(f"- AUC hps - PyTorch: {o['auc_difference']:+.4f}")
+    p = (o.get("hps") or {}).get("pipeline") or {}
+    if p:
+        out.append(f"- W9, the median hps run: wall time / slowest stage {num(p.get('wall_over_slowest_stage'), '.2f')}"
+                   f", bound by {p.get('bound_by')}")
+    return out
+
+
+# ------------------------------------------------------------------ W5
+W5_NAMES = {"hps_ssd": "hps, table on SSD-PS", "rocksdb": "RocksDB peer", "hps_mem": "hps, table in memory"}
+
+
+def render_w5(o: dict) -> list[str]:
+    limit = o.get("memory_limit")
+    out = [f"{o.get('examples', 0):,} training examples, {o.get('repeat')} round(s), MLP {o.get('mlp')}; "
+           f"{o.get('table', {}).get('rows', 0):,} rows, the hps MEM budget "
+           f"{o.get('hps_mem_budget_bytes', 0) / 2**20:.1f} MiB; memory limit "
+           + (f"{limit / 2**30:.2f} GiB" if limit else "none") + "; examples/s: median (min-max) over the rounds.",
+           ""]
+    rows = []
+    for name, e in o.get("runs", {}).items():
+        if e.get("status") != "ok":
+            rows.append([W5_NAMES.get(name, name), str(e.get("status")), "-", "-", "-"])
+            continue
+        rng = e.get("examples_per_s_range") or {}
+        rows.append([W5_NAMES.get(name, name), "ok",
+                     spread(e["examples_per_s"], rng.get("min"), rng.get("max"), ",.0f"),
+                     str(len(e.get("examples_per_s_rounds") or [1])), num(e.get("auc"), ".4f")])
+    out += table(["run", "status", "examples/s", "rounds", "eval AUC"], rows) + [""]
+    ratios = o.get("ratios") or {}
+    for key, label in (("hps_ssd_over_rocksdb", "hps on SSD / RocksDB"),
+                       ("hps_ssd_over_hps_in_memory", "hps on SSD / hps in memory")):
+        if key in ratios:
+            out.append(f"- {label}, examples/s: {per_round(ratios[key + '_per_round'])}")
+        else:
+            out.append(f"- {label}: not measured (a side is missing or failed)")
+    h = o.get("runs", {}).get("hps_ssd", {})
+    if h.get("status") == "ok":
+        out.append(f"- hps on SSD, the median round: MEM-PS hit rate {num(h.get('mem_hit_rate'), '.3f')}, "
+                   f"{h.get('rows_from_ssd', 0):,} rows read back from SSD-PS, bound by "
+                   f"{(h.get('pipeline') or {}).get('bound_by')}")
+    return out
+
+
+# ------------------------------------------------------------------ W6
+def render_w6(o: dict) -> list[str]:
+    out = [f"{o.get('ranks')} ranks on {o.get('cores')} cores, {o.get('examples', 0):,} examples, batches of "
+           f"{o.get('batch_per_rank')} a rank, MLP {o.get('hidden')}; one run each.", ""]
+    rows = []
+    for r in o.get("kstep", []):
+        name = f"k-step Adam, k = {r['k']}" if r["dense_sync"] == "kstep" else "gradient all-reduce, torch Adam"
+        rows.append([name, num(r.get("auc"), ".4f"), num(r.get("auc_minus_k1"), "+.4f"),
+                     num(r.get("dense_bytes_per_rank", 0) / 1e6, ",.1f"), num(r.get("dense_bytes_over_k1"), ".3f"),
+                     str(r.get("dense_merges", "-")), num(r.get("examples_per_s"), ",.0f")])
+    out += table(["dense sync", "AUC", "AUC - (k = 1)", "dense MB sent per rank", "/ (k = 1)", "merges",
+                  "examples/s"], rows) + [""]
+    scaling = o.get("scaling") or []
+    if scaling:
+        one = scaling[0]["examples_per_s"]
+        rows = [[str(r["ranks"]), num(r["examples_per_s"], ",.0f"), f"{r['examples_per_s'] / one:.2f}",
+                 num(r.get("auc"), ".4f"),
+                 ", ".join(f"{v / 1e3:,.0f} kB" for v in r["sparse_bytes_per_rank_per_batch"].values())
+                 if r.get("sparse_bytes_per_rank_per_batch") else "-"] for r in scaling]
+        out += table(["ranks", "examples/s", "vs 1 rank", "AUC", "sparse bytes per rank per batch"], rows) + [""]
+    else:
+        out.append("Scaling over ranks: not measured in this run.")
+    return out
+
+
+RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4,
+          "w5": render_w5, "w6": render_w6}
+
+
+# ------------------------------------------------------------------ regions
+def region_body(wid: str, results_dir: str, root: str) -> str:
+    found = latest(results_dir, wid)
+    if found is None:
+        rel = os.path.relpath(os.path.join(results_dir, f"{wid}.jsonl"), root)
+        return (f"_Generated by `python3 bench/report.py`._ Not measured at this commit: `{rel}` holds no "
+                "result line yet.\n")
+    path, no, count, obj = found
+    try:
+        lines = provenance_lines(path, no, count, obj, root) + RENDER[wid](obj)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ReportError(f"{path}:{no}: the {wid} line lacks a field the table needs ({type(e).__name__}: {e})")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def check_markers(text: str, docs: str) -> None:
+    """Every opening marker has its closing one, in order, and names a workload."""
+    stack = []
+    for m in OPEN.finditer(text):
+        no = text.count("\n", 0, m.start()) + 1
+        closing, wid = m.group(1) == "/", m.group(2)
+        if wid not in RENDER:
+            raise ReportError(f"{docs}:{no}: unknown workload {wid!r} in a report marker "
+                              f"(known: {', '.join(WORKLOADS)})")
+        if not closing:
+            if stack:
+                raise ReportError(f"{docs}:{no}: report:{wid} opens inside report:{stack[-1][0]} "
+                                  f"(opened on line {stack[-1][1]})")
+            stack.append((wid, no))
+        elif not stack or stack[-1][0] != wid:
+            raise ReportError(f"{docs}:{no}: /report:{wid} closes nothing that is open")
+        else:
+            stack.pop()
+    if stack:
+        raise ReportError(f"{docs}:{stack[-1][1]}: report:{stack[-1][0]} is never closed")
+
+
+def render_docs(text: str, results_dir: str, docs: str, root: str) -> str:
+    check_markers(text, docs)
+    return REGION.sub(lambda m: f"<!-- report:{m['id']} -->\n{region_body(m['id'], results_dir, root)}"
+                                f"<!-- /report:{m['id']} -->", text)
+
+
+def add(paths: list[str], results_dir: str) -> list[str]:
+    """Files every benchmark JSON line of `paths` under results_dir; returns what it wrote."""
+    written = []
+    pending = []
+    for path in paths:
+        for no, obj in read_lines(path) if path != "-" else enumerate_stdin():
+            where = f"{path}:{no}"
+            wid = workload_of(obj)
+            if wid is None:
+                raise ReportError(f"{where}: benchmark {obj.get('benchmark')!r} is none of "
+                                  f"{', '.join(WORKLOADS)}")
+            check_provenance(obj, where)
+            if obj.get("quick"):
+                raise ReportError(f"{where}: a --quick line; the docs report full runs only")
+            pending.append((wid, obj))
+    os.makedirs(results_dir, exist_ok=True)
+    for wid, obj in pending:  # nothing is written unless every line is acceptable
+        target = os.path.join(results_dir, f"{wid}.jsonl")
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(json.dumps(obj, sort_keys=True) + "\n")
+        written.append(target)
+    return written
+
+
+def enumerate_stdin():
+    for no, text in enumerate(sys.stdin, 1):
+        if text.strip().startswith("{"):
+            try:
+                obj = json.loads(text)
+            except ValueError as e:
+                raise ReportError(f"<stdin>:{no}: not a JSON line ({e})") from None
+            yield no, obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the docs differ from their JSON lines")
+    ap.add_argument("--add", nargs="+", metavar="FILE", help="file these JSON lines ('-': stdin) under --results")
+    ap.add_argument("--docs", default=DOCS, help="the markdown file with the regions (default docs/benchmarks.md)")
+    ap.add_argument("--results", default=RESULTS, help="the folder of <workload>.jsonl (default docs/results)")
+    a = ap.parse_args(argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(a.docs)))
+    try:
+        if a.add:
+            for target in add(a.add, a.results):
+                print(f"report: added a line to {target}", file=sys.stderr)
+        with open(a.docs, encoding="utf-8") as f:
+            text = f.read()
+        new = render_docs(text, a.results, a.docs, root)
+    except (ReportError, OSError) as e:
+        print(f"report: {e}", file=sys.stderr)
+        return 2
+    if new == text:
+        print(f"report: {a.docs} is up to date", file=sys.stderr)
+        return 0
+    stale = [m["id"] for m, n in zip(REGION.finditer(text), REGION.finditer(new)) if m["body"] != n["body"]]
+    if a.check:
+        print(f"report: {a.docs} is out of date in region(s) {', '.join(stale)}; run python3 bench/report.py",
+              file=sys.stderr)
+        return 1
+    with open(a.docs, "w", encoding="utf-8") as f:
+        f.write(new)
+    print(f"report: rewrote region(s) {', '.join(stale)} of {a.docs}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""bench/report.py: the generated tables of docs/benchmarks.md come from the JSON lines
+in docs/results/, with their medians, ranges, per-round ratios and provenance, and
+--check notices when the docs and the lines disagree."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import report  # noqa: E402
+from _provenance import command_line, provenance  # noqa: E402
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def prov(date="2026-11-23T10:00:00Z", command="python3 bench/train_bench.py --rounds 3", dirty=()):
+    return {"commit": COMMIT, "dirty": list(dirty), "date": date, "command": command,
+            "machine": {"cpu_model": "Test CPU", "cpus": 2, "kernel": "6.1", "mem_gib": 24.0}}
+
+
+def w4_line(rates_hps, rates_torch, date="2026-11-23T10:00:00Z", mlp=(512, 256)):
+    def side(rates, auc):
+        return {"examples": 1000, "examples_per_s": sorted(rates)[len(rates) // 2] if len(rates) % 2 else
+                (sorted(rates)[len(rates) // 2 - 1] + sorted(rates)[len(rates) // 2]) / 2,
+                "examples_per_s_runs": rates, "auc": auc, "logloss": 0.45,
+                "pipeline": {"wall_over_slowest_stage": 1.07, "bound_by": "train"}}
+    return {"benchmark": "W4s train" if list(mlp) == [16] else "W4 train", "examples": 2_000_000,
+            "eval_examples": 200_000, "batch_size": 4096, "mlp": list(mlp), "rounds": len(rates_hps),
+            "quick": False, "hps": side(rates_hps, 0.8101), "torch": side(rates_torch, 0.8099),
+            "ratio_per_round": [h / t for h, t in zip(rates_hps, rates_torch)],
+            "auc_difference": 0.0002, "provenance": prov(date)}
+
+
+def w5_line(date="2026-11-23T11:00:00Z"):
+    def run(rates, auc):
+        return {"status": "ok", "examples_per_s": sorted(rates)[1], "examples_per_s_range":
+                {"min": min(rates), "max": max(rates)}, "examples_per_s_rounds": rates, "auc": auc,
+                "mem_hit_rate": 0.75, "rows_from_ssd": 123456, "pipeline": {"bound_by": "prefetch"}}
+    ssd, rocks, mem = [40000.0, 44000.0, 42000.0], [8000.0, 8000.0, 9000.0], [50000.0, 50000.0, 52000.0]
+    return {"benchmark": "W5 train, table 4x the MEM-PS budget", "examples": 1_000_000, "repeat": 3,
+            "mlp": [512, 256], "table": {"rows": 941712}, "hps_mem_budget_bytes": 56_000_000,
+            "memory_limit": 1 << 30, "quick": False,
+            "runs": {"hps_ssd": run(ssd, 0.80), "rocksdb": run(rocks, 0.80), "hps_mem": run(mem, 0.80)},
+            "ratios": {"hps_ssd_over_rocksdb": 5.0,
+                       "hps_ssd_over_rocksdb_per_round": [a / b for a, b in zip(ssd, rocks)],
+                       "hps_ssd_over_hps_in_memory": 0.84,
+                       "hps_ssd_over_hps_in_memory_per_round": [a / b for a, b in zip(ssd, mem)]},
+            "provenance": prov(date, "python3 bench/w5_bench.py --repeat 3")}
+
+
+def w2_line():
+    def stat(runs):
+        s = sorted(runs)
+        return {"median": s[1], "min": s[0], "max": s[2], "runs": runs}
+    ops = {op: {"hps_t1": stat([10.0, 12.0, 11.0]), "hps_t2": stat([19.0, 22.0, 20.0]),
+                "absl": stat([8.0, 9.0, 10.0]), "absl_pf": stat([12.0, 10.0, 11.0]), "boost": stat([9.0, 9.5, 8.5])}
+           for op in report.W2_OPS}
+    return {"benchmark": "W2", "name": "hash_table", "quick": False,
+            "config": {"keys": 10_000_000, "repeats": 3, "hps_load": 0.8, "peer_hugepages": True, "peer_prefetch": 8,
+                       "impls": ["hps_t1", "hps_t2", "absl", "absl_pf", "boost"]},
+            "results": {"16": {"load": {"hps_t1": 0.8, "absl": 0.6}, "ops": ops}},
+            "targets": {"rule": "r", "met": False, "misses": ["W=16 find_hit"]},
+            "provenance": prov(command="bench/hash_table.sh --repeats 3")}
+
+
+DOCS = """# Benchmarks
+
+## W4
+intro
+<!-- report:w4 -->
+stale text
+<!-- /report:w4 -->
+
+## W5
+<!-- report:w5 -->
+<!-- /report:w5 -->
+
+## W2
+<!-- report:w2 -->
+<!-- /report:w2 -->
+
+## W6
+<!-- report:w6 -->
+old hand-written figures
+<!-- /report:w6 -->
+tail
+"""
+
+
+@pytest.fixture
+def tree(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    (docs / "benchmarks.md").write_text(DOCS)
+    return docs
+
+
+def write_lines(path, *lines):
+    with open(path, "a") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+
+
+def run(tree, *args):
+    return report.main(["--docs", str(tree / "benchmarks.md"), "--results", str(tree / "results"), *args])
+
+
+def region(text, wid):
+    start = text.index(f"<!-- report:{wid} -->")
+    return text[start:text.index(f"<!-- /report:{wid} -->", start)]
+
+
+def test_w4_table_has_median_range_per_round_ratios_and_provenance(tree):
+    # The latest line by date is reported, wherever it sits in the file.
+    write_lines(tree / "results" / "w4.jsonl",
+                w4_line([100.0, 130.0, 120.0], [100.0, 100.0, 100.0], date="2026-11-23T12:00:00Z"),
+                w4_line([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], date="2026-11-22T12:00:00Z"))
+    assert run(tree) == 0
+    text = (tree / "benchmarks.md").read_text()
+    w4 = region(text, "w4")
+    assert "stale text" not in w4
+    assert "| hps | 120 (100-130) | 3 | 0.8101 | 0.4500 |" in w4  # median (min-max) over rounds
+    assert "| PyTorch | 100 | 3 |" in w4                           # one value: no range
+    assert "hps / PyTorch, examples/s: 1.20 (rounds: 1.00, 1.30, 1.20)" in w4
+    assert f"`{COMMIT[:12]}`" in w4 and "2026-11-23T12:00:00Z" in w4
+    assert "`python3 bench/train_bench.py --rounds 3`" in w4
+    assert "line 1, the latest of 2" in w4
+    assert "Test CPU, 2 CPUs" in w4
+    assert "wall time / slowest stage 1.07, bound by train" in w4
+    # Regions without lines say so, and replace what was written there by hand.
+    w6 = region(text, "w6")
+    assert "Not measured at this commit" in w6 and "old hand-written figures" not in w6
+    assert text.endswith("tail\n") and text.startswith("# Benchmarks\n\n## W4\nintro\n")
+
+
+def test_w5_and_w2_ratios_are_medians_of_the_same_round_ratios(tree):
+    write_lines(tree / "results" / "w5.jsonl", w5_line())
+    write_lines(tree / "results" / "w2.jsonl", w2_line())
+    assert run(tree) == 0
+    text = (tree / "benchmarks.md").read_text()
+    w5 = region(text, "w5")
+    assert "| hps, table on SSD-PS | ok | 42,000 (40,000-44,000) | 3 | 0.8000 |" in w5
+    assert "hps on SSD / RocksDB, examples/s: 5.00 (rounds: 5.00, 5.50, 4.67)" in w5
+    assert "hps on SSD / hps in memory, examples/s: 0.81 (rounds: 0.80, 0.88, 0.81)" in w5
+    w2 = region(text, "w2")
+    # hps_t1 runs 10, 12, 11 against the best peer of each repeat: 12 (absl_pf), 10 (absl), 11 (absl_pf).
+    assert "1.00 (rounds: 0.83, 1.20, 1.00), best by median: absl_pf" in w2
+    # Without the prefetching peer: best of absl and boost per repeat: 9, 9.5, 10.
+    assert "1.11 (rounds: 1.11, 1.26, 1.10), best by median: absl" in w2
+    assert "| insert | 11.00 (10.00-12.00) | 20.00 (19.00-22.00) |" in w2
+    assert "`bench/hash_table.sh --repeats 3`" in w2
+    assert "absl_pf prefetches 8 keys ahead" in w2
+
+
+def test_check_detects_drift_and_passes_once_rewritten(tree):
+    results = tree / "results" / "w4.jsonl"
+    write_lines(results, w4_line([100.0, 110.0, 120.0], [100.0, 100.0, 100.0]))
+    assert run(tree, "--check") == 1          # the docs still hold "stale text"
+    assert run(tree) == 0
+    assert run(tree, "--check") == 0
+    before = (tree / "benchmarks.md").read_text()
+    # A newer line changes the table: the docs are out of date again, and --check
+    # leaves them as they are.
+    write_lines(results, w4_line([200.0, 210.0, 220.0], [100.0, 100.0, 100.0], date="2026-11-24T00:00:00Z"))
+    assert run(tree, "--check") == 1
+    assert (tree / "benchmarks.md").read_text() == before
+    # So does a hand edit inside a region.
+    assert run(tree) == 0
+    edited = (tree / "benchmarks.md").read_text().replace("| hps | 210 (200-220)", "| hps | 250 (200-220)")
+    (tree / "benchmarks.md").write_text(edited)
+    assert run(tree, "--check") == 1
+
+
+def test_check_of_the_repository_docs_runs_on_their_own_results():
+    """The committed docs match the committed JSON lines."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_lines_without_provenance_or_of_another_workload_are_refused(tree, capsys):
+    line = w4_line([1.0], [1.0])
+    del line["provenance"]
+    write_lines(tree / "results" / "w4.jsonl", line)
+    assert run(tree) == 2
+    err = capsys.readouterr().err
+    assert "w4.jsonl:1" in err and "provenance" in err
+    (tree / "results" / "w4.jsonl").write_text(json.dumps(w5_line()) + "\n")
+    assert run(tree) == 2
+    assert "w4.jsonl:1: a w5 line" in capsys.readouterr().err
+    (tree / "results" / "w4.jsonl").write_text("{not json\n")
+    assert run(tree) == 2
+    assert "w4.jsonl:1: not a JSON line" in capsys.readouterr().err
+
+
+def test_unbalanced_or_unknown_markers_are_named_by_line(tree, capsys):
+    docs = tree / "benchmarks.md"
+    docs.write_text("a\n<!-- report:w4 -->\nb\n")
+    assert run(tree) == 2
+    assert "benchmarks.md:2: report:w4 is never closed" in capsys.readouterr().err
+    docs.write_text("a\n<!-- report:w9 -->\n<!-- /report:w9 -->\n")
+    assert run(tree) == 2
+    assert "benchmarks.md:2: unknown workload 'w9'" in capsys.readouterr().err
+
+
+def test_add_files_full_runs_and_refuses_quick_ones(tree, tmp_path, capsys):
+    full, w5 = tmp_path / "full.json", tmp_path / "w5.json"
+    write_lines(full, w4_line([1.0], [1.0], mlp=[16]))
+    write_lines(w5, w5_line())
+    assert run(tree, "--add", str(full), str(w5)) == 0
+    assert [json.loads(x)["benchmark"] for x in (tree / "results" / "w4s.jsonl").read_text().splitlines()] == \
+        ["W4s train"]
+    assert len((tree / "results" / "w5.jsonl").read_text().splitlines()) == 1
+    quick = tmp_path / "quick.json"
+    write_lines(quick, {**w4_line([1.0], [1.0]), "quick": True})
+    assert run(tree, "--add", str(quick), str(w5)) == 2
+    assert "quick.json:1: a --quick line" in capsys.readouterr().err
+    # Nothing of a refused batch was filed.
+    assert not (tree / "results" / "w4.jsonl").exists()
+    assert len((tree / "results" / "w5.jsonl").read_text().splitlines()) == 1
+
+
+def test_provenance_names_the_commit_and_the_command():
+    p = provenance([os.path.join(ROOT, "bench", "w5_bench.py"), "--repeat", "3", "--mlp", "16 32"])
+    assert p["command"] == "python3 bench/w5_bench.py --repeat 3 --mlp '16 32'"
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert p["commit"] == head.stdout.strip()
+        assert isinstance(p["dirty"], list)
+    assert p["date"].endswith("Z") and p["machine"]["cpus"] == os.cpu_count()
+    assert command_line(["bench/hash_table.sh", "--quick"]) == "bench/hash_table.sh --quick"
