@@ -7,13 +7,16 @@
 #   bench/hash_table.sh --keys 5e6 --repeats 5 --widths 16 --no-peer-hugepages
 #
 # Arguments go to hash_table_bench unchanged (--help lists them). Progress goes
-# to stderr; the final JSON line is printed and kept in
-# bench/results/hash_table-<date>.json.
+# to stderr; the final JSON line, stamped with its provenance (commit, date,
+# machine, this command: bench/_provenance.py), is printed and kept in
+# bench/results/hash_table-<date>.json; `python3 bench/report.py --add FILE`
+# files a full run's line for docs/benchmarks.md. HPS_BENCH_BUILD names the
+# build directory (default build-bench).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-build="$root/build-bench"
+build="$root/${HPS_BENCH_BUILD:-build-bench}"
 
 # ---- toolchain and peers: apt-get, only what is missing ----
 missing=()
@@ -44,7 +47,7 @@ mkdir -p "$root/bench/results"
 out="$root/bench/results/hash_table-$(date +%Y%m%d-%H%M%S).json"
 tmp="$out.partial"
 trap 'rm -f "$tmp"' EXIT
-"$build/bench/hash_table_bench" "$@" | tee "$tmp"
+"$build/bench/hash_table_bench" "$@" | python3 "$here/_provenance.py" stamp -- bench/hash_table.sh "$@" | tee "$tmp"
 if [ -s "$tmp" ]; then
   mv "$tmp" "$out"
   echo "hash_table.sh: result in ${out#"$root"/}" >&2
