@@ -289,11 +289,13 @@ def render_w3(o: dict) -> list[str]:
     else:
         for name, t in held.get("traces", {}).items():
             out += w3_trace(name, t)
-    targets = o.get("targets") or {}
-    if targets:
-        out.append("- Targets on the tuning traces: " + ", ".join(f"{k}: {v}" for k, v in targets.items()))
+    def listed(targets: dict) -> str:
+        return ", ".join(f"{k}: {format(v, '.4f') if isinstance(v, float) else v}" for k, v in targets.items())
+
+    if o.get("targets"):
+        out.append("- Targets on the tuning traces: " + listed(o["targets"]))
     if held and held.get("targets"):
-        out.append("- Targets on the held-out trace: " + ", ".join(f"{k}: {v}" for k, v in held["targets"].items()))
+        out.append("- Targets on the held-out trace: " + listed(held["targets"]))
     return out
 
 

@@ -232,3 +232,53 @@ def test_provenance_names_the_commit_and_the_command():
         assert isinstance(p["dirty"], list)
     assert p["date"].endswith("Z") and p["machine"]["cpus"] == os.cpu_count()
     assert command_line(["bench/hash_table.sh", "--quick"]) == "bench/hash_table.sh --quick"
+
+
+def w3_trace(a, seed, lru_hits, best_ratio):
+    return {"accesses": 1000, "unique_keys": 400, "zipf_a": a, "seed": seed, "universe": 500,
+            "capacities": [{"fraction": 0.05, "rows": 20,
+                            "hit_rate": {"lru": lru_hits / 1000, "tinylfu-lfu": 0.5, "py_lru": lru_hits / 1000,
+                                         "belady": 0.6},
+                            "checks": {"best_native": "tinylfu-lfu", "best_ratio_to_belady": best_ratio}}]}
+
+
+def test_w1_w3_w6_tables(tree):
+    docs = tree / "benchmarks.md"
+    docs.write_text("<!-- report:w1 -->\n<!-- /report:w1 -->\n<!-- report:w3 -->\n<!-- /report:w3 -->\n"
+                    "<!-- report:w6 -->\n<!-- /report:w6 -->\n")
+    store = {"status": "ok", "load": {"rows_per_s": 1e6},
+             "distributions": {"uniform": {"get_rows_per_s": {"median": 2e5, "min": 1e5, "max": 3e5},
+                                           "put_rows_per_s": {"median": 5e4, "min": 5e4, "max": 5e4}}}}
+    write_lines(tree / "results" / "w1.jsonl", {
+        "benchmark": "W1a ssd_store", "rows": 20_000_000, "row_bytes": 128, "batches": 40, "batch_keys": 100_000,
+        "dists": ["uniform"], "memory_limit": 1 << 30, "quick": False,
+        "stores": {"hps": store, "lmdb": {"status": "oom"}},
+        "ratios_hps_over_rocksdb_tuned": {"load": 2.5, "uniform": {"get_median": 3.25, "put_median": 1.5}},
+        "provenance": prov(command="python3 bench/ssd_store_bench.py --batches 40")})
+    write_lines(tree / "results" / "w3.jsonl", {
+        "benchmark": "W3 cache_policy", "quick": False, "tuned_on": "zipf a = 1.05",
+        "traces": {"zipf": w3_trace(1.05, 1234, 300, 0.95)},
+        "held_out": {"traces": {"zipf_heldout": w3_trace(0.8, 99, 100, 0.75)},
+                     "targets": {"min_best_ratio_to_belady": 0.75}},
+        "provenance": prov(command="python3 bench/cache_policy_bench.py")})
+    write_lines(tree / "results" / "w6.jsonl", {
+        "bench": "w6", "benchmark": "W6 distributed", "quick": False, "ranks": 4, "cores": 2, "examples": 2_000_000,
+        "batch_per_rank": 1024, "hidden": [512, 256],
+        "kstep": [{"dense_sync": "kstep", "k": 1, "auc": 0.8168, "auc_minus_k1": 0.0, "dense_bytes_per_rank": 1.3788e9,
+                   "dense_bytes_over_k1": 1.0, "dense_merges": 490, "examples_per_s": 24673.0}],
+        "scaling": [], "provenance": prov(command="python3 bench/w6_bench.py")})
+    assert run(tree) == 0
+    text = docs.read_text()
+    w1 = region(text, "w1")
+    assert "| hps | ok | 1,000,000 | 200,000 (100,000-300,000) | 50,000 |" in w1
+    assert "| lmdb | oom | - | - | - |" in w1
+    assert "hps / rocksdb_tuned (ratio of the batch medians, one run): load 2.50; uniform get 3.25, put 1.50" in w1
+    w3 = region(text, "w3")
+    tuned, held = w3.index("**zipf**"), w3.index("**Held out**")
+    assert tuned < held < w3.index("**zipf_heldout**")  # the held-out trace in its own section, after
+    assert "| 5% = 20 rows | 0.3000 | 0.5000 | 0.6000 | 0.9500 (tinylfu-lfu) |" in w3[:held]
+    assert "| 5% = 20 rows | 0.1000 | 0.5000 | 0.6000 | 0.7500 (tinylfu-lfu) |" in w3[held:]
+    assert "tuned on: zipf a = 1.05" in w3 and "Targets on the held-out trace: min_best_ratio_to_belady: 0.7500" in w3
+    w6 = region(text, "w6")
+    assert "| k-step Adam, k = 1 | 0.8168 | +0.0000 | 1,378.8 | 1.000 | 490 | 24,673 |" in w6
+    assert "Scaling over ranks: not measured in this run." in w6
