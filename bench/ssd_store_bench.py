@@ -49,6 +49,7 @@ import time
 import numpy as np
 
 from hps.data import mix64  # splitmix64's finaliser, a bijection of uint64
+from _provenance import provenance  # commit, date, machine, command of the JSON line (bench/ is sys.path[0])
 
 ROW_BYTES = 128
 SEED = 0x5EED_1234
@@ -653,7 +654,7 @@ def main():
     out = {"benchmark": "W1a ssd_store", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "rows": args.rows, "row_bytes": ROW_BYTES, "batches": args.batches,
            "batch_keys": args.batch_keys, "quick": args.quick, "dists": args.dists,
-           "zipf_a": ZIPF_A, "seed": SEED, "data_dir": args.dir, "machine": {
+           "zipf_a": ZIPF_A, "seed": SEED, "data_dir": args.dir, "provenance": provenance(), "machine": {
                "cpus": os.cpu_count(), "kernel": os.uname().release,
                "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
            "notes": ["batch keys are drawn with replacement and de-duplicated; rates are over unique keys",

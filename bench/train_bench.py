@@ -46,6 +46,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _provenance import provenance  # noqa: E402  (commit, date, machine, command of the JSON line)
 
 
 def log(*a):
@@ -200,7 +202,7 @@ def main():
     out = {"benchmark": "W4s train" if hidden == [16] else "W4 train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
            "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
-           "quick": a.quick, "machine": {"cpus": os.cpu_count()}}
+           "quick": a.quick, "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
     workdir = tempfile.mkdtemp(prefix="train-bench-", dir=os.path.join(HERE, "results"))
     try:
         log("== generating the data ==")

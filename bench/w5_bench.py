@@ -76,6 +76,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from ssd_store_bench import MemCgroup, du_bytes  # W1's memory cgroup, and du
+from _provenance import provenance  # commit, date, machine, command of the JSON line
 
 DIM = 16
 ROW_FLOATS = 2 * DIM                 # embedding + AdaGrad accumulator
@@ -238,6 +239,12 @@ def worker_hps(cfg: dict) -> dict:
         "ssd_rows_read": ssd["rows_read"], "ssd_rows_written": ssd["rows_written"],
         "ssd_compactions": ssd["compactions"], "ssd_io_path": ssd["io_path"],
         "mem_evictions": mem["evictions"], "mem_dirty_evictions": mem["dirty_evictions"],
+        # Counted apart by MemCache, the backing store and SSD-PS, so that a test can
+        # hold one against another: misses against rows loaded, rows cached against
+        # the capacity the budget bought, rows sunk against rows put on SSD-PS.
+        "mem_hits": mem["hits"], "mem_misses": mem["misses"], "rows_loaded": counts["mem_misses"],
+        "mem_rows_cached": mem["size"], "mem_rows_flushed": mem["rows_flushed"],
+        "ssd_rows_put": counts["ssd_rows_put"], "rows_pending_write": ps["pending_rows"],
         "process_io_in_training": io_delta(io0, at_train_end["io"]),
         # as train() left them (after eval and its final checkpoint):
         "final_eval_entry": {k: v for k, v in summary["final"].items() if k != "stages"},
@@ -508,7 +515,7 @@ def main():
            "hps_mem_budget_bytes": mem_budget, "table_over_budget": table_mem_bytes / mem_budget,
            "hps_in_memory_budget_bytes": in_memory_budget,
            "rocksdb_memory_bytes": rocks_total, "rocksdb_memory": rocks_memory(rocks_total),
-           "data_dir": args.dir}
+           "data_dir": args.dir, "provenance": provenance()}
     import importlib.metadata as md
     out["versions"] = {}
     for pkg in ("hps", "torch", "numpy", "rocksdict"):

@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from _provenance import provenance  # commit, date, machine, command of the JSON line (bench/ is sys.path[0])
+
 TOML = """
 hidden = {hidden}
 dense_lr = {lr}
@@ -162,7 +164,8 @@ def main() -> None:
             sparse = ", ".join(f"{v / 1e3:,.0f} kB" for v in sp.values()) if sp else "-"
             print(f"{r['ranks']:<8}{r['examples_per_s']:>10,.0f}{r['examples_per_s'] / one:>7.2f}"
                   f"{r['auc']:>8.4f}  {sparse}")
-    print(json.dumps({"bench": "w6", "ranks": a.ranks, "cores": a.cores, "examples": a.examples,
+    print(json.dumps({"bench": "w6", "benchmark": "W6 distributed", "quick": a.quick,
+                      "provenance": provenance(), "ranks": a.ranks, "cores": a.cores, "examples": a.examples,
                       "batch_per_rank": a.batch, "hidden": a.hidden, "kstep": runs, "scaling": scaling}))
 
 
