@@ -121,6 +121,99 @@ def test_a_crash_loses_only_what_followed_the_checkpoint(tmp_path):
     np.testing.assert_array_equal(ps.pull(probe), ref.pull(probe))
 
 
+MID_CHECKPOINT = textwrap.dedent("""
+    import os, signal, sys
+    import hps
+    sys.path.insert(0, {tests!r})
+    from test_parameter_server import config, random_steps
+    ps = hps.ParameterServer(config(sys.argv[1]))
+    for step, (keys, grads) in enumerate(random_steps(5, 40)):
+        ps.push(keys, grads)
+        if step == 19:
+            ps.checkpoint()
+            print("checkpointed", flush=True)
+    die = lambda *args, **kw: os.kill(os.getpid(), signal.SIGKILL)
+    where = sys.argv[2]
+    if where == "after the store's commit":
+        ps._snapshot_store = die
+    elif where == "in the middle of the snapshot":
+        link, calls = os.link, []
+        os.link = lambda *a, **kw: die() if len(calls) == 3 else (calls.append(1), link(*a, **kw))
+    elif where == "before the metadata names it":
+        ps._write_metadata = die
+    elif where == "after the metadata names it":
+        ps._prune = die
+    ps.checkpoint()
+    print("done", flush=True)
+""").format(tests=os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("where", ["after the store's commit", "in the middle of the snapshot",
+                                   "before the metadata names it", "after the metadata names it"])
+def test_a_crash_in_the_middle_of_a_checkpoint_rolls_back_to_the_one_before(tmp_path, where):
+    """The second checkpoint dies at `where`: until the metadata names it, the
+    server opens at the first checkpoint (step 19), with no trace of the second."""
+    path = tmp_path / "ps"
+    run = subprocess.run([sys.executable, "-c", MID_CHECKPOINT, str(path), where], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert run.stdout.split() == ["checkpointed"]
+    done = 40 if where == "after the metadata names it" else 20
+    cfg = config(path)
+    ref = reference(cfg)
+    for keys, grads in random_steps(5, done):
+        ref.push(keys, grads)
+    probe = np.arange(300, dtype=np.uint64)
+    ps = hps.ParameterServer.open(path)
+    assert ps.checkpoint_number == done // 20
+    np.testing.assert_array_equal(ps.pull(probe), ref.pull(probe))
+    assert sorted(os.listdir(path / hps.parameter_server.CHECKPOINTS)) == [f"{done // 20:06d}"]
+    # It goes on from there: more steps, a checkpoint, a reopen.
+    for keys, grads in random_steps(6, 10):
+        ps.push(keys, grads)
+        ref.push(keys, grads)
+    assert ps.checkpoint() == done // 20 + 1
+    ps.close()
+    ps = hps.ParameterServer.open(path)
+    np.testing.assert_array_equal(ps.pull(probe), ref.pull(probe))
+    assert sorted(os.listdir(path / hps.parameter_server.CHECKPOINTS)) == [f"{done // 20 + 1:06d}"]
+
+
+def test_a_checkpoint_outlives_the_compactions_that_delete_its_files(tmp_path):
+    """Compactions after a checkpoint delete the store's files it holds; a server
+    opened again gets the checkpoint back from its own links. Opened at a
+    chosen checkpoint (an MPI job's), the later ones are dropped."""
+    cfg = config(tmp_path / "ps", ssd=hps.SsdOptions(file_records=16, compaction_trigger=1.1))
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    probe = np.arange(300, dtype=np.uint64)
+    for keys, grads in random_steps(7, 20):
+        ps.push(keys, grads)
+        ref.push(keys, grads)
+    assert ps.checkpoint(keep_previous=True) == 1
+    at_first = ref.pull(probe)
+    snapshot = os.path.join(ps.checkpoint_dir(1), "ssd")
+    files = {f for f in os.listdir(snapshot) if f.endswith(".hpf")}
+    for keys, grads in random_steps(8, 20):
+        ps.push(keys, grads)
+        ref.push(keys, grads)
+        ps.checkpoint(keep_previous=True)  # commits: compactions run and delete files
+    ps._ssd.wait_for_compaction()
+    assert ps._ssd.stats()["compactions"] > 0
+    live = {f for f in os.listdir(os.path.join(cfg.path, "ssd")) if f.endswith(".hpf")}
+    assert files - live, "no file of checkpoint 1 was compacted away"
+    assert ps.checkpoint_number == 21 and len(os.listdir(os.path.join(cfg.path, "checkpoints"))) == 21
+    ps.close()
+    ps = hps.ParameterServer(cfg, checkpoint=1)
+    np.testing.assert_array_equal(ps.pull(probe), at_first)
+    assert ps.checkpoint_number == 1 and os.listdir(os.path.join(cfg.path, "checkpoints")) == ["000001"]
+    ps.close()
+    with pytest.raises(FileNotFoundError, match="checkpoint 5 of .* is missing"):
+        hps.ParameterServer(cfg, checkpoint=5)
+    ps = hps.ParameterServer(cfg, checkpoint=None)  # none: empty, as new
+    assert ps.checkpoint_number is None and not os.path.exists(os.path.join(cfg.path, "checkpoints", "000001"))
+    np.testing.assert_array_equal(ps.pull(probe), reference(cfg).pull(probe))
+
+
 def test_errors_name_what_is_wrong(tmp_path):
     cfg = config(tmp_path / "ps")
     ps = hps.ParameterServer(cfg)

@@ -149,11 +149,18 @@ def main(argv=None) -> int:
     d.add_argument("--report", help="report directory (default: <path>/report)")
     _add_common(d)
     a = ap.parse_args(argv)
+    from hps.errors import HpsError
     try:
         return cmd_train(a) if a.command == "train" else cmd_demo(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # the config, the paths, the data
         print(f"hps {a.command}: {e}", file=sys.stderr)
         return 2
+    except (HpsError, OSError) as e:  # the system: a full disk (naming the file), a failed read
+        print(f"hps {a.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        if a.command == "train":
+            print(f"hps {a.command}: the last finished checkpoint is intact; once the cause is fixed, "
+                  f"run again with --resume to continue from it", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -466,8 +466,13 @@ class DistributedServer:
                 return
             yield _StepData(empty if done else batch, int(flags[1]))
 
-    def checkpoint(self) -> None:
-        self.local.checkpoint()
+    def checkpoint(self, save=None, *, keep_previous: bool = False) -> int:
+        """This rank's ParameterServer.checkpoint (local: the job's consistency is
+        hps.train's, which keeps the previous checkpoint until every rank is done)."""
+        return self.local.checkpoint(save, keep_previous=keep_previous)
+
+    def prune_checkpoints(self) -> None:
+        self.local.prune_checkpoints()
 
     def stats(self) -> dict:
         s = self.local.stats()

@@ -8,16 +8,39 @@ device, then one optimizer step per key); the updated rows go back to MEM-PS,
 and from there, when evicted, to SSD-PS. A row never seen is initialised as a
 pure function of (seed, key), so it needs no storage until it is updated.
 
-checkpoint() makes everything durable; ParameterServer.open(path) resumes
-from the last checkpoint exactly. A crash between checkpoints loses the
-updates since the last one and nothing else: SSD-PS drops the files it wrote
-after its last commit.
+checkpoint() makes everything durable as a numbered snapshot under
+``<path>/checkpoints``; ParameterServer.open(path) resumes from the last
+checkpoint exactly. A crash at any moment, in the middle of a checkpoint too,
+loses the updates since the last finished checkpoint and nothing else.
+
+Layout of ``<path>``::
+
+    hps-parameter-server.json   the config, and the number of the last finished checkpoint
+    ssd/                        the live SSD-PS store
+    checkpoints/000007/         checkpoint 7: ssd/ (hard links to its parameter files, a
+                                copy of the store's MANIFEST and STORE) and what the
+                                caller saved beside it (hps train: trainer-state.pt)
+
+How a checkpoint is made (ParameterServer.checkpoint): the dirty MEM-PS rows go
+to SSD-PS and the store commits; then the snapshot is made in
+``checkpoints/000007.tmp`` and renamed into place; then the metadata names it.
+That last atomic rename is the commit point: until it, opening rolls back to the
+checkpoint before. Parameter files are immutable, so a hard link is a cheap
+and exact copy of one, and a snapshot holds its own links, so the files of a
+checkpoint outlive a compaction that deletes them from the live store. Only
+the MANIFEST (appended to) and the STORE marker are copied.
+
+Opening rebuilds the live store from the checkpoint the metadata names (or the
+one asked for: an MPI job rolls every rank back to the checkpoint that all of
+them finished), so nothing written after that checkpoint survives, and drops
+every other snapshot. A server with no checkpoint yet opens empty, as it started.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import shutil
 import threading
 import time
 try:
@@ -35,7 +58,11 @@ from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.ssd_store import SsdStore
 
 METADATA = "hps-parameter-server.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checkpoints are snapshots under checkpoints/ (1: the live store was the checkpoint)
+CHECKPOINTS = "checkpoints"
+LAST = "last"  # ParameterServer(checkpoint=LAST): the checkpoint the metadata names
+_STORE_DIR = "ssd"
+_MANIFEST = "MANIFEST"  # the store's (docs/ssd_format.md), appended to: a snapshot copies it
 
 _OPTIMIZERS = {"sgd": SGD, "adagrad": AdaGrad, "rowwise_adagrad": RowWiseAdaGrad, "adam": Adam}
 _INITIALIZERS = {"uniform": Uniform, "normal": Normal, "zeros": Zeros}
@@ -124,6 +151,66 @@ class ParameterServerConfig:
         return {"dim": self.dim, "optimizer.kind": self.optimizer.kind,
                 "initializer": dataclasses.asdict(self.initializer) | {"kind": self.initializer.kind},
                 "seed": self.seed}
+
+
+# ---------------------------------------------------------------- durable files
+# Errors name the file: an OSError of a write (a full disk, say) does not.
+
+def _write_durable(path: str, data: bytes) -> None:
+    """data into a new file at path, synced."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise OSError(e.errno, f"write: {e.strerror}", path) from None
+
+
+def _replace_durable(src: str, dst: str) -> None:
+    os.replace(src, dst)
+    _sync_dir(os.path.dirname(dst) or ".")
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise OSError(e.errno, f"sync directory: {e.strerror}", path) from None
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _read_or_empty(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
+def _copy_store(src: str, dst: str) -> None:
+    """A snapshot's store (src) into the empty directory dst: its parameter files
+    (immutable) as hard links, its MANIFEST and STORE copied."""
+    for name in sorted(os.listdir(src)):
+        source, target = os.path.join(src, name), os.path.join(dst, name)
+        if name.endswith(".hpf"):
+            os.link(source, target)
+        else:
+            _write_durable(target, _read_or_empty(source))
+    _sync_dir(dst)
 
 
 def _build(spec, table: dict, where: str):
@@ -396,16 +483,28 @@ class ParameterServer:
     """
 
     def __init__(self, config: ParameterServerConfig,
-                 partitioner: Optional[Callable[[np.ndarray, int], np.ndarray]] = None):
+                 partitioner: Optional[Callable[[np.ndarray, int], np.ndarray]] = None, *,
+                 checkpoint: Union[int, None, str] = LAST):
+        """``checkpoint``: which checkpoint an existing server resumes from: LAST
+        (the last finished one, which the metadata names), a number (an MPI job
+        rolls every rank back to the one all of them finished), or None (none:
+        the server starts empty, as new). Opening drops every other checkpoint."""
         self.config = config
         self.dim = config.dim
         self._native_opt = native_optimizer(config.dim, config.optimizer, config.initializer, config.seed)
         self.row_floats = self._native_opt.row_floats
         row_bytes = 4 * self.row_floats
         os.makedirs(config.path, exist_ok=True)
-        if self._check_path():
-            self._write_metadata(checkpoints=0)  # first: a crash from here on leaves a server to open
-        self._ssd = SsdStore(os.path.join(config.path, "ssd"), row_bytes, file_records=config.ssd.file_records,
+        meta = self._check_path()
+        if meta is None:
+            if checkpoint not in (LAST, None):
+                raise FileNotFoundError(f"{config.path} holds no parameter server, so no checkpoint {checkpoint}")
+            self._write_metadata(checkpoint=None)  # first: a crash from here on leaves a server to open
+            checkpoint = None
+        elif checkpoint == LAST:
+            checkpoint = meta.get("checkpoint")
+        self._checkpoint = self._restore(checkpoint, meta)
+        self._ssd = SsdStore(os.path.join(config.path, _STORE_DIR), row_bytes, file_records=config.ssd.file_records,
                              compaction_trigger=config.ssd.compaction_trigger,
                              use_io_uring=config.ssd.use_io_uring, direct_io=config.ssd.direct_io)
         # Evicted rows gather in the write buffer, then go to SSD-PS in large puts;
@@ -452,40 +551,117 @@ class ParameterServer:
     def _metadata_path(self) -> str:
         return os.path.join(self.config.path, METADATA)
 
-    def _check_path(self) -> bool:
-        """Whether the path is new; raises if it holds something else."""
+    def _check_path(self) -> Optional[dict]:
+        """The stored metadata, or None when the path is new; raises if it holds something else."""
         meta_path = self._metadata_path()
         if not os.path.exists(meta_path):
             if os.listdir(self.config.path):
                 raise ValueError(f"{self.config.path} is not empty and holds no parameter server "
                                  f"(no {METADATA}); give a new or empty directory")
-            return True
+            return None
         with open(meta_path) as f:
             meta = json.load(f)
         if meta.get("format") != FORMAT_VERSION:
-            raise ValueError(f"{meta_path}: format {meta.get('format')}, this build reads {FORMAT_VERSION}")
+            raise ValueError(f"{meta_path}: format {meta.get('format')}, this build reads {FORMAT_VERSION} "
+                             f"(format 1 kept no checkpoint snapshots; train it again with this build)")
         stored = ParameterServerConfig.from_dict({**meta["config"], "path": self.config.path}, source=meta_path)
         mine, theirs = self.config.layout(), stored.layout()
         for name in ParameterServerConfig.LAYOUT_FIELDS:
             if mine[name] != theirs[name]:
                 raise ValueError(f"{self.config.path} holds a parameter server with {name} = {theirs[name]!r}, "
                                  f"not {mine[name]!r}; open it with ParameterServer.open(path) or use a new path")
-        return False
+        return meta
 
-    def _write_metadata(self, checkpoints: int) -> None:
-        meta = {"format": FORMAT_VERSION, "hps_version": _core.__version__, "checkpoints": checkpoints,
+    def _write_metadata(self, checkpoint: Optional[int]) -> None:
+        """The metadata, naming the last finished checkpoint; replaced atomically
+        (this rename is a checkpoint's commit point)."""
+        meta = {"format": FORMAT_VERSION, "hps_version": _core.__version__, "checkpoint": checkpoint,
                 "config": {k: v for k, v in self.config.to_dict().items() if k != "path"}}
-        tmp = self._metadata_path() + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._metadata_path())
-        fd = os.open(self.config.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        path = self._metadata_path()
+        _write_durable(path + ".tmp", json.dumps(meta, indent=1).encode())
+        _replace_durable(path + ".tmp", path)
+
+    # ------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_number(self) -> Optional[int]:
+        """The number of the last finished checkpoint (None: none yet)."""
+        return self._checkpoint
+
+    def checkpoint_dir(self, number: Optional[int] = None) -> Optional[str]:
+        """The directory of checkpoint `number` (default: the last finished one;
+        None when there is none), where checkpoint(save=...) saved its files."""
+        number = self._checkpoint if number is None else number
+        if number is None:
+            return None
+        return os.path.join(self.config.path, CHECKPOINTS, f"{number:06d}")
+
+    def _restore(self, number: Optional[int], meta: Optional[dict]) -> Optional[int]:
+        """Rebuilds the live store from checkpoint `number` (None: an empty store)
+        and drops every other checkpoint. Runs before the store opens; a crash in
+        the middle leaves the snapshot as it was, and the next open does it again."""
+        root = self.config.path
+        live, staging = os.path.join(root, _STORE_DIR), os.path.join(root, _STORE_DIR + ".restore")
+        _remove_tree(staging)
+        if number is not None:
+            snapshot = self.checkpoint_dir(number)
+            if not os.path.isdir(snapshot):
+                raise FileNotFoundError(f"{snapshot}: checkpoint {number} of {root} is missing")
+            os.makedirs(staging)
+            _copy_store(os.path.join(snapshot, _STORE_DIR), staging)
+        _remove_tree(live)
+        if number is not None:
+            os.rename(staging, live)
+        _sync_dir(root)
+        if meta is not None and meta.get("checkpoint") != number:
+            self._write_metadata(number)  # before the snapshots after `number` go
+        self._prune(keep=number)
+        return number
+
+    def _prune(self, keep: Optional[int]) -> None:
+        """Removes every snapshot but checkpoint `keep` (and unfinished ones)."""
+        root = os.path.join(self.config.path, CHECKPOINTS)
+        if not os.path.isdir(root):
+            return
+        kept = None if keep is None else f"{keep:06d}"
+        gone = [name for name in sorted(os.listdir(root)) if name != kept]
+        for name in gone:
+            _remove_tree(os.path.join(root, name))
+        if gone:
+            _sync_dir(root)
+
+    def prune_checkpoints(self) -> None:
+        """Drops the checkpoints before the last finished one (checkpoint(keep_previous=True)
+        kept them: an MPI job drops them once job.json names the new one)."""
+        with self._load_lock:
+            self._prune(keep=self._checkpoint)
+
+    def _snapshot_store(self, dst: str) -> None:
+        """Hard links of the live store's parameter files and a copy of its
+        MANIFEST and STORE into dst. The MANIFEST is read before and after the
+        links: if a compaction committed in between, it may have deleted a file
+        that the first read lists, so the files are linked again (those not yet
+        linked) until a pass sees no commit. A link to a file that the copied
+        MANIFEST does not list is harmless: the store removes it when opened."""
+        src = os.path.join(self.config.path, _STORE_DIR)
+        linked: set = set()
+        for _ in range(1000):
+            before = _read_or_empty(os.path.join(src, _MANIFEST))
+            for name in sorted(os.listdir(src)):
+                if name.endswith(".hpf") and name not in linked:
+                    try:
+                        os.link(os.path.join(src, name), os.path.join(dst, name))
+                    except FileNotFoundError:  # deleted by a compaction meanwhile
+                        continue
+                    linked.add(name)
+            if _read_or_empty(os.path.join(src, _MANIFEST)) == before:
+                break
+        else:
+            raise RuntimeError(f"{src}: the store's MANIFEST changed during each of 1000 snapshot passes")
+        _write_durable(os.path.join(dst, _MANIFEST), before)
+        for name in os.listdir(src):
+            if not name.endswith((".hpf", ".tmp")) and name != _MANIFEST:
+                _write_durable(os.path.join(dst, name), _read_or_empty(os.path.join(src, name)))
+        _sync_dir(dst)
 
     # ------------------------------------------------------------ plumbing
     def _count(self, **amounts) -> None:
@@ -650,9 +826,15 @@ class ParameterServer:
             raise ValueError(f"a batch of {len(uniq)} distinct keys puts {int(per_device.max())} on one device, "
                              f"more than device_capacity = {self.config.device_capacity}; raise device_capacity")
 
-    def checkpoint(self) -> None:
-        """Makes the whole state durable: dirty MEM-PS rows to SSD-PS, an SSD-PS
-        commit, then the metadata. Waits for a batch in flight to finish."""
+    def checkpoint(self, save: Optional[Callable[[str], None]] = None, *, keep_previous: bool = False) -> int:
+        """Makes the whole state durable as the next numbered checkpoint and returns
+        its number: dirty MEM-PS rows to SSD-PS, an SSD-PS commit, a snapshot of
+        the store in checkpoint_dir(number) (``save(dir)`` adds the caller's files
+        there: hps train's dense state), then the metadata names it. A crash
+        before that last step leaves the previous checkpoint as the one to open.
+        The previous snapshot is dropped after, unless ``keep_previous`` (an MPI
+        job keeps it until every rank has finished this one: prune_checkpoints()).
+        Waits for a batch in flight to finish."""
         with self._load_lock:
             for slot in self._slots:
                 slot.free.wait()
@@ -662,10 +844,24 @@ class ParameterServer:
             self._cache.flush_dirty()
             self._backing.flush()
             self._ssd.commit()
+            number = (self._checkpoint or 0) + 1
+            final = self.checkpoint_dir(number)
+            tmp = final + ".tmp"
+            for leftover in (tmp, final):  # of a checkpoint that a crash left unfinished
+                _remove_tree(leftover)
+            os.makedirs(os.path.join(tmp, _STORE_DIR))
+            self._snapshot_store(os.path.join(tmp, _STORE_DIR))
+            if save is not None:
+                save(tmp)
+            _sync_dir(tmp)
+            os.rename(tmp, final)
+            _sync_dir(os.path.dirname(final))
+            self._write_metadata(number)  # the commit point
+            self._checkpoint = number
             self._count(checkpoints=1)
-            with open(self._metadata_path()) as f:
-                done = json.load(f).get("checkpoints", 0)
-            self._write_metadata(checkpoints=done + 1)
+            if not keep_previous:
+                self._prune(keep=number)
+            return number
 
     def stats(self) -> dict:
         backing = self._backing.counts()

@@ -5,34 +5,44 @@ A run is a ``TrainConfig`` (TOML: top-level training fields and the tables
 ``[data]``, ``[distributed]``). The model is ``hps.torch.CtrModel``: its embeddings live in the
 parameter server (sparse optimizer there), its MLP in torch (Adam). Evaluation
 (AUC, logloss) runs on held-out examples every ``eval_every`` batches and at the
-end; ``checkpoint_every`` batches the parameter server checkpoints and the dense
-state is saved beside it, so ``resume=True`` continues from the last checkpoint.
+end; ``checkpoint_every`` batches the parameter server checkpoints with the dense
+state saved inside its snapshot, so ``resume=True`` continues from the last
+checkpoint to exactly the parameters of an uninterrupted run (with torch_threads
+fixed). A crash at any moment, in the middle of a checkpoint too, rolls back to
+the last finished checkpoint; one before the first checkpoint leaves nothing to
+resume, and the next run, with or without ``resume``, starts over from batch 0
+and says so. The data sources are opened before anything is written, so a bad
+data path leaves nothing behind.
 
 Under ``mpiexec -n N`` every rank is a node (hps.distributed): its parameter
 server lives in ``<path>/rank<r>``, it reads its share of the data, and
-``<path>/job.json`` records the world size and the step of the last checkpoint
-that every rank completed.
+``<path>/job.json`` records the world size and the checkpoint (number and step)
+that every rank finished; each rank keeps its previous checkpoint until job.json
+names the new one, and a resumed job rolls every rank back to the one job.json names.
 """
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from hps import data as hdata
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
-from hps.parameter_server import ParameterServer, ParameterServerConfig, check_fields, load_toml
+from hps.parameter_server import (CHECKPOINTS, LAST, METADATA, ParameterServer, ParameterServerConfig,
+                                  _remove_tree, _replace_durable, _write_durable, check_fields, load_toml)
 from hps.pipeline import Loaded, Pipeline
 
-TRAINER_STATE = "trainer-state.pt"
+TRAINER_STATE = "trainer-state.pt"  # in each checkpoint's directory (ParameterServer.checkpoint_dir)
 JOB_MANIFEST = "job.json"
+SUMMARY = "train-summary.json"
 
 
 @dataclass
@@ -259,7 +269,10 @@ class Trainer:
     of the job's (``<path>/rank<r>``) and the dense parameters are kept in step
     with the other ranks' (DenseSync)."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False, node: Optional[Node] = None):
+    def __init__(self, cfg: TrainConfig, resume: bool = False, node: Optional[Node] = None,
+                 checkpoint: Union[int, None, str] = LAST):
+        """``checkpoint``: in a job, the checkpoint job.json names (None: none yet),
+        to which this rank rolls back; alone, LAST (the last one finished)."""
         torch = import_torch()
         from hps.torch import CtrModel
         self.torch = torch
@@ -274,20 +287,28 @@ class Trainer:
         if node is not None:
             ps_cfg = dataclasses.replace(cfg.ps, path=os.path.join(cfg.ps.path, f"rank{node.rank}"))
         path = ps_cfg.path
-        has_ps = os.path.exists(os.path.join(path, "hps-parameter-server.json"))
         job = os.path.join(cfg.ps.path, JOB_MANIFEST)
         if node is None and os.path.exists(job):
             with open(job) as f:
                 world = json.load(f)["world"]
             raise ValueError(f"{cfg.ps.path} holds a distributed job of {world} ranks; run it with "
                              f"mpiexec -n {world} hps train ...")
-        if resume and not has_ps:
-            raise FileNotFoundError(f"--resume: {path} holds no parameter server to resume")
-        if not resume and has_ps:
-            raise ValueError(f"{path} already holds a parameter server; pass --resume to continue it, "
-                             f"or give a new path")
+        has_ps, stored = stored_checkpoint(path)
+        if node is None:
+            if has_ps and stored is not None and not resume:
+                raise ValueError(f"{path} already holds a parameter server (checkpoint {stored}); pass --resume "
+                                 f"to continue it, or give a new path")
+            if has_ps and stored is None:
+                _notice(f"{path} holds a run that ended before its first checkpoint: starting it over "
+                        f"from batch 0")
+            elif resume and not has_ps:
+                _notice(f"--resume: {path} holds no checkpoint yet: starting from batch 0")
+            checkpoint = stored
+        if has_ps and checkpoint is None:
+            _discard_run(path)  # nothing durable to keep; a new config may differ in layout
         self.state_dir = path
-        self.ps = ParameterServer(ps_cfg)
+        self.ps = ParameterServer(ps_cfg, checkpoint=checkpoint)
+        self.local_ps = self.ps
         self.model = CtrModel(self.ps, num_fields=26, num_dense=13, hidden=cfg.hidden, seed=cfg.seed)
         self.dense_sync = None
         params = list(self.model.mlp.parameters())
@@ -302,17 +323,16 @@ class Trainer:
         self.batches_done = 0
         self.examples_done = 0
         self.history: list[dict] = []
-        if resume:
+        if checkpoint is not None:
             self._load_state()
 
     # -- state
-    def _state_path(self) -> str:
-        return os.path.join(self.state_dir, TRAINER_STATE)
-
     def _load_state(self) -> None:
-        path = self._state_path()
+        """The dense state saved in the checkpoint the parameter server resumed from."""
+        path = os.path.join(self.local_ps.checkpoint_dir(), TRAINER_STATE)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"--resume: {path} is missing (no checkpoint of the dense model yet)")
+            raise FileNotFoundError(f"--resume: {path} is missing: checkpoint {self.local_ps.checkpoint_number} "
+                                    f"of {self.state_dir} holds no dense state (not made by hps train)")
         state = self.torch.load(path, weights_only=False)
         self.model.mlp.load_state_dict(state["mlp"])
         self.opt.load_state_dict(state["opt"])
@@ -322,24 +342,37 @@ class Trainer:
             self.dense_sync.load_state_dict(state["dense_sync"])
 
     def checkpoint(self) -> None:
-        """The parameter server first, then the dense state naming the same step;
-        in a job, every rank's, then the job manifest naming that step."""
-        self.ps.checkpoint()
-        tmp = self._state_path() + ".tmp"
+        """One checkpoint of the whole model: the parameter server's snapshot, with
+        the dense state (MLP, optimizer, counters) saved inside it, so both name
+        the same batch and a crash at any point leaves the previous checkpoint
+        whole. In a job: every rank's (keeping its previous one), then rank 0
+        records in job.json the checkpoint every rank finished, and only then
+        do the ranks drop their previous ones."""
         state = {"mlp": self.model.mlp.state_dict(), "opt": self.opt.state_dict(),
                  "batches_done": self.batches_done, "examples_done": self.examples_done,
                  "history": self.history}
         if self.dense_sync is not None:
             state["dense_sync"] = self.dense_sync.state_dict()
-        self.torch.save(state, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self._state_path())
-        if self.node is not None:
-            steps = self.node.allgather("train", self.batches_done, "checkpoint")
-            if self.node.rank == 0:
-                _write_json_atomic(os.path.join(self.cfg.ps.path, JOB_MANIFEST),
-                                   {"world": self.node.size, "step": min(steps)})
+        buf = io.BytesIO()
+        self.torch.save(state, buf)
+        data = buf.getvalue()
+
+        def save(directory: str) -> None:
+            _write_durable(os.path.join(directory, TRAINER_STATE), data)
+
+        if self.node is None:
+            self.ps.checkpoint(save)
+            return
+        number = self.ps.checkpoint(save, keep_previous=True)
+        done = self.node.allgather("train", (number, self.batches_done), "checkpoint")
+        if len(set(done)) > 1:
+            detail = ", ".join(f"rank {r}: checkpoint {n} at batch {b}" for r, (n, b) in enumerate(done))
+            raise RuntimeError(f"the ranks' checkpoints disagree ({detail})")
+        if self.node.rank == 0:
+            _write_json_atomic(os.path.join(self.cfg.ps.path, JOB_MANIFEST),
+                               {"world": self.node.size, "step": self.batches_done, "checkpoint": number})
+        self.node.allgather("train", None, "checkpoint recorded in job.json")
+        self.ps.prune_checkpoints()
 
     # -- steps
     def step(self, loaded: Loaded) -> None:
@@ -396,12 +429,39 @@ class Trainer:
 
 
 def _write_json_atomic(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_durable(path + ".tmp", json.dumps(obj, indent=1).encode())
+    _replace_durable(path + ".tmp", path)
+
+
+def _notice(message: str) -> None:
+    print(f"hps train: {message}", file=sys.stderr, flush=True)
+
+
+def stored_checkpoint(path: str) -> tuple[bool, Optional[int]]:
+    """(whether path holds a parameter server, the number of its last finished
+    checkpoint or None)."""
+    try:
+        with open(os.path.join(path, METADATA)) as f:
+            return True, json.load(f).get("checkpoint")
+    except FileNotFoundError:
+        return False, None
+
+
+def load_trainer_state(path: str) -> dict:
+    """The dense state (``mlp``, ``opt``, ``batches_done``, ...) of the last
+    checkpoint of the parameter server at path (a job's: ``<path>/rank<r>``)."""
+    import torch
+    has_ps, number = stored_checkpoint(path)
+    if number is None:
+        raise FileNotFoundError(f"{path} holds no checkpoint" + ("" if has_ps else " (no parameter server)"))
+    return torch.load(os.path.join(path, CHECKPOINTS, f"{number:06d}", TRAINER_STATE), weights_only=False)
+
+
+def _discard_run(path: str) -> None:
+    """Removes what a run that never finished a checkpoint left at path: nothing
+    in it is durable state (a parameter server opens such a run empty anyway)."""
+    for name in (METADATA, "ssd", "ssd.restore", CHECKPOINTS, SUMMARY, TRAINER_STATE):
+        _remove_tree(os.path.join(path, name))
 
 
 def _collective(node: Optional[Node], fn):
@@ -421,37 +481,57 @@ def _collective(node: Optional[Node], fn):
     return result
 
 
-def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> None:
-    """Rank 0 checks and writes <path>/job.json (world size, checkpoint step)."""
+def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
+    """Rank 0 checks <path>/job.json (world size; the checkpoint every rank
+    finished), or writes a new one; every rank gets the checkpoint to roll back
+    to (None: start from batch 0)."""
     def check():
         if node.rank != 0:
-            return
+            return None
         root = cfg.ps.path
         manifest = os.path.join(root, JOB_MANIFEST)
-        if resume:
-            if not os.path.exists(manifest):
-                raise FileNotFoundError(f"--resume: {root} holds no distributed job (no {JOB_MANIFEST})")
+        job = None
+        if os.path.exists(manifest):
             with open(manifest) as f:
                 job = json.load(f)
+        if resume and job is not None:
             if job["world"] != node.size:
                 raise ValueError(f"{manifest}: the job ran on {job['world']} ranks, this run has {node.size}; "
                                  f"resume it with mpiexec -n {job['world']}")
-        else:
-            if os.path.exists(root) and os.listdir(root):
-                raise ValueError(f"{root} is not empty; pass --resume to continue the job there, or give a new path")
-            os.makedirs(root, exist_ok=True)
-            _write_json_atomic(manifest, {"world": node.size, "step": 0})
-    _collective(node, check)
+            if job.get("checkpoint") is None:
+                _notice(f"--resume: the job at {root} ended before its first checkpoint: starting it over "
+                        f"from batch 0")
+            return job.get("checkpoint")
+        if job is not None and job.get("checkpoint") is None:
+            _notice(f"{root} holds a job that ended before its first checkpoint: starting it over from batch 0")
+            for r in range(job["world"]):
+                rank_dir = os.path.join(root, f"rank{r}")
+                if os.path.isdir(rank_dir):
+                    _discard_run(rank_dir)
+                    if not os.listdir(rank_dir):
+                        os.rmdir(rank_dir)
+            os.remove(manifest)
+        elif resume and os.path.exists(root) and os.listdir(root):
+            raise FileNotFoundError(f"--resume: {root} holds no distributed job (no {JOB_MANIFEST})")
+        elif resume:
+            _notice(f"--resume: {root} holds no job yet: starting from batch 0")
+        if os.path.exists(root) and os.listdir(root):
+            raise ValueError(f"{root} is not empty; pass --resume to continue the job there, or give a new path")
+        os.makedirs(root, exist_ok=True)
+        _write_json_atomic(manifest, {"world": node.size, "step": 0, "checkpoint": None})
+        return None
+    number = _collective(node, check)
+    return node.allgather("train", number, "the job's checkpoint")[0]
 
 
 def _check_resumed_step(trainer: Trainer) -> None:
-    """Every rank must resume from the step job.json names."""
+    """Every rank resumed from the checkpoint job.json names: they must be at one step."""
     node = trainer.node
     steps = node.allgather("train", trainer.batches_done, "resume")
     if len(set(steps)) > 1:
         detail = ", ".join(f"rank {r} at batch {s}" for r, s in enumerate(steps))
-        raise ValueError(f"the ranks' checkpoints are at different steps ({detail}): a crash during a "
-                         f"checkpoint left them apart; the job cannot resume consistently from {trainer.cfg.ps.path}")
+        raise ValueError(f"the ranks' checkpoints named by {os.path.join(trainer.cfg.ps.path, JOB_MANIFEST)} "
+                         f"are at different steps ({detail}); the job cannot resume consistently")
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
@@ -465,28 +545,30 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     rank calls train() with the same cfg; `train_batches` are this rank's."""
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
+    rank, world = (node.rank, node.size) if node is not None else (0, 1)
+    # The inputs first: a bad data path fails here, before anything is written.
+    source = train_batches if train_batches is not None else \
+        _collective(node, lambda: _train_source(cfg, rank, world))
+    eval_batches = list(eval_batches) if eval_batches is not None else _collective(node, lambda: _eval_batches(cfg))
+    number = LAST
     if node is not None:
-        _prepare_job(cfg, node, resume)
-    trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node))
+        number = _prepare_job(cfg, node, resume)
+    trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number))
     if node is not None:
-        if resume:
-            _check_resumed_step(trainer)
-        else:
+        _check_resumed_step(trainer)
+        if trainer.batches_done == 0:
             trainer.dense_sync.broadcast_parameters()
         try:
-            return _train(cfg, trainer, progress and node.rank == 0, on_eval, train_batches, eval_batches)
+            return _train(cfg, trainer, progress and node.rank == 0, on_eval, source, eval_batches)
         except Exception as e:  # noqa: BLE001 - the peers would wait for this rank forever
             import traceback
             traceback.print_exc()
             node.abort(f"{type(e).__name__}: {e}", code=1)
-    return _train(cfg, trainer, progress, on_eval, train_batches, eval_batches)
+    return _train(cfg, trainer, progress, on_eval, source, eval_batches)
 
 
-def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, train_batches, eval_batches) -> dict:
+def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, eval_batches: list) -> dict:
     node = trainer.node
-    rank, world = (node.rank, node.size) if node is not None else (0, 1)
-    eval_batches = list(eval_batches) if eval_batches is not None else _eval_batches(cfg)
-    source = train_batches if train_batches is not None else _train_source(cfg, rank, world)
     skip = trainer.batches_done
 
     def batches():
@@ -598,7 +680,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, train_ba
                                   "dense_sync": cfg.distributed.dense_sync, "k": cfg.distributed.k,
                                   "hierarchical": cfg.distributed.hierarchical,
                                   "dense_merges": trainer.dense_sync.merges, "ranks": ranks}
-    with open(os.path.join(trainer.state_dir, "train-summary.json"), "w") as f:
+    with open(os.path.join(trainer.state_dir, SUMMARY), "w") as f:
         json.dump(_jsonable(summary), f, indent=1)
     trainer.ps.close()
     if node is not None:
