@@ -230,7 +230,7 @@ def worker_hps(cfg: dict) -> dict:
         "mem_budget_bytes": cfg["mem_budget"], "mem_capacity_rows": mem["capacity"],
         "torch_threads": summary["torch_threads"],
         "pipeline": {k: summary["pipeline"][k] for k in
-                     ("bound_by", "wall_over_slowest_stage", "busy_seconds", "mean_queue_depth")},
+                     ("bound_by", "wall_over_slowest_stage", "busy_seconds", "mean_queue_depth", "prefetch_waits")},
         # at the end of training (before eval and the final checkpoint):
         "mem_hit_rate": mem["hits"] / max(1, mem["hits"] + mem["misses"]),
         "rows_initialised": counts["initialized"], "rows_from_ssd": counts["ssd_hits"],
