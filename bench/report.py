@@ -441,7 +441,14 @@ def add(paths: list[str], results_dir: str) -> list[str]:
     written = []
     pending = []
     for path in paths:
-        for no, obj in read_lines(path) if path != "-" else enumerate_stdin():
+        if path == "-":
+            found = list(json_lines(sys.stdin, "<stdin>"))
+        else:
+            with open(path, encoding="utf-8") as f:
+                found = list(json_lines(f, path))
+        if not found:
+            raise ReportError(f"{path}: no JSON line (a benchmark prints one, starting with '{{')")
+        for no, obj in found:
             where = f"{path}:{no}"
             wid = workload_of(obj)
             if wid is None:
@@ -460,14 +467,17 @@ def add(paths: list[str], results_dir: str) -> list[str]:
     return written
 
 
-def enumerate_stdin():
-    for no, text in enumerate(sys.stdin, 1):
+def json_lines(lines, name: str):
+    """(line number, object) of the lines that hold a JSON object: a benchmark's
+    output may have text lines before its JSON line (W6 prints its tables)."""
+    for no, text in enumerate(lines, 1):
         if text.strip().startswith("{"):
             try:
                 obj = json.loads(text)
             except ValueError as e:
-                raise ReportError(f"<stdin>:{no}: not a JSON line ({e})") from None
-            yield no, obj
+                raise ReportError(f"{name}:{no}: not a JSON line ({e})") from None
+            if isinstance(obj, dict):
+                yield no, obj
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -208,6 +208,7 @@ def test_unbalanced_or_unknown_markers_are_named_by_line(tree, capsys):
 
 def test_add_files_full_runs_and_refuses_quick_ones(tree, tmp_path, capsys):
     full, w5 = tmp_path / "full.json", tmp_path / "w5.json"
+    full.write_text("a table the benchmark printed before its JSON line\n")  # as W6 does
     write_lines(full, w4_line([1.0], [1.0], mlp=[16]))
     write_lines(w5, w5_line())
     assert run(tree, "--add", str(full), str(w5)) == 0
@@ -221,6 +222,10 @@ def test_add_files_full_runs_and_refuses_quick_ones(tree, tmp_path, capsys):
     # Nothing of a refused batch was filed.
     assert not (tree / "results" / "w4.jsonl").exists()
     assert len((tree / "results" / "w5.jsonl").read_text().splitlines()) == 1
+    empty = tmp_path / "empty.json"
+    empty.write_text("the benchmark failed before its JSON line\n")
+    assert run(tree, "--add", str(empty)) == 2
+    assert "empty.json: no JSON line" in capsys.readouterr().err
 
 
 def test_provenance_names_the_commit_and_the_command():
