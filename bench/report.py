@@ -180,9 +180,11 @@ def render_w1(o: dict) -> list[str]:
                 s = dd and dd.get(side)
                 row.append(spread(s["median"], s["min"], s["max"], ",.0f") if s else "-")
         rows.append(row)
+    rounds = o.get("rounds")  # since issue 14: interleaved rounds, each store's figures over them
+    spread_of = (f"the {rounds} rounds' batch medians" if rounds else "the batches of one run")
     out = [f"{o.get('rows', 0):,} rows of {o.get('row_bytes')} B, {o.get('batches')} batches of "
-           f"{o.get('batch_keys', 0):,} keys per distribution; rows/s per batch: median (min-max) over the "
-           f"batches of one run; memory limit {o.get('memory_limit') or 'none'}.", ""]
+           f"{o.get('batch_keys', 0):,} keys per distribution; rows/s: median (min-max) over {spread_of}; "
+           f"memory limit {o.get('memory_limit') or 'none'}.", ""]
     out += table(head, rows) + [""]
     for key, label in (("ratios_hps_over_rocksdb_tuned", "hps / rocksdb_tuned"),
                        ("ratios_hps_node_over_rocksdb_tuned", "hps_node / rocksdb_tuned")):
@@ -191,8 +193,12 @@ def render_w1(o: dict) -> list[str]:
             out.append(f"- {label}: not measured (a side is missing or failed)")
             continue
         parts = [f"load {r['load']:.2f}"] if "load" in r else []
-        parts += [f"{d} get {r[d]['get_median']:.2f}, put {r[d]['put_median']:.2f}" for d in dists if d in r]
-        out.append(f"- {label} (ratio of the batch medians, one run): " + "; ".join(parts))
+        for d in (d for d in dists if d in r):
+            sides = [f"{side} " + (per_round(r[d][f"{side}_per_round"]) if f"{side}_per_round" in r[d]
+                                   else f"{r[d][f'{side}_median']:.2f} (one run)") for side in ("get", "put")]
+            parts.append(f"{d} " + ", ".join(sides))
+        how = "same-round ratios of the batch medians" if rounds else "ratio of the batch medians"
+        out.append(f"- {label} ({how}): " + "; ".join(parts))
     return out
 
 

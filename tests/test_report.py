@@ -277,7 +277,8 @@ def test_w1_w3_w6_tables(tree):
     w1 = region(text, "w1")
     assert "| hps | ok | 1,000,000 | 200,000 (100,000-300,000) | 50,000 |" in w1
     assert "| lmdb | oom | - | - | - |" in w1
-    assert "hps / rocksdb_tuned (ratio of the batch medians, one run): load 2.50; uniform get 3.25, put 1.50" in w1
+    assert ("hps / rocksdb_tuned (ratio of the batch medians): load 2.50; uniform get 3.25 (one run), "
+            "put 1.50 (one run)") in w1
     w3 = region(text, "w3")
     tuned, held = w3.index("**zipf**"), w3.index("**Held out**")
     assert tuned < held < w3.index("**zipf_heldout**")  # the held-out trace in its own section, after
@@ -287,3 +288,22 @@ def test_w1_w3_w6_tables(tree):
     w6 = region(text, "w6")
     assert "| k-step Adam, k = 1 | 0.8168 | +0.0000 | 1,378.8 | 1.000 | 490 | 24,673 |" in w6
     assert "Scaling over ranks: not measured in this run." in w6
+
+
+def test_w1_in_rounds_lists_each_rounds_ratio(tree):
+    (tree / "benchmarks.md").write_text("<!-- report:w1 -->\n<!-- /report:w1 -->\n")
+    rate = {"median": 2e5, "min": 1.5e5, "max": 2.5e5, "rounds": [1.5e5, 2e5, 2.5e5]}
+    store = {"status": "ok", "load": {"rows_per_s": 1e6},
+             "distributions": {"zipf": {"get_rows_per_s": rate, "put_rows_per_s": rate}}}
+    write_lines(tree / "results" / "w1.jsonl", {
+        "benchmark": "W1a ssd_store", "rows": 1000, "row_bytes": 128, "batches": 4, "batch_keys": 100,
+        "dists": ["zipf"], "rounds": 3, "quick": False, "stores": {"hps": store},
+        "ratios_hps_over_rocksdb_tuned": {"zipf": {"get_median": 2.0, "get_per_round": [1.5, 2.0, 2.5],
+                                                   "put_median": 1.0, "put_per_round": [1.0, 0.9, 1.1]}},
+        "provenance": prov(command="python3 bench/ssd_store_bench.py --rounds 3")})
+    assert run(tree) == 0
+    w1 = region((tree / "benchmarks.md").read_text(), "w1")
+    assert "median (min-max) over the 3 rounds' batch medians" in w1
+    assert "| hps | ok | 1,000,000 | 200,000 (150,000-250,000) | 200,000 (150,000-250,000) |" in w1
+    assert ("hps / rocksdb_tuned (same-round ratios of the batch medians): zipf get 2.00 (rounds: 1.50, 2.00, "
+            "2.50), put 1.00 (rounds: 1.00, 0.90, 1.10)") in w1
