@@ -335,7 +335,8 @@ def render_w4(o: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ W5
-W5_NAMES = {"hps_ssd": "hps, table on SSD-PS", "rocksdb": "RocksDB peer", "hps_mem": "hps, table in memory"}
+W5_NAMES = {"hps_ssd": "hps, table on SSD-PS", "rocksdb": "RocksDB peer", "hps_mem": "hps, table in memory",
+            "rocksdb_rowcache": "RocksDB peer, row-cache split"}
 
 
 def render_w5(o: dict) -> list[str]:
@@ -356,7 +357,10 @@ def render_w5(o: dict) -> list[str]:
                      str(len(e.get("examples_per_s_rounds") or [1])), num(e.get("auc"), ".4f")])
     out += table(["run", "status", "examples/s", "rounds", "eval AUC"], rows) + [""]
     ratios = o.get("ratios") or {}
-    for key, label in (("hps_ssd_over_rocksdb", "hps on SSD / RocksDB"),
+    best = o.get("rocksdb_best_per_round")  # several RocksDB splits: the faster of each round is the peer
+    rocks_label = "hps on SSD / RocksDB" + (f" (the faster split of each round: {', '.join(map(str, best))})"
+                                            if best else "")
+    for key, label in (("hps_ssd_over_rocksdb", rocks_label),
                        ("hps_ssd_over_hps_in_memory", "hps on SSD / hps in memory")):
         if key in ratios:
             out.append(f"- {label}, examples/s: {per_round(ratios[key + '_per_round'])}")
