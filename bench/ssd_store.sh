@@ -2,10 +2,14 @@
 # W1 (a) (BENCHMARKS.md): hps.SsdStore against RocksDB (rocksdict, defaults and
 # tuned) and LMDB, with fio as the device limit, each store in a 1 GiB memory
 # cgroup (needs root for the cgroup; without it the JSON says "memory_limit": null).
+# The stores run in interleaved rounds (--rounds, default 3); RocksDB tuned is
+# bulk-loaded through SstFileWriter + ingest and swept over reader processes
+# (--rocksdb-readers 1,2,4,8) and memory splits (--rocksdb-splits), reporting its
+# best variant per figure and every variant with its options.
 #
-#   bench/ssd_store.sh            # full: 20M rows of 128 B, 200 batches of 100k keys
-#   bench/ssd_store.sh --quick    # 1M rows, 10 batches of 20k keys, under a minute
-#   bench/ssd_store.sh --rows 5e6 --batches 20 --stores hps,rocksdb_tuned
+#   bench/ssd_store.sh            # full: 20M rows of 128 B, 200 batches of 100k keys, 3 rounds
+#   bench/ssd_store.sh --quick    # 1M rows, 10 batches of 20k keys, one round, a few minutes
+#   bench/ssd_store.sh --rows 5e6 --batches 20 --stores hps,rocksdb_tuned --rocksdb-readers 4,8
 #
 # Arguments go to ssd_store_bench.py unchanged (--help lists them). Progress goes
 # to stderr; the final JSON line is printed and kept in

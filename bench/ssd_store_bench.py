@@ -12,9 +12,11 @@ Workload, per store, in a fresh directory:
     bijection of uint64) and random-looking; no key array needs to be kept;
   * rows: 128 bytes derived from (key, version), so every read can be checked;
   * bulk load of the N rows (timed: the store calls and the final commit/flush only,
-    not the generation of the rows) -- hps and RocksDB in index order (random key
-    order), LMDB sorted by key with append=True (BENCHMARKS.md notes: random order
-    rewrites most pages per commit);
+    not the generation of the rows) -- hps and RocksDB defaults in index order
+    (random key order), LMDB sorted by key with append=True (BENCHMARKS.md notes:
+    random order rewrites most pages per commit), RocksDB tuned as its experts
+    bulk-load: sorted, through SstFileWriter, then ingest_external_file (no
+    compaction left to do);
   * then for each distribution (uniform, then Zipf(1.05), on the same store): B batches
     of K keys drawn with replacement and de-duplicated (a batch's unique keys, as a
     parameter server sees them; rates are over the unique keys); each batch is a
@@ -28,7 +30,15 @@ Workload, per store, in a fresh directory:
   * a sample of every get (--verify-sample rows, default 1000) is compared with the
     expected rows; a mismatch or a missing key raises.
 
-Each store runs in a worker process (--worker --store X) that the driver places in a
+RocksDB tuned (RocksTunedStore) is swept over variants after its one load: reader
+processes (--rocksdb-readers; rocksdict holds the GIL through a multi-get, so
+concurrent gets need processes, each a secondary instance serving one key range)
+x the split of --rocksdb-memory between block cache, row cache and memtables
+(--rocksdb-splits); it reports its best variant per figure, and every variant.
+
+The stores run in --rounds rounds, interleaved, each store in a fresh worker
+process per round; figures are medians over rounds with their min-max.
+Each worker process (--worker --store X) is placed by the driver in a
 memory cgroup (v1 memory.limit_in_bytes or v2 memory.max, default 1 GiB) so the page
 cache cannot hold the data. A worker killed by SIGKILL (the OOM killer) is recorded
 as "oom". Progress goes to stderr; one JSON line goes to stdout.
@@ -57,7 +67,7 @@ ZIPF_A = 1.05
 ZIPF_PERM = 2654435761  # prime; rank r -> index (r * P) mod N
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALL_STORES = ("hps", "hps_node", "rocksdb", "rocksdb_tuned", "lmdb")
-NODE_CACHE_BYTES = 320 << 20  # = RocksDB tuned's block cache (256 MiB) + row cache (64 MiB)
+NODE_CACHE_BYTES = 320 << 20  # below RocksDB tuned's 512 MiB of caches + memtables (ROCKS_MEMORY)
 
 GOLD = np.uint64(0x9E3779B97F4A7C15)
 
@@ -172,45 +182,68 @@ class HpsNodeStore(HpsStore):
         super().close()
 
 
+def rocks_tuned_options(block_cache_bytes: int, row_cache_bytes: int, write_buffer_size: int,
+                        max_write_buffer_number: int, filters_for_hits: bool):
+    """rocksdict Options as a RocksDB expert sets them for point reads of small
+    rows on an SSD, every option set explicitly (none left to the bundled
+    version's defaults): returns (options, [caches to keep alive], {option: value})."""
+    import rocksdict as r
+    cpus = os.cpu_count() or 2
+    opt = r.Options(raw_mode=True)
+    opt.create_if_missing(True)
+    block_cache = r.Cache(block_cache_bytes)
+    keep = [block_cache]
+    bbo = r.BlockBasedOptions()
+    bbo.set_block_cache(block_cache)
+    bbo.set_bloom_filter(10, False)          # full (not block-based) filters, 10 bits a key: ~1% false positives
+    bbo.set_block_size(4096)                 # one device read per row, as hps's 4 KiB blocks
+    bbo.set_cache_index_and_filter_blocks(False)  # index and filters held by the table readers, never evicted
+    bbo.set_format_version(5)
+    opt.set_block_based_table_factory(bbo)
+    if row_cache_bytes:
+        row_cache = r.Cache(row_cache_bytes)
+        keep.append(row_cache)
+        opt.set_row_cache(row_cache)
+    opt.set_use_direct_reads(True)           # the page cache must not act as a hidden cache
+    opt.set_use_direct_io_for_flush_and_compaction(True)
+    opt.set_compression_type(r.DBCompressionType.none())  # random rows do not compress
+    opt.set_bottommost_compression_type(r.DBCompressionType.none())
+    opt.set_max_open_files(-1)               # every table reader open: no table-cache misses on a get
+    opt.set_optimize_filters_for_hits(filters_for_hits)  # no filters on the last level when gets hit
+    opt.set_level_compaction_dynamic_level_bytes(True)
+    opt.set_target_file_size_base(64 << 20)
+    opt.increase_parallelism(cpus)
+    opt.set_max_background_jobs(max(2, cpus))
+    opt.set_write_buffer_size(write_buffer_size)
+    opt.set_max_write_buffer_number(max_write_buffer_number)
+    opt.set_min_write_buffer_number_to_merge(1)
+    opt.set_advise_random_on_open(True)
+    return opt, keep, {
+        "raw_mode": True, "block_cache_bytes": block_cache_bytes, "row_cache_bytes": row_cache_bytes,
+        "write_buffer_size": write_buffer_size, "max_write_buffer_number": max_write_buffer_number,
+        "min_write_buffer_number_to_merge": 1, "bloom_filter_bits_per_key": 10, "bloom_block_based": False,
+        "optimize_filters_for_hits": filters_for_hits, "block_size": 4096,
+        "cache_index_and_filter_blocks": False, "format_version": 5, "use_direct_reads": True,
+        "use_direct_io_for_flush_and_compaction": True, "compression": "none",
+        "bottommost_compression": "none", "max_open_files": -1, "level_compaction_dynamic_level_bytes": True,
+        "target_file_size_base": 64 << 20, "increase_parallelism": cpus, "max_background_jobs": max(2, cpus),
+        "advise_random_on_open": True}
+
+
 class RocksStore:
-    def __init__(self, path, tuned):
+    """RocksDB with its defaults (the tuned peer is RocksTunedStore)."""
+
+    name = "rocksdb"
+
+    def __init__(self, path):
         import rocksdict as r
         self.r = r
-        self.name = "rocksdb_tuned" if tuned else "rocksdb"
         opt = r.Options(raw_mode=True)
         opt.create_if_missing(True)
-        self.options = {"raw_mode": True, "create_if_missing": True,
+        self.options = {"raw_mode": True, "create_if_missing": True, "tuning": "rocksdb defaults",
                         "get": "Rdict.get(list of 8-byte big-endian keys) (multi-get)",
                         "put": "WriteBatch of the batch, db.write(wb, WriteOptions(sync=True))",
                         "load": "WriteBatch per chunk (no sync), then flush() + flush_wal(sync)"}
-        if tuned:
-            self.block_cache = r.Cache(256 << 20)
-            self.row_cache = r.Cache(64 << 20)
-            bbo = r.BlockBasedOptions()
-            bbo.set_block_cache(self.block_cache)
-            bbo.set_bloom_filter(10, False)
-            bbo.set_block_size(4096)
-            bbo.set_cache_index_and_filter_blocks(False)
-            bbo.set_format_version(5)
-            opt.set_block_based_table_factory(bbo)
-            opt.set_row_cache(self.row_cache)
-            opt.set_use_direct_reads(True)
-            opt.set_use_direct_io_for_flush_and_compaction(True)
-            opt.set_compression_type(r.DBCompressionType.none())
-            opt.increase_parallelism(os.cpu_count() or 2)
-            opt.set_max_background_jobs(max(2, os.cpu_count() or 2))
-            opt.set_write_buffer_size(64 << 20)
-            opt.set_max_write_buffer_number(3)
-            self.options.update({
-                "block_cache_bytes": 256 << 20, "row_cache_bytes": 64 << 20,
-                "bloom_filter_bits_per_key": 10, "bloom_block_based": False,
-                "block_size": 4096, "cache_index_and_filter_blocks": False, "format_version": 5,
-                "use_direct_reads": True, "use_direct_io_for_flush_and_compaction": True,
-                "compression": "none", "increase_parallelism": os.cpu_count() or 2,
-                "max_background_jobs": max(2, os.cpu_count() or 2),
-                "write_buffer_size": 64 << 20, "max_write_buffer_number": 3})
-        else:
-            self.options["tuning"] = "rocksdb defaults"
         self.db = r.Rdict(path, options=opt)
         self.sync = r.WriteOptions()
         self.sync.sync = True
@@ -256,6 +289,248 @@ class RocksStore:
         return out
 
     def close(self):
+        self.db.close()
+
+
+# How the tuned RocksDB splits its memory (fractions of --rocksdb-memory): block
+# cache, row cache, memtables. A uniform get finds its row in a cached block as
+# often as in the row cache of the same bytes, but a block holds ~28 rows, so the
+# block cache wins there; under Zipf the row cache keeps more hot rows per byte.
+ROCKS_SPLITS = {"block": (0.5, 0.125, 0.375), "row": (0.125, 0.5, 0.375), "cache": (0.625, 0.25, 0.125)}
+ROCKS_MEMORY = 512 << 20  # = the earlier tuned total: 256 MiB block + 64 MiB row cache + 3 x 64 MiB memtables
+ROCKS_PRIMARY_CACHE = 1 << 20  # the writer's block cache beside reader processes (it serves no gets)
+ROCKS_GET_CHUNK = 8192  # keys per multi-get call in a reader
+
+
+def rocks_bulk_load(path: str, n: int, chunk: int, progress) -> float:
+    """The expert's bulk load: rows in key order through SstFileWriter, one table file
+    a chunk, then one ingest_external_file (move_files): the files do not overlap, so
+    they go straight to the last level and nothing is left to compact. Returns the
+    seconds in the store's calls (not the generation or the sort of the keys)."""
+    import rocksdict as r
+    opt, _keep, _ = rocks_tuned_options(1 << 20, 0, 64 << 20, 2, filters_for_hits=True)
+    os.makedirs(path, exist_ok=True)
+    sst_dir = os.path.join(path, "load")
+    os.makedirs(sst_dir, exist_ok=True)
+    order = np.sort(keys_of(np.arange(n, dtype=np.uint64)))
+    files, t = [], 0.0
+    pb = progress(n, "load")
+    for s in range(0, n, chunk):
+        k = order[s:s + chunk]
+        rb = rows_of(k, 0).tobytes()
+        kb = be_keys(k)
+        t0 = time.perf_counter()
+        w = r.SstFileWriter(options=opt)
+        fn = os.path.join(sst_dir, f"{len(files):06d}.sst")
+        w.open(fn)
+        for i, key in enumerate(kb):
+            w[key] = rb[i * ROW_BYTES:(i + 1) * ROW_BYTES]
+        w.finish()
+        t += time.perf_counter() - t0
+        files.append(fn)
+        pb.update(len(k))
+    del order
+    t0 = time.perf_counter()
+    db = r.Rdict(os.path.join(path, "db"), options=opt)
+    ing = r.IngestExternalFileOptions()
+    ing.set_move_files(True)
+    db.ingest_external_file(files, ing)
+    db.flush(True)
+    db.close()
+    t += time.perf_counter() - t0
+    pb.close()
+    shutil.rmtree(sst_dir, ignore_errors=True)
+    return t
+
+
+def clone_db(src: str, dst: str) -> None:
+    """A copy of a closed database in which the table files are hard links (they are
+    immutable: the copy's compactions write new files and unlink its own names)."""
+    os.makedirs(dst)
+    for f in os.listdir(src):
+        s = os.path.join(src, f)
+        if f.endswith(".sst"):
+            os.link(s, os.path.join(dst, f))
+        elif os.path.isfile(s) and f != "LOCK":
+            shutil.copy2(s, os.path.join(dst, f))
+
+
+def _rocks_reader(conn, path, secondary, opts, mmap_path, mmap_bytes):
+    """A reader process: a secondary instance of the database (its own block and row
+    caches) that serves the get of one key range of each batch with multi-gets,
+    writing the rows into the shared result file. rocksdict holds the GIL through a
+    multi-get, so concurrent gets need processes."""
+    import mmap
+    import rocksdict as r
+    opt, _keep, _ = rocks_tuned_options(**opts)
+    db = r.Rdict(path, options=opt, access_type=r.AccessType.secondary(secondary))
+    with open(mmap_path, "r+b") as f:
+        out = mmap.mmap(f.fileno(), mmap_bytes)
+    zero = bytes(ROW_BYTES)
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "catch_up":
+            db.try_catch_up_with_primary()
+            conn.send(True)
+        elif msg[0] == "get":
+            start, kb = msg[1], msg[2]
+            keys = [kb[i:i + 8] for i in range(0, len(kb), 8)]
+            found = bytearray(len(keys))
+            pos = start * ROW_BYTES
+            for c in range(0, len(keys), ROCKS_GET_CHUNK):
+                vals = db.get(keys[c:c + ROCKS_GET_CHUNK])
+                buf = b"".join(v if v is not None else zero for v in vals)
+                out[pos:pos + len(buf)] = buf
+                pos += len(buf)
+                for i, v in enumerate(vals):
+                    found[c + i] = v is not None
+            conn.send_bytes(found)
+        else:
+            db.close()
+            out.close()
+            conn.send(True)
+            return
+
+
+class RocksTunedStore:
+    """RocksDB as its experts run it for this workload (W1, issue 14): loaded by
+    rocks_bulk_load, every option explicit (rocks_tuned_options), the memory budget
+    split as ROCKS_SPLITS[split] over every process, and gets issued by `readers`
+    processes at once (1: the writer's own multi-get). With several readers, each
+    is a secondary instance that always serves the same slice of the key space, so
+    their caches partition the table rather than each caching the same rows; each
+    batch's put is a synced WriteBatch on the writer, which the readers then replay
+    from the WAL (catch_up, timed apart)."""
+
+    name = "rocksdb_tuned"
+
+    def __init__(self, path: str, readers: int, split: str, memory: int, max_keys: int):
+        import rocksdict as r
+        self.r, self.readers = r, readers
+        fb, fr, fm = ROCKS_SPLITS[split]
+        # Every reader replays the writer's memtables: (1 + readers) copies share fm.
+        copies = 1 + (readers if readers > 1 else 0)
+        wbuf = max(1 << 20, int(memory * fm) // copies // 2)
+        if readers > 1:
+            primary = {"block_cache_bytes": ROCKS_PRIMARY_CACHE, "row_cache_bytes": 0}
+            reader = {"block_cache_bytes": int(memory * fb) // readers,
+                      "row_cache_bytes": int(memory * fr) // readers}
+        else:
+            primary = {"block_cache_bytes": int(memory * fb), "row_cache_bytes": int(memory * fr)}
+            reader = None
+        common = {"write_buffer_size": wbuf, "max_write_buffer_number": 2, "filters_for_hits": True}
+        opt, self._keep, popts = rocks_tuned_options(**primary, **common)
+        self.db = r.Rdict(path, options=opt)
+        self.sync = r.WriteOptions()
+        self.sync.sync = True
+        self.options = {
+            "split": split, "split_fractions_block_row_memtables": list(ROCKS_SPLITS[split]),
+            "memory_budget_bytes": memory, "readers": readers, "writer": popts,
+            "load": "keys sorted, rows through SstFileWriter (one file per load chunk), one "
+                    "ingest_external_file(move_files): non-overlapping files in the last level, nothing to compact",
+            "get": ("the writer's Rdict.get(list of 8-byte big-endian keys) (one multi-get)" if readers == 1 else
+                    f"{readers} reader processes (secondary instances), reader i serving key range i of "
+                    f"{readers}, multi-gets of {ROCKS_GET_CHUNK} keys; rows returned through a shared file"),
+            "put": "WriteBatch of the batch, db.write(wb, WriteOptions(sync=True))"}
+        self.procs, self.conns, self.secondaries = [], [], []
+        if readers > 1:
+            import multiprocessing as mp
+            self.options["reader"] = rocks_tuned_options(**reader, **common)[2]
+            self.options["reader_catch_up"] = "try_catch_up_with_primary() in every reader before each get"
+            ctx = mp.get_context("spawn")
+            self.mmap_bytes = max(1, max_keys) * ROW_BYTES
+            fd, self.mmap_path = tempfile.mkstemp(prefix="w1-rows-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                                  else os.path.dirname(path))
+            os.ftruncate(fd, self.mmap_bytes)
+            os.close(fd)
+            import mmap
+            with open(self.mmap_path, "r+b") as f:
+                self.out = mmap.mmap(f.fileno(), self.mmap_bytes)
+            for i in range(readers):
+                a, b = ctx.Pipe()
+                secondary = f"{path}.secondary{i}"
+                self.secondaries.append(secondary)
+                p = ctx.Process(target=_rocks_reader, daemon=True,
+                                args=(b, path, secondary, {**reader, **common}, self.mmap_path, self.mmap_bytes))
+                p.start()
+                b.close()
+                self.procs.append(p)
+                self.conns.append(a)
+            for c in self.conns:
+                if c.recv() != "ready":
+                    raise SystemExit("rocksdb_tuned: a reader process did not start")
+
+    def catch_up(self):
+        for c in self.conns:
+            c.send(("catch_up",))
+        for c in self.conns:
+            c.recv()
+
+    def prepare_get(self, keys):
+        if self.readers == 1:
+            return be_keys(keys)
+        part = ((keys >> np.uint64(32)) * np.uint64(self.readers)) >> np.uint64(32)
+        order = np.argsort(part, kind="stable")
+        counts = np.bincount(part.astype(np.int64), minlength=self.readers)
+        return order, counts, keys[order].astype(">u8").tobytes()
+
+    def get_prepared(self, token):
+        """-> (rows (m, 128) uint8 in request order, found (m,) bool)."""
+        if self.readers == 1:
+            vals = self.db.get(token)
+            n = len(vals)
+            found = np.fromiter((v is not None for v in vals), bool, n)
+            buf = b"".join(v if v is not None else bytes(ROW_BYTES) for v in vals)
+            return np.frombuffer(buf, np.uint8).reshape(n, ROW_BYTES), found
+        order, counts, kb = token
+        m = len(order)
+        start, busy = 0, []
+        for c, cnt in zip(self.conns, counts):
+            if cnt:
+                c.send(("get", start, kb[start * 8:(start + cnt) * 8]))
+                busy.append(c)
+            start += cnt
+        found_sorted = np.frombuffer(b"".join(c.recv_bytes() for c in busy), np.uint8).astype(bool)
+        rows = np.empty((m, ROW_BYTES), np.uint8)
+        rows[order] = np.frombuffer(self.out, np.uint8, m * ROW_BYTES).reshape(m, ROW_BYTES)
+        found = np.empty(m, bool)
+        found[order] = found_sorted
+        return rows, found
+
+    def put(self, keys, rows):
+        wb = self.r.WriteBatch(raw_mode=True)
+        rb = rows.tobytes()
+        for i, k in enumerate(be_keys(keys)):
+            wb.put(k, rb[i * ROW_BYTES:(i + 1) * ROW_BYTES])
+        self.db.write(wb, self.sync)
+
+    def stats(self):
+        out = {}
+        for p in ("rocksdb.estimate-num-keys", "rocksdb.total-sst-files-size", "rocksdb.live-sst-files-size",
+                  "rocksdb.num-running-compactions", "rocksdb.block-cache-usage", "rocksdb.cur-size-all-mem-tables",
+                  "rocksdb.estimate-table-readers-mem"):
+            try:
+                out[p] = self.db.property_int_value(p)
+            except Exception:  # noqa: BLE001 - a property this build lacks
+                pass
+        try:
+            out["rocksdb.levelstats"] = self.db.property_value("rocksdb.levelstats")
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+    def close(self):
+        for c in self.conns:
+            c.send(("stop",))
+        for c, p in zip(self.conns, self.procs):
+            c.recv()
+            p.join()
+        if self.procs:
+            self.out.close()
+            os.unlink(self.mmap_path)
+        for d in self.secondaries:
+            shutil.rmtree(d, ignore_errors=True)
         self.db.close()
 
 
@@ -324,23 +599,7 @@ def summarize(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def run_worker(args) -> dict:
-    n, B, K = args.rows, args.batches, args.batch_keys
-    name = args.store
-    path = os.path.join(args.dir, name)
-    os.makedirs(path, exist_ok=True)
-    if name == "hps":
-        st = HpsStore(path)
-    elif name == "hps_node":
-        st = HpsNodeStore(path)
-    elif name in ("rocksdb", "rocksdb_tuned"):
-        st = RocksStore(path, tuned=(name == "rocksdb_tuned"))
-    elif name == "lmdb":
-        st = LmdbStore(path, n)
-    else:
-        raise SystemExit(f"unknown store {name}")
-    res = {"store": name, "options": st.options, "path": path}
-
+def make_progress(name):
     try:
         from tqdm import tqdm  # noqa: F401
         have_tqdm = True
@@ -362,47 +621,21 @@ def run_worker(args) -> dict:
             def close(self):
                 pass
         return Plain()
+    return progress
 
-    # ---- bulk load
-    chunk = args.load_chunk
-    t_store = 0.0
-    t_wall0 = time.time()
-    pb = progress(n, "load")
-    if name == "lmdb":
-        order = np.sort(keys_of(np.arange(n, dtype=np.uint64)))
-        for s in range(0, n, chunk):
-            k = order[s:s + chunk]
-            rows = rows_of(k, 0)
-            t0 = time.perf_counter()
-            st.load_chunk(k, rows)
-            t_store += time.perf_counter() - t0
-            pb.update(len(k))
-        del order
-    else:
-        for s in range(0, n, chunk):
-            k = keys_of(np.arange(s, min(n, s + chunk), dtype=np.uint64))
-            rows = rows_of(k, 0)
-            t0 = time.perf_counter()
-            st.load_chunk(k, rows)
-            t_store += time.perf_counter() - t0
-            pb.update(len(k))
-    t0 = time.perf_counter()
-    st.load_done()
-    t_store += time.perf_counter() - t0
-    pb.close()
-    res["load"] = {"rows": n, "seconds": t_store, "wall_seconds_with_generation": time.time() - t_wall0,
-                   "rows_per_s": n / t_store, "MB_per_s": n * ROW_BYTES / t_store / 1e6,
-                   "disk_bytes_after_load": du_bytes(path)}
-    if name in ("hps", "hps_node"):
-        res["load"]["hps_stats"] = st.stats()
 
+def run_dists(st, name, args, n, path, progress) -> dict:
+    """The batches of every distribution on a loaded store; the generators start
+    from the same seeds on every call, so every store and every RocksDB variant
+    serves the same batches."""
+    B, K = args.batches, args.batch_keys
     versions = np.zeros(n, np.uint16)
     rng = np.random.default_rng(SEED)
     vrng = np.random.default_rng(SEED + 1)
     next_version = 1
-    res["distributions"] = {}
+    out = {}
     for dist in args.dists:
-        get_rates, put_rates, get_s, put_s, uniq = [], [], [], [], []
+        get_rates, put_rates, get_s, put_s, uniq, catch_up_s = [], [], [], [], [], []
         pb = progress(B, dist)
         for b in range(B):
             if dist == "uniform":
@@ -419,6 +652,19 @@ def run_worker(args) -> dict:
                 t0 = time.perf_counter()
                 rows, found = st.get(keys)
                 dt = time.perf_counter() - t0
+                sample = vrng.choice(m, size=min(m, args.verify_sample), replace=False)
+                got_rows, got_found = rows[sample], found[sample]
+            elif name == "rocksdb_tuned":
+                if st.readers > 1:  # the readers replay the last put from the WAL, timed apart
+                    t0 = time.perf_counter()
+                    st.catch_up()
+                    catch_up_s.append(time.perf_counter() - t0)
+                token = st.prepare_get(keys)
+                t0 = time.perf_counter()
+                rows, found = st.get_prepared(token)
+                dt = time.perf_counter() - t0
+                if len(rows) != m:
+                    raise SystemExit(f"{name}: get returned {len(rows)} rows for {m} keys")
                 sample = vrng.choice(m, size=min(m, args.verify_sample), replace=False)
                 got_rows, got_found = rows[sample], found[sample]
             else:
@@ -460,14 +706,136 @@ def run_worker(args) -> dict:
             put_rates.append(m / dt)
             pb.update(1)
         pb.close()
-        res["distributions"][dist] = {
+        out[dist] = {
             "batches": B, "batch_keys_drawn": K, "unique_keys_per_batch_mean": statistics.mean(uniq),
             "get_rows_per_s": summarize(get_rates), "put_rows_per_s": summarize(put_rates),
             "get_seconds_total": sum(get_s), "put_seconds_total": sum(put_s),
             "get_rows_per_s_overall": sum(uniq) / sum(get_s), "put_rows_per_s_overall": sum(uniq) / sum(put_s),
             "disk_bytes_after": du_bytes(path)}
+        if catch_up_s:
+            out[dist]["reader_catch_up_seconds"] = summarize(catch_up_s)
+            out[dist]["reader_catch_up_seconds_total"] = sum(catch_up_s)
         log(f"{name} {dist}: get {statistics.median(get_rates):,.0f} rows/s, "
             f"put {statistics.median(put_rates):,.0f} rows/s (medians)")
+    return out
+
+
+def run_rocks_tuned(args) -> dict:
+    """rocksdb_tuned: one bulk load, then every variant (reader processes x memory
+    split) from a hard-linked copy of the loaded database, one after another, on the
+    same batches; each distribution's get and put report the best variant's median
+    for each, and every variant's figures are under "variants"."""
+    n, name = args.rows, "rocksdb_tuned"
+    path = os.path.join(args.dir, name)
+    os.makedirs(path, exist_ok=True)
+    progress = make_progress(name)
+    base = os.path.join(path, "loaded")
+    t_wall0 = time.time()
+    t_store = rocks_bulk_load(base, n, args.load_chunk, progress)
+    loaded = os.path.join(base, "db")
+    res = {"store": name, "path": path, "rocksdb_memory_bytes": args.rocksdb_memory,
+           "readers_swept": args.rocksdb_readers, "splits_swept": args.rocksdb_splits,
+           "splits": {k: ROCKS_SPLITS[k] for k in args.rocksdb_splits},
+           "load": {"rows": n, "seconds": t_store, "wall_seconds_with_generation": time.time() - t_wall0,
+                    "rows_per_s": n / t_store, "MB_per_s": n * ROW_BYTES / t_store / 1e6,
+                    "disk_bytes_after_load": du_bytes(loaded)}}
+    variants = {}
+    for split in args.rocksdb_splits:
+        for readers in args.rocksdb_readers:
+            label = f"readers={readers},split={split}"
+            log(f"{name}: variant {label}")
+            vdir = os.path.join(path, f"r{readers}-{split}")
+            clone_db(loaded, vdir)
+            st = RocksTunedStore(vdir, readers, split, args.rocksdb_memory, args.batch_keys)
+            try:
+                dists = run_dists(st, name, args, n, vdir, make_progress(f"{name} {label}"))
+                stats = st.stats()
+            finally:
+                st.close()
+            disk = du_bytes(vdir)
+            variants[label] = {"readers": readers, "split": split, "options": st.options,
+                               "distributions": dists, "store_stats": stats, "disk_bytes_end": disk}
+            shutil.rmtree(vdir, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
+    res["variants"] = variants
+    # The best variant per figure: a peer at its best on each.
+    res["distributions"] = {}
+    for d in args.dists:
+        best_get = max(variants, key=lambda v: variants[v]["distributions"][d]["get_rows_per_s"]["median"])
+        best_put = max(variants, key=lambda v: variants[v]["distributions"][d]["put_rows_per_s"]["median"])
+        entry = dict(variants[best_get]["distributions"][d])
+        for k in ("put_rows_per_s", "put_seconds_total", "put_rows_per_s_overall"):
+            entry[k] = variants[best_put]["distributions"][d][k]
+        entry.update({"get_best_variant": best_get, "put_best_variant": best_put,
+                      "get_median_by_variant": {v: e["distributions"][d]["get_rows_per_s"]["median"]
+                                                for v, e in variants.items()},
+                      "put_median_by_variant": {v: e["distributions"][d]["put_rows_per_s"]["median"]
+                                                for v, e in variants.items()}})
+        res["distributions"][d] = entry
+    first = args.dists[0]
+    best = res["distributions"][first]["get_best_variant"]
+    res["options"] = variants[best]["options"]
+    res["options_of"] = f"{best} (the best {first} get; every variant's options are under variants)"
+    res["disk_bytes_end"] = variants[best]["disk_bytes_end"]
+    res["live_bytes"] = n * (ROW_BYTES + 8)
+    res["space_amplification"] = res["disk_bytes_end"] / res["live_bytes"]
+    return res
+
+
+def run_worker(args) -> dict:
+    n = args.rows
+    name = args.store
+    if name == "rocksdb_tuned":
+        return run_rocks_tuned(args)
+    path = os.path.join(args.dir, name)
+    os.makedirs(path, exist_ok=True)
+    if name == "hps":
+        st = HpsStore(path)
+    elif name == "hps_node":
+        st = HpsNodeStore(path)
+    elif name == "rocksdb":
+        st = RocksStore(path)
+    elif name == "lmdb":
+        st = LmdbStore(path, n)
+    else:
+        raise SystemExit(f"unknown store {name}")
+    res = {"store": name, "options": st.options, "path": path}
+    progress = make_progress(name)
+
+    # ---- bulk load
+    chunk = args.load_chunk
+    t_store = 0.0
+    t_wall0 = time.time()
+    pb = progress(n, "load")
+    if name == "lmdb":
+        order = np.sort(keys_of(np.arange(n, dtype=np.uint64)))
+        for s in range(0, n, chunk):
+            k = order[s:s + chunk]
+            rows = rows_of(k, 0)
+            t0 = time.perf_counter()
+            st.load_chunk(k, rows)
+            t_store += time.perf_counter() - t0
+            pb.update(len(k))
+        del order
+    else:
+        for s in range(0, n, chunk):
+            k = keys_of(np.arange(s, min(n, s + chunk), dtype=np.uint64))
+            rows = rows_of(k, 0)
+            t0 = time.perf_counter()
+            st.load_chunk(k, rows)
+            t_store += time.perf_counter() - t0
+            pb.update(len(k))
+    t0 = time.perf_counter()
+    st.load_done()
+    t_store += time.perf_counter() - t0
+    pb.close()
+    res["load"] = {"rows": n, "seconds": t_store, "wall_seconds_with_generation": time.time() - t_wall0,
+                   "rows_per_s": n / t_store, "MB_per_s": n * ROW_BYTES / t_store / 1e6,
+                   "disk_bytes_after_load": du_bytes(path)}
+    if name in ("hps", "hps_node"):
+        res["load"]["hps_stats"] = st.stats()
+
+    res["distributions"] = run_dists(st, name, args, n, path, progress)
     res["store_stats"] = st.stats()
     st.close()
     res["disk_bytes_end"] = du_bytes(path)
@@ -622,11 +990,41 @@ def parse():
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--verify-sample", type=int, default=1000)
     ap.add_argument("--load-chunk", type=int, default=250_000)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds of every store, interleaved (hps, ..., rocksdb_tuned, hps, ...): figures are "
+                         "medians over rounds with their min-max (default 3; --quick 1)")
+    ap.add_argument("--rocksdb-readers", default=None,
+                    help="reader processes of rocksdb_tuned to sweep, e.g. 1,2,4,8 (1: the writer's own "
+                         "multi-get; default 1,2,4,8; --quick 1,2)")
+    ap.add_argument("--rocksdb-splits", default=None,
+                    help=f"memory splits of rocksdb_tuned to sweep, of {','.join(ROCKS_SPLITS)} "
+                         "(default all; --quick block,row)")
+    ap.add_argument("--rocksdb-memory", type=lambda s: int(float(s)), default=ROCKS_MEMORY,
+                    help="rocksdb_tuned's block caches + row caches + memtables over all its processes "
+                         "(default 512 MiB)")
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.quick:
         a.rows, a.batches, a.batch_keys = 1_000_000, 10, 20_000
+    if a.rounds is None:
+        a.rounds = 1 if a.quick else 3
+    if a.rocksdb_readers is None:
+        a.rocksdb_readers = "1,2" if a.quick else "1,2,4,8"
+    if a.rocksdb_splits is None:
+        a.rocksdb_splits = "block,row" if a.quick else ",".join(ROCKS_SPLITS)
+    try:
+        a.rocksdb_readers = [int(x) for x in a.rocksdb_readers.split(",") if x]
+    except ValueError:
+        ap.error(f"--rocksdb-readers {a.rocksdb_readers!r}: a list of counts such as 1,2,4,8")
+    if not a.rocksdb_readers or min(a.rocksdb_readers) < 1:
+        ap.error(f"--rocksdb-readers {a.rocksdb_readers}: counts of at least 1")
+    a.rocksdb_splits = [x for x in a.rocksdb_splits.split(",") if x]
+    for x in a.rocksdb_splits:
+        if x not in ROCKS_SPLITS:
+            ap.error(f"--rocksdb-splits: unknown split {x!r}; choose from {','.join(ROCKS_SPLITS)}")
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: at least 1")
     a.dists = [d for d in a.dists.split(",") if d]
     for d in a.dists:
         if d not in ("uniform", "zipf"):
@@ -659,7 +1057,18 @@ def main():
                "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
            "notes": ["batch keys are drawn with replacement and de-duplicated; rates are over unique keys",
                      "load timing covers the store calls and the final commit/flush, not row generation",
-                     "hps and RocksDB load in random key order; LMDB loads sorted with append=True",
+                     ("hps and RocksDB defaults load in random key order; LMDB loads sorted with append=True; "
+                      "rocksdb_tuned loads sorted through SstFileWriter + ingest_external_file (its sort untimed)"),
+                     ("rounds interleave the stores; a store's rates are the median over rounds of each round's "
+                      "median over batches, min-max over rounds (batch_min/batch_max: over every batch); a ratio "
+                      "is the median of the same-round ratios"),
+                     ("rocksdb_tuned reports, per distribution, its best variant's get and its best variant's put "
+                      "(get_best_variant, put_best_variant; all under variants): reader processes x memory split, "
+                      "every variant on the same batches from a hard-linked copy of one load; a variant's block "
+                      "caches + row caches + memtables over all its processes total rocksdb_memory_bytes"),
+                     ("rocksdb_tuned with several readers: before each get the readers replay the last put from "
+                      "the WAL (try_catch_up_with_primary), timed apart (reader_catch_up_seconds), in neither "
+                      "the get nor the put"),
                      "every put batch is durable when timed: hps commit(), RocksDB sync write, LMDB txn commit",
                      "RocksDB/LMDB timings include the Python binding's per-key work (key lists, WriteBatch.put)"]}
     try:
@@ -688,63 +1097,24 @@ def main():
     else:
         out["fio"] = run_fio(args.dir, args.quick)
 
-    out["stores"] = {}
-    for s in stores:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--store", s,
-               "--rows", str(args.rows), "--batches", str(args.batches),
-               "--batch-keys", str(args.batch_keys), "--dir", args.dir,
-               "--dists", ",".join(args.dists), "--verify-sample", str(args.verify_sample),
-               "--load-chunk", str(args.load_chunk)]
-        log(f"== {s} ==")
-        if cg:
-            cg.reset()
-        t0 = time.time()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                             preexec_fn=(cg.enter if cg else None))
-        stdout, _ = p.communicate()
-        wall = time.time() - t0
-        entry = None
-        if p.returncode == 0:
-            try:
-                entry = json.loads(stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                entry = {"status": "error", "error": "worker printed no JSON"}
-            else:
-                entry["status"] = "ok"
-        elif p.returncode == -signal.SIGKILL:
-            entry = {"status": "oom", "note": "worker killed by SIGKILL (OOM killer inside the memory limit)"}
-        else:
-            entry = {"status": "error", "returncode": p.returncode}
-        entry["wall_seconds"] = wall
-        if cg:
-            entry["cgroup"] = cg.snapshot()
-            if entry["status"] == "oom" and not any(
-                    k.endswith("oom_kill") and v for k, v in entry["cgroup"].items()):
-                entry["note"] += " (the cgroup did not count an oom_kill; check dmesg)"
-        out["stores"][s] = entry
-        shutil.rmtree(os.path.join(args.dir, s), ignore_errors=True)
-        log(f"== {s}: {entry['status']} in {wall:.1f} s ==")
+    out["rounds"] = args.rounds
+    rounds: dict = {st: [] for st in stores}
+    for i in range(args.rounds):
+        for st in stores:
+            log(f"== round {i + 1} of {args.rounds}: {st} ==")
+            rounds[st].append(run_store(st, args, cg))
+    out["stores"] = {st: summarize_rounds(entries, args.dists) for st, entries in rounds.items()}
 
-    # ---- ratios hps / rocksdb_tuned
-    ratios = {}
+    # ---- ratios: the median over rounds of the same-round ratios (the two ran close
+    # in time, so the machine's drift cancels in each)
     h, r = out["stores"].get("hps"), out["stores"].get("rocksdb_tuned")
-    if h and r and h.get("status") == "ok" and r.get("status") == "ok":
-        ratios["load"] = h["load"]["rows_per_s"] / r["load"]["rows_per_s"]
-        for d in args.dists:
-            hd, rd = h["distributions"][d], r["distributions"][d]
-            ratios[d] = {"get_median": hd["get_rows_per_s"]["median"] / rd["get_rows_per_s"]["median"],
-                         "put_median": hd["put_rows_per_s"]["median"] / rd["put_rows_per_s"]["median"]}
-        ratios["space_hps"] = h["space_amplification"]
-        ratios["space_rocksdb_tuned"] = r["space_amplification"]
-    out["ratios_hps_over_rocksdb_tuned"] = ratios or None
-    node = out["stores"].get("hps_node")
-    if node and r and node.get("status") == "ok" and r.get("status") == "ok":
-        out["ratios_hps_node_over_rocksdb_tuned"] = {
-            d: {"get_median": node["distributions"][d]["get_rows_per_s"]["median"]
-                / r["distributions"][d]["get_rows_per_s"]["median"],
-                "put_median": node["distributions"][d]["put_rows_per_s"]["median"]
-                / r["distributions"][d]["put_rows_per_s"]["median"]}
-            for d in args.dists}
+    out["ratios_hps_over_rocksdb_tuned"] = round_ratios(rounds.get("hps"), rounds.get("rocksdb_tuned"),
+                                                        args.dists, with_load=True)
+    if out["ratios_hps_over_rocksdb_tuned"]:
+        out["ratios_hps_over_rocksdb_tuned"]["space_hps"] = h["space_amplification"]
+        out["ratios_hps_over_rocksdb_tuned"]["space_rocksdb_tuned"] = r["space_amplification"]
+    out["ratios_hps_node_over_rocksdb_tuned"] = round_ratios(rounds.get("hps_node"), rounds.get("rocksdb_tuned"),
+                                                             args.dists, with_load=False)
     fr = out["fio"].get("rand_read_4k_qd64") if isinstance(out["fio"], dict) else None
     if h and h.get("status") == "ok" and fr and "iops" in fr:
         out["hps_uniform_get_over_fio_randread_iops"] = \
@@ -761,6 +1131,93 @@ def main():
     if failed:
         log(f"ssd_store_bench: workers failed: {failed}")
         sys.exit(1)
+
+
+def run_store(s: str, args, cg) -> dict:
+    """One worker process for store `s` (inside `cg` if given): its JSON, with a status."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--store", s,
+           "--rows", str(args.rows), "--batches", str(args.batches),
+           "--batch-keys", str(args.batch_keys), "--dir", args.dir,
+           "--dists", ",".join(args.dists), "--verify-sample", str(args.verify_sample),
+           "--load-chunk", str(args.load_chunk),
+           "--rocksdb-readers", ",".join(map(str, args.rocksdb_readers)),
+           "--rocksdb-splits", ",".join(args.rocksdb_splits), "--rocksdb-memory", str(args.rocksdb_memory)]
+    if cg:
+        cg.reset()
+    t0 = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=(cg.enter if cg else None))
+    stdout, _ = p.communicate()
+    wall = time.time() - t0
+    if p.returncode == 0:
+        try:
+            entry = json.loads(stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            entry = {"status": "error", "error": "worker printed no JSON"}
+        else:
+            entry["status"] = "ok"
+    elif p.returncode == -signal.SIGKILL:
+        entry = {"status": "oom", "note": "worker killed by SIGKILL (OOM killer inside the memory limit)"}
+    else:
+        entry = {"status": "error", "returncode": p.returncode}
+    entry["wall_seconds"] = wall
+    if cg:
+        entry["cgroup"] = cg.snapshot()
+        if entry["status"] == "oom" and not any(k.endswith("oom_kill") and v for k, v in entry["cgroup"].items()):
+            entry["note"] += " (the cgroup did not count an oom_kill; check dmesg)"
+    shutil.rmtree(os.path.join(args.dir, s), ignore_errors=True)
+    log(f"== {s}: {entry['status']} in {wall:.1f} s ==")
+    return entry
+
+
+def _over_rounds(xs) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
+
+
+def summarize_rounds(entries: list, dists: list) -> dict:
+    """One store's rounds: the median round's JSON (by the first distribution's get),
+    with the load rate and every distribution's get and put rates replaced by the
+    median over rounds of each round's median, their min-max over rounds, and the
+    per-batch extremes of all rounds (batch_min, batch_max); every round's JSON
+    is under "rounds"."""
+    bad = [e for e in entries if e.get("status") != "ok"]
+    if bad:
+        return {"status": bad[0]["status"], "round_statuses": [e.get("status") for e in entries],
+                "rounds": entries}
+    key = [e["distributions"][dists[0]]["get_rows_per_s"]["median"] for e in entries]
+    mid = sorted(range(len(entries)), key=key.__getitem__)[(len(entries) - 1) // 2]
+    top = json.loads(json.dumps(entries[mid]))  # a deep copy
+    top.update({"status": "ok", "figures_from_round": mid, "rounds": entries})
+    loads = [e["load"]["rows_per_s"] for e in entries]
+    top["load"]["rows_per_s"] = statistics.median(loads)
+    top["load"]["rows_per_s_over_rounds"] = _over_rounds(loads)
+    for d in dists:
+        for metric in ("get_rows_per_s", "put_rows_per_s"):
+            per_round = [e["distributions"][d][metric] for e in entries]
+            top["distributions"][d][metric] = {
+                **_over_rounds([x["median"] for x in per_round]),
+                "batch_min": min(x["min"] for x in per_round), "batch_max": max(x["max"] for x in per_round)}
+    return top
+
+
+def round_ratios(a_rounds, b_rounds, dists, with_load):
+    """a / b per round (each round's medians), then the median and min-max over rounds."""
+    if not a_rounds or not b_rounds:
+        return None
+    pairs = [(a, b) for a, b in zip(a_rounds, b_rounds) if a.get("status") == b.get("status") == "ok"]
+    if not pairs:
+        return None
+    out = {"rounds_compared": len(pairs)}
+    if with_load:
+        out["load"] = statistics.median(a["load"]["rows_per_s"] / b["load"]["rows_per_s"] for a, b in pairs)
+    for d in dists:
+        ratios = {}
+        for metric, name in (("get_rows_per_s", "get"), ("put_rows_per_s", "put")):
+            xs = [a["distributions"][d][metric]["median"] / b["distributions"][d][metric]["median"]
+                  for a, b in pairs]
+            ratios[f"{name}_median"] = statistics.median(xs)
+            ratios[f"{name}_min"], ratios[f"{name}_max"], ratios[f"{name}_per_round"] = min(xs), max(xs), xs
+        out[d] = ratios
+    return out
 
 
 def _has(md, p):

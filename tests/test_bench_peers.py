@@ -1,0 +1,63 @@
+"""The benchmarks' RocksDB peers (issue 14): W1's tuned RocksDB with reader processes
+reads back every put, and W5's pipelined peer trains exactly as its serial loop."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytest.importorskip("rocksdict", reason="the RocksDB peers need rocksdict")
+
+
+def run_json(*args, timeout=300):
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_w1_rocksdb_tuned_readers_see_every_put(tmp_path):
+    """Three reader processes serve each get; the worker checks a sample of every get
+    against the rows last put (so a reader that missed the WAL's last batch fails the
+    run), and every variant of the sweep keeps its explicit options."""
+    out = run_json("bench/ssd_store_bench.py", "--rows", "20000", "--batches", "3", "--batch-keys", "4000",
+                   "--stores", "rocksdb_tuned", "--rocksdb-readers", "1,3", "--rocksdb-splits", "row",
+                   "--verify-sample", "4000", "--rounds", "2", "--no-fio", "--no-cgroup", "--dir", str(tmp_path))
+    r = out["stores"]["rocksdb_tuned"]
+    assert r["status"] == "ok" and len(r["rounds"]) == 2
+    variants = r["rounds"][0]["variants"]
+    assert set(variants) == {"readers=1,split=row", "readers=3,split=row"}
+    three = variants["readers=3,split=row"]
+    assert three["options"]["readers"] == 3 and three["options"]["reader"]["use_direct_reads"] is True
+    assert three["distributions"]["uniform"]["reader_catch_up_seconds_total"] > 0
+    # The readers' caches and the memtables (writer + 3 replicas) share the budget.
+    opts = three["options"]
+    caches = 3 * (opts["reader"]["block_cache_bytes"] + opts["reader"]["row_cache_bytes"])
+    memtables = 4 * opts["writer"]["write_buffer_size"] * opts["writer"]["max_write_buffer_number"]
+    assert caches + memtables <= opts["memory_budget_bytes"]
+    for d in ("uniform", "zipf"):
+        assert r["distributions"][d]["get_best_variant"] in variants
+        assert len(r["distributions"][d]["get_rows_per_s"]["rounds"]) == 2
+    # A load in key order through SstFileWriter leaves every file in the last level.
+    levels = r["rounds"][0]["variants"]["readers=1,split=row"]["store_stats"]["rocksdb.levelstats"]
+    assert "  6        1" in levels
+
+
+def test_w5_pipelined_rocksdb_peer_trains_as_the_serial_loop():
+    """The prefetch process reads batch i+1 before batch i's rows are written back;
+    patching the shared keys must make the run identical to the serial loop."""
+    pytest.importorskip("torch", reason="the W5 benchmark trains with torch")
+    aucs = {}
+    for mode in ("serial", "process"):
+        out = run_json("bench/w5_bench.py", "--examples", "12288", "--eval-examples", "4096", "--repeat", "1",
+                       "--no-cgroup", "--threads", "1", "--runs", "rocksdb", "--rocks-prefetch", mode)
+        run = out["runs"]["rocksdb"]
+        assert run["status"] == "ok" and run["prefetch"] == mode
+        # Pipelined, the next batch's rows are read before this batch's are written:
+        # the keys both share (batches do) take this batch's rows. Serial, none do.
+        assert (run["rows_patched_from_the_batch_before"] > 0) == (mode == "process")
+        assert run["rocksdb_options"]["disable_wal"] is True
+        aucs[mode] = (run["auc"], run["logloss"])
+    assert aucs["process"] == aucs["serial"]
