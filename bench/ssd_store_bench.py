@@ -1115,6 +1115,11 @@ def main():
         out["ratios_hps_over_rocksdb_tuned"]["space_rocksdb_tuned"] = r["space_amplification"]
     out["ratios_hps_node_over_rocksdb_tuned"] = round_ratios(rounds.get("hps_node"), rounds.get("rocksdb_tuned"),
                                                              args.dists, with_load=False)
+    # Issue 14's targets against the peer at its best (its best variant per figure).
+    ra = out["ratios_hps_over_rocksdb_tuned"]
+    if ra and "uniform" in ra:
+        out["targets_met"] = {"uniform get >= 2x rocksdb_tuned": ra["uniform"]["get_median"] >= 2.0,
+                              "uniform put >= 5x rocksdb_tuned": ra["uniform"]["put_median"] >= 5.0}
     fr = out["fio"].get("rand_read_4k_qd64") if isinstance(out["fio"], dict) else None
     if h and h.get("status") == "ok" and fr and "iops" in fr:
         out["hps_uniform_get_over_fio_randread_iops"] = \
