@@ -101,11 +101,25 @@ def run_train(node, out: str, args) -> None:
     from hps.train import train
     cfg = train_config(os.path.join(out, "job"), args.dense_sync, args.k, args.hierarchical, args.ranks_per_node,
                        pipelined=not args.sequential, mem_budget=args.mem_budget)
+    cfg.checkpoint_every = args.checkpoint_every
+    if args.die_at_checkpoint and node.rank == 1:
+        # Rank 1 dies making that checkpoint, after its store's commit, once the
+        # other ranks (which need no collective for theirs) have finished theirs.
+        import time
+        from hps.parameter_server import ParameterServer
+        snapshot = ParameterServer._snapshot_store
+
+        def dying(ps, dst):
+            if (ps.checkpoint_number or 0) + 1 == args.die_at_checkpoint:
+                time.sleep(2.0)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return snapshot(ps, dst)
+        ParameterServer._snapshot_store = dying
     batches = global_batches(args.steps, args.per_rank, node.size)
     mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
     if args.uneven and node.rank == node.size - 1:
         mine = mine[:-2]  # this rank's data ends two steps early
-    summary = train(cfg, progress=False, train_batches=mine, eval_batches=[], node=node)
+    summary = train(cfg, resume=args.resume, progress=False, train_batches=mine, eval_batches=[], node=node)
     with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
         json.dump({"bytes_sent": summary["distributed"]["ranks"][node.rank]["bytes_sent"],
                    "batches": summary["batches"], "examples": summary["examples"],
@@ -182,6 +196,9 @@ def main() -> None:
     ap.add_argument("--mem-budget", default="256KiB")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--how", default="hang")
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--die-at-checkpoint", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
     from hps.distributed import DistributedConfig, Node
     node = Node(DistributedConfig(ranks_per_node=args.ranks_per_node, timeout=args.timeout))
