@@ -4,8 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "crc32c.h"
 #include "param_file.h"  // IoError, CorruptionError, ReadFully
@@ -24,6 +26,45 @@ uint64_t Field(const uint8_t* payload, size_t index) {
   uint64_t v;
   std::memcpy(&v, payload + 1 + index * sizeof(uint64_t), sizeof v);
   return v;
+}
+
+// The payload length each edit has; 0 for a byte that is no edit.
+uint32_t EditLength(uint8_t edit) {
+  switch (static_cast<ManifestEdit>(edit)) {
+    case ManifestEdit::kAddFile:
+      return 17;
+    case ManifestEdit::kDropFile:
+      return 9;
+    case ManifestEdit::kCommit:
+      return 1;
+  }
+  return 0;
+}
+
+// Why the record at `at` cannot be read ("" when it is sound: it fits in the
+// log and its CRC holds). Its edit is checked by the caller.
+std::string RecordFault(const std::vector<uint8_t>& log, uint64_t at) {
+  if (at + kRecordHeaderBytes > log.size()) {
+    return "header cut off by the end of the file at byte " + std::to_string(log.size());
+  }
+  uint32_t length, crc;
+  std::memcpy(&length, log.data() + at, 4);
+  std::memcpy(&crc, log.data() + at + 4, 4);
+  if (length == 0 || length > kMaxPayloadBytes) return "payload length " + std::to_string(length);
+  if (at + kRecordHeaderBytes + length > log.size()) {
+    return "payload of " + std::to_string(length) + " bytes cut off by the end of the file at byte " +
+           std::to_string(log.size());
+  }
+  if (Crc32c(log.data() + at + kRecordHeaderBytes, length) != crc) return "CRC mismatch";
+  return "";
+}
+
+// Whether a whole, well-formed record starts at `at`.
+bool SoundRecordAt(const std::vector<uint8_t>& log, uint64_t at) {
+  if (!RecordFault(log, at).empty()) return false;
+  uint32_t length;
+  std::memcpy(&length, log.data() + at, 4);
+  return EditLength(log[at + kRecordHeaderBytes]) == length;
 }
 
 }  // namespace
@@ -52,35 +93,48 @@ ManifestReplay ReplayManifest(const std::string& path) {
 
   ManifestState pending = replay.state;
   uint64_t at = 0;
-  while (at + kRecordHeaderBytes <= log.size()) {
-    uint32_t length, crc;
-    std::memcpy(&length, log.data() + at, 4);
-    std::memcpy(&crc, log.data() + at + 4, 4);
-    if (length == 0 || length > kMaxPayloadBytes || at + kRecordHeaderBytes + length > log.size()) {
-      break;  // torn
+  while (at < log.size()) {
+    const std::string fault = RecordFault(log, at);
+    if (!fault.empty()) {
+      // A crash can tear only the last append (Commit writes its edits and
+      // commit record in one append, then syncs; a failed append is cut off
+      // before the next), so a torn record is followed by nothing sound. A
+      // sound record anywhere after this one means damage inside the log:
+      // stop, and change nothing, since the store's open would otherwise
+      // remove the files of every commit after it.
+      for (uint64_t next = at + 1; next + kRecordHeaderBytes < log.size(); ++next) {
+        if (SoundRecordAt(log, next)) {
+          throw CorruptionError(path + ": record at byte " + std::to_string(at) + ": " + fault +
+                                ", yet a sound record follows at byte " + std::to_string(next) +
+                                ": the log is damaged before its end, not torn by a crash");
+        }
+      }
+      break;  // a torn tail: the last append, cut short
     }
+    uint32_t length;
+    std::memcpy(&length, log.data() + at, 4);
     const uint8_t* payload = log.data() + at + kRecordHeaderBytes;
-    if (Crc32c(payload, length) != crc) break;
     const auto edit = static_cast<ManifestEdit>(payload[0]);
     const std::string where = path + ": record at byte " + std::to_string(at) + ": ";
-    if (edit == ManifestEdit::kAddFile && length == 17) {
+    if (EditLength(payload[0]) != length) {
+      throw CorruptionError(where + "unknown edit type " + std::to_string(payload[0]) + " of " +
+                            std::to_string(length) + " bytes");
+    }
+    if (edit == ManifestEdit::kAddFile) {
       const uint64_t seq = Field(payload, 0);
       if (!pending.live_files.emplace(seq, Field(payload, 1)).second) {
         throw CorruptionError(where + "adds file " + std::to_string(seq) + ", which is live");
       }
       pending.max_sequence = std::max(pending.max_sequence, seq);
-    } else if (edit == ManifestEdit::kDropFile && length == 9) {
+    } else if (edit == ManifestEdit::kDropFile) {
       const uint64_t seq = Field(payload, 0);
       if (pending.live_files.erase(seq) == 0) {
         throw CorruptionError(where + "drops file " + std::to_string(seq) + ", which is not live");
       }
-    } else if (edit == ManifestEdit::kCommit && length == 1) {
+    } else {  // kCommit
       pending.commits += 1;
       replay.state = pending;
       replay.valid_bytes = at + kRecordHeaderBytes + length;
-    } else {
-      throw CorruptionError(where + "unknown edit type " + std::to_string(payload[0]) +
-                            " of " + std::to_string(length) + " bytes");
     }
     at += kRecordHeaderBytes + length;
   }
@@ -125,13 +179,22 @@ void ManifestWriter::DropFile(uint64_t sequence) { Append(ManifestEdit::kDropFil
 
 void ManifestWriter::Commit() {
   Append(ManifestEdit::kCommit, {});
+  // A failed append must be cut off before the next one goes after it:
+  // replay takes a damaged record followed by sound ones for damage inside
+  // the log, and refuses to open the store.
+  if (cut_pending_) {
+    if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) {
+      pending_.clear();
+      ThrowErrno("cut off the failed append before this commit", path_);
+    }
+    cut_pending_ = false;
+  }
   // On failure, cut the log back so no half-written commit precedes the next
-  // append (replay would stop at it anyway), and drop the edits: the caller
-  // learns that nothing since the last commit is durable.
+  // append, and drop the edits: the caller learns that nothing since the
+  // last commit is durable.
   auto fail = [&](const char* what) {
     const int error = errno;
-    const int cut = ftruncate(fd_, static_cast<off_t>(bytes_));
-    (void)cut;  // the throw below reports the original error
+    cut_pending_ = ftruncate(fd_, static_cast<off_t>(bytes_)) != 0;  // retried by the next commit
     pending_.clear();
     errno = error;
     ThrowErrno(what, path_);

@@ -4,9 +4,11 @@
 // A record is [u32 payload bytes][u32 CRC-32C of the payload][payload], the
 // payload one edit (little-endian): add file (sequence, records), drop file
 // (sequence), or commit. Edits are buffered and go out together with their
-// commit record in one append, then the log is synced; so a crash can only
-// tear the last append. Replay keeps the state of the last complete commit and
-// ends at the first record that is torn or fails its CRC.
+// commit record in one append, then the log is synced, and a failed append is
+// cut off before the next; so a crash can only tear the last append. Replay
+// keeps the state of the last complete commit. A record that is cut short or
+// fails its CRC ends the log when no sound record follows it (a torn tail);
+// when one does, the log is damaged before its end and replay throws.
 #pragma once
 
 #include <cstdint>
@@ -32,8 +34,10 @@ struct ManifestReplay {
 };
 
 // Replays the manifest at `path`; a missing file is an empty store. Throws
-// CorruptionError when a committed edit contradicts the state (adding a live
-// file, dropping an unknown one), IoError when the file cannot be read.
+// CorruptionError naming the file and the record's byte offset for a damaged
+// record that sound records follow, an edit of unknown type, or a committed
+// edit that contradicts the state (adding a live file, dropping an unknown
+// one); IoError when the file cannot be read.
 ManifestReplay ReplayManifest(const std::string& path);
 
 class ManifestWriter {
@@ -59,6 +63,7 @@ class ManifestWriter {
   std::string path_;
   int fd_ = -1;
   uint64_t bytes_ = 0;           // durable length
+  bool cut_pending_ = false;     // a failed append is still past bytes_
   std::vector<uint8_t> pending_;  // encoded edits since the last commit
 };
 
