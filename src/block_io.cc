@@ -41,10 +41,15 @@ constexpr uint64_t kMaxOpBytes = uint64_t{1} << 30;  // io_uring lengths are 32-
 
 class UringIo final : public BlockIo {
  public:
-  // nullptr when the kernel refuses io_uring (too old, or forbidden).
-  static std::unique_ptr<UringIo> Create() {
+  // nullptr when the kernel refuses io_uring (too old, forbidden by seccomp
+  // or io_uring_disabled, short of locked memory), with *why saying so.
+  static std::unique_ptr<UringIo> Create(std::string* why) {
     std::unique_ptr<UringIo> io(new UringIo);
-    if (io_uring_queue_init(kQueueDepth, &io->ring_, 0) != 0) return nullptr;
+    const int rc = io_uring_queue_init(kQueueDepth, &io->ring_, 0);
+    if (rc != 0) {
+      *why = std::string("io_uring_queue_init: ") + std::strerror(-rc);
+      return nullptr;
+    }
     io->ready_ = true;
     return io;
   }
@@ -189,21 +194,33 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   return *this;
 }
 
-std::unique_ptr<BlockIo> NewBlockIo(bool prefer_uring) {
+std::unique_ptr<BlockIo> NewBlockIo(bool prefer_uring, std::string* fallback) {
+  std::string why;
 #if HPS_HAVE_LIBURING
   if (prefer_uring) {
-    if (auto io = UringIo::Create()) return io;
+    if (auto io = UringIo::Create(&why)) return io;
   }
 #else
   (void)prefer_uring;
 #endif
+  if (fallback != nullptr) *fallback = why;
   return std::make_unique<PosixIo>();
 }
 
 BlockIoPool::BlockIoPool(bool prefer_uring) : prefer_uring_(prefer_uring) {
-  std::unique_ptr<BlockIo> first = NewBlockIo(prefer_uring);
+  std::unique_ptr<BlockIo> first = NewBlockIo(prefer_uring, &fallback_);
   name_ = first->name();
   idle_.push_back(std::move(first));
+}
+
+std::string BlockIoPool::name() const {
+  std::lock_guard lock(mutex_);
+  return name_;
+}
+
+std::string BlockIoPool::fallback() const {
+  std::lock_guard lock(mutex_);
+  return fallback_;
 }
 
 BlockIoPool::Lease BlockIoPool::Acquire() {
@@ -215,7 +232,16 @@ BlockIoPool::Lease BlockIoPool::Acquire() {
       return Lease(this, std::move(io));
     }
   }
-  return Lease(this, NewBlockIo(prefer_uring_));
+  // A ring more than the first may still be refused (locked memory runs
+  // out): this caller then moves its bytes with pread, and name() says so.
+  std::string why;
+  std::unique_ptr<BlockIo> io = NewBlockIo(prefer_uring_, &why);
+  if (!why.empty()) {
+    std::lock_guard lock(mutex_);
+    name_ = io->name();
+    if (fallback_.empty()) fallback_ = why;
+  }
+  return Lease(this, std::move(io));
 }
 
 void BlockIoPool::Return(std::unique_ptr<BlockIo> io) {

@@ -53,14 +53,20 @@ class AlignedBuffer {
   uint8_t* data_ = nullptr;
 };
 
-// io_uring when `prefer_uring` and available, else pread/pwrite.
-std::unique_ptr<BlockIo> NewBlockIo(bool prefer_uring);
+// io_uring when `prefer_uring` and available, else pread/pwrite. When
+// `fallback` is given, it gets why io_uring was asked for and not used (the
+// call and errno's text), or "" (also when this build has no liburing: that
+// is no runtime fallback, and HPS_HAVE_LIBURING says it).
+std::unique_ptr<BlockIo> NewBlockIo(bool prefer_uring, std::string* fallback = nullptr);
 
 // BlockIo objects for concurrent callers; each caller holds one for a call.
 class BlockIoPool {
  public:
   explicit BlockIoPool(bool prefer_uring);
-  const char* name() const { return name_; }
+  // "io_uring" while every BlockIo handed out is one, else "pread".
+  std::string name() const;
+  // Why a BlockIo meant to be io_uring is pread (the first such reason), or "".
+  std::string fallback() const;
 
   class Lease {
    public:
@@ -81,8 +87,9 @@ class BlockIoPool {
   void Return(std::unique_ptr<BlockIo> io);
 
   bool prefer_uring_;
-  const char* name_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
+  const char* name_;     // guarded by mutex_
+  std::string fallback_;  // guarded by mutex_
   std::vector<std::unique_ptr<BlockIo>> idle_;
 };
 
