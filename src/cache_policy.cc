@@ -49,7 +49,11 @@ class SlotLists {
 // position kept so that a visit or removal is O(log n).
 class FrequencyHeap {
  public:
-  explicit FrequencyHeap(uint32_t capacity) : pos_(capacity, kAbsent), freq_(capacity, 0), tick_(capacity, 0) {}
+  // Room for every slot up front: Push never allocates, so that MEM-PS can
+  // put a row back in the order on a path that must not throw.
+  explicit FrequencyHeap(uint32_t capacity) : pos_(capacity, kAbsent), freq_(capacity, 0), tick_(capacity, 0) {
+    heap_.reserve(capacity);
+  }
 
   uint32_t& freq(uint32_t slot) { return freq_[slot]; }
   bool contains(uint32_t slot) const { return pos_[slot] != kAbsent; }

@@ -93,6 +93,15 @@ struct Shard {
   uint64_t hits = 0, misses = 0, evictions = 0, dirty_evictions = 0;
 };
 
+// A slot that TakeSlot gave for a new row: a free one, or a victim's, whose
+// key and row stay in it until the caller overwrites them, so that GiveBack
+// can still undo the eviction.
+struct TakenSlot {
+  uint32_t slot = kNoSlot;  // kNoSlot: every row of the shard is pinned
+  bool victim = false;      // evicted from the policy's order (else off the free list)
+  bool dirty = false;       // the victim was dirty: a copy of its row is in the SinkBatch
+};
+
 // Evicted or flushed dirty rows on their way to the sink.
 struct SinkBatch {
   std::vector<uint64_t> keys;
@@ -138,10 +147,30 @@ class ShardedCache final : public MemCache {
     return Fetch(keys, n, nullptr, /*pin=*/true, hit, addresses);
   }
 
-  // Pull, and with `addresses` where each (pinned) row is.
+  // Pull, and with `addresses` where each (pinned) row is. A call that throws
+  // gives back every pin it took, so that it changes nothing the caller can
+  // see; FetchPinning says where it can throw.
   uint64_t Fetch(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit, uint8_t** addresses) {
     CheckKeys(keys, n);
     if (hit) std::memset(hit, 0, n);
+    std::vector<uint64_t> held;  // a key for each pin taken so far
+    if (pin) held.reserve(n);  // push_back cannot throw below
+    try {
+      return FetchPinning(keys, n, out, pin, hit, addresses, &held);
+    } catch (...) {
+      if (!held.empty()) Unpin(held.data(), held.size());
+      throw;
+    }
+  }
+
+  // Fetch, appending to *held the key of each pin it takes. The slots of new
+  // rows are taken first, the dirty victims' rows left where they are; only
+  // once the sink has stored those rows do the new ones overwrite them. So a
+  // call that finds too few slots (concurrent pins took the ones it counted)
+  // or whose sink throws puts its victims back, cached and dirty as they
+  // were: a dirty row is never only in a local batch.
+  uint64_t FetchPinning(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit,
+                        uint8_t** addresses, std::vector<uint64_t>* held) {
     const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
     // Hits, shard by shard; misses wait for the miss lock.
     std::vector<uint64_t> missed;
@@ -178,6 +207,7 @@ class ShardedCache final : public MemCache {
         ++hits;
         if (hit) hit[i] = 1;
         Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
+        if (pin) held->push_back(keys[i]);
         if (addresses) addresses[i] = RowAt(shard, slot);
       }
     }
@@ -212,25 +242,22 @@ class ShardedCache final : public MemCache {
       }
       for (uint64_t i : requests[m]) {
         Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
+        if (pin) held->push_back(keys[i]);
         if (addresses) addresses[i] = RowAt(shard, slot);
       }
     }
     // Pinned rows must all fit; unpinned ones may pass through uncached.
-    std::string full;
-    for (size_t s = 0; s < shards_.size() && full.empty() && pin; ++s) {
+    for (size_t s = 0; s < shards_.size() && pin; ++s) {
       const Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
       if (new_by_shard[s].size() + shard.pinned > shard.capacity) {
-        full = "MEM-PS budget too small: a shard of " + std::to_string(shard.capacity) + " rows has " +
-               std::to_string(shard.pinned) + " pinned and this call needs " +
-               std::to_string(new_by_shard[s].size()) + " more (" + std::to_string(load_keys.size()) +
-               " new rows of " + std::to_string(row_bytes_) + " bytes over " + std::to_string(shards_.size()) +
-               " shards); raise the budget above the pinned working set of the batches in flight";
+        throw CacheFullError(
+            "MEM-PS budget too small: a shard of " + std::to_string(shard.capacity) + " rows has " +
+            std::to_string(shard.pinned) + " pinned and this call needs " + std::to_string(new_by_shard[s].size()) +
+            " more (" + std::to_string(load_keys.size()) + " new rows of " + std::to_string(row_bytes_) +
+            " bytes over " + std::to_string(shards_.size()) +
+            " shards); raise the budget above the pinned working set of the batches in flight");
       }
-    }
-    if (!full.empty()) {
-      if (pin) UnpinRequests(keys, n, missed, requests, new_by_shard);
-      throw CacheFullError(full);
     }
     std::vector<uint8_t> rows(load_keys.size() * row_bytes_);
     std::vector<uint8_t> dirty(load_keys.size(), 0);
@@ -239,45 +266,89 @@ class ShardedCache final : public MemCache {
       loader_(load_keys.data(), load_keys.size(), rows.data(), dirty.data());
       rows_loaded_ += load_keys.size();
     }
+    // A slot for each new row (kNoSlot: served uncached), in new_by_shard's order.
+    std::vector<std::vector<TakenSlot>> taken(shards_.size());
     SinkBatch evicted;
+    try {
+      for (size_t s = 0; s < shards_.size(); ++s) {
+        if (new_by_shard[s].empty()) continue;
+        Shard& shard = shards_[s];
+        taken[s].reserve(new_by_shard[s].size());
+        std::lock_guard lock(shard.mutex);
+        for (size_t j = 0; j < new_by_shard[s].size(); ++j) {
+          const TakenSlot t = TakeSlot(shard, &evicted);
+          if (t.slot == kNoSlot && pin) {  // concurrent pins took the slots counted above
+            throw CacheFullError("MEM-PS budget too small: every row of a shard of " +
+                                 std::to_string(shard.capacity) + " rows is pinned (" + std::to_string(shard.pinned) +
+                                 " pinned, this call needs " + std::to_string(new_by_shard[s].size() - j) +
+                                 " more); raise the budget above the pinned working set of the batches in flight");
+          }
+          taken[s].push_back(t);  // kNoSlot and not pin: every row pinned, this one is served uncached
+        }
+      }
+      Sink(&evicted);
+    } catch (...) {
+      for (size_t s = 0; s < shards_.size(); ++s) {
+        if (taken[s].empty()) continue;
+        Shard& shard = shards_[s];
+        std::lock_guard lock(shard.mutex);
+        for (const TakenSlot& t : taken[s]) GiveBack(shard, t);
+      }
+      throw;
+    }
+    // The victims are stored: their slots take the new rows. Only growing
+    // the index (or dirty_slots before the loop) can throw here, bad_alloc:
+    // the slots not yet filled are then freed, and the rows placed so far
+    // are pins in *held like the others.
     for (size_t s = 0; s < shards_.size(); ++s) {
       if (new_by_shard[s].empty()) continue;
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
-      for (size_t m : new_by_shard[s]) {
-        const uint8_t* row = rows.data() + m * row_bytes_;
-        const uint32_t slot = TakeSlot(shard, &evicted);
-        if (slot == kNoSlot && !pin) {  // every row pinned: serve this one uncached
+      size_t j = 0;
+      try {
+        shard.dirty_slots.reserve(shard.dirty_slots.size() + new_by_shard[s].size());  // MarkDirty cannot throw
+        for (; j < new_by_shard[s].size(); ++j) {
+          const size_t m = new_by_shard[s][j];
+          const uint8_t* row = rows.data() + m * row_bytes_;
+          const uint32_t slot = taken[s][j].slot;
+          if (slot == kNoSlot) {
+            if (out) {
+              for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+            }
+            continue;
+          }
+          shard.where.Upsert(load_keys[m], slot);
+          std::memcpy(RowAt(shard, slot), row, row_bytes_);
+          shard.keys[slot] = load_keys[m];
+          shard.dirty[slot] = 0;
+          if (dirty[m]) MarkDirty(shard, slot);
+          if (pin) {
+            shard.fresh[slot] = 1;
+            shard.pins[slot] = static_cast<uint32_t>(requests[m].size());
+            ++shard.pinned;
+            for (uint64_t i : requests[m]) held->push_back(keys[i]);
+          } else {
+            shard.policy->Add(slot, load_keys[m]);
+          }
           if (out) {
             for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
           }
-          continue;
+          if (addresses) {
+            for (uint64_t i : requests[m]) addresses[i] = RowAt(shard, slot);
+          }
         }
-        if (slot == kNoSlot) {  // concurrent pins took the slots counted above
-          throw CacheFullError("MEM-PS budget too small: every row of a shard of " +
-                               std::to_string(shard.capacity) + " rows is pinned");
+      } catch (...) {
+        for (size_t rest = s; rest < shards_.size(); ++rest) {
+          Shard& other = shards_[rest];
+          std::unique_lock other_lock(other.mutex, std::defer_lock);
+          if (rest != s) other_lock.lock();
+          for (size_t k = rest == s ? j : 0; k < taken[rest].size(); ++k) {
+            if (taken[rest][k].slot != kNoSlot) other.free.push_back(taken[rest][k].slot);
+          }
         }
-        std::memcpy(RowAt(shard, slot), row, row_bytes_);
-        shard.where.Upsert(load_keys[m], slot);
-        shard.keys[slot] = load_keys[m];
-        shard.dirty[slot] = 0;
-        if (dirty[m]) MarkDirty(shard, slot);
-        if (pin) {
-          shard.fresh[slot] = 1;
-          shard.pins[slot] = static_cast<uint32_t>(requests[m].size());
-          ++shard.pinned;
-        } else {
-          shard.policy->Add(slot, load_keys[m]);
-        }
-        if (out) {
-          for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
-        }
-        if (addresses) {
-          for (uint64_t i : requests[m]) addresses[i] = RowAt(shard, slot);
-        }
+        throw;
       }
     }
-    Sink(&evicted);
     return hits;
   }
 
@@ -301,7 +372,7 @@ class ShardedCache final : public MemCache {
     for (size_t s = 0; s < shards_.size(); ++s) {
       if (by_shard[s].empty()) continue;
       Shard& shard = shards_[s];
-      std::lock_guard lock(shard.mutex);
+      std::unique_lock lock(shard.mutex);
       for (uint64_t i : by_shard[s]) {
         const uint64_t key = keys[i];
         shard.policy->Record(key);
@@ -315,21 +386,50 @@ class ShardedCache final : public MemCache {
           continue;
         }
         ++shard.misses;
-        const uint32_t slot = TakeSlot(shard, &evicted);
-        if (slot == kNoSlot) continue;  // all pinned: the access is served uncached
-        std::memset(RowAt(shard, slot), 0, row_bytes_);
-        shard.where.Upsert(key, slot);
-        shard.keys[slot] = key;
-        shard.policy->Add(slot, key);
+        const TakenSlot t = TakeSlot(shard, &evicted);
+        if (t.slot == kNoSlot) continue;  // all pinned: the access is served uncached
+        if (t.dirty) {
+          // Traces have no dirty rows; a cache that also has some stores
+          // each victim before its slot is reused, so that a sink that
+          // throws loses nothing (the victim is put back).
+          lock.unlock();
+          try {
+            Sink(&evicted);
+          } catch (...) {
+            lock.lock();
+            GiveBack(shard, t);
+            throw;
+          }
+          lock.lock();
+        }
+        try {
+          shard.where.Upsert(key, t.slot);
+        } catch (...) {  // bad_alloc as the index grows
+          GiveBack(shard, t);
+          throw;
+        }
+        std::memset(RowAt(shard, t.slot), 0, row_bytes_);
+        shard.keys[t.slot] = key;
+        shard.policy->Add(t.slot, key);
       }
     }
-    Sink(&evicted);
     return hits;
   }
 
   void FlushDirty() override {
     std::lock_guard miss_lock(miss_mutex_);  // no eviction drops a row between marking and sinking
     SinkBatch batch;
+    // The rows of a batch are marked clean before the sink has them; if it
+    // throws, they are dirty again (they are still cached: evictions wait
+    // for the miss lock), so that the next flush or eviction retries them.
+    auto sink = [&] {
+      try {
+        Sink(&batch);
+      } catch (...) {
+        Redirty(batch);
+        throw;
+      }
+    };
     for (Shard& shard : shards_) {
       {
         std::lock_guard lock(shard.mutex);
@@ -342,12 +442,14 @@ class ShardedCache final : public MemCache {
         shard.dirty_slots.clear();
       }
       if (batch.keys.size() >= kSinkBatchRows) {
-        rows_flushed_ += batch.keys.size();
-        Sink(&batch);
+        const uint64_t rows = batch.keys.size();
+        sink();
+        rows_flushed_ += rows;
       }
     }
-    rows_flushed_ += batch.keys.size();
-    Sink(&batch);
+    const uint64_t rows = batch.keys.size();
+    sink();
+    rows_flushed_ += rows;
   }
 
   void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out) const override {
@@ -428,11 +530,12 @@ class ShardedCache final : public MemCache {
     }
   }
 
-  // REQUIRES: shard.mutex held; the slot is clean.
+  // REQUIRES: shard.mutex held; the slot is clean. Throws only bad_alloc
+  // (when dirty_slots grows), having changed nothing.
   void MarkDirty(Shard& shard, uint32_t slot) {
+    shard.dirty_slots.push_back(slot);
     shard.dirty[slot] = 1;
     ++shard.dirty_rows;
-    shard.dirty_slots.push_back(slot);
     if (shard.dirty_slots.size() > 2 * uint64_t{shard.capacity}) {  // mostly evicted since: rebuild
       shard.dirty_slots.clear();
       for (uint32_t s = 0; s < shard.capacity; ++s) {
@@ -442,56 +545,75 @@ class ShardedCache final : public MemCache {
   }
 
   // A free slot, or the policy's victim's, whose row (if dirty) joins
-  // `evicted` first. REQUIRES: shard.mutex and miss_mutex_ held.
-  uint32_t TakeSlot(Shard& shard, SinkBatch* evicted) {
+  // `evicted`. The victim's key and row stay in the slot (see TakenSlot).
+  // Throws only bad_alloc, having changed nothing.
+  // REQUIRES: shard.mutex and miss_mutex_ held.
+  TakenSlot TakeSlot(Shard& shard, SinkBatch* evicted) {
+    TakenSlot t;
     if (!shard.free.empty()) {
-      const uint32_t slot = shard.free.back();
+      t.slot = shard.free.back();
       shard.free.pop_back();
-      return slot;
+      return t;
     }
-    const uint32_t slot = shard.policy->Evict();
-    if (slot == kNoSlot) return kNoSlot;
-    ++shard.evictions;
-    if (shard.dirty[slot]) {
-      evicted->Add(shard.keys[slot], RowAt(shard, slot), row_bytes_);
-      shard.dirty[slot] = 0;
+    t.slot = shard.policy->Evict();
+    if (t.slot == kNoSlot) return t;
+    t.victim = true;
+    t.dirty = shard.dirty[t.slot] != 0;
+    if (t.dirty) {
+      try {
+        evicted->Add(shard.keys[t.slot], RowAt(shard, t.slot), row_bytes_);
+      } catch (...) {
+        shard.policy->Add(t.slot, shard.keys[t.slot]);
+        throw;
+      }
+      shard.dirty[t.slot] = 0;
       --shard.dirty_rows;
       ++shard.dirty_evictions;
     }
-    shard.where.Erase(shard.keys[slot]);
-    return slot;
+    ++shard.evictions;
+    shard.where.Erase(shard.keys[t.slot]);
+    return t;
   }
 
-  // Hands dirty rows to the sink. REQUIRES: miss_mutex_ held, so that no
-  // miss reads an older copy of them before they are stored.
+  // Undoes TakeSlot while the slot still holds its victim: the victim is
+  // cached again (dirty if it was), or a free slot goes back to the list.
+  // No row can have taken the victim's key meanwhile: inserts wait for the
+  // miss lock, and its holder stores or gives back its victims first.
+  // REQUIRES: shard.mutex and miss_mutex_ held.
+  void GiveBack(Shard& shard, const TakenSlot& t) {
+    if (t.slot == kNoSlot) return;
+    if (!t.victim) {
+      shard.free.push_back(t.slot);  // never past its initial capacity: cannot throw
+      return;
+    }
+    --shard.evictions;
+    if (t.dirty) --shard.dirty_evictions;
+    const uint64_t key = shard.keys[t.slot];
+    shard.where.Upsert(key, t.slot);  // the key left this index just now: no growth
+    shard.policy->Add(t.slot, key);
+    if (t.dirty) MarkDirty(shard, t.slot);
+  }
+
+  // Marks dirty again the cached rows of a flush whose sink threw, unless a
+  // write-back did meanwhile. REQUIRES: miss_mutex_ held (so each is still cached).
+  void Redirty(const SinkBatch& batch) {
+    for (const uint64_t key : batch.keys) {
+      Shard& shard = shards_[ShardOf(key)];
+      std::lock_guard lock(shard.mutex);
+      const uint32_t slot = shard.where.Find(key);
+      if (slot != kNoSlot && !shard.dirty[slot]) MarkDirty(shard, slot);
+    }
+  }
+
+  // Hands dirty rows to the sink, then empties the batch; if the sink throws,
+  // the batch keeps them. REQUIRES: miss_mutex_ held, so that no miss reads
+  // an older copy of them before they are stored.
   void Sink(SinkBatch* batch) {
     if (batch->keys.empty()) return;
     if (!sink_) throw std::logic_error("MEM-PS: dirty rows with no sink");
     sink_(batch->keys.data(), batch->keys.size(), batch->rows.data());
     batch->keys.clear();
     batch->rows.clear();
-  }
-
-  // Undoes the pins a failed Pull took on rows that were cached: its hits
-  // and the misses that another caller loaded meanwhile.
-  void UnpinRequests(const uint64_t* keys, uint64_t n, const std::vector<uint64_t>& missed,
-                     const std::vector<std::vector<uint64_t>>& requests,
-                     const std::vector<std::vector<size_t>>& new_by_shard) {
-    std::vector<uint8_t> loaded_here(requests.size(), 0);
-    for (const auto& ms : new_by_shard) {
-      for (size_t m : ms) loaded_here[m] = 1;
-    }
-    std::vector<uint64_t> pinned;
-    std::vector<uint8_t> was_missed(n, 0);
-    for (uint64_t i : missed) was_missed[i] = 1;
-    for (uint64_t i = 0; i < n; ++i) {
-      if (!was_missed[i]) pinned.push_back(keys[i]);
-    }
-    for (size_t m = 0; m < requests.size(); ++m) {
-      if (loaded_here[m]) continue;
-      for (uint64_t i : requests[m]) pinned.push_back(keys[i]);
-    }
-    Unpin(pinned.data(), pinned.size());
   }
 
   uint8_t* RowAt(const Shard& shard, uint32_t slot) const { return shard.rows + uint64_t{slot} * row_bytes_; }

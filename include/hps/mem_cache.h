@@ -23,6 +23,13 @@
 // lock, policy and slots, so hits on different shards never contend. Misses
 // are loaded under one miss lock: a row being evicted is in the sink before
 // anyone can miss on it and read an older copy from SSD-PS.
+//
+// Failures: a dirty row is never only in a call's local batch. A call takes
+// its victims' slots first and overwrites them only once the sink has their
+// rows; if it throws before (CacheFullError when concurrent pins took the
+// slots it counted, or the sink's or loader's exception), the victims are
+// cached again, dirty, and the pins the call took are given back. A flush
+// whose sink throws leaves its rows dirty. So a failed call can be retried.
 #pragma once
 
 #include <cstdint>
@@ -94,8 +101,11 @@ class MemCache {
   // the others come from the loader (one call, distinct keys) and enter the
   // cache. With pin, every row of keys is pinned once per occurrence and
   // stays cached until WriteBack or Unpin. hit[i] (optional) = 1 for hits.
-  // Throws CacheFullError, changing nothing that the caller can see, when a
-  // shard has too few unpinned slots for its share of the new rows.
+  // Throws CacheFullError when a shard has too few unpinned slots for its
+  // share of the new rows, and passes on what the loader or sink throws;
+  // either way the call holds no pin and no dirty row is lost (the victims
+  // stay cached, dirty): nothing the caller can see changed but the
+  // contents of out and hit, and the counts of stats().
   // out may be null: the rows are pinned (or visited) and not copied.
   virtual uint64_t Pull(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) = 0;
   // Pull(keys, n, nullptr, pin = true, hit) that also gives the address of
@@ -108,8 +118,12 @@ class MemCache {
   virtual void Unpin(const uint64_t* keys, uint64_t n) = 0;
   // Trace replay: hits are visits; misses enter the cache with zero rows,
   // clean, unpinned, without the loader. hit[i] (optional). Returns hits.
+  // A dirty victim goes to the sink before its slot is reused; if the sink
+  // throws, it stays cached and dirty, and the keys after it are not visited.
   virtual uint64_t Access(const uint64_t* keys, uint64_t n, uint8_t* hit) = 0;
   // Sends every dirty row to the sink, in batches; they stay cached, clean.
+  // If the sink throws, the rows it was given are dirty again (and the
+  // shards not reached yet still are): a later flush sends them.
   virtual void FlushDirty() = 0;
   // Copies the rows of pinned keys into out (n, row_bytes), without counting
   // a visit: the rows of a batch in flight, re-read after an earlier batch's

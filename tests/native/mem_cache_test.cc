@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -15,12 +17,17 @@ namespace hps {
 namespace {
 
 // SSD-PS stand-in: rows are one uint64; an absent key's row is key * 1000.
+// before_load (optional) runs at the start of each load; while sink_down,
+// the sink throws without storing anything.
 struct Backing {
   std::mutex mutex;
   std::map<uint64_t, uint64_t> rows;
+  std::function<void()> before_load;
+  bool sink_down = false;
 
   RowLoader Loader() {
     return [this](const uint64_t* keys, uint64_t n, uint8_t* out, uint8_t* dirty) {
+      if (before_load) before_load();
       std::lock_guard lock(mutex);
       for (uint64_t i = 0; i < n; ++i) {
         const auto it = rows.find(keys[i]);
@@ -33,6 +40,7 @@ struct Backing {
   RowSink Sink() {
     return [this](const uint64_t* keys, uint64_t n, const uint8_t* in) {
       std::lock_guard lock(mutex);
+      if (sink_down) throw std::runtime_error("sink down");
       for (uint64_t i = 0; i < n; ++i) std::memcpy(&rows[keys[i]], in + i * 8, 8);
     };
   }
@@ -73,6 +81,119 @@ TEST_P(MemCachePolicies, WriteBacksSurviveEvictionAndFlush) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, MemCachePolicies, ::testing::Values("lru", "lfu", "lru+lfu", "w-tinylfu", "tinylfu-lfu"));
+
+// One shard of 4 LRU rows holding dirty rows 1..4 (1 the least recent).
+std::unique_ptr<MemCache> FourDirtyRows(Backing& backing) {
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 4;
+  o.shards = 1;
+  o.policy = CachePolicyKind::kLru;
+  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  for (uint64_t k = 1; k <= 4; ++k) {
+    cache->Pull(&k, 1, nullptr, /*pin=*/true, nullptr);
+    const uint64_t v = k * 10 + 1;
+    cache->WriteBack(&k, 1, reinterpret_cast<const uint8_t*>(&v));
+  }
+  return cache;
+}
+
+// The loader runs with no shard lock: meanwhile other callers pin rows, and
+// the slots a Pull counted before loading are gone when it takes them. Its
+// first victim (dirty) must not vanish with the CacheFullError, and the rows
+// it placed must not stay pinned.
+TEST(MemCache, PullThatLosesItsSlotsToConcurrentPinsKeepsItsDirtyVictims) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  const std::vector<uint64_t> others = {2, 3, 4};
+  bool pinned_others = false;
+  backing.before_load = [&] {
+    if (pinned_others) return;
+    pinned_others = true;
+    cache->Pull(others.data(), others.size(), nullptr, /*pin=*/true, nullptr);  // hits: no miss lock
+  };
+  const std::vector<uint64_t> keys = {10, 11};  // 1 is evicted for 10, then no slot for 11
+  EXPECT_THROW(cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr), CacheFullError);
+  MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 3u) << "only the other caller's pins";
+  EXPECT_EQ(st.dirty, 4u);
+  EXPECT_TRUE(cache->Contains(1));
+  EXPECT_FALSE(cache->Contains(10));
+  cache->Unpin(others.data(), others.size());
+  cache->FlushDirty();
+  for (uint64_t k = 1; k <= 4; ++k) EXPECT_EQ(backing.rows.at(k), k * 10 + 1) << k;
+  // The same Pull now succeeds.
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
+  cache->Unpin(keys.data(), keys.size());
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+TEST(MemCache, SinkThatThrowsOnEvictionLosesNoRow) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  backing.sink_down = true;
+  const std::vector<uint64_t> keys = {10, 11};  // evicts dirty rows 1 and 2
+  uint64_t got[2] = {};
+  EXPECT_THROW(cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(got), /*pin=*/true, nullptr),
+               std::runtime_error);
+  MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_EQ(st.dirty, 4u);
+  EXPECT_EQ(st.size, 4u);
+  EXPECT_TRUE(cache->Contains(1));
+  EXPECT_TRUE(cache->Contains(2));
+  EXPECT_FALSE(cache->Contains(10));
+  uint64_t row = 0;
+  const uint64_t one = 1;
+  cache->Pull(&one, 1, reinterpret_cast<uint8_t*>(&row), /*pin=*/false, nullptr);
+  EXPECT_EQ(row, 11u);
+  backing.sink_down = false;
+  cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(got), /*pin=*/false, nullptr);
+  EXPECT_EQ(got[0], 10000u);
+  cache->FlushDirty();
+  for (uint64_t k = 1; k <= 4; ++k) EXPECT_EQ(backing.rows.at(k), k * 10 + 1) << k;
+}
+
+TEST(MemCache, FlushWhoseSinkThrowsKeepsTheRowsDirty) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  backing.sink_down = true;
+  EXPECT_THROW(cache->FlushDirty(), std::runtime_error);
+  MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.dirty, 4u);
+  EXPECT_EQ(st.rows_flushed, 0u);
+  backing.sink_down = false;
+  cache->FlushDirty();
+  EXPECT_EQ(cache->stats().dirty, 0u);
+  EXPECT_EQ(cache->stats().rows_flushed, 4u);
+  for (uint64_t k = 1; k <= 4; ++k) EXPECT_EQ(backing.rows.at(k), k * 10 + 1) << k;
+}
+
+TEST(MemCache, AccessWhoseSinkThrowsKeepsTheRowsDirty) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  backing.sink_down = true;
+  const uint64_t key = 10;
+  EXPECT_THROW(cache->Access(&key, 1, nullptr), std::runtime_error);
+  EXPECT_EQ(cache->stats().dirty, 4u);
+  for (uint64_t k = 1; k <= 4; ++k) EXPECT_TRUE(cache->Contains(k)) << k;
+  backing.sink_down = false;
+  cache->Access(&key, 1, nullptr);
+  EXPECT_TRUE(cache->Contains(10));
+  EXPECT_EQ(backing.rows.size(), 1u);  // the victim, stored
+  cache->FlushDirty();
+  for (uint64_t k = 1; k <= 4; ++k) EXPECT_EQ(backing.rows.at(k), k * 10 + 1) << k;
+}
+
+TEST(MemCache, PullWhoseLoaderThrowsGivesBackItsPins) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  backing.before_load = [] { throw std::runtime_error("SSD-PS read failed"); };
+  const std::vector<uint64_t> keys = {1, 2, 10, 2};  // hits (one twice) and a miss
+  EXPECT_THROW(cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr), std::runtime_error);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_FALSE(cache->Contains(10));
+}
 
 TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
   Backing backing;
