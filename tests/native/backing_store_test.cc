@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -113,51 +115,83 @@ TEST_F(BackingStoreTest, RefusesRowsOfAnotherSize) {
   EXPECT_THROW(BackingStore(nullptr, Sgd(), 8), std::invalid_argument);
 }
 
-// A row holds (key, version): a load must never see another key's row or a
-// torn one, while sinks and flushes run beside it.
+// A row holds (key, version). A load racing sinks and flushes must return
+// each key's row at least as new as the version whose Sink returned before
+// the load began (a row between the buffer and SSD-PS must be found in one
+// of them), never a version not sunk yet, another key's or a torn row; after
+// a flush SSD-PS holds each key's latest version.
 TEST_F(BackingStoreTest, LoadsRaceSinksAndFlushes) {
   BackingStore backing(ssd_.get(), Sgd(), /*write_buffer_rows=*/32);
+  constexpr uint64_t kKeys = 100;
+  constexpr int kCalls = 300;
+  std::vector<std::atomic<int>> committed(kKeys + 1);  // key's latest version whose Sink returned; 0: none
+  for (auto& c : committed) c = 0;
+  std::atomic<int> issued{0};  // the newest version any Sink has begun
   std::atomic<bool> stop{false};
   std::thread writer([&] {
     std::mt19937_64 rng(1);
-    for (int call = 0; call < 300; ++call) {
-      std::vector<uint64_t> keys(8);
-      std::vector<float> rows(16);
-      for (size_t i = 0; i < keys.size(); ++i) {
-        keys[i] = 1 + rng() % 100;
-        rows[2 * i] = static_cast<float>(keys[i]);
-        rows[2 * i + 1] = static_cast<float>(call);
+    for (int version = 1; version <= kCalls; ++version) {
+      std::vector<uint64_t> keys;
+      while (keys.size() < 8) {
+        const uint64_t k = 1 + rng() % kKeys;
+        if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
       }
+      std::vector<float> rows(keys.size() * 2);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        rows[2 * i] = static_cast<float>(keys[i]);
+        rows[2 * i + 1] = static_cast<float>(version);
+      }
+      issued = version;
       backing.Sink(keys.data(), keys.size(), reinterpret_cast<const uint8_t*>(rows.data()));
-      if (call % 50 == 0) backing.Flush();
+      for (uint64_t k : keys) committed[k] = version;
+      if (version % 50 == 0) backing.Flush();
     }
     stop = true;
   });
+  std::atomic<uint64_t> checked{0};
   std::thread reader([&] {
     std::mt19937_64 rng(2);
     const SparseOptimizer opt = Sgd();
     while (!stop) {
       std::vector<uint64_t> keys;
-      for (int j = 0; j < 10; ++j) {
-        const uint64_t k = 1 + rng() % 100;
+      while (keys.size() < 10) {
+        const uint64_t k = 1 + rng() % kKeys;
         if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
       }
+      std::vector<int> before(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) before[i] = committed[keys[i]];
       std::vector<float> rows(keys.size() * 2);
       backing.Load(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), nullptr);
+      const int newest = issued;
       for (size_t i = 0; i < keys.size(); ++i) {
-        if (rows[2 * i] == static_cast<float>(keys[i])) continue;  // a row that was sunk
-        const std::vector<float> initial = Initial(opt, keys[i]);
-        EXPECT_EQ(rows[2 * i], initial[0]) << "key " << keys[i];
-        EXPECT_EQ(rows[2 * i + 1], initial[1]) << "key " << keys[i];
+        const uint64_t k = keys[i];
+        const std::vector<float> initial = Initial(opt, k);
+        if (before[i] == 0 && rows[2 * i] == initial[0] && rows[2 * i + 1] == initial[1]) continue;
+        ASSERT_EQ(rows[2 * i], static_cast<float>(k)) << "key " << k << " (committed v" << before[i] << ")";
+        const float version = rows[2 * i + 1];
+        ASSERT_GE(version, static_cast<float>(before[i])) << "key " << k << ": a stale row";
+        ASSERT_LE(version, static_cast<float>(newest)) << "key " << k << ": a version not sunk yet";
+        ASSERT_EQ(version, std::floor(version)) << "key " << k;
+        ++checked;
       }
     }
   });
   writer.join();
   reader.join();
+  EXPECT_GT(checked.load(), 0u);
   backing.Flush();
   const BackingStoreCounts c = backing.counts();
   EXPECT_EQ(c.pending_rows, 0u);
   EXPECT_EQ(c.rows_put, ssd_->stats().rows_written);
+  for (uint64_t k = 1; k <= kKeys; ++k) {
+    if (committed[k] == 0) continue;
+    float row[2];
+    uint8_t found = 0;
+    ssd_->Get(&k, 1, reinterpret_cast<uint8_t*>(row), &found);
+    ASSERT_TRUE(found) << "key " << k;
+    EXPECT_EQ(row[0], static_cast<float>(k));
+    EXPECT_EQ(row[1], static_cast<float>(committed[k].load())) << "key " << k;
+  }
 }
 
 }  // namespace
