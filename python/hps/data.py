@@ -55,6 +55,7 @@ import io
 import math
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
@@ -472,8 +473,13 @@ def _open_binary(path: str):
 
 
 def _shown(value) -> str:
+    """A value for a message: its repr, cut after _MAX_SHOWN_VALUE characters;
+    bytes that are not UTF-8 as a bytes literal, so that each escape shows once."""
     if isinstance(value, bytes):
-        value = value.decode("utf-8", "backslashreplace")
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return repr(value[:_MAX_SHOWN_VALUE]) + ("..." if len(value) > _MAX_SHOWN_VALUE else "")
     if isinstance(value, str) and len(value) > _MAX_SHOWN_VALUE:
         value = value[:_MAX_SHOWN_VALUE] + "..."
     return repr(value)
@@ -599,11 +605,22 @@ def _hex_array(pa, arr) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.bitwise_or.reduce(parts, axis=1), missing, bad
 
 
+def _check_type(pa, t, name: str, path: str) -> None:
+    """Raises DataError unless arrow type t is one that column ``name`` may have."""
+    if name in CATEGORICAL_COLUMNS:
+        v = t.value_type if pa.types.is_dictionary(t) else t
+        if not (pa.types.is_string(v) or pa.types.is_large_string(v) or pa.types.is_binary(v)
+                or pa.types.is_large_binary(v) or pa.types.is_integer(v)):
+            raise DataError(f"{path}: column {name} has type {t}, expected hex strings or integers",
+                            path=path, field=name)
+    elif not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        raise DataError(f"{path}: column {name} has type {t}, expected integers", path=path, field=name)
+
+
 def _numeric_array(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values float64 with NaN for missing, missing, non-finite) of an integer/float/bool array."""
     t = arr.type
-    if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
-        raise DataError(f"{path}: column {name} has type {t}, expected integers", path=path, field=name)
+    _check_type(pa, t, name, path)
     if pa.types.is_integer(t) and t.bit_width == 64:
         # float64 holds integers exactly only up to 2**53; beyond that the
         # log transform cannot tell the difference anyway.
@@ -618,18 +635,16 @@ def _numeric_array(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarra
 
 def _categorical_array(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values uint64, missing, bad) of a categorical column: hex strings or integers."""
+    _check_type(pa, arr.type, name, path)
     t = arr.type.value_type if pa.types.is_dictionary(arr.type) else arr.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+    if not pa.types.is_integer(t):
         return _hex_array(pa, arr)
-    if pa.types.is_integer(t):
-        if pa.types.is_dictionary(arr.type):
-            arr = arr.dictionary_decode()
-        missing = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else np.zeros(len(arr), bool)
-        values = pa.compute.fill_null(arr, 0).to_numpy()
-        values = values.astype(f"u{values.dtype.itemsize}", copy=False).astype(np.uint64)
-        return values, missing, np.zeros(len(arr), bool)
-    raise DataError(f"{path}: column {name} has type {t}, expected hex strings or integers",
-                    path=path, field=name)
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    missing = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else np.zeros(len(arr), bool)
+    values = pa.compute.fill_null(arr, 0).to_numpy()
+    values = values.astype(f"u{values.dtype.itemsize}", copy=False).astype(np.uint64)
+    return values, missing, np.zeros(len(arr), bool)
 
 
 class _Columns:
@@ -637,6 +652,7 @@ class _Columns:
 
     def __init__(self, pa, get_column: Callable[[str], list], n: int, path: str):
         self.n = n
+        self._pa = pa
         self.columns = {}  # name -> list of arrow chunks, kept to quote bad values
 
         def convert(name, fn):
@@ -666,7 +682,13 @@ class _Columns:
     def value(self, name: str, row: int):
         for chunk in self.columns[name]:
             if row < len(chunk):
-                return chunk[int(row)].as_py()
+                scalar = chunk[int(row)]
+                if isinstance(scalar, self._pa.DictionaryScalar):
+                    scalar = scalar.value
+                try:
+                    return scalar.as_py()
+                except UnicodeDecodeError:  # Parquet does not check that a string column holds UTF-8
+                    return scalar.cast(self._pa.large_binary()).as_py()
             row -= len(chunk)
         raise IndexError(row)
 
@@ -676,6 +698,8 @@ def _reason(name: str, value) -> str:
     if name == LABEL_COLUMN:
         return f"{_shown(value)} is not 0 or 1"
     if name in DENSE_COLUMNS:
+        if isinstance(value, float):  # a Parquet float column: only inf and -inf are refused
+            return f"{_shown(value)} is not a finite number"
         return f"{_shown(value)} is not an integer"
     return f"{_shown(value)} is not a hexadecimal value of 1 to 16 digits"
 
@@ -727,6 +751,12 @@ def _parse_line(line: bytes):
 # accepts a "0x" prefix. No valid line holds a space or an x, so a block with
 # one goes to the per-line parser, which applies the strict rules.
 _FAST_PATH_UNSAFE = (b" ", b"x", b"X")
+# pyarrow.csv also drops a UTF-8 byte order mark at the start of its input,
+# i.e. of every block: the line would pass or fail by where a block began.
+_UTF8_BOM = b"\xef\xbb\xbf"
+# What a damaged .gz file raises on read (truncated: EOFError; bad header or
+# CRC: BadGzipFile; bad deflate data: zlib.error).
+_DECOMPRESSION_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
 
 
 class CriteoTsv(_Reader):
@@ -742,7 +772,11 @@ class CriteoTsv(_Reader):
     ``train.tsv:77: has 38 fields, expected 40``. With ``skip_malformed=True``
     such lines are left out and counted in ``malformed``, the first messages
     kept in ``malformed_examples``. Valid fields: label 0 or 1; I* empty or a
-    decimal int64 (``-?[0-9]+``); C* empty or 1 to 16 hex digits.
+    decimal int64 (``-?[0-9]+``); C* empty or 1 to 16 hex digits. Lines end
+    at "\\n" (a "\\r" before it is dropped), so a lone "\\r" or a byte order
+    mark belongs to a field and makes the line malformed. A damaged ``.gz``
+    file raises DataError at the first line it cannot give, even with
+    ``skip_malformed``.
 
     Files are read in blocks of ``block_bytes`` (cut at line ends) that
     pyarrow.csv parses with several threads; a block it rejects, or one with a
@@ -774,7 +808,16 @@ class CriteoTsv(_Reader):
         for path in self.files:
             with _open_binary(path) as f:
                 line = 1
-                for block in _blocks(f, self.block_bytes):
+                blocks = _blocks(f, self.block_bytes)
+                while True:
+                    try:
+                        block = next(blocks, None)
+                    except _DECOMPRESSION_ERRORS as e:
+                        # Not a line to skip: nothing after this point can be read.
+                        raise DataError(f"{path}:{line}: corrupt or truncated compressed data at or after this "
+                                        f"line: {e}", path=path, line=line) from e
+                    if block is None:
+                        break
                     piece, n_lines = self._fast(block, path, line) or self._slow(block, path, line)
                     line += n_lines
                     if len(piece):
@@ -783,7 +826,7 @@ class CriteoTsv(_Reader):
     def _fast(self, block: bytes, path: str, first_line: int) -> Optional[tuple[_Piece, int]]:
         """(rows, lines) of the block through pyarrow.csv, or None if a line needs the per-line parser."""
         pa = self._pa
-        if any(c in block for c in _FAST_PATH_UNSAFE):
+        if block.startswith(_UTF8_BOM) or any(c in block for c in _FAST_PATH_UNSAFE):
             return None
         try:
             table = pa.csv.read_csv(pa.BufferReader(block), read_options=self._read_options,
@@ -858,40 +901,82 @@ class CriteoParquet(_Reader):
     as unsigned of their width; null missing). Arguments and malformed-row
     handling as :class:`CriteoTsv`; a "line" here is the 1-based row number,
     e.g. ``day0.parquet: row 12: field C3: 'xyz' is not a hexadecimal ...``.
+    A file that cannot be read (not Parquet, truncated, a damaged row group),
+    a missing or repeated column, or a column of another type raises
+    DataError even with ``skip_malformed``: there is no row to skip.
+    ``read_rows``: rows converted at a time.
     """
 
     def __init__(self, paths, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
                  drop_last: bool = False, skip_malformed: bool = False, read_rows: int = 65536):
+        if isinstance(read_rows, bool) or not isinstance(read_rows, (int, np.integer)) or read_rows < 1:
+            raise ValueError(f"read_rows must be a positive int, got {read_rows!r}")
         super().__init__(paths, batch_size, rank=rank, world=world, drop_last=drop_last,
                          skip_malformed=skip_malformed)
         self.read_rows = int(read_rows)
 
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa
+        # What pyarrow raises on a damaged file: ArrowInvalid (a ValueError), a plain
+        # OSError ("Couldn't deserialize thrift"), UnicodeDecodeError for a column
+        # name that is not UTF-8 in the footer.
+        errors = (pa.ArrowException, OSError, UnicodeDecodeError)
         for path in self.files:
             with (_fsspec().open(path, "rb").open() if _is_url(path) else open(path, "rb")) as f:
-                pf = pa.parquet.ParquetFile(f)
-                names = set(pf.schema_arrow.names)
-                absent = [c for c in COLUMNS if c not in names]
-                if absent:
-                    raise DataError(f"{path}: no column {', '.join(absent)} (expected label, I1..I13, C1..C26)",
-                                    path=path, field=absent[0])
+                try:
+                    pf = pa.parquet.ParquetFile(f)
+                    schema = pf.schema_arrow
+                except errors as e:
+                    raise DataError(f"{path}: not a readable Parquet file: {e}", path=path) from e
+                _check_schema(pa, schema, path)
                 row = 1
-                for rb in pf.iter_batches(batch_size=self.read_rows, columns=list(COLUMNS)):
-                    cols = _Columns(pa, lambda name, rb=rb: [rb.column(name)], rb.num_rows, path)
-                    lines = np.arange(row, row + rb.num_rows)
-                    keep = ~cols.bad_rows()
-                    for r in np.flatnonzero(~keep):
-                        name = next(c for c in COLUMNS if cols.bad[c][r])
-                        line = row + int(r)
-                        self._bad(DataError(f"{path}: row {line}: field {name}: {_reason(name, cols.value(name, r))}",
-                                            path=path, line=line, field=name))
-                    row += rb.num_rows
-                    if not keep.all():
-                        yield _piece(path, lines[keep], cols.labels[keep], cols.dense_raw[keep],
-                                     cols.cat_values[keep], cols.cat_missing[keep])
-                    else:
-                        yield _piece(path, lines, cols.labels, cols.dense_raw, cols.cat_values, cols.cat_missing)
+                # One row group at a time, so that an error names the group.
+                for g in range(pf.num_row_groups):
+                    row = yield from self._row_group(pf, g, path, row, errors)
+
+    def _row_group(self, pf, g: int, path: str, row: int, errors):
+        """Yields the pieces of row group g, whose first row is ``row`` of the file; returns
+        the row after it."""
+        pa = self._pa
+        n_rows = pf.metadata.row_group(g).num_rows
+        batches = pf.iter_batches(batch_size=self.read_rows, row_groups=[g], columns=list(COLUMNS))
+        first = row
+        while True:
+            try:
+                rb = next(batches, None)
+            except errors as e:
+                raise DataError(f"{path}: row group {g} (rows {first}-{first + n_rows - 1}): cannot read: {e}",
+                                path=path, line=first) from e
+            if rb is None:
+                return row
+            cols = _Columns(pa, lambda name, rb=rb: [rb.column(name)], rb.num_rows, path)
+            lines = np.arange(row, row + rb.num_rows)
+            keep = ~cols.bad_rows()
+            for r in np.flatnonzero(~keep):
+                name = next(c for c in COLUMNS if cols.bad[c][r])
+                line = row + int(r)
+                self._bad(DataError(f"{path}: row {line}: field {name}: {_reason(name, cols.value(name, r))}",
+                                    path=path, line=line, field=name))
+            row += rb.num_rows
+            if not keep.all():
+                yield _piece(path, lines[keep], cols.labels[keep], cols.dense_raw[keep],
+                             cols.cat_values[keep], cols.cat_missing[keep])
+            else:
+                yield _piece(path, lines, cols.labels, cols.dense_raw, cols.cat_values, cols.cat_missing)
+
+
+def _check_schema(pa, schema, path: str) -> None:
+    """Raises DataError unless the Criteo columns are each there once, with a type the reader takes."""
+    names = schema.names
+    absent = [c for c in COLUMNS if c not in names]
+    if absent:
+        raise DataError(f"{path}: no column {', '.join(absent)} (expected label, I1..I13, C1..C26)",
+                        path=path, field=absent[0])
+    for c in COLUMNS:
+        if names.count(c) > 1:
+            raise DataError(f"{path}: column {c} appears {names.count(c)} times", path=path, field=c)
+    for c in COLUMNS:
+        _check_type(pa, schema.field(c).type, c, path)
 
 
 _PARQUET_SUFFIXES = (".parquet", ".pq")
