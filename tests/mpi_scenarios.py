@@ -119,6 +119,13 @@ def run_train(node, out: str, args) -> None:
     mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
     if args.uneven and node.rank == node.size - 1:
         mine = mine[:-2]  # this rank's data ends two steps early
+    if args.fail_at_step and node.rank == 1:
+        def failing(batches, at):  # a malformed line, say, in this rank's data
+            for i, b in enumerate(batches):
+                if i == at:
+                    raise ValueError(f"rank 1's data: malformed at step {at}")
+                yield b
+        mine = failing(mine, args.fail_at_step)
     summary = train(cfg, resume=args.resume, progress=False, train_batches=mine, eval_batches=[], node=node)
     with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
         json.dump({"bytes_sent": summary["distributed"]["ranks"][node.rank]["bytes_sent"],
@@ -199,6 +206,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--die-at-checkpoint", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--fail-at-step", type=int, default=0)
     args = ap.parse_args()
     from hps.distributed import DistributedConfig, Node
     node = Node(DistributedConfig(ranks_per_node=args.ranks_per_node, timeout=args.timeout))

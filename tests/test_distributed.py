@@ -344,6 +344,22 @@ def test_a_rank_killed_in_the_middle_of_a_checkpoint_rolls_every_rank_back(tmp_p
             os.listdir(tmp_path / "straight" / "job" / f"rank{r}" / "checkpoints")
 
 
+@pytest.mark.parametrize("rerun", ["plain", "--resume"])
+def test_a_job_that_failed_before_its_first_checkpoint_is_started_over(tmp_path, rerun):
+    """Rank 1's data fails at step 2, before the first checkpoint (step 4): the
+    job ends, and the next run, --resume or not, starts it over from batch 0."""
+    from hps.train import load_trainer_state
+    common = ("--steps", 6, "--per-rank", 48, "--checkpoint-every", 4)
+    p = scenario(2, "train", tmp_path, *common, "--fail-at-step", 2, check=False)
+    assert p.returncode != 0  # (MPI_Abort may cut the traceback short: its text is not checked)
+    job = json.loads((tmp_path / "job" / "job.json").read_text())
+    assert job == {"world": 2, "step": 0, "checkpoint": None}
+    p = scenario(2, "train", tmp_path, *common, *([rerun] if rerun != "plain" else []))
+    assert "ended before its first checkpoint: starting it over from batch 0" in p.stderr, p.stderr[-2000:]
+    for r in range(2):
+        assert load_trainer_state(str(tmp_path / "job" / f"rank{r}"))["batches_done"] == 6
+
+
 def torch_equal(a, b) -> bool:
     import torch
     return torch.equal(a, b)

@@ -125,24 +125,51 @@ def straight(tmp_path_factory):
     return {"params": parameters(tmp / "ps"), "seconds": seconds}
 
 
+DIE_IN_CHECKPOINT = textwrap.dedent("""
+    import os, signal, sys
+    from hps.cli import main
+    from hps.parameter_server import ParameterServer
+    at = int(sys.argv[2])
+    snapshot = ParameterServer._snapshot_store
+
+    def dying(ps, dst):  # checkpoint `at` dies after the store's commit, in its snapshot
+        if (ps.checkpoint_number or 0) + 1 == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return snapshot(ps, dst)
+
+    ParameterServer._snapshot_store = dying
+    sys.exit(main(["train", "--config", sys.argv[1], "--no-progress"]))
+""")
+
+
 def test_sigkill_at_random_moments_then_resume_ends_as_the_uninterrupted_run(tmp_path, straight):
     """Point 0 dies as soon as its parameter server exists (before the first
-    checkpoint: the rerun with --resume starts over); the others at a random
-    moment after the first checkpoint, and their resumed runs die again, at
-    random, half the time."""
+    checkpoint: the rerun with --resume starts over); point 1 in the middle of
+    a checkpoint (chosen at random), after the store's commit, the moment that
+    needs the previous checkpoint; the others at a random moment after the
+    first checkpoint. The resumed runs of points 1-3 die again, at random,
+    half the time."""
     rng = random.Random(14)
     for point in range(4):
         path = tmp_path / f"run{point}"
         cfg = write_config(tmp_path, f"run{point}", path)
-        child = subprocess.Popen(command(cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if point == 0:
-            while not (path / hps.parameter_server.METADATA).exists():
-                assert child.poll() is None and time.sleep(0.002) is None
+        if point == 1:
+            at = rng.randint(2, BATCHES // EVERY)
+            child = subprocess.Popen([sys.executable, "-c", DIE_IN_CHECKPOINT, str(cfg), str(at)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            child.communicate(timeout=300)
+            assert child.returncode == -signal.SIGKILL
+            assert stored_checkpoint(str(path)) == (True, at - 1)
         else:
-            assert checkpoint_after(path, child) is not None
-            time.sleep(rng.uniform(0, 0.9) * straight["seconds"])
-        child.send_signal(signal.SIGKILL)
-        child.communicate()
+            child = subprocess.Popen(command(cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if point == 0:
+                while not (path / hps.parameter_server.METADATA).exists():
+                    assert child.poll() is None and time.sleep(0.002) is None
+            else:
+                assert checkpoint_after(path, child) is not None
+                time.sleep(rng.uniform(0, 0.9) * straight["seconds"])
+            child.send_signal(signal.SIGKILL)
+            child.communicate()
         if point == 0:
             assert stored_checkpoint(str(path)) == (True, None)
         kills = 1
@@ -247,3 +274,17 @@ def test_a_malformed_line_before_the_first_checkpoint_lets_the_rerun_start_over(
                  "--no-progress"]) == 0
     for name, value in load_trainer_state(str(fresh))["mlp"].items():
         assert torch.equal(load_trainer_state(str(path))["mlp"][name], value), name
+
+
+def test_a_server_of_an_older_format_is_refused_not_started_over(tmp_path, capsys):
+    """Format 1 kept no "checkpoint" field: its server must not pass for one
+    that never finished a checkpoint, whose files a rerun removes."""
+    path = tmp_path / "ps"
+    (path / "ssd").mkdir(parents=True)
+    (path / "ssd" / "000000000001.hpf").write_bytes(b"rows")
+    (path / hps.parameter_server.METADATA).write_text(json.dumps({"format": 1, "checkpoints": 3, "config": {}}))
+    cfg = write_config(tmp_path, "old", path)
+    for flags in ([], ["--resume"]):
+        assert main(["train", "--config", str(cfg), "--no-progress", *flags]) == 2
+        assert "format 1, this build reads 2" in capsys.readouterr().err
+        assert (path / "ssd" / "000000000001.hpf").read_bytes() == b"rows"

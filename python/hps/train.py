@@ -36,8 +36,9 @@ import numpy as np
 
 from hps import data as hdata
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
-from hps.parameter_server import (CHECKPOINTS, LAST, METADATA, ParameterServer, ParameterServerConfig,
-                                  _remove_tree, _replace_durable, _write_durable, check_fields, load_toml)
+from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, ParameterServer,
+                                  ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
+                                  check_fields, load_toml)
 from hps.pipeline import Loaded, Pipeline
 
 TRAINER_STATE = "trainer-state.pt"  # in each checkpoint's directory (ParameterServer.checkpoint_dir)
@@ -301,7 +302,7 @@ class Trainer:
             if has_ps and stored is None:
                 _notice(f"{path} holds a run that ended before its first checkpoint: starting it over "
                         f"from batch 0")
-            elif resume and not has_ps:
+            elif resume and not has_ps and not (os.path.isdir(path) and os.listdir(path)):
                 _notice(f"--resume: {path} holds no checkpoint yet: starting from batch 0")
             checkpoint = stored
         if has_ps and checkpoint is None:
@@ -440,11 +441,15 @@ def _notice(message: str) -> None:
 def stored_checkpoint(path: str) -> tuple[bool, Optional[int]]:
     """(whether path holds a parameter server, the number of its last finished
     checkpoint or None)."""
+    meta_path = os.path.join(path, METADATA)
     try:
-        with open(os.path.join(path, METADATA)) as f:
-            return True, json.load(f).get("checkpoint")
+        with open(meta_path) as f:
+            meta = json.load(f)
     except FileNotFoundError:
         return False, None
+    if meta.get("format") != FORMAT_VERSION:  # never taken for a server without checkpoints, and discarded
+        raise ValueError(f"{meta_path}: format {meta.get('format')}, this build reads {FORMAT_VERSION}")
+    return True, meta.get("checkpoint")
 
 
 def load_trainer_state(path: str) -> dict:
