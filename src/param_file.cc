@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 
@@ -27,6 +28,18 @@ constexpr uint64_t kIoChunk = uint64_t{1} << 20;  // bytes per read or write req
 uint32_t HeaderCrc(ParamFileHeader h) {
   h.header_crc = 0;
   return Crc32c(&h, sizeof h);
+}
+
+std::string Hex(uint32_t v) {
+  char s[11];
+  std::snprintf(s, sizeof s, "0x%08x", v);
+  return s;
+}
+
+// "rows block 3 (file offset 20480)": the table index and where it is on disk.
+std::string BlockName(const ParamFileLayout& layout, uint64_t block) {
+  return "rows block " + std::to_string(block) + " (file offset " +
+         std::to_string(layout.rows_offset() + block * kBlockBytes) + ")";
 }
 
 }  // namespace
@@ -75,6 +88,12 @@ uint64_t ParamFileImage::Write(const std::string& path, uint64_t sequence, Block
   h.records = layout_.records;
   h.keys_crc = Crc32c(keys(), layout_.records * sizeof(uint64_t));
   h.rows_crc = Crc32c(row(0), layout_.records * layout_.row_bytes);
+  uint8_t* table = buffer_.data() + layout_.block_crcs_offset();
+  for (uint64_t b = 0; b < layout_.row_blocks(); ++b) {
+    const uint32_t crc = Crc32c(row(0) + b * kBlockBytes, kBlockBytes);
+    std::memcpy(table + b * sizeof crc, &crc, sizeof crc);
+  }
+  h.blocks_crc = Crc32c(table, layout_.row_blocks() * sizeof(uint32_t));
   h.header_crc = HeaderCrc(h);
   std::memcpy(buffer_.data(), &h, sizeof h);
 
@@ -141,8 +160,8 @@ ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool veri
   const ParamFileHeader& h = f.header_;
   if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) ThrowCorrupt(path, "bad magic");
   if (HeaderCrc(h) != h.header_crc) ThrowCorrupt(path, "header CRC mismatch");
-  if (h.version != kParamFileVersion) {
-    ThrowCorrupt(path, "format version " + std::to_string(h.version) + ", this build reads " +
+  if (h.version < 1 || h.version > kParamFileVersion) {
+    ThrowCorrupt(path, "format version " + std::to_string(h.version) + ", this build reads 1 to " +
                            std::to_string(kParamFileVersion));
   }
   if (h.row_bytes != row_bytes) {
@@ -157,14 +176,38 @@ ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool veri
                            std::to_string(layout.file_bytes()));
   }
 
-  if (verify_rows) {
-    std::vector<uint8_t> chunk(kIoChunk);
+  const uint64_t blocks = layout.row_blocks();
+  const bool has_table = h.version >= 2;
+  if (has_table) {
+    f.block_crcs_.resize(blocks);
+    ReadFully(f.fd_, path, layout.block_crcs_offset(), f.block_crcs_.data(), blocks * sizeof(uint32_t));
+    if (Crc32c(f.block_crcs_.data(), blocks * sizeof(uint32_t)) != h.blocks_crc) {
+      ThrowCorrupt(path, "block CRC table CRC mismatch");
+    }
+  } else {
+    f.block_crcs_.reserve(blocks);
+  }
+  if (verify_rows || !has_table) {
+    // A version 1 file's rows are checked here, whole, once: from then on
+    // the table computed from them guards every read as a version 2 table
+    // does.
+    std::vector<uint8_t> chunk(kIoChunk);  // a multiple of kBlockBytes
     const uint64_t total = h.records * h.row_bytes;
+    const uint64_t region = blocks * kBlockBytes;
     uint32_t crc = 0;
-    for (uint64_t done = 0; done < total;) {
-      const uint64_t take = std::min<uint64_t>(chunk.size(), total - done);
+    for (uint64_t done = 0; done < region;) {
+      const uint64_t take = std::min<uint64_t>(chunk.size(), region - done);
       ReadFully(f.fd_, path, layout.rows_offset() + done, chunk.data(), take);
-      crc = Crc32c(chunk.data(), take, crc);
+      crc = Crc32c(chunk.data(), std::min(take, total - std::min(total, done)), crc);
+      for (uint64_t at = 0; at < take; at += kBlockBytes) {
+        const uint64_t block = (done + at) / kBlockBytes;
+        const uint32_t block_crc = Crc32c(chunk.data() + at, kBlockBytes);
+        if (!has_table) {
+          f.block_crcs_.push_back(block_crc);
+        } else if (block_crc != f.block_crcs_[block]) {
+          ThrowCorrupt(path, BlockName(layout, block) + " CRC mismatch");
+        }
+      }
       done += take;
     }
     if (crc != h.rows_crc) ThrowCorrupt(path, "rows CRC mismatch");
@@ -186,6 +229,7 @@ ParamFile& ParamFile::operator=(ParamFile&& other) noexcept {
     fd_ = std::exchange(other.fd_, -1);
     direct_fd_ = std::exchange(other.direct_fd_, -1);
     header_ = other.header_;
+    block_crcs_ = std::move(other.block_crcs_);
   }
   return *this;
 }
@@ -253,27 +297,46 @@ void ParamFile::AddReads(const RowsPlan& plan, uint8_t* buffer, std::vector<IoRe
 }
 
 void ParamFile::CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint64_t* slots,
-                         uint64_t n, uint8_t* out) const {
+                         const uint64_t* keys, uint64_t n, uint8_t* out) const {
   const ParamFileLayout layout = this->layout();
   const uint64_t row_bytes = header_.row_bytes;
+  const uint64_t first_row_block = layout.rows_offset() / kBlockBytes;  // in file blocks
+  // Which of the buffer's blocks have passed their check: a block holds
+  // many rows, and each is checked once.
+  std::vector<bool> checked(plan.bytes / kBlockBytes, false);
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t begin = layout.row_offset(slots[i]);
     const uint64_t block = begin / kBlockBytes;
+    const uint64_t last = (begin + row_bytes - 1) / kBlockBytes;
     const auto run = std::upper_bound(plan.runs.begin(), plan.runs.end(), block,
                                       [](uint64_t b, const Run& r) { return b < r.first; }) -
                      1;
-    std::memcpy(out + i * row_bytes, buffer + run->buffer_offset + (begin - run->first * kBlockBytes),
-                row_bytes);
+    const uint8_t* run_data = buffer + run->buffer_offset;
+    for (uint64_t b = block; b <= last; ++b) {  // a run holds every block of its rows
+      const uint64_t at = run->buffer_offset / kBlockBytes + (b - run->first);
+      if (checked[at]) continue;
+      const uint32_t crc = Crc32c(run_data + (b - run->first) * kBlockBytes, kBlockBytes);
+      const uint64_t table_block = b - first_row_block;
+      if (crc != block_crcs_[table_block]) {
+        throw CorruptionError(path_ + ": " + BlockName(layout, table_block) +
+                              " fails its CRC-32C check (stored " + Hex(block_crcs_[table_block]) +
+                              ", read " + Hex(crc) + ") reading key " + std::to_string(keys[i]) +
+                              " (slot " + std::to_string(slots[i]) + ")");
+      }
+      checked[at] = true;
+    }
+    std::memcpy(out + i * row_bytes, run_data + (begin - run->first * kBlockBytes), row_bytes);
   }
 }
 
-uint64_t ParamFile::ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) const {
+uint64_t ParamFile::ReadRows(const uint64_t* slots, const uint64_t* keys, uint64_t n,
+                             uint8_t* out) const {
   const RowsPlan plan = PlanRows(slots, n);
   AlignedBuffer buffer(plan.bytes);
   std::vector<IoRequest> reads;
   AddReads(plan, buffer.data(), &reads);
   for (const IoRequest& r : reads) ReadFully(r.fd, path_, r.offset, r.buffer, r.bytes);
-  CopyRows(plan, buffer.data(), slots, n, out);
+  CopyRows(plan, buffer.data(), slots, keys, n, out);
   return plan.bytes;
 }
 

@@ -2,10 +2,14 @@
 // written once and sequentially, then only read (docs/ssd_format.md).
 //
 //   [header block, 4 KiB][keys: records x uint64, padded to 4 KiB]
+//   [block CRCs: one uint32 per 4 KiB block of rows, padded to 4 KiB]
 //   [rows: records x row_bytes, padded to 4 KiB]
 //
 // Keys and rows live in separate regions, each with its own CRC-32C, so that
 // reopening a store verifies and indexes a file by reading its keys alone.
+// A get reads single 4 KiB blocks of rows, never the whole region, so each
+// block also has a CRC of its own (version 2), kept in memory while the file
+// is open and checked on every read of the block.
 // Every region starts on a 4 KiB boundary, as O_DIRECT reads need.
 #pragma once
 
@@ -24,7 +28,9 @@ struct IoRequest;
 class BlockIo;
 
 inline constexpr uint64_t kBlockBytes = 4096;
-inline constexpr uint32_t kParamFileVersion = 1;
+// 2 added the block CRCs. Version 1 files (no table) are still read: Open
+// checks their whole rows region once and computes the table in memory.
+inline constexpr uint32_t kParamFileVersion = 2;
 
 inline uint64_t RoundUpToBlock(uint64_t bytes) {
   return (bytes + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
@@ -41,7 +47,8 @@ struct ParamFileHeader {
   uint32_t keys_crc;    // CRC-32C of the keys region's records * 8 bytes
   uint32_t rows_crc;    // CRC-32C of the rows region's records * row_bytes bytes
   uint32_t header_crc;  // CRC-32C of this struct with header_crc = 0
-  uint32_t reserved;    // 0
+  uint32_t blocks_crc;  // version 2: CRC-32C of the block-CRC table's row_blocks x 4
+                        // bytes; version 1: 0 (it was "reserved")
 };
 static_assert(sizeof(ParamFileHeader) == 48, "on-disk header size");
 
@@ -49,10 +56,18 @@ static_assert(sizeof(ParamFileHeader) == 48, "on-disk header size");
 struct ParamFileLayout {
   uint32_t row_bytes;
   uint64_t records;
+  uint32_t version = kParamFileVersion;
 
   uint64_t keys_offset() const { return kBlockBytes; }
-  uint64_t rows_offset() const { return kBlockBytes + RoundUpToBlock(records * sizeof(uint64_t)); }
-  uint64_t file_bytes() const { return rows_offset() + RoundUpToBlock(records * row_bytes); }
+  // The rows region's 4 KiB blocks (its last one zero-padded).
+  uint64_t row_blocks() const { return RoundUpToBlock(records * row_bytes) / kBlockBytes; }
+  // The block-CRC table (row_blocks() x uint32), absent (0 bytes) in version 1.
+  uint64_t block_crcs_offset() const { return kBlockBytes + RoundUpToBlock(records * sizeof(uint64_t)); }
+  uint64_t block_crcs_bytes() const {
+    return version >= 2 ? RoundUpToBlock(row_blocks() * sizeof(uint32_t)) : 0;
+  }
+  uint64_t rows_offset() const { return block_crcs_offset() + block_crcs_bytes(); }
+  uint64_t file_bytes() const { return rows_offset() + row_blocks() * kBlockBytes; }
   uint64_t row_offset(uint64_t slot) const { return rows_offset() + slot * row_bytes; }
 };
 
@@ -85,8 +100,11 @@ uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row
 // An open, validated parameter file. Not copyable; movable.
 class ParamFile {
  public:
-  // Checks the header (magic, version, row size, file length, header CRC);
-  // with verify_rows, the rows region's CRC too. With direct_reads, rows are read through a second,
+  // Checks the header (magic, version, row size, file length, header CRC)
+  // and loads the block-CRC table (checked against its CRC); with
+  // verify_rows, every rows block and the rows region's CRC too. A version 1
+  // file has no table: its rows are always checked and the table computed
+  // from them. With direct_reads, rows are read through a second,
   // O_DIRECT descriptor (bypassing the page cache) where the filesystem
   // allows it. Throws CorruptionError or IoError naming the file.
   static ParamFile Open(const std::string& path, uint32_t row_bytes, bool verify_rows,
@@ -100,7 +118,9 @@ class ParamFile {
 
   const std::string& path() const { return path_; }
   const ParamFileHeader& header() const { return header_; }
-  ParamFileLayout layout() const { return {header_.row_bytes, header_.records}; }
+  ParamFileLayout layout() const { return {header_.row_bytes, header_.records, header_.version}; }
+  // The CRC-32C of each 4 KiB block of the rows region.
+  const std::vector<uint32_t>& block_crcs() const { return block_crcs_; }
   // The keys of the records, by slot, read from disk and checked against
   // their CRC (the store keeps none in memory: its index has them).
   std::vector<uint64_t> ReadKeys() const;
@@ -120,11 +140,14 @@ class ParamFile {
   RowsPlan PlanRows(const uint64_t* slots, uint64_t n) const;
   // The reads of a plan into `buffer` (4 KiB aligned, plan.bytes long).
   void AddReads(const RowsPlan& plan, uint8_t* buffer, std::vector<IoRequest>* reads) const;
-  // Copies the rows of `slots` from a plan's filled buffer into out (n, row_bytes).
-  void CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint64_t* slots, uint64_t n,
-                uint8_t* out) const;
+  // Copies the rows of `slots` from a plan's filled buffer into out (n,
+  // row_bytes), after checking every block those rows touch against its CRC
+  // (each once). keys[i] is the key stored at slots[i], for the message: a
+  // mismatch throws CorruptionError naming the file, the block and the key.
+  void CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint64_t* slots,
+                const uint64_t* keys, uint64_t n, uint8_t* out) const;
   // PlanRows + pread + CopyRows. Returns the bytes read from the file.
-  uint64_t ReadRows(const uint64_t* slots, uint64_t n, uint8_t* out) const;
+  uint64_t ReadRows(const uint64_t* slots, const uint64_t* keys, uint64_t n, uint8_t* out) const;
   // Whether rows are read with O_DIRECT.
   bool direct() const { return direct_fd_ >= 0; }
 
@@ -137,6 +160,7 @@ class ParamFile {
   int fd_ = -1;
   int direct_fd_ = -1;
   ParamFileHeader header_{};
+  std::vector<uint32_t> block_crcs_;  // 4 bytes per 4 KiB of rows
 };
 
 // Reads exactly `bytes` at `offset`, retrying short reads; IoError names the

@@ -246,6 +246,7 @@ class FileStore final : public SsdStore {
     struct Group {
       std::shared_ptr<const ParamFile> file;
       std::vector<uint64_t> slots;
+      std::vector<uint64_t> slot_keys;  // the key at each slot, for a corruption's message
       std::vector<uint64_t> requests;  // i of each slot
       ParamFile::RowsPlan plan;
       uint64_t offset = 0;  // in the wave's buffer
@@ -264,8 +265,9 @@ class FileStore final : public SsdStore {
         }
         const uint32_t handle = static_cast<uint32_t>(id / slots_per_file_);
         auto [it, inserted] = group_of.try_emplace(handle, groups.size());
-        if (inserted) groups.push_back(Group{entries_[handle].file, {}, {}, {}, 0});
+        if (inserted) groups.push_back(Group{entries_[handle].file, {}, {}, {}, {}, 0});
         groups[it->second].slots.push_back(id % slots_per_file_);
+        groups[it->second].slot_keys.push_back(keys[i]);
         groups[it->second].requests.push_back(i);
         ++hits;
       }
@@ -295,7 +297,7 @@ class FileStore final : public SsdStore {
         const Group& group = groups[g];
         rows.resize(group.slots.size() * row_bytes);
         group.file->CopyRows(group.plan, buffer.data() + group.offset, group.slots.data(),
-                             group.slots.size(), rows.data());
+                             group.slot_keys.data(), group.slots.size(), rows.data());
         for (size_t j = 0; j < group.slots.size(); ++j) {
           std::memcpy(rows_out + group.requests[j] * row_bytes, rows.data() + j * row_bytes, row_bytes);
         }
@@ -616,7 +618,7 @@ class FileStore final : public SsdStore {
     }
     for (size_t v = 0; v < victims.size(); ++v) {
       const std::vector<uint64_t> keys = sources[v]->ReadKeys();
-      std::vector<uint64_t> slots;
+      std::vector<uint64_t> slots, slot_keys;
       {
         std::shared_lock lock(mutex_);
         for (uint64_t slot = 0; slot < keys.size(); ++slot) {
@@ -628,12 +630,14 @@ class FileStore final : public SsdStore {
           }
           if (!live) continue;
           slots.push_back(slot);
+          slot_keys.push_back(keys[slot]);
           kept.push_back({keys[slot], id});
         }
       }
       const size_t before = rows.size();
       rows.resize(before + slots.size() * row_bytes);
-      counters_.bytes_read += sources[v]->ReadRows(slots.data(), slots.size(), rows.data() + before);
+      counters_.bytes_read += sources[v]->ReadRows(slots.data(), slot_keys.data(), slots.size(),
+                                                   rows.data() + before);
     }
     // New files, synced; on failure they go and nothing else changed.
     struct Output {

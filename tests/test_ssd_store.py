@@ -1,5 +1,7 @@
 """SSD-PS against a dict model, across reopens, and its errors."""
 import os
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -342,3 +344,71 @@ def test_reopening_with_a_smaller_file_records(tmp_path):
     np.testing.assert_array_equal(rows[50:, 0], np.arange(100, 6000, 2, dtype=np.float32))
     assert (rows[:50] == 0).all()
     assert small.stats()["stale_records"] == 50
+
+
+@pytest.mark.parametrize("use_io_uring", [True, False])
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_flipped_row_byte_fails_the_get_that_reads_it(tmp_path, use_io_uring, direct_io):
+    """Issue 14: a get reads single 4 KiB blocks, so the whole-region rows CRC
+    never saw them; each block's own CRC is now checked on every read, on every
+    I/O path. Only gets that touch the bad block fail."""
+    path = tmp_path / "s"
+    row_bytes = 64  # 64 rows a block: 200 rows are 4 blocks, the last one part padding
+    store = hps.SsdStore(path, row_bytes, file_records=200)
+    near = u64(range(200))  # one file
+    far = u64(range(1000, 1200))  # another
+    rows_of = {int(k): np.full(16, float(k), np.float32) for k in np.concatenate([near, far])}
+    store.put(near, np.stack([rows_of[int(k)] for k in near]))
+    store.commit()
+    store.put(far, np.stack([rows_of[int(k)] for k in far]))
+    store.commit()
+    del store
+
+    # Find the file and slot of key 70 from the format (docs/ssd_format.md, version 2).
+    def keys_of(name):
+        return np.fromfile(path / name, dtype=np.uint64, count=200, offset=4096)
+
+    (victim,) = [f for f in os.listdir(path) if f.endswith(".hpf") and 70 in keys_of(f)]
+    slot = int(np.flatnonzero(keys_of(victim) == 70)[0])
+    def round_up(n):
+        return -(-n // 4096) * 4096
+
+    rows_offset = 4096 + round_up(200 * 8) + round_up(round_up(200 * row_bytes) // 4096 * 4)
+    assert os.path.getsize(path / victim) == rows_offset + round_up(200 * row_bytes)
+    block = slot * row_bytes // 4096
+    with open(path / victim, "r+b") as f:
+        f.seek(rows_offset + slot * row_bytes + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    same_block = [int(k) for k in keys_of(victim) if k != 70 and
+                  int(np.flatnonzero(keys_of(victim) == k)[0]) * row_bytes // 4096 == block]
+    other_blocks = [int(k) for k in keys_of(victim) if k not in same_block and k != 70]
+
+    with warnings.catch_warnings():
+        # A filesystem or kernel that refuses O_DIRECT or io_uring warns of the
+        # fallback (hps.IoPathWarning); the reads must be checked on it all the same.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        store = hps.SsdStore(path, row_bytes, use_io_uring=use_io_uring, direct_io=direct_io)
+        message = rf"{re.escape(victim)}: rows block {block} \(file offset {rows_offset + block * 4096}\)" \
+                  rf".* reading key 70\b"
+        with pytest.raises(hps.CorruptionError, match=message):
+            store.get(u64([70]), np.float32)
+        # A row that shares the bad block fails with its own key; the bytes
+        # that differ are not its own.
+        with pytest.raises(hps.CorruptionError, match=rf"rows block {block} .* reading key {same_block[0]}\b"):
+            store.get(u64([same_block[0]]), np.float32)
+        # Among many keys, one in the bad block fails the whole get.
+        with pytest.raises(hps.CorruptionError, match=rf"{re.escape(victim)}: rows block {block} "):
+            store.get(u64(far.tolist() + [70] + other_blocks), np.float32)
+        # Everything else reads, and reads right: the other blocks of that
+        # file and the whole other file.
+        healthy = u64(other_blocks + far.tolist())
+        got, found = store.get(healthy, np.float32)
+        assert found.all()
+        np.testing.assert_array_equal(got, np.stack([rows_of[int(k)] for k in healthy]))
+        del store
+        # verify_rows_on_open finds it at open instead.
+        with pytest.raises(hps.CorruptionError, match=rf"{re.escape(victim)}: .*rows block {block} .*CRC mismatch"):
+            hps.SsdStore(path, row_bytes, verify_rows_on_open=True, use_io_uring=use_io_uring,
+                         direct_io=direct_io)

@@ -3,17 +3,21 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <random>
 #include <atomic>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
+#include "block_io.h"
 #include "crc32c.h"
 #include "hps/ssd_store.h"
 #include "key_index.h"
@@ -109,7 +113,9 @@ TEST_F(ParamFileTest, RoundTripsKeysAndRowsForAnyRowSize) {
     // A few scattered rows: only their blocks are read.
     const std::vector<uint64_t> few = {500, 3, 3, 776, 0};
     std::vector<uint8_t> out(few.size() * row_bytes);
-    const uint64_t read = f.ReadRows(few.data(), few.size(), out.data());
+    std::vector<uint64_t> few_keys;
+    for (uint64_t slot : few) few_keys.push_back(r.keys[slot]);
+    const uint64_t read = f.ReadRows(few.data(), few_keys.data(), few.size(), out.data());
     const uint64_t region = f.layout().file_bytes() - f.layout().rows_offset();
     EXPECT_LE(read, region);
     for (size_t i = 0; i < few.size(); ++i) {
@@ -117,10 +123,10 @@ TEST_F(ParamFileTest, RoundTripsKeysAndRowsForAnyRowSize) {
           << "row_bytes " << row_bytes << " slot " << few[i];
     }
     // Every row, reversed: the whole region in one read.
-    std::vector<uint64_t> all(n);
-    for (uint64_t i = 0; i < n; ++i) all[i] = n - 1 - i;
+    std::vector<uint64_t> all(n), all_keys(n);
+    for (uint64_t i = 0; i < n; ++i) all[i] = n - 1 - i, all_keys[i] = r.keys[n - 1 - i];
     std::vector<uint8_t> every(n * row_bytes);
-    EXPECT_EQ(f.ReadRows(all.data(), n, every.data()), region);
+    EXPECT_EQ(f.ReadRows(all.data(), all_keys.data(), n, every.data()), region);
     for (uint64_t i = 0; i < n; ++i) {
       ASSERT_EQ(std::memcmp(every.data() + i * row_bytes, r.rows.data() + (n - 1 - i) * row_bytes, row_bytes), 0);
     }
@@ -173,13 +179,217 @@ TEST_F(ParamFileTest, CorruptionIsReportedWithFileAndField) {
   ExpectCorrupt(copy, row_bytes, false, "bad magic");
   FlipByte(fresh(), layout.keys_offset() + 13);
   ExpectCorrupt(copy, row_bytes, false, "keys CRC mismatch");
+  FlipByte(fresh(), layout.block_crcs_offset() + 5);
+  ExpectCorrupt(copy, row_bytes, false, "block CRC table CRC mismatch");
+  // 100 rows of 64 bytes: blocks 0 and 1 of the rows region, the second
+  // zero-padded after its 36th row.
   FlipByte(fresh(), layout.rows_offset() + 77);
-  ExpectCorrupt(copy, row_bytes, true, "rows CRC mismatch");
+  ExpectCorrupt(copy, row_bytes, true,
+                "rows block 0 (file offset " + std::to_string(layout.rows_offset()) + ") CRC mismatch");
   EXPECT_NO_THROW(ParamFile::Open(copy, row_bytes, false));  // rows unchecked by request
+  FlipByte(fresh(), layout.file_bytes() - 1);  // padding: outside rows_crc, inside block 1's CRC
+  ExpectCorrupt(copy, row_bytes, true, "rows block 1 (file offset " +
+                                           std::to_string(layout.rows_offset() + kBlockBytes) +
+                                           ") CRC mismatch");
   fs::resize_file(fresh(), layout.file_bytes() - kBlockBytes);
   ExpectCorrupt(copy, row_bytes, false, "the header implies");
   ExpectCorrupt(path, 32, false, "rows of 64 bytes, the store expects 32");
   EXPECT_THROW(ParamFile::Open(Path("missing"), row_bytes, false), IoError);
+}
+
+TEST_F(ParamFileTest, BlockCrcTableCoversEveryRowsBlock) {
+  const uint32_t row_bytes = 100;
+  const uint64_t n = 200;  // 20000 bytes of rows: 5 blocks, the last one padded
+  const Records r = MakeRecords(n, row_bytes, 11);
+  const std::string path = Path("f");
+  WriteParamFile(path, 3, row_bytes, r.keys.data(), r.rows.data(), n);
+  const ParamFileLayout layout{row_bytes, n};
+  EXPECT_EQ(layout.row_blocks(), 5u);
+  EXPECT_EQ(layout.block_crcs_offset(), 2 * kBlockBytes);  // after one block of keys
+  EXPECT_EQ(layout.rows_offset(), 3 * kBlockBytes);
+  EXPECT_EQ(fs::file_size(path), 8 * kBlockBytes);
+
+  std::vector<uint8_t> bytes(fs::file_size(path));
+  std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(bytes.data()),
+                                             static_cast<std::streamsize>(bytes.size()));
+  std::vector<uint32_t> expected;
+  for (uint64_t b = 0; b < 5; ++b) {
+    expected.push_back(Crc32c(bytes.data() + layout.rows_offset() + b * kBlockBytes, kBlockBytes));
+  }
+  std::vector<uint32_t> on_disk(5);
+  std::memcpy(on_disk.data(), bytes.data() + layout.block_crcs_offset(), 5 * sizeof(uint32_t));
+  EXPECT_EQ(on_disk, expected);
+  for (uint64_t at = layout.block_crcs_offset() + 5 * 4; at < layout.rows_offset(); ++at) {
+    ASSERT_EQ(bytes[at], 0) << "table padding at " << at;
+  }
+  ParamFileHeader h;
+  std::memcpy(&h, bytes.data(), sizeof h);
+  EXPECT_EQ(h.version, 2u);
+  EXPECT_EQ(h.blocks_crc, Crc32c(expected.data(), 5 * sizeof(uint32_t)));
+
+  const ParamFile f = ParamFile::Open(path, row_bytes, /*verify_rows=*/true);
+  EXPECT_EQ(f.block_crcs(), expected);
+
+  // A store's full file (65536 records of 128 bytes, 8 MiB of rows): 2048
+  // blocks, 8 KiB of table.
+  const ParamFileLayout full{128, 65536};
+  EXPECT_EQ(full.row_blocks(), 2048u);
+  EXPECT_EQ(full.block_crcs_bytes(), 8192u);
+  EXPECT_EQ(full.rows_offset(), kBlockBytes + 512 * 1024 + 8192);
+  // Version 1 had no table.
+  const ParamFileLayout old{128, 65536, 1};
+  EXPECT_EQ(old.block_crcs_bytes(), 0u);
+  EXPECT_EQ(old.rows_offset(), kBlockBytes + 512 * 1024);
+}
+
+// Reads some rows as the store's get does: plan, a BlockIo's reads, CopyRows.
+void ReadThrough(const ParamFile& f, BlockIo& io, const std::vector<uint64_t>& slots,
+                 const std::vector<uint64_t>& keys, std::vector<uint8_t>* out) {
+  const ParamFile::RowsPlan plan = f.PlanRows(slots.data(), slots.size());
+  AlignedBuffer buffer(plan.bytes);
+  std::vector<IoRequest> reads;
+  f.AddReads(plan, buffer.data(), &reads);
+  io.ReadAll(reads);
+  out->resize(slots.size() * f.header().row_bytes);
+  f.CopyRows(plan, buffer.data(), slots.data(), keys.data(), slots.size(), out->data());
+}
+
+// (io_uring?, O_DIRECT?)
+class BlockCrcReadTest : public TempDir, public ::testing::WithParamInterface<std::tuple<bool, bool>> {};
+
+// A row of 1000 bytes: rows 4 (4000..4999) and 8 (8000..8999) straddle two blocks.
+TEST_P(BlockCrcReadTest, EveryReadChecksTheBlocksItTouches) {
+  const auto [uring, direct] = GetParam();
+  std::unique_ptr<BlockIo> io = NewBlockIo(uring);
+  if (uring && std::string(io->name()) != "io_uring") GTEST_SKIP() << "io_uring unavailable";
+  const uint32_t row_bytes = 1000;
+  const uint64_t n = 40;  // 10 blocks
+  const Records r = MakeRecords(n, row_bytes, 21);
+  const std::string path = Path("f");
+  WriteParamFile(path, 1, row_bytes, r.keys.data(), r.rows.data(), n);
+  const ParamFileLayout layout{row_bytes, n};
+  // Row 8's second half, in rows block 2, goes bad after the file was opened
+  // (bit rot under a running store).
+  const ParamFile f = ParamFile::Open(path, row_bytes, /*verify_rows=*/true, direct);
+  FlipByte(path, layout.row_offset(8) + 900);  // an O_DIRECT read flushes it first
+  if (!direct) {
+    EXPECT_FALSE(f.direct());
+  } else if (!f.direct()) {
+    std::cerr << "note: " << path << " refuses O_DIRECT; reads are buffered\n";
+  }
+
+  auto keys_of = [&](const std::vector<uint64_t>& slots) {
+    std::vector<uint64_t> keys;
+    for (uint64_t s : slots) keys.push_back(r.keys[s]);
+    return keys;
+  };
+  std::vector<uint8_t> out;
+  // Rows in healthy blocks read, and match, whatever else is in the file.
+  for (const std::vector<uint64_t>& slots :
+       std::vector<std::vector<uint64_t>>{{0, 3}, {13, 4, 39}, {20}}) {
+    ReadThrough(f, *io, slots, keys_of(slots), &out);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      ASSERT_EQ(std::memcmp(out.data() + i * row_bytes, r.rows.data() + slots[i] * row_bytes, row_bytes), 0);
+    }
+  }
+  // Rows 8 (8000..8999) and 9 (9000..9999) touch block 2 (8192..12287):
+  // both fail, row 8 though its first block is sound, row 9 though its own
+  // bytes are intact; so does the whole region read in one go.
+  const std::string block = "rows block 2 (file offset " + std::to_string(layout.rows_offset() + 2 * kBlockBytes) + ")";
+  for (const std::vector<uint64_t>& slots :
+       std::vector<std::vector<uint64_t>>{{8}, {0, 9}, {39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26,
+                                                        25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12,
+                                                        11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0}}) {
+    const std::vector<uint64_t> keys = keys_of(slots);
+    // The message names the first requested row in block 2 (rows 8 to 12).
+    const auto first_bad = std::find_if(slots.begin(), slots.end(), [](uint64_t s) { return s >= 8 && s <= 12; });
+    const uint64_t bad_key = keys[static_cast<size_t>(first_bad - slots.begin())];
+    try {
+      ReadThrough(f, *io, slots, keys, &out);
+      ADD_FAILURE() << "read a corrupt block, slots from " << slots[0];
+    } catch (const CorruptionError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find(path), std::string::npos) << message;
+      EXPECT_NE(message.find(block), std::string::npos) << message;
+      EXPECT_NE(message.find("key " + std::to_string(bad_key)), std::string::npos) << message;
+    }
+    // Compaction's path (pread) checks the same blocks.
+    EXPECT_THROW(f.ReadRows(slots.data(), keys.data(), slots.size(), out.data()), CorruptionError);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(IoPaths, BlockCrcReadTest,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "io_uring" : "pread") +
+                                  (std::get<1>(info.param) ? "_direct" : "_buffered");
+                         });
+
+// A version 1 file as the previous build wrote it: no block-CRC table.
+void WriteVersion1File(const std::string& path, uint32_t row_bytes, const Records& r) {
+  const uint64_t n = r.keys.size();
+  const ParamFileLayout layout{row_bytes, n, 1};
+  std::vector<uint8_t> bytes(layout.file_bytes(), 0);
+  ParamFileHeader h{};
+  std::memcpy(h.magic, "HPSPARAM", 8);
+  h.version = 1;
+  h.row_bytes = row_bytes;
+  h.sequence = 5;
+  h.records = n;
+  h.keys_crc = Crc32c(r.keys.data(), n * 8);
+  h.rows_crc = Crc32c(r.rows.data(), n * row_bytes);
+  h.header_crc = Crc32c(&h, sizeof h);  // with header_crc (and blocks_crc, "reserved") 0
+  std::memcpy(bytes.data(), &h, sizeof h);
+  std::memcpy(bytes.data() + layout.keys_offset(), r.keys.data(), n * 8);
+  std::memcpy(bytes.data() + layout.rows_offset(), r.rows.data(), n * row_bytes);
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
+                                              static_cast<std::streamsize>(bytes.size()));
+}
+
+TEST_F(ParamFileTest, Version1FilesAreCheckedWholeAtOpenThenByBlock) {
+  const uint32_t row_bytes = 64;
+  const Records r = MakeRecords(100, row_bytes, 31);
+  const std::string path = Path("v1");
+  WriteVersion1File(path, row_bytes, r);
+  const ParamFileLayout layout{row_bytes, 100, 1};
+  {
+    const ParamFile f = ParamFile::Open(path, row_bytes, /*verify_rows=*/false);
+    EXPECT_EQ(f.header().version, 1u);
+    EXPECT_EQ(f.layout().rows_offset(), layout.rows_offset());
+    EXPECT_EQ(f.ReadKeys(), r.keys);
+    ASSERT_EQ(f.block_crcs().size(), 2u);
+    std::vector<uint8_t> block(kBlockBytes, 0);
+    std::memcpy(block.data(), r.rows.data(), kBlockBytes);
+    EXPECT_EQ(f.block_crcs()[0], Crc32c(block.data(), kBlockBytes));
+    const std::vector<uint64_t> slots = {70, 1}, keys = {r.keys[70], r.keys[1]};
+    std::vector<uint8_t> out(2 * row_bytes);
+    f.ReadRows(slots.data(), keys.data(), 2, out.data());
+    EXPECT_EQ(std::memcmp(out.data(), r.rows.data() + 70 * row_bytes, row_bytes), 0);
+    // Damage after open is caught by the table computed at open.
+    FlipByte(path, layout.row_offset(1));
+    try {
+      f.ReadRows(slots.data(), keys.data(), 2, out.data());
+      ADD_FAILURE() << "read a corrupt version 1 block";
+    } catch (const CorruptionError& e) {
+      EXPECT_NE(std::string(e.what()).find("rows block 0"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("key " + std::to_string(r.keys[1])), std::string::npos) << e.what();
+    }
+  }
+  // Damage before open: its rows are always checked at open, asked or not.
+  ExpectCorrupt(path, row_bytes, false, "rows CRC mismatch");
+
+  // A version from a later build is named, with what this one reads.
+  WriteVersion1File(path + "3", row_bytes, r);
+  ParamFileHeader h;
+  std::fstream file(path + "3", std::ios::in | std::ios::out | std::ios::binary);
+  file.read(reinterpret_cast<char*>(&h), sizeof h);
+  h.version = 3;
+  h.header_crc = 0;
+  h.header_crc = Crc32c(&h, sizeof h);
+  file.seekp(0);
+  file.write(reinterpret_cast<const char*>(&h), sizeof h);
+  file.close();
+  ExpectCorrupt(path + "3", row_bytes, false, "format version 3, this build reads 1 to 2");
 }
 
 using ManifestTest = TempDir;
