@@ -1,5 +1,6 @@
 #include "hps/device_tier.h"
 
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -34,6 +35,8 @@ class Tier final : public DeviceTier {
   }
 
   int32_t devices() const override { return o_.devices; }
+  int32_t row_floats() const override { return row_floats_; }
+  int32_t dim() const override { return o_.optimizer.dim; }
   std::string kind() const override { return kind_; }
   uint64_t size() const override {
     uint64_t n = 0;
@@ -289,9 +292,15 @@ void HostBatch::BuildIndex() const {
 }
 
 HostBatch::~HostBatch() {
+  if (released_) return;
+  // Release counted a failure in the cache's stats; a destructor cannot throw
+  // it, so it says so where a user sees it.
   try {
     Release();
-  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw; the keys stay pinned
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hps: a host batch of %zu keys released by its destructor: %s\n", keys_.size(), e.what());
+  } catch (...) {
+    std::fprintf(stderr, "hps: a host batch of %zu keys released by its destructor: unknown error\n", keys_.size());
   }
 }
 
@@ -439,8 +448,37 @@ std::vector<uint64_t> HostBatch::UpdatedKeys() const {
 
 void HostBatch::Release() {
   if (released_) return;
+  try {
+    cache_.UnpinUpdated(keys_.data(), keys_.size(), updated_.data(), rows_.data());
+    released_ = true;
+    return;
+  } catch (const std::invalid_argument&) {
+    // Some key is no longer pinned, and UnpinUpdated refused them all: one
+    // at a time, the others are released below.
+  } catch (...) {
+    cache_.CountFailedRelease();
+    throw;
+  }
   released_ = true;
-  cache_.UnpinUpdated(keys_.data(), keys_.size(), updated_.data(), rows_.data());
+  std::vector<uint64_t> refused;
+  for (uint64_t p = 0; p < keys_.size(); ++p) {
+    try {
+      cache_.UnpinUpdated(&keys_[p], 1, &updated_[p], &rows_[p]);
+    } catch (const std::invalid_argument&) {
+      refused.push_back(p);
+    }
+  }
+  cache_.CountFailedRelease();
+  std::string which;
+  for (size_t j = 0; j < refused.size() && j < 8; ++j) {
+    which += (j > 0 ? ", keys[" : "keys[") + std::to_string(refused[j]) + "] = " + std::to_string(keys_[refused[j]]) +
+             (updated_[refused[j]] ? " (updated)" : "");
+  }
+  if (refused.size() > 8) which += ", ...";
+  throw std::runtime_error("host batch release: " + std::to_string(refused.size()) + " of " +
+                           std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" + which +
+                           "): something else unpinned them, and MEM-PS may drop the updated ones' steps; "
+                           "the other keys were released");
 }
 
 std::unique_ptr<DeviceTier> DeviceTier::New(const DeviceTierOptions& options) {

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -479,6 +480,8 @@ class ShardedCache final : public MemCache {
     return shard.where.Find(key) != kNoSlot;
   }
 
+  void CountFailedRelease() override { ++failed_releases_; }
+
   uint32_t row_bytes() const override { return row_bytes_; }
 
   MemCacheStats stats() const override {
@@ -500,6 +503,7 @@ class ShardedCache final : public MemCache {
     std::lock_guard miss_lock(miss_mutex_);
     st.rows_loaded = rows_loaded_;
     st.rows_flushed = rows_flushed_;
+    st.failed_releases = failed_releases_;
     return st;
   }
 
@@ -717,6 +721,7 @@ class ShardedCache final : public MemCache {
   std::vector<Shard> shards_;
   mutable std::mutex miss_mutex_;  // loads, inserts, evictions and flushes
   uint64_t rows_loaded_ = 0, rows_flushed_ = 0;  // guarded by miss_mutex_
+  std::atomic<uint64_t> failed_releases_{0};
 };
 
 }  // namespace

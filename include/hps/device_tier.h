@@ -52,6 +52,10 @@ class DeviceTier {
   virtual ~DeviceTier() = default;
 
   virtual int32_t devices() const = 0;
+  // The floats of a row (embedding + optimizer state: Insert, Assign, Rows,
+  // ReadBack) and of an embedding or gradient (Get, Accumulate).
+  virtual int32_t row_floats() const = 0;
+  virtual int32_t dim() const = 0;
   // "cpu" (host partitions) or "cuda".
   virtual std::string kind() const = 0;
   virtual uint64_t size() const = 0;
@@ -125,7 +129,9 @@ class HostBatch {
   // for the first Positions, the one call that needs the keys' index.
   HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, uint8_t* const* addresses,
             const SparseOptimizer& optimizer);
-  // Releases the keys if Release has not (the updates applied are kept).
+  // Releases the keys if Release has not (the updates applied are kept). A
+  // destructor cannot throw: a failure is counted in the cache's
+  // stats().failed_releases (by Release) and written to stderr.
   ~HostBatch();
   HostBatch(const HostBatch&) = delete;
   HostBatch& operator=(const HostBatch&) = delete;
@@ -150,7 +156,13 @@ class HostBatch {
   // Keys stepped by any Apply so far, in batch order.
   std::vector<uint64_t> UpdatedKeys() const;
   // Unpins every key, the updated ones dirty. Later calls do nothing; no
-  // other call is valid after it.
+  // other call is valid after it. A failure is counted in the cache's
+  // stats().failed_releases and thrown:
+  //  * a key no longer pinned (something else unpinned it): the other keys
+  //    are released all the same, one by one, and std::runtime_error names
+  //    the keys refused, whose updates MEM-PS may drop (they are not dirty);
+  //  * anything else (bad_alloc): nothing was released, and a later Release
+  //    or the destructor tries again.
   void Release();
 
  private:

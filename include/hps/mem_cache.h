@@ -76,6 +76,7 @@ struct MemCacheStats {
   uint64_t dirty_evictions = 0;  ///< evictions that went to the sink
   uint64_t rows_loaded = 0;      ///< rows asked of the loader
   uint64_t rows_flushed = 0;     ///< rows sent to the sink by FlushDirty
+  uint64_t failed_releases = 0;  ///< HostBatch releases that failed (see HostBatch::Release)
   uint64_t shards = 0;
   uint64_t arena_bytes = 0;
   int numa_nodes = 1;            ///< the arena is interleaved across them when > 1
@@ -142,6 +143,9 @@ class MemCache {
                             uint8_t* const* addresses) = 0;
   // Whether key is cached, without counting a visit.
   virtual bool Contains(uint64_t key) const = 0;
+  // Counts a HostBatch release that failed, in stats().failed_releases: the
+  // one record of a failure that a batch's destructor cannot throw.
+  virtual void CountFailedRelease() = 0;
 
   virtual uint32_t row_bytes() const = 0;
   virtual MemCacheStats stats() const = 0;

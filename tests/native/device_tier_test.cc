@@ -372,6 +372,65 @@ TEST(HostBatch, ErrorsNameTheKeyOrPosition) {
   EXPECT_THROW(batch.Accumulate(bad.data(), 2, out.data()), std::out_of_range);
 }
 
+// Something else unpinned one of a batch's keys: Release still releases the
+// others (the updated ones dirty), then says which key it could not release;
+// the cache counts the failure.
+TEST(HostBatch, ReleaseOfAKeyUnpinnedBehindItsBackReleasesTheRestAndThrows) {
+  RowStore store(AdaGrad(2));
+  auto cache = store.Cache(16);
+  std::vector<uint64_t> keys = {1, 2, 3};
+  cache->Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+  HostBatch batch(*cache, keys.data(), keys.size(), store.opt);
+  std::vector<int64_t> at = {0, 1, 2};
+  std::vector<float> g(6, 0.5f);
+  batch.Accumulate(at.data(), 3, g.data());
+  batch.Apply();
+  const uint64_t stolen = 2;
+  cache->Unpin(&stolen, 1);
+  try {
+    batch.Release();
+    FAIL() << "a release that could not unpin key 2 succeeded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("1 of 3 keys were no longer pinned by this batch (keys[1] = 2 (updated))"),
+              std::string::npos)
+        << e.what();
+  }
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_EQ(st.dirty, 2u);  // keys 1 and 3
+  EXPECT_EQ(st.failed_releases, 1u);
+  batch.Release();  // released: nothing more to do, nothing counted
+  EXPECT_EQ(cache->stats().failed_releases, 1u);
+}
+
+// A batch dropped unreleased is released by its destructor, which cannot
+// throw: a failure shows in the cache's stats and on stderr, and the keys it
+// could release are released.
+TEST(HostBatch, DestructorThatCannotReleaseAKeySaysSo) {
+  RowStore store(AdaGrad(2));
+  auto cache = store.Cache(16);
+  std::vector<uint64_t> keys = {1, 2, 3};
+  cache->Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+  testing::internal::CaptureStderr();
+  {
+    HostBatch batch(*cache, keys.data(), keys.size(), store.opt);
+    const uint64_t stolen = 3;
+    cache->Unpin(&stolen, 1);
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("a host batch of 3 keys released by its destructor: host batch release: 1 of 3 keys"),
+            std::string::npos)
+      << err;
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_EQ(st.failed_releases, 1u);
+  // A batch released cleanly counts nothing.
+  cache->Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+  { HostBatch batch(*cache, keys.data(), keys.size(), store.opt); }
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_EQ(cache->stats().failed_releases, 1u);
+}
+
 // One thread steps a batch's pinned rows while another pins, loads and evicts
 // other keys of the same shards (run under TSan): only the pins are shared.
 TEST(HostBatch, ApplyRacesNothingWithOtherPins) {
