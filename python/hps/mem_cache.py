@@ -41,6 +41,9 @@ class MemCache(_core.MemCache):
     both loader and sink: the parameter server's, native). Pinned rows stay until
     ``write_back(keys, rows)`` (which marks them dirty) or ``unpin(keys)``.
     ``access(keys)`` replays a trace: hits are visits, misses enter with zero rows.
+    A call that raises (``CacheFullError``, or what the loader or sink raised) holds
+    no pin and loses no dirty row: its victims stay cached and dirty, so it can be
+    retried; ``stats()["failed_releases"]`` counts host batches whose release failed.
 
     >>> import numpy as np, hps
     >>> cache = hps.MemCache(row_bytes=8, capacity=2, policy="lru")
