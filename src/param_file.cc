@@ -36,6 +36,40 @@ std::string Hex(uint32_t v) {
   return s;
 }
 
+// The CRC-32C (as Crc32c) of each of n 4 KiB blocks. The crc32 instruction
+// has a latency of 3 cycles and a throughput of 1, so one block's chain of
+// 512 steps leaves it two-thirds idle; three blocks' chains side by side keep
+// it busy. Checking the ~20k blocks of a W1 get batch one at a time took
+// 0.7-1.2 us a block on the 2-core dev VM.
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) void Crc32cThreeBlocks(const uint8_t* a, const uint8_t* b,
+                                                         const uint8_t* c, uint32_t* out) {
+  uint64_t ca = 0xffffffffu, cb = 0xffffffffu, cc = 0xffffffffu;
+  for (uint64_t at = 0; at < kBlockBytes; at += 8) {
+    uint64_t wa, wb, wc;
+    std::memcpy(&wa, a + at, 8);
+    std::memcpy(&wb, b + at, 8);
+    std::memcpy(&wc, c + at, 8);
+    ca = __builtin_ia32_crc32di(ca, wa);
+    cb = __builtin_ia32_crc32di(cb, wb);
+    cc = __builtin_ia32_crc32di(cc, wc);
+  }
+  out[0] = ~static_cast<uint32_t>(ca);
+  out[1] = ~static_cast<uint32_t>(cb);
+  out[2] = ~static_cast<uint32_t>(cc);
+}
+#endif
+
+void BlockCrcs(const uint8_t* const* blocks, uint64_t n, uint32_t* out) {
+  uint64_t i = 0;
+#if defined(__x86_64__)
+  if (Crc32cHardware()) {
+    for (; i + 3 <= n; i += 3) Crc32cThreeBlocks(blocks[i], blocks[i + 1], blocks[i + 2], out + i);
+  }
+#endif
+  for (; i < n; ++i) out[i] = Crc32c(blocks[i], kBlockBytes);
+}
+
 // "rows block 3 (file offset 20480)": the table index and where it is on disk.
 std::string BlockName(const ParamFileLayout& layout, uint64_t block) {
   return "rows block " + std::to_string(block) + " (file offset " +
@@ -89,10 +123,11 @@ uint64_t ParamFileImage::Write(const std::string& path, uint64_t sequence, Block
   h.keys_crc = Crc32c(keys(), layout_.records * sizeof(uint64_t));
   h.rows_crc = Crc32c(row(0), layout_.records * layout_.row_bytes);
   uint8_t* table = buffer_.data() + layout_.block_crcs_offset();
-  for (uint64_t b = 0; b < layout_.row_blocks(); ++b) {
-    const uint32_t crc = Crc32c(row(0) + b * kBlockBytes, kBlockBytes);
-    std::memcpy(table + b * sizeof crc, &crc, sizeof crc);
-  }
+  std::vector<const uint8_t*> blocks(layout_.row_blocks());
+  std::vector<uint32_t> crcs(blocks.size());
+  for (uint64_t b = 0; b < blocks.size(); ++b) blocks[b] = row(0) + b * kBlockBytes;
+  BlockCrcs(blocks.data(), blocks.size(), crcs.data());
+  if (!crcs.empty()) std::memcpy(table, crcs.data(), crcs.size() * sizeof(uint32_t));  // little-endian, as the header
   h.blocks_crc = Crc32c(table, layout_.row_blocks() * sizeof(uint32_t));
   h.header_crc = HeaderCrc(h);
   std::memcpy(buffer_.data(), &h, sizeof h);
@@ -199,12 +234,15 @@ ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool veri
       const uint64_t take = std::min<uint64_t>(chunk.size(), region - done);
       ReadFully(f.fd_, path, layout.rows_offset() + done, chunk.data(), take);
       crc = Crc32c(chunk.data(), std::min(take, total - std::min(total, done)), crc);
-      for (uint64_t at = 0; at < take; at += kBlockBytes) {
-        const uint64_t block = (done + at) / kBlockBytes;
-        const uint32_t block_crc = Crc32c(chunk.data() + at, kBlockBytes);
+      std::vector<const uint8_t*> chunk_blocks(take / kBlockBytes);
+      std::vector<uint32_t> crcs(chunk_blocks.size());
+      for (uint64_t i = 0; i < chunk_blocks.size(); ++i) chunk_blocks[i] = chunk.data() + i * kBlockBytes;
+      BlockCrcs(chunk_blocks.data(), chunk_blocks.size(), crcs.data());
+      for (uint64_t i = 0; i < crcs.size(); ++i) {
+        const uint64_t block = done / kBlockBytes + i;
         if (!has_table) {
-          f.block_crcs_.push_back(block_crc);
-        } else if (block_crc != f.block_crcs_[block]) {
+          f.block_crcs_.push_back(crcs[i]);
+        } else if (crcs[i] != f.block_crcs_[block]) {
           ThrowCorrupt(path, BlockName(layout, block) + " CRC mismatch");
         }
       }
@@ -301,9 +339,16 @@ void ParamFile::CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint
   const ParamFileLayout layout = this->layout();
   const uint64_t row_bytes = header_.row_bytes;
   const uint64_t first_row_block = layout.rows_offset() / kBlockBytes;  // in file blocks
-  // Which of the buffer's blocks have passed their check: a block holds
-  // many rows, and each is checked once.
-  std::vector<bool> checked(plan.bytes / kBlockBytes, false);
+  // First where each row is in the buffer and which blocks need a check: a
+  // block holds many rows, and each is checked once; then the checks, three
+  // blocks at a time (BlockCrcs); then the copies.
+  std::vector<bool> queued(plan.bytes / kBlockBytes, false);  // by buffer block
+  struct Check {
+    uint64_t table_block;
+    uint64_t row;  // the first requested row in the block, for the message
+  };
+  std::vector<Check> checks;
+  std::vector<const uint8_t*> blocks, sources(n);
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t begin = layout.row_offset(slots[i]);
     const uint64_t block = begin / kBlockBytes;
@@ -312,21 +357,28 @@ void ParamFile::CopyRows(const RowsPlan& plan, const uint8_t* buffer, const uint
                                       [](uint64_t b, const Run& r) { return b < r.first; }) -
                      1;
     const uint8_t* run_data = buffer + run->buffer_offset;
+    sources[i] = run_data + (begin - run->first * kBlockBytes);
     for (uint64_t b = block; b <= last; ++b) {  // a run holds every block of its rows
       const uint64_t at = run->buffer_offset / kBlockBytes + (b - run->first);
-      if (checked[at]) continue;
-      const uint32_t crc = Crc32c(run_data + (b - run->first) * kBlockBytes, kBlockBytes);
-      const uint64_t table_block = b - first_row_block;
-      if (crc != block_crcs_[table_block]) {
-        throw CorruptionError(path_ + ": " + BlockName(layout, table_block) +
-                              " fails its CRC-32C check (stored " + Hex(block_crcs_[table_block]) +
-                              ", read " + Hex(crc) + ") reading key " + std::to_string(keys[i]) +
-                              " (slot " + std::to_string(slots[i]) + ")");
-      }
-      checked[at] = true;
+      if (queued[at]) continue;
+      queued[at] = true;
+      checks.push_back({b - first_row_block, i});
+      blocks.push_back(run_data + (b - run->first) * kBlockBytes);
     }
-    std::memcpy(out + i * row_bytes, run_data + (begin - run->first * kBlockBytes), row_bytes);
   }
+  std::vector<uint32_t> crcs(blocks.size());
+  BlockCrcs(blocks.data(), blocks.size(), crcs.data());
+  for (size_t c = 0; c < checks.size(); ++c) {
+    const uint64_t table_block = checks[c].table_block;
+    if (crcs[c] != block_crcs_[table_block]) {
+      const uint64_t i = checks[c].row;
+      throw CorruptionError(path_ + ": " + BlockName(layout, table_block) +
+                            " fails its CRC-32C check (stored " + Hex(block_crcs_[table_block]) +
+                            ", read " + Hex(crcs[c]) + ") reading key " + std::to_string(keys[i]) +
+                            " (slot " + std::to_string(slots[i]) + ")");
+    }
+  }
+  for (uint64_t i = 0; i < n; ++i) std::memcpy(out + i * row_bytes, sources[i], row_bytes);
 }
 
 uint64_t ParamFile::ReadRows(const uint64_t* slots, const uint64_t* keys, uint64_t n,
