@@ -137,6 +137,7 @@ uint64_t ParamFileImage::Write(const std::string& path, uint64_t sequence, Block
   if (fd < 0 && direct && errno == EINVAL) {
     // The filesystem refuses O_DIRECT (older tmpfs), possibly after creating
     // the file; the name is this write's own, so start it over buffered.
+    direct_error_ = errno;
     unlink(path.c_str());
     fd = open(path.c_str(), flags, 0644);
   }
@@ -253,6 +254,7 @@ ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool veri
   if (direct_reads) {
     // Refused by some filesystems (tmpfs: EINVAL); reads then use the page cache.
     f.direct_fd_ = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (f.direct_fd_ < 0) f.direct_error_ = errno;
   }
   return f;
 }
@@ -266,6 +268,7 @@ ParamFile& ParamFile::operator=(ParamFile&& other) noexcept {
     path_ = std::move(other.path_);
     fd_ = std::exchange(other.fd_, -1);
     direct_fd_ = std::exchange(other.direct_fd_, -1);
+    direct_error_ = other.direct_error_;
     header_ = other.header_;
     block_crcs_ = std::move(other.block_crcs_);
   }

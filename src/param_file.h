@@ -86,10 +86,14 @@ class ParamFileImage {
   // commit names the file. On failure the partial file is removed and
   // IoError names it. Returns the bytes written.
   uint64_t Write(const std::string& path, uint64_t sequence, BlockIo& io, bool direct);
+  // errno of the O_DIRECT open that Write was refused and replaced with a
+  // buffered one; 0 when it was not.
+  int direct_error() const { return direct_error_; }
 
  private:
   ParamFileLayout layout_;
   AlignedBuffer buffer_;
+  int direct_error_ = 0;
 };
 
 // Writes and syncs a new file at `path` holding keys[i] with rows (n,
@@ -150,6 +154,9 @@ class ParamFile {
   uint64_t ReadRows(const uint64_t* slots, const uint64_t* keys, uint64_t n, uint8_t* out) const;
   // Whether rows are read with O_DIRECT.
   bool direct() const { return direct_fd_ >= 0; }
+  // errno of the refused O_DIRECT open when direct_reads was asked for and
+  // the page cache serves the reads instead; else 0.
+  int direct_error() const { return direct_error_; }
 
  private:
   ParamFile() = default;
@@ -159,6 +166,7 @@ class ParamFile {
   std::string path_;
   int fd_ = -1;
   int direct_fd_ = -1;
+  int direct_error_ = 0;
   ParamFileHeader header_{};
   std::vector<uint32_t> block_crcs_;  // 4 bytes per 4 KiB of rows
 };

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "block_io.h"
@@ -110,6 +112,20 @@ void CheckOrCreateMarker(const std::string& dir, uint32_t row_bytes) {
   SyncDirectory(dir);
 }
 
+// "" when the filesystem holding the store at `dir` takes O_DIRECT opens, else
+// why not. Probed once at open, on the STORE marker, so that a store with no
+// files yet already knows (and require_direct_io fails at open, not at the
+// first put).
+std::string ProbeDirectIo(const std::string& dir) {
+  const std::string marker = (fs::path(dir) / kStoreMarker).string();
+  const int fd = open(marker.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (fd >= 0) {
+    close(fd);
+    return "";
+  }
+  return "O_DIRECT refused by the filesystem at " + dir + ": " + std::strerror(errno);
+}
+
 // Record ids: handle * slots_per_file_ + slot, 32 bits, so that the index takes
 // 12 bytes a slot. Handles are reused once their file is gone.
 class FileStore final : public SsdStore {
@@ -122,8 +138,14 @@ class FileStore final : public SsdStore {
     }
     fs::create_directories(dir);
     CheckOrCreateMarker(dir, options_.row_bytes);
+    if (options_.direct_io) {
+      const std::string refused = ProbeDirectIo(dir);
+      if (!refused.empty()) NoteBuffered(refused);
+      direct_ = refused.empty();
+    }
 
     const std::string manifest = Path(kManifest);
+    const bool manifest_exists = fs::exists(manifest);
     const detail::ManifestReplay replay = detail::ReplayManifest(manifest);
     // Files written under another file_records (or merged by compaction) may
     // hold more records than this open asks for: ids must fit the largest.
@@ -140,11 +162,22 @@ class FileStore final : public SsdStore {
     next_sequence_ = replay.state.max_sequence + 1;
     // Files not in the last commit were written by puts that were never
     // committed (or by a crash mid-write): they are not part of the store.
+    // They go only once every live file has opened: an open that fails
+    // (replay included) removes nothing.
+    std::vector<fs::path> strays;
     for (const auto& entry : fs::directory_iterator(dir)) {
       uint64_t sequence = 0;
       if (!ParseFileName(entry.path().filename().string(), &sequence)) continue;
       next_sequence_ = std::max(next_sequence_, sequence + 1);
-      if (replay.state.live_files.count(sequence) == 0) fs::remove(entry.path());
+      if (replay.state.live_files.count(sequence) == 0) strays.push_back(entry.path());
+    }
+    // The first open creates MANIFEST and syncs its name before any put, so
+    // parameter files beside no MANIFEST mean it was lost, not a new store:
+    // treating them as strays would delete every committed row.
+    if (!manifest_exists && !strays.empty()) {
+      throw CorruptionError(manifest + ": missing, yet " + dir + " holds " + std::to_string(strays.size()) +
+                            " parameter files (" + strays.front().filename().string() +
+                            ", ...); restore MANIFEST or move the files away. Nothing was deleted");
     }
     for (const auto& [sequence, records] : replay.state.live_files) {  // ascending: later wins
       const std::string file = Path(FileName(sequence));
@@ -152,7 +185,8 @@ class FileStore final : public SsdStore {
         throw CorruptionError(file + ": listed as live in " + manifest + " but missing");
       }
       auto f = std::make_shared<const ParamFile>(
-          ParamFile::Open(file, options_.row_bytes, options_.verify_rows_on_open, options_.direct_io));
+          ParamFile::Open(file, options_.row_bytes, options_.verify_rows_on_open, direct_));
+      CheckDirectReads(*f);
       if (f->header().records != records || f->header().sequence != sequence) {
         throw CorruptionError(file + ": header says sequence " +
                               std::to_string(f->header().sequence) + " with " +
@@ -162,8 +196,9 @@ class FileStore final : public SsdStore {
       const std::vector<uint64_t> keys = f->ReadKeys();
       Index(AddEntry(sequence, std::move(f), true), keys);
     }
-    SyncDirectory(dir);  // the removals above
+    for (const fs::path& stray : strays) fs::remove(stray);
     manifest_ = std::make_unique<ManifestWriter>(manifest, replay.valid_bytes);
+    SyncDirectory(dir);  // the removals above, and MANIFEST's name when it was just created
     if (options_.background_compaction) compactor_ = std::thread([this] { CompactorLoop(); });
   }
 
@@ -213,10 +248,12 @@ class FileStore final : public SsdStore {
         }
         const uint64_t sequence = next_sequence_++;
         const std::string path = Path(FileName(sequence));
-        bytes += image.Write(path, sequence, *io, options_.direct_io);
+        bytes += image.Write(path, sequence, *io, direct_);
+        if (image.direct_error() != 0) WroteBuffered(path, image.direct_error());
         written.push_back({sequence,
-                           std::make_shared<const ParamFile>(ParamFile::Open(path, row_bytes, false, options_.direct_io)),
+                           std::make_shared<const ParamFile>(ParamFile::Open(path, row_bytes, false, direct_)),
                            std::vector<uint64_t>(file_keys, file_keys + count)});
+        CheckDirectReads(*written.back().file);
       }
       std::unique_lock lock(mutex_);
       if (entries_.size() - free_handles_.size() + written.size() > max_handles_) {
@@ -313,19 +350,36 @@ class FileStore final : public SsdStore {
     std::unique_lock put_lock(put_mutex_);
     CommitLocked();
     CompactionJob job;
+    bool run_here = false;
     {
       std::lock_guard lock(compaction_mutex_);
-      if (compaction_active_ || !OverTrigger()) return;
-      compaction_active_ = true;
-      job = Plan(/*to_trigger=*/true);
-      if (options_.background_compaction) {
-        job_ = std::move(job);
-        compaction_cv_.notify_all();
-        return;
+      if (!compaction_active_ && OverTrigger()) {
+        compaction_active_ = true;
+        job = Plan(/*to_trigger=*/true);
+        if (options_.background_compaction) {
+          job_ = std::move(job);
+          compaction_cv_.notify_all();
+        } else {
+          run_here = true;
+        }
       }
     }
-    put_lock.unlock();
-    FinishCompaction(RunCompaction(std::move(job)));  // a failure is in the stats; the commit stands
+    if (run_here) {
+      put_lock.unlock();
+      const std::string error = RunCompaction(std::move(job));
+      FinishCompaction(error, error.empty() ? "" : "the compaction this commit ran failed: " + error);
+    }
+    // The commit stands either way; a compaction's failure is told once.
+    std::string failure;
+    {
+      std::lock_guard lock(compaction_mutex_);
+      failure = std::exchange(unreported_failure_, "");
+    }
+    if (!failure.empty()) {
+      throw IoError("ssd store " + options_.path + ": " + failure +
+                    " (this commit is durable, and no committed row was lost; a later commit over "
+                    "compaction_trigger compacts again)");
+    }
   }
 
   void Compact() override {
@@ -381,12 +435,23 @@ class FileStore final : public SsdStore {
     s.index_bytes = index_.memory_bytes();
     s.commits = commits_;
     s.io_path = io_pool_.name();
-    if (!by_sequence_.empty() && Entry(by_sequence_.begin()->second).file->direct()) s.io_path += "+O_DIRECT";
+    s.io_fallback = io_fallback();
+    {
+      std::lock_guard io_lock(io_mutex_);
+      if (direct_ && !buffered_) s.io_path += "+O_DIRECT";
+    }
     for (const auto& [sequence, handle] : by_sequence_) {
       s.stale_records += Entry(handle).stale;
       s.disk_bytes += Entry(handle).file->layout().file_bytes();
     }
     return s;
+  }
+
+  std::string io_fallback() const override {
+    std::string why = io_pool_.fallback();
+    std::lock_guard lock(io_mutex_);
+    if (!buffered_why_.empty()) why += (why.empty() ? "" : "; ") + buffered_why_;
+    return why;
   }
 
  private:
@@ -559,7 +624,13 @@ class FileStore final : public SsdStore {
       }
       lock.unlock();
       put_lock.unlock();
-      FinishCompaction(error);
+      std::string failure;
+      if (!error.empty()) {
+        failure = "a background compaction failed: " + error;
+        // hps has no logger; the next commit() raises this as well.
+        std::fprintf(stderr, "hps: ssd store %s: %s\n", options_.path.c_str(), failure.c_str());
+      }
+      FinishCompaction(error, failure);
       lock.lock();
     }
   }
@@ -590,13 +661,36 @@ class FileStore final : public SsdStore {
     return error;
   }
 
-  void FinishCompaction(const std::string& error = "") {
+  // `failure`: what the next commit() is to raise for the error ("" when
+  // the caller raises it itself, as Compact() does).
+  void FinishCompaction(const std::string& error = "", const std::string& failure = "") {
     {
       std::lock_guard lock(compaction_mutex_);
       compaction_active_ = false;
       if (!error.empty()) last_error_ = error;
+      if (!failure.empty()) unreported_failure_ = failure;
     }
     compaction_cv_.notify_all();
+  }
+
+  // Notes that rows move through the page cache although the options asked
+  // for O_DIRECT; with require_direct_io that is an error instead.
+  void NoteBuffered(const std::string& why) {
+    if (options_.require_direct_io) throw IoError(why + " (require_direct_io is set)");
+    std::lock_guard lock(io_mutex_);
+    buffered_ = true;
+    if (buffered_why_.empty()) buffered_why_ = why;
+  }
+  void CheckDirectReads(const ParamFile& file) {
+    if (direct_ && !file.direct()) {
+      NoteBuffered("O_DIRECT refused by the filesystem for reads of " + file.path() + ": " +
+                   std::strerror(file.direct_error()));
+    }
+  }
+  // `path` was just written through the page cache, O_DIRECT refused.
+  void WroteBuffered(const std::string& path, int error) {
+    if (options_.require_direct_io) fs::remove(path);
+    NoteBuffered("O_DIRECT refused by the filesystem for writes of " + path + ": " + std::strerror(error));
   }
 
   void CompactChunk(const std::vector<uint32_t>& victims, CompactionJob* job) {
@@ -661,10 +755,12 @@ class FileStore final : public SsdStore {
           std::memcpy(image.row(j), rows.data() + (begin + j) * row_bytes, row_bytes);
         }
         const std::string path = Path(FileName(sequence));
-        bytes += image.Write(path, sequence, *io, options_.direct_io);
-        auto file = std::make_shared<const ParamFile>(ParamFile::Open(path, row_bytes, false, options_.direct_io));
+        bytes += image.Write(path, sequence, *io, direct_);
+        if (image.direct_error() != 0) WroteBuffered(path, image.direct_error());
+        auto file = std::make_shared<const ParamFile>(ParamFile::Open(path, row_bytes, false, direct_));
+        outputs.push_back({sequence, file, begin, count});
+        CheckDirectReads(*file);
         file->Sync();
-        outputs.push_back({sequence, std::move(file), begin, count});
       }
       SyncDirectory(options_.path);
       std::lock_guard manifest_lock(manifest_mutex_);
@@ -734,7 +830,13 @@ class FileStore final : public SsdStore {
   bool stopping_ = false;
   std::optional<CompactionJob> job_;  // handed to the background thread
   std::string last_error_;
+  std::string unreported_failure_;  // a compaction's failure the next commit() raises
   std::thread compactor_;
+
+  bool direct_ = false;  // O_DIRECT asked for, and the filesystem took it at open
+  mutable std::mutex io_mutex_;
+  bool buffered_ = false;     // guarded by io_mutex_: some rows moved without O_DIRECT after all
+  std::string buffered_why_;  // guarded by io_mutex_: the first reason
   Counters counters_;
 };
 
@@ -744,6 +846,9 @@ std::unique_ptr<SsdStore> SsdStore::Open(const SsdStoreOptions& options) {
   if (options.path.empty()) throw std::invalid_argument("ssd store: path must not be empty");
   if (options.row_bytes == 0) throw std::invalid_argument("ssd store: row_bytes must be > 0");
   if (options.file_records == 0) throw std::invalid_argument("ssd store: file_records must be > 0");
+  if (options.require_direct_io && !options.direct_io) {
+    throw std::invalid_argument("ssd store: require_direct_io needs direct_io");
+  }
   if (!(options.compaction_trigger >= 1.0)) {
     throw std::invalid_argument("ssd store: compaction_trigger must be >= 1 (records on disk / live records)");
   }

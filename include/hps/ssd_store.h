@@ -9,8 +9,11 @@
 // open() of an existing store replays the manifest, deletes files that were
 // never committed, and rebuilds the index from the live files' keys.
 //
-// Where the kernel or filesystem refuses io_uring or O_DIRECT (tmpfs, say),
-// pread/pwrite and the page cache take over; stats().io_path says which.
+// Where the kernel or filesystem refuses io_uring or O_DIRECT (ramfs, tmpfs
+// before Linux 6.6, say), pread/pwrite and the page cache take over:
+// stats().io_path says which path ran, io_fallback() why (the Python class
+// warns once per store), and require_direct_io makes a refused O_DIRECT an
+// error instead.
 //
 // Thread safety: any call from any thread. Gets run concurrently with each
 // other and with a put's or a compaction's file I/O; they wait only while
@@ -44,11 +47,12 @@ struct SsdStoreOptions {
   std::string path;                       ///< a directory; created if missing
   uint32_t row_bytes = 0;                 ///< bytes per row; > 0; fixed for the store's life
   uint64_t file_records = uint64_t{1} << 16;  ///< records per parameter file; > 0
-  bool verify_rows_on_open = false;       ///< also check every file's rows CRC at open (reads all)
+  bool verify_rows_on_open = false;       ///< also check every rows block of every file at open (reads all)
   double compaction_trigger = 1.5;        ///< compact at commit once records on disk > this x live; >= 1
   bool use_io_uring = true;               ///< read through io_uring where the kernel allows, else pread
   bool direct_io = true;                  ///< read and write rows with O_DIRECT where the filesystem allows
   bool background_compaction = true;      ///< compact on a thread; false: inside commit()
+  bool require_direct_io = false;         ///< throw IoError where O_DIRECT is refused; needs direct_io
 };
 
 struct SsdStoreStats {
@@ -69,7 +73,10 @@ struct SsdStoreStats {
   bool compaction_running = false;   ///< a compaction is planned or under way
   double compaction_lock_max_us = 0; ///< longest a compaction held readers off (one file swap)
   uint64_t index_bytes = 0;     ///< memory of the key index
-  std::string io_path;          ///< how rows move: "io_uring" or "pread", "+O_DIRECT" when direct
+  std::string io_path;          ///< how gets and puts moved rows: "io_uring" or "pread", "+O_DIRECT"
+                                ///< when direct; the fallback's name once any of them fell back
+                                ///< (compaction reads its victims with pread, on the same descriptors)
+  std::string io_fallback;      ///< io_fallback()
 };
 
 class SsdStore {
@@ -95,7 +102,10 @@ class SsdStore {
   // live and the trigger. Its victims are rewritten in chunks of about one
   // file of live records, each swapped in by its own manifest commit, so a
   // crash at any instant reopens to a committed state. A compaction that
-  // fails is counted in the stats and leaves the committed state as it was.
+  // fails is counted in the stats and leaves the committed state as it was;
+  // the commit() it ran in (background_compaction = false) or the next one
+  // (on the background thread, which also writes a line to stderr) throws
+  // IoError for it, once, after its own commit is durable.
   virtual void Commit() = 0;
   // Commits, then rewrites the live records of every file more than half
   // stale, in the calling thread (after any compaction under way); afterwards
@@ -107,6 +117,12 @@ class SsdStore {
   virtual uint64_t size() const = 0;
   virtual uint32_t row_bytes() const = 0;
   virtual SsdStoreStats stats() const = 0;
+  // Why io_uring or O_DIRECT, asked for by the options, is not what moves
+  // rows ("io_uring_queue_init: Operation not permitted", "O_DIRECT refused
+  // by the filesystem at PATH: Invalid argument"): the first such reason, ""
+  // while nothing fell back. Open decides most of it (a ring and an O_DIRECT
+  // probe); a later ring or file may still fall back.
+  virtual std::string io_fallback() const = 0;
 };
 
 }  // namespace hps

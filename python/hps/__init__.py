@@ -4,8 +4,8 @@ Embedding rows live in a device tier (per-GPU hash tables, or host partitions
 without a GPU), a host-memory cache and an SSD store; this package is the
 Python face of the native core.
 """
-from hps._core import __version__, cuda_compiled, cuda_device_count
-from hps.errors import CorruptionError, HpsError, IoError, TableFullError
+from hps._core import __version__, cuda_compiled, cuda_device_count, liburing_compiled
+from hps.errors import CorruptionError, HpsError, IoError, IoPathWarning, TableFullError
 from hps.hash_table import EMPTY_KEY, HashTable
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
@@ -25,6 +25,7 @@ __all__ = [
     "HashTable",
     "HpsError",
     "IoError",
+    "IoPathWarning",
     "MemCache",
     "Normal",
     "ParameterServer",
@@ -39,5 +40,6 @@ __all__ = [
     "__version__",
     "cuda_compiled",
     "cuda_device_count",
+    "liburing_compiled",
     "parse_bytes",
 ]

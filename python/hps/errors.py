@@ -4,7 +4,17 @@ Bad arguments (wrong dtype, shape, the reserved key, out-of-range settings)
 raise the built-in TypeError or ValueError with a message naming the argument;
 conditions of the system itself derive from HpsError: a full table, a
 damaged file (CorruptionError, naming it), a failed system call (IoError).
+IoPathWarning says that SSD-PS moves rows on a slower path than it was asked
+for.
 """
 from hps._core import CorruptionError, HpsError, IoError, TableFullError
 
-__all__ = ["CorruptionError", "HpsError", "IoError", "TableFullError"]
+__all__ = ["CorruptionError", "HpsError", "IoError", "IoPathWarning", "TableFullError"]
+
+
+class IoPathWarning(RuntimeWarning):
+    """An SsdStore asked for io_uring or O_DIRECT moves rows with pread or through
+    the page cache instead, because the kernel or the filesystem refused; the
+    message gives the reason. Once per store. Pass ``use_io_uring=False`` or
+    ``direct_io=False`` to choose the fallback (no warning), or
+    ``require_direct_io=True`` to make a refused O_DIRECT an IoError."""

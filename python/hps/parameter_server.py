@@ -92,6 +92,7 @@ class SsdOptions:
     compaction_trigger: float = 1.5
     use_io_uring: bool = True
     direct_io: bool = True
+    require_direct_io: bool = False  # a refused O_DIRECT raises hps.IoError instead of warning
 
 
 @dataclass
@@ -506,7 +507,8 @@ class ParameterServer:
         self._checkpoint = self._restore(checkpoint, meta)
         self._ssd = SsdStore(os.path.join(config.path, _STORE_DIR), row_bytes, file_records=config.ssd.file_records,
                              compaction_trigger=config.ssd.compaction_trigger,
-                             use_io_uring=config.ssd.use_io_uring, direct_io=config.ssd.direct_io)
+                             use_io_uring=config.ssd.use_io_uring, direct_io=config.ssd.direct_io,
+                             require_direct_io=config.ssd.require_direct_io)
         # Evicted rows gather in the write buffer, then go to SSD-PS in large puts;
         # misses read the buffer, then SSD-PS, then initialise (native, no GIL).
         self._backing = _core.BackingStore(self._ssd, self._native_opt, config.write_buffer_rows)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 
 from hps import _core
+from hps.errors import IoPathWarning
 
 
 class SsdStore(_core.SsdStore):
@@ -34,21 +36,57 @@ class SsdStore(_core.SsdStore):
     ([[3.0, 4.0], [0.0, 0.0]], [True, False])
 
     Reads and writes go through io_uring with O_DIRECT where the kernel and
-    filesystem allow, else pread/pwrite and the page cache
-    (``stats()["io_path"]`` says which; ``use_io_uring`` / ``direct_io`` turn
-    them off). Any method may be called from any thread; gets run in parallel.
+    filesystem allow, else pread/pwrite and the page cache: ``stats()["io_path"]``
+    says which path ran, ``io_fallback`` why, and an ``hps.IoPathWarning`` says
+    it once per store (``use_io_uring`` / ``direct_io`` = False choose the
+    fallbacks without one; ``require_direct_io`` makes a refused O_DIRECT an
+    ``hps.IoError``). A compaction that fails raises ``hps.IoError`` from the
+    next ``commit()`` (after that commit is durable), once.
+    Any method may be called from any thread; gets run in parallel.
     """
 
     def __init__(self, path: str | os.PathLike, row_bytes: int, *, file_records: int = 1 << 16,
                  verify_rows_on_open: bool = False, compaction_trigger: float = 1.5,
                  use_io_uring: bool = True, direct_io: bool = True,
-                 background_compaction: bool = True):
+                 background_compaction: bool = True, require_direct_io: bool = False):
         super().__init__(os.fspath(path), row_bytes, file_records, verify_rows_on_open,
-                         compaction_trigger, use_io_uring, direct_io, background_compaction)
+                         compaction_trigger, use_io_uring, direct_io, background_compaction,
+                         require_direct_io)
+        self._path = os.fspath(path)
+        self._io_warned = False
+        self._warn_of_io_fallback()
+
+    def _warn_of_io_fallback(self) -> None:
+        """Warns once if io_uring or O_DIRECT, asked for, fell back. Open finds
+        most of it; a later ring or file may too, so the calls that move rows
+        check until the warning is out. (Rows moved by a BackingStore are seen
+        at the next such call, and in stats().)"""
+        why = self.io_fallback
+        if why:
+            self._io_warned = True
+            warnings.warn(f"hps.SsdStore at {self._path} moves rows by {self.stats()['io_path']}, "
+                          f"not as asked: {why}", IoPathWarning, stacklevel=3)
+
+    def put(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        super().put(keys, rows)
+        if not self._io_warned:
+            self._warn_of_io_fallback()
 
     def get(self, keys: np.ndarray, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
         rows, found = super().get(keys)
+        if not self._io_warned:
+            self._warn_of_io_fallback()
         return rows.view(dtype), found
+
+    def commit(self) -> None:
+        super().commit()
+        if not self._io_warned:
+            self._warn_of_io_fallback()
+
+    def compact(self) -> None:
+        super().compact()
+        if not self._io_warned:
+            self._warn_of_io_fallback()
 
     def __repr__(self) -> str:
         return f"SsdStore(row_bytes={self.row_bytes}, size={len(self)})"

@@ -281,6 +281,8 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<hps::IoError>(m, "IoError", hps_error.ptr());
 
   m.def("cuda_compiled", &hps::CudaCompiled, "Whether this build has the CUDA launchers.");
+  m.def("liburing_compiled", [] { return bool{HPS_HAVE_LIBURING}; },
+        "Whether this build has io_uring (liburing); without it SSD-PS moves rows with pread/pwrite.");
   m.def("cuda_device_count", &hps::CudaDeviceCount,
         "Usable CUDA devices; 0 without a GPU or a recent enough driver.");
 
@@ -409,16 +411,17 @@ PYBIND11_MODULE(_core, m) {
   py::class_<hps::SsdStore>(m, "SsdStore")
       .def(py::init([](const std::string& path, uint32_t row_bytes, uint64_t file_records,
                        bool verify_rows_on_open, double compaction_trigger, bool use_io_uring,
-                       bool direct_io, bool background_compaction) {
+                       bool direct_io, bool background_compaction, bool require_direct_io) {
              return hps::SsdStore::Open({path, row_bytes, file_records, verify_rows_on_open,
                                          compaction_trigger, use_io_uring, direct_io,
-                                         background_compaction});
+                                         background_compaction, require_direct_io});
            }),
            py::arg("path"), py::arg("row_bytes"), py::arg("file_records") = uint64_t{1} << 16,
            py::arg("verify_rows_on_open") = false, py::arg("compaction_trigger") = 1.5,
            py::arg("use_io_uring") = true, py::arg("direct_io") = true,
-           py::arg("background_compaction") = true)
+           py::arg("background_compaction") = true, py::arg("require_direct_io") = false)
       .def_property_readonly("row_bytes", &hps::SsdStore::row_bytes)
+      .def_property_readonly("io_fallback", &hps::SsdStore::io_fallback)
       .def("__len__", &hps::SsdStore::size)
       .def("put", [](hps::SsdStore& s, const py::array& keys, const py::array& rows) {
         const auto [k, n] = KeysArg(keys, "keys");
@@ -464,6 +467,7 @@ PYBIND11_MODULE(_core, m) {
         d["compaction_lock_max_us"] = st.compaction_lock_max_us;
         d["index_bytes"] = st.index_bytes;
         d["io_path"] = st.io_path;
+        d["io_fallback"] = st.io_fallback;
         return d;
       });
 
@@ -608,6 +612,7 @@ PYBIND11_MODULE(_core, m) {
         d["dirty_evictions"] = st.dirty_evictions;
         d["rows_loaded"] = st.rows_loaded;
         d["rows_flushed"] = st.rows_flushed;
+        d["failed_releases"] = st.failed_releases;
         d["shards"] = st.shards;
         d["arena_bytes"] = st.arena_bytes;
         d["numa_nodes"] = st.numa_nodes;
@@ -638,6 +643,14 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("inverse"), py::arg("rows"), py::arg("n_unique"),
      "(n_unique, width) float32: row inverse[i] sums rows[i] (the gradients of unique_keys' keys)");
 
+  // The native calls read and write rows of the tier's own width: a width
+  // argument from Python that differs would size or read the arrays wrong.
+  const auto check_width = [](const char* name, int32_t given, int32_t width) {
+    if (given != width) {
+      throw py::value_error(std::string(name) + " = " + std::to_string(given) + ", but the device tier's " + name +
+                            " is " + std::to_string(width));
+    }
+  };
   py::class_<hps::DeviceTier>(m, "DeviceTier")
       .def(py::init([](int32_t devices, uint64_t capacity, const hps::SparseOptimizer& optimizer, bool use_cuda,
                        int32_t threads) {
@@ -646,6 +659,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("devices"), py::arg("capacity"), py::arg("optimizer"), py::arg("use_cuda") = true,
            py::arg("threads") = 0)
       .def_property_readonly("devices", &hps::DeviceTier::devices)
+      .def_property_readonly("row_floats", &hps::DeviceTier::row_floats)
+      .def_property_readonly("dim", &hps::DeviceTier::dim)
       .def_property_readonly("kind", &hps::DeviceTier::kind)
       .def("__len__", &hps::DeviceTier::size)
       .def_static("modulo_owners", [](const py::array& keys, int32_t devices) {
@@ -656,29 +671,34 @@ PYBIND11_MODULE(_core, m) {
         for (uint64_t i = 0; i < n; ++i) o[i] = hps::DeviceTier::ModuloOwner(k[i], devices);
         return owners;
       }, py::arg("keys"), py::arg("devices"))
-      .def("insert", [](hps::DeviceTier& t, const py::array& keys, const py::array& rows, const py::object& owners,
-                        int32_t row_floats) {
+      .def("insert", [check_width](hps::DeviceTier& t, const py::array& keys, const py::array& rows,
+                                   const py::object& owners, int32_t row_floats) {
+        check_width("row_floats", row_floats, t.row_floats());
         const auto [k, n] = KeysArg(keys, "keys");
         const float* r = RowsArg(rows, "rows", n, row_floats);
         const int32_t* o = OwnersArg(owners, n);
         py::gil_scoped_release release;
         t.Insert(k, n, r, o);
       }, py::arg("keys"), py::arg("rows"), py::arg("owners"), py::arg("row_floats"))
-      .def("assign", [](hps::DeviceTier& t, const py::array& keys, const py::array& rows, const py::object& owners,
-                        int32_t row_floats) {
+      .def("assign", [check_width](hps::DeviceTier& t, const py::array& keys, const py::array& rows,
+                                   const py::object& owners, int32_t row_floats) {
+        check_width("row_floats", row_floats, t.row_floats());
         const auto [k, n] = KeysArg(keys, "keys");
         const float* r = RowsArg(rows, "rows", n, row_floats);
         const int32_t* o = OwnersArg(owners, n);
         py::gil_scoped_release release;
         return t.Assign(k, n, r, o);
       }, py::arg("keys"), py::arg("rows"), py::arg("owners"), py::arg("row_floats"))
-      .def("get", [](hps::DeviceTier& t, int32_t worker, const py::array& keys, const py::object& owners, int32_t dim) {
+      .def("get", [check_width](hps::DeviceTier& t, int32_t worker, const py::array& keys, const py::object& owners,
+                                int32_t dim) {
+        check_width("dim", dim, t.dim());
         const auto [k, n] = KeysArg(keys, "keys");
         const int32_t* o = OwnersArg(owners, n);
         return FilledRows(n, dim, [&, k = k, n = n](float* e) { t.Get(worker, k, n, e, o); });
       }, py::arg("worker"), py::arg("keys"), py::arg("owners"), py::arg("dim"))
-      .def("accumulate", [](hps::DeviceTier& t, int32_t worker, const py::array& keys, const py::array& grads,
-                            const py::object& owners, int32_t dim) {
+      .def("accumulate", [check_width](hps::DeviceTier& t, int32_t worker, const py::array& keys,
+                                       const py::array& grads, const py::object& owners, int32_t dim) {
+        check_width("dim", dim, t.dim());
         const auto [k, n] = KeysArg(keys, "keys");
         const float* g = RowsArg(grads, "grads", n, dim);
         const int32_t* o = OwnersArg(owners, n);
@@ -695,12 +715,15 @@ PYBIND11_MODULE(_core, m) {
         std::memcpy(keys.mutable_data(), updated.data(), updated.size() * sizeof(uint64_t));
         return keys;
       })
-      .def("rows", [](const hps::DeviceTier& t, const py::array& keys, const py::object& owners, int32_t row_floats) {
+      .def("rows", [check_width](const hps::DeviceTier& t, const py::array& keys, const py::object& owners,
+                                 int32_t row_floats) {
+        check_width("row_floats", row_floats, t.row_floats());
         const auto [k, n] = KeysArg(keys, "keys");
         const int32_t* o = OwnersArg(owners, n);
         return FilledRows(n, row_floats, [&, k = k, n = n](float* r) { t.Rows(k, n, r, o); });
       }, py::arg("keys"), py::arg("owners"), py::arg("row_floats"))
-      .def("read_back", [](const hps::DeviceTier& t, int32_t row_floats) {
+      .def("read_back", [check_width](const hps::DeviceTier& t, int32_t row_floats) {
+        check_width("row_floats", row_floats, t.row_floats());
         const uint64_t n = t.size();
         py::array_t<uint64_t> keys(static_cast<py::ssize_t>(n));
         py::array_t<float> rows = NewRows(n, row_floats);

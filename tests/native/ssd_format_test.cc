@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <random>
 #include <atomic>
 #include <string>
@@ -453,19 +454,67 @@ TEST_F(ManifestTest, TornLastCommitFallsBackToThePreviousOne) {
   }
 }
 
-TEST_F(ManifestTest, ACorruptRecordEndsTheLog) {
-  const std::string path = Path("MANIFEST");
+// The log of three commits that the damage tests below take apart, and
+// where each of its records starts.
+std::vector<uint64_t> WriteThreeCommits(const std::string& path) {
   {
     ManifestWriter w(path, 0);
-    w.AddFile(1, 1);
+    w.AddFile(1, 10);
     w.Commit();
-    w.AddFile(2, 2);
+    w.AddFile(2, 20);
+    w.DropFile(1);
+    w.Commit();
+    w.AddFile(3, 30);
     w.Commit();
   }
-  FlipByte(path, fs::file_size(path) - 3);  // inside the second commit's records
-  const ManifestReplay r = ReplayManifest(path);
-  EXPECT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{1, 1}}));
-  EXPECT_GT(r.ignored_bytes, 0u);
+  std::vector<uint64_t> starts;
+  std::ifstream in(path, std::ios::binary);
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (uint64_t at = 0; at < log.size();) {
+    starts.push_back(at);
+    uint32_t length;
+    std::memcpy(&length, log.data() + at, 4);
+    at += 8 + length;
+  }
+  return starts;
+}
+
+TEST_F(ManifestTest, DamageInTheLastRecordIsATornTail) {
+  const std::string path = Path("MANIFEST");
+  const std::vector<uint64_t> starts = WriteThreeCommits(path);
+  const uint64_t size = fs::file_size(path);
+  ASSERT_EQ(starts.size(), 7u);
+  // Nothing follows the last record: a crash's garbage there is a torn
+  // append, and replay falls back to the commit before it.
+  for (uint64_t at = starts.back(); at < size; ++at) {
+    FlipByte(path, at);
+    const ManifestReplay r = ReplayManifest(path);
+    ASSERT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{2, 20}})) << "flip at " << at;
+    ASSERT_EQ(r.valid_bytes, starts[5]) << "flip at " << at;
+    FlipByte(path, at);
+  }
+}
+
+TEST_F(ManifestTest, DamageBeforeTheLastRecordIsCorruption) {
+  // Replay once ended here, silently, and the store's open then removed the
+  // files of every later commit.
+  const std::string path = Path("MANIFEST");
+  const std::vector<uint64_t> starts = WriteThreeCommits(path);
+  for (size_t record = 0; record + 1 < starts.size(); ++record) {
+    for (uint64_t at = starts[record]; at < starts[record + 1]; ++at) {
+      FlipByte(path, at);
+      try {
+        ReplayManifest(path);
+        ADD_FAILURE() << "replayed a log with byte " << at << " flipped";
+      } catch (const CorruptionError& e) {
+        const std::string want = path + ": record at byte " + std::to_string(starts[record]) + ": ";
+        ASSERT_EQ(std::string(e.what()).rfind(want, 0), 0u) << e.what();
+        ASSERT_NE(std::string(e.what()).find("damaged before its end"), std::string::npos) << e.what();
+      }
+      FlipByte(path, at);
+    }
+  }
+  EXPECT_EQ(ReplayManifest(path).state.live_files, (std::map<uint64_t, uint64_t>{{2, 20}, {3, 30}}));
 }
 
 TEST_F(ManifestTest, ContradictoryCommittedEditsAreCorruption) {

@@ -1,0 +1,94 @@
+"""The device tier's and the host batch's bindings: the widths Python passes are
+checked against the tier's own, and a host batch's failed release is raised,
+counted by MEM-PS, and written to stderr when only its destructor saw it."""
+import numpy as np
+import pytest
+
+import hps
+from hps import _core
+from hps.optim import native_optimizer
+
+DIM = 4
+
+
+def make_tier():
+    opt = native_optimizer(DIM, hps.AdaGrad(lr=0.1), hps.Uniform(0.5), seed=3)  # state beside the embedding
+    return _core.DeviceTier(1, 64, opt, use_cuda=False), opt
+
+
+def test_the_tier_gives_its_widths():
+    tier, opt = make_tier()
+    assert tier.dim == DIM
+    assert tier.row_floats == opt.row_floats > DIM
+
+
+def test_a_width_that_is_not_the_tiers_is_refused_before_any_row_moves():
+    tier, opt = make_tier()
+    rf = opt.row_floats
+    keys = np.arange(1, 9, dtype=np.uint64)
+    rows = np.arange(len(keys) * rf, dtype=np.float32).reshape(len(keys), rf)
+    tier.insert(keys, rows, None, rf)
+    # Wider than the tier: the native calls wrote (read) the tier's compact rows
+    # into (from) these wider arrays, so every row after the first was shifted.
+    with pytest.raises(ValueError, match=f"dim = {DIM + 1}, but the device tier's dim is {DIM}"):
+        tier.get(0, keys, None, DIM + 1)
+    with pytest.raises(ValueError, match=f"dim = {DIM + 1}, but the device tier's dim is {DIM}"):
+        tier.accumulate(0, keys, np.ones((len(keys), DIM + 1), np.float32), None, DIM + 1)
+    wide = np.zeros((len(keys), rf + 1), np.float32)
+    message = f"row_floats = {rf + 1}, but the device tier's row_floats is {rf}"
+    with pytest.raises(ValueError, match=message):
+        tier.insert(keys, wide, None, rf + 1)
+    with pytest.raises(ValueError, match=message):
+        tier.assign(keys, wide, None, rf + 1)
+    with pytest.raises(ValueError, match=message):
+        tier.rows(keys, None, rf + 1)
+    with pytest.raises(ValueError, match=message):
+        tier.read_back(rf + 1)
+    # Narrower: the native calls wrote past the end of the arrays.
+    with pytest.raises(ValueError, match=f"dim = 1, but the device tier's dim is {DIM}"):
+        tier.get(0, keys, None, 1)
+    with pytest.raises(ValueError, match=f"row_floats = 1, but the device tier's row_floats is {rf}"):
+        tier.rows(keys, None, 1)
+    with pytest.raises(ValueError, match=f"row_floats = 1, but the device tier's row_floats is {rf}"):
+        tier.read_back(1)
+    # Nothing moved: the tier holds the rows inserted, and no gradient.
+    np.testing.assert_array_equal(tier.rows(keys, None, rf), rows)
+    np.testing.assert_array_equal(tier.get(0, keys, None, DIM), rows[:, :DIM])
+    assert len(tier.apply()) == 0
+
+
+def pinned_batch():
+    opt = native_optimizer(2, hps.SGD(lr=0.5), hps.Uniform(0.5), seed=4)
+    cache = hps.MemCache(4 * opt.row_floats, capacity=16,
+                         loader=lambda k: (opt.initial_rows(k), np.zeros(len(k), bool)))
+    keys = np.array([1, 2, 3], np.uint64)
+    cache.pin(keys)
+    batch = _core.HostBatch(cache, keys, opt)
+    batch.accumulate(np.arange(3, dtype=np.int64), np.ones((3, 2), np.float32))
+    batch.apply()
+    return cache, keys, batch
+
+
+def test_a_host_batch_release_that_fails_raises_and_is_counted():
+    cache, keys, batch = pinned_batch()
+    assert cache.stats()["failed_releases"] == 0
+    cache.unpin(keys[1:2])  # something else takes the batch's pin of key 2
+    with pytest.raises(RuntimeError,
+                       match=r"1 of 3 keys were no longer pinned by this batch \(keys\[1\] = 2 \(updated\)\)"):
+        batch.release()
+    s = cache.stats()
+    assert s["pinned"] == 0, "the other keys are released all the same"
+    assert s["dirty"] == 2, "keys 1 and 3, stepped"
+    assert s["failed_releases"] == 1
+    batch.release()  # released: nothing more happens
+    assert cache.stats()["failed_releases"] == 1
+
+
+def test_a_host_batch_dropped_unreleased_reports_a_failure_on_stderr(capfd):
+    cache, keys, batch = pinned_batch()
+    cache.unpin(keys[2:])
+    del batch  # the destructor releases it and cannot raise
+    err = capfd.readouterr().err
+    assert "a host batch of 3 keys released by its destructor: host batch release: 1 of 3 keys" in err, err
+    s = cache.stats()
+    assert s["pinned"] == 0 and s["failed_releases"] == 1
