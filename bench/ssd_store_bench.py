@@ -110,6 +110,15 @@ def be_keys(keys: np.ndarray) -> list[bytes]:
     return [b[i:i + 8] for i in range(0, len(b), 8)]
 
 
+def rocks_put(r, db, keys: np.ndarray, rows: np.ndarray, sync: bool) -> None:
+    """One WriteBatch of rows under big-endian keys: RocksDB's batched write."""
+    wb = r.WriteBatch(raw_mode=True)
+    rb = rows.tobytes()
+    for i, k in enumerate(be_keys(keys)):
+        wb.put(k, rb[i * ROW_BYTES:(i + 1) * ROW_BYTES])
+    db.write(wb, sync)
+
+
 # ------------------------------------------------------------------ stores
 class HpsStore:
     name = "hps"
@@ -272,11 +281,7 @@ class RocksStore:
         return np.frombuffer(buf, np.uint8).reshape(n, ROW_BYTES), found
 
     def put(self, keys, rows):
-        wb = self.r.WriteBatch(raw_mode=True)
-        rb = rows.tobytes()
-        for i, k in enumerate(be_keys(keys)):
-            wb.put(k, rb[i * ROW_BYTES:(i + 1) * ROW_BYTES])
-        self.db.write(wb, self.sync)
+        rocks_put(self.r, self.db, keys, rows, self.sync)
 
     def stats(self):
         out = {}
@@ -499,11 +504,7 @@ class RocksTunedStore:
         return rows, found
 
     def put(self, keys, rows):
-        wb = self.r.WriteBatch(raw_mode=True)
-        rb = rows.tobytes()
-        for i, k in enumerate(be_keys(keys)):
-            wb.put(k, rb[i * ROW_BYTES:(i + 1) * ROW_BYTES])
-        self.db.write(wb, self.sync)
+        rocks_put(self.r, self.db, keys, rows, self.sync)
 
     def stats(self):
         out = {}
