@@ -247,13 +247,8 @@ class FileStore final : public SsdStore {
           std::memcpy(image.row(j), rows + i * row_bytes, row_bytes);
         }
         const uint64_t sequence = next_sequence_++;
-        const std::string path = Path(FileName(sequence));
-        bytes += image.Write(path, sequence, *io, direct_);
-        if (image.direct_error() != 0) WroteBuffered(path, image.direct_error());
-        written.push_back({sequence,
-                           std::make_shared<const ParamFile>(ParamFile::Open(path, row_bytes, false, direct_)),
+        written.push_back({sequence, WriteFile(image, sequence, *io, &bytes),
                            std::vector<uint64_t>(file_keys, file_keys + count)});
-        CheckDirectReads(*written.back().file);
       }
       std::unique_lock lock(mutex_);
       if (entries_.size() - free_handles_.size() + written.size() > max_handles_) {
@@ -687,10 +682,25 @@ class FileStore final : public SsdStore {
                    std::strerror(file.direct_error()));
     }
   }
-  // `path` was just written through the page cache, O_DIRECT refused.
-  void WroteBuffered(const std::string& path, int error) {
-    if (options_.require_direct_io) fs::remove(path);
-    NoteBuffered("O_DIRECT refused by the filesystem for writes of " + path + ": " + std::strerror(error));
+  // Writes `image` as the file of `sequence` and opens it for reads, noting
+  // (or, with require_direct_io, refusing) a write or a read descriptor that
+  // the filesystem kept off O_DIRECT; a refused file is removed.
+  std::shared_ptr<const ParamFile> WriteFile(detail::ParamFileImage& image, uint64_t sequence,
+                                             detail::BlockIo& io, uint64_t* bytes) {
+    const std::string path = Path(FileName(sequence));
+    *bytes += image.Write(path, sequence, io, direct_);
+    try {
+      if (image.direct_error() != 0) {
+        NoteBuffered("O_DIRECT refused by the filesystem for writes of " + path + ": " +
+                     std::strerror(image.direct_error()));
+      }
+      auto file = std::make_shared<const ParamFile>(ParamFile::Open(path, options_.row_bytes, false, direct_));
+      CheckDirectReads(*file);
+      return file;
+    } catch (...) {
+      fs::remove(path);
+      throw;
+    }
   }
 
   void CompactChunk(const std::vector<uint32_t>& victims, CompactionJob* job) {
@@ -754,12 +764,8 @@ class FileStore final : public SsdStore {
           image.keys()[j] = kept[begin + j].key;
           std::memcpy(image.row(j), rows.data() + (begin + j) * row_bytes, row_bytes);
         }
-        const std::string path = Path(FileName(sequence));
-        bytes += image.Write(path, sequence, *io, direct_);
-        if (image.direct_error() != 0) WroteBuffered(path, image.direct_error());
-        auto file = std::make_shared<const ParamFile>(ParamFile::Open(path, row_bytes, false, direct_));
+        auto file = WriteFile(image, sequence, *io, &bytes);
         outputs.push_back({sequence, file, begin, count});
-        CheckDirectReads(*file);
         file->Sync();
       }
       SyncDirectory(options_.path);
