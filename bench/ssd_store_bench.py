@@ -847,18 +847,20 @@ def run_worker(args) -> dict:
 
 # ------------------------------------------------------------------ cgroup
 class MemCgroup:
-    def __init__(self, limit):
+    """A memory cgroup (v1 or v2) named `name` with a hard limit; W12 uses it too."""
+
+    def __init__(self, limit, name="hps-w1"):
         self.limit, self.path, self.version, self.error = limit, None, None, None
         v1 = "/sys/fs/cgroup/memory"
         try:
             if os.path.exists(os.path.join(v1, "memory.limit_in_bytes")):
-                p = os.path.join(v1, "hps-w1")
+                p = os.path.join(v1, name)
                 os.makedirs(p, exist_ok=True)
                 with open(os.path.join(p, "memory.limit_in_bytes"), "w") as f:
                     f.write(str(limit))
                 self.path, self.version = p, 1
             elif os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-                p = "/sys/fs/cgroup/hps-w1"
+                p = os.path.join("/sys/fs/cgroup", name)
                 try:
                     with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
                         f.write("+memory")
