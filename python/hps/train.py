@@ -609,6 +609,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                  "seconds": time.perf_counter() - t_start,
                  "mem_hit_rate": mem["hits"] / max(1, mem["hits"] + mem["misses"]),
                  "ssd_bytes_read": s["ssd"]["bytes_read"], "ssd_bytes_written": s["ssd"]["bytes_written"],
+                 "ssd_live_records": s["ssd"]["live_records"], "ssd_disk_bytes": s["ssd"]["disk_bytes"],
                  "final": final, **metrics}
         if pipeline.stats.wall_seconds or pipeline.stats.batches:
             entry["stages"] = dict(pipeline.stats.busy_seconds)
