@@ -35,10 +35,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from hps import data as hdata
+from hps.config import check_fields, load_toml
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, ParameterServer,
-                                  ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
-                                  check_fields, load_toml)
+                                  ParameterServerConfig, _remove_tree, _replace_durable, _write_durable)
 from hps.pipeline import Loaded, Pipeline
 
 TRAINER_STATE = "trainer-state.pt"  # in each checkpoint's directory (ParameterServer.checkpoint_dir)
@@ -606,7 +606,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         s = trainer.ps.stats()
         mem = s["mem"]
         entry = {"batches": trainer.batches_done, "examples": trainer.examples_done,
-                 "seconds": time.perf_counter() - t_start,
+                 "seconds": time.perf_counter() - t_start, "unix_time": time.time(),
                  "mem_hit_rate": mem["hits"] / max(1, mem["hits"] + mem["misses"]),
                  "ssd_bytes_read": s["ssd"]["bytes_read"], "ssd_bytes_written": s["ssd"]["bytes_written"],
                  "ssd_live_records": s["ssd"]["live_records"], "ssd_disk_bytes": s["ssd"]["disk_bytes"],
