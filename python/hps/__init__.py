@@ -6,6 +6,9 @@ Python face of the native core.
 """
 from hps._core import __version__, cuda_compiled, cuda_device_count, liburing_compiled
 from hps.errors import CorruptionError, HpsError, IoError, IoPathWarning, TableFullError
+# Malformed input (a ValueError, like the other bad arguments; not an HpsError):
+# exported here because a training script catches it beside the others.
+from hps.data import DataError
 from hps.hash_table import EMPTY_KEY, HashTable
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
@@ -21,6 +24,7 @@ __all__ = [
     "CacheFullError",
     "Adam",
     "CorruptionError",
+    "DataError",
     "EmbeddingTable",
     "HashTable",
     "HpsError",
