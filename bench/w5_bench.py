@@ -104,17 +104,8 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
+from hps.config import parse_bytes  # noqa: E402  sizes such as '1.5GiB', as every hps config reads them
 from hps.data import mix64  # noqa: E402  splitmix64's finaliser: the RocksDB peer's row initialiser
-
-
-def parse_size(s: str) -> int:
-    """'1.5GiB', '800MiB', '1e9' -> bytes."""
-    s = s.strip()
-    for suffix, mult in (("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("K", 1 << 10),
-                         ("M", 1 << 20), ("G", 1 << 30)):
-        if s.endswith(suffix):
-            return int(float(s[:-len(suffix)]) * mult)
-    return int(float(s))
 
 
 def proc_io() -> dict:
@@ -603,12 +594,12 @@ def parse():
     ap.add_argument("--hps-threads", type=int, default=0,
                     help="torch threads of hps (0: hps.train's ThreadTuner picks)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--memory-limit", type=parse_size, default=parse_size("1GiB"),
+    ap.add_argument("--memory-limit", type=parse_bytes, default=parse_bytes("1GiB"),
                     help="memory cgroup limit of the hps_ssd and rocksdb workers (default 1GiB, as W1; "
                          "each charges ~0.5 GB at its peak, most of it torch)")
     ap.add_argument("--no-cgroup", action="store_true")
     ap.add_argument("--in-memory-cgroup", action="store_true", help="run hps_mem inside the cgroup too")
-    ap.add_argument("--rocks-memory", type=parse_size, default=None,
+    ap.add_argument("--rocks-memory", type=parse_bytes, default=None,
                     help="RocksDB block cache + row cache + memtables (default: the hps MEM budget "
                          "plus hps's write buffer)")
     ap.add_argument("--rocks-wal", action="store_true",

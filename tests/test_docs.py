@@ -3,6 +3,7 @@ import doctest
 
 import pytest
 
+import hps.config
 import hps.data
 import hps.embedding
 import hps.hash_table
@@ -10,7 +11,7 @@ import hps.mem_cache
 import hps.parameter_server
 import hps.ssd_store
 
-MODULES = [hps.hash_table, hps.embedding, hps.ssd_store, hps.mem_cache, hps.parameter_server, hps.data]
+MODULES = [hps.config, hps.hash_table, hps.embedding, hps.ssd_store, hps.mem_cache, hps.parameter_server, hps.data]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

@@ -1,34 +1,15 @@
 """MEM-PS: the host-memory cache of rows between the device tier and SSD-PS."""
 from __future__ import annotations
 
-import re
 from typing import Callable, Optional, Union
 
 import numpy as np
 
 from hps import _core
+from hps.config import parse_bytes  # (hps.mem_cache.parse_bytes, as before)
 
 POLICIES: tuple[str, ...] = tuple(_core.CACHE_POLICIES)
 CacheFullError = _core.CacheFullError
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
-          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
-          "tib": 1 << 40}
-
-
-def parse_bytes(value: Union[int, str], name: str = "size") -> int:
-    """Bytes from an int or a string such as "8GiB", "512 MiB", "1.5GB" or "4096"."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
-        return int(value)
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be an int or a string like '8GiB', got {type(value).__name__}")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{name}: cannot read {value!r} as a size; write e.g. '8GiB', '512MiB' or '4096'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 class MemCache(_core.MemCache):
     """Rows of ``row_bytes`` under uint64 keys, in ``capacity`` rows of host memory

@@ -43,16 +43,13 @@ import os
 import shutil
 import threading
 import time
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
 from hps import _core
+from hps.config import check_fields, load_toml
 from hps.mem_cache import MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 from hps.ssd_store import SsdStore
@@ -66,24 +63,6 @@ _MANIFEST = "MANIFEST"  # the store's (docs/ssd_format.md), appended to: a snaps
 
 _OPTIMIZERS = {"sgd": SGD, "adagrad": AdaGrad, "rowwise_adagrad": RowWiseAdaGrad, "adam": Adam}
 _INITIALIZERS = {"uniform": Uniform, "normal": Normal, "zeros": Zeros}
-
-
-def check_fields(cls, d: dict, source: str, prefix: str = "") -> None:
-    """Raises ValueError naming the keys of d that are not fields of the dataclass cls."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"{source}: unknown field(s) {', '.join(prefix + u for u in unknown)}; "
-                         f"known: {', '.join(prefix + k for k in sorted(known))}")
-
-
-def load_toml(path) -> dict:
-    """A TOML file's tables; a syntax error names the file."""
-    with open(path, "rb") as f:
-        try:
-            return tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{os.fspath(path)}: {e}") from None
 
 
 @dataclass
