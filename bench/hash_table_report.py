@@ -1,6 +1,7 @@
 """Prints a hash_table_bench JSON line as the markdown tables of docs/benchmarks.md
 (bench/report.py's W2 tables: every implementation, absl_pf included, and hps_t1 over
-the best peer and over the best unprefetched peer, repeat by repeat).
+the best peer and over the best unprefetched peer as the line's targets judge them:
+medians, the best peer by median; then repeat by repeat against that peer).
 
     python3 bench/hash_table_report.py bench/results/hash_table-<date>.json
 
