@@ -1,0 +1,133 @@
+"""The examples batch every hps.data source yields, and how sources cut rows into batches.
+
+A :class:`Batch` is a mini-batch of *examples* (labels, dense features, one key
+per categorical field), not the parameter server's working set of rows
+(``hps.ParameterServer.batch``, ``hps.Batch``); :class:`Source` says which input
+lines its rows came from. Readers and generators produce rows in pieces of any
+length (a parsed block, a generated block) and :func:`_rebatch` cuts that stream
+into batches of ``batch_size`` rows, so the batches do not depend on the block size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+
+@dataclass(frozen=True)
+class Source:
+    """``count`` consecutive examples from ``path`` starting at line (or Parquet row) ``first_line``."""
+
+    path: str
+    first_line: int
+    count: int
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One mini-batch of examples; hps.data's docstring gives the meaning of each array.
+
+    labels (n,) float32, dense (n, n_dense) float32, keys (n, n_categorical)
+    uint64, sources: the input spans the rows came from, in row order.
+    """
+
+    labels: np.ndarray
+    dense: np.ndarray
+    keys: np.ndarray
+    sources: tuple[Source, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def locate(self, i: int) -> tuple[str, int]:
+        """(path, line) of row ``i``: where to look when that example misbehaves."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} out of range for a batch of {len(self)}")
+        for s in self.sources:
+            if i < s.count:
+                return s.path, s.first_line + i
+            i -= s.count
+        raise IndexError("the batch's sources do not cover its rows")
+
+
+class _Piece:
+    """Rows on their way into batches (a parsed block, before re-batching)."""
+
+    __slots__ = ("labels", "dense", "keys", "sources")
+
+    def __init__(self, labels, dense, keys, sources):
+        self.labels, self.dense, self.keys, self.sources = labels, dense, keys, list(sources)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def split(self, k: int) -> tuple["_Piece", "_Piece"]:
+        head, tail, left = [], [], k
+        for s in self.sources:
+            if left >= s.count:
+                head.append(s)
+            elif left <= 0:
+                tail.append(s)
+            else:
+                head.append(Source(s.path, s.first_line, left))
+                tail.append(Source(s.path, s.first_line + left, s.count - left))
+            left -= s.count
+        return (_Piece(self.labels[:k], self.dense[:k], self.keys[:k], head),
+                _Piece(self.labels[k:], self.dense[k:], self.keys[k:], tail))
+
+
+def _merged(sources: Iterable[Source]) -> tuple[Source, ...]:
+    """Sources with each run of consecutive lines of one file as one span."""
+    out: list[Source] = []
+    for s in sources:
+        if out and out[-1].path == s.path and out[-1].first_line + out[-1].count == s.first_line:
+            out[-1] = Source(s.path, out[-1].first_line, out[-1].count + s.count)
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def _batch_of(pieces: list[_Piece]) -> Batch:
+    if len(pieces) == 1:
+        p = pieces[0]
+        return Batch(p.labels, p.dense, p.keys, tuple(p.sources))
+    return Batch(np.concatenate([p.labels for p in pieces]),
+                 np.concatenate([p.dense for p in pieces]),
+                 np.concatenate([p.keys for p in pieces]),
+                 _merged(s for p in pieces for s in p.sources))
+
+
+def _rebatch(pieces: Iterable[_Piece], batch_size: int, drop_last: bool) -> Iterator[Batch]:
+    """Cuts a stream of pieces of any length into batches of batch_size rows."""
+    pending: list[_Piece] = []
+    have = 0
+    for piece in pieces:
+        while len(piece):
+            take = min(batch_size - have, len(piece))
+            head, piece = piece.split(take)
+            pending.append(head)
+            have += take
+            if have == batch_size:
+                yield _batch_of(pending)
+                pending, have = [], 0
+    if have and not drop_last:
+        yield _batch_of(pending)
+
+
+def _sources_of(path: str, lines: np.ndarray) -> list[Source]:
+    """Sources for rows at the given (increasing) line numbers: one per run of consecutive lines."""
+    if len(lines) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(lines) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(lines)]])
+    return [Source(path, int(lines[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+
+
+def _check_batching(batch_size, rank, world):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not (isinstance(world, (int, np.integer)) and world >= 1):
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
+    if not (isinstance(rank, (int, np.integer)) and 0 <= rank < world):
+        raise ValueError(f"rank must be in [0, world={world}), got {rank!r}")

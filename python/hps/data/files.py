@@ -1,0 +1,193 @@
+"""Input files: which to read, how to open them, and what every file reader shares.
+
+:func:`list_files` expands paths, globs and directories (local or fsspec URLs);
+:func:`shard_files` gives node ``rank`` of ``world`` its share; ``_Reader`` is the
+base of the format readers (file list, batching, malformed-line count);
+:class:`DataError` is what bad input raises, naming file, line and field.
+pyarrow and fsspec are imported on first use, so this module needs only numpy.
+"""
+from __future__ import annotations
+
+import abc
+import glob as _glob
+import gzip
+import os
+import re
+from typing import Iterator, Optional, Sequence, Union
+
+from hps.data.examples import Batch, _check_batching, _Piece, _rebatch
+
+#: Messages of skipped lines a reader keeps in ``malformed_examples``.
+MAX_MALFORMED_EXAMPLES = 10
+
+# A value longer than this is cut in error messages.
+_MAX_SHOWN_VALUE = 40
+
+
+class DataError(ValueError):
+    """Malformed input, with the place it was found.
+
+    ``path``, ``line`` (1-based line of a TSV file, or 1-based row of a Parquet
+    file) and ``field`` (a column name such as "I5") are None when unknown.
+    """
+
+    def __init__(self, message: str, *, path: Optional[str] = None, line: Optional[int] = None,
+                 field: Optional[str] = None):
+        super().__init__(message)
+        self.path = path
+        self.line = line
+        self.field = field
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.compute  # noqa: F401  (submodules are not imported by the package)
+        import pyarrow.csv  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as e:
+        raise ImportError("hps.data's TSV and Parquet readers need pyarrow: pip install pyarrow") from e
+    return pyarrow
+
+
+def _fsspec():
+    try:
+        import fsspec
+    except ImportError as e:
+        raise ImportError("reading URLs (s3://, gs://, ...) needs fsspec: pip install fsspec") from e
+    return fsspec
+
+
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _is_url(path: str) -> bool:
+    return bool(_SCHEME_RE.match(path))
+
+
+def _visible(name: str) -> bool:
+    # Spark and Hadoop leave _SUCCESS, .crc and similar markers beside the data.
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    return not base.startswith((".", "_"))
+
+
+def _expand(path: str) -> list[str]:
+    if _is_url(path):
+        fs, p = _fsspec().core.url_to_fs(path)
+        if _glob.has_magic(p):
+            found = sorted(fs.unstrip_protocol(q) for q in fs.glob(p) if not fs.isdir(q))
+        elif fs.isdir(p):
+            found = sorted(fs.unstrip_protocol(q) for q in fs.ls(p, detail=False)
+                           if _visible(q) and not fs.isdir(q))
+        elif fs.exists(p):
+            return [path]
+        else:
+            raise FileNotFoundError(f"no such file: {path}")
+    elif _glob.has_magic(path):
+        found = sorted(q for q in _glob.glob(path) if os.path.isfile(q))
+    elif os.path.isdir(path):
+        found = sorted(os.path.join(path, q) for q in os.listdir(path)
+                       if _visible(q) and os.path.isfile(os.path.join(path, q)))
+    elif os.path.isfile(path):
+        return [path]
+    else:
+        raise FileNotFoundError(f"no such file: {path}")
+    if not found:
+        raise FileNotFoundError(f"no data file in {path}")
+    return found
+
+
+def list_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> list[str]:
+    """Data files named by ``paths``: a path, glob or directory, or a list of them.
+
+    Globs and directories expand to their files in sorted order (so every node
+    sees the same list); a directory's hidden and ``_``-prefixed entries
+    (``_SUCCESS``) are left out; a list keeps its order.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = [f for p in paths for f in _expand(os.fspath(p))]
+    if not files:
+        raise ValueError("no data files given")
+    return files
+
+
+def shard_files(files: Sequence[str], rank: int = 0, world: int = 1) -> list[str]:
+    """The files node ``rank`` of ``world`` reads: ``files[rank::world]``.
+
+    Raises ValueError when that is none, since a node without data would hang
+    a synchronous data-parallel job at its first collective.
+    """
+    _check_batching(1, rank, world)
+    mine = list(files)[rank::world]
+    if not mine:
+        raise ValueError(f"rank {rank} of {world} gets no file: there are {len(files)} files for {world} "
+                         f"ranks; use at most {len(files)} ranks or split the data into more files")
+    return mine
+
+
+def _open_binary(path: str):
+    if _is_url(path):
+        return _fsspec().open(path, "rb", compression="infer").open()
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _shown(value) -> str:
+    """A value for a message: its repr, cut after _MAX_SHOWN_VALUE characters;
+    bytes that are not UTF-8 as a bytes literal, so that each escape shows once."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return repr(value[:_MAX_SHOWN_VALUE]) + ("..." if len(value) > _MAX_SHOWN_VALUE else "")
+    if isinstance(value, str) and len(value) > _MAX_SHOWN_VALUE:
+        value = value[:_MAX_SHOWN_VALUE] + "..."
+    return repr(value)
+
+
+class _Reader(abc.ABC):
+    """What the file readers share: file list, batching and the malformed-line count."""
+
+    def __init__(self, paths, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
+                 drop_last: bool = False, skip_malformed: bool = False):
+        self._pa = _pyarrow()
+        _check_batching(batch_size, rank, world)
+        self.files: list[str] = shard_files(list_files(paths), rank, world)
+        self.batch_size = int(batch_size)
+        self.drop_last = bool(drop_last)
+        self.skip_malformed = bool(skip_malformed)
+        #: Malformed lines (rows) skipped in the current or last pass.
+        self.malformed = 0
+        #: The messages of the first MAX_MALFORMED_EXAMPLES of them.
+        self.malformed_examples: list[str] = []
+        #: Examples yielded in the current or last pass.
+        self.examples_read = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        """One pass over this node's files; each call starts again from the first file."""
+        self.malformed, self.malformed_examples, self.examples_read = 0, [], 0
+        for batch in _rebatch(self._pieces(), self.batch_size, self.drop_last):
+            self.examples_read += len(batch)
+            yield batch
+
+    def stats(self) -> dict:
+        """Counters of the current or last pass, for the stats report."""
+        return {"files": len(self.files), "examples_read": self.examples_read, "malformed": self.malformed}
+
+    def _bad(self, error: DataError) -> None:
+        """A malformed line: raise, or count it when skipping."""
+        if not self.skip_malformed:
+            raise error
+        self.malformed += 1
+        if len(self.malformed_examples) < MAX_MALFORMED_EXAMPLES:
+            self.malformed_examples.append(str(error))
+
+    @abc.abstractmethod
+    def _pieces(self) -> Iterator[_Piece]:
+        """The examples of this reader's files, in file order, as pieces."""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({len(self.files)} files, batch_size={self.batch_size}, "
+                f"drop_last={self.drop_last}, skip_malformed={self.skip_malformed})")
