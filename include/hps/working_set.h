@@ -1,0 +1,141 @@
+// One batch's working set on the device tier, from pin to release, in native
+// code: the MLSys 2020 paper's Algorithm 1 for one batch.
+//
+// Composed in Python, a batch's rows crossed into C++ about 16 times and
+// through numpy four times (read pinned -> insert -> rows -> write back).
+// Here each stage is one call:
+//
+//   WorkingSet(keys)  the batch's distinct keys pinned in MEM-PS (misses come
+//                     from its loader: the BackingStore), owners chosen
+//   Load(tier)        the pinned rows, as MEM-PS holds them now, onto the
+//                     owners' tables of an empty device tier
+//   Get / Accumulate  per worker: embeddings pulled from the owners,
+//                     gradients sent to them (Algorithm 2)
+//   Apply             one optimizer step per key on its owner; the updated
+//                     rows are read back and published to the next batch
+//   WriteBack         the updated rows into their MEM-PS slots (dirty), every
+//                     pin released, the tier emptied
+//
+// Abort (or the destructor) releases a batch that will not finish.
+//
+// Pipelining: a batch loaded while the one before it still trains (Load's
+// `previous`) takes that one's updated rows onto its tier before its first
+// Get, Accumulate or Apply, waiting for that Apply if needed; so the
+// pipelined run computes what the sequential one does.
+//
+// Failures keep HostBatch's guarantees (device_tier.h, mem_cache.h): a call
+// that throws holds no pin it did not hold before and loses no dirty row.
+// A failed Load or Apply releases the batch (every pin, the tier emptied, the
+// next batch told there is nothing to take). WriteBack is HostBatch::Release:
+// a key something else unpinned is named and the others are released; any
+// other failure releases nothing and can be retried. Each failed release is
+// counted in MEM-PS's stats().failed_releases.
+//
+// Thread safety: one thread at a time per working set (the pipeline pins the
+// next batch on another thread while this one trains: different objects).
+// The tier belongs to one loaded working set until its WriteBack or Abort.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "hps/device_tier.h"
+#include "hps/mem_cache.h"
+#include "hps/optimizer.h"
+
+namespace hps {
+namespace detail {
+class KeyIndex;
+}
+
+class WorkingSet {
+ public:
+  // What Apply publishes to the batch after it (opaque to callers).
+  struct Updates;
+
+  // Pins the distinct keys of keys (n, repeats allowed, the batch's keys as
+  // the examples give them) in cache, which must outlive this. Owners come
+  // from DeviceTier::ModuloOwner among `devices` until SetOwners. Throws like
+  // CheckKeys for a reserved key and like MemCache::Pull (CacheFullError, the
+  // loader's errors); then nothing is pinned.
+  WorkingSet(MemCache& cache, const SparseOptimizer& optimizer, int32_t devices, const uint64_t* keys, uint64_t n);
+  // Releases a batch that was not written back: applied updates are written
+  // back (as HostBatch's destructor keeps its steps), else the pins are
+  // dropped. A failure is counted and written to stderr (a destructor cannot throw).
+  ~WorkingSet();
+  WorkingSet(const WorkingSet&) = delete;
+  WorkingSet& operator=(const WorkingSet&) = delete;
+
+  // The distinct keys in order of first appearance, and inverse (n of the
+  // constructor): where each given key is among them.
+  const std::vector<uint64_t>& keys() const { return keys_; }
+  const std::vector<int64_t>& inverse() const { return inverse_; }
+  uint64_t size() const { return keys_.size(); }
+  uint64_t hits() const { return hits_; }  // of the distinct keys, found in MEM-PS
+  int32_t devices() const { return devices_; }
+  // The most distinct keys one device owns: a tier's tables must hold them.
+  uint64_t most_per_device() const;
+
+  // Owners chosen by a partition policy: owners[i] in [0, devices) for
+  // keys()[i]. Before Load only; std::invalid_argument names a bad one.
+  void SetOwners(const int32_t* owners);
+
+  // Loads the rows onto `tier` (empty, of `devices` devices and this
+  // optimizer's row width), which must outlive the load. `previous`: the
+  // Updates of the batch loaded before this one, if it may not have been
+  // written back yet (null otherwise). A failure (TableFullError, ...)
+  // releases the batch: see the file comment.
+  void Load(DeviceTier& tier, std::shared_ptr<Updates> previous);
+  // What this batch's Apply publishes: for the Load of the batch after it.
+  std::shared_ptr<Updates> updates() const { return updates_; }
+
+  // Worker `worker` pulls the embeddings (n, dim) of keys (each a key of the
+  // batch; std::out_of_range names one that is not).
+  void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings);
+  // Worker `worker` sends gradients (n, dim) of keys to their owners.
+  void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads);
+  // One optimizer step per key with gradients; returns how many. Later calls
+  // do nothing and return 0. A failure releases the batch.
+  uint64_t Apply();
+  bool applied() const { return applied_; }
+  // Keys stepped by Apply, in the tier's order.
+  const std::vector<uint64_t>& updated_keys() const;
+  // The updated rows into MEM-PS (dirty), every pin released, the tier
+  // emptied. std::logic_error before Apply; later calls do nothing.
+  void WriteBack();
+  // Drops the gradients Apply has not applied and releases the batch: pins,
+  // tier. Steps already applied are kept, written back as WriteBack does (the
+  // batch after this one may have taken them already; HostBatch keeps its
+  // steps too). Later calls do nothing; fails as WriteBack does.
+  void Abort();
+  bool released() const { return released_; }
+
+ private:
+  void CheckLoaded(const char* what) const;
+  void CheckWorker(int32_t worker) const;
+  // The owners of keys (n) for the tier, or null for the modulo hash.
+  const int32_t* OwnersOf(const uint64_t* keys, uint64_t n, std::vector<int32_t>* out, const char* what) const;
+  void CatchUp();
+  void PublishEmpty();
+  void ReleaseAll();
+  void CountPerDevice();
+
+  MemCache& cache_;
+  const SparseOptimizer optimizer_;
+  const int32_t devices_;
+  std::vector<uint64_t> keys_;
+  std::vector<int64_t> inverse_;
+  std::vector<int32_t> owners_;  // per key of keys_, when a policy chose them
+  std::unique_ptr<detail::KeyIndex> index_;  // key -> position, with owners_
+  std::vector<uint64_t> per_device_;  // distinct keys each device owns
+  uint64_t hits_ = 0;
+  bool written_ = false;  // WriteBack's first half (the updated rows) is done
+  DeviceTier* tier_ = nullptr;
+  std::shared_ptr<Updates> previous_;
+  std::shared_ptr<Updates> updates_;
+  bool applied_ = false;
+  bool released_ = false;
+};
+
+}  // namespace hps

@@ -1,0 +1,267 @@
+#include "hps/working_set.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "hps/hash_table.h"
+#include "key_index.h"
+
+namespace hps {
+
+// Written once by the batch's Apply (or its release, empty), then read only.
+struct WorkingSet::Updates {
+  std::mutex mutex;
+  std::condition_variable ready_cv;
+  bool ready = false;  // GUARDED_BY(mutex); keys, rows, owners are fixed once it is set
+  std::vector<uint64_t> keys;
+  std::vector<float> rows;     // (keys, row_floats)
+  std::vector<int32_t> owners;  // empty: the modulo hash
+};
+
+WorkingSet::WorkingSet(MemCache& cache, const SparseOptimizer& optimizer, int32_t devices, const uint64_t* keys,
+                       uint64_t n)
+    : cache_(cache), optimizer_(optimizer), devices_(devices), updates_(std::make_shared<Updates>()) {
+  optimizer_.validate();
+  if (devices <= 0) throw std::invalid_argument("working set: devices must be > 0");
+  if (cache.row_bytes() != sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats())) {
+    throw std::invalid_argument("working set: MEM-PS rows are " + std::to_string(cache.row_bytes()) +
+                                " bytes, the optimizer's " + std::to_string(sizeof(float) * optimizer_.row_floats()));
+  }
+  inverse_.resize(n);
+  keys_ = UniqueKeys(keys, n, inverse_.data());  // names a reserved key
+  if (keys_.size() >= detail::KeyIndex::kNone) throw std::invalid_argument("working set: more than 2^32 - 2 keys");
+  CountPerDevice();
+  // Last: from here on the pins are this object's to release.
+  std::vector<uint8_t> hit(keys_.size());
+  cache_.Pull(keys_.data(), keys_.size(), nullptr, /*pin=*/true, hit.data());
+  hits_ = static_cast<uint64_t>(std::count(hit.begin(), hit.end(), uint8_t{1}));
+}
+
+WorkingSet::~WorkingSet() {
+  if (released_) return;
+  try {
+    ReleaseAll();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hps: a working set of %zu keys released by its destructor: %s\n", keys_.size(), e.what());
+  } catch (...) {
+    std::fprintf(stderr, "hps: a working set of %zu keys released by its destructor: unknown error\n",
+                 keys_.size());
+  }
+}
+
+void WorkingSet::CountPerDevice() {
+  per_device_.assign(static_cast<size_t>(devices_), 0);
+  for (uint64_t i = 0; i < keys_.size(); ++i) {
+    const int32_t d = owners_.empty() ? DeviceTier::ModuloOwner(keys_[i], devices_) : owners_[i];
+    ++per_device_[static_cast<size_t>(d)];
+  }
+}
+
+uint64_t WorkingSet::most_per_device() const {
+  return per_device_.empty() ? 0 : *std::max_element(per_device_.begin(), per_device_.end());
+}
+
+void WorkingSet::SetOwners(const int32_t* owners) {
+  if (released_ || tier_ != nullptr) throw std::logic_error("working set: owners are set before load");
+  for (uint64_t i = 0; i < keys_.size(); ++i) {
+    if (owners[i] < 0 || owners[i] >= devices_) {
+      throw std::invalid_argument("working set: owners[" + std::to_string(i) + "] = " + std::to_string(owners[i]) +
+                                  " (key " + std::to_string(keys_[i]) + ") is not a device in [0, " +
+                                  std::to_string(devices_) + ")");
+    }
+  }
+  auto index = std::make_unique<detail::KeyIndex>(keys_.size());
+  for (uint64_t i = 0; i < keys_.size(); ++i) index->Upsert(keys_[i], static_cast<uint32_t>(i));
+  owners_.assign(owners, owners + keys_.size());
+  index_ = std::move(index);
+  CountPerDevice();
+}
+
+const int32_t* WorkingSet::OwnersOf(const uint64_t* keys, uint64_t n, std::vector<int32_t>* out,
+                                    const char* what) const {
+  if (owners_.empty()) return nullptr;  // the tier's own modulo hash
+  out->resize(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint32_t at = index_->Find(keys[i]);
+    if (at == detail::KeyIndex::kNone) {
+      throw std::out_of_range("working set " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
+                              std::to_string(keys[i]) + " is not in the batch");
+    }
+    (*out)[i] = owners_[at];
+  }
+  return out->data();
+}
+
+void WorkingSet::Load(DeviceTier& tier, std::shared_ptr<Updates> previous) {
+  if (released_) throw std::logic_error("working set: load after release");
+  if (tier_ != nullptr) throw std::logic_error("working set: loaded twice");
+  try {
+    if (tier.devices() != devices_ || tier.row_floats() != optimizer_.row_floats() || tier.size() != 0) {
+      throw std::invalid_argument("working set load: the tier has " + std::to_string(tier.devices()) +
+                                  " devices, rows of " + std::to_string(tier.row_floats()) + " floats and " +
+                                  std::to_string(tier.size()) + " rows; the batch needs an empty one of " +
+                                  std::to_string(devices_) + " devices and rows of " +
+                                  std::to_string(optimizer_.row_floats()) + " floats");
+    }
+    // MEM-PS's rows as they are now, not as the prefetch found them: a batch
+    // written back since may have updated some (they are pinned, so cached).
+    std::vector<float> rows(keys_.size() * static_cast<uint64_t>(optimizer_.row_floats()));
+    cache_.ReadPinned(keys_.data(), keys_.size(), reinterpret_cast<uint8_t*>(rows.data()));
+    tier.Insert(keys_.data(), keys_.size(), rows.data(), owners_.empty() ? nullptr : owners_.data());
+  } catch (...) {
+    try {
+      tier.Clear();
+      ReleaseAll();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "hps: a working set whose load failed was not released: %s\n", e.what());
+    }
+    throw;
+  }
+  tier_ = &tier;
+  previous_ = std::move(previous);
+}
+
+void WorkingSet::CheckLoaded(const char* what) const {
+  if (released_) throw std::logic_error(std::string("working set: ") + what + " after release");
+  if (tier_ == nullptr) throw std::logic_error(std::string("working set: ") + what + " before load");
+}
+
+void WorkingSet::CatchUp() {
+  if (!previous_) return;
+  Updates& p = *previous_;
+  {
+    std::unique_lock lock(p.mutex);
+    p.ready_cv.wait(lock, [&] { return p.ready; });
+  }
+  if (!p.keys.empty()) {
+    tier_->Assign(p.keys.data(), p.keys.size(), p.rows.data(), p.owners.empty() ? nullptr : p.owners.data());
+  }
+  previous_.reset();
+}
+
+void WorkingSet::Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings) {
+  CheckLoaded("get");
+  CatchUp();
+  std::vector<int32_t> owners;
+  tier_->Get(worker, keys, n, embeddings, OwnersOf(keys, n, &owners, "get"));
+}
+
+void WorkingSet::Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads) {
+  CheckLoaded("accumulate");
+  CatchUp();
+  std::vector<int32_t> owners;
+  tier_->Accumulate(worker, keys, n, grads, OwnersOf(keys, n, &owners, "accumulate"));
+}
+
+uint64_t WorkingSet::Apply() {
+  CheckLoaded("apply");
+  if (applied_) return 0;
+  try {
+    CatchUp();
+    std::vector<uint64_t> updated = tier_->Apply();
+    std::vector<int32_t> owners;
+    const int32_t* o = OwnersOf(updated.data(), updated.size(), &owners, "apply");
+    std::vector<float> rows(updated.size() * static_cast<uint64_t>(optimizer_.row_floats()));
+    tier_->Rows(updated.data(), updated.size(), rows.data(), o);
+    std::lock_guard lock(updates_->mutex);
+    updates_->keys = std::move(updated);
+    updates_->rows = std::move(rows);
+    updates_->owners = std::move(owners);
+    updates_->ready = true;
+  } catch (...) {
+    try {
+      ReleaseAll();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "hps: a working set whose apply failed was not released: %s\n", e.what());
+    }
+    throw;
+  }
+  updates_->ready_cv.notify_all();
+  applied_ = true;
+  return updates_->keys.size();
+}
+
+const std::vector<uint64_t>& WorkingSet::updated_keys() const { return updates_->keys; }
+
+void WorkingSet::PublishEmpty() {
+  {
+    std::lock_guard lock(updates_->mutex);
+    if (updates_->ready) return;
+    updates_->ready = true;  // the batch after this one has nothing to take from it
+  }
+  updates_->ready_cv.notify_all();
+}
+
+void WorkingSet::WriteBack() {
+  if (released_) return;
+  CheckLoaded("write back");
+  if (!applied_) throw std::logic_error("working set: write back before apply");
+  ReleaseAll();
+}
+
+void WorkingSet::Abort() {
+  if (released_) return;
+  ReleaseAll();
+}
+
+void WorkingSet::ReleaseAll() {
+  if (!applied_) PublishEmpty();
+  const std::vector<uint64_t>& updated = updates_->keys;  // empty unless applied
+  const uint32_t row_bytes = cache_.row_bytes();
+  const auto* rows = reinterpret_cast<const uint8_t*>(updates_->rows.data());
+  std::vector<uint64_t> refused;
+  // Bulk first; a key something else unpinned makes MemCache refuse the
+  // whole call (changing nothing), and then they go one by one.
+  const auto each = [&](const std::vector<uint64_t>& keys, auto&& one) {
+    try {
+      one(0, keys.size());
+    } catch (const std::invalid_argument&) {
+      for (uint64_t i = 0; i < keys.size(); ++i) {
+        try {
+          one(i, 1);
+        } catch (const std::invalid_argument&) {
+          refused.push_back(keys[i]);
+        }
+      }
+    } catch (...) {
+      cache_.CountFailedRelease();
+      throw;  // nothing of this step released: a retry does it again
+    }
+  };
+  if (!written_ && !updated.empty()) {
+    each(updated, [&](uint64_t at, uint64_t n) { cache_.WriteBack(updated.data() + at, n, rows + at * row_bytes); });
+  }
+  written_ = true;
+  std::vector<uint64_t> rest;
+  if (updated.size() < keys_.size()) {
+    std::vector<uint8_t> is_updated(keys_.size(), 0);
+    if (!updated.empty()) {
+      detail::KeyIndex index(keys_.size());
+      for (uint64_t i = 0; i < keys_.size(); ++i) index.Upsert(keys_[i], static_cast<uint32_t>(i));
+      for (uint64_t key : updated) is_updated[index.Find(key)] = 1;
+    }
+    rest.reserve(keys_.size() - updated.size());
+    for (uint64_t i = 0; i < keys_.size(); ++i) {
+      if (!is_updated[i]) rest.push_back(keys_[i]);
+    }
+    each(rest, [&](uint64_t at, uint64_t n) { cache_.Unpin(rest.data() + at, n); });
+  }
+  released_ = true;
+  previous_.reset();
+  if (tier_ != nullptr) tier_->Clear();
+  if (refused.empty()) return;
+  cache_.CountFailedRelease();
+  std::string which;
+  for (size_t j = 0; j < refused.size() && j < 8; ++j) which += (j > 0 ? ", " : "") + std::to_string(refused[j]);
+  if (refused.size() > 8) which += ", ...";
+  throw std::runtime_error("working set release: " + std::to_string(refused.size()) + " of " +
+                           std::to_string(keys_.size()) + " keys were no longer pinned by this batch (keys " + which +
+                           "): something else unpinned them, and MEM-PS may drop the updated ones' steps; "
+                           "the other keys were released");
+}
+
+}  // namespace hps

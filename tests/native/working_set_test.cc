@@ -1,0 +1,365 @@
+// The working set under the sanitizers: a batch from pin to release on one
+// and two host partitions against HostBatch's steps on the same rows, its
+// failures (no pin left, no dirty row lost), and two batches pipelined on two
+// threads (the next pinned and loaded while this one trains), for TSan.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "hps/device_tier.h"
+#include "hps/hash_table.h"
+#include "hps/mem_cache.h"
+#include "hps/working_set.h"
+
+namespace hps {
+namespace {
+
+SparseOptimizer AdaGrad(int32_t dim) {
+  SparseOptimizer o;
+  o.dim = dim;
+  o.opt.kind = OptimizerKind::kAdaGrad;
+  o.opt.lr = 0.1f;
+  o.init.seed = 5;
+  return o;
+}
+
+// MEM-PS over a map standing in for SSD-PS: misses read it (else the initial
+// row), evictions and flushes write it.
+struct RowStore {
+  explicit RowStore(SparseOptimizer o) : opt(o) {}
+  SparseOptimizer opt;
+  std::mutex mutex;
+  std::map<uint64_t, std::vector<float>> stored;
+
+  std::unique_ptr<MemCache> Cache(uint64_t capacity) {
+    MemCacheOptions o;
+    o.row_bytes = static_cast<uint32_t>(opt.row_floats() * sizeof(float));
+    o.capacity = capacity;
+    o.shards = 2;
+    const uint32_t width = static_cast<uint32_t>(opt.row_floats());
+    return MemCache::New(
+        o,
+        [this, width](const uint64_t* keys, uint64_t n, uint8_t* rows, uint8_t* dirty) {
+          std::lock_guard lock(mutex);
+          for (uint64_t i = 0; i < n; ++i) {
+            float* row = reinterpret_cast<float*>(rows) + i * width;
+            const auto it = stored.find(keys[i]);
+            if (it == stored.end()) {
+              opt.initial_rows(keys + i, 1, row);
+            } else {
+              std::memcpy(row, it->second.data(), width * sizeof(float));
+            }
+            dirty[i] = 0;
+          }
+        },
+        [this, width](const uint64_t* keys, uint64_t n, const uint8_t* rows) {
+          std::lock_guard lock(mutex);
+          for (uint64_t i = 0; i < n; ++i) {
+            const float* row = reinterpret_cast<const float*>(rows) + i * width;
+            stored[keys[i]].assign(row, row + width);
+          }
+        });
+  }
+};
+
+std::vector<float> CachedRows(MemCache& cache, const std::vector<uint64_t>& keys) {
+  std::vector<float> rows(keys.size() * cache.row_bytes() / sizeof(float));
+  cache.Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), /*pin=*/false, nullptr);
+  return rows;
+}
+
+// The examples' keys of one batch (repeats included) and a gradient each.
+struct Step {
+  std::vector<uint64_t> keys;
+  std::vector<float> grads;
+};
+
+Step MakeStep(const std::vector<uint64_t>& keys, int32_t dim, float scale) {
+  Step s{keys, std::vector<float>(keys.size() * dim)};
+  for (size_t i = 0; i < s.grads.size(); ++i) s.grads[i] = scale * static_cast<float>(i % 7 + 1);
+  return s;
+}
+
+// The same step through HostBatch: the in-place path's result, the reference.
+void HostStep(MemCache& cache, const SparseOptimizer& opt, const Step& s) {
+  std::vector<int64_t> inverse(s.keys.size());
+  const std::vector<uint64_t> uniq = UniqueKeys(s.keys.data(), s.keys.size(), inverse.data());
+  cache.Pull(uniq.data(), uniq.size(), nullptr, true, nullptr);
+  HostBatch b(cache, uniq.data(), uniq.size(), opt);
+  b.Accumulate(inverse.data(), inverse.size(), s.grads.data());
+  b.Apply();
+  b.Release();
+}
+
+void TierStep(MemCache& cache, DeviceTier& tier, const SparseOptimizer& opt, const Step& s) {
+  WorkingSet ws(cache, opt, tier.devices(), s.keys.data(), s.keys.size());
+  ws.Load(tier, nullptr);
+  // Worker w takes every devices-th example, as the pipeline's mini-batches do.
+  const int32_t dim = opt.dim;
+  for (int32_t w = 0; w < tier.devices(); ++w) {
+    std::vector<uint64_t> keys;
+    std::vector<float> grads;
+    for (size_t i = static_cast<size_t>(w); i < s.keys.size(); i += static_cast<size_t>(tier.devices())) {
+      keys.push_back(s.keys[i]);
+      grads.insert(grads.end(), s.grads.begin() + i * dim, s.grads.begin() + (i + 1) * dim);
+    }
+    std::vector<float> emb(keys.size() * dim);
+    ws.Get(w, keys.data(), keys.size(), emb.data());
+    ws.Accumulate(w, keys.data(), keys.size(), grads.data());
+  }
+  EXPECT_GT(ws.Apply(), 0u);
+  ws.WriteBack();
+  EXPECT_TRUE(ws.released());
+  EXPECT_EQ(tier.size(), 0u);
+}
+
+class WorkingSetDevices : public ::testing::TestWithParam<int32_t> {};
+
+TEST_P(WorkingSetDevices, BatchesMatchHostBatchOnTheSameRows) {
+  const SparseOptimizer opt = AdaGrad(4);
+  RowStore host_store(opt), tier_store(opt);
+  auto host = host_store.Cache(64), cached = tier_store.Cache(64);
+  auto tier = DeviceTier::New({GetParam(), 64, opt, /*use_cuda=*/false, /*threads=*/1});
+  const std::vector<std::vector<uint64_t>> batches = {
+      {1, 2, 3, 2, 1, 9}, {2, 3, 4, 5, 3, 3}, {100, 101, 1, 2}, {7, 7, 7, 7}};
+  std::vector<uint64_t> all;
+  for (size_t b = 0; b < batches.size(); ++b) {
+    const Step s = MakeStep(batches[b], opt.dim, 0.01f * static_cast<float>(b + 1));
+    HostStep(*host, opt, s);
+    TierStep(*cached, *tier, opt, s);
+    all.insert(all.end(), batches[b].begin(), batches[b].end());
+  }
+  std::vector<int64_t> inverse(all.size());
+  const std::vector<uint64_t> uniq = UniqueKeys(all.data(), all.size(), inverse.data());
+  const std::vector<float> want = CachedRows(*host, uniq), got = CachedRows(*cached, uniq);
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_FLOAT_EQ(got[i], want[i]) << "float " << i;
+  const MemCacheStats st = cached->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_EQ(st.dirty, host->stats().dirty);
+  EXPECT_GT(st.dirty, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(HostPartitions, WorkingSetDevices, ::testing::Values(1, 2, 4));
+
+TEST(WorkingSet, GivesTheDistinctKeysAndWhereEachExampleKeyIs) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  const std::vector<uint64_t> keys = {5, 6, 5, 7, 6};
+  WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+  EXPECT_EQ(ws.keys(), (std::vector<uint64_t>{5, 6, 7}));
+  EXPECT_EQ(ws.inverse(), (std::vector<int64_t>{0, 1, 0, 2, 1}));
+  EXPECT_EQ(ws.hits(), 0u);
+  EXPECT_EQ(cache->stats().pinned, 3u);
+  ws.Abort();
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_EQ(cache->stats().dirty, 0u);
+  WorkingSet again(*cache, opt, 2, keys.data(), keys.size());
+  EXPECT_EQ(again.hits(), 3u);
+}
+
+TEST(WorkingSet, AReservedKeyIsRefusedWithNothingPinned) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  const std::vector<uint64_t> keys = {5, kEmptyKey};
+  EXPECT_THROW(WorkingSet(*cache, opt, 1, keys.data(), keys.size()), std::invalid_argument);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+TEST(WorkingSet, AFailedLoadReleasesEveryPinAndEmptiesTheTier) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(64);
+  auto tier = DeviceTier::New({1, 4, opt, false, 1});  // 4 rows: too small for 10 keys
+  std::vector<uint64_t> keys(10);
+  for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = 100 + i;
+  WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
+  EXPECT_THROW(ws.Load(*tier, nullptr), TableFullError);
+  EXPECT_TRUE(ws.released());
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_EQ(tier->size(), 0u);
+  std::vector<float> emb(2);
+  EXPECT_THROW(ws.Get(0, keys.data(), 1, emb.data()), std::logic_error);
+
+  // A tier of the wrong shape is refused the same way.
+  auto two = DeviceTier::New({2, 64, opt, false, 1});
+  WorkingSet other(*cache, opt, 1, keys.data(), keys.size());
+  EXPECT_THROW(other.Load(*two, nullptr), std::invalid_argument);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+TEST(WorkingSet, CallsOutOfOrderAreRefused) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  auto tier = DeviceTier::New({1, 16, opt, false, 1});
+  const std::vector<uint64_t> keys = {1, 2};
+  WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
+  EXPECT_THROW(ws.Apply(), std::logic_error);  // before load
+  ws.Load(*tier, nullptr);
+  EXPECT_THROW(ws.Load(*tier, nullptr), std::logic_error);
+  EXPECT_THROW(ws.WriteBack(), std::logic_error);  // before apply
+  const uint64_t missing = 3;
+  std::vector<float> emb(2);
+  EXPECT_THROW(ws.Get(0, &missing, 1, emb.data()), std::out_of_range);
+  EXPECT_THROW(ws.Get(1, keys.data(), 1, emb.data()), std::invalid_argument);  // worker 1 of 1 device
+  EXPECT_EQ(ws.Apply(), 0u);  // no gradients: nothing stepped
+  ws.WriteBack();
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_EQ(cache->stats().dirty, 0u);
+}
+
+TEST(WorkingSet, OwnersFromAPolicyPlaceTheRowsAndBadOnesAreNamed) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  auto tier = DeviceTier::New({2, 16, opt, false, 1});
+  const std::vector<uint64_t> keys = {1, 2, 3};
+  WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+  const std::vector<int32_t> bad = {0, 2, 1};
+  try {
+    ws.SetOwners(bad.data());
+    FAIL() << "owner 2 of 2 devices accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("owners[1] = 2 (key 2)"), std::string::npos) << e.what();
+  }
+  const std::vector<int32_t> all_on_one = {1, 1, 1};
+  ws.SetOwners(all_on_one.data());
+  EXPECT_EQ(ws.most_per_device(), 3u);
+  ws.Load(*tier, nullptr);
+  std::vector<float> emb(keys.size() * 2);
+  ws.Get(0, keys.data(), keys.size(), emb.data());
+  const TransferMatrix m = tier->transfers();
+  EXPECT_EQ(m.rows[1 * 2 + 0], 3u);  // all three came from device 1 to worker 0
+  std::vector<float> g(keys.size() * 2, 1.0f);
+  ws.Accumulate(1, keys.data(), keys.size(), g.data());
+  EXPECT_EQ(ws.Apply(), 3u);
+  ws.WriteBack();
+  EXPECT_EQ(cache->stats().dirty, 3u);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+TEST(WorkingSet, AKeyUnpinnedByOthersIsNamedAndTheRestReleasedDirty) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  auto tier = DeviceTier::New({2, 16, opt, false, 1});
+  const std::vector<uint64_t> keys = {1, 2, 3, 4};
+  WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+  ws.Load(*tier, nullptr);
+  std::vector<float> g(2 * 2, 1.0f);
+  ws.Accumulate(0, keys.data(), 2, g.data());  // keys 1 and 2 get steps
+  ws.Apply();
+  cache->Unpin(&keys[0], 1);  // an updated key
+  cache->Unpin(&keys[3], 1);  // one that was not
+  try {
+    ws.WriteBack();
+    FAIL() << "a release of keys no longer pinned passed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("2 of 4 keys"), std::string::npos) << e.what();
+  }
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_EQ(st.dirty, 1u);  // key 2's step; key 1's was refused
+  EXPECT_EQ(st.failed_releases, 1u);
+  EXPECT_TRUE(ws.released());
+  EXPECT_EQ(tier->size(), 0u);
+}
+
+TEST(WorkingSet, AbortAfterApplyKeepsTheStepsAndBeforeItDropsThem) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  auto tier = DeviceTier::New({1, 16, opt, false, 1});
+  const std::vector<uint64_t> keys = {1, 2};
+  const std::vector<float> before = CachedRows(*cache, keys);
+  std::vector<float> g(2 * 2, 1.0f);
+  {
+    WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
+    ws.Load(*tier, nullptr);
+    ws.Accumulate(0, keys.data(), 2, g.data());
+    ws.Abort();
+  }
+  EXPECT_EQ(CachedRows(*cache, keys), before);
+  EXPECT_EQ(cache->stats().dirty, 0u);
+  {
+    WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
+    ws.Load(*tier, nullptr);
+    ws.Accumulate(0, keys.data(), 2, g.data());
+    ws.Apply();
+  }  // the destructor writes the applied steps back
+  EXPECT_NE(CachedRows(*cache, keys), before);
+  EXPECT_EQ(cache->stats().dirty, 2u);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// The pipeline's overlap: batch B is pinned and loaded on a second tier on
+// another thread while batch A trains; B's first Get waits for A's Apply and
+// takes A's updated rows. The result equals running them one after another.
+TEST(WorkingSet, APipelinedBatchTakesThePreviousOnesUpdates) {
+  const SparseOptimizer opt = AdaGrad(4);
+  for (int32_t devices : {1, 2}) {
+    RowStore seq_store(opt), pipe_store(opt);
+    auto seq = seq_store.Cache(64), piped = pipe_store.Cache(64);
+    auto tier_a = DeviceTier::New({devices, 64, opt, false, 1});
+    auto tier_b = DeviceTier::New({devices, 64, opt, false, 1});
+    const Step a = MakeStep({1, 2, 3, 4, 1}, opt.dim, 0.5f), b = MakeStep({3, 4, 5, 1}, opt.dim, 0.25f);
+    TierStep(*seq, *tier_a, opt, a);
+    TierStep(*seq, *tier_a, opt, b);
+
+    WorkingSet wa(*piped, opt, devices, a.keys.data(), a.keys.size());
+    wa.Load(*tier_a, nullptr);
+    std::unique_ptr<WorkingSet> wb;
+    std::thread loader([&] {  // pins and loads B while A trains
+      wb = std::make_unique<WorkingSet>(*piped, opt, devices, b.keys.data(), b.keys.size());
+      wb->Load(*tier_b, wa.updates());
+    });
+    wa.Accumulate(0, a.keys.data(), a.keys.size(), a.grads.data());
+    wa.Apply();
+    loader.join();
+    std::thread writer([&] { wa.WriteBack(); });  // A's write-back beside B's training
+    std::vector<float> emb(b.keys.size() * opt.dim);
+    wb->Get(0, b.keys.data(), b.keys.size(), emb.data());
+    wb->Accumulate(0, b.keys.data(), b.keys.size(), b.grads.data());
+    wb->Apply();
+    writer.join();
+    wb->WriteBack();
+    const std::vector<uint64_t> keys = {1, 2, 3, 4, 5};
+    const std::vector<float> want = CachedRows(*seq, keys), got = CachedRows(*piped, keys);
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_FLOAT_EQ(got[i], want[i]) << devices << " devices, float " << i;
+    EXPECT_EQ(piped->stats().pinned, 0u);
+  }
+}
+
+TEST(WorkingSet, ABatchAfterOneAbortedBeforeApplyTakesNothingAndDoesNotWait) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  auto tier_a = DeviceTier::New({1, 16, opt, false, 1});
+  auto tier_b = DeviceTier::New({1, 16, opt, false, 1});
+  const std::vector<uint64_t> keys = {1, 2};
+  const std::vector<float> before = CachedRows(*cache, keys);
+  WorkingSet wa(*cache, opt, 1, keys.data(), keys.size());
+  wa.Load(*tier_a, nullptr);
+  WorkingSet wb(*cache, opt, 1, keys.data(), keys.size());
+  wb.Load(*tier_b, wa.updates());
+  std::vector<float> g(2 * 2, 1.0f);
+  wa.Accumulate(0, keys.data(), 2, g.data());
+  wa.Abort();
+  std::vector<float> emb(2 * 2);
+  wb.Get(0, keys.data(), 2, emb.data());
+  for (int i = 0; i < 2; ++i) {
+    for (int d = 0; d < 2; ++d) EXPECT_EQ(emb[i * 2 + d], before[i * opt.row_floats() + d]);
+  }
+  wb.Abort();
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+}  // namespace
+}  // namespace hps
