@@ -1,0 +1,230 @@
+"""This rank's place in an MPI job: configuration, communicators per pipeline stage,
+node topology, byte counters, and the watchdog that aborts a job whose ranks stop
+answering. Only :class:`Node` imports mpi4py, so a plain run never initialises MPI.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from hps.errors import HpsError
+
+COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "dense", "control")
+
+
+class RankFailure(HpsError):
+    """The ranks disagree about the job (world size, checkpoint step)."""
+
+
+def launched_by_mpi() -> bool:
+    """Whether this process is one of several started by mpiexec (MPICH or Open MPI),
+    told by the launcher's environment, so that a plain run never initialises MPI."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        try:
+            if int(os.environ.get(name, "1")) > 1:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
+@dataclass
+class DistributedConfig:
+    dense_sync: str = "allreduce"   # "allreduce": gradients summed every step; "kstep": k-step Adam
+    k: int = 1                      # kstep: average x and v every k steps
+    beta1: float = 0.0              # kstep: the paper's default
+    beta2: float = 0.999
+    eps: float = 1e-8               # kstep: v starts at eps (no eps in the denominator)
+    hierarchical: bool = False      # all-reduce across nodes (log2 steps), then within each node
+    ranks_per_node: int = 0         # 0: the ranks sharing this machine's memory (MPI's shared-memory split)
+    timeout: float = 600.0          # seconds a rank waits for its peers before aborting the job
+
+    def check(self, source: str = "[distributed]") -> None:
+        if self.dense_sync not in ("allreduce", "kstep"):
+            raise ValueError(f"{source}: dense_sync must be 'allreduce' or 'kstep', got {self.dense_sync!r}")
+        if not (isinstance(self.k, int) and self.k >= 1):
+            raise ValueError(f"{source}: k must be an int >= 1, got {self.k!r}")
+        if not 0.0 <= self.beta1 < 1.0 or not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"{source}: beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if not self.eps > 0:
+            raise ValueError(f"{source}: eps must be > 0, got {self.eps}")
+        if self.ranks_per_node < 0:
+            raise ValueError(f"{source}: ranks_per_node must be >= 0, got {self.ranks_per_node}")
+        if not self.timeout > 0:
+            raise ValueError(f"{source}: timeout must be > 0 seconds, got {self.timeout}")
+
+
+class _Watchdog:
+    """Aborts the job when a collective waits longer than `timeout` seconds."""
+
+    def __init__(self, node: "Node", timeout: float):
+        self.node = node
+        self.timeout = timeout
+        self._ops: dict[int, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hps-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def guard(self, what: str):
+        me = threading.get_ident()
+        with self._lock:
+            self._ops[me] = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._ops.pop(me, None)
+
+    def _watch(self) -> None:
+        period = min(1.0, self.timeout / 4)
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                late = [(what, now - t0) for what, t0 in self._ops.values() if now - t0 > self.timeout]
+            if late:
+                what, waited = late[0]
+                self.node.abort(f"waited {waited:.0f} s in {what} for the other ranks (timeout "
+                                f"{self.timeout:g} s): a rank has died or hung")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Node:
+    """This rank's place in the job: communicators per stage, node topology for
+    hierarchical all-reduce, byte counters and the watchdog."""
+
+    STAGES = ("read", "prefetch", "load", "train")
+
+    def __init__(self, config: Optional[DistributedConfig] = None, comm=None):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.config = config or DistributedConfig()
+        self.config.check()
+        world = comm if comm is not None else MPI.COMM_WORLD
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("hps.distributed needs an MPI with MPI_THREAD_MULTIPLE (the pipeline's stages "
+                               "run collectives from their own threads)")
+        self.world = world
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        self.comms = {stage: world.Dup() for stage in self.STAGES}
+        self.bytes_sent = {kind: 0 for kind in COMM_KINDS}
+        self._bytes_lock = threading.Lock()
+        rpn = self.config.ranks_per_node
+        if rpn:
+            if self.size % rpn:
+                raise ValueError(f"[distributed] ranks_per_node = {rpn} does not divide the {self.size} ranks")
+            self.node_comm = world.Split(self.rank // rpn, self.rank)
+        else:
+            self.node_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        local = self.node_comm.Get_rank()
+        self.cross_comm = world.Split(local, self.rank)  # the same local rank on every node
+        sizes = world.allgather(self.node_comm.Get_size())
+        self.nodes = self.cross_comm.Get_size()
+        self.uniform_nodes = len(set(sizes)) == 1
+        self._watchdog = _Watchdog(self, self.config.timeout)
+
+    # -- failure
+    def abort(self, why: str, code: int = 70) -> None:
+        """Says why on stderr and ends every rank of the job (MPI_Abort)."""
+        sys.stderr.write(f"hps.distributed: rank {self.rank} of {self.size}: {why}; aborting the job\n")
+        sys.stderr.flush()
+        self.world.Abort(code)
+
+    def guard(self, what: str):
+        return self._watchdog.guard(what)
+
+    def count(self, kind: str, nbytes: int) -> None:
+        with self._bytes_lock:
+            self.bytes_sent[kind] += int(nbytes)
+
+    # -- collectives
+    def alltoallv(self, stage: str, blocks: Sequence[np.ndarray], kind: str, what: str) -> list[np.ndarray]:
+        """Sends blocks[r] to rank r; returns what each rank sent here, in rank
+        order. Blocks share one dtype and trailing shape."""
+        MPI = self.MPI
+        comm = self.comms[stage]
+        first = blocks[self.rank]
+        tail = first.shape[1:]
+        row_bytes = first.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
+        send_counts = np.array([len(b) for b in blocks], np.int64)
+        recv_counts = np.empty(self.size, np.int64)
+        with self.guard(f"{what} (counts)"):
+            comm.Alltoall(send_counts, recv_counts)
+        if max(int(send_counts.sum()), int(recv_counts.sum())) * row_bytes >= 2**31:
+            raise ValueError(f"{what}: a batch of {send_counts.sum()} / {recv_counts.sum()} rows of {row_bytes} "
+                             f"bytes passes MPI's 2 GiB message limit; use smaller batches")
+        send = np.ascontiguousarray(np.concatenate(blocks)) if len(blocks) else first
+        recv = np.empty((int(recv_counts.sum()),) + tail, first.dtype)
+        sb, rb = send_counts * row_bytes, recv_counts * row_bytes
+        sd = np.concatenate([[0], np.cumsum(sb)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rb)[:-1]])
+        with self.guard(what):
+            comm.Alltoallv([send, (sb.astype(np.int32), sd.astype(np.int32)), MPI.BYTE],
+                           [recv, (rb.astype(np.int32), rd.astype(np.int32)), MPI.BYTE])
+        self.count(kind, int(sb.sum() - sb[self.rank]))
+        return np.split(recv, np.cumsum(recv_counts)[:-1])
+
+    def allreduce(self, stage: str, buf: np.ndarray, kind: str, what: str, hierarchical: bool = False) -> np.ndarray:
+        """Sums buf over the ranks, in place. `hierarchical` goes across nodes, then
+        within them, over communicators of their own: only the train stage uses it."""
+        with self.guard(what):
+            if hierarchical:
+                hierarchical_allreduce(buf, self.node_comm, self.cross_comm, lambda n: self.count(kind, n))
+                return buf
+            self.comms[stage].Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        if self.size > 1:
+            self.count(kind, buf.nbytes)
+        return buf
+
+    def allgather(self, stage: str, obj: Any, what: str) -> list:
+        with self.guard(what):
+            return self.comms[stage].allgather(obj)
+
+    def close(self) -> None:
+        self._watchdog.stop()
+
+
+def hierarchical_allreduce(buf: np.ndarray, node_comm, cross_comm, count=lambda nbytes: None) -> np.ndarray:
+    """Sums buf over all ranks, in place, the MLSys 2020 paper's way (appendix C.3):
+    first across nodes, each rank exchanging with the rank of the same local index
+    on its partner node (recursive doubling: log2(nodes) pairwise exchanges, with
+    the nodes beyond a power of two folded in first), then within each node.
+    `count(n)` is told the bytes each send moves."""
+    from mpi4py import MPI
+    n, me = cross_comm.Get_size(), cross_comm.Get_rank()
+    if n > 1:
+        pof2 = 1 << (n.bit_length() - 1)
+        tmp = np.empty_like(buf)
+        # Nodes beyond the power of two hand their sums to a partner and wait.
+        if me >= pof2:
+            cross_comm.Send(buf, dest=me - pof2, tag=11)
+            count(buf.nbytes)
+            cross_comm.Recv(buf, source=me - pof2, tag=12)
+        else:
+            if me + pof2 < n:
+                cross_comm.Recv(tmp, source=me + pof2, tag=11)
+                buf += tmp
+            step = 1
+            while step < pof2:
+                partner = me ^ step
+                cross_comm.Sendrecv(buf, dest=partner, sendtag=13, recvbuf=tmp, source=partner, recvtag=13)
+                count(buf.nbytes)
+                buf += tmp  # a + b == b + a in IEEE arithmetic: both partners hold the same sum
+                step <<= 1
+            if me + pof2 < n:
+                cross_comm.Send(buf, dest=me + pof2, tag=12)
+                count(buf.nbytes)
+    if node_comm.Get_size() > 1:
+        node_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        count(buf.nbytes)
+    return buf

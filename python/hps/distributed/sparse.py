@@ -1,0 +1,235 @@
+"""The job's sparse parameters sharded over the ranks: key ownership, and the
+bulk-synchronous exchange of keys, rows and gradients of each working set
+(:class:`DistributedServer`, :class:`DistBatch`), with hps.ParameterServer's interface.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+
+from hps.data.keys import mix64
+from hps.distributed.comm import Node
+from hps.hash_table import EMPTY_KEY
+from hps.mem_cache import CacheFullError
+from hps.parameter_server import ParameterServer
+
+def owner_ranks(keys: np.ndarray, world: int) -> np.ndarray:
+    """The rank that owns each key (int64)."""
+    return ((mix64(keys) >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
+
+
+class _StepData:
+    """A rank's part of one global step: its examples batch (possibly empty) and the
+    step's example count over all ranks, which the loss is normalised by."""
+
+    def __init__(self, examples, total_examples: int):
+        self.labels, self.dense, self.keys = examples.labels, examples.dense, examples.keys
+        self.total_examples = total_examples
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+class DistPrefetched:
+    """The keys of a rank's examples batch, sent to their owners, and the owner's
+    pins of what the ranks asked it for."""
+
+    def __init__(self, uniq, order, counts, asked, local):
+        self.keys = uniq                # this rank's distinct keys, sorted
+        self.order = order              # uniq[order] is the send order (grouped by owner)
+        self.counts = counts            # keys sent to each owner
+        self.asked = asked              # per rank: the keys it asked this rank for
+        self.local = local              # the local server's Prefetched (the union of asked)
+
+    def release(self) -> None:
+        self.local.release()
+
+
+class DistBatch:
+    """A working set on every rank at once (the distributed hps.Batch): rows of this
+    rank's keys (pulled from their owners), gradients summed here until finish()
+    sends them to the owners."""
+
+    def __init__(self, server: "DistributedServer", local, pre: DistPrefetched, rows: np.ndarray):
+        self.server = server
+        self.local = local              # the owner side: the working set (hps.Batch) of the union asked of this rank
+        self.pre = pre
+        self.keys = pre.keys
+        self.rows = rows
+        self.grads = np.zeros_like(rows)
+        self.touched = np.zeros(len(rows), bool)
+        self.wait_seconds = local.wait_seconds
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.asarray(keys, np.uint64)
+        pos = np.minimum(np.searchsorted(self.keys, keys), max(len(self.keys) - 1, 0))
+        if len(keys) and (len(self.keys) == 0 or (self.keys[pos] != keys).any()):
+            missing = keys[(self.keys[pos] != keys) if len(self.keys) else slice(None)]
+            raise KeyError(f"key {int(missing[0])} is not in this batch's working set")
+        return pos
+
+    def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
+        return self.rows[self._positions(keys)]
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        pos = self._positions(keys)
+        np.add.at(self.grads, pos, np.asarray(grads, np.float32))
+        self.touched[pos] = True
+
+    def apply(self) -> None:
+        """Each owner gets the summed gradients of the keys any rank touched and
+        applies one step per key (collective)."""
+        node, pre = self.server.node, self.pre
+        try:
+            in_send_order = pre.order
+            touched = self.touched[in_send_order]
+            grads = self.grads[in_send_order]
+            bounds = np.concatenate([[0], np.cumsum(pre.counts)])
+            idx_blocks, grad_blocks = [], []
+            for r in range(node.size):
+                t = np.flatnonzero(touched[bounds[r]:bounds[r + 1]])
+                idx_blocks.append(t.astype(np.int32))
+                grad_blocks.append(grads[bounds[r]:bounds[r + 1]][t])
+            idx_in = node.alltoallv("train", idx_blocks, "sparse_keys", "push positions")
+            grads_in = node.alltoallv("train", grad_blocks, "sparse_grads", "push gradients")
+            for src in range(node.size):
+                if len(idx_in[src]):
+                    self.local.push(pre.asked[src][idx_in[src]], grads_in[src])
+        except BaseException:
+            self.local.abort()
+            raise
+        self.local.apply()
+
+    def write_back(self) -> None:
+        """The owner's updated rows to its MEM-PS (local; the pipeline's writer thread)."""
+        self.local.write_back()
+
+    def finish(self) -> None:
+        self.apply()
+        self.write_back()
+
+    def abort(self) -> None:
+        self.local.abort()
+
+
+class DistributedServer:
+    """The job's sparse parameters, sharded over the ranks; the same interface as
+    hps.ParameterServer for hps.torch and the pipeline. ``pull``, ``push``,
+    ``prefetch``, ``batch`` and ``checkpoint`` are collective: every rank calls
+    them in the same order (from the same pipeline stage)."""
+
+    def __init__(self, local: ParameterServer, node: Node):
+        self.local = local
+        self.node = node
+        self.config = local.config
+        self.dim = local.dim
+        self._retry: Optional[tuple] = None  # the exchange of a prefetch that hit CacheFullError
+
+    # -- exchange helpers
+    def _send_keys(self, stage: str, keys: np.ndarray, what: str):
+        uniq = np.unique(np.asarray(keys, np.uint64).ravel())
+        if len(uniq) and uniq[-1] == EMPTY_KEY:
+            raise ValueError(f"{what}: key {EMPTY_KEY:#x} is reserved (the empty-slot sentinel)")
+        owners = owner_ranks(uniq, self.node.size)
+        order = np.argsort(owners, kind="stable")
+        counts = np.bincount(owners, minlength=self.node.size)
+        blocks = np.split(uniq[order], np.cumsum(counts)[:-1])
+        asked = self.node.alltoallv(stage, blocks, "sparse_keys", what)
+        return uniq, order, counts, asked
+
+    def _return_rows(self, stage: str, uniq, order, rows_out, what: str) -> np.ndarray:
+        rows_in = self.node.alltoallv(stage, rows_out, "sparse_rows", what)
+        rows = np.empty((len(uniq), self.dim), np.float32)
+        rows[order] = np.concatenate(rows_in) if rows_in else rows
+        return rows
+
+    # -- the collective API
+    def pull(self, keys: np.ndarray) -> np.ndarray:
+        """Rows (n, dim) of keys, from their owners, as of the last finished batch."""
+        keys = np.asarray(keys)
+        uniq, order, _, asked = self._send_keys("train", keys, "pull keys")
+        rows = self._return_rows("train", uniq, order, [self.local.pull(a) for a in asked], "pull rows")
+        return rows[np.searchsorted(uniq, keys.ravel())].reshape(keys.shape + (self.dim,))
+
+    def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
+        """Sums the gradients every rank pushes for each key at its owner, which
+        applies one step per key: as one ParameterServer.push of all ranks' pairs."""
+        keys = np.asarray(keys, np.uint64)
+        grads = np.asarray(grads)
+        if grads.dtype != np.float32:
+            raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
+        if grads.shape != (len(keys), self.dim):
+            raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
+        owners = owner_ranks(keys, self.node.size)
+        order = np.argsort(owners, kind="stable")
+        cuts = np.cumsum(np.bincount(owners, minlength=self.node.size))[:-1]
+        keys_in = self.node.alltoallv("train", np.split(keys[order], cuts), "sparse_keys", "push keys")
+        grads_in = self.node.alltoallv("train", np.split(grads[order], cuts), "sparse_grads", "push gradients")
+        k = np.concatenate(keys_in)
+        if len(k):
+            self.local.push(k, np.ascontiguousarray(np.concatenate(grads_in)))
+
+    def prefetch(self, keys: np.ndarray) -> DistPrefetched:
+        """The pipeline's pull stage: keys to their owners, each owner pins what it
+        was asked for. A CacheFullError leaves the exchange done; the pipeline's
+        retry with the same keys only pins again."""
+        if self._retry is not None and self._retry[0] is keys:
+            exchange = self._retry[1]
+        else:
+            exchange = self._send_keys("prefetch", keys, "prefetch keys")
+        self._retry = None
+        uniq, order, counts, asked = exchange
+        union = np.unique(np.concatenate(asked)) if asked else np.empty(0, np.uint64)
+        try:
+            local = self.local.prefetch(union)
+        except CacheFullError:
+            self._retry = (keys, exchange)
+            raise
+        return DistPrefetched(uniq, order, counts, asked, local)
+
+    def batch(self, pre: DistPrefetched, overlap: bool = False) -> DistBatch:
+        """The load stage: the union this rank was asked for goes onto its device
+        tier, and once its previous batch is applied (or, without `overlap`,
+        written back) the rows go to the ranks that asked."""
+        local = self.local.batch(pre.local, overlap=overlap)
+        try:
+            rows_out = [local.pull(a) for a in pre.asked]
+            rows = self._return_rows("load", pre.keys, pre.order, rows_out, "load rows")
+        except BaseException:
+            local.abort()
+            raise
+        return DistBatch(self, local, pre, rows)
+
+    def aligned(self, source: Iterable, empty) -> Iterator[_StepData]:
+        """This rank's examples batches in lockstep with the other ranks': a rank whose
+        data ends first takes part with empty batches until every rank's has ended.
+        `empty` is an empty hps.data.Batch of the source's shape."""
+        it = iter(source)
+        done = False
+        while True:
+            examples = None if done else next(it, None)
+            done = examples is None
+            n = 0 if done else len(examples)
+            flags = np.array([0 if done else 1, n], np.int64)
+            self.node.allreduce("read", flags, "control", "read (who still has data)")
+            if flags[0] == 0:
+                return
+            yield _StepData(empty if done else examples, int(flags[1]))
+
+    def checkpoint(self, save=None, *, keep_previous: bool = False) -> int:
+        """This rank's ParameterServer.checkpoint (local: the job's consistency is
+        hps.train's, which keeps the previous checkpoint until every rank is done)."""
+        return self.local.checkpoint(save, keep_previous=keep_previous)
+
+    def prune_checkpoints(self) -> None:
+        self.local.prune_checkpoints()
+
+    def stats(self) -> dict:
+        s = self.local.stats()
+        s["distributed"] = {"rank": self.node.rank, "world": self.node.size, "nodes": self.node.nodes,
+                            "bytes_sent": dict(self.node.bytes_sent)}
+        return s
+
+    def close(self) -> None:
+        self.local.close()
