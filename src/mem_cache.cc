@@ -175,6 +175,7 @@ class ShardedCache final : public MemCache {
     const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
     // Hits, shard by shard; misses wait for the miss lock.
     std::vector<uint64_t> missed;
+    std::vector<uint64_t> missed_in(shards_.size(), 0);  // misses per shard, counted by Count on success
     uint64_t hits = 0;
     std::vector<uint32_t> slots;
     for (size_t s = 0; s < shards_.size(); ++s) {
@@ -193,18 +194,20 @@ class ShardedCache final : public MemCache {
       }
       for (size_t j = 0; j < mine.size(); ++j) {
         if (j + kLookahead < mine.size()) {
-          shard.policy->Prefetch(keys[mine[j + kLookahead]]);
+          if (!pin) shard.policy->Prefetch(keys[mine[j + kLookahead]]);
           if (slots[j + kLookahead] != kNoSlot) __builtin_prefetch(&shard.pins[slots[j + kLookahead]]);
         }
         const uint64_t i = mine[j];
-        shard.policy->Record(keys[i]);
+        // A pinning call's rows leave the policy's order until unpinned, so
+        // that its visits can wait until it has succeeded (Count); an
+        // unpinned hit is reordered now, by its count with this visit.
+        if (!pin) shard.policy->Record(keys[i]);
         const uint32_t slot = slots[j];
         if (slot == kNoSlot) {
-          ++shard.misses;
+          ++missed_in[s];
           missed.push_back(i);
           continue;
         }
-        ++shard.hits;
         ++hits;
         if (hit) hit[i] = 1;
         Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
@@ -212,7 +215,10 @@ class ShardedCache final : public MemCache {
         if (addresses) addresses[i] = RowAt(shard, slot);
       }
     }
-    if (missed.empty()) return hits;
+    if (missed.empty()) {
+      Count(keys, by_shard, missed_in, pin);
+      return hits;
+    }
 
     std::lock_guard miss_lock(miss_mutex_);
     // Distinct missing keys, each with the requests it answers.
@@ -350,7 +356,30 @@ class ShardedCache final : public MemCache {
         throw;
       }
     }
+    Count(keys, by_shard, missed_in, pin);
     return hits;
+  }
+
+  // A Fetch that succeeded counts its hits and misses and, pinning, records
+  // its keys' visits in the admission sketch; one that threw counts nothing,
+  // so that the pipeline's retry of a prefetch that met CacheFullError is one
+  // lookup per key in the hit rate and in the sketch, not one per attempt.
+  // (An unpinned Fetch recorded its visits as it went: it is never retried.)
+  void Count(const uint64_t* keys, const std::vector<std::vector<uint64_t>>& by_shard,
+             const std::vector<uint64_t>& missed_in, bool pin) {
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      const std::vector<uint64_t>& mine = by_shard[s];
+      if (mine.empty()) continue;
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      shard.misses += missed_in[s];
+      shard.hits += mine.size() - missed_in[s];
+      if (!pin) continue;
+      for (size_t j = 0; j < mine.size(); ++j) {
+        if (j + kLookahead < mine.size()) shard.policy->Prefetch(keys[mine[j + kLookahead]]);
+        shard.policy->Record(keys[mine[j]]);
+      }
+    }
   }
 
   void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {

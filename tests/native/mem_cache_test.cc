@@ -195,6 +195,61 @@ TEST(MemCache, PullWhoseLoaderThrowsGivesBackItsPins) {
   EXPECT_FALSE(cache->Contains(10));
 }
 
+// The pipeline retries a prefetch that met CacheFullError until the batches
+// in flight free their pins: a failed attempt must count no hit, no miss.
+TEST(MemCache, PullThatThrowsCountsNoHitOrMiss) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);  // 1..4 cached, pinned again below
+  const std::vector<uint64_t> all = {1, 2, 3, 4};
+  cache->Pull(all.data(), all.size(), nullptr, /*pin=*/true, nullptr);  // 4 hits
+  const MemCacheStats before = cache->stats();
+  ASSERT_EQ(before.hits, 4u);
+  const std::vector<uint64_t> keys = {1, 2, 10};  // two hits and a miss that finds no slot
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    EXPECT_THROW(cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr), CacheFullError);
+  }
+  backing.before_load = [] { throw std::runtime_error("SSD-PS read failed"); };
+  EXPECT_THROW(cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/false, nullptr), std::runtime_error);
+  backing.before_load = nullptr;
+  MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.hits, before.hits);
+  EXPECT_EQ(st.misses, before.misses);
+  cache->Unpin(all.data(), all.size());
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);  // succeeds: counted once
+  st = cache->stats();
+  EXPECT_EQ(st.hits, before.hits + 2);
+  EXPECT_EQ(st.misses, before.misses + 1);
+  cache->Unpin(keys.data(), keys.size());
+}
+
+// Nor may a failed pinning attempt count its keys' visits in the admission
+// sketch: tinylfu-lfu evicts the least frequent row, and a key whose failed
+// prefetches counted would pass for a hotter one.
+TEST(MemCache, PullThatThrowsRecordsNoVisitInTheSketch) {
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 2;
+  o.shards = 1;
+  o.policy = CachePolicyKind::kTinyLfuLfu;
+  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  const uint64_t cold = 7, warm = 8, fresh = 9;
+  cache->Pull(&cold, 1, nullptr, /*pin=*/false, nullptr);  // one visit
+  for (int i = 0; i < 3; ++i) cache->Pull(&warm, 1, nullptr, /*pin=*/false, nullptr);  // three
+  ASSERT_TRUE(cache->Contains(cold) && cache->Contains(warm));
+  // Failed prefetches of the cold key with a miss whose load fails.
+  backing.before_load = [] { throw std::runtime_error("SSD-PS read failed"); };
+  const std::vector<uint64_t> keys = {cold, 100};
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    EXPECT_THROW(cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr), std::runtime_error);
+  }
+  backing.before_load = nullptr;
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  cache->Pull(&fresh, 1, nullptr, /*pin=*/false, nullptr);  // evicts the least frequent
+  EXPECT_FALSE(cache->Contains(cold)) << "the cold key's failed prefetches were counted as visits";
+  EXPECT_TRUE(cache->Contains(warm));
+}
+
 TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
   Backing backing;
   MemCacheOptions o;
