@@ -26,10 +26,10 @@ from `seed`, one logit, BCEWithLogitsLoss (mean).
     backward): left to itself the planner puts small tables on data_parallel. The fused
     optimizer is exact (not row-wise) Adagrad, lr = lr_emb, eps = 1e-10 (torch.optim.Adagrad's
     default; FBGEMM's own default is 1e-8).
-  * The MLP lives outside DistributedModelParallel and is trained by torch.optim.Adam (hps.train.dense_adam)
+  * The MLP lives outside DistributedModelParallel and is trained by torch.optim.Adam (hps.tuning.dense_adam)
     (lr_dense), as in plain_torch; so DMP has no dense parameters and adds no DDP wrapper
     (a world-size-1 all-reduce would only cost time).
-Only the training loop is timed; AUC and logloss come from hps.train on eval_batches.
+Only the training loop is timed; AUC and logloss come from hps.metrics on eval_batches.
 
 Installing TorchRec on the CPU (the recipe of BENCHMARKS.md; ensure_installed() runs it
 when `import torchrec` fails):
@@ -160,7 +160,8 @@ def torchrec(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_dens
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from hps.train import auc, dense_adam, logloss
+    from hps.metrics import auc, logloss
+    from hps.tuning import dense_adam
     torch.set_num_threads(threads)
     fields = train_batches[0].keys.shape[1]  # 26
 
@@ -228,7 +229,7 @@ def torchrec(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_dens
                         shard.tensor.uniform_(-0.01, 0.01, generator=emb_gen)
         plan_info = _describe_plan(plan, dmp, int(sum(len(v) for v in vocabs)))
 
-        opt_mlp = dense_adam(mlp.parameters(), lr_dense)  # hps.train's dense step
+        opt_mlp = dense_adam(mlp.parameters(), lr_dense)  # the dense step of hps.train (hps.tuning)
         loss_fn = nn.BCEWithLogitsLoss()
 
         def forward(values, dense):

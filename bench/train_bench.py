@@ -11,7 +11,7 @@ Model and data (all sides): synthetic Criteo-like examples (hps.data.SyntheticCr
 26 categorical fields, 13 dense), embeddings of dim 16 per field, summed per field
 (single-hot), concatenated with the dense features, MLP (default 512-256-1), logit;
 batch 4096; embeddings trained by AdaGrad (lr 0.05), the MLP by Adam (lr 1e-3,
-hps.train.dense_adam on every side), the MLP initialised identically.
+hps.tuning.dense_adam on every side), the MLP initialised identically.
   * hps: hps.train.train: the ParameterServer (MEM budget holding every row, one host
     partition, so batches train on MEM-PS's rows in place) behind the 4-stage pipeline,
     embeddings through hps.torch. torch's threads: hps.train's ThreadTuner picks all
@@ -57,7 +57,8 @@ def log(*a):
 def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_dense, dim):
     import torch
     from torch import nn
-    from hps.train import auc, dense_adam, logloss
+    from hps.metrics import auc, logloss
+    from hps.tuning import dense_adam
     torch.set_num_threads(threads)
     vocab = np.unique(np.concatenate([b.keys.ravel() for b in train_batches + eval_batches]))
     index = lambda keys: torch.from_numpy(np.searchsorted(vocab, keys).astype(np.int64))  # noqa: E731
@@ -70,7 +71,7 @@ def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_d
     from hps.torch import mlp as ctr_mlp
     mlp = ctr_mlp(26 * dim + 13, hidden, seed)  # hps.torch.CtrModel's MLP: same layers, same init
     opt_emb = torch.optim.Adagrad(emb.parameters(), lr=lr_emb)
-    opt_mlp = dense_adam(mlp.parameters(), lr_dense)  # hps.train's dense step
+    opt_mlp = dense_adam(mlp.parameters(), lr_dense)  # the dense step of hps.train (hps.tuning)
     loss_fn = nn.BCEWithLogitsLoss()
 
     def forward(idx, dense):

@@ -17,7 +17,7 @@ every worker maps them and copies out one batch at a time, never holding the
 whole stream (the cgroup is small). 26 fields, one key each, embeddings of dim
 16 summed per field, concatenated with the 13 dense features, MLP (default
 512-256-1) to a logit; embeddings by AdaGrad (lr 0.05, eps 1e-10, accumulator
-from 0), the MLP by Adam (lr 1e-3, hps.train.dense_adam on every side), the MLP
+from 0), the MLP by Adam (lr 1e-3, hps.tuning.dense_adam on every side), the MLP
 initialised from the same seed (hps.torch.CtrModel's init);
 evaluation on 50k held-out examples (the generator's "eval" part).
 
@@ -446,13 +446,14 @@ def worker_rocksdb(cfg: dict) -> dict:
     import torch
     import torch.nn.functional as F
     from hps.data import SyntheticCriteo
-    from hps.train import auc, dense_adam, logloss
+    from hps.metrics import auc, logloss
+    from hps.tuning import dense_adam
     from torch import nn
     torch.set_num_threads(cfg["threads"])
     path = os.path.join(cfg["dir"], "rocksdb")
     store = RowClient(cfg["rocks_prefetch"], path, cfg["rocks_memory"], wal=cfg["rocks_wal"])
     mlp = build_mlp(cfg["hidden"], cfg["seed"])
-    opt = dense_adam(mlp.parameters(), cfg["lr_dense"])  # hps.train's dense step
+    opt = dense_adam(mlp.parameters(), cfg["lr_dense"])  # the dense step of hps.train (hps.tuning)
     loss_fn = nn.BCEWithLogitsLoss()
     lr = cfg["lr_emb"]
 

@@ -1,0 +1,118 @@
+"""torch on the trainer's cores, beside the pipeline's stage threads: imported with
+idle OpenMP workers told to sleep (:func:`import_torch`), the dense step by torch's
+fused Adam (:func:`dense_adam`, which the benchmarks' peers share), and the
+intra-op thread count chosen while a run goes (:class:`ThreadTuner`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional
+
+__all__ = ["ThreadTuner", "dense_adam", "import_torch"]
+
+
+def import_torch():
+    """torch, with its OpenMP workers told to sleep when idle if torch was not
+    imported yet. By default they spin for a while after each parallel region;
+    beside the pipeline's stage threads, a spinning worker holds a core the
+    prefetch or the write-back needs (W4: 37k -> 45k examples/s on 2 cores)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+    return torch
+
+
+def dense_adam(params, lr: float):
+    """torch.optim.Adam over the dense parameters, with torch's fused CPU kernel
+    where this torch has one (2.4 and later): one pass over each tensor instead
+    of a dozen small ops, which the trainer's thread runs between its parallel
+    ones (W5's 512-256-1 MLP on 2 cores: 2.7-3.9 -> 0.8-1.0 ms a step). The
+    benchmarks' peers use it too, so they and hps take the same dense step."""
+    torch = import_torch()
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, TypeError, ValueError):  # no fused kernel for these parameters here
+        return torch.optim.Adam(params, lr=lr)
+
+
+class ThreadTuner:
+    """Chooses torch's intra-op threads (TrainConfig.torch_threads = 0) while the
+    run goes: a few batches of warm-up, then probes of ``probe`` batches with every
+    core (A) and with one fewer (B) in the order A B B A, so that a run that speeds
+    up or slows down as it goes (caches filling) favours neither; then one fewer
+    for the rest of the run if it was at least 5% faster, else every core. A
+    verdict for one fewer is checked by a second A B B A before it holds: a
+    wrong drop costs the most (W5 on a noisy machine: one pass picked 1 thread
+    and that run trained at 21k examples/s against 28-30k with 2). When the first
+    A and B already show every core CLEAR x faster, the pass stops there: no drift
+    makes a gap that wide, and each probe batch on one fewer thread costs (W5: 8
+    more batches at 27-38k examples/s against 46-56k with 2).
+
+    The pipeline's stages share the cores with torch: a small MLP gains less from
+    a second thread than they lose (W4s on 2 cores: 146k examples/s with 1 thread,
+    118k with 2), a large one more (W4: 31k with 1, 45k with 2). The thread count
+    may change the order in which torch's kernels sum: runs that must match bit
+    for bit (a resumed run and its straight twin, say) fix torch_threads."""
+
+    SETTLE = 2  # batches after a change of threads before a probe starts timing
+    MARGIN = 1.05  # one fewer thread must be this much faster: probes are noisy, all cores is torch's way
+    CLEAR = 1.25   # all cores this much faster after one probe each: keep them, skip the probes left
+
+    def __init__(self, torch, cores: int, warmup: int = 6, probe: int = 8):
+        self.torch = torch
+        self.candidates = [cores, cores - 1] if cores > 1 else [1]
+        self.schedule = [cores, cores - 1, cores - 1, cores] if cores > 1 else []
+        self.warmup, self.probe = warmup, probe
+        self.rates: dict[int, float] = {}  # of the last pass
+        self.passes = 0
+        self.chosen: Optional[int] = None if self.schedule else 1
+        self._totals = {c: [0, 0.0] for c in self.candidates}  # examples, seconds
+        self._probe = 0          # index into schedule
+        self._skip = warmup      # batches still to let pass before timing
+        self._start = None
+        self._batches = self._examples = 0
+        torch.set_num_threads(self.candidates[0])
+
+    def step(self, examples: int) -> None:
+        """Called as each batch ends training, with its examples."""
+        if self.chosen is not None:
+            return
+        now = time.perf_counter()
+        if self._skip > 0:
+            self._skip -= 1
+            if self._skip == 0:
+                self._start, self._batches, self._examples = now, 0, 0
+            return
+        self._batches += 1
+        self._examples += examples
+        if self._batches < self.probe:
+            return
+        threads = self.schedule[self._probe]
+        self._totals[threads][0] += self._examples
+        self._totals[threads][1] += now - self._start
+        self._probe += 1
+        every, fewer = self.candidates
+        rates = {c: e / t for c, (e, t) in self._totals.items() if t > 0}
+        # All cores this much faster is no drift: the pass need not finish.
+        clear = len(rates) == 2 and rates[every] > self.CLEAR * rates[fewer]
+        if self._probe == len(self.schedule) or clear:
+            self.rates = rates
+            self.passes += 1
+            faster = self.rates[fewer] > self.MARGIN * self.rates[every]
+            if not faster or self.passes == 2:
+                self.chosen = fewer if faster else every
+                self.torch.set_num_threads(self.chosen)
+                return
+            self.schedule = self.schedule + [every, fewer, fewer, every]  # the second pass
+            self._totals = {c: [0, 0.0] for c in self.candidates}
+        following = self.schedule[self._probe]
+        self._start, self._batches, self._examples = now, 0, 0
+        if following != threads:
+            self.torch.set_num_threads(following)
+            self._skip = self.SETTLE
+
+    def as_dict(self) -> dict:
+        return {"chosen": self.chosen if self.chosen is not None else self.torch.get_num_threads(),
+                "examples_per_s": {str(k): v for k, v in self.rates.items()}, "passes": self.passes}
