@@ -720,6 +720,11 @@ class FileStore final : public SsdStore {
       std::shared_lock lock(mutex_);
       for (uint32_t h : victims) sources.push_back(Entry(h).file);
     }
+    // The rows come through the gets' path (io_uring, O_DIRECT where the file
+    // takes it), each block checked against its CRC; the keys, 8 bytes a
+    // record, are read whole and checked against theirs. The same BlockIo
+    // writes the new files.
+    auto io = io_pool_.Acquire();
     for (size_t v = 0; v < victims.size(); ++v) {
       const std::vector<uint64_t> keys = sources[v]->ReadKeys();
       std::vector<uint64_t> slots, slot_keys;
@@ -740,8 +745,13 @@ class FileStore final : public SsdStore {
       }
       const size_t before = rows.size();
       rows.resize(before + slots.size() * row_bytes);
-      counters_.bytes_read += sources[v]->ReadRows(slots.data(), slot_keys.data(), slots.size(),
-                                                   rows.data() + before);
+      const detail::ParamFile::RowsPlan plan = sources[v]->PlanRows(slots.data(), slots.size());
+      detail::AlignedBuffer buffer(plan.bytes);
+      std::vector<detail::IoRequest> reads;
+      sources[v]->AddReads(plan, buffer.data(), &reads);
+      io->ReadAll(reads);
+      sources[v]->CopyRows(plan, buffer.data(), slots.data(), slot_keys.data(), slots.size(), rows.data() + before);
+      counters_.bytes_read += plan.bytes;
     }
     // New files, synced; on failure they go and nothing else changed.
     struct Output {
@@ -752,7 +762,6 @@ class FileStore final : public SsdStore {
     std::vector<Output> outputs;
     uint64_t bytes = 0;
     try {
-      auto io = io_pool_.Acquire();
       for (uint64_t begin = 0; begin < kept.size(); begin += options_.file_records) {
         const uint64_t count = std::min<uint64_t>(options_.file_records, kept.size() - begin);
         if (job->next_sequence >= job->end_sequence) {
@@ -819,7 +828,7 @@ class FileStore final : public SsdStore {
   std::mutex put_mutex_;  // one put or commit at a time: files enter the index in sequence order
   uint64_t next_sequence_ = 1;                   // guarded by put_mutex_
   mutable std::shared_mutex mutex_;              // the index and the files; readers share it
-  KeyIndex index_;
+  detail::CompactKeyIndex index_;                // 10 bytes a slot: it holds every key on disk
   std::vector<FileEntry> entries_;               // by handle
   std::vector<uint32_t> free_handles_;
   std::map<uint64_t, uint32_t> by_sequence_;     // sequence -> handle

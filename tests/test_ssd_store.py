@@ -376,6 +376,46 @@ def test_io_uring_really_moves_the_rows(tmp_path):
     assert pread.stats()["io_path"] == "pread"
 
 
+def bytes_read_by_syscalls():
+    """rchar of /proc/self/io: the bytes this process's read and pread calls
+    returned. io_uring's reads are not syscalls of that kind and add nothing."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not hps.liburing_compiled(), reason="this build has no liburing: SSD-PS reads with pread")
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="no /proc/self/io to count read syscalls")
+def test_compaction_reads_its_rows_through_io_uring(tmp_path):
+    """Compaction reads the rows of its victims on the gets' path, not with
+    pread: the megabytes it reads leave /proc/self/io's rchar (bytes returned
+    by read syscalls) all but unmoved, where pread would add each of them."""
+    store = hps.SsdStore(tmp_path / "s", 4096, file_records=256, background_compaction=False,
+                         compaction_trigger=100.0)
+    if not store.stats()["io_path"].startswith("io_uring"):
+        pytest.skip(f"io_uring refused here: {store.io_fallback}")
+    keys = u64(range(1024))
+    rows = np.arange(1024, dtype=np.float32)[:, None] + np.zeros(1024, np.float32)
+    store.put(keys, rows)
+    store.commit()
+    stale = keys % 4 != 0
+    store.put(keys[stale], rows[stale] + 0.5)  # three quarters of each file stale: all compacted
+    store.commit()
+    before, read_before = bytes_read_by_syscalls(), store.stats()["bytes_read"]
+    store.compact()
+    s = store.stats()
+    read = s["bytes_read"] - read_before
+    assert s["compactions"] >= 1 and read >= 256 * 4096  # the live quarters' rows, at least
+    by_syscalls = bytes_read_by_syscalls() - before
+    # The keys (8 bytes a record) and the new files' headers and CRC tables
+    # are read with pread; the rows must not be.
+    assert by_syscalls < read / 8, f"{by_syscalls} bytes by read syscalls for {read} bytes of rows"
+    got, found = store.get(keys, np.float32)
+    assert found.all()
+    expected = rows.copy()
+    expected[stale] += 0.5
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_gets_run_alongside_puts_and_background_compaction(tmp_path):
     """Readers see, for every key, a row some put wrote for it, never a torn
     or foreign one, while a writer overwrites keys and compactions swap files."""
