@@ -251,17 +251,17 @@ class Trainer:
         """Forward and backward over each device's mini-batch (gradients go to the
         owners and add up), then one dense step for the whole batch (of every rank)."""
         torch = self.torch
-        data = loaded.data
-        n = max(getattr(data, "total_examples", len(data.labels)), 1)
+        examples = loaded.data  # the examples batch; loaded.batch is the working set of its keys
+        n = max(getattr(examples, "total_examples", len(examples.labels)), 1)
         self.opt.zero_grad()
         emb = self.model.embedding
         for worker, idx in enumerate(loaded.minibatches):
             if len(idx) == 0:
                 continue
             emb.attach(loaded.batch, worker)
-            keys = torch.from_numpy(data.keys[idx].view(np.int64))
-            logits = self.model(keys, torch.from_numpy(data.dense[idx]))
-            loss = self.loss_fn(logits, torch.from_numpy(data.labels[idx])) / n
+            keys = torch.from_numpy(examples.keys[idx].view(np.int64))
+            logits = self.model(keys, torch.from_numpy(examples.dense[idx]))
+            loss = self.loss_fn(logits, torch.from_numpy(examples.labels[idx])) / n
             loss.backward()
         emb.attach(None)
         if self.dense_sync is not None:
@@ -447,13 +447,13 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     node = trainer.node
     skip = trainer.batches_done
 
-    def batches():
+    def examples_batches():
         for i, b in enumerate(source):
             if i < skip:
                 continue  # done before the checkpoint we resumed from
             yield b
 
-    steps = batches()
+    steps = examples_batches()
     if node is not None:
         empty = hdata.Batch(np.empty(0, np.float32), np.empty((0, 13), np.float32), np.empty((0, 26), np.uint64))
         steps = trainer.ps.aligned(steps, empty)
