@@ -181,11 +181,24 @@ def render_w1(o: dict) -> list[str]:
                 row.append(spread(s["median"], s["min"], s["max"], ",.0f") if s else "-")
         rows.append(row)
     rounds = o.get("rounds")  # since issue 14: interleaved rounds, each store's figures over them
-    spread_of = (f"the {rounds} rounds' batch medians" if rounds else "the batches of one run")
+    spread_of = (f"the {rounds} rounds' batch medians" if rounds and rounds > 1
+                 else "one round (its batch median)" if rounds else "the batches of one run")
+    limit = o.get("memory_limit")
     out = [f"{o.get('rows', 0):,} rows of {o.get('row_bytes')} B, {o.get('batches')} batches of "
            f"{o.get('batch_keys', 0):,} keys per distribution; rows/s: median (min-max) over {spread_of}; "
-           f"memory limit {o.get('memory_limit') or 'none'}.", ""]
+           f"memory limit {f'{limit / 2**30:.2f} GiB' if limit else 'none'}.", ""]
     out += table(head, rows) + [""]
+    # What each store ran as: the I/O path SSD-PS took (never an assumed one),
+    # the RocksDB variant whose figures are the peer's.
+    for name, e in o.get("stores", {}).items():
+        if e.get("status") != "ok":
+            continue
+        io_path = (e.get("store_stats") or {}).get("io_path")
+        if io_path:
+            fallback = (e.get("store_stats") or {}).get("io_fallback")
+            out.append(f"- {name} moved rows by {io_path}" + (f" (fell back: {fallback})" if fallback else ""))
+        if e.get("options_of"):
+            out.append(f"- {name}: {e['options_of']}")
     for key, label in (("ratios_hps_over_rocksdb_tuned", "hps / rocksdb_tuned"),
                        ("ratios_hps_node_over_rocksdb_tuned", "hps_node / rocksdb_tuned")):
         r = o.get(key)
@@ -199,6 +212,13 @@ def render_w1(o: dict) -> list[str]:
             parts.append(f"{d} " + ", ".join(sides))
         how = "same-round ratios of the batch medians" if rounds else "ratio of the batch medians"
         out.append(f"- {label} ({how}): " + "; ".join(parts))
+    met = o.get("targets_met")
+    if met:
+        out.append("- Targets (issue 14, against rocksdb_tuned at its best): " +
+                   "; ".join(f"{rule}: {'met' if ok else 'missed'}" for rule, ok in met.items()))
+    fio = o.get("hps_uniform_get_over_fio_randread_iops")
+    if fio is not None:
+        out.append(f"- hps uniform get rows/s over fio's 4 KiB random-read IOPS (queue depth 64): {fio:.2f}")
     return out
 
 

@@ -346,3 +346,58 @@ def test_w1_in_rounds_lists_each_rounds_ratio(tree):
     assert "| hps | ok | 1,000,000 | 200,000 (150,000-250,000) | 200,000 (150,000-250,000) |" in w1
     assert ("hps / rocksdb_tuned (same-round ratios of the batch medians): zipf get 2.00 (rounds: 1.50, 2.00, "
             "2.50), put 1.00 (rounds: 1.00, 0.90, 1.10)") in w1
+
+
+# Quick lines as bench/ssd_store.sh --quick --stores hps,rocksdb_tuned and
+# python3 bench/w6_bench.py --quick printed them (the W1 line without its per-variant
+# and per-round detail, which the table does not read). --add refuses quick
+# lines, so they go to the renderers directly.
+LINES = os.path.join(ROOT, "tests", "report_lines")
+
+
+def quick_line(name):
+    with open(os.path.join(LINES, name)) as f:
+        return json.loads(f.readline())
+
+
+def test_w1_renders_the_line_ssd_store_sh_prints():
+    o = quick_line("w1_quick.json")
+    assert report.workload_of(o) == "w1" and o["quick"]
+    w1 = "\n".join(report.render_w1(o))
+    assert "| hps | ok | 493,614 | 42,667 | 329,225 | 101,331 | 810,428 |" in w1
+    assert "| rocksdb_tuned | ok | 351,086 | 22,228 | 155,820 | 28,939 | 131,908 |" in w1
+    assert "memory limit 1.00 GiB" in w1 and "over one round (its batch median)" in w1
+    assert "uniform get 1.92 (one round), put 2.11 (one round)" in w1
+    # What ran: the I/O path the store reported, the RocksDB variant that was the peer,
+    # the targets the line judged, and hps against the device's own random reads.
+    assert "- hps moved rows by io_uring+O_DIRECT" in w1
+    assert "- rocksdb_tuned: readers=2,split=block (the best uniform get" in w1
+    assert ("- Targets (issue 14, against rocksdb_tuned at its best): uniform get >= 2x rocksdb_tuned: missed; "
+            "uniform put >= 5x rocksdb_tuned: missed") in w1
+    assert "random-read IOPS (queue depth 64): 1.57" in w1
+    prov_text = "\n".join(report.provenance_lines("docs/results/w1.jsonl", 1, 1, o, ROOT))
+    assert "A --quick run" in prov_text and "`python3 bench/ssd_store_bench.py --quick --stores hps,rocksdb_tuned`" in prov_text
+
+
+def test_w1_names_a_fallen_back_io_path_and_a_failed_store():
+    o = quick_line("w1_quick.json")
+    o["stores"]["hps"]["store_stats"].update(io_path="pread", io_fallback="io_uring_queue_init: Operation not permitted")
+    o["stores"]["rocksdb_tuned"] = {"status": "error"}
+    w1 = "\n".join(report.render_w1(o))
+    assert "- hps moved rows by pread (fell back: io_uring_queue_init: Operation not permitted)" in w1
+    assert "| rocksdb_tuned | error | - | - | - | - | - |" in w1
+
+
+def test_w6_renders_the_line_w6_bench_prints():
+    o = quick_line("w6_quick.json")
+    assert report.workload_of(o) == "w6" and o["quick"]
+    w6 = "\n".join(report.render_w6(o))
+    assert "2 ranks on 2 cores, 200,000 examples, batches of 1024 a rank, MLP [64]" in w6
+    assert "| k-step Adam, k = 1 | 0.8075 | +0.0000 | 22.1 | 1.000 | 100 | 11,287 |" in w6
+    assert "| k-step Adam, k = 10 | 0.8079 | +0.0005 | 2.2 | 0.100 | 10 | 8,081 |" in w6
+    assert "| gradient all-reduce, torch Adam | 0.8015 | -0.0060 | 11.0 | 0.500 | 0 | 11,204 |" in w6
+    assert "Scaling over ranks: not measured in this run." in w6
+    # A full run adds scaling entries, each a run of the same shape as the k-step ones.
+    o["scaling"] = [o["kstep"][-1]]
+    w6 = "\n".join(report.render_w6(o))
+    assert "| 2 | 11,204 | 1.00 | 0.8015 | 46 kB, 256 kB, 232 kB |" in w6
