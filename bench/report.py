@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w5", "w6")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w5", "w6", "w12")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -49,7 +49,7 @@ class ReportError(Exception):
 def workload_of(line: dict) -> str | None:
     """The workload a benchmark's JSON line belongs to, from its "benchmark" field."""
     name = str(line.get("benchmark") or line.get("bench") or "")
-    for prefix, wid in (("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4", "w4"),
+    for prefix, wid in (("W12", "w12"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4", "w4"),
                         ("W5", "w5"), ("W6", "w6"), ("w6", "w6")):
         if name.startswith(prefix):
             return wid
@@ -447,8 +447,70 @@ def render_w6(o: dict) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ W12
+def render_w12(o: dict) -> list[str]:
+    plan, mem, io, dev = o["plan"], o.get("memory") or {}, o.get("io") or {}, o.get("device_limits") or {}
+    cpu = o.get("cpu") or {}
+    limit = o.get("memory_limit")
+    keys = o.get("distinct_keys", 0)
+    out = [f"`hps train`, {o.get('examples_trained', 0):,} examples in batches of {o['batch_size']}, MLP "
+           f"{o['mlp']}, dim {o['dim']}, {o['optimizer']}; Zipf({plan['zipf_a']}) over "
+           f"{plan['vocab_per_field']:,} ids in each of {plan['fields']} fields: {keys:,} distinct keys (target "
+           f"{plan['keys_target']:,}, the plan expected {plan['expected_distinct_keys']:,.0f}), "
+           f"{keys * o['row_bytes'] / 2**30:.1f} GiB of rows and state; MEM-PS budget {o['mem_budget']}; the job in "
+           + (f"a {limit / 2**30:.2f} GiB memory cgroup" if limit
+              else f"no memory cgroup ({o.get('memory_limit_note')})")
+           + ". One run, killed once and resumed.", ""]
+    first = (o.get("phases") or [{}])[0]
+    killed = first.get("killed") or {}
+    v = o.get("verify") or {}
+    rows = [["finished", "yes" if o.get("finished") else "NO"],
+            ["SIGKILL", f"{killed.get('moment', 'none')}, {killed.get('seconds', 0):,.0f} s into the run; resumed "
+                        f"from {o.get('examples_at_resume', 0):,} examples"
+             if o.get("killed") else "NO (the job was not killed)"],
+            ["examples trained / planned", f"{o.get('examples_trained', 0):,} / {plan['examples']:,}"],
+            ["final checkpoint reopened", f"{v.get('from_ssd', 0):,} of the first batch's "
+                                          f"{v.get('first_batch_keys', 0):,} keys from SSD-PS, "
+                                          f"{v.get('initialized', '-')} initialised anew"
+             if v.get("returncode") == 0 else f"FAILED: {str(v.get('error', ''))[-200:]}"],
+            ["disk / live, max over the run (limit 2)", f"{num(o.get('space_amplification_max'), '.2f')}; at the end "
+                                                        f"{num(o.get('space_amplification_end'), '.2f')}"],
+            ["within the memory limit", "yes" if o.get("within_memory_limit") else "NO"]]
+    out += table(["check", "result"], rows) + [""]
+    rows = [["examples/s over the job (the kill, restart and skip included)",
+             num(o.get("examples_per_s_overall"), ",.0f")],
+            ["examples/s, the resumed run's pipeline", num(o.get("examples_per_s_resumed_run"), ",.0f")],
+            ["MEM-PS hit rate: first run (to its last checkpoint) / resumed run",
+             f"{num(o.get('mem_hit_rate_first_run'), '.3f')} / {num(o.get('mem_hit_rate_resumed_run'), '.3f')}"],
+            ["wall time", f"{o.get('wall_seconds', 0) / 60:,.1f} min"],
+            ["bound by (resumed run's busiest stage)", str((o.get("pipeline") or {}).get("bound_by"))],
+            ["cores busy: the job / the whole machine (of its cores)",
+             f"{num(cpu.get('job_cores_busy_mean'), '.2f')} / {num(cpu.get('machine_cores_busy_mean'), '.2f')} "
+             f"(of {cpu.get('cores', '-')})"]]
+    out += table(["throughput", "value"], rows) + [""]
+    rows = [["read", num(io.get("read_MB_per_s_mean"), ",.1f"), num(io.get("read_MB_per_s_max_interval"), ",.1f"),
+             f"{num(dev.get('seq_read_MB_per_s'), ',.0f')} sequential, {num(dev.get('rand_read_4k_MB_per_s'), ',.0f')} "
+             f"random 4 KiB"],
+            ["write", num(io.get("write_MB_per_s_mean"), ",.1f"), num(io.get("write_MB_per_s_max_interval"), ",.1f"),
+             f"{num(dev.get('seq_write_MB_per_s'), ',.0f')} sequential"]]
+    out += table(["SSD I/O (the job's /proc/pid/io)", "MB/s, mean", "MB/s, busiest interval", "device limit (fio)"],
+                 rows) + [""]
+
+    def gib(b):
+        return "-" if b is None else f"{b / 2**30:.2f} GiB"
+    rows = [["MEM-PS budget (rows + bookkeeping)", gib(mem.get("mem_ps_budget_bytes")), "-"],
+            ["MEM-PS row arena", gib(mem.get("mem_ps_arena_bytes")), "-"],
+            ["SSD-PS key index", gib(mem.get("ssd_index_bytes")),
+             f"{num(mem.get('ssd_index_bytes_per_key'), '.1f')} B a key"],
+            ["process peak RSS", gib(mem.get("process_rss_peak_bytes")), "-"],
+            ["cgroup peak (RSS + page cache)", gib(mem.get("cgroup_peak_bytes")), "-"],
+            ["limit", gib(limit), "-"]]
+    out += table(["memory", "bytes", "per key"], rows)
+    return out
+
+
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4,
-          "w5": render_w5, "w6": render_w6}
+          "w5": render_w5, "w6": render_w6, "w12": render_w12}
 
 
 # ------------------------------------------------------------------ regions

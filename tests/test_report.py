@@ -348,6 +348,61 @@ def test_w1_in_rounds_lists_each_rounds_ratio(tree):
             "2.50), put 1.00 (rounds: 1.00, 0.90, 1.10)") in w1
 
 
+def w12_line(finished=True):
+    plan = {"keys_target": 200_000_000, "examples": 33_738_752, "batches": 8237, "zipf_a": 1.05,
+            "vocab_per_field": 2_000_000_000, "fields": 26, "expected_distinct_keys": 202_000_000.4}
+    return {"benchmark": "W12 train, a table larger than the machine's memory", "quick": False, "plan": plan,
+            "mem_budget": "4GiB", "batch_size": 4096, "mlp": [512, 256], "dim": 16, "optimizer": "adagrad",
+            "row_bytes": 128, "memory_limit": 8 << 30, "finished": finished, "killed": True,
+            "phases": [{"phase": "first", "returncode": -9,
+                        "killed": {"at_checkpoint": 6, "seconds": 1200.4,
+                                   "moment": "inside checkpoint 6 (its snapshot being made)"}},
+                       {"phase": "resumed", "returncode": 0 if finished else -9}],
+            "examples_trained": 33_738_752, "distinct_keys": 202_100_000, "examples_at_resume": 18_800_640,
+            "verify": {"returncode": 0, "from_ssd": 70_000, "first_batch_keys": 70_000, "initialized": 0},
+            "space_amplification_max": 1.62, "space_amplification_end": 1.31, "within_memory_limit": True,
+            "examples_per_s_overall": 14_000.4, "examples_per_s_resumed_run": 16_500.0,
+            "mem_hit_rate_first_run": 0.612, "mem_hit_rate_resumed_run": 0.655, "wall_seconds": 2400.0,
+            "pipeline": {"bound_by": "prefetch"},
+            "cpu": {"job_cores_busy_mean": 1.71, "machine_cores_busy_mean": 1.95, "cores": 2},
+            "io": {"read_MB_per_s_mean": 120.5, "read_MB_per_s_max_interval": 300.2,
+                   "write_MB_per_s_mean": 200.0, "write_MB_per_s_max_interval": 900.0},
+            "device_limits": {"seq_read_MB_per_s": 754.0, "rand_read_4k_MB_per_s": 311.296,
+                              "seq_write_MB_per_s": 1340.0},
+            "memory": {"mem_ps_budget_bytes": 4 << 30, "mem_ps_arena_bytes": 2 << 30,
+                       "ssd_index_bytes": 2_700_000_000, "ssd_index_bytes_per_key": 13.36,
+                       "process_rss_peak_bytes": 7 << 30, "cgroup_peak_bytes": 15 << 29},
+            "provenance": prov(command="python3 bench/w12_bench.py")}
+
+
+def test_w12_table_has_the_checks_rates_io_and_memory_by_component(tree):
+    (tree / "benchmarks.md").write_text("## W12\n<!-- report:w12 -->\n<!-- /report:w12 -->\n")
+    write_lines(tree / "results" / "w12.jsonl", w12_line())
+    assert run(tree) == 0
+    w12 = region((tree / "benchmarks.md").read_text(), "w12")
+    assert "202,100,000 distinct keys (target 200,000,000, the plan expected 202,000,000)" in w12
+    assert "the job in a 8.00 GiB memory cgroup" in w12
+    assert "| finished | yes |" in w12
+    assert ("| SIGKILL | inside checkpoint 6 (its snapshot being made), 1,200 s into the run; resumed from "
+            "18,800,640 examples |") in w12
+    assert ("| final checkpoint reopened | 70,000 of the first batch's 70,000 keys from SSD-PS, 0 initialised "
+            "anew |") in w12
+    assert "| disk / live, max over the run (limit 2) | 1.62; at the end 1.31 |" in w12
+    assert "| examples/s over the job (the kill, restart and skip included) | 14,000 |" in w12
+    assert "| MEM-PS hit rate: first run (to its last checkpoint) / resumed run | 0.612 / 0.655 |" in w12
+    assert "| read | 120.5 | 300.2 | 754 sequential, 311 random 4 KiB |" in w12
+    assert "| cores busy: the job / the whole machine (of its cores) | 1.71 / 1.95 (of 2) |" in w12
+    assert "| SSD-PS key index | 2.51 GiB | 13.4 B a key |" in w12
+    assert "| cgroup peak (RSS + page cache) | 7.50 GiB | - |" in w12
+    assert "`python3 bench/w12_bench.py`" in w12
+    # A run that did not finish says so, and is not filed under W1 (whose prefix W12 shares).
+    assert report.workload_of(w12_line()) == "w12"
+    (tree / "results" / "w12.jsonl").unlink()
+    write_lines(tree / "results" / "w12.jsonl", w12_line(finished=False))
+    assert run(tree) == 0
+    assert "| finished | NO |" in region((tree / "benchmarks.md").read_text(), "w12")
+
+
 # Quick lines as bench/ssd_store.sh --quick --stores hps,rocksdb_tuned and
 # python3 bench/w6_bench.py --quick printed them (the W1 line without its per-variant
 # and per-round detail, which the table does not read). --add refuses quick
