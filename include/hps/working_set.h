@@ -74,6 +74,7 @@ class WorkingSet {
   uint64_t size() const { return keys_.size(); }
   uint64_t hits() const { return hits_; }  // of the distinct keys, found in MEM-PS
   int32_t devices() const { return devices_; }
+  int32_t dim() const { return optimizer_.dim; }
   // The most distinct keys one device owns: a tier's tables must hold them.
   uint64_t most_per_device() const;
 

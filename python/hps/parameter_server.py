@@ -44,7 +44,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
 
@@ -212,19 +212,24 @@ class Prefetched:
     is among ``keys``, so that a batch need not look them up again."""
 
     def __init__(self, ps: "ParameterServer", keys: np.ndarray, flat: np.ndarray, inverse: np.ndarray,
-                 addresses=None):
+                 addresses=None, working_set=None, most_per_device: int = 0):
         self._ps = ps
         self.keys = keys
         self.flat = flat
         self.inverse = inverse
         self.addresses = addresses  # where MEM-PS pinned the rows (a host batch's, _core.RowAddresses)
+        self.working_set = working_set  # a device-tier batch's: _core.WorkingSet, which holds the pins
+        self.most_per_device = most_per_device  # its distinct keys on the fullest device
         self._used = False
 
     def release(self) -> None:
         """Unpins the rows of a prefetch that will not become a batch."""
         if not self._used:
             self._used = True
-            self._ps._cache.unpin(self.keys)
+            if self.working_set is not None:
+                self.working_set.abort()
+            else:
+                self._ps._cache.unpin(self.keys)
 
 
 class _TierSlot:
@@ -238,8 +243,57 @@ class _TierSlot:
         self.free.set()
 
 
+@runtime_checkable
+class WorkingBatch(Protocol):
+    """What every batch does (the single-node device-tier Batch, the in-place
+    HostBatch, the distributed batch, a GPU batch): the interface hps.torch and
+    the pipeline call, with no test of which kind it is.
+
+    ``positions(keys)`` turns the keys of a lookup into what ``gather`` and
+    ``accumulate`` take (opaque: indices into the working set for a host batch,
+    the keys themselves for a device tier); a lookup and its gradient use the
+    same positions. ``gather(positions, out=None, worker=0)`` gives the
+    embeddings (n, dim), one row per entry, into ``out`` if given: float32
+    (n, dim), or (B, k * dim) with B * k = n, possibly the first columns of a
+    wider matrix such as a model's input. ``accumulate(positions, grads,
+    worker=0)`` adds gradients laid out as gather's ``out``. ``pull`` and
+    ``push`` are the same by keys. ``apply()`` steps every key that got
+    gradients once, ``write_back()`` returns the rows to MEM-PS and releases
+    the batch, ``finish()`` is both, ``abort()`` releases a batch that will not
+    finish (steps not applied are dropped)."""
+
+    keys: np.ndarray
+    wait_seconds: float
+
+    def positions(self, keys: np.ndarray) -> Any: ...
+    def gather(self, positions: Any, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray: ...
+    def accumulate(self, positions: Any, grads: np.ndarray, worker: int = 0) -> None: ...
+    def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray: ...
+    def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None: ...
+    def apply(self) -> None: ...
+    def write_back(self) -> None: ...
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+
+
 class _BatchBase:
-    """What both kinds of batch share: finish() and the with-block protocol."""
+    """What the batches share: finish(), the with-block protocol, and
+    positions / gather / accumulate for a batch that looks rows up by key."""
+
+    def positions(self, keys: np.ndarray) -> np.ndarray:
+        """The keys themselves (flattened): gather and accumulate look them up."""
+        return np.ascontiguousarray(keys).reshape(-1)
+
+    def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:
+        rows = self.pull(positions, worker=worker)
+        if out is None:
+            return rows
+        out[...] = rows.reshape(out.shape)
+        return out
+
+    def accumulate(self, positions: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(positions), -1)
+        self.push(positions, grads, worker=worker)
 
     def finish(self) -> None:
         """apply(), then write_back()."""
@@ -256,8 +310,45 @@ class _BatchBase:
             self.abort()
 
 
+class _ByKeys(_BatchBase):
+    """WorkingBatch over a batch that offers only pull and push by keys and the
+    rest (the distributed batch): positions are the keys."""
+
+    def __init__(self, batch):
+        self._inner = batch
+        self.keys = batch.keys
+        self.wait_seconds = getattr(batch, "wait_seconds", 0.0)
+
+    def pull(self, keys, worker=0):
+        return self._inner.pull(keys, worker=worker)
+
+    def push(self, keys, grads, worker=0):
+        self._inner.push(keys, grads, worker=worker)
+
+    def apply(self):
+        self._inner.apply()
+
+    def write_back(self):
+        self._inner.write_back()
+
+    def abort(self):
+        self._inner.abort()
+
+
+def working_batch(batch) -> Optional[WorkingBatch]:
+    """batch as a WorkingBatch: itself when it implements the whole protocol,
+    else wrapped so that positions / gather / accumulate go through its pull
+    and push (None stays None)."""
+    if batch is None or isinstance(batch, WorkingBatch):
+        return batch
+    return _ByKeys(batch)
+
+
 class Batch(_BatchBase):
-    """A batch's working set on the device tier (ParameterServer.batch).
+    """A batch's working set on the device tier (ParameterServer.batch), run by
+    a native _core.WorkingSet: a handful of calls into C++ a batch (pin, load,
+    a pull and a push per worker, apply, write back), the rows moving between
+    MEM-PS and the tier without passing through Python.
 
     finish() is apply() (one optimizer step per key on the device tier), then
     write_back() (the rows to MEM-PS, the tier freed); the pipeline runs the
@@ -265,85 +356,66 @@ class Batch(_BatchBase):
     written back (``overlap``) takes that batch's updated rows from it before
     its first pull, push or apply, so it sees them all the same."""
 
-    def __init__(self, ps: "ParameterServer", keys: np.ndarray, slot: _TierSlot, previous: Optional["Batch"]):
+    def __init__(self, ps: "ParameterServer", keys: np.ndarray, working_set, slot: _TierSlot):
         self._ps = ps
         self.keys = keys  # distinct
+        self._ws = working_set
         self._slot = slot
-        self._tier = slot.tier
-        self._previous = previous
-        self._updated = self._rows = None
-        self._applied = threading.Event()
+        self._applied = False
         self._written_back = threading.Event()
         self._done = False
         self.wait_seconds = 0.0  # how long batch() waited for a device tier to be free
 
-    def _catch_up(self) -> None:
-        previous, self._previous = self._previous, None
-        if previous is None:
-            return
-        previous._applied.wait()
-        if len(previous._updated):
-            ps = self._ps
-            self._tier.assign(previous._updated, previous._rows, ps._owners(previous._updated), ps.row_floats)
-
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
         """Embeddings (n, dim) of keys, for the mini-batch of device `worker`."""
-        self._catch_up()
-        ps = self._ps
-        return self._tier.get(worker, keys, ps._owners(keys), ps.dim)
+        return self._ws.get(worker, keys)
 
     def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
         """Sends gradients (n, dim) from device `worker` to the keys' owners,
         where they add up until the batch ends."""
-        self._catch_up()
-        ps = self._ps
-        self._tier.accumulate(worker, keys, grads, ps._owners(keys), ps.dim)
+        self._ws.accumulate(worker, keys, grads)
 
     def apply(self) -> None:
-        """One optimizer step per key that got gradients, on the device tier."""
-        if self._applied.is_set():
+        """One optimizer step per key that got gradients, on the device tier;
+        a failure releases the batch."""
+        if self._applied:
             return
-        ps = self._ps
         try:
-            self._catch_up()
-            updated = self._tier.apply()
-            rows = self._tier.rows(updated, ps._owners(updated), ps.row_floats)
+            self._ws.apply()
         except BaseException:
             self.abort()
             raise
-        self._updated, self._rows = updated, rows
-        self._applied.set()
+        self._applied = True
 
     def write_back(self) -> None:
         """The updated rows back to MEM-PS (dirty), the others' pins released
         (their rows unchanged), the device tier freed for the next batch."""
         if self._done:
             return
-        if not self._applied.is_set():
+        if not self._applied:
             raise RuntimeError("write_back before apply")
-        ps = self._ps
+        self._release(self._ws.write_back)
+
+    def abort(self) -> None:
+        """Drops the gradients not yet applied and releases the batch (steps
+        already applied are written back: the batch after it has them)."""
+        if self._done:
+            return
+        self._release(self._ws.abort)
+
+    def _release(self, release) -> None:
         try:
-            if len(self._updated):
-                ps._cache.write_back(self._updated, self._rows)
-            if len(self._updated) < len(self.keys):
-                ps._cache.unpin(self.keys[~np.isin(self.keys, self._updated)])
+            release()
+        except BaseException:
+            # A release that failed may have left rows on the tier (the working
+            # set retries it when dropped); the next batch needs the tier empty.
+            self._slot.tier.clear()
+            raise
         finally:
             self._close()
 
-    def abort(self) -> None:
-        """Drops the batch's updates (those not yet applied)."""
-        if self._done:
-            return
-        if not self._applied.is_set():
-            self._updated = np.empty(0, np.uint64)
-            self._rows = np.empty((0, self._ps.row_floats), np.float32)
-            self._applied.set()  # a batch loaded after this one has nothing to take from it
-        self._ps._cache.unpin(self.keys)
-        self._close()
-
     def _close(self):
         self._done = True
-        self._tier.clear()
         self._written_back.set()  # before the tier is free: the next load reads MEM-PS then
         self._slot.free.set()
 
@@ -386,16 +458,20 @@ class HostBatch(_BatchBase):
             return self._inverse
         return self._native.positions(flat)
 
-    def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:
         """Embeddings (n, dim) of the keys at positions, one row per entry; into
         `out` if given: float32 (n, dim), or (B, k * dim) with B * k = n, which may
         be the first columns of a wider matrix such as a model's input."""
+        if worker:
+            self._check_worker(worker)
         self._catch_up()
         return self._native.get(positions, out)
 
-    def accumulate(self, positions: np.ndarray, grads: np.ndarray) -> None:
+    def accumulate(self, positions: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
         """Adds gradients to the keys at positions, until apply(); grads are laid
         out as gather's `out`."""
+        if worker:
+            self._check_worker(worker)
         self._native.accumulate(positions, grads)
 
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
@@ -681,15 +757,29 @@ class ParameterServer:
         """Pins the distinct keys' rows in MEM-PS (reading SSD-PS for misses), so
         that a later batch(prefetched) finds them in memory. Runs alongside a batch
         in flight: the pipeline's pull stage."""
+        if not self._in_place:
+            return self._pin_working_set(keys)
         flat, uniq, inverse = self._distinct(keys)
-        addresses = None
-        if self._in_place:
-            hit, addresses = self._cache.pin_rows(uniq)
-        else:
-            self._check_device_room(uniq)
-            hit = self._cache.pin(uniq)
+        hit, addresses = self._cache.pin_rows(uniq)
         self._count(mem_hits=int(hit.sum()))
         return Prefetched(self, uniq, flat, inverse, addresses)
+
+    def _pin_working_set(self, keys: np.ndarray) -> "Prefetched":
+        """prefetch() for the device tier: one native call finds the distinct
+        keys and pins them (the working set holds the pins from then on)."""
+        self._check_keys(keys)
+        flat = np.ascontiguousarray(keys.reshape(-1))
+        ws, uniq, inverse, hits, most = _core.WorkingSet.pin(self._cache, flat, self._native_opt,
+                                                            self.config.devices)
+        try:
+            if self._partitioner is not None:
+                most = ws.set_owners(self._owners(uniq))
+            self._check_device_room(len(uniq), most)
+        except BaseException:
+            ws.abort()
+            raise
+        self._count(mem_hits=hits)
+        return Prefetched(self, uniq, flat, inverse, working_set=ws, most_per_device=most)
 
     def batch(self, keys: Union[np.ndarray, "Prefetched"], *, overlap: bool = False) -> Union[Batch, HostBatch]:
         """Loads the working set of keys (or of a prefetch) onto the device tier;
@@ -704,7 +794,7 @@ class ParameterServer:
         prefetched._used = True
         if self._in_place:
             return self._host_batch(prefetched, overlap)
-        uniq = prefetched.keys
+        uniq, ws = prefetched.keys, prefetched.working_set
         waited = time.perf_counter()
         try:
             with self._load_lock:
@@ -721,21 +811,18 @@ class ParameterServer:
                 if previous is not None and previous._written_back.is_set():
                     previous = None  # MEM-PS has its updates (checked before reading MEM-PS)
                 try:
-                    # Read the rows now: an earlier batch may have updated some since the
-                    # prefetch (they are pinned, so they are all in MEM-PS).
-                    rows = self._cache.read_pinned(uniq).view(np.float32)
-                    owners = self._owners(uniq)
-                    self._fit_tier(slot, uniq, owners)
-                    slot.tier.insert(uniq, rows, owners, self.row_floats)
+                    self._fit_tier(slot, prefetched.most_per_device)
+                    # The rows as MEM-PS holds them now (an earlier batch may have
+                    # updated some since the prefetch); a failure releases the pins.
+                    ws.load(slot.tier, None if previous is None else previous._ws)
                 except BaseException:
-                    slot.tier.clear()
                     slot.free.set()
                     raise
                 self._next_slot = (self._next_slot + 1) % len(self._slots)
-                b = Batch(self, uniq, slot, previous)
+                b = Batch(self, uniq, ws, slot)
                 self._last_batch = b
         except BaseException:
-            self._cache.unpin(uniq)
+            ws.abort()  # nothing, if the load released it
             raise
         self._count(batches=1)
         b.wait_seconds = waited
@@ -774,11 +861,9 @@ class ParameterServer:
     def _new_tier(self, capacity: int):
         return _core.DeviceTier(self.config.devices, capacity, self._native_opt, threads=self.config.device_threads)
 
-    def _fit_tier(self, slot: _TierSlot, uniq: np.ndarray, owners) -> None:
-        """Grows the slot's (empty) device tables until the batch fills them at most 0.7."""
-        if owners is None:
-            owners = _core.DeviceTier.modulo_owners(uniq, self.config.devices)
-        most = int(np.bincount(owners, minlength=self.config.devices).max(initial=0))
+    def _fit_tier(self, slot: _TierSlot, most: int) -> None:
+        """Grows the slot's (empty) device tables until the batch, `most` keys on
+        its fullest device, fills them at most 0.7."""
         capacity = slot.capacity
         while most > 0.7 * capacity and capacity < self.config.device_capacity:
             capacity = min(2 * capacity, self.config.device_capacity)
@@ -791,20 +876,20 @@ class ParameterServer:
 
     def _distinct(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys flattened, distinct keys, where each key is among them)."""
-        if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):
-            raise TypeError(f"keys must be an array of uint64 or int64, got "
-                            f"{getattr(keys, 'dtype', type(keys).__name__)}")
+        self._check_keys(keys)
         flat = np.ascontiguousarray(keys.reshape(-1))
         uniq, inverse = _core.unique_keys(flat)  # names a reserved key
         return flat, uniq, inverse
 
-    def _check_device_room(self, uniq: np.ndarray) -> None:
-        owners = self._owners(uniq)
-        if owners is None:
-            owners = _core.DeviceTier.modulo_owners(uniq, self.config.devices)
-        per_device = np.bincount(owners, minlength=self.config.devices)
-        if per_device.max(initial=0) > self.config.device_capacity:
-            raise ValueError(f"a batch of {len(uniq)} distinct keys puts {int(per_device.max())} on one device, "
+    @staticmethod
+    def _check_keys(keys) -> None:
+        if not isinstance(keys, np.ndarray) or keys.dtype not in (np.uint64, np.int64):
+            raise TypeError(f"keys must be an array of uint64 or int64, got "
+                            f"{getattr(keys, 'dtype', type(keys).__name__)}")
+
+    def _check_device_room(self, distinct: int, most: int) -> None:
+        if most > self.config.device_capacity:
+            raise ValueError(f"a batch of {distinct} distinct keys puts {most} on one device, "
                              f"more than device_capacity = {self.config.device_capacity}; raise device_capacity")
 
     def checkpoint(self, save: Optional[Callable[[str], None]] = None, *, keep_previous: bool = False) -> int:

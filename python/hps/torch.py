@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hps import _core
-from hps.parameter_server import Batch, HostBatch, ParameterServer
+from hps.parameter_server import ParameterServer, WorkingBatch, working_batch
 
 __all__ = ["EmbeddingBag", "CtrModel", "mlp"]
 
@@ -59,15 +59,14 @@ class _PooledLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, module, keys, bag, weights, counts):
-        batch = module._batch
-        ctx.batch = batch if isinstance(batch, HostBatch) else None
+        ctx.batch, ctx.worker = module.batch, module.worker
         if ctx.batch is not None:
-            # One row per key straight from the pinned rows; no distinct-key pass.
+            # One row per key from the batch's working set; no distinct-key pass.
             ctx.positions = ctx.batch.positions(keys)
-            elem = torch.from_numpy(ctx.batch.gather(ctx.positions))
+            elem = torch.from_numpy(ctx.batch.gather(ctx.positions, worker=ctx.worker))
         else:
             uniq, inverse = _core.unique_keys(np.ascontiguousarray(keys))
-            rows = torch.from_numpy(module._pull(uniq))
+            rows = torch.from_numpy(module.ps.pull(uniq))
             elem = rows[torch.from_numpy(inverse)]
             ctx.uniq, ctx.inverse = uniq, inverse
         if weights is not None:
@@ -96,36 +95,37 @@ class _PooledLookup(torch.autograd.Function):
             elem = elem * weights.unsqueeze(1)
         elem = np.ascontiguousarray(elem.detach().numpy())
         if ctx.batch is not None:
-            ctx.batch.accumulate(ctx.positions, elem)  # summed per key as they arrive
+            ctx.batch.accumulate(ctx.positions, elem, worker=ctx.worker)  # summed per key as they arrive
         else:
             # One pass in C++: torch's index_add_ took 4x as long on these shapes.
-            module._push(ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
+            module.ps.push(ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
         return None, None, None, None, None, None
 
 
 class _InputWithFields(torch.autograd.Function):
-    """A host batch's MLP input [field embeddings | dense] in one matrix: the rows
-    are gathered from MEM-PS straight into its first columns (a field of one key
-    pools to its row), and backward hands those columns' gradient to the batch
-    where it lies. The same values as pooling and torch.cat, without the
-    concatenation's copy and the copies of the gradient slice."""
+    """A batch's MLP input [field embeddings | dense] in one matrix: the rows are
+    gathered straight into its first columns (a field of one key pools to its
+    row; a host batch reads them from MEM-PS), and backward hands those
+    columns' gradient to the batch where it lies. The same values as pooling
+    and torch.cat, without the concatenation's copy and the copies of the
+    gradient slice."""
 
     @staticmethod
-    def forward(ctx, anchor, batch, keys, dense):
+    def forward(ctx, anchor, batch, worker, dim, keys, dense):
         examples, fields = keys.shape
-        width = fields * batch.dim
+        width = fields * dim
         x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
         ctx.positions = batch.positions(keys)
-        batch.gather(ctx.positions, x.numpy()[:, :width])
+        batch.gather(ctx.positions, x.numpy()[:, :width], worker=worker)
         x[:, width:] = dense
-        ctx.batch, ctx.width = batch, width
+        ctx.batch, ctx.worker, ctx.width = batch, worker, width
         return x
 
     @staticmethod
     def backward(ctx, grad_x):
         grads = grad_x.detach().to(torch.float32).contiguous().numpy()
-        ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width])
-        return None, None, None, None
+        ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width], worker=ctx.worker)
+        return None, None, None, None, None, None
 
 
 class EmbeddingBag(nn.Module):
@@ -148,24 +148,14 @@ class EmbeddingBag(nn.Module):
         self.mode = mode
         self.padding_key = padding_key
         # Gives the lookup's output a grad_fn, so backward reaches it.
-        self._anchor = torch.zeros(1, requires_grad=True)
-        self._batch: Optional[Batch] = None
-        self._worker = 0
+        self.anchor = torch.zeros(1, requires_grad=True)
+        self.batch: Optional[WorkingBatch] = None
+        self.worker = 0
 
-    def attach(self, batch: Optional[Batch], worker: int = 0) -> None:
-        """Serves lookups from `batch`'s device tier for device `worker` (None: detach)."""
-        self._batch, self._worker = batch, worker
-
-    def _pull(self, keys: np.ndarray) -> np.ndarray:
-        if self._batch is not None:
-            return self._batch.pull(keys, worker=self._worker)
-        return self.ps.pull(keys)
-
-    def _push(self, keys: np.ndarray, grads: np.ndarray) -> None:
-        if self._batch is not None:
-            self._batch.push(keys, np.ascontiguousarray(grads), worker=self._worker)
-        else:
-            self.ps.push(keys, np.ascontiguousarray(grads))
+    def attach(self, batch, worker: int = 0) -> None:
+        """Serves lookups from `batch` (a WorkingBatch: any kind of batch) for
+        device `worker`; None detaches (lookups then go to the server)."""
+        self.batch, self.worker = working_batch(batch), worker
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -201,7 +191,7 @@ class EmbeddingBag(nn.Module):
                 raise ValueError(f"per_sample_weights must have one weight a key ({len(keys)}), "
                                  f"got shape {tuple(per_sample_weights.shape)}")
             weights = per_sample_weights.detach().to(torch.float32)
-        return _PooledLookup.apply(self._anchor, self, keys, bag, weights, counts)
+        return _PooledLookup.apply(self.anchor, self, keys, bag, weights, counts)
 
 
 class CtrModel(nn.Module):
@@ -220,8 +210,8 @@ class CtrModel(nn.Module):
         if keys.dim() != 2 or keys.shape[1] != self.num_fields:
             raise ValueError(f"keys must have shape (B, {self.num_fields}), got {tuple(keys.shape)}")
         emb = self.embedding
-        if isinstance(emb._batch, HostBatch) and emb.padding_key is None and not dense.requires_grad:
-            x = _InputWithFields.apply(emb._anchor, emb._batch, _keys_of(keys), dense)
+        if emb.batch is not None and emb.padding_key is None and not dense.requires_grad:
+            x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense)
             return self.mlp(x).squeeze(1)
         pooled = emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)
         return self.mlp(torch.cat([pooled, dense.to(torch.float32)], dim=1)).squeeze(1)

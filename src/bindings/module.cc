@@ -17,6 +17,7 @@
 #include "hps/mem_cache.h"
 #include "hps/optimizer.h"
 #include "hps/ssd_store.h"
+#include "hps/working_set.h"
 
 namespace py = pybind11;
 
@@ -818,4 +819,66 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         b.Release();
       });
+
+  py::class_<hps::WorkingSet>(m, "WorkingSet")
+      .def_static("pin", [](const py::object& cache_object, const py::array& keys,
+                            const hps::SparseOptimizer& optimizer, int32_t devices) {
+        hps::MemCache& cache = cache_object.cast<hps::MemCache&>();
+        const auto [k, n] = KeysArg(keys, "keys");
+        std::unique_ptr<hps::WorkingSet> ws;
+        {
+          py::gil_scoped_release release;
+          ws = std::make_unique<hps::WorkingSet>(cache, optimizer, devices, k, n);
+        }
+        py::array_t<uint64_t> uniq(static_cast<py::ssize_t>(ws->size()));
+        std::memcpy(uniq.mutable_data(), ws->keys().data(), ws->size() * sizeof(uint64_t));
+        py::array_t<int64_t> inverse(static_cast<py::ssize_t>(n));
+        std::memcpy(inverse.mutable_data(), ws->inverse().data(), n * sizeof(int64_t));
+        const uint64_t hits = ws->hits(), most = ws->most_per_device();
+        py::object held = py::cast(std::move(ws));
+        py::detail::keep_alive_impl(held, cache_object);  // the cache outlives its pins' holder
+        return py::make_tuple(held, uniq, inverse, hits, most);
+      }, py::arg("cache"), py::arg("keys"), py::arg("optimizer"), py::arg("devices"),
+         "pins the distinct keys of keys: (WorkingSet, distinct keys, inverse, MEM-PS hits, most keys a device owns)")
+      .def("__len__", &hps::WorkingSet::size)
+      .def("set_owners", [](hps::WorkingSet& w, const py::array& owners) {
+        const int32_t* o = OwnersArg(owners, w.size());
+        w.SetOwners(o);
+        return w.most_per_device();
+      }, py::arg("owners"), "owners of the distinct keys; returns the most keys a device owns")
+      .def("load", [](hps::WorkingSet& w, hps::DeviceTier& tier, const hps::WorkingSet* previous) {
+        std::shared_ptr<hps::WorkingSet::Updates> updates = previous ? previous->updates() : nullptr;
+        py::gil_scoped_release release;
+        w.Load(tier, std::move(updates));
+      }, py::arg("tier"), py::arg("previous") = nullptr, py::keep_alive<1, 2>(),
+         "previous: the working set loaded before this one, if not yet written back")
+      .def("get", [](hps::WorkingSet& w, int32_t worker, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        return FilledRows(n, w.dim(), [&, k = k, n = n](float* e) { w.Get(worker, k, n, e); });
+      }, py::arg("worker"), py::arg("keys"))
+      .def("accumulate", [](hps::WorkingSet& w, int32_t worker, const py::array& keys, const py::array& grads) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const float* g = RowsArg(grads, "grads", n, w.dim());
+        py::gil_scoped_release release;
+        w.Accumulate(worker, k, n, g);
+      }, py::arg("worker"), py::arg("keys"), py::arg("grads"))
+      .def("apply", [](hps::WorkingSet& w) {
+        py::gil_scoped_release release;
+        return w.Apply();
+      })
+      .def("updated_keys", [](const hps::WorkingSet& w) {
+        const std::vector<uint64_t>& keys = w.updated_keys();
+        py::array_t<uint64_t> out(static_cast<py::ssize_t>(keys.size()));
+        std::memcpy(out.mutable_data(), keys.data(), keys.size() * sizeof(uint64_t));
+        return out;
+      })
+      .def("write_back", [](hps::WorkingSet& w) {
+        py::gil_scoped_release release;
+        w.WriteBack();
+      })
+      .def("abort", [](hps::WorkingSet& w) {
+        py::gil_scoped_release release;
+        w.Abort();
+      })
+      .def_property_readonly("released", &hps::WorkingSet::released);
 }
