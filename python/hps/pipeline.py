@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 
 from hps.mem_cache import CacheFullError
-from hps.parameter_server import Batch, ParameterServer
+from hps.parameter_server import ParameterServer, WorkingBatch
 
 STAGES = ("read", "prefetch", "load", "train", "write_back")
 _DONE = object()
@@ -79,7 +79,7 @@ class PipelineStats:
 class Loaded:
     """A batch on the device tier, with its examples cut into per-device mini-batches."""
     data: Any                  # the reader's batch (labels, dense, keys)
-    batch: Batch               # the device tier's view of its working set
+    batch: WorkingBatch        # the batch's working set (any kind: device tier, in place, distributed)
     minibatches: list          # one index array per device
 
 

@@ -1,0 +1,158 @@
+"""The device-tier batch on the native working set (hps._core.WorkingSet) and the
+batch protocol (hps.parameter_server.WorkingBatch) that every kind of batch
+implements: the same results as the in-place path, no pin left by a failure,
+and a pull/push-only batch served through the protocol's adapter."""
+import numpy as np
+import pytest
+
+import hps
+from hps import _core
+from hps.parameter_server import Batch, HostBatch, WorkingBatch, working_batch
+
+DIM = 4
+
+
+def server(tmp_path, name, **kw):
+    return hps.ParameterServer(hps.ParameterServerConfig(dim=DIM, path=str(tmp_path / name), mem_budget="1MiB",
+                                                         optimizer=hps.AdaGrad(lr=0.1), **kw))
+
+
+def steps(seed=0, n=4):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 300, size=(32, 3)).astype(np.uint64) for _ in range(n)]
+
+
+def train(ps, batches, workers, overlap):
+    """Each batch through the protocol: workers gather their share and accumulate
+    a gradient that depends on the rows (so earlier steps matter)."""
+    for keys in batches:
+        b = ps.batch(ps.prefetch(keys), overlap=overlap)
+        assert isinstance(b, WorkingBatch)
+        for worker, idx in enumerate(np.array_split(np.arange(len(keys)), workers)):
+            pos = b.positions(keys[idx])
+            rows = b.gather(pos, worker=worker)
+            b.accumulate(pos, np.ascontiguousarray(np.sin(rows) + 0.1), worker=worker)
+        b.finish()
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_the_device_tier_path_equals_the_in_place_path(tmp_path, devices):
+    batches = steps()
+    in_place = server(tmp_path, "in_place")
+    tier = server(tmp_path, "tier", devices=devices, host_in_place=False)
+    train(in_place, batches, 1, overlap=False)
+    train(tier, batches, devices, overlap=True)
+    keys = np.unique(np.concatenate([b.reshape(-1) for b in batches]))
+    np.testing.assert_allclose(tier.pull(keys), in_place.pull(keys), rtol=1e-6, atol=1e-7)
+    assert tier.stats()["device"]["kind"] == "cpu"
+    assert tier.stats()["mem"]["pinned"] == 0
+    assert tier.stats()["mem"]["dirty"] == in_place.stats()["mem"]["dirty"] > 0
+
+
+def test_gather_into_the_columns_of_a_wider_matrix(tmp_path):
+    ps = server(tmp_path, "ps", devices=2, host_in_place=False)
+    keys = np.array([[1, 2], [3, 1]], np.uint64)
+    b = ps.batch(keys)
+    x = np.full((2, 2 * DIM + 3), 7.0, np.float32)
+    pos = b.positions(keys)
+    b.gather(pos, x[:, :2 * DIM])
+    want = b.pull(keys.reshape(-1)).reshape(2, 2 * DIM)
+    np.testing.assert_array_equal(x[:, :2 * DIM], want)
+    assert (x[:, 2 * DIM:] == 7.0).all()
+    b.accumulate(pos, np.ones((2, 2 * DIM + 3), np.float32)[:, :2 * DIM])
+    b.finish()
+    assert ps.stats()["mem"]["dirty"] == 3
+
+
+def test_a_batch_too_big_for_a_device_is_refused_with_nothing_pinned(tmp_path):
+    ps = server(tmp_path, "ps", devices=2, host_in_place=False, device_capacity=4)
+    keys = np.arange(1, 41, dtype=np.uint64)
+    with pytest.raises(ValueError, match="more than device_capacity = 4"):
+        ps.prefetch(keys)
+    assert ps.stats()["mem"]["pinned"] == 0
+    with ps.batch(keys[:4]) as b:  # the server still works
+        b.push(keys[:4], np.ones((4, DIM), np.float32))
+    assert ps.stats()["mem"]["pinned"] == 0
+
+
+def test_abort_before_apply_drops_the_gradients_and_every_pin(tmp_path):
+    ps = server(tmp_path, "ps", devices=2, host_in_place=False)
+    keys = np.arange(1, 9, dtype=np.uint64)
+    before = ps.pull(keys)
+    b = ps.batch(keys)
+    b.push(keys, np.ones((8, DIM), np.float32))
+    b.abort()
+    assert ps.stats()["mem"]["pinned"] == 0
+    np.testing.assert_array_equal(ps.pull(keys), before)
+    with pytest.raises(RuntimeError, match="write_back before apply"):
+        ps.batch(keys).write_back()
+
+
+def test_a_released_prefetch_unpins_its_keys(tmp_path):
+    ps = server(tmp_path, "ps", devices=2, host_in_place=False)
+    pre = ps.prefetch(np.arange(1, 9, dtype=np.uint64))
+    assert ps.stats()["mem"]["pinned"] == 8
+    pre.release()
+    assert ps.stats()["mem"]["pinned"] == 0
+
+
+def test_the_working_set_refuses_calls_out_of_order(tmp_path):
+    ps = server(tmp_path, "ps", devices=2, host_in_place=False)
+    keys = np.array([5, 6, 5], np.uint64)
+    ws, uniq, inverse, hits, most = _core.WorkingSet.pin(ps._cache, keys, ps._native_opt, 2)
+    np.testing.assert_array_equal(uniq, [5, 6])
+    np.testing.assert_array_equal(inverse, [0, 1, 0])
+    assert hits == 0 and 1 <= most <= 2
+    with pytest.raises(RuntimeError, match="before load"):
+        ws.apply()
+    with pytest.raises(TypeError, match="owners must be None or a 1-D int32 array"):
+        ws.set_owners(np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match=r"owners\[0\] = 2 \(key 5\) is not a device in \[0, 2\)"):
+        ws.set_owners(np.array([2, 0], np.int32))
+    ws.abort()
+    assert ws.released
+    assert ps.stats()["mem"]["pinned"] == 0
+
+
+class PullPushOnly:
+    """A batch with pull and push by keys only (the distributed batch's shape)."""
+
+    def __init__(self, inner):
+        self.inner, self.keys, self.wait_seconds = inner, inner.keys, 0.0
+
+    def pull(self, keys, worker=0):
+        return self.inner.pull(keys, worker=worker)
+
+    def push(self, keys, grads, worker=0):
+        self.inner.push(keys, grads, worker=worker)
+
+    def apply(self):
+        self.inner.apply()
+
+    def write_back(self):
+        self.inner.write_back()
+
+    def finish(self):
+        self.inner.finish()
+
+    def abort(self):
+        self.inner.abort()
+
+
+def test_every_batch_kind_is_a_working_batch_and_others_are_adapted(tmp_path):
+    in_place, tier = server(tmp_path, "a"), server(tmp_path, "b", devices=2, host_in_place=False)
+    keys = np.array([[1, 2], [2, 3]], np.uint64)
+    hb, tb = in_place.batch(keys), tier.batch(keys)
+    assert type(hb) is HostBatch and type(tb) is Batch
+    assert working_batch(hb) is hb and working_batch(tb) is tb and working_batch(None) is None
+    other = PullPushOnly(server(tmp_path, "c", devices=2, host_in_place=False).batch(keys))
+    assert not isinstance(other, WorkingBatch)
+    adapted = working_batch(other)
+    assert isinstance(adapted, WorkingBatch)
+    for b in (hb, tb, adapted):
+        pos = b.positions(keys)
+        b.accumulate(pos, np.ones((4, DIM), np.float32))
+        b.finish()
+    flat = np.array([1, 2, 3], np.uint64)
+    np.testing.assert_allclose(tier.pull(flat), in_place.pull(flat), rtol=1e-6)
+    np.testing.assert_allclose(other.inner._ps.pull(flat), in_place.pull(flat), rtol=1e-6)
