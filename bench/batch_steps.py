@@ -6,14 +6,13 @@ loaded before batch i applies, so each batch catches up with the one before.
     python3 bench/batch_steps.py                 # W4's batches: 4096 synthetic examples, dim 16, AdaGrad
     python3 bench/batch_steps.py --batches 200
 
-Steps, as hps.torch runs them on the train stage's critical path for one device.
-With --device-tier (a device table holds a copy of the batch's rows): catch_up (the
-previous batch's updated rows), unique (distinct keys of the batch), get+gather (rows
-from the device tier, one per example), sum+push (gradients summed per key, pushed to
-the device tier), apply+rows (the optimizer step and the read of the updated rows).
-By default (a host batch on MEM-PS's pinned rows): positions (of the batch's keys,
-known from the prefetch), gather (one row per example), accumulate (gradients per
-example, summed per key), apply (the optimizer step on the rows in place). The first
+Steps, as hps.torch runs them on the train stage's critical path for one device,
+through the batch protocol (hps.parameter_server.WorkingBatch): positions (of the
+batch's keys), gather (one row per example), accumulate (gradients per example,
+summed per key), apply (the optimizer step). By default the batch is a host batch on
+MEM-PS's pinned rows (positions are known from the prefetch); with --device-tier a
+device table holds a copy of the rows (the native working set: gather also takes the
+previous batch's updated rows, apply also reads the updated rows back). The first
 10 batches are not counted. Prints one JSON line.
 """
 from __future__ import annotations
@@ -26,29 +25,12 @@ import time
 import numpy as np
 
 import hps
-from hps import _core
 from hps.data import SyntheticCriteo
 
-TIER_STEPS = ("catch_up", "unique", "get+gather", "sum+push", "apply+rows")
-HOST_STEPS = ("positions", "gather", "accumulate", "apply")
+STEPS = ("positions", "gather", "accumulate", "apply")
 
 
-def tier_steps(current, keys):
-    t = [time.perf_counter()]
-    current._catch_up()
-    t.append(time.perf_counter())
-    uniq, inverse = _core.unique_keys(keys)
-    t.append(time.perf_counter())
-    per_example = current.pull(uniq)[inverse]
-    t.append(time.perf_counter())
-    current.push(uniq, _core.sum_by_inverse(inverse, np.ones_like(per_example), len(uniq)))
-    t.append(time.perf_counter())
-    current.apply()
-    t.append(time.perf_counter())
-    return t, len(uniq)
-
-
-def host_steps(current, keys):
+def run_steps(current, keys):
     t = [time.perf_counter()]
     at = current.positions(keys)
     t.append(time.perf_counter())
@@ -71,8 +53,7 @@ def main() -> None:
     ps = hps.ParameterServer(hps.ParameterServerConfig(dim=16, path=tempfile.mkdtemp(prefix="hps-steps-"),
                                                        optimizer=hps.AdaGrad(lr=0.05), mem_budget="1GiB",
                                                        host_in_place=not a.device_tier))
-    steps, run_steps = (TIER_STEPS, tier_steps) if a.device_tier else (HOST_STEPS, host_steps)
-    total = dict.fromkeys(steps, 0.0)
+    total = dict.fromkeys(STEPS, 0.0)
     counted, distinct = 0, 0
     current = ps.batch(ps.prefetch(batches[0].keys), overlap=True)
     for i in range(1, len(batches) + 1):
@@ -83,7 +64,7 @@ def main() -> None:
         if i > 10:
             counted += 1
             distinct += n_distinct
-            for step, (a0, a1) in zip(steps, zip(t, t[1:])):
+            for step, (a0, a1) in zip(STEPS, zip(t, t[1:])):
                 total[step] += a1 - a0
         current = following
     ms = {step: 1e3 * v / counted for step, v in total.items()}

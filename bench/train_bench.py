@@ -6,6 +6,9 @@ same model and data, in the same run.
     python3 bench/train_bench.py                  # W4: MLP 512-256-1
     python3 bench/train_bench.py --mlp 16         # W4s: the embedding path dominates
     python3 bench/train_bench.py --rounds 3       # each system 3 times, interleaved; medians
+    python3 bench/train_bench.py --quick --device-path 2 --no-torchrec
+                                                  # also hps on 2 host partitions (the
+                                                  # device-tier path), against in place
 
 Model and data (all sides): synthetic Criteo-like examples (hps.data.SyntheticCriteo,
 26 categorical fields, 13 dense), embeddings of dim 16 per field, summed per field
@@ -96,14 +99,17 @@ def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_d
             "logloss": logloss(y, p), "embedding_rows": len(vocab)}
 
 
-def run_hps(args, workdir, hidden, train_batches, eval_batches):
+def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0):
+    """devices = 0: the in-place path (one host partition, MEM-PS's rows);
+    devices > 0: the device-tier path over that many host partitions."""
     import hps
     from hps.train import DataConfig, TrainConfig, train
     rows = 2_000_000  # MEM budget for every row the run can touch (W4: the table fits in memory)
     cfg = TrainConfig(
         ps=hps.ParameterServerConfig(dim=args.dim, path=os.path.join(workdir, "ps"),
                                      optimizer=hps.AdaGrad(lr=args.lr_emb), initializer=hps.Uniform(0.01),
-                                     mem_budget=rows * (args.dim * 2 * 4 + 112), device_capacity=1 << 20),
+                                     mem_budget=rows * (args.dim * 2 * 4 + 112), device_capacity=1 << 20,
+                                     devices=max(devices, 1), host_in_place=devices == 0),
         data=DataConfig(batch_size=args.batch_size, train_examples=args.examples,
                         eval_examples=args.eval_examples, seed=args.seed),
         hidden=tuple(hidden), dense_lr=args.lr_dense, seed=args.seed, torch_threads=args.hps_threads,
@@ -115,7 +121,7 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches):
             "mem_hit_rate": summary["final"]["mem_hit_rate"], "torch_threads": summary["torch_threads"]}
 
 
-SYSTEMS = ("torch", "torchrec", "hps")
+SYSTEMS = ("torch", "torchrec", "hps", "hps_device")  # hps_device: --device-path
 
 
 def save_batches(path, train_batches, eval_batches):
@@ -147,7 +153,8 @@ def run_system(a, system, hidden, data_path, workdir):
         import torchrec_peer
         return torchrec_peer.torchrec(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb,
                                       a.lr_dense, a.dim)
-    return run_hps(a, workdir, hidden, train_batches, eval_batches)
+    return run_hps(a, workdir, hidden, train_batches, eval_batches,
+                   devices=a.device_path if system == "hps_device" else 0)
 
 
 def spawn(a, system, data_path, workdir) -> dict:
@@ -156,7 +163,7 @@ def spawn(a, system, data_path, workdir) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--system", system, "--data", data_path,
             "--workdir", workdir]
     for name in ("examples", "eval_examples", "batch_size", "mlp", "dim", "lr_emb", "lr_dense", "threads",
-                 "hps_threads", "seed"):
+                 "hps_threads", "seed", "device_path"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
     if a.sequential:
         argv.append("--sequential")
@@ -183,6 +190,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sequential", action="store_true", help="hps without the pipeline")
     ap.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec peer (installed on demand)")
+    ap.add_argument("--device-path", type=int, default=0, metavar="G",
+                    help="also run hps on the device-tier path over G host partitions (host_in_place off) "
+                         "and report its rate over the in-place path's")
     ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # worker: one run, one JSON line
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -194,7 +204,8 @@ def main():
     if a.system:
         print(json.dumps(run_system(a, a.system, hidden, a.data, a.workdir)), flush=True)
         return
-    systems = [s for s in SYSTEMS if not (s == "torchrec" and a.no_torchrec)]
+    systems = [s for s in SYSTEMS if not (s == "torchrec" and a.no_torchrec) and
+               not (s == "hps_device" and not a.device_path)]
     if "torchrec" in systems:
         sys.path.insert(0, HERE)
         import torchrec_peer
@@ -203,7 +214,7 @@ def main():
     out = {"benchmark": "W4s train" if hidden == [16] else "W4 train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
            "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
-           "quick": a.quick, "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
+           "device_path": a.device_path, "quick": a.quick, "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
     workdir = tempfile.mkdtemp(prefix="train-bench-", dir=os.path.join(HERE, "results"))
     try:
         log("== generating the data ==")
@@ -220,7 +231,7 @@ def main():
                 result = spawn(a, system, data_path, workdir)
                 runs[system].append(result)
                 extra = ""
-                if system == "hps":
+                if system in ("hps", "hps_device"):
                     p = result["pipeline"]
                     extra = (f", wall/slowest stage {p['wall_over_slowest_stage']:.2f} (bound by {p['bound_by']}), "
                              f"torch threads {result['torch_threads']['chosen']}")
@@ -240,6 +251,10 @@ def main():
         out["ratio_over_torchrec_per_round"] = [h["examples_per_s"] / t["examples_per_s"]
                                                 for h, t in zip(runs["hps"], runs["torchrec"])]
         out["ratio_over_torchrec"] = float(np.median(out["ratio_over_torchrec_per_round"]))
+    if "hps_device" in runs:
+        out["ratio_device_path_over_in_place_per_round"] = [d["examples_per_s"] / h["examples_per_s"]
+                                                            for d, h in zip(runs["hps_device"], runs["hps"])]
+        out["ratio_device_path_over_in_place"] = float(np.median(out["ratio_device_path_over_in_place_per_round"]))
     out["auc_difference"] = out["hps"]["auc"] - out["torch"]["auc"]
     out["w9_wall_over_slowest_stage"] = out["hps"]["pipeline"]["wall_over_slowest_stage"]
     log(f"median examples/s: " + ", ".join(f"{s} {v:,.0f}" for s, v in median.items()))
