@@ -1,0 +1,181 @@
+// KeyIndex (MEM-PS's slots, small indexes) and CompactKeyIndex (SSD-PS's index,
+// which keeps 48 bits of a key's hash instead of the key): both must be exact.
+// The keys here are made from chosen hashes (Mix64 inverted), so that they
+// share a shard, a home slot, or all but a few bits of their hashes.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "key_index.h"
+#include "mix64.h"
+
+namespace hps::detail {
+namespace {
+
+// The inverse of x -> x * c mod 2^64 for odd c (Newton's iteration).
+uint64_t InverseOdd(uint64_t c) {
+  uint64_t inv = c;  // right to 3 bits; each step doubles them
+  for (int i = 0; i < 5; ++i) inv *= 2 - c * inv;
+  return inv;
+}
+
+// The key whose Mix64 is h: x ^= x >> 33 is its own inverse on 64 bits.
+uint64_t Unmix64(uint64_t h) {
+  h ^= h >> 33;
+  h *= InverseOdd(0xc4ceb9fe1a85ec53ULL);
+  h ^= h >> 33;
+  h *= InverseOdd(0xff51afd7ed558ccdULL);
+  h ^= h >> 33;
+  return h;
+}
+
+uint64_t Hash(uint64_t shard16, uint64_t hi16, uint64_t lo32) { return shard16 << 48 | hi16 << 32 | lo32; }
+
+template <typename Index>
+class KeyIndexTest : public ::testing::Test {};
+
+using Indexes = ::testing::Types<KeyIndex, CompactKeyIndex>;
+TYPED_TEST_SUITE(KeyIndexTest, Indexes);
+
+TEST(Unmix64, InvertsMix64) {
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 1000; ++i) {
+    const uint64_t h = rng();
+    EXPECT_EQ(Mix64(Unmix64(h)), h);
+    EXPECT_EQ(Unmix64(Mix64(h)), h);
+  }
+}
+
+// Keys whose hashes agree in every bit a slot does not keep (another shard),
+// in the low 32 bits (same home, other hi) or in the hi bits and the low bits
+// under any mask (same home, other lo) are told apart.
+TYPED_TEST(KeyIndexTest, KeysWithHashesSharingBitsAreDistinct) {
+  TypeParam index;
+  const std::vector<uint64_t> hashes = {
+      Hash(0x1234, 0x00aa, 0x00000007),
+      Hash(0x1235, 0x00aa, 0x00000007),  // another shard, the same 48 bits
+      Hash(0xf234, 0x00aa, 0x00000007),  // another shard by the top bits only
+      Hash(0x1234, 0x00ab, 0x00000007),  // the same shard and low 32 bits
+      Hash(0x1234, 0x80aa, 0x00000007),  // the same shard and low 32 bits, hi's top bit
+      Hash(0x1234, 0x00aa, 0x80000007),  // the same home under any mask below 2^31
+      Hash(0x1234, 0x00aa, 0x00010007),
+  };
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    EXPECT_EQ(index.Upsert(Unmix64(hashes[i]), static_cast<uint32_t>(100 + i)), TypeParam::kNone);
+  }
+  EXPECT_EQ(index.size(), hashes.size());
+  for (size_t i = 0; i < hashes.size(); ++i) EXPECT_EQ(index.Find(Unmix64(hashes[i])), 100 + i) << i;
+  // Absent keys that share all but one bit with a stored one.
+  for (uint64_t h : {Hash(0x1234, 0x00aa, 0x00000017), Hash(0x1234, 0x40aa, 0x00000007),
+                     Hash(0x1236, 0x00aa, 0x00000007), Hash(0x1234, 0x00aa, 0x40000007)}) {
+    EXPECT_EQ(index.Find(Unmix64(h)), TypeParam::kNone);
+    EXPECT_EQ(index.Erase(Unmix64(h)), TypeParam::kNone);
+    EXPECT_FALSE(index.Replace(Unmix64(h), 100, 1));
+  }
+  // Updating or erasing one leaves its near twins alone.
+  EXPECT_EQ(index.Upsert(Unmix64(hashes[3]), 7), 103u);
+  EXPECT_TRUE(index.Replace(Unmix64(hashes[4]), 104, 8));
+  EXPECT_FALSE(index.Replace(Unmix64(hashes[4]), 104, 9));
+  EXPECT_EQ(index.Erase(Unmix64(hashes[0])), 100u);
+  EXPECT_EQ(index.Find(Unmix64(hashes[0])), TypeParam::kNone);
+  const std::vector<uint32_t> want = {TypeParam::kNone, 101, 102, 7, 8, 105, 106};
+  for (size_t i = 0; i < hashes.size(); ++i) EXPECT_EQ(index.Find(Unmix64(hashes[i])), want[i]) << i;
+  EXPECT_EQ(index.size(), hashes.size() - 1);
+}
+
+// One probe run of keys that share their home slot, the last of the shard's 16
+// (the run wraps around to slot 0), and keys homed inside the run: erasing
+// from its start, middle and end shifts the rest back and loses none.
+TYPED_TEST(KeyIndexTest, EraseShiftsWrappedRunsBack) {
+  for (int erase_at : {0, 1, 4, 8}) {
+    TypeParam index;
+    std::vector<uint64_t> keys;
+    for (uint64_t i = 0; i < 6; ++i) keys.push_back(Unmix64(Hash(0x0777, i, 0x0000000f | i << 20)));
+    for (uint64_t i = 0; i < 3; ++i) keys.push_back(Unmix64(Hash(0x0777, 0x10 + i, i << 20)));  // home 0
+    keys.push_back(Unmix64(Hash(0x0777, 0x20, 0x00000002)));  // home 2, inside the run
+    std::unordered_map<uint64_t, uint32_t> want;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      index.Upsert(keys[i], static_cast<uint32_t>(i + 1));
+      want[keys[i]] = static_cast<uint32_t>(i + 1);
+    }
+    EXPECT_EQ(index.Erase(keys[erase_at]), static_cast<uint32_t>(erase_at + 1));
+    want.erase(keys[erase_at]);
+    for (const auto& [key, value] : want) EXPECT_EQ(index.Find(key), value) << "erase_at " << erase_at;
+    EXPECT_EQ(index.Find(keys[erase_at]), TypeParam::kNone);
+    EXPECT_EQ(index.size(), want.size());
+    // And each of the rest, one by one, down to an empty index.
+    for (const auto& [key, value] : want) {
+      EXPECT_EQ(index.Erase(key), value);
+      EXPECT_EQ(index.Find(key), TypeParam::kNone);
+    }
+    EXPECT_EQ(index.size(), 0u);
+  }
+}
+
+// Random upserts, replaces and erases against std::unordered_map, over keys few
+// enough to repeat and many enough to grow every shard several times.
+TYPED_TEST(KeyIndexTest, MatchesAMapThroughGrowthAndErases) {
+  TypeParam index;
+  std::unordered_map<uint64_t, uint32_t> want;
+  std::mt19937_64 rng(7);
+  std::vector<uint64_t> pool;
+  for (int i = 0; i < 300000; ++i) pool.push_back(rng());
+  for (int step = 0; step < 1500000; ++step) {
+    const uint64_t key = pool[rng() % (step < 600000 ? pool.size() : 2000)];
+    const uint32_t value = static_cast<uint32_t>(rng() % 1000000);
+    const auto it = want.find(key);
+    const uint32_t had = it == want.end() ? TypeParam::kNone : it->second;
+    switch (rng() % 4) {
+      case 0:
+      case 1:
+        ASSERT_EQ(index.Upsert(key, value), had);
+        want[key] = value;
+        break;
+      case 2:
+        ASSERT_EQ(index.Erase(key), had);
+        want.erase(key);
+        break;
+      default:
+        ASSERT_EQ(index.Replace(key, had == TypeParam::kNone ? value : had, value), had != TypeParam::kNone);
+        if (had != TypeParam::kNone) want[key] = value;
+    }
+  }
+  ASSERT_EQ(index.size(), want.size());
+  for (const auto& [key, value] : want) ASSERT_EQ(index.Find(key), value);
+  for (uint64_t key : pool) {
+    if (!want.count(key)) ASSERT_EQ(index.Find(key), TypeParam::kNone);
+  }
+}
+
+// The point of CompactKeyIndex: 10 bytes a slot where KeyIndex takes 12, at the
+// same loads (both grow past 0.8).
+TEST(CompactKeyIndex, TakesTenBytesASlot) {
+  KeyIndex wide;
+  CompactKeyIndex compact;
+  std::mt19937_64 rng(3);
+  const uint64_t n = 4000000;
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t key = rng();
+    wide.Upsert(key, static_cast<uint32_t>(i));
+    compact.Upsert(key, static_cast<uint32_t>(i));
+  }
+  const double per_key = static_cast<double>(compact.memory_bytes()) / n;
+  EXPECT_LE(per_key, 10.0 / 0.4 + 1.0);
+  EXPECT_LT(compact.memory_bytes(), wide.memory_bytes() * 10 / 12 + (uint64_t{3} << 20));
+  EXPECT_EQ(sizeof(CompactKeyIndex::Slot), 10u);
+}
+
+TEST(CompactKeyIndex, RefusesTheEmptyMarkerAsAValue) {
+  CompactKeyIndex index;
+  EXPECT_THROW(index.Upsert(1, CompactKeyIndex::kNone), std::invalid_argument);
+  index.Upsert(1, 5);
+  EXPECT_THROW(index.Replace(1, 5, CompactKeyIndex::kNone), std::invalid_argument);
+  EXPECT_EQ(index.Find(1), 5u);
+  EXPECT_EQ(index.size(), 1u);
+}
+
+}  // namespace
+}  // namespace hps::detail
