@@ -504,6 +504,7 @@ def render_w12(o: dict) -> list[str]:
              f"{num(mem.get('ssd_index_bytes_per_key'), '.1f')} B a key"],
             ["process peak RSS", gib(mem.get("process_rss_peak_bytes")), "-"],
             ["cgroup peak (RSS + page cache)", gib(mem.get("cgroup_peak_bytes")), "-"],
+            ["cgroup RSS, the largest sample", gib(mem.get("cgroup_anon_max_sampled_bytes")), "-"],
             ["limit", gib(limit), "-"]]
     out += table(["memory", "bytes", "per key"], rows)
     return out
