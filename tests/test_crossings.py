@@ -5,8 +5,10 @@ and methods (a profile hook sees each one, on the calling thread) and
 constructions of its classes, which the hook does not see (counted by a proxy
 of hps._core in hps.parameter_server). One batch is what the pipeline does
 for it: prefetch (pin), batch (load), each worker's pull and push, apply,
-write_back. Composed in Python, the device-tier path took 15 calls with one
-host partition and 17 with two."""
+write_back. Composed in Python, the device-tier path took 12 calls with one
+host partition and 14 with two workers on two (by pull and push; hps.torch
+added unique_keys and sum_by_inverse per worker); the native working set takes
+6 and 8."""
 import sys
 import types
 
