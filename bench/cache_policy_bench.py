@@ -78,7 +78,7 @@ ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)  # the cache's reserved key: never in a
 AIM, FLOOR = 0.95, 0.90
 OFFLINE = ("py_lru", "ideal_lfu", "belady", "belady_bypass")
 TUNING_ZIPF_A, TUNING_SEED = 1.05, 1234  # the zipf trace the parameters below were chosen on
-# What was tuned on which trace (git log and src/cache_policy.cc): keep it true when a
+# What was tuned on which trace (git log and src/cache/cache_policy.cc): keep it true when a
 # parameter is tuned again.
 TUNED_ON = (
     "tinylfu-lfu (5e4df54, src/cache_policy.cc HistorySketch: 6 rows x 3 x capacity 8-bit counters, "

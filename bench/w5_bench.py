@@ -89,7 +89,7 @@ from _provenance import provenance  # commit, date, machine, command of the JSON
 DIM = 16
 ROW_FLOATS = 2 * DIM                 # embedding + AdaGrad accumulator
 ROW_BYTES = 4 * ROW_FLOATS           # 128
-MEM_OVERHEAD_PER_ROW = 112           # hps MEM-PS bookkeeping (src/mem_cache.cc kOverheadPerRow)
+MEM_OVERHEAD_PER_ROW = 112           # hps MEM-PS bookkeeping (src/cache/mem_cache.cc kOverheadPerRow)
 FIELDS, DENSE = 26, 13
 INIT_SCALE = 0.01
 ADAGRAD_EPS = 1e-10

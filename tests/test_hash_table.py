@@ -7,7 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import hps
 
-# Calls of at least 2 * 4096 keys run on two or more threads (src/parallel.h).
+# Calls of at least 2 * 4096 keys run on two or more threads (src/util/parallel.h).
 MULTI_THREAD_BATCH = 10_000
 
 

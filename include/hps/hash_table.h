@@ -22,18 +22,11 @@
 #include <string>
 #include <vector>
 
+#include "hps/errors.h"  // TableFullError
+#include "hps/keys.h"    // kEmptyKey, CheckKeys, UniqueKeys, SumByInverse
 #include "hps/optimizer.h"
 
 namespace hps {
-
-// Reserved as the empty-slot marker; rejected as a key at every API boundary.
-inline constexpr uint64_t kEmptyKey = ~uint64_t{0};
-
-// Raised when a claim finds no empty slot. Keys placed before it stay placed.
-class TableFullError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 struct HashTableOptions {
   uint64_t capacity = 0;  ///< slots, the most keys it holds; > 0, rounded up to a multiple of 8
@@ -105,19 +98,5 @@ bool CudaCompiled();
 // Usable CUDA devices; 0 when CUDA is not compiled in, or the driver is missing
 // or too old ("no GPU, use host devices").
 int CudaDeviceCount();
-
-// Throws std::invalid_argument if a key equals kEmptyKey, naming its index.
-void CheckKeys(const uint64_t* keys, uint64_t n);
-
-// The distinct keys in order of first appearance; inverse[i] (n entries) is
-// the index of keys[i] among them. A hash pass, cheaper than sorting. Throws
-// like CheckKeys.
-std::vector<uint64_t> UniqueKeys(const uint64_t* keys, uint64_t n, int64_t* inverse);
-
-// The other half of UniqueKeys for gradients: out (n_unique, width) gets, in
-// row inverse[i], the sum of rows[i] (n, width). One pass in order, so the sums
-// are deterministic. Throws std::out_of_range for an index outside [0, n_unique).
-void SumByInverse(const int64_t* inverse, uint64_t n, const float* rows, int32_t width, uint64_t n_unique,
-                  float* out);
 
 }  // namespace hps

@@ -39,6 +39,8 @@
 #include <string>
 #include <vector>
 
+#include "hps/errors.h"  // CacheFullError
+
 namespace hps {
 
 enum class CachePolicyKind { kLru, kLfu, kLruLfu, kWTinyLfu, kTinyLfuLfu };
@@ -49,13 +51,6 @@ CachePolicyKind ParseCachePolicy(const std::string& name);
 std::string ToString(CachePolicyKind kind);
 // The names ParseCachePolicy accepts, in that order.
 std::vector<std::string> CachePolicyNames();
-
-// A call that would need more slots than the unpinned ones of a shard. The
-// message says how many rows the batch needs and how many are pinned.
-class CacheFullError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 struct MemCacheOptions {
   uint32_t row_bytes = 0;      ///< bytes per row; > 0

@@ -25,23 +25,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "hps/hash_table.h"  // kEmptyKey
+#include "hps/errors.h"  // CorruptionError, IoError
+#include "hps/keys.h"    // kEmptyKey
 
 namespace hps {
-
-// A file that is not what it must be: bad magic, version, sizes or CRC. The
-// message names the file and the field.
-class CorruptionError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// A failed system call (a full disk, a missing file); the message names the
-// file, the call and errno's text.
-class IoError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 struct SsdStoreOptions {
   std::string path;                       ///< a directory; created if missing

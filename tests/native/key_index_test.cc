@@ -9,8 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "key_index.h"
-#include "mix64.h"
+#include "format/key_index.h"
+#include "util/mix64.h"
 
 namespace hps::detail {
 namespace {

@@ -18,12 +18,12 @@
 #include <unordered_map>
 #include <vector>
 
-#include "block_io.h"
-#include "crc32c.h"
+#include "util/block_io.h"
+#include "util/crc32c.h"
 #include "hps/ssd_store.h"
-#include "key_index.h"
-#include "manifest.h"
-#include "param_file.h"
+#include "format/key_index.h"
+#include "format/manifest.h"
+#include "format/param_file.h"
 
 namespace hps::detail {
 namespace {

@@ -1,4 +1,4 @@
-#include "param_file.h"
+#include "format/param_file.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,17 +9,14 @@
 #include <cstring>
 #include <utility>
 
-#include "crc32c.h"
+#include "util/crc32c.h"
+#include "util/errors.h"  // ThrowErrno
 
 namespace hps::detail {
 namespace {
 
 constexpr char kMagic[8] = {'H', 'P', 'S', 'P', 'A', 'R', 'A', 'M'};
 constexpr uint64_t kIoChunk = uint64_t{1} << 20;  // bytes per read or write request
-
-[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
-  throw IoError(path + ": " + what + ": " + std::strerror(errno));
-}
 
 [[noreturn]] void ThrowCorrupt(const std::string& path, const std::string& what) {
   throw CorruptionError(path + ": not a valid hps parameter file: " + what);
@@ -77,36 +74,6 @@ std::string BlockName(const ParamFileLayout& layout, uint64_t block) {
 }
 
 }  // namespace
-
-void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (bytes > 0) {
-    const ssize_t r = pread(fd, p, bytes, static_cast<off_t>(offset));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      ThrowErrno("read", path);
-    }
-    if (r == 0) ThrowCorrupt(path, "file ends early, at byte " + std::to_string(offset));
-    p += r;
-    offset += static_cast<uint64_t>(r);
-    bytes -= static_cast<uint64_t>(r);
-  }
-}
-
-void WriteFully(int fd, const std::string& path, uint64_t offset, const void* data, uint64_t bytes) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
-    const ssize_t w = pwrite(fd, p, bytes, static_cast<off_t>(offset));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      ThrowErrno("write", path);
-    }
-    if (w == 0) throw IoError(path + ": write: no progress (disk full?)");
-    p += w;
-    offset += static_cast<uint64_t>(w);
-    bytes -= static_cast<uint64_t>(w);
-  }
-}
 
 ParamFileImage::ParamFileImage(uint32_t row_bytes, uint64_t records)
     : layout_{row_bytes, records}, buffer_(layout_.file_bytes()) {

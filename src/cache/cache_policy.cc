@@ -1,4 +1,4 @@
-#include "cache_policy.h"
+#include "cache/cache_policy.h"
 
 #include <algorithm>
 #include <new>

@@ -12,10 +12,10 @@
 #include <new>
 #include <unordered_map>
 
-#include "cache_policy.h"
-#include "key_index.h"
-#include "mix64.h"
-#include "hps/hash_table.h"  // CheckKeys
+#include "cache/cache_policy.h"
+#include "format/key_index.h"
+#include "util/mix64.h"
+#include "hps/keys.h"  // CheckKeys
 
 namespace hps {
 namespace {

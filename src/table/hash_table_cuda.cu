@@ -14,7 +14,7 @@
 #include <string>
 
 #include "hps/hash_table.h"
-#include "table_kernels.h"
+#include "table/table_kernels.h"
 
 namespace hps {
 namespace {

@@ -18,8 +18,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "hps/hash_table.h"  // kEmptyKey
-#include "mix64.h"
+#include "hps/keys.h"  // kEmptyKey
+#include "util/mix64.h"
 
 namespace hps::detail {
 

@@ -16,6 +16,12 @@
 
 namespace hps::detail {
 
+// Reads exactly `bytes` at `offset`, retrying short reads; IoError names the
+// file, CorruptionError a file shorter than expected.
+void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes);
+// Writes exactly `bytes` at `offset`, retrying short writes; IoError names the file.
+void WriteFully(int fd, const std::string& path, uint64_t offset, const void* data, uint64_t bytes);
+
 struct IoRequest {
   int fd;
   const std::string* path;  // for error messages

@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "block_io.h"
-#include "hps/ssd_store.h"  // CorruptionError, IoError
+#include "util/block_io.h"
+#include "hps/errors.h"  // CorruptionError, IoError
 
 namespace hps {
 namespace detail {
@@ -170,12 +170,6 @@ class ParamFile {
   ParamFileHeader header_{};
   std::vector<uint32_t> block_crcs_;  // 4 bytes per 4 KiB of rows
 };
-
-// Reads exactly `bytes` at `offset`, retrying short reads; IoError names the
-// file, CorruptionError a file shorter than expected.
-void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes);
-// Writes exactly `bytes` at `offset`, retrying short writes; IoError names the file.
-void WriteFully(int fd, const std::string& path, uint64_t offset, const void* data, uint64_t bytes);
 
 }  // namespace detail
 }  // namespace hps

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "table_kernels.h"
+#include "table/table_kernels.h"
 
 namespace hps {
 

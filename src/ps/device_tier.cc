@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "hps/hash_table.h"
-#include "key_index.h"
-#include "mix64.h"
-#include "table_kernels.h"
+#include "format/key_index.h"
+#include "util/mix64.h"
+#include "table/table_kernels.h"
 
 namespace hps {
 namespace {

@@ -1,4 +1,4 @@
-#include "block_io.h"
+#include "util/block_io.h"
 
 #include <unistd.h>
 
@@ -11,13 +11,45 @@
 #include <utility>
 
 #include "hps/config.h"
-#include "param_file.h"  // ReadFully, WriteFully, IoError
+#include "util/errors.h"  // IoError, CorruptionError, ThrowErrno
 
 #if HPS_HAVE_LIBURING
 #include <liburing.h>
 #endif
 
 namespace hps::detail {
+
+void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes) {
+  auto* p = static_cast<uint8_t*>(data);
+  while (bytes > 0) {
+    const ssize_t r = pread(fd, p, bytes, static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      ThrowErrno("read", path);
+    }
+    if (r == 0) throw CorruptionError(path + ": not a valid hps parameter file: file ends early, at byte " +
+                                    std::to_string(offset));
+    p += r;
+    offset += static_cast<uint64_t>(r);
+    bytes -= static_cast<uint64_t>(r);
+  }
+}
+
+void WriteFully(int fd, const std::string& path, uint64_t offset, const void* data, uint64_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    const ssize_t w = pwrite(fd, p, bytes, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      ThrowErrno("write", path);
+    }
+    if (w == 0) throw IoError(path + ": write: no progress (disk full?)");
+    p += w;
+    offset += static_cast<uint64_t>(w);
+    bytes -= static_cast<uint64_t>(w);
+  }
+}
+
 namespace {
 
 class PosixIo final : public BlockIo {

@@ -21,10 +21,11 @@
 #include <utility>
 #include <vector>
 
-#include "block_io.h"
-#include "key_index.h"
-#include "manifest.h"
-#include "param_file.h"
+#include "util/block_io.h"
+#include "format/key_index.h"
+#include "format/manifest.h"
+#include "format/param_file.h"
+#include "util/errors.h"  // ThrowErrno
 
 namespace hps {
 namespace {
@@ -40,9 +41,7 @@ constexpr const char* kFileSuffix = ".hpf";
 constexpr int kStoreVersion = 1;
 constexpr uint64_t kReadWaveBytes = uint64_t{64} << 20;  // blocks buffered per wave of a get
 
-[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
-  throw IoError(path + ": " + what + ": " + std::strerror(errno));
-}
+using detail::ThrowErrno;
 
 // Makes the directory's entries (created and removed files) durable.
 void SyncDirectory(const std::string& dir) {

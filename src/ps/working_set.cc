@@ -8,7 +8,7 @@
 #include <string>
 
 #include "hps/hash_table.h"
-#include "key_index.h"
+#include "format/key_index.h"
 
 namespace hps {
 

@@ -1,4 +1,4 @@
-#include "crc32c.h"
+#include "util/crc32c.h"
 
 #include <array>
 #include <cstring>

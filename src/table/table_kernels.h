@@ -11,7 +11,7 @@
 #include "hps/config.h"
 #include "hps/hash_table.h"
 #include "hps/optimizer.h"
-#include "mix64.h"
+#include "util/mix64.h"
 
 #if defined(__CUDA_ARCH__)
 #include <cuda/atomic>

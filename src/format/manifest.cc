@@ -1,4 +1,4 @@
-#include "manifest.h"
+#include "format/manifest.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -9,18 +9,15 @@
 #include <cstring>
 #include <string>
 
-#include "crc32c.h"
-#include "param_file.h"  // IoError, CorruptionError, ReadFully
+#include "util/crc32c.h"
+#include "format/param_file.h"  // CorruptionError, ReadFully
+#include "util/errors.h"       // ThrowErrno
 
 namespace hps::detail {
 namespace {
 
 constexpr uint32_t kRecordHeaderBytes = 8;
 constexpr uint32_t kMaxPayloadBytes = 1 + 2 * sizeof(uint64_t);
-
-[[noreturn]] void ThrowErrno(const std::string& what, const std::string& path) {
-  throw IoError(path + ": " + what + ": " + std::strerror(errno));
-}
 
 uint64_t Field(const uint8_t* payload, size_t index) {
   uint64_t v;

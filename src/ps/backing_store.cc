@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "key_index.h"
+#include "format/key_index.h"
 
 namespace hps {
 

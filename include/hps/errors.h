@@ -1,0 +1,38 @@
+// The exceptions every layer of hps may throw, in one leaf header so that a
+// lower layer (block I/O, file formats) raises them without including the
+// component above that first needed them. Layer: util (docs/architecture.md).
+#pragma once
+
+#include <stdexcept>
+
+namespace hps {
+
+// Raised when a hash-table claim finds no empty slot. Keys placed before it
+// stay placed.
+class TableFullError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A file that is not what it must be: bad magic, version, sizes or CRC. The
+// message names the file and the field.
+class CorruptionError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A failed system call (a full disk, a missing file); the message names the
+// file, the call and errno's text.
+class IoError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A MEM-PS call that would need more slots than the unpinned ones of a shard.
+// The message says how many rows the batch needs and how many are pinned.
+class CacheFullError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace hps
