@@ -3,7 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "table/table_kernels.h"
+#include "table/optimizer_kernels.h"  // InitRow
 
 namespace hps {
 
