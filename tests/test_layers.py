@@ -29,6 +29,7 @@ PUBLIC_LAYER = {
     "device_tier.h": "ps",
     "backing_store.h": "ps",
     "working_set.h": "ps",
+    "herald.h": "ps",
 }
 
 SOURCE_SUFFIXES = {".h", ".cc", ".cu", ".cuh", ".in"}

@@ -1,0 +1,123 @@
+// Herald (APNet 2022): location-aware partition of a synchronous batch over W
+// workers with embedding caches, and on-demand synchronisation of the rows
+// those caches hold. Algorithm 1 of the paper for one batch at a time.
+//
+// The scheduler keeps a snapshot of every worker's cache and plans a batch:
+//
+//   partition     example i goes to a worker with the most of keys(i) cached
+//                 (Score(i, w) = |cache(w) ∩ keys(i)|, repeats counted), each
+//                 worker taking its share (below); or, sequential, example i
+//                 to worker i / share as a naive data-parallel split does
+//   fetch(w)      the distinct keys worker w trains on whose latest version
+//                 is not in its cache, each with its source: the lowest-index
+//                 worker holding the latest version, or the PS (-1)
+//   comm_plan(w)  the keys other workers fetch from w this batch
+//   snapshot      after the batch the workers that trained a key hold its
+//                 latest version (BSP: they sum their gradients and apply one
+//                 update); every other copy is stale and dropped
+//
+// Shares: a batch of n examples gives each worker n / W, and the first n % W
+// workers one more, in either partition.
+//
+// Greedy order: examples in batch order; each goes to the worker of highest
+// score that still has room, ties to the lowest worker index, and its keys
+// count as cached by that worker for the examples after it (so examples that
+// share a key no cache holds land together). Everything is a function of the
+// snapshot and the batch, so every rank that runs the same batches computes
+// the same plans.
+//
+// Capacity and eviction: each worker's cache holds at most `capacity` keys
+// (0: unbounded). A key's last use is the batch that last trained it (a
+// worker holds a key's latest version only if it trained the key in that
+// batch), so one tick per key orders every cache: after a batch, a worker
+// above capacity drops its least recently used keys (oldest tick, then lowest
+// key) down to capacity, the batch's own keys included if it needs more room
+// than it has. A dropped dirty row whose latest version no other worker holds
+// is pushed to the PS.
+//
+// Synchronisation (what is counted):
+//   pull   a worker trains on a key whose latest version is not in its cache
+//          (from a peer's cache or the PS)
+//   push   on demand: a dirty row another worker fetches (pushed once, however
+//          many fetch it), and a dirty row evicted from its last holder;
+//          write-through (on_demand = false): every row trained in a batch,
+//          once, at the batch's end, so the PS always holds the latest
+//   shared a key trained by several workers in one batch: their gradient
+//          exchange, sum(|trainers| - 1) rows, the same in every mode
+//
+// Memory: one open-addressing slot per key some cache holds (8 bytes key, 8
+// bytes mask of holders, 4 bytes tick and dirty bit), load <= 0.75; a key
+// held by several workers is stored once. memory_bytes() says what it takes.
+//
+// Thread safety: none; one thread schedules (the pipeline's partition stage).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace hps {
+
+struct HeraldOptions {
+  int32_t workers = 8;         ///< W, 1 to 64 (a key's holders are a 64-bit mask)
+  uint64_t capacity = 0;       ///< keys a worker's cache holds; 0: unbounded
+  bool location_aware = true;  ///< Algorithm 1's partition; false: sequential
+  bool on_demand = true;       ///< push only what another worker needs or an eviction loses; false: write-through
+};
+
+// What one batch does: the partition, the fetches and comm plans, the counts.
+struct HeraldPlan {
+  std::vector<int32_t> assignment;  // (n_examples,) the worker of each example
+  // fetch(w) = fetch_keys[fetch_offsets[w] : fetch_offsets[w + 1]], its sources
+  // in fetch_from (a worker, or -1 for the PS); keys in first-appearance order.
+  std::vector<uint64_t> fetch_offsets;  // (W + 1,)
+  std::vector<uint64_t> fetch_keys;
+  std::vector<int32_t> fetch_from;
+  // comm_plan(w) = comm_keys[comm_offsets[w] : comm_offsets[w + 1]], distinct.
+  std::vector<uint64_t> comm_offsets;  // (W + 1,)
+  std::vector<uint64_t> comm_keys;
+  std::vector<uint64_t> evicted;  // keys some cache dropped after the batch (a key once)
+
+  uint64_t pulls = 0;         // fetches, from peers and the PS
+  uint64_t peer_pulls = 0;    // of them, served by a peer's cache
+  uint64_t pushes = 0;        // rows sent to the PS, eviction pushes included
+  uint64_t evict_pushes = 0;  // of them, dirty rows evicted from their last holder
+  uint64_t shared = 0;        // gradient rows exchanged for keys several workers train
+  uint64_t distinct = 0;      // distinct keys in the batch
+};
+
+class Herald {
+ public:
+  // Throws std::invalid_argument for workers outside [1, 64].
+  explicit Herald(const HeraldOptions& options);
+  ~Herald();
+  Herald(const Herald&) = delete;
+  Herald& operator=(const Herald&) = delete;
+
+  // Plans one batch and updates the snapshot. Example i has the keys
+  // keys[offsets[i] : offsets[i + 1]] (offsets: n_examples + 1 entries, from 0,
+  // non-decreasing). Throws std::invalid_argument (naming the index) for bad
+  // offsets or a reserved key (CheckKeys), before changing anything.
+  HeraldPlan Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys);
+  // The same for examples of `fields` keys each: keys (n_examples, fields).
+  HeraldPlan Schedule(const uint64_t* keys, uint64_t n_examples, int32_t fields);
+
+  const HeraldOptions& options() const { return options_; }
+  // The keys worker w's cache holds now (its latest versions), ascending.
+  std::vector<uint64_t> Cached(int32_t worker) const;
+  uint64_t cached(int32_t worker) const;  // how many
+  uint64_t batches() const { return batches_; }
+  uint64_t memory_bytes() const;
+
+  // Drops every cached copy, pushing none (a fresh start: the PS holds all).
+  void Clear();
+
+ private:
+  struct Table;
+  HeraldOptions options_;
+  std::unique_ptr<Table> table_;
+  std::vector<uint64_t> held_;  // (W,) keys each cache holds
+  uint64_t batches_ = 0;
+};
+
+}  // namespace hps

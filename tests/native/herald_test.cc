@@ -1,0 +1,165 @@
+// The Herald scheduler (include/hps/herald.h): shares, determinism, fetches
+// and comm plans against the snapshot, eviction, and bad arguments.
+#include "hps/herald.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <vector>
+
+#include "hps/keys.h"
+
+namespace {
+
+std::vector<uint64_t> RandomBatch(std::mt19937_64& rng, uint64_t n, int32_t fields, uint64_t universe) {
+  std::vector<uint64_t> keys(n * fields);
+  for (auto& k : keys) k = rng() % universe;
+  return keys;
+}
+
+TEST(Herald, SharesAreBalancedWithTheRemainderOnTheFirstWorkers) {
+  for (bool aware : {false, true}) {
+    hps::Herald h({.workers = 4, .capacity = 0, .location_aware = aware, .on_demand = true});
+    std::mt19937_64 rng(1);
+    for (int b = 0; b < 5; ++b) {
+      const auto keys = RandomBatch(rng, 10, 3, 20);
+      const hps::HeraldPlan p = h.Schedule(keys.data(), 10, 3);
+      std::vector<int> count(4, 0);
+      for (int32_t w : p.assignment) ++count.at(w);
+      EXPECT_EQ(count, (std::vector<int>{3, 3, 2, 2})) << "aware " << aware << " batch " << b;
+    }
+  }
+}
+
+TEST(Herald, SequentialSplitsInOrder) {
+  hps::Herald h({.workers = 3, .capacity = 0, .location_aware = false, .on_demand = true});
+  std::vector<uint64_t> keys = {1, 2, 3, 4, 5, 6, 7};
+  const hps::HeraldPlan p = h.Schedule(keys.data(), 7, 1);
+  EXPECT_EQ(p.assignment, (std::vector<int32_t>{0, 0, 0, 1, 1, 2, 2}));
+}
+
+TEST(Herald, SameBatchesGiveTheSamePlans) {
+  hps::Herald a({.workers = 8, .capacity = 50}), b({.workers = 8, .capacity = 50});
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 20; ++i) {
+    const auto keys = RandomBatch(rng, 64, 4, 300);
+    const auto pa = a.Schedule(keys.data(), 64, 4), pb = b.Schedule(keys.data(), 64, 4);
+    ASSERT_EQ(pa.assignment, pb.assignment);
+    ASSERT_EQ(pa.fetch_keys, pb.fetch_keys);
+    ASSERT_EQ(pa.comm_keys, pb.comm_keys);
+    ASSERT_EQ(pa.evicted, pb.evicted);
+  }
+}
+
+// Replays the plans against a model of the caches built from the header's
+// contract alone: holders[k] = the workers with k's latest version.
+TEST(Herald, FetchesAndCommPlansMatchAModelOfTheCaches) {
+  const int W = 4;
+  hps::Herald h({.workers = W, .capacity = 0});
+  std::mt19937_64 rng(3);
+  std::vector<std::set<int>> holders(40);
+  for (int b = 0; b < 30; ++b) {
+    const auto keys = RandomBatch(rng, 16, 3, 40);
+    const auto p = h.Schedule(keys.data(), 16, 3);
+    std::vector<std::set<int>> trainers(40);
+    for (uint64_t i = 0; i < 16; ++i)
+      for (int f = 0; f < 3; ++f) trainers[keys[i * 3 + f]].insert(p.assignment[i]);
+    std::vector<std::set<uint64_t>> comm(W);
+    uint64_t pulls = 0;
+    for (int w = 0; w < W; ++w) {
+      std::set<uint64_t> want;
+      for (uint64_t k = 0; k < 40; ++k)
+        if (trainers[k].count(w) && !holders[k].count(w)) want.insert(k);
+      std::set<uint64_t> got;
+      for (uint64_t at = p.fetch_offsets[w]; at < p.fetch_offsets[w + 1]; ++at) {
+        const uint64_t k = p.fetch_keys[at];
+        got.insert(k);
+        const int expect_from = holders[k].empty() ? -1 : *holders[k].begin();
+        EXPECT_EQ(p.fetch_from[at], expect_from) << "key " << k;
+        if (expect_from >= 0) comm[expect_from].insert(k);
+      }
+      EXPECT_EQ(got, want) << "batch " << b << " worker " << w;
+      pulls += want.size();
+    }
+    EXPECT_EQ(p.pulls, pulls);
+    for (int w = 0; w < W; ++w) {
+      std::set<uint64_t> plan(p.comm_keys.begin() + p.comm_offsets[w], p.comm_keys.begin() + p.comm_offsets[w + 1]);
+      EXPECT_EQ(plan.size(), p.comm_offsets[w + 1] - p.comm_offsets[w]) << "a comm plan repeats a key";
+      EXPECT_EQ(plan, comm[w]) << "batch " << b << " worker " << w;
+    }
+    for (uint64_t k = 0; k < 40; ++k)
+      if (!trainers[k].empty()) holders[k] = trainers[k];
+    for (int w = 0; w < W; ++w) {
+      std::vector<uint64_t> expect;
+      for (uint64_t k = 0; k < 40; ++k)
+        if (holders[k].count(w)) expect.push_back(k);
+      EXPECT_EQ(h.Cached(w), expect);
+      EXPECT_EQ(h.cached(w), expect.size());
+    }
+  }
+}
+
+// Two workers; worker 1 holds {10, 11}. An example of {10, 11} goes to it,
+// although the sequential split would give it to worker 0.
+TEST(Herald, PlacesAnExampleWhereItsKeysAre) {
+  hps::Herald h({.workers = 2, .capacity = 0});
+  std::vector<uint64_t> first = {1, 2, 10, 11};  // sequential: {1, 2} to 0, {10, 11} to 1
+  h.Schedule(first.data(), 2, 2);
+  std::vector<uint64_t> second = {10, 11, 1, 2};
+  const auto p = h.Schedule(second.data(), 2, 2);
+  EXPECT_EQ(p.assignment, (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(p.pulls, 0u);
+}
+
+TEST(Herald, EvictsTheLeastRecentlyUsedAndPushesTheLastDirtyCopy) {
+  hps::Herald h({.workers = 1, .capacity = 2});
+  std::vector<uint64_t> b1 = {5, 6}, b2 = {7};
+  h.Schedule(b1.data(), 1, 2);
+  EXPECT_EQ(h.Cached(0), (std::vector<uint64_t>{5, 6}));
+  const auto p = h.Schedule(b2.data(), 1, 1);
+  EXPECT_EQ(p.evicted, (std::vector<uint64_t>{5}));  // 5 and 6 share a tick: the lower key goes
+  EXPECT_EQ(p.evict_pushes, 1u);
+  EXPECT_EQ(p.pushes, 1u);
+  EXPECT_EQ(h.Cached(0), (std::vector<uint64_t>{6, 7}));
+}
+
+TEST(Herald, WriteThroughPushesEveryTrainedRowOnceAndNoEviction) {
+  hps::Herald h({.workers = 2, .capacity = 1, .location_aware = false, .on_demand = false});
+  std::vector<uint64_t> b = {1, 2, 1, 3};
+  const auto p = h.Schedule(b.data(), 2, 2);
+  EXPECT_EQ(p.pushes, 3u);  // keys 1, 2, 3
+  EXPECT_EQ(p.evict_pushes, 0u);
+  EXPECT_EQ(p.shared, 1u);  // key 1 on both workers
+  const auto q = h.Schedule(b.data(), 2, 2);
+  EXPECT_EQ(q.peer_pulls, 0u);  // the PS holds every latest version
+}
+
+TEST(Herald, CsrOffsetsTakeExamplesOfAnyLength) {
+  hps::Herald h({.workers = 2});
+  std::vector<uint64_t> offsets = {0, 3, 3, 4}, keys = {1, 2, 3, 4};
+  const auto p = h.Schedule(offsets.data(), 3, keys.data());
+  EXPECT_EQ(p.assignment.size(), 3u);
+  EXPECT_EQ(p.distinct, 4u);
+}
+
+TEST(Herald, RejectsBadArguments) {
+  EXPECT_THROW(hps::Herald({.workers = 0}), std::invalid_argument);
+  EXPECT_THROW(hps::Herald({.workers = 65}), std::invalid_argument);
+  hps::Herald h({.workers = 2});
+  std::vector<uint64_t> offsets = {0, 3, 2}, keys = {1, 2, 3};
+  try {
+    h.Schedule(offsets.data(), 2, keys.data());
+    FAIL() << "decreasing offsets accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("offsets[2] = 2"), std::string::npos) << e.what();
+  }
+  std::vector<uint64_t> bad = {1, hps::kEmptyKey};
+  EXPECT_THROW(h.Schedule(bad.data(), 2, 1), std::invalid_argument);
+  EXPECT_EQ(h.batches(), 0u);
+  EXPECT_THROW(h.Cached(2), std::out_of_range);
+}
+
+}  // namespace
