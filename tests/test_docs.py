@@ -9,13 +9,14 @@ import hps.data.keys
 import hps.data.synthetic
 import hps.embedding
 import hps.hash_table
+import hps.herald
 import hps.mem_cache
 import hps.metrics
 import hps.parameter_server
 import hps.ssd_store
 
 MODULES = [hps.config, hps.hash_table, hps.embedding, hps.ssd_store, hps.mem_cache, hps.parameter_server, hps.data,
-           hps.data.keys, hps.data.synthetic, hps.metrics]  # hps.data's testmod skips the submodules' examples
+           hps.data.keys, hps.data.synthetic, hps.metrics, hps.herald]  # hps.data's testmod skips the submodules' examples
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

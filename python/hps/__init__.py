@@ -10,6 +10,7 @@ from hps.errors import CorruptionError, HpsError, IoError, IoPathWarning, TableF
 # exported here because a training script catches it beside the others.
 from hps.data import DataError
 from hps.hash_table import EMPTY_KEY, HashTable
+from hps.herald import Herald, HeraldPlan
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
 from hps.ssd_store import SsdStore
@@ -27,6 +28,8 @@ __all__ = [
     "DataError",
     "EmbeddingTable",
     "HashTable",
+    "Herald",
+    "HeraldPlan",
     "HpsError",
     "IoError",
     "IoPathWarning",

@@ -14,6 +14,7 @@
 #include "hps/config.h"
 #include "hps/device_tier.h"
 #include "hps/hash_table.h"
+#include "hps/herald.h"
 #include "hps/mem_cache.h"
 #include "hps/optimizer.h"
 #include "hps/ssd_store.h"
@@ -881,4 +882,53 @@ PYBIND11_MODULE(_core, m) {
         w.Abort();
       })
       .def_property_readonly("released", &hps::WorkingSet::released);
+
+  // Herald's scheduler (hps/herald.h); hps.herald.Herald is its Python face.
+  py::class_<hps::Herald>(m, "Herald")
+      .def(py::init([](int32_t workers, uint64_t capacity, bool location_aware, bool on_demand) {
+             return std::make_unique<hps::Herald>(hps::HeraldOptions{workers, capacity, location_aware, on_demand});
+           }), py::arg("workers"), py::arg("capacity"), py::arg("location_aware"), py::arg("on_demand"))
+      .def("schedule", [](hps::Herald& h, const py::array& offsets, const py::array& keys) {
+        const auto [o, n_offsets] = KeysArg(offsets, "offsets");
+        const auto [k, n] = KeysArg(keys, "keys");
+        if (n_offsets == 0) throw py::value_error("offsets must have n_examples + 1 entries, got 0");
+        if (o[n_offsets - 1] != n) {
+          throw py::value_error("offsets[-1] = " + std::to_string(o[n_offsets - 1]) + " but keys has " +
+                                std::to_string(n) + " entries");
+        }
+        hps::HeraldPlan p;
+        {
+          py::gil_scoped_release release;
+          p = h.Schedule(o, n_offsets - 1, k);
+        }
+        auto array = [](const auto& v) {
+          using T = typename std::decay_t<decltype(v)>::value_type;
+          py::array_t<T> a(static_cast<py::ssize_t>(v.size()));
+          if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(T));
+          return a;
+        };
+        py::dict d;
+        d["assignment"] = array(p.assignment);
+        d["fetch_offsets"] = array(p.fetch_offsets);
+        d["fetch_keys"] = array(p.fetch_keys);
+        d["fetch_from"] = array(p.fetch_from);
+        d["comm_offsets"] = array(p.comm_offsets);
+        d["comm_keys"] = array(p.comm_keys);
+        d["evicted"] = array(p.evicted);
+        for (auto [name, value] : {std::pair{"pulls", p.pulls}, {"peer_pulls", p.peer_pulls}, {"pushes", p.pushes},
+                                   {"evict_pushes", p.evict_pushes}, {"shared", p.shared}, {"distinct", p.distinct}}) {
+          d[name] = value;
+        }
+        return d;
+      }, py::arg("offsets"), py::arg("keys"), "plans one batch (CSR offsets, keys): a dict of arrays and counts")
+      .def("cached", [](const hps::Herald& h, int32_t worker) {
+        const std::vector<uint64_t> keys = h.Cached(worker);
+        py::array_t<uint64_t> out(static_cast<py::ssize_t>(keys.size()));
+        if (!keys.empty()) std::memcpy(out.mutable_data(), keys.data(), keys.size() * sizeof(uint64_t));
+        return out;
+      }, py::arg("worker"))
+      .def("cached_count", &hps::Herald::cached, py::arg("worker"))
+      .def_property_readonly("batches", &hps::Herald::batches)
+      .def_property_readonly("memory_bytes", &hps::Herald::memory_bytes)
+      .def("clear", &hps::Herald::Clear);
 }

@@ -62,6 +62,17 @@ struct Herald::Table {
     }
   }
 
+  // Room for `more` inserts without growing.
+  void Reserve(uint64_t more) {
+    while ((size + more) * 4 > (mask + 1) * 3) Grow();
+  }
+
+  void Prefetch(uint64_t key) const {
+    __builtin_prefetch(&keys[detail::Mix64(key) & mask]);
+    __builtin_prefetch(&masks[detail::Mix64(key) & mask]);
+    __builtin_prefetch(&meta[detail::Mix64(key) & mask]);
+  }
+
   void Erase(uint64_t key) {
     uint64_t hole = Find(key);
     if (hole == kNone) return;
@@ -134,10 +145,18 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
   plan.distinct = U;
   std::vector<uint64_t> latest(U), need(U, 0);
   std::vector<uint8_t> dirty(U);
+  // Every batch key gets its slot now (a new one: mask 0, clean), grown once
+  // up front so that the slots stay put until the snapshot update below; the
+  // table is far larger than the caches, so the probes are prefetched.
+  t.Reserve(U);
+  std::vector<uint64_t> slot(U);
+  constexpr uint64_t kAhead = 8;
+  for (uint64_t u = 0; u < std::min(U, kAhead); ++u) t.Prefetch(uniq[u]);
   for (uint64_t u = 0; u < U; ++u) {
-    const uint64_t s = t.Find(uniq[u]);
-    latest[u] = s == Table::kNone ? 0 : t.masks[s];
-    dirty[u] = s != Table::kNone && (t.meta[s] & Table::kDirty) != 0;
+    if (u + kAhead < U) t.Prefetch(uniq[u + kAhead]);
+    const uint64_t s = slot[u] = t.Upsert(uniq[u]);
+    latest[u] = t.masks[s];
+    dirty[u] = (t.meta[s] & Table::kDirty) != 0;
   }
 
   // ---- partition: shares of n / W, the first n % W workers one more ----
@@ -215,7 +234,7 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
   // ---- the snapshot: the trainers hold the latest version, other copies go ----
   const uint32_t tick = static_cast<uint32_t>(batches_ & 0x7fffffffu);
   for (uint64_t u = 0; u < U; ++u) {
-    const uint64_t s = t.Upsert(uniq[u]);
+    const uint64_t s = slot[u];
     const uint64_t old = t.masks[s];
     for (uint64_t m = need[u] & ~old; m != 0; m &= m - 1) ++held_[std::countr_zero(m)];
     for (uint64_t m = old & ~need[u]; m != 0; m &= m - 1) --held_[std::countr_zero(m)];

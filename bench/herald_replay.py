@@ -1,0 +1,164 @@
+"""W7 (a): Herald's replay in the paper's setting, for comparison with its Table 1.
+
+    python3 bench/herald_replay.py                 # the Criteo sample and two Zipf traces
+    python3 bench/herald_replay.py --quick         # a small run for the tests (seconds)
+    python3 bench/herald_replay.py --trace PATH    # any Criteo-format TSV instead of the sample
+
+8 workers, each with an LRU cache of 10% of the trace's distinct keys, take
+mini-batches of 128 examples (a global batch of 1024) in trace order. Four
+schedules replay the same trace through hps.herald.Herald:
+
+  naive       sequential partition (example i to worker i // 128), write-through
+  on_demand   sequential partition, on-demand synchronisation
+  location    location-aware partition (Algorithm 1), write-through
+  herald      both
+
+Counted (the definitions the scheduler implements, include/hps/herald.h):
+  pull   a worker trains on a key whose latest version its cache does not hold;
+         one row moved, from the peer holding it or from the PS.
+  push   write-through: every row trained in a batch is sent to the PS once at
+         the batch's end (the workers that shared it summed their gradients).
+         On demand: a dirty row is sent once when another worker needs it in
+         the next batch, and once when it is evicted from the last cache that
+         holds it (no other copy of that version is left).
+  bytes  (pulls + pushes) x dim x 4 (float32 rows, dim 128 by default).
+Not in the ratios, reported beside them: "shared", the gradient rows that
+workers training the same key in one batch exchange (sum of trainers - 1),
+which the partition changes but synchronisation does not.
+
+Prints one JSON line (also written to bench/results/herald_replay-DATE.json)
+with each trace's counts and ratios to naive, and the targets of issue 16:
+pull <= 0.52x, push <= 0.42x, overall <= 0.46x.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from _provenance import provenance  # bench/ is sys.path[0]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRACE = os.path.join(ROOT, "..", "shared", "data", "criteo-sample", "train_examples_10k.tsv")
+MODES = {"naive": (False, False), "on_demand": (False, True), "location": (True, False), "herald": (True, True)}
+TARGETS = {"pull": 0.52, "push": 0.42, "overall": 0.46}
+
+
+def criteo_trace(path: str) -> np.ndarray:
+    """(n_examples, 26) uint64 keys of a Criteo TSV, read by hps.data."""
+    from hps.data import CriteoTsv
+    parts = [b.keys for b in CriteoTsv(path, batch_size=65536)]
+    if not parts:
+        raise SystemExit(f"{path}: no examples")
+    return np.concatenate(parts)
+
+
+def zipf_trace(n: int, fields: int, vocab: int, a: float, seed: int) -> np.ndarray:
+    """(n, fields) keys: field f draws rank r in [1, vocab] with p ~ r^-a, key = r * fields + f."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** a
+    cdf = np.cumsum(p / p.sum())
+    ranks = np.minimum(np.searchsorted(cdf, rng.random((n, fields))), vocab - 1).astype(np.uint64)
+    # a permutation of ranks per field, so that hot keys are not the small numbers
+    perm = rng.permutation(vocab).astype(np.uint64)
+    return perm[ranks] * np.uint64(fields) + np.arange(fields, dtype=np.uint64)
+
+
+def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: float, dim: int) -> dict:
+    from hps.herald import Herald
+    distinct = int(len(np.unique(keys)))
+    capacity = max(1, int(round(cache_fraction * distinct)))
+    batch = workers * per_worker
+    out = {"examples": int(len(keys)), "fields": int(keys.shape[1]), "distinct_keys": distinct,
+           "capacity_per_worker": capacity, "batches": -(-len(keys) // batch), "modes": {}}
+    for name, (aware, on_demand) in MODES.items():
+        h = Herald(workers, capacity, location_aware=aware, on_demand=on_demand)
+        c = dict(pulls=0, peer_pulls=0, pushes=0, evict_pushes=0, shared=0)
+        t0 = time.perf_counter()
+        for start in range(0, len(keys), batch):
+            plan = h.schedule(keys[start:start + batch])
+            for k in c:
+                c[k] += getattr(plan, k)
+        c["bytes"] = (c["pulls"] + c["pushes"]) * dim * 4
+        c["schedule_s"] = round(time.perf_counter() - t0, 3)
+        out["modes"][name] = c
+    naive = out["modes"]["naive"]
+    ratio = lambda x, y: round(x / y, 4) if y else None  # noqa: E731
+    for c in out["modes"].values():
+        c["pull_ratio"] = ratio(c["pulls"], naive["pulls"])
+        c["push_ratio"] = ratio(c["pushes"], naive["pushes"])
+        c["overall_ratio"] = ratio(c["bytes"], naive["bytes"])
+    hd = out["modes"]["herald"]
+    out["targets_met"] = {"pull": hd["pull_ratio"] is not None and hd["pull_ratio"] <= TARGETS["pull"],
+                          "push": hd["push_ratio"] is not None and hd["push_ratio"] <= TARGETS["push"],
+                          "overall": hd["overall_ratio"] is not None and hd["overall_ratio"] <= TARGETS["overall"]}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="a Criteo-format TSV ('' to skip)")
+    ap.add_argument("--quick", action="store_true", help="small synthetic traces and 2,048 Criteo rows")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--per-worker", type=int, default=128, help="examples per worker per batch")
+    ap.add_argument("--cache", type=float, default=0.10, help="cache per worker, fraction of distinct keys")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--zipf", default="1.05,1.2", help="skews of the synthetic traces")
+    ap.add_argument("--examples", type=int, default=200_000, help="examples of each synthetic trace")
+    ap.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
+    a = ap.parse_args(argv)
+    for name, v in (("--workers", a.workers), ("--per-worker", a.per_worker), ("--dim", a.dim),
+                    ("--examples", a.examples)):
+        if v < 1:
+            ap.error(f"{name} must be >= 1, got {v}")
+    if not 1 <= a.workers <= 64:
+        ap.error(f"--workers must be in [1, 64], got {a.workers}")
+    if not 0 < a.cache <= 1:
+        ap.error(f"--cache must be in (0, 1], got {a.cache}")
+    try:
+        skews = [float(s) for s in a.zipf.split(",") if s]
+    except ValueError:
+        ap.error(f"--zipf must be comma-separated numbers, got {a.zipf!r}")
+    examples = 8192 if a.quick else a.examples
+    traces = {}
+    if a.trace:
+        if not os.path.isfile(a.trace):
+            if a.trace != DEFAULT_TRACE:
+                ap.error(f"--trace {a.trace}: no such file")
+            traces["criteo"] = {"skipped": f"{a.trace} is absent"}
+        else:
+            keys = criteo_trace(a.trace)
+            if a.quick:
+                keys = keys[:2048]
+            traces["criteo"] = {"path": os.path.relpath(a.trace, ROOT), **replay(keys, a.workers, a.per_worker, a.cache, a.dim)}
+    for s in skews:
+        keys = zipf_trace(examples, 26, 100_000 if not a.quick else 20_000, s, seed=7)
+        traces[f"zipf{s:g}"] = {"zipf_a": s, "vocab_per_field": 100_000 if not a.quick else 20_000,
+                               **replay(keys, a.workers, a.per_worker, a.cache, a.dim)}
+    for name, t in traces.items():
+        if "modes" not in t:
+            print(f"{name}: skipped ({t['skipped']})", file=sys.stderr)
+            continue
+        print(f"{name}: {t['examples']:,} examples, {t['distinct_keys']:,} keys, cache {t['capacity_per_worker']:,}",
+              file=sys.stderr)
+        for m, c in t["modes"].items():
+            print(f"  {m:<10} pulls {c['pulls']:>10,} ({c['pull_ratio']})  pushes {c['pushes']:>10,} "
+                  f"({c['push_ratio']})  overall {c['overall_ratio']}", file=sys.stderr)
+    line = json.dumps({"bench": "w7", "benchmark": "W7 Herald replay", "quick": a.quick,
+                       "provenance": provenance(), "workers": a.workers, "per_worker": a.per_worker,
+                       "cache_fraction": a.cache, "dim": a.dim, "targets": TARGETS, "traces": traces})
+    print(line)
+    if not a.no_save:
+        os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
+        path = os.path.join(ROOT, "bench", "results", time.strftime("herald_replay-%Y%m%d-%H%M%S.json", time.gmtime()))
+        with open(path, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

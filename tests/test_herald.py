@@ -1,0 +1,153 @@
+"""hps.herald.Herald (the scheduler of include/hps/herald.h) and W7's replay, bench/herald_replay.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hps.herald import Herald
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def batches(seed, n_batches, n, fields, universe):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, universe, size=(n, fields), dtype=np.uint64) for _ in range(n_batches)]
+
+
+@pytest.mark.parametrize("aware", [False, True])
+def test_every_example_once_in_balanced_shares(aware):
+    h = Herald(8, 100, location_aware=aware)
+    for keys in batches(1, 6, 1003, 5, 2000):  # 1003 = 8 * 125 + 3: workers 0-2 take 126
+        plan = h.schedule(keys)
+        assert plan.assignment.shape == (1003,)
+        counts = np.bincount(plan.assignment, minlength=8)
+        assert counts.tolist() == [126, 126, 126, 125, 125, 125, 125, 125]
+
+
+def test_same_batches_same_plans():
+    a, b = Herald(8, 300), Herald(8, 300)
+    for keys in batches(2, 10, 256, 6, 3000):
+        pa, pb = a.schedule(keys), b.schedule(keys.copy())
+        for field in ("assignment", "fetch_keys", "fetch_from", "comm_keys", "evicted"):
+            assert np.array_equal(getattr(pa, field), getattr(pb, field)), field
+    assert [a.cached(w).tolist() for w in range(8)] == [b.cached(w).tolist() for w in range(8)]
+
+
+def test_fetches_and_comm_plans_are_what_other_workers_need_from_each_cache():
+    """Against a model of the caches kept here from the contract alone (unbounded caches)."""
+    W = 4
+    h = Herald(W)
+    holders: dict[int, set[int]] = {}
+    for keys in batches(3, 25, 32, 3, 60):
+        plan = h.schedule(keys)
+        trainers: dict[int, set[int]] = {}
+        for i, row in enumerate(keys.tolist()):
+            for k in row:
+                trainers.setdefault(k, set()).add(int(plan.assignment[i]))
+        expect_comm = [set() for _ in range(W)]
+        for w in range(W):
+            got_keys, got_from = plan.fetch(w)
+            want = {k for k, ws in trainers.items() if w in ws and w not in holders.get(k, set())}
+            assert set(got_keys.tolist()) == want and len(got_keys) == len(want)
+            for k, src in zip(got_keys.tolist(), got_from.tolist()):
+                held = holders.get(k, set())
+                assert src == (min(held) if held else -1), (k, src, held)
+                if held:
+                    expect_comm[src].add(k)
+        for w in range(W):
+            plan_w = plan.comm_plan(w).tolist()
+            assert len(plan_w) == len(set(plan_w)) and set(plan_w) == expect_comm[w]
+        holders.update(trainers)
+        for w in range(W):
+            assert h.cached(w).tolist() == sorted(k for k, ws in holders.items() if w in ws)
+
+
+def test_location_aware_beats_sequential_on_a_constructed_trace():
+    """Two workers, two groups of keys: each batch has group A's examples second.
+
+    Sequential hands the first half (group B) to worker 0 and A to worker 1, so
+    the groups swap workers every batch and each batch pulls every key again;
+    location-aware keeps each group where it is cached and pulls only once.
+    """
+    group_a = np.arange(0, 40, dtype=np.uint64).reshape(10, 4)
+    group_b = np.arange(100, 140, dtype=np.uint64).reshape(10, 4)
+    first = np.concatenate([group_a, group_b])
+    swapped = np.concatenate([group_b, group_a])
+    pulls = {}
+    for aware in (False, True):
+        h = Herald(2, 40, location_aware=aware)
+        pulls[aware] = [h.schedule(b).pulls for b in (first, swapped, first, swapped)]
+    assert pulls[False] == [80, 80, 80, 80]
+    assert pulls[True] == [80, 0, 0, 0]
+
+
+def test_eviction_keeps_each_cache_within_capacity_and_pushes_the_last_dirty_copy():
+    h = Herald(1, 2)
+    h.schedule(np.array([[5, 6]], dtype=np.uint64))
+    plan = h.schedule(np.array([[7]], dtype=np.uint64))
+    assert plan.evicted.tolist() == [5] and plan.evict_pushes == 1 and plan.pushes == 1
+    assert h.cached(0).tolist() == [6, 7] and h.cached_count(0) == 2
+
+
+def test_csr_examples_of_any_length():
+    h = Herald(2)
+    plan = h.schedule(np.array([1, 2, 3, 4], dtype=np.uint64), offsets=np.array([0, 3, 3, 4], dtype=np.uint64))
+    assert plan.assignment.tolist() == [0, 0, 1] and plan.distinct == 4
+
+
+def test_bad_arguments():
+    for workers in (0, 65, 2.0, True):
+        with pytest.raises(ValueError, match="workers"):
+            Herald(workers)
+    with pytest.raises(ValueError, match="capacity"):
+        Herald(2, -1)
+    h = Herald(2)
+    with pytest.raises(TypeError, match="uint64 or int64"):
+        h.schedule(np.zeros((2, 2), dtype=np.float32))
+    with pytest.raises(ValueError, match="fields"):
+        h.schedule(np.zeros(4, dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"offsets\[2\] = 1 is below offsets\[1\] = 3"):
+        h.schedule(np.array([1, 2, 3], dtype=np.uint64), offsets=np.array([0, 3, 1, 3], dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"offsets\[-1\] = 2 but keys has 3"):
+        h.schedule(np.array([1, 2, 3], dtype=np.uint64), offsets=np.array([0, 2], dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"keys\[1\]"):
+        h.schedule(np.array([[1, 2**64 - 1]], dtype=np.uint64))
+    assert h.batches == 0
+    with pytest.raises(ValueError, match="worker 2"):
+        h.cached(2)
+
+
+def test_replay_quick():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "herald_replay.py"), "--quick", "--no-save"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["bench"] == "w7" and line["provenance"]["command"]
+    measured = [t for t in line["traces"].values() if "modes" in t]
+    assert len(measured) >= 2
+    for t in measured:
+        m = t["modes"]
+        assert set(m) == {"naive", "on_demand", "location", "herald"}
+        for c in m.values():
+            assert c["bytes"] == (c["pulls"] + c["pushes"]) * line["dim"] * 4
+            assert c["peer_pulls"] <= c["pulls"] and c["evict_pushes"] <= c["pushes"]
+        # write-through never reads a peer or pushes on eviction; the partition alone decides pulls
+        for name in ("naive", "location"):
+            assert m[name]["peer_pulls"] == 0 and m[name]["evict_pushes"] == 0
+        assert m["on_demand"]["pulls"] == m["naive"]["pulls"]
+        assert m["herald"]["pulls"] == m["location"]["pulls"] <= m["naive"]["pulls"]
+        assert m["herald"]["pushes"] < m["naive"]["pushes"]
+        assert m["herald"]["overall_ratio"] == round(m["herald"]["bytes"] / m["naive"]["bytes"], 4)
+
+
+def test_replay_refuses_bad_arguments():
+    for args, message in ((["--workers", "65"], "--workers"), (["--cache", "0"], "--cache"),
+                          (["--trace", "/nonexistent.tsv"], "no such file")):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "herald_replay.py"), "--quick", "--no-save",
+                               *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
