@@ -166,7 +166,18 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
   if (options_.location_aware) {
     std::vector<uint64_t> placed = latest;  // the snapshot, plus the keys of examples placed so far
     std::vector<uint32_t> score(W);
+    // Examples with the most cached keys choose first (their best score on the
+    // snapshot, ties in batch order): they have the most to lose to a full worker.
+    std::vector<std::pair<uint32_t, uint64_t>> order(n_examples);  // (-best, i) as (kMax - best, i)
     for (uint64_t i = 0; i < n_examples; ++i) {
+      std::fill(score.begin(), score.end(), 0);
+      for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
+        for (uint64_t m = latest[inverse[j]]; m != 0; m &= m - 1) ++score[std::countr_zero(m)];
+      }
+      order[i] = {UINT32_MAX - *std::max_element(score.begin(), score.end()), i};
+    }
+    std::sort(order.begin(), order.end());
+    for (const auto& [unused, i] : order) {
       std::fill(score.begin(), score.end(), 0);
       for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
         for (uint64_t m = placed[inverse[j]]; m != 0; m &= m - 1) ++score[std::countr_zero(m)];
