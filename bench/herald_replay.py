@@ -26,6 +26,9 @@ Not in the ratios, reported beside them: "shared", the gradient rows that
 workers training the same key in one batch exchange (sum of trainers - 1),
 which the partition changes but synchronisation does not.
 
+It also times Herald.schedule on batches of 4096 examples of 26 keys with 8
+and 64 workers (caches of 100k keys each, one core): "schedule_cost".
+
 Prints one JSON line (also written to bench/results/herald_replay-DATE.json)
 with each trace's counts and ratios to naive, and the targets of issue 16:
 pull <= 0.52x, push <= 0.42x, overall <= 0.46x.
@@ -99,6 +102,27 @@ def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: floa
     return out
 
 
+def schedule_cost(workers_list, batch: int, fields: int, capacity: int, repeats: int) -> dict:
+    """Seconds Herald.schedule takes a batch (the Python call included), after
+    warming its caches over `repeats` batches of a Zipf(1.05) trace: median and min-max."""
+    from hps.herald import Herald
+    keys = zipf_trace(batch * 2 * repeats, fields, 1_000_000, 1.05, seed=11)
+    out = {}
+    for w in workers_list:
+        h = Herald(w, capacity)
+        times = []
+        for b in range(2 * repeats):
+            t0 = time.perf_counter()
+            h.schedule(keys[b * batch:(b + 1) * batch])
+            if b >= repeats:  # the first half fills the caches
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        out[str(w)] = {"median_ms": round(1e3 * times[len(times) // 2], 3), "min_ms": round(1e3 * times[0], 3),
+                       "max_ms": round(1e3 * times[-1], 3), "snapshot_bytes": h.memory_bytes,
+                       "cached_keys": sum(h.cached_count(i) for i in range(w))}
+    return {"batch": batch, "fields": fields, "capacity_per_worker": capacity, "repeats": repeats, "workers": out}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="a Criteo-format TSV ('' to skip)")
@@ -148,9 +172,15 @@ def main(argv=None) -> int:
         for m, c in t["modes"].items():
             print(f"  {m:<10} pulls {c['pulls']:>10,} ({c['pull_ratio']})  pushes {c['pushes']:>10,} "
                   f"({c['push_ratio']})  overall {c['overall_ratio']}", file=sys.stderr)
+    cost = schedule_cost([8, 64], 4096, 26, 100_000 if not a.quick else 5_000, 20 if not a.quick else 3)
+    for w, c in cost["workers"].items():
+        print(f"schedule, {w} workers: {c['median_ms']} ms a batch of {cost['batch']} "
+              f"({c['min_ms']}-{c['max_ms']}), snapshot {c['snapshot_bytes'] / max(1, c['cached_keys']):.1f} "
+              f"bytes a cached key", file=sys.stderr)
     line = json.dumps({"bench": "w7", "benchmark": "W7 Herald replay", "quick": a.quick,
                        "provenance": provenance(), "workers": a.workers, "per_worker": a.per_worker,
-                       "cache_fraction": a.cache, "dim": a.dim, "targets": TARGETS, "traces": traces})
+                       "cache_fraction": a.cache, "dim": a.dim, "targets": TARGETS, "traces": traces,
+                       "schedule_cost": cost})
     print(line)
     if not a.no_save:
         os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
