@@ -7,7 +7,7 @@
 
 Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
 commit, uncommitted files, date, machine, command). `--add` files each such line under
-docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w5, w6, told apart by the line's
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w5, w6, w7, w12, told apart by the line's
 "benchmark" field); it refuses --quick lines and lines without provenance, since a table
 must come from a real run of a recorded command.
 
@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w5", "w6", "w12")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w5", "w6", "w7", "w12")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -50,7 +50,7 @@ def workload_of(line: dict) -> str | None:
     """The workload a benchmark's JSON line belongs to, from its "benchmark" field."""
     name = str(line.get("benchmark") or line.get("bench") or "")
     for prefix, wid in (("W12", "w12"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4", "w4"),
-                        ("W5", "w5"), ("W6", "w6"), ("w6", "w6")):
+                        ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7", "w7")):
         if name.startswith(prefix):
             return wid
     return None
@@ -447,6 +447,36 @@ def render_w6(o: dict) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ W7
+W7_ORDER = ("naive", "on_demand", "location", "herald")
+
+
+def render_w7(o: dict) -> list[str]:
+    t = o.get("targets") or {}
+    out = [f"{o.get('workers')} workers, LRU caches of {o.get('cache_fraction', 0):.0%} of a trace's distinct keys "
+           f"each, {o.get('per_worker')} examples a worker a batch, rows of dim {o.get('dim')}; counts as ratios of "
+           f"naive (sequential partition, write-through). Targets for Herald: pull <= {t.get('pull')}x, "
+           f"push <= {t.get('push')}x, overall <= {t.get('overall')}x.", ""]
+    rows = []
+    for name, tr in (o.get("traces") or {}).items():
+        if "modes" not in tr:
+            rows.append([name, "skipped: " + str(tr.get("skipped")), "-", "-", "-", "-", "-"])
+            continue
+        modes = tr["modes"]
+        for mode in sorted(modes, key=lambda m: (W7_ORDER.index(m) if m in W7_ORDER else len(W7_ORDER), m)):
+            c = modes[mode]
+            rows.append([f"{name} ({tr['examples']:,} ex, {tr['distinct_keys']:,} keys)", mode, f"{c['pulls']:,}",
+                         num(c.get("pull_ratio"), ".3f"), f"{c['pushes']:,}", num(c.get("push_ratio"), ".3f"),
+                         num(c.get("overall_ratio"), ".3f")])
+    out += table(["trace", "schedule", "pulls", "/ naive", "pushes", "/ naive", "bytes / naive"], rows) + [""]
+    cost = o.get("schedule_cost") or {}
+    for w, c in sorted((cost.get("workers") or {}).items(), key=lambda wc: int(wc[0])):
+        out.append(f"- Herald.schedule, {w} workers, batches of {cost.get('batch')} x {cost.get('fields')} keys: "
+                   f"{spread(c['median_ms'], c.get('min_ms'), c.get('max_ms'), '.1f')} ms, snapshot "
+                   f"{c['snapshot_bytes'] / max(1, c['cached_keys']):.1f} bytes a cached key")
+    return out
+
+
 # ------------------------------------------------------------------ W12
 def render_w12(o: dict) -> list[str]:
     plan, mem, io, dev = o["plan"], o.get("memory") or {}, o.get("io") or {}, o.get("device_limits") or {}
@@ -511,7 +541,7 @@ def render_w12(o: dict) -> list[str]:
 
 
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4,
-          "w5": render_w5, "w6": render_w6, "w12": render_w12}
+          "w5": render_w5, "w6": render_w6, "w7": render_w7, "w12": render_w12}
 
 
 # ------------------------------------------------------------------ regions

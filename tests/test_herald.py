@@ -1,6 +1,7 @@
 """hps.herald.Herald (the scheduler of include/hps/herald.h) and W7's replay, bench/herald_replay.py."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -143,6 +144,15 @@ def test_replay_quick():
         assert m["herald"]["pulls"] == m["location"]["pulls"] <= m["naive"]["pulls"]
         assert m["herald"]["pushes"] < m["naive"]["pushes"]
         assert m["herald"]["overall_ratio"] == round(m["herald"]["bytes"] / m["naive"]["bytes"], 4)
+    # bench/report.py files the line as W7 and renders each trace's four schedules in order
+    spec = importlib.util.spec_from_file_location("hps_bench_report", ROOT / "bench" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert report.workload_of(line) == "w7"
+    rows = [r for r in report.render_w7(line) if r.startswith("| ")][1:]  # past the header
+    assert len(rows) == 4 * len(measured)
+    assert [r.split(" | ")[1] for r in rows[:4]] == ["naive", "on_demand", "location", "herald"]
+    assert f"| {measured[0]['modes']['herald']['pull_ratio']:.3f} |" in rows[3]
 
 
 def test_replay_refuses_bad_arguments():
