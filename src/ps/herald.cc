@@ -87,6 +87,7 @@ struct Herald::Table {
       hole = j;
     }
     keys[hole] = kEmptyKey;
+    masks[hole] = 0;  // an empty slot has no holders: eviction scans masks alone
     --size;
   }
 
@@ -245,6 +246,10 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
   // ---- the snapshot: the trainers hold the latest version, other copies go ----
   const uint32_t tick = static_cast<uint32_t>(batches_ & 0x7fffffffu);
   for (uint64_t u = 0; u < U; ++u) {
+    if (u + kAhead < U) {  // the slots were touched long ago: fetch them again ahead of use
+      __builtin_prefetch(&t.masks[slot[u + kAhead]], 1);
+      __builtin_prefetch(&t.meta[slot[u + kAhead]], 1);
+    }
     const uint64_t s = slot[u];
     const uint64_t old = t.masks[s];
     for (uint64_t m = need[u] & ~old; m != 0; m &= m - 1) ++held_[std::countr_zero(m)];
@@ -256,16 +261,22 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
 
   // ---- eviction: a cache above capacity drops its least recently used keys ----
   if (options_.capacity > 0) {
-    std::vector<int32_t> over;
+    std::vector<int32_t> over, slot_of(W, -1);
+    uint64_t over_mask = 0;
     for (int32_t w = 0; w < W; ++w) {
-      if (held_[w] > options_.capacity) over.push_back(w);
+      if (held_[w] > options_.capacity) {
+        slot_of[w] = static_cast<int32_t>(over.size());
+        over.push_back(w);
+        over_mask |= uint64_t{1} << w;
+      }
     }
     if (!over.empty()) {
       std::vector<std::vector<std::pair<uint32_t, uint64_t>>> held_by(over.size());  // (tick, key)
+      for (size_t o = 0; o < over.size(); ++o) held_by[o].reserve(held_[over[o]]);
       for (uint64_t s = 0; s <= t.mask; ++s) {
-        if (t.keys[s] == kEmptyKey) continue;
-        for (size_t o = 0; o < over.size(); ++o) {
-          if ((t.masks[s] >> over[o]) & 1) held_by[o].emplace_back(t.meta[s] & ~Table::kDirty, t.keys[s]);
+        // empty slots have mask 0 (Allocate, Erase's shift leaves none behind with bits)
+        for (uint64_t m = t.masks[s] & over_mask; m != 0; m &= m - 1) {
+          held_by[slot_of[std::countr_zero(m)]].emplace_back(t.meta[s] & ~Table::kDirty, t.keys[s]);
         }
       }
       std::vector<uint64_t> emptied;
