@@ -12,6 +12,9 @@
 // Not thread-safe: the store's lock guards it.
 #pragma once
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -170,6 +173,18 @@ class KeyIndex {
   std::vector<Shard> shards_;
   uint64_t size_ = 0;
 };
+
+// Gives the whole pages inside [data, data + bytes), memory about to be
+// freed, back to the OS (madvise MADV_DONTNEED): they read as zeros when next
+// touched, which malloc allows of memory it has not handed out again; the
+// partial pages at either end, where malloc keeps its headers, stay.
+inline void ReleaseWholePages(void* data, uint64_t bytes) {
+  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t start = reinterpret_cast<uint64_t>(data);
+  const uint64_t begin = (start + page - 1) / page * page;
+  const uint64_t end = (start + bytes) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
 
 // The SSD-PS index in 10 bytes a slot instead of 12: the same contract as
 // KeyIndex (exact; kNone is never a value), for the index that holds every key
@@ -336,6 +351,12 @@ class CompactKeyIndex {
       while (grown.slots[i].value != kNone) i = (i + 1) & grown.mask;
       grown.slots[i] = s->slots[j];
     }
+    // Shards grow in whichever thread puts (a write-back, a checkpoint's
+    // flush), so their arrays come from several malloc arenas, and a freed one
+    // is a hole that only its own arena reuses: W12's job held ~1.5x the
+    // index's bytes and was OOM-killed at 8 GiB as the shards doubled near
+    // 107M keys. The old array's pages go back to the OS before it is freed.
+    ReleaseWholePages(s->slots.get(), s->capacity() * sizeof(Slot));
     *s = std::move(grown);
   }
 

@@ -4,7 +4,11 @@
 // share a shard, a home slot, or all but a few bits of their hashes.
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <unordered_map>
 #include <vector>
@@ -146,7 +150,9 @@ TYPED_TEST(KeyIndexTest, MatchesAMapThroughGrowthAndErases) {
   ASSERT_EQ(index.size(), want.size());
   for (const auto& [key, value] : want) ASSERT_EQ(index.Find(key), value);
   for (uint64_t key : pool) {
-    if (!want.count(key)) ASSERT_EQ(index.Find(key), TypeParam::kNone);
+    if (!want.count(key)) {
+      ASSERT_EQ(index.Find(key), TypeParam::kNone);
+    }
   }
 }
 
@@ -166,6 +172,38 @@ TEST(CompactKeyIndex, TakesTenBytesASlot) {
   EXPECT_LE(per_key, 10.0 / 0.4 + 1.0);
   EXPECT_LT(compact.memory_bytes(), wide.memory_bytes() * 10 / 12 + (uint64_t{3} << 20));
   EXPECT_EQ(sizeof(CompactKeyIndex::Slot), 10u);
+}
+
+// A growth's old array leaves memory (its whole pages), not just malloc's
+// free list: shards grow in whichever thread puts, and a hole in another
+// thread's arena stayed resident (W12's job: OOM-killed at 8 GiB).
+TEST(ReleaseWholePages, LeavesOnlyThePartialPagesAtTheEndsResident) {
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t pages = 16;
+  void* raw = mmap(nullptr, pages * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(raw, MAP_FAILED);
+  char* base = static_cast<char*>(raw);
+  std::memset(base, 7, pages * page);
+  auto resident = [&] {
+    std::vector<unsigned char> in(pages);
+    EXPECT_EQ(mincore(base, pages * page, in.data()), 0);
+    std::vector<int> out;
+    for (unsigned char c : in) out.push_back(c & 1);
+    return out;
+  };
+  EXPECT_EQ(resident(), std::vector<int>(pages, 1));
+  // An "array" from 100 bytes into page 2 to 100 bytes into page 12: pages
+  // 3-11 are whole; 2 and 12 are partial and stay, as do the pages around.
+  ReleaseWholePages(base + 2 * page + 100, 10 * page);
+  std::vector<int> want(pages, 1);
+  for (uint64_t p = 3; p < 12; ++p) want[p] = 0;
+  EXPECT_EQ(resident(), want);
+  EXPECT_EQ(base[2 * page + 99], 7);  // the partial pages keep their bytes
+  EXPECT_EQ(base[12 * page + 99], 7);
+  EXPECT_EQ(base[5 * page], 0);  // a released page reads as zeros
+  ReleaseWholePages(base + 100, page - 200);  // less than a page: nothing
+  EXPECT_EQ(base[100], 7);
+  munmap(raw, pages * page);
 }
 
 TEST(CompactKeyIndex, RefusesTheEmptyMarkerAsAValue) {
