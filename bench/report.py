@@ -478,6 +478,15 @@ def render_w7(o: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ W12
+def w12_memory_verdict(o: dict) -> str:
+    """"yes", or NO with the OOM kills the cgroup counted in each process of the job."""
+    kills = [(p.get("phase"), (p.get("cgroup") or {}).get("oom_control.oom_kill", 0) +
+              (p.get("cgroup") or {}).get("events.oom_kill", 0)) for p in o.get("phases") or []]
+    if any(k for _, k in kills):
+        return "NO: the kernel killed it for memory (" + ", ".join(f"{name} run: {k}" for name, k in kills if k) + ")"
+    return "yes" if o.get("within_memory_limit") else "NO"
+
+
 def render_w12(o: dict) -> list[str]:
     plan, mem, io, dev = o["plan"], o.get("memory") or {}, o.get("io") or {}, o.get("device_limits") or {}
     cpu = o.get("cpu") or {}
@@ -505,7 +514,7 @@ def render_w12(o: dict) -> list[str]:
              if v.get("returncode") == 0 else f"FAILED: {str(v.get('error', ''))[-200:]}"],
             ["disk / live, max over the run (limit 2)", f"{num(o.get('space_amplification_max'), '.2f')}; at the end "
                                                         f"{num(o.get('space_amplification_end'), '.2f')}"],
-            ["within the memory limit", "yes" if o.get("within_memory_limit") else "NO"]]
+            ["within the memory limit", w12_memory_verdict(o)]]
     out += table(["check", "result"], rows) + [""]
     rows = [["examples/s over the job (the kill, restart and skip included)",
              num(o.get("examples_per_s_overall"), ",.0f")],

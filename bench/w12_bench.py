@@ -472,6 +472,9 @@ def main(argv=None) -> int:
     first, resumed = phases
     out["phases"] = [{k: v for k, v in p.items() if k != "result"} for p in phases]
     out["killed"] = "killed" in first and first["returncode"] == -signal.SIGKILL
+    # The kernel's OOM kills in the cgroup (SIGKILL too, so not told apart by the return code).
+    out["oom_kills"] = sum(p.get("cgroup", {}).get("oom_control.oom_kill", 0) +
+                           p.get("cgroup", {}).get("events.oom_kill", 0) for p in phases)
     out["finished"] = resumed["returncode"] == 0 and summary is not None
     out["wall_seconds"] = wall
     if summary is not None:
@@ -524,7 +527,8 @@ def main(argv=None) -> int:
             "cgroup_anon_max_sampled_bytes": out.get("cgroup_anon_max_sampled_bytes"),
         }
         peak = max(out["rss_peak_bytes"], out.get("cgroup_peak_bytes", 0))
-        out["within_memory_limit"] = out["memory_limit"] is None or peak <= out["memory_limit"]
+        out["within_memory_limit"] = (out["memory_limit"] is None or peak <= out["memory_limit"]) and \
+            not out["oom_kills"]
     out["provenance"] = provenance()
     line = json.dumps(out)
     print(line)

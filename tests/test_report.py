@@ -401,6 +401,13 @@ def test_w12_table_has_the_checks_rates_io_and_memory_by_component(tree):
     write_lines(tree / "results" / "w12.jsonl", w12_line(finished=False))
     assert run(tree) == 0
     assert "| finished | NO |" in region((tree / "benchmarks.md").read_text(), "w12")
+    # An OOM kill (a SIGKILL too) is named from the cgroup's counter, whatever the peaks say.
+    oom = w12_line()
+    oom["phases"][0]["cgroup"] = {"oom_control.oom_kill": 1}
+    write_lines(tree / "results" / "w12.jsonl", oom)
+    assert run(tree) == 0
+    assert "| within the memory limit | NO: the kernel killed it for memory (first run: 1) |" in \
+        region((tree / "benchmarks.md").read_text(), "w12")
 
 
 # Quick lines as bench/ssd_store.sh --quick --stores hps,rocksdb_tuned and

@@ -72,5 +72,6 @@ def test_w12_quick_runs_inside_its_memory_cgroup(w12):
     assert w12["memory_cgroup"]["path"]
     assert 0 < w12["cgroup_peak_bytes"] <= w12["memory_limit"]
     assert w12["within_memory_limit"]
+    assert w12["oom_kills"] == 0
     for phase in w12["phases"]:
         assert not phase["cgroup"].get("oom_control.oom_kill") and not phase["cgroup"].get("events.oom_kill")
