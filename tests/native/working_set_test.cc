@@ -15,6 +15,7 @@
 #include "hps/hash_table.h"
 #include "hps/mem_cache.h"
 #include "hps/working_set.h"
+#include "row_store.h"
 
 namespace hps {
 namespace {
@@ -28,44 +29,8 @@ SparseOptimizer AdaGrad(int32_t dim) {
   return o;
 }
 
-// MEM-PS over a map standing in for SSD-PS: misses read it (else the initial
-// row), evictions and flushes write it.
-struct RowStore {
-  explicit RowStore(SparseOptimizer o) : opt(o) {}
-  SparseOptimizer opt;
-  std::mutex mutex;
-  std::map<uint64_t, std::vector<float>> stored;
+using test_support::RowStore;
 
-  std::unique_ptr<MemCache> Cache(uint64_t capacity) {
-    MemCacheOptions o;
-    o.row_bytes = static_cast<uint32_t>(opt.row_floats() * sizeof(float));
-    o.capacity = capacity;
-    o.shards = 2;
-    const uint32_t width = static_cast<uint32_t>(opt.row_floats());
-    return MemCache::New(
-        o,
-        [this, width](const uint64_t* keys, uint64_t n, uint8_t* rows, uint8_t* dirty) {
-          std::lock_guard lock(mutex);
-          for (uint64_t i = 0; i < n; ++i) {
-            float* row = reinterpret_cast<float*>(rows) + i * width;
-            const auto it = stored.find(keys[i]);
-            if (it == stored.end()) {
-              opt.initial_rows(keys + i, 1, row);
-            } else {
-              std::memcpy(row, it->second.data(), width * sizeof(float));
-            }
-            dirty[i] = 0;
-          }
-        },
-        [this, width](const uint64_t* keys, uint64_t n, const uint8_t* rows) {
-          std::lock_guard lock(mutex);
-          for (uint64_t i = 0; i < n; ++i) {
-            const float* row = reinterpret_cast<const float*>(rows) + i * width;
-            stored[keys[i]].assign(row, row + width);
-          }
-        });
-  }
-};
 
 std::vector<float> CachedRows(MemCache& cache, const std::vector<uint64_t>& keys) {
   std::vector<float> rows(keys.size() * cache.row_bytes() / sizeof(float));
