@@ -480,8 +480,12 @@ def render_w7(o: dict) -> list[str]:
 # ------------------------------------------------------------------ W12
 def w12_memory_verdict(o: dict) -> str:
     """"yes", or NO with the OOM kills the cgroup counted in each process of the job."""
-    kills = [(p.get("phase"), (p.get("cgroup") or {}).get("oom_control.oom_kill", 0) +
-              (p.get("cgroup") or {}).get("events.oom_kill", 0)) for p in o.get("phases") or []]
+    kills, before = [], 0
+    for p in o.get("phases") or []:  # the processes share one cgroup: its counter adds up over them
+        cg = p.get("cgroup") or {}
+        total = cg.get("oom_control.oom_kill", 0) + cg.get("events.oom_kill", 0)
+        kills.append((p.get("phase"), total - before))
+        before = total
     if any(k for _, k in kills):
         return "NO: the kernel killed it for memory (" + ", ".join(f"{name} run: {k}" for name, k in kills if k) + ")"
     return "yes" if o.get("within_memory_limit") else "NO"
@@ -505,8 +509,13 @@ def render_w12(o: dict) -> list[str]:
     v = o.get("verify") or {}
     rows = [["finished", "yes" if o.get("finished") else "NO"],
             ["SIGKILL", f"{killed.get('moment', 'none')}, {killed.get('seconds', 0):,.0f} s into the run; resumed "
-                        f"from {o.get('examples_at_resume', 0):,} examples"
-             if o.get("killed") else "NO (the job was not killed)"],
+                        f"from its last checkpoint (the killed run's last eval entry: "
+                        f"{o.get('examples_at_resume', 0):,} examples)"
+             if o.get("killed") else
+             f"not sent: the kernel killed the first run for memory {first.get('seconds', 0):,.0f} s in; resumed "
+             f"from its last checkpoint (the killed run's last eval entry: {o.get('examples_at_resume', 0):,} examples)"
+             if first.get("returncode") == -9 and "NO: the kernel" in w12_memory_verdict(o)
+             else "NO (the job was not killed)"],
             ["examples trained / planned", f"{o.get('examples_trained', 0):,} / {plan['examples']:,}"],
             ["final checkpoint reopened", f"{v.get('from_ssd', 0):,} of the first batch's "
                                           f"{v.get('first_batch_keys', 0):,} keys from SSD-PS, "

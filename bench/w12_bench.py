@@ -404,6 +404,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    prov = provenance()
     examples = args.examples or plan_examples(args.keys, args.zipf_a, args.vocab, args.batch_size)
     batches = -(-examples // args.batch_size)
     expected = expected_distinct(examples, args.zipf_a, args.vocab)
@@ -473,7 +474,8 @@ def main(argv=None) -> int:
     out["phases"] = [{k: v for k, v in p.items() if k != "result"} for p in phases]
     out["killed"] = "killed" in first and first["returncode"] == -signal.SIGKILL
     # The kernel's OOM kills in the cgroup (SIGKILL too, so not told apart by the return code).
-    out["oom_kills"] = sum(p.get("cgroup", {}).get("oom_control.oom_kill", 0) +
+    # The processes share one cgroup, whose counter adds up over them.
+    out["oom_kills"] = max(p.get("cgroup", {}).get("oom_control.oom_kill", 0) +
                            p.get("cgroup", {}).get("events.oom_kill", 0) for p in phases)
     out["finished"] = resumed["returncode"] == 0 and summary is not None
     out["wall_seconds"] = wall
@@ -529,7 +531,7 @@ def main(argv=None) -> int:
         peak = max(out["rss_peak_bytes"], out.get("cgroup_peak_bytes", 0))
         out["within_memory_limit"] = (out["memory_limit"] is None or peak <= out["memory_limit"]) and \
             not out["oom_kills"]
-    out["provenance"] = provenance()
+    out["provenance"] = prov  # taken at the start: the code the job ran
     line = json.dumps(out)
     print(line)
     path = args.out or os.path.join(HERE, "results", f"w12-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -538,7 +540,8 @@ def main(argv=None) -> int:
     if summary is not None:
         log(f"{out['examples_trained']:,} examples, {out['distinct_keys']:,} keys; "
             f"{out['examples_per_s_overall']:,.0f} examples/s overall; hit rate "
-            f"{out['mem_hit_rate_resumed_run']:.3f}; peak RSS {out['rss_peak_bytes'] / GiB:.2f} GiB, cgroup {out.get('cgroup_peak_bytes', 0) / GiB:.2f} GiB; "
+            f"{out['mem_hit_rate_resumed_run']:.3f}; peak RSS {out['rss_peak_bytes'] / GiB:.2f} GiB, cgroup "
+            f"{out.get('cgroup_peak_bytes', 0) / GiB:.2f} GiB; "
             f"disk <= {out['space_amplification_max']:.2f}x live; written to {path}")
     if not args.keep_data:
         shutil.rmtree(os.path.join(args.dir, "ps"), ignore_errors=True)
