@@ -1,0 +1,14 @@
+"""hps.hierarchical: Hierarchical Training (HT, KDD 2021) on hps's MPI layer.
+
+HT replaces each data-parallel trainer by a group of nodes sharing one dense
+replica; groups average with a centre in the background (EASGD), the heavy FC
+layers are split over the group's parameter servers, and traffic is compressed.
+
+The package by concern: :mod:`~hps.hierarchical.codecs` (bf16, int8 per row,
+top-k with error feedback; bytes counted per traffic kind).
+"""
+from hps.hierarchical.codecs import (TRAFFIC_KINDS, BFloat16, ByteCounter, Codec, Encoded, Int8RowScale, NoCodec,
+                                     TopK, make_codec)
+
+__all__ = ["TRAFFIC_KINDS", "BFloat16", "ByteCounter", "Codec", "Encoded", "Int8RowScale", "NoCodec", "TopK",
+           "make_codec"]

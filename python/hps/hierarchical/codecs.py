@@ -1,0 +1,252 @@
+"""Compression codecs for Hierarchical Training's traffic (KDD 2021, section 4.3).
+
+Each codec turns a float32 array into a :class:`Encoded` payload and back:
+
+  ``none``   float32 as is (4 bytes a value; exact).
+  ``bf16``   bfloat16, the top 16 bits of each float32 rounded to nearest even
+             (2 bytes a value). Error bound: |x - x'| <= 2**-8 |x| for every finite
+             x whose rounding stays below float32's largest value (NaN stays NaN,
+             +-inf stays +-inf).
+  ``int8``   one signed byte a value with one float32 scale a row (the last axis):
+             scale = max|row| / 127, q = round(x / scale). Error bound:
+             |x - x'| <= scale / 2 = max|row| / 254 (a zero row is exact). Non-finite
+             values are refused (they have no scale).
+  ``topk``   top-k sparsification with error feedback: the stream adds the residual
+             it kept from the previous step, sends the k = ceil(ratio * size) values
+             of largest magnitude (int32 index + float32 value, 8 bytes each) and keeps
+             the rest as the next residual. Exactly: decode(encode(g)) + new residual
+             == g + old residual, bit for bit. A TopK object is one stream: use one per
+             tensor that is sent every step.
+
+Traffic kinds (what HT sends): ``activations`` (forward, trainer <-> group PS),
+``gradients`` (backward), ``averaging`` (dense EASGD exchange with the centre),
+``sparse_rows`` and ``sparse_grads`` (embedding rows between ranks).
+:class:`ByteCounter` counts the bytes of each kind before and after its codec.
+
+>>> import numpy as np
+>>> c = make_codec("int8")
+>>> x = np.array([[1.0, -0.5, 0.25]], np.float32)
+>>> enc = c.encode(x); enc.nbytes, x.nbytes
+(7, 12)
+>>> bool(np.all(np.abs(c.decode(enc) - x) <= 1.0 / 254))
+True
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["TRAFFIC_KINDS", "Encoded", "Codec", "NoCodec", "BFloat16", "Int8RowScale", "TopK", "ByteCounter",
+           "make_codec"]
+
+TRAFFIC_KINDS = ("activations", "gradients", "averaging", "sparse_rows", "sparse_grads")
+
+
+@dataclass
+class Encoded:
+    """A codec's payload: what crosses the network. `arrays` are the buffers sent;
+    `shape` the decoded array's shape."""
+    codec: str
+    shape: tuple
+    arrays: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.arrays))
+
+
+def _check_input(x, who: str, what: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{who}: {what} must be a numpy array, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise TypeError(f"{who}: {what} must be float32, got {x.dtype}")
+    return x
+
+
+def _check_payload(enc: Encoded, name: str, count: int) -> None:
+    if not isinstance(enc, Encoded):
+        raise TypeError(f"{name}.decode: expected an Encoded payload, got {type(enc).__name__}")
+    if enc.codec != name:
+        raise ValueError(f"{name}.decode: the payload was encoded by {enc.codec!r}")
+    if len(enc.arrays) != count:
+        raise ValueError(f"{name}.decode: a payload of {len(enc.arrays)} arrays, expected {count}")
+
+
+class Codec:
+    """Encodes float32 arrays for the network and decodes them back."""
+    name = "codec"
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        raise NotImplementedError
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class NoCodec(Codec):
+    name = "none"
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        x = _check_input(x, self.name, "x")
+        return Encoded(self.name, x.shape, (np.ascontiguousarray(x),))
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        _check_payload(enc, self.name, 1)
+        (a,) = enc.arrays
+        if a.dtype != np.float32 or a.size != math.prod(enc.shape):
+            raise ValueError(f"none.decode: {a.size} values of {a.dtype} for shape {enc.shape}")
+        return a.reshape(enc.shape)
+
+
+class BFloat16(Codec):
+    name = "bf16"
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        x = _check_input(x, self.name, "x")
+        bits = np.ascontiguousarray(x).view(np.uint32)
+        # Round to nearest, ties to even, on the 16 bits dropped; NaN keeps a quiet NaN
+        # (the rounding could carry a NaN's payload into the infinity pattern).
+        rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+        out = (rounded >> np.uint32(16)).astype(np.uint16)
+        nan = np.isnan(x)
+        if nan.any():
+            out[nan] = np.uint16(0x7FC0)
+        return Encoded(self.name, x.shape, (out,))
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        _check_payload(enc, self.name, 1)
+        (a,) = enc.arrays
+        if a.dtype != np.uint16 or a.size != math.prod(enc.shape):
+            raise ValueError(f"bf16.decode: {a.size} values of {a.dtype} for shape {enc.shape} (expected uint16)")
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(enc.shape)
+
+
+class Int8RowScale(Codec):
+    name = "int8"
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        x = _check_input(x, self.name, "x")
+        if x.ndim == 0:
+            raise ValueError("int8.encode: x must have at least one axis (rows run along the last), got a scalar")
+        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1]) if x.size else x.reshape(-1, max(1, x.shape[-1]))
+        if rows.size and not np.isfinite(rows).all():
+            bad = int(np.nonzero(~np.isfinite(rows).all(axis=1))[0][0])
+            raise ValueError(f"int8.encode: row {bad} holds a non-finite value (no scale can represent it)")
+        amax = np.abs(rows).max(axis=1) if rows.size else np.zeros(len(rows), np.float32)
+        scale = (amax / np.float32(127)).astype(np.float32)
+        safe = np.where(scale > 0, scale, np.float32(1))
+        q = np.clip(np.rint(rows / safe[:, None]), -127, 127).astype(np.int8)
+        return Encoded(self.name, x.shape, (q, scale))
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        _check_payload(enc, self.name, 2)
+        q, scale = enc.arrays
+        if q.dtype != np.int8 or scale.dtype != np.float32:
+            raise ValueError(f"int8.decode: expected int8 values and float32 scales, got {q.dtype}, {scale.dtype}")
+        if q.ndim != 2 or scale.shape != (q.shape[0],) or q.size != math.prod(enc.shape):
+            raise ValueError(f"int8.decode: values {q.shape} and scales {scale.shape} do not make shape {enc.shape}")
+        return (q.astype(np.float32) * scale[:, None]).reshape(enc.shape)
+
+
+class TopK(Codec):
+    """One stream of top-k sparsification with error feedback (see the module's
+    docstring). `ratio` in (0, 1]: the share of values sent each step."""
+    name = "topk"
+
+    def __init__(self, ratio: float):
+        if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
+            raise ValueError(f"topk: ratio must be in (0, 1], got {ratio!r}")
+        self.ratio = float(ratio)
+        self.residual: Optional[np.ndarray] = None
+
+    def __repr__(self) -> str:
+        return f"topk:{self.ratio:g}"
+
+    def k_of(self, size: int) -> int:
+        return min(size, max(1, math.ceil(self.ratio * size))) if size else 0
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        x = _check_input(x, self.name, "x")
+        flat = x.reshape(-1)
+        if self.residual is None:
+            self.residual = np.zeros_like(flat)
+        elif self.residual.shape != flat.shape:
+            raise ValueError(f"topk.encode: this stream carries a residual of {self.residual.size} values, got "
+                             f"an array of shape {x.shape} ({flat.size} values); use one TopK per tensor")
+        acc = flat + self.residual
+        k = self.k_of(acc.size)
+        if k == acc.size:
+            idx = np.arange(acc.size, dtype=np.int64)
+        else:
+            idx = np.argpartition(np.abs(acc), acc.size - k)[acc.size - k:]
+            idx.sort()
+        values = acc[idx]
+        acc[idx] = 0.0
+        self.residual = acc
+        return Encoded(self.name, x.shape, (idx.astype(np.int32), values.astype(np.float32)))
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        _check_payload(enc, self.name, 2)
+        idx, values = enc.arrays
+        size = math.prod(enc.shape)
+        if idx.dtype != np.int32 or values.dtype != np.float32 or idx.shape != values.shape:
+            raise ValueError(f"topk.decode: expected int32 indices and float32 values of one length, got "
+                             f"{idx.dtype}{idx.shape}, {values.dtype}{values.shape}")
+        if len(idx) and (idx.min() < 0 or idx.max() >= size):
+            raise ValueError(f"topk.decode: an index outside [0, {size}) for shape {enc.shape}")
+        out = np.zeros(size, np.float32)
+        out[idx] = values
+        return out.reshape(enc.shape)
+
+
+def make_codec(spec: str) -> Codec:
+    """A codec from its config name: "none", "bf16", "int8" or "topk:RATIO"."""
+    if not isinstance(spec, str):
+        raise TypeError(f"codec must be a string ('none', 'bf16', 'int8', 'topk:0.1'), got {spec!r}")
+    name, _, arg = spec.partition(":")
+    if name == "topk":
+        try:
+            ratio = float(arg)
+        except ValueError:
+            raise ValueError(f"codec {spec!r}: topk needs a ratio, e.g. 'topk:0.1'") from None
+        return TopK(ratio)
+    if arg:
+        raise ValueError(f"codec {spec!r}: {name} takes no argument")
+    known = {"none": NoCodec, "bf16": BFloat16, "int8": Int8RowScale}
+    if name not in known:
+        raise ValueError(f"unknown codec {spec!r}; known: none, bf16, int8, topk:RATIO")
+    return known[name]()
+
+
+@dataclass
+class ByteCounter:
+    """Bytes per traffic kind before (float32) and after its codec. Thread-safe."""
+    before: dict = field(default_factory=lambda: {k: 0 for k in TRAFFIC_KINDS})
+    after: dict = field(default_factory=lambda: {k: 0 for k in TRAFFIC_KINDS})
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, raw: int, sent: int) -> None:
+        if kind not in self.before:
+            raise ValueError(f"unknown traffic kind {kind!r}; known: {', '.join(TRAFFIC_KINDS)}")
+        with self._lock:
+            self.before[kind] += int(raw)
+            self.after[kind] += int(sent)
+
+    def encode(self, codec: Codec, kind: str, x: np.ndarray) -> Encoded:
+        """codec.encode(x), counted under `kind`."""
+        enc = codec.encode(x)
+        self.add(kind, x.nbytes, enc.nbytes)
+        return enc
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {k: {"before": self.before[k], "after": self.after[k]} for k in TRAFFIC_KINDS}
