@@ -5,10 +5,12 @@ replica; groups average with a centre in the background (EASGD), the heavy FC
 layers are split over the group's parameter servers, and traffic is compressed.
 
 The package by concern: :mod:`~hps.hierarchical.codecs` (bf16, int8 per row,
-top-k with error feedback; bytes counted per traffic kind).
+top-k with error feedback; bytes counted per traffic kind), :mod:`~hps.hierarchical.easgd`
+(the elastic update between group replicas and a centre).
 """
 from hps.hierarchical.codecs import (TRAFFIC_KINDS, BFloat16, ByteCounter, Codec, Encoded, Int8RowScale, NoCodec,
                                      TopK, make_codec)
+from hps.hierarchical.easgd import Easgd, EasgdConfig
 
-__all__ = ["TRAFFIC_KINDS", "BFloat16", "ByteCounter", "Codec", "Encoded", "Int8RowScale", "NoCodec", "TopK",
-           "make_codec"]
+__all__ = ["TRAFFIC_KINDS", "BFloat16", "ByteCounter", "Codec", "Easgd", "EasgdConfig", "Encoded", "Int8RowScale",
+           "NoCodec", "TopK", "make_codec"]
