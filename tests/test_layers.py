@@ -30,6 +30,7 @@ PUBLIC_LAYER = {
     "backing_store.h": "ps",
     "working_set.h": "ps",
     "herald.h": "ps",
+    "topology.h": "ps",
 }
 
 SOURCE_SUFFIXES = {".h", ".cc", ".cu", ".cuh", ".in"}

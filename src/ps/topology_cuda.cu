@@ -1,0 +1,143 @@
+// The CUDA executor of include/hps/topology.h: the host executor's schedule
+// with cudaMemcpyPeerAsync. Built only when HPS_CUDA finds nvcc; topology.cc
+// holds the stand-in that says CUDA is absent.
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "hps/topology.h"
+
+namespace hps {
+namespace {
+
+void Check(cudaError_t status, const char* what, const char* file, int line) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what + ": " +
+                             cudaGetErrorString(status));
+  }
+}
+#define HPS_CUDA_TRY(call) Check((call), #call, __FILE__, __LINE__)
+
+// Device memory freed on scope exit, on its own device.
+struct DeviceBuffer {
+  int device = 0;
+  void* ptr = nullptr;
+  DeviceBuffer(int dev, size_t n) : device(dev) {
+    HPS_CUDA_TRY(cudaSetDevice(dev));
+    if (n > 0) HPS_CUDA_TRY(cudaMalloc(&ptr, n));
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr) {
+      cudaSetDevice(device);
+      cudaFree(ptr);
+    }
+  }
+};
+
+}  // namespace
+
+bool CudaExecutorAvailable() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<int32_t>& gpu_ids,
+                        const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv) {
+  const size_t e = send.size();
+  if (recv.size() != e || gpu_ids.size() != e || bytes.size() != e * e || plan.routes.size() != e * e)
+    throw std::invalid_argument("CUDA executor: " + std::to_string(send.size()) + " send, " +
+                                std::to_string(recv.size()) + " receive buffers, " + std::to_string(gpu_ids.size()) +
+                                " GPUs, " + std::to_string(bytes.size()) + " matrix entries and " +
+                                std::to_string(plan.routes.size()) + " routes do not describe one E x E exchange");
+  std::vector<uint64_t> send_off(e * e, 0), recv_off(e * e, 0);
+  for (size_t s = 0; s < e; ++s)
+    for (size_t d = 1; d < e; ++d) send_off[s * e + d] = send_off[s * e + d - 1] + bytes[s * e + d - 1];
+  for (size_t d = 0; d < e; ++d)
+    for (size_t s = 1; s < e; ++s) recv_off[s * e + d] = recv_off[(s - 1) * e + d] + bytes[(s - 1) * e + d];
+  // A relay stages on its middleman; a host route stages in pinned host memory.
+  std::vector<uint64_t> need(e, 0), stage_off(e * e, 0);
+  uint64_t host_need = 0;
+  for (size_t i = 0; i < e * e; ++i) {
+    const Route& r = plan.routes[i];
+    if (bytes[i] == 0 || i / e == i % e) continue;
+    if (r.kind == RouteKind::kNone)
+      throw std::invalid_argument("CUDA executor: pair (" + std::to_string(i / e) + ", " + std::to_string(i % e) +
+                                  ") has bytes but no route");
+    if (r.kind == RouteKind::kRelay) {
+      stage_off[i] = need[r.via];
+      need[r.via] += bytes[i];
+    } else if (r.kind == RouteKind::kHost) {
+      stage_off[i] = host_need;
+      host_need += bytes[i];
+    }
+  }
+  std::vector<std::unique_ptr<DeviceBuffer>> stage;
+  for (size_t m = 0; m < e; ++m) stage.push_back(std::make_unique<DeviceBuffer>(gpu_ids[m], need[m]));
+  uint8_t* host_stage = nullptr;
+  if (host_need > 0) HPS_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&host_stage), host_need));
+  std::vector<cudaStream_t> streams(e);
+  for (size_t s = 0; s < e; ++s) {
+    HPS_CUDA_TRY(cudaSetDevice(gpu_ids[s]));
+    HPS_CUDA_TRY(cudaStreamCreateWithFlags(&streams[s], cudaStreamNonBlocking));
+  }
+  ExecStats st;
+  st.phase_seconds.assign(2, 0);
+  try {
+    using Clock = std::chrono::steady_clock;
+    for (int ph = 0; ph < 2; ++ph) {
+      const auto t0 = Clock::now();
+      for (size_t i = 0; i < e * e; ++i) {
+        const size_t s = i / e, d = i % e;
+        const uint64_t b = bytes[i];
+        if (b == 0) continue;
+        const Route& r = plan.routes[i];
+        const RouteKind k = s == d ? RouteKind::kDirect : r.kind;
+        const uint8_t* from = send[s] + send_off[i];
+        uint8_t* to = recv[d] + recv_off[i];
+        // Phase 2 runs on the stream of the device that holds the staged rows.
+        if (k == RouteKind::kDirect) {
+          if (ph == 0) HPS_CUDA_TRY(cudaMemcpyPeerAsync(to, gpu_ids[d], from, gpu_ids[s], b, streams[s]));
+        } else if (k == RouteKind::kRelay) {
+          uint8_t* buf = static_cast<uint8_t*>(stage[r.via]->ptr) + stage_off[i];
+          if (ph == 0) {
+            HPS_CUDA_TRY(cudaMemcpyPeerAsync(buf, gpu_ids[r.via], from, gpu_ids[s], b, streams[s]));
+          } else {
+            HPS_CUDA_TRY(cudaMemcpyPeerAsync(to, gpu_ids[d], buf, gpu_ids[r.via], b, streams[r.via]));
+            st.staged_bytes += b;
+          }
+        } else {
+          uint8_t* buf = host_stage + stage_off[i];
+          if (ph == 0) {
+            HPS_CUDA_TRY(cudaSetDevice(gpu_ids[s]));
+            HPS_CUDA_TRY(cudaMemcpyAsync(buf, from, b, cudaMemcpyDeviceToHost, streams[s]));
+          } else {
+            HPS_CUDA_TRY(cudaSetDevice(gpu_ids[d]));
+            HPS_CUDA_TRY(cudaMemcpyAsync(to, buf, b, cudaMemcpyHostToDevice, streams[d]));
+            st.staged_bytes += b;
+          }
+        }
+        if (ph == 0 || k != RouteKind::kDirect) st.bytes_copied += b;
+      }
+      // The phases meet here: every stream drains before the second legs start.
+      for (size_t s = 0; s < e; ++s) HPS_CUDA_TRY(cudaStreamSynchronize(streams[s]));
+      st.phase_seconds[ph] = std::chrono::duration<double>(Clock::now() - t0).count();
+      st.seconds += st.phase_seconds[ph];
+    }
+  } catch (...) {
+    for (size_t s = 0; s < e; ++s) cudaStreamDestroy(streams[s]);
+    if (host_stage) cudaFreeHost(host_stage);
+    throw;
+  }
+  for (size_t s = 0; s < e; ++s) cudaStreamDestroy(streams[s]);
+  if (host_stage) cudaFreeHost(host_stage);
+  return st;
+}
+
+}  // namespace hps
