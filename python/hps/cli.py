@@ -1,4 +1,5 @@
-"""The `hps` command: `hps train --config FILE.toml`, `hps demo`."""
+"""The `hps` command: `hps train --config FILE.toml`, `hps demo`, and for a job's
+directory `hps inspect`, `hps export`, `hps serve` (docs/serving.md)."""
 from __future__ import annotations
 
 import argparse
@@ -138,6 +139,13 @@ def cmd_demo(a) -> int:
     return 0
 
 
+def cmd_inspect(a) -> int:
+    from hps.jobdir import format_report, inspect
+    report = inspect(a.path, verify=a.verify)
+    print(json.dumps(report) if a.json else format_report(report))
+    return 1 if a.verify and not report["verify"]["ok"] else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hps", description="hps: a hierarchical parameter server for CTR models")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -148,10 +156,15 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="train on synthetic data through all three tiers and write a report")
     d.add_argument("--report", help="report directory (default: <path>/report)")
     _add_common(d)
+    i = sub.add_parser("inspect", help="what a job directory holds; --verify checks every file's checksums")
+    i.add_argument("path", help="the job's path ([ps] path)")
+    i.add_argument("--verify", action="store_true", help="check every checkpoint's files (reads them all)")
+    i.add_argument("--json", action="store_true", help="one JSON object instead of the summary")
     a = ap.parse_args(argv)
+    commands = {"train": cmd_train, "demo": cmd_demo, "inspect": cmd_inspect}
     from hps.errors import HpsError
     try:
-        return cmd_train(a) if a.command == "train" else cmd_demo(a)
+        return commands[a.command](a)
     except (ValueError, FileNotFoundError) as e:  # the config, the paths, the data
         print(f"hps {a.command}: {e}", file=sys.stderr)
         return 2

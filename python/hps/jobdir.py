@@ -1,0 +1,506 @@
+"""Reading a job directory without disturbing the job that writes it.
+
+A job directory is what ``hps train`` (or a ParameterServer) leaves at its path:
+one parameter server (``hps-parameter-server.json``, ``ssd/``, ``checkpoints/N/``),
+or under mpiexec ``job.json`` and one such server per rank in ``rank<r>/``
+(hps.parameter_server and hps.train describe both). The readers here (``hps
+inspect``, ``hps export``, ``hps.Lookup``) only ever read finished checkpoints:
+
+- The checkpoint to read is the one the job names: ``job.json``'s ``checkpoint``
+  in a job (every rank finished it), else the metadata's. A checkpoint directory
+  never changes once renamed into place; training only deletes it whole, once a
+  later one is named.
+- ``pin()`` takes a private view of it: hard links to the parameter files its
+  MANIFEST lists (immutable, so a link is an exact copy that outlives the
+  checkpoint's deletion) and copies of its MANIFEST and STORE marker, in
+  ``<path>/.hps-readers/<pid>-<id>/rank<r>/``. If training deletes the checkpoint
+  while the links are made (a missing file or MANIFEST), pin starts over from the
+  checkpoint the job names then. So the view is always one whole checkpoint of
+  every rank, never a mix and never a half-written one.
+- An ``SsdStore`` opened on a private view reads it with every check of its own
+  (docs/ssd_format.md); what it may change there (its MANIFEST, stray files) is
+  the view's, never the job's.
+
+Views a crashed reader left behind are removed by the next pin (their process is
+gone); ``View.close()`` removes its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from hps.parameter_server import CHECKPOINTS, FORMAT_VERSION, METADATA, ParameterServerConfig
+
+JOB_MANIFEST = "job.json"       # hps.train's, in a job's root
+READERS = ".hps-readers"        # the private views, in the job's root
+EXPORTS = "exports"             # the export consumers' positions, in the job's root
+STORE_DIR = "ssd"
+MANIFEST = "MANIFEST"
+MARKER = "STORE"
+TRAINER_STATE = "trainer-state.pt"
+FILE_SUFFIX = ".hpf"
+HEADER = struct.Struct("<8sIIQQIIII")  # magic, version, row_bytes, sequence, records, 4 CRCs
+MAGIC = b"HPSPARAM"
+BLOCK = 4096
+
+
+# ---------------------------------------------------------------- CRC-32C and the MANIFEST
+
+def _crc_table() -> list:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C of short data (MANIFEST records, headers); the bulk checks run native."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c = _CRC_TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def replay_manifest(data: bytes, where: str = MANIFEST) -> dict:
+    """{sequence: records} of the files live at the MANIFEST's last commit record
+    (docs/ssd_format.md, "Manifest"). A bad record ends the replay, as a torn
+    tail does natively; a damaged log is the native open's to report."""
+    live: dict = {}
+    pending: dict = {}
+    at = 0
+    while at + 8 <= len(data):
+        length, crc = struct.unpack_from("<II", data, at)
+        if not 1 <= length <= 17 or at + 8 + length > len(data):
+            break
+        payload = data[at + 8: at + 8 + length]
+        if crc32c(payload) != crc:
+            break
+        kind = payload[0]
+        if kind == 1 and length == 17:
+            seq, records = struct.unpack_from("<QQ", payload, 1)
+            pending[seq] = records
+        elif kind == 2 and length == 9:
+            pending.pop(struct.unpack_from("<Q", payload, 1)[0], None)
+        elif kind == 3 and length == 1:
+            live = dict(pending)
+        else:
+            raise ValueError(f"{where}: record at byte {at}: unknown type {kind} of length {length}")
+        at += 8 + length
+    return live
+
+
+def encode_manifest(files: dict) -> bytes:
+    """A MANIFEST that adds `files` ({sequence: records}) and commits."""
+    out = bytearray()
+    payloads = [struct.pack("<BQQ", 1, seq, n) for seq, n in sorted(files.items())] + [b"\x03"]
+    for p in payloads:
+        out += struct.pack("<II", len(p), crc32c(p)) + p
+    return bytes(out)
+
+
+def file_name(sequence: int) -> str:
+    return f"{sequence:012d}{FILE_SUFFIX}"
+
+
+def read_header(path: str) -> dict:
+    """The fields of a parameter file's header (unchecked: the native open checks)."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER.size)
+    if len(raw) < HEADER.size:
+        raise ValueError(f"{path}: {len(raw)} bytes, shorter than a header")
+    magic, version, row_bytes, seq, records, keys_crc, rows_crc, header_crc, blocks_crc = HEADER.unpack(raw)
+    return {"magic": magic, "version": version, "row_bytes": row_bytes, "sequence": seq, "records": records}
+
+
+def read_keys(path: str, records: int) -> np.ndarray:
+    """The keys region of a parameter file (the native open checked its CRC)."""
+    return np.fromfile(path, dtype="<u8", count=records, offset=BLOCK).astype(np.uint64, copy=False)
+
+
+# ---------------------------------------------------------------- the job
+
+@dataclass
+class Job:
+    """What a job directory is: its ranks' directories, the checkpoint it names."""
+    root: str
+    distributed: bool
+    world: int
+    checkpoint: Optional[int]
+    step: Optional[int]          # job.json's; for one server, read from trainer-state.pt (see step_of)
+    config: ParameterServerConfig
+    metadata: dict
+
+    def rank_dir(self, rank: int) -> str:
+        return os.path.join(self.root, f"rank{rank}") if self.distributed else self.root
+
+    def checkpoint_dir(self, rank: int, number: Optional[int] = None) -> str:
+        number = self.checkpoint if number is None else number
+        return os.path.join(self.rank_dir(rank), CHECKPOINTS, f"{number:06d}")
+
+    @property
+    def row_bytes(self) -> int:
+        from hps.optim import native_optimizer
+        c = self.config
+        return 4 * native_optimizer(c.dim, c.optimizer, c.initializer, c.seed).row_floats
+
+
+def read_job(root: str) -> Job:
+    """The job at root as it is now. Raises FileNotFoundError when root holds
+    neither a job nor a parameter server, ValueError for a format this build
+    does not read."""
+    root = os.fspath(root)
+    manifest = os.path.join(root, JOB_MANIFEST)
+    if os.path.exists(manifest):
+        with open(manifest) as f:
+            job = json.load(f)
+        for name in ("world", "checkpoint"):
+            if name not in job:
+                raise ValueError(f"{manifest}: no field '{name}'")
+        meta_path = os.path.join(root, "rank0", METADATA)
+        distributed, world, number, step = True, int(job["world"]), job["checkpoint"], job.get("step")
+    else:
+        meta_path = os.path.join(root, METADATA)
+        distributed, world, number, step = False, 1, None, None
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{root} holds no hps job or parameter server (no {JOB_MANIFEST}, "
+                                f"no {METADATA})") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: format {meta.get('format')}, this build reads {FORMAT_VERSION}")
+    if not distributed:
+        number = meta.get("checkpoint")
+    config = ParameterServerConfig.from_dict({**meta["config"], "path": root}, source=meta_path)
+    return Job(root, distributed, world, number, step, config, meta)
+
+
+def step_of(job: Job, number: Optional[int] = None) -> Optional[int]:
+    """The training step (batches done) of a checkpoint: job.json's in a job; for
+    one server, trainer-state.pt's (hps train's; needs torch), else None."""
+    if job.distributed:
+        return job.step if number in (None, job.checkpoint) else None
+    path = os.path.join(job.checkpoint_dir(0, number), TRAINER_STATE)
+    if not os.path.exists(path):
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        return int(torch.load(path, weights_only=True, map_location="cpu")["batches_done"])
+    except (FileNotFoundError, KeyError, RuntimeError, EOFError, OSError):
+        return None  # pruned meanwhile, or not hps train's
+
+
+# ---------------------------------------------------------------- private views
+
+@dataclass
+class RankView:
+    rank: int
+    source: str              # the checkpoint's store directory (may be deleted after pinning)
+    path: str                # the private copy
+    files: dict              # {sequence: records} live in the checkpoint
+
+    def source_name(self, text: str) -> str:
+        """text with the private copy's path replaced by the checkpoint's."""
+        return text.replace(self.path, self.source)
+
+
+@dataclass
+class View:
+    """One finished checkpoint of every rank, pinned (module docstring)."""
+    job: Job
+    checkpoint: int
+    directory: str
+    ranks: list = field(default_factory=list)
+
+    def close(self) -> None:
+        _remove_private(self.directory)
+
+    def __enter__(self) -> "View":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _remove_private(directory: str) -> None:
+    """A private directory, and .hps-readers once empty (another reader's may remain)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(directory))
+    except OSError:
+        pass
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dead_views(root: str) -> None:
+    readers = os.path.join(root, READERS)
+    if not os.path.isdir(readers):
+        return
+    for name in os.listdir(readers):
+        pid = name.split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            shutil.rmtree(os.path.join(readers, name), ignore_errors=True)
+
+
+def link_checkpoint(source: str, dst: str) -> dict:
+    """Pins the store of one checkpoint (source) into the new directory dst: links
+    to the files its MANIFEST lists, copies of MANIFEST and STORE; returns
+    {sequence: records}. FileNotFoundError when the checkpoint is (being) deleted."""
+    os.makedirs(dst)
+    with open(os.path.join(source, MANIFEST), "rb") as f:
+        manifest = f.read()
+    with open(os.path.join(source, MARKER), "rb") as f:
+        marker = f.read()
+    files = replay_manifest(manifest, os.path.join(source, MANIFEST))
+    for seq in files:
+        os.link(os.path.join(source, file_name(seq)), os.path.join(dst, file_name(seq)))
+    with open(os.path.join(dst, MANIFEST), "wb") as f:
+        f.write(manifest)
+    with open(os.path.join(dst, MARKER), "wb") as f:
+        f.write(marker)
+    return files
+
+
+def pin(root: str, attempts: int = 100) -> View:
+    """A private view of the last finished checkpoint of every rank of the job at
+    root. Raises FileNotFoundError when the job has no finished checkpoint yet."""
+    root = os.fspath(root)
+    _remove_dead_views(root)
+    for _ in range(attempts):
+        job = read_job(root)
+        if job.checkpoint is None:
+            raise FileNotFoundError(f"{root}: the job has no finished checkpoint yet")
+        directory = os.path.join(root, READERS, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        os.makedirs(directory)
+        view = View(job, job.checkpoint, directory)
+        try:
+            for r in range(job.world):
+                source = os.path.join(job.checkpoint_dir(r), STORE_DIR)
+                path = os.path.join(directory, f"rank{r}")
+                view.ranks.append(RankView(r, source, path, link_checkpoint(source, path)))
+            return view
+        except FileNotFoundError:
+            view.close()  # a later checkpoint replaced this one meanwhile: read the job again
+    raise RuntimeError(f"{root}: the job's checkpoint changed during each of {attempts} attempts to pin it")
+
+
+def open_store(rank: RankView, row_bytes: int, verify: bool = False):
+    """The SsdStore of a pinned rank (read it only; a put would go to the view)."""
+    from hps.ssd_store import SsdStore
+    return SsdStore(rank.path, row_bytes, verify_rows_on_open=verify, background_compaction=False)
+
+
+def latest_records(rank: RankView) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, sequence of the file holding each key's latest copy), sorted by key:
+    a key in several live files (a put after a compaction planned its output)
+    counts in the highest-numbered one, as the store's index does."""
+    parts_k, parts_s = [], []
+    for seq, records in sorted(rank.files.items()):
+        keys = read_keys(os.path.join(rank.path, file_name(seq)), records)
+        parts_k.append(keys)
+        parts_s.append(np.full(len(keys), seq, np.uint64))
+    if not parts_k:
+        return np.empty(0, np.uint64), np.empty(0, np.uint64)
+    keys, seqs = np.concatenate(parts_k), np.concatenate(parts_s)
+    order = np.lexsort((seqs, keys))
+    keys, seqs = keys[order], seqs[order]
+    last = np.ones(len(keys), bool)
+    last[:-1] = keys[1:] != keys[:-1]
+    return keys[last], seqs[last]
+
+
+# ---------------------------------------------------------------- hps inspect
+
+def _disk_bytes(path: str) -> int:
+    """Bytes of the files under path, each inode once (checkpoints hard-link the store's files)."""
+    seen, total = set(), 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def export_positions(root: str) -> dict:
+    """{consumer: its position file's contents} (hps.export)."""
+    out = {}
+    d = os.path.join(root, EXPORTS)
+    if os.path.isdir(d):
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".json"):
+                with open(os.path.join(d, name)) as f:
+                    out[name[:-5]] = json.load(f)
+    return out
+
+
+def _checkpoint_numbers(rank_dir: str) -> list:
+    d = os.path.join(rank_dir, CHECKPOINTS)
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+
+def _verify_checkpoint(job: Job, rank: int, number: int, scratch: str, row_bytes: int) -> tuple[list, int]:
+    """Checks every parameter file a checkpoint's MANIFEST lists, each on its own
+    (so that every bad file is named, not only the first): header, length, the
+    block-CRC table, every rows block, the rows and keys CRCs; then the MANIFEST
+    itself. Returns (problems, files checked); a checkpoint that training deleted
+    meanwhile is no problem."""
+    from hps.errors import HpsError
+    source = os.path.join(job.checkpoint_dir(rank, number), STORE_DIR)
+    pinned = os.path.join(scratch, f"rank{rank}-{number}")
+    try:
+        files = link_checkpoint(source, pinned)
+    except FileNotFoundError as e:
+        if not os.path.isdir(job.checkpoint_dir(rank, number)):
+            return [], 0  # pruned by training meanwhile
+        return [f"rank {rank} checkpoint {number}: {e.filename or e}: missing"], 0
+    view = RankView(rank, source, pinned, files)
+    problems = []
+    with open(os.path.join(pinned, MARKER), "rb") as f:
+        marker = f.read()
+    for seq, records in sorted(files.items()):
+        one = os.path.join(scratch, f"file-{rank}-{number}-{seq}")
+        os.makedirs(one)
+        try:
+            os.link(os.path.join(pinned, file_name(seq)), os.path.join(one, file_name(seq)))
+            with open(os.path.join(one, MANIFEST), "wb") as f:
+                f.write(encode_manifest({seq: records}))
+            with open(os.path.join(one, MARKER), "wb") as f:
+                f.write(marker)
+            store = open_store(RankView(rank, source, one, {seq: records}), row_bytes, verify=True)
+            if len(store) != len(np.unique(read_keys(os.path.join(one, file_name(seq)), records))):
+                problems.append(f"rank {rank} checkpoint {number}: {os.path.join(source, file_name(seq))}: "
+                                f"the store indexes {len(store)} keys of {records} records")
+            del store
+        except (HpsError, ValueError, OSError) as e:
+            problems.append(f"rank {rank} checkpoint {number}: " + str(e).replace(one, source))
+        finally:
+            shutil.rmtree(one, ignore_errors=True)
+    if problems:
+        return problems, len(files)  # the whole store's open would name the first of them again
+    try:
+        del_store = open_store(view, row_bytes)  # the MANIFEST's own replay (damage inside the log)
+        del del_store
+    except (HpsError, ValueError, OSError) as e:
+        problems.append(f"rank {rank} checkpoint {number}: " + view.source_name(str(e)))
+    return problems, len(files)
+
+
+def inspect(root: str, verify: bool = False) -> dict:
+    """What the job directory at root holds (docs/serving.md, "hps inspect"); with
+    ``verify``, every checkpoint's files checked too (``problems`` lists what
+    failed, each naming the file and, for a rows block, the block)."""
+    from hps import _core
+    from hps.errors import HpsError
+    job = read_job(root)
+    row_bytes = job.row_bytes
+    report = {
+        "path": os.path.abspath(root), "kind": "job" if job.distributed else "parameter server",
+        "world": job.world, "checkpoint": job.checkpoint, "step": step_of(job),
+        "format": {"parameter_server": job.metadata.get("format"), "written_by": job.metadata.get("hps_version"),
+                   "this_build": _core.__version__},
+        "dim": job.config.dim, "optimizer": job.config.optimizer.kind, "row_bytes": row_bytes,
+        "disk_bytes": _disk_bytes(job.root), "ranks": [], "exports": export_positions(job.root),
+    }
+    view = pin(job.root) if job.checkpoint is not None else None
+    try:
+        for r in range(job.world):
+            rank_dir = job.rank_dir(r)
+            entry = {"rank": r, "checkpoints": _checkpoint_numbers(rank_dir), "disk_bytes": _disk_bytes(rank_dir)}
+            if view is not None:
+                rv = view.ranks[r]
+                versions: dict = {}
+                for seq in rv.files:
+                    v = read_header(os.path.join(rv.path, file_name(seq)))["version"]
+                    versions[str(v)] = versions.get(str(v), 0) + 1
+                with open(os.path.join(rv.path, MARKER)) as f:
+                    marker = f.read().split()
+                try:
+                    store = open_store(rv, row_bytes)
+                    entry["rows"] = len(store)
+                    del store
+                except (HpsError, ValueError, OSError) as e:  # --verify names the file and what failed
+                    entry["error"] = rv.source_name(str(e))
+                    if not verify:
+                        raise type(e)(entry["error"]) from None
+                entry.update(files=len(rv.files), records=int(sum(rv.files.values())),
+                             max_sequence=max(rv.files, default=None), param_file_versions=versions,
+                             store_format=int(marker[1]) if len(marker) > 1 else None,
+                             dense_state=os.path.exists(os.path.join(job.checkpoint_dir(r, view.checkpoint),
+                                                                     TRAINER_STATE)))
+            report["ranks"].append(entry)
+        report["rows"] = sum(e.get("rows", 0) for e in report["ranks"])
+        if verify:
+            problems, checked = [], 0
+            scratch = os.path.join(job.root, READERS, f"{os.getpid()}-verify-{uuid.uuid4().hex[:12]}")
+            os.makedirs(scratch)
+            try:
+                for r in range(job.world):
+                    for number in _checkpoint_numbers(job.rank_dir(r)):
+                        p, n = _verify_checkpoint(job, r, number, scratch, row_bytes)
+                        problems += p
+                        checked += n
+            finally:
+                _remove_private(scratch)
+            report["verify"] = {"files_checked": checked, "problems": problems, "ok": not problems}
+    finally:
+        if view is not None:
+            view.close()
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The human-readable form of inspect()'s report."""
+    lines = [f"{report['path']}: {report['kind']}, {report['world']} rank(s)",
+             f"  checkpoint {report['checkpoint']} at step {report['step']}, dim {report['dim']}, "
+             f"optimizer {report['optimizer']}, rows of {report['row_bytes']} bytes",
+             f"  rows {report.get('rows', 0):,}, disk {report['disk_bytes'] / 2**20:,.1f} MiB",
+             f"  formats: parameter server {report['format']['parameter_server']} (written by hps "
+             f"{report['format']['written_by']}, this build {report['format']['this_build']})"]
+    for e in report["ranks"]:
+        lines.append(f"  rank {e['rank']}: checkpoints {e['checkpoints']}, {e.get('rows', 0):,} rows in "
+                     f"{e.get('files', 0)} files ({e.get('records', 0):,} records), disk "
+                     f"{e['disk_bytes'] / 2**20:,.1f} MiB, store format {e.get('store_format')}, "
+                     f"parameter file versions {e.get('param_file_versions', {})}")
+    if not report["exports"]:
+        lines.append("  exports: none")
+    for name, pos in report["exports"].items():
+        lines.append(f"  export '{name}': checkpoint {pos['checkpoint']} (step {pos.get('step')}), files up to "
+                     f"{[r['max_sequence'] for r in pos['ranks']]} per rank")
+    v = report.get("verify")
+    if v is not None:
+        lines.append(f"  verify: {v['files_checked']} files checked, " +
+                     ("all sound" if v["ok"] else f"{len(v['problems'])} problem(s):"))
+        lines += [f"    {p}" for p in v["problems"]]
+    return "\n".join(lines)
