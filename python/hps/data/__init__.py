@@ -25,6 +25,11 @@ Sources:
 - :class:`SyntheticCriteo`: Zipf-skewed ids under a hidden logistic model, so
   that a model can learn something (AUC well above 0.5) without any download.
 - :func:`open_criteo` picks the reader from the file names.
+- Data of any other columns, laid out by a :class:`Schema` (``[data.schema]``):
+  :class:`SchemaCsv` (CSV/TSV, header or not), :class:`SchemaParquet`,
+  :class:`Libsvm` (libsvm/libFM text), picked by :func:`open_schema`
+  (:mod:`hps.data.tabular`). Any categorical value is a feature
+  (:func:`value_keys`); multi-hot fields arrive in ``Batch.bags`` (:class:`Bags`).
 
 Paths may be local, or any fsspec URL (``s3://``, ``gs://``, ``memory://`` ...),
 and may be a list, a glob or a directory (:func:`list_files`); node ``rank`` of
@@ -54,12 +59,15 @@ name is importable from ``hps.data``.
 """
 from hps.data.criteo import (CATEGORICAL_COLUMNS, COLUMNS, DENSE_COLUMNS, LABEL_COLUMN, CriteoParquet, CriteoTsv,
                              dense_transform, open_criteo)
-from hps.data.examples import Batch, Source
+from hps.data.examples import Bags, Batch, Source
 from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, list_files, shard_files  # (the first: not in __all__)
 from hps.data.keys import SENTINEL_KEY, feature_keys, missing_key, mix64
+from hps.data.schema import Schema, value_keys
 from hps.data.synthetic import DEFAULT_VOCAB_SIZES, SyntheticCriteo
+from hps.data.tabular import Libsvm, SchemaCsv, SchemaParquet, open_schema
 
 __all__ = [
+    "Bags",
     "Batch",
     "CATEGORICAL_COLUMNS",
     "COLUMNS",
@@ -69,7 +77,11 @@ __all__ = [
     "DEFAULT_VOCAB_SIZES",
     "DataError",
     "LABEL_COLUMN",
+    "Libsvm",
     "SENTINEL_KEY",
+    "Schema",
+    "SchemaCsv",
+    "SchemaParquet",
     "Source",
     "SyntheticCriteo",
     "dense_transform",
@@ -78,5 +90,7 @@ __all__ = [
     "missing_key",
     "mix64",
     "open_criteo",
+    "open_schema",
     "shard_files",
+    "value_keys",
 ]

@@ -24,6 +24,37 @@ class Source:
 
 
 @dataclass(frozen=True, eq=False)
+class Bags:
+    """The bags of one multi-hot field over a batch's rows, as nn.EmbeddingBag takes them.
+
+    keys (m,) uint64, the keys of every row in row order; offsets (n + 1,) int64,
+    row i's keys are ``keys[offsets[i]:offsets[i + 1]]`` (an empty bag is a row
+    without a value); weights (m,) float32 or None, a weight a key (libsvm's values).
+    """
+
+    keys: np.ndarray
+    offsets: np.ndarray
+    weights: "np.ndarray | None" = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def rows(self, a: int, z: int) -> "Bags":
+        """The bags of rows a..z-1, offsets from 0."""
+        lo, hi = int(self.offsets[a]), int(self.offsets[z])
+        return Bags(self.keys[lo:hi], self.offsets[a:z + 1] - lo,
+                    None if self.weights is None else self.weights[lo:hi])
+
+    @staticmethod
+    def concat(parts: "list[Bags]") -> "Bags":
+        starts = np.cumsum([0] + [len(p.keys) for p in parts])
+        offsets = np.concatenate([parts[0].offsets[:1]]
+                                 + [p.offsets[1:] + s for p, s in zip(parts, starts[:-1], strict=True)])
+        weights = None if parts[0].weights is None else np.concatenate([p.weights for p in parts])
+        return Bags(np.concatenate([p.keys for p in parts]), offsets.astype(np.int64), weights)
+
+
+@dataclass(frozen=True, eq=False)
 class Batch:
     """One mini-batch of examples; hps.data's docstring gives the meaning of each array.
 
@@ -35,9 +66,26 @@ class Batch:
     dense: np.ndarray
     keys: np.ndarray
     sources: tuple[Source, ...] = ()
+    #: One :class:`Bags` a multi-hot field (a schema's ``multi_hot``, libsvm's fields), in field order.
+    bags: tuple["Bags", ...] = ()
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def all_keys(self) -> np.ndarray:
+        """Every key of the batch, single-hot and in bags, as one 1-D array (the working set's keys)."""
+        if not self.bags:
+            return self.keys
+        return np.concatenate([self.keys.reshape(-1)] + [b.keys for b in self.bags])
+
+    def rows(self, idx: np.ndarray) -> "Batch":
+        """The batch of rows ``idx`` (consecutive, increasing: a mini-batch's share); sources dropped."""
+        if len(idx) == 0:
+            return Batch(self.labels[:0], self.dense[:0], self.keys[:0], (), tuple(b.rows(0, 0) for b in self.bags))
+        a, z = int(idx[0]), int(idx[-1]) + 1
+        if z - a != len(idx):
+            raise ValueError("rows: idx must be consecutive")
+        return Batch(self.labels[a:z], self.dense[a:z], self.keys[a:z], (), tuple(b.rows(a, z) for b in self.bags))
 
     def locate(self, i: int) -> tuple[str, int]:
         """(path, line) of row ``i``: where to look when that example misbehaves."""
@@ -53,10 +101,11 @@ class Batch:
 class _Piece:
     """Rows on their way into batches (a parsed block, before re-batching)."""
 
-    __slots__ = ("labels", "dense", "keys", "sources")
+    __slots__ = ("labels", "dense", "keys", "sources", "bags")
 
-    def __init__(self, labels, dense, keys, sources):
+    def __init__(self, labels, dense, keys, sources, bags=()):
         self.labels, self.dense, self.keys, self.sources = labels, dense, keys, list(sources)
+        self.bags = tuple(bags)
 
     def __len__(self):
         return len(self.labels)
@@ -72,8 +121,9 @@ class _Piece:
                 head.append(Source(s.path, s.first_line, left))
                 tail.append(Source(s.path, s.first_line + left, s.count - left))
             left -= s.count
-        return (_Piece(self.labels[:k], self.dense[:k], self.keys[:k], head),
-                _Piece(self.labels[k:], self.dense[k:], self.keys[k:], tail))
+        n = len(self.labels)
+        return (_Piece(self.labels[:k], self.dense[:k], self.keys[:k], head, (b.rows(0, k) for b in self.bags)),
+                _Piece(self.labels[k:], self.dense[k:], self.keys[k:], tail, (b.rows(k, n) for b in self.bags)))
 
 
 def _merged(sources: Iterable[Source]) -> tuple[Source, ...]:
@@ -90,11 +140,12 @@ def _merged(sources: Iterable[Source]) -> tuple[Source, ...]:
 def _batch_of(pieces: list[_Piece]) -> Batch:
     if len(pieces) == 1:
         p = pieces[0]
-        return Batch(p.labels, p.dense, p.keys, tuple(p.sources))
+        return Batch(p.labels, p.dense, p.keys, tuple(p.sources), p.bags)
     return Batch(np.concatenate([p.labels for p in pieces]),
                  np.concatenate([p.dense for p in pieces]),
                  np.concatenate([p.keys for p in pieces]),
-                 _merged(s for p in pieces for s in p.sources))
+                 _merged(s for p in pieces for s in p.sources),
+                 tuple(Bags.concat([p.bags[j] for p in pieces]) for j in range(len(pieces[0].bags))))
 
 
 def _rebatch(pieces: Iterable[_Piece], batch_size: int, drop_last: bool) -> Iterator[Batch]:

@@ -1,0 +1,555 @@
+"""Readers of data laid out by a :class:`~hps.data.schema.Schema`: CSV/TSV, Parquet, libsvm/libFM text.
+
+- :class:`SchemaCsv`: delimited text with or without a header, parsed by
+  pyarrow.csv with the schema's delimiter (quotes allowed, a value never spans
+  lines). Every column the schema uses is read as bytes and converted here, so
+  that a bad value is named with its file, line and column.
+- :class:`SchemaParquet`: any of those columns in Parquet; categoricals as
+  strings, binary or integers (an integer's key is that of its decimal text),
+  multi-hot fields as list columns or as text with a separator.
+- :class:`Libsvm`: ``label idx:val idx:val ...`` (libsvm, libFM); each field of
+  the schema's ``fields`` (an inclusive range of feature indices; without
+  ``fields``, one field of every index) is a bag of its indices, weighted by
+  their values. Labels 0/1 (or -1/+1). Parsed line by line in Python.
+- :func:`open_schema` picks the reader from the file names (.parquet/.pq,
+  .svm/.libsvm/.libfm, else text) or ``format``.
+
+Files may be compressed (.gz, .bz2, .zst; by name). Each batch's ``keys`` hold
+the single-hot (categorical) fields, ``bags`` the multi-hot ones (for libsvm,
+every field), ``dense`` the dense features (:func:`hps.data.dense_transform`
+with ``dense_transform = "log"``). Every file of a data set must give the same
+fields (names and order) as the first one.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterator, Optional
+
+import numpy as np
+
+from hps.data.criteo import dense_transform
+from hps.data.examples import Bags, _Piece, _sources_of
+from hps.data.files import DataError, _fsspec, _is_url, _Reader, _shown, list_files
+from hps.data.keys import _field_tag, _keys
+from hps.data.schema import Schema, _as_binary, value_hashes
+
+_COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
+
+
+def _plain_name(path: str) -> str:
+    """The file name without a compression suffix ("day0.tsv.gz" -> "day0.tsv")."""
+    base = path.lower()
+    for ext in _COMPRESSED:
+        if base.endswith(ext):
+            return base[:-len(ext)]
+    return base
+
+
+def _open_stream(pa, path: str):
+    """A pyarrow input stream of the file's decompressed bytes."""
+    if _is_url(path):
+        return pa.PythonFile(_fsspec().open(path, "rb", compression="infer").open(), mode="r")
+    ext = next((e for e in _COMPRESSED if path.lower().endswith(e)), None)
+    return pa.input_stream(path, compression=_COMPRESSED[ext] if ext else None)
+
+
+def _read_errors(pa):
+    import gzip
+    import zlib
+    return (pa.ArrowException, OSError, EOFError, gzip.BadGzipFile, zlib.error)
+
+
+# --------------------------------------------------------------------------- conversions
+
+def _text_type(pa, t) -> bool:
+    return pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or \
+        pa.types.is_large_binary(t)
+
+
+def _numeric(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values float64 with NaN for missing, missing, bad) of a label or dense column:
+    numbers, or text that pyarrow reads as a number (empty is missing)."""
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr, t = arr.dictionary_decode(), t.value_type
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        values = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
+        missing = np.isnan(values)
+        return values, missing, np.isinf(values)
+    if not _text_type(pa, t):
+        raise DataError(f"{path}: column {name!r} has type {t}, expected numbers", path=path, field=name)
+    pc = pa.compute
+    empty = pc.equal(pc.binary_length(arr), 0)
+    arr = pc.if_else(empty, pa.scalar(None, arr.type), arr)
+    missing = arr.is_null().to_numpy(zero_copy_only=False)
+    try:
+        values = arr.cast(pa.string()).cast(pa.float64()).to_numpy(zero_copy_only=False)
+        return values, missing, np.isinf(values)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    values = np.full(len(arr), np.nan)
+    bad = np.zeros(len(arr), bool)
+    for i, v in enumerate(arr.to_pylist()):  # only a block that holds a bad value comes here
+        if v is None:
+            continue
+        try:
+            values[i] = pa.array([v], pa.binary()).cast(pa.string()).cast(pa.float64())[0].as_py()
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            bad[i] = True
+    bad |= np.isinf(values)
+    return values, missing, bad
+
+
+def _bags(pa, arr, sep: str, field_index: int, name: str, path: str) -> Bags:
+    """The bags of a multi-hot column: a list column, or text split at ``sep``; empty
+    elements and empty or null cells add nothing (an empty bag)."""
+    pc = pa.compute
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr, t = arr.dictionary_decode(), t.value_type
+    if _text_type(pa, t):
+        if not sep:
+            raise DataError(f"{path}: multi-hot column {name!r} is text: give its separator in "
+                            f"data.schema.multi_hot", path=path, field=name)
+        arr = pc.split_pattern(pc.fill_null(arr, pa.scalar(b"" if pa.types.is_binary(t) else "", t)), sep)
+    elif not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        raise DataError(f"{path}: multi-hot column {name!r} has type {t}, expected a list or text",
+                        path=path, field=name)
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = _as_binary(pa, pc.list_flatten(arr))
+    if values is None:
+        raise DataError(f"{path}: multi-hot column {name!r} has type {t}, expected lists of strings or integers",
+                        path=path, field=name)
+    h, missing = value_hashes(pa, values)
+    keep = ~missing
+    counted = np.concatenate([[0], np.cumsum(keep)])
+    offsets = counted[np.concatenate([[0], np.cumsum(lengths)])].astype(np.int64)
+    return Bags(_keys(_field_tag(field_index), h[keep], None), offsets)
+
+
+class _Converted:
+    """The schema's columns of one block as a batch's arrays, with the bad rows per column."""
+
+    def __init__(self, pa, get, layout, schema: Schema, path: str):
+        names = layout.columns
+        label_name = names[layout.label]
+        values, missing, bad = _numeric(pa, get(layout.label), label_name, path)
+        self.n = len(values)
+        self.labels = np.where(missing, 0.0, values).astype(np.float32)
+        self.bad = [(label_name, missing | bad | ((values != 0) & (values != 1)), "is not 0 or 1")]
+        dense = np.zeros((self.n, len(layout.dense)))
+        for j, i in enumerate(layout.dense):
+            values, missing, bad = _numeric(pa, get(i), names[i], path)
+            dense[:, j] = np.where(missing, 0.0, values)
+            self.bad.append((names[i], bad, "is not a number"))
+        self.dense = dense_transform(dense) if schema.dense_transform == "log" else dense.astype(np.float32)
+        self.keys = np.empty((self.n, len(layout.categorical)), np.uint64)
+        for j, i in enumerate(layout.categorical):
+            arr = _as_binary(pa, get(i))
+            if arr is None:
+                t = get(i).type
+                raise DataError(f"{path}: categorical column {names[i]!r} has type {t}, expected strings, "
+                                f"binary or integers", path=path, field=names[i])
+            h, missing = value_hashes(pa, arr)
+            self.keys[:, j] = _keys(_field_tag(j), h, missing)
+        k = len(layout.categorical)
+        self.bags = tuple(_bags(pa, get(i), sep, k + j, names[i], path) for j, (i, sep) in enumerate(layout.multi_hot))
+        self.get = get
+        self.names = names
+
+    def bad_rows(self) -> np.ndarray:
+        return np.logical_or.reduce([b for _, b, _ in self.bad])
+
+    def reason(self, r: int, layout) -> tuple[str, str]:
+        """(column, message) of bad row r: the first bad column in schema order."""
+        positions = [layout.label] + list(layout.dense)
+        for (name, bad, why), i in zip(self.bad, positions, strict=True):
+            if bad[r]:
+                value = self.get(i)[int(r)].as_py()
+                return name, f"{_shown(value)} {why}"
+        raise AssertionError("row is not bad")
+
+    def piece(self, path: str, lines: np.ndarray, keep: Optional[np.ndarray] = None) -> _Piece:
+        if keep is None:
+            return _Piece(self.labels, self.dense, self.keys, _sources_of(path, lines), self.bags)
+        rows = np.flatnonzero(keep)
+        bags = []
+        for b in self.bags:
+            lens = np.diff(b.offsets)[rows]
+            sel = np.concatenate([np.arange(b.offsets[r], b.offsets[r + 1]) for r in rows]) if len(rows) \
+                else np.zeros(0, np.int64)
+            bags.append(Bags(b.keys[sel.astype(np.int64)], np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)))
+        return _Piece(self.labels[keep], self.dense[keep], self.keys[keep], _sources_of(path, lines[keep]), bags)
+
+
+class _SchemaReader(_Reader):
+    """A _Reader with a schema, which checks that every file gives the same fields."""
+
+    def __init__(self, paths, schema, batch_size: int = 4096, **options):
+        super().__init__(paths, batch_size, **options)
+        self.schema = schema if isinstance(schema, Schema) else Schema.from_dict(schema)
+        self._first: Optional[tuple] = None
+
+    def _same_fields(self, layout, path: str) -> None:
+        names = layout.names()
+        if self._first is None:
+            self._first = (path, names)
+        elif names != self._first[1]:
+            raise DataError(f"{path}: the schema gives other fields here than in {self._first[0]} "
+                            f"({_describe(names)} against {_describe(self._first[1])})", path=path)
+
+    def _bad_rows(self, conv: _Converted, layout, path: str, lines: np.ndarray, where) -> Optional[np.ndarray]:
+        bad = conv.bad_rows()
+        if not bad.any():
+            return None
+        for r in np.flatnonzero(bad):
+            name, message = conv.reason(r, layout)
+            self._bad(DataError(f"{where(int(lines[r]))}: column {name!r}: {message}", path=path,
+                                line=int(lines[r]), field=name))
+        return ~bad
+
+
+def _describe(names) -> str:
+    label, dense, cats, multi = names
+    return f"label {label!r}, dense {dense}, categorical {cats}, multi-hot {[m for m, _ in multi]}"
+
+
+# --------------------------------------------------------------------------- CSV / TSV
+
+class SchemaCsv(_SchemaReader):
+    """Batches from delimited text laid out by ``schema`` (header or not, by ``schema.header``).
+
+    Errors name file, line and column: ``clicks.csv:12: column 'price': 'abc' is not a
+    number``, ``clicks.csv:7: has 4 fields, expected 5``, ``clicks.csv: no column 'click'``.
+    ``skip_malformed`` skips and counts bad lines as the Criteo readers do; a schema that
+    does not match a file raises even then. Lines are 1-based and count the header.
+    """
+
+    def __init__(self, paths, schema, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
+                 drop_last: bool = False, skip_malformed: bool = False, block_bytes: int = 1 << 20):
+        super().__init__(paths, schema, batch_size, rank=rank, world=world, drop_last=drop_last,
+                         skip_malformed=skip_malformed)
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        self.block_bytes = block_bytes
+
+    def delimiter(self, path: str) -> str:
+        return self.schema.delimiter or ("\t" if _plain_name(path).endswith(".tsv") else ",")
+
+    def _columns(self, path: str, parse) -> tuple[list[str], int]:
+        """(the header's names, or "0", "1", ... for the first line's fields; the first line's bytes)."""
+        pa = self._pa
+        with _open_stream(pa, path) as f:
+            first = b""
+            while not first.endswith(b"\n"):
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    break
+                first += chunk
+                if b"\n" in chunk:
+                    first = first[:first.index(b"\n") + 1]
+        if not first.strip(b"\r\n"):
+            raise DataError(f"{path}:1: " + ("empty file" if not first else "the first line is empty"), path=path,
+                            line=1)
+        if self.schema.header:
+            return list(pa.csv.read_csv(pa.BufferReader(first), parse_options=parse).column_names), len(first)
+        head = pa.csv.read_csv(pa.BufferReader(first), parse_options=parse,
+                               read_options=pa.csv.ReadOptions(autogenerate_column_names=True))
+        return [str(i) for i in range(head.num_columns)], len(first)
+
+    def _pieces(self) -> Iterator[_Piece]:
+        pa = self._pa
+        errors = _read_errors(pa)
+        for path in self.files:
+            failure: list[DataError] = []
+            skipped: list[int] = []
+
+            def on_invalid(row, path=path, failure=failure, skipped=skipped):
+                error = DataError(f"{path}:{row.number}: has {row.actual_columns} fields, expected "
+                                  f"{row.expected_columns}" + (" (an empty line)" if not row.text else ""),
+                                  path=path, line=row.number)
+                if not self.skip_malformed:
+                    failure.append(error)
+                    return "error"
+                self._bad(error)
+                skipped.append(row.number)
+                return "skip"
+
+            parse = pa.csv.ParseOptions(delimiter=self.delimiter(path), newlines_in_values=False,
+                                        ignore_empty_lines=False, invalid_row_handler=on_invalid)
+            try:
+                names, first_bytes = self._columns(path, pa.csv.ParseOptions(delimiter=self.delimiter(path)))
+            except errors as e:
+                raise DataError(f"{path}: cannot read: {e}", path=path) from e
+            layout = self.schema.resolve(names, path, by_name=self.schema.header)
+            self._same_fields(layout, path)
+            # Columns read by position (generated names) even with a header, which
+            # may repeat a name the schema does not use.
+            generated = [f"c{i}" for i in range(len(names))]
+            wanted = layout.read_columns()
+            read = pa.csv.ReadOptions(column_names=generated, skip_rows=1 if self.schema.header else 0,
+                                      block_size=max(self.block_bytes, 2 * first_bytes), use_threads=False)
+            convert = pa.csv.ConvertOptions(column_types={generated[i]: pa.binary() for i in wanted},
+                                            include_columns=[generated[i] for i in wanted],
+                                            strings_can_be_null=False, quoted_strings_can_be_null=False)
+            line = 2 if self.schema.header else 1
+            try:
+                reader = pa.csv.open_csv(_open_stream(pa, path), read_options=read, parse_options=parse,
+                                         convert_options=convert)
+            except errors as e:
+                raise (failure[0] if failure else DataError(f"{path}: cannot read: {e}", path=path)) from e
+            with reader:
+                while True:
+                    try:
+                        rb = reader.read_next_batch()
+                    except StopIteration:
+                        break
+                    except errors as e:
+                        if failure:
+                            raise failure[0] from None
+                        raise DataError(f"{path}: cannot read at or after line {line}: {e}", path=path,
+                                        line=line) from e
+                    n = rb.num_rows
+                    lines = np.arange(line, line + n)
+                    for s in sorted(skipped):
+                        lines[lines >= s] += 1
+                    if n:
+                        line = int(lines[-1]) + 1
+                    skipped[:] = [s for s in skipped if s >= line]
+                    if n == 0:
+                        continue
+                    conv = _Converted(pa, lambda i, rb=rb: rb.column(generated[i]), layout, self.schema, path)
+                    keep = self._bad_rows(conv, layout, path, lines, lambda ln, path=path: f"{path}:{ln}")
+                    piece = conv.piece(path, lines, keep)
+                    if len(piece):
+                        yield piece
+
+
+# --------------------------------------------------------------------------- Parquet
+
+class SchemaParquet(_SchemaReader):
+    """Batches from Parquet files laid out by ``schema`` (columns by name; other columns
+    are not read). Errors name file, row group, row and column:
+    ``day0.parquet: row group 2, row 70001: column 'price': 'abc' is not a number``.
+    A file that is not Parquet, a missing column or one of a type the role cannot
+    take raises DataError even with ``skip_malformed``."""
+
+    def __init__(self, paths, schema, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
+                 drop_last: bool = False, skip_malformed: bool = False, read_rows: int = 65536):
+        if isinstance(read_rows, bool) or not isinstance(read_rows, (int, np.integer)) or read_rows < 1:
+            raise ValueError(f"read_rows must be a positive int, got {read_rows!r}")
+        super().__init__(paths, schema, batch_size, rank=rank, world=world, drop_last=drop_last,
+                         skip_malformed=skip_malformed)
+        self.read_rows = int(read_rows)
+
+    def _pieces(self) -> Iterator[_Piece]:
+        pa = self._pa
+        errors = (pa.ArrowException, OSError, UnicodeDecodeError)
+        for path in self.files:
+            with (_fsspec().open(path, "rb").open() if _is_url(path) else open(path, "rb")) as f:
+                try:
+                    pf = pa.parquet.ParquetFile(f)
+                    names = pf.schema_arrow.names
+                except errors as e:
+                    raise DataError(f"{path}: not a readable Parquet file: {e}", path=path) from e
+                layout = self.schema.resolve(list(names), path, by_name=True)
+                self._same_fields(layout, path)
+                wanted = [names[i] for i in layout.read_columns()]
+                row = 1
+                for g in range(pf.num_row_groups):
+                    batches = pf.iter_batches(batch_size=self.read_rows, row_groups=[g], columns=wanted)
+                    while True:
+                        try:
+                            rb = next(batches, None)
+                        except errors as e:
+                            raise DataError(f"{path}: row group {g} (from row {row}): cannot read: {e}", path=path,
+                                            line=row) from e
+                        if rb is None:
+                            break
+                        n = rb.num_rows
+                        lines = np.arange(row, row + n)
+                        row += n
+                        conv = _Converted(pa, lambda i, rb=rb: rb.column(names[i]), layout, self.schema, path)
+                        keep = self._bad_rows(conv, layout, path, lines,
+                                              lambda ln, g=g, path=path: f"{path}: row group {g}, row {ln}")
+                        piece = conv.piece(path, lines, keep)
+                        if len(piece):
+                            yield piece
+
+
+# --------------------------------------------------------------------------- libsvm / libFM
+
+_LABELS = {b"0": 0.0, b"1": 1.0, b"-1": 0.0, b"+1": 1.0, b"0.0": 0.0, b"1.0": 1.0}
+
+
+class Libsvm(_SchemaReader):
+    """Batches from libsvm / libFM text: ``label idx:val idx:val ...`` (whitespace-separated).
+
+    The schema's ``fields`` (field = [first, last] index, inclusive) group indices
+    into fields; an index in none of them is an error (naming line and index).
+    Without ``fields`` every index is one field, "features". Each field is a bag
+    (``Batch.bags``) of its indices' keys (:func:`hps.data.value_keys` of the index's
+    decimal text) weighted by their values; ``keys`` and ``dense`` have no columns.
+    Labels: 0, 1, -1 (as 0) or +1. Errors: ``train.svm:5: '3:x': the value is not a
+    number``. A ``#`` starts a comment; blank lines are skipped."""
+
+    def __init__(self, paths, schema=None, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
+                 drop_last: bool = False, skip_malformed: bool = False, block_lines: int = 65536):
+        super().__init__(paths, schema if schema is not None else Schema(), batch_size, rank=rank, world=world,
+                         drop_last=drop_last, skip_malformed=skip_malformed)
+        fields = self.schema.fields or {"features": [0, (1 << 63) - 1]}
+        order = sorted((lo, hi, j) for j, (lo, hi) in enumerate(fields.values()))
+        self.field_names = list(fields)
+        self._lo = np.array([lo for lo, _, _ in order], np.int64)
+        self._hi = np.array([hi for _, hi, _ in order], np.int64)
+        self._field = np.array([j for _, _, j in order], np.int64)
+        self.block_lines = int(block_lines)
+
+    def _pieces(self) -> Iterator[_Piece]:
+        pa = self._pa
+        errors = _read_errors(pa)
+        for path in self.files:
+            try:
+                stream = _open_stream(pa, path)
+            except errors as e:
+                raise DataError(f"{path}: cannot read: {e}", path=path) from e
+            with stream:
+                pending = b""
+                line = 1
+                while True:
+                    try:
+                        data = stream.read(1 << 20)
+                    except errors as e:
+                        raise DataError(f"{path}: cannot read at or after line {line}: {e}", path=path,
+                                        line=line) from e
+                    if not data:
+                        break
+                    buf = pending + data
+                    cut = buf.rfind(b"\n")
+                    if cut < 0:
+                        pending = buf
+                        continue
+                    pending = buf[cut + 1:]
+                    rows = buf[:cut].split(b"\n")
+                    piece = self._parse(rows, path, line)
+                    line += len(rows)
+                    if len(piece):
+                        yield piece
+                if pending:
+                    piece = self._parse([pending], path, line)
+                    if len(piece):
+                        yield piece
+
+    def _parse(self, rows: list[bytes], path: str, first_line: int) -> _Piece:
+        lines, labels, feat_row, feat_idx, feat_val = [], [], [], [], []
+        for i, raw in enumerate(rows):
+            text = raw.split(b"#", 1)[0].strip()
+            if not text:
+                continue
+            parsed = self._parse_line(text)
+            if isinstance(parsed, str):
+                ln = first_line + i
+                self._bad(DataError(f"{path}:{ln}: {parsed}", path=path, line=ln))
+                continue
+            label, idx, val = parsed
+            r = len(labels)
+            lines.append(first_line + i)
+            labels.append(label)
+            feat_row += [r] * len(idx)
+            feat_idx += idx
+            feat_val += val
+        n = len(labels)
+        row = np.asarray(feat_row, np.int64)
+        idx = np.asarray(feat_idx, np.int64)
+        val = np.asarray(feat_val, np.float32)
+        where = np.searchsorted(self._lo, idx, side="right") - 1
+        field = self._field[np.maximum(where, 0)]
+        outside = (where < 0) | (idx > self._hi[np.maximum(where, 0)])
+        if outside.any():
+            # Indices in no field: the whole line is malformed.
+            bad_rows = np.unique(row[outside])
+            for r in bad_rows:
+                k = int(idx[outside & (row == r)][0])
+                ln = lines[r]
+                self._bad(DataError(f"{path}:{ln}: feature index {k} is in no field of data.schema.fields",
+                                    path=path, line=ln, field=str(k)))
+            keep_rows = np.ones(n, bool)
+            keep_rows[bad_rows] = False
+            new_row = np.cumsum(keep_rows) - 1
+            sel = keep_rows[row]
+            row, idx, val, field = new_row[row[sel]], idx[sel], val[sel], field[sel]
+            lines = [ln for ln, k in zip(lines, keep_rows, strict=True) if k]
+            labels = [lb for lb, k in zip(labels, keep_rows, strict=True) if k]
+            n = len(labels)
+        bags = []
+        for f in range(len(self.field_names)):
+            mine = field == f
+            order = np.argsort(row[mine], kind="stable")
+            r, k, v = row[mine][order], idx[mine][order], val[mine][order]
+            offsets = np.concatenate([[0], np.cumsum(np.bincount(r, minlength=n))]).astype(np.int64)
+            h, _ = value_hashes(self._pa, self._pa.array(k).cast(self._pa.string()))
+            bags.append(Bags(_keys(_field_tag(f), h, None), offsets, v))
+        return _Piece(np.asarray(labels, np.float32), np.zeros((n, 0), np.float32), np.zeros((n, 0), np.uint64),
+                      _sources_of(path, np.asarray(lines, np.int64)), bags)
+
+    @staticmethod
+    def _parse_line(text: bytes):
+        """(label, indices, values) of a line, or the message of what is wrong."""
+        parts = text.split()
+        if parts[0] not in _LABELS:
+            return f"label {_shown(parts[0])} is not 0, 1, -1 or +1"
+        idx, val = [], []
+        for p in parts[1:]:
+            k, colon, v = p.rpartition(b":")
+            if not colon:
+                return f"{_shown(p)} is not index:value"
+            if b":" in k:  # libFFM's field:index:value: the field is the schema's to say
+                k = k.rpartition(b":")[2]
+            if not _UINT_RE.fullmatch(k):
+                return f"{_shown(p)}: the index is not a non-negative integer"
+            try:
+                x = float(v)
+            except ValueError:
+                return f"{_shown(p)}: the value is not a number"
+            if not np.isfinite(x):
+                return f"{_shown(p)}: the value is not finite"
+            if int(k) >= 1 << 63:
+                return f"{_shown(p)}: the index is past 2**63 - 1"
+            idx.append(int(k))
+            val.append(x)
+        return _LABELS[parts[0]], idx, val
+
+
+_UINT_RE = re.compile(rb"[0-9]+")
+
+_PARQUET = (".parquet", ".pq")
+_LIBSVM = (".svm", ".libsvm", ".libfm", ".ffm")
+
+
+def open_schema(paths, schema, batch_size: int = 4096, *, format: Optional[str] = None, **options):
+    """A reader of ``paths`` laid out by ``schema`` (a Schema or a ``[data.schema]`` dict).
+
+    ``format``: "csv" (any delimited text, TSV too), "parquet" or "libsvm"; by default
+    from the names (.parquet/.pq; .svm/.libsvm/.libfm/.ffm; else text; a compression
+    suffix is looked through); a mix is an error.
+    """
+    if not isinstance(schema, Schema):
+        schema = Schema.from_dict(schema)
+    if format is None:
+        files = list_files(paths)
+
+        def kind(f):
+            name = _plain_name(os.path.basename(f))
+            return "parquet" if name.endswith(_PARQUET) else "libsvm" if name.endswith(_LIBSVM) else "csv"
+        kinds = sorted({kind(f) for f in files})
+        if len(kinds) > 1:
+            raise ValueError(f"{paths!r} mixes {' and '.join(kinds)} files; give one kind, or format=")
+        format, paths = kinds[0], files
+    if format in ("csv", "tsv", "text"):
+        return SchemaCsv(paths, schema, batch_size, **options)
+    if format == "parquet":
+        return SchemaParquet(paths, schema, batch_size, **options)
+    if format in ("libsvm", "libfm"):
+        return Libsvm(paths, schema, batch_size, **options)
+    raise ValueError(f"format must be 'csv', 'parquet' or 'libsvm' with a schema, got {format!r}")

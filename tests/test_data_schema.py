@@ -1,0 +1,267 @@
+"""hps.data with a declared schema: CSV/TSV, Parquet and libsvm files of any columns, against
+hand-written files whose keys are computed here independently of the readers."""
+import bz2
+import gzip
+import textwrap
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+import pyarrow.parquet as pq  # noqa: E402
+
+from hps.data import (Bags, Batch, DataError, Libsvm, Schema, SchemaCsv, SchemaParquet, missing_key,  # noqa: E402
+                      open_schema, value_keys)
+
+M64 = (1 << 64) - 1
+
+
+def splitmix(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def ref_key(field: int, value) -> int:
+    """The documented key of a categorical value, in plain Python integers."""
+    b = value.encode() if isinstance(value, str) else value
+    if b == b"":
+        return ref_missing(field)
+    h = len(b)
+    for i in range(0, len(b), 8):
+        h = splitmix(h ^ int.from_bytes(b[i:i + 8].ljust(8, b"\0"), "little"))
+    k = splitmix(((field + 1) << 32) ^ h)
+    return 0xFFFF_FFFF_FFFF_FFFE if k == M64 else k
+
+
+def ref_missing(field: int) -> int:
+    return splitmix(((field + 1) << 32) ^ (1 << 63))
+
+
+def log1p(x):
+    return np.log1p(np.maximum(np.asarray(x, np.float64), 0)).astype(np.float32)
+
+
+def read_all(reader):
+    batches = list(reader)
+    labels = np.concatenate([b.labels for b in batches])
+    dense = np.concatenate([b.dense for b in batches])
+    keys = np.concatenate([b.keys for b in batches])
+    bags = [Bags.concat([b.bags[j] for b in batches]) for j in range(len(batches[0].bags))]
+    return labels, dense, keys, bags, batches
+
+
+CSV = textwrap.dedent("""\
+    id,click,price,site,os,tags
+    1,0,3.5,a.com,ios,x|y
+    2,1,,b.com,-1,
+    3,1,7,,android,z||x
+    4,0,-2,a.com,"i,os",y
+    """)
+# The expected rows of CSV under SCHEMA: fields site (0), os (1), tags (2).
+SCHEMA = {"label": "click", "dense": ["price"], "categorical": "rest", "multi_hot": {"tags": "|"}, "skip": ["id"]}
+LABELS = [0, 1, 1, 0]
+PRICES = [3.5, 0, 7, 0]
+SITES = ["a.com", "b.com", "", "a.com"]
+OSES = ["ios", "-1", "android", "i,os"]
+TAGS = [["x", "y"], [], ["z", "x"], ["y"]]
+
+
+def expected_keys(sites=SITES, oses=OSES):
+    return np.array([[ref_key(0, s), ref_key(1, o)] for s, o in zip(sites, oses, strict=True)], np.uint64)
+
+
+def check_rows(labels, dense, keys, bags, tags=TAGS):
+    np.testing.assert_array_equal(labels, np.array(LABELS, np.float32))
+    np.testing.assert_array_equal(dense, log1p(PRICES)[:, None])
+    np.testing.assert_array_equal(keys, expected_keys())
+    assert len(bags) == 1
+    np.testing.assert_array_equal(bags[0].offsets, np.cumsum([0] + [len(t) for t in tags]))
+    np.testing.assert_array_equal(bags[0].keys, np.array([ref_key(2, t) for ts in tags for t in ts], np.uint64))
+
+
+# ------------------------------------------------------------------ keys and the schema
+
+def test_value_keys_hash_any_bytes_with_the_field():
+    values = ["ios", "-1", "", "68fd1e64", "a" * 17, "é"]
+    got = value_keys(5, values).tolist()
+    assert got == [ref_key(5, v) for v in values]
+    assert got[2] == missing_key(5) == ref_missing(5)
+    assert value_keys(5, ["ios"])[0] != value_keys(6, ["ios"])[0]
+    # A value and the same bytes padded with a zero byte are different values.
+    assert value_keys(0, [b"ab"])[0] != value_keys(0, [b"ab\0"])[0]
+
+
+def test_schema_config_errors_name_the_source_and_field():
+    with pytest.raises(ValueError, match=r"run.toml: unknown field\(s\) data.schema.lable"):
+        Schema.from_dict({"lable": "click"}, "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: column 'site' is in both data.schema.dense and "
+                                         r"data.schema.categorical"):
+        Schema.from_dict({"dense": ["site"], "categorical": ["site"]}, "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: data.schema.header = false: columns are 0-based positions, "
+                                         r"got the name 'click'"):
+        Schema.from_dict({"label": "click", "header": False}, "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: data.schema.categorical must be a list or \"rest\""):
+        Schema.from_dict({"categorical": "all"}, "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: data.schema.delimiter must be one character"):
+        Schema.from_dict({"delimiter": ",,"}, "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: data.schema.fields.b .* overlap at index 5|"
+                                         r"run.toml: data.schema.fields.a and data.schema.fields.b overlap"):
+        Schema.from_dict({"fields": {"a": [0, 5], "b": [5, 9]}}, "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: data.schema.dense: -1 is not a column name"):
+        Schema.from_dict({"dense": [-1]}, "run.toml")
+
+
+# ------------------------------------------------------------------ CSV / TSV
+
+def test_csv_with_header_gives_the_known_keys_in_any_batching(tmp_path):
+    p = tmp_path / "clicks.csv"
+    p.write_text(CSV)
+    for batch_size, block_bytes in ((4096, 1 << 20), (1, 40), (3, 64)):
+        r = SchemaCsv(p, SCHEMA, batch_size, block_bytes=block_bytes)
+        labels, dense, keys, bags, batches = read_all(r)
+        check_rows(labels, dense, keys, bags)
+        assert [b.locate(i) for b in batches for i in range(len(b))] == [(str(p), n) for n in (2, 3, 4, 5)]
+
+
+def test_headerless_tsv_by_position_compressed(tmp_path):
+    rows = [CSV.splitlines()[1:][i].replace(",", "\t").replace('"i\tos"', "i,os") for i in range(4)]
+    text = "\n".join(rows) + "\n"
+    schema = {"label": 1, "dense": [2], "categorical": [3, 4], "multi_hot": {"5": "|"}, "header": False}
+    (tmp_path / "a.tsv").write_text(text)
+    (tmp_path / "b.tsv.gz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "c.tsv.bz2").write_bytes(bz2.compress(text.encode()))
+    paths = [tmp_path / "a.tsv", tmp_path / "b.tsv.gz", tmp_path / "c.tsv.bz2"]
+    if pa.Codec.is_available("zstd"):
+        (tmp_path / "d.tsv.zst").write_bytes(pa.compress(text.encode(), "zstd", asbytes=True))
+        paths.append(tmp_path / "d.tsv.zst")
+    for p in paths:
+        check_rows(*read_all(open_schema(p, schema))[:4])
+
+
+def test_csv_errors_name_file_line_and_column(tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_text("id,click,price,site,os,tags\n1,0,3.5,a,b,\n2,1,abc,a,b,\n3,2,1,a,b,\n4,1\n")
+    with pytest.raises(DataError, match=r"bad.csv:5: has 2 fields, expected 6") as e:
+        list(SchemaCsv(p, SCHEMA))
+    assert e.value.line == 5
+    r = SchemaCsv(p, SCHEMA, skip_malformed=True)
+    labels = np.concatenate([b.labels for b in r])
+    assert labels.tolist() == [0.0] and r.malformed == 3
+    assert sorted(r.malformed_examples) == sorted([
+        f"{p}:3: column 'price': 'abc' is not a number", f"{p}:4: column 'click': '2' is not 0 or 1",
+        f"{p}:5: has 2 fields, expected 6"])
+    # Without the line of the wrong field count, the value error is raised.
+    p.write_text("id,click,price,site,os,tags\n1,0,3.5,a,b,\n2,1,abc,a,b,\n")
+    with pytest.raises(DataError, match=r"bad.csv:3: column 'price': 'abc' is not a number") as e:
+        list(SchemaCsv(p, SCHEMA))
+    assert (e.value.line, e.value.field) == (3, "price")
+
+
+def test_csv_schema_that_does_not_match_the_file(tmp_path):
+    p = tmp_path / "a.csv"
+    p.write_text("click,price,site\n0,1,a\n")
+    with pytest.raises(DataError, match=r"a.csv: no column 'tags' \(the file's columns: click, price, site\)"):
+        list(SchemaCsv(p, SCHEMA))
+    with pytest.raises(DataError, match=r"a.csv: column 7 is past the file's 3 columns"):
+        list(SchemaCsv(p, {"label": 0, "dense": [7], "header": False}))
+    # Two files whose columns give the model different fields.
+    q = tmp_path / "b.csv"
+    q.write_text("click,price,site,os\n0,1,a,b\n")
+    with pytest.raises(DataError, match=r"b.csv: the schema gives other fields here than in .*a.csv"):
+        list(SchemaCsv([p, q], {"label": "click", "dense": ["price"], "categorical": "rest"}))
+
+
+# ------------------------------------------------------------------ Parquet
+
+def test_parquet_gives_the_keys_of_the_same_text(tmp_path):
+    p = tmp_path / "clicks.parquet"
+    table = pa.table({"id": [1, 2, 3, 4], "click": pa.array(LABELS, pa.int8()),
+                      "price": pa.array([3.5, None, 7, -2]), "site": ["a.com", "b.com", None, "a.com"],
+                      "os": ["ios", "-1", "android", "i,os"], "tags": [["x", "y"], None, ["z", "", "x"], ["y"]]})
+    pq.write_table(table, p, row_group_size=3)
+    schema = dict(SCHEMA, multi_hot={"tags": ""})
+    check_rows(*read_all(open_schema(p, schema, batch_size=3))[:4])
+    # Integers are keyed by their decimal text, as in a CSV.
+    q = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"click": [1], "n": pa.array([-1], pa.int32())}), q)
+    keys = read_all(SchemaParquet(q, {"label": "click", "categorical": ["n"]}))[2]
+    assert keys.tolist() == [[ref_key(0, "-1")]]
+
+
+def test_parquet_errors_name_row_group_row_and_column(tmp_path):
+    p = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"click": [0, 1, 1, 0], "price": ["1", "2", "x", "3"], "site": ["a", "b", "c", "d"]}),
+                   p, row_group_size=2)
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site"]}
+    with pytest.raises(DataError, match=r"bad.parquet: row group 1, row 3: column 'price': 'x' is not a number") \
+            as e:
+        list(SchemaParquet(p, schema))
+    assert (e.value.line, e.value.field) == (3, "price")
+    with pytest.raises(DataError, match=r"bad.parquet: no column 'os'"):
+        list(SchemaParquet(p, dict(schema, categorical=["os"])))
+    q = tmp_path / "float.parquet"
+    pq.write_table(pa.table({"click": [0], "site": [1.5]}), q)
+    with pytest.raises(DataError, match=r"float.parquet: categorical column 'site' has type double"):
+        list(SchemaParquet(q, schema | {"dense": []}))
+    r = tmp_path / "text.parquet"
+    r.write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=r"text.parquet: not a readable Parquet file"):
+        list(SchemaParquet(r, schema))
+
+
+# ------------------------------------------------------------------ libsvm
+
+def test_libsvm_fields_by_index_range(tmp_path):
+    p = tmp_path / "train.svm"
+    p.write_text("1 3:1 12:0.5 4:2\n-1 11:1  # a comment\n\n+1 15:1\n")
+    r = open_schema(p, {"fields": {"user": [0, 9], "item": [10, 19]}}, batch_size=2)
+    labels, dense, keys, bags, batches = read_all(r)
+    assert labels.tolist() == [1, 0, 1] and dense.shape == (3, 0) and keys.shape == (3, 0)
+    user, item = bags
+    np.testing.assert_array_equal(user.offsets, [0, 2, 2, 2])
+    np.testing.assert_array_equal(user.keys, [ref_key(0, "3"), ref_key(0, "4")])
+    np.testing.assert_array_equal(user.weights, np.array([1, 2], np.float32))
+    np.testing.assert_array_equal(item.offsets, [0, 1, 2, 3])
+    np.testing.assert_array_equal(item.keys, [ref_key(1, "12"), ref_key(1, "11"), ref_key(1, "15")])
+    np.testing.assert_array_equal(item.weights, np.array([0.5, 1, 1], np.float32))
+    assert [b.locate(i) for b in batches for i in range(len(b))] == [(str(p), 1), (str(p), 2), (str(p), 4)]
+    # Without fields every index is one field.
+    (one,) = read_all(Libsvm(p))[3]
+    np.testing.assert_array_equal(one.offsets, [0, 3, 4, 5])
+
+
+def test_libsvm_errors_name_line_and_feature(tmp_path):
+    p = tmp_path / "bad.svm"
+    p.write_text("1 3:1\n0 3:x\n2 3:1\n1 3\n1 30:1\n")
+    schema = {"fields": {"a": [0, 9]}}
+    with pytest.raises(DataError, match=r"bad.svm:2: '3:x': the value is not a number"):
+        list(Libsvm(p, schema))
+    r = Libsvm(p, schema, skip_malformed=True)
+    assert sum(len(b) for b in r) == 1
+    assert r.malformed_examples == [f"{p}:2: '3:x': the value is not a number",
+                                    f"{p}:3: label '2' is not 0, 1, -1 or +1",
+                                    f"{p}:4: '3' is not index:value",
+                                    f"{p}:5: feature index 30 is in no field of data.schema.fields"]
+
+
+# ------------------------------------------------------------------ batches
+
+def test_batch_rows_and_all_keys_keep_bags_with_their_rows():
+    bags = Bags(np.arange(10, 16, dtype=np.uint64), np.array([0, 2, 2, 5, 6]))
+    b = Batch(np.zeros(4, np.float32), np.zeros((4, 0), np.float32), np.arange(4, dtype=np.uint64)[:, None],
+              bags=(bags,))
+    part = b.rows(np.array([1, 2]))
+    assert part.keys.ravel().tolist() == [1, 2]
+    assert part.bags[0].keys.tolist() == [12, 13, 14] and part.bags[0].offsets.tolist() == [0, 0, 3]
+    assert b.all_keys().tolist() == [0, 1, 2, 3] + list(range(10, 16))
+    with pytest.raises(ValueError, match="consecutive"):
+        b.rows(np.array([0, 2]))
+
+
+def test_docstring_examples():
+    import doctest
+
+    import hps.data.schema
+    assert doctest.testmod(hps.data.schema).failed == 0
