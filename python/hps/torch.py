@@ -199,17 +199,31 @@ class CtrModel(nn.Module):
     sigmoid, or BCEWithLogitsLoss, for the click probability)."""
 
     def __init__(self, ps: ParameterServer, num_fields: int = 26, num_dense: int = 13,
-                 hidden: Sequence[int] = (512, 256), seed: int = 0):
+                 hidden: Sequence[int] = (512, 256), seed: int = 0, num_bags: int = 0, pooling: str = "sum"):
         super().__init__()
         self.embedding = EmbeddingBag(ps, mode="sum")
         self.num_fields = num_fields
-        self.mlp = mlp(num_fields * ps.dim + num_dense, hidden, seed)
+        # Multi-hot fields, pooled by `pooling`; the MLP input is [single-hot | multi-hot | dense].
+        self.num_bags = num_bags
+        self.bag_embedding = EmbeddingBag(ps, mode=pooling) if num_bags else None
+        self.mlp = mlp((num_fields + num_bags) * ps.dim + num_dense, hidden, seed)
 
-    def forward(self, keys: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        """keys: (B, num_fields) int64, one key per field; dense: (B, num_dense)."""
+    def forward(self, keys: torch.Tensor, dense: torch.Tensor, bags: Optional[Sequence] = None) -> torch.Tensor:
+        """keys: (B, num_fields) int64, one key per field; dense: (B, num_dense); bags: one
+        (input, offsets, per_sample_weights or None) per multi-hot field, as nn.EmbeddingBag takes them."""
         if keys.dim() != 2 or keys.shape[1] != self.num_fields:
             raise ValueError(f"keys must have shape (B, {self.num_fields}), got {tuple(keys.shape)}")
         emb = self.embedding
+        if self.num_bags or bags:
+            if len(bags or ()) != self.num_bags:
+                raise ValueError(f"bags: expected {self.num_bags} multi-hot fields, got {len(bags or ())}")
+            # The multi-hot lookups go where the single-hot ones go (attach() and a
+            # distributed server are set on self.embedding).
+            be = self.bag_embedding
+            be.ps, be.batch, be.worker = emb.ps, emb.batch, emb.worker
+            pooled = [emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)] if self.num_fields else []
+            pooled += [be(k, o, per_sample_weights=w) for k, o, w in bags]
+            return self.mlp(torch.cat(pooled + [dense.to(torch.float32)], dim=1)).squeeze(1)
         if emb.batch is not None and emb.padding_key is None and not dense.requires_grad:
             x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense)
             return self.mlp(x).squeeze(1)

@@ -60,6 +60,7 @@ class DataConfig:
     seed: int = 0                       # synthetic data's seed
     vocab_sizes: Optional[Sequence[int]] = None  # synthetic; None: hps.data.DEFAULT_VOCAB_SIZES
     zipf_a: float = 1.1
+    schema: Optional[Any] = None        # [data.schema]: files of any columns (hps.data.Schema); None: Criteo's
 
 
 @dataclass
@@ -74,6 +75,7 @@ class TrainConfig:
     seed: int = 0                       # the MLP's initialisation
     torch_threads: int = 0              # 0: tuned on the first batches (ThreadTuner)
     helper_nice: int = 19               # niceness of the pipeline's read/prefetch/load/write-back threads
+    pooling: str = "sum"                # multi-hot fields' pooling: "sum" or "mean"
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # under mpiexec
 
     @classmethod
@@ -88,6 +90,12 @@ class TrainConfig:
         if not isinstance(data, DataConfig):
             check_fields(DataConfig, data, source, prefix="data.")
             data = DataConfig(**data)
+        if data.schema is not None:
+            data.schema = hdata.Schema.from_dict(data.schema, source)
+            if data.source == "synthetic":
+                raise ValueError(f"{source}: data.schema describes files: give data.source too")
+        if d.get("pooling", "sum") not in ("sum", "mean"):
+            raise ValueError(f"{source}: pooling must be \"sum\" or \"mean\", got {d['pooling']!r}")
         dist = d.get("distributed", {})
         if not isinstance(dist, DistributedConfig):
             check_fields(DistributedConfig, dist, source, prefix="distributed.")
@@ -111,6 +119,9 @@ def _train_source(cfg: TrainConfig, rank: int = 0, world: int = 1):
         kw = {"vocab_sizes": d.vocab_sizes} if d.vocab_sizes else {}
         return hdata.SyntheticCriteo(seed=d.seed, batch_size=d.batch_size, examples=d.train_examples,
                                      part="train", rank=rank, world=world, zipf_a=d.zipf_a, **kw)
+    if d.schema is not None:
+        return hdata.open_schema(d.source, d.schema, d.batch_size, format=d.format, rank=rank, world=world,
+                                 skip_malformed=d.skip_malformed)
     return hdata.open_criteo(d.source, d.batch_size, format=d.format, rank=rank, world=world,
                              skip_malformed=d.skip_malformed)
 
@@ -124,7 +135,10 @@ def _eval_batches(cfg: TrainConfig) -> list:
     if not d.eval_source:
         return []
     out, n = [], 0
-    for b in hdata.open_criteo(d.eval_source, d.batch_size, format=d.format, skip_malformed=d.skip_malformed):
+    reader = hdata.open_criteo(d.eval_source, d.batch_size, format=d.format, skip_malformed=d.skip_malformed) \
+        if d.schema is None else hdata.open_schema(d.eval_source, d.schema, d.batch_size, format=d.format,
+                                                   skip_malformed=d.skip_malformed)
+    for b in reader:
         out.append(b)
         n += len(b)
         if n >= d.eval_examples:
@@ -142,9 +156,10 @@ class Trainer:
     with the other ranks' (DenseSync)."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, node: Optional[Node] = None,
-                 checkpoint: Union[int, None, str] = LAST):
+                 checkpoint: Union[int, None, str] = LAST, widths: tuple = (13, 26, 0)):
         """``checkpoint``: in a job, the checkpoint job.json names (None: none yet),
-        to which this rank rolls back; alone, LAST (the last one finished)."""
+        to which this rank rolls back; alone, LAST (the last one finished). ``widths``:
+        the data's dense features, single-hot and multi-hot fields (Criteo's by default)."""
         torch = import_torch()
         from hps.torch import CtrModel
         self.torch = torch
@@ -181,7 +196,9 @@ class Trainer:
         self.state_dir = path
         self.ps = ParameterServer(ps_cfg, checkpoint=checkpoint)
         self.local_ps = self.ps
-        self.model = CtrModel(self.ps, num_fields=26, num_dense=13, hidden=cfg.hidden, seed=cfg.seed)
+        self.widths = widths
+        self.model = CtrModel(self.ps, num_fields=widths[1], num_dense=widths[0], hidden=cfg.hidden, seed=cfg.seed,
+                              num_bags=widths[2], pooling=cfg.pooling)
         self.dense_sync = None
         params = list(self.model.mlp.parameters())
         if node is None:
@@ -260,7 +277,10 @@ class Trainer:
                 continue
             emb.attach(loaded.batch, worker)
             keys = torch.from_numpy(examples.keys[idx].view(np.int64))
-            logits = self.model(keys, torch.from_numpy(examples.dense[idx]))
+            if getattr(examples, "bags", None):  # multi-hot fields (a schema's)
+                logits = self.model(keys, torch.from_numpy(examples.dense[idx]), _bag_inputs(examples.rows(idx)))
+            else:
+                logits = self.model(keys, torch.from_numpy(examples.dense[idx]))
             loss = self.loss_fn(logits, torch.from_numpy(examples.labels[idx])) / n
             loss.backward()
         emb.attach(None)
@@ -288,7 +308,8 @@ class Trainer:
                 if b is None:
                     self.ps.pull(np.empty(0, np.uint64))  # this rank's part of the round's exchange
                     continue
-                logits = self.model(torch.from_numpy(b.keys.view(np.int64)), torch.from_numpy(b.dense))
+                logits = self.model(torch.from_numpy(b.keys.view(np.int64)), torch.from_numpy(b.dense),
+                                    *((_bag_inputs(b),) if getattr(b, "bags", None) else ()))
                 probs.append(torch.sigmoid(logits).numpy())
                 labels.append(b.labels)
         y = np.concatenate(labels) if labels else np.empty(0, np.float32)
@@ -298,6 +319,20 @@ class Trainer:
             y = np.concatenate([a for a, _ in parts])
             p = np.concatenate([b for _, b in parts])
         return {"auc": auc(y, p), "logloss": logloss(y, p), "eval_examples": len(y)}
+
+
+def _bag_inputs(examples) -> list:
+    """A batch's multi-hot fields as CtrModel's bags: (keys, offsets, weights) tensors a field."""
+    torch = import_torch()
+    return [(torch.from_numpy(b.keys.view(np.int64)), torch.from_numpy(b.offsets[:-1]),
+             None if b.weights is None else torch.from_numpy(b.weights)) for b in examples.bags]
+
+
+def _widths(cfg: TrainConfig, source) -> tuple:
+    """(dense features, single-hot fields, multi-hot fields) of the data: Criteo's, or
+    those of the schema's first file."""
+    widths = getattr(source, "widths", None)
+    return widths() if widths is not None else (13, 26, 0)
 
 
 def _write_json_atomic(path: str, obj: dict) -> None:
@@ -429,7 +464,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     number = LAST
     if node is not None:
         number = _prepare_job(cfg, node, resume)
-    trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number))
+    widths = _collective(node, lambda: _widths(cfg, source))
+    trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths))
     if node is not None:
         _check_resumed_step(trainer)
         if trainer.batches_done == 0:
@@ -455,7 +491,10 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
 
     steps = examples_batches()
     if node is not None:
-        empty = hdata.Batch(np.empty(0, np.float32), np.empty((0, 13), np.float32), np.empty((0, 26), np.uint64))
+        n_dense, n_fields, n_bags = trainer.widths
+        empty = hdata.Batch(np.empty(0, np.float32), np.empty((0, n_dense), np.float32),
+                            np.empty((0, n_fields), np.uint64), (),
+                            tuple(hdata.Bags(np.empty(0, np.uint64), np.zeros(1, np.int64)) for _ in range(n_bags)))
         steps = trainer.ps.aligned(steps, empty)
 
     bar = None
@@ -508,7 +547,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                             refresh=False)
             bar.update(n)
 
-    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice)
+    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice) if cfg.data.schema is None else \
+        Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice, keys_of=lambda d: d.all_keys())
 
     def after_batch_hooks(inner):
         def wrapped(loaded):

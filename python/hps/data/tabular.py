@@ -191,6 +191,11 @@ class _SchemaReader(_Reader):
         self.schema = schema if isinstance(schema, Schema) else Schema.from_dict(schema)
         self._first: Optional[tuple] = None
 
+    def widths(self) -> tuple[int, int, int]:
+        """(dense features, single-hot fields, multi-hot fields) of the first file: the model's shape."""
+        layout = self._layout(self.files[0])
+        return len(layout.dense), len(layout.categorical), len(layout.multi_hot)
+
     def _same_fields(self, layout, path: str) -> None:
         names = layout.names()
         if self._first is None:
@@ -236,6 +241,10 @@ class SchemaCsv(_SchemaReader):
 
     def delimiter(self, path: str) -> str:
         return self.schema.delimiter or ("\t" if _plain_name(path).endswith(".tsv") else ",")
+
+    def _layout(self, path: str):
+        names, _ = self._columns(path, self._pa.csv.ParseOptions(delimiter=self.delimiter(path)))
+        return self.schema.resolve(names, path, by_name=self.schema.header)
 
     def _columns(self, path: str, parse) -> tuple[list[str], int]:
         """(the header's names, or "0", "1", ... for the first line's fields; the first line's bytes)."""
@@ -343,6 +352,15 @@ class SchemaParquet(_SchemaReader):
                          skip_malformed=skip_malformed)
         self.read_rows = int(read_rows)
 
+    def _layout(self, path: str):
+        pa = self._pa
+        with (_fsspec().open(path, "rb").open() if _is_url(path) else open(path, "rb")) as f:
+            try:
+                names = pa.parquet.ParquetFile(f).schema_arrow.names
+            except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+                raise DataError(f"{path}: not a readable Parquet file: {e}", path=path) from e
+        return self.schema.resolve(list(names), path, by_name=True)
+
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa
         errors = (pa.ArrowException, OSError, UnicodeDecodeError)
@@ -405,6 +423,9 @@ class Libsvm(_SchemaReader):
         self._hi = np.array([hi for _, hi, _ in order], np.int64)
         self._field = np.array([j for _, _, j in order], np.int64)
         self.block_lines = int(block_lines)
+
+    def widths(self) -> tuple[int, int, int]:
+        return 0, 0, len(self.field_names)
 
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa

@@ -1,0 +1,105 @@
+"""Multi-hot fields end to end: a schema reader's bags through hps.torch against torch.nn.EmbeddingBag,
+and `hps train` on files of a declared schema."""
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="hps.torch needs torch (pip install torch)")
+pytest.importorskip("pyarrow")
+import hps  # noqa: E402
+import hps.torch as ht  # noqa: E402
+from hps.data import SchemaCsv  # noqa: E402
+from hps.train import TrainConfig, train  # noqa: E402
+
+DIM = 4
+SCHEMA = {"label": "click", "dense": ["price"], "categorical": ["site"], "multi_hot": {"tags": "|"}}
+
+
+def write_csv(path, n, seed):
+    """Clicks that depend on the site and on whether tag t3 is among the tags."""
+    rng = np.random.default_rng(seed)
+    lines = ["click,price,site,tags"]
+    for _ in range(n):
+        site = int(rng.integers(0, 20))
+        tags = sorted(set(rng.integers(0, 8, rng.integers(0, 4)).tolist()))
+        p = 0.1 + 0.4 * (site < 5) + 0.45 * (3 in tags)
+        lines.append(f"{int(rng.random() < p)},{rng.integers(0, 100)},s{site},{'|'.join(f't{t}' for t in tags)}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_reader_bags_pool_and_train_like_torch_embedding_bag(tmp_path, mode):
+    write_csv(tmp_path / "a.csv", 64, 0)
+    batch = next(iter(SchemaCsv(tmp_path / "a.csv", SCHEMA, batch_size=64)))
+    (bags,) = batch.bags
+    assert (np.diff(bags.offsets) == 0).any() and (np.diff(bags.offsets) > 1).any()  # empty and longer bags
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=DIM, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5),
+                                                       mem_budget="4MiB"))
+    uniq, inverse = np.unique(bags.keys, return_inverse=True)
+    ref = torch.nn.EmbeddingBag(len(uniq), DIM, mode=mode)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(ps.pull(uniq)))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    bag = ht.EmbeddingBag(ps, mode=mode)
+    offsets = torch.from_numpy(bags.offsets[:-1])
+    target = torch.from_numpy(np.random.default_rng(1).standard_normal((len(batch), DIM)).astype(np.float32))
+    for _ in range(3):
+        out = bag(torch.from_numpy(bags.keys.view(np.int64)), offsets)
+        want = ref(torch.from_numpy(inverse.astype(np.int64)), offsets)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        ((out - target) ** 2).sum().backward()
+        opt.zero_grad()
+        ((want - target) ** 2).sum().backward()
+        opt.step()
+    torch.testing.assert_close(torch.from_numpy(ps.pull(uniq)), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    ps.close()
+
+
+def test_ctr_model_with_bags_is_the_mlp_of_pooled_fields(tmp_path):
+    write_csv(tmp_path / "a.csv", 16, 2)
+    batch = next(iter(SchemaCsv(tmp_path / "a.csv", SCHEMA, batch_size=16)))
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=DIM, path=str(tmp_path / "ps"), mem_budget="4MiB"))
+    model = ht.CtrModel(ps, num_fields=1, num_dense=1, hidden=(8,), num_bags=1, pooling="mean")
+    (bags,) = batch.bags
+    keys = torch.from_numpy(batch.keys.view(np.int64))
+    got = model(keys, torch.from_numpy(batch.dense),
+                [(torch.from_numpy(bags.keys.view(np.int64)), torch.from_numpy(bags.offsets[:-1]), None)])
+    site = torch.from_numpy(ps.pull(batch.keys.ravel()))
+    uniq, inverse = np.unique(bags.keys, return_inverse=True)
+    pooled = torch.nn.functional.embedding_bag(torch.from_numpy(inverse.astype(np.int64)),
+                                               torch.from_numpy(ps.pull(uniq)), torch.from_numpy(bags.offsets[:-1]),
+                                               mode="mean")
+    want = model.mlp(torch.cat([site, pooled, torch.from_numpy(batch.dense)], dim=1)).squeeze(1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="bags: expected 1 multi-hot fields, got 0"):
+        model(keys, torch.from_numpy(batch.dense))
+    ps.close()
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_hps_train_learns_from_a_csv_with_a_multi_hot_field(tmp_path, pooling):
+    write_csv(tmp_path / "train.csv", 6000, 3)
+    write_csv(tmp_path / "eval.csv", 2000, 4)
+    cfg = TrainConfig.from_dict({
+        "ps": {"dim": DIM, "path": str(tmp_path / "ps"), "mem_budget": "8MiB", "optimizer": {"kind": "adagrad",
+                                                                                              "lr": 0.1}},
+        "data": {"source": str(tmp_path / "train.csv"), "eval_source": str(tmp_path / "eval.csv"),
+                 "batch_size": 256, "eval_examples": 2000, "schema": SCHEMA},
+        "hidden": [16], "dense_lr": 0.01, "torch_threads": 1, "pooling": pooling}, "run.toml")
+    summary = train(cfg, progress=False)
+    assert summary["examples"] == 6000
+    # The signal is in the site and in one tag of the bags: both have to reach the model.
+    assert summary["final"]["auc"] > 0.75, summary["final"]
+    with open(tmp_path / "ps" / "train-summary.json") as f:
+        assert json.load(f)["final"]["eval_examples"] == 2000
+
+
+def test_train_config_schema_errors_name_the_file(tmp_path):
+    ps = {"dim": DIM, "path": str(tmp_path / "ps")}
+    with pytest.raises(ValueError, match=r"run.toml: unknown field\(s\) data.schema.dense_columns"):
+        TrainConfig.from_dict({"ps": ps, "data": {"source": "x.csv", "schema": {"dense_columns": []}}}, "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: data.schema describes files: give data.source too"):
+        TrainConfig.from_dict({"ps": ps, "data": {"schema": {"label": "y"}}}, "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: pooling must be \"sum\" or \"mean\""):
+        TrainConfig.from_dict({"ps": ps, "pooling": "max"}, "run.toml")
