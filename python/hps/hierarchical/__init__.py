@@ -6,7 +6,9 @@ layers are split over the group's parameter servers, and traffic is compressed.
 
 The package by concern: :mod:`~hps.hierarchical.codecs` (bf16, int8 per row,
 top-k with error feedback; bytes counted per traffic kind), :mod:`~hps.hierarchical.easgd`
-(the elastic update between group replicas and a centre).
+(the elastic update between group replicas and a centre), :mod:`~hps.hierarchical.split_mlp`
+(an MLP's Linear layers placed on the trainer or split over the group PSs; torch,
+imported from that module only).
 """
 from hps.hierarchical.codecs import (TRAFFIC_KINDS, BFloat16, ByteCounter, Codec, Encoded, Int8RowScale, NoCodec,
                                      TopK, make_codec)

@@ -41,7 +41,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["TRAFFIC_KINDS", "Encoded", "Codec", "NoCodec", "BFloat16", "Int8RowScale", "TopK", "ByteCounter",
-           "make_codec"]
+           "CodecStreams", "decode", "make_codec"]
 
 TRAFFIC_KINDS = ("activations", "gradients", "averaging", "sparse_rows", "sparse_grads")
 
@@ -223,6 +223,52 @@ def make_codec(spec: str) -> Codec:
     if name not in known:
         raise ValueError(f"unknown codec {spec!r}; known: none, bf16, int8, topk:RATIO")
     return known[name]()
+
+
+_DECODERS = {"none": NoCodec(), "bf16": BFloat16(), "int8": Int8RowScale(), "topk": TopK(1.0)}
+
+
+def decode(enc: Encoded) -> np.ndarray:
+    """Decodes any codec's payload (decoding keeps no state, top-k's included)."""
+    if not isinstance(enc, Encoded):
+        raise TypeError(f"decode: expected an Encoded payload, got {type(enc).__name__}")
+    if enc.codec not in _DECODERS:
+        raise ValueError(f"decode: a payload of unknown codec {enc.codec!r}")
+    return _DECODERS[enc.codec].decode(enc)
+
+
+class CodecStreams:
+    """The codec of each traffic kind, one stream per (kind, key): a top-k codec
+    keeps each tensor's residual apart. `spec` maps kinds to codec names; a kind
+    not named is sent as float32.
+
+    >>> s = CodecStreams({"activations": "int8", "gradients": "topk:0.1"})
+    >>> s.get("activations", 3).name, s.get("averaging", 0).name
+    ('int8', 'none')
+    """
+
+    def __init__(self, spec: Optional[dict] = None):
+        spec = dict(spec or {})
+        unknown = sorted(set(spec) - set(TRAFFIC_KINDS))
+        if unknown:
+            raise ValueError(f"codecs: unknown traffic kind(s) {', '.join(unknown)}; known: {', '.join(TRAFFIC_KINDS)}")
+        for kind, name in spec.items():
+            try:
+                make_codec(name)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"codecs: {kind}: {e}") from None
+        self.spec = {k: spec.get(k, "none") for k in TRAFFIC_KINDS}
+        self._streams: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, key) -> Codec:
+        if kind not in self.spec:
+            raise ValueError(f"unknown traffic kind {kind!r}; known: {', '.join(TRAFFIC_KINDS)}")
+        with self._lock:
+            c = self._streams.get((kind, key))
+            if c is None:
+                c = self._streams[kind, key] = make_codec(self.spec[kind])
+            return c
 
 
 @dataclass

@@ -1,0 +1,525 @@
+"""An MLP split over a group's trainer and group parameter servers (HT, section 4.2).
+
+A placement plan (:class:`SplitPlan`) says, for every ``nn.Linear`` of an
+``nn.Sequential`` of Linear and element-wise activation layers, where it runs:
+
+  trainer                 the trainer computes it (with its own optimizer);
+  ps, split "none"        one group PS (``ps``) holds the whole layer;
+  ps, split "vertical"    each of the P group PSs holds a contiguous block of the
+                          output columns (rows of the weight and of the bias); the
+                          trainer sends every PS the whole input and concatenates;
+  ps, split "horizontal"  each PS holds a block of the input rows (columns of the
+                          weight); the trainer sends each PS its block of the input
+                          and sums the partial outputs; PS 0 adds the bias;
+  pair = True             co-partitioned with the next Linear (the paper's rule: this
+                          one's output wider than its input, the next one's output
+                          narrower than its input): this one split vertically, the
+                          activations between them on the PSs, the next split
+                          horizontally over the same blocks, so that the wide
+                          intermediate never returns to the trainer; the trainer sums
+                          the partial outputs.
+
+The backward pass mirrors the forward one: the trainer sends output gradients, the
+PSs return input gradients (summed or concatenated as the forward pass was) and
+keep their weights' gradients; ``step`` makes every PS apply its optimizer to the
+weights it holds. Forward tensors go through the ``activations`` codec, backward
+ones through the ``gradients`` codec (:class:`~hps.hierarchical.codecs.CodecStreams`),
+their bytes counted before and after.
+
+The trainer's side is :class:`SplitTrainer` (an ``nn.Module``: the trainer's layers
+plus one remote segment per PS-held layer or pair); a PS's side is
+:class:`GroupPsServer`, served over MPI by :func:`serve` or called in-process
+through :class:`LocalTransport`. Every node builds the full model from the same
+seed and keeps only its own blocks.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from hps.errors import HpsError
+from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
+
+__all__ = ["FcPlacement", "SplitPlan", "Segment", "segments", "blocks", "GroupPsServer", "SplitTrainer",
+           "LocalTransport", "MpiTransport", "GroupPsTimeout", "serve", "assemble_state", "ELEMENTWISE"]
+
+# Activations that act on each value alone, so that a PS may apply them to its block.
+ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.GELU, nn.ELU, nn.SiLU, nn.Identity)
+WHERE = ("trainer", "ps")
+SPLITS = ("none", "vertical", "horizontal")
+
+
+class GroupPsTimeout(HpsError):
+    """A group PS did not answer within the timeout (it died or hung)."""
+
+
+@dataclass(frozen=True)
+class FcPlacement:
+    where: str = "trainer"   # "trainer" or "ps"
+    split: str = "none"      # on a PS: "none" (one PS holds it), "vertical" (output columns), "horizontal" (input rows)
+    ps: int = 0              # split "none" on a PS: the group PS that holds the layer
+    pair: bool = False       # co-partitioned with the next Linear (this vertical, the next horizontal)
+
+
+@dataclass
+class SplitPlan:
+    fcs: list                # one FcPlacement per nn.Linear, in order
+    group_ps: int = 2        # group PSs that share the PS-held layers
+
+    @classmethod
+    def all_trainer(cls, seq: nn.Sequential, group_ps: int = 2) -> "SplitPlan":
+        return cls([FcPlacement() for _ in linear_indices(seq)], group_ps)
+
+
+@dataclass
+class Segment:
+    """Modules [start, stop) of the Sequential that run together on one side."""
+    kind: str                # "local" (the trainer), "fc" (one PS-held Linear) or "pair"
+    start: int
+    stop: int
+    fcs: tuple = ()          # the Linears' positions in the Sequential
+    placement: Optional[FcPlacement] = None
+
+
+def linear_indices(seq: nn.Sequential) -> list:
+    if not isinstance(seq, nn.Sequential):
+        raise TypeError(f"the dense model must be an nn.Sequential, got {type(seq).__name__}")
+    out = []
+    for i, m in enumerate(seq):
+        if isinstance(m, nn.Linear):
+            out.append(i)
+        elif not isinstance(m, ELEMENTWISE):
+            raise TypeError(f"layer {i} of the Sequential is {type(m).__name__}: only nn.Linear and element-wise "
+                            f"activations ({', '.join(t.__name__ for t in ELEMENTWISE)}) can be placed")
+    if not out:
+        raise ValueError("the Sequential has no nn.Linear to place")
+    return out
+
+
+def blocks(n: int, parts: int, what: str = "width") -> list:
+    """[lo, hi) of `parts` contiguous blocks of n, the first n % parts one longer."""
+    if n < parts:
+        raise ValueError(f"a {what} of {n} cannot be split over {parts} group PSs (one column each at least)")
+    sizes = [n // parts + (i < n % parts) for i in range(parts)]
+    ends = np.cumsum([0] + sizes)
+    return [(int(ends[i]), int(ends[i + 1])) for i in range(parts)]
+
+
+def segments(seq: nn.Sequential, plan: SplitPlan) -> list:
+    """Checks `plan` against `seq` and cuts the Sequential into segments; errors name
+    the Linear (by its position among the Linears and in the Sequential)."""
+    fcs = linear_indices(seq)
+    if not isinstance(plan, SplitPlan):
+        raise TypeError(f"plan must be a SplitPlan, got {type(plan).__name__}")
+    if len(plan.fcs) != len(fcs):
+        raise ValueError(f"the plan places {len(plan.fcs)} Linear layers, the Sequential has {len(fcs)}")
+    P = plan.group_ps
+    if not (isinstance(P, int) and P >= 1):
+        raise ValueError(f"plan: group_ps must be an int >= 1, got {P!r}")
+    for j, (i, pl) in enumerate(zip(fcs, plan.fcs)):
+        lin = seq[i]
+        name = f"Linear {j} (layer {i}, {lin.in_features} -> {lin.out_features})"
+        if pl.where not in WHERE or pl.split not in SPLITS:
+            raise ValueError(f"plan: {name}: where must be one of {WHERE} and split one of {SPLITS}, got "
+                             f"{pl.where!r}, {pl.split!r}")
+        if pl.where == "trainer" and (pl.split != "none" or pl.pair):
+            raise ValueError(f"plan: {name} runs on the trainer, so it cannot be split or paired")
+        if pl.where == "ps" and pl.split == "none" and not 0 <= pl.ps < P:
+            raise ValueError(f"plan: {name}: ps {pl.ps} out of range [0, {P})")
+        if pl.split == "vertical":
+            blocks(lin.out_features, P, f"{name}'s output width")
+        if pl.split == "horizontal":
+            blocks(lin.in_features, P, f"{name}'s input width")
+        if pl.pair:
+            if j + 1 == len(fcs):
+                raise ValueError(f"plan: {name} is paired but is the last Linear")
+            nxt, npl = seq[fcs[j + 1]], plan.fcs[j + 1]
+            if pl.split != "vertical" or npl.where != "ps" or npl.split != "horizontal" or npl.pair:
+                raise ValueError(f"plan: {name} is paired: it must be split vertically and the next Linear "
+                                 f"horizontally (and not paired itself), got {pl.split!r} then {npl.where!r} "
+                                 f"{npl.split!r}")
+            if not (lin.out_features > lin.in_features and nxt.out_features < nxt.in_features):
+                raise ValueError(f"plan: {name} and Linear {j + 1} break the co-partition rule (the first output "
+                                 f"wider than its input, the second narrower): {lin.in_features} -> "
+                                 f"{lin.out_features} -> {nxt.out_features}")
+    out: list = []
+    pos, j = 0, 0
+    while j < len(fcs):
+        i, pl = fcs[j], plan.fcs[j]
+        if pl.where == "trainer":
+            j += 1
+            continue
+        if pos < i:
+            out.append(Segment("local", pos, i))
+        if pl.pair:
+            out.append(Segment("pair", i, fcs[j + 1] + 1, (i, fcs[j + 1]), pl))
+            pos, j = fcs[j + 1] + 1, j + 2
+        else:
+            out.append(Segment("fc", i, i + 1, (i,), pl))
+            pos, j = i + 1, j + 1
+    if pos < len(seq):
+        out.append(Segment("local", pos, len(seq)))
+    return out
+
+
+def _participants(seg: Segment, P: int) -> list:
+    return [seg.placement.ps] if seg.placement.split == "none" else list(range(P))
+
+
+def _slice_linear(lin: nn.Linear, rows=None, cols=None, bias: bool = True) -> nn.Linear:
+    w = lin.weight.detach()
+    w = w[rows[0]:rows[1]] if rows else w
+    w = w[:, cols[0]:cols[1]] if cols else w
+    has_bias = bias and lin.bias is not None
+    out = nn.Linear(w.shape[1], w.shape[0], bias=has_bias)
+    with torch.no_grad():
+        out.weight.copy_(w)
+        if has_bias:
+            b = lin.bias.detach()
+            out.bias.copy_(b[rows[0]:rows[1]] if rows else b)
+    return out
+
+
+def _shard(seq: nn.Sequential, seg: Segment, p: int, P: int) -> nn.Sequential:
+    """Group PS p's part of a PS segment, as a module from its input block to its output part."""
+    pl = seg.placement
+    if seg.kind == "fc":
+        lin = seq[seg.start]
+        if pl.split == "none":
+            return nn.Sequential(_slice_linear(lin))
+        if pl.split == "vertical":
+            return nn.Sequential(_slice_linear(lin, rows=blocks(lin.out_features, P)[p]))
+        return nn.Sequential(_slice_linear(lin, cols=blocks(lin.in_features, P)[p], bias=p == 0))
+    first, second = seq[seg.fcs[0]], seq[seg.fcs[1]]
+    blk = blocks(first.out_features, P)[p]
+    mid = [copy.deepcopy(seq[k]) for k in range(seg.fcs[0] + 1, seg.fcs[1])]
+    return nn.Sequential(_slice_linear(first, rows=blk), *mid, _slice_linear(second, cols=blk, bias=p == 0))
+
+
+# ---------------------------------------------------------------- the group PS
+
+
+class GroupPsServer:
+    """Group PS `index`'s blocks of every PS segment, its optimizer and the
+    activations kept between a forward call and its backward one.
+
+    Requests (tuples): ("forward", seg, call, x) -> y part; ("backward", seg, call,
+    dy, want_dx) -> dx part or None; ("step",) applies the optimizer to the
+    gradients gathered since the last step; ("state",) -> {name: (weight, grad)}
+    of its blocks; ("stop",). Tensors travel as codec payloads."""
+
+    def __init__(self, seq: nn.Sequential, plan: SplitPlan, index: int,
+                 make_optimizer: Callable, codecs: Optional[CodecStreams] = None,
+                 counter: Optional[ByteCounter] = None):
+        self.index = index
+        self.plan = plan
+        P = plan.group_ps
+        if not 0 <= index < P:
+            raise ValueError(f"GroupPsServer: index {index} out of range [0, {P})")
+        self.segments = {s.start: s for s in segments(seq, plan) if s.kind != "local"}
+        self.shards = {k: _shard(seq, s, index, P) for k, s in self.segments.items()
+                       if index in _participants(s, P)}
+        params = [p for m in self.shards.values() for p in m.parameters()]
+        self.optimizer = make_optimizer(params) if params else None
+        self.codecs = codecs or CodecStreams()
+        self.counter = counter or ByteCounter()
+        self.saved: dict = {}
+        self.steps = 0
+
+    def _encode(self, kind: str, key, t: torch.Tensor):
+        x = t.detach().contiguous().numpy()
+        return self.counter.encode(self.codecs.get(kind, key), kind, x)
+
+    def handle(self, src: int, msg: tuple):
+        op = msg[0]
+        if op == "forward":
+            _, seg, call, enc = msg
+            x = torch.from_numpy(decode(enc).copy()).requires_grad_(True)
+            with torch.enable_grad():  # in-process, this runs inside the trainer's autograd Function
+                y = self.shards[seg](x)
+            self.saved[src, call, seg] = (x, y)
+            return self._encode("activations", ("fwd", src, seg), y)
+        if op == "backward":
+            _, seg, call, enc, want_dx = msg
+            x, y = self.saved.pop((src, call, seg))
+            with torch.enable_grad():
+                y.backward(torch.from_numpy(decode(enc).copy()))
+            return self._encode("gradients", ("bwd", src, seg), x.grad) if want_dx else None
+        if op == "step":
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+            self.steps += 1
+            return self.steps
+        if op == "state":
+            return {f"{seg}.{name}": (p.detach().numpy().copy(),
+                                      None if p.grad is None else p.grad.detach().numpy().copy())
+                    for seg, m in self.shards.items() for name, p in m.named_parameters()}
+        if op == "stop":
+            return "stopped"
+        raise ValueError(f"group PS {self.index}: unknown request {op!r} from rank {src}")
+
+
+# ---------------------------------------------------------------- transports
+
+
+class LocalTransport:
+    """Calls the group PSs' servers in this process (tests, one-process runs)."""
+
+    def __init__(self, servers: Sequence[GroupPsServer], src: int = 0):
+        self.servers = list(servers)
+        self.src = src
+        self._replies: dict = {}
+
+    def post(self, p: int, msg: tuple) -> None:
+        self._replies[p] = self.servers[p].handle(self.src, msg)
+
+    def wait(self, p: int, what: str):
+        return self._replies.pop(p)
+
+
+class MpiTransport:
+    """Requests to the group PSs' ranks over `comm` (tag `tag`, one per trainer
+    thread, so that each thread gets its own replies). A reply that does not come
+    within `timeout` seconds raises GroupPsTimeout naming the PS's rank."""
+
+    def __init__(self, comm, ps_ranks: Sequence[int], timeout: float = 60.0, tag: int = 1):
+        self.comm = comm
+        self.ps_ranks = list(ps_ranks)
+        self.timeout = timeout
+        self.tag = tag
+
+    def post(self, p: int, msg: tuple) -> None:
+        self.comm.send(msg, dest=self.ps_ranks[p], tag=self.tag)
+
+    def wait(self, p: int, what: str):
+        # A PS that hangs is caught here; one whose process dies is ended with the
+        # job by the launcher (MPICH's hydra kills every rank at once).
+        rank = self.ps_ranks[p]
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-5
+        while not self.comm.Iprobe(source=rank, tag=self.tag):
+            if time.monotonic() > deadline:
+                raise GroupPsTimeout(f"group PS {p} (rank {rank}) did not answer {what} within {self.timeout:g} s: "
+                                     f"it died or hung")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return self.comm.recv(source=rank, tag=self.tag)
+
+
+def serve(comm, server: GroupPsServer, trainers: int, idle_timeout: Optional[float] = None) -> None:
+    """A group PS's loop: answers requests from any rank until `trainers` ranks have
+    sent ("stop",). With `idle_timeout`, no request for that long raises
+    GroupPsTimeout (the trainers died or hung)."""
+    from mpi4py import MPI
+    stopped = 0
+    status = MPI.Status()
+    while stopped < trainers:
+        if idle_timeout is not None:
+            deadline = time.monotonic() + idle_timeout
+            pause = 1e-5
+            while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+                if time.monotonic() > deadline:
+                    raise GroupPsTimeout(f"group PS {server.index}: no request from the trainers for "
+                                         f"{idle_timeout:g} s")
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-3)
+        msg = comm.recv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+        src, tag = status.Get_source(), status.Get_tag()
+        reply = server.handle(src, msg)
+        comm.send(reply, dest=src, tag=tag)
+        if msg[0] == "stop":
+            stopped += 1
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+class _RemoteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, anchor, remote):
+        call = next(remote.calls)
+        ctx.remote, ctx.call = remote, call
+        return remote.forward_remote(x.detach(), call)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = ctx.remote.backward_remote(dy.contiguous(), ctx.call, ctx.needs_input_grad[0])
+        return dx, None, None
+
+
+class _RemoteSegment(nn.Module):
+    """A PS segment as the trainer sees it: sends inputs, gathers outputs."""
+
+    def __init__(self, trainer: "SplitTrainer", seg: Segment, in_width: int, out_width: int):
+        super().__init__()
+        self.seg = seg
+        self.in_width, self.out_width = in_width, out_width
+        self.parts = _participants(seg, trainer.plan.group_ps)
+        self._trainer = [trainer]  # not a submodule: its parameters are not ours
+        self.calls = itertools.count()
+        # Backward must run even when no input needs a gradient: the PSs' weights do.
+        self.anchor = torch.zeros(0, requires_grad=True)
+
+    def extra_repr(self) -> str:
+        pl = self.seg.placement
+        how = "pair" if self.seg.kind == "pair" else pl.split
+        return f"layers {self.seg.start}..{self.seg.stop - 1} on group PS(s) {self.parts}, split {how}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_width:
+            raise ValueError(f"layer {self.seg.start}: input of shape {tuple(x.shape)}, expected (B, "
+                             f"{self.in_width})")
+        return _RemoteFn.apply(x, self.anchor, self)
+
+    def _in_blocks(self):
+        P = self._trainer[0].plan.group_ps
+        return blocks(self.in_width, P)
+
+    def forward_remote(self, x: torch.Tensor, call: int) -> torch.Tensor:
+        t = self._trainer[0]
+        horizontal = self.seg.kind == "fc" and self.seg.placement.split == "horizontal"
+        xs = x.contiguous().numpy()
+        ins = self._in_blocks() if horizontal else None
+        for k, p in enumerate(self.parts):
+            part = np.ascontiguousarray(xs[:, ins[k][0]:ins[k][1]]) if horizontal else xs
+            enc = t.counter.encode(t.codecs.get("activations", ("fwd", self.seg.start, p)), "activations", part)
+            t.transport.post(p, ("forward", self.seg.start, call, enc))
+        ys = [decode(t.transport.wait(p, f"the forward pass of layer {self.seg.start}")) for p in self.parts]
+        if self.seg.kind == "fc" and self.seg.placement.split == "vertical":
+            y = np.concatenate(ys, axis=1)
+        else:
+            y = ys[0].copy()
+            for part in ys[1:]:
+                y += part
+        return torch.from_numpy(np.ascontiguousarray(y))
+
+    def backward_remote(self, dy: torch.Tensor, call: int, want_dx: bool) -> Optional[torch.Tensor]:
+        t = self._trainer[0]
+        vertical = self.seg.kind == "fc" and self.seg.placement.split == "vertical"
+        dys = dy.numpy()
+        outs = blocks(self.out_width, t.plan.group_ps) if vertical else None
+        for k, p in enumerate(self.parts):
+            part = np.ascontiguousarray(dys[:, outs[k][0]:outs[k][1]]) if vertical else dys
+            enc = t.counter.encode(t.codecs.get("gradients", ("bwd", self.seg.start, p)), "gradients", part)
+            t.transport.post(p, ("backward", self.seg.start, call, enc, want_dx))
+        dxs = [t.transport.wait(p, f"the backward pass of layer {self.seg.start}") for p in self.parts]
+        if not want_dx:
+            return None
+        dxs = [decode(d) for d in dxs]
+        if self.seg.kind == "fc" and self.seg.placement.split == "horizontal":
+            dx = np.concatenate(dxs, axis=1)
+        else:
+            dx = dxs[0].copy()
+            for part in dxs[1:]:
+                dx += part
+        return torch.from_numpy(np.ascontiguousarray(dx))
+
+
+class SplitTrainer(nn.Module):
+    """The trainer's side of a split Sequential: its own layers, and one remote
+    segment per PS-held layer or pair. ``parameters()`` are the trainer's only;
+    after the optimizer's step call :meth:`ps_step` so the PSs take theirs.
+
+    Shapes: input (B, in_features) -> output (B, out_features), as the Sequential."""
+
+    def __init__(self, seq: nn.Sequential, plan: SplitPlan, transport, codecs: Optional[CodecStreams] = None,
+                 counter: Optional[ByteCounter] = None):
+        super().__init__()
+        self.plan = plan
+        self.transport = transport
+        self.codecs = codecs or CodecStreams()
+        self.counter = counter or ByteCounter()
+        self.segments = segments(seq, plan)
+        mods: list = []
+        for s in self.segments:
+            if s.kind == "local":
+                mods += [copy.deepcopy(seq[k]) for k in range(s.start, s.stop)]
+            else:
+                mods.append(_RemoteSegment(self, s, seq[s.fcs[0]].in_features, seq[s.fcs[-1]].out_features))
+        self.net = nn.Sequential(*mods)
+        self._origin = [(s, k) for s in self.segments for k in (range(s.start, s.stop) if s.kind == "local"
+                                                                  else [None])]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def _all_ps(self) -> list:
+        return list(range(self.plan.group_ps))
+
+    def ps_step(self) -> None:
+        """Every group PS applies its optimizer to the gradients it gathered."""
+        for p in self._all_ps():
+            self.transport.post(p, ("step",))
+        for p in self._all_ps():
+            self.transport.wait(p, "the optimizer step")
+
+    def stop(self) -> None:
+        for p in self._all_ps():
+            self.transport.post(p, ("stop",))
+        for p in self._all_ps():
+            self.transport.wait(p, "stop")
+
+    def full_state(self) -> dict:
+        """The whole Sequential's {"<layer>.weight"/"<layer>.bias": (value, grad)},
+        the PSs' blocks fetched and put back together (for checks and checkpoints)."""
+        for p in self._all_ps():
+            self.transport.post(p, ("state",))
+        shards = [self.transport.wait(p, "the state of its blocks") for p in self._all_ps()]
+        return assemble_state(self, shards)
+
+
+def assemble_state(trainer: SplitTrainer, shards: Sequence[dict]) -> dict:
+    """Puts the trainer's layers and the PSs' blocks (GroupPsServer "state"
+    replies) back into the unsplit Sequential's names."""
+    out: dict = {}
+
+    def put(name, value, grad):
+        out[name] = (value, grad)
+
+    for mod, (seg, k) in zip(trainer.net, trainer._origin):
+        if seg.kind == "local":
+            for n, p in mod.named_parameters():
+                put(f"{k}.{n}", p.detach().numpy().copy(), None if p.grad is None else p.grad.numpy().copy())
+    P = trainer.plan.group_ps
+    for seg in trainer.segments:
+        if seg.kind == "local":
+            continue
+        parts = _participants(seg, P)
+        pl = seg.placement
+
+        def cat(name, axis, who=parts):
+            vals = [shards[p][f"{seg.start}.{name}"] for p in who]
+            grads = [g for _, g in vals]
+            return (np.concatenate([v for v, _ in vals], axis=axis),
+                    None if any(g is None for g in grads) else np.concatenate(grads, axis=axis))
+
+        if seg.kind == "fc" and pl.split == "none":
+            (p,) = parts
+            for n in ("weight", "bias"):
+                if f"{seg.start}.0.{n}" in shards[p]:
+                    put(f"{seg.start}.{n}", *shards[p][f"{seg.start}.0.{n}"])
+        elif seg.kind == "fc" and pl.split == "vertical":
+            put(f"{seg.start}.weight", *cat("0.weight", 0))
+            if f"{seg.start}.0.bias" in shards[0]:
+                put(f"{seg.start}.bias", *cat("0.bias", 0))
+        elif seg.kind == "fc":
+            put(f"{seg.start}.weight", *cat("0.weight", 1))
+            if f"{seg.start}.0.bias" in shards[0]:
+                put(f"{seg.start}.bias", *shards[0][f"{seg.start}.0.bias"])
+        else:
+            last = seg.fcs[1] - seg.fcs[0]
+            put(f"{seg.fcs[0]}.weight", *cat("0.weight", 0))
+            if f"{seg.start}.0.bias" in shards[0]:
+                put(f"{seg.fcs[0]}.bias", *cat("0.bias", 0))
+            put(f"{seg.fcs[1]}.weight", *cat(f"{last}.weight", 1))
+            if f"{seg.start}.{last}.bias" in shards[0]:
+                put(f"{seg.fcs[1]}.bias", *shards[0][f"{seg.start}.{last}.bias"])
+    return out

@@ -1,0 +1,169 @@
+"""Scenarios that tests/test_ht_split.py runs under ``mpiexec -n N`` (Hierarchical
+Training, hps.hierarchical).
+
+    mpiexec -n 3 python tests/ht_scenarios.py SCENARIO OUT_DIR
+
+Rank 0 is the trainer, ranks 1..P the group PSs. The models, plans and inputs are
+made by functions here that the test imports too, so both sides see the same numbers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import zlib
+
+import numpy as np
+
+GROUP_PS = 2
+LR = 0.01
+
+
+def models():
+    """{name: (Sequential, SplitPlan)}: each split kind, co-partitioned pairs and the
+    CtrModel's MLP."""
+    import torch
+    from torch import nn
+    from hps.hierarchical.split_mlp import FcPlacement as F, SplitPlan
+    from hps.torch import mlp
+
+    def deep():
+        torch.manual_seed(7)
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4), nn.Tanh(), nn.Linear(4, 12),
+                             nn.ReLU(inplace=True), nn.Linear(12, 3), nn.Linear(3, 1))
+    return {
+        "vertical_horizontal": (deep(), SplitPlan([F("ps", "vertical"), F("ps", "horizontal"), F(), F(), F()],
+                                                  GROUP_PS)),
+        "pair_and_whole": (deep(), SplitPlan([F("ps", "vertical", pair=True), F("ps", "horizontal"),
+                                              F("ps", "none", ps=1), F(), F()], GROUP_PS)),
+        "two_pairs": (deep(), SplitPlan([F("ps", "vertical", pair=True), F("ps", "horizontal"),
+                                         F("ps", "vertical", pair=True), F("ps", "horizontal"),
+                                         F("ps", "none", ps=0)], GROUP_PS)),
+        "ctr_mlp": (mlp(26 * 8 + 13, (64, 32), seed=3),
+                    SplitPlan([F("ps", "vertical"), F("ps", "horizontal"), F()], GROUP_PS)),
+    }
+
+
+def inputs(name: str, width: int, step: int):
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 17 * step)
+    return rng.standard_normal((8, width)).astype(np.float32), rng.random(8).astype(np.float32)
+
+
+class MomentumSgd:
+    """SGD with momentum (state per weight, so that a step after the first checks the
+    PSs' optimizer state too). Not torch.optim: its first use imports torch._dynamo,
+    4 s of CPU in every rank."""
+
+    def __init__(self, params, lr: float = LR, momentum: float = 0.9):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.velocity = [None] * len(self.params)
+
+    def step(self):
+        import torch
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    continue
+                v = self.velocity[i]
+                self.velocity[i] = v = p.grad.clone() if v is None else v.mul_(self.momentum).add_(p.grad)
+                p.sub_(self.lr * v)
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+
+def make_optimizer(params):
+    return MomentumSgd(params)
+
+
+def loss_of(y, labels):
+    import torch
+    return torch.nn.functional.binary_cross_entropy_with_logits(y.squeeze(1), torch.from_numpy(labels))
+
+
+def run_split(comm, out: str) -> None:
+    """For each model: two steps; rank 0 saves outputs, input gradients, every
+    weight's gradient after the first backward and every weight after both steps."""
+    import torch
+    from hps.hierarchical.split_mlp import GroupPsServer, MpiTransport, SplitTrainer, serve
+    rank = comm.Get_rank()
+    saved = {}
+    for name, (seq, plan) in models().items():
+        if rank > 0:
+            serve(comm, GroupPsServer(seq, plan, rank - 1, make_optimizer), trainers=1, idle_timeout=60)
+            continue
+        tr = SplitTrainer(seq, plan, MpiTransport(comm, range(1, GROUP_PS + 1), timeout=60))
+        params = list(tr.parameters())
+        opt = make_optimizer(params) if params else None
+        width = seq[0].in_features
+        for step in range(2):
+            xs, labels = inputs(name, width, step)
+            x = torch.from_numpy(xs).requires_grad_(True)
+            y = tr(x)
+            loss_of(y, labels).backward()
+            if step == 0:
+                saved[f"{name}/y"] = y.detach().numpy()
+                saved[f"{name}/dx"] = x.grad.numpy()
+                for n, (_, g) in tr.full_state().items():
+                    saved[f"{name}/grad/{n}"] = g
+            if opt:
+                opt.step()
+                opt.zero_grad()
+            tr.ps_step()
+        for n, (v, _) in tr.full_state().items():
+            saved[f"{name}/weight/{n}"] = v
+        tr.stop()
+    if rank == 0:
+        np.savez(os.path.join(out, "split.npz"), **saved)
+
+
+def run_dead_ps(comm, out: str, how: str) -> None:
+    """Group PS 1 (rank 2) hangs or is killed before answering; the trainer must end
+    the job within its timeout, naming it."""
+    from hps.hierarchical.split_mlp import GroupPsServer, GroupPsTimeout, MpiTransport, SplitTrainer, serve
+    import torch
+    seq, plan = models()["vertical_horizontal"]
+    rank = comm.Get_rank()
+    # The roles with their pids, as a job's start prints them: the launcher names a
+    # killed process by its pid only.
+    pids = comm.allgather(os.getpid())
+    if rank == 0:
+        for p in (1, 2):
+            sys.stderr.write(f"hps.hierarchical: group PS {p - 1}: rank {p}, pid {pids[p]}\n")
+        sys.stderr.flush()
+    comm.Barrier()
+    if rank == 2:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+        return
+    if rank == 1:
+        serve(comm, GroupPsServer(seq, plan, 0, make_optimizer), trainers=1, idle_timeout=120)
+        return
+    tr = SplitTrainer(seq, plan, MpiTransport(comm, [1, 2], timeout=2.0))
+    try:
+        tr(torch.zeros(4, 6))
+    except GroupPsTimeout as e:
+        sys.stderr.write(f"hps.hierarchical: trainer rank 0: {e}; aborting the job\n")
+        sys.stderr.flush()
+        comm.Abort(70)
+
+
+def main() -> None:
+    import torch
+    from mpi4py import MPI
+    torch.set_num_threads(1)  # three processes on a small machine
+    scenario, out = sys.argv[1], sys.argv[2]
+    comm = MPI.COMM_WORLD
+    if scenario == "split":
+        run_split(comm, out)
+    elif scenario in ("dead_ps_hang", "dead_ps_kill"):
+        run_dead_ps(comm, out, scenario.rsplit("_", 1)[1])
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""hps.hierarchical.split_mlp: an MLP split over a trainer and 2 group PSs (each
+split kind, co-partitioned pairs, the CtrModel's MLP) computes what the unsplit one
+does, forward and backward, and trains to the same weights; under mpiexec on
+localhost (tests/ht_scenarios.py runs the ranks) and in one process."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from hps.hierarchical.codecs import CodecStreams  # noqa: E402
+from hps.hierarchical.split_mlp import (FcPlacement as F, GroupPsServer, LocalTransport, SplitPlan,  # noqa: E402
+                                        SplitTrainer, segments)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ht_scenarios.py")
+_spec = importlib.util.spec_from_file_location("ht_scenarios", SCRIPT)
+sc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sc)
+MPIEXEC = shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
+                               reason="needs mpi4py and mpiexec (pip install '.[mpi]')")
+
+
+def mpirun(n: int, *args, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    t0 = time.monotonic()
+    p = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, SCRIPT, *map(str, args)], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    return p, time.monotonic() - t0
+
+
+def unsplit_reference(name: str):
+    """Two steps of the whole Sequential in one process: (y, dx, grads) of the
+    first step and the weights after both."""
+    seq, _ = sc.models()[name]
+    opt = sc.make_optimizer(list(seq.parameters()))
+    first = None
+    for step in range(2):
+        xs, labels = sc.inputs(name, seq[0].in_features, step)
+        x = torch.from_numpy(xs).requires_grad_(True)
+        y = seq(x)
+        sc.loss_of(y, labels).backward()
+        if step == 0:
+            first = (y.detach().numpy().copy(), x.grad.numpy().copy(),
+                     {n: p.grad.numpy().copy() for n, p in seq.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return first + ({n: p.detach().numpy().copy() for n, p in seq.named_parameters()},)
+
+
+@needs_mpi
+def test_split_mlp_over_two_group_ps_ranks_equals_the_unsplit_model(tmp_path):
+    p, _ = mpirun(1 + sc.GROUP_PS, "split", tmp_path)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = np.load(tmp_path / "split.npz")
+    for name in sc.models():
+        y, dx, grads, weights = unsplit_reference(name)
+        np.testing.assert_allclose(got[f"{name}/y"], y, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(got[f"{name}/dx"], dx, rtol=1e-5, atol=1e-7, err_msg=name)
+        assert {k.split("/", 2)[2] for k in got.files if k.startswith(f"{name}/grad/")} == set(grads)
+        for n in grads:
+            np.testing.assert_allclose(got[f"{name}/grad/{n}"], grads[n], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{name}: {n}'s gradient")
+            np.testing.assert_allclose(got[f"{name}/weight/{n}"], weights[n], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{name}: {n} after two steps")
+            # The steps moved every weight (a PS that skipped its step would fail above).
+            assert not np.array_equal(weights[n], sc.models()[name][0].state_dict()[n].numpy())
+
+
+@needs_mpi
+@pytest.mark.parametrize("how", ["hang", "kill"])
+def test_a_dead_group_ps_fails_the_job_in_bounded_time_naming_it(tmp_path, how):
+    p, took = mpirun(3, f"dead_ps_{how}", tmp_path, timeout=60)
+    assert p.returncode != 0
+    assert took < 30
+    if how == "hang":
+        assert "group PS 1 (rank 2) did not answer the forward pass of layer 0 within 2 s" in p.stderr
+    else:
+        # MPICH's launcher ends the job as soon as a rank dies and says by which signal;
+        # it names the pid of a process it cleaned up, so the job's start names the
+        # roles' pids for the reader to match.
+        assert re.search(r"group PS 1: rank 2, pid \d+", p.stderr), p.stderr
+        assert "Killed (signal 9)" in p.stdout + p.stderr
+
+
+def _local(name, codecs=None):
+    seq, plan = sc.models()[name]
+    servers = [GroupPsServer(seq, plan, i, sc.make_optimizer, CodecStreams(codecs)) for i in range(plan.group_ps)]
+    return seq, SplitTrainer(seq, plan, LocalTransport(servers), CodecStreams(codecs)), servers
+
+
+@pytest.mark.parametrize("name", list(sc.models()))
+def test_split_in_one_process_equals_the_unsplit_model(name):
+    seq, tr, _ = _local(name)
+    y, dx, grads, _ = unsplit_reference(name)
+    xs, labels = sc.inputs(name, seq[0].in_features, 0)
+    x = torch.from_numpy(xs).requires_grad_(True)
+    out = tr(x)
+    sc.loss_of(out, labels).backward()
+    np.testing.assert_allclose(out.detach().numpy(), y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), dx, rtol=1e-5, atol=1e-7)
+    state = tr.full_state()
+    for n in grads:
+        np.testing.assert_allclose(state[n][1], grads[n], rtol=1e-5, atol=1e-7, err_msg=n)
+
+
+def test_pairs_keep_the_intermediate_on_the_ps():
+    # Pair 6 -> 16 -> 4 over 2 PSs: the trainer sends x (6 wide) to both and gets 4-wide
+    # partial sums back; the 16-wide intermediate never crosses.
+    _, tr, servers = _local("pair_and_whole")
+    x = torch.zeros(8, 6)
+    tr(x).sum().backward()
+    before = tr.counter.as_dict()["activations"]["before"]
+    # To PS 0 and 1: 8x6 floats each (pair), then 8x4 to PS 1 (whole layer 2).
+    assert before == 4 * (2 * 8 * 6 + 8 * 4)
+    back = sum(s.counter.as_dict()["activations"]["before"] for s in servers)
+    assert back == 4 * (2 * 8 * 4 + 8 * 12)
+
+
+def test_codecs_on_the_wire_count_bytes_and_stay_close():
+    seq, tr, servers = _local("two_pairs", {"activations": "int8", "gradients": "bf16"})
+    xs, labels = sc.inputs("two_pairs", 6, 0)
+    x = torch.from_numpy(xs).requires_grad_(True)
+    out = tr(x)
+    sc.loss_of(out, labels).backward()
+    y, dx, _, _ = unsplit_reference("two_pairs")
+    np.testing.assert_allclose(out.detach().numpy(), y, atol=0.02)
+    np.testing.assert_allclose(x.grad.numpy(), dx, atol=0.01)
+    assert not np.allclose(out.detach().numpy(), y, rtol=1e-6, atol=1e-7)  # the codecs did act
+    t = tr.counter.as_dict()
+    # int8: one byte a value plus a 4-byte scale a row; bf16: two bytes a value.
+    assert t["activations"]["after"] == t["activations"]["before"] // 4 + 4 * 8 * 5
+    assert t["gradients"]["after"] * 2 == t["gradients"]["before"] > 0
+    ps = [s.counter.as_dict() for s in servers]
+    assert all(c["gradients"]["after"] * 2 == c["gradients"]["before"] > 0 for c in ps)
+
+
+def test_bad_plans_are_refused_naming_the_layer():
+    seq, _ = sc.models()["vertical_horizontal"]
+    with pytest.raises(ValueError, match="the plan places 2 Linear layers, the Sequential has 5"):
+        segments(seq, SplitPlan([F(), F()], 2))
+    with pytest.raises(ValueError, match=r"Linear 1 \(layer 2, 16 -> 4\) and Linear 2 break the co-partition "
+                                         r"rule"):
+        segments(seq, SplitPlan([F(), F("ps", "vertical", pair=True), F("ps", "horizontal"), F(), F()], 2))
+    with pytest.raises(ValueError, match=r"Linear 0 \(layer 0, 6 -> 16\) is paired: it must be split vertically "
+                                         r"and the next Linear horizontally"):
+        segments(seq, SplitPlan([F("ps", "vertical", pair=True), F("ps", "vertical"), F(), F(), F()], 2))
+    with pytest.raises(ValueError, match=r"Linear 4 \(layer 7, 3 -> 1\)'s output width of 1 cannot be split over 3 "
+                                         r"group PSs"):
+        segments(seq, SplitPlan([F(), F(), F(), F(), F("ps", "vertical")], 3))
+    with pytest.raises(ValueError, match="Linear 4 .* is paired but is the last Linear"):
+        segments(seq, SplitPlan([F(), F(), F(), F(), F("ps", "vertical", pair=True)], 1))
+    with pytest.raises(ValueError, match=r"Linear 0 .*: ps 2 out of range \[0, 2\)"):
+        segments(seq, SplitPlan([F("ps", "none", ps=2), F(), F(), F(), F()], 2))
+    with pytest.raises(ValueError, match="Linear 0 .* runs on the trainer, so it cannot be split"):
+        segments(seq, SplitPlan([F("trainer", "vertical"), F(), F(), F(), F()], 2))
+    with pytest.raises(TypeError, match="layer 1 of the Sequential is Dropout"):
+        segments(nn.Sequential(nn.Linear(2, 2), nn.Dropout()), SplitPlan([F()], 2))
