@@ -103,3 +103,32 @@ def test_train_config_schema_errors_name_the_file(tmp_path):
         TrainConfig.from_dict({"ps": ps, "data": {"schema": {"label": "y"}}}, "run.toml")
     with pytest.raises(ValueError, match=r"run.toml: pooling must be \"sum\" or \"mean\""):
         TrainConfig.from_dict({"ps": ps, "pooling": "max"}, "run.toml")
+
+
+def test_hps_train_data_without_a_toml(tmp_path, capsys):
+    from hps.cli import main
+    write_csv(tmp_path / "train.csv", 1000, 5)
+    write_csv(tmp_path / "eval.csv", 300, 6)
+    path = tmp_path / "run"
+    assert main(["train", "--data", str(tmp_path / "train.csv"), "--eval-data", str(tmp_path / "eval.csv"),
+                 "--label", "click", "--dense", "price", "--path", str(path), "--batch-size", "200",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert f"parameter server in {path}" in out.err
+    assert json.loads(out.out)["final"]["eval_examples"] == 300
+    with open(path / "train-summary.json") as f:
+        assert json.load(f)["examples"] == 1000
+    assert main(["train", "--no-progress"]) == 2
+    assert "give --config FILE.toml, or --data PATH" in capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path / "train.csv"), "--label", "clicked", "--path",
+                 str(tmp_path / "other"), "--no-progress"]) == 2
+    assert "train.csv: no column 'clicked'" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()  # a bad input leaves nothing behind
+
+
+def test_hps_version(capsys):
+    from hps.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hps {hps.__version__}"

@@ -92,9 +92,41 @@ def _summary_table(summary: dict) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _config_without_toml(a):
+    """`hps train --data PATH`: defaults for everything but the data; Criteo's layout, or with
+    --label a schema of that label, --dense columns and every other column categorical;
+    libsvm files (.svm, .libsvm, .libfm) by their name."""
+    from hps.data import Schema
+    from hps.parameter_server import ParameterServerConfig
+    from hps.train import DataConfig, TrainConfig
+    schema = None
+    if a.label is not None:
+        schema = {"label": a.label, "dense": [c for c in (a.dense or "").split(",") if c], "categorical": "rest"}
+    elif a.dense:
+        raise ValueError("--dense needs --label (without it the data is in Criteo's layout)")
+    elif all(os.path.basename(p).lower().split(".gz")[0].endswith((".svm", ".libsvm", ".libfm")) for p in a.data):
+        schema = {}
+    path = a.path or "hps-run"
+    print(f"hps train: parameter server in {os.path.abspath(path)}", file=sys.stderr)
+    return TrainConfig(ps=ParameterServerConfig(dim=16, path=path, mem_budget="1GiB"),
+                       data=DataConfig(source=a.data, schema=None if schema is None else Schema.from_dict(schema,
+                                                                                                    "hps train")))
+
+
 def cmd_train(a) -> int:
     from hps.train import TrainConfig, train
-    cfg = TrainConfig.from_toml(a.config)
+    if a.config is None and not a.data:
+        raise ValueError("give --config FILE.toml, or --data PATH to train on files with the defaults")
+    if a.config is not None:
+        cfg = TrainConfig.from_toml(a.config)
+        if a.data:
+            cfg.data.source = a.data
+        if a.label is not None or a.dense:
+            raise ValueError("--label and --dense are for --data without --config; put [data.schema] in the TOML")
+    else:
+        cfg = _config_without_toml(a)
+    if a.eval_data:
+        cfg.data.eval_source = a.eval_data
     _apply_flags(cfg, a)
     summary = train(cfg, resume=a.resume, progress=not a.no_progress)
     if summary.get("distributed", {}).get("rank", 0) != 0:
@@ -147,10 +179,19 @@ def cmd_inspect(a) -> int:
 
 
 def main(argv=None) -> int:
+    from hps import __version__
     ap = argparse.ArgumentParser(prog="hps", description="hps: a hierarchical parameter server for CTR models")
+    ap.add_argument("--version", action="version", version=f"hps {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a CTR model from a TOML config")
-    t.add_argument("--config", required=True, help="TOML file: training fields, [ps], [ps.optimizer], [data]")
+    t.add_argument("--config", help="TOML file: training fields, [ps], [ps.optimizer], [data], [data.schema]")
+    t.add_argument("--data", nargs="+", metavar="PATH",
+                   help="training files, globs or directories (overrides [data] source; without --config: "
+                        "train with the defaults, the parameter server in --path or ./hps-run)")
+    t.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out files (overrides [data] eval_source)")
+    t.add_argument("--label", help="without --config: the label column of CSV or Parquet files; every column "
+                                   "but it and --dense is a categorical field")
+    t.add_argument("--dense", help="without --config: dense columns, comma-separated (needs --label)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint at the path")
     _add_common(t)
     d = sub.add_parser("demo", help="train on synthetic data through all three tiers and write a report")
