@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hps.hierarchical.codecs import (TRAFFIC_KINDS, BFloat16, ByteCounter, Encoded, Int8RowScale, NoCodec, TopK,
-                                     make_codec)
+from hps.hierarchical.codecs import (TRAFFIC_KINDS, BFloat16, ByteCounter, CodecStreams, Encoded, Int8RowScale,
+                                     NoCodec, TopK, decode, make_codec)
 
 
 def _data(shape=(64, 33), seed=0):
@@ -174,3 +174,28 @@ def test_bad_payloads_and_shapes_are_named():
     t.encode(np.ones(6, np.float32))
     with pytest.raises(ValueError, match=r"carries a residual of 6 values, got an array of shape \(7,\)"):
         t.encode(np.ones(7, np.float32))
+
+
+def test_codec_streams_keep_a_residual_per_tensor():
+    s = CodecStreams({"gradients": "topk:0.5", "activations": "int8"})
+    a, b = s.get("gradients", "a"), s.get("gradients", "b")
+    assert a is not b and s.get("gradients", "a") is a
+    assert s.get("activations", 0).name == "int8" and s.get("averaging", 0).name == "none"
+    a.encode(np.ones(4, np.float32))
+    b.encode(np.ones(6, np.float32))  # another tensor's stream: no clash of residual shapes
+    assert a.residual.shape == (4,) and b.residual.shape == (6,)
+    with pytest.raises(ValueError, match="codecs: unknown traffic kind.s. dense"):
+        CodecStreams({"dense": "bf16"})
+    with pytest.raises(ValueError, match="codecs: gradients: unknown codec 'fp4'"):
+        CodecStreams({"gradients": "fp4"})
+    with pytest.raises(ValueError, match="unknown traffic kind 'x'"):
+        s.get("x", 0)
+
+
+def test_decode_reads_any_payload():
+    x = _data((4, 8))
+    for c in (NoCodec(), BFloat16(), Int8RowScale(), TopK(0.25)):
+        enc = c.encode(x)
+        np.testing.assert_array_equal(decode(enc), c.decode(enc))
+    with pytest.raises(ValueError, match="decode: a payload of unknown codec 'zstd'"):
+        decode(Encoded("zstd", (1,), ()))
