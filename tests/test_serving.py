@@ -146,7 +146,8 @@ def test_verify_names_each_corrupted_file_and_block(job, tmp_path, capsys):
     assert main(["inspect", str(copy), "--verify"]) == 0
     assert "all sound" in capsys.readouterr().out
     store = copy / "checkpoints" / "000006" / "ssd"
-    files = sorted(p for p in os.listdir(store) if p.endswith(".hpf"))
+    listed = jobdir.replay_manifest((store / "MANIFEST").read_bytes())  # (a snapshot may hold unlisted strays)
+    files = [jobdir.file_name(seq) for seq in sorted(listed)]
     # a flipped byte in the second rows block of one file, in the keys of another
     big = [f for f in files if jobdir.read_header(store / f)["records"] * 32 > 4096]  # two rows blocks
     rows_file, keys_file = store / big[0], store / next(f for f in files if f != big[0])
@@ -179,3 +180,184 @@ def test_inspect_refuses_a_path_that_holds_no_job(tmp_path, capsys):
     (tmp_path / "other").mkdir()
     assert main(["inspect", str(tmp_path / "other")]) == 2
     assert "holds no hps job or parameter server" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- hps export
+
+def read_export(directory):
+    import pyarrow.parquet as pq
+    with open(os.path.join(directory, "_export.json")) as f:
+        meta = json.load(f)
+    return meta, pq.read_table(directory).to_pydict()
+
+
+def as_rows(table):
+    """{key: embedding} of an export's live rows, and its tombstones."""
+    live = {k: np.array(e, np.float32) for k, e, t in zip(table["key"], table["embedding"], table["tombstone"])
+            if not t}
+    return live, {k for k, t in zip(table["key"], table["tombstone"]) if t}
+
+
+def checkpoint_rows(path, keys):
+    """Full rows (embedding and optimizer state) of keys in the job's checkpoint,
+    read through an SsdStore opened on a copy of its store."""
+    number = jobdir.read_job(path).checkpoint
+    copy = str(path) + ".store-copy"
+    shutil.copytree(path / "checkpoints" / f"{number:06d}" / "ssd", copy)
+    try:
+        rows, found = hps.SsdStore(copy, 32).get(np.asarray(keys, np.uint64), np.float32)
+    finally:
+        shutil.rmtree(copy)
+    assert found.all()
+    return rows
+
+
+def test_a_full_export_holds_every_row_of_the_checkpoint(job, tmp_path, capsys):
+    assert main(["export", str(job), "--to", str(tmp_path / "full"), "--consumer", "t-full", "--with-state"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    meta, table = read_export(tmp_path / "full")
+    assert printed == meta and meta["full"] and meta["checkpoint"] == 6 and meta["step"] == BATCHES
+    keys = np.array(table["key"], np.uint64)
+    _, live = server_rows(job, keys[:1])
+    assert len(keys) == len(set(keys.tolist())) == meta["rows"] == live
+    pulled, _ = server_rows(job, keys)
+    np.testing.assert_array_equal(np.array(table["embedding"], np.float32), pulled)
+    stored = checkpoint_rows(job, keys)
+    np.testing.assert_array_equal(np.array(table["state"], np.float32), stored[:, 4:])  # AdaGrad's h
+    assert set(table["step"]) == {BATCHES} and set(table["rank"]) == {0} and not any(table["tombstone"])
+    # the position: in the job directory, shown by inspect
+    pos = jobdir.inspect(job)["exports"]["t-full"]
+    assert pos["checkpoint"] == 6 and pos["ranks"][0]["max_sequence"] == meta["ranks"][0]["max_sequence"]
+    # nothing changed since: an empty delta, and the position stays valid
+    assert main(["export", str(job), "--to", str(tmp_path / "again"), "--consumer", "t-full"]) == 0
+    meta2, table2 = read_export(tmp_path / "again")
+    assert not meta2["full"] and meta2["since_checkpoint"] == 6 and meta2["rows"] == 0 and table2["key"] == []
+
+
+def test_int8_rows_are_within_half_a_scale_of_the_embedding(job, tmp_path):
+    from hps.export import export
+    export(job, tmp_path / "f", "t-f32", full=True)
+    export(job, tmp_path / "q", "t-int8", full=True, int8=True)
+    _, f32 = read_export(tmp_path / "f")
+    _, q = read_export(tmp_path / "q")
+    assert q["key"] == f32["key"]
+    x = np.array(f32["embedding"], np.float32)
+    scale = np.array(q["scale"], np.float32)
+    codes = np.array(q["embedding"], np.int8)
+    np.testing.assert_allclose(scale, np.abs(x).max(axis=1) / 127, rtol=1e-6)
+    assert (np.abs(codes.astype(np.float32) * scale[:, None] - x) <= scale[:, None] * 0.5001 + 1e-12).all()
+    assert (np.abs(codes).max(axis=1) == 127).all()
+
+
+def test_a_delta_holds_every_updated_row_and_each_consumer_keeps_its_position(tmp_path):
+    from hps.export import export
+    path = train(tmp_path, "grow")
+    before, _ = as_rows(read_export(export(path, tmp_path / "e1", "c1")["job"] and tmp_path / "e1")[1])
+    cfg = write_config(tmp_path, "grow", path)
+    assert main(["train", "--config", str(cfg), "--resume", "--examples", str(2 * BATCH * BATCHES),
+                 "--no-progress"]) == 0
+    meta, table = read_export(export(path, tmp_path / "e2", "c1")["job"] and tmp_path / "e2")
+    assert not meta["full"] and meta["since_checkpoint"] == 6 and meta["checkpoint"] == 12
+    delta, gone = as_rows(table)
+    assert not gone and set(table["step"]) == {2 * BATCHES}
+    # every key trained in batches 11-20 was updated, so it is in the delta
+    later = [b.keys.ravel() for b in hps.data.SyntheticCriteo(batch_size=BATCH, examples=2 * BATCH * BATCHES,
+                                                                vocab_sizes=VOCAB)][BATCHES:]
+    assert set(np.concatenate(later).tolist()) <= set(delta)
+    # the first export plus the delta is the whole checkpoint
+    merged = {**before, **delta}
+    _, full = read_export(export(path, tmp_path / "full", "c-full", full=True)["job"] and tmp_path / "full")
+    now, _ = as_rows(full)
+    assert merged.keys() == now.keys()
+    assert all(np.array_equal(merged[k], now[k]) for k in now)
+    unchanged = set(before) - set(delta)
+    assert all(np.array_equal(before[k], now[k]) for k in unchanged)
+    # a consumer that never exported gets everything; c1's position is its own
+    c2, table2 = read_export(export(path, tmp_path / "c2", "c2")["job"] and tmp_path / "c2")
+    assert c2["full"] and set(table2["key"]) == set(now)
+    assert jobdir.inspect(path)["exports"]["c1"]["checkpoint"] == 12
+
+
+def test_a_key_the_consumer_saw_that_the_checkpoint_lacks_is_a_tombstone(job, tmp_path):
+    """No key leaves a store yet (no TTL or eviction): the consumer's recorded key
+    set is given a key the checkpoint does not hold, as a removed key would be."""
+    from hps.export import export
+    export(job, tmp_path / "a", "t-tomb")
+    pos = json.loads((job / "exports" / "t-tomb.json").read_text())
+    keys_file = job / "exports" / pos["ranks"][0]["keys"]
+    seen = np.load(keys_file)
+    assert len(seen) == jobdir.inspect(job)["rows"]
+    np.save(keys_file, np.sort(np.append(seen, np.uint64(12345))))  # 12345: never trained (vocab keys are hashed)
+    meta, table = read_export(export(job, tmp_path / "b", "t-tomb")["job"] and tmp_path / "b")
+    assert meta["rows"] == 0 and meta["tombstones"] == 1
+    assert table["key"] == [12345] and table["tombstone"] == [True] and table["embedding"] == [None]
+    assert not os.path.exists(keys_file)  # replaced by this export's key set
+
+
+def test_export_errors_name_the_argument(job, tmp_path, capsys):
+    from hps.export import export
+    assert main(["export", str(job), "--to", str(tmp_path / "x"), "--consumer", "../up"]) == 2
+    assert "consumer name '../up'" in capsys.readouterr().err
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "f").write_text("")
+    assert main(["export", str(job), "--to", str(tmp_path / "busy")]) == 2
+    assert "--to " + str(tmp_path / "busy") + ": exists and is not an empty directory" in capsys.readouterr().err
+    export(job, tmp_path / "y", "t-err")
+    where = job / "exports" / "t-err.json"
+    pos = json.loads(where.read_text())
+    where.write_text(json.dumps({**pos, "world": 3}))
+    with pytest.raises(ValueError, match="last exported a job of 3 ranks, the job now has 1.*--full"):
+        export(job, tmp_path / "z", "t-err")
+    where.write_text(json.dumps({**pos, "checkpoint": 9}))
+    with pytest.raises(ValueError, match="last exported checkpoint 9, after the job's checkpoint 6"):
+        export(job, tmp_path / "z2", "t-err")
+    assert export(job, tmp_path / "z3", "t-err", full=True)["full"]
+
+
+def test_export_of_an_mpi_job_writes_every_rank_with_its_owner(mpi_job, tmp_path):
+    from hps.distributed.sparse import owner_ranks
+    from hps.export import export
+    meta = export(mpi_job, tmp_path / "e", "t-mpi")
+    _, table = read_export(tmp_path / "e")
+    keys = np.array(table["key"], np.uint64)
+    assert meta["world"] == 2 and [r["rank"] for r in meta["ranks"]] == [0, 1]
+    assert sorted(keys.tolist()) == trained_keys().tolist()
+    np.testing.assert_array_equal(np.array(table["rank"]), owner_ranks(keys, 2))
+    assert all(r["rows"] > 0 for r in meta["ranks"]) and set(table["step"]) == {BATCHES}
+
+
+def test_exports_while_training_writes_add_up_to_the_final_checkpoint(tmp_path):
+    """hps train checkpoints after every batch (pruning the one before) while a
+    consumer exports in a loop: each export is one finished checkpoint, later
+    than the one before, and the exports applied in order equal the final rows."""
+    from hps.export import export
+    batches = 40
+    path = tmp_path / "busy"
+    cfg = write_config(tmp_path, "busy", path, every=1, examples=BATCH * batches)
+    child = subprocess.Popen([sys.executable, "-m", "hps.cli", "train", "--config", str(cfg), "--no-progress"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    merged, seen, n = {}, [], 0
+    try:
+        while child.poll() is None:
+            try:
+                meta = export(path, tmp_path / f"e{n}", "live")
+            except FileNotFoundError:  # no finished checkpoint yet
+                continue
+            _, table = read_export(tmp_path / f"e{n}")
+            rows, gone = as_rows(table)
+            assert not gone and set(table["step"]) <= {meta["step"]} and meta["rows"] == len(rows)
+            merged.update(rows)
+            seen.append(meta["checkpoint"])
+            n += 1
+    finally:
+        err = child.communicate(timeout=300)[1]
+    assert child.returncode == 0, err[-3000:]
+    export(path, tmp_path / "last", "live")
+    merged.update(as_rows(read_export(tmp_path / "last")[1])[0])
+    during = [c for c in seen if c < batches + 1]
+    assert len(set(during)) >= 2, seen  # exports ran while training checkpointed
+    assert seen == sorted(seen)
+    export(path, tmp_path / "full", "check", full=True)
+    now, _ = as_rows(read_export(tmp_path / "full")[1])
+    assert merged.keys() == now.keys() and all(np.array_equal(merged[k], now[k]) for k in now)
+    assert not os.path.exists(path / jobdir.READERS)

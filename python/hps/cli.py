@@ -178,6 +178,13 @@ def cmd_inspect(a) -> int:
     return 1 if a.verify and not report["verify"]["ok"] else 0
 
 
+def cmd_export(a) -> int:
+    from hps.export import export
+    meta = export(a.path, a.to, a.consumer, full=a.full, int8=a.int8, with_state=a.with_state)
+    print(json.dumps(meta))
+    return 0
+
+
 def main(argv=None) -> int:
     from hps import __version__
     ap = argparse.ArgumentParser(prog="hps", description="hps: a hierarchical parameter server for CTR models")
@@ -201,8 +208,15 @@ def main(argv=None) -> int:
     i.add_argument("path", help="the job's path ([ps] path)")
     i.add_argument("--verify", action="store_true", help="check every checkpoint's files (reads them all)")
     i.add_argument("--json", action="store_true", help="one JSON object instead of the summary")
+    e = sub.add_parser("export", help="rows changed since a consumer's last export, as Parquet")
+    e.add_argument("path", help="the job's path ([ps] path)")
+    e.add_argument("--to", required=True, help="a new or empty directory for this export's files")
+    e.add_argument("--consumer", default="default", help="whose position (each consumer keeps its own)")
+    e.add_argument("--full", action="store_true", help="every row, not only the changed ones")
+    e.add_argument("--int8", action="store_true", help="embeddings as int8 with a float32 scale per row")
+    e.add_argument("--with-state", action="store_true", help="the optimizer state beside each embedding")
     a = ap.parse_args(argv)
-    commands = {"train": cmd_train, "demo": cmd_demo, "inspect": cmd_inspect}
+    commands = {"train": cmd_train, "demo": cmd_demo, "inspect": cmd_inspect, "export": cmd_export}
     from hps.errors import HpsError
     try:
         return commands[a.command](a)

@@ -1,0 +1,236 @@
+"""`hps export`: the rows of a job's last finished checkpoint that changed since a
+consumer's previous export (or all of them), as Parquet (docs/serving.md).
+
+Which rows changed: SSD-PS never updates in place. A row updated by training
+goes into a new parameter file with a higher sequence number, and a key's
+current row is its copy in the highest-numbered live file that holds it. A
+consumer's position records, per rank, the highest sequence number of the
+checkpoint it last exported; the rows whose current copy is in a file above it
+are the ones that may have changed since. This reads every live file's keys (8
+bytes a record, no rows) and the changed rows only. A compaction rewrites live
+rows unchanged into new, higher-numbered files, so rows it moved are exported
+again although unchanged: over-reported, never missed.
+
+Removed keys: the position also keeps the keys the consumer has seen (a sorted
+.npy per rank in ``<path>/exports``, 8 bytes a key); a key among them that the
+checkpoint no longer holds is a tombstone. hps has no TTL or eviction yet, so
+no key leaves a store and the tombstones are empty today.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import time
+import uuid
+from typing import Optional
+
+import numpy as np
+
+from hps import jobdir
+from hps.parameter_server import _replace_durable, _sync_dir, _write_durable
+
+EXPORT_META = "_export.json"    # in the output directory, written last
+CHUNK_ROWS = 1 << 18            # rows read and written at a time (bounds the export's memory)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def check_consumer(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"consumer name {name!r}: use 1-128 letters, digits, '_', '.', '-', starting with a "
+                         f"letter or digit")
+    return name
+
+
+def position_path(root: str, consumer: str) -> str:
+    return os.path.join(root, jobdir.EXPORTS, f"{consumer}.json")
+
+
+def read_position(root: str, consumer: str) -> Optional[dict]:
+    try:
+        with open(position_path(root, consumer)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, scale) with x ~ q * scale[:, None]: scale = max|x| / 127 per row (0 for a
+    zero row), q rounded to nearest, so each value is off by at most scale / 2."""
+    scale = (np.abs(x).max(axis=1) / 127.0).astype(np.float32) if x.size else np.zeros(len(x), np.float32)
+    safe = np.where(scale > 0, scale, 1.0)
+    q = np.clip(np.rint(x / safe[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def schema(dim: int, state_floats: int, int8: bool, with_state: bool):
+    import pyarrow as pa
+    fields = [pa.field("key", pa.uint64(), nullable=False)]
+    if int8:
+        fields += [pa.field("embedding", pa.list_(pa.int8(), dim)), pa.field("scale", pa.float32())]
+    else:
+        fields.append(pa.field("embedding", pa.list_(pa.float32(), dim)))
+    if with_state:
+        fields.append(pa.field("state", pa.list_(pa.float32(), state_floats)))
+    fields += [pa.field("step", pa.int64()), pa.field("rank", pa.int32(), nullable=False),
+               pa.field("tombstone", pa.bool_(), nullable=False)]
+    return pa.schema(fields)
+
+
+def _table(sch, keys, rows, dim, step, rank, int8, with_state, tombstone=False):
+    import pyarrow as pa
+    n = len(keys)
+    cols = {"key": pa.array(keys, pa.uint64())}
+    if tombstone:
+        for f in sch:
+            if f.name not in ("key", "step", "rank", "tombstone"):
+                cols[f.name] = pa.nulls(n, f.type)
+    else:
+        emb = np.ascontiguousarray(rows[:, :dim])
+        if int8:
+            q, scale = quantize_int8(emb)
+            cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(q.ravel(), pa.int8()), dim)
+            cols["scale"] = pa.array(scale, pa.float32())
+        else:
+            cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel(), pa.float32()), dim)
+        if with_state:
+            state = np.ascontiguousarray(rows[:, dim:])
+            cols["state"] = pa.FixedSizeListArray.from_arrays(pa.array(state.ravel(), pa.float32()),
+                                                              state.shape[1])
+    cols["step"] = pa.array(np.full(n, -1 if step is None else step, np.int64), pa.int64(),
+                            mask=np.full(n, step is None))
+    cols["rank"] = pa.array(np.full(n, rank, np.int32))
+    cols["tombstone"] = pa.array(np.full(n, tombstone))
+    return pa.table([cols[f.name] for f in sch], schema=sch)
+
+
+def _check_position(pos: dict, view: jobdir.View, consumer: str) -> None:
+    where = position_path(view.job.root, consumer)
+    if pos["world"] != view.job.world:
+        raise ValueError(f"{where}: consumer '{consumer}' last exported a job of {pos['world']} ranks, the job now "
+                         f"has {view.job.world}; its positions do not apply: export with --full")
+    if pos["checkpoint"] > view.checkpoint:
+        raise ValueError(f"{where}: consumer '{consumer}' last exported checkpoint {pos['checkpoint']}, after the "
+                         f"job's checkpoint {view.checkpoint} (was the job started over?): export with --full")
+
+
+def export(root, to, consumer: str = "default", *, full: bool = False, int8: bool = False,
+           with_state: bool = False, chunk_rows: int = CHUNK_ROWS) -> dict:
+    """Writes the changed rows (all with ``full``) of the last finished checkpoint
+    of the job at root into the new or empty directory ``to`` (one Parquet file a
+    rank, then ``_export.json``), then moves the consumer's position to that
+    checkpoint. Returns what ``_export.json`` holds. A crash before the position
+    moves leaves the previous one: the next export repeats these rows."""
+    root, to = os.fspath(root), os.fspath(to)
+    check_consumer(consumer)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows = {chunk_rows}: must be >= 1")
+    if os.path.exists(to) and (not os.path.isdir(to) or os.listdir(to)):
+        raise ValueError(f"--to {to}: exists and is not an empty directory; give a new one for each export")
+    exports = os.path.join(root, jobdir.EXPORTS)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root}: no such job directory")
+    os.makedirs(exports, exist_ok=True)
+    with open(os.path.join(exports, f"{consumer}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one export of a consumer at a time; other consumers run freely
+        return _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_rows)
+
+
+def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_rows) -> dict:
+    import pyarrow.parquet as pq
+    previous = read_position(root, consumer)
+    _remove_orphans(exports, consumer, previous)
+    view = jobdir.pin(root)
+    try:
+        job = view.job
+        dim, row_bytes = job.config.dim, job.row_bytes
+        state_floats = row_bytes // 4 - dim
+        step = jobdir.step_of(job, view.checkpoint)
+        pos = None if full else previous
+        if pos is not None:
+            _check_position(pos, view, consumer)
+        os.makedirs(to, exist_ok=True)
+        sch = schema(dim, state_floats, int8, with_state)
+        meta = {"consumer": consumer, "job": os.path.abspath(root), "checkpoint": view.checkpoint, "step": step,
+                "world": job.world, "full": pos is None, "since_checkpoint": None if pos is None else pos["checkpoint"],
+                "dim": dim, "int8": int8, "with_state": with_state, "optimizer": job.config.optimizer.kind,
+                "ranks": [], "rows": 0, "tombstones": 0, "unix_time": time.time()}
+        tag = f"{view.checkpoint:06d}-{uuid.uuid4().hex[:8]}"
+        new_keys_files = []
+        for rv in view.ranks:
+            keys, seqs = jobdir.latest_records(rv)
+            since = None if pos is None else pos["ranks"][rv.rank]["max_sequence"]
+            changed = keys if since is None else keys[seqs > np.uint64(since)]
+            gone = np.empty(0, np.uint64)
+            if pos is not None and pos["ranks"][rv.rank].get("keys"):
+                seen = np.load(os.path.join(exports, pos["ranks"][rv.rank]["keys"]))
+                gone = np.setdiff1d(seen, keys, assume_unique=True)
+            name = f"part-rank{rv.rank:05d}.parquet"
+            store = jobdir.open_store(rv, row_bytes)
+            with pq.ParquetWriter(os.path.join(to, name), sch) as writer:
+                for at in range(0, len(changed), chunk_rows):
+                    chunk = changed[at:at + chunk_rows]
+                    rows, found = store.get(chunk, np.float32)
+                    if not found.all():
+                        raise RuntimeError(f"{rv.source}: key {int(chunk[~found][0])} is in a parameter file but "
+                                           f"not in the store's index")
+                    writer.write_table(_table(sch, chunk, rows, dim, step, rv.rank, int8, with_state))
+                if len(gone):
+                    writer.write_table(_table(sch, gone, None, dim, step, rv.rank, int8, with_state, True))
+            del store
+            _fsync(os.path.join(to, name))
+            keys_name = f"{consumer}.{tag}.rank{rv.rank:05d}.keys.npy"
+            buf = _npy_bytes(keys)  # sorted, distinct
+            _write_durable(os.path.join(exports, keys_name), buf)
+            new_keys_files.append(keys_name)
+            meta["ranks"].append({"rank": rv.rank, "file": name, "rows": int(len(changed)),
+                                  "tombstones": int(len(gone)), "live_rows": int(len(keys)),
+                                  "max_sequence": max(rv.files, default=0),
+                                  "since_sequence": since})
+            meta["rows"] += int(len(changed))
+            meta["tombstones"] += int(len(gone))
+        _write_durable(os.path.join(to, EXPORT_META), json.dumps(meta, indent=1).encode())
+        _sync_dir(to)
+        position = {"consumer": consumer, "checkpoint": view.checkpoint, "step": step, "world": job.world,
+                    "to": os.path.abspath(to), "unix_time": meta["unix_time"],
+                    "ranks": [{"rank": r["rank"], "max_sequence": r["max_sequence"], "keys": k}
+                              for r, k in zip(meta["ranks"], new_keys_files)]}
+        path = position_path(root, consumer)
+        _write_durable(path + ".tmp", json.dumps(position, indent=1).encode())
+        _replace_durable(path + ".tmp", path)  # the export's commit point
+        for old in (previous or {}).get("ranks", []):
+            if old.get("keys") and old["keys"] not in new_keys_files:
+                try:
+                    os.remove(os.path.join(exports, old["keys"]))
+                except FileNotFoundError:
+                    pass
+        return meta
+    finally:
+        view.close()
+
+
+def _remove_orphans(exports: str, consumer: str, position: Optional[dict]) -> None:
+    """Key sets of this consumer that its position does not name: an export that
+    failed before its commit point left them."""
+    named = {r.get("keys") for r in (position or {}).get("ranks", [])}
+    prefix = consumer + "."
+    for name in os.listdir(exports):
+        if name.startswith(prefix) and name.endswith(".keys.npy") and name not in named \
+                and name[len(prefix):].split(".")[0][:6].isdigit():
+            os.remove(os.path.join(exports, name))
+
+
+def _npy_bytes(a: np.ndarray) -> bytes:
+    import io
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
