@@ -29,10 +29,13 @@
 //   beyond sharing.
 //
 // Router: starts from each pair's best route alone (the cheapest of direct,
-// host and every relay for its bytes alone), then, pair by pair, moves a pair
-// to another route when that lowers the whole schedule's modelled time (ties
-// broken by the sum of squared link loads, so load spreads over links the
-// slowest one does not yet feel), until a round changes nothing. Every step
+// host and every relay for its bytes alone), and again from every pair that
+// can relay on its cheapest relay (a single move rarely shortens the slowest
+// link, and the first relay opens a second phase); from each start, pair by
+// pair, it moves a pair to another route when that lowers the whole
+// schedule's modelled time (ties broken by the sum of squared link loads, so
+// load spreads over links the slowest one does not yet feel), until a round
+// changes nothing; the better of the two results wins. Every step
 // is a function of the topology and the matrix, so the plan is deterministic.
 //
 // Thread safety: Topology and a RoutePlan are values; the router and the cost

@@ -18,6 +18,7 @@
 #include "hps/mem_cache.h"
 #include "hps/optimizer.h"
 #include "hps/ssd_store.h"
+#include "hps/topology.h"
 #include "hps/working_set.h"
 
 namespace py = pybind11;
@@ -931,4 +932,102 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("batches", &hps::Herald::batches)
       .def_property_readonly("memory_bytes", &hps::Herald::memory_bytes)
       .def("clear", &hps::Herald::Clear);
+
+  // The router, cost model and host executor (hps/topology.h); hps.topology is
+  // their Python face. A topology comes as plain lists: devices (name, kind,
+  // numa) with kind 0 gpu, 1 host, 2 cpu, 3 switch; links (a, b, gbps,
+  // latency_us, kind). bytes is the (E, E) uint64 transfer matrix.
+  auto topo_of = [](const std::vector<std::tuple<std::string, int32_t, int32_t>>& devices,
+                    const std::vector<std::tuple<int32_t, int32_t, double, double, std::string>>& links) {
+    hps::Topology t;
+    for (const auto& [name, kind, numa] : devices) {
+      if (kind < 0 || kind > 3) throw py::value_error("device " + name + ": kind " + std::to_string(kind) + " is not 0-3");
+      t.devices.push_back({name, static_cast<hps::DeviceKind>(kind), numa});
+    }
+    for (const auto& [a, b, gbps, us, kind] : links) t.links.push_back({a, b, gbps, us, kind});
+    return t;
+  };
+  auto matrix_of = [](const py::array& a) {
+    if (!a.dtype().is(py::dtype::of<uint64_t>())) throw py::type_error("bytes must be a uint64 array, got " + DtypeName(a));
+    if (a.ndim() != 2 || a.shape(0) != a.shape(1)) throw py::value_error("bytes must be square (E, E), got " + ShapeOf(a));
+    RequireContiguous(a, "bytes");
+    const auto* p = static_cast<const uint64_t*>(a.data());
+    return std::vector<uint64_t>(p, p + a.size());
+  };
+  auto schedule_of = [](const std::string& s) {
+    if (s == "host") return hps::Schedule::kHost;
+    if (s == "direct") return hps::Schedule::kDirect;
+    if (s == "relay") return hps::Schedule::kRelay;
+    throw py::value_error("schedule must be 'host', 'direct' or 'relay', got '" + s + "'");
+  };
+  auto plan_dict = [](const hps::RoutePlan& p) {
+    py::list routes;
+    for (const auto& r : p.routes) {
+      if (r.kind == hps::RouteKind::kNone) continue;
+      py::dict d;
+      d["src"] = r.src;
+      d["dst"] = r.dst;
+      d["kind"] = hps::RouteKindName(r.kind);
+      d["via"] = r.via;
+      d["path"] = r.path;
+      d["reason"] = r.reason;
+      routes.append(d);
+    }
+    py::dict out;
+    out["routes"] = routes;
+    out["seconds"] = p.cost.seconds;
+    out["phase_seconds"] = p.cost.phase_seconds;
+    out["link_bytes"] = p.cost.link_bytes;
+    py::dict count;
+    for (int k = 0; k < 4; ++k) count[hps::RouteKindName(static_cast<hps::RouteKind>(k))] = p.cost.route_count[k];
+    out["route_count"] = count;
+    out["relayed_bytes"] = p.cost.relayed_bytes;
+    out["hops"] = p.cost.hops;
+    return out;
+  };
+  m.def("plan_routes", [=](const std::vector<std::tuple<std::string, int32_t, int32_t>>& devices,
+                           const std::vector<std::tuple<int32_t, int32_t, double, double, std::string>>& links,
+                           const py::array& bytes, const std::string& schedule) {
+    return plan_dict(hps::PlanRoutes(topo_of(devices, links), matrix_of(bytes), schedule_of(schedule)));
+  }, py::arg("devices"), py::arg("links"), py::arg("bytes"), py::arg("schedule"),
+        "routes every endpoint pair with bytes under the schedule ('host', 'direct', 'relay') and models its time");
+  m.def("execute_routes", [=](const std::vector<std::tuple<std::string, int32_t, int32_t>>& devices,
+                              const std::vector<std::tuple<int32_t, int32_t, double, double, std::string>>& links,
+                              const py::array& bytes, const std::string& schedule, const std::vector<py::array>& send,
+                              std::vector<py::array> recv) {
+    const std::vector<uint64_t> m8 = matrix_of(bytes);
+    const size_t e = static_cast<size_t>(bytes.shape(0));
+    if (send.size() != e || recv.size() != e)
+      throw py::value_error("send and recv need " + std::to_string(e) + " buffers each, got " +
+                            std::to_string(send.size()) + " and " + std::to_string(recv.size()));
+    std::vector<const uint8_t*> sp;
+    std::vector<uint8_t*> rp;
+    for (size_t i = 0; i < e; ++i) {
+      uint64_t out = 0, in = 0;
+      for (size_t j = 0; j < e; ++j) out += m8[i * e + j], in += m8[j * e + i];
+      for (auto [arr, need, name] : {std::tuple{&send[i], out, "send"}, std::tuple{static_cast<const py::array*>(&recv[i]), in, "recv"}}) {
+        if (!arr->dtype().is(py::dtype::of<uint8_t>()) || !(arr->flags() & py::array::c_style) ||
+            static_cast<uint64_t>(arr->nbytes()) != need)
+          throw py::value_error(std::string(name) + "[" + std::to_string(i) + "] must be a contiguous uint8 array of " +
+                                std::to_string(need) + " bytes, got " + DtypeName(*arr) + " " + ShapeOf(*arr));
+      }
+      sp.push_back(static_cast<const uint8_t*>(send[i].data()));
+      if (!recv[i].writeable()) throw py::value_error("recv[" + std::to_string(i) + "] is read-only");
+      rp.push_back(static_cast<uint8_t*>(recv[i].mutable_data()));
+    }
+    const hps::RoutePlan plan = hps::PlanRoutes(topo_of(devices, links), m8, schedule_of(schedule));
+    hps::ExecStats st;
+    {
+      py::gil_scoped_release release;
+      st = hps::ExecuteOnHost(plan, m8, sp, rp);
+    }
+    py::dict d;
+    d["seconds"] = st.seconds;
+    d["phase_seconds"] = st.phase_seconds;
+    d["bytes_copied"] = st.bytes_copied;
+    d["staged_bytes"] = st.staged_bytes;
+    return d;
+  }, py::arg("devices"), py::arg("links"), py::arg("bytes"), py::arg("schedule"), py::arg("send"), py::arg("recv"),
+        "plans the schedule and runs it with memcpy between host buffers (segments in endpoint order)");
+  m.def("cuda_executor_available", &hps::CudaExecutorAvailable);
 }

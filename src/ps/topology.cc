@@ -318,31 +318,57 @@ RoutePlan PlanRoutes(const Topology& t, const std::vector<uint64_t>& bytes, Sche
   }
 
   // Moves a pair to another candidate while that lowers the schedule's time.
-  Evaluation best = Evaluate(g, bytes, plan.routes);
-  constexpr int kMaxRounds = 16;
-  for (int round = 0; round < kMaxRounds; ++round) {
-    bool changed = false;
-    for (size_t i = 0; i < e * e; ++i) {
-      if (cands[i].size() < 2) continue;
-      const Route kept = plan.routes[i];
-      size_t pick = cands[i].size();
-      for (size_t c = 0; c < cands[i].size(); ++c) {
-        const Route& alt = cands[i][c].route;
-        if (alt.kind == plan.routes[i].kind && alt.via == plan.routes[i].via) continue;
-        plan.routes[i] = alt;
-        Evaluation ev = Evaluate(g, bytes, plan.routes);
-        if (Better(ev, best)) {
-          best = std::move(ev);
-          pick = c;
+  // A single move rarely shortens the slowest link, and the first relay opens
+  // a second phase, so the search runs from two starts: every pair on its
+  // cheapest route alone, and every pair that can relay on its cheapest relay;
+  // the better result wins (the first on a tie).
+  auto improve = [&](std::vector<Route>& routes) {
+    Evaluation best = Evaluate(g, bytes, routes);
+    constexpr int kMaxRounds = 16;
+    for (int round = 0; round < kMaxRounds; ++round) {
+      bool changed = false;
+      for (size_t i = 0; i < e * e; ++i) {
+        if (cands[i].size() < 2) continue;
+        const Route kept = routes[i];
+        size_t pick = cands[i].size();
+        for (size_t c = 0; c < cands[i].size(); ++c) {
+          const Route& alt = cands[i][c].route;
+          if (alt.kind == kept.kind && alt.via == kept.via) continue;
+          routes[i] = alt;
+          Evaluation ev = Evaluate(g, bytes, routes);
+          if (Better(ev, best)) {
+            best = std::move(ev);
+            pick = c;
+          }
+          routes[i] = kept;
         }
-        plan.routes[i] = kept;
+        if (pick < cands[i].size()) {
+          routes[i] = cands[i][pick].route;
+          changed = true;
+        }
       }
-      if (pick < cands[i].size()) {
-        plan.routes[i] = cands[i][pick].route;
-        changed = true;
+      if (!changed) break;
+    }
+    return best;
+  };
+  Evaluation best = improve(plan.routes);
+  if (schedule == Schedule::kRelay) {
+    std::vector<Route> relayed = plan.routes;
+    bool any = false;
+    for (size_t i = 0; i < e * e; ++i)
+      for (const auto& c : cands[i])
+        if (c.route.kind == RouteKind::kRelay) {
+          relayed[i] = c.route;  // cands are sorted: the cheapest relay alone
+          any = true;
+          break;
+        }
+    if (any) {
+      Evaluation other = improve(relayed);
+      if (Better(other, best)) {
+        best = std::move(other);
+        plan.routes = std::move(relayed);
       }
     }
-    if (!changed) break;
   }
 
   // Reasons: the route's time alone, the alternatives', and whether the

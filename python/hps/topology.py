@@ -1,0 +1,519 @@
+"""A node's topology: devices, links, NUMA placement; the routes transfers take; core binding.
+
+Three ways to get a :class:`Topology`:
+
+    topo = hps.topology.load("examples/topologies/figure1.toml")   # a machine we simulate
+    topo = hps.topology.discover()                                  # this machine (sysfs, NVML)
+    topo = hps.topology.host_partitions(8)                          # 8 host partitions, flat
+
+and what to do with it:
+
+    bytes = hps.topology.even_all_to_all(8, rows=1_000_000, row_bytes=256)   # (8, 8) uint64
+    plan = topo.plan(bytes, "relay")      # {"routes": [...], "seconds": ..., ...}
+    topo.plan(bytes, "host")["seconds"]   # every pair through the CPUs' memory
+    topo.binding_plan()                   # which cores each stage thread should get
+
+The router and the cost model are native (include/hps/topology.h says what the model
+counts and what it leaves out); this module reads files and sysfs and hands plain lists
+over.
+
+Topology files (TOML; examples/topologies/ holds four):
+
+    name = "figure1"                # shown by `hps topology`
+    [[numa]]                        # one per NUMA node
+    node = 0
+    cpus = "0-23,48-71"             # the kernel's cpulist format
+    [[device]]                      # one per device, in order; GPUs and host partitions
+    name = "gpu0"                   #   are the endpoints a transfer matrix indexes
+    kind = "gpu"                    # gpu | host | cpu (a socket and its memory) | switch (PCIe, NVSwitch)
+    numa = 0                        # optional, default -1 (unknown)
+    [[link]]                        # full duplex; one per device pair
+    between = ["gpu0", "gpu1"]
+    kind = "nvlink"                 # free text: nvlink, pcie, upi, memcpy ...
+    gbps = 25.0                     # GB/s (1e9 B) per direction per bridge
+    bridges = 2                     # optional, default 1: the link carries bridges * gbps
+    latency_us = 1.5                # per hop
+    [[nvme]]                        # optional: drives and NICs, for core binding
+    name = "nvme0"
+    numa = 0
+    [[nic]]
+    name = "eth0"
+    numa = 1
+
+Errors in a file raise :class:`TopologyError` (a ValueError) naming the file, the line
+and the field.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hps import _core
+
+KINDS = {"gpu": 0, "host": 1, "cpu": 2, "switch": 3}
+SCHEDULES = ("host", "direct", "relay")
+
+# Assumed when sysfs does not say (documented in `hps topology`'s output through the
+# links' kind "assumed-..."): PCIe 3.0 x16 achievable, a host partition's memcpy, and a
+# NUMA interconnect hop.
+PCIE_GBPS = 12.0
+MEMCPY_GBPS = 10.0
+NUMA_GBPS = 20.0
+
+
+class TopologyError(ValueError):
+    """A topology file or sysfs tree cannot be read as one; the message names the file,
+    the line and the field."""
+
+
+@dataclass
+class Device:
+    name: str
+    kind: str          # gpu | host | cpu | switch
+    numa: int = -1
+
+
+@dataclass
+class Link:
+    a: int             # device indices
+    b: int
+    gbps: float        # per direction, every bridge together
+    latency_us: float
+    kind: str
+    bridges: int = 1
+
+
+@dataclass
+class StageBinding:
+    stage: str         # "ssd_io", "reader", "load:gpu0" ...
+    cores: list[int]
+    numa: int
+    reason: str
+
+
+@dataclass
+class BindingPlan:
+    stages: list[StageBinding]
+    noop: bool         # one NUMA node: binding changes nothing
+    reason: str
+
+    def cores_of(self, stage: str) -> list[int]:
+        for s in self.stages:
+            if s.stage == stage:
+                return s.cores
+        raise KeyError(f"no stage {stage!r} in the binding plan (stages: {', '.join(s.stage for s in self.stages)})")
+
+
+@dataclass
+class Topology:
+    name: str
+    devices: list[Device]
+    links: list[Link]
+    numa_cores: dict[int, list[int]] = field(default_factory=dict)
+    nvme: list[tuple[str, int]] = field(default_factory=list)   # (name, numa node)
+    nics: list[tuple[str, int]] = field(default_factory=list)
+    source: str = ""
+
+    # ---- structure
+    @property
+    def endpoints(self) -> list[int]:
+        """Device indices of the GPUs and host partitions, the rows of a transfer matrix."""
+        return [i for i, d in enumerate(self.devices) if d.kind in ("gpu", "host")]
+
+    def index(self, name: str) -> int:
+        for i, d in enumerate(self.devices):
+            if d.name == name:
+                return i
+        raise KeyError(f"no device {name!r} in topology {self.name!r}")
+
+    def _native(self):
+        devices = [(d.name, KINDS[d.kind], d.numa) for d in self.devices]
+        links = [(l.a, l.b, float(l.gbps), float(l.latency_us), l.kind) for l in self.links]
+        return devices, links
+
+    # ---- routes and cost
+    def plan(self, bytes_matrix, schedule: str = "relay") -> dict:
+        """Routes of every endpoint pair with bytes and the modelled time of the schedule.
+
+        bytes_matrix: (E, E) bytes from endpoint s (row) to d (column), E = len(endpoints).
+        schedule: "host" (every pair through the CPUs' memory), "direct" (the pair's own
+        link where there is one, else the host path) or "relay" (the router's choice,
+        two-phase through a middleman where that is cheaper). Returns a dict: routes (src,
+        dst, kind, via, path, reason; src/dst/via are endpoint numbers, path device
+        indices), seconds, phase_seconds, link_bytes (per link, a->b then b->a),
+        route_count, relayed_bytes, hops.
+        """
+        m = self._matrix(bytes_matrix)
+        devices, links = self._native()
+        return _core.plan_routes(devices, links, m, schedule)
+
+    def execute_on_host(self, bytes_matrix, schedule: str, send: list, recv: list) -> dict:
+        """Runs the schedule with memcpy: send[s] holds s's segments for every d in
+        order, recv[d] gets every s's segment in order (uint8 arrays). Relays stage on
+        the middleman's buffer between two phases. Returns seconds, phase_seconds,
+        bytes_copied, staged_bytes."""
+        m = self._matrix(bytes_matrix)
+        devices, links = self._native()
+        return _core.execute_routes(devices, links, m, schedule, list(send), list(recv))
+
+    def _matrix(self, bytes_matrix) -> np.ndarray:
+        m = np.ascontiguousarray(bytes_matrix, dtype=np.uint64)
+        e = len(self.endpoints)
+        if m.shape != (e, e):
+            raise ValueError(f"topology {self.name!r} has {e} endpoints: the transfer matrix must be ({e}, {e}), "
+                             f"got {m.shape}")
+        return m
+
+    # ---- core binding
+    def binding_plan(self, nvme: str | None = None, nic: str | None = None) -> BindingPlan:
+        """Which cores each stage thread gets: the SSD I/O threads the NVMe drive's node,
+        the reader the NIC's node, each endpoint's load thread its own node. nvme / nic
+        pick a drive or NIC by name (default: the first listed). With one NUMA node (or
+        none known) every stage gets every core and the plan says it is a no-op."""
+        all_cores = sorted(c for cs in self.numa_cores.values() for c in cs)
+        nodes = sorted(self.numa_cores)
+        if len(nodes) <= 1:
+            why = (f"one NUMA node ({len(all_cores)} cores): every core is as near to every device, binding is a no-op"
+                   if nodes else "no NUMA nodes known: binding is a no-op")
+            stages = [StageBinding(s, all_cores, nodes[0] if nodes else -1, why)
+                      for s in ["ssd_io", "reader"] + [f"load:{self.devices[i].name}" for i in self.endpoints]]
+            return BindingPlan(stages, True, why)
+
+        def near(node: int, what: str) -> tuple[list[int], int, str]:
+            if node in self.numa_cores:
+                return self.numa_cores[node], node, f"{what} is on NUMA node {node}"
+            return all_cores, -1, f"{what}'s NUMA node is unknown: every core"
+
+        def pick(items: list[tuple[str, int]], name: str | None, kind: str) -> tuple[str, int] | None:
+            if name is None:
+                return items[0] if items else None
+            for it in items:
+                if it[0] == name:
+                    return it
+            raise KeyError(f"no {kind} {name!r} in topology {self.name!r} "
+                           f"(known: {', '.join(i[0] for i in items) or 'none'})")
+
+        stages = []
+        for stage, items, name, kind in (("ssd_io", self.nvme, nvme, "NVMe drive"), ("reader", self.nics, nic, "NIC")):
+            it = pick(items, name, kind)
+            if it is None:
+                stages.append(StageBinding(stage, all_cores, -1, f"no {kind} known: every core"))
+            else:
+                cores, node, why = near(it[1], it[0])
+                stages.append(StageBinding(stage, cores, node, why))
+        for i in self.endpoints:
+            d = self.devices[i]
+            cores, node, why = near(d.numa, d.name)
+            stages.append(StageBinding(f"load:{d.name}", cores, node, why))
+        return BindingPlan(stages, False, f"{len(nodes)} NUMA nodes: each stage on the node of what it feeds from")
+
+
+# ------------------------------------------------------------------ helpers
+def parse_cpulist(text: str) -> list[int]:
+    """The kernel's cpulist ("0-3,8,10-11") as a sorted list; ValueError on a bad one."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi) if hi else int(lo)
+        if b < a:
+            raise ValueError(f"bad cpu range {part!r}")
+        out.extend(range(a, b + 1))
+    return sorted(set(out))
+
+
+def even_all_to_all(endpoints: int, rows: int, row_bytes: int) -> np.ndarray:
+    """(E, E) bytes of an all-to-all that moves `rows` rows spread evenly over the E x E
+    pairs, the diagonal included (a device's own rows stay put: its entry is zeroed)."""
+    per_pair = rows // (endpoints * endpoints)
+    m = np.full((endpoints, endpoints), per_pair * row_bytes, dtype=np.uint64)
+    np.fill_diagonal(m, 0)
+    return m
+
+
+def host_partitions(n: int, gbps: float = MEMCPY_GBPS, latency_us: float = 0.5, numa_cores=None) -> Topology:
+    """n host partitions over one memory: a flat topology (every pair the same route)."""
+    if n < 1:
+        raise ValueError(f"host_partitions: n must be >= 1, got {n}")
+    devices = [Device(f"host{i}", "host", 0) for i in range(n)] + [Device("memory", "cpu", 0)]
+    links = [Link(i, n, gbps, latency_us, "memcpy") for i in range(n)]
+    cores = numa_cores if numa_cores is not None else {0: sorted(os.sched_getaffinity(0))}
+    return Topology(f"{n} host partitions", devices, links, dict(cores), source="host partitions")
+
+
+# ------------------------------------------------------------------ TOML
+def _locate(text: str, table: str, index: int, key: str | None) -> int:
+    """The 1-based line of `key` in the index-th [[table]] of a TOML text (its header's
+    line if the key is absent, 1 if the table is)."""
+    lines = text.splitlines()
+    header = re.compile(r"^\s*\[\[\s*" + re.escape(table) + r"\s*\]\]")
+    any_header = re.compile(r"^\s*\[")
+    seen = -1
+    for no, line in enumerate(lines, 1):
+        if header.match(line):
+            seen += 1
+            if seen == index:
+                if key is None:
+                    return no
+                for no2 in range(no, len(lines)):
+                    l2 = lines[no2]
+                    if any_header.match(l2):
+                        break
+                    if re.match(r"^\s*" + re.escape(key) + r"\s*=", l2):
+                        return no2 + 1
+                return no
+    if key is not None and table == "":
+        for no, line in enumerate(lines, 1):
+            if re.match(r"^\s*" + re.escape(key) + r"\s*=", line):
+                return no
+    return 1
+
+
+def load(path: str) -> Topology:
+    """Reads a topology file (the format is in this module's docstring)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise TopologyError(f"{path}: cannot read the topology file: {e.strerror}") from None
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise TopologyError(f"{path}: not TOML: {e}") from None
+
+    def fail(table: str, i: int, key: str | None, msg: str):
+        line = _locate(text, table, i, key)
+        where = f"{table}[{i}]" + (f".{key}" if key else "")
+        raise TopologyError(f"{path}:{line}: {where}: {msg}")
+
+    known_top = {"name", "description", "numa", "device", "link", "nvme", "nic"}
+    for k in doc:
+        if k not in known_top:
+            raise TopologyError(f"{path}:{_locate(text, k, 0, None) if isinstance(doc[k], list) else _locate(text, '', 0, k)}: "
+                                f"unknown field {k!r} (known: {', '.join(sorted(known_top))})")
+
+    def table_list(name: str) -> list[dict]:
+        v = doc.get(name, [])
+        if not isinstance(v, list) or not all(isinstance(t, dict) for t in v):
+            raise TopologyError(f"{path}:{_locate(text, '', 0, name)}: {name}: write it as [[{name}]] tables")
+        return v
+
+    def get(table: str, i: int, t: dict, key: str, types, required=True, default=None):
+        if key not in t:
+            if required:
+                fail(table, i, None, f"missing field {key!r}")
+            return default
+        v = t[key]
+        if isinstance(v, bool) or not isinstance(v, types):
+            fail(table, i, key, f"expected {'a number' if types == (int, float) else types.__name__}, got {v!r}")
+        return v
+
+    def check_keys(table: str, i: int, t: dict, allowed: set[str]):
+        for k in t:
+            if k not in allowed:
+                fail(table, i, k, f"unknown field (known: {', '.join(sorted(allowed))})")
+
+    numa_cores: dict[int, list[int]] = {}
+    for i, t in enumerate(table_list("numa")):
+        check_keys("numa", i, t, {"node", "cpus"})
+        node = get("numa", i, t, "node", int)
+        cpus = get("numa", i, t, "cpus", str)
+        if node in numa_cores:
+            fail("numa", i, "node", f"node {node} is listed twice")
+        try:
+            numa_cores[node] = parse_cpulist(cpus)
+        except ValueError as e:
+            fail("numa", i, "cpus", f"not a cpulist like \"0-3,8\": {e}")
+
+    devices: list[Device] = []
+    names: dict[str, int] = {}
+    for i, t in enumerate(table_list("device")):
+        check_keys("device", i, t, {"name", "kind", "numa"})
+        name = get("device", i, t, "name", str)
+        kind = get("device", i, t, "kind", str)
+        numa = get("device", i, t, "numa", int, required=False, default=-1)
+        if not name:
+            fail("device", i, "name", "empty name")
+        if name in names:
+            fail("device", i, "name", f"{name!r} is already device {names[name]}")
+        if kind not in KINDS:
+            fail("device", i, "kind", f"{kind!r} is not one of {', '.join(KINDS)}")
+        if numa_cores and numa != -1 and numa not in numa_cores:
+            fail("device", i, "numa", f"node {numa} has no [[numa]] table")
+        names[name] = i
+        devices.append(Device(name, kind, numa))
+    if not any(d.kind in ("gpu", "host") for d in devices):
+        raise TopologyError(f"{path}:1: no device of kind gpu or host: nothing to route between")
+
+    links: list[Link] = []
+    pairs: dict[tuple[int, int], int] = {}
+    for i, t in enumerate(table_list("link")):
+        check_keys("link", i, t, {"between", "kind", "gbps", "bridges", "latency_us"})
+        between = get("link", i, t, "between", list)
+        if len(between) != 2 or not all(isinstance(x, str) for x in between):
+            fail("link", i, "between", f"expected two device names, got {between!r}")
+        for x in between:
+            if x not in names:
+                fail("link", i, "between", f"no device named {x!r}")
+        a, b = names[between[0]], names[between[1]]
+        if a == b:
+            fail("link", i, "between", f"joins {between[0]} to itself")
+        key = (min(a, b), max(a, b))
+        if key in pairs:
+            fail("link", i, "between", f"{between[0]}-{between[1]} is already link {pairs[key]} "
+                                       "(one link per pair; give its bridges)")
+        pairs[key] = i
+        kind = get("link", i, t, "kind", str)
+        gbps = get("link", i, t, "gbps", (int, float))
+        if not gbps > 0:
+            fail("link", i, "gbps", f"must be > 0, got {gbps}")
+        bridges = get("link", i, t, "bridges", int, required=False, default=1)
+        if bridges < 1:
+            fail("link", i, "bridges", f"must be >= 1, got {bridges}")
+        lat = get("link", i, t, "latency_us", (int, float))
+        if not lat >= 0:
+            fail("link", i, "latency_us", f"must be >= 0, got {lat}")
+        links.append(Link(a, b, float(gbps) * bridges, float(lat), kind, bridges))
+
+    placed: dict[str, list[tuple[str, int]]] = {}
+    for table in ("nvme", "nic"):
+        placed[table] = []
+        for i, t in enumerate(table_list(table)):
+            check_keys(table, i, t, {"name", "numa"})
+            placed[table].append((get(table, i, t, "name", str), get(table, i, t, "numa", int)))
+    name = doc.get("name", os.path.splitext(os.path.basename(path))[0])
+    if not isinstance(name, str):
+        raise TopologyError(f"{path}:{_locate(text, '', 0, 'name')}: name: expected a string, got {name!r}")
+    return Topology(name, devices, links, numa_cores, placed["nvme"], placed["nic"], source=path)
+
+
+# ------------------------------------------------------------------ sysfs
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _numa_of(dev_dir: str) -> int:
+    v = _read(os.path.join(dev_dir, "numa_node"))
+    try:
+        return int(v) if v is not None else -1
+    except ValueError:
+        return -1
+
+
+def _pcie_gbps(dev_dir: str) -> float | None:
+    """A PCIe device's link bandwidth per direction from current_link_speed/width."""
+    speed, width = _read(os.path.join(dev_dir, "current_link_speed")), _read(os.path.join(dev_dir, "current_link_width"))
+    if not speed or not width:
+        return None
+    m = re.match(r"([\d.]+)\s*GT/s", speed)
+    try:
+        gt, lanes = float(m.group(1)), int(width)
+    except (AttributeError, ValueError):
+        return None
+    enc = 8 / 10 if gt < 8 else 128 / 130  # PCIe 1-2: 8b/10b, 3+: 128b/130b
+    return round(gt * enc * lanes / 8, 2)
+
+
+def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: int = 0) -> Topology:
+    """This machine's topology from sysfs (root configurable, so tests use fake trees):
+    NUMA nodes and their cores (devices/system/node/node*/cpulist), NVIDIA GPUs and their
+    nodes (bus/pci/devices/*: vendor 0x10de, class 0x03xxxx, numa_node; in PCI bus order,
+    CUDA's order with CUDA_DEVICE_ORDER=PCI_BUS_ID), NVMe drives (class/nvme/*/device)
+    and NICs (class/net/*/device). One "cpu" device per node; each GPU links to its
+    node's cpu over PCIe (its link speed if sysfs gives it, else PCIE_GBPS); nodes link
+    pairwise with NUMA_GBPS (sysfs does not say). NVLink between GPUs comes from NVML
+    when pynvml is importable and a driver answers (gpus=True); otherwise none. With no
+    GPU and host_partitions_if_no_gpu > 0, host partitions over the first node's memory.
+    """
+    node_root = os.path.join(sysfs, "devices", "system", "node")
+    numa_cores: dict[int, list[int]] = {}
+    for d in sorted(glob.glob(os.path.join(node_root, "node[0-9]*"))):
+        n = int(os.path.basename(d)[4:])
+        text = _read(os.path.join(d, "cpulist"))
+        if text is None:
+            continue
+        try:
+            numa_cores[n] = parse_cpulist(text)
+        except ValueError as e:
+            raise TopologyError(f"{os.path.join(d, 'cpulist')}:1: cpulist: {e}") from None
+    if not numa_cores:
+        numa_cores = {0: sorted(os.sched_getaffinity(0))} if sysfs == "/sys" else {}
+    nodes = sorted(numa_cores) or [0]
+    single = len(nodes) == 1
+
+    def node_of(n: int) -> int:
+        return nodes[0] if (n < 0 and single) else n
+
+    devices = [Device(f"cpu{n}", "cpu", n) for n in nodes]
+    cpu_index = {n: i for i, n in enumerate(nodes)}
+    links = [Link(cpu_index[a], cpu_index[b], NUMA_GBPS, 1.0, "numa-assumed")
+             for i, a in enumerate(nodes) for b in nodes[i + 1:]]
+    gpu_dirs = []
+    for d in sorted(glob.glob(os.path.join(sysfs, "bus", "pci", "devices", "*"))):
+        if _read(os.path.join(d, "vendor")) == "0x10de" and (_read(os.path.join(d, "class")) or "").startswith("0x03"):
+            gpu_dirs.append(d)
+    for k, d in enumerate(gpu_dirs):
+        n = node_of(_numa_of(d))
+        devices.append(Device(f"gpu{k}", "gpu", n))
+        gbps = _pcie_gbps(d)
+        host = cpu_index.get(n, 0)
+        links.append(Link(len(devices) - 1, host, gbps or PCIE_GBPS, 1.0, "pcie" if gbps else "pcie-assumed"))
+    if gpus and gpu_dirs:
+        links += _nvml_links([os.path.basename(d) for d in gpu_dirs], len(nodes))
+    if not gpu_dirs and host_partitions_if_no_gpu > 0:
+        for i in range(host_partitions_if_no_gpu):
+            devices.append(Device(f"host{i}", "host", nodes[0]))
+            links.append(Link(len(devices) - 1, 0, MEMCPY_GBPS, 0.5, "memcpy-assumed"))
+    nvme = [(os.path.basename(c), node_of(_numa_of(os.path.join(c, "device"))))
+            for c in sorted(glob.glob(os.path.join(sysfs, "class", "nvme", "nvme*")))]
+    nics = [(os.path.basename(c), node_of(_numa_of(os.path.join(c, "device"))))
+            for c in sorted(glob.glob(os.path.join(sysfs, "class", "net", "*")))
+            if os.path.isdir(os.path.join(c, "device"))]
+    return Topology("discovered" if sysfs == "/sys" else f"discovered from {sysfs}", devices, links, numa_cores, nvme,
+                    nics, source=sysfs)
+
+
+def _nvml_links(bus_ids: list[str], first_gpu: int) -> list[Link]:
+    """NVLinks between the GPUs (device indices first_gpu + k) as NVML reports them; []
+    without pynvml or a driver. NVLink 2 per-link bandwidth assumed (25 GB/s)."""
+    try:
+        import pynvml  # noqa: PLC0415 - optional
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver: no links to report
+        return []
+    try:
+        index = {b.lower()[-12:]: k for k, b in enumerate(bus_ids)}
+        count: dict[tuple[int, int], int] = {}
+        for k, b in enumerate(bus_ids):
+            h = pynvml.nvmlDeviceGetHandleByPciBusId(b)
+            for link in range(18):
+                try:
+                    if not pynvml.nvmlDeviceGetNvLinkState(h, link):
+                        continue
+                    remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId
+                except pynvml.NVMLError:
+                    continue
+                r = index.get((remote.decode() if isinstance(remote, bytes) else remote).lower()[-12:])
+                if r is not None and r != k:
+                    key = (min(k, r), max(k, r))
+                    count[key] = count.get(key, 0) + 1
+        # each bridge is seen from both ends
+        return [Link(first_gpu + a, first_gpu + b, 25.0 * max(1, n // 2), 1.5, "nvlink", max(1, n // 2))
+                for (a, b), n in sorted(count.items())]
+    finally:
+        pynvml.nvmlShutdown()

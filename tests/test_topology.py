@@ -1,0 +1,263 @@
+"""Topology files, fake sysfs trees, the router on the shipped nodes, the host executor,
+and the core binding plan (issue 17)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hps.topology as T
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPOLOGIES = ROOT / "examples" / "topologies"
+SHIPPED = ("figure1", "dgx1", "nvswitch", "pcie_only")
+
+
+def link_between(topo: T.Topology, a: str, b: str) -> T.Link | None:
+    ia, ib = topo.index(a), topo.index(b)
+    for link in topo.links:
+        if {link.a, link.b} == {ia, ib}:
+            return link
+    return None
+
+
+# ------------------------------------------------------------------ files
+def test_figure1_parses_into_its_devices_and_links():
+    t = T.load(TOPOLOGIES / "figure1.toml")
+    assert [d.name for d in t.devices if d.kind == "gpu"] == [f"gpu{i}" for i in range(8)]
+    assert [t.devices[i].numa for i in t.endpoints] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert sorted(t.numa_cores) == [0, 1] and len(t.numa_cores[0]) == 48
+    for d in (5, 6, 7):
+        assert link_between(t, "gpu0", f"gpu{d}") is None
+    two = link_between(t, "gpu0", "gpu3")
+    assert (two.bridges, two.gbps, two.kind) == (2, 50.0, "nvlink")
+    one = link_between(t, "gpu0", "gpu1")
+    assert (one.bridges, one.gbps) == (1, 25.0)
+    assert link_between(t, "cpu0", "cpu1").kind == "upi"
+    assert t.nvme == [("nvme0", 0), ("nvme1", 1)] and t.nics == [("eth0", 1)]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_files_route_every_pair(name):
+    t = T.load(TOPOLOGIES / f"{name}.toml")
+    m = T.even_all_to_all(8, 1 << 16, 256)
+    for schedule in T.SCHEDULES:
+        plan = t.plan(m, schedule)
+        assert len(plan["routes"]) == 56
+        assert plan["seconds"] > 0
+    host, relay = t.plan(m, "host"), t.plan(m, "relay")
+    assert relay["seconds"] <= host["seconds"]
+    if name in ("nvswitch", "pcie_only"):
+        assert relay["route_count"]["relay"] == 0  # nothing to gain from a middleman
+
+
+def test_figure1_relays_around_the_missing_links_with_the_reason():
+    t = T.load(TOPOLOGIES / "figure1.toml")
+    m = T.even_all_to_all(8, 1_000_000, 256)
+    plan = t.plan(m, "relay")
+    by = {(r["src"], r["dst"]): r for r in plan["routes"]}
+    for d in (5, 6, 7):
+        r = by[(0, d)]
+        assert r["kind"] == "relay", r
+        mid = f"gpu{r['via']}"
+        # the middleman has NVLinks to both ends
+        assert link_between(t, "gpu0", mid).kind == "nvlink"
+        assert link_between(t, mid, f"gpu{d}").kind == "nvlink"
+        assert r["path"] == [0, r["via"], d]
+        assert "no direct link" in r["reason"] and "host path" in r["reason"]
+    assert by[(0, 1)]["kind"] == "direct"
+    host = t.plan(m, "host")
+    assert host["route_count"]["host"] == 56
+    # W8's target: relayed at least 75% below direct through host memory
+    assert plan["seconds"] <= 0.25 * host["seconds"]
+
+
+def test_host_partitions_are_flat():
+    t = T.host_partitions(4, numa_cores={0: [0, 1]})
+    plan = t.plan(T.even_all_to_all(4, 1 << 12, 64), "relay")
+    assert {r["kind"] for r in plan["routes"]} == {"host"}
+    assert {tuple(r["path"][1:-1]) for r in plan["routes"]} == {(4,)}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    return p
+
+
+GOOD = """name = "tiny"
+[[device]]
+name = "g0"
+kind = "gpu"
+[[device]]
+name = "g1"
+kind = "gpu"
+[[link]]
+between = ["g0", "g1"]
+kind = "nvlink"
+gbps = 25.0
+latency_us = 1.0
+"""
+
+
+def test_good_tiny_file_loads(tmp_path):
+    t = T.load(write(tmp_path, GOOD))
+    assert t.name == "tiny" and len(t.links) == 1 and t.devices[0].numa == -1
+
+
+@pytest.mark.parametrize("edit, line, where", [
+    (('gbps = 25.0', 'gbps = 0'), 11, "link[0].gbps: must be > 0"),
+    (('gbps = 25.0', 'gbps = "fast"'), 11, "link[0].gbps: expected a number"),
+    (('gbps = 25.0\n', ''), 8, "link[0]: missing field 'gbps'"),
+    (('kind = "gpu"\n[[link]]', 'kind = "tpu"\n[[link]]'), 7, "device[1].kind: 'tpu' is not one of"),
+    (('["g0", "g1"]', '["g0", "g9"]'), 9, "link[0].between: no device named 'g9'"),
+    (('["g0", "g1"]', '["g0", "g0"]'), 9, "link[0].between: joins g0 to itself"),
+    (('latency_us = 1.0', 'latency_us = -1'), 12, "link[0].latency_us: must be >= 0"),
+    (('latency_us = 1.0', 'latency_us = 1.0\nspeed = 3'), 13, "link[0].speed: unknown field"),
+    (('name = "g1"', 'name = "g0"'), 6, "device[1].name: 'g0' is already device 0"),
+])
+def test_bad_files_name_file_line_and_field(tmp_path, edit, line, where):
+    p = write(tmp_path, GOOD.replace(*edit, 1))
+    with pytest.raises(T.TopologyError) as e:
+        T.load(p)
+    assert str(e.value).startswith(f"{p}:{line}: "), str(e.value)
+    assert where in str(e.value)
+
+
+def test_bad_files_other_errors(tmp_path):
+    with pytest.raises(T.TopologyError, match="not TOML"):
+        T.load(write(tmp_path, "[[device]\n"))
+    with pytest.raises(T.TopologyError, match="cannot read"):
+        T.load(tmp_path / "missing.toml")
+    dup = GOOD + '[[link]]\nbetween = ["g1", "g0"]\nkind = "pcie"\ngbps = 12\nlatency_us = 1\n'
+    with pytest.raises(T.TopologyError, match=r":14: link\[1\].between: g1-g0 is already link 0"):
+        T.load(write(tmp_path, dup))
+    cpus = '[[numa]]\nnode = 0\ncpus = "3-1"\n' + GOOD.replace('name = "tiny"\n', "")
+    with pytest.raises(T.TopologyError, match=r":3: numa\[0\].cpus: not a cpulist"):
+        T.load(write(tmp_path, cpus))
+    with pytest.raises(T.TopologyError, match="no device of kind gpu or host"):
+        T.load(write(tmp_path, 'name = "x"\n[[device]]\nname = "c"\nkind = "cpu"\n'))
+
+
+def test_matrix_and_schedule_errors():
+    t = T.load(TOPOLOGIES / "figure1.toml")
+    with pytest.raises(ValueError, match=r"must be \(8, 8\), got \(7, 7\)"):
+        t.plan(np.zeros((7, 7)), "relay")
+    with pytest.raises(ValueError, match="schedule must be 'host', 'direct' or 'relay', got 'fast'"):
+        t.plan(np.zeros((8, 8)), "fast")
+
+
+# ------------------------------------------------------------------ executor
+@pytest.mark.parametrize("schedule", T.SCHEDULES)
+def test_host_executor_delivers_what_a_direct_copy_does(schedule):
+    t = T.load(TOPOLOGIES / "figure1.toml")
+    rng = np.random.default_rng(3)
+    m = rng.integers(0, 3000, size=(8, 8)).astype(np.uint64)
+    m[0, 5] = 0
+    send = [rng.integers(0, 256, size=int(m[s].sum()), dtype=np.uint8) for s in range(8)]
+    recv = [np.full(int(m[:, d].sum()), 0xAB, dtype=np.uint8) for d in range(8)]
+    want = []
+    for d in range(8):
+        parts = []
+        for s in range(8):
+            off = int(m[s, :d].sum())
+            parts.append(send[s][off:off + int(m[s, d])])
+        want.append(np.concatenate(parts))
+    stats = t.execute_on_host(m, schedule, send, recv)
+    for d in range(8):
+        np.testing.assert_array_equal(recv[d], want[d])
+    plan = t.plan(m, schedule)
+    if schedule == "relay":
+        assert plan["relayed_bytes"] > 0 and stats["staged_bytes"] >= plan["relayed_bytes"]
+    if schedule == "host":
+        assert stats["staged_bytes"] == int(m.sum() - np.trace(m))
+
+
+def test_host_executor_refuses_wrong_buffers():
+    t = T.load(TOPOLOGIES / "figure1.toml")
+    m = T.even_all_to_all(8, 640, 1)
+    send = [np.zeros(int(m[s].sum()), np.uint8) for s in range(8)]
+    recv = [np.zeros(int(m[:, d].sum()), np.uint8) for d in range(8)]
+    with pytest.raises(ValueError, match=r"recv\[3\] must be a contiguous uint8 array of 70 bytes"):
+        t.execute_on_host(m, "relay", send, recv[:3] + [np.zeros(69, np.uint8)] + recv[4:])
+    with pytest.raises(ValueError, match="need 8 buffers each"):
+        t.execute_on_host(m, "relay", send[:7], recv)
+
+
+# ------------------------------------------------------------------ sysfs
+def fake_sysfs(root: Path, nodes: int, cores_per_node: int, gpus_per_node: int, nvme_node: int, nic_node: int):
+    for n in range(nodes):
+        d = root / "devices" / "system" / "node" / f"node{n}"
+        d.mkdir(parents=True)
+        lo = n * cores_per_node
+        (d / "cpulist").write_text(f"{lo}-{lo + cores_per_node - 1}\n")
+    pci = root / "bus" / "pci" / "devices"
+    k = 0
+    for n in range(nodes):
+        for _ in range(gpus_per_node):
+            dev = pci / f"0000:{0x10 + k:02x}:00.0"
+            dev.mkdir(parents=True)
+            (dev / "vendor").write_text("0x10de\n")
+            (dev / "class").write_text("0x030200\n")
+            (dev / "numa_node").write_text(f"{n}\n")
+            (dev / "current_link_speed").write_text("16.0 GT/s PCIe\n")
+            (dev / "current_link_width").write_text("16\n")
+            k += 1
+    other = pci / "0000:99:00.0"  # an Intel NIC-like device: not a GPU
+    other.mkdir(parents=True)
+    (other / "vendor").write_text("0x8086\n")
+    (other / "class").write_text("0x020000\n")
+    (other / "numa_node").write_text(f"{nic_node}\n")
+    nv = root / "class" / "nvme" / "nvme0"
+    nv.mkdir(parents=True)
+    (nv / "device").mkdir()
+    (nv / "device" / "numa_node").write_text(f"{nvme_node}\n")
+    net = root / "class" / "net"
+    (net / "lo").mkdir(parents=True)  # virtual: no device directory
+    (net / "eth0").mkdir()
+    os.symlink(other, net / "eth0" / "device")
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_fake_sysfs_trees_discover_devices_and_bind(tmp_path, nodes):
+    fake_sysfs(tmp_path, nodes, cores_per_node=4, gpus_per_node=2, nvme_node=nodes - 1, nic_node=1)
+    t = T.discover(str(tmp_path), gpus=False)
+    assert t.numa_cores == {n: list(range(4 * n, 4 * n + 4)) for n in range(nodes)}
+    gpus = [t.devices[i] for i in t.endpoints]
+    assert [g.name for g in gpus] == [f"gpu{i}" for i in range(2 * nodes)]
+    assert [g.numa for g in gpus] == [n for n in range(nodes) for _ in range(2)]
+    pcie = [l for l in t.links if l.kind == "pcie"]
+    assert len(pcie) == 2 * nodes and all(l.gbps == pytest.approx(31.51, abs=0.01) for l in pcie)
+    assert len([l for l in t.links if l.kind == "numa-assumed"]) == nodes * (nodes - 1) // 2
+    assert t.nvme == [("nvme0", nodes - 1)] and t.nics == [("eth0", 1)]
+    b = t.binding_plan()
+    assert not b.noop
+    assert b.cores_of("ssd_io") == list(range(4 * (nodes - 1), 4 * nodes))
+    assert b.cores_of("reader") == [4, 5, 6, 7]
+    for i, g in enumerate(gpus):
+        assert b.cores_of(f"load:{g.name}") == t.numa_cores[g.numa]
+    assert "NUMA node" in b.stages[0].reason
+    # GPUs on different nodes route through both CPUs
+    plan = t.plan(T.even_all_to_all(2 * nodes, 1 << 12, 64), "relay")
+    far = next(r for r in plan["routes"] if r["src"] == 0 and r["dst"] == 2 * nodes - 1)
+    assert far["kind"] == "host" and len(far["path"]) == 4
+
+
+def test_one_node_binding_is_a_noop(tmp_path):
+    fake_sysfs(tmp_path, 1, cores_per_node=8, gpus_per_node=0, nvme_node=0, nic_node=0)
+    t = T.discover(str(tmp_path), gpus=False, host_partitions_if_no_gpu=4)
+    assert [t.devices[i].kind for i in t.endpoints] == ["host"] * 4
+    b = t.binding_plan()
+    assert b.noop and "no-op" in b.reason
+    assert b.cores_of("ssd_io") == list(range(8))
+    with pytest.raises(KeyError, match="no stage 'load:gpu0'"):
+        b.cores_of("load:gpu0")
+
+
+def test_binding_names_unknown_drive(tmp_path):
+    fake_sysfs(tmp_path, 2, cores_per_node=2, gpus_per_node=1, nvme_node=1, nic_node=0)
+    t = T.discover(str(tmp_path), gpus=False)
+    with pytest.raises(KeyError, match="no NVMe drive 'nvme7'.*known: nvme0"):
+        t.binding_plan(nvme="nvme7")
