@@ -185,6 +185,20 @@ def cmd_export(a) -> int:
     return 0
 
 
+def cmd_plan(a) -> int:
+    from hps.hierarchical.planner import format_plan, load_plan_config, plan
+    shapes, cfg = load_plan_config(a.config)
+    print(format_plan(plan(shapes, cfg)))
+    return 0
+
+
+def cmd_serve(a) -> int:
+    from hps.serve import serve
+    serve(a.path, host=a.host, port=a.port, memory_budget=a.memory_budget, max_concurrent=a.max_concurrent,
+          refresh_every=a.refresh_every, quiet=not a.log)
+    return 0
+
+
 def main(argv=None) -> int:
     from hps import __version__
     ap = argparse.ArgumentParser(prog="hps", description="hps: a hierarchical parameter server for CTR models")
@@ -215,8 +229,21 @@ def main(argv=None) -> int:
     e.add_argument("--full", action="store_true", help="every row, not only the changed ones")
     e.add_argument("--int8", action="store_true", help="embeddings as int8 with a float32 scale per row")
     e.add_argument("--with-state", action="store_true", help="the optimizer state beside each embedding")
+    v = sub.add_parser("serve", help="lookups of a job's last checkpoint over local HTTP (docs/serving.md)")
+    v.add_argument("path", help="the job's path ([ps] path)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
+    v.add_argument("--port", type=int, default=8470, help="0: any free port (printed)")
+    v.add_argument("--memory-budget", default="256MiB", help="the lookup's row cache, e.g. 1GiB")
+    v.add_argument("--max-concurrent", type=int, default=8, help="lookups at once; more are answered 429")
+    v.add_argument("--refresh-every", type=float, default=0.0,
+                   help="seconds between moves to a newer checkpoint (0: only on POST /refresh)")
+    v.add_argument("--log", action="store_true", help="log every request to stderr")
+    pl = sub.add_parser("plan", help="Hierarchical Training: where each dense layer runs, and each node's "
+                                     "modelled CPU, network and memory")
+    pl.add_argument("--config", required=True, help="TOML file: hidden, [ps] dim, [data] batch_size, [hierarchical]")
     a = ap.parse_args(argv)
-    commands = {"train": cmd_train, "demo": cmd_demo, "inspect": cmd_inspect, "export": cmd_export}
+    commands = {"train": cmd_train, "demo": cmd_demo, "inspect": cmd_inspect, "export": cmd_export, "serve": cmd_serve,
+                "plan": cmd_plan}
     from hps.errors import HpsError
     try:
         return commands[a.command](a)

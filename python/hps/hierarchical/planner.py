@@ -1,0 +1,399 @@
+"""HT's operator placement (KDD 2021, section 4.2): where each Linear of a group's
+dense model runs, in two parts, as the paper does it.
+
+1. Tagging by rules (:func:`tag`): a Linear whose weights reach ``big_fc_bytes``
+   goes to the group PSs, split vertically (output columns) when its output is at
+   least as wide as its input, horizontally (input rows) otherwise; two such
+   Linears in a row that meet the co-partition rule (the first's output wider than
+   its input, the second's narrower) become a pair. The rest stays on the trainer.
+2. Greedy refinement (:func:`refine`): the modelled step finds its bottleneck node;
+   of the moves of one Linear off that node (to the trainer, to the PSs split either
+   way or whole on one PS, into or out of a pair, or a whole pair back to the trainer)
+   it takes the one that lowers the modelled step most, and repeats until no move
+   helps or ``time_limit`` seconds have passed.
+
+The cost model (:func:`costs`), per training step of ``batch_size`` examples on one
+trainer and ``group_ps`` PSs:
+  CPU     a Linear (in -> out) costs 6 * B * in * out FLOPs (forward 2, backward 4:
+          input and weight gradients), on the node(s) holding it, in proportion to
+          their blocks; seconds = FLOPs / the node's ``flops``.
+  network the tensors each segment sends, forward through the ``activations``
+          codec and backward through the ``gradients`` codec, at their bytes per
+          value (float32 4, bf16 2, int8 1 plus a 4-byte scale a row, top-k 8 per
+          value sent); a node's seconds = (bytes in + bytes out) / its ``bandwidth``.
+  memory  the weights held times (1 + ``optimizer_slots``), 4 bytes a value.
+  A node's time is max(CPU, network) (the two overlap); the step's is the slowest
+  node's. A plan that needs more memory than a node has is refused (PlanError
+  naming the node, what it needs and what it has).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from hps.errors import HpsError
+from hps.hierarchical.split_mlp import FcPlacement, SplitPlan, segments
+
+__all__ = ["PlannerConfig", "NodeCost", "PlanResult", "PlanError", "tag", "costs", "refine", "plan",
+           "format_plan", "linear_shapes", "load_plan_config"]
+
+
+class PlanError(HpsError):
+    """No placement fits the nodes' memory."""
+
+
+@dataclass
+class PlannerConfig:
+    batch_size: int = 4096
+    group_ps: int = 2                       # group PSs per group
+    trainer_flops: float = 100e9            # FLOP/s a trainer sustains on dense layers
+    ps_flops: float = 100e9                 # FLOP/s a group PS sustains
+    bandwidth: float = 1.25e9               # bytes/s of each node's network link (10 Gb/s)
+    trainer_memory: float = 16e9            # bytes for dense weights and their optimizer state on a trainer
+    ps_memory: float = 16e9                 # the same on a group PS
+    optimizer_slots: int = 1                # optimizer state values per weight (Adam: 2, AdaGrad: 1, SGD: 0)
+    big_fc_bytes: float = 4e6               # tagging rule: a Linear with this many weight bytes goes to the PSs
+    activations: str = "none"               # codec of forward traffic (none, bf16, int8, topk:RATIO)
+    gradients: str = "none"                 # codec of backward traffic
+    time_limit: float = 1.0                 # seconds of greedy refinement at most
+
+    def check(self, source: str = "[hierarchical]") -> None:
+        from hps.hierarchical.codecs import make_codec
+        for name in ("batch_size", "group_ps"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"{source}: {name} must be an int >= 1, got {v!r}")
+        for name in ("trainer_flops", "ps_flops", "bandwidth", "trainer_memory", "ps_memory"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{source}: {name} must be > 0, got {v!r}")
+        if not (isinstance(self.optimizer_slots, int) and self.optimizer_slots >= 0):
+            raise ValueError(f"{source}: optimizer_slots must be an int >= 0, got {self.optimizer_slots!r}")
+        if not self.time_limit >= 0:
+            raise ValueError(f"{source}: time_limit must be >= 0 seconds, got {self.time_limit!r}")
+        for name in ("activations", "gradients"):
+            try:
+                make_codec(getattr(self, name))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{source}: {name}: {e}") from None
+
+
+@dataclass
+class NodeCost:
+    name: str                 # "trainer" or "ps<i>"
+    flops: float = 0.0
+    net_bytes: float = 0.0
+    memory: float = 0.0
+    cpu_s: float = 0.0
+    net_s: float = 0.0
+    layers: list = field(default_factory=list)
+
+    @property
+    def time_s(self) -> float:
+        return max(self.cpu_s, self.net_s)
+
+
+@dataclass
+class PlanResult:
+    plan: SplitPlan
+    nodes: list               # NodeCost per node: the trainer, then each group PS
+    step_s: float             # the modelled step: the slowest node's time
+    bottleneck: str
+    moves: int = 0            # refinement moves taken
+    shapes: list = field(default_factory=list)
+
+
+def linear_shapes(seq) -> list:
+    from hps.hierarchical.split_mlp import linear_indices
+    return [(seq[i].in_features, seq[i].out_features) for i in linear_indices(seq)]
+
+
+def _bytes_per_value(codec: str, width: int) -> float:
+    name, _, arg = codec.partition(":")
+    if name == "bf16":
+        return 2.0
+    if name == "int8":
+        return 1.0 + 4.0 / max(1, width)
+    if name == "topk":
+        return 8.0 * float(arg)
+    return 4.0
+
+
+def tag(shapes: list, cfg: PlannerConfig) -> SplitPlan:
+    """The rule-based plan (part 1)."""
+    P = cfg.group_ps
+    fcs = []
+    for fin, fout in shapes:
+        big = 4.0 * fin * fout >= cfg.big_fc_bytes
+        if big and fout >= fin and fout >= P:
+            fcs.append(FcPlacement("ps", "vertical"))
+        elif big and fin >= P:
+            fcs.append(FcPlacement("ps", "horizontal"))
+        else:
+            fcs.append(FcPlacement())
+    j = 0
+    while j + 1 < len(fcs):
+        (a_in, a_out), (b_in, b_out) = shapes[j], shapes[j + 1]
+        if fcs[j].where == fcs[j + 1].where == "ps" and a_out > a_in and b_out < b_in:
+            fcs[j] = FcPlacement("ps", "vertical", pair=True)
+            fcs[j + 1] = FcPlacement("ps", "horizontal")
+            j += 2
+        else:
+            j += 1
+    return SplitPlan(fcs, P)
+
+
+def costs(shapes: list, plan: SplitPlan, cfg: PlannerConfig) -> list:
+    """The modelled CPU, network and memory of each node under `plan` (one step)."""
+    P = plan.group_ps
+    B = cfg.batch_size
+    nodes = [NodeCost("trainer")] + [NodeCost(f"ps{p}") for p in range(P)]
+    trainer, ps = nodes[0], nodes[1:]
+    slots = 4.0 * (1 + cfg.optimizer_slots)
+
+    def act(width):
+        return B * width * _bytes_per_value(cfg.activations, width)
+
+    def grad(width):
+        return B * width * _bytes_per_value(cfg.gradients, width)
+
+    def traffic(p, sent_fwd, got_fwd, sent_bwd, got_bwd):
+        """Trainer <-> PS p: widths the trainer sends / gets forward, sends / gets backward."""
+        b = act(sent_fwd) + act(got_fwd) + grad(sent_bwd) + grad(got_bwd)
+        trainer.net_bytes += b
+        ps[p].net_bytes += b
+
+    j = 0
+    while j < len(shapes):
+        fin, fout = shapes[j]
+        pl = plan.fcs[j]
+        if pl.where == "trainer":
+            trainer.flops += 6.0 * B * fin * fout
+            trainer.memory += slots * (fin * fout + fout)
+            trainer.layers.append(f"fc{j}")
+            j += 1
+            continue
+        if pl.pair:
+            mid, (_, out2) = fout, shapes[j + 1]
+            for p in range(P):
+                n = _block(mid, P, p)
+                ps[p].flops += 6.0 * B * (fin * n + n * out2)
+                ps[p].memory += slots * (fin * n + n + n * out2 + (out2 if p == 0 else 0))
+                ps[p].layers.append(f"fc{j}+fc{j + 1}")
+                traffic(p, fin, out2, out2, fin)
+            j += 2
+            continue
+        if pl.split == "none":
+            q = ps[pl.ps]
+            q.flops += 6.0 * B * fin * fout
+            q.memory += slots * (fin * fout + fout)
+            q.layers.append(f"fc{j}")
+            traffic(pl.ps, fin, fout, fout, fin)
+        elif pl.split == "vertical":
+            for p in range(P):
+                n = _block(fout, P, p)
+                ps[p].flops += 6.0 * B * fin * n
+                ps[p].memory += slots * (fin * n + n)
+                ps[p].layers.append(f"fc{j}")
+                traffic(p, fin, n, n, fin)
+        else:
+            for p in range(P):
+                n = _block(fin, P, p)
+                ps[p].flops += 6.0 * B * n * fout
+                ps[p].memory += slots * (n * fout + (fout if p == 0 else 0))
+                ps[p].layers.append(f"fc{j}")
+                traffic(p, n, fout, fout, n)
+        j += 1
+    trainer.cpu_s = trainer.flops / cfg.trainer_flops
+    for n in ps:
+        n.cpu_s = n.flops / cfg.ps_flops
+    for n in nodes:
+        n.net_s = n.net_bytes / cfg.bandwidth
+    return nodes
+
+
+def _block(n: int, parts: int, p: int) -> int:
+    return n // parts + (p < n % parts)
+
+
+def _over_memory(nodes: list, cfg: PlannerConfig) -> float:
+    return sum(max(0.0, n.memory - (cfg.trainer_memory if n.name == "trainer" else cfg.ps_memory)) for n in nodes)
+
+
+def _score(shapes, plan, cfg):
+    nodes = costs(shapes, plan, cfg)
+    worst = max(nodes, key=lambda n: n.time_s)
+    return (_over_memory(nodes, cfg), worst.time_s), nodes, worst
+
+
+def _valid(shapes: list, plan: SplitPlan) -> bool:
+    """Whether `plan` passes split_mlp's checks for a Sequential of these shapes."""
+    key = (tuple(shapes), plan.group_ps, tuple(plan.fcs))
+    hit = _VALID.get(key)
+    if hit is None:
+        seq = _shape_only(shapes)
+        try:
+            segments(seq, plan)
+            hit = True
+        except ValueError:
+            hit = False
+        _VALID[key] = hit
+    return hit
+
+
+_VALID: dict = {}
+
+
+def _shape_only(shapes):
+    """A Sequential of Linears on the meta device: shapes without weights."""
+    from torch import nn
+    return nn.Sequential(*[nn.Linear(i, o, device="meta") for i, o in shapes])
+
+
+def _moves(plan: SplitPlan, j: int) -> list:
+    """Plans that differ from `plan` in Linear j's placement (pairs through j broken
+    or made)."""
+    P = plan.group_ps
+    fcs = list(plan.fcs)
+    if j > 0 and fcs[j - 1].pair:
+        fcs[j - 1] = replace(fcs[j - 1], pair=False)
+    options = [FcPlacement(), FcPlacement("ps", "vertical"), FcPlacement("ps", "horizontal")]
+    options += [FcPlacement("ps", "none", ps=q) for q in range(P)]
+    out = []
+    for o in options:
+        if o != plan.fcs[j] or fcs != list(plan.fcs):
+            new = list(fcs)
+            new[j] = o
+            out.append(SplitPlan(new, P))
+    # A co-partitioned pair is one operator too: both halves back to the trainer at once
+    # (one at a time, each half's move alone may send the wide intermediate over the network).
+    first = j if plan.fcs[j].pair else j - 1 if j > 0 and plan.fcs[j - 1].pair else None
+    if first is not None:
+        new = list(plan.fcs)
+        new[first] = new[first + 1] = FcPlacement()
+        out.append(SplitPlan(new, P))
+    if j + 1 < len(fcs) and not plan.fcs[j].pair:
+        new = list(fcs)
+        new[j] = FcPlacement("ps", "vertical", pair=True)
+        new[j + 1] = FcPlacement("ps", "horizontal")
+        out.append(SplitPlan(new, P))
+    if j > 0 and not plan.fcs[j - 1].pair:
+        new = list(fcs)
+        new[j - 1] = FcPlacement("ps", "vertical", pair=True)
+        new[j] = FcPlacement("ps", "horizontal")
+        out.append(SplitPlan(new, P))
+    return out
+
+
+def refine(shapes: list, start: SplitPlan, cfg: PlannerConfig) -> PlanResult:
+    """Greedy refinement (part 2) from `start`; never returns a worse plan."""
+    deadline = time.monotonic() + cfg.time_limit
+    plan = start
+    score, nodes, worst = _score(shapes, plan, cfg)
+    moves = 0
+    while time.monotonic() < deadline:
+        # Operators that load the bottleneck node (or, while a node is over its memory,
+        # that one). Every Linear loads the trainer: its own run there, and a PS-held
+        # one's tensors pass through its link.
+        over = [n for n in nodes if n.memory > (cfg.trainer_memory if n.name == "trainer" else cfg.ps_memory)]
+        target = over[0] if over else worst
+        on_target = [j for j, pl in enumerate(plan.fcs)
+                     if target.name == "trainer"
+                     or (pl.where == "ps" and (pl.split != "none" or f"ps{pl.ps}" == target.name))]
+        best = None
+        for j in on_target:
+            for cand in _moves(plan, j):
+                if not _valid(shapes, cand):
+                    continue
+                s, n2, w2 = _score(shapes, cand, cfg)
+                if s < score and (best is None or s < best[0]):
+                    best = (s, cand, n2, w2)
+        if best is None or not (best[0][0] < score[0] or best[0][1] < score[1] * (1 - 1e-9)):
+            break
+        score, plan, nodes, worst = best
+        moves += 1
+    return PlanResult(plan, nodes, worst.time_s, worst.name, moves, list(shapes))
+
+
+def plan(shapes: list, cfg: PlannerConfig) -> PlanResult:
+    """Tags by rules, refines greedily, and refuses a plan that does not fit."""
+    cfg.check()
+    if not shapes:
+        raise ValueError("plan: the model has no Linear layer")
+    start = tag(shapes, cfg)
+    if not _valid(shapes, start):  # a rule pair or split the shapes do not allow: start from the trainer
+        start = SplitPlan([FcPlacement() for _ in shapes], cfg.group_ps)
+    result = refine(shapes, start, cfg)
+    for n in result.nodes:
+        cap = cfg.trainer_memory if n.name == "trainer" else cfg.ps_memory
+        if n.memory > cap:
+            raise PlanError(f"no placement fits: {_node_label(n.name)} needs {n.memory / 1e6:,.1f} MB for the "
+                            f"weights and optimizer state of {', '.join(n.layers)} but has "
+                            f"{cap / 1e6:,.1f} MB ({'trainer_memory' if n.name == 'trainer' else 'ps_memory'}); "
+                            f"add group PSs or memory, or use smaller layers")
+    return result
+
+
+def _node_label(name: str) -> str:
+    return "the trainer" if name == "trainer" else f"group PS {name[2:]}"
+
+
+def format_plan(result: PlanResult) -> str:
+    """The plan as text: each Linear's place and split, then each node's modelled
+    CPU, network and memory."""
+    lines = ["layer  shape             runs on          split"]
+    fcs = result.plan.fcs
+    for j, ((fin, fout), pl) in enumerate(zip(result.shapes, fcs)):
+        if pl.where == "trainer":
+            where, split = "trainer", "-"
+        elif pl.split == "none":
+            where, split = f"group PS {pl.ps}", "whole"
+        else:
+            where = f"group PS 0..{result.plan.group_ps - 1}"
+            split = pl.split
+            if pl.pair:
+                split += f", co-partitioned with fc{j + 1}"
+            elif j > 0 and fcs[j - 1].pair:
+                split += f", co-partitioned with fc{j - 1}"
+        lines.append(f"fc{j:<4} {fin:>6} -> {fout:<6}  {where:<16} {split}")
+    lines.append("")
+    lines.append("node      CPU (GFLOP, ms)     network (MB, ms)    memory (MB)  layers")
+    for n in result.nodes:
+        lines.append(f"{n.name:<9} {n.flops / 1e9:>8.3f} {n.cpu_s * 1e3:>9.3f}  {n.net_bytes / 1e6:>8.3f} "
+                     f"{n.net_s * 1e3:>9.3f}  {n.memory / 1e6:>11.3f}  {', '.join(n.layers) or '-'}")
+    lines.append(f"modelled step {result.step_s * 1e3:.3f} ms, bound by {_node_label(result.bottleneck)}; "
+                 f"{result.moves} refinement move(s) after the rules")
+    return "\n".join(lines)
+
+
+def load_plan_config(path) -> tuple:
+    """(shapes, PlannerConfig) from a training config: the MLP of its ``hidden`` widths
+    over the CtrModel's input (``[hierarchical] input_width``, by default the Criteo
+    layout's 26 fields of ``[ps] dim`` plus 13 dense features), the batch size of
+    ``[data]`` and the planner's fields in ``[hierarchical]``."""
+    import os
+    from hps.config import check_fields, load_toml
+    source = os.fspath(path)
+    d = load_toml(path)
+    ht = dict(d.get("hierarchical", {}))
+    if not isinstance(ht, dict):
+        raise ValueError(f"{source}: hierarchical must be a table")
+    extra = {"input_width"}
+    check_fields(PlannerConfig, {k: v for k, v in ht.items() if k not in extra}, source, prefix="hierarchical.")
+    ps = d.get("ps", {})
+    if "input_width" in ht:
+        width = ht.pop("input_width")
+        if not (isinstance(width, int) and width >= 1):
+            raise ValueError(f"{source}: hierarchical.input_width must be an int >= 1, got {width!r}")
+    else:
+        if "dim" not in ps:
+            raise ValueError(f"{source}: [ps] dim (or [hierarchical] input_width) is needed for the MLP's input")
+        width = 26 * int(ps["dim"]) + 13
+    hidden = [int(h) for h in d.get("hidden", (512, 256))]
+    widths = [width] + hidden + [1]
+    if "batch_size" not in ht and "batch_size" in d.get("data", {}):
+        ht["batch_size"] = int(d["data"]["batch_size"])
+    cfg = PlannerConfig(**ht)
+    cfg.check(f"{source}: [hierarchical]")
+    return list(zip(widths[:-1], widths[1:])), cfg

@@ -1,0 +1,128 @@
+"""hps.hierarchical.planner on hand-made cost cases: the cost model's numbers, the
+rules' tags, the placement refinement picks, refusal of a plan that cannot fit,
+and `hps plan --config`."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from hps.cli import main  # noqa: E402
+from hps.hierarchical.planner import PlanError, PlannerConfig, costs, format_plan, plan, tag  # noqa: E402
+from hps.hierarchical.split_mlp import FcPlacement as F, SplitPlan  # noqa: E402
+
+
+def test_costs_by_hand():
+    # fc0 4 -> 8 split vertically over 2 PSs, fc1 8 -> 2 on the trainer; B = 10, float32, one optimizer slot.
+    cfg = PlannerConfig(batch_size=10, trainer_flops=1e3, ps_flops=2e3, bandwidth=100.0)
+    nodes = costs([(4, 8), (8, 2)], SplitPlan([F("ps", "vertical"), F()], 2), cfg)
+    t, p0, p1 = nodes
+    assert t.flops == 6 * 10 * 8 * 2 and t.memory == 8 * (8 * 2 + 2)
+    assert p0.flops == p1.flops == 6 * 10 * 4 * 4
+    assert p0.memory == 8 * (4 * 4 + 4)
+    # Each PS: x (4 wide) in, its 4 output columns back, their gradient in, dx (4 wide) back; 4 bytes a value.
+    assert p0.net_bytes == 10 * (4 + 4 + 4 + 4) * 4 and t.net_bytes == 2 * p0.net_bytes
+    assert t.cpu_s == pytest.approx(0.96) and p0.cpu_s == pytest.approx(0.48)
+    assert t.net_s == pytest.approx(12.8) and t.time_s == pytest.approx(12.8)
+    # Codecs shrink the modelled traffic: int8 forward (1 byte + a 4-byte scale a row), bf16 backward.
+    cfg.activations, cfg.gradients = "int8", "bf16"
+    _, q0, _ = costs([(4, 8), (8, 2)], SplitPlan([F("ps", "vertical"), F()], 2), cfg)
+    assert q0.net_bytes == pytest.approx(10 * ((4 + 4) * 1 + 2 * 4 + (4 + 4) * 2))
+
+
+def test_pair_traffic_skips_the_intermediate():
+    cfg = PlannerConfig(batch_size=1)
+    shapes = [(8, 64), (64, 4)]
+    pair = costs(shapes, SplitPlan([F("ps", "vertical", pair=True), F("ps", "horizontal")], 2), cfg)
+    apart = costs(shapes, SplitPlan([F("ps", "vertical"), F("ps", "horizontal")], 2), cfg)
+    # Pair: x (8) in and a 4-wide partial out, then back again; apart the 64-wide intermediate crosses twice.
+    assert pair[1].net_bytes == 4 * (8 + 4 + 4 + 8)
+    assert apart[1].net_bytes == 4 * ((8 + 32 + 32 + 8) + (32 + 4 + 4 + 32))
+    assert pair[1].flops == apart[1].flops
+
+
+def test_rules_tag_big_layers_and_pairs():
+    cfg = PlannerConfig(big_fc_bytes=4 * 1000)
+    # 800 B, 32 kB, 80 kB, 1.2 kB, 14.4 kB and 2.4 kB of weights.
+    t = tag([(10, 20), (20, 400), (400, 50), (50, 6), (6, 600), (600, 1)], cfg)
+    assert t.fcs == [F(), F("ps", "vertical", pair=True), F("ps", "horizontal"), F(), F("ps", "vertical"), F()]
+    # Two big layers that break the pair rule (the first narrows) stay apart.
+    t = tag([(400, 50), (50, 600)], cfg)
+    assert t.fcs == [F("ps", "horizontal"), F("ps", "vertical")]
+
+
+def test_slow_network_keeps_everything_on_the_trainer():
+    # The rules send every layer to the PSs (big_fc_bytes = 0), but the link is so slow
+    # that the refinement brings them all back.
+    cfg = PlannerConfig(batch_size=256, big_fc_bytes=0, bandwidth=1e3)
+    r = plan([(32, 256), (256, 16), (16, 1)], cfg)
+    assert r.plan.fcs == [F(), F(), F()]
+    assert r.moves >= 1 and r.bottleneck == "trainer"
+    assert all(n.net_bytes == 0 for n in r.nodes)
+
+
+def test_slow_trainer_moves_a_co_partitioned_pair_to_the_ps():
+    # The rules keep all on the trainer (no layer is "big"); the trainer's CPU is the
+    # bottleneck and the network fast: the best single move is the pair, which sends no
+    # wide intermediate.
+    cfg = PlannerConfig(batch_size=1024, big_fc_bytes=1e12, trainer_flops=1e9, ps_flops=1e11, bandwidth=1e10)
+    r = plan([(64, 2048), (2048, 64), (64, 1)], cfg)
+    assert r.plan.fcs[:2] == [F("ps", "vertical", pair=True), F("ps", "horizontal")]
+    assert r.plan.fcs[2] == F()
+    before = max(n.time_s for n in costs(r.shapes, SplitPlan([F(), F(), F()], 2), cfg))
+    assert r.step_s < before / 10
+
+
+def test_no_time_for_refinement_keeps_the_rules_plan():
+    cfg = PlannerConfig(batch_size=1024, big_fc_bytes=1e12, trainer_flops=1e9, time_limit=0)
+    r = plan([(64, 2048), (2048, 64), (64, 1)], cfg)
+    assert r.moves == 0 and r.plan.fcs == [F(), F(), F()]
+
+
+def test_memory_forces_a_layer_off_the_trainer():
+    # The fastest plan keeps the 4 MB layer on the trainer, but the trainer has 1 MB.
+    cfg = PlannerConfig(batch_size=64, big_fc_bytes=1e12, bandwidth=1e6, trainer_memory=1e6, ps_memory=1e9)
+    r = plan([(512, 1024), (1024, 1)], cfg)
+    assert r.plan.fcs[0].where == "ps"
+    assert r.nodes[0].memory <= 1e6
+
+
+def test_a_plan_that_cannot_fit_is_refused():
+    cfg = PlannerConfig(trainer_memory=1e6, ps_memory=1e6)
+    with pytest.raises(PlanError, match=r"no placement fits: (the trainer|group PS \d) needs [\d.,]+ MB for the "
+                                        r"weights and optimizer state of .* but has 1.0 MB"):
+        plan([(1024, 1024), (1024, 1)], cfg)
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="group_ps must be an int >= 1, got 0"):
+        plan([(2, 2)], PlannerConfig(group_ps=0))
+    with pytest.raises(ValueError, match="activations: unknown codec 'fp8'"):
+        plan([(2, 2)], PlannerConfig(activations="fp8"))
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        plan([(2, 2)], PlannerConfig(bandwidth=0))
+
+
+def test_format_lists_layers_and_nodes():
+    cfg = PlannerConfig(batch_size=1024, big_fc_bytes=1e12, trainer_flops=1e9, ps_flops=1e11, bandwidth=1e10)
+    text = format_plan(plan([(64, 2048), (2048, 64), (64, 1)], cfg))
+    assert "fc0        64 -> 2048    group PS 0..1    vertical, co-partitioned with fc1" in text
+    assert "fc2        64 -> 1       trainer          -" in text
+    assert [line.split()[0] for line in text.splitlines() if line.startswith(("trainer ", "ps"))] == \
+        ["trainer", "ps0", "ps1"]
+
+
+def test_hps_plan_command(tmp_path, capsys):
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text('hidden = [1024, 256]\n[ps]\ndim = 16\npath = "/tmp/x"\n[data]\nbatch_size = 2048\n'
+                   '[hierarchical]\ngroup_ps = 2\ntrainer_flops = 5e9\nactivations = "int8"\ngradients = "bf16"\n')
+    assert main(["plan", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "fc0       429 -> 1024" in out and "fc2       256 -> 1" in out
+    assert "ps1 " in out and "modelled step" in out
+    cfg.write_text('hidden = [1024]\n[ps]\ndim = 16\n[hierarchical]\nps_memory = 1e3\ntrainer_memory = 1e3\n')
+    assert main(["plan", "--config", str(cfg)]) == 1
+    assert "hps plan: PlanError: no placement fits" in capsys.readouterr().err
+    cfg.write_text('hidden = [8]\n[ps]\ndim = 4\n[hierarchical]\ngroups = 2\n')
+    assert main(["plan", "--config", str(cfg)]) == 2
+    assert "unknown field(s) hierarchical.groups" in capsys.readouterr().err
