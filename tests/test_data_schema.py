@@ -263,5 +263,45 @@ def test_batch_rows_and_all_keys_keep_bags_with_their_rows():
 def test_docstring_examples():
     import doctest
 
+    import hps.data.epochs
     import hps.data.schema
     assert doctest.testmod(hps.data.schema).failed == 0
+    assert doctest.testmod(hps.data.epochs).failed == 0
+
+
+# ------------------------------------------------------------------ epochs and shuffling
+
+def test_epochs_shuffle_every_row_once_an_epoch_deterministically(tmp_path):
+    from hps.data import Epochs
+    p = tmp_path / "rows.csv"
+    # Row i: id i, tags "t<i>|u<i % 3>" (so a bag's keys tell which row it travelled with).
+    p.write_text("click,id,tags\n" + "".join(f"{i % 2},{i},t{i}|u{i % 3}\n" for i in range(50)))
+    reader = SchemaCsv(p, {"label": "click", "categorical": ["id"], "multi_hot": {"tags": "|"}}, batch_size=8)
+    by_id = {ref_key(0, str(i)): i for i in range(50)}
+
+    def ids_and_check(batches):
+        ids = []
+        for b in batches:
+            assert len(b) <= 8
+            for r in range(len(b)):
+                i = by_id[int(b.keys[r, 0])]
+                assert b.labels[r] == i % 2
+                bag = b.bags[0].keys[b.bags[0].offsets[r]:b.bags[0].offsets[r + 1]].tolist()
+                assert bag == [ref_key(1, f"t{i}"), ref_key(1, f"u{i % 3}")]
+                ids.append(i)
+        return ids
+
+    first = ids_and_check(Epochs(reader, epochs=3, shuffle_buffer=20, seed=5))
+    assert len(first) == 150
+    for e in range(3):
+        assert sorted(first[50 * e:50 * (e + 1)]) == list(range(50))
+    assert first[:50] != list(range(50)) and first[:50] != first[50:100]  # shuffled, differently each epoch
+    assert ids_and_check(Epochs(reader, epochs=3, shuffle_buffer=20, seed=5)) == first  # deterministic
+    assert ids_and_check(Epochs(reader, epochs=3, shuffle_buffer=20, seed=6)) != first
+    # Without a buffer: the reader's batches in file order, each epoch.
+    plain = list(Epochs(reader, epochs=2))
+    assert ids_and_check(plain) == list(range(50)) * 2 and plain[0].locate(0) == (str(p), 2)
+    with pytest.raises(ValueError, match="epochs must be an int >= 1, got 0"):
+        Epochs(reader, epochs=0)
+    with pytest.raises(ValueError, match=r"shuffle_buffer must be an int >= 0 \(rows\), got -1"):
+        Epochs(reader, shuffle_buffer=-1)

@@ -132,3 +132,17 @@ def test_hps_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"hps {hps.__version__}"
+
+
+def test_hps_train_epochs_with_a_shuffle_buffer(tmp_path):
+    write_csv(tmp_path / "train.csv", 500, 7)
+    base = {"ps": {"dim": DIM, "path": str(tmp_path / "ps")},
+            "hidden": [8], "torch_threads": 1}
+    cfg = TrainConfig.from_dict(dict(base, data={"source": str(tmp_path / "train.csv"), "batch_size": 100,
+                                                 "schema": SCHEMA, "epochs": 3, "shuffle_buffer": 150}), "run.toml")
+    summary = train(cfg, progress=False)
+    assert (summary["examples"], summary["batches"]) == (1500, 15)
+    with pytest.raises(ValueError, match=r"run.toml: data.epochs must be an int >= 1, got 0"):
+        TrainConfig.from_dict(dict(base, data={"epochs": 0}), "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: data.shuffle_buffer must be an int >= 0, got -5"):
+        TrainConfig.from_dict(dict(base, data={"shuffle_buffer": -5}), "run.toml")

@@ -61,6 +61,8 @@ class DataConfig:
     vocab_sizes: Optional[Sequence[int]] = None  # synthetic; None: hps.data.DEFAULT_VOCAB_SIZES
     zipf_a: float = 1.1
     schema: Optional[Any] = None        # [data.schema]: files of any columns (hps.data.Schema); None: Criteo's
+    epochs: int = 1                     # passes over the training data (hps.data.Epochs)
+    shuffle_buffer: int = 0             # rows of the seeded shuffle buffer (seed: `seed`); 0: file order
 
 
 @dataclass
@@ -94,6 +96,10 @@ class TrainConfig:
             data.schema = hdata.Schema.from_dict(data.schema, source)
             if data.source == "synthetic":
                 raise ValueError(f"{source}: data.schema describes files: give data.source too")
+        for name, low in (("epochs", 1), ("shuffle_buffer", 0)):
+            v = getattr(data, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{source}: data.{name} must be an int >= {low}, got {v!r}")
         if d.get("pooling", "sum") not in ("sum", "mean"):
             raise ValueError(f"{source}: pooling must be \"sum\" or \"mean\", got {d['pooling']!r}")
         dist = d.get("distributed", {})
@@ -114,6 +120,13 @@ class TrainConfig:
 # ---------------------------------------------------------------- data
 
 def _train_source(cfg: TrainConfig, rank: int = 0, world: int = 1):
+    d = cfg.data
+    if d.epochs != 1 or d.shuffle_buffer:
+        return hdata.Epochs(_one_pass(cfg, rank, world), d.epochs, d.shuffle_buffer, seed=d.seed)
+    return _one_pass(cfg, rank, world)
+
+
+def _one_pass(cfg: TrainConfig, rank: int, world: int):
     d = cfg.data
     if d.source == "synthetic":
         kw = {"vocab_sizes": d.vocab_sizes} if d.vocab_sizes else {}
@@ -503,7 +516,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             from tqdm import tqdm
             total = None
             if cfg.data.source == "synthetic" and cfg.data.train_examples:
-                total = cfg.data.train_examples
+                total = cfg.data.train_examples * cfg.data.epochs
             bar = tqdm(total=total, initial=trainer.examples_done, unit="ex", unit_scale=True,
                        file=sys.stderr, mininterval=1.0, desc="train")
         except ImportError:

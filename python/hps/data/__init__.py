@@ -30,6 +30,7 @@ Sources:
   :class:`Libsvm` (libsvm/libFM text), picked by :func:`open_schema`
   (:mod:`hps.data.tabular`). Any categorical value is a feature
   (:func:`value_keys`); multi-hot fields arrive in ``Batch.bags`` (:class:`Bags`).
+- :class:`Epochs`: several passes over a source through a seeded shuffle buffer.
 
 Paths may be local, or any fsspec URL (``s3://``, ``gs://``, ``memory://`` ...),
 and may be a list, a glob or a directory (:func:`list_files`); node ``rank`` of
@@ -59,6 +60,7 @@ name is importable from ``hps.data``.
 """
 from hps.data.criteo import (CATEGORICAL_COLUMNS, COLUMNS, DENSE_COLUMNS, LABEL_COLUMN, CriteoParquet, CriteoTsv,
                              dense_transform, open_criteo)
+from hps.data.epochs import Epochs
 from hps.data.examples import Bags, Batch, Source
 from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, list_files, shard_files  # (the first: not in __all__)
 from hps.data.keys import SENTINEL_KEY, feature_keys, missing_key, mix64
@@ -76,6 +78,7 @@ __all__ = [
     "DENSE_COLUMNS",
     "DEFAULT_VOCAB_SIZES",
     "DataError",
+    "Epochs",
     "LABEL_COLUMN",
     "Libsvm",
     "SENTINEL_KEY",
