@@ -146,3 +146,15 @@ def test_hps_train_epochs_with_a_shuffle_buffer(tmp_path):
         TrainConfig.from_dict(dict(base, data={"epochs": 0}), "run.toml")
     with pytest.raises(ValueError, match=r"run.toml: data.shuffle_buffer must be an int >= 0, got -5"):
         TrainConfig.from_dict(dict(base, data={"shuffle_buffer": -5}), "run.toml")
+
+
+def test_eval_data_with_other_fields_is_refused_before_training(tmp_path):
+    write_csv(tmp_path / "train.csv", 100, 8)
+    (tmp_path / "eval.csv").write_text("click,price,site,tags,os\n1,2,s1,t1,ios\n")
+    cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "torch_threads": 1,
+                                 "data": {"source": str(tmp_path / "train.csv"), "eval_source":
+                                          str(tmp_path / "eval.csv"), "schema": dict(SCHEMA, categorical="rest")}})
+    with pytest.raises(ValueError, match=r"eval.csv: the schema gives 1 dense, 2 categorical and 1 multi-hot fields "
+                                         r"here, the training data 1, 1 and 1"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "ps").exists()

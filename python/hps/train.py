@@ -478,6 +478,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     if node is not None:
         number = _prepare_job(cfg, node, resume)
     widths = _collective(node, lambda: _widths(cfg, source))
+    if cfg.data.schema is not None and eval_batches:
+        b = eval_batches[0]
+        got = (b.dense.shape[1], b.keys.shape[1], len(getattr(b, "bags", ())))
+        if got != tuple(widths):
+            raise ValueError(f"{cfg.data.eval_source}: the schema gives {got[0]} dense, {got[1]} categorical and "
+                             f"{got[2]} multi-hot fields here, the training data {widths[0]}, {widths[1]} and "
+                             f"{widths[2]}")
     trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths))
     if node is not None:
         _check_resumed_step(trainer)
