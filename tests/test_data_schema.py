@@ -305,3 +305,21 @@ def test_epochs_shuffle_every_row_once_an_epoch_deterministically(tmp_path):
         Epochs(reader, epochs=0)
     with pytest.raises(ValueError, match=r"shuffle_buffer must be an int >= 0 \(rows\), got -1"):
         Epochs(reader, shuffle_buffer=-1)
+
+
+def test_fsspec_urls(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    with fs.open("/schema-test/a.csv", "wb") as f:
+        f.write(CSV.encode())
+    with fs.open("/schema-test/b.csv.gz", "wb") as f:
+        f.write(gzip.compress(CSV.encode()))
+    pq.write_table(pa.table({"click": LABELS, "price": PRICES, "site": SITES, "os": OSES,
+                             "tags": TAGS}), tmp_path / "c.parquet")
+    with fs.open("/schema-test/c.parquet", "wb") as f:
+        f.write((tmp_path / "c.parquet").read_bytes())
+    try:
+        for name, schema in (("a.csv", SCHEMA), ("b.csv.gz", SCHEMA), ("c.parquet", dict(SCHEMA, skip=[]))):
+            check_rows(*read_all(open_schema(f"memory://schema-test/{name}", schema))[:4])
+    finally:
+        fs.rm("/schema-test", recursive=True)
