@@ -7,7 +7,7 @@
 
 Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
 commit, uncommitted files, date, machine, command). `--add` files each such line under
-docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w5, w6, w7, w12, told apart by the line's
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w5, w6, w7, w8, w12, told apart by the line's
 "benchmark" field); it refuses --quick lines and lines without provenance, since a table
 must come from a real run of a recorded command.
 
@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w5", "w6", "w7", "w12")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w5", "w6", "w7", "w8", "w12")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -50,7 +50,7 @@ def workload_of(line: dict) -> str | None:
     """The workload a benchmark's JSON line belongs to, from its "benchmark" field."""
     name = str(line.get("benchmark") or line.get("bench") or "")
     for prefix, wid in (("W12", "w12"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4", "w4"),
-                        ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7", "w7")):
+                        ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7", "w7"), ("W8", "w8")):
         if name.startswith(prefix):
             return wid
     return None
@@ -477,6 +477,34 @@ def render_w7(o: dict) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ W8
+def render_w8(o: dict) -> list[str]:
+    out = [f"`{o['topology']}` ({o['topology_name']}, {o['endpoints']} GPUs): an all-to-all of {o['rows']:,} rows of "
+           f"{o['dim']} floats spread evenly over the pairs ({o['bytes_per_pair'] / 1e6:.1f} MB a pair), then the push "
+           f"back. Modelled times (include/hps/topology.h's cost model); target: relay >= {o['target_reduction']:.0%} "
+           f"below host, met: {'yes' if o.get('meets_target') else 'NO'}.", ""]
+    rows = []
+    for d in ("pull", "push"):
+        for s in ("host", "direct", "relay"):
+            m = o["model"][d][s]
+            counts = ", ".join(f"{k} {v}" for k, v in m["route_count"].items() if v and k != "none")
+            rows.append([d, s, f"{m['seconds'] * 1e3:.3f}", num(1 - m["reduction_vs_host"], ".3f"), counts])
+    out += table(["transfer", "schedule", "modelled ms", "/ host", "routes"], rows) + [""]
+    ex = o.get("executor") or {}
+    rows = [[s, spread(x["median_s"] * 1e3, x["min_s"] * 1e3, x["max_s"] * 1e3, ".2f"), f"{x['staged_bytes'] / 1e6:,.1f}",
+             "yes" if x["delivered_as_direct"] else "NO"] for s, x in (ex.get("pull") or {}).items()]
+    out += [f"Host executor on this machine (memcpy; {ex.get('rows', 0):,} rows, {ex.get('repeats')} runs a schedule; "
+            "it checks the schedule, not NVLink):", ""]
+    out += table(["schedule", "ms, median (min-max)", "MB staged", "bytes as a direct copy"], rows) + [""]
+    rows = [[name, *(f"{v[s]['seconds'] * 1e3:.3f}" for s in ("host", "direct", "relay")),
+             num(1 - v["relay"]["reduction_vs_host"], ".3f")] for name, v in (o.get("other_nodes") or {}).items()]
+    if rows:
+        out += ["The same pull on the other shipped nodes (modelled):", ""]
+        out += table(["node", "host ms", "direct ms", "relay ms", "relay / host"], rows) + [""]
+    out.append(f"- CUDA executor: {(o.get('cuda') or {}).get('note', 'not run')}")
+    return out
+
+
 # ------------------------------------------------------------------ W12
 def w12_memory_verdict(o: dict) -> str:
     """"yes", or NO with the OOM kills the cgroup counted in each process of the job."""
@@ -559,7 +587,7 @@ def render_w12(o: dict) -> list[str]:
 
 
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4,
-          "w5": render_w5, "w6": render_w6, "w7": render_w7, "w12": render_w12}
+          "w5": render_w5, "w6": render_w6, "w7": render_w7, "w8": render_w8, "w12": render_w12}
 
 
 # ------------------------------------------------------------------ regions

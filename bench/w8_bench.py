@@ -1,0 +1,150 @@
+"""W8: two-phase relay vs direct through host memory on the paper's Figure 1 node (issue 17).
+
+    python3 bench/w8_bench.py                 # the model at full size, the host executor at full size
+    python3 bench/w8_bench.py --quick         # the model at full size, the executor on 1/16 of the rows
+    python3 bench/w8_bench.py --file examples/topologies/dgx1.toml
+
+The workload: an all-to-all pull of 1M rows of 64 float32 (256 B a row) spread evenly
+over the 8 GPUs' pairs (each ordered pair moves 1M / 64 rows, 4 MB; a device's own share
+stays put), then the push of the same rows back (the transposed matrix).
+
+For each of three schedules (include/hps/topology.h):
+  host     every pair through the CPUs' memory (a peer copy without peer access): the
+           paper's "direct" baseline of its Figure 6
+  direct   the pair's own NVLink where there is one, the host path elsewhere
+  relay    the router's routes: two-phase through a middleman GPU where that lowers the
+           all-to-all's modelled time
+it reports the modelled time (the cost model: link sharing per direction, hop latencies,
+two phases) and, with the host executor (memcpy between host buffers, relays staged in
+the middleman's buffer), the measured time on this machine, checking that every schedule
+delivers exactly the bytes a direct copy does. The host executor checks the schedule, not
+NVLink: its times say what staging costs in memory bandwidth here, nothing about GPUs.
+It also gives the modelled ratio on the other shipped nodes.
+
+Prints one JSON line (also written to bench/results/w8-DATE.json unless --no-save).
+Target (issue 17): relayed >= 75% less modelled time than host, pull and push.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from _provenance import provenance  # bench/ is sys.path[0]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIGURE1 = os.path.join(ROOT, "examples", "topologies", "figure1.toml")
+TARGET = 0.75
+SCHEDULES = ("host", "direct", "relay")
+
+
+def modelled(topo, m: np.ndarray) -> dict:
+    out = {}
+    for s in SCHEDULES:
+        p = topo.plan(m, s)
+        out[s] = {"seconds": p["seconds"], "phase_seconds": p["phase_seconds"], "route_count": p["route_count"],
+                  "relayed_bytes": p["relayed_bytes"], "hops": p["hops"]}
+    host = out["host"]["seconds"]
+    for s in SCHEDULES:
+        out[s]["reduction_vs_host"] = round(1 - out[s]["seconds"] / host, 4) if host > 0 else None
+    return out
+
+
+def executed(topo, m: np.ndarray, repeats: int) -> dict:
+    """Median, min, max seconds of the host executor per schedule, and whether each
+    delivered the same bytes as the direct copy of every segment."""
+    e = m.shape[0]
+    rng = np.random.default_rng(11)
+    send = [rng.integers(0, 256, size=int(m[s].sum()), dtype=np.uint8) for s in range(e)]
+    want = []
+    for d in range(e):
+        parts = [send[s][int(m[s, :d].sum()):int(m[s, :d + 1].sum())] for s in range(e)]
+        want.append(np.concatenate(parts))
+    out = {}
+    for s in SCHEDULES:
+        times, phases, same, stats = [], [], True, {}
+        for _ in range(repeats):
+            recv = [np.zeros(int(m[:, d].sum()), dtype=np.uint8) for d in range(e)]
+            stats = topo.execute_on_host(m, s, send, recv)
+            times.append(stats["seconds"])
+            phases.append(stats["phase_seconds"])
+            same = same and all(np.array_equal(recv[d], want[d]) for d in range(e))
+        out[s] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+                  "phase_median_s": [statistics.median(p[i] for p in phases) for i in range(2)],
+                  "bytes_copied": stats["bytes_copied"], "staged_bytes": stats["staged_bytes"],
+                  "delivered_as_direct": bool(same)}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the executor on 1/16 of the rows, 2 repeats")
+    ap.add_argument("--file", default=FIGURE1, help="topology file (default: the paper's Figure 1 node)")
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows in the all-to-all (default 1M)")
+    ap.add_argument("--dim", type=int, default=64, help="floats a row (default 64)")
+    ap.add_argument("--repeats", type=int, default=5, help="host executor runs per schedule (default 5)")
+    ap.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
+    a = ap.parse_args(argv)
+    if a.rows < 1 or a.dim < 1 or a.repeats < 1:
+        ap.error("--rows, --dim and --repeats must be >= 1")
+    from hps.topology import TopologyError, even_all_to_all, load
+    try:
+        topo = load(a.file)
+    except TopologyError as e:
+        ap.error(str(e))
+    e = len(topo.endpoints)
+    row_bytes = 4 * a.dim
+    pull = even_all_to_all(e, a.rows, row_bytes)
+    push = np.ascontiguousarray(pull.T)
+    exec_rows = a.rows // 16 if a.quick else a.rows
+    repeats = 2 if a.quick else a.repeats
+    t0 = time.perf_counter()
+    result = {
+        "bench": "w8", "benchmark": "W8 topology relay", "quick": a.quick,
+        "topology": os.path.relpath(os.path.abspath(a.file), ROOT), "topology_name": topo.name,
+        "endpoints": e, "rows": a.rows, "dim": a.dim, "row_bytes": row_bytes,
+        "bytes_per_pair": int(pull[0, 1]), "target_reduction": TARGET,
+        "model": {"pull": modelled(topo, pull), "push": modelled(topo, push)},
+        "routes": [{k: r[k] for k in ("src", "dst", "kind", "via", "reason")} for r in topo.plan(pull, "relay")["routes"]],
+        "executor": {"rows": exec_rows, "repeats": repeats,
+                     "pull": executed(topo, even_all_to_all(e, exec_rows, row_bytes), repeats)},
+        "other_nodes": {},
+    }
+    for path in sorted(glob.glob(os.path.join(ROOT, "examples", "topologies", "*.toml"))):
+        other = load(path)
+        if len(other.endpoints) != e or os.path.abspath(path) == os.path.abspath(a.file):
+            continue
+        mm = modelled(other, pull)
+        result["other_nodes"][other.name] = {s: {"seconds": mm[s]["seconds"], "reduction_vs_host": mm[s]["reduction_vs_host"]}
+                                             for s in SCHEDULES}
+    for d in ("pull", "push"):
+        result[f"{d}_reduction"] = result["model"][d]["relay"]["reduction_vs_host"]
+    result["meets_target"] = all(result[f"{d}_reduction"] >= TARGET for d in ("pull", "push"))
+    result["cuda"] = {"executor_available": False, "note": "no GPU on this machine: the CUDA executor was not run"}
+    try:
+        from hps import _core
+        if _core.cuda_executor_available():
+            result["cuda"] = {"executor_available": True, "note": "a GPU is present; this bench does not time it yet"}
+    except AttributeError:
+        pass
+    result["wall_seconds"] = round(time.perf_counter() - t0, 3)
+    result["provenance"] = provenance()
+    line = json.dumps(result, sort_keys=False)
+    print(line)
+    if not a.no_save:
+        os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
+        path = os.path.join(ROOT, "bench", "results", time.strftime("w8-%Y%m%d-%H%M%S.json", time.gmtime()))
+        with open(path, "w") as f:
+            f.write(line + "\n")
+        print(f"wrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""W8's bench in --quick mode: the modelled times on the Figure 1 node, the host
+executor's schedules delivering what direct copies do, and bench/report.py's W8 table."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "w8_bench.py"), "--quick", "--no-save", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_w8_quick():
+    done = run()
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["bench"] == "w8" and line["provenance"]["command"] and line["quick"]
+    assert line["topology"] == "examples/topologies/figure1.toml"
+    # 1M rows of 64 floats over 8 x 8 pairs: 15,625 rows of 256 B a pair
+    assert line["bytes_per_pair"] == 15_625 * 256
+    for d in ("pull", "push"):
+        m = line["model"][d]
+        assert m["host"]["route_count"]["host"] == 56
+        assert m["relay"]["route_count"]["relay"] > 0
+        assert m["relay"]["seconds"] < m["direct"]["seconds"] < m["host"]["seconds"]
+        assert line[f"{d}_reduction"] >= 0.75
+    assert line["meets_target"] is True
+    for s, x in line["executor"]["pull"].items():
+        assert x["delivered_as_direct"] is True, s
+    assert line["executor"]["pull"]["host"]["staged_bytes"] > line["executor"]["pull"]["relay"]["staged_bytes"] > 0
+    assert {"dgx1-hybrid-cube-mesh", "nvswitch", "pcie-only"} <= set(line["other_nodes"])
+    spec = importlib.util.spec_from_file_location("hps_bench_report", ROOT / "bench" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert report.workload_of(line) == "w8"
+    rows = [r for r in report.render_w8(line) if r.startswith("| ")]
+    relay = line["model"]["pull"]["relay"]
+    want = f"| pull | relay | {relay['seconds'] * 1e3:.3f} | {1 - relay['reduction_vs_host']:.3f} |"
+    assert any(r.startswith(want) for r in rows), (want, rows)
+
+
+def test_w8_refuses_bad_arguments(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[device]]\nname = "g"\nkind = "tpu"\n')
+    for args, message in ((["--rows", "0"], "--rows"), (["--file", str(bad)], f"{bad}:3: device[0].kind")):
+        done = run(*args)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
