@@ -151,14 +151,67 @@ def run_dead_ps(comm, out: str, how: str) -> None:
         comm.Abort(70)
 
 
+ETA = 0.05
+
+
+def easgd_grad(g: int, t: int, x: np.ndarray) -> np.ndarray:
+    """Group g's stochastic gradient at step t: of 0.5 |x - target_g|^2 plus noise."""
+    target = np.linspace(-1, 1, x.size).astype(np.float32) * (g + 1)
+    noise = np.random.default_rng(31 * g + t).standard_normal(x.size).astype(np.float32) * 0.1
+    return (x - target + noise).astype(np.float32)
+
+
+EASGD_X0 = np.linspace(0.5, -0.5, 12).astype(np.float32)
+
+
+def run_easgd(comm, out: str, mode: str) -> None:
+    """Ranks 0..G-1 are groups, rank G the centre. sync: local SGD steps and a
+    foreground exchange every period (alpha 0.3, period 2, 6 steps); background:
+    no training, group g holds g + 1 everywhere and a BackgroundEasgd thread
+    exchanges every period of step_done() calls, through bf16."""
+    from hps.hierarchical.codecs import CodecStreams
+    from hps.hierarchical.easgd import BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig
+    rank, G = comm.Get_rank(), comm.Get_size() - 1
+    if mode == "sync":
+        cfg, codecs, x = EasgdConfig(alpha=0.3, period=2, mode="sync"), CodecStreams(), EASGD_X0.copy()
+    else:
+        cfg, codecs = EasgdConfig(alpha=0.5, period=2), CodecStreams({"averaging": "bf16"})
+        x = np.full(12, rank + 1, np.float32)
+    x0 = EASGD_X0.copy() if mode == "sync" else np.zeros(12, np.float32)
+    if rank == G:
+        centre = EasgdCentre(comm, x0, list(range(G)), cfg, codecs)
+        c = centre.serve(timeout=60)
+        bc = centre.counter.as_dict()["averaging"]
+        np.savez(os.path.join(out, "centre.npz"), centre=c, exchanges=centre.easgd.exchanges,
+                 bytes=np.array([bc["before"], bc["after"]]))
+        return
+    client = EasgdClient(comm, G, rank, cfg, codecs, timeout=60)
+    if mode == "sync":
+        for t in range(1, 7):
+            x -= np.float32(ETA) * easgd_grad(rank, t, x)
+            if t % cfg.period == 0:
+                client.exchange(x)
+        client.stop()
+    else:
+        bg = BackgroundEasgd(client, x)
+        for _ in range(20):
+            bg.step_done()
+            time.sleep(0.01)
+        bg.close()
+    np.savez(os.path.join(out, f"group{rank}.npz"), x=x, exchanges=client.exchanges)
+
+
 def main() -> None:
-    import torch
     from mpi4py import MPI
-    torch.set_num_threads(1)  # three processes on a small machine
     scenario, out = sys.argv[1], sys.argv[2]
     comm = MPI.COMM_WORLD
+    if not scenario.startswith("easgd"):
+        import torch
+        torch.set_num_threads(1)  # three processes on a small machine
     if scenario == "split":
         run_split(comm, out)
+    elif scenario in ("easgd_sync", "easgd_background"):
+        run_easgd(comm, out, scenario.split("_", 1)[1])
     elif scenario in ("dead_ps_hang", "dead_ps_kill"):
         run_dead_ps(comm, out, scenario.rsplit("_", 1)[1])
     else:

@@ -2,19 +2,27 @@
 and LeCun 2015) written here from the paper's equations, for 2 and 3 groups."""
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from hps.hierarchical.easgd import Easgd, EasgdConfig
 
-ETA = 0.05
-
-
-def grad(g: int, t: int, x: np.ndarray) -> np.ndarray:
-    """Group g's stochastic gradient at step t: of 0.5 |x - target_g|^2 plus noise."""
-    target = np.linspace(-1, 1, x.size).astype(np.float32) * (g + 1)
-    noise = np.random.default_rng(31 * g + t).standard_normal(x.size).astype(np.float32) * 0.1
-    return (x - target + noise).astype(np.float32)
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ht_scenarios.py")
+_spec = importlib.util.spec_from_file_location("ht_scenarios", SCRIPT)
+sc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sc)
+ETA = sc.ETA
+grad = sc.easgd_grad  # the groups' gradients, shared with the ranks of the MPI scenarios
+MPIEXEC = shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
+                               reason="needs mpi4py and mpiexec (pip install '.[mpi]')")
 
 
 def reference_sync(x0, G, alpha, tau, steps):
@@ -119,3 +127,40 @@ def test_bad_arguments_are_named():
         e.exchange(1, np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="3 replicas for 2 groups"):
         e.exchange_all([np.zeros(2, np.float32)] * 3)
+
+
+def _mpirun(n, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, SCRIPT, *map(str, args)], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-4000:]
+
+
+@needs_mpi
+@pytest.mark.parametrize("G", [2, 3])
+def test_sync_rounds_between_ranks_match_the_paper(tmp_path, G):
+    _mpirun(G + 1, "easgd_sync", tmp_path)
+    ref_x, ref_c = reference_sync(sc.EASGD_X0, G, 0.3, 2, 6)
+    for g in range(G):
+        got = np.load(tmp_path / f"group{g}.npz")
+        np.testing.assert_allclose(got["x"], ref_x[g], rtol=1e-5, atol=1e-6, err_msg=f"group {g}")
+        assert int(got["exchanges"]) == 3
+    centre = np.load(tmp_path / "centre.npz")
+    np.testing.assert_allclose(centre["centre"], ref_c, rtol=1e-5, atol=1e-6)
+    assert int(centre["exchanges"]) == 3 * G
+
+
+@needs_mpi
+def test_background_exchanges_pull_groups_together_and_keep_the_sum(tmp_path):
+    _mpirun(3, "easgd_background", tmp_path)
+    xs = [np.load(tmp_path / f"group{g}.npz") for g in range(2)]
+    centre = np.load(tmp_path / "centre.npz")
+    done = [int(x["exchanges"]) for x in xs]
+    assert all(1 <= n <= 10 for n in done) and int(centre["exchanges"]) == sum(done)
+    # Groups started at 1 and 2 and the centre at 0 (sum 3 a value); exchanges move value
+    # between them without making any (up to bf16 on the wire) and narrow the gap.
+    total = xs[0]["x"] + xs[1]["x"] + centre["centre"]
+    np.testing.assert_allclose(total, 3.0, rtol=2e-2)
+    assert np.abs(xs[1]["x"] - xs[0]["x"]).max() < 1.0
+    before, after = centre["bytes"]
+    assert after * 2 == before > 0  # the centre's answers went as bf16
