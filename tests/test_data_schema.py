@@ -323,3 +323,18 @@ def test_fsspec_urls(tmp_path):
             check_rows(*read_all(open_schema(f"memory://schema-test/{name}", schema))[:4])
     finally:
         fs.rm("/schema-test", recursive=True)
+
+
+def test_csv_line_ends_and_files_without_rows(tmp_path):
+    schema = {"label": "click", "categorical": "rest"}
+    want = [[ref_key(0, "x")], [ref_key(0, "y")]]
+    for name, text in (("crlf.csv", "click,a\r\n1,x\r\n0,y\r\n"), ("no_end.csv", "click,a\n1,x\n0,y")):
+        (tmp_path / name).write_bytes(text.encode())
+        labels, _, keys, _, _ = read_all(SchemaCsv(tmp_path / name, schema))
+        assert labels.tolist() == [1, 0] and keys.tolist() == want, name
+    for name, text in (("header.csv", "click,a\n"), ("header_no_end.csv", "click,a")):
+        (tmp_path / name).write_bytes(text.encode())
+        assert list(SchemaCsv(tmp_path / name, schema)) == [], name
+    (tmp_path / "empty.csv").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty.csv:1: empty file"):
+        list(SchemaCsv(tmp_path / "empty.csv", schema))

@@ -262,7 +262,10 @@ class SchemaCsv(_SchemaReader):
             raise DataError(f"{path}:1: " + ("empty file" if not first else "the first line is empty"), path=path,
                             line=1)
         if self.schema.header:
-            return list(pa.csv.read_csv(pa.BufferReader(first), parse_options=parse).column_names), len(first)
+            # (a header that does not end a line has no rows after it: -1)
+            whole = first if first.endswith(b"\n") else first + b"\n"
+            return (list(pa.csv.read_csv(pa.BufferReader(whole), parse_options=parse).column_names),
+                    len(first) if first.endswith(b"\n") else -1)
         head = pa.csv.read_csv(pa.BufferReader(first), parse_options=parse,
                                read_options=pa.csv.ReadOptions(autogenerate_column_names=True))
         return [str(i) for i in range(head.num_columns)], len(first)
@@ -293,6 +296,8 @@ class SchemaCsv(_SchemaReader):
                 raise DataError(f"{path}: cannot read: {e}", path=path) from e
             layout = self.schema.resolve(names, path, by_name=self.schema.header)
             self._same_fields(layout, path)
+            if self.schema.header and first_bytes < 0:
+                continue  # a header without a line end: no rows
             # Columns read by position (generated names) even with a header, which
             # may repeat a name the schema does not use.
             generated = [f"c{i}" for i in range(len(names))]
