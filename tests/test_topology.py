@@ -267,3 +267,30 @@ def test_binding_names_unknown_drive(tmp_path):
     t = T.discover(str(tmp_path), gpus=False)
     with pytest.raises(KeyError, match="no NVMe drive 'nvme7'.*known: nvme0"):
         t.binding_plan(nvme="nvme7")
+
+
+# ------------------------------------------------------------------ `hps topology`
+def test_cli_prints_a_file_and_plots(tmp_path, capsys):
+    from hps.cli import main
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "figure1.png"
+    assert main(["topology", "--file", str(TOPOLOGIES / "figure1.toml"), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "topology: figure1" in out and f"plot: {png}" in out
+    grid = out[out.index("routes of an even all-to-all"):].splitlines()
+    row0 = next(line for line in grid if line.startswith("gpu0 "))
+    cells = row0.split()[1:]
+    assert cells[:5] == [".", "D", "D", "D", "D"] and all(c.startswith("R") for c in cells[5:]), row0
+    assert "gpu0 -> gpu5: relay via" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_discovers_a_fake_one_node_machine(tmp_path, capsys):
+    from hps.cli import main
+    fake_sysfs(tmp_path, 1, cores_per_node=4, gpus_per_node=0, nvme_node=0, nic_node=0)
+    assert main(["topology", "--sysfs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no GPU: one host partition a NUMA node" in out
+    assert "binding is a no-op" in out
+    assert main(["topology", "--file", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read the topology file" in capsys.readouterr().err

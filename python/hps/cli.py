@@ -192,6 +192,12 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def cmd_topology(a) -> int:
+    from hps.topology import cli
+    print(cli(a.file, a.sysfs, a.plot, a.rows))
+    return 0
+
+
 def cmd_serve(a) -> int:
     from hps.serve import serve
     serve(a.path, host=a.host, port=a.port, memory_budget=a.memory_budget, max_concurrent=a.max_concurrent,
@@ -241,9 +247,14 @@ def main(argv=None) -> int:
     pl = sub.add_parser("plan", help="Hierarchical Training: where each dense layer runs, and each node's "
                                      "modelled CPU, network and memory")
     pl.add_argument("--config", required=True, help="TOML file: hidden, [ps] dim, [data] batch_size, [hierarchical]")
+    tp = sub.add_parser("topology", help="this node's (or a file's) devices, links, routes and core binding")
+    tp.add_argument("--file", help="a topology file (examples/topologies/); default: discover this machine")
+    tp.add_argument("--sysfs", default="/sys", help="sysfs root to discover from (default /sys)")
+    tp.add_argument("--plot", metavar="PNG", help="also draw the devices, links and relayed routes (matplotlib)")
+    tp.add_argument("--rows", type=int, default=1_000_000, help="rows of the all-to-all whose routes are shown")
     a = ap.parse_args(argv)
     commands = {"train": cmd_train, "demo": cmd_demo, "inspect": cmd_inspect, "export": cmd_export, "serve": cmd_serve,
-                "plan": cmd_plan}
+                "plan": cmd_plan, "topology": cmd_topology}
     from hps.errors import HpsError
     try:
         return commands[a.command](a)

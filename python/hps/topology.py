@@ -517,3 +517,161 @@ def _nvml_links(bus_ids: list[str], first_gpu: int) -> list[Link]:
                 for (a, b), n in sorted(count.items())]
     finally:
         pynvml.nvmlShutdown()
+
+
+# ------------------------------------------------------------------ `hps topology`
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [line.rstrip() for line in [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+            + [fmt.format(*map(str, r)) for r in rows]]
+
+
+def format_text(topo: Topology, rows: int = 1_000_000, row_bytes: int = 256) -> str:
+    """What `hps topology` prints: devices, links, the endpoints' link matrix, the routes
+    of an even all-to-all of `rows` rows and the modelled time of each schedule, and
+    the core binding plan."""
+    ep = topo.endpoints
+    out = [f"topology: {topo.name} (from {topo.source or 'memory'})", ""]
+    rows_d = [[i, d.name, d.kind, d.numa, len(topo.numa_cores.get(d.numa, []))] for i, d in enumerate(topo.devices)]
+    out += _table(["#", "device", "kind", "numa", "cores on its node"], rows_d) + [""]
+    rows_l = [[f"{topo.devices[l.a].name}-{topo.devices[l.b].name}", l.kind, l.bridges, f"{l.gbps:g}",
+               f"{l.latency_us:g}"] for l in topo.links]
+    out += _table(["link", "kind", "bridges", "GB/s each way", "latency us"], rows_l) + [""]
+    for name, nodes in (("NVMe", topo.nvme), ("NIC", topo.nics)):
+        if nodes:
+            out.append(f"{name}: " + ", ".join(f"{n} (node {k})" for n, k in nodes))
+    # the endpoints' own links, nvidia-smi topo -m style: the link's kind and bridges, or how
+    # the pair is joined otherwise (SW: one switch between, SYS: through a CPU)
+    index = {(min(l.a, l.b), max(l.a, l.b)): l for l in topo.links}
+    names = [topo.devices[i].name for i in ep]
+    grid = []
+    for i in ep:
+        row = []
+        for j in ep:
+            l = index.get((min(i, j), max(i, j)))
+            row.append("X" if i == j else (f"{l.kind[:2].upper()}{l.bridges}" if l else "-"))
+        grid.append([topo.devices[i].name, *row])
+    out += ["", "links between endpoints (kind and bridges; - none):"] + _table(["", *names], grid)
+    if len(ep) < 2:
+        out += ["", "one endpoint: nothing to route"]
+    else:
+        m = even_all_to_all(len(ep), rows, row_bytes)
+        plans = {s: topo.plan(m, s) for s in SCHEDULES}
+        relay = plans["relay"]
+        by = {(r["src"], r["dst"]): r for r in relay["routes"]}
+        grid = []
+        for s in range(len(ep)):
+            cells = []
+            for d in range(len(ep)):
+                r = by.get((s, d))
+                cells.append("." if r is None else {"direct": "D", "host": "H"}.get(r["kind"], f"R{r['via']}"))
+            grid.append([names[s], *cells])
+        out += ["", f"routes of an even all-to-all of {rows:,} rows of {row_bytes} B "
+                    "(D direct, H through host memory, Rk relayed via endpoint k):"] + _table(["", *names], grid)
+        out += ["", "relayed and host routes, and why:"]
+        out += [f"  {names[r['src']]} -> {names[r['dst']]}: {r['reason']}" for r in relay["routes"]
+                if r["kind"] != "direct"] or ["  (none: every pair direct)"]
+        host = plans["host"]["seconds"]
+        out += ["", "modelled time of the all-to-all (include/hps/topology.h's cost model):"]
+        out += _table(["schedule", "ms", "/ host", "routes"],
+                      [[s, f"{p['seconds'] * 1e3:.3f}", f"{p['seconds'] / host:.3f}",
+                        ", ".join(f"{k} {v}" for k, v in p["route_count"].items() if v and k != "none")]
+                       for s, p in plans.items()])
+    b = topo.binding_plan()
+    out += ["", f"core binding: {b.reason}"]
+    out += _table(["stage", "node", "cores", "why"], [[s.stage, s.numa, _cpulist(s.cores), s.reason] for s in b.stages])
+    return "\n".join(out)
+
+
+def _cpulist(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    parts, i = [], 0
+    while i < len(cores):
+        j = i
+        while j + 1 < len(cores) and cores[j + 1] == cores[j] + 1:
+            j += 1
+        parts.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"
+
+
+def plot(topo: Topology, path: str, rows: int = 1_000_000, row_bytes: int = 256) -> str:
+    """A PNG of the devices and links (width by bandwidth, colour by kind), titled with
+    the modelled time of an even all-to-all relayed and through host memory. Needs
+    matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import math
+    ep = topo.endpoints
+    # endpoints on an ellipse (no three on a line, so every link is seen as itself),
+    # switches below the endpoints they join, CPUs below the devices they join
+    # (the first NUMA node's on the left arc, the rest on the right, mirrored)
+    pos: dict[int, tuple[float, float]] = {}
+    order = sorted(ep, key=lambda i: (topo.devices[i].numa, i))
+    half = (len(order) + 1) // 2
+    for k, i in enumerate(order):
+        if k < half:
+            angle = math.pi / 2 + math.pi * (k + 0.5) / half
+        else:
+            angle = math.pi / 2 - math.pi * (k - half + 0.5) / max(1, len(order) - half)
+        pos[i] = (4.0 * math.cos(angle), 3.0 + 1.6 * math.sin(angle))
+    neighbours: dict[int, list[int]] = {i: [] for i in range(len(topo.devices))}
+    for l in topo.links:
+        neighbours[l.a].append(l.b)
+        neighbours[l.b].append(l.a)
+    for row, kind in ((1.0, "switch"), (-0.3, "cpu")):
+        items = [i for i, d in enumerate(topo.devices) if d.kind == kind and i not in pos]
+        for k, i in enumerate(items):
+            xs = [pos[j][0] for j in neighbours[i] if j in pos]
+            x = sum(xs) / len(xs) if xs else -4.0 + 8.0 * (k + 0.5) / len(items)
+            while any(abs(x - pos[j][0]) < 0.7 for j in items[:k]):  # keep a row's devices apart
+                x += 0.7
+            pos[i] = (x, row)
+    for i in range(len(topo.devices)):  # anything else
+        pos.setdefault(i, (-4.0 + 0.5 * i, -1.0))
+    colours = {"nvlink": "tab:green", "pcie": "tab:blue", "upi": "tab:red", "memcpy": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(10, 6))
+    top = max(l.gbps for l in topo.links) if topo.links else 1
+    for l in topo.links:
+        (x1, y1), (x2, y2) = pos[l.a], pos[l.b]
+        c = colours.get(l.kind.split("-")[0], "tab:purple")
+        ax.plot([x1, x2], [y1, y2], color=c, lw=1 + 5 * l.gbps / top, alpha=0.7, zorder=1)
+        ax.text((x1 + x2) / 2, (y1 + y2) / 2, f"{l.gbps:g}", fontsize=7, color=c, ha="center")
+    if len(ep) >= 2:
+        plan = topo.plan(even_all_to_all(len(ep), rows, row_bytes), "relay")
+        host = topo.plan(even_all_to_all(len(ep), rows, row_bytes), "host")
+        ax.set_title(f"{topo.name}: all-to-all of {rows:,} rows of {row_bytes} B, modelled "
+                     f"{plan['seconds'] * 1e3:.2f} ms with {plan['route_count']['relay']} pairs relayed vs "
+                     f"{host['seconds'] * 1e3:.2f} ms through host memory", fontsize=9)
+    for i, (x, y) in pos.items():
+        d = topo.devices[i]
+        ax.scatter([x], [y], s=600 if d.kind in ("gpu", "host") else 400, zorder=3,
+                   color={"gpu": "white", "host": "white", "cpu": "lightyellow"}.get(d.kind, "lightgray"),
+                   edgecolors="black")
+        ax.text(x, y, f"{d.name}\nn{d.numa}" if d.numa >= 0 else d.name, ha="center", va="center", fontsize=7,
+                zorder=4)
+    for kind, c in colours.items():
+        ax.plot([], [], color=c, label=kind)
+    ax.legend(loc="lower right", fontsize=7, title="link (GB/s each way)", title_fontsize=7)
+    ax.set_axis_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def cli(file: str | None, sysfs: str, png: str | None, rows: int) -> str:
+    """`hps topology`: the text report of a file's topology or this machine's; writes
+    the PNG too with png. Returns the text."""
+    topo = load(file) if file else discover(sysfs, host_partitions_if_no_gpu=0)
+    if not topo.endpoints and not file:
+        hosts = host_partitions(len(topo.numa_cores) or 1, numa_cores=topo.numa_cores)
+        topo = Topology(topo.name + " (no GPU: one host partition a NUMA node)", hosts.devices, hosts.links,
+                        topo.numa_cores, topo.nvme, topo.nics, topo.source)
+    text = format_text(topo, rows=rows)
+    if png:
+        text += f"\n\nplot: {plot(topo, png, rows=rows)}"
+    return text
