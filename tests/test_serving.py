@@ -361,3 +361,230 @@ def test_exports_while_training_writes_add_up_to_the_final_checkpoint(tmp_path):
     now, _ = as_rows(read_export(tmp_path / "full")[1])
     assert merged.keys() == now.keys() and all(np.array_equal(merged[k], now[k]) for k in now)
     assert not os.path.exists(path / jobdir.READERS)
+
+
+# ---------------------------------------------------------------- hps.Lookup
+
+def test_lookup_answers_the_checkpoints_rows_through_a_small_cache(job):
+    keys = trained_keys()
+    want, live = server_rows(job, keys)
+    rng = np.random.default_rng(0)
+    unknown = np.array([3, 12345, 2 ** 63], np.uint64)  # never trained
+    with hps.Lookup(job, memory_budget="64KiB") as lk:
+        assert (lk.checkpoint, lk.step, lk.world, lk.dim) == (6, BATCHES, 1, 4)
+        capacity = lk.stats()["cache"]["capacity"]
+        assert capacity < live / 4  # most lookups go to SSD-PS
+        for _ in range(3):
+            order = rng.permutation(len(keys))
+            q = np.concatenate([keys[order], unknown, keys[order[:50]]])  # repeats too
+            rows, found = lk.lookup(q)
+            assert rows.dtype == np.float32 and rows.shape == (len(q), 4)
+            np.testing.assert_array_equal(rows[:len(keys)], want[order])
+            np.testing.assert_array_equal(rows[len(keys) + 3:], want[order[:50]])
+            assert found[:len(keys)].all() and not found[len(keys):len(keys) + 3].any()
+            assert (rows[len(keys):len(keys) + 3] == 0).all()  # the default row: zeros
+        s = lk.stats()
+        assert s["cache"]["size"] <= capacity and s["rows"] == live and s["lookups"] == 3
+        rows, found = lk.lookup(np.empty(0, np.uint64))
+        assert rows.shape == (0, 4) and found.shape == (0,)
+    assert not os.path.exists(job / jobdir.READERS)
+
+
+def test_lookup_of_an_mpi_job_reads_each_key_from_its_owner(mpi_job, tmp_path):
+    from hps.export import export
+    export(mpi_job, tmp_path / "e", "t-lookup", full=True)
+    _, table = read_export(tmp_path / "e")
+    keys = np.array(table["key"], np.uint64)
+    with hps.Lookup(mpi_job, memory_budget="64KiB") as lk:
+        rows, found = lk.lookup(keys)
+        assert lk.world == 2
+    assert found.all()
+    np.testing.assert_array_equal(rows, np.array(table["embedding"], np.float32))
+
+
+def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path):
+    import threading
+    path = train(tmp_path, "moving")
+    keys = trained_keys(examples=2 * BATCH * BATCHES)
+    old, _ = server_rows(path, keys)
+    first = np.isin(keys, trained_keys())  # stored in checkpoint 6; the others read as zeros there
+    old[~first] = 0
+    lk = hps.Lookup(path, memory_budget="64KiB")
+    try:
+        # training resumes at the same path (and prunes checkpoint 6) while it is served
+        cfg = write_config(tmp_path, "moving", path)
+        assert main(["train", "--config", str(cfg), "--resume", "--examples", str(2 * BATCH * BATCHES),
+                     "--no-progress"]) == 0
+        assert not (path / "checkpoints" / "000006").exists()
+        new, _ = server_rows(path, keys)
+        assert not np.array_equal(old, new)
+        rows, found = lk.lookup(keys)
+        np.testing.assert_array_equal(rows, old)  # still checkpoint 6, whole
+        np.testing.assert_array_equal(found, first)
+        results, errors, stop = [], [], threading.Event()
+
+        def reader():
+            while not stop.is_set():
+                try:
+                    results.append(lk.lookup(keys)[0])
+                except Exception as e:  # noqa: BLE001 - collected, asserted below
+                    errors.append(e)
+
+        threads = [threading.Thread(target=reader) for _ in range(3)]
+        for t in threads:
+            t.start()
+        assert lk.refresh() and (lk.checkpoint, lk.step) == (12, 2 * BATCHES)
+        while len(results) < 10 and not errors:
+            pass
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not errors
+        # each answer is one checkpoint's, never a mix
+        assert all(np.array_equal(r, old) or np.array_equal(r, new) for r in results)
+        np.testing.assert_array_equal(lk.lookup(keys)[0], new)
+        assert not lk.refresh()  # nothing newer
+        assert len(os.listdir(path / jobdir.READERS)) == 1  # the old view is gone
+        assert lk.stats()["refreshes"] == 1
+    finally:
+        lk.close()
+    with pytest.raises(ValueError, match="is closed"):
+        lk.lookup(keys)
+
+
+def test_lookup_refuses_bad_keys_naming_them(job, tmp_path):
+    with hps.Lookup(job, memory_budget="64KiB") as lk:
+        with pytest.raises(ValueError, match=r"key -5 at index 1"):
+            lk.lookup(np.array([1, -5], np.int64))
+        with pytest.raises(ValueError, match="index 2 holds the reserved key"):
+            lk.lookup(np.array([1, 2, 2 ** 64 - 1], np.uint64))
+        with pytest.raises(ValueError, match=r"1-D array, not of shape \(2, 2\)"):
+            lk.lookup(np.ones((2, 2), np.uint64))
+        with pytest.raises(ValueError, match="not float64"):
+            lk.lookup(np.array([1.5]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no hps job"):
+        hps.Lookup(tmp_path / "empty")
+    with pytest.raises(ValueError, match="memory_budget: cannot read"):
+        hps.Lookup(job, memory_budget="lots")
+
+
+# ---------------------------------------------------------------- hps serve
+
+@pytest.fixture
+def server(job):
+    import threading
+    from hps.serve import LookupServer
+    lk = hps.Lookup(job, memory_budget="64KiB")
+    srv = LookupServer(lk, ("127.0.0.1", 0), max_concurrent=1)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    lk.close()
+
+
+def request(srv, method, path, body=None, content_type="application/json", headers=None):
+    import http.client
+    host, port = srv.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    h = dict(headers or {})
+    if body is not None:
+        h["Content-Type"] = content_type
+    conn.request(method, path, body=body, headers=h)
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, dict(r.getheaders()), data
+
+
+def test_serve_answers_json_and_binary_lookups(server, job):
+    keys = trained_keys()[:500]
+    want, _ = server_rows(job, keys)
+    q = [int(k) for k in keys] + [7]
+    status, _, body = request(server, "POST", "/lookup", json.dumps({"keys": q}))
+    assert status == 200
+    doc = json.loads(body)
+    np.testing.assert_array_equal(np.array(doc["rows"][:-1], np.float32), want)
+    assert doc["found"] == [True] * 500 + [False] and doc["rows"][-1] == [0.0] * 4
+    assert doc["checkpoint"] == 6 and doc["step"] == BATCHES
+    raw = np.array(q, "<u8").tobytes()
+    status, headers, body = request(server, "POST", "/lookup", raw, "application/octet-stream")
+    assert status == 200 and headers["X-Hps-Dim"] == "4"
+    rows = np.frombuffer(body[:501 * 16], "<f4").reshape(501, 4)
+    np.testing.assert_array_equal(rows[:500], want)
+    assert list(body[501 * 16:]) == [1] * 500 + [0]
+    status, _, body = request(server, "GET", "/health")
+    assert status == 200 and json.loads(body) == {"checkpoint": 6, "step": BATCHES, "world": 1, "dim": 4}
+    status, _, body = request(server, "POST", "/refresh", b"")
+    assert status == 200 and json.loads(body) == {"moved": False, "checkpoint": 6}
+    status, _, body = request(server, "GET", "/stats")
+    assert status == 200 and json.loads(body)["lookups"] == 2
+
+
+@pytest.mark.parametrize("method, path, body, kind, status, message", [
+    ("POST", "/lookup", b"{", "application/json", 400, "body: not JSON"),
+    ("POST", "/lookup", b'{"key": [1]}', "application/json", 400, 'a JSON object with a "keys" array'),
+    ("POST", "/lookup", b'{"keys": 5}', "application/json", 400, '"keys": an array expected, not int'),
+    ("POST", "/lookup", b'{"keys": [1, 2, "3"]}', "application/json", 400, '"keys"[2] = "3"'),
+    ("POST", "/lookup", b'{"keys": [18446744073709551615]}', "application/json", 400, '"keys"[0] = 1844'),
+    ("POST", "/lookup", b"\x01" * 12, "application/octet-stream", 400, "12 bytes, not a whole number"),
+    ("POST", "/lookup", b"\xff" * 8, "application/octet-stream", 400, "key at index 0: 2^64 - 1 is reserved"),
+    ("POST", "/lookup", b"keys=1", "text/plain", 415, "Content-Type 'text/plain'"),
+    ("GET", "/lookup", None, None, 405, "GET /lookup: use POST"),
+    ("POST", "/health", b"", "application/json", 405, "POST /health: use GET"),
+    ("GET", "/rows", None, None, 404, "/rows: no such endpoint"),
+])
+def test_serve_answers_bad_requests_with_a_4xx_naming_the_fault(server, method, path, body, kind, status, message):
+    got, _, data = request(server, method, path, body, kind)
+    assert got == status and message in json.loads(data)["error"]
+
+
+def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
+    import threading
+    import hps.serve
+    monkeypatch.setattr(hps.serve, "MAX_KEYS", 4)
+    status, _, data = request(server, "POST", "/lookup", json.dumps({"keys": [1, 2, 3, 4, 5]}))
+    assert status == 413 and "5 keys, more than the 4" in json.loads(data)["error"]
+    entered, release = threading.Event(), threading.Event()
+    real = server.lookup.lookup
+
+    def slow(keys):
+        entered.set()
+        release.wait(30)
+        return real(keys)
+
+    monkeypatch.setattr(server.lookup, "lookup", slow)
+    first = []
+    t = threading.Thread(target=lambda: first.append(request(server, "POST", "/lookup", b'{"keys": [1]}')))
+    t.start()
+    assert entered.wait(30)
+    status, _, data = request(server, "POST", "/lookup", b'{"keys": [2]}')  # max_concurrent = 1
+    assert status == 429 and "1 lookups under way, the server's limit" in json.loads(data)["error"]
+    release.set()
+    t.join()
+    assert first[0][0] == 200
+    assert request(server, "POST", "/lookup", b'{"keys": [2]}')[0] == 200  # the slot is free again
+    assert json.loads(request(server, "GET", "/stats")[2])["rejected"] == 1
+
+
+def test_hps_serve_command_serves_until_terminated(job):
+    import re
+    import signal
+    import urllib.request
+    p = subprocess.Popen([sys.executable, "-m", "hps.cli", "serve", str(job), "--port", "0",
+                          "--memory-budget", "64KiB"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        url = re.search(r"on (http://[0-9.]+:[0-9]+)", line).group(1)
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            assert json.loads(r.read())["checkpoint"] == 6
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
+    assert not os.path.exists(job / jobdir.READERS)

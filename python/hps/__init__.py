@@ -16,6 +16,7 @@ from hps.embedding import EmbeddingTable
 from hps.ssd_store import SsdStore
 from hps.mem_cache import CacheFullError, MemCache, parse_bytes
 from hps.parameter_server import Batch, HostBatch, ParameterServer, ParameterServerConfig, SsdOptions
+from hps.lookup import Lookup
 
 __all__ = [
     "EMPTY_KEY",
@@ -33,6 +34,7 @@ __all__ = [
     "HpsError",
     "IoError",
     "IoPathWarning",
+    "Lookup",
     "MemCache",
     "Normal",
     "ParameterServer",

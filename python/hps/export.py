@@ -129,8 +129,10 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
     if os.path.exists(to) and (not os.path.isdir(to) or os.listdir(to)):
         raise ValueError(f"--to {to}: exists and is not an empty directory; give a new one for each export")
     exports = os.path.join(root, jobdir.EXPORTS)
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"{root}: no such job directory")
+    # Nothing is written before the job has a finished checkpoint: a directory that
+    # training has yet to start in must stay empty (it refuses a non-empty one).
+    if jobdir.read_job(root).checkpoint is None:
+        raise FileNotFoundError(f"{root}: the job has no finished checkpoint yet")
     os.makedirs(exports, exist_ok=True)
     with open(os.path.join(exports, f"{consumer}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one export of a consumer at a time; other consumers run freely

@@ -1,0 +1,227 @@
+"""`hps serve PATH`: an hps.Lookup over a small local HTTP interface (docs/serving.md).
+
+The server is the standard library's ThreadingHTTPServer: nothing to install on
+any Python (a fresh Debian 12's included), maintained with CPython, and enough
+for a local sidecar, since the lookups themselves release the GIL in SSD-PS.
+A thread per connection, and at most ``max_concurrent`` lookups at once: one
+more is answered 429 at once rather than queued without bound.
+
+    POST /lookup   keys in; rows and found out. Content-Type:
+                   application/json: {"keys": [int, ...]} -> {"rows": [[float] * dim, ...],
+                     "found": [bool, ...], "checkpoint": N, "step": S}
+                   application/octet-stream: little-endian uint64 keys -> n * dim float32
+                     rows (little-endian), then n bytes of found (0/1); headers
+                     X-Hps-Dim, X-Hps-Checkpoint
+    POST /refresh  moves to the job's newer checkpoint: {"moved": bool, "checkpoint": N}
+    GET  /health   {"checkpoint", "step", "world", "dim", "rows"}
+    GET  /stats    Lookup.stats()
+Errors are JSON {"error": "..."}: 400 malformed (naming the field or key index),
+404 unknown path, 405 wrong method, 411 no Content-Length, 413 too many keys or
+bytes, 415 other content types, 429 over the concurrency limit.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+
+import numpy as np
+
+from hps.lookup import Lookup
+
+MAX_KEYS = 1 << 20          # keys in one request
+MAX_BODY = 64 << 20         # bytes of one request body (JSON keys take up to ~21 bytes each)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _keys_from_json(body: bytes) -> np.ndarray:
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HttpError(400, f"body: not JSON ({e})") from None
+    if not isinstance(doc, dict) or "keys" not in doc:
+        raise HttpError(400, 'body: a JSON object with a "keys" array expected')
+    keys = doc["keys"]
+    if not isinstance(keys, list):
+        raise HttpError(400, f'"keys": an array expected, not {type(keys).__name__}')
+    if len(keys) > MAX_KEYS:
+        raise HttpError(413, f'"keys": {len(keys)} keys, more than the {MAX_KEYS} a request may hold')
+    for i, k in enumerate(keys):
+        if type(k) is not int or not 0 <= k < (1 << 64) - 1:
+            raise HttpError(400, f'"keys"[{i}] = {json.dumps(k)}: keys are integers in [0, 2^64 - 2]')
+    return np.array(keys, np.uint64)
+
+
+def _keys_from_bytes(body: bytes) -> np.ndarray:
+    if len(body) % 8:
+        raise HttpError(400, f"body: {len(body)} bytes, not a whole number of 8-byte little-endian uint64 keys")
+    keys = np.frombuffer(body, "<u8").astype(np.uint64)
+    if len(keys) > MAX_KEYS:
+        raise HttpError(413, f"body: {len(keys)} keys, more than the {MAX_KEYS} a request may hold")
+    bad = np.flatnonzero(keys == np.uint64((1 << 64) - 1))
+    if len(bad):
+        raise HttpError(400, f"key at index {int(bad[0])}: 2^64 - 1 is reserved (hps.EMPTY_KEY)")
+    return keys
+
+
+class LookupServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, lookup: Lookup, address=("127.0.0.1", 0), max_concurrent: int = 8,
+                 refresh_every: float = 0.0, quiet: bool = True):
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent = {max_concurrent}: must be >= 1")
+        if refresh_every < 0:
+            raise ValueError(f"refresh_every = {refresh_every}: must be >= 0 seconds")
+        self.lookup = lookup
+        self.slots = threading.BoundedSemaphore(max_concurrent)
+        self.max_concurrent = max_concurrent
+        self.quiet = quiet
+        self.rejected = 0
+        self._stop = threading.Event()
+        super().__init__(address, _Handler)
+        self._refresher: Optional[threading.Thread] = None
+        if refresh_every:
+            self._refresher = threading.Thread(target=self._refresh_loop, args=(refresh_every,), daemon=True,
+                                               name="hps-serve-refresh")
+            self._refresher.start()
+
+    def _refresh_loop(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self.lookup.refresh()
+            except Exception as e:  # noqa: BLE001 - keep serving the checkpoint it has
+                print(f"hps serve: refresh failed, still serving checkpoint {self.lookup.checkpoint}: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def server_close(self) -> None:
+        self._stop.set()
+        super().server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: LookupServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        if not self.server.quiet:
+            super().log_message(format, *args)
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json", headers=None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, str(v))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj) -> None:
+        self._send(status, json.dumps(obj).encode())
+
+    def _body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise HttpError(411, "Content-Length required")
+        try:
+            n = int(length)
+        except ValueError:
+            raise HttpError(400, f"Content-Length {length!r}: not a number") from None
+        if n < 0:
+            raise HttpError(400, f"Content-Length {n}: negative")
+        if n > MAX_BODY:
+            raise HttpError(413, f"body of {n} bytes, more than {MAX_BODY}")
+        return self.rfile.read(n)
+
+    def _handle(self, method: str) -> None:
+        routes = {"/lookup": "POST", "/refresh": "POST", "/health": "GET", "/stats": "GET"}
+        path = self.path.split("?", 1)[0]
+        try:
+            if path not in routes:
+                raise HttpError(404, f"{path}: no such endpoint (POST /lookup, POST /refresh, GET /health, "
+                                     f"GET /stats)")
+            if routes[path] != method:
+                if method == "POST":
+                    self._body()  # read it, so that the connection stays usable
+                raise HttpError(405, f"{method} {path}: use {routes[path]}")
+            if path == "/lookup":
+                self._lookup()
+            elif path == "/refresh":
+                self._body()
+                moved = self.server.lookup.refresh()
+                self._json(200, {"moved": moved, "checkpoint": self.server.lookup.checkpoint})
+            elif path == "/health":
+                s = self.server.lookup
+                self._json(200, {"checkpoint": s.checkpoint, "step": s.step, "world": s.world, "dim": s.dim})
+            else:
+                self._json(200, {**self.server.lookup.stats(), "rejected": self.server.rejected,
+                                 "max_concurrent": self.server.max_concurrent})
+        except HttpError as e:
+            self._json(e.status, {"error": str(e)})
+
+    def _lookup(self) -> None:
+        kind = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        body = self._body()
+        if kind not in ("application/json", "application/octet-stream"):
+            raise HttpError(415, f"Content-Type {kind or '(none)'!r}: send application/json or "
+                                 f"application/octet-stream")
+        keys = _keys_from_json(body) if kind == "application/json" else _keys_from_bytes(body)
+        if not self.server.slots.acquire(blocking=False):
+            self.server.rejected += 1
+            raise HttpError(429, f"{self.server.max_concurrent} lookups under way, the server's limit: retry")
+        try:
+            lk = self.server.lookup
+            rows, found = lk.lookup(keys)
+            checkpoint, step = lk.checkpoint, lk.step
+        finally:
+            self.server.slots.release()
+        if kind == "application/json":
+            self._json(200, {"rows": rows.tolist(), "found": found.tolist(), "checkpoint": checkpoint,
+                             "step": step})
+        else:
+            body = rows.astype("<f4").tobytes() + found.astype(np.uint8).tobytes()
+            self._send(200, body, "application/octet-stream",
+                       {"X-Hps-Dim": rows.shape[1], "X-Hps-Checkpoint": checkpoint})
+
+    def do_GET(self):  # noqa: N802 - the base class's names
+        self._handle("GET")
+
+    def do_POST(self):  # noqa: N802
+        self._handle("POST")
+
+    def do_PUT(self):  # noqa: N802
+        self._handle("PUT")
+
+    def do_DELETE(self):  # noqa: N802
+        self._handle("DELETE")
+
+
+def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="256MiB",
+          max_concurrent: int = 8, refresh_every: float = 0.0, quiet: bool = False) -> None:
+    """Serves the job at path until interrupted (SIGINT / SIGTERM)."""
+    import signal
+    lookup = Lookup(path, memory_budget=memory_budget)
+    server = LookupServer(lookup, (host, port), max_concurrent, refresh_every, quiet)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    print(f"hps serve: {path} checkpoint {lookup.checkpoint} (step {lookup.step}, {lookup.world} rank(s), "
+          f"dim {lookup.dim}) on {server.url}, at most {max_concurrent} lookups at once", file=sys.stderr,
+          flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        lookup.close()
