@@ -338,3 +338,55 @@ def test_csv_line_ends_and_files_without_rows(tmp_path):
     (tmp_path / "empty.csv").write_bytes(b"")
     with pytest.raises(DataError, match=r"empty.csv:1: empty file"):
         list(SchemaCsv(tmp_path / "empty.csv", schema))
+
+
+# ------------------------------------------------------------------ synthetic multi-hot fields
+
+def test_synthetic_multi_hot_fields():
+    from hps.data import SyntheticCriteo
+    plain = list(SyntheticCriteo(seed=3, batch_size=1000, examples=5000))
+    fields = [(1000, 3.0), (50, 1.0)]
+    multi = list(SyntheticCriteo(seed=3, batch_size=1000, examples=5000, multi_hot=fields, bag_length="geometric"))
+    # The single-hot fields and dense features are the stream without bags.
+    for a, b in zip(plain, multi, strict=True):
+        np.testing.assert_array_equal(a.keys, b.keys)
+        np.testing.assert_array_equal(a.dense, b.dense)
+    bags = [Bags.concat([b.bags[j] for b in multi]) for j in range(2)]
+    for (vocab, mean), bag in zip(fields, bags, strict=True):
+        lengths = np.diff(bag.offsets)
+        assert len(lengths) == 5000 and abs(lengths.mean() - mean) < 0.1 * mean
+        assert (lengths == 0).any() and lengths.max() > 3 * mean  # geometric: empty bags and a long tail
+    # Keys of field 26 + j: the bijective hash of an id below the vocabulary.
+    assert bags[1].keys[0] in {ref_id_key(26 + 1, i) for i in range(50)}
+    # The same bags whatever the batch size.
+    other = list(SyntheticCriteo(seed=3, batch_size=700, examples=5000, multi_hot=fields, bag_length="geometric"))
+    for j in range(2):
+        again = Bags.concat([b.bags[j] for b in other])
+        np.testing.assert_array_equal(again.keys, bags[j].keys)
+        np.testing.assert_array_equal(again.offsets, bags[j].offsets)
+    # The bags carry signal: the hidden logit with them ranks the labels better than without.
+    gen = SyntheticCriteo(seed=3, examples=20000, multi_hot=[(200, 4.0)], bag_length="fixed")
+    b = next(iter(SyntheticCriteo(seed=3, batch_size=20000, examples=20000, multi_hot=[(200, 4.0)],
+                                  bag_length="fixed")))
+    assert (np.diff(b.bags[0].offsets) == 4).all()
+    with_bags = gen.hidden_logit(b)
+    without = gen.hidden_logit(Batch(b.labels, b.dense, b.keys))
+    assert auc(b.labels, with_bags - without) > 0.55  # the bag's share of the logit alone
+    assert auc(b.labels, with_bags) > auc(b.labels, without)
+    with pytest.raises(ValueError, match=r"multi_hot\[0\] must be \(vocabulary size"):
+        SyntheticCriteo(multi_hot=[(0, 1.0)])
+    with pytest.raises(ValueError, match=r"bag_length must be 'poisson', 'geometric' or 'fixed'"):
+        SyntheticCriteo(multi_hot=[(10, 1.0)], bag_length="zipf")
+
+
+def ref_id_key(field: int, value: int) -> int:
+    k = splitmix(((field + 1) << 32) ^ value)
+    return 0xFFFF_FFFF_FFFF_FFFE if k == M64 else k
+
+
+def auc(labels, scores):
+    order = np.argsort(scores, kind="stable")
+    ranks = np.empty(len(order))
+    ranks[order] = np.arange(1, len(order) + 1)
+    pos = labels > 0.5
+    return (ranks[pos].sum() - pos.sum() * (pos.sum() + 1) / 2) / (pos.sum() * (~pos).sum())

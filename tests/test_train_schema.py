@@ -158,3 +158,19 @@ def test_eval_data_with_other_fields_is_refused_before_training(tmp_path):
                                          r"here, the training data 1, 1 and 1"):
         train(cfg, progress=False)
     assert not (tmp_path / "ps").exists()
+
+
+def test_hps_train_on_synthetic_multi_hot_fields(tmp_path):
+    cfg = TrainConfig.from_dict({
+        "ps": {"dim": DIM, "path": str(tmp_path / "ps"), "mem_budget": "16MiB"},
+        "data": {"batch_size": 512, "train_examples": 512 * 8, "eval_examples": 1024, "vocab_sizes": [50] * 4,
+                 "multi_hot": [[100, 3.0], [20, 1.5]], "bag_length": "geometric"},
+        "hidden": [8], "torch_threads": 1, "pooling": "mean"}, "run.toml")
+    summary = train(cfg, progress=False)
+    assert summary["examples"] == 512 * 8 and summary["final"]["eval_examples"] == 1024
+    # Every key the model met has a row: the bags' keys went through the pipeline's working sets.
+    from hps.data import SyntheticCriteo
+    gen = SyntheticCriteo(seed=0, batch_size=512, examples=512 * 8, vocab_sizes=[50] * 4,
+                          multi_hot=[(100, 3.0), (20, 1.5)], bag_length="geometric")
+    bag_keys = np.unique(np.concatenate([b.bags[j].keys for b in gen for j in range(2)]))
+    assert summary["ps"]["counts"]["initialized"] >= len(bag_keys)

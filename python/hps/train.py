@@ -60,6 +60,8 @@ class DataConfig:
     seed: int = 0                       # synthetic data's seed
     vocab_sizes: Optional[Sequence[int]] = None  # synthetic; None: hps.data.DEFAULT_VOCAB_SIZES
     zipf_a: float = 1.1
+    multi_hot: Sequence = ()            # synthetic: (vocabulary, mean bag length) of each multi-hot field
+    bag_length: str = "poisson"         # synthetic: "poisson", "geometric" or "fixed" bag lengths
     schema: Optional[Any] = None        # [data.schema]: files of any columns (hps.data.Schema); None: Criteo's
     epochs: int = 1                     # passes over the training data (hps.data.Epochs)
     shuffle_buffer: int = 0             # rows of the seeded shuffle buffer (seed: `seed`); 0: file order
@@ -130,6 +132,8 @@ def _one_pass(cfg: TrainConfig, rank: int, world: int):
     d = cfg.data
     if d.source == "synthetic":
         kw = {"vocab_sizes": d.vocab_sizes} if d.vocab_sizes else {}
+        if d.multi_hot:
+            kw.update(multi_hot=[tuple(f) for f in d.multi_hot], bag_length=d.bag_length)
         return hdata.SyntheticCriteo(seed=d.seed, batch_size=d.batch_size, examples=d.train_examples,
                                      part="train", rank=rank, world=world, zipf_a=d.zipf_a, **kw)
     if d.schema is not None:
@@ -143,6 +147,8 @@ def _eval_batches(cfg: TrainConfig) -> list:
     d = cfg.data
     if d.source == "synthetic":
         kw = {"vocab_sizes": d.vocab_sizes} if d.vocab_sizes else {}
+        if d.multi_hot:
+            kw.update(multi_hot=[tuple(f) for f in d.multi_hot], bag_length=d.bag_length)
         return list(hdata.SyntheticCriteo(seed=d.seed, batch_size=d.batch_size, examples=d.eval_examples,
                                           part="eval", zipf_a=d.zipf_a, **kw))
     if not d.eval_source:
@@ -460,13 +466,15 @@ def _check_resumed_step(trainer: Trainer) -> None:
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
           on_eval: Optional[Callable[[dict], None]] = None, train_batches=None, eval_batches=None,
-          node: Optional[Node] = None) -> dict:
+          node: Optional[Node] = None, dense_hook: Optional[Callable] = None) -> dict:
     """Trains per `cfg`; returns the summary (also written to <path>/train-summary.json).
     `train_batches` / `eval_batches` (iterables of hps.data.Batch) replace the
     sources cfg.data names: a benchmark feeds both sides the same batches from memory.
 
     Under mpiexec (or given a `node`) this is one rank of a distributed job: every
-    rank calls train() with the same cfg; `train_batches` are this rank's."""
+    rank calls train() with the same cfg; `train_batches` are this rank's.
+    `dense_hook(trainer)`, called once the Trainer is made, may replace its MLP,
+    optimizer and dense sync (hps.hierarchical's split MLP does)."""
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
@@ -486,6 +494,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                              f"{got[2]} multi-hot fields here, the training data {widths[0]}, {widths[1]} and "
                              f"{widths[2]}")
     trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths))
+    if dense_hook is not None:
+        dense_hook(trainer)
     if node is not None:
         _check_resumed_step(trainer)
         if trainer.batches_done == 0:
@@ -567,7 +577,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                             refresh=False)
             bar.update(n)
 
-    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice) if cfg.data.schema is None else \
+    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice) if not trainer.widths[2] else \
         Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice, keys_of=lambda d: d.all_keys())
 
     def after_batch_hooks(inner):

@@ -14,9 +14,9 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from hps.data.criteo import CATEGORICAL_COLUMNS, DENSE_COLUMNS, dense_transform
-from hps.data.examples import Batch, _check_batching, _Piece, _rebatch, _sources_of
+from hps.data.examples import Bags, Batch, _check_batching, _Piece, _rebatch, _sources_of
 from hps.data.files import _fsspec, _is_url
-from hps.data.keys import _MIX2, _field_tags, _keys
+from hps.data.keys import _MIX2, _field_tag, _field_tags, _keys
 
 #: Criteo Kaggle's per-field cardinalities, clipped to [10, 1_000_000].
 DEFAULT_VOCAB_SIZES: tuple[int, ...] = (
@@ -70,6 +70,14 @@ class SyntheticCriteo:
     The stream does not depend on batch_size. ``write_tsv`` writes it as a
     Criteo TSV file, which :class:`CriteoTsv` reads back to the same batches.
 
+    ``multi_hot``: (vocabulary size, mean bag length) of each multi-hot field,
+    whose bags come in ``Batch.bags`` (fields numbered after the single-hot ones).
+    A bag's length is drawn by ``bag_length``: "poisson" (of the mean),
+    "geometric" (0, 1, 2, ... with that mean: a long tail) or "fixed"; its ids
+    are skewed to the small ones (V * u**3, u uniform) and its share of the
+    logit is the sum of its keys' weights over the square root of its length. Bags are drawn from their own seeds,
+    so the rest of the stream is the same with or without them.
+
     >>> gen = SyntheticCriteo(seed=7, batch_size=1000, examples=2000)
     >>> a, b = list(gen), list(SyntheticCriteo(seed=7, batch_size=500, examples=2000))
     >>> bool((a[1].keys[500:] == b[3].keys).all())
@@ -80,7 +88,8 @@ class SyntheticCriteo:
                  zipf_a: float = 1.1, n_dense: int = 13, batch_size: int = 4096,
                  examples: Optional[int] = None, part: str = "train", rank: int = 0, world: int = 1,
                  drop_last: bool = False, ctr: float = 0.25, cat_missing: float = 0.05,
-                 dense_missing: float = 0.1):
+                 dense_missing: float = 0.1, multi_hot: Sequence[tuple[int, float]] = (),
+                 bag_length: str = "poisson"):
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         _check_batching(batch_size, rank, world)
@@ -100,6 +109,15 @@ class SyntheticCriteo:
             raise ValueError(f"examples must be >= 0 or None, got {examples}")
         if n_dense < 0:
             raise ValueError(f"n_dense must be >= 0, got {n_dense}")
+        for j, field in enumerate(multi_hot):
+            if (not isinstance(field, (tuple, list)) or len(field) != 2 or not 1 <= field[0] <= 1 << 31
+                    or not 0 <= field[1] <= 1000):
+                raise ValueError(f"multi_hot[{j}] must be (vocabulary size in [1, 2**31], mean bag length in "
+                                 f"[0, 1000]), got {field!r}")
+        if bag_length not in ("poisson", "geometric", "fixed"):
+            raise ValueError(f"bag_length must be 'poisson', 'geometric' or 'fixed', got {bag_length!r}")
+        self.multi_hot = tuple((int(v), float(m)) for v, m in multi_hot)
+        self.bag_length = bag_length
         self.seed, self.part, self.rank, self.world = int(seed), part, int(rank), int(world)
         self.vocab_sizes = tuple(int(v) for v in vocab)
         self.zipf_a, self.n_dense, self.ctr = float(zipf_a), int(n_dense), float(ctr)
@@ -125,6 +143,9 @@ class SyntheticCriteo:
         self._dense_sigma = rng.uniform(0.5, 1.5, self.n_dense)
         self._dense_weight = rng.normal(0.0, 0.25, self.n_dense)
         self._weight_salt = np.uint64(int(rng.integers(0, (1 << 63) - 1)) * 2 + 1)
+        # Drawn from a generator of their own: the draws above stay the same with multi-hot fields.
+        bag_rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_PARAMETER_PART, 1)))
+        self._bag_scale = _SIGNAL * (0.3 + 0.7 * bag_rng.random(len(self.multi_hot)))
         self._u_weight = self._field_scale * math.sqrt(12.0) * 2.0 ** -53
         self._u_offset = -0.5 * math.sqrt(12.0) * float(self._field_scale.sum())
         self._setup_zipf()
@@ -149,6 +170,16 @@ class SyntheticCriteo:
         with np.errstate(over="ignore"):
             h = (keys ^ self._weight_salt) * _MIX2
         logit = (h >> np.uint64(11)).astype(np.float64) @ self._u_weight + (self.bias + self._u_offset)
+        for j, bags in enumerate(getattr(batch, "bags", ())[:len(self.multi_hot)]):
+            # The mean of the bag's keys' weights (centred uniforms, as above); an empty bag adds 0.
+            with np.errstate(over="ignore"):
+                hb = (np.asarray(bags.keys, np.uint64) ^ self._weight_salt) * _MIX2
+            w = ((hb >> np.uint64(11)).astype(np.float64) * 2.0 ** -53 - 0.5) * (math.sqrt(12.0) * self._bag_scale[j])
+            lengths = np.diff(bags.offsets)
+            rows = np.repeat(np.arange(len(lengths)), lengths)
+            # Summed over the bag and scaled by 1/sqrt(length), so that a bag weighs as much as a
+            # single-hot field whatever its length.
+            logit += np.bincount(rows, weights=w, minlength=len(lengths)) / np.sqrt(np.maximum(lengths, 1))
         if self.n_dense:
             # Roughly centred, so that the dense term shifts the bias little.
             centre = np.maximum(self._dense_mu, 0.0) * (1.0 - self.dense_missing)
@@ -158,8 +189,9 @@ class SyntheticCriteo:
     def _calibrate(self) -> float:
         """The bias that makes the mean predicted CTR equal self.ctr (bisection)."""
         raw = self._raw(np.random.SeedSequence(self.seed, spawn_key=(_CALIBRATION_PART,)), _CALIBRATION_EXAMPLES)
-        piece = self._piece_of(raw, np.zeros(0, np.int64), draw_labels=False)
-        logit0 = self.hidden_logit(Batch(piece.labels, piece.dense, piece.keys))
+        piece = self._piece_of(raw, np.zeros(0, np.int64), draw_labels=False,
+                               bags=self._bags(_CALIBRATION_PART, 0, _CALIBRATION_EXAMPLES))
+        logit0 = self.hidden_logit(Batch(piece.labels, piece.dense, piece.keys, (), piece.bags))
         lo, hi = -20.0, 20.0
         for _ in range(60):
             mid = (lo + hi) / 2
@@ -267,14 +299,37 @@ class SyntheticCriteo:
         counts[dense_missing] = 0
         return ids.view(np.uint64), cat_missing, counts, dense_missing, rng.random(n)
 
-    def _piece_of(self, raw, lines: np.ndarray, draw_labels: bool = True) -> _Piece:
+    def _bags(self, part: int, block: int, n: int) -> tuple:
+        """The multi-hot fields' bags of the first n examples of a block (drawn whole, then cut)."""
+        if not self.multi_hot:
+            return ()
+        rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(part, block, 1)))
+        out, drawn = [], max(n, _BLOCK)
+        for j, (vocab, mean) in enumerate(self.multi_hot):
+            if self.bag_length == "poisson":
+                lengths = rng.poisson(mean, drawn)
+            elif self.bag_length == "geometric":
+                lengths = rng.geometric(1.0 / (1.0 + mean), drawn) - 1  # support 0, 1, ...; mean `mean`
+            else:
+                lengths = np.full(drawn, int(round(mean)))
+            ids = (vocab * rng.random(int(lengths.sum())) ** 3).astype(np.uint64)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            keys = _keys(_field_tag(len(self.vocab_sizes) + j), ids, None)
+            out.append(Bags(keys[:offsets[n]], offsets[:n + 1]))
+        return tuple(out)
+
+    def widths(self) -> tuple[int, int, int]:
+        """(dense features, single-hot fields, multi-hot fields): the model's shape."""
+        return self.n_dense, len(self.vocab_sizes), len(self.multi_hot)
+
+    def _piece_of(self, raw, lines: np.ndarray, draw_labels: bool = True, bags: tuple = ()) -> _Piece:
         ids, cat_missing, counts, _, label_u = raw
         keys = _keys(self._tags, ids, cat_missing)
         dense = dense_transform(counts)
         labels = np.zeros(len(ids), np.float32)
-        piece = _Piece(labels, dense, keys, _sources_of(f"synthetic:{self.part}", lines))
+        piece = _Piece(labels, dense, keys, _sources_of(f"synthetic:{self.part}", lines), bags)
         if draw_labels:
-            p = 1.0 / (1.0 + np.exp(-self.hidden_logit(Batch(labels, dense, keys))))
+            p = 1.0 / (1.0 + np.exp(-self.hidden_logit(Batch(labels, dense, keys, (), bags))))
             labels[:] = label_u < p
         return piece
 
@@ -297,7 +352,8 @@ class SyntheticCriteo:
     def _pieces(self) -> Iterator[_Piece]:
         for b, raw in self._raw_blocks(self.examples):
             start = b * _BLOCK + 1
-            yield self._piece_of(raw, np.arange(start, start + len(raw[0])))
+            yield self._piece_of(raw, np.arange(start, start + len(raw[0])),
+                                 bags=self._bags(_PARTS[self.part], b, len(raw[0])))
 
     def __iter__(self) -> Iterator[Batch]:
         """The stream from its start (every iteration yields the same batches)."""
@@ -317,8 +373,11 @@ class SyntheticCriteo:
         empty), so reading it with :class:`CriteoTsv` gives this generator's
         batches (the same as ``SyntheticCriteo(..., examples=examples)``'s on one
         node). ``path`` may be an fsspec URL; a ``.gz`` path is compressed.
-        Needs 13 dense and 26 categorical fields.
+        Needs 13 dense and 26 categorical fields and no multi-hot ones.
         """
+        if self.multi_hot:
+            raise ValueError("the Criteo format has no multi-hot fields; this generator has "
+                             f"{len(self.multi_hot)}")
         if self.n_dense != len(DENSE_COLUMNS) or len(self.vocab_sizes) != len(CATEGORICAL_COLUMNS):
             raise ValueError(f"the Criteo format has {len(DENSE_COLUMNS)} dense and {len(CATEGORICAL_COLUMNS)} "
                              f"categorical fields; this generator has {self.n_dense} and {len(self.vocab_sizes)}")
