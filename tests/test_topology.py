@@ -294,3 +294,52 @@ def test_cli_discovers_a_fake_one_node_machine(tmp_path, capsys):
     assert "binding is a no-op" in out
     assert main(["topology", "--file", str(tmp_path / "missing.toml")]) == 2
     assert "cannot read the topology file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding to two nodes needs two cores")
+def test_pipeline_threads_run_on_their_stages_cores(tmp_path):
+    import hps
+    from hps.data import SyntheticCriteo
+    from hps.pipeline import Pipeline
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    root = tmp_path / "sys"
+    fake_sysfs(root, 2, cores_per_node=1, gpus_per_node=1, nvme_node=1, nic_node=0)
+    for n, core in ((0, a), (1, b)):  # this machine's cores, one a node
+        (root / "devices" / "system" / "node" / f"node{n}" / "cpulist").write_text(f"{core}\n")
+    plan = T.discover(str(root), gpus=False).binding_plan()
+    seen = {"reader": set(), "prefetcher": set()}
+
+    def source():
+        for batch in SyntheticCriteo(seed=0, batch_size=64, examples=64 * 3, vocab_sizes=[100] * 26):
+            seen["reader"].add(tuple(sorted(os.sched_getaffinity(0))))
+            yield batch
+
+    def keys_of(data):
+        seen["prefetcher"].add(tuple(sorted(os.sched_getaffinity(0))))
+        return data.keys
+
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), mem_budget="16MiB"))
+    before = sorted(os.sched_getaffinity(0))
+    stats = Pipeline(ps, lambda loaded: None, keys_of=keys_of, binding=plan).run(source())
+    assert stats.batches == 3
+    assert seen == {"reader": {(a,)}, "prefetcher": {(b,)}}  # the NIC's node, the drive's node
+    got = stats.as_dict()["binding"]
+    assert got["reader"] == {"cores": [a], "reason": "reader: eth0 is on NUMA node 0"}
+    assert got["prefetcher"]["cores"] == [b] and got["writer"]["cores"] == [b]
+    assert got["loader"]["cores"] == [a, b]
+    assert sorted(os.sched_getaffinity(0)) == before  # the caller's thread, which trains, is left alone
+    # without a plan nothing is bound or reported
+    assert Pipeline(ps, lambda loaded: None, keys_of=keys_of).run(source()).binding == {}
+
+
+def test_apply_binding_reports_noop_and_missing_cores(tmp_path):
+    fake_sysfs(tmp_path, 1, cores_per_node=2, gpus_per_node=0, nvme_node=0, nic_node=0)
+    noop = T.discover(str(tmp_path), gpus=False).binding_plan()
+    assert T.apply_binding(noop, "reader") == {"cores": None, "reason": noop.reason}
+    far = T.BindingPlan([T.StageBinding("reader", [4096], 1, "eth0 is on NUMA node 1")], False, "2 nodes")
+    before = os.sched_getaffinity(0)
+    got = T.apply_binding(far, "reader")
+    assert got["cores"] is None and got["reason"].startswith("not applied: cores 4096:")
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(KeyError, match="no pipeline thread 'trainer'"):
+        T.apply_binding(far, "trainer")

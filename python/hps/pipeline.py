@@ -58,6 +58,7 @@ class PipelineStats:
     queue_samples: int = 0
     prefetch_waits: int = 0  # times the prefetch waited for MEM-PS room
     helper_nice: Optional[int] = None  # the helper threads' niceness; None: left as they were
+    binding: dict = field(default_factory=dict)  # helper thread -> the cores it got and why (a binding plan given)
 
     def bound_by(self) -> str:
         """The stage that bounds the run: the most busy one."""
@@ -72,7 +73,7 @@ class PipelineStats:
                 "busy_seconds": busy, "bound_by": self.bound_by(),
                 "wall_over_slowest_stage": self.wall_seconds / slowest if slowest else None,
                 "mean_queue_depth": {k: v / n for k, v in self.queue_depth_sum.items()},
-                "prefetch_waits": self.prefetch_waits, "helper_nice": self.helper_nice}
+                "prefetch_waits": self.prefetch_waits, "helper_nice": self.helper_nice, "binding": self.binding}
 
 
 @dataclass
@@ -92,15 +93,19 @@ class Pipeline:
     ``keys_of(data)`` gives a batch's keys (default: ``data.keys``); ``depths`` are
     the bounded queues' sizes after read, prefetch and load; ``helper_nice`` is
     the niceness (0-19) of the threads of the stages other than train, on Linux
-    (elsewhere a niceness is per process, and it is left alone).
+    (elsewhere a niceness is per process, and it is left alone). ``binding``, a
+    ``hps.topology.BindingPlan``, pins each helper thread of a pipelined run to its
+    stage's cores (default None: threads run where the kernel puts them); stats
+    say which cores each got and why.
     """
 
     def __init__(self, ps: ParameterServer, train_step: TrainStep, *, devices: Optional[int] = None,
                  keys_of: Callable[[Any], np.ndarray] = lambda d: d.keys, depths=(4, 1, 1),
-                 helper_nice: int = 19):
+                 helper_nice: int = 19, binding=None):
         if isinstance(helper_nice, bool) or not isinstance(helper_nice, int) or not 0 <= helper_nice <= 19:
             raise ValueError(f"helper_nice must be an int in [0, 19], got {helper_nice!r}")
         self.helper_nice = helper_nice
+        self.binding = binding
         self.ps = ps
         self.train_step = train_step
         self.devices = devices or ps.config.devices
@@ -183,6 +188,15 @@ class Pipeline:
         with self._lock:
             self.stats.helper_nice = nice
 
+    def _bind(self, thread: str) -> None:
+        """Called first in each helper thread: its cores from the binding plan, if any."""
+        if self.binding is None:
+            return
+        from hps.topology import apply_binding
+        got = apply_binding(self.binding, thread)
+        with self._lock:
+            self.stats.binding[thread] = got
+
     # ------------------------------------------------------------ runs
     def run(self, source: Iterable, pipelined: bool = True) -> PipelineStats:
         self._in_flight = 0  # whatever a previous run left in flight it released
@@ -231,6 +245,7 @@ class Pipeline:
 
         def reader():
             self._lower_priority()
+            self._bind("reader")
             try:
                 while not stop.is_set():
                     data = self._timed("read", next, it, _DONE)
@@ -242,6 +257,7 @@ class Pipeline:
 
         def prefetcher():
             self._lower_priority()
+            self._bind("prefetcher")
             try:
                 while True:
                     data = get(q_read)
@@ -258,6 +274,7 @@ class Pipeline:
 
         def loader():
             self._lower_priority()
+            self._bind("loader")
             try:
                 while True:
                     item = get(q_prefetch)
@@ -274,6 +291,7 @@ class Pipeline:
 
         def writer():
             self._lower_priority()
+            self._bind("writer")
             try:
                 while True:
                     loaded = get(q_write_back)

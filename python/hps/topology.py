@@ -675,3 +675,33 @@ def cli(file: str | None, sysfs: str, png: str | None, rows: int) -> str:
     if png:
         text += f"\n\nplot: {plot(topo, png, rows=rows)}"
     return text
+
+
+# ------------------------------------------------------------------ applying a binding
+# The pipeline's helper threads and the plan's stages they serve: the reader reads
+# from the network or files (the NIC's node); prefetch and write-back move rows to
+# and from SSD-PS (the drive's node); the one load thread feeds every device (the
+# union of their nodes).
+THREAD_STAGES = {"reader": ("reader",), "prefetcher": ("ssd_io",), "writer": ("ssd_io",), "loader": ("load:",)}
+
+
+def apply_binding(plan: BindingPlan, thread: str) -> dict:
+    """Pins the calling thread to the cores of its stages (THREAD_STAGES) and says what
+    it got: {"cores": the thread's affinity afterwards, "reason": ...}; a no-op plan
+    leaves the thread alone ("cores": None). A core this machine lacks is reported,
+    not raised: the run goes on unbound."""
+    if thread not in THREAD_STAGES:
+        raise KeyError(f"no pipeline thread {thread!r} (known: {', '.join(THREAD_STAGES)})")
+    if plan.noop:
+        return {"cores": None, "reason": plan.reason}
+    chosen = [s for s in plan.stages if any(s.stage == p or (p.endswith(":") and s.stage.startswith(p))
+                                            for p in THREAD_STAGES[thread])]
+    cores = sorted({c for s in chosen for c in s.cores})
+    reason = "; ".join(f"{s.stage}: {s.reason}" for s in chosen)
+    if not cores:
+        return {"cores": None, "reason": f"no cores planned ({reason or 'no stage'})"}
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as e:
+        return {"cores": None, "reason": f"not applied: cores {_cpulist(cores)}: {e.strerror}"}
+    return {"cores": sorted(os.sched_getaffinity(0)), "reason": reason}

@@ -100,8 +100,8 @@ TEST(Topology, ContentionSpreadsRelaysOverMiddlemen) {
   Topology t;
   const int32_t a = Add(t, "a", DeviceKind::kGpu, 0), b = Add(t, "b", DeviceKind::kGpu, 0);
   std::vector<int32_t> mids;
-  for (int i = 0; i < 3; ++i) {
-    mids.push_back(Add(t, "m" + std::to_string(i), DeviceKind::kGpu, 0));
+  for (const char* name : {"m0", "m1", "m2"}) {
+    mids.push_back(Add(t, name, DeviceKind::kGpu, 0));
     Link(t, a, mids.back(), 10, 0, "nvlink");
     Link(t, mids.back(), b, 10, 0, "nvlink");
   }
