@@ -588,3 +588,22 @@ def test_hps_serve_command_serves_until_terminated(job):
             p.wait()
         p.stderr.close()
     assert not os.path.exists(job / jobdir.READERS)
+
+
+# ---------------------------------------------------------------- bench/lookup_bench.py
+
+def test_lookup_bench_quick_runs_both_stores_on_the_same_rows():
+    pytest.importorskip("rocksdict", reason="the RocksDB peer needs rocksdict")
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, os.path.join(here, "..", "bench", "lookup_bench.py"), "--quick"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["rows"] == 100_000 and out["memory_budget_bytes"] == 100_000 * 16 * 4 // 4
+    assert out["checked_keys"] == 2 * 3 * 4096  # answers compared, row by row, for both distributions
+    for name in ("hps/uniform", "rocksdb/uniform", "hps/zipf", "rocksdb/zipf"):
+        r = out["results"][name]
+        assert r["batches"] == 20 and r["keys_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
+    hps_u = out["results"]["hps/uniform"]
+    assert hps_u["cache_rows"] <= hps_u["cache_capacity"]  # the lookup stays inside its budget's rows
+    assert out["results"]["hps/zipf"]["cache_hit_rate"] > hps_u["cache_hit_rate"]  # hot keys stay cached

@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""Lookups of batches of keys from a trained store 4x larger than the lookup's
+memory: hps.Lookup (its MemCache in front of the checkpoint's SSD-PS files)
+against RocksDB's multi_get at equal memory (issue 20).
+
+    python3 bench/lookup_bench.py --quick
+    python3 bench/lookup_bench.py --rows 8000000 --batches 400 --clients 4
+
+Workload:
+  * the store: a ParameterServer of --rows keys (key(i) = splitmix64's finaliser of
+    i + seed, distinct), every row pushed once (SGD), one checkpoint; rows of
+    --dim float32 (64 bytes at dim 16), and their embeddings are what is looked up;
+  * memory: the lookup's budget is a quarter of the rows' bytes (--memory-ratio 4);
+    RocksDB gets the same bytes as block cache (3/4) and row cache (1/4), split
+    evenly over its client processes;
+  * RocksDB as its experts run it for point reads (bench/ssd_store_bench.py,
+    rocks_tuned_options): the same rows bulk-loaded sorted through SstFileWriter
+    and ingested (nothing left to compact), bloom filters, 4 KiB blocks, direct
+    reads so the page cache does not act as a hidden cache, no compression, every
+    table open; read-only instances, one per client process (rocksdict holds the
+    GIL through a multi_get), each a multi_get of the batch's 4096 big-endian keys;
+  * hps.Lookup: the same clients as threads of one process (its reads release
+    the GIL) sharing one Lookup;
+  * batches: --batches batches of --batch-keys keys for each distribution
+    (uniform, Zipf(1.05) with the hot keys spread by a multiplicative
+    permutation), the same batches for both stores, after --warmup batches;
+    a batch's latency is its call's wall time in its client; keys/s is all keys
+    over the wall time of all clients;
+  * every answer of the first batches is checked against the other store's.
+
+Not measured here (issue 20 asks for it; see docs/serving.md): a memory cgroup
+around both, and `hps train` writing checkpoints meanwhile.
+One JSON line goes to stdout; progress to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from _provenance import provenance  # (bench/ is sys.path[0])
+from hps.data import mix64
+
+SEED = 0x5EED_4321
+ZIPF_A = 1.05
+ZIPF_PERM = 2654435761  # prime; rank r -> index (r * P) mod N
+
+
+def keys_of(idx: np.ndarray) -> np.ndarray:
+    return mix64(idx.astype(np.uint64) + np.uint64(SEED))
+
+
+def be_keys(keys: np.ndarray) -> list:
+    """RocksDB's keys: 8 bytes big-endian (so that key order is numeric order)."""
+    b = keys.astype(">u8").tobytes()
+    return [b[i:i + 8] for i in range(0, len(b), 8)]
+
+
+def batches_of(dist: str, n_rows: int, count: int, size: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        if dist == "uniform":
+            idx = rng.integers(0, n_rows, size)
+        else:
+            r = np.empty(0, np.int64)
+            while len(r) < size:
+                z = rng.zipf(ZIPF_A, 2 * size)
+                r = np.concatenate([r, z[z <= n_rows] - 1])
+            idx = ((r[:size].astype(np.uint64) * np.uint64(ZIPF_PERM)) % np.uint64(n_rows)).astype(np.int64)
+        out.append(keys_of(idx))
+    return out
+
+
+def log(msg: str) -> None:
+    print(f"lookup_bench: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the store
+
+def make_job(path: str, n: int, dim: int) -> float:
+    import hps
+    cfg = hps.ParameterServerConfig(dim=dim, path=path, optimizer=hps.SGD(lr=0.5), mem_budget="64MiB",
+                                    write_buffer_rows=1 << 16)
+    ps = hps.ParameterServer(cfg)
+    t0 = time.perf_counter()
+    chunk = 1 << 16
+    for s in range(0, n, chunk):
+        k = keys_of(np.arange(s, min(n, s + chunk)))
+        ps.push(k, np.ones((len(k), dim), np.float32))
+    ps.checkpoint()
+    ps.close()
+    return time.perf_counter() - t0
+
+
+def load_rocksdb(job: str, path: str, dim: int) -> tuple[float, int]:
+    """The job's embeddings, sorted by key, through SstFileWriter, then ingested."""
+    import rocksdict as r
+    from ssd_store_bench import rocks_tuned_options
+    from hps import jobdir
+    opt, _keep, _ = rocks_tuned_options(1 << 20, 0, 64 << 20, 2, filters_for_hits=True)
+    view = jobdir.pin(job)
+    t, files = 0.0, []
+    os.makedirs(os.path.join(path, "load"))
+    try:
+        rank = view.ranks[0]
+        keys, _ = jobdir.latest_records(rank)  # sorted
+        store = jobdir.open_store(rank, view.job.row_bytes)
+        chunk = 1 << 20
+        for s in range(0, len(keys), chunk):
+            k = keys[s:s + chunk]
+            rows, found = store.get(k, np.float32)
+            assert found.all()
+            rb = np.ascontiguousarray(rows[:, :dim]).tobytes()
+            kb = k.astype(">u8").tobytes()
+            t0 = time.perf_counter()
+            w = r.SstFileWriter(options=opt)
+            fn = os.path.join(path, "load", f"{len(files):06d}.sst")
+            w.open(fn)
+            width = 4 * dim
+            for i in range(len(k)):
+                w[kb[8 * i:8 * i + 8]] = rb[width * i:width * (i + 1)]
+            w.finish()
+            t += time.perf_counter() - t0
+            files.append(fn)
+        del store
+    finally:
+        view.close()
+    t0 = time.perf_counter()
+    db = r.Rdict(os.path.join(path, "db"), options=opt)
+    ing = r.IngestExternalFileOptions()
+    ing.set_move_files(True)
+    db.ingest_external_file(files, ing)
+    db.flush(True)
+    db.close()
+    shutil.rmtree(os.path.join(path, "load"), ignore_errors=True)
+    return t + time.perf_counter() - t0, len(keys)
+
+
+# ---------------------------------------------------------------- the runs
+
+def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int) -> dict:
+    import hps
+    lk = hps.Lookup(job, memory_budget=budget)
+    for b in warmup:
+        lk.lookup(b)
+    lat = [None] * len(batches)
+    nxt = iter(range(len(batches)))
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            t0 = time.perf_counter()
+            lk.lookup(batches[i])
+            lat[i] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    s = lk.stats()
+    lk.close()
+    cache = s["cache"]
+    return {"wall_s": wall, "latency_s": lat, "cache_rows": cache["size"], "cache_capacity": cache["capacity"],
+            "cache_hit_rate": cache.get("hits", 0) / max(1, cache.get("hits", 0) + cache.get("misses", 0)),
+            "index_bytes": s["index_bytes"], "ssd_bytes_read": s["ssd_bytes_read"]}
+
+
+def _rocks_client(conn, path: str, block: int, row: int, batches: list, warmup: list, start_evt) -> None:
+    import rocksdict as r
+    from ssd_store_bench import rocks_tuned_options
+    opt, _keep, _ = rocks_tuned_options(block, row, 1 << 20, 2, filters_for_hits=True)
+    db = r.Rdict(path, options=opt, access_type=r.AccessType.read_only())
+    prep = be_keys
+    for b in warmup:
+        db.get(prep(b))
+    kbs = [prep(b) for b in batches]
+    conn.send("ready")
+    start_evt.wait()
+    lat = []
+    for kb in kbs:
+        t0 = time.perf_counter()
+        db.get(kb)
+        lat.append(time.perf_counter() - t0)
+    db.close()
+    conn.send(lat)
+
+
+def run_rocks(path: str, budget: int, batches: list, warmup: list, clients: int) -> dict:
+    ctx = mp.get_context("fork")
+    per = budget // clients
+    block, row = per * 3 // 4, per // 4
+    start = ctx.Event()
+    procs, conns = [], []
+    for c in range(clients):
+        a, b = ctx.Pipe()
+        mine = batches[c::clients]
+        p = ctx.Process(target=_rocks_client, args=(b, path, block, row, mine, warmup[c::clients], start))
+        p.start()
+        procs.append(p)
+        conns.append(a)
+    for a in conns:
+        assert a.recv() == "ready"
+    t0 = time.perf_counter()
+    start.set()
+    lats = [a.recv() for a in conns]
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    return {"wall_s": wall, "latency_s": [x for lat in lats for x in lat], "block_cache_bytes": block * clients,
+            "row_cache_bytes": row * clients}
+
+
+def check_same(job: str, path: str, batches: list, dim: int) -> int:
+    import hps
+    import rocksdict as r
+    db = r.Rdict(path, options=r.Options(raw_mode=True), access_type=r.AccessType.read_only())
+    with hps.Lookup(job, memory_budget="8MiB") as lk:
+        n = 0
+        for b in batches:
+            rows, found = lk.lookup(b)
+            vals = db.get(be_keys(b))
+            assert found.all() and all(v is not None for v in vals)
+            theirs = np.frombuffer(b"".join(vals), np.float32).reshape(len(b), dim)
+            if not np.array_equal(rows, theirs):
+                raise AssertionError("hps.Lookup and RocksDB disagree on a row")
+            n += len(b)
+    db.close()
+    return n
+
+
+def summary(res: dict, n_keys: int) -> dict:
+    lat = np.array(res.pop("latency_s"))
+    return {**res, "keys_per_s": n_keys / res["wall_s"], "p50_ms": float(np.percentile(lat, 50) * 1e3),
+            "p99_ms": float(np.percentile(lat, 99) * 1e3), "batches": len(lat)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch-keys", type=int, default=4096)
+    ap.add_argument("--batches", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--memory-ratio", type=float, default=4.0, help="the rows' bytes over the lookup's memory")
+    ap.add_argument("--dists", default="uniform,zipf")
+    ap.add_argument("--stores", default="hps,rocksdb")
+    ap.add_argument("--dir", help="where the job and the database go (default: a temporary directory)")
+    ap.add_argument("--quick", action="store_true", help="a small run for CI: 100k rows, 20 batches")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.rows, a.batches, a.warmup, a.clients = 100_000, 20, 5, 2
+    stores = a.stores.split(",")
+    for s in stores:
+        if s not in ("hps", "rocksdb"):
+            ap.error(f"--stores: unknown store {s!r} (hps, rocksdb)")
+    dists = a.dists.split(",")
+    for d in dists:
+        if d not in ("uniform", "zipf"):
+            ap.error(f"--dists: unknown distribution {d!r} (uniform, zipf)")
+    root = tempfile.mkdtemp(prefix="hps-lookup-bench-", dir=a.dir)
+    try:
+        job, rdb = os.path.join(root, "job"), os.path.join(root, "rocks")
+        log(f"{a.rows:,} rows of dim {a.dim} into a job at {job}")
+        build_s = make_job(job, a.rows, a.dim)
+        budget = int(a.rows * a.dim * 4 / a.memory_ratio)
+        out = {"bench": "lookup", "rows": a.rows, "dim": a.dim, "batch_keys": a.batch_keys, "batches": a.batches,
+               "clients": a.clients, "memory_budget_bytes": budget, "memory_ratio": a.memory_ratio,
+               "build_s": build_s, "results": {}}
+        if "rocksdb" in stores:
+            log("RocksDB bulk load (SstFileWriter, ingest)")
+            out["rocksdb_load_s"], _ = load_rocksdb(job, rdb, a.dim)
+            rdb = os.path.join(rdb, "db")
+        for d_i, dist in enumerate(dists):
+            batches = batches_of(dist, a.rows, a.batches, a.batch_keys, 100 + d_i)
+            warmup = batches_of(dist, a.rows, a.warmup, a.batch_keys, 200 + d_i)
+            n_keys = sum(len(b) for b in batches)
+            if "rocksdb" in stores and "hps" in stores:
+                out.setdefault("checked_keys", 0)
+                out["checked_keys"] += check_same(job, rdb, batches[:3], a.dim)
+            for store in stores:
+                log(f"{store}, {dist}: {a.batches} batches of {a.batch_keys} keys, {a.clients} clients")
+                res = (run_hps(job, budget, batches, warmup, a.clients) if store == "hps"
+                       else run_rocks(rdb, budget, batches, warmup, a.clients))
+                out["results"][f"{store}/{dist}"] = summary(res, n_keys)
+        for dist in dists:
+            h, r = out["results"].get(f"hps/{dist}"), out["results"].get(f"rocksdb/{dist}")
+            if h and r:
+                out["results"][f"ratio/{dist}"] = {"keys_per_s": h["keys_per_s"] / r["keys_per_s"],
+                                                   "p99": h["p99_ms"] / r["p99_ms"]}
+        out["provenance"] = provenance()
+        print(json.dumps(out))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
