@@ -502,7 +502,30 @@ def render_w8(o: dict) -> list[str]:
         out += ["The same pull on the other shipped nodes (modelled):", ""]
         out += table(["node", "host ms", "direct ms", "relay ms", "relay / host"], rows) + [""]
     out.append(f"- CUDA executor: {(o.get('cuda') or {}).get('note', 'not run')}")
+    bind = o.get("binding") or {}
+    if bind:
+        out += ["", "Core binding plans (`Pipeline(binding=...)` pins each helper thread to its stage's cores):", ""]
+        rows = []
+        for name, p in bind.items():
+            if p["noop"]:
+                rows.append([name.replace("_", " "), "every stage", "-", "-", p["reason"]])
+                continue
+            for x in p["stages"]:
+                rows.append([name.replace("_", " "), x["stage"], str(x["numa"]), cpulist(x["cores"]), x["reason"]])
+        out += table(["machine", "stage", "node", "cores", "why"], rows)
     return out
+
+
+def cpulist(cores: list) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    parts, i = [], 0
+    while i < len(cores):
+        j = i
+        while j + 1 < len(cores) and cores[j + 1] == cores[j] + 1:
+            j += 1
+        parts.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"
 
 
 # ------------------------------------------------------------------ W12

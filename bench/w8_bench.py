@@ -19,7 +19,8 @@ two phases) and, with the host executor (memcpy between host buffers, relays sta
 the middleman's buffer), the measured time on this machine, checking that every schedule
 delivers exactly the bytes a direct copy does. The host executor checks the schedule, not
 NVLink: its times say what staging costs in memory bandwidth here, nothing about GPUs.
-It also gives the modelled ratio on the other shipped nodes.
+It also gives the modelled ratio on the other shipped nodes, and the core binding plan
+(hps.topology.BindingPlan) of this machine and of fake 2- and 4-node sysfs trees.
 
 Prints one JSON line (also written to bench/results/w8-DATE.json unless --no-save).
 Target (issue 17): relayed >= 75% less modelled time than host, pull and push.
@@ -82,6 +83,28 @@ def executed(topo, m: np.ndarray, repeats: int) -> dict:
     return out
 
 
+def binding_plans() -> dict:
+    """The core binding plan of this machine (sysfs) and of fake 2- and 4-node trees
+    (2 GPUs and 8 cores a node, the NVMe drive on the last node, the NIC on node 1)."""
+    import tempfile
+    from hps.topology import discover, write_fake_sysfs
+
+    def summary(plan) -> dict:
+        return {"noop": plan.noop, "reason": plan.reason,
+                "stages": [{"stage": x.stage, "numa": x.numa, "cores": x.cores, "reason": x.reason}
+                           for x in plan.stages]}
+    here = discover()
+    if not here.endpoints:  # no GPU: the load threads of one host partition a node
+        from hps.topology import host_partitions
+        here = host_partitions(max(1, len(here.numa_cores)), numa_cores=here.numa_cores)
+    out = {"this_machine": summary(here.binding_plan())}
+    for nodes in (2, 4):
+        with tempfile.TemporaryDirectory() as root:
+            write_fake_sysfs(root, nodes, cores_per_node=8, gpus_per_node=2, nvme_node=nodes - 1, nic_node=1)
+            out[f"fake_{nodes}_nodes"] = summary(discover(root, gpus=False).binding_plan())
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the executor on 1/16 of the rows, 2 repeats")
@@ -133,6 +156,7 @@ def main(argv=None) -> int:
             result["cuda"] = {"executor_available": True, "note": "a GPU is present; this bench does not time it yet"}
     except AttributeError:
         pass
+    result["binding"] = binding_plans()
     result["wall_seconds"] = round(time.perf_counter() - t0, 3)
     result["provenance"] = provenance()
     line = json.dumps(result, sort_keys=False)

@@ -194,36 +194,7 @@ def test_host_executor_refuses_wrong_buffers():
 
 # ------------------------------------------------------------------ sysfs
 def fake_sysfs(root: Path, nodes: int, cores_per_node: int, gpus_per_node: int, nvme_node: int, nic_node: int):
-    for n in range(nodes):
-        d = root / "devices" / "system" / "node" / f"node{n}"
-        d.mkdir(parents=True)
-        lo = n * cores_per_node
-        (d / "cpulist").write_text(f"{lo}-{lo + cores_per_node - 1}\n")
-    pci = root / "bus" / "pci" / "devices"
-    k = 0
-    for n in range(nodes):
-        for _ in range(gpus_per_node):
-            dev = pci / f"0000:{0x10 + k:02x}:00.0"
-            dev.mkdir(parents=True)
-            (dev / "vendor").write_text("0x10de\n")
-            (dev / "class").write_text("0x030200\n")
-            (dev / "numa_node").write_text(f"{n}\n")
-            (dev / "current_link_speed").write_text("16.0 GT/s PCIe\n")
-            (dev / "current_link_width").write_text("16\n")
-            k += 1
-    other = pci / "0000:99:00.0"  # an Intel NIC-like device: not a GPU
-    other.mkdir(parents=True)
-    (other / "vendor").write_text("0x8086\n")
-    (other / "class").write_text("0x020000\n")
-    (other / "numa_node").write_text(f"{nic_node}\n")
-    nv = root / "class" / "nvme" / "nvme0"
-    nv.mkdir(parents=True)
-    (nv / "device").mkdir()
-    (nv / "device" / "numa_node").write_text(f"{nvme_node}\n")
-    net = root / "class" / "net"
-    (net / "lo").mkdir(parents=True)  # virtual: no device directory
-    (net / "eth0").mkdir()
-    os.symlink(other, net / "eth0" / "device")
+    T.write_fake_sysfs(str(root), nodes, cores_per_node, gpus_per_node, nvme_node, nic_node)
 
 
 @pytest.mark.parametrize("nodes", [2, 4])

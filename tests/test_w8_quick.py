@@ -35,6 +35,13 @@ def test_w8_quick():
         assert x["delivered_as_direct"] is True, s
     assert line["executor"]["pull"]["host"]["staged_bytes"] > line["executor"]["pull"]["relay"]["staged_bytes"] > 0
     assert {"dgx1-hybrid-cube-mesh", "nvswitch", "pcie-only"} <= set(line["other_nodes"])
+    bind = line["binding"]
+    two, four = bind["fake_2_nodes"], bind["fake_4_nodes"]
+    assert not two["noop"] and not four["noop"]
+    stage = {x["stage"]: x for x in four["stages"]}
+    assert stage["ssd_io"]["numa"] == 3 and stage["ssd_io"]["cores"] == list(range(24, 32))
+    assert stage["reader"]["numa"] == 1 and stage["load:gpu5"]["numa"] == 2
+    assert [x["numa"] for x in two["stages"]][:2] == [1, 1]
     spec = importlib.util.spec_from_file_location("hps_bench_report", ROOT / "bench" / "report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
@@ -43,6 +50,7 @@ def test_w8_quick():
     relay = line["model"]["pull"]["relay"]
     want = f"| pull | relay | {relay['seconds'] * 1e3:.3f} | {1 - relay['reduction_vs_host']:.3f} |"
     assert any(r.startswith(want) for r in rows), (want, rows)
+    assert "| fake 4 nodes | ssd_io | 3 | 24-31 | nvme0 is on NUMA node 3 |" in rows
 
 
 def test_w8_refuses_bad_arguments(tmp_path):

@@ -519,6 +519,38 @@ def _nvml_links(bus_ids: list[str], first_gpu: int) -> list[Link]:
         pynvml.nvmlShutdown()
 
 
+
+def write_fake_sysfs(root: str, nodes: int, cores_per_node: int, gpus_per_node: int, nvme_node: int,
+                     nic_node: int) -> str:
+    """Writes a sysfs tree of a machine we do not have under root (for tests and W8):
+    `nodes` NUMA nodes of `cores_per_node` cores each, `gpus_per_node` NVIDIA GPUs on
+    each (PCIe 4.0 x16), one NVMe drive on nvme_node, one NIC (eth0) on nic_node and a
+    loopback without a device. Returns root."""
+    def put(path: str, text: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    for n in range(nodes):
+        lo = n * cores_per_node
+        put(os.path.join(root, "devices", "system", "node", f"node{n}", "cpulist"), f"{lo}-{lo + cores_per_node - 1}")
+    pci = os.path.join(root, "bus", "pci", "devices")
+    k = 0
+    for n in range(nodes):
+        for _ in range(gpus_per_node):
+            dev = os.path.join(pci, f"0000:{0x10 + k:02x}:00.0")
+            for name, value in (("vendor", "0x10de"), ("class", "0x030200"), ("numa_node", str(n)),
+                                ("current_link_speed", "16.0 GT/s PCIe"), ("current_link_width", "16")):
+                put(os.path.join(dev, name), value)
+            k += 1
+    nic = os.path.join(pci, "0000:99:00.0")  # not a GPU: another vendor and class
+    for name, value in (("vendor", "0x8086"), ("class", "0x020000"), ("numa_node", str(nic_node))):
+        put(os.path.join(nic, name), value)
+    put(os.path.join(root, "class", "nvme", "nvme0", "device", "numa_node"), str(nvme_node))
+    os.makedirs(os.path.join(root, "class", "net", "lo"), exist_ok=True)  # virtual: no device
+    os.makedirs(os.path.join(root, "class", "net", "eth0"), exist_ok=True)
+    os.symlink(nic, os.path.join(root, "class", "net", "eth0", "device"))
+    return root
+
 # ------------------------------------------------------------------ `hps topology`
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
