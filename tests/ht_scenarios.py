@@ -201,6 +201,48 @@ def run_easgd(comm, out: str, mode: str) -> None:
     np.savez(os.path.join(out, f"group{rank}.npz"), x=x, exchanges=client.exchanges)
 
 
+def _mpi_scenarios():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mpi_scenarios", os.path.join(os.path.dirname(__file__),
+                                                                                 "mpi_scenarios.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HT_STEPS, HT_PER_RANK = 5, 48
+
+
+def ht_config(groups: int, group_ps: int, placement: list, alpha: float = 0.5):
+    from hps.hierarchical.roles import HierarchicalConfig
+    return HierarchicalConfig(groups=groups, group_ps=group_ps, placement=placement, alpha=alpha, period=1,
+                              timeout=60)
+
+
+def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list) -> None:
+    """hps train's HT path over tests/mpi_scenarios.py's global batches (trainer t of
+    the job takes part t of each); every rank writes its summary's essentials."""
+    import json
+    from hps.hierarchical.roles import Roles, train_hierarchical
+    ms = _mpi_scenarios()
+    cfg = ht_config(groups, group_ps, placement)
+    roles = Roles.layout(comm.Get_size(), comm.Get_rank(), cfg)
+    trainers = roles.trainer_ranks()
+    mine = None
+    if roles.role == "trainer":
+        t = trainers.index(comm.Get_rank())
+        mine = [ms.rank_part(b, t, HT_PER_RANK) for b in ms.global_batches(HT_STEPS, HT_PER_RANK, len(trainers))]
+    train_cfg = ms.train_config(os.path.join(out, "job"))
+    summary = train_hierarchical(train_cfg, cfg, progress=False, train_batches=mine, eval_batches=[],
+                                 return_mlp=True)
+    if roles.role == "trainer":
+        mlp = summary["hierarchical"].pop("mlp")
+        np.savez(os.path.join(out, f"mlp{comm.Get_rank()}.npz"), **mlp)
+        summary = {"role": "trainer", "hierarchical": summary["hierarchical"], "batches": summary["batches"]}
+    with open(os.path.join(out, f"rank{comm.Get_rank()}.json"), "w") as f:
+        json.dump(summary, f)
+
+
 def main() -> None:
     from mpi4py import MPI
     scenario, out = sys.argv[1], sys.argv[2]
@@ -210,6 +252,9 @@ def main() -> None:
         torch.set_num_threads(1)  # three processes on a small machine
     if scenario == "split":
         run_split(comm, out)
+    elif scenario == "ht_train":
+        groups, group_ps = int(sys.argv[3]), int(sys.argv[4])
+        run_ht_train(comm, out, groups, group_ps, sys.argv[5].split(",") if len(sys.argv) > 5 else [])
     elif scenario in ("easgd_sync", "easgd_background"):
         run_easgd(comm, out, scenario.split("_", 1)[1])
     elif scenario in ("dead_ps_hang", "dead_ps_kill"):

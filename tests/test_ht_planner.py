@@ -115,14 +115,19 @@ def test_format_lists_layers_and_nodes():
 def test_hps_plan_command(tmp_path, capsys):
     cfg = tmp_path / "ht.toml"
     cfg.write_text('hidden = [1024, 256]\n[ps]\ndim = 16\npath = "/tmp/x"\n[data]\nbatch_size = 2048\n'
-                   '[hierarchical]\ngroup_ps = 2\ntrainer_flops = 5e9\nactivations = "int8"\ngradients = "bf16"\n')
+                   '[hierarchical]\ngroup_ps = 2\nactivations = "int8"\ngradients = "bf16"\n'
+                   '[hierarchical.planner]\ntrainer_flops = 5e9\n')
     assert main(["plan", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "fc0       429 -> 1024" in out and "fc2       256 -> 1" in out
     assert "ps1 " in out and "modelled step" in out
-    cfg.write_text('hidden = [1024]\n[ps]\ndim = 16\n[hierarchical]\nps_memory = 1e3\ntrainer_memory = 1e3\n')
+    cfg.write_text('hidden = [1024]\n[ps]\ndim = 16\n[hierarchical]\ngroup_ps = 2\n'
+                   '[hierarchical.planner]\nps_memory = 1e3\ntrainer_memory = 1e3\n')
     assert main(["plan", "--config", str(cfg)]) == 1
     assert "hps plan: PlanError: no placement fits" in capsys.readouterr().err
-    cfg.write_text('hidden = [8]\n[ps]\ndim = 4\n[hierarchical]\ngroups = 2\n')
+    cfg.write_text('hidden = [8]\n[ps]\ndim = 4\n[hierarchical]\ngroup = 2\n')
     assert main(["plan", "--config", str(cfg)]) == 2
-    assert "unknown field(s) hierarchical.groups" in capsys.readouterr().err
+    assert "unknown field(s) hierarchical.group" in capsys.readouterr().err
+    cfg.write_text('hidden = [8]\n[hierarchical.planner]\ninput_width = 30\nbandwidth = -1\n')
+    assert main(["plan", "--config", str(cfg)]) == 2
+    assert "[hierarchical.planner]: bandwidth must be > 0, got -1" in capsys.readouterr().err

@@ -9,7 +9,9 @@ top-k with error feedback; bytes counted per traffic kind), :mod:`~hps.hierarchi
 (the elastic update between group replicas and a centre), :mod:`~hps.hierarchical.split_mlp`
 (an MLP's Linear layers placed on the trainer or split over the group PSs; torch,
 imported from that module only), :mod:`~hps.hierarchical.planner` (the placement:
-rules, then greedy refinement against the modelled bottleneck; ``hps plan``).
+rules, then greedy refinement against the modelled bottleneck; ``hps plan``),
+:mod:`~hps.hierarchical.roles` (groups, trainers, group PSs and the centre of an MPI
+job, and ``hps train`` with them: :func:`~hps.hierarchical.roles.train_hierarchical`).
 """
 from hps.hierarchical.codecs import (TRAFFIC_KINDS, BFloat16, ByteCounter, Codec, Encoded, Int8RowScale, NoCodec,
                                      TopK, make_codec)

@@ -369,31 +369,35 @@ def format_plan(result: PlanResult) -> str:
 
 def load_plan_config(path) -> tuple:
     """(shapes, PlannerConfig) from a training config: the MLP of its ``hidden`` widths
-    over the CtrModel's input (``[hierarchical] input_width``, by default the Criteo
-    layout's 26 fields of ``[ps] dim`` plus 13 dense features), the batch size of
-    ``[data]`` and the planner's fields in ``[hierarchical]``."""
+    over the CtrModel's input (``[hierarchical.planner] input_width``, by default the
+    Criteo layout's 26 fields of ``[ps] dim`` plus 13 dense features), the batch size
+    of ``[data]`` (unless the planner table gives one), ``group_ps`` and the codecs of
+    ``[hierarchical]``, the cost model's fields in ``[hierarchical.planner]``."""
     import os
-    from hps.config import check_fields, load_toml
+    from hps.config import load_toml
+    from hps.hierarchical.roles import HierarchicalConfig
     source = os.fspath(path)
     d = load_toml(path)
-    ht = dict(d.get("hierarchical", {}))
-    if not isinstance(ht, dict):
+    table = d.get("hierarchical", {})
+    if not isinstance(table, dict):
         raise ValueError(f"{source}: hierarchical must be a table")
-    extra = {"input_width"}
-    check_fields(PlannerConfig, {k: v for k, v in ht.items() if k not in extra}, source, prefix="hierarchical.")
+    ht = HierarchicalConfig.from_dict(dict(table), f"{source}: [hierarchical]")
+    planner = dict(ht.planner)
     ps = d.get("ps", {})
-    if "input_width" in ht:
-        width = ht.pop("input_width")
+    if "input_width" in planner:
+        width = planner.pop("input_width")
         if not (isinstance(width, int) and width >= 1):
-            raise ValueError(f"{source}: hierarchical.input_width must be an int >= 1, got {width!r}")
+            raise ValueError(f"{source}: hierarchical.planner.input_width must be an int >= 1, got {width!r}")
     else:
         if "dim" not in ps:
-            raise ValueError(f"{source}: [ps] dim (or [hierarchical] input_width) is needed for the MLP's input")
+            raise ValueError(f"{source}: [ps] dim (or [hierarchical.planner] input_width) is needed for the MLP's "
+                             f"input")
         width = 26 * int(ps["dim"]) + 13
     hidden = [int(h) for h in d.get("hidden", (512, 256))]
     widths = [width] + hidden + [1]
-    if "batch_size" not in ht and "batch_size" in d.get("data", {}):
-        ht["batch_size"] = int(d["data"]["batch_size"])
-    cfg = PlannerConfig(**ht)
-    cfg.check(f"{source}: [hierarchical]")
+    if "batch_size" not in planner and "batch_size" in d.get("data", {}):
+        planner["batch_size"] = int(d["data"]["batch_size"])
+    ht.planner = planner
+    cfg = ht.planner_config()
+    cfg.check(f"{source}: [hierarchical.planner]")
     return list(zip(widths[:-1], widths[1:])), cfg

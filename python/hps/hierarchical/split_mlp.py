@@ -56,6 +56,9 @@ WHERE = ("trainer", "ps")
 SPLITS = ("none", "vertical", "horizontal")
 
 
+DEFER = "defer"  # GroupPsServer.handle's answer to a step request that waits for the group's other trainers
+
+
 class GroupPsTimeout(HpsError):
     """A group PS did not answer within the timeout (it died or hung)."""
 
@@ -210,15 +213,20 @@ class GroupPsServer:
     """Group PS `index`'s blocks of every PS segment, its optimizer and the
     activations kept between a forward call and its backward one.
 
-    Requests (tuples): ("forward", seg, call, x) -> y part; ("backward", seg, call,
+    Requests (tuples): ("forward", seg, call, x, keep) -> y part (keep: hold the
+    activations for a backward pass); ("backward", seg, call,
     dy, want_dx) -> dx part or None; ("step",) applies the optimizer to the
-    gradients gathered since the last step; ("state",) -> {name: (weight, grad)}
+    gradients gathered since the last step once `trainers` trainers have asked
+    (DEFER until then: serve answers them all together); ("state",) -> {name: (weight, grad)}
     of its blocks; ("stop",). Tensors travel as codec payloads."""
 
     def __init__(self, seq: nn.Sequential, plan: SplitPlan, index: int,
                  make_optimizer: Callable, codecs: Optional[CodecStreams] = None,
-                 counter: Optional[ByteCounter] = None):
+                 counter: Optional[ByteCounter] = None, trainers: int = 1):
         self.index = index
+        self.trainers = trainers  # a step is taken once this many trainers have asked (their gradients summed)
+        self._asked = 0
+        self.on_step: Optional[Callable] = None  # called after each step (the group PS's EASGD thread)
         self.plan = plan
         P = plan.group_ps
         if not 0 <= index < P:
@@ -240,11 +248,12 @@ class GroupPsServer:
     def handle(self, src: int, msg: tuple):
         op = msg[0]
         if op == "forward":
-            _, seg, call, enc = msg
-            x = torch.from_numpy(decode(enc).copy()).requires_grad_(True)
-            with torch.enable_grad():  # in-process, this runs inside the trainer's autograd Function
+            _, seg, call, enc, keep = msg
+            x = torch.from_numpy(decode(enc).copy()).requires_grad_(keep)
+            with torch.set_grad_enabled(keep):  # in-process, this runs inside the trainer's autograd Function
                 y = self.shards[seg](x)
-            self.saved[src, call, seg] = (x, y)
+            if keep:  # for the backward pass; evaluation sends keep = False
+                self.saved[src, call, seg] = (x, y)
             return self._encode("activations", ("fwd", src, seg), y)
         if op == "backward":
             _, seg, call, enc, want_dx = msg
@@ -253,10 +262,16 @@ class GroupPsServer:
                 y.backward(torch.from_numpy(decode(enc).copy()))
             return self._encode("gradients", ("bwd", src, seg), x.grad) if want_dx else None
         if op == "step":
+            self._asked += 1
+            if self._asked < self.trainers:
+                return DEFER
+            self._asked = 0
             if self.optimizer is not None:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)
             self.steps += 1
+            if self.on_step is not None:
+                self.on_step()
             return self.steps
         if op == "state":
             return {f"{seg}.{name}": (p.detach().numpy().copy(),
@@ -275,6 +290,7 @@ class LocalTransport:
 
     def __init__(self, servers: Sequence[GroupPsServer], src: int = 0):
         self.servers = list(servers)
+        self.count = len(self.servers)
         self.src = src
         self._replies: dict = {}
 
@@ -293,6 +309,7 @@ class MpiTransport:
     def __init__(self, comm, ps_ranks: Sequence[int], timeout: float = 60.0, tag: int = 1):
         self.comm = comm
         self.ps_ranks = list(ps_ranks)
+        self.count = len(self.ps_ranks)
         self.timeout = timeout
         self.tag = tag
 
@@ -320,6 +337,7 @@ def serve(comm, server: GroupPsServer, trainers: int, idle_timeout: Optional[flo
     GroupPsTimeout (the trainers died or hung)."""
     from mpi4py import MPI
     stopped = 0
+    waiting: list = []  # (rank, tag) of step requests answered when the group's last trainer asks
     status = MPI.Status()
     while stopped < trainers:
         if idle_timeout is not None:
@@ -334,7 +352,14 @@ def serve(comm, server: GroupPsServer, trainers: int, idle_timeout: Optional[flo
         msg = comm.recv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
         src, tag = status.Get_source(), status.Get_tag()
         reply = server.handle(src, msg)
+        if reply is DEFER:
+            waiting.append((src, tag))
+            continue
         comm.send(reply, dest=src, tag=tag)
+        if msg[0] == "step":
+            for r, t in waiting:
+                comm.send(reply, dest=r, tag=t)
+            waiting.clear()
         if msg[0] == "stop":
             stopped += 1
 
@@ -347,7 +372,7 @@ class _RemoteFn(torch.autograd.Function):
     def forward(ctx, x, anchor, remote):
         call = next(remote.calls)
         ctx.remote, ctx.call = remote, call
-        return remote.forward_remote(x.detach(), call)
+        return remote.forward_remote(x.detach(), call, keep=True)
 
     @staticmethod
     def backward(ctx, dy):
@@ -377,13 +402,16 @@ class _RemoteSegment(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.in_width:
             raise ValueError(f"layer {self.seg.start}: input of shape {tuple(x.shape)}, expected (B, "
                              f"{self.in_width})")
+        if not torch.is_grad_enabled():  # evaluation: no backward will come
+            return self.forward_remote(x.detach(), next(self.calls), keep=False)
         return _RemoteFn.apply(x, self.anchor, self)
 
     def _in_blocks(self):
         P = self._trainer[0].plan.group_ps
         return blocks(self.in_width, P)
 
-    def forward_remote(self, x: torch.Tensor, call: int) -> torch.Tensor:
+    def forward_remote(self, x: torch.Tensor, call: int, keep: bool = True) -> torch.Tensor:
+        """keep: the PSs keep the activations for a backward pass (not in evaluation)."""
         t = self._trainer[0]
         horizontal = self.seg.kind == "fc" and self.seg.placement.split == "horizontal"
         xs = x.contiguous().numpy()
@@ -391,7 +419,7 @@ class _RemoteSegment(nn.Module):
         for k, p in enumerate(self.parts):
             part = np.ascontiguousarray(xs[:, ins[k][0]:ins[k][1]]) if horizontal else xs
             enc = t.counter.encode(t.codecs.get("activations", ("fwd", self.seg.start, p)), "activations", part)
-            t.transport.post(p, ("forward", self.seg.start, call, enc))
+            t.transport.post(p, ("forward", self.seg.start, call, enc, keep))
         ys = [decode(t.transport.wait(p, f"the forward pass of layer {self.seg.start}")) for p in self.parts]
         if self.seg.kind == "fc" and self.seg.placement.split == "vertical":
             y = np.concatenate(ys, axis=1)
@@ -438,6 +466,9 @@ class SplitTrainer(nn.Module):
         self.codecs = codecs or CodecStreams()
         self.counter = counter or ByteCounter()
         self.segments = segments(seq, plan)
+        if any(s.kind != "local" for s in self.segments) and transport.count != plan.group_ps:
+            raise ValueError(f"SplitTrainer: the plan splits over {plan.group_ps} group PSs, the transport reaches "
+                             f"{transport.count}")
         mods: list = []
         for s in self.segments:
             if s.kind == "local":
@@ -452,7 +483,8 @@ class SplitTrainer(nn.Module):
         return self.net(x)
 
     def _all_ps(self) -> list:
-        return list(range(self.plan.group_ps))
+        # Every group PS the transport reaches (one the plan leaves idle still steps and stops).
+        return list(range(self.transport.count))
 
     def ps_step(self) -> None:
         """Every group PS applies its optimizer to the gradients it gathered."""

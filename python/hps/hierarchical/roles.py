@@ -1,0 +1,399 @@
+"""Hierarchical Training's roles in an MPI job, and `hps train` with them.
+
+The world's ranks, in order: G groups, each of T trainer ranks then P group-PS
+ranks, then (G > 1) one centre rank for the background elastic average:
+
+    world = G * (T + P) + (1 if G > 1 else 0)
+
+T is what the world size leaves. The centre has a rank of its own rather than
+being sharded over the group PSs: one rank answers every group's exchange for every
+part of the dense model (the trainer-held layers and each group PS's blocks), one
+thread a part, each on a communicator of its own.
+
+Inside a group there is one dense replica: the trainers hold the layers the plan
+leaves them (their gradients all-reduced over the group's trainers each step), the
+group PSs hold the rest (each trainer's backward adds to the PSs' gradients; a PS
+steps once every trainer of its group has asked, so T trainers take one step on the
+sum, as the all-reduce does). Sparse embeddings stay as hps.distributed has them:
+rows owned by the trainer ranks of every group, bulk-synchronous per batch.
+
+Across groups (G > 1) the replicas are averaged with the centre by EASGD from
+background threads (ShadowSync): trainer 0 of each group for the trainer-held part,
+each group PS for its blocks; training never waits for them. With G > 1 each group
+has one trainer (T = 1) in this version.
+
+Limits of this version (issue 18): one net per trainer (``nets = 1``; Hogwild nets
+are not wired into the pipeline), no --resume of a hierarchical job, and each
+group's loss is normalised by the examples of all groups' batches (as the sparse
+exchange aligns them), which scales the gradients by 1/G (Adam is nearly
+indifferent to it).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import numpy as np
+
+from hps.hierarchical.easgd import BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig
+
+__all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical"]
+
+
+@dataclass
+class HierarchicalConfig:
+    groups: int = 1                  # G: groups, each one dense replica
+    group_ps: int = 0                # P: group-PS ranks per group (0: the whole MLP on the trainers)
+    nets: int = 1                    # R: nets per trainer (only 1 in this version)
+    alpha: float = 0.1               # EASGD elasticity across groups
+    period: int = 1                  # local steps between a group's exchanges with the centre
+    activations: str = "none"        # codec of forward traffic trainer <-> group PS
+    gradients: str = "none"          # codec of backward traffic
+    averaging: str = "none"          # codec of the exchanges with the centre
+    placement: list = field(default_factory=list)  # per Linear: "trainer", "ps:vertical", "ps:vertical:pair",
+                                                   # "ps:horizontal", "ps:whole:Q"; empty: the planner's
+    planner: dict = field(default_factory=dict)    # PlannerConfig fields for the planner's cost model
+    timeout: float = 60.0            # seconds a rank waits for a group PS or the centre
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "[hierarchical]") -> "HierarchicalConfig":
+        from hps.config import check_fields
+        check_fields(cls, d, source, prefix="hierarchical.")
+        cfg = cls(**d)
+        cfg.check(source)
+        return cfg
+
+    def check(self, source: str = "[hierarchical]") -> None:
+        from hps.hierarchical.codecs import make_codec
+        from hps.hierarchical.planner import PlannerConfig
+        for name in ("groups", "nets"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"{source}: {name} must be an int >= 1, got {v!r}")
+        if not (isinstance(self.group_ps, int) and self.group_ps >= 0):
+            raise ValueError(f"{source}: group_ps must be an int >= 0, got {self.group_ps!r}")
+        if self.nets != 1:
+            raise ValueError(f"{source}: nets = {self.nets}: Hogwild nets are not wired into hps train yet; use 1")
+        EasgdConfig(self.alpha, self.period).check(source)
+        for name in ("activations", "gradients", "averaging"):
+            try:
+                make_codec(getattr(self, name))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{source}: {name}: {e}") from None
+        for j, s in enumerate(self.placement):
+            parse_placement(s, f"{source}: placement[{j}]")
+        known = ({f.name for f in fields(PlannerConfig)} - {"group_ps", "activations", "gradients"}) | {"input_width"}
+        unknown = sorted(set(self.planner) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join('planner.' + u for u in unknown)}; known: "
+                             f"{', '.join('planner.' + k for k in sorted(known))}")
+        if not self.timeout > 0:
+            raise ValueError(f"{source}: timeout must be > 0 seconds, got {self.timeout!r}")
+
+    def planner_config(self):
+        from hps.hierarchical.planner import PlannerConfig
+        fields_ = {k: v for k, v in self.planner.items() if k != "input_width"}  # hps plan's, not the model's
+        return PlannerConfig(**fields_, group_ps=max(1, self.group_ps), activations=self.activations,
+                             gradients=self.gradients)
+
+
+def parse_placement(s: str, where: str = "placement"):
+    """One Linear's place from its config string."""
+    from hps.hierarchical.split_mlp import FcPlacement
+    if not isinstance(s, str):
+        raise ValueError(f"{where}: expected a string like 'ps:vertical', got {s!r}")
+    parts = s.split(":")
+    if parts == ["trainer"]:
+        return FcPlacement()
+    if parts[:1] == ["ps"] and len(parts) >= 2:
+        if parts[1] in ("vertical", "horizontal") and len(parts) == 2:
+            return FcPlacement("ps", parts[1])
+        if parts[1] == "vertical" and parts[2:] == ["pair"]:
+            return FcPlacement("ps", "vertical", pair=True)
+        if parts[1] == "whole" and len(parts) == 3 and parts[2].isdigit():
+            return FcPlacement("ps", "none", ps=int(parts[2]))
+    raise ValueError(f"{where}: cannot read {s!r}; write 'trainer', 'ps:vertical', 'ps:vertical:pair', "
+                     f"'ps:horizontal' or 'ps:whole:Q'")
+
+
+@dataclass
+class Roles:
+    """Where this rank sits: role "trainer", "group_ps" or "centre"; its group and
+    its index among the group's trainers or PSs."""
+    world: int
+    groups: int
+    trainers: int            # T per group
+    group_ps: int            # P per group
+    rank: int
+    role: str
+    group: int = -1
+    index: int = -1
+
+    @classmethod
+    def layout(cls, world: int, rank: int, cfg: HierarchicalConfig) -> "Roles":
+        G, P = cfg.groups, cfg.group_ps
+        centre = 1 if G > 1 else 0
+        rest = world - centre
+        if rest < G or rest % G or rest // G <= P:
+            raise ValueError(f"[hierarchical]: {world} ranks cannot make {G} group(s) of {P} group PS(s) and at "
+                             f"least one trainer{' plus a centre' if centre else ''}: world = groups * (trainers + "
+                             f"group_ps){' + 1' if centre else ''}")
+        T = rest // G - P
+        if G > 1 and T != 1:
+            raise ValueError(f"[hierarchical]: {G} groups of {T} trainers: with more than one group, each has one "
+                             f"trainer in this version")
+        if rank == world - centre and centre:
+            return cls(world, G, T, P, rank, "centre")
+        g, i = divmod(rank, T + P)
+        return cls(world, G, T, P, rank, "trainer" if i < T else "group_ps", g, i if i < T else i - T)
+
+    def trainer_ranks(self, g: Optional[int] = None) -> list:
+        gs = range(self.groups) if g is None else [g]
+        return [h * (self.trainers + self.group_ps) + i for h in gs for i in range(self.trainers)]
+
+    def ps_ranks(self, g: int) -> list:
+        base = g * (self.trainers + self.group_ps) + self.trainers
+        return list(range(base, base + self.group_ps))
+
+    def describe(self) -> str:
+        lines = []
+        for g in range(self.groups):
+            lines.append(f"group {g}: trainer rank(s) {self.trainer_ranks(g)}, group PS rank(s) "
+                         f"{self.ps_ranks(g) or '-'}")
+        if self.groups > 1:
+            lines.append(f"centre: rank {self.world - 1} (background EASGD)")
+        return "; ".join(lines)
+
+
+# ---------------------------------------------------------------- the job
+
+
+class _NoOptimizer:
+    """The trainer's optimizer when the plan leaves it no dense weights."""
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass
+
+    def step(self):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _flatten(params) -> np.ndarray:
+    """Moves `params` into one flat float32 tensor (their data become views of it)
+    and returns it as a NumPy array sharing that memory, for the EASGD thread."""
+    import torch
+    params = list(params)
+    if not params:
+        return np.zeros(0, np.float32)
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).contiguous()
+    at = 0
+    for p in params:
+        n = p.numel()
+        p.data = flat[at:at + n].view_as(p)
+        at += n
+    return flat.numpy()
+
+
+class _HtDenseSync:
+    """Takes DenseSync's place in the Trainer: the group's trainers all-reduce the
+    trainer-held gradients, the group PSs step once the group's trainers have all
+    asked, and a background thread averages with the centre."""
+
+    def __init__(self, split, group_comm, params, background: Optional[BackgroundEasgd]):
+        self.split, self.comm, self.params = split, group_comm, list(params)
+        self.background = background
+        self.merges = 0
+
+    def broadcast_parameters(self) -> None:
+        from mpi4py import MPI  # noqa: F401 - the communicator's module
+        import torch
+        for p in self.params:
+            buf = p.detach().numpy()
+            self.comm.Bcast(buf, root=0)
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(buf))
+
+    def reduce_gradients(self) -> None:
+        import torch
+        from mpi4py import MPI
+        if self.comm.Get_size() == 1:
+            return
+        for p in self.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            buf = np.ascontiguousarray(g.numpy(), np.float32)
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            p.grad = torch.from_numpy(buf)
+
+    def after_step(self, final: bool = False) -> None:
+        if final:
+            return
+        self.split.ps_step()
+        if self.background is not None:
+            self.background.step_done()
+            self.merges = self.background.client.exchanges
+
+    def state_dict(self) -> dict:
+        return {"merges": self.merges}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.merges = state.get("merges", 0)
+
+
+def _plan_for(mlp, cfg: HierarchicalConfig):
+    from hps.hierarchical.planner import linear_shapes, plan
+    from hps.hierarchical.split_mlp import FcPlacement, SplitPlan
+    shapes = linear_shapes(mlp)
+    if cfg.group_ps == 0:
+        return SplitPlan([FcPlacement() for _ in shapes], 1)
+    if cfg.placement:
+        if len(cfg.placement) != len(shapes):
+            raise ValueError(f"[hierarchical] placement names {len(cfg.placement)} Linear layers, the MLP has "
+                             f"{len(shapes)}")
+        return SplitPlan([parse_placement(s, f"[hierarchical] placement[{j}]") for j, s in
+                          enumerate(cfg.placement)], cfg.group_ps)
+    return plan(shapes, cfg.planner_config()).plan
+
+
+def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, easgd_comms) -> dict:
+    """A group PS's life: the MLP and plan from its group's trainer 0, its blocks
+    served until the group's trainers stop, EASGD of its blocks in the background."""
+    from hps.hierarchical.codecs import CodecStreams
+    from hps.hierarchical.split_mlp import GroupPsServer, serve
+    from hps.tuning import dense_adam, import_torch
+    import_torch()
+    leader = roles.trainer_ranks(roles.group)[0]
+    mlp, plan = world.recv(source=leader, tag=51)
+    codecs = CodecStreams({"activations": cfg.activations, "gradients": cfg.gradients,
+                           "averaging": cfg.averaging})
+    holder: dict = {}
+
+    def make_optimizer(params):
+        holder["live"] = _flatten(params)
+        return dense_adam(params, train_cfg.dense_lr)
+
+    server = GroupPsServer(mlp, plan, roles.index, make_optimizer, codecs, trainers=roles.trainers)
+    background = None
+    if roles.groups > 1:
+        comm = easgd_comms[1 + roles.index]
+        live = holder.get("live", np.zeros(0, np.float32))
+        if roles.group == 0:
+            comm.send(live.copy(), dest=roles.world - 1, tag=40)
+        client = EasgdClient(comm, roles.world - 1, roles.group, EasgdConfig(cfg.alpha, cfg.period), codecs,
+                             server.counter, timeout=cfg.timeout)
+        background = BackgroundEasgd(client, live)
+        server.on_step = background.step_done
+    serve(world, server, trainers=roles.trainers, idle_timeout=None)
+    if background is not None:
+        background.close()
+    return {"role": "group_ps", "group": roles.group, "index": roles.index, "steps": server.steps,
+            "exchanges": background.client.exchanges if background is not None else 0,
+            "bytes": server.counter.as_dict()}
+
+
+def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
+    from hps.hierarchical.codecs import ByteCounter, CodecStreams
+    codecs = CodecStreams({"averaging": cfg.averaging})
+    counter = ByteCounter()
+    parts = 1 + roles.group_ps
+    errors: list = []
+    centres: list = [None] * parts
+
+    def run(k: int) -> None:
+        try:
+            comm = easgd_comms[k]
+            first = roles.trainer_ranks(0)[0] if k == 0 else roles.ps_ranks(0)[k - 1]
+            x0 = comm.recv(source=first, tag=40)
+            ranks = [roles.trainer_ranks(g)[0] if k == 0 else roles.ps_ranks(g)[k - 1] for g in range(roles.groups)]
+            centres[k] = EasgdCentre(comm, x0, ranks, EasgdConfig(cfg.alpha, cfg.period), codecs, counter)
+            centres[k].serve(timeout=max(cfg.timeout, 3600.0))
+        except BaseException as e:  # noqa: BLE001 - reported below, in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"hps-centre-{k}") for k in range(parts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return {"role": "centre", "exchanges": sum(c.easgd.exchanges for c in centres if c is not None),
+            "bytes": counter.as_dict()}
+
+
+def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = False, progress: bool = True,
+                       train_batches=None, eval_batches=None, comm=None, return_mlp: bool = False) -> dict:
+    """One rank of an HT job (every rank calls it with the same configs). Trainers
+    return hps.train.train's summary with a "hierarchical" entry (roles, plan,
+    bytes per traffic kind; with `return_mlp` the group's whole MLP, its PSs' blocks
+    put back together, as {name: array}); group PSs and the centre return what they
+    did."""
+    from mpi4py import MPI
+    from hps.distributed import Node
+    from hps.hierarchical.codecs import CodecStreams
+    from hps.hierarchical.split_mlp import MpiTransport, SplitTrainer
+    from hps.train import train
+    from hps.tuning import dense_adam
+
+    if resume:
+        raise ValueError("[hierarchical]: --resume of a hierarchical job is not supported yet")
+    cfg.check()
+    world = comm if comm is not None else MPI.COMM_WORLD
+    roles = Roles.layout(world.Get_size(), world.Get_rank(), cfg)
+    trainers_comm = world.Split(0 if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank())
+    group_comm = world.Split(roles.group if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank())
+    easgd_comms = [world.Dup() for _ in range(1 + cfg.group_ps)] if roles.groups > 1 else []
+    if roles.role == "group_ps":
+        return _serve_group_ps(world, roles, cfg, train_cfg, easgd_comms)
+    if roles.role == "centre":
+        return _serve_centre(roles, cfg, easgd_comms)
+
+    codecs = CodecStreams({"activations": cfg.activations, "gradients": cfg.gradients,
+                           "averaging": cfg.averaging})
+    made: dict = {}
+
+    def hook(trainer) -> None:
+        mlp = trainer.model.mlp
+        plan = _plan_for(mlp, cfg)
+        ps_ranks = roles.ps_ranks(roles.group)
+        if roles.index == 0:
+            for r in ps_ranks:
+                world.send((mlp, plan), dest=r, tag=51)
+        transport = MpiTransport(world, ps_ranks, timeout=cfg.timeout, tag=1)
+        split = SplitTrainer(mlp, plan, transport, codecs)
+        trainer.model.mlp = split
+        params = list(split.parameters())
+        live = _flatten(params)
+        trainer.opt = dense_adam(params, train_cfg.dense_lr) if params else _NoOptimizer()
+        background = None
+        if roles.groups > 1:
+            if roles.group == 0:
+                easgd_comms[0].send(live.copy(), dest=roles.world - 1, tag=40)
+            client = EasgdClient(easgd_comms[0], roles.world - 1, roles.group, EasgdConfig(cfg.alpha, cfg.period),
+                                 codecs, split.counter, timeout=cfg.timeout)
+            background = BackgroundEasgd(client, live)
+        trainer.dense_sync = _HtDenseSync(split, group_comm, params, background)
+        made.update(split=split, plan=plan, background=background)
+
+    node = Node(train_cfg.distributed, comm=trainers_comm)
+    summary = train(train_cfg, resume=False, progress=progress, train_batches=train_batches,
+                    eval_batches=eval_batches, node=node, dense_hook=hook)
+    split = made["split"]
+    exchanges = 0
+    if made["background"] is not None:
+        made["background"].close()
+        exchanges = made["background"].client.exchanges
+    mlp = {n: v for n, (v, _) in split.full_state().items()} if return_mlp else None
+    split.stop()
+    summary["hierarchical"] = {"roles": roles.describe(), "group": roles.group, "trainer": roles.index,
+                               "plan": [f"{p.where}:{p.split}{':pair' if p.pair else ''}" for p in made["plan"].fcs],
+                               "bytes": split.counter.as_dict(), "exchanges": exchanges}
+    if return_mlp:
+        summary["hierarchical"]["mlp"] = mlp
+    return summary

@@ -1,0 +1,121 @@
+"""Hierarchical Training in `hps train` (hps.hierarchical.roles) under mpiexec on
+localhost: one group equals today's all-reduce training, a split MLP over two group
+PSs equals one process, and two groups average with a centre in the background."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+from hps.hierarchical.roles import HierarchicalConfig, Roles, parse_placement  # noqa: E402
+from hps.hierarchical.split_mlp import FcPlacement as F  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ht_scenarios.py")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sc, ms = _load("ht_scenarios"), _load("mpi_scenarios")
+MPIEXEC = shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
+                               reason="needs mpi4py and mpiexec (pip install '.[mpi]')")
+
+
+def _run(tmp_path, n, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, SCRIPT, "ht_train", tmp_path, *map(str, args)],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 0, p.stderr[-5000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def _reference(tmp_path, trainers):
+    """Today's training in one process over the global batches (which
+    tests/test_distributed.py shows all-reduce training equals)."""
+    from hps.train import load_trainer_state, train
+    batches = ms.global_batches(sc.HT_STEPS, sc.HT_PER_RANK, trainers)
+    train(ms.train_config(str(tmp_path / "single")), progress=False, train_batches=batches, eval_batches=[])
+    return {k: v.numpy() for k, v in load_trainer_state(str(tmp_path / "single"))["mlp"].items()}
+
+
+@needs_mpi
+def test_one_group_of_two_trainers_equals_allreduce_training(tmp_path):
+    out = _run(tmp_path, 2, 1, 0)
+    ref = _reference(tmp_path, 2)
+    for r in range(2):
+        assert out[r]["hierarchical"]["roles"] == "group 0: trainer rank(s) [0, 1], group PS rank(s) -"
+        assert out[r]["batches"] == sc.HT_STEPS
+        got = np.load(tmp_path / f"mlp{r}.npz")
+        assert set(got.files) == set(ref)
+        for name, value in ref.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6, err_msg=f"rank {r}: {name}")
+
+
+@needs_mpi
+def test_split_mlp_over_two_group_ps_equals_one_process(tmp_path):
+    out = _run(tmp_path, 3, 1, 2, "ps:vertical,ps:horizontal")
+    ref = _reference(tmp_path, 1)
+    got = np.load(tmp_path / "mlp0.npz")
+    for name, value in ref.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+    h = out[0]["hierarchical"]
+    assert h["roles"] == "group 0: trainer rank(s) [0], group PS rank(s) [1, 2]"
+    assert h["plan"] == ["ps:vertical", "ps:horizontal"]
+    assert h["bytes"]["activations"]["before"] > 0 and h["bytes"]["gradients"]["before"] > 0
+    assert [o["steps"] for o in out[1:]] == [sc.HT_STEPS, sc.HT_STEPS]
+
+
+@needs_mpi
+def test_two_groups_average_with_the_centre_in_the_background(tmp_path):
+    out = _run(tmp_path, 3, 2, 0)
+    assert out[0]["hierarchical"]["roles"] == ("group 0: trainer rank(s) [0], group PS rank(s) -; group 1: trainer "
+                                               "rank(s) [1], group PS rank(s) -; centre: rank 2 (background EASGD)")
+    done = [o["hierarchical"]["exchanges"] for o in out[:2]]
+    assert all(1 <= d <= sc.HT_STEPS for d in done)
+    assert out[2]["role"] == "centre" and out[2]["exchanges"] == sum(done)
+    assert out[2]["bytes"]["averaging"]["after"] > 0
+    a, b = np.load(tmp_path / "mlp0.npz"), np.load(tmp_path / "mlp1.npz")
+    assert any(not np.array_equal(a[n], b[n]) for n in a.files)  # two replicas, trained on different data
+
+
+def test_roles_layout():
+    cfg = HierarchicalConfig(groups=2, group_ps=1)
+    roles = [Roles.layout(5, r, cfg) for r in range(5)]
+    assert [(x.role, x.group, x.index) for x in roles] == [("trainer", 0, 0), ("group_ps", 0, 0), ("trainer", 1, 0),
+                                                           ("group_ps", 1, 0), ("centre", -1, -1)]
+    assert roles[0].trainer_ranks() == [0, 2] and roles[0].ps_ranks(1) == [3]
+    one = Roles.layout(6, 4, HierarchicalConfig(groups=1, group_ps=2))
+    assert (one.trainers, one.role, one.index) == (4, "group_ps", 0)
+    with pytest.raises(ValueError, match="4 ranks cannot make 2 group.s. of 1 group PS.s. and at least one trainer "
+                                         "plus a centre"):
+        Roles.layout(4, 0, cfg)
+    with pytest.raises(ValueError, match="2 groups of 2 trainers: with more than one group, each has one trainer"):
+        Roles.layout(7, 0, HierarchicalConfig(groups=2, group_ps=1))
+
+
+def test_config_errors_are_named():
+    assert parse_placement("ps:vertical:pair") == F("ps", "vertical", pair=True)
+    assert parse_placement("ps:whole:1") == F("ps", "none", ps=1)
+    with pytest.raises(ValueError, match=r"placement\[0\]: cannot read 'ps:diagonal'"):
+        HierarchicalConfig.from_dict({"placement": ["ps:diagonal"]})
+    with pytest.raises(ValueError, match="nets = 4: Hogwild nets are not wired into hps train yet"):
+        HierarchicalConfig.from_dict({"nets": 4})
+    with pytest.raises(ValueError, match="averaging: unknown codec 'gzip'"):
+        HierarchicalConfig.from_dict({"averaging": "gzip"})
+    with pytest.raises(ValueError, match="unknown field.s. hierarchical.group"):
+        HierarchicalConfig.from_dict({"group": 2})
+    with pytest.raises(ValueError, match="unknown field.s. planner.flops"):
+        HierarchicalConfig.from_dict({"planner": {"flops": 1}})
