@@ -390,3 +390,27 @@ def auc(labels, scores):
     ranks[order] = np.arange(1, len(order) + 1)
     pos = labels > 0.5
     return (ranks[pos].sum() - pos.sum() * (pos.sum() + 1) / 2) / (pos.sum() * (~pos).sum())
+
+
+def test_libsvm_fast_path_reads_as_the_line_parser(tmp_path, monkeypatch):
+    p = tmp_path / "plain.svm"
+    p.write_text("1 3:1 12:0.5 4:2\n\n  0\t11:1e-3   15:.5 \n+1 15:1\n-1 007:4 19:-2.5\n1.0 0:1")
+    schema = {"fields": {"user": [0, 9], "item": [10, 19]}}
+    slow = Libsvm(p, schema, batch_size=2)
+    monkeypatch.setattr(slow, "_fast", lambda *a: None)
+    want = read_all(slow)
+    fast = Libsvm(p, schema, batch_size=2)
+    monkeypatch.setattr(fast, "_parse", lambda *a: pytest.fail("the fast path declined a plain file"))
+    got = read_all(fast)
+    np.testing.assert_array_equal(got[0], want[0])
+    for g, w in zip(got[3], want[3], strict=True):
+        np.testing.assert_array_equal(g.keys, w.keys)
+        np.testing.assert_array_equal(g.offsets, w.offsets)
+        np.testing.assert_array_equal(g.weights, w.weights)
+    assert [b.sources for b in got[4]] == [b.sources for b in want[4]]
+    assert want[3][0].keys.tolist() == [ref_key(0, "3"), ref_key(0, "4"), ref_key(0, "7"), ref_key(0, "0")]
+    # A bad token in a block the fast path would take goes to the line parser, which names it.
+    q = tmp_path / "bad.svm"
+    q.write_text("1 3:1\n0 3:1e400\n")
+    with pytest.raises(DataError, match=r"bad.svm:2: '3:1e400': the value is not finite"):
+        list(Libsvm(q, schema))

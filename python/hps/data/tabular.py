@@ -457,15 +457,75 @@ class Libsvm(_SchemaReader):
                         pending = buf
                         continue
                     pending = buf[cut + 1:]
-                    rows = buf[:cut].split(b"\n")
-                    piece = self._parse(rows, path, line)
-                    line += len(rows)
+                    piece, n_lines = self._block(buf[:cut + 1], path, line)
+                    line += n_lines
                     if len(piece):
                         yield piece
                 if pending:
-                    piece = self._parse([pending], path, line)
+                    piece, _ = self._block(pending, path, line)
                     if len(piece):
                         yield piece
+
+    def _block(self, block: bytes, path: str, first_line: int) -> tuple[_Piece, int]:
+        """(rows, lines) of a block of whole lines: vectorised through pyarrow, or line by
+        line (the reference rules, which name a bad line) when the fast path declines."""
+        n_lines = block.count(b"\n") + (not block.endswith(b"\n"))
+        piece = self._fast(block, path, first_line)
+        if piece is None:
+            rows = block.split(b"\n")
+            if block.endswith(b"\n"):
+                rows.pop()
+            piece = self._parse(rows, path, first_line)
+        return piece, n_lines
+
+    def _fast(self, block: bytes, path: str, first_line: int) -> Optional[_Piece]:
+        """The block's rows if every line is plain ``label idx:val ...`` that _parse_line accepts
+        with the same values; None for anything else (comments, "\\r", libFFM triples, a bad
+        token), which _parse then reads."""
+        pa = self._pa
+        pc = pa.compute
+        if b"#" in block or b"\r" in block or len(block) >= 1 << 31:
+            return None
+        data = np.frombuffer(block, np.uint8)
+        ends = np.flatnonzero(data == 10) + 1  # each line with its line end (whitespace to the splitter)
+        if not block.endswith(b"\n"):
+            ends = np.append(ends, len(data))
+        offsets = np.concatenate([[0], ends]).astype(np.int32)
+        lines_arr = pa.Array.from_buffers(pa.binary(), len(ends), [None, pa.py_buffer(offsets), pa.py_buffer(block)])
+        try:
+            trimmed = pc.ascii_trim_whitespace(lines_arr.cast(pa.string()))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        text = pc.greater(pc.binary_length(trimmed), 0)  # blank lines are skipped
+        lines = first_line + np.flatnonzero(text.to_numpy(zero_copy_only=False))
+        tokens = pc.ascii_split_whitespace(trimmed.filter(text))
+        lens = pc.list_value_length(tokens).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = pc.list_flatten(tokens)
+        if len(flat) and not pc.all(pc.greater(pc.binary_length(flat), 0)).as_py():
+            return None  # (never seen; the line parser's split has no empty tokens)
+        starts = np.concatenate([[0], np.cumsum(lens)])[:-1]
+        label_idx = pc.index_in(flat.take(pa.array(starts)), value_set=pa.array([t.decode() for t in _LABELS]))
+        if label_idx.null_count:
+            return None
+        labels = np.array(list(_LABELS.values()), np.float32)[label_idx.to_numpy(zero_copy_only=False)]
+        feature = np.ones(len(flat), bool)
+        feature[starts] = False
+        feats = flat.filter(pa.array(feature))
+        row = np.repeat(np.arange(len(lines)), lens - 1)
+        parts = pc.split_pattern(feats, ":")
+        if len(feats) and not pc.all(pc.equal(pc.list_value_length(parts), 2)).as_py():
+            return None
+        k, v = pc.list_element(parts, 0), pc.list_element(parts, 1)
+        if len(feats) and not pc.all(pc.match_substring_regex(k, r"^[0-9]+$")).as_py():
+            return None
+        try:
+            idx = k.cast(pa.uint64()).to_numpy(zero_copy_only=False)
+            val = v.cast(pa.float64()).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        if (idx >= np.uint64(1 << 63)).any() or not np.isfinite(val).all():
+            return None
+        return self._assemble(path, lines, labels, row, idx.astype(np.int64), val.astype(np.float32))
 
     def _parse(self, rows: list[bytes], path: str, first_line: int) -> _Piece:
         lines, labels, feat_row, feat_idx, feat_val = [], [], [], [], []
@@ -485,10 +545,14 @@ class Libsvm(_SchemaReader):
             feat_row += [r] * len(idx)
             feat_idx += idx
             feat_val += val
+        return self._assemble(path, np.asarray(lines, np.int64), np.asarray(labels, np.float32),
+                              np.asarray(feat_row, np.int64), np.asarray(feat_idx, np.int64),
+                              np.asarray(feat_val, np.float32))
+
+    def _assemble(self, path: str, lines: np.ndarray, labels: np.ndarray, row: np.ndarray, idx: np.ndarray,
+                  val: np.ndarray) -> _Piece:
+        """Rows from parsed lines: labels (n,), and each feature's row, index and value."""
         n = len(labels)
-        row = np.asarray(feat_row, np.int64)
-        idx = np.asarray(feat_idx, np.int64)
-        val = np.asarray(feat_val, np.float32)
         where = np.searchsorted(self._lo, idx, side="right") - 1
         field = self._field[np.maximum(where, 0)]
         outside = (where < 0) | (idx > self._hi[np.maximum(where, 0)])
@@ -497,7 +561,7 @@ class Libsvm(_SchemaReader):
             bad_rows = np.unique(row[outside])
             for r in bad_rows:
                 k = int(idx[outside & (row == r)][0])
-                ln = lines[r]
+                ln = int(lines[r])
                 self._bad(DataError(f"{path}:{ln}: feature index {k} is in no field of data.schema.fields",
                                     path=path, line=ln, field=str(k)))
             keep_rows = np.ones(n, bool)
@@ -505,8 +569,7 @@ class Libsvm(_SchemaReader):
             new_row = np.cumsum(keep_rows) - 1
             sel = keep_rows[row]
             row, idx, val, field = new_row[row[sel]], idx[sel], val[sel], field[sel]
-            lines = [ln for ln, k in zip(lines, keep_rows, strict=True) if k]
-            labels = [lb for lb, k in zip(labels, keep_rows, strict=True) if k]
+            lines, labels = lines[keep_rows], labels[keep_rows]
             n = len(labels)
         bags = []
         for f in range(len(self.field_names)):
@@ -517,7 +580,7 @@ class Libsvm(_SchemaReader):
             h, _ = value_hashes(self._pa, self._pa.array(k).cast(self._pa.string()))
             bags.append(Bags(_keys(_field_tag(f), h, None), offsets, v))
         return _Piece(np.asarray(labels, np.float32), np.zeros((n, 0), np.float32), np.zeros((n, 0), np.uint64),
-                      _sources_of(path, np.asarray(lines, np.int64)), bags)
+                      _sources_of(path, lines), bags)
 
     @staticmethod
     def _parse_line(text: bytes):
