@@ -490,6 +490,12 @@ def render_w8(o: dict) -> list[str]:
             counts = ", ".join(f"{k} {v}" for k, v in m["route_count"].items() if v and k != "none")
             rows.append([d, s, f"{m['seconds'] * 1e3:.3f}", num(1 - m["reduction_vs_host"], ".3f"), counts])
     out += table(["transfer", "schedule", "modelled ms", "/ host", "routes"], rows) + [""]
+    rows = [[name, "-", "-", f["error"]] if "error" in f else
+            [name, f"{f['seconds'] * 1e3:.3f}", num(1 - f["reduction_vs_host"], ".3f"), "-"]
+            for name, f in ((o.get("fixed_rules") or {}).get("pull") or {}).items()]
+    if rows:
+        out += ["Hard-coded relay rules for the pairs without a link, the pull (modelled):", ""]
+        out += table(["rule", "modelled ms", "/ host", "error"], rows) + [""]
     ex = o.get("executor") or {}
     rows = [[s, spread(x["median_s"] * 1e3, x["min_s"] * 1e3, x["max_s"] * 1e3, ".2f"), f"{x['staged_bytes'] / 1e6:,.1f}",
              "yes" if x["delivered_as_direct"] else "NO"] for s, x in (ex.get("pull") or {}).items()]

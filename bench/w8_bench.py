@@ -19,7 +19,9 @@ two phases) and, with the host executor (memcpy between host buffers, relays sta
 the middleman's buffer), the measured time on this machine, checking that every schedule
 delivers exactly the bytes a direct copy does. The host executor checks the schedule, not
 NVLink: its times say what staging costs in memory bandwidth here, nothing about GPUs.
-It also gives the modelled ratio on the other shipped nodes, and the core binding plan
+It also models two hard-coded relay rules beside the router's choice (Paddle's
+(s + 4) % 8, and the destination's partner (d + 4) % 8), the modelled ratio on the
+other shipped nodes, and the core binding plan
 (hps.topology.BindingPlan) of this machine and of fake 2- and 4-node sysfs trees.
 
 Prints one JSON line (also written to bench/results/w8-DATE.json unless --no-save).
@@ -54,6 +56,29 @@ def modelled(topo, m: np.ndarray) -> dict:
     host = out["host"]["seconds"]
     for s in SCHEDULES:
         out[s]["reduction_vs_host"] = round(1 - out[s]["seconds"] / host, 4) if host > 0 else None
+    return out
+
+
+def fixed_rules(topo, m: np.ndarray) -> dict:
+    """The modelled time of two hard-coded relay rules for the pairs without a direct
+    link: Paddle's GPU PS (via (s + 4) % 8) and the partner rule (via the GPU in the
+    source's socket whose cross link reaches d: (d + 4) % 8 on the Figure 1 mesh)."""
+    from hps.topology import TopologyError  # noqa: F401 - errors of a rule are ValueErrors
+    e = m.shape[0]
+    plain = topo.plan(m, "direct")
+    unlinked = {(r["src"], r["dst"]) for r in plain["routes"] if r["kind"] == "host"}
+    out = {}
+    for name, rule in (("paddle_(s+4)%8", lambda s, d: (s + 4) % e), ("partner_(d+4)%8", lambda s, d: (d + 4) % e)):
+        via = np.full((e, e), -1, dtype=np.int64)
+        for s, d in unlinked:
+            via[s, d] = rule(s, d)
+        try:
+            p = topo.plan_fixed(m, via)
+        except ValueError as err:
+            out[name] = {"error": str(err)}
+            continue
+        out[name] = {"seconds": p["seconds"], "route_count": p["route_count"],
+                     "reduction_vs_host": round(1 - p["seconds"] / topo.plan(m, "host")["seconds"], 4)}
     return out
 
 
@@ -134,6 +159,7 @@ def main(argv=None) -> int:
         "endpoints": e, "rows": a.rows, "dim": a.dim, "row_bytes": row_bytes,
         "bytes_per_pair": int(pull[0, 1]), "target_reduction": TARGET,
         "model": {"pull": modelled(topo, pull), "push": modelled(topo, push)},
+        "fixed_rules": {"pull": fixed_rules(topo, pull)},
         "routes": [{k: r[k] for k in ("src", "dst", "kind", "via", "reason")} for r in topo.plan(pull, "relay")["routes"]],
         "executor": {"rows": exec_rows, "repeats": repeats,
                      "pull": executed(topo, even_all_to_all(e, exec_rows, row_bytes), repeats)},

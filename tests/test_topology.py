@@ -80,6 +80,23 @@ def test_figure1_relays_around_the_missing_links_with_the_reason():
     assert plan["seconds"] <= 0.25 * host["seconds"]
 
 
+def test_fixed_rules_and_their_errors():
+    t = T.load(TOPOLOGIES / "figure1.toml")
+    m = T.even_all_to_all(8, 1_000_000, 256)
+    via = np.full((8, 8), -1)
+    via[0, 5], via[0, 6], via[0, 7] = 1, 2, 3  # the partner rule for GPU 0 only
+    p = t.plan_fixed(m, via)
+    by = {(r["src"], r["dst"]): r for r in p["routes"]}
+    assert [by[(0, d)]["via"] for d in (5, 6, 7)] == [1, 2, 3]
+    assert by[(1, 4)]["kind"] == "host"  # unlinked and no middleman given
+    assert p["route_count"] == {"none": 8, "direct": 32, "host": 21, "relay": 3}
+    via[0, 5] = 6
+    with pytest.raises(ValueError, match="gpu0 -> gpu5 relays via gpu6, which has no direct path to gpu0"):
+        t.plan_fixed(m, via)
+    with pytest.raises(ValueError, match=r"via must be \(8, 8\)"):
+        t.plan_fixed(m, via[:4])
+
+
 def test_host_partitions_are_flat():
     t = T.host_partitions(4, numa_cores={0: [0, 1]})
     plan = t.plan(T.even_all_to_all(4, 1 << 12, 64), "relay")

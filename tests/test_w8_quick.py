@@ -31,6 +31,10 @@ def test_w8_quick():
         assert m["relay"]["seconds"] < m["direct"]["seconds"] < m["host"]["seconds"]
         assert line[f"{d}_reduction"] >= 0.75
     assert line["meets_target"] is True
+    rules = line["fixed_rules"]["pull"]
+    for name in ("paddle_(s+4)%8", "partner_(d+4)%8"):
+        assert rules[name]["route_count"]["relay"] == 24
+        assert rules[name]["seconds"] >= line["model"]["pull"]["relay"]["seconds"] * (1 - 1e-9)
     for s, x in line["executor"]["pull"].items():
         assert x["delivered_as_direct"] is True, s
     assert line["executor"]["pull"]["host"]["staged_bytes"] > line["executor"]["pull"]["relay"]["staged_bytes"] > 0

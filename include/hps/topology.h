@@ -38,8 +38,13 @@
 // changes nothing; the better of the two results wins. Every step
 // is a function of the topology and the matrix, so the plan is deterministic.
 //
-// Thread safety: Topology and a RoutePlan are values; the router and the cost
-// functions are pure. An executor's Run is not reentrant.
+// Cost of planning: each move evaluates the whole schedule, so a plan takes
+// O(rounds x pairs x candidates x pairs x hops): milliseconds for one node's 8
+// GPUs, too slow for hundreds of endpoints (an incremental evaluation would be
+// needed there).
+//
+// Thread safety: Topology and a RoutePlan are values; the router, the cost
+// functions and the executors are pure functions of their arguments.
 #pragma once
 
 #include <cstdint>
@@ -114,6 +119,13 @@ enum class Schedule : int32_t { kHost = 0, kDirect = 1, kRelay = 2 };
 // Throws std::invalid_argument if its size is not E * E or E < 1.
 RoutePlan PlanRoutes(const Topology& t, const std::vector<uint64_t>& bytes, Schedule schedule);
 
+// A fixed rule's plan, to compare with the router's: pair (s, d) relays via
+// endpoint via[s * E + d], or, where that is -1, takes its direct path if it has
+// one and the host path otherwise (Paddle's GPU PS relays every pair without a
+// link via (s + 4) % 8). Throws std::invalid_argument naming the pair when a
+// middleman lacks a direct path to either end or a pair has no route.
+RoutePlan FixedRoutes(const Topology& t, const std::vector<uint64_t>& bytes, const std::vector<int32_t>& via);
+
 // The modelled cost of routes already chosen (same layout as RoutePlan::routes).
 ScheduleCost CostOf(const Topology& t, const std::vector<uint64_t>& bytes, const std::vector<Route>& routes);
 
@@ -121,7 +133,7 @@ ScheduleCost CostOf(const Topology& t, const std::vector<uint64_t>& bytes, const
 // send[s] holds its segments to every d in order (bytes[s*E+d] each); for
 // endpoint d, recv[d] receives every s's segment in order. Relays copy into a
 // staging buffer owned by the middleman in phase 1 and out of it in phase 2;
-// host routes stage in a buffer of the path's first CPU. The result equals a
+// host routes stage in a host buffer the same way (one per first hop). The result equals a
 // direct copy of every segment, whatever the routes.
 struct ExecStats {
   double seconds = 0;               // wall time of both phases

@@ -152,6 +152,17 @@ class Topology:
         devices, links = self._native()
         return _core.plan_routes(devices, links, m, schedule)
 
+    def plan_fixed(self, bytes_matrix, via) -> dict:
+        """A fixed rule's routes and modelled time, in plan()'s form: pair (s, d) relays
+        via endpoint via[s][d], or, where that is -1, goes direct if it can and through
+        host memory otherwise. For comparing hard-coded rules with the router's."""
+        m = self._matrix(bytes_matrix)
+        v = np.asarray(via, dtype=np.int64)
+        if v.shape != m.shape:
+            raise ValueError(f"via must be {m.shape} like the transfer matrix, got {v.shape}")
+        devices, links = self._native()
+        return _core.fixed_routes(devices, links, m, [int(x) for x in v.ravel()])
+
     def execute_on_host(self, bytes_matrix, schedule: str, send: list, recv: list) -> dict:
         """Runs the schedule with memcpy: send[s] holds s's segments for every d in
         order, recv[d] gets every s's segment in order (uint8 arrays). Relays stage on

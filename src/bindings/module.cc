@@ -991,6 +991,12 @@ PYBIND11_MODULE(_core, m) {
     return plan_dict(hps::PlanRoutes(topo_of(devices, links), matrix_of(bytes), schedule_of(schedule)));
   }, py::arg("devices"), py::arg("links"), py::arg("bytes"), py::arg("schedule"),
         "routes every endpoint pair with bytes under the schedule ('host', 'direct', 'relay') and models its time");
+  m.def("fixed_routes", [=](const std::vector<std::tuple<std::string, int32_t, int32_t>>& devices,
+                            const std::vector<std::tuple<int32_t, int32_t, double, double, std::string>>& links,
+                            const py::array& bytes, const std::vector<int32_t>& via) {
+    return plan_dict(hps::FixedRoutes(topo_of(devices, links), matrix_of(bytes), via));
+  }, py::arg("devices"), py::arg("links"), py::arg("bytes"), py::arg("via"),
+        "a fixed rule's routes and modelled time: via[s*E+d] the middleman of pair (s, d), -1 direct or host");
   m.def("execute_routes", [=](const std::vector<std::tuple<std::string, int32_t, int32_t>>& devices,
                               const std::vector<std::tuple<int32_t, int32_t, double, double, std::string>>& links,
                               const py::array& bytes, const std::string& schedule, const std::vector<py::array>& send,

@@ -408,6 +408,54 @@ RoutePlan PlanRoutes(const Topology& t, const std::vector<uint64_t>& bytes, Sche
   return plan;
 }
 
+RoutePlan FixedRoutes(const Topology& t, const std::vector<uint64_t>& bytes, const std::vector<int32_t>& via) {
+  t.Validate();
+  const size_t e = CheckMatrix(t, bytes);
+  if (via.size() != e * e)
+    throw std::invalid_argument("topology: " + std::to_string(via.size()) + " middlemen for " + std::to_string(e) +
+                                " x " + std::to_string(e) + " endpoint pairs");
+  const std::vector<int32_t> ep = t.Endpoints();
+  Graph g(t);
+  RoutePlan plan;
+  plan.routes.resize(e * e);
+  for (size_t s = 0; s < e; ++s) {
+    for (size_t d = 0; d < e; ++d) {
+      Route& r = plan.routes[s * e + d];
+      r.src = static_cast<int32_t>(s);
+      r.dst = static_cast<int32_t>(d);
+      if (s == d || bytes[s * e + d] == 0) continue;
+      const std::string pair = t.devices[ep[s]].name + " -> " + t.devices[ep[d]].name;
+      const int32_t m = via[s * e + d];
+      if (m >= 0) {
+        if (static_cast<size_t>(m) >= e || static_cast<size_t>(m) == s || static_cast<size_t>(m) == d)
+          throw std::invalid_argument("topology: " + pair + " relays via endpoint " + std::to_string(m) +
+                                      ", which is not a third endpoint of " + std::to_string(e));
+        const auto a = g.Path(ep[s], ep[m], false), c = g.Path(ep[m], ep[d], false);
+        if (a.empty() || c.empty())
+          throw std::invalid_argument("topology: " + pair + " relays via " + t.devices[ep[m]].name +
+                                      ", which has no direct path to " +
+                                      (a.empty() ? t.devices[ep[s]].name : t.devices[ep[d]].name));
+        r.kind = RouteKind::kRelay;
+        r.via = m;
+        r.path = a;
+        r.path.insert(r.path.end(), c.begin() + 1, c.end());
+        r.reason = "fixed: relay via " + t.devices[ep[m]].name;
+        continue;
+      }
+      r.path = g.Path(ep[s], ep[d], false);
+      r.kind = RouteKind::kDirect;
+      if (r.path.empty()) {
+        r.path = g.Path(ep[s], ep[d], true);
+        r.kind = RouteKind::kHost;
+      }
+      if (r.path.empty()) throw std::invalid_argument("topology: no route for " + pair);
+      r.reason = std::string("fixed: ") + RouteKindName(r.kind);
+    }
+  }
+  plan.cost = Evaluate(g, bytes, plan.routes).cost;
+  return plan;
+}
+
 ExecStats ExecuteOnHost(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
                         const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv) {
   const size_t e = send.size();
@@ -422,9 +470,9 @@ ExecStats ExecuteOnHost(const RoutePlan& plan, const std::vector<uint64_t>& byte
     for (size_t d = 1; d < e; ++d) send_off[s * e + d] = send_off[s * e + d - 1] + bytes[s * e + d - 1];
   for (size_t d = 0; d < e; ++d)
     for (size_t s = 1; s < e; ++s) recv_off[(s)*e + d] = recv_off[(s - 1) * e + d] + bytes[(s - 1) * e + d];
-  // Staging: one buffer per relaying middleman, one per host route's CPU
-  // (keyed by the device index of the path's first CPU, negated minus one to
-  // keep the two apart), laid out in pair order.
+  // Staging: one buffer per relaying middleman, one per host route's first
+  // hop (keyed by that device's index, negated minus one to keep the two
+  // apart), laid out in pair order.
   std::map<int64_t, uint64_t> need;
   std::vector<int64_t> stage_key(e * e, 0);
   std::vector<uint64_t> stage_off(e * e, 0);

@@ -73,6 +73,43 @@ TEST(Topology, RoutesAroundTheMissingLink) {
   EXPECT_GT(p.cost.relayed_bytes, 0u);
 }
 
+TEST(Topology, FixedRulesCostNoLessThanTheRouter) {
+  const Topology t = TwoSocket();
+  const auto m = Even(8, 1 << 20);
+  // Paddle's rule: a pair without a link relays via (src + 4) % 8.
+  std::vector<int32_t> paddle(64, -1), mate(64, -1);
+  for (int s = 0; s < 8; ++s)
+    for (int d = 0; d < 8; ++d) {
+      const bool linked = s / 4 == d / 4 || d == (s + 4) % 8;
+      if (s == d || linked) continue;
+      paddle[s * 8 + d] = (s + 4) % 8;
+      mate[s * 8 + d] = (d + 4) % 8;  // the destination's partner across: in the source's quad
+    }
+  const RoutePlan router = PlanRoutes(t, m, Schedule::kRelay);
+  const RoutePlan p = FixedRoutes(t, m, paddle);
+  const RoutePlan q = FixedRoutes(t, m, mate);
+  EXPECT_EQ(p.cost.route_count[static_cast<size_t>(RouteKind::kRelay)], 24u);
+  EXPECT_EQ(p.routes[0 * 8 + 5].via, 4);
+  EXPECT_EQ(q.routes[0 * 8 + 5].via, 1);
+  EXPECT_LE(router.cost.seconds, p.cost.seconds * (1 + 1e-12));
+  EXPECT_LE(router.cost.seconds, q.cost.seconds * (1 + 1e-12));
+  // A fixed plan's cost is what CostOf says of its routes.
+  EXPECT_DOUBLE_EQ(CostOf(t, m, p.routes).seconds, p.cost.seconds);
+  // Errors name the pair.
+  std::vector<int32_t> bad(64, -1);
+  bad[0 * 8 + 5] = 6;  // gpu6 has no link to gpu0
+  try {
+    FixedRoutes(t, m, bad);
+    FAIL() << "a middleman without a link was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("gpu0 -> gpu5 relays via gpu6, which has no direct path to gpu0"),
+              std::string::npos)
+        << e.what();
+  }
+  bad[0 * 8 + 5] = 5;
+  EXPECT_THROW(FixedRoutes(t, m, bad), std::invalid_argument);
+}
+
 TEST(Topology, HostScheduleCostIsTheSlowestLink) {
   // Two GPUs behind one CPU: 0 -> 1 crosses pcie up (12 GB/s) then down.
   Topology t;
