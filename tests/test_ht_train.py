@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,26 @@ def test_two_groups_average_with_the_centre_in_the_background(tmp_path):
     assert out[2]["bytes"]["averaging"]["after"] > 0
     a, b = np.load(tmp_path / "mlp0.npz"), np.load(tmp_path / "mlp1.npz")
     assert any(not np.array_equal(a[n], b[n]) for n in a.files)  # two replicas, trained on different data
+
+
+@needs_mpi
+def test_hps_train_runs_a_hierarchical_config(tmp_path):
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text(f'hidden = [32, 16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{tmp_path / "run"}"\n'
+                   f'mem_budget = "1MiB"\n[data]\nbatch_size = 256\ntrain_examples = 1024\n'
+                   f'eval_examples = 256\n[hierarchical]\ngroup_ps = 1\ngradients = "bf16"\n'
+                   f'[hierarchical.planner]\nbig_fc_bytes = 0\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
+                        "--no-progress"], capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 0, p.stderr[-5000:]
+    line = next(x for x in p.stderr.splitlines() if "hierarchical:" in x)
+    # The rules tag every layer for the group PS (big_fc_bytes = 0); the refinement keeps at least one there.
+    assert "group 0: trainer rank(s) [0], group PS rank(s) [1]; plan " in line
+    assert "ps:" in line.split("; plan ")[1].split(";")[0]
+    m = re.search(r"gradients ([\d.]+) -> ([\d.]+) MB", line)
+    assert m and float(m.group(2)) < float(m.group(1))  # bf16 on the wire
+    assert json.loads(p.stdout.splitlines()[-1])["final"]["examples"] == 1024
 
 
 def test_roles_layout():

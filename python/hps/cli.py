@@ -117,8 +117,16 @@ def cmd_train(a) -> int:
     from hps.train import TrainConfig, train
     if a.config is None and not a.data:
         raise ValueError("give --config FILE.toml, or --data PATH to train on files with the defaults")
+    ht = None
     if a.config is not None:
-        cfg = TrainConfig.from_toml(a.config)
+        from hps.config import load_toml
+        raw = load_toml(a.config)
+        if "hierarchical" in raw:  # Hierarchical Training (hps.hierarchical): its own ranks' roles
+            from hps.hierarchical.roles import HierarchicalConfig
+            ht = HierarchicalConfig.from_dict(raw.pop("hierarchical"), f"{a.config}: [hierarchical]")
+            cfg = TrainConfig.from_dict(raw, source=os.fspath(a.config))
+        else:
+            cfg = TrainConfig.from_toml(a.config)
         if a.data:
             cfg.data.source = a.data
         if a.label is not None or a.dense:
@@ -128,10 +136,22 @@ def cmd_train(a) -> int:
     if a.eval_data:
         cfg.data.eval_source = a.eval_data
     _apply_flags(cfg, a)
-    summary = train(cfg, resume=a.resume, progress=not a.no_progress)
+    if ht is None:
+        summary = train(cfg, resume=a.resume, progress=not a.no_progress)
+    else:
+        from hps.hierarchical.roles import train_hierarchical
+        summary = train_hierarchical(cfg, ht, resume=a.resume, progress=not a.no_progress)
+        if summary.get("role") in ("group_ps", "centre"):
+            return 0
     if summary.get("distributed", {}).get("rank", 0) != 0:
         return 0  # rank 0 speaks for the job
     print(_summary_table(summary), file=sys.stderr)
+    if ht is not None:
+        h = summary["hierarchical"]
+        moved = ", ".join(f"{k} {v['before'] / 1e6:,.2f} -> {v['after'] / 1e6:,.2f} MB"
+                          for k, v in h["bytes"].items() if v["before"])
+        print(f"  hierarchical: {h['roles']}; plan {', '.join(h['plan'])}; trainer 0 sent {moved or 'nothing'}",
+              file=sys.stderr)
     print(json.dumps({"final": summary["final"], "examples_per_s": summary["examples_per_s"],
                       "pipeline": summary["pipeline"]}))
     return 0

@@ -350,7 +350,7 @@ def format_plan(result: PlanResult) -> str:
         elif pl.split == "none":
             where, split = f"group PS {pl.ps}", "whole"
         else:
-            where = f"group PS 0..{result.plan.group_ps - 1}"
+            where = f"group PS 0..{result.plan.group_ps - 1}" if result.plan.group_ps > 1 else "group PS 0"
             split = pl.split
             if pl.pair:
                 split += f", co-partitioned with fc{j + 1}"
