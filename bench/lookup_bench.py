@@ -28,8 +28,14 @@ Workload:
     over the wall time of all clients;
   * every answer of the first batches is checked against the other store's.
 
+  * --writer: a process reopens the job's parameter server and pushes batches of
+    4096 uniform keys, checkpointing every --checkpoint-every pushes (the training
+    side's disk and CPU load, and new checkpoints), during every run of both
+    stores; hps.Lookup refreshes to each new checkpoint every --refresh-s seconds.
+    It is a ParameterServer's pushes, not `hps train` with its model.
+
 Not measured here (issue 20 asks for it; see docs/serving.md): a memory cgroup
-around both, and `hps train` writing checkpoints meanwhile.
+around both.
 One JSON line goes to stdout; progress to stderr.
 """
 from __future__ import annotations
@@ -145,9 +151,47 @@ def load_rocksdb(job: str, path: str, dim: int) -> tuple[float, int]:
     return t + time.perf_counter() - t0, len(keys)
 
 
+# ---------------------------------------------------------------- training meanwhile
+
+def _writer(job: str, dim: int, n_rows: int, every: int, stop_evt, conn) -> None:
+    """Training's writes: the job's parameter server reopened, a push of 4096 uniform
+    keys at a time and a checkpoint every `every` pushes (each prunes the one before),
+    until told to stop."""
+    import hps
+    ps = hps.ParameterServer.open(job, mem_budget="64MiB")
+    conn.send("ready")
+    rng = np.random.default_rng(7)
+    pushes = checkpoints = 0
+    while not stop_evt.is_set():
+        k = np.unique(keys_of(rng.integers(0, n_rows, 4096)))
+        ps.push(k, np.full((len(k), dim), 0.01, np.float32))
+        pushes += 1
+        if pushes % every == 0:
+            ps.checkpoint()
+            checkpoints += 1
+    ps.close()
+    conn.send({"pushes": pushes, "checkpoints": checkpoints})
+
+
+class Writer:
+    def __init__(self, job: str, dim: int, n_rows: int, every: int):
+        ctx = mp.get_context("spawn")
+        self.stop, (self.conn, child) = ctx.Event(), ctx.Pipe()
+        self.proc = ctx.Process(target=_writer, args=(job, dim, n_rows, every, self.stop, child))
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("the writer did not start")
+
+    def finish(self) -> dict:
+        self.stop.set()
+        done = self.conn.recv()
+        self.proc.join()
+        return done
+
+
 # ---------------------------------------------------------------- the runs
 
-def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int) -> dict:
+def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, refresh_s: float = 0.0) -> dict:
     import hps
     lk = hps.Lookup(job, memory_budget=budget)
     for b in warmup:
@@ -166,19 +210,35 @@ def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int) ->
             lk.lookup(batches[i])
             lat[i] = time.perf_counter() - t0
 
+    done = threading.Event()
+    refresh_times = []
+
+    def refresher():  # moves to the writer's newer checkpoints while the clients look up
+        while not done.wait(refresh_s):
+            t0 = time.perf_counter()
+            if lk.refresh():
+                refresh_times.append(time.perf_counter() - t0)
+
     threads = [threading.Thread(target=client) for _ in range(clients)]
+    helper = threading.Thread(target=refresher) if refresh_s else None
     t0 = time.perf_counter()
     for t in threads:
         t.start()
+    if helper:
+        helper.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    done.set()
+    if helper:
+        helper.join()
     s = lk.stats()
     lk.close()
     cache = s["cache"]
     return {"wall_s": wall, "latency_s": lat, "cache_rows": cache["size"], "cache_capacity": cache["capacity"],
             "cache_hit_rate": cache.get("hits", 0) / max(1, cache.get("hits", 0) + cache.get("misses", 0)),
-            "index_bytes": s["index_bytes"], "ssd_bytes_read": s["ssd_bytes_read"]}
+            "index_bytes": s["index_bytes"], "ssd_bytes_read": s["ssd_bytes_read"],
+            "refreshes": len(refresh_times), "refresh_max_s": max(refresh_times, default=0.0)}
 
 
 def _rocks_client(conn, path: str, block: int, row: int, batches: list, warmup: list, start_evt) -> None:
@@ -262,6 +322,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dists", default="uniform,zipf")
     ap.add_argument("--stores", default="hps,rocksdb")
     ap.add_argument("--dir", help="where the job and the database go (default: a temporary directory)")
+    ap.add_argument("--writer", action="store_true",
+                    help="a process pushes to the job and checkpoints meanwhile; the lookup refreshes")
+    ap.add_argument("--checkpoint-every", type=int, default=20, help="the writer's pushes per checkpoint")
+    ap.add_argument("--refresh-s", type=float, default=0.5, help="seconds between the lookup's refreshes (--writer)")
     ap.add_argument("--quick", action="store_true", help="a small run for CI: 100k rows, 20 batches")
     a = ap.parse_args(argv)
     if a.quick:
@@ -287,18 +351,23 @@ def main(argv=None) -> int:
             log("RocksDB bulk load (SstFileWriter, ingest)")
             out["rocksdb_load_s"], _ = load_rocksdb(job, rdb, a.dim)
             rdb = os.path.join(rdb, "db")
-        for d_i, dist in enumerate(dists):
-            batches = batches_of(dist, a.rows, a.batches, a.batch_keys, 100 + d_i)
-            warmup = batches_of(dist, a.rows, a.warmup, a.batch_keys, 200 + d_i)
-            n_keys = sum(len(b) for b in batches)
-            if "rocksdb" in stores and "hps" in stores:
-                out.setdefault("checked_keys", 0)
-                out["checked_keys"] += check_same(job, rdb, batches[:3], a.dim)
-            for store in stores:
-                log(f"{store}, {dist}: {a.batches} batches of {a.batch_keys} keys, {a.clients} clients")
-                res = (run_hps(job, budget, batches, warmup, a.clients) if store == "hps"
-                       else run_rocks(rdb, budget, batches, warmup, a.clients))
-                out["results"][f"{store}/{dist}"] = summary(res, n_keys)
+        work = {dist: (batches_of(dist, a.rows, a.batches, a.batch_keys, 100 + d_i),
+                       batches_of(dist, a.rows, a.warmup, a.batch_keys, 200 + d_i)) for d_i, dist in enumerate(dists)}
+        if "rocksdb" in stores and "hps" in stores:  # before any writer changes the rows
+            out["checked_keys"] = sum(check_same(job, rdb, batches[:3], a.dim) for batches, _ in work.values())
+        writer = Writer(job, a.dim, a.rows, a.checkpoint_every) if a.writer else None
+        try:
+            for dist, (batches, warmup) in work.items():
+                n_keys = sum(len(b) for b in batches)
+                for store in stores:
+                    log(f"{store}, {dist}: {a.batches} batches of {a.batch_keys} keys, {a.clients} clients"
+                        + (", a writer checkpointing meanwhile" if writer else ""))
+                    res = (run_hps(job, budget, batches, warmup, a.clients, a.refresh_s if writer else 0.0)
+                           if store == "hps" else run_rocks(rdb, budget, batches, warmup, a.clients))
+                    out["results"][f"{store}/{dist}"] = summary(res, n_keys)
+        finally:
+            if writer:
+                out["writer"] = writer.finish()
         for dist in dists:
             h, r = out["results"].get(f"hps/{dist}"), out["results"].get(f"rocksdb/{dist}")
             if h and r:
