@@ -160,6 +160,10 @@ def test_bad_files_other_errors(tmp_path):
     cpus = '[[numa]]\nnode = 0\ncpus = "3-1"\n' + GOOD.replace('name = "tiny"\n', "")
     with pytest.raises(T.TopologyError, match=r":3: numa\[0\].cpus: not a cpulist"):
         T.load(write(tmp_path, cpus))
+    with pytest.raises(T.TopologyError, match=r"bad.toml:2: unknown field 'speed'"):
+        T.load(write(tmp_path, 'name = "x"\nspeed = 3\n' + GOOD.replace('name = "tiny"\n', "")))
+    with pytest.raises(T.TopologyError, match=r"bad.toml:1: name: expected a string, got 3"):
+        T.load(write(tmp_path, GOOD.replace('name = "tiny"', "name = 3")))
     with pytest.raises(T.TopologyError, match="no device of kind gpu or host"):
         T.load(write(tmp_path, 'name = "x"\n[[device]]\nname = "c"\nkind = "cpu"\n'))
 
