@@ -434,6 +434,8 @@ def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path):
         for t in threads:
             t.start()
         assert lk.refresh() and (lk.checkpoint, lk.step) == (12, 2 * BATCHES)
+        warmed = lk.stats()["warmed_rows"]  # the keys looked up lately, read anew before it served
+        assert 0 < warmed <= lk.stats()["cache"]["capacity"] // 2
         while len(results) < 10 and not errors:
             pass
         stop.set()

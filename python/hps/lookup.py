@@ -3,6 +3,7 @@ through a memory budget of its own in front of the checkpoint's SSD-PS files
 (docs/serving.md)."""
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from typing import Optional, Union
@@ -80,7 +81,9 @@ class Lookup:
     ``refresh()`` moves to the job's newer checkpoint, if any, while lookups go on:
     those under way finish on the old one, later ones use the new one, and the old
     one is freed when its last lookup returns (until then both caches are held).
-    The new cache starts empty. Training may run at the same path meanwhile.
+    Before it serves, the new cache is filled with the rows of the keys looked up
+    lately (up to half its capacity), read from the new checkpoint, so hot keys do
+    not all miss at once after a refresh. Training may run at the same path meanwhile.
 
     Thread-safe: lookups run in parallel (the SSD-PS reads without the GIL).
 
@@ -98,6 +101,9 @@ class Lookup:
         self._current: Optional[_Generation] = None
         self._lookups = 0
         self._refreshes = 0
+        self._recent: collections.deque = collections.deque()  # the last batches' keys, to warm a refresh
+        self._recent_keys = 0
+        self._warmed = 0  # rows read into the cache by the last refresh
         self._current = self._open()
 
     def _open(self) -> _Generation:
@@ -154,6 +160,10 @@ class Lookup:
             self._release(gen)
         with self._lock:
             self._lookups += 1
+            self._recent.append(keys)
+            self._recent_keys += len(keys)
+            while self._recent_keys - len(self._recent[0]) >= gen.capacity // 2:
+                self._recent_keys -= len(self._recent.popleft())
         return result
 
     __call__ = lookup
@@ -170,6 +180,12 @@ class Lookup:
             if job.checkpoint is None or job.checkpoint <= current.checkpoint:
                 return False
             new = self._open()
+            with self._lock:
+                recent = list(self._recent)
+            if recent:  # warm the new cache with the keys looked up lately, before it serves
+                warm = np.unique(np.concatenate(recent))[:new.capacity // 2]
+                new.lookup(warm)
+                self._warmed = len(warm)
             with self._lock:
                 old, self._current = self._current, new
                 self._refreshes += 1
@@ -208,7 +224,7 @@ class Lookup:
                     "rows": int(sum(len(s) for s in gen.stores)),
                     "index_bytes": int(sum(s["index_bytes"] for s in ssd)),
                     "ssd_bytes_read": int(sum(s["bytes_read"] for s in ssd)),
-                    "lookups": self._lookups, "refreshes": self._refreshes}
+                    "lookups": self._lookups, "refreshes": self._refreshes, "warmed_rows": self._warmed}
         finally:
             self._release(gen)
 
