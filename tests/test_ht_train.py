@@ -54,10 +54,13 @@ def _reference(tmp_path, trainers):
 
 @needs_mpi
 def test_one_group_of_two_trainers_equals_allreduce_training(tmp_path):
-    out = _run(tmp_path, 2, 1, 0)
+    # Two trainers and a group PS holding the first Linear: the trainers all-reduce the
+    # second one's gradients, the PS sums both trainers' and steps once they both asked.
+    out = _run(tmp_path, 3, 1, 1, "ps:vertical,trainer")
     ref = _reference(tmp_path, 2)
+    assert out[2]["role"] == "group_ps" and out[2]["steps"] == sc.HT_STEPS
     for r in range(2):
-        assert out[r]["hierarchical"]["roles"] == "group 0: trainer rank(s) [0, 1], group PS rank(s) -"
+        assert out[r]["hierarchical"]["roles"] == "group 0: trainer rank(s) [0, 1], group PS rank(s) [2]"
         assert out[r]["batches"] == sc.HT_STEPS
         got = np.load(tmp_path / f"mlp{r}.npz")
         assert set(got.files) == set(ref)
