@@ -174,3 +174,29 @@ def test_hps_train_on_synthetic_multi_hot_fields(tmp_path):
                           multi_hot=[(100, 3.0), (20, 1.5)], bag_length="geometric")
     bag_keys = np.unique(np.concatenate([b.bags[j].keys for b in gen for j in range(2)]))
     assert summary["ps"]["counts"]["initialized"] >= len(bag_keys)
+
+
+class _OneRank:
+    """A stand-in for hps.distributed.Node: what train() asks of a node before the job starts."""
+
+    rank, size = 0, 1
+
+    def __init__(self, widths_of_others=()):
+        self.others = list(widths_of_others)
+
+    def allgather(self, channel, value, what):
+        return [value] + (self.others if what == "the data's fields" else [])
+
+
+def test_distributed_runs_refuse_multi_hot_and_ranks_with_other_fields(tmp_path):
+    write_csv(tmp_path / "train.csv", 100, 9)
+    base = {"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "torch_threads": 1}
+    cfg = TrainConfig.from_dict(dict(base, data={"source": str(tmp_path / "train.csv"), "schema": SCHEMA}))
+    with pytest.raises(ValueError, match="multi-hot fields do not train under mpiexec yet"):
+        train(cfg, progress=False, node=_OneRank())
+    single = dict(SCHEMA, multi_hot={}, skip=["tags"])
+    cfg = TrainConfig.from_dict(dict(base, data={"source": str(tmp_path / "train.csv"), "schema": single}))
+    with pytest.raises(ValueError, match=r"the ranks' data give different fields .*: rank 0: \(1, 1, 0\), "
+                                         r"rank 1: \(1, 2, 0\)"):
+        train(cfg, progress=False, node=_OneRank([(1, 2, 0)]))
+    assert not (tmp_path / "ps").exists()

@@ -482,9 +482,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     source = train_batches if train_batches is not None else \
         _collective(node, lambda: _train_source(cfg, rank, world))
     eval_batches = list(eval_batches) if eval_batches is not None else _collective(node, lambda: _eval_batches(cfg))
-    number = LAST
-    if node is not None:
-        number = _prepare_job(cfg, node, resume)
     widths = _collective(node, lambda: _widths(cfg, source))
     if cfg.data.schema is not None and eval_batches:
         b = eval_batches[0]
@@ -493,6 +490,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
             raise ValueError(f"{cfg.data.eval_source}: the schema gives {got[0]} dense, {got[1]} categorical and "
                              f"{got[2]} multi-hot fields here, the training data {widths[0]}, {widths[1]} and "
                              f"{widths[2]}")
+    if node is not None:
+        every = node.allgather("train", tuple(widths), "the data's fields")
+        if len(set(every)) > 1:
+            raise ValueError("the ranks' data give different fields (dense, single-hot, multi-hot): "
+                             + ", ".join(f"rank {r}: {w}" for r, w in enumerate(every)))
+        if widths[2]:
+            raise ValueError("multi-hot fields do not train under mpiexec yet: hps.distributed's step data "
+                             "carries no bags")
+    number = LAST
+    if node is not None:
+        number = _prepare_job(cfg, node, resume)
     trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths))
     if dense_hook is not None:
         dense_hook(trainer)
