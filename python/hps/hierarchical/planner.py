@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from hps.errors import HpsError
 from hps.hierarchical.split_mlp import FcPlacement, SplitPlan, segments

@@ -212,7 +212,6 @@ class _HtDenseSync:
         self.merges = 0
 
     def broadcast_parameters(self) -> None:
-        from mpi4py import MPI  # noqa: F401 - the communicator's module
         import torch
         for p in self.params:
             buf = p.detach().numpy()
