@@ -200,3 +200,18 @@ def test_distributed_runs_refuse_multi_hot_and_ranks_with_other_fields(tmp_path)
                                          r"rank 1: \(1, 2, 0\)"):
         train(cfg, progress=False, node=_OneRank([(1, 2, 0)]))
     assert not (tmp_path / "ps").exists()
+
+
+def test_hps_train_data_on_libsvm_files(tmp_path, capsys):
+    from hps.cli import main
+    rng = np.random.default_rng(10)
+    lines = []
+    for _ in range(600):
+        idx = sorted(set(rng.integers(0, 40, 5).tolist()))
+        lines.append(f"{'+1' if 7 in idx or rng.random() < 0.1 else '-1'} " + " ".join(f"{i}:1" for i in idx))
+    (tmp_path / "train.svm").write_text("\n".join(lines[:500]) + "\n")
+    (tmp_path / "eval.svm").write_text("\n".join(lines[500:]) + "\n")
+    assert main(["train", "--data", str(tmp_path / "train.svm"), "--eval-data", str(tmp_path / "eval.svm"),
+                 "--path", str(tmp_path / "run"), "--batch-size", "50", "--no-progress"]) == 0
+    final = json.loads(capsys.readouterr().out)["final"]
+    assert final["eval_examples"] == 100
