@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="the jobs are made by hps train, which needs torch")
+pytest.importorskip("pyarrow", reason="hps export writes Parquet through pyarrow")
 import hps  # noqa: E402
 from hps import jobdir  # noqa: E402
 from hps.cli import main  # noqa: E402
@@ -621,3 +622,10 @@ def test_lookup_bench_quick_with_a_writer_checkpointing_meanwhile():
     assert out["writer"]["pushes"] >= 1 and out["writer"]["checkpoints"] == out["writer"]["pushes"] // 2
     r = out["results"]["hps/zipf"]
     assert r["batches"] == 20 and r["refreshes"] >= 0 and "rocksdb/zipf" not in out["results"]
+
+
+def test_export_without_pyarrow_says_what_to_install(job, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    assert main(["export", str(job), "--to", str(tmp_path / "x"), "--consumer", "t-nopa"]) == 2
+    assert "hps export writes Parquet through pyarrow: pip install 'pyarrow>=12'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (job / "exports" / "t-nopa.json").exists()

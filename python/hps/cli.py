@@ -152,8 +152,10 @@ def cmd_train(a) -> int:
                           for k, v in h["bytes"].items() if v["before"])
         print(f"  hierarchical: {h['roles']}; plan {', '.join(h['plan'])}; trainer 0 sent {moved or 'nothing'}",
               file=sys.stderr)
-    print(json.dumps({"final": summary["final"], "examples_per_s": summary["examples_per_s"],
-                      "pipeline": summary["pipeline"]}))
+    line = {"final": summary["final"], "examples_per_s": summary["examples_per_s"], "pipeline": summary["pipeline"]}
+    if ht is not None:
+        line["hierarchical"] = summary["hierarchical"]
+    print(json.dumps(line))
     return 0
 
 
@@ -200,7 +202,11 @@ def cmd_inspect(a) -> int:
 
 def cmd_export(a) -> int:
     from hps.export import export
-    meta = export(a.path, a.to, a.consumer, full=a.full, int8=a.int8, with_state=a.with_state)
+    try:
+        meta = export(a.path, a.to, a.consumer, full=a.full, int8=a.int8, with_state=a.with_state)
+    except ImportError as e:  # pyarrow, an optional dependency
+        print(f"hps export: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(meta))
     return 0
 

@@ -124,6 +124,11 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
     moves leaves the previous one: the next export repeats these rows."""
     root, to = os.fspath(root), os.fspath(to)
     check_consumer(consumer)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ImportError("hps export writes Parquet through pyarrow: pip install 'pyarrow>=12' "
+                          "(or hps[data])") from None
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows = {chunk_rows}: must be >= 1")
     if os.path.exists(to) and (not os.path.isdir(to) or os.listdir(to)):
