@@ -188,6 +188,8 @@ class _SchemaReader(_Reader):
 
     def __init__(self, paths, schema, batch_size: int = 4096, **options):
         super().__init__(paths, batch_size, **options)
+        if isinstance(schema, Schema):
+            schema.check()  # (a Schema made in Python has not been checked yet)
         self.schema = schema if isinstance(schema, Schema) else Schema.from_dict(schema)
         self._first: Optional[tuple] = None
 
