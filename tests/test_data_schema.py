@@ -417,3 +417,21 @@ def test_libsvm_fast_path_reads_as_the_line_parser(tmp_path, monkeypatch):
     q.write_text("1 3:1\n0 3:1e400\n")
     with pytest.raises(DataError, match=r"bad.svm:2: '3:1e400': the value is not finite"):
         list(Libsvm(q, schema))
+
+
+def test_directories_globs_and_mixed_kinds(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "part-0.csv").write_text(CSV)
+    (d / "part-1.csv.gz").write_bytes(gzip.compress(CSV.encode()))
+    (d / "_SUCCESS").write_text("")
+    for source in (d, str(d / "part-*")):
+        labels, dense, keys, bags, batches = read_all(open_schema(source, SCHEMA))
+        assert labels.tolist() == LABELS * 2
+        np.testing.assert_array_equal(keys, np.concatenate([expected_keys()] * 2))
+        assert batches[0].sources[-1].path.endswith("part-1.csv.gz")
+    (d / "part-2.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"mixes csv and parquet files; give one kind, or format="):
+        open_schema(d, SCHEMA)
+    with pytest.raises(ValueError, match=r"format must be 'csv', 'parquet' or 'libsvm' with a schema, got 'orc'"):
+        open_schema(d / "part-0.csv", SCHEMA, format="orc")
