@@ -330,7 +330,8 @@ def test_export_of_an_mpi_job_writes_every_rank_with_its_owner(mpi_job, tmp_path
 def test_exports_while_training_writes_add_up_to_the_final_checkpoint(tmp_path):
     """hps train checkpoints after every batch (pruning the one before) while a
     consumer exports in a loop: each export is one finished checkpoint, later
-    than the one before, and the exports applied in order equal the final rows."""
+    than the one before, and the exports applied in order equal the final rows;
+    inspect --verify finds every checkpoint it meets sound."""
     from hps.export import export
     batches = 40
     path = tmp_path / "busy"
@@ -350,6 +351,9 @@ def test_exports_while_training_writes_add_up_to_the_final_checkpoint(tmp_path):
             merged.update(rows)
             seen.append(meta["checkpoint"])
             n += 1
+            if n % 3 == 0:  # inspect --verify meanwhile: the checkpoints it meets are whole
+                report = jobdir.inspect(path, verify=True)
+                assert report["verify"]["ok"], report["verify"]["problems"]
     finally:
         err = child.communicate(timeout=300)[1]
     assert child.returncode == 0, err[-3000:]

@@ -382,8 +382,10 @@ def _verify_checkpoint(job: Job, rank: int, number: int, scratch: str, row_bytes
     try:
         files = link_checkpoint(source, pinned)
     except FileNotFoundError as e:
-        if not os.path.isdir(job.checkpoint_dir(rank, number)):
-            return [], 0  # pruned by training meanwhile
+        # Training deletes only checkpoints other than the one the job names: one of
+        # those going meanwhile was pruned, not damaged.
+        if not os.path.isdir(job.checkpoint_dir(rank, number)) or read_job(job.root).checkpoint != number:
+            return [], 0
         return [f"rank {rank} checkpoint {number}: {e.filename or e}: missing"], 0
     view = RankView(rank, source, pinned, files)
     problems = []
