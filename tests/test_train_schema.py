@@ -215,3 +215,25 @@ def test_hps_train_data_on_libsvm_files(tmp_path, capsys):
                  "--path", str(tmp_path / "run"), "--batch-size", "50", "--no-progress"]) == 0
     final = json.loads(capsys.readouterr().out)["final"]
     assert final["eval_examples"] == 100
+
+
+def test_resume_over_shuffled_epochs_continues_to_the_same_result(tmp_path):
+    from hps.train import _train_source
+    write_csv(tmp_path / "train.csv", 500, 11)
+    write_csv(tmp_path / "eval.csv", 300, 12)
+
+    def config(name):
+        return TrainConfig.from_dict({
+            "ps": {"dim": DIM, "path": str(tmp_path / name), "optimizer": {"kind": "sgd", "lr": 0.1}},
+            "data": {"source": str(tmp_path / "train.csv"), "eval_source": str(tmp_path / "eval.csv"),
+                     "batch_size": 100, "schema": SCHEMA, "epochs": 2, "shuffle_buffer": 150, "seed": 4},
+            "hidden": [8], "torch_threads": 1, "checkpoint_every": 3})
+
+    whole = train(config("whole"), progress=False)
+    assert whole["batches"] == 10
+    first = list(_train_source(config("half")))[:6]  # a run stopped after its checkpoint at batch 6
+    train(config("half"), progress=False, train_batches=first)
+    resumed = train(config("half"), resume=True, progress=False)
+    assert resumed["batches"] == 10
+    assert resumed["final"]["auc"] == whole["final"]["auc"]
+    assert resumed["final"]["logloss"] == whole["final"]["logloss"]

@@ -351,7 +351,12 @@ def _widths(cfg: TrainConfig, source) -> tuple:
     """(dense features, single-hot fields, multi-hot fields) of the data: Criteo's, or
     those of the schema's first file."""
     widths = getattr(source, "widths", None)
-    return widths() if widths is not None else (13, 26, 0)
+    if widths is not None:
+        return widths()
+    if isinstance(source, (list, tuple)) and source:  # batches given in memory: the first one's
+        b = source[0]
+        return b.dense.shape[1], b.keys.shape[1], len(getattr(b, "bags", ()))
+    return 13, 26, 0
 
 
 def _write_json_atomic(path: str, obj: dict) -> None:
