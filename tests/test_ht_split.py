@@ -167,3 +167,16 @@ def test_bad_plans_are_refused_naming_the_layer():
         segments(seq, SplitPlan([F("trainer", "vertical"), F(), F(), F(), F()], 2))
     with pytest.raises(TypeError, match="layer 1 of the Sequential is Dropout"):
         segments(nn.Sequential(nn.Linear(2, 2), nn.Dropout()), SplitPlan([F()], 2))
+
+
+def test_topk_streams_follow_the_batch_size():
+    # A last, smaller batch has a top-k stream of its own (a residual is carried between
+    # tensors of one shape only), and the codec acts on both ways of the wire.
+    _, tr, servers = _local("vertical_horizontal", {"activations": "topk:0.25", "gradients": "topk:0.25"})
+    for rows in (8, 8, 3):
+        x = torch.randn(rows, 6, requires_grad=True)
+        tr(x).sum().backward()
+        tr.ps_step()
+    t = tr.counter.as_dict()
+    assert 0 < t["activations"]["after"] < t["activations"]["before"]
+    assert 0 < t["gradients"]["after"] < t["gradients"]["before"]

@@ -243,7 +243,7 @@ class GroupPsServer:
 
     def _encode(self, kind: str, key, t: torch.Tensor):
         x = t.detach().contiguous().numpy()
-        return self.counter.encode(self.codecs.get(kind, key), kind, x)
+        return self.counter.encode(self.codecs.get(kind, key + (x.shape,)), kind, x)  # a stream a shape
 
     def handle(self, src: int, msg: tuple):
         op = msg[0]
@@ -418,7 +418,8 @@ class _RemoteSegment(nn.Module):
         ins = self._in_blocks() if horizontal else None
         for k, p in enumerate(self.parts):
             part = np.ascontiguousarray(xs[:, ins[k][0]:ins[k][1]]) if horizontal else xs
-            enc = t.counter.encode(t.codecs.get("activations", ("fwd", self.seg.start, p)), "activations", part)
+            enc = t.counter.encode(t.codecs.get("activations", ("fwd", self.seg.start, p, part.shape)),
+                                   "activations", part)
             t.transport.post(p, ("forward", self.seg.start, call, enc, keep))
         ys = [decode(t.transport.wait(p, f"the forward pass of layer {self.seg.start}")) for p in self.parts]
         if self.seg.kind == "fc" and self.seg.placement.split == "vertical":
@@ -436,7 +437,9 @@ class _RemoteSegment(nn.Module):
         outs = blocks(self.out_width, t.plan.group_ps) if vertical else None
         for k, p in enumerate(self.parts):
             part = np.ascontiguousarray(dys[:, outs[k][0]:outs[k][1]]) if vertical else dys
-            enc = t.counter.encode(t.codecs.get("gradients", ("bwd", self.seg.start, p)), "gradients", part)
+            # One stream a shape: a top-k residual carries over between batches of one size.
+            enc = t.counter.encode(t.codecs.get("gradients", ("bwd", self.seg.start, p, part.shape)), "gradients",
+                                   part)
             t.transport.post(p, ("backward", self.seg.start, call, enc, want_dx))
         dxs = [t.transport.wait(p, f"the backward pass of layer {self.seg.start}") for p in self.parts]
         if not want_dx:
