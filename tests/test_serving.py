@@ -633,3 +633,21 @@ def test_export_without_pyarrow_says_what_to_install(job, tmp_path, monkeypatch,
     assert main(["export", str(job), "--to", str(tmp_path / "x"), "--consumer", "t-nopa"]) == 2
     assert "hps export writes Parquet through pyarrow: pip install 'pyarrow>=12'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (job / "exports" / "t-nopa.json").exists()
+
+
+def test_serve_keeps_a_connection_sound_after_a_bad_request(server):
+    import http.client
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("POST", "/nope", body=b'{"keys": [1]}' * 100, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 404 and r.getheader("Connection") == "close"
+    r.read()
+    conn.request("GET", "/health")  # http.client reconnects, as the server asked
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["checkpoint"] == 6
+    conn.request("POST", "/lookup", body=b'{"keys": [1]}', headers={"Content-Type": "application/json"})
+    r = conn.getresponse()  # and a good request keeps it open
+    assert r.status == 200 and r.getheader("Connection") is None
+    r.read()
+    conn.close()

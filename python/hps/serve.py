@@ -123,6 +123,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         for k, v in (headers or {}).items():
             self.send_header(k, str(v))
         self.end_headers()
@@ -169,6 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, {**self.server.lookup.stats(), "rejected": self.server.rejected,
                                  "max_concurrent": self.server.max_concurrent})
         except HttpError as e:
+            self.close_connection = True  # the body may be unread: the connection cannot carry another request
             self._json(e.status, {"error": str(e)})
 
     def _lookup(self) -> None:
