@@ -13,7 +13,10 @@
 // gradients partitioned by owner, sent, summed on the owner) -> Apply (the
 // sparse optimizer, once per key) -> Rows of the updated keys (they go back
 // to MEM-PS) -> Clear. Every row or gradient that moves from one device to
-// another is counted in the transfer matrix.
+// another is counted in the transfer matrix, and, given routes (TierRoutes),
+// on the links its route crosses; executed routes move the rows of a Get or
+// Accumulate through ExecuteOnHost (a relay in two phases through a staging
+// buffer on its middleman), which delivers the bytes a direct copy does.
 //
 // Thread safety: one batch at a time; calls are serialised by the caller.
 #pragma once
@@ -25,11 +28,47 @@
 
 #include "hps/mem_cache.h"
 #include "hps/optimizer.h"
+#include "hps/topology.h"
 
 namespace hps {
 namespace detail {
 class KeyIndex;
 }
+
+// The routes a tier's transfers take through the node's topology (issue 17):
+// planned once a run by PlanTierRoutes and shared, read-only, by every tier
+// of the run (the pipeline's two, and those that replace a tier outgrown).
+// Tier device g is the topology's endpoint g; endpoints past the tier's
+// devices may still be middlemen.
+struct TierRoutes {
+  Topology topology;
+  RoutePlan plan;        ///< (E * E,) over topology.Endpoints()
+  bool execute = false;  ///< the host executor moves the rows, relays staged on their middleman;
+                         ///< false: the tier's own copy, counted along the routes
+  int32_t devices = 0;   ///< the tier's G (<= E)
+  // Derived: for tier pair (s, d), at hops[phase][s * G + d], the link
+  // directions (link * 2 + 0 for a->b, + 1 for b->a) its rows cross in
+  // phase 1 (direct, host, a relay's first leg) and phase 2 (the second leg).
+  std::vector<std::vector<int32_t>> hops[2];
+};
+
+// Routes for a tier of `devices` devices on `topology`, planned (Schedule::
+// kRelay) for an even all-to-all of pair_bytes between every two of them: a
+// batch's gets and accumulates have that shape, and one plan serves the run
+// (planning per batch would cost milliseconds a batch). Throws
+// std::invalid_argument naming the topology when it has fewer endpoints than
+// devices, or as PlanRoutes does.
+std::shared_ptr<const TierRoutes> PlanTierRoutes(const Topology& topology, int32_t devices, uint64_t pair_bytes,
+                                                 bool execute);
+
+// What a tier with routes moved over each link: rows and bytes per link
+// direction and phase, a relay's rows counted on both of its hops.
+struct LinkCounters {
+  int32_t links = 0;
+  std::vector<uint64_t> rows, bytes;  ///< (2, links, 2): [phase][link][a->b, b->a]
+  std::vector<uint64_t> route_rows;   ///< (4,) rows between two devices by RouteKind
+  uint64_t relayed_rows = 0, relayed_bytes = 0;  ///< staged on a middleman
+};
 
 struct DeviceTierOptions {
   int32_t devices = 1;           ///< G, > 0
@@ -37,6 +76,8 @@ struct DeviceTierOptions {
   SparseOptimizer optimizer;     ///< fixes the row width (embedding + state)
   bool use_cuda = true;          ///< GPUs when CudaDeviceCount() >= devices; else host partitions
   int32_t threads = 0;           ///< CPU launcher threads per host partition; 0 = all cores
+  std::shared_ptr<const TierRoutes> routes;  ///< null: no routes, no link counters; executed
+                                             ///< routes need host partitions
 };
 
 struct TransferMatrix {
@@ -92,6 +133,9 @@ class DeviceTier {
   virtual void Clear() = 0;
 
   virtual TransferMatrix transfers() const = 0;
+  // Empty (links = 0) without routes.
+  virtual LinkCounters link_counters() const = 0;
+  // Zeroes the transfer matrix and the link counters.
   virtual void ResetTransfers() = 0;
   // The owner the modulo hash gives a key among `devices`.
   static int32_t ModuloOwner(uint64_t key, int32_t devices);

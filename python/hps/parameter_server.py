@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 import numpy as np
 
 from hps import _core
+from hps import topology as htopo
 from hps.config import check_fields, load_toml
 from hps.mem_cache import MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
@@ -94,6 +95,9 @@ class ParameterServerConfig:
                                         # rows are few, and the trainer needs the cores
     host_in_place: bool = True          # one host partition (no GPU): batches train on MEM-PS's
                                         # pinned rows (HostBatch) instead of a device-table copy
+    topology: Optional[str] = None      # a topology file (hps.topology) whose routes the device tier's
+                                        # transfers take, tier device g its endpoint g, the host executor
+                                        # copying (relays staged on the middleman); None: flat host partitions
     ssd: SsdOptions = field(default_factory=SsdOptions)
 
     LAYOUT_FIELDS = ("dim", "optimizer.kind", "initializer", "seed")
@@ -164,6 +168,45 @@ def _sync_dir(path: str) -> None:
         raise OSError(e.errno, f"sync directory: {e.strerror}", path) from None
     finally:
         os.close(fd)
+
+
+# The device tier's routes are planned once a run for an even all-to-all of this
+# many bytes a device pair: a batch's gets and pushes move about this much (4096
+# examples x 26 fields x 64 floats over 8 x 8 pairs: 0.4 MB), where bandwidth,
+# not a hop's microseconds, decides the route.
+_PLAN_PAIR_BYTES = 1 << 20
+
+
+def _add_links(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
+    """The sum of two tiers' link counters (DeviceTier.link_counters)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {"rows": a["rows"] + b["rows"], "bytes": a["bytes"] + b["bytes"],
+            "route_rows": {k: a["route_rows"][k] + b["route_rows"][k] for k in a["route_rows"]},
+            "relayed_rows": a["relayed_rows"] + b["relayed_rows"],
+            "relayed_bytes": a["relayed_bytes"] + b["relayed_bytes"]}
+
+
+def _routes_stats(topo, routes, links: dict, source: Optional[str]) -> dict:
+    """stats()["device"]["routes"]: the plan each device pair's transfers follow and
+    what crossed each link (rows and bytes a->b and b->a; a relay's rows count on
+    both its hops; second_hop_bytes: a relay's second leg, the plan's phase 2)."""
+    names = [d.name for d in topo.devices]
+    g = routes.devices
+    plan = [["-"] * g for _ in range(g)]
+    for r in routes.plan["routes"]:
+        if r["src"] < g and r["dst"] < g:
+            plan[r["src"]][r["dst"]] = r["kind"] + (f" via {names[topo.endpoints[r['via']]]}" if r["via"] >= 0 else "")
+    per_link = []
+    for i, l in enumerate(topo.links):
+        rows, moved = links["rows"][:, i, :].sum(axis=0), links["bytes"][:, i, :].sum(axis=0)
+        per_link.append({"between": [names[l.a], names[l.b]], "kind": l.kind, "rows": rows.tolist(),
+                         "bytes": moved.tolist(), "second_hop_bytes": links["bytes"][1, i, :].tolist()})
+    return {"topology": topo.name, "source": source or "flat host partitions (default)",
+            "executed": routes.execute, "endpoints": [names[e] for e in topo.endpoints[:g]], "plan": plan,
+            "links": per_link, "hop_rows": int(links["rows"].sum()), "hop_bytes": int(links["bytes"].sum()),
+            "rows_by_route": dict(links["route_rows"]), "relayed_rows": links["relayed_rows"],
+            "relayed_bytes": links["relayed_bytes"]}
 
 
 def _remove_tree(path: str) -> None:
@@ -578,6 +621,8 @@ class ParameterServer:
         # device_capacity): clearing and reading back scan every slot, so tables
         # sized to the batch cost least.
         capacity = min(config.device_capacity, 1 << 16)
+        self._routes, self._topology = (None, None) if self._in_place else self._plan_routes()
+        self._links_before = None  # link counters of the tiers outgrown
         self._slots = [] if self._in_place else [_TierSlot(self._new_tier(capacity), capacity)]
         self._next_slot = 0
         self._last_batch: Optional[Union[Batch, HostBatch]] = None
@@ -858,8 +903,29 @@ class ParameterServer:
             self._host_active -= 1
             self._host_batches.notify_all()
 
+    def _plan_routes(self):
+        """The run's routes for the device tier's transfers (one plan a run, shared by
+        every tier): the topology file's, executed by the host executor on host
+        partitions; without one, a flat topology of the host partitions, whose one
+        route (through host memory) the tier's own copy takes, counted per link. A CUDA
+        tier without a file gets none."""
+        g = self.config.devices
+        host = _core.cuda_device_count() < g
+        if self.config.topology is None:
+            if g < 2 or not host:
+                return None, None
+            topo = htopo.host_partitions(g)
+        else:
+            topo = htopo.load(self.config.topology)
+            if len(topo.endpoints) < g:
+                raise ValueError(f"{self.config.topology}: topology {topo.name!r} has {len(topo.endpoints)} "
+                                 f"endpoints (GPUs and host partitions), fewer than devices = {g}")
+        devices, links = topo._native()
+        return _core.TierRoutes(devices, links, g, _PLAN_PAIR_BYTES, host and self.config.topology is not None), topo
+
     def _new_tier(self, capacity: int):
-        return _core.DeviceTier(self.config.devices, capacity, self._native_opt, threads=self.config.device_threads)
+        return _core.DeviceTier(self.config.devices, capacity, self._native_opt, threads=self.config.device_threads,
+                                routes=self._routes)
 
     def _fit_tier(self, slot: _TierSlot, most: int) -> None:
         """Grows the slot's (empty) device tables until the batch, `most` keys on
@@ -871,6 +937,7 @@ class ParameterServer:
             rows, moved = slot.tier.transfers()
             self._transfers_before = (rows, moved) if self._transfers_before is None else \
                 (self._transfers_before[0] + rows, self._transfers_before[1] + moved)
+            self._links_before = _add_links(self._links_before, slot.tier.link_counters())
             slot.tier = self._new_tier(capacity)
             slot.capacity = capacity
 
@@ -947,9 +1014,15 @@ class ParameterServer:
         for slot in self._slots:
             r, b = slot.tier.transfers()
             rows, transfer_bytes = rows + r, transfer_bytes + b
-        return {"kind": self._slots[0].tier.kind, "devices": self._slots[0].tier.devices,
-                "capacity_per_device": max(slot.capacity for slot in self._slots),
-                "transfer_rows": rows.tolist(), "transfer_bytes": transfer_bytes.tolist()}
+        out = {"kind": self._slots[0].tier.kind, "devices": self._slots[0].tier.devices,
+               "capacity_per_device": max(slot.capacity for slot in self._slots),
+               "transfer_rows": rows.tolist(), "transfer_bytes": transfer_bytes.tolist()}
+        if self._routes is not None:
+            links = self._links_before
+            for slot in self._slots:
+                links = _add_links(links, slot.tier.link_counters())
+            out["routes"] = _routes_stats(self._topology, self._routes, links, self.config.topology)
+        return out
 
     def close(self) -> None:
         """Releases the stores; what was not checkpointed is dropped."""

@@ -171,6 +171,12 @@ struct RowAddresses {
   std::vector<uint8_t*> rows;
 };
 
+// A run's device-tier routes (hps::PlanTierRoutes), read-only, shared by the
+// tiers made with them.
+struct TierRoutesHandle {
+  std::shared_ptr<const hps::TierRoutes> routes;
+};
+
 // A Python loader, called from native code without the GIL: takes a uint64
 // array, returns (rows of row_bytes each, dirty bool array).
 hps::RowLoader PythonLoader(py::object loader, uint32_t row_bytes) {
@@ -656,11 +662,12 @@ PYBIND11_MODULE(_core, m) {
   };
   py::class_<hps::DeviceTier>(m, "DeviceTier")
       .def(py::init([](int32_t devices, uint64_t capacity, const hps::SparseOptimizer& optimizer, bool use_cuda,
-                       int32_t threads) {
-             return hps::DeviceTier::New({devices, capacity, optimizer, use_cuda, threads});
+                       int32_t threads, const TierRoutesHandle* routes) {
+             return hps::DeviceTier::New(
+                 {devices, capacity, optimizer, use_cuda, threads, routes ? routes->routes : nullptr});
            }),
            py::arg("devices"), py::arg("capacity"), py::arg("optimizer"), py::arg("use_cuda") = true,
-           py::arg("threads") = 0)
+           py::arg("threads") = 0, py::arg("routes") = nullptr)
       .def_property_readonly("devices", &hps::DeviceTier::devices)
       .def_property_readonly("row_floats", &hps::DeviceTier::row_floats)
       .def_property_readonly("dim", &hps::DeviceTier::dim)
@@ -751,6 +758,24 @@ PYBIND11_MODULE(_core, m) {
         std::memcpy(rows.mutable_data(), m.rows.data(), m.rows.size() * sizeof(uint64_t));
         std::memcpy(bytes.mutable_data(), m.bytes.data(), m.bytes.size() * sizeof(uint64_t));
         return py::make_tuple(rows, bytes);
+      })
+      .def("link_counters", [](const hps::DeviceTier& t) {
+        // rows, bytes: (2, links, 2) [phase][link][a->b, b->a]; None without routes.
+        const hps::LinkCounters c = t.link_counters();
+        if (c.links == 0 && c.route_rows.empty()) return py::object(py::none());
+        const auto l = static_cast<py::ssize_t>(c.links);
+        py::array_t<uint64_t> rows({py::ssize_t{2}, l, py::ssize_t{2}}), bytes({py::ssize_t{2}, l, py::ssize_t{2}});
+        std::memcpy(rows.mutable_data(), c.rows.data(), c.rows.size() * sizeof(uint64_t));
+        std::memcpy(bytes.mutable_data(), c.bytes.data(), c.bytes.size() * sizeof(uint64_t));
+        py::dict d;
+        d["rows"] = rows;
+        d["bytes"] = bytes;
+        py::dict by_kind;
+        for (int k = 1; k < 4; ++k) by_kind[hps::RouteKindName(static_cast<hps::RouteKind>(k))] = c.route_rows[k];
+        d["route_rows"] = by_kind;
+        d["relayed_rows"] = c.relayed_rows;
+        d["relayed_bytes"] = c.relayed_bytes;
+        return py::object(d);
       })
       .def("reset_transfers", &hps::DeviceTier::ResetTransfers);
 
@@ -1036,4 +1061,17 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("devices"), py::arg("links"), py::arg("bytes"), py::arg("schedule"), py::arg("send"), py::arg("recv"),
         "plans the schedule and runs it with memcpy between host buffers (segments in endpoint order)");
   m.def("cuda_executor_available", &hps::CudaExecutorAvailable);
+
+  py::class_<TierRoutesHandle>(m, "TierRoutes")
+      .def(py::init([=](const std::vector<std::tuple<std::string, int32_t, int32_t>>& devices,
+                        const std::vector<std::tuple<int32_t, int32_t, double, double, std::string>>& links,
+                        int32_t tier_devices, uint64_t pair_bytes, bool execute) {
+             return TierRoutesHandle{hps::PlanTierRoutes(topo_of(devices, links), tier_devices, pair_bytes, execute)};
+           }),
+           py::arg("devices"), py::arg("links"), py::arg("tier_devices"), py::arg("pair_bytes"), py::arg("execute"),
+           "a run's routes for a device tier of tier_devices devices (endpoints 0..G-1 of the topology), planned "
+           "for an even all-to-all of pair_bytes a pair; execute: the host executor moves the rows")
+      .def_property_readonly("plan", [=](const TierRoutesHandle& h) { return plan_dict(h.routes->plan); })
+      .def_property_readonly("execute", [](const TierRoutesHandle& h) { return h.routes->execute; })
+      .def_property_readonly("devices", [](const TierRoutesHandle& h) { return h.routes->devices; });
 }

@@ -1,7 +1,9 @@
 #include "hps/device_tier.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -32,6 +34,22 @@ class Tier final : public DeviceTier {
     matrix_.devices = o.devices;
     matrix_.rows.assign(static_cast<size_t>(o.devices) * o.devices, 0);
     matrix_.bytes.assign(matrix_.rows.size(), 0);
+    if (const auto& r = o.routes) {
+      if (r->devices != o.devices) {
+        throw std::invalid_argument("device tier: routes planned for " + std::to_string(r->devices) +
+                                    " devices, the tier has " + std::to_string(o.devices));
+      }
+      // ExecuteOnHost copies host memory; a CUDA tier's rows sit in device memory.
+      if (r->execute && cuda) {
+        throw std::invalid_argument("device tier: executed routes need host partitions (use_cuda = false); "
+                                    "the CUDA executor does not drive a CUDA tier yet");
+      }
+      endpoints_ = static_cast<int32_t>(r->topology.Endpoints().size());
+      links_.links = static_cast<int32_t>(r->topology.links.size());
+      links_.rows.assign(4 * static_cast<size_t>(links_.links), 0);
+      links_.bytes.assign(links_.rows.size(), 0);
+      links_.route_rows.assign(4, 0);
+    }
   }
 
   int32_t devices() const override { return o_.devices; }
@@ -68,6 +86,7 @@ class Tier final : public DeviceTier {
            const int32_t* owners) override {
     CheckWorker(worker);
     const int32_t dim = o_.optimizer.dim;
+    if (Executes()) return RoutedGet(worker, keys, n, embeddings, owners);
     ReadOnOwners(keys, n, owners, embeddings, dim, [&](int32_t device, uint64_t rows) {
       Count(device, worker, rows, rows * dim * sizeof(float));
     });
@@ -79,6 +98,7 @@ class Tier final : public DeviceTier {
     CheckKeys(keys, n);
     const int32_t dim = o_.optimizer.dim;
     const Parts parts = Partition(keys, n, owners, grads, dim);
+    if (Executes()) return RoutedAccumulate(worker, parts);
     for (int32_t d = 0; d < o_.devices; ++d) {
       if (parts.size[d] == 0) continue;
       grads_[d]->accumulate(parts.keys[d], parts.size[d], parts.rows[d]);
@@ -124,9 +144,14 @@ class Tier final : public DeviceTier {
   }
 
   TransferMatrix transfers() const override { return matrix_; }
+  LinkCounters link_counters() const override { return links_; }
   void ResetTransfers() override {
     std::fill(matrix_.rows.begin(), matrix_.rows.end(), 0);
     std::fill(matrix_.bytes.begin(), matrix_.bytes.end(), 0);
+    std::fill(links_.rows.begin(), links_.rows.end(), 0);
+    std::fill(links_.bytes.begin(), links_.bytes.end(), 0);
+    std::fill(links_.route_rows.begin(), links_.route_rows.end(), 0);
+    links_.relayed_rows = links_.relayed_bytes = 0;
   }
 
  private:
@@ -218,6 +243,80 @@ class Tier final : public DeviceTier {
     }
   }
 
+  bool Executes() const { return o_.routes && o_.routes->execute && o_.devices > 1; }
+
+  // Get through the routes: each owner's embeddings for the worker, compacted,
+  // are one segment of an exchange that ExecuteOnHost carries out (a relay
+  // staged on its middleman), then scattered to the worker's output.
+  void RoutedGet(int32_t worker, const uint64_t* keys, uint64_t n, float* out, const int32_t* owners) {
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    const auto e = static_cast<size_t>(endpoints_);
+    const uint64_t dim = static_cast<uint64_t>(o_.optimizer.dim);
+    std::vector<std::vector<float>> send(static_cast<size_t>(o_.devices));
+    std::vector<uint64_t> bytes(e * e, 0);
+    std::vector<float> found_rows;
+    std::vector<uint8_t> found;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      found.resize(size);
+      found_rows.resize(size * row_floats_);
+      rows_[d]->find(parts.keys[d], size, found_rows.data(), found.data());
+      auto& seg = send[static_cast<size_t>(d)];
+      seg.resize(size * dim);
+      for (uint64_t j = 0; j < size; ++j) {
+        if (!found[j]) NotLoaded(keys, parts.Index(d, j), d);
+        std::memcpy(seg.data() + j * dim, found_rows.data() + j * row_floats_, dim * sizeof(float));
+      }
+      bytes[static_cast<size_t>(d) * e + static_cast<size_t>(worker)] = size * dim * sizeof(float);
+    }
+    std::vector<float> recv(n * dim);
+    std::vector<const uint8_t*> sp(e, nullptr);
+    std::vector<uint8_t*> rp(e, nullptr);
+    for (int32_t d = 0; d < o_.devices; ++d) sp[d] = reinterpret_cast<const uint8_t*>(send[d].data());
+    rp[worker] = reinterpret_cast<uint8_t*>(recv.data());
+    ExecuteOnHost(o_.routes->plan, bytes, sp, rp);
+    uint64_t at = 0;  // recv holds the owners' segments in device order
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      for (uint64_t j = 0; j < size; ++j) {
+        std::memcpy(out + parts.Index(d, j) * dim, recv.data() + (at + j) * dim, dim * sizeof(float));
+      }
+      at += size;
+      Count(d, worker, size, size * dim * sizeof(float));
+    }
+  }
+
+  // Accumulate through the routes: the worker's gradients for each owner are
+  // one segment of the exchange; each owner sums what it received.
+  void RoutedAccumulate(int32_t worker, const Parts& parts) {
+    const auto e = static_cast<size_t>(endpoints_);
+    const uint64_t dim = static_cast<uint64_t>(o_.optimizer.dim);
+    std::vector<uint64_t> bytes(e * e, 0);
+    std::vector<float> send;
+    std::vector<std::vector<float>> recv(static_cast<size_t>(o_.devices));
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      send.insert(send.end(), parts.rows[d], parts.rows[d] + size * dim);
+      recv[static_cast<size_t>(d)].resize(size * dim);
+      bytes[static_cast<size_t>(worker) * e + static_cast<size_t>(d)] = size * dim * sizeof(float);
+    }
+    std::vector<const uint8_t*> sp(e, nullptr);
+    std::vector<uint8_t*> rp(e, nullptr);
+    sp[worker] = reinterpret_cast<const uint8_t*>(send.data());
+    for (int32_t d = 0; d < o_.devices; ++d) rp[d] = reinterpret_cast<uint8_t*>(recv[d].data());
+    ExecuteOnHost(o_.routes->plan, bytes, sp, rp);
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      grads_[d]->accumulate(parts.keys[d], size, recv[d].data());
+      Count(worker, d, size, size * dim * sizeof(float));
+    }
+  }
+
   [[noreturn]] static void NotLoaded(const uint64_t* keys, uint64_t i, int32_t device) {
     throw std::out_of_range("device tier: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
                             " is not loaded on device " + std::to_string(device) +
@@ -235,6 +334,22 @@ class Tier final : public DeviceTier {
     const size_t at = static_cast<size_t>(from) * o_.devices + to;
     matrix_.rows[at] += rows;
     matrix_.bytes[at] += bytes;
+    if (!o_.routes || from == to) return;
+    // Along the pair's route: every link direction it crosses, by phase.
+    const TierRoutes& r = *o_.routes;
+    const Route& route = r.plan.routes[static_cast<size_t>(from) * endpoints_ + to];
+    links_.route_rows[static_cast<size_t>(route.kind)] += rows;
+    if (route.kind == RouteKind::kRelay) {
+      links_.relayed_rows += rows;
+      links_.relayed_bytes += bytes;
+    }
+    for (size_t ph = 0; ph < 2; ++ph) {
+      for (int32_t hop : r.hops[ph][at]) {
+        const size_t i = ph * 2 * static_cast<size_t>(links_.links) + static_cast<size_t>(hop);
+        links_.rows[i] += rows;
+        links_.bytes[i] += bytes;
+      }
+    }
   }
 
   DeviceTierOptions o_;
@@ -242,9 +357,56 @@ class Tier final : public DeviceTier {
   std::string kind_;
   std::vector<std::unique_ptr<HashTable>> rows_, grads_;
   TransferMatrix matrix_;
+  int32_t endpoints_ = 0;  // the routes' E
+  LinkCounters links_;
 };
 
 }  // namespace
+
+std::shared_ptr<const TierRoutes> PlanTierRoutes(const Topology& topology, int32_t devices, uint64_t pair_bytes,
+                                                 bool execute) {
+  topology.Validate();
+  const std::vector<int32_t> ep = topology.Endpoints();
+  if (devices <= 0) throw std::invalid_argument("tier routes: devices must be > 0");
+  if (pair_bytes == 0) throw std::invalid_argument("tier routes: pair_bytes must be > 0");
+  if (ep.size() < static_cast<size_t>(devices)) {
+    throw std::invalid_argument("tier routes: the topology has " + std::to_string(ep.size()) +
+                                " endpoints (GPUs and host partitions), fewer than the tier's " +
+                                std::to_string(devices) + " devices");
+  }
+  const size_t e = ep.size();
+  const auto g = static_cast<size_t>(devices);
+  std::vector<uint64_t> bytes(e * e, 0);
+  for (size_t s = 0; s < g; ++s)
+    for (size_t d = 0; d < g; ++d)
+      if (s != d) bytes[s * e + d] = pair_bytes;
+  auto r = std::make_shared<TierRoutes>();
+  r->topology = topology;
+  r->plan = PlanRoutes(topology, bytes, Schedule::kRelay);
+  r->execute = execute;
+  r->devices = devices;
+  std::map<std::pair<int32_t, int32_t>, int32_t> link_of;
+  for (size_t i = 0; i < topology.links.size(); ++i) {
+    const TopoLink& l = topology.links[i];
+    link_of[{std::min(l.a, l.b), std::max(l.a, l.b)}] = static_cast<int32_t>(i);
+  }
+  for (auto& h : r->hops) h.assign(g * g, {});
+  for (size_t s = 0; s < g; ++s) {
+    for (size_t d = 0; d < g; ++d) {
+      const Route& route = r->plan.routes[s * e + d];
+      if (route.kind == RouteKind::kNone) continue;
+      const int32_t middleman = route.kind == RouteKind::kRelay ? ep[static_cast<size_t>(route.via)] : -1;
+      size_t phase = 0;
+      for (size_t h = 1; h < route.path.size(); ++h) {
+        const int32_t a = route.path[h - 1], b = route.path[h];
+        const int32_t li = link_of.at({std::min(a, b), std::max(a, b)});
+        r->hops[phase][s * g + d].push_back(2 * li + (topology.links[static_cast<size_t>(li)].a == a ? 0 : 1));
+        if (b == middleman) phase = 1;
+      }
+    }
+  }
+  return r;
+}
 
 int32_t DeviceTier::ModuloOwner(uint64_t key, int32_t devices) {
   return static_cast<int32_t>(detail::Mix64(key) % static_cast<uint64_t>(devices));  // ids sharing low bits still spread

@@ -31,7 +31,7 @@ SparseOptimizer AdaGrad(int32_t dim) {
 TEST(DeviceTier, BatchMatchesOneTable) {
   const SparseOptimizer opt = AdaGrad(4);
   const int32_t width = opt.row_floats();
-  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1});
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr});
   EXPECT_EQ(tier->kind(), "cpu");
   std::vector<uint64_t> keys = {1, 2, 3, 4, 5, 6, 7, 8};
   std::vector<float> rows(keys.size() * width);
@@ -76,6 +76,73 @@ TEST(DeviceTier, BatchMatchesOneTable) {
   EXPECT_EQ(tier->size(), 0u);
 }
 
+// Three host partitions where 0 and 2 share no link and their host path is
+// slow: the router relays them via 1, and the executed routes (the host
+// executor staging on device 1) give what the tier's own copies give, while
+// the link counters put a relayed row on both of its hops.
+TEST(DeviceTier, ExecutedRoutesDeliverWhatDirectCopiesDoAndCountEachHop) {
+  Topology t;
+  t.devices = {{"h0", DeviceKind::kHost, 0}, {"h1", DeviceKind::kHost, 0}, {"h2", DeviceKind::kHost, 0},
+               {"mem", DeviceKind::kCpu, 0}};
+  t.links = {{0, 1, 100, 0.5, "fast"}, {1, 2, 100, 0.5, "fast"}, {0, 3, 1, 0.5, "memcpy"},
+             {1, 3, 1, 0.5, "memcpy"}, {2, 3, 1, 0.5, "memcpy"}};
+  const auto routes = PlanTierRoutes(t, 3, 1 << 20, /*execute=*/true);
+  ASSERT_EQ(routes->plan.routes[0 * 3 + 2].kind, RouteKind::kRelay);
+  ASSERT_EQ(routes->plan.routes[2 * 3 + 0].via, 1);
+  ASSERT_EQ(routes->plan.routes[0 * 3 + 1].kind, RouteKind::kDirect);
+
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  std::vector<uint64_t> keys;
+  for (uint64_t k = 1; k <= 30; ++k) keys.push_back(k * 7919);
+  std::vector<float> rows(keys.size() * width);
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  std::vector<float> g(keys.size() * 4);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.01f * static_cast<float>(i % 17) - 0.05f;
+  std::vector<std::vector<float>> emb(2), full(2);
+  std::unique_ptr<DeviceTier> tiers[2];
+  for (int routed = 0; routed < 2; ++routed) {
+    auto& tier = tiers[routed];
+    tier = DeviceTier::New({3, 64, opt, /*use_cuda=*/false, /*threads=*/1, routed ? routes : nullptr});
+    tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+    emb[routed].resize(keys.size() * 4);
+    tier->Get(0, keys.data(), keys.size(), emb[routed].data(), nullptr);
+    tier->Accumulate(2, keys.data(), keys.size(), g.data(), nullptr);
+    tier->Accumulate(0, keys.data(), 10, g.data(), nullptr);
+    tier->Apply();
+    full[routed].resize(keys.size() * width);
+    tier->Rows(keys.data(), keys.size(), full[routed].data(), nullptr);
+  }
+  EXPECT_EQ(emb[0], emb[1]);
+  EXPECT_EQ(full[0], full[1]);
+  EXPECT_EQ(tiers[0]->transfers().bytes, tiers[1]->transfers().bytes);
+  EXPECT_EQ(tiers[0]->link_counters().links, 0);
+
+  const TransferMatrix m = tiers[1]->transfers();
+  const LinkCounters c = tiers[1]->link_counters();
+  ASSERT_EQ(c.links, 5);
+  const auto at = [&](int phase, int link, int way) { return c.bytes[(phase * 5 + link) * 2 + way]; };
+  const uint64_t b20 = m.bytes[2 * 3 + 0], b02 = m.bytes[0 * 3 + 2], b10 = m.bytes[1 * 3 + 0],
+                 b21 = m.bytes[2 * 3 + 1], b01 = m.bytes[0 * 3 + 1];
+  ASSERT_GT(b20, 0u);
+  ASSERT_GT(b02, 0u);
+  // 2 -> 0 relays h2 -> h1 (link 1, b->a) then h1 -> h0 (link 0, b->a); 0 -> 2 the reverse.
+  EXPECT_EQ(at(0, 1, 1), b20 + b21);
+  EXPECT_EQ(at(1, 0, 1), b20);
+  EXPECT_EQ(at(0, 0, 1), b10);
+  EXPECT_EQ(at(0, 0, 0), b02 + b01);
+  EXPECT_EQ(at(1, 1, 0), b02);
+  for (int link = 2; link < 5; ++link) EXPECT_EQ(at(0, link, 0) + at(0, link, 1), 0u) << "memcpy link " << link;
+  EXPECT_EQ(c.relayed_bytes, b20 + b02);
+  EXPECT_EQ(c.relayed_rows, m.rows[2 * 3 + 0] + m.rows[0 * 3 + 2]);
+  tiers[1]->ResetTransfers();
+  EXPECT_EQ(tiers[1]->link_counters().relayed_rows, 0u);
+
+  // Routes for another number of devices, or fewer endpoints than devices, are refused.
+  EXPECT_THROW(DeviceTier::New({2, 64, opt, false, 1, routes}), std::invalid_argument);
+  EXPECT_THROW(PlanTierRoutes(t, 4, 1 << 20, true), std::invalid_argument);
+}
+
 // One device reads and writes the caller's arrays in place (no partition copy).
 TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
   const SparseOptimizer opt = AdaGrad(4);
@@ -85,7 +152,7 @@ TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
   opt.initial_rows(keys.data(), keys.size(), rows.data());
   std::vector<std::vector<float>> got_rows, got_emb;
   for (int32_t devices : {1, 2}) {
-    auto tier = DeviceTier::New({devices, 64, opt, /*use_cuda=*/false, /*threads=*/1});
+    auto tier = DeviceTier::New({devices, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr});
     tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
     std::vector<uint64_t> pushed = {13, 11, 13};
     std::vector<float> g(3 * 4, 0.5f);
@@ -106,7 +173,7 @@ TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
   }
   EXPECT_EQ(got_emb[0], got_emb[1]);
   EXPECT_EQ(got_rows[0], got_rows[1]);
-  auto one = DeviceTier::New({1, 64, opt, false, 1});
+  auto one = DeviceTier::New({1, 64, opt, false, 1, nullptr});
   int32_t owners[1] = {1};
   EXPECT_THROW(one->Insert(keys.data(), 1, rows.data(), owners), std::invalid_argument);
 }
@@ -114,7 +181,7 @@ TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();
-  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1});
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr});
   std::vector<uint64_t> keys = {10, 11, 12, 13};
   std::vector<float> rows(keys.size() * width, 1.0f);
   tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
