@@ -502,6 +502,21 @@ def render_w8(o: dict) -> list[str]:
     out += [f"Host executor on this machine (memcpy; {ex.get('rows', 0):,} rows, {ex.get('repeats')} runs a schedule; "
             "it checks the schedule, not NVLink):", ""]
     out += table(["schedule", "ms, median (min-max)", "MB staged", "bytes as a direct copy"], rows) + [""]
+    tm = o.get("train_matrices")
+    if tm:
+        rr = tm["run_routes"]
+        out += [f"`hps train`'s recorded matrix: {tm['devices']} host partitions, dim {tm['dim']}, {tm['batches']} "
+                f"batches of {tm['batch_size']}, the tier's transfers routed through `{o['topology']}` (executed: "
+                f"{'yes' if rr['executed'] else 'no'}; rows direct / relayed: {rr['rows_by_route']['direct']:,} / "
+                f"{rr['relayed_rows']:,}); the pull counted from the data, plus its transpose, equals the recorded "
+                f"matrix: {'yes' if tm['pull_plus_transpose_equals_recorded'] else 'NO'}. A batch's mean pull "
+                f"({tm['pull_bytes_per_batch_offdiag'] / 1e6:.2f} MB between devices) and push, modelled:", ""]
+        rows = []
+        for d in ("pull", "push"):
+            m = tm["model_per_batch"][d]
+            rows += [[d, s, f"{m[s]['seconds'] * 1e6:.1f}", num(1 - m[s]["reduction_vs_host"], ".3f")]
+                     for s in ("host", "direct", "relay")]
+        out += table(["transfer", "schedule", "modelled us", "/ host"], rows) + [""]
     rows = [[name, *(f"{v[s]['seconds'] * 1e3:.3f}" for s in ("host", "direct", "relay")),
              num(1 - v["relay"]["reduction_vs_host"], ".3f")] for name, v in (o.get("other_nodes") or {}).items()]
     if rows:

@@ -19,6 +19,9 @@ two phases) and, with the host executor (memcpy between host buffers, relays sta
 the middleman's buffer), the measured time on this machine, checking that every schedule
 delivers exactly the bytes a direct copy does. The host executor checks the schedule, not
 NVLink: its times say what staging costs in memory bandwidth here, nothing about GPUs.
+It also takes the transfer matrix `hps train` records with 8 host-partition devices
+on the synthetic data (routed through the same topology file; 100 batches of 4096,
+--quick 8 of 1024) and models a batch's pull and push of it under the three schedules.
 It also models two hard-coded relay rules beside the router's choice (Paddle's
 (s + 4) % 8, and the destination's partner (d + 4) % 8), the modelled ratio on the
 other shipped nodes, and the core binding plan
@@ -108,6 +111,52 @@ def executed(topo, m: np.ndarray, repeats: int) -> dict:
     return out
 
 
+def train_matrices(topo_file: str, topo, quick: bool) -> dict:
+    """The transfer matrix `hps train` records with 8 host-partition devices on the
+    synthetic data, routed through topo_file, and the modelled time of a batch's pull
+    and push on that topology. The tier's matrix sums Get (owner -> worker) and
+    Accumulate (worker -> owner); the pull part is counted here from the same data
+    (each worker's mini-batch keys by their modulo owner) and checked: pull + its
+    transpose must equal the recorded matrix."""
+    import tempfile
+    import hps
+    from hps import _core
+    from hps.data import SyntheticCriteo
+    from hps.train import DataConfig, TrainConfig, train
+    devices, dim = 8, 64
+    batch_size, batches = (1024, 8) if quick else (4096, 100)
+    vocab = [1000, 5000, 20_000, 200_000] + [20_000] * 22
+    with tempfile.TemporaryDirectory() as path:
+        data = DataConfig(batch_size=batch_size, train_examples=batch_size * batches, eval_examples=batch_size,
+                          vocab_sizes=vocab)
+        ps = hps.ParameterServerConfig(dim=dim, path=path, mem_budget="256MiB", devices=devices, topology=topo_file)
+        cfg = TrainConfig(ps=ps, data=data, hidden=(64,), torch_threads=1, eval_every=0)
+        t0 = time.perf_counter()
+        summary = train(cfg, progress=False)
+        train_s = time.perf_counter() - t0
+    device = summary["ps"]["device"]
+    recorded = np.array(device["transfer_bytes"], dtype=np.uint64)
+    pull = np.zeros((devices, devices), dtype=np.uint64)
+    for b in SyntheticCriteo(seed=0, batch_size=batch_size, examples=batch_size * batches, vocab_sizes=vocab):
+        for w, idx in enumerate(np.array_split(np.arange(len(b.labels)), devices)):
+            owners = _core.DeviceTier.modulo_owners(np.ascontiguousarray(b.keys[idx].ravel()), devices)
+            pull[:, w] += np.bincount(owners, minlength=devices).astype(np.uint64) * np.uint64(4 * dim)
+    split_ok = bool(np.array_equal(pull + pull.T, recorded))
+    e = len(topo.endpoints)
+    per_batch = np.zeros((e, e), dtype=np.uint64)
+    per_batch[:devices, :devices] = pull // np.uint64(summary["batches"])
+    np.fill_diagonal(per_batch, 0)  # a device's own rows stay put
+    routes = device["routes"]
+    return {"devices": devices, "dim": dim, "batch_size": batch_size, "batches": summary["batches"],
+            "train_seconds": round(train_s, 2), "recorded_bytes": recorded.tolist(),
+            "pull_bytes": pull.tolist(), "pull_plus_transpose_equals_recorded": split_ok,
+            "pull_bytes_per_batch_offdiag": int(per_batch.sum()),
+            "model_per_batch": {"pull": modelled(topo, per_batch), "push": modelled(topo, np.ascontiguousarray(per_batch.T))},
+            "run_routes": {k: routes[k] for k in ("topology", "executed", "rows_by_route", "relayed_rows",
+                                                  "relayed_bytes", "hop_bytes")},
+            "run_plan_row0": routes["plan"][0]}
+
+
 def binding_plans() -> dict:
     """The core binding plan of this machine (sysfs) and of fake 2- and 4-node trees
     (2 GPUs and 8 cores a node, the NVMe drive on the last node, the NIC on node 1)."""
@@ -182,6 +231,10 @@ def main(argv=None) -> int:
             result["cuda"] = {"executor_available": True, "note": "a GPU is present; this bench does not time it yet"}
     except AttributeError:
         pass
+    if len(topo.endpoints) >= 8:
+        result["train_matrices"] = train_matrices(a.file, topo, a.quick)
+        for d in ("pull", "push"):
+            result[f"train_{d}_reduction"] = result["train_matrices"]["model_per_batch"][d]["relay"]["reduction_vs_host"]
     result["binding"] = binding_plans()
     result["wall_seconds"] = round(time.perf_counter() - t0, 3)
     result["provenance"] = provenance()

@@ -38,6 +38,16 @@ def test_w8_quick():
     for s, x in line["executor"]["pull"].items():
         assert x["delivered_as_direct"] is True, s
     assert line["executor"]["pull"]["host"]["staged_bytes"] > line["executor"]["pull"]["relay"]["staged_bytes"] > 0
+    # hps train's recorded matrix (8 host partitions routed through figure1): the pull
+    # counted from the data, plus its transpose (the push), is what the tier recorded.
+    t = line["train_matrices"]
+    assert t["devices"] == 8 and t["batches"] == 8
+    assert t["pull_plus_transpose_equals_recorded"] is True
+    assert t["run_routes"]["executed"] is True and t["run_routes"]["relayed_rows"] > 0
+    for d in ("pull", "push"):
+        m = t["model_per_batch"][d]
+        assert m["relay"]["seconds"] < m["direct"]["seconds"] < m["host"]["seconds"]
+        assert line[f"train_{d}_reduction"] == m["relay"]["reduction_vs_host"]
     assert {"dgx1-hybrid-cube-mesh", "nvswitch", "pcie-only"} <= set(line["other_nodes"])
     bind = line["binding"]
     two, four = bind["fake_2_nodes"], bind["fake_4_nodes"]
