@@ -143,6 +143,43 @@ TEST(DeviceTier, ExecutedRoutesDeliverWhatDirectCopiesDoAndCountEachHop) {
   EXPECT_THROW(PlanTierRoutes(t, 4, 1 << 20, true), std::invalid_argument);
 }
 
+// The pipeline's two tiers share one run's routes and train on different
+// threads: the routes are read-only, each tier's counters its own.
+TEST(DeviceTier, TiersOnTwoThreadsShareTheirRoutes) {
+  Topology t;
+  t.devices = {{"h0", DeviceKind::kHost, 0}, {"h1", DeviceKind::kHost, 0}, {"h2", DeviceKind::kHost, 0},
+               {"mem", DeviceKind::kCpu, 0}};
+  t.links = {{0, 1, 100, 0.5, "fast"}, {1, 2, 100, 0.5, "fast"}, {0, 3, 1, 0.5, "memcpy"},
+             {1, 3, 1, 0.5, "memcpy"}, {2, 3, 1, 0.5, "memcpy"}};
+  const auto routes = PlanTierRoutes(t, 3, 1 << 20, /*execute=*/true);
+  const SparseOptimizer opt = AdaGrad(4);
+  std::vector<uint64_t> keys;
+  for (uint64_t k = 1; k <= 200; ++k) keys.push_back(k * 104729);
+  std::vector<float> rows(keys.size() * opt.row_floats());
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  std::vector<float> g(keys.size() * 4, 0.25f);
+  std::vector<float> got[2];
+  LinkCounters counted[2];
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      auto tier = DeviceTier::New({3, 512, opt, /*use_cuda=*/false, /*threads=*/1, routes});
+      tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+      for (int32_t worker = 0; worker < 3; ++worker) {
+        tier->Accumulate(worker, keys.data(), keys.size(), g.data(), nullptr);
+      }
+      tier->Apply();
+      got[i].resize(keys.size() * 4);
+      tier->Get(2, keys.data(), keys.size(), got[i].data(), nullptr);
+      counted[i] = tier->link_counters();
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(got[0], got[1]);
+  EXPECT_EQ(counted[0].bytes, counted[1].bytes);
+  EXPECT_GT(counted[0].relayed_rows, 0u);
+}
+
 // One device reads and writes the caller's arrays in place (no partition copy).
 TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
   const SparseOptimizer opt = AdaGrad(4);
