@@ -54,6 +54,31 @@ def _apply_flags(cfg, a) -> None:
         cfg.pipelined = False
 
 
+def _apply_online_flags(cfg, a) -> None:
+    """--online, --online-window and --online-stop (see their help)."""
+    if a.online:
+        cfg.online = True
+    if a.online_window is not None:
+        if a.online_window < 1:
+            raise ValueError(f"--online-window: must be >= 1 examples, got {a.online_window}")
+        cfg.online_window, cfg.online_window_batches = a.online_window, 0
+    for part in (a.online_stop.split(",") if a.online_stop else []):
+        key, _, value = part.strip().partition("=")
+        try:
+            if key == "idle":
+                cfg.data.online_idle = None if value == "none" else float(value)
+            elif key == "marker" and value:
+                cfg.data.online_marker = None if value == "none" else value
+            elif key == "examples":
+                cfg.data.online_examples = int(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--online-stop: {part!r} is not idle=SECONDS, marker=NAME or examples=N") from None
+    if (a.online_window is not None or a.online_stop) and not cfg.online:
+        raise ValueError("--online-window and --online-stop need --online (or online = true in the config)")
+
+
 def _summary_table(summary: dict) -> str:
     f = summary["final"]
     p = summary["pipeline"]
@@ -79,6 +104,12 @@ def _summary_table(summary: dict) -> str:
     tried = ", ".join(f"{n}: {r:,.0f} ex/s" for n, r in threads.get("examples_per_s", {}).items())
     rows.append(("torch threads", f"{threads.get('chosen', '-')}" + (f" (tuned; {tried})" if tried else "")))
     rows.append(("device tier", ps["device"]["kind"]))
+    online = summary.get("online")
+    if online:
+        win = online["window"]
+        size = f"{win['batches']:,} batches" if "batches" in win else f"{win['examples']:,} examples"
+        rows.insert(4, ("online AUC / logloss (window)", f"{online['auc']:.4f} / {online['logloss']:.4f} "
+                                                         f"(latest {size}, before training on them)"))
     dist = summary.get("distributed")
     if dist:
         sync = dist["dense_sync"] + (f", k = {dist['k']}" if dist["dense_sync"] == "kstep" else "")
@@ -136,6 +167,7 @@ def cmd_train(a) -> int:
     if a.eval_data:
         cfg.data.eval_source = a.eval_data
     _apply_flags(cfg, a)
+    _apply_online_flags(cfg, a)
     if ht is None:
         summary = train(cfg, resume=a.resume, progress=not a.no_progress)
     else:
@@ -155,6 +187,11 @@ def cmd_train(a) -> int:
     line = {"final": summary["final"], "examples_per_s": summary["examples_per_s"], "pipeline": summary["pipeline"]}
     if ht is not None:
         line["hierarchical"] = summary["hierarchical"]
+    if "online" in summary:
+        line["online"] = {k: v for k, v in summary["online"].items() if k != "history"}
+    if a.report:
+        from hps.report import write_report
+        line["report"] = write_report(summary, a.report)
     print(json.dumps(line))
     return 0
 
@@ -246,6 +283,16 @@ def main(argv=None) -> int:
                                    "but it and --dense is a categorical field")
     t.add_argument("--dense", help="without --config: dense columns, comma-separated (needs --label)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint at the path")
+    t.add_argument("--online", action="store_true",
+                   help="progressive validation: score each batch before training on it (windowed AUC and logloss "
+                        "in the progress bar, summary and plots); a --data directory is read as files appear")
+    t.add_argument("--online-window", type=int, metavar="N", help="online: metrics over the latest N examples "
+                                                                   "(default 100000; the config's online_window)")
+    t.add_argument("--online-stop", metavar="SPEC",
+                   help="online: when a growing directory ends, comma-separated: idle=SECONDS without a new file "
+                        "(default 60; 'idle=none': never), marker=NAME (a file whose presence ends it once the files "
+                        "present are read; default _DONE; 'marker=none'), examples=N")
+    t.add_argument("--report", metavar="DIR", help="also write the run's plots (PNG) into DIR")
     _add_common(t)
     d = sub.add_parser("demo", help="train on synthetic data through all three tiers and write a report")
     d.add_argument("--report", help="report directory (default: <path>/report)")

@@ -49,6 +49,10 @@ def write_report(summary: dict, directory: str) -> list[str]:
             ax.set(xlabel="examples (M)", ylabel="examples/s (incl. eval)", title="throughput")
             save(fig, "throughput.png")
 
+    online = summary.get("online")
+    if online and online["history"]:
+        _plot_online(plt, online, save)
+
     busy = summary["pipeline"]["busy_seconds"]
     staged = [h for h in summary["history"] if "stages" in h]
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))
@@ -72,3 +76,18 @@ def write_report(summary: dict, directory: str) -> list[str]:
         ax[1].legend(fontsize="small")
     save(fig, "stages.png")
     return written
+
+
+def _plot_online(plt, online: dict, save) -> None:
+    """Progressive validation: windowed AUC and logloss of each batch scored before its step."""
+    h = online["history"]
+    x = [e["examples"] / 1e6 for e in h]
+    win = online["window"]
+    size = f"{win['batches']:,} batches" if "batches" in win else f"{win['examples']:,} examples"
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot(x, [e["auc"] for e in h], color="C0")
+    ax[0].set(xlabel="examples trained (M)", ylabel="AUC", title=f"progressive AUC (latest {size})")
+    ax[1].plot(x, [e["logloss"] for e in h], color="C1")
+    ax[1].set(xlabel="examples trained (M)", ylabel="logloss", title=f"progressive logloss (latest {size})")
+    fig.suptitle("each batch scored by the model before training on it", fontsize="small")
+    save(fig, "online.png")

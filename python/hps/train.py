@@ -65,6 +65,10 @@ class DataConfig:
     schema: Optional[Any] = None        # [data.schema]: files of any columns (hps.data.Schema); None: Criteo's
     epochs: int = 1                     # passes over the training data (hps.data.Epochs)
     shuffle_buffer: int = 0             # rows of the seeded shuffle buffer (seed: `seed`); 0: file order
+    online_poll: float = 1.0            # online, source a directory: seconds between looks for new files
+    online_idle: Optional[float] = 60.0  # online: end after this many seconds without a new file (None: never)
+    online_marker: Optional[str] = "_DONE"  # online: end once this file appears and the files present are read
+    online_examples: Optional[int] = None  # online: end after this many examples (None: no cap)
 
 
 @dataclass
@@ -80,6 +84,10 @@ class TrainConfig:
     torch_threads: int = 0              # 0: tuned on the first batches (ThreadTuner)
     helper_nice: int = 19               # niceness of the pipeline's read/prefetch/load/write-back threads
     pooling: str = "sum"                # multi-hot fields' pooling: "sum" or "mean"
+    online: bool = False                # progressive validation (score each batch, then train); a directory
+                                        # source grows (hps.data.GrowingDirectory)
+    online_window: int = 100_000        # online: AUC and logloss over the latest this many examples ...
+    online_window_batches: int = 0      # ... or over the latest this many batches (0: by examples)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # under mpiexec
 
     @classmethod
@@ -102,6 +110,13 @@ class TrainConfig:
             v = getattr(data, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{source}: data.{name} must be an int >= {low}, got {v!r}")
+        for name, low in (("online_window", 1), ("online_window_batches", 0)):
+            v = d.get(name, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{source}: {name} must be an int >= {low}, got {v!r}")
+        if d.get("online") and (data.epochs != 1 or data.shuffle_buffer) and _online_directory(data):
+            raise ValueError(f"{source}: online training reads a growing directory once: data.epochs must be 1 "
+                             f"and data.shuffle_buffer 0")
         if d.get("pooling", "sum") not in ("sum", "mean"):
             raise ValueError(f"{source}: pooling must be \"sum\" or \"mean\", got {d['pooling']!r}")
         dist = d.get("distributed", {})
@@ -128,8 +143,34 @@ def _train_source(cfg: TrainConfig, rank: int = 0, world: int = 1):
     return _one_pass(cfg, rank, world)
 
 
+def _online_directory(d: DataConfig) -> Optional[str]:
+    """The directory an online run watches: a source that is one local path and no
+    existing file or glob (one that does not exist is named by GrowingDirectory)."""
+    src = d.source
+    if isinstance(src, (list, tuple)) and len(src) == 1:
+        src = src[0]
+    if not isinstance(src, (str, os.PathLike)) or src == "synthetic":
+        return None
+    src = os.fspath(src)
+    if "://" in src or any(c in src for c in "*?[") or os.path.isfile(src):
+        return None
+    return src
+
+
 def _one_pass(cfg: TrainConfig, rank: int, world: int):
     d = cfg.data
+    directory = _online_directory(d) if cfg.online else None
+    if directory is not None:
+        if d.schema is not None:
+            def open_file(path):
+                return hdata.open_schema([path], d.schema, d.batch_size, format=d.format,
+                                         skip_malformed=d.skip_malformed)
+        else:
+            def open_file(path):
+                return hdata.open_criteo([path], d.batch_size, format=d.format, skip_malformed=d.skip_malformed)
+        return hdata.GrowingDirectory(directory, open_file, poll=d.online_poll, idle=d.online_idle,
+                                      marker=d.online_marker, examples=d.online_examples, rank=rank, world=world,
+                                      batch_size=d.batch_size)
     if d.source == "synthetic":
         kw = {"vocab_sizes": d.vocab_sizes} if d.vocab_sizes else {}
         if d.multi_hot:
@@ -231,6 +272,8 @@ class Trainer:
         self.batches_done = 0
         self.examples_done = 0
         self.history: list[dict] = []
+        #: Online: each step's logits as (rows, logits) a mini-batch, taken before its update; None: not kept.
+        self.step_logits: Optional[list] = None
         if checkpoint is not None:
             self._load_state()
 
@@ -302,6 +345,8 @@ class Trainer:
                 logits = self.model(keys, torch.from_numpy(examples.dense[idx]))
             loss = self.loss_fn(logits, torch.from_numpy(examples.labels[idx])) / n
             loss.backward()
+            if self.step_logits is not None:
+                self.step_logits.append((idx, logits.detach().numpy()))
         emb.attach(None)
         if self.dense_sync is not None:
             self.dense_sync.reduce_gradients()
@@ -553,6 +598,12 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             bar = None
 
     t_start = time.perf_counter()
+    online = None
+    if cfg.online:  # progressive validation: the step keeps its logits, scored here before the next step
+        from hps.progressive import ProgressiveWindow
+        online = ProgressiveWindow(cfg.online_window, cfg.online_window_batches or None)
+        trainer.step_logits = []
+        trainer.online_history = []
 
     def record_eval(final: bool = False) -> None:
         metrics = trainer.evaluate(eval_batches)
@@ -580,14 +631,18 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         trainer.batches_done += 1
         n = getattr(loaded.data, "total_examples", len(loaded.data.labels))
         trainer.examples_done += n
+        if online is not None:
+            _score_online(trainer, online, loaded.data, time.perf_counter() - t_start)
         if trainer.thread_tuner is not None:
             trainer.thread_tuner.step(n)
         if bar is not None:
             s = trainer.ps.stats()
             mem = s["mem"]
-            bar.set_postfix({"hit": f"{mem['hits'] / max(1, mem['hits'] + mem['misses']):.3f}",
-                             "ssd_MB": f"{(s['ssd']['bytes_read'] + s['ssd']['bytes_written']) / 1e6:.0f}"},
-                            refresh=False)
+            post = {"hit": f"{mem['hits'] / max(1, mem['hits'] + mem['misses']):.3f}",
+                    "ssd_MB": f"{(s['ssd']['bytes_read'] + s['ssd']['bytes_written']) / 1e6:.0f}"}
+            if online is not None:
+                post["auc_win"] = f"{trainer.online_history[-1]['auc']:.4f}"
+            bar.set_postfix(post, refresh=False)
             bar.update(n)
 
     pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice) if not trainer.widths[2] else \
@@ -630,6 +685,13 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
                                  else {"chosen": cfg.torch_threads}),
                "ps": _jsonable(trainer.ps.stats())}
+    if online is not None:
+        summary["online"] = {"window": ({"batches": cfg.online_window_batches} if cfg.online_window_batches
+                                        else {"examples": cfg.online_window}),
+                             **online.metrics(), "history": trainer.online_history}
+        files = getattr(source, "files_read", None)
+        if files is not None:
+            summary["online"]["files_read"] = len(files)
     if node is not None:
         ranks = node.allgather("train", {"examples": pipeline.stats.examples, "wall_seconds": wall,
                                          "bytes_sent": dict(node.bytes_sent)}, "summary")
@@ -646,6 +708,21 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     if node is not None:
         node.close()
     return summary
+
+
+def _score_online(trainer: Trainer, window, examples, seconds: float) -> None:
+    """Adds the batch's scores from the step just run (its forward pass came before
+    its update) to the progressive window, and its metrics to trainer.online_history."""
+    if len(trainer.step_logits) == 1 and len(trainer.step_logits[0][0]) == len(examples.labels):
+        logits = trainer.step_logits[0][1]
+    else:
+        logits = np.empty(len(examples.labels), np.float32)
+        for idx, part in trainer.step_logits:
+            logits[idx] = part
+    trainer.step_logits.clear()
+    window.add(examples.labels, 1.0 / (1.0 + np.exp(-logits.astype(np.float64))))
+    trainer.online_history.append({"batches": trainer.batches_done, "examples": trainer.examples_done,
+                                   "seconds": seconds, **window.metrics()})
 
 
 def _take_until_checkpoint(it, every: int, done: int):

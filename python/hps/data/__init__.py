@@ -30,6 +30,8 @@ Sources:
   :class:`Libsvm` (libsvm/libFM text), picked by :func:`open_schema`
   (:mod:`hps.data.tabular`). Any categorical value is a feature
   (:func:`value_keys`); multi-hot fields arrive in ``Batch.bags`` (:class:`Bags`).
+- :class:`GrowingDirectory`: a directory whose new files are read as they appear,
+  until a stop condition (online training, :mod:`hps.data.online`).
 - :class:`Epochs`: several passes over a source through a seeded shuffle buffer.
 
 Paths may be local, or any fsspec URL (``s3://``, ``gs://``, ``memory://`` ...),
@@ -64,6 +66,7 @@ from hps.data.epochs import Epochs
 from hps.data.examples import Bags, Batch, Source
 from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, list_files, shard_files  # (the first: not in __all__)
 from hps.data.keys import SENTINEL_KEY, feature_keys, missing_key, mix64
+from hps.data.online import GrowingDirectory
 from hps.data.schema import Schema, value_keys
 from hps.data.synthetic import DEFAULT_VOCAB_SIZES, SyntheticCriteo
 from hps.data.tabular import Libsvm, SchemaCsv, SchemaParquet, open_schema
@@ -79,6 +82,7 @@ __all__ = [
     "DEFAULT_VOCAB_SIZES",
     "DataError",
     "Epochs",
+    "GrowingDirectory",
     "LABEL_COLUMN",
     "Libsvm",
     "SENTINEL_KEY",

@@ -1,0 +1,203 @@
+"""A source that keeps growing: :class:`GrowingDirectory` (online training, ``hps train --online``).
+
+A writer drops files into a directory while the trainer runs; each new file is
+read once, whole, through the reader its kind takes (Criteo TSV/Parquet, or a
+schema's CSV/Parquet/libsvm), and training goes on until a stop condition.
+
+When a file is taken (the half-written rule). A file is *ready* when its name
+is visible (no leading ``.`` or ``_``: ``_SUCCESS`` and the marker are not data),
+does not end in a temporary suffix (:data:`TEMPORARY_SUFFIXES`: ``.tmp``,
+``.part``, ``.partial``, ``.inprogress``, ``.crdownload``, ``.copying``), and its
+size and modification time are the same in two polls in a row. Writers should
+write under a temporary suffix (or a dot name) and rename when done; the size
+rule only catches a writer that pauses no longer than a poll interval.
+
+Order. At each poll the ready files not read yet are read in name order; a
+file that becomes ready later is read after them even if its name sorts
+earlier. Node ``rank`` of ``world`` reads the files it takes in the order
+taken, every ``world``-th one (``i % world == rank``).
+
+Stop. Whichever comes first: the marker file (``marker``, ``_DONE`` by default)
+appears, and then every file present is read (a writer puts the marker after
+its last file, so those files are complete) and the source ends; ``idle``
+seconds pass with no new ready file; ``examples`` examples were read (the last
+batch is cut to that number). A file's batches never span two files.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Iterator, Optional
+
+from hps.data.epochs import _take
+from hps.data.examples import Batch
+from hps.data.files import DataError, _visible
+
+import numpy as np
+
+#: Names ending in one of these are files still being written.
+TEMPORARY_SUFFIXES = (".tmp", ".part", ".partial", ".inprogress", ".crdownload", ".copying")
+
+
+def _candidate(name: str) -> bool:
+    return _visible(name) and not name.lower().endswith(TEMPORARY_SUFFIXES)
+
+
+def ready_files(before: dict, now: dict) -> list:
+    """Names in ``now`` (name -> (size, mtime_ns)) whose size and mtime are the
+    same in ``before``, the previous poll's: the ones no writer touched between
+    the two polls, in name order."""
+    return sorted(n for n, st in now.items() if before.get(n) == st)
+
+
+class GrowingDirectory:
+    """The files of ``directory`` as they appear, each through ``open_file(path)``
+    (a reader of that one file), until a stop condition (see the module's doc).
+
+    ``poll``: seconds between looks at the directory; ``idle``: seconds without a
+    new file after which the source ends (None: never); ``marker``: the name
+    whose presence ends it once the files present are read (None: no marker);
+    ``examples``: at most this many examples (None: no cap).
+
+    One pass: iterating again starts over from an empty set of read files.
+    ``files_read`` lists the files read in the current or last pass.
+    """
+
+    def __init__(self, directory, open_file: Callable[[str], object], *, poll: float = 1.0,
+                 idle: Optional[float] = 60.0, marker: Optional[str] = "_DONE", examples: Optional[int] = None,
+                 rank: int = 0, world: int = 1, batch_size: Optional[int] = None):
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            what = "is not a directory" if os.path.exists(directory) else "does not exist"
+            raise FileNotFoundError(f"online data: {directory} {what} (an online source is a directory that "
+                                    f"new files are written into)")
+        if not poll > 0:
+            raise ValueError(f"online data: poll must be > 0 seconds, got {poll!r}")
+        if idle is not None and not idle >= 0:
+            raise ValueError(f"online data: the idle timeout must be >= 0 seconds, got {idle!r}")
+        if examples is not None and (isinstance(examples, bool) or int(examples) < 1):
+            raise ValueError(f"online data: examples must be >= 1, got {examples!r}")
+        self.directory = directory
+        self.open_file = open_file
+        self.poll, self.idle, self.marker = float(poll), idle, marker
+        self.examples = None if examples is None else int(examples)
+        self.rank, self.world = int(rank), int(world)
+        self.batch_size = batch_size
+        self.files_read: list = []
+        self.examples_read = 0
+        self._first: Optional[str] = None
+
+    def _scan(self) -> dict:
+        out = {}
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError as e:
+            raise DataError(f"online data: cannot list {self.directory}: {e}", path=self.directory) from e
+        for entry in entries:
+            if not _candidate(entry.name):
+                continue
+            try:
+                if not entry.is_file():
+                    continue
+                st = entry.stat()
+            except FileNotFoundError:  # renamed or removed since the listing
+                continue
+            out[entry.name] = (st.st_size, st.st_mtime_ns)
+        return out
+
+    def _marked(self) -> bool:
+        return self.marker is not None and os.path.exists(os.path.join(self.directory, self.marker))
+
+    def _files(self) -> Iterator[str]:
+        """The paths of the files to read, as they become ready, until a stop condition."""
+        taken: set = set()
+        before: dict = {}
+        last_new = time.monotonic()
+        while True:
+            marked = self._marked()  # looked at before the listing: the files it saw are complete
+            now = self._scan()
+            ready = sorted(now) if marked else ready_files(before, now)
+            fresh = [n for n in ready if n not in taken]
+            for name in fresh:
+                taken.add(name)
+                yield os.path.join(self.directory, name)
+            if fresh:
+                last_new = time.monotonic()
+            if marked:
+                return
+            if self.idle is not None and time.monotonic() - last_new >= self.idle:
+                return
+            before = now
+            time.sleep(self.poll)
+
+    def first_file(self) -> Optional[str]:
+        """The first file that becomes ready (waiting for it, up to the stop
+        condition), kept for the pass that follows; None when the source ends first."""
+        if self._first is None:
+            self._first = next(self._files(), None)
+        return self._first
+
+    def widths(self) -> tuple:
+        """(dense, single-hot, multi-hot) fields of the first file's reader (waiting for it)."""
+        first = self.first_file()
+        if first is None:
+            raise FileNotFoundError(f"online data: no file appeared in {self.directory} before the stop condition")
+        reader = self._reader(first)
+        widths = getattr(reader, "widths", None)
+        return widths() if widths is not None else (13, 26, 0)
+
+    def _reader(self, path: str):
+        try:
+            return self.open_file(path)
+        except DataError:
+            raise
+        except OSError as e:
+            raise DataError(f"{path}: cannot read: {e}", path=path) from e
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.files_read, self.examples_read = [], 0
+        files = self._files()
+        if self._first is not None:  # found by widths(): start with it, then whatever follows
+            first = self._first
+            files = _chain_first(first, (p for p in files if p != first))
+        for i, path in enumerate(files):
+            if i % self.world != self.rank:
+                continue
+            self.files_read.append(path)
+            try:
+                for batch in self._reader(path):
+                    if self.examples is not None and self.examples_read + len(batch) >= self.examples:
+                        keep = self.examples - self.examples_read
+                        if keep < len(batch):
+                            batch = _take(batch, np.arange(keep))
+                        self.examples_read += len(batch)
+                        yield batch
+                        return
+                    self.examples_read += len(batch)
+                    yield batch
+            except DataError:
+                raise
+            except _read_errors() as e:  # a damaged or vanished file
+                raise DataError(f"{path}: cannot read: {type(e).__name__}: {e}", path=path) from e
+
+    def stats(self) -> dict:
+        return {"files": len(self.files_read), "examples_read": self.examples_read}
+
+    def __repr__(self) -> str:
+        return (f"GrowingDirectory({self.directory!r}, poll={self.poll}, idle={self.idle}, marker={self.marker!r}, "
+                f"examples={self.examples})")
+
+
+def _read_errors() -> tuple:
+    import zlib
+    errors = (OSError, EOFError, zlib.error)
+    try:
+        import pyarrow
+        return errors + (pyarrow.ArrowException,)
+    except ImportError:
+        return errors
+
+
+def _chain_first(first, rest):
+    yield first
+    yield from rest

@@ -1,0 +1,242 @@
+"""Online training: a directory that grows while the run reads it (hps.data.GrowingDirectory),
+its stop conditions and named errors, and progressive validation (hps.progressive) against a
+reference scored in the test with the model as it is before each step."""
+import gzip
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hps.data import DataError, GrowingDirectory, open_schema
+from hps.data.online import ready_files
+from hps.progressive import ProgressiveWindow
+
+SCHEMA = {"label": "click", "dense": ["price"], "categorical": ["site"], "multi_hot": {"tags": "|"}}
+HEADER = "click,price,site,tags\n"
+
+
+def rows(n, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        site = int(rng.integers(0, 20))
+        tags = sorted(set(rng.integers(0, 8, rng.integers(0, 4)).tolist()))
+        p = 0.1 + 0.4 * (site < 5) + 0.45 * (3 in tags)
+        out.append(f"{int(rng.random() < p)},{rng.integers(0, 100)},s{site},{'|'.join(f't{t}' for t in tags)}\n")
+    return out
+
+
+def csv_reader(path):
+    return open_schema([path], SCHEMA, 16)
+
+
+def pair_auc(y, p):
+    """AUC by counting pairs (ties half): the definition, independent of hps.metrics's ranks."""
+    pos, neg = p[y > 0.5], p[y <= 0.5]
+    return ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
+
+
+def test_ready_files_are_those_unchanged_since_the_last_poll():
+    before = {"a.csv": (10, 1), "b.csv": (5, 1), "c.csv": (7, 1)}
+    now = {"c.csv": (7, 1), "a.csv": (10, 1), "b.csv": (9, 2), "d.csv": (1, 3)}
+    assert ready_files(before, now) == ["a.csv", "c.csv"]  # b grew, d is new: both wait a poll
+
+
+def test_files_that_appear_during_the_run_are_read_whole_in_name_order(tmp_path):
+    data = tmp_path / "stream"
+    data.mkdir()
+    (data / "part-000.csv").write_text(HEADER + "".join(rows(20, 0)))
+    expected = {"part-000.csv": 20, "part-001.csv": 30, "part-002.csv": 25, "part-003.csv": 40}
+    slow_done, read_000, read_001 = threading.Event(), threading.Event(), threading.Event()
+
+    def writer():
+        read_000.wait(10)
+        # Under a temporary name, then renamed: never a candidate while written. The rename
+        # waits until part-001 (written after it) was read, so the polls that took part-001 saw it.
+        (data / "part-002.csv.tmp").write_text(HEADER + "".join(rows(25, 2)))
+        (data / "part-001.csv").write_text(HEADER + "".join(rows(30, 1)))
+        read_001.wait(10)
+        os.rename(data / "part-002.csv.tmp", data / "part-002.csv")
+        # Written in place, a line every 10 ms for 0.4 s: its size changes between any two polls
+        # (0.2 s apart; a writer that paused longer would be taken for done: hence the rule above).
+        with open(data / "part-003.csv", "w") as f:
+            f.write(HEADER)
+            for line in rows(40, 3):
+                f.write(line)
+                f.flush()
+                time.sleep(0.01)
+        slow_done.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    src = GrowingDirectory(data, csv_reader, poll=0.2, idle=1.0, marker=None)
+    seen = {}
+    for b in src:
+        for s in b.sources:
+            name = os.path.basename(s.path)
+            seen[name] = seen.get(name, 0) + s.count
+        current = os.path.basename(b.sources[0].path)
+        if current == "part-000.csv":
+            read_000.set()
+        elif current == "part-001.csv":
+            read_001.set()
+        elif current == "part-003.csv":
+            assert slow_done.is_set(), "the file being written was read before its writer finished"
+    t.join()
+    assert seen == expected
+    assert [os.path.basename(f) for f in src.files_read] == sorted(expected)
+    assert src.examples_read == sum(expected.values())
+
+
+def test_stop_conditions_marker_examples_idle(tmp_path):
+    (tmp_path / "a.csv").write_text(HEADER + "".join(rows(30, 4)))
+    (tmp_path / "b.csv").write_text(HEADER + "".join(rows(30, 5)))
+    (tmp_path / "_DONE").write_text("")
+    # The marker: the files present are read at once (no stability poll), then the source ends.
+    t0 = time.monotonic()
+    src = GrowingDirectory(tmp_path, csv_reader, poll=5.0, idle=None)
+    assert sum(len(b) for b in src) == 60 and time.monotonic() - t0 < 4.0
+    # A number of examples: the last batch is cut to it.
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05, idle=None, examples=37)
+    assert [len(b) for b in src] == [16, 14, 7]  # a.csv's 16 + 14, then 7 of b.csv
+    # Idle: no marker, nothing new for 0.3 s after the last file.
+    os.remove(tmp_path / "_DONE")
+    t0 = time.monotonic()
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05, idle=0.3)
+    assert sum(len(b) for b in src) == 60
+    assert 0.3 <= time.monotonic() - t0
+
+
+def test_named_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"online data: .*nowhere does not exist"):
+        GrowingDirectory(tmp_path / "nowhere", csv_reader)
+    (tmp_path / "f.csv").write_text(HEADER)
+    with pytest.raises(FileNotFoundError, match=r"f.csv is not a directory"):
+        GrowingDirectory(tmp_path / "f.csv", csv_reader)
+    os.remove(tmp_path / "f.csv")
+    with gzip.open(tmp_path / "a.csv.gz", "wt") as f:
+        f.write(HEADER + "".join(rows(10, 6)))
+    (tmp_path / "b.csv.gz").write_bytes(b"\x1f\x8b\x08\x00 not gzip at all" * 10)
+    (tmp_path / "_DONE").write_text("")
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05)
+    with pytest.raises(DataError, match=r"b.csv.gz") as e:
+        list(src)
+    assert e.value.path.endswith("b.csv.gz")
+    with pytest.raises(ValueError, match="poll must be > 0"):
+        GrowingDirectory(tmp_path, csv_reader, poll=0)
+    with pytest.raises(ValueError, match="examples must be >= 1"):
+        ProgressiveWindow(0)
+
+
+def test_window_by_examples_and_by_batches():
+    rng = np.random.default_rng(0)
+    parts = [(rng.integers(0, 2, n).astype(float), rng.random(n)) for n in (5, 7, 3, 6)]
+    by_ex, by_b = ProgressiveWindow(examples=10), ProgressiveWindow(batches=2)
+    for y, p in parts:
+        by_ex.add(y, p)
+        by_b.add(y, p)
+    y = np.concatenate([a for a, _ in parts])
+    p = np.concatenate([b for _, b in parts])
+    m = by_ex.metrics()
+    assert (m["window_examples"], m["scored_examples"]) == (10, 21)
+    assert m["auc"] == pytest.approx(pair_auc(y[-10:], p[-10:]))
+    m = by_b.metrics()
+    assert m["window_examples"] == 9 and m["auc"] == pytest.approx(pair_auc(y[-9:], p[-9:]))
+
+
+def test_progressive_metrics_equal_scores_taken_before_each_step(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("pyarrow")
+    from hps.train import TrainConfig, _bag_inputs, train
+    data = tmp_path / "stream"
+    data.mkdir()
+    for i in range(3):
+        (data / f"part-{i}.csv").write_text(HEADER + "".join(rows(80, 10 + i)))
+    (data / "_DONE").write_text("")
+    window = 100
+    cfg = TrainConfig.from_dict({
+        "ps": {"dim": 4, "path": str(tmp_path / "ps"), "mem_budget": "8MiB",
+               "optimizer": {"kind": "adagrad", "lr": 0.3}},
+        "data": {"source": str(data), "batch_size": 32, "schema": SCHEMA, "online_poll": 0.05},
+        "hidden": [8], "dense_lr": 0.05, "torch_threads": 1, "pipelined": False,
+        "online": True, "online_window": window}, "run.toml")
+    before = []  # (labels, probabilities) of each batch, scored by the model before its step
+
+    def hook(trainer):
+        step = trainer.step
+
+        def scored_step(loaded):
+            b = loaded.data
+            with torch.no_grad():
+                logits = trainer.model(torch.from_numpy(b.keys.view(np.int64)), torch.from_numpy(b.dense),
+                                       _bag_inputs(b))
+            before.append((b.labels.astype(np.float64), torch.sigmoid(logits.double()).numpy()))
+            step(loaded)
+        trainer.step = scored_step
+
+    summary = train(cfg, progress=False, dense_hook=hook)
+    online = summary["online"]
+    assert summary["examples"] == 240 and online["files_read"] == 3 and len(before) == summary["batches"] == 9
+    history = online["history"]
+    assert len(history) == len(before)
+    for k, h in enumerate(history):
+        y = np.concatenate([a for a, _ in before[:k + 1]])[-window:]
+        p = np.concatenate([b for _, b in before[:k + 1]])[-window:]
+        assert h["window_examples"] == len(y) and h["examples"] == sum(len(a) for a, _ in before[:k + 1])
+        if 0 < y.sum() < len(y):
+            assert h["auc"] == pytest.approx(pair_auc(y, p), abs=1e-6)
+        pc = np.clip(p, 1e-7, 1 - 1e-7)
+        assert h["logloss"] == pytest.approx(-np.mean(y * np.log(pc) + (1 - y) * np.log(1 - pc)), abs=1e-5)
+    assert (online["auc"], online["logloss"]) == (history[-1]["auc"], history[-1]["logloss"])
+    with open(tmp_path / "ps" / "train-summary.json") as f:
+        assert json.load(f)["online"]["window"] == {"examples": window}
+
+
+def test_hps_train_online_cli_reads_a_growing_criteo_directory(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("pyarrow")
+    from hps.cli import main
+    data = tmp_path / "stream"
+    data.mkdir()
+    rng = np.random.default_rng(3)
+
+    def write(i):
+        lines = []
+        for _ in range(200):  # Criteo's layout: label, 13 counts, 26 hexadecimal categoricals
+            cats = rng.integers(0, 30, 26)
+            label = int(rng.random() < 0.2 + 0.6 * (cats[0] < 10))
+            lines.append("\t".join([str(label)] + [str(v) for v in rng.integers(0, 9, 13)] +
+                                   [f"{c:08x}" for c in cats]))
+        (data / f"part-{i}.tsv.tmp").write_text("\n".join(lines) + "\n")
+        os.rename(data / f"part-{i}.tsv.tmp", data / f"part-{i}.tsv")
+
+    write(0)
+
+    def writer():
+        for i in (1, 2):
+            time.sleep(0.3)
+            write(i)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    args = ["train", "--data", str(data), "--path", str(tmp_path / "ps"), "--batch-size", "100", "--no-progress",
+            "--online", "--online-window", "300", "--online-stop", "idle=1.5,marker=none", "--report",
+            str(tmp_path / "plots")]
+    assert main(args) == 0
+    t.join()
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["online"]["files_read"] == 3 and line["online"]["scored_examples"] == 600
+    assert line["online"]["window_examples"] == 300 and 0.0 < line["online"]["auc"] < 1.0
+    assert str(tmp_path / "plots" / "online.png") in line["report"]
+    # A directory that does not exist is named, and nothing is written.
+    assert main(["train", "--data", str(tmp_path / "nowhere"), "--path", str(tmp_path / "ps2"), "--online",
+                 "--no-progress"]) == 2
+    assert "nowhere does not exist" in capsys.readouterr().err and not (tmp_path / "ps2").exists()
+    assert main(["train", "--data", str(data), "--path", str(tmp_path / "ps3"), "--online-stop", "idle=1"]) == 2
+    assert "need --online" in capsys.readouterr().err
+    assert main(["train", "--data", str(data), "--path", str(tmp_path / "ps3"), "--online",
+                 "--online-stop", "wait=3"]) == 2
+    assert "'wait=3' is not idle=SECONDS" in capsys.readouterr().err
