@@ -1,0 +1,212 @@
+"""Resuming a job on a different number of ranks (reshard on restore).
+
+A job checkpointed on N ranks (or one process: a parameter server at the job's
+path) and resumed under ``mpiexec -n M hps train --resume`` is resharded first
+(hps.train's _prepare_job runs these steps on every rank):
+
+1. ``check_source`` (rank 0): the checkpoint job.json names is whole on every
+   old rank: its store's MANIFEST, STORE and every parameter file the MANIFEST
+   lists, and its dense state. What is missing is named; nothing is written.
+2. ``write_rank`` (every new rank r): pins the old checkpoint (hps.jobdir: hard
+   links, read-only; every old rank's shard), keeps the keys that r owns under M
+   (``owner_ranks(keys, M) == r``) with their whole rows (embedding and the
+   sparse optimizer's state, which the row holds: Adam's step count too) and
+   writes them as a new SSD-PS store in checkpoint K+1 of ``<path>/rank<r>``
+   (K: the old checkpoint), beside the dense state of step K (``merge_dense``).
+   An old rank's directory keeps its checkpoint K untouched; a directory that
+   was no rank of the old job is made anew.
+3. ``commit`` (rank 0, once every rank finished step 2): job.json names
+   checkpoint K+1 and the new world (the rename is the switch), then the old
+   job's files that the new one does not use are removed (the rank directories
+   from M on; for a one-process job, its parameter server at the root).
+
+A crash before the switch leaves job.json naming checkpoint K of N ranks, whole:
+the job resumes on N ranks (each old rank rolls back to K and drops the partial
+K+1) or reshards again on M. A crash after it leaves the new job whole; the next
+resume removes the old files left over.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+
+import numpy as np
+
+from hps.distributed.sparse import owner_ranks
+from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
+                        read_job, replay_manifest)
+from hps.parameter_server import CHECKPOINTS, METADATA, _remove_tree, _replace_durable, _sync_dir, _write_durable
+
+JOB_MANIFEST = "job.json"
+RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
+_CHUNK = 1 << 16               # rows moved per get / put
+
+
+def check_source(root: str) -> dict:
+    """What resharding the job at root reads, checked whole: {"world", "checkpoint",
+    "step", "distributed"}. Raises FileNotFoundError naming the first missing
+    part (a rank's checkpoint directory, its store's MANIFEST or STORE, a
+    parameter file the MANIFEST lists, the dense state), ValueError when the job
+    has no finished checkpoint."""
+    job = read_job(root)
+    if job.checkpoint is None:
+        raise ValueError(f"{root}: the job has no finished checkpoint to reshard")
+    for r in range(job.world):
+        where = f"rank {r} of the job at {root} (checkpoint {job.checkpoint})" if job.distributed else \
+            f"the parameter server at {root} (checkpoint {job.checkpoint})"
+        directory = job.checkpoint_dir(r)
+        store = os.path.join(directory, STORE_DIR)
+        for path in (directory, os.path.join(store, MANIFEST), os.path.join(store, MARKER),
+                     os.path.join(directory, TRAINER_STATE)):
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{where}: {path} is missing; the checkpoint cannot be resharded")
+        with open(os.path.join(store, MANIFEST), "rb") as f:
+            files = replay_manifest(f.read(), os.path.join(store, MANIFEST))
+        for seq in sorted(files):
+            path = os.path.join(store, file_name(seq))
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{where}: {path} is missing (its MANIFEST lists it); the checkpoint "
+                                        f"cannot be resharded")
+    step = job.step
+    if step is None:
+        step = _load_state(os.path.join(job.checkpoint_dir(0), TRAINER_STATE))["batches_done"]
+    return {"world": job.world, "checkpoint": job.checkpoint, "step": int(step), "distributed": job.distributed}
+
+
+def _load_state(path: str) -> dict:
+    import torch
+    return torch.load(path, weights_only=False, map_location="cpu")
+
+
+def merge_dense(states: list) -> dict:
+    """The dense state (hps.train's trainer-state) of every new rank from the old
+    ranks'. All-reduce training keeps them equal: rank 0's is taken as it is.
+    k-step Adam keeps m per rank (and x and v too between merges; hps train's
+    last checkpoint comes after a merge): a floating tensor that differs between
+    the old ranks (the MLP's, its optimizer's m and v) is their mean, as a merge
+    makes x and v; counters are rank 0's."""
+    import torch
+    first = states[0]
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    def mean(values):
+        a = values[0]
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            if all(same(v, a) for v in values[1:]):
+                return a  # (x and v right after a merge): exactly as they are
+            return torch.stack(values).mean(dim=0).to(a.dtype)
+        if isinstance(a, dict):
+            return {k: mean([v[k] for v in values]) for k in a}
+        if isinstance(a, list):
+            return [mean([v[i] for v in values]) for i in range(len(a))]
+        return a
+
+    if "dense_sync" not in first:  # a one-process run's: its steps count as the k-step counter's
+        first = {**first, "dense_sync": {"steps": first["batches_done"], "merges": 0}}
+    if all(same(s["mlp"], first["mlp"]) and same(s["opt"], first["opt"]) for s in states[1:]):
+        return first
+    return {**first, "mlp": mean([s["mlp"] for s in states]), "opt": mean([s["opt"] for s in states])}
+
+
+def _rank_dir(root: str, rank: int) -> str:
+    return os.path.join(root, f"rank{rank}")
+
+
+def write_rank(root: str, world: int, rank: int) -> tuple:
+    """Step 2 (module docstring) for new rank `rank` of `world`; returns (the old
+    checkpoint, the new one's number, rows written)."""
+    view = pin(root)
+    try:
+        job = view.job
+        number = view.checkpoint + 1
+        rank_dir = _rank_dir(root, rank)
+        if not job.distributed or rank >= job.world:
+            _remove_tree(rank_dir)  # no rank of the old job: left by an earlier reshard that did not finish
+            os.makedirs(rank_dir)
+            meta = {**job.metadata, "checkpoint": None}
+            _write_durable(os.path.join(rank_dir, METADATA), json.dumps(meta, indent=1).encode())
+        final = os.path.join(rank_dir, CHECKPOINTS, f"{number:06d}")
+        tmp = final + ".tmp"
+        for leftover in (tmp, final):  # an unfinished checkpoint of the old job, or of an earlier reshard
+            _remove_tree(leftover)
+        os.makedirs(os.path.join(tmp, STORE_DIR))
+        from hps.ssd_store import SsdStore
+        c = job.config.ssd
+        row_bytes = job.row_bytes
+        out = SsdStore(os.path.join(tmp, STORE_DIR), row_bytes, file_records=c.file_records,
+                       use_io_uring=c.use_io_uring, direct_io=c.direct_io, background_compaction=False)
+        written = 0
+        for rv in view.ranks:
+            keys, _ = latest_records(rv)
+            mine = keys[owner_ranks(keys, world) == rank]
+            if not len(mine):
+                continue
+            src = open_store(rv, row_bytes)
+            for at in range(0, len(mine), _CHUNK):
+                k = np.ascontiguousarray(mine[at:at + _CHUNK])
+                rows, found = src.get(k)
+                if not found.all():
+                    raise ValueError(f"{rv.source}: key {int(k[~found][0])} is in a parameter file but the "
+                                     f"store does not find it")
+                out.put(k, rows)
+                written += len(k)
+            del src
+        out.commit()
+        del out
+        states = [_load_state(os.path.join(job.checkpoint_dir(r), TRAINER_STATE)) for r in range(job.world)]
+        import torch
+        buf = io.BytesIO()
+        torch.save(merge_dense(states), buf)
+        _write_durable(os.path.join(tmp, TRAINER_STATE), buf.getvalue())
+        _sync_dir(os.path.join(tmp, STORE_DIR))
+        _sync_dir(tmp)
+        os.rename(tmp, final)
+        _sync_dir(os.path.dirname(final))
+        return view.checkpoint, number, written
+    finally:
+        view.close()
+
+
+def commit(root: str, world: int, old: dict, number: int) -> None:
+    """Step 3 (module docstring), rank 0's, once every new rank wrote checkpoint
+    `number` from the checkpoint `old` (check_source's) names."""
+    job = read_job(root)
+    if (job.world, job.checkpoint) != (old["world"], old["checkpoint"]):
+        raise RuntimeError(f"{root}: the job changed during the reshard (now {job.world} ranks at checkpoint "
+                           f"{job.checkpoint}, was {old['world']} at {old['checkpoint']}); resume it again")
+    manifest = os.path.join(root, JOB_MANIFEST)
+    record = {"world": world, "step": old["step"], "checkpoint": number,
+              RESHARDED: {"world": old["world"], "checkpoint": old["checkpoint"]}}
+    _write_durable(manifest + ".tmp", json.dumps(record, indent=1).encode())
+    _replace_durable(manifest + ".tmp", manifest)
+    remove_old(root)
+
+
+def remove_old(root: str) -> None:
+    """Removes what the job resharded from (job.json's RESHARDED) left that the
+    job does not use: rank directories from its world on; a one-process job's
+    parameter server at the root. Run again on each resume (a crash may cut it short)."""
+    from hps.train import _discard_run
+    manifest = os.path.join(root, JOB_MANIFEST)
+    with open(manifest) as f:
+        job = json.load(f)
+    old = job.get(RESHARDED)
+    if not old:
+        return
+    for r in range(job["world"], max(job["world"], old["world"])):
+        if os.path.isdir(_rank_dir(root, r)):
+            shutil.rmtree(_rank_dir(root, r))
+    if os.path.exists(os.path.join(root, METADATA)):
+        _discard_run(root)
+    _sync_dir(root)
+

@@ -1,0 +1,248 @@
+"""Reshard on restore (hps.reshard): a job checkpointed on N ranks resumes under
+``mpiexec -n M`` (tests/mpi_scenarios.py runs the ranks). Checked: after the
+reshard every key's whole row (embedding and optimizer state) is the old
+checkpoint's, on its owner under M; training on from it equals an M-rank job
+resumed from the same state; a crash before the switch leaves the old job
+resumable; a missing part of the checkpoint is named."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mpi4py", reason="hps.distributed needs mpi4py (pip install '.[mpi]')")
+pytest.importorskip("torch")
+MPIEXEC = shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "mpi_scenarios.py")
+_spec = importlib.util.spec_from_file_location("mpi_scenarios", SCRIPT)
+sc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sc)
+
+STEPS, PER_RANK, EVERY = 4, 32, 2
+
+
+def scenario(n: int, out, *args, check: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, SCRIPT, "train", str(out), "--per-rank", str(PER_RANK),
+           "--checkpoint-every", str(EVERY), *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\n"
+                             f"stderr:\n{p.stderr[-5000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """A job of 2 ranks checkpointed at step STEPS, made once (tests copy it)."""
+    return old_job(tmp_path_factory.mktemp("two_ranks"), 2)
+
+
+def copy_of(job, tmp_path):
+    shutil.copytree(job, tmp_path / "old")
+    return tmp_path / "old"
+
+
+def old_job(tmp_path, world: int, sync: str = "allreduce"):
+    """A job of `world` ranks checkpointed at step STEPS; world 1: one process (no mpiexec)."""
+    out = tmp_path / "old"
+    if world == 1:
+        from hps.train import train
+        cfg = sc.train_config(str(out / "job"))
+        cfg.checkpoint_every = EVERY
+        train(cfg, progress=False, train_batches=sc.global_batches(STEPS, PER_RANK, 1), eval_batches=[])
+    else:
+        scenario(world, out, "--steps", STEPS, "--dense-sync", sync, "--k", 3)
+    return out
+
+
+def rows_of(root) -> dict:
+    """{key: (rank, whole row bytes)} of the job's checkpoint, every rank's shard."""
+    from hps.jobdir import latest_records, open_store, pin
+    out = {}
+    with pin(str(root)) as view:
+        for rv in view.ranks:
+            keys, _ = latest_records(rv)
+            store = open_store(rv, view.job.row_bytes)
+            rows, found = store.get(keys)
+            assert found.all()
+            for k, row in zip(keys.tolist(), rows):
+                assert k not in out, f"key {k} on rank {out[k][0]} and rank {rv.rank}"
+                out[k] = (rv.rank, row.tobytes())
+            del store
+    return out
+
+
+def dense_states(root, world: int) -> list:
+    """Every rank's dense state in the checkpoint job.json names."""
+    import torch
+    from hps.jobdir import read_job
+    job = read_job(str(root))
+    assert job.world == world
+    return [torch.load(os.path.join(job.checkpoint_dir(r), "trainer-state.pt"), weights_only=False)
+            for r in range(world)]
+
+
+def reshard_in_process(root, world: int) -> None:
+    """The reshard's steps, every new rank's in turn (what _prepare_job runs on each rank)."""
+    from hps import reshard
+    old = reshard.check_source(str(root))
+    done = [reshard.write_rank(str(root), world, r) for r in range(world)]
+    reshard.commit(str(root), world, old, done[0][1])
+
+
+def assert_same_job(a, b, world: int) -> None:
+    import torch
+    ra, rb = rows_of(a), rows_of(b)
+    assert ra.keys() == rb.keys()
+    for k in ra:
+        assert ra[k] == rb[k], k
+    for sa, sb in zip(dense_states(a, world), dense_states(b, world)):
+        assert sa["batches_done"] == sb["batches_done"]
+        for name, value in sa["mlp"].items():
+            assert torch.equal(sb["mlp"][name], value), name
+
+
+@pytest.mark.parametrize("old_world,new_world", [(2, 3), (4, 2), (1, 2)])
+def test_reshard_moves_every_row_to_its_owner_and_trains_on_as_an_m_rank_job(tmp_path, two_ranks, old_world,
+                                                                              new_world):
+    from hps.distributed import owner_ranks
+    old = copy_of(two_ranks, tmp_path) if old_world == 2 else old_job(tmp_path, old_world)
+    before = rows_of(old / "job")
+    before_dense = load_old_dense(old / "job", old_world)
+    for name in ("via_train", "reference"):
+        shutil.copytree(old, tmp_path / name)
+
+    # The reference: resharded by the steps themselves, then the rows checked against the old checkpoint.
+    ref = tmp_path / "reference"
+    reshard_in_process(ref / "job", new_world)
+    after = rows_of(ref / "job")
+    assert after.keys() == before.keys() and len(after) > 100
+    keys = np.array(sorted(after), np.uint64)
+    owners = owner_ranks(keys, new_world)
+    for k, owner in zip(keys.tolist(), owners.tolist()):
+        assert after[k] == (owner, before[k][1]), k  # on its owner, the whole row (optimizer state too) as before
+    assert set(owners.tolist()) == set(range(new_world))
+    job = json.loads((ref / "job" / "job.json").read_text())
+    assert job == {"world": new_world, "step": STEPS, "checkpoint": job["checkpoint"],
+                   "resharded_from": {"world": old_world, "checkpoint": job["checkpoint"] - 1}}
+    assert sorted(n for n in os.listdir(ref / "job") if n.startswith("rank")) == \
+        [f"rank{r}" for r in range(new_world)]
+    assert not os.path.exists(ref / "job" / "hps-parameter-server.json")  # a one-process job's, gone
+    import torch
+    for state in dense_states(ref / "job", new_world):
+        assert state["batches_done"] == STEPS
+        for name, value in before_dense[0]["mlp"].items():
+            assert torch.equal(state["mlp"][name], value), name
+
+    # Trained on, on M ranks: resumed after the reshard there, and resharded by hps train here.
+    scenario(new_world, ref, "--steps", STEPS + 4, "--resume")
+    p = scenario(new_world, tmp_path / "via_train", "--steps", STEPS + 4, "--resume")
+    assert f"ran on {old_world} rank(s), this run has {new_world}: resharding its checkpoint" in p.stderr
+    assert_same_job(tmp_path / "via_train" / "job", ref / "job", new_world)
+    assert rows_of(ref / "job") != after  # it trained
+
+
+def load_old_dense(root, world: int) -> list:
+    if not os.path.exists(os.path.join(root, "job.json")):
+        from hps.train import load_trainer_state
+        return [load_trainer_state(str(root))]
+    return dense_states(root, world)
+
+
+def test_kstep_dense_state_is_averaged_over_the_old_ranks(tmp_path):
+    """k-step Adam keeps m per rank (k = 3; the job's last checkpoint follows its
+    final merge, so x and v agree): each new rank starts from the old ranks'
+    mean m, and x and v as they were."""
+    import torch
+    old = old_job(tmp_path, 2, sync="kstep")
+    states = dense_states(old / "job", 2)
+    ms = [s["opt"]["state"][0]["m"] for s in states]
+    assert not torch.equal(ms[0], ms[1])
+    reshard_in_process(old / "job", 3)
+    for state in dense_states(old / "job", 3):
+        for n, value in state["mlp"].items():
+            torch.testing.assert_close(value, (states[0]["mlp"][n] + states[1]["mlp"][n]) / 2, rtol=0, atol=1e-7)
+        for i, st in state["opt"]["state"].items():
+            for moment in ("m", "v"):
+                want = (states[0]["opt"]["state"][i][moment] + states[1]["opt"]["state"][i][moment]) / 2
+                torch.testing.assert_close(st[moment], want, rtol=0, atol=1e-7)
+        assert state["dense_sync"] == states[0]["dense_sync"]
+    assert json.loads((old / "job" / "job.json").read_text())["world"] == 3
+
+
+def test_a_reshard_cut_short_before_the_switch_leaves_the_old_job_resumable(tmp_path, two_ranks):
+    """Two of three new ranks wrote their share (rank 2's directory is new, rank
+    1's holds an extra checkpoint), then the job died: job.json still names the
+    old checkpoint of 2 ranks, which resumes on 2 ranks to exactly what an
+    untouched copy does; resharding again later works too."""
+    from hps import reshard
+    old = copy_of(two_ranks, tmp_path)
+    shutil.copytree(old, tmp_path / "untouched")
+    reshard.check_source(str(old / "job"))
+    reshard.write_rank(str(old / "job"), 3, 2)
+    reshard.write_rank(str(old / "job"), 3, 1)
+    assert json.loads((old / "job" / "job.json").read_text())["world"] == 2
+    assert rows_of(old / "job") == rows_of(tmp_path / "untouched" / "job")
+    for d in (old, tmp_path / "untouched"):
+        scenario(2, d, "--steps", STEPS + 2, "--resume")
+    assert_same_job(old / "job", tmp_path / "untouched" / "job", 2)
+
+    # And again, on 3 ranks now (the old rank 2 directory of the cut reshard is replaced).
+    p = scenario(3, old, "--steps", STEPS + 2, "--resume")
+    assert "resharding its checkpoint" in p.stderr
+
+
+@pytest.mark.parametrize("missing", ["parameter file", "dense state", "checkpoint"])
+def test_an_incomplete_checkpoint_is_named_and_nothing_is_written(tmp_path, two_ranks, missing):
+    from hps import reshard
+    from hps.jobdir import read_job
+    old = copy_of(two_ranks, tmp_path)
+    job = read_job(str(old / "job"))
+    directory = job.checkpoint_dir(1)
+    if missing == "parameter file":
+        path = sorted(os.path.join(directory, "ssd", n) for n in os.listdir(os.path.join(directory, "ssd"))
+                      if n.endswith(".hpf"))[0]
+        os.remove(path)
+    elif missing == "dense state":
+        path = os.path.join(directory, "trainer-state.pt")
+        os.remove(path)
+    else:
+        path = directory
+        shutil.rmtree(path)
+    with pytest.raises(FileNotFoundError, match=f"rank 1 of the job at .*: {path} is missing"):
+        reshard.check_source(str(old / "job"))
+    if missing != "parameter file":
+        return  # (hps train's path below is the same check's)
+    listing = sorted(os.listdir(old / "job"))
+    p = scenario(3, old, "--steps", STEPS, "--resume", check=False)
+    assert p.returncode != 0 and f"{path} is missing" in p.stderr, p.stderr[-3000:]
+    assert sorted(os.listdir(old / "job")) == listing  # no rank2, job.json as it was
+    assert json.loads((old / "job" / "job.json").read_text())["world"] == 2
+
+
+def test_the_old_files_a_crash_after_the_switch_left_go_at_the_next_resume(tmp_path, monkeypatch):
+    """One process -> 2 ranks, the job dies right after job.json's switch, before
+    the one-process parameter server at the root is removed: the next resume on
+    2 ranks removes it and trains on from the resharded checkpoint."""
+    from hps import reshard
+    old = old_job(tmp_path, 1)
+    monkeypatch.setattr(reshard, "remove_old", lambda root: None)
+    reshard_in_process(old / "job", 2)
+    monkeypatch.undo()
+    assert os.path.exists(old / "job" / "hps-parameter-server.json")
+    assert json.loads((old / "job" / "job.json").read_text())["world"] == 2
+    p = scenario(2, old, "--steps", STEPS + 2, "--resume")
+    assert "resharding" not in p.stderr
+    for name in ("hps-parameter-server.json", "ssd", "checkpoints"):
+        assert not os.path.exists(old / "job" / name), name
+    assert dense_states(old / "job", 2)[0]["batches_done"] == STEPS + 2
