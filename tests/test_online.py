@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from hps.data import DataError, GrowingDirectory, open_schema
+from hps.data import DataError, GrowingDirectory, open_criteo, open_schema
 from hps.data.online import ready_files
 from hps.progressive import ProgressiveWindow
 
@@ -97,8 +97,8 @@ def test_stop_conditions_marker_examples_idle(tmp_path):
     (tmp_path / "_DONE").write_text("")
     # The marker: the files present are read at once (no stability poll), then the source ends.
     t0 = time.monotonic()
-    src = GrowingDirectory(tmp_path, csv_reader, poll=5.0, idle=None)
-    assert sum(len(b) for b in src) == 60 and time.monotonic() - t0 < 4.0
+    src = GrowingDirectory(tmp_path, csv_reader, poll=5.0, idle=8.0)
+    assert sum(len(b) for b in src) == 60 and time.monotonic() - t0 < 4.0  # without the marker: 8 s
     # A number of examples: the last batch is cut to it.
     src = GrowingDirectory(tmp_path, csv_reader, poll=0.05, idle=None, examples=37)
     assert [len(b) for b in src] == [16, 14, 7]  # a.csv's 16 + 14, then 7 of b.csv
@@ -125,6 +125,27 @@ def test_named_errors(tmp_path):
     with pytest.raises(DataError, match=r"b.csv.gz") as e:
         list(src)
     assert e.value.path.endswith("b.csv.gz")
+    # A file removed after it was taken, before its reader opens it or after (Criteo's TSV
+    # reader, which leaves an OSError as it is, so the name comes from GrowingDirectory).
+    for name in os.listdir(tmp_path):
+        os.remove(tmp_path / name)
+    (tmp_path / "_DONE").write_text("")
+    for removed_first in (True, False):
+        def vanishing(path):
+            if removed_first:
+                os.remove(path)
+                return open_criteo([path], 16)
+            reader = open_criteo([path], 16)
+            os.remove(path)
+            return reader
+        (tmp_path / "c.tsv").write_text("1" + "\t" * 39 + "\n")
+        with pytest.raises(DataError, match=r"c.tsv: cannot read: .*(?i:no such file)") as e:
+            list(GrowingDirectory(tmp_path, vanishing, poll=0.05))
+        assert e.value.path.endswith("c.tsv")
+        if removed_first:  # the same when the model's widths are taken from the first file
+            (tmp_path / "c.tsv").write_text("1" + "\t" * 39 + "\n")
+            with pytest.raises(DataError, match=r"c.tsv: cannot read: .*(?i:no such file)"):
+                GrowingDirectory(tmp_path, vanishing, poll=0.05).widths()
     with pytest.raises(ValueError, match="poll must be > 0"):
         GrowingDirectory(tmp_path, csv_reader, poll=0)
     with pytest.raises(ValueError, match="examples must be >= 1"):
@@ -145,6 +166,21 @@ def test_window_by_examples_and_by_batches():
     assert m["auc"] == pytest.approx(pair_auc(y[-10:], p[-10:]))
     m = by_b.metrics()
     assert m["window_examples"] == 9 and m["auc"] == pytest.approx(pair_auc(y[-9:], p[-9:]))
+
+
+def test_window_curve_stays_bounded_by_doubling_its_stride():
+    w = ProgressiveWindow(examples=6, max_points=4)
+    rng = np.random.default_rng(1)
+    kept = []
+    for k in range(1, 20):
+        w.add(np.array([0.0, 1.0]), rng.random(2))
+        point = w.record(batches=k)
+        if point is not None:
+            kept.append(k)
+            assert point["window_examples"] == min(6, 2 * k)
+    # Points at batches 1, 2, 3, 4 -> 4 points: keep 2, 4, stride 2 -> 6, 8 -> keep 4, 8, stride 4 -> 12, 16 ...
+    assert [p["batches"] for p in w.history] == [8, 16] and w.stride == 8
+    assert kept == [1, 2, 3, 4, 6, 8, 12, 16]
 
 
 def test_progressive_metrics_equal_scores_taken_before_each_step(tmp_path):

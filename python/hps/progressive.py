@@ -26,9 +26,13 @@ from hps.metrics import auc, logloss
 class ProgressiveWindow:
     """The latest ``examples`` scored examples (or those of the latest ``batches``
     batches, when given). ``add`` one batch's labels and probabilities; ``metrics``
-    gives AUC and logloss over the window, and the counts."""
+    gives AUC and logloss over the window, and the counts; ``record``, called once a
+    batch, keeps the curve in ``history`` at most ``max_points`` long: every
+    ``stride``-th batch, the stride doubling (and every other point dropped) each
+    time the curve fills, so a long run's curve stays small and so does the cost
+    of sorting the window (paid only at recorded batches)."""
 
-    def __init__(self, examples: int = 100_000, batches: Optional[int] = None):
+    def __init__(self, examples: int = 100_000, batches: Optional[int] = None, max_points: int = 2000):
         if batches is not None and (isinstance(batches, bool) or int(batches) < 1):
             raise ValueError(f"online window: batches must be >= 1, got {batches!r}")
         if batches is None and (isinstance(examples, bool) or int(examples) < 1):
@@ -38,6 +42,10 @@ class ProgressiveWindow:
         self._parts: deque = deque()  # (labels, probs) of a batch, oldest first
         self.size = 0                 # examples in the window
         self.scored = 0               # examples scored since the start
+        self.history: list = []       # record()'s points
+        self.stride = 1               # record() keeps every stride-th batch
+        self.max_points = max(2, int(max_points))
+        self._recorded_batches = 0
 
     def add(self, labels: np.ndarray, probs: np.ndarray) -> None:
         labels = np.asarray(labels, np.float64)
@@ -68,3 +76,16 @@ class ProgressiveWindow:
         p = np.concatenate([b for _, b in self._parts])
         return {"auc": auc(y, p), "logloss": logloss(y, p), "window_examples": int(self.size),
                 "scored_examples": int(self.scored)}
+
+    def record(self, **fields) -> Optional[dict]:
+        """Once a batch, after ``add``: on every ``stride``-th call, ``fields`` and
+        ``metrics()`` as one point of ``history`` (returned); else None."""
+        self._recorded_batches += 1
+        if self._recorded_batches % self.stride:
+            return None
+        point = {**fields, **self.metrics()}
+        self.history.append(point)
+        if len(self.history) >= self.max_points:
+            self.history = self.history[1::2]  # the points at multiples of 2 * stride
+            self.stride *= 2
+        return point

@@ -35,7 +35,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from hps import data as hdata
-from hps import reshard
 from hps.config import check_fields, load_toml
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.metrics import auc, logloss
@@ -475,13 +474,10 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
         if os.path.exists(manifest):
             with open(manifest) as f:
                 job = json.load(f)
-        if resume and job is not None and job["world"] != node.size and job.get("checkpoint") is not None:
-            return _plan_reshard(root, node.size)  # (a job that never checkpointed starts over below)
-        if resume and job is None and stored_checkpoint(root)[1] is not None:
-            return _plan_reshard(root, node.size)  # a one-process run's parameter server
-        if resume and job is not None and job["world"] == node.size:
-            if reshard.RESHARDED in job:
-                reshard.remove_old(root)  # what a crash right after the reshard's switch left
+        if resume and job is not None:
+            if job["world"] != node.size:
+                raise ValueError(f"{manifest}: the job ran on {job['world']} ranks, this run has {node.size}; "
+                                 f"resume it with mpiexec -n {job['world']}")
             if job.get("checkpoint") is None:
                 _notice(f"--resume: the job at {root} ended before its first checkpoint: starting it over "
                         f"from batch 0")
@@ -505,24 +501,7 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
         _write_json_atomic(manifest, {"world": node.size, "step": 0, "checkpoint": None})
         return None
     number = _collective(node, check)
-    number = node.allgather("train", number, "the job's checkpoint")[0]
-    if isinstance(number, dict):  # the job ran on another number of ranks: reshard its checkpoint first
-        done = node.allgather("train", _collective(node, lambda: reshard.write_rank(cfg.ps.path, node.size,
-                                                                                   node.rank)), "reshard")
-        new = done[0][1]
-        _collective(node, lambda: reshard.commit(cfg.ps.path, node.size, number, new) if node.rank == 0 else None)
-        if node.rank == 0:
-            _notice(f"resharded: {sum(d[2] for d in done):,} rows now on {node.size} ranks as checkpoint {new}")
-        number = new
-    return number
-
-
-def _plan_reshard(root: str, world: int) -> dict:
-    """Rank 0: the checkpoint to reshard, checked whole (hps.reshard), and says so."""
-    old = reshard.check_source(root)
-    _notice(f"--resume: the job at {root} ran on {old['world']} rank(s), this run has {world}: resharding "
-            f"its checkpoint {old['checkpoint']} (step {old['step']}) over {world} ranks")
-    return old
+    return node.allgather("train", number, "the job's checkpoint")[0]
 
 
 def _check_resumed_step(trainer: Trainer) -> None:
@@ -624,7 +603,6 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         from hps.progressive import ProgressiveWindow
         online = ProgressiveWindow(cfg.online_window, cfg.online_window_batches or None)
         trainer.step_logits = []
-        trainer.online_history = []
 
     def record_eval(final: bool = False) -> None:
         metrics = trainer.evaluate(eval_batches)
@@ -661,8 +639,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             mem = s["mem"]
             post = {"hit": f"{mem['hits'] / max(1, mem['hits'] + mem['misses']):.3f}",
                     "ssd_MB": f"{(s['ssd']['bytes_read'] + s['ssd']['bytes_written']) / 1e6:.0f}"}
-            if online is not None:
-                post["auc_win"] = f"{trainer.online_history[-1]['auc']:.4f}"
+            if online is not None and online.history:
+                post["auc_win"] = f"{online.history[-1]['auc']:.4f}"
             bar.set_postfix(post, refresh=False)
             bar.update(n)
 
@@ -707,9 +685,16 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                                  else {"chosen": cfg.torch_threads}),
                "ps": _jsonable(trainer.ps.stats())}
     if online is not None:
+        last = {"batches": trainer.batches_done, "examples": trainer.examples_done,
+                "seconds": time.perf_counter() - t_start,
+                **online.metrics()}
+        history = online.history
+        if not history or history[-1]["batches"] != trainer.batches_done:
+            history = history + [last]  # the curve ends at the last batch
         summary["online"] = {"window": ({"batches": cfg.online_window_batches} if cfg.online_window_batches
                                         else {"examples": cfg.online_window}),
-                             **online.metrics(), "history": trainer.online_history}
+                             **{k: v for k, v in last.items() if k not in ("batches", "examples", "seconds")},
+                             "history": history}
         files = getattr(source, "files_read", None)
         if files is not None:
             summary["online"]["files_read"] = len(files)
@@ -733,7 +718,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
 
 def _score_online(trainer: Trainer, window, examples, seconds: float) -> None:
     """Adds the batch's scores from the step just run (its forward pass came before
-    its update) to the progressive window, and its metrics to trainer.online_history."""
+    its update) to the progressive window, which records a point of its curve."""
     if len(trainer.step_logits) == 1 and len(trainer.step_logits[0][0]) == len(examples.labels):
         logits = trainer.step_logits[0][1]
     else:
@@ -742,8 +727,7 @@ def _score_online(trainer: Trainer, window, examples, seconds: float) -> None:
             logits[idx] = part
     trainer.step_logits.clear()
     window.add(examples.labels, 1.0 / (1.0 + np.exp(-logits.astype(np.float64))))
-    trainer.online_history.append({"batches": trainer.batches_done, "examples": trainer.examples_done,
-                                   "seconds": seconds, **window.metrics()})
+    window.record(batches=trainer.batches_done, examples=trainer.examples_done, seconds=seconds)
 
 
 def _take_until_checkpoint(it, every: int, done: int):
