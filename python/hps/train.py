@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from hps import data as hdata
+from hps import reshard
 from hps.config import check_fields, load_toml
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.metrics import auc, logloss
@@ -474,10 +475,13 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
         if os.path.exists(manifest):
             with open(manifest) as f:
                 job = json.load(f)
-        if resume and job is not None:
-            if job["world"] != node.size:
-                raise ValueError(f"{manifest}: the job ran on {job['world']} ranks, this run has {node.size}; "
-                                 f"resume it with mpiexec -n {job['world']}")
+        if resume and job is not None and job["world"] != node.size and job.get("checkpoint") is not None:
+            return _plan_reshard(root, node.size)  # (a job that never checkpointed starts over below)
+        if resume and job is None and stored_checkpoint(root)[1] is not None:
+            return _plan_reshard(root, node.size)  # a one-process run's parameter server
+        if resume and job is not None and job["world"] == node.size:
+            if reshard.RESHARDED in job:
+                reshard.remove_old(root)  # what a crash right after the reshard's switch left
             if job.get("checkpoint") is None:
                 _notice(f"--resume: the job at {root} ended before its first checkpoint: starting it over "
                         f"from batch 0")
@@ -501,7 +505,24 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
         _write_json_atomic(manifest, {"world": node.size, "step": 0, "checkpoint": None})
         return None
     number = _collective(node, check)
-    return node.allgather("train", number, "the job's checkpoint")[0]
+    number = node.allgather("train", number, "the job's checkpoint")[0]
+    if isinstance(number, dict):  # the job ran on another number of ranks: reshard its checkpoint first
+        done = node.allgather("train", _collective(node, lambda: reshard.write_rank(cfg.ps.path, node.size,
+                                                                                   node.rank)), "reshard")
+        new = done[0][1]
+        _collective(node, lambda: reshard.commit(cfg.ps.path, node.size, number, new) if node.rank == 0 else None)
+        if node.rank == 0:
+            _notice(f"resharded: {sum(d[2] for d in done):,} rows now on {node.size} ranks as checkpoint {new}")
+        number = new
+    return number
+
+
+def _plan_reshard(root: str, world: int) -> dict:
+    """Rank 0: the checkpoint to reshard, checked whole (hps.reshard), and says so."""
+    old = reshard.check_source(root)
+    _notice(f"--resume: the job at {root} ran on {old['world']} rank(s), this run has {world}: resharding "
+            f"its checkpoint {old['checkpoint']} (step {old['step']}) over {world} ranks")
+    return old
 
 
 def _check_resumed_step(trainer: Trainer) -> None:
