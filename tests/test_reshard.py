@@ -138,6 +138,10 @@ def test_reshard_moves_every_row_to_its_owner_and_trains_on_as_an_m_rank_job(tmp
     assert sorted(n for n in os.listdir(ref / "job") if n.startswith("rank")) == \
         [f"rank{r}" for r in range(new_world)]
     assert not os.path.exists(ref / "job" / "hps-parameter-server.json")  # a one-process job's, gone
+    from hps.jobdir import inspect
+    report = inspect(str(ref / "job"), verify=True)
+    assert (report["world"], report["rows"], report["step"]) == (new_world, len(before), STEPS)
+    assert report["verify"]["ok"], report["verify"]["problems"]
     import torch
     for state in dense_states(ref / "job", new_world):
         assert state["batches_done"] == STEPS
