@@ -276,3 +276,21 @@ def test_hps_train_online_cli_reads_a_growing_criteo_directory(tmp_path, capsys)
     assert main(["train", "--data", str(data), "--path", str(tmp_path / "ps3"), "--online",
                  "--online-stop", "wait=3"]) == 2
     assert "'wait=3' is not idle=SECONDS" in capsys.readouterr().err
+
+
+def test_online_config_errors(tmp_path):
+    from hps.train import TrainConfig
+    base = {"ps": {"dim": 4, "path": str(tmp_path / "ps")}, "online": True}
+    with pytest.raises(ValueError, match=r"run.toml: online training reads a growing directory once: data.epochs "
+                                         r"must be 1"):
+        TrainConfig.from_dict(dict(base, data={"source": str(tmp_path), "epochs": 2}), "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: online_window must be an int >= 1, got 0"):
+        TrainConfig.from_dict(dict(base, online_window=0), "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: online_window_batches must be an int >= 0, got -1"):
+        TrainConfig.from_dict(dict(base, online_window_batches=-1), "run.toml")
+    with pytest.raises(ValueError, match=r"run.toml: unknown field\(s\) data.online_stop"):
+        TrainConfig.from_dict(dict(base, data={"online_stop": 3}), "run.toml")
+    # Files (not a directory) are progressive validation of a finite stream: several epochs are fine.
+    (tmp_path / "a.tsv").write_text("")
+    cfg = TrainConfig.from_dict(dict(base, data={"source": str(tmp_path / "a.tsv"), "epochs": 2}), "run.toml")
+    assert cfg.online and cfg.data.epochs == 2
