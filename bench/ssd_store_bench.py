@@ -46,7 +46,6 @@ as "oom". Progress goes to stderr; one JSON line goes to stdout.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -534,9 +533,6 @@ class RocksTunedStore:
         for d in self.secondaries:
             shutil.rmtree(d, ignore_errors=True)
         self.db.close()
-        # The caches live as long as a reference to them: drop ours, so that the next
-        # variant's caches do not come on top of these inside the memory cgroup.
-        self.db, self._keep = None, []
 
 
 class LmdbStore:
@@ -760,10 +756,6 @@ def run_rocks_tuned(args) -> dict:
             disk = du_bytes(vdir)
             variants[label] = {"readers": readers, "split": split, "options": st.options,
                                "distributions": dists, "store_stats": stats, "disk_bytes_end": disk}
-            # Free this variant before the next one opens: with both alive the sweep's
-            # second variant was OOM-killed in the 1 GiB cgroup (5M rows), whatever its readers.
-            del st
-            gc.collect()
             shutil.rmtree(vdir, ignore_errors=True)
     shutil.rmtree(base, ignore_errors=True)
     res["variants"] = variants
