@@ -33,6 +33,7 @@ True
 """
 from __future__ import annotations
 
+import abc
 import math
 import threading
 from dataclasses import dataclass, field
@@ -76,15 +77,15 @@ def _check_payload(enc: Encoded, name: str, count: int) -> None:
         raise ValueError(f"{name}.decode: a payload of {len(enc.arrays)} arrays, expected {count}")
 
 
-class Codec:
+class Codec(abc.ABC):
     """Encodes float32 arrays for the network and decodes them back."""
     name = "codec"
 
-    def encode(self, x: np.ndarray) -> Encoded:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def encode(self, x: np.ndarray) -> Encoded: ...
 
-    def decode(self, enc: Encoded) -> np.ndarray:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def decode(self, enc: Encoded) -> np.ndarray: ...
 
     def __repr__(self) -> str:
         return self.name
