@@ -13,7 +13,7 @@ Workload:
   * memory: the lookup's budget is a quarter of the rows' bytes (--memory-ratio 4);
     RocksDB gets the same bytes as block cache (3/4) and row cache (1/4), split
     evenly over its client processes;
-  * RocksDB as its experts run it for point reads (bench/ssd_store_bench.py,
+  * RocksDB as its experts run it for point reads (bench/rocks_tuned.py,
     rocks_tuned_options): the same rows bulk-loaded sorted through SstFileWriter
     and ingested (nothing left to compact), bloom filters, 4 KiB blocks, direct
     reads so the page cache does not act as a hidden cache, no compression, every
@@ -110,7 +110,7 @@ def make_job(path: str, n: int, dim: int) -> float:
 def load_rocksdb(job: str, path: str, dim: int) -> tuple[float, int]:
     """The job's embeddings, sorted by key, through SstFileWriter, then ingested."""
     import rocksdict as r
-    from ssd_store_bench import rocks_tuned_options
+    from rocks_tuned import rocks_tuned_options
     from hps import jobdir
     opt, _keep, _ = rocks_tuned_options(1 << 20, 0, 64 << 20, 2, filters_for_hits=True)
     view = jobdir.pin(job)
@@ -243,7 +243,7 @@ def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, re
 
 def _rocks_client(conn, path: str, block: int, row: int, batches: list, warmup: list, start_evt) -> None:
     import rocksdict as r
-    from ssd_store_bench import rocks_tuned_options
+    from rocks_tuned import rocks_tuned_options
     opt, _keep, _ = rocks_tuned_options(block, row, 1 << 20, 2, filters_for_hits=True)
     db = r.Rdict(path, options=opt, access_type=r.AccessType.read_only())
     prep = be_keys

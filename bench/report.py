@@ -199,6 +199,16 @@ def render_w1(o: dict) -> list[str]:
             out.append(f"- {name} moved rows by {io_path}" + (f" (fell back: {fallback})" if fallback else ""))
         if e.get("options_of"):
             out.append(f"- {name}: {e['options_of']}")
+        for d in (d for d in dists if "get_median_by_variant" in (e.get("distributions", {}).get(d) or {})):
+            dd = e["distributions"][d]
+            out.append(f"- {name} variants, {d} get / put rows/s (round {e.get('figures_from_round', 0) + 1}): "
+                       + "; ".join(f"{v} {dd['get_median_by_variant'][v]:,.0f} / "
+                                   f"{dd['put_median_by_variant'].get(v, 0):,.0f}"
+                                   for v in dd["get_median_by_variant"]))
+        failed = {v: f.get("status") for r in e.get("rounds", []) for v, f in (r.get("variants_failed") or {}).items()}
+        if failed:
+            out.append(f"- {name} variants that did not finish: "
+                       + ", ".join(f"{v} ({st})" for v, st in sorted(failed.items())))
     for key, label in (("ratios_hps_over_rocksdb_tuned", "hps / rocksdb_tuned"),
                        ("ratios_hps_node_over_rocksdb_tuned", "hps_node / rocksdb_tuned")):
         r = o.get(key)

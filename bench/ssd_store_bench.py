@@ -60,6 +60,7 @@ import numpy as np
 
 from hps.data import mix64  # splitmix64's finaliser, a bijection of uint64
 from _provenance import provenance  # commit, date, machine, command of the JSON line (bench/ is sys.path[0])
+from rocks_tuned import ROCKS_GET_CHUNK, rocks_tuned_options  # the tuned options, and the lean reader process
 
 ROW_BYTES = 128
 SEED = 0x5EED_1234
@@ -191,54 +192,6 @@ class HpsNodeStore(HpsStore):
         super().close()
 
 
-def rocks_tuned_options(block_cache_bytes: int, row_cache_bytes: int, write_buffer_size: int,
-                        max_write_buffer_number: int, filters_for_hits: bool):
-    """rocksdict Options as a RocksDB expert sets them for point reads of small
-    rows on an SSD, every option set explicitly (none left to the bundled
-    version's defaults): returns (options, [caches to keep alive], {option: value})."""
-    import rocksdict as r
-    cpus = os.cpu_count() or 2
-    opt = r.Options(raw_mode=True)
-    opt.create_if_missing(True)
-    block_cache = r.Cache(block_cache_bytes)
-    keep = [block_cache]
-    bbo = r.BlockBasedOptions()
-    bbo.set_block_cache(block_cache)
-    bbo.set_bloom_filter(10, False)          # full (not block-based) filters, 10 bits a key: ~1% false positives
-    bbo.set_block_size(4096)                 # one device read per row, as hps's 4 KiB blocks
-    bbo.set_cache_index_and_filter_blocks(False)  # index and filters held by the table readers, never evicted
-    bbo.set_format_version(5)
-    opt.set_block_based_table_factory(bbo)
-    if row_cache_bytes:
-        row_cache = r.Cache(row_cache_bytes)
-        keep.append(row_cache)
-        opt.set_row_cache(row_cache)
-    opt.set_use_direct_reads(True)           # the page cache must not act as a hidden cache
-    opt.set_use_direct_io_for_flush_and_compaction(True)
-    opt.set_compression_type(r.DBCompressionType.none())  # random rows do not compress
-    opt.set_bottommost_compression_type(r.DBCompressionType.none())
-    opt.set_max_open_files(-1)               # every table reader open: no table-cache misses on a get
-    opt.set_optimize_filters_for_hits(filters_for_hits)  # no filters on the last level when gets hit
-    opt.set_level_compaction_dynamic_level_bytes(True)
-    opt.set_target_file_size_base(64 << 20)
-    opt.increase_parallelism(cpus)
-    opt.set_max_background_jobs(max(2, cpus))
-    opt.set_write_buffer_size(write_buffer_size)
-    opt.set_max_write_buffer_number(max_write_buffer_number)
-    opt.set_min_write_buffer_number_to_merge(1)
-    opt.set_advise_random_on_open(True)
-    return opt, keep, {
-        "raw_mode": True, "block_cache_bytes": block_cache_bytes, "row_cache_bytes": row_cache_bytes,
-        "write_buffer_size": write_buffer_size, "max_write_buffer_number": max_write_buffer_number,
-        "min_write_buffer_number_to_merge": 1, "bloom_filter_bits_per_key": 10, "bloom_block_based": False,
-        "optimize_filters_for_hits": filters_for_hits, "block_size": 4096,
-        "cache_index_and_filter_blocks": False, "format_version": 5, "use_direct_reads": True,
-        "use_direct_io_for_flush_and_compaction": True, "compression": "none",
-        "bottommost_compression": "none", "max_open_files": -1, "level_compaction_dynamic_level_bytes": True,
-        "target_file_size_base": 64 << 20, "increase_parallelism": cpus, "max_background_jobs": max(2, cpus),
-        "advise_random_on_open": True}
-
-
 class RocksStore:
     """RocksDB with its defaults (the tuned peer is RocksTunedStore)."""
 
@@ -304,7 +257,6 @@ class RocksStore:
 ROCKS_SPLITS = {"block": (0.5, 0.125, 0.375), "row": (0.125, 0.5, 0.375), "cache": (0.625, 0.25, 0.125)}
 ROCKS_MEMORY = 512 << 20  # = the earlier tuned total: 256 MiB block + 64 MiB row cache + 3 x 64 MiB memtables
 ROCKS_PRIMARY_CACHE = 1 << 20  # the writer's block cache beside reader processes (it serves no gets)
-ROCKS_GET_CHUNK = 8192  # keys per multi-get call in a reader
 
 
 def rocks_bulk_load(path: str, n: int, chunk: int, progress) -> float:
@@ -360,44 +312,6 @@ def clone_db(src: str, dst: str) -> None:
             shutil.copy2(s, os.path.join(dst, f))
 
 
-def _rocks_reader(conn, path, secondary, opts, mmap_path, mmap_bytes):
-    """A reader process: a secondary instance of the database (its own block and row
-    caches) that serves the get of one key range of each batch with multi-gets,
-    writing the rows into the shared result file. rocksdict holds the GIL through a
-    multi-get, so concurrent gets need processes."""
-    import mmap
-    import rocksdict as r
-    opt, _keep, _ = rocks_tuned_options(**opts)
-    db = r.Rdict(path, options=opt, access_type=r.AccessType.secondary(secondary))
-    with open(mmap_path, "r+b") as f:
-        out = mmap.mmap(f.fileno(), mmap_bytes)
-    zero = bytes(ROW_BYTES)
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg[0] == "catch_up":
-            db.try_catch_up_with_primary()
-            conn.send(True)
-        elif msg[0] == "get":
-            start, kb = msg[1], msg[2]
-            keys = [kb[i:i + 8] for i in range(0, len(kb), 8)]
-            found = bytearray(len(keys))
-            pos = start * ROW_BYTES
-            for c in range(0, len(keys), ROCKS_GET_CHUNK):
-                vals = db.get(keys[c:c + ROCKS_GET_CHUNK])
-                buf = b"".join(v if v is not None else zero for v in vals)
-                out[pos:pos + len(buf)] = buf
-                pos += len(buf)
-                for i, v in enumerate(vals):
-                    found[c + i] = v is not None
-            conn.send_bytes(found)
-        else:
-            db.close()
-            out.close()
-            conn.send(True)
-            return
-
-
 class RocksTunedStore:
     """RocksDB as its experts run it for this workload (W1, issue 14): loaded by
     rocks_bulk_load, every option explicit (rocks_tuned_options), the memory budget
@@ -440,28 +354,31 @@ class RocksTunedStore:
             "put": "WriteBatch of the batch, db.write(wb, WriteOptions(sync=True))"}
         self.procs, self.conns, self.secondaries = [], [], []
         if readers > 1:
-            import multiprocessing as mp
+            import mmap
+            import socket
+            from multiprocessing.connection import Connection
             self.options["reader"] = rocks_tuned_options(**reader, **common)[2]
             self.options["reader_catch_up"] = "try_catch_up_with_primary() in every reader before each get"
-            ctx = mp.get_context("spawn")
+            self.options["reader_process"] = "python3 bench/rocks_tuned.py: the standard library and rocksdict only"
             self.mmap_bytes = max(1, max_keys) * ROW_BYTES
             fd, self.mmap_path = tempfile.mkstemp(prefix="w1-rows-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                                   else os.path.dirname(path))
             os.ftruncate(fd, self.mmap_bytes)
             os.close(fd)
-            import mmap
             with open(self.mmap_path, "r+b") as f:
                 self.out = mmap.mmap(f.fileno(), self.mmap_bytes)
             for i in range(readers):
-                a, b = ctx.Pipe()
+                mine, theirs = socket.socketpair()
                 secondary = f"{path}.secondary{i}"
                 self.secondaries.append(secondary)
-                p = ctx.Process(target=_rocks_reader, daemon=True,
-                                args=(b, path, secondary, {**reader, **common}, self.mmap_path, self.mmap_bytes))
-                p.start()
-                b.close()
+                p = subprocess.Popen([sys.executable, os.path.join(HERE, "rocks_tuned.py"), str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()])
+                theirs.close()
+                conn = Connection(mine.detach())
+                conn.send({"path": path, "secondary": secondary, "opts": {**reader, **common},
+                           "mmap_path": self.mmap_path, "mmap_bytes": self.mmap_bytes})
                 self.procs.append(p)
-                self.conns.append(a)
+                self.conns.append(conn)
             for c in self.conns:
                 if c.recv() != "ready":
                     raise SystemExit("rocksdb_tuned: a reader process did not start")
@@ -526,7 +443,7 @@ class RocksTunedStore:
             c.send(("stop",))
         for c, p in zip(self.conns, self.procs):
             c.recv()
-            p.join()
+            p.wait()
         if self.procs:
             self.out.close()
             os.unlink(self.mmap_path)
@@ -721,44 +638,81 @@ def run_dists(st, name, args, n, path, progress) -> dict:
     return out
 
 
-def run_rocks_tuned(args) -> dict:
-    """rocksdb_tuned: one bulk load, then every variant (reader processes x memory
-    split) from a hard-linked copy of the loaded database, one after another, on the
-    same batches; each distribution's get and put report the best variant's median
-    for each, and every variant's figures are under "variants"."""
-    n, name = args.rows, "rocksdb_tuned"
-    path = os.path.join(args.dir, name)
+def rocks_tuned_paths(args) -> tuple[str, str]:
+    """(the store's directory, the loaded database every variant copies)."""
+    path = os.path.join(args.dir, "rocksdb_tuned")
+    return path, os.path.join(path, "loaded")
+
+
+def run_rocks_tuned_load(args) -> dict:
+    """Worker: rocksdb_tuned's one bulk load, which every variant then copies."""
+    n = args.rows
+    path, base = rocks_tuned_paths(args)
     os.makedirs(path, exist_ok=True)
-    progress = make_progress(name)
-    base = os.path.join(path, "loaded")
     t_wall0 = time.time()
-    t_store = rocks_bulk_load(base, n, args.load_chunk, progress)
-    loaded = os.path.join(base, "db")
+    t_store = rocks_bulk_load(base, n, args.load_chunk, make_progress("rocksdb_tuned"))
+    return {"load": {"rows": n, "seconds": t_store, "wall_seconds_with_generation": time.time() - t_wall0,
+                     "rows_per_s": n / t_store, "MB_per_s": n * ROW_BYTES / t_store / 1e6,
+                     "disk_bytes_after_load": du_bytes(os.path.join(base, "db"))}}
+
+
+def run_rocks_tuned_variant(args) -> dict:
+    """Worker: one variant (reader processes x memory split) on a hard-linked copy of
+    the load, on the same batches as every other store and variant."""
+    readers, split = args.variant
+    name, label = "rocksdb_tuned", variant_label(readers, split)
+    path, base = rocks_tuned_paths(args)
+    vdir = os.path.join(path, f"r{readers}-{split}")
+    if os.environ.get("HPS_W1_KILL_VARIANT") == label:  # tests: a variant ended as the OOM killer ends one
+        os.kill(os.getpid(), signal.SIGKILL)
+    clone_db(os.path.join(base, "db"), vdir)
+    st = RocksTunedStore(vdir, readers, split, args.rocksdb_memory, args.batch_keys)
+    try:
+        dists = run_dists(st, name, args, args.rows, vdir, make_progress(f"{name} {label}"))
+        stats = st.stats()
+    finally:
+        st.close()
+    disk = du_bytes(vdir)
+    shutil.rmtree(vdir, ignore_errors=True)
+    return {"readers": readers, "split": split, "options": st.options,
+            "distributions": dists, "store_stats": stats, "disk_bytes_end": disk}
+
+
+def variant_label(readers: int, split: str) -> str:
+    return f"readers={readers},split={split}"
+
+
+def run_rocks_tuned(args, cg) -> dict:
+    """One round of rocksdb_tuned, each step a worker process of its own inside the
+    cgroup: the bulk load, then every variant (reader processes x memory split) one
+    after another. A variant killed by the OOM killer is recorded as such and takes
+    no other variant's figures with it. Each distribution's get and put report the
+    best variant's median for each; every variant's figures are under "variants"."""
+    n, name = args.rows, "rocksdb_tuned"
+    path, _base = rocks_tuned_paths(args)
     res = {"store": name, "path": path, "rocksdb_memory_bytes": args.rocksdb_memory,
            "readers_swept": args.rocksdb_readers, "splits_swept": args.rocksdb_splits,
            "splits": {k: ROCKS_SPLITS[k] for k in args.rocksdb_splits},
-           "load": {"rows": n, "seconds": t_store, "wall_seconds_with_generation": time.time() - t_wall0,
-                    "rows_per_s": n / t_store, "MB_per_s": n * ROW_BYTES / t_store / 1e6,
-                    "disk_bytes_after_load": du_bytes(loaded)}}
-    variants = {}
+           "variant_process": "each variant in a worker process of its own, one after another"}
+    loaded = spawn_worker(["--store", name, "--phase", "load"], args, cg)
+    if loaded["status"] != "ok":
+        return {**res, **loaded, "failed_phase": "load"}
+    res["load"] = loaded["load"]
+    variants, failed = {}, {}
     for split in args.rocksdb_splits:
         for readers in args.rocksdb_readers:
-            label = f"readers={readers},split={split}"
+            label = variant_label(readers, split)
             log(f"{name}: variant {label}")
-            vdir = os.path.join(path, f"r{readers}-{split}")
-            clone_db(loaded, vdir)
-            st = RocksTunedStore(vdir, readers, split, args.rocksdb_memory, args.batch_keys)
-            try:
-                dists = run_dists(st, name, args, n, vdir, make_progress(f"{name} {label}"))
-                stats = st.stats()
-            finally:
-                st.close()
-            disk = du_bytes(vdir)
-            variants[label] = {"readers": readers, "split": split, "options": st.options,
-                               "distributions": dists, "store_stats": stats, "disk_bytes_end": disk}
-            shutil.rmtree(vdir, ignore_errors=True)
-    shutil.rmtree(base, ignore_errors=True)
-    res["variants"] = variants
+            v = spawn_worker(["--store", name, "--phase", "variant", "--variant", f"{readers},{split}"], args, cg)
+            if v["status"] == "ok":
+                variants[label] = v
+            else:
+                failed[label] = v
+                log(f"{name}: variant {label} {v['status']}")
+    res["variants"], res["variants_failed"] = variants, failed
+    if not variants:
+        return {**res, "status": next(iter(failed.values()))["status"] if failed else "error",
+                "error": "no variant finished"}
     # The best variant per figure: a peer at its best on each.
     res["distributions"] = {}
     for d in args.dists:
@@ -780,6 +734,8 @@ def run_rocks_tuned(args) -> dict:
     res["disk_bytes_end"] = variants[best]["disk_bytes_end"]
     res["live_bytes"] = n * (ROW_BYTES + 8)
     res["space_amplification"] = res["disk_bytes_end"] / res["live_bytes"]
+    res["status"] = "ok"
+    res["cgroup_peak_by_variant"] = {k: v.get("cgroup", {}) for k, v in variants.items()}
     return res
 
 
@@ -787,7 +743,7 @@ def run_worker(args) -> dict:
     n = args.rows
     name = args.store
     if name == "rocksdb_tuned":
-        return run_rocks_tuned(args)
+        return run_rocks_tuned_load(args) if args.phase == "load" else run_rocks_tuned_variant(args)
     path = os.path.join(args.dir, name)
     os.makedirs(path, exist_ok=True)
     if name == "hps":
@@ -1007,6 +963,8 @@ def parse():
                          "(default 512 MiB)")
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=("load", "variant"), help=argparse.SUPPRESS)  # rocksdb_tuned's steps
+    ap.add_argument("--variant", help=argparse.SUPPRESS)  # READERS,SPLIT
     a = ap.parse_args()
     if a.quick:
         a.rows, a.batches, a.batch_keys = 1_000_000, 10, 20_000
@@ -1029,6 +987,9 @@ def parse():
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}: at least 1")
     a.dists = [d for d in a.dists.split(",") if d]
+    if a.variant:
+        readers, split = a.variant.split(",")
+        a.variant = (int(readers), split)
     for d in a.dists:
         if d not in ("uniform", "zipf"):
             ap.error(f"unknown distribution {d}")
@@ -1142,20 +1103,40 @@ def main():
 
 
 def run_store(s: str, args, cg) -> dict:
-    """One worker process for store `s` (inside `cg` if given): its JSON, with a status."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--store", s,
+    """One round of store `s`: its JSON, with a status; its data is removed after."""
+    t0 = time.time()
+    entry = run_rocks_tuned(args, cg) if s == "rocksdb_tuned" else spawn_worker(["--store", s], args, cg)
+    entry["wall_seconds"] = time.time() - t0
+    shutil.rmtree(os.path.join(args.dir, s), ignore_errors=True)
+    log(f"== {s}: {entry['status']} in {entry['wall_seconds']:.1f} s ==")
+    return entry
+
+
+def _oom_kills(snapshot: dict) -> int:
+    return sum(v for k, v in snapshot.items() if k.endswith("oom_kill"))
+
+
+def spawn_worker(extra: list, args, cg) -> dict:
+    """One worker process (inside `cg` if given) running `extra` (--store X ...): its
+    JSON, with a status: ok, oom (the OOM killer struck in the cgroup: the worker
+    itself, or one of its reader processes, after which it failed), or error."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", *extra,
            "--rows", str(args.rows), "--batches", str(args.batches),
            "--batch-keys", str(args.batch_keys), "--dir", args.dir,
            "--dists", ",".join(args.dists), "--verify-sample", str(args.verify_sample),
            "--load-chunk", str(args.load_chunk),
            "--rocksdb-readers", ",".join(map(str, args.rocksdb_readers)),
            "--rocksdb-splits", ",".join(args.rocksdb_splits), "--rocksdb-memory", str(args.rocksdb_memory)]
+    kills_before = 0
     if cg:
         cg.reset()
+        kills_before = _oom_kills(cg.snapshot())
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=(cg.enter if cg else None))
     stdout, _ = p.communicate()
     wall = time.time() - t0
+    snap = cg.snapshot() if cg else {}
+    oom_killed = cg is not None and _oom_kills(snap) > kills_before
     if p.returncode == 0:
         try:
             entry = json.loads(stdout.strip().splitlines()[-1])
@@ -1163,17 +1144,17 @@ def run_store(s: str, args, cg) -> dict:
             entry = {"status": "error", "error": "worker printed no JSON"}
         else:
             entry["status"] = "ok"
-    elif p.returncode == -signal.SIGKILL:
-        entry = {"status": "oom", "note": "worker killed by SIGKILL (OOM killer inside the memory limit)"}
+    elif p.returncode == -signal.SIGKILL or oom_killed:
+        entry = {"status": "oom", "note": "worker killed by SIGKILL (OOM killer inside the memory limit)"
+                 if p.returncode == -signal.SIGKILL else
+                 f"the OOM killer struck in the cgroup (a reader process); the worker exited {p.returncode}"}
+        if p.returncode == -signal.SIGKILL and cg is not None and not oom_killed:
+            entry["note"] += " (the cgroup did not count an oom_kill; check dmesg)"
     else:
         entry = {"status": "error", "returncode": p.returncode}
     entry["wall_seconds"] = wall
     if cg:
-        entry["cgroup"] = cg.snapshot()
-        if entry["status"] == "oom" and not any(k.endswith("oom_kill") and v for k, v in entry["cgroup"].items()):
-            entry["note"] += " (the cgroup did not count an oom_kill; check dmesg)"
-    shutil.rmtree(os.path.join(args.dir, s), ignore_errors=True)
-    log(f"== {s}: {entry['status']} in {wall:.1f} s ==")
+        entry["cgroup"] = snap
     return entry
 
 

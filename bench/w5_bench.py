@@ -41,7 +41,7 @@ final JSON line with every raw figure and the ratios):
     initialised uniform(-0.01, 0.01) from a hash of the key, accumulator 0);
     keys of batch i+1 that batch i updated then take batch i's rows, so the
     result is the serial loop's (--rocks-prefetch serial runs that loop). Tuned as W1's
-    rocksdb_tuned (ssd_store_bench.rocks_tuned_options: bloom filters, direct
+    rocksdb_tuned (rocks_tuned.rocks_tuned_options: bloom filters, direct
     reads and direct flush/compaction I/O, no compression, every option set
     explicitly), with block cache + row cache + memtables equal to hps's memory
     for rows (MEM budget + write buffer), split per run (rocks_memory()); inside
@@ -272,7 +272,7 @@ class RocksRows:
 
     def __init__(self, path: str, mem: dict, wal: bool):
         import rocksdict as r
-        from ssd_store_bench import rocks_tuned_options  # W1's tuned options, every one explicit
+        from rocks_tuned import rocks_tuned_options  # W1's tuned options, every one explicit
         self.r = r
         # Filters kept on every level: most keys of the first batches are new, and a
         # filter answers "absent" without a read.

@@ -24,12 +24,12 @@ if ((${#missing[@]})); then
 fi
 
 PY="${PYTHON:-python3}"
-step "pip install torch==2.13.0 and .[test,train,mpi] (builds hps._core)"
+step "pip install torch==2.13.0 and .[test,train,mpi,bench] (builds hps._core)"
 mkdir -p build-logs
 "$PY" -m pip install -q --upgrade cmake ninja
 # torch first, pinned: the CPU build; an unpinned torch would pull a CUDA build of several GB.
 "$PY" -c 'import torch' 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
-if ! "$PY" -m pip install -v ".[test,train,mpi]" >build-logs/pip-install.log 2>&1; then
+if ! "$PY" -m pip install -v ".[test,train,mpi,bench]" >build-logs/pip-install.log 2>&1; then
   tail -n 60 build-logs/pip-install.log
   echo "pip install failed; the whole log is build-logs/pip-install.log" >&2
   exit 1

@@ -45,6 +45,28 @@ def test_w1_rocksdb_tuned_readers_see_every_put(tmp_path):
     assert "  6        1" in levels
 
 
+def test_w1_sweep_keeps_the_variants_that_finish(tmp_path):
+    """Each variant of the tuned RocksDB runs in a worker process of its own: one
+    killed (as the OOM killer kills one in the memory cgroup) is recorded as such,
+    and the variants that finished keep their figures and decide the peer's best."""
+    env = {**os.environ, "HPS_W1_KILL_VARIANT": "readers=2,split=block"}
+    done = subprocess.run([sys.executable, "bench/ssd_store_bench.py", "--rows", "20000", "--batches", "2",
+                           "--batch-keys", "2000", "--stores", "rocksdb_tuned", "--rocksdb-readers", "1,2",
+                           "--rocksdb-splits", "block", "--rounds", "1", "--no-fio", "--no-cgroup",
+                           "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])["stores"]["rocksdb_tuned"]
+    assert r["status"] == "ok"
+    only = r["rounds"][0]
+    assert set(only["variants"]) == {"readers=1,split=block"}
+    assert only["variants_failed"]["readers=2,split=block"]["status"] == "oom"
+    for d in ("uniform", "zipf"):
+        assert r["distributions"][d]["get_best_variant"] == "readers=1,split=block"
+        assert r["distributions"][d]["get_rows_per_s"]["median"] > 0
+    # Every variant ran after the load in a process of its own: none left data behind.
+    assert not os.path.exists(tmp_path / "rocksdb_tuned")
+
+
 def test_w5_pipelined_rocksdb_peer_trains_as_the_serial_loop():
     """The prefetch process reads batch i+1 before batch i's rows are written back;
     patching the shared keys must make the run identical to the serial loop."""

@@ -348,6 +348,26 @@ def test_w1_in_rounds_lists_each_rounds_ratio(tree):
             "2.50), put 1.00 (rounds: 1.00, 0.90, 1.10)") in w1
 
 
+def test_w1_lists_the_peers_variants_and_those_that_did_not_finish(tree):
+    (tree / "benchmarks.md").write_text("<!-- report:w1 -->\n<!-- /report:w1 -->\n")
+    rate = {"median": 3e4, "min": 2e4, "max": 4e4}
+    by_variant = {"get_median_by_variant": {"readers=1,split=row": 2.5e4, "readers=4,split=row": 3e4},
+                  "put_median_by_variant": {"readers=1,split=row": 2e5, "readers=4,split=row": 1.5e5}}
+    round_ = {"variants_failed": {"readers=8,split=row": {"status": "oom"}}}
+    peer = {"status": "ok", "load": {"rows_per_s": 1e6}, "figures_from_round": 0, "rounds": [round_],
+            "options_of": "readers=4,split=row (the best uniform get)",
+            "distributions": {"uniform": {"get_rows_per_s": rate, "put_rows_per_s": rate, **by_variant}}}
+    write_lines(tree / "results" / "w1.jsonl", {
+        "benchmark": "W1a ssd_store", "rows": 1000, "row_bytes": 128, "batches": 4, "batch_keys": 100,
+        "dists": ["uniform"], "rounds": 1, "quick": False, "stores": {"rocksdb_tuned": peer},
+        "provenance": prov(command="python3 bench/ssd_store_bench.py --rounds 1")})
+    assert run(tree) == 0
+    w1 = region((tree / "benchmarks.md").read_text(), "w1")
+    assert ("- rocksdb_tuned variants, uniform get / put rows/s (round 1): readers=1,split=row 25,000 / 200,000; "
+            "readers=4,split=row 30,000 / 150,000") in w1
+    assert "- rocksdb_tuned variants that did not finish: readers=8,split=row (oom)" in w1
+
+
 def w12_line(finished=True):
     plan = {"keys_target": 200_000_000, "examples": 33_738_752, "batches": 8237, "zipf_a": 1.05,
             "vocab_per_field": 2_000_000_000, "fields": 26, "expected_distinct_keys": 202_000_000.4}
