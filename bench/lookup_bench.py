@@ -109,13 +109,10 @@ def make_job(path: str, n: int, dim: int) -> float:
 
 def load_rocksdb(job: str, path: str, dim: int) -> tuple[float, int]:
     """The job's embeddings, sorted by key, through SstFileWriter, then ingested."""
-    import rocksdict as r
-    from rocks_tuned import rocks_tuned_options
+    from rocks_tuned import SortedIngest
     from hps import jobdir
-    opt, _keep, _ = rocks_tuned_options(1 << 20, 0, 64 << 20, 2, filters_for_hits=True)
     view = jobdir.pin(job)
-    t, files = 0.0, []
-    os.makedirs(os.path.join(path, "load"))
+    load = SortedIngest(path)
     try:
         rank = view.ranks[0]
         keys, _ = jobdir.latest_records(rank)  # sorted
@@ -125,30 +122,11 @@ def load_rocksdb(job: str, path: str, dim: int) -> tuple[float, int]:
             k = keys[s:s + chunk]
             rows, found = store.get(k, np.float32)
             assert found.all()
-            rb = np.ascontiguousarray(rows[:, :dim]).tobytes()
-            kb = k.astype(">u8").tobytes()
-            t0 = time.perf_counter()
-            w = r.SstFileWriter(options=opt)
-            fn = os.path.join(path, "load", f"{len(files):06d}.sst")
-            w.open(fn)
-            width = 4 * dim
-            for i in range(len(k)):
-                w[kb[8 * i:8 * i + 8]] = rb[width * i:width * (i + 1)]
-            w.finish()
-            t += time.perf_counter() - t0
-            files.append(fn)
+            load.add(k.astype(">u8").tobytes(), np.ascontiguousarray(rows[:, :dim]).tobytes(), 4 * dim)
         del store
     finally:
         view.close()
-    t0 = time.perf_counter()
-    db = r.Rdict(os.path.join(path, "db"), options=opt)
-    ing = r.IngestExternalFileOptions()
-    ing.set_move_files(True)
-    db.ingest_external_file(files, ing)
-    db.flush(True)
-    db.close()
-    shutil.rmtree(os.path.join(path, "load"), ignore_errors=True)
-    return t + time.perf_counter() - t0, len(keys)
+    return load.finish(), len(keys)
 
 
 # ---------------------------------------------------------------- training meanwhile

@@ -17,10 +17,12 @@ ROCKS_GET_CHUNK = 8192    # keys per multi-get call in a reader
 
 
 def rocks_tuned_options(block_cache_bytes: int, row_cache_bytes: int, write_buffer_size: int,
-                        max_write_buffer_number: int, filters_for_hits: bool):
+                        max_write_buffer_number: int, filters_for_hits: bool, bloom: bool = True):
     """rocksdict Options as a RocksDB expert sets them for point reads of small
     rows on an SSD, every option set explicitly (none left to the bundled
-    version's defaults): returns (options, [caches to keep alive], {option: value})."""
+    version's defaults): returns (options, [caches to keep alive], {option: value}).
+    bloom=False builds table files without filters (for a bulk load whose keys
+    every get finds: optimize_filters_for_hits for files no compaction rewrites)."""
     import rocksdict as r
     cpus = os.cpu_count() or 2
     opt = r.Options(raw_mode=True)
@@ -29,7 +31,8 @@ def rocks_tuned_options(block_cache_bytes: int, row_cache_bytes: int, write_buff
     keep = [block_cache]
     bbo = r.BlockBasedOptions()
     bbo.set_block_cache(block_cache)
-    bbo.set_bloom_filter(10, False)          # full (not block-based) filters, 10 bits a key: ~1% false positives
+    if bloom:
+        bbo.set_bloom_filter(10, False)      # full (not block-based) filters, 10 bits a key: ~1% false positives
     bbo.set_block_size(4096)                 # one device read per row, as hps's 4 KiB blocks
     bbo.set_cache_index_and_filter_blocks(False)  # index and filters held by the table readers, never evicted
     bbo.set_format_version(5)
@@ -55,13 +58,58 @@ def rocks_tuned_options(block_cache_bytes: int, row_cache_bytes: int, write_buff
     return opt, keep, {
         "raw_mode": True, "block_cache_bytes": block_cache_bytes, "row_cache_bytes": row_cache_bytes,
         "write_buffer_size": write_buffer_size, "max_write_buffer_number": max_write_buffer_number,
-        "min_write_buffer_number_to_merge": 1, "bloom_filter_bits_per_key": 10, "bloom_block_based": False,
+        "min_write_buffer_number_to_merge": 1, "bloom_filter_bits_per_key": 10 if bloom else 0, "bloom_block_based": False,
         "optimize_filters_for_hits": filters_for_hits, "block_size": 4096,
         "cache_index_and_filter_blocks": False, "format_version": 5, "use_direct_reads": True,
         "use_direct_io_for_flush_and_compaction": True, "compression": "none",
         "bottommost_compression": "none", "max_open_files": -1, "level_compaction_dynamic_level_bytes": True,
         "target_file_size_base": 64 << 20, "increase_parallelism": cpus, "max_background_jobs": max(2, cpus),
         "advise_random_on_open": True}
+
+
+class SortedIngest:
+    """The expert's bulk load: rows in key order through SstFileWriter, a table file
+    per chunk, then one ingest_external_file(move_files) into the database at
+    PATH/db. The files do not overlap, so they go straight to the last level and
+    nothing is left to compact. They carry no bloom filters: every get finds its
+    key there, and 20M keys' filters (25 MB) would sit in every reader process
+    outside its caches. `seconds` counts the store's calls only."""
+
+    def __init__(self, path: str):
+        import rocksdict as r
+        self.r, self.path = r, path
+        self.opt, self._keep, _ = rocks_tuned_options(1 << 20, 0, 64 << 20, 2, filters_for_hits=True, bloom=False)
+        self.load_dir = os.path.join(path, "load")
+        os.makedirs(self.load_dir, exist_ok=True)
+        self.files: list[str] = []
+        self.seconds = 0.0
+
+    def add(self, keys_be: bytes, rows: bytes, width: int) -> None:
+        """One table file: keys as 8-byte big-endian, ascending; rows of `width` bytes."""
+        import time
+        t0 = time.perf_counter()
+        w = self.r.SstFileWriter(options=self.opt)
+        fn = os.path.join(self.load_dir, f"{len(self.files):06d}.sst")
+        w.open(fn)
+        for i in range(len(keys_be) // 8):
+            w[keys_be[8 * i:8 * i + 8]] = rows[width * i:width * (i + 1)]
+        w.finish()
+        self.seconds += time.perf_counter() - t0
+        self.files.append(fn)
+
+    def finish(self) -> float:
+        import shutil
+        import time
+        t0 = time.perf_counter()
+        db = self.r.Rdict(os.path.join(self.path, "db"), options=self.opt)
+        ing = self.r.IngestExternalFileOptions()
+        ing.set_move_files(True)
+        db.ingest_external_file(self.files, ing)
+        db.flush(True)
+        db.close()
+        self.seconds += time.perf_counter() - t0
+        shutil.rmtree(self.load_dir, ignore_errors=True)
+        return self.seconds
 
 
 def serve_reader(conn, path: str, secondary: str, opts: dict, mmap_path: str, mmap_bytes: int) -> None:
@@ -79,7 +127,10 @@ def serve_reader(conn, path: str, secondary: str, opts: dict, mmap_path: str, mm
     zero = bytes(ROW_BYTES)
     conn.send("ready")
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the worker is gone (the OOM killer, or an error): nothing left to serve
+            return
         if msg[0] == "catch_up":
             db.try_catch_up_with_primary()
             conn.send(True)

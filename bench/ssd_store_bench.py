@@ -60,7 +60,7 @@ import numpy as np
 
 from hps.data import mix64  # splitmix64's finaliser, a bijection of uint64
 from _provenance import provenance  # commit, date, machine, command of the JSON line (bench/ is sys.path[0])
-from rocks_tuned import ROCKS_GET_CHUNK, rocks_tuned_options  # the tuned options, and the lean reader process
+from rocks_tuned import ROCKS_GET_CHUNK, SortedIngest, rocks_tuned_options  # the tuned peer, its lean reader
 
 ROW_BYTES = 128
 SEED = 0x5EED_1234
@@ -68,7 +68,7 @@ ZIPF_A = 1.05
 ZIPF_PERM = 2654435761  # prime; rank r -> index (r * P) mod N
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALL_STORES = ("hps", "hps_node", "rocksdb", "rocksdb_tuned", "lmdb")
-NODE_CACHE_BYTES = 320 << 20  # below RocksDB tuned's 512 MiB of caches + memtables (ROCKS_MEMORY)
+NODE_CACHE_BYTES = 320 << 20  # below RocksDB tuned's default 512 MiB of caches + memtables
 
 GOLD = np.uint64(0x9E3779B97F4A7C15)
 
@@ -255,49 +255,24 @@ class RocksStore:
 # often as in the row cache of the same bytes, but a block holds ~28 rows, so the
 # block cache wins there; under Zipf the row cache keeps more hot rows per byte.
 ROCKS_SPLITS = {"block": (0.5, 0.125, 0.375), "row": (0.125, 0.5, 0.375), "cache": (0.625, 0.25, 0.125)}
-ROCKS_MEMORY = 512 << 20  # = the earlier tuned total: 256 MiB block + 64 MiB row cache + 3 x 64 MiB memtables
 ROCKS_PRIMARY_CACHE = 1 << 20  # the writer's block cache beside reader processes (it serves no gets)
 
 
 def rocks_bulk_load(path: str, n: int, chunk: int, progress) -> float:
-    """The expert's bulk load: rows in key order through SstFileWriter, one table file
-    a chunk, then one ingest_external_file (move_files): the files do not overlap, so
-    they go straight to the last level and nothing is left to compact. Returns the
-    seconds in the store's calls (not the generation or the sort of the keys)."""
-    import rocksdict as r
-    opt, _keep, _ = rocks_tuned_options(1 << 20, 0, 64 << 20, 2, filters_for_hits=True)
-    os.makedirs(path, exist_ok=True)
-    sst_dir = os.path.join(path, "load")
-    os.makedirs(sst_dir, exist_ok=True)
+    """The expert's bulk load (rocks_tuned.SortedIngest) of the N rows into
+    PATH/db. Returns the seconds in the store's calls (not the generation or
+    the sort of the keys)."""
     order = np.sort(keys_of(np.arange(n, dtype=np.uint64)))
-    files, t = [], 0.0
+    load = SortedIngest(path)
     pb = progress(n, "load")
     for s in range(0, n, chunk):
         k = order[s:s + chunk]
-        rb = rows_of(k, 0).tobytes()
-        kb = be_keys(k)
-        t0 = time.perf_counter()
-        w = r.SstFileWriter(options=opt)
-        fn = os.path.join(sst_dir, f"{len(files):06d}.sst")
-        w.open(fn)
-        for i, key in enumerate(kb):
-            w[key] = rb[i * ROW_BYTES:(i + 1) * ROW_BYTES]
-        w.finish()
-        t += time.perf_counter() - t0
-        files.append(fn)
+        load.add(k.astype(">u8").tobytes(), rows_of(k, 0).tobytes(), ROW_BYTES)
         pb.update(len(k))
     del order
-    t0 = time.perf_counter()
-    db = r.Rdict(os.path.join(path, "db"), options=opt)
-    ing = r.IngestExternalFileOptions()
-    ing.set_move_files(True)
-    db.ingest_external_file(files, ing)
-    db.flush(True)
-    db.close()
-    t += time.perf_counter() - t0
+    seconds = load.finish()
     pb.close()
-    shutil.rmtree(sst_dir, ignore_errors=True)
-    return t
+    return seconds
 
 
 def clone_db(src: str, dst: str) -> None:
@@ -659,14 +634,14 @@ def run_rocks_tuned_load(args) -> dict:
 def run_rocks_tuned_variant(args) -> dict:
     """Worker: one variant (reader processes x memory split) on a hard-linked copy of
     the load, on the same batches as every other store and variant."""
-    readers, split = args.variant
-    name, label = "rocksdb_tuned", variant_label(readers, split)
+    readers, split, memory = args.variant
+    name, label = "rocksdb_tuned", variant_label(readers, split, memory)
     path, base = rocks_tuned_paths(args)
-    vdir = os.path.join(path, f"r{readers}-{split}")
+    vdir = os.path.join(path, f"r{readers}-{split}-{memory}")
     if os.environ.get("HPS_W1_KILL_VARIANT") == label:  # tests: a variant ended as the OOM killer ends one
         os.kill(os.getpid(), signal.SIGKILL)
     clone_db(os.path.join(base, "db"), vdir)
-    st = RocksTunedStore(vdir, readers, split, args.rocksdb_memory, args.batch_keys)
+    st = RocksTunedStore(vdir, readers, split, memory, args.batch_keys)
     try:
         dists = run_dists(st, name, args, args.rows, vdir, make_progress(f"{name} {label}"))
         stats = st.stats()
@@ -674,12 +649,12 @@ def run_rocks_tuned_variant(args) -> dict:
         st.close()
     disk = du_bytes(vdir)
     shutil.rmtree(vdir, ignore_errors=True)
-    return {"readers": readers, "split": split, "options": st.options,
+    return {"readers": readers, "split": split, "memory_bytes": memory, "options": st.options,
             "distributions": dists, "store_stats": stats, "disk_bytes_end": disk}
 
 
-def variant_label(readers: int, split: str) -> str:
-    return f"readers={readers},split={split}"
+def variant_label(readers: int, split: str, memory: int) -> str:
+    return f"readers={readers},split={split},memory={memory / 2**20:g}MiB"
 
 
 def run_rocks_tuned(args, cg) -> dict:
@@ -690,7 +665,7 @@ def run_rocks_tuned(args, cg) -> dict:
     best variant's median for each; every variant's figures are under "variants"."""
     n, name = args.rows, "rocksdb_tuned"
     path, _base = rocks_tuned_paths(args)
-    res = {"store": name, "path": path, "rocksdb_memory_bytes": args.rocksdb_memory,
+    res = {"store": name, "path": path, "rocksdb_memory_bytes_swept": args.rocksdb_memory,
            "readers_swept": args.rocksdb_readers, "splits_swept": args.rocksdb_splits,
            "splits": {k: ROCKS_SPLITS[k] for k in args.rocksdb_splits},
            "variant_process": "each variant in a worker process of its own, one after another"}
@@ -699,16 +674,18 @@ def run_rocks_tuned(args, cg) -> dict:
         return {**res, **loaded, "failed_phase": "load"}
     res["load"] = loaded["load"]
     variants, failed = {}, {}
-    for split in args.rocksdb_splits:
-        for readers in args.rocksdb_readers:
-            label = variant_label(readers, split)
-            log(f"{name}: variant {label}")
-            v = spawn_worker(["--store", name, "--phase", "variant", "--variant", f"{readers},{split}"], args, cg)
-            if v["status"] == "ok":
-                variants[label] = v
-            else:
-                failed[label] = v
-                log(f"{name}: variant {label} {v['status']}")
+    for memory in args.rocksdb_memory:
+        for split in args.rocksdb_splits:
+            for readers in args.rocksdb_readers:
+                label = variant_label(readers, split, memory)
+                log(f"{name}: variant {label}")
+                v = spawn_worker(["--store", name, "--phase", "variant", "--variant", f"{readers},{split},{memory}"],
+                                 args, cg)
+                if v["status"] == "ok":
+                    variants[label] = v
+                else:
+                    failed[label] = v
+                    log(f"{name}: variant {label} {v['status']}")
     res["variants"], res["variants_failed"] = variants, failed
     if not variants:
         return {**res, "status": next(iter(failed.values()))["status"] if failed else "error",
@@ -934,6 +911,18 @@ def run_fio(directory, quick):
 
 
 # ------------------------------------------------------------------ driver
+def parse_bytes(text: str, flag: str, ap) -> int:
+    """'512MiB', '1GiB' or a number of bytes ('5.36e8')."""
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    try:
+        for u, m in units.items():
+            if text.endswith(u):
+                return int(float(text[:-len(u)]) * m)
+        return int(float(text))
+    except ValueError:
+        ap.error(f"{flag} {text!r}: a size such as 512MiB or a number of bytes")
+
+
 def parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=lambda s: int(float(s)), default=20_000_000)
@@ -958,9 +947,10 @@ def parse():
     ap.add_argument("--rocksdb-splits", default=None,
                     help=f"memory splits of rocksdb_tuned to sweep, of {','.join(ROCKS_SPLITS)} "
                          "(default all; --quick block,row)")
-    ap.add_argument("--rocksdb-memory", type=lambda s: int(float(s)), default=ROCKS_MEMORY,
-                    help="rocksdb_tuned's block caches + row caches + memtables over all its processes "
-                         "(default 512 MiB)")
+    ap.add_argument("--rocksdb-memory", default=None,
+                    help="rocksdb_tuned's block caches + row caches + memtables over all its processes, "
+                         "bytes or MiB, a list to sweep: e.g. 512MiB,256MiB (default 512MiB). Each reader "
+                         "process also holds its table readers and an interpreter, outside this figure")
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=("load", "variant"), help=argparse.SUPPRESS)  # rocksdb_tuned's steps
@@ -981,6 +971,7 @@ def parse():
     if not a.rocksdb_readers or min(a.rocksdb_readers) < 1:
         ap.error(f"--rocksdb-readers {a.rocksdb_readers}: counts of at least 1")
     a.rocksdb_splits = [x for x in a.rocksdb_splits.split(",") if x]
+    a.rocksdb_memory = [parse_bytes(x, "--rocksdb-memory", ap) for x in (a.rocksdb_memory or "512MiB").split(",") if x]
     for x in a.rocksdb_splits:
         if x not in ROCKS_SPLITS:
             ap.error(f"--rocksdb-splits: unknown split {x!r}; choose from {','.join(ROCKS_SPLITS)}")
@@ -988,8 +979,8 @@ def parse():
         ap.error(f"--rounds {a.rounds}: at least 1")
     a.dists = [d for d in a.dists.split(",") if d]
     if a.variant:
-        readers, split = a.variant.split(",")
-        a.variant = (int(readers), split)
+        readers, split, memory = a.variant.split(",")
+        a.variant = (int(readers), split, int(memory))
     for d in a.dists:
         if d not in ("uniform", "zipf"):
             ap.error(f"unknown distribution {d}")
@@ -1029,7 +1020,7 @@ def main():
                      ("rocksdb_tuned reports, per distribution, its best variant's get and its best variant's put "
                       "(get_best_variant, put_best_variant; all under variants): reader processes x memory split, "
                       "every variant on the same batches from a hard-linked copy of one load; a variant's block "
-                      "caches + row caches + memtables over all its processes total rocksdb_memory_bytes"),
+                      "caches + row caches + memtables over all its processes total its memory (memory_bytes)"),
                      ("rocksdb_tuned with several readers: before each get the readers replay the last put from "
                       "the WAL (try_catch_up_with_primary), timed apart (reader_catch_up_seconds), in neither "
                       "the get nor the put"),
@@ -1126,7 +1117,8 @@ def spawn_worker(extra: list, args, cg) -> dict:
            "--dists", ",".join(args.dists), "--verify-sample", str(args.verify_sample),
            "--load-chunk", str(args.load_chunk),
            "--rocksdb-readers", ",".join(map(str, args.rocksdb_readers)),
-           "--rocksdb-splits", ",".join(args.rocksdb_splits), "--rocksdb-memory", str(args.rocksdb_memory)]
+           "--rocksdb-splits", ",".join(args.rocksdb_splits),
+           "--rocksdb-memory", ",".join(map(str, args.rocksdb_memory))]
     kills_before = 0
     if cg:
         cg.reset()

@@ -28,8 +28,8 @@ def test_w1_rocksdb_tuned_readers_see_every_put(tmp_path):
     r = out["stores"]["rocksdb_tuned"]
     assert r["status"] == "ok" and len(r["rounds"]) == 2
     variants = r["rounds"][0]["variants"]
-    assert set(variants) == {"readers=1,split=row", "readers=3,split=row"}
-    three = variants["readers=3,split=row"]
+    assert set(variants) == {"readers=1,split=row,memory=512MiB", "readers=3,split=row,memory=512MiB"}
+    three = variants["readers=3,split=row,memory=512MiB"]
     assert three["options"]["readers"] == 3 and three["options"]["reader"]["use_direct_reads"] is True
     assert three["distributions"]["uniform"]["reader_catch_up_seconds_total"] > 0
     # The readers' caches and the memtables (writer + 3 replicas) share the budget.
@@ -41,7 +41,7 @@ def test_w1_rocksdb_tuned_readers_see_every_put(tmp_path):
         assert r["distributions"][d]["get_best_variant"] in variants
         assert len(r["distributions"][d]["get_rows_per_s"]["rounds"]) == 2
     # A load in key order through SstFileWriter leaves every file in the last level.
-    levels = r["rounds"][0]["variants"]["readers=1,split=row"]["store_stats"]["rocksdb.levelstats"]
+    levels = r["rounds"][0]["variants"]["readers=1,split=row,memory=512MiB"]["store_stats"]["rocksdb.levelstats"]
     assert "  6        1" in levels
 
 
@@ -49,19 +49,24 @@ def test_w1_sweep_keeps_the_variants_that_finish(tmp_path):
     """Each variant of the tuned RocksDB runs in a worker process of its own: one
     killed (as the OOM killer kills one in the memory cgroup) is recorded as such,
     and the variants that finished keep their figures and decide the peer's best."""
-    env = {**os.environ, "HPS_W1_KILL_VARIANT": "readers=2,split=block"}
+    env = {**os.environ, "HPS_W1_KILL_VARIANT": "readers=2,split=block,memory=64MiB"}
     done = subprocess.run([sys.executable, "bench/ssd_store_bench.py", "--rows", "20000", "--batches", "2",
                            "--batch-keys", "2000", "--stores", "rocksdb_tuned", "--rocksdb-readers", "1,2",
-                           "--rocksdb-splits", "block", "--rounds", "1", "--no-fio", "--no-cgroup",
-                           "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+                           "--rocksdb-splits", "block", "--rocksdb-memory", "64MiB,32MiB", "--rounds", "1",
+                           "--no-fio", "--no-cgroup", "--dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])["stores"]["rocksdb_tuned"]
     assert r["status"] == "ok"
     only = r["rounds"][0]
-    assert set(only["variants"]) == {"readers=1,split=block"}
-    assert only["variants_failed"]["readers=2,split=block"]["status"] == "oom"
+    finished = {"readers=1,split=block,memory=64MiB", "readers=1,split=block,memory=32MiB",
+                "readers=2,split=block,memory=32MiB"}
+    assert set(only["variants"]) == finished
+    assert only["variants_failed"]["readers=2,split=block,memory=64MiB"]["status"] == "oom"
+    opts = only["variants"]["readers=2,split=block,memory=32MiB"]["options"]
+    assert opts["memory_budget_bytes"] == 32 << 20 and opts["reader"]["block_cache_bytes"] == (32 << 20) // 4
     for d in ("uniform", "zipf"):
-        assert r["distributions"][d]["get_best_variant"] == "readers=1,split=block"
+        assert r["distributions"][d]["get_best_variant"] in finished
         assert r["distributions"][d]["get_rows_per_s"]["median"] > 0
     # Every variant ran after the load in a process of its own: none left data behind.
     assert not os.path.exists(tmp_path / "rocksdb_tuned")
