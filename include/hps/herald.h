@@ -47,14 +47,21 @@
 //   shared a key trained by several workers in one batch: their gradient
 //          exchange, sum(|trainers| - 1) rows, the same in every mode
 //
+// Eviction reads no more of the snapshot than it drops: each worker keeps its
+// keys in training order, a group per batch (below), so a batch costs what it
+// evicts and trains, not a walk of every cached key.
+//
 // Memory: one open-addressing slot per key some cache holds (8 bytes key, 8
 // bytes mask of holders, 4 bytes tick and dirty bit), load <= 0.75; a key
-// held by several workers is stored once. memory_bytes() says what it takes.
+// held by several workers is stored once. With a capacity, each holder also
+// queues the key (8 bytes; stale entries are dropped once they outnumber the
+// live ones). memory_bytes() says what it takes.
 //
 // Thread safety: none; one thread schedules (the pipeline's partition stage).
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -116,9 +123,23 @@ class Herald {
 
  private:
   struct Table;
+  struct RecencyGroup {  // keys a worker trained in the batch of this tick
+    uint32_t tick;
+    std::vector<uint64_t> keys;
+  };
+  bool Holds(int32_t worker, uint32_t tick, uint64_t key) const;
+  void LiveOnly(int32_t worker, RecencyGroup& group) const;
+  void Evict(int32_t worker, uint64_t drop, std::vector<uint64_t>& evicted, std::vector<uint64_t>& emptied);
+  void CompactRecency(int32_t worker);
+
   HeraldOptions options_;
   std::unique_ptr<Table> table_;
   std::vector<uint64_t> held_;  // (W,) keys each cache holds
+  // (W,) with a capacity: each worker's keys in the order it trained them, a
+  // group per batch, oldest first; entries of keys trained again later or
+  // dropped are stale and skipped. queued_ counts the entries, stale ones too.
+  std::vector<std::deque<RecencyGroup>> recency_;
+  std::vector<uint64_t> queued_;
   uint64_t batches_ = 0;
 };
 

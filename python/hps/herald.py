@@ -139,7 +139,9 @@ class Herald:
 
     @property
     def memory_bytes(self) -> int:
-        """What the snapshot takes (20 bytes a slot, load <= 0.75)."""
+        """What the snapshot takes: 20 bytes a slot (load <= 0.75), and with a capacity
+        each worker's recency queue (8 bytes a queued key; stale entries are dropped
+        once they outnumber the live ones)."""
         return self._native.memory_bytes
 
     def clear(self) -> None:

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <deque>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -113,6 +114,8 @@ Herald::Herald(const HeraldOptions& options) : options_(options), table_(std::ma
                                 " is outside [1, 64] (a key's holders are a 64-bit mask)");
   }
   held_.assign(options.workers, 0);
+  recency_.resize(options.workers);
+  queued_.assign(options.workers, 0);
 }
 
 Herald::~Herald() = default;
@@ -259,52 +262,111 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
   }
   ++batches_;
 
-  // ---- eviction: a cache above capacity drops its least recently used keys ----
+  // ---- recency: each worker's keys of this batch join its queue as one group ----
   if (options_.capacity > 0) {
-    std::vector<int32_t> over, slot_of(W, -1);
-    uint64_t over_mask = 0;
-    for (int32_t w = 0; w < W; ++w) {
-      if (held_[w] > options_.capacity) {
-        slot_of[w] = static_cast<int32_t>(over.size());
-        over.push_back(w);
-        over_mask |= uint64_t{1} << w;
-      }
+    for (int32_t w = 0; w < W; ++w) recency_[w].push_back({tick, {}});
+    for (uint64_t u = 0; u < U; ++u) {
+      for (uint64_t m = need[u]; m != 0; m &= m - 1) recency_[std::countr_zero(m)].back().keys.push_back(uniq[u]);
     }
-    if (!over.empty()) {
-      std::vector<std::vector<std::pair<uint32_t, uint64_t>>> held_by(over.size());  // (tick, key)
-      for (size_t o = 0; o < over.size(); ++o) held_by[o].reserve(held_[over[o]]);
-      for (uint64_t s = 0; s <= t.mask; ++s) {
-        // empty slots have mask 0 (Allocate, Erase's shift leaves none behind with bits)
-        for (uint64_t m = t.masks[s] & over_mask; m != 0; m &= m - 1) {
-          held_by[slot_of[std::countr_zero(m)]].emplace_back(t.meta[s] & ~Table::kDirty, t.keys[s]);
-        }
-      }
-      std::vector<uint64_t> emptied;
-      for (size_t o = 0; o < over.size(); ++o) {
-        auto& v = held_by[o];
-        const uint64_t drop = held_[over[o]] - options_.capacity;
-        std::nth_element(v.begin(), v.begin() + static_cast<int64_t>(drop), v.end());
-        for (uint64_t d = 0; d < drop; ++d) {
-          const uint64_t s = t.Find(v[d].second);
-          t.masks[s] &= ~(uint64_t{1} << over[o]);
-          plan.evicted.push_back(v[d].second);
-          if (t.masks[s] == 0) emptied.push_back(v[d].second);
-        }
-        held_[over[o]] = options_.capacity;
-      }
-      for (uint64_t key : emptied) {
-        const uint64_t s = t.Find(key);
-        if (t.meta[s] & Table::kDirty) {
-          ++plan.pushes;
-          ++plan.evict_pushes;
-        }
-        t.Erase(key);
-      }
-      std::sort(plan.evicted.begin(), plan.evicted.end());
-      plan.evicted.erase(std::unique(plan.evicted.begin(), plan.evicted.end()), plan.evicted.end());
+    for (int32_t w = 0; w < W; ++w) {
+      queued_[w] += recency_[w].back().keys.size();
+      if (recency_[w].back().keys.empty()) recency_[w].pop_back();
     }
   }
+
+  // ---- eviction: a cache above capacity drops its least recently used keys ----
+  if (options_.capacity > 0) {
+    std::vector<uint64_t> emptied;
+    for (int32_t w = 0; w < W; ++w) {
+      if (held_[w] > options_.capacity) Evict(w, held_[w] - options_.capacity, plan.evicted, emptied);
+      // Stale entries (keys trained again later, or dropped) are skipped when
+      // reached; drop them all once they outnumber the live ones.
+      if (queued_[w] > 2 * held_[w] + 1024) CompactRecency(w);
+    }
+    for (uint64_t key : emptied) {
+      const uint64_t s = t.Find(key);
+      if (t.meta[s] & Table::kDirty) {
+        ++plan.pushes;
+        ++plan.evict_pushes;
+      }
+      t.Erase(key);
+    }
+    std::sort(plan.evicted.begin(), plan.evicted.end());
+    plan.evicted.erase(std::unique(plan.evicted.begin(), plan.evicted.end()), plan.evicted.end());
+  }
   return plan;
+}
+
+bool Herald::Holds(int32_t worker, uint32_t tick, uint64_t key) const {
+  const Table& t = *table_;
+  const uint64_t s = t.Find(key);
+  return s != Table::kNone && ((t.masks[s] >> worker) & 1) && (t.meta[s] & ~Table::kDirty) == tick;
+}
+
+// Worker w drops its `drop` least recently used keys. Its queue holds a group
+// per batch it trained in, oldest first; a group's live entries (keys w still
+// holds from that batch) are older than every later group's. Whole groups go
+// in any order (the evicted list is sorted after); only the group the count
+// ends in needs its lowest keys picked.
+void Herald::Evict(int32_t w, uint64_t drop, std::vector<uint64_t>& evicted, std::vector<uint64_t>& emptied) {
+  Table& t = *table_;
+  auto& queue = recency_[w];
+  const uint64_t bit = uint64_t{1} << w;
+  held_[w] -= drop;
+  while (drop > 0) {
+    RecencyGroup& g = queue.front();  // held_ counts live entries: the queue cannot run dry first
+    const uint64_t before = g.keys.size();
+    LiveOnly(w, g);
+    queued_[w] -= before - g.keys.size();
+    auto first_dropped = g.keys.begin();
+    if (g.keys.size() > drop) {
+      std::nth_element(g.keys.begin(), g.keys.begin() + static_cast<int64_t>(drop), g.keys.end());
+      first_dropped = g.keys.begin() + static_cast<int64_t>(drop);
+      std::rotate(g.keys.begin(), first_dropped, g.keys.end());  // the kept keys first
+      first_dropped = g.keys.end() - static_cast<int64_t>(drop);
+    }
+    for (auto it = first_dropped; it != g.keys.end(); ++it) {
+      const uint64_t s = t.Find(*it);
+      t.masks[s] &= ~bit;
+      evicted.push_back(*it);
+      if (t.masks[s] == 0) emptied.push_back(*it);
+    }
+    const uint64_t gone = static_cast<uint64_t>(g.keys.end() - first_dropped);
+    drop -= gone;
+    queued_[w] -= gone;
+    g.keys.erase(first_dropped, g.keys.end());
+    if (g.keys.empty()) queue.pop_front();
+  }
+}
+
+// Keeps the entries of g that worker w still holds from g's batch.
+void Herald::LiveOnly(int32_t w, RecencyGroup& g) const {
+  constexpr size_t kAhead = 8;  // the table is far larger than the caches: fetch the probes early
+  const size_t n = g.keys.size();
+  for (size_t i = 0; i < std::min(n, kAhead); ++i) table_->Prefetch(g.keys[i]);
+  size_t kept = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) table_->Prefetch(g.keys[i + kAhead]);
+    if (Holds(w, g.tick, g.keys[i])) g.keys[kept++] = g.keys[i];
+  }
+  g.keys.resize(kept);
+  // A group keeps its old keys' room otherwise: cold keys trickling through a
+  // cache leave many groups of a few live keys each.
+  if (g.keys.capacity() > 2 * kept + 8) g.keys.shrink_to_fit();
+}
+
+void Herald::CompactRecency(int32_t w) {
+  auto& queue = recency_[w];
+  std::deque<RecencyGroup> live;
+  uint64_t queued = 0;
+  for (RecencyGroup& g : queue) {
+    LiveOnly(w, g);
+    if (g.keys.empty()) continue;
+    queued += g.keys.size();
+    live.push_back(std::move(g));
+  }
+  queue = std::move(live);
+  queued_[w] = queued;
 }
 
 std::vector<uint64_t> Herald::Cached(int32_t worker) const {
@@ -331,12 +393,18 @@ uint64_t Herald::cached(int32_t worker) const {
 
 uint64_t Herald::memory_bytes() const {
   const Table& t = *table_;
-  return (t.mask + 1) * (2 * sizeof(uint64_t) + sizeof(uint32_t));
+  uint64_t bytes = (t.mask + 1) * (2 * sizeof(uint64_t) + sizeof(uint32_t));
+  for (const auto& queue : recency_) {
+    for (const RecencyGroup& g : queue) bytes += sizeof(RecencyGroup) + g.keys.capacity() * sizeof(uint64_t);
+  }
+  return bytes;
 }
 
 void Herald::Clear() {
   table_->Allocate(64);
   std::fill(held_.begin(), held_.end(), 0);
+  for (auto& queue : recency_) queue.clear();
+  std::fill(queued_.begin(), queued_.end(), 0);
 }
 
 }  // namespace hps

@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -124,6 +126,81 @@ TEST(Herald, EvictsTheLeastRecentlyUsedAndPushesTheLastDirtyCopy) {
   EXPECT_EQ(p.evict_pushes, 1u);
   EXPECT_EQ(p.pushes, 1u);
   EXPECT_EQ(h.Cached(0), (std::vector<uint64_t>{6, 7}));
+}
+
+// Eviction against a model of the header's contract alone: after each batch the
+// trainers hold a key's latest version (their tick: the batch), and a worker
+// above capacity drops its keys of oldest tick, then lowest key; a dirty key
+// dropped by its last holder is pushed. Small capacities over many batches
+// make evictions end inside a batch's keys, reach the batch's own keys, and
+// leave enough stale recency entries to be compacted.
+TEST(Herald, EvictionMatchesAnLruModelOverManyBatches) {
+  for (const uint64_t capacity : {1u, 3u, 7u, 40u}) {
+    const int W = 3;
+    hps::Herald h({.workers = W, .capacity = capacity});
+    std::mt19937_64 rng(capacity);
+    std::vector<std::map<uint64_t, uint64_t>> model(W);  // worker -> key -> tick
+    for (uint64_t b = 0; b < 400; ++b) {
+      const uint64_t n = 1 + rng() % 12;
+      const auto keys = RandomBatch(rng, n, 2, 60);
+      const auto p = h.Schedule(keys.data(), n, 2);
+      std::map<uint64_t, std::set<int>> trainers;
+      for (uint64_t i = 0; i < n; ++i)
+        for (int f = 0; f < 2; ++f) trainers[keys[i * 2 + f]].insert(p.assignment[i]);
+      for (const auto& [k, ws] : trainers) {
+        for (int w = 0; w < W; ++w) {
+          if (ws.count(w)) {
+            model[w][k] = b;
+          } else {
+            model[w].erase(k);
+          }
+        }
+      }
+      std::set<uint64_t> evicted, lost;
+      for (int w = 0; w < W; ++w) {
+        while (model[w].size() > capacity) {
+          auto oldest = std::min_element(model[w].begin(), model[w].end(), [](const auto& a, const auto& c) {
+            return a.second != c.second ? a.second < c.second : a.first < c.first;
+          });
+          evicted.insert(oldest->first);
+          model[w].erase(oldest);
+        }
+      }
+      for (uint64_t k : evicted) {
+        bool held = false;
+        for (int w = 0; w < W; ++w) held = held || model[w].count(k);
+        if (!held) lost.insert(k);
+      }
+      ASSERT_EQ(p.evicted, std::vector<uint64_t>(evicted.begin(), evicted.end()))
+          << "capacity " << capacity << " batch " << b;
+      ASSERT_EQ(p.evict_pushes, lost.size()) << "capacity " << capacity << " batch " << b;
+      for (int w = 0; w < W; ++w) {
+        std::vector<uint64_t> expect;
+        for (const auto& [k, tick] : model[w]) expect.push_back(k);
+        ASSERT_EQ(h.Cached(w), expect) << "capacity " << capacity << " batch " << b << " worker " << w;
+        ASSERT_EQ(h.cached(w), expect.size());
+      }
+    }
+  }
+}
+
+// A Zipf-like stream over a cache far smaller than its keys: what the
+// recency queues hold stays within a few times the cached keys.
+TEST(Herald, RecencyQueuesStayBoundedByTheCaches) {
+  hps::Herald h({.workers = 4, .capacity = 500});
+  std::mt19937_64 rng(9);
+  uint64_t most = 0;
+  for (int b = 0; b < 300; ++b) {
+    std::vector<uint64_t> keys(256 * 4);
+    for (auto& k : keys) k = (rng() % 64 == 0) ? rng() % 1000000 : rng() % 200;  // hot keys, retrained often
+    h.Schedule(keys.data(), 256, 4);
+    most = std::max(most, h.memory_bytes());
+  }
+  // The snapshot's table: at most 4 x 500 keys at load <= 0.75, so 4,096 slots of
+  // 20 B. Each queue: at most 2 x 500 + 1,024 entries before it is compacted, plus
+  // this batch's (<= 256), 8 B each with up to as much again of a vector's room,
+  // and a 32-byte header per batch group. Without compaction it passes 900 KB.
+  EXPECT_LT(most, 4096u * 20 + 4 * (2 * 500 + 1024 + 256) * 16 + 4 * 300 * 32);
 }
 
 TEST(Herald, WriteThroughPushesEveryTrainedRowOnceAndNoEviction) {
