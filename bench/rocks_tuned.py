@@ -13,12 +13,7 @@ import os
 import sys
 
 ROW_BYTES = 128           # W1's rows
-# Keys per multi-get call. With direct reads RocksDB's MultiGet holds an aligned
-# buffer per key until it returns: 8,192 keys took ~32 MB a call and a whole
-# batch of 100k ~400 MB, which the allocator then kept, and OOM-killed every
-# variant of 4 readers or more in W1's 1 GiB cgroup. 1,024 keys hold ~4 MB and
-# read as fast (the bundled RocksDB reads a multi-get's blocks one at a time).
-ROCKS_GET_CHUNK = 1024
+ROCKS_GET_CHUNK = 8192    # keys per multi-get call in a reader
 
 
 def rocks_tuned_options(block_cache_bytes: int, row_cache_bytes: int, write_buffer_size: int,

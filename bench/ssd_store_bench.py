@@ -323,8 +323,7 @@ class RocksTunedStore:
             "memory_budget_bytes": memory, "readers": readers, "writer": popts,
             "load": "keys sorted, rows through SstFileWriter (one file per load chunk), one "
                     "ingest_external_file(move_files): non-overlapping files in the last level, nothing to compact",
-            "get": (f"the writer's Rdict.get(list of 8-byte big-endian keys), multi-gets of {ROCKS_GET_CHUNK} keys"
-                    if readers == 1 else
+            "get": ("the writer's Rdict.get(list of 8-byte big-endian keys) (one multi-get)" if readers == 1 else
                     f"{readers} reader processes (secondary instances), reader i serving key range i of "
                     f"{readers}, multi-gets of {ROCKS_GET_CHUNK} keys; rows returned through a shared file"),
             "put": "WriteBatch of the batch, db.write(wb, WriteOptions(sync=True))"}
@@ -375,8 +374,8 @@ class RocksTunedStore:
 
     def get_prepared(self, token):
         """-> (rows (m, 128) uint8 in request order, found (m,) bool)."""
-        if self.readers == 1:  # the writer's own multi-gets, in chunks as the readers make them
-            vals = [v for c in range(0, len(token), ROCKS_GET_CHUNK) for v in self.db.get(token[c:c + ROCKS_GET_CHUNK])]
+        if self.readers == 1:
+            vals = self.db.get(token)
             n = len(vals)
             found = np.fromiter((v is not None for v in vals), bool, n)
             buf = b"".join(v if v is not None else bytes(ROW_BYTES) for v in vals)
