@@ -4,8 +4,9 @@
 # cgroup (needs root for the cgroup; without it the JSON says "memory_limit": null).
 # The stores run in interleaved rounds (--rounds, default 3); RocksDB tuned is
 # bulk-loaded through SstFileWriter + ingest and swept over reader processes
-# (--rocksdb-readers 1,2,4,8) and memory splits (--rocksdb-splits), reporting its
-# best variant per figure and every variant with its options.
+# (--rocksdb-readers 1,2,4,8), memory budgets (--rocksdb-memory 512MiB,256MiB) and
+# memory splits (--rocksdb-splits), each variant in a worker process of its own,
+# reporting its best variant per figure and every variant with its options.
 #
 #   bench/ssd_store.sh            # full: 20M rows of 128 B, 200 batches of 100k keys, 3 rounds
 #   bench/ssd_store.sh --quick    # 1M rows, 10 batches of 20k keys, one round, a few minutes
