@@ -2,10 +2,8 @@
 and W1's reader process.
 
 This module imports only the standard library and rocksdict, so that a reader process
-started from it (`python3 bench/rocks_tuned.py FD`) costs a bare interpreter plus the
-RocksDB library: with 8 readers inside W1's 1 GiB memory cgroup, each reader that also
-loaded numpy and hps (as a spawned copy of ssd_store_bench.py does) took memory that
-the peer's caches then lacked.
+started from it (`python3 bench/rocks_tuned.py FD`) is a bare interpreter plus the
+RocksDB library, not a copy of the benchmark with numpy and hps loaded.
 """
 from __future__ import annotations
 
@@ -71,14 +69,14 @@ class SortedIngest:
     """The expert's bulk load: rows in key order through SstFileWriter, a table file
     per chunk, then one ingest_external_file(move_files) into the database at
     PATH/db. The files do not overlap, so they go straight to the last level and
-    nothing is left to compact. They carry no bloom filters: every get finds its
-    key there, and 20M keys' filters (25 MB) would sit in every reader process
-    outside its caches. `seconds` counts the store's calls only."""
+    nothing is left to compact. bloom=False leaves the filters out, for a store
+    whose every get finds its key (W1): 20M keys' filters (25 MB) would sit in
+    every reader process outside its caches. `seconds` counts the store's calls only."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, bloom: bool = True):
         import rocksdict as r
         self.r, self.path = r, path
-        self.opt, self._keep, _ = rocks_tuned_options(1 << 20, 0, 64 << 20, 2, filters_for_hits=True, bloom=False)
+        self.opt, self._keep, _ = rocks_tuned_options(1 << 20, 0, 64 << 20, 2, filters_for_hits=True, bloom=bloom)
         self.load_dir = os.path.join(path, "load")
         os.makedirs(self.load_dir, exist_ok=True)
         self.files: list[str] = []

@@ -60,9 +60,8 @@ import numpy as np
 
 from hps.data import mix64  # splitmix64's finaliser, a bijection of uint64
 from _provenance import provenance  # commit, date, machine, command of the JSON line (bench/ is sys.path[0])
-from rocks_tuned import ROCKS_GET_CHUNK, SortedIngest, rocks_tuned_options  # the tuned peer, its lean reader
+from rocks_tuned import ROCKS_GET_CHUNK, ROW_BYTES, SortedIngest, rocks_tuned_options  # the tuned peer, its lean reader
 
-ROW_BYTES = 128
 SEED = 0x5EED_1234
 ZIPF_A = 1.05
 ZIPF_PERM = 2654435761  # prime; rank r -> index (r * P) mod N
@@ -263,7 +262,7 @@ def rocks_bulk_load(path: str, n: int, chunk: int, progress) -> float:
     PATH/db. Returns the seconds in the store's calls (not the generation or
     the sort of the keys)."""
     order = np.sort(keys_of(np.arange(n, dtype=np.uint64)))
-    load = SortedIngest(path)
+    load = SortedIngest(path, bloom=False)  # every W1 get finds its key
     pb = progress(n, "load")
     for s in range(0, n, chunk):
         k = order[s:s + chunk]
@@ -717,7 +716,6 @@ def run_rocks_tuned(args, cg) -> dict:
     res["live_bytes"] = n * (ROW_BYTES + 8)
     res["space_amplification"] = res["disk_bytes_end"] / res["live_bytes"]
     res["status"] = "ok"
-    res["cgroup_peak_by_variant"] = {k: v.get("cgroup", {}) for k, v in variants.items()}
     return res
 
 
@@ -959,7 +957,7 @@ def parse():
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=("load", "variant"), help=argparse.SUPPRESS)  # rocksdb_tuned's steps
-    ap.add_argument("--variant", help=argparse.SUPPRESS)  # READERS,SPLIT
+    ap.add_argument("--variant", help=argparse.SUPPRESS)  # READERS,SPLIT,MEMORY_BYTES
     a = ap.parse_args()
     if a.quick:
         a.rows, a.batches, a.batch_keys = 1_000_000, 10, 20_000

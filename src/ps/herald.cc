@@ -318,23 +318,18 @@ void Herald::Evict(int32_t w, uint64_t drop, std::vector<uint64_t>& evicted, std
     const uint64_t before = g.keys.size();
     LiveOnly(w, g);
     queued_[w] -= before - g.keys.size();
-    auto first_dropped = g.keys.begin();
-    if (g.keys.size() > drop) {
-      std::nth_element(g.keys.begin(), g.keys.begin() + static_cast<int64_t>(drop), g.keys.end());
-      first_dropped = g.keys.begin() + static_cast<int64_t>(drop);
-      std::rotate(g.keys.begin(), first_dropped, g.keys.end());  // the kept keys first
-      first_dropped = g.keys.end() - static_cast<int64_t>(drop);
-    }
-    for (auto it = first_dropped; it != g.keys.end(); ++it) {
+    const uint64_t take = std::min<uint64_t>(drop, g.keys.size());
+    const auto end = g.keys.begin() + static_cast<int64_t>(take);
+    if (take < g.keys.size()) std::nth_element(g.keys.begin(), end, g.keys.end());
+    for (auto it = g.keys.begin(); it != end; ++it) {
       const uint64_t s = t.Find(*it);
       t.masks[s] &= ~bit;
       evicted.push_back(*it);
       if (t.masks[s] == 0) emptied.push_back(*it);
     }
-    const uint64_t gone = static_cast<uint64_t>(g.keys.end() - first_dropped);
-    drop -= gone;
-    queued_[w] -= gone;
-    g.keys.erase(first_dropped, g.keys.end());
+    g.keys.erase(g.keys.begin(), end);
+    drop -= take;
+    queued_[w] -= take;
     if (g.keys.empty()) queue.pop_front();
   }
 }
