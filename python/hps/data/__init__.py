@@ -32,7 +32,8 @@ Sources:
   (:func:`value_keys`); multi-hot fields arrive in ``Batch.bags`` (:class:`Bags`).
 - :class:`GrowingDirectory`: a directory whose new files are read as they appear,
   until a stop condition (online training, :mod:`hps.data.online`).
-- :class:`Epochs`: several passes over a source through a seeded shuffle buffer.
+- :class:`Epochs`: several passes over a source through a seeded shuffle buffer;
+  :class:`FirstExamples`: the first N rows of each pass; :func:`skip_examples`.
 
 Paths may be local, or any fsspec URL (``s3://``, ``gs://``, ``memory://`` ...),
 and may be a list, a glob or a directory (:func:`list_files`); node ``rank`` of
@@ -62,7 +63,7 @@ name is importable from ``hps.data``.
 """
 from hps.data.criteo import (CATEGORICAL_COLUMNS, COLUMNS, DENSE_COLUMNS, LABEL_COLUMN, CriteoParquet, CriteoTsv,
                              dense_transform, open_criteo)
-from hps.data.epochs import Epochs
+from hps.data.epochs import Epochs, FirstExamples, skip_examples
 from hps.data.examples import Bags, Batch, Source
 from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, list_files, shard_files  # (the first: not in __all__)
 from hps.data.keys import SENTINEL_KEY, feature_keys, missing_key, mix64
@@ -82,6 +83,7 @@ __all__ = [
     "DEFAULT_VOCAB_SIZES",
     "DataError",
     "Epochs",
+    "FirstExamples",
     "GrowingDirectory",
     "LABEL_COLUMN",
     "Libsvm",
@@ -99,5 +101,6 @@ __all__ = [
     "open_criteo",
     "open_schema",
     "shard_files",
+    "skip_examples",
     "value_keys",
 ]

@@ -104,3 +104,55 @@ class Epochs:
         if have and not self.drop_last:
             yield _concat(pending)
 
+
+
+class FirstExamples:
+    """The first ``examples`` rows of each pass over ``source`` (a re-iterable of
+    :class:`Batch`), the batch that crosses the limit cut short: what ``[data]
+    train_examples`` (``--examples``) means for files. After a pass,
+    ``examples_seen`` is how many it yielded, fewer than asked when the data holds
+    fewer. Other attributes are the source's.
+
+    >>> from hps.data import SyntheticCriteo
+    >>> [len(b) for b in FirstExamples(SyntheticCriteo(seed=1, batch_size=4, examples=10), 6)]
+    [4, 2]
+    """
+
+    def __init__(self, source, examples: int):
+        if isinstance(examples, bool) or not isinstance(examples, (int, np.integer)) or examples < 0:
+            raise ValueError(f"examples must be an int >= 0, got {examples!r}")
+        self.source = source
+        self.examples = int(examples)
+        self.examples_seen = 0
+
+    def __getattr__(self, name):
+        if name == "source":  # not set yet (during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.examples_seen = 0
+        if self.examples == 0:
+            return
+        for batch in self.source:
+            left = self.examples - self.examples_seen
+            if len(batch) > left:
+                batch = batch.rows(np.arange(left))
+            self.examples_seen += len(batch)
+            yield batch
+            if self.examples_seen == self.examples:
+                return
+
+
+def skip_examples(batches, examples: int) -> Iterator[Batch]:
+    """``batches`` without their first ``examples`` rows (a batch that straddles the
+    point cut): where a resumed run picks up, whatever batch sizes the run before
+    it ended with."""
+    for batch in batches:
+        if examples >= len(batch):
+            examples -= len(batch)
+            continue
+        if examples:
+            batch = batch.rows(np.arange(examples, len(batch)))
+            examples = 0
+        yield batch
