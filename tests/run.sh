@@ -1,29 +1,21 @@
 #!/usr/bin/env bash
-# The test command: on a fresh Debian machine it installs what the build needs,
-# builds and installs hps (with torch and the training extras), builds the
-# native core under AddressSanitizer+UBSan and ThreadSanitizer and runs the
-# native tests there, runs the hash-table benchmark in --quick mode, and ends
-# with the Python tests (which run the other benchmarks' quick modes). Any failure stops
-# it with a non-zero exit.
+# The test command: on a fresh Debian machine it installs what the build needs
+# (apt-get; pip, into a virtual environment .venv where the system's Python
+# refuses pip: bench/setup.sh), builds and installs hps (with torch and the
+# training extras), builds the native core under AddressSanitizer+UBSan and
+# ThreadSanitizer and runs the native tests there, runs the hash-table benchmark
+# in --quick mode, and ends with the Python tests (which run the other
+# benchmarks' quick modes). Any failure stops it with a non-zero exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 step() { printf '\n==== %s ====\n' "$*"; }
 
-apt_packages=(liburing-dev libgtest-dev libabsl-dev libboost1.81-dev pkg-config)
-missing=()
-for p in "${apt_packages[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  step "apt-get install ${missing[*]}"
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}"
-fi
+source bench/setup.sh
+step "apt packages, Python"
+apt_install g++ liburing-dev libgtest-dev libabsl-dev libboost1.81-dev pkg-config
+choose_python  # PY; a virtual environment .venv where the system's Python refuses pip (PEP 668)
 
-PY="${PYTHON:-python3}"
 step "pip install torch==2.13.0 and .[test,train,mpi,bench] (builds hps._core)"
 mkdir -p build-logs
 "$PY" -m pip install -q --upgrade cmake ninja
