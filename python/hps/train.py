@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -47,6 +48,7 @@ from hps.tuning import ThreadTuner, dense_adam, import_torch  # (also hps.train.
 TRAINER_STATE = "trainer-state.pt"  # in each checkpoint's directory (ParameterServer.checkpoint_dir)
 JOB_MANIFEST = "job.json"
 SUMMARY = "train-summary.json"
+SYNTHETIC_EXAMPLES = 1_000_000  # synthetic data's examples a pass when [data] train_examples is not set
 
 
 @dataclass
@@ -55,7 +57,8 @@ class DataConfig:
     eval_source: Optional[str] = None   # held-out files; synthetic: the generator's "eval" stream
     format: Optional[str] = None        # "tsv" or "parquet"; None: from the file names
     batch_size: int = 4096
-    train_examples: Optional[int] = 1_000_000   # synthetic: examples to train on; files: None = all
+    train_examples: Optional[int] = None  # examples a pass: files, their first N (None: all); synthetic,
+                                          # N (None: SYNTHETIC_EXAMPLES)
     eval_examples: int = 100_000
     skip_malformed: bool = False
     seed: int = 0                       # synthetic data's seed
@@ -107,8 +110,10 @@ class TrainConfig:
             data.schema = hdata.Schema.from_dict(data.schema, source)
             if data.source == "synthetic":
                 raise ValueError(f"{source}: data.schema describes files: give data.source too")
-        for name, low in (("epochs", 1), ("shuffle_buffer", 0)):
+        for name, low in (("epochs", 1), ("shuffle_buffer", 0), ("train_examples", 1)):
             v = getattr(data, name)
+            if name == "train_examples" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{source}: data.{name} must be an int >= {low}, got {v!r}")
         for name, low in (("online_window", 1), ("online_window_batches", 0)):
@@ -139,9 +144,14 @@ class TrainConfig:
 
 def _train_source(cfg: TrainConfig, rank: int = 0, world: int = 1):
     d = cfg.data
+    one_pass = _one_pass(cfg, rank, world)
+    if d.train_examples is not None and d.source != "synthetic" and not isinstance(one_pass, hdata.GrowingDirectory):
+        # Files: the first N examples of a pass; under mpiexec each rank its share
+        # of N (the ranks read different files, so which N is the ranks' firsts).
+        one_pass = hdata.FirstExamples(one_pass, d.train_examples // world + (rank < d.train_examples % world))
     if d.epochs != 1 or d.shuffle_buffer:
-        return hdata.Epochs(_one_pass(cfg, rank, world), d.epochs, d.shuffle_buffer, seed=d.seed)
-    return _one_pass(cfg, rank, world)
+        return hdata.Epochs(one_pass, d.epochs, d.shuffle_buffer, seed=d.seed)
+    return one_pass
 
 
 def _online_directory(d: DataConfig) -> Optional[str]:
@@ -176,7 +186,8 @@ def _one_pass(cfg: TrainConfig, rank: int, world: int):
         kw = {"vocab_sizes": d.vocab_sizes} if d.vocab_sizes else {}
         if d.multi_hot:
             kw.update(multi_hot=[tuple(f) for f in d.multi_hot], bag_length=d.bag_length)
-        return hdata.SyntheticCriteo(seed=d.seed, batch_size=d.batch_size, examples=d.train_examples,
+        examples = d.train_examples if d.train_examples is not None else SYNTHETIC_EXAMPLES
+        return hdata.SyntheticCriteo(seed=d.seed, batch_size=d.batch_size, examples=examples,
                                      part="train", rank=rank, world=world, zipf_a=d.zipf_a, **kw)
     if d.schema is not None:
         return hdata.open_schema(d.source, d.schema, d.batch_size, format=d.format, rank=rank, world=world,
@@ -590,29 +601,31 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
 
 def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, eval_batches: list) -> dict:
     node = trainer.node
-    skip = trainer.batches_done
 
-    def examples_batches():
-        for i, b in enumerate(source):
-            if i < skip:
-                continue  # done before the checkpoint we resumed from
-            yield b
-
-    steps = examples_batches()
-    if node is not None:
+    if node is None:
+        # Skipped by examples, not batches: the run resumed from may have ended on a
+        # short batch (its --examples smaller than this run's).
+        steps = hdata.skip_examples(source, trainer.examples_done)
+    else:  # the ranks' batches are aligned, a global batch one per rank
+        steps = itertools.islice(source, trainer.batches_done, None)
         n_dense, n_fields, n_bags = trainer.widths
         empty = hdata.Batch(np.empty(0, np.float32), np.empty((0, n_dense), np.float32),
                             np.empty((0, n_fields), np.uint64), (),
                             tuple(hdata.Bags(np.empty(0, np.uint64), np.zeros(1, np.int64)) for _ in range(n_bags)))
         steps = trainer.ps.aligned(steps, empty)
+    if trainer.batches_done:
+        first = next(steps, None)  # every rank together: aligned() is collective
+        if first is None:
+            return _finished_before(cfg, trainer)
+        steps = itertools.chain([first], steps)
 
     bar = None
     if progress:
         try:
             from tqdm import tqdm
             total = None
-            if cfg.data.source == "synthetic" and cfg.data.train_examples:
-                total = cfg.data.train_examples * cfg.data.epochs
+            if cfg.data.source == "synthetic" or cfg.data.train_examples is not None:
+                total = (cfg.data.train_examples or SYNTHETIC_EXAMPLES) * cfg.data.epochs
             bar = tqdm(total=total, initial=trainer.examples_done, unit="ex", unit_scale=True,
                        file=sys.stderr, mininterval=1.0, desc="train")
         except ImportError:
@@ -628,13 +641,9 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     def record_eval(final: bool = False) -> None:
         metrics = trainer.evaluate(eval_batches)
         s = trainer.ps.stats()
-        mem = s["mem"]
         entry = {"batches": trainer.batches_done, "examples": trainer.examples_done,
                  "seconds": time.perf_counter() - t_start, "unix_time": time.time(),
-                 "mem_hit_rate": mem["hits"] / max(1, mem["hits"] + mem["misses"]),
-                 "ssd_bytes_read": s["ssd"]["bytes_read"], "ssd_bytes_written": s["ssd"]["bytes_written"],
-                 "ssd_live_records": s["ssd"]["live_records"], "ssd_disk_bytes": s["ssd"]["disk_bytes"],
-                 "final": final, **metrics}
+                 **_tier_counters(s), "final": final, **metrics}
         if pipeline.stats.wall_seconds or pipeline.stats.batches:
             entry["stages"] = dict(pipeline.stats.busy_seconds)
         if "distributed" in s:
@@ -697,6 +706,9 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         trainer.dense_sync.after_step(final=True)  # k-step Adam: one model to evaluate and keep
     record_eval(final=True)
     trainer.checkpoint()
+    # The final checkpoint writes the dirty rows: the final entry's counters are
+    # read after it, so they agree with summary["ps"] (and the printed table).
+    trainer.history[-1].update(_tier_counters(trainer.ps.stats()))
     wall = pipeline.stats.wall_seconds
     summary = {"examples": trainer.examples_done, "batches": trainer.batches_done,
                "train_seconds": wall,
@@ -704,7 +716,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
                                  else {"chosen": cfg.torch_threads}),
-               "ps": _jsonable(trainer.ps.stats())}
+               "ps": _jsonable(trainer.ps.stats()), "settings": settings(cfg)}
     if online is not None:
         last = {"batches": trainer.batches_done, "examples": trainer.examples_done,
                 "seconds": time.perf_counter() - t_start,
@@ -729,11 +741,55 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                                   "dense_sync": cfg.distributed.dense_sync, "k": cfg.distributed.k,
                                   "hierarchical": cfg.distributed.hierarchical,
                                   "dense_merges": trainer.dense_sync.merges, "ranks": ranks}
+    asked = cfg.data.train_examples
+    if asked is not None and cfg.data.source != "synthetic" and not cfg.online \
+            and trainer.examples_done < asked * cfg.data.epochs:
+        summary["short"] = (f"the data held {trainer.examples_done:,} examples, fewer than the "
+                            f"{asked * cfg.data.epochs:,} asked" + (f" ({asked:,} a pass, {cfg.data.epochs} epochs)" if cfg.data.epochs > 1 else ""))
     with open(os.path.join(trainer.state_dir, SUMMARY), "w") as f:
         json.dump(_jsonable(summary), f, indent=1)
     trainer.ps.close()
     if node is not None:
         node.close()
+    return summary
+
+
+def settings(cfg: TrainConfig) -> dict:
+    """The run's settings a reader of its numbers and plots needs (the plots' caption)."""
+    d, ps = cfg.data, cfg.ps
+    src = d.source if isinstance(d.source, str) else ", ".join(map(os.fspath, d.source))
+    return {"data": src if len(src) <= 60 else "..." + src[-57:], "batch_size": d.batch_size,
+            "examples": d.train_examples if d.train_examples is not None else
+            (SYNTHETIC_EXAMPLES if d.source == "synthetic" else "all"), "epochs": d.epochs,
+            "dim": ps.dim, "mem_budget": ps.mem_budget, "cache_policy": ps.cache_policy, "devices": ps.devices,
+            "sparse_optimizer": ps.optimizer.kind, "hidden": list(cfg.hidden),
+            "pipelined": cfg.pipelined, "online": cfg.online}
+
+
+def _tier_counters(s: dict) -> dict:
+    """What an eval point records of the tiers (ParameterServer.stats())."""
+    mem, ssd = s["mem"], s["ssd"]
+    return {"mem_hit_rate": mem["hits"] / max(1, mem["hits"] + mem["misses"]),
+            "mem_hits": mem["hits"], "mem_misses": mem["misses"],
+            "ssd_bytes_read": ssd["bytes_read"], "ssd_bytes_written": ssd["bytes_written"],
+            "ssd_live_records": ssd["live_records"], "ssd_disk_bytes": ssd["disk_bytes"]}
+
+
+def _finished_before(cfg: TrainConfig, trainer: Trainer) -> dict:
+    """A resumed run whose data has nothing left: the job is left as it is, and the
+    summary is the one of the run that finished it, marked ``finished_before``."""
+    path = os.path.join(trainer.state_dir, SUMMARY)
+    summary = None
+    if os.path.exists(path):
+        with open(path) as f:
+            summary = json.load(f)
+    trainer.ps.close()
+    if trainer.node is not None:
+        trainer.node.close()
+    if summary is None:  # finished, but its summary is gone (a crash after the last checkpoint)
+        summary = {"examples": trainer.examples_done, "batches": trainer.batches_done}
+    summary["finished_before"] = {"examples": trainer.examples_done, "batches": trainer.batches_done,
+                                  "path": cfg.ps.path}
     return summary
 
 
