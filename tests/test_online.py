@@ -294,3 +294,47 @@ def test_online_config_errors(tmp_path):
     (tmp_path / "a.tsv").write_text("")
     cfg = TrainConfig.from_dict(dict(base, data={"source": str(tmp_path / "a.tsv"), "epochs": 2}), "run.toml")
     assert cfg.online and cfg.data.epochs == 2
+
+
+def test_window_state_round_trips_and_refuses_another_window_size():
+    rng = np.random.default_rng(2)
+    w = ProgressiveWindow(examples=10, max_points=4)
+    for k in range(1, 8):
+        w.add(rng.integers(0, 2, 3).astype(float), rng.random(3))
+        w.record(batches=k)
+    copy = ProgressiveWindow(examples=10, max_points=4)
+    copy.load_state_dict(w.state_dict())
+    assert copy.metrics() == w.metrics() and copy.history == w.history and copy.stride == w.stride
+    y, p = np.array([1.0, 0.0]), np.array([0.7, 0.2])
+    for win in (w, copy):  # both go on alike: the partial oldest batch, the stride
+        win.add(y, p)
+        win.record(batches=8)
+    assert copy.metrics() == w.metrics() and copy.history == w.history
+    with pytest.raises(ValueError, match="the checkpoint's window is 10 examples, the config's 5 batches"):
+        ProgressiveWindow(batches=5).load_state_dict(w.state_dict())
+
+
+def test_a_resumed_online_run_goes_on_with_the_window_it_stopped_with(tmp_path):
+    pytest.importorskip("torch")
+    from hps.train import TrainConfig, train
+
+    def run(path, examples, resume):
+        cfg = TrainConfig.from_dict({
+            "ps": {"dim": 4, "path": str(path), "mem_budget": "8MiB"},
+            "data": {"batch_size": 64, "train_examples": examples, "eval_examples": 64,
+                     "vocab_sizes": [50, 200, 1000]},
+            "hidden": [8], "torch_threads": 1, "pipelined": False, "online": True,
+            "online_window": 300}, "run.toml")
+        return train(cfg, resume=resume, progress=False)["online"]
+
+    def curve(online):
+        return [(h["batches"], h["examples"], h["window_examples"], h["scored_examples"], h["auc"], h["logloss"])
+                for h in online["history"]]
+
+    straight = run(tmp_path / "straight", 64 * 12, False)
+    run(tmp_path / "split", 64 * 6, False)
+    resumed = run(tmp_path / "split", 64 * 12, True)
+    # The window holds 300 examples, so its first points after the resume include the
+    # batches before it: equal only if the checkpoint kept them.
+    assert curve(resumed) == curve(straight)
+    assert (resumed["auc"], resumed["logloss"]) == (straight["auc"], straight["logloss"])

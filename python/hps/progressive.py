@@ -47,6 +47,31 @@ class ProgressiveWindow:
         self.max_points = max(2, int(max_points))
         self._recorded_batches = 0
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so a resumed run's window and curve go on as if
+        it never stopped: the window's labels and scores, the counts, the curve."""
+        labels = np.concatenate([y for y, _ in self._parts]) if self._parts else np.empty(0)
+        probs = np.concatenate([p for _, p in self._parts]) if self._parts else np.empty(0)
+        return {"window_examples": self.window_examples, "window_batches": self.window_batches,
+                "lengths": [len(y) for y, _ in self._parts], "labels": labels, "probs": probs,
+                "scored": self.scored, "history": list(self.history), "stride": self.stride,
+                "recorded_batches": self._recorded_batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's window; its size must be this window's (the config's)."""
+        if (state["window_examples"], state["window_batches"]) != (self.window_examples, self.window_batches):
+            raise ValueError(f"online window: the checkpoint's window is {_describe(state)}, the config's "
+                             f"{_describe({'window_examples': self.window_examples, 'window_batches': self.window_batches})}"
+                             f"; resume with the window it was trained with")
+        bounds = np.cumsum([0] + list(state["lengths"]))
+        labels, probs = np.asarray(state["labels"], np.float64), np.asarray(state["probs"], np.float64)
+        self._parts = deque((labels[a:z], probs[a:z]) for a, z in zip(bounds, bounds[1:]))
+        self.size = int(bounds[-1])
+        self.scored = int(state["scored"])
+        self.history = list(state["history"])
+        self.stride = int(state["stride"])
+        self._recorded_batches = int(state["recorded_batches"])
+
     def add(self, labels: np.ndarray, probs: np.ndarray) -> None:
         labels = np.asarray(labels, np.float64)
         probs = np.asarray(probs, np.float64)
@@ -89,3 +114,9 @@ class ProgressiveWindow:
             self.history = self.history[1::2]  # the points at multiples of 2 * stride
             self.stride *= 2
         return point
+
+
+def _describe(state: dict) -> str:
+    if state["window_batches"] is not None:
+        return f"{state['window_batches']:,} batches"
+    return f"{state['window_examples']:,} examples"

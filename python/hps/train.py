@@ -286,6 +286,9 @@ class Trainer:
         self.history: list[dict] = []
         #: Online: each step's logits as (rows, logits) a mini-batch, taken before its update; None: not kept.
         self.step_logits: Optional[list] = None
+        #: Online: the progressive window (hps.progressive), kept in each checkpoint.
+        self.online_window = None
+        self.online_state: Optional[dict] = None  # a resumed run's window, for _train to load
         if checkpoint is not None:
             self._load_state()
 
@@ -301,6 +304,7 @@ class Trainer:
         self.opt.load_state_dict(state["opt"])
         self.batches_done, self.examples_done = state["batches_done"], state["examples_done"]
         self.history = state.get("history", [])
+        self.online_state = state.get("online_window")
         if self.dense_sync is not None:
             self.dense_sync.load_state_dict(state["dense_sync"])
 
@@ -316,6 +320,8 @@ class Trainer:
                  "history": self.history}
         if self.dense_sync is not None:
             state["dense_sync"] = self.dense_sync.state_dict()
+        if self.online_window is not None:
+            state["online_window"] = self.online_window.state_dict()
         buf = io.BytesIO()
         self.torch.save(state, buf)
         data = buf.getvalue()
@@ -636,6 +642,9 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     if cfg.online:  # progressive validation: the step keeps its logits, scored here before the next step
         from hps.progressive import ProgressiveWindow
         online = ProgressiveWindow(cfg.online_window, cfg.online_window_batches or None)
+        if trainer.online_state is not None:  # resumed: the window and curve go on
+            online.load_state_dict(trainer.online_state)
+        trainer.online_window = online
         trainer.step_logits = []
 
     def record_eval(final: bool = False) -> None:
