@@ -22,25 +22,38 @@ DEMO_DEFAULTS = {
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--path", help="where the parameter server lives (overrides [ps] path)")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--examples", type=int, help="training examples (synthetic data)")
-    p.add_argument("--eval-examples", type=int)
+    p.add_argument("--batch-size", type=_positive, help="examples a mini-batch (overrides [data] batch_size)")
+    p.add_argument("--examples", type=_positive, metavar="N",
+                   help="train on N examples a pass: synthetic data's count, or the first N of the files "
+                        "(overrides [data] train_examples; default: all of the files, 1000000 synthetic, the demo 1500000)")
+    p.add_argument("--eval-examples", type=_positive, metavar="N",
+                   help="held-out examples each evaluation scores (overrides [data] eval_examples)")
     p.add_argument("--mem-budget", help="MEM-PS budget, e.g. 512MiB")
     p.add_argument("--devices", type=int, help="devices of the device tier (host partitions without GPUs)")
     p.add_argument("--eval-every", type=int, help="evaluate every N batches (0: at the end)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N batches (0: at the end)")
     p.add_argument("--sequential", action="store_true", help="run the stages one after another, not pipelined")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
 
 
 def _apply_flags(cfg, a) -> None:
     if a.path:
         cfg.ps.path = a.path
-    if a.batch_size:
+    if a.batch_size is not None:
         cfg.data.batch_size = a.batch_size
-    if a.examples:
+    if a.examples is not None:
         cfg.data.train_examples = a.examples
-    if a.eval_examples:
+    if a.eval_examples is not None:
         cfg.data.eval_examples = a.eval_examples
     if a.mem_budget:
         cfg.ps.mem_budget = a.mem_budget
@@ -177,7 +190,16 @@ def cmd_train(a) -> int:
             return 0
     if summary.get("distributed", {}).get("rank", 0) != 0:
         return 0  # rank 0 speaks for the job
+    done = summary.get("finished_before")
+    if done is not None:
+        print(f"hps train: the run in {done['path']} is finished: {done['examples']:,} examples in "
+              f"{done['batches']:,} batches, and its data has none left. To train further, raise --examples "
+              f"(or [data] train_examples / epochs) and --resume again. Its summary:", file=sys.stderr)
+        if "final" not in summary:
+            return 0
     print(_summary_table(summary), file=sys.stderr)
+    if "short" in summary:
+        print(f"hps train: {summary['short']}", file=sys.stderr)
     if ht is not None:
         h = summary["hierarchical"]
         moved = ", ".join(f"{k} {v['before'] / 1e6:,.2f} -> {v['after'] / 1e6:,.2f} MB"
@@ -185,6 +207,9 @@ def cmd_train(a) -> int:
         print(f"  hierarchical: {h['roles']}; plan {', '.join(h['plan'])}; trainer 0 sent {moved or 'nothing'}",
               file=sys.stderr)
     line = {"final": summary["final"], "examples_per_s": summary["examples_per_s"], "pipeline": summary["pipeline"]}
+    for key in ("finished_before", "short"):
+        if key in summary:
+            line[key] = summary[key]
     if ht is not None:
         line["hierarchical"] = summary["hierarchical"]
     if "online" in summary:
@@ -225,6 +250,8 @@ def cmd_demo(a) -> int:
     print(f"  {'report':<30}  {', '.join(written)}" if written else "  (no plots: pip install matplotlib)",
           file=sys.stderr)
     print(f"  {'wall time':<30}  {time.time() - t0:.0f} s", file=sys.stderr)
+    print(f"  {'demo folder':<30}  {os.path.abspath(path)} (remove it with: rm -rf {os.path.abspath(path)})",
+          file=sys.stderr)
     print(json.dumps({"final": summary["final"], "examples_per_s": summary["examples_per_s"],
                       "pipeline": summary["pipeline"], "report": written}))
     return 0
@@ -258,6 +285,23 @@ def cmd_plan(a) -> int:
 def cmd_topology(a) -> int:
     from hps.topology import cli
     print(cli(a.file, a.sysfs, a.plot, a.rows))
+    return 0
+
+
+def cmd_size(a) -> int:
+    from hps.sizing import estimate, format_table
+    from hps.train import TrainConfig
+    if a.rows is not None and a.rows < 1:
+        raise ValueError(f"--rows: must be >= 1 (the distinct keys the run stores), got {a.rows}")
+    if a.sample < 1:
+        raise ValueError(f"--sample: must be >= 1 examples, got {a.sample}")
+    if not os.path.exists(a.config):
+        raise FileNotFoundError(f"--config: {a.config}: no such file")
+    cfg = TrainConfig.from_toml(a.config)
+    if a.mem_budget:
+        cfg.ps.mem_budget = a.mem_budget
+    e = estimate(cfg, rows=a.rows, sample=a.sample)
+    print(json.dumps(e) if a.json else format_table(e))
     return 0
 
 
@@ -325,9 +369,18 @@ def main(argv=None) -> int:
     tp.add_argument("--sysfs", default="/sys", help="sysfs root to discover from (default /sys)")
     tp.add_argument("--plot", metavar="PNG", help="also draw the devices, links and relayed routes (matplotlib)")
     tp.add_argument("--rows", type=int, default=1_000_000, help="rows of the all-to-all whose routes are shown")
+    sz = sub.add_parser("size", help="memory, disk and index a config will take, and its MEM-PS hit rate "
+                                     "(replaying a sample of its data through the cache policy)")
+    sz.add_argument("--config", required=True, help="the TOML file hps train reads ([ps], [ps.optimizer], [data])")
+    sz.add_argument("--rows", type=int, metavar="N", help="distinct keys the run stores (default: estimated from "
+                                                          "the sample; needed when the data's length is unknown)")
+    sz.add_argument("--sample", type=int, metavar="N", default=200_000,
+                    help="training examples read and replayed through MEM-PS (default 200000)")
+    sz.add_argument("--mem-budget", help="MEM-PS budget to size instead of the config's, e.g. 512MiB")
+    sz.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     a = ap.parse_args(argv)
     commands = {"train": cmd_train, "demo": cmd_demo, "inspect": cmd_inspect, "export": cmd_export, "serve": cmd_serve,
-                "plan": cmd_plan, "topology": cmd_topology}
+                "plan": cmd_plan, "topology": cmd_topology, "size": cmd_size}
     from hps.errors import HpsError
     try:
         return commands[a.command](a)

@@ -1,0 +1,128 @@
+"""How many examples `hps train` trains, and what it says about them: --examples on
+synthetic data and on files (the first N, or a note that the files hold fewer),
+a resumed run that picks up at the example where the last one stopped (whatever
+batch it ended on), a resumed run that is already finished, and a summary table
+that agrees with the run's JSON line."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+import hps.data as hdata  # noqa: E402
+from hps.cli import main  # noqa: E402
+from hps.train import stored_checkpoint  # noqa: E402
+
+SAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "criteo-sample",
+                      "train_examples_10k.tsv")
+
+TOML = """
+hidden = [8]
+torch_threads = 1
+
+[ps]
+dim = 4
+path = "{path}"
+mem_budget = "256KiB"      # rows go through SSD-PS, so there is SSD traffic to report
+
+[data]
+batch_size = 1000
+eval_examples = 500
+vocab_sizes = [50, 200, 1000, 5000]
+"""
+
+
+def run(capsys, tmp_path, *args):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(TOML.format(path=tmp_path / "ps"))
+    rc = main(["train", "--config", str(cfg), "--no-progress", *args])
+    out, err = capsys.readouterr()
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    return rc, (lines[-1] if lines else None), err
+
+
+def test_first_examples_cuts_the_batch_that_crosses_the_limit():
+    gen = hdata.SyntheticCriteo(seed=3, batch_size=4, examples=10, vocab_sizes=[7, 9],
+                                multi_hot=[(20, 2.0)])
+    whole = list(gen)
+    first = hdata.FirstExamples(gen, 6)
+    got = list(first)
+    assert [len(b) for b in got] == [4, 2] and first.examples_seen == 6
+    assert np.array_equal(got[1].keys, whole[1].keys[:2])
+    lens = np.diff(whole[1].bags[0].offsets)[:2]
+    assert np.array_equal(got[1].bags[0].keys, whole[1].bags[0].keys[:lens.sum()])
+    more = hdata.FirstExamples(gen, 25)
+    assert sum(len(b) for b in more) == 10 and more.examples_seen == 10  # the data holds fewer
+    with pytest.raises(ValueError, match="examples must be an int >= 0"):
+        hdata.FirstExamples(gen, -1)
+
+
+def test_skip_examples_starts_inside_a_batch():
+    gen = hdata.SyntheticCriteo(seed=3, batch_size=4, examples=10, vocab_sizes=[7, 9])
+    keys = np.concatenate([b.keys for b in gen])
+    rest = list(hdata.skip_examples(gen, 6))
+    assert [len(b) for b in rest] == [2, 2]
+    assert np.array_equal(np.concatenate([b.keys for b in rest]), keys[6:])
+    assert list(hdata.skip_examples(gen, 10)) == []
+
+
+def test_summary_table_and_json_line_report_the_same_ssd_traffic(capsys, tmp_path):
+    rc, line, err = run(capsys, tmp_path, "--examples", "3000")
+    assert rc == 0, err
+    final = line["final"]
+    # The final checkpoint writes the dirty rows; both read the counters after it.
+    assert final["ssd_bytes_written"] > 0
+    written = [x for x in err.splitlines() if "SSD-PS read / written" in x][0]
+    assert written.split("/")[-1].strip() == f"{final['ssd_bytes_written'] / 1e6:,.1f} MB"
+    assert f"{final['ssd_live_records']:,}" in [x for x in err.splitlines() if "live rows" in x][0]
+
+
+def test_resume_with_more_examples_picks_up_after_a_short_last_batch(capsys, tmp_path):
+    rc, line, err = run(capsys, tmp_path, "--examples", "2500")  # batches 1000, 1000, 500
+    assert rc == 0, err
+    assert line["final"]["examples"] == 2500 and line["final"]["batches"] == 3
+    rc, line, err = run(capsys, tmp_path, "--examples", "5000", "--resume")
+    assert rc == 0, err
+    # Examples 2500-4999: the stream's third batch cut to its last 500, then two of
+    # 1000 (skipping three whole batches would have trained 3000-4999).
+    assert line["final"]["examples"] == 5000 and line["final"]["batches"] == 6
+    assert line["pipeline"]["examples"] == 2500
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(capsys, tmp_path):
+    rc, first, err = run(capsys, tmp_path, "--examples", "2000")
+    assert rc == 0, err
+    summary = tmp_path / "ps" / "train-summary.json"
+    kept = (stored_checkpoint(str(tmp_path / "ps")), summary.stat().st_mtime_ns)
+    rc, line, err = run(capsys, tmp_path, "--examples", "2000", "--resume")
+    assert rc == 0, err
+    assert "is finished: 2,000 examples in 2 batches" in err and "raise --examples" in err
+    assert line["finished_before"]["examples"] == 2000
+    assert line["final"] == first["final"]  # the summary of the run that finished it
+    assert (stored_checkpoint(str(tmp_path / "ps")), summary.stat().st_mtime_ns) == kept  # no new checkpoint
+
+
+@pytest.mark.skipif(not os.path.exists(SAMPLE), reason="../shared/data/criteo-sample is absent")
+def test_examples_on_files_trains_the_first_n_or_says_the_files_hold_fewer(capsys, tmp_path):
+    big = ("--mem-budget", "4MiB")  # Criteo's 26 fields
+    rc, line, err = run(capsys, tmp_path, "--data", SAMPLE, "--examples", "2500", *big)
+    assert rc == 0, err
+    assert line["final"]["examples"] == 2500 and "short" not in line
+    (tmp_path / "more").mkdir()
+    rc, line, err = run(capsys, tmp_path / "more", "--data", SAMPLE, "--examples", "50000", *big)
+    assert rc == 0, err
+    assert line["final"]["examples"] == 10_000
+    assert "the data held 10,000 examples, fewer than the 50,000 asked" in err
+    assert line["short"].startswith("the data held 10,000 examples")
+
+
+def test_examples_must_be_positive(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", "x.toml", "--examples", "0"])
+    assert e.value.code == 2
+    assert "--examples: must be >= 1, got 0" in capsys.readouterr().err
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(TOML.format(path=tmp_path / "ps") + "train_examples = 0\n")
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 2
+    assert "data.train_examples must be an int >= 1, got 0" in capsys.readouterr().err
