@@ -1,0 +1,218 @@
+"""`hps size` (hps.sizing): its per-row and index sizes against a real SsdStore and
+MemCache, its hit-rate replay on a trace whose LRU hit rate is known by hand, the
+command's errors and JSON, and the check against a real run (bench/size_check.py --quick)."""
+import doctest
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hps
+from hps import sizing
+from hps.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIG = """\
+[ps]
+dim = 16
+path = "{path}"
+mem_budget = "{budget}"
+cache_policy = "{policy}"
+
+[ps.optimizer]
+kind = "{optimizer}"
+
+[data]
+source = "{source}"
+batch_size = 512
+eval_examples = 0
+"""
+
+
+def write_config(tmp_path, budget="2MiB", policy="tinylfu-lfu", optimizer="adagrad", source="synthetic",
+                 examples=20000) -> str:
+    path = tmp_path / "run.toml"
+    text = CONFIG.format(path=tmp_path / "job", budget=budget, policy=policy, optimizer=optimizer, source=source)
+    path.write_text(text + ("" if examples is None else f"train_examples = {examples}\n"))
+    return str(path)
+
+
+def store(path, row_bytes, file_records=1 << 16):
+    return hps.SsdStore(path, row_bytes, file_records=file_records, use_io_uring=False, direct_io=False,
+                        background_compaction=False)
+
+
+# ---------------------------------------------------------------- sizes against the real thing
+
+def test_docstring_examples():
+    result = doctest.testmod(sizing)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("row_bytes, rows, file_records", [(128, 2500, 1000), (68, 70_000, 1 << 16), (196, 1, 7)])
+def test_disk_bytes_are_the_real_files(tmp_path, row_bytes, rows, file_records):
+    """A freshly written store's files are exactly the estimate (the layout of docs/ssd_format.md)."""
+    s = store(tmp_path / "s", row_bytes, file_records)
+    keys = np.arange(1, rows + 1, dtype=np.uint64)
+    s.put(keys, np.zeros((rows, row_bytes), np.uint8))
+    s.commit()
+    on_disk = sum(os.path.getsize(f) for f in glob.glob(str(tmp_path / "s" / "*.hpf")))
+    assert on_disk == s.stats()["disk_bytes"] == sizing.ssd_disk_bytes(rows, row_bytes, file_records)
+
+
+@pytest.mark.parametrize("keys", [0, 1_000, 100_000, 400_000])
+@pytest.mark.parametrize("rewritten", [False, True])
+def test_index_bytes_within_2_percent(tmp_path, keys, rewritten):
+    """The index's expected memory (Poisson spread over its shards) against its own
+    accounting, for keys put once and for keys put again (as training does)."""
+    s = store(tmp_path / "s", 8)
+    k = np.arange(1, keys + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    for _ in range(2 if rewritten else 1):
+        if keys:
+            s.put(k, np.zeros((keys, 8), np.uint8))
+    real = s.stats()["index_bytes"]
+    est = sizing.ssd_index_bytes(keys, rewritten=rewritten)
+    assert abs(est - real) <= 0.02 * real, (est, real)
+
+
+@pytest.mark.parametrize("row_bytes, budget", [(128, 24 << 20), (68, 3 << 20), (196, 1 << 30)])
+def test_mem_capacity_and_charge_are_the_budgets(row_bytes, budget):
+    """The rows a budget holds are MemCache's own capacity, and each is charged row + bookkeeping."""
+    cache = hps.MemCache(row_bytes, budget=budget, policy="lru")
+    st = cache.stats()
+    cap = sizing.mem_capacity(budget, row_bytes)
+    assert st["capacity"] == cap
+    assert st["arena_bytes"] == cap * row_bytes
+    charge = row_bytes + sizing.mem_overhead_per_row(row_bytes)
+    assert cap * charge <= budget < (cap + 1) * charge
+
+
+# ---------------------------------------------------------------- the hit-rate replay
+
+def trace(batches):
+    batches = [np.array(b, np.uint64) for b in batches]
+    keys = np.unique(np.concatenate(batches))
+    return sizing.Sample(examples=len(batches), batches=batches, field_first=[np.arange(len(keys))],
+                         field_length=[int(sum(len(b) for b in batches))], exhausted=True)
+
+
+LRU_TRACE = [[1, 2], [3, 4], [1, 2], [5, 6], [3, 4], [5, 6]]
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_lru_hit_rate_of_a_known_trace(in_flight):
+    """LRU of 4 rows: [1 2] [3 4] miss, [1 2] hit, [5 6] evicts 3 4, [3 4] evicts 1 2, [5 6] hit:
+    4 hits of 12, with or without the previous batch pinned."""
+    smp = trace(LRU_TRACE)
+    h = sizing.estimate_hit_rate(smp, capacity=4, policy="lru", rows=6, run_batches=6, in_flight=in_flight)
+    assert h["method"] == "replay" and h["hit_rate"] == pytest.approx(4 / 12) and h["hit_rate_sample"] == 4 / 12
+
+
+def test_steady_rate_extends_a_short_sample():
+    """The run twice the sample: the batches after it hit at the sample's last-quarter rate."""
+    smp = trace(LRU_TRACE * 2)  # the second half: [1 2] miss, [3 4] miss ... see above, then the same again
+    h = sizing.estimate_hit_rate(smp, capacity=4, policy="lru", rows=6, run_batches=24, in_flight=1)
+    hits = h["hit_rate_sample"] * 24
+    assert h["hit_rate"] == pytest.approx((hits + h["hit_rate_steady"] * 24) / 48)
+
+
+def test_rows_that_fit_are_compulsory_misses_only():
+    h = sizing.estimate_hit_rate(trace(LRU_TRACE), capacity=100, policy="lru", rows=6, run_batches=6)
+    assert h["method"] == "fits" and h["hit_rate"] == pytest.approx(1 - 6 / 12)
+
+
+def test_a_sample_that_never_fills_the_cache_is_scaled():
+    """The sample's 6 keys fit a cache of 8, the run's 12 would not: replayed at 8 x 6 / 12 = 4
+    rows, the LRU trace above (4 hits of 12)."""
+    h = sizing.estimate_hit_rate(trace(LRU_TRACE), capacity=8, policy="lru", rows=12, run_batches=12, in_flight=1)
+    assert h["method"] == "scaled" and h["scaled_capacity"] == 4 and h["hit_rate"] == pytest.approx(4 / 12)
+    assert "raise --sample" in h["note"]
+
+
+def test_a_budget_below_one_batch_is_named():
+    h = sizing.estimate_hit_rate(trace([[1, 2, 3, 4, 5]]), capacity=3, policy="lru", rows=10, run_batches=1)
+    assert h["hit_rate"] is None and "CacheFullError" in h["error"] and "3 rows" in h["error"]
+
+
+# ---------------------------------------------------------------- the command
+
+def test_size_json_parses_and_is_consistent(tmp_path, capsys):
+    cfg = write_config(tmp_path)
+    assert main(["size", "--config", cfg, "--sample", "5000", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["mem"]["row_bytes"] == 4 * 32  # AdaGrad: dim + dim accumulators
+    assert e["mem"]["capacity_rows"] == hps.MemCache(128, budget="2MiB").stats()["capacity"]
+    assert e["sample"]["examples"] == 5000 and e["run"]["batches"] == -(-20000 // 512)
+    assert 0 < e["hit"]["hit_rate"] < 1 and e["hit"]["method"] == "replay"
+    assert e["ssd"]["disk_live_bytes"] <= e["ssd"]["disk_at_trigger_bytes"]
+    assert e["run"]["rows"] >= e["sample"]["distinct_keys"]
+    assert not (tmp_path / "job").exists()  # sizing writes nothing
+
+
+def test_size_table_and_whole_data_sample(tmp_path, capsys):
+    """A sample of the whole run counts its rows instead of extrapolating."""
+    cfg = write_config(tmp_path, budget="64MiB", optimizer="sgd")
+    assert main(["size", "--config", cfg, "--sample", "20000"]) == 0
+    out = capsys.readouterr().out
+    assert "MEM-PS hit rate" in out and "SSD-PS index memory" in out and "counted" in out
+    assert "16 + state = 16 floats = 64 B (sgd)" in out
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--config", "{dir}/missing.toml"], "--config"),
+    (["--config", "{cfg}", "--rows", "0"], "--rows"),
+    (["--config", "{cfg}", "--sample", "0"], "--sample"),
+])
+def test_size_errors_name_the_flag(tmp_path, capsys, args, flag):
+    cfg = write_config(tmp_path)
+    assert main(["size", *[a.format(dir=tmp_path, cfg=cfg) for a in args]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hps size: ") and flag in err
+
+
+@pytest.mark.parametrize("args, flag", [(["--rows", "many"], "--rows"), ([], "--config")])
+def test_size_bad_arguments_exit_naming_the_flag(tmp_path, capsys, args, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["size", *args] + (["--config", write_config(tmp_path)] if flag != "--config" else []))
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_files_of_unknown_length_need_rows(tmp_path, capsys):
+    tsv = tmp_path / "day.tsv"
+    hps.data.SyntheticCriteo(seed=3).write_tsv(str(tsv), 3000)
+    cfg = write_config(tmp_path, source=str(tsv), examples=None)  # all of the files: their length unknown
+    assert main(["size", "--config", cfg, "--sample", "1000"]) == 2
+    assert "--rows" in capsys.readouterr().err
+    assert main(["size", "--config", cfg, "--sample", "2000", "--rows", "50000", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["hit"]["method"] == "replay"
+    assert e["run"]["rows"] == 50000 and e["run"]["batches"] is None
+    assert e["hit"]["hit_rate"] == e["hit"]["hit_rate_steady"]  # the run's length unknown: the steady rate
+    assert main(["size", "--config", cfg, "--sample", "5000", "--json"]) == 0  # the whole file: counted
+    e = json.loads(capsys.readouterr().out)
+    assert e["sample"]["exhausted"] is True and e["run"]["examples_per_pass"] == 3000
+    assert e["run"]["rows"] == e["sample"]["distinct_keys"]
+    cfg = write_config(tmp_path, source=str(tsv), examples=2500)  # the files' first 2500
+    assert main(["size", "--config", cfg, "--sample", "1000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["examples_per_pass"] == 2500
+
+
+# ---------------------------------------------------------------- against a real run
+
+def test_size_check_quick():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "size_check.py"), "--quick", "--no-save"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    q = {x["name"]: x for x in line["quantities"]}
+    assert q["MEM-PS capacity (rows)"]["relative_error"] == 0
+    assert abs(q["SSD-PS index bytes at the measured rows"]["relative_error"]) < 0.02
+    assert abs(q["rows stored (distinct keys)"]["relative_error"]) < 0.15
+    assert abs(q["MEM-PS hit rate"]["relative_error"]) < 0.15
+    assert line["disk_at_end"]["within_trigger"] is True
