@@ -47,21 +47,30 @@
 //   shared a key trained by several workers in one batch: their gradient
 //          exchange, sum(|trainers| - 1) rows, the same in every mode
 //
-// Eviction reads no more of the snapshot than it drops: each worker keeps its
-// keys in training order, a group per batch (below), so a batch costs what it
-// evicts and trains, not a walk of every cached key.
+// Eviction reads no more of the snapshot than it must: the snapshot is a log
+// of (key, holders) records in training order, a run per batch, so a worker's
+// least recently used keys are the oldest records with its bit, read in order
+// from where its last eviction stopped, with no probe of the key index.
 //
-// Memory: one open-addressing slot per key some cache holds (8 bytes key, 8
-// bytes mask of holders, 4 bytes tick and dirty bit), load <= 0.75; a key
-// held by several workers is stored once. With a capacity, each holder also
-// queues the key (8 bytes; stale entries are dropped once they outnumber the
-// live ones). memory_bytes() says what it takes.
+// Memory: a key some cache holds is one live log record, stored once however
+// many workers hold it: 8 bytes of key and a holder mask of 1, 2, 4 or 8 bytes
+// (W <= 8, 16, 32, 64). Retraining a key moves its record to the log's end and
+// leaves a dead one; a log out of room is compacted into room for 1.25 x (its
+// live records + the batch's keys). The key index takes 8 bytes a slot (32 bits
+// of hash, the record's position) at load 0.55 to 0.8. So a key takes 1.25 x
+// (8 + the mask's bytes) of log and 10 to 15 bytes of index: 21 to 26 bytes
+// for W <= 8, 30 to 35 for W <= 64, a little more while a batch is large
+// against the caches. memory_bytes() counts all of it: every slot and record
+// allocated, live, dead or spare. It leaves out the per-batch scratch (some 8
+// bytes a key and 30 a distinct key of the largest batch so far), which does
+// not grow with the caches. No dirty bit is kept: on demand every held row is dirty (a worker
+// trained it), write-through every one is clean (the PS got it at the batch's
+// end).
 //
 // Thread safety: none; one thread schedules (the pipeline's partition stage).
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <vector>
 
@@ -122,24 +131,12 @@ class Herald {
   void Clear();
 
  private:
-  struct Table;
-  struct RecencyGroup {  // keys a worker trained in the batch of this tick
-    uint32_t tick;
-    std::vector<uint64_t> keys;
-  };
-  bool Holds(int32_t worker, uint32_t tick, uint64_t key) const;
-  void LiveOnly(int32_t worker, RecencyGroup& group) const;
-  void Evict(int32_t worker, uint64_t drop, std::vector<uint64_t>& evicted, std::vector<uint64_t>& emptied);
-  void CompactRecency(int32_t worker);
+  struct Impl;  // the snapshot, by the width of a holder mask (src/ps/herald.cc)
+  template <class Mask>
+  struct Snapshot;
 
   HeraldOptions options_;
-  std::unique_ptr<Table> table_;
-  std::vector<uint64_t> held_;  // (W,) keys each cache holds
-  // (W,) with a capacity: each worker's keys in the order it trained them, a
-  // group per batch, oldest first; entries of keys trained again later or
-  // dropped are stale and skipped. queued_ counts the entries, stale ones too.
-  std::vector<std::deque<RecencyGroup>> recency_;
-  std::vector<uint64_t> queued_;
+  std::unique_ptr<Impl> impl_;
   uint64_t batches_ = 0;
 };
 

@@ -139,9 +139,10 @@ class Herald:
 
     @property
     def memory_bytes(self) -> int:
-        """What the snapshot takes: 20 bytes a slot (load <= 0.75), and with a capacity
-        each worker's recency queue (8 bytes a queued key; stale entries are dropped
-        once they outnumber the live ones)."""
+        """Bytes the snapshot holds: a log record per key (8 bytes and a holder mask of
+        1 to 8 bytes, with up to a quarter more for dead and spare records) and an
+        index of 8-byte slots at load 0.55 to 0.8; some 21 to 26 bytes a key for up
+        to 8 workers, 30 to 35 for up to 64 (``include/hps/herald.h``, Memory)."""
         return self._native.memory_bytes
 
     def clear(self) -> None:

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <deque>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -15,107 +14,430 @@
 #include "util/mix64.h"
 
 namespace hps {
+namespace {
 
-// The snapshot: key -> (mask of the workers holding its latest version, the
-// batch that last trained it, whether the PS's copy is stale). Open
-// addressing with linear probing over separate arrays, erase by shifting the
-// probe run back (no tombstones), as format/key_index.h does; its own table
-// because eviction walks every slot and KeyIndex keeps no mask.
-struct Herald::Table {
-  static constexpr uint64_t kNone = ~uint64_t{0};
-  static constexpr uint32_t kDirty = 0x80000000u;  // in meta: the PS's copy is stale; the rest is the tick
+// Set bits of a holder mask: masks hold a few bits, and std::popcount is a
+// library call without -mpopcnt.
+template <class Mask>
+inline uint32_t Holders(Mask m) {
+  uint32_t n = 0;
+  for (; m != 0; m &= static_cast<Mask>(m - 1)) ++n;
+  return n;
+}
 
-  std::vector<uint64_t> keys;
-  std::vector<uint64_t> masks;
-  std::vector<uint32_t> meta;
-  uint64_t mask = 0;  // slots - 1
-  uint64_t size = 0;
+// std::popcount without the library call (the build does not assume -mpopcnt).
+inline uint64_t Popcount64(uint64_t x) {
+  x -= (x >> 1) & 0x5555555555555555ULL;
+  x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+  x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
+  return (x * 0x0101010101010101ULL) >> 56;
+}
 
-  Table() { Allocate(64); }
+// Tunables of the snapshot's memory (the header's Memory paragraph).
+constexpr double kMaxLoad = 0.8;     // the key index grows past this load...
+constexpr double kGrownLoad = 0.55;  // ...to this one
+constexpr double kLogRoom = 1.25;    // a compacted log has room for 1.25 x (live records + the batch)
+constexpr uint64_t kMinSlots = 64;
 
-  void Allocate(uint64_t slots) {
-    keys.assign(slots, kEmptyKey);
-    masks.assign(slots, 0);
-    meta.assign(slots, 0);
-    mask = slots - 1;
-    size = 0;
-  }
+}  // namespace
 
-  uint64_t Find(uint64_t key) const {
-    for (uint64_t i = detail::Mix64(key) & mask;; i = (i + 1) & mask) {
-      if (keys[i] == key) return i;
-      if (keys[i] == kEmptyKey) return kNone;
-    }
-  }
-
-  // The slot of key, inserted (mask 0, meta 0) if absent.
-  uint64_t Upsert(uint64_t key) {
-    if ((size + 1) * 4 > (mask + 1) * 3) Grow();
-    for (uint64_t i = detail::Mix64(key) & mask;; i = (i + 1) & mask) {
-      if (keys[i] == key) return i;
-      if (keys[i] == kEmptyKey) {
-        keys[i] = key;
-        masks[i] = 0;
-        meta[i] = 0;
-        ++size;
-        return i;
-      }
-    }
-  }
-
-  // Room for `more` inserts without growing.
-  void Reserve(uint64_t more) {
-    while ((size + more) * 4 > (mask + 1) * 3) Grow();
-  }
-
-  void Prefetch(uint64_t key) const {
-    __builtin_prefetch(&keys[detail::Mix64(key) & mask]);
-    __builtin_prefetch(&masks[detail::Mix64(key) & mask]);
-    __builtin_prefetch(&meta[detail::Mix64(key) & mask]);
-  }
-
-  void Erase(uint64_t key) {
-    uint64_t hole = Find(key);
-    if (hole == kNone) return;
-    for (uint64_t j = (hole + 1) & mask; keys[j] != kEmptyKey; j = (j + 1) & mask) {
-      // An entry may fill the hole unless its home lies in (hole, j].
-      const uint64_t home = detail::Mix64(keys[j]) & mask;
-      const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
-      if (stays) continue;
-      keys[hole] = keys[j];
-      masks[hole] = masks[j];
-      meta[hole] = meta[j];
-      hole = j;
-    }
-    keys[hole] = kEmptyKey;
-    masks[hole] = 0;  // an empty slot has no holders: eviction scans masks alone
-    --size;
-  }
-
-  void Grow() {
-    std::vector<uint64_t> old_keys = std::move(keys), old_masks = std::move(masks);
-    std::vector<uint32_t> old_meta = std::move(meta);
-    Allocate(2 * old_keys.size());
-    for (uint64_t j = 0; j < old_keys.size(); ++j) {
-      if (old_keys[j] == kEmptyKey) continue;
-      uint64_t i = detail::Mix64(old_keys[j]) & mask;
-      while (keys[i] != kEmptyKey) i = (i + 1) & mask;
-      keys[i] = old_keys[j];
-      masks[i] = old_masks[j];
-      meta[i] = old_meta[j];
-      ++size;
-    }
-  }
+struct Herald::Impl {
+  virtual ~Impl() = default;
+  // Plans a batch whose offsets were checked, and updates the snapshot.
+  virtual HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) = 0;
+  virtual std::vector<uint64_t> Cached(int32_t worker) const = 0;
+  virtual uint64_t Held(int32_t worker) const = 0;
+  virtual uint64_t MemoryBytes() const = 0;
+  virtual void Clear() = 0;
 };
 
-Herald::Herald(const HeraldOptions& options) : options_(options), table_(std::make_unique<Table>()) {
-  if (options.workers < 1 || options.workers > 64) {
-    throw std::invalid_argument("Herald: workers = " + std::to_string(options.workers) +
+// The snapshot for holder masks of type Mask (W <= its bits).
+//
+// log_keys/log_masks: a record per (key, batch that last trained it), in
+// training order, a run per batch starting at runs[r] (with a capacity; the
+// runs order the records by their batch). A record is live while its mask is
+// not 0: it lost its holders to a later batch (which appended a new record)
+// or to eviction. index: open addressing with linear probing, a slot per live
+// record, (high 32 bits of Mix64(key)) << 32 | position; the hash bits place
+// the slot (multiply-shift, any table size) and filter the probes, so only a
+// match reads the log. Erase shifts the probe run back (no tombstones).
+template <class Mask>
+struct Herald::Snapshot final : Herald::Impl {
+  static constexpr uint64_t kFree = ~uint64_t{0};
+  static constexpr uint64_t kNone = ~uint64_t{0};
+  static constexpr uint64_t kMaxRecords = UINT32_MAX - 1;  // positions are 32-bit; ~0u marks a free slot
+
+  explicit Snapshot(const HeraldOptions& options)
+      : opt(options), held(options.workers, 0), cursor(options.workers, 0), score(options.workers, 0) {
+    index.assign(kMinSlots, kFree);
+  }
+
+  // ---- the key index ----
+  static uint32_t Hash(uint64_t key) { return static_cast<uint32_t>(detail::Mix64(key) >> 32); }
+  uint64_t Home(uint32_t hash) const { return (uint64_t{hash} * index.size()) >> 32; }
+  uint64_t Next(uint64_t i) const { return i + 1 == index.size() ? 0 : i + 1; }
+
+  uint64_t Find(uint64_t key, uint32_t hash) const {
+    for (uint64_t i = Home(hash);; i = Next(i)) {
+      const uint64_t v = index[i];
+      if (v == kFree) return kNone;
+      if ((v >> 32) == hash && log_keys[static_cast<uint32_t>(v)] == key) return i;
+    }
+  }
+
+  void Insert(uint32_t hash, uint64_t pos) {
+    uint64_t i = Home(hash);
+    while (index[i] != kFree) i = Next(i);
+    index[i] = uint64_t{hash} << 32 | pos;
+    ++used;
+  }
+
+  // Erases the slot of the record at `pos` (key hashing to `hash`).
+  void Erase(uint32_t hash, uint64_t pos) {
+    uint64_t hole = Home(hash);
+    while (static_cast<uint32_t>(index[hole]) != pos) hole = Next(hole);
+    for (uint64_t j = Next(hole); index[j] != kFree; j = Next(j)) {
+      // An entry may fill the hole unless its home lies in (hole, j].
+      const uint64_t home = Home(static_cast<uint32_t>(index[j] >> 32));
+      const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+      if (stays) continue;
+      index[hole] = index[j];
+      hole = j;
+    }
+    index[hole] = kFree;
+    --used;
+  }
+
+  // Room for `more` inserts below kMaxLoad.
+  void Reserve(uint64_t more) {
+    if (static_cast<double>(used + more) <= kMaxLoad * static_cast<double>(index.size())) return;
+    const auto slots = std::max<uint64_t>(kMinSlots, static_cast<uint64_t>(static_cast<double>(used + more) / kGrownLoad));
+    std::vector<uint64_t> old(slots, kFree);
+    old.swap(index);
+    used = 0;
+    for (uint64_t v : old) {
+      if (v != kFree) Insert(static_cast<uint32_t>(v >> 32), static_cast<uint32_t>(v));
+    }
+  }
+
+  // ---- the log ----
+  // Drops the dead records into a log with room for `more` records beyond the
+  // live ones (kLogRoom x), rewriting the positions the index, runs and
+  // cursors hold: a record's new position is the number of live ones before it.
+  void Compact(uint64_t more) {
+    const uint64_t n = log_keys.size();
+    const uint64_t blocks = n / 64 + 1;
+    std::vector<uint64_t> live_bits(blocks, 0);
+    std::vector<uint64_t> base(blocks + 1, 0);
+    for (uint64_t p = 0; p < n; ++p) {
+      if (log_masks[p] != 0) live_bits[p / 64] |= uint64_t{1} << (p % 64);
+    }
+    for (uint64_t b = 0; b < blocks; ++b) base[b + 1] = base[b] + Popcount64(live_bits[b]);
+    const uint64_t live = base[blocks];
+    auto moved = [&](uint64_t p) { return base[p / 64] + Popcount64(live_bits[p / 64] & ((uint64_t{1} << (p % 64)) - 1)); };
+
+    const uint64_t room =
+        std::min(kMaxRecords, static_cast<uint64_t>(kLogRoom * static_cast<double>(live + more)) + 64);
+    std::vector<uint64_t> keys;
+    std::vector<Mask> masks;
+    keys.reserve(room);
+    masks.reserve(room);
+    keys.resize(live + 1);  // + 1: a dead record is written past the live ones, then overwritten
+    masks.resize(live + 1);
+    for (uint64_t p = 0, at = 0; p < n; ++p) {
+      keys[at] = log_keys[p];
+      masks[at] = log_masks[p];
+      at += log_masks[p] != 0;
+    }
+    keys.resize(live);
+    masks.resize(live);
+    for (uint64_t& v : index) {
+      if (v != kFree) v = (v & ~uint64_t{UINT32_MAX}) | moved(static_cast<uint32_t>(v));
+    }
+    std::vector<uint64_t> kept;
+    for (uint64_t r = 0; r < runs.size(); ++r) {
+      const uint64_t begin = moved(runs[r]);
+      if (begin == live) break;  // this run and the later ones are empty
+      if (!kept.empty() && kept.back() == begin) kept.pop_back();  // the run before was empty
+      kept.push_back(begin);
+    }
+    runs = std::move(kept);
+    for (uint64_t& c : cursor) c = moved(c);
+    log_keys = std::move(keys);
+    log_masks = std::move(masks);
+    dead = 0;
+  }
+
+  // Worker w drops its `drop` least recently used keys: its records from its
+  // cursor on, a run at a time; the run the count ends in gives its lowest keys.
+  void Evict(int32_t w, uint64_t drop, std::vector<uint64_t>& evicted) {
+    const auto bit = static_cast<Mask>(uint64_t{1} << w);
+    held[w] -= drop;
+    uint64_t p = cursor[w];
+    uint64_t r = static_cast<uint64_t>(std::upper_bound(runs.begin(), runs.end(), p) - runs.begin()) - 1;
+    auto lose = [&](uint64_t q) {
+      log_masks[q] &= static_cast<Mask>(~bit);
+      evicted.push_back(log_keys[q]);
+      if (log_masks[q] == 0) emptied.push_back(q);
+    };
+    while (drop > 0) {  // held counts live records: the log cannot run dry first
+      const uint64_t end = r + 1 < runs.size() ? runs[r + 1] : log_keys.size();
+      mine.clear();
+      for (uint64_t q = p; q < end; ++q) {
+        if (log_masks[q] & bit) mine.push_back(q);
+      }
+      if (mine.size() <= drop) {
+        for (uint64_t q : mine) lose(q);
+        drop -= mine.size();
+        p = end;
+        ++r;
+        continue;
+      }
+      const auto cut = mine.begin() + static_cast<int64_t>(drop);
+      std::nth_element(mine.begin(), cut, mine.end(), [&](uint64_t a, uint64_t b) { return log_keys[a] < log_keys[b]; });
+      for (auto it = mine.begin(); it != cut; ++it) lose(*it);
+      p = *std::min_element(cut, mine.end());
+      drop = 0;
+    }
+    cursor[w] = p;
+  }
+
+  HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) override {
+    const int32_t W = opt.workers;
+    const uint64_t total = offsets[n_examples];
+    inverse.resize(total);
+    const std::vector<uint64_t> uniq = UniqueKeys(keys, total, inverse.data());  // throws like CheckKeys
+    const uint64_t U = uniq.size();
+    if (log_keys.size() - dead + U > kMaxRecords) {
+      throw std::length_error("Herald::Schedule: the snapshot would pass 2^32 - 2 keys");
+    }
+
+    HeraldPlan plan;
+    plan.distinct = U;
+    // Every batch key's slot now; the index is far larger than the caches, so
+    // its slots and then the records they point to are fetched ahead of use.
+    Reserve(U);  // the inserts below must not move the slots found here
+    hashes.resize(U);
+    slot.resize(U);
+    latest.resize(U);
+    need.assign(U, 0);
+    for (uint64_t u = 0; u < U; ++u) hashes[u] = Hash(uniq[u]);
+    constexpr uint64_t kAhead = 16, kPeek = 8;
+    for (uint64_t u = 0; u < std::min(U, kAhead); ++u) __builtin_prefetch(&index[Home(hashes[u])]);
+    for (uint64_t u = 0; u < U; ++u) {
+      if (u + kAhead < U) __builtin_prefetch(&index[Home(hashes[u + kAhead])]);
+      if (u + kPeek < U) {
+        const uint64_t v = index[Home(hashes[u + kPeek])];
+        if (v != kFree && (v >> 32) == hashes[u + kPeek]) {
+          __builtin_prefetch(&log_keys[static_cast<uint32_t>(v)]);
+          __builtin_prefetch(&log_masks[static_cast<uint32_t>(v)]);
+        }
+      }
+      const uint64_t s = slot[u] = Find(uniq[u], hashes[u]);
+      latest[u] = s == kNone ? Mask{0} : log_masks[static_cast<uint32_t>(index[s])];
+    }
+
+    // ---- partition: shares of n / W, the first n % W workers one more ----
+    share.resize(W);
+    for (int32_t w = 0; w < W; ++w) share[w] = n_examples / W + (static_cast<uint64_t>(w) < n_examples % W ? 1 : 0);
+    plan.assignment.resize(n_examples);
+    if (opt.location_aware) {
+      placed = latest;  // the snapshot, plus the keys of examples placed so far
+      // Examples with the most cached keys choose first (their best score on the
+      // snapshot, ties in batch order): they have the most to lose to a full worker.
+      order.resize(n_examples);  // (-best, i) as (kMax - best, i)
+      for (uint64_t i = 0; i < n_examples; ++i) {
+        std::fill(score.begin(), score.end(), 0);
+        uint32_t best = 0;
+        for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
+          for (Mask m = latest[inverse[j]]; m != 0; m &= static_cast<Mask>(m - 1)) {
+            best = std::max(best, ++score[std::countr_zero(m)]);
+          }
+        }
+        order[i] = {UINT32_MAX - best, i};
+      }
+      std::sort(order.begin(), order.end());
+      for (const auto& [unused, i] : order) {
+        std::fill(score.begin(), score.end(), 0);
+        for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
+          for (Mask m = placed[inverse[j]]; m != 0; m &= static_cast<Mask>(m - 1)) ++score[std::countr_zero(m)];
+        }
+        int32_t best = -1;
+        for (int32_t w = 0; w < W; ++w) {
+          if (share[w] != 0 && (best < 0 || score[w] > score[best])) best = w;
+        }
+        plan.assignment[i] = best;
+        --share[best];
+        const auto bit = static_cast<Mask>(uint64_t{1} << best);
+        for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) placed[inverse[j]] |= bit;
+      }
+    } else {
+      int32_t w = 0;
+      for (uint64_t i = 0; i < n_examples; ++i) {
+        while (share[w] == 0) ++w;
+        plan.assignment[i] = w;
+        --share[w];
+      }
+    }
+    for (uint64_t i = 0; i < n_examples; ++i) {
+      const auto bit = static_cast<Mask>(uint64_t{1} << plan.assignment[i]);
+      for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) need[inverse[j]] |= bit;
+    }
+
+    // ---- fetches, comm plans and counts ----
+    // The source of a fetch: on demand every held row is dirty (a worker
+    // trained it), so its lowest holder; write-through the PS holds them all.
+    auto source_of = [&](uint64_t u) -> int32_t {
+      return latest[u] != 0 && opt.on_demand ? std::countr_zero(latest[u]) : -1;
+    };
+    plan.fetch_offsets.assign(W + 1, 0);
+    plan.comm_offsets.assign(W + 1, 0);
+    for (uint64_t u = 0; u < U; ++u) {
+      const auto lacking = static_cast<Mask>(need[u] & ~latest[u]);
+      uint32_t pulls = 0;
+      for (Mask m = lacking; m != 0; m &= static_cast<Mask>(m - 1)) {
+        ++plan.fetch_offsets[std::countr_zero(m) + 1];
+        ++pulls;
+      }
+      const int32_t from = source_of(u);
+      if (lacking != 0 && from >= 0) ++plan.comm_offsets[from + 1];
+      plan.pulls += pulls;
+      if (from >= 0) plan.peer_pulls += pulls;
+      if (opt.on_demand ? (lacking != 0 && from >= 0) : true) ++plan.pushes;
+      plan.shared += Holders(need[u]) - 1;  // every batch key is needed by someone
+    }
+    for (int32_t w = 0; w < W; ++w) {
+      plan.fetch_offsets[w + 1] += plan.fetch_offsets[w];
+      plan.comm_offsets[w + 1] += plan.comm_offsets[w];
+    }
+    plan.fetch_keys.resize(plan.fetch_offsets[W]);
+    plan.fetch_from.resize(plan.fetch_offsets[W]);
+    plan.comm_keys.resize(plan.comm_offsets[W]);
+    fetch_at.assign(plan.fetch_offsets.begin(), plan.fetch_offsets.end() - 1);
+    comm_at.assign(plan.comm_offsets.begin(), plan.comm_offsets.end() - 1);
+    for (uint64_t u = 0; u < U; ++u) {
+      const auto lacking = static_cast<Mask>(need[u] & ~latest[u]);
+      if (lacking == 0) continue;
+      const int32_t from = source_of(u);
+      for (Mask m = lacking; m != 0; m &= static_cast<Mask>(m - 1)) {
+        const uint64_t at = fetch_at[std::countr_zero(m)]++;
+        plan.fetch_keys[at] = uniq[u];
+        plan.fetch_from[at] = from;
+      }
+      if (from >= 0) plan.comm_keys[comm_at[from]++] = uniq[u];
+    }
+
+    // ---- the snapshot: the trainers hold the latest version, other copies go ----
+    // Each batch key gets a new record at the log's end, a run for the batch;
+    // its old record (if any) dies.
+    if (log_keys.size() + U > std::min<uint64_t>(log_keys.capacity(), kMaxRecords)) Compact(U);
+    if (opt.capacity > 0 && U > 0) runs.push_back(log_keys.size());
+    for (uint64_t u = 0; u < U; ++u) {
+      if (u + kAhead < U) {  // the slots were read long ago: fetch them again ahead of use
+        const uint64_t s = slot[u + kAhead];
+        __builtin_prefetch(&index[s != kNone ? s : Home(hashes[u + kAhead])], 1);
+      }
+      if (u + kPeek < U && slot[u + kPeek] != kNone) {
+        __builtin_prefetch(&log_masks[static_cast<uint32_t>(index[slot[u + kPeek]])], 1);
+      }
+      const Mask old = latest[u];
+      for (Mask m = static_cast<Mask>(need[u] & ~old); m != 0; m &= static_cast<Mask>(m - 1)) ++held[std::countr_zero(m)];
+      for (Mask m = static_cast<Mask>(old & ~need[u]); m != 0; m &= static_cast<Mask>(m - 1)) --held[std::countr_zero(m)];
+      const uint64_t pos = log_keys.size();
+      log_keys.push_back(uniq[u]);
+      log_masks.push_back(need[u]);
+      if (slot[u] == kNone) {
+        Insert(hashes[u], pos);
+      } else {
+        log_masks[static_cast<uint32_t>(index[slot[u]])] = 0;
+        ++dead;
+        index[slot[u]] = uint64_t{hashes[u]} << 32 | pos;
+      }
+    }
+
+    // ---- eviction: a cache above capacity drops its least recently used keys ----
+    if (opt.capacity > 0) {
+      emptied.clear();
+      for (int32_t w = 0; w < W; ++w) {
+        if (held[w] > opt.capacity) Evict(w, held[w] - opt.capacity, plan.evicted);
+      }
+      for (uint64_t e = 0; e < emptied.size(); ++e) {  // the last holder dropped it: a dirty row goes to the PS
+        if (e + kAhead < emptied.size()) __builtin_prefetch(&index[Home(Hash(log_keys[emptied[e + kAhead]]))], 1);
+        const uint64_t q = emptied[e];
+        if (opt.on_demand) {
+          ++plan.pushes;
+          ++plan.evict_pushes;
+        }
+        Erase(Hash(log_keys[q]), q);
+        ++dead;
+      }
+      std::sort(plan.evicted.begin(), plan.evicted.end());
+      plan.evicted.erase(std::unique(plan.evicted.begin(), plan.evicted.end()), plan.evicted.end());
+    }
+    return plan;
+  }
+
+  std::vector<uint64_t> Cached(int32_t worker) const override {
+    const auto bit = static_cast<Mask>(uint64_t{1} << worker);
+    std::vector<uint64_t> out;
+    for (uint64_t p = 0; p < log_keys.size(); ++p) {
+      if (log_masks[p] & bit) out.push_back(log_keys[p]);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  uint64_t Held(int32_t worker) const override { return held[worker]; }
+
+  uint64_t MemoryBytes() const override {
+    return index.capacity() * sizeof(uint64_t) + log_keys.capacity() * sizeof(uint64_t) +
+           log_masks.capacity() * sizeof(Mask) + runs.capacity() * sizeof(uint64_t);
+  }
+
+  void Clear() override {
+    index.assign(kMinSlots, kFree);
+    index.shrink_to_fit();
+    used = 0;
+    log_keys = {};
+    log_masks = {};
+    runs = {};
+    dead = 0;
+    std::fill(held.begin(), held.end(), 0);
+    std::fill(cursor.begin(), cursor.end(), 0);
+  }
+
+  HeraldOptions opt;
+  std::vector<uint64_t> index;
+  uint64_t used = 0;  // occupied index slots: the live records
+  std::vector<uint64_t> log_keys;
+  std::vector<Mask> log_masks;
+  uint64_t dead = 0;          // records whose mask is 0
+  std::vector<uint64_t> runs;  // with a capacity: where each batch's records begin, oldest first
+  std::vector<uint64_t> held;    // (W,) keys each cache holds
+  std::vector<uint64_t> cursor;  // (W,) no record before it has the worker's bit
+  // Per-batch scratch, kept for the next batch (not in MemoryBytes).
+  std::vector<int64_t> inverse;
+  std::vector<uint32_t> hashes, score;
+  std::vector<uint64_t> slot, share, fetch_at, comm_at, emptied, mine;
+  std::vector<Mask> latest, need, placed;
+  std::vector<std::pair<uint32_t, uint64_t>> order;
+};
+
+Herald::Herald(const HeraldOptions& options) : options_(options) {
+  const int32_t W = options.workers;
+  if (W < 1 || W > 64) {
+    throw std::invalid_argument("Herald: workers = " + std::to_string(W) +
                                 " is outside [1, 64] (a key's holders are a 64-bit mask)");
   }
-  held_.assign(options.workers, 0);
-  recency_.resize(options.workers);
-  queued_.assign(options.workers, 0);
+  if (W <= 8) {
+    impl_ = std::make_unique<Snapshot<uint8_t>>(options);
+  } else if (W <= 16) {
+    impl_ = std::make_unique<Snapshot<uint16_t>>(options);
+  } else if (W <= 32) {
+    impl_ = std::make_unique<Snapshot<uint32_t>>(options);
+  } else {
+    impl_ = std::make_unique<Snapshot<uint64_t>>(options);
+  }
 }
 
 Herald::~Herald() = default;
@@ -128,7 +450,6 @@ HeraldPlan Herald::Schedule(const uint64_t* keys, uint64_t n_examples, int32_t f
 }
 
 HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) {
-  const int32_t W = options_.workers;
   if (offsets[0] != 0) {
     throw std::invalid_argument("Herald::Schedule: offsets[0] = " + std::to_string(offsets[0]) + ", must be 0");
   }
@@ -139,229 +460,9 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
                                   "] = " + std::to_string(offsets[i]));
     }
   }
-  const uint64_t total = offsets[n_examples];
-  std::vector<int64_t> inverse(total);
-  const std::vector<uint64_t> uniq = UniqueKeys(keys, total, inverse.data());  // throws like CheckKeys
-  const uint64_t U = uniq.size();
-  Table& t = *table_;
-
-  HeraldPlan plan;
-  plan.distinct = U;
-  std::vector<uint64_t> latest(U), need(U, 0);
-  std::vector<uint8_t> dirty(U);
-  // Every batch key gets its slot now (a new one: mask 0, clean), grown once
-  // up front so that the slots stay put until the snapshot update below; the
-  // table is far larger than the caches, so the probes are prefetched.
-  t.Reserve(U);
-  std::vector<uint64_t> slot(U);
-  constexpr uint64_t kAhead = 8;
-  for (uint64_t u = 0; u < std::min(U, kAhead); ++u) t.Prefetch(uniq[u]);
-  for (uint64_t u = 0; u < U; ++u) {
-    if (u + kAhead < U) t.Prefetch(uniq[u + kAhead]);
-    const uint64_t s = slot[u] = t.Upsert(uniq[u]);
-    latest[u] = t.masks[s];
-    dirty[u] = (t.meta[s] & Table::kDirty) != 0;
-  }
-
-  // ---- partition: shares of n / W, the first n % W workers one more ----
-  std::vector<uint64_t> room(W);
-  for (int32_t w = 0; w < W; ++w) room[w] = n_examples / W + (static_cast<uint64_t>(w) < n_examples % W ? 1 : 0);
-  plan.assignment.resize(n_examples);
-  if (options_.location_aware) {
-    std::vector<uint64_t> placed = latest;  // the snapshot, plus the keys of examples placed so far
-    std::vector<uint32_t> score(W);
-    // Examples with the most cached keys choose first (their best score on the
-    // snapshot, ties in batch order): they have the most to lose to a full worker.
-    std::vector<std::pair<uint32_t, uint64_t>> order(n_examples);  // (-best, i) as (kMax - best, i)
-    for (uint64_t i = 0; i < n_examples; ++i) {
-      std::fill(score.begin(), score.end(), 0);
-      for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
-        for (uint64_t m = latest[inverse[j]]; m != 0; m &= m - 1) ++score[std::countr_zero(m)];
-      }
-      order[i] = {UINT32_MAX - *std::max_element(score.begin(), score.end()), i};
-    }
-    std::sort(order.begin(), order.end());
-    for (const auto& [unused, i] : order) {
-      std::fill(score.begin(), score.end(), 0);
-      for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
-        for (uint64_t m = placed[inverse[j]]; m != 0; m &= m - 1) ++score[std::countr_zero(m)];
-      }
-      int32_t best = -1;
-      for (int32_t w = 0; w < W; ++w) {
-        if (room[w] != 0 && (best < 0 || score[w] > score[best])) best = w;
-      }
-      plan.assignment[i] = best;
-      --room[best];
-      for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) placed[inverse[j]] |= uint64_t{1} << best;
-    }
-  } else {
-    int32_t w = 0;
-    for (uint64_t i = 0; i < n_examples; ++i) {
-      while (room[w] == 0) ++w;
-      plan.assignment[i] = w;
-      --room[w];
-    }
-  }
-  for (uint64_t i = 0; i < n_examples; ++i) {
-    const uint64_t bit = uint64_t{1} << plan.assignment[i];
-    for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) need[inverse[j]] |= bit;
-  }
-
-  // ---- fetches, comm plans and counts ----
-  auto source_of = [&](uint64_t u) -> int32_t {
-    return latest[u] != 0 && dirty[u] ? std::countr_zero(latest[u]) : -1;
-  };
-  plan.fetch_offsets.assign(W + 1, 0);
-  plan.comm_offsets.assign(W + 1, 0);
-  for (uint64_t u = 0; u < U; ++u) {
-    const uint64_t lacking = need[u] & ~latest[u];
-    for (uint64_t m = lacking; m != 0; m &= m - 1) ++plan.fetch_offsets[std::countr_zero(m) + 1];
-    const int32_t from = source_of(u);
-    if (lacking != 0 && from >= 0) ++plan.comm_offsets[from + 1];
-    plan.pulls += std::popcount(lacking);
-    if (from >= 0) plan.peer_pulls += std::popcount(lacking);
-    if (options_.on_demand ? (lacking != 0 && from >= 0) : true) ++plan.pushes;
-    plan.shared += std::popcount(need[u]) - 1;  // every batch key is needed by someone
-  }
-  for (int32_t w = 0; w < W; ++w) {
-    plan.fetch_offsets[w + 1] += plan.fetch_offsets[w];
-    plan.comm_offsets[w + 1] += plan.comm_offsets[w];
-  }
-  plan.fetch_keys.resize(plan.fetch_offsets[W]);
-  plan.fetch_from.resize(plan.fetch_offsets[W]);
-  plan.comm_keys.resize(plan.comm_offsets[W]);
-  {
-    std::vector<uint64_t> fetch_at(plan.fetch_offsets.begin(), plan.fetch_offsets.end() - 1);
-    std::vector<uint64_t> comm_at(plan.comm_offsets.begin(), plan.comm_offsets.end() - 1);
-    for (uint64_t u = 0; u < U; ++u) {
-      const uint64_t lacking = need[u] & ~latest[u];
-      if (lacking == 0) continue;
-      const int32_t from = source_of(u);
-      for (uint64_t m = lacking; m != 0; m &= m - 1) {
-        const uint64_t at = fetch_at[std::countr_zero(m)]++;
-        plan.fetch_keys[at] = uniq[u];
-        plan.fetch_from[at] = from;
-      }
-      if (from >= 0) plan.comm_keys[comm_at[from]++] = uniq[u];
-    }
-  }
-
-  // ---- the snapshot: the trainers hold the latest version, other copies go ----
-  const uint32_t tick = static_cast<uint32_t>(batches_ & 0x7fffffffu);
-  for (uint64_t u = 0; u < U; ++u) {
-    if (u + kAhead < U) {  // the slots were touched long ago: fetch them again ahead of use
-      __builtin_prefetch(&t.masks[slot[u + kAhead]], 1);
-      __builtin_prefetch(&t.meta[slot[u + kAhead]], 1);
-    }
-    const uint64_t s = slot[u];
-    const uint64_t old = t.masks[s];
-    for (uint64_t m = need[u] & ~old; m != 0; m &= m - 1) ++held_[std::countr_zero(m)];
-    for (uint64_t m = old & ~need[u]; m != 0; m &= m - 1) --held_[std::countr_zero(m)];
-    t.masks[s] = need[u];
-    t.meta[s] = tick | (options_.on_demand ? Table::kDirty : 0);
-  }
+  HeraldPlan plan = impl_->Plan(offsets, n_examples, keys);
   ++batches_;
-
-  // ---- recency: each worker's keys of this batch join its queue as one group ----
-  if (options_.capacity > 0) {
-    for (int32_t w = 0; w < W; ++w) recency_[w].push_back({tick, {}});
-    for (uint64_t u = 0; u < U; ++u) {
-      for (uint64_t m = need[u]; m != 0; m &= m - 1) recency_[std::countr_zero(m)].back().keys.push_back(uniq[u]);
-    }
-    for (int32_t w = 0; w < W; ++w) {
-      queued_[w] += recency_[w].back().keys.size();
-      if (recency_[w].back().keys.empty()) recency_[w].pop_back();
-    }
-  }
-
-  // ---- eviction: a cache above capacity drops its least recently used keys ----
-  if (options_.capacity > 0) {
-    std::vector<uint64_t> emptied;
-    for (int32_t w = 0; w < W; ++w) {
-      if (held_[w] > options_.capacity) Evict(w, held_[w] - options_.capacity, plan.evicted, emptied);
-      // Stale entries (keys trained again later, or dropped) are skipped when
-      // reached; drop them all once they outnumber the live ones.
-      if (queued_[w] > 2 * held_[w] + 1024) CompactRecency(w);
-    }
-    for (uint64_t key : emptied) {
-      const uint64_t s = t.Find(key);
-      if (t.meta[s] & Table::kDirty) {
-        ++plan.pushes;
-        ++plan.evict_pushes;
-      }
-      t.Erase(key);
-    }
-    std::sort(plan.evicted.begin(), plan.evicted.end());
-    plan.evicted.erase(std::unique(plan.evicted.begin(), plan.evicted.end()), plan.evicted.end());
-  }
   return plan;
-}
-
-bool Herald::Holds(int32_t worker, uint32_t tick, uint64_t key) const {
-  const Table& t = *table_;
-  const uint64_t s = t.Find(key);
-  return s != Table::kNone && ((t.masks[s] >> worker) & 1) && (t.meta[s] & ~Table::kDirty) == tick;
-}
-
-// Worker w drops its `drop` least recently used keys. Its queue holds a group
-// per batch it trained in, oldest first; a group's live entries (keys w still
-// holds from that batch) are older than every later group's. Whole groups go
-// in any order (the evicted list is sorted after); only the group the count
-// ends in needs its lowest keys picked.
-void Herald::Evict(int32_t w, uint64_t drop, std::vector<uint64_t>& evicted, std::vector<uint64_t>& emptied) {
-  Table& t = *table_;
-  auto& queue = recency_[w];
-  const uint64_t bit = uint64_t{1} << w;
-  held_[w] -= drop;
-  while (drop > 0) {
-    RecencyGroup& g = queue.front();  // held_ counts live entries: the queue cannot run dry first
-    const uint64_t before = g.keys.size();
-    LiveOnly(w, g);
-    queued_[w] -= before - g.keys.size();
-    const uint64_t take = std::min<uint64_t>(drop, g.keys.size());
-    const auto end = g.keys.begin() + static_cast<int64_t>(take);
-    if (take < g.keys.size()) std::nth_element(g.keys.begin(), end, g.keys.end());
-    for (auto it = g.keys.begin(); it != end; ++it) {
-      const uint64_t s = t.Find(*it);
-      t.masks[s] &= ~bit;
-      evicted.push_back(*it);
-      if (t.masks[s] == 0) emptied.push_back(*it);
-    }
-    g.keys.erase(g.keys.begin(), end);
-    drop -= take;
-    queued_[w] -= take;
-    if (g.keys.empty()) queue.pop_front();
-  }
-}
-
-// Keeps the entries of g that worker w still holds from g's batch.
-void Herald::LiveOnly(int32_t w, RecencyGroup& g) const {
-  constexpr size_t kAhead = 8;  // the table is far larger than the caches: fetch the probes early
-  const size_t n = g.keys.size();
-  for (size_t i = 0; i < std::min(n, kAhead); ++i) table_->Prefetch(g.keys[i]);
-  size_t kept = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) table_->Prefetch(g.keys[i + kAhead]);
-    if (Holds(w, g.tick, g.keys[i])) g.keys[kept++] = g.keys[i];
-  }
-  g.keys.resize(kept);
-  // A group keeps its old keys' room otherwise: cold keys trickling through a
-  // cache leave many groups of a few live keys each.
-  if (g.keys.capacity() > 2 * kept + 8) g.keys.shrink_to_fit();
-}
-
-void Herald::CompactRecency(int32_t w) {
-  auto& queue = recency_[w];
-  std::deque<RecencyGroup> live;
-  uint64_t queued = 0;
-  for (RecencyGroup& g : queue) {
-    LiveOnly(w, g);
-    if (g.keys.empty()) continue;
-    queued += g.keys.size();
-    live.push_back(std::move(g));
-  }
-  queue = std::move(live);
-  queued_[w] = queued;
 }
 
 std::vector<uint64_t> Herald::Cached(int32_t worker) const {
@@ -369,13 +470,7 @@ std::vector<uint64_t> Herald::Cached(int32_t worker) const {
     throw std::out_of_range("Herald::Cached: worker " + std::to_string(worker) + " is outside [0, " +
                             std::to_string(options_.workers) + ")");
   }
-  std::vector<uint64_t> out;
-  const Table& t = *table_;
-  for (uint64_t s = 0; s <= t.mask; ++s) {
-    if (t.keys[s] != kEmptyKey && ((t.masks[s] >> worker) & 1)) out.push_back(t.keys[s]);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
+  return impl_->Cached(worker);
 }
 
 uint64_t Herald::cached(int32_t worker) const {
@@ -383,23 +478,11 @@ uint64_t Herald::cached(int32_t worker) const {
     throw std::out_of_range("Herald::cached: worker " + std::to_string(worker) + " is outside [0, " +
                             std::to_string(options_.workers) + ")");
   }
-  return held_[worker];
+  return impl_->Held(worker);
 }
 
-uint64_t Herald::memory_bytes() const {
-  const Table& t = *table_;
-  uint64_t bytes = (t.mask + 1) * (2 * sizeof(uint64_t) + sizeof(uint32_t));
-  for (const auto& queue : recency_) {
-    for (const RecencyGroup& g : queue) bytes += sizeof(RecencyGroup) + g.keys.capacity() * sizeof(uint64_t);
-  }
-  return bytes;
-}
+uint64_t Herald::memory_bytes() const { return impl_->MemoryBytes(); }
 
-void Herald::Clear() {
-  table_->Allocate(64);
-  std::fill(held_.begin(), held_.end(), 0);
-  for (auto& queue : recency_) queue.clear();
-  std::fill(queued_.begin(), queued_.end(), 0);
-}
+void Herald::Clear() { impl_->Clear(); }
 
 }  // namespace hps
