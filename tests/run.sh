@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==== %s ====\n' "$*"; }
+step() { printf '\n==== %s (at %d s) ====\n' "$*" "$SECONDS"; }
 
 source bench/setup.sh
 step "apt packages, Python"
@@ -47,3 +47,4 @@ bash bench/hash_table.sh --quick
 step "pytest"
 # The source package sits in python/hps, so this imports the installed build.
 "$PY" -m pytest -p no:cacheprovider tests
+echo "tests/run.sh: all passed in $SECONDS s"

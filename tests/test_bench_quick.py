@@ -131,3 +131,18 @@ def test_w5_small_table_on_ssd_trains_as_in_memory():
         rocks = out["runs"]["rocksdb"]
         assert rocks["status"] == "ok" and rocks["examples"] == 40_000
         assert abs(rocks["auc"] - ssd["auc"]) < 0.002  # the same model on the same examples
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "..", "shared", "data", "criteo-sample")),
+                    reason="../shared/data/criteo-sample is absent")
+def test_reader_quick_reads_every_format_whole_and_trains_the_tsv():
+    pytest.importorskip("torch", reason="the reader benchmark's training side needs torch")
+    pytest.importorskip("pyarrow", reason="the schema readers need pyarrow")
+    out = run_json("bench/reader_bench.py", "--quick", "--no-save", timeout=600)
+    # The sample twice, in every format; the dirty TSV's malformed lines skipped, not counted.
+    assert out["examples"] == {k: 20_000 for k in ("criteo_tsv", "csv_schema", "parquet_schema", "libsvm",
+                                                    "tsv_dirty")}
+    for v in out["read_examples_per_s"].values():
+        assert 0 < v["min"] <= v["median"] <= v["max"]
+    t = out["train"]
+    assert t["examples"] == 20_000 and t["read_over_train"] == pytest.approx(t["read_busy_s"] / t["train_busy_s"])
