@@ -12,7 +12,8 @@ reader without a schema), CSV with a header read by a [data.schema], libsvm text
 (one field per Criteo column, indices by field), Parquet by the same schema; and
 "TSV, dirty": the TSV with one malformed line every 2,000, read with
 skip_malformed, so that every block falls back to the per-line parser that names
-errors. Each round reads every format once (interleaved), batches of 4,096; the
+errors: the compiled one (hps.data._criteo_lines, Cython) and, as "TSV, dirty,
+Python", the pure-Python reference it replaced (criteo._parse_line). Each round reads every format once (interleaved), batches of 4,096; the
 figure is examples/s of reading alone, median (min-max) over rounds, on one thread.
 
 The training side: one `hps.train` of the W4 model (dim 16 by AdaGrad, MLP 512-256,
@@ -78,7 +79,8 @@ def write_files(directory: str, copies: int) -> dict:
     svm_schema = {"fields": {f"f{j}": [j << 32, (j << 32) + (1 << 32) - 1] for j in range(39)}}
     return {"criteo_tsv": (tsv, {}), "csv_schema": (csv, {"schema": SCHEMA}),
             "parquet_schema": (parquet, {"schema": SCHEMA}), "libsvm": (svm, {"schema": svm_schema}),
-            "tsv_dirty": (dirty, {"skip_malformed": True})}
+            "tsv_dirty": (dirty, {"skip_malformed": True}),
+            "tsv_dirty_python": (dirty, {"skip_malformed": True, "python_lines": True})}
 
 
 def open_reader(path: str, kw: dict, batch: int):
@@ -91,9 +93,17 @@ def open_reader(path: str, kw: dict, batch: int):
 
 
 def read_rate(path: str, kw: dict, batch: int) -> tuple[float, int]:
-    t = time.perf_counter()
-    n = sum(len(b) for b in open_reader(path, kw, batch))
-    return n / (time.perf_counter() - t), n
+    from hps.data import criteo
+    kw = dict(kw)
+    compiled = criteo._criteo_lines
+    if kw.pop("python_lines", False):
+        criteo._criteo_lines = None  # the reader's fallback: _parse_line for every line
+    try:
+        t = time.perf_counter()
+        n = sum(len(b) for b in open_reader(path, kw, batch))
+        return n / (time.perf_counter() - t), n
+    finally:
+        criteo._criteo_lines = compiled
 
 
 def train_rate(path: str, directory: str, batch: int) -> dict:

@@ -141,7 +141,7 @@ def test_reader_quick_reads_every_format_whole_and_trains_the_tsv():
     out = run_json("bench/reader_bench.py", "--quick", "--no-save", timeout=600)
     # The sample twice, in every format; the dirty TSV's malformed lines skipped, not counted.
     assert out["examples"] == {k: 20_000 for k in ("criteo_tsv", "csv_schema", "parquet_schema", "libsvm",
-                                                    "tsv_dirty")}
+                                                    "tsv_dirty", "tsv_dirty_python")}
     for v in out["read_examples_per_s"].values():
         assert 0 < v["min"] <= v["median"] <= v["max"]
     t = out["train"]

@@ -663,3 +663,60 @@ def test_parquet_read_rows_must_be_a_positive_int(fuzz_dir, read_rows):
     pq.write_table(_valid_table(), path)
     with pytest.raises(ValueError, match="read_rows must be a positive int"):  # 0 was an error mid-pass
         CriteoParquet(str(path), read_rows=read_rows)
+
+
+# ------------------------------------------------------------------ the compiled line parser
+
+_FIELD = st.one_of(
+    st.just(b""), st.sampled_from([b"0", b"1", b"-0", b"00", b"01", b"-1", b"2", b"-", b"+1", b" 1", b"1\r"]),
+    st.integers(INT64_MIN - 2, INT64_MAX + 2).map(lambda v: str(v).encode()),
+    st.integers(0, 3).flatmap(lambda z: st.integers(-10**25, 10**25).map(
+        lambda v: (b"-" if v < 0 else b"") + b"0" * z + str(abs(v)).encode())),
+    st.text("0123456789abcdefABCDEFxg", min_size=1, max_size=18).map(str.encode),
+    st.binary(max_size=6).filter(lambda b: b"\t" not in b and b"\n" not in b))
+_LABEL = st.sampled_from([b"0", b"1", b"-0", b"00", b"01", b"001"])
+_DENSE = st.one_of(st.just(b""), st.integers(0, 2).flatmap(lambda z: st.integers(INT64_MIN, INT64_MAX).map(
+    lambda v: (b"-" if v < 0 else b"") + b"0" * z + str(abs(v)).encode())),
+    st.sampled_from([str(INT64_MIN).encode(), str(INT64_MAX).encode(), str(INT64_MAX + 1).encode(),
+                     str(INT64_MIN - 1).encode()]))
+_HEX = st.one_of(st.just(b""), st.text("0123456789abcdefABCDEF", min_size=1, max_size=16).map(str.encode))
+
+
+def _mutated(parts):
+    label, dense, cats, edits = parts
+    fields = [label] + dense + cats
+    for at, value in edits:  # a field replaced, or (past the end) one more field
+        if at < len(fields):
+            fields[at] = value
+        else:
+            fields.append(value)
+    return fields
+
+
+@FUZZ
+@given(st.lists(st.tuples(_LABEL, st.lists(_DENSE, min_size=13, max_size=13),
+                          st.lists(_HEX, min_size=26, max_size=26),
+                          st.lists(st.tuples(st.integers(0, 41), _FIELD), max_size=2)).map(_mutated),
+                min_size=1, max_size=8))
+def test_compiled_line_parser_agrees_with_parse_line(rows):
+    from hps.data import criteo
+    if criteo._criteo_lines is None:
+        pytest.skip("hps.data._criteo_lines is not built (a source checkout)")
+    lines = [b"\t".join(fields) for fields in rows]
+    block = b"\n".join(lines) + b"\n"
+    data = np.frombuffer(block, np.uint8)
+    ends = np.flatnonzero(data == 10).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    n = len(lines)
+    labels, dense = np.empty(n), np.empty((n, 13))
+    cats, absent, valid = np.empty((n, 26), np.uint64), np.empty((n, 26), np.uint8), np.empty(n, np.uint8)
+    good = criteo._criteo_lines.parse_lines(data, starts, ends, labels, dense, cats, absent, valid)
+    assert good == int(valid.sum())
+    for i, line in enumerate(lines):
+        ref = criteo._parse_line(line)
+        ok = not (ref[0] is None or isinstance(ref[0], str))
+        assert bool(valid[i]) == ok, (line, ref)
+        if ok:
+            assert labels[i] == ref[0]
+            assert dense[i].tolist() == [float(x) for x in ref[1]]
+            assert cats[i].tolist() == ref[2] and absent[i].astype(bool).tolist() == ref[3]

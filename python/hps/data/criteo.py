@@ -19,6 +19,11 @@ from hps.data.examples import _Piece, _sources_of
 from hps.data.files import DataError, _fsspec, _is_url, _open_binary, _Reader, _shown, list_files
 from hps.data.keys import _field_tags, _keys
 
+try:  # the compiled per-line parser; absent in a source checkout that was never built
+    from hps.data import _criteo_lines
+except ImportError:  # pragma: no cover - the installed package always has it
+    _criteo_lines = None
+
 LABEL_COLUMN = "label"
 DENSE_COLUMNS: tuple[str, ...] = tuple(f"I{i}" for i in range(1, 14))
 CATEGORICAL_COLUMNS: tuple[str, ...] = tuple(f"C{i}" for i in range(1, 27))
@@ -289,10 +294,9 @@ class CriteoTsv(_Reader):
 
     Files are read in blocks of ``block_bytes`` (cut at line ends) that
     pyarrow.csv parses with several threads; a block it rejects, or one with a
-    bad value, is parsed again line by line in Python to find the bad lines.
-    A skipped line therefore costs its block the slow path (~40k lines/s
-    against ~250k on this project's 2-core test machine); a smaller
-    ``block_bytes`` confines it.
+    bad value, is parsed again line by line (hps.data._criteo_lines, compiled
+    from Cython) to find the bad lines, each named by ``_parse_line``. A dirty
+    file reads about as fast as a clean one (bench/reader_bench.py).
     """
 
     def __init__(self, paths, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
@@ -354,7 +358,40 @@ class CriteoTsv(_Reader):
         return _piece(path, lines, cols.labels, cols.dense_raw, cols.cat_values, cols.cat_missing), table.num_rows
 
     def _slow(self, block: bytes, path: str, first_line: int) -> tuple[_Piece, int]:
-        """(rows, lines) of the block by _parse_line; bad lines raise or are counted (self._bad)."""
+        """(rows, lines) of the block line by line; bad lines raise or are counted (self._bad).
+        The compiled parser (hps.data._criteo_lines) gives the verdicts and values, and
+        _parse_line, the reference, the reason for each bad line; without the compiled
+        module (a source checkout), _parse_line does it all."""
+        if _criteo_lines is None:
+            return self._slow_python(block, path, first_line)
+        data = np.frombuffer(block, np.uint8)
+        ends = np.flatnonzero(data == 10)
+        if not block.endswith(b"\n"):
+            ends = np.append(ends, len(block))
+        starts = np.empty(len(ends), np.int64)
+        starts[:1] = 0
+        starts[1:] = ends[:-1] + 1
+        ends = ends.astype(np.int64)
+        ends -= (ends > starts) & (data[np.maximum(ends - 1, 0)] == 13)  # a "\r" before the "\n" is dropped
+        n = len(starts)
+        labels, dense = np.empty(n), np.empty((n, len(DENSE_COLUMNS)))
+        cats, absent = np.empty((n, len(CATEGORICAL_COLUMNS)), np.uint64), np.empty((n, len(CATEGORICAL_COLUMNS)), np.uint8)
+        valid = np.empty(n, np.uint8)
+        if _criteo_lines.parse_lines(data, starts, ends, labels, dense, cats, absent, valid) < n:
+            for i in np.flatnonzero(valid == 0):
+                parsed = _parse_line(block[starts[i]:ends[i]])
+                if not (parsed[0] is None or isinstance(parsed[0], str)):
+                    raise RuntimeError(f"{path}:{first_line + i}: the compiled line parser rejects a line that "
+                                       f"_parse_line accepts (a bug in hps.data._criteo_lines)")
+                field, message = parsed
+                self._bad(DataError(f"{path}:{first_line + i}: " + (f"field {field}: " if field else "") + message,
+                                    path=path, line=first_line + int(i), field=field))
+        keep = valid.view(bool)
+        return _piece(path, np.flatnonzero(keep) + first_line, labels[keep], dense[keep], cats[keep],
+                      absent[keep].view(bool)), n
+
+    def _slow_python(self, block: bytes, path: str, first_line: int) -> tuple[_Piece, int]:
+        """_slow by _parse_line alone (no compiled module; bench/reader_bench.py's reference)."""
         lines_ok, labels, dense, cats, absent = [], [], [], [], []
         rows = block.split(b"\n")
         if block.endswith(b"\n"):
