@@ -38,19 +38,18 @@ def ps_config(path: str, optimizer: str = "adagrad", budget: str = "16KiB"):
                                     write_buffer_rows=16)
 
 
-def global_batches(steps: int, per_rank: int, world: int, seed: int = 5) -> list:
+def global_batches(steps: int, per_rank: int, world: int, seed: int = 5, multi_hot: bool = False) -> list:
     """`steps` global batches of world * per_rank examples; rank r trains on rows
-    [r * per_rank, (r + 1) * per_rank) of each."""
+    [r * per_rank, (r + 1) * per_rank) of each. `multi_hot`: two multi-hot fields too."""
     from hps.data import SyntheticCriteo
     vocab = [50, 200, 1000, 30] * 6 + [100, 7]
+    kw = {"multi_hot": [(300, 3.0), (40, 2.0)]} if multi_hot else {}
     return list(SyntheticCriteo(seed=seed, batch_size=per_rank * world, examples=steps * per_rank * world,
-                                vocab_sizes=vocab))
+                                vocab_sizes=vocab, **kw))
 
 
 def rank_part(batch, rank: int, per_rank: int):
-    from hps.data import Batch
-    s = slice(rank * per_rank, (rank + 1) * per_rank)
-    return Batch(batch.labels[s], batch.dense[s], batch.keys[s])
+    return batch.rows(np.arange(rank * per_rank, (rank + 1) * per_rank))
 
 
 def train_config(path: str, dense_sync: str = "allreduce", k: int = 1, hierarchical: bool = False,
@@ -115,7 +114,7 @@ def run_train(node, out: str, args) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return snapshot(ps, dst)
         ParameterServer._snapshot_store = dying
-    batches = global_batches(args.steps, args.per_rank, node.size)
+    batches = global_batches(args.steps, args.per_rank, node.size, multi_hot=args.multi_hot)
     mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
     if args.uneven and node.rank == node.size - 1:
         mine = mine[:-2]  # this rank's data ends two steps early
@@ -200,6 +199,7 @@ def main() -> None:
     ap.add_argument("--ranks-per-node", type=int, default=0)
     ap.add_argument("--sequential", action="store_true")
     ap.add_argument("--uneven", action="store_true")
+    ap.add_argument("--multi-hot", action="store_true")
     ap.add_argument("--mem-budget", default="256KiB")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--how", default="hang")

@@ -66,9 +66,10 @@ def test_remote_pull_push_equals_one_server(tmp_path, world, optimizer):
 
 # ---------------------------------------------------------------- training: k = 1 equals one process
 
-def _single_process_reference(tmp_path, world: int, steps: int, per_rank: int, uneven: bool):
+def _single_process_reference(tmp_path, world: int, steps: int, per_rank: int, uneven: bool,
+                              multi_hot: bool = False):
     from hps.train import train
-    batches = sc.global_batches(steps, per_rank, world)
+    batches = sc.global_batches(steps, per_rank, world, multi_hot=multi_hot)
     if uneven:  # the last rank's data ended two steps early
         batches = batches[:-2] + [sc.rank_part(b, 0, per_rank * (world - 1)) for b in batches[-2:]]
     cfg = sc.train_config(str(tmp_path / "single"))
@@ -90,14 +91,16 @@ def _ps_rows(path: str, keys: np.ndarray) -> np.ndarray:
     # A budget for little more than one batch in flight: prefetches wait for write-backs
     # after their keys went to the owners (a retry must not exchange them again).
     (2, ("--mem-budget", "96KiB")),
+    # Multi-hot fields: bags travel with each rank's examples, their keys to the owners.
+    (3, ("--multi-hot",)),
 ])
 def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, world, extra):
     import torch
     from hps.distributed import owner_ranks
     steps, per_rank = 6, 48
     scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, *extra)
-    uneven = "--uneven" in extra
-    batches = _single_process_reference(tmp_path, world, steps, per_rank, uneven)
+    uneven, multi_hot = "--uneven" in extra, "--multi-hot" in extra
+    batches = _single_process_reference(tmp_path, world, steps, per_rank, uneven, multi_hot)
 
     from hps.train import load_trainer_state
     single = load_trainer_state(str(tmp_path / "single"))
@@ -108,7 +111,7 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
         for name, value in single["mlp"].items():
             torch.testing.assert_close(state["mlp"][name], value, rtol=1e-4, atol=1e-6, msg=f"rank {r}: {name}")
 
-    keys = np.unique(np.concatenate([b.keys.ravel() for b in batches]))
+    keys = np.unique(np.concatenate([b.all_keys().ravel() for b in batches]))
     expected = _ps_rows(str(tmp_path / "single"), keys)
     owners = owner_ranks(keys, world)
     for r in range(world):
@@ -128,10 +131,10 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
     # others asked it for. Every key gets a gradient. A prefetch that waited for room
     # did not send its keys again.
     distinct = {}  # (step, rank) -> the rank's distinct keys
-    for t, g in enumerate(sc.global_batches(steps, per_rank, world)):
+    for t, g in enumerate(sc.global_batches(steps, per_rank, world, multi_hot=multi_hot)):
         for q in range(world):
             mine = not (uneven and q == world - 1 and t >= steps - 2)
-            distinct[t, q] = np.unique(sc.rank_part(g, q, per_rank).keys) if mine else np.empty(0, np.uint64)
+            distinct[t, q] = np.unique(sc.rank_part(g, q, per_rank).all_keys()) if mine else np.empty(0, np.uint64)
     for r, b in enumerate(sent):
         asks = sum(int((owner_ranks(u, world) != q).sum()) for (t, q), u in distinct.items() if q == r)
         asked = sum(int((owner_ranks(u, world) == r).sum()) for (t, q), u in distinct.items() if q != r)

@@ -388,7 +388,11 @@ class Trainer:
         with torch.no_grad():
             for b in mine:
                 if b is None:
-                    self.ps.pull(np.empty(0, np.uint64))  # this rank's part of the round's exchange
+                    # This rank's part of the round's exchanges: one pull for the
+                    # single-hot fields and one a multi-hot field, as the model makes.
+                    n_dense, n_fields, n_bags = self.widths
+                    for _ in range((1 if n_fields else 0) + n_bags):
+                        self.ps.pull(np.empty(0, np.uint64))
                     continue
                 logits = self.model(torch.from_numpy(b.keys.view(np.int64)), torch.from_numpy(b.dense),
                                     *((_bag_inputs(b),) if getattr(b, "bags", None) else ()))
@@ -583,9 +587,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         if len(set(every)) > 1:
             raise ValueError("the ranks' data give different fields (dense, single-hot, multi-hot): "
                              + ", ".join(f"rank {r}: {w}" for r, w in enumerate(every)))
-        if widths[2]:
-            raise ValueError("multi-hot fields do not train under mpiexec yet: hps.distributed's step data "
-                             "carries no bags")
     number = LAST
     if node is not None:
         number = _prepare_job(cfg, node, resume)

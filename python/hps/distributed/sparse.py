@@ -20,15 +20,24 @@ def owner_ranks(keys: np.ndarray, world: int) -> np.ndarray:
 
 
 class _StepData:
-    """A rank's part of one global step: its examples batch (possibly empty) and the
-    step's example count over all ranks, which the loss is normalised by."""
+    """A rank's part of one global step: its examples batch (possibly empty, its
+    multi-hot bags included) and the step's example count over all ranks, which the
+    loss is normalised by."""
 
     def __init__(self, examples, total_examples: int):
+        self.examples = examples
         self.labels, self.dense, self.keys = examples.labels, examples.dense, examples.keys
+        self.bags = getattr(examples, "bags", ())
         self.total_examples = total_examples
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def all_keys(self) -> np.ndarray:
+        return self.examples.all_keys()
+
+    def rows(self, idx: np.ndarray):
+        return self.examples.rows(idx)
 
 
 class DistPrefetched:
