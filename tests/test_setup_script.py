@@ -73,3 +73,24 @@ def test_a_missing_interpreter_is_named(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
     assert f"no Python at '{tmp_path / 'no-python'}' (PYTHON)" in p.stderr
+
+
+def test_the_main_job_runs_at_a_small_size(tmp_path):
+    """The README's main command, bench/demo.sh, end to end at a small size: it finds what it
+    needs installed (the test command installed it), trains through all three tiers, prints
+    its summary and JSON line, names its folder and writes the plots."""
+    pytest.importorskip("torch", reason="the demo trains with torch")
+    pytest.importorskip("matplotlib", reason="the demo writes plots")
+    env = dict(os.environ, PYTHON=sys.executable)
+    p = subprocess.run(["bash", "bench/demo.sh", "--path", str(tmp_path / "demo"), "--examples", "30000",
+                        "--eval-examples", "4096", "--batch-size", "1024", "--mem-budget", "3MiB",
+                        "--eval-every", "10", "--no-progress"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = __import__("json").loads(p.stdout.strip().splitlines()[-1])
+    assert line["final"]["examples"] == 30000 and 0.5 < line["final"]["auc"] <= 1.0
+    assert line["final"]["ssd_bytes_written"] > 0  # the budget sent rows to SSD-PS
+    assert f"demo folder                     {tmp_path / 'demo'} (remove it with: rm -rf {tmp_path / 'demo'})" \
+        in p.stderr
+    names = sorted(os.path.basename(f) for f in line["report"])
+    assert names == ["auc.png", "hit_rate.png", "ssd_traffic.png", "stages.png", "throughput.png"]
