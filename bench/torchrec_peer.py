@@ -163,26 +163,36 @@ def torchrec(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_dens
     from hps.metrics import auc, logloss
     from hps.tuning import dense_adam
     torch.set_num_threads(threads)
-    fields = train_batches[0].keys.shape[1]  # 26
+    single = train_batches[0].keys.shape[1]  # 26
+    n_bags = len(train_batches[0].bags)      # W4m: multi-hot fields, a table each
+    fields = single + n_bags
 
     # One vocabulary per field (see the module docstring for why this equals plain_torch's
     # shared table row for row), keys mapped to per-table rows before timing.
     all_keys = np.concatenate([b.keys for b in train_batches + eval_batches])
-    vocabs = [np.unique(all_keys[:, f]) for f in range(fields)]
+    vocabs = [np.unique(all_keys[:, f]) for f in range(single)]
+    vocabs += [np.unique(np.concatenate([b.bags[j].keys for b in train_batches + eval_batches]))
+               for j in range(n_bags)]
     del all_keys
-    names = [f"C{f + 1}" for f in range(fields)]
+    names = [f"C{f + 1}" for f in range(single)] + [f"M{j + 1}" for j in range(n_bags)]
 
-    def kjt_values(keys):
-        # KeyedJaggedTensor values are key-major: every example's C1 row, then C2, ...
-        rows = np.stack([np.searchsorted(vocabs[f], keys[:, f]) for f in range(fields)])
-        return torch.from_numpy(rows.astype(np.int64).ravel())
+    def kjt_input(b):
+        # KeyedJaggedTensor values are key-major: every example's C1 row, then C2, ...,
+        # then each multi-hot field's bags in example order, with a length per
+        # (feature, example).
+        rows = [np.stack([np.searchsorted(vocabs[f], b.keys[:, f]) for f in range(single)]).ravel()]
+        rows += [np.searchsorted(vocabs[single + j], b.bags[j].keys) for j in range(n_bags)]
+        lengths = [np.ones(single * len(b.labels), np.int32)]
+        lengths += [np.diff(b.bags[j].offsets).astype(np.int32) for j in range(n_bags)]
+        return (torch.from_numpy(np.concatenate(rows).astype(np.int64)),
+                torch.from_numpy(np.concatenate(lengths)))
 
-    train_vals = [kjt_values(b.keys) for b in train_batches]
-    eval_vals = [kjt_values(b.keys) for b in eval_batches]
+    train_vals = [kjt_input(b) for b in train_batches]
+    eval_vals = [kjt_input(b) for b in eval_batches]
 
     def kjt(values, n):
-        return KeyedJaggedTensor(keys=names, values=values,
-                                 lengths=torch.ones(fields * n, dtype=torch.int32))
+        values, lengths = values
+        return KeyedJaggedTensor(keys=names, values=values, lengths=lengths)
 
     tables = [EmbeddingBagConfig(name=f"t_{name}", feature_names=[name], num_embeddings=len(v),
                                  embedding_dim=dim, pooling=PoolingType.SUM,
@@ -233,7 +243,7 @@ def torchrec(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_dens
         loss_fn = nn.BCEWithLogitsLoss()
 
         def forward(values, dense):
-            pooled = dmp(kjt(values, len(dense))).values()  # (n, 26 * dim), in key order
+            pooled = dmp(kjt(values, len(dense))).values()  # (n, fields * dim), in key order
             return mlp(torch.cat([pooled, torch.from_numpy(dense)], 1)).squeeze(1)
 
         t0 = time.perf_counter()

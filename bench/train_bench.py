@@ -9,12 +9,18 @@ same model and data, in the same run.
     python3 bench/train_bench.py --quick --device-path 2 --no-torchrec
                                                   # also hps on 2 host partitions (the
                                                   # device-tier path), against in place
+    python3 bench/train_bench.py --multi-hot 100000:4,20000:8
+                                                  # W4m: two multi-hot fields as well
 
 Model and data (all sides): synthetic Criteo-like examples (hps.data.SyntheticCriteo,
 26 categorical fields, 13 dense), embeddings of dim 16 per field, summed per field
 (single-hot), concatenated with the dense features, MLP (default 512-256-1), logit;
 batch 4096; embeddings trained by AdaGrad (lr 0.05), the MLP by Adam (lr 1e-3,
-hps.tuning.dense_adam on every side), the MLP initialised identically.
+hps.tuning.dense_adam on every side), the MLP initialised identically. W4m
+(--multi-hot V:L,...): multi-hot fields too, each of vocabulary V and Poisson bag
+lengths of mean L (SyntheticCriteo's multi_hot), each summed into one vector (hps:
+CtrModel's bag embedding; plain PyTorch: the same EmbeddingBag with offsets;
+TorchRec: one more table a field, its jagged lengths in the KeyedJaggedTensor).
   * hps: hps.train.train: the ParameterServer (MEM budget holding every row, one host
     partition, so batches train on MEM-PS's rows in place) behind the 4-stage pipeline,
     embeddings through hps.torch. torch's threads: hps.train's ThreadTuner picks all
@@ -63,23 +69,28 @@ def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_d
     from hps.metrics import auc, logloss
     from hps.tuning import dense_adam
     torch.set_num_threads(threads)
-    vocab = np.unique(np.concatenate([b.keys.ravel() for b in train_batches + eval_batches]))
+    vocab = np.unique(np.concatenate([b.all_keys().ravel() for b in train_batches + eval_batches]))
     index = lambda keys: torch.from_numpy(np.searchsorted(vocab, keys).astype(np.int64))  # noqa: E731
-    train_idx = [index(b.keys) for b in train_batches]
-    eval_idx = [index(b.keys) for b in eval_batches]
+
+    def inputs(b):  # the single-hot rows, then each multi-hot field's (rows, offsets)
+        return index(b.keys), [(index(g.keys), torch.from_numpy(g.offsets[:-1].astype(np.int64))) for g in b.bags]
+    train_idx = [inputs(b) for b in train_batches]
+    eval_idx = [inputs(b) for b in eval_batches]
+    n_bags = len(train_batches[0].bags)
     emb = nn.EmbeddingBag(len(vocab), dim, mode="sum", sparse=True)
     with torch.no_grad():
         emb.weight.uniform_(-0.01, 0.01)
 
     from hps.torch import mlp as ctr_mlp
-    mlp = ctr_mlp(26 * dim + 13, hidden, seed)  # hps.torch.CtrModel's MLP: same layers, same init
+    mlp = ctr_mlp((26 + n_bags) * dim + 13, hidden, seed)  # hps.torch.CtrModel's MLP: same layers, same init
     opt_emb = torch.optim.Adagrad(emb.parameters(), lr=lr_emb)
     opt_mlp = dense_adam(mlp.parameters(), lr_dense)  # the dense step of hps.train (hps.tuning)
     loss_fn = nn.BCEWithLogitsLoss()
 
-    def forward(idx, dense):
-        pooled = emb(idx.reshape(-1, 1)).reshape(idx.shape[0], -1)
-        return mlp(torch.cat([pooled, torch.from_numpy(dense)], 1)).squeeze(1)
+    def forward(inp, dense):
+        idx, bags = inp
+        pooled = [emb(idx.reshape(-1, 1)).reshape(idx.shape[0], -1)] + [emb(k, o) for k, o in bags]
+        return mlp(torch.cat(pooled + [torch.from_numpy(dense)], 1)).squeeze(1)
 
     t0 = time.perf_counter()
     n = 0
@@ -125,21 +136,34 @@ SYSTEMS = ("torch", "torchrec", "hps", "hps_device")  # hps_device: --device-pat
 
 
 def save_batches(path, train_batches, eval_batches):
-    np.savez(path, **{f"{part}_{name}": np.concatenate([getattr(b, name) for b in batches])
-                      for part, batches in (("train", train_batches), ("eval", eval_batches))
-                      for name in ("labels", "dense", "keys")})
+    arrays = {}
+    for part, batches in (("train", train_batches), ("eval", eval_batches)):
+        for name in ("labels", "dense", "keys"):
+            arrays[f"{part}_{name}"] = np.concatenate([getattr(b, name) for b in batches])
+        for j in range(len(batches[0].bags)):  # a multi-hot field: its keys, and each example's count
+            arrays[f"{part}_bag{j}_keys"] = np.concatenate([b.bags[j].keys for b in batches])
+            arrays[f"{part}_bag{j}_lengths"] = np.concatenate([np.diff(b.bags[j].offsets) for b in batches])
+    np.savez(path, **arrays)
 
 
 def load_batches(path, batch_size):
-    from hps.data import Batch
+    from hps.data import Bags, Batch
     d = np.load(path)
     out = []
     for part in ("train", "eval"):
         labels, dense, keys = d[f"{part}_labels"], d[f"{part}_dense"], d[f"{part}_keys"]
+        bags = []
+        while f"{part}_bag{len(bags)}_keys" in d:
+            j = len(bags)
+            bags.append((d[f"{part}_bag{j}_keys"], np.concatenate([[0], np.cumsum(d[f"{part}_bag{j}_lengths"])])))
         # Copies, not views of one block: separately allocated batches, as a reader
         # makes them (TorchRec ran ~7% slower on views).
         out.append([Batch(labels[i:i + batch_size].copy(), dense[i:i + batch_size].copy(),
-                          keys[i:i + batch_size].copy()) for i in range(0, len(labels), batch_size)])
+                          keys[i:i + batch_size].copy(), (),
+                          tuple(Bags(k[o[i]:o[min(i + batch_size, len(labels))]].copy(),
+                                     (o[i:min(i + batch_size, len(labels)) + 1] - o[i]).astype(np.int64))
+                                for k, o in bags))
+                    for i in range(0, len(labels), batch_size)])
     return out
 
 
@@ -163,7 +187,7 @@ def spawn(a, system, data_path, workdir) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--system", system, "--data", data_path,
             "--workdir", workdir]
     for name in ("examples", "eval_examples", "batch_size", "mlp", "dim", "lr_emb", "lr_dense", "threads",
-                 "hps_threads", "seed", "device_path"):
+                 "hps_threads", "seed", "device_path", "multi_hot"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
     if a.sequential:
         argv.append("--sequential")
@@ -190,6 +214,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sequential", action="store_true", help="hps without the pipeline")
     ap.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec peer (installed on demand)")
+    ap.add_argument("--multi-hot", default="", metavar="V:L,...",
+                    help="W4m: multi-hot fields as well, each of vocabulary V and mean bag length L")
     ap.add_argument("--device-path", type=int, default=0, metavar="G",
                     help="also run hps on the device-tier path over G host partitions (host_in_place off) "
                          "and report its rate over the in-place path's")
@@ -201,6 +227,10 @@ def main():
         a.examples = min(a.examples, 300_000)
         a.eval_examples = min(a.eval_examples, 50_000)
     hidden = [int(h) for h in a.mlp.split(",") if h]
+    try:
+        multi_hot = [(int(v), float(n)) for v, n in (f.split(":") for f in a.multi_hot.split(",") if f)]
+    except ValueError:
+        ap.error(f"--multi-hot: {a.multi_hot!r} is not V:L,... (vocabulary:mean bag length)")
     if a.system:
         print(json.dumps(run_system(a, a.system, hidden, a.data, a.workdir)), flush=True)
         return
@@ -211,7 +241,9 @@ def main():
         import torchrec_peer
         torchrec_peer.ensure_installed()
     from hps.data import SyntheticCriteo
-    out = {"benchmark": "W4s train" if hidden == [16] else "W4 train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    name = "W4s" if hidden == [16] else "W4"
+    out = {"benchmark": f"{name}{'m' if multi_hot else ''} train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "multi_hot": [list(f) for f in multi_hot],
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
            "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
            "device_path": a.device_path, "quick": a.quick, "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
@@ -219,10 +251,11 @@ def main():
     try:
         log("== generating the data ==")
         data_path = os.path.join(workdir, "batches.npz")
+        kw = {"multi_hot": multi_hot} if multi_hot else {}
         save_batches(data_path,
-                     list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.examples)),
+                     list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.examples, **kw)),
                      list(SyntheticCriteo(seed=a.seed, batch_size=a.batch_size, examples=a.eval_examples,
-                                          part="eval")))
+                                          part="eval", **kw)))
         runs = {s: [] for s in systems}
         for r in range(a.rounds):
             for system in systems:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +68,21 @@ def test_train_quick_against_pytorch():
     assert p["bound_by"] == max(busy, key=busy.get)
     assert out["w9_wall_over_slowest_stage"] == pytest.approx(p["wall_seconds"] / max(busy.values()))
     assert out["hps"]["examples_per_s"] == pytest.approx(100_000 / out["hps"]["seconds"])
+
+
+def test_train_quick_multi_hot_against_pytorch():
+    pytest.importorskip("torch", reason="the training benchmark needs torch")
+    out = run_json("bench/train_bench.py", "--quick", "--no-torchrec", "--examples", "40000",
+                   "--eval-examples", "12000", "--multi-hot", "5000:4,800:8", timeout=600)
+    assert out["benchmark"] == "W4m train" and out["multi_hot"] == [[5000, 4.0], [800, 8.0]]
+    assert out["hps"]["examples"] == out["torch"]["examples"] == 40_000
+    # The same model on both sides: the bags pooled by sum into the same MLP input.
+    assert abs(out["auc_difference"]) < 0.003
+    from hps.data import SyntheticCriteo
+    kw = {"seed": 0, "batch_size": 4096, "multi_hot": [(5000, 4.0), (800, 8.0)]}
+    data = list(SyntheticCriteo(examples=40_000, **kw)) + list(SyntheticCriteo(examples=12_000, part="eval", **kw))
+    # The peer's table has a row for every key, the bags' keys included.
+    assert out["torch"]["embedding_rows"] == len(np.unique(np.concatenate([b.all_keys().ravel() for b in data])))
 
 
 def test_w6_quick_kstep_bytes_fall_as_1_over_k():
