@@ -2,6 +2,7 @@
 #include "hps/herald.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <memory>
@@ -32,6 +33,54 @@ inline uint64_t Popcount64(uint64_t x) {
   x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
   return (x * 0x0101010101010101ULL) >> 56;
 }
+
+// Compaction's rank of a log position: its block's live records (a bit each)
+// and the live records before the block.
+struct RankBlock {
+  uint64_t bits;
+  uint64_t base;
+};
+
+// Rewrites each occupied index slot's position p (low 32 bits; ~0 is a free
+// slot) to the live records before p.
+inline void RankSlots(uint64_t* index, uint64_t n, const RankBlock* blocks) {
+  for (uint64_t* v = index; v != index + n; ++v) {
+    if (*v == ~uint64_t{0}) continue;
+    const auto p = static_cast<uint32_t>(*v);
+    const RankBlock& b = blocks[p / 64];
+    *v = (*v & ~uint64_t{UINT32_MAX}) | (b.base + Popcount64(b.bits & ((uint64_t{1} << (p % 64)) - 1)));
+  }
+}
+
+#if defined(__x86_64__)
+// The same with the popcnt instruction, where the CPU has it.
+__attribute__((target("popcnt"))) void RankSlotsPopcnt(uint64_t* index, uint64_t n, const RankBlock* blocks) {
+  for (uint64_t* v = index; v != index + n; ++v) {
+    if (*v == ~uint64_t{0}) continue;
+    const auto p = static_cast<uint32_t>(*v);
+    const RankBlock& b = blocks[p / 64];
+    *v = (*v & ~uint64_t{UINT32_MAX}) |
+         (b.base + static_cast<uint64_t>(__builtin_popcountll(b.bits & ((uint64_t{1} << (p % 64)) - 1))));
+  }
+}
+#endif
+
+void RankIndex(std::vector<uint64_t>& index, const std::vector<RankBlock>& blocks) {
+#if defined(__x86_64__)
+  static const bool popcnt = __builtin_cpu_supports("popcnt");
+  if (popcnt) return RankSlotsPopcnt(index.data(), index.size(), blocks.data());
+#endif
+  RankSlots(index.data(), index.size(), blocks.data());
+}
+
+// kSpread[m]: byte w is bit w of m (a worker's count, for 8-bit masks).
+constexpr auto kSpread = [] {
+  std::array<uint64_t, 256> t{};
+  for (uint64_t m = 0; m < 256; ++m) {
+    for (int w = 0; w < 8; ++w) t[m] |= ((m >> w) & 1) << (8 * w);
+  }
+  return t;
+}();
 
 // Tunables of the snapshot's memory (the header's Memory paragraph).
 constexpr double kMaxLoad = 0.8;     // the key index grows past this load...
@@ -121,39 +170,47 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   // ---- the log ----
-  // Drops the dead records into a log with room for `more` records beyond the
-  // live ones (kLogRoom x), rewriting the positions the index, runs and
-  // cursors hold: a record's new position is the number of live ones before it.
+  // Drops the dead records in place, then moves the live ones to a log with
+  // room for `more` records beyond them (kLogRoom x) where that room differs,
+  // rewriting the positions the index, runs and cursors hold: a record's new
+  // position is the number of live ones before it (a bit a record and a count
+  // a block of 64).
   void Compact(uint64_t more) {
     const uint64_t n = log_keys.size();
-    const uint64_t blocks = n / 64 + 1;
-    std::vector<uint64_t> live_bits(blocks, 0);
-    std::vector<uint64_t> base(blocks + 1, 0);
-    for (uint64_t p = 0; p < n; ++p) {
-      if (log_masks[p] != 0) live_bits[p / 64] |= uint64_t{1} << (p % 64);
+    const uint64_t live = n - dead;
+    std::vector<RankBlock> blocks(n / 64 + 1);
+    uint64_t at = 0;
+    for (uint64_t b = 0; b < blocks.size(); ++b) {
+      blocks[b].base = at;
+      uint64_t bits = 0;
+      for (uint64_t p = 64 * b, end = std::min(n, p + 64); p < end; ++p) {
+        const Mask m = log_masks[p];
+        log_keys[at] = log_keys[p];  // at <= p: in place
+        log_masks[at] = m;
+        bits |= uint64_t{m != 0} << (p % 64);
+        at += m != 0;
+      }
+      blocks[b].bits = bits;
     }
-    for (uint64_t b = 0; b < blocks; ++b) base[b + 1] = base[b] + Popcount64(live_bits[b]);
-    const uint64_t live = base[blocks];
-    auto moved = [&](uint64_t p) { return base[p / 64] + Popcount64(live_bits[p / 64] & ((uint64_t{1} << (p % 64)) - 1)); };
-
+    auto moved = [&](uint64_t p) {
+      const RankBlock& b = blocks[p / 64];
+      return b.base + Popcount64(b.bits & ((uint64_t{1} << (p % 64)) - 1));
+    };
+    log_keys.resize(live);
+    log_masks.resize(live);
     const uint64_t room =
         std::min(kMaxRecords, static_cast<uint64_t>(kLogRoom * static_cast<double>(live + more)) + 64);
-    std::vector<uint64_t> keys;
-    std::vector<Mask> masks;
-    keys.reserve(room);
-    masks.reserve(room);
-    keys.resize(live + 1);  // + 1: a dead record is written past the live ones, then overwritten
-    masks.resize(live + 1);
-    for (uint64_t p = 0, at = 0; p < n; ++p) {
-      keys[at] = log_keys[p];
-      masks[at] = log_masks[p];
-      at += log_masks[p] != 0;
+    if (log_keys.capacity() != room) {
+      std::vector<uint64_t> keys;
+      std::vector<Mask> masks;
+      keys.reserve(room);
+      masks.reserve(room);
+      keys.assign(log_keys.begin(), log_keys.end());
+      masks.assign(log_masks.begin(), log_masks.end());
+      log_keys = std::move(keys);
+      log_masks = std::move(masks);
     }
-    keys.resize(live);
-    masks.resize(live);
-    for (uint64_t& v : index) {
-      if (v != kFree) v = (v & ~uint64_t{UINT32_MAX}) | moved(static_cast<uint32_t>(v));
-    }
+    RankIndex(index, blocks);
     std::vector<uint64_t> kept;
     for (uint64_t r = 0; r < runs.size(); ++r) {
       const uint64_t begin = moved(runs[r]);
@@ -163,8 +220,6 @@ struct Herald::Snapshot final : Herald::Impl {
     }
     runs = std::move(kept);
     for (uint64_t& c : cursor) c = moved(c);
-    log_keys = std::move(keys);
-    log_masks = std::move(masks);
     dead = 0;
   }
 
@@ -200,6 +255,27 @@ struct Herald::Snapshot final : Herald::Impl {
       drop = 0;
     }
     cursor[w] = p;
+  }
+
+  // score[w] = the batch keys j in [begin, end) whose masks[inverse[j]] has
+  // bit w. With 8-bit masks a key adds kSpread[mask], a byte a worker, and the
+  // bytes are spilled before they can overflow.
+  void Tally(uint64_t begin, uint64_t end, const Mask* masks) {
+    if constexpr (sizeof(Mask) == 1) {
+      for (bool first = true; first || begin < end; first = false) {
+        uint64_t acc = 0;
+        for (const uint64_t stop = std::min(end, begin + 255); begin < stop; ++begin) acc += kSpread[masks[inverse[begin]]];
+        for (uint32_t& s : score) {
+          s = (first ? 0 : s) + static_cast<uint32_t>(acc & 0xff);
+          acc >>= 8;
+        }
+      }
+    } else {
+      std::fill(score.begin(), score.end(), 0);
+      for (uint64_t j = begin; j < end; ++j) {
+        for (Mask m = masks[inverse[j]]; m != 0; m &= static_cast<Mask>(m - 1)) ++score[std::countr_zero(m)];
+      }
+    }
   }
 
   HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) override {
@@ -247,21 +323,13 @@ struct Herald::Snapshot final : Herald::Impl {
       // snapshot, ties in batch order): they have the most to lose to a full worker.
       order.resize(n_examples);  // (-best, i) as (kMax - best, i)
       for (uint64_t i = 0; i < n_examples; ++i) {
-        std::fill(score.begin(), score.end(), 0);
-        uint32_t best = 0;
-        for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
-          for (Mask m = latest[inverse[j]]; m != 0; m &= static_cast<Mask>(m - 1)) {
-            best = std::max(best, ++score[std::countr_zero(m)]);
-          }
-        }
+        Tally(offsets[i], offsets[i + 1], latest.data());
+        const uint32_t best = *std::max_element(score.begin(), score.end());
         order[i] = {UINT32_MAX - best, i};
       }
       std::sort(order.begin(), order.end());
       for (const auto& [unused, i] : order) {
-        std::fill(score.begin(), score.end(), 0);
-        for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
-          for (Mask m = placed[inverse[j]]; m != 0; m &= static_cast<Mask>(m - 1)) ++score[std::countr_zero(m)];
-        }
+        Tally(offsets[i], offsets[i + 1], placed.data());
         int32_t best = -1;
         for (int32_t w = 0; w < W; ++w) {
           if (share[w] != 0 && (best < 0 || score[w] > score[best])) best = w;
