@@ -7,7 +7,7 @@
 
 Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
 commit, uncommitted files, date, machine, command). `--add` files each such line under
-docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w5, w6, w7, w8, w12, told apart by the line's
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w5, w6, w7, w8, w12, w13, told apart by the line's
 "benchmark" field); it refuses --quick lines and lines without provenance, since a table
 must come from a real run of a recorded command.
 
@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w5", "w6", "w7", "w8", "w12")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w8", "w12", "w13")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -49,7 +49,7 @@ class ReportError(Exception):
 def workload_of(line: dict) -> str | None:
     """The workload a benchmark's JSON line belongs to, from its "benchmark" field."""
     name = str(line.get("benchmark") or line.get("bench") or "")
-    for prefix, wid in (("W12", "w12"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4", "w4"),
+    for prefix, wid in (("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
                         ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7", "w7"), ("W8", "w8")):
         if name.startswith(prefix):
             return wid
@@ -368,9 +368,12 @@ W4_NAMES = {"hps": "hps", "torch": "PyTorch", "torchrec": "TorchRec"}
 
 
 def render_w4(o: dict) -> list[str]:
+    bags = o.get("multi_hot") or []
+    fields = (", multi-hot fields " + ", ".join(f"{int(v):,} ids with bags of mean length {n:g}" for v, n in bags)
+              if bags else "")
     out = [f"{o.get('examples', 0):,} training examples, {o.get('eval_examples', 0):,} held out, batch "
-           f"{o.get('batch_size')}, MLP {o.get('mlp')}, {o.get('rounds')} round(s) (each system in its own "
-           "process, the systems taking turns); examples/s: median (min-max) over the rounds.", ""]
+           f"{o.get('batch_size')}, MLP {o.get('mlp')}{fields}, {o.get('rounds')} round(s) (each system in its "
+           "own process, the systems taking turns); examples/s: median (min-max) over the rounds.", ""]
     rows = []
     for s in ("hps", "torch", "torchrec"):
         e = o.get(s)
@@ -640,8 +643,33 @@ def render_w12(o: dict) -> list[str]:
     return out
 
 
-RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4,
-          "w5": render_w5, "w6": render_w6, "w7": render_w7, "w8": render_w8, "w12": render_w12}
+# ------------------------------------------------------------------ W13
+def render_w13(o: dict) -> list[str]:
+    c, syn, cri = o["config"], o["synthetic"], o.get("criteo") or {}
+    out = [f"`hps train` once a threshold f: dim {c['dim']}, MLP {c['mlp']}, {c['sparse_optimizer']}, sketch "
+           f"{c['sketch_bytes']} (f = 1: no sketch). Synthetic: {syn['examples']:,} examples in batches of "
+           f"{syn['batch_size']}, {syn['eval_examples']:,} held out."
+           + (f" Criteo sample: its first {cri['train_lines']:,} lines trained in batches of {cri['batch_size']}, "
+              f"its last {cri['eval_lines']:,} held out." if "runs" in cri else
+              f" Criteo sample: skipped ({cri.get('skipped', 'not run')}).")
+           + " Rows created: rows the parameter server initialised; stored: rows in the table at the end; default "
+             "reads: training occurrences that read the default row (their gradients dropped).", ""]
+    rows = []
+    for name, part in (("synthetic", syn), ("Criteo sample", cri)):
+        for r in part.get("runs") or []:
+            rows.append([name, str(r["threshold"]), f"{r['rows_created']:,}", f"{r['rows_stored']:,}",
+                         f"{r['table_bytes'] / 1e6:,.2f}", f"{r['sketch_bytes'] / 2**20:,.1f}",
+                         f"{r['default_reads']:,} ({r['default_read_fraction']:.1%})",
+                         f"{r['eval_default_read_fraction']:.1%}", num(r.get("auc"), ".4f"),
+                         num(r.get("logloss"), ".4f"), num(r.get("examples_per_s"), ",.0f")])
+    out += table(["data", "f", "rows created", "rows stored", "table MB", "sketch MiB", "default reads (share)",
+                  "eval default reads", "AUC", "logloss", "examples/s"], rows)
+    return out
+
+
+RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4, "w4m": render_w4,
+          "w5": render_w5, "w6": render_w6, "w7": render_w7, "w8": render_w8, "w12": render_w12,
+          "w13": render_w13}
 
 
 # ------------------------------------------------------------------ regions

@@ -3,6 +3,7 @@ import doctest
 
 import pytest
 
+import hps.admission
 import hps.config
 import hps.data
 import hps.data.keys
@@ -16,7 +17,7 @@ import hps.parameter_server
 import hps.ssd_store
 
 MODULES = [hps.config, hps.hash_table, hps.embedding, hps.ssd_store, hps.mem_cache, hps.parameter_server, hps.data,
-           hps.data.keys, hps.data.synthetic, hps.metrics, hps.herald]  # hps.data's testmod skips the submodules' examples
+           hps.data.keys, hps.data.synthetic, hps.metrics, hps.herald, hps.admission]  # hps.data's testmod skips the submodules' examples
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

@@ -31,6 +31,7 @@ PUBLIC_LAYER = {
     "working_set.h": "ps",
     "herald.h": "ps",
     "topology.h": "ps",
+    "admission.h": "ps",
 }
 
 SOURCE_SUFFIXES = {".h", ".cc", ".cu", ".cuh", ".in"}

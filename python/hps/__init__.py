@@ -11,6 +11,7 @@ from hps.errors import CorruptionError, HpsError, IoError, IoPathWarning, TableF
 from hps.data import DataError
 from hps.hash_table import EMPTY_KEY, HashTable
 from hps.herald import Herald, HeraldPlan
+from hps.admission import ADMISSION_DEFAULT_KEY, AdmissionSketch
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
 from hps.ssd_store import SsdStore
@@ -19,7 +20,9 @@ from hps.parameter_server import Batch, HostBatch, ParameterServer, ParameterSer
 from hps.lookup import Lookup
 
 __all__ = [
+    "ADMISSION_DEFAULT_KEY",
     "EMPTY_KEY",
+    "AdmissionSketch",
     "AdaGrad",
     "Batch",
     "HostBatch",

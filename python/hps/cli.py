@@ -117,6 +117,11 @@ def _summary_table(summary: dict) -> str:
     tried = ", ".join(f"{n}: {r:,.0f} ex/s" for n, r in threads.get("examples_per_s", {}).items())
     rows.append(("torch threads", f"{threads.get('chosen', '-')}" + (f" (tuned; {tried})" if tried else "")))
     rows.append(("device tier", ps["device"]["kind"]))
+    adm = summary.get("admission") or {}
+    if adm.get("threshold", 1) > 1:
+        rows.append(("admission: threshold, sketch", f"{adm['threshold']}, {adm['sketch_bytes'] / 2**20:,.1f} MiB; "
+                     f"{adm['keys_admitted']:,} keys admitted, {adm['default_reads']:,} reads of the default row "
+                     f"({adm['default_read_fraction']:.1%}, gradients dropped)"))
     online = summary.get("online")
     if online:
         win = online["window"]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hps import _core
+from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.parameter_server import ParameterServer, WorkingBatch, working_batch
 
 __all__ = ["EmbeddingBag", "CtrModel", "mlp"]
@@ -46,6 +47,16 @@ def mlp(in_width: int, hidden: Sequence[int], seed: int = 0) -> nn.Sequential:
                 m.weight.uniform_(-bound, bound, generator=gen)
                 m.bias.uniform_(-bound, bound, generator=gen)
     return net
+
+
+_DEFAULT_KEY = np.uint64(ADMISSION_DEFAULT_KEY)
+
+
+def _default_at(keys: np.ndarray) -> np.ndarray:
+    """Flat indices of the occurrences of admission's default key (hps.admission): their
+    gradients are dropped, so the default row stays as the initializer made it (a zero
+    gradient leaves a row unchanged under SGD, AdaGrad and Adam alike)."""
+    return np.flatnonzero(keys.reshape(-1) == _DEFAULT_KEY)
 
 
 def _keys_of(t: torch.Tensor) -> np.ndarray:
@@ -79,7 +90,7 @@ class _PooledLookup(torch.autograd.Function):
             out.index_add_(0, bag_t, elem)
         if module.mode == "mean":
             out = out / torch.from_numpy(np.maximum(counts, 1)).to(torch.float32).unsqueeze(1)
-        ctx.module, ctx.bag, ctx.counts = module, bag_t, counts
+        ctx.module, ctx.bag, ctx.counts, ctx.keys = module, bag_t, counts, keys
         ctx.save_for_backward(weights if weights is not None else torch.empty(0))
         return out
 
@@ -94,6 +105,9 @@ class _PooledLookup(torch.autograd.Function):
         if weights.numel():
             elem = elem * weights.unsqueeze(1)
         elem = np.ascontiguousarray(elem.detach().numpy())
+        drop = _default_at(ctx.keys)
+        if len(drop):  # (in place: this backward is the gradient's one reader)
+            elem[drop] = 0.0
         if ctx.batch is not None:
             ctx.batch.accumulate(ctx.positions, elem, worker=ctx.worker)  # summed per key as they arrive
         else:
@@ -118,12 +132,17 @@ class _InputWithFields(torch.autograd.Function):
         ctx.positions = batch.positions(keys)
         batch.gather(ctx.positions, x.numpy()[:, :width], worker=worker)
         x[:, width:] = dense
-        ctx.batch, ctx.worker, ctx.width = batch, worker, width
+        ctx.batch, ctx.worker, ctx.width, ctx.keys = batch, worker, width, keys
         return x
 
     @staticmethod
     def backward(ctx, grad_x):
         grads = grad_x.detach().to(torch.float32).contiguous().numpy()
+        drop = _default_at(ctx.keys)
+        if len(drop):  # the default key's columns, in place (this backward is grad_x's one reader)
+            fields = ctx.keys.shape[1]
+            dim = ctx.width // fields
+            grads[(drop // fields)[:, None], ((drop % fields) * dim)[:, None] + np.arange(dim)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width], worker=ctx.worker)
         return None, None, None, None, None, None
 

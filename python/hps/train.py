@@ -2,7 +2,7 @@
 
 A run is a ``TrainConfig`` (TOML: top-level training fields and the tables
 ``[ps]`` (ParameterServerConfig), ``[ps.optimizer]``, ``[ps.initializer]``,
-``[data]``, ``[distributed]``). The model is ``hps.torch.CtrModel``: its embeddings live in the
+``[data]``, ``[distributed]``, ``[admission]``). The model is ``hps.torch.CtrModel``: its embeddings live in the
 parameter server (sparse optimizer there), its MLP in torch (Adam). Evaluation
 (AUC, logloss) runs on held-out examples every ``eval_every`` batches and at the
 end; ``checkpoint_every`` batches the parameter server checkpoints with the dense
@@ -37,7 +37,8 @@ import numpy as np
 
 from hps import data as hdata
 from hps import reshard
-from hps.config import check_fields, load_toml
+from hps.admission import Admission
+from hps.config import check_fields, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, ParameterServer,
@@ -76,6 +77,27 @@ class DataConfig:
 
 
 @dataclass
+class AdmissionConfig:
+    """``[admission]``: a key gets a trainable row only after it has been seen ``threshold``
+    times (hps.admission); until then it reads a fixed default row and its gradients
+    are dropped."""
+    threshold: int = 1                  # occurrences a key needs for a row, 1 to 255; 1: every key, no sketch
+    sketch_bytes: Union[int, str] = "4MiB"  # the counting sketch's counters (one byte each)
+
+    def check(self, source: str = "[admission]") -> None:
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= 255:
+            raise ValueError(f"{source}: admission.threshold must be an int in [1, 255], got {t!r}")
+        try:
+            b = parse_bytes(self.sketch_bytes, "admission.sketch_bytes")
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+        if b < 4:
+            raise ValueError(f"{source}: admission.sketch_bytes must be at least 4 (4 arrays of one-byte "
+                             f"counters), got {self.sketch_bytes!r}")
+
+
+@dataclass
 class TrainConfig:
     ps: ParameterServerConfig
     data: DataConfig = field(default_factory=DataConfig)
@@ -93,6 +115,7 @@ class TrainConfig:
     online_window: int = 100_000        # online: AUC and logloss over the latest this many examples ...
     online_window_batches: int = 0      # ... or over the latest this many batches (0: by examples)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # under mpiexec
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # [admission]: rows only for keys seen f times
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "TrainConfig":
@@ -130,7 +153,16 @@ class TrainConfig:
             check_fields(DistributedConfig, dist, source, prefix="distributed.")
             dist = DistributedConfig(**dist)
         dist.check(f"{source}: [distributed]")
-        d["ps"], d["data"], d["distributed"] = ps, data, dist
+        adm = d.get("admission", {})
+        if not isinstance(adm, AdmissionConfig):
+            check_fields(AdmissionConfig, adm, source, prefix="admission.")
+            adm = AdmissionConfig(**adm)
+        adm.check(source)
+        if adm.threshold > 1 and ps.optimizer.kind != "sgd" and ps.optimizer.eps == 0 \
+                and getattr(ps.optimizer, "initial_accumulator_value", 0.0) == 0:
+            raise ValueError(f"{source}: admission.threshold > 1 drops the default row's gradients, and with "
+                             f"ps.optimizer.eps = 0 a zero gradient steps {ps.optimizer.kind} by 0 / 0; set eps > 0")
+        d["ps"], d["data"], d["distributed"], d["admission"] = ps, data, dist, adm
         if "hidden" in d:
             d["hidden"] = tuple(int(h) for h in d["hidden"])
         return cls(**d)
@@ -281,6 +313,8 @@ class Trainer:
             self.dense_sync = DenseSync(node, params, cfg.dense_lr, cfg.distributed)
             self.opt = self.dense_sync.make_optimizer(lambda ps_: dense_adam(ps_, cfg.dense_lr))
         self.loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
+        #: [admission]: rewrites the batches' keys (read stage, evaluation); its sketch is checkpointed.
+        self.admission = Admission(cfg.admission.threshold, cfg.admission.sketch_bytes)
         self.batches_done = 0
         self.examples_done = 0
         self.history: list[dict] = []
@@ -305,6 +339,8 @@ class Trainer:
         self.batches_done, self.examples_done = state["batches_done"], state["examples_done"]
         self.history = state.get("history", [])
         self.online_state = state.get("online_window")
+        self.admission.load_state_dict(state.get("admission", {"threshold": 1, "default_reads": 0, "eval_reads": 0,
+                                                              "eval_default_reads": 0, "sketch": None}))
         if self.dense_sync is not None:
             self.dense_sync.load_state_dict(state["dense_sync"])
 
@@ -322,6 +358,8 @@ class Trainer:
             state["dense_sync"] = self.dense_sync.state_dict()
         if self.online_window is not None:
             state["online_window"] = self.online_window.state_dict()
+        if self.admission.enabled:  # the sketch's counters: a resumed run admits as this one would
+            state["admission"] = self.admission.state_dict()
         buf = io.BytesIO()
         self.torch.save(state, buf)
         data = buf.getvalue()
@@ -394,10 +432,12 @@ class Trainer:
                     for _ in range((1 if n_fields else 0) + n_bags):
                         self.ps.pull(np.empty(0, np.uint64))
                     continue
+                b = self.admission.eval_batch(b)  # keys never admitted read the default row
                 logits = self.model(torch.from_numpy(b.keys.view(np.int64)), torch.from_numpy(b.dense),
                                     *((_bag_inputs(b),) if getattr(b, "bags", None) else ()))
                 probs.append(torch.sigmoid(logits).numpy())
                 labels.append(b.labels)
+        self.admission.end_evaluation()
         y = np.concatenate(labels) if labels else np.empty(0, np.float32)
         p = np.concatenate(probs) if probs else np.empty(0, np.float32)
         if node is not None:
@@ -619,7 +659,13 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         empty = hdata.Batch(np.empty(0, np.float32), np.empty((0, n_dense), np.float32),
                             np.empty((0, n_fields), np.uint64), (),
                             tuple(hdata.Bags(np.empty(0, np.uint64), np.zeros(1, np.int64)) for _ in range(n_bags)))
+        if trainer.admission.enabled:  # (each rank counts its own batches)
+            steps = map(trainer.admission.train_batch, steps)
         steps = trainer.ps.aligned(steps, empty)
+    if node is None and trainer.admission.enabled:
+        # [admission]: the read stage counts each batch's keys and rewrites those not
+        # admitted, before the prefetch pins the batch's rows.
+        steps = map(trainer.admission.train_batch, steps)
     if trainer.batches_done:
         first = next(steps, None)  # every rank together: aligned() is collective
         if first is None:
@@ -726,7 +772,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
                                  else {"chosen": cfg.torch_threads}),
-               "ps": _jsonable(trainer.ps.stats()), "settings": settings(cfg)}
+               "ps": _jsonable(trainer.ps.stats()), "settings": settings(cfg),
+               "admission": trainer.admission.summary()}
     if online is not None:
         last = {"batches": trainer.batches_done, "examples": trainer.examples_done,
                 "seconds": time.perf_counter() - t_start,

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "hps/admission.h"
 #include "hps/backing_store.h"
 #include "hps/config.h"
 #include "hps/device_tier.h"
@@ -957,6 +958,55 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("batches", &hps::Herald::batches)
       .def_property_readonly("memory_bytes", &hps::Herald::memory_bytes)
       .def("clear", &hps::Herald::Clear);
+
+  // The admission sketch (hps/admission.h); hps.admission.AdmissionSketch is its Python face.
+  py::class_<hps::AdmissionSketch>(m, "AdmissionSketch")
+      .def(py::init([](uint64_t bytes, int32_t rows, int32_t threshold, uint64_t seed) {
+             return std::make_unique<hps::AdmissionSketch>(hps::AdmissionOptions{bytes, rows, threshold, seed});
+           }), py::arg("bytes"), py::arg("rows"), py::arg("threshold"), py::arg("seed"))
+      .def("admit", [](hps::AdmissionSketch& s, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<bool> admitted(static_cast<py::ssize_t>(n));
+        hps::AdmissionCounts c;
+        {
+          py::gil_scoped_release release;
+          c = s.Admit(k, n, reinterpret_cast<uint8_t*>(admitted.mutable_data()));
+        }
+        return py::make_tuple(admitted, c.admitted, c.newly_admitted);
+      }, py::arg("keys"), "counts keys, then marks each admitted: (bool mask, admitted, newly admitted)")
+      .def("query", [](const hps::AdmissionSketch& s, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<bool> admitted(static_cast<py::ssize_t>(n));
+        uint64_t yes;
+        {
+          py::gil_scoped_release release;
+          yes = s.Query(k, n, reinterpret_cast<uint8_t*>(admitted.mutable_data()));
+        }
+        return py::make_tuple(admitted, yes);
+      }, py::arg("keys"), "marks each key admitted, counting nothing: (bool mask, admitted)")
+      .def("estimate", [](const hps::AdmissionSketch& s, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<uint8_t> out(static_cast<py::ssize_t>(n));
+        uint8_t* o = out.mutable_data();
+        for (uint64_t i = 0; i < n; ++i) o[i] = static_cast<uint8_t>(s.Estimate(k[i]));
+        return out;
+      }, py::arg("keys"))
+      .def("counters", [](const hps::AdmissionSketch& s) {
+        const std::vector<uint8_t>& c = s.counters();
+        py::array_t<uint8_t> out(static_cast<py::ssize_t>(c.size()));
+        if (!c.empty()) std::memcpy(out.mutable_data(), c.data(), c.size());
+        return out;
+      }, "a copy of the counters, (rows * width,) uint8")
+      .def("restore", [](hps::AdmissionSketch& s, const py::array& counters) {
+        if (!counters.dtype().is(py::dtype::of<uint8_t>()) || counters.ndim() != 1) {
+          throw py::type_error("counters must be a 1-D uint8 array, got " + DtypeName(counters) + " " +
+                               ShapeOf(counters));
+        }
+        RequireContiguous(counters, "counters");
+        s.Restore(static_cast<const uint8_t*>(counters.data()), static_cast<uint64_t>(counters.shape(0)));
+      }, py::arg("counters"))
+      .def_property_readonly("width", &hps::AdmissionSketch::width)
+      .def_property_readonly("bytes", [](const hps::AdmissionSketch& s) { return s.counters().size(); });
 
   // The router, cost model and host executor (hps/topology.h); hps.topology is
   // their Python face. A topology comes as plain lists: devices (name, kind,

@@ -15,6 +15,12 @@ from hps.data.files import _shown
 
 #: The key hps reserves for empty table slots (all 64 bits set); never produced here.
 SENTINEL_KEY = 0xFFFF_FFFF_FFFF_FFFF
+#: The key of admission's default row (hps.admission): the row a key reads until it has
+#: been seen ``threshold`` times. Its one pre-image under the key hash below has bit 63
+#: and low bits set, so no (field, 32-bit value) and no missing value hashes to it; a key
+#: hashed from a 64-bit value (a schema's hashed strings, raw ids) equals it with
+#: probability 2**-64 per distinct value, and would then share the default row.
+ADMISSION_DEFAULT_KEY = 0xFFFF_FFFF_FFFF_FFFD
 
 
 # DO NOT CHANGE the constants or the formula below: keys are stored in

@@ -1,0 +1,230 @@
+"""Admission (hps.admission, [admission] in hps train): the sketch against exact counts,
+the default row that never trains, rows only for keys seen f times, counters that match
+an independent count, an exact resume, threshold 1 as no admission at all, config errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hps
+from hps.admission import ADMISSION_DEFAULT_KEY, Admission, AdmissionSketch
+from hps.data.keys import SENTINEL_KEY
+
+torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+from hps.train import TrainConfig, load_trainer_state, train  # noqa: E402
+
+VOCAB = [50, 200, 1000, 4000] + [3000] * 22
+BATCH, BATCHES, F = 256, 12, 3
+DEFAULT = np.uint64(ADMISSION_DEFAULT_KEY)
+
+
+def zipf_stream(n, universe, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.zipf(1.2, n) % universe).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+
+
+def test_default_key_is_reserved_apart():
+    assert ADMISSION_DEFAULT_KEY not in (SENTINEL_KEY, 0xFFFF_FFFF_FFFF_FFFE)
+    assert hps.ADMISSION_DEFAULT_KEY == ADMISSION_DEFAULT_KEY and hps.AdmissionSketch is AdmissionSketch
+
+
+def test_sketch_against_exact_counts_on_a_zipf_stream():
+    big = AdmissionSketch(threshold=4, bytes="4MiB")
+    small = AdmissionSketch(threshold=4, bytes="2KiB")  # 4 x 512 counters for thousands of keys
+    keys = zipf_stream(200_000, 20_000)
+    counts: dict = {}
+    for batch in np.array_split(keys, 50):
+        got = big.admit(batch)
+        small.admit(batch)
+        u, c = np.unique(batch, return_counts=True)
+        for k, n in zip(u.tolist(), c.tolist()):
+            counts[k] = counts.get(k, 0) + n
+        want = np.array([counts[k] >= 4 for k in batch.tolist()])
+        np.testing.assert_array_equal(got, want)  # a large sketch is exact here
+    u = np.array(list(counts), dtype=np.uint64)
+    truth = np.minimum(np.array(list(counts.values())), 255)
+    np.testing.assert_array_equal(big.estimate(u), truth)
+    est = small.estimate(u)
+    assert (est >= truth).all() and (est > truth).any()
+    assert big.occurrences == len(keys) and big.keys_admitted == int((truth >= 4).sum())
+    # query counts nothing; a restored sketch answers the same
+    before = big.counters()
+    np.testing.assert_array_equal(big.query(u), truth >= 4)
+    np.testing.assert_array_equal(big.counters(), before)
+    again = AdmissionSketch(threshold=4, bytes="4MiB")
+    again.load_state_dict(big.state_dict())
+    np.testing.assert_array_equal(again.estimate(u), truth)
+    with pytest.raises(ValueError, match="threshold = 4, this one 5"):
+        AdmissionSketch(threshold=5, bytes="4MiB").load_state_dict(big.state_dict())
+
+
+def test_sketch_rejects_bad_arguments():
+    for kw, name in ((dict(threshold=0), "threshold"), (dict(threshold=256), "threshold"),
+                     (dict(threshold=2, bytes=0), "bytes"), (dict(threshold=2, rows=0), "rows")):
+        with pytest.raises(ValueError, match=name):
+            AdmissionSketch(**kw)
+    with pytest.raises(TypeError, match="uint64 or int64"):
+        AdmissionSketch(threshold=2).admit(np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("opt", [hps.SGD(lr=0.1), hps.AdaGrad(lr=0.1), hps.Adam(lr=0.1)], ids=lambda o: o.kind)
+def test_a_zero_gradient_leaves_a_row_unchanged(tmp_path, opt):
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=opt))
+    try:
+        keys = np.array([DEFAULT, 7], dtype=np.uint64)
+        first = ps.pull(keys)
+        for _ in range(3):  # Adam: m and v stay 0, so every step is 0
+            ps.push(keys, np.array([[0.0] * 4, [0.5] * 4], np.float32))
+        after = ps.pull(keys)
+    finally:
+        ps.close()
+    np.testing.assert_array_equal(after[0], first[0])
+    assert not np.array_equal(after[1], first[1])
+
+
+def config(path, threshold=None, examples=BATCH * BATCHES, checkpoint_every=0, **extra):
+    d = {"hidden": [8], "dense_lr": 0.01, "torch_threads": 1, "pipelined": False, "seed": 1,
+         "checkpoint_every": checkpoint_every,
+         "ps": {"dim": 4, "path": str(path), "mem_budget": "64MiB", "optimizer": {"kind": "adagrad", "lr": 0.05}},
+         "data": {"source": "synthetic", "batch_size": BATCH, "train_examples": examples, "eval_examples": 1024,
+                  "vocab_sizes": VOCAB}}
+    if threshold is not None:
+        d["admission"] = {"threshold": threshold, **extra}
+    return TrainConfig.from_dict(d)
+
+
+def train_keys(examples=BATCH * BATCHES):
+    return [b.keys for b in hps.data.SyntheticCriteo(batch_size=BATCH, examples=examples, vocab_sizes=VOCAB)]
+
+
+def pull(path, keys):
+    ps = hps.ParameterServer.open(str(path))
+    try:
+        return ps.pull(np.asarray(keys, np.uint64)), ps.stats()
+    finally:
+        ps.close()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    path = tmp_path_factory.mktemp("adm") / "ps"
+    return path, train(config(path, F, checkpoint_every=4), progress=False)
+
+
+def test_training_admits_keys_at_the_threshold(straight, tmp_path):
+    path, summary = straight
+    # An independent count over the same batches: a key is admitted in the batch
+    # that takes its count to F, for all its occurrences there.
+    counts: dict = {}
+    defaults = 0
+    for keys in train_keys():
+        u, c = np.unique(keys, return_counts=True)
+        for k, n in zip(u.tolist(), c.tolist()):
+            counts[k] = counts.get(k, 0) + n
+        defaults += sum(counts[k] < F for k in keys.ravel().tolist())
+    admitted = sorted(k for k, n in counts.items() if n >= F)
+    rare = sorted(k for k, n in counts.items() if n < F)
+    assert rare and admitted
+    a = summary["admission"]
+    assert a["threshold"] == F and a["sketch_bytes"] == 4 << 20
+    assert a["occurrences_counted"] == BATCH * BATCHES * 26
+    assert a["default_reads"] == a["dropped_gradients"] == defaults
+    assert a["keys_admitted"] == len(admitted)
+    assert 0 < a["eval_default_reads"] < a["eval_reads"] == 1024 * 26
+    # Rows: the admitted keys and the default row, nothing else.
+    ps = summary["ps"]
+    assert ps["counts"]["initialized"] == len(admitted) + 1
+    # The counters in the checkpoint match the independent count.
+    state = load_trainer_state(str(path))["admission"]
+    sketch = AdmissionSketch(threshold=F)
+    sketch.load_state_dict(state["sketch"])
+    keys = np.array(list(counts), dtype=np.uint64)
+    np.testing.assert_array_equal(sketch.estimate(keys), np.minimum([counts[k] for k in counts.keys()], 255))
+    # The default row is the initializer's, untouched by training.
+    rows, _ = pull(path, [DEFAULT])
+    fresh = hps.ParameterServer(config(tmp_path / "fresh").ps)
+    try:
+        np.testing.assert_array_equal(rows[0], fresh.pull(np.array([DEFAULT], np.uint64))[0])
+    finally:
+        fresh.close()
+    # Pulling a rare key now has to create its row: it had none.
+    _, stats = pull(path, rare[:5])
+    assert stats["counts"]["initialized"] == 5
+
+
+def test_resume_is_exact(straight, tmp_path):
+    path, want = straight
+    part = tmp_path / "ps"
+    train(config(part, F, examples=BATCH * 5, checkpoint_every=4), progress=False)
+    got = train(config(part, F, checkpoint_every=4), resume=True, progress=False)
+    assert got["batches"] == BATCHES
+    for k in ("auc", "logloss"):
+        assert got["final"][k] == want["final"][k]
+    for k in ("default_reads", "keys_admitted", "occurrences_counted"):
+        assert got["admission"][k] == want["admission"][k]
+    keys = np.unique(np.concatenate([k.ravel() for k in train_keys()]))[:500]
+    np.testing.assert_array_equal(pull(part, keys)[0], pull(path, keys)[0])
+
+
+def test_threshold_one_is_no_admission(tmp_path):
+    a = train(config(tmp_path / "a", 1, examples=BATCH * 4), progress=False)
+    b = train(config(tmp_path / "b", None, examples=BATCH * 4), progress=False)
+    assert a["final"]["auc"] == b["final"]["auc"] and a["final"]["logloss"] == b["final"]["logloss"]
+    assert a["admission"] == b["admission"] and a["admission"]["sketch_bytes"] == 0
+    assert a["ps"]["counts"]["initialized"] == b["ps"]["counts"]["initialized"]
+    keys = np.unique(np.concatenate([k.ravel() for k in train_keys(BATCH * 4)]))[:300]
+    np.testing.assert_array_equal(pull(tmp_path / "a", keys)[0], pull(tmp_path / "b", keys)[0])
+
+
+def test_config_errors_name_the_field(tmp_path):
+    for extra, name in (({"threshold": 0}, "admission.threshold"), ({"threshold": 256}, "admission.threshold"),
+                        ({"threshold": "3"}, "admission.threshold"),
+                        ({"threshold": 2, "sketch_bytes": "lots"}, "admission.sketch_bytes"),
+                        ({"threshold": 2, "sketch_bytes": 2}, "admission.sketch_bytes"),
+                        ({"threshold": 2, "bogus": 1}, "admission.bogus")):
+        with pytest.raises(ValueError, match=name):
+            config(tmp_path / "x", **extra)
+    d = {"ps": {"dim": 4, "path": str(tmp_path / "y"), "optimizer": {"kind": "adam", "eps": 0.0}},
+         "admission": {"threshold": 2}}
+    with pytest.raises(ValueError, match="eps"):
+        TrainConfig.from_dict(d)
+
+
+def test_multi_hot_bags_are_rewritten_too():
+    adm = Admission(threshold=2, sketch_bytes="64KiB")
+    b = hps.data.Batch(np.zeros(2, np.float32), np.zeros((2, 1), np.float32), np.array([[1], [2]], np.uint64), (),
+                       (hps.data.Bags(np.array([1, 3, 3], np.uint64), np.array([0, 1, 3])),))
+    out = adm.train_batch(b)  # one count over the keys and the bags: key 1 and key 3 are seen twice
+    assert out.keys.tolist() == [[1], [ADMISSION_DEFAULT_KEY]]
+    assert out.bags[0].keys.tolist() == [1, 3, 3] and adm.default_reads == 1
+    assert b.keys.tolist() == [[1], [2]]  # the source batch is left as it was
+    ev = adm.eval_batch(hps.data.Batch(b.labels, b.dense, np.array([[3], [4]], np.uint64)))
+    adm.end_evaluation()
+    assert ev.keys.tolist() == [[3], [ADMISSION_DEFAULT_KEY]] and (adm.eval_reads, adm.eval_default_reads) == (2, 1)
+
+
+def test_bench_quick_and_its_report_table():
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "bench" / "admission_bench.py"), "--quick", "--no-save"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["quick"] and line["provenance"]["command"].startswith("python3 bench/admission_bench.py")
+    runs = line["synthetic"]["runs"]
+    assert [r["threshold"] for r in runs] == [1, 2, 4, 8]
+    assert runs[0]["default_reads"] == 0 and runs[0]["sketch_bytes"] == 0
+    created = [r["rows_created"] for r in runs]
+    assert created == sorted(created, reverse=True) and created[-1] < created[0]
+    for r in runs[1:]:
+        assert r["rows_created"] == r["keys_admitted"] + 1 and r["default_reads"] == r["dropped_gradients"] > 0
+    spec = importlib.util.spec_from_file_location("hps_bench_report", root / "bench" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert report.workload_of(line) == "w13"
+    rows = [r for r in report.render_w13(line) if r.startswith("| synthetic")]
+    assert len(rows) == 4 and rows[0].startswith(f"| synthetic | 1 | {runs[0]['rows_created']:,} |")
