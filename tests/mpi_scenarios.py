@@ -126,6 +126,10 @@ def run_train(node, out: str, args) -> None:
                 yield b
         mine = failing(mine, args.fail_at_step)
     summary = train(cfg, resume=args.resume, progress=False, train_batches=mine, eval_batches=[], node=node)
+    if "finished_before" in summary:  # resumed with nothing left to train
+        with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+            json.dump({"finished_before": summary["finished_before"]}, f)
+        return
     with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
         json.dump({"bytes_sent": summary["distributed"]["ranks"][node.rank]["bytes_sent"],
                    "batches": summary["batches"], "examples": summary["examples"],

@@ -204,6 +204,9 @@ def test_a_reshard_cut_short_before_the_switch_leaves_the_old_job_resumable(tmp_
     # And again, on 3 ranks now (the old rank 2 directory of the cut reshard is replaced).
     p = scenario(3, old, "--steps", STEPS + 2, "--resume")
     assert "resharding its checkpoint" in p.stderr
+    # Resharded, and its data was done: every rank says the job is finished at step 6.
+    for r in range(3):
+        assert json.loads((old / f"rank{r}.json").read_text())["finished_before"]["batches"] == STEPS + 2
 
 
 @pytest.mark.parametrize("missing", ["parameter file", "dense state", "checkpoint"])

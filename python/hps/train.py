@@ -847,6 +847,9 @@ def _finished_before(cfg: TrainConfig, trainer: Trainer) -> dict:
         summary = {"examples": trainer.examples_done, "batches": trainer.batches_done}
     summary["finished_before"] = {"examples": trainer.examples_done, "batches": trainer.batches_done,
                                   "path": cfg.ps.path}
+    if trainer.node is not None:  # this job's ranks now (a reshard may have changed them): rank 0 speaks
+        summary["distributed"] = {**summary.get("distributed", {}), "rank": trainer.node.rank,
+                                  "world": trainer.node.size}
     return summary
 
 
