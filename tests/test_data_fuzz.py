@@ -720,3 +720,53 @@ def test_compiled_line_parser_agrees_with_parse_line(rows):
             assert labels[i] == ref[0]
             assert dense[i].tolist() == [float(x) for x in ref[1]]
             assert cats[i].tolist() == ref[2] and absent[i].astype(bool).tolist() == ref[3]
+
+
+_SVM_LABEL = st.sampled_from([b"0", b"1", b"-1", b"+1", b"0.0", b"1.0", b"2", b"1.", b"-0", b"x", b"+0"])
+_SVM_VALUE = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True).map(lambda x: repr(x).encode()),
+    st.integers(-10**20, 10**20).map(lambda v: str(v).encode()),
+    st.sampled_from([b"", b"1_0", b"1__0", b"_1", b"inf", b"-Infinity", b"nan", b"1e400", b"0x10", b".5", b"5.",
+                     b"1e", b"+-1", b"1\x00", b"\xff", b"1:2"]))
+_SVM_INDEX = st.one_of(st.integers(0, 2**64).map(lambda v: str(v).encode()),
+                       st.sampled_from([b"", b"-1", b"1a", b"00012", b"9223372036854775807",
+                                        b"9223372036854775808"]))
+_SVM_TOKEN = st.one_of(
+    st.tuples(_SVM_INDEX, _SVM_VALUE).map(lambda t: t[0] + b":" + t[1]),
+    st.tuples(st.sampled_from([b"3", b"", b"a"]), _SVM_INDEX, _SVM_VALUE).map(lambda t: b":".join(t)),  # libFFM
+    st.binary(min_size=1, max_size=5).filter(lambda b: not any(c in b for c in b" \t\n\r\x0b\x0c")))
+_SVM_SPACE = st.sampled_from([b" ", b"\t", b"  ", b" \x0b", b"\x0c", b" \r"])
+
+
+@FUZZ
+@given(st.lists(st.tuples(_SVM_LABEL, st.lists(st.tuples(_SVM_SPACE, _SVM_TOKEN), max_size=5),
+                          st.sampled_from([b"", b" ", b" # a comment", b"#x", b"\r"]),
+                          st.booleans()), min_size=1, max_size=8))
+def test_compiled_libsvm_parser_agrees_with_parse_line(rows):
+    from hps.data import Libsvm, tabular
+    if tabular._libsvm_lines is None:
+        pytest.skip("hps.data._libsvm_lines is not built (a source checkout)")
+    m = tabular._libsvm_lines
+    lines = []
+    for label, tokens, tail, blank in rows:
+        lines.append(tail if blank else label + b"".join(s + t for s, t in tokens) + tail)
+    block = b"\n".join(lines) + b"\n"
+    data = np.frombuffer(block, np.uint8)
+    ends = np.flatnonzero(data == 10).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    kind, labels, f_line, f_idx, f_val = m.parse_lines(data, starts, ends)
+    for i, line in enumerate(lines):
+        text = line.split(b"#", 1)[0].strip()
+        if not text:
+            assert kind[i] == m.BLANK, line
+            continue
+        ref = Libsvm._parse_line(text)
+        if isinstance(ref, str):
+            assert kind[i] == m.BAD, (line, ref)
+            continue
+        assert kind[i] == m.EXAMPLE, (line, ref)
+        label, idx, val = ref
+        assert labels[i] == label
+        mine = f_line == i
+        assert f_idx[mine].tolist() == idx
+        assert f_val[mine].tolist() == np.asarray(val, np.float32).tolist()

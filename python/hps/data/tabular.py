@@ -469,9 +469,12 @@ class Libsvm(_SchemaReader):
                         yield piece
 
     def _block(self, block: bytes, path: str, first_line: int) -> tuple[_Piece, int]:
-        """(rows, lines) of a block of whole lines: vectorised through pyarrow, or line by
-        line (the reference rules, which name a bad line) when the fast path declines."""
+        """(rows, lines) of a block of whole lines: by the compiled line parser
+        (hps.data._libsvm_lines), or without it through pyarrow, line by line in Python
+        (the reference rules, which name a bad line) when that declines."""
         n_lines = block.count(b"\n") + (not block.endswith(b"\n"))
+        if _libsvm_lines is not None:
+            return self._compiled(block, path, first_line), n_lines
         piece = self._fast(block, path, first_line)
         if piece is None:
             rows = block.split(b"\n")
@@ -479,6 +482,29 @@ class Libsvm(_SchemaReader):
                 rows.pop()
             piece = self._parse(rows, path, first_line)
         return piece, n_lines
+
+    def _compiled(self, block: bytes, path: str, first_line: int) -> _Piece:
+        """The block's rows by hps.data._libsvm_lines; each bad line named by _parse_line."""
+        data = np.frombuffer(block, np.uint8)
+        ends = np.flatnonzero(data == 10)
+        if not block.endswith(b"\n"):
+            ends = np.append(ends, len(block))
+        starts = np.empty(len(ends), np.int64)
+        starts[:1] = 0
+        starts[1:] = ends[:-1] + 1
+        kind, labels, f_line, f_idx, f_val = _libsvm_lines.parse_lines(data, starts, ends.astype(np.int64))
+        for i in np.flatnonzero(kind == _libsvm_lines.BAD):
+            text = block[starts[i]:ends[i]].split(b"#", 1)[0].strip()
+            message = self._parse_line(text)
+            if not isinstance(message, str):
+                raise RuntimeError(f"{path}:{first_line + i}: the compiled libsvm parser rejects a line that "
+                                   f"_parse_line accepts (a bug in hps.data._libsvm_lines)")
+            ln = first_line + int(i)
+            self._bad(DataError(f"{path}:{ln}: {message}", path=path, line=ln))
+        example = kind == _libsvm_lines.EXAMPLE
+        row_of = np.cumsum(example) - 1  # a line's row among the block's examples
+        return self._assemble(path, first_line + np.flatnonzero(example), labels[example], row_of[f_line],
+                              f_idx, f_val)
 
     def _fast(self, block: bytes, path: str, first_line: int) -> Optional[_Piece]:
         """The block's rows if every line is plain ``label idx:val ...`` that _parse_line accepts
@@ -618,6 +644,11 @@ class Libsvm(_SchemaReader):
 
 
 _UINT_RE = re.compile(rb"[0-9]+")
+
+try:  # the compiled line parser; absent in a source checkout that was never built
+    from hps.data import _libsvm_lines
+except ImportError:  # pragma: no cover - the installed package always has it
+    _libsvm_lines = None
 
 _PARQUET = (".parquet", ".pq")
 _LIBSVM = (".svm", ".libsvm", ".libfm", ".ffm")
