@@ -85,6 +85,16 @@ def provenance(argv: list[str] | None = None) -> dict:
             "command": command_line(argv)}
 
 
+def save_result(line: str, name: str) -> str:
+    """Writes a benchmark's JSON line to bench/results/<name>-<UTC time>.json (where
+    `python3 bench/report.py --add` takes it from); returns the path."""
+    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
+    path = os.path.join(ROOT, "bench", "results", time.strftime(f"{name}-%Y%m%d-%H%M%S.json", time.gmtime()))
+    with open(path, "w") as f:
+        f.write(line + "\n")
+    return path
+
+
 def stamp(lines, command: list[str], out=sys.stdout) -> int:
     """Copies `lines` to `out`, adding "provenance" to each JSON object line
     (others pass unchanged); returns the number stamped."""

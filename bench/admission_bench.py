@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from _provenance import provenance  # bench/ is sys.path[0]
+from _provenance import provenance, save_result  # bench/ is sys.path[0]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CRITEO = "/work/shared/data/criteo-sample/train_examples_10k.tsv"
@@ -118,10 +118,7 @@ def main(argv=None) -> int:
     line = json.dumps(out)
     print(line)
     if not a.no_save:
-        os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-        path = os.path.join(ROOT, "bench", "results", time.strftime("admission-%Y%m%d-%H%M%S.json", time.gmtime()))
-        with open(path, "w") as f:
-            f.write(line + "\n")
+        path = save_result(line, "admission")
         print(f"admission_bench: wrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
     return 0
 

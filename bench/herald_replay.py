@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from _provenance import provenance  # bench/ is sys.path[0]
+from _provenance import provenance, save_result  # bench/ is sys.path[0]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.join(ROOT, "..", "shared", "data", "criteo-sample", "train_examples_10k.tsv")
@@ -183,10 +183,7 @@ def main(argv=None) -> int:
                        "schedule_cost": cost})
     print(line)
     if not a.no_save:
-        os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-        path = os.path.join(ROOT, "bench", "results", time.strftime("herald_replay-%Y%m%d-%H%M%S.json", time.gmtime()))
-        with open(path, "w") as f:
-            f.write(line + "\n")
+        save_result(line, "herald_replay")
     return 0
 
 

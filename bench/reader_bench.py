@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from _provenance import provenance  # bench/ is sys.path[0]
+from _provenance import provenance, save_result  # bench/ is sys.path[0]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(ROOT, "..", "shared", "data", "criteo-sample", "train_examples_10k.tsv")
@@ -115,9 +115,11 @@ def train_rate(path: str, directory: str, batch: int) -> dict:
                       data=DataConfig(source=[path], batch_size=batch), hidden=(512, 256))
     s = train(cfg, progress=False)
     busy = s["pipeline"]["busy_seconds"]
+    p = s["pipeline"]
     return {"examples_per_s": s["examples_per_s"], "read_busy_s": busy["read"], "train_busy_s": busy["train"],
             "read_over_train": busy["read"] / busy["train"] if busy["train"] else None,
-            "examples": s["examples"]}
+            "bound_by": p["bound_by"], "wall_over_slowest_stage": p["wall_over_slowest_stage"],
+            "mean_queue_depth": p["mean_queue_depth"], "examples": s["examples"]}
 
 
 def main(argv=None) -> int:
@@ -153,13 +155,12 @@ def main(argv=None) -> int:
         print(f"{k:<16} {v['median']:>14,.0f} ({v['min']:,.0f}-{v['max']:,.0f}) {v['median'] / t:>10.1f}x")
     ratio = trained["read_over_train"]
     print(f"training (TSV, pipelined): {t:,.0f} examples/s; read stage busy {trained['read_busy_s']:.2f} s, "
-          f"train stage {trained['train_busy_s']:.2f} s: read / train = {ratio:.3f}")
+          f"train stage {trained['train_busy_s']:.2f} s: read / train = {ratio:.3f}; bound by {trained['bound_by']}, "
+          f"wall / slowest stage {trained['wall_over_slowest_stage']:.2f}, batches waiting after read "
+          f"{trained['mean_queue_depth']['read']:.2f} on average")
     print(json.dumps(out))
     if not a.no_save:
-        os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-        path = os.path.join(ROOT, "bench", "results", time.strftime("reader-%Y%m%d-%H%M%S.json"))
-        with open(path, "w") as f:
-            f.write(json.dumps(out) + "\n")
+        save_result(json.dumps(out), "reader")
     return 0
 
 

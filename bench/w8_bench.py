@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from _provenance import provenance  # bench/ is sys.path[0]
+from _provenance import provenance, save_result  # bench/ is sys.path[0]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIGURE1 = os.path.join(ROOT, "examples", "topologies", "figure1.toml")
@@ -241,11 +241,7 @@ def main(argv=None) -> int:
     line = json.dumps(result, sort_keys=False)
     print(line)
     if not a.no_save:
-        os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-        path = os.path.join(ROOT, "bench", "results", time.strftime("w8-%Y%m%d-%H%M%S.json", time.gmtime()))
-        with open(path, "w") as f:
-            f.write(line + "\n")
-        print(f"wrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
+        print(f"wrote {os.path.relpath(save_result(line, 'w8'), ROOT)}", file=sys.stderr)
     return 0
 
 

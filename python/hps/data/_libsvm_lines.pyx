@@ -49,17 +49,12 @@ cdef bint _value(const uint8_t[:] s, Py_ssize_t a, Py_ssize_t z, double* out):
     cdef double x
     if n == 0:
         return False
+    cdef bint underscore = False
     for i in range(a, z):
-        if s[i] == 95 or s[i] == 0:  # '_': float()'s own rules; NUL: float() refuses it
-            if s[i] == 0:
-                return False
-            try:
-                x = float(bytes(s[a:z]))
-            except ValueError:
-                return False
-            out[0] = x
-            return isfinite(x)
-    if n >= 64:
+        if s[i] == 0:  # float() refuses a NUL
+            return False
+        underscore |= s[i] == 95
+    if underscore or n >= 64:  # float()'s own rules for "1_000"; a long token needs no buffer
         try:
             x = float(bytes(s[a:z]))
         except ValueError:

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional, Union
 import numpy as np
 
 from hps.data.examples import _Piece, _sources_of
-from hps.data.files import DataError, _fsspec, _is_url, _open_binary, _Reader, _shown, list_files
+from hps.data.files import DataError, _fsspec, _is_url, _line_bounds, _open_binary, _Reader, _shown, list_files
 from hps.data.keys import _field_tags, _keys
 
 try:  # the compiled per-line parser; absent in a source checkout that was never built
@@ -364,14 +364,7 @@ class CriteoTsv(_Reader):
         module (a source checkout), _parse_line does it all."""
         if _criteo_lines is None:
             return self._slow_python(block, path, first_line)
-        data = np.frombuffer(block, np.uint8)
-        ends = np.flatnonzero(data == 10)
-        if not block.endswith(b"\n"):
-            ends = np.append(ends, len(block))
-        starts = np.empty(len(ends), np.int64)
-        starts[:1] = 0
-        starts[1:] = ends[:-1] + 1
-        ends = ends.astype(np.int64)
+        data, starts, ends = _line_bounds(block)
         ends -= (ends > starts) & (data[np.maximum(ends - 1, 0)] == 13)  # a "\r" before the "\n" is dropped
         n = len(starts)
         labels, dense = np.empty(n), np.empty((n, len(DENSE_COLUMNS)))

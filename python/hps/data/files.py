@@ -15,6 +15,8 @@ import os
 import re
 from typing import Iterator, Optional, Sequence, Union
 
+import numpy as np
+
 from hps.data.examples import Batch, _check_batching, _Piece, _rebatch
 
 #: Messages of skipped lines a reader keeps in ``malformed_examples``.
@@ -132,6 +134,19 @@ def _open_binary(path: str):
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     return open(path, "rb")
+
+
+def _line_bounds(block: bytes) -> tuple:
+    """(the block as uint8, starts, ends) of its lines, without their "\n" (int64 each):
+    what the compiled line parsers take."""
+    data = np.frombuffer(block, np.uint8)
+    ends = np.flatnonzero(data == 10)
+    if not block.endswith(b"\n"):
+        ends = np.append(ends, len(block))
+    starts = np.empty(len(ends), np.int64)
+    starts[:1] = 0
+    starts[1:] = ends[:-1] + 1
+    return data, starts, ends.astype(np.int64)
 
 
 def _shown(value) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 
 from hps.data.criteo import dense_transform
 from hps.data.examples import Bags, _Piece, _sources_of
-from hps.data.files import DataError, _fsspec, _is_url, _Reader, _shown, list_files
+from hps.data.files import DataError, _fsspec, _is_url, _line_bounds, _Reader, _shown, list_files
 from hps.data.keys import _field_tag, _keys
 from hps.data.schema import Schema, _as_binary, value_hashes
 
@@ -485,14 +485,8 @@ class Libsvm(_SchemaReader):
 
     def _compiled(self, block: bytes, path: str, first_line: int) -> _Piece:
         """The block's rows by hps.data._libsvm_lines; each bad line named by _parse_line."""
-        data = np.frombuffer(block, np.uint8)
-        ends = np.flatnonzero(data == 10)
-        if not block.endswith(b"\n"):
-            ends = np.append(ends, len(block))
-        starts = np.empty(len(ends), np.int64)
-        starts[:1] = 0
-        starts[1:] = ends[:-1] + 1
-        kind, labels, f_line, f_idx, f_val = _libsvm_lines.parse_lines(data, starts, ends.astype(np.int64))
+        data, starts, ends = _line_bounds(block)
+        kind, labels, f_line, f_idx, f_val = _libsvm_lines.parse_lines(data, starts, ends)
         for i in np.flatnonzero(kind == _libsvm_lines.BAD):
             text = block[starts[i]:ends[i]].split(b"#", 1)[0].strip()
             message = self._parse_line(text)
