@@ -61,9 +61,10 @@
 // (8 + the mask's bytes) of log and 10 to 15 bytes of index: 21 to 26 bytes
 // for W <= 8, 30 to 35 for W <= 64, a little more while a batch is large
 // against the caches. memory_bytes() counts all of it: every slot and record
-// allocated, live, dead or spare. It leaves out the per-batch scratch (some 8
-// bytes a key and 30 a distinct key of the largest batch so far), which does
-// not grow with the caches. No dirty bit is kept: on demand every held row is dirty (a worker
+// allocated, live, dead or spare. It leaves out the per-batch scratch (some 20
+// bytes a key and 35 to 80 a distinct key of the largest batch so far, the
+// table that finds a batch's distinct keys included), which does not grow with
+// the caches. No dirty bit is kept: on demand every held row is dirty (a worker
 // trained it), write-through every one is clean (the PS got it at the batch's
 // end).
 //

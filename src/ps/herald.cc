@@ -82,6 +82,34 @@ constexpr auto kSpread = [] {
   return t;
 }();
 
+// Sorts keys ascending and drops repeats, as std::sort and std::unique do:
+// a pass places each key in one of about n / 4 buckets by its offset from the
+// lowest key (buckets in key order), then each small bucket is sorted. tmp and
+// count are scratch.
+void SortUnique(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp, std::vector<uint32_t>& count) {
+  const uint64_t n = keys.size();
+  if (n < 1024) {
+    std::sort(keys.begin(), keys.end());
+  } else {
+    const auto [lo, hi] = std::minmax_element(keys.begin(), keys.end());
+    const uint64_t low = *lo, span = *hi - *lo;
+    uint64_t buckets = 1;
+    while (buckets < n / 4) buckets *= 2;
+    int shift = 0;
+    while (shift < 64 && (span >> shift) >= buckets) ++shift;
+    count.assign(buckets + 1, 0);
+    for (uint64_t k : keys) ++count[((k - low) >> shift) + 1];
+    for (uint64_t b = 0; b < buckets; ++b) count[b + 1] += count[b];
+    tmp.resize(n);
+    for (uint64_t k : keys) tmp[count[(k - low) >> shift]++] = k;  // count[b]: the end of bucket b after
+    for (uint64_t b = 0, begin = 0; b < buckets; begin = count[b++]) {
+      std::sort(tmp.begin() + static_cast<int64_t>(begin), tmp.begin() + count[b]);
+    }
+    keys.swap(tmp);
+  }
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+}
+
 // Tunables of the snapshot's memory (the header's Memory paragraph).
 constexpr double kMaxLoad = 0.8;     // the key index grows past this load...
 constexpr double kGrownLoad = 0.55;  // ...to this one
@@ -258,31 +286,108 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   // score[w] = the batch keys j in [begin, end) whose masks[inverse[j]] has
-  // bit w. With 8-bit masks a key adds kSpread[mask], a byte a worker, and the
-  // bytes are spilled before they can overflow.
+  // bit w. Each byte of a key's mask adds kSpread[byte] to its accumulator, a
+  // byte a worker (no branch on how many bits are set), and the bytes are
+  // spilled before they can overflow.
   void Tally(uint64_t begin, uint64_t end, const Mask* masks) {
-    if constexpr (sizeof(Mask) == 1) {
-      for (bool first = true; first || begin < end; first = false) {
-        uint64_t acc = 0;
-        for (const uint64_t stop = std::min(end, begin + 255); begin < stop; ++begin) acc += kSpread[masks[inverse[begin]]];
-        for (uint32_t& s : score) {
-          s = (first ? 0 : s) + static_cast<uint32_t>(acc & 0xff);
-          acc >>= 8;
-        }
+    constexpr int kBytes = sizeof(Mask);
+    const auto W = static_cast<int32_t>(score.size());
+    for (bool first = true; first || begin < end; first = false) {
+      std::array<uint64_t, kBytes> acc{};
+      for (const uint64_t stop = std::min(end, begin + 255); begin < stop; ++begin) {
+        const Mask m = masks[inverse[begin]];
+        for (int b = 0; b < kBytes; ++b) acc[b] += kSpread[static_cast<uint8_t>(m >> (8 * b))];
       }
-    } else {
-      std::fill(score.begin(), score.end(), 0);
-      for (uint64_t j = begin; j < end; ++j) {
-        for (Mask m = masks[inverse[j]]; m != 0; m &= static_cast<Mask>(m - 1)) ++score[std::countr_zero(m)];
+      for (int32_t w = 0; w < W; ++w) {
+        score[w] = (first ? 0 : score[w]) + static_cast<uint32_t>((acc[w / 8] >> (8 * (w % 8))) & 0xff);
       }
     }
+  }
+
+  // ---- the batch's distinct keys ----
+  // UniqueKeys' pass (uniq in order of first appearance, inverse), which also
+  // keeps each distinct key's Hash, on a table kept across batches: open
+  // addressing with linear probing from Home-like slots of the Hash, at load at
+  // most 1/2, never shrunk, so after the first batches it neither grows nor is
+  // cleared by a memset; the pass empties the slots it filled, last key first
+  // (each key's probe run then still holds the keys placed before it).
+  // REQUIRES: the keys were checked (CheckKeys).
+  void Distinct(const uint64_t* keys, uint64_t n) {
+    uint64_t capacity = std::max<uint64_t>(seen_keys.size(), 1024);
+    while (capacity < n / 2) capacity *= 2;  // UniqueKeys' first size: a batch repeats its keys
+    if (capacity != seen_keys.size()) {
+      seen_keys.assign(capacity, kEmptyKey);
+      seen_at.resize(capacity);
+    }
+    inverse.resize(n);
+    // Sized for every key distinct, cut to the distinct ones at the end.
+    uniq.resize(n);
+    hashes.resize(n);
+    uint64_t count = 0;
+    uint64_t mask = capacity - 1;
+    auto home = [&](uint32_t hash) { return (uint64_t{hash} * (mask + 1)) >> 32; };
+    auto slot_of = [&](uint64_t key, uint32_t hash) {
+      uint64_t i = home(hash);
+      while (seen_keys[i] != key && seen_keys[i] != kEmptyKey) i = (i + 1) & mask;
+      return i;
+    };
+    // The table is larger than L2 and was cold since the last batch: each key's
+    // home slot is fetched kAhead keys ahead of its probe (ahead[] keeps their Hash).
+    constexpr uint64_t kAhead = 16;
+    std::array<uint32_t, kAhead> ahead;
+    for (uint64_t k = 0; k < std::min(n, kAhead); ++k) {
+      ahead[k] = Hash(keys[k]);
+      __builtin_prefetch(&seen_keys[home(ahead[k])]);
+    }
+    try {
+      for (uint64_t k = 0; k < n; ++k) {
+        const uint64_t key = keys[k];
+        const uint32_t hash = ahead[k % kAhead];
+        if (k + kAhead < n) {
+          const uint64_t next = home(ahead[k % kAhead] = Hash(keys[k + kAhead]));
+          __builtin_prefetch(&seen_keys[next]);
+          __builtin_prefetch(&seen_at[next]);
+        }
+        const uint64_t i = slot_of(key, hash);
+        if (seen_keys[i] == key) {
+          inverse[k] = seen_at[i];
+          continue;
+        }
+        const auto at = static_cast<uint32_t>(count++);
+        seen_keys[i] = key;
+        seen_at[i] = at;
+        uniq[at] = key;
+        hashes[at] = hash;
+        inverse[k] = at;
+        if (2 * count > capacity) {  // load above 1/2: double and re-place the distinct keys
+          capacity *= 2;
+          mask = capacity - 1;
+          seen_keys.assign(capacity, kEmptyKey);
+          seen_at.resize(capacity);
+          for (uint32_t u = 0; u < count; ++u) {
+            const uint64_t j = slot_of(uniq[u], hashes[u]);
+            seen_keys[j] = uniq[u];
+            seen_at[j] = u;
+          }
+        }
+      }
+    } catch (...) {  // out of memory growing: drop the table rather than leave it holding keys
+      seen_keys = {};
+      seen_at = {};
+      throw;
+    }
+    uniq.resize(count);
+    hashes.resize(count);
+    for (uint64_t u = count; u-- > 0;) seen_keys[slot_of(uniq[u], hashes[u])] = kEmptyKey;
   }
 
   HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) override {
     const int32_t W = opt.workers;
     const uint64_t total = offsets[n_examples];
-    inverse.resize(total);
-    const std::vector<uint64_t> uniq = UniqueKeys(keys, total, inverse.data());  // throws like CheckKeys
+    CheckKeys(keys, total);
+    // Indices are uint32 with UINT32_MAX kept free, as in UniqueKeys.
+    if (total >= UINT32_MAX) throw std::invalid_argument("Herald::Schedule: more than 2^32 - 2 keys");
+    Distinct(keys, total);
     const uint64_t U = uniq.size();
     if (log_keys.size() - dead + U > kMaxRecords) {
       throw std::length_error("Herald::Schedule: the snapshot would pass 2^32 - 2 keys");
@@ -293,11 +398,9 @@ struct Herald::Snapshot final : Herald::Impl {
     // Every batch key's slot now; the index is far larger than the caches, so
     // its slots and then the records they point to are fetched ahead of use.
     Reserve(U);  // the inserts below must not move the slots found here
-    hashes.resize(U);
     slot.resize(U);
     latest.resize(U);
     need.assign(U, 0);
-    for (uint64_t u = 0; u < U; ++u) hashes[u] = Hash(uniq[u]);
     constexpr uint64_t kAhead = 16, kPeek = 8;
     for (uint64_t u = 0; u < std::min(U, kAhead); ++u) __builtin_prefetch(&index[Home(hashes[u])]);
     for (uint64_t u = 0; u < U; ++u) {
@@ -439,8 +542,7 @@ struct Herald::Snapshot final : Herald::Impl {
         Erase(Hash(log_keys[q]), q);
         ++dead;
       }
-      std::sort(plan.evicted.begin(), plan.evicted.end());
-      plan.evicted.erase(std::unique(plan.evicted.begin(), plan.evicted.end()), plan.evicted.end());
+      SortUnique(plan.evicted, sort_tmp, sort_count);
     }
     return plan;
   }
@@ -486,7 +588,11 @@ struct Herald::Snapshot final : Herald::Impl {
   // Per-batch scratch, kept for the next batch (not in MemoryBytes).
   std::vector<int64_t> inverse;
   std::vector<uint32_t> hashes, score;
-  std::vector<uint64_t> slot, share, fetch_at, comm_at, emptied, mine;
+  std::vector<uint64_t> uniq, slot, share, fetch_at, comm_at, emptied, mine;
+  std::vector<uint64_t> seen_keys;  // Distinct's table: kEmptyKey between batches
+  std::vector<uint32_t> seen_at;    // the index among uniq of seen_keys' key
+  std::vector<uint64_t> sort_tmp;   // SortUnique's
+  std::vector<uint32_t> sort_count;
   std::vector<Mask> latest, need, placed;
   std::vector<std::pair<uint32_t, uint64_t>> order;
 };
