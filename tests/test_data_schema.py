@@ -395,24 +395,22 @@ def auc(labels, scores):
     return (ranks[pos].sum() - pos.sum() * (pos.sum() + 1) / 2) / (pos.sum() * (~pos).sum())
 
 
-def test_libsvm_fast_path_reads_as_the_line_parser(tmp_path, monkeypatch):
+def test_libsvm_reads_plain_lines_as_written(tmp_path):
     p = tmp_path / "plain.svm"
     p.write_text("1 3:1 12:0.5 4:2\n\n  0\t11:1e-3   15:.5 \n+1 15:1\n-1 007:4 19:-2.5\n1.0 0:1")
     schema = {"fields": {"user": [0, 9], "item": [10, 19]}}
-    slow = Libsvm(p, schema, batch_size=2)
-    monkeypatch.setattr(slow, "_fast", lambda *a: None)
-    want = read_all(slow)
-    fast = Libsvm(p, schema, batch_size=2)
-    monkeypatch.setattr(fast, "_parse", lambda *a: pytest.fail("the fast path declined a plain file"))
-    got = read_all(fast)
-    np.testing.assert_array_equal(got[0], want[0])
-    for g, w in zip(got[3], want[3], strict=True):
-        np.testing.assert_array_equal(g.keys, w.keys)
-        np.testing.assert_array_equal(g.offsets, w.offsets)
-        np.testing.assert_array_equal(g.weights, w.weights)
-    assert [b.sources for b in got[4]] == [b.sources for b in want[4]]
-    assert want[3][0].keys.tolist() == [ref_key(0, "3"), ref_key(0, "4"), ref_key(0, "7"), ref_key(0, "0")]
-    # A bad token in a block the fast path would take goes to the line parser, which names it.
+    labels, _, _, bags, batches = read_all(Libsvm(p, schema, batch_size=2))
+    assert labels.tolist() == [1, 0, 1, 0, 1]  # the blank line is no example
+    user, item = bags
+    assert user.keys.tolist() == [ref_key(0, "3"), ref_key(0, "4"), ref_key(0, "7"), ref_key(0, "0")]
+    assert user.offsets.tolist() == [0, 2, 2, 2, 3, 4] and user.weights.tolist() == [1, 2, 4, 1]
+    assert item.keys.tolist() == [ref_key(1, "12"), ref_key(1, "11"), ref_key(1, "15"), ref_key(1, "15"),
+                                  ref_key(1, "19")]
+    assert item.offsets.tolist() == [0, 1, 3, 4, 5, 5]
+    np.testing.assert_array_equal(item.weights, np.float32([0.5, 1e-3, 0.5, 1, -2.5]))
+    # Each example keeps its line (4 and 5 share a span): line 2 was blank.
+    assert [(s.first_line, s.count) for b in batches for s in b.sources] == [(1, 1), (3, 1), (4, 2), (6, 1)]
+    # A bad token among plain lines is named by the reference line parser.
     q = tmp_path / "bad.svm"
     q.write_text("1 3:1\n0 3:1e400\n")
     with pytest.raises(DataError, match=r"bad.svm:2: '3:1e400': the value is not finite"):

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from hps import _core
-from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.parameter_server import ParameterServer, WorkingBatch, working_batch
 
 __all__ = ["EmbeddingBag", "CtrModel", "mlp"]
@@ -49,14 +48,11 @@ def mlp(in_width: int, hidden: Sequence[int], seed: int = 0) -> nn.Sequential:
     return net
 
 
-_DEFAULT_KEY = np.uint64(ADMISSION_DEFAULT_KEY)
-
-
-def _default_at(keys: np.ndarray) -> np.ndarray:
-    """Flat indices of the occurrences of admission's default key (hps.admission): their
-    gradients are dropped, so the default row stays as the initializer made it (a zero
-    gradient leaves a row unchanged under SGD, AdaGrad and Adam alike)."""
-    return np.flatnonzero(keys.reshape(-1) == _DEFAULT_KEY)
+def _occurrences(keys: np.ndarray, key: int) -> np.ndarray:
+    """Flat indices of `key` in `keys`: a frozen key's (EmbeddingBag.frozen_key), whose
+    gradients are dropped, so its row stays as the initializer made it (a zero gradient
+    leaves a row unchanged under SGD, AdaGrad and Adam alike)."""
+    return np.flatnonzero(keys.reshape(-1) == np.uint64(key))
 
 
 def _keys_of(t: torch.Tensor) -> np.ndarray:
@@ -105,9 +101,8 @@ class _PooledLookup(torch.autograd.Function):
         if weights.numel():
             elem = elem * weights.unsqueeze(1)
         elem = np.ascontiguousarray(elem.detach().numpy())
-        drop = _default_at(ctx.keys)
-        if len(drop):  # (in place: this backward is the gradient's one reader)
-            elem[drop] = 0.0
+        if module.frozen_key is not None:  # (in place: this backward is the gradient's one reader)
+            elem[_occurrences(ctx.keys, module.frozen_key)] = 0.0
         if ctx.batch is not None:
             ctx.batch.accumulate(ctx.positions, elem, worker=ctx.worker)  # summed per key as they arrive
         else:
@@ -125,26 +120,26 @@ class _InputWithFields(torch.autograd.Function):
     gradient slice."""
 
     @staticmethod
-    def forward(ctx, anchor, batch, worker, dim, keys, dense):
+    def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key):
         examples, fields = keys.shape
         width = fields * dim
         x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
         ctx.positions = batch.positions(keys)
         batch.gather(ctx.positions, x.numpy()[:, :width], worker=worker)
         x[:, width:] = dense
-        ctx.batch, ctx.worker, ctx.width, ctx.keys = batch, worker, width, keys
+        ctx.batch, ctx.worker, ctx.width, ctx.keys, ctx.frozen_key = batch, worker, width, keys, frozen_key
         return x
 
     @staticmethod
     def backward(ctx, grad_x):
         grads = grad_x.detach().to(torch.float32).contiguous().numpy()
-        drop = _default_at(ctx.keys)
-        if len(drop):  # the default key's columns, in place (this backward is grad_x's one reader)
+        if ctx.frozen_key is not None:  # its columns, in place (this backward is grad_x's one reader)
+            drop = _occurrences(ctx.keys, ctx.frozen_key)
             fields = ctx.keys.shape[1]
             dim = ctx.width // fields
             grads[(drop // fields)[:, None], ((drop % fields) * dim)[:, None] + np.arange(dim)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width], worker=ctx.worker)
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
 
 
 class EmbeddingBag(nn.Module):
@@ -166,6 +161,9 @@ class EmbeddingBag(nn.Module):
         self.dim = ps.dim
         self.mode = mode
         self.padding_key = padding_key
+        #: A key whose gradients are dropped, its row never trained (admission's default
+        #: row, hps.admission); None: every key trains.
+        self.frozen_key: Optional[int] = None
         # Gives the lookup's output a grad_fn, so backward reaches it.
         self.anchor = torch.zeros(1, requires_grad=True)
         self.batch: Optional[WorkingBatch] = None
@@ -239,12 +237,13 @@ class CtrModel(nn.Module):
             # The multi-hot lookups go where the single-hot ones go (attach() and a
             # distributed server are set on self.embedding).
             be = self.bag_embedding
-            be.ps, be.batch, be.worker = emb.ps, emb.batch, emb.worker
+            be.ps, be.batch, be.worker, be.frozen_key = emb.ps, emb.batch, emb.worker, emb.frozen_key
             pooled = [emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)] if self.num_fields else []
             pooled += [be(k, o, per_sample_weights=w) for k, o, w in bags]
             return self.mlp(torch.cat(pooled + [dense.to(torch.float32)], dim=1)).squeeze(1)
         if emb.batch is not None and emb.padding_key is None and not dense.requires_grad:
-            x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense)
+            x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense,
+                                       emb.frozen_key)
             return self.mlp(x).squeeze(1)
         pooled = emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)
         return self.mlp(torch.cat([pooled, dense.to(torch.float32)], dim=1)).squeeze(1)

@@ -38,6 +38,7 @@ import numpy as np
 from hps import data as hdata
 from hps import reshard
 from hps.admission import Admission
+from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.metrics import auc, logloss
@@ -315,6 +316,8 @@ class Trainer:
         self.loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
         #: [admission]: rewrites the batches' keys (read stage, evaluation); its sketch is checkpointed.
         self.admission = Admission(cfg.admission.threshold, cfg.admission.sketch_bytes)
+        if self.admission.enabled:  # the default row's gradients are dropped
+            self.model.embedding.frozen_key = ADMISSION_DEFAULT_KEY
         self.batches_done = 0
         self.examples_done = 0
         self.history: list[dict] = []

@@ -19,10 +19,8 @@ from hps.data.examples import _Piece, _sources_of
 from hps.data.files import DataError, _fsspec, _is_url, _line_bounds, _open_binary, _Reader, _shown, list_files
 from hps.data.keys import _field_tags, _keys
 
-try:  # the compiled per-line parser; absent in a source checkout that was never built
-    from hps.data import _criteo_lines
-except ImportError:  # pragma: no cover - the installed package always has it
-    _criteo_lines = None
+from hps.data import _criteo_lines  # the compiled per-line parser (bench/reader_bench.py sets it to None
+#                                    to time the Python reference, _slow_python, it replaced)
 
 LABEL_COLUMN = "label"
 DENSE_COLUMNS: tuple[str, ...] = tuple(f"I{i}" for i in range(1, 14))
@@ -360,8 +358,7 @@ class CriteoTsv(_Reader):
     def _slow(self, block: bytes, path: str, first_line: int) -> tuple[_Piece, int]:
         """(rows, lines) of the block line by line; bad lines raise or are counted (self._bad).
         The compiled parser (hps.data._criteo_lines) gives the verdicts and values, and
-        _parse_line, the reference, the reason for each bad line; without the compiled
-        module (a source checkout), _parse_line does it all."""
+        _parse_line, the reference, the reason for each bad line."""
         if _criteo_lines is None:
             return self._slow_python(block, path, first_line)
         data, starts, ends = _line_bounds(block)
@@ -384,7 +381,7 @@ class CriteoTsv(_Reader):
                       absent[keep].view(bool)), n
 
     def _slow_python(self, block: bytes, path: str, first_line: int) -> tuple[_Piece, int]:
-        """_slow by _parse_line alone (no compiled module; bench/reader_bench.py's reference)."""
+        """_slow by _parse_line alone: the Python reference bench/reader_bench.py times."""
         lines_ok, labels, dense, cats, absent = [], [], [], [], []
         rows = block.split(b"\n")
         if block.endswith(b"\n"):

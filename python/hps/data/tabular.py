@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from hps.data import _libsvm_lines  # the compiled libsvm line parser (_libsvm_lines.pyx)
 from hps.data.criteo import dense_transform
 from hps.data.examples import Bags, _Piece, _sources_of
 from hps.data.files import DataError, _fsspec, _is_url, _line_bounds, _Reader, _shown, list_files
@@ -469,22 +470,8 @@ class Libsvm(_SchemaReader):
                         yield piece
 
     def _block(self, block: bytes, path: str, first_line: int) -> tuple[_Piece, int]:
-        """(rows, lines) of a block of whole lines: by the compiled line parser
-        (hps.data._libsvm_lines), or without it through pyarrow, line by line in Python
-        (the reference rules, which name a bad line) when that declines."""
-        n_lines = block.count(b"\n") + (not block.endswith(b"\n"))
-        if _libsvm_lines is not None:
-            return self._compiled(block, path, first_line), n_lines
-        piece = self._fast(block, path, first_line)
-        if piece is None:
-            rows = block.split(b"\n")
-            if block.endswith(b"\n"):
-                rows.pop()
-            piece = self._parse(rows, path, first_line)
-        return piece, n_lines
-
-    def _compiled(self, block: bytes, path: str, first_line: int) -> _Piece:
-        """The block's rows by hps.data._libsvm_lines; each bad line named by _parse_line."""
+        """(rows, lines) of a block of whole lines, by the compiled line parser
+        (hps.data._libsvm_lines); each bad line named by _parse_line, the reference."""
         data, starts, ends = _line_bounds(block)
         kind, labels, f_line, f_idx, f_val = _libsvm_lines.parse_lines(data, starts, ends)
         for i in np.flatnonzero(kind == _libsvm_lines.BAD):
@@ -497,79 +484,9 @@ class Libsvm(_SchemaReader):
             self._bad(DataError(f"{path}:{ln}: {message}", path=path, line=ln))
         example = kind == _libsvm_lines.EXAMPLE
         row_of = np.cumsum(example) - 1  # a line's row among the block's examples
-        return self._assemble(path, first_line + np.flatnonzero(example), labels[example], row_of[f_line],
-                              f_idx, f_val)
-
-    def _fast(self, block: bytes, path: str, first_line: int) -> Optional[_Piece]:
-        """The block's rows if every line is plain ``label idx:val ...`` that _parse_line accepts
-        with the same values; None for anything else (comments, "\\r", libFFM triples, a bad
-        token), which _parse then reads."""
-        pa = self._pa
-        pc = pa.compute
-        if b"#" in block or b"\r" in block or len(block) >= 1 << 31:
-            return None
-        data = np.frombuffer(block, np.uint8)
-        ends = np.flatnonzero(data == 10) + 1  # each line with its line end (whitespace to the splitter)
-        if not block.endswith(b"\n"):
-            ends = np.append(ends, len(data))
-        offsets = np.concatenate([[0], ends]).astype(np.int32)
-        lines_arr = pa.Array.from_buffers(pa.binary(), len(ends), [None, pa.py_buffer(offsets), pa.py_buffer(block)])
-        try:
-            trimmed = pc.ascii_trim_whitespace(lines_arr.cast(pa.string()))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return None
-        text = pc.greater(pc.binary_length(trimmed), 0)  # blank lines are skipped
-        lines = first_line + np.flatnonzero(text.to_numpy(zero_copy_only=False))
-        tokens = pc.ascii_split_whitespace(trimmed.filter(text))
-        lens = pc.list_value_length(tokens).to_numpy(zero_copy_only=False).astype(np.int64)
-        flat = pc.list_flatten(tokens)
-        if len(flat) and not pc.all(pc.greater(pc.binary_length(flat), 0)).as_py():
-            return None  # (never seen; the line parser's split has no empty tokens)
-        starts = np.concatenate([[0], np.cumsum(lens)])[:-1]
-        label_idx = pc.index_in(flat.take(pa.array(starts)), value_set=pa.array([t.decode() for t in _LABELS]))
-        if label_idx.null_count:
-            return None
-        labels = np.array(list(_LABELS.values()), np.float32)[label_idx.to_numpy(zero_copy_only=False)]
-        feature = np.ones(len(flat), bool)
-        feature[starts] = False
-        feats = flat.filter(pa.array(feature))
-        row = np.repeat(np.arange(len(lines)), lens - 1)
-        parts = pc.split_pattern(feats, ":")
-        if len(feats) and not pc.all(pc.equal(pc.list_value_length(parts), 2)).as_py():
-            return None
-        k, v = pc.list_element(parts, 0), pc.list_element(parts, 1)
-        if len(feats) and not pc.all(pc.match_substring_regex(k, r"^[0-9]+$")).as_py():
-            return None
-        try:
-            idx = k.cast(pa.uint64()).to_numpy(zero_copy_only=False)
-            val = v.cast(pa.float64()).to_numpy(zero_copy_only=False)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return None
-        if (idx >= np.uint64(1 << 63)).any() or not np.isfinite(val).all():
-            return None
-        return self._assemble(path, lines, labels, row, idx.astype(np.int64), val.astype(np.float32))
-
-    def _parse(self, rows: list[bytes], path: str, first_line: int) -> _Piece:
-        lines, labels, feat_row, feat_idx, feat_val = [], [], [], [], []
-        for i, raw in enumerate(rows):
-            text = raw.split(b"#", 1)[0].strip()
-            if not text:
-                continue
-            parsed = self._parse_line(text)
-            if isinstance(parsed, str):
-                ln = first_line + i
-                self._bad(DataError(f"{path}:{ln}: {parsed}", path=path, line=ln))
-                continue
-            label, idx, val = parsed
-            r = len(labels)
-            lines.append(first_line + i)
-            labels.append(label)
-            feat_row += [r] * len(idx)
-            feat_idx += idx
-            feat_val += val
-        return self._assemble(path, np.asarray(lines, np.int64), np.asarray(labels, np.float32),
-                              np.asarray(feat_row, np.int64), np.asarray(feat_idx, np.int64),
-                              np.asarray(feat_val, np.float32))
+        piece = self._assemble(path, first_line + np.flatnonzero(example), labels[example], row_of[f_line],
+                               f_idx, f_val)
+        return piece, len(starts)
 
     def _assemble(self, path: str, lines: np.ndarray, labels: np.ndarray, row: np.ndarray, idx: np.ndarray,
                   val: np.ndarray) -> _Piece:
@@ -638,11 +555,6 @@ class Libsvm(_SchemaReader):
 
 
 _UINT_RE = re.compile(rb"[0-9]+")
-
-try:  # the compiled line parser; absent in a source checkout that was never built
-    from hps.data import _libsvm_lines
-except ImportError:  # pragma: no cover - the installed package always has it
-    _libsvm_lines = None
 
 _PARQUET = (".parquet", ".pq")
 _LIBSVM = (".svm", ".libsvm", ".libfm", ".ffm")
