@@ -96,6 +96,11 @@ struct HeraldPlan {
   std::vector<uint64_t> comm_offsets;  // (W + 1,)
   std::vector<uint64_t> comm_keys;
   std::vector<uint64_t> evicted;  // keys some cache dropped after the batch (a key once)
+  // Of them, those no cache holds any more, each with the worker whose
+  // eviction dropped its last copy (on demand: the row to push to the PS from
+  // there); in eviction order.
+  std::vector<uint64_t> lost_keys;
+  std::vector<int32_t> lost_from;
 
   uint64_t pulls = 0;         // fetches, from peers and the PS
   uint64_t peer_pulls = 0;    // of them, served by a peer's cache

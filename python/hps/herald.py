@@ -45,6 +45,8 @@ class HeraldPlan:
     the PS): worker w fetches ``fetch_keys[fetch_offsets[w]:fetch_offsets[w + 1]]``.
     comm_offsets (W + 1,), comm_keys: comm_plan(w), the distinct keys peers
     fetch from w. evicted: keys some cache dropped after the batch (ascending).
+    lost_keys, lost_from (int32): of them, those no cache holds any more, each with the
+    worker whose eviction dropped the last copy (where an on-demand push reads it).
     Counts: pulls (all fetches), peer_pulls (of them, from a peer), pushes
     (rows sent to the PS, evict_pushes of them for evictions), shared (gradient
     rows exchanged for keys several workers train), distinct (keys in the batch).
@@ -57,6 +59,8 @@ class HeraldPlan:
     comm_offsets: np.ndarray
     comm_keys: np.ndarray
     evicted: np.ndarray
+    lost_keys: np.ndarray
+    lost_from: np.ndarray
     pulls: int
     peer_pulls: int
     pushes: int

@@ -942,6 +942,8 @@ PYBIND11_MODULE(_core, m) {
         d["comm_offsets"] = array(p.comm_offsets);
         d["comm_keys"] = array(p.comm_keys);
         d["evicted"] = array(p.evicted);
+        d["lost_keys"] = array(p.lost_keys);
+        d["lost_from"] = array(p.lost_from);
         for (auto [name, value] : {std::pair{"pulls", p.pulls}, {"peer_pulls", p.peer_pulls}, {"pushes", p.pushes},
                                    {"evict_pushes", p.evict_pushes}, {"shared", p.shared}, {"distinct", p.distinct}}) {
           d[name] = value;

@@ -261,7 +261,10 @@ struct Herald::Snapshot final : Herald::Impl {
     auto lose = [&](uint64_t q) {
       log_masks[q] &= static_cast<Mask>(~bit);
       evicted.push_back(log_keys[q]);
-      if (log_masks[q] == 0) emptied.push_back(q);
+      if (log_masks[q] == 0) {
+        emptied.push_back(q);
+        emptied_from.push_back(w);
+      }
     };
     while (drop > 0) {  // held counts live records: the log cannot run dry first
       const uint64_t end = r + 1 < runs.size() ? runs[r + 1] : log_keys.size();
@@ -529,12 +532,15 @@ struct Herald::Snapshot final : Herald::Impl {
     // ---- eviction: a cache above capacity drops its least recently used keys ----
     if (opt.capacity > 0) {
       emptied.clear();
+      emptied_from.clear();
       for (int32_t w = 0; w < W; ++w) {
         if (held[w] > opt.capacity) Evict(w, held[w] - opt.capacity, plan.evicted);
       }
       for (uint64_t e = 0; e < emptied.size(); ++e) {  // the last holder dropped it: a dirty row goes to the PS
         if (e + kAhead < emptied.size()) __builtin_prefetch(&index[Home(Hash(log_keys[emptied[e + kAhead]]))], 1);
         const uint64_t q = emptied[e];
+        plan.lost_keys.push_back(log_keys[q]);
+        plan.lost_from.push_back(emptied_from[e]);
         if (opt.on_demand) {
           ++plan.pushes;
           ++plan.evict_pushes;
@@ -589,6 +595,7 @@ struct Herald::Snapshot final : Herald::Impl {
   std::vector<int64_t> inverse;
   std::vector<uint32_t> hashes, score;
   std::vector<uint64_t> uniq, slot, share, fetch_at, comm_at, emptied, mine;
+  std::vector<int32_t> emptied_from;  // the worker whose eviction emptied emptied[e]
   std::vector<uint64_t> seen_keys;  // Distinct's table: kEmptyKey between batches
   std::vector<uint32_t> seen_at;    // the index among uniq of seen_keys' key
   std::vector<uint64_t> sort_tmp;   // SortUnique's

@@ -157,12 +157,14 @@ TEST(Herald, EvictionMatchesAnLruModelOverManyBatches) {
         }
       }
       std::set<uint64_t> evicted, lost;
+      std::map<uint64_t, int> dropped_by;  // the last worker (in index order) to drop a key
       for (int w = 0; w < W; ++w) {
         while (model[w].size() > capacity) {
           auto oldest = std::min_element(model[w].begin(), model[w].end(), [](const auto& a, const auto& c) {
             return a.second != c.second ? a.second < c.second : a.first < c.first;
           });
           evicted.insert(oldest->first);
+          dropped_by[oldest->first] = w;
           model[w].erase(oldest);
         }
       }
@@ -174,6 +176,15 @@ TEST(Herald, EvictionMatchesAnLruModelOverManyBatches) {
       ASSERT_EQ(p.evicted, std::vector<uint64_t>(evicted.begin(), evicted.end()))
           << "capacity " << capacity << " batch " << b;
       ASSERT_EQ(p.evict_pushes, lost.size()) << "capacity " << capacity << " batch " << b;
+      ASSERT_EQ(p.lost_keys.size(), p.lost_from.size());
+      std::map<uint64_t, int> lost_from;
+      for (size_t j = 0; j < p.lost_keys.size(); ++j) lost_from[p.lost_keys[j]] = p.lost_from[j];
+      ASSERT_EQ(lost_from.size(), p.lost_keys.size()) << "a key lost twice";
+      for (uint64_t k : lost) {
+        ASSERT_TRUE(lost_from.count(k)) << "key " << k << " lost but not reported";
+        ASSERT_EQ(lost_from[k], dropped_by[k]) << "key " << k;
+      }
+      ASSERT_EQ(lost_from.size(), lost.size());
       for (int w = 0; w < W; ++w) {
         std::vector<uint64_t> expect;
         for (const auto& [k, tick] : model[w]) expect.push_back(k);
