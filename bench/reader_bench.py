@@ -18,8 +18,11 @@ figure is examples/s of reading alone, median (min-max) over rounds, on one thre
 
 The training side: one `hps.train` of the W4 model (dim 16 by AdaGrad, MLP 512-256,
 batches of 4,096, torch on the cores the pipeline leaves) on the TSV, pipelined; its
-read and train stages' busy seconds give the ratio the issue bounds, and its
-examples/s the rate a reader must beat.
+read and train stages' busy (wall) seconds give the ratio the issue bounds, and its
+examples/s the rate a reader must beat. Beside it, the read stage's CPU seconds (the
+read thread's time.thread_time, without its waits for a core and for the GIL that
+the wall time includes) over the train stage's busy seconds: what the reader's work
+costs against the stage that bounds the run.
 
 Prints a table and one JSON line (also written to bench/results/reader-*.json).
 """
@@ -115,9 +118,12 @@ def train_rate(path: str, directory: str, batch: int) -> dict:
                       data=DataConfig(source=[path], batch_size=batch), hidden=(512, 256))
     s = train(cfg, progress=False)
     busy = s["pipeline"]["busy_seconds"]
+    cpu = s["pipeline"]["cpu_seconds"]
     p = s["pipeline"]
     return {"examples_per_s": s["examples_per_s"], "read_busy_s": busy["read"], "train_busy_s": busy["train"],
             "read_over_train": busy["read"] / busy["train"] if busy["train"] else None,
+            "read_cpu_s": cpu["read"], "train_cpu_s": cpu["train"],
+            "read_cpu_over_train_busy": cpu["read"] / busy["train"] if busy["train"] else None,
             "bound_by": p["bound_by"], "wall_over_slowest_stage": p["wall_over_slowest_stage"],
             "mean_queue_depth": p["mean_queue_depth"], "examples": s["examples"]}
 
@@ -154,8 +160,10 @@ def main(argv=None) -> int:
     for k, v in out["read_examples_per_s"].items():
         print(f"{k:<16} {v['median']:>14,.0f} ({v['min']:,.0f}-{v['max']:,.0f}) {v['median'] / t:>10.1f}x")
     ratio = trained["read_over_train"]
-    print(f"training (TSV, pipelined): {t:,.0f} examples/s; read stage busy {trained['read_busy_s']:.2f} s, "
-          f"train stage {trained['train_busy_s']:.2f} s: read / train = {ratio:.3f}; bound by {trained['bound_by']}, "
+    print(f"training (TSV, pipelined): {t:,.0f} examples/s; read stage busy {trained['read_busy_s']:.2f} s "
+          f"(CPU {trained['read_cpu_s']:.2f} s), train stage {trained['train_busy_s']:.2f} s: read / train = "
+          f"{ratio:.3f} busy, {trained['read_cpu_over_train_busy']:.3f} read CPU / train busy; "
+          f"bound by {trained['bound_by']}, "
           f"wall / slowest stage {trained['wall_over_slowest_stage']:.2f}, batches waiting after read "
           f"{trained['mean_queue_depth']['read']:.2f} on average")
     print(json.dumps(out))

@@ -162,3 +162,7 @@ def test_reader_quick_reads_every_format_whole_and_trains_the_tsv():
         assert 0 < v["min"] <= v["median"] <= v["max"]
     t = out["train"]
     assert t["examples"] == 20_000 and t["read_over_train"] == pytest.approx(t["read_busy_s"] / t["train_busy_s"])
+    # The read thread's CPU time, over the train stage's busy time beside the wall-time
+    # ratio: one thread's CPU time in a stage is never more than its wall time there.
+    assert t["read_cpu_over_train_busy"] == pytest.approx(t["read_cpu_s"] / t["train_busy_s"])
+    assert 0 < t["read_cpu_s"] <= t["read_busy_s"] * 1.01 + 0.01 and t["train_cpu_s"] > 0

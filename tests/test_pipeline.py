@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -180,6 +181,35 @@ def test_prefetch_retries_when_the_last_batch_in_flight_is_written_back_during_t
     pipeline = Pipeline(FullServer(), lambda loaded: None, devices=1)
     with pytest.raises(hps.CacheFullError, match="not one batch fits"):
         pipeline._prefetch(SimpleNamespace(keys=np.arange(3, dtype=np.uint64)))
+
+
+def test_cpu_seconds_count_a_stage_threads_work_not_its_waits():
+    """Each stage's CPU time (its thread's time.thread_time) beside its busy (wall)
+    time: a read stage that only sleeps costs next to no CPU however long it is
+    busy; a train step that spins costs about its busy time (loose bounds: a loaded
+    2-core machine may take the core from the spinning thread a while)."""
+    from hps.pipeline import STAGES, Pipeline
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def source():
+        for _ in range(4):
+            time.sleep(0.05)  # 0.2 s busy in all, no CPU
+            yield SimpleNamespace(keys=np.arange(3, dtype=np.uint64), labels=np.zeros(4))
+
+    batch = SimpleNamespace(wait_seconds=0.0, apply=lambda: None, write_back=lambda: None, abort=lambda: None)
+    server = SimpleNamespace(prefetch=lambda keys: SimpleNamespace(release=lambda: None),
+                             batch=lambda prefetched, overlap=False: batch)
+    stats = Pipeline(server, lambda loaded: spin(0.05), devices=1).run(source())  # 0.2 s of spinning
+    assert stats.batches == 4
+    d = stats.as_dict()
+    assert set(d["cpu_seconds"]) == set(STAGES) and d["cpu_seconds"] == stats.cpu_seconds
+    assert all(v >= 0 for v in stats.cpu_seconds.values())
+    assert stats.busy_seconds["read"] >= 0.2 and stats.cpu_seconds["read"] < 0.05
+    assert stats.busy_seconds["train"] >= 0.2 and stats.cpu_seconds["train"] > 0.3 * stats.busy_seconds["train"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")

@@ -111,7 +111,9 @@ def _summary_table(summary: dict) -> str:
         ("bound by stage", p["bound_by"]),
         ("wall / slowest stage", f"{p['wall_over_slowest_stage']:.2f}" if p["wall_over_slowest_stage"] else "-"),
     ]
-    stages = ", ".join(f"{k} {v:.1f}s" for k, v in p["busy_seconds"].items())
+    cpu = p.get("cpu_seconds", {})  # the stage thread's CPU time; train's leaves out torch's threads
+    stages = ", ".join(f"{k} {v:.1f}s" + (f" (CPU {cpu[k]:.1f}s)" if k in cpu else "")
+                       for k, v in p["busy_seconds"].items())
     rows.append(("stage busy time", stages))
     threads = summary.get("torch_threads", {})
     tried = ", ".join(f"{n}: {r:,.0f} ex/s" for n, r in threads.get("examples_per_s", {}).items())
