@@ -54,6 +54,7 @@ from hps.config import check_fields, load_toml
 from hps.mem_cache import MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 from hps.ssd_store import SsdStore
+from hps.worker_caches import HeraldBatch, WorkerCaches
 
 METADATA = "hps-parameter-server.json"
 FORMAT_VERSION = 2  # 2: checkpoints are snapshots under checkpoints/ (1: the live store was the checkpoint)
@@ -95,6 +96,9 @@ class ParameterServerConfig:
                                         # rows are few, and the trainer needs the cores
     host_in_place: bool = True          # one host partition (no GPU): batches train on MEM-PS's
                                         # pinned rows (HostBatch) instead of a device-table copy
+    schedule: str = "sequential"        # "herald": rows stay in per-device caches between batches and
+                                        # examples go to the devices that hold their rows (hps.worker_caches)
+    worker_cache_rows: int = 1 << 16    # schedule = "herald": rows a device's cache keeps between batches
     topology: Optional[str] = None      # a topology file (hps.topology) whose routes the device tier's
                                         # transfers take, tier device g its endpoint g, the host executor
                                         # copying (relays staged on the middleman); None: flat host partitions
@@ -614,16 +618,17 @@ class ParameterServer:
         self._counts = {"mem_hits": 0, "pulls": 0, "pushes": 0, "batches": 0, "checkpoints": 0}
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
                                loader=self._backing, sink=self._backing)
+        herald = self._check_schedule(config, partitioner)
         # With one host partition, batches train on MEM-PS's pinned rows (HostBatch).
         self._in_place = (config.host_in_place and config.devices == 1 and partitioner is None
-                          and _core.cuda_device_count() < 1)
+                          and not herald and _core.cuda_device_count() < 1)
         # Device tables start small and double when a batch needs it (up to
         # device_capacity): clearing and reading back scan every slot, so tables
         # sized to the batch cost least.
         capacity = min(config.device_capacity, 1 << 16)
         self._routes, self._topology = (None, None) if self._in_place else self._plan_routes()
         self._links_before = None  # link counters of the tiers outgrown
-        self._slots = [] if self._in_place else [_TierSlot(self._new_tier(capacity), capacity)]
+        self._slots = [] if self._in_place or herald else [_TierSlot(self._new_tier(capacity), capacity)]
         self._next_slot = 0
         self._last_batch: Optional[Union[Batch, HostBatch]] = None
         self._host_batches = threading.Condition()  # guards _host_active
@@ -632,6 +637,24 @@ class ParameterServer:
         self._transfers_before = None
         self._partitioner = partitioner
         self._load_lock = threading.Lock()  # one batch() at a time; checkpoint() holds it too
+        self._herald = WorkerCaches(self, config.devices, config.worker_cache_rows) if herald else None
+        self._herald_active = 0  # herald batches not yet written back (guarded by _host_batches)
+
+    @staticmethod
+    def _check_schedule(config: ParameterServerConfig, partitioner) -> bool:
+        """Whether the config asks for Herald's worker caches; names a bad field."""
+        if config.schedule not in ("sequential", "herald"):
+            raise ValueError(f"schedule must be 'sequential' or 'herald', got {config.schedule!r}")
+        if config.schedule != "herald":
+            return False
+        if partitioner is not None:
+            raise ValueError("schedule = 'herald' places keys by the caches; it takes no partitioner")
+        if isinstance(config.worker_cache_rows, bool) or not isinstance(config.worker_cache_rows, int) \
+                or config.worker_cache_rows < 1:
+            raise ValueError(f"worker_cache_rows must be an int >= 1, got {config.worker_cache_rows!r}")
+        if not 1 <= config.devices <= 64:
+            raise ValueError(f"schedule = 'herald' takes 1 to 64 devices, got devices = {config.devices}")
+        return True
 
     # ------------------------------------------------------------ opening
     @classmethod
@@ -781,6 +804,8 @@ class ParameterServer:
     # ------------------------------------------------------------ the API
     def pull(self, keys: np.ndarray) -> np.ndarray:
         """Embeddings (n, dim) float32 of keys (uint64), as of the last finished batch."""
+        if self._herald is not None:
+            self._herald.flush()  # MEM-PS gets the caches' newer rows first
         with self._rows_lock:
             rows, hit = self._cache.pull(keys, pin=False, dtype=np.float32)
         self._count(pulls=1, mem_hits=int(hit.sum()))
@@ -802,12 +827,28 @@ class ParameterServer:
         """Pins the distinct keys' rows in MEM-PS (reading SSD-PS for misses), so
         that a later batch(prefetched) finds them in memory. Runs alongside a batch
         in flight: the pipeline's pull stage."""
+        if self._herald is not None:
+            return self._pin_examples(keys)
         if not self._in_place:
             return self._pin_working_set(keys)
         flat, uniq, inverse = self._distinct(keys)
         hit, addresses = self._cache.pin_rows(uniq)
         self._count(mem_hits=int(hit.sum()))
         return Prefetched(self, uniq, flat, inverse, addresses)
+
+    def _pin_examples(self, keys: np.ndarray) -> "Prefetched":
+        """prefetch() for Herald's worker caches: the distinct keys pinned in
+        MEM-PS (a device fetches from there what no cache holds), and the keys
+        kept by example for the scheduler: (n_examples, fields), or one key an
+        example for a 1-D array."""
+        flat, uniq, inverse = self._distinct(keys)
+        if keys.ndim not in (1, 2):
+            raise ValueError(f"keys must be (n_examples, fields) or 1-D with schedule = 'herald', got {keys.shape}")
+        hit = self._cache.pin(uniq)
+        self._count(mem_hits=int(hit.sum()))
+        pre = Prefetched(self, uniq, flat, inverse)
+        pre.examples = flat.view(np.uint64).reshape(len(keys), -1)
+        return pre
 
     def _pin_working_set(self, keys: np.ndarray) -> "Prefetched":
         """prefetch() for the device tier: one native call finds the distinct
@@ -837,6 +878,11 @@ class ParameterServer:
         if prefetched._ps is not self or prefetched._used:
             raise ValueError("batch: a Prefetched can be used once, with the server that made it")
         prefetched._used = True
+        if self._herald is not None:
+            with self._host_batches:
+                self._herald_active += 1
+            self._count(batches=1)
+            return HeraldBatch(self._herald, prefetched)
         if self._in_place:
             return self._host_batch(prefetched, overlap)
         uniq, ws = prefetched.keys, prefetched.working_set
@@ -897,6 +943,11 @@ class ParameterServer:
         self._count(batches=1)
         b.wait_seconds = waited
         return b
+
+    def _herald_batch_done(self) -> None:
+        with self._host_batches:
+            self._herald_active -= 1
+            self._host_batches.notify_all()
 
     def _host_batch_done(self) -> None:
         with self._host_batches:
@@ -972,8 +1023,10 @@ class ParameterServer:
             for slot in self._slots:
                 slot.free.wait()
             with self._host_batches:
-                while self._host_active:
+                while self._host_active or self._herald_active:
                     self._host_batches.wait()
+            if self._herald is not None:
+                self._herald.flush()  # the caches' rows are part of the checkpoint
             self._cache.flush_dirty()
             self._backing.flush()
             self._ssd.commit()
@@ -1007,6 +1060,12 @@ class ParameterServer:
                 "pending_rows": backing["pending_rows"], "device": self._device_stats()}
 
     def _device_stats(self) -> dict:
+        if self._herald is not None:
+            rows, moved = self._herald.transfers()
+            return {"kind": f"{self._herald._tier.kind}, herald worker caches", "devices": self.config.devices,
+                    "capacity_per_device": self._herald._table_rows,
+                    "transfer_rows": rows.tolist(), "transfer_bytes": moved.tolist(),
+                    "herald": self._herald.stats()}
         if self._in_place:
             return {"kind": "host, in place (MEM-PS rows)", "devices": 1, "capacity_per_device": 0,
                     "transfer_rows": [[0]], "transfer_bytes": [[0]]}

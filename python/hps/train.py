@@ -612,6 +612,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     optimizer and dense sync (hps.hierarchical's split MLP does)."""
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
+    if cfg.ps.schedule == "herald" and node is not None:
+        raise ValueError("[ps] schedule = 'herald' runs across one node's devices; across the ranks of an "
+                         "MPI job it is not built yet (run without mpiexec, or schedule = 'sequential')")
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \
@@ -625,6 +628,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
             raise ValueError(f"{cfg.data.eval_source}: the schema gives {got[0]} dense, {got[1]} categorical and "
                              f"{got[2]} multi-hot fields here, the training data {widths[0]}, {widths[1]} and "
                              f"{widths[2]}")
+    if cfg.ps.schedule == "herald" and widths[2]:
+        raise ValueError(f"[ps] schedule = 'herald' partitions examples of single-hot fields; this data has "
+                         f"{widths[2]} multi-hot field(s) (schedule = 'sequential' trains them)")
     if node is not None:
         every = node.allgather("train", tuple(widths), "the data's fields")
         if len(set(every)) > 1:

@@ -1,0 +1,352 @@
+"""Herald's worker caches on one node (issue 16): rows that stay on the devices
+between batches, and batches partitioned to the devices that hold their rows.
+
+With ``schedule = "herald"`` the device tier is not emptied after each batch.
+Each device (a worker) keeps a cache of rows, and the Herald scheduler
+(``hps.herald``, include/hps/herald.h) decides, per batch,
+
+- which examples each device trains (location-aware: an example goes to the
+  device whose cache holds most of its keys, each device its share);
+- which rows each device fetches: from the peer device holding the latest
+  version (a row copied device to device) or from MEM-PS;
+- which rows the caches drop: a device above ``worker_cache_rows`` drops its
+  least recently trained keys, and a dirty row no cache holds any more is
+  written to MEM-PS (the on-demand push).
+
+Under BSP every device that trains a key holds its latest version after the
+batch: the key's gradients from all of them are summed on one of them (the
+lowest-index trainer, the key's *primary*), one optimizer step runs there, and
+the updated row is copied to the key's other trainers. So a run computes what
+the sequential schedule computes, up to the order in which floats are summed.
+
+What moves is counted: ``stats()`` gives the rows loaded from MEM-PS, fetched
+from peers, copied to keep replicas equal, written to MEM-PS (evictions and
+flushes), and the transfer matrix of all of it (with the tier's own counts of
+gradients sent to primaries and embeddings read).
+
+MEM-PS holds stale copies of cached rows: ``flush()`` writes every cached row
+to MEM-PS (the caches keep them, clean as far as MEM-PS is concerned); the
+parameter server calls it before a pull (an evaluation) and a checkpoint.
+
+Physical rows follow the scheduler's snapshot: a row a device no longer holds
+stays in its table (stale, never read: a fetch overwrites it) until the table
+fills, when the tables are rebuilt from the snapshot (``compactions``). The
+scheduler runs at the start of the batch's train stage, where the snapshot
+and the tables agree: its cost shows in that stage (a later step: schedule in
+the load stage and keep the tables a batch behind).
+
+Thread safety: the pipeline's train thread runs the batches; the write-back
+thread only unpins MEM-PS; pull and checkpoint take the same lock.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import numpy as np
+
+from hps.herald import Herald
+
+
+class WorkerCaches:
+    """The persistent device tier of ``workers`` devices, each a cache of at
+    most ``capacity`` rows, scheduled by Herald. Built by ParameterServer."""
+
+    def __init__(self, ps, workers: int, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"worker_cache_rows must be >= 1 with schedule = 'herald', got {capacity}")
+        self._ps = ps
+        self.workers = workers
+        self.capacity = capacity
+        self.herald = Herald(workers, capacity)
+        self._row_floats = ps.row_floats
+        # Tables start at twice a cache (at least 64 rows, at most 2^16) and double
+        # when a batch's fetches would fill one past 0.7 (ensure_room).
+        self._table_rows = min(max(64, 1 << (2 * capacity - 1).bit_length()), 1 << 16)
+        self._tier = ps._new_tier(self._table_rows)
+        # Rows physically in each device's table, live or stale (an upper
+        # bound: a fetch that overwrote a stale row is counted again).
+        self._present = np.zeros(workers, np.int64)
+        self._lock = threading.RLock()
+        self._dirty = False  # some cached row is newer than MEM-PS's copy
+        self._failed: Optional[str] = None
+        self.moved_rows = np.zeros((workers, workers), np.uint64)  # whole rows copied device to device
+        self.counts = {"batches": 0, "ps_loads": 0, "peer_fetches": 0, "replica_copies": 0,
+                       "evict_pushes": 0, "flushes": 0, "flushed_rows": 0, "compactions": 0,
+                       "table_growths": 0, "plan_pulls": 0, "plan_peer_pulls": 0, "plan_pushes": 0,
+                       "plan_shared": 0, "distinct": 0}
+        self._tier_before = None  # transfer counts of the tiers replaced when the tables grew
+
+    # ------------------------------------------------------------ state checks
+    def check(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"the worker caches stopped after a failed batch ({self._failed}); "
+                               "reopen the parameter server to resume from its last checkpoint")
+
+    def fail(self, why: str) -> None:
+        """A batch failed halfway: the tables no longer match the scheduler, so
+        the caches refuse further use (the last checkpoint is whole)."""
+        self._failed = why
+
+    # ------------------------------------------------------------ room
+    def ensure_room(self, incoming: int) -> None:
+        """Before a batch is scheduled (tables and snapshot agree): room for
+        `incoming` more rows on any device, by dropping stale rows, then by
+        larger tables."""
+        limit = int(0.7 * self._table_rows)
+        if int(self._present.max()) + incoming <= limit:
+            return
+        held = [self.herald.cached(w) for w in range(self.workers)]
+        rows = [self._tier.rows(k, np.full(len(k), w, np.int32), self._row_floats) for w, k in enumerate(held)]
+        live = max(len(k) for k in held)
+        table_rows = self._table_rows
+        while live + incoming > 0.7 * table_rows:
+            table_rows *= 2
+        if table_rows != self._table_rows:
+            rows_before, bytes_before = self._tier.transfers()
+            self._tier_before = (rows_before, bytes_before) if self._tier_before is None else \
+                (self._tier_before[0] + rows_before, self._tier_before[1] + bytes_before)
+            self._tier = self._ps._new_tier(table_rows)
+            self._table_rows = table_rows
+            self.counts["table_growths"] += 1
+        else:
+            self._tier.clear()
+        for w, (k, r) in enumerate(zip(held, rows)):
+            if len(k):
+                self._tier.insert(k, r, np.full(len(k), w, np.int32), self._row_floats)
+            self._present[w] = len(k)
+        self.counts["compactions"] += 1
+
+    # ------------------------------------------------------------ MEM-PS
+    def _to_mem(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Rows into MEM-PS as its newest copies (dirty): pinned, then written."""
+        if len(keys) == 0:
+            return
+        cache = self._ps._cache
+        cache.pin(keys)
+        cache.write_back(keys, np.ascontiguousarray(rows).view(np.uint8))
+
+    def flush(self) -> int:
+        """Every cached row to MEM-PS, one copy a key; returns how many."""
+        with self._lock:
+            self.check()
+            if not self._dirty:
+                return 0
+            held = [self.herald.cached(w) for w in range(self.workers)]
+            keys = np.concatenate(held) if held else np.empty(0, np.uint64)
+            owners = np.repeat(np.arange(self.workers, dtype=np.int32), [len(k) for k in held])
+            keys, first = np.unique(keys, return_index=True)  # a key once, from its lowest holder
+            owners = owners[first]
+            rows = self._tier.rows(keys, owners, self._row_floats)
+            self._to_mem(keys, rows)
+            self._dirty = False
+            self.counts["flushes"] += 1
+            self.counts["flushed_rows"] += len(keys)
+            return len(keys)
+
+    # ------------------------------------------------------------ stats
+    def transfers(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, bytes) moved from device to device: the tier's embeddings and
+        gradients, and the whole rows (with optimizer state) of peer fetches
+        and replica copies."""
+        rows, moved_bytes = self._tier.transfers()
+        if self._tier_before is not None:
+            rows, moved_bytes = rows + self._tier_before[0], moved_bytes + self._tier_before[1]
+        return rows + self.moved_rows, moved_bytes + self.moved_rows * np.uint64(4 * self._row_floats)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self.counts, "cached": [self.herald.cached_count(w) for w in range(self.workers)],
+                    "capacity_per_worker": self.capacity, "table_rows": self._table_rows,
+                    "scheduler_bytes": self.herald.memory_bytes,
+                    "moved_rows": self.moved_rows.tolist()}
+
+
+class HeraldBatch:
+    """One batch on the worker caches (the WorkingBatch protocol of
+    hps.parameter_server). ``partition()`` schedules it and fetches the rows
+    the devices lack (the pipeline calls it first in the train stage; the
+    other calls run it if it has not); pull, push and apply as on the device
+    tier; write_back only unpins MEM-PS (the rows stay cached)."""
+
+    def __init__(self, caches: WorkerCaches, prefetched):
+        self._caches = caches
+        self._pre = prefetched
+        self.keys = prefetched.keys  # distinct, in order of first appearance
+        self.wait_seconds = 0.0
+        self._plan = None
+        self._applied = False
+        self._done = False
+
+    # ------------------------------------------------------------ schedule and fetch
+    def partition(self) -> list:
+        """Schedules the batch and fetches its rows; returns each device's
+        example indices (the pipeline's mini-batches)."""
+        if self._plan is None:
+            c = self._caches
+            with c._lock:
+                c.check()
+                try:
+                    self._start()
+                except BaseException as e:
+                    c.fail(f"{type(e).__name__}: {e}")
+                    raise
+        return self._minibatches
+
+    def _start(self) -> None:
+        c, pre, W = self._caches, self._pre, self._caches.workers
+        examples = pre.examples
+        n, fields = examples.shape
+        c.ensure_room(len(self.keys))
+        plan = c.herald.schedule(examples)
+        self._plan = plan
+        order = np.argsort(plan.assignment, kind="stable")
+        bounds = np.searchsorted(plan.assignment[order], np.arange(W + 1))
+        self._minibatches = [order[bounds[w]:bounds[w + 1]] for w in range(W)]
+
+        # Each key's trainers; its primary (lowest trainer) gets its gradients.
+        trainer = np.repeat(plan.assignment.astype(np.int64), fields)
+        pairs = np.unique(pre.inverse.astype(np.int64) * W + trainer)
+        pair_key, pair_worker = pairs // W, (pairs % W).astype(np.int32)
+        first = np.ones(len(pairs), bool)
+        first[1:] = pair_key[1:] != pair_key[:-1]
+        self._primary = np.empty(len(self.keys), np.int32)
+        self._primary[pair_key[first]] = pair_worker[first]
+        self._replica_key = self.keys[pair_key[~first]]
+        self._replica_to = pair_worker[~first]
+        self._replica_from = self._primary[pair_key[~first]]
+        self._sorted = np.argsort(self.keys)
+
+        # Fetches: rows the trainers lack, from MEM-PS or from a peer's table.
+        fk = plan.fetch_keys
+        dest = np.repeat(np.arange(W, dtype=np.int32), np.diff(plan.fetch_offsets).astype(np.int64))
+        src = plan.fetch_from
+        if len(fk):
+            rows = np.empty((len(fk), c._row_floats), np.float32)
+            from_ps = src < 0
+            if from_ps.any():
+                rows[from_ps] = c._ps._cache.read_pinned(fk[from_ps]).view(np.float32)
+            if (~from_ps).any():
+                rows[~from_ps] = c._tier.rows(fk[~from_ps], src[~from_ps], c._row_floats)
+                c.moved_rows += np.bincount(src[~from_ps].astype(np.int64) * W + dest[~from_ps],
+                                            minlength=W * W).reshape(W, W).astype(np.uint64)
+            c._tier.assign(fk, rows, dest, c._row_floats)  # a stale copy is overwritten
+            c._tier.insert(fk, rows, dest, c._row_floats)  # the others join the table
+            c._present += np.bincount(dest, minlength=W)
+            c.counts["ps_loads"] += int(from_ps.sum())
+            c.counts["peer_fetches"] += int((~from_ps).sum())
+        c.counts["batches"] += 1
+        c.counts["plan_pulls"] += plan.pulls
+        c.counts["plan_peer_pulls"] += plan.peer_pulls
+        c.counts["plan_pushes"] += plan.pushes
+        c.counts["plan_shared"] += plan.shared
+        c.counts["distinct"] += plan.distinct
+
+    def _primaries(self, keys: np.ndarray) -> np.ndarray:
+        at = np.searchsorted(self.keys, keys, sorter=self._sorted)
+        at = self._sorted[np.minimum(at, len(self.keys) - 1)]
+        if not np.array_equal(self.keys[at], keys):
+            bad = keys[self.keys[at] != keys][0]
+            raise KeyError(f"key {int(bad)} is not in this batch")
+        return self._primary[at]
+
+    # ------------------------------------------------------------ the WorkingBatch protocol
+    def positions(self, keys: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(keys).reshape(-1)
+
+    def gather(self, positions, out=None, worker: int = 0) -> np.ndarray:
+        rows = self.pull(positions, worker=worker)
+        if out is None:
+            return rows
+        out[...] = rows.reshape(out.shape)
+        return out
+
+    def accumulate(self, positions, grads, worker: int = 0) -> None:
+        grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(positions), -1)
+        self.push(positions, grads, worker=worker)
+
+    def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
+        """Embeddings (n, dim) of keys on device `worker`, from its own cache
+        (the schedule put every key it trains there)."""
+        self.partition()
+        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
+        self._check_worker(worker)
+        c = self._caches
+        with c._lock:
+            return c._tier.get(worker, keys, np.full(len(keys), worker, np.int32), c._tier.dim)
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        """Gradients (n, dim) from device `worker` to each key's primary, where they sum."""
+        self.partition()
+        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
+        self._check_worker(worker)
+        c = self._caches
+        with c._lock:
+            c._tier.accumulate(worker, keys, np.ascontiguousarray(grads, dtype=np.float32),
+                               self._primaries(keys), c._tier.dim)
+
+    def _check_worker(self, worker: int) -> None:
+        if not 0 <= worker < self._caches.workers:
+            raise ValueError(f"worker {worker} is outside [0, {self._caches.workers})")
+
+    def apply(self) -> None:
+        """One step per key on its primary; the updated rows copied to the key's
+        other trainers; the rows no cache holds any more written to MEM-PS."""
+        if self._applied:
+            return
+        self.partition()
+        c, W = self._caches, self._caches.workers
+        with c._lock:
+            try:
+                c._tier.apply()
+                if len(self._replica_key):
+                    rows = c._tier.rows(self._replica_key, self._replica_from, c._row_floats)
+                    c._tier.assign(self._replica_key, rows, self._replica_to, c._row_floats)
+                    c.moved_rows += np.bincount(self._replica_from.astype(np.int64) * W + self._replica_to,
+                                                minlength=W * W).reshape(W, W).astype(np.uint64)
+                    c.counts["replica_copies"] += len(self._replica_key)
+                lost = self._plan.lost_keys
+                if len(lost):
+                    c._to_mem(lost, c._tier.rows(lost, self._plan.lost_from, c._row_floats))
+                    c.counts["evict_pushes"] += len(lost)
+            except BaseException as e:
+                c.fail(f"{type(e).__name__}: {e}")
+                self.abort()
+                raise
+            c._dirty = True
+        self._applied = True
+
+    def write_back(self) -> None:
+        """Unpins the batch's keys in MEM-PS (their rows stay in the caches)."""
+        if self._done:
+            return
+        if not self._applied:
+            raise RuntimeError("write_back before apply")
+        self._release()
+
+    def finish(self) -> None:
+        self.apply()
+        self.write_back()
+
+    def abort(self) -> None:
+        """Releases the batch. Before apply the caches no longer match the
+        scheduler, which has moved on: they stop (see WorkerCaches.fail)."""
+        if self._done:
+            return
+        if not self._applied and self._plan is not None:
+            self._caches.fail("a batch was aborted after it was scheduled")
+        self._release()
+
+    def _release(self) -> None:
+        self._done = True
+        self._caches._ps._cache.unpin(self.keys)
+        self._caches._ps._herald_batch_done()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()

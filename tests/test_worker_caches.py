@@ -1,0 +1,172 @@
+"""Herald's worker caches in the parameter server (issue 16): rows stay on the
+devices between batches, examples go where their rows are, and a run computes
+what the sequential schedule computes (BSP: the model-consistency claim)."""
+import numpy as np
+import pytest
+
+import hps
+from hps.parameter_server import ParameterServer, ParameterServerConfig
+
+
+def server(path, schedule, devices=4, rows=40, **kw):
+    return ParameterServer(ParameterServerConfig(
+        dim=4, path=str(path), optimizer=hps.AdaGrad(lr=0.1), mem_budget="4MiB", devices=devices,
+        schedule=schedule, worker_cache_rows=rows, **kw))
+
+
+def trace(batches=40, n=48, fields=3, keys=400, seed=0):
+    """Batches of examples whose keys repeat (a Zipf-like head): the caches hold
+    some, evict others, and evicted keys come back."""
+    rng = np.random.default_rng(seed)
+    return [np.minimum(rng.zipf(1.3, size=(n, fields)), keys).astype(np.uint64) * 7 + 3 for _ in range(batches)]
+
+
+def run(ps, batches, pull_every=0):
+    """Each device pulls its mini-batch's rows and pushes gradients that
+    depend on them (so a stale row would change the result)."""
+    devices = ps.config.devices
+    for i, keys in enumerate(batches):
+        b = ps.batch(ps.prefetch(keys))
+        parts = b.partition() if hasattr(b, "partition") else np.array_split(np.arange(len(keys)), devices)
+        assert sorted(np.concatenate(parts).tolist()) == list(range(len(keys)))  # every example once
+        for w, idx in enumerate(parts):
+            k = keys[idx].reshape(-1)
+            e = b.pull(k, worker=w)
+            b.push(k, (0.3 * e + 0.02).astype(np.float32), worker=w)
+        b.apply()
+        b.write_back()
+        if pull_every and i % pull_every == 0:
+            ps.pull(keys[:4].reshape(-1))  # an evaluation in the middle: the caches flush to MEM-PS
+    return ps
+
+
+def all_rows(ps, batches):
+    keys = np.unique(np.concatenate([k.reshape(-1) for k in batches]))
+    return ps.pull(keys)
+
+
+def test_herald_ends_with_the_parameters_of_the_sequential_schedule(tmp_path):
+    batches = trace()
+    seq = run(server(tmp_path / "seq", "sequential"), batches)
+    her = run(server(tmp_path / "her", "herald"), batches, pull_every=7)
+    np.testing.assert_allclose(all_rows(her, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
+    h = her.stats()["device"]["herald"]
+    # The run exercised what it claims: evictions to MEM-PS and back, peer fetches,
+    # replicas of keys several devices trained, rebuilt and grown tables.
+    assert h["evict_pushes"] > 0 and h["peer_fetches"] > 0 and h["replica_copies"] > 0
+    assert h["compactions"] > 0 and h["table_growths"] > 0 and h["flushes"] > 1
+    # What moved is what the schedule planned.
+    assert h["ps_loads"] + h["peer_fetches"] == h["plan_pulls"]
+    assert h["peer_fetches"] == h["plan_peer_pulls"]
+    assert h["replica_copies"] == h["plan_shared"]
+    assert all(c <= 40 for c in h["cached"])
+    moved = np.array(h["moved_rows"])
+    assert moved.sum() == h["peer_fetches"] + h["replica_copies"] and np.trace(moved) == 0
+
+
+def test_herald_moves_fewer_rows_from_mem_ps_than_the_per_batch_tier(tmp_path):
+    batches = trace(keys=150)
+    seq = run(server(tmp_path / "seq", "sequential", rows=200), batches)
+    her = run(server(tmp_path / "her", "herald", rows=200), batches)
+    h = her.stats()["device"]["herald"]
+    # The per-batch tier loads every distinct key of every batch from MEM-PS;
+    # caches that keep the rows load each key about once.
+    assert h["distinct"] == sum(len(np.unique(k)) for k in batches)
+    assert h["ps_loads"] < 0.5 * h["distinct"]
+    assert "herald" not in seq.stats()["device"]
+
+
+def test_checkpoint_holds_the_cached_rows_and_reopens_to_them(tmp_path):
+    batches = trace(batches=12)
+    ps = run(server(tmp_path / "a", "herald"), batches)
+    expect = all_rows(ps, batches)
+    ps.checkpoint()
+    ps.close()
+    again = ParameterServer.open(str(tmp_path / "a"), schedule="sequential")
+    np.testing.assert_array_equal(all_rows(again, batches), expect)
+
+
+def test_push_outside_the_pipeline_takes_one_key_an_example(tmp_path):
+    seq, her = server(tmp_path / "s", "sequential"), server(tmp_path / "h", "herald")
+    keys = np.array([5, 9, 5, 11], np.uint64)
+    grads = np.arange(16, dtype=np.float32).reshape(4, 4) / 10
+    for ps in (seq, her):
+        ps.push(keys, grads)
+    np.testing.assert_allclose(her.pull(keys), seq.pull(keys), rtol=1e-6)
+
+
+def test_bad_settings_are_named(tmp_path):
+    with pytest.raises(ValueError, match="schedule must be 'sequential' or 'herald', got 'greedy'"):
+        server(tmp_path / "a", "greedy")
+    with pytest.raises(ValueError, match="worker_cache_rows must be an int >= 1, got 0"):
+        server(tmp_path / "b", "herald", rows=0)
+    with pytest.raises(ValueError, match="takes no partitioner"):
+        ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "c"), devices=2, schedule="herald"),
+                        partitioner=lambda keys, g: keys % g)
+
+
+def test_a_batch_aborted_after_its_schedule_stops_the_caches(tmp_path):
+    ps = server(tmp_path / "a", "herald")
+    batches = trace(batches=3)
+    run(ps, batches[:1])
+    b = ps.batch(ps.prefetch(batches[1]))
+    b.partition()
+    b.abort()  # the scheduler moved on, the tables did not
+    with pytest.raises(RuntimeError, match="stopped after a failed batch .*aborted.*reopen"):
+        ps.batch(ps.prefetch(batches[2])).partition()
+    with pytest.raises(RuntimeError, match="stopped after a failed batch"):
+        ps.pull(batches[0].reshape(-1))
+
+
+def test_a_key_outside_the_batch_is_named(tmp_path):
+    ps = server(tmp_path / "a", "herald")
+    b = ps.batch(ps.prefetch(np.array([[1, 2], [3, 4]], np.uint64)))
+    b.partition()
+    with pytest.raises(KeyError, match="key 99 is not in this batch"):
+        b.push(np.array([1, 99], np.uint64), np.zeros((2, 4), np.float32), worker=0)
+    b.apply()
+    b.write_back()
+
+
+SMALL_VOCAB = [50, 200, 1000, 5000] + [800] * 22
+
+
+def train_config(path, schedule, **kw):
+    from hps.train import DataConfig, TrainConfig
+    data = DataConfig(batch_size=256, train_examples=256 * 10, eval_examples=1024, vocab_sizes=SMALL_VOCAB)
+    ps = hps.ParameterServerConfig(dim=4, path=str(path), optimizer=hps.AdaGrad(lr=0.05), mem_budget="8MiB",
+                                   devices=4, schedule=schedule, worker_cache_rows=1500)
+    return TrainConfig(ps=ps, data=data, hidden=(16,), dense_lr=0.01, torch_threads=1, eval_every=4, **kw)
+
+
+def test_hps_train_with_herald_learns_what_the_sequential_schedule_learns(tmp_path):
+    torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    from hps.train import load_trainer_state, train
+    # Stages one after another: an evaluation in the middle of the run then sees the
+    # same batches on both sides (the batches before the one in training).
+    seq = train(train_config(tmp_path / "seq", "sequential", pipelined=False), progress=False)
+    her = train(train_config(tmp_path / "her", "herald", pipelined=False), progress=False)
+    assert abs(seq["final"]["auc"] - her["final"]["auc"]) < 1e-3
+    assert len(seq["history"]) == len(her["history"]) == 3  # batches 4 and 8, and the final one
+    for a, b in zip(seq["history"], her["history"]):  # every evaluation on the way (caches flushed first)
+        assert a["batches"] == b["batches"] and abs(a["auc"] - b["auc"]) < 1e-3
+    # Pipelined, Herald trains exactly what it trains stage after stage.
+    pip = train(train_config(tmp_path / "pip", "herald", pipelined=True), progress=False)
+    assert pip["final"]["auc"] == her["final"]["auc"]
+    for name, value in load_trainer_state(tmp_path / "pip")["mlp"].items():
+        assert torch.equal(value, load_trainer_state(tmp_path / "her")["mlp"][name]), name
+    mlp_seq, mlp_her = load_trainer_state(tmp_path / "seq")["mlp"], load_trainer_state(tmp_path / "her")["mlp"]
+    for name in mlp_seq:
+        torch.testing.assert_close(mlp_her[name], mlp_seq[name], rtol=1e-4, atol=1e-5)
+    h = her["ps"]["device"]["herald"]
+    assert h["batches"] == 10 and h["peer_fetches"] > 0
+    assert h["ps_loads"] < h["distinct"]  # the caches kept rows between batches
+
+
+def test_hps_train_refuses_herald_for_multi_hot_fields(tmp_path):
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    from hps.train import train
+    cfg = train_config(tmp_path / "a", "herald")
+    cfg.data.multi_hot = [(100, 4)]
+    with pytest.raises(ValueError, match="schedule = 'herald' partitions examples of single-hot fields"):
+        train(cfg, progress=False)
