@@ -170,3 +170,20 @@ def test_hps_train_refuses_herald_for_multi_hot_fields(tmp_path):
     cfg.data.multi_hot = [(100, 4)]
     with pytest.raises(ValueError, match="schedule = 'herald' partitions examples of single-hot fields"):
         train(cfg, progress=False)
+
+
+def test_the_herald_example_trains_from_the_command_line(tmp_path):
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "hps.cli", "train", "--config", os.path.join(root, "examples", "herald.toml"),
+                          "--path", str(tmp_path / "job"), "--examples", "8192", "--eval-examples", "2048",
+                          "--batch-size", "1024", "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    h = summary["device"]["herald"]
+    assert h["batches"] == 8 and h["capacity_per_worker"] == 200000 and summary["device"]["devices"] == 4
+    assert "herald: rows from MEM-PS, peers" in out.stderr

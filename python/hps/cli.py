@@ -30,6 +30,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="held-out examples each evaluation scores (overrides [data] eval_examples)")
     p.add_argument("--mem-budget", help="MEM-PS budget, e.g. 512MiB")
     p.add_argument("--devices", type=int, help="devices of the device tier (host partitions without GPUs)")
+    p.add_argument("--schedule", choices=("sequential", "herald"),
+                   help="herald: devices keep rows in caches between batches and take the examples whose rows "
+                        "they hold (overrides [ps] schedule)")
     p.add_argument("--eval-every", type=int, help="evaluate every N batches (0: at the end)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N batches (0: at the end)")
     p.add_argument("--sequential", action="store_true", help="run the stages one after another, not pipelined")
@@ -59,6 +62,8 @@ def _apply_flags(cfg, a) -> None:
         cfg.ps.mem_budget = a.mem_budget
     if a.devices:
         cfg.ps.devices = a.devices
+    if a.schedule:
+        cfg.ps.schedule = a.schedule
     if a.eval_every is not None:
         cfg.eval_every = a.eval_every
     if a.checkpoint_every is not None:
@@ -119,6 +124,11 @@ def _summary_table(summary: dict) -> str:
     tried = ", ".join(f"{n}: {r:,.0f} ex/s" for n, r in threads.get("examples_per_s", {}).items())
     rows.append(("torch threads", f"{threads.get('chosen', '-')}" + (f" (tuned; {tried})" if tried else "")))
     rows.append(("device tier", ps["device"]["kind"]))
+    her = ps["device"].get("herald")
+    if her:
+        rows.append(("herald: rows from MEM-PS, peers", f"{her['ps_loads']:,} of {her['distinct']:,} batch keys, "
+                     f"{her['peer_fetches']:,} from peers, {her['replica_copies']:,} replica copies, "
+                     f"{her['evict_pushes']:,} evicted to MEM-PS"))
     adm = summary.get("admission") or {}
     if adm.get("threshold", 1) > 1:
         rows.append(("admission: threshold, sketch", f"{adm['threshold']}, {adm['sketch_bytes'] / 2**20:,.1f} MiB; "
@@ -213,7 +223,8 @@ def cmd_train(a) -> int:
                           for k, v in h["bytes"].items() if v["before"])
         print(f"  hierarchical: {h['roles']}; plan {', '.join(h['plan'])}; trainer 0 sent {moved or 'nothing'}",
               file=sys.stderr)
-    line = {"final": summary["final"], "examples_per_s": summary["examples_per_s"], "pipeline": summary["pipeline"]}
+    line = {"final": summary["final"], "examples_per_s": summary["examples_per_s"], "pipeline": summary["pipeline"],
+            "device": summary["ps"]["device"]}
     for key in ("finished_before", "short"):
         if key in summary:
             line[key] = summary[key]

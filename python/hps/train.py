@@ -828,6 +828,7 @@ def settings(cfg: TrainConfig) -> dict:
             "examples": d.train_examples if d.train_examples is not None else
             (SYNTHETIC_EXAMPLES if d.source == "synthetic" else "all"), "epochs": d.epochs,
             "dim": ps.dim, "mem_budget": ps.mem_budget, "cache_policy": ps.cache_policy, "devices": ps.devices,
+            "schedule": ps.schedule,
             "sparse_optimizer": ps.optimizer.kind, "hidden": list(cfg.hidden),
             "pipelined": cfg.pipelined, "online": cfg.online}
 
