@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w8", "w12", "w13")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w7s", "w8", "w12", "w13")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -50,7 +50,7 @@ def workload_of(line: dict) -> str | None:
     """The workload a benchmark's JSON line belongs to, from its "benchmark" field."""
     name = str(line.get("benchmark") or line.get("bench") or "")
     for prefix, wid in (("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
-                        ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7", "w7"), ("W8", "w8")):
+                        ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7s", "w7s"), ("W7", "w7"), ("W8", "w8")):
         if name.startswith(prefix):
             return wid
     return None
@@ -643,6 +643,41 @@ def render_w12(o: dict) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ W7s
+def render_w7s(o: dict) -> list[str]:
+    c, res = o["config"], o["results"]
+    seq, her = res["sequential"], res["herald"]
+    out = [f"`hps train` on {c['devices']} host-partition devices, {c['examples']:,} examples of {c['data']} in "
+           f"batches of {c['batch_size']} ({c['distinct_keys']:,} distinct keys; {c['batch_distinct_keys']:,} "
+           f"summed over batches), dim {c['dim']}, MLP {c['mlp']}, {c['sparse_optimizer']}, torch threads "
+           f"{c['torch_threads']}; Herald's caches {c['cache_rows']:,} rows a device ({c['cache_fraction']:.0%} of "
+           f"the distinct keys). Counts are the same every round; examples/s is the median (min-max) of "
+           f"{c['rounds']} rounds, the schedules interleaved. Eval AUC differs by {o['auc_difference']:.5f}.", ""]
+    rows = []
+
+    def ratio(x, y):
+        return f"{y / x:.3f}" if x else "-"
+
+    for name, key, scale, fmt in (("MEM-PS -> devices, rows", "mem_to_devices", 1, ",.0f"),
+                                  ("devices -> MEM-PS, rows", "devices_to_mem", 1, ",.0f"),
+                                  ("between devices, rows", "between_devices_rows", 1, ",.0f"),
+                                  ("between devices, MB", "between_devices_bytes", 1e6, ",.1f")):
+        x, y = seq[key] / scale, her[key] / scale
+        rows.append([name, format(x, fmt), format(y, fmt), ratio(x, y)])
+    rows.append(["examples/s", f"{seq['examples_per_s']:,.0f} ({seq['examples_per_s_min']:,.0f}-"
+                 f"{seq['examples_per_s_max']:,.0f})", f"{her['examples_per_s']:,.0f} ({her['examples_per_s_min']:,.0f}-"
+                 f"{her['examples_per_s_max']:,.0f})", ratio(seq["examples_per_s"], her["examples_per_s"])])
+    rows.append(["eval AUC", num(seq.get("auc"), ".4f"), num(her.get("auc"), ".4f"), "-"])
+    out += table(["", "sequential", "herald", "herald / sequential"], rows)
+    h = her.get("herald") or {}
+    if h:
+        out += ["", f"Herald's rows: {h['ps_loads']:,} from MEM-PS and {h['peer_fetches']:,} from peers "
+                f"(the plan's {h['plan_pulls']:,} pulls), {h['replica_copies']:,} replica copies (keys trained on "
+                f"several devices), {h['evict_pushes']:,} evicted to MEM-PS, {h['flushed_rows']:,} flushed; "
+                f"{h['compactions']} table rebuilds; scheduler snapshot {h['scheduler_bytes'] / 1e6:,.1f} MB."]
+    return out
+
+
 # ------------------------------------------------------------------ W13
 def render_w13(o: dict) -> list[str]:
     c, syn, cri = o["config"], o["synthetic"], o.get("criteo") or {}
@@ -668,7 +703,7 @@ def render_w13(o: dict) -> list[str]:
 
 
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4, "w4m": render_w4,
-          "w5": render_w5, "w6": render_w6, "w7": render_w7, "w8": render_w8, "w12": render_w12,
+          "w5": render_w5, "w6": render_w6, "w7": render_w7, "w7s": render_w7s, "w8": render_w8, "w12": render_w12,
           "w13": render_w13}
 
 

@@ -166,3 +166,14 @@ def test_reader_quick_reads_every_format_whole_and_trains_the_tsv():
     # ratio: one thread's CPU time in a stage is never more than its wall time there.
     assert t["read_cpu_over_train_busy"] == pytest.approx(t["read_cpu_s"] / t["train_busy_s"])
     assert 0 < t["read_cpu_s"] <= t["read_busy_s"] * 1.01 + 0.01 and t["train_cpu_s"] > 0
+
+
+def test_herald_system_quick_moves_fewer_rows_and_learns_the_same():
+    pytest.importorskip("torch", reason="hps train needs torch")
+    out = run_json("bench/herald_system.py", "--quick", "--no-save", timeout=600)
+    seq, her = out["results"]["sequential"], out["results"]["herald"]
+    assert out["auc_difference"] < 1e-3
+    assert seq["mem_to_devices"] == out["config"]["batch_distinct_keys"] == her["herald"]["distinct"]
+    # Rows kept in the devices' caches between batches are not loaded again.
+    assert her["mem_to_devices"] < seq["mem_to_devices"] and her["devices_to_mem"] < seq["devices_to_mem"]
+    assert her["mem_to_devices"] + her["herald"]["peer_fetches"] == her["herald"]["plan_pulls"]
