@@ -100,7 +100,9 @@ class WorkerCaches:
         rows = [self._tier.rows(k, np.full(len(k), w, np.int32), self._row_floats) for w, k in enumerate(held)]
         live = max(len(k) for k in held)
         table_rows = self._table_rows
-        while live + incoming > 0.7 * table_rows:
+        # Rebuilt at most half full, so that the batches after it fill the
+        # other 0.2 before the next rebuild (each costs a copy of every cache).
+        while live + incoming > 0.5 * table_rows:
             table_rows *= 2
         if table_rows != self._table_rows:
             rows_before, bytes_before = self._tier.transfers()
@@ -205,17 +207,19 @@ class HeraldBatch:
         self._minibatches = [order[bounds[w]:bounds[w + 1]] for w in range(W)]
 
         # Each key's trainers; its primary (lowest trainer) gets its gradients.
-        trainer = np.repeat(plan.assignment.astype(np.int64), fields)
-        pairs = np.unique(pre.inverse.astype(np.int64) * W + trainer)
-        pair_key, pair_worker = pairs // W, (pairs % W).astype(np.int32)
-        first = np.ones(len(pairs), bool)
-        first[1:] = pair_key[1:] != pair_key[:-1]
-        self._primary = np.empty(len(self.keys), np.int32)
-        self._primary[pair_key[first]] = pair_worker[first]
-        self._replica_key = self.keys[pair_key[~first]]
-        self._replica_to = pair_worker[~first]
-        self._replica_from = self._primary[pair_key[~first]]
-        self._sorted = np.argsort(self.keys)
+        trains = np.zeros((len(self.keys), W), bool)
+        trains[pre.inverse, np.repeat(plan.assignment, fields)] = True
+        self._primary = trains.argmax(axis=1).astype(np.int32)
+        trains[np.arange(len(self.keys)), self._primary] = False
+        replica, self._replica_to = np.nonzero(trains)
+        self._replica_to = self._replica_to.astype(np.int32)
+        self._replica_key = self.keys[replica]
+        self._replica_from = self._primary[replica]
+        # The keys a device pushes are its examples' keys, in order (hps.torch
+        # pushes a mini-batch's fields together): their primaries, ready.
+        by_example = self._primary[pre.inverse].reshape(n, fields)
+        self._mine = [(examples[mb].reshape(-1), by_example[mb].reshape(-1)) for mb in self._minibatches]
+        self._sorted = None  # for pushes of other keys (built when first needed)
 
         # Fetches: rows the trainers lack, from MEM-PS or from a peer's table.
         fk = plan.fetch_keys
@@ -242,7 +246,12 @@ class HeraldBatch:
         c.counts["plan_shared"] += plan.shared
         c.counts["distinct"] += plan.distinct
 
-    def _primaries(self, keys: np.ndarray) -> np.ndarray:
+    def _primaries(self, keys: np.ndarray, worker: int) -> np.ndarray:
+        mine, owners = self._mine[worker]
+        if len(mine) == len(keys) and np.array_equal(mine, keys):
+            return owners
+        if self._sorted is None:
+            self._sorted = np.argsort(self.keys)
         at = np.searchsorted(self.keys, keys, sorter=self._sorted)
         at = self._sorted[np.minimum(at, len(self.keys) - 1)]
         if not np.array_equal(self.keys[at], keys):
@@ -283,7 +292,7 @@ class HeraldBatch:
         c = self._caches
         with c._lock:
             c._tier.accumulate(worker, keys, np.ascontiguousarray(grads, dtype=np.float32),
-                               self._primaries(keys), c._tier.dim)
+                               self._primaries(keys, worker), c._tier.dim)
 
     def _check_worker(self, worker: int) -> None:
         if not 0 <= worker < self._caches.workers:
