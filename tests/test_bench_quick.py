@@ -166,6 +166,10 @@ def test_reader_quick_reads_every_format_whole_and_trains_the_tsv():
     # ratio: one thread's CPU time in a stage is never more than its wall time there.
     assert t["read_cpu_over_train_busy"] == pytest.approx(t["read_cpu_s"] / t["train_busy_s"])
     assert 0 < t["read_cpu_s"] <= t["read_busy_s"] * 1.01 + 0.01 and t["train_cpu_s"] > 0
+    # Reading alone, the whole process's CPU (pyarrow's threads too); the TSV's over the
+    # train stage's busy time.
+    assert set(out["read_cpu_s"]) == set(out["examples"]) and all(v > 0 for v in out["read_cpu_s"].values())
+    assert t["read_alone_cpu_over_train_busy"] == pytest.approx(out["read_cpu_s"]["criteo_tsv"] / t["train_busy_s"])
 
 
 def test_herald_system_quick_moves_fewer_rows_and_learns_the_same():

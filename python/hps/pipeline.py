@@ -53,10 +53,11 @@ class PipelineStats:
     """A run's counters. ``busy_seconds`` is each stage's wall time in its work: on
     a loaded machine it includes a thread's waits for a core and for the GIL, and
     the largest bounds the run. ``cpu_seconds`` is the CPU time of the thread that
-    ran each stage's work (``time.thread_time``), without those waits: what the
-    work itself costs. The train stage's CPU time counts only the calling thread,
-    not torch's intra-op threads, so it understates that stage's work; its busy
-    (wall) time remains what bounds the run."""
+    ran each stage's work (``time.thread_time``), without those waits. It counts
+    that thread only: not torch's intra-op threads in the train stage, nor
+    pyarrow's parser threads in the read stage, so it understates the work of
+    stages that hand work to threads of their own; the busy (wall) time remains
+    what bounds the run."""
     batches: int = 0
     examples: int = 0
     wall_seconds: float = 0.0
