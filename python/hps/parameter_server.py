@@ -99,6 +99,8 @@ class ParameterServerConfig:
     schedule: str = "sequential"        # "herald": rows stay in per-device caches between batches and
                                         # examples go to the devices that hold their rows (hps.worker_caches)
     worker_cache_rows: int = 1 << 16    # schedule = "herald": rows a device's cache keeps between batches
+    lookahead: int = 0                  # batches ahead whose keys the caches keep when they must evict
+                                        # (the pipeline's prefetch passes them; 0: the policy alone decides)
     topology: Optional[str] = None      # a topology file (hps.topology) whose routes the device tier's
                                         # transfers take, tier device g its endpoint g, the host executor
                                         # copying (relays staged on the middleman); None: flat host partitions
@@ -645,6 +647,8 @@ class ParameterServer:
         """Whether the config asks for Herald's worker caches; names a bad field."""
         if config.schedule not in ("sequential", "herald"):
             raise ValueError(f"schedule must be 'sequential' or 'herald', got {config.schedule!r}")
+        if isinstance(config.lookahead, bool) or not isinstance(config.lookahead, int) or config.lookahead < 0:
+            raise ValueError(f"lookahead must be an int >= 0 (batches), got {config.lookahead!r}")
         if config.schedule != "herald":
             return False
         if partitioner is not None:
@@ -823,18 +827,38 @@ class ParameterServer:
             b.push(keys, grads)
         self._count(pushes=1)
 
-    def prefetch(self, keys: np.ndarray) -> "Prefetched":
+    def prefetch(self, keys: np.ndarray, upcoming: Optional[list] = None) -> "Prefetched":
         """Pins the distinct keys' rows in MEM-PS (reading SSD-PS for misses), so
         that a later batch(prefetched) finds them in memory. Runs alongside a batch
-        in flight: the pipeline's pull stage."""
+        in flight: the pipeline's pull stage. ``upcoming``: the keys of the batches
+        after this one (the pipeline's lookahead window), which the caches keep
+        when they must evict."""
+        upcoming = self._check_upcoming(upcoming)
         if self._herald is not None:
-            return self._pin_examples(keys)
+            pre = self._pin_examples(keys)
+            pre.upcoming = upcoming
+            return pre
         if not self._in_place:
             return self._pin_working_set(keys)
         flat, uniq, inverse = self._distinct(keys)
         hit, addresses = self._cache.pin_rows(uniq)
         self._count(mem_hits=int(hit.sum()))
         return Prefetched(self, uniq, flat, inverse, addresses)
+
+    @staticmethod
+    def _check_upcoming(upcoming) -> Optional[np.ndarray]:
+        """The lookahead window's keys, flattened into one uint64 array (None: none)."""
+        if upcoming is None:
+            return None
+        if not isinstance(upcoming, (list, tuple)):
+            raise TypeError(f"upcoming must be a list of key arrays (the next batches'), got {type(upcoming).__name__}")
+        parts = []
+        for i, k in enumerate(upcoming):
+            if not isinstance(k, np.ndarray) or k.dtype not in (np.uint64, np.int64):
+                raise TypeError(f"upcoming[{i}] must be an array of uint64 or int64, got "
+                                f"{getattr(k, 'dtype', type(k).__name__)}")
+            parts.append(np.ascontiguousarray(k).reshape(-1).view(np.uint64))
+        return np.concatenate(parts) if parts else np.empty(0, np.uint64)
 
     def _pin_examples(self, keys: np.ndarray) -> "Prefetched":
         """prefetch() for Herald's worker caches: the distinct keys pinned in

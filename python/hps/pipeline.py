@@ -31,6 +31,7 @@ idle, and the helper gets them whatever its niceness (400k examples of W5:
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import sys
@@ -106,13 +107,29 @@ class Pipeline:
     ``hps.topology.BindingPlan``, pins each helper thread of a pipelined run to its
     stage's cores (default None: threads run where the kernel puts them); stats
     say which cores each got and why.
+
+    ``lookahead`` (default: the server's ``config.lookahead``, else 0) hands the
+    prefetch of batch i the keys of batches i+1 .. i+K (``ps.prefetch(keys,
+    upcoming=[...])``), so that the caches keep rows those batches need. The
+    window is always the next K batches (fewer only at the end of the data): the
+    prefetch waits for the reader to have read them, so a pipelined run sees the
+    windows a sequential one does. K is at most the read queue's depth.
     """
 
     def __init__(self, ps: ParameterServer, train_step: TrainStep, *, devices: Optional[int] = None,
                  keys_of: Callable[[Any], np.ndarray] = lambda d: d.keys, depths=(4, 1, 1),
-                 helper_nice: int = 19, binding=None):
+                 helper_nice: int = 19, binding=None, lookahead: Optional[int] = None):
         if isinstance(helper_nice, bool) or not isinstance(helper_nice, int) or not 0 <= helper_nice <= 19:
             raise ValueError(f"helper_nice must be an int in [0, 19], got {helper_nice!r}")
+        if lookahead is None:
+            lookahead = getattr(ps.config, "lookahead", 0)
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 0 <= lookahead <= depths[0]:
+            raise ValueError(f"lookahead must be an int in [0, {depths[0]}] (the read queue's depth), "
+                             f"got {lookahead!r}")
+        self.lookahead = lookahead
+        self._upcoming: collections.deque = collections.deque()  # keys of batches read, not yet prefetched
+        self._reading = threading.Condition()  # guards _upcoming and _read_all
+        self._read_all = False
         self.helper_nice = helper_nice
         self.binding = binding
         self.ps = ps
@@ -126,9 +143,9 @@ class Pipeline:
         self._in_flight = 0  # prefetched batches not yet written back
 
     # ------------------------------------------------------------ stages
-    def _timed(self, stage: str, fn, *args):
+    def _timed(self, stage: str, fn, *args, **kwargs):
         t0, c0 = time.perf_counter(), time.thread_time()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
         with self._lock:
             self.stats.busy_seconds[stage] += wall
@@ -165,16 +182,18 @@ class Pipeline:
             self._in_flight -= 1
             self._written_back.notify_all()
 
-    def _prefetch(self, data, stop: Optional[threading.Event] = None):
+    def _prefetch(self, data, stop: Optional[threading.Event] = None, upcoming=None):
         """Pins a batch; when MEM-PS has no room beside the batches in flight,
         waits for one of them to be written back (backpressure), and fails only
-        when none is left to wait for: then the budget cannot hold one batch."""
+        when none is left to wait for: then the budget cannot hold one batch.
+        ``upcoming``: the keys of the next batches (lookahead), or None."""
         keys = self.keys_of(data)
+        extra = {} if upcoming is None else {"upcoming": upcoming}
         while True:
             with self._lock:
                 written_before = self.stats.batches
             try:
-                prefetched = self._timed("prefetch", self.ps.prefetch, keys)
+                prefetched = self._timed("prefetch", self.ps.prefetch, keys, **extra)
             except CacheFullError:
                 with self._lock:
                     # A write-back that finished during the attempt freed pins the
@@ -227,16 +246,26 @@ class Pipeline:
         return self.stats
 
     def _run_sequential(self, it: Iterator) -> None:
+        ahead: collections.deque = collections.deque()  # batches read for the lookahead window
         while True:
-            data = self._timed("read", next, it, _DONE)
-            if data is _DONE:
+            while len(ahead) < 1 + self.lookahead:
+                data = self._timed("read", next, it, _DONE)
+                if data is _DONE:
+                    break
+                ahead.append(data)
+            if not ahead:
                 return
-            prefetched = self._prefetch(data)
+            data = ahead.popleft()
+            upcoming = [self.keys_of(d) for d in ahead] if self.lookahead else None
+            prefetched = self._prefetch(data, upcoming=upcoming)
             loaded = self._timed("load", self._load, data, prefetched)
             self._train(loaded)
             self._write_back(loaded)
 
     def _run_pipelined(self, it: Iterator) -> None:
+        with self._reading:  # a window ends with the run's batches (as a sequential run's does)
+            self._upcoming.clear()
+            self._read_all = False
         q_read, q_prefetch, q_load = (queue.Queue(maxsize=d) for d in self.depths)
         q_write_back: queue.Queue = queue.Queue(maxsize=1)
         stop = threading.Event()
@@ -265,11 +294,34 @@ class Pipeline:
             try:
                 while not stop.is_set():
                     data = self._timed("read", next, it, _DONE)
+                    if self.lookahead:
+                        with self._reading:
+                            if data is _DONE:
+                                self._read_all = True
+                            else:
+                                self._upcoming.append(self.keys_of(data))
+                            self._reading.notify_all()
                     if not put(q_read, data) or data is _DONE:
                         return
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 errors.append(e)
                 put(q_read, _DONE)
+            finally:
+                with self._reading:
+                    self._read_all = True
+                    self._reading.notify_all()
+
+        def window():
+            """The keys of the next `lookahead` batches after the one just taken
+            from the read queue, once the reader has read them (or all there is)."""
+            if not self.lookahead:
+                return None
+            with self._reading:
+                while len(self._upcoming) < 1 + self.lookahead and not self._read_all and not stop.is_set():
+                    self._reading.wait(0.1)
+                if self._upcoming:
+                    self._upcoming.popleft()  # the batch being prefetched
+                return list(self._upcoming)[:self.lookahead]
 
         def prefetcher():
             self._lower_priority()
@@ -280,7 +332,7 @@ class Pipeline:
                     if data is _DONE:
                         put(q_prefetch, _DONE)
                         return
-                    prefetched = self._prefetch(data, stop)
+                    prefetched = self._prefetch(data, stop, window())
                     if not put(q_prefetch, (data, prefetched)):
                         prefetched.release()
                         return
