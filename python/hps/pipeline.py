@@ -122,7 +122,7 @@ class Pipeline:
         if isinstance(helper_nice, bool) or not isinstance(helper_nice, int) or not 0 <= helper_nice <= 19:
             raise ValueError(f"helper_nice must be an int in [0, 19], got {helper_nice!r}")
         if lookahead is None:
-            lookahead = getattr(ps.config, "lookahead", 0)
+            lookahead = getattr(getattr(ps, "config", None), "lookahead", 0)
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 0 <= lookahead <= depths[0]:
             raise ValueError(f"lookahead must be an int in [0, {depths[0]}] (the read queue's depth), "
                              f"got {lookahead!r}")
