@@ -56,17 +56,18 @@
 // many workers hold it: 8 bytes of key and a holder mask of 1, 2, 4 or 8 bytes
 // (W <= 8, 16, 32, 64). Retraining a key moves its record to the log's end and
 // leaves a dead one; a log out of room is compacted into room for 1.25 x (its
-// live records + the batch's keys). The key index takes 8 bytes a slot (32 bits
-// of hash, the record's position) at load 0.55 to 0.8. So a key takes 1.25 x
-// (8 + the mask's bytes) of log and 10 to 15 bytes of index: 21 to 26 bytes
-// for W <= 8, 30 to 35 for W <= 64, a little more while a batch is large
-// against the caches. memory_bytes() counts all of it: every slot and record
-// allocated, live, dead or spare. It leaves out the per-batch scratch (some 20
-// bytes a key and 35 to 80 a distinct key of the largest batch so far, the
-// table that finds a batch's distinct keys included), which does not grow with
-// the caches. No dirty bit is kept: on demand every held row is dirty (a worker
-// trained it), write-through every one is clean (the PS got it at the batch's
-// end).
+// live records + the batch's keys), up to 10% more where its old room is in
+// that band. The key index takes 4 bytes a slot (the record's position and,
+// above it, a fingerprint of the key in the bits positions leave free) at
+// load 0.55 to 0.8, erased slots (tombstones) counted until the index is
+// rebuilt from the log at the next compaction. So a key takes 1.25 to 1.4 x
+// (8 + the mask's bytes) of log and 5 to 7.5 bytes of index: about 19 bytes
+// for W <= 8, 26 for W <= 64, a little more while a batch is large against the
+// caches. memory_bytes() counts all of it: every slot and record allocated,
+// live, dead or spare. It leaves out the per-batch scratch (some 40 bytes a
+// key of the largest batch so far), which does not grow with the caches. No
+// dirty bit is kept: on demand every held row is dirty (a worker trained it),
+// write-through every one is clean (the PS got it at the batch's end).
 //
 // Thread safety: none; one thread schedules (the pipeline's partition stage).
 #pragma once

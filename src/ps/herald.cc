@@ -41,38 +41,6 @@ struct RankBlock {
   uint64_t base;
 };
 
-// Rewrites each occupied index slot's position p (low 32 bits; ~0 is a free
-// slot) to the live records before p.
-inline void RankSlots(uint64_t* index, uint64_t n, const RankBlock* blocks) {
-  for (uint64_t* v = index; v != index + n; ++v) {
-    if (*v == ~uint64_t{0}) continue;
-    const auto p = static_cast<uint32_t>(*v);
-    const RankBlock& b = blocks[p / 64];
-    *v = (*v & ~uint64_t{UINT32_MAX}) | (b.base + Popcount64(b.bits & ((uint64_t{1} << (p % 64)) - 1)));
-  }
-}
-
-#if defined(__x86_64__)
-// The same with the popcnt instruction, where the CPU has it.
-__attribute__((target("popcnt"))) void RankSlotsPopcnt(uint64_t* index, uint64_t n, const RankBlock* blocks) {
-  for (uint64_t* v = index; v != index + n; ++v) {
-    if (*v == ~uint64_t{0}) continue;
-    const auto p = static_cast<uint32_t>(*v);
-    const RankBlock& b = blocks[p / 64];
-    *v = (*v & ~uint64_t{UINT32_MAX}) |
-         (b.base + static_cast<uint64_t>(__builtin_popcountll(b.bits & ((uint64_t{1} << (p % 64)) - 1))));
-  }
-}
-#endif
-
-void RankIndex(std::vector<uint64_t>& index, const std::vector<RankBlock>& blocks) {
-#if defined(__x86_64__)
-  static const bool popcnt = __builtin_cpu_supports("popcnt");
-  if (popcnt) return RankSlotsPopcnt(index.data(), index.size(), blocks.data());
-#endif
-  RankSlots(index.data(), index.size(), blocks.data());
-}
-
 // kSpread[m]: byte w is bit w of m (a worker's count, for 8-bit masks).
 constexpr auto kSpread = [] {
   std::array<uint64_t, 256> t{};
@@ -113,7 +81,8 @@ void SortUnique(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp, std::ve
 // Tunables of the snapshot's memory (the header's Memory paragraph).
 constexpr double kMaxLoad = 0.8;     // the key index grows past this load...
 constexpr double kGrownLoad = 0.55;  // ...to this one
-constexpr double kLogRoom = 1.25;    // a compacted log has room for 1.25 x (live records + the batch)
+constexpr double kLogRoom = 1.25;    // a compacted log has room for 1.25 x (live records + the batch)...
+constexpr double kRoomBand = 0.1;    // ...or up to 10% more: it is reallocated only outside that band
 constexpr uint64_t kMinSlots = 64;
 
 }  // namespace
@@ -134,76 +103,127 @@ struct Herald::Impl {
 // training order, a run per batch starting at runs[r] (with a capacity; the
 // runs order the records by their batch). A record is live while its mask is
 // not 0: it lost its holders to a later batch (which appended a new record)
-// or to eviction. index: open addressing with linear probing, a slot per live
-// record, (high 32 bits of Mix64(key)) << 32 | position; the hash bits place
-// the slot (multiply-shift, any table size) and filter the probes, so only a
-// match reads the log. Erase shifts the probe run back (no tombstones).
+// or to eviction.
+//
+// index: open addressing with linear probing, a 4-byte slot per live record
+// (half the 8 of a 32-bit hash and a 32-bit position, which made the index
+// half the snapshot's memory): the record's position in its low `pos_bits`
+// bits and, above them, a fingerprint of the key (bits of Mix64 that do not
+// place the slot), so that a probe reads the log only on a fingerprint match.
+// pos_bits is the fewest bits that hold every position until the next
+// rebuild (about 21 for a million records, leaving an 11-bit fingerprint: a
+// probe past a slot of another key reads the log once in 2,048). The home
+// slot is multiply-shift of Mix64's high 32 bits (any table size). A slot
+// does not say where its key's home is, so an erase cannot shift the probe
+// run back: it leaves a tombstone, and the index is rebuilt from the log
+// (live records only, no tombstones) when the log is compacted or the index
+// is out of room, which is where the old index's positions were rewritten
+// anyway.
+//
+// A batch's keys are found with one probe each, in the snapshot index itself
+// (no table of the batch's distinct keys): a key's first appearance points
+// its slot at the record it will get at the log's end (log_keys.size() + u
+// for the u-th distinct key, "pending"), inserting the slot if the key is
+// new, so the key's later appearances find u there. The old record (if any)
+// is kept in old[u] and dies when the batch is committed. Until then the pass
+// can be undone (Rollback), so a failed allocation leaves the snapshot as it
+// was.
 template <class Mask>
 struct Herald::Snapshot final : Herald::Impl {
-  static constexpr uint64_t kFree = ~uint64_t{0};
-  static constexpr uint64_t kNone = ~uint64_t{0};
-  static constexpr uint64_t kMaxRecords = UINT32_MAX - 1;  // positions are 32-bit; ~0u marks a free slot
+  static constexpr uint32_t kFree = ~uint32_t{0};
+  static constexpr uint32_t kTomb = ~uint32_t{0} - 1;
+  static constexpr uint32_t kNoRecord = ~uint32_t{0};  // old[u] of a key the snapshot did not hold
+  // Positions are at most 2^pos_bits - 3, so that no slot equals kFree or
+  // kTomb whatever its fingerprint; with 32 bits (no fingerprint) that allows
+  // 2^32 - 2 records, as the 8-byte slots did.
+  static constexpr uint64_t kMaxRecords = UINT32_MAX - 1;
 
   explicit Snapshot(const HeraldOptions& options)
       : opt(options), held(options.workers, 0), cursor(options.workers, 0), score(options.workers, 0) {
-    index.assign(kMinSlots, kFree);
+    Rebuild(kMinSlots, 0);
   }
 
   // ---- the key index ----
-  static uint32_t Hash(uint64_t key) { return static_cast<uint32_t>(detail::Mix64(key) >> 32); }
-  uint64_t Home(uint32_t hash) const { return (uint64_t{hash} * index.size()) >> 32; }
+  static uint64_t Hash(uint64_t key) { return detail::Mix64(key); }
+  uint64_t Home(uint64_t hash) const { return ((hash >> 32) * index.size()) >> 32; }
   uint64_t Next(uint64_t i) const { return i + 1 == index.size() ? 0 : i + 1; }
+  // The fingerprint bits of a slot (Mix64's low bits, above the position).
+  uint32_t Print(uint64_t hash) const { return static_cast<uint32_t>((hash & 0xffffffffULL) << pos_bits); }
+  uint32_t PosOf(uint32_t v) const { return v & pos_mask; }
+  uint32_t PrintOf(uint32_t v) const { return v & ~pos_mask; }
+  // The highest position slots can hold now.
+  uint64_t MaxPos() const { return uint64_t{pos_mask} - 2; }
 
-  uint64_t Find(uint64_t key, uint32_t hash) const {
-    for (uint64_t i = Home(hash);; i = Next(i)) {
-      const uint64_t v = index[i];
-      if (v == kFree) return kNone;
-      if ((v >> 32) == hash && log_keys[static_cast<uint32_t>(v)] == key) return i;
-    }
-  }
-
-  void Insert(uint32_t hash, uint64_t pos) {
+  // Places a key known to be absent (no tombstones: a rebuild's index).
+  void Place(uint64_t hash, uint64_t pos) {
     uint64_t i = Home(hash);
     while (index[i] != kFree) i = Next(i);
-    index[i] = uint64_t{hash} << 32 | pos;
-    ++used;
+    index[i] = Print(hash) | static_cast<uint32_t>(pos);
   }
 
-  // Erases the slot of the record at `pos` (key hashing to `hash`).
-  void Erase(uint32_t hash, uint64_t pos) {
-    uint64_t hole = Home(hash);
-    while (static_cast<uint32_t>(index[hole]) != pos) hole = Next(hole);
-    for (uint64_t j = Next(hole); index[j] != kFree; j = Next(j)) {
-      // An entry may fill the hole unless its home lies in (hole, j].
-      const uint64_t home = Home(static_cast<uint32_t>(index[j] >> 32));
-      const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
-      if (stays) continue;
-      index[hole] = index[j];
-      hole = j;
+  // Rebuilds the index with `slots` slots from the live records and the
+  // pending ones (uniq[0 : pending) at positions log_keys.size() + u), with
+  // position bits for positions up to `limit`. The new table is allocated
+  // before the old one is dropped.
+  void Rebuild(uint64_t slots, uint64_t limit, uint64_t pending = 0) {
+    if (slots == index.size()) {  // in place: fresh pages would cost a page fault each
+      std::fill(index.begin(), index.end(), kFree);
+    } else {
+      std::vector<uint32_t> fresh(slots, kFree);
+      index.swap(fresh);
     }
-    index[hole] = kFree;
-    --used;
-  }
-
-  // Room for `more` inserts below kMaxLoad.
-  void Reserve(uint64_t more) {
-    if (static_cast<double>(used + more) <= kMaxLoad * static_cast<double>(index.size())) return;
-    const auto slots = std::max<uint64_t>(kMinSlots, static_cast<uint64_t>(static_cast<double>(used + more) / kGrownLoad));
-    std::vector<uint64_t> old(slots, kFree);
-    old.swap(index);
+    int bits = 2;
+    while (bits < 32 && (uint64_t{1} << bits) - 2 <= limit) ++bits;  // limit <= 2^bits - 3
+    pos_bits = bits;
+    pos_mask = bits == 32 ? ~uint32_t{0} : static_cast<uint32_t>((uint64_t{1} << bits) - 1);
+    tombs = 0;
     used = 0;
-    for (uint64_t v : old) {
-      if (v != kFree) Insert(static_cast<uint32_t>(v >> 32), static_cast<uint32_t>(v));
+    // Each record's home slot is fetched kAhead records ahead of its insert.
+    constexpr uint64_t kAhead = 16;
+    const uint64_t n = log_keys.size();
+    for (uint64_t p = 0; p < n; ++p) {
+      if (p + kAhead < n) __builtin_prefetch(&index[Home(Hash(log_keys[p + kAhead]))], 1);
+      if (log_masks[p] == 0) continue;
+      Place(Hash(log_keys[p]), p);
+      ++used;
     }
+    for (uint64_t u = 0; u < pending; ++u) {
+      if (u + kAhead < pending) __builtin_prefetch(&index[Home(Hash(uniq[u + kAhead]))], 1);
+      Place(Hash(uniq[u]), n + u);
+      ++used;
+    }
+  }
+
+  // Slots for `entries` keys below kMaxLoad, tombstones counted: grown to
+  // kGrownLoad where the live ones alone pass kMaxLoad, else the same size.
+  uint64_t SlotsFor(uint64_t entries) const {
+    if (static_cast<double>(entries) <= kMaxLoad * static_cast<double>(index.size())) return index.size();
+    return std::max<uint64_t>(kMinSlots, static_cast<uint64_t>(static_cast<double>(entries) / kGrownLoad));
+  }
+
+  // The slot holding the record at `pos` (key hashing to `hash`).
+  uint64_t SlotOf(uint64_t hash, uint64_t pos) const {
+    const uint32_t v = Print(hash) | static_cast<uint32_t>(pos);
+    uint64_t i = Home(hash);
+    while (index[i] != v) i = Next(i);
+    return i;
+  }
+
+  // Erases the slot of the record at `pos` (key hashing to `hash`): a tombstone.
+  void Erase(uint64_t hash, uint64_t pos) {
+    index[SlotOf(hash, pos)] = kTomb;
+    --used;
+    ++tombs;
   }
 
   // ---- the log ----
   // Drops the dead records in place, then moves the live ones to a log with
   // room for `more` records beyond them (kLogRoom x) where that room differs,
-  // rewriting the positions the index, runs and cursors hold: a record's new
-  // position is the number of live ones before it (a bit a record and a count
-  // a block of 64).
-  void Compact(uint64_t more) {
+  // rewriting the positions runs and cursors hold (a record's new position is
+  // the number of live ones before it: a bit a record and a count a block of
+  // 64), and rebuilds the index with the `pending` keys of the batch after
+  // the live records.
+  void Compact(uint64_t more, uint64_t pending) {
     const uint64_t n = log_keys.size();
     const uint64_t live = n - dead;
     std::vector<RankBlock> blocks(n / 64 + 1);
@@ -226,8 +246,14 @@ struct Herald::Snapshot final : Herald::Impl {
     };
     log_keys.resize(live);
     log_masks.resize(live);
+    // Room for kLogRoom x (live + more), give or take kRoomBand: a log within
+    // the band keeps its pages (new ones would cost a page fault each, most
+    // of a compaction's time).
+    const uint64_t want = static_cast<uint64_t>(kLogRoom * static_cast<double>(live + more)) + 64;
+    const uint64_t cap = log_keys.capacity();
+    const bool keep = cap >= want && static_cast<double>(cap) <= (1 + kRoomBand) * static_cast<double>(want);
     const uint64_t room =
-        std::min(kMaxRecords, static_cast<uint64_t>(kLogRoom * static_cast<double>(live + more)) + 64);
+        std::min(kMaxRecords, keep ? cap : static_cast<uint64_t>((1 + kRoomBand / 2) * static_cast<double>(want)));
     if (log_keys.capacity() != room) {
       std::vector<uint64_t> keys;
       std::vector<Mask> masks;
@@ -238,7 +264,6 @@ struct Herald::Snapshot final : Herald::Impl {
       log_keys = std::move(keys);
       log_masks = std::move(masks);
     }
-    RankIndex(index, blocks);
     std::vector<uint64_t> kept;
     for (uint64_t r = 0; r < runs.size(); ++r) {
       const uint64_t begin = moved(runs[r]);
@@ -249,6 +274,7 @@ struct Herald::Snapshot final : Herald::Impl {
     runs = std::move(kept);
     for (uint64_t& c : cursor) c = moved(c);
     dead = 0;
+    Rebuild(SlotsFor(live + pending + largest), room + largest, pending);
   }
 
   // Worker w drops its `drop` least recently used keys: its records from its
@@ -307,124 +333,153 @@ struct Herald::Snapshot final : Herald::Impl {
     }
   }
 
-  // ---- the batch's distinct keys ----
-  // UniqueKeys' pass (uniq in order of first appearance, inverse), which also
-  // keeps each distinct key's Hash, on a table kept across batches: open
-  // addressing with linear probing from Home-like slots of the Hash, at load at
-  // most 1/2, never shrunk, so after the first batches it neither grows nor is
-  // cleared by a memset; the pass empties the slots it filled, last key first
-  // (each key's probe run then still holds the keys placed before it).
-  // REQUIRES: the keys were checked (CheckKeys).
-  void Distinct(const uint64_t* keys, uint64_t n) {
-    uint64_t capacity = std::max<uint64_t>(seen_keys.size(), 1024);
-    while (capacity < n / 2) capacity *= 2;  // UniqueKeys' first size: a batch repeats its keys
-    if (capacity != seen_keys.size()) {
-      seen_keys.assign(capacity, kEmptyKey);
-      seen_at.resize(capacity);
-    }
-    inverse.resize(n);
-    // Sized for every key distinct, cut to the distinct ones at the end.
-    uniq.resize(n);
-    hashes.resize(n);
+  // ---- the batch's keys, found in the index ----
+  // uniq (distinct keys in order of first appearance), inverse (each key's
+  // index among them), latest (the snapshot's holders of uniq[u]) and old (its
+  // record, or kNoRecord), with each key's slot pointed at its pending record
+  // (the class comment). Returns the distinct count.
+  // REQUIRES: the keys were checked (CheckKeys), the index has room for n
+  // more slots below kMaxLoad, and log_keys.size() + n - 1 <= MaxPos().
+  uint64_t Find(const uint64_t* keys, uint64_t n) {
+    const uint64_t end = log_keys.size();
     uint64_t count = 0;
-    uint64_t mask = capacity - 1;
-    auto home = [&](uint32_t hash) { return (uint64_t{hash} * (mask + 1)) >> 32; };
-    auto slot_of = [&](uint64_t key, uint32_t hash) {
-      uint64_t i = home(hash);
-      while (seen_keys[i] != key && seen_keys[i] != kEmptyKey) i = (i + 1) & mask;
-      return i;
-    };
-    // The table is larger than L2 and was cold since the last batch: each key's
-    // home slot is fetched kAhead keys ahead of its probe (ahead[] keeps their Hash).
-    constexpr uint64_t kAhead = 16;
-    std::array<uint32_t, kAhead> ahead;
+    // The index is far larger than L2: each key's home slot is fetched kAhead
+    // keys ahead of its probe, and kPeek keys ahead the record that slot names
+    // where its fingerprint matches (ahead[] keeps their hashes).
+    constexpr uint64_t kAhead = 16, kPeek = 8;
+    std::array<uint64_t, kAhead> ahead;
     for (uint64_t k = 0; k < std::min(n, kAhead); ++k) {
       ahead[k] = Hash(keys[k]);
-      __builtin_prefetch(&seen_keys[home(ahead[k])]);
+      __builtin_prefetch(&index[Home(ahead[k])]);
     }
-    try {
-      for (uint64_t k = 0; k < n; ++k) {
-        const uint64_t key = keys[k];
-        const uint32_t hash = ahead[k % kAhead];
-        if (k + kAhead < n) {
-          const uint64_t next = home(ahead[k % kAhead] = Hash(keys[k + kAhead]));
-          __builtin_prefetch(&seen_keys[next]);
-          __builtin_prefetch(&seen_at[next]);
-        }
-        const uint64_t i = slot_of(key, hash);
-        if (seen_keys[i] == key) {
-          inverse[k] = seen_at[i];
-          continue;
-        }
-        const auto at = static_cast<uint32_t>(count++);
-        seen_keys[i] = key;
-        seen_at[i] = at;
-        uniq[at] = key;
-        hashes[at] = hash;
-        inverse[k] = at;
-        if (2 * count > capacity) {  // load above 1/2: double and re-place the distinct keys
-          capacity *= 2;
-          mask = capacity - 1;
-          seen_keys.assign(capacity, kEmptyKey);
-          seen_at.resize(capacity);
-          for (uint32_t u = 0; u < count; ++u) {
-            const uint64_t j = slot_of(uniq[u], hashes[u]);
-            seen_keys[j] = uniq[u];
-            seen_at[j] = u;
+    for (uint64_t k = 0; k < n; ++k) {
+      const uint64_t key = keys[k];
+      const uint64_t hash = ahead[k % kAhead];
+      if (k + kAhead < n) __builtin_prefetch(&index[Home(ahead[k % kAhead] = Hash(keys[k + kAhead]))]);
+      if (k + kPeek < n) {  // the first slot from home with the fingerprint, within a few
+        const uint64_t h = ahead[(k + kPeek) % kAhead];
+        const uint32_t print = Print(h);
+        uint64_t i = Home(h);
+        for (int s = 0; s < 4; ++s, i = Next(i)) {
+          const uint32_t v = index[i];
+          if (v == kFree) break;
+          if (v != kTomb && PrintOf(v) == print) {
+            if (PosOf(v) < end) {
+              __builtin_prefetch(&log_keys[PosOf(v)]);
+              __builtin_prefetch(&log_masks[PosOf(v)]);
+            }
+            break;
           }
         }
       }
-    } catch (...) {  // out of memory growing: drop the table rather than leave it holding keys
-      seen_keys = {};
-      seen_at = {};
-      throw;
+      const uint32_t print = Print(hash);
+      uint64_t i = Home(hash), hole = kNone;
+      for (;; i = Next(i)) {
+        const uint32_t v = index[i];
+        if (v == kFree) break;
+        if (v == kTomb) {
+          if (hole == kNone) hole = i;
+          continue;
+        }
+        if (PrintOf(v) != print) continue;
+        const uint64_t pos = PosOf(v);
+        if (pos >= end) {  // pending: a key seen before in this batch
+          if (uniq[pos - end] == key) break;
+        } else if (log_keys[pos] == key) {  // the snapshot's record: the key's first appearance
+          break;
+        }
+      }
+      const uint32_t v = index[i];
+      if (v != kFree && PosOf(v) >= end) {
+        inverse[k] = static_cast<int64_t>(PosOf(v) - end);
+        continue;
+      }
+      const uint64_t u = count++;
+      uniq[u] = key;
+      inverse[k] = static_cast<int64_t>(u);
+      if (v == kFree) {  // new to the snapshot: a slot, the first tombstone passed if any
+        old[u] = kNoRecord;
+        latest[u] = 0;
+        if (hole != kNone) {
+          i = hole;
+          --tombs;
+        }
+        ++used;
+      } else {
+        old[u] = PosOf(v);
+        latest[u] = log_masks[PosOf(v)];
+      }
+      index[i] = print | static_cast<uint32_t>(end + u);
     }
-    uniq.resize(count);
-    hashes.resize(count);
-    for (uint64_t u = count; u-- > 0;) seen_keys[slot_of(uniq[u], hashes[u])] = kEmptyKey;
+    return count;
+  }
+
+  // Undoes Find's changes to the index (uniq[0 : count) pending).
+  void Rollback(uint64_t count) {
+    const uint64_t end = log_keys.size();
+    for (uint64_t u = 0; u < count; ++u) {
+      const uint64_t hash = Hash(uniq[u]);
+      const uint64_t s = SlotOf(hash, end + u);
+      if (old[u] == kNoRecord) {
+        index[s] = kTomb;
+        --used;
+        ++tombs;
+      } else {
+        index[s] = Print(hash) | old[u];
+      }
+    }
   }
 
   HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) override {
-    const int32_t W = opt.workers;
     const uint64_t total = offsets[n_examples];
     CheckKeys(keys, total);
     // Indices are uint32 with UINT32_MAX kept free, as in UniqueKeys.
     if (total >= UINT32_MAX) throw std::invalid_argument("Herald::Schedule: more than 2^32 - 2 keys");
-    Distinct(keys, total);
-    const uint64_t U = uniq.size();
-    if (log_keys.size() - dead + U > kMaxRecords) {
+    // Every key of the batch may be new: the pending positions log_keys.size()
+    // + u must fit the slots, and the live records with them kMaxRecords
+    // (compacted first if that is what it takes; compaction changes no plan).
+    // Where the live records and the batch's keys (not its distinct keys, not
+    // known yet) pass 2^32 - 2, the batch is refused.
+    largest = std::max(largest, total);
+    if (log_keys.size() + total > kMaxRecords) Compact(total, 0);
+    if (log_keys.size() + total > kMaxRecords) {
       throw std::length_error("Herald::Schedule: the snapshot would pass 2^32 - 2 keys");
     }
-
-    HeraldPlan plan;
-    plan.distinct = U;
-    // Every batch key's slot now; the index is far larger than the caches, so
-    // its slots and then the records they point to are fetched ahead of use.
-    Reserve(U);  // the inserts below must not move the slots found here
-    slot.resize(U);
-    latest.resize(U);
-    need.assign(U, 0);
-    constexpr uint64_t kAhead = 16, kPeek = 8;
-    for (uint64_t u = 0; u < std::min(U, kAhead); ++u) __builtin_prefetch(&index[Home(hashes[u])]);
-    for (uint64_t u = 0; u < U; ++u) {
-      if (u + kAhead < U) __builtin_prefetch(&index[Home(hashes[u + kAhead])]);
-      if (u + kPeek < U) {
-        const uint64_t v = index[Home(hashes[u + kPeek])];
-        if (v != kFree && (v >> 32) == hashes[u + kPeek]) {
-          __builtin_prefetch(&log_keys[static_cast<uint32_t>(v)]);
-          __builtin_prefetch(&log_masks[static_cast<uint32_t>(v)]);
-        }
-      }
-      const uint64_t s = slot[u] = Find(uniq[u], hashes[u]);
-      latest[u] = s == kNone ? Mask{0} : log_masks[static_cast<uint32_t>(index[s])];
+    inverse.resize(total);
+    uniq.resize(total);
+    old.resize(total);
+    latest.resize(total);
+    // The inserts must find room (tombstones count against the load) and
+    // positions up to log_keys.size() + total - 1.
+    if (total > 0 && (static_cast<double>(used + tombs + total) > kMaxLoad * static_cast<double>(index.size()) ||
+                      log_keys.size() + total - 1 > MaxPos())) {
+      Rebuild(SlotsFor(used + total), std::max<uint64_t>(log_keys.capacity(), log_keys.size() + total) + largest);
     }
+    const uint64_t U = Find(keys, total);
+    HeraldPlan plan;
+    try {
+      Partition(plan, offsets, n_examples, U);
+    } catch (...) {  // out of memory: the snapshot is left as it was
+      Rollback(U);
+      throw;
+    }
+    Commit(plan, U);
+    return plan;
+  }
+
+  // The partition, fetches, comm plans and counts of a batch whose keys Find
+  // found (U distinct); changes nothing in the snapshot.
+  void Partition(HeraldPlan& plan, const uint64_t* offsets, uint64_t n_examples, uint64_t U) {
+    const int32_t W = opt.workers;
+    plan.distinct = U;
+    need.assign(U, 0);
 
     // ---- partition: shares of n / W, the first n % W workers one more ----
     share.resize(W);
     for (int32_t w = 0; w < W; ++w) share[w] = n_examples / W + (static_cast<uint64_t>(w) < n_examples % W ? 1 : 0);
     plan.assignment.resize(n_examples);
     if (opt.location_aware) {
-      placed = latest;  // the snapshot, plus the keys of examples placed so far
+      placed.assign(latest.begin(), latest.begin() + static_cast<int64_t>(U));  // the snapshot, plus the keys of examples placed so far
       // Examples with the most cached keys choose first (their best score on the
       // snapshot, ties in batch order): they have the most to lose to a full worker.
       order.resize(n_examples);  // (-best, i) as (kMax - best, i)
@@ -500,34 +555,28 @@ struct Herald::Snapshot final : Herald::Impl {
       }
       if (from >= 0) plan.comm_keys[comm_at[from]++] = uniq[u];
     }
+  }
 
-    // ---- the snapshot: the trainers hold the latest version, other copies go ----
-    // Each batch key gets a new record at the log's end, a run for the batch;
-    // its old record (if any) dies.
-    if (log_keys.size() + U > std::min<uint64_t>(log_keys.capacity(), kMaxRecords)) Compact(U);
-    if (opt.capacity > 0 && U > 0) runs.push_back(log_keys.size());
+  // ---- the snapshot: the trainers hold the latest version, other copies go ----
+  // Each batch key gets a new record at the log's end, a run for the batch
+  // (its slot already points there); its old record (if any) dies.
+  void Commit(HeraldPlan& plan, uint64_t U) {
+    const int32_t W = opt.workers;
+    constexpr uint64_t kAhead = 16;
     for (uint64_t u = 0; u < U; ++u) {
-      if (u + kAhead < U) {  // the slots were read long ago: fetch them again ahead of use
-        const uint64_t s = slot[u + kAhead];
-        __builtin_prefetch(&index[s != kNone ? s : Home(hashes[u + kAhead])], 1);
-      }
-      if (u + kPeek < U && slot[u + kPeek] != kNone) {
-        __builtin_prefetch(&log_masks[static_cast<uint32_t>(index[slot[u + kPeek]])], 1);
-      }
-      const Mask old = latest[u];
-      for (Mask m = static_cast<Mask>(need[u] & ~old); m != 0; m &= static_cast<Mask>(m - 1)) ++held[std::countr_zero(m)];
-      for (Mask m = static_cast<Mask>(old & ~need[u]); m != 0; m &= static_cast<Mask>(m - 1)) --held[std::countr_zero(m)];
-      const uint64_t pos = log_keys.size();
-      log_keys.push_back(uniq[u]);
-      log_masks.push_back(need[u]);
-      if (slot[u] == kNone) {
-        Insert(hashes[u], pos);
-      } else {
-        log_masks[static_cast<uint32_t>(index[slot[u]])] = 0;
+      if (u + kAhead < U && old[u + kAhead] != kNoRecord) __builtin_prefetch(&log_masks[old[u + kAhead]], 1);
+      const Mask was = latest[u];
+      for (Mask m = static_cast<Mask>(need[u] & ~was); m != 0; m &= static_cast<Mask>(m - 1)) ++held[std::countr_zero(m)];
+      for (Mask m = static_cast<Mask>(was & ~need[u]); m != 0; m &= static_cast<Mask>(m - 1)) --held[std::countr_zero(m)];
+      if (old[u] != kNoRecord) {
+        log_masks[old[u]] = 0;
         ++dead;
-        index[slot[u]] = uint64_t{hashes[u]} << 32 | pos;
       }
     }
+    if (log_keys.size() + U > std::min<uint64_t>(log_keys.capacity(), kMaxRecords)) Compact(U, U);
+    if (opt.capacity > 0 && U > 0) runs.push_back(log_keys.size());
+    log_keys.insert(log_keys.end(), uniq.begin(), uniq.begin() + static_cast<int64_t>(U));
+    log_masks.insert(log_masks.end(), need.begin(), need.begin() + static_cast<int64_t>(U));
 
     // ---- eviction: a cache above capacity drops its least recently used keys ----
     if (opt.capacity > 0) {
@@ -550,7 +599,6 @@ struct Herald::Snapshot final : Herald::Impl {
       }
       SortUnique(plan.evicted, sort_tmp, sort_count);
     }
-    return plan;
   }
 
   std::vector<uint64_t> Cached(int32_t worker) const override {
@@ -566,39 +614,42 @@ struct Herald::Snapshot final : Herald::Impl {
   uint64_t Held(int32_t worker) const override { return held[worker]; }
 
   uint64_t MemoryBytes() const override {
-    return index.capacity() * sizeof(uint64_t) + log_keys.capacity() * sizeof(uint64_t) +
+    return index.capacity() * sizeof(uint32_t) + log_keys.capacity() * sizeof(uint64_t) +
            log_masks.capacity() * sizeof(Mask) + runs.capacity() * sizeof(uint64_t);
   }
 
   void Clear() override {
-    index.assign(kMinSlots, kFree);
-    index.shrink_to_fit();
-    used = 0;
     log_keys = {};
     log_masks = {};
     runs = {};
     dead = 0;
+    index = {};
+    Rebuild(kMinSlots, 0);
     std::fill(held.begin(), held.end(), 0);
     std::fill(cursor.begin(), cursor.end(), 0);
   }
 
+  static constexpr uint64_t kNone = ~uint64_t{0};
+
   HeraldOptions opt;
-  std::vector<uint64_t> index;
-  uint64_t used = 0;  // occupied index slots: the live records
+  std::vector<uint32_t> index;
+  int pos_bits = 32;                 // the index's position bits (the class comment)
+  uint32_t pos_mask = ~uint32_t{0};  // their mask
+  uint64_t used = 0;                 // occupied index slots: the live and pending records
+  uint64_t tombs = 0;                // erased slots since the last rebuild
+  uint64_t largest = 0;              // the most keys a batch had so far
   std::vector<uint64_t> log_keys;
   std::vector<Mask> log_masks;
-  uint64_t dead = 0;          // records whose mask is 0
+  uint64_t dead = 0;           // records whose mask is 0
   std::vector<uint64_t> runs;  // with a capacity: where each batch's records begin, oldest first
   std::vector<uint64_t> held;    // (W,) keys each cache holds
   std::vector<uint64_t> cursor;  // (W,) no record before it has the worker's bit
   // Per-batch scratch, kept for the next batch (not in MemoryBytes).
   std::vector<int64_t> inverse;
-  std::vector<uint32_t> hashes, score;
-  std::vector<uint64_t> uniq, slot, share, fetch_at, comm_at, emptied, mine;
+  std::vector<uint32_t> score, old;
+  std::vector<uint64_t> uniq, share, fetch_at, comm_at, emptied, mine;
   std::vector<int32_t> emptied_from;  // the worker whose eviction emptied emptied[e]
-  std::vector<uint64_t> seen_keys;  // Distinct's table: kEmptyKey between batches
-  std::vector<uint32_t> seen_at;    // the index among uniq of seen_keys' key
-  std::vector<uint64_t> sort_tmp;   // SortUnique's
+  std::vector<uint64_t> sort_tmp;     // SortUnique's
   std::vector<uint32_t> sort_count;
   std::vector<Mask> latest, need, placed;
   std::vector<std::pair<uint32_t, uint64_t>> order;
