@@ -101,6 +101,8 @@ def run_train(node, out: str, args) -> None:
     cfg = train_config(os.path.join(out, "job"), args.dense_sync, args.k, args.hierarchical, args.ranks_per_node,
                        pipelined=not args.sequential, mem_budget=args.mem_budget)
     cfg.checkpoint_every = args.checkpoint_every
+    if args.herald:
+        cfg.ps.schedule, cfg.ps.worker_cache_rows = "herald", args.herald
     if args.die_at_checkpoint and node.rank == 1:
         # Rank 1 dies making that checkpoint, after its store's commit, once the
         # other ranks (which need no collective for theirs) have finished theirs.
@@ -134,7 +136,8 @@ def run_train(node, out: str, args) -> None:
         json.dump({"bytes_sent": summary["distributed"]["ranks"][node.rank]["bytes_sent"],
                    "batches": summary["batches"], "examples": summary["examples"],
                    "merges": summary["distributed"]["dense_merges"],
-                   "prefetch_waits": summary["pipeline"]["prefetch_waits"]}, f)
+                   "prefetch_waits": summary["pipeline"]["prefetch_waits"],
+                   "herald": summary["ps"].get("herald")}, f)
 
 
 def run_kstep(node, out: str, args) -> None:
@@ -211,6 +214,8 @@ def main() -> None:
     ap.add_argument("--die-at-checkpoint", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fail-at-step", type=int, default=0)
+    ap.add_argument("--herald", type=int, default=0, metavar="ROWS",
+                    help="schedule = 'herald' with caches of ROWS rows a rank")
     args = ap.parse_args()
     from hps.distributed import DistributedConfig, Node
     node = Node(DistributedConfig(ranks_per_node=args.ranks_per_node, timeout=args.timeout))

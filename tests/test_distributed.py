@@ -146,6 +146,45 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
             assert b["dense"] == steps * n_params * 4
 
 
+# ---------------------------------------------------------------- Herald: examples to the rows
+
+@pytest.mark.parametrize("world,extra", [(2, ()), (4, ("--sequential", "--uneven"))])
+def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extra):
+    """BSP with Herald's schedule (ranks with caches of 150 rows, smaller than a step's
+    keys: evictions every step) ends with the parameters of one process trained on the
+    global batches, as the sequential job does."""
+    import torch
+    from hps.distributed import owner_ranks
+    from hps.train import load_trainer_state
+    steps, per_rank = 6, 48
+    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--herald", 150, *extra)
+    batches = _single_process_reference(tmp_path, world, steps, per_rank, "--uneven" in extra)
+    single = load_trainer_state(str(tmp_path / "single"))
+    for r in range(world):
+        state = load_trainer_state(str(tmp_path / "job" / "job" / f"rank{r}"))
+        assert state["examples_done"] == sum(len(b) for b in batches)
+        for name, value in single["mlp"].items():
+            torch.testing.assert_close(state["mlp"][name], value, rtol=1e-4, atol=1e-6, msg=f"rank {r}: {name}")
+    keys = np.unique(np.concatenate([b.all_keys().ravel() for b in batches]))
+    expected = _ps_rows(str(tmp_path / "single"), keys)
+    owners = owner_ranks(keys, world)
+    for r in range(world):  # the final checkpoint wrote every cached row to its owner
+        mine = owners == r
+        got = _ps_rows(str(tmp_path / "job" / "job" / f"rank{r}"), keys[mine])
+        np.testing.assert_allclose(got, expected[mine], rtol=1e-4, atol=1e-6, err_msg=f"rank {r}'s shard")
+    reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(world)]
+    h = [rep["herald"] for rep in reports]
+    # Every rank planned the same steps; what moved is what the plan said.
+    assert len({(x["plan_pulls"], x["plan_shared"], x["distinct"]) for x in h}) == 1
+    assert sum(x["ps_loads"] + x["peer_fetches"] for x in h) == h[0]["plan_pulls"]
+    assert sum(x["rows_served"] for x in h) == h[0]["plan_pulls"]
+    assert sum(x["peer_fetches"] for x in h) == h[0]["plan_peer_pulls"] > 0
+    assert sum(x["replica_copies"] for x in h) == h[0]["plan_shared"] > 0
+    assert sum(x["examples_sent"] + x["examples_kept"] for x in h) == sum(len(b) for b in batches)
+    assert all(x["evict_pushes"] > 0 and x["cached"] <= 150 for x in h)
+    assert sum(rep["bytes_sent"]["examples"] for rep in reports) > 0
+
+
 # ---------------------------------------------------------------- dense: k-step Adam
 
 def _kstep_reference(world: int, steps: int, k: int, beta1: float, beta2: float = 0.99, eps: float = 1e-8,

@@ -167,7 +167,13 @@ class Pipeline:
         try:
             partition = getattr(loaded.batch, "partition", None)
             if partition is not None:
+                bind = getattr(loaded.batch, "bind", None)
+                if bind is not None:  # a batch that moves examples between ranks sends these
+                    bind(loaded.data)
                 loaded.minibatches = self._timed("train", partition)
+                exchanged = getattr(loaded.batch, "exchanged", None)
+                if exchanged is not None:  # the examples this rank trains now
+                    loaded.data = exchanged
             self._timed("train", self.train_step, loaded)
             self._timed("train", loaded.batch.apply)
         except BaseException:

@@ -277,7 +277,10 @@ class Trainer:
             self.thread_tuner = ThreadTuner(torch, os.cpu_count() or 1)
         ps_cfg = cfg.ps
         if node is not None:
-            ps_cfg = dataclasses.replace(cfg.ps, path=os.path.join(cfg.ps.path, f"rank{node.rank}"))
+            # Under mpiexec, schedule = "herald" makes each rank a worker (HeraldServer);
+            # the rank's own store serves the keys it owns as in a sequential job.
+            ps_cfg = dataclasses.replace(cfg.ps, path=os.path.join(cfg.ps.path, f"rank{node.rank}"),
+                                         schedule="sequential")
         path = ps_cfg.path
         job = os.path.join(cfg.ps.path, JOB_MANIFEST)
         if node is None and os.path.exists(job):
@@ -309,7 +312,11 @@ class Trainer:
         if node is None:
             self.opt = dense_adam(params, cfg.dense_lr)
         else:
-            self.ps = DistributedServer(self.ps, node)
+            if cfg.ps.schedule == "herald":
+                from hps.distributed.herald import HeraldServer
+                self.ps = HeraldServer(self.ps, node, cfg.ps.worker_cache_rows)
+            else:
+                self.ps = DistributedServer(self.ps, node)
             self.model.embedding.ps = self.ps
             self.dense_sync = DenseSync(node, params, cfg.dense_lr, cfg.distributed)
             self.opt = self.dense_sync.make_optimizer(lambda ps_: dense_adam(ps_, cfg.dense_lr))
@@ -612,9 +619,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     optimizer and dense sync (hps.hierarchical's split MLP does)."""
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
-    if cfg.ps.schedule == "herald" and node is not None:
-        raise ValueError("[ps] schedule = 'herald' runs across one node's devices; across the ranks of an "
-                         "MPI job it is not built yet (run without mpiexec, or schedule = 'sequential')")
+    if cfg.ps.schedule == "herald" and node is not None and cfg.online:
+        raise ValueError("[ps] schedule = 'herald' under mpiexec moves examples between ranks; online training "
+                         "scores each rank's own examples (set online = false, or schedule = 'sequential')")
     if cfg.ps.lookahead and node is not None:
         raise ValueError("[ps] lookahead runs on one node; across the ranks of an MPI job the owners' caches are "
                          "not told the coming keys yet (set lookahead = 0)")
