@@ -2,8 +2,8 @@
 """W7 in the system (issue 16): `hps train` on 8 host-partition devices, the sequential
 schedule against Herald's, side by side in one run.
 
-    python3 bench/herald_system.py            # 400k synthetic examples, 3 rounds
-    python3 bench/herald_system.py --quick    # a few batches, 1 round (the test's)
+    python3 bench/herald_system.py            # 400k synthetic examples, 3 rounds; 8 devices, then 4 ranks
+    python3 bench/herald_system.py --quick    # a few batches, 1 round, 2 ranks (the test's)
 
 Both sides train the same batches (the Criteo-like generator, hps.data.SyntheticCriteo,
 held in memory) through hps.train.train with [ps] devices = 8:
@@ -28,6 +28,12 @@ Counted (the same batches, so the same on every round; the figures are the last 
                       replica copies
 and timed: examples/s, median (min-max) over --rounds rounds, the two schedules
 interleaved (A B, then B A, ...); eval AUC, which must agree within 0.001.
+
+Then the same under `mpiexec -n --ranks` (hps.distributed; each rank a worker, one
+device each; the global batch is --batch examples a rank): bytes between ranks by kind
+(examples, keys, rows, gradients, dense), summed over ranks, and examples/s (the
+slowest rank's), the schedules interleaved the same way. On this 2-core machine the
+ranks share the cores, so examples/s there measures the work, not a cluster.
 
 Prints a table and one JSON line (also written to bench/results/herald-system-*.json);
 `python3 bench/report.py --add FILE` files it under docs/results/w7s.jsonl.
@@ -74,6 +80,50 @@ def run_one(schedule: str, batches, eval_batches, a, cache_rows: int, path: str)
     return out
 
 
+def mpi_rank(a) -> None:
+    """One rank of `mpiexec -n N herald_system.py --mpi-rank SCHEDULE OUT`: trains its
+    share; rank 0 writes the job's figures to OUT."""
+    from hps.data import SyntheticCriteo
+    from hps.distributed import Node
+    from hps.train import TrainConfig, train
+    node = Node()
+    schedule, out = a.mpi_rank
+    mine = list(SyntheticCriteo(seed=0, batch_size=a.batch, examples=a.examples * node.size,
+                                rank=node.rank, world=node.size))
+    ev = list(SyntheticCriteo(seed=0, batch_size=a.batch, examples=a.eval_examples, part="eval"))
+    cfg = TrainConfig.from_dict({
+        "hidden": a.hidden, "dense_lr": 0.001, "torch_threads": 1, "seed": 0, "eval_every": 0,
+        "checkpoint_every": 0,
+        "ps": {"dim": a.dim, "path": os.path.join(os.path.dirname(out), f"job-{schedule}"), "mem_budget": "512MiB",
+               "devices": 1, "schedule": schedule, "worker_cache_rows": a.cache_rows,
+               "optimizer": {"kind": "adagrad", "lr": 0.05}},
+        "data": {"batch_size": a.batch}}, source="herald_system")
+    s = train(cfg, progress=False, train_batches=mine, eval_batches=ev, node=node)
+    if node.rank == 0:
+        ranks = s["distributed"]["ranks"]
+        sent = {k: sum(r["bytes_sent"][k] for r in ranks) for k in ranks[0]["bytes_sent"]}
+        with open(out, "w") as f:
+            json.dump({"schedule": schedule, "examples": s["examples"], "examples_per_s": s["examples_per_s"],
+                       "auc": s["final"].get("auc"), "bytes_sent": sent, "herald": s["ps"].get("herald")}, f)
+
+
+def run_mpi(schedule: str, a, cache_rows: int, tmp: str, r: int) -> dict:
+    import subprocess
+    out = os.path.join(tmp, f"mpi-{schedule}-{r}", "result.json")
+    os.makedirs(os.path.dirname(out))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    cmd = ["mpiexec", "-n", str(a.ranks), sys.executable, os.path.abspath(__file__), "--mpi-rank", schedule, out,
+           "--examples", str(a.examples // a.ranks), "--eval-examples", str(a.eval_examples), "--batch",
+           str(a.batch // a.ranks), "--dim", str(a.dim), "--cache-rows", str(cache_rows)]
+    if a.quick:
+        cmd.append("--quick-model")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few batches, one round (for the tests)")
@@ -87,14 +137,23 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=0, help="batches between evaluations (0: at the end)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--torch-threads", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=4, help="ranks of the MPI part (0: skip it)")
     ap.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
+    ap.add_argument("--mpi-rank", nargs=2, metavar=("SCHEDULE", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--cache-rows", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--quick-model", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.mpi_rank:
+        a.hidden = [16] if a.quick_model else [512, 256]
+        mpi_rank(a)
+        return 0
     if min(a.examples, a.eval_examples, a.batch, a.devices, a.dim, a.rounds) < 1 or not 0 < a.cache_fraction <= 1:
         print("herald_system: counts must be >= 1 and --cache-fraction in (0, 1]", file=sys.stderr)
         return 2
     a.hidden = [512, 256]
     if a.quick:
         a.examples, a.eval_examples, a.batch, a.dim, a.rounds, a.hidden = 8192, 2048, 1024, 4, 1, [16]
+        a.ranks = min(a.ranks, 2)
     from hps.data import SyntheticCriteo
     batches = list(SyntheticCriteo(seed=0, batch_size=a.batch, examples=a.examples))
     eval_batches = list(SyntheticCriteo(seed=0, batch_size=a.batch, examples=a.eval_examples, part="eval"))
@@ -111,6 +170,15 @@ def main(argv=None) -> int:
                 got = run_one(s, batches, eval_batches, a, cache_rows, os.path.join(tmp, f"{s}{r}"))
                 runs[s].append(got)
                 print(f"herald_system: round {r + 1} {s}: {got['examples_per_s']:,.0f} ex/s, AUC {got['auc']:.4f}",
+                      file=sys.stderr)
+        mpi_runs = {s: [] for s in SCHEDULES}
+        for r in range(a.rounds if a.ranks else 0):
+            order = SCHEDULES if r % 2 == 0 else SCHEDULES[::-1]
+            for s in order:
+                got = run_mpi(s, a, cache_rows, tmp, r)
+                mpi_runs[s].append(got)
+                print(f"herald_system: mpiexec -n {a.ranks} round {r + 1} {s}: {got['examples_per_s']:,.0f} ex/s, "
+                      f"AUC {got['auc']:.4f}, {sum(got['bytes_sent'].values()) / 1e6:,.1f} MB between ranks",
                       file=sys.stderr)
     result = {}
     for s in SCHEDULES:
@@ -132,13 +200,30 @@ def main(argv=None) -> int:
             x, y = x / 1e6, y / 1e6
         fmt = ".4f" if key == "auc" else ",.1f" if key == "between_devices_bytes" else ",.0f"
         print(f"{name:28}{x:>16{fmt}}{y:>16{fmt}}{(y / x if x else float('nan')):>14.3f}", file=sys.stderr)
+    mpi = {}
+    if a.ranks:
+        for s in SCHEDULES:
+            last = dict(mpi_runs[s][-1])
+            rates = [x["examples_per_s"] for x in mpi_runs[s]]
+            last.update(examples_per_s=statistics.median(rates), examples_per_s_min=min(rates),
+                        examples_per_s_max=max(rates), aucs=[x["auc"] for x in mpi_runs[s]])
+            mpi[s] = last
+        ms, mh = mpi["sequential"], mpi["herald"]
+        print(f"\nmpiexec -n {a.ranks}, bytes between ranks (MB){'sequential':>12}{'herald':>12}", file=sys.stderr)
+        for kind in ms["bytes_sent"]:
+            print(f"  {kind:<40}{ms['bytes_sent'][kind] / 1e6:>12,.2f}{mh['bytes_sent'][kind] / 1e6:>12,.2f}",
+                  file=sys.stderr)
+        print(f"  {'examples/s':<40}{ms['examples_per_s']:>12,.0f}{mh['examples_per_s']:>12,.0f}", file=sys.stderr)
+        print(f"  {'AUC':<40}{ms['auc']:>12.4f}{mh['auc']:>12.4f}", file=sys.stderr)
     out = {"bench": "w7s", "benchmark": "W7s Herald in the system", "quick": a.quick,
            "config": {"examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch,
                       "devices": a.devices, "dim": a.dim, "mlp": a.hidden, "sparse_optimizer": "adagrad lr 0.05",
                       "cache_fraction": a.cache_fraction, "cache_rows": cache_rows, "distinct_keys": distinct,
                       "batch_distinct_keys": batch_distinct, "eval_every": a.eval_every, "rounds": a.rounds,
                       "torch_threads": a.torch_threads, "data": "hps.data.SyntheticCriteo(seed=0)"},
-           "results": result, "auc_difference": abs(seq["auc"] - her["auc"])}
+           "results": result, "auc_difference": abs(seq["auc"] - her["auc"]),
+           "mpi": ({"ranks": a.ranks, "batch_per_rank": a.batch // a.ranks, "results": mpi,
+                    "auc_difference": abs(mpi["sequential"]["auc"] - mpi["herald"]["auc"])} if mpi else None)}
     out["provenance"] = provenance()
     line = json.dumps(out)
     print(line)

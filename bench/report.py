@@ -335,6 +335,28 @@ def w3_trace(name: str, t: dict) -> list[str]:
         rows.append([f"{c['fraction'] * 100:g}% = {c['rows']:,} rows"]
                     + [num(c["hit_rate"][p], ".4f") for p in policies]
                     + [f"{num(ch.get('best_ratio_to_belady'), '.4f')} ({best})" if best else "-"])
+    return out + table(head, rows) + [""] + w3_lookahead(t)
+
+
+def w3_lookahead(t: dict) -> list[str]:
+    """The trace's lookahead replays (issue 16), as fractions of Belady's hits."""
+    la = t.get("lookahead")
+    caps = t["capacities"]
+    if not la or not la.get("ks") or "lookahead" not in caps[0]:
+        return []
+    policy, ks = la["policy"], [str(k) for k in la["ks"]]
+    out = [f"With lookahead ({policy}, batches of {la['batch']}): hit rate / Belady's; "
+           f"in brackets, / the ideal LFU's", ""]
+    head = ["capacity", "K=0"] + [f"K={k}" for k in ks] + ["ideal LFU", f"K={ks[-1]}: >= 0.95 / > ideal LFU"]
+    rows = []
+    for c in caps:
+        la_c = c["lookahead"]
+        last = la_c[ks[-1]]
+        rows.append([f"{c['fraction'] * 100:g}% = {c['rows']:,} rows", num(c["ratio_to_belady"].get(policy), ".4f")]
+                    + [f"{num(la_c[k]['ratio_to_belady'], '.4f')} ({num(la_c[k]['over_ideal_lfu'], '.3f')})"
+                       for k in ks]
+                    + [num(c["ratio_to_belady"].get("ideal_lfu"), ".4f"),
+                       f"{'yes' if last['aim_0.95'] else 'no'} / {'yes' if last['gt_ideal_lfu'] else 'no'}"])
     return out + table(head, rows) + [""]
 
 
@@ -360,6 +382,14 @@ def render_w3(o: dict) -> list[str]:
         out.append("- Targets on the tuning traces: " + listed(o["targets"]))
     if held and held.get("targets"):
         out.append("- Targets on the held-out trace: " + listed(held["targets"]))
+    for where, targets in (("tuning traces", o.get("lookahead_targets")),
+                           ("held-out trace", (held or {}).get("lookahead_targets"))):
+        for k, v in (targets or {}).items():
+            out.append(f"- Lookahead {k}, {where}: " + listed(v))
+    la = o.get("lookahead")
+    if la and la.get("ks"):
+        out.append(f"- Lookahead replays: {la.get('replay')}; eviction scans at most {la.get('scan')} "
+                   "candidates (MemCache::kLookaheadScan)")
     return out
 
 
@@ -675,6 +705,23 @@ def render_w7s(o: dict) -> list[str]:
                 f"(the plan's {h['plan_pulls']:,} pulls), {h['replica_copies']:,} replica copies (keys trained on "
                 f"several devices), {h['evict_pushes']:,} evicted to MEM-PS, {h['flushed_rows']:,} flushed; "
                 f"{h['compactions']} table rebuilds; scheduler snapshot {h['scheduler_bytes'] / 1e6:,.1f} MB."]
+    mpi = o.get("mpi")
+    if mpi:
+        ms, mh = mpi["results"]["sequential"], mpi["results"]["herald"]
+        out += ["", f"Under `mpiexec -n {mpi['ranks']}` (each rank one worker, batches of {mpi['batch_per_rank']:,} a "
+                f"rank): bytes sent between ranks, summed over ranks, by kind; examples/s of the slowest rank. "
+                f"Eval AUC differs by {mpi['auc_difference']:.5f}.", ""]
+        rows = []
+        for kind in ms["bytes_sent"]:
+            x, y = ms["bytes_sent"][kind] / 1e6, mh["bytes_sent"][kind] / 1e6
+            rows.append([f"{kind}, MB", f"{x:,.2f}", f"{y:,.2f}", ratio(x, y)])
+        x, y = sum(ms["bytes_sent"].values()) / 1e6, sum(mh["bytes_sent"].values()) / 1e6
+        rows.append(["all, MB", f"{x:,.2f}", f"{y:,.2f}", ratio(x, y)])
+        rows.append(["examples/s", f"{ms['examples_per_s']:,.0f} ({ms['examples_per_s_min']:,.0f}-"
+                     f"{ms['examples_per_s_max']:,.0f})", f"{mh['examples_per_s']:,.0f} ({mh['examples_per_s_min']:,.0f}-"
+                     f"{mh['examples_per_s_max']:,.0f})", ratio(ms["examples_per_s"], mh["examples_per_s"])])
+        rows.append(["eval AUC", num(ms.get("auc"), ".4f"), num(mh.get("auc"), ".4f"), "-"])
+        out += table(["", "sequential", "herald", "herald / sequential"], rows)
     return out
 
 

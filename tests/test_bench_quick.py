@@ -181,3 +181,6 @@ def test_herald_system_quick_moves_fewer_rows_and_learns_the_same():
     # Rows kept in the devices' caches between batches are not loaded again.
     assert her["mem_to_devices"] < seq["mem_to_devices"] and her["devices_to_mem"] < seq["devices_to_mem"]
     assert her["mem_to_devices"] + her["herald"]["peer_fetches"] == her["herald"]["plan_pulls"]
+    mpi = out["mpi"]  # the same under mpiexec -n 2: examples moved between ranks, the same AUC
+    assert mpi["ranks"] == 2 and mpi["auc_difference"] < 1e-3
+    assert mpi["results"]["herald"]["bytes_sent"]["examples"] > 0 == mpi["results"]["sequential"]["bytes_sent"]["examples"]

@@ -164,8 +164,15 @@ class HeraldServer(DistributedServer):
         if self._retry is not None and self._retry[0] is keys:
             parts = self._retry[1]  # the exchange of a prefetch that found MEM-PS full: only pin again
         else:
+            # A rank's distinct keys (8 bytes each) and where each example's are among
+            # them (4 bytes a key): about half the bytes of the keys themselves.
             flat = np.ascontiguousarray(keys).view(np.uint64)
-            parts = self.node.alltoallv("prefetch", [flat] * self.node.size, "sparse_keys", "herald example keys")
+            uniq, inverse = _core.unique_keys(flat.reshape(-1))
+            where = inverse.astype(np.uint32).reshape(flat.shape)
+            W = self.node.size
+            uniqs = self.node.alltoallv("prefetch", [uniq] * W, "sparse_keys", "herald distinct keys")
+            wheres = self.node.alltoallv("prefetch", [where] * W, "sparse_keys", "herald example key positions")
+            parts = [u[w] for u, w in zip(uniqs, wheres)]
         self._retry = None
         examples = np.concatenate(parts)
         starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
