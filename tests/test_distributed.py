@@ -315,6 +315,18 @@ def _write_config(tmp_path, name, path, examples, every=0, sync="kstep"):
     return cfg
 
 
+def test_the_herald_example_runs_unchanged_under_mpiexec(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = mpirun(2, sys.executable, "-m", "hps.cli", "train", "--config", os.path.join(root, "examples", "herald.toml"),
+                  "--path", str(tmp_path / "job"), "--examples", "8192", "--eval-examples", "2048",
+                  "--batch-size", "1024", "--no-progress")
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 0 < line["final"]["auc"] < 1 and line["herald"]["batches"] == 4  # 4 global steps of 2 x 1024
+    assert line["herald"]["examples_sent"] + line["herald"]["examples_kept"] > 0
+    assert "herald: examples moved" in done.stderr
+    assert "herald" in (tmp_path / "job" / "rank1" / "train-summary.json").read_text()
+
+
 def test_hps_train_under_mpiexec_resumes_to_the_same_parameters(tmp_path, capsys):
     import torch
     # The synthetic stream goes to the ranks in blocks of 4096 examples.

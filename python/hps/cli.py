@@ -124,11 +124,14 @@ def _summary_table(summary: dict) -> str:
     tried = ", ".join(f"{n}: {r:,.0f} ex/s" for n, r in threads.get("examples_per_s", {}).items())
     rows.append(("torch threads", f"{threads.get('chosen', '-')}" + (f" (tuned; {tried})" if tried else "")))
     rows.append(("device tier", ps["device"]["kind"]))
-    her = ps["device"].get("herald")
+    her = ps["device"].get("herald") or ps.get("herald")  # across devices, or this rank's across ranks
     if her:
         rows.append(("herald: rows from MEM-PS, peers", f"{her['ps_loads']:,} of {her['distinct']:,} batch keys, "
                      f"{her['peer_fetches']:,} from peers, {her['replica_copies']:,} replica copies, "
                      f"{her['evict_pushes']:,} evicted to MEM-PS"))
+    if "examples_sent" in (her or {}):
+        rows.append(("herald: examples moved", f"{her['examples_sent']:,} sent to other ranks, "
+                     f"{her['examples_kept']:,} kept"))
     adm = summary.get("admission") or {}
     if adm.get("threshold", 1) > 1:
         rows.append(("admission: threshold, sketch", f"{adm['threshold']}, {adm['sketch_bytes'] / 2**20:,.1f} MiB; "
@@ -225,6 +228,8 @@ def cmd_train(a) -> int:
               file=sys.stderr)
     line = {"final": summary["final"], "examples_per_s": summary["examples_per_s"], "pipeline": summary["pipeline"],
             "device": summary["ps"]["device"]}
+    if "herald" in summary["ps"]:  # Herald across ranks: this rank's counts
+        line["herald"] = summary["ps"]["herald"]
     for key in ("finished_before", "short"):
         if key in summary:
             line[key] = summary[key]
