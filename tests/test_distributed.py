@@ -85,6 +85,30 @@ def _ps_rows(path: str, keys: np.ndarray) -> np.ndarray:
         ps.close()
 
 
+def _assert_job_equals_single(tmp_path, world: int, steps: int, batches) -> dict:
+    """Every rank's MLP and shard of the job under tmp_path/job equal the single
+    process's under tmp_path/single (float tolerance); returns its trainer state."""
+    import torch
+    from hps.distributed import owner_ranks
+    from hps.train import load_trainer_state
+    single = load_trainer_state(str(tmp_path / "single"))
+    for r in range(world):
+        state = load_trainer_state(str(tmp_path / "job" / "job" / f"rank{r}"))
+        assert state["batches_done"] == steps
+        assert state["examples_done"] == sum(len(b) for b in batches)
+        for name, value in single["mlp"].items():
+            torch.testing.assert_close(state["mlp"][name], value, rtol=1e-4, atol=1e-6, msg=f"rank {r}: {name}")
+    keys = np.unique(np.concatenate([b.all_keys().ravel() for b in batches]))
+    expected = _ps_rows(str(tmp_path / "single"), keys)
+    owners = owner_ranks(keys, world)
+    for r in range(world):
+        mine = owners == r
+        assert mine.any()
+        got = _ps_rows(str(tmp_path / "job" / "job" / f"rank{r}"), keys[mine])
+        np.testing.assert_allclose(got, expected[mine], rtol=1e-4, atol=1e-6, err_msg=f"rank {r}'s shard")
+    return single
+
+
 @pytest.mark.parametrize("world,extra", [
     (2, ()),
     (4, ("--sequential", "--uneven", "--hierarchical", "--ranks-per-node", "2")),
@@ -95,30 +119,12 @@ def _ps_rows(path: str, keys: np.ndarray) -> np.ndarray:
     (3, ("--multi-hot",)),
 ])
 def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, world, extra):
-    import torch
     from hps.distributed import owner_ranks
     steps, per_rank = 6, 48
     scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, *extra)
     uneven, multi_hot = "--uneven" in extra, "--multi-hot" in extra
     batches = _single_process_reference(tmp_path, world, steps, per_rank, uneven, multi_hot)
-
-    from hps.train import load_trainer_state
-    single = load_trainer_state(str(tmp_path / "single"))
-    for r in range(world):
-        state = load_trainer_state(str(tmp_path / "job" / "job" / f"rank{r}"))
-        assert state["batches_done"] == steps
-        assert state["examples_done"] == sum(len(b) for b in batches)
-        for name, value in single["mlp"].items():
-            torch.testing.assert_close(state["mlp"][name], value, rtol=1e-4, atol=1e-6, msg=f"rank {r}: {name}")
-
-    keys = np.unique(np.concatenate([b.all_keys().ravel() for b in batches]))
-    expected = _ps_rows(str(tmp_path / "single"), keys)
-    owners = owner_ranks(keys, world)
-    for r in range(world):
-        mine = owners == r
-        assert mine.any()
-        got = _ps_rows(str(tmp_path / "job" / "job" / f"rank{r}"), keys[mine])
-        np.testing.assert_allclose(got, expected[mine], rtol=1e-4, atol=1e-6, err_msg=f"rank {r}'s shard")
+    single = _assert_job_equals_single(tmp_path, world, steps, batches)
 
     reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(world)]
     if "--mem-budget" in extra:
@@ -153,25 +159,10 @@ def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extr
     """BSP with Herald's schedule (ranks with caches of 150 rows, smaller than a step's
     keys: evictions every step) ends with the parameters of one process trained on the
     global batches, as the sequential job does."""
-    import torch
-    from hps.distributed import owner_ranks
-    from hps.train import load_trainer_state
     steps, per_rank = 6, 48
     scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--herald", 150, *extra)
     batches = _single_process_reference(tmp_path, world, steps, per_rank, "--uneven" in extra)
-    single = load_trainer_state(str(tmp_path / "single"))
-    for r in range(world):
-        state = load_trainer_state(str(tmp_path / "job" / "job" / f"rank{r}"))
-        assert state["examples_done"] == sum(len(b) for b in batches)
-        for name, value in single["mlp"].items():
-            torch.testing.assert_close(state["mlp"][name], value, rtol=1e-4, atol=1e-6, msg=f"rank {r}: {name}")
-    keys = np.unique(np.concatenate([b.all_keys().ravel() for b in batches]))
-    expected = _ps_rows(str(tmp_path / "single"), keys)
-    owners = owner_ranks(keys, world)
-    for r in range(world):  # the final checkpoint wrote every cached row to its owner
-        mine = owners == r
-        got = _ps_rows(str(tmp_path / "job" / "job" / f"rank{r}"), keys[mine])
-        np.testing.assert_allclose(got, expected[mine], rtol=1e-4, atol=1e-6, err_msg=f"rank {r}'s shard")
+    _assert_job_equals_single(tmp_path, world, steps, batches)  # the final checkpoint flushed the caches
     reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(world)]
     h = [rep["herald"] for rep in reports]
     # Every rank planned the same steps; what moved is what the plan said.

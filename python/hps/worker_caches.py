@@ -45,6 +45,7 @@ from typing import Optional
 
 import numpy as np
 
+from hps.batch_base import BatchBase
 from hps.herald import Herald
 
 
@@ -164,7 +165,7 @@ class WorkerCaches:
                     "moved_rows": self.moved_rows.tolist()}
 
 
-class HeraldBatch:
+class HeraldBatch(BatchBase):
     """One batch on the worker caches (the WorkingBatch protocol of
     hps.parameter_server). ``partition()`` schedules it and fetches the rows
     the devices lack (the pipeline calls it first in the train stage; the
@@ -260,20 +261,6 @@ class HeraldBatch:
         return self._primary[at]
 
     # ------------------------------------------------------------ the WorkingBatch protocol
-    def positions(self, keys: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(keys).reshape(-1)
-
-    def gather(self, positions, out=None, worker: int = 0) -> np.ndarray:
-        rows = self.pull(positions, worker=worker)
-        if out is None:
-            return rows
-        out[...] = rows.reshape(out.shape)
-        return out
-
-    def accumulate(self, positions, grads, worker: int = 0) -> None:
-        grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(positions), -1)
-        self.push(positions, grads, worker=worker)
-
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
         """Embeddings (n, dim) of keys on device `worker`, from its own cache
         (the schedule put every key it trains there)."""
@@ -333,10 +320,6 @@ class HeraldBatch:
             raise RuntimeError("write_back before apply")
         self._release()
 
-    def finish(self) -> None:
-        self.apply()
-        self.write_back()
-
     def abort(self) -> None:
         """Releases the batch. Before apply the caches no longer match the
         scheduler, which has moved on: they stop (see WorkerCaches.fail)."""
@@ -350,12 +333,3 @@ class HeraldBatch:
         self._done = True
         self._caches._ps._cache.unpin(self.keys)
         self._caches._ps._herald_batch_done()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.finish()
-        else:
-            self.abort()

@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from hps import _core
+from hps.batch_base import BatchBase
 from hps.distributed.comm import Node
 from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks
 from hps.herald import Herald
@@ -201,7 +202,7 @@ class HeraldServer(DistributedServer):
         return s
 
 
-class HeraldDistBatch:
+class HeraldDistBatch(BatchBase):
     """One step on every rank (the WorkingBatch protocol): ``partition()`` schedules
     it, moves the examples and the rows; pull and push on this rank's cache;
     apply() sums shared keys' gradients on their primaries."""
@@ -309,20 +310,6 @@ class HeraldDistBatch:
         s.counts["distinct"] += plan.distinct
 
     # ------------------------------------------------------------ the WorkingBatch protocol
-    def positions(self, keys: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(keys).reshape(-1)
-
-    def gather(self, positions, out=None, worker: int = 0) -> np.ndarray:
-        rows = self.pull(positions, worker=worker)
-        if out is None:
-            return rows
-        out[...] = rows.reshape(out.shape)
-        return out
-
-    def accumulate(self, positions, grads, worker: int = 0) -> None:
-        grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(positions), -1)
-        self.push(positions, grads, worker=worker)
-
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
         self.partition()
         keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
@@ -409,10 +396,6 @@ class HeraldDistBatch:
             raise RuntimeError("write_back before apply")
         self._done = True
         self.pre.release()
-
-    def finish(self) -> None:
-        self.apply()
-        self.write_back()
 
     def abort(self) -> None:
         if self._done:
