@@ -3,6 +3,7 @@
     python3 bench/herald_replay.py                 # the Criteo sample and two Zipf traces
     python3 bench/herald_replay.py --quick         # a small run for the tests (seconds)
     python3 bench/herald_replay.py --trace PATH    # any Criteo-format TSV instead of the sample
+    python3 bench/herald_replay.py --lookahead 0,2 # Herald's lookahead windows to replay (K batches)
 
 8 workers, each with an LRU cache of 10% of the trace's distinct keys, take
 mini-batches of 128 examples (a global batch of 1024) in trace order. Four
@@ -25,6 +26,15 @@ Counted (the definitions the scheduler implements, include/hps/herald.h):
 Not in the ratios, reported beside them: "shared", the gradient rows that
 workers training the same key in one batch exchange (sum of trainers - 1),
 which the partition changes but synchronisation does not.
+
+Lookahead (--lookahead, default 0,1,2,4): Herald (both) again with the keys
+of the next K global batches of the trace as each batch's window
+(Herald.schedule(..., upcoming=...)): a cache that must evict drops the keys
+it holds in the window last. K = 0 is the herald row (no window). Each K's
+counts are reported as ratios of the same naive run. Beside them, what bounds
+them: Herald with unbounded caches ("unbounded": no eviction, so the most any
+eviction order can save) and the trace's distinct keys over naive's pulls
+("pull_floor_ratio": every key is pulled from the PS at least once).
 
 It also times Herald.schedule on batches of 4096 examples of 26 keys with 8
 and 64 workers (caches of 100k keys each, one core): "schedule_cost".
@@ -71,34 +81,50 @@ def zipf_trace(n: int, fields: int, vocab: int, a: float, seed: int) -> np.ndarr
     return perm[ranks] * np.uint64(fields) + np.arange(fields, dtype=np.uint64)
 
 
-def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: float, dim: int) -> dict:
+def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: float, dim: int,
+           lookahead=(0,)) -> dict:
     from hps.herald import Herald
     distinct = int(len(np.unique(keys)))
     capacity = max(1, int(round(cache_fraction * distinct)))
     batch = workers * per_worker
     out = {"examples": int(len(keys)), "fields": int(keys.shape[1]), "distinct_keys": distinct,
            "capacity_per_worker": capacity, "batches": -(-len(keys) // batch), "modes": {}}
-    for name, (aware, on_demand) in MODES.items():
-        h = Herald(workers, capacity, location_aware=aware, on_demand=on_demand)
+    def run(aware: bool, on_demand: bool, ahead: int, cap: int = capacity) -> dict:
+        h = Herald(workers, cap, location_aware=aware, on_demand=on_demand)
         c = dict(pulls=0, peer_pulls=0, pushes=0, evict_pushes=0, shared=0)
         t0 = time.perf_counter()
         for start in range(0, len(keys), batch):
-            plan = h.schedule(keys[start:start + batch])
+            # the next `ahead` batches of the trace, a view (rows are contiguous)
+            window = keys[start + batch:start + batch * (1 + ahead)] if ahead else None
+            plan = h.schedule(keys[start:start + batch], upcoming=window)
             for k in c:
                 c[k] += getattr(plan, k)
         c["bytes"] = (c["pulls"] + c["pushes"]) * dim * 4
         c["schedule_s"] = round(time.perf_counter() - t0, 3)
-        out["modes"][name] = c
+        return c
+
+    for name, (aware, on_demand) in MODES.items():
+        out["modes"][name] = run(aware, on_demand, 0)
+    if any(k > 0 for k in lookahead):
+        out["lookahead"] = {str(k): (dict(out["modes"]["herald"]) if k == 0 else run(True, True, k))
+                            for k in lookahead}
+        out["unbounded"] = run(True, True, 0, 0)
+        naive_pulls = out["modes"]["naive"]["pulls"]
+        out["pull_floor_ratio"] = round(distinct / naive_pulls, 4) if naive_pulls else None
     naive = out["modes"]["naive"]
     ratio = lambda x, y: round(x / y, 4) if y else None  # noqa: E731
-    for c in out["modes"].values():
+
+    def met(c: dict) -> dict:
+        return {what: c[f"{what}_ratio"] is not None and c[f"{what}_ratio"] <= TARGETS[what] for what in TARGETS}
+
+    extra = [*out.get("lookahead", {}).values(), *([out["unbounded"]] if "unbounded" in out else [])]
+    for c in [*out["modes"].values(), *extra]:
         c["pull_ratio"] = ratio(c["pulls"], naive["pulls"])
         c["push_ratio"] = ratio(c["pushes"], naive["pushes"])
         c["overall_ratio"] = ratio(c["bytes"], naive["bytes"])
-    hd = out["modes"]["herald"]
-    out["targets_met"] = {"pull": hd["pull_ratio"] is not None and hd["pull_ratio"] <= TARGETS["pull"],
-                          "push": hd["push_ratio"] is not None and hd["push_ratio"] <= TARGETS["push"],
-                          "overall": hd["overall_ratio"] is not None and hd["overall_ratio"] <= TARGETS["overall"]}
+    for c in out.get("lookahead", {}).values():
+        c["targets_met"] = met(c)
+    out["targets_met"] = met(out["modes"]["herald"])
     return out
 
 
@@ -133,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--zipf", default="1.05,1.2", help="skews of the synthetic traces")
     ap.add_argument("--examples", type=int, default=200_000, help="examples of each synthetic trace")
+    ap.add_argument("--lookahead", default="0,1,2,4",
+                    help="windows of the next K batches to replay Herald with, comma-separated ('0': none)")
     ap.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
     a = ap.parse_args(argv)
     for name, v in (("--workers", a.workers), ("--per-worker", a.per_worker), ("--dim", a.dim),
@@ -147,6 +175,13 @@ def main(argv=None) -> int:
         skews = [float(s) for s in a.zipf.split(",") if s]
     except ValueError:
         ap.error(f"--zipf must be comma-separated numbers, got {a.zipf!r}")
+    try:
+        lookahead = sorted({int(k) for k in a.lookahead.split(",") if k.strip()})
+    except ValueError:
+        ap.error(f"--lookahead must be comma-separated integers, got {a.lookahead!r}")
+    if any(k < 0 for k in lookahead):
+        ap.error(f"--lookahead must be >= 0, got {a.lookahead!r}")
+    lookahead = lookahead or [0]
     examples = 8192 if a.quick else a.examples
     traces = {}
     if a.trace:
@@ -158,11 +193,12 @@ def main(argv=None) -> int:
             keys = criteo_trace(a.trace)
             if a.quick:
                 keys = keys[:2048]
-            traces["criteo"] = {"path": os.path.relpath(a.trace, ROOT), **replay(keys, a.workers, a.per_worker, a.cache, a.dim)}
+            traces["criteo"] = {"path": os.path.relpath(a.trace, ROOT),
+                                **replay(keys, a.workers, a.per_worker, a.cache, a.dim, lookahead)}
     for s in skews:
         keys = zipf_trace(examples, 26, 100_000 if not a.quick else 20_000, s, seed=7)
         traces[f"zipf{s:g}"] = {"zipf_a": s, "vocab_per_field": 100_000 if not a.quick else 20_000,
-                               **replay(keys, a.workers, a.per_worker, a.cache, a.dim)}
+                               **replay(keys, a.workers, a.per_worker, a.cache, a.dim, lookahead)}
     for name, t in traces.items():
         if "modes" not in t:
             print(f"{name}: skipped ({t['skipped']})", file=sys.stderr)
@@ -172,6 +208,14 @@ def main(argv=None) -> int:
         for m, c in t["modes"].items():
             print(f"  {m:<10} pulls {c['pulls']:>10,} ({c['pull_ratio']})  pushes {c['pushes']:>10,} "
                   f"({c['push_ratio']})  overall {c['overall_ratio']}", file=sys.stderr)
+        for k, c in t.get("lookahead", {}).items():
+            print(f"  herald K={k:<3} pulls {c['pulls']:>10,} ({c['pull_ratio']})  pushes {c['pushes']:>10,} "
+                  f"({c['push_ratio']})  overall {c['overall_ratio']}  {c['schedule_s']} s", file=sys.stderr)
+        if "unbounded" in t:
+            c = t["unbounded"]
+            print(f"  unbounded  pulls {c['pulls']:>10,} ({c['pull_ratio']})  pushes {c['pushes']:>10,} "
+                  f"({c['push_ratio']})  overall {c['overall_ratio']}; distinct keys / naive pulls "
+                  f"{t['pull_floor_ratio']}", file=sys.stderr)
     cost = schedule_cost([8, 64], 4096, 26, 100_000 if not a.quick else 5_000, 20 if not a.quick else 3)
     for w, c in cost["workers"].items():
         print(f"schedule, {w} workers: {c['median_ms']} ms a batch of {cost['batch']} "
@@ -179,7 +223,8 @@ def main(argv=None) -> int:
               f"bytes a cached key", file=sys.stderr)
     line = json.dumps({"bench": "w7", "benchmark": "W7 Herald replay", "quick": a.quick,
                        "provenance": provenance(), "workers": a.workers, "per_worker": a.per_worker,
-                       "cache_fraction": a.cache, "dim": a.dim, "targets": TARGETS, "traces": traces,
+                       "cache_fraction": a.cache, "dim": a.dim, "lookahead": lookahead, "targets": TARGETS,
+                       "traces": traces,
                        "schedule_cost": cost})
     print(line)
     if not a.no_save:

@@ -512,6 +512,25 @@ def render_w7(o: dict) -> list[str]:
                          num(c.get("pull_ratio"), ".3f"), f"{c['pushes']:,}", num(c.get("push_ratio"), ".3f"),
                          num(c.get("overall_ratio"), ".3f")])
     out += table(["trace", "schedule", "pulls", "/ naive", "pushes", "/ naive", "bytes / naive"], rows) + [""]
+    rows = []
+    for name, tr in (o.get("traces") or {}).items():
+        if "lookahead" not in tr:
+            continue
+        for k, c in sorted(tr["lookahead"].items(), key=lambda kc: int(kc[0])):
+            rows.append([name, f"K={k}", f"{c['pulls']:,}", num(c.get("pull_ratio"), ".3f"), f"{c['pushes']:,}",
+                         num(c.get("push_ratio"), ".3f"), num(c.get("overall_ratio"), ".3f")])
+        u = tr.get("unbounded")
+        if u:
+            rows.append([name, "unbounded caches", f"{u['pulls']:,}", num(u.get("pull_ratio"), ".3f"),
+                         f"{u['pushes']:,}", num(u.get("push_ratio"), ".3f"), num(u.get("overall_ratio"), ".3f")])
+        rows.append([name, "distinct keys (pull floor)", "-", num(tr.get("pull_floor_ratio"), ".3f"), "-", "-", "-"])
+    if rows:
+        out += [f"Herald with lookahead: the keys of the next K batches as each batch's window (K=0: the herald row "
+                f"above); beside them, Herald with unbounded caches (no eviction: about the most an eviction order "
+                f"can save) and the trace's distinct keys over naive's pulls (each is pulled once at least). Ratios of "
+                f"naive; targets pull <= {t.get('pull')}x, push <= {t.get('push')}x, overall <= {t.get('overall')}x.",
+                ""]
+        out += table(["trace", "Herald", "pulls", "/ naive", "pushes", "/ naive", "bytes / naive"], rows) + [""]
     cost = o.get("schedule_cost") or {}
     for w, c in sorted((cost.get("workers") or {}).items(), key=lambda wc: int(wc[0])):
         out.append(f"- Herald.schedule, {w} workers, batches of {cost.get('batch')} x {cost.get('fields')} keys: "

@@ -95,6 +95,53 @@ def test_eviction_keeps_each_cache_within_capacity_and_pushes_the_last_dirty_cop
     assert h.cached(0).tolist() == [6, 7] and h.cached_count(0) == 2
 
 
+def test_a_window_key_survives_the_eviction_it_would_have_lost():
+    """One worker of capacity 2 holds {5, 6}; {7} evicts 5 (older tick, lower key) unless the window has 5."""
+    for upcoming, evicted, pulls in ((None, [5], 1), (np.array([5], dtype=np.uint64), [6], 0),
+                                     (np.array([[5, 5], [9, 5]], dtype=np.int64), [6], 0)):
+        h = Herald(1, 2)
+        h.schedule(np.array([[5, 6]], dtype=np.uint64))
+        assert h.schedule(np.array([[7]], dtype=np.uint64), upcoming=upcoming).evicted.tolist() == evicted
+        assert h.schedule(np.array([[5]], dtype=np.uint64)).pulls == pulls
+
+
+def test_window_keys_go_last_lowest_first():
+    h = Herald(1, 2)  # every key in the window: the lowest goes
+    h.schedule(np.array([[5, 6]], dtype=np.uint64))
+    assert h.schedule(np.array([[7]], dtype=np.uint64), upcoming=[7, 6, 5]).evicted.tolist() == [5]
+    h = Herald(1, 2)  # the batch's own key outside the window goes before the window's (and is pushed)
+    h.schedule(np.array([[5, 6]], dtype=np.uint64))
+    plan = h.schedule(np.array([[7]], dtype=np.uint64), upcoming=np.array([6, 5], dtype=np.uint64))
+    assert plan.evicted.tolist() == [7] and plan.evict_pushes == 1 and h.cached(0).tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("capacity", [0, 150])
+def test_an_empty_window_plans_as_none(capacity):
+    a, b = Herald(4, capacity), Herald(4, capacity)
+    for keys in batches(5, 12, 64, 4, 800):
+        pa = a.schedule(keys)
+        pb = b.schedule(keys, upcoming=np.empty(0, dtype=np.uint64) if capacity else keys + np.uint64(1))
+        for field in ("assignment", "fetch_keys", "fetch_from", "comm_keys", "evicted", "lost_keys"):
+            assert np.array_equal(getattr(pa, field), getattr(pb, field)), field
+        assert (pa.pulls, pa.pushes) == (pb.pulls, pb.pushes)
+
+
+def test_lookahead_pulls_less_on_a_looping_trace():
+    """A trace that cycles through more keys than fit: each worker trains 4 keys a batch, 20 a cycle of 5
+    batches, in a cache of 16, so LRU loses each key just before its reuse; a window of the next
+    batches keeps the keys they need."""
+    trace = [np.arange(i * 8, i * 8 + 8, dtype=np.uint64).reshape(4, 2) for i in range(5)] * 4
+    pulls = {}
+    for k in (0, 1, 2):
+        h = Herald(2, 16)
+        total = 0
+        for i, keys in enumerate(trace):
+            window = np.concatenate(trace[i + 1:i + 1 + k]) if k and i + 1 < len(trace) else None
+            total += h.schedule(keys, upcoming=window).pulls
+        pulls[k] = total
+    assert pulls[0] == 8 * len(trace) and pulls[0] > pulls[1] > pulls[2], pulls
+
+
 def test_csr_examples_of_any_length():
     h = Herald(2)
     plan = h.schedule(np.array([1, 2, 3, 4], dtype=np.uint64), offsets=np.array([0, 3, 3, 4], dtype=np.uint64))
@@ -118,6 +165,19 @@ def test_bad_arguments():
         h.schedule(np.array([1, 2, 3], dtype=np.uint64), offsets=np.array([0, 2], dtype=np.uint64))
     with pytest.raises(ValueError, match=r"keys\[1\]"):
         h.schedule(np.array([[1, 2**64 - 1]], dtype=np.uint64))
+    ok = np.array([[1, 2]], dtype=np.uint64)
+    with pytest.raises(TypeError, match="upcoming must be a uint64 or int64 array, got float64"):
+        h.schedule(ok, upcoming=np.array([1.0, 2.0]))
+    with pytest.raises(TypeError, match="got int32"):
+        h.schedule(ok, upcoming=np.array([1, 2], dtype=np.int32))
+    with pytest.raises(ValueError, match=r"upcoming\[2\] is the reserved key"):
+        h.schedule(ok, upcoming=np.array([3, 4, 2**64 - 1], dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"upcoming\[\(1, 0\)\] is the reserved key"):
+        h.schedule(ok, upcoming=np.array([[3, 4], [-1, 5]], dtype=np.int64))
+    with pytest.raises(TypeError, match="upcoming must be a numpy array"):  # the binding, called directly
+        h._native.schedule(np.array([0, 2], dtype=np.uint64), ok.reshape(-1), [1, 2])
+    with pytest.raises(ValueError, match=r"upcoming\[1\]"):  # the native check, past the wrapper's
+        h._native.schedule(np.array([0, 2], dtype=np.uint64), ok.reshape(-1), np.array([1, 2**64 - 1], np.uint64))
     assert h.batches == 0
     with pytest.raises(ValueError, match="worker 2"):
         h.cached(2)
@@ -149,15 +209,36 @@ def test_replay_quick():
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     assert report.workload_of(line) == "w7"
-    rows = [r for r in report.render_w7(line) if r.startswith("| ")][1:]  # past the header
+    rendered = report.render_w7(line)
+    head = rendered.index(next(r for r in rendered if r.startswith("| trace | schedule")))
+    first = rendered[head:rendered.index("", head)]  # the four schedules' table
+    rows = first[2:]  # past the header and its rule
     skipped = [t for t in line["traces"].values() if "modes" not in t]  # the Criteo sample may be absent
     assert len(rows) == 4 * len(measured) + len(skipped)
     assert [r.split(" | ")[1] for r in rows[:4]] == ["naive", "on_demand", "location", "herald"]
     assert f"| {measured[0]['modes']['herald']['pull_ratio']:.3f} |" in rows[3]
+    # lookahead (the default --lookahead 0,1,2,4): K = 0 is the herald row; no K changes the partition's
+    # first batch, and unbounded caches pull no more than any K (they evict nothing)
+    assert line["lookahead"] == [0, 1, 2, 4]
+    for t in measured:
+        la, m = t["lookahead"], t["modes"]
+        assert set(la) == {"0", "1", "2", "4"}
+        assert {k: la["0"][k] for k in ("pulls", "pushes")} == {k: m["herald"][k] for k in ("pulls", "pushes")}
+        for c in la.values():
+            assert c["bytes"] == (c["pulls"] + c["pushes"]) * line["dim"] * 4
+            assert c["pull_ratio"] == round(c["pulls"] / m["naive"]["pulls"], 4)
+            assert set(c["targets_met"]) == {"pull", "push", "overall"}
+        assert t["unbounded"]["pulls"] <= min(c["pulls"] for c in la.values())
+        floor = t["pull_floor_ratio"]
+        assert floor == round(t["distinct_keys"] / m["naive"]["pulls"], 4) <= t["unbounded"]["pull_ratio"]
+    la_rows = [r for r in rendered[rendered.index("", head):] if r.startswith("| ")][1:]
+    assert len(la_rows) == 6 * len(measured)  # 4 windows, unbounded caches, the floor
+    assert f"| K=4 | {measured[0]['lookahead']['4']['pulls']:,} |" in "".join(la_rows)
 
 
 def test_replay_refuses_bad_arguments():
     for args, message in ((["--workers", "65"], "--workers"), (["--cache", "0"], "--cache"),
+                          (["--lookahead", "1,x"], "--lookahead"), (["--lookahead", "-1"], "--lookahead"),
                           (["--trace", "/nonexistent.tsv"], "no such file")):
         done = subprocess.run([sys.executable, str(ROOT / "bench" / "herald_replay.py"), "--quick", "--no-save",
                                *args], capture_output=True, text=True, timeout=60)

@@ -37,6 +37,22 @@
 // than it has. A dropped dirty row whose latest version no other worker holds
 // is pushed to the PS.
 //
+// Lookahead: a batch may come with a window, the keys of the batches after it
+// (upcoming; any count, repeats allowed). After the batch is committed and
+// before any cache evicts, every key of the window that some cache holds
+// (trained by this batch or not) counts as used once more, after the batch's
+// own keys: its tick is the batch's plus a half, for every holder; no holder
+// is added or dropped. So a worker drops, in order, its keys of older ticks
+// (oldest first), then the batch's keys outside the window, then its window
+// keys; within one tick, lowest key first. A cache that holds more than
+// `capacity` window keys drops window keys too, lowest first. The refreshed
+// tick stays (a later batch orders the key by it, as by a batch's), so a
+// window key outlives keys trained in its batch. Keys of the window no cache
+// holds are ignored (a window fetches nothing), and so is the window without
+// a capacity. An empty window plans every batch as no window does. Cost: a
+// sort of the window and an index probe or two per distinct key; a held key
+// refreshed leaves a dead record (compacted as retrained keys' are).
+//
 // Synchronisation (what is counted):
 //   pull   a worker trains on a key whose latest version is not in its cache
 //          (from a peer's cache or the PS)
@@ -123,9 +139,14 @@ class Herald {
   // keys[offsets[i] : offsets[i + 1]] (offsets: n_examples + 1 entries, from 0,
   // non-decreasing). Throws std::invalid_argument (naming the index) for bad
   // offsets or a reserved key (CheckKeys), before changing anything.
-  HeraldPlan Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys);
+  // upcoming[0 : n_upcoming): the lookahead window (the header comment),
+  // typically the keys of the next K batches; none by default. A reserved key
+  // there throws std::invalid_argument naming upcoming[i].
+  HeraldPlan Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys,
+                      const uint64_t* upcoming = nullptr, uint64_t n_upcoming = 0);
   // The same for examples of `fields` keys each: keys (n_examples, fields).
-  HeraldPlan Schedule(const uint64_t* keys, uint64_t n_examples, int32_t fields);
+  HeraldPlan Schedule(const uint64_t* keys, uint64_t n_examples, int32_t fields, const uint64_t* upcoming = nullptr,
+                      uint64_t n_upcoming = 0);
 
   const HeraldOptions& options() const { return options_; }
   // The keys worker w's cache holds now (its latest versions), ascending.

@@ -10,6 +10,14 @@ and a dirty row evicted from its last holder is pushed. The native scheduler
 the rules (shares of n // W with the first n % W workers taking one more,
 ties to the lowest worker, LRU by the batch that last trained a key).
 
+Lookahead: ``schedule(keys, upcoming=...)`` takes the keys of the next batches;
+when a cache must evict, the keys of that window it holds go last::
+
+    >>> h = Herald(workers=1, capacity=2)
+    >>> _ = h.schedule(np.array([[5, 6]], dtype=np.uint64))
+    >>> h.schedule(np.array([[7]], dtype=np.uint64), upcoming=np.array([5], dtype=np.uint64)).evicted.tolist()
+    [6]
+
 Example::
 
     >>> import numpy as np
@@ -97,14 +105,24 @@ class Herald:
         self.capacity = int(capacity)
         self._native = _core.Herald(int(workers), int(capacity), bool(location_aware), bool(on_demand))
 
-    def schedule(self, keys, offsets=None) -> HeraldPlan:
+    def schedule(self, keys, offsets=None, upcoming=None) -> HeraldPlan:
         """Plans a batch and updates the snapshot.
 
         ``keys``: (n_examples, fields) uint64/int64, one row an example; or, with
         ``offsets`` (n_examples + 1,), a flat array where example i has
         ``keys[offsets[i]:offsets[i + 1]]``. Raises ValueError for a bad shape or
         offsets (naming the index) and for the reserved key 2**64 - 1.
+
+        ``upcoming``: the lookahead window, typically the keys of the next K
+        batches; a uint64/int64 array of any shape (its keys in any order,
+        repeats allowed). When a cache must evict after this batch, the window's
+        keys it holds go last: it drops its keys of older batches first, then
+        this batch's keys outside the window, then window keys, lowest key first
+        within each (``include/hps/herald.h``, Lookahead). None or an empty
+        array: no window. Raises TypeError for another dtype and ValueError for
+        the reserved key 2**64 - 1 (naming its index).
         """
+        window = None if upcoming is None else self._check_upcoming(upcoming)
         keys = np.asarray(keys)
         if keys.dtype not in (np.uint64, np.int64):
             raise TypeError(f"keys must be uint64 or int64, got {keys.dtype}")
@@ -124,8 +142,27 @@ class Herald:
                 raise ValueError(f"keys must be 1-D with offsets, got shape {keys.shape}")
             offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
             flat = np.ascontiguousarray(keys)
-        d = self._native.schedule(offsets, flat.view(np.uint64) if flat.dtype == np.int64 else flat)
+        d = self._native.schedule(offsets, flat.view(np.uint64) if flat.dtype == np.int64 else flat, window)
         return HeraldPlan(**d)
+
+    @staticmethod
+    def _check_upcoming(upcoming) -> np.ndarray | None:
+        """The window as a flat contiguous uint64 array, or None where it is empty."""
+        up = np.asarray(upcoming)
+        if up.size == 0 and up.dtype not in (np.uint64, np.int64) and not isinstance(upcoming, np.ndarray):
+            return None  # [] or (): no window
+        if up.dtype not in (np.uint64, np.int64):
+            raise TypeError(f"upcoming must be a uint64 or int64 array, got {up.dtype}")
+        if up.size == 0:
+            return None
+        flat = np.ascontiguousarray(up).reshape(-1)
+        if flat.dtype == np.int64:
+            flat = flat.view(np.uint64)
+        bad = np.flatnonzero(flat == np.uint64(2**64 - 1))
+        if len(bad):
+            at = int(bad[0]) if up.ndim == 1 else tuple(int(i) for i in np.unravel_index(int(bad[0]), up.shape))
+            raise ValueError(f"upcoming[{at}] is the reserved key 2**64 - 1 (-1 as int64); hash or remap it")
+        return flat
 
     def cached(self, worker: int) -> np.ndarray:
         """The keys whose latest version ``worker``'s cache holds, ascending."""
@@ -144,9 +181,9 @@ class Herald:
     @property
     def memory_bytes(self) -> int:
         """Bytes the snapshot holds: a log record per key (8 bytes and a holder mask of
-        1 to 8 bytes, with up to a quarter more for dead and spare records) and an
-        index of 8-byte slots at load 0.55 to 0.8; some 21 to 26 bytes a key for up
-        to 8 workers, 30 to 35 for up to 64 (``include/hps/herald.h``, Memory)."""
+        1 to 8 bytes, with 1.25 to 1.4 x room for dead and spare records) and an
+        index of 4-byte slots at load 0.55 to 0.8; about 19 bytes a key for up to 8
+        workers, 26 for up to 64 (``include/hps/herald.h``, Memory)."""
         return self._native.memory_bytes
 
     def clear(self) -> None:

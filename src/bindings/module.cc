@@ -915,9 +915,18 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](int32_t workers, uint64_t capacity, bool location_aware, bool on_demand) {
              return std::make_unique<hps::Herald>(hps::HeraldOptions{workers, capacity, location_aware, on_demand});
            }), py::arg("workers"), py::arg("capacity"), py::arg("location_aware"), py::arg("on_demand"))
-      .def("schedule", [](hps::Herald& h, const py::array& offsets, const py::array& keys) {
+      .def("schedule", [](hps::Herald& h, const py::array& offsets, const py::array& keys,
+                          const py::object& upcoming) {
         const auto [o, n_offsets] = KeysArg(offsets, "offsets");
         const auto [k, n] = KeysArg(keys, "keys");
+        const uint64_t* up = nullptr;
+        uint64_t n_up = 0;
+        if (!upcoming.is_none()) {
+          if (!py::isinstance<py::array>(upcoming)) throw py::type_error("upcoming must be a numpy array or None");
+          const Keys u = KeysArg(upcoming.cast<py::array>(), "upcoming");
+          up = u.data;
+          n_up = u.n;
+        }
         if (n_offsets == 0) throw py::value_error("offsets must have n_examples + 1 entries, got 0");
         if (o[n_offsets - 1] != n) {
           throw py::value_error("offsets[-1] = " + std::to_string(o[n_offsets - 1]) + " but keys has " +
@@ -926,7 +935,7 @@ PYBIND11_MODULE(_core, m) {
         hps::HeraldPlan p;
         {
           py::gil_scoped_release release;
-          p = h.Schedule(o, n_offsets - 1, k);
+          p = h.Schedule(o, n_offsets - 1, k, up, n_up);
         }
         auto array = [](const auto& v) {
           using T = typename std::decay_t<decltype(v)>::value_type;
@@ -949,7 +958,8 @@ PYBIND11_MODULE(_core, m) {
           d[name] = value;
         }
         return d;
-      }, py::arg("offsets"), py::arg("keys"), "plans one batch (CSR offsets, keys): a dict of arrays and counts")
+      }, py::arg("offsets"), py::arg("keys"), py::arg("upcoming") = py::none(),
+         "plans one batch (CSR offsets, keys; upcoming: the lookahead window, 1-D): a dict of arrays and counts")
       .def("cached", [](const hps::Herald& h, int32_t worker) {
         const std::vector<uint64_t> keys = h.Cached(worker);
         py::array_t<uint64_t> out(static_cast<py::ssize_t>(keys.size()));

@@ -90,7 +90,9 @@ constexpr uint64_t kMinSlots = 64;
 struct Herald::Impl {
   virtual ~Impl() = default;
   // Plans a batch whose offsets were checked, and updates the snapshot.
-  virtual HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) = 0;
+  // upcoming: the lookahead window (n_upcoming keys, checked).
+  virtual HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys,
+                          const uint64_t* upcoming, uint64_t n_upcoming) = 0;
   virtual std::vector<uint64_t> Cached(int32_t worker) const = 0;
   virtual uint64_t Held(int32_t worker) const = 0;
   virtual uint64_t MemoryBytes() const = 0;
@@ -430,7 +432,8 @@ struct Herald::Snapshot final : Herald::Impl {
     }
   }
 
-  HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) override {
+  HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys, const uint64_t* upcoming,
+                  uint64_t n_upcoming) override {
     const uint64_t total = offsets[n_examples];
     CheckKeys(keys, total);
     // Indices are uint32 with UINT32_MAX kept free, as in UniqueKeys.
@@ -457,13 +460,16 @@ struct Herald::Snapshot final : Herald::Impl {
     }
     const uint64_t U = Find(keys, total);
     HeraldPlan plan;
+    uint64_t m = 0;
     try {
       Partition(plan, offsets, n_examples, U);
+      // The window matters only where caches evict.
+      if (opt.capacity > 0 && n_upcoming > 0) m = Window(upcoming, n_upcoming);
     } catch (...) {  // out of memory: the snapshot is left as it was
       Rollback(U);
       throw;
     }
-    Commit(plan, U);
+    Commit(plan, U, m);
     return plan;
   }
 
@@ -557,10 +563,64 @@ struct Herald::Snapshot final : Herald::Impl {
     }
   }
 
+  // ---- the lookahead window ----
+  // The slot of `key` (hashing to `hash`), or kNone: a live record, or
+  // (before the batch is appended) a pending one at log_keys.size() + u.
+  uint64_t Lookup(uint64_t key, uint64_t hash) const {
+    const uint32_t print = Print(hash);
+    const uint64_t end = log_keys.size();
+    for (uint64_t i = Home(hash);; i = Next(i)) {
+      const uint32_t v = index[i];
+      if (v == kFree) return kNone;
+      if (v == kTomb || PrintOf(v) != print) continue;
+      const uint64_t pos = PosOf(v);
+      if ((pos < end ? log_keys[pos] : uniq[pos - end]) == key) return i;
+    }
+  }
+
+  // win = the distinct window keys some cache holds after the batch (its
+  // trainers included), ascending, and win_slot their slots; the index must
+  // hold the batch's keys as pending records (Find), and changes nothing in
+  // the snapshot. Returns how many.
+  uint64_t Window(const uint64_t* upcoming, uint64_t n) {
+    win.assign(upcoming, upcoming + n);
+    SortUnique(win, sort_tmp, sort_count);
+    win_slot.resize(win.size());
+    uint64_t m = 0;
+    for (uint64_t j = 0; j < win.size(); ++j) {
+      const uint64_t s = Lookup(win[j], Hash(win[j]));
+      if (s == kNone) continue;
+      win[m] = win[j];
+      win_slot[m++] = s;
+    }
+    win.resize(m);
+    return m;
+  }
+
+  // Moves the records of win[0 : m) to a run of their own at the log's end,
+  // masks unchanged (used after the batch's own keys: evicted last). The log
+  // has room. rebuilt: the index was rebuilt since Window found the slots.
+  void Refresh(uint64_t m, bool rebuilt) {
+    runs.push_back(log_keys.size());
+    for (uint64_t j = 0; j < m; ++j) {
+      const uint64_t key = win[j], hash = Hash(key);
+      const uint64_t s = rebuilt ? Lookup(key, hash) : win_slot[j];
+      const uint64_t p = PosOf(index[s]);
+      const Mask mask = log_masks[p];
+      index[s] = Print(hash) | static_cast<uint32_t>(log_keys.size());
+      log_keys.push_back(key);
+      log_masks.push_back(mask);
+      log_masks[p] = 0;
+      ++dead;
+    }
+  }
+
   // ---- the snapshot: the trainers hold the latest version, other copies go ----
   // Each batch key gets a new record at the log's end, a run for the batch
-  // (its slot already points there); its old record (if any) dies.
-  void Commit(HeraldPlan& plan, uint64_t U) {
+  // (its slot already points there); its old record (if any) dies. Then the
+  // held keys of the window move to a run after it, before eviction.
+  // m: the held window keys Window found.
+  void Commit(HeraldPlan& plan, uint64_t U, uint64_t m) {
     const int32_t W = opt.workers;
     constexpr uint64_t kAhead = 16;
     for (uint64_t u = 0; u < U; ++u) {
@@ -573,10 +633,17 @@ struct Herald::Snapshot final : Herald::Impl {
         ++dead;
       }
     }
-    if (log_keys.size() + U > std::min<uint64_t>(log_keys.capacity(), kMaxRecords)) Compact(U, U);
+    bool rebuilt = false;
+    if (log_keys.size() + U + m > std::min<uint64_t>(log_keys.capacity(), kMaxRecords)) {
+      Compact(U + m, U);
+      rebuilt = true;
+    }
+    // Past 2^32 - 2 records the window's highest keys are not refreshed.
+    m = std::min(m, kMaxRecords - std::min(kMaxRecords, log_keys.size() + U));
     if (opt.capacity > 0 && U > 0) runs.push_back(log_keys.size());
     log_keys.insert(log_keys.end(), uniq.begin(), uniq.begin() + static_cast<int64_t>(U));
     log_masks.insert(log_masks.end(), need.begin(), need.begin() + static_cast<int64_t>(U));
+    if (m > 0) Refresh(m, rebuilt);
 
     // ---- eviction: a cache above capacity drops its least recently used keys ----
     if (opt.capacity > 0) {
@@ -649,6 +716,7 @@ struct Herald::Snapshot final : Herald::Impl {
   std::vector<uint32_t> score, old;
   std::vector<uint64_t> uniq, share, fetch_at, comm_at, emptied, mine;
   std::vector<int32_t> emptied_from;  // the worker whose eviction emptied emptied[e]
+  std::vector<uint64_t> win, win_slot;  // the window's held keys and their slots (Window)
   std::vector<uint64_t> sort_tmp;     // SortUnique's
   std::vector<uint32_t> sort_count;
   std::vector<Mask> latest, need, placed;
@@ -674,14 +742,16 @@ Herald::Herald(const HeraldOptions& options) : options_(options) {
 
 Herald::~Herald() = default;
 
-HeraldPlan Herald::Schedule(const uint64_t* keys, uint64_t n_examples, int32_t fields) {
+HeraldPlan Herald::Schedule(const uint64_t* keys, uint64_t n_examples, int32_t fields, const uint64_t* upcoming,
+                            uint64_t n_upcoming) {
   if (fields < 0) throw std::invalid_argument("Herald::Schedule: fields = " + std::to_string(fields) + " is negative");
   std::vector<uint64_t> offsets(n_examples + 1);
   for (uint64_t i = 0; i <= n_examples; ++i) offsets[i] = i * static_cast<uint64_t>(fields);
-  return Schedule(offsets.data(), n_examples, keys);
+  return Schedule(offsets.data(), n_examples, keys, upcoming, n_upcoming);
 }
 
-HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys) {
+HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys,
+                            const uint64_t* upcoming, uint64_t n_upcoming) {
   if (offsets[0] != 0) {
     throw std::invalid_argument("Herald::Schedule: offsets[0] = " + std::to_string(offsets[0]) + ", must be 0");
   }
@@ -692,7 +762,16 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
                                   "] = " + std::to_string(offsets[i]));
     }
   }
-  HeraldPlan plan = impl_->Plan(offsets, n_examples, keys);
+  if (n_upcoming > 0 && upcoming == nullptr) {
+    throw std::invalid_argument("Herald::Schedule: upcoming is null with n_upcoming = " + std::to_string(n_upcoming));
+  }
+  for (uint64_t i = 0; i < n_upcoming; ++i) {
+    if (upcoming[i] == kEmptyKey) {
+      throw std::invalid_argument("Herald::Schedule: upcoming[" + std::to_string(i) +
+                                  "] is 0xffffffffffffffff (-1 as int64), the reserved empty-slot key");
+    }
+  }
+  HeraldPlan plan = impl_->Plan(offsets, n_examples, keys, upcoming, n_upcoming);
   ++batches_;
   return plan;
 }

@@ -133,65 +133,177 @@ TEST(Herald, EvictsTheLeastRecentlyUsedAndPushesTheLastDirtyCopy) {
 // above capacity drops its keys of oldest tick, then lowest key; a dirty key
 // dropped by its last holder is pushed. Small capacities over many batches
 // make evictions end inside a batch's keys, reach the batch's own keys, and
-// leave enough stale recency entries to be compacted.
-TEST(Herald, EvictionMatchesAnLruModelOverManyBatches) {
-  for (const uint64_t capacity : {1u, 3u, 7u, 40u}) {
-    const int W = 3;
-    hps::Herald h({.workers = W, .capacity = capacity});
-    std::mt19937_64 rng(capacity);
-    std::vector<std::map<uint64_t, uint64_t>> model(W);  // worker -> key -> tick
-    for (uint64_t b = 0; b < 400; ++b) {
-      const uint64_t n = 1 + rng() % 12;
-      const auto keys = RandomBatch(rng, n, 2, 60);
-      const auto p = h.Schedule(keys.data(), n, 2);
-      std::map<uint64_t, std::set<int>> trainers;
-      for (uint64_t i = 0; i < n; ++i)
-        for (int f = 0; f < 2; ++f) trainers[keys[i * 2 + f]].insert(p.assignment[i]);
-      for (const auto& [k, ws] : trainers) {
-        for (int w = 0; w < W; ++w) {
-          if (ws.count(w)) {
-            model[w][k] = b;
-          } else {
-            model[w].erase(k);
-          }
-        }
-      }
-      std::set<uint64_t> evicted, lost;
-      std::map<uint64_t, int> dropped_by;  // the last worker (in index order) to drop a key
+// leave enough stale recency entries to be compacted. With a window of
+// `ahead` batches (the next batches' keys, a few keys no batch has and
+// repeats), the held keys in it get the batch's tick plus a half before the
+// eviction (ticks 2b and 2b + 1 here).
+// W workers, up to `most` examples of 2 keys a batch from [0, universe).
+void CheckEvictionAgainstAnLruModel(uint64_t capacity, int ahead, uint64_t seed, int W = 3, uint64_t most = 12,
+                                    uint64_t universe = 60, uint64_t kBatches = 400) {
+  hps::Herald h({.workers = W, .capacity = capacity});
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<uint64_t>> batches(kBatches);
+  std::vector<uint64_t> sizes(kBatches);
+  for (uint64_t b = 0; b < kBatches; ++b) {
+    sizes[b] = 1 + rng() % most;
+    batches[b] = RandomBatch(rng, sizes[b], 2, universe);
+  }
+  std::vector<std::map<uint64_t, uint64_t>> model(W);  // worker -> key -> tick
+  for (uint64_t b = 0; b < kBatches; ++b) {
+    const uint64_t n = sizes[b];
+    const auto& keys = batches[b];
+    std::vector<uint64_t> window;
+    for (uint64_t a = b + 1; a <= b + ahead && a < kBatches; ++a) window.insert(window.end(), batches[a].begin(), batches[a].end());
+    if (ahead > 0) {
+      for (int extra = 0; extra < 3; ++extra) window.push_back(rng() % (universe + universe / 3));  // some no batch has
+      if (!window.empty()) window.push_back(window.front());                 // a repeat
+    }
+    const auto p = window.empty() ? h.Schedule(keys.data(), n, 2) : h.Schedule(keys.data(), n, 2, window.data(), window.size());
+    std::map<uint64_t, std::set<int>> trainers;
+    for (uint64_t i = 0; i < n; ++i)
+      for (int f = 0; f < 2; ++f) trainers[keys[i * 2 + f]].insert(p.assignment[i]);
+    for (const auto& [k, ws] : trainers) {
       for (int w = 0; w < W; ++w) {
-        while (model[w].size() > capacity) {
-          auto oldest = std::min_element(model[w].begin(), model[w].end(), [](const auto& a, const auto& c) {
-            return a.second != c.second ? a.second < c.second : a.first < c.first;
-          });
-          evicted.insert(oldest->first);
-          dropped_by[oldest->first] = w;
-          model[w].erase(oldest);
+        if (ws.count(w)) {
+          model[w][k] = 2 * b;
+        } else {
+          model[w].erase(k);
         }
-      }
-      for (uint64_t k : evicted) {
-        bool held = false;
-        for (int w = 0; w < W; ++w) held = held || model[w].count(k);
-        if (!held) lost.insert(k);
-      }
-      ASSERT_EQ(p.evicted, std::vector<uint64_t>(evicted.begin(), evicted.end()))
-          << "capacity " << capacity << " batch " << b;
-      ASSERT_EQ(p.evict_pushes, lost.size()) << "capacity " << capacity << " batch " << b;
-      ASSERT_EQ(p.lost_keys.size(), p.lost_from.size());
-      std::map<uint64_t, int> lost_from;
-      for (size_t j = 0; j < p.lost_keys.size(); ++j) lost_from[p.lost_keys[j]] = p.lost_from[j];
-      ASSERT_EQ(lost_from.size(), p.lost_keys.size()) << "a key lost twice";
-      for (uint64_t k : lost) {
-        ASSERT_TRUE(lost_from.count(k)) << "key " << k << " lost but not reported";
-        ASSERT_EQ(lost_from[k], dropped_by[k]) << "key " << k;
-      }
-      ASSERT_EQ(lost_from.size(), lost.size());
-      for (int w = 0; w < W; ++w) {
-        std::vector<uint64_t> expect;
-        for (const auto& [k, tick] : model[w]) expect.push_back(k);
-        ASSERT_EQ(h.Cached(w), expect) << "capacity " << capacity << " batch " << b << " worker " << w;
-        ASSERT_EQ(h.cached(w), expect.size());
       }
     }
+    for (uint64_t k : window) {
+      for (int w = 0; w < W; ++w) {
+        auto it = model[w].find(k);
+        if (it != model[w].end()) it->second = 2 * b + 1;
+      }
+    }
+    std::set<uint64_t> evicted, lost;
+    std::map<uint64_t, int> dropped_by;  // the last worker (in index order) to drop a key
+    for (int w = 0; w < W; ++w) {
+      while (model[w].size() > capacity) {
+        auto oldest = std::min_element(model[w].begin(), model[w].end(), [](const auto& a, const auto& c) {
+          return a.second != c.second ? a.second < c.second : a.first < c.first;
+        });
+        evicted.insert(oldest->first);
+        dropped_by[oldest->first] = w;
+        model[w].erase(oldest);
+      }
+    }
+    for (uint64_t k : evicted) {
+      bool held = false;
+      for (int w = 0; w < W; ++w) held = held || model[w].count(k);
+      if (!held) lost.insert(k);
+    }
+    ASSERT_EQ(p.evicted, std::vector<uint64_t>(evicted.begin(), evicted.end()))
+        << "capacity " << capacity << " ahead " << ahead << " batch " << b;
+    ASSERT_EQ(p.evict_pushes, lost.size()) << "capacity " << capacity << " batch " << b;
+    ASSERT_EQ(p.lost_keys.size(), p.lost_from.size());
+    std::map<uint64_t, int> lost_from;
+    for (size_t j = 0; j < p.lost_keys.size(); ++j) lost_from[p.lost_keys[j]] = p.lost_from[j];
+    ASSERT_EQ(lost_from.size(), p.lost_keys.size()) << "a key lost twice";
+    for (uint64_t k : lost) {
+      ASSERT_TRUE(lost_from.count(k)) << "key " << k << " lost but not reported";
+      ASSERT_EQ(lost_from[k], dropped_by[k]) << "key " << k;
+    }
+    ASSERT_EQ(lost_from.size(), lost.size());
+    for (int w = 0; w < W; ++w) {
+      std::vector<uint64_t> expect;
+      for (const auto& [k, tick] : model[w]) expect.push_back(k);
+      ASSERT_EQ(h.Cached(w), expect) << "capacity " << capacity << " ahead " << ahead << " batch " << b << " worker " << w;
+      ASSERT_EQ(h.cached(w), expect.size());
+    }
+  }
+}
+
+TEST(Herald, EvictionMatchesAnLruModelOverManyBatches) {
+  for (const uint64_t capacity : {1u, 3u, 7u, 40u}) {
+    SCOPED_TRACE(capacity);
+    CheckEvictionAgainstAnLruModel(capacity, 0, capacity);
+  }
+}
+
+TEST(Herald, EvictionWithAWindowMatchesAnLruPlusWindowModel) {
+  for (const uint64_t capacity : {1u, 3u, 7u, 40u}) {
+    for (const int ahead : {1, 2, 4}) {
+      SCOPED_TRACE(testing::Message() << "capacity " << capacity << " ahead " << ahead);
+      CheckEvictionAgainstAnLruModel(capacity, ahead, capacity * 10 + ahead);
+    }
+  }
+}
+
+// One worker of capacity 2 holds {5, 6}; a batch of {7} evicts 5 (the lower
+// key of the older tick), unless the window has 5: then 6 goes.
+TEST(Herald, AWindowKeySurvivesAnEvictionItWouldHaveLost) {
+  std::vector<uint64_t> b1 = {5, 6}, b2 = {7}, b3 = {5};
+  hps::Herald plain({.workers = 1, .capacity = 2}), ahead({.workers = 1, .capacity = 2});
+  plain.Schedule(b1.data(), 1, 2);
+  ahead.Schedule(b1.data(), 1, 2, b2.data(), 1);  // 7 is held by no cache: ignored
+  EXPECT_EQ(plain.Schedule(b2.data(), 1, 1).evicted, (std::vector<uint64_t>{5}));
+  const auto p = ahead.Schedule(b2.data(), 1, 1, b3.data(), 1);
+  EXPECT_EQ(p.evicted, (std::vector<uint64_t>{6}));
+  EXPECT_EQ(ahead.Cached(0), (std::vector<uint64_t>{5, 7}));
+  // The next batch (5) pulls nothing with the window, 5 without.
+  EXPECT_EQ(plain.Schedule(b3.data(), 1, 1).pulls, 1u);
+  EXPECT_EQ(ahead.Schedule(b3.data(), 1, 1).pulls, 0u);
+}
+
+// The order a worker drops in: older ticks, then the batch's keys outside the
+// window, then window keys, lowest first; a refreshed tick outlives the batch.
+TEST(Herald, WindowKeysGoLastAndLowestFirst) {
+  std::vector<uint64_t> b1 = {5, 6}, b2 = {7}, b3 = {8};
+  {  // the window holds all three: one must go, the lowest
+    hps::Herald h({.workers = 1, .capacity = 2});
+    h.Schedule(b1.data(), 1, 2);
+    std::vector<uint64_t> window = {7, 6, 5, 6};
+    EXPECT_EQ(h.Schedule(b2.data(), 1, 1, window.data(), window.size()).evicted, (std::vector<uint64_t>{5}));
+  }
+  {  // the batch's own key outside the window goes before the window's
+    hps::Herald h({.workers = 1, .capacity = 2});
+    h.Schedule(b1.data(), 1, 2);
+    std::vector<uint64_t> window = {6, 5};
+    const auto p = h.Schedule(b2.data(), 1, 1, window.data(), window.size());
+    EXPECT_EQ(p.evicted, (std::vector<uint64_t>{7}));
+    EXPECT_EQ(p.evict_pushes, 1u);
+    EXPECT_EQ(h.Cached(0), (std::vector<uint64_t>{5, 6}));
+  }
+  {  // 6 refreshed by batch 2's window outlives 7, trained in batch 2
+    hps::Herald h({.workers = 1, .capacity = 2});
+    h.Schedule(b1.data(), 1, 2);
+    std::vector<uint64_t> window = {6};
+    EXPECT_EQ(h.Schedule(b2.data(), 1, 1, window.data(), 1).evicted, (std::vector<uint64_t>{5}));
+    EXPECT_EQ(h.Schedule(b3.data(), 1, 1).evicted, (std::vector<uint64_t>{7}));
+    EXPECT_EQ(h.Cached(0), (std::vector<uint64_t>{6, 8}));
+  }
+}
+
+// An empty window, and any window without a capacity, plans as no window.
+TEST(Herald, AnEmptyWindowOrNoCapacityChangesNothing) {
+  for (const uint64_t capacity : {0u, 30u}) {
+    hps::Herald a({.workers = 4, .capacity = capacity}), b({.workers = 4, .capacity = capacity});
+    std::mt19937_64 rng(5);
+    for (int i = 0; i < 40; ++i) {
+      const auto keys = RandomBatch(rng, 32, 3, 200);
+      const auto window = RandomBatch(rng, 32, 3, 200);
+      const auto pa = a.Schedule(keys.data(), 32, 3);
+      const auto pb = capacity == 0 ? b.Schedule(keys.data(), 32, 3, window.data(), window.size())
+                                    : b.Schedule(keys.data(), 32, 3, window.data(), 0);
+      ASSERT_EQ(pa.assignment, pb.assignment);
+      ASSERT_EQ(pa.fetch_keys, pb.fetch_keys);
+      ASSERT_EQ(pa.fetch_from, pb.fetch_from);
+      ASSERT_EQ(pa.evicted, pb.evicted);
+      ASSERT_EQ(pa.lost_keys, pb.lost_keys);
+      ASSERT_EQ(pa.pushes, pb.pushes);
+    }
+    for (int w = 0; w < 4; ++w) EXPECT_EQ(a.Cached(w), b.Cached(w));
+  }
+}
+
+// Larger batches and windows over 8 workers (compactions while windows move
+// records, several runs a batch): the same model.
+TEST(Herald, LargerWindowsMatchTheModelThroughCompactions) {
+  for (const int ahead : {0, 1, 3}) {
+    SCOPED_TRACE(ahead);
+    CheckEvictionAgainstAnLruModel(60, ahead, 100 + ahead, 8, 200, 3000, 120);
   }
 }
 
@@ -248,6 +360,14 @@ TEST(Herald, RejectsBadArguments) {
   }
   std::vector<uint64_t> bad = {1, hps::kEmptyKey};
   EXPECT_THROW(h.Schedule(bad.data(), 2, 1), std::invalid_argument);
+  std::vector<uint64_t> good = {1, 2};
+  try {
+    h.Schedule(good.data(), 2, 1, bad.data(), 2);
+    FAIL() << "a reserved key in the window accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("upcoming[1]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(h.Schedule(good.data(), 2, 1, nullptr, 3), std::invalid_argument);
   EXPECT_EQ(h.batches(), 0u);
   EXPECT_THROW(h.Cached(2), std::out_of_range);
 }
