@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # W3 (BENCHMARKS.md): hit rate of the MEM-PS cache policies (hps.MemCache) against
 # LRU, an ideal whole-history LFU and Belady's offline optimum, on a synthetic Zipf
-# trace and the real Criteo sample, at 1%, 5% and 20% of each trace's unique keys.
+# trace and the real Criteo sample, at 1%, 5% and 20% of each trace's unique keys; and
+# the default policy again with a lookahead window of K = 1, 2, 4 batches (--lookahead;
+# issue 16), as the pipeline's prefetch stage gives it.
 #
 #   bench/cache_policy.sh             # full: Zipf 2M accesses over 1M keys + Criteo
 #   bench/cache_policy.sh --quick     # Zipf 200k over 100k + Criteo, under a minute

@@ -346,15 +346,18 @@ def w3_lookahead(t: dict) -> list[str]:
         return []
     policy, ks = la["policy"], [str(k) for k in la["ks"]]
     out = [f"With lookahead ({policy}, batches of {la['batch']}): hit rate / Belady's; "
-           f"in brackets, / the ideal LFU's", ""]
-    head = ["capacity", "K=0"] + [f"K={k}" for k in ks] + ["ideal LFU", f"K={ks[-1]}: >= 0.95 / > ideal LFU"]
+           f"in brackets, / the ideal LFU's. K=0: no window; batch only: the rest of each batch alone "
+           f"(what the pipeline's pins keep); K=k: the next k batches too", ""]
+    batch = "batch" in caps[0]["lookahead"]  # the rest of each batch alone: what the pins keep
+    head = (["capacity", "K=0"] + (["batch only"] if batch else []) + [f"K={k}" for k in ks]
+            + ["ideal LFU", f"K={ks[-1]}: >= 0.95 / > ideal LFU"])
     rows = []
     for c in caps:
         la_c = c["lookahead"]
         last = la_c[ks[-1]]
         rows.append([f"{c['fraction'] * 100:g}% = {c['rows']:,} rows", num(c["ratio_to_belady"].get(policy), ".4f")]
                     + [f"{num(la_c[k]['ratio_to_belady'], '.4f')} ({num(la_c[k]['over_ideal_lfu'], '.3f')})"
-                       for k in ks]
+                       for k in (["batch"] if batch else []) + ks]
                     + [num(c["ratio_to_belady"].get("ideal_lfu"), ".4f"),
                        f"{'yes' if last['aim_0.95'] else 'no'} / {'yes' if last['gt_ideal_lfu'] else 'no'}"])
     return out + table(head, rows) + [""]

@@ -208,3 +208,146 @@ def test_pulls_from_several_threads():
     assert not errors
     s = cache.stats()
     assert s["pinned"] == 0 and s["hits"] + s["misses"] > 0
+
+
+# ---- lookahead eviction (set_lookahead, replay)
+
+def _belady_hits(trace, capacity):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import cache_baselines
+    return cache_baselines.belady_hits(trace, capacity)
+
+
+def test_a_key_in_the_window_survives_the_eviction_it_would_have_lost():
+    plain = hps.MemCache(ROW, 3, policy="lru", shards=1)
+    plain.access(u64([1, 2, 3, 4]))
+    assert 1 not in plain  # the least recent went
+    cache = hps.MemCache(ROW, 3, policy="lru", shards=1)
+    cache.access(u64([1, 2, 3]))
+    cache.set_lookahead([u64([5, 1]), u64([1])])  # two batches: 1 is needed soon
+    assert cache.stats()["lookahead_keys"] == 2
+    cache.access(u64([4]))
+    assert 1 in cache and 2 not in cache
+    s = cache.stats()
+    assert s["lookahead_spared"] == 1 and s["lookahead_forced"] == 0
+
+
+def test_every_row_in_the_window_evicts_the_one_needed_latest():
+    cache = hps.MemCache(ROW, 3, policy="tinylfu-lfu", shards=1)
+    cache.access(u64([1, 2, 3]))
+    cache.set_lookahead(u64([3, 1, 3, 2]))
+    cache.access(u64([4]))
+    assert 2 not in cache and {1, 3, 4} <= {k for k in range(5) if k in cache}
+    assert cache.stats()["lookahead_forced"] == 1
+
+
+def test_clear_lookahead_is_eviction_without_it():
+    trace = (np.random.default_rng(5).zipf(1.1, 30000) % 4000).astype(np.uint64)
+    for policy in hps.MemCache.POLICIES:
+        plain = hps.MemCache(ROW, 200, policy=policy, shards=2)
+        cleared = hps.MemCache(ROW, 200, policy=policy, shards=2)
+        for start in range(0, len(trace), 1000):
+            batch = trace[start:start + 1000]
+            cleared.set_lookahead(batch)
+            cleared.clear_lookahead()
+            assert (cleared.access(batch) == plain.access(batch)).all(), (policy, start)
+        assert cleared.stats()["lookahead_keys"] == 0
+        assert cleared.stats()["lookahead_spared"] == 0
+
+
+def test_set_lookahead_errors_change_nothing():
+    cache = hps.MemCache(ROW, 4)
+    cache.set_lookahead(u64([1, 2]))
+    with pytest.raises(ValueError, match=r"keys\[1\] is 0xffffffffffffffff"):
+        cache.set_lookahead(u64([3, hps.EMPTY_KEY]))
+    with pytest.raises(ValueError, match=r"keys\[0\] is 0xffffffffffffffff"):
+        cache.set_lookahead([u64([]), u64([hps.EMPTY_KEY])])
+    assert cache.stats()["lookahead_keys"] == 2
+    with pytest.raises(TypeError, match="keys must be an array of uint64 or int64"):
+        cache.set_lookahead(np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="must be 1-D"):
+        cache.set_lookahead(u64([[1, 2]]))
+    cache.set_lookahead([])  # no batch comes: an empty window
+    assert cache.stats()["lookahead_keys"] == 0
+
+
+def test_replay_without_lookahead_is_access_batch_by_batch():
+    trace = (np.random.default_rng(6).zipf(1.1, 20000) % 3000).astype(np.uint64)
+    for policy in hps.MemCache.POLICIES:
+        want = hps.MemCache(ROW, 150, policy=policy, shards=1).access(trace)
+        got = hps.MemCache(ROW, 150, policy=policy, shards=1).replay(trace, 512)
+        assert (got == want).all(), policy
+
+
+def test_replay_with_lookahead_gains_and_stays_under_belady():
+    trace = (np.random.default_rng(7).zipf(1.05, 40000) % 20000).astype(np.uint64)
+    capacity = 300
+    belady = _belady_hits(trace, capacity)
+    hits = [int(hps.MemCache(ROW, capacity, shards=1).replay(trace, 1000, lookahead=k).sum()) for k in (0, 1, 4)]
+    assert hits[0] < hits[1] <= hits[2] <= belady, (hits, belady)
+    cache = hps.MemCache(ROW, capacity, shards=1)
+    assert int(cache.replay(trace, [1000] * 40, lookahead=4).sum()) == hits[2]  # batch sizes, the same batches
+    assert cache.stats()["lookahead_keys"] == 0  # cleared at the end
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=st.lists(st.integers(0, 25), min_size=1, max_size=200), capacity=st.integers(1, 8),
+       batch=st.integers(1, 20), lookahead=st.integers(0, 4),
+       policy=st.sampled_from(hps.MemCache.POLICIES))
+def test_replay_never_beats_belady(trace, capacity, batch, lookahead, policy):
+    """Every lookahead replay inserts on a miss, so Belady's MIN bounds it."""
+    cache = hps.MemCache(ROW, capacity, policy=policy, shards=1)
+    hits = cache.replay(u64(trace), batch, lookahead=lookahead)
+    assert int(hits.sum()) <= _belady_hits(u64(trace), capacity)
+    assert cache.stats()["hits"] == int(hits.sum())
+
+
+def test_replay_errors():
+    cache = hps.MemCache(ROW, 4)
+    trace = u64(range(10))
+    with pytest.raises(ValueError, match="batch must be >= 1 keys"):
+        cache.replay(trace, 0)
+    with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
+        cache.replay(trace, 2, lookahead=-1)
+    with pytest.raises(ValueError, match="sum to the trace's 10 keys"):
+        cache.replay(trace, [4, 4], lookahead=1)
+    with pytest.raises(ValueError, match="trace must be 1-D"):
+        cache.replay(u64([[1, 2]]), 1)
+    with pytest.raises(ValueError, match=r"keys\[0\] is 0xffffffffffffffff"):
+        cache.replay(u64([hps.EMPTY_KEY, 1]), 1, lookahead=1)
+    assert cache.stats()["lookahead_keys"] == 0  # cleared, also after a failure
+
+
+def test_windows_set_while_other_threads_pull():
+    backing = Backing()
+    cache = hps.MemCache(ROW, 300, policy="tinylfu-lfu", shards=4, loader=backing.loader, sink=backing.sink)
+    errors, done = [], threading.Event()
+
+    def prefetch():
+        rng = np.random.default_rng(9)
+        while not done.is_set():
+            cache.set_lookahead(rng.integers(0, 1000, 500).astype(np.uint64))
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(200):
+            keys = np.unique(rng.integers(0, 1000, 50)).astype(np.uint64)
+            rows, _ = cache.pull(keys, pin=True, dtype=np.uint64)
+            if (rows[:, 0] // 1000 != keys).any():
+                errors.append(keys)
+            cache.write_back(keys, rows)
+
+    setter = threading.Thread(target=prefetch)
+    setter.start()
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    setter.join()
+    assert not errors
+    s = cache.stats()
+    assert s["pinned"] == 0 and s["lookahead_spared"] + s["lookahead_forced"] > 0

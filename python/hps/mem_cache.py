@@ -1,7 +1,7 @@
 """MEM-PS: the host-memory cache of rows between the device tier and SSD-PS."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -22,6 +22,9 @@ class MemCache(_core.MemCache):
     both loader and sink: the parameter server's, native). Pinned rows stay until
     ``write_back(keys, rows)`` (which marks them dirty) or ``unpin(keys)``.
     ``access(keys)`` replays a trace: hits are visits, misses enter with zero rows.
+    ``set_lookahead(keys)`` tells the cache the keys of the coming batches, so
+    that evictions spare them (Belady inside that window), and ``replay(trace,
+    batch, lookahead=K)`` replays a trace in batches with such a window of K batches.
     A call that raises (``CacheFullError``, or what the loader or sink raised) holds
     no pin and loses no dirty row: its victims stay cached and dirty, so it can be
     retried; ``stats()["failed_releases"]`` counts host batches whose release failed.
@@ -49,6 +52,81 @@ class MemCache(_core.MemCache):
     def pull(self, keys: np.ndarray, pin: bool = False, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
         rows, hit = super().pull(keys, pin)
         return rows.view(dtype), hit
+
+    def set_lookahead(self, keys: Union[np.ndarray, Sequence[np.ndarray]]) -> None:
+        """Lookahead eviction: the keys of the batches coming next, in the order they
+        will be needed (repeats allowed), replacing the window set before.
+
+        ``keys``: a 1-D uint64 (or int64) array, or a sequence of them (batch i+1's
+        keys, then i+2's, ...), concatenated in that order; empty when no batch comes.
+        A pipeline calls it before pinning batch i, with the keys of batches
+        i+1..i+K of its prefetch queue (batch i is kept by its pins). While a window
+        is set, an eviction takes the policy's first candidate that is not in it; if
+        the first ``LOOKAHEAD_SCAN`` candidates all are, the one among them needed
+        latest (Belady's choice inside the window). ``access`` also counts the rest
+        of its own keys as the window's head. Until the first call and after
+        ``clear_lookahead()``, eviction is as without lookahead. Safe with concurrent
+        pulls, pins and unpins (each shard swaps its window in under its lock).
+        Raises ValueError for the reserved key 2**64 - 1 (the window stays as it
+        was), TypeError for another dtype.
+
+        >>> import numpy as np, hps
+        >>> cache = hps.MemCache(row_bytes=8, capacity=2, policy="lru")
+        >>> cache.set_lookahead(np.array([1], np.uint64))  # 1 is needed soon
+        >>> cache.access(np.array([1, 2, 3], np.uint64)).tolist()  # 3 evicts 2, not 1
+        [False, False, False]
+        >>> 1 in cache, 2 in cache
+        (True, False)
+        """
+        if not isinstance(keys, np.ndarray):
+            parts = list(keys)
+            keys = np.concatenate(parts) if parts else np.empty(0, np.uint64)
+        super().set_lookahead(keys)
+
+    def replay(self, trace: np.ndarray, batch: Union[int, Sequence[int]], lookahead: int = 0) -> np.ndarray:
+        """Replays ``trace`` (n,) through ``access`` in batches, with a lookahead
+        window of ``lookahead`` batches: before batch i's access, ``set_lookahead``
+        gets the keys of batches i+1..i+lookahead (fewer, then none, at the end), as
+        a pipeline's prefetch stage would; ``access`` counts the rest of batch i as
+        the window's head (the pipeline pins its batch whole). Returns the (n,) hit
+        mask. ``batch``: keys per batch (the last may be shorter), or the sizes of
+        the batches (summing to n). ``lookahead=0``: ``access`` batch by batch
+        without lookahead. Ends with ``clear_lookahead()``.
+
+        >>> import numpy as np, hps
+        >>> trace = np.array([1, 2, 3, 1], np.uint64)
+        >>> hps.MemCache(row_bytes=8, capacity=2, policy="lru").replay(trace, 2).tolist()
+        [False, False, False, False]
+        >>> hps.MemCache(row_bytes=8, capacity=2, policy="lru").replay(trace, 2, lookahead=1).tolist()
+        [False, False, False, True]
+        """
+        trace = np.asarray(trace)
+        if trace.ndim != 1:
+            raise ValueError(f"trace must be 1-D, got shape {trace.shape}")
+        if isinstance(lookahead, bool) or not isinstance(lookahead, (int, np.integer)) or lookahead < 0:
+            raise ValueError(f"lookahead must be an int >= 0 (batches), got {lookahead!r}")
+        if isinstance(batch, (int, np.integer)) and not isinstance(batch, bool):
+            if batch < 1:
+                raise ValueError(f"batch must be >= 1 keys, got {batch}")
+            bounds = np.append(np.arange(0, len(trace), int(batch)), len(trace))
+        else:
+            sizes = np.asarray(batch)
+            if sizes.ndim != 1 or sizes.dtype.kind not in "iu" or (sizes < 0).any() \
+                    or int(sizes.sum()) != len(trace):
+                raise ValueError(f"batch sizes must be integers >= 0 that sum to the trace's {len(trace)} keys")
+            bounds = np.concatenate([[0], np.cumsum(sizes)])
+        bounds = [int(b) for b in bounds]
+        batches = len(bounds) - 1
+        hit = np.zeros(len(trace), dtype=bool)
+        self.clear_lookahead()
+        try:
+            for i in range(batches):
+                if lookahead:
+                    self.set_lookahead(trace[bounds[i + 1]:bounds[min(i + 1 + lookahead, batches)]])
+                hit[bounds[i]:bounds[i + 1]] = self.access(trace[bounds[i]:bounds[i + 1]])
+        finally:
+            self.clear_lookahead()
+        return hit
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -608,6 +608,17 @@ PYBIND11_MODULE(_core, m) {
         }
         return out;
       }, py::arg("keys"))
+      .def("set_lookahead", [](hps::MemCache& c, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::gil_scoped_release release;
+        c.SetLookahead(k, n);
+      }, py::arg("keys"),
+           "the keys of the coming batches, in the order they will be needed; see hps.MemCache.set_lookahead")
+      .def("clear_lookahead", [](hps::MemCache& c) {
+        py::gil_scoped_release release;
+        c.ClearLookahead();
+      }, "back to eviction without lookahead")
+      .def_property_readonly_static("LOOKAHEAD_SCAN", [](py::object) { return hps::MemCache::kLookaheadScan; })
       .def("__contains__", [](const hps::MemCache& c, uint64_t key) { return c.Contains(key); })
       .def("stats", [](const hps::MemCache& c) {
         const hps::MemCacheStats st = c.stats();
@@ -626,6 +637,9 @@ PYBIND11_MODULE(_core, m) {
         d["shards"] = st.shards;
         d["arena_bytes"] = st.arena_bytes;
         d["numa_nodes"] = st.numa_nodes;
+        d["lookahead_keys"] = st.lookahead_keys;
+        d["lookahead_spared"] = st.lookahead_spared;
+        d["lookahead_forced"] = st.lookahead_forced;
         return d;
       });
 

@@ -34,6 +34,7 @@ class SlotLists {
     --sizes_[list];
   }
   uint32_t Back(int list) const { return heads_[list].back; }
+  uint32_t Prev(uint32_t slot) const { return prev_[slot]; }
   uint32_t size(int list) const { return sizes_[list]; }
 
  private:
@@ -43,6 +44,29 @@ class SlotLists {
   std::vector<uint32_t> prev_, next_;
   std::vector<Ends> heads_;
   std::vector<uint32_t> sizes_;
+};
+
+// Hands eviction candidates to ForEachCandidate's visitor until it or the
+// limit says stop; each call returns whether to go on.
+class CandidateFeed {
+ public:
+  CandidateFeed(uint32_t limit, const std::function<bool(uint32_t)>& visit) : left_(limit), visit_(visit) {}
+  bool operator()(uint32_t slot) {
+    if (left_ == 0) return false;
+    --left_;
+    return visit_(slot) && left_ > 0;
+  }
+  // A list's slots from its back (the least recent) on, but `skip`.
+  bool List(const SlotLists& lists, int list, uint32_t skip = kNoSlot) {
+    for (uint32_t slot = lists.Back(list); slot != kNoSlot; slot = lists.Prev(slot)) {
+      if (slot != skip && !(*this)(slot)) return false;
+    }
+    return true;
+  }
+
+ private:
+  uint32_t left_;
+  const std::function<bool(uint32_t)>& visit_;
 };
 
 // A binary min-heap of slots by (frequency, last visit), with each slot's
@@ -81,6 +105,26 @@ class FrequencyHeap {
     const uint32_t slot = heap_.front();
     Remove(slot);
     return slot;
+  }
+  // Feeds the slots in the order PopMin would take them, without taking
+  // any: best first over the tree, a frontier of positions (O(k log k) for
+  // the first k).
+  bool InOrder(CandidateFeed& feed) const {
+    if (heap_.empty()) return true;
+    const auto after = [this](uint32_t a, uint32_t b) { return Less(heap_[b], heap_[a]); };
+    std::vector<uint32_t> frontier{0};
+    while (!frontier.empty()) {
+      std::pop_heap(frontier.begin(), frontier.end(), after);
+      const uint32_t at = frontier.back();
+      frontier.pop_back();
+      if (!feed(heap_[at])) return false;
+      for (const uint64_t child : {2 * uint64_t{at} + 1, 2 * uint64_t{at} + 2}) {
+        if (child >= heap_.size()) continue;
+        frontier.push_back(static_cast<uint32_t>(child));
+        std::push_heap(frontier.begin(), frontier.end(), after);
+      }
+    }
+    return true;
   }
   // Gives every slot in the heap the frequency freq_of(slot) and restores the
   // order bottom-up: O(n), cheaper than n removals and pushes.
@@ -142,6 +186,12 @@ class Lru final : public CachePolicy {
     if (slot != kNoSlot) lists_.Remove(0, slot);
     return slot;
   }
+  // The least recent first.
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+    CandidateFeed feed(limit, visit);
+    feed.List(lists_, 0);
+  }
+  void Defer(uint32_t slot) override { Touch(slot); }
 
  private:
   SlotLists lists_;
@@ -164,6 +214,16 @@ class Lfu final : public CachePolicy {
     heap_.Push(slot, ++tick_);
   }
   uint32_t Evict() override { return heap_.empty() ? kNoSlot : heap_.PopMin(); }
+  // By (count, recency), least first.
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+    CandidateFeed feed(limit, visit);
+    heap_.InOrder(feed);
+  }
+  // The same count, a new last visit.
+  void Defer(uint32_t slot) override {
+    heap_.Remove(slot);
+    heap_.Push(slot, ++tick_);
+  }
 
  private:
   FrequencyHeap heap_;
@@ -201,6 +261,21 @@ class LruLfu final : public CachePolicy {
     const uint32_t slot = lists_.Back(0);
     if (slot != kNoSlot) lists_.Remove(0, slot);
     return slot;
+  }
+  // The LFU's rows by count, then the LRU's, least recent first.
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+    CandidateFeed feed(limit, visit);
+    if (heap_.InOrder(feed)) feed.List(lists_, 0);
+  }
+  // In the LFU, the same count and a new last visit; in the LRU, its front.
+  void Defer(uint32_t slot) override {
+    if (heap_.contains(slot)) {
+      heap_.Remove(slot);
+      heap_.Push(slot, ++tick_);
+    } else {
+      lists_.Remove(0, slot);
+      lists_.PushFront(0, slot);
+    }
   }
 
  private:
@@ -300,6 +375,21 @@ class WTinyLfu final : public CachePolicy {
     segment_[slot] = kNone;
     Visit(slot, was);
   }
+  // Evict's victim (the duel's loser), then the window's rows, the
+  // probation's and the protected's, each least recent first.
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+    CandidateFeed feed(limit, visit);
+    const uint32_t first = Victim();
+    if (first == kNoSlot || !feed(first)) return;
+    for (const uint8_t segment : {kWindow, kProbation, kProtected}) {
+      if (!feed.List(lists_, segment, first)) return;
+    }
+  }
+  // The front of its own segment.
+  void Defer(uint32_t slot) override {
+    lists_.Remove(segment_[slot], slot);
+    lists_.PushFront(segment_[slot], slot);
+  }
   uint32_t Evict() override {
     const uint32_t main_victim = MainVictim();
     const uint32_t candidate = lists_.Back(kWindow);
@@ -325,6 +415,17 @@ class WTinyLfu final : public CachePolicy {
       Push(kWindow, slot);
       while (lists_.size(kWindow) > window_capacity_) Move(lists_.Back(kWindow), kProbation);
     }
+  }
+  // The slot Evict takes, changing nothing.
+  uint32_t Victim() const {
+    const uint32_t main_victim = MainVictim();
+    const uint32_t candidate = lists_.Back(kWindow);
+    if (candidate != kNoSlot && (lists_.size(kWindow) >= window_capacity_ || main_victim == kNoSlot)) {
+      const bool admitted =
+          main_victim != kNoSlot && sketch_.Estimate(keys_[candidate]) > sketch_.Estimate(keys_[main_victim]);
+      return admitted ? main_victim : candidate;
+    }
+    return main_victim;
   }
   uint32_t MainVictim() const {
     const uint32_t slot = lists_.Back(kProbation);
@@ -478,6 +579,20 @@ class TinyLfuLfu final : public CachePolicy {
       return slot;
     }
     return kNoSlot;
+  }
+  // By estimate, least first; within one, least recent first.
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+    CandidateFeed feed(limit, visit);
+    for (int word = 0; word < kWords; ++word) {
+      for (uint64_t bits = occupied_[word]; bits != 0; bits &= bits - 1) {
+        if (!feed.List(lists_, word * 64 + __builtin_ctzll(bits))) return;
+      }
+    }
+  }
+  // The front of its own bucket (estimate kept).
+  void Defer(uint32_t slot) override {
+    lists_.Remove(bucket_[slot], slot);
+    lists_.PushFront(bucket_[slot], slot);
   }
 
  private:

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -31,6 +32,19 @@ class CachePolicy {
   // Takes a row out of the order and returns its slot to reuse, or kNoSlot
   // when no row is ordered (all pinned).
   virtual uint32_t Evict() = 0;
+  // Lookahead eviction (MemCache::SetLookahead): the ordered slots in the
+  // order Evict would take them, Evict's victim first, changing nothing:
+  // visit(slot) for each until it returns false or `limit` were visited.
+  // The order after the first is each policy's own notion of "next coldest"
+  // (see the classes); a caller that takes another slot than the first does
+  // so with Detach, and gives the policy no visit.
+  virtual void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const = 0;
+  // The row, one ForEachCandidate named, was passed over because the
+  // lookahead window needs it: it goes behind the rows of its rank (as recent
+  // as a visit would make it, the rows it passes keeping their order) without
+  // counting a visit, so that the next eviction's walk does not meet it
+  // first again. Never allocates.
+  virtual void Defer(uint32_t slot) = 0;
 };
 
 // A policy for `capacity` slots.

@@ -78,6 +78,86 @@ class Arena {
 
 static_assert(kNoSlot == detail::KeyIndex::kNone, "a missing key reads as no slot");
 
+// One shard's lookahead window: key -> the position of its first occurrence
+// in SetLookahead's keys (smaller: needed sooner). Open addressing over a
+// power-of-two table at most half full. Also an Access call's own keys in a
+// shard, each at its next position in the call (Set as the call goes on).
+class Window {
+ public:
+  static constexpr uint32_t kAbsent = UINT32_MAX;
+
+  // Room for `n` distinct keys, none in yet.
+  void Reset(uint64_t n) {
+    uint64_t capacity = 16;
+    while (capacity < 2 * n) capacity *= 2;
+    keys_.assign(capacity, kEmptyKey);
+    positions_.assign(capacity, kAbsent);
+    mask_ = capacity - 1;
+    size_ = 0;
+  }
+  // keys[i] at positions[i], in increasing positions: each key at its first.
+  void Build(const std::vector<uint64_t>& keys, const std::vector<uint32_t>& positions) {
+    Reset(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      uint32_t& at = Entry(keys[i]);
+      if (at == kAbsent) at = positions[i];
+    }
+  }
+  // Puts key at position (kAbsent: no longer in the window). REQUIRES: room
+  // (Reset's n counts every key ever Set).
+  void Set(uint64_t key, uint32_t position) { Entry(key) = position; }
+  // The key's position, or kAbsent.
+  uint32_t Position(uint64_t key) const {
+    if (size_ == 0) return kAbsent;
+    for (uint64_t at = detail::Mix64(key) & mask_;; at = (at + 1) & mask_) {
+      if (keys_[at] == key) return positions_[at];
+      if (keys_[at] == kEmptyKey) return kAbsent;
+    }
+  }
+  uint64_t size() const { return size_; }  // keys ever Set (Build: distinct keys)
+  void swap(Window& other) noexcept {
+    keys_.swap(other.keys_);
+    positions_.swap(other.positions_);
+    std::swap(mask_, other.mask_);
+    std::swap(size_, other.size_);
+  }
+
+ private:
+  uint32_t& Entry(uint64_t key) {
+    uint64_t at = detail::Mix64(key) & mask_;
+    while (keys_[at] != kEmptyKey && keys_[at] != key) at = (at + 1) & mask_;
+    if (keys_[at] == kEmptyKey) {
+      keys_[at] = key;
+      ++size_;
+    }
+    return positions_[at];
+  }
+
+  std::vector<uint64_t> keys_;
+  std::vector<uint32_t> positions_;
+  uint64_t mask_ = 0;
+  uint64_t size_ = 0;
+};
+
+// The rest of an Access call's keys in one shard, the head of the lookahead
+// window while the call runs: key -> its next position in the call.
+struct CallWindow {
+  Window next;                   // positions 0..length-1, kAbsent past a key's last
+  std::vector<uint32_t> after;   // after[j]: the next position of the key at j, or kAbsent
+  uint32_t length = 0;
+
+  void Build(const uint64_t* keys, const std::vector<uint64_t>& mine) {
+    length = static_cast<uint32_t>(mine.size());
+    after.assign(mine.size(), Window::kAbsent);
+    next.Reset(mine.size());
+    for (size_t j = mine.size(); j-- > 0;) {  // from the back: each key ends at its first position
+      const uint64_t key = keys[mine[j]];
+      after[j] = next.Position(key);
+      next.Set(key, static_cast<uint32_t>(j));
+    }
+  }
+};
+
 struct Shard {
   mutable std::mutex mutex;
   uint32_t capacity = 0;
@@ -90,8 +170,12 @@ struct Shard {
   std::vector<uint32_t> dirty_slots;  // slots made dirty since the last flush (some since evicted)
   std::vector<uint32_t> free;
   std::unique_ptr<CachePolicy> policy;
+  Window window;  // the keys of the coming batches that hash here (SetLookahead)
+  bool lookahead = false;  // SetLookahead was called, and ClearLookahead not since
   uint64_t pinned = 0, dirty_rows = 0;
   uint64_t hits = 0, misses = 0, evictions = 0, dirty_evictions = 0;
+  uint64_t lookahead_spared = 0, lookahead_forced = 0;
+  std::vector<uint32_t> passed;  // Victim's scratch: candidates passed over (reserved while a window is set)
 };
 
 // A slot that TakeSlot gave for a new row: a free one, or a victim's, whose
@@ -403,8 +487,17 @@ class ShardedCache final : public MemCache {
       if (by_shard[s].empty()) continue;
       Shard& shard = shards_[s];
       std::unique_lock lock(shard.mutex);
-      for (uint64_t i : by_shard[s]) {
+      // With a window, the rest of this call's keys come before it (a
+      // replayed batch is one the pipeline would have pinned whole).
+      // (Fixed for the call: a window set meanwhile, while the lock is let go
+      // for the sink, counts from the next call on.)
+      const bool own = shard.lookahead && by_shard[s].size() < Window::kAbsent;
+      CallWindow call;
+      if (own) call.Build(keys, by_shard[s]);
+      for (size_t j = 0; j < by_shard[s].size(); ++j) {
+        const uint64_t i = by_shard[s][j];
         const uint64_t key = keys[i];
+        if (own) call.next.Set(key, call.after[j]);
         shard.policy->Record(key);
         const uint32_t at = shard.where.Find(key);
         const bool found = at != kNoSlot;
@@ -416,7 +509,7 @@ class ShardedCache final : public MemCache {
           continue;
         }
         ++shard.misses;
-        const TakenSlot t = TakeSlot(shard, &evicted);
+        const TakenSlot t = TakeSlot(shard, &evicted, own ? &call : nullptr);
         if (t.slot == kNoSlot) continue;  // all pinned: the access is served uncached
         if (t.dirty) {
           // Traces have no dirty rows; a cache that also has some stores
@@ -509,6 +602,49 @@ class ShardedCache final : public MemCache {
     return shard.where.Find(key) != kNoSlot;
   }
 
+  void SetLookahead(const uint64_t* keys, uint64_t n) override {
+    if (n > 0) CheckKeys(keys, n);
+    if (n >= uint64_t{UINT32_MAX}) {
+      throw std::invalid_argument("MEM-PS lookahead: " + std::to_string(n) + " keys; at most 2^32 - 2");
+    }
+    SwapWindows(WindowsOf(keys, n), /*on=*/true);
+  }
+
+  void ClearLookahead() override { SwapWindows(std::vector<Window>(shards_.size()), /*on=*/false); }
+
+  // The per-shard windows of SetLookahead's keys, built without a lock.
+  std::vector<Window> WindowsOf(const uint64_t* keys, uint64_t n) const {
+    std::vector<Window> windows(shards_.size());
+    {
+      std::vector<std::vector<uint64_t>> shard_keys(shards_.size());
+      std::vector<std::vector<uint32_t>> positions(shards_.size());
+      for (uint64_t i = 0; i < n; ++i) {
+        const size_t s = ShardOf(keys[i]);
+        shard_keys[s].push_back(keys[i]);
+        positions[s].push_back(static_cast<uint32_t>(i));
+      }
+      for (size_t s = 0; s < shards_.size(); ++s) {
+        if (!shard_keys[s].empty()) windows[s].Build(shard_keys[s], positions[s]);
+      }
+    }
+    return windows;
+  }
+
+  // Each shard's window in under its lock; the old ones are freed after,
+  // outside the locks.
+  void SwapWindows(std::vector<Window> windows, bool on) {
+    std::lock_guard lookahead_lock(lookahead_mutex_);
+    for (size_t s = 0; s < shards_.size() && on; ++s) {  // may throw bad_alloc: before any swap
+      std::lock_guard lock(shards_[s].mutex);
+      shards_[s].passed.reserve(kLookaheadScan);  // Victim's push_back never allocates
+    }
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      std::lock_guard lock(shards_[s].mutex);
+      shards_[s].window.swap(windows[s]);
+      shards_[s].lookahead = on;
+    }
+  }
+
   void CountFailedRelease() override { ++failed_releases_; }
 
   uint32_t row_bytes() const override { return row_bytes_; }
@@ -528,6 +664,9 @@ class ShardedCache final : public MemCache {
       st.misses += shard.misses;
       st.evictions += shard.evictions;
       st.dirty_evictions += shard.dirty_evictions;
+      st.lookahead_keys += shard.window.size();
+      st.lookahead_spared += shard.lookahead_spared;
+      st.lookahead_forced += shard.lookahead_forced;
     }
     std::lock_guard miss_lock(miss_mutex_);
     st.rows_loaded = rows_loaded_;
@@ -581,14 +720,14 @@ class ShardedCache final : public MemCache {
   // `evicted`. The victim's key and row stay in the slot (see TakenSlot).
   // Throws only bad_alloc, having changed nothing.
   // REQUIRES: shard.mutex and miss_mutex_ held.
-  TakenSlot TakeSlot(Shard& shard, SinkBatch* evicted) {
+  TakenSlot TakeSlot(Shard& shard, SinkBatch* evicted, const CallWindow* call = nullptr) {
     TakenSlot t;
     if (!shard.free.empty()) {
       t.slot = shard.free.back();
       shard.free.pop_back();
       return t;
     }
-    t.slot = shard.policy->Evict();
+    t.slot = Victim(shard, call);
     if (t.slot == kNoSlot) return t;
     t.victim = true;
     t.dirty = shard.dirty[t.slot] != 0;
@@ -606,6 +745,58 @@ class ShardedCache final : public MemCache {
     ++shard.evictions;
     shard.where.Erase(shard.keys[t.slot]);
     return t;
+  }
+
+  // Takes the policy's victim out of its order, or with a lookahead window,
+  // the first candidate not in the window (else the one needed latest among
+  // those scanned): see MemCache::SetLookahead. `call` (or null): an Access
+  // call's keys still to come, the window's head. kNoSlot when none is ordered.
+  // REQUIRES: shard.mutex held.
+  uint32_t Victim(Shard& shard, const CallWindow* call) {
+    if (!shard.lookahead || (shard.window.size() == 0 && call == nullptr)) return shard.policy->Evict();
+    struct Scan {
+      Shard& shard;
+      const CallWindow* call;
+      uint32_t seen = 0, spare = kNoSlot, latest = kNoSlot;
+      uint64_t latest_rank = 0;
+      bool Visit(uint32_t slot) {
+        ++seen;
+        shard.passed.push_back(slot);
+        const uint64_t key = shard.keys[slot];
+        uint64_t rank = call ? call->next.Position(key) : Window::kAbsent;
+        if (rank == Window::kAbsent) {
+          const uint32_t position = shard.window.Position(key);
+          if (position == Window::kAbsent) {
+            spare = slot;
+            return false;
+          }
+          rank = uint64_t{position} + (call ? call->length : 0);
+        }
+        if (latest == kNoSlot || rank > latest_rank) {
+          latest = slot;
+          latest_rank = rank;
+        }
+        return true;
+      }
+    } scan{shard, call};
+    shard.passed.clear();
+    // One pointer captured: the std::function holds it without allocating.
+    shard.policy->ForEachCandidate(kLookaheadScan, [s = &scan](uint32_t slot) { return s->Visit(slot); });
+    if (scan.seen == 0) return kNoSlot;
+    if (scan.spare != kNoSlot && scan.seen == 1) return shard.policy->Evict();  // the policy's victim, its own way
+    const uint32_t slot = scan.spare != kNoSlot ? scan.spare : scan.latest;
+    // The rows passed over go behind the others of their rank, coldest
+    // first, so that they keep their order and the next walk starts past them.
+    for (const uint32_t passed : shard.passed) {
+      if (passed != slot) shard.policy->Defer(passed);
+    }
+    if (scan.spare != kNoSlot) {
+      ++shard.lookahead_spared;
+    } else {
+      ++shard.lookahead_forced;
+    }
+    shard.policy->Detach(slot);
+    return slot;
   }
 
   // Undoes TakeSlot while the slot still holds its victim: the victim is
@@ -749,6 +940,7 @@ class ShardedCache final : public MemCache {
   Arena arena_;
   std::vector<Shard> shards_;
   mutable std::mutex miss_mutex_;  // loads, inserts, evictions and flushes
+  std::mutex lookahead_mutex_;     // one SetLookahead swaps its windows in at a time
   uint64_t rows_loaded_ = 0, rows_flushed_ = 0;  // guarded by miss_mutex_
   std::atomic<uint64_t> failed_releases_{0};
 };

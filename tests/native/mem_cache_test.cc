@@ -2,6 +2,8 @@
 // sink; several threads pulling at once (run under TSan).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -11,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "hps/keys.h"  // kEmptyKey
 #include "hps/mem_cache.h"
 
 namespace hps {
@@ -280,6 +283,270 @@ TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
   for (auto& th : threads) th.join();
   for (int t = 0; t < 4; ++t) EXPECT_EQ(bad[t], 0);
   EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// ---- lookahead eviction (SetLookahead)
+
+std::unique_ptr<MemCache> TraceCache(const std::string& policy, uint64_t capacity, uint32_t shards = 1) {
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = capacity;
+  o.shards = shards;
+  o.policy = ParseCachePolicy(policy);
+  return MemCache::New(o, nullptr, nullptr);
+}
+
+std::vector<uint64_t> ZipfLikeTrace(uint64_t n, uint64_t universe, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint64_t> trace(n);
+  for (uint64_t& k : trace) {
+    const uint64_t a = rng() % universe, b = rng() % universe;
+    k = std::min(a, b) * std::min(a, b) % universe + 1;  // skewed towards small keys
+  }
+  return trace;
+}
+
+std::vector<uint8_t> AccessAll(MemCache& cache, const std::vector<uint64_t>& keys) {
+  std::vector<uint8_t> hit(keys.size());
+  cache.Access(keys.data(), keys.size(), hit.data());
+  return hit;
+}
+
+class Lookahead : public ::testing::TestWithParam<std::string> {};
+
+// The row the policy would evict next is in the window: it stays, another goes.
+TEST_P(Lookahead, KeyInTheWindowSurvivesTheEvictionItWouldHaveLost) {
+  const std::vector<uint64_t> fill = ZipfLikeTrace(200, 40, 3);
+  auto plain = TraceCache(GetParam(), 8);
+  auto seen = TraceCache(GetParam(), 8);
+  AccessAll(*plain, fill);
+  AccessAll(*seen, fill);
+  uint64_t fresh = 1000;
+  // A key the plain cache evicts for a new one.
+  uint64_t victim = 0;
+  std::vector<uint64_t> cached;
+  for (uint64_t k = 1; k <= 40; ++k) {
+    if (plain->Contains(k)) cached.push_back(k);
+  }
+  ASSERT_EQ(cached.size(), 8u);
+  AccessAll(*plain, {fresh});
+  for (uint64_t k : cached) {
+    if (!plain->Contains(k)) victim = k;
+  }
+  ASSERT_NE(victim, 0u) << "the plain cache evicted none of its rows";
+  seen->SetLookahead(&victim, 1);
+  EXPECT_EQ(seen->stats().lookahead_keys, 1u);
+  AccessAll(*seen, {fresh});
+  EXPECT_TRUE(seen->Contains(victim)) << GetParam() << " evicted " << victim << ", a key in the window";
+  EXPECT_TRUE(seen->Contains(fresh));
+  EXPECT_EQ(seen->stats().size, 8u);
+  EXPECT_EQ(seen->stats().lookahead_spared, 1u);
+  EXPECT_EQ(seen->stats().lookahead_forced, 0u);
+}
+
+// No window or a cleared one: a replay is the one without lookahead, access
+// for access. A window that holds no cached key, or an empty one: Pulls are
+// as without one (Access, below, also counts its own keys as the window's head).
+TEST_P(Lookahead, EmptyOrDisjointWindowChangesNothing) {
+  const std::vector<uint64_t> trace = ZipfLikeTrace(20000, 3000, 11);
+  auto plain = TraceCache(GetParam(), 300, 2);
+  auto cleared = TraceCache(GetParam(), 300, 2);
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 300;
+  o.shards = 2;
+  o.policy = ParseCachePolicy(GetParam());
+  auto pulled = MemCache::New(o, backing.Loader(), backing.Sink());
+  auto disjoint = MemCache::New(o, backing.Loader(), backing.Sink());
+  const std::vector<uint64_t> never = {1u << 30, (1u << 30) + 1, (1u << 30) + 2};
+  for (size_t start = 0; start < trace.size(); start += 500) {
+    const std::vector<uint64_t> batch(trace.begin() + start, trace.begin() + start + 500);
+    cleared->SetLookahead(batch.data(), batch.size());
+    cleared->ClearLookahead();
+    disjoint->SetLookahead(never.data(), start % 1000 == 0 ? never.size() : 0);
+    ASSERT_EQ(AccessAll(*cleared, batch), AccessAll(*plain, batch)) << "batch at " << start;
+    std::vector<uint8_t> want(batch.size()), got(batch.size());
+    pulled->Pull(batch.data(), batch.size(), nullptr, /*pin=*/false, want.data());
+    disjoint->Pull(batch.data(), batch.size(), nullptr, /*pin=*/false, got.data());
+    ASSERT_EQ(got, want) << "batch at " << start;
+  }
+  EXPECT_EQ(cleared->stats().lookahead_keys, 0u);
+  EXPECT_EQ(disjoint->stats().lookahead_spared + disjoint->stats().lookahead_forced, 0u);
+  EXPECT_EQ(disjoint->stats().hits, pulled->stats().hits);
+}
+
+// With a window set, Access spares the rows its own later keys need: the
+// rest of a replayed batch is the window's head.
+TEST(MemCacheLookahead, AccessCountsItsOwnKeysAsTheWindowsHead) {
+  auto plain = TraceCache("lru", 2);
+  auto seen = TraceCache("lru", 2);
+  const std::vector<uint64_t> batch = {1, 2, 3, 1};
+  EXPECT_EQ(AccessAll(*plain, batch), (std::vector<uint8_t>{0, 0, 0, 0}));  // 3 evicts 1
+  const uint64_t later = 99;
+  seen->SetLookahead(&later, 1);
+  EXPECT_EQ(AccessAll(*seen, batch), (std::vector<uint8_t>{0, 0, 0, 1}));  // 3 evicts 2
+  // Past its last use in the call, a key is no longer in the window.
+  auto past = TraceCache("lru", 2);
+  past->SetLookahead(&later, 1);
+  EXPECT_EQ(AccessAll(*past, {2, 1, 1, 3, 2}), (std::vector<uint8_t>{0, 0, 1, 0, 1}));  // 3 evicts 1
+}
+
+// A window of the coming batches: hits at least as many as without (on this
+// trace, not a theorem), and correct rows through dirty evictions.
+TEST_P(Lookahead, WriteBacksSurviveLookaheadEvictions) {
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 64;
+  o.shards = 2;
+  o.policy = ParseCachePolicy(GetParam());
+  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  std::map<uint64_t, uint64_t> model;
+  std::mt19937_64 rng(7);
+  std::vector<std::vector<uint64_t>> batches(502);
+  for (auto& keys : batches) {
+    for (int j = 0; j < 20; ++j) {
+      const uint64_t k = rng() % 500;
+      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+    }
+  }
+  for (size_t step = 0; step + 2 < batches.size(); ++step) {
+    std::vector<uint64_t> window = batches[step + 1];
+    window.insert(window.end(), batches[step + 2].begin(), batches[step + 2].end());
+    cache->SetLookahead(window.data(), window.size());
+    const std::vector<uint64_t>& keys = batches[step];
+    std::vector<uint64_t> rows(keys.size());
+    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), true, nullptr);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const auto it = model.find(keys[i]);
+      ASSERT_EQ(rows[i], it == model.end() ? keys[i] * 1000 : it->second) << "step " << step;
+      rows[i] += 1;
+      model[keys[i]] = rows[i];
+    }
+    cache->WriteBack(keys.data(), keys.size(), reinterpret_cast<const uint8_t*>(rows.data()));
+  }
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_GT(st.dirty_evictions, 0u);
+  EXPECT_GT(st.lookahead_spared, 0u);
+  cache->FlushDirty();
+  for (const auto& [k, v] : model) ASSERT_EQ(backing.rows.at(k), v) << k;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Lookahead, ::testing::Values("lru", "lfu", "lru+lfu", "w-tinylfu", "tinylfu-lfu"));
+
+// Every row in the window: the one needed latest goes (Belady inside it).
+TEST(MemCacheLookahead, EveryRowInTheWindowEvictsTheOneNeededLatest) {
+  auto cache = TraceCache("lru", 3);
+  AccessAll(*cache, {1, 2, 3});
+  const std::vector<uint64_t> window = {3, 1, 3, 2, 1};  // 2 is needed last
+  cache->SetLookahead(window.data(), window.size());
+  EXPECT_EQ(cache->stats().lookahead_keys, 3u);
+  AccessAll(*cache, {4});
+  EXPECT_FALSE(cache->Contains(2));
+  EXPECT_TRUE(cache->Contains(1) && cache->Contains(3) && cache->Contains(4));
+  EXPECT_EQ(cache->stats().lookahead_forced, 1u);
+}
+
+// The scan stops after kLookaheadScan candidates: a row outside the window
+// but beyond them is not found, and the latest-needed row of those scanned goes.
+TEST(MemCacheLookahead, ScanIsBoundedByLookaheadScan) {
+  const uint32_t scan = MemCache::kLookaheadScan;
+  auto cache = TraceCache("lru", scan + 10);
+  std::vector<uint64_t> keys(scan + 10);
+  for (uint64_t k = 0; k < keys.size(); ++k) keys[k] = k + 1;
+  AccessAll(*cache, keys);  // 1 the least recent, scan + 10 the most
+  const std::vector<uint64_t> window(keys.begin(), keys.end() - 1);  // all but the most recent
+  cache->SetLookahead(window.data(), window.size());
+  AccessAll(*cache, {100000});
+  EXPECT_FALSE(cache->Contains(scan)) << "the latest-needed of the first kLookaheadScan candidates";
+  EXPECT_TRUE(cache->Contains(keys.back()));
+  EXPECT_EQ(cache->stats().lookahead_forced, 1u);
+}
+
+TEST(MemCacheLookahead, PinnedRowsStayOutOfReach) {
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 2;
+  o.shards = 1;
+  o.policy = CachePolicyKind::kLru;
+  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  const uint64_t one = 1, two = 2, three = 3;
+  cache->Pull(&one, 1, nullptr, /*pin=*/true, nullptr);
+  cache->Pull(&two, 1, nullptr, /*pin=*/false, nullptr);
+  cache->SetLookahead(&two, 1);
+  cache->Pull(&three, 1, nullptr, /*pin=*/false, nullptr);  // 2, in the window, is the only candidate
+  EXPECT_TRUE(cache->Contains(one));
+  EXPECT_FALSE(cache->Contains(two));
+  EXPECT_EQ(cache->stats().pinned, 1u);
+  const std::vector<uint64_t> both = {2, 4};
+  EXPECT_THROW(cache->Pull(both.data(), 2, nullptr, /*pin=*/true, nullptr), CacheFullError);
+  cache->Unpin(&one, 1);
+}
+
+TEST(MemCacheLookahead, ReservedKeyIsRefusedAndTheWindowStays) {
+  auto cache = TraceCache("lru", 4);
+  const std::vector<uint64_t> good = {1, 2};
+  cache->SetLookahead(good.data(), good.size());
+  const std::vector<uint64_t> bad = {3, kEmptyKey};
+  EXPECT_THROW(cache->SetLookahead(bad.data(), bad.size()), std::invalid_argument);
+  EXPECT_EQ(cache->stats().lookahead_keys, 2u);
+}
+
+// Under TSan: a prefetch thread replaces the window while others pull, pin,
+// unpin and replay; rows stay right and no pin is lost.
+TEST(MemCacheLookahead, WindowSwapsRaceNothing) {
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 256;
+  o.shards = 4;
+  o.policy = CachePolicyKind::kTinyLfuLfu;
+  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  std::vector<uint64_t> even(1000);
+  for (uint64_t k = 0; k < even.size(); ++k) even[k] = 2 * k;
+  cache->SetLookahead(even.data(), even.size());  // set before any eviction: some meet it
+  std::atomic<bool> done{false};
+  std::thread prefetch([&] {
+    std::mt19937_64 rng(99);
+    while (!done.load()) {
+      std::vector<uint64_t> window(500 + rng() % 500);
+      for (uint64_t& k : window) k = rng() % 2000;
+      cache->SetLookahead(window.data(), window.size());
+      (void)cache->stats();
+    }
+  });
+  std::vector<std::thread> threads;
+  std::vector<int> bad(3, 0);
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      for (int step = 0; step < 300; ++step) {
+        std::vector<uint64_t> keys;
+        for (int j = 0; j < 30; ++j) {
+          const uint64_t k = rng() % 2000;
+          if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+        }
+        if (t == 2) {
+          cache->Access(keys.data(), keys.size(), nullptr);
+          continue;
+        }
+        std::vector<uint64_t> rows(keys.size());
+        cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), true, nullptr);
+        for (size_t i = 0; i < keys.size(); ++i) bad[t] += rows[i] != keys[i] * 1000 && rows[i] != 0;
+        cache->Unpin(keys.data(), keys.size());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  done = true;
+  prefetch.join();
+  for (int t = 0; t < 3; ++t) EXPECT_EQ(bad[t], 0);
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_GT(st.lookahead_spared + st.lookahead_forced, 0u);
 }
 
 }  // namespace
