@@ -45,3 +45,60 @@ def test_lookahead_is_checked(tmp_path):
         Pipeline(ps, lambda loaded: None)
     with pytest.raises(TypeError, match=r"upcoming\[1\] must be an array of uint64 or int64, got float64"):
         ps.prefetch(np.array([1, 2], np.uint64), upcoming=[np.array([3], np.uint64), np.array([1.5])])
+
+
+def looping(batches=24, n=16, keys=96, fields=2):
+    """A loop over `keys` keys, a little more than the caches hold: without lookahead
+    LRU evicts each row just before it comes back."""
+    ring = np.arange(keys, dtype=np.uint64) * 11 + 5
+    flat = np.concatenate([ring] * (batches * n * fields // keys + 1))[:batches * n * fields]
+    return [flat[i * n * fields:(i + 1) * n * fields].reshape(n, fields) for i in range(batches)]
+
+
+class Step:
+    """A train step that reads its rows and pushes gradients that depend on them."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, loaded):
+        keys = loaded.data.keys
+        for w, idx in enumerate(loaded.minibatches):
+            if len(idx):
+                k = keys[idx].reshape(-1)
+                e = loaded.batch.pull(k, worker=w)
+                loaded.batch.push(k, (0.3 * e + 0.02).astype(np.float32), worker=w)
+
+
+class Keys:
+    def __init__(self, keys):
+        self.keys = keys
+        self.labels = np.zeros(len(keys), np.float32)
+
+
+def run_loop(tmp_path, name, k, **cfg):
+    ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / name), optimizer=hps.AdaGrad(lr=0.1),
+                                               lookahead=k, **cfg))
+    batches = looping()
+    Pipeline(ps, Step()).run([Keys(b) for b in batches], pipelined=True)
+    rows = ps.pull(np.unique(np.concatenate([b.ravel() for b in batches])))
+    return ps, rows
+
+
+def test_mem_ps_keeps_the_coming_batches_rows(tmp_path):
+    # MEM-PS of 80 rows (LRU) for a loop of 96 keys, 32 keys a batch.
+    cfg = {"mem_budget": 80 * (4 * 2 * 4 + 112), "cache_policy": "lru"}
+    plain, rows0 = run_loop(tmp_path, "k0", 0, **cfg)
+    ahead, rows2 = run_loop(tmp_path, "k2", 2, **cfg)
+    np.testing.assert_array_equal(rows0, rows2)  # which rows stay in memory changes no value
+    m0, m2 = plain.stats()["mem"], ahead.stats()["mem"]
+    assert m2["misses"] < m0["misses"], (m0["misses"], m2["misses"])
+
+
+def test_herald_caches_keep_the_coming_batches_rows(tmp_path):
+    cfg = {"devices": 2, "schedule": "herald", "worker_cache_rows": 40, "mem_budget": "4MiB"}
+    plain, rows0 = run_loop(tmp_path, "k0", 0, **cfg)
+    ahead, rows2 = run_loop(tmp_path, "k2", 2, **cfg)
+    np.testing.assert_allclose(rows0, rows2, rtol=1e-6, atol=1e-7)  # the same model, other partitions
+    h0, h2 = plain.stats()["device"]["herald"], ahead.stats()["device"]["herald"]
+    assert h2["ps_loads"] < h0["ps_loads"], (h0["ps_loads"], h2["ps_loads"])

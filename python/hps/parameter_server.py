@@ -801,6 +801,8 @@ class ParameterServer:
         after this one (the pipeline's lookahead window), which the caches keep
         when they must evict."""
         upcoming = self._check_upcoming(upcoming)
+        if upcoming is not None:  # MEM-PS keeps the coming batches' rows when it must evict
+            self._cache.set_lookahead(upcoming)
         if self._herald is not None:
             pre = self._pin_examples(keys)
             pre.upcoming = upcoming

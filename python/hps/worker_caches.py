@@ -201,7 +201,7 @@ class HeraldBatch(BatchBase):
         examples = pre.examples
         n, fields = examples.shape
         c.ensure_room(len(self.keys))
-        plan = c.herald.schedule(examples)
+        plan = c.herald.schedule(examples, upcoming=getattr(pre, "upcoming", None))  # lookahead: kept last
         self._plan = plan
         order = np.argsort(plan.assignment, kind="stable")
         bounds = np.searchsorted(plan.assignment[order], np.arange(W + 1))
