@@ -102,3 +102,16 @@ def test_herald_caches_keep_the_coming_batches_rows(tmp_path):
     np.testing.assert_allclose(rows0, rows2, rtol=1e-6, atol=1e-7)  # the same model, other partitions
     h0, h2 = plain.stats()["device"]["herald"], ahead.stats()["device"]["herald"]
     assert h2["ps_loads"] < h0["ps_loads"], (h0["ps_loads"], h2["ps_loads"])
+
+
+@pytest.mark.parametrize("cfg", [{"mem_budget": 80 * (4 * 2 * 4 + 112), "cache_policy": "lru"},
+                                 {"devices": 2, "schedule": "herald", "worker_cache_rows": 40, "mem_budget": "4MiB"}])
+def test_pipelined_run_equals_the_sequential_one_with_lookahead_on(tmp_path, cfg):
+    batches = looping()
+    rows = []
+    for pipelined in (False, True):
+        ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / str(pipelined)),
+                                                   optimizer=hps.AdaGrad(lr=0.1), lookahead=3, **cfg))
+        Pipeline(ps, Step()).run([Keys(b) for b in batches], pipelined=pipelined)
+        rows.append(ps.pull(np.unique(np.concatenate([b.ravel() for b in batches]))))
+    np.testing.assert_array_equal(rows[0], rows[1])
