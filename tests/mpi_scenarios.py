@@ -103,6 +103,7 @@ def run_train(node, out: str, args) -> None:
     cfg.checkpoint_every = args.checkpoint_every
     if args.herald:
         cfg.ps.schedule, cfg.ps.worker_cache_rows = "herald", args.herald
+    cfg.ps.lookahead = args.lookahead
     if args.die_at_checkpoint and node.rank == 1:
         # Rank 1 dies making that checkpoint, after its store's commit, once the
         # other ranks (which need no collective for theirs) have finished theirs.
@@ -214,6 +215,7 @@ def main() -> None:
     ap.add_argument("--die-at-checkpoint", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fail-at-step", type=int, default=0)
+    ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")
     ap.add_argument("--herald", type=int, default=0, metavar="ROWS",
                     help="schedule = 'herald' with caches of ROWS rows a rank")
     args = ap.parse_args()

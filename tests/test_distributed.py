@@ -117,6 +117,8 @@ def _assert_job_equals_single(tmp_path, world: int, steps: int, batches) -> dict
     (2, ("--mem-budget", "96KiB")),
     # Multi-hot fields: bags travel with each rank's examples, their keys to the owners.
     (3, ("--multi-hot",)),
+    # Lookahead: the coming keys go to their owners, whose MEM-PS keeps them; no value changes.
+    (2, ("--lookahead", "2", "--mem-budget", "96KiB")),
 ])
 def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, world, extra):
     from hps.distributed import owner_ranks
@@ -144,7 +146,12 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
     for r, b in enumerate(sent):
         asks = sum(int((owner_ranks(u, world) != q).sum()) for (t, q), u in distinct.items() if q == r)
         asked = sum(int((owner_ranks(u, world) == r).sum()) for (t, q), u in distinct.items() if q != r)
-        assert b["sparse_keys"] == asks * (8 + 4), f"rank {r}"
+        # Lookahead: each step a rank also sends the distinct keys of its next 2 batches
+        # to every other rank (sorted, 8 bytes each).
+        window = 0 if "--lookahead" not in extra else sum(
+            len(np.unique(np.concatenate([distinct[t + d, r] for d in (1, 2) if (t + d, r) in distinct] or
+                                         [np.empty(0, np.uint64)]))) * 8 * (world - 1) for t in range(steps))
+        assert b["sparse_keys"] == asks * (8 + 4) + window, f"rank {r}"
         assert b["sparse_grads"] == asks * dim * 4, f"rank {r}"
         assert b["sparse_rows"] == asked * dim * 4, f"rank {r}"
         if "--hierarchical" not in extra:
@@ -154,7 +161,7 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
 
 # ---------------------------------------------------------------- Herald: examples to the rows
 
-@pytest.mark.parametrize("world,extra", [(2, ()), (4, ("--sequential", "--uneven"))])
+@pytest.mark.parametrize("world,extra", [(2, ()), (4, ("--sequential", "--uneven")), (2, ("--lookahead", "3"))])
 def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extra):
     """BSP with Herald's schedule (ranks with caches of 150 rows, smaller than a step's
     keys: evictions every step) ends with the parameters of one process trained on the

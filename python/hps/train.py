@@ -622,9 +622,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     if cfg.ps.schedule == "herald" and node is not None and cfg.online:
         raise ValueError("[ps] schedule = 'herald' under mpiexec moves examples between ranks; online training "
                          "scores each rank's own examples (set online = false, or schedule = 'sequential')")
-    if cfg.ps.lookahead and node is not None:
-        raise ValueError("[ps] lookahead runs on one node; across the ranks of an MPI job the owners' caches are "
-                         "not told the coming keys yet (set lookahead = 0)")
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \

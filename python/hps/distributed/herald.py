@@ -22,7 +22,9 @@ their owners each step and the rows back, then the gradients. Here:
 So the job computes what the sequential one does, up to the order in which floats
 are summed (tests/test_distributed.py runs both on 2 and 4 ranks). Every rank runs
 the scheduler on the whole global batch: its cost does not fall with more ranks.
-Multi-hot fields are not taken (hps train refuses them), nor the lookahead window.
+With ``[ps] lookahead``, every rank's window goes to every rank (the scheduler keeps the
+job's window last) and to the owners (MEM-PS keeps it). Multi-hot fields are not taken
+(hps train refuses them).
 """
 from __future__ import annotations
 
@@ -162,9 +164,12 @@ class HeraldServer(DistributedServer):
         if not isinstance(keys, np.ndarray) or keys.ndim != 2 or keys.dtype not in (np.uint64, np.int64):
             raise ValueError(f"schedule = 'herald' takes (n_examples, fields) uint64 keys, got "
                              f"{getattr(keys, 'dtype', type(keys).__name__)} {getattr(keys, 'shape', '')}")
+        window = None
         if self._retry is not None and self._retry[0] is keys:
-            parts = self._retry[1]  # the exchange of a prefetch that found MEM-PS full: only pin again
+            parts, window = self._retry[1]  # the exchange of a prefetch that found MEM-PS full: only pin again
         else:
+            if upcoming is not None:  # every rank schedules with the job's window
+                window = self._lookahead(upcoming)
             # A rank's distinct keys (8 bytes each) and where each example's are among
             # them (4 bytes a key): about half the bytes of the keys themselves.
             flat = np.ascontiguousarray(keys).view(np.uint64)
@@ -182,9 +187,11 @@ class HeraldServer(DistributedServer):
         try:
             self.local._cache.pin(mine)
         except CacheFullError:
-            self._retry = (keys, parts)
+            self._retry = (keys, (parts, window))
             raise
-        return HeraldPrefetched(examples, starts, mine, self.local._cache)
+        pre = HeraldPrefetched(examples, starts, mine, self.local._cache)
+        pre.upcoming = window
+        return pre
 
     def batch(self, pre: HeraldPrefetched, overlap: bool = False) -> "HeraldDistBatch":
         return HeraldDistBatch(self, pre)
@@ -243,7 +250,7 @@ class HeraldDistBatch(BatchBase):
         n, fields = examples.shape
         uniq, inverse = _core.unique_keys(examples.reshape(-1))
         s.ensure_room(len(uniq))
-        plan = s.herald.schedule(examples)
+        plan = s.herald.schedule(examples, upcoming=getattr(pre, "upcoming", None))
         self._plan = plan
 
         # The examples to the ranks the schedule gives them (each rank's in its order).

@@ -179,13 +179,17 @@ class DistributedServer:
         if len(k):
             self.local.push(k, np.ascontiguousarray(np.concatenate(grads_in)))
 
-    def prefetch(self, keys: np.ndarray) -> DistPrefetched:
+    def prefetch(self, keys: np.ndarray, upcoming=None) -> DistPrefetched:
         """The pipeline's pull stage: keys to their owners, each owner pins what it
         was asked for. A CacheFullError leaves the exchange done; the pipeline's
-        retry with the same keys only pins again."""
+        retry with the same keys only pins again. ``upcoming`` (lookahead): the
+        keys of this rank's next batches, which go to their owners too, so that
+        each owner's MEM-PS keeps them when it must evict."""
         if self._retry is not None and self._retry[0] is keys:
             exchange = self._retry[1]
         else:
+            if upcoming is not None:
+                self._lookahead(upcoming)
             exchange = self._send_keys("prefetch", keys, "prefetch keys")
         self._retry = None
         uniq, order, counts, asked = exchange
@@ -196,6 +200,18 @@ class DistributedServer:
             self._retry = (keys, exchange)
             raise
         return DistPrefetched(uniq, order, counts, asked, local)
+
+    def _lookahead(self, upcoming) -> np.ndarray:
+        """Every rank's window, sent to the owners (collective, prefetch stage): each
+        owner's MEM-PS gets the coming keys it owns; returns the job's window, the
+        union of every rank's (sorted)."""
+        mine = np.unique(np.concatenate([np.asarray(u, np.uint64).reshape(-1) for u in upcoming])) \
+            if len(upcoming) else np.empty(0, np.uint64)
+        W = self.node.size
+        everyone = self.node.alltoallv("prefetch", [mine] * W, "sparse_keys", "lookahead keys")
+        window = np.unique(np.concatenate(everyone))
+        self.local._cache.set_lookahead(window[owner_ranks(window, W) == self.node.rank])
+        return window
 
     def batch(self, pre: DistPrefetched, overlap: bool = False) -> DistBatch:
         """The load stage: the union this rank was asked for goes onto its device
