@@ -619,8 +619,8 @@ struct Herald::Snapshot final : Herald::Impl {
   // Each batch key gets a new record at the log's end, a run for the batch
   // (its slot already points there); its old record (if any) dies. Then the
   // held keys of the window move to a run after it, before eviction.
-  // m: the held window keys Window found.
-  void Commit(HeraldPlan& plan, uint64_t U, uint64_t m) {
+  // held_window: the held window keys Window found.
+  void Commit(HeraldPlan& plan, uint64_t U, uint64_t held_window) {
     const int32_t W = opt.workers;
     constexpr uint64_t kAhead = 16;
     for (uint64_t u = 0; u < U; ++u) {
@@ -634,16 +634,16 @@ struct Herald::Snapshot final : Herald::Impl {
       }
     }
     bool rebuilt = false;
-    if (log_keys.size() + U + m > std::min<uint64_t>(log_keys.capacity(), kMaxRecords)) {
-      Compact(U + m, U);
+    if (log_keys.size() + U + held_window > std::min<uint64_t>(log_keys.capacity(), kMaxRecords)) {
+      Compact(U + held_window, U);
       rebuilt = true;
     }
     // Past 2^32 - 2 records the window's highest keys are not refreshed.
-    m = std::min(m, kMaxRecords - std::min(kMaxRecords, log_keys.size() + U));
+    held_window = std::min(held_window, kMaxRecords - std::min(kMaxRecords, log_keys.size() + U));
     if (opt.capacity > 0 && U > 0) runs.push_back(log_keys.size());
     log_keys.insert(log_keys.end(), uniq.begin(), uniq.begin() + static_cast<int64_t>(U));
     log_masks.insert(log_masks.end(), need.begin(), need.begin() + static_cast<int64_t>(U));
-    if (m > 0) Refresh(m, rebuilt);
+    if (held_window > 0) Refresh(held_window, rebuilt);
 
     // ---- eviction: a cache above capacity drops its least recently used keys ----
     if (opt.capacity > 0) {

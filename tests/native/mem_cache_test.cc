@@ -287,6 +287,17 @@ TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
 
 // ---- lookahead eviction (SetLookahead)
 
+// A cache of 8-byte rows over `backing` (its loader and sink), for the lookahead tests.
+std::unique_ptr<MemCache> BackedCache(Backing& backing, const std::string& policy, uint64_t capacity,
+                                      uint32_t shards) {
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = capacity;
+  o.shards = shards;
+  o.policy = ParseCachePolicy(policy);
+  return MemCache::New(o, backing.Loader(), backing.Sink());
+}
+
 std::unique_ptr<MemCache> TraceCache(const std::string& policy, uint64_t capacity, uint32_t shards = 1) {
   MemCacheOptions o;
   o.row_bytes = 8;
@@ -352,13 +363,8 @@ TEST_P(Lookahead, EmptyOrDisjointWindowChangesNothing) {
   auto plain = TraceCache(GetParam(), 300, 2);
   auto cleared = TraceCache(GetParam(), 300, 2);
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 300;
-  o.shards = 2;
-  o.policy = ParseCachePolicy(GetParam());
-  auto pulled = MemCache::New(o, backing.Loader(), backing.Sink());
-  auto disjoint = MemCache::New(o, backing.Loader(), backing.Sink());
+  auto pulled = BackedCache(backing, GetParam(), 300, 2);
+  auto disjoint = BackedCache(backing, GetParam(), 300, 2);
   const std::vector<uint64_t> never = {1u << 30, (1u << 30) + 1, (1u << 30) + 2};
   for (size_t start = 0; start < trace.size(); start += 500) {
     const std::vector<uint64_t> batch(trace.begin() + start, trace.begin() + start + 500);
@@ -396,12 +402,7 @@ TEST(MemCacheLookahead, AccessCountsItsOwnKeysAsTheWindowsHead) {
 // trace, not a theorem), and correct rows through dirty evictions.
 TEST_P(Lookahead, WriteBacksSurviveLookaheadEvictions) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 64;
-  o.shards = 2;
-  o.policy = ParseCachePolicy(GetParam());
-  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  auto cache = BackedCache(backing, GetParam(), 64, 2);
   std::map<uint64_t, uint64_t> model;
   std::mt19937_64 rng(7);
   std::vector<std::vector<uint64_t>> batches(502);
@@ -467,12 +468,7 @@ TEST(MemCacheLookahead, ScanIsBoundedByLookaheadScan) {
 
 TEST(MemCacheLookahead, PinnedRowsStayOutOfReach) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 2;
-  o.shards = 1;
-  o.policy = CachePolicyKind::kLru;
-  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  auto cache = BackedCache(backing, "lru", 2, 1);
   const uint64_t one = 1, two = 2, three = 3;
   cache->Pull(&one, 1, nullptr, /*pin=*/true, nullptr);
   cache->Pull(&two, 1, nullptr, /*pin=*/false, nullptr);
@@ -499,12 +495,7 @@ TEST(MemCacheLookahead, ReservedKeyIsRefusedAndTheWindowStays) {
 // unpin and replay; rows stay right and no pin is lost.
 TEST(MemCacheLookahead, WindowSwapsRaceNothing) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 256;
-  o.shards = 4;
-  o.policy = CachePolicyKind::kTinyLfuLfu;
-  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  auto cache = BackedCache(backing, "tinylfu-lfu", 256, 4);
   std::vector<uint64_t> even(1000);
   for (uint64_t k = 0; k < even.size(); ++k) even[k] = 2 * k;
   cache->SetLookahead(even.data(), even.size());  // set before any eviction: some meet it
