@@ -66,6 +66,12 @@ def train_config(path: str, dense_sync: str = "allreduce", k: int = 1, hierarchi
                                       ranks_per_node=ranks_per_node, timeout=timeout))
 
 
+def admission_config(threshold: int):
+    """[admission] with a sketch small enough (1 KiB) that keys share counters."""
+    from hps.train import AdmissionConfig
+    return AdmissionConfig(threshold=threshold, sketch_bytes="1KiB")
+
+
 def kstep_gradient(rank: int, step: int, x: np.ndarray) -> np.ndarray:
     """A rank's gradient at x: of 0.5 |x - target_r|^2 plus rank- and step-dependent noise."""
     target = np.linspace(-1, 1, len(x)).astype(np.float32) * (rank + 1)
@@ -104,6 +110,8 @@ def run_train(node, out: str, args) -> None:
     if args.herald:
         cfg.ps.schedule, cfg.ps.worker_cache_rows = "herald", args.herald
     cfg.ps.lookahead = args.lookahead
+    if args.admission:
+        cfg.admission = admission_config(args.admission)
     if args.die_at_checkpoint and node.rank == 1:
         # Rank 1 dies making that checkpoint, after its store's commit, once the
         # other ranks (which need no collective for theirs) have finished theirs.
@@ -138,7 +146,7 @@ def run_train(node, out: str, args) -> None:
                    "batches": summary["batches"], "examples": summary["examples"],
                    "merges": summary["distributed"]["dense_merges"],
                    "prefetch_waits": summary["pipeline"]["prefetch_waits"],
-                   "herald": summary["ps"].get("herald")}, f)
+                   "herald": summary["ps"].get("herald"), "admission": summary["admission"]}, f)
 
 
 def run_kstep(node, out: str, args) -> None:
@@ -216,6 +224,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fail-at-step", type=int, default=0)
     ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")
+    ap.add_argument("--admission", type=int, default=0, metavar="F", help="[admission] threshold = F")
     ap.add_argument("--herald", type=int, default=0, metavar="ROWS",
                     help="schedule = 'herald' with caches of ROWS rows a rank")
     args = ap.parse_args()

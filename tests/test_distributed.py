@@ -67,12 +67,14 @@ def test_remote_pull_push_equals_one_server(tmp_path, world, optimizer):
 # ---------------------------------------------------------------- training: k = 1 equals one process
 
 def _single_process_reference(tmp_path, world: int, steps: int, per_rank: int, uneven: bool,
-                              multi_hot: bool = False):
+                              multi_hot: bool = False, admission: int = 0):
     from hps.train import train
     batches = sc.global_batches(steps, per_rank, world, multi_hot=multi_hot)
     if uneven:  # the last rank's data ended two steps early
         batches = batches[:-2] + [sc.rank_part(b, 0, per_rank * (world - 1)) for b in batches[-2:]]
     cfg = sc.train_config(str(tmp_path / "single"))
+    if admission:
+        cfg.admission = sc.admission_config(admission)
     train(cfg, progress=False, train_batches=batches, eval_batches=[])
     return batches
 
@@ -85,9 +87,10 @@ def _ps_rows(path: str, keys: np.ndarray) -> np.ndarray:
         ps.close()
 
 
-def _assert_job_equals_single(tmp_path, world: int, steps: int, batches) -> dict:
+def _assert_job_equals_single(tmp_path, world: int, steps: int, batches, rtol: float = 1e-4,
+                              atol: float = 1e-6) -> dict:
     """Every rank's MLP and shard of the job under tmp_path/job equal the single
-    process's under tmp_path/single (float tolerance); returns its trainer state."""
+    process's under tmp_path/single (to rtol, atol); returns its trainer state."""
     import torch
     from hps.distributed import owner_ranks
     from hps.train import load_trainer_state
@@ -97,7 +100,7 @@ def _assert_job_equals_single(tmp_path, world: int, steps: int, batches) -> dict
         assert state["batches_done"] == steps
         assert state["examples_done"] == sum(len(b) for b in batches)
         for name, value in single["mlp"].items():
-            torch.testing.assert_close(state["mlp"][name], value, rtol=1e-4, atol=1e-6, msg=f"rank {r}: {name}")
+            torch.testing.assert_close(state["mlp"][name], value, rtol=rtol, atol=atol, msg=f"rank {r}: {name}")
     keys = np.unique(np.concatenate([b.all_keys().ravel() for b in batches]))
     expected = _ps_rows(str(tmp_path / "single"), keys)
     owners = owner_ranks(keys, world)
@@ -105,7 +108,7 @@ def _assert_job_equals_single(tmp_path, world: int, steps: int, batches) -> dict
         mine = owners == r
         assert mine.any()
         got = _ps_rows(str(tmp_path / "job" / "job" / f"rank{r}"), keys[mine])
-        np.testing.assert_allclose(got, expected[mine], rtol=1e-4, atol=1e-6, err_msg=f"rank {r}'s shard")
+        np.testing.assert_allclose(got, expected[mine], rtol=rtol, atol=atol, err_msg=f"rank {r}'s shard")
     return single
 
 
@@ -119,6 +122,9 @@ def _assert_job_equals_single(tmp_path, world: int, steps: int, batches) -> dict
     (3, ("--multi-hot",)),
     # Lookahead: the coming keys go to their owners, whose MEM-PS keeps them; no value changes.
     (2, ("--lookahead", "2", "--mem-budget", "96KiB")),
+    # Codecs on the sparse traffic: rows and gradients between ranks as bf16, then int8.
+    (2, ("--sparse-codec", "bf16")),
+    (3, ("--sparse-codec", "int8")),
 ])
 def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, world, extra):
     from hps.distributed import owner_ranks
@@ -126,7 +132,11 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
     scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, *extra)
     uneven, multi_hot = "--uneven" in extra, "--multi-hot" in extra
     batches = _single_process_reference(tmp_path, world, steps, per_rank, uneven, multi_hot)
-    single = _assert_job_equals_single(tmp_path, world, steps, batches)
+    codec = extra[extra.index("--sparse-codec") + 1] if "--sparse-codec" in extra else "none"
+    # A codec rounds what crosses: bf16 keeps 8 bits of mantissa, int8 a 1/254 of each row's
+    # largest value; after 6 steps the job is that far from the exact run, not further.
+    tol = {"none": (1e-4, 1e-6), "bf16": (2e-2, 2e-3), "int8": (5e-2, 5e-3)}[codec]
+    single = _assert_job_equals_single(tmp_path, world, steps, batches, *tol)
 
     reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(world)]
     if "--mem-budget" in extra:
@@ -152,11 +162,58 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
             len(np.unique(np.concatenate([distinct[t + d, r] for d in (1, 2) if (t + d, r) in distinct] or
                                          [np.empty(0, np.uint64)]))) * 8 * (world - 1) for t in range(steps))
         assert b["sparse_keys"] == asks * (8 + 4) + window, f"rank {r}"
-        assert b["sparse_grads"] == asks * dim * 4, f"rank {r}"
-        assert b["sparse_rows"] == asked * dim * 4, f"rank {r}"
+        row_bytes = {"none": dim * 4, "bf16": dim * 2, "int8": dim + 4}[codec]  # int8: a float32 scale a row
+        assert b["sparse_grads"] == asks * row_bytes, f"rank {r}"
+        assert b["sparse_rows"] == asked * row_bytes, f"rank {r}"
+        c = reports[r]["codecs"]
+        assert c["sparse_rows"]["before"] == asked * dim * 4 and c["sparse_rows"]["after"] == b["sparse_rows"]
+        assert c["sparse_grads"]["before"] == asks * dim * 4 and c["sparse_grads"]["after"] == b["sparse_grads"]
         if "--hierarchical" not in extra:
             # One gradient all-reduce of every dense parameter a step (payload counted).
             assert b["dense"] == steps * n_params * 4
+
+
+# ---------------------------------------------------------------- admission: the job's counts
+
+@pytest.mark.parametrize("world,extra,resume", [(2, (), True), (3, ("--multi-hot", "--uneven"), False)])
+def test_admission_counts_the_jobs_keys_as_one_process_over_global_batches(tmp_path, world, extra, resume):
+    """[admission] threshold = 3 under mpiexec counts the job's keys (every rank's
+    sketch counts each global step's keys of every rank): the job admits, reads the
+    default row and drops gradients exactly where one process trained on the global
+    batches does, so its parameters are that process's; resumed from a checkpoint
+    halfway (the sketch is in it) too. Per-rank counting would differ."""
+    from hps.admission import Admission
+    steps, per_rank, f = 6, 48, 3
+    uneven, multi_hot = "--uneven" in extra, "--multi-hot" in extra
+    args = ("--per-rank", per_rank, "--admission", f, *extra)
+    if resume:
+        scenario(world, "train", tmp_path / "job", "--steps", steps - 2, "--checkpoint-every", 2, *args)
+        scenario(world, "train", tmp_path / "job", "--steps", steps, "--checkpoint-every", 2, "--resume", *args)
+    else:
+        scenario(world, "train", tmp_path / "job", "--steps", steps, *args)
+    batches = _single_process_reference(tmp_path, world, steps, per_rank, uneven, multi_hot, admission=f)
+    _assert_job_equals_single(tmp_path, world, steps, batches)
+
+    single = json.loads((tmp_path / "single" / "train-summary.json").read_text())["admission"]
+    reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text())["admission"] for r in range(world)]
+    job_fields = ("occurrences_counted", "keys_admitted", "default_reads", "dropped_gradients", "sketch_bytes")
+    for rep in reports:  # the job's counts, on every rank, are one process's
+        assert {k: rep[k] for k in job_fields} == {k: single[k] for k in job_fields}
+        assert rep["ranks"] == reports[0]["ranks"]
+    ranks = reports[0]["ranks"]
+    assert sum(r["occurrences"] for r in ranks) == single["occurrences_counted"] == \
+        sum(int(b.all_keys().size) for b in batches)
+    assert sum(r["default_reads"] for r in ranks) == single["default_reads"] > 0
+    assert single["keys_admitted"] > 0
+    # Each rank counting only its own batches would admit later: more default reads.
+    per_rank_defaults = 0
+    for q in range(world):
+        own = Admission(f, sc.admission_config(f).sketch_bytes)
+        for t, g in enumerate(sc.global_batches(steps, per_rank, world, multi_hot=multi_hot)):
+            if not (uneven and q == world - 1 and t >= steps - 2):
+                own.train_batch(sc.rank_part(g, q, per_rank))
+        per_rank_defaults += own.default_reads
+    assert per_rank_defaults > single["default_reads"]
 
 
 # ---------------------------------------------------------------- Herald: examples to the rows

@@ -30,13 +30,21 @@ In training (``[admission]`` in ``hps train``'s TOML; docs/training.md) the
 pipeline's read stage rewrites each batch's keys, and evaluation batches are
 answered by :meth:`AdmissionSketch.query`, which counts nothing.
 
-Caveats: under mpiexec each rank counts only the batches it reads, so a key is
-admitted on a rank once that rank has seen it ``threshold`` times. Counters
-saturate at 255 (thresholds go up to 255).
+Under mpiexec the count is the job's: every rank keeps the same sketch and counts
+every rank's keys of each global step (:meth:`Admission.train_job_batch`: the
+step's keys are all-gathered, in rank order), so a key is admitted once the job's
+data has shown it ``threshold`` times, wherever its occurrences were read, and the
+answers are exactly those of one process trained on the global batches (the
+ranks' batches one after the other). The price is the all-gather: each rank
+receives every other rank's keys of each step (8 bytes an occurrence; counted as
+``admission`` bytes).
+
+Caveats: counters saturate at 255 (thresholds go up to 255).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Union
 
 import numpy as np
@@ -143,7 +151,10 @@ class Admission:
     ``threshold`` 1 admits every key and keeps no sketch: batches pass unchanged.
     Counters: ``default_reads`` (training occurrences that read the default row;
     each one's gradient is dropped, so ``dropped_gradients`` is the same number),
-    ``eval_reads`` / ``eval_default_reads`` (of the last evaluation).
+    ``eval_reads`` / ``eval_default_reads`` (of the last evaluation). In a job
+    (:meth:`train_job_batch`) these and the sketch's are the job's, the same on
+    every rank; ``rank_occurrences`` / ``rank_default_reads`` are this rank's
+    part (since the job last changed its number of ranks: a reshard sets them to 0).
     """
 
     def __init__(self, threshold: int = 1, sketch_bytes: Union[int, str] = "4MiB", seed: int = 0):
@@ -152,6 +163,8 @@ class Admission:
         self.default_reads = 0
         self.eval_reads = 0
         self.eval_default_reads = 0
+        self.rank_occurrences = 0
+        self.rank_default_reads = 0
         self._eval_pass = [0, 0]
 
     @property
@@ -165,6 +178,54 @@ class Admission:
         out, defaults = _rewrite(batch, self.sketch.admit)
         self.default_reads += defaults
         return out
+
+    def train_job_batch(self, batch, node):
+        """train_batch for one rank of a job (hps.distributed.Node): the step's keys of
+        every rank are counted, rank 0's first, as one batch (the global batch), then
+        this rank's batch is rewritten with its part of the answer. Collective: every
+        rank calls it once a step, in the same thread as the read stage's other
+        collectives (an empty batch where a rank's data has ended)."""
+        if self.sketch is None:
+            return batch
+        parts = _parts(batch)
+        every = node.allgather("read", parts, "admission (the step's keys)")
+        node.count("admission", sum(p.nbytes for p in parts) * (node.size - 1))
+        mask = self.sketch.admit(np.concatenate([every[r][i] for i in range(len(parts))
+                                                 for r in range(node.size)]))
+        self.default_reads += int(mask.size - np.count_nonzero(mask))
+        mine, at = [], 0
+        for i, part in enumerate(parts):
+            at += sum(len(every[r][i]) for r in range(node.rank))
+            mine.append(mask[at:at + len(part)])
+            at += sum(len(every[r][i]) for r in range(node.rank, node.size))
+        self.rank_occurrences += sum(len(p) for p in parts)
+        out, defaults = _apply(batch, mine)
+        self.rank_default_reads += defaults
+        return out
+
+    def agree(self, node) -> bool:
+        """Collective, on resume in a job: makes every rank's sketch and job counters
+        the same. A checkpoint of a job whose ranks counted only their own batches
+        (hps before job-wide counting) holds a sketch a rank: they are summed
+        (saturating), which bounds the job's counts from above as each rank's sketch
+        bounds its own. Returns whether anything changed."""
+        if self.sketch is None:
+            return False
+        counters = self.sketch.counters()
+        digest = hashlib.sha256(counters.tobytes()).hexdigest()
+        mine = (digest, self.sketch.occurrences, self.sketch.admitted, self.sketch.keys_admitted,
+                self.default_reads)
+        every = node.allgather("train", mine, "admission (the sketches agree)")
+        if len(set(every)) == 1:
+            return False
+        sketches = node.allgather("train", counters, "admission (the ranks' sketches)")
+        merged = np.minimum(np.sum(np.stack(sketches).astype(np.uint32), axis=0), 255).astype(np.uint8)
+        self.sketch._native.restore(merged)
+        self.sketch.occurrences = sum(e[1] for e in every)
+        self.sketch.admitted = sum(e[2] for e in every)
+        self.sketch.keys_admitted = sum(e[3] for e in every)  # (an upper bound: a key may count on several)
+        self.default_reads = sum(e[4] for e in every)
+        return True
 
     def eval_batch(self, batch):
         """The batch as evaluation reads it: keys never admitted replaced, nothing counted."""
@@ -182,7 +243,8 @@ class Admission:
 
     def state_dict(self) -> dict:
         return {"threshold": self.threshold, "default_reads": self.default_reads, "eval_reads": self.eval_reads,
-                "eval_default_reads": self.eval_default_reads,
+                "eval_default_reads": self.eval_default_reads, "rank_occurrences": self.rank_occurrences,
+                "rank_default_reads": self.rank_default_reads,
                 "sketch": None if self.sketch is None else self.sketch.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -191,6 +253,8 @@ class Admission:
                              f"this run has {self.threshold}")
         self.default_reads = int(state["default_reads"])
         self.eval_reads, self.eval_default_reads = int(state["eval_reads"]), int(state["eval_default_reads"])
+        self.rank_occurrences = int(state.get("rank_occurrences", 0))
+        self.rank_default_reads = int(state.get("rank_default_reads", 0))
         if self.sketch is not None:
             self.sketch.load_state_dict(state["sketch"])
 
@@ -205,9 +269,20 @@ class Admission:
                 "default_read_fraction": self.default_reads / counted if counted else 0.0,
                 "eval_reads": self.eval_reads, "eval_default_reads": self.eval_default_reads}
 
+    def rank_summary(self) -> dict:
+        """This rank's part of a job's counts (summary's are the job's)."""
+        return {"occurrences": self.rank_occurrences, "default_reads": self.rank_default_reads}
+
 
 def _occurrences(batch) -> int:
     return int(np.size(batch.keys)) + sum(len(b.keys) for b in getattr(batch, "bags", ()))
+
+
+def _parts(batch) -> list:
+    """The batch's keys as flat uint64 arrays: the single-hot fields' (row-major),
+    then each multi-hot field's. Concatenating two batches' rows concatenates
+    their parts one by one."""
+    return [_flat_keys(batch.keys)] + [_flat_keys(b.keys) for b in getattr(batch, "bags", ())]
 
 
 def _rewrite(batch, answer) -> tuple:
@@ -221,14 +296,22 @@ def _rewrite(batch, answer) -> tuple:
             return batch, 0
         return dataclasses.replace(batch, keys=np.where(mask, keys, _DEFAULT)), defaults
     # One sketch call for the single-hot keys and every bag: the batch is counted whole.
-    parts = [keys.reshape(-1)] + [b.keys for b in bags]
+    parts = _parts(batch)
     mask = answer(np.concatenate(parts))
-    defaults = int(mask.size - np.count_nonzero(mask))
+    return _apply(batch, np.split(mask, np.cumsum([len(p) for p in parts])[:-1]))
+
+
+def _apply(batch, masks: list) -> tuple:
+    """(batch with the keys where masks (one a part, _parts' order) are False
+    replaced by the default key, how many)."""
+    defaults = sum(int(m.size - np.count_nonzero(m)) for m in masks)
     if not defaults:
         return batch, 0
-    ends = np.cumsum([len(p) for p in parts])
-    masks = np.split(mask, ends[:-1])
+    bags = getattr(batch, "bags", ())
+    keys = np.asarray(batch.keys)
     new_keys = np.where(masks[0].reshape(keys.shape), keys, _DEFAULT)
+    if not bags:
+        return dataclasses.replace(batch, keys=new_keys), defaults
     new_bags = tuple(dataclasses.replace(b, keys=np.where(m, b.keys, _DEFAULT))
                      for b, m in zip(bags, masks[1:], strict=True))
     return dataclasses.replace(batch, keys=new_keys, bags=new_bags), defaults

@@ -451,9 +451,11 @@ class Trainer:
         y = np.concatenate(labels) if labels else np.empty(0, np.float32)
         p = np.concatenate(probs) if probs else np.empty(0, np.float32)
         if node is not None:
-            parts = node.allgather("train", (y, p), "evaluation scores")
-            y = np.concatenate([a for a, _ in parts])
-            p = np.concatenate([b for _, b in parts])
+            adm = self.admission
+            parts = node.allgather("train", (y, p, adm.eval_reads, adm.eval_default_reads), "evaluation scores")
+            y = np.concatenate([a for a, *_ in parts])
+            p = np.concatenate([b for _, b, *_ in parts])
+            adm.eval_reads, adm.eval_default_reads = sum(x[2] for x in parts), sum(x[3] for x in parts)  # the job's
         return {"auc": auc(y, p), "logloss": logloss(y, p), "eval_examples": len(y)}
 
 
@@ -651,6 +653,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         dense_hook(trainer)
     if node is not None:
         _check_resumed_step(trainer)
+        trainer.admission.agree(node)  # one sketch for the job (checkpoints before job-wide counting had one a rank)
         if trainer.batches_done == 0:
             trainer.dense_sync.broadcast_parameters()
         try:
@@ -675,9 +678,10 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         empty = hdata.Batch(np.empty(0, np.float32), np.empty((0, n_dense), np.float32),
                             np.empty((0, n_fields), np.uint64), (),
                             tuple(hdata.Bags(np.empty(0, np.uint64), np.zeros(1, np.int64)) for _ in range(n_bags)))
-        if trainer.admission.enabled:  # (each rank counts its own batches)
-            steps = map(trainer.admission.train_batch, steps)
         steps = trainer.ps.aligned(steps, empty)
+        if trainer.admission.enabled:  # the job's count: every rank counts the global step's keys
+            adm = trainer.admission
+            steps = (type(s)(adm.train_job_batch(s.examples, node), s.total_examples) for s in steps)
     if node is None and trainer.admission.enabled:
         # [admission]: the read stage counts each batch's keys and rewrites those not
         # admitted, before the prefetch pins the batch's rows.
@@ -806,7 +810,9 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             summary["online"]["files_read"] = len(files)
     if node is not None:
         ranks = node.allgather("train", {"examples": pipeline.stats.examples, "wall_seconds": wall,
-                                         "bytes_sent": dict(node.bytes_sent)}, "summary")
+                                         "bytes_sent": dict(node.bytes_sent),
+                                         "admission": trainer.admission.rank_summary()}, "summary")
+        summary["admission"]["ranks"] = [r.pop("admission") for r in ranks]  # the rest is the job's
         slowest = max(r["wall_seconds"] for r in ranks)
         trained = sum(r["examples"] for r in ranks)
         summary["examples_per_s"] = trained / slowest if slowest else 0.0

@@ -16,7 +16,7 @@ import numpy as np
 
 from hps.errors import HpsError
 
-COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "dense", "control")
+COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "dense", "control", "admission")
 
 
 class RankFailure(HpsError):
