@@ -88,7 +88,7 @@ def run_pullpush(node, out: str, args) -> None:
     import hps
     from hps.distributed import DistributedServer
     ds = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), args.optimizer)),
-                           node)
+                           node, sparse_rows=args.sparse_codec, sparse_grads=args.sparse_codec)
     pulled = {}
     for rnd in range(args.rounds):
         keys, grads = pullpush_round(node.rank, rnd, node.size)
@@ -112,6 +112,7 @@ def run_train(node, out: str, args) -> None:
     cfg.ps.lookahead = args.lookahead
     if args.admission:
         cfg.admission = admission_config(args.admission)
+    cfg.distributed.sparse_rows = cfg.distributed.sparse_grads = args.sparse_codec
     if args.die_at_checkpoint and node.rank == 1:
         # Rank 1 dies making that checkpoint, after its store's commit, once the
         # other ranks (which need no collective for theirs) have finished theirs.
@@ -146,7 +147,8 @@ def run_train(node, out: str, args) -> None:
                    "batches": summary["batches"], "examples": summary["examples"],
                    "merges": summary["distributed"]["dense_merges"],
                    "prefetch_waits": summary["pipeline"]["prefetch_waits"],
-                   "herald": summary["ps"].get("herald"), "admission": summary["admission"]}, f)
+                   "herald": summary["ps"].get("herald"), "admission": summary["admission"],
+                   "codecs": summary["ps"]["distributed"]["codecs"]}, f)
 
 
 def run_kstep(node, out: str, args) -> None:
@@ -225,6 +227,7 @@ def main() -> None:
     ap.add_argument("--fail-at-step", type=int, default=0)
     ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")
     ap.add_argument("--admission", type=int, default=0, metavar="F", help="[admission] threshold = F")
+    ap.add_argument("--sparse-codec", default="none", help="[distributed] sparse_rows and sparse_grads")
     ap.add_argument("--herald", type=int, default=0, metavar="ROWS",
                     help="schedule = 'herald' with caches of ROWS rows a rank")
     args = ap.parse_args()

@@ -316,7 +316,8 @@ class Trainer:
                 from hps.distributed.herald import HeraldServer
                 self.ps = HeraldServer(self.ps, node, cfg.ps.worker_cache_rows)
             else:
-                self.ps = DistributedServer(self.ps, node)
+                self.ps = DistributedServer(self.ps, node, sparse_rows=cfg.distributed.sparse_rows,
+                                            sparse_grads=cfg.distributed.sparse_grads)
             self.model.embedding.ps = self.ps
             self.dense_sync = DenseSync(node, params, cfg.dense_lr, cfg.distributed)
             self.opt = self.dense_sync.make_optimizer(lambda ps_: dense_adam(ps_, cfg.dense_lr))
@@ -621,6 +622,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     optimizer and dense sync (hps.hierarchical's split MLP does)."""
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
+    if cfg.ps.schedule == "herald" and node is not None and \
+            (cfg.distributed.sparse_rows, cfg.distributed.sparse_grads) != ("none", "none"):
+        raise ValueError("[distributed] sparse_rows and sparse_grads compress the sequential job's embeddings and "
+                         "gradients; schedule = 'herald' moves whole rows (with optimizer state) as float32: set "
+                         "them to 'none', or schedule = 'sequential'")
     if cfg.ps.schedule == "herald" and node is not None and cfg.online:
         raise ValueError("[ps] schedule = 'herald' under mpiexec moves examples between ranks; online training "
                          "scores each rank's own examples (set online = false, or schedule = 'sequential')")

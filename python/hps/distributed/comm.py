@@ -45,6 +45,8 @@ class DistributedConfig:
     hierarchical: bool = False      # all-reduce across nodes (log2 steps), then within each node
     ranks_per_node: int = 0         # 0: the ranks sharing this machine's memory (MPI's shared-memory split)
     timeout: float = 600.0          # seconds a rank waits for its peers before aborting the job
+    sparse_rows: str = "none"       # codec of embedding rows between ranks: "none", "bf16", "int8"
+    sparse_grads: str = "none"      # codec of sparse gradients between ranks: the same choices
 
     def check(self, source: str = "[distributed]") -> None:
         if self.dense_sync not in ("allreduce", "kstep"):
@@ -59,6 +61,11 @@ class DistributedConfig:
             raise ValueError(f"{source}: ranks_per_node must be >= 0, got {self.ranks_per_node}")
         if not self.timeout > 0:
             raise ValueError(f"{source}: timeout must be > 0 seconds, got {self.timeout}")
+        for name in ("sparse_rows", "sparse_grads"):
+            spec = getattr(self, name)
+            if spec not in ("none", "bf16", "int8"):
+                raise ValueError(f"{source}: {name} must be 'none', 'bf16' or 'int8' (a codec a row; top-k's error "
+                                 f"feedback needs the same tensor every step, which sparse rows are not), got {spec!r}")
 
 
 class _Watchdog:

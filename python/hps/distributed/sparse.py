@@ -14,6 +14,57 @@ from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
 
+class RowCodec:
+    """A codec for rows crossing between ranks (``[distributed] sparse_rows`` and
+    ``sparse_grads``; hps.hierarchical.codecs): each (n, width) float32 block packs
+    into (n, bytes a row) uint8, so one alltoallv carries it: bf16 2 bytes a value,
+    int8 1 byte a value and a float32 scale a row; "none" sends float32 as is.
+    ``counts``: bytes before (float32) and after, of the blocks sent to other ranks."""
+
+    def __init__(self, spec: str, width: int):
+        from hps.hierarchical.codecs import make_codec
+        self.spec, self.width = spec, width
+        self.codec = make_codec(spec)
+        self.before = self.after = 0
+
+    def pack(self, blocks: list, me: int) -> list:
+        if self.spec == "none":
+            sent = sum(b.nbytes for r, b in enumerate(blocks) if r != me)
+            self.before += sent
+            self.after += sent
+            return blocks
+        out = []
+        for r, b in enumerate(blocks):
+            b = np.ascontiguousarray(b, np.float32).reshape(-1, self.width)
+            arrays = self.codec.encode(b).arrays
+            packed = np.concatenate([a.reshape(len(b), -1).view(np.uint8) for a in arrays], axis=1) \
+                if len(b) else np.empty((0, self.row_bytes), np.uint8)
+            if r != me:
+                self.before += b.nbytes
+                self.after += packed.nbytes
+            out.append(packed)
+        return out
+
+    @property
+    def row_bytes(self) -> int:
+        return {"bf16": 2 * self.width, "int8": self.width + 4}.get(self.spec, 4 * self.width)
+
+    def unpack(self, blocks: list) -> list:
+        if self.spec == "none":
+            return blocks
+        from hps.hierarchical.codecs import Encoded
+        out = []
+        for b in blocks:
+            n, w = len(b), self.width
+            if self.spec == "bf16":
+                arrays = (np.ascontiguousarray(b).view(np.uint16).reshape(n, w),)
+            else:
+                arrays = (np.ascontiguousarray(b[:, :w]).view(np.int8), np.ascontiguousarray(b[:, w:]).view(np.float32)
+                          .reshape(n))
+            out.append(self.codec.decode(Encoded(self.spec, (n, w), arrays)))
+        return out
+
+
 def owner_ranks(keys: np.ndarray, world: int) -> np.ndarray:
     """The rank that owns each key (int64)."""
     return ((mix64(keys) >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
@@ -101,7 +152,9 @@ class DistBatch:
                 idx_blocks.append(t.astype(np.int32))
                 grad_blocks.append(grads[bounds[r]:bounds[r + 1]][t])
             idx_in = node.alltoallv("train", idx_blocks, "sparse_keys", "push positions")
-            grads_in = node.alltoallv("train", grad_blocks, "sparse_grads", "push gradients")
+            codec = self.server.grads_codec
+            grads_in = codec.unpack(node.alltoallv("train", codec.pack(grad_blocks, node.rank), "sparse_grads",
+                                                   "push gradients"))
             for src in range(node.size):
                 if len(idx_in[src]):
                     self.local.push(pre.asked[src][idx_in[src]], grads_in[src])
@@ -126,14 +179,17 @@ class DistributedServer:
     """The job's sparse parameters, sharded over the ranks; the same interface as
     hps.ParameterServer for hps.torch and the pipeline. ``pull``, ``push``,
     ``prefetch``, ``batch`` and ``checkpoint`` are collective: every rank calls
-    them in the same order (from the same pipeline stage)."""
+    them in the same order (from the same pipeline stage). ``sparse_rows`` and
+    ``sparse_grads``: the codecs of rows and gradients between ranks (RowCodec)."""
 
-    def __init__(self, local: ParameterServer, node: Node):
+    def __init__(self, local: ParameterServer, node: Node, *, sparse_rows: str = "none", sparse_grads: str = "none"):
         self.local = local
         self.node = node
         self.config = local.config
         self.dim = local.dim
         self._retry: Optional[tuple] = None  # the exchange of a prefetch that hit CacheFullError
+        self.rows_codec = RowCodec(sparse_rows, self.dim)  # [distributed] sparse_rows: rows to the askers
+        self.grads_codec = RowCodec(sparse_grads, self.dim)  # sparse_grads: gradients to the owners
 
     # -- exchange helpers
     def _send_keys(self, stage: str, keys: np.ndarray, what: str):
@@ -148,7 +204,8 @@ class DistributedServer:
         return uniq, order, counts, asked
 
     def _return_rows(self, stage: str, uniq, order, rows_out, what: str) -> np.ndarray:
-        rows_in = self.node.alltoallv(stage, rows_out, "sparse_rows", what)
+        rows_in = self.rows_codec.unpack(self.node.alltoallv(stage, self.rows_codec.pack(rows_out, self.node.rank),
+                                                              "sparse_rows", what))
         rows = np.empty((len(uniq), self.dim), np.float32)
         rows[order] = np.concatenate(rows_in) if rows_in else rows
         return rows
@@ -174,7 +231,9 @@ class DistributedServer:
         order = np.argsort(owners, kind="stable")
         cuts = np.cumsum(np.bincount(owners, minlength=self.node.size))[:-1]
         keys_in = self.node.alltoallv("train", np.split(keys[order], cuts), "sparse_keys", "push keys")
-        grads_in = self.node.alltoallv("train", np.split(grads[order], cuts), "sparse_grads", "push gradients")
+        codec = self.grads_codec
+        grads_in = codec.unpack(self.node.alltoallv("train", codec.pack(np.split(grads[order], cuts), self.node.rank),
+                                                    "sparse_grads", "push gradients"))
         k = np.concatenate(keys_in)
         if len(k):
             self.local.push(k, np.ascontiguousarray(np.concatenate(grads_in)))
@@ -253,7 +312,10 @@ class DistributedServer:
     def stats(self) -> dict:
         s = self.local.stats()
         s["distributed"] = {"rank": self.node.rank, "world": self.node.size, "nodes": self.node.nodes,
-                            "bytes_sent": dict(self.node.bytes_sent)}
+                            "bytes_sent": dict(self.node.bytes_sent),
+                            "codecs": {name: {"codec": c.spec, "before": c.before, "after": c.after}
+                                       for name, c in (("sparse_rows", self.rows_codec),
+                                                       ("sparse_grads", self.grads_codec))}}
         return s
 
     def close(self) -> None:
