@@ -216,3 +216,27 @@ def test_size_check_quick():
     assert abs(q["rows stored (distinct keys)"]["relative_error"]) < 0.15
     assert abs(q["MEM-PS hit rate"]["relative_error"]) < 0.15
     assert line["disk_at_end"]["within_trigger"] is True
+
+
+def test_herald_tables_are_sized_as_a_run_sizes_them(tmp_path, capsys):
+    """With schedule = "herald" the device tier persists: hps size gives the tables a
+    run grows to (a cache and a batch's distinct keys at most half a table) and the
+    scheduler's snapshot."""
+    cfg = write_config(tmp_path, budget="8MiB", examples=4096)
+    text = Path(cfg).read_text().replace("[ps]\n", "[ps]\ndevices = 4\nschedule = \"herald\"\nworker_cache_rows = 3000\n")
+    Path(cfg).write_text(text)
+    assert main(["size", "--config", cfg, "--sample", "4096", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["device"]
+    assert d["kind"].endswith("herald worker caches") and d["tiers"] == 1 and d["cache_rows"] == 3000
+    assert d["table_rows"] >= 2 * (3000 + d["most_keys_per_device"]) and d["scheduler_bytes"] == 19 * 4 * 3000
+    # The real run: its tables end at that size (the estimate's batches are the run's).
+    from hps.train import TrainConfig
+    from hps.parameter_server import ParameterServer
+    run = TrainConfig.from_toml(cfg)
+    ps = ParameterServer(run.ps)
+    for b in hps.data.SyntheticCriteo(seed=run.seed, batch_size=512, examples=4096):
+        with ps.batch(ps.prefetch(b.keys)) as batch:
+            for w, idx in enumerate(batch.partition()):
+                k = b.keys[idx].reshape(-1)
+                batch.push(k, np.zeros((len(k), 16), np.float32), worker=w)
+    assert ps.stats()["device"]["capacity_per_device"] == d["table_rows"]

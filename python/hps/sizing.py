@@ -152,6 +152,21 @@ def mem_capacity(budget_bytes: int, row_bytes: int) -> int:
     return int(_core.MemCache.capacity_for_budget(int(budget_bytes), int(row_bytes)))
 
 
+def herald_tables(devices: int, cache_rows: int, batch_distinct: int, row_floats: int, dim: int) -> dict:
+    """Herald's worker caches (hps.worker_caches): one tier whose tables persist, each
+    sized as WorkerCaches sizes it: twice a cache at first (64 to 2^16 rows), doubled
+    until a cache and a batch's distinct keys fill it at most half (a rebuild drops the
+    stale rows); and the scheduler's snapshot, about 19 bytes a cached key (W7), at most
+    devices x cache_rows keys."""
+    table = min(max(64, 1 << (2 * cache_rows - 1).bit_length()), 1 << 16)
+    while cache_rows + batch_distinct > 0.5 * table:
+        table *= 2
+    snapshot = 19 * devices * cache_rows
+    return {"devices": devices, "tiers": 1, "table_rows": table, "cache_rows": cache_rows,
+            "most_keys_per_device": batch_distinct, "scheduler_bytes": snapshot,
+            "bytes": device_tier_bytes(devices, table, row_floats, dim, 1) + snapshot}
+
+
 def device_tier_bytes(devices: int, table_rows: int, row_floats: int, dim: int, tiers: int) -> int:
     """Memory of the device tier: per tier and device, a table of rows (key + row_floats
     float32 a slot) and one of gradients (key + dim float32), ``table_rows`` slots each
@@ -449,8 +464,14 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
            "crc_table_bytes": ssd_crc_table_bytes(rows, row_bytes, fr)}
 
     # Device tier
-    in_place = ps.host_in_place and ps.devices == 1 and _core.cuda_device_count() < 1
-    if in_place:
+    in_place = ps.host_in_place and ps.devices == 1 and _core.cuda_device_count() < 1 \
+        and ps.schedule == "sequential"
+    if ps.schedule == "herald":
+        dev = herald_tables(ps.devices, ps.worker_cache_rows, max((len(b) for b in smp.batches), default=0),
+                            row_floats, ps.dim)
+        dev["kind"] = ("cuda" if _core.cuda_device_count() >= ps.devices else "host partitions") + \
+            ", herald worker caches"
+    elif in_place:
         dev = {"kind": "host, in place (MEM-PS rows)", "bytes": 0, "table_rows": 0}
     else:
         most = smp.most_per_device if ps.devices > 1 else max((len(b) for b in smp.batches), default=0)
@@ -471,7 +492,7 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
                     "rows": rows, "rows_from": rows_how},
             "mem": mem, "ssd": ssd, "device": dev, "hit": _plain(hit),
             "memory_bytes": mem["bytes_at_end"] + ssd["index_bytes"] + ssd["crc_table_bytes"] +
-            (dev["bytes"] if dev["kind"] != "cuda" else 0)}
+            (dev["bytes"] if not dev["kind"].startswith("cuda") else 0)}
 
 
 def _plain(d: dict) -> dict:
