@@ -187,3 +187,24 @@ def test_the_herald_example_trains_from_the_command_line(tmp_path):
     h = summary["device"]["herald"]
     assert h["batches"] == 8 and h["capacity_per_worker"] == 200000 and summary["device"]["devices"] == 4
     assert "herald: rows from MEM-PS, peers" in out.stderr
+
+
+def test_a_herald_run_resumed_from_a_checkpoint_learns_what_the_whole_run_learns(tmp_path):
+    """A checkpoint flushes the caches; a resumed run starts with empty caches (its
+    partitions differ from the whole run's, so floats sum in another order)."""
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    from hps.train import load_trainer_state, train
+    whole = train(train_config(tmp_path / "whole", "herald", checkpoint_every=4), progress=False)
+    half = train_config(tmp_path / "half", "herald", checkpoint_every=4)
+    half.data.train_examples = 256 * 6
+    train(half, progress=False)
+    resumed = train(train_config(tmp_path / "half", "herald", checkpoint_every=4), resume=True, progress=False)
+    assert resumed["batches"] == whole["batches"] == 10
+    assert abs(resumed["final"]["auc"] - whole["final"]["auc"]) < 1e-3
+    a, b = load_trainer_state(tmp_path / "whole")["mlp"], load_trainer_state(tmp_path / "half")["mlp"]
+    for name in a:
+        np.testing.assert_allclose(b[name].numpy(), a[name].numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    keys = np.unique(np.concatenate([x.keys.ravel() for x in hps.data.SyntheticCriteo(
+        seed=0, batch_size=256, examples=256 * 10, vocab_sizes=SMALL_VOCAB)]))
+    rows = [ParameterServer.open(str(tmp_path / p)).pull(keys) for p in ("whole", "half")]
+    np.testing.assert_allclose(rows[1], rows[0], rtol=1e-5, atol=1e-6)
