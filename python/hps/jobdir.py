@@ -200,9 +200,16 @@ def step_of(job: Job, number: Optional[int] = None) -> Optional[int]:
         import torch
     except ImportError:
         return None
+    import pickle
     try:
-        return int(torch.load(path, weights_only=True, map_location="cpu")["batches_done"])
-    except (FileNotFoundError, KeyError, RuntimeError, EOFError, OSError):
+        try:
+            state = torch.load(path, weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError:
+            # [admission]'s sketch counters are numpy arrays, which the weights-only
+            # unpickler refuses; hps train reads this file in full as well.
+            state = torch.load(path, weights_only=False, map_location="cpu")
+        return int(state["batches_done"])
+    except (FileNotFoundError, KeyError, RuntimeError, EOFError, OSError, pickle.UnpicklingError):
         return None  # pruned meanwhile, or not hps train's
 
 
