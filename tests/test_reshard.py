@@ -253,3 +253,84 @@ def test_the_old_files_a_crash_after_the_switch_left_go_at_the_next_resume(tmp_p
     for name in ("hps-parameter-server.json", "ssd", "checkpoints"):
         assert not os.path.exists(old / "job" / name), name
     assert dense_states(old / "job", 2)[0]["batches_done"] == STEPS + 2
+
+
+def one_process(path, steps: int, resume: bool, admission: int = 0) -> dict:
+    """hps train in this process over the global batches of 2 ranks of PER_RANK."""
+    from hps.train import train
+    cfg = sc.train_config(str(path))
+    cfg.checkpoint_every = EVERY
+    if admission:
+        cfg.admission = sc.admission_config(admission)
+    return train(cfg, resume=resume, progress=False, train_batches=sc.global_batches(steps, PER_RANK, 2),
+                 eval_batches=[])
+
+
+@pytest.mark.parametrize("admission", [0, 3])
+def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ranks, admission, capsys):
+    """N -> 1: a 2-rank job resumed by hps train --resume without mpiexec becomes one
+    parameter server at the job's root: every row whole (optimizer state too), the
+    dense state (MLP, Adam's moments and step) and the admission sketch as they
+    were; trained on, it equals the same reshard by the steps resumed in one
+    process (exactly), and one process that trained on the global batches from
+    the start (float tolerance; with admission, the job counted the job's keys)."""
+    import torch
+    from hps import reshard
+    from hps.train import load_trainer_state
+    if admission:
+        old = tmp_path / "old"
+        scenario(2, old, "--steps", STEPS, "--admission", admission)
+    else:
+        old = copy_of(two_ranks, tmp_path)
+    before = rows_of(old / "job")
+    before_dense = dense_states(old / "job", 2)[0]
+    shutil.copytree(old, tmp_path / "via_train")
+    ref = old / "job"
+    reshard.to_one_process(str(ref))
+    assert rows_of(ref) == {k: (0, row) for k, (_, row) in before.items()}
+    assert sorted(n for n in os.listdir(ref) if n.startswith(("rank", "job", "resharded"))) == []
+    state = load_trainer_state(str(ref))
+    assert state["batches_done"] == STEPS
+    assert all(torch.equal(state["mlp"][n], v) for n, v in before_dense["mlp"].items())
+    for i, st in before_dense["opt"]["state"].items():
+        assert all(torch.equal(state["opt"]["state"][i][n], v) for n, v in st.items())
+    if admission:
+        assert np.array_equal(state["admission"]["sketch"]["counters"], before_dense["admission"]["sketch"]["counters"])
+    from hps.jobdir import inspect
+    report = inspect(str(ref), verify=True)
+    assert (report["kind"], report["rows"], report["verify"]["ok"]) == ("parameter server", len(before), True)
+
+    one_process(ref, STEPS + 4, resume=True, admission=admission)
+    capsys.readouterr()
+    via = one_process(tmp_path / "via_train" / "job", STEPS + 4, resume=True, admission=admission)
+    assert "ran on 2 rank(s), this run has 1: resharding its checkpoint" in capsys.readouterr().err
+    assert via["batches"] == STEPS + 4
+    assert rows_of(tmp_path / "via_train" / "job") == rows_of(ref)
+    a, b = load_trainer_state(str(tmp_path / "via_train" / "job")), load_trainer_state(str(ref))
+    assert all(torch.equal(a["mlp"][n], v) for n, v in b["mlp"].items())
+
+    # One process all along, over the same global batches.
+    single = one_process(tmp_path / "single", STEPS + 4, resume=False, admission=admission)
+    s = load_trainer_state(str(tmp_path / "single"))
+    for n, v in s["mlp"].items():
+        torch.testing.assert_close(b["mlp"][n], v, rtol=1e-4, atol=1e-6, msg=n)
+    for i, st in s["opt"]["state"].items():
+        for n, v in st.items():
+            torch.testing.assert_close(b["opt"]["state"][i][n], v, rtol=1e-4, atol=1e-6, msg=f"{i}: {n}")
+    got, want = rows_of(ref), rows_of(tmp_path / "single")
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(np.frombuffer(got[k][1], np.float32), np.frombuffer(want[k][1], np.float32),
+                                   rtol=1e-4, atol=1e-6, err_msg=str(k))
+    if admission:
+        assert via["admission"]["default_reads"] == single["admission"]["default_reads"] > 0
+        assert via["admission"]["keys_admitted"] == single["admission"]["keys_admitted"]
+
+
+def test_a_kstep_job_does_not_reshard_to_one_process(tmp_path):
+    from hps import reshard
+    old = old_job(tmp_path, 2, sync="kstep")
+    listing = sorted(os.listdir(old / "job"))
+    with pytest.raises(ValueError, match="k-step Adam"):
+        reshard.to_one_process(str(old / "job"))
+    assert sorted(os.listdir(old / "job")) == listing

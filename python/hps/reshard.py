@@ -24,6 +24,15 @@ A crash before the switch leaves job.json naming checkpoint K of N ranks, whole:
 the job resumes on N ranks (each old rank rolls back to K and drops the partial
 K+1) or reshards again on M. A crash after it leaves the new job whole; the next
 resume removes the old files left over.
+
+Back to one process: a job of N ranks resumed by ``hps train --resume`` without
+mpiexec becomes a one-process parameter server at the job's root
+(``to_one_process``): step 2 writes every row as checkpoint K+1 of a parameter
+server at the root (its metadata naming K+1), and the switch is the rename of
+job.json to ``resharded-from.json`` (a job's root is read as a job while job.json
+is there); then the rank directories are removed (``remove_old_ranks``, run again
+by the next one-process run if a crash cut it short). k-step Adam's dense state
+(m a rank) has no one-process optimizer to go to: such a job resumes on ranks only.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ from hps.parameter_server import CHECKPOINTS, METADATA, _remove_tree, _replace_d
 
 JOB_MANIFEST = "job.json"
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
+RESHARDED_FILE = "resharded-from.json"  # a one-process server's root: the job.json of the job it was resharded from
 _CHUNK = 1 << 16               # rows moved per get / put
 
 
@@ -113,24 +123,50 @@ def merge_dense(states: list) -> dict:
 
     if "dense_sync" not in first:  # a one-process run's: its steps count as the k-step counter's
         first = {**first, "dense_sync": {"steps": first["batches_done"], "merges": 0}}
+    if first.get("admission") and first["admission"].get("sketch") is not None:
+        first = {**first, "admission": _merge_admission([s["admission"] for s in states])}
     if all(same(s["mlp"], first["mlp"]) and same(s["opt"], first["opt"]) for s in states[1:]):
         return first
     return {**first, "mlp": mean([s["mlp"] for s in states]), "opt": mean([s["opt"] for s in states])}
+
+
+def _merge_admission(states: list) -> dict:
+    """The [admission] state of every new rank: the job's sketch and counts (every
+    rank of a job keeps the same; hps.admission), each rank's part set to 0. Old
+    ranks that each counted their own batches (a checkpoint of hps before job-wide
+    counting) have their sketches summed (saturating) and their counts added."""
+    first = states[0]
+    sketches = [s["sketch"] for s in states]
+    same = all(np.array_equal(k["counters"], sketches[0]["counters"]) and
+               all(k[n] == sketches[0][n] for n in ("occurrences", "admitted", "keys_admitted")) for k in sketches)
+    out = {**first, "rank_occurrences": 0, "rank_default_reads": 0}
+    if not same:
+        counters = np.minimum(np.sum([np.asarray(k["counters"], np.uint32) for k in sketches], axis=0), 255)
+        out["sketch"] = {**sketches[0], "counters": counters.astype(np.uint8),
+                         **{n: sum(int(k[n]) for k in sketches) for n in ("occurrences", "admitted", "keys_admitted")}}
+        out["default_reads"] = sum(int(s["default_reads"]) for s in states)
+    return out
 
 
 def _rank_dir(root: str, rank: int) -> str:
     return os.path.join(root, f"rank{rank}")
 
 
-def write_rank(root: str, world: int, rank: int) -> tuple:
+def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> tuple:
     """Step 2 (module docstring) for new rank `rank` of `world`; returns (the old
-    checkpoint, the new one's number, rows written)."""
+    checkpoint, the new one's number, rows written). `one_process` (world 1, rank
+    0): the rows go to a parameter server at the root (to_one_process)."""
     view = pin(root)
     try:
         job = view.job
         number = view.checkpoint + 1
-        rank_dir = _rank_dir(root, rank)
-        if not job.distributed or rank >= job.world:
+        rank_dir = root if one_process else _rank_dir(root, rank)
+        if one_process:
+            from hps.train import _discard_run
+            _discard_run(root)  # what an earlier reshard to one process that did not finish left
+            meta = {**job.metadata, "checkpoint": None}
+            _write_durable(os.path.join(root, METADATA), json.dumps(meta, indent=1).encode())
+        elif not job.distributed or rank >= job.world:
             _remove_tree(rank_dir)  # no rank of the old job: left by an earlier reshard that did not finish
             os.makedirs(rank_dir)
             meta = {**job.metadata, "checkpoint": None}
@@ -172,6 +208,10 @@ def write_rank(root: str, world: int, rank: int) -> tuple:
         _sync_dir(tmp)
         os.rename(tmp, final)
         _sync_dir(os.path.dirname(final))
+        if one_process:  # the root's server names it (read only once job.json is gone)
+            meta = {**job.metadata, "checkpoint": number}
+            _write_durable(os.path.join(root, METADATA + ".tmp"), json.dumps(meta, indent=1).encode())
+            _replace_durable(os.path.join(root, METADATA + ".tmp"), os.path.join(root, METADATA))
         return view.checkpoint, number, written
     finally:
         view.close()
@@ -210,3 +250,42 @@ def remove_old(root: str) -> None:
         _discard_run(root)
     _sync_dir(root)
 
+
+
+def to_one_process(root: str) -> tuple:
+    """Reshards the job of N ranks at root into one parameter server at root (module
+    docstring); returns (the old job as check_source gives it, the new checkpoint,
+    rows written). Raises ValueError for a k-step Adam job, before writing anything."""
+    old = check_source(root)
+    if not old["distributed"]:
+        raise ValueError(f"{root} holds one parameter server already, not a job of ranks")
+    job = read_job(root)
+    dense = _load_state(os.path.join(job.checkpoint_dir(0), TRAINER_STATE))
+    if any("m" in st for st in dense["opt"].get("state", {}).values()):
+        raise ValueError(f"{root}: the job trained its MLP with k-step Adam ([distributed] dense_sync = 'kstep'), "
+                         f"whose state (m a rank) one process has no optimizer for; resume it under mpiexec")
+    _, number, written = write_rank(root, 1, 0, one_process=True)
+    manifest = os.path.join(root, JOB_MANIFEST)
+    current = read_job(root)
+    if (current.world, current.checkpoint) != (old["world"], old["checkpoint"]):
+        raise RuntimeError(f"{root}: the job changed during the reshard (now {current.world} ranks at checkpoint "
+                           f"{current.checkpoint}, was {old['world']} at {old['checkpoint']}); resume it again")
+    _replace_durable(manifest, os.path.join(root, RESHARDED_FILE))  # the switch
+    remove_old_ranks(root)
+    return old, number, written
+
+
+def remove_old_ranks(root: str) -> None:
+    """What a job resharded to one process (to_one_process) left: its rank
+    directories, then the record of it. Run again by each one-process run (a crash
+    may cut it short)."""
+    record = os.path.join(root, RESHARDED_FILE)
+    if not os.path.exists(record):
+        return
+    with open(record) as f:
+        world = int(json.load(f)["world"])
+    for r in range(world):
+        if os.path.isdir(_rank_dir(root, r)):
+            shutil.rmtree(_rank_dir(root, r))
+    os.remove(record)
+    _sync_dir(root)

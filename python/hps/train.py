@@ -285,9 +285,18 @@ class Trainer:
         job = os.path.join(cfg.ps.path, JOB_MANIFEST)
         if node is None and os.path.exists(job):
             with open(job) as f:
-                world = json.load(f)["world"]
-            raise ValueError(f"{cfg.ps.path} holds a distributed job of {world} ranks; run it with "
-                             f"mpiexec -n {world} hps train ...")
+                manifest = json.load(f)
+            world = manifest["world"]
+            if not resume or manifest.get("checkpoint") is None:
+                raise ValueError(f"{cfg.ps.path} holds a distributed job of {world} ranks; run it with "
+                                 f"mpiexec -n {world} hps train ..." + (
+                                     ", or pass --resume to continue it in this one process"
+                                     if manifest.get("checkpoint") is not None else ""))
+            _plan_reshard(cfg.ps.path, 1)  # back to one process: a parameter server at the root
+            _, new, rows = reshard.to_one_process(cfg.ps.path)
+            _notice(f"resharded: {rows:,} rows now in one process as checkpoint {new}")
+        if node is None:
+            reshard.remove_old_ranks(cfg.ps.path)  # (what a crash right after such a reshard's switch left)
         has_ps, stored = stored_checkpoint(path)
         if node is None:
             if has_ps and stored is not None and not resume:
