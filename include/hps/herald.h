@@ -70,7 +70,7 @@
 //
 // Memory: a key some cache holds is one live log record, stored once however
 // many workers hold it: 8 bytes of key and a holder mask of 1, 2, 4 or 8 bytes
-// (W <= 8, 16, 32, 64). Retraining a key moves its record to the log's end and
+// (W <= 8, 16, 32, 64), packed together so that one read gives both. Retraining a key moves its record to the log's end and
 // leaves a dead one; a log out of room is compacted into room for 1.25 x (its
 // live records + the batch's keys), up to 10% more where its old room is in
 // that band. The key index takes 4 bytes a slot (the record's position and,

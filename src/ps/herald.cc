@@ -78,6 +78,14 @@ void SortUnique(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp, std::ve
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
 }
 
+// A log record: a key and its holders, packed (9 bytes with 8-bit masks), so
+// that the one read that confirms a fingerprint match also gives the holders.
+template <class Mask>
+struct __attribute__((packed)) LogRecord {
+  uint64_t key;
+  Mask mask;
+};
+
 // Tunables of the snapshot's memory (the header's Memory paragraph).
 constexpr double kMaxLoad = 0.8;     // the key index grows past this load...
 constexpr double kGrownLoad = 0.55;  // ...to this one
@@ -101,7 +109,7 @@ struct Herald::Impl {
 
 // The snapshot for holder masks of type Mask (W <= its bits).
 //
-// log_keys/log_masks: a record per (key, batch that last trained it), in
+// log: a record (key and holders, LogRecord) per (key, batch that last trained it), in
 // training order, a run per batch starting at runs[r] (with a capacity; the
 // runs order the records by their batch). A record is live while its mask is
 // not 0: it lost its holders to a later batch (which appended a new record)
@@ -124,12 +132,13 @@ struct Herald::Impl {
 //
 // A batch's keys are found with one probe each, in the snapshot index itself
 // (no table of the batch's distinct keys): a key's first appearance points
-// its slot at the record it will get at the log's end (log_keys.size() + u
+// its slot at the record it will get at the log's end (log.size() + u
 // for the u-th distinct key, "pending"), inserting the slot if the key is
 // new, so the key's later appearances find u there. The old record (if any)
-// is kept in old[u] and dies when the batch is committed. Until then the pass
-// can be undone (Rollback), so a failed allocation leaves the snapshot as it
-// was.
+// dies there and then (its mask, read into latest[u], is zeroed while the
+// record is in cache), its position kept in old[u]. Until the batch is
+// committed the pass can be undone (Rollback revives the old records), so a
+// failed allocation leaves the snapshot as it was.
 template <class Mask>
 struct Herald::Snapshot final : Herald::Impl {
   static constexpr uint32_t kFree = ~uint32_t{0};
@@ -143,6 +152,16 @@ struct Herald::Snapshot final : Herald::Impl {
   explicit Snapshot(const HeraldOptions& options)
       : opt(options), held(options.workers, 0), cursor(options.workers, 0), score(options.workers, 0) {
     Rebuild(kMinSlots, 0);
+  }
+
+  using Record = LogRecord<Mask>;
+
+  // Fetches the record at `pos` (both lines where it straddles two).
+  void Touch(uint64_t pos) const {
+    const char* r = reinterpret_cast<const char*>(log.data() + pos);
+    __builtin_prefetch(r);
+    const char* last = r + sizeof(Record) - 1;
+    if (((reinterpret_cast<uintptr_t>(r) ^ reinterpret_cast<uintptr_t>(last)) & ~uintptr_t{63}) != 0) __builtin_prefetch(last);
   }
 
   // ---- the key index ----
@@ -164,7 +183,7 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   // Rebuilds the index with `slots` slots from the live records and the
-  // pending ones (uniq[0 : pending) at positions log_keys.size() + u), with
+  // pending ones (uniq[0 : pending) at positions log.size() + u), with
   // position bits for positions up to `limit`. The new table is allocated
   // before the old one is dropped.
   void Rebuild(uint64_t slots, uint64_t limit, uint64_t pending = 0) {
@@ -180,20 +199,27 @@ struct Herald::Snapshot final : Herald::Impl {
     pos_mask = bits == 32 ? ~uint32_t{0} : static_cast<uint32_t>((uint64_t{1} << bits) - 1);
     tombs = 0;
     used = 0;
-    // Each record's home slot is fetched kAhead records ahead of its insert.
-    constexpr uint64_t kAhead = 16;
-    const uint64_t n = log_keys.size();
+    // Each live record's home slot is fetched kAhead live records ahead of
+    // its insert (ahead[] keeps their hashes and positions).
+    constexpr uint64_t kAhead = 32;
+    std::array<std::pair<uint64_t, uint64_t>, kAhead> ahead;
+    uint64_t queued = 0, done = 0;
+    auto add = [&](uint64_t key, uint64_t pos) {
+      const uint64_t hash = Hash(key);
+      __builtin_prefetch(&index[Home(hash)], 1);
+      if (queued - done == kAhead) {
+        const auto& [h, q] = ahead[done++ % kAhead];
+        Place(h, q);
+      }
+      ahead[queued++ % kAhead] = {hash, pos};
+    };
+    const uint64_t n = log.size();
     for (uint64_t p = 0; p < n; ++p) {
-      if (p + kAhead < n) __builtin_prefetch(&index[Home(Hash(log_keys[p + kAhead]))], 1);
-      if (log_masks[p] == 0) continue;
-      Place(Hash(log_keys[p]), p);
-      ++used;
+      if (log[p].mask != 0) add(log[p].key, p);
     }
-    for (uint64_t u = 0; u < pending; ++u) {
-      if (u + kAhead < pending) __builtin_prefetch(&index[Home(Hash(uniq[u + kAhead]))], 1);
-      Place(Hash(uniq[u]), n + u);
-      ++used;
-    }
+    for (uint64_t u = 0; u < pending; ++u) add(uniq[u], n + u);
+    for (; done < queued; ++done) Place(ahead[done % kAhead].first, ahead[done % kAhead].second);
+    used = queued;
   }
 
   // Slots for `entries` keys below kMaxLoad, tombstones counted: grown to
@@ -226,7 +252,7 @@ struct Herald::Snapshot final : Herald::Impl {
   // 64), and rebuilds the index with the `pending` keys of the batch after
   // the live records.
   void Compact(uint64_t more, uint64_t pending) {
-    const uint64_t n = log_keys.size();
+    const uint64_t n = log.size();
     const uint64_t live = n - dead;
     std::vector<RankBlock> blocks(n / 64 + 1);
     uint64_t at = 0;
@@ -234,9 +260,8 @@ struct Herald::Snapshot final : Herald::Impl {
       blocks[b].base = at;
       uint64_t bits = 0;
       for (uint64_t p = 64 * b, end = std::min(n, p + 64); p < end; ++p) {
-        const Mask m = log_masks[p];
-        log_keys[at] = log_keys[p];  // at <= p: in place
-        log_masks[at] = m;
+        const Mask m = log[p].mask;
+        log[at] = log[p];  // at <= p: in place
         bits |= uint64_t{m != 0} << (p % 64);
         at += m != 0;
       }
@@ -246,25 +271,20 @@ struct Herald::Snapshot final : Herald::Impl {
       const RankBlock& b = blocks[p / 64];
       return b.base + Popcount64(b.bits & ((uint64_t{1} << (p % 64)) - 1));
     };
-    log_keys.resize(live);
-    log_masks.resize(live);
+    log.resize(live);
     // Room for kLogRoom x (live + more), give or take kRoomBand: a log within
     // the band keeps its pages (new ones would cost a page fault each, most
     // of a compaction's time).
     const uint64_t want = static_cast<uint64_t>(kLogRoom * static_cast<double>(live + more)) + 64;
-    const uint64_t cap = log_keys.capacity();
+    const uint64_t cap = log.capacity();
     const bool keep = cap >= want && static_cast<double>(cap) <= (1 + kRoomBand) * static_cast<double>(want);
     const uint64_t room =
         std::min(kMaxRecords, keep ? cap : static_cast<uint64_t>((1 + kRoomBand / 2) * static_cast<double>(want)));
-    if (log_keys.capacity() != room) {
-      std::vector<uint64_t> keys;
-      std::vector<Mask> masks;
-      keys.reserve(room);
-      masks.reserve(room);
-      keys.assign(log_keys.begin(), log_keys.end());
-      masks.assign(log_masks.begin(), log_masks.end());
-      log_keys = std::move(keys);
-      log_masks = std::move(masks);
+    if (log.capacity() != room) {
+      std::vector<Record> records;
+      records.reserve(room);
+      records.assign(log.begin(), log.end());
+      log = std::move(records);
     }
     std::vector<uint64_t> kept;
     for (uint64_t r = 0; r < runs.size(); ++r) {
@@ -287,18 +307,18 @@ struct Herald::Snapshot final : Herald::Impl {
     uint64_t p = cursor[w];
     uint64_t r = static_cast<uint64_t>(std::upper_bound(runs.begin(), runs.end(), p) - runs.begin()) - 1;
     auto lose = [&](uint64_t q) {
-      log_masks[q] &= static_cast<Mask>(~bit);
-      evicted.push_back(log_keys[q]);
-      if (log_masks[q] == 0) {
+      log[q].mask &= static_cast<Mask>(~bit);
+      evicted.push_back(log[q].key);
+      if (log[q].mask == 0) {
         emptied.push_back(q);
         emptied_from.push_back(w);
       }
     };
     while (drop > 0) {  // held counts live records: the log cannot run dry first
-      const uint64_t end = r + 1 < runs.size() ? runs[r + 1] : log_keys.size();
+      const uint64_t end = r + 1 < runs.size() ? runs[r + 1] : log.size();
       mine.clear();
       for (uint64_t q = p; q < end; ++q) {
-        if (log_masks[q] & bit) mine.push_back(q);
+        if (log[q].mask & bit) mine.push_back(q);
       }
       if (mine.size() <= drop) {
         for (uint64_t q : mine) lose(q);
@@ -308,7 +328,7 @@ struct Herald::Snapshot final : Herald::Impl {
         continue;
       }
       const auto cut = mine.begin() + static_cast<int64_t>(drop);
-      std::nth_element(mine.begin(), cut, mine.end(), [&](uint64_t a, uint64_t b) { return log_keys[a] < log_keys[b]; });
+      std::nth_element(mine.begin(), cut, mine.end(), [&](uint64_t a, uint64_t b) { return log[a].key < log[b].key; });
       for (auto it = mine.begin(); it != cut; ++it) lose(*it);
       p = *std::min_element(cut, mine.end());
       drop = 0;
@@ -341,14 +361,14 @@ struct Herald::Snapshot final : Herald::Impl {
   // record, or kNoRecord), with each key's slot pointed at its pending record
   // (the class comment). Returns the distinct count.
   // REQUIRES: the keys were checked (CheckKeys), the index has room for n
-  // more slots below kMaxLoad, and log_keys.size() + n - 1 <= MaxPos().
+  // more slots below kMaxLoad, and log.size() + n - 1 <= MaxPos().
   uint64_t Find(const uint64_t* keys, uint64_t n) {
-    const uint64_t end = log_keys.size();
+    const uint64_t end = log.size();
     uint64_t count = 0;
     // The index is far larger than L2: each key's home slot is fetched kAhead
     // keys ahead of its probe, and kPeek keys ahead the record that slot names
     // where its fingerprint matches (ahead[] keeps their hashes).
-    constexpr uint64_t kAhead = 16, kPeek = 8;
+    constexpr uint64_t kAhead = 32, kPeek = 16;
     std::array<uint64_t, kAhead> ahead;
     for (uint64_t k = 0; k < std::min(n, kAhead); ++k) {
       ahead[k] = Hash(keys[k]);
@@ -367,8 +387,7 @@ struct Herald::Snapshot final : Herald::Impl {
           if (v == kFree) break;
           if (v != kTomb && PrintOf(v) == print) {
             if (PosOf(v) < end) {
-              __builtin_prefetch(&log_keys[PosOf(v)]);
-              __builtin_prefetch(&log_masks[PosOf(v)]);
+              Touch(PosOf(v));
             }
             break;
           }
@@ -387,7 +406,7 @@ struct Herald::Snapshot final : Herald::Impl {
         const uint64_t pos = PosOf(v);
         if (pos >= end) {  // pending: a key seen before in this batch
           if (uniq[pos - end] == key) break;
-        } else if (log_keys[pos] == key) {  // the snapshot's record: the key's first appearance
+        } else if (log[pos].key == key) {  // the snapshot's record: the key's first appearance
           break;
         }
       }
@@ -407,9 +426,11 @@ struct Herald::Snapshot final : Herald::Impl {
           --tombs;
         }
         ++used;
-      } else {
+      } else {  // the old record dies here, while it is in cache (Rollback revives it)
         old[u] = PosOf(v);
-        latest[u] = log_masks[PosOf(v)];
+        latest[u] = log[PosOf(v)].mask;
+        log[PosOf(v)].mask = 0;
+        ++dead;
       }
       index[i] = print | static_cast<uint32_t>(end + u);
     }
@@ -418,7 +439,7 @@ struct Herald::Snapshot final : Herald::Impl {
 
   // Undoes Find's changes to the index (uniq[0 : count) pending).
   void Rollback(uint64_t count) {
-    const uint64_t end = log_keys.size();
+    const uint64_t end = log.size();
     for (uint64_t u = 0; u < count; ++u) {
       const uint64_t hash = Hash(uniq[u]);
       const uint64_t s = SlotOf(hash, end + u);
@@ -428,6 +449,8 @@ struct Herald::Snapshot final : Herald::Impl {
         ++tombs;
       } else {
         index[s] = Print(hash) | old[u];
+        log[old[u]].mask = latest[u];
+        --dead;
       }
     }
   }
@@ -438,14 +461,14 @@ struct Herald::Snapshot final : Herald::Impl {
     CheckKeys(keys, total);
     // Indices are uint32 with UINT32_MAX kept free, as in UniqueKeys.
     if (total >= UINT32_MAX) throw std::invalid_argument("Herald::Schedule: more than 2^32 - 2 keys");
-    // Every key of the batch may be new: the pending positions log_keys.size()
+    // Every key of the batch may be new: the pending positions log.size()
     // + u must fit the slots, and the live records with them kMaxRecords
     // (compacted first if that is what it takes; compaction changes no plan).
     // Where the live records and the batch's keys (not its distinct keys, not
     // known yet) pass 2^32 - 2, the batch is refused.
     largest = std::max(largest, total);
-    if (log_keys.size() + total > kMaxRecords) Compact(total, 0);
-    if (log_keys.size() + total > kMaxRecords) {
+    if (log.size() + total > kMaxRecords) Compact(total, 0);
+    if (log.size() + total > kMaxRecords) {
       throw std::length_error("Herald::Schedule: the snapshot would pass 2^32 - 2 keys");
     }
     inverse.resize(total);
@@ -453,10 +476,10 @@ struct Herald::Snapshot final : Herald::Impl {
     old.resize(total);
     latest.resize(total);
     // The inserts must find room (tombstones count against the load) and
-    // positions up to log_keys.size() + total - 1.
+    // positions up to log.size() + total - 1.
     if (total > 0 && (static_cast<double>(used + tombs + total) > kMaxLoad * static_cast<double>(index.size()) ||
-                      log_keys.size() + total - 1 > MaxPos())) {
-      Rebuild(SlotsFor(used + total), std::max<uint64_t>(log_keys.capacity(), log_keys.size() + total) + largest);
+                      log.size() + total - 1 > MaxPos())) {
+      Rebuild(SlotsFor(used + total), std::max<uint64_t>(log.capacity(), log.size() + total) + largest);
     }
     const uint64_t U = Find(keys, total);
     HeraldPlan plan;
@@ -504,7 +527,11 @@ struct Herald::Snapshot final : Herald::Impl {
         plan.assignment[i] = best;
         --share[best];
         const auto bit = static_cast<Mask>(uint64_t{1} << best);
-        for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) placed[inverse[j]] |= bit;
+        for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
+          const auto u = inverse[j];
+          placed[u] |= bit;
+          need[u] |= bit;
+        }
       }
     } else {
       int32_t w = 0;
@@ -512,11 +539,9 @@ struct Herald::Snapshot final : Herald::Impl {
         while (share[w] == 0) ++w;
         plan.assignment[i] = w;
         --share[w];
+        const auto bit = static_cast<Mask>(uint64_t{1} << w);
+        for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) need[inverse[j]] |= bit;
       }
-    }
-    for (uint64_t i = 0; i < n_examples; ++i) {
-      const auto bit = static_cast<Mask>(uint64_t{1} << plan.assignment[i]);
-      for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) need[inverse[j]] |= bit;
     }
 
     // ---- fetches, comm plans and counts ----
@@ -565,16 +590,16 @@ struct Herald::Snapshot final : Herald::Impl {
 
   // ---- the lookahead window ----
   // The slot of `key` (hashing to `hash`), or kNone: a live record, or
-  // (before the batch is appended) a pending one at log_keys.size() + u.
+  // (before the batch is appended) a pending one at log.size() + u.
   uint64_t Lookup(uint64_t key, uint64_t hash) const {
     const uint32_t print = Print(hash);
-    const uint64_t end = log_keys.size();
+    const uint64_t end = log.size();
     for (uint64_t i = Home(hash);; i = Next(i)) {
       const uint32_t v = index[i];
       if (v == kFree) return kNone;
       if (v == kTomb || PrintOf(v) != print) continue;
       const uint64_t pos = PosOf(v);
-      if ((pos < end ? log_keys[pos] : uniq[pos - end]) == key) return i;
+      if ((pos < end ? log[pos].key : uniq[pos - end]) == key) return i;
     }
   }
 
@@ -601,16 +626,15 @@ struct Herald::Snapshot final : Herald::Impl {
   // masks unchanged (used after the batch's own keys: evicted last). The log
   // has room. rebuilt: the index was rebuilt since Window found the slots.
   void Refresh(uint64_t m, bool rebuilt) {
-    runs.push_back(log_keys.size());
+    runs.push_back(log.size());
     for (uint64_t j = 0; j < m; ++j) {
       const uint64_t key = win[j], hash = Hash(key);
       const uint64_t s = rebuilt ? Lookup(key, hash) : win_slot[j];
       const uint64_t p = PosOf(index[s]);
-      const Mask mask = log_masks[p];
-      index[s] = Print(hash) | static_cast<uint32_t>(log_keys.size());
-      log_keys.push_back(key);
-      log_masks.push_back(mask);
-      log_masks[p] = 0;
+      const Mask mask = log[p].mask;
+      index[s] = Print(hash) | static_cast<uint32_t>(log.size());
+      log.push_back({key, mask});
+      log[p].mask = 0;
       ++dead;
     }
   }
@@ -623,26 +647,20 @@ struct Herald::Snapshot final : Herald::Impl {
   void Commit(HeraldPlan& plan, uint64_t U, uint64_t held_window) {
     const int32_t W = opt.workers;
     constexpr uint64_t kAhead = 16;
-    for (uint64_t u = 0; u < U; ++u) {
-      if (u + kAhead < U && old[u + kAhead] != kNoRecord) __builtin_prefetch(&log_masks[old[u + kAhead]], 1);
+    for (uint64_t u = 0; u < U; ++u) {  // the old records died in Find
       const Mask was = latest[u];
       for (Mask m = static_cast<Mask>(need[u] & ~was); m != 0; m &= static_cast<Mask>(m - 1)) ++held[std::countr_zero(m)];
       for (Mask m = static_cast<Mask>(was & ~need[u]); m != 0; m &= static_cast<Mask>(m - 1)) --held[std::countr_zero(m)];
-      if (old[u] != kNoRecord) {
-        log_masks[old[u]] = 0;
-        ++dead;
-      }
     }
     bool rebuilt = false;
-    if (log_keys.size() + U + held_window > std::min<uint64_t>(log_keys.capacity(), kMaxRecords)) {
+    if (log.size() + U + held_window > std::min<uint64_t>(log.capacity(), kMaxRecords)) {
       Compact(U + held_window, U);
       rebuilt = true;
     }
     // Past 2^32 - 2 records the window's highest keys are not refreshed.
-    held_window = std::min(held_window, kMaxRecords - std::min(kMaxRecords, log_keys.size() + U));
-    if (opt.capacity > 0 && U > 0) runs.push_back(log_keys.size());
-    log_keys.insert(log_keys.end(), uniq.begin(), uniq.begin() + static_cast<int64_t>(U));
-    log_masks.insert(log_masks.end(), need.begin(), need.begin() + static_cast<int64_t>(U));
+    held_window = std::min(held_window, kMaxRecords - std::min(kMaxRecords, log.size() + U));
+    if (opt.capacity > 0 && U > 0) runs.push_back(log.size());
+    for (uint64_t u = 0; u < U; ++u) log.push_back({uniq[u], need[u]});
     if (held_window > 0) Refresh(held_window, rebuilt);
 
     // ---- eviction: a cache above capacity drops its least recently used keys ----
@@ -653,15 +671,15 @@ struct Herald::Snapshot final : Herald::Impl {
         if (held[w] > opt.capacity) Evict(w, held[w] - opt.capacity, plan.evicted);
       }
       for (uint64_t e = 0; e < emptied.size(); ++e) {  // the last holder dropped it: a dirty row goes to the PS
-        if (e + kAhead < emptied.size()) __builtin_prefetch(&index[Home(Hash(log_keys[emptied[e + kAhead]]))], 1);
+        if (e + kAhead < emptied.size()) __builtin_prefetch(&index[Home(Hash(log[emptied[e + kAhead]].key))], 1);
         const uint64_t q = emptied[e];
-        plan.lost_keys.push_back(log_keys[q]);
+        plan.lost_keys.push_back(log[q].key);
         plan.lost_from.push_back(emptied_from[e]);
         if (opt.on_demand) {
           ++plan.pushes;
           ++plan.evict_pushes;
         }
-        Erase(Hash(log_keys[q]), q);
+        Erase(Hash(log[q].key), q);
         ++dead;
       }
       SortUnique(plan.evicted, sort_tmp, sort_count);
@@ -671,8 +689,8 @@ struct Herald::Snapshot final : Herald::Impl {
   std::vector<uint64_t> Cached(int32_t worker) const override {
     const auto bit = static_cast<Mask>(uint64_t{1} << worker);
     std::vector<uint64_t> out;
-    for (uint64_t p = 0; p < log_keys.size(); ++p) {
-      if (log_masks[p] & bit) out.push_back(log_keys[p]);
+    for (uint64_t p = 0; p < log.size(); ++p) {
+      if (log[p].mask & bit) out.push_back(log[p].key);
     }
     std::sort(out.begin(), out.end());
     return out;
@@ -681,13 +699,11 @@ struct Herald::Snapshot final : Herald::Impl {
   uint64_t Held(int32_t worker) const override { return held[worker]; }
 
   uint64_t MemoryBytes() const override {
-    return index.capacity() * sizeof(uint32_t) + log_keys.capacity() * sizeof(uint64_t) +
-           log_masks.capacity() * sizeof(Mask) + runs.capacity() * sizeof(uint64_t);
+    return index.capacity() * sizeof(uint32_t) + log.capacity() * sizeof(Record) + runs.capacity() * sizeof(uint64_t);
   }
 
   void Clear() override {
-    log_keys = {};
-    log_masks = {};
+    log = {};
     runs = {};
     dead = 0;
     index = {};
@@ -705,8 +721,7 @@ struct Herald::Snapshot final : Herald::Impl {
   uint64_t used = 0;                 // occupied index slots: the live and pending records
   uint64_t tombs = 0;                // erased slots since the last rebuild
   uint64_t largest = 0;              // the most keys a batch had so far
-  std::vector<uint64_t> log_keys;
-  std::vector<Mask> log_masks;
+  std::vector<Record> log;
   uint64_t dead = 0;           // records whose mask is 0
   std::vector<uint64_t> runs;  // with a capacity: where each batch's records begin, oldest first
   std::vector<uint64_t> held;    // (W,) keys each cache holds
