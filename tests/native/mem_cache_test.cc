@@ -253,6 +253,17 @@ TEST(MemCache, PullThatThrowsRecordsNoVisitInTheSketch) {
   EXPECT_TRUE(cache->Contains(warm));
 }
 
+// The distinct keys among `draws` draws from [0, universe): a thread's batch in the
+// concurrency tests.
+std::vector<uint64_t> DistinctDraws(std::mt19937_64& rng, int draws, uint64_t universe) {
+  std::vector<uint64_t> keys;
+  for (int j = 0; j < draws; ++j) {
+    const uint64_t k = rng() % universe;
+    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  }
+  return keys;
+}
+
 TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
   Backing backing;
   MemCacheOptions o;
@@ -267,11 +278,7 @@ TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
     threads.emplace_back([&, t] {
       std::mt19937_64 rng(t);
       for (int step = 0; step < 300; ++step) {
-        std::vector<uint64_t> keys;
-        for (int j = 0; j < 30; ++j) {
-          const uint64_t k = rng() % 2000;
-          if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-        }
+        const std::vector<uint64_t> keys = DistinctDraws(rng, 30, 2000);
         std::vector<uint64_t> rows(keys.size());
         cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), true, nullptr);
         for (size_t i = 0; i < keys.size(); ++i) bad[t] += rows[i] != keys[i] * 1000;
@@ -515,11 +522,7 @@ TEST(MemCacheLookahead, WindowSwapsRaceNothing) {
     threads.emplace_back([&, t] {
       std::mt19937_64 rng(t);
       for (int step = 0; step < 300; ++step) {
-        std::vector<uint64_t> keys;
-        for (int j = 0; j < 30; ++j) {
-          const uint64_t k = rng() % 2000;
-          if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-        }
+        const std::vector<uint64_t> keys = DistinctDraws(rng, 30, 2000);
         if (t == 2) {
           cache->Access(keys.data(), keys.size(), nullptr);
           continue;
