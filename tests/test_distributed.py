@@ -348,7 +348,7 @@ def test_a_lost_rank_ends_the_job_with_a_clear_error(tmp_path, how):
     assert elapsed < 90, f"the job took {elapsed:.0f} s to end"
     if how == "hang":
         assert "rank 0 of 2: waited" in p.stderr and "a rank has died or hung; aborting the job" in p.stderr, \
-            p.stderr[-3000:]
+            f"exit {p.returncode}\nstdout:\n{p.stdout[-2000:]}\nstderr:\n{p.stderr[-3000:]}"
 
 
 # ---------------------------------------------------------------- `mpiexec hps train`, checkpoint and resume

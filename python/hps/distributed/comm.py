@@ -145,6 +145,10 @@ class Node:
         """Says why on stderr and ends every rank of the job (MPI_Abort)."""
         sys.stderr.write(f"hps.distributed: rank {self.rank} of {self.size}: {why}; aborting the job\n")
         sys.stderr.flush()
+        # MPI_Abort has mpiexec's proxy kill the ranks and stop forwarding their
+        # output, and a CI run lost this line to that race once; a moment lets the
+        # proxy carry the reason out before the abort reaches it.
+        time.sleep(1.0)
         self.world.Abort(code)
 
     def guard(self, what: str):
