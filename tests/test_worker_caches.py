@@ -118,6 +118,35 @@ def test_a_batch_aborted_after_its_schedule_stops_the_caches(tmp_path):
         ps.pull(batches[0].reshape(-1))
 
 
+class _TierWhoseApplyFails:
+    """The device tier, but its optimizer step raises (a device lost mid-step)."""
+
+    def __init__(self, tier):
+        self._tier = tier
+
+    def __getattr__(self, name):
+        return getattr(self._tier, name)
+
+    def apply(self):
+        raise OSError("device 2 lost")
+
+
+def test_a_step_failing_halfway_stops_the_caches_and_names_its_error(tmp_path):
+    ps = server(tmp_path / "a", "herald")
+    batches = trace(batches=3)
+    run(ps, batches[:1])
+    b = ps.batch(ps.prefetch(batches[1]))
+    for w, idx in enumerate(b.partition()):
+        k = batches[1][idx].reshape(-1)
+        b.push(k, b.pull(k, worker=w), worker=w)
+    ps._herald._tier = _TierWhoseApplyFails(ps._herald._tier)
+    with pytest.raises(OSError, match="device 2 lost"):
+        b.apply()
+    # The error itself is the recorded reason, not the abort that released the batch.
+    with pytest.raises(RuntimeError, match=r"stopped after a failed batch \(OSError: device 2 lost\)"):
+        ps.batch(ps.prefetch(batches[2])).partition()
+
+
 def test_a_key_outside_the_batch_is_named(tmp_path):
     ps = server(tmp_path / "a", "herald")
     b = ps.batch(ps.prefetch(np.array([[1, 2], [3, 4]], np.uint64)))

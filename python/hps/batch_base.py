@@ -1,8 +1,11 @@
 """What every working batch shares (hps.parameter_server's device-tier and host
 batches, Herald's batches on one node and across ranks): finish(), the with-block
-protocol, and positions / gather / accumulate for a batch that looks rows up by key."""
+protocol, and positions / gather / accumulate for a batch that looks rows up by key;
+and what the owners of Herald's caches share: stopping after a failed step."""
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Optional
 
 import numpy as np
@@ -40,3 +43,37 @@ class BatchBase:
             self.finish()
         else:
             self.abort()
+
+
+class StopsAfterAFailedStep:
+    """For state kept across batches beside a scheduler's snapshot (Herald's
+    caches on one node and across ranks): a step that fails halfway leaves the
+    tables and the snapshot out of step, so the owner refuses further use (the
+    last checkpoint is whole). A subclass sets ``_resume_hint`` and calls
+    ``_init_fail_stop()``."""
+
+    _resume_hint = "reopen the parameter server to resume from its last checkpoint"
+    _what = "the caches"
+
+    def _init_fail_stop(self) -> None:
+        self._lock = threading.RLock()
+        self._failed: Optional[str] = None
+
+    def check(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"{self._what} stopped after a failed batch ({self._failed}); {self._resume_hint}")
+
+    def fail(self, why: str) -> None:
+        self._failed = why
+
+    @contextmanager
+    def step(self, check: bool = True):
+        """Under the lock; any exception marks the owner failed and propagates."""
+        with self._lock:
+            if check:
+                self.check()
+            try:
+                yield
+            except BaseException as e:
+                self.fail(f"{type(e).__name__}: {e}")
+                raise

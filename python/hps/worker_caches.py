@@ -40,18 +40,17 @@ thread only unpins MEM-PS; pull and checkpoint take the same lock.
 """
 from __future__ import annotations
 
-import threading
-from typing import Optional
-
 import numpy as np
 
-from hps.batch_base import BatchBase
+from hps.batch_base import BatchBase, StopsAfterAFailedStep
 from hps.herald import Herald
 
 
-class WorkerCaches:
+class WorkerCaches(StopsAfterAFailedStep):
     """The persistent device tier of ``workers`` devices, each a cache of at
     most ``capacity`` rows, scheduled by Herald. Built by ParameterServer."""
+
+    _what = "the worker caches"
 
     def __init__(self, ps, workers: int, capacity: int):
         if capacity < 1:
@@ -68,26 +67,14 @@ class WorkerCaches:
         # Rows physically in each device's table, live or stale (an upper
         # bound: a fetch that overwrote a stale row is counted again).
         self._present = np.zeros(workers, np.int64)
-        self._lock = threading.RLock()
+        self._init_fail_stop()
         self._dirty = False  # some cached row is newer than MEM-PS's copy
-        self._failed: Optional[str] = None
         self.moved_rows = np.zeros((workers, workers), np.uint64)  # whole rows copied device to device
         self.counts = {"batches": 0, "ps_loads": 0, "peer_fetches": 0, "replica_copies": 0,
                        "evict_pushes": 0, "flushes": 0, "flushed_rows": 0, "compactions": 0,
                        "table_growths": 0, "plan_pulls": 0, "plan_peer_pulls": 0, "plan_pushes": 0,
                        "plan_shared": 0, "distinct": 0}
         self._tier_before = None  # transfer counts of the tiers replaced when the tables grew
-
-    # ------------------------------------------------------------ state checks
-    def check(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"the worker caches stopped after a failed batch ({self._failed}); "
-                               "reopen the parameter server to resume from its last checkpoint")
-
-    def fail(self, why: str) -> None:
-        """A batch failed halfway: the tables no longer match the scheduler, so
-        the caches refuse further use (the last checkpoint is whole)."""
-        self._failed = why
 
     # ------------------------------------------------------------ room
     def ensure_room(self, incoming: int) -> None:
@@ -186,14 +173,8 @@ class HeraldBatch(BatchBase):
         """Schedules the batch and fetches its rows; returns each device's
         example indices (the pipeline's mini-batches)."""
         if self._plan is None:
-            c = self._caches
-            with c._lock:
-                c.check()
-                try:
-                    self._start()
-                except BaseException as e:
-                    c.fail(f"{type(e).__name__}: {e}")
-                    raise
+            with self._caches.step():
+                self._start()
         return self._minibatches
 
     def _start(self) -> None:
@@ -292,7 +273,9 @@ class HeraldBatch(BatchBase):
             return
         self.partition()
         c, W = self._caches, self._caches.workers
-        with c._lock:
+        # The real exception is the reason recorded: the abort inside marks a
+        # scheduled batch failed first, and step() overwrites that on the way out.
+        with c.step(check=False):
             try:
                 c._tier.apply()
                 if len(self._replica_key):
@@ -305,8 +288,7 @@ class HeraldBatch(BatchBase):
                 if len(lost):
                     c._to_mem(lost, c._tier.rows(lost, self._plan.lost_from, c._row_floats))
                     c.counts["evict_pushes"] += len(lost)
-            except BaseException as e:
-                c.fail(f"{type(e).__name__}: {e}")
+            except BaseException:
                 self.abort()
                 raise
             c._dirty = True

@@ -28,13 +28,10 @@ job's window last) and to the owners (MEM-PS keeps it). Multi-hot fields are not
 """
 from __future__ import annotations
 
-import threading
-from typing import Optional
-
 import numpy as np
 
 from hps import _core
-from hps.batch_base import BatchBase
+from hps.batch_base import BatchBase, StopsAfterAFailedStep
 from hps.distributed.comm import Node
 from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks
 from hps.herald import Herald
@@ -58,10 +55,13 @@ class HeraldPrefetched:
             self._cache.unpin(self.pinned)
 
 
-class HeraldServer(DistributedServer):
+class HeraldServer(StopsAfterAFailedStep, DistributedServer):
     """DistributedServer with Herald's schedule: a cache of at most ``capacity``
     rows on each rank. Collective like DistributedServer: every rank calls
     prefetch, batch, the batch's calls, pull, push and checkpoint in the same order."""
+
+    _what = "the rank's Herald cache"
+    _resume_hint = "rerun the job with --resume from its last checkpoint"
 
     def __init__(self, local: ParameterServer, node: Node, capacity: int):
         super().__init__(local, node)
@@ -73,9 +73,8 @@ class HeraldServer(DistributedServer):
         self._table_rows = min(max(64, 1 << (2 * capacity - 1).bit_length()), 1 << 16)
         self._tier = self._new_tier(self._table_rows)
         self._present = 0  # rows in the table, live or stale (an upper bound)
-        self._lock = threading.RLock()
+        self._init_fail_stop()
         self._dirty = False
-        self._failed: Optional[str] = None
         self.counts = {"batches": 0, "examples_sent": 0, "examples_kept": 0, "ps_loads": 0, "peer_fetches": 0,
                        "rows_served": 0, "primary_steps": 0, "replica_copies": 0, "evict_pushes": 0,
                        "flushes": 0, "flushed_rows": 0, "compactions": 0, "plan_pulls": 0, "plan_peer_pulls": 0,
@@ -85,11 +84,6 @@ class HeraldServer(DistributedServer):
         return _core.DeviceTier(1, rows, self.local._native_opt, threads=self.local.config.device_threads)
 
     # ------------------------------------------------------------ state
-    def check(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"the rank's Herald cache stopped after a failed batch ({self._failed}); "
-                               "rerun the job with --resume from its last checkpoint")
-
     def ensure_room(self, incoming: int) -> None:
         """Before a step is scheduled (table and snapshot agree): room for
         `incoming` rows, by dropping stale rows, then by a larger table."""
@@ -233,14 +227,8 @@ class HeraldDistBatch(BatchBase):
     # ------------------------------------------------------------ partition
     def partition(self) -> list:
         if self._plan is None:
-            s = self.server
-            with s._lock:
-                s.check()
-                try:
-                    self._start()
-                except BaseException as e:
-                    s._failed = f"{type(e).__name__}: {e}"
-                    raise
+            with self.server.step():
+                self._start()
         return self._minibatches
 
     def _start(self) -> None:
@@ -342,12 +330,8 @@ class HeraldDistBatch(BatchBase):
         self.partition()
         s, node = self.server, self.server.node
         W, me = node.size, node.rank
-        with s._lock:
-            try:
-                self._apply(s, node, W, me)
-            except BaseException as e:
-                s._failed = f"{type(e).__name__}: {e}"
-                raise
+        with s.step(check=False):
+            self._apply(s, node, W, me)
             s._dirty = True
         self._applied = True
 
@@ -408,6 +392,6 @@ class HeraldDistBatch(BatchBase):
         if self._done:
             return
         if not self._applied and self._plan is not None:
-            self.server._failed = "a step was aborted after it was scheduled"
+            self.server.fail("a step was aborted after it was scheduled")
         self._done = True
         self.pre.release()
