@@ -7,7 +7,7 @@
 
 Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
 commit, uncommitted files, date, machine, command). `--add` files each such line under
-docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w5, w6, w7, w8, w12, w13, told apart by the line's
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w5, w6, w7, w7s, w8, w12, w13, and reader, told apart by the line's
 "benchmark" field); it refuses --quick lines and lines without provenance, since a table
 must come from a real run of a recorded command.
 
@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w7s", "w8", "w12", "w13")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w7s", "w8", "w12", "w13", "reader")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -49,6 +49,8 @@ class ReportError(Exception):
 def workload_of(line: dict) -> str | None:
     """The workload a benchmark's JSON line belongs to, from its "benchmark" field."""
     name = str(line.get("benchmark") or line.get("bench") or "")
+    if name == "reader":  # bench/reader_bench.py: the readers against the training they feed
+        return "reader"
     for prefix, wid in (("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
                         ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7s", "w7s"), ("W7", "w7"), ("W8", "w8")):
         if name.startswith(prefix):
@@ -771,9 +773,37 @@ def render_w13(o: dict) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ readers
+READER_FORMATS = (("criteo_tsv", "Criteo TSV"), ("csv_schema", "CSV with a header, by `[data.schema]`"),
+                  ("parquet_schema", "Parquet, by `[data.schema]`"), ("libsvm", "libsvm"),
+                  ("tsv_dirty", "Criteo TSV with malformed lines (`skip_malformed`)"),
+                  ("tsv_dirty_python", "the same, by the pure-Python line parser"))
+
+
+def render_reader(o: dict) -> list[str]:
+    t = o["train"]
+    rate = t["examples_per_s"]
+    out = [f"Each format read alone ({next(iter(o['examples'].values())):,} examples, {o['rounds']} rounds, batches "
+           f"of {o['batch']:,}), then the W4 model trained on the TSV through the pipeline at {rate:,.0f} "
+           "examples/s (the last column: reading's rate over training's).", ""]
+    rows = []
+    for key, label in READER_FORMATS:
+        r = o["read_examples_per_s"].get(key)
+        if r is not None:
+            rows.append([label, spread(r["median"], r["min"], r["max"], ",.0f"), f"{r['median'] / rate:.1f}x"])
+    out += table(["format", "read examples/s, median (min-max)", "/ training"], rows)
+    line = (f"In the pipeline: read stage busy / train stage busy {t['read_over_train']:.3f} (wall time)")
+    if "read_cpu_over_train_busy" in t:
+        line += f", read thread's CPU / train stage busy {t['read_cpu_over_train_busy']:.3f}"
+    if "read_alone_cpu_over_train_busy" in t:
+        line += f", the TSV read alone, CPU of every thread / train stage busy {t['read_alone_cpu_over_train_busy']:.3f}"
+    out += ["", line + f"; bound by {t.get('bound_by', '-')}."]
+    return out
+
+
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4, "w4m": render_w4,
           "w5": render_w5, "w6": render_w6, "w7": render_w7, "w7s": render_w7s, "w8": render_w8, "w12": render_w12,
-          "w13": render_w13}
+          "w13": render_w13, "reader": render_reader}
 
 
 # ------------------------------------------------------------------ regions
