@@ -9,6 +9,8 @@ held-out set and seeds in every run; MLP 429 -> 512 -> 256 -> 1, batch 1024):
   codec:A/G      one group of a trainer and a group PS holding the first two Linears
                  (vertical, horizontal), activations through codec A, gradients
                  through G: bytes per step each way before and after, AUC change
+  allreduce:4    today's training under `mpiexec -n 4` (no [hierarchical]): the
+                 all-reduce peer of the two below at the same rank count
   replicas:1x4   one group of 4 trainers (one dense replica, gradients all-reduced)
   replicas:4x1   4 groups of one trainer (4 replicas) and a centre, EASGD every step
                  (alpha 0.1): the paper's Observation 2.1 on our data
@@ -16,8 +18,10 @@ AUC and logloss are measured on the held-out examples; examples/s is measured bu
 2 shared cores with every rank a process it says little about a cluster (the group
 PS computes on the same cores as its trainer).
 
-Prints one JSON line per workload (and the lot to bench/results/w10-DATE.json unless
---no-save).
+Prints one JSON line per workload as it ends, then one line with all of them
+("benchmark": "W10 ...", provenance), also written to bench/results/w10-DATE.json
+unless --no-save; `python3 bench/report.py --add FILE` files it under
+docs/results/w10.jsonl.
 """
 from __future__ import annotations
 
@@ -30,9 +34,8 @@ import sys
 import tempfile
 import time
 
-from _provenance import provenance  # bench/ is sys.path[0]
+from _provenance import provenance, save_result  # bench/ is sys.path[0]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 BASE = """hidden = [512, 256]
 dense_lr = 0.001
@@ -58,6 +61,7 @@ def workloads(quick: bool) -> list:
     out = [("reference", 1, None)]
     for a, g in (("none", "none"), ("bf16", "bf16"), ("int8", "bf16"), ("int8", "topk:0.1")):
         out.append((f"codec:{a}/{g}", 2, f'group_ps = 1\nactivations = "{a}"\ngradients = "{g}"\n{split}'))
+    out.append(("allreduce:4", 4, None))
     out.append(("replicas:1x4", 4, "groups = 1\n"))
     out.append(("replicas:4x1", 5, "groups = 4\nalpha = 0.1\nperiod = 1\n"))
     return out
@@ -95,6 +99,8 @@ def worker(toml: str, out: str) -> None:
     cfg = TrainConfig.from_dict(raw, source=toml)
     if ht_table is None:
         summary = train(cfg, progress=False)
+        if summary.get("distributed", {}).get("rank", 0) != 0:
+            return  # under mpiexec rank 0 writes what the table needs
         res = {}
     else:
         from hps.hierarchical.roles import HierarchicalConfig, train_hierarchical
@@ -136,11 +142,12 @@ def main() -> None:
                 res["auc_change_vs_reference"] = round(res["auc"] - ref["auc"], 5)
             lines.append(res)
             print(json.dumps(res), flush=True)
+    line = json.dumps({"benchmark": "W10 hierarchical training", "quick": a.quick,
+                       "examples": examples, "eval_examples": eval_examples, "workloads": lines,
+                       "provenance": provenance()})
+    print(line, flush=True)
     if not a.no_save:
-        os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-        dest = os.path.join(HERE, "results", f"w10-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
-        with open(dest, "w") as f:
-            json.dump({"workloads": lines, "quick": a.quick, "provenance": provenance()}, f, indent=1)
+        print(f"w10_bench: wrote {save_result(line, 'w10')}", file=sys.stderr)
 
 
 if __name__ == "__main__":
