@@ -26,7 +26,11 @@ Workload:
     permutation), the same batches for both stores, after --warmup batches;
     a batch's latency is its call's wall time in its client; keys/s is all keys
     over the wall time of all clients;
-  * every answer of the first batches is checked against the other store's.
+  * every answer of the first batches is checked against the other store's;
+  * --repeats runs of each store per distribution, interleaved (hps then RocksDB,
+    then RocksDB then hps, ...), each with a fresh reader (cold cache, then the
+    warmup); keys/s, p50 and p99 are medians over the runs with their min-max, and
+    the ratios are taken run by run (hps's run against the RocksDB run beside it).
 
   * --writer: a process reopens the job's parameter server and pushes batches of
     4096 uniform keys, checkpointing every --checkpoint-every pushes (the training
@@ -288,6 +292,29 @@ def summary(res: dict, n_keys: int) -> dict:
             "p99_ms": float(np.percentile(lat, 99) * 1e3), "batches": len(lat)}
 
 
+MEASURES = ("keys_per_s", "p50_ms", "p99_ms")
+
+
+def over_runs(runs: list) -> dict:
+    """A store's runs on one distribution: the last run's details, each measure's
+    median with its min and max, and every run's measures."""
+    out = dict(runs[-1])
+    for m in MEASURES:
+        vals = [r[m] for r in runs]
+        out.update({m: float(np.median(vals)), f"{m}_min": min(vals), f"{m}_max": max(vals)})
+    out["runs"] = [{m: r[m] for m in MEASURES} for r in runs]
+    return out
+
+
+def paired_ratios(h: dict, r: dict) -> dict:
+    """hps over RocksDB, run by run (each pair ran side by side): medians, min-max."""
+    out = {}
+    for name, m in (("keys_per_s", "keys_per_s"), ("p99", "p99_ms")):
+        per = [a[m] / b[m] for a, b in zip(h["runs"], r["runs"])]
+        out.update({name: float(np.median(per)), f"{name}_min": min(per), f"{name}_max": max(per), f"{name}_runs": per})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=4_000_000)
@@ -304,10 +331,16 @@ def main(argv=None) -> int:
                     help="a process pushes to the job and checkpoints meanwhile; the lookup refreshes")
     ap.add_argument("--checkpoint-every", type=int, default=20, help="the writer's pushes per checkpoint")
     ap.add_argument("--refresh-s", type=float, default=0.5, help="seconds between the lookup's refreshes (--writer)")
-    ap.add_argument("--quick", action="store_true", help="a small run for CI: 100k rows, 20 batches")
+    ap.add_argument("--repeats", type=int, help="runs of each store per distribution, interleaved (default 3; "
+                                                  "1 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="a small run for CI: 100k rows, 20 batches, 1 run")
     a = ap.parse_args(argv)
     if a.quick:
         a.rows, a.batches, a.warmup, a.clients = 100_000, 20, 5, 2
+    if a.repeats is None:
+        a.repeats = 1 if a.quick else 3
+    if a.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {a.repeats}")
     stores = a.stores.split(",")
     for s in stores:
         if s not in ("hps", "rocksdb"):
@@ -322,7 +355,7 @@ def main(argv=None) -> int:
         log(f"{a.rows:,} rows of dim {a.dim} into a job at {job}")
         build_s = make_job(job, a.rows, a.dim)
         budget = int(a.rows * a.dim * 4 / a.memory_ratio)
-        out = {"bench": "lookup", "rows": a.rows, "dim": a.dim, "batch_keys": a.batch_keys, "batches": a.batches,
+        out = {"bench": "lookup", "benchmark": "W11 lookup", "quick": a.quick, "repeats": a.repeats, "rows": a.rows, "dim": a.dim, "batch_keys": a.batch_keys, "batches": a.batches,
                "clients": a.clients, "memory_budget_bytes": budget, "memory_ratio": a.memory_ratio,
                "build_s": build_s, "results": {}}
         if "rocksdb" in stores:
@@ -337,20 +370,23 @@ def main(argv=None) -> int:
         try:
             for dist, (batches, warmup) in work.items():
                 n_keys = sum(len(b) for b in batches)
+                runs = {store: [] for store in stores}
+                for rep in range(a.repeats):
+                    for store in (stores if rep % 2 == 0 else stores[::-1]):
+                        log(f"{store}, {dist}, run {rep + 1} of {a.repeats}: {a.batches} batches of {a.batch_keys} "
+                            f"keys, {a.clients} clients" + (", a writer checkpointing meanwhile" if writer else ""))
+                        res = (run_hps(job, budget, batches, warmup, a.clients, a.refresh_s if writer else 0.0)
+                               if store == "hps" else run_rocks(rdb, budget, batches, warmup, a.clients))
+                        runs[store].append(summary(res, n_keys))
                 for store in stores:
-                    log(f"{store}, {dist}: {a.batches} batches of {a.batch_keys} keys, {a.clients} clients"
-                        + (", a writer checkpointing meanwhile" if writer else ""))
-                    res = (run_hps(job, budget, batches, warmup, a.clients, a.refresh_s if writer else 0.0)
-                           if store == "hps" else run_rocks(rdb, budget, batches, warmup, a.clients))
-                    out["results"][f"{store}/{dist}"] = summary(res, n_keys)
+                    out["results"][f"{store}/{dist}"] = over_runs(runs[store])
         finally:
             if writer:
                 out["writer"] = writer.finish()
         for dist in dists:
             h, r = out["results"].get(f"hps/{dist}"), out["results"].get(f"rocksdb/{dist}")
             if h and r:
-                out["results"][f"ratio/{dist}"] = {"keys_per_s": h["keys_per_s"] / r["keys_per_s"],
-                                                   "p99": h["p99_ms"] / r["p99_ms"]}
+                out["results"][f"ratio/{dist}"] = paired_ratios(h, r)
         out["provenance"] = provenance()
         print(json.dumps(out))
     finally:

@@ -7,7 +7,7 @@
 
 Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
 commit, uncommitted files, date, machine, command). `--add` files each such line under
-docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w5, w6, w7, w7s, w8, w12, w13, and reader, told apart by the line's
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w5, w6, w7, w7s, w8, w10, w11, w12, w13, and reader, told apart by the line's
 "benchmark" field); it refuses --quick lines and lines without provenance, since a table
 must come from a real run of a recorded command.
 
@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w7s", "w8", "w12", "w13", "reader")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w7s", "w8", "w10", "w11", "w12", "w13", "reader")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -51,7 +51,7 @@ def workload_of(line: dict) -> str | None:
     name = str(line.get("benchmark") or line.get("bench") or "")
     if name == "reader":  # bench/reader_bench.py: the readers against the training they feed
         return "reader"
-    for prefix, wid in (("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
+    for prefix, wid in (("W10", "w10"), ("W11", "w11"), ("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
                         ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7s", "w7s"), ("W7", "w7"), ("W8", "w8")):
         if name.startswith(prefix):
             return wid
@@ -773,6 +773,54 @@ def render_w13(o: dict) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ W10
+def render_w10(o: dict) -> list[str]:
+    out = [f"Each workload one `hps train` job on the same {o['examples']:,} synthetic examples (MLP 429 -> 512 -> "
+           f"256 -> 1, batch 1,024 a rank), evaluated on the same {o['eval_examples']:,} held-out ones. Bytes are "
+           "per step, before and after the codec, between a trainer and its group PS (activations forward, "
+           "gradients back) and for the background average. examples/s: every rank a process on the same 2 "
+           "cores, so it measures the work, not a cluster.", ""]
+    rows = []
+    for w in o["workloads"]:
+        moved = "; ".join(f"{kind} {v['before'] / 1e3:,.1f} -> {v['after'] / 1e3:,.1f} kB"
+                          for kind, v in sorted((w.get("bytes_per_step") or {}).items())) or "-"
+        change = w.get("auc_change_vs_reference")
+        rows.append([f"`{w['workload']}`", str(w["ranks"]), ", ".join(w["plan"]) if w.get("plan") else "-", moved,
+                     f"{w['auc']:.4f}", "-" if change is None else f"{change:+.4f}", f"{w['logloss']:.4f}",
+                     f"{w['examples_per_s']:,}"])
+    out += table(["workload", "ranks", "placement", "bytes a step", "AUC", "vs reference", "logloss",
+                  "examples/s"], rows)
+    return out
+
+
+# ------------------------------------------------------------------ W11
+def render_w11(o: dict) -> list[str]:
+    mib = o["memory_budget_bytes"] / 2**20
+    out = [f"{o['rows']:,} rows of dim {o['dim']}, batches of {o['batch_keys']:,} keys, {o['batches']} batches a "
+           f"run after a warmup, {o['clients']} clients, memory {mib:,.1f} MiB for each store ({o['memory_ratio']:g}x "
+           f"less than the rows); {o['repeats']} runs a store, interleaved; medians (min-max)."
+           + (f" A writer pushed {o['writer']['pushes']:,} batches and made {o['writer']['checkpoints']:,} "
+              "checkpoints during the runs." if o.get("writer") else " No writer."), ""]
+    rows = []
+    for dist in ("uniform", "zipf"):
+        for store, label in (("hps", "hps.Lookup"), ("rocksdb", "RocksDB multi_get")):
+            r = o["results"].get(f"{store}/{dist}")
+            if r is None:
+                continue
+            extra = (f"hit rate {r['cache_hit_rate']:.2f}" + (f", {r['refreshes']} refreshes (slowest "
+                                                              f"{r['refresh_max_s']:.2f} s)" if r.get("refreshes") else "")
+                     if store == "hps" else "")
+            rows.append([dist, label, spread(r["keys_per_s"], r.get("keys_per_s_min"), r.get("keys_per_s_max"), ",.0f"),
+                         spread(r["p50_ms"], r.get("p50_ms_min"), r.get("p50_ms_max"), ",.1f"),
+                         spread(r["p99_ms"], r.get("p99_ms_min"), r.get("p99_ms_max"), ",.1f"), extra])
+        q = o["results"].get(f"ratio/{dist}")
+        if q is not None:
+            rows.append([dist, "**hps / RocksDB**, x", f"**{per_round(q['keys_per_s_runs'])}**", "",
+                         per_round(q["p99_runs"]), "p99: under 1 is better"])
+    out += table(["distribution", "store", "keys/s", "p50 ms", "p99 ms", ""], rows)
+    return out
+
+
 # ------------------------------------------------------------------ readers
 READER_FORMATS = (("criteo_tsv", "Criteo TSV"), ("csv_schema", "CSV with a header, by `[data.schema]`"),
                   ("parquet_schema", "Parquet, by `[data.schema]`"), ("libsvm", "libsvm"),
@@ -803,7 +851,7 @@ def render_reader(o: dict) -> list[str]:
 
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4, "w4m": render_w4,
           "w5": render_w5, "w6": render_w6, "w7": render_w7, "w7s": render_w7s, "w8": render_w8, "w12": render_w12,
-          "w13": render_w13, "reader": render_reader}
+          "w10": render_w10, "w11": render_w11, "w13": render_w13, "reader": render_reader}
 
 
 # ------------------------------------------------------------------ regions

@@ -616,6 +616,25 @@ def test_lookup_bench_quick_runs_both_stores_on_the_same_rows():
     assert out["results"]["hps/zipf"]["cache_hit_rate"] > hps_u["cache_hit_rate"]  # hot keys stay cached
 
 
+def test_lookup_bench_repeats_interleave_the_stores_and_pair_the_ratios():
+    pytest.importorskip("rocksdict", reason="the RocksDB peer needs rocksdict")
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, os.path.join(here, "..", "bench", "lookup_bench.py"), "--quick",
+                        "--repeats", "2", "--dists", "zipf"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    order = [line.split(",")[0].split(": ")[1] for line in p.stderr.splitlines() if ", zipf, run " in line]
+    assert order == ["hps", "rocksdb", "rocksdb", "hps"]  # the second pair runs the other way round
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["repeats"] == 2 and out["benchmark"] == "W11 lookup"
+    h, r, ratio = (out["results"][k] for k in ("hps/zipf", "rocksdb/zipf", "ratio/zipf"))
+    for store in (h, r):
+        runs = [x["keys_per_s"] for x in store["runs"]]
+        assert len(runs) == 2 and store["keys_per_s_min"] == min(runs) and store["keys_per_s_max"] == max(runs)
+        assert store["keys_per_s"] == pytest.approx(sum(runs) / 2)  # the median of two
+    per = [a["keys_per_s"] / b["keys_per_s"] for a, b in zip(h["runs"], r["runs"])]
+    assert ratio["keys_per_s_runs"] == pytest.approx(per) and ratio["keys_per_s"] == pytest.approx(sum(per) / 2)
+
+
 def test_lookup_bench_quick_with_a_writer_checkpointing_meanwhile():
     here = os.path.dirname(os.path.abspath(__file__))
     p = subprocess.run([sys.executable, os.path.join(here, "..", "bench", "lookup_bench.py"), "--quick",
