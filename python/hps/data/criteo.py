@@ -16,7 +16,8 @@ from typing import Callable, Iterator, Optional, Union
 import numpy as np
 
 from hps.data.examples import _Piece, _sources_of
-from hps.data.files import DataError, _fsspec, _is_url, _line_bounds, _open_binary, _Reader, _shown, list_files
+from hps.data.files import (DataError, _line_bounds, _open_binary, _Reader, _shown, list_files, parquet_errors,
+                            parquet_file)
 from hps.data.keys import _field_tags, _keys
 
 from hps.data import _criteo_lines  # the compiled per-line parser (bench/reader_bench.py sets it to None
@@ -453,18 +454,10 @@ class CriteoParquet(_Reader):
 
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa
-        # What pyarrow raises on a damaged file: ArrowInvalid (a ValueError), a plain
-        # OSError ("Couldn't deserialize thrift"), UnicodeDecodeError for a column
-        # name that is not UTF-8 in the footer.
-        errors = (pa.ArrowException, OSError, UnicodeDecodeError)
+        errors = parquet_errors(pa)
         for path in self.files:
-            with (_fsspec().open(path, "rb").open() if _is_url(path) else open(path, "rb")) as f:
-                try:
-                    pf = pa.parquet.ParquetFile(f)
-                    schema = pf.schema_arrow
-                except errors as e:
-                    raise DataError(f"{path}: not a readable Parquet file: {e}", path=path) from e
-                _check_schema(pa, schema, path)
+            with parquet_file(pa, path) as pf:
+                _check_schema(pa, pf.schema_arrow, path)
                 row = 1
                 # One row group at a time, so that an error names the group.
                 for g in range(pf.num_row_groups):

@@ -13,6 +13,7 @@ import glob as _glob
 import gzip
 import os
 import re
+from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -134,6 +135,26 @@ def _open_binary(path: str):
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     return open(path, "rb")
+
+
+def parquet_errors(pa) -> tuple:
+    """What pyarrow raises on a damaged Parquet file: ArrowInvalid (a ValueError), a
+    plain OSError ("Couldn't deserialize thrift"), UnicodeDecodeError for a column
+    name that is not UTF-8 in the footer."""
+    return (pa.ArrowException, OSError, UnicodeDecodeError)
+
+
+@contextmanager
+def parquet_file(pa, path: str):
+    """The pyarrow ParquetFile of `path` (a local path or a URL), its footer read;
+    a damaged file raises DataError naming it."""
+    with (_fsspec().open(path, "rb").open() if _is_url(path) else open(path, "rb")) as f:
+        try:
+            pf = pa.parquet.ParquetFile(f)
+            pf.schema_arrow
+        except parquet_errors(pa) as e:
+            raise DataError(f"{path}: not a readable Parquet file: {e}", path=path) from e
+        yield pf
 
 
 def _line_bounds(block: bytes) -> tuple:

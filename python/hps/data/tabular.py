@@ -31,7 +31,8 @@ import numpy as np
 from hps.data import _libsvm_lines  # the compiled libsvm line parser (_libsvm_lines.pyx)
 from hps.data.criteo import dense_transform
 from hps.data.examples import Bags, _Piece, _sources_of
-from hps.data.files import DataError, _fsspec, _is_url, _line_bounds, _Reader, _shown, list_files
+from hps.data.files import (DataError, _fsspec, _is_url, _line_bounds, _Reader, _shown, list_files, parquet_errors,
+                            parquet_file)
 from hps.data.keys import _field_tag, _keys
 from hps.data.schema import Schema, _as_binary, value_hashes
 
@@ -361,24 +362,16 @@ class SchemaParquet(_SchemaReader):
         self.read_rows = int(read_rows)
 
     def _layout(self, path: str):
-        pa = self._pa
-        with (_fsspec().open(path, "rb").open() if _is_url(path) else open(path, "rb")) as f:
-            try:
-                names = pa.parquet.ParquetFile(f).schema_arrow.names
-            except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
-                raise DataError(f"{path}: not a readable Parquet file: {e}", path=path) from e
+        with parquet_file(self._pa, path) as pf:
+            names = pf.schema_arrow.names
         return self.schema.resolve(list(names), path, by_name=True)
 
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa
-        errors = (pa.ArrowException, OSError, UnicodeDecodeError)
+        errors = parquet_errors(pa)
         for path in self.files:
-            with (_fsspec().open(path, "rb").open() if _is_url(path) else open(path, "rb")) as f:
-                try:
-                    pf = pa.parquet.ParquetFile(f)
-                    names = pf.schema_arrow.names
-                except errors as e:
-                    raise DataError(f"{path}: not a readable Parquet file: {e}", path=path) from e
+            with parquet_file(pa, path) as pf:
+                names = pf.schema_arrow.names
                 layout = self.schema.resolve(list(names), path, by_name=True)
                 self._same_fields(layout, path)
                 wanted = [names[i] for i in layout.read_columns()]
