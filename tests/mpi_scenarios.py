@@ -11,12 +11,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 
 import numpy as np
 
 DIM = 4
+
+
+# ---------------------------------------------------------------- launching (the tests' side)
+
+MPIEXEC = shutil.which("mpiexec")
+SCRIPT = os.path.abspath(__file__)
+
+
+def mpirun(n: int, *args, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """``mpiexec -n n ARGS`` outside any MPI job this process may be in; with `check`,
+    a nonzero exit raises with the tails of both streams."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.run([MPIEXEC, "-n", str(n), *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    if check and p.returncode != 0:
+        raise AssertionError(f"mpiexec -n {n} {' '.join(map(str, args))} exited {p.returncode}\n"
+                             f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}")
+    return p
+
+
+def scenario(n: int, name: str, out, *args, **kw) -> subprocess.CompletedProcess:
+    """Runs scenario `name` of this script on n ranks."""
+    return mpirun(n, sys.executable, SCRIPT, name, out, *args, **kw)
 
 
 # ---------------------------------------------------------------- shared inputs

@@ -2,11 +2,8 @@
 checked against a single-process reference (tests/mpi_scenarios.py runs the ranks)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 
@@ -16,28 +13,10 @@ import pytest
 import hps
 
 pytest.importorskip("mpi4py", reason="hps.distributed needs mpi4py (pip install '.[mpi]')")
-MPIEXEC = shutil.which("mpiexec")
+import mpi_scenarios as sc  # noqa: E402 (tests/ is on pytest's sys.path; after the skip: it launches MPI jobs)
+from mpi_scenarios import MPIEXEC, mpirun, scenario  # noqa: E402
+
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "mpi_scenarios.py")
-_spec = importlib.util.spec_from_file_location("mpi_scenarios", SCRIPT)
-sc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sc)
-
-
-def mpirun(n: int, *args, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    p = subprocess.run([MPIEXEC, "-n", str(n), *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env=env)
-    if check and p.returncode != 0:
-        raise AssertionError(f"mpiexec -n {n} {' '.join(map(str, args))} exited {p.returncode}\n"
-                             f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}")
-    return p
-
-
-def scenario(n: int, name: str, out, *args, **kw) -> subprocess.CompletedProcess:
-    return mpirun(n, sys.executable, SCRIPT, name, out, *args, **kw)
 
 
 # ---------------------------------------------------------------- sparse: remote pull and push

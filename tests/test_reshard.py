@@ -6,39 +6,26 @@ resumed from the same state; a crash before the switch leaves the old job
 resumable; a missing part of the checkpoint is named."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 pytest.importorskip("mpi4py", reason="hps.distributed needs mpi4py (pip install '.[mpi]')")
 pytest.importorskip("torch")
-MPIEXEC = shutil.which("mpiexec")
-pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+import mpi_scenarios as sc  # noqa: E402 (tests/ is on pytest's sys.path; after the skips)
+from mpi_scenarios import MPIEXEC  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "mpi_scenarios.py")
-_spec = importlib.util.spec_from_file_location("mpi_scenarios", SCRIPT)
-sc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sc)
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 
 STEPS, PER_RANK, EVERY = 4, 32, 2
 
 
 def scenario(n: int, out, *args, check: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, SCRIPT, "train", str(out), "--per-rank", str(PER_RANK),
-           "--checkpoint-every", str(EVERY), *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\n"
-                             f"stderr:\n{p.stderr[-5000:]}")
-    return p
+    return sc.scenario(n, "train", out, "--per-rank", PER_RANK, "--checkpoint-every", EVERY, *args, check=check)
 
 
 @pytest.fixture(scope="module")
