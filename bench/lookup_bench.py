@@ -38,8 +38,12 @@ Workload:
     stores; hps.Lookup refreshes to each new checkpoint every --refresh-s seconds.
     It is a ParameterServer's pushes, not `hps train` with its model.
 
-Not measured here (issue 20 asks for it; see docs/serving.md): a memory cgroup
-around both.
+  * --cgroup LIMIT: every run in a memory cgroup of its own with that hard limit
+    (bench/ssd_store_bench.py's MemCgroup, v1 or v2): hps's run in a forked process,
+    each RocksDB client process too, so both stores answer under the same limit;
+    each run records the cgroup's peak bytes and its OOM counters. A limit holds
+    each side's interpreters too (one for hps, one a client for RocksDB).
+
 One JSON line goes to stdout; progress to stderr.
 """
 from __future__ import annotations
@@ -173,6 +177,58 @@ class Writer:
 
 # ---------------------------------------------------------------- the runs
 
+class RunCgroups:
+    """A fresh memory cgroup for each run (--cgroup): a peak counter of its own,
+    since cgroup v2's memory.peak cannot be reset."""
+
+    def __init__(self, limit: int):
+        from ssd_store_bench import MemCgroup  # the W1 cgroup code, v1 and v2
+        self.limit, self.made = limit, 0
+        self._make = MemCgroup
+
+    def new(self):
+        self.made += 1
+        cg = self._make(self.limit, name=f"hps-w11-{os.getpid()}-{self.made}")
+        if cg.path is None:
+            raise SystemExit(f"lookup_bench: --cgroup: {cg.error}")
+        return cg
+
+    @staticmethod
+    def result(cg) -> dict:
+        snap = cg.snapshot()
+        peak = snap.get("memory.max_usage_in_bytes", snap.get("memory.peak"))
+        return {"limit_bytes": cg.limit, "peak_bytes": peak,
+                "oom_kills": snap.get("oom_control.oom_kill", snap.get("events.oom_kill", 0)),
+                "limit_hits": snap.get("memory.failcnt", snap.get("events.max", 0))}
+
+
+def in_cgroup(cg, fn, *args) -> dict:
+    """fn(*args) in a forked process that joined `cg` first; its result comes back."""
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+
+    def child():
+        try:
+            cg.enter()
+            there.send(("ok", fn(*args)))
+        except BaseException as e:  # the parent reports it
+            there.send(("error", f"{type(e).__name__}: {e}"))
+
+    p = ctx.Process(target=child)
+    p.start()
+    there.close()  # so that a child killed by the OOM killer reads as EOF here
+    try:
+        status, value = here.recv()
+    except EOFError:
+        p.join()
+        raise SystemExit(f"lookup_bench: the hps run in the cgroup died (exit {p.exitcode}; the OOM killer "
+                         f"if the limit was too low: {RunCgroups.result(cg)})") from None
+    p.join()
+    if status != "ok":
+        raise SystemExit(f"lookup_bench: the hps run in the cgroup failed: {value}")
+    return value
+
+
 def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, refresh_s: float = 0.0) -> dict:
     import hps
     lk = hps.Lookup(job, memory_budget=budget)
@@ -223,7 +279,9 @@ def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, re
             "refreshes": len(refresh_times), "refresh_max_s": max(refresh_times, default=0.0)}
 
 
-def _rocks_client(conn, path: str, block: int, row: int, batches: list, warmup: list, start_evt) -> None:
+def _rocks_client(conn, path: str, block: int, row: int, batches: list, warmup: list, start_evt, cg=None) -> None:
+    if cg is not None:
+        cg.enter()
     import rocksdict as r
     from rocks_tuned import rocks_tuned_options
     opt, _keep, _ = rocks_tuned_options(block, row, 1 << 20, 2, filters_for_hits=True)
@@ -243,7 +301,7 @@ def _rocks_client(conn, path: str, block: int, row: int, batches: list, warmup: 
     conn.send(lat)
 
 
-def run_rocks(path: str, budget: int, batches: list, warmup: list, clients: int) -> dict:
+def run_rocks(path: str, budget: int, batches: list, warmup: list, clients: int, cg=None) -> dict:
     ctx = mp.get_context("fork")
     per = budget // clients
     block, row = per * 3 // 4, per // 4
@@ -252,15 +310,27 @@ def run_rocks(path: str, budget: int, batches: list, warmup: list, clients: int)
     for c in range(clients):
         a, b = ctx.Pipe()
         mine = batches[c::clients]
-        p = ctx.Process(target=_rocks_client, args=(b, path, block, row, mine, warmup[c::clients], start))
+        p = ctx.Process(target=_rocks_client, args=(b, path, block, row, mine, warmup[c::clients], start, cg))
         p.start()
+        b.close()  # so that a client killed (by the OOM killer under --cgroup) reads as EOF here
         procs.append(p)
         conns.append(a)
-    for a in conns:
-        assert a.recv() == "ready"
+
+    def answer(c: int):
+        try:
+            return conns[c].recv()
+        except EOFError:
+            for p in procs:
+                p.kill()
+                p.join()
+            why = f"; the OOM killer if the limit was too low: {RunCgroups.result(cg)}" if cg is not None else ""
+            raise SystemExit(f"lookup_bench: RocksDB client {c} died (exit {procs[c].exitcode}{why})") from None
+
+    for c in range(clients):
+        assert answer(c) == "ready"
     t0 = time.perf_counter()
     start.set()
-    lats = [a.recv() for a in conns]
+    lats = [answer(c) for c in range(clients)]
     wall = time.perf_counter() - t0
     for p in procs:
         p.join()
@@ -299,6 +369,9 @@ def over_runs(runs: list) -> dict:
     """A store's runs on one distribution: the last run's details, each measure's
     median with its min and max, and every run's measures."""
     out = dict(runs[-1])
+    if all("cgroup" in r for r in runs):
+        peaks = [r["cgroup"]["peak_bytes"] for r in runs]
+        out.update(cgroup_peak_bytes=max(peaks), cgroup_oom_kills=sum(r["cgroup"]["oom_kills"] for r in runs))
     for m in MEASURES:
         vals = [r[m] for r in runs]
         out.update({m: float(np.median(vals)), f"{m}_min": min(vals), f"{m}_max": max(vals)})
@@ -331,6 +404,8 @@ def main(argv=None) -> int:
                     help="a process pushes to the job and checkpoints meanwhile; the lookup refreshes")
     ap.add_argument("--checkpoint-every", type=int, default=20, help="the writer's pushes per checkpoint")
     ap.add_argument("--refresh-s", type=float, default=0.5, help="seconds between the lookup's refreshes (--writer)")
+    ap.add_argument("--cgroup", metavar="LIMIT", help="run every store's runs in a memory cgroup with this hard "
+                                                        "limit (e.g. 512MiB); needs root and a memory controller")
     ap.add_argument("--repeats", type=int, help="runs of each store per distribution, interleaved (default 3; "
                                                   "1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="a small run for CI: 100k rows, 20 batches, 1 run")
@@ -339,6 +414,13 @@ def main(argv=None) -> int:
         a.rows, a.batches, a.warmup, a.clients = 100_000, 20, 5, 2
     if a.repeats is None:
         a.repeats = 1 if a.quick else 3
+    cgroups = None
+    if a.cgroup is not None:
+        from hps.config import parse_bytes
+        try:
+            cgroups = RunCgroups(parse_bytes(a.cgroup, "--cgroup"))
+        except ValueError as e:
+            ap.error(str(e))
     if a.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {a.repeats}")
     stores = a.stores.split(",")
@@ -357,7 +439,7 @@ def main(argv=None) -> int:
         budget = int(a.rows * a.dim * 4 / a.memory_ratio)
         out = {"bench": "lookup", "benchmark": "W11 lookup", "quick": a.quick, "repeats": a.repeats, "rows": a.rows, "dim": a.dim, "batch_keys": a.batch_keys, "batches": a.batches,
                "clients": a.clients, "memory_budget_bytes": budget, "memory_ratio": a.memory_ratio,
-               "build_s": build_s, "results": {}}
+               "build_s": build_s, "cgroup_limit_bytes": cgroups.limit if cgroups else None, "results": {}}
         if "rocksdb" in stores:
             log("RocksDB bulk load (SstFileWriter, ingest)")
             out["rocksdb_load_s"], _ = load_rocksdb(job, rdb, a.dim)
@@ -375,8 +457,20 @@ def main(argv=None) -> int:
                     for store in (stores if rep % 2 == 0 else stores[::-1]):
                         log(f"{store}, {dist}, run {rep + 1} of {a.repeats}: {a.batches} batches of {a.batch_keys} "
                             f"keys, {a.clients} clients" + (", a writer checkpointing meanwhile" if writer else ""))
-                        res = (run_hps(job, budget, batches, warmup, a.clients, a.refresh_s if writer else 0.0)
-                               if store == "hps" else run_rocks(rdb, budget, batches, warmup, a.clients))
+                        cg = cgroups.new() if cgroups else None
+                        try:
+                            if store == "rocksdb":
+                                res = run_rocks(rdb, budget, batches, warmup, a.clients, cg)
+                            elif cg is not None:
+                                res = in_cgroup(cg, run_hps, job, budget, batches, warmup, a.clients,
+                                                a.refresh_s if writer else 0.0)
+                            else:
+                                res = run_hps(job, budget, batches, warmup, a.clients, a.refresh_s if writer else 0.0)
+                            if cg is not None:
+                                res["cgroup"] = RunCgroups.result(cg)
+                        finally:
+                            if cg is not None:
+                                cg.remove()
                         runs[store].append(summary(res, n_keys))
                 for store in stores:
                     out["results"][f"{store}/{dist}"] = over_runs(runs[store])

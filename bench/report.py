@@ -801,6 +801,8 @@ def render_w11(o: dict) -> list[str]:
     out = [f"{o['rows']:,} rows of dim {o['dim']}, batches of {o['batch_keys']:,} keys, {o['batches']} batches a "
            f"run after a warmup, {o['clients']} clients, memory {mib:,.1f} MiB for each store ({o['memory_ratio']:g}x "
            f"less than the rows); {o['repeats']} runs a store, interleaved; medians (min-max)."
+           + (f" Every run in a memory cgroup of its own, limit {o['cgroup_limit_bytes'] / 2**20:,.0f} MiB (the "
+              "largest peak of the runs is shown)." if o.get("cgroup_limit_bytes") else "")
            + (f" A writer pushed {o['writer']['pushes']:,} batches and made {o['writer']['checkpoints']:,} "
               "checkpoints during the runs." if o.get("writer") else " No writer."), ""]
     rows = []
@@ -812,6 +814,8 @@ def render_w11(o: dict) -> list[str]:
             extra = (f"hit rate {r['cache_hit_rate']:.2f}" + (f", {r['refreshes']} refreshes (slowest "
                                                               f"{r['refresh_max_s']:.2f} s)" if r.get("refreshes") else "")
                      if store == "hps" else "")
+            if r.get("cgroup_peak_bytes") is not None:
+                extra += ("; " if extra else "") + f"cgroup peak {r['cgroup_peak_bytes'] / 2**20:,.0f} MiB"
             rows.append([dist, label, spread(r["keys_per_s"], r.get("keys_per_s_min"), r.get("keys_per_s_max"), ",.0f"),
                          spread(r["p50_ms"], r.get("p50_ms_min"), r.get("p50_ms_max"), ",.1f"),
                          spread(r["p99_ms"], r.get("p99_ms_min"), r.get("p99_ms_max"), ",.1f"), extra])

@@ -635,6 +635,33 @@ def test_lookup_bench_repeats_interleave_the_stores_and_pair_the_ratios():
     assert ratio["keys_per_s_runs"] == pytest.approx(per) and ratio["keys_per_s"] == pytest.approx(sum(per) / 2)
 
 
+def test_lookup_bench_runs_each_store_in_a_memory_cgroup_and_reports_its_peak(tmp_path):
+    pytest.importorskip("rocksdict", reason="the RocksDB peer needs rocksdict")
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "bench"))
+    try:
+        from ssd_store_bench import MemCgroup
+    finally:
+        sys.path.pop(0)
+    probe = MemCgroup(1 << 30, name=f"hps-w11-probe-{os.getpid()}")
+    if probe.path is None:
+        pytest.skip(f"no memory cgroup here: {probe.error}")
+    probe.remove()
+    bench = os.path.join(here, "..", "bench", "lookup_bench.py")
+    p = subprocess.run([sys.executable, bench, "--quick", "--dists", "zipf", "--cgroup", "1GiB"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["cgroup_limit_bytes"] == 1 << 30
+    for store in ("hps/zipf", "rocksdb/zipf"):
+        r = out["results"][store]
+        assert 0 < r["cgroup_peak_bytes"] < 1 << 30 and r["cgroup_oom_kills"] == 0, r
+    # A limit below what a store needs ends the run with a message, not a hang.
+    p = subprocess.run([sys.executable, bench, "--quick", "--dists", "zipf", "--stores", "hps", "--cgroup", "6MiB"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "the hps run in the cgroup died" in p.stderr and "oom_kills" in p.stderr, p.stderr
+
+
 def test_lookup_bench_quick_with_a_writer_checkpointing_meanwhile():
     here = os.path.dirname(os.path.abspath(__file__))
     p = subprocess.run([sys.executable, os.path.join(here, "..", "bench", "lookup_bench.py"), "--quick",
