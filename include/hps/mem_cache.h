@@ -188,6 +188,12 @@ class MemCache {
   virtual void SetLookahead(const uint64_t* keys, uint64_t n) = 0;
   // Back to eviction without lookahead; the window is dropped.
   virtual void ClearLookahead() = 0;
+  // Drops the cached rows of keys, clean or dirty, without the sink: keys
+  // that SSD-PS erased (SsdStore::Bound), whose next Pull loads them anew.
+  // A pinned row is in use by a batch: it stays, marked dirty, so that it
+  // goes back to SSD-PS when evicted or flushed (the key comes back, as
+  // recently updated). Absent keys are skipped. Returns the rows dropped.
+  virtual uint64_t Erase(const uint64_t* keys, uint64_t n) = 0;
   // Whether key is cached, without counting a visit.
   virtual bool Contains(uint64_t key) const = 0;
   // Counts a HostBatch release that failed, in stats().failed_releases: the

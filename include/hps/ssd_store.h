@@ -15,6 +15,16 @@
 // warns once per store), and require_direct_io makes a refused O_DIRECT an
 // error instead.
 //
+// Stamps and bounds: every file carries a stamp, when its rows were last
+// updated in the caller's unit (hps: the training step), set by SetStamp
+// before the puts and kept by compaction. Stamps never go back, so a key's
+// copies are stamped in the order they were written, and every copy of a key
+// whose current copy is stamped below s lies in files stamped below s.
+// Bound() erases the keys not updated since a stamp, and the oldest beyond a
+// number of keys, by dropping such files whole (and rewriting the survivors
+// of the one stamp it cuts through): nothing on disk can bring an erased key
+// back, so no tombstone is kept, and the space is free at the next commit.
+//
 // Thread safety: any call from any thread. Gets run concurrently with each
 // other and with a put's or a compaction's file I/O; they wait only while
 // the index changes (one file's keys at a time).
@@ -24,6 +34,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "hps/errors.h"  // CorruptionError, IoError
 #include "hps/keys.h"    // kEmptyKey
@@ -64,6 +75,19 @@ struct SsdStoreStats {
                                 ///< when direct; the fallback's name once any of them fell back
                                 ///< (compaction reads its victims with pread, on the same descriptors)
   std::string io_fallback;      ///< io_fallback()
+  uint64_t stamp = 0;           ///< stamp(): what puts write now
+  uint64_t bound_expired = 0;   ///< keys Bound() erased for a stamp below its min_stamp, all calls
+  uint64_t bound_capped = 0;    ///< keys Bound() erased for max_live, all calls
+  uint64_t bound_files_dropped = 0;       ///< files Bound() dropped whole
+  uint64_t bound_records_rewritten = 0;   ///< survivors of a cut stamp that Bound() rewrote
+};
+
+// What one Bound() erased.
+struct SsdBoundResult {
+  std::vector<uint64_t> expired;     ///< keys whose current copy was stamped below min_stamp, ascending
+  std::vector<uint64_t> capped;      ///< then the oldest beyond max_live, ascending
+  uint64_t files_dropped = 0;        ///< files gone whole (also those that held only stale records)
+  uint64_t records_rewritten = 0;    ///< live records of the cut stamp kept, in new files
 };
 
 class SsdStore {
@@ -100,6 +124,26 @@ class SsdStore {
   virtual void Compact() = 0;
   // Returns once no compaction is under way.
   virtual void WaitForCompaction() = 0;
+
+  // The stamp of the files that puts write from now on. Throws
+  // std::invalid_argument for a stamp below stamp(): stamps never go back.
+  virtual void SetStamp(uint64_t stamp) = 0;
+  // The last SetStamp's; after open, the highest stamp of any file (0 for a
+  // new store, and for files written before stamps: format version 3).
+  virtual uint64_t stamp() const = 0;
+  // The stamp of each key's current copy into stamps_out (n); absent keys
+  // get 0 and found[i] = 0 (found may be null). Returns the hits.
+  virtual uint64_t Stamps(const uint64_t* keys, uint64_t n, uint64_t* stamps_out, uint8_t* found) const = 0;
+  // Bounds the table: erases every key whose current copy is stamped below
+  // min_stamp (0: none), then, while more than max_live keys remain (0: no
+  // cap), the keys with the oldest stamps, of one stamp the smaller keys
+  // first. The keys leave at once (gets miss them); the next Commit makes
+  // it durable, so a crash or a reopen before it finds them all again.
+  // Files whose live keys all go are dropped whole; the live keys that stay
+  // in the one stamp the cap cuts through are rewritten into new files of
+  // that stamp. Waits for a compaction under way and holds off puts
+  // meanwhile; a failure (a full disk while rewriting) changes nothing.
+  virtual SsdBoundResult Bound(uint64_t min_stamp, uint64_t max_live) = 0;
 
   virtual uint64_t size() const = 0;
   virtual uint32_t row_bytes() const = 0;

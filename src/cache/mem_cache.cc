@@ -596,6 +596,30 @@ class ShardedCache final : public MemCache {
         addresses);
   }
 
+  uint64_t Erase(const uint64_t* keys, uint64_t n) override {
+    std::lock_guard miss_lock(miss_mutex_);  // no eviction moves a row meanwhile
+    uint64_t dropped = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      Shard& shard = shards_[ShardOf(keys[i])];
+      std::lock_guard lock(shard.mutex);
+      const uint32_t slot = shard.where.Find(keys[i]);
+      if (slot == kNoSlot) continue;
+      if (shard.pins[slot] > 0) {
+        if (!shard.dirty[slot]) MarkDirty(shard, slot);
+        continue;
+      }
+      shard.policy->Detach(slot);  // unpinned rows are in the order: out of it for good
+      if (shard.dirty[slot]) {
+        shard.dirty[slot] = 0;  // its entry in dirty_slots is skipped by the next flush
+        --shard.dirty_rows;
+      }
+      shard.where.Erase(keys[i]);
+      shard.free.push_back(slot);  // never past its initial capacity: cannot throw
+      ++dropped;
+    }
+    return dropped;
+  }
+
   bool Contains(uint64_t key) const override {
     const Shard& shard = shards_[ShardOf(key)];
     std::lock_guard lock(shard.mutex);

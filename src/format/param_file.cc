@@ -22,9 +22,12 @@ constexpr uint64_t kIoChunk = uint64_t{1} << 20;  // bytes per read or write req
   throw CorruptionError(path + ": not a valid hps parameter file: " + what);
 }
 
-uint32_t HeaderCrc(ParamFileHeader h) {
+// Over the 48-byte header with header_crc = 0, and from version 3 on the
+// stamp after it too, so that a flipped stamp is caught like any header field.
+uint32_t HeaderCrc(ParamFileHeader h, uint64_t stamp) {
   h.header_crc = 0;
-  return Crc32c(&h, sizeof h);
+  const uint32_t crc = Crc32c(&h, sizeof h);
+  return h.version >= 3 ? Crc32c(&stamp, sizeof stamp, crc) : crc;
 }
 
 std::string Hex(uint32_t v) {
@@ -80,7 +83,8 @@ ParamFileImage::ParamFileImage(uint32_t row_bytes, uint64_t records)
   if (row_bytes == 0) throw std::invalid_argument("parameter file: row_bytes must be > 0");
 }
 
-uint64_t ParamFileImage::Write(const std::string& path, uint64_t sequence, BlockIo& io, bool direct) {
+uint64_t ParamFileImage::Write(const std::string& path, uint64_t sequence, BlockIo& io, bool direct,
+                               uint64_t stamp) {
   ParamFileHeader h{};
   std::memcpy(h.magic, kMagic, sizeof kMagic);
   h.version = kParamFileVersion;
@@ -96,8 +100,9 @@ uint64_t ParamFileImage::Write(const std::string& path, uint64_t sequence, Block
   BlockCrcs(blocks.data(), blocks.size(), crcs.data());
   if (!crcs.empty()) std::memcpy(table, crcs.data(), crcs.size() * sizeof(uint32_t));  // little-endian, as the header
   h.blocks_crc = Crc32c(table, layout_.row_blocks() * sizeof(uint32_t));
-  h.header_crc = HeaderCrc(h);
+  h.header_crc = HeaderCrc(h, stamp);
   std::memcpy(buffer_.data(), &h, sizeof h);
+  std::memcpy(buffer_.data() + kStampOffset, &stamp, sizeof stamp);
 
   const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
   int fd = direct ? open(path.c_str(), flags | O_DIRECT, 0644) : open(path.c_str(), flags, 0644);
@@ -139,7 +144,7 @@ uint64_t ParamFileImage::Write(const std::string& path, uint64_t sequence, Block
 }
 
 uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row_bytes,
-                        const uint64_t* keys, const uint8_t* rows, uint64_t n) {
+                        const uint64_t* keys, const uint8_t* rows, uint64_t n, uint64_t stamp) {
   if (row_bytes == 0) throw std::invalid_argument(path + ": row_bytes must be > 0");
   ParamFileImage image(row_bytes, n);
   if (n > 0) {
@@ -147,7 +152,7 @@ uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row
     std::memcpy(image.row(0), rows, n * row_bytes);
   }
   std::unique_ptr<BlockIo> io = NewBlockIo(false);
-  const uint64_t written = image.Write(path, sequence, *io, false);
+  const uint64_t written = image.Write(path, sequence, *io, false, stamp);
   ParamFile::Open(path, row_bytes, false).Sync();
   return written;
 }
@@ -159,10 +164,15 @@ ParamFile ParamFile::Open(const std::string& path, uint32_t row_bytes, bool veri
   f.fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (f.fd_ < 0) ThrowErrno("open", path);
 
-  ReadFully(f.fd_, path, 0, &f.header_, sizeof f.header_);
+  uint8_t head[kHeaderBytesV3];  // within the 4 KiB header block of any version
+  ReadFully(f.fd_, path, 0, head, sizeof head);
+  std::memcpy(&f.header_, head, sizeof f.header_);
   const ParamFileHeader& h = f.header_;
   if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) ThrowCorrupt(path, "bad magic");
-  if (HeaderCrc(h) != h.header_crc) ThrowCorrupt(path, "header CRC mismatch");
+  uint64_t stamp = 0;
+  std::memcpy(&stamp, head + kStampOffset, sizeof stamp);
+  if (HeaderCrc(h, stamp) != h.header_crc) ThrowCorrupt(path, "header CRC mismatch");
+  if (h.version >= 3) f.stamp_ = stamp;  // before 3 those bytes are padding
   if (h.version < 1 || h.version > kParamFileVersion) {
     ThrowCorrupt(path, "format version " + std::to_string(h.version) + ", this build reads 1 to " +
                            std::to_string(kParamFileVersion));
@@ -237,6 +247,7 @@ ParamFile& ParamFile::operator=(ParamFile&& other) noexcept {
     direct_fd_ = std::exchange(other.direct_fd_, -1);
     direct_error_ = other.direct_error_;
     header_ = other.header_;
+    stamp_ = other.stamp_;
     block_crcs_ = std::move(other.block_crcs_);
   }
   return *this;

@@ -30,7 +30,13 @@ class BlockIo;
 inline constexpr uint64_t kBlockBytes = 4096;
 // 2 added the block CRCs. Version 1 files (no table) are still read: Open
 // checks their whole rows region once and computes the table in memory.
-inline constexpr uint32_t kParamFileVersion = 2;
+// 3 added the stamp (u64 at offset 48, right after the 48-byte header and
+// covered by its CRC): when the file's rows were last updated, in the
+// caller's unit (a training step). Version 1 and 2 files read as stamp 0.
+inline constexpr uint32_t kParamFileVersion = 3;
+// Where version 3 keeps the stamp, and the bytes its header CRC covers.
+inline constexpr uint64_t kStampOffset = 48;
+inline constexpr uint64_t kHeaderBytesV3 = 56;
 
 inline uint64_t RoundUpToBlock(uint64_t bytes) {
   return (bytes + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
@@ -51,6 +57,8 @@ struct ParamFileHeader {
                         // bytes; version 1: 0 (it was "reserved")
 };
 static_assert(sizeof(ParamFileHeader) == 48, "on-disk header size");
+// Version 3 follows the header with a u64 stamp (kStampOffset); header_crc
+// then covers the 56 bytes, the header's 48 (header_crc = 0) and the stamp's 8.
 
 // Where things are in a file of `records` rows of `row_bytes`.
 struct ParamFileLayout {
@@ -84,8 +92,9 @@ class ParamFileImage {
   // (which must not exist) through `io`, with O_DIRECT when `direct` and the
   // filesystem allows it. Not synced: ParamFile::Sync() does that before a
   // commit names the file. On failure the partial file is removed and
-  // IoError names it. Returns the bytes written.
-  uint64_t Write(const std::string& path, uint64_t sequence, BlockIo& io, bool direct);
+  // IoError names it. Returns the bytes written. `stamp`: see
+  // kParamFileVersion.
+  uint64_t Write(const std::string& path, uint64_t sequence, BlockIo& io, bool direct, uint64_t stamp = 0);
   // errno of the O_DIRECT open that Write was refused and replaced with a
   // buffered one; 0 when it was not.
   int direct_error() const { return direct_error_; }
@@ -99,7 +108,7 @@ class ParamFileImage {
 // Writes and syncs a new file at `path` holding keys[i] with rows (n,
 // row_bytes), with pwrite; for tests and tools. Returns the bytes written.
 uint64_t WriteParamFile(const std::string& path, uint64_t sequence, uint32_t row_bytes,
-                        const uint64_t* keys, const uint8_t* rows, uint64_t n);
+                        const uint64_t* keys, const uint8_t* rows, uint64_t n, uint64_t stamp = 0);
 
 // An open, validated parameter file. Not copyable; movable.
 class ParamFile {
@@ -122,6 +131,8 @@ class ParamFile {
 
   const std::string& path() const { return path_; }
   const ParamFileHeader& header() const { return header_; }
+  // When the rows were last updated (version 3; 0 for older files).
+  uint64_t stamp() const { return stamp_; }
   ParamFileLayout layout() const { return {header_.row_bytes, header_.records, header_.version}; }
   // The CRC-32C of each 4 KiB block of the rows region.
   const std::vector<uint32_t>& block_crcs() const { return block_crcs_; }
@@ -168,6 +179,7 @@ class ParamFile {
   int direct_fd_ = -1;
   int direct_error_ = 0;
   ParamFileHeader header_{};
+  uint64_t stamp_ = 0;
   std::vector<uint32_t> block_crcs_;  // 4 bytes per 4 KiB of rows
 };
 

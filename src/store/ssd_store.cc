@@ -178,6 +178,7 @@ class FileStore final : public SsdStore {
                             " parameter files (" + strays.front().filename().string() +
                             ", ...); restore MANIFEST or move the files away. Nothing was deleted");
     }
+    uint64_t stamp = 0;
     for (const auto& [sequence, records] : replay.state.live_files) {  // ascending: later wins
       const std::string file = Path(FileName(sequence));
       if (!fs::exists(file)) {
@@ -193,8 +194,10 @@ class FileStore final : public SsdStore {
                               " says " + std::to_string(sequence) + " with " + std::to_string(records));
       }
       const std::vector<uint64_t> keys = f->ReadKeys();
+      stamp = std::max(stamp, f->stamp());
       Index(AddEntry(sequence, std::move(f), true), keys);
     }
+    stamp_ = stamp;  // puts go on from the newest file's: stamps never go back
     for (const fs::path& stray : strays) fs::remove(stray);
     manifest_ = std::make_unique<ManifestWriter>(manifest, replay.valid_bytes);
     SyncDirectory(dir);  // the removals above, and MANIFEST's name when it was just created
@@ -214,6 +217,7 @@ class FileStore final : public SsdStore {
     CheckKeys(keys, n);
     if (n >= KeyIndex::kNone) throw std::invalid_argument("ssd store: put of more than 2^32 - 2 rows in one call");
     std::lock_guard put_lock(put_mutex_);
+    const uint64_t stamp = stamp_.load();
     // The last of duplicate keys wins: keep one record per key.
     std::vector<uint32_t> order;
     {
@@ -246,7 +250,7 @@ class FileStore final : public SsdStore {
           std::memcpy(image.row(j), rows + i * row_bytes, row_bytes);
         }
         const uint64_t sequence = next_sequence_++;
-        written.push_back({sequence, WriteFile(image, sequence, *io, &bytes),
+        written.push_back({sequence, WriteFile(image, sequence, stamp, *io, &bytes),
                            std::vector<uint64_t>(file_keys, file_keys + count)});
       }
       std::unique_lock lock(mutex_);
@@ -400,6 +404,61 @@ class FileStore final : public SsdStore {
     compaction_cv_.wait(lock, [this] { return !compaction_active_; });
   }
 
+  // Lock-free, so that a trainer may stamp every batch without waiting for a
+  // put under way (which then writes the older stamp or this one: both are
+  // at least its rows' last update).
+  void SetStamp(uint64_t stamp) override {
+    uint64_t now = stamp_.load();
+    do {
+      if (stamp < now) {
+        throw std::invalid_argument("ssd store " + options_.path + ": stamp " + std::to_string(stamp) +
+                                    " is below the store's stamp " + std::to_string(now) +
+                                    "; stamps never go back");
+      }
+    } while (!stamp_.compare_exchange_weak(now, stamp));
+  }
+
+  uint64_t stamp() const override { return stamp_.load(); }
+
+  uint64_t Stamps(const uint64_t* keys, uint64_t n, uint64_t* stamps_out, uint8_t* found) const override {
+    CheckKeys(keys, n);
+    uint64_t hits = 0;
+    std::shared_lock lock(mutex_);
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint32_t id = index_.Find(keys[i]);
+      const bool hit = id != KeyIndex::kNone;
+      if (found) found[i] = hit;
+      stamps_out[i] = hit ? Entry(static_cast<uint32_t>(id / slots_per_file_)).stamp : 0;
+      hits += hit;
+    }
+    return hits;
+  }
+
+  SsdBoundResult Bound(uint64_t min_stamp, uint64_t max_live) override {
+    // A compaction would carry the records of files dropped here over into
+    // its outputs: wait for the one under way and start none meanwhile (the
+    // next commit writes the drops before it plans one).
+    {
+      std::unique_lock lock(compaction_mutex_);
+      compaction_cv_.wait(lock, [this] { return !compaction_active_; });
+      compaction_active_ = true;
+    }
+    SsdBoundResult result;
+    try {
+      std::lock_guard put_lock(put_mutex_);
+      result = BoundLocked(min_stamp, max_live);
+    } catch (...) {
+      FinishCompaction();
+      throw;
+    }
+    FinishCompaction();
+    counters_.bound_expired += result.expired.size();
+    counters_.bound_capped += result.capped.size();
+    counters_.bound_files_dropped += result.files_dropped;
+    counters_.bound_records_rewritten += result.records_rewritten;
+    return result;
+  }
+
   uint64_t size() const override {
     std::shared_lock lock(mutex_);
     return index_.size();
@@ -434,6 +493,11 @@ class FileStore final : public SsdStore {
       std::lock_guard io_lock(io_mutex_);
       if (direct_ && !buffered_) s.io_path += "+O_DIRECT";
     }
+    s.stamp = stamp_.load();
+    s.bound_expired = counters_.bound_expired;
+    s.bound_capped = counters_.bound_capped;
+    s.bound_files_dropped = counters_.bound_files_dropped;
+    s.bound_records_rewritten = counters_.bound_records_rewritten;
     for (const auto& [sequence, handle] : by_sequence_) {
       s.stale_records += Entry(handle).stale;
       s.disk_bytes += Entry(handle).file->layout().file_bytes();
@@ -453,6 +517,7 @@ class FileStore final : public SsdStore {
     std::shared_ptr<const ParamFile> file;  // null: a free handle
     uint64_t sequence = 0;
     uint64_t stale = 0;      // records whose key now lives in a later file
+    uint64_t stamp = 0;      // the file's (ParamFile::stamp), kept here for Bound's grouping
     bool committed = false;
     bool victim = false;     // being compacted away
   };
@@ -468,6 +533,13 @@ class FileStore final : public SsdStore {
     std::atomic<uint64_t> rows_written{0}, bytes_written{0}, rows_read{0}, bytes_read{0};
     std::atomic<uint64_t> compactions{0}, compacted_records{0}, compaction_failures{0};
     std::atomic<uint64_t> compaction_lock_max_ns{0};
+    std::atomic<uint64_t> bound_expired{0}, bound_capped{0}, bound_files_dropped{0}, bound_records_rewritten{0};
+  };
+  // A file Bound() took out of the store; the next commit drops it from the
+  // manifest (when it was listed) and deletes it.
+  struct Dropped {
+    std::shared_ptr<const ParamFile> file;
+    bool committed;
   };
 
   std::string Path(const std::string& name) const { return (fs::path(options_.path) / name).string(); }
@@ -492,7 +564,8 @@ class FileStore final : public SsdStore {
       entries_.emplace_back();
     }
     records_on_disk_ += file->header().records;
-    entries_[handle] = FileEntry{std::move(file), sequence, 0, committed, false};
+    const uint64_t stamp = file->stamp();
+    entries_[handle] = FileEntry{std::move(file), sequence, 0, stamp, committed, false};
     by_sequence_.emplace(sequence, handle);
     return handle;
   }
@@ -532,12 +605,225 @@ class FileStore final : public SsdStore {
     {
       std::lock_guard manifest_lock(manifest_mutex_);
       for (const auto& [handle, file] : pending) manifest_->AddFile(file->header().sequence, file->header().records);
+      for (const Dropped& d : dropped_) {
+        if (d.committed) manifest_->DropFile(d.file->header().sequence);
+      }
       manifest_->Commit();
       ++commits_;
     }
-    std::unique_lock lock(mutex_);
-    for (const auto& entry : pending) Entry(entry.first).committed = true;
-    uncommitted_.clear();
+    {
+      std::unique_lock lock(mutex_);
+      for (const auto& entry : pending) Entry(entry.first).committed = true;
+      uncommitted_.clear();
+    }
+    // Bound's files, no longer listed: a crash before these removals leaves
+    // strays that open removes. Gets still holding one keep reading it.
+    if (!dropped_.empty()) {
+      for (const Dropped& d : dropped_) fs::remove(d.file->path());
+      dropped_.clear();
+      SyncDirectory(options_.path);
+    }
+  }
+
+  // Bound() with put_mutex_ held and no compaction under way, so that only
+  // gets run beside it. Everything is read, and the cut stamp's survivors
+  // written, before the index changes: a failure until then changes nothing.
+  SsdBoundResult BoundLocked(uint64_t min_stamp, uint64_t max_live) {
+    struct Group {
+      std::vector<uint32_t> files;
+      uint64_t live = 0;
+    };
+    std::map<uint64_t, Group> groups;  // by stamp, ascending
+    uint64_t live = 0;  // keys not yet chosen to go
+    {
+      std::shared_lock lock(mutex_);
+      for (const auto& [sequence, handle] : by_sequence_) {
+        const FileEntry& e = Entry(handle);
+        Group& g = groups[e.stamp];
+        g.files.push_back(handle);
+        g.live += e.file->header().records - e.stale;  // the index's records in it
+      }
+      live = index_.size();
+    }
+    // What goes: the stamps below min_stamp whole (expired); then, oldest
+    // first, the stamps that fit in the excess over max_live whole (capped);
+    // then the smallest keys of the next one, which is cut.
+    struct Drop {
+      uint32_t handle;
+      bool expired;
+    };
+    std::vector<Drop> drops;
+    const Group* cut = nullptr;
+    uint64_t cut_stamp = 0, cut_erase = 0;
+    auto it = groups.begin();
+    for (; it != groups.end() && it->first < min_stamp; ++it) {
+      for (uint32_t h : it->second.files) drops.push_back({h, true});
+      live -= it->second.live;
+    }
+    for (; max_live > 0 && it != groups.end() && live > max_live; ++it) {
+      const uint64_t excess = live - max_live;
+      if (it->second.live <= excess) {
+        for (uint32_t h : it->second.files) drops.push_back({h, false});
+        live -= it->second.live;
+      } else {
+        cut = &it->second;
+        cut_stamp = it->first;
+        cut_erase = excess;
+        break;
+      }
+    }
+    SsdBoundResult result;
+    if (drops.empty() && cut == nullptr) return result;
+
+    struct Source {
+      uint32_t handle;
+      std::shared_ptr<const ParamFile> file;
+      std::vector<uint64_t> keys;
+    };
+    auto source = [&](uint32_t h) {
+      std::shared_ptr<const ParamFile> file;
+      {
+        std::shared_lock lock(mutex_);
+        file = Entry(h).file;
+      }
+      std::vector<uint64_t> keys = file->ReadKeys();
+      return Source{h, std::move(file), std::move(keys)};
+    };
+    std::vector<Source> dropped;
+    for (const Drop& d : drops) dropped.push_back(source(d.handle));
+
+    // The cut stamp: its live records by key, the first cut_erase erased,
+    // the rest read and written into new files of the same stamp.
+    struct Kept {
+      uint64_t key;
+      uint32_t from;  // record id in a cut file
+    };
+    std::vector<Source> cut_files;
+    std::vector<Kept> kept;
+    std::vector<uint64_t> cut_away;
+    struct Output {
+      uint64_t sequence;
+      std::shared_ptr<const ParamFile> file;
+    };
+    std::vector<Output> outputs;
+    uint64_t bytes = 0;
+    if (cut != nullptr) {
+      std::vector<Kept> cut_live;
+      for (uint32_t h : cut->files) {
+        cut_files.push_back(source(h));
+        const Source& f = cut_files.back();
+        std::shared_lock lock(mutex_);
+        for (uint64_t slot = 0; slot < f.keys.size(); ++slot) {
+          const uint32_t id = RecordId(h, slot);
+          if (index_.Find(f.keys[slot]) == id) cut_live.push_back({f.keys[slot], id});
+        }
+      }
+      std::sort(cut_live.begin(), cut_live.end(), [](const Kept& a, const Kept& b) { return a.key < b.key; });
+      for (uint64_t i = 0; i < cut_live.size(); ++i) {
+        if (i < cut_erase) {
+          cut_away.push_back(cut_live[i].key);
+        } else {
+          kept.push_back(cut_live[i]);
+        }
+      }
+      // Survivors in record-id order: each cut file's rows are read in one plan.
+      std::sort(kept.begin(), kept.end(), [](const Kept& a, const Kept& b) { return a.from < b.from; });
+      const uint64_t files_out = (kept.size() + options_.file_records - 1) / options_.file_records;
+      {
+        std::shared_lock lock(mutex_);
+        if (entries_.size() - free_handles_.size() + files_out > max_handles_) {
+          throw std::runtime_error("ssd store: more than " + std::to_string(max_handles_) +
+                                   " files would be live; raise file_records");
+        }
+      }
+      const uint32_t row_bytes = options_.row_bytes;
+      std::vector<uint8_t> rows(kept.size() * row_bytes);
+      auto io = io_pool_.Acquire();
+      for (uint64_t begin = 0; begin < kept.size();) {
+        const uint32_t handle = static_cast<uint32_t>(kept[begin].from / slots_per_file_);
+        uint64_t end = begin;
+        std::vector<uint64_t> slots, slot_keys;
+        for (; end < kept.size() && kept[end].from / slots_per_file_ == handle; ++end) {
+          slots.push_back(kept[end].from % slots_per_file_);
+          slot_keys.push_back(kept[end].key);
+        }
+        const ParamFile& file =
+            *std::find_if(cut_files.begin(), cut_files.end(), [&](const Source& f) { return f.handle == handle; })->file;
+        const ParamFile::RowsPlan plan = file.PlanRows(slots.data(), slots.size());
+        detail::AlignedBuffer buffer(plan.bytes);
+        std::vector<detail::IoRequest> reads;
+        file.AddReads(plan, buffer.data(), &reads);
+        io->ReadAll(reads);
+        file.CopyRows(plan, buffer.data(), slots.data(), slot_keys.data(), slots.size(), rows.data() + begin * row_bytes);
+        counters_.bytes_read += plan.bytes;
+        begin = end;
+      }
+      try {
+        for (uint64_t begin = 0; begin < kept.size(); begin += options_.file_records) {
+          const uint64_t count = std::min<uint64_t>(options_.file_records, kept.size() - begin);
+          detail::ParamFileImage image(row_bytes, count);
+          for (uint64_t j = 0; j < count; ++j) {
+            image.keys()[j] = kept[begin + j].key;
+            std::memcpy(image.row(j), rows.data() + (begin + j) * row_bytes, row_bytes);
+          }
+          const uint64_t sequence = next_sequence_++;
+          outputs.push_back({sequence, WriteFile(image, sequence, cut_stamp, *io, &bytes)});
+        }
+      } catch (...) {
+        for (const Output& out : outputs) fs::remove(out.file->path());
+        throw;
+      }
+    }
+
+    // Nothing below throws but bad_alloc, which the reserves take first.
+    uint64_t dropped_records = 0;
+    for (const Source& f : dropped) dropped_records += f.keys.size();
+    result.expired.reserve(dropped_records);
+    result.capped.reserve(dropped_records + cut_away.size());
+    dropped_.reserve(dropped_.size() + dropped.size() + cut_files.size());
+    uncommitted_.reserve(uncommitted_.size() + outputs.size());
+    auto forget = [&](uint32_t h) {  // REQUIRES: mutex_ held exclusively
+      FileEntry& e = Entry(h);
+      dropped_.push_back({e.file, e.committed});
+      if (!e.committed) {  // a put's since the last commit, or an earlier Bound's output
+        const auto at = std::find(uncommitted_.begin(), uncommitted_.end(), h);
+        if (at != uncommitted_.end()) uncommitted_.erase(at);
+      }
+      RemoveEntry(h);
+    };
+    // One file at a time, so that readers wait one file's keys at most.
+    for (size_t d = 0; d < dropped.size(); ++d) {
+      const Source& f = dropped[d];
+      std::vector<uint64_t>& out = drops[d].expired ? result.expired : result.capped;
+      std::unique_lock lock(mutex_);
+      for (uint64_t slot = 0; slot < f.keys.size(); ++slot) {
+        if (index_.Find(f.keys[slot]) != RecordId(f.handle, slot)) continue;  // a stale copy
+        index_.Erase(f.keys[slot]);
+        out.push_back(f.keys[slot]);
+      }
+      forget(f.handle);
+      ++result.files_dropped;
+    }
+    if (cut != nullptr) {
+      std::unique_lock lock(mutex_);
+      uint64_t at = 0;
+      for (Output& out : outputs) {
+        const uint32_t handle = AddEntry(out.sequence, std::move(out.file), false);
+        uncommitted_.push_back(handle);
+        const uint64_t count = Entry(handle).file->header().records;
+        for (uint64_t j = 0; j < count; ++j, ++at) {
+          index_.Replace(kept[at].key, kept[at].from, RecordId(handle, j));  // nothing else moves it now
+        }
+      }
+      for (uint64_t key : cut_away) index_.Erase(key);
+      for (const Source& f : cut_files) forget(f.handle);
+      result.capped.insert(result.capped.end(), cut_away.begin(), cut_away.end());
+      result.records_rewritten = kept.size();
+    }
+    counters_.bytes_written += bytes;
+    std::sort(result.expired.begin(), result.expired.end());
+    std::sort(result.capped.begin(), result.capped.end());
+    return result;
   }
 
   bool OverTrigger() const {
@@ -574,12 +860,18 @@ class FileStore final : public SsdStore {
       victims.push_back(h);
       on_disk -= static_cast<double>(Entry(h).stale);
     }
+    // A chunk's output files take its victims' stamp, so a chunk holds one
+    // stamp: a row rewritten by compaction stays as old as it was, and Bound
+    // can still drop or keep files whole by stamp.
+    std::stable_sort(victims.begin(), victims.end(),
+                     [&](uint32_t a, uint32_t b) { return Entry(a).stamp < Entry(b).stamp; });
     CompactionJob job;
     uint64_t outputs = 0, chunk_live = 0;
     for (uint32_t h : victims) {
       FileEntry& e = Entry(h);
       e.victim = true;
-      if (job.chunks.empty() || chunk_live >= options_.file_records) {
+      if (job.chunks.empty() || chunk_live >= options_.file_records ||
+          Entry(job.chunks.back().front()).stamp != e.stamp) {
         outputs += (chunk_live + options_.file_records - 1) / options_.file_records;
         job.chunks.emplace_back();
         chunk_live = 0;
@@ -684,10 +976,10 @@ class FileStore final : public SsdStore {
   // Writes `image` as the file of `sequence` and opens it for reads, noting
   // (or, with require_direct_io, refusing) a write or a read descriptor that
   // the filesystem kept off O_DIRECT; a refused file is removed.
-  std::shared_ptr<const ParamFile> WriteFile(detail::ParamFileImage& image, uint64_t sequence,
+  std::shared_ptr<const ParamFile> WriteFile(detail::ParamFileImage& image, uint64_t sequence, uint64_t stamp,
                                              detail::BlockIo& io, uint64_t* bytes) {
     const std::string path = Path(FileName(sequence));
-    *bytes += image.Write(path, sequence, io, direct_);
+    *bytes += image.Write(path, sequence, io, direct_, stamp);
     try {
       if (image.direct_error() != 0) {
         NoteBuffered("O_DIRECT refused by the filesystem for writes of " + path + ": " +
@@ -715,9 +1007,11 @@ class FileStore final : public SsdStore {
     std::vector<Kept> kept;
     std::vector<uint8_t> rows;
     std::vector<std::shared_ptr<const ParamFile>> sources;
+    uint64_t stamp = 0;  // of every victim (Plan)
     {
       std::shared_lock lock(mutex_);
       for (uint32_t h : victims) sources.push_back(Entry(h).file);
+      if (!victims.empty()) stamp = Entry(victims.front()).stamp;
     }
     // The rows come through the gets' path (io_uring, O_DIRECT where the file
     // takes it), each block checked against its CRC; the keys, 8 bytes a
@@ -772,7 +1066,7 @@ class FileStore final : public SsdStore {
           image.keys()[j] = kept[begin + j].key;
           std::memcpy(image.row(j), rows.data() + (begin + j) * row_bytes, row_bytes);
         }
-        auto file = WriteFile(image, sequence, *io, &bytes);
+        auto file = WriteFile(image, sequence, stamp, *io, &bytes);
         outputs.push_back({sequence, file, begin, count});
         file->Sync();
       }
@@ -837,6 +1131,8 @@ class FileStore final : public SsdStore {
   std::mutex manifest_mutex_;
   std::unique_ptr<ManifestWriter> manifest_;
   std::atomic<uint64_t> commits_{0};
+  std::atomic<uint64_t> stamp_{0};               // what puts write; never goes back
+  std::vector<Dropped> dropped_;                 // guarded by put_mutex_: Bound's, until the next commit
 
   mutable std::mutex compaction_mutex_;
   std::condition_variable compaction_cv_;

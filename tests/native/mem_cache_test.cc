@@ -83,6 +83,71 @@ TEST_P(MemCachePolicies, WriteBacksSurviveEvictionAndFlush) {
   for (const auto& [k, v] : model) ASSERT_EQ(backing.rows.at(k), v) << k;
 }
 
+// Erase drops clean and dirty rows without the sink (the next Pull loads the
+// key anew), keeps pinned ones dirty, and leaves the policy able to reuse
+// the freed slots: the model stays right through later evictions.
+TEST_P(MemCachePolicies, EraseDropsRowsWithoutTheSinkAndKeepsPinnedOnes) {
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 64;
+  o.policy = ParseCachePolicy(GetParam());
+  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  std::map<uint64_t, uint64_t> model;  // what a Pull must return; absent: key * 1000
+  std::mt19937_64 rng(11);
+  for (int step = 0; step < 300; ++step) {
+    std::vector<uint64_t> keys;
+    for (int j = 0; j < 10; ++j) {
+      const uint64_t k = 1 + rng() % 200;
+      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+    }
+    std::vector<uint64_t> rows(keys.size());
+    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), true, nullptr);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const auto it = model.find(keys[i]);
+      ASSERT_EQ(rows[i], it == model.end() ? keys[i] * 1000 : it->second) << "step " << step;
+      rows[i] += 1;
+      model[keys[i]] = rows[i];
+    }
+    // Erase a few keys while this batch is pinned: its own keys stay (and
+    // are written back), the others leave MEM-PS and, as SSD-PS's Bound
+    // would, the backing store.
+    std::vector<uint64_t> erase;
+    for (int j = 0; j < 5; ++j) erase.push_back(1 + rng() % 200);
+    if (step % 50 == 0) erase.push_back(keys[0]);  // pinned: kept
+    {
+      std::lock_guard lock(backing.mutex);
+      for (uint64_t k : erase) {
+        if (std::find(keys.begin(), keys.end(), k) != keys.end()) continue;
+        backing.rows.erase(k);
+        model.erase(k);
+      }
+    }
+    const uint64_t before = cache->stats().size;
+    const uint64_t dropped = cache->Erase(erase.data(), erase.size());
+    EXPECT_EQ(cache->stats().size, before - dropped);
+    for (uint64_t k : erase) {
+      const bool pinned = std::find(keys.begin(), keys.end(), k) != keys.end();
+      EXPECT_EQ(cache->Contains(k), pinned) << "key " << k << " step " << step;
+    }
+    cache->WriteBack(keys.data(), keys.size(), reinterpret_cast<const uint8_t*>(rows.data()));
+  }
+  cache->FlushDirty();
+  for (const auto& [k, v] : model) {
+    const auto it = backing.rows.find(k);
+    const uint64_t stored = it == backing.rows.end() ? k * 1000 : it->second;
+    if (cache->Contains(k)) continue;  // clean in MEM-PS, equal to what was flushed
+    ASSERT_EQ(stored, v) << k;
+  }
+  // Every key reads as the model has it.
+  for (uint64_t k = 1; k <= 200; ++k) {
+    uint64_t row = 0;
+    cache->Pull(&k, 1, reinterpret_cast<uint8_t*>(&row), false, nullptr);
+    const auto it = model.find(k);
+    ASSERT_EQ(row, it == model.end() ? k * 1000 : it->second) << k;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, MemCachePolicies, ::testing::Values("lru", "lfu", "lru+lfu", "w-tinylfu", "tinylfu-lfu"));
 
 // One shard of 4 LRU rows holding dirty rows 1..4 (1 the least recent).

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <map>
 #include <random>
 #include <atomic>
 #include <string>
@@ -225,7 +226,7 @@ TEST_F(ParamFileTest, BlockCrcTableCoversEveryRowsBlock) {
   }
   ParamFileHeader h;
   std::memcpy(&h, bytes.data(), sizeof h);
-  EXPECT_EQ(h.version, 2u);
+  EXPECT_EQ(h.version, 3u);
   EXPECT_EQ(h.blocks_crc, Crc32c(expected.data(), 5 * sizeof(uint32_t)));
 
   const ParamFile f = ParamFile::Open(path, row_bytes, /*verify_rows=*/true);
@@ -384,13 +385,14 @@ TEST_F(ParamFileTest, Version1FilesAreCheckedWholeAtOpenThenByBlock) {
   ParamFileHeader h;
   std::fstream file(path + "3", std::ios::in | std::ios::out | std::ios::binary);
   file.read(reinterpret_cast<char*>(&h), sizeof h);
-  h.version = 3;
+  h.version = 4;
   h.header_crc = 0;
-  h.header_crc = Crc32c(&h, sizeof h);
+  const uint64_t stamp = 0;  // from version 3 on the header CRC covers the stamp after it
+  h.header_crc = Crc32c(&stamp, sizeof stamp, Crc32c(&h, sizeof h));
   file.seekp(0);
   file.write(reinterpret_cast<const char*>(&h), sizeof h);
   file.close();
-  ExpectCorrupt(path + "3", row_bytes, false, "format version 3, this build reads 1 to 2");
+  ExpectCorrupt(path + "3", row_bytes, false, "format version 4, this build reads 1 to 3");
 }
 
 using ManifestTest = TempDir;
@@ -706,6 +708,253 @@ TEST_F(SsdStoreTest, ConcurrentGetsPutsAndCompaction) {
     std::memcpy(w, out.data() + k * row_bytes, sizeof w);
     ASSERT_EQ(w[1], version[k]) << "key " << k;
   }
+}
+
+
+// Bound() against a model: key -> (stamp of its last put, version). TTL
+// erases the keys stamped below min_stamp; the cap then the oldest beyond
+// max_live, by (stamp, key). Reopens with and without a commit before, and
+// compactions between, so that rows rewritten by compaction keep their stamp
+// and nothing erased and committed comes back.
+struct BoundModel {
+  std::map<uint64_t, std::pair<uint64_t, uint32_t>> rows;  // key -> (stamp, version)
+  // The keys Bound(min_stamp, max_live) erases: (expired, capped), ascending.
+  std::pair<std::vector<uint64_t>, std::vector<uint64_t>> Bound(uint64_t min_stamp, uint64_t max_live) {
+    std::vector<uint64_t> expired, capped;
+    for (auto it = rows.begin(); it != rows.end();) {
+      if (it->second.first < min_stamp) {
+        expired.push_back(it->first);
+        it = rows.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (max_live > 0 && rows.size() > max_live) {
+      std::vector<std::pair<uint64_t, uint64_t>> order;  // (stamp, key)
+      for (const auto& [key, value] : rows) order.emplace_back(value.first, key);
+      std::sort(order.begin(), order.end());
+      for (uint64_t i = 0; i < rows.size() - max_live; ++i) capped.push_back(order[i].second);
+      for (uint64_t key : capped) rows.erase(key);
+      std::sort(capped.begin(), capped.end());
+    }
+    return {expired, capped};
+  }
+};
+
+void BoundRow(uint64_t key, uint32_t version, uint8_t* out) {
+  const uint32_t words[4] = {static_cast<uint32_t>(key), version, static_cast<uint32_t>(key >> 32), ~version};
+  std::memcpy(out, words, sizeof words);
+}
+
+// Every key of `universe` reads as the model has it (absent keys absent),
+// with the model's stamp.
+void ExpectModel(SsdStore& store, const BoundModel& model, uint64_t universe, const std::string& where) {
+  constexpr uint32_t row_bytes = 16;
+  std::vector<uint64_t> keys(universe);
+  for (uint64_t k = 0; k < universe; ++k) keys[k] = k + 1;
+  std::vector<uint8_t> out(universe * row_bytes), found(universe), found2(universe);
+  std::vector<uint64_t> stamps(universe);
+  ASSERT_EQ(store.Get(keys.data(), universe, out.data(), found.data()), model.rows.size()) << where;
+  store.Stamps(keys.data(), universe, stamps.data(), found2.data());
+  ASSERT_EQ(store.size(), model.rows.size()) << where;
+  for (uint64_t k = 0; k < universe; ++k) {
+    const auto it = model.rows.find(keys[k]);
+    ASSERT_EQ(found[k] != 0, it != model.rows.end()) << where << ": key " << keys[k];
+    ASSERT_EQ(found2[k], found[k]) << where << ": key " << keys[k];
+    if (it == model.rows.end()) continue;
+    uint8_t expected[row_bytes];
+    BoundRow(keys[k], it->second.second, expected);
+    ASSERT_EQ(std::memcmp(out.data() + k * row_bytes, expected, row_bytes), 0) << where << ": key " << keys[k];
+    ASSERT_EQ(stamps[k], it->second.first) << where << ": stamp of key " << keys[k];
+  }
+}
+
+TEST_F(SsdStoreTest, BoundMatchesAModelAcrossReopensAndCompactions) {
+  constexpr uint32_t row_bytes = 16;
+  constexpr uint64_t universe = 2000;
+  SsdStoreOptions options;
+  options.path = dir_;
+  options.row_bytes = row_bytes;
+  options.file_records = 64;  // many files a stamp, so that a cut rewrites several
+  options.compaction_trigger = 1.3;
+  options.background_compaction = false;
+  auto store = SsdStore::Open(options);
+  BoundModel model, committed;
+  std::mt19937_64 rng(20);
+  uint64_t stamp = 0;
+  uint32_t version = 0;
+  uint64_t expired_total = 0, capped_total = 0, rewritten = 0, dropped = 0;
+  for (int round = 0; round < 60; ++round) {
+    const std::string where = "round " + std::to_string(round);
+    stamp += 1 + rng() % 3;
+    store->SetStamp(stamp);
+    // A few puts: hot keys often, the rest now and then.
+    for (int p = 0; p < 3; ++p) {
+      std::vector<uint64_t> keys;
+      const uint64_t n = 50 + rng() % 300;
+      for (uint64_t i = 0; i < n; ++i) keys.push_back(1 + (rng() % 4 == 0 ? rng() % universe : rng() % 200));
+      std::vector<uint8_t> rows(keys.size() * row_bytes);
+      ++version;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        BoundRow(keys[i], version, rows.data() + i * row_bytes);
+        model.rows[keys[i]] = {stamp, version};
+      }
+      store->Put(keys.data(), keys.size(), rows.data());
+    }
+    const uint64_t min_stamp = rng() % 3 == 0 ? 0 : (stamp > 6 ? stamp - 6 : 0);
+    const uint64_t max_live = rng() % 3 == 0 ? 0 : 400 + rng() % 500;
+    const auto [expired, capped] = model.Bound(min_stamp, max_live);
+    const SsdBoundResult result = store->Bound(min_stamp, max_live);
+    ASSERT_EQ(result.expired, expired) << where;
+    ASSERT_EQ(result.capped, capped) << where;
+    expired_total += expired.size();
+    capped_total += capped.size();
+    rewritten += result.records_rewritten;
+    dropped += result.files_dropped;
+    ASSERT_NO_FATAL_FAILURE(ExpectModel(*store, model, universe, where + ", after Bound"));
+    switch (rng() % 4) {
+      case 0:  // a crash before the commit: back to the last one
+        store.reset();
+        store = SsdStore::Open(options);
+        model = committed;
+        stamp = std::max(stamp, store->stamp());
+        ASSERT_NO_FATAL_FAILURE(ExpectModel(*store, model, universe, where + ", reopened uncommitted"));
+        break;
+      case 1:
+        store->Compact();
+        committed = model;
+        ASSERT_NO_FATAL_FAILURE(ExpectModel(*store, model, universe, where + ", compacted"));
+        break;
+      default:
+        store->Commit();
+        committed = model;
+        if (rng() % 2) {
+          store.reset();
+          store = SsdStore::Open(options);
+          ASSERT_NO_FATAL_FAILURE(ExpectModel(*store, model, universe, where + ", reopened"));
+        }
+    }
+  }
+  // Both bounds bit, often, and the cap cut through a stamp.
+  EXPECT_GT(expired_total, 100u);
+  EXPECT_GT(capped_total, 100u);
+  EXPECT_GT(rewritten, 0u);
+  EXPECT_GT(dropped, 10u);
+  store->Commit();
+  store->Compact();
+  const SsdStoreStats st = store->stats();
+  EXPECT_EQ(st.live_records, model.rows.size());
+  EXPECT_LE(st.live_records + st.stale_records, 2 * st.live_records);
+  EXPECT_EQ(st.compaction_failures, 0u) << st.last_error;
+  // Nothing but the live files is left on disk: the dropped ones are gone.
+  uint64_t files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+    files += entry.path().extension() == ".hpf";
+  }
+  EXPECT_EQ(files, st.files);
+}
+
+TEST_F(SsdStoreTest, ErasedKeysComeBackOnlyWhenPutAgain) {
+  constexpr uint32_t row_bytes = 16;
+  SsdStoreOptions options;
+  options.path = dir_;
+  options.row_bytes = row_bytes;
+  options.file_records = 4;
+  options.background_compaction = false;
+  auto store = SsdStore::Open(options);
+  auto put = [&](std::vector<uint64_t> keys, uint32_t version) {
+    std::vector<uint8_t> rows(keys.size() * row_bytes);
+    for (size_t i = 0; i < keys.size(); ++i) BoundRow(keys[i], version, rows.data() + i * row_bytes);
+    store->Put(keys.data(), keys.size(), rows.data());
+  };
+  store->SetStamp(1);
+  put({1, 2, 3, 4, 5, 6}, 1);
+  store->Commit();
+  store->SetStamp(2);
+  put({1, 2}, 2);  // 1 and 2 newer: their stamp-1 copies are stale
+  store->SetStamp(3);
+  put({7}, 3);
+  store->Commit();
+  EXPECT_THROW(store->SetStamp(2), std::invalid_argument);
+  // TTL at 2: 3..6 expire with the stamp-1 files, stale copies of 1, 2 too.
+  SsdBoundResult r = store->Bound(2, 0);
+  EXPECT_EQ(r.expired, (std::vector<uint64_t>{3, 4, 5, 6}));
+  EXPECT_EQ(r.capped, std::vector<uint64_t>{});
+  EXPECT_EQ(r.files_dropped, 2u);
+  store->Commit();
+  store.reset();
+  store = SsdStore::Open(options);
+  BoundModel model;
+  model.rows = {{1, {2, 2}}, {2, {2, 2}}, {7, {3, 3}}};
+  ASSERT_NO_FATAL_FAILURE(ExpectModel(*store, model, 8, "after expiry"));
+  EXPECT_EQ(store->stamp(), 3u);
+  // Cap at 2: the oldest (stamp 2) smaller key goes; 2 is rewritten alone.
+  r = store->Bound(0, 2);
+  EXPECT_EQ(r.capped, std::vector<uint64_t>{1});
+  EXPECT_EQ(r.records_rewritten, 1u);
+  model.rows.erase(1);
+  // Put after erase: 4 comes back, with the stamp of its new put.
+  store->SetStamp(5);
+  put({4}, 5);
+  model.rows[4] = {5, 5};
+  store->Commit();
+  store.reset();
+  store = SsdStore::Open(options);
+  ASSERT_NO_FATAL_FAILURE(ExpectModel(*store, model, 8, "after cap and put"));
+}
+
+// Gets racing Bound, puts and commits; run under TSan. A get finds a key's
+// latest row or (once erased) nothing, never a torn or older row.
+TEST_F(SsdStoreTest, ConcurrentGetsDuringBound) {
+  constexpr uint32_t row_bytes = 16;
+  constexpr uint64_t n = 2000;
+  SsdStoreOptions options;
+  options.path = dir_;
+  options.row_bytes = row_bytes;
+  options.file_records = 50;
+  options.compaction_trigger = 1.2;
+  auto store = SsdStore::Open(options);
+  // Rows are (key, v, key >> 32, ~v): a torn or misplaced row fails the check.
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> bad{0}, hits{0};
+  auto reader = [&](uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint64_t> ask(100);
+    std::vector<uint8_t> out(ask.size() * row_bytes), found(ask.size());
+    std::vector<uint64_t> stamps(ask.size());
+    while (!stop) {
+      for (auto& k : ask) k = 1 + rng() % n;
+      hits += store->Get(ask.data(), ask.size(), out.data(), found.data());
+      for (size_t i = 0; i < ask.size(); ++i) {
+        uint32_t w[4];
+        std::memcpy(w, out.data() + i * row_bytes, sizeof w);
+        const bool ok = found[i] ? (w[0] == static_cast<uint32_t>(ask[i]) && w[3] == ~w[1])
+                                 : (w[0] == 0 && w[1] == 0 && w[3] == 0);
+        if (!ok) ++bad;
+      }
+      store->Stamps(ask.data(), ask.size(), stamps.data(), found.data());
+    }
+  };
+  std::thread r1(reader, 1), r2(reader, 2);
+  std::mt19937_64 rng(9);
+  for (uint32_t v = 1; v <= 30; ++v) {
+    store->SetStamp(v);
+    std::vector<uint64_t> keys;
+    for (uint64_t i = 0; i < 400; ++i) keys.push_back(1 + rng() % n);
+    std::vector<uint8_t> rows(keys.size() * row_bytes);
+    for (size_t i = 0; i < keys.size(); ++i) BoundRow(keys[i], v, rows.data() + i * row_bytes);
+    store->Put(keys.data(), keys.size(), rows.data());
+    store->Bound(v > 5 ? v - 5 : 0, 800);
+    store->Commit();
+  }
+  stop = true;
+  r1.join();
+  r2.join();
+  EXPECT_EQ(bad.load(), 0u);
+  EXPECT_GT(hits.load(), 0u);
+  store->WaitForCompaction();
+  EXPECT_LE(store->size(), 800u);
+  EXPECT_EQ(store->stats().compaction_failures, 0u) << store->stats().last_error;
 }
 
 }  // namespace
