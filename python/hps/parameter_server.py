@@ -8,6 +8,15 @@ device, then one optimizer step per key); the updated rows go back to MEM-PS,
 and from there, when evicted, to SSD-PS. A row never seen is initialised as a
 pure function of (seed, key), so it needs no storage until it is updated.
 
+Bounded tables (``ttl_steps``, ``max_rows``; docs/parameter_server.md): a step
+is a batch of this server. Each batch stamps SSD-PS with the step, so a row's
+file tells when it was last updated (a dirty row reaches a file when MEM-PS
+evicts it, or at the checkpoint's flush: its stamp is at least its last
+update and at most the next checkpoint's step). At each checkpoint, after the
+flush and before the commit, SsdStore.bound() erases the rows stamped more
+than ttl_steps before the step, then the oldest beyond max_rows, and MEM-PS
+drops their copies; an erased key reads as new (its initial row) next time.
+
 checkpoint() makes everything durable as a numbered snapshot under
 ``<path>/checkpoints``; ParameterServer.open(path) resumes from the last
 checkpoint exactly. A crash at any moment, in the middle of a checkpoint too,
@@ -102,6 +111,10 @@ class ParameterServerConfig:
     worker_cache_rows: int = 1 << 16    # schedule = "herald": rows a device's cache keeps between batches
     lookahead: int = 0                  # batches ahead whose keys the caches keep when they must evict
                                         # (the pipeline's prefetch passes them; 0: the policy alone decides)
+    ttl_steps: int = 0                  # bounded tables: a row not updated for more than this many steps
+                                        # (batches) is erased at the next checkpoint; 0: never
+    max_rows: int = 0                   # and at most this many rows are kept (per rank under mpiexec), the
+                                        # least recently updated erased beyond it; 0: no cap
     topology: Optional[str] = None      # a topology file (hps.topology) whose routes the device tier's
                                         # transfers take, tier device g its endpoint g, the host executor
                                         # copying (relays staged on the middleman); None: flat host partitions
@@ -575,6 +588,12 @@ class ParameterServer:
             checkpoint = None
         elif checkpoint == LAST:
             checkpoint = meta.get("checkpoint")
+        herald = self._check_schedule(config, partitioner)
+        self._check_bounds(config, herald)
+        # The step of the checkpoint resumed from: the metadata's, when it names
+        # that one (an MPI job rolled back to an earlier one has the store's stamp).
+        saved_step = meta.get("step") if meta is not None and meta.get("checkpoint") == checkpoint else None
+        self._step = 0
         self._checkpoint = self._restore(checkpoint, meta)
         self._ssd = SsdStore(os.path.join(config.path, _STORE_DIR), row_bytes, file_records=config.ssd.file_records,
                              compaction_trigger=config.ssd.compaction_trigger,
@@ -582,12 +601,15 @@ class ParameterServer:
                              require_direct_io=config.ssd.require_direct_io)
         # Evicted rows gather in the write buffer, then go to SSD-PS in large puts;
         # misses read the buffer, then SSD-PS, then initialise (native, no GIL).
+        # Stamps never go back: the store's newest file bounds the step from below.
+        self._step = max(int(saved_step or 0), self._ssd.stamp)
+        self._ssd.set_stamp(self._step)
         self._backing = _core.BackingStore(self._ssd, self._native_opt, config.write_buffer_rows)
         self._counts_lock = threading.Lock()
-        self._counts = {"mem_hits": 0, "pulls": 0, "pushes": 0, "batches": 0, "checkpoints": 0}
+        self._counts = {"mem_hits": 0, "pulls": 0, "pushes": 0, "batches": 0, "checkpoints": 0,
+                        "expired": 0, "capped": 0}
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
                                loader=self._backing, sink=self._backing)
-        herald = self._check_schedule(config, partitioner)
         # With one host partition, batches train on MEM-PS's pinned rows (HostBatch).
         self._in_place = (config.host_in_place and config.devices == 1 and partitioner is None
                           and not herald and _core.cuda_device_count() < 1)
@@ -626,6 +648,19 @@ class ParameterServer:
         if not 1 <= config.devices <= 64:
             raise ValueError(f"schedule = 'herald' takes 1 to 64 devices, got devices = {config.devices}")
         return True
+
+    @staticmethod
+    def _check_bounds(config: ParameterServerConfig, herald: bool) -> None:
+        """ttl_steps and max_rows: ints >= 0; names a bad field."""
+        for name in ("ttl_steps", "max_rows"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
+        if herald and (config.ttl_steps or config.max_rows):
+            # Herald's worker caches keep rows between batches, out of reach of
+            # the checkpoint's erase: an expired key would come back from them.
+            raise ValueError(f"ttl_steps = {config.ttl_steps} and max_rows = {config.max_rows}: bounded tables "
+                             f"need schedule = 'sequential' (Herald's worker caches hold rows between batches)")
 
     # ------------------------------------------------------------ opening
     @classmethod
@@ -672,6 +707,7 @@ class ParameterServer:
         """The metadata, naming the last finished checkpoint; replaced atomically
         (this rename is a checkpoint's commit point)."""
         meta = {"format": FORMAT_VERSION, "hps_version": _core.__version__, "checkpoint": checkpoint,
+                "step": getattr(self, "_step", 0),  # this server's batches at that checkpoint
                 "config": {k: v for k, v in self.config.to_dict().items() if k != "path"}}
         path = self._metadata_path()
         _write_durable(path + ".tmp", json.dumps(meta, indent=1).encode())
@@ -871,6 +907,7 @@ class ParameterServer:
         if prefetched._ps is not self or prefetched._used:
             raise ValueError("batch: a Prefetched can be used once, with the server that made it")
         prefetched._used = True
+        self._advance_step()
         if self._herald is not None:
             with self._host_batches:
                 self._herald_active += 1
@@ -936,6 +973,34 @@ class ParameterServer:
         self._count(batches=1)
         b.wait_seconds = waited
         return b
+
+    def _advance_step(self) -> None:
+        """One more step (batch): what SSD-PS stamps the rows it stores from now
+        on with, so a stamp is never below its row's last update."""
+        with self._counts_lock:
+            self._step += 1
+            step = self._step
+        self._ssd.set_stamp(step)
+
+    @property
+    def step(self) -> int:
+        """Batches made by this server since it was created (resumed with its checkpoints)."""
+        return self._step
+
+    def _bound(self) -> None:
+        """Bounded tables, at a checkpoint after the flush: erases from SSD-PS the
+        rows not updated for more than ttl_steps and then the oldest beyond
+        max_rows, and drops MEM-PS's copies (clean after the flush; a row pinned
+        by a prefetch running beside the checkpoint stays, dirty, and returns)."""
+        ttl, cap = self.config.ttl_steps, self.config.max_rows
+        if not ttl and not cap:
+            return
+        min_stamp = self._step - ttl if ttl and self._step > ttl else 0
+        gone = self._ssd.bound(min_stamp, cap)
+        erased = np.concatenate([gone["expired"], gone["capped"]])
+        if len(erased):
+            self._cache.erase(erased)
+        self._count(expired=len(gone["expired"]), capped=len(gone["capped"]))
 
     def _herald_batch_done(self) -> None:
         with self._host_batches:
@@ -1022,6 +1087,7 @@ class ParameterServer:
                 self._herald.flush()  # the caches' rows are part of the checkpoint
             self._cache.flush_dirty()
             self._backing.flush()
+            self._bound()
             self._ssd.commit()
             number = (self._checkpoint or 0) + 1
             final = self.checkpoint_dir(number)

@@ -478,8 +478,45 @@ PYBIND11_MODULE(_core, m) {
         d["index_bytes"] = st.index_bytes;
         d["io_path"] = st.io_path;
         d["io_fallback"] = st.io_fallback;
+        d["stamp"] = st.stamp;
+        d["bound_expired"] = st.bound_expired;
+        d["bound_capped"] = st.bound_capped;
+        d["bound_files_dropped"] = st.bound_files_dropped;
+        d["bound_records_rewritten"] = st.bound_records_rewritten;
         return d;
-      });
+      })
+      .def_property_readonly("stamp", &hps::SsdStore::stamp)
+      .def("set_stamp", &hps::SsdStore::SetStamp, py::arg("stamp"))
+      .def("stamps", [](const hps::SsdStore& s, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<uint64_t> stamps(static_cast<py::ssize_t>(n));
+        py::array_t<bool> found(static_cast<py::ssize_t>(n));
+        uint64_t* out = stamps.mutable_data();
+        uint8_t* f = Bytes(found);
+        {
+          py::gil_scoped_release release;
+          s.Stamps(k, n, out, f);
+        }
+        return py::make_tuple(stamps, found);
+      }, py::arg("keys"))
+      .def("bound", [](hps::SsdStore& s, uint64_t min_stamp, uint64_t max_live) {
+        hps::SsdBoundResult r;
+        {
+          py::gil_scoped_release release;
+          r = s.Bound(min_stamp, max_live);
+        }
+        auto array = [](const std::vector<uint64_t>& v) {
+          py::array_t<uint64_t> a(static_cast<py::ssize_t>(v.size()));
+          if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(uint64_t));
+          return a;
+        };
+        py::dict d;
+        d["expired"] = array(r.expired);
+        d["capped"] = array(r.capped);
+        d["files_dropped"] = r.files_dropped;
+        d["records_rewritten"] = r.records_rewritten;
+        return d;
+      }, py::arg("min_stamp"), py::arg("max_live"));
 
   py::class_<hps::BackingStore>(m, "BackingStore")
       .def(py::init([](hps::SsdStore& ssd, const hps::SparseOptimizer& optimizer, uint64_t write_buffer_rows) {
@@ -593,6 +630,11 @@ PYBIND11_MODULE(_core, m) {
           c.Access(k, n, h);
         }
         return hit;
+      }, py::arg("keys"))
+      .def("erase", [](hps::MemCache& c, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::gil_scoped_release release;
+        return c.Erase(k, n);
       }, py::arg("keys"))
       .def("flush_dirty", [](hps::MemCache& c) {
         py::gil_scoped_release release;
