@@ -1,0 +1,235 @@
+"""Bounded tables (issue 20): [ps] ttl_steps and max_rows against a model of what
+expires and what the cap takes, across checkpoints and reopens, with MEM-PS
+copies dropped, SSD-PS space given back, and the erased keys as `hps export`
+tombstones (docs/parameter_server.md, "Bounded tables")."""
+import os
+
+import numpy as np
+import pytest
+
+import hps
+
+DIM = 4
+UNIVERSE = 400
+
+
+def config(path, **kw):
+    kw.setdefault("mem_budget", "4MiB")  # every row stays in MEM-PS: stamps are checkpoint steps
+    return hps.ParameterServerConfig(dim=DIM, path=str(path), optimizer=hps.SGD(lr=0.5), seed=3,
+                                     ssd=hps.parameter_server.SsdOptions(file_records=32, compaction_trigger=1.2),
+                                     **kw)
+
+
+class Model:
+    """key -> the step of the checkpoint after its last update: the granularity
+    of "last updated" when MEM-PS holds every row between checkpoints (each
+    updated row reaches SSD-PS at the checkpoint's flush, stamped with its step)."""
+
+    def __init__(self, ttl, cap):
+        self.ttl, self.cap = ttl, cap
+        self.stamp = {}
+        self.touched = set()  # updated since the last checkpoint
+
+    def update(self, keys):
+        self.touched |= {int(k) for k in keys}
+
+    def checkpoint(self, step):
+        for k in self.touched:
+            self.stamp[k] = step
+        self.touched = set()
+        expired = sorted(k for k, s in self.stamp.items() if self.ttl and step - s > self.ttl)
+        for k in expired:
+            del self.stamp[k]
+        capped = []
+        if self.cap and len(self.stamp) > self.cap:
+            order = sorted(self.stamp, key=lambda k: (self.stamp[k], k))
+            capped = sorted(order[:len(self.stamp) - self.cap])
+            for k in capped:
+                del self.stamp[k]
+        return expired, capped
+
+
+def initial_rows(tmp_path, keys):
+    """What a server that never saw keys reads for them: erased keys read so."""
+    fresh = hps.ParameterServer(config(tmp_path / "fresh"))
+    try:
+        return fresh.pull(np.asarray(keys, np.uint64))
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize("ttl,cap", [(6, 0), (0, 120), (5, 150)])
+def test_rows_expire_and_are_capped_as_the_model_says(tmp_path, ttl, cap):
+    path = tmp_path / "ps"
+    ps = hps.ParameterServer(config(path, ttl_steps=ttl, max_rows=cap))
+    model = Model(ttl, cap)
+    rng = np.random.default_rng(7)
+    all_keys = np.arange(1, UNIVERSE + 1, dtype=np.uint64)
+    expired_total = capped_total = 0
+    for round_ in range(8):
+        for _ in range(3):  # steps: hot keys every time, the rest now and then
+            keys = np.unique(np.concatenate([rng.integers(1, 40, 20), rng.integers(1, UNIVERSE + 1, 30)]))
+            keys = keys.astype(np.uint64)
+            ps.push(keys, np.ones((len(keys), DIM), np.float32))
+            model.update(keys)
+        before = ps.pull(all_keys)
+        ps.checkpoint()
+        expired, capped = model.checkpoint(ps.step)
+        counts = ps.stats()["counts"]
+        assert counts["expired"] - expired_total == len(expired), f"round {round_}"
+        assert counts["capped"] - capped_total == len(capped), f"round {round_}"
+        expired_total, capped_total = counts["expired"], counts["capped"]
+        # SSD-PS holds exactly the model's keys, each stamped as the model says.
+        stamps, found = ps._ssd.stamps(all_keys)
+        assert {int(k) for k in all_keys[found]} == set(model.stamp), f"round {round_}"
+        assert {int(k): int(s) for k, s in zip(all_keys[found], stamps[found])} == model.stamp
+        # MEM-PS dropped the erased rows: none is cached, and each reads as new.
+        erased = np.array(expired + capped, np.uint64)
+        assert not any(int(k) in ps._cache for k in erased)
+        after = ps.pull(all_keys)
+        np.testing.assert_array_equal(after[found], before[found])
+        if len(erased):
+            np.testing.assert_array_equal(ps.pull(erased), initial_rows(tmp_path / f"r{round_}", erased))
+        if cap:
+            assert len(ps._ssd) <= cap
+        if round_ % 3 == 2:  # resume: the step and the stamps go on
+            step = ps.step
+            ps.close()
+            ps = hps.ParameterServer.open(path)
+            assert ps.step == step
+            expired_total = capped_total = 0  # the counts are the process's
+    assert model.stamp and ps._ssd.stats()["files"] > 0  # something is still live
+    ps.close()
+
+
+def test_the_bounds_bit_in_the_model_runs():
+    """The model runs above erase rows by each bound (or they would prove nothing)."""
+    rng = np.random.default_rng(7)
+    for ttl, cap in [(6, 0), (0, 120), (5, 150)]:
+        model, expired, capped, step = Model(ttl, cap), 0, 0, 0
+        for _ in range(8):
+            for _ in range(3):
+                step += 1
+                model.update(np.unique(np.concatenate([rng.integers(1, 40, 20), rng.integers(1, UNIVERSE + 1, 30)])))
+            e, c = model.checkpoint(step)
+            expired, capped = expired + len(e), capped + len(c)
+        assert (expired > 50) == bool(ttl) and (capped > 50) == bool(cap), (ttl, cap, expired, capped)
+
+
+def test_ttl_is_a_lower_bound_with_evictions_and_the_cap_is_hard(tmp_path):
+    """With a MEM-PS too small for the keys, dirty rows reach SSD-PS between
+    checkpoints, stamped with the step of their eviction: a row is never
+    erased within ttl_steps of its last update, and never more than max_rows stay."""
+    ttl, cap = 4, 300
+    ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=ttl, max_rows=cap, mem_budget="16KiB",
+                                    write_buffer_rows=16))
+    last = {}
+    rng = np.random.default_rng(1)
+    for step in range(1, 31):
+        keys = np.unique(rng.integers(1, 1000, 60)).astype(np.uint64)
+        ps.push(keys, np.ones((len(keys), DIM), np.float32))
+        for k in keys:
+            last[int(k)] = step
+        if step % 3 == 0:
+            ps.checkpoint()
+            assert len(ps._ssd) <= cap
+            all_keys = np.array(sorted(last), np.uint64)
+            _, found = ps._ssd.stamps(all_keys)
+            for k, f in zip(all_keys, found):
+                recent = step - last[int(k)] <= ttl
+                if recent and not f:
+                    # only the cap may take a recent row, and only when it binds
+                    assert ps.stats()["counts"]["capped"] > 0, f"key {k} last updated at {last[int(k)]}"
+    counts = ps.stats()["counts"]
+    assert counts["expired"] > 0 and counts["capped"] > 0
+    assert ps.stats()["mem"]["dirty_evictions"] > 0
+    ps.close()
+
+
+def test_expired_space_is_given_back(tmp_path):
+    ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=2))
+    keys = np.arange(1, 2001, dtype=np.uint64)
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))
+    ps.checkpoint()
+    full = ps._ssd.stats()["disk_bytes"]
+    hot = keys[:10]
+    for _ in range(4):
+        ps.push(hot, np.ones((len(hot), DIM), np.float32))
+    ps.checkpoint()
+    st = ps._ssd.stats()
+    assert st["live_records"] == 10 and st["disk_bytes"] < full / 20
+    store = tmp_path / "ps" / "ssd"
+    assert sum(name.endswith(".hpf") for name in os.listdir(store)) == st["files"]
+    ps.close()
+    # the checkpoint's snapshot holds the bounded store too
+    ps = hps.ParameterServer.open(tmp_path / "ps")
+    assert len(ps._ssd) == 10
+    ps.close()
+
+
+def test_a_crash_before_the_checkpoint_keeps_every_row(tmp_path):
+    ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=1))
+    keys = np.arange(1, 101, dtype=np.uint64)
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))
+    ps.checkpoint()
+    rows = ps.pull(keys)
+    ps.push(keys[:5], np.ones((5, DIM), np.float32))
+    ps.push(keys[:5], np.ones((5, DIM), np.float32))
+    # A checkpoint's first half (flush, bound), then a crash: a close with no commit.
+    ps._cache.flush_dirty()
+    ps._backing.flush()
+    ps._bound()  # erased in the live store, not committed
+    assert len(ps._ssd) == 5
+    ps.close()
+    ps = hps.ParameterServer.open(tmp_path / "ps")
+    np.testing.assert_array_equal(ps.pull(keys), rows)
+    assert len(ps._ssd) == 100
+    ps.close()
+
+
+def test_erased_keys_are_export_tombstones(tmp_path):
+    pytest.importorskip("pyarrow", reason="hps export writes Parquet through pyarrow")
+    import pyarrow.parquet as pq
+    from hps.export import export
+    path = tmp_path / "ps"
+    ps = hps.ParameterServer(config(path, ttl_steps=2, max_rows=50))
+    keys = np.arange(1, 81, dtype=np.uint64)
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))
+    ps.checkpoint()  # the cap keeps 50: 1..30 go (one stamp, smaller keys first)
+    assert ps.stats()["counts"]["capped"] == 30
+    meta = export(path, tmp_path / "e1", "c", full=True)
+    assert meta["rows"] == 50 and meta["tombstones"] == 0
+    hot = keys[60:]
+    for _ in range(3):
+        ps.push(hot, np.ones((len(hot), DIM), np.float32))
+    ps.checkpoint()  # 31..60 not updated for 3 steps: expired
+    assert ps.stats()["counts"]["expired"] == 30
+    ps.close()
+    meta = export(path, tmp_path / "e2", "c")
+    table = pq.read_table(tmp_path / "e2").to_pydict()
+    gone = {k for k, t in zip(table["key"], table["tombstone"]) if t}
+    assert gone == set(range(31, 61)) and meta["tombstones"] == 30
+    assert {k for k, t in zip(table["key"], table["tombstone"]) if not t} == set(range(61, 81))
+
+
+@pytest.mark.parametrize("field,value", [("ttl_steps", -1), ("ttl_steps", "7"), ("ttl_steps", True),
+                                         ("max_rows", -5), ("max_rows", 2.5)])
+def test_bad_bounds_are_named(tmp_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        hps.ParameterServer(config(tmp_path / "ps", **{field: value}))
+    assert not os.path.exists(tmp_path / "ps" / "ssd")
+
+
+def test_bounds_are_refused_with_herald_worker_caches(tmp_path):
+    with pytest.raises(ValueError, match="ttl_steps = 5 and max_rows = 0.*schedule = 'sequential'"):
+        hps.ParameterServer(config(tmp_path / "ps", ttl_steps=5, schedule="herald"))
+
+
+def test_the_toml_fields_reach_the_server(tmp_path):
+    toml = tmp_path / "ps.toml"
+    toml.write_text(f'dim = 4\npath = "{tmp_path / "ps"}"\nttl_steps = 100\nmax_rows = 7\n')
+    cfg = hps.ParameterServerConfig.from_toml(toml)
+    assert (cfg.ttl_steps, cfg.max_rows) == (100, 7)
+    toml.write_text(f'dim = 4\npath = "{tmp_path / "ps"}"\nttl_step = 100\n')
+    with pytest.raises(ValueError, match="ttl_step"):
+        hps.ParameterServerConfig.from_toml(toml)
