@@ -13,8 +13,10 @@ again although unchanged: over-reported, never missed.
 
 Removed keys: the position also keeps the keys the consumer has seen (a sorted
 .npy per rank in ``<path>/exports``, 8 bytes a key); a key among them that the
-checkpoint no longer holds is a tombstone. hps has no TTL or eviction yet, so
-no key leaves a store and the tombstones are empty today.
+checkpoint no longer holds is a tombstone: the keys that bounded tables
+([ps] ttl_steps and max_rows) erased since. SSD-PS erases a key by dropping or
+rewriting every file that holds a copy of it, so the live files' keys read here
+no longer include it.
 """
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ class MemCache(_core.MemCache):
     ``set_lookahead(keys)`` tells the cache the keys of the coming batches, so
     that evictions spare them (Belady inside that window), and ``replay(trace,
     batch, lookahead=K)`` replays a trace in batches with such a window of K batches.
+    ``erase(keys)`` drops cached rows, clean or dirty, without the sink (keys that
+    SSD-PS erased); a pinned row stays, dirty, and returns the count dropped.
     A call that raises (``CacheFullError``, or what the loader or sink raised) holds
     no pin and loses no dirty row: its victims stay cached and dirty, so it can be
     retried; ``stats()["failed_releases"]`` counts host batches whose release failed.

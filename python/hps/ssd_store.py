@@ -22,6 +22,14 @@ class SsdStore(_core.SsdStore):
     Opening an existing directory replays its manifest: puts that were never
     committed are gone, committed ones are all there.
 
+    Stamps and bounds (docs/ssd_format.md): ``set_stamp(s)`` stamps the files
+    that puts write from now on (stamps never go back; ``stamp`` is the current
+    one), ``stamps(keys)`` gives (stamp of each key's current copy, found), and
+    ``bound(min_stamp, max_live)`` erases the keys stamped below min_stamp, then
+    the oldest beyond max_live (0: no cap), returning ``{"expired", "capped"}``
+    (sorted uint64 arrays), ``files_dropped`` and ``records_rewritten``; the
+    next commit makes it durable.
+
     ``rows`` is any C-contiguous 2-D array whose rows are ``row_bytes`` long
     (float32 embeddings of dim row_bytes / 4, say); ``get(keys, dtype)`` views
     the rows it returns as ``dtype``.
