@@ -233,3 +233,82 @@ def test_the_toml_fields_reach_the_server(tmp_path):
     toml.write_text(f'dim = 4\npath = "{tmp_path / "ps"}"\nttl_step = 100\n')
     with pytest.raises(ValueError, match="ttl_step"):
         hps.ParameterServerConfig.from_toml(toml)
+
+
+# ---------------------------------------------------------------- hps train
+
+TRAIN_TOML = """
+hidden = [8]
+torch_threads = 1
+checkpoint_every = 2
+
+[ps]
+dim = 4
+path = "{path}"
+mem_budget = "512KiB"
+write_buffer_rows = 256
+ttl_steps = 3
+max_rows = {cap}
+
+[ps.ssd]
+file_records = 256
+
+[data]
+batch_size = 128
+train_examples = 1280
+eval_examples = 128
+vocab_sizes = {vocab}
+
+[distributed]
+timeout = 60
+"""
+VOCAB = [50, 200, 1000, 5000] + [300] * 22
+
+
+def _train_config(tmp_path, cap):
+    path = tmp_path / "job"
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(TRAIN_TOML.format(path=path, cap=cap, vocab=VOCAB))
+    return path, cfg
+
+
+def test_hps_train_bounds_the_table_and_reports_it(tmp_path):
+    pytest.importorskip("torch", reason="hps train needs torch")
+    import json
+    from hps.cli import main
+    cap = 3000
+    path, cfg = _train_config(tmp_path, cap)
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    with open(path / "train-summary.json") as f:
+        summary = json.load(f)
+    counts = summary["ps"]["counts"]
+    assert counts["expired"] > 0 and counts["capped"] > 0
+    assert summary["ps"]["ssd"]["live_records"] <= cap
+    ps = hps.ParameterServer.open(path)
+    assert ps.step == summary["batches"] == 10 and len(ps._ssd) <= cap
+    ps.close()
+
+
+def test_under_mpiexec_each_rank_bounds_its_shard(tmp_path):
+    pytest.importorskip("torch", reason="hps train needs torch")
+    pytest.importorskip("mpi4py", reason="an MPI job needs mpi4py")
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec on PATH")
+    cap = 1500
+    path, cfg = _train_config(tmp_path, cap)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "hps.cli", "train", "--config",
+                        str(cfg), "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+    for rank in range(2):
+        with open(path / f"rank{rank}" / "train-summary.json") as f:
+            counts = json.load(f)["ps"]["counts"]
+        assert counts["expired"] > 0 and counts["capped"] > 0, f"rank {rank}: {counts}"
+        ps = hps.ParameterServer.open(path / f"rank{rank}")
+        assert ps.step == 10, f"rank {rank}"  # one local batch per global step
+        assert len(ps._ssd) == cap, f"rank {rank}"  # the cap bites on each rank's own shard
+        ps.close()
