@@ -42,9 +42,12 @@ from hps.parameter_server import ParameterServer
 class HeraldPrefetched:
     """A step's global batch (every rank's example keys) and this rank's pins."""
 
-    def __init__(self, examples: np.ndarray, starts: np.ndarray, pinned: np.ndarray, cache):
+    def __init__(self, examples: np.ndarray, starts: np.ndarray, pinned: np.ndarray, cache,
+                 uniq: np.ndarray, inverse: np.ndarray):
         self.examples = examples   # (N, F): every rank's example keys, in rank order
         self.starts = starts       # (W + 1,): rank r's examples are rows starts[r]:starts[r + 1]
+        self.uniq = uniq           # the global batch's distinct keys, in order of first appearance
+        self.inverse = inverse     # (N * F,): each example key's place in uniq
         self.pinned = pinned       # the batch's keys this rank owns, pinned in its MEM-PS
         self._cache = cache
         self._released = False
@@ -176,14 +179,14 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         self._retry = None
         examples = np.concatenate(parts)
         starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
-        uniq, _ = _core.unique_keys(examples.reshape(-1))
+        uniq, inverse = _core.unique_keys(examples.reshape(-1))
         mine = np.sort(uniq[owner_ranks(uniq, self.node.size) == self.node.rank])
         try:
             self.local._cache.pin(mine)
         except CacheFullError:
             self._retry = (keys, (parts, window))
             raise
-        pre = HeraldPrefetched(examples, starts, mine, self.local._cache)
+        pre = HeraldPrefetched(examples, starts, mine, self.local._cache, uniq, inverse)
         pre.upcoming = window
         return pre
 
@@ -236,7 +239,7 @@ class HeraldDistBatch(BatchBase):
         W, me = node.size, node.rank
         examples = pre.examples
         n, fields = examples.shape
-        uniq, inverse = _core.unique_keys(examples.reshape(-1))
+        uniq, inverse = pre.uniq, pre.inverse  # found once, in the prefetch stage
         s.ensure_room(len(uniq))
         plan = s.herald.schedule(examples, upcoming=getattr(pre, "upcoming", None))
         self._plan = plan
@@ -266,10 +269,10 @@ class HeraldDistBatch(BatchBase):
         trains[inverse, np.repeat(plan.assignment, fields)] = True
         primary = trains.argmax(axis=1)
         self._uniq, self._trains, self._primary = uniq, trains, primary
-        mask = trains[:, me]
-        self._mine = np.sort(uniq[mask])  # the keys this rank trains, sorted
-        at = np.searchsorted(uniq, self._mine, sorter=np.argsort(uniq))
-        self._mine_index = np.argsort(uniq)[at]  # their places in uniq
+        mine_index = np.flatnonzero(trains[:, me])
+        by_key = np.argsort(uniq[mine_index])
+        self._mine = uniq[mine_index][by_key]  # the keys this rank trains, sorted
+        self._mine_index = mine_index[by_key]  # their places in uniq
         self._grads = np.zeros((len(self._mine), s._tier.dim), np.float32)
 
         # Rows: each fetch is served by the peer holding the latest version, else by the owner.
