@@ -244,6 +244,20 @@ TEST_F(ParamFileTest, BlockCrcTableCoversEveryRowsBlock) {
   EXPECT_EQ(old.rows_offset(), kBlockBytes + 512 * 1024);
 }
 
+// Version 3's stamp comes back, and its header CRC guards it like any field.
+TEST_F(ParamFileTest, StampRoundTripsUnderTheHeaderCrc) {
+  const Records r = MakeRecords(10, 8, 4);
+  const std::string path = Path("stamped");
+  WriteParamFile(path, 1, 8, r.keys.data(), r.rows.data(), 10, /*stamp=*/0x1122334455667788ull);
+  EXPECT_EQ(ParamFile::Open(path, 8, true).stamp(), 0x1122334455667788ull);
+  EXPECT_EQ(ParamFile::Open(path, 8, true).header().version, 3u);
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  file.seekp(static_cast<std::streamoff>(kStampOffset + 3));
+  file.put('\x5a');
+  file.close();
+  ExpectCorrupt(path, 8, false, "header CRC mismatch");
+}
+
 // Reads some rows as the store's get does: plan, a BlockIo's reads, CopyRows.
 void ReadThrough(const ParamFile& f, BlockIo& io, const std::vector<uint64_t>& slots,
                  const std::vector<uint64_t>& keys, std::vector<uint8_t>* out) {
