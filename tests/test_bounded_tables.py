@@ -312,3 +312,13 @@ def test_under_mpiexec_each_rank_bounds_its_shard(tmp_path):
         assert ps.step == 10, f"rank {rank}"  # one local batch per global step
         assert len(ps._ssd) == cap, f"rank {rank}"  # the cap bites on each rank's own shard
         ps.close()
+
+
+def test_hps_train_refuses_bounds_with_herald_before_writing(tmp_path):
+    pytest.importorskip("torch", reason="hps train needs torch")
+    from hps.train import TrainConfig, train
+    path, cfg = _train_config(tmp_path, 100)
+    cfg.write_text(cfg.read_text().replace("ttl_steps = 3", "ttl_steps = 3\nschedule = \"herald\""))
+    with pytest.raises(ValueError, match=r"ttl_steps = 3 and max_rows = 100.*schedule = 'sequential'"):
+        train(TrainConfig.from_toml(cfg))
+    assert not path.exists()

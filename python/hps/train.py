@@ -639,6 +639,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     if cfg.ps.schedule == "herald" and node is not None and cfg.online:
         raise ValueError("[ps] schedule = 'herald' under mpiexec moves examples between ranks; online training "
                          "scores each rank's own examples (set online = false, or schedule = 'sequential')")
+    if cfg.ps.schedule == "herald" and (cfg.ps.ttl_steps or cfg.ps.max_rows):
+        # Under mpiexec each rank's server runs 'sequential' behind Herald's caches,
+        # which it would not check: the caches keep rows the checkpoint's erase
+        # cannot reach, so an erased key would come back from them.
+        raise ValueError(f"[ps] ttl_steps = {cfg.ps.ttl_steps} and max_rows = {cfg.ps.max_rows}: bounded tables "
+                         f"need schedule = 'sequential' (Herald's worker caches hold rows between batches)")
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \
