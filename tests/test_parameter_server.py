@@ -493,3 +493,23 @@ def test_the_backing_store_refuses_what_does_not_fit(tmp_path):
         hps.MemCache(16, capacity=4, loader=backing)
     with pytest.raises(ValueError, match="rows"):
         backing.sink(np.array([1, 2], np.uint64), np.zeros((2, 3), np.float32))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_arrays_that_went_through_pickle_are_taken(tmp_path, devices):
+    """An array sent to a worker process (multiprocessing, a DataLoader) comes back
+    with a dtype equal to numpy's uint64 but not the same object; the bindings once
+    refused it as "uint64, got uint64"."""
+    import pickle
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path), optimizer=hps.SGD(lr=1.0),
+                                                       devices=devices))
+    keys = np.arange(1, 10, dtype=np.uint64)
+    sent = pickle.loads(pickle.dumps(keys))
+    assert sent.dtype == keys.dtype and sent.dtype is not keys.dtype  # what makes the case
+    before = ps.pull(keys)
+    np.testing.assert_array_equal(ps.pull(sent), before)
+    ps.push(sent, pickle.loads(pickle.dumps(np.ones((9, 4), np.float32))))
+    np.testing.assert_allclose(ps.pull(keys), before - 1.0)
+    with pytest.raises(TypeError, match=r"uint64 or int64, got >u8"):
+        ps.pull(keys.astype(">u8"))  # another byte order is still refused, by name
+    ps.close()

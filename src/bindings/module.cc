@@ -35,6 +35,14 @@ void RequireContiguous(const py::array& a, const char* name) {
   }
 }
 
+// Whether `a` holds T. By equivalence, not identity: an array that went through
+// pickle (multiprocessing, a DataLoader worker) carries an equal dtype object
+// that is not numpy's own, and was refused as "uint64, got uint64".
+template <typename T>
+bool HasDtype(const py::array& a) {
+  return py::array_t<T>::check_(a);
+}
+
 // A checked key array: 1-D uint64 (or int64, reinterpreted bit for bit).
 struct Keys {
   const uint64_t* data;
@@ -42,7 +50,7 @@ struct Keys {
 };
 
 Keys KeysArg(const py::array& a, const char* name) {
-  if (!a.dtype().is(py::dtype::of<uint64_t>()) && !a.dtype().is(py::dtype::of<int64_t>())) {
+  if (!HasDtype<uint64_t>(a) && !HasDtype<int64_t>(a)) {
     throw py::type_error(std::string(name) + " must be an array of uint64 or int64, got " +
                          DtypeName(a));
   }
@@ -66,7 +74,7 @@ std::string ShapeOf(const py::array& a) {
 
 // A float32 (n, columns) array.
 const float* RowsArg(const py::array& a, const char* name, uint64_t n, int64_t columns) {
-  if (!a.dtype().is(py::dtype::of<float>())) {
+  if (!HasDtype<float>(a)) {
     throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
   }
   if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != n || a.shape(1) != columns) {
@@ -86,7 +94,7 @@ struct LaidOutRows {
 };
 
 LaidOutRows LaidOutRowsArg(const py::array& a, const char* name, uint64_t n, int32_t dim, bool write) {
-  if (!a.dtype().is(py::dtype::of<float>())) {
+  if (!HasDtype<float>(a)) {
     throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
   }
   const bool fits = a.ndim() == 2 && a.shape(1) > 0 && a.shape(1) % dim == 0 && a.strides(1) == sizeof(float) &&
@@ -157,7 +165,7 @@ struct Positions {
 };
 
 Positions PositionsArg(const py::array& a, const char* name) {
-  if (!a.dtype().is(py::dtype::of<int64_t>()) || a.ndim() != 1) {
+  if (!HasDtype<int64_t>(a) || a.ndim() != 1) {
     throw py::type_error(std::string(name) + " must be a 1-D array of int64, got " + DtypeName(a) + " with " +
                          std::to_string(a.ndim()) + " dimensions");
   }
@@ -237,7 +245,7 @@ hps::RowSink SinkArg(py::object sink, uint32_t row_bytes) {
 const int32_t* OwnersArg(const py::object& owners, uint64_t n) {
   if (owners.is_none()) return nullptr;
   const py::array a = py::array::ensure(owners);
-  if (!a || !a.dtype().is(py::dtype::of<int32_t>()) || a.ndim() != 1 || static_cast<uint64_t>(a.shape(0)) != n) {
+  if (!a || !HasDtype<int32_t>(a) || a.ndim() != 1 || static_cast<uint64_t>(a.shape(0)) != n) {
     throw py::type_error("owners must be None or a 1-D int32 array with one device id a key (" +
                          std::to_string(n) + ")");
   }
@@ -1066,7 +1074,7 @@ PYBIND11_MODULE(_core, m) {
         return out;
       }, "a copy of the counters, (rows * width,) uint8")
       .def("restore", [](hps::AdmissionSketch& s, const py::array& counters) {
-        if (!counters.dtype().is(py::dtype::of<uint8_t>()) || counters.ndim() != 1) {
+        if (!HasDtype<uint8_t>(counters) || counters.ndim() != 1) {
           throw py::type_error("counters must be a 1-D uint8 array, got " + DtypeName(counters) + " " +
                                ShapeOf(counters));
         }
@@ -1091,7 +1099,7 @@ PYBIND11_MODULE(_core, m) {
     return t;
   };
   auto matrix_of = [](const py::array& a) {
-    if (!a.dtype().is(py::dtype::of<uint64_t>())) throw py::type_error("bytes must be a uint64 array, got " + DtypeName(a));
+    if (!HasDtype<uint64_t>(a)) throw py::type_error("bytes must be a uint64 array, got " + DtypeName(a));
     if (a.ndim() != 2 || a.shape(0) != a.shape(1)) throw py::value_error("bytes must be square (E, E), got " + ShapeOf(a));
     RequireContiguous(a, "bytes");
     const auto* p = static_cast<const uint64_t*>(a.data());
@@ -1155,7 +1163,7 @@ PYBIND11_MODULE(_core, m) {
       uint64_t out = 0, in = 0;
       for (size_t j = 0; j < e; ++j) out += m8[i * e + j], in += m8[j * e + i];
       for (auto [arr, need, name] : {std::tuple{&send[i], out, "send"}, std::tuple{static_cast<const py::array*>(&recv[i]), in, "recv"}}) {
-        if (!arr->dtype().is(py::dtype::of<uint8_t>()) || !(arr->flags() & py::array::c_style) ||
+        if (!HasDtype<uint8_t>(*arr) || !(arr->flags() & py::array::c_style) ||
             static_cast<uint64_t>(arr->nbytes()) != need)
           throw py::value_error(std::string(name) + "[" + std::to_string(i) + "] must be a contiguous uint8 array of " +
                                 std::to_string(need) + " bytes, got " + DtypeName(*arr) + " " + ShapeOf(*arr));
