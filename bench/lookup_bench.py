@@ -202,19 +202,24 @@ class RunCgroups:
                 "limit_hits": snap.get("memory.failcnt", snap.get("events.max", 0))}
 
 
+def _in_cgroup_child(conn, cg, fn, args) -> None:
+    try:
+        cg.enter()
+        conn.send(("ok", fn(*args)))
+    except BaseException as e:  # the parent reports it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
 def in_cgroup(cg, fn, *args) -> dict:
-    """fn(*args) in a forked process that joined `cg` first; its result comes back."""
-    ctx = mp.get_context("fork")
+    """fn(*args) in a fresh (spawned) process that joins `cg` before it starts; its
+    result comes back. Spawned, not forked: a forked child's Python touches the
+    parent's whole heap (reference counts, the collector) and each page it writes
+    is copied and charged to the child, which would count the bench's own memory
+    as the store's. What the child loads before it joins (the interpreter, numpy,
+    hps, the batches passed to it) is not charged: the cgroup measures the run."""
+    ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-
-    def child():
-        try:
-            cg.enter()
-            there.send(("ok", fn(*args)))
-        except BaseException as e:  # the parent reports it
-            there.send(("error", f"{type(e).__name__}: {e}"))
-
-    p = ctx.Process(target=child)
+    p = ctx.Process(target=_in_cgroup_child, args=(there, cg, fn, args))
     p.start()
     there.close()  # so that a child killed by the OOM killer reads as EOF here
     try:
@@ -280,10 +285,10 @@ def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, re
 
 
 def _rocks_client(conn, path: str, block: int, row: int, batches: list, warmup: list, start_evt, cg=None) -> None:
+    import rocksdict as r  # loaded before the client joins its cgroup, as hps is (in_cgroup)
+    from rocks_tuned import rocks_tuned_options
     if cg is not None:
         cg.enter()
-    import rocksdict as r
-    from rocks_tuned import rocks_tuned_options
     opt, _keep, _ = rocks_tuned_options(block, row, 1 << 20, 2, filters_for_hits=True)
     db = r.Rdict(path, options=opt, access_type=r.AccessType.read_only())
     prep = be_keys
@@ -302,7 +307,7 @@ def _rocks_client(conn, path: str, block: int, row: int, batches: list, warmup: 
 
 
 def run_rocks(path: str, budget: int, batches: list, warmup: list, clients: int, cg=None) -> dict:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if cg is not None else "fork")  # spawned in a cgroup: see in_cgroup
     per = budget // clients
     block, row = per * 3 // 4, per // 4
     start = ctx.Event()
