@@ -168,9 +168,10 @@ def run_easgd(comm, out: str, mode: str) -> None:
     """Ranks 0..G-1 are groups, rank G the centre. sync: local SGD steps and a
     foreground exchange every period (alpha 0.3, period 2, 6 steps); background:
     no training, group g holds g + 1 everywhere and a BackgroundEasgd thread
-    exchanges every period of step_done() calls, through bf16."""
+    exchanges every period of GroupAverage steps, through bf16; its corrections
+    land at the steps after."""
     from hps.hierarchical.codecs import CodecStreams
-    from hps.hierarchical.easgd import BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig
+    from hps.hierarchical.easgd import BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig, GroupAverage
     rank, G = comm.Get_rank(), comm.Get_size() - 1
     if mode == "sync":
         cfg, codecs, x = EasgdConfig(alpha=0.3, period=2, mode="sync"), CodecStreams(), EASGD_X0.copy()
@@ -193,12 +194,49 @@ def run_easgd(comm, out: str, mode: str) -> None:
                 client.exchange(x)
         client.stop()
     else:
-        bg = BackgroundEasgd(client, x)
+        avg = GroupAverage(x, BackgroundEasgd(client, x))
         for _ in range(20):
-            bg.step_done()
+            avg.step()
             time.sleep(0.01)
-        bg.close()
+        avg.finish()
     np.savez(os.path.join(out, f"group{rank}.npz"), x=x, exchanges=client.exchanges)
+
+
+EASGD_GROUP_STEPS, EASGD_GROUP_ALPHA = 6, 0.3
+
+
+def run_easgd_groups(comm, out: str, trainers: int, period: int) -> None:
+    """G groups of `trainers` ranks each (rank g * T + t is trainer t of group g), the
+    last rank the centre. Each trainer holds a copy of its group's replica x (from
+    EASGD_X0), takes SGD steps on the mean of its group's gradients (trainer i's:
+    easgd_grad(i, step, x), all-reduced in the group) and calls GroupAverage.step
+    after each; trainer 0 of the group runs the exchange, synchronous (wait, and
+    mode "sync" at the centre) so that the sequence is the model's."""
+    from mpi4py import MPI
+    from hps.hierarchical.easgd import BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig, GroupAverage
+    rank, T = comm.Get_rank(), trainers
+    G = (comm.Get_size() - 1) // T
+    cfg = EasgdConfig(alpha=EASGD_GROUP_ALPHA, period=period, mode="sync")
+    easgd_comm = comm.Dup()  # the exchanges' messages apart from the group's collectives
+    group_comm = comm.Split(rank // T if rank < G * T else MPI.UNDEFINED, rank)
+    if rank == G * T:
+        centre = EasgdCentre(easgd_comm, EASGD_X0.copy(), [g * T for g in range(G)], cfg)
+        np.savez(os.path.join(out, "centre.npz"), centre=centre.serve(timeout=60), exchanges=centre.easgd.exchanges)
+        return
+    g = rank // T
+    x = EASGD_X0.copy()
+    background = None
+    if rank % T == 0:
+        background = BackgroundEasgd(EasgdClient(easgd_comm, G * T, g, cfg, timeout=60), x, wait=True)
+    avg = GroupAverage(x, background, group_comm, root=0)
+    for step in range(1, EASGD_GROUP_STEPS + 1):
+        grad = easgd_grad(rank, step, x)
+        group_comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
+        x -= np.float32(ETA) * (grad / np.float32(T))
+        avg.step()
+    avg.finish()
+    np.savez(os.path.join(out, f"trainer{rank}.npz"), x=x, corrections=avg.corrections,
+             exchanges=background.client.exchanges if background is not None else -1)
 
 
 def _mpi_scenarios():
@@ -255,6 +293,8 @@ def main() -> None:
     elif scenario == "ht_train":
         groups, group_ps = int(sys.argv[3]), int(sys.argv[4])
         run_ht_train(comm, out, groups, group_ps, sys.argv[5].split(",") if len(sys.argv) > 5 else [])
+    elif scenario == "easgd_groups":
+        run_easgd_groups(comm, out, int(sys.argv[3]), int(sys.argv[4]))
     elif scenario in ("easgd_sync", "easgd_background"):
         run_easgd(comm, out, scenario.split("_", 1)[1])
     elif scenario in ("dead_ps_hang", "dead_ps_kill"):

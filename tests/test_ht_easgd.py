@@ -164,3 +164,40 @@ def test_background_exchanges_pull_groups_together_and_keep_the_sum(tmp_path):
     assert np.abs(xs[1]["x"] - xs[0]["x"]).max() < 1.0
     before, after = centre["bytes"]
     assert after * 2 == before > 0  # the centre's answers went as bf16
+
+
+def reference_groups(x0, G, T, alpha, tau, steps):
+    """Synchronous EASGD of G group replicas, each stepped by the mean of its T
+    trainers' gradients (trainer i = g * T + t: grad(i, step, x)), as a group's
+    all-reduce gives; the round as in reference_sync."""
+    x = [x0.astype(np.float64).copy() for _ in range(G)]
+    xt = x0.astype(np.float64).copy()
+    for s in range(1, steps + 1):
+        for g in range(G):
+            xf = x[g].astype(np.float32)
+            x[g] = x[g] - ETA * np.mean([grad(g * T + t, s, xf) for t in range(T)], axis=0)
+        if s % tau == 0:
+            old = [xi.copy() for xi in x]
+            x = [xi - alpha * (xi - xt) for xi in old]
+            xt = xt + alpha * sum(xi - xt for xi in old)
+    return x, xt
+
+
+@needs_mpi
+@pytest.mark.parametrize("G,T,tau", [(2, 2, 1), (3, 2, 2)])
+def test_groups_of_several_trainers_match_the_model(tmp_path, G, T, tau):
+    # Trainer 0 of each group exchanges with the centre; GroupAverage broadcasts the
+    # correction to the group's other trainer, which must apply it at the same step:
+    # every copy ends bitwise equal to its group's trainer 0 and equal to the model.
+    _mpirun(G * T + 1, "easgd_groups", tmp_path, T, tau)
+    steps, alpha = sc.EASGD_GROUP_STEPS, sc.EASGD_GROUP_ALPHA
+    ref_x, ref_c = reference_groups(sc.EASGD_X0, G, T, alpha, tau, steps)
+    for g in range(G):
+        first = np.load(tmp_path / f"trainer{g * T}.npz")
+        assert int(first["exchanges"]) == steps // tau
+        np.testing.assert_allclose(first["x"], ref_x[g], rtol=1e-5, atol=1e-6, err_msg=f"group {g}")
+        for t in range(1, T):
+            peer = np.load(tmp_path / f"trainer{g * T + t}.npz")
+            assert int(peer["corrections"]) == int(first["corrections"]) == steps // tau
+            assert peer["x"].tobytes() == first["x"].tobytes(), f"group {g}: trainer {t} drifted from trainer 0"
+    np.testing.assert_allclose(np.load(tmp_path / "centre.npz")["centre"], ref_c, rtol=1e-5, atol=1e-6)

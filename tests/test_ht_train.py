@@ -89,10 +89,46 @@ def test_two_groups_average_with_the_centre_in_the_background(tmp_path):
                                                "rank(s) [1], group PS rank(s) -; centre: rank 2 (background EASGD)")
     done = [o["hierarchical"]["exchanges"] for o in out[:2]]
     assert all(1 <= d <= sc.HT_STEPS for d in done)
+    assert [o["hierarchical"]["corrections"] for o in out[:2]] == done  # the last one lands at the end
     assert out[2]["role"] == "centre" and out[2]["exchanges"] == sum(done)
     assert out[2]["bytes"]["averaging"]["after"] > 0
     a, b = np.load(tmp_path / "mlp0.npz"), np.load(tmp_path / "mlp1.npz")
     assert any(not np.array_equal(a[n], b[n]) for n in a.files)  # two replicas, trained on different data
+
+
+@needs_mpi
+@pytest.mark.parametrize("group_ps", [0, 1])
+def test_two_groups_of_two_trainers_keep_one_replica_a_group(tmp_path, group_ps):
+    # Trainer 0 of each group (and each group PS) exchanges with the centre in the
+    # background; each correction lands on both trainers of the group at one step
+    # boundary, so the group's trainers end with the same bits (the all-reduced steps
+    # alone would keep them equal too: the corrections are what can break it).
+    placement = "ps:vertical,trainer" if group_ps else ""
+    n = 2 * (2 + group_ps) + 1
+    out = _run(tmp_path, n, 2, group_ps, *([placement] if placement else []))
+    roles = Roles.layout(n, 0, HierarchicalConfig(groups=2, group_ps=group_ps))
+    groups = [roles.trainer_ranks(g) for g in range(2)]
+    assert groups == ([[0, 1], [3, 4]] if group_ps else [[0, 1], [2, 3]])
+    assert out[0]["hierarchical"]["roles"] == roles.describe()
+    assert f"centre: rank {n - 1} (background EASGD; trainer ranks [0, {groups[1][0]}] exchange" in roles.describe()
+    mlps = {r: np.load(tmp_path / f"mlp{r}.npz") for g in groups for r in g}
+    for first, peer in groups:
+        h0, h1 = out[first]["hierarchical"], out[peer]["hierarchical"]
+        assert out[first]["batches"] == out[peer]["batches"] == sc.HT_STEPS
+        assert 1 <= h0["exchanges"] <= sc.HT_STEPS and h1["exchanges"] == 0  # trainer 0 exchanges
+        assert h0["corrections"] == h1["corrections"] == h0["exchanges"]  # all landed, on both
+        for name in mlps[first].files:
+            assert mlps[first][name].tobytes() == mlps[peer][name].tobytes(), f"ranks {first}, {peer}: {name}"
+    a, b = mlps[groups[0][0]], mlps[groups[1][0]]
+    assert any(not np.array_equal(a[k], b[k]) for k in a.files)  # two replicas, trained on different data
+    centre = out[n - 1]
+    assert centre["role"] == "centre"
+    ps = [o for o in out if o["role"] == "group_ps"]
+    assert len(ps) == 2 * group_ps
+    for o in ps:
+        assert o["steps"] == sc.HT_STEPS and 1 <= o["exchanges"] == o["corrections"] <= sc.HT_STEPS
+    assert centre["exchanges"] == sum(out[g[0]]["hierarchical"]["exchanges"] for g in groups) + \
+        sum(o["exchanges"] for o in ps)
 
 
 @needs_mpi
@@ -123,11 +159,25 @@ def test_roles_layout():
     assert roles[0].trainer_ranks() == [0, 2] and roles[0].ps_ranks(1) == [3]
     one = Roles.layout(6, 4, HierarchicalConfig(groups=1, group_ps=2))
     assert (one.trainers, one.role, one.index) == (4, "group_ps", 0)
+    formula = r"world = groups \* \(trainers \+ group_ps\) \+ 1"
     with pytest.raises(ValueError, match="4 ranks cannot make 2 group.s. of 1 group PS.s. and at least one trainer "
-                                         "plus a centre"):
+                                         "plus a centre: " + formula):
         Roles.layout(4, 0, cfg)
-    with pytest.raises(ValueError, match="2 groups of 2 trainers: with more than one group, each has one trainer"):
-        Roles.layout(7, 0, HierarchicalConfig(groups=2, group_ps=1))
+    with pytest.raises(ValueError, match="6 ranks cannot make 2 group.s. of 1 group PS.s. .*: " + formula):
+        Roles.layout(6, 0, cfg)  # 5 ranks left for 2 groups
+    with pytest.raises(ValueError, match=r"3 ranks cannot make 1 group.s. of 3 group PS.s. and at least one trainer: "
+                                         r"world = groups \* \(trainers \+ group_ps\)$"):
+        Roles.layout(3, 0, HierarchicalConfig(groups=1, group_ps=3))
+    # G > 1 groups of T > 1 trainers: 2 groups of 2 trainers and a group PS, and the centre.
+    seven = [Roles.layout(7, r, cfg) for r in range(7)]
+    assert [(x.role, x.group, x.index) for x in seven] == [
+        ("trainer", 0, 0), ("trainer", 0, 1), ("group_ps", 0, 0), ("trainer", 1, 0), ("trainer", 1, 1),
+        ("group_ps", 1, 0), ("centre", -1, -1)]
+    assert seven[0].trainer_ranks() == [0, 1, 3, 4] and seven[0].ps_ranks(1) == [5]
+    assert seven[0].describe() == ("group 0: trainer rank(s) [0, 1], group PS rank(s) [2]; group 1: trainer rank(s) "
+                                   "[3, 4], group PS rank(s) [5]; centre: rank 6 (background EASGD; trainer ranks "
+                                   "[0, 3] exchange for their groups, each group's trainers apply a correction at "
+                                   "one step boundary)")
 
 
 def test_config_errors_are_named():

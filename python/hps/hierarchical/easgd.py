@@ -22,7 +22,9 @@ replica: the reference, and what the centre rank runs). Between ranks the centre
 has a rank of its own (:class:`EasgdCentre`; one rank is simpler to reason about
 than a centre sharded over the group PSs, and the exchange is one message each way
 a period); a group's :class:`EasgdClient` exchanges with it, in the foreground or
-from a :class:`BackgroundEasgd` thread while training goes on.
+from a :class:`BackgroundEasgd` thread while training goes on, and
+:class:`GroupAverage` lands the thread's corrections on every copy of the group's
+replica at one step boundary.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import numpy as np
 from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
-__all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "CentreTimeout"]
+__all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "GroupAverage", "CentreTimeout"]
 
 
 @dataclass
@@ -235,24 +237,57 @@ class EasgdClient:
 class BackgroundEasgd:
     """ShadowSync's scheme: a thread that, every `period` local steps (counted by
     :meth:`step_done`), snapshots the live replica, exchanges the snapshot with the
-    centre and applies -alpha d to the live replica, while training goes on
-    (lock-free, as Hogwild). Give it a communicator of its own (``comm.Dup()``):
-    its messages must not meet the training's."""
+    centre and keeps the correction -alpha d for the owner to :meth:`take` at a step
+    boundary, while training goes on. Give it a communicator of its own
+    (``comm.Dup()``): its messages must not meet the training's.
 
-    def __init__(self, client: EasgdClient, live: np.ndarray):
-        self.client, self.live = client, live
-        self._steps = 0
-        self._done = 0
+    The thread never writes the live replica: a replica held by several ranks (a
+    group's trainers) must change on all of them at the same step
+    (:class:`GroupAverage` lands the correction there). A new exchange starts only
+    once the previous correction was taken (and, by the owner, applied before its
+    next :meth:`step_done`), so each snapshot holds every earlier correction.
+
+    ``wait``: :meth:`wait_idle` lets the step boundary wait for the exchange it
+    started, which makes the average synchronous (with ``mode = "sync"`` at the
+    centre, deterministic): for checks against a model."""
+
+    def __init__(self, client: EasgdClient, live: np.ndarray, wait: bool = False):
+        self.client, self.live, self.wait = client, live, wait
+        self._steps = 0           # step_done calls
+        self._done = 0            # steps covered by exchanges started
+        self._pending: Optional[np.ndarray] = None  # -alpha d not yet taken
+        self._busy = False        # an exchange in flight
         self._cv = threading.Condition()
         self._closing = False
+        self._stopped = False
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"hps-easgd-g{client.group}", daemon=True)
         self._thread.start()
 
+    def _due(self) -> bool:
+        return self._steps - self._done >= self.client.config.period and self._pending is None
+
     def step_done(self) -> None:
         with self._cv:
             self._steps += 1
-            self._cv.notify()
+            self._cv.notify_all()
+        self._raise()
+
+    def wait_idle(self) -> None:
+        """Until no exchange is due or in flight (the synchronous variant's boundary)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.error is not None or not (self._busy or self._due()))
+        self._raise()
+
+    def take(self) -> Optional[np.ndarray]:
+        """The correction (add it to the live replica) of the exchange finished since
+        the last take, or None. Starts nothing: the next exchange waits for step_done."""
+        with self._cv:
+            corr, self._pending = self._pending, None
+        self._raise()
+        return corr
+
+    def _raise(self) -> None:
         if self.error is not None:
             raise self.error
 
@@ -261,20 +296,96 @@ class BackgroundEasgd:
         try:
             while True:
                 with self._cv:
-                    self._cv.wait_for(lambda: self._closing or self._steps - self._done >= period)
-                    if self._steps - self._done < period:
+                    self._cv.wait_for(lambda: self._closing or self._due())
+                    if not self._due():
                         return
                     self._done = self._steps - (self._steps - self._done) % period
-                self.client.exchange(self.live.copy(), apply_to=self.live)
-        except BaseException as e:  # re-raised in the training thread by step_done / close
-            self.error = e
+                    self._busy = True
+                corr = np.zeros_like(self.live)
+                self.client.exchange(self.live.copy(), apply_to=corr)
+                with self._cv:
+                    self._pending, self._busy = corr, False
+                    self._cv.notify_all()
+        except BaseException as e:  # re-raised in the training thread by step_done / take / close
+            with self._cv:
+                self.error, self._busy = e, False
+                self._cv.notify_all()
 
-    def close(self) -> None:
-        """Lets the thread finish its exchange, then tells the centre this group stopped."""
+    def drain(self) -> None:
+        """Lets the thread finish an exchange that is due or in flight, and ends it;
+        its correction is left for a last :meth:`take`."""
         with self._cv:
             self._closing = True
-            self._cv.notify()
+            self._cv.notify_all()
         self._thread.join()
-        if self.error is not None:
-            raise self.error
-        self.client.stop()
+        self._raise()
+
+    def close(self) -> None:
+        """drain(), then tells the centre this group stopped (once)."""
+        self.drain()
+        if not self._stopped:
+            self._stopped = True
+            self.client.stop()
+
+
+class GroupAverage:
+    """Lands a group's background EASGD corrections on every copy of its replica at
+    one step boundary: the group's trainers each hold a copy of the trainer-held
+    layers, a group PS the only copy of its blocks (``comm`` None).
+
+    The root (the copy with the :class:`BackgroundEasgd`) broadcasts over ``comm``,
+    at every step boundary, a one-byte flag: whether a correction is ready; only
+    then the correction itself. Every copy adds the same float32 array to the same
+    replica at the same step, so the copies cannot drift: between boundaries they
+    change only by the optimizer's step on all-reduced gradients, which is the same
+    on each (same values, same order). The cost when nothing is ready is the flag's
+    broadcast, one a step.
+
+    Call :meth:`step` on every copy after each optimizer step, and :meth:`finish`
+    after the last (the in-flight exchange's correction lands everywhere too)."""
+
+    def __init__(self, live: np.ndarray, background: Optional[BackgroundEasgd], comm=None, root: int = 0):
+        self.live, self.background, self.comm, self.root = live, background, comm, root
+        self.corrections = 0      # corrections applied, the same on every copy
+        self.finished = False
+        self._flag = np.zeros(1, np.int8)
+        is_root = comm is None or comm.Get_rank() == root
+        if is_root != (background is not None):
+            raise ValueError("GroupAverage: the root, and only it, runs the background exchange")
+
+    def _land(self, corr: Optional[np.ndarray]) -> None:
+        if self.comm is not None and self.comm.Get_size() > 1:
+            self._flag[0] = corr is not None
+            self.comm.Bcast(self._flag, root=self.root)
+            if not self._flag[0]:
+                return
+            if corr is None:
+                corr = np.empty_like(self.live)
+            self.comm.Bcast(corr, root=self.root)
+        elif corr is None:
+            return
+        self.live += corr
+        self.corrections += 1
+
+    def step(self) -> None:
+        bg = self.background
+        if bg is not None and bg.wait:  # synchronous: this step's exchange lands at this boundary
+            bg.step_done()
+            bg.wait_idle()
+            self._land(bg.take())
+            return
+        # Taken and applied before step_done: the next snapshot holds this correction.
+        self._land(bg.take() if bg is not None else None)
+        if bg is not None:
+            bg.step_done()
+
+    def finish(self) -> None:
+        """After the last step, on every copy (again: a no-op)."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.background is not None:
+            self.background.drain()
+        self._land(self.background.take() if self.background is not None else None)
+        if self.background is not None:
+            self.background.close()

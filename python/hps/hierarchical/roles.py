@@ -19,8 +19,12 @@ rows owned by the trainer ranks of every group, bulk-synchronous per batch.
 
 Across groups (G > 1) the replicas are averaged with the centre by EASGD from
 background threads (ShadowSync): trainer 0 of each group for the trainer-held part,
-each group PS for its blocks; training never waits for them. With G > 1 each group
-has one trainer (T = 1) in this version.
+each group PS for its blocks; training never waits for them. A thread only fetches
+the correction -alpha d; it lands at a step boundary (hps.hierarchical.easgd.
+GroupAverage): on a group PS after the step its group's T trainers asked for, on the
+trainers after the optimizer step, broadcast by trainer 0 to the group's other
+trainers (a one-byte flag a step, the correction only when one is ready), so that
+every trainer of a group holds the same replica at every step.
 
 Limits of this version (issue 18): one net per trainer (``nets = 1``; Hogwild nets
 are not wired into the pipeline), no --resume of a hierarchical job, and each
@@ -36,7 +40,7 @@ from typing import Optional
 
 import numpy as np
 
-from hps.hierarchical.easgd import BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig
+from hps.hierarchical.easgd import BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig, GroupAverage
 
 __all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical"]
 
@@ -140,9 +144,6 @@ class Roles:
                              f"least one trainer{' plus a centre' if centre else ''}: world = groups * (trainers + "
                              f"group_ps){' + 1' if centre else ''}")
         T = rest // G - P
-        if G > 1 and T != 1:
-            raise ValueError(f"[hierarchical]: {G} groups of {T} trainers: with more than one group, each has one "
-                             f"trainer in this version")
         if rank == world - centre and centre:
             return cls(world, G, T, P, rank, "centre")
         g, i = divmod(rank, T + P)
@@ -162,7 +163,10 @@ class Roles:
             lines.append(f"group {g}: trainer rank(s) {self.trainer_ranks(g)}, group PS rank(s) "
                          f"{self.ps_ranks(g) or '-'}")
         if self.groups > 1:
-            lines.append(f"centre: rank {self.world - 1} (background EASGD)")
+            lines.append(f"centre: rank {self.world - 1} (background EASGD" +
+                         (f"; trainer ranks {[self.trainer_ranks(g)[0] for g in range(self.groups)]} exchange for "
+                          f"their groups, each group's trainers apply a correction at one step boundary)"
+                          if self.trainers > 1 else ")"))
         return "; ".join(lines)
 
 
@@ -204,11 +208,12 @@ def _flatten(params) -> np.ndarray:
 class _HtDenseSync:
     """Takes DenseSync's place in the Trainer: the group's trainers all-reduce the
     trainer-held gradients, the group PSs step once the group's trainers have all
-    asked, and a background thread averages with the centre."""
+    asked, and (G > 1) the background average's corrections land on every trainer
+    of the group after the same step."""
 
-    def __init__(self, split, group_comm, params, background: Optional[BackgroundEasgd]):
+    def __init__(self, split, group_comm, params, average: Optional[GroupAverage]):
         self.split, self.comm, self.params = split, group_comm, list(params)
-        self.background = background
+        self.average = average
         self.merges = 0
 
     def broadcast_parameters(self) -> None:
@@ -231,12 +236,15 @@ class _HtDenseSync:
             p.grad = torch.from_numpy(buf)
 
     def after_step(self, final: bool = False) -> None:
-        if final:
+        if final:  # the last exchange's correction lands before the final evaluation
+            if self.average is not None:
+                self.average.finish()
+                self.merges = self.average.corrections
             return
         self.split.ps_step()
-        if self.background is not None:
-            self.background.step_done()
-            self.merges = self.background.client.exchanges
+        if self.average is not None:
+            self.average.step()
+            self.merges = self.average.corrections
 
     def state_dict(self) -> dict:
         return {"merges": self.merges}
@@ -278,7 +286,7 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
         return dense_adam(params, train_cfg.dense_lr)
 
     server = GroupPsServer(mlp, plan, roles.index, make_optimizer, codecs, trainers=roles.trainers)
-    background = None
+    average = None
     if roles.groups > 1:
         comm = easgd_comms[1 + roles.index]
         live = holder.get("live", np.zeros(0, np.float32))
@@ -286,13 +294,17 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
             comm.send(live.copy(), dest=roles.world - 1, tag=40)
         client = EasgdClient(comm, roles.world - 1, roles.group, EasgdConfig(cfg.alpha, cfg.period), codecs,
                              server.counter, timeout=cfg.timeout)
-        background = BackgroundEasgd(client, live)
-        server.on_step = background.step_done
+        # The PS holds the only copy of its blocks; a correction lands in the serve loop
+        # right after a step (the one all T trainers asked for), so every trainer's
+        # forward and backward of the next step see the same blocks.
+        average = GroupAverage(live, BackgroundEasgd(client, live))
+        server.on_step = average.step
     serve(world, server, trainers=roles.trainers, idle_timeout=None)
-    if background is not None:
-        background.close()
+    if average is not None:
+        average.finish()
     return {"role": "group_ps", "group": roles.group, "index": roles.index, "steps": server.steps,
-            "exchanges": background.client.exchanges if background is not None else 0,
+            "exchanges": average.background.client.exchanges if average is not None else 0,
+            "corrections": average.corrections if average is not None else 0,
             "bytes": server.counter.as_dict()}
 
 
@@ -370,29 +382,36 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
         params = list(split.parameters())
         live = _flatten(params)
         trainer.opt = dense_adam(params, train_cfg.dense_lr) if params else _NoOptimizer()
-        background = None
+        average = None
         if roles.groups > 1:
-            if roles.group == 0:
-                easgd_comms[0].send(live.copy(), dest=roles.world - 1, tag=40)
-            client = EasgdClient(easgd_comms[0], roles.world - 1, roles.group, EasgdConfig(cfg.alpha, cfg.period),
-                                 codecs, split.counter, timeout=cfg.timeout)
-            background = BackgroundEasgd(client, live)
-        trainer.dense_sync = _HtDenseSync(split, group_comm, params, background)
-        made.update(split=split, plan=plan, background=background)
+            background = None
+            if roles.index == 0:  # the group's trainer 0 exchanges; the group's trainers all apply
+                if roles.group == 0:
+                    easgd_comms[0].send(live.copy(), dest=roles.world - 1, tag=40)
+                client = EasgdClient(easgd_comms[0], roles.world - 1, roles.group,
+                                     EasgdConfig(cfg.alpha, cfg.period), codecs, split.counter, timeout=cfg.timeout)
+                background = BackgroundEasgd(client, live)
+            average = GroupAverage(live, background, group_comm, root=0)
+        trainer.dense_sync = _HtDenseSync(split, group_comm, params, average)
+        made.update(split=split, plan=plan, average=average)
 
     node = Node(train_cfg.distributed, comm=trainers_comm)
     summary = train(train_cfg, resume=False, progress=progress, train_batches=train_batches,
                     eval_batches=eval_batches, node=node, dense_hook=hook)
     split = made["split"]
-    exchanges = 0
-    if made["background"] is not None:
-        made["background"].close()
-        exchanges = made["background"].client.exchanges
+    exchanges = corrections = 0
+    average = made["average"]
+    if average is not None:
+        average.finish()  # done already by the final after_step; a no-op then
+        corrections = average.corrections
+        if average.background is not None:
+            exchanges = average.background.client.exchanges
     mlp = {n: v for n, (v, _) in split.full_state().items()} if return_mlp else None
     split.stop()
     summary["hierarchical"] = {"roles": roles.describe(), "group": roles.group, "trainer": roles.index,
                                "plan": [f"{p.where}:{p.split}{':pair' if p.pair else ''}" for p in made["plan"].fcs],
-                               "bytes": split.counter.as_dict(), "exchanges": exchanges}
+                               "bytes": split.counter.as_dict(), "exchanges": exchanges,
+                               "corrections": corrections}
     if return_mlp:
         summary["hierarchical"]["mlp"] = mlp
     return summary
