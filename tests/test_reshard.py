@@ -53,7 +53,9 @@ def old_job(tmp_path, world: int, sync: str = "allreduce"):
 
 
 def rows_of(root) -> dict:
-    """{key: (rank, whole row bytes)} of the job's checkpoint, every rank's shard."""
+    """{key: (rank, whole row bytes, stamp)} of the job's checkpoint, every rank's
+    shard (the stamp: the step of the row's last update, which ttl_steps and
+    max_rows read)."""
     from hps.jobdir import latest_records, open_store, pin
     out = {}
     with pin(str(root)) as view:
@@ -61,10 +63,11 @@ def rows_of(root) -> dict:
             keys, _ = latest_records(rv)
             store = open_store(rv, view.job.row_bytes)
             rows, found = store.get(keys)
-            assert found.all()
-            for k, row in zip(keys.tolist(), rows):
+            stamps, stamped = store.stamps(keys)
+            assert found.all() and stamped.all()
+            for k, row, stamp in zip(keys.tolist(), rows, stamps.tolist()):
                 assert k not in out, f"key {k} on rank {out[k][0]} and rank {rv.rank}"
-                out[k] = (rv.rank, row.tobytes())
+                out[k] = (rv.rank, row.tobytes(), stamp)
             del store
     return out
 
@@ -116,8 +119,10 @@ def test_reshard_moves_every_row_to_its_owner_and_trains_on_as_an_m_rank_job(tmp
     assert after.keys() == before.keys() and len(after) > 100
     keys = np.array(sorted(after), np.uint64)
     owners = owner_ranks(keys, new_world)
+    assert len({stamp for _, _, stamp in before.values()}) > 1  # rows last updated at different steps
     for k, owner in zip(keys.tolist(), owners.tolist()):
-        assert after[k] == (owner, before[k][1]), k  # on its owner, the whole row (optimizer state too) as before
+        # On its owner, the whole row (optimizer state too) and the step of its last update as before.
+        assert after[k] == (owner, before[k][1], before[k][2]), k
     assert set(owners.tolist()) == set(range(new_world))
     job = json.loads((ref / "job" / "job.json").read_text())
     assert job == {"world": new_world, "step": STEPS, "checkpoint": job["checkpoint"],
@@ -274,7 +279,7 @@ def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ran
     shutil.copytree(old, tmp_path / "via_train")
     ref = old / "job"
     reshard.to_one_process(str(ref))
-    assert rows_of(ref) == {k: (0, row) for k, (_, row) in before.items()}
+    assert rows_of(ref) == {k: (0, row, stamp) for k, (_, row, stamp) in before.items()}
     assert sorted(n for n in os.listdir(ref) if n.startswith(("rank", "job", "resharded"))) == []
     state = load_trainer_state(str(ref))
     assert state["batches_done"] == STEPS

@@ -122,7 +122,7 @@ def test_inspect_reports_what_the_job_holds(job, capsys):
     assert report["rows"] == live > 0
     assert report["format"]["parameter_server"] == 2 and report["row_bytes"] == 4 * (4 + 4)  # AdaGrad: w, h
     rank = report["ranks"][0]
-    assert rank["checkpoints"] == [6] and rank["param_file_versions"] == {"2": rank["files"]}
+    assert rank["checkpoints"] == [6] and rank["param_file_versions"] == {"3": rank["files"]}
     assert rank["records"] >= rank["rows"] and rank["dense_state"]
     assert report["disk_bytes"] > 0 and "verify" not in report
     assert not os.path.exists(job / jobdir.READERS)  # the private view is gone

@@ -181,22 +181,40 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
         row_bytes = job.row_bytes
         out = SsdStore(os.path.join(tmp, STORE_DIR), row_bytes, file_records=c.file_records,
                        use_io_uring=c.use_io_uring, direct_io=c.direct_io, background_compaction=False)
-        written = 0
+        # Rows keep their stamps (the step of their last update, which [ps] ttl_steps
+        # and max_rows read): stamps never go back in a store, so the rows go in
+        # stamp order, gathered from every old rank, each stamp's under it.
+        sources, parts = [], []
         for rv in view.ranks:
             keys, _ = latest_records(rv)
-            mine = keys[owner_ranks(keys, world) == rank]
+            mine = np.ascontiguousarray(keys[owner_ranks(keys, world) == rank])
             if not len(mine):
                 continue
             src = open_store(rv, row_bytes)
-            for at in range(0, len(mine), _CHUNK):
-                k = np.ascontiguousarray(mine[at:at + _CHUNK])
-                rows, found = src.get(k)
-                if not found.all():
-                    raise ValueError(f"{rv.source}: key {int(k[~found][0])} is in a parameter file but the "
-                                     f"store does not find it")
-                out.put(k, rows)
-                written += len(k)
-            del src
+            stamps, found = src.stamps(mine)
+            if not found.all():
+                raise ValueError(f"{rv.source}: key {int(mine[~found][0])} is in a parameter file but the "
+                                 f"store does not find it")
+            parts.append((np.asarray(stamps, np.uint64), np.full(len(mine), len(sources), np.int64), mine))
+            sources.append((rv, src))
+        written = 0
+        if parts:
+            stamps, which, keys = (np.concatenate(x) for x in zip(*parts))
+            order = np.lexsort((keys, which, stamps))
+            stamps, which, keys = stamps[order], which[order], keys[order]
+            cuts = np.flatnonzero((np.diff(stamps) != 0) | (np.diff(which) != 0)) + 1
+            for run in np.split(np.arange(len(keys)), cuts):
+                rv, src = sources[int(which[run[0]])]
+                out.set_stamp(int(stamps[run[0]]))
+                for at in range(0, len(run), _CHUNK):
+                    k = np.ascontiguousarray(keys[run[at:at + _CHUNK]])
+                    rows, found = src.get(k)
+                    if not found.all():
+                        raise ValueError(f"{rv.source}: key {int(k[~found][0])} is in a parameter file but the "
+                                         f"store does not find it")
+                    out.put(k, rows)
+                    written += len(k)
+        del sources
         out.commit()
         del out
         states = [_load_state(os.path.join(job.checkpoint_dir(r), TRAINER_STATE)) for r in range(job.world)]
