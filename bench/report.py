@@ -7,7 +7,7 @@
 
 Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
 commit, uncommitted files, date, machine, command). `--add` files each such line under
-docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w5, w6, w7, w7s, w8, w10, w11, w11w, w12, w13, and reader, told apart by the line's
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w5, w6, w7, w7s, w8, w10, w11, w11w, w11m, w12, w13, and reader, told apart by the line's
 "benchmark" field); it refuses --quick lines and lines without provenance, since a table
 must come from a real run of a recorded command.
 
@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w7s", "w8", "w10", "w11", "w11w", "w12", "w13", "reader")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w5", "w6", "w7", "w7s", "w8", "w10", "w11", "w11w", "w11m", "w12", "w13", "reader")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -51,6 +51,8 @@ def workload_of(line: dict) -> str | None:
     name = str(line.get("benchmark") or line.get("bench") or "")
     if name == "reader":  # bench/reader_bench.py: the readers against the training they feed
         return "reader"
+    if name.startswith("W11") and line.get("cgroup_limit_bytes"):  # lookup_bench.py --cgroup: its own table
+        return "w11m"
     if name.startswith("W11") and line.get("writer"):  # lookup_bench.py --writer: its own table
         return "w11w"
     for prefix, wid in (("W10", "w10"), ("W11", "w11"), ("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
@@ -857,7 +859,7 @@ def render_reader(o: dict) -> list[str]:
 
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4, "w4m": render_w4,
           "w5": render_w5, "w6": render_w6, "w7": render_w7, "w7s": render_w7s, "w8": render_w8, "w12": render_w12,
-          "w10": render_w10, "w11": render_w11, "w11w": render_w11, "w13": render_w13, "reader": render_reader}
+          "w10": render_w10, "w11": render_w11, "w11w": render_w11, "w11m": render_w11, "w13": render_w13, "reader": render_reader}
 
 
 # ------------------------------------------------------------------ regions
