@@ -39,7 +39,11 @@ constexpr const char* kStoreMarker = "STORE";
 constexpr const char* kManifest = "MANIFEST";
 constexpr const char* kFileSuffix = ".hpf";
 constexpr int kStoreVersion = 1;
-constexpr uint64_t kReadWaveBytes = uint64_t{64} << 20;  // blocks buffered per wave of a get
+// Blocks buffered per wave of a get: each concurrent get holds this much (its
+// BlockIo's scratch). 4 MiB keeps about a thousand 4 KiB reads in flight,
+// which is what the drive needs; 64 MiB had gets no faster and their buffers
+// several times a lookup's cache budget (bench/lookup_bench.py --cgroup).
+constexpr uint64_t kReadWaveBytes = uint64_t{4} << 20;
 
 using detail::ThrowErrno;
 
@@ -321,17 +325,21 @@ class FileStore final : public SsdStore {
         bytes += groups[end].plan.bytes;
         ++end;
       }
-      detail::AlignedBuffer buffer(bytes);
+      // One file's blocks above a wave (a get of many keys from one file) take
+      // a buffer of their own, freed after: the scratch stays a wave at most.
+      detail::AlignedBuffer oversized;
+      if (bytes > kReadWaveBytes) oversized = detail::AlignedBuffer(bytes);
+      uint8_t* buffer = bytes > kReadWaveBytes ? oversized.data() : io->Scratch(bytes);
       std::vector<detail::IoRequest> reads;
       for (size_t g = begin; g < end; ++g) {
-        groups[g].file->AddReads(groups[g].plan, buffer.data() + groups[g].offset, &reads);
+        groups[g].file->AddReads(groups[g].plan, buffer + groups[g].offset, &reads);
       }
       io->ReadAll(reads);
       bytes_read += bytes;
       for (size_t g = begin; g < end; ++g) {
         const Group& group = groups[g];
         rows.resize(group.slots.size() * row_bytes);
-        group.file->CopyRows(group.plan, buffer.data() + group.offset, group.slots.data(),
+        group.file->CopyRows(group.plan, buffer + group.offset, group.slots.data(),
                              group.slot_keys.data(), group.slots.size(), rows.data());
         for (size_t j = 0; j < group.slots.size(); ++j) {
           std::memcpy(rows_out + group.requests[j] * row_bytes, rows.data() + j * row_bytes, row_bytes);

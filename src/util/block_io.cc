@@ -226,6 +226,15 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   return *this;
 }
 
+uint8_t* BlockIo::Scratch(uint64_t bytes) {
+  if (bytes > scratch_bytes_) {
+    scratch_ = AlignedBuffer();  // the old one goes first: never both at once
+    scratch_ = AlignedBuffer(bytes);
+    scratch_bytes_ = bytes;
+  }
+  return scratch_.data();
+}
+
 std::unique_ptr<BlockIo> NewBlockIo(bool prefer_uring, std::string* fallback) {
   std::string why;
 #if HPS_HAVE_LIBURING

@@ -30,19 +30,6 @@ struct IoRequest {
   uint8_t* buffer;
 };
 
-class BlockIo {
- public:
-  virtual ~BlockIo() = default;
-  // Reads every request fully; throws IoError (or CorruptionError for a file
-  // that ends early) naming the file.
-  virtual void ReadAll(std::vector<IoRequest>& requests) = 0;
-  // Writes every request fully; throws IoError naming the file (a full disk
-  // is ENOSPC, or EFBIG past RLIMIT_FSIZE).
-  virtual void WriteAll(std::vector<IoRequest>& requests) = 0;
-  // "io_uring" or "pread".
-  virtual const char* name() const = 0;
-};
-
 // A 4 KiB-aligned, zero-filled byte buffer, as O_DIRECT needs.
 class AlignedBuffer {
  public:
@@ -58,6 +45,30 @@ class AlignedBuffer {
  private:
   uint8_t* data_ = nullptr;
 };
+
+class BlockIo {
+ public:
+  virtual ~BlockIo() = default;
+  // Reads every request fully; throws IoError (or CorruptionError for a file
+  // that ends early) naming the file.
+  virtual void ReadAll(std::vector<IoRequest>& requests) = 0;
+  // Writes every request fully; throws IoError naming the file (a full disk
+  // is ENOSPC, or EFBIG past RLIMIT_FSIZE).
+  virtual void WriteAll(std::vector<IoRequest>& requests) = 0;
+  // "io_uring" or "pread".
+  virtual const char* name() const = 0;
+
+  // At least `bytes` of aligned buffer for this caller's reads, kept between
+  // calls (its contents are not kept): a get reuses it instead of allocating
+  // and freeing a wave's worth each time, which grew the allocator's arenas
+  // far past the caches' budgets under concurrent gets.
+  uint8_t* Scratch(uint64_t bytes);
+
+ private:
+  AlignedBuffer scratch_;
+  uint64_t scratch_bytes_ = 0;
+};
+
 
 // io_uring when `prefer_uring` and available, else pread/pwrite. When
 // `fallback` is given, it gets why io_uring was asked for and not used (the
