@@ -151,6 +151,21 @@ def test_hps_train_runs_a_hierarchical_config(tmp_path):
     assert json.loads(p.stdout.splitlines()[-1])["final"]["examples"] == 1024
 
 
+@needs_mpi
+def test_hps_train_prints_the_background_averages_of_several_groups(tmp_path):
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text(f'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{tmp_path / "run"}"\n'
+                   f'mem_budget = "1MiB"\n[data]\nbatch_size = 128\ntrain_examples = 1024\n'
+                   f'eval_examples = 128\n[hierarchical]\ngroups = 2\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
+                        "--no-progress"], capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 0, p.stderr[-5000:]
+    line = next(x for x in p.stderr.splitlines() if "hierarchical:" in x)
+    m = re.search(r"; (\d+) background exchange\(s\), (\d+) correction\(s\) applied", line)
+    assert m and int(m.group(1)) >= 1 and int(m.group(2)) >= 1, line
+
+
 def test_roles_layout():
     cfg = HierarchicalConfig(groups=2, group_ps=1)
     roles = [Roles.layout(5, r, cfg) for r in range(5)]

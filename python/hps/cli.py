@@ -224,8 +224,10 @@ def cmd_train(a) -> int:
         h = summary["hierarchical"]
         moved = ", ".join(f"{k} {v['before'] / 1e6:,.2f} -> {v['after'] / 1e6:,.2f} MB"
                           for k, v in h["bytes"].items() if v["before"])
-        print(f"  hierarchical: {h['roles']}; plan {', '.join(h['plan'])}; trainer 0 sent {moved or 'nothing'}",
-              file=sys.stderr)
+        averaged = (f"; {h['exchanges']} background exchange(s), {h['corrections']} correction(s) applied"
+                    if h.get("exchanges") or h.get("corrections") else "")
+        print(f"  hierarchical: {h['roles']}; plan {', '.join(h['plan'])}; trainer 0 sent {moved or 'nothing'}"
+              f"{averaged}", file=sys.stderr)
     line = {"final": summary["final"], "examples_per_s": summary["examples_per_s"], "pipeline": summary["pipeline"],
             "device": summary["ps"]["device"]}
     if "herald" in summary["ps"]:  # Herald across ranks: this rank's counts
