@@ -131,37 +131,37 @@ def test_two_groups_of_two_trainers_keep_one_replica_a_group(tmp_path, group_ps)
         sum(o["exchanges"] for o in ps)
 
 
-@needs_mpi
-def test_hps_train_runs_a_hierarchical_config(tmp_path):
+def hps_train(tmp_path, ranks: int, toml: str) -> tuple[str, dict]:
+    """`mpiexec -n ranks hps train` on a config (its path = tmp_path/run); returns
+    the printed `hierarchical:` line and the JSON line."""
     cfg = tmp_path / "ht.toml"
-    cfg.write_text(f'hidden = [32, 16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{tmp_path / "run"}"\n'
-                   f'mem_budget = "1MiB"\n[data]\nbatch_size = 256\ntrain_examples = 1024\n'
-                   f'eval_examples = 256\n[hierarchical]\ngroup_ps = 1\ngradients = "bf16"\n'
-                   f'[hierarchical.planner]\nbig_fc_bytes = 0\n')
+    cfg.write_text(toml.replace("{path}", str(tmp_path / "run")))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
+    p = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
                         "--no-progress"], capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stderr[-5000:]
-    line = next(x for x in p.stderr.splitlines() if "hierarchical:" in x)
+    return next(x for x in p.stderr.splitlines() if "hierarchical:" in x), json.loads(p.stdout.splitlines()[-1])
+
+
+@needs_mpi
+def test_hps_train_runs_a_hierarchical_config(tmp_path):
+    line, out = hps_train(tmp_path, 2, 'hidden = [32, 16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{path}"\n'
+                          'mem_budget = "1MiB"\n[data]\nbatch_size = 256\ntrain_examples = 1024\n'
+                          'eval_examples = 256\n[hierarchical]\ngroup_ps = 1\ngradients = "bf16"\n'
+                          '[hierarchical.planner]\nbig_fc_bytes = 0\n')
     # The rules tag every layer for the group PS (big_fc_bytes = 0); the refinement keeps at least one there.
     assert "group 0: trainer rank(s) [0], group PS rank(s) [1]; plan " in line
     assert "ps:" in line.split("; plan ")[1].split(";")[0]
     m = re.search(r"gradients ([\d.]+) -> ([\d.]+) MB", line)
     assert m and float(m.group(2)) < float(m.group(1))  # bf16 on the wire
-    assert json.loads(p.stdout.splitlines()[-1])["final"]["examples"] == 1024
+    assert out["final"]["examples"] == 1024
 
 
 @needs_mpi
 def test_hps_train_prints_the_background_averages_of_several_groups(tmp_path):
-    cfg = tmp_path / "ht.toml"
-    cfg.write_text(f'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{tmp_path / "run"}"\n'
-                   f'mem_budget = "1MiB"\n[data]\nbatch_size = 128\ntrain_examples = 1024\n'
-                   f'eval_examples = 128\n[hierarchical]\ngroups = 2\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    p = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
-                        "--no-progress"], capture_output=True, text=True, timeout=180, env=env)
-    assert p.returncode == 0, p.stderr[-5000:]
-    line = next(x for x in p.stderr.splitlines() if "hierarchical:" in x)
+    line, _ = hps_train(tmp_path, 3, 'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{path}"\n'
+                        'mem_budget = "1MiB"\n[data]\nbatch_size = 128\ntrain_examples = 1024\n'
+                        'eval_examples = 128\n[hierarchical]\ngroups = 2\n')
     m = re.search(r"; (\d+) background exchange\(s\), (\d+) correction\(s\) applied", line)
     assert m and int(m.group(1)) >= 1 and int(m.group(2)) >= 1, line
 
