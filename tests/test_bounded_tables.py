@@ -146,6 +146,30 @@ def test_ttl_is_a_lower_bound_with_evictions_and_the_cap_is_hard(tmp_path):
     ps.close()
 
 
+@pytest.mark.parametrize("ttl", [0, 1000])
+def test_stamps_move_each_batch_with_bounds_on_and_at_checkpoints_with_them_off(tmp_path, ttl):
+    """Bounds off, the batch path makes no stamping call (issue 15's crossings): rows
+    evicted between checkpoints carry the last checkpoint's step. Bounds on (a TTL
+    that expires nothing here), they carry the step of their eviction."""
+    ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=ttl, mem_budget="16KiB", write_buffer_rows=16))
+    rng = np.random.default_rng(1)
+    seen = set()
+    for step in range(1, 13):
+        keys = np.unique(rng.integers(1, 1000, 60)).astype(np.uint64)
+        ps.push(keys, np.ones((len(keys), DIM), np.float32))
+        seen |= {int(k) for k in keys}
+        if step % 4 == 0:
+            ps.checkpoint()
+    stamps, found = ps._ssd.stamps(np.array(sorted(seen), np.uint64))
+    assert found.all() and ps.stats()["mem"]["dirty_evictions"] > 0
+    between = {int(s) for s in stamps} - {0, 4, 8, 12}
+    if ttl:
+        assert between, "no row stamped with a step between checkpoints"
+    else:
+        assert not between, f"stamps between checkpoints with bounds off: {sorted(between)}"
+    ps.close()
+
+
 def test_expired_space_is_given_back(tmp_path):
     ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=2))
     keys = np.arange(1, 2001, dtype=np.uint64)

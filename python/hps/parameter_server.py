@@ -975,12 +975,18 @@ class ParameterServer:
         return b
 
     def _advance_step(self) -> None:
-        """One more step (batch): what SSD-PS stamps the rows it stores from now
-        on with, so a stamp is never below its row's last update."""
+        """One more step (batch). With bounds on, SSD-PS stamps the rows it stores
+        from now on with it, so a stamp is never below its row's last update. With
+        bounds off nothing reads the stamps, and the batch path keeps its crossings
+        into C++ (issue 15's at most 8): stamps move at checkpoints only (each
+        checkpoint's flush is stamped with its step; rows evicted between
+        checkpoints carry the previous one's), so bounds turned on later may
+        expire a row up to one checkpoint interval early."""
         with self._counts_lock:
             self._step += 1
             step = self._step
-        self._ssd.set_stamp(step)
+        if self.config.ttl_steps or self.config.max_rows:
+            self._ssd.set_stamp(step)
 
     @property
     def step(self) -> int:
@@ -1085,6 +1091,7 @@ class ParameterServer:
                     self._host_batches.wait()
             if self._herald is not None:
                 self._herald.flush()  # the caches' rows are part of the checkpoint
+            self._ssd.set_stamp(self._step)  # the flush's rows were updated up to now (bounds off: see _advance_step)
             self._cache.flush_dirty()
             self._backing.flush()
             self._bound()
