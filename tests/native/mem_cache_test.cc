@@ -49,31 +49,53 @@ struct Backing {
   }
 };
 
+// The distinct keys among `draws` draws from [0, universe): a batch in the tests.
+std::vector<uint64_t> DistinctDraws(std::mt19937_64& rng, int draws, uint64_t universe) {
+  std::vector<uint64_t> keys;
+  for (int j = 0; j < draws; ++j) {
+    const uint64_t k = rng() % universe;
+    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  }
+  return keys;
+}
+
+// A cache of 8-byte rows over `backing` (its loader and sink).
+std::unique_ptr<MemCache> BackedCache(Backing& backing, const std::string& policy, uint64_t capacity,
+                                      uint32_t shards = 0) {
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = capacity;
+  o.shards = shards;
+  o.policy = ParseCachePolicy(policy);
+  return MemCache::New(o, backing.Loader(), backing.Sink());
+}
+
+// Pulls `keys` pinned and checks each row against `model` (absent: the backing's
+// key * 1000); returns the rows plus one, recorded in `model`: what a test writes back.
+std::vector<uint64_t> PullCheckedPlusOne(MemCache& cache, const std::vector<uint64_t>& keys,
+                                         std::map<uint64_t, uint64_t>& model, size_t step) {
+  std::vector<uint64_t> rows(keys.size());
+  cache.Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), true, nullptr);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto it = model.find(keys[i]);
+    EXPECT_EQ(rows[i], it == model.end() ? keys[i] * 1000 : it->second) << "step " << step << ", key " << keys[i];
+    rows[i] += 1;
+    model[keys[i]] = rows[i];
+  }
+  return rows;
+}
+
 class MemCachePolicies : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(MemCachePolicies, WriteBacksSurviveEvictionAndFlush) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 64;
-  o.policy = ParseCachePolicy(GetParam());
-  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  auto cache = BackedCache(backing, GetParam(), 64);
   std::map<uint64_t, uint64_t> model;
   std::mt19937_64 rng(7);
   for (int step = 0; step < 500; ++step) {
-    std::vector<uint64_t> keys;
-    for (int j = 0; j < 20; ++j) {
-      const uint64_t k = rng() % 500;
-      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-    }
-    std::vector<uint64_t> rows(keys.size());
-    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), true, nullptr);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      const auto it = model.find(keys[i]);
-      ASSERT_EQ(rows[i], it == model.end() ? keys[i] * 1000 : it->second) << "step " << step;
-      model[keys[i]] = rows[i] + 1;
-      rows[i] += 1;
-    }
+    const std::vector<uint64_t> keys = DistinctDraws(rng, 20, 500);
+    std::vector<uint64_t> rows = PullCheckedPlusOne(*cache, keys, model, step);
+    ASSERT_FALSE(HasFailure());
     cache->WriteBack(keys.data(), keys.size(), reinterpret_cast<const uint8_t*>(rows.data()));
   }
   const MemCacheStats st = cache->stats();
@@ -88,27 +110,14 @@ TEST_P(MemCachePolicies, WriteBacksSurviveEvictionAndFlush) {
 // the freed slots: the model stays right through later evictions.
 TEST_P(MemCachePolicies, EraseDropsRowsWithoutTheSinkAndKeepsPinnedOnes) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 64;
-  o.policy = ParseCachePolicy(GetParam());
-  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  auto cache = BackedCache(backing, GetParam(), 64);
   std::map<uint64_t, uint64_t> model;  // what a Pull must return; absent: key * 1000
   std::mt19937_64 rng(11);
   for (int step = 0; step < 300; ++step) {
-    std::vector<uint64_t> keys;
-    for (int j = 0; j < 10; ++j) {
-      const uint64_t k = 1 + rng() % 200;
-      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-    }
-    std::vector<uint64_t> rows(keys.size());
-    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), true, nullptr);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      const auto it = model.find(keys[i]);
-      ASSERT_EQ(rows[i], it == model.end() ? keys[i] * 1000 : it->second) << "step " << step;
-      rows[i] += 1;
-      model[keys[i]] = rows[i];
-    }
+    std::vector<uint64_t> keys = DistinctDraws(rng, 10, 200);
+    for (uint64_t& k : keys) k += 1;  // keys 1..200
+    std::vector<uint64_t> rows = PullCheckedPlusOne(*cache, keys, model, step);
+    ASSERT_FALSE(HasFailure());
     // Erase a few keys while this batch is pinned: its own keys stay (and
     // are written back), the others leave MEM-PS and, as SSD-PS's Bound
     // would, the backing store.
@@ -318,17 +327,6 @@ TEST(MemCache, PullThatThrowsRecordsNoVisitInTheSketch) {
   EXPECT_TRUE(cache->Contains(warm));
 }
 
-// The distinct keys among `draws` draws from [0, universe): a thread's batch in the
-// concurrency tests.
-std::vector<uint64_t> DistinctDraws(std::mt19937_64& rng, int draws, uint64_t universe) {
-  std::vector<uint64_t> keys;
-  for (int j = 0; j < draws; ++j) {
-    const uint64_t k = rng() % universe;
-    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-  }
-  return keys;
-}
-
 // Pulls `keys` pinned and unpins them; returns how many rows were not the
 // backing's (key * 1000): what a concurrency test's thread adds up.
 int PullCountingWrongRows(MemCache& cache, const std::vector<uint64_t>& keys) {
@@ -365,17 +363,6 @@ TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
 }
 
 // ---- lookahead eviction (SetLookahead)
-
-// A cache of 8-byte rows over `backing` (its loader and sink), for the lookahead tests.
-std::unique_ptr<MemCache> BackedCache(Backing& backing, const std::string& policy, uint64_t capacity,
-                                      uint32_t shards) {
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = capacity;
-  o.shards = shards;
-  o.policy = ParseCachePolicy(policy);
-  return MemCache::New(o, backing.Loader(), backing.Sink());
-}
 
 std::unique_ptr<MemCache> TraceCache(const std::string& policy, uint64_t capacity, uint32_t shards = 1) {
   MemCacheOptions o;
@@ -496,14 +483,8 @@ TEST_P(Lookahead, WriteBacksSurviveLookaheadEvictions) {
     window.insert(window.end(), batches[step + 2].begin(), batches[step + 2].end());
     cache->SetLookahead(window.data(), window.size());
     const std::vector<uint64_t>& keys = batches[step];
-    std::vector<uint64_t> rows(keys.size());
-    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), true, nullptr);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      const auto it = model.find(keys[i]);
-      ASSERT_EQ(rows[i], it == model.end() ? keys[i] * 1000 : it->second) << "step " << step;
-      rows[i] += 1;
-      model[keys[i]] = rows[i];
-    }
+    std::vector<uint64_t> rows = PullCheckedPlusOne(*cache, keys, model, step);
+    ASSERT_FALSE(HasFailure());
     cache->WriteBack(keys.data(), keys.size(), reinterpret_cast<const uint8_t*>(rows.data()));
   }
   const MemCacheStats st = cache->stats();
