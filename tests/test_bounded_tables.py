@@ -2,7 +2,10 @@
 expires and what the cap takes, across checkpoints and reopens, with MEM-PS
 copies dropped, SSD-PS space given back, and the erased keys as `hps export`
 tombstones (docs/parameter_server.md, "Bounded tables")."""
+import json
 import os
+import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -298,7 +301,6 @@ def _train_config(tmp_path, cap):
 
 def test_hps_train_bounds_the_table_and_reports_it(tmp_path):
     pytest.importorskip("torch", reason="hps train needs torch")
-    import json
     from hps.cli import main
     cap = 3000
     path, cfg = _train_config(tmp_path, cap)
@@ -313,21 +315,14 @@ def test_hps_train_bounds_the_table_and_reports_it(tmp_path):
     ps.close()
 
 
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH (pip install mpich)")
 def test_under_mpiexec_each_rank_bounds_its_shard(tmp_path):
     pytest.importorskip("torch", reason="hps train needs torch")
     pytest.importorskip("mpi4py", reason="an MPI job needs mpi4py")
-    import shutil
-    import subprocess
-    import sys
-    if shutil.which("mpiexec") is None:
-        pytest.skip("no mpiexec on PATH")
+    from mpi_scenarios import mpirun  # tests/ is on pytest's sys.path
     cap = 1500
     path, cfg = _train_config(tmp_path, cap)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    p = subprocess.run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "hps.cli", "train", "--config",
-                        str(cfg), "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    import json
+    mpirun(2, sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress")
     for rank in range(2):
         with open(path / f"rank{rank}" / "train-summary.json") as f:
             counts = json.load(f)["ps"]["counts"]
