@@ -9,10 +9,11 @@ and from there, when evicted, to SSD-PS. A row never seen is initialised as a
 pure function of (seed, key), so it needs no storage until it is updated.
 
 Bounded tables (``ttl_steps``, ``max_rows``; docs/parameter_server.md): a step
-is a batch of this server. Each batch stamps SSD-PS with the step, so a row's
-file tells when it was last updated (a dirty row reaches a file when MEM-PS
-evicts it, or at the checkpoint's flush: its stamp is at least its last
-update and at most the next checkpoint's step). At each checkpoint, after the
+is a batch of this server. With a bound set, each batch stamps SSD-PS with the
+step, so a row's file tells when it was last updated (a dirty row reaches a
+file when MEM-PS evicts it, or at the checkpoint's flush: its stamp is at
+least its last update and at most the next checkpoint's step); with none, the
+stamp moves at checkpoints only (see _advance_step). At each checkpoint, after the
 flush and before the commit, SsdStore.bound() erases the rows stamped more
 than ttl_steps before the step, then the oldest beyond max_rows, and MEM-PS
 drops their copies; an erased key reads as new (its initial row) next time.
@@ -985,8 +986,12 @@ class ParameterServer:
         with self._counts_lock:
             self._step += 1
             step = self._step
-        if self.config.ttl_steps or self.config.max_rows:
+        if self._bounded:
             self._ssd.set_stamp(step)
+
+    @property
+    def _bounded(self) -> bool:
+        return bool(self.config.ttl_steps or self.config.max_rows)
 
     @property
     def step(self) -> int:
@@ -998,9 +1003,9 @@ class ParameterServer:
         rows not updated for more than ttl_steps and then the oldest beyond
         max_rows, and drops MEM-PS's copies (clean after the flush; a row pinned
         by a prefetch running beside the checkpoint stays, dirty, and returns)."""
-        ttl, cap = self.config.ttl_steps, self.config.max_rows
-        if not ttl and not cap:
+        if not self._bounded:
             return
+        ttl, cap = self.config.ttl_steps, self.config.max_rows
         min_stamp = self._step - ttl if ttl and self._step > ttl else 0
         gone = self._ssd.bound(min_stamp, cap)
         erased = np.concatenate([gone["expired"], gone["capped"]])
