@@ -80,6 +80,9 @@ def test_split_mlp_over_two_group_ps_equals_one_process(tmp_path):
     assert h["plan"] == ["ps:vertical", "ps:horizontal"]
     assert h["bytes"]["activations"]["before"] > 0 and h["bytes"]["gradients"]["before"] > 0
     assert [o["steps"] for o in out[1:]] == [sc.HT_STEPS, sc.HT_STEPS]
+    # Every role measures its own time (a benchmark holds it against the planner's model).
+    for o in (h, *out[1:]):
+        assert o["cpu_seconds"] > 0 and o["wall_seconds"] > 0, o
 
 
 @needs_mpi
@@ -91,6 +94,7 @@ def test_two_groups_average_with_the_centre_in_the_background(tmp_path):
     assert all(1 <= d <= sc.HT_STEPS for d in done)
     assert [o["hierarchical"]["corrections"] for o in out[:2]] == done  # the last one lands at the end
     assert out[2]["role"] == "centre" and out[2]["exchanges"] == sum(done)
+    assert out[2]["cpu_seconds"] > 0 and out[2]["wall_seconds"] > 0
     assert out[2]["bytes"]["averaging"]["after"] > 0
     a, b = np.load(tmp_path / "mlp0.npz"), np.load(tmp_path / "mlp1.npz")
     assert any(not np.array_equal(a[n], b[n]) for n in a.files)  # two replicas, trained on different data

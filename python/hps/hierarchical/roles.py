@@ -35,6 +35,7 @@ indifferent to it).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -274,6 +275,9 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
     from hps.hierarchical.codecs import CodecStreams
     from hps.hierarchical.split_mlp import GroupPsServer, serve
     from hps.tuning import dense_adam, import_torch
+    # The PS's own measured time (CPU of every thread of this process, and wall), for a
+    # benchmark to hold against the planner's modelled per-node time.
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     import_torch()
     leader = roles.trainer_ranks(roles.group)[0]
     mlp, plan = world.recv(source=leader, tag=51)
@@ -305,11 +309,13 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
     return {"role": "group_ps", "group": roles.group, "index": roles.index, "steps": server.steps,
             "exchanges": average.background.client.exchanges if average is not None else 0,
             "corrections": average.corrections if average is not None else 0,
-            "bytes": server.counter.as_dict()}
+            "bytes": server.counter.as_dict(), "cpu_seconds": time.process_time() - cpu0,
+            "wall_seconds": time.perf_counter() - wall0}
 
 
 def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
     from hps.hierarchical.codecs import ByteCounter, CodecStreams
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     codecs = CodecStreams({"averaging": cfg.averaging})
     counter = ByteCounter()
     parts = 1 + roles.group_ps
@@ -335,7 +341,8 @@ def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
     if errors:
         raise errors[0]
     return {"role": "centre", "exchanges": sum(c.easgd.exchanges for c in centres if c is not None),
-            "bytes": counter.as_dict()}
+            "bytes": counter.as_dict(), "cpu_seconds": time.process_time() - cpu0,
+            "wall_seconds": time.perf_counter() - wall0}
 
 
 def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = False, progress: bool = True,
@@ -396,8 +403,10 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
         made.update(split=split, plan=plan, average=average)
 
     node = Node(train_cfg.distributed, comm=trainers_comm)
+    cpu0, wall0 = time.process_time(), time.perf_counter()  # the trainer's measured time, as the PS's
     summary = train(train_cfg, resume=False, progress=progress, train_batches=train_batches,
                     eval_batches=eval_batches, node=node, dense_hook=hook)
+    cpu_seconds, wall_seconds = time.process_time() - cpu0, time.perf_counter() - wall0
     split = made["split"]
     exchanges = corrections = 0
     average = made["average"]
@@ -411,7 +420,8 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
     summary["hierarchical"] = {"roles": roles.describe(), "group": roles.group, "trainer": roles.index,
                                "plan": [f"{p.where}:{p.split}{':pair' if p.pair else ''}" for p in made["plan"].fcs],
                                "bytes": split.counter.as_dict(), "exchanges": exchanges,
-                               "corrections": corrections}
+                               "corrections": corrections, "cpu_seconds": cpu_seconds,
+                               "wall_seconds": wall_seconds}
     if return_mlp:
         summary["hierarchical"]["mlp"] = mlp
     return summary
