@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from hps.cli import main  # noqa: E402
-from hps.hierarchical.planner import PlanError, PlannerConfig, costs, format_plan, plan, tag  # noqa: E402
+from hps.hierarchical.planner import PlanError, PlannerConfig, costs, format_plan, node_costs, plan, tag  # noqa: E402
 from hps.hierarchical.split_mlp import FcPlacement as F, SplitPlan  # noqa: E402
 
 
@@ -28,6 +28,35 @@ def test_costs_by_hand():
     cfg.activations, cfg.gradients = "int8", "bf16"
     _, q0, _ = costs([(4, 8), (8, 2)], SplitPlan([F("ps", "vertical"), F()], 2), cfg)
     assert q0.net_bytes == pytest.approx(10 * ((4 + 4) * 1 + 2 * 4 + (4 + 4) * 2))
+
+
+def test_node_costs_of_a_given_plan_by_hand():
+    # W10's split: fc0 429 -> 512 vertical and fc1 512 -> 256 horizontal on one PS, not
+    # paired, fc2 256 -> 1 on the trainer; B = 1024, bf16 both ways, 1e10 FLOP/s.
+    cfg = PlannerConfig(batch_size=1024, group_ps=1, trainer_flops=1e10, ps_flops=1e10, bandwidth=1e9,
+                        activations="bf16", gradients="bf16")
+    shapes = [(429, 512), (512, 256), (256, 1)]
+    t, p0 = node_costs(shapes, SplitPlan([F("ps", "vertical"), F("ps", "horizontal"), F()], 1), cfg)
+    assert t["node"] == "trainer" and t["layers"] == ["fc2"] and p0["node"] == "ps0"
+    assert t["flops"] == 6 * 1024 * 256 and t["cpu_s"] == pytest.approx(6 * 1024 * 256 / 1e10)
+    assert p0["flops"] == 6 * 1024 * (429 * 512 + 512 * 256) and p0["cpu_s"] == pytest.approx(p0["flops"] / 1e10)
+    # Forward 429 out, 512 back, 512 out, 256 back; backward the same widths the other way; 2 bytes a value.
+    assert p0["net_bytes"] == t["net_bytes"] == 1024 * 2 * 2 * (429 + 512 + 512 + 256)
+    assert p0["net_s"] == pytest.approx(p0["net_bytes"] / 1e9) and p0["time_s"] == max(p0["cpu_s"], p0["net_s"])
+    assert p0["memory"] == 8 * (429 * 512 + 512 + 512 * 256 + 256)
+    # The same numbers as costs(), which hps plan prints.
+    assert [n.cpu_s for n in costs(shapes, SplitPlan([F("ps", "vertical"), F("ps", "horizontal"), F()], 1), cfg)] \
+        == [t["cpu_s"], p0["cpu_s"]]
+
+
+def test_node_costs_refuses_a_plan_the_split_mlp_would():
+    cfg = PlannerConfig(group_ps=1)
+    with pytest.raises(ValueError, match="places 2 Linear layers, the shapes have 3"):
+        node_costs([(4, 8), (8, 2), (2, 1)], SplitPlan([F(), F()], 1), cfg)
+    with pytest.raises(ValueError, match=r"Linear 1 \(layer 1, 8 -> 2\) is paired but is the last Linear"):
+        node_costs([(4, 8), (8, 2)], SplitPlan([F(), F("ps", "vertical", pair=True)], 1), cfg)
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        node_costs([(4, 8)], SplitPlan([F()], 1), PlannerConfig(group_ps=1, bandwidth=0))
 
 
 def test_pair_traffic_skips_the_intermediate():

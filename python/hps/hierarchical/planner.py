@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from hps.errors import HpsError
 from hps.hierarchical.split_mlp import FcPlacement, SplitPlan, segments
 
-__all__ = ["PlannerConfig", "NodeCost", "PlanResult", "PlanError", "tag", "costs", "refine", "plan",
+__all__ = ["PlannerConfig", "NodeCost", "PlanResult", "PlanError", "tag", "costs", "node_costs", "refine", "plan",
            "format_plan", "linear_shapes", "load_plan_config"]
 
 
@@ -210,6 +210,26 @@ def costs(shapes: list, plan: SplitPlan, cfg: PlannerConfig) -> list:
     for n in nodes:
         n.net_s = n.net_bytes / cfg.bandwidth
     return nodes
+
+
+def node_costs(shapes: list, plan: SplitPlan, cfg: PlannerConfig) -> list:
+    """The modelled step of a given plan (one the planner made, or one a config names),
+    per node as plain numbers, for a benchmark to set beside what it measures:
+    ``[{"node", "layers", "flops", "cpu_s", "net_bytes", "net_s", "memory", "time_s"}]``,
+    the trainer first, then each group PS. ``cpu_s`` is ``flops`` at the node's
+    ``trainer_flops`` / ``ps_flops``, ``net_s`` ``net_bytes`` at ``bandwidth``.
+
+    Raises ValueError for a bad config, a plan of another length than ``shapes`` or
+    one the split MLP would refuse (a pair whose shapes break the rule, a split wider
+    than its layer)."""
+    cfg.check()
+    if len(plan.fcs) != len(shapes):
+        raise ValueError(f"node_costs: the plan places {len(plan.fcs)} Linear layers, the shapes have "
+                         f"{len(shapes)}")
+    segments(_shape_only(shapes), plan)  # the split MLP's own checks, with its message
+    return [{"node": n.name, "layers": list(n.layers), "flops": n.flops, "cpu_s": n.cpu_s,
+             "net_bytes": n.net_bytes, "net_s": n.net_s, "memory": n.memory, "time_s": n.time_s}
+            for n in costs(shapes, plan, cfg)]
 
 
 def _block(n: int, parts: int, p: int) -> int:
