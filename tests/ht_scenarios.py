@@ -251,19 +251,35 @@ def _mpi_scenarios():
 HT_STEPS, HT_PER_RANK = 5, 48
 
 
-def ht_config(groups: int, group_ps: int, placement: list, alpha: float = 0.5):
+def ht_config(groups: int, group_ps: int, placement: list, alpha: float = 0.5, **kw):
     from hps.hierarchical.roles import HierarchicalConfig
     return HierarchicalConfig(groups=groups, group_ps=group_ps, placement=placement, alpha=alpha, period=1,
-                              timeout=60)
+                              timeout=60, **kw)
 
 
-def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list) -> None:
+def _record_averages() -> list:
+    """Each synchronous average's result on this rank, as a CRC of the replica's
+    bytes (AllreduceAverage._average wrapped in this process only)."""
+    from hps.hierarchical.easgd import AllreduceAverage
+    seen: list = []
+    average = AllreduceAverage._average
+
+    def recorded(self):
+        average(self)
+        seen.append(zlib.crc32(self.live.tobytes()))
+    AllreduceAverage._average = recorded
+    return seen
+
+
+def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list, **kw) -> None:
     """hps train's HT path over tests/mpi_scenarios.py's global batches (trainer t of
-    the job takes part t of each); every rank writes its summary's essentials."""
+    the job takes part t of each); every rank writes its summary's essentials (with
+    ``across = "allreduce"``, the CRC of its replica after each average too)."""
     import json
     from hps.hierarchical.roles import Roles, train_hierarchical
     ms = _mpi_scenarios()
-    cfg = ht_config(groups, group_ps, placement)
+    cfg = ht_config(groups, group_ps, placement, **kw)
+    averages = _record_averages() if cfg.across == "allreduce" else None
     roles = Roles.layout(comm.Get_size(), comm.Get_rank(), cfg)
     trainers = roles.trainer_ranks()
     mine = None
@@ -277,6 +293,8 @@ def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list) ->
         mlp = summary["hierarchical"].pop("mlp")
         np.savez(os.path.join(out, f"mlp{comm.Get_rank()}.npz"), **mlp)
         summary = {"role": "trainer", "hierarchical": summary["hierarchical"], "batches": summary["batches"]}
+    if averages is not None:
+        summary["averages"] = averages
     with open(os.path.join(out, f"rank{comm.Get_rank()}.json"), "w") as f:
         json.dump(summary, f)
 
@@ -292,7 +310,11 @@ def main() -> None:
         run_split(comm, out)
     elif scenario == "ht_train":
         groups, group_ps = int(sys.argv[3]), int(sys.argv[4])
-        run_ht_train(comm, out, groups, group_ps, sys.argv[5].split(",") if len(sys.argv) > 5 else [])
+        # Then the placement ("-": the default) and HierarchicalConfig fields as name=value (ints as ints).
+        placement = sys.argv[5].split(",") if len(sys.argv) > 5 and sys.argv[5] != "-" else []
+        kw = dict(a.split("=", 1) for a in sys.argv[6:])
+        run_ht_train(comm, out, groups, group_ps, placement,
+                     **{k: int(v) if v.isdigit() else v for k, v in kw.items()})
     elif scenario == "easgd_groups":
         run_easgd_groups(comm, out, int(sys.argv[3]), int(sys.argv[4]))
     elif scenario in ("easgd_sync", "easgd_background"):

@@ -135,6 +135,30 @@ def test_two_groups_of_two_trainers_keep_one_replica_a_group(tmp_path, group_ps)
         sum(o["exchanges"] for o in ps)
 
 
+@needs_mpi
+def test_allreduce_across_groups_keeps_their_replicas_equal_after_every_step(tmp_path):
+    # across = "allreduce", period 1: 2 groups of a trainer and a group PS, no centre;
+    # after each step trainer t and PS p of both groups hold the same bits.
+    out = _run(tmp_path, 4, 2, 1, "ps:vertical,trainer", "across=allreduce")
+    assert out[0]["hierarchical"]["roles"] == (
+        "group 0: trainer rank(s) [0], group PS rank(s) [1]; group 1: trainer rank(s) [2], group PS rank(s) [3]; "
+        "across groups: synchronous all-reduce every 1 step(s) (no centre; trainer t and group PS p of each group "
+        "average with their peers of the other groups)")
+    for a, b in ((0, 2), (1, 3)):  # the trainers, the group PSs
+        assert len(out[a]["averages"]) == sc.HT_STEPS, out[a]
+        assert out[a]["averages"] == out[b]["averages"], (a, b)
+        assert len(set(out[a]["averages"])) == sc.HT_STEPS  # each step moved the replica
+    for r in (0, 2):
+        h = out[r]["hierarchical"]
+        assert h["corrections"] == sc.HT_STEPS and h["exchanges"] == 0
+        assert h["bytes"]["averaging"]["before"] > 0
+    for r in (1, 3):
+        assert out[r]["steps"] == out[r]["corrections"] == sc.HT_STEPS
+    a, b = np.load(tmp_path / "mlp0.npz"), np.load(tmp_path / "mlp2.npz")
+    for name in a.files:
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
 def hps_train(tmp_path, ranks: int, toml: str) -> tuple[str, dict]:
     """`mpiexec -n ranks hps train` on a config (its path = tmp_path/run); returns
     the printed `hierarchical:` line and the JSON line."""
@@ -212,3 +236,10 @@ def test_config_errors_are_named():
         HierarchicalConfig.from_dict({"group": 2})
     with pytest.raises(ValueError, match="unknown field.s. planner.flops"):
         HierarchicalConfig.from_dict({"planner": {"flops": 1}})
+    with pytest.raises(ValueError, match=r"\[hierarchical\]: across must be one of 'easgd', 'allreduce', got 'gossip'"):
+        HierarchicalConfig.from_dict({"across": "gossip"})
+    with pytest.raises(ValueError, match="across = 'allreduce' sums the replicas in MPI as float32; averaging = 'bf16'"):
+        HierarchicalConfig.from_dict({"across": "allreduce", "averaging": "bf16"})
+    # No centre rank with across = "allreduce": 2 groups of a trainer and a PS fill 4 ranks.
+    assert [Roles.layout(4, r, HierarchicalConfig(groups=2, group_ps=1, across="allreduce")).role
+            for r in range(4)] == ["trainer", "group_ps", "trainer", "group_ps"]

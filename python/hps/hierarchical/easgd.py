@@ -25,6 +25,12 @@ a period); a group's :class:`EasgdClient` exchanges with it, in the foreground o
 from a :class:`BackgroundEasgd` thread while training goes on, and
 :class:`GroupAverage` lands the thread's corrections on every copy of the group's
 replica at one step boundary.
+
+:class:`AllreduceAverage` is the plain synchronous alternative (``[hierarchical]
+across = "allreduce"``): no centre and no elasticity; every ``period`` steps each
+group's replica is replaced by the mean of all G replicas, an MPI all-reduce in the
+training thread, so the groups hold one model after each average (and training
+waits for it: what the background average avoids).
 """
 from __future__ import annotations
 
@@ -38,7 +44,8 @@ import numpy as np
 from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
-__all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "GroupAverage", "CentreTimeout"]
+__all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "GroupAverage", "AllreduceAverage",
+           "CentreTimeout"]
 
 
 @dataclass
@@ -389,3 +396,59 @@ class GroupAverage:
         self._land(self.background.take() if self.background is not None else None)
         if self.background is not None:
             self.background.close()
+
+
+class AllreduceAverage:
+    """Synchronous model averaging across groups: every `period` calls of
+    :meth:`step` (one a local step), ``live`` becomes the mean of the G groups'
+    copies of the same part, summed by MPI all-reduce over `comm`, a communicator
+    of the ranks that hold that part in each group (trainer t of every group, or
+    group PS p of every group), ordered by group.
+
+    Every rank of `comm` gets the same sum (the same values reduced by the same
+    algorithm), so the groups' replicas are equal bit for bit after each average;
+    a group's trainers, which hold equal copies before, stay equal too. No codec:
+    the all-reduce sums float32 in MPI (HierarchicalConfig refuses an ``averaging``
+    codec with it). Bytes are counted under ``averaging`` as float32: the replica
+    sent and received once each per average (what a ring all-reduce moves per
+    rank, 2 (G-1)/G of the replica each way, rounded up).
+
+    :meth:`finish` after the last step averages once more if steps were taken since
+    the last average, so the job ends with one model across the groups."""
+
+    background = None  # no background thread (GroupAverage's readers look for one)
+
+    def __init__(self, live: np.ndarray, comm, period: int, counter: Optional[ByteCounter] = None):
+        if not (isinstance(period, int) and not isinstance(period, bool) and period >= 1):
+            raise ValueError(f"AllreduceAverage: period must be an int >= 1, got {period!r}")
+        if not isinstance(live, np.ndarray) or live.dtype != np.float32 or not live.flags.c_contiguous:
+            raise TypeError("AllreduceAverage: live must be a contiguous float32 numpy array (the replica's memory)")
+        self.live, self.comm, self.period = live, comm, period
+        self.counter = counter or ByteCounter()
+        self.groups = comm.Get_size()
+        self.steps = 0
+        self.corrections = 0      # averages taken (the same on every rank of comm)
+        self.finished = False
+        self._averaged_at = 0
+
+    def _average(self) -> None:
+        from mpi4py import MPI
+        if self.live.size:
+            self.comm.Allreduce(MPI.IN_PLACE, self.live, op=MPI.SUM)
+            self.live *= np.float32(1.0 / self.groups)
+            self.counter.add("averaging", 2 * self.live.nbytes, 2 * self.live.nbytes)
+        self.corrections += 1
+        self._averaged_at = self.steps
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps % self.period == 0:
+            self._average()
+
+    def finish(self) -> None:
+        """After the last step, on every rank of comm (again: a no-op)."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.steps > self._averaged_at:
+            self._average()

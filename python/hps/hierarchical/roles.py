@@ -1,9 +1,10 @@
 """Hierarchical Training's roles in an MPI job, and `hps train` with them.
 
 The world's ranks, in order: G groups, each of T trainer ranks then P group-PS
-ranks, then (G > 1) one centre rank for the background elastic average:
+ranks, then (G > 1, ``across = "easgd"``) one centre rank for the background
+elastic average:
 
-    world = G * (T + P) + (1 if G > 1 else 0)
+    world = G * (T + P) + (1 if G > 1 and across == "easgd" else 0)
 
 T is what the world size leaves. The centre has a rank of its own rather than
 being sharded over the group PSs: one rank answers every group's exchange for every
@@ -26,6 +27,14 @@ trainers after the optimizer step, broadcast by trainer 0 to the group's other
 trainers (a one-byte flag a step, the correction only when one is ready), so that
 every trainer of a group holds the same replica at every step.
 
+``across = "allreduce"`` averages the groups synchronously instead (hps.hierarchical.
+easgd.AllreduceAverage): no centre rank; every ``period`` steps trainer t of each
+group all-reduces its copy of the trainer-held part with trainer t of the other
+groups (so all of a group's trainers stay equal), and group PS p of each group its
+blocks with group PS p of the others, each replaced by the mean over the G groups;
+training waits for it. ``alpha`` does not apply and the ``averaging`` codec must be
+"none" (MPI sums float32).
+
 Limits of this version (issue 18): one net per trainer (``nets = 1``; Hogwild nets
 are not wired into the pipeline), no --resume of a hierarchical job, and each
 group's loss is normalised by the examples of all groups' batches (as the sparse
@@ -41,9 +50,12 @@ from typing import Optional
 
 import numpy as np
 
-from hps.hierarchical.easgd import BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig, GroupAverage
+from hps.hierarchical.easgd import (AllreduceAverage, BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig,
+                                    GroupAverage)
 
-__all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical"]
+__all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical", "ACROSS"]
+
+ACROSS = ("easgd", "allreduce")  # [hierarchical] across: how the groups' replicas meet
 
 
 @dataclass
@@ -52,7 +64,8 @@ class HierarchicalConfig:
     group_ps: int = 0                # P: group-PS ranks per group (0: the whole MLP on the trainers)
     nets: int = 1                    # R: nets per trainer (only 1 in this version)
     alpha: float = 0.1               # EASGD elasticity across groups
-    period: int = 1                  # local steps between a group's exchanges with the centre
+    period: int = 1                  # local steps between a group's exchanges with the centre (or all-reduces)
+    across: str = "easgd"            # across groups: "easgd" (background, with a centre) or "allreduce" (synchronous)
     activations: str = "none"        # codec of forward traffic trainer <-> group PS
     gradients: str = "none"          # codec of backward traffic
     averaging: str = "none"          # codec of the exchanges with the centre
@@ -81,6 +94,13 @@ class HierarchicalConfig:
         if self.nets != 1:
             raise ValueError(f"{source}: nets = {self.nets}: Hogwild nets are not wired into hps train yet; use 1")
         EasgdConfig(self.alpha, self.period).check(source)
+        if self.across not in ACROSS:
+            raise ValueError(f"{source}: across must be one of {', '.join(repr(a) for a in ACROSS)}, got "
+                             f"{self.across!r}")
+        if self.across == "allreduce" and self.averaging != "none":
+            raise ValueError(f"{source}: across = 'allreduce' sums the replicas in MPI as float32; averaging = "
+                             f"{self.averaging!r} compresses the EASGD exchanges only: set averaging = 'none' or "
+                             f"across = 'easgd'")
         for name in ("activations", "gradients", "averaging"):
             try:
                 make_codec(getattr(self, name))
@@ -134,21 +154,28 @@ class Roles:
     role: str
     group: int = -1
     index: int = -1
+    across: str = "easgd"    # HierarchicalConfig.across (G > 1: a centre rank with "easgd" only)
+    period: int = 1
 
     @classmethod
     def layout(cls, world: int, rank: int, cfg: HierarchicalConfig) -> "Roles":
         G, P = cfg.groups, cfg.group_ps
-        centre = 1 if G > 1 else 0
+        centre = 1 if G > 1 and cfg.across == "easgd" else 0
         rest = world - centre
         if rest < G or rest % G or rest // G <= P:
             raise ValueError(f"[hierarchical]: {world} ranks cannot make {G} group(s) of {P} group PS(s) and at "
                              f"least one trainer{' plus a centre' if centre else ''}: world = groups * (trainers + "
                              f"group_ps){' + 1' if centre else ''}")
         T = rest // G - P
+        how = {"across": cfg.across, "period": cfg.period}
         if rank == world - centre and centre:
-            return cls(world, G, T, P, rank, "centre")
+            return cls(world, G, T, P, rank, "centre", **how)
         g, i = divmod(rank, T + P)
-        return cls(world, G, T, P, rank, "trainer" if i < T else "group_ps", g, i if i < T else i - T)
+        return cls(world, G, T, P, rank, "trainer" if i < T else "group_ps", g, i if i < T else i - T, **how)
+
+    @property
+    def has_centre(self) -> bool:
+        return self.groups > 1 and self.across == "easgd"
 
     def trainer_ranks(self, g: Optional[int] = None) -> list:
         gs = range(self.groups) if g is None else [g]
@@ -163,7 +190,10 @@ class Roles:
         for g in range(self.groups):
             lines.append(f"group {g}: trainer rank(s) {self.trainer_ranks(g)}, group PS rank(s) "
                          f"{self.ps_ranks(g) or '-'}")
-        if self.groups > 1:
+        if self.groups > 1 and not self.has_centre:
+            lines.append(f"across groups: synchronous all-reduce every {self.period} step(s) (no centre; trainer t "
+                         f"and group PS p of each group average with their peers of the other groups)")
+        if self.has_centre:
             lines.append(f"centre: rank {self.world - 1} (background EASGD" +
                          (f"; trainer ranks {[self.trainer_ranks(g)[0] for g in range(self.groups)]} exchange for "
                           f"their groups, each group's trainers apply a correction at one step boundary)"
@@ -269,7 +299,7 @@ def _plan_for(mlp, cfg: HierarchicalConfig):
     return plan(shapes, cfg.planner_config()).plan
 
 
-def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, easgd_comms) -> dict:
+def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, easgd_comms, across_comm) -> dict:
     """A group PS's life: the MLP and plan from its group's trainer 0, its blocks
     served until the group's trainers stop, EASGD of its blocks in the background."""
     from hps.hierarchical.codecs import CodecStreams
@@ -291,7 +321,11 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
 
     server = GroupPsServer(mlp, plan, roles.index, make_optimizer, codecs, trainers=roles.trainers)
     average = None
-    if roles.groups > 1:
+    if across_comm is not None:  # synchronous: PS p of every group averages its blocks right after a step
+        average = AllreduceAverage(holder.get("live", np.zeros(0, np.float32)), across_comm, cfg.period,
+                                   server.counter)
+        server.on_step = average.step
+    elif roles.groups > 1:
         comm = easgd_comms[1 + roles.index]
         live = holder.get("live", np.zeros(0, np.float32))
         if roles.group == 0:
@@ -307,10 +341,17 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
     if average is not None:
         average.finish()
     return {"role": "group_ps", "group": roles.group, "index": roles.index, "steps": server.steps,
-            "exchanges": average.background.client.exchanges if average is not None else 0,
+            "exchanges": _exchanges(average),
             "corrections": average.corrections if average is not None else 0,
             "bytes": server.counter.as_dict(), "cpu_seconds": time.process_time() - cpu0,
             "wall_seconds": time.perf_counter() - wall0}
+
+
+def _exchanges(average) -> int:
+    """Background exchanges this rank ran with the centre (0 without one)."""
+    if average is None or average.background is None:
+        return 0
+    return average.background.client.exchanges
 
 
 def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
@@ -366,9 +407,14 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
     roles = Roles.layout(world.Get_size(), world.Get_rank(), cfg)
     trainers_comm = world.Split(0 if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank())
     group_comm = world.Split(roles.group if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank())
-    easgd_comms = [world.Dup() for _ in range(1 + cfg.group_ps)] if roles.groups > 1 else []
+    easgd_comms = [world.Dup() for _ in range(1 + cfg.group_ps)] if roles.has_centre else []
+    across_comm = None
+    if roles.groups > 1 and not roles.has_centre:
+        # Trainer t of every group (color t), group PS p of every group (color T + p), ordered by group.
+        color = roles.index if roles.role == "trainer" else roles.trainers + roles.index
+        across_comm = world.Split(color, roles.group)
     if roles.role == "group_ps":
-        return _serve_group_ps(world, roles, cfg, train_cfg, easgd_comms)
+        return _serve_group_ps(world, roles, cfg, train_cfg, easgd_comms, across_comm)
     if roles.role == "centre":
         return _serve_centre(roles, cfg, easgd_comms)
 
@@ -390,7 +436,9 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
         live = _flatten(params)
         trainer.opt = dense_adam(params, train_cfg.dense_lr) if params else _NoOptimizer()
         average = None
-        if roles.groups > 1:
+        if across_comm is not None:
+            average = AllreduceAverage(live, across_comm, cfg.period, split.counter)
+        elif roles.groups > 1:
             background = None
             if roles.index == 0:  # the group's trainer 0 exchanges; the group's trainers all apply
                 if roles.group == 0:
@@ -408,13 +456,12 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
                     eval_batches=eval_batches, node=node, dense_hook=hook)
     cpu_seconds, wall_seconds = time.process_time() - cpu0, time.perf_counter() - wall0
     split = made["split"]
-    exchanges = corrections = 0
+    corrections = 0
     average = made["average"]
     if average is not None:
         average.finish()  # done already by the final after_step; a no-op then
         corrections = average.corrections
-        if average.background is not None:
-            exchanges = average.background.client.exchanges
+    exchanges = _exchanges(average)
     mlp = {n: v for n, (v, _) in split.full_state().items()} if return_mlp else None
     split.stop()
     summary["hierarchical"] = {"roles": roles.describe(), "group": roles.group, "trainer": roles.index,
