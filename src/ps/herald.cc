@@ -200,7 +200,10 @@ struct Herald::Snapshot final : Herald::Impl {
     tombs = 0;
     used = 0;
     // Each live record's home slot is fetched kAhead live records ahead of
-    // its insert (ahead[] keeps their hashes and positions).
+    // its insert (ahead[] keeps their hashes and positions). Newest first:
+    // the batch's pending keys, then the log from its end, so that the keys a
+    // batch is likeliest to probe (the recently trained ones) sit nearest
+    // their home slots and the old ones take the longer runs.
     constexpr uint64_t kAhead = 32;
     std::array<std::pair<uint64_t, uint64_t>, kAhead> ahead;
     uint64_t queued = 0, done = 0;
@@ -214,10 +217,10 @@ struct Herald::Snapshot final : Herald::Impl {
       ahead[queued++ % kAhead] = {hash, pos};
     };
     const uint64_t n = log.size();
-    for (uint64_t p = 0; p < n; ++p) {
+    for (uint64_t u = pending; u-- > 0;) add(uniq[u], n + u);
+    for (uint64_t p = n; p-- > 0;) {
       if (log[p].mask != 0) add(log[p].key, p);
     }
-    for (uint64_t u = 0; u < pending; ++u) add(uniq[u], n + u);
     for (; done < queued; ++done) Place(ahead[done % kAhead].first, ahead[done % kAhead].second);
     used = queued;
   }
