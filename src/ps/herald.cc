@@ -415,12 +415,12 @@ struct Herald::Snapshot final : Herald::Impl {
       }
       const uint32_t v = index[i];
       if (v != kFree && PosOf(v) >= end) {
-        inverse[k] = static_cast<int64_t>(PosOf(v) - end);
+        inverse[k] = static_cast<uint32_t>(PosOf(v) - end);
         continue;
       }
       const uint64_t u = count++;
       uniq[u] = key;
-      inverse[k] = static_cast<int64_t>(u);
+      inverse[k] = static_cast<uint32_t>(u);
       if (v == kFree) {  // new to the snapshot: a slot, the first tombstone passed if any
         old[u] = kNoRecord;
         latest[u] = 0;
@@ -730,8 +730,7 @@ struct Herald::Snapshot final : Herald::Impl {
   std::vector<uint64_t> held;    // (W,) keys each cache holds
   std::vector<uint64_t> cursor;  // (W,) no record before it has the worker's bit
   // Per-batch scratch, kept for the next batch (not in MemoryBytes).
-  std::vector<int64_t> inverse;
-  std::vector<uint32_t> score, old;
+  std::vector<uint32_t> inverse, score, old;  // inverse: a batch has under 2^32 - 1 keys
   std::vector<uint64_t> uniq, share, fetch_at, comm_at, emptied, mine;
   std::vector<int32_t> emptied_from;  // the worker whose eviction emptied emptied[e]
   std::vector<uint64_t> win, win_slot;  // the window's held keys and their slots (Window)
