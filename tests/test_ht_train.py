@@ -228,8 +228,6 @@ def test_config_errors_are_named():
     assert parse_placement("ps:whole:1") == F("ps", "none", ps=1)
     with pytest.raises(ValueError, match=r"placement\[0\]: cannot read 'ps:diagonal'"):
         HierarchicalConfig.from_dict({"placement": ["ps:diagonal"]})
-    with pytest.raises(ValueError, match="nets = 4: Hogwild nets are not wired into hps train yet"):
-        HierarchicalConfig.from_dict({"nets": 4})
     with pytest.raises(ValueError, match="averaging: unknown codec 'gzip'"):
         HierarchicalConfig.from_dict({"averaging": "gzip"})
     with pytest.raises(ValueError, match="unknown field.s. hierarchical.group"):

@@ -35,10 +35,25 @@ blocks with group PS p of the others, each replaced by the mean over the G group
 training waits for it. ``alpha`` does not apply and the ``averaging`` codec must be
 "none" (MPI sums float32).
 
-Limits of this version (issue 18): one net per trainer (``nets = 1``; Hogwild nets
-are not wired into the pipeline), no --resume of a hierarchical job, and each
-group's loss is normalised by the examples of all groups' batches (as the sparse
-exchange aligns them), which scales the gradients by 1/G (Adam is nearly
+Hogwild nets (``nets = R > 1``, hps.hierarchical.hogwild): each trainer cuts its
+part of every batch into R slices and R threads train them at once, each net with
+its own optimizer stepping, without locks, on the one flat copy of the
+trainer-held layers (the replicas' parameters are tensors over that memory). With
+T > 1 trainers, net r all-reduces its gradients with net r of the group's other
+trainers (a communicator a net), and after the batch trainer 0's copy is broadcast
+to the group, so that the group is one replica again at every step boundary, where
+the averaging across groups lands. Layers on group PSs are not Hogwild: each net
+reaches the PSs through its own MPI tag, the PS serves them one request at a time
+and steps once a batch on the sum of every net's gradients, as with one net. The
+embedding gradients of the R slices are pushed once a batch (sparse stays BSP).
+R = 1 keeps hps.train.Trainer.step untouched.
+
+Limits of this version (issue 18): no --resume of a hierarchical job; with R > 1
+every net keeps its own Adam state (R times the trainer-held layers' optimizer
+memory), and a net's step is on its slice's gradient only (the loss still
+normalised by the global batch's examples), so a batch takes R smaller steps; and
+each group's loss is normalised by the examples of all groups' batches (as the
+sparse exchange aligns them), which scales the gradients by 1/G (Adam is nearly
 indifferent to it).
 """
 from __future__ import annotations
@@ -56,13 +71,14 @@ from hps.hierarchical.easgd import (AllreduceAverage, BackgroundEasgd, EasgdCent
 __all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical", "ACROSS"]
 
 ACROSS = ("easgd", "allreduce")  # [hierarchical] across: how the groups' replicas meet
+HOGWILD_TAG = 1000  # + r: Hogwild net r's requests to the group PSs and their replies (the trainer's own: tag 1)
 
 
 @dataclass
 class HierarchicalConfig:
     groups: int = 1                  # G: groups, each one dense replica
     group_ps: int = 0                # P: group-PS ranks per group (0: the whole MLP on the trainers)
-    nets: int = 1                    # R: nets per trainer (only 1 in this version)
+    nets: int = 1                    # R: Hogwild nets (threads) a trainer on one dense copy; 1: synchronous
     alpha: float = 0.1               # EASGD elasticity across groups
     period: int = 1                  # local steps between a group's exchanges with the centre (or all-reduces)
     across: str = "easgd"            # across groups: "easgd" (background, with a centre) or "allreduce" (synchronous)
@@ -91,8 +107,6 @@ class HierarchicalConfig:
                 raise ValueError(f"{source}: {name} must be an int >= 1, got {v!r}")
         if not (isinstance(self.group_ps, int) and self.group_ps >= 0):
             raise ValueError(f"{source}: group_ps must be an int >= 0, got {self.group_ps!r}")
-        if self.nets != 1:
-            raise ValueError(f"{source}: nets = {self.nets}: Hogwild nets are not wired into hps train yet; use 1")
         EasgdConfig(self.alpha, self.period).check(source)
         if self.across not in ACROSS:
             raise ValueError(f"{source}: across must be one of {', '.join(repr(a) for a in ACROSS)}, got "
@@ -156,6 +170,7 @@ class Roles:
     index: int = -1
     across: str = "easgd"    # HierarchicalConfig.across (G > 1: a centre rank with "easgd" only)
     period: int = 1
+    nets: int = 1            # R: Hogwild nets a trainer
 
     @classmethod
     def layout(cls, world: int, rank: int, cfg: HierarchicalConfig) -> "Roles":
@@ -167,7 +182,7 @@ class Roles:
                              f"least one trainer{' plus a centre' if centre else ''}: world = groups * (trainers + "
                              f"group_ps){' + 1' if centre else ''}")
         T = rest // G - P
-        how = {"across": cfg.across, "period": cfg.period}
+        how = {"across": cfg.across, "period": cfg.period, "nets": cfg.nets}
         if rank == world - centre and centre:
             return cls(world, G, T, P, rank, "centre", **how)
         g, i = divmod(rank, T + P)
@@ -198,6 +213,8 @@ class Roles:
                          (f"; trainer ranks {[self.trainer_ranks(g)[0] for g in range(self.groups)]} exchange for "
                           f"their groups, each group's trainers apply a correction at one step boundary)"
                           if self.trainers > 1 else ")"))
+        if self.nets > 1:
+            lines.append(f"{self.nets} Hogwild nets a trainer (threads on one dense copy)")
         return "; ".join(lines)
 
 
@@ -448,7 +465,14 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
                 background = BackgroundEasgd(client, live)
             average = GroupAverage(live, background, group_comm, root=0)
         trainer.dense_sync = _HtDenseSync(split, group_comm, params, average)
-        made.update(split=split, plan=plan, average=average)
+        made.update(split=split, plan=plan, average=average, hogwild=None)
+        if cfg.nets > 1:
+            from hps.hierarchical.hogwild import install
+            made["hogwild"] = install(
+                trainer, cfg.nets, lambda ps: dense_adam(ps, train_cfg.dense_lr), live,
+                transport_for=lambda r: MpiTransport(world, ps_ranks, timeout=cfg.timeout, tag=HOGWILD_TAG + r),
+                group_comms=[group_comm.Dup() for _ in range(cfg.nets)] if roles.trainers > 1 else None,
+                group_comm=group_comm)
 
     node = Node(train_cfg.distributed, comm=trainers_comm)
     cpu0, wall0 = time.process_time(), time.perf_counter()  # the trainer's measured time, as the PS's
@@ -456,6 +480,9 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
                     eval_batches=eval_batches, node=node, dense_hook=hook)
     cpu_seconds, wall_seconds = time.process_time() - cpu0, time.perf_counter() - wall0
     split = made["split"]
+    hogwild = made["hogwild"]
+    if hogwild is not None:
+        hogwild.close()
     corrections = 0
     average = made["average"]
     if average is not None:
@@ -468,7 +495,9 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
                                "plan": [f"{p.where}:{p.split}{':pair' if p.pair else ''}" for p in made["plan"].fcs],
                                "bytes": split.counter.as_dict(), "exchanges": exchanges,
                                "corrections": corrections, "cpu_seconds": cpu_seconds,
-                               "wall_seconds": wall_seconds}
+                               "wall_seconds": wall_seconds, "nets": cfg.nets}
+    if hogwild is not None:
+        summary["hierarchical"]["net_examples"] = list(hogwild.examples)  # each net's share of this trainer's
     if return_mlp:
         summary["hierarchical"]["mlp"] = mlp
     return summary

@@ -48,7 +48,7 @@ from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
 __all__ = ["FcPlacement", "SplitPlan", "Segment", "segments", "blocks", "GroupPsServer", "SplitTrainer",
-           "LocalTransport", "MpiTransport", "GroupPsTimeout", "serve", "assemble_state", "ELEMENTWISE"]
+           "LocalTransport", "MpiTransport", "GroupPsTimeout", "serve", "assemble_state", "shared_copy", "ELEMENTWISE"]
 
 # Activations that act on each value alone, so that a PS may apply them to its block.
 ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.GELU, nn.ELU, nn.SiLU, nn.Identity)
@@ -390,6 +390,7 @@ class _RemoteSegment(nn.Module):
         self.parts = _participants(seg, trainer.plan.group_ps)
         self._trainer = [trainer]  # not a submodule: its parameters are not ours
         self.calls = itertools.count()
+        self.stream: tuple = ()  # in the codec streams' keys: a Hogwild net's own (top-k residuals stay apart)
         # Backward must run even when no input needs a gradient: the PSs' weights do.
         self.anchor = torch.zeros(0, requires_grad=True)
 
@@ -406,6 +407,15 @@ class _RemoteSegment(nn.Module):
             return self.forward_remote(x.detach(), next(self.calls), keep=False)
         return _RemoteFn.apply(x, self.anchor, self)
 
+    def replica(self, trainer: "SplitTrainer", net: int) -> "_RemoteSegment":
+        """This segment for Hogwild net `net` (through `trainer`'s transport): the
+        same call counter, so that the PSs' (rank, call, segment) keys of the nets'
+        calls never collide, and codec streams of its own."""
+        twin = _RemoteSegment(trainer, self.seg, self.in_width, self.out_width)
+        twin.calls = self.calls  # itertools.count: next() is one C call, atomic under the GIL
+        twin.stream = (net,)
+        return twin
+
     def _in_blocks(self):
         P = self._trainer[0].plan.group_ps
         return blocks(self.in_width, P)
@@ -418,7 +428,7 @@ class _RemoteSegment(nn.Module):
         ins = self._in_blocks() if horizontal else None
         for k, p in enumerate(self.parts):
             part = np.ascontiguousarray(xs[:, ins[k][0]:ins[k][1]]) if horizontal else xs
-            enc = t.counter.encode(t.codecs.get("activations", ("fwd", self.seg.start, p, part.shape)),
+            enc = t.counter.encode(t.codecs.get("activations", ("fwd", *self.stream, self.seg.start, p, part.shape)),
                                    "activations", part)
             t.transport.post(p, ("forward", self.seg.start, call, enc, keep))
         ys = [decode(t.transport.wait(p, f"the forward pass of layer {self.seg.start}")) for p in self.parts]
@@ -438,8 +448,8 @@ class _RemoteSegment(nn.Module):
         for k, p in enumerate(self.parts):
             part = np.ascontiguousarray(dys[:, outs[k][0]:outs[k][1]]) if vertical else dys
             # One stream a shape: a top-k residual carries over between batches of one size.
-            enc = t.counter.encode(t.codecs.get("gradients", ("bwd", self.seg.start, p, part.shape)), "gradients",
-                                   part)
+            enc = t.counter.encode(t.codecs.get("gradients", ("bwd", *self.stream, self.seg.start, p, part.shape)),
+                                   "gradients", part)
             t.transport.post(p, ("backward", self.seg.start, call, enc, want_dx))
         dxs = [t.transport.wait(p, f"the backward pass of layer {self.seg.start}") for p in self.parts]
         if not want_dx:
@@ -485,6 +495,21 @@ class SplitTrainer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def replica(self, transport, net: int) -> "SplitTrainer":
+        """Hogwild net `net`'s view of this trainer: its local layers' parameters are
+        new tensors over this one's memory (each net has its own .grad, and its own
+        autograd version counter, so one net's in-place step does not fail another's
+        backward), its remote segments reach the same PSs through `transport` (a tag
+        of its own, so each net gets its own replies). Counts bytes in this trainer's
+        counter (thread-safe). Steps of the PSs and stop stay with this trainer."""
+        twin = SplitTrainer.__new__(SplitTrainer)
+        nn.Module.__init__(twin)
+        twin.plan, twin.transport, twin.codecs, twin.counter = self.plan, transport, self.codecs, self.counter
+        twin.segments, twin._origin = self.segments, self._origin
+        twin.net = nn.Sequential(*[m.replica(twin, net) if isinstance(m, _RemoteSegment) else shared_copy(m)
+                                   for m in self.net])
+        return twin
+
     def _all_ps(self) -> list:
         # Every group PS the transport reaches (one the plan leaves idle still steps and stops).
         return list(range(self.transport.count))
@@ -509,6 +534,23 @@ class SplitTrainer(nn.Module):
             self.transport.post(p, ("state",))
         shards = [self.transport.wait(p, "the state of its blocks") for p in self._all_ps()]
         return assemble_state(self, shards)
+
+
+def shared_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose parameters are new Parameters over the same memory
+    (torch.from_numpy of each one's data): a write through either is seen by the
+    other, but each has its own .grad and its own version counter (views made by
+    torch, detach() included, share the counter, and a Hogwild net's in-place
+    optimizer step would then fail another net's backward with "modified by an
+    inplace operation"). CPU float32 parameters only (the trainer's)."""
+    twin = copy.deepcopy(module)
+    for (name, p), sub in zip(module.named_modules(), twin.modules()):
+        for pname, param in p.named_parameters(recurse=False):
+            if param.device.type != "cpu" or param.dtype != torch.float32:
+                raise TypeError(f"shared_copy: parameter {name + '.' if name else ''}{pname} is {param.dtype} on "
+                                f"{param.device}; Hogwild nets share CPU float32 parameters")
+            setattr(sub, pname, nn.Parameter(torch.from_numpy(param.detach().numpy())))
+    return twin
 
 
 def assemble_state(trainer: SplitTrainer, shards: Sequence[dict]) -> dict:
