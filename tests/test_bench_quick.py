@@ -104,6 +104,61 @@ def test_w6_quick_kstep_bytes_fall_as_1_over_k():
         assert sum(r["sparse_bytes_per_rank_per_batch"].values()) > 0
 
 
+def test_w10_quick_rounds_and_the_planners_model_against_the_jobs():
+    """W10 in 2 interleaved rounds of the split job with and without bf16 (the two
+    2-rank jobs: the 4-rank ones would double the time; tests/test_ht_train.py holds
+    one replica against all-reduce): examples/s a median over the rounds, the codec's
+    ratio paired by round, the quality repeated exactly, and the planner's modelled step
+    against the measured one per node (the bytes equal, the CPU time of the same order)."""
+    pytest.importorskip("torch", reason="the W10 benchmark trains with torch")
+    pytest.importorskip("mpi4py", reason="the W10 benchmark needs mpi4py (pip install '.[mpi]')")
+    import shutil
+    if shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec on PATH (pip install mpich)")
+    out = run_json("bench/w10_bench.py", "--quick", "--rounds", "2", "--only", "codec:none/none,codec:bf16/bf16",
+                   "--no-save", timeout=600)
+    assert out["rounds"] == 2 and out["problems"] == []
+    w = {x["workload"]: x for x in out["workloads"]}
+    assert set(w) == {"codec:none/none", "codec:bf16/bf16"}
+    for x in w.values():
+        runs = x["examples_per_s_runs"]
+        assert len(runs) == 2 and x["examples_per_s_min"] == min(runs) and x["examples_per_s_max"] == max(runs)
+        assert min(runs) <= x["examples_per_s"] <= max(runs)
+        assert "auc_runs" not in x and "varies_across_rounds" not in x  # repeated exactly in both rounds
+    (q,) = out["ratios"]
+    assert (q["workload"], q["peer"]) == ("codec:bf16/bf16", "codec:none/none")
+    assert q["runs"] == pytest.approx([a / b for a, b in zip(w["codec:bf16/bf16"]["examples_per_s_runs"],
+                                                             w["codec:none/none"]["examples_per_s_runs"])], rel=1e-3)
+    assert q["min"] <= q["median"] <= q["max"]
+    rate = out["flops_per_cpu_second"]
+    assert len(rate["runs"]) == 2 and rate["min"] > 1e8
+    for name, value_bytes in (("codec:none/none", 4), ("codec:bf16/bf16", 2)):
+        trainer, ps = w[name]["nodes"]
+        assert (trainer["node"], trainer["layers"], ps["node"], ps["layers"]) == \
+            ("trainer", ["fc2"], "ps0", ["fc0", "fc1"])
+        # Modelled: the planner's FLOPs of the plan the job ran, at each round's measured rate.
+        model = ps["modelled"]
+        assert model["flops_per_step"] == 6 * 1024 * (429 * 512 + 512 * 256)
+        assert model["cpu_s_per_step"]["runs"] == pytest.approx(
+            [model["flops_per_step"] / r for r in rate["runs"]], rel=1e-3)
+        # x (429) out, y (512) back, x (512) out, y (256) back, and the same widths backward.
+        # The codec payloads the PS saw for training are the model's bytes.
+        assert model["net_bytes_per_step"] == 1024 * value_bytes * 2 * (429 + 512 + 512 + 256)
+        assert ps["measured"]["net_bytes_per_step"] == pytest.approx(model["net_bytes_per_step"], rel=1e-6)
+        assert trainer["measured"]["net_bytes_per_step"] == ps["measured"]["net_bytes_per_step"]
+        # Measured CPU: the PS's serving is part of its process; the ratio is paired by
+        # round and of the model's order (the FLOPs, plus autograd, Adam and the codec).
+        e = ps["measured"]
+        for served, whole in zip(e["cpu_s_per_step"]["runs"], e["process_cpu_s_per_step"]["runs"]):
+            assert 0 < served <= whole
+        ratio = ps["cpu_measured_over_modelled"]
+        assert ratio["runs"] == pytest.approx([m / d for m, d in zip(e["cpu_s_per_step"]["runs"],
+                                                                       model["cpu_s_per_step"]["runs"])], rel=1e-3)
+        assert 0.5 < ratio["median"] < 10
+        # The trainer's whole process does far more than the one small layer the planner gives it.
+        assert trainer["measured"]["cpu_is"] == "whole process" and trainer["cpu_measured_over_modelled"]["min"] > 10
+
+
 def test_w5_small_table_on_ssd_trains_as_in_memory():
     """W5 on 40k examples: the run with the table 4x its MEM budget reads rows back
     from SSD-PS and ends with the AUC of the in-memory run (one torch thread each,
