@@ -779,21 +779,88 @@ def render_w13(o: dict) -> list[str]:
 
 # ------------------------------------------------------------------ W10
 def render_w10(o: dict) -> list[str]:
-    out = [f"Each workload one `hps train` job on the same {o['examples']:,} synthetic examples (MLP 429 -> 512 -> "
-           f"256 -> 1, batch 1,024 a rank), evaluated on the same {o['eval_examples']:,} held-out ones. Bytes are "
-           "per step, before and after the codec, between a trainer and its group PS (activations forward, "
-           "gradients back) and for the background average. examples/s: every rank a process on the same 2 "
-           "cores, so it measures the work, not a cluster.", ""]
+    rounds = o.get("rounds")  # since the rounds were added: lines before ran each job once
+    intro = (f"Each workload one `hps train` job on the same {o['examples']:,} synthetic examples (MLP 429 -> 512 -> "
+             f"256 -> 1, batch 1,024 a rank), evaluated on the same {o['eval_examples']:,} held-out ones. Bytes are "
+             "per step, before and after the codec, between a trainer and its group PS (activations forward, "
+             "gradients back) and for the background average. examples/s: every rank a process on the same 2 "
+             "cores, so it measures the work, not a cluster.")
+    if rounds:
+        intro += (f" {rounds} round(s), every job once a round, the order rotated each round: examples/s is the "
+                  "median (min-max) over the rounds; AUC, logloss and bytes repeated exactly in every round unless "
+                  "a range is shown.")
+    out = [intro, ""]
     rows = []
     for w in o["workloads"]:
         moved = "; ".join(f"{kind} {v['before'] / 1e3:,.1f} -> {v['after'] / 1e3:,.1f} kB"
                           for kind, v in sorted((w.get("bytes_per_step") or {}).items())) or "-"
+        if w.get("bytes_per_step_runs"):
+            moved += " (median of the rounds)"
         change = w.get("auc_change_vs_reference")
         rows.append([f"`{w['workload']}`", str(w["ranks"]), ", ".join(w["plan"]) if w.get("plan") else "-", moved,
-                     f"{w['auc']:.4f}", "-" if change is None else f"{change:+.4f}", f"{w['logloss']:.4f}",
-                     f"{w['examples_per_s']:,}"])
+                     _w10_quality(w, "auc"), "-" if change is None else f"{change:+.4f}", _w10_quality(w, "logloss"),
+                     spread(w["examples_per_s"], w.get("examples_per_s_min"), w.get("examples_per_s_max"), ",.0f")])
     out += table(["workload", "ranks", "placement", "bytes a step", "AUC", "vs reference", "logloss",
                   "examples/s"], rows)
+    if o.get("ratios"):
+        out += ["", "examples/s ratios taken within each round, their median and each round's:", ""]
+        out += [f"- `{q['workload']}` / `{q['peer']}`: {per_round(q['runs'])}" for q in o["ratios"]]
+    split = [w for w in o["workloads"] if w.get("nodes")]
+    if split:
+        out += [""] + _w10_nodes(o, split)
+    return out
+
+
+def _w10_quality(w: dict, field: str) -> str:
+    """AUC or logloss: one value, or median (min-max) where the rounds differed."""
+    runs = w.get(f"{field}_runs")
+    if runs:
+        fmt = ".4f" if format(min(runs), ".4f") != format(max(runs), ".4f") else ".5f"  # a range that shows
+        return spread(w[field], min(runs), max(runs), fmt)
+    return f"{w[field]:.4f}"
+
+
+def _w10_ratio(s: dict | None) -> str:
+    if not s:
+        return "-"
+    fmt = ",.0f" if s["median"] >= 100 else ".2f"
+    return spread(s["median"], s["min"], s["max"], fmt) + "x"
+
+
+def _w10_ms(s: dict | None) -> str:
+    if not s:
+        return "-"
+    return spread(s["median"] * 1e3, s["min"] * 1e3, s["max"] * 1e3, ".3g")
+
+
+def _w10_nodes(o: dict, split: list) -> list[str]:
+    """The planner's modelled per-node step beside the measured one, for the split jobs."""
+    rate = o["flops_per_cpu_second"]
+    out = [f"The planner's model against the jobs, per node of each split job and per step of {o['batch_size']:,} "
+           "training examples; measured / modelled paired by round, median (min-max). **Modelled** (the "
+           "planner's `node_costs` for the plan the job ran): CPU = FLOPs at "
+           f"{spread(rate['median'] / 1e9, rate['min'] / 1e9, rate['max'] / 1e9, '.1f')} GFLOP per CPU second, "
+           f"the rate measured here before each round ({rate['how']}); bytes from the codecs' bytes per value; "
+           "network time at the planner's 10 Gb/s (modelled only: the ranks share one machine, there is no "
+           "network to measure). **Measured**: the group PS's CPU time handling the trainer's training requests; "
+           "the trainer's whole process (data, embeddings, sparse rows, codecs, evaluation, where the planner "
+           "models only its dense layer); each process's CPU and wall time in all (the group PS's includes MPI's "
+           "polling for requests); bytes, the codec payloads of the training requests and replies.", ""]
+    rows = []
+    for w in split:
+        for n in w["nodes"]:
+            m, e = n["modelled"], n["measured"]
+            rows.append([f"`{w['workload']}`", f"{n['node']} ({', '.join(n['layers']) or '-'})",
+                         f"{m['flops_per_step'] / 1e9:.3g}", _w10_ms(m["cpu_s_per_step"]),
+                         f"{_w10_ms(e['cpu_s_per_step'])} ({e['cpu_is']})", _w10_ratio(n["cpu_measured_over_modelled"]),
+                         _w10_ms(e["process_cpu_s_per_step"]), _w10_ms(e["process_wall_s_per_step"]),
+                         f"{m['net_s_per_step'] * 1e3:.3g}", f"{m['net_bytes_per_step'] / 1e6:,.2f}",
+                         f"{e['net_bytes_per_step'] / 1e6:,.2f}",
+                         "-" if n["net_bytes_measured_over_modelled"] is None
+                         else f"{n['net_bytes_measured_over_modelled']:.3f}x"])
+    out += table(["workload", "node (layers)", "GFLOP, modelled", "CPU ms, modelled", "CPU ms, measured",
+                  "measured / modelled", "process CPU ms, measured", "process wall ms, measured",
+                  "network ms, modelled", "MB, modelled", "MB, measured", "bytes measured / modelled"], rows)
     return out
 
 

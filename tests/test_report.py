@@ -490,3 +490,40 @@ def test_w6_renders_the_line_w6_bench_prints():
     o["scaling"] = [o["kstep"][-1]]
     w6 = "\n".join(report.render_w6(o))
     assert "| 2 | 11,204 | 1.00 | 0.8015 | 46 kB, 256 kB, 232 kB |" in w6
+
+
+def test_w10_renders_rounds_ratios_and_the_planners_model_against_the_jobs():
+    # A --quick line bench/w10_bench.py printed (2 rounds of every job, under load).
+    o = quick_line("w10_quick.json")
+    assert report.workload_of(o) == "w10" and o["quick"] and o["rounds"] == 2 and not o["problems"]
+    w10 = "\n".join(report.render_w10(o))
+    assert "2 round(s), every job once a round, the order rotated each round" in w10
+    # examples/s: median (min-max) over the rounds; the repeated AUC and logloss once.
+    assert "| `reference` | 1 | - | - | 0.7832 | - | 0.4662 | 13,871 (9,309-18,433) |" in w10
+    # The EASGD job's quality moved between rounds: its range, at a precision that shows it.
+    assert "| 0.5939 (0.5938-0.5940) | -0.1893 | 0.55452 (0.55450-0.55454) | 9,140 (8,972-9,307) |" in w10
+    # Ratios within a round, each round's listed.
+    assert "- `replicas:1x4` / `allreduce:4`: 1.08 (rounds: 1.16, 0.99)" in w10
+    assert "- `codec:bf16/bf16` / `codec:none/none`: 0.74 (rounds: 0.50, 0.99)" in w10
+    # Modelled and measured per node, each said to be which; the rate the model used.
+    assert "**Modelled** (the planner's `node_costs` for the plan the job ran)" in w10 and "**Measured**" in w10
+    assert "CPU = FLOPs at 107.3 (103.9-110.8) GFLOP per CPU second" in w10
+    assert ("| `codec:none/none` | ps0 (fc0, fc1) | 2.15 | 20.1 (19.4-20.7) | 25.5 (24.9-26.1) (training requests "
+            "served) | 1.27 (1.26-1.28)x | 151 (130-172) | 350 (242-458) | 11.2 | 14.00 | 14.00 | 1.000x |") in w10
+    assert "| `codec:int8/bf16` | trainer (fc2) | 0.00157 |" in w10 and "(whole process) | 6,381 (5,956-6,806)x |" in w10
+
+
+def test_w10_line_from_before_the_rounds_renders_as_it_did():
+    # Lines filed before --rounds have one examples/s a job and no ratios or per-node figures.
+    o = {"benchmark": "W10 hierarchical training", "quick": False, "examples": 200_000, "eval_examples": 50_000,
+         "workloads": [{"workload": "reference", "ranks": 1, "auc": 0.80141, "logloss": 0.44721,
+                        "examples_per_s": 41500},
+                       {"workload": "codec:bf16/bf16", "ranks": 2, "plan": ["ps:vertical", "ps:horizontal"],
+                        "bytes_per_step": {"gradients": {"before": 3134700, "after": 1567350}}, "auc": 0.8013,
+                        "logloss": 0.4472, "examples_per_s": 18550, "auc_change_vs_reference": -0.0001}],
+         "provenance": prov()}
+    w10 = "\n".join(report.render_w10(o))
+    assert "| `reference` | 1 | - | - | 0.8014 | - | 0.4472 | 41,500 |" in w10
+    assert ("| `codec:bf16/bf16` | 2 | ps:vertical, ps:horizontal | gradients 3,134.7 -> 1,567.3 kB | 0.8013 | "
+            "-0.0001 | 0.4472 | 18,550 |") in w10
+    assert "round(s)" not in w10 and "Modelled" not in w10 and "ratios" not in w10
