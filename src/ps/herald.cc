@@ -304,17 +304,22 @@ struct Herald::Snapshot final : Herald::Impl {
 
   // Worker w drops its `drop` least recently used keys: its records from its
   // cursor on, a run at a time; the run the count ends in gives its lowest keys.
-  void Evict(int32_t w, uint64_t drop, std::vector<uint64_t>& evicted) {
+  // A record it empties goes to plan.lost_keys (from w) and to emptied, with
+  // its key's hash (the index erases it after every worker has evicted).
+  void Evict(int32_t w, uint64_t drop, HeraldPlan& plan) {
     const auto bit = static_cast<Mask>(uint64_t{1} << w);
     held[w] -= drop;
     uint64_t p = cursor[w];
     uint64_t r = static_cast<uint64_t>(std::upper_bound(runs.begin(), runs.end(), p) - runs.begin()) - 1;
     auto lose = [&](uint64_t q) {
+      const uint64_t key = log[q].key;
       log[q].mask &= static_cast<Mask>(~bit);
-      evicted.push_back(log[q].key);
+      plan.evicted.push_back(key);
       if (log[q].mask == 0) {
+        plan.lost_keys.push_back(key);
+        plan.lost_from.push_back(w);
         emptied.push_back(q);
-        emptied_from.push_back(w);
+        emptied_hash.push_back(Hash(key));
       }
     };
     while (drop > 0) {  // held counts live records: the log cannot run dry first
@@ -669,22 +674,22 @@ struct Herald::Snapshot final : Herald::Impl {
     // ---- eviction: a cache above capacity drops its least recently used keys ----
     if (opt.capacity > 0) {
       emptied.clear();
-      emptied_from.clear();
+      emptied_hash.clear();
       for (int32_t w = 0; w < W; ++w) {
-        if (held[w] > opt.capacity) Evict(w, held[w] - opt.capacity, plan.evicted);
+        if (held[w] > opt.capacity) Evict(w, held[w] - opt.capacity, plan);
       }
-      for (uint64_t e = 0; e < emptied.size(); ++e) {  // the last holder dropped it: a dirty row goes to the PS
-        if (e + kAhead < emptied.size()) __builtin_prefetch(&index[Home(Hash(log[emptied[e + kAhead]].key))], 1);
-        const uint64_t q = emptied[e];
-        plan.lost_keys.push_back(log[q].key);
-        plan.lost_from.push_back(emptied_from[e]);
-        if (opt.on_demand) {
-          ++plan.pushes;
-          ++plan.evict_pushes;
-        }
-        Erase(Hash(log[q].key), q);
-        ++dead;
+      // The last holder dropped these: on demand, a dirty row goes to the PS.
+      // Their hashes were taken while Evict read the records (no second read).
+      const uint64_t lost = emptied.size();
+      if (opt.on_demand) {
+        plan.pushes += lost;
+        plan.evict_pushes += lost;
       }
+      for (uint64_t e = 0; e < lost; ++e) {
+        if (e + kAhead < lost) __builtin_prefetch(&index[Home(emptied_hash[e + kAhead])], 1);
+        Erase(emptied_hash[e], emptied[e]);
+      }
+      dead += lost;
       SortUnique(plan.evicted, sort_tmp, sort_count);
     }
   }
@@ -732,7 +737,7 @@ struct Herald::Snapshot final : Herald::Impl {
   // Per-batch scratch, kept for the next batch (not in MemoryBytes).
   std::vector<uint32_t> inverse, score, old;  // inverse: a batch has under 2^32 - 1 keys
   std::vector<uint64_t> uniq, share, fetch_at, comm_at, emptied, mine;
-  std::vector<int32_t> emptied_from;  // the worker whose eviction emptied emptied[e]
+  std::vector<uint64_t> emptied_hash;  // Hash of emptied[e]'s key
   std::vector<uint64_t> win, win_slot;  // the window's held keys and their slots (Window)
   std::vector<uint64_t> sort_tmp;     // SortUnique's
   std::vector<uint32_t> sort_count;
