@@ -192,8 +192,8 @@ class HogwildNets:
                 xs.append(tap.x)
                 rows.append(idx)
         # The batch's rows (mini-batch after mini-batch) cut into R contiguous slices;
-        # a slice is a piece a mini-batch it meets. (An empty slice: the net still
-        # takes part in the all-reduce and steps on zero gradients' Adam state.)
+        # a slice is a piece a mini-batch it meets. (A net with an empty slice still
+        # runs: with T > 1 its all-reduce needs it, and it steps on the group's sum.)
         total = sum(len(i) for i in rows)
         cuts = [total * r // self.R for r in range(self.R + 1)]
         starts = np.cumsum([0] + [len(i) for i in rows])
