@@ -519,14 +519,29 @@ struct Herald::Snapshot final : Herald::Impl {
       placed.assign(latest.begin(), latest.begin() + static_cast<int64_t>(U));  // the snapshot, plus the keys of examples placed so far
       // Examples with the most cached keys choose first (their best score on the
       // snapshot, ties in batch order): they have the most to lose to a full worker.
-      order.resize(n_examples);  // (-best, i) as (kMax - best, i)
+      // A best score is at most the example's key count, so a counting sort
+      // (stable: batch order within a score) orders them where the scores
+      // span no more than about the batch; else a sort of (-best, i).
+      best_of.resize(n_examples);
+      uint32_t top = 0;
       for (uint64_t i = 0; i < n_examples; ++i) {
         Tally(offsets[i], offsets[i + 1], latest.data());
-        const uint32_t best = *std::max_element(score.begin(), score.end());
-        order[i] = {UINT32_MAX - best, i};
+        best_of[i] = *std::max_element(score.begin(), score.end());
+        top = std::max(top, best_of[i]);
       }
-      std::sort(order.begin(), order.end());
-      for (const auto& [unused, i] : order) {
+      order.resize(n_examples);
+      if (top <= n_examples + 64) {
+        by_best.assign(top + 2, 0);
+        for (uint64_t i = 0; i < n_examples; ++i) ++by_best[top - best_of[i] + 1];
+        for (uint32_t b = 0; b <= top; ++b) by_best[b + 1] += by_best[b];
+        for (uint64_t i = 0; i < n_examples; ++i) order[by_best[top - best_of[i]]++] = i;
+      } else {
+        std::vector<std::pair<uint32_t, uint64_t>> pairs(n_examples);  // (-best, i) as (kMax - best, i)
+        for (uint64_t i = 0; i < n_examples; ++i) pairs[i] = {UINT32_MAX - best_of[i], i};
+        std::sort(pairs.begin(), pairs.end());
+        for (uint64_t i = 0; i < n_examples; ++i) order[i] = pairs[i].second;
+      }
+      for (const uint64_t i : order) {
         Tally(offsets[i], offsets[i + 1], placed.data());
         int32_t best = -1;
         for (int32_t w = 0; w < W; ++w) {
@@ -742,7 +757,8 @@ struct Herald::Snapshot final : Herald::Impl {
   std::vector<uint64_t> sort_tmp;     // SortUnique's
   std::vector<uint32_t> sort_count;
   std::vector<Mask> latest, need, placed;
-  std::vector<std::pair<uint32_t, uint64_t>> order;
+  std::vector<uint32_t> best_of, by_best;  // each example's best score on the snapshot; a count a score
+  std::vector<uint64_t> order;              // the examples in the order they choose
 };
 
 Herald::Herald(const HeraldOptions& options) : options_(options) {
