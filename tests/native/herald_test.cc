@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <random>
 #include <set>
@@ -345,6 +346,90 @@ TEST(Herald, CsrOffsetsTakeExamplesOfAnyLength) {
   const auto p = h.Schedule(offsets.data(), 3, keys.data());
   EXPECT_EQ(p.assignment.size(), 3u);
   EXPECT_EQ(p.distinct, 4u);
+}
+
+// Plans pinned: digests of every plan field and the caches over a seeded
+// replay (capacities that evict, windows, compactions, an empty batch; 3 to
+// 64 workers, both partitions and sync modes), recorded from the scheduler at
+// 3f5baa6. A change to the snapshot's layout, the index or the passes over a
+// batch must leave every one as it was; a change to the plans' rules changes
+// them (and must say so).
+// Mixes v into a running digest (splitmix64's finaliser over h ^ v).
+uint64_t Mix(uint64_t h, uint64_t v) {
+  uint64_t x = h ^ (v + 0x9e3779b97f4a7c15ULL);
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// A digest of every field of a plan.
+uint64_t Digest(uint64_t h, const hps::HeraldPlan& p) {
+  for (const auto x : p.assignment) h = Mix(h, static_cast<uint64_t>(x));
+  for (const auto* v : {&p.fetch_offsets, &p.fetch_keys, &p.comm_offsets, &p.comm_keys, &p.evicted, &p.lost_keys}) {
+    h = Mix(h, v->size());
+    for (const uint64_t x : *v) h = Mix(h, x);
+  }
+  for (const auto x : p.fetch_from) h = Mix(h, static_cast<uint64_t>(x));
+  for (const auto x : p.lost_from) h = Mix(h, static_cast<uint64_t>(x));
+  for (const uint64_t x : {p.pulls, p.peer_pulls, p.pushes, p.evict_pushes, p.shared, p.distinct}) h = Mix(h, x);
+  return h;
+}
+
+// Replays 40 seeded batches of skewed keys (examples of 0 to 20 keys, windows
+// of the next two batches and keys no cache holds) and digests every plan and,
+// at the end, every cache's keys.
+uint64_t PinnedReplay(const hps::HeraldOptions& options, uint64_t seed) {
+  hps::Herald h(options);
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<uint64_t>> offsets, keys;
+  for (int b = 0; b < 42; ++b) {
+    std::vector<uint64_t> off{0}, k;
+    const uint64_t n = b == 7 ? 0 : 300 + rng() % 200;
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t len = rng() % 21;
+      for (uint64_t j = 0; j < len; ++j) {
+        const uint64_t r = rng() % 3000;
+        k.push_back(r * r / 3000 * 7 + j % 3);  // skewed to low r: hot keys
+      }
+      off.push_back(k.size());
+    }
+    offsets.push_back(off);
+    keys.push_back(k);
+  }
+  uint64_t d = 0;
+  for (int b = 0; b < 40; ++b) {
+    std::vector<uint64_t> window = keys[b + 1];
+    window.insert(window.end(), keys[b + 2].begin(), keys[b + 2].end());
+    for (int e = 0; e < 20; ++e) window.push_back(1000000 + rng() % 100000);
+    const bool with_window = b % 3 != 0;
+    d = Digest(d, h.Schedule(offsets[b].data(), offsets[b].size() - 1, keys[b].data(),
+                             with_window ? window.data() : nullptr, with_window ? window.size() : 0));
+  }
+  for (int32_t w = 0; w < options.workers; ++w) {
+    for (const uint64_t k : h.Cached(w)) d = Mix(d, k);
+    d = Mix(d, h.cached(w));
+  }
+  return d;
+}
+
+const hps::HeraldOptions kPinned[] = {
+    {.workers = 3, .capacity = 400},
+    {.workers = 8, .capacity = 600},
+    {.workers = 8, .capacity = 0},
+    {.workers = 13, .capacity = 250, .on_demand = false},
+    {.workers = 8, .capacity = 500, .location_aware = false},
+    {.workers = 64, .capacity = 120},
+};
+
+TEST(Herald, PlansOfASeededReplayArePinned) {
+  const uint64_t expected[] = {
+      0xa4cda81cc473c178ULL, 0xf5f8456b116f0d31ULL, 0xc699eba3441d49e5ULL,
+      0xefe09cde32fcaa4fULL, 0xbb419289093e0d11ULL, 0x100eac7677c5cf76ULL,
+  };
+  for (size_t c = 0; c < std::size(kPinned); ++c) {
+    SCOPED_TRACE(c);
+    EXPECT_EQ(PinnedReplay(kPinned[c], 2026), expected[c]);
+  }
 }
 
 TEST(Herald, RejectsBadArguments) {
