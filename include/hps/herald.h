@@ -80,7 +80,7 @@
 // (8 + the mask's bytes) of log and 5 to 7.5 bytes of index: about 19 bytes
 // for W <= 8, 26 for W <= 64, a little more while a batch is large against the
 // caches. memory_bytes() counts all of it: every slot and record allocated,
-// live, dead or spare. It leaves out the per-batch scratch (some 40 bytes a
+// live, dead or spare. It leaves out the per-batch scratch (some 36 bytes a
 // key of the largest batch so far), which does not grow with the caches. No
 // dirty bit is kept: on demand every held row is dirty (a worker trained it),
 // write-through every one is clean (the PS got it at the batch's end).
