@@ -151,6 +151,55 @@ def run_dead_ps(comm, out: str, how: str) -> None:
         comm.Abort(70)
 
 
+IDLE_SECONDS = 1.5  # how long run_idle_wait's group PS waits for its first request
+
+
+def run_idle_wait(comm, out: str) -> None:
+    """hps.distributed.poll.recv and the group PS's idle wait (2 ranks). Rank 1
+    receives a tag-5 message that rank 0 sends after a tag-6 one (a wildcard source,
+    the status filled), waits for a tag that never comes (its timeout, then serve's
+    idle_timeout), then serves with no idle timeout while rank 0 sleeps
+    IDLE_SECONDS before its first request; rank 1 writes what it saw to
+    OUT/idle_wait.json."""
+    import json
+    from mpi4py import MPI
+    from hps.distributed import poll
+    from hps.hierarchical.split_mlp import GroupPsServer, GroupPsTimeout, serve
+    seq, plan = models()["vertical_horizontal"]
+    rank = comm.Get_rank()
+    if rank == 0:
+        time.sleep(0.2)
+        comm.send("other", dest=1, tag=6)
+        comm.send("hello", dest=1, tag=5)
+        comm.Barrier()
+        time.sleep(IDLE_SECONDS)
+        comm.send(("stop",), dest=1, tag=1)
+        comm.recv(source=1, tag=1)
+        return
+    got: dict = {}
+    status = MPI.Status()
+    got["first"] = [poll.recv(comm, MPI.ANY_SOURCE, 5, timeout=30, status=status), status.Get_source(),
+                    status.Get_tag()]
+    got["second"] = poll.recv(comm, 0, 6, timeout=30)
+    for what, wait in (("timeout", lambda: poll.recv(comm, 0, 7, timeout=0.3, expired=lambda: GroupPsTimeout(
+                           "group PS 0 (rank 0) did not answer the test within 0.3 s"))),
+                       ("idle_timeout", lambda: serve(comm, GroupPsServer(seq, plan, 0, make_optimizer), trainers=1,
+                                                      idle_timeout=0.5))):
+        t0 = time.monotonic()
+        try:
+            wait()
+            got[what] = ["returned", time.monotonic() - t0]
+        except GroupPsTimeout as e:
+            got[what] = [str(e), time.monotonic() - t0]
+    server = GroupPsServer(seq, plan, 0, make_optimizer)
+    comm.Barrier()
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    serve(comm, server, trainers=1, idle_timeout=None)
+    got["idle"] = {"cpu_seconds": time.process_time() - cpu0, "wall_seconds": time.monotonic() - wall0}
+    with open(os.path.join(out, "idle_wait.json"), "w") as f:
+        json.dump(got, f)
+
+
 ETA = 0.05
 
 
@@ -319,6 +368,8 @@ def main() -> None:
         run_easgd_groups(comm, out, int(sys.argv[3]), int(sys.argv[4]))
     elif scenario in ("easgd_sync", "easgd_background"):
         run_easgd(comm, out, scenario.split("_", 1)[1])
+    elif scenario == "idle_wait":
+        run_idle_wait(comm, out)
     elif scenario in ("dead_ps_hang", "dead_ps_kill"):
         run_dead_ps(comm, out, scenario.rsplit("_", 1)[1])
     else:

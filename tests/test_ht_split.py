@@ -94,6 +94,28 @@ def test_a_dead_group_ps_fails_the_job_in_bounded_time_naming_it(tmp_path, how):
         assert "Killed (signal 9)" in p.stdout + p.stderr
 
 
+@needs_mpi
+def test_waits_sleep_between_probes_return_on_a_message_and_time_out(tmp_path):
+    # hps.distributed.poll.recv, which every wait of a hierarchical job goes through:
+    # the message it asked for (tag and wildcard source matched, status filled), its
+    # timeout raising the caller's error, serve's idle timeout its message; and a group
+    # PS that waits IDLE_SECONDS for its first request without a timeout (as in a job)
+    # sleeps: MPICH's blocking receive spun a core there. The CPU bound is loose (a
+    # spinning wait takes most of a core even on a loaded machine).
+    import json
+    p, _ = mpirun(2, "idle_wait", tmp_path, timeout=90)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads((tmp_path / "idle_wait.json").read_text())
+    assert got["first"] == ["hello", 0, 5] and got["second"] == "other"
+    msg, waited = got["timeout"]
+    assert msg == "group PS 0 (rank 0) did not answer the test within 0.3 s" and 0.3 <= waited < 10
+    msg, waited = got["idle_timeout"]
+    assert msg == "group PS 0: no request from the trainers for 0.5 s" and 0.5 <= waited < 10
+    idle = got["idle"]
+    assert idle["wall_seconds"] >= sc.IDLE_SECONDS - 0.5, idle
+    assert idle["cpu_seconds"] < 0.3, f"an idle group PS spun: {idle}"
+
+
 def _local(name, codecs=None):
     seq, plan = sc.models()[name]
     servers = [GroupPsServer(seq, plan, i, sc.make_optimizer, CodecStreams(codecs)) for i in range(plan.group_ps)]

@@ -28,7 +28,9 @@ The package by concern: :mod:`hps.distributed.comm` (the job's configuration, th
 mpi4py communicators, the watchdog, hierarchical all-reduce),
 :mod:`hps.distributed.sparse` (key ownership and the sharded sparse exchange),
 :mod:`hps.distributed.dense` (dense gradient all-reduce and k-step Adam); every
-public name is importable from ``hps.distributed``.
+public name of those is importable from ``hps.distributed``.
+:mod:`hps.distributed.poll` is used as a module (``poll.recv``: a point-to-point
+receive that sleeps between probes instead of spinning, for ranks that mostly wait).
 """
 from hps.distributed.comm import (COMM_KINDS, DistributedConfig, Node, RankFailure, hierarchical_allreduce,
                                   launched_by_mpi)

@@ -35,12 +35,12 @@ waits for it: what the background average avoids).
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
+from hps.distributed import poll
 from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
@@ -142,14 +142,8 @@ class CentreTimeout(HpsError):
 
 
 def _wait(comm, source: int, tag: int, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    pause = 1e-5
-    while not comm.Iprobe(source=source, tag=tag):
-        if time.monotonic() > deadline:
-            raise CentreTimeout(f"{what}: no answer from rank {source} within {timeout:g} s (it died or hung)")
-        time.sleep(pause)
-        pause = min(pause * 2, 2e-3)
-    return comm.recv(source=source, tag=tag)
+    return poll.recv(comm, source, tag, timeout=timeout, expired=lambda: CentreTimeout(
+        f"{what}: no answer from rank {source} within {timeout:g} s (it died or hung)"))
 
 
 _TAG = 41
@@ -171,6 +165,9 @@ class EasgdCentre:
         self.codecs = codecs or CodecStreams()
         self.counter = counter or ByteCounter()
 
+    def _awaited(self, live: set, pending: dict) -> str:
+        return ", ".join(f"group {g} (rank {self.ranks[g]})" for g in sorted(live - set(pending)))
+
     def serve(self, timeout: float = 600.0) -> np.ndarray:
         """Returns the final centre."""
         from mpi4py import MPI
@@ -178,14 +175,10 @@ class EasgdCentre:
         pending: dict = {}
         status = MPI.Status()
         while live:
-            deadline = time.monotonic() + timeout
-            while not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG, status=status):
-                if time.monotonic() > deadline:
-                    waiting = ", ".join(f"group {g} (rank {self.ranks[g]})" for g in sorted(live - set(pending)))
-                    raise CentreTimeout(f"EASGD centre: nothing from {waiting} within {timeout:g} s")
-                time.sleep(1e-4)
+            op, g, enc = poll.recv(self.comm, MPI.ANY_SOURCE, _TAG, timeout=timeout, status=status, expired=lambda:
+                                   CentreTimeout(f"EASGD centre: nothing from {self._awaited(live, pending)} within "
+                                                 f"{timeout:g} s"))
             src = status.Get_source()
-            op, g, enc = self.comm.recv(source=src, tag=_TAG)
             if src != self.ranks[g]:
                 raise ValueError(f"EASGD centre: rank {src} spoke as group {g} (rank {self.ranks[g]})")
             if op == "stop":

@@ -54,9 +54,9 @@ memory), and a net's step is on its slice's gradient only (the loss still
 normalised by the global batch's examples), so a batch takes R smaller steps; the
 group-PS-held layers stay synchronous per batch under Hogwild (above), and a PS's
 codec streams back to a trainer are shared by its nets (a top-k residual then
-carries from one net's message to the next's); and each group's loss is normalised by the examples of all groups' batches (as the
-sparse exchange aligns them), which scales the gradients by 1/G (Adam is nearly
-indifferent to it).
+carries from one net's message to the next's); and each group's loss is normalised
+by the examples of all groups' batches (as the sparse exchange aligns them), which
+scales the gradients by 1/G (Adam is nearly indifferent to it).
 """
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ from typing import Optional
 
 import numpy as np
 
+from hps.distributed import poll
 from hps.hierarchical.easgd import (AllreduceAverage, BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig,
                                     GroupAverage)
 
@@ -329,7 +330,9 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
     cpu0, wall0 = time.process_time(), time.perf_counter()
     import_torch()
     leader = roles.trainer_ranks(roles.group)[0]
-    mlp, plan = world.recv(source=leader, tag=51)
+    # Sleeps between probes while the trainer starts (its data and embeddings can take a
+    # while): a blocking recv would spin a core away from it.
+    mlp, plan = poll.recv(world, leader, 51)
     codecs = CodecStreams({"activations": cfg.activations, "gradients": cfg.gradients,
                            "averaging": cfg.averaging})
     holder: dict = {}
@@ -386,7 +389,7 @@ def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
         try:
             comm = easgd_comms[k]
             first = roles.trainer_ranks(0)[0] if k == 0 else roles.ps_ranks(0)[k - 1]
-            x0 = comm.recv(source=first, tag=40)
+            x0 = poll.recv(comm, first, 40)  # sleeps between probes, as every wait of the centre
             ranks = [roles.trainer_ranks(g)[0] if k == 0 else roles.ps_ranks(g)[k - 1] for g in range(roles.groups)]
             centres[k] = EasgdCentre(comm, x0, ranks, EasgdConfig(cfg.alpha, cfg.period), codecs, counter)
             centres[k].serve(timeout=max(cfg.timeout, 3600.0))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hps.distributed import poll
 from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
@@ -304,7 +304,8 @@ class LocalTransport:
 class MpiTransport:
     """Requests to the group PSs' ranks over `comm` (tag `tag`, one per trainer
     thread, so that each thread gets its own replies). A reply that does not come
-    within `timeout` seconds raises GroupPsTimeout naming the PS's rank."""
+    within `timeout` seconds raises GroupPsTimeout naming the PS's rank; waiting
+    for one sleeps between probes (hps.distributed.poll)."""
 
     def __init__(self, comm, ps_ranks: Sequence[int], timeout: float = 60.0, tag: int = 1):
         self.comm = comm
@@ -320,36 +321,26 @@ class MpiTransport:
         # A PS that hangs is caught here; one whose process dies is ended with the
         # job by the launcher (MPICH's hydra kills every rank at once).
         rank = self.ps_ranks[p]
-        deadline = time.monotonic() + self.timeout
-        pause = 1e-5
-        while not self.comm.Iprobe(source=rank, tag=self.tag):
-            if time.monotonic() > deadline:
-                raise GroupPsTimeout(f"group PS {p} (rank {rank}) did not answer {what} within {self.timeout:g} s: "
-                                     f"it died or hung")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        return self.comm.recv(source=rank, tag=self.tag)
+        return poll.recv(self.comm, rank, self.tag, timeout=self.timeout, expired=lambda: GroupPsTimeout(
+            f"group PS {p} (rank {rank}) did not answer {what} within {self.timeout:g} s: it died or hung"))
 
 
 def serve(comm, server: GroupPsServer, trainers: int, idle_timeout: Optional[float] = None) -> None:
     """A group PS's loop: answers requests from any rank until `trainers` ranks have
     sent ("stop",). With `idle_timeout`, no request for that long raises
-    GroupPsTimeout (the trainers died or hung)."""
+    GroupPsTimeout (the trainers died or hung). Waiting for a request sleeps
+    between probes (hps.distributed.poll), so an idle PS leaves its core to the
+    trainers."""
     from mpi4py import MPI
     stopped = 0
     waiting: list = []  # (rank, tag) of step requests answered when the group's last trainer asks
     status = MPI.Status()
     while stopped < trainers:
-        if idle_timeout is not None:
-            deadline = time.monotonic() + idle_timeout
-            pause = 1e-5
-            while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
-                if time.monotonic() > deadline:
-                    raise GroupPsTimeout(f"group PS {server.index}: no request from the trainers for "
-                                         f"{idle_timeout:g} s")
-                time.sleep(pause)
-                pause = min(pause * 2, 2e-3)
-        msg = comm.recv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+        # Sleeps between probes while idle (a blocking recv would spin a core away
+        # from the trainers beside it).
+        msg = poll.recv(comm, MPI.ANY_SOURCE, MPI.ANY_TAG, timeout=idle_timeout, status=status,
+                        expired=lambda: GroupPsTimeout(f"group PS {server.index}: no request from the trainers "
+                                                       f"for {idle_timeout:g} s"))
         src, tag = status.Get_source(), status.Get_tag()
         reply = server.handle(src, msg)
         if reply is DEFER:

@@ -1,0 +1,52 @@
+"""Receiving a point-to-point message without a busy wait.
+
+A blocking ``comm.recv`` in MPICH (and in most MPIs on shared memory) spins in the
+progress engine until the message comes: a rank that waits most of the time (a
+hierarchical job's group PS between requests, a trainer waiting on a PS's reply, the
+EASGD centre between exchanges) then takes a whole core from the ranks that compute
+beside it. :func:`recv` polls instead, with a matched probe (``improbe``: the probed
+message is the one received, even when other threads of the process receive on the
+same communicator), and sleeps between probes: the first pause is short, so that a
+reply that comes at once costs little latency, and the pauses double up to
+``LONGEST_PAUSE`` while nothing comes, which bounds the extra latency of a message
+that ends a long idle spell and keeps an idle rank's CPU to a few percent of a core.
+Each call starts again from ``FIRST_PAUSE``.
+
+MPICH has switches that bear on this (``MPIR_CVAR_CH4_PROGRESS_THROTTLE`` sleeps
+1 us after thousands of empty polls; ``MPIR_CVAR_POLLS_BEFORE_YIELD`` calls
+sched_yield, which still counts as CPU) but none that makes a blocking receive sleep,
+and they are MPICH's own; this works under any MPI-3 library.
+
+Thread safety: as the communicator's (MPI_THREAD_MULTIPLE for concurrent callers).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+__all__ = ["recv", "FIRST_PAUSE", "LONGEST_PAUSE"]
+
+FIRST_PAUSE = 20e-6    # seconds slept after the first empty probe
+LONGEST_PAUSE = 1e-3   # the pauses double up to this while no message comes
+
+
+def recv(comm, source: int, tag: int, *, timeout: Optional[float] = None,
+         expired: Optional[Callable[[], BaseException]] = None, status=None):
+    """``comm.recv(source=source, tag=tag, status=status)`` (wildcards allowed), the
+    wait spent sleeping between probes rather than spinning.
+
+    timeout: seconds; when no matching message has come by then, raises
+    ``expired()`` (an exception built when it is raised, so it can say what was
+    still awaited), or TimeoutError without `expired`. None waits for ever."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = FIRST_PAUSE
+    while True:
+        message = comm.improbe(source=source, tag=tag, status=status)
+        if message is not None:
+            return message.recv()
+        if deadline is not None and time.monotonic() > deadline:
+            if expired is not None:
+                raise expired()
+            raise TimeoutError(f"no message from rank {source} with tag {tag} within {timeout:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, LONGEST_PAUSE)
