@@ -83,7 +83,10 @@ int Check(uint64_t seeds) {
         const uint64_t window_batches = rng() % 4;
         std::vector<std::vector<uint64_t>> bk, bo;
         for (int b = 0; b < batches + 4; ++b) {
-          const uint64_t n = (rng() % 10 == 0) ? 0 : 1 + rng() % (rng() % 3 == 0 ? 600 : 80);
+          // One draw a statement: the operands of % are unsequenced.
+          const bool empty = rng() % 10 == 0;
+          const uint64_t most = rng() % 3 == 0 ? 600 : 80;
+          const uint64_t n = empty ? 0 : 1 + rng() % most;
           std::vector<uint64_t> off(1, 0), keys;
           const bool ragged = rng() % 2;
           const uint64_t fields = 1 + rng() % 30;
