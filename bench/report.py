@@ -797,7 +797,10 @@ def render_w10(o: dict) -> list[str]:
         if w.get("bytes_per_step_runs"):
             moved += " (median of the rounds)"
         change = w.get("auc_change_vs_reference")
-        rows.append([f"`{w['workload']}`", str(w["ranks"]), ", ".join(w["plan"]) if w.get("plan") else "-", moved,
+        placement = ", ".join(w["plan"]) if w.get("plan") else "-"
+        if w.get("nets", 1) > 1:  # Hogwild nets on each trainer (lines before the Hogwild job have no "nets")
+            placement += f"; {w['nets']} Hogwild nets"
+        rows.append([f"`{w['workload']}`", str(w["ranks"]), placement, moved,
                      _w10_quality(w, "auc"), "-" if change is None else f"{change:+.4f}", _w10_quality(w, "logloss"),
                      spread(w["examples_per_s"], w.get("examples_per_s_min"), w.get("examples_per_s_max"), ",.0f")])
     out += table(["workload", "ranks", "placement", "bytes a step", "AUC", "vs reference", "logloss",

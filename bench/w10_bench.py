@@ -10,6 +10,8 @@ held-out set and seeds in every run; MLP 429 -> 512 -> 256 -> 1, batch 1024):
   codec:A/G      one group of a trainer and a group PS holding the first two Linears
                  (vertical, horizontal), activations through codec A, gradients
                  through G: bytes per step each way before and after, AUC change
+  hogwild:2      codec:none/none with 2 Hogwild nets on the trainer (`nets = 2`: two
+                 threads on one shared copy of its layers, each on half of a batch)
   allreduce:4    today's training under `mpiexec -n 4` (no [hierarchical]): the
                  all-reduce peer of the two below at the same rank count
   replicas:1x4   one group of 4 trainers (one dense replica, gradients all-reduced)
@@ -22,14 +24,17 @@ PS computes on the same cores as its trainer).
 Rounds. The jobs run interleaved, every job once a round, the order rotated by one each
 round (round r starts at job r), so a slow spell of the shared machine falls on other
 jobs each time. A job's examples/s is the median (min-max) over the rounds; the ratios
-(HT against all-reduce at 4 ranks; each codec against the uncompressed split) are taken
-within each round and given as their median (min-max) and each round's. AUC, logloss,
-bytes and the plan must repeat exactly in every round for the jobs without background
-averaging (a job that does not is a problem: the bench exits 1 naming it); for the EASGD
-job, whose corrections land whenever the background thread has them, a figure that moves
-is the median with each round's value beside it (`<field>_runs`).
+(HT against all-reduce at 4 ranks; each codec, and Hogwild, against the uncompressed
+split) are taken within each round and given as their median (min-max) and each round's.
+AUC, logloss, bytes and the plan must repeat exactly in every round for the jobs without
+background averaging or Hogwild nets (a job that does not is a problem: the bench exits 1
+naming it); for the EASGD job, whose corrections land whenever the background thread has
+them, and the Hogwild job, whose nets' lock-free updates interleave as the threads are
+scheduled, a figure that moves is the median with each round's value beside it
+(`<field>_runs`).
 
-Modelled against measured, per node of each codec job (one trainer, one group PS):
+Modelled against measured, per node of each codec job and of the Hogwild job (one
+trainer, one group PS):
   modelled  the planner's step for the plan the job ran (planner.node_costs on the
             job's own config): FLOPs (6 * B * in * out a Linear), CPU seconds = FLOPs at
             a rate measured here (below), network bytes from the codecs' bytes per
@@ -93,11 +98,12 @@ eval_examples = {eval_examples}
 BATCH = 1024
 CALIBRATION = (BATCH, 429, 512)  # (B, in, out) of the timed matmul: the first Linear's forward
 SPLIT = ["ps:vertical", "ps:horizontal", "trainer"]
-# Figures that repeat exactly from round to round unless the job averages in the background.
-REPEATABLE = ("auc", "logloss", "examples", "bytes_per_step", "plan", "roles", "exchanges")
+# Figures that repeat exactly from round to round unless the job averages in the background
+# or runs Hogwild nets.
+REPEATABLE = ("auc", "logloss", "examples", "bytes_per_step", "plan", "roles", "nets", "exchanges")
 # (workload, peer): examples/s ratios taken within each round.
 RATIOS = [("replicas:1x4", "allreduce:4"), ("replicas:4x1", "allreduce:4")] + \
-    [(f"codec:{c}", "codec:none/none") for c in ("bf16/bf16", "int8/bf16", "int8/topk:0.1")]
+    [(w, "codec:none/none") for w in ("codec:bf16/bf16", "codec:int8/bf16", "codec:int8/topk:0.1", "hogwild:2")]
 FIGURES = {
     "modelled": "the planner's step for the plan the job ran (planner.node_costs on the job's config): FLOPs, CPU "
                 "seconds at the rate measured here (flops_per_cpu_second), network bytes from the codecs' bytes per "
@@ -111,11 +117,13 @@ FIGURES = {
 
 
 def workloads(quick: bool) -> list:
-    """(name, ranks, [hierarchical] TOML or None, averages in the background)."""
+    """(name, ranks, [hierarchical] TOML or None, whether its quality may move between rounds: background
+    averaging, or Hogwild nets' interleaved updates)."""
     split = f"placement = {json.dumps(SPLIT)}\n"
     out = [("reference", 1, None, False)]
     for a, g in (("none", "none"), ("bf16", "bf16"), ("int8", "bf16"), ("int8", "topk:0.1")):
         out.append((f"codec:{a}/{g}", 2, f'group_ps = 1\nactivations = "{a}"\ngradients = "{g}"\n{split}', False))
+    out.append(("hogwild:2", 2, f'group_ps = 1\nactivations = "none"\ngradients = "none"\nnets = 2\n{split}', True))
     out.append(("allreduce:4", 4, None, False))
     out.append(("replicas:1x4", 4, "groups = 1\n", False))
     out.append(("replicas:4x1", 5, "groups = 4\nalpha = 0.1\nperiod = 1\n", True))
@@ -214,7 +222,7 @@ def worker(toml: str, out: str) -> None:
             return
         h = summary["hierarchical"]
         steps = max(1, summary["batches"])
-        res = {"plan": h["plan"], "roles": h["roles"], "exchanges": h.get("exchanges", 0),
+        res = {"plan": h["plan"], "roles": h["roles"], "nets": h.get("nets", 1), "exchanges": h.get("exchanges", 0),
                "bytes_per_step": {k: {"before": round(v["before"] / steps), "after": round(v["after"] / steps)}
                                   for k, v in h["bytes"].items() if v["before"]},
                "trainer_raw": {"rank": rank, "steps": summary["batches"], "bytes": h["bytes"],

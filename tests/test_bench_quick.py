@@ -105,34 +105,44 @@ def test_w6_quick_kstep_bytes_fall_as_1_over_k():
 
 
 def test_w10_quick_rounds_and_the_planners_model_against_the_jobs():
-    """W10 in 2 interleaved rounds of the split job with and without bf16 (the two
-    2-rank jobs: the 4-rank ones would double the time; tests/test_ht_train.py holds
-    one replica against all-reduce): examples/s a median over the rounds, the codec's
-    ratio paired by round, the quality repeated exactly, and the planner's modelled step
-    against the measured one per node (the bytes equal, the CPU time of the same order)."""
+    """W10 in 2 interleaved rounds of the split job with and without bf16, and with 2
+    Hogwild nets (the 2-rank jobs: the 4-rank ones would double the time;
+    tests/test_ht_train.py holds one replica against all-reduce): examples/s a median
+    over the rounds, the ratios paired by round, the quality repeated exactly (Hogwild's
+    may move), and the planner's modelled step against the measured one per node (the
+    bytes equal, the CPU time of the same order)."""
     pytest.importorskip("torch", reason="the W10 benchmark trains with torch")
     pytest.importorskip("mpi4py", reason="the W10 benchmark needs mpi4py (pip install '.[mpi]')")
     import shutil
     if shutil.which("mpiexec") is None:
         pytest.skip("no mpiexec on PATH (pip install mpich)")
-    out = run_json("bench/w10_bench.py", "--quick", "--rounds", "2", "--only", "codec:none/none,codec:bf16/bf16",
-                   "--no-save", timeout=600)
+    out = run_json("bench/w10_bench.py", "--quick", "--rounds", "2", "--only",
+                   "codec:none/none,codec:bf16/bf16,hogwild:2", "--no-save", timeout=600)
     assert out["rounds"] == 2 and out["problems"] == []
     w = {x["workload"]: x for x in out["workloads"]}
-    assert set(w) == {"codec:none/none", "codec:bf16/bf16"}
-    for x in w.values():
+    assert set(w) == {"codec:none/none", "codec:bf16/bf16", "hogwild:2"}
+    for name, x in w.items():
         runs = x["examples_per_s_runs"]
         assert len(runs) == 2 and x["examples_per_s_min"] == min(runs) and x["examples_per_s_max"] == max(runs)
         assert min(runs) <= x["examples_per_s"] <= max(runs)
-        assert "auc_runs" not in x and "varies_across_rounds" not in x  # repeated exactly in both rounds
-    (q,) = out["ratios"]
-    assert (q["workload"], q["peer"]) == ("codec:bf16/bf16", "codec:none/none")
-    assert q["runs"] == pytest.approx([a / b for a, b in zip(w["codec:bf16/bf16"]["examples_per_s_runs"],
-                                                             w["codec:none/none"]["examples_per_s_runs"])], rel=1e-3)
-    assert q["min"] <= q["median"] <= q["max"]
+        if name != "hogwild:2":
+            assert "auc_runs" not in x and "varies_across_rounds" not in x  # repeated exactly in both rounds
+    # Hogwild: 2 nets on the split job's plan and bytes (each net sends its half-batch, so a
+    # step moves the same bytes); only its quality may move between rounds, near the 1-net job's.
+    hog, one = w["hogwild:2"], w["codec:none/none"]
+    assert (hog["nets"], one["nets"]) == (2, 1) and hog["plan"] == one["plan"]
+    assert hog["bytes_per_step"] == one["bytes_per_step"]
+    assert set(hog.get("varies_across_rounds", [])) <= {"auc", "logloss"}
+    assert abs(hog["auc"] - one["auc"]) < 0.02
+    assert [(q["workload"], q["peer"]) for q in out["ratios"]] == [("codec:bf16/bf16", "codec:none/none"),
+                                                                   ("hogwild:2", "codec:none/none")]
+    for q in out["ratios"]:
+        assert q["runs"] == pytest.approx([a / b for a, b in zip(w[q["workload"]]["examples_per_s_runs"],
+                                                                 one["examples_per_s_runs"])], rel=1e-3)
+        assert q["min"] <= q["median"] <= q["max"]
     rate = out["flops_per_cpu_second"]
     assert len(rate["runs"]) == 2 and rate["min"] > 1e8
-    for name, value_bytes in (("codec:none/none", 4), ("codec:bf16/bf16", 2)):
+    for name, value_bytes in (("codec:none/none", 4), ("codec:bf16/bf16", 2), ("hogwild:2", 4)):
         trainer, ps = w[name]["nodes"]
         assert (trainer["node"], trainer["layers"], ps["node"], ps["layers"]) == \
             ("trainer", ["fc2"], "ps0", ["fc0", "fc1"])

@@ -513,6 +513,26 @@ def test_w10_renders_rounds_ratios_and_the_planners_model_against_the_jobs():
     assert "| `codec:int8/bf16` | trainer (fc2) | 0.00157 |" in w10 and "(whole process) | 6,381 (5,956-6,806)x |" in w10
 
 
+def test_w10_renders_the_hogwild_job_with_its_nets_its_quality_range_and_its_ratio():
+    # The quick line with a Hogwild job as bench/w10_bench.py summarises one: the split
+    # job's plan and bytes, 2 nets, an AUC that moved between rounds, a same-round ratio.
+    o = quick_line("w10_quick.json")
+    one = next(w for w in o["workloads"] if w["workload"] == "codec:none/none")
+    hog = {**{k: v for k, v in one.items() if k != "nodes"}, "workload": "hogwild:2", "nets": 2, "auc": 0.78371,
+           "auc_runs": [0.78371, 0.78402], "logloss": 0.46553, "varies_across_rounds": ["auc"],
+           "examples_per_s": 7204, "examples_per_s_min": 6550, "examples_per_s_max": 7858,
+           "examples_per_s_runs": [7858, 6550], "auc_change_vs_reference": 0.00051}
+    o["workloads"].append(hog)
+    o["ratios"].append({"workload": "hogwild:2", "peer": "codec:none/none", "median": 0.99, "min": 0.98,
+                        "max": 1.0, "runs": [1.0, 0.98]})
+    w10 = "\n".join(report.render_w10(o))
+    assert ("| `hogwild:2` | 2 | ps:vertical, ps:horizontal, trainer:none; 2 Hogwild nets | activations 5,018.7 -> "
+            "5,018.7 kB; gradients 3,072.0 -> 3,072.0 kB | 0.7837 (0.7837-0.7840) | +0.0005 | 0.4655 | "
+            "7,204 (6,550-7,858) |") in w10
+    assert "- `hogwild:2` / `codec:none/none`: 0.99 (rounds: 1.00, 0.98)" in w10
+    assert "Hogwild nets" not in "\n".join(report.render_w10(quick_line("w10_quick.json")))  # one net: as before
+
+
 def test_w10_line_from_before_the_rounds_renders_as_it_did():
     # Lines filed before --rounds have one examples/s a job and no ratios or per-node figures.
     o = {"benchmark": "W10 hierarchical training", "quick": False, "examples": 200_000, "eval_examples": 50_000,
