@@ -847,8 +847,8 @@ def _w10_nodes(o: dict, split: list) -> list[str]:
            "network time at the planner's 10 Gb/s (modelled only: the ranks share one machine, there is no "
            "network to measure). **Measured**: the group PS's CPU time handling the trainer's training requests; "
            "the trainer's whole process (data, embeddings, sparse rows, codecs, evaluation, where the planner "
-           "models only its dense layer); each process's CPU and wall time in all (the group PS's includes MPI's "
-           "polling for requests); bytes, the codec payloads of the training requests and replies.", ""]
+           "models only its dense layer); each process's CPU and wall time in all (the group PS's includes its "
+           "sleeping poll for requests, hps.distributed.poll); bytes, the codec payloads of the training requests and replies.", ""]
     rows = []
     for w in split:
         for n in w["nodes"]:

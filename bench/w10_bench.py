@@ -44,7 +44,7 @@ trainer, one group PS):
             training requests (forward with activations kept, backward, step), timed
             around GroupPsServer.handle in the PS's process; beside it the whole
             process's CPU and wall time (train_hierarchical's cpu_seconds and
-            wall_seconds: evaluation, start-up and MPI's polling in them too).
+            wall_seconds: evaluation, start-up and the sleeping poll for requests in them too).
             trainer: its whole process's CPU and wall time (the same fields). Data,
             embeddings, the sparse rows, the loss, the codecs, waiting and evaluation
             are in it; the planner models only the dense layer it holds (fc2, 256 -> 1),
