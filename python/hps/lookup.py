@@ -1,38 +1,161 @@
 """hps.Lookup: embedding rows of a job's last finished checkpoint, read-only,
 through a memory budget of its own in front of the checkpoint's SSD-PS files
-(docs/serving.md)."""
+(docs/serving.md).
+
+The budget covers what the lookup holds, split when a checkpoint is opened:
+
+  * the key index of every rank's store (SSD-PS stats' index_bytes: its slots
+    and shard table) and the files' metadata (block CRCs, 4 bytes a 4 KiB block
+    of rows, and a small record per file);
+  * read buffers: each concurrent SSD-PS read holds a BlockIo (io_uring ring and
+    a scratch buffer kept between reads, src/util/block_io.h) and its rows on the
+    way; reads are at most ``read_threads`` at once and ``READ_KEYS`` keys each, so
+    a scratch never exceeds READ_KEYS x (the blocks a row touches) x 4 KiB, and
+    every rank's store keeps one BlockIo per concurrent reader;
+  * the refresh reserve: while refresh() opens the next checkpoint beside the one
+    served, that checkpoint's index and metadata (up to REFRESH_HEADROOM x the
+    current's), its read buffers and the rows it is warmed with (a quarter of the
+    cache's rows);
+  * the recently looked-up keys kept to warm that cache (8 bytes each);
+  * the cache of rows (hps.MemCache, its bookkeeping included): what is left.
+
+A call's own arrays (its keys, the rows it returns and their temporaries, some
+three times the returned rows) are the caller's and outside the budget.
+"""
 from __future__ import annotations
 
-import collections
+import math
 import os
 import threading
 from typing import Optional, Union
 
 import numpy as np
 
-from hps import jobdir
+from hps import _core, jobdir
 from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import MemCache, parse_bytes
+
+READ_KEYS = 256             # keys per SSD-PS read: bounds each read's scratch buffer
+REFRESH_HEADROOM = 1.25     # the next checkpoint's index may be this much larger and still overlap
+WARM_FRACTION = 4           # a refresh warms the next cache with up to 1/4 of this cache's rows
+BLOCK_BYTES = 4096          # SSD-PS reads whole 4 KiB blocks (docs/ssd_format.md)
+_RING_BYTES = 64 << 10      # an io_uring of 512 entries: SQEs, CQEs and the rings' pages
+_FILE_BYTES = 1024          # a parameter file's record beside its CRCs (object, path, entry)
+_READ_BYTES_PER_KEY = 96    # a read's per-key bookkeeping (groups, requests, plan runs)
+# hps::detail::CompactKeyIndex (src/format/key_index.h): 2^16 shards of 10-byte
+# slots, at least 16 slots once used, doubled past 80% full; a 24-byte shard record.
+_INDEX_SHARDS, _INDEX_SLOT, _INDEX_MIN, _INDEX_SHARD_BYTES = 1 << 16, 10, 16, 24
+
+
+def index_bytes_estimate(keys: int) -> int:
+    """The expected bytes of an SSD-PS key index holding `keys` keys: each of its
+    2^16 shards gets a Poisson share of them and grows by the index's rule; 2%
+    above the expectation (over 65,536 shards the sum barely varies)."""
+    lam = keys / _INDEX_SHARDS
+    slots, c, cap = 0.0, 0, _INDEX_MIN
+    top = int(lam + 12 * math.sqrt(lam) + 40)
+    log_lam = math.log(lam) if lam > 0 else 0.0
+    while c <= top and lam > 0:
+        while c * 5 > cap * 4:
+            cap *= 2
+        if c > 0:
+            slots += math.exp(c * log_lam - lam - math.lgamma(c + 1)) * cap
+        c += 1
+    return int(_INDEX_SHARDS * (_INDEX_SHARD_BYTES + 1.02 * _INDEX_SLOT * slots))
+
+
+def _meta_bytes(records: int, files: int, row_bytes: int) -> int:
+    return 4 * -(-records * row_bytes // BLOCK_BYTES) + _FILE_BYTES * files
+
+
+def _read_slot_bytes(row_bytes: int, dim: int) -> int:
+    """One concurrent read of one store: its ring, its scratch at most, its rows."""
+    # Rows lie back to back from a block-aligned offset (docs/ssd_format.md), so a row
+    # starts at a multiple of gcd(row_bytes, 4096) within its block: the most blocks it touches.
+    blocks = (BLOCK_BYTES - math.gcd(row_bytes, BLOCK_BYTES) + row_bytes - 1) // BLOCK_BYTES + 1
+    return (_RING_BYTES + READ_KEYS * blocks * BLOCK_BYTES
+            + READ_KEYS * (2 * row_bytes + 4 * (dim + 1) + _READ_BYTES_PER_KEY))
+
+
+class _Plan:
+    """A checkpoint's split of the budget (module docstring), in bytes."""
+
+    def __init__(self, budget: int, index: int, meta: int, buffers: int, row_cost: int):
+        self.budget, self.index, self.meta, self.buffers, self.row_cost = budget, index, meta, buffers, row_cost
+        self.fixed = index + meta + buffers
+        self.next_fixed = math.ceil(REFRESH_HEADROOM * (index + meta)) + buffers
+        left = budget - self.fixed - self.next_fixed
+        # a cached row, its copy in the next cache warmed beside it (1/4), its key kept to warm (8 B / 4)
+        self.cache_rows = max(0, int(left // (row_cost + row_cost / WARM_FRACTION + 8 / WARM_FRACTION)))
+        self.warm_rows = self.cache_rows // WARM_FRACTION
+        self.reserve = self.next_fixed + self.warm_rows * row_cost
+
+    def refuse(self, path: str) -> None:
+        mib = 1 << 20
+        need = self.fixed + self.next_fixed + self.row_cost * 2
+        raise ValueError(
+            f"memory_budget {self.budget / mib:.1f} MiB holds no row cache for {path}: its key index "
+            f"({self.index / mib:.1f} MiB), files' metadata ({self.meta / mib:.1f} MiB) and read buffers "
+            f"({self.buffers / mib:.1f} MiB) take {self.fixed / mib:.1f} MiB, and a refresh needs "
+            f"{self.next_fixed / mib:.1f} MiB more beside them for the next checkpoint; give at least "
+            f"{need / mib:.1f} MiB, and more for the cache")
 
 
 class _Generation:
     """One pinned checkpoint: every rank's store (read only) and a cache of
     (embedding, found) rows in front of them. Freed once retired and idle."""
 
-    def __init__(self, view: jobdir.View, budget: int, policy: str):
+    def __init__(self, view: jobdir.View, budget: int, policy: str, read_threads: int,
+                 reads: threading.Semaphore):
         self.view = view
         job = view.job
         self.dim = job.config.dim
         self.world = job.world
         self.checkpoint = view.checkpoint
         self.step = jobdir.step_of(job, view.checkpoint)
+        self._reads = reads
         row_bytes = job.row_bytes
+        self.cached_row_bytes = 4 * (self.dim + 1)  # the embedding, then 1.0 if stored (0.0: a cached miss)
+        row_cost = self.row_cost(self.cached_row_bytes)
+        buffers = self.world * read_threads * _read_slot_bytes(row_bytes, self.dim)
         self.stores = [jobdir.open_store(rv, row_bytes) for rv in view.ranks]
-        # A cached row: the embedding, then 1.0 if the key is stored (0.0: a cached miss).
-        self.cache = MemCache(4 * (self.dim + 1), budget=budget, policy=policy, loader=self._load)
-        self.capacity = self.cache.stats()["capacity"]
+        ssd = [s.stats() for s in self.stores]
+        self.plan = _Plan(budget, sum(s["index_bytes"] for s in ssd),
+                          sum(_meta_bytes(sum(rv.files.values()), len(rv.files), row_bytes) for rv in view.ranks),
+                          buffers, row_cost)
+        self.live = [int(s["live_records"]) for s in ssd]
+        if self.plan.cache_rows < 1:
+            self.stores = []
+            self.plan.refuse(job.root)
+        self.cache = MemCache(self.cached_row_bytes, capacity=self.plan.cache_rows, policy=policy,
+                              loader=self._load)
+        self.capacity = self.plan.cache_rows
         self.active = 0
         self.retired = False
+        # MemCache.stats() waits for the cache's locks holding the GIL, while a pull
+        # holds them and calls the loader, which needs the GIL: stats are read between pulls.
+        self._pulls = 0
+        self._stats_wanted = 0
+        self._between = threading.Condition()
+
+    @staticmethod
+    def row_cost(row_bytes: int) -> int:
+        """A cached row's bytes as MemCache counts them, bookkeeping included."""
+        big = 1 << 40
+        return -(-big // _core.MemCache.capacity_for_budget(big, row_bytes))
+
+    def next_fixed_estimate(self, view: jobdir.View) -> int:
+        """Index and metadata of `view`'s checkpoint, estimated before it is opened:
+        its keys are at most those served now plus the records of files added since
+        (and at most its records)."""
+        index = meta = 0
+        for r, rv in enumerate(view.ranks):
+            records = sum(rv.files.values())
+            now = self.view.ranks[r].files
+            added = sum(n for seq, n in rv.files.items() if seq not in now)
+            index += index_bytes_estimate(min(records, self.live[r] + added))
+            meta += _meta_bytes(records, len(rv.files), view.job.row_bytes)
+        return index + meta
 
     def _load(self, keys: np.ndarray):
         out = np.zeros((len(keys), self.dim + 1), np.float32)
@@ -43,26 +166,55 @@ class _Generation:
             owners = owner_ranks(keys, self.world)
             parts = [(np.flatnonzero(owners == r), r) for r in range(self.world)]
         for idx, r in parts:
-            if len(idx):
-                rows, found = self.stores[r].get(keys[idx], np.float32)
-                out[idx, :self.dim] = rows[:, :self.dim]
-                out[idx, self.dim] = found
+            for at in range(0, len(idx), READ_KEYS):  # a read's scratch stays READ_KEYS rows' blocks
+                part = idx[at:at + READ_KEYS]
+                with self._reads:
+                    rows, found = self.stores[r].get(keys[part], np.float32)
+                out[part, :self.dim] = rows[:, :self.dim]
+                out[part, self.dim] = found
         return out, np.zeros(len(keys), bool)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         uniq, inverse = np.unique(keys, return_inverse=True)
         rows = np.empty((len(uniq), self.dim + 1), np.float32)
         step = max(1, self.capacity // 2)  # a pull holds its rows in the cache until it returns
-        for at in range(0, len(uniq), step):
-            got, _ = self.cache.pull(uniq[at:at + step], dtype=np.float32)
-            rows[at:at + step] = got
+        with self._between:
+            while self._stats_wanted:
+                self._between.wait()
+            self._pulls += 1
+        try:
+            for at in range(0, len(uniq), step):
+                got, _ = self.cache.pull(uniq[at:at + step], dtype=np.float32)
+                rows[at:at + step] = got
+        finally:
+            with self._between:
+                self._pulls -= 1
+                self._between.notify_all()
         rows = rows[inverse.ravel()]
         return np.ascontiguousarray(rows[:, :self.dim]), rows[:, self.dim] > 0
 
-    def close(self) -> None:
+    def cache_stats(self) -> dict:
+        """The cache's stats, read between pulls (__init__)."""
+        with self._between:
+            self._stats_wanted += 1
+            try:
+                while self._pulls:
+                    self._between.wait()
+                return self.cache.stats()
+            finally:
+                self._stats_wanted -= 1
+                self._between.notify_all()
+
+    def held_bytes(self) -> int:
+        """What this generation holds now: fixed parts, and the cache's rows."""
+        cache = self.cache_stats()["size"] if self.cache is not None else 0
+        return self.plan.fixed + cache * self.plan.row_cost
+
+    def close(self, keep_view: bool = False) -> None:
         self.stores = []
         self.cache = None
-        self.view.close()
+        if not keep_view:
+            self.view.close()
 
 
 class Lookup:
@@ -73,17 +225,24 @@ class Lookup:
     updated by training) gets a zero row and found = False; the model itself would
     give it the initializer's row, a function of the seed and the key.
 
-    ``memory_budget`` (bytes, or a string like "256MiB") bounds the cache of rows
-    (embedding only, misses included) in front of the checkpoint's SSD-PS files,
-    a MEM-PS (hps.MemCache, TinyLFU admission by default). The stores' key index
-    (about 10 bytes a key) is beside it: ``stats()`` gives both.
+    ``memory_budget`` (bytes, or a string like "256MiB") bounds all the lookup
+    holds: the stores' key index and files' metadata, the read buffers of up to
+    ``read_threads`` concurrent SSD-PS reads, the reserve a refresh opens the next
+    checkpoint in, and the cache of rows (a MEM-PS, hps.MemCache, TinyLFU
+    admission by default), which gets what is left (module docstring). A budget
+    that leaves no row for the cache is refused, naming memory_budget and the
+    sizes it needs. ``stats()["memory"]`` gives each part and the total held.
 
-    ``refresh()`` moves to the job's newer checkpoint, if any, while lookups go on:
-    those under way finish on the old one, later ones use the new one, and the old
-    one is freed when its last lookup returns (until then both caches are held).
-    Before it serves, the new cache is filled with the rows of the keys looked up
-    lately (up to half its capacity), read from the new checkpoint, so hot keys do
-    not all miss at once after a refresh. Training may run at the same path meanwhile.
+    ``refresh()`` moves to the job's newer checkpoint, if any, while lookups go on.
+    The next checkpoint's stores are opened beside the served one's, in the
+    reserve, and its cache is warmed with the rows of the keys looked up lately
+    (up to a quarter of the cache's rows), read from the new checkpoint, so hot keys
+    do not all miss at once; then lookups wait for those under way on the old one
+    to return (one batch at most), the old one is freed, and the new one serves. A
+    checkpoint whose estimated index does not fit the reserve (the job grew by
+    more than REFRESH_HEADROOM) is opened after the old one is freed instead,
+    lookups waiting meanwhile (``stats()["blocking_refreshes"]``). Either way each
+    answer is one checkpoint's. Training may run at the same path meanwhile.
 
     Thread-safe: lookups run in parallel (the SSD-PS reads without the GIL).
 
@@ -92,31 +251,60 @@ class Lookup:
     """
 
     def __init__(self, path: Union[str, os.PathLike], memory_budget: Union[int, str] = "256MiB", *,
-                 cache_policy: str = "tinylfu-lfu"):
+                 cache_policy: str = "tinylfu-lfu", read_threads: int = 4):
         self.path = os.fspath(path)
         self._budget = parse_bytes(memory_budget, "memory_budget")
+        if not isinstance(read_threads, int) or read_threads < 1:
+            raise ValueError(f"read_threads: a positive number of concurrent SSD-PS reads, not {read_threads!r}")
         self._policy = cache_policy
+        self._read_threads = read_threads
+        self._reads = threading.BoundedSemaphore(read_threads)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # a swap waits for the old generation's lookups
+        self._swapping = False
         self._refresh_lock = threading.Lock()
         self._current: Optional[_Generation] = None
         self._lookups = 0
         self._refreshes = 0
-        self._recent: collections.deque = collections.deque()  # the last batches' keys, to warm a refresh
-        self._recent_keys = 0
+        self._blocking_refreshes = 0
+        self._recent: Optional[np.ndarray] = None  # a ring of the keys looked up lately, to warm a refresh
+        self._recent_at = self._recent_n = 0
         self._warmed = 0  # rows read into the cache by the last refresh
+        self._peak = 0    # the most held at once, by the split's accounting
         self._current = self._open()
+        self._new_ring(self._current)
+        self._note(self._current.held_bytes() + self._ring_bytes())
 
-    def _open(self) -> _Generation:
-        view = jobdir.pin(self.path)
+    def _open(self, view: Optional[jobdir.View] = None) -> _Generation:
+        view = jobdir.pin(self.path) if view is None else view
         try:
-            return _Generation(view, self._budget, self._policy)
+            return _Generation(view, self._budget, self._policy, self._read_threads, self._reads)
         except BaseException:
             view.close()
             raise
 
+    def _new_ring(self, gen: _Generation) -> None:
+        with self._lock:
+            old = self._recent
+            self._recent = np.zeros(gen.plan.warm_rows, np.uint64)
+            self._recent_at = self._recent_n = 0
+            if old is not None and len(old) and len(self._recent):
+                keep = old[:len(self._recent)]
+                self._recent[:len(keep)] = keep
+                self._recent_n = len(keep)
+
+    def _ring_bytes(self) -> int:
+        return 0 if self._recent is None else self._recent.nbytes
+
+    def _note(self, held: int) -> None:
+        with self._lock:
+            self._peak = max(self._peak, held)
+
     # ------------------------------------------------------------ generations
     def _acquire(self) -> _Generation:
         with self._lock:
+            while self._swapping:
+                self._idle.wait()
             gen = self._current
             if gen is None:
                 raise ValueError(f"hps.Lookup of {self.path} is closed")
@@ -127,6 +315,8 @@ class Lookup:
         with self._lock:
             gen.active -= 1
             free = gen.retired and gen.active == 0
+            if gen.active == 0:
+                self._idle.notify_all()
         if free:
             gen.close()
 
@@ -136,6 +326,24 @@ class Lookup:
             free = gen.active == 0
         if free:
             gen.close()
+
+    def _swap(self, new: Optional[_Generation]) -> _Generation:
+        """Stops new lookups, waits for those under way, puts `new` in place (None:
+        nothing yet, lookups keep waiting) and returns the old generation, idle."""
+        with self._lock:
+            self._swapping = True
+            old = self._current
+            while old.active:
+                self._idle.wait()
+            if new is not None:
+                self._current, self._swapping = new, False
+                self._idle.notify_all()
+            return old
+
+    def _serve(self, new: _Generation) -> None:
+        with self._lock:
+            self._current, self._swapping = new, False
+            self._idle.notify_all()
 
     # ------------------------------------------------------------ API
     def lookup(self, keys) -> tuple[np.ndarray, np.ndarray]:
@@ -160,17 +368,22 @@ class Lookup:
             self._release(gen)
         with self._lock:
             self._lookups += 1
-            self._recent.append(keys)
-            self._recent_keys += len(keys)
-            while self._recent_keys - len(self._recent[0]) >= gen.capacity // 2:
-                self._recent_keys -= len(self._recent.popleft())
+            ring = self._recent
+            if len(ring):
+                tail = keys[-len(ring):]
+                at = self._recent_at
+                first = min(len(tail), len(ring) - at)
+                ring[at:at + first] = tail[:first]
+                ring[:len(tail) - first] = tail[first:]
+                self._recent_at = (at + len(tail)) % len(ring)
+                self._recent_n = min(len(ring), self._recent_n + len(tail))
         return result
 
     __call__ = lookup
 
     def refresh(self) -> bool:
         """Moves to the job's last finished checkpoint if it is newer than the one
-        served; returns whether it moved. Lookups go on meanwhile."""
+        served; returns whether it moved. Lookups go on meanwhile (class docstring)."""
         with self._refresh_lock:
             job = jobdir.read_job(self.path)
             with self._lock:
@@ -179,17 +392,40 @@ class Lookup:
                 raise ValueError(f"hps.Lookup of {self.path} is closed")
             if job.checkpoint is None or job.checkpoint <= current.checkpoint:
                 return False
-            new = self._open()
+            view = jobdir.pin(self.path)
+            if view.checkpoint <= current.checkpoint:
+                view.close()
+                return False
             with self._lock:
-                recent = list(self._recent)
-            if recent:  # warm the new cache with the keys looked up lately, before it serves
-                warm = np.unique(np.concatenate(recent))[:new.capacity // 2]
-                new.lookup(warm)
-                self._warmed = len(warm)
+                recent = np.unique(self._recent[:self._recent_n])
+            fits = current.next_fixed_estimate(view) <= current.plan.next_fixed - current.plan.buffers
+            if fits:  # beside the served checkpoint, in its reserve
+                new = self._open(view)
+                warm = recent[:min(current.plan.warm_rows, new.capacity // 2)]
+                if len(warm):  # warm the new cache with the keys looked up lately, before it serves
+                    new.lookup(warm)
+                self._note(current.held_bytes() + new.held_bytes() + self._ring_bytes())
+                old = self._swap(new)
+                old.close()
+            else:  # no room for both: free the served one first, lookups waiting meanwhile
+                old = self._swap(None)
+                old.close(keep_view=True)
+                try:
+                    new = self._open(view)
+                except BaseException:
+                    self._serve(self._open(old.view))  # back to the checkpoint served, still pinned
+                    raise
+                old.view.close()
+                warm = recent[:new.capacity // 2]
+                if len(warm):
+                    new.lookup(warm)
+                self._serve(new)
+                self._blocking_refreshes += 1
+            self._warmed = len(warm)
+            self._new_ring(new)
             with self._lock:
-                old, self._current = self._current, new
                 self._refreshes += 1
-            self._retire(old)
+            self._note(new.held_bytes() + self._ring_bytes())
             return True
 
     def _served(self) -> _Generation:
@@ -215,16 +451,35 @@ class Lookup:
         return self._served().world
 
     def stats(self) -> dict:
+        """The checkpoint served, its rows, counters, and ``memory``: the budget's
+        parts in bytes (index, files' metadata, read buffers, refresh reserve, the
+        cache's budget and its rows held now, the warm keys), ``held_bytes`` (what
+        is held now by that accounting), ``peak_held_bytes`` (the most held at once
+        so far, a refresh's two checkpoints included) and ``within_budget``."""
         gen = self._acquire()
         try:
-            cache = gen.cache.stats()
+            cache = gen.cache_stats()
             ssd = [s.stats() for s in gen.stores]
+            plan = gen.plan
+            held = plan.fixed + cache["size"] * plan.row_cost + self._ring_bytes()
+            self._note(held)
+            memory = {"budget_bytes": self._budget, "index_bytes": plan.index, "file_meta_bytes": plan.meta,
+                      "read_buffer_bytes": plan.buffers, "read_threads": self._read_threads,
+                      "refresh_reserve_bytes": plan.reserve, "warm_keys_bytes": self._ring_bytes(),
+                      "cache_budget_bytes": plan.cache_rows * plan.row_cost,
+                      "cache_bytes": cache["size"] * plan.row_cost, "cache_row_bytes": plan.row_cost,
+                      "held_bytes": held, "peak_held_bytes": self._peak,
+                      "total_bytes": plan.fixed + plan.reserve + self._ring_bytes()
+                      + plan.cache_rows * plan.row_cost}
+            memory["within_budget"] = memory["peak_held_bytes"] <= self._budget \
+                and memory["total_bytes"] <= self._budget
             return {"checkpoint": gen.checkpoint, "step": gen.step, "world": gen.world, "dim": gen.dim,
-                    "memory_budget": self._budget, "cache": cache,
+                    "memory_budget": self._budget, "memory": memory, "cache": cache,
                     "rows": int(sum(len(s) for s in gen.stores)),
-                    "index_bytes": int(sum(s["index_bytes"] for s in ssd)),
+                    "index_bytes": plan.index,
                     "ssd_bytes_read": int(sum(s["bytes_read"] for s in ssd)),
-                    "lookups": self._lookups, "refreshes": self._refreshes, "warmed_rows": self._warmed}
+                    "lookups": self._lookups, "refreshes": self._refreshes,
+                    "blocking_refreshes": self._blocking_refreshes, "warmed_rows": self._warmed}
         finally:
             self._release(gen)
 
