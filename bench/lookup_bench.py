@@ -9,10 +9,16 @@ against RocksDB's multi_get at equal memory (issue 20).
 Workload:
   * the store: a ParameterServer of --rows keys (key(i) = splitmix64's finaliser of
     i + seed, distinct), every row pushed once (SGD), one checkpoint; rows of
-    --dim float32 (64 bytes at dim 16), and their embeddings are what is looked up;
-  * memory: the lookup's budget is a quarter of the rows' bytes (--memory-ratio 4);
-    RocksDB gets the same bytes as block cache (3/4) and row cache (1/4), split
-    evenly over its client processes;
+    --dim float32 (256 bytes at dim 64), and their embeddings are what is looked up;
+    with --writer train, the job of an `hps train` run instead (below);
+  * memory: the lookup's budget is a quarter of the rows' bytes (--memory-ratio 4),
+    and it covers all the lookup holds (hps.lookup's docstring): the key index and
+    files' metadata, the read buffers of --clients concurrent reads, the reserve a
+    refresh opens the next checkpoint in, and the row cache, which gets the rest.
+    The index (10-byte slots in 2^16 shards, about 21 bytes a key at 4M keys) is
+    why the default is dim 64: at dim 16 the index alone outgrows a quarter of the
+    rows and hps.Lookup refuses the budget. RocksDB gets the same bytes as block
+    cache (3/4) and row cache (1/4), split evenly over its client processes;
   * RocksDB as its experts run it for point reads (bench/rocks_tuned.py,
     rocks_tuned_options): the same rows bulk-loaded sorted through SstFileWriter
     and ingested (nothing left to compact), bloom filters, 4 KiB blocks, direct
@@ -20,7 +26,7 @@ Workload:
     table open; read-only instances, one per client process (rocksdict holds the
     GIL through a multi_get), each a multi_get of the batch's 4096 big-endian keys;
   * hps.Lookup: the same clients as threads of one process (its reads release
-    the GIL) sharing one Lookup;
+    the GIL) sharing one Lookup with read_threads = --clients;
   * batches: --batches batches of --batch-keys keys for each distribution
     (uniform, Zipf(1.05) with the hot keys spread by a multiplicative
     permutation), the same batches for both stores, after --warmup batches;
@@ -32,11 +38,36 @@ Workload:
     warmup); keys/s, p50 and p99 are medians over the runs with their min-max, and
     the ratios are taken run by run (hps's run against the RocksDB run beside it).
 
-  * --writer: a process reopens the job's parameter server and pushes batches of
-    4096 uniform keys, checkpointing every --checkpoint-every pushes (the training
-    side's disk and CPU load, and new checkpoints), during every run of both
-    stores; hps.Lookup refreshes to each new checkpoint every --refresh-s seconds.
-    It is a ParameterServer's pushes, not `hps train` with its model.
+  * the lookup's memory, measured: each hps run records its process's resident
+    set just before it opens the Lookup (after its batches are in memory, and with
+    the kernel's peak-RSS mark reset there, /proc/self/clear_refs) and the peak
+    after the run: `measured_bytes` is the growth, `within_budget` whether it is at
+    most the budget. With --cgroup it is the run's cgroup peak over the cgroup's
+    usage at the same moment instead (page cache charged to the run included).
+    It holds the clients' own arrays too (each batch's keys, rows returned and
+    their temporaries, some 3 MiB a client at 4096 keys of dim 64) and the heap's
+    slack: an upper bound of the lookup's own memory. torch, which the Lookup
+    imports to read an `hps train` job's step, is imported before the baseline
+    (code, not the lookup's data). `memory` gives hps.Lookup's own split and the most
+    it held by that accounting (stats()["memory"]).
+
+  * --writer push: a process reopens the job's parameter server and pushes batches
+    of 4096 uniform keys, checkpointing every --checkpoint-every pushes (the
+    training side's disk and CPU load, and new checkpoints), during every run of
+    both stores; hps.Lookup refreshes to each new checkpoint every --refresh-s
+    seconds. (`--writer` alone is push.)
+  * --writer train: `hps train` itself (python -m hps.cli train --resume) trains a
+    CTR model on synthetic Criteo-like data whose 26 fields' vocabularies add up
+    to --rows keys, at the job directory the lookups read, checkpointing every
+    --checkpoint-every batches of --train-batch examples (SGD, so a row is its
+    embedding as in the push store). The job is made by a first `hps train` run of
+    one batch (its layout and dense state), then every key of the vocabularies is
+    pushed once by the bench's loader and checkpointed with that dense state, so
+    the store holds every key the data can draw; RocksDB is loaded from that
+    checkpoint (the same rows at the start), and the lookups draw the same keys.
+    Training then resumes and runs for the whole bench; the lookup refreshes to its
+    checkpoints. `writer` reports its checkpoints, batches and examples trained, and
+    each hps run its refreshes.
 
   * --cgroup LIMIT: every run in a memory cgroup of its own with that hard limit
     (bench/ssd_store_bench.py's MemCgroup, v1 or v2): hps's run in a forked process,
@@ -55,6 +86,7 @@ import os
 import shutil
 import sys
 import tempfile
+import subprocess
 import threading
 import time
 
@@ -78,7 +110,8 @@ def be_keys(keys: np.ndarray) -> list:
     return [b[i:i + 8] for i in range(0, len(b), 8)]
 
 
-def batches_of(dist: str, n_rows: int, count: int, size: int, seed: int) -> list:
+def batches_of(dist: str, n_rows: int, count: int, size: int, seed: int, space=None) -> list:
+    """Batches of keys: key(i), or space[i] when a key space is given (--writer train)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
@@ -90,7 +123,7 @@ def batches_of(dist: str, n_rows: int, count: int, size: int, seed: int) -> list
                 z = rng.zipf(ZIPF_A, 2 * size)
                 r = np.concatenate([r, z[z <= n_rows] - 1])
             idx = ((r[:size].astype(np.uint64) * np.uint64(ZIPF_PERM)) % np.uint64(n_rows)).astype(np.int64)
-        out.append(keys_of(idx))
+        out.append(keys_of(idx) if space is None else space[idx])
     return out
 
 
@@ -156,7 +189,7 @@ def _writer(job: str, dim: int, n_rows: int, every: int, stop_evt, conn) -> None
             ps.checkpoint()
             checkpoints += 1
     ps.close()
-    conn.send({"pushes": pushes, "checkpoints": checkpoints})
+    conn.send({"mode": "push", "pushes": pushes, "checkpoints": checkpoints})
 
 
 class Writer:
@@ -173,6 +206,136 @@ class Writer:
         done = self.conn.recv()
         self.proc.join()
         return done
+
+
+# ---------------------------------------------------------------- hps train meanwhile
+
+FIELDS = 26
+
+
+def train_vocab(rows: int) -> list:
+    """26 fields' vocabularies adding up to `rows` keys, the missing-value key of
+    each field included (the synthetic data draws it for 5% of values)."""
+    ids = rows - FIELDS
+    return [ids // FIELDS + (f < ids % FIELDS) for f in range(FIELDS)]
+
+
+def train_keys(vocab: list) -> np.ndarray:
+    """Every key the synthetic data of these vocabularies can draw (hps.data.keys)."""
+    from hps.data.keys import _field_tag, _keys
+    parts = []
+    for f, v in enumerate(vocab):
+        tag = _field_tag(f)
+        parts.append(_keys(tag, np.arange(v, dtype=np.uint64), None))
+        parts.append(_keys(tag, np.zeros(1, np.uint64), np.ones(1, bool)))
+    keys = np.concatenate(parts)
+    assert len(np.unique(keys)) == len(keys)
+    return keys
+
+
+TRAIN_TOML = """# written by bench/lookup_bench.py --writer train
+hidden = [32]
+torch_threads = 1
+eval_every = 0
+checkpoint_every = {every}
+
+[ps]
+dim = {dim}
+path = "{path}"
+mem_budget = "64MiB"
+write_buffer_rows = 65536
+
+[ps.optimizer]
+kind = "sgd"
+lr = 0.05
+
+[data]
+source = "synthetic"
+batch_size = {batch}
+train_examples = {examples}
+eval_examples = {batch}
+vocab_sizes = {vocab}
+"""
+
+
+def hps_train(config: str, *flags: str, **popen):
+    cmd = [sys.executable, "-m", "hps.cli", "train", "--config", config, "--no-progress", *flags]
+    return subprocess.Popen(cmd, **popen)
+
+
+def make_train_job(root: str, job: str, rows: int, dim: int, batch: int, every: int) -> tuple[float, str, np.ndarray]:
+    """The job `hps train` resumes: a first run of one batch (the layout, the dense
+    state), then every key of the vocabularies pushed once and checkpointed with
+    that run's dense state. Returns (seconds, the config, the keys)."""
+    import hps
+    from hps.train import TRAINER_STATE
+    vocab = train_vocab(rows)
+    config = os.path.join(root, "train.toml")
+    with open(config, "w") as f:
+        f.write(TRAIN_TOML.format(every=every, dim=dim, path=job, batch=batch, examples=10 ** 12, vocab=vocab))
+    t0 = time.perf_counter()
+    p = hps_train(config, "--examples", str(batch), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = p.communicate()
+    if p.returncode != 0:
+        raise SystemExit(f"lookup_bench: the first hps train run failed:\n{err[-3000:]}")
+    keys = train_keys(vocab)
+    ps = hps.ParameterServer.open(job, mem_budget="64MiB")
+    with open(os.path.join(ps.checkpoint_dir(), TRAINER_STATE), "rb") as f:
+        dense = f.read()
+    chunk = 1 << 16
+    for s in range(0, len(keys), chunk):
+        k = keys[s:s + chunk]
+        ps.push(k, np.ones((len(k), dim), np.float32))
+
+    def save(directory: str) -> None:
+        with open(os.path.join(directory, TRAINER_STATE), "wb") as f:
+            f.write(dense)
+            f.flush()
+            os.fsync(f.fileno())
+
+    ps.checkpoint(save)
+    ps.close()
+    return time.perf_counter() - t0, config, keys
+
+
+class TrainWriter:
+    """`hps train --resume` at the job, for the whole bench (--writer train)."""
+
+    def __init__(self, job: str, config: str, batch: int):
+        from hps import jobdir
+        self.job, self.batch = job, batch
+        first = jobdir.read_job(job)
+        self.checkpoint0, self.step0 = first.checkpoint, jobdir.step_of(first)
+        self.log = tempfile.TemporaryFile("w+")
+        self.t0 = time.perf_counter()
+        self.proc = hps_train(config, "--resume", stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        while jobdir.read_job(job).checkpoint == self.checkpoint0:  # training is under way: lookups start
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise SystemExit(f"lookup_bench: hps train --resume failed:\n{self.log.read()[-3000:]}")
+            time.sleep(0.1)
+
+    def finish(self) -> dict:
+        from hps import jobdir
+        wall = time.perf_counter() - self.t0
+        exited = self.proc.poll()
+        if exited is None:
+            self.proc.terminate()  # mid-batch: the last finished checkpoint stands
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.seek(0)
+        tail = self.log.read()[-3000:]
+        self.log.close()
+        if exited is not None:
+            raise SystemExit(f"lookup_bench: hps train ended before the lookups did (exit {exited}):\n{tail}")
+        last = jobdir.read_job(self.job)
+        step = jobdir.step_of(last)
+        return {"mode": "train", "wall_s": wall, "checkpoints": last.checkpoint - self.checkpoint0,
+                "first_checkpoint": self.checkpoint0, "last_checkpoint": last.checkpoint,
+                "batches_checkpointed": step - self.step0, "examples_checkpointed": (step - self.step0) * self.batch}
 
 
 # ---------------------------------------------------------------- the runs
@@ -234,9 +397,37 @@ def in_cgroup(cg, fn, *args) -> dict:
     return value
 
 
-def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, refresh_s: float = 0.0) -> dict:
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _cgroup_bytes(cg, peak: bool) -> int:
+    names = (("memory.max_usage_in_bytes", "memory.peak") if peak else ("memory.usage_in_bytes", "memory.current"))
+    return int(cg._read(names[cg.version - 1]))
+
+
+def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, refresh_s: float = 0.0,
+            cg=None) -> dict:
+    import gc
     import hps
-    lk = hps.Lookup(job, memory_budget=budget)
+    try:  # loaded by the Lookup to read hps train's step: code, loaded before the baseline (docstring)
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    gc.collect()
+    try:  # the peak-RSS mark (VmHWM) starts again from the resident set now
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        hwm_reset = True
+    except OSError:
+        hwm_reset = False
+    rss0 = _status_bytes("VmRSS")
+    cg0 = _cgroup_bytes(cg, peak=False) if cg is not None else None
+    lk = hps.Lookup(job, memory_budget=budget, read_threads=clients)
     for b in warmup:
         lk.lookup(b)
     lat = [None] * len(batches)
@@ -276,9 +467,15 @@ def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, re
     if helper:
         helper.join()
     s = lk.stats()
+    rss_growth = _status_bytes("VmHWM") - rss0 if hwm_reset else None
+    cg_growth = _cgroup_bytes(cg, peak=True) - cg0 if cg is not None else None
     lk.close()
+    measured = cg_growth if cg is not None else rss_growth
     cache = s["cache"]
-    return {"wall_s": wall, "latency_s": lat, "cache_rows": cache["size"], "cache_capacity": cache["capacity"],
+    return {"measured_bytes": measured, "measured_by": "cgroup" if cg is not None else "rss",
+            "rss_growth_bytes": rss_growth, "cgroup_growth_bytes": cg_growth,
+            "within_budget": measured is not None and measured <= budget, "memory": s["memory"],
+            "blocking_refreshes": s["blocking_refreshes"], "wall_s": wall, "latency_s": lat, "cache_rows": cache["size"], "cache_capacity": cache["capacity"],
             "cache_hit_rate": cache.get("hits", 0) / max(1, cache.get("hits", 0) + cache.get("misses", 0)),
             "index_bytes": s["index_bytes"], "ssd_bytes_read": s["ssd_bytes_read"],
             "refreshes": len(refresh_times), "refresh_max_s": max(refresh_times, default=0.0)}
@@ -343,11 +540,11 @@ def run_rocks(path: str, budget: int, batches: list, warmup: list, clients: int,
             "row_cache_bytes": row * clients}
 
 
-def check_same(job: str, path: str, batches: list, dim: int) -> int:
+def check_same(job: str, path: str, batches: list, dim: int, budget: int) -> int:
     import hps
     import rocksdict as r
     db = r.Rdict(path, options=r.Options(raw_mode=True), access_type=r.AccessType.read_only())
-    with hps.Lookup(job, memory_budget="8MiB") as lk:
+    with hps.Lookup(job, memory_budget=budget) as lk:
         n = 0
         for b in batches:
             rows, found = lk.lookup(b)
@@ -377,6 +574,10 @@ def over_runs(runs: list) -> dict:
     if all("cgroup" in r for r in runs):
         peaks = [r["cgroup"]["peak_bytes"] for r in runs]
         out.update(cgroup_peak_bytes=max(peaks), cgroup_oom_kills=sum(r["cgroup"]["oom_kills"] for r in runs))
+    if all("measured_bytes" in r for r in runs):  # hps: its own memory, the most any run measured
+        measured = [r["measured_bytes"] for r in runs]
+        out.update(measured_bytes=None if None in measured else max(measured),
+                   within_budget=all(r["within_budget"] for r in runs))
     for m in MEASURES:
         vals = [r[m] for r in runs]
         out.update({m: float(np.median(vals)), f"{m}_min": min(vals), f"{m}_max": max(vals)})
@@ -396,7 +597,7 @@ def paired_ratios(h: dict, r: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=4_000_000)
-    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch-keys", type=int, default=4096)
     ap.add_argument("--batches", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=50)
@@ -405,18 +606,24 @@ def main(argv=None) -> int:
     ap.add_argument("--dists", default="uniform,zipf")
     ap.add_argument("--stores", default="hps,rocksdb")
     ap.add_argument("--dir", help="where the job and the database go (default: a temporary directory)")
-    ap.add_argument("--writer", action="store_true",
-                    help="a process pushes to the job and checkpoints meanwhile; the lookup refreshes")
-    ap.add_argument("--checkpoint-every", type=int, default=20, help="the writer's pushes per checkpoint")
+    ap.add_argument("--writer", nargs="?", const="push", choices=("push", "train"),
+                    help="push: a process pushes to the job and checkpoints meanwhile; train: `hps train` "
+                         "trains at the job and checkpoints meanwhile; the lookup refreshes (--writer alone: push)")
+    ap.add_argument("--checkpoint-every", type=int, default=20,
+                    help="the writer's pushes (push) or batches (train) per checkpoint")
+    ap.add_argument("--train-batch", type=int, default=1024, help="examples a batch of --writer train")
     ap.add_argument("--refresh-s", type=float, default=0.5, help="seconds between the lookup's refreshes (--writer)")
     ap.add_argument("--cgroup", metavar="LIMIT", help="run every store's runs in a memory cgroup with this hard "
                                                         "limit (e.g. 512MiB); needs root and a memory controller")
     ap.add_argument("--repeats", type=int, help="runs of each store per distribution, interleaved (default 3; "
                                                   "1 with --quick)")
-    ap.add_argument("--quick", action="store_true", help="a small run for CI: 100k rows, 20 batches, 1 run")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small run for CI: 200k rows, 20 batches, 1 run, memory 1/1.25 of the rows' bytes (the "
+                         "key index's 2^16 shards take some 12 MiB however few the keys: a quarter of a small "
+                         "store leaves the cache nothing)")
     a = ap.parse_args(argv)
     if a.quick:
-        a.rows, a.batches, a.warmup, a.clients = 100_000, 20, 5, 2
+        a.rows, a.batches, a.warmup, a.clients, a.memory_ratio = 200_000, 20, 5, 2, 1.25
     if a.repeats is None:
         a.repeats = 1 if a.quick else 3
     cgroups = None
@@ -439,8 +646,13 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="hps-lookup-bench-", dir=a.dir)
     try:
         job, rdb = os.path.join(root, "job"), os.path.join(root, "rocks")
-        log(f"{a.rows:,} rows of dim {a.dim} into a job at {job}")
-        build_s = make_job(job, a.rows, a.dim)
+        space = None
+        if a.writer == "train":
+            log(f"an hps train job of {a.rows:,} keys of dim {a.dim} at {job}")
+            build_s, train_config, space = make_train_job(root, job, a.rows, a.dim, a.train_batch, a.checkpoint_every)
+        else:
+            log(f"{a.rows:,} rows of dim {a.dim} into a job at {job}")
+            build_s = make_job(job, a.rows, a.dim)
         budget = int(a.rows * a.dim * 4 / a.memory_ratio)
         out = {"bench": "lookup", "benchmark": "W11 lookup", "quick": a.quick, "repeats": a.repeats, "rows": a.rows, "dim": a.dim, "batch_keys": a.batch_keys, "batches": a.batches,
                "clients": a.clients, "memory_budget_bytes": budget, "memory_ratio": a.memory_ratio,
@@ -449,11 +661,18 @@ def main(argv=None) -> int:
             log("RocksDB bulk load (SstFileWriter, ingest)")
             out["rocksdb_load_s"], _ = load_rocksdb(job, rdb, a.dim)
             rdb = os.path.join(rdb, "db")
-        work = {dist: (batches_of(dist, a.rows, a.batches, a.batch_keys, 100 + d_i),
-                       batches_of(dist, a.rows, a.warmup, a.batch_keys, 200 + d_i)) for d_i, dist in enumerate(dists)}
+        work = {dist: (batches_of(dist, a.rows, a.batches, a.batch_keys, 100 + d_i, space),
+                       batches_of(dist, a.rows, a.warmup, a.batch_keys, 200 + d_i, space))
+                for d_i, dist in enumerate(dists)}
+        del space
         if "rocksdb" in stores and "hps" in stores:  # before any writer changes the rows
-            out["checked_keys"] = sum(check_same(job, rdb, batches[:3], a.dim) for batches, _ in work.values())
-        writer = Writer(job, a.dim, a.rows, a.checkpoint_every) if a.writer else None
+            out["checked_keys"] = sum(check_same(job, rdb, batches[:3], a.dim, budget) for batches, _ in work.values())
+        if a.writer == "train":
+            writer = TrainWriter(job, train_config, a.train_batch)
+        elif a.writer == "push":
+            writer = Writer(job, a.dim, a.rows, a.checkpoint_every)
+        else:
+            writer = None
         try:
             for dist, (batches, warmup) in work.items():
                 n_keys = sum(len(b) for b in batches)
@@ -461,14 +680,14 @@ def main(argv=None) -> int:
                 for rep in range(a.repeats):
                     for store in (stores if rep % 2 == 0 else stores[::-1]):
                         log(f"{store}, {dist}, run {rep + 1} of {a.repeats}: {a.batches} batches of {a.batch_keys} "
-                            f"keys, {a.clients} clients" + (", a writer checkpointing meanwhile" if writer else ""))
+                            f"keys, {a.clients} clients" + (f", a {a.writer} writer checkpointing meanwhile" if writer else ""))
                         cg = cgroups.new() if cgroups else None
                         try:
                             if store == "rocksdb":
                                 res = run_rocks(rdb, budget, batches, warmup, a.clients, cg)
                             elif cg is not None:
                                 res = in_cgroup(cg, run_hps, job, budget, batches, warmup, a.clients,
-                                                a.refresh_s if writer else 0.0)
+                                                a.refresh_s if writer else 0.0, cg)
                             else:
                                 res = run_hps(job, budget, batches, warmup, a.clients, a.refresh_s if writer else 0.0)
                             if cg is not None:
