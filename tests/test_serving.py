@@ -91,6 +91,30 @@ def server_rows(path, keys):
         shutil.rmtree(copy)
 
 
+def budget_for(path, cache_rows):
+    """The memory_budget whose split (hps.lookup's docstring) leaves cache_rows rows to the
+    cache of a Lookup of path: its index, files' metadata and read buffers, the reserve for
+    the next checkpoint (REFRESH_HEADROOM x the index and metadata, and read buffers), and
+    per cached row its bytes, its warm copy in the next cache (a quarter) and its key's."""
+    import math
+    from hps.lookup import REFRESH_HEADROOM, WARM_FRACTION
+    with hps.Lookup(path, memory_budget="1GiB") as lk:
+        m = lk.stats()["memory"]
+    fixed = m["index_bytes"] + m["file_meta_bytes"]
+    per_row = m["cache_row_bytes"] * (1 + 1 / WARM_FRACTION) + 8 / WARM_FRACTION
+    return fixed + math.ceil(REFRESH_HEADROOM * fixed) + 2 * m["read_buffer_bytes"] + math.ceil(cache_rows * per_row)
+
+
+def assert_within_budget(lk):
+    m = lk.stats()["memory"]
+    parts = (m["index_bytes"] + m["file_meta_bytes"] + m["read_buffer_bytes"] + m["refresh_reserve_bytes"]
+             + m["warm_keys_bytes"] + m["cache_budget_bytes"])
+    assert parts == m["total_bytes"] <= m["budget_bytes"], m
+    assert m["cache_bytes"] <= m["cache_budget_bytes"] and m["held_bytes"] <= m["peak_held_bytes"], m
+    assert m["peak_held_bytes"] <= m["budget_bytes"] and m["within_budget"], m
+    return m
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     return train(tmp_path_factory.mktemp("single"), "job")
@@ -375,7 +399,7 @@ def test_lookup_answers_the_checkpoints_rows_through_a_small_cache(job):
     want, live = server_rows(job, keys)
     rng = np.random.default_rng(0)
     unknown = np.array([3, 12345, 2 ** 63], np.uint64)  # never trained
-    with hps.Lookup(job, memory_budget="64KiB") as lk:
+    with hps.Lookup(job, memory_budget=budget_for(job, 256)) as lk:
         assert (lk.checkpoint, lk.step, lk.world, lk.dim) == (6, BATCHES, 1, 4)
         capacity = lk.stats()["cache"]["capacity"]
         assert capacity < live / 4  # most lookups go to SSD-PS
@@ -390,6 +414,8 @@ def test_lookup_answers_the_checkpoints_rows_through_a_small_cache(job):
             assert (rows[len(keys):len(keys) + 3] == 0).all()  # the default row: zeros
         s = lk.stats()
         assert s["cache"]["size"] <= capacity and s["rows"] == live and s["lookups"] == 3
+        assert capacity == 256  # what the budget left the cache
+        assert_within_budget(lk)
         rows, found = lk.lookup(np.empty(0, np.uint64))
         assert rows.shape == (0, 4) and found.shape == (0,)
     assert not os.path.exists(job / jobdir.READERS)
@@ -400,21 +426,26 @@ def test_lookup_of_an_mpi_job_reads_each_key_from_its_owner(mpi_job, tmp_path):
     export(mpi_job, tmp_path / "e", "t-lookup", full=True)
     _, table = read_export(tmp_path / "e")
     keys = np.array(table["key"], np.uint64)
-    with hps.Lookup(mpi_job, memory_budget="64KiB") as lk:
+    with hps.Lookup(mpi_job, memory_budget=budget_for(mpi_job, 256)) as lk:
         rows, found = lk.lookup(keys)
         assert lk.world == 2
+        m = assert_within_budget(lk)
+        one = hps.lookup._read_slot_bytes(jobdir.read_job(mpi_job).row_bytes, 4)
+        assert m["read_buffer_bytes"] == 2 * 4 * one  # every rank's store keeps a reader per read thread
     assert found.all()
     np.testing.assert_array_equal(rows, np.array(table["embedding"], np.float32))
 
 
-def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path):
+def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path, monkeypatch):
     import threading
+    # the job grows by a third below; a reserve of twice the index holds its next one beside it
+    monkeypatch.setattr(hps.lookup, "REFRESH_HEADROOM", 2.0)
     path = train(tmp_path, "moving")
     keys = trained_keys(examples=2 * BATCH * BATCHES)
     old, _ = server_rows(path, keys)
     first = np.isin(keys, trained_keys())  # stored in checkpoint 6; the others read as zeros there
     old[~first] = 0
-    lk = hps.Lookup(path, memory_budget="64KiB")
+    lk = hps.Lookup(path, memory_budget=budget_for(path, 16384))  # room for the grown index too
     try:
         # training resumes at the same path (and prunes checkpoint 6) while it is served
         cfg = write_config(tmp_path, "moving", path)
@@ -438,9 +469,10 @@ def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path):
         threads = [threading.Thread(target=reader) for _ in range(3)]
         for t in threads:
             t.start()
+        before = lk.stats()["cache"]["capacity"]
         assert lk.refresh() and (lk.checkpoint, lk.step) == (12, 2 * BATCHES)
         warmed = lk.stats()["warmed_rows"]  # the keys looked up lately, read anew before it served
-        assert 0 < warmed <= lk.stats()["cache"]["capacity"] // 2
+        assert 0 < warmed <= min(before // 4, lk.stats()["cache"]["capacity"] // 2)
         while len(results) < 10 and not errors:
             pass
         stop.set()
@@ -452,15 +484,80 @@ def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path):
         np.testing.assert_array_equal(lk.lookup(keys)[0], new)
         assert not lk.refresh()  # nothing newer
         assert len(os.listdir(path / jobdir.READERS)) == 1  # the old view is gone
-        assert lk.stats()["refreshes"] == 1
+        assert lk.stats()["refreshes"] == 1 and lk.stats()["blocking_refreshes"] == 0
+        assert_within_budget(lk)  # the two checkpoints held at once included
     finally:
         lk.close()
     with pytest.raises(ValueError, match="is closed"):
         lk.lookup(keys)
 
 
+def test_lookup_refuses_a_budget_that_leaves_no_cache_naming_the_sizes(job):
+    with pytest.raises(ValueError, match=r"memory_budget 0\.1 MiB holds no row cache for .*job: its key index "
+                                         r"\([\d.]+ MiB\), files' metadata \([\d.]+ MiB\) and read buffers "
+                                         r"\([\d.]+ MiB\) take [\d.]+ MiB.*give at least [\d.]+ MiB"):
+        hps.Lookup(job, memory_budget="64KiB")
+    least = budget_for(job, 0)
+    with pytest.raises(ValueError, match="memory_budget .* holds no row cache"):
+        hps.Lookup(job, memory_budget=least)
+    with hps.Lookup(job, memory_budget=budget_for(job, 2)) as lk:  # two rows: the least that still serves
+        assert lk.stats()["cache"]["capacity"] == 2
+        rows, found = lk.lookup(trained_keys())
+        assert found.all()
+        assert_within_budget(lk)
+    with pytest.raises(ValueError, match="read_threads: a positive number"):
+        hps.Lookup(job, read_threads=0)
+    assert not os.path.exists(job / jobdir.READERS)  # a refused Lookup leaves no pinned view
+
+
+def test_a_refresh_with_no_room_beside_the_served_checkpoint_frees_it_first(tmp_path, monkeypatch):
+    import threading
+    path = train(tmp_path, "grown")
+    keys = trained_keys(examples=2 * BATCH * BATCHES)
+    lk = hps.Lookup(path, memory_budget=budget_for(path, 4096), read_threads=2)
+    try:
+        old = lk.lookup(keys)[0]
+        cfg = write_config(tmp_path, "grown", path)
+        assert main(["train", "--config", str(cfg), "--resume", "--examples", str(2 * BATCH * BATCHES),
+                     "--no-progress"]) == 0
+        new, _ = server_rows(path, keys)
+        # as if the job had grown past the reserve: the estimate of its index says so
+        monkeypatch.setattr(hps.lookup._Generation, "next_fixed_estimate", lambda self, view: 1 << 40)
+        results, errors, stop = [], [], threading.Event()
+
+        def reader():
+            while not stop.is_set():
+                try:
+                    results.append(lk.lookup(keys)[0])
+                except Exception as e:  # noqa: BLE001 - collected, asserted below
+                    errors.append(e)
+
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert lk.refresh() and lk.checkpoint == 12
+        n = len(results)
+        while len(results) < n + 5 and not errors:
+            pass
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert all(np.array_equal(r, old) or np.array_equal(r, new) for r in results)
+        np.testing.assert_array_equal(results[-1], new)
+        s = lk.stats()
+        assert s["blocking_refreshes"] == 1 and s["refreshes"] == 1 and s["warmed_rows"] > 0
+        m = assert_within_budget(lk)
+        # never both checkpoints at once: the peak is one checkpoint's parts, its cache full at most
+        assert m["peak_held_bytes"] <= m["index_bytes"] + m["file_meta_bytes"] + m["read_buffer_bytes"] \
+            + m["cache_budget_bytes"] + m["warm_keys_bytes"] + m["refresh_reserve_bytes"]
+        assert len(os.listdir(path / jobdir.READERS)) == 1
+    finally:
+        lk.close()
+
+
 def test_lookup_refuses_bad_keys_naming_them(job, tmp_path):
-    with hps.Lookup(job, memory_budget="64KiB") as lk:
+    with hps.Lookup(job, memory_budget=budget_for(job, 64)) as lk:
         with pytest.raises(ValueError, match=r"key -5 at index 1"):
             lk.lookup(np.array([1, -5], np.int64))
         with pytest.raises(ValueError, match="index 2 holds the reserved key"):
@@ -482,7 +579,7 @@ def test_lookup_refuses_bad_keys_naming_them(job, tmp_path):
 def server(job):
     import threading
     from hps.serve import LookupServer
-    lk = hps.Lookup(job, memory_budget="64KiB")
+    lk = hps.Lookup(job, memory_budget="64MiB")
     srv = LookupServer(lk, ("127.0.0.1", 0), max_concurrent=1)
     t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
@@ -581,7 +678,7 @@ def test_hps_serve_command_serves_until_terminated(job):
     import signal
     import urllib.request
     p = subprocess.Popen([sys.executable, "-m", "hps.cli", "serve", str(job), "--port", "0",
-                          "--memory-budget", "64KiB"], stderr=subprocess.PIPE, text=True)
+                          "--memory-budget", "64MiB"], stderr=subprocess.PIPE, text=True)
     try:
         line = p.stderr.readline()
         url = re.search(r"on (http://[0-9.]+:[0-9]+)", line).group(1)
@@ -606,13 +703,19 @@ def test_lookup_bench_quick_runs_both_stores_on_the_same_rows():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["rows"] == 100_000 and out["memory_budget_bytes"] == 100_000 * 16 * 4 // 4
+    assert out["rows"] == 200_000 and out["memory_budget_bytes"] == int(200_000 * 64 * 4 / 1.25)
     assert out["checked_keys"] == 2 * 3 * 4096  # answers compared, row by row, for both distributions
     for name in ("hps/uniform", "rocksdb/uniform", "hps/zipf", "rocksdb/zipf"):
         r = out["results"][name]
         assert r["batches"] == 20 and r["keys_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
     hps_u = out["results"]["hps/uniform"]
-    assert hps_u["cache_rows"] <= hps_u["cache_capacity"]  # the lookup stays inside its budget's rows
+    assert hps_u["cache_rows"] <= hps_u["cache_capacity"]
+    m = hps_u["memory"]  # the lookup's split of its budget, and what it held by that accounting
+    assert m["budget_bytes"] == out["memory_budget_bytes"] and m["total_bytes"] <= m["budget_bytes"]
+    assert m["peak_held_bytes"] <= m["budget_bytes"] and m["index_bytes"] > 0 and m["read_buffer_bytes"] > 0
+    # measured: the process's peak growth from just before the Lookup opened, against the budget
+    assert hps_u["measured_by"] == "rss" and 0 < hps_u["measured_bytes"]
+    assert hps_u["within_budget"] == (hps_u["measured_bytes"] <= out["memory_budget_bytes"])
     assert out["results"]["hps/zipf"]["cache_hit_rate"] > hps_u["cache_hit_rate"]  # hot keys stay cached
 
 
@@ -656,8 +759,10 @@ def test_lookup_bench_runs_each_store_in_a_memory_cgroup_and_reports_its_peak(tm
     for store in ("hps/zipf", "rocksdb/zipf"):
         r = out["results"][store]
         assert 0 < r["cgroup_peak_bytes"] < 1 << 30 and r["cgroup_oom_kills"] == 0, r
+    h = out["results"]["hps/zipf"]
+    assert h["measured_by"] == "cgroup" and 0 < h["measured_bytes"] <= h["cgroup_peak_bytes"], h
     # A limit below what a store needs ends the run with a message, not a hang.
-    p = subprocess.run([sys.executable, bench, "--quick", "--dists", "zipf", "--stores", "hps", "--cgroup", "6MiB"],
+    p = subprocess.run([sys.executable, bench, "--quick", "--dists", "zipf", "--stores", "hps", "--cgroup", "24MiB"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "the hps run in the cgroup died" in p.stderr and "oom_kills" in p.stderr, p.stderr
 
@@ -672,6 +777,22 @@ def test_lookup_bench_quick_with_a_writer_checkpointing_meanwhile():
     assert out["writer"]["pushes"] >= 1 and out["writer"]["checkpoints"] == out["writer"]["pushes"] // 2
     r = out["results"]["hps/zipf"]
     assert r["batches"] == 20 and r["refreshes"] >= 0 and "rocksdb/zipf" not in out["results"]
+
+
+def test_lookup_bench_quick_with_hps_train_writing_checkpoints_meanwhile():
+    """--writer train: `hps train` trains at the job the lookups read; they refresh to its checkpoints."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, os.path.join(here, "..", "bench", "lookup_bench.py"), "--quick",
+                        "--stores", "hps", "--dists", "zipf", "--writer", "train", "--checkpoint-every", "2",
+                        "--train-batch", "256", "--refresh-s", "0.05"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    w = out["writer"]
+    assert w["mode"] == "train" and w["checkpoints"] >= 1 and w["batches_checkpointed"] >= 2
+    assert w["examples_checkpointed"] == 256 * w["batches_checkpointed"]
+    r = out["results"]["hps/zipf"]
+    assert r["batches"] == 20 and r["refreshes"] >= 1  # the lookup moved to a checkpoint hps train wrote
+    assert r["memory"]["peak_held_bytes"] <= out["memory_budget_bytes"]
 
 
 def test_export_without_pyarrow_says_what_to_install(job, tmp_path, monkeypatch, capsys):
