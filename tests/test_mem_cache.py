@@ -210,6 +210,38 @@ def test_pulls_from_several_threads():
     assert s["pinned"] == 0 and s["hits"] + s["misses"] > 0
 
 
+_STATS_DURING_A_LOAD = """
+import threading, time
+import numpy as np
+import hps
+loading = threading.Event()
+
+def loader(keys):  # sleeps inside the pull, the GIL released, as a slow SSD-PS read would
+    loading.set()
+    time.sleep(0.3)
+    return np.asarray(keys, np.uint64).reshape(-1, 1) * 3, np.zeros(len(keys), bool)
+
+cache = hps.MemCache(8, 100, shards=1, loader=loader)
+puller = threading.Thread(target=lambda: cache.pull(np.arange(10, dtype=np.uint64), pin=False))
+puller.start()
+loading.wait()
+during = cache.stats()["hits"] + cache.stats()["misses"], 5 in cache  # must return at all
+puller.join()
+print(cache.stats()["size"], 5 in cache)
+"""
+
+
+def test_stats_and_contains_answer_while_another_thread_loads():
+    # The pull holds the cache's locks while its Python loader runs; stats() and `in`
+    # take those locks, and once held the GIL while waiting for them: a deadlock.
+    # A subprocess, so that a regression fails by timeout instead of hanging the suite.
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _STATS_DURING_A_LOAD], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["10", "True"]
+
+
 # ---- lookahead eviction (set_lookahead, replay)
 
 def _belady_hits(trace, capacity):

@@ -381,7 +381,8 @@ def main(argv=None) -> int:
     v.add_argument("path", help="the job's path ([ps] path)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
     v.add_argument("--port", type=int, default=8470, help="0: any free port (printed)")
-    v.add_argument("--memory-budget", default="256MiB", help="the lookup's row cache, e.g. 1GiB")
+    v.add_argument("--memory-budget", default="256MiB",
+                   help="all the lookup holds (key index, read buffers, a refresh's reserve, row cache), e.g. 1GiB")
     v.add_argument("--max-concurrent", type=int, default=8, help="lookups at once; more are answered 429")
     v.add_argument("--refresh-every", type=float, default=0.0,
                    help="seconds between moves to a newer checkpoint (0: only on POST /refresh)")

@@ -669,9 +669,18 @@ PYBIND11_MODULE(_core, m) {
         c.ClearLookahead();
       }, "back to eviction without lookahead")
       .def_property_readonly_static("LOOKAHEAD_SCAN", [](py::object) { return hps::MemCache::kLookaheadScan; })
-      .def("__contains__", [](const hps::MemCache& c, uint64_t key) { return c.Contains(key); })
+      // Both take the shard locks, which a pull holds while its loader (Python) waits
+      // for the GIL: holding the GIL here would deadlock against a pull in another thread.
+      .def("__contains__", [](const hps::MemCache& c, uint64_t key) {
+        py::gil_scoped_release release;
+        return c.Contains(key);
+      })
       .def("stats", [](const hps::MemCache& c) {
-        const hps::MemCacheStats st = c.stats();
+        hps::MemCacheStats st;
+        {
+          py::gil_scoped_release release;
+          st = c.stats();
+        }
         py::dict d;
         d["capacity"] = st.capacity;
         d["size"] = st.size;
