@@ -24,6 +24,7 @@ three times the returned rows) are the caller's and outside the budget.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import threading
@@ -217,6 +218,19 @@ class _Generation:
             self.view.close()
 
 
+def _return_freed_memory() -> None:
+    """Hands the pages of a freed generation back to the kernel. Its key index is
+    2^16 shard vectors and its cache's bookkeeping many more, so glibc's heaps keep
+    their freed pages and the next generation grows the heap anew (at 200k keys of dim
+    64 and a 41 MB budget, the resident set after three refreshes and lookups was 46-48
+    MB above the process's start without this, 32-33 MB with it); malloc_trim returns
+    the free pages inside the heaps too. Elsewhere (another libc) a no-op."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Lookup:
     """Rows of a job's last finished checkpoint (every rank's shard), read-only.
 
@@ -407,6 +421,7 @@ class Lookup:
                 self._note(current.held_bytes() + new.held_bytes() + self._ring_bytes())
                 old = self._swap(new)
                 old.close()
+                _return_freed_memory()
             else:  # no room for both: free the served one first, lookups waiting meanwhile
                 old = self._swap(None)
                 old.close(keep_view=True)
@@ -416,6 +431,7 @@ class Lookup:
                     self._serve(self._open(old.view))  # back to the checkpoint served, still pinned
                     raise
                 old.view.close()
+                _return_freed_memory()
                 warm = recent[:new.capacity // 2]
                 if len(warm):
                     new.lookup(warm)
