@@ -868,6 +868,15 @@ def _w10_nodes(o: dict, split: list) -> list[str]:
 
 
 # ------------------------------------------------------------------ W11
+def _w11_writer(w) -> str:
+    if not w:
+        return " No writer."
+    if w.get("mode") == "train":
+        return (f" `hps train` trained meanwhile ({w['batches_checkpointed']:,} batches, "
+                f"{w['examples_checkpointed']:,} examples and {w['checkpoints']:,} checkpoints in {w['wall_s']:,.0f} s).")
+    return f" A writer pushed {w['pushes']:,} batches and made {w['checkpoints']:,} checkpoints during the runs."
+
+
 def render_w11(o: dict) -> list[str]:
     mib = o["memory_budget_bytes"] / 2**20
     out = [f"{o['rows']:,} rows of dim {o['dim']}, batches of {o['batch_keys']:,} keys, {o['batches']} batches a "
@@ -875,19 +884,24 @@ def render_w11(o: dict) -> list[str]:
            f"less than the rows); {o['repeats']} runs a store, interleaved; medians (min-max)."
            + (f" Every run in a memory cgroup of its own, limit {o['cgroup_limit_bytes'] / 2**20:,.0f} MiB (the "
               "largest peak of the runs is shown)." if o.get("cgroup_limit_bytes") else "")
-           + (f" A writer pushed {o['writer']['pushes']:,} batches and made {o['writer']['checkpoints']:,} "
-              "checkpoints during the runs." if o.get("writer") else " No writer."), ""]
+           + _w11_writer(o.get("writer")), ""]
     rows = []
     for dist in ("uniform", "zipf"):
         for store, label in (("hps", "hps.Lookup"), ("rocksdb", "RocksDB multi_get")):
             r = o["results"].get(f"{store}/{dist}")
             if r is None:
                 continue
-            extra = (f"hit rate {r['cache_hit_rate']:.2f}" + (f", {r['refreshes']} refreshes (slowest "
-                                                              f"{r['refresh_max_s']:.2f} s)" if r.get("refreshes") else "")
-                     if store == "hps" else "")
+            extra = ""
+            if store == "hps":
+                hit = r["cache_hit_rate"]
+                extra = (f"hit rate of the last checkpoint's cache {hit:.2f}, {r['refreshes']} refreshes (slowest "
+                         f"{r['refresh_max_s']:.2f} s)" if r.get("refreshes") else f"hit rate {hit:.2f}")
             if r.get("cgroup_peak_bytes") is not None:
                 extra += ("; " if extra else "") + f"cgroup peak {r['cgroup_peak_bytes'] / 2**20:,.0f} MiB"
+            if store == "hps" and r.get("measured_bytes") is not None:
+                extra += (f"; memory measured {r['measured_bytes'] / 2**20:,.1f} MiB (by {r.get('measured_by', '?')}), "
+                          f"its accounting's peak {r['memory']['peak_held_bytes'] / 2**20:,.1f} MiB: "
+                          + ("within" if r["within_budget"] else "**over**") + " the budget")
             rows.append([dist, label, spread(r["keys_per_s"], r.get("keys_per_s_min"), r.get("keys_per_s_max"), ",.0f"),
                          spread(r["p50_ms"], r.get("p50_ms_min"), r.get("p50_ms_max"), ",.1f"),
                          spread(r["p99_ms"], r.get("p99_ms_min"), r.get("p99_ms_max"), ",.1f"), extra])

@@ -547,3 +547,18 @@ def test_w10_line_from_before_the_rounds_renders_as_it_did():
     assert ("| `codec:bf16/bf16` | 2 | ps:vertical, ps:horizontal | gradients 3,134.7 -> 1,567.3 kB | 0.8013 | "
             "-0.0001 | 0.4472 | 18,550 |") in w10
     assert "round(s)" not in w10 and "Modelled" not in w10 and "ratios" not in w10
+
+
+def test_w11_with_hps_train_as_the_writer_renders_its_training_and_the_lookups_memory():
+    o = quick_line("w11_train_quick.json")
+    assert report.workload_of(o) == "w11w"
+    text = "\n".join(report.render_w11(o))
+    w = o["writer"]
+    assert f"`hps train` trained meanwhile ({w['batches_checkpointed']:,} batches" in text
+    assert "pushed" not in text
+    h = o["results"]["hps/uniform"]
+    assert f"memory measured {h['measured_bytes'] / 2**20:,.1f} MiB (by rss)" in text
+    assert ("**over** the budget" in text) == (not h["within_budget"] or not o["results"]["hps/zipf"]["within_budget"])
+    assert "hit rate of the last checkpoint's cache" in text  # a refresh replaced the cache the rate is of
+    fixed = dict(o, results={k: dict(v, within_budget=True) for k, v in o["results"].items()})
+    assert "**over**" not in "\n".join(report.render_w11(fixed))
