@@ -133,8 +133,8 @@ class _Generation:
         self.capacity = self.plan.cache_rows
         self.active = 0
         self.retired = False
-        # MemCache.stats() waits for the cache's locks holding the GIL, while a pull
-        # holds them and calls the loader, which needs the GIL: stats are read between pulls.
+        # Stats are read between pulls, so that a snapshot never counts half a batch (and
+        # before 11f629b MemCache.stats() held the GIL while waiting for a pull's locks).
         self._pulls = 0
         self._stats_wanted = 0
         self._between = threading.Condition()
