@@ -93,7 +93,8 @@ def server_rows(path, keys):
 
 def budget_for(path, cache_rows):
     """The memory_budget whose split (hps.lookup's docstring) leaves cache_rows rows to the
-    cache of a Lookup of path: its index, files' metadata and read buffers, the reserve for
+    cache of a Lookup of path: its index, files' metadata, read buffers and calls' working
+    memory (at the default read_threads), the reserve for
     the next checkpoint (REFRESH_HEADROOM x the index and metadata, and read buffers), and
     per cached row its bytes, its warm copy in the next cache (a quarter) and its key's."""
     import math
@@ -102,13 +103,14 @@ def budget_for(path, cache_rows):
         m = lk.stats()["memory"]
     fixed = m["index_bytes"] + m["file_meta_bytes"]
     per_row = m["cache_row_bytes"] * (1 + 1 / WARM_FRACTION) + 8 / WARM_FRACTION
-    return fixed + math.ceil(REFRESH_HEADROOM * fixed) + 2 * m["read_buffer_bytes"] + math.ceil(cache_rows * per_row)
+    return (fixed + math.ceil(REFRESH_HEADROOM * fixed) + 2 * m["read_buffer_bytes"] + m["call_bytes"]
+            + math.ceil(cache_rows * per_row))
 
 
 def assert_within_budget(lk):
     m = lk.stats()["memory"]
-    parts = (m["index_bytes"] + m["file_meta_bytes"] + m["read_buffer_bytes"] + m["refresh_reserve_bytes"]
-             + m["warm_keys_bytes"] + m["cache_budget_bytes"])
+    parts = (m["index_bytes"] + m["file_meta_bytes"] + m["read_buffer_bytes"] + m["call_bytes"]
+             + m["refresh_reserve_bytes"] + m["warm_keys_bytes"] + m["cache_budget_bytes"])
     assert parts == m["total_bytes"] <= m["budget_bytes"], m
     assert m["cache_bytes"] <= m["cache_budget_bytes"] and m["held_bytes"] <= m["peak_held_bytes"], m
     assert m["peak_held_bytes"] <= m["budget_bytes"] and m["within_budget"], m
@@ -494,8 +496,9 @@ def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path, mon
 
 def test_lookup_refuses_a_budget_that_leaves_no_cache_naming_the_sizes(job):
     with pytest.raises(ValueError, match=r"memory_budget 0\.1 MiB holds no row cache for .*job: its key index "
-                                         r"\([\d.]+ MiB\), files' metadata \([\d.]+ MiB\) and read buffers "
-                                         r"\([\d.]+ MiB\) take [\d.]+ MiB.*give at least [\d.]+ MiB"):
+                                         r"\([\d.]+ MiB\), files' metadata \([\d.]+ MiB\), read buffers "
+                                         r"\([\d.]+ MiB\) and calls' working memory \([\d.]+ MiB\) take "
+                                         r"[\d.]+ MiB.*give at least [\d.]+ MiB"):
         hps.Lookup(job, memory_budget="64KiB")
     least = budget_for(job, 0)
     with pytest.raises(ValueError, match="memory_budget .* holds no row cache"):
@@ -550,7 +553,7 @@ def test_a_refresh_with_no_room_beside_the_served_checkpoint_frees_it_first(tmp_
         m = assert_within_budget(lk)
         # never both checkpoints at once: the peak is one checkpoint's parts, its cache full at most
         assert m["peak_held_bytes"] <= m["index_bytes"] + m["file_meta_bytes"] + m["read_buffer_bytes"] \
-            + m["cache_budget_bytes"] + m["warm_keys_bytes"] + m["refresh_reserve_bytes"]
+            + m["call_bytes"] + m["cache_budget_bytes"] + m["warm_keys_bytes"] + m["refresh_reserve_bytes"]
         assert len(os.listdir(path / jobdir.READERS)) == 1
     finally:
         lk.close()
@@ -703,7 +706,7 @@ def test_lookup_bench_quick_runs_both_stores_on_the_same_rows():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["rows"] == 200_000 and out["memory_budget_bytes"] == int(200_000 * 64 * 4 / 1.25)
+    assert out["rows"] == 200_000 and out["memory_budget_bytes"] == 200_000 * 64 * 4
     assert out["checked_keys"] == 2 * 3 * 4096  # answers compared, row by row, for both distributions
     for name in ("hps/uniform", "rocksdb/uniform", "hps/zipf", "rocksdb/zipf"):
         r = out["results"][name]

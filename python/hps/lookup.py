@@ -17,10 +17,15 @@ The budget covers what the lookup holds, split when a checkpoint is opened:
     current's), its read buffers and the rows it is warmed with (a quarter of the
     cache's rows);
   * the recently looked-up keys kept to warm that cache (8 bytes each);
+  * calls' working memory: a call works on CALL_KEYS keys at a time (their
+    distinct keys, the rows the cache gives, the rows read on a miss, the answer's
+    part), and at most ``read_threads`` calls work at once, more waiting, plus
+    the refresh warming its cache: (read_threads + 1) x CALL_KEYS x
+    _CALL_BYTES_PER_KEY at the dim served;
   * the cache of rows (hps.MemCache, its bookkeeping included): what is left.
 
-A call's own arrays (its keys, the rows it returns and their temporaries, some
-three times the returned rows) are the caller's and outside the budget.
+The answer of a call of more than CALL_KEYS keys (its rows and found mask beyond
+the first CALL_KEYS) is the caller's memory, outside the budget.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import MemCache, parse_bytes
 
 READ_KEYS = 256             # keys per SSD-PS read: bounds each read's scratch buffer
+CALL_KEYS = 4096            # keys a call works on at a time: bounds its working memory
 REFRESH_HEADROOM = 1.25     # the next checkpoint's index may be this much larger and still overlap
 WARM_FRACTION = 4           # a refresh warms the next cache with up to 1/4 of this cache's rows
 BLOCK_BYTES = 4096          # SSD-PS reads whole 4 KiB blocks (docs/ssd_format.md)
@@ -69,6 +75,14 @@ def _meta_bytes(records: int, files: int, row_bytes: int) -> int:
     return 4 * -(-records * row_bytes // BLOCK_BYTES) + _FILE_BYTES * files
 
 
+def _call_bytes(dim: int) -> int:
+    """One call's working memory for CALL_KEYS keys: np.unique's sorted copy,
+    permutation, distinct keys and inverse (8 bytes each); the cache's answer and
+    the loader's rows on a miss ((dim + 1) float32 each); the answer's part (dim
+    float32 and a found byte) and the found test's temporary (4 bytes)."""
+    return CALL_KEYS * (4 * 8 + 2 * 4 * (dim + 1) + 4 * dim + 1 + 4)
+
+
 def _read_slot_bytes(row_bytes: int, dim: int) -> int:
     """One concurrent read of one store: its ring, its scratch at most, its rows."""
     # Rows lie back to back from a block-aligned offset (docs/ssd_format.md), so a row
@@ -81,9 +95,10 @@ def _read_slot_bytes(row_bytes: int, dim: int) -> int:
 class _Plan:
     """A checkpoint's split of the budget (module docstring), in bytes."""
 
-    def __init__(self, budget: int, index: int, meta: int, buffers: int, row_cost: int):
+    def __init__(self, budget: int, index: int, meta: int, buffers: int, calls: int, row_cost: int):
         self.budget, self.index, self.meta, self.buffers, self.row_cost = budget, index, meta, buffers, row_cost
-        self.fixed = index + meta + buffers
+        self.calls = calls
+        self.fixed = index + meta + buffers + calls
         self.next_fixed = math.ceil(REFRESH_HEADROOM * (index + meta)) + buffers
         left = budget - self.fixed - self.next_fixed
         # a cached row, its copy in the next cache warmed beside it (1/4), its key kept to warm (8 B / 4)
@@ -96,8 +111,9 @@ class _Plan:
         need = self.fixed + self.next_fixed + self.row_cost * 2
         raise ValueError(
             f"memory_budget {self.budget / mib:.1f} MiB holds no row cache for {path}: its key index "
-            f"({self.index / mib:.1f} MiB), files' metadata ({self.meta / mib:.1f} MiB) and read buffers "
-            f"({self.buffers / mib:.1f} MiB) take {self.fixed / mib:.1f} MiB, and a refresh needs "
+            f"({self.index / mib:.1f} MiB), files' metadata ({self.meta / mib:.1f} MiB), read buffers "
+            f"({self.buffers / mib:.1f} MiB) and calls' working memory ({self.calls / mib:.1f} MiB) take "
+            f"{self.fixed / mib:.1f} MiB, and a refresh needs "
             f"{self.next_fixed / mib:.1f} MiB more beside them for the next checkpoint; give at least "
             f"{need / mib:.1f} MiB, and more for the cache")
 
@@ -119,11 +135,12 @@ class _Generation:
         self.cached_row_bytes = 4 * (self.dim + 1)  # the embedding, then 1.0 if stored (0.0: a cached miss)
         row_cost = self.row_cost(self.cached_row_bytes)
         buffers = self.world * read_threads * _read_slot_bytes(row_bytes, self.dim)
+        calls = (read_threads + 1) * _call_bytes(self.dim)  # + 1: the refresh warming its cache
         self.stores = [jobdir.open_store(rv, row_bytes) for rv in view.ranks]
         ssd = [s.stats() for s in self.stores]
         self.plan = _Plan(budget, sum(s["index_bytes"] for s in ssd),
                           sum(_meta_bytes(sum(rv.files.values()), len(rv.files), row_bytes) for rv in view.ranks),
-                          buffers, row_cost)
+                          buffers, calls, row_cost)
         self.live = [int(s["live_records"]) for s in ssd]
         if self.plan.cache_rows < 1:
             self.stores = []
@@ -176,23 +193,33 @@ class _Generation:
         return out, np.zeros(len(keys), bool)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        rows = np.empty((len(uniq), self.dim + 1), np.float32)
-        step = max(1, self.capacity // 2)  # a pull holds its rows in the cache until it returns
+        rows = np.empty((len(keys), self.dim), np.float32)
+        found = np.empty(len(keys), bool)
         with self._between:
             while self._stats_wanted:
                 self._between.wait()
             self._pulls += 1
         try:
-            for at in range(0, len(uniq), step):
-                got, _ = self.cache.pull(uniq[at:at + step], dtype=np.float32)
-                rows[at:at + step] = got
+            for at in range(0, len(keys), CALL_KEYS):  # the working memory stays CALL_KEYS keys' (_call_bytes)
+                part = keys[at:at + CALL_KEYS]
+                uniq, inverse = np.unique(part, return_inverse=True)
+                got = self._pull(uniq)
+                np.take(got[:, :self.dim], inverse, axis=0, out=rows[at:at + len(part)])
+                found[at:at + len(part)] = got[inverse, self.dim] > 0
         finally:
             with self._between:
                 self._pulls -= 1
                 self._between.notify_all()
-        rows = rows[inverse.ravel()]
-        return np.ascontiguousarray(rows[:, :self.dim]), rows[:, self.dim] > 0
+        return rows, found
+
+    def _pull(self, uniq: np.ndarray) -> np.ndarray:
+        step = max(1, self.capacity // 2)  # a pull holds its rows in the cache until it returns
+        if len(uniq) <= step:
+            return self.cache.pull(uniq, dtype=np.float32)[0]
+        got = np.empty((len(uniq), self.dim + 1), np.float32)
+        for at in range(0, len(uniq), step):
+            got[at:at + step] = self.cache.pull(uniq[at:at + step], dtype=np.float32)[0]
+        return got
 
     def cache_stats(self) -> dict:
         """The cache's stats, read between pulls (__init__)."""
@@ -207,9 +234,10 @@ class _Generation:
                 self._between.notify_all()
 
     def held_bytes(self) -> int:
-        """What this generation holds now: fixed parts, and the cache's rows."""
+        """What this generation holds now: its fixed parts and its cache's rows (the
+        calls' working memory is the Lookup's, counted once beside its generations)."""
         cache = self.cache_stats()["size"] if self.cache is not None else 0
-        return self.plan.fixed + cache * self.plan.row_cost
+        return self.plan.fixed - self.plan.calls + cache * self.plan.row_cost
 
     def close(self, keep_view: bool = False) -> None:
         self.stores = []
@@ -241,7 +269,8 @@ class Lookup:
 
     ``memory_budget`` (bytes, or a string like "256MiB") bounds all the lookup
     holds: the stores' key index and files' metadata, the read buffers of up to
-    ``read_threads`` concurrent SSD-PS reads, the reserve a refresh opens the next
+    ``read_threads`` concurrent SSD-PS reads, the working memory of as many calls
+    (a call works on CALL_KEYS keys at a time), the reserve a refresh opens the next
     checkpoint in, and the cache of rows (a MEM-PS, hps.MemCache, TinyLFU
     admission by default), which gets what is left (module docstring). A budget
     that leaves no row for the cache is refused, naming memory_budget and the
@@ -258,7 +287,8 @@ class Lookup:
     lookups waiting meanwhile (``stats()["blocking_refreshes"]``). Either way each
     answer is one checkpoint's. Training may run at the same path meanwhile.
 
-    Thread-safe: lookups run in parallel (the SSD-PS reads without the GIL).
+    Thread-safe: up to ``read_threads`` lookups run in parallel (the SSD-PS reads
+    without the GIL), more wait for one of them to return.
 
     The checkpoint is pinned (hps.jobdir: hard links in <path>/.hps-readers), so
     training may prune it while it is served; ``close()`` releases it.
@@ -273,6 +303,7 @@ class Lookup:
         self._policy = cache_policy
         self._read_threads = read_threads
         self._reads = threading.BoundedSemaphore(read_threads)
+        self._calls = threading.BoundedSemaphore(read_threads)  # calls working at once (_call_bytes each)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # a swap waits for the old generation's lookups
         self._swapping = False
@@ -287,7 +318,7 @@ class Lookup:
         self._peak = 0    # the most held at once, by the split's accounting
         self._current = self._open()
         self._new_ring(self._current)
-        self._note(self._current.held_bytes() + self._ring_bytes())
+        self._note(self._current.held_bytes() + self._current.plan.calls + self._ring_bytes())
 
     def _open(self, view: Optional[jobdir.View] = None) -> _Generation:
         view = jobdir.pin(self.path) if view is None else view
@@ -373,13 +404,14 @@ class Lookup:
         bad = np.flatnonzero(keys == np.uint64(EMPTY_KEY))
         if len(bad):
             raise ValueError(f"keys: index {int(bad[0])} holds the reserved key 2^64-1 (hps.EMPTY_KEY)")
-        gen = self._acquire()
-        try:
-            if len(keys) == 0:
-                return np.empty((0, gen.dim), np.float32), np.empty(0, bool)
-            result = gen.lookup(keys)
-        finally:
-            self._release(gen)
+        with self._calls:
+            gen = self._acquire()
+            try:
+                if len(keys) == 0:
+                    return np.empty((0, gen.dim), np.float32), np.empty(0, bool)
+                result = gen.lookup(keys)
+            finally:
+                self._release(gen)
         with self._lock:
             self._lookups += 1
             ring = self._recent
@@ -418,7 +450,7 @@ class Lookup:
                 warm = recent[:min(current.plan.warm_rows, new.capacity // 2)]
                 if len(warm):  # warm the new cache with the keys looked up lately, before it serves
                     new.lookup(warm)
-                self._note(current.held_bytes() + new.held_bytes() + self._ring_bytes())
+                self._note(current.held_bytes() + new.held_bytes() + new.plan.calls + self._ring_bytes())
                 old = self._swap(new)
                 old.close()
                 _return_freed_memory()
@@ -441,7 +473,7 @@ class Lookup:
             self._new_ring(new)
             with self._lock:
                 self._refreshes += 1
-            self._note(new.held_bytes() + self._ring_bytes())
+            self._note(new.held_bytes() + new.plan.calls + self._ring_bytes())
             return True
 
     def _served(self) -> _Generation:
@@ -481,6 +513,7 @@ class Lookup:
             self._note(held)
             memory = {"budget_bytes": self._budget, "index_bytes": plan.index, "file_meta_bytes": plan.meta,
                       "read_buffer_bytes": plan.buffers, "read_threads": self._read_threads,
+                      "call_bytes": plan.calls,
                       "refresh_reserve_bytes": plan.reserve, "warm_keys_bytes": self._ring_bytes(),
                       "cache_budget_bytes": plan.cache_rows * plan.row_cost,
                       "cache_bytes": cache["size"] * plan.row_cost, "cache_row_bytes": plan.row_cost,
