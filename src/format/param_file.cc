@@ -262,6 +262,20 @@ std::vector<uint64_t> ParamFile::ReadKeys() const {
   return keys;
 }
 
+void ParamFile::ForEachKeyChunk(const std::function<void(const uint64_t*, uint64_t, uint64_t)>& fn,
+                                uint64_t chunk) const {
+  const uint64_t records = header_.records;
+  std::vector<uint64_t> keys(std::min(records, std::max<uint64_t>(chunk, 1)));
+  uint32_t crc = 0;
+  for (uint64_t first = 0; first < records; first += keys.size()) {
+    const uint64_t n = std::min<uint64_t>(keys.size(), records - first);
+    ReadFully(fd_, path_, layout().keys_offset() + first * sizeof(uint64_t), keys.data(), n * sizeof(uint64_t));
+    crc = Crc32c(keys.data(), n * sizeof(uint64_t), crc);
+    fn(keys.data(), first, n);
+  }
+  if (crc != header_.keys_crc) ThrowCorrupt(path_, "keys CRC mismatch");
+}
+
 void ParamFile::Sync() const {
   if (fdatasync(fd_) != 0) ThrowErrno("sync", path_);
 }

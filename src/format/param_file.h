@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -139,6 +140,12 @@ class ParamFile {
   // The keys of the records, by slot, read from disk and checked against
   // their CRC (the store keeps none in memory: its index has them).
   std::vector<uint64_t> ReadKeys() const;
+  // The same keys in chunks of at most `chunk` (a reader that opens a big file
+  // holds one chunk, not all its keys): fn(keys, first_slot, n) for each, in slot
+  // order, then the CRC check, which throws CorruptionError after the last call.
+  void ForEachKeyChunk(const std::function<void(const uint64_t*, uint64_t, uint64_t)>& fn,
+                       uint64_t chunk = kKeyChunk) const;
+  static constexpr uint64_t kKeyChunk = 1 << 16;  // 512 KiB of keys
   // Makes the file's data durable (fdatasync).
   void Sync() const;
 

@@ -197,9 +197,13 @@ class FileStore final : public SsdStore {
                               std::to_string(f->header().records) + " records, " + manifest +
                               " says " + std::to_string(sequence) + " with " + std::to_string(records));
       }
-      const std::vector<uint64_t> keys = f->ReadKeys();
       stamp = std::max(stamp, f->stamp());
-      Index(AddEntry(sequence, std::move(f), true), keys);
+      const ParamFile& opened = *f;  // the entry keeps it
+      const uint32_t handle = AddEntry(sequence, std::move(f), true);
+      // A chunk of keys at a time: a reader opening a store beside another (a
+      // Lookup's refresh) holds 512 KiB of keys, not a big file's all at once.
+      // A CRC mismatch throws after the last chunk, and the half-built store goes.
+      opened.ForEachKeyChunk([&](const uint64_t* keys, uint64_t first, uint64_t n) { Index(handle, keys, first, n); });
     }
     stamp_ = stamp;  // puts go on from the newest file's: stamps never go back
     for (const fs::path& stray : strays) fs::remove(stray);
@@ -591,13 +595,16 @@ class FileStore final : public SsdStore {
   // stale. A superseded copy in a compaction's victim is remembered: it may
   // be the committed copy, which the compaction must carry over.
   // REQUIRES: mutex_ held exclusively.
-  void Index(uint32_t handle, const std::vector<uint64_t>& keys) {
-    for (uint64_t slot = 0; slot < keys.size(); ++slot) {
-      const uint32_t old = index_.Upsert(keys[slot], RecordId(handle, slot));
+  void Index(uint32_t handle, const std::vector<uint64_t>& keys) { Index(handle, keys.data(), 0, keys.size()); }
+
+  // The same for slots [first, first + n), whose keys are keys[0, n).
+  void Index(uint32_t handle, const uint64_t* keys, uint64_t first, uint64_t n) {
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint32_t old = index_.Upsert(keys[i], RecordId(handle, first + i));
       if (old == KeyIndex::kNone) continue;
       FileEntry& was = Entry(static_cast<uint32_t>(old / slots_per_file_));
       was.stale += 1;
-      if (was.victim) superseded_victim_copies_.try_emplace(keys[slot], old);
+      if (was.victim) superseded_victim_copies_.try_emplace(keys[i], old);
     }
   }
 

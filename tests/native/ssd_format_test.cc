@@ -153,14 +153,45 @@ TEST_F(ParamFileTest, NeverOverwritesAnExistingFile) {
 
 void ExpectCorrupt(const std::string& path, uint32_t row_bytes, bool verify_rows,
                    const std::string& what) {
-  try {
-    ParamFile::Open(path, row_bytes, verify_rows).ReadKeys();  // as the store does at open
-    ADD_FAILURE() << "opened " << path << ", expected: " << what;
-  } catch (const CorruptionError& e) {
-    const std::string message = e.what();
-    EXPECT_NE(message.find(path), std::string::npos) << message;
-    EXPECT_NE(message.find(what), std::string::npos) << message;
+  // Both ways keys are read: whole (compaction) and in chunks (the store's open).
+  for (const bool chunked : {false, true}) {
+    try {
+      const ParamFile f = ParamFile::Open(path, row_bytes, verify_rows);
+      if (chunked) {
+        f.ForEachKeyChunk([](const uint64_t*, uint64_t, uint64_t) {}, 7);
+      } else {
+        f.ReadKeys();
+      }
+      ADD_FAILURE() << "opened " << path << (chunked ? " in chunks" : "") << ", expected: " << what;
+    } catch (const CorruptionError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find(path), std::string::npos) << message;
+      EXPECT_NE(message.find(what), std::string::npos) << message;
+    }
   }
+}
+
+TEST_F(ParamFileTest, KeysInChunksAreTheKeysInSlotOrder) {
+  const Records r = MakeRecords(1000, 16, 5);
+  WriteParamFile(Path("f"), 1, 16, r.keys.data(), r.rows.data(), 1000);
+  const ParamFile f = ParamFile::Open(Path("f"), 16, true);
+  for (const uint64_t chunk : {1ull, 7ull, 999ull, 1000ull, 4096ull}) {
+    std::vector<uint64_t> got;
+    uint64_t calls = 0, largest = 0;
+    f.ForEachKeyChunk([&](const uint64_t* keys, uint64_t first, uint64_t n) {
+      EXPECT_EQ(first, got.size());
+      got.insert(got.end(), keys, keys + n);
+      ++calls;
+      largest = std::max(largest, n);
+    }, chunk);
+    EXPECT_EQ(got, r.keys) << "chunk " << chunk;
+    EXPECT_EQ(calls, (1000 + chunk - 1) / chunk) << "chunk " << chunk;
+    EXPECT_LE(largest, chunk);
+  }
+  WriteParamFile(Path("empty"), 2, 16, nullptr, nullptr, 0);
+  uint64_t empty_calls = 0;
+  ParamFile::Open(Path("empty"), 16, true).ForEachKeyChunk([&](const uint64_t*, uint64_t, uint64_t) { ++empty_calls; });
+  EXPECT_EQ(empty_calls, 0u);
 }
 
 TEST_F(ParamFileTest, CorruptionIsReportedWithFileAndField) {
