@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -105,6 +106,29 @@ def budget_for(path, cache_rows):
     per_row = m["cache_row_bytes"] * (1 + 1 / WARM_FRACTION) + 8 / WARM_FRACTION
     return (fixed + math.ceil(REFRESH_HEADROOM * fixed) + 2 * m["read_buffer_bytes"] + m["call_bytes"]
             + math.ceil(cache_rows * per_row))
+
+
+class Readers:
+    """Threads looking the same keys up until stopped, keeping each answer's rows
+    and any error (asserted by the test)."""
+
+    def __init__(self, lk, keys, n):
+        self.results, self.errors, self._stop = [], [], threading.Event()
+        self._threads = [threading.Thread(target=self._read, args=(lk, keys)) for _ in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, lk, keys):
+        while not self._stop.is_set():
+            try:
+                self.results.append(lk.lookup(keys)[0])
+            except Exception as e:  # noqa: BLE001 - collected, asserted by the test
+                self.errors.append(e)
+
+    def stop(self):
+        self._stop.set()
+        for t in self._threads:
+            t.join()
 
 
 def assert_within_budget(lk):
@@ -439,7 +463,6 @@ def test_lookup_of_an_mpi_job_reads_each_key_from_its_owner(mpi_job, tmp_path):
 
 
 def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path, monkeypatch):
-    import threading
     # the job grows by a third below; a reserve of twice the index holds its next one beside it
     monkeypatch.setattr(hps.lookup, "REFRESH_HEADROOM", 2.0)
     path = train(tmp_path, "moving")
@@ -459,27 +482,15 @@ def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path, mon
         rows, found = lk.lookup(keys)
         np.testing.assert_array_equal(rows, old)  # still checkpoint 6, whole
         np.testing.assert_array_equal(found, first)
-        results, errors, stop = [], [], threading.Event()
-
-        def reader():
-            while not stop.is_set():
-                try:
-                    results.append(lk.lookup(keys)[0])
-                except Exception as e:  # noqa: BLE001 - collected, asserted below
-                    errors.append(e)
-
-        threads = [threading.Thread(target=reader) for _ in range(3)]
-        for t in threads:
-            t.start()
+        readers = Readers(lk, keys, 3)
+        results, errors = readers.results, readers.errors
         before = lk.stats()["cache"]["capacity"]
         assert lk.refresh() and (lk.checkpoint, lk.step) == (12, 2 * BATCHES)
         warmed = lk.stats()["warmed_rows"]  # the keys looked up lately, read anew before it served
         assert 0 < warmed <= min(before // 4, lk.stats()["cache"]["capacity"] // 2)
         while len(results) < 10 and not errors:
             pass
-        stop.set()
-        for t in threads:
-            t.join()
+        readers.stop()
         assert not errors
         # each answer is one checkpoint's, never a mix
         assert all(np.array_equal(r, old) or np.array_equal(r, new) for r in results)
@@ -514,7 +525,6 @@ def test_lookup_refuses_a_budget_that_leaves_no_cache_naming_the_sizes(job):
 
 
 def test_a_refresh_with_no_room_beside_the_served_checkpoint_frees_it_first(tmp_path, monkeypatch):
-    import threading
     path = train(tmp_path, "grown")
     keys = trained_keys(examples=2 * BATCH * BATCHES)
     lk = hps.Lookup(path, memory_budget=budget_for(path, 4096), read_threads=2)
@@ -526,25 +536,13 @@ def test_a_refresh_with_no_room_beside_the_served_checkpoint_frees_it_first(tmp_
         new, _ = server_rows(path, keys)
         # as if the job had grown past the reserve: the estimate of its index says so
         monkeypatch.setattr(hps.lookup._Generation, "next_fixed_estimate", lambda self, view: 1 << 40)
-        results, errors, stop = [], [], threading.Event()
-
-        def reader():
-            while not stop.is_set():
-                try:
-                    results.append(lk.lookup(keys)[0])
-                except Exception as e:  # noqa: BLE001 - collected, asserted below
-                    errors.append(e)
-
-        threads = [threading.Thread(target=reader) for _ in range(2)]
-        for t in threads:
-            t.start()
+        readers = Readers(lk, keys, 2)
+        results, errors = readers.results, readers.errors
         assert lk.refresh() and lk.checkpoint == 12
         n = len(results)
         while len(results) < n + 5 and not errors:
             pass
-        stop.set()
-        for t in threads:
-            t.join()
+        readers.stop()
         assert not errors
         assert all(np.array_equal(r, old) or np.array_equal(r, new) for r in results)
         np.testing.assert_array_equal(results[-1], new)
