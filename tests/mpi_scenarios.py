@@ -9,6 +9,7 @@ the test imports too, so both sides see the same numbers.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -25,6 +26,9 @@ DIM = 4
 
 MPIEXEC = shutil.which("mpiexec")
 SCRIPT = os.path.abspath(__file__)
+# What a test that launches ranks needs: pytest.mark.skipif(not MPI_READY, reason=MPI_MISSING).
+MPI_READY = MPIEXEC is not None and importlib.util.find_spec("mpi4py") is not None
+MPI_MISSING = "needs mpi4py and mpiexec (pip install '.[mpi]')"
 
 
 def mpirun(n: int, *args, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

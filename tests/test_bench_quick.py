@@ -7,6 +7,10 @@ import sys
 import numpy as np
 import pytest
 
+from mpi_scenarios import MPI_MISSING, MPI_READY  # tests/ is on pytest's sys.path
+
+needs_mpi = pytest.mark.skipif(not MPI_READY, reason=MPI_MISSING)  # the W6 and W10 jobs launch ranks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -85,12 +89,9 @@ def test_train_quick_multi_hot_against_pytorch():
     assert out["torch"]["embedding_rows"] == len(np.unique(np.concatenate([b.all_keys().ravel() for b in data])))
 
 
+@needs_mpi
 def test_w6_quick_kstep_bytes_fall_as_1_over_k():
     pytest.importorskip("torch", reason="the W6 benchmark trains with torch")
-    pytest.importorskip("mpi4py", reason="the W6 benchmark needs mpi4py (pip install '.[mpi]')")
-    import shutil
-    if shutil.which("mpiexec") is None:
-        pytest.skip("no mpiexec on PATH (pip install mpich)")
     out = run_json("bench/w6_bench.py", "--quick", "--examples", "100000", "--eval-examples", "10000",
                    timeout=600)
     runs = {(r["dense_sync"], r["k"]): r for r in out["kstep"]}
@@ -104,6 +105,7 @@ def test_w6_quick_kstep_bytes_fall_as_1_over_k():
         assert sum(r["sparse_bytes_per_rank_per_batch"].values()) > 0
 
 
+@needs_mpi
 def test_w10_quick_rounds_and_the_planners_model_against_the_jobs():
     """W10 in 2 interleaved rounds of the split job with and without bf16, and with 2
     Hogwild nets (the 2-rank jobs: the 4-rank ones would double the time;
@@ -112,10 +114,6 @@ def test_w10_quick_rounds_and_the_planners_model_against_the_jobs():
     may move), and the planner's modelled step against the measured one per node (the
     bytes equal, the CPU time of the same order)."""
     pytest.importorskip("torch", reason="the W10 benchmark trains with torch")
-    pytest.importorskip("mpi4py", reason="the W10 benchmark needs mpi4py (pip install '.[mpi]')")
-    import shutil
-    if shutil.which("mpiexec") is None:
-        pytest.skip("no mpiexec on PATH (pip install mpich)")
     out = run_json("bench/w10_bench.py", "--quick", "--rounds", "2", "--only",
                    "codec:none/none,codec:bf16/bf16,hogwild:2", "--no-save", timeout=600)
     assert out["rounds"] == 2 and out["problems"] == []

@@ -4,11 +4,9 @@ hps.train.train's dense_hook (as hps.hierarchical.roles installs them), and unde
 mpiexec with a group PS, two trainers and two groups."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
 import threading
 
@@ -26,16 +24,10 @@ from hps.tuning import dense_adam  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import ht_scenarios as sc  # noqa: E402 - tests/ is on pytest's sys.path
+import mpi_scenarios as ms  # noqa: E402
 
-
-sc, ms = _load("ht_scenarios"), _load("mpi_scenarios")
-needs_mpi = pytest.mark.skipif(shutil.which("mpiexec") is None or importlib.util.find_spec("mpi4py") is None,
-                               reason="needs mpi4py and mpiexec (pip install '.[mpi]')")
+needs_mpi = pytest.mark.skipif(not ms.MPI_READY, reason=ms.MPI_MISSING)
 
 AUC_TOLERANCE = 0.02  # R = 2 against R = 1 on the synthetic run below (measured: 0.008 apart)
 
@@ -184,7 +176,8 @@ def test_two_trainers_of_two_nets_with_a_group_ps_stay_one_replica(tmp_path):
 
 @needs_mpi
 def test_hps_train_runs_hogwild_nets_in_two_groups(tmp_path):
-    line, out = _load("test_ht_train").hps_train(tmp_path, 3, 'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{path}"\n'
+    import test_ht_train  # its hps_train launcher
+    line, out = test_ht_train.hps_train(tmp_path, 3, 'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{path}"\n'
                           'mem_budget = "1MiB"\n[data]\nbatch_size = 128\ntrain_examples = 1024\n'
                           'eval_examples = 128\n[hierarchical]\ngroups = 2\nnets = 2\n')
     assert "; 2 Hogwild nets a trainer (threads on one dense copy); plan " in line, line

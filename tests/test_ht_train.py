@@ -3,11 +3,9 @@ localhost: one group equals today's all-reduce training, a split MLP over two gr
 PSs equals one process, and two groups average with a centre in the background."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -22,17 +20,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ht_scenarios.py")
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import ht_scenarios as sc  # noqa: E402 - tests/ is on pytest's sys.path
+import mpi_scenarios as ms  # noqa: E402
 
-
-sc, ms = _load("ht_scenarios"), _load("mpi_scenarios")
-MPIEXEC = shutil.which("mpiexec")
-needs_mpi = pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
-                               reason="needs mpi4py and mpiexec (pip install '.[mpi]')")
+MPIEXEC = ms.MPIEXEC
+needs_mpi = pytest.mark.skipif(not ms.MPI_READY, reason=ms.MPI_MISSING)
 
 
 def _run(tmp_path, n, *args):
