@@ -418,6 +418,31 @@ def test_exports_while_training_writes_add_up_to_the_final_checkpoint(tmp_path):
     assert not os.path.exists(path / jobdir.READERS)
 
 
+def test_the_step_is_read_from_the_counters_file_and_older_checkpoints_from_the_dense_state(job, tmp_path,
+                                                                                              monkeypatch):
+    """A Lookup's refresh reads each checkpoint's step: from trainer-step.json,
+    never unpickling trainer-state.pt (the MLP, its optimizer, the admission
+    sketch); a checkpoint written before that file existed still gives it."""
+    torch = pytest.importorskip("torch")
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    directory = jobdir.read_job(str(copy)).checkpoint_dir(0)
+    with open(os.path.join(directory, jobdir.TRAINER_STEP)) as f:
+        assert json.load(f) == {"batches_done": BATCHES, "examples_done": BATCHES * BATCH}
+    real_load = torch.load
+
+    def refused(*args, **kwargs):
+        raise AssertionError("trainer-state.pt unpickled to read the step")
+    monkeypatch.setattr(torch, "load", refused)
+    assert jobdir.step_of(jobdir.read_job(str(copy))) == BATCHES
+    monkeypatch.setattr(torch, "load", real_load)
+    os.remove(os.path.join(directory, jobdir.TRAINER_STEP))  # as an older hps train left it
+    assert jobdir.step_of(jobdir.read_job(str(copy))) == BATCHES
+    with open(os.path.join(directory, jobdir.TRAINER_STEP), "w") as f:
+        f.write("{not json")  # not hps train's: no step, not an error
+    assert jobdir.step_of(jobdir.read_job(str(copy))) is None
+
+
 # ---------------------------------------------------------------- hps.Lookup
 
 def test_lookup_answers_the_checkpoints_rows_through_a_small_cache(job):

@@ -36,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-from hps.parameter_server import CHECKPOINTS, FORMAT_VERSION, METADATA, ParameterServerConfig
+from hps.parameter_server import CHECKPOINTS, FORMAT_VERSION, METADATA, ParameterServerConfig, _write_durable
 
 JOB_MANIFEST = "job.json"       # hps.train's, in a job's root
 READERS = ".hps-readers"        # the private views, in the job's root
@@ -45,6 +45,7 @@ STORE_DIR = "ssd"
 MANIFEST = "MANIFEST"
 MARKER = "STORE"
 TRAINER_STATE = "trainer-state.pt"
+TRAINER_STEP = "trainer-step.json"  # trainer-state.pt's counters, readable without unpickling it
 FILE_SUFFIX = ".hpf"
 HEADER = struct.Struct("<8sIIQQIIII")  # magic, version, row_bytes, sequence, records, 4 CRCs
 MAGIC = b"HPSPARAM"
@@ -188,12 +189,31 @@ def read_job(root: str) -> Job:
     return Job(root, distributed, world, number, step, config, meta)
 
 
+def write_trainer_state(directory: str, data: bytes, batches_done: int, examples_done: int) -> None:
+    """hps train's dense state (torch.save's bytes) into a checkpoint directory, and
+    beside it its counters as JSON: a reader that wants the step alone (a Lookup's
+    refresh, an export) then reads some bytes instead of unpickling the MLP, its
+    optimizer and the admission sketch at every checkpoint."""
+    _write_durable(os.path.join(directory, TRAINER_STEP),
+                   json.dumps({"batches_done": int(batches_done), "examples_done": int(examples_done)}).encode())
+    _write_durable(os.path.join(directory, TRAINER_STATE), data)
+
+
 def step_of(job: Job, number: Optional[int] = None) -> Optional[int]:
     """The training step (batches done) of a checkpoint: job.json's in a job; for
-    one server, trainer-state.pt's (hps train's; needs torch), else None."""
+    one server, trainer-step.json's (hps train's), or trainer-state.pt's in a
+    checkpoint written before that file was (needs torch); else None."""
     if job.distributed:
         return job.step if number in (None, job.checkpoint) else None
-    path = os.path.join(job.checkpoint_dir(0, number), TRAINER_STATE)
+    directory = job.checkpoint_dir(0, number)
+    try:
+        with open(os.path.join(directory, TRAINER_STEP)) as f:
+            return int(json.load(f)["batches_done"])
+    except FileNotFoundError:
+        pass  # an older checkpoint, or pruned meanwhile (then the state is gone too)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None  # not hps train's
+    path = os.path.join(directory, TRAINER_STATE)
     if not os.path.exists(path):
         return None
     try:

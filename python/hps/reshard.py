@@ -45,7 +45,7 @@ import numpy as np
 
 from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
-                        read_job, replay_manifest)
+                        read_job, replay_manifest, write_trainer_state)
 from hps.parameter_server import CHECKPOINTS, METADATA, _remove_tree, _replace_durable, _sync_dir, _write_durable
 
 JOB_MANIFEST = "job.json"
@@ -220,8 +220,9 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
         states = [_load_state(os.path.join(job.checkpoint_dir(r), TRAINER_STATE)) for r in range(job.world)]
         import torch
         buf = io.BytesIO()
-        torch.save(merge_dense(states), buf)
-        _write_durable(os.path.join(tmp, TRAINER_STATE), buf.getvalue())
+        merged = merge_dense(states)
+        torch.save(merged, buf)
+        write_trainer_state(tmp, buf.getvalue(), merged["batches_done"], merged["examples_done"])
         _sync_dir(os.path.join(tmp, STORE_DIR))
         _sync_dir(tmp)
         os.rename(tmp, final)

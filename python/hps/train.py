@@ -40,6 +40,7 @@ from hps import reshard
 from hps.admission import Admission
 from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, load_toml, parse_bytes
+from hps.jobdir import TRAINER_STATE, write_trainer_state  # in each checkpoint's directory
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, ParameterServer,
@@ -47,7 +48,6 @@ from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, P
 from hps.pipeline import Loaded, Pipeline
 from hps.tuning import ThreadTuner, dense_adam, import_torch  # (also hps.train.X, as before)
 
-TRAINER_STATE = "trainer-state.pt"  # in each checkpoint's directory (ParameterServer.checkpoint_dir)
 JOB_MANIFEST = "job.json"
 SUMMARY = "train-summary.json"
 SYNTHETIC_EXAMPLES = 1_000_000  # synthetic data's examples a pass when [data] train_examples is not set
@@ -385,7 +385,7 @@ class Trainer:
         data = buf.getvalue()
 
         def save(directory: str) -> None:
-            _write_durable(os.path.join(directory, TRAINER_STATE), data)
+            write_trainer_state(directory, data, self.batches_done, self.examples_done)
 
         if self.node is None:
             self.ps.checkpoint(save)
