@@ -62,6 +62,10 @@ struct MemCacheOptions {
   CachePolicyKind policy = CachePolicyKind::kTinyLfuLfu;  // the best of W3 (docs/benchmarks.md)
   double lru_fraction = 0.5;   ///< lru+lfu: the LRU's share of the slots, in (0, 1]
   uint32_t shards = 0;         ///< 0: one per 4096 rows of capacity, at most 64
+  /// Transparent huge pages for the rows' arena: fewer TLB misses in a cache that
+  /// fills, but a 2 MiB page is resident once one row in it is written. false where
+  /// the resident set must follow the rows cached (hps.Lookup's budget counts them).
+  bool huge_pages = true;
 };
 
 struct MemCacheStats {

@@ -49,13 +49,13 @@ int CountNumaNodes() {
 // there are several, so that no node's memory bus carries the whole cache.
 class Arena {
  public:
-  explicit Arena(uint64_t bytes) : bytes_(std::max<uint64_t>(bytes, 1)) {
+  Arena(uint64_t bytes, bool huge_pages) : bytes_(std::max<uint64_t>(bytes, 1)) {
     void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     data_ = static_cast<uint8_t*>(p);
     // A batch's rows are scattered over the arena, and with 4 KiB pages nearly every
     // row read missed the TLB as well as the cache. Best effort: THP may be off.
-    madvise(data_, bytes_, MADV_HUGEPAGE);
+    if (huge_pages) madvise(data_, bytes_, MADV_HUGEPAGE);
     nodes_ = CountNumaNodes();
     if (nodes_ > 1) {
       unsigned long mask = nodes_ >= 64 ? ~0UL : (1UL << nodes_) - 1;
@@ -203,7 +203,7 @@ class ShardedCache final : public MemCache {
       : row_bytes_(o.row_bytes),
         loader_(std::move(loader)),
         sink_(std::move(sink)),
-        arena_(o.capacity * o.row_bytes) {
+        arena_(o.capacity * o.row_bytes, o.huge_pages) {
     uint64_t shards = o.shards;
     if (shards == 0) shards = std::clamp<uint64_t>(o.capacity / 4096, 1, 64);
     shards = std::min<uint64_t>(shards, o.capacity);
