@@ -445,6 +445,41 @@ def test_the_step_is_read_from_the_counters_file_and_older_checkpoints_from_the_
 
 # ---------------------------------------------------------------- hps.Lookup
 
+def test_the_key_index_is_resident_within_the_factor_the_budget_counts(tmp_path):
+    """hps.Lookup counts a store's key index as INDEX_HEAP_FACTOR x its slots: at a
+    million keys its shards double many times while it is built, and the heap
+    keeps their chunk headers and holes. Opened alone in a fresh process."""
+    from hps.lookup import INDEX_HEAP_FACTOR
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "big"), optimizer=hps.SGD(lr=0.5),
+                                    mem_budget="16MiB", write_buffer_rows=1 << 16)
+    ps = hps.ParameterServer(cfg)
+    for at in range(0, 1_000_000, 1 << 16):
+        k = np.arange(at, min(at + (1 << 16), 1_000_000), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        ps.push(k, np.ones((len(k), 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    probe = f"""
+import json
+from hps import jobdir
+def resident():
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
+before = resident()
+view = jobdir.pin({str(tmp_path / "big")!r})
+store = jobdir.open_store(view.ranks[0], view.job.row_bytes)
+print(json.dumps({{"grown": resident() - before, "index": store.stats()["index_bytes"],
+                  "live": store.stats()["live_records"]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert got["live"] == 1_000_000
+    # the files' metadata (4 B a 4 KiB block of rows: some 25 kB here) and the view's objects
+    assert got["grown"] <= INDEX_HEAP_FACTOR * got["index"] + (512 << 10), got
+    assert got["grown"] >= got["index"] // 2, got  # (the probe saw the index at all)
+
+
 def test_lookup_answers_the_checkpoints_rows_through_a_small_cache(job):
     keys = trained_keys()
     want, live = server_rows(job, keys)

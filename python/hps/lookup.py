@@ -5,7 +5,7 @@ through a memory budget of its own in front of the checkpoint's SSD-PS files
 The budget covers what the lookup holds, split when a checkpoint is opened:
 
   * the key index of every rank's store (SSD-PS stats' index_bytes: its slots
-    and shard table) and the files' metadata (block CRCs, 4 bytes a 4 KiB block
+    and shard table, times INDEX_HEAP_FACTOR for what the allocator adds) and the files' metadata (block CRCs, 4 bytes a 4 KiB block
     of rows, and a small record per file);
   * read buffers: each concurrent SSD-PS read holds a BlockIo (io_uring ring and
     a scratch buffer kept between reads, src/util/block_io.h) and its rows on the
@@ -23,6 +23,10 @@ The budget covers what the lookup holds, split when a checkpoint is opened:
     the refresh warming its cache: (read_threads + 1) x CALL_KEYS x
     _CALL_BYTES_PER_KEY at the dim served;
   * the cache of rows (hps.MemCache, its bookkeeping included): what is left.
+
+The lookup fixes glibc's mmap threshold (steady_heap): a call's temporaries of a
+MiB or so would otherwise stay resident in the heap after they are freed, some
+10-20 MB of a 122 MB budget beside a refresh (W11, 2M rows of dim 64).
 
 The answer of a call of more than CALL_KEYS keys (its rows and found mask beyond
 the first CALL_KEYS) is the caller's memory, outside the budget.
@@ -49,6 +53,13 @@ BLOCK_BYTES = 4096          # SSD-PS reads whole 4 KiB blocks (docs/ssd_format.m
 _RING_BYTES = 64 << 10      # an io_uring of 512 entries: SQEs, CQEs and the rings' pages
 _FILE_BYTES = 1024          # a parameter file's record beside its CRCs (object, path, entry)
 _READ_BYTES_PER_KEY = 96    # a read's per-key bookkeeping (groups, requests, plan runs)
+# The key index's resident bytes over its index_bytes: glibc's chunk headers on its
+# 2^16 shard arrays and the holes their doublings leave while it is built. Opening a
+# store measured 1.10-1.12x at 1-2M keys, 1.0x at 200k (the shards' first size holds
+# them all); tests/test_serving.py checks the bound.
+INDEX_HEAP_FACTOR = 1.12
+_M_MMAP_THRESHOLD = -3      # <malloc.h>
+_MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept fixed
 # hps::detail::CompactKeyIndex (src/format/key_index.h): 2^16 shards of 10-byte
 # slots, at least 16 slots once used, doubled past 80% full; a 24-byte shard record.
 _INDEX_SHARDS, _INDEX_SLOT, _INDEX_MIN, _INDEX_SHARD_BYTES = 1 << 16, 10, 16, 24
@@ -138,15 +149,17 @@ class _Generation:
         calls = (read_threads + 1) * _call_bytes(self.dim)  # + 1: the refresh warming its cache
         self.stores = [jobdir.open_store(rv, row_bytes) for rv in view.ranks]
         ssd = [s.stats() for s in self.stores]
-        self.plan = _Plan(budget, sum(s["index_bytes"] for s in ssd),
+        self.plan = _Plan(budget, math.ceil(INDEX_HEAP_FACTOR * sum(s["index_bytes"] for s in ssd)),
                           sum(_meta_bytes(sum(rv.files.values()), len(rv.files), row_bytes) for rv in view.ranks),
                           buffers, calls, row_cost)
         self.live = [int(s["live_records"]) for s in ssd]
         if self.plan.cache_rows < 1:
             self.stores = []
             self.plan.refuse(job.root)
+        # No huge pages: the next checkpoint's cache, warmed with a quarter of its rows
+        # beside the served one, would be resident whole (a 2 MiB page a shard's first row).
         self.cache = MemCache(self.cached_row_bytes, capacity=self.plan.cache_rows, policy=policy,
-                              loader=self._load)
+                              loader=self._load, huge_pages=False)
         self.capacity = self.plan.cache_rows
         self.active = 0
         self.retired = False
@@ -171,7 +184,7 @@ class _Generation:
             records = sum(rv.files.values())
             now = self.view.ranks[r].files
             added = sum(n for seq, n in rv.files.items() if seq not in now)
-            index += index_bytes_estimate(min(records, self.live[r] + added))
+            index += math.ceil(INDEX_HEAP_FACTOR * index_bytes_estimate(min(records, self.live[r] + added)))
             meta += _meta_bytes(records, len(rv.files), view.job.row_bytes)
         return index + meta
 
@@ -246,6 +259,21 @@ class _Generation:
             self.view.close()
 
 
+def steady_heap() -> None:
+    """Fixes glibc's mmap threshold at its initial 128 KiB. Left to itself, glibc
+    raises the threshold to the size of each mmapped block freed, so the calls'
+    temporaries (a MiB or so each: rows of CALL_KEYS keys, a read's scratch) come
+    from the heap after the first few, and their pages stay resident once freed: in
+    W11 (2M rows of dim 64) the heap kept 10-20 MB more than the lookup held, and a
+    refresh peaked 10% over the budget. A fixed threshold gives such blocks back to
+    the kernel when freed, at the price of a fresh mapping (page faults) per block.
+    Process-wide; elsewhere (another libc) a no-op."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        pass
+
+
 def _return_freed_memory() -> None:
     """Hands the pages of a freed generation back to the kernel. Its key index is
     2^16 shard vectors and its cache's bookkeeping many more, so glibc's heaps keep
@@ -287,6 +315,9 @@ class Lookup:
     lookups waiting meanwhile (``stats()["blocking_refreshes"]``). Either way each
     answer is one checkpoint's. Training may run at the same path meanwhile.
 
+    Opening one fixes glibc's mmap threshold for the whole process (steady_heap),
+    so that freed temporaries leave the resident set instead of the budget's margin.
+
     Thread-safe: up to ``read_threads`` lookups run in parallel (the SSD-PS reads
     without the GIL), more wait for one of them to return.
 
@@ -302,6 +333,7 @@ class Lookup:
             raise ValueError(f"read_threads: a positive number of concurrent SSD-PS reads, not {read_threads!r}")
         self._policy = cache_policy
         self._read_threads = read_threads
+        steady_heap()
         self._reads = threading.BoundedSemaphore(read_threads)
         self._calls = threading.BoundedSemaphore(read_threads)  # calls working at once (_call_bytes each)
         self._lock = threading.Lock()
