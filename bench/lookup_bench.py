@@ -47,8 +47,8 @@ Workload:
     It holds the clients' own arrays too (each batch's keys, rows returned and
     their temporaries, some 3 MiB a client at 4096 keys of dim 64) and the heap's
     slack: an upper bound of the lookup's own memory. torch, which the Lookup
-    imports to read an `hps train` job's step, is imported before the baseline
-    (code, not the lookup's data). `memory` gives hps.Lookup's own split and the most
+    imports to read the step of a checkpoint older than trainer-step.json, is
+    imported before the baseline (code, not the lookup's data). `memory` gives hps.Lookup's own split and the most
     it held by that accounting (stats()["memory"]).
 
   * --writer push: a process reopens the job's parameter server and pushes batches
@@ -620,7 +620,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="a small run for CI: 200k rows, 20 batches, 1 run, memory equal to the rows' bytes (the "
                          "key index's 2^16 shards take some 12 MiB however few the keys, twice over for a refresh, "
-                         "and calls' working memory some 3 MiB a client: a quarter of a small store leaves the "
+                         "and calls' working memory some 1.6 MiB a client: a quarter of a small store leaves the "
                          "cache nothing)")
     a = ap.parse_args(argv)
     if a.quick:

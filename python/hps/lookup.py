@@ -46,8 +46,13 @@ from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import MemCache, parse_bytes
 
 READ_KEYS = 256             # keys per SSD-PS read: bounds each read's scratch buffer
-CALL_KEYS = 4096            # keys a call works on at a time: bounds its working memory
-REFRESH_HEADROOM = 1.25     # the next checkpoint's index may be this much larger and still overlap
+# Keys a call works on at a time: bounds its working memory, some 1.6 MiB at dim 64;
+# a batch of 4096 keys is two such parts, whose Python overhead is small beside their reads.
+CALL_KEYS = 2048
+# The next checkpoint's index may be this much larger and still open beside the served
+# one; a job whose keys grow by more between two refreshes blocks its lookups for that
+# refresh (counted). The reserve's unused part is idle memory, so it is kept small.
+REFRESH_HEADROOM = 1.1
 WARM_FRACTION = 4           # a refresh warms the next cache with up to 1/4 of this cache's rows
 BLOCK_BYTES = 4096          # SSD-PS reads whole 4 KiB blocks (docs/ssd_format.md)
 _RING_BYTES = 64 << 10      # an io_uring of 512 entries: SQEs, CQEs and the rings' pages
