@@ -121,6 +121,47 @@ def test_a_crash_loses_only_what_followed_the_checkpoint(tmp_path):
     np.testing.assert_array_equal(ps.pull(probe), ref.pull(probe))
 
 
+HOLDER = textwrap.dedent("""
+    import sys, time
+    import hps
+    sys.path.insert(0, {tests!r})
+    from test_parameter_server import config
+    ps = hps.ParameterServer(config(sys.argv[1]))
+    print("open", flush=True)
+    time.sleep(120)
+""").format(tests=os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_second_server_at_one_path_is_refused_naming_the_holder_until_it_lets_go(tmp_path):
+    """Two servers at one path would write parameter files of the same numbers and
+    each other's MANIFEST. Another process's is refused naming its pid; a killed
+    holder lets go (the kernel drops its lock); one in this process lets go at
+    close(), or when dropped."""
+    path = tmp_path / "ps"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(hps.PathInUseError, match=f"{path}: another parameter server has this path open "
+                                                      f"\\(pid {holder.pid} on "):
+            hps.ParameterServer(config(path))
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    ps = hps.ParameterServer(config(path))  # the killed holder's lock went with it
+    keys, grads = next(random_steps(1, 1))
+    ps.push(keys, grads)
+    ps.checkpoint()
+    with pytest.raises(hps.PathInUseError, match=f"pid {os.getpid()} on "):
+        hps.ParameterServer(config(path))
+    want = ps.pull(keys)
+    ps.close()
+    again = hps.ParameterServer(config(path))
+    np.testing.assert_array_equal(again.pull(keys), want)
+    del again  # dropped without close(): the next one opens
+    hps.ParameterServer(config(path)).close()
+
+
 MID_CHECKPOINT = textwrap.dedent("""
     import os, signal, sys
     import hps

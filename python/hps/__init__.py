@@ -16,7 +16,7 @@ from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros
 from hps.embedding import EmbeddingTable
 from hps.ssd_store import SsdStore
 from hps.mem_cache import CacheFullError, MemCache, parse_bytes
-from hps.parameter_server import Batch, HostBatch, ParameterServer, ParameterServerConfig, SsdOptions
+from hps.parameter_server import Batch, HostBatch, ParameterServer, ParameterServerConfig, PathInUseError, SsdOptions
 from hps.lookup import Lookup
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "Normal",
     "ParameterServer",
     "ParameterServerConfig",
+    "PathInUseError",
     "RowWiseAdaGrad",
     "SGD",
     "SsdOptions",

@@ -48,11 +48,15 @@ every other snapshot. A server with no checkpoint yet opens empty, as it started
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import gc
 import json
 import os
+import socket
 import shutil
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
@@ -73,6 +77,35 @@ CHECKPOINTS = "checkpoints"
 LAST = "last"  # ParameterServer(checkpoint=LAST): the checkpoint the metadata names
 _STORE_DIR = "ssd"
 _MANIFEST = "MANIFEST"  # the store's (docs/ssd_format.md), appended to: a snapshot copies it
+WRITER_LOCK = ".hps-writer.lock"  # flock'ed by the one ParameterServer open at a path
+
+
+class PathInUseError(RuntimeError):
+    """Another ParameterServer (this process's or another's) has the path open."""
+
+
+def _lock_path(path: str) -> int:
+    """Takes the path's writer lock and returns its file descriptor (closing it
+    releases the lock; so does the process's end, however it ends). Two servers at
+    one path would each write parameter files of the same sequence numbers and
+    overwrite each other's MANIFEST, and the first sign was a later `create: File
+    exists`."""
+    fd = os.open(os.path.join(path, WRITER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            gc.collect()  # a server of this process, dropped but not yet collected, lets go
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "a process that wrote no name"
+        os.close(fd)
+        raise PathInUseError(f"{path}: another parameter server has this path open ({holder}); two at one "
+                             f"path would overwrite each other's files. Close it (or stop its hps train) "
+                             f"first, or give another path") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
 
 _OPTIMIZERS = {"sgd": SGD, "adagrad": AdaGrad, "rowwise_adagrad": RowWiseAdaGrad, "adam": Adam}
 _INITIALIZERS = {"uniform": Uniform, "normal": Normal, "zeros": Zeros}
@@ -581,6 +614,15 @@ class ParameterServer:
         self.row_floats = self._native_opt.row_floats
         row_bytes = 4 * self.row_floats
         os.makedirs(config.path, exist_ok=True)
+        # Released by close(), or when the server is collected without it.
+        self._release_path = weakref.finalize(self, os.close, _lock_path(config.path))
+        try:
+            self._open(config, partitioner, checkpoint, row_bytes)
+        except BaseException:
+            self._release_path()
+            raise
+
+    def _open(self, config: ParameterServerConfig, partitioner, checkpoint, row_bytes: int) -> None:
         meta = self._check_path()
         if meta is None:
             if checkpoint not in (LAST, None):
@@ -687,7 +729,7 @@ class ParameterServer:
         """The stored metadata, or None when the path is new; raises if it holds something else."""
         meta_path = self._metadata_path()
         if not os.path.exists(meta_path):
-            if os.listdir(self.config.path):
+            if set(os.listdir(self.config.path)) - {WRITER_LOCK}:
                 raise ValueError(f"{self.config.path} is not empty and holds no parameter server "
                                  f"(no {METADATA}); give a new or empty directory")
             return None
@@ -1155,9 +1197,10 @@ class ParameterServer:
         return out
 
     def close(self) -> None:
-        """Releases the stores; what was not checkpointed is dropped."""
+        """Releases the stores and the path; what was not checkpointed is dropped."""
         self._ssd.wait_for_compaction()
         del self._cache, self._backing, self._ssd, self._slots, self._last_batch
+        self._release_path()
 
     def __repr__(self) -> str:
         return f"ParameterServer(dim={self.dim}, path={self.config.path!r})"
