@@ -565,6 +565,56 @@ def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path, mon
         lk.lookup(keys)
 
 
+def test_a_refresh_counts_only_the_new_files_keys_the_served_index_lacks(tmp_path):
+    """Training rewrites the keys it has: the next checkpoint's index is estimated
+    from the new files' keys the served index lacks, not from all their records,
+    so a checkpoint whose new files hold half the keys again still opens beside
+    the served one (headroom 1.1; counting their records, its shards would have
+    doubled); one that grew past the reserve blocks."""
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5),
+                                    mem_budget="1MiB", write_buffer_rows=1 << 12)
+    keys = np.arange(1, 700_001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    ones = lambda n: np.ones((n, 4), np.float32)  # noqa: E731
+    push = lambda ps, k: [ps.push(k[at:at + 4096], ones(len(k[at:at + 4096]))) for at in range(0, len(k), 4096)]  # noqa: E731
+    ps = hps.ParameterServer(cfg)
+    push(ps, keys)
+    ps.checkpoint()
+    ps.close()
+    lk = hps.Lookup(cfg.path, memory_budget="72MiB", read_threads=1)
+    try:
+        ps = hps.ParameterServer.open(cfg.path)
+        push(ps, keys[::2])  # 350k records of keys served already
+        fresh = np.arange(1, 3_001, dtype=np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F)
+        push(ps, fresh)  # and 3k new ones
+        ps.checkpoint()
+        ps.close()
+        gen = lk._current
+        with jobdir.pin(cfg.path) as view:
+            rv = view.ranks[0]
+            added = {seq: n for seq, n in rv.files.items() if seq not in gen.view.ranks[0].files}
+            assert sum(added.values()) >= len(keys) // 2 + len(fresh)
+            assert gen._unknown_keys(0, rv, added) == len(fresh)
+            records_bound = hps.lookup.INDEX_HEAP_FACTOR * hps.lookup.index_bytes_estimate(
+                len(keys) + sum(added.values()))
+            assert records_bound > gen.plan.next_fixed - gen.plan.buffers  # (the old estimate blocked)
+            assert gen.next_fixed_estimate(view) <= gen.plan.next_fixed - gen.plan.buffers
+        assert lk.refresh()
+        assert lk.stats()["blocking_refreshes"] == 0
+        rows, found = lk.lookup(np.concatenate([keys[:4], fresh[:4]]))
+        assert found.all()
+        ps = hps.ParameterServer.open(cfg.path)
+        grown = np.arange(1, 700_001, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93)
+        push(ps, grown)  # as many keys again: past the reserve
+        ps.checkpoint()
+        ps.close()
+        assert lk.refresh()
+        assert lk.stats()["blocking_refreshes"] == 1
+        assert lk.lookup(grown[-3:])[1].all()
+        assert_within_budget(lk)
+    finally:
+        lk.close()
+
+
 def test_lookup_refuses_a_budget_that_leaves_no_cache_naming_the_sizes(job):
     with pytest.raises(ValueError, match=r"memory_budget 0\.1 MiB holds no row cache for .*job: its key index "
                                          r"\([\d.]+ MiB\), files' metadata \([\d.]+ MiB\), read buffers "
