@@ -69,20 +69,27 @@
 // from where its last eviction stopped, with no probe of the key index.
 //
 // Memory: a key some cache holds is one live log record, stored once however
-// many workers hold it: 8 bytes of key and a holder mask of 1, 2, 4 or 8 bytes
-// (W <= 8, 16, 32, 64), packed together so that one read gives both. Retraining a key moves its record to the log's end and
-// leaves a dead one; a log out of room is compacted into room for 1.25 x (its
-// live records + the batch's keys), up to 10% more where its old room is in
-// that band. The key index takes 4 bytes a slot (the record's position and,
-// above it, a fingerprint of the key in the bits positions leave free) at
-// load 0.55 to 0.8, erased slots (tombstones) counted until the index is
-// rebuilt from the log at the next compaction. So a key takes 1.25 to 1.4 x
-// (8 + the mask's bytes) of log and 5 to 7.5 bytes of index: about 19 bytes
-// for W <= 8, 26 for W <= 64, a little more while a batch is large against the
-// caches. memory_bytes() counts all of it: every slot and record allocated,
-// live, dead or spare. It leaves out the per-batch scratch (some 36 bytes a
-// key of the largest batch so far), which does not grow with the caches. No
-// dirty bit is kept: on demand every held row is dirty (a worker trained it),
+// many workers hold it: 8 bytes of key and a holders byte, packed together so
+// that one read gives both. For W <= 8 the byte is the holder mask; for wider
+// masks it names the one holder most keys have, or says the key is shared,
+// and the masks of shared keys (two or more holders) sit in a side table of
+// key and mask (16 bytes an entry) at load 0.25 to 0.7, so a key costs a
+// mask only where it has more than one holder. Retraining a key moves its record to
+// the log's end and leaves a dead one; a log out of room is compacted into
+// room for 1.25 x (its live records + the batch's keys), up to 10% more where
+// its old room is in that band. The key index takes 4 bytes a slot (the
+// record's position and, above it, a fingerprint of the key in the bits
+// positions leave free) at load 0.55 to 0.8, erased slots (tombstones)
+// counted until the index is rebuilt from the log at the next compaction. So
+// a key takes 1.25 to 1.4 x 9 bytes of log and 5 to 7.5 bytes of index, and
+// a shared one some 23 to 64 bytes more of side table: about 19 bytes a
+// cached key for W = 8 and 17 for W = 64 (a replay of Zipf(1.05) batches
+// over caches of 100,000 keys, bench/herald_ab, where 1 to 2% of the keys are
+// shared), a little more while a batch is large against the caches.
+// memory_bytes() counts all of it: every slot and record allocated, live,
+// dead or spare. It leaves out the per-batch scratch (some 36 bytes a key of
+// the largest batch so far), which does not grow with the caches. No dirty
+// bit is kept: on demand every held row is dirty (a worker trained it),
 // write-through every one is clean (the PS got it at the batch's end).
 //
 // Thread safety: none; one thread schedules (the pipeline's partition stage).

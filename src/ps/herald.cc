@@ -78,12 +78,85 @@ void SortUnique(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp, std::ve
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
 }
 
-// A log record: a key and its holders, packed (9 bytes with 8-bit masks), so
-// that the one read that confirms a fingerprint match also gives the holders.
-template <class Mask>
+// A log record: a key and its holders, packed in 9 bytes, so that the one
+// read that confirms a fingerprint match also gives the holders. `holders`
+// is the holder mask itself for W <= 8; for wider masks (most keys have one
+// holder) it is 1 + the holder's index, or kShared where two or more hold the
+// key (their mask in a SharedMasks table); 0 for no holder (a dead record).
 struct __attribute__((packed)) LogRecord {
   uint64_t key;
-  Mask mask;
+  uint8_t holders;
+};
+constexpr uint8_t kShared = 0xff;
+
+// The holder masks of the keys that two or more workers hold, for W > 8:
+// open addressing with linear probing on Mix64, keys and masks together, at
+// load 0.25 to 0.7 (a power-of-two size); an erase shifts the probe run back
+// (a key says where its home is), so there are no tombstones.
+template <class Mask>
+class SharedMasks {
+ public:
+  SharedMasks() { Resize(kMinSize); }
+
+  // The mask of a key the table holds.
+  Mask Get(uint64_t key) const {
+    uint64_t i = Home(key);
+    while (table_[i].key != key) i = (i + 1) & (table_.size() - 1);
+    return table_[i].mask;
+  }
+  void Put(uint64_t key, Mask mask) {
+    if (10 * (count_ + 1) > 7 * table_.size()) Resize(2 * table_.size());
+    uint64_t i = Home(key);
+    for (; table_[i].key != kEmptyKey; i = (i + 1) & (table_.size() - 1)) {
+      if (table_[i].key == key) {
+        table_[i].mask = mask;
+        return;
+      }
+    }
+    table_[i] = {key, mask};
+    ++count_;
+  }
+  // Erases a key the table holds, moving back the keys after it that its
+  // slot would have found.
+  void Erase(uint64_t key) {
+    const uint64_t last = table_.size() - 1;
+    uint64_t i = Home(key);
+    while (table_[i].key != key) i = (i + 1) & last;
+    for (uint64_t j = (i + 1) & last; table_[j].key != kEmptyKey; j = (j + 1) & last) {
+      const uint64_t home = Home(table_[j].key);
+      if (((j - home) & last) >= ((j - i) & last)) {  // its home is at or before i: it may move to i
+        table_[i] = table_[j];
+        i = j;
+      }
+    }
+    table_[i].key = kEmptyKey;
+    --count_;
+    if (table_.size() > kMinSize && 4 * count_ < table_.size()) Resize(table_.size() / 2);  // below 0.25
+  }
+  void Clear() { *this = SharedMasks(); }
+  uint64_t MemoryBytes() const { return table_.capacity() * sizeof(Entry); }
+
+ private:
+  struct Entry {
+    uint64_t key;
+    Mask mask;
+  };
+  static constexpr uint64_t kMinSize = 64;
+  uint64_t Home(uint64_t key) const { return detail::Mix64(key) >> shift_; }
+  void Resize(uint64_t size) {
+    std::vector<Entry> before(size, Entry{kEmptyKey, 0});
+    before.swap(table_);
+    shift_ = 64 - std::countr_zero(size);
+    for (const Entry& e : before) {
+      if (e.key == kEmptyKey) continue;
+      uint64_t i = Home(e.key);
+      while (table_[i].key != kEmptyKey) i = (i + 1) & (table_.size() - 1);
+      table_[i] = e;
+    }
+  }
+  std::vector<Entry> table_;
+  uint64_t count_ = 0;
+  int shift_ = 64;
 };
 
 // Tunables of the snapshot's memory (the header's Memory paragraph).
@@ -154,7 +227,47 @@ struct Herald::Snapshot final : Herald::Impl {
     Rebuild(kMinSlots, 0);
   }
 
-  using Record = LogRecord<Mask>;
+  using Record = LogRecord;
+  static constexpr bool kMaskInRecord = sizeof(Mask) == 1;
+
+  // A record's holders byte for holder mask m (LogRecord).
+  static uint8_t HoldersByte(Mask m) {
+    if constexpr (kMaskInRecord) {
+      return m;
+    } else {
+      if ((m & (m - 1)) != 0) return kShared;
+      return m == 0 ? 0 : static_cast<uint8_t>(std::countr_zero(m) + 1);
+    }
+  }
+  // The holder mask of record r.
+  Mask HoldersOf(const Record& r) const {
+    if constexpr (kMaskInRecord) {
+      return r.holders;
+    } else {
+      if (r.holders == kShared) return shared.Get(r.key);
+      return r.holders == 0 ? Mask{0} : static_cast<Mask>(uint64_t{1} << (r.holders - 1));
+    }
+  }
+  // Whether worker w (bit: its bit) holds record r.
+  bool HeldBy(const Record& r, int32_t w, Mask bit) const {
+    if constexpr (kMaskInRecord) {
+      return (r.holders & bit) != 0;
+    } else {
+      return r.holders == w + 1 || (r.holders == kShared && (shared.Get(r.key) & bit) != 0);
+    }
+  }
+  // A record of `key` held by `now`, the shared table updated: `was` is the
+  // mask of the key's last record (the table holds it where it is shared).
+  Record Encode(uint64_t key, Mask now, Mask was) {
+    if constexpr (!kMaskInRecord) {
+      if ((now & (now - 1)) != 0) {
+        shared.Put(key, now);
+      } else if ((was & (was - 1)) != 0) {
+        shared.Erase(key);
+      }
+    }
+    return {key, HoldersByte(now)};
+  }
 
   // Fetches the record at `pos` (both lines where it straddles two).
   void Touch(uint64_t pos) const {
@@ -219,7 +332,7 @@ struct Herald::Snapshot final : Herald::Impl {
     const uint64_t n = log.size();
     for (uint64_t u = pending; u-- > 0;) add(uniq[u], n + u);
     for (uint64_t p = n; p-- > 0;) {
-      if (log[p].mask != 0) add(log[p].key, p);
+      if (log[p].holders != 0) add(log[p].key, p);
     }
     for (; done < queued; ++done) Place(ahead[done % kAhead].first, ahead[done % kAhead].second);
     used = queued;
@@ -263,10 +376,10 @@ struct Herald::Snapshot final : Herald::Impl {
       blocks[b].base = at;
       uint64_t bits = 0;
       for (uint64_t p = 64 * b, end = std::min(n, p + 64); p < end; ++p) {
-        const Mask m = log[p].mask;
+        const bool has_holders = log[p].holders != 0;
         log[at] = log[p];  // at <= p: in place
-        bits |= uint64_t{m != 0} << (p % 64);
-        at += m != 0;
+        bits |= uint64_t{has_holders} << (p % 64);
+        at += has_holders;
       }
       blocks[b].bits = bits;
     }
@@ -313,9 +426,10 @@ struct Herald::Snapshot final : Herald::Impl {
     uint64_t r = static_cast<uint64_t>(std::upper_bound(runs.begin(), runs.end(), p) - runs.begin()) - 1;
     auto lose = [&](uint64_t q) {
       const uint64_t key = log[q].key;
-      log[q].mask &= static_cast<Mask>(~bit);
+      const Mask was = HoldersOf(log[q]);
+      log[q] = Encode(key, static_cast<Mask>(was & ~bit), was);
       plan.evicted.push_back(key);
-      if (log[q].mask == 0) {
+      if (log[q].holders == 0) {
         plan.lost_keys.push_back(key);
         plan.lost_from.push_back(w);
         emptied.push_back(q);
@@ -326,7 +440,7 @@ struct Herald::Snapshot final : Herald::Impl {
       const uint64_t end = r + 1 < runs.size() ? runs[r + 1] : log.size();
       mine.clear();
       for (uint64_t q = p; q < end; ++q) {
-        if (log[q].mask & bit) mine.push_back(q);
+        if (HeldBy(log[q], w, bit)) mine.push_back(q);
       }
       if (mine.size() <= drop) {
         for (uint64_t q : mine) lose(q);
@@ -436,8 +550,8 @@ struct Herald::Snapshot final : Herald::Impl {
         ++used;
       } else {  // the old record dies here, while it is in cache (Rollback revives it)
         old[u] = PosOf(v);
-        latest[u] = log[PosOf(v)].mask;
-        log[PosOf(v)].mask = 0;
+        latest[u] = HoldersOf(log[PosOf(v)]);
+        log[PosOf(v)].holders = 0;  // a shared key keeps its mask in the table until Commit
         ++dead;
       }
       index[i] = print | static_cast<uint32_t>(end + u);
@@ -457,7 +571,7 @@ struct Herald::Snapshot final : Herald::Impl {
         ++tombs;
       } else {
         index[s] = Print(hash) | old[u];
-        log[old[u]].mask = latest[u];
+        log[old[u]].holders = HoldersByte(latest[u]);
         --dead;
       }
     }
@@ -654,10 +768,10 @@ struct Herald::Snapshot final : Herald::Impl {
       const uint64_t key = win[j], hash = Hash(key);
       const uint64_t s = rebuilt ? Lookup(key, hash) : win_slot[j];
       const uint64_t p = PosOf(index[s]);
-      const Mask mask = log[p].mask;
+      const Record moved = log[p];  // the same key: a shared one's mask stays in the table
       index[s] = Print(hash) | static_cast<uint32_t>(log.size());
-      log.push_back({key, mask});
-      log[p].mask = 0;
+      log.push_back(moved);
+      log[p].holders = 0;
       ++dead;
     }
   }
@@ -683,7 +797,7 @@ struct Herald::Snapshot final : Herald::Impl {
     // Past 2^32 - 2 records the window's highest keys are not refreshed.
     held_window = std::min(held_window, kMaxRecords - std::min(kMaxRecords, log.size() + U));
     if (opt.capacity > 0 && U > 0) runs.push_back(log.size());
-    for (uint64_t u = 0; u < U; ++u) log.push_back({uniq[u], need[u]});
+    for (uint64_t u = 0; u < U; ++u) log.push_back(Encode(uniq[u], need[u], latest[u]));
     if (held_window > 0) Refresh(held_window, rebuilt);
 
     // ---- eviction: a cache above capacity drops its least recently used keys ----
@@ -713,7 +827,7 @@ struct Herald::Snapshot final : Herald::Impl {
     const auto bit = static_cast<Mask>(uint64_t{1} << worker);
     std::vector<uint64_t> out;
     for (uint64_t p = 0; p < log.size(); ++p) {
-      if (log[p].mask & bit) out.push_back(log[p].key);
+      if (HeldBy(log[p], worker, bit)) out.push_back(log[p].key);
     }
     std::sort(out.begin(), out.end());
     return out;
@@ -722,13 +836,15 @@ struct Herald::Snapshot final : Herald::Impl {
   uint64_t Held(int32_t worker) const override { return held[worker]; }
 
   uint64_t MemoryBytes() const override {
-    return index.capacity() * sizeof(uint32_t) + log.capacity() * sizeof(Record) + runs.capacity() * sizeof(uint64_t);
+    return index.capacity() * sizeof(uint32_t) + log.capacity() * sizeof(Record) + runs.capacity() * sizeof(uint64_t) +
+           (kMaskInRecord ? 0 : shared.MemoryBytes());
   }
 
   void Clear() override {
     log = {};
     runs = {};
     dead = 0;
+    shared.Clear();
     index = {};
     Rebuild(kMinSlots, 0);
     std::fill(held.begin(), held.end(), 0);
@@ -745,7 +861,8 @@ struct Herald::Snapshot final : Herald::Impl {
   uint64_t tombs = 0;                // erased slots since the last rebuild
   uint64_t largest = 0;              // the most keys a batch had so far
   std::vector<Record> log;
-  uint64_t dead = 0;           // records whose mask is 0
+  SharedMasks<Mask> shared;    // W > 8: the masks of the keys two or more workers hold
+  uint64_t dead = 0;           // records with no holder
   std::vector<uint64_t> runs;  // with a capacity: where each batch's records begin, oldest first
   std::vector<uint64_t> held;    // (W,) keys each cache holds
   std::vector<uint64_t> cursor;  // (W,) no record before it has the worker's bit
