@@ -184,9 +184,11 @@ struct Herald::Impl {
 //
 // log: a record (key and holders, LogRecord) per (key, batch that last trained it), in
 // training order, a run per batch starting at runs[r] (with a capacity; the
-// runs order the records by their batch). A record is live while its mask is
-// not 0: it lost its holders to a later batch (which appended a new record)
-// or to eviction.
+// runs order the records by their batch). A record is live while it has a
+// holder, dead once it lost them to a later batch (which appended a new
+// record) or to eviction. For W > 8 `shared` holds the mask of each key whose
+// live record (or, while a batch is planned, whose old record that died in
+// Find) says kShared: Commit's and Evict's Encode keep it so.
 //
 // index: open addressing with linear probing, a 4-byte slot per live record
 // (half the 8 of a 32-bit hash and a 32-bit position, which made the index
@@ -208,7 +210,7 @@ struct Herald::Impl {
 // its slot at the record it will get at the log's end (log.size() + u
 // for the u-th distinct key, "pending"), inserting the slot if the key is
 // new, so the key's later appearances find u there. The old record (if any)
-// dies there and then (its mask, read into latest[u], is zeroed while the
+// dies there and then (its holders, read into latest[u], are zeroed while the
 // record is in cache), its position kept in old[u]. Until the batch is
 // committed the pass can be undone (Rollback revives the old records), so a
 // failed allocation leaves the snapshot as it was.
