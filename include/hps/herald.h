@@ -83,9 +83,12 @@
 // counted until the index is rebuilt from the log at the next compaction. So
 // a key takes 1.25 to 1.4 x 9 bytes of log and 5 to 7.5 bytes of index, and
 // a shared one some 23 to 64 bytes more of side table: about 19 bytes a
-// cached key for W = 8 and 17 for W = 64 (a replay of Zipf(1.05) batches
-// over caches of 100,000 keys, bench/herald_ab, where 1 to 2% of the keys are
-// shared), a little more while a batch is large against the caches.
+// cached key for W = 8 and 17 to 18 for W = 64 (a replay of Zipf(1.05)
+// batches over caches of 100,000 keys, bench/herald_ab and herald_replay.py,
+// where 1 to 2% of the keys are shared), a little more while a batch is large
+// against the caches. At W = 8 the index (load near 0.5, where its probes
+// stay short: at 0.6 to 0.7 a batch took 5 to 15% longer) and the log's room
+// between compactions (each rebuilds the index, some 5 ms) are what is left.
 // memory_bytes() counts all of it: every slot and record allocated, live,
 // dead or spare. It leaves out the per-batch scratch (some 36 bytes a key of
 // the largest batch so far), which does not grow with the caches. No dirty
