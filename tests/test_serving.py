@@ -443,6 +443,35 @@ def test_the_step_is_read_from_the_counters_file_and_older_checkpoints_from_the_
     assert jobdir.step_of(jobdir.read_job(str(copy))) is None
 
 
+def test_hps_train_at_a_path_another_server_holds_is_refused_and_removes_nothing(tmp_path, capsys):
+    """Two hps train runs at one path used to run until both wrote the same
+    parameter file; the second is refused naming the holder, whether it would
+    resume the job or start over a run that never checkpointed."""
+    path = train(tmp_path, "busy")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, hps\n"
+                               "ps = hps.ParameterServer.open(sys.argv[1])\nprint('open', flush=True)\n"
+                               "time.sleep(120)", str(path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        listing = sorted(p.name for p in path.rglob("*"))
+        cfg = write_config(tmp_path, "busy", path)
+        capsys.readouterr()
+        assert main(["train", "--config", str(cfg), "--resume", "--no-progress"]) != 0
+        assert f"another parameter server has this path open (pid {holder.pid} on " in capsys.readouterr().err
+        meta = path / "hps-parameter-server.json"
+        text = meta.read_text()
+        meta.write_text(json.dumps({**json.loads(text), "checkpoint": None}))  # as a run that never checkpointed
+        assert main(["train", "--config", str(cfg), "--no-progress"]) != 0
+        assert f"(pid {holder.pid} on " in capsys.readouterr().err
+        meta.write_text(text)
+        assert sorted(p.name for p in path.rglob("*")) == listing  # nothing removed
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
 # ---------------------------------------------------------------- hps.Lookup
 
 def test_the_key_index_is_resident_within_the_factor_the_budget_counts(tmp_path):

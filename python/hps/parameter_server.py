@@ -80,7 +80,7 @@ _MANIFEST = "MANIFEST"  # the store's (docs/ssd_format.md), appended to: a snaps
 WRITER_LOCK = ".hps-writer.lock"  # flock'ed by the one ParameterServer open at a path
 
 
-class PathInUseError(RuntimeError):
+class PathInUseError(OSError):
     """Another ParameterServer (this process's or another's) has the path open."""
 
 
@@ -106,6 +106,18 @@ def _lock_path(path: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return fd
+
+
+def remove_writer_lock(path: str) -> None:
+    """Removes the path's writer lock file, when no server holds it (PathInUseError
+    when one does): for the removal of a run that never finished a checkpoint."""
+    if not os.path.exists(os.path.join(path, WRITER_LOCK)):
+        return
+    fd = _lock_path(path)
+    try:
+        os.unlink(os.path.join(path, WRITER_LOCK))
+    finally:
+        os.close(fd)
 
 _OPTIMIZERS = {"sgd": SGD, "adagrad": AdaGrad, "rowwise_adagrad": RowWiseAdaGrad, "adam": Adam}
 _INITIALIZERS = {"uniform": Uniform, "normal": Normal, "zeros": Zeros}

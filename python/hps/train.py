@@ -44,7 +44,8 @@ from hps.jobdir import TRAINER_STATE, write_trainer_state  # in each checkpoint'
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, ParameterServer,
-                                  ParameterServerConfig, _remove_tree, _replace_durable, _write_durable)
+                                  ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
+                                  remove_writer_lock)
 from hps.pipeline import Loaded, Pipeline
 from hps.tuning import ThreadTuner, dense_adam, import_torch  # (also hps.train.X, as before)
 
@@ -524,6 +525,7 @@ def load_trainer_state(path: str) -> dict:
 def _discard_run(path: str) -> None:
     """Removes what a run that never finished a checkpoint left at path: nothing
     in it is durable state (a parameter server opens such a run empty anyway)."""
+    remove_writer_lock(path)  # first: a run still holding it is refused before anything goes
     for name in (METADATA, "ssd", "ssd.restore", CHECKPOINTS, SUMMARY, TRAINER_STATE):
         _remove_tree(os.path.join(path, name))
 
