@@ -25,8 +25,8 @@ The budget covers what the lookup holds, split when a checkpoint is opened:
   * the cache of rows (hps.MemCache, its bookkeeping included): what is left.
 
 The lookup fixes glibc's mmap threshold (steady_heap): a call's temporaries of a
-MiB or so would otherwise stay resident in the heap after they are freed, some
-10-20 MB of a 122 MB budget beside a refresh (W11, 2M rows of dim 64).
+MiB or so would otherwise stay resident in the heap after they are freed, beside a
+refresh the largest part of what W11 measured over the budget at 2d9dea2.
 
 The answer of a call of more than CALL_KEYS keys (its rows and found mask beyond
 the first CALL_KEYS) is the caller's memory, outside the budget.
@@ -290,8 +290,7 @@ def steady_heap() -> None:
     raises the threshold to the size of each mmapped block freed, so the calls'
     temporaries (a MiB or so each: rows of CALL_KEYS keys, a read's scratch) come
     from the heap after the first few, and their pages stay resident once freed: in
-    W11 (2M rows of dim 64) the heap kept 10-20 MB more than the lookup held, and a
-    refresh peaked 10% over the budget. A fixed threshold gives such blocks back to
+    W11 (2M rows of dim 64) a refresh peaked 8.5% over the budget at 2d9dea2. A fixed threshold gives such blocks back to
     the kernel when freed, at the price of a fresh mapping (page faults) per block.
     Process-wide; elsewhere (another libc) a no-op."""
     try:
