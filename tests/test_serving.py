@@ -487,14 +487,17 @@ def test_the_key_index_is_resident_within_the_factor_the_budget_counts(tmp_path)
         ps.push(k, np.ones((len(k), 4), np.float32))
     ps.checkpoint()
     ps.close()
+    # Anonymous memory only (RssAnon), with every module the open needs imported first:
+    # code pages of a lazy import are not the index's.
     probe = f"""
 import json
 from hps import jobdir
+import hps.ssd_store
 def resident():
     with open('/proc/self/status') as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
-before = resident()
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith('RssAnon:'))
 view = jobdir.pin({str(tmp_path / "big")!r})
+before = resident()
 store = jobdir.open_store(view.ranks[0], view.job.row_bytes)
 print(json.dumps({{"grown": resident() - before, "index": store.stats()["index_bytes"],
                   "live": store.stats()["live_records"]}}))
