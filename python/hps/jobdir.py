@@ -126,9 +126,10 @@ def read_header(path: str) -> dict:
     return {"magic": magic, "version": version, "row_bytes": row_bytes, "sequence": seq, "records": records}
 
 
-def read_keys(path: str, records: int) -> np.ndarray:
-    """The keys region of a parameter file (the native open checked its CRC)."""
-    return np.fromfile(path, dtype="<u8", count=records, offset=BLOCK).astype(np.uint64, copy=False)
+def read_keys(path: str, records: int, first: int = 0) -> np.ndarray:
+    """The keys of a parameter file's slots [first, first + records) (the native open
+    checked their CRC)."""
+    return np.fromfile(path, dtype="<u8", count=records, offset=BLOCK + 8 * first).astype(np.uint64, copy=False)
 
 
 # ---------------------------------------------------------------- the job

@@ -209,8 +209,7 @@ class _Generation:
             path = os.path.join(rv.path, jobdir.file_name(seq))
             for at in range(0, records, NEW_KEYS_CHUNK):
                 try:
-                    keys = np.fromfile(path, dtype="<u8", count=min(NEW_KEYS_CHUNK, records - at),
-                                       offset=jobdir.BLOCK + 8 * at).astype(np.uint64, copy=False)
+                    keys = jobdir.read_keys(path, min(NEW_KEYS_CHUNK, records - at), first=at)
                 except (OSError, ValueError):
                     return sum(added.values())  # unreadable here: the open says why; bound by records
                 unknown += int(len(keys) - self.stores[rank].stamps(keys)[1].sum())
@@ -377,7 +376,7 @@ class Lookup:
         self._peak = 0    # the most held at once, by the split's accounting
         self._current = self._open()
         self._new_ring(self._current)
-        self._note(self._current.held_bytes() + self._current.plan.calls + self._ring_bytes())
+        self._note(self._current)
 
     def _open(self, view: Optional[jobdir.View] = None) -> _Generation:
         view = jobdir.pin(self.path) if view is None else view
@@ -400,9 +399,13 @@ class Lookup:
     def _ring_bytes(self) -> int:
         return 0 if self._recent is None else self._recent.nbytes
 
-    def _note(self, held: int) -> None:
+    def _note(self, *gens: _Generation) -> int:
+        """What is held now with these generations open (the calls' working memory
+        once, at the newest one's dim), noted toward the peak; returns it."""
+        held = sum(g.held_bytes() for g in gens) + gens[-1].plan.calls + self._ring_bytes()
         with self._lock:
             self._peak = max(self._peak, held)
+        return held
 
     # ------------------------------------------------------------ generations
     def _acquire(self) -> _Generation:
@@ -509,7 +512,7 @@ class Lookup:
                 warm = recent[:min(current.plan.warm_rows, new.capacity // 2)]
                 if len(warm):  # warm the new cache with the keys looked up lately, before it serves
                     new.lookup(warm)
-                self._note(current.held_bytes() + new.held_bytes() + new.plan.calls + self._ring_bytes())
+                self._note(current, new)
                 old = self._swap(new)
                 old.close()
                 _return_freed_memory()
@@ -532,7 +535,7 @@ class Lookup:
             self._new_ring(new)
             with self._lock:
                 self._refreshes += 1
-            self._note(new.held_bytes() + new.plan.calls + self._ring_bytes())
+            self._note(new)
             return True
 
     def _served(self) -> _Generation:
@@ -568,8 +571,7 @@ class Lookup:
             cache = gen.cache_stats()
             ssd = [s.stats() for s in gen.stores]
             plan = gen.plan
-            held = plan.fixed + cache["size"] * plan.row_cost + self._ring_bytes()
-            self._note(held)
+            held = self._note(gen)
             memory = {"budget_bytes": self._budget, "index_bytes": plan.index, "file_meta_bytes": plan.meta,
                       "read_buffer_bytes": plan.buffers, "read_threads": self._read_threads,
                       "call_bytes": plan.calls,

@@ -40,8 +40,8 @@ from hps import reshard
 from hps.admission import Admission
 from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, load_toml, parse_bytes
-from hps.jobdir import TRAINER_STATE, write_trainer_state  # in each checkpoint's directory
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
+from hps.jobdir import TRAINER_STATE, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, ParameterServer,
                                   ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
