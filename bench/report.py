@@ -403,7 +403,7 @@ def render_w3(o: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ W4 / W4s
-W4_NAMES = {"hps": "hps", "torch": "PyTorch", "torchrec": "TorchRec"}
+W4_NAMES = {"hps": "hps", "torch": "PyTorch", "torchrec": "TorchRec", "mlp_alone": "the MLP alone (the bound)"}
 
 
 def render_w4(o: dict) -> list[str]:
@@ -414,17 +414,29 @@ def render_w4(o: dict) -> list[str]:
            f"{o.get('batch_size')}, MLP {o.get('mlp')}{fields}, {o.get('rounds')} round(s) (each system in its "
            "own process, the systems taking turns); examples/s: median (min-max) over the rounds.", ""]
     rows = []
-    for s in ("hps", "torch", "torchrec"):
+    fraction = o.get("fraction_of_mlp_alone") or {}
+    for s in ("hps", "torch", "torchrec", "mlp_alone"):
         e = o.get(s)
         if not e:
             continue
         runs = e.get("examples_per_s_runs") or [e["examples_per_s"]]
-        rows.append([W4_NAMES[s], spread(e["examples_per_s"], min(runs), max(runs), ",.0f"), str(len(runs)),
-                     num(e.get("auc"), ".4f"), num(e.get("logloss"), ".4f")])
-    out += table(["system", "examples/s", "rounds", "eval AUC", "eval logloss"], rows) + [""]
+        row = [W4_NAMES[s], spread(e["examples_per_s"], min(runs), max(runs), ",.0f"), str(len(runs)),
+               num(e.get("auc"), ".4f"), num(e.get("logloss"), ".4f")]
+        if fraction:
+            row.append("1" if s == "mlp_alone" else num(fraction.get(s), ".2f"))
+        rows.append(row)
+    out += table(["system", "examples/s", "rounds", "eval AUC", "eval logloss"] +
+                 (["/ the MLP alone"] if fraction else []), rows) + [""]
     out.append(f"- hps / PyTorch, examples/s: {per_round(o.get('ratio_per_round') or [])}")
     if "ratio_over_torchrec_per_round" in o:
         out.append(f"- hps / TorchRec, examples/s: {per_round(o['ratio_over_torchrec_per_round'])}")
+    per = o.get("fraction_of_mlp_alone_per_round") or {}
+    for s in ("torch", "torchrec"):
+        if per.get(s):
+            out.append(f"- the MLP alone / {W4_NAMES[s]}, examples/s (the most any system's ratio over it can be): "
+                       f"{per_round([1.0 / f for f in per[s]])}")
+    if per.get("hps"):
+        out.append(f"- hps / the MLP alone: {per_round(per['hps'])}")
     if o.get("auc_difference") is not None:
         out.append(f"- AUC hps - PyTorch: {o['auc_difference']:+.4f}")
     p = (o.get("hps") or {}).get("pipeline") or {}

@@ -31,14 +31,18 @@ TorchRec: one more table a field, its jagged lengths in the KeyedJaggedTensor).
   * TorchRec (bench/torchrec_peer.py, installed on demand; --no-torchrec skips it): an
     EmbeddingBagCollection of one table per field, sharded table_wise with the fused
     kernel (Adagrad in the backward) under DistributedModelParallel, world size 1.
+  * the MLP alone (the bound): the same MLP's forward, backward (with its input's
+    gradient, which every system needs for the embeddings) and Adam step on each
+    batch's dense features and fixed embedding columns, --threads torch threads. No
+    system trains faster on these cores; each is reported as a fraction of it.
 The batches are generated once, before timing, and each system trains on them from
 memory in its own process (its own thread pools and OpenMP settings), in the same
 order, and evaluates on the same held-out examples. With --rounds the systems take
 turns, so that the machine's drift hits all of them alike; the median rate of each is
 reported (the details are the lower median run's), with every round's ratios; a
 ratio is the median of the same-round ratios.
-Reported: examples/s (training loop only), eval AUC and logloss after the same
-examples, and for hps the pipeline's wall time over its slowest stage (W9). One JSON
+Reported: examples/s (training loop only), each as a fraction of the MLP alone's,
+eval AUC and logloss after the same examples, and for hps the pipeline's wall time over its slowest stage (W9). One JSON
 line on stdout.
 """
 from __future__ import annotations
@@ -110,6 +114,39 @@ def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_d
             "logloss": logloss(y, p), "embedding_rows": len(vocab)}
 
 
+def mlp_alone(train_batches, hidden, threads, seed, lr_dense, dim):
+    """The bound every system shares: the same MLP's forward, backward and dense
+    Adam step on each batch, with the gradient of its input (every system needs
+    it for the embeddings) but no embeddings: their columns hold fixed values.
+    No system can train faster than this on these cores."""
+    import torch
+    from hps.torch import mlp as ctr_mlp
+    from hps.tuning import dense_adam
+    torch.set_num_threads(threads)
+    n_bags = len(train_batches[0].bags)
+    width = (26 + n_bags) * dim
+    net = ctr_mlp(width + 13, hidden, seed)
+    opt = dense_adam(net.parameters(), lr_dense)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    gen = torch.Generator().manual_seed(seed)
+    batch = max(len(b.labels) for b in train_batches)
+    fixed = torch.empty(batch, width + 13).uniform_(-0.01, 0.01, generator=gen)
+    t0 = time.perf_counter()
+    n = 0
+    for b in train_batches:
+        rows = len(b.labels)
+        x = fixed[:rows].clone()
+        x[:, width:] = torch.from_numpy(b.dense)
+        x.requires_grad_(True)
+        loss = loss_fn(net(x).squeeze(1), torch.from_numpy(b.labels))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        n += rows
+    seconds = time.perf_counter() - t0
+    return {"examples": n, "seconds": seconds, "examples_per_s": n / seconds, "threads": threads}
+
+
 def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0):
     """devices = 0: the in-place path (one host partition, MEM-PS's rows);
     devices > 0: the device-tier path over that many host partitions."""
@@ -132,7 +169,7 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0
             "mem_hit_rate": summary["final"]["mem_hit_rate"], "torch_threads": summary["torch_threads"]}
 
 
-SYSTEMS = ("torch", "torchrec", "hps", "hps_device")  # hps_device: --device-path
+SYSTEMS = ("mlp_alone", "torch", "torchrec", "hps", "hps_device")  # mlp_alone: the bound; hps_device: --device-path
 
 
 def save_batches(path, train_batches, eval_batches):
@@ -170,6 +207,8 @@ def load_batches(path, batch_size):
 def run_system(a, system, hidden, data_path, workdir):
     """One system's run in this process (the --system worker)."""
     train_batches, eval_batches = load_batches(data_path, a.batch_size)
+    if system == "mlp_alone":
+        return mlp_alone(train_batches, hidden, a.threads, a.seed, a.lr_dense, a.dim)
     if system == "torch":
         return plain_torch(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb, a.lr_dense, a.dim)
     if system == "torchrec":
@@ -268,7 +307,8 @@ def main():
                     p = result["pipeline"]
                     extra = (f", wall/slowest stage {p['wall_over_slowest_stage']:.2f} (bound by {p['bound_by']}), "
                              f"torch threads {result['torch_threads']['chosen']}")
-                log(f"{system}: {result['examples_per_s']:,.0f} examples/s, AUC {result['auc']:.4f}{extra}")
+                auc_text = f", AUC {result['auc']:.4f}" if "auc" in result else " (the MLP alone: the bound)"
+                log(f"{system}: {result['examples_per_s']:,.0f} examples/s{auc_text}{extra}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for system, results in runs.items():
@@ -288,6 +328,11 @@ def main():
         out["ratio_device_path_over_in_place_per_round"] = [d["examples_per_s"] / h["examples_per_s"]
                                                             for d, h in zip(runs["hps_device"], runs["hps"])]
         out["ratio_device_path_over_in_place"] = float(np.median(out["ratio_device_path_over_in_place_per_round"]))
+    # What fraction of the bound each system reaches, round by round.
+    out["fraction_of_mlp_alone_per_round"] = {s: [r["examples_per_s"] / m["examples_per_s"]
+                                                  for r, m in zip(runs[s], runs["mlp_alone"])]
+                                              for s in runs if s != "mlp_alone"}
+    out["fraction_of_mlp_alone"] = {s: float(np.median(v)) for s, v in out["fraction_of_mlp_alone_per_round"].items()}
     out["auc_difference"] = out["hps"]["auc"] - out["torch"]["auc"]
     out["w9_wall_over_slowest_stage"] = out["hps"]["pipeline"]["wall_over_slowest_stage"]
     log(f"median examples/s: " + ", ".join(f"{s} {v:,.0f}" for s, v in median.items()))

@@ -72,6 +72,15 @@ def test_train_quick_against_pytorch():
     assert p["bound_by"] == max(busy, key=busy.get)
     assert out["w9_wall_over_slowest_stage"] == pytest.approx(p["wall_seconds"] / max(busy.values()))
     assert out["hps"]["examples_per_s"] == pytest.approx(100_000 / out["hps"]["seconds"])
+    # The bound: the MLP alone ran over the same batches, and each system is a
+    # fraction of its rate, round by round.
+    alone = out["mlp_alone"]
+    assert alone["examples"] == 100_000 and "auc" not in alone
+    for system in ("hps", "torch"):
+        assert out["fraction_of_mlp_alone_per_round"][system] == [
+            pytest.approx(out[system]["examples_per_s"] / alone["examples_per_s"])]
+        assert out["fraction_of_mlp_alone"][system] == pytest.approx(
+            out[system]["examples_per_s"] / alone["examples_per_s"])
 
 
 def test_train_quick_multi_hot_against_pytorch():

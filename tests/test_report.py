@@ -130,10 +130,29 @@ def test_w4_table_has_median_range_per_round_ratios_and_provenance(tree):
     assert "line 1, the latest of 2" in w4
     assert "Test CPU, 2 CPUs" in w4
     assert "wall time / slowest stage 1.07, bound by train" in w4
+    # An old line, without the MLP alone, has no bound column.
+    assert "the MLP alone" not in w4
     # Regions without lines say so, and replace what was written there by hand.
     w6 = region(text, "w6")
     assert "Not measured at this commit" in w6 and "old hand-written figures" not in w6
     assert text.endswith("tail\n") and text.startswith("# Benchmarks\n\n## W4\nintro\n")
+
+
+def test_w4_reports_each_system_as_a_fraction_of_the_mlp_alone(tree):
+    line = w4_line([100.0, 120.0], [80.0, 100.0])
+    line["mlp_alone"] = {"examples": 1000, "examples_per_s": 200.0, "examples_per_s_runs": [160.0, 240.0]}
+    line["fraction_of_mlp_alone_per_round"] = {"hps": [100 / 160, 120 / 240], "torch": [80 / 160, 100 / 240]}
+    line["fraction_of_mlp_alone"] = {"hps": (100 / 160 + 120 / 240) / 2, "torch": (80 / 160 + 100 / 240) / 2}
+    write_lines(tree / "results" / "w4.jsonl", line)
+    assert run(tree) == 0
+    w4 = region((tree / "benchmarks.md").read_text(), "w4")
+    assert "| system | examples/s | rounds | eval AUC | eval logloss | / the MLP alone |" in w4
+    assert "| hps | 110 (100-120) | 2 | 0.8101 | 0.4500 | 0.56 |" in w4
+    assert "| the MLP alone (the bound) | 200 (160-240) | 2 | - | - | 1 |" in w4
+    # The ceiling of a ratio over PyTorch is the MLP alone over PyTorch, round by round.
+    assert "the MLP alone / PyTorch, examples/s (the most any system's ratio over it can be): 2.20 " \
+           "(rounds: 2.00, 2.40)" in w4
+    assert "hps / the MLP alone: 0.56 (rounds: 0.62, 0.50)" in w4
 
 
 def test_w5_ratios_are_medians_of_the_same_round_ratios_and_w2_the_benchmarks(tree):
