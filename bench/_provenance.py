@@ -85,6 +85,15 @@ def provenance(argv: list[str] | None = None) -> dict:
             "command": command_line(argv)}
 
 
+def scratch_dir(prefix: str) -> str:
+    """A fresh directory under bench/results/ for a run's data (the caller removes it);
+    bench/results/ is made first: a fresh clone has none (it is ignored by git)."""
+    results = os.path.join(ROOT, "bench", "results")
+    os.makedirs(results, exist_ok=True)
+    import tempfile
+    return tempfile.mkdtemp(prefix=prefix, dir=results)
+
+
 def save_result(line: str, name: str) -> str:
     """Writes a benchmark's JSON line to bench/results/<name>-<UTC time>.json (where
     `python3 bench/report.py --add` takes it from); returns the path."""

@@ -28,10 +28,12 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _provenance import scratch_dir  # noqa: E402  (bench/results/ made where a fresh clone has none)
 
 DIM = 16
 ZIPF_A = 1.05
@@ -125,7 +127,7 @@ def main():
     batch_keys = 20_000 if a.quick else a.batch_keys
     u_mem, u_ssd = (100_000, 1_000_000) if a.quick else (1_000_000, 10_000_000)
     row_cost = DIM * 2 * 4 + 112  # row bytes + MEM-PS bookkeeping (MemCache.capacity_for_budget)
-    workdir = a.dir or tempfile.mkdtemp(prefix="ps-bench-", dir=os.path.join(os.path.dirname(__file__), "results"))
+    workdir = a.dir or scratch_dir("ps-bench-")
     os.makedirs(workdir, exist_ok=True)
     out = {"benchmark": "parameter_server throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "dim": DIM, "optimizer": "adagrad", "zipf_a": ZIPF_A, "quick": a.quick, "machine": {"cpus": os.cpu_count()},

@@ -53,14 +53,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _provenance import provenance  # noqa: E402  (commit, date, machine, command of the JSON line)
+from _provenance import provenance, scratch_dir  # noqa: E402  (commit, date, machine, command of the JSON line)
 
 
 def log(*a):
@@ -286,7 +285,7 @@ def main():
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
            "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
            "device_path": a.device_path, "quick": a.quick, "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
-    workdir = tempfile.mkdtemp(prefix="train-bench-", dir=os.path.join(HERE, "results"))
+    workdir = scratch_dir("train-bench-")
     try:
         log("== generating the data ==")
         data_path = os.path.join(workdir, "batches.npz")

@@ -297,6 +297,15 @@ def test_provenance_names_the_commit_and_the_command():
     assert command_line(["bench/hash_table.sh", "--quick"]) == "bench/hash_table.sh --quick"
 
 
+def test_scratch_dir_makes_the_results_directory_a_fresh_clone_lacks(tmp_path, monkeypatch):
+    import _provenance
+    monkeypatch.setattr(_provenance, "ROOT", str(tmp_path))
+    made = _provenance.scratch_dir("train-bench-")
+    assert os.path.isdir(made) and os.path.dirname(made) == str(tmp_path / "bench" / "results")
+    assert os.path.basename(made).startswith("train-bench-") and os.listdir(made) == []
+    assert _provenance.scratch_dir("train-bench-") != made  # each run its own
+
+
 def w3_trace(a, seed, lru_hits, best_ratio):
     return {"accesses": 1000, "unique_keys": 400, "zipf_a": a, "seed": seed, "universe": 500,
             "capacities": [{"fraction": 0.05, "rows": 20,
