@@ -403,7 +403,8 @@ def render_w3(o: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ W4 / W4s
-W4_NAMES = {"hps": "hps", "torch": "PyTorch", "torchrec": "TorchRec", "mlp_alone": "the MLP alone (the bound)"}
+W4_NAMES = {"hps": "hps", "torch": "PyTorch", "torchrec": "TorchRec", "mlp_alone": "the MLP alone (the bound)",
+            "hps_device": "hps, device-tier path"}
 
 
 def render_w4(o: dict) -> list[str]:
@@ -415,12 +416,13 @@ def render_w4(o: dict) -> list[str]:
            "own process, the systems taking turns); examples/s: median (min-max) over the rounds.", ""]
     rows = []
     fraction = o.get("fraction_of_mlp_alone") or {}
-    for s in ("hps", "torch", "torchrec", "mlp_alone"):
+    for s in ("hps", "hps_device", "torch", "torchrec", "mlp_alone"):
         e = o.get(s)
         if not e:
             continue
         runs = e.get("examples_per_s_runs") or [e["examples_per_s"]]
-        row = [W4_NAMES[s], spread(e["examples_per_s"], min(runs), max(runs), ",.0f"), str(len(runs)),
+        name = W4_NAMES[s] + (f" ({o.get('device_path')} host partitions)" if s == "hps_device" else "")
+        row = [name, spread(e["examples_per_s"], min(runs), max(runs), ",.0f"), str(len(runs)),
                num(e.get("auc"), ".4f"), num(e.get("logloss"), ".4f")]
         if fraction:
             row.append("1" if s == "mlp_alone" else num(fraction.get(s), ".2f"))
@@ -437,6 +439,9 @@ def render_w4(o: dict) -> list[str]:
                        f"{per_round([1.0 / f for f in per[s]])}")
     if per.get("hps"):
         out.append(f"- hps / the MLP alone: {per_round(per['hps'])}")
+    if o.get("ratio_device_path_over_in_place_per_round"):
+        out.append(f"- the device-tier path over {o.get('device_path')} host partitions / the in-place path, "
+                   f"examples/s: {per_round(o['ratio_device_path_over_in_place_per_round'])}")
     if o.get("auc_difference") is not None:
         out.append(f"- AUC hps - PyTorch: {o['auc_difference']:+.4f}")
     p = (o.get("hps") or {}).get("pipeline") or {}

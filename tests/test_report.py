@@ -153,6 +153,21 @@ def test_w4_reports_each_system_as_a_fraction_of_the_mlp_alone(tree):
     assert "the MLP alone / PyTorch, examples/s (the most any system's ratio over it can be): 2.20 " \
            "(rounds: 2.00, 2.40)" in w4
     assert "hps / the MLP alone: 0.56 (rounds: 0.62, 0.50)" in w4
+    assert "device-tier" not in w4  # no --device-path in this run
+
+
+def test_w4_reports_the_device_tier_path_beside_the_in_place_one(tree):
+    line = w4_line([100.0, 120.0], [80.0, 100.0])
+    line["device_path"] = 2
+    line["hps_device"] = {"examples": 1000, "examples_per_s": 90.0, "examples_per_s_runs": [90.0, 96.0],
+                          "auc": 0.8101, "logloss": 0.45}
+    line["ratio_device_path_over_in_place_per_round"] = [0.9, 0.8]
+    write_lines(tree / "results" / "w4.jsonl", line)
+    assert run(tree) == 0
+    w4 = region((tree / "benchmarks.md").read_text(), "w4")
+    assert "| hps, device-tier path (2 host partitions) | 90 (90-96) | 2 | 0.8101 | 0.4500 |" in w4
+    assert "the device-tier path over 2 host partitions / the in-place path, examples/s: 0.85 " \
+           "(rounds: 0.90, 0.80)" in w4
 
 
 def test_w5_ratios_are_medians_of_the_same_round_ratios_and_w2_the_benchmarks(tree):
