@@ -26,6 +26,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +91,6 @@ def scratch_dir(prefix: str) -> str:
     bench/results/ is made first: a fresh clone has none (it is ignored by git)."""
     results = os.path.join(ROOT, "bench", "results")
     os.makedirs(results, exist_ok=True)
-    import tempfile
     return tempfile.mkdtemp(prefix=prefix, dir=results)
 
 

@@ -42,8 +42,8 @@ turns, so that the machine's drift hits all of them alike; the median rate of ea
 reported (the details are the lower median run's), with every round's ratios; a
 ratio is the median of the same-round ratios.
 Reported: examples/s (training loop only), each as a fraction of the MLP alone's,
-eval AUC and logloss after the same examples, and for hps the pipeline's wall time over its slowest stage (W9). One JSON
-line on stdout.
+eval AUC and logloss after the same examples, and for hps the pipeline's wall time
+over its slowest stage (W9). One JSON line on stdout.
 """
 from __future__ import annotations
 
@@ -117,7 +117,9 @@ def mlp_alone(train_batches, hidden, threads, seed, lr_dense, dim):
     """The bound every system shares: the same MLP's forward, backward and dense
     Adam step on each batch, with the gradient of its input (every system needs
     it for the embeddings) but no embeddings: their columns hold fixed values.
-    No system can train faster than this on these cores."""
+    No system can train faster than this on these cores. Its input is built each
+    batch (a copy of the fixed columns and the dense features), as every system
+    builds its own."""
     import torch
     from hps.torch import mlp as ctr_mlp
     from hps.tuning import dense_adam
