@@ -113,6 +113,13 @@ def region(text, wid):
     return text[start:text.index(f"<!-- /report:{wid} -->", start)]
 
 
+def rendered(tree, wid, line):
+    """The region of workload `wid` after report.py ran on `line` alone."""
+    write_lines(tree / "results" / f"{wid}.jsonl", line)
+    assert run(tree) == 0
+    return region((tree / "benchmarks.md").read_text(), wid)
+
+
 def test_w4_table_has_median_range_per_round_ratios_and_provenance(tree):
     # The latest line by date is reported, wherever it sits in the file.
     write_lines(tree / "results" / "w4.jsonl",
@@ -143,9 +150,7 @@ def test_w4_reports_each_system_as_a_fraction_of_the_mlp_alone(tree):
     line["mlp_alone"] = {"examples": 1000, "examples_per_s": 200.0, "examples_per_s_runs": [160.0, 240.0]}
     line["fraction_of_mlp_alone_per_round"] = {"hps": [100 / 160, 120 / 240], "torch": [80 / 160, 100 / 240]}
     line["fraction_of_mlp_alone"] = {"hps": (100 / 160 + 120 / 240) / 2, "torch": (80 / 160 + 100 / 240) / 2}
-    write_lines(tree / "results" / "w4.jsonl", line)
-    assert run(tree) == 0
-    w4 = region((tree / "benchmarks.md").read_text(), "w4")
+    w4 = rendered(tree, "w4", line)
     assert "| system | examples/s | rounds | eval AUC | eval logloss | / the MLP alone |" in w4
     assert "| hps | 110 (100-120) | 2 | 0.8101 | 0.4500 | 0.56 |" in w4
     assert "| the MLP alone (the bound) | 200 (160-240) | 2 | - | - | 1 |" in w4
@@ -162,9 +167,7 @@ def test_w4_reports_the_device_tier_path_beside_the_in_place_one(tree):
     line["hps_device"] = {"examples": 1000, "examples_per_s": 90.0, "examples_per_s_runs": [90.0, 96.0],
                           "auc": 0.8101, "logloss": 0.45}
     line["ratio_device_path_over_in_place_per_round"] = [0.9, 0.8]
-    write_lines(tree / "results" / "w4.jsonl", line)
-    assert run(tree) == 0
-    w4 = region((tree / "benchmarks.md").read_text(), "w4")
+    w4 = rendered(tree, "w4", line)
     assert "| hps, device-tier path (2 host partitions) | 90 (90-96) | 2 | 0.8101 | 0.4500 |" in w4
     assert "the device-tier path over 2 host partitions / the in-place path, examples/s: 0.85 " \
            "(rounds: 0.90, 0.80)" in w4
@@ -200,9 +203,7 @@ def test_w2_table_says_the_ratio_and_peer_the_lines_targets_judged(tree):
         "hps_t1_over_best_peer": {op: {"ratio": 0.872, "best_peer": "boost"} for op in report.W2_OPS},
         "hps_t1_over_best_plain_peer": {op: {"ratio": 0.9, "best_peer": "boost"} for op in report.W2_OPS},
         "hps_t2_over_hps_t1": {op: 1.152 for op in report.W2_OPS}}
-    write_lines(tree / "results" / "w2.jsonl", line)
-    assert run(tree) == 0
-    w2 = region((tree / "benchmarks.md").read_text(), "w2")
+    w2 = rendered(tree, "w2", line)
     assert "| find_hit |" in w2
     # hps_t1 runs 10, 12, 11 over boost's 9, 9.5, 8.5
     assert "0.87 vs boost (rounds: 1.11, 1.26, 1.29)" in w2
