@@ -606,8 +606,12 @@ def test_a_refresh_counts_only_the_new_files_keys_the_served_index_lacks(tmp_pat
     cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5),
                                     mem_budget="1MiB", write_buffer_rows=1 << 12)
     keys = np.arange(1, 700_001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    ones = lambda n: np.ones((n, 4), np.float32)  # noqa: E731
-    push = lambda ps, k: [ps.push(k[at:at + 4096], ones(len(k[at:at + 4096]))) for at in range(0, len(k), 4096)]  # noqa: E731
+
+    def push(ps, k):
+        for at in range(0, len(k), 4096):
+            part = k[at:at + 4096]
+            ps.push(part, np.ones((len(part), 4), np.float32))
+
     ps = hps.ParameterServer(cfg)
     push(ps, keys)
     ps.checkpoint()

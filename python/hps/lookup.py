@@ -291,8 +291,9 @@ def steady_heap() -> None:
     raises the threshold to the size of each mmapped block freed, so the calls'
     temporaries (a MiB or so each: rows of CALL_KEYS keys, a read's scratch) come
     from the heap after the first few, and their pages stay resident once freed: in
-    W11 (2M rows of dim 64) a refresh peaked 8.5% over the budget at 2d9dea2. A fixed threshold gives such blocks back to
-    the kernel when freed, at the price of a fresh mapping (page faults) per block.
+    W11 (2M rows of dim 64) a refresh peaked 8.5% over the budget at 2d9dea2. A fixed
+    threshold gives such blocks back to the kernel when freed, at the price of a fresh
+    mapping (page faults) per block.
     Process-wide; elsewhere (another libc) a no-op."""
     try:
         ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)

@@ -119,6 +119,7 @@ def remove_writer_lock(path: str) -> None:
     finally:
         os.close(fd)
 
+
 _OPTIMIZERS = {"sgd": SGD, "adagrad": AdaGrad, "rowwise_adagrad": RowWiseAdaGrad, "adam": Adam}
 _INITIALIZERS = {"uniform": Uniform, "normal": Normal, "zeros": Zeros}
 
