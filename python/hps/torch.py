@@ -14,6 +14,7 @@ Requires torch (``pip install torch``); the rest of hps does not.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional, Sequence
 
 import numpy as np
@@ -23,7 +24,7 @@ from torch import nn
 from hps import _core
 from hps.parameter_server import ParameterServer, WorkingBatch, working_batch
 
-__all__ = ["EmbeddingBag", "CtrModel", "mlp"]
+__all__ = ["EmbeddingBag", "CtrModel", "DeviceReplicas", "mlp"]
 
 
 def mlp(in_width: int, hidden: Sequence[int], seed: int = 0) -> nn.Sequential:
@@ -65,7 +66,7 @@ class _PooledLookup(torch.autograd.Function):
     """Rows of distinct keys, pooled into bags; backward sends per-key gradients."""
 
     @staticmethod
-    def forward(ctx, anchor, module, keys, bag, weights, counts):
+    def forward(ctx, anchor, module, keys, bag, weights, counts, device):
         ctx.batch, ctx.worker = module.batch, module.worker
         if ctx.batch is not None:
             # One row per key from the batch's working set; no distinct-key pass.
@@ -88,13 +89,13 @@ class _PooledLookup(torch.autograd.Function):
             out = out / torch.from_numpy(np.maximum(counts, 1)).to(torch.float32).unsqueeze(1)
         ctx.module, ctx.bag, ctx.counts, ctx.keys = module, bag_t, counts, keys
         ctx.save_for_backward(weights if weights is not None else torch.empty(0))
-        return out
+        return out.to(device)  # (no copy on the CPU)
 
     @staticmethod
     def backward(ctx, grad_out):
         (weights,) = ctx.saved_tensors
         module = ctx.module
-        grad_out = grad_out.to(torch.float32)
+        grad_out = grad_out.to("cpu", torch.float32)
         if module.mode == "mean":
             grad_out = grad_out / torch.from_numpy(np.maximum(ctx.counts, 1)).to(torch.float32).unsqueeze(1)
         elem = grad_out if len(ctx.bag) == len(ctx.counts) and (ctx.counts == 1).all() else grad_out[ctx.bag]
@@ -108,7 +109,7 @@ class _PooledLookup(torch.autograd.Function):
         else:
             # One pass in C++: torch's index_add_ took 4x as long on these shapes.
             module.ps.push(ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
 
 
 class _InputWithFields(torch.autograd.Function):
@@ -117,29 +118,31 @@ class _InputWithFields(torch.autograd.Function):
     row; a host batch reads them from MEM-PS), and backward hands those
     columns' gradient to the batch where it lies. The same values as pooling
     and torch.cat, without the concatenation's copy and the copies of the
-    gradient slice."""
+    gradient slice. On a GPU the matrix is made in host memory (pinned) and
+    copied to `device` once; its gradient comes back once the same way."""
 
     @staticmethod
-    def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key):
+    def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, device):
         examples, fields = keys.shape
         width = fields * dim
-        x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
+        on_host = device.type == "cpu"
+        x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32, pin_memory=not on_host)
         ctx.positions = batch.positions(keys)
         batch.gather(ctx.positions, x.numpy()[:, :width], worker=worker)
         x[:, width:] = dense
         ctx.batch, ctx.worker, ctx.width, ctx.keys, ctx.frozen_key = batch, worker, width, keys, frozen_key
-        return x
+        return x if on_host else x.to(device, non_blocking=True)
 
     @staticmethod
     def backward(ctx, grad_x):
-        grads = grad_x.detach().to(torch.float32).contiguous().numpy()
+        grads = grad_x.detach().to("cpu", torch.float32).contiguous().numpy()
         if ctx.frozen_key is not None:  # its columns, in place (this backward is grad_x's one reader)
             drop = _occurrences(ctx.keys, ctx.frozen_key)
             fields = ctx.keys.shape[1]
             dim = ctx.width // fields
             grads[(drop // fields)[:, None], ((drop % fields) * dim)[:, None] + np.arange(dim)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width], worker=ctx.worker)
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
 
 
 class EmbeddingBag(nn.Module):
@@ -149,8 +152,10 @@ class EmbeddingBag(nn.Module):
       - 1-D input (int64 keys) with offsets (bag starts, like nn.EmbeddingBag);
       - 2-D input (B, L): one bag per row; entries equal to ``padding_key`` are
         left out (an empty bag pools to zeros).
-    Returns (B, dim) float32. Gradients go to the parameter server on backward:
-    into the attached batch (``attach``) if there is one, else as a ps.push.
+    Returns (B, dim) float32 on the input's device (the rows are looked up in
+    host memory or on the device tier, and copied there). Gradients go to the
+    parameter server on backward: into the attached batch (``attach``) if there
+    is one, else as a ps.push.
     """
 
     def __init__(self, ps: ParameterServer, mode: str = "sum", padding_key: Optional[int] = None):
@@ -188,10 +193,12 @@ class EmbeddingBag(nn.Module):
                 keep = keys != np.uint64(self.padding_key & 0xFFFFFFFFFFFFFFFF)
                 keys, bag = keys[keep], bag[keep]
             if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights.reshape(-1)
+                per_sample_weights = per_sample_weights.detach().cpu().reshape(-1)
                 if keep is not None:
                     per_sample_weights = per_sample_weights[torch.from_numpy(keep)]
         elif input.dim() == 1:
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.detach().cpu()
             if offsets is None:
                 raise ValueError("a 1-D input needs offsets (the start of each bag)")
             starts = offsets.detach().cpu().numpy().astype(np.int64)
@@ -207,8 +214,8 @@ class EmbeddingBag(nn.Module):
             if per_sample_weights.shape != (len(keys),):
                 raise ValueError(f"per_sample_weights must have one weight a key ({len(keys)}), "
                                  f"got shape {tuple(per_sample_weights.shape)}")
-            weights = per_sample_weights.detach().to(torch.float32)
-        return _PooledLookup.apply(self.anchor, self, keys, bag, weights, counts)
+            weights = per_sample_weights.detach().to("cpu", torch.float32)
+        return _PooledLookup.apply(self.anchor, self, keys, bag, weights, counts, input.device)
 
 
 class CtrModel(nn.Module):
@@ -227,10 +234,12 @@ class CtrModel(nn.Module):
 
     def forward(self, keys: torch.Tensor, dense: torch.Tensor, bags: Optional[Sequence] = None) -> torch.Tensor:
         """keys: (B, num_fields) int64, one key per field; dense: (B, num_dense); bags: one
-        (input, offsets, per_sample_weights or None) per multi-hot field, as nn.EmbeddingBag takes them."""
+        (input, offsets, per_sample_weights or None) per multi-hot field, as nn.EmbeddingBag takes them.
+        The logits come out on the MLP's device, wherever keys and dense are."""
         if keys.dim() != 2 or keys.shape[1] != self.num_fields:
             raise ValueError(f"keys must have shape (B, {self.num_fields}), got {tuple(keys.shape)}")
         emb = self.embedding
+        device = self.device
         if self.num_bags or bags:
             if len(bags or ()) != self.num_bags:
                 raise ValueError(f"bags: expected {self.num_bags} multi-hot fields, got {len(bags or ())}")
@@ -240,10 +249,78 @@ class CtrModel(nn.Module):
             be.ps, be.batch, be.worker, be.frozen_key = emb.ps, emb.batch, emb.worker, emb.frozen_key
             pooled = [emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)] if self.num_fields else []
             pooled += [be(k, o, per_sample_weights=w) for k, o, w in bags]
-            return self.mlp(torch.cat(pooled + [dense.to(torch.float32)], dim=1)).squeeze(1)
+            pooled = [p.to(device) for p in pooled]
+            return self.mlp(torch.cat(pooled + [dense.to(device, torch.float32)], dim=1)).squeeze(1)
         if emb.batch is not None and emb.padding_key is None and not dense.requires_grad:
-            x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense,
-                                       emb.frozen_key)
+            x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
+                                       emb.frozen_key, device)
             return self.mlp(x).squeeze(1)
-        pooled = emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)
-        return self.mlp(torch.cat([pooled, dense.to(torch.float32)], dim=1)).squeeze(1)
+        pooled = emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1).to(device)
+        return self.mlp(torch.cat([pooled, dense.to(device, torch.float32)], dim=1)).squeeze(1)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the MLP's parameters are (the CPU for an MLP without any)."""
+        p = next(self.mlp.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+
+class DeviceReplicas:
+    """A dense model replicated over a node's worker devices, the data-parallel
+    half of the MLSys 2020 paper's node: worker g runs its mini-batch through
+    ``replica(g)`` on ``devices[g]``; then ``reduce_gradients()`` adds every
+    replica's gradients into replica 0's (in worker order, so the sum is the
+    one a single model accumulating the mini-batches one after another gets),
+    the one optimizer steps replica 0's parameters, and ``broadcast()`` copies
+    them to the other replicas.
+
+    Replica 0 is `model` itself, moved to ``devices[0]``. The others are copies
+    that share the submodules named in `shared` (the embedding bags, which hold
+    no weights: their rows live in the parameter server). Workers on one device
+    share a replica unless ``per_worker`` (what GPUs need, one a device; on the
+    CPU it runs the same code as a GPU node, for tests)."""
+
+    def __init__(self, model: nn.Module, devices: Sequence, shared: Sequence[nn.Module] = (),
+                 per_worker: bool = False):
+        if not devices:
+            raise ValueError("DeviceReplicas: give at least one device")
+        self.devices = [torch.device(d) for d in devices]
+        model.to(self.devices[0])
+        self.replicas: list[nn.Module] = [model]
+        self._of_worker = [0]
+        for device in self.devices[1:]:
+            if not per_worker and device in self.devices[:len(self._of_worker)]:
+                self._of_worker.append(self._of_worker[self.devices.index(device)])
+                continue
+            memo = {id(m): m for m in shared}
+            self.replicas.append(copy.deepcopy(model, memo).to(device))
+            self._of_worker.append(len(self.replicas) - 1)
+
+    def replica(self, worker: int) -> nn.Module:
+        return self.replicas[self._of_worker[worker]]
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def _pairs(self, r: int):
+        return zip(self.replicas[0].parameters(), self.replicas[r].parameters())
+
+    def reduce_gradients(self) -> None:
+        """Every other replica's gradients added into replica 0's, and dropped there."""
+        for r in range(1, len(self.replicas)):
+            for p0, p in self._pairs(r):
+                if p.grad is None:
+                    continue
+                g = p.grad.to(p0.device, non_blocking=True)
+                if p0.grad is None:
+                    p0.grad = g.clone() if g is p.grad else g
+                else:
+                    p0.grad.add_(g)
+                p.grad = None
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """Replica 0's parameters (as its optimizer left them) into every other replica."""
+        for r in range(1, len(self.replicas)):
+            for p0, p in self._pairs(r):
+                p.copy_(p0, non_blocking=True)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from hps import _core
 from hps import data as hdata
 from hps import reshard
 from hps.admission import Admission
@@ -110,6 +111,9 @@ class TrainConfig:
     pipelined: bool = True
     seed: int = 0                       # the MLP's initialisation
     torch_threads: int = 0              # 0: tuned on the first batches (ThreadTuner)
+    model_devices: str = "auto"         # where the dense model trains: "cuda" (worker g on GPU g), "cpu", or
+                                        # "auto" (the GPUs when the device tier is on them)
+    dense_replica_per_worker: bool = False  # a dense replica a worker even on one device (as on GPUs)
     helper_nice: int = 19               # niceness of the pipeline's read/prefetch/load/write-back threads
     pooling: str = "sum"                # multi-hot fields' pooling: "sum" or "mean"
     online: bool = False                # progressive validation (score each batch, then train); a directory
@@ -148,6 +152,9 @@ class TrainConfig:
         if d.get("online") and (data.epochs != 1 or data.shuffle_buffer) and _online_directory(data):
             raise ValueError(f"{source}: online training reads a growing directory once: data.epochs must be 1 "
                              f"and data.shuffle_buffer 0")
+        if d.get("model_devices", "auto") not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"{source}: model_devices must be \"auto\", \"cpu\" or \"cuda\", "
+                             f"got {d['model_devices']!r}")
         if d.get("pooling", "sum") not in ("sum", "mean"):
             raise ValueError(f"{source}: pooling must be \"sum\" or \"mean\", got {d['pooling']!r}")
         dist = d.get("distributed", {})
@@ -267,7 +274,7 @@ class Trainer:
         to which this rank rolls back; alone, LAST (the last one finished). ``widths``:
         the data's dense features, single-hot and multi-hot fields (Criteo's by default)."""
         torch = import_torch()
-        from hps.torch import CtrModel
+        from hps.torch import CtrModel, DeviceReplicas
         self.torch = torch
         self.cfg = cfg
         self.node = node
@@ -317,6 +324,11 @@ class Trainer:
         self.widths = widths
         self.model = CtrModel(self.ps, num_fields=widths[1], num_dense=widths[0], hidden=cfg.hidden, seed=cfg.seed,
                               num_bags=widths[2], pooling=cfg.pooling)
+        #: The dense model of each worker (device g of the tier) on its device; self.model is
+        #: replica 0, the one the optimizer steps and the checkpoint keeps.
+        self.replicas = DeviceReplicas(self.model, worker_devices(cfg, torch),
+                                       shared=[m for m in (self.model.embedding, self.model.bag_embedding) if m],
+                                       per_worker=cfg.dense_replica_per_worker)
         self.dense_sync = None
         params = list(self.model.mlp.parameters())
         if node is None:
@@ -354,9 +366,10 @@ class Trainer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"--resume: {path} is missing: checkpoint {self.local_ps.checkpoint_number} "
                                     f"of {self.state_dir} holds no dense state (not made by hps train)")
-        state = self.torch.load(path, weights_only=False)
+        state = self.torch.load(path, weights_only=False, map_location="cpu")  # (saved on any device)
         self.model.mlp.load_state_dict(state["mlp"])
-        self.opt.load_state_dict(state["opt"])
+        self.opt.load_state_dict(state["opt"])  # (its state moves to the parameters' device)
+        self.replicas.broadcast()
         self.batches_done, self.examples_done = state["batches_done"], state["examples_done"]
         self.history = state.get("history", [])
         self.online_state = state.get("online_window")
@@ -404,8 +417,10 @@ class Trainer:
 
     # -- steps
     def step(self, loaded: Loaded) -> None:
-        """Forward and backward over each device's mini-batch (gradients go to the
-        owners and add up), then one dense step for the whole batch (of every rank)."""
+        """Forward and backward over each device's mini-batch, on that worker's replica
+        of the dense model (gradients go to the owners and add up), then the replicas'
+        dense gradients summed and one dense step for the whole batch (of every rank),
+        copied to every replica."""
         torch = self.torch
         examples = loaded.data  # the examples batch; loaded.batch is the working set of its keys
         n = max(getattr(examples, "total_examples", len(examples.labels)), 1)
@@ -414,22 +429,26 @@ class Trainer:
         for worker, idx in enumerate(loaded.minibatches):
             if len(idx) == 0:
                 continue
+            model = self.replicas.replica(worker)
             emb.attach(loaded.batch, worker)
             keys = torch.from_numpy(examples.keys[idx].view(np.int64))
             if getattr(examples, "bags", None):  # multi-hot fields (a schema's)
-                logits = self.model(keys, torch.from_numpy(examples.dense[idx]), _bag_inputs(examples.rows(idx)))
+                logits = model(keys, torch.from_numpy(examples.dense[idx]), _bag_inputs(examples.rows(idx)))
             else:
-                logits = self.model(keys, torch.from_numpy(examples.dense[idx]))
-            loss = self.loss_fn(logits, torch.from_numpy(examples.labels[idx])) / n
+                logits = model(keys, torch.from_numpy(examples.dense[idx]))
+            labels = torch.from_numpy(examples.labels[idx]).to(logits.device, non_blocking=True)
+            loss = self.loss_fn(logits, labels) / n
             loss.backward()
             if self.step_logits is not None:
-                self.step_logits.append((idx, logits.detach().numpy()))
+                self.step_logits.append((idx, logits.detach().cpu().numpy()))
         emb.attach(None)
+        self.replicas.reduce_gradients()
         if self.dense_sync is not None:
             self.dense_sync.reduce_gradients()
         self.opt.step()
         if self.dense_sync is not None:
             self.dense_sync.after_step()
+        self.replicas.broadcast()
 
     def evaluate(self, batches: list) -> dict:
         """AUC and logloss over `batches`; in a job, rank r scores batches r, r+N, ...
@@ -456,7 +475,7 @@ class Trainer:
                 b = self.admission.eval_batch(b)  # keys never admitted read the default row
                 logits = self.model(torch.from_numpy(b.keys.view(np.int64)), torch.from_numpy(b.dense),
                                     *((_bag_inputs(b),) if getattr(b, "bags", None) else ()))
-                probs.append(torch.sigmoid(logits).numpy())
+                probs.append(torch.sigmoid(logits).cpu().numpy())
                 labels.append(b.labels)
         self.admission.end_evaluation()
         y = np.concatenate(labels) if labels else np.empty(0, np.float32)
@@ -468,6 +487,23 @@ class Trainer:
             p = np.concatenate([b for _, b, *_ in parts])
             adm.eval_reads, adm.eval_default_reads = sum(x[2] for x in parts), sum(x[3] for x in parts)  # the job's
         return {"auc": auc(y, p), "logloss": logloss(y, p), "eval_examples": len(y)}
+
+
+def worker_devices(cfg: TrainConfig, torch) -> list:
+    """The device each worker's dense replica trains on, by cfg.model_devices: worker
+    g (device g of the tier) on GPU g, or every worker on the CPU. "auto" takes the
+    GPUs when the device tier is on them (hps and torch see at least [ps] devices)."""
+    g = cfg.ps.devices
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    want = cfg.model_devices
+    if want == "auto":
+        want = "cuda" if _core.cuda_device_count() >= g and gpus >= g else "cpu"
+    if want == "cpu":
+        return ["cpu"] * g
+    if gpus < g:
+        raise ValueError(f"model_devices = \"cuda\" trains worker g on GPU g: [ps] devices = {g} needs {g} GPU(s), "
+                         f"and torch sees {gpus}")
+    return [f"cuda:{w}" for w in range(g)]
 
 
 def _bag_inputs(examples) -> list:
@@ -519,7 +555,8 @@ def load_trainer_state(path: str) -> dict:
     has_ps, number = stored_checkpoint(path)
     if number is None:
         raise FileNotFoundError(f"{path} holds no checkpoint" + ("" if has_ps else " (no parameter server)"))
-    return torch.load(os.path.join(path, CHECKPOINTS, f"{number:06d}", TRAINER_STATE), weights_only=False)
+    return torch.load(os.path.join(path, CHECKPOINTS, f"{number:06d}", TRAINER_STATE), weights_only=False,
+                      map_location="cpu")
 
 
 def _discard_run(path: str) -> None:
@@ -673,6 +710,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         number = _prepare_job(cfg, node, resume)
     trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths))
     if dense_hook is not None:
+        if len(trainer.replicas) > 1 or trainer.model.device.type != "cpu":
+            raise ValueError("[hierarchical] splits one dense model on the CPU a trainer: set model_devices = "
+                             "\"cpu\" and dense_replica_per_worker = false")
         dense_hook(trainer)
     if node is not None:
         _check_resumed_step(trainer)

@@ -1,0 +1,135 @@
+"""The dense model on the workers' devices (issue 15): a replica a worker, the
+replicas' gradients summed before the one dense step, the step copied back.
+On a GPU node worker g trains on GPU g; here the same code runs with the
+replicas on the CPU (dense_replica_per_worker) and must train what the
+in-place path trains."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+import hps  # noqa: E402
+from hps.torch import DeviceReplicas, mlp  # noqa: E402
+from hps.train import DataConfig, TrainConfig, load_trainer_state, train  # noqa: E402
+
+VOCAB = [50, 200, 1000, 5000] + [800] * 22
+BATCHES = 6
+
+
+def config(path, devices=1, **kw):
+    data = DataConfig(batch_size=512, train_examples=512 * BATCHES, eval_examples=1024, vocab_sizes=VOCAB)
+    ps = hps.ParameterServerConfig(dim=4, path=str(path), optimizer=hps.AdaGrad(lr=0.05), mem_budget="64MB",
+                                   devices=devices, write_buffer_rows=256)
+    return TrainConfig(ps=ps, data=data, hidden=(16, 8), dense_lr=0.01, torch_threads=1, pipelined=False, **kw)
+
+
+def final_state(path):
+    ps = hps.ParameterServer.open(path)
+    keys = np.unique(np.concatenate([b.keys.ravel() for b in hps.data.SyntheticCriteo(
+        seed=0, batch_size=512, examples=512 * BATCHES, vocab_sizes=VOCAB)]))
+    rows = ps.pull(keys)
+    ps.close()
+    return rows, load_trainer_state(path)["mlp"]
+
+
+@pytest.fixture(scope="module")
+def in_place(tmp_path_factory):
+    path = tmp_path_factory.mktemp("in_place")
+    summary = train(config(path), progress=False)
+    return summary, final_state(path)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_a_replica_a_worker_trains_what_the_in_place_path_trains(tmp_path, in_place, devices):
+    summary, (rows, mlp_state) = in_place
+    rep = train(config(tmp_path / "rep", devices=devices, dense_replica_per_worker=True), progress=False)
+    got_rows, got_mlp = final_state(tmp_path / "rep")
+    # Sums in another order (the mini-batches' gradients meet on the owners and in the reduce).
+    np.testing.assert_allclose(got_rows, rows, rtol=1e-3, atol=3e-4)
+    for name, value in mlp_state.items():
+        torch.testing.assert_close(got_mlp[name], value, rtol=1e-3, atol=3e-4, msg=name)
+    assert rep["final"]["auc"] == pytest.approx(summary["final"]["auc"], abs=1e-4)
+    if devices > 1:
+        assert rep["ps"]["device"]["kind"] == "cpu" and rep["ps"]["device"]["devices"] == devices
+
+
+def test_replicas_on_one_device_equal_the_shared_model_bit_for_bit(tmp_path):
+    # The reduce adds the replicas' gradients in worker order: the sum one model
+    # makes accumulating the mini-batches one after another.
+    train(config(tmp_path / "shared", devices=2), progress=False)
+    train(config(tmp_path / "rep", devices=2, dense_replica_per_worker=True), progress=False)
+    rows_a, mlp_a = final_state(tmp_path / "shared")
+    rows_b, mlp_b = final_state(tmp_path / "rep")
+    np.testing.assert_array_equal(rows_a, rows_b)
+    for name in mlp_a:
+        assert torch.equal(mlp_a[name], mlp_b[name]), name
+
+
+def test_device_replicas_reduce_then_broadcast():
+    net = mlp(6, (5,), seed=3)
+    shared = torch.nn.Linear(2, 2)
+    holder = torch.nn.ModuleDict({"mlp": net, "emb": shared})
+    reps = DeviceReplicas(holder, ["cpu", "cpu", "cpu"], shared=[shared], per_worker=True)
+    assert len(reps) == 3 and reps.replica(0) is holder
+    assert reps.replica(1)["emb"] is shared and reps.replica(1)["mlp"] is not net  # shared, not copied
+    x = torch.randn(9, 6, generator=torch.Generator().manual_seed(0))
+    # One model over the three slices, one after another: what the replicas must sum to.
+    want = mlp(6, (5,), seed=3)
+    for part in x.split(3):
+        want(part).sum().backward()
+    for w, part in enumerate(x.split(3)):
+        reps.replica(w)["mlp"](part).sum().backward()
+    reps.reduce_gradients()
+    for p, q in zip(net.parameters(), want.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert all(p.grad is None for r in (1, 2) for p in reps.replica(r)["mlp"].parameters())
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    reps.broadcast()
+    for r in (1, 2):
+        for p, q in zip(net.parameters(), reps.replica(r)["mlp"].parameters()):
+            assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
+
+
+def test_workers_on_one_device_share_a_replica_unless_asked():
+    net = mlp(4, (3,))
+    reps = DeviceReplicas(net, ["cpu", "cpu"])
+    assert len(reps) == 1 and reps.replica(1) is net
+    with pytest.raises(ValueError, match="at least one device"):
+        DeviceReplicas(net, [])
+
+
+def test_model_devices_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"cfg: model_devices must be \"auto\", \"cpu\" or \"cuda\", got 'gpu'"):
+        TrainConfig.from_dict({"ps": {"dim": 4, "path": str(tmp_path / "x")}, "model_devices": "gpu"},
+                              source="cfg")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: model_devices = 'cuda' is valid here")
+    with pytest.raises(ValueError, match=r"model_devices = \"cuda\" .*\[ps\] devices = 2 needs 2 GPU\(s\), and "
+                                         r"torch sees 0"):
+        train(config(tmp_path / "c", devices=2, model_devices="cuda"), progress=False)
+
+
+def test_auto_keeps_the_model_on_the_cpu_without_gpus(tmp_path):
+    if hps.cuda_device_count() and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: auto picks it")
+    from hps.train import worker_devices
+    assert worker_devices(config(tmp_path / "a", devices=4), torch) == ["cpu"] * 4
+
+
+def test_hierarchical_refuses_replicas(tmp_path):
+    with pytest.raises(ValueError, match=r"\[hierarchical\] splits one dense model on the CPU"):
+        train(config(tmp_path / "h", devices=2, dense_replica_per_worker=True), progress=False,
+              dense_hook=lambda trainer: None)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and hps.cuda_device_count() >= 1),
+                    reason="needs a CUDA GPU that torch and hps both see")
+def test_the_model_trains_on_the_gpu_as_on_the_cpu(tmp_path, in_place):
+    summary, (rows, mlp_state) = in_place
+    gpu = train(config(tmp_path / "gpu", model_devices="cuda"), progress=False)
+    got_rows, got_mlp = final_state(tmp_path / "gpu")
+    np.testing.assert_allclose(got_rows, rows, rtol=1e-3, atol=1e-4)
+    for name, value in mlp_state.items():
+        torch.testing.assert_close(got_mlp[name], value, rtol=1e-3, atol=1e-4, msg=name)
+    assert gpu["final"]["auc"] == pytest.approx(summary["final"]["auc"], abs=1e-3)
