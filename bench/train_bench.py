@@ -11,6 +11,9 @@ same model and data, in the same run.
                                                   # device-tier path), against in place
     python3 bench/train_bench.py --multi-hot 100000:4,20000:8
                                                   # W4m: two multi-hot fields as well
+    python3 bench/train_bench.py --model-device cuda --no-torchrec
+                                                  # W4 on a GPU: every MLP, and plain PyTorch's
+                                                  # EmbeddingBag, on cuda:0 (bench/gpu_check.sh)
 
 Model and data (all sides): synthetic Criteo-like examples (hps.data.SyntheticCriteo,
 26 categorical fields, 13 dense), embeddings of dim 16 per field, summed per field
@@ -35,6 +38,10 @@ TorchRec: one more table a field, its jagged lengths in the KeyedJaggedTensor).
     gradient, which every system needs for the embeddings) and Adam step on each
     batch's dense features and fixed embedding columns, --threads torch threads. No
     system trains faster on these cores; each is reported as a fraction of it.
+With --model-device cuda every MLP trains on GPU 0: hps with model_devices = "cuda" (its
+rows on the device tier there, the MLP's input copied over once a batch), plain
+PyTorch with its nn.EmbeddingBag and optimizers on the same GPU, each batch's tensors
+copied from pinned host memory as a tuned input pipeline does; TorchRec is not run.
 The batches are generated once, before timing, and each system trains on them from
 memory in its own process (its own thread pools and OpenMP settings), in the same
 order, and evaluates on the same held-out examples. With --rounds the systems take
@@ -66,7 +73,7 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_dense, dim):
+def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_dense, dim, device="cpu"):
     import torch
     from torch import nn
     from hps.metrics import auc, logloss
@@ -75,10 +82,17 @@ def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_d
     vocab = np.unique(np.concatenate([b.all_keys().ravel() for b in train_batches + eval_batches]))
     index = lambda keys: torch.from_numpy(np.searchsorted(vocab, keys).astype(np.int64))  # noqa: E731
 
-    def inputs(b):  # the single-hot rows, then each multi-hot field's (rows, offsets)
-        return index(b.keys), [(index(g.keys), torch.from_numpy(g.offsets[:-1].astype(np.int64))) for g in b.bags]
+    gpu = device != "cpu"
+    # On a GPU each batch's tensors start in pinned host memory and are copied over in the loop.
+    host = (lambda t: t.pin_memory()) if gpu else (lambda t: t)  # noqa: E731
+
+    def inputs(b):  # the single-hot rows, then each multi-hot field's (rows, offsets), the dense features
+        return (host(index(b.keys)), [(host(index(g.keys)), host(torch.from_numpy(g.offsets[:-1].astype(np.int64))))
+                                      for g in b.bags], host(torch.from_numpy(b.dense)))
     train_idx = [inputs(b) for b in train_batches]
     eval_idx = [inputs(b) for b in eval_batches]
+    train_labels = [host(torch.from_numpy(b.labels)) for b in train_batches]
+    on = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     n_bags = len(train_batches[0].bags)
     emb = nn.EmbeddingBag(len(vocab), dim, mode="sum", sparse=True)
     with torch.no_grad():  # seeded: the peer's AUC is the same run to run (unseeded it varied by 0.003)
@@ -86,34 +100,39 @@ def plain_torch(train_batches, eval_batches, hidden, threads, seed, lr_emb, lr_d
 
     from hps.torch import mlp as ctr_mlp
     mlp = ctr_mlp((26 + n_bags) * dim + 13, hidden, seed)  # hps.torch.CtrModel's MLP: same layers, same init
+    emb.to(device)
+    mlp.to(device)
     opt_emb = torch.optim.Adagrad(emb.parameters(), lr=lr_emb)
     opt_mlp = dense_adam(mlp.parameters(), lr_dense)  # the dense step of hps.train (hps.tuning)
     loss_fn = nn.BCEWithLogitsLoss()
 
-    def forward(inp, dense):
-        idx, bags = inp
-        pooled = [emb(idx.reshape(-1, 1)).reshape(idx.shape[0], -1)] + [emb(k, o) for k, o in bags]
-        return mlp(torch.cat(pooled + [torch.from_numpy(dense)], 1)).squeeze(1)
+    def forward(inp):
+        idx, bags, dense = inp
+        idx = on(idx)
+        pooled = [emb(idx.reshape(-1, 1)).reshape(idx.shape[0], -1)] + [emb(on(k), on(o)) for k, o in bags]
+        return mlp(torch.cat(pooled + [on(dense)], 1)).squeeze(1)
 
     t0 = time.perf_counter()
     n = 0
-    for b, idx in zip(train_batches, train_idx):
-        loss = loss_fn(forward(idx, b.dense), torch.from_numpy(b.labels))
+    for b, idx, labels in zip(train_batches, train_idx, train_labels):
+        loss = loss_fn(forward(idx), on(labels))
         opt_emb.zero_grad()
         opt_mlp.zero_grad()
         loss.backward()
         opt_emb.step()
         opt_mlp.step()
         n += len(b.labels)
+    if gpu:
+        torch.cuda.synchronize()  # the queued kernels are part of the training
     seconds = time.perf_counter() - t0
     with torch.no_grad():
-        p = np.concatenate([torch.sigmoid(forward(i, b.dense)).numpy() for b, i in zip(eval_batches, eval_idx)])
+        p = np.concatenate([torch.sigmoid(forward(i)).cpu().numpy() for i in eval_idx])
     y = np.concatenate([b.labels for b in eval_batches])
     return {"examples": n, "seconds": seconds, "examples_per_s": n / seconds, "auc": auc(y, p),
             "logloss": logloss(y, p), "embedding_rows": len(vocab)}
 
 
-def mlp_alone(train_batches, hidden, threads, seed, lr_dense, dim):
+def mlp_alone(train_batches, hidden, threads, seed, lr_dense, dim, device="cpu"):
     """The bound every system shares: the same MLP's forward, backward and dense
     Adam step on each batch, with the gradient of its input (every system needs
     it for the embeddings) but no embeddings: their columns hold fixed values.
@@ -132,20 +151,28 @@ def mlp_alone(train_batches, hidden, threads, seed, lr_dense, dim):
     gen = torch.Generator().manual_seed(seed)
     batch = max(len(b.labels) for b in train_batches)
     fixed = torch.empty(batch, width + 13).uniform_(-0.01, 0.01, generator=gen)
+    gpu = device != "cpu"
+    if gpu:  # the MLP on the GPU, its input built in pinned host memory and copied over, as hps does
+        net.to(device)
+        opt = dense_adam(net.parameters(), lr_dense)
+        fixed = fixed.pin_memory()
     t0 = time.perf_counter()
     n = 0
     for b in train_batches:
         rows = len(b.labels)
         x = fixed[:rows].clone()
         x[:, width:] = torch.from_numpy(b.dense)
+        x = x.to(device, non_blocking=True)
         x.requires_grad_(True)
-        loss = loss_fn(net(x).squeeze(1), torch.from_numpy(b.labels))
+        loss = loss_fn(net(x).squeeze(1), torch.from_numpy(b.labels).to(device))
         opt.zero_grad()
         loss.backward()
         opt.step()
         n += rows
+    if gpu:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"examples": n, "seconds": seconds, "examples_per_s": n / seconds, "threads": threads}
+    return {"examples": n, "seconds": seconds, "examples_per_s": n / seconds, "threads": threads, "device": device}
 
 
 def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0):
@@ -162,12 +189,13 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0
         data=DataConfig(batch_size=args.batch_size, train_examples=args.examples,
                         eval_examples=args.eval_examples, seed=args.seed),
         hidden=tuple(hidden), dense_lr=args.lr_dense, seed=args.seed, torch_threads=args.hps_threads,
-        pipelined=not args.sequential)
+        pipelined=not args.sequential, model_devices=args.model_device)
     summary = train(cfg, progress=False, train_batches=train_batches, eval_batches=eval_batches)
     return {"examples": summary["examples"], "seconds": summary["train_seconds"],
             "examples_per_s": summary["examples_per_s"], "auc": summary["final"]["auc"],
             "logloss": summary["final"]["logloss"], "pipeline": summary["pipeline"],
-            "mem_hit_rate": summary["final"]["mem_hit_rate"], "torch_threads": summary["torch_threads"]}
+            "mem_hit_rate": summary["final"]["mem_hit_rate"], "torch_threads": summary["torch_threads"],
+            "device_tier": summary["ps"]["device"]["kind"], "model_device": args.model_device}
 
 
 SYSTEMS = ("mlp_alone", "torch", "torchrec", "hps", "hps_device")  # mlp_alone: the bound; hps_device: --device-path
@@ -209,9 +237,10 @@ def run_system(a, system, hidden, data_path, workdir):
     """One system's run in this process (the --system worker)."""
     train_batches, eval_batches = load_batches(data_path, a.batch_size)
     if system == "mlp_alone":
-        return mlp_alone(train_batches, hidden, a.threads, a.seed, a.lr_dense, a.dim)
+        return mlp_alone(train_batches, hidden, a.threads, a.seed, a.lr_dense, a.dim, a.model_device)
     if system == "torch":
-        return plain_torch(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb, a.lr_dense, a.dim)
+        return plain_torch(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb, a.lr_dense, a.dim,
+                           a.model_device)
     if system == "torchrec":
         sys.path.insert(0, HERE)
         import torchrec_peer
@@ -227,7 +256,7 @@ def spawn(a, system, data_path, workdir) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--system", system, "--data", data_path,
             "--workdir", workdir]
     for name in ("examples", "eval_examples", "batch_size", "mlp", "dim", "lr_emb", "lr_dense", "threads",
-                 "hps_threads", "seed", "device_path", "multi_hot"):
+                 "hps_threads", "seed", "device_path", "multi_hot", "model_device"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
     if a.sequential:
         argv.append("--sequential")
@@ -259,6 +288,8 @@ def main():
     ap.add_argument("--device-path", type=int, default=0, metavar="G",
                     help="also run hps on the device-tier path over G host partitions (host_in_place off) "
                          "and report its rate over the in-place path's")
+    ap.add_argument("--model-device", choices=("cpu", "cuda"), default="cpu",
+                    help="where every system's MLP trains (cuda: GPU 0; plain PyTorch's embeddings too)")
     ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # worker: one run, one JSON line
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -274,6 +305,13 @@ def main():
     if a.system:
         print(json.dumps(run_system(a, a.system, hidden, a.data, a.workdir)), flush=True)
         return
+    if a.model_device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("--model-device cuda: torch sees no CUDA GPU here")
+        if a.device_path:
+            ap.error("--model-device cuda with --device-path: the device path over host partitions is a CPU figure")
+        a.no_torchrec = True  # its sharded GPU kernels need a process group of its own; not measured here
     systems = [s for s in SYSTEMS if not (s == "torchrec" and a.no_torchrec) and
                not (s == "hps_device" and not a.device_path)]
     if "torchrec" in systems:
@@ -286,7 +324,8 @@ def main():
            "multi_hot": [list(f) for f in multi_hot],
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
            "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
-           "device_path": a.device_path, "quick": a.quick, "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
+           "device_path": a.device_path, "model_device": a.model_device, "quick": a.quick,
+           "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
     workdir = scratch_dir("train-bench-")
     try:
         log("== generating the data ==")
