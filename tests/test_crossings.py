@@ -65,9 +65,10 @@ class CrossingCounter:
         sys.setprofile(None)
 
 
-def one_batch(ps, keys: np.ndarray, workers: int) -> None:
+def one_batch(ps, keys: np.ndarray, workers: int, tensors: bool = False) -> None:
     """One batch as the pipeline and hps.torch run it: each worker gathers the
-    rows of its share of the examples and accumulates their gradients."""
+    rows of its share of the examples and accumulates their gradients (as
+    arrays, or as torch tensors: a model on a GPU's way)."""
     b = ps.batch(ps.prefetch(keys), overlap=True)
     if workers == 1:
         parts = [keys]  # hps.torch asks for the batch's keys as the prefetch had them
@@ -75,24 +76,32 @@ def one_batch(ps, keys: np.ndarray, workers: int) -> None:
         parts = [keys[idx] for idx in np.array_split(np.arange(len(keys)), workers)]
     for worker, k in enumerate(parts):
         positions = b.positions(k)
+        if tensors:
+            import torch
+            rows = b.gather_tensor(positions, torch.empty(len(positions), ps.dim), worker=worker)
+            b.accumulate_tensor(positions, rows * 0.5, worker=worker)
+            continue
         rows = b.gather(positions, worker=worker)
         b.accumulate(positions, np.ascontiguousarray(rows * 0.5), worker=worker)
     b.apply()
     b.write_back()
 
 
-@pytest.mark.parametrize("devices,in_place", [(1, True), (1, False), (2, False)],
-                         ids=["in-place", "devices=1", "devices=2"])
-def test_a_batch_crosses_into_cpp_at_most_8_times(tmp_path, monkeypatch, devices, in_place):
+@pytest.mark.parametrize("devices,in_place,tensors", [(1, True, False), (1, False, False), (2, False, False),
+                                                     (1, False, True), (2, False, True)],
+                         ids=["in-place", "devices=1", "devices=2", "devices=1 tensors", "devices=2 tensors"])
+def test_a_batch_crosses_into_cpp_at_most_8_times(tmp_path, monkeypatch, devices, in_place, tensors):
+    if tensors:
+        pytest.importorskip("torch")
     ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), mem_budget="1MiB",
                                                        devices=devices, host_in_place=in_place))
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 500, size=(64, 3)).astype(np.uint64) for _ in range(3)]
-    one_batch(ps, batches[0], devices)  # warm: tables sized, first misses served
+    one_batch(ps, batches[0], devices, tensors)  # warm: tables sized, first misses served
     counter = CrossingCounter(monkeypatch)
     for keys in batches[1:]:
         with counter:
-            one_batch(ps, keys, devices)
+            one_batch(ps, keys, devices, tensors)
         assert 0 < len(counter.calls) <= MAX_CROSSINGS, f"{len(counter.calls)}: {counter.calls}"
     expected_kind = "host, in place (MEM-PS rows)" if in_place else "cpu"
     assert ps.stats()["device"]["kind"] == expected_kind

@@ -156,3 +156,41 @@ def test_every_batch_kind_is_a_working_batch_and_others_are_adapted(tmp_path):
     flat = np.array([1, 2, 3], np.uint64)
     np.testing.assert_allclose(tier.pull(flat), in_place.pull(flat), rtol=1e-6)
     np.testing.assert_allclose(other.inner._ps.pull(flat), in_place.pull(flat), rtol=1e-6)
+
+
+@pytest.mark.parametrize("devices,in_place", [(1, False), (2, False), (1, True)])
+def test_gather_and_accumulate_of_tensors_equal_the_arrays(tmp_path, devices, in_place):
+    # A model on a GPU hands the batch torch tensors; on the host they take the
+    # native path by address (one device tier) or the protocol's through numpy.
+    torch = pytest.importorskip("torch")
+    batches = steps(seed=3, n=2)
+    by_array = server(tmp_path, "arrays", devices=devices, host_in_place=in_place)
+    by_tensor = server(tmp_path, "tensors", devices=devices, host_in_place=in_place)
+    for keys in batches:
+        a, t = by_array.batch(keys), by_tensor.batch(keys)
+        for worker, idx in enumerate(np.array_split(np.arange(len(keys)), devices)):
+            pa, pt = a.positions(keys[idx]), t.positions(keys[idx])
+            rows = a.gather(pa, worker=worker)
+            out = torch.full((len(pt), DIM), 7.0)
+            assert t.gather_tensor(pt, out, worker=worker) is out
+            np.testing.assert_array_equal(out.numpy(), rows)
+            grads = np.ascontiguousarray(np.cos(rows) - 0.2, dtype=np.float32)
+            a.accumulate(pa, grads, worker=worker)
+            t.accumulate_tensor(pt, torch.from_numpy(grads.copy()), worker=worker)
+        a.finish()
+        t.finish()
+    keys = np.unique(np.concatenate([b.reshape(-1) for b in batches]))
+    np.testing.assert_array_equal(by_tensor.pull(keys), by_array.pull(keys))
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_not_overrun(tmp_path):
+    torch = pytest.importorskip("torch")
+    ps = server(tmp_path, "ps", devices=1, host_in_place=False)
+    keys = np.array([[1, 2], [3, 4]], np.uint64)
+    b = ps.batch(keys)
+    pos = b.positions(keys)
+    with pytest.raises(ValueError):
+        b.gather_tensor(pos, torch.empty(3, DIM))  # 4 rows asked: the numpy way names the mismatch
+    with pytest.raises(ValueError, match="takes host memory only; a GPU's memory needs a CUDA tier of one device"):
+        b._ws.get_into(0, pos, torch.empty(4, DIM).data_ptr(), True)
+    b.abort()

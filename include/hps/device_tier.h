@@ -14,9 +14,12 @@
 // sparse optimizer, once per key) -> Rows of the updated keys (they go back
 // to MEM-PS) -> Clear. Every row or gradient that moves from one device to
 // another is counted in the transfer matrix, and, given routes (TierRoutes),
-// on the links its route crosses; executed routes move the rows of a Get or
-// Accumulate through ExecuteOnHost (a relay in two phases through a staging
-// buffer on its middleman), which delivers the bytes a direct copy does.
+// on the links its route crosses. Rows that cross devices on GPUs, and on host
+// partitions with executed routes, move through a row mover (ps/row_mover.h):
+// each owner's segment in a buffer of its own, exchanged along the routes by
+// ExecuteOnCuda or ExecuteOnHost (a relay in two phases through a staging
+// buffer on its middleman; direct without a topology), which delivers the
+// bytes a direct copy does, then put in the caller's order.
 //
 // Thread safety: one batch at a time; calls are serialised by the caller.
 #pragma once
@@ -43,8 +46,9 @@ class KeyIndex;
 struct TierRoutes {
   Topology topology;
   RoutePlan plan;        ///< (E * E,) over topology.Endpoints()
-  bool execute = false;  ///< the host executor moves the rows, relays staged on their middleman;
-                         ///< false: the tier's own copy, counted along the routes
+  bool execute = false;  ///< host partitions: the host executor moves the rows, relays staged on
+                         ///< their middleman; false: the tier's own copy, counted along the routes.
+                         ///< A CUDA tier of several GPUs always moves its rows along the routes.
   int32_t devices = 0;   ///< the tier's G (<= E)
   // Derived: for tier pair (s, d), at hops[phase][s * G + d], the link
   // directions (link * 2 + 0 for a->b, + 1 for b->a) its rows cross in
@@ -76,8 +80,8 @@ struct DeviceTierOptions {
   SparseOptimizer optimizer;     ///< fixes the row width (embedding + state)
   bool use_cuda = true;          ///< GPUs when CudaDeviceCount() >= devices; else host partitions
   int32_t threads = 0;           ///< CPU launcher threads per host partition; 0 = all cores
-  std::shared_ptr<const TierRoutes> routes;  ///< null: no routes, no link counters; executed
-                                             ///< routes need host partitions
+  std::shared_ptr<const TierRoutes> routes;  ///< null: no routes, no link counters (a CUDA tier
+                                             ///< then copies directly between its GPUs)
 };
 
 struct TransferMatrix {
@@ -99,6 +103,11 @@ class DeviceTier {
   virtual int32_t dim() const = 0;
   // "cpu" (host partitions) or "cuda".
   virtual std::string kind() const = 0;
+  // Whether Get's embeddings and Accumulate's grads may lie in the memory of
+  // the worker's GPU as well as in host memory: a CUDA tier, whose tables (one
+  // device) or row mover (several: peer copies along the routes) read and
+  // write either. Host partitions take host memory only.
+  virtual bool accepts_gpu_memory() const = 0;
   virtual uint64_t size() const = 0;
 
   // `owners` (n entries in [0, devices), or null for the modulo hash) says

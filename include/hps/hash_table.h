@@ -11,6 +11,11 @@
 // written once and run either by a CPU launcher (a parallel loop over `threads`
 // cores) or by CUDA kernels (when built with CUDA and a device is present).
 //
+// On a CUDA table the arrays of rows a call takes or fills (rows, rows_out,
+// deltas, embeddings_out) may lie in host memory or in the table's GPU memory
+// (unified addressing tells which, so a gather can land in a torch CUDA
+// tensor); keys and flags lie in host memory. On the CPU all lie in host memory.
+//
 // Thread safety: any number of threads may call at once. Reads (find, export)
 // share the table; every other call has it to itself. The lock-free CAS scheme
 // works inside a call, where the launcher's threads race for slots.
@@ -56,6 +61,12 @@ class HashTable {
   // absent keys are zero. found[i] (optional) is 1 for present keys. Returns hits.
   virtual uint64_t find(const uint64_t* keys, uint64_t n, float* rows_out,
                         uint8_t* found) const = 0;
+
+  // The same, with only the first `columns` floats of each row (the embedding
+  // without its optimizer state) into rows_out (n, columns). Throws
+  // std::invalid_argument unless 0 < columns <= row_floats().
+  virtual uint64_t find_columns(const uint64_t* keys, uint64_t n, int32_t columns, float* rows_out,
+                                uint8_t* found) const = 0;
 
   // Adds deltas (n, row_floats) to the rows of keys; an absent key first gets a
   // zero row. Duplicates sum.

@@ -91,11 +91,16 @@ class WorkingSet {
   // What this batch's Apply publishes: for the Load of the batch after it.
   std::shared_ptr<Updates> updates() const { return updates_; }
 
+  // Where Get's embeddings and Accumulate's grads lie: host memory, or the
+  // memory of the worker's GPU (a torch CUDA tensor's), which only a tier
+  // that accepts_gpu_memory() reads and writes (else std::invalid_argument).
+  enum class Memory { kHost, kWorkerGpu };
   // Worker `worker` pulls the embeddings (n, dim) of keys (each a key of the
   // batch; std::out_of_range names one that is not).
-  void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings);
+  void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings, Memory memory = Memory::kHost);
   // Worker `worker` sends gradients (n, dim) of keys to their owners.
-  void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads);
+  void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
+                  Memory memory = Memory::kHost);
   // One optimizer step per key with gradients; returns how many. Later calls
   // do nothing and return 0. A failure releases the batch.
   uint64_t Apply();
@@ -114,6 +119,7 @@ class WorkingSet {
 
  private:
   void CheckLoaded(const char* what) const;
+  void CheckMemory(Memory memory, const char* what) const;
   void CheckWorker(int32_t worker) const;
   // The owners of keys (n) for the tier, or null for the modulo hash.
   const int32_t* OwnersOf(const uint64_t* keys, uint64_t n, std::vector<int32_t>* out, const char* what) const;

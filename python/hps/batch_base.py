@@ -15,6 +15,11 @@ class BatchBase:
     """What the batches share: finish(), the with-block protocol, and
     positions / gather / accumulate for a batch that looks rows up by key."""
 
+    #: Whether gather writes straight into the columns of a wider matrix (a
+    #: model's input) natively; else a lookup gathers into a tensor of its own
+    #: (gather_tensor) and the model's input is put together from it.
+    gathers_into_columns = False
+
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """The keys themselves (flattened): gather and accumulate look them up."""
         return np.ascontiguousarray(keys).reshape(-1)
@@ -29,6 +34,24 @@ class BatchBase:
     def accumulate(self, positions: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
         grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(positions), -1)
         self.push(positions, grads, worker=worker)
+
+    def gather_tensor(self, positions: np.ndarray, out, worker: int = 0):
+        """gather() into a torch tensor `out` (n, dim), float32 and contiguous, on
+        any device; here through host memory (pinned for a GPU's tensor). A
+        batch whose tier reads and writes the GPU's memory itself overrides it."""
+        if out.device.type == "cpu":
+            self.gather(positions, out.numpy(), worker=worker)
+            return out
+        import torch
+        host = torch.empty(tuple(out.shape), dtype=torch.float32, pin_memory=True)
+        self.gather(positions, host.numpy(), worker=worker)
+        out.copy_(host, non_blocking=True)
+        return out
+
+    def accumulate_tensor(self, positions: np.ndarray, grads, worker: int = 0) -> None:
+        """accumulate() of a torch tensor's gradients (n, dim), on any device."""
+        import torch
+        self.accumulate(positions, grads.detach().to("cpu", torch.float32).contiguous().numpy(), worker=worker)
 
     def finish(self) -> None:
         """apply(), then write_back()."""

@@ -366,7 +366,11 @@ class WorkingBatch(Protocol):
     embeddings (n, dim), one row per entry, into ``out`` if given: float32
     (n, dim), or (B, k * dim) with B * k = n, possibly the first columns of a
     wider matrix such as a model's input. ``accumulate(positions, grads,
-    worker=0)`` adds gradients laid out as gather's ``out``. ``pull`` and
+    worker=0)`` adds gradients laid out as gather's ``out``.
+    ``gather_tensor(positions, out, worker=0)`` and ``accumulate_tensor(positions,
+    grads, worker=0)`` do the same with a torch tensor (n, dim) on any device
+    (a model on a GPU): straight between the tier and the GPU's memory where
+    the tier can, through host memory otherwise. ``pull`` and
     ``push`` are the same by keys. ``apply()`` steps every key that got
     gradients once, ``write_back()`` returns the rows to MEM-PS and releases
     the batch, ``finish()`` is both, ``abort()`` releases a batch that will not
@@ -374,10 +378,13 @@ class WorkingBatch(Protocol):
 
     keys: np.ndarray
     wait_seconds: float
+    gathers_into_columns: bool  # gather writes into a wider matrix's columns natively (hps.torch uses it)
 
     def positions(self, keys: np.ndarray) -> Any: ...
     def gather(self, positions: Any, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray: ...
     def accumulate(self, positions: Any, grads: np.ndarray, worker: int = 0) -> None: ...
+    def gather_tensor(self, positions: Any, out: Any, worker: int = 0) -> Any: ...
+    def accumulate_tensor(self, positions: Any, grads: Any, worker: int = 0) -> None: ...
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray: ...
     def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None: ...
     def apply(self) -> None: ...
@@ -451,6 +458,32 @@ class Batch(_BatchBase):
         where they add up until the batch ends."""
         self._ws.accumulate(worker, keys, grads)
 
+    def gather_tensor(self, positions: np.ndarray, out, worker: int = 0):
+        """gather() into a torch tensor (n, dim); with a CUDA tier of one device
+        and `out` on its GPU, the tier writes it there, with no host copy."""
+        if not self._takes(out, worker, len(positions)):
+            return super().gather_tensor(positions, out, worker)
+        self._ws.get_into(worker, positions, out.data_ptr(), out.device.type == "cuda")
+        return out
+
+    def accumulate_tensor(self, positions: np.ndarray, grads, worker: int = 0) -> None:
+        """accumulate() of a torch tensor (n, dim); on the tier's GPU, read there."""
+        if not self._takes(grads, worker, len(positions)):
+            return super().accumulate_tensor(positions, grads, worker)
+        self._ws.accumulate_from(worker, positions, grads.data_ptr(), grads.device.type == "cuda")
+
+    def _takes(self, t, worker: int, n: int) -> bool:
+        """Whether the tier reads or writes tensor t's memory itself: host memory,
+        or the GPU of a CUDA tier of one device; float32 (n, dim), contiguous.
+        (Anything else goes the protocol's way, which checks the shape.)"""
+        import torch
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != (n, self._ps.dim):
+            return False
+        if t.device.type == "cpu":
+            return True
+        tier = self._slot.tier
+        return t.device.type == "cuda" and tier.accepts_gpu_memory and t.device.index == worker
+
     def apply(self) -> None:
         """One optimizer step per key that got gradients, on the device tier;
         a failure releases the batch."""
@@ -507,6 +540,8 @@ class HostBatch(_BatchBase):
 
     A batch made while the one before it is in flight (``overlap``) shares rows
     with it; it reads them only once that one has applied its step."""
+
+    gathers_into_columns = True  # (RowLayout: the model's input takes the rows as they are read)
 
     def __init__(self, ps: "ParameterServer", prefetched: Prefetched, previous: Optional["HostBatch"]):
         self._ps = ps
@@ -1083,7 +1118,8 @@ class ParameterServer:
         every tier): the topology file's, executed by the host executor on host
         partitions; without one, a flat topology of the host partitions, whose one
         route (through host memory) the tier's own copy takes, counted per link. A CUDA
-        tier without a file gets none."""
+        tier of several GPUs moves its rows along the file's routes with the CUDA executor,
+        or, without a file, gets none and copies directly between its GPUs."""
         g = self.config.devices
         host = _core.cuda_device_count() < g
         if self.config.topology is None:

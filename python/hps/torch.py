@@ -118,24 +118,36 @@ class _InputWithFields(torch.autograd.Function):
     row; a host batch reads them from MEM-PS), and backward hands those
     columns' gradient to the batch where it lies. The same values as pooling
     and torch.cat, without the concatenation's copy and the copies of the
-    gradient slice. On a GPU the matrix is made in host memory (pinned) and
-    copied to `device` once; its gradient comes back once the same way."""
+    gradient slice. On a GPU (`device`), or from a batch that does not gather
+    into columns, the rows are gathered into a tensor of their own on that
+    device (by the tier itself where it can: WorkingBatch.gather_tensor), the
+    input is put together from it, and the gradient goes back from there."""
 
     @staticmethod
     def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, device):
         examples, fields = keys.shape
         width = fields * dim
-        on_host = device.type == "cpu"
-        x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32, pin_memory=not on_host)
         ctx.positions = batch.positions(keys)
+        ctx.batch, ctx.worker, ctx.width, ctx.keys, ctx.frozen_key = batch, worker, width, keys, frozen_key
+        if device.type != "cpu" or not batch.gathers_into_columns:
+            rows = torch.empty(examples * fields, dim, dtype=torch.float32, device=device)
+            batch.gather_tensor(ctx.positions, rows, worker=worker)
+            return torch.cat([rows.view(examples, width), dense.to(device, torch.float32, non_blocking=True)], 1)
+        x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
         batch.gather(ctx.positions, x.numpy()[:, :width], worker=worker)
         x[:, width:] = dense
-        ctx.batch, ctx.worker, ctx.width, ctx.keys, ctx.frozen_key = batch, worker, width, keys, frozen_key
-        return x if on_host else x.to(device, non_blocking=True)
+        return x
 
     @staticmethod
     def backward(ctx, grad_x):
-        grads = grad_x.detach().to("cpu", torch.float32).contiguous().numpy()
+        if grad_x.device.type != "cpu" or not ctx.batch.gathers_into_columns:
+            fields = ctx.keys.shape[1]
+            grads = grad_x[:, :ctx.width].to(torch.float32).contiguous().view(-1, ctx.width // fields)
+            if ctx.frozen_key is not None:  # one row a key: the frozen key's rows
+                grads[torch.from_numpy(_occurrences(ctx.keys, ctx.frozen_key)).to(grads.device)] = 0.0
+            ctx.batch.accumulate_tensor(ctx.positions, grads, worker=ctx.worker)
+            return None, None, None, None, None, None, None, None
+        grads = grad_x.detach().to(torch.float32).contiguous().numpy()
         if ctx.frozen_key is not None:  # its columns, in place (this backward is grad_x's one reader)
             drop = _occurrences(ctx.keys, ctx.frozen_key)
             fields = ctx.keys.shape[1]

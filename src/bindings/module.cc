@@ -73,6 +73,10 @@ std::string ShapeOf(const py::array& a) {
 }
 
 // A float32 (n, columns) array.
+hps::WorkingSet::Memory MemoryArg(bool on_gpu) {
+  return on_gpu ? hps::WorkingSet::Memory::kWorkerGpu : hps::WorkingSet::Memory::kHost;
+}
+
 const float* RowsArg(const py::array& a, const char* name, uint64_t n, int64_t columns) {
   if (!HasDtype<float>(a)) {
     throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
@@ -747,6 +751,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("row_floats", &hps::DeviceTier::row_floats)
       .def_property_readonly("dim", &hps::DeviceTier::dim)
       .def_property_readonly("kind", &hps::DeviceTier::kind)
+      .def_property_readonly("accepts_gpu_memory", &hps::DeviceTier::accepts_gpu_memory)
       .def("__len__", &hps::DeviceTier::size)
       .def_static("modulo_owners", [](const py::array& keys, int32_t devices) {
         const auto [k, n] = KeysArg(keys, "keys");
@@ -964,6 +969,21 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         w.Accumulate(worker, k, n, g);
       }, py::arg("worker"), py::arg("keys"), py::arg("grads"))
+      // A tensor's memory by address (torch's data_ptr): the caller vouches for
+      // (len(keys), dim) contiguous float32 there, on the host or (on_gpu) on
+      // the worker's GPU.
+      .def("get_into", [](hps::WorkingSet& w, int32_t worker, const py::array& keys, uintptr_t address,
+                          bool on_gpu) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::gil_scoped_release release;
+        w.Get(worker, k, n, reinterpret_cast<float*>(address), MemoryArg(on_gpu));
+      }, py::arg("worker"), py::arg("keys"), py::arg("address"), py::arg("on_gpu"))
+      .def("accumulate_from", [](hps::WorkingSet& w, int32_t worker, const py::array& keys, uintptr_t address,
+                                 bool on_gpu) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::gil_scoped_release release;
+        w.Accumulate(worker, k, n, reinterpret_cast<const float*>(address), MemoryArg(on_gpu));
+      }, py::arg("worker"), py::arg("keys"), py::arg("address"), py::arg("on_gpu"))
       .def("apply", [](hps::WorkingSet& w) {
         py::gil_scoped_release release;
         return w.Apply();

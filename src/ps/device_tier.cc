@@ -10,6 +10,7 @@
 
 #include "hps/hash_table.h"
 #include "format/key_index.h"
+#include "ps/row_mover.h"
 #include "util/mix64.h"
 #include "table/table_kernels.h"
 
@@ -39,16 +40,25 @@ class Tier final : public DeviceTier {
         throw std::invalid_argument("device tier: routes planned for " + std::to_string(r->devices) +
                                     " devices, the tier has " + std::to_string(o.devices));
       }
-      // ExecuteOnHost copies host memory; a CUDA tier's rows sit in device memory.
-      if (r->execute && cuda) {
-        throw std::invalid_argument("device tier: executed routes need host partitions (use_cuda = false); "
-                                    "the CUDA executor does not drive a CUDA tier yet");
-      }
       endpoints_ = static_cast<int32_t>(r->topology.Endpoints().size());
       links_.links = static_cast<int32_t>(r->topology.links.size());
       links_.rows.assign(4 * static_cast<size_t>(links_.links), 0);
       links_.bytes.assign(links_.rows.size(), 0);
       links_.route_rows.assign(4, 0);
+    }
+    // Rows that cross devices move through a RowMover: on GPUs always (peer
+    // copies along the routes, or direct without a topology), on host
+    // partitions when the routes are executed (else the tables' own copies).
+    if (o.devices > 1 && cuda) {
+      std::vector<int32_t> gpus(static_cast<size_t>(o.devices));
+      for (int32_t d = 0; d < o.devices; ++d) gpus[static_cast<size_t>(d)] = d;
+      mover_ = detail::NewCudaRowMover(gpus);
+    } else if (o.devices > 1 && o.routes && o.routes->execute) {
+      mover_ = detail::NewHostRowMover(o.devices);
+    }
+    if (mover_ && !o.routes) {
+      endpoints_ = o.devices;
+      direct_ = detail::DirectPlan(o.devices);
     }
   }
 
@@ -56,6 +66,7 @@ class Tier final : public DeviceTier {
   int32_t row_floats() const override { return row_floats_; }
   int32_t dim() const override { return o_.optimizer.dim; }
   std::string kind() const override { return kind_; }
+  bool accepts_gpu_memory() const override { return kind_ == "cuda"; }  // (one table, or the CUDA mover)
   uint64_t size() const override {
     uint64_t n = 0;
     for (const auto& t : rows_) n += t->size();
@@ -86,7 +97,7 @@ class Tier final : public DeviceTier {
            const int32_t* owners) override {
     CheckWorker(worker);
     const int32_t dim = o_.optimizer.dim;
-    if (Executes()) return RoutedGet(worker, keys, n, embeddings, owners);
+    if (mover_) return MovedGet(worker, keys, n, embeddings, owners);
     ReadOnOwners(keys, n, owners, embeddings, dim, [&](int32_t device, uint64_t rows) {
       Count(device, worker, rows, rows * dim * sizeof(float));
     });
@@ -96,9 +107,9 @@ class Tier final : public DeviceTier {
                   const int32_t* owners) override {
     CheckWorker(worker);
     CheckKeys(keys, n);
+    if (mover_) return MovedAccumulate(worker, keys, n, grads, owners);
     const int32_t dim = o_.optimizer.dim;
     const Parts parts = Partition(keys, n, owners, grads, dim);
-    if (Executes()) return RoutedAccumulate(worker, parts);
     for (int32_t d = 0; d < o_.devices; ++d) {
       if (parts.size[d] == 0) continue;
       grads_[d]->accumulate(parts.keys[d], parts.size[d], parts.rows[d]);
@@ -225,8 +236,8 @@ class Tier final : public DeviceTier {
       const uint64_t size = parts.size[static_cast<size_t>(d)];
       if (size == 0) continue;
       found.resize(size);
-      if (parts.whole && width == row_floats_) {  // straight into out
-        rows_[d]->find(parts.keys[d], size, out, found.data());
+      if (parts.whole) {  // straight into out (which may be the GPU's memory: accepts_gpu_memory)
+        rows_[d]->find_columns(parts.keys[d], size, width, out, found.data());
         for (uint64_t j = 0; j < size; ++j) {
           if (!found[j]) NotLoaded(keys, j, d);
         }
@@ -243,76 +254,77 @@ class Tier final : public DeviceTier {
     }
   }
 
-  bool Executes() const { return o_.routes && o_.routes->execute && o_.devices > 1; }
+  const RoutePlan& Plan() const { return o_.routes ? o_.routes->plan : direct_; }
 
-  // Get through the routes: each owner's embeddings for the worker, compacted,
-  // are one segment of an exchange that ExecuteOnHost carries out (a relay
-  // staged on its middleman), then scattered to the worker's output.
-  void RoutedGet(int32_t worker, const uint64_t* keys, uint64_t n, float* out, const int32_t* owners) {
+  // Get across devices: each owner finds the worker's rows into a buffer of
+  // its own (compacted, in the order its keys came), the plan's exchange
+  // carries those segments to the worker (a relay staged on its middleman),
+  // and the worker scatters them into the caller's out in example order.
+  void MovedGet(int32_t worker, const uint64_t* keys, uint64_t n, float* out, const int32_t* owners) {
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, nullptr, 0);
     const auto e = static_cast<size_t>(endpoints_);
-    const uint64_t dim = static_cast<uint64_t>(o_.optimizer.dim);
-    std::vector<std::vector<float>> send(static_cast<size_t>(o_.devices));
-    std::vector<uint64_t> bytes(e * e, 0);
-    std::vector<float> found_rows;
+    const auto dim = static_cast<uint32_t>(o_.optimizer.dim);
+    std::vector<uint64_t> bytes(e * e, 0), order;  // order: the example of each row received, by owner
+    order.reserve(n);
+    std::vector<const uint8_t*> sp(e, nullptr);
+    std::vector<uint8_t*> rp(e, nullptr);
     std::vector<uint8_t> found;
     for (int32_t d = 0; d < o_.devices; ++d) {
       const uint64_t size = parts.size[static_cast<size_t>(d)];
       if (size == 0) continue;
+      float* segment = mover_->Buffer(d, detail::RowMover::kSend, size * dim);
       found.resize(size);
-      found_rows.resize(size * row_floats_);
-      rows_[d]->find(parts.keys[d], size, found_rows.data(), found.data());
-      auto& seg = send[static_cast<size_t>(d)];
-      seg.resize(size * dim);
+      rows_[d]->find_columns(parts.keys[d], size, static_cast<int32_t>(dim), segment, found.data());
       for (uint64_t j = 0; j < size; ++j) {
         if (!found[j]) NotLoaded(keys, parts.Index(d, j), d);
-        std::memcpy(seg.data() + j * dim, found_rows.data() + j * row_floats_, dim * sizeof(float));
+        order.push_back(parts.Index(d, j));
       }
+      sp[static_cast<size_t>(d)] = reinterpret_cast<const uint8_t*>(segment);
       bytes[static_cast<size_t>(d) * e + static_cast<size_t>(worker)] = size * dim * sizeof(float);
     }
-    std::vector<float> recv(n * dim);
-    std::vector<const uint8_t*> sp(e, nullptr);
-    std::vector<uint8_t*> rp(e, nullptr);
-    for (int32_t d = 0; d < o_.devices; ++d) sp[d] = reinterpret_cast<const uint8_t*>(send[d].data());
-    rp[worker] = reinterpret_cast<uint8_t*>(recv.data());
-    ExecuteOnHost(o_.routes->plan, bytes, sp, rp);
-    uint64_t at = 0;  // recv holds the owners' segments in device order
+    float* received = mover_->Buffer(worker, detail::RowMover::kReceive, n * dim);
+    rp[static_cast<size_t>(worker)] = reinterpret_cast<uint8_t*>(received);
+    mover_->Exchange(Plan(), bytes, sp, rp);
+    mover_->ScatterOut(worker, order.data(), n, dim, received, out);
     for (int32_t d = 0; d < o_.devices; ++d) {
       const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
-      for (uint64_t j = 0; j < size; ++j) {
-        std::memcpy(out + parts.Index(d, j) * dim, recv.data() + (at + j) * dim, dim * sizeof(float));
-      }
-      at += size;
-      Count(d, worker, size, size * dim * sizeof(float));
+      if (size > 0) Count(d, worker, size, size * dim * sizeof(float));
     }
   }
 
-  // Accumulate through the routes: the worker's gradients for each owner are
-  // one segment of the exchange; each owner sums what it received.
-  void RoutedAccumulate(int32_t worker, const Parts& parts) {
+  // Accumulate across devices: the worker gathers its gradients into owner
+  // order in a buffer of its own, the exchange carries each owner's segment
+  // to it, and each owner sums what it received.
+  void MovedAccumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
+                       const int32_t* owners) {
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);
     const auto e = static_cast<size_t>(endpoints_);
-    const uint64_t dim = static_cast<uint64_t>(o_.optimizer.dim);
-    std::vector<uint64_t> bytes(e * e, 0);
-    std::vector<float> send;
-    std::vector<std::vector<float>> recv(static_cast<size_t>(o_.devices));
+    const auto dim = static_cast<uint32_t>(o_.optimizer.dim);
+    std::vector<uint64_t> bytes(e * e, 0), order;
+    order.reserve(n);
     for (int32_t d = 0; d < o_.devices; ++d) {
       const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
-      send.insert(send.end(), parts.rows[d], parts.rows[d] + size * dim);
-      recv[static_cast<size_t>(d)].resize(size * dim);
+      for (uint64_t j = 0; j < size; ++j) order.push_back(parts.Index(d, j));
       bytes[static_cast<size_t>(worker) * e + static_cast<size_t>(d)] = size * dim * sizeof(float);
     }
+    float* sent = mover_->Buffer(worker, detail::RowMover::kSend, n * dim);
+    mover_->GatherIn(worker, order.data(), n, dim, grads, sent);
     std::vector<const uint8_t*> sp(e, nullptr);
     std::vector<uint8_t*> rp(e, nullptr);
-    sp[worker] = reinterpret_cast<const uint8_t*>(send.data());
-    for (int32_t d = 0; d < o_.devices; ++d) rp[d] = reinterpret_cast<uint8_t*>(recv[d].data());
-    ExecuteOnHost(o_.routes->plan, bytes, sp, rp);
+    sp[static_cast<size_t>(worker)] = reinterpret_cast<const uint8_t*>(sent);
+    std::vector<float*> received(static_cast<size_t>(o_.devices), nullptr);
     for (int32_t d = 0; d < o_.devices; ++d) {
       const uint64_t size = parts.size[static_cast<size_t>(d)];
       if (size == 0) continue;
-      grads_[d]->accumulate(parts.keys[d], size, recv[d].data());
+      received[static_cast<size_t>(d)] = mover_->Buffer(d, detail::RowMover::kReceive, size * dim);
+      rp[static_cast<size_t>(d)] = reinterpret_cast<uint8_t*>(received[static_cast<size_t>(d)]);
+    }
+    mover_->Exchange(Plan(), bytes, sp, rp);
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      grads_[d]->accumulate(parts.keys[d], size, received[static_cast<size_t>(d)]);
       Count(worker, d, size, size * dim * sizeof(float));
     }
   }
@@ -357,8 +369,10 @@ class Tier final : public DeviceTier {
   std::string kind_;
   std::vector<std::unique_ptr<HashTable>> rows_, grads_;
   TransferMatrix matrix_;
-  int32_t endpoints_ = 0;  // the routes' E
+  int32_t endpoints_ = 0;  // the routes' E (the tier's devices with a direct plan)
   LinkCounters links_;
+  std::unique_ptr<detail::RowMover> mover_;  // null: rows cross devices by the tables' own copies
+  RoutePlan direct_;                         // the mover's plan without routes
 };
 
 }  // namespace

@@ -143,15 +143,25 @@ void WorkingSet::CatchUp() {
   previous_.reset();
 }
 
-void WorkingSet::Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings) {
+void WorkingSet::CheckMemory(Memory memory, const char* what) const {
+  if (memory == Memory::kWorkerGpu && !tier_->accepts_gpu_memory()) {
+    throw std::invalid_argument(std::string("working set ") + what + ": the " + tier_->kind() + " tier of " +
+                                std::to_string(tier_->devices()) + " device(s) takes host memory only; a GPU's " +
+                                "memory needs a CUDA tier of one device");
+  }
+}
+
+void WorkingSet::Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings, Memory memory) {
   CheckLoaded("get");
+  CheckMemory(memory, "get");
   CatchUp();
   std::vector<int32_t> owners;
   tier_->Get(worker, keys, n, embeddings, OwnersOf(keys, n, &owners, "get"));
 }
 
-void WorkingSet::Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads) {
+void WorkingSet::Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads, Memory memory) {
   CheckLoaded("accumulate");
+  CheckMemory(memory, "accumulate");
   CatchUp();
   std::vector<int32_t> owners;
   tier_->Accumulate(worker, keys, n, grads, OwnersOf(keys, n, &owners, "accumulate"));

@@ -159,9 +159,15 @@ class CpuHashTable final : public HashTable {
   }
 
   uint64_t find(const uint64_t* keys, uint64_t n, float* rows_out, uint8_t* found) const override {
+    return find_columns(keys, n, row_floats(), rows_out, found);
+  }
+
+  uint64_t find_columns(const uint64_t* keys, uint64_t n, int32_t columns, float* rows_out,
+                        uint8_t* found) const override {
     CheckKeys(keys, n);
+    detail::CheckColumns(columns, row_floats());
     std::shared_lock lock(mutex_);
-    const uint32_t stride = ref_.stride;
+    const uint32_t stride = static_cast<uint32_t>(columns);
     const int parts = PartsFor(n, threads_);
     std::vector<uint64_t> hits(static_cast<size_t>(parts), 0);
     RunParts(parts, [&](int part) {

@@ -161,9 +161,11 @@ class DeviceArray {
   DeviceArray& operator=(const DeviceArray&) = delete;
 
   T* get() const { return data_; }
-  void upload(const T* host) { HPS_CUDA_TRY(cudaMemcpy(data_, host, bytes(), cudaMemcpyHostToDevice)); }
-  void download(T* host, uint64_t count) const {
-    HPS_CUDA_TRY(cudaMemcpy(host, data_, count * sizeof(T), cudaMemcpyDeviceToHost));
+  // cudaMemcpyDefault: `from` / `to` may be host memory or this GPU's (unified
+  // addressing tells which), so rows can come from or go to a torch CUDA tensor.
+  void upload(const T* from) { HPS_CUDA_TRY(cudaMemcpy(data_, from, bytes(), cudaMemcpyDefault)); }
+  void download(T* to, uint64_t count) const {
+    HPS_CUDA_TRY(cudaMemcpy(to, data_, count * sizeof(T), cudaMemcpyDefault));
   }
   uint64_t bytes() const { return count_ * sizeof(T); }
 
@@ -207,9 +209,15 @@ class CudaHashTable final : public HashTable {
   }
 
   uint64_t find(const uint64_t* keys, uint64_t n, float* rows_out, uint8_t* found) const override {
+    return find_columns(keys, n, row_floats(), rows_out, found);
+  }
+
+  uint64_t find_columns(const uint64_t* keys, uint64_t n, int32_t columns, float* rows_out,
+                        uint8_t* found) const override {
     std::lock_guard lock(mutex_);
     CheckKeys(keys, n);
-    return Gather(keys, n, ref_.stride, rows_out, found);
+    detail::CheckColumns(columns, row_floats());
+    return Gather(keys, n, static_cast<uint32_t>(columns), rows_out, found);
   }
 
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "hps/config.h"
 #include "hps/hash_table.h"
@@ -173,6 +175,14 @@ HPS_HD inline void AddRow(float* dst, const float* src, uint32_t n) {
     } else {
       dst[j] += src[j];
     }
+  }
+}
+
+// find_columns' argument, checked alike by both launchers (host only).
+inline void CheckColumns(int32_t columns, int32_t row_floats) {
+  if (columns <= 0 || columns > row_floats) {
+    throw std::invalid_argument("hash table find_columns: columns = " + std::to_string(columns) +
+                                " is not in [1, " + std::to_string(row_floats) + "] (the row's floats)");
   }
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -44,6 +45,28 @@ TEST(HashTable, AccumulateMatchesMapOnTwoThreads) {
     EXPECT_EQ(rows[2 * i], expected.at(keys[i]));
     EXPECT_EQ(rows[2 * i + 1], expected.at(keys[i]));
   }
+}
+
+TEST(HashTable, FindColumnsCopiesTheFirstColumnsOfEachRow) {
+  auto table = Table(2 * kBatch, 3, 2);
+  const auto keys = RandomKeys(kBatch, 4 * kBatch, 11);  // mostly distinct
+  std::vector<float> rows(3 * kBatch);
+  for (uint64_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i);
+  table->insert(keys.data(), kBatch, rows.data(), nullptr);
+  std::vector<uint64_t> asked(keys.begin(), keys.begin() + 100);
+  asked.push_back(12345);  // absent: a zero row, found = 0
+  std::vector<float> whole(3 * asked.size()), first(2 * asked.size(), -1.0f);
+  std::vector<uint8_t> found(asked.size());
+  const uint64_t hits = table->find(asked.data(), asked.size(), whole.data(), nullptr);
+  EXPECT_EQ(table->find_columns(asked.data(), asked.size(), 2, first.data(), found.data()), hits);
+  for (uint64_t i = 0; i < asked.size(); ++i) {
+    EXPECT_EQ(first[2 * i], whole[3 * i]) << i;
+    EXPECT_EQ(first[2 * i + 1], whole[3 * i + 1]) << i;
+  }
+  EXPECT_EQ(found.back(), 0);
+  EXPECT_EQ(first[2 * 100], 0.0f);
+  EXPECT_THROW(table->find_columns(asked.data(), 1, 0, first.data(), nullptr), std::invalid_argument);
+  EXPECT_THROW(table->find_columns(asked.data(), 1, 4, first.data(), nullptr), std::invalid_argument);
 }
 
 TEST(HashTable, InsertKeepsFirstDuplicateAndFindCopiesRows) {

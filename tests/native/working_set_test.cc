@@ -174,6 +174,11 @@ TEST(WorkingSet, CallsOutOfOrderAreRefused) {
   std::vector<float> emb(2);
   EXPECT_THROW(ws.Get(0, &missing, 1, emb.data()), std::out_of_range);
   EXPECT_THROW(ws.Get(1, keys.data(), 1, emb.data()), std::invalid_argument);  // worker 1 of 1 device
+  // A CPU tier reads and writes host memory only: a GPU's memory is refused before any copy.
+  EXPECT_FALSE(tier->accepts_gpu_memory());
+  EXPECT_THROW(ws.Get(0, keys.data(), 1, emb.data(), WorkingSet::Memory::kWorkerGpu), std::invalid_argument);
+  EXPECT_THROW(ws.Accumulate(0, keys.data(), 1, emb.data(), WorkingSet::Memory::kWorkerGpu),
+               std::invalid_argument);
   EXPECT_EQ(ws.Apply(), 0u);  // no gradients: nothing stepped
   ws.WriteBack();
   EXPECT_EQ(cache->stats().pinned, 0u);

@@ -1,0 +1,129 @@
+// The GPUs' RowMover (row_mover.h): buffers in each GPU's memory, the exchange
+// by ExecuteOnCuda, and the host mover's row bodies as kernels. The caller's
+// memory (ScatterOut's out, GatherIn's in) may be host memory or a GPU's:
+// it is staged on the device with cudaMemcpyDefault.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "ps/row_mover.h"
+
+namespace hps::detail {
+namespace {
+
+void Check(cudaError_t status, const char* what, const char* file, int line) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what + ": " +
+                             cudaGetErrorString(status));
+  }
+}
+#define HPS_CUDA_TRY(call) Check((call), #call, __FILE__, __LINE__)
+
+constexpr int kBlock = 256;
+
+__global__ void ScatterKernel(float* out, const float* in, const uint64_t* index, uint64_t n, uint32_t dim) {
+  const uint64_t j = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (j < n) ScatterRow(out, in, index, j, dim);
+}
+
+__global__ void GatherKernel(float* out, const float* in, const uint64_t* index, uint64_t n, uint32_t dim) {
+  const uint64_t j = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (j < n) GatherRow(out, in, index, j, dim);
+}
+
+unsigned Blocks(uint64_t n) { return static_cast<unsigned>((n + kBlock - 1) / kBlock); }
+
+// Device memory that grows on demand and is freed with its owner, on its GPU.
+class GrowingBuffer {
+ public:
+  GrowingBuffer() = default;
+  GrowingBuffer(const GrowingBuffer&) = delete;
+  GrowingBuffer& operator=(const GrowingBuffer&) = delete;
+  ~GrowingBuffer() {
+    if (ptr_) {
+      cudaSetDevice(gpu_);
+      cudaFree(ptr_);
+    }
+  }
+  void* Get(int gpu, uint64_t bytes) {
+    if (bytes > bytes_) {
+      HPS_CUDA_TRY(cudaSetDevice(gpu));
+      if (ptr_) HPS_CUDA_TRY(cudaFree(ptr_));
+      ptr_ = nullptr;
+      bytes_ = 0;
+      HPS_CUDA_TRY(cudaMalloc(&ptr_, bytes));
+      gpu_ = gpu;
+      bytes_ = bytes;
+    }
+    return ptr_;
+  }
+
+ private:
+  int gpu_ = 0;
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+class CudaRowMover final : public RowMover {
+ public:
+  explicit CudaRowMover(std::vector<int32_t> gpus)
+      : gpus_(std::move(gpus)), buffers_(gpus_.size() * kSlots), index_(gpus_.size()), stage_(gpus_.size()) {}
+
+  float* Buffer(int32_t device, Slot slot, uint64_t floats) override {
+    const auto d = static_cast<size_t>(device);
+    return static_cast<float*>(buffers_.at(d * kSlots + slot).Get(gpus_.at(d), floats * sizeof(float)));
+  }
+
+  void Exchange(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<const uint8_t*>& send,
+                const std::vector<uint8_t*>& receive) override {
+    // Endpoints past the tier's devices (middlemen of a topology) are the GPUs that follow.
+    std::vector<int32_t> ids(send.size());
+    for (size_t e = 0; e < ids.size(); ++e) ids[e] = e < gpus_.size() ? gpus_[e] : static_cast<int32_t>(e);
+    ExecuteOnCuda(plan, bytes, ids, send, receive);
+  }
+
+  void ScatterOut(int32_t device, const uint64_t* index, uint64_t n, uint32_t dim, const float* in,
+                  float* out) override {
+    if (n == 0) return;
+    const auto d = static_cast<size_t>(device);
+    const uint64_t* d_index = Index(d, index, n);
+    auto* staged = static_cast<float*>(stage_[d].Get(gpus_[d], n * dim * sizeof(float)));
+    ScatterKernel<<<Blocks(n), kBlock>>>(staged, in, d_index, n, dim);
+    HPS_CUDA_TRY(cudaGetLastError());
+    HPS_CUDA_TRY(cudaMemcpy(out, staged, n * dim * sizeof(float), cudaMemcpyDefault));
+  }
+
+  void GatherIn(int32_t device, const uint64_t* index, uint64_t n, uint32_t dim, const float* in,
+                float* out) override {
+    if (n == 0) return;
+    const auto d = static_cast<size_t>(device);
+    const uint64_t* d_index = Index(d, index, n);
+    auto* staged = static_cast<float*>(stage_[d].Get(gpus_[d], n * dim * sizeof(float)));
+    HPS_CUDA_TRY(cudaMemcpy(staged, in, n * dim * sizeof(float), cudaMemcpyDefault));
+    GatherKernel<<<Blocks(n), kBlock>>>(out, staged, d_index, n, dim);
+    HPS_CUDA_TRY(cudaGetLastError());
+    HPS_CUDA_TRY(cudaDeviceSynchronize());
+  }
+
+ private:
+  // The index uploaded to device d's GPU (which is made current).
+  const uint64_t* Index(size_t d, const uint64_t* index, uint64_t n) {
+    auto* p = static_cast<uint64_t*>(index_[d].Get(gpus_[d], n * sizeof(uint64_t)));
+    HPS_CUDA_TRY(cudaSetDevice(gpus_[d]));
+    HPS_CUDA_TRY(cudaMemcpy(p, index, n * sizeof(uint64_t), cudaMemcpyHostToDevice));
+    return p;
+  }
+
+  std::vector<int32_t> gpus_;
+  std::vector<GrowingBuffer> buffers_;  // [device * kSlots + slot]
+  std::vector<GrowingBuffer> index_, stage_;
+};
+
+}  // namespace
+
+std::unique_ptr<RowMover> NewCudaRowMover(const std::vector<int32_t>& gpus) {
+  return std::make_unique<CudaRowMover>(gpus);
+}
+
+}  // namespace hps::detail
