@@ -92,3 +92,12 @@ def test_a_host_batch_dropped_unreleased_reports_a_failure_on_stderr(capfd):
     assert "a host batch of 3 keys released by its destructor: host batch release: 1 of 3 keys" in err, err
     s = cache.stats()
     assert s["pinned"] == 0 and s["failed_releases"] == 1
+
+
+def test_cuda_devices_must_name_a_gpu_for_each_endpoint():
+    opt = native_optimizer(DIM, hps.SGD(lr=0.1), hps.Uniform(0.5), seed=3)
+    with pytest.raises(ValueError, match="cuda_devices names 3 GPUs, but the tier has 2 endpoints"):
+        _core.DeviceTier(2, 64, opt, use_cuda=True, cuda_devices=[0, 0, 0])
+    if hps.cuda_device_count() == 0:  # GPUs the node lacks: host partitions, as without the list
+        tier = _core.DeviceTier(2, 64, opt, use_cuda=True, cuda_devices=[0, 0])
+        assert tier.kind == "cpu" and not tier.accepts_gpu_memory

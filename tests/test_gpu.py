@@ -47,3 +47,96 @@ def test_optimizers_match_the_cpu(optimizer):
         np.testing.assert_allclose(gpu.pull(keys), cpu.pull(keys), rtol=1e-5, atol=2e-5)
         gpu.push(keys, grads)
         cpu.push(keys, grads)
+
+
+# ---- the GPUs' row mover and the CUDA executor (issues 15 and 17). A one-GPU
+# machine stands for a node: several endpoints share GPU 0 (cuda_devices).
+
+def _tier_run(tier, opt, steps):
+    """Loads the keys, then per step: each worker gets its share, sends gradients that
+    depend on the rows, and the tier applies them. Returns every row at the end, and
+    the transfer matrix."""
+    rng = np.random.default_rng(7)
+    keys = np.unique(rng.integers(1, 5_000, 3_000)).astype(np.uint64)
+    tier.insert(keys, opt.initial_rows(keys), None, opt.row_floats)
+    for _ in range(steps):
+        for worker in range(tier.devices):
+            mine = rng.choice(keys, 1_000)
+            rows = tier.get(worker, mine, None, opt.dim)
+            tier.accumulate(worker, mine, np.ascontiguousarray(np.sin(rows) + 0.1, np.float32), None, opt.dim)
+        tier.apply()
+    return tier.rows(keys, None, opt.row_floats), tier.transfers()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("topology", [None, "figure1.toml"])
+def test_a_cuda_tier_of_several_devices_trains_as_host_partitions_do(topology):
+    from pathlib import Path
+
+    from hps import _core
+    from hps import topology as T
+    from hps.optim import native_optimizer
+    opt = native_optimizer(8, hps.AdaGrad(lr=0.1), hps.Uniform(0.5), seed=3)
+    devices = 4
+    routes, gpus = None, [i % GPUS for i in range(devices)]
+    if topology is not None:
+        topo = T.load(Path(__file__).resolve().parent.parent / "examples" / "topologies" / topology)
+        native_devices, links = topo._native()
+        routes = _core.TierRoutes(native_devices, links, devices, 1 << 20, False)
+        gpus = [i % GPUS for i in range(len(topo.endpoints))]  # middlemen too
+    gpu = _core.DeviceTier(devices, 8192, opt, use_cuda=True, routes=routes, cuda_devices=gpus)
+    assert gpu.kind == "cuda" and gpu.accepts_gpu_memory
+    host = _core.DeviceTier(devices, 8192, opt, use_cuda=False)
+    got, moved = _tier_run(gpu, opt, 3)
+    want, host_moved = _tier_run(host, opt, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # atomics sum in another order
+    np.testing.assert_array_equal(moved[0], host_moved[0])  # the same rows crossed between the same devices
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("schedule", ["host", "direct", "relay"])
+def test_the_cuda_executor_delivers_what_the_host_executor_does(schedule):
+    from pathlib import Path
+
+    from hps import topology as T
+    t = T.load(Path(__file__).resolve().parent.parent / "examples" / "topologies" / "figure1.toml")
+    rng = np.random.default_rng(3)
+    m = rng.integers(0, 3000, size=(8, 8)).astype(np.uint64)
+    send = [rng.integers(0, 256, size=int(m[s].sum()), dtype=np.uint8) for s in range(8)]
+    on_host = [np.zeros(int(m[:, d].sum()), np.uint8) for d in range(8)]
+    on_gpu = [np.full(int(m[:, d].sum()), 0xAB, np.uint8) for d in range(8)]
+    t.execute_on_host(m, schedule, send, on_host)
+    stats = t.execute_on_cuda(m, schedule, send, on_gpu, gpus=[e % GPUS for e in range(8)])
+    for d in range(8):
+        np.testing.assert_array_equal(on_gpu[d], on_host[d])
+    if schedule == "relay":
+        assert stats["staged_bytes"] > 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_batch_gathers_into_and_accumulates_from_a_cuda_tensor(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    cfg = dict(dim=4, mem_budget="1MiB", optimizer=hps.AdaGrad(lr=0.1), devices=1, host_in_place=False)
+    by_gpu = hps.ParameterServer(hps.ParameterServerConfig(path=str(tmp_path / "gpu"), **cfg))
+    by_host = hps.ParameterServer(hps.ParameterServerConfig(path=str(tmp_path / "host"), **cfg))
+    keys = np.random.default_rng(0).integers(1, 300, (64, 3)).astype(np.uint64)
+    for _ in range(2):
+        g, h = by_gpu.batch(keys), by_host.batch(keys)
+        assert by_gpu.stats()["device"]["kind"] == "cuda"
+        pg, ph = g.positions(keys), h.positions(keys)
+        rows = h.gather(ph)
+        out = torch.empty(len(pg), 4, device="cuda:0")
+        g.gather_tensor(pg, out)
+        np.testing.assert_array_equal(out.cpu().numpy(), rows)
+        grads = np.ascontiguousarray(np.cos(rows), np.float32)
+        h.accumulate(ph, grads)
+        g.accumulate_tensor(pg, torch.from_numpy(grads).to("cuda:0"))
+        g.finish()
+        h.finish()
+    flat = np.unique(keys)
+    np.testing.assert_allclose(by_gpu.pull(flat), by_host.pull(flat), rtol=1e-6, atol=1e-7)

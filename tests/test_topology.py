@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import hps
 import hps.topology as T
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,3 +336,15 @@ def test_apply_binding_reports_noop_and_missing_cores(tmp_path):
     assert os.sched_getaffinity(0) == before
     with pytest.raises(KeyError, match="no pipeline thread 'trainer'"):
         T.apply_binding(far, "trainer")
+
+
+def test_cuda_executor_needs_a_gpu_a_endpoint():
+    t = T.load(TOPOLOGIES / "figure1.toml")
+    m = T.even_all_to_all(8, 640, 1)
+    send = [np.zeros(int(m[s].sum()), np.uint8) for s in range(8)]
+    recv = [np.zeros(int(m[:, d].sum()), np.uint8) for d in range(8)]
+    with pytest.raises(ValueError, match=r"gpus: one CUDA device a endpoint \(8\), got 2"):
+        t.execute_on_cuda(m, "relay", send, recv, gpus=[0, 0])
+    if hps.cuda_device_count() == 0:  # no GPU: the executor says why instead of copying
+        with pytest.raises(RuntimeError, match="CUDA"):
+            t.execute_on_cuda(m, "relay", send, recv, gpus=[0] * 8)

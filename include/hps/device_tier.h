@@ -78,10 +78,15 @@ struct DeviceTierOptions {
   int32_t devices = 1;           ///< G, > 0
   uint64_t capacity = 0;         ///< rows per device table; > 0
   SparseOptimizer optimizer;     ///< fixes the row width (embedding + state)
-  bool use_cuda = true;          ///< GPUs when CudaDeviceCount() >= devices; else host partitions
+  bool use_cuda = true;          ///< GPUs when the node has those cuda_devices name; else host partitions
   int32_t threads = 0;           ///< CPU launcher threads per host partition; 0 = all cores
   std::shared_ptr<const TierRoutes> routes;  ///< null: no routes, no link counters (a CUDA tier
                                              ///< then copies directly between its GPUs)
+  // The CUDA device of each endpoint: the tier's devices first, then (with
+  // routes) the topology's other endpoints, which may be middlemen. Empty:
+  // endpoint e on GPU e. Several may share a GPU, so a one-GPU machine runs
+  // a tier of several devices (the tests of the GPUs' row mover do).
+  std::vector<int32_t> cuda_devices;
 };
 
 struct TransferMatrix {

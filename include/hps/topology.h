@@ -152,6 +152,14 @@ ExecStats ExecuteOnHost(const RoutePlan& plan, const std::vector<uint64_t>& byte
 ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
                         const std::vector<int32_t>& gpu_ids,
                         const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv);
+// ExecuteOnCuda between host buffers (laid out as ExecuteOnHost's): each
+// endpoint's segments are copied to a buffer on its GPU, exchanged there, and
+// copied back; the stats are the exchange's. For tests and benchmarks of the
+// executor, where gpu_ids may repeat a GPU (a one-GPU machine standing for a
+// node). Throws as ExecuteOnCuda does.
+ExecStats ExecuteOnCudaFromHost(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
+                                const std::vector<int32_t>& gpu_ids, const std::vector<const uint8_t*>& send,
+                                const std::vector<uint8_t*>& recv);
 bool CudaExecutorAvailable();
 
 const char* RouteKindName(RouteKind k);

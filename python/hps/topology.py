@@ -172,6 +172,17 @@ class Topology:
         devices, links = self._native()
         return _core.execute_routes(devices, links, m, schedule, list(send), list(recv))
 
+    def execute_on_cuda(self, bytes_matrix, schedule: str, send: list, recv: list, gpus: list) -> dict:
+        """The same schedule with the CUDA executor (cudaMemcpyPeerAsync, relays staged
+        on the middleman's GPU): the host buffers are copied to endpoint e's GPU
+        ``gpus[e]`` and back around it, and the stats are the exchange's. ``gpus``
+        may repeat a GPU, so that one GPU stands for a node in tests."""
+        if len(gpus) != len(self.endpoints):
+            raise ValueError(f"gpus: one CUDA device a endpoint ({len(self.endpoints)}), got {len(gpus)}")
+        m = self._matrix(bytes_matrix)
+        devices, links = self._native()
+        return _core.execute_routes(devices, links, m, schedule, list(send), list(recv), [int(g) for g in gpus])
+
     def _matrix(self, bytes_matrix) -> np.ndarray:
         m = np.ascontiguousarray(bytes_matrix, dtype=np.uint64)
         e = len(self.endpoints)

@@ -741,12 +741,12 @@ PYBIND11_MODULE(_core, m) {
   };
   py::class_<hps::DeviceTier>(m, "DeviceTier")
       .def(py::init([](int32_t devices, uint64_t capacity, const hps::SparseOptimizer& optimizer, bool use_cuda,
-                       int32_t threads, const TierRoutesHandle* routes) {
+                       int32_t threads, const TierRoutesHandle* routes, const std::vector<int32_t>& cuda_devices) {
              return hps::DeviceTier::New(
-                 {devices, capacity, optimizer, use_cuda, threads, routes ? routes->routes : nullptr});
+                 {devices, capacity, optimizer, use_cuda, threads, routes ? routes->routes : nullptr, cuda_devices});
            }),
            py::arg("devices"), py::arg("capacity"), py::arg("optimizer"), py::arg("use_cuda") = true,
-           py::arg("threads") = 0, py::arg("routes") = nullptr)
+           py::arg("threads") = 0, py::arg("routes") = nullptr, py::arg("cuda_devices") = std::vector<int32_t>{})
       .def_property_readonly("devices", &hps::DeviceTier::devices)
       .def_property_readonly("row_floats", &hps::DeviceTier::row_floats)
       .def_property_readonly("dim", &hps::DeviceTier::dim)
@@ -1181,7 +1181,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("execute_routes", [=](const std::vector<std::tuple<std::string, int32_t, int32_t>>& devices,
                               const std::vector<std::tuple<int32_t, int32_t, double, double, std::string>>& links,
                               const py::array& bytes, const std::string& schedule, const std::vector<py::array>& send,
-                              std::vector<py::array> recv) {
+                              std::vector<py::array> recv, const std::vector<int32_t>& gpus) {
     const std::vector<uint64_t> m8 = matrix_of(bytes);
     const size_t e = static_cast<size_t>(bytes.shape(0));
     if (send.size() != e || recv.size() != e)
@@ -1206,7 +1206,7 @@ PYBIND11_MODULE(_core, m) {
     hps::ExecStats st;
     {
       py::gil_scoped_release release;
-      st = hps::ExecuteOnHost(plan, m8, sp, rp);
+      st = gpus.empty() ? hps::ExecuteOnHost(plan, m8, sp, rp) : hps::ExecuteOnCudaFromHost(plan, m8, gpus, sp, rp);
     }
     py::dict d;
     d["seconds"] = st.seconds;
@@ -1215,7 +1215,9 @@ PYBIND11_MODULE(_core, m) {
     d["staged_bytes"] = st.staged_bytes;
     return d;
   }, py::arg("devices"), py::arg("links"), py::arg("bytes"), py::arg("schedule"), py::arg("send"), py::arg("recv"),
-        "plans the schedule and runs it with memcpy between host buffers (segments in endpoint order)");
+        py::arg("gpus") = std::vector<int32_t>{},
+        "plans the schedule and runs it between host buffers (segments in endpoint order): with memcpy, or, "
+        "given gpus (endpoint e on CUDA device gpus[e]), with the CUDA executor through copies on those GPUs");
   m.def("cuda_executor_available", &hps::CudaExecutorAvailable);
 
   py::class_<TierRoutesHandle>(m, "TierRoutes")

@@ -20,12 +20,25 @@ namespace {
 class Tier final : public DeviceTier {
  public:
   explicit Tier(const DeviceTierOptions& o) : o_(o), row_floats_(o.optimizer.row_floats()) {
-    const bool cuda = o.use_cuda && CudaDeviceCount() >= o.devices;
+    const int32_t endpoints = o.routes ? static_cast<int32_t>(o.routes->topology.Endpoints().size()) : o.devices;
+    std::vector<int32_t> gpus = o.cuda_devices;
+    if (gpus.empty()) {
+      for (int32_t e = 0; e < endpoints; ++e) gpus.push_back(e);
+    } else if (gpus.size() != static_cast<size_t>(endpoints)) {
+      throw std::invalid_argument("device tier: cuda_devices names " + std::to_string(gpus.size()) +
+                                  " GPUs, but the tier has " + std::to_string(endpoints) +
+                                  " endpoints (its devices, then the topology's others)");
+    }
+    // The tier's own devices decide: middlemen past them need a GPU only to relay.
+    const int32_t have = CudaDeviceCount();
+    bool cuda = o.use_cuda;
+    for (int32_t d = 0; d < o.devices; ++d) cuda = cuda && gpus[static_cast<size_t>(d)] >= 0 &&
+                                                     gpus[static_cast<size_t>(d)] < have;
     for (int32_t d = 0; d < o.devices; ++d) {
       HashTableOptions t;
       t.capacity = o.capacity;
       t.threads = o.threads;
-      t.cuda_device = cuda ? d : -1;
+      t.cuda_device = cuda ? gpus[static_cast<size_t>(d)] : -1;
       t.row_floats = row_floats_;
       rows_.push_back(NewHashTable(t));
       t.row_floats = o.optimizer.dim;
@@ -50,8 +63,6 @@ class Tier final : public DeviceTier {
     // copies along the routes, or direct without a topology), on host
     // partitions when the routes are executed (else the tables' own copies).
     if (o.devices > 1 && cuda) {
-      std::vector<int32_t> gpus(static_cast<size_t>(o.devices));
-      for (int32_t d = 0; d < o.devices; ++d) gpus[static_cast<size_t>(d)] = d;
       mover_ = detail::NewCudaRowMover(gpus);
     } else if (o.devices > 1 && o.routes && o.routes->execute) {
       mover_ = detail::NewHostRowMover(o.devices);

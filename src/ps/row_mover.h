@@ -49,8 +49,8 @@ class RowMover {
 };
 
 std::unique_ptr<RowMover> NewHostRowMover(int32_t devices);
-// Device d is CUDA device gpus[d]. Throws std::runtime_error in a build
-// without CUDA.
+// Endpoint e (the tier's devices, then a topology's other endpoints) is CUDA
+// device gpus[e]. Throws std::runtime_error in a build without CUDA.
 std::unique_ptr<RowMover> NewCudaRowMover(const std::vector<int32_t>& gpus);
 
 // A plan that sends every pair's rows straight from source to destination

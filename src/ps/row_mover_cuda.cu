@@ -77,10 +77,7 @@ class CudaRowMover final : public RowMover {
 
   void Exchange(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<const uint8_t*>& send,
                 const std::vector<uint8_t*>& receive) override {
-    // Endpoints past the tier's devices (middlemen of a topology) are the GPUs that follow.
-    std::vector<int32_t> ids(send.size());
-    for (size_t e = 0; e < ids.size(); ++e) ids[e] = e < gpus_.size() ? gpus_[e] : static_cast<int32_t>(e);
-    ExecuteOnCuda(plan, bytes, ids, send, receive);
+    ExecuteOnCuda(plan, bytes, gpus_, send, receive);
   }
 
   void ScatterOut(int32_t device, const uint64_t* index, uint64_t n, uint32_t dim, const float* in,

@@ -542,6 +542,11 @@ ExecStats ExecuteOnCuda(const RoutePlan&, const std::vector<uint64_t>&, const st
   throw std::runtime_error("CUDA executor: this build of hps has no CUDA support "
                            "(configure with HPS_CUDA=ON and nvcc on the PATH)");
 }
+ExecStats ExecuteOnCudaFromHost(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
+                                const std::vector<int32_t>& gpu_ids, const std::vector<const uint8_t*>& send,
+                                const std::vector<uint8_t*>& recv) {
+  return ExecuteOnCuda(plan, bytes, gpu_ids, send, recv);  // (throws: no CUDA)
+}
 bool CudaExecutorAvailable() { return false; }
 #endif
 

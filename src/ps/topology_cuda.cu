@@ -140,4 +140,37 @@ ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& byte
   return st;
 }
 
+ExecStats ExecuteOnCudaFromHost(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
+                                const std::vector<int32_t>& gpu_ids, const std::vector<const uint8_t*>& send,
+                                const std::vector<uint8_t*>& recv) {
+  const size_t e = send.size();
+  if (recv.size() != e || gpu_ids.size() != e || bytes.size() != e * e)
+    throw std::invalid_argument("CUDA executor: " + std::to_string(send.size()) + " send, " +
+                                std::to_string(recv.size()) + " receive buffers, " + std::to_string(gpu_ids.size()) +
+                                " GPUs and " + std::to_string(bytes.size()) + " matrix entries do not describe one "
+                                "E x E exchange");
+  std::vector<std::unique_ptr<DeviceBuffer>> out(e), in(e);
+  std::vector<const uint8_t*> d_send(e, nullptr);
+  std::vector<uint8_t*> d_recv(e, nullptr);
+  std::vector<uint64_t> sends(e, 0), receives(e, 0);
+  for (size_t s = 0; s < e; ++s) {
+    for (size_t d = 0; d < e; ++d) {
+      sends[s] += bytes[s * e + d];
+      receives[d] += bytes[s * e + d];
+    }
+  }
+  for (size_t i = 0; i < e; ++i) {
+    out[i] = std::make_unique<DeviceBuffer>(gpu_ids[i], sends[i]);
+    in[i] = std::make_unique<DeviceBuffer>(gpu_ids[i], receives[i]);
+    if (sends[i] > 0) HPS_CUDA_TRY(cudaMemcpy(out[i]->ptr, send[i], sends[i], cudaMemcpyHostToDevice));
+    d_send[i] = static_cast<const uint8_t*>(out[i]->ptr);
+    d_recv[i] = static_cast<uint8_t*>(in[i]->ptr);
+  }
+  const ExecStats st = ExecuteOnCuda(plan, bytes, gpu_ids, d_send, d_recv);
+  for (size_t i = 0; i < e; ++i) {
+    if (receives[i] > 0) HPS_CUDA_TRY(cudaMemcpy(recv[i], in[i]->ptr, receives[i], cudaMemcpyDeviceToHost));
+  }
+  return st;
+}
+
 }  // namespace hps

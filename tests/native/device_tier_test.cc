@@ -31,7 +31,7 @@ SparseOptimizer AdaGrad(int32_t dim) {
 TEST(DeviceTier, BatchMatchesOneTable) {
   const SparseOptimizer opt = AdaGrad(4);
   const int32_t width = opt.row_floats();
-  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr});
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
   EXPECT_EQ(tier->kind(), "cpu");
   std::vector<uint64_t> keys = {1, 2, 3, 4, 5, 6, 7, 8};
   std::vector<float> rows(keys.size() * width);
@@ -103,7 +103,7 @@ TEST(DeviceTier, ExecutedRoutesDeliverWhatDirectCopiesDoAndCountEachHop) {
   std::unique_ptr<DeviceTier> tiers[2];
   for (int routed = 0; routed < 2; ++routed) {
     auto& tier = tiers[routed];
-    tier = DeviceTier::New({3, 64, opt, /*use_cuda=*/false, /*threads=*/1, routed ? routes : nullptr});
+    tier = DeviceTier::New({3, 64, opt, /*use_cuda=*/false, /*threads=*/1, routed ? routes : nullptr, {}});
     tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
     emb[routed].resize(keys.size() * 4);
     tier->Get(0, keys.data(), keys.size(), emb[routed].data(), nullptr);
@@ -139,7 +139,7 @@ TEST(DeviceTier, ExecutedRoutesDeliverWhatDirectCopiesDoAndCountEachHop) {
   EXPECT_EQ(tiers[1]->link_counters().relayed_rows, 0u);
 
   // Routes for another number of devices, or fewer endpoints than devices, are refused.
-  EXPECT_THROW(DeviceTier::New({2, 64, opt, false, 1, routes}), std::invalid_argument);
+  EXPECT_THROW(DeviceTier::New({2, 64, opt, false, 1, routes, {}}), std::invalid_argument);
   EXPECT_THROW(PlanTierRoutes(t, 4, 1 << 20, true), std::invalid_argument);
 }
 
@@ -163,7 +163,7 @@ TEST(DeviceTier, TiersOnTwoThreadsShareTheirRoutes) {
   std::vector<std::thread> threads;
   for (int i = 0; i < 2; ++i) {
     threads.emplace_back([&, i] {
-      auto tier = DeviceTier::New({3, 512, opt, /*use_cuda=*/false, /*threads=*/1, routes});
+      auto tier = DeviceTier::New({3, 512, opt, /*use_cuda=*/false, /*threads=*/1, routes, {}});
       tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
       for (int32_t worker = 0; worker < 3; ++worker) {
         tier->Accumulate(worker, keys.data(), keys.size(), g.data(), nullptr);
@@ -189,7 +189,7 @@ TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
   opt.initial_rows(keys.data(), keys.size(), rows.data());
   std::vector<std::vector<float>> got_rows, got_emb;
   for (int32_t devices : {1, 2}) {
-    auto tier = DeviceTier::New({devices, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr});
+    auto tier = DeviceTier::New({devices, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
     tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
     std::vector<uint64_t> pushed = {13, 11, 13};
     std::vector<float> g(3 * 4, 0.5f);
@@ -210,7 +210,7 @@ TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
   }
   EXPECT_EQ(got_emb[0], got_emb[1]);
   EXPECT_EQ(got_rows[0], got_rows[1]);
-  auto one = DeviceTier::New({1, 64, opt, false, 1, nullptr});
+  auto one = DeviceTier::New({1, 64, opt, false, 1, nullptr, {}});
   int32_t owners[1] = {1};
   EXPECT_THROW(one->Insert(keys.data(), 1, rows.data(), owners), std::invalid_argument);
 }
@@ -218,7 +218,7 @@ TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();
-  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr});
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
   std::vector<uint64_t> keys = {10, 11, 12, 13};
   std::vector<float> rows(keys.size() * width, 1.0f);
   tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);

@@ -89,7 +89,7 @@ TEST_P(WorkingSetDevices, BatchesMatchHostBatchOnTheSameRows) {
   const SparseOptimizer opt = AdaGrad(4);
   RowStore host_store(opt), tier_store(opt);
   auto host = host_store.Cache(64), cached = tier_store.Cache(64);
-  auto tier = DeviceTier::New({GetParam(), 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr});
+  auto tier = DeviceTier::New({GetParam(), 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
   const std::vector<std::vector<uint64_t>> batches = {
       {1, 2, 3, 2, 1, 9}, {2, 3, 4, 5, 3, 3}, {100, 101, 1, 2}, {7, 7, 7, 7}};
   std::vector<uint64_t> all;
@@ -141,7 +141,7 @@ TEST(WorkingSet, AFailedLoadReleasesEveryPinAndEmptiesTheTier) {
   const SparseOptimizer opt = AdaGrad(2);
   RowStore store(opt);
   auto cache = store.Cache(64);
-  auto tier = DeviceTier::New({1, 4, opt, false, 1, nullptr});  // 4 rows: too small for 10 keys
+  auto tier = DeviceTier::New({1, 4, opt, false, 1, nullptr, {}});  // 4 rows: too small for 10 keys
   std::vector<uint64_t> keys(10);
   for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = 100 + i;
   WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
@@ -153,7 +153,7 @@ TEST(WorkingSet, AFailedLoadReleasesEveryPinAndEmptiesTheTier) {
   EXPECT_THROW(ws.Get(0, keys.data(), 1, emb.data()), std::logic_error);
 
   // A tier of the wrong shape is refused the same way.
-  auto two = DeviceTier::New({2, 64, opt, false, 1, nullptr});
+  auto two = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
   WorkingSet other(*cache, opt, 1, keys.data(), keys.size());
   EXPECT_THROW(other.Load(*two, nullptr), std::invalid_argument);
   EXPECT_EQ(cache->stats().pinned, 0u);
@@ -163,7 +163,7 @@ TEST(WorkingSet, CallsOutOfOrderAreRefused) {
   const SparseOptimizer opt = AdaGrad(2);
   RowStore store(opt);
   auto cache = store.Cache(16);
-  auto tier = DeviceTier::New({1, 16, opt, false, 1, nullptr});
+  auto tier = DeviceTier::New({1, 16, opt, false, 1, nullptr, {}});
   const std::vector<uint64_t> keys = {1, 2};
   WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
   EXPECT_THROW(ws.Apply(), std::logic_error);  // before load
@@ -189,7 +189,7 @@ TEST(WorkingSet, OwnersFromAPolicyPlaceTheRowsAndBadOnesAreNamed) {
   const SparseOptimizer opt = AdaGrad(2);
   RowStore store(opt);
   auto cache = store.Cache(16);
-  auto tier = DeviceTier::New({2, 16, opt, false, 1, nullptr});
+  auto tier = DeviceTier::New({2, 16, opt, false, 1, nullptr, {}});
   const std::vector<uint64_t> keys = {1, 2, 3};
   WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
   const std::vector<int32_t> bad = {0, 2, 1};
@@ -219,7 +219,7 @@ TEST(WorkingSet, AKeyUnpinnedByOthersIsNamedAndTheRestReleasedDirty) {
   const SparseOptimizer opt = AdaGrad(2);
   RowStore store(opt);
   auto cache = store.Cache(16);
-  auto tier = DeviceTier::New({2, 16, opt, false, 1, nullptr});
+  auto tier = DeviceTier::New({2, 16, opt, false, 1, nullptr, {}});
   const std::vector<uint64_t> keys = {1, 2, 3, 4};
   WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
   ws.Load(*tier, nullptr);
@@ -246,7 +246,7 @@ TEST(WorkingSet, AbortAfterApplyKeepsTheStepsAndBeforeItDropsThem) {
   const SparseOptimizer opt = AdaGrad(2);
   RowStore store(opt);
   auto cache = store.Cache(16);
-  auto tier = DeviceTier::New({1, 16, opt, false, 1, nullptr});
+  auto tier = DeviceTier::New({1, 16, opt, false, 1, nullptr, {}});
   const std::vector<uint64_t> keys = {1, 2};
   const std::vector<float> before = CachedRows(*cache, keys);
   std::vector<float> g(2 * 2, 1.0f);
@@ -277,8 +277,8 @@ TEST(WorkingSet, APipelinedBatchTakesThePreviousOnesUpdates) {
   for (int32_t devices : {1, 2}) {
     RowStore seq_store(opt), pipe_store(opt);
     auto seq = seq_store.Cache(64), piped = pipe_store.Cache(64);
-    auto tier_a = DeviceTier::New({devices, 64, opt, false, 1, nullptr});
-    auto tier_b = DeviceTier::New({devices, 64, opt, false, 1, nullptr});
+    auto tier_a = DeviceTier::New({devices, 64, opt, false, 1, nullptr, {}});
+    auto tier_b = DeviceTier::New({devices, 64, opt, false, 1, nullptr, {}});
     const Step a = MakeStep({1, 2, 3, 4, 1}, opt.dim, 0.5f), b = MakeStep({3, 4, 5, 1}, opt.dim, 0.25f);
     TierStep(*seq, *tier_a, opt, a);
     TierStep(*seq, *tier_a, opt, b);
@@ -311,8 +311,8 @@ TEST(WorkingSet, ABatchAfterOneAbortedBeforeApplyTakesNothingAndDoesNotWait) {
   const SparseOptimizer opt = AdaGrad(2);
   RowStore store(opt);
   auto cache = store.Cache(16);
-  auto tier_a = DeviceTier::New({1, 16, opt, false, 1, nullptr});
-  auto tier_b = DeviceTier::New({1, 16, opt, false, 1, nullptr});
+  auto tier_a = DeviceTier::New({1, 16, opt, false, 1, nullptr, {}});
+  auto tier_b = DeviceTier::New({1, 16, opt, false, 1, nullptr, {}});
   const std::vector<uint64_t> keys = {1, 2};
   const std::vector<float> before = CachedRows(*cache, keys);
   WorkingSet wa(*cache, opt, 1, keys.data(), keys.size());
