@@ -203,11 +203,17 @@ def test_host_executor_delivers_what_a_direct_copy_does(schedule):
         assert stats["staged_bytes"] == int(m.sum() - np.trace(m))
 
 
-def test_host_executor_refuses_wrong_buffers():
+def zeroed_exchange():
+    """figure1, an even all-to-all of 640 bytes a pair, and zeroed buffers for it."""
     t = T.load(TOPOLOGIES / "figure1.toml")
     m = T.even_all_to_all(8, 640, 1)
     send = [np.zeros(int(m[s].sum()), np.uint8) for s in range(8)]
     recv = [np.zeros(int(m[:, d].sum()), np.uint8) for d in range(8)]
+    return t, m, send, recv
+
+
+def test_host_executor_refuses_wrong_buffers():
+    t, m, send, recv = zeroed_exchange()
     with pytest.raises(ValueError, match=r"recv\[3\] must be a contiguous uint8 array of 70 bytes"):
         t.execute_on_host(m, "relay", send, recv[:3] + [np.zeros(69, np.uint8)] + recv[4:])
     with pytest.raises(ValueError, match="need 8 buffers each"):
@@ -339,10 +345,7 @@ def test_apply_binding_reports_noop_and_missing_cores(tmp_path):
 
 
 def test_cuda_executor_needs_a_gpu_a_endpoint():
-    t = T.load(TOPOLOGIES / "figure1.toml")
-    m = T.even_all_to_all(8, 640, 1)
-    send = [np.zeros(int(m[s].sum()), np.uint8) for s in range(8)]
-    recv = [np.zeros(int(m[:, d].sum()), np.uint8) for d in range(8)]
+    t, m, send, recv = zeroed_exchange()
     with pytest.raises(ValueError, match=r"gpus: one CUDA device a endpoint \(8\), got 2"):
         t.execute_on_cuda(m, "relay", send, recv, gpus=[0, 0])
     if hps.cuda_device_count() == 0:  # no GPU: the executor says why instead of copying

@@ -8,17 +8,10 @@
 #include <string>
 
 #include "ps/row_mover.h"
+#include "util/cuda_check.h"
 
 namespace hps::detail {
 namespace {
-
-void Check(cudaError_t status, const char* what, const char* file, int line) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what + ": " +
-                             cudaGetErrorString(status));
-  }
-}
-#define HPS_CUDA_TRY(call) Check((call), #call, __FILE__, __LINE__)
 
 constexpr int kBlock = 256;
 

@@ -11,17 +11,10 @@
 #include <vector>
 
 #include "hps/topology.h"
+#include "util/cuda_check.h"
 
 namespace hps {
 namespace {
-
-void Check(cudaError_t status, const char* what, const char* file, int line) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what + ": " +
-                             cudaGetErrorString(status));
-  }
-}
-#define HPS_CUDA_TRY(call) Check((call), #call, __FILE__, __LINE__)
 
 // Device memory freed on scope exit, on its own device.
 struct DeviceBuffer {

@@ -15,6 +15,7 @@
 
 #include "hps/hash_table.h"
 #include "table/table_kernels.h"
+#include "util/cuda_check.h"
 
 namespace hps {
 namespace {
@@ -22,14 +23,6 @@ namespace {
 using detail::FindOrClaim;
 using detail::FindSlot;
 using detail::TableRef;
-
-void Check(cudaError_t status, const char* what, const char* file, int line) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what + ": " +
-                             cudaGetErrorString(status));
-  }
-}
-#define HPS_CUDA_TRY(call) Check((call), #call, __FILE__, __LINE__)
 
 constexpr int kBlock = 256;
 unsigned Blocks(uint64_t n) { return static_cast<unsigned>((n + kBlock - 1) / kBlock); }
