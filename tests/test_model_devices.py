@@ -48,8 +48,16 @@ def test_a_replica_a_worker_trains_what_the_in_place_path_trains(tmp_path, in_pl
     for name, value in mlp_state.items():
         torch.testing.assert_close(got_mlp[name], value, rtol=1e-3, atol=3e-4, msg=name)
     assert rep["final"]["auc"] == pytest.approx(summary["final"]["auc"], abs=1e-4)
+    assert rep["dense_model"] == {"devices": ["cpu"] * devices, "replicas": devices}
     if devices > 1:
         assert rep["ps"]["device"]["kind"] == "cpu" and rep["ps"]["device"]["devices"] == devices
+        from hps.cli import _summary_table
+        table = _summary_table(rep)
+        assert f"{devices} replica(s) on " + ", ".join(["cpu"] * devices) in table
+        moved = np.asarray(rep["ps"]["device"]["transfer_rows"])
+        between = int(moved.sum() - np.trace(moved))
+        assert between > 0 and f"cpu, {devices} devices, {between:,} rows between them" in table
+        assert "routes" in table and "(counted)" in table  # the flat default: counted, not executed
 
 
 def test_replicas_on_one_device_equal_the_shared_model_bit_for_bit(tmp_path):

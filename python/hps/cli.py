@@ -123,7 +123,19 @@ def _summary_table(summary: dict) -> str:
     threads = summary.get("torch_threads", {})
     tried = ", ".join(f"{n}: {r:,.0f} ex/s" for n, r in threads.get("examples_per_s", {}).items())
     rows.append(("torch threads", f"{threads.get('chosen', '-')}" + (f" (tuned; {tried})" if tried else "")))
-    rows.append(("device tier", ps["device"]["kind"]))
+    dev = ps["device"]
+    moved = dev["transfer_rows"]  # (G, G) lists: from, to
+    between = sum(n for i, row in enumerate(moved) for j, n in enumerate(row) if i != j)
+    rows.append(("device tier", dev["kind"] + (f", {dev['devices']} devices, {between:,} rows between them"
+                                               if dev["devices"] > 1 else "")))
+    routes = dev.get("routes")
+    if routes:
+        by = ", ".join(f"{k} {v:,}" for k, v in routes["rows_by_route"].items() if v)
+        rows.append(("routes", f"{routes['topology']} ({'executed' if routes['executed'] else 'counted'}): "
+                     f"{by or 'no rows'}; {routes['relayed_rows']:,} rows relayed"))
+    dense = summary.get("dense_model")
+    if dense:
+        rows.append(("dense model", f"{dense['replicas']} replica(s) on {', '.join(dense['devices'])}"))
     her = ps["device"].get("herald") or ps.get("herald")  # across devices, or this rank's across ranks
     if her:
         rows.append(("herald: rows from MEM-PS, peers", f"{her['ps_loads']:,} of {her['distinct']:,} batch keys, "

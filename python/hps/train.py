@@ -856,6 +856,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
                                  else {"chosen": cfg.torch_threads}),
                "ps": _jsonable(trainer.ps.stats()), "settings": settings(cfg),
+               "dense_model": {"devices": [str(d) for d in trainer.replicas.devices],
+                               "replicas": len(trainer.replicas)},
                "admission": trainer.admission.summary()}
     if online is not None:
         last = {"batches": trainer.batches_done, "examples": trainer.examples_done,
