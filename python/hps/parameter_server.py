@@ -459,8 +459,8 @@ class Batch(_BatchBase):
         self._ws.accumulate(worker, keys, grads)
 
     def gather_tensor(self, positions: np.ndarray, out, worker: int = 0):
-        """gather() into a torch tensor (n, dim); with a CUDA tier of one device
-        and `out` on its GPU, the tier writes it there, with no host copy."""
+        """gather() into a torch tensor (n, dim); on a CUDA tier, with `out` on the
+        worker's GPU, the tier writes it there, with no host copy."""
         if not self._takes(out, worker, len(positions)):
             return super().gather_tensor(positions, out, worker)
         self._ws.get_into(worker, positions, out.data_ptr(), out.device.type == "cuda")
@@ -474,7 +474,7 @@ class Batch(_BatchBase):
 
     def _takes(self, t, worker: int, n: int) -> bool:
         """Whether the tier reads or writes tensor t's memory itself: host memory,
-        or the GPU of a CUDA tier of one device; float32 (n, dim), contiguous.
+        or the worker's GPU on a CUDA tier; float32 (n, dim), contiguous.
         (Anything else goes the protocol's way, which checks the shape.)"""
         import torch
         if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != (n, self._ps.dim):
