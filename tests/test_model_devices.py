@@ -3,6 +3,8 @@ replicas' gradients summed before the one dense step, the step copied back.
 On a GPU node worker g trains on GPU g; here the same code runs with the
 replicas on the CPU (dense_replica_per_worker) and must train what the
 in-place path trains."""
+import os
+
 import numpy as np
 import pytest
 
@@ -19,7 +21,8 @@ def config(path, devices=1, **kw):
     data = DataConfig(batch_size=512, train_examples=512 * BATCHES, eval_examples=1024, vocab_sizes=VOCAB)
     ps = hps.ParameterServerConfig(dim=4, path=str(path), optimizer=hps.AdaGrad(lr=0.05), mem_budget="64MB",
                                    devices=devices, write_buffer_rows=256)
-    return TrainConfig(ps=ps, data=data, hidden=(16, 8), dense_lr=0.01, torch_threads=1, pipelined=False, **kw)
+    return TrainConfig(ps=ps, data=data, hidden=(16, 8), dense_lr=0.01, torch_threads=1,
+                       **{"pipelined": False, **kw})
 
 
 def final_state(path):
@@ -141,3 +144,29 @@ def test_the_model_trains_on_the_gpu_as_on_the_cpu(tmp_path, in_place):
     for name, value in mlp_state.items():
         torch.testing.assert_close(got_mlp[name], value, rtol=1e-3, atol=1e-4, msg=name)
     assert gpu["final"]["auc"] == pytest.approx(summary["final"]["auc"], abs=1e-3)
+
+
+def test_bind_cores_pins_the_helper_threads_as_the_topology_plans(tmp_path):
+    # A fake machine of 2 NUMA nodes of one core each (cores 0 and 1, which this
+    # machine has): the NVMe drive on node 1, the NIC on node 0.
+    from hps import topology as T
+    from hps.cli import _summary_table
+    sysfs = T.write_fake_sysfs(str(tmp_path / "sys"), nodes=2, cores_per_node=1, gpus_per_node=0, nvme_node=1,
+                               nic_node=0)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs cores 0 and 1")
+    summary = train(config(tmp_path / "b", pipelined=True, bind_cores=True, sysfs=sysfs), progress=False)
+    bound = summary["core_binding"]
+    assert bound["noop"] is False and "2 NUMA nodes" in bound["reason"]
+    threads = bound["threads"]
+    assert threads["prefetcher"]["cores"] == [1] and threads["writer"]["cores"] == [1]  # the drive's node
+    assert threads["reader"]["cores"] == [0]  # the NIC's
+    assert "NUMA node 1" in threads["prefetcher"]["reason"]
+    assert "prefetcher on 1" in _summary_table(summary)
+    # One node: nothing is bound, and the summary says why.
+    one = T.write_fake_sysfs(str(tmp_path / "one"), nodes=1, cores_per_node=2, gpus_per_node=0, nvme_node=0,
+                             nic_node=0)
+    summary = train(config(tmp_path / "c", pipelined=True, bind_cores=True, sysfs=one), progress=False)
+    assert summary["core_binding"]["noop"] and "no-op" in summary["core_binding"]["reason"]
+    assert all(t["cores"] is None for t in summary["core_binding"]["threads"].values())
+    assert "binding is a no-op" in _summary_table(summary)

@@ -133,6 +133,12 @@ def _summary_table(summary: dict) -> str:
         by = ", ".join(f"{k} {v:,}" for k, v in routes["rows_by_route"].items() if v)
         rows.append(("routes", f"{routes['topology']} ({'executed' if routes['executed'] else 'counted'}): "
                      f"{by or 'no rows'}; {routes['relayed_rows']:,} rows relayed"))
+    bound = summary.get("core_binding")
+    if bound:
+        from hps.topology import _cpulist
+        got = "; ".join(f"{t} on {_cpulist(g['cores'])}" for t, g in sorted(bound["threads"].items())
+                        if g["cores"] is not None)
+        rows.append(("core binding", got or bound["reason"]))
     dense = summary.get("dense_model")
     if dense:
         rows.append(("dense model", f"{dense['replicas']} replica(s) on {', '.join(dense['devices'])}"))

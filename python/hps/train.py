@@ -115,6 +115,9 @@ class TrainConfig:
                                         # "auto" (the GPUs when the device tier is on them)
     dense_replica_per_worker: bool = False  # a dense replica a worker even on one device (as on GPUs)
     helper_nice: int = 19               # niceness of the pipeline's read/prefetch/load/write-back threads
+    bind_cores: bool = False            # pin those threads to the cores of the NUMA node of what each feeds
+                                        # from (hps.topology's plan; a no-op on one node, and said so)
+    sysfs: str = "/sys"                 # where bind_cores reads the machine's topology (tests: fake trees)
     pooling: str = "sum"                # multi-hot fields' pooling: "sum" or "mean"
     online: bool = False                # progressive validation (score each batch, then train); a directory
                                         # source grows (hps.data.GrowingDirectory)
@@ -813,8 +816,12 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             bar.set_postfix(post, refresh=False)
             bar.update(n)
 
-    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice) if not trainer.widths[2] else \
-        Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice, keys_of=lambda d: d.all_keys())
+    binding = None
+    if cfg.bind_cores:
+        from hps import topology as htopo
+        binding = htopo.discover(cfg.sysfs, host_partitions_if_no_gpu=cfg.ps.devices).binding_plan()
+    keys_of = {"keys_of": lambda d: d.all_keys()} if trainer.widths[2] else {}
+    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice, binding=binding, **keys_of)
 
     def after_batch_hooks(inner):
         def wrapped(loaded):
@@ -858,6 +865,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                "ps": _jsonable(trainer.ps.stats()), "settings": settings(cfg),
                "dense_model": {"devices": [str(d) for d in trainer.replicas.devices],
                                "replicas": len(trainer.replicas)},
+               "core_binding": ({"noop": binding.noop, "reason": binding.reason,
+                                 "threads": pipeline.stats.binding} if binding is not None else None),
                "admission": trainer.admission.summary()}
     if online is not None:
         last = {"batches": trainer.batches_done, "examples": trainer.examples_done,
