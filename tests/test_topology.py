@@ -3,6 +3,8 @@ and the core binding plan (issue 17)."""
 from __future__ import annotations
 
 import os
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -351,3 +353,52 @@ def test_cuda_executor_needs_a_gpu_a_endpoint():
     if hps.cuda_device_count() == 0:  # no GPU: the executor says why instead of copying
         with pytest.raises(RuntimeError, match="CUDA"):
             t.execute_on_cuda(m, "relay", send, recv, gpus=[0] * 8)
+
+
+class _FakeNvml(types.ModuleType):
+    """pynvml as a driver would answer it: `bridges` maps two GPUs' PCI bus ids to the
+    NVLink bridges between them; NVML names remote GPUs with an 8-digit domain."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, bridges: dict, init_fails: bool = False):
+        super().__init__("pynvml")
+        self.ends: dict[str, list[str]] = {}
+        for (a, b), n in bridges.items():
+            self.ends.setdefault(a, []).extend([b] * n)
+            self.ends.setdefault(b, []).extend([a] * n)
+        self.init_fails, self.shut = init_fails, False
+
+    def nvmlInit(self):
+        if self.init_fails:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id):
+        return bus_id
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        if link >= 12:  # links past the GPU's: NVML raises
+            raise self.NVMLError("Not Supported")
+        return int(link < len(self.ends.get(handle, [])))
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle, link):
+        return types.SimpleNamespace(busId=("0000" + self.ends[handle][link]).upper().encode())
+
+
+def test_nvlinks_come_from_nvml_counted_once_a_bridge(tmp_path, monkeypatch):
+    fake_sysfs(tmp_path, 2, cores_per_node=2, gpus_per_node=2, nvme_node=0, nic_node=0)
+    bus = [f"0000:{0x10 + k:02x}:00.0" for k in range(4)]  # gpu0..gpu3, as write_fake_sysfs names them
+    nvml = _FakeNvml({(bus[0], bus[1]): 2, (bus[0], bus[2]): 1})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    names = {i: d.name for i, d in enumerate(t.devices)}
+    nvlinks = sorted((names[l.a], names[l.b], l.gbps) for l in t.links if l.kind == "nvlink")
+    assert nvlinks == [("gpu0", "gpu1", 50.0), ("gpu0", "gpu2", 25.0)]  # two bridges, one; gpu3 none
+    assert nvml.shut
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml({(bus[0], bus[1]): 2}, init_fails=True))
+    assert not [l for l in T.discover(str(tmp_path)).links if l.kind == "nvlink"]  # no driver: none
+    assert not [l for l in T.discover(str(tmp_path), gpus=False).links if l.kind == "nvlink"]
