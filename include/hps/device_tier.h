@@ -119,6 +119,13 @@ class DeviceTier {
   // which device holds each key; the caller passes the same for a key every
   // time within a batch.
   //
+  // A host buffer of at least `floats` floats that the tier keeps for the
+  // rows of its next Insert (the working set's load reads MEM-PS into it):
+  // reused batch after batch instead of allocated and freed (13 MB a batch on
+  // W4, each page faulted in anew), and page-locked on a CUDA tier, so that
+  // the upload is a DMA. Valid until the next call; its contents are not kept.
+  // One caller at a time: the batch that holds the tier.
+  virtual float* StagingRows(uint64_t floats) = 0;
   // Loads rows (n, row_floats) of the batch's working set onto their owners.
   // Throws TableFullError when a device's table has no room.
   virtual void Insert(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) = 0;

@@ -78,6 +78,10 @@ class Tier final : public DeviceTier {
   int32_t dim() const override { return o_.optimizer.dim; }
   std::string kind() const override { return kind_; }
   bool accepts_gpu_memory() const override { return kind_ == "cuda"; }  // (one table, or the CUDA mover)
+  float* StagingRows(uint64_t floats) override {
+    if (!staging_) staging_ = detail::NewHostStaging(kind_ == "cuda");
+    return staging_->Get(floats);
+  }
   uint64_t size() const override {
     uint64_t n = 0;
     for (const auto& t : rows_) n += t->size();
@@ -384,6 +388,7 @@ class Tier final : public DeviceTier {
   LinkCounters links_;
   std::unique_ptr<detail::RowMover> mover_;  // null: rows cross devices by the tables' own copies
   RoutePlan direct_;                         // the mover's plan without routes
+  std::unique_ptr<detail::HostStaging> staging_;  // StagingRows' buffer, made at the first load
 };
 
 }  // namespace

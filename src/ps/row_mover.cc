@@ -34,7 +34,24 @@ class HostRowMover final : public RowMover {
   std::vector<std::vector<float>> buffers_;  // [device * kSlots + slot]
 };
 
+class PlainHostStaging final : public HostStaging {
+ public:
+  float* Get(uint64_t floats) override {
+    if (floats > size_) {
+      data_ = std::make_unique_for_overwrite<float[]>(floats);  // (no zeroing: it is written before read)
+      size_ = floats;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  uint64_t size_ = 0;
+};
+
 }  // namespace
+
+std::unique_ptr<HostStaging> NewPlainHostStaging() { return std::make_unique<PlainHostStaging>(); }
 
 std::unique_ptr<RowMover> NewHostRowMover(int32_t devices) { return std::make_unique<HostRowMover>(devices); }
 
@@ -56,6 +73,8 @@ RoutePlan DirectPlan(int32_t endpoints) {
 }
 
 #if !HPS_HAVE_CUDA
+std::unique_ptr<HostStaging> NewHostStaging(bool) { return NewPlainHostStaging(); }
+
 std::unique_ptr<RowMover> NewCudaRowMover(const std::vector<int32_t>&) {
   throw std::runtime_error("device tier: moving rows between GPUs needs CUDA, and this build of hps has none "
                            "(configure with HPS_CUDA=ON and nvcc on the PATH)");

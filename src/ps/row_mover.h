@@ -53,6 +53,17 @@ std::unique_ptr<RowMover> NewHostRowMover(int32_t devices);
 // device gpus[e]. Throws std::runtime_error in a build without CUDA.
 std::unique_ptr<RowMover> NewCudaRowMover(const std::vector<int32_t>& gpus);
 
+// Host memory that grows on demand and is kept (DeviceTier::StagingRows):
+// page-locked (cudaHostAlloc) for a CUDA tier, plain otherwise and in a build
+// without CUDA. Get's memory is valid until the next Get.
+class HostStaging {
+ public:
+  virtual ~HostStaging() = default;
+  virtual float* Get(uint64_t floats) = 0;
+};
+std::unique_ptr<HostStaging> NewHostStaging(bool page_locked);
+std::unique_ptr<HostStaging> NewPlainHostStaging();
+
 // A plan that sends every pair's rows straight from source to destination
 // (what a tier without a topology does), over `endpoints` endpoints.
 RoutePlan DirectPlan(int32_t endpoints);

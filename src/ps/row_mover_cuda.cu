@@ -110,7 +110,37 @@ class CudaRowMover final : public RowMover {
   std::vector<GrowingBuffer> index_, stage_;
 };
 
+// Page-locked host memory: the GPUs' DMA engines read it directly.
+class PageLockedHostStaging final : public HostStaging {
+ public:
+  PageLockedHostStaging() = default;
+  PageLockedHostStaging(const PageLockedHostStaging&) = delete;
+  PageLockedHostStaging& operator=(const PageLockedHostStaging&) = delete;
+  ~PageLockedHostStaging() override {
+    if (data_) cudaFreeHost(data_);
+  }
+  float* Get(uint64_t floats) override {
+    if (floats > size_) {
+      if (data_) HPS_CUDA_TRY(cudaFreeHost(data_));
+      data_ = nullptr;
+      size_ = 0;
+      HPS_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&data_), floats * sizeof(float), cudaHostAllocPortable));
+      size_ = floats;
+    }
+    return data_;
+  }
+
+ private:
+  float* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
 }  // namespace
+
+std::unique_ptr<HostStaging> NewHostStaging(bool page_locked) {
+  if (!page_locked) return NewPlainHostStaging();
+  return std::make_unique<PageLockedHostStaging>();
+}
 
 std::unique_ptr<RowMover> NewCudaRowMover(const std::vector<int32_t>& gpus) {
   return std::make_unique<CudaRowMover>(gpus);

@@ -109,9 +109,9 @@ void WorkingSet::Load(DeviceTier& tier, std::shared_ptr<Updates> previous) {
     }
     // MEM-PS's rows as they are now, not as the prefetch found them: a batch
     // written back since may have updated some (they are pinned, so cached).
-    std::vector<float> rows(keys_.size() * static_cast<uint64_t>(optimizer_.row_floats()));
-    cache_.ReadPinned(keys_.data(), keys_.size(), reinterpret_cast<uint8_t*>(rows.data()));
-    tier.Insert(keys_.data(), keys_.size(), rows.data(), owners_.empty() ? nullptr : owners_.data());
+    float* rows = tier.StagingRows(keys_.size() * static_cast<uint64_t>(optimizer_.row_floats()));
+    cache_.ReadPinned(keys_.data(), keys_.size(), reinterpret_cast<uint8_t*>(rows));
+    tier.Insert(keys_.data(), keys_.size(), rows, owners_.empty() ? nullptr : owners_.data());
   } catch (...) {
     try {
       tier.Clear();

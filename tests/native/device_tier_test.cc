@@ -543,5 +543,17 @@ TEST(HostBatch, ApplyRacesNothingWithOtherPins) {
   EXPECT_EQ(got, want);
 }
 
+TEST(DeviceTier, StagingRowsAreKeptAcrossLoadsAndGrowWhenAsked) {
+  SparseOptimizer opt;
+  opt.dim = 2;
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+  float* a = tier->StagingRows(100);
+  for (int i = 0; i < 100; ++i) a[i] = static_cast<float>(i);  // (ASan: all 100 are the buffer's)
+  EXPECT_EQ(tier->StagingRows(50), a);  // reused, not reallocated
+  float* b = tier->StagingRows(1000);
+  for (int i = 0; i < 1000; ++i) b[i] = 1.0f;
+  EXPECT_EQ(tier->StagingRows(1000), b);
+}
+
 }  // namespace
 }  // namespace hps
