@@ -402,3 +402,52 @@ def test_nvlinks_come_from_nvml_counted_once_a_bridge(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml({(bus[0], bus[1]): 2}, init_fails=True))
     assert not [l for l in T.discover(str(tmp_path)).links if l.kind == "nvlink"]  # no driver: none
     assert not [l for l in T.discover(str(tmp_path), gpus=False).links if l.kind == "nvlink"]
+
+
+class _FakeCudart(types.ModuleType):
+    """cuda-python's runtime as a driver would answer it: CUDA device d is the GPU on
+    bus `order[d]` (CUDA's order need not be the bus order), and `peers` the bus-id pairs
+    with peer access."""
+
+    class cudaError_t:  # noqa: N801 - cuda-python's names
+        cudaSuccess = 0
+        cudaErrorNoDevice = 100
+
+    class cudaDeviceP2PAttr:  # noqa: N801
+        cudaDevP2PAttrAccessSupported = 2
+
+    def __init__(self, order: list, peers: set):
+        super().__init__("cuda.bindings.runtime")
+        self.order, self.peers = order, {frozenset(p) for p in peers}
+
+    def cudaGetDeviceCount(self):
+        return 0, len(self.order)
+
+    def cudaDeviceGetPCIBusId(self, length, device):
+        return 0, ("0000" + self.order[device]).upper().encode() + b"\x00"
+
+    def cudaDeviceGetP2PAttribute(self, attr, a, b):
+        assert attr == self.cudaDeviceP2PAttr.cudaDevP2PAttrAccessSupported
+        return 0, int(frozenset((self.order[a], self.order[b])) in self.peers)
+
+
+def test_pcie_peer_links_come_from_the_cuda_runtime(tmp_path, monkeypatch):
+    fake_sysfs(tmp_path, 2, cores_per_node=2, gpus_per_node=2, nvme_node=0, nic_node=0)
+    bus = [f"0000:{0x10 + k:02x}:00.0" for k in range(4)]
+    runtime = _FakeCudart([bus[2], bus[0], bus[3], bus[1]], {(bus[0], bus[1]), (bus[2], bus[3]), (bus[0], bus[3])})
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = runtime
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    for name, module in (("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.runtime", runtime)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml({(bus[0], bus[1]): 1}))  # gpu0-gpu1 by NVLink
+    t = T.discover(str(tmp_path))
+    names = {i: d.name for i, d in enumerate(t.devices)}
+    gpu_links = sorted((names[l.a], names[l.b], l.kind) for l in t.links if l.kind in ("nvlink", "pcie-p2p"))
+    # by bus id, not CUDA's order; the NVLinked pair is not linked twice
+    assert gpu_links == [("gpu0", "gpu1", "nvlink"), ("gpu0", "gpu3", "pcie-p2p"), ("gpu2", "gpu3", "pcie-p2p")]
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", None)  # no cuda-python: no peer links
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    assert not [l for l in T.discover(str(tmp_path)).links if l.kind == "pcie-p2p"]

@@ -456,8 +456,10 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
     and NICs (class/net/*/device). One "cpu" device per node; each GPU links to its
     node's cpu over PCIe (its link speed if sysfs gives it, else PCIE_GBPS); nodes link
     pairwise with NUMA_GBPS (sysfs does not say). NVLink between GPUs comes from NVML
-    when pynvml is importable and a driver answers (gpus=True); otherwise none. With no
-    GPU and host_partitions_if_no_gpu > 0, host partitions over the first node's memory.
+    when pynvml is importable and a driver answers (gpus=True); otherwise none. Pairs the
+    CUDA runtime reports peer access between (cuda-python's P2P attributes) and NVML does
+    not link get a PCIe peer link. With no GPU and host_partitions_if_no_gpu > 0, host
+    partitions over the first node's memory.
     """
     node_root = os.path.join(sysfs, "devices", "system", "node")
     numa_cores: dict[int, list[int]] = {}
@@ -493,7 +495,10 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
         host = cpu_index.get(n, 0)
         links.append(Link(len(devices) - 1, host, gbps or PCIE_GBPS, 1.0, "pcie" if gbps else "pcie-assumed"))
     if gpus and gpu_dirs:
-        links += _nvml_links([os.path.basename(d) for d in gpu_dirs], len(nodes))
+        bus_ids = [os.path.basename(d) for d in gpu_dirs]
+        links += _nvml_links(bus_ids, len(nodes))
+        nvlinked = {(l.a, l.b) for l in links if l.kind == "nvlink"}
+        links += _cuda_peer_links(bus_ids, len(nodes), nvlinked)
     if not gpu_dirs and host_partitions_if_no_gpu > 0:
         for i in range(host_partitions_if_no_gpu):
             devices.append(Device(f"host{i}", "host", nodes[0]))
@@ -505,6 +510,55 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
             if os.path.isdir(os.path.join(c, "device"))]
     return Topology("discovered" if sysfs == "/sys" else f"discovered from {sysfs}", devices, links, numa_cores, nvme,
                     nics, source=sysfs)
+
+
+def _cuda_runtime():
+    """cuda-python's runtime module (cuda.bindings.runtime, or cuda.cudart before 12.6); None without it."""
+    try:
+        from cuda.bindings import runtime  # noqa: PLC0415 - optional
+        return runtime
+    except ImportError:
+        try:
+            from cuda import cudart  # noqa: PLC0415
+            return cudart
+        except ImportError:
+            return None
+
+
+def _cuda_peer_links(bus_ids: list[str], first_gpu: int, nvlinked: set) -> list[Link]:
+    """GPU pairs whose memory is reachable from each other (peer access) as the CUDA
+    runtime reports it through cuda-python: cudaDevP2PAttrAccessSupported between the
+    CUDA devices, matched to the sysfs GPUs (device indices first_gpu + k) by PCI bus id.
+    A pair NVML already linked by NVLink (nvlinked) is left out; the rest are PCIe peer
+    links (PCIE_GBPS). [] without cuda-python or a driver."""
+    rt = _cuda_runtime()
+    if rt is None:
+        return []
+    ok = rt.cudaError_t.cudaSuccess
+    err, count = rt.cudaGetDeviceCount()
+    if err != ok:
+        return []
+    index = {b.lower()[-12:]: k for k, b in enumerate(bus_ids)}
+    of_ordinal = {}
+    for d in range(count):
+        err, bus = rt.cudaDeviceGetPCIBusId(32, d)
+        if err != ok:
+            continue
+        bus = (bus.decode() if isinstance(bus, bytes) else bus).rstrip("\x00").lower()
+        if bus[-12:] in index:
+            of_ordinal[d] = index[bus[-12:]]
+    links = []
+    attr = rt.cudaDeviceP2PAttr.cudaDevP2PAttrAccessSupported
+    ordinals = sorted(of_ordinal)
+    for i, d1 in enumerate(ordinals):
+        for d2 in ordinals[i + 1:]:
+            a, b = sorted((first_gpu + of_ordinal[d1], first_gpu + of_ordinal[d2]))
+            if (a, b) in nvlinked:
+                continue
+            err, access = rt.cudaDeviceGetP2PAttribute(attr, d1, d2)
+            if err == ok and access:
+                links.append(Link(a, b, PCIE_GBPS, 1.5, "pcie-p2p"))
+    return links
 
 
 def _nvml_links(bus_ids: list[str], first_gpu: int) -> list[Link]:
