@@ -145,16 +145,14 @@ def mlp_alone(train_batches, hidden, threads, seed, lr_dense, dim, device="cpu")
     torch.set_num_threads(threads)
     n_bags = len(train_batches[0].bags)
     width = (26 + n_bags) * dim
-    net = ctr_mlp(width + 13, hidden, seed)
-    opt = dense_adam(net.parameters(), lr_dense)
+    net = ctr_mlp(width + 13, hidden, seed).to(device)
+    opt = dense_adam(net.parameters(), lr_dense)  # after the move: fused Adam on the parameters' device
     loss_fn = torch.nn.BCEWithLogitsLoss()
     gen = torch.Generator().manual_seed(seed)
     batch = max(len(b.labels) for b in train_batches)
     fixed = torch.empty(batch, width + 13).uniform_(-0.01, 0.01, generator=gen)
     gpu = device != "cpu"
-    if gpu:  # the MLP on the GPU, its input built in pinned host memory and copied over, as hps does
-        net.to(device)
-        opt = dense_adam(net.parameters(), lr_dense)
+    if gpu:  # its input built in pinned host memory and copied over, as hps does
         fixed = fixed.pin_memory()
     t0 = time.perf_counter()
     n = 0

@@ -300,13 +300,12 @@ class DeviceReplicas:
         model.to(self.devices[0])
         self.replicas: list[nn.Module] = [model]
         self._of_worker = [0]
+        on_device = {self.devices[0]: 0}  # the replica of each device (workers there share it)
         for device in self.devices[1:]:
-            if not per_worker and device in self.devices[:len(self._of_worker)]:
-                self._of_worker.append(self._of_worker[self.devices.index(device)])
-                continue
-            memo = {id(m): m for m in shared}
-            self.replicas.append(copy.deepcopy(model, memo).to(device))
-            self._of_worker.append(len(self.replicas) - 1)
+            if per_worker or device not in on_device:
+                self.replicas.append(copy.deepcopy(model, {id(m): m for m in shared}).to(device))
+                on_device.setdefault(device, len(self.replicas) - 1)
+            self._of_worker.append(len(self.replicas) - 1 if per_worker else on_device[device])
 
     def replica(self, worker: int) -> nn.Module:
         return self.replicas[self._of_worker[worker]]

@@ -6,15 +6,28 @@
 namespace hps::detail {
 namespace {
 
+class PlainHostStaging final : public HostStaging {
+ public:
+  float* Get(uint64_t floats) override {
+    if (floats > size_) {
+      data_ = std::make_unique_for_overwrite<float[]>(floats);  // (no zeroing: it is written before read)
+      size_ = floats;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  uint64_t size_ = 0;
+};
+
 // Host partitions: buffers in host memory, rows moved by the row bodies' loops.
 class HostRowMover final : public RowMover {
  public:
   explicit HostRowMover(int32_t devices) : buffers_(static_cast<size_t>(devices) * kSlots) {}
 
   float* Buffer(int32_t device, Slot slot, uint64_t floats) override {
-    auto& b = buffers_.at(static_cast<size_t>(device) * kSlots + slot);
-    if (b.size() < floats) b.resize(floats);
-    return b.data();
+    return buffers_.at(static_cast<size_t>(device) * kSlots + slot).Get(floats);
   }
 
   void Exchange(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<const uint8_t*>& send,
@@ -31,22 +44,7 @@ class HostRowMover final : public RowMover {
   }
 
  private:
-  std::vector<std::vector<float>> buffers_;  // [device * kSlots + slot]
-};
-
-class PlainHostStaging final : public HostStaging {
- public:
-  float* Get(uint64_t floats) override {
-    if (floats > size_) {
-      data_ = std::make_unique_for_overwrite<float[]>(floats);  // (no zeroing: it is written before read)
-      size_ = floats;
-    }
-    return data_.get();
-  }
-
- private:
-  std::unique_ptr<float[]> data_;
-  uint64_t size_ = 0;
+  std::vector<PlainHostStaging> buffers_;  // [device * kSlots + slot]
 };
 
 }  // namespace
