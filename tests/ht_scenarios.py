@@ -122,6 +122,7 @@ def run_split(comm, out: str) -> None:
 def run_dead_ps(comm, out: str, how: str) -> None:
     """Group PS 1 (rank 2) hangs or is killed before answering; the trainer must end
     the job within its timeout, naming it."""
+    from hps.distributed.comm import abort_job
     from hps.hierarchical.split_mlp import GroupPsServer, GroupPsTimeout, MpiTransport, SplitTrainer, serve
     import torch
     seq, plan = models()["vertical_horizontal"]
@@ -146,9 +147,7 @@ def run_dead_ps(comm, out: str, how: str) -> None:
     try:
         tr(torch.zeros(4, 6))
     except GroupPsTimeout as e:
-        sys.stderr.write(f"hps.hierarchical: trainer rank 0: {e}; aborting the job\n")
-        sys.stderr.flush()
-        comm.Abort(70)
+        abort_job(comm, f"hps.hierarchical: trainer rank 0: {e}")
 
 
 IDLE_SECONDS = 1.5  # how long run_idle_wait's group PS waits for its first request

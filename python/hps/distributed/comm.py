@@ -19,6 +19,17 @@ from hps.errors import HpsError
 COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "dense", "control", "admission")
 
 
+
+def abort_job(world, why: str, code: int = 70) -> None:
+    """Writes `why` on stderr and ends every rank of `world`'s job (MPI_Abort)."""
+    sys.stderr.write(f"{why}; aborting the job\n")
+    sys.stderr.flush()
+    # MPI_Abort has mpiexec's proxy kill the ranks and stop forwarding their
+    # output, and CI runs lost this line to that race twice; a moment lets the
+    # proxy carry the reason out before the abort reaches it.
+    time.sleep(1.0)
+    world.Abort(code)
+
 class RankFailure(HpsError):
     """The ranks disagree about the job (world size, checkpoint step)."""
 
@@ -143,13 +154,7 @@ class Node:
     # -- failure
     def abort(self, why: str, code: int = 70) -> None:
         """Says why on stderr and ends every rank of the job (MPI_Abort)."""
-        sys.stderr.write(f"hps.distributed: rank {self.rank} of {self.size}: {why}; aborting the job\n")
-        sys.stderr.flush()
-        # MPI_Abort has mpiexec's proxy kill the ranks and stop forwarding their
-        # output, and a CI run lost this line to that race once; a moment lets the
-        # proxy carry the reason out before the abort reaches it.
-        time.sleep(1.0)
-        self.world.Abort(code)
+        abort_job(self.world, f"hps.distributed: rank {self.rank} of {self.size}: {why}", code)
 
     def guard(self, what: str):
         return self._watchdog.guard(what)
