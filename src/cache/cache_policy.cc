@@ -69,6 +69,44 @@ class CandidateFeed {
   const std::function<bool(uint32_t)>& visit_;
 };
 
+// Until a cache is full nothing is evicted, so ordering every visit is work
+// no one reads: with the table in memory (W4) the lists' Detach at each pin
+// and Reattach at each unpin were a third of the prefetch and write-back
+// threads' time. A policy that can rebuild its order from recency alone
+// (Lru; TinyLfuLfu, whose counts live in its sketch) only stamps each visit
+// until the order is first needed, then builds it, oldest stamp first, and
+// orders every visit itself from then on.
+class DeferredOrder {
+ public:
+  explicit DeferredOrder(uint32_t capacity) : stamps_(capacity, 0) {}
+  bool deferring() const { return deferring_; }
+  // A visit (Add, Touch, Reattach) of an ordered row. Never allocates or
+  // throws (MEM-PS puts rows back on paths that must not), hence 64-bit
+  // stamps, which cannot run out.
+  void Visit(uint32_t slot) { stamps_[slot] = ++clock_; }
+  void Leave(uint32_t slot) { stamps_[slot] = 0; }
+  // place(slot) for every stamped slot, least recent first; then stops
+  // deferring and frees the stamps. Allocates before it changes anything
+  // (bad_alloc leaves it deferring); place must not throw.
+  template <typename Place>
+  void Build(Place place) {
+    std::vector<uint32_t> slots;
+    slots.reserve(stamps_.size());
+    for (uint32_t slot = 0; slot < stamps_.size(); ++slot) {
+      if (stamps_[slot] != 0) slots.push_back(slot);
+    }
+    std::sort(slots.begin(), slots.end(), [this](uint32_t a, uint32_t b) { return stamps_[a] < stamps_[b]; });
+    for (uint32_t slot : slots) place(slot);
+    deferring_ = false;
+    std::vector<uint64_t>().swap(stamps_);
+  }
+
+ private:
+  std::vector<uint64_t> stamps_;  // 0: not ordered (pinned, evicted or never added)
+  uint64_t clock_ = 0;
+  bool deferring_ = true;
+};
+
 // A binary min-heap of slots by (frequency, last visit), with each slot's
 // position kept so that a visit or removal is O(log n).
 class FrequencyHeap {
@@ -171,30 +209,51 @@ class FrequencyHeap {
   std::vector<uint64_t> tick_;
 };
 
+// Its order is recency alone, so a deferred build gives the order eager
+// visits would have.
 class Lru final : public CachePolicy {
  public:
-  explicit Lru(uint32_t capacity) : lists_(capacity, 1) {}
-  void Add(uint32_t slot, uint64_t) override { lists_.PushFront(0, slot); }
+  explicit Lru(uint32_t capacity) : lists_(capacity, 1), deferred_(capacity) {}
+  void Add(uint32_t slot, uint64_t) override { Reattach(slot); }
   void Touch(uint32_t slot) override {
-    lists_.Remove(0, slot);
-    lists_.PushFront(0, slot);
+    Detach(slot);
+    Reattach(slot);
   }
-  void Detach(uint32_t slot) override { lists_.Remove(0, slot); }
-  void Reattach(uint32_t slot) override { lists_.PushFront(0, slot); }
+  void Detach(uint32_t slot) override {
+    if (deferred_.deferring()) {
+      deferred_.Leave(slot);
+    } else {
+      lists_.Remove(0, slot);
+    }
+  }
+  void Reattach(uint32_t slot) override {
+    if (!deferred_.deferring()) {
+      lists_.PushFront(0, slot);
+    } else {
+      deferred_.Visit(slot);
+    }
+  }
   uint32_t Evict() override {
+    BuildOrder();
     const uint32_t slot = lists_.Back(0);
     if (slot != kNoSlot) lists_.Remove(0, slot);
     return slot;
   }
   // The least recent first.
-  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) override {
+    BuildOrder();
     CandidateFeed feed(limit, visit);
     feed.List(lists_, 0);
   }
   void Defer(uint32_t slot) override { Touch(slot); }
 
  private:
+  void BuildOrder() {
+    if (deferred_.deferring()) deferred_.Build([this](uint32_t slot) { lists_.PushFront(0, slot); });
+  }
+
   SlotLists lists_;
+  DeferredOrder deferred_;
 };
 
 class Lfu final : public CachePolicy {
@@ -215,7 +274,7 @@ class Lfu final : public CachePolicy {
   }
   uint32_t Evict() override { return heap_.empty() ? kNoSlot : heap_.PopMin(); }
   // By (count, recency), least first.
-  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) override {
     CandidateFeed feed(limit, visit);
     heap_.InOrder(feed);
   }
@@ -263,7 +322,7 @@ class LruLfu final : public CachePolicy {
     return slot;
   }
   // The LFU's rows by count, then the LRU's, least recent first.
-  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) override {
     CandidateFeed feed(limit, visit);
     if (heap_.InOrder(feed)) feed.List(lists_, 0);
   }
@@ -377,7 +436,7 @@ class WTinyLfu final : public CachePolicy {
   }
   // Evict's victim (the duel's loser), then the window's rows, the
   // probation's and the protected's, each least recent first.
-  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) override {
     CandidateFeed feed(limit, visit);
     const uint32_t first = Victim();
     if (first == kNoSlot || !feed(first)) return;
@@ -552,7 +611,7 @@ class HistorySketch {
 class TinyLfuLfu final : public CachePolicy {
  public:
   explicit TinyLfuLfu(uint32_t capacity) : lists_(capacity, kBuckets), bucket_(capacity, 0), keys_(capacity, 0),
-                                           sketch_(capacity) {}
+                                           sketch_(capacity), deferred_(capacity) {}
 
   void Prefetch(uint64_t key) const override { sketch_.Prefetch(key); }
   void Record(uint64_t key) override {
@@ -565,12 +624,28 @@ class TinyLfuLfu final : public CachePolicy {
     Reattach(slot);
   }
   void Touch(uint32_t slot) override {
-    Remove(slot);
+    Detach(slot);
     Reattach(slot);
   }
-  void Detach(uint32_t slot) override { Remove(slot); }
-  void Reattach(uint32_t slot) override { Push(slot, sketch_.Estimate(keys_[slot])); }
+  void Detach(uint32_t slot) override {
+    if (deferred_.deferring()) {
+      deferred_.Leave(slot);
+    } else {
+      Remove(slot);
+    }
+  }
+  // Deferred, a row's bucket is its estimate when the order is built, not at
+  // its last visit: the same where no other key's count reached its counters
+  // since (the sketch's collisions), and fresher where one did.
+  void Reattach(uint32_t slot) override {
+    if (!deferred_.deferring()) {
+      Push(slot, sketch_.Estimate(keys_[slot]));
+    } else {
+      deferred_.Visit(slot);
+    }
+  }
   uint32_t Evict() override {
+    BuildOrder();
     for (int word = 0; word < kWords; ++word) {
       if (occupied_[word] == 0) continue;
       const int b = word * 64 + __builtin_ctzll(occupied_[word]);
@@ -581,7 +656,8 @@ class TinyLfuLfu final : public CachePolicy {
     return kNoSlot;
   }
   // By estimate, least first; within one, least recent first.
-  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const override {
+  void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) override {
+    BuildOrder();
     CandidateFeed feed(limit, visit);
     for (int word = 0; word < kWords; ++word) {
       for (uint64_t bits = occupied_[word]; bits != 0; bits &= bits - 1) {
@@ -591,6 +667,7 @@ class TinyLfuLfu final : public CachePolicy {
   }
   // The front of its own bucket (estimate kept).
   void Defer(uint32_t slot) override {
+    BuildOrder();
     lists_.Remove(bucket_[slot], slot);
     lists_.PushFront(bucket_[slot], slot);
   }
@@ -602,6 +679,9 @@ class TinyLfuLfu final : public CachePolicy {
   static constexpr int kBuckets = 256;
   static constexpr int kWords = kBuckets / 64;
 
+  void BuildOrder() {
+    if (deferred_.deferring()) deferred_.Build([this](uint32_t slot) { Push(slot, sketch_.Estimate(keys_[slot])); });
+  }
   void Push(uint32_t slot, uint32_t estimate) {
     const int b = static_cast<int>(std::min<uint32_t>(estimate, kBuckets - 1));
     lists_.PushFront(b, slot);
@@ -630,6 +710,7 @@ class TinyLfuLfu final : public CachePolicy {
   std::vector<uint8_t> bucket_;
   std::vector<uint64_t> keys_;
   HistorySketch sketch_;
+  DeferredOrder deferred_;
   uint64_t occupied_[kWords] = {0, 0, 0, 0};
 };
 

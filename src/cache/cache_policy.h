@@ -33,12 +33,13 @@ class CachePolicy {
   // when no row is ordered (all pinned).
   virtual uint32_t Evict() = 0;
   // Lookahead eviction (MemCache::SetLookahead): the ordered slots in the
-  // order Evict would take them, Evict's victim first, changing nothing:
+  // order Evict would take them, Evict's victim first, changing no row's place
+  // (a policy that defers its order builds it first):
   // visit(slot) for each until it returns false or `limit` were visited.
   // The order after the first is each policy's own notion of "next coldest"
   // (see the classes); a caller that takes another slot than the first does
   // so with Detach, and gives the policy no visit.
-  virtual void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) const = 0;
+  virtual void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) = 0;
   // The row, one ForEachCandidate named, was passed over because the
   // lookahead window needs it: it goes behind the rows of its rank (as recent
   // as a visit would make it, the rows it passes keeping their order) without

@@ -25,7 +25,9 @@ using detail::kNoSlot;
 
 // Bytes of bookkeeping per row besides the row itself: the hash map's node
 // and bucket (~40), key, pins and flags (~14), the policy's links, counts and
-// heap position (~28; ~46 for tinylfu-lfu, whose sketch takes 18 of them),
+// heap position (~28; ~46 for tinylfu-lfu, whose sketch takes 18 of them,
+// and 8 more for lru and tinylfu-lfu until the cache first fills: the
+// deferred order's stamps),
 // with some slack for the allocator.
 constexpr uint64_t kOverheadPerRow = 112;
 constexpr uint64_t kSinkBatchRows = 16384;

@@ -595,5 +595,74 @@ TEST(MemCacheLookahead, WindowSwapsRaceNothing) {
   EXPECT_GT(st.lookahead_spared + st.lookahead_forced, 0u);
 }
 
+
+// ---- the deferred order (src/cache/cache_policy.cc, DeferredOrder)
+
+// Until the cache first fills, lru only stamps visits; the order it builds
+// at the first eviction is the one eager visits give: least recent first,
+// pins out of it until their unpin, which counts as a visit.
+TEST(MemCacheDeferredOrder, LruBuiltAtTheFirstEvictionEvictsInRecencyOrder) {
+  auto cache = TraceCache("lru", 6);
+  AccessAll(*cache, {1, 2, 3, 4, 5, 6});
+  const std::vector<uint64_t> pinned{2, 4};
+  std::vector<uint8_t> hit(2);
+  ASSERT_EQ(cache->Pin(pinned.data(), 2, hit.data(), nullptr), 2u);
+  AccessAll(*cache, {1});  // 1 after 6
+  const std::vector<uint64_t> unpin{4, 2};
+  for (uint64_t k : unpin) cache->Unpin(&k, 1);  // then 4, then 2
+  const uint64_t five = 5;
+  ASSERT_EQ(cache->Pin(&five, 1, hit.data(), nullptr), 1u);
+  // Order, least recent first: 3, [5 pinned], 6, 1, 4, 2.
+  const auto evicts = [&](uint64_t fresh, uint64_t expected) {
+    AccessAll(*cache, {fresh});
+    EXPECT_FALSE(cache->Contains(expected)) << "key " << fresh << " should have evicted " << expected;
+    EXPECT_EQ(cache->stats().size, 6u);
+  };
+  evicts(7, 3);
+  evicts(8, 6);
+  EXPECT_TRUE(cache->Contains(5)) << "a pinned row was evicted";
+  cache->Unpin(&five, 1);  // now: 1, 4, 2, 7, 8, 5
+  evicts(9, 1);
+  evicts(10, 4);
+  evicts(11, 2);
+  evicts(12, 7);
+  evicts(13, 8);
+  evicts(14, 5);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// Every pinned row survives the build and the evictions after it, for every
+// policy (those that build late and those that order eagerly), and rows
+// erased before the build do not come back into the order.
+TEST_P(MemCachePolicies, PinsAndErasesBeforeTheFirstEvictionHoldAfterIt) {
+  auto cache = TraceCache(GetParam(), 64);
+  std::vector<uint64_t> fill(64);
+  for (uint64_t k = 0; k < 64; ++k) fill[k] = k + 1;
+  AccessAll(*cache, fill);
+  std::vector<uint64_t> pinned;
+  for (uint64_t k = 1; k <= 64; k += 4) pinned.push_back(k);
+  std::vector<uint8_t> hit(pinned.size());
+  ASSERT_EQ(cache->Pin(pinned.data(), pinned.size(), hit.data(), nullptr), pinned.size());
+  const std::vector<uint64_t> erased{2, 3};
+  ASSERT_EQ(cache->Erase(erased.data(), erased.size()), 2u);
+  std::vector<uint64_t> others(5000);  // 997 keys, none of the rows above
+  for (uint64_t i = 0; i < others.size(); ++i) others[i] = 1000 + i * 7919 % 997;
+  AccessAll(*cache, others);  // fills the two free slots, then evicts
+  EXPECT_GT(cache->stats().evictions, 900u);
+  for (uint64_t k : pinned) EXPECT_TRUE(cache->Contains(k)) << GetParam() << " evicted pinned key " << k;
+  EXPECT_EQ(cache->stats().size, 64u);
+  EXPECT_EQ(cache->stats().pinned, pinned.size());
+  for (uint64_t k : pinned) cache->Unpin(&k, 1);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  // Back in the order: erasing takes them out of it (a row missing from it
+  // would corrupt the lists, which the sanitizers and the refill would see).
+  ASSERT_EQ(cache->Erase(pinned.data(), pinned.size()), pinned.size());
+  std::vector<uint64_t> fresh(200);
+  for (uint64_t k = 0; k < fresh.size(); ++k) fresh[k] = 100000 + k;
+  AccessAll(*cache, fresh);
+  EXPECT_EQ(cache->stats().size, 64u);
+  for (uint64_t k : pinned) EXPECT_FALSE(cache->Contains(k));
+}
+
 }  // namespace
 }  // namespace hps
