@@ -18,6 +18,9 @@
 // slowly aged count-min sketch's estimates of the whole history, also of keys
 // not cached, so that a new row stays only if it is at least as frequent as
 // the coldest cached one: close to an ideal whole-history LFU in bounded memory.
+// "lru" and "tinylfu-lfu" build their order at a shard's first eviction (from
+// each row's last visit, and for tinylfu-lfu its estimate then), so a cache
+// that never fills, a table that fits in memory, pays no ordering per visit.
 //
 // Lookahead (SetLookahead): told the keys of the batches coming next, an
 // eviction spares the rows they will need, Belady's rule inside that window,
