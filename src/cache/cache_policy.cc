@@ -80,11 +80,19 @@ class DeferredOrder {
  public:
   explicit DeferredOrder(uint32_t capacity) : stamps_(capacity, 0) {}
   bool deferring() const { return deferring_; }
-  // A visit (Add, Touch, Reattach) of an ordered row. Never allocates or
-  // throws (MEM-PS puts rows back on paths that must not), hence 64-bit
-  // stamps, which cannot run out.
-  void Visit(uint32_t slot) { stamps_[slot] = ++clock_; }
-  void Leave(uint32_t slot) { stamps_[slot] = 0; }
+  // A visit (Add, Touch, Reattach) of an ordered row: true when deferring
+  // took it; false when the policy must order it. Never allocates or throws
+  // (MEM-PS puts rows back on paths that must not), hence 64-bit stamps,
+  // which cannot run out.
+  bool Visited(uint32_t slot) {
+    if (deferring_) stamps_[slot] = ++clock_;
+    return deferring_;
+  }
+  // The row leaves the order (Detach); true when deferring took it.
+  bool Left(uint32_t slot) {
+    if (deferring_) stamps_[slot] = 0;
+    return deferring_;
+  }
   // place(slot) for every stamped slot, least recent first; then stops
   // deferring and frees the stamps. Allocates before it changes anything
   // (bad_alloc leaves it deferring); place must not throw.
@@ -220,18 +228,10 @@ class Lru final : public CachePolicy {
     Reattach(slot);
   }
   void Detach(uint32_t slot) override {
-    if (deferred_.deferring()) {
-      deferred_.Leave(slot);
-    } else {
-      lists_.Remove(0, slot);
-    }
+    if (!deferred_.Left(slot)) lists_.Remove(0, slot);
   }
   void Reattach(uint32_t slot) override {
-    if (!deferred_.deferring()) {
-      lists_.PushFront(0, slot);
-    } else {
-      deferred_.Visit(slot);
-    }
+    if (!deferred_.Visited(slot)) lists_.PushFront(0, slot);
   }
   uint32_t Evict() override {
     BuildOrder();
@@ -628,21 +628,13 @@ class TinyLfuLfu final : public CachePolicy {
     Reattach(slot);
   }
   void Detach(uint32_t slot) override {
-    if (deferred_.deferring()) {
-      deferred_.Leave(slot);
-    } else {
-      Remove(slot);
-    }
+    if (!deferred_.Left(slot)) Remove(slot);
   }
   // Deferred, a row's bucket is its estimate when the order is built, not at
   // its last visit: the same where no other key's count reached its counters
   // since (the sketch's collisions), and fresher where one did.
   void Reattach(uint32_t slot) override {
-    if (!deferred_.deferring()) {
-      Push(slot, sketch_.Estimate(keys_[slot]));
-    } else {
-      deferred_.Visit(slot);
-    }
+    if (!deferred_.Visited(slot)) Push(slot, sketch_.Estimate(keys_[slot]));
   }
   uint32_t Evict() override {
     BuildOrder();
