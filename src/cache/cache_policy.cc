@@ -70,9 +70,9 @@ class CandidateFeed {
 };
 
 // Until a cache is full nothing is evicted, so ordering every visit is work
-// no one reads: with the table in memory (W4) the lists' Detach at each pin
-// and Reattach at each unpin were a third of the prefetch and write-back
-// threads' time. A policy that can rebuild its order from recency alone
+// no one reads: with the table in memory (W4's batches) the lists' Detach at
+// each pin and Reattach at each unpin were a third of MEM-PS's pin and unpin
+// time. A policy that can rebuild its order from recency alone
 // (Lru; TinyLfuLfu, whose counts live in its sketch) only stamps each visit
 // until the order is first needed, then builds it, oldest stamp first, and
 // orders every visit itself from then on.

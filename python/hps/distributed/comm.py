@@ -19,7 +19,6 @@ from hps.errors import HpsError
 COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "dense", "control", "admission")
 
 
-
 def abort_job(world, why: str, code: int = 70) -> None:
     """Writes `why` on stderr and ends every rank of `world`'s job (MPI_Abort)."""
     sys.stderr.write(f"{why}; aborting the job\n")
@@ -29,6 +28,7 @@ def abort_job(world, why: str, code: int = 70) -> None:
     # proxy carry the reason out before the abort reaches it.
     time.sleep(1.0)
     world.Abort(code)
+
 
 class RankFailure(HpsError):
     """The ranks disagree about the job (world size, checkpoint step)."""
