@@ -242,6 +242,9 @@ def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extr
     assert sum(x["examples_sent"] + x["examples_kept"] for x in h) == sum(len(b) for b in batches)
     assert all(x["evict_pushes"] > 0 and x["cached"] <= 150 for x in h)
     assert sum(rep["bytes_sent"]["examples"] for rep in reports) > 0
+    # One rank plans: only the leader holds a snapshot and sends plan parts.
+    assert h[0]["scheduler_bytes"] > 0 and reports[0]["bytes_sent"]["plan"] > 0
+    assert all(x["scheduler_bytes"] == 0 for x in h[1:]) and all(rep["bytes_sent"]["plan"] == 0 for rep in reports[1:])
 
 
 # ---------------------------------------------------------------- dense: k-step Adam

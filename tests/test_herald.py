@@ -244,3 +244,20 @@ def test_replay_refuses_bad_arguments():
         done = subprocess.run([sys.executable, str(ROOT / "bench" / "herald_replay.py"), "--quick", "--no-save",
                                *args], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_plan_part_unpacks_to_what_the_leader_packed_and_a_cut_one_is_refused():
+    """The leader's plan parts cross MPI as bytes (hps.distributed.herald._pack): every
+    field comes back with its dtype and values, empty ones and unaligned offsets included;
+    a buffer whose length disagrees with its header is refused, not misread."""
+    from hps.distributed.herald import _pack, _unpack
+    fields = [np.array([3, -1], np.int64), np.arange(5, dtype=np.uint8), np.empty(0, np.uint64),
+              np.array([2**64 - 2, 7], np.uint64), np.array([True, False, True]), np.array([1, 2], np.int64)]
+    dtypes = [f.dtype for f in fields]
+    buf = _pack(fields)
+    shifted = np.concatenate([np.zeros(3, np.uint8), buf])[3:]  # a received block need not be 8-byte aligned
+    for got in (_unpack(buf, dtypes), _unpack(shifted, dtypes)):
+        assert [g.dtype for g in got] == dtypes
+        assert all(np.array_equal(g, f) for g, f in zip(got, fields))
+    with pytest.raises(RuntimeError, match="does not match its header"):
+        _unpack(buf[:-1], dtypes)

@@ -16,7 +16,7 @@ import numpy as np
 
 from hps.errors import HpsError
 
-COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "dense", "control", "admission")
+COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "plan", "dense", "control", "admission")
 
 
 def abort_job(world, why: str, code: int = 70) -> None:

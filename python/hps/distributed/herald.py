@@ -3,28 +3,37 @@ cache of rows that persists between steps, examples moved to the rank that holds
 their rows, and rows moved only when another rank needs them.
 
 The sequential job (hps.distributed.sparse) sends every rank's distinct keys to
-their owners each step and the rows back, then the gradients. Here:
+their owners each step and the rows back, then the gradients. Here one rank, the
+leader (rank 0), holds the scheduler's snapshot of every rank's cache and plans
+every step; the others learn only their part of the plan:
 
-- prefetch (the pipeline's prefetch stage): every rank gets every rank's example
-  keys (the global batch), and each owner pins in its MEM-PS the batch's keys it
-  owns (a rank may fetch them from there);
+- prefetch (the pipeline's prefetch stage): every rank sends its example keys to
+  the leader (its distinct keys and where each example's sit among them), and its
+  distinct keys to their owners, which pin them in MEM-PS (a rank may fetch them
+  from there);
 - partition (first in the train stage, where every rank's cache agrees with the
-  scheduler's snapshot): every rank runs the same Herald scheduler (hps.herald) on
-  the global batch, so all agree on which rank trains each example; the examples
-  go there (labels, dense features, keys: ``examples`` bytes); the rows a rank
-  lacks come from the rank whose cache holds their latest version, else from
-  their owner's MEM-PS;
+  snapshot): the leader runs Herald (hps.herald) on the global batch and sends
+  each rank its plan part (``plan`` bytes): the rank of each of its examples; for
+  each key it will train (ascending), its trainers (a bit a rank) and where its
+  row comes from when the rank's cache lacks it; the rows it serves to others;
+  the rows its evictions lost; and, when its table must be compacted, the keys
+  its cache holds. The examples go to their ranks (labels, dense features, keys:
+  ``examples`` bytes); the rows a rank lacks come from the rank whose cache holds
+  their latest version, else from their owner's MEM-PS;
 - apply: a key trained on several ranks is stepped on the lowest of them (its
   primary), which gets the others' summed gradients and sends them the stepped
   row; a row no cache holds any more goes to its owner's MEM-PS; pulls (an
-  evaluation) and checkpoints first write every cached row to its owner.
+  evaluation) and checkpoints first write every cached row to its owner (the
+  leader names which rank writes which).
 
 So the job computes what the sequential one does, up to the order in which floats
-are summed (tests/test_distributed.py runs both on 2 and 4 ranks). Every rank runs
-the scheduler on the whole global batch: its cost does not fall with more ranks.
-With ``[ps] lookahead``, every rank's window goes to every rank (the scheduler keeps the
-job's window last) and to the owners (MEM-PS keeps it). Multi-hot fields are not taken
-(hps train refuses them).
+are summed (tests/test_distributed.py runs both on 2 and 4 ranks). The leader's
+scheduler sees the whole global batch: its cost does not fall with more ranks,
+and the other ranks wait for it at each step's partition. Were every rank to run
+it, every rank's keys would go to every other: W - 1 times the leader's inbound
+keys, and W schedulers' CPU. With ``[ps] lookahead``, every rank's window goes to the
+leader (the scheduler keeps the job's window last) and to the owners (MEM-PS
+keeps it). Multi-hot fields are not taken (hps train refuses them).
 """
 from __future__ import annotations
 
@@ -39,16 +48,47 @@ from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
 
 
-class HeraldPrefetched:
-    """A step's global batch (every rank's example keys) and this rank's pins."""
+LEADER = 0  # the rank that holds the snapshot and plans every step
+# A plan part's source of a key a rank trains: the rank whose cache serves its row
+# (< 64), _OWNER + the owner whose MEM-PS does, or _HELD (the rank's cache holds it).
+_OWNER, _HELD = 64, 255
+# A plan part's fields, in order (hps.distributed.herald._pack): the counts, the
+# ranks of the rank's examples, its trained keys' trainer bits and sources, the rows
+# it serves (keys, how many to each rank, whether from its cache), the keys its
+# evictions lost, and the keys its cache holds when its table is compacted.
+_PART = (np.int64, np.uint8, np.uint8, np.uint8, np.uint64, np.int64, np.bool_, np.uint64, np.uint64)
+_COUNTS = ("plan_pulls", "plan_peer_pulls", "plan_shared", "distinct", "cached", "table_rows")
 
-    def __init__(self, examples: np.ndarray, starts: np.ndarray, pinned: np.ndarray, cache,
-                 uniq: np.ndarray, inverse: np.ndarray):
-        self.examples = examples   # (N, F): every rank's example keys, in rank order
-        self.starts = starts       # (W + 1,): rank r's examples are rows starts[r]:starts[r + 1]
-        self.uniq = uniq           # the global batch's distinct keys, in order of first appearance
-        self.inverse = inverse     # (N * F,): each example key's place in uniq
+
+def _pack(arrays) -> np.ndarray:
+    """One byte buffer: the arrays' sizes in bytes (int64), then their bytes."""
+    sizes = np.array([a.nbytes for a in arrays], np.int64)
+    return np.concatenate([sizes.view(np.uint8)] + [np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                                                    for a in arrays])
+
+
+def _unpack(buf: np.ndarray, dtypes) -> list:
+    """What _pack packed, as arrays of `dtypes` (copies: a received buffer's
+    offsets need not be aligned)."""
+    head = 8 * len(dtypes)
+    sizes = np.frombuffer(buf[:head].tobytes(), np.int64)
+    if len(buf) != head + int(sizes.sum()):
+        raise RuntimeError(f"a Herald plan part of {len(buf)} bytes does not match its header ({sizes.tolist()})")
+    ends = head + np.cumsum(sizes)
+    return [np.frombuffer(buf[e - n:e].tobytes(), t) for e, n, t in zip(ends, sizes, dtypes)]
+
+
+class HeraldPrefetched:
+    """A step's pins on this rank and, on the leader, the global batch (every
+    rank's example keys)."""
+
+    def __init__(self, pinned: np.ndarray, cache, examples=None, starts=None, uniq=None, inverse=None):
         self.pinned = pinned       # the batch's keys this rank owns, pinned in its MEM-PS
+        self.examples = examples   # leader: (N, F) every rank's example keys, in rank order
+        self.starts = starts       # leader: (W + 1,) rank r's examples are rows starts[r]:starts[r + 1]
+        self.uniq = uniq           # leader: the global batch's distinct keys, in order of first appearance
+        self.inverse = inverse     # leader: (N * F,) each example key's place in uniq
+        self.upcoming = None       # leader: the job's lookahead window
         self._cache = cache
         self._released = False
 
@@ -71,11 +111,15 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         if capacity < 1:
             raise ValueError(f"worker_cache_rows must be >= 1 with schedule = 'herald', got {capacity}")
         self.capacity = capacity
-        self.herald = Herald(node.size, capacity)
+        self.leader = node.rank == LEADER
+        self.herald = Herald(node.size, capacity) if self.leader else None
         self._row_floats = local.row_floats
         self._table_rows = min(max(64, 1 << (2 * capacity - 1).bit_length()), 1 << 16)
         self._tier = self._new_tier(self._table_rows)
         self._present = 0  # rows in the table, live or stale (an upper bound)
+        self._cached = 0   # keys this rank's cache holds (the leader's count, at the last plan)
+        if self.leader:  # every rank's table as the leader plans it: rows present and table size
+            self._tables = [[0, self._table_rows] for _ in range(node.size)]
         self._init_fail_stop()
         self._dirty = False
         self.counts = {"batches": 0, "examples_sent": 0, "examples_kept": 0, "ps_loads": 0, "peer_fetches": 0,
@@ -87,16 +131,26 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         return _core.DeviceTier(1, rows, self.local._native_opt, threads=self.local.config.device_threads)
 
     # ------------------------------------------------------------ state
-    def ensure_room(self, incoming: int) -> None:
-        """Before a step is scheduled (table and snapshot agree): room for
-        `incoming` rows, by dropping stale rows, then by a larger table."""
-        if self._present + incoming <= 0.7 * self._table_rows:
-            return
-        keys = self.herald.cached(self.node.rank)
+    def _compactions(self, incoming: int) -> dict:
+        """Leader, before a step is scheduled (tables and snapshot agree): the ranks
+        whose tables lack room for `incoming` rows, each with the keys its cache
+        holds and its table's new size (doubled until they fit at half load)."""
+        out = {}
+        for r, table in enumerate(self._tables):
+            present, rows = table
+            if present + incoming <= 0.7 * rows:
+                continue
+            keys = self.herald.cached(r)
+            while len(keys) + incoming > 0.5 * rows:
+                rows *= 2
+            table[:] = [len(keys), rows]
+            out[r] = (keys, rows)
+        return out
+
+    def _compact(self, keys: np.ndarray, table_rows: int) -> None:
+        """Drops the table's stale rows (keeps `keys`, the ones this rank's cache
+        holds), in a table of `table_rows` rows."""
         rows = self._tier.rows(keys, None, self._row_floats)
-        table_rows = self._table_rows
-        while len(keys) + incoming > 0.5 * table_rows:
-            table_rows *= 2
         if table_rows != self._table_rows:
             self._tier = self._new_tier(table_rows)
             self._table_rows = table_rows
@@ -124,17 +178,26 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
             cache.write_back(k, r.view(np.uint8))
         return len(k)
 
+    def _from_leader(self, stage: str, blocks, kind: str, what: str, empty: np.ndarray) -> np.ndarray:
+        """The leader's blocks[r] to each rank r (collective); returns this rank's."""
+        got = self.node.alltoallv(stage, blocks if self.leader else [empty] * self.node.size, kind, what)
+        return got[LEADER]
+
     def flush(self) -> None:
-        """Every cached row to its owner's MEM-PS, one copy a key (collective; the
-        caches keep the rows)."""
+        """Every cached row to its owner's MEM-PS, one copy a key, from the lowest
+        rank that holds it (collective; the caches keep the rows)."""
         with self._lock:
             self.check()
             if not self._dirty:
                 return
-            me = self.node.rank
-            mine = self.herald.cached(me)
-            for lower in range(me):  # a key several ranks hold goes from the lowest
-                mine = mine[~np.isin(mine, self.herald.cached(lower), assume_unique=True)]
+            blocks = []
+            if self.leader:
+                written = np.empty(0, np.uint64)
+                for r in range(self.node.size):
+                    held = self.herald.cached(r)
+                    blocks.append(held[~np.isin(held, written, assume_unique=True)])
+                    written = np.union1d(written, held)
+            mine = self._from_leader("train", blocks, "plan", "flush keys", np.empty(0, np.uint64))
             rows = self._tier.rows(mine, None, self._row_floats)
             self._to_owners(mine, rows, "flush")
             self._dirty = False
@@ -151,44 +214,115 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         emptied first (the step goes to the owners' rows)."""
         with self._lock:
             self.flush()
-            self.herald.clear()
+            if self.leader:
+                self.herald.clear()
+                for table in self._tables:
+                    table[0] = 0
             self._tier.clear()
             self._present = 0
+            self._cached = 0
         super().push(keys, grads)
 
     def prefetch(self, keys: np.ndarray, upcoming=None) -> HeraldPrefetched:
-        """Every rank's example keys to every rank; this rank pins the ones it owns."""
+        """This rank's example keys to the leader, its distinct keys to their
+        owners; this rank pins the keys it was sent."""
         if not isinstance(keys, np.ndarray) or keys.ndim != 2 or keys.dtype not in (np.uint64, np.int64):
             raise ValueError(f"schedule = 'herald' takes (n_examples, fields) uint64 keys, got "
                              f"{getattr(keys, 'dtype', type(keys).__name__)} {getattr(keys, 'shape', '')}")
-        window = None
         if self._retry is not None and self._retry[0] is keys:
-            parts, window = self._retry[1]  # the exchange of a prefetch that found MEM-PS full: only pin again
+            exchange = self._retry[1]  # the exchange of a prefetch that found MEM-PS full: only pin again
         else:
-            if upcoming is not None:  # every rank schedules with the job's window
-                window = self._lookahead(upcoming)
-            # A rank's distinct keys (8 bytes each) and where each example's are among
-            # them (4 bytes a key): about half the bytes of the keys themselves.
-            flat = np.ascontiguousarray(keys).view(np.uint64)
-            uniq, inverse = _core.unique_keys(flat.reshape(-1))
-            where = inverse.astype(np.uint32).reshape(flat.shape)
-            W = self.node.size
-            uniqs = self.node.alltoallv("prefetch", [uniq] * W, "sparse_keys", "herald distinct keys")
-            wheres = self.node.alltoallv("prefetch", [where] * W, "sparse_keys", "herald example key positions")
-            parts = [u[w] for u, w in zip(uniqs, wheres)]
+            exchange = self._exchange(keys, upcoming)
         self._retry = None
-        examples = np.concatenate(parts)
-        starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
-        uniq, inverse = _core.unique_keys(examples.reshape(-1))
-        mine = np.sort(uniq[owner_ranks(uniq, self.node.size) == self.node.rank])
+        parts, mine, window = exchange
         try:
             self.local._cache.pin(mine)
         except CacheFullError:
-            self._retry = (keys, (parts, window))
+            self._retry = (keys, exchange)
             raise
-        pre = HeraldPrefetched(examples, starts, mine, self.local._cache, uniq, inverse)
-        pre.upcoming = window
+        pre = HeraldPrefetched(mine, self.local._cache)
+        if self.leader:
+            pre.examples = np.concatenate(parts)
+            pre.starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+            pre.uniq, pre.inverse = _core.unique_keys(pre.examples.reshape(-1))
+            pre.upcoming = window
         return pre
+
+    def _exchange(self, keys: np.ndarray, upcoming) -> tuple:
+        """The prefetch's collectives: (every rank's example keys on the leader,
+        else None; the keys this rank owns, sorted; the job's window on the leader)."""
+        W = self.node.size
+        window = self._lookahead(upcoming) if upcoming is not None else None
+        # A rank's distinct keys (8 bytes each) and where each example's are among
+        # them (2 bytes a key while a rank has at most 65,536 distinct keys, else 4):
+        # about a third of the bytes of the keys themselves.
+        flat = np.ascontiguousarray(keys).view(np.uint64)
+        uniq, inverse = _core.unique_keys(flat.reshape(-1))
+        where = inverse.astype(np.uint16 if len(uniq) <= 1 << 16 else np.uint32)
+        sent = _pack([np.array([flat.shape[1], where.itemsize], np.int64), uniq, where])
+        got = self.node.alltoallv("prefetch", [sent if r == LEADER else sent[:0] for r in range(W)],
+                                  "sparse_keys", "herald example keys")
+        parts = None
+        if self.leader:
+            parts = []
+            for buf in got:
+                (fields, width), u, w = _unpack(buf, (np.int64, np.uint64, np.uint8))
+                parts.append(u[w.view(np.uint16 if width == 2 else np.uint32).reshape(-1, fields)])
+        owners = owner_ranks(uniq, W)
+        order = np.argsort(owners, kind="stable")
+        asked = self.node.alltoallv("prefetch", np.split(uniq[order], np.cumsum(np.bincount(owners, minlength=W))[:-1]),
+                                    "sparse_keys", "herald keys to their owners")
+        return parts, np.unique(np.concatenate(asked)), window
+
+    def _lookahead(self, upcoming):
+        """Every rank's window to the leader, whose scheduler keeps the job's window
+        last, and to the owners, whose MEM-PS keeps the keys they own (collective,
+        prefetch stage); returns the job's window (sorted) on the leader, else None."""
+        mine = np.unique(np.concatenate([np.asarray(u, np.uint64).reshape(-1) for u in upcoming])) \
+            if len(upcoming) else np.empty(0, np.uint64)
+        W, me = self.node.size, self.node.rank
+        owners = owner_ranks(mine, W)
+        blocks = [mine if r == LEADER else mine[owners == r] for r in range(W)]
+        got = np.unique(np.concatenate(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys")))
+        self.local._cache.set_lookahead(got[owner_ranks(got, W) == me] if self.leader else got)
+        return got if self.leader else None
+
+    def _plan_parts(self, pre: HeraldPrefetched) -> list:
+        """Leader: schedules the step and cuts the plan into each rank's part (_PART)."""
+        W = self.node.size
+        uniq, inverse, examples = pre.uniq, pre.inverse, pre.examples
+        fields = examples.shape[1]
+        compact = self._compactions(len(uniq))
+        plan = self.herald.schedule(examples, upcoming=pre.upcoming)
+        fetches = np.diff(plan.fetch_offsets).astype(np.int64)
+        for table, n in zip(self._tables, fetches):
+            table[0] += int(n)
+        trains = np.zeros((len(uniq), W), bool)
+        trains[inverse, np.repeat(plan.assignment, fields)] = True
+        bits = np.packbits(trains, axis=1, bitorder="little")
+        # Each fetch: its key's place in uniq, its destination and the rank that serves it.
+        fk, src = plan.fetch_keys, plan.fetch_from
+        by_key = np.argsort(uniq)
+        at = by_key[np.searchsorted(uniq, fk, sorter=by_key)]
+        fdest = np.repeat(np.arange(W), fetches)
+        server = np.where(src >= 0, src, owner_ranks(fk, W))
+        source = np.full((len(uniq), W), _HELD, np.uint8)
+        source[at, fdest] = np.where(src >= 0, src, _OWNER + server)
+        serve_order = np.lexsort((fk, fdest, server))  # by server, then destination, then key
+        serve_cuts = np.searchsorted(server[serve_order], np.arange(W + 1))
+        trains_by_key = trains[by_key]
+        parts = []
+        for r in range(W):
+            trained = by_key[trains_by_key[:, r]]  # the keys rank r trains, ascending
+            served = serve_order[serve_cuts[r]:serve_cuts[r + 1]]
+            compact_keys, table_rows = compact.get(r, (np.empty(0, np.uint64), 0))
+            counts = np.array([plan.pulls, plan.peer_pulls, plan.shared, plan.distinct,
+                               self.herald.cached_count(r), table_rows], np.int64)
+            parts.append(_pack([counts, plan.assignment[pre.starts[r]:pre.starts[r + 1]].astype(np.uint8),
+                                bits[trained], source[trained, r], fk[served],
+                                np.bincount(fdest[served], minlength=W).astype(np.int64), src[served] >= 0,
+                                plan.lost_keys[plan.lost_from == r], compact_keys]))
+        return parts
 
     def batch(self, pre: HeraldPrefetched, overlap: bool = False) -> "HeraldDistBatch":
         return HeraldDistBatch(self, pre)
@@ -200,16 +334,17 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
     def stats(self) -> dict:
         s = super().stats()
         with self._lock:
-            s["herald"] = {**self.counts, "cached": self.herald.cached_count(self.node.rank),
-                           "capacity": self.capacity, "table_rows": self._table_rows,
-                           "scheduler_bytes": self.herald.memory_bytes}
+            s["herald"] = {**self.counts, "cached": self._cached, "capacity": self.capacity,
+                           "table_rows": self._table_rows, "leader": LEADER,
+                           "scheduler_bytes": self.herald.memory_bytes if self.leader else 0}
         return s
 
 
 class HeraldDistBatch(BatchBase):
-    """One step on every rank (the WorkingBatch protocol): ``partition()`` schedules
-    it, moves the examples and the rows; pull and push on this rank's cache;
-    apply() sums shared keys' gradients on their primaries."""
+    """One step on every rank (the WorkingBatch protocol): ``partition()`` gets
+    this rank's part of the leader's plan, moves the examples and the rows; pull
+    and push on this rank's cache; apply() sums shared keys' gradients on their
+    primaries."""
 
     def __init__(self, server: HeraldServer, pre: HeraldPrefetched):
         self.server = server
@@ -218,7 +353,8 @@ class HeraldDistBatch(BatchBase):
         self.wait_seconds = 0.0
         self.exchanged = None  # the examples this rank trains (hps.pipeline takes them as the batch's data)
         self._data = None
-        self._plan = None
+        self._part = None
+        self._scheduled = False  # partition began: the leader's snapshot may have taken this step
         self._applied = False
         self._done = False
 
@@ -229,25 +365,29 @@ class HeraldDistBatch(BatchBase):
 
     # ------------------------------------------------------------ partition
     def partition(self) -> list:
-        if self._plan is None:
+        if self._part is None:
             with self.server.step():
                 self._start()
         return self._minibatches
 
     def _start(self) -> None:
-        s, pre, node = self.server, self.pre, self.server.node
+        s, node = self.server, self.server.node
         W, me = node.size, node.rank
-        examples = pre.examples
-        n, fields = examples.shape
-        uniq, inverse = pre.uniq, pre.inverse  # found once, in the prefetch stage
-        s.ensure_room(len(uniq))
-        plan = s.herald.schedule(examples, upcoming=getattr(pre, "upcoming", None))
-        self._plan = plan
+        self._scheduled = True
+        blocks = s._plan_parts(self.pre) if s.leader else None
+        part = _unpack(s._from_leader("train", blocks, "plan", "herald plan parts", np.empty(0, np.uint8)), _PART)
+        self._part = part
+        counts, dest, bits, source, served, serve_counts, from_peer, lost, held = part
+        got = dict(zip(_COUNTS, counts.tolist()))
+        if got["table_rows"]:
+            s._compact(held, got["table_rows"])
+        s._cached = got["cached"]
 
         # The examples to the ranks the schedule gives them (each rank's in its order).
         data = self._data
-        a, z = int(pre.starts[me]), int(pre.starts[me + 1])
-        dest = plan.assignment[a:z]
+        if len(dest) != len(data.labels):
+            raise RuntimeError(f"the Herald plan places {len(dest)} examples of rank {me}, which has "
+                               f"{len(data.labels)} this step")
         order = np.argsort(dest, kind="stable")
         cuts = np.cumsum(np.bincount(dest, minlength=W))[:-1]
         dense = np.ascontiguousarray(data.dense, np.float32)
@@ -264,48 +404,41 @@ class HeraldDistBatch(BatchBase):
         s.counts["examples_sent"] += int((dest != me).sum())
         s.counts["examples_kept"] += int((dest == me).sum())
 
-        # Each key's trainers (ranks); its primary, the lowest, steps it.
-        trains = np.zeros((len(uniq), W), bool)
-        trains[inverse, np.repeat(plan.assignment, fields)] = True
-        primary = trains.argmax(axis=1)
-        self._uniq, self._trains, self._primary = uniq, trains, primary
-        mine_index = np.flatnonzero(trains[:, me])
-        by_key = np.argsort(uniq[mine_index])
-        self._mine = uniq[mine_index][by_key]  # the keys this rank trains, sorted
-        self._mine_index = mine_index[by_key]  # their places in uniq
+        # The keys this rank trains (ascending, as the plan part lists them), their
+        # trainers, and their primaries (the lowest trainer, which steps the key).
+        self._mine = np.unique(np.ascontiguousarray(mine.keys).view(np.uint64))
+        if len(self._mine) != len(source):
+            raise RuntimeError(f"the Herald plan gives rank {me} {len(source)} keys to train; its examples "
+                               f"have {len(self._mine)}")
+        self._trains = np.unpackbits(bits.reshape(len(source), -1), axis=1, count=W, bitorder="little").astype(bool)
+        self._primary = self._trains.argmax(axis=1)
         self._grads = np.zeros((len(self._mine), s._tier.dim), np.float32)
 
-        # Rows: each fetch is served by the peer holding the latest version, else by the owner.
-        fk, src = plan.fetch_keys, plan.fetch_from
-        fdest = np.repeat(np.arange(W, dtype=np.int32), np.diff(plan.fetch_offsets).astype(np.int64))
-        server = np.where(src >= 0, src, owner_ranks(fk, W)).astype(np.int64)
-        serve = np.flatnonzero(server == me)  # in fetch order, grouped by destination below
-        serve = serve[np.argsort(fdest[serve], kind="stable")]
-        rows_out = np.empty((len(serve), s._row_floats), np.float32)
-        from_peer = src[serve] >= 0
+        # Rows: each rank serves, in the order each destination lists them, the
+        # fetches the plan gives it, from its cache or from its MEM-PS (owner).
+        rows_out = np.empty((len(served), s._row_floats), np.float32)
         if from_peer.any():
-            rows_out[from_peer] = s._tier.rows(fk[serve][from_peer], None, s._row_floats)
+            rows_out[from_peer] = s._tier.rows(served[from_peer], None, s._row_floats)
         if (~from_peer).any():
-            rows_out[~from_peer] = s.local._cache.read_pinned(fk[serve][~from_peer]).view(np.float32)
-        cuts = np.cumsum(np.bincount(fdest[serve], minlength=W))[:-1]
-        rows_in = node.alltoallv("train", np.split(rows_out, cuts), "sparse_rows", "herald fetched rows")
-        want = np.flatnonzero(fdest == me)  # my fetches, in fetch order
-        got = np.empty((len(want), s._row_floats), np.float32)
-        for r in range(W):  # rank r served mine in fetch order
-            got[server[want] == r] = rows_in[r]
-        s.counts["rows_served"] += len(serve)
+            rows_out[~from_peer] = s.local._cache.read_pinned(served[~from_peer]).view(np.float32)
+        rows_in = node.alltoallv("train", np.split(rows_out, np.cumsum(serve_counts)[:-1]), "sparse_rows",
+                                 "herald fetched rows")
+        want = np.flatnonzero(source != _HELD)  # my fetches, ascending by key
+        peer, server = source[want] < _OWNER, source[want] % _OWNER
+        fetched = np.empty((len(want), s._row_floats), np.float32)
+        for r in range(W):  # rank r served mine ascending by key
+            fetched[server == r] = rows_in[r]
+        s.counts["rows_served"] += len(served)
         if len(want):
-            k = fk[want]
-            s._tier.assign(k, got, None, s._row_floats)  # a stale copy is overwritten
-            s._tier.insert(k, got, None, s._row_floats)
+            k = self._mine[want]
+            s._tier.assign(k, fetched, None, s._row_floats)  # a stale copy is overwritten
+            s._tier.insert(k, fetched, None, s._row_floats)
             s._present += len(want)
-            s.counts["ps_loads"] += int((src[want] < 0).sum())
-            s.counts["peer_fetches"] += int((src[want] >= 0).sum())
+            s.counts["ps_loads"] += int((~peer).sum())
+            s.counts["peer_fetches"] += int(peer.sum())
         s.counts["batches"] += 1
-        s.counts["plan_pulls"] += plan.pulls
-        s.counts["plan_peer_pulls"] += plan.peer_pulls
-        s.counts["plan_shared"] += plan.shared
-        s.counts["distinct"] += plan.distinct
+        for name in ("plan_pulls", "plan_peer_pulls", "plan_shared", "distinct"):
+            s.counts[name] += got[name]
 
     # ------------------------------------------------------------ the WorkingBatch protocol
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
@@ -339,45 +472,33 @@ class HeraldDistBatch(BatchBase):
         self._applied = True
 
     def _apply(self, s, node, W, me) -> None:
-        trains, primary, uniq = self._trains, self._primary, self._uniq
-        # Every rank knows who trains what, so the blocks carry no keys: rank r sends
-        # primary p the gradients of the keys r trains and p steps, in key order.
-        mine_primary = primary[self._mine_index]
-        blocks = []
-        for p in range(W):
-            sel = mine_primary == p
-            blocks.append(self._grads[sel] if p != me else self._grads[:0])
+        # Every rank knows who trains each of its keys, so the blocks carry no keys:
+        # rank r sends primary p the gradients of the keys both train that p
+        # steps, ascending, and gets their sums back in the same order. Each
+        # trainer then takes the same step on its copy (row and optimizer state
+        # alike, from the same sum): the primary need not ship the stepped rows,
+        # twice the floats of a gradient with AdaGrad's or Adam's state.
+        primary = self._primary
+        blocks = [self._grads[primary == p] if p != me else self._grads[:0] for p in range(W)]
         grads_in = node.alltoallv("train", blocks, "sparse_grads", "herald shared gradients")
-        stepped = self._mine[mine_primary == me]
-        total = self._grads[mine_primary == me].copy()
-        stepped_index = self._mine_index[mine_primary == me]
+        mine = primary == me
+        total, trainers = self._grads[mine], self._trains[mine]
         for r in range(W):
-            if r == me or not len(grads_in[r]):
-                continue
-            # Rank r sent the keys it trains whose primary is me, in key order: a subset of `stepped`.
-            theirs = np.sort(uniq[trains[:, r] & (primary == me)])
-            total[np.searchsorted(stepped, theirs)] += grads_in[r]
-        if len(stepped):
-            s._tier.accumulate(0, stepped, total, None, s._tier.dim)
+            if r != me and len(grads_in[r]):
+                total[trainers[:, r]] += grads_in[r]
+        out = [total[trainers[:, r]] if r != me else total[:0] for r in range(W)]
+        sums_in = node.alltoallv("train", out, "sparse_grads", "herald summed gradients")
+        self._grads[mine] = total
+        for r in range(W):
+            if r != me and len(sums_in[r]):
+                self._grads[primary == r] = sums_in[r]
+                s.counts["replica_copies"] += len(sums_in[r])
+        if len(self._mine):
+            s._tier.accumulate(0, self._mine, self._grads, None, s._tier.dim)
             s._tier.apply()
-        s.counts["primary_steps"] += len(stepped)
-        # The stepped rows to the other trainers of each key.
-        rows = s._tier.rows(stepped, None, s._row_floats) if len(stepped) else \
-            np.empty((0, s._row_floats), np.float32)
-        others = trains[stepped_index].copy()
-        others[:, me] = False
-        out = [rows[others[:, r]] if r != me else rows[:0] for r in range(W)]
-        rows_in = node.alltoallv("train", out, "sparse_rows", "herald stepped rows")
-        for r in range(W):
-            if r == me or not len(rows_in[r]):
-                continue
-            # Rank r sent the keys it stepped that I train, in key order.
-            theirs = np.sort(uniq[trains[:, me] & (primary == r)])
-            s._tier.assign(theirs, rows_in[r], None, s._row_floats)
-            s.counts["replica_copies"] += len(theirs)
+        s.counts["primary_steps"] += int(mine.sum())
         # Rows no cache holds any more: from the rank that dropped the last copy to the owner.
-        plan = self._plan
-        lost = plan.lost_keys[plan.lost_from == me]
+        lost = self._part[7]
         rows = s._tier.rows(lost, None, s._row_floats) if len(lost) else np.empty((0, s._row_floats), np.float32)
         s._to_owners(lost, rows, "herald evicted")
         s.counts["evict_pushes"] += len(lost)
@@ -394,7 +515,7 @@ class HeraldDistBatch(BatchBase):
     def abort(self) -> None:
         if self._done:
             return
-        if not self._applied and self._plan is not None:
+        if not self._applied and self._scheduled:
             self.server.fail("a step was aborted after it was scheduled")
         self._done = True
         self.pre.release()
