@@ -31,7 +31,8 @@ interleaved (A B, then B A, ...); eval AUC, which must agree within 0.001.
 
 Then the same under `mpiexec -n --ranks` (hps.distributed; each rank a worker, one
 device each; the global batch is --batch examples a rank): bytes between ranks by kind
-(examples, keys, rows, gradients, dense), summed over ranks, and examples/s (the
+(examples, keys, rows, gradients, Herald's plan parts from its leader rank, dense),
+summed over ranks, and examples/s (the
 slowest rank's), the schedules interleaved the same way. On this 2-core machine the
 ranks share the cores, so examples/s there measures the work, not a cluster.
 
