@@ -237,3 +237,25 @@ def test_a_herald_run_resumed_from_a_checkpoint_learns_what_the_whole_run_learns
         seed=0, batch_size=256, examples=256 * 10, vocab_sizes=SMALL_VOCAB)]))
     rows = [ParameterServer.open(str(tmp_path / p)).pull(keys) for p in ("whole", "half")]
     np.testing.assert_allclose(rows[1], rows[0], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_tables_follow_the_batch_not_the_cache():
+    """size_gradients gives a tier's gradient tables twice a batch's distinct keys (a
+    power of two, at most the rows' table), and resizes only when a batch needs more
+    room or would use a quarter of it or less."""
+    from hps.worker_caches import size_gradients
+
+    class Tier:
+        def __init__(self):
+            self.sizes = []
+
+        def set_gradient_capacity(self, capacity):
+            self.sizes.append(capacity)
+
+    t = Tier()
+    slots = 262_144  # a new tier's gradient tables have its rows' slots
+    for keys in (20_000, 21_000, 12_000, 33_000, 100, 200_000):
+        slots = size_gradients(t, slots, keys, table_rows=262_144)
+    # 20k -> 64k; 21k fits; 12k (32k) is more than a quarter of 64k; 33k -> 128k;
+    # 100 -> 256; 200k -> 512k, capped at the rows' table.
+    assert t.sizes == [65_536, 131_072, 256, 262_144] and slots == 262_144

@@ -43,6 +43,7 @@ class Tier final : public DeviceTier {
       rows_.push_back(NewHashTable(t));
       t.row_floats = o.optimizer.dim;
       grads_.push_back(NewHashTable(t));
+      grad_options_.push_back(t);
     }
     kind_ = cuda ? "cuda" : "cpu";
     matrix_.devices = o.devices;
@@ -166,6 +167,17 @@ class Tier final : public DeviceTier {
     for (int32_t d = 0; d < o_.devices; ++d) {
       rows_[d]->clear();
       grads_[d]->clear();
+    }
+  }
+
+  void SetGradientCapacity(uint64_t capacity) override {
+    if (capacity == 0) throw std::invalid_argument("device tier: a gradient table needs capacity > 0");
+    for (const auto& g : grads_) {
+      if (g->size() != 0) throw std::logic_error("device tier: gradient tables resized while gradients wait for Apply");
+    }
+    for (size_t d = 0; d < grads_.size(); ++d) {
+      grad_options_[d].capacity = capacity;
+      grads_[d] = NewHashTable(grad_options_[d]);
     }
   }
 
@@ -383,6 +395,7 @@ class Tier final : public DeviceTier {
   int32_t row_floats_;
   std::string kind_;
   std::vector<std::unique_ptr<HashTable>> rows_, grads_;
+  std::vector<HashTableOptions> grad_options_;  // each gradient table's, to build it again at another size
   TransferMatrix matrix_;
   int32_t endpoints_ = 0;  // the routes' E (the tier's devices with a direct plan)
   LinkCounters links_;

@@ -215,6 +215,48 @@ TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
   EXPECT_THROW(one->Insert(keys.data(), 1, rows.data(), owners), std::invalid_argument);
 }
 
+TEST(DeviceTier, GradientTablesOfABatchsSizeStepAsTheRowsSizeDoes) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  std::vector<uint64_t> keys = {21, 22, 23, 24, 25, 26};
+  std::vector<float> rows(keys.size() * width);
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  std::vector<uint64_t> pushed = {23, 21, 26, 23, 25};
+  std::vector<float> g(pushed.size() * 4);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+  std::vector<std::vector<float>> after;
+  for (uint64_t gradient_slots : {0, 8}) {  // 0: the tables keep the rows' 256 slots
+    auto tier = DeviceTier::New({2, 256, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+    tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+    if (gradient_slots) tier->SetGradientCapacity(gradient_slots);
+    for (int step = 0; step < 3; ++step) {
+      tier->Accumulate(step % 2, pushed.data(), pushed.size(), g.data(), nullptr);
+      std::vector<uint64_t> stepped = tier->Apply();
+      std::sort(stepped.begin(), stepped.end());
+      EXPECT_EQ(stepped, (std::vector<uint64_t>{21, 23, 25, 26}));
+    }
+    std::vector<float> full(keys.size() * width);
+    tier->Rows(keys.data(), keys.size(), full.data(), nullptr);
+    after.push_back(full);
+  }
+  EXPECT_EQ(after[0], after[1]);
+  EXPECT_NE(after[0], rows);
+
+  auto tier = DeviceTier::New({1, 256, opt, false, 1, nullptr, {}});
+  tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+  EXPECT_THROW(tier->SetGradientCapacity(0), std::invalid_argument);
+  tier->SetGradientCapacity(8);
+  tier->Accumulate(0, pushed.data(), 1, g.data(), nullptr);
+  EXPECT_THROW(tier->SetGradientCapacity(64), std::logic_error);  // a gradient waits for Apply
+  tier->Apply();
+  // The gradient table holds 8 keys now, whatever the rows' table holds.
+  std::vector<uint64_t> many(9);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = 100 + i;
+  std::vector<float> zeros(many.size() * width, 0.0f), many_g(many.size() * 4, 1.0f);
+  tier->Insert(many.data(), many.size(), zeros.data(), nullptr);
+  EXPECT_THROW(tier->Accumulate(0, many.data(), many.size(), many_g.data(), nullptr), TableFullError);
+}
+
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();
