@@ -240,22 +240,23 @@ def test_a_herald_run_resumed_from_a_checkpoint_learns_what_the_whole_run_learns
 
 
 def test_gradient_tables_follow_the_batch_not_the_cache():
-    """size_gradients gives a tier's gradient tables twice a batch's distinct keys (a
-    power of two, at most the rows' table), and resizes only when a batch needs more
-    room or would use a quarter of it or less."""
+    """size_gradients gives each device's gradient table twice the keys it sums (a
+    power of two, at most the rows' table), and resizes one only when a batch needs
+    more room there or would use a quarter of it or less."""
     from hps.worker_caches import size_gradients
 
     class Tier:
         def __init__(self):
             self.sizes = []
 
-        def set_gradient_capacity(self, capacity):
-            self.sizes.append(capacity)
+        def set_gradient_capacity(self, device, capacity):
+            self.sizes.append((device, capacity))
 
     t = Tier()
-    slots = 262_144  # a new tier's gradient tables have its rows' slots
-    for keys in (20_000, 21_000, 12_000, 33_000, 100, 200_000):
-        slots = size_gradients(t, slots, keys, table_rows=262_144)
-    # 20k -> 64k; 21k fits; 12k (32k) is more than a quarter of 64k; 33k -> 128k;
-    # 100 -> 256; 200k -> 512k, capped at the rows' table.
-    assert t.sizes == [65_536, 131_072, 256, 262_144] and slots == 262_144
+    slots = np.full(2, 262_144, np.int64)  # a new tier's gradient tables have its rows' slots
+    for keys in ((20_000, 100), (21_000, 90), (12_000, 300), (33_000, 200_000)):
+        size_gradients(t, slots, keys, table_rows=262_144)
+    # 20k -> 64k and 100 -> 256; 21k and 90 fit; 12k (32k) is more than a quarter of
+    # 64k, 300 needs 1k; 33k -> 128k, 200k -> 512k, capped at the rows' table.
+    assert t.sizes == [(0, 65_536), (1, 256), (1, 1024), (0, 131_072), (1, 262_144)]
+    assert slots.tolist() == [131_072, 262_144]

@@ -152,12 +152,13 @@ class DeviceTier {
   virtual uint64_t ReadBack(uint64_t* keys, float* rows, uint64_t max_rows) const = 0;
   // Empties every device for the next batch.
   virtual void Clear() = 0;
-  // Gives each device's gradient table `capacity` slots (> 0, rounded up to a
-  // multiple of 8), between batches: std::logic_error while gradients wait for
-  // Apply. Apply reads every slot of a gradient table, so a tier whose rows
-  // persist between batches (Herald's caches) sizes these for a batch's keys,
-  // not for its rows. At first they have `capacity` slots, as the rows do.
-  virtual void SetGradientCapacity(uint64_t capacity) = 0;
+  // Gives device `device`'s gradient table `capacity` slots (> 0, rounded up
+  // to a multiple of 8), between batches: std::logic_error while gradients wait
+  // for Apply. Apply reads every slot of a gradient table, so a tier whose rows
+  // persist between batches (Herald's caches) sizes these for the keys a batch
+  // sums on each device, not for its rows. At first they have `capacity` slots,
+  // as the rows do.
+  virtual void SetGradientCapacity(int32_t device, uint64_t capacity) = 0;
 
   virtual TransferMatrix transfers() const = 0;
   // Empty (links = 0) without routes.

@@ -46,19 +46,19 @@ from hps.batch_base import BatchBase, StopsAfterAFailedStep
 from hps.herald import Herald
 
 
-def size_gradients(tier, slots: int, keys: int, table_rows: int) -> int:
-    """Sizes a tier's gradient tables (between batches) for a batch of `keys`
-    distinct keys, the most any device sums: twice that, a power of two, at most
-    `table_rows`; resized only when that is more than `slots` (their size now) or
-    a quarter of it or less. Returns their size. Apply reads every slot of every
-    device's gradient table, and a cache's table has several times the slots a
-    batch's keys need: in W7s, 8 tables of 262,144 slots for batches of ~21k
-    distinct keys."""
-    want = min(table_rows, max(64, 1 << (2 * keys - 1).bit_length()))
-    if want > slots or 4 * want <= slots:
-        tier.set_gradient_capacity(want)
-        return want
-    return slots
+def size_gradients(tier, slots: np.ndarray, keys: np.ndarray, table_rows: int) -> None:
+    """Sizes a tier's gradient tables between batches: device d's for keys[d]
+    distinct keys (the keys whose gradients it sums this batch), twice that, a
+    power of two, at most `table_rows`; resized only when that is more than
+    slots[d] (its size now, updated here) or a quarter of it or less. Apply reads
+    every slot of every gradient table, and a cache's table has many times the
+    slots a batch's keys need: in W7s, 8 tables of 262,144 slots where a device
+    sums a few thousand keys a batch."""
+    for d, n in enumerate(np.asarray(keys, np.int64).tolist()):
+        want = min(table_rows, max(64, 1 << (2 * n - 1).bit_length()))
+        if want > slots[d] or 4 * want <= slots[d]:
+            tier.set_gradient_capacity(d, want)
+            slots[d] = want
 
 
 class WorkerCaches(StopsAfterAFailedStep):
@@ -79,7 +79,7 @@ class WorkerCaches(StopsAfterAFailedStep):
         # when a batch's fetches would fill one past 0.7 (ensure_room).
         self._table_rows = min(max(64, 1 << (2 * capacity - 1).bit_length()), 1 << 16)
         self._tier = ps._new_tier(self._table_rows)
-        self._gradient_slots = self._table_rows  # each device's gradient table's (size_gradients)
+        self._gradient_slots = np.full(workers, self._table_rows, np.int64)  # each device's gradient table's
         # Rows physically in each device's table, live or stale (an upper
         # bound: a fetch that overwrote a stale row is counted again).
         self._present = np.zeros(workers, np.int64)
@@ -96,11 +96,7 @@ class WorkerCaches(StopsAfterAFailedStep):
     def ensure_room(self, incoming: int) -> None:
         """Before a batch is scheduled (tables and snapshot agree): room for
         `incoming` more rows on any device, by dropping stale rows, then by
-        larger tables; gradient tables for `incoming` keys."""
-        self._make_room(incoming)
-        self._gradient_slots = size_gradients(self._tier, self._gradient_slots, incoming, self._table_rows)
-
-    def _make_room(self, incoming: int) -> None:
+        larger tables."""
         limit = int(0.7 * self._table_rows)
         if int(self._present.max()) + incoming <= limit:
             return
@@ -117,7 +113,8 @@ class WorkerCaches(StopsAfterAFailedStep):
             self._tier_before = (rows_before, bytes_before) if self._tier_before is None else \
                 (self._tier_before[0] + rows_before, self._tier_before[1] + bytes_before)
             self._tier = self._ps._new_tier(table_rows)
-            self._table_rows = self._gradient_slots = table_rows
+            self._table_rows = table_rows
+            self._gradient_slots[:] = table_rows
             self.counts["table_growths"] += 1
         else:
             self._tier.clear()
@@ -212,6 +209,7 @@ class HeraldBatch(BatchBase):
         trains = np.zeros((len(self.keys), W), bool)
         trains[pre.inverse, np.repeat(plan.assignment, fields)] = True
         self._primary = trains.argmax(axis=1).astype(np.int32)
+        size_gradients(c._tier, c._gradient_slots, np.bincount(self._primary, minlength=W), c._table_rows)
         trains[np.arange(len(self.keys)), self._primary] = False
         replica, self._replica_to = np.nonzero(trains)
         self._replica_to = self._replica_to.astype(np.int32)

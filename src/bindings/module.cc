@@ -831,10 +831,10 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         t.Clear();
       })
-      .def("set_gradient_capacity", [](hps::DeviceTier& t, uint64_t capacity) {
+      .def("set_gradient_capacity", [](hps::DeviceTier& t, int32_t device, uint64_t capacity) {
         py::gil_scoped_release release;
-        t.SetGradientCapacity(capacity);
-      }, py::arg("capacity"))
+        t.SetGradientCapacity(device, capacity);
+      }, py::arg("device"), py::arg("capacity"))
       .def("transfers", [](const hps::DeviceTier& t) {
         const hps::TransferMatrix m = t.transfers();
         const auto g = static_cast<py::ssize_t>(m.devices);

@@ -170,15 +170,19 @@ class Tier final : public DeviceTier {
     }
   }
 
-  void SetGradientCapacity(uint64_t capacity) override {
+  void SetGradientCapacity(int32_t device, uint64_t capacity) override {
+    if (device < 0 || device >= o_.devices) {
+      throw std::invalid_argument("device tier: device " + std::to_string(device) + " is outside [0, " +
+                                  std::to_string(o_.devices) + ")");
+    }
     if (capacity == 0) throw std::invalid_argument("device tier: a gradient table needs capacity > 0");
-    for (const auto& g : grads_) {
-      if (g->size() != 0) throw std::logic_error("device tier: gradient tables resized while gradients wait for Apply");
+    const auto d = static_cast<size_t>(device);
+    if (grads_[d]->size() != 0) {
+      throw std::logic_error("device tier: device " + std::to_string(device) +
+                             "'s gradient table resized while gradients wait for Apply");
     }
-    for (size_t d = 0; d < grads_.size(); ++d) {
-      grad_options_[d].capacity = capacity;
-      grads_[d] = NewHashTable(grad_options_[d]);
-    }
+    grad_options_[d].capacity = capacity;
+    grads_[d] = NewHashTable(grad_options_[d]);
   }
 
   TransferMatrix transfers() const override { return matrix_; }

@@ -228,7 +228,10 @@ TEST(DeviceTier, GradientTablesOfABatchsSizeStepAsTheRowsSizeDoes) {
   for (uint64_t gradient_slots : {0, 8}) {  // 0: the tables keep the rows' 256 slots
     auto tier = DeviceTier::New({2, 256, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
     tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
-    if (gradient_slots) tier->SetGradientCapacity(gradient_slots);
+    if (gradient_slots) {
+      tier->SetGradientCapacity(0, gradient_slots);
+      tier->SetGradientCapacity(1, gradient_slots);
+    }
     for (int step = 0; step < 3; ++step) {
       tier->Accumulate(step % 2, pushed.data(), pushed.size(), g.data(), nullptr);
       std::vector<uint64_t> stepped = tier->Apply();
@@ -244,10 +247,11 @@ TEST(DeviceTier, GradientTablesOfABatchsSizeStepAsTheRowsSizeDoes) {
 
   auto tier = DeviceTier::New({1, 256, opt, false, 1, nullptr, {}});
   tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
-  EXPECT_THROW(tier->SetGradientCapacity(0), std::invalid_argument);
-  tier->SetGradientCapacity(8);
+  EXPECT_THROW(tier->SetGradientCapacity(0, 0), std::invalid_argument);
+  EXPECT_THROW(tier->SetGradientCapacity(1, 8), std::invalid_argument);  // the tier has device 0 only
+  tier->SetGradientCapacity(0, 8);
   tier->Accumulate(0, pushed.data(), 1, g.data(), nullptr);
-  EXPECT_THROW(tier->SetGradientCapacity(64), std::logic_error);  // a gradient waits for Apply
+  EXPECT_THROW(tier->SetGradientCapacity(0, 64), std::logic_error);  // a gradient waits for Apply
   tier->Apply();
   // The gradient table holds 8 keys now, whatever the rows' table holds.
   std::vector<uint64_t> many(9);

@@ -117,7 +117,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         self._row_floats = local.row_floats
         self._table_rows = min(max(64, 1 << (2 * capacity - 1).bit_length()), 1 << 16)
         self._tier = self._new_tier(self._table_rows)
-        self._gradient_slots = self._table_rows  # the tier's gradient table's (size_gradients)
+        self._gradient_slots = np.array([self._table_rows], np.int64)  # the tier's gradient table's
         self._present = 0  # rows in the table, live or stale (an upper bound)
         self._cached = 0   # keys this rank's cache holds (the leader's count, at the last plan)
         if self.leader:  # every rank's table as the leader plans it: rows present and table size
@@ -155,7 +155,8 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         rows = self._tier.rows(keys, None, self._row_floats)
         if table_rows != self._table_rows:
             self._tier = self._new_tier(table_rows)
-            self._table_rows = self._gradient_slots = table_rows
+            self._table_rows = table_rows
+            self._gradient_slots[:] = table_rows
         else:
             self._tier.clear()
         if len(keys):
@@ -415,7 +416,7 @@ class HeraldDistBatch(BatchBase):
         self._trains = np.unpackbits(bits.reshape(len(source), -1), axis=1, count=W, bitorder="little").astype(bool)
         self._primary = self._trains.argmax(axis=1)
         self._grads = np.zeros((len(self._mine), s._tier.dim), np.float32)
-        s._gradient_slots = size_gradients(s._tier, s._gradient_slots, len(self._mine), s._table_rows)
+        size_gradients(s._tier, s._gradient_slots, [len(self._mine)], s._table_rows)
 
         # Rows: each rank serves, in the order each destination lists them, the
         # fetches the plan gives it, from its cache or from its MEM-PS (owner).
