@@ -247,6 +247,20 @@ def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extr
     assert all(x["scheduler_bytes"] == 0 for x in h[1:]) and all(rep["bytes_sent"]["plan"] == 0 for rep in reports[1:])
 
 
+def test_a_herald_rank_given_no_examples_still_takes_part(tmp_path):
+    """Steps of fewer examples than ranks (1 a rank, and the last rank's data ended two
+    steps early: 3 examples for 4 ranks) leave a rank with no examples and no keys to
+    train; the job still ends with one process's parameters."""
+    world, steps, per_rank = 4, 4, 1
+    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--herald", 150,
+             "--uneven")
+    batches = _single_process_reference(tmp_path, world, steps, per_rank, True)
+    assert min(len(b) for b in batches) < world
+    _assert_job_equals_single(tmp_path, world, steps, batches)
+    h = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text())["herald"] for r in range(world)]
+    assert sum(x["examples_sent"] + x["examples_kept"] for x in h) == sum(len(b) for b in batches)
+
+
 # ---------------------------------------------------------------- dense: k-step Adam
 
 def _kstep_reference(world: int, steps: int, k: int, beta1: float, beta2: float = 0.99, eps: float = 1e-8,

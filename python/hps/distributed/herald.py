@@ -413,7 +413,8 @@ class HeraldDistBatch(BatchBase):
         if len(self._mine) != len(source):
             raise RuntimeError(f"the Herald plan gives rank {me} {len(source)} keys to train; its examples "
                                f"have {len(self._mine)}")
-        self._trains = np.unpackbits(bits.reshape(len(source), -1), axis=1, count=W, bitorder="little").astype(bool)
+        self._trains = np.unpackbits(bits.reshape(len(source), (W + 7) // 8), axis=1, count=W,
+                                     bitorder="little").astype(bool)  # (keys, W); a rank may train none
         self._primary = self._trains.argmax(axis=1)
         self._grads = np.zeros((len(self._mine), s._tier.dim), np.float32)
         size_gradients(s._tier, s._gradient_slots, [len(self._mine)], s._table_rows)
