@@ -168,7 +168,9 @@ def _summary_table(summary: dict) -> str:
         sent = [r["bytes_sent"] for r in dist["ranks"]]
         sparse = sum(b["sparse_keys"] + b["sparse_rows"] + b["sparse_grads"] for b in sent) / len(sent)
         dense = sum(b["dense"] for b in sent) / len(sent)
-        rows.insert(3, ("sent per rank: sparse / dense", f"{sparse / 1e6:,.1f} MB / {dense / 1e6:,.1f} MB"))
+        moved = sum(b.get("examples", 0) + b.get("plan", 0) for b in sent) / len(sent)  # Herald's
+        rows.insert(3, ("sent per rank: sparse / dense", f"{sparse / 1e6:,.1f} MB / {dense / 1e6:,.1f} MB"
+                        + (f"; examples and plans {moved / 1e6:,.1f} MB" if moved else "")))
         rows.insert(4, ("tiers and stages below", "rank 0's"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
