@@ -69,6 +69,10 @@ struct MemCacheOptions {
   /// fills, but a 2 MiB page is resident once one row in it is written. false where
   /// the resident set must follow the rows cached (hps.Lookup's budget counts them).
   bool huge_pages = true;
+  /// Write every page of the rows' arena at construction: the whole budget is
+  /// resident from the start, and no pull waits on the kernel for a fresh page
+  /// (on some virtual machines a first touch costs more than the row's load).
+  bool prefault = false;
 };
 
 struct MemCacheStats {

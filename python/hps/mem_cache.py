@@ -30,6 +30,9 @@ class MemCache(_core.MemCache):
     ``huge_pages=False`` keeps the rows' arena off transparent huge pages, so that
     its resident memory follows the rows cached (a 2 MiB page is resident once one
     row in it is written); True gives fewer TLB misses to a cache that fills.
+    ``prefault=True`` writes every page of the arena when the cache is built: the
+    whole budget is resident at once, and no pull waits on the kernel's first
+    touch of a fresh page (``[ps] prefault`` in a ParameterServerConfig).
     A call that raises (``CacheFullError``, or what the loader or sink raised) holds
     no pin and loses no dirty row: its victims stay cached and dirty, so it can be
     retried; ``stats()["failed_releases"]`` counts host batches whose release failed.
@@ -45,14 +48,14 @@ class MemCache(_core.MemCache):
     def __init__(self, row_bytes: int, capacity: Optional[int] = None, *,
                  budget: Union[int, str, None] = None, policy: str = "tinylfu-lfu", shards: int = 0,
                  lru_fraction: float = 0.5, loader: Optional[Callable] = None,
-                 sink: Optional[Callable] = None, huge_pages: bool = True):
+                 sink: Optional[Callable] = None, huge_pages: bool = True, prefault: bool = False):
         if (capacity is None) == (budget is None):
             raise ValueError("give exactly one of capacity (rows) and budget (bytes, e.g. '8GiB')")
         if budget is not None:
             capacity = _core.MemCache.capacity_for_budget(parse_bytes(budget, "budget"), row_bytes)
             if capacity == 0:
                 raise ValueError(f"budget {budget!r} holds no row of {row_bytes} bytes")
-        super().__init__(row_bytes, capacity, policy, shards, lru_fraction, loader, sink, huge_pages)
+        super().__init__(row_bytes, capacity, policy, shards, lru_fraction, loader, sink, huge_pages, prefault)
 
     def pull(self, keys: np.ndarray, pin: bool = False, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
         rows, hit = super().pull(keys, pin)

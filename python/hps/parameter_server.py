@@ -146,6 +146,9 @@ class ParameterServerConfig:
     seed: int = 0
     mem_budget: Union[int, str] = "1GiB"
     cache_policy: str = "tinylfu-lfu"     # the best of W3 (docs/benchmarks.md)
+    prefault: bool = False              # write MEM-PS's whole row arena when the server opens: the
+                                        # budget is resident at once, and training never waits on
+                                        # the kernel's first touch of a page
     devices: int = 1                    # GPUs when the node has that many, else host partitions
     device_capacity: int = 1 << 22      # most rows per device: a batch's working set / devices must fit
     write_buffer_rows: int = 1 << 16    # evicted dirty rows gathered per SSD-PS put
@@ -700,7 +703,7 @@ class ParameterServer:
         self._counts = {"mem_hits": 0, "pulls": 0, "pushes": 0, "batches": 0, "checkpoints": 0,
                         "expired": 0, "capped": 0}
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
-                               loader=self._backing, sink=self._backing)
+                               loader=self._backing, sink=self._backing, prefault=config.prefault)
         # With one host partition, batches train on MEM-PS's pinned rows (HostBatch).
         self._in_place = (config.host_in_place and config.devices == 1 and partitioner is None
                           and not herald and _core.cuda_device_count() < 1)

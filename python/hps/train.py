@@ -322,7 +322,9 @@ class Trainer:
         if has_ps and checkpoint is None:
             _discard_run(path)  # nothing durable to keep; a new config may differ in layout
         self.state_dir = path
+        opened = time.perf_counter()
         self.ps = ParameterServer(ps_cfg, checkpoint=checkpoint)
+        self.ps_open_seconds = time.perf_counter() - opened  # a prefault's cost shows here, not in training
         self.local_ps = self.ps
         self.widths = widths
         self.model = CtrModel(self.ps, num_fields=widths[1], num_dense=widths[0], hidden=cfg.hidden, seed=cfg.seed,
@@ -857,7 +859,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     trainer.history[-1].update(_tier_counters(trainer.ps.stats()))
     wall = pipeline.stats.wall_seconds
     summary = {"examples": trainer.examples_done, "batches": trainer.batches_done,
-               "train_seconds": wall,
+               "train_seconds": wall, "ps_open_seconds": trainer.ps_open_seconds,
                "examples_per_s": pipeline.stats.examples / wall if wall else 0.0,
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None

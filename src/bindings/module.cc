@@ -576,7 +576,8 @@ PYBIND11_MODULE(_core, m) {
   m.attr("CACHE_POLICIES") = hps::CachePolicyNames();
   py::class_<hps::MemCache>(m, "MemCache")
       .def(py::init([](uint32_t row_bytes, uint64_t capacity, const std::string& policy, uint32_t shards,
-                       double lru_fraction, py::object loader, py::object sink, bool huge_pages) {
+                       double lru_fraction, py::object loader, py::object sink, bool huge_pages,
+                       bool prefault) {
              hps::MemCacheOptions o;
              o.row_bytes = row_bytes;
              o.capacity = capacity;
@@ -584,12 +585,14 @@ PYBIND11_MODULE(_core, m) {
              o.shards = shards;
              o.lru_fraction = lru_fraction;
              o.huge_pages = huge_pages;
+             o.prefault = prefault;
              return hps::MemCache::New(o, LoaderArg(std::move(loader), row_bytes),
                                        SinkArg(std::move(sink), row_bytes));
            }),
            py::arg("row_bytes"), py::arg("capacity"), py::arg("policy") = "lru+lfu", py::arg("shards") = 0,
            py::arg("lru_fraction") = 0.5, py::arg("loader") = py::none(), py::arg("sink") = py::none(),
-           py::arg("huge_pages") = true, py::keep_alive<1, 7>(), py::keep_alive<1, 8>())  // a BackingStore lives as long as the cache
+           py::arg("huge_pages") = true, py::arg("prefault") = false, py::keep_alive<1, 7>(),
+           py::keep_alive<1, 8>())  // a BackingStore lives as long as the cache
       .def_static("capacity_for_budget", &hps::MemCache::CapacityForBudget, py::arg("budget_bytes"),
                   py::arg("row_bytes"))
       .def_property_readonly("row_bytes", &hps::MemCache::row_bytes)

@@ -51,7 +51,9 @@ int CountNumaNodes() {
 // there are several, so that no node's memory bus carries the whole cache.
 class Arena {
  public:
-  Arena(uint64_t bytes, bool huge_pages) : bytes_(std::max<uint64_t>(bytes, 1)) {
+  static constexpr uint64_t kPageBytes = 4096;  // the smallest page: one write faults in each
+
+  Arena(uint64_t bytes, bool huge_pages, bool prefault) : bytes_(std::max<uint64_t>(bytes, 1)) {
     void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     data_ = static_cast<uint8_t*>(p);
@@ -63,6 +65,10 @@ class Arena {
       unsigned long mask = nodes_ >= 64 ? ~0UL : (1UL << nodes_) - 1;
       // Best effort: a kernel without NUMA support leaves the default policy.
       syscall(SYS_mbind, data_, bytes_, kMpolInterleave, &mask, sizeof(mask) * 8, 0);
+    }
+    // After madvise and mbind, so that the pages come as huge and interleaved ones.
+    if (prefault) {
+      for (uint64_t b = 0; b < bytes_; b += kPageBytes) data_[b] = 0;
     }
   }
   ~Arena() { munmap(data_, bytes_); }
@@ -205,7 +211,7 @@ class ShardedCache final : public MemCache {
       : row_bytes_(o.row_bytes),
         loader_(std::move(loader)),
         sink_(std::move(sink)),
-        arena_(o.capacity * o.row_bytes, o.huge_pages) {
+        arena_(o.capacity * o.row_bytes, o.huge_pages, o.prefault) {
     uint64_t shards = o.shards;
     if (shards == 0) shards = std::clamp<uint64_t>(o.capacity / 4096, 1, 64);
     shards = std::min<uint64_t>(shards, o.capacity);
