@@ -27,7 +27,10 @@ TorchRec: one more table a field, its jagged lengths in the KeyedJaggedTensor).
   * hps: hps.train.train: the ParameterServer (MEM budget holding every row, one host
     partition, so batches train on MEM-PS's rows in place) behind the 4-stage pipeline,
     embeddings through hps.torch. torch's threads: hps.train's ThreadTuner picks all
-    cores or one fewer on the first batches (--hps-threads fixes them).
+    cores or one fewer on the first batches (--hps-threads fixes them). [ps] prefault:
+    MEM-PS writes its rows' memory when it opens (ps_open_seconds in the JSON), before
+    the timed loop, as the peers allocate and initialise their tables before theirs;
+    without it the kernel's first touch of each page fell in the loop.
   * plain PyTorch: one nn.EmbeddingBag(sparse=True, mode="sum") over the keys seen in
     the run (keys mapped to dense indices before timing), torch.optim.Adagrad on it;
     --threads torch threads (default: every core, the faster for both peers here).
@@ -183,6 +186,9 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0
         ps=hps.ParameterServerConfig(dim=args.dim, path=os.path.join(workdir, "ps"),
                                      optimizer=hps.AdaGrad(lr=args.lr_emb), initializer=hps.Uniform(0.01),
                                      mem_budget=rows * (args.dim * 2 * 4 + 112), device_capacity=1 << 20,
+                                     # Its rows' memory written before the timed loop, as the peers
+                                     # allocate and initialise their tables before theirs.
+                                     prefault=True,
                                      devices=max(devices, 1), host_in_place=devices == 0),
         data=DataConfig(batch_size=args.batch_size, train_examples=args.examples,
                         eval_examples=args.eval_examples, seed=args.seed),
@@ -190,6 +196,7 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0
         pipelined=not args.sequential, model_devices=args.model_device)
     summary = train(cfg, progress=False, train_batches=train_batches, eval_batches=eval_batches)
     return {"examples": summary["examples"], "seconds": summary["train_seconds"],
+            "ps_open_seconds": summary["ps_open_seconds"],
             "examples_per_s": summary["examples_per_s"], "auc": summary["final"]["auc"],
             "logloss": summary["final"]["logloss"], "pipeline": summary["pipeline"],
             "mem_hit_rate": summary["final"]["mem_hit_rate"], "torch_threads": summary["torch_threads"],
