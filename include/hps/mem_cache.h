@@ -71,7 +71,8 @@ struct MemCacheOptions {
   bool huge_pages = true;
   /// Write every page of the rows' arena at construction: the whole budget is
   /// resident from the start, and no pull waits on the kernel for a fresh page
-  /// (on some virtual machines a first touch costs more than the row's load).
+  /// (W4s's timed loop had spent much of its prefetch thread's CPU there: lines 9
+  /// in docs/benchmarks.md).
   bool prefault = false;
 };
 
