@@ -42,7 +42,7 @@ import numpy as np
 from hps import _core
 from hps.batch_base import BatchBase, StopsAfterAFailedStep
 from hps.distributed.comm import Node
-from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks
+from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks, window_keys
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
@@ -271,18 +271,14 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
             for buf in got:
                 (fields, width), u, w = _unpack(buf, (np.int64, np.uint64, np.uint8))
                 parts.append(u[w.view(np.uint16 if width == 2 else np.uint32).reshape(-1, fields)])
-        owners = owner_ranks(uniq, W)
-        order = np.argsort(owners, kind="stable")
-        asked = self.node.alltoallv("prefetch", np.split(uniq[order], np.cumsum(np.bincount(owners, minlength=W))[:-1]),
-                                    "sparse_keys", "herald keys to their owners")
+        _, _, _, asked = self._send_keys("prefetch", uniq, "herald keys to their owners")
         return parts, np.unique(np.concatenate(asked)), window
 
     def _lookahead(self, upcoming):
         """Every rank's window to the leader, whose scheduler keeps the job's window
         last, and to the owners, whose MEM-PS keeps the keys they own (collective,
         prefetch stage); returns the job's window (sorted) on the leader, else None."""
-        mine = np.unique(np.concatenate([np.asarray(u, np.uint64).reshape(-1) for u in upcoming])) \
-            if len(upcoming) else np.empty(0, np.uint64)
+        mine = window_keys(upcoming)
         W, me = self.node.size, self.node.rank
         owners = owner_ranks(mine, W)
         blocks = [mine if r == LEADER else mine[owners == r] for r in range(W)]
@@ -310,7 +306,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         fdest = np.repeat(np.arange(W), fetches)
         server = np.where(src >= 0, src, owner_ranks(fk, W))
         source = np.full((len(uniq), W), _HELD, np.uint8)
-        source[at, fdest] = np.where(src >= 0, src, _OWNER + server)
+        source[at, fdest] = np.where(src >= 0, server, _OWNER + server)
         serve_order = np.lexsort((fk, fdest, server))  # by server, then destination, then key
         serve_cuts = np.searchsorted(server[serve_order], np.arange(W + 1))
         trains_by_key = trains[by_key]

@@ -74,6 +74,13 @@ def owner_ranks(keys: np.ndarray, world: int) -> np.ndarray:
     return ((mix64(keys) >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
 
 
+def window_keys(upcoming) -> np.ndarray:
+    """A rank's lookahead window: the distinct keys of its coming batches, sorted."""
+    if not len(upcoming):
+        return np.empty(0, np.uint64)
+    return np.unique(np.concatenate([np.asarray(u, np.uint64).reshape(-1) for u in upcoming]))
+
+
 class _StepData:
     """A rank's part of one global step: its examples batch (possibly empty, its
     multi-hot bags included) and the step's example count over all ranks, which the
@@ -268,8 +275,7 @@ class DistributedServer:
         """Every rank's window, sent to the owners (collective, prefetch stage): each
         owner's MEM-PS gets the coming keys it owns; returns the job's window, the
         union of every rank's (sorted)."""
-        mine = np.unique(np.concatenate([np.asarray(u, np.uint64).reshape(-1) for u in upcoming])) \
-            if len(upcoming) else np.empty(0, np.uint64)
+        mine = window_keys(upcoming)
         W = self.node.size
         everyone = self.node.alltoallv("prefetch", [mine] * W, "sparse_keys", "lookahead keys")
         window = np.unique(np.concatenate(everyone))
