@@ -6,6 +6,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "hps/hash_table.h"
@@ -519,6 +520,12 @@ void HostBatch::CheckLive(const char* what) const {
 
 void HostBatch::CheckPositions(const int64_t* positions, uint64_t n, const char* what) const {
   CheckLive(what);
+  // One branch-free pass (it vectorizes; a negative position is a huge unsigned
+  // one), then the loop that names the first bad position only if there is one.
+  const uint64_t size = keys_.size();
+  bool any_outside = false;
+  for (uint64_t i = 0; i < n; ++i) any_outside |= static_cast<uint64_t>(positions[i]) >= size;
+  if (!any_outside) return;
   for (uint64_t i = 0; i < n; ++i) {
     if (positions[i] < 0 || static_cast<uint64_t>(positions[i]) >= keys_.size()) {
       throw std::out_of_range("host batch " + std::string(what) + ": positions[" + std::to_string(i) + "] = " +
@@ -578,36 +585,56 @@ class RowOffsets {
   uint64_t group_start_ = 0;
   uint64_t in_group_ = 0;
 };
+
+// Calls body(width) with the row width as a compile-time constant for the
+// common embedding dims, else as a plain value: a copy of a known size is a
+// few vector moves inline, where a size known only at run time costs a call
+// to memcpy per row.
+template <typename Body>
+void WithRowWidth(uint64_t dim, Body body) {
+  switch (dim) {
+    case 8: return body(std::integral_constant<uint64_t, 8>{});
+    case 16: return body(std::integral_constant<uint64_t, 16>{});
+    case 32: return body(std::integral_constant<uint64_t, 32>{});
+    case 64: return body(std::integral_constant<uint64_t, 64>{});
+    case 128: return body(std::integral_constant<uint64_t, 128>{});
+    default: return body(dim);
+  }
+}
 }  // namespace
 
 void HostBatch::Get(const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout) const {
   CheckPositions(positions, n, "get");
   layout = CheckLayout(layout, n, "get");
-  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
-  if (n <= 2 * keys_.size()) {
-    RowOffsets at(layout, dim);
-    for (uint64_t i = 0; i < n; ++i, ++at) {
-      if (i + kLookahead < n) __builtin_prefetch(rows_[positions[i + kLookahead]]);
-      std::memcpy(embeddings + *at, rows_[positions[i]], dim * sizeof(float));
+  WithRowWidth(static_cast<uint64_t>(optimizer_.dim), [&](auto dim) {
+    const uint64_t row_bytes = dim * sizeof(float);
+    if (n <= 2 * keys_.size()) {
+      RowOffsets at(layout, dim);
+      for (uint64_t i = 0; i < n; ++i, ++at) {
+        if (i + kLookahead < n) __builtin_prefetch(rows_[positions[i + kLookahead]]);
+        std::memcpy(embeddings + *at, rows_[positions[i]], row_bytes);
+      }
+      return;
     }
-    return;
-  }
-  // Many examples a key (a whole batch): each scattered row is read once into
-  // a compact copy, which the examples then read from the cache.
-  std::vector<float> compact(keys_.size() * dim);
-  for (uint64_t p = 0; p < keys_.size(); ++p) {
-    if (p + kLookahead < keys_.size()) __builtin_prefetch(rows_[p + kLookahead]);
-    std::memcpy(compact.data() + p * dim, rows_[p], dim * sizeof(float));
-  }
-  const float* __restrict from = compact.data();
-  float* __restrict to = embeddings;
-  RowOffsets at(layout, dim);
-  for (uint64_t i = 0; i < n; ++i, ++at) std::memcpy(to + *at, from + positions[i] * dim, dim * sizeof(float));
+    // Many examples a key (a whole batch): each scattered row is read once into
+    // a compact copy, which the examples then read from the cache.
+    std::vector<float> compact(keys_.size() * dim);
+    for (uint64_t p = 0; p < keys_.size(); ++p) {
+      if (p + kLookahead < keys_.size()) __builtin_prefetch(rows_[p + kLookahead]);
+      std::memcpy(compact.data() + p * dim, rows_[p], row_bytes);
+    }
+    const float* __restrict from = compact.data();
+    float* __restrict to = embeddings;
+    RowOffsets at(layout, dim);
+    for (uint64_t i = 0; i < n; ++i, ++at) std::memcpy(to + *at, from + positions[i] * dim, row_bytes);
+  });
 }
 
 void HostBatch::Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout) {
   CheckPositions(positions, n, "accumulate");
   layout = CheckLayout(layout, n, "accumulate");
+  // Not WithRowWidth: at a fixed width of 16 gcc kept the sums scalar, and
+  // through local copies they took as long as this loop (W4s's batches).
   const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
   float* __restrict sums = grads_.data();
   const float* __restrict from = grads;

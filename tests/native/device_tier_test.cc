@@ -307,56 +307,61 @@ TEST(DeviceTier, SumByInverseAddsRowsOfTheSameKey) {
 using test_support::RowStore;
 
 
+// At dim 4 a row's width is known at run time; at 16 Get copies rows of a
+// width fixed at compile time (WithRowWidth).
 TEST(HostBatch, StepsPinnedRowsInPlaceLikeOneTable) {
-  RowStore store(AdaGrad(4));
-  const SparseOptimizer& opt = store.opt;
-  const int32_t width = opt.row_floats();
-  auto cache = store.Cache(64);
-  std::vector<uint64_t> keys = {11, 12, 13, 14, 15};
-  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
-  HostBatch batch(*cache, keys.data(), keys.size(), opt);
+  for (const int32_t dim : {4, 16}) {
+    SCOPED_TRACE("dim " + std::to_string(dim));
+    RowStore store(AdaGrad(dim));
+    const SparseOptimizer& opt = store.opt;
+    const int32_t width = opt.row_floats();
+    auto cache = store.Cache(64);
+    std::vector<uint64_t> keys = {11, 12, 13, 14, 15};
+    cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
+    HostBatch batch(*cache, keys.data(), keys.size(), opt);
 
-  // Positions of repeated keys, then their embeddings, one row per example.
-  std::vector<uint64_t> examples = {13, 11, 13, 15};
-  std::vector<int64_t> at(examples.size());
-  batch.Positions(examples.data(), examples.size(), at.data());
-  EXPECT_EQ(at, (std::vector<int64_t>{2, 0, 2, 4}));
-  std::vector<float> emb(examples.size() * 4), initial(examples.size() * width);
-  batch.Get(at.data(), at.size(), emb.data());
-  opt.initial_rows(examples.data(), examples.size(), initial.data());
-  for (size_t i = 0; i < examples.size(); ++i) {
-    for (int d = 0; d < 4; ++d) EXPECT_EQ(emb[i * 4 + d], initial[i * width + d]);
+    // Positions of repeated keys, then their embeddings, one row per example.
+    std::vector<uint64_t> examples = {13, 11, 13, 15};
+    std::vector<int64_t> at(examples.size());
+    batch.Positions(examples.data(), examples.size(), at.data());
+    EXPECT_EQ(at, (std::vector<int64_t>{2, 0, 2, 4}));
+    std::vector<float> emb(examples.size() * dim), initial(examples.size() * width);
+    batch.Get(at.data(), at.size(), emb.data());
+    opt.initial_rows(examples.data(), examples.size(), initial.data());
+    for (size_t i = 0; i < examples.size(); ++i) {
+      for (int d = 0; d < dim; ++d) EXPECT_EQ(emb[i * dim + d], initial[i * width + d]);
+    }
+    std::vector<float> g(examples.size() * dim);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 0.1f * static_cast<float>(i + 1);
+    batch.Accumulate(at.data(), at.size(), g.data());
+    EXPECT_EQ(batch.Apply(), 3u);
+    EXPECT_EQ(batch.Apply(), 0u);  // the gradients were consumed
+    EXPECT_EQ(batch.UpdatedKeys(), (std::vector<uint64_t>{11, 13, 15}));
+
+    // The same gradients through one table.
+    auto table = NewHashTable({64, width, 1, -1});
+    table->apply_gradients(examples.data(), examples.size(), g.data(), opt);
+    std::vector<uint64_t> updated = {11, 13, 15};
+    std::vector<float> want(3 * width), got(3 * width);
+    table->find(updated.data(), 3, want.data(), nullptr);
+    std::vector<int64_t> upd_at = {0, 2, 4};
+    batch.Rows(upd_at.data(), 3, got.data());
+    EXPECT_EQ(got, want);
+    // They are MEM-PS's rows: a read of the pinned keys sees the step.
+    std::vector<float> cached(3 * width);
+    cache->ReadPinned(updated.data(), 3, reinterpret_cast<uint8_t*>(cached.data()));
+    EXPECT_EQ(cached, want);
+
+    // Release: unpinned, the updated rows dirty (flushed to the store), the others clean.
+    batch.Release();
+    batch.Release();
+    EXPECT_EQ(cache->stats().pinned, 0u);
+    EXPECT_EQ(cache->stats().dirty, 3u);
+    cache->FlushDirty();
+    ASSERT_EQ(store.stored.size(), 3u);
+    EXPECT_EQ(store.stored[13], std::vector<float>(want.begin() + width, want.begin() + 2 * width));
+    EXPECT_THROW(batch.Apply(), std::logic_error);
   }
-  std::vector<float> g(examples.size() * 4);
-  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.1f * static_cast<float>(i + 1);
-  batch.Accumulate(at.data(), at.size(), g.data());
-  EXPECT_EQ(batch.Apply(), 3u);
-  EXPECT_EQ(batch.Apply(), 0u);  // the gradients were consumed
-  EXPECT_EQ(batch.UpdatedKeys(), (std::vector<uint64_t>{11, 13, 15}));
-
-  // The same gradients through one table.
-  auto table = NewHashTable({64, width, 1, -1});
-  table->apply_gradients(examples.data(), examples.size(), g.data(), opt);
-  std::vector<uint64_t> updated = {11, 13, 15};
-  std::vector<float> want(3 * width), got(3 * width);
-  table->find(updated.data(), 3, want.data(), nullptr);
-  std::vector<int64_t> upd_at = {0, 2, 4};
-  batch.Rows(upd_at.data(), 3, got.data());
-  EXPECT_EQ(got, want);
-  // They are MEM-PS's rows: a read of the pinned keys sees the step.
-  std::vector<float> cached(3 * width);
-  cache->ReadPinned(updated.data(), 3, reinterpret_cast<uint8_t*>(cached.data()));
-  EXPECT_EQ(cached, want);
-
-  // Release: unpinned, the updated rows dirty (flushed to the store), the others clean.
-  batch.Release();
-  batch.Release();
-  EXPECT_EQ(cache->stats().pinned, 0u);
-  EXPECT_EQ(cache->stats().dirty, 3u);
-  cache->FlushDirty();
-  ASSERT_EQ(store.stored.size(), 3u);
-  EXPECT_EQ(store.stored[13], std::vector<float>(want.begin() + width, want.begin() + 2 * width));
-  EXPECT_THROW(batch.Apply(), std::logic_error);
 }
 
 TEST(HostBatch, GetsAndAccumulatesRowsLaidOutInAWiderMatrix) {
@@ -486,6 +491,23 @@ TEST(HostBatch, ErrorsNameTheKeyOrPosition) {
   std::vector<float> out(4);
   EXPECT_THROW(batch.Get(bad.data(), 2, out.data()), std::out_of_range);
   EXPECT_THROW(batch.Accumulate(bad.data(), 2, out.data()), std::out_of_range);
+  // The first position outside the batch is named, a negative one too.
+  std::vector<int64_t> many(40, 1);
+  many[17] = -3;
+  many[29] = 2;
+  std::vector<float> rows(many.size() * 2);
+  for (const bool get : {true, false}) {
+    try {
+      if (get) {
+        batch.Get(many.data(), many.size(), rows.data());
+      } else {
+        batch.Accumulate(many.data(), many.size(), rows.data());
+      }
+      FAIL() << "a negative position was accepted";
+    } catch (const std::out_of_range& e) {
+      EXPECT_NE(std::string(e.what()).find("positions[17] = -3 is outside [0, 2)"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // Something else unpinned one of a batch's keys: Release still releases the
