@@ -411,8 +411,14 @@ def test_a_host_batch_trains_the_pinned_rows_in_place(tmp_path):
     at = b.positions(keys)
     assert at is pre.inverse  # the prefetch's own keys: no second lookup
     np.testing.assert_array_equal(b.keys[at], keys.ravel())
+    # The same keys as hps.torch hands them (an int64 view), or a copy: the same answer.
+    assert b.positions(keys.view(np.int64)) is pre.inverse
+    assert b.positions(keys.copy()) is pre.inverse
     other = np.array([3, 5, 5], np.uint64)
     np.testing.assert_array_equal(b.keys[b.positions(other)], other)
+    # As many keys as the prefetch's, but others: looked up, not taken for them.
+    swapped = np.array([[9, 5, 5], [7, 3, 9]], np.uint64)
+    np.testing.assert_array_equal(b.keys[b.positions(swapped)], swapped.ravel())
     np.testing.assert_array_equal(b.gather(at), ref.pull(keys.ravel()))
     # Straight into the first columns of a model's input (2 examples, 3 fields, 2 dense).
     x = np.full((2, 3 * DIM + 2), -1.0, np.float32)

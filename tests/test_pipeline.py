@@ -350,3 +350,22 @@ def test_dense_adam_is_torchs_adam_fused_where_torch_has_the_kernel():
     for a, b in zip(fused_model.parameters(), plain_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert (fused_model.weight != start).all()  # the steps moved every weight
+
+
+def test_a_minibatch_of_consecutive_examples_is_read_as_a_view():
+    """A sequential partition's mini-batch (consecutive rows) indexes the batch as a
+    slice, a view of its keys: no copy, and the host batch finds the prefetched keys
+    where they lie. Any other order stays an index array, so its rows come in that order."""
+    from hps.train import _as_slice
+    keys = np.arange(40, dtype=np.uint64).reshape(10, 4)
+    rows = _as_slice(np.arange(3, 8))
+    assert rows == slice(3, 8)
+    assert np.shares_memory(keys[rows], keys)
+    np.testing.assert_array_equal(keys[rows], keys[np.arange(3, 8)])
+    assert _as_slice(np.array([4])) == slice(4, 5)
+    for idx in ([0, 2, 1], [2, 1, 0], [0, 1, 1, 3], [5, 7]):  # same ends as a run, or not consecutive
+        got = _as_slice(np.array(idx))
+        assert isinstance(got, np.ndarray)
+        np.testing.assert_array_equal(keys[got], keys[idx])
+    empty = _as_slice(np.array([], np.int64))
+    assert isinstance(empty, np.ndarray) and len(keys[empty]) == 0

@@ -568,8 +568,11 @@ class HostBatch(_BatchBase):
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """Where each of keys (any shape, flattened) is among the batch's keys."""
         flat = np.ascontiguousarray(keys).reshape(-1)
-        if flat.shape == self._flat.shape and np.array_equal(flat, self._flat):
-            return self._inverse
+        if flat.nbytes == self._flat.nbytes and flat.itemsize == self._flat.itemsize:
+            # The prefetched keys themselves (the same bytes, as a view of any
+            # dtype of their width), or a copy of them, compared.
+            if flat.ctypes.data == self._flat.ctypes.data or np.array_equal(flat.view(self._flat.dtype), self._flat):
+                return self._inverse
         return self._native.positions(flat)
 
     def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:
