@@ -517,7 +517,7 @@ def _as_slice(idx: np.ndarray):
     mini-batch), so that indexing gives views: a copy of a batch's keys took 5% of
     the train thread on W4s (py-spy), and the host batch knows its keys' positions
     only for the keys it prefetched, where they lie (HostBatch.positions)."""
-    if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and (len(idx) == 1 or bool(np.all(np.diff(idx) == 1))):
+    if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and bool(np.all(np.diff(idx) == 1)):
         return slice(int(idx[0]), int(idx[-1]) + 1)
     return idx
 

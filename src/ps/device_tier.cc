@@ -527,7 +527,7 @@ void HostBatch::CheckPositions(const int64_t* positions, uint64_t n, const char*
   for (uint64_t i = 0; i < n; ++i) any_outside |= static_cast<uint64_t>(positions[i]) >= size;
   if (!any_outside) return;
   for (uint64_t i = 0; i < n; ++i) {
-    if (positions[i] < 0 || static_cast<uint64_t>(positions[i]) >= keys_.size()) {
+    if (static_cast<uint64_t>(positions[i]) >= size) {
       throw std::out_of_range("host batch " + std::string(what) + ": positions[" + std::to_string(i) + "] = " +
                               std::to_string(positions[i]) + " is outside [0, " + std::to_string(keys_.size()) +
                               ")");

@@ -352,7 +352,7 @@ class HeraldDistBatch(BatchBase):
         self.wait_seconds = 0.0
         self.exchanged = None  # the examples this rank trains (hps.pipeline takes them as the batch's data)
         self._data = None
-        self._part = None
+        self._lost = None  # the keys this rank's evictions lost, from its plan part (set: partitioned)
         self._scheduled = False  # partition began: the leader's snapshot may have taken this step
         self._applied = False
         self._done = False
@@ -364,7 +364,7 @@ class HeraldDistBatch(BatchBase):
 
     # ------------------------------------------------------------ partition
     def partition(self) -> list:
-        if self._part is None:
+        if self._lost is None:
             with self.server.step():
                 self._start()
         return self._minibatches
@@ -375,8 +375,7 @@ class HeraldDistBatch(BatchBase):
         self._scheduled = True
         blocks = s._plan_parts(self.pre) if s.leader else None
         part = _unpack(s._from_leader("train", blocks, "plan", "herald plan parts", np.empty(0, np.uint8)), _PART)
-        self._part = part
-        counts, dest, bits, source, served, serve_counts, from_peer, lost, held = part
+        counts, dest, bits, source, served, serve_counts, from_peer, self._lost, held = part
         got = dict(zip(_COUNTS, counts.tolist()))
         if got["table_rows"]:
             s._compact(held, got["table_rows"])
@@ -499,7 +498,7 @@ class HeraldDistBatch(BatchBase):
             s._tier.apply()
         s.counts["primary_steps"] += int(mine.sum())
         # Rows no cache holds any more: from the rank that dropped the last copy to the owner.
-        lost = self._part[7]
+        lost = self._lost
         rows = s._tier.rows(lost, None, s._row_floats) if len(lost) else np.empty((0, s._row_floats), np.float32)
         s._to_owners(lost, rows, "herald evicted")
         s.counts["evict_pushes"] += len(lost)
