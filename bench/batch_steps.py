@@ -27,20 +27,32 @@ import numpy as np
 import hps
 from hps.data import SyntheticCriteo
 
-STEPS = ("positions", "gather", "accumulate", "apply")
+STEPS = ("positions", "gather", "accumulate", "apply", "write_back")
 
 
-def run_steps(current, keys):
-    t = [time.perf_counter()]
-    at = current.positions(keys)
-    t.append(time.perf_counter())
-    per_example = current.gather(at)
-    t.append(time.perf_counter())
-    current.accumulate(at, np.ones_like(per_example))
-    t.append(time.perf_counter())
+def run_steps(current, keys, devices):
+    """Each step over every worker's share of the examples (consecutive, as the
+    sequential schedule gives them); seconds a step."""
+    shares = np.array_split(keys, devices)  # keys: (examples, fields)
+    spent = dict.fromkeys(STEPS, 0.0)
+    at, rows = [], []
+    t0 = time.perf_counter()
+    for share in shares:
+        at.append(current.positions(np.ascontiguousarray(share).reshape(-1)))
+    t1 = time.perf_counter()
+    for worker, a in enumerate(at):
+        rows.append(current.gather(a, worker=worker))
+    t2 = time.perf_counter()
+    for worker, (a, r) in enumerate(zip(at, rows)):
+        current.accumulate(a, np.ones_like(r), worker=worker)
+    t3 = time.perf_counter()
     current.apply()
-    t.append(time.perf_counter())
-    return t, len(current.keys)
+    t4 = time.perf_counter()
+    current.write_back()
+    t5 = time.perf_counter()
+    for step, (a0, a1) in zip(STEPS, zip((t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5))):
+        spent[step] = a1 - a0
+    return spent
 
 
 def main() -> None:
@@ -48,30 +60,35 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=70)
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--device-tier", action="store_true", help="copy rows through a device table")
+    ap.add_argument("--devices", type=int, default=1, metavar="G",
+                    help="with --device-tier: G host partitions, each worker a consecutive share of the examples")
     a = ap.parse_args()
+    if a.devices < 1 or (a.devices > 1 and not a.device_tier):
+        ap.error("--devices G: G >= 1, and above 1 only with --device-tier")
     batches = list(SyntheticCriteo(seed=0, batch_size=a.batch_size, examples=a.batch_size * a.batches))
     ps = hps.ParameterServer(hps.ParameterServerConfig(dim=16, path=tempfile.mkdtemp(prefix="hps-steps-"),
                                                        optimizer=hps.AdaGrad(lr=0.05), mem_budget="1GiB",
-                                                       host_in_place=not a.device_tier))
+                                                       host_in_place=not a.device_tier, devices=a.devices))
     total = dict.fromkeys(STEPS, 0.0)
     counted, distinct = 0, 0
     current = ps.batch(ps.prefetch(batches[0].keys), overlap=True)
     for i in range(1, len(batches) + 1):
         following = ps.batch(ps.prefetch(batches[i].keys), overlap=True) if i < len(batches) else None
-        keys = np.ascontiguousarray(batches[i - 1].keys.ravel())
-        t, n_distinct = run_steps(current, keys)
-        current.write_back()
+        keys = batches[i - 1].keys
+        n_distinct = len(current.keys)
+        spent = run_steps(current, keys, a.devices)
         if i > 10:
             counted += 1
             distinct += n_distinct
-            for step, (a0, a1) in zip(STEPS, zip(t, t[1:])):
-                total[step] += a1 - a0
+            for step, seconds in spent.items():
+                total[step] += seconds
         current = following
     ms = {step: 1e3 * v / counted for step, v in total.items()}
     for step, v in ms.items():
         print(f"{step:12s} {v:6.2f} ms")
     print(f"{'total':12s} {sum(ms.values()):6.2f} ms ({distinct // counted:,} distinct keys a batch)")
     print(json.dumps({"bench": "batch_steps", "path": "device tier" if a.device_tier else "host batch",
+                      "devices": a.devices,
                       "batch_size": a.batch_size, "batches": counted,
                       "distinct_keys_per_batch": distinct // counted, "ms": ms}))
     ps.close()
