@@ -73,7 +73,9 @@ def one_batch(ps, keys: np.ndarray, workers: int, tensors: bool = False) -> None
     if workers == 1:
         parts = [keys]  # hps.torch asks for the batch's keys as the prefetch had them
     else:
-        parts = [keys[idx] for idx in np.array_split(np.arange(len(keys)), workers)]
+        # Consecutive shares, views of the batch's keys as hps.train reads them
+        # (_as_slice): their positions are a slice of the prefetch's, no crossing.
+        parts = np.array_split(keys, workers)
     for worker, k in enumerate(parts):
         positions = b.positions(k)
         if tensors:

@@ -22,31 +22,53 @@ def steps(seed=0, n=4):
     return [rng.integers(0, 300, size=(32, 3)).astype(np.uint64) for _ in range(n)]
 
 
-def train(ps, batches, workers, overlap):
+def train(ps, batches, workers, overlap, views=False):
     """Each batch through the protocol: workers gather their share and accumulate
-    a gradient that depends on the rows (so earlier steps matter)."""
+    a gradient that depends on the rows (so earlier steps matter). views: each
+    share a view of the batch's keys (as hps.train reads them), else a copy."""
     for keys in batches:
         b = ps.batch(ps.prefetch(keys), overlap=overlap)
         assert isinstance(b, WorkingBatch)
         for worker, idx in enumerate(np.array_split(np.arange(len(keys)), workers)):
-            pos = b.positions(keys[idx])
+            pos = b.positions(keys[idx[0]:idx[-1] + 1] if views else keys[idx])
             rows = b.gather(pos, worker=worker)
             b.accumulate(pos, np.ascontiguousarray(np.sin(rows) + 0.1), worker=worker)
         b.finish()
 
 
+@pytest.mark.parametrize("views", [False, True], ids=["copies", "views"])
 @pytest.mark.parametrize("devices", [1, 2, 4])
-def test_the_device_tier_path_equals_the_in_place_path(tmp_path, devices):
+def test_the_device_tier_path_equals_the_in_place_path(tmp_path, devices, views):
     batches = steps()
     in_place = server(tmp_path, "in_place")
     tier = server(tmp_path, "tier", devices=devices, host_in_place=False)
     train(in_place, batches, 1, overlap=False)
-    train(tier, batches, devices, overlap=True)
+    train(tier, batches, devices, overlap=True, views=views)
     keys = np.unique(np.concatenate([b.reshape(-1) for b in batches]))
     np.testing.assert_allclose(tier.pull(keys), in_place.pull(keys), rtol=1e-6, atol=1e-7)
     assert tier.stats()["device"]["kind"] == "cpu"
     assert tier.stats()["mem"]["pinned"] == 0
     assert tier.stats()["mem"]["dirty"] == in_place.stats()["mem"]["dirty"] > 0
+
+
+def test_a_device_batch_knows_its_workers_shares_from_the_prefetch(tmp_path):
+    ps = server(tmp_path, "ps", devices=2, host_in_place=False)
+    keys = np.array([[5, 9], [7, 9], [3, 5], [11, 7]], np.uint64)
+    pre = ps.prefetch(keys)
+    b = ps.batch(pre)
+    assert b.gathers_into_columns  # host partitions: the tier reads its rows in place
+    assert b.positions(keys) is pre.inverse
+    share = keys[2:]  # the second worker's examples, a view of the batch's keys
+    np.testing.assert_array_equal(b.positions(share), pre.inverse[4:])
+    np.testing.assert_array_equal(b.positions(share.view(np.int64)), pre.inverse[4:])
+    np.testing.assert_array_equal(b.positions(share.copy()), pre.inverse[4:])  # looked up
+    np.testing.assert_array_equal(b.keys[b.positions(np.array([11, 3], np.uint64))], [11, 3])
+    with pytest.raises(IndexError, match=r"keys\[1\] = 4 is not in the batch"):
+        b.positions(np.array([9, 4], np.uint64))
+    with pytest.raises(IndexError, match=r"positions\[0\] = 6 is outside \[0, 5\)"):
+        b.gather(np.array([6], np.int64), worker=1)
+    b.abort()
+    assert ps.stats()["mem"]["pinned"] == 0
 
 
 def test_gather_into_the_columns_of_a_wider_matrix(tmp_path):

@@ -35,6 +35,7 @@
 
 namespace hps {
 namespace detail {
+class BatchRows;
 class KeyIndex;
 }
 
@@ -93,6 +94,18 @@ struct TransferMatrix {
   int32_t devices = 0;
   std::vector<uint64_t> rows;   ///< rows[from * devices + to]
   std::vector<uint64_t> bytes;  ///< bytes[from * devices + to]
+};
+
+// Where the n rows (dim floats each) of a positional Get or Accumulate lie
+// (HostBatch, DeviceTier's GetAt and AccumulateAt):
+// `group` rows one after another (one example's fields), groups
+// `group_stride` floats apart. A model's input matrix can so take the
+// embeddings in its first columns, beside the dense features, with no copy
+// between the lookup and the first layer. The default is a compact (n, dim)
+// block; n must be a multiple of group.
+struct RowLayout {
+  uint64_t group = 1;
+  uint64_t group_stride = 0;  // 0: group * dim, no gap
 };
 
 class DeviceTier {
@@ -160,6 +173,31 @@ class DeviceTier {
   // as the rows do.
   virtual void SetGradientCapacity(int32_t device, uint64_t capacity) = 0;
 
+  // Positional access to one batch's working set, as a HostBatch has it.
+  // Bind names the batch's distinct keys (n, each loaded, owners as Insert
+  // was given them), between its Insert and its first Get or Accumulate;
+  // position i is keys[i] until Clear. std::out_of_range names a key not
+  // loaded; std::logic_error when gradients already wait for Apply.
+  // On host partitions whose rows cross no row mover (reads_in_place), the
+  // positional calls read and step the rows where the tables hold them, each
+  // key looked up once (at Bind) instead of once a call; elsewhere they go by
+  // key. Either way transfers are counted as Get and Accumulate count them,
+  // and a key's gradients sum into one step whichever way they came.
+  virtual void Bind(const uint64_t* keys, uint64_t n, const int32_t* owners) = 0;
+  virtual bool reads_in_place() const = 0;
+  // Get and Accumulate by position; `layout` other than compact only where
+  // reads_in_place (else std::invalid_argument). std::out_of_range names a
+  // position outside the bound keys; std::logic_error before Bind.
+  virtual void GetAt(int32_t worker, const int64_t* positions, uint64_t n, float* embeddings,
+                     RowLayout layout) = 0;
+  virtual void AccumulateAt(int32_t worker, const int64_t* positions, uint64_t n, const float* grads,
+                            RowLayout layout) = 0;
+  // Apply on a bound tier, with each updated key's position among the bound
+  // keys appended to `positions` (in the order of the keys returned).
+  virtual std::vector<uint64_t> ApplyBound(std::vector<int64_t>* positions) = 0;
+  // The full rows (n, row_floats) of the bound keys at positions.
+  virtual void RowsAt(const int64_t* positions, uint64_t n, float* rows) const = 0;
+
   virtual TransferMatrix transfers() const = 0;
   // Empty (links = 0) without routes.
   virtual LinkCounters link_counters() const = 0;
@@ -180,17 +218,6 @@ class DeviceTier {
 // Thread safety: one thread at a time per batch. Two batches in flight may
 // share keys (each holds its own pin); the caller orders them: the later one
 // reads those rows only after the earlier one applied its step.
-// Where the n rows (dim floats each) of a HostBatch Get or Accumulate lie:
-// `group` rows one after another (one example's fields), groups
-// `group_stride` floats apart. A model's input matrix can so take the
-// embeddings in its first columns, beside the dense features, with no copy
-// between the lookup and the first layer. The default is a compact (n, dim)
-// block; n must be a multiple of group.
-struct RowLayout {
-  uint64_t group = 1;
-  uint64_t group_stride = 0;  // 0: group * dim, no gap
-};
-
 class HostBatch {
  public:
   // keys (n, distinct) must each be pinned in cache, which must outlive the
@@ -238,21 +265,14 @@ class HostBatch {
   void Release();
 
  private:
-  void CheckPositions(const int64_t* positions, uint64_t n, const char* what) const;
-  // The layout with its stride filled in; std::invalid_argument if n rows do not fit it.
-  RowLayout CheckLayout(RowLayout layout, uint64_t n, const char* what) const;
   void CheckLive(const char* what) const;
-  void Setup();
+  void Setup(uint8_t* const* addresses);
   void BuildIndex() const;
-  float* Row(uint64_t position) const { return reinterpret_cast<float*>(rows_[position]); }
 
   MemCache& cache_;
   const SparseOptimizer optimizer_;
   std::vector<uint64_t> keys_;
-  std::vector<uint8_t*> rows_;     // in MEM-PS's arena, as MemCache::Pin gave them
-  std::vector<float> grads_;       // (size, dim), summed until Apply
-  std::vector<uint8_t> touched_;   // got a gradient since the last Apply
-  std::vector<uint8_t> updated_;   // stepped by some Apply
+  std::unique_ptr<detail::BatchRows> rows_;  // in MEM-PS's arena, as MemCache::Pin gave them
   mutable std::unique_ptr<detail::KeyIndex> index_;  // key -> position, built when first needed
   bool released_ = false;
 };

@@ -68,6 +68,12 @@ class HashTable {
   virtual uint64_t find_columns(const uint64_t* keys, uint64_t n, int32_t columns, float* rows_out,
                                 uint8_t* found) const = 0;
 
+  // The address of each present key's row in host memory (n; null for an
+  // absent key), valid until the key leaves the table (clear): a caller that
+  // reads and updates a batch's rows many times looks each key up once.
+  // Returns hits. A table in GPU memory throws std::logic_error.
+  virtual uint64_t row_addresses(const uint64_t* keys, uint64_t n, float** rows_out) = 0;
+
   // Adds deltas (n, row_floats) to the rows of keys; an absent key first gets a
   // zero row. Duplicates sum.
   virtual void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) = 0;

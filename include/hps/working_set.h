@@ -101,6 +101,19 @@ class WorkingSet {
   // Worker `worker` sends gradients (n, dim) of keys to their owners.
   void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
                   Memory memory = Memory::kHost);
+  // positions[i]: where keys[i] is among keys(). std::out_of_range names a
+  // key that is not in the batch. (inverse() has the constructor's keys'.)
+  void Positions(const uint64_t* keys, uint64_t n, int64_t* positions) const;
+  // Get and Accumulate of the keys at positions (among keys()): on host
+  // partitions (DeviceTier::reads_in_place) the tier reads and steps the
+  // rows where it holds them, with no lookup a key, and `layout` may place
+  // them in a wider matrix's columns; elsewhere the rows are compact.
+  void GetAt(int32_t worker, const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout = {},
+             Memory memory = Memory::kHost);
+  void AccumulateAt(int32_t worker, const int64_t* positions, uint64_t n, const float* grads,
+                    RowLayout layout = {}, Memory memory = Memory::kHost);
+  // Whether GetAt and AccumulateAt take layouts other than compact (the tier loaded reads in place).
+  bool reads_in_place() const;
   // One optimizer step per key with gradients; returns how many. Later calls
   // do nothing and return 0. A failure releases the batch.
   uint64_t Apply();
@@ -124,6 +137,7 @@ class WorkingSet {
   // The owners of keys (n) for the tier, or null for the modulo hash.
   const int32_t* OwnersOf(const uint64_t* keys, uint64_t n, std::vector<int32_t>* out, const char* what) const;
   void CatchUp();
+  const detail::KeyIndex& Index() const;
   void PublishEmpty();
   void ReleaseAll();
   void CountPerDevice();
@@ -134,8 +148,9 @@ class WorkingSet {
   std::vector<uint64_t> keys_;
   std::vector<int64_t> inverse_;
   std::vector<int32_t> owners_;  // per key of keys_, when a policy chose them
-  std::unique_ptr<detail::KeyIndex> index_;  // key -> position, with owners_
+  mutable std::unique_ptr<detail::KeyIndex> index_;  // key -> position: with owners_, or when Positions needs it
   std::vector<uint64_t> per_device_;  // distinct keys each device owns
+  std::vector<int64_t> updated_positions_;  // of Apply's keys, in their order
   uint64_t hits_ = 0;
   bool written_ = false;  // WriteBack's first half (the updated rows) is done
   DeviceTier* tier_ = nullptr;

@@ -319,6 +319,22 @@ def _build(spec, table: dict, where: str):
         raise ValueError(f"{where} ({kind}): {e}") from None
 
 
+def _prefetched_positions(flat: np.ndarray, prefetched: np.ndarray, inverse: np.ndarray) -> Optional[np.ndarray]:
+    """inverse's entries for `flat` when it is the prefetched keys themselves
+    (the same bytes, as a view of any dtype of their width), a run of them in
+    their memory (a worker's share of a batch's examples is a slice of them),
+    or a copy of them, compared; else None."""
+    if flat.itemsize != prefetched.itemsize or flat.nbytes > prefetched.nbytes:
+        return None
+    offset = flat.ctypes.data - prefetched.ctypes.data
+    if 0 <= offset <= prefetched.nbytes - flat.nbytes and offset % flat.itemsize == 0:
+        start = offset // flat.itemsize
+        return inverse if len(flat) == len(inverse) else inverse[start:start + len(flat)]
+    if flat.nbytes == prefetched.nbytes and np.array_equal(flat.view(prefetched.dtype), prefetched):
+        return inverse
+    return None
+
+
 class Prefetched:
     """A batch's distinct keys, pinned in MEM-PS by ParameterServer.prefetch;
     ``flat`` are the keys as given (flattened) and ``inverse`` where each of them
@@ -442,11 +458,15 @@ class Batch(_BatchBase):
     written back (``overlap``) takes that batch's updated rows from it before
     its first pull, push or apply, so it sees them all the same."""
 
-    def __init__(self, ps: "ParameterServer", keys: np.ndarray, working_set, slot: _TierSlot):
+    def __init__(self, ps: "ParameterServer", prefetched: Prefetched, slot: _TierSlot):
         self._ps = ps
-        self.keys = keys  # distinct
-        self._ws = working_set
+        self.keys = prefetched.keys  # distinct
+        self._flat, self._inverse = prefetched.flat, prefetched.inverse
+        self._ws = prefetched.working_set
         self._slot = slot
+        # Host partitions read and step the rows where the tier holds them, so
+        # gather writes into a model input's columns as a host batch does.
+        self.gathers_into_columns = self._ws.reads_in_place
         self._applied = False
         self._written_back = threading.Event()
         self._done = False
@@ -460,6 +480,25 @@ class Batch(_BatchBase):
         """Sends gradients (n, dim) from device `worker` to the keys' owners,
         where they add up until the batch ends."""
         self._ws.accumulate(worker, keys, grads)
+
+    def positions(self, keys: np.ndarray) -> np.ndarray:
+        """Where each of keys (any shape, flattened) is among the batch's keys:
+        known from the prefetch for its keys or a run of them, else looked up."""
+        flat = np.ascontiguousarray(keys).reshape(-1)
+        known = _prefetched_positions(flat, self._flat, self._inverse)
+        return self._ws.positions(flat) if known is None else known
+
+    def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:
+        """Embeddings (n, dim) of the keys at positions, for device `worker`'s
+        mini-batch; into `out` if given: (n, dim), or where the tier reads in place
+        (gathers_into_columns) also (B, k * dim) with B * k = n, which may be the
+        first columns of a wider matrix."""
+        return self._ws.get_at(worker, positions, out)
+
+    def accumulate(self, positions: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        """Sends gradients from device `worker` to the owners of the keys at
+        positions, where they add up until apply(); laid out as gather's `out`."""
+        self._ws.accumulate_at(worker, positions, grads)
 
     def gather_tensor(self, positions: np.ndarray, out, worker: int = 0):
         """gather() into a torch tensor (n, dim); on a CUDA tier, with `out` on the
@@ -568,12 +607,8 @@ class HostBatch(_BatchBase):
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """Where each of keys (any shape, flattened) is among the batch's keys."""
         flat = np.ascontiguousarray(keys).reshape(-1)
-        if flat.nbytes == self._flat.nbytes and flat.itemsize == self._flat.itemsize:
-            # The prefetched keys themselves (the same bytes, as a view of any
-            # dtype of their width), or a copy of them, compared.
-            if flat.ctypes.data == self._flat.ctypes.data or np.array_equal(flat.view(self._flat.dtype), self._flat):
-                return self._inverse
-        return self._native.positions(flat)
+        known = _prefetched_positions(flat, self._flat, self._inverse)
+        return self._native.positions(flat) if known is None else known
 
     def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:
         """Embeddings (n, dim) of the keys at positions, one row per entry; into
@@ -1037,7 +1072,7 @@ class ParameterServer:
                     slot.free.set()
                     raise
                 self._next_slot = (self._next_slot + 1) % len(self._slots)
-                b = Batch(self, uniq, ws, slot)
+                b = Batch(self, prefetched, slot)
                 self._last_batch = b
         except BaseException:
             ws.abort()  # nothing, if the load released it

@@ -976,21 +976,53 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         w.Accumulate(worker, k, n, g);
       }, py::arg("worker"), py::arg("keys"), py::arg("grads"))
+      .def("positions", [](const hps::WorkingSet& w, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::array_t<int64_t> out(static_cast<py::ssize_t>(n));
+        int64_t* o = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          w.Positions(k, n, o);
+        }
+        return out;
+      }, py::arg("keys"))
+      .def_property_readonly("reads_in_place", &hps::WorkingSet::reads_in_place)
+      .def("get_at", [](hps::WorkingSet& w, int32_t worker, const py::array& positions, const py::object& out)
+               -> py::object {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        if (out.is_none()) {
+          return FilledRows(n, w.dim(), [&, p = p, n = n](float* e) { w.GetAt(worker, p, n, e); });
+        }
+        const LaidOutRows rows = LaidOutRowsArg(out.cast<py::array>(), "out", n, w.dim(), true);
+        {
+          py::gil_scoped_release release;
+          w.GetAt(worker, p, n, rows.data, rows.layout);
+        }
+        return out;
+      }, py::arg("worker"), py::arg("positions"), py::arg("out") = py::none(),
+         "out: (n, dim), or (B, k * dim) with B * k = n, possibly a wider matrix's first columns (reads_in_place)")
+      .def("accumulate_at", [](hps::WorkingSet& w, int32_t worker, const py::array& positions,
+                               const py::array& grads) {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        const LaidOutRows rows = LaidOutRowsArg(grads, "grads", n, w.dim(), false);
+        py::gil_scoped_release release;
+        w.AccumulateAt(worker, p, n, rows.data, rows.layout);
+      }, py::arg("worker"), py::arg("positions"), py::arg("grads"), "grads: laid out as get_at's out")
       // A tensor's memory by address (torch's data_ptr): the caller vouches for
-      // (len(keys), dim) contiguous float32 there, on the host or (on_gpu) on
-      // the worker's GPU.
-      .def("get_into", [](hps::WorkingSet& w, int32_t worker, const py::array& keys, uintptr_t address,
+      // (len(positions), dim) contiguous float32 there, on the host or (on_gpu)
+      // on the worker's GPU.
+      .def("get_into", [](hps::WorkingSet& w, int32_t worker, const py::array& positions, uintptr_t address,
                           bool on_gpu) {
-        const auto [k, n] = KeysArg(keys, "keys");
+        const auto [p, n] = PositionsArg(positions, "positions");
         py::gil_scoped_release release;
-        w.Get(worker, k, n, reinterpret_cast<float*>(address), MemoryArg(on_gpu));
-      }, py::arg("worker"), py::arg("keys"), py::arg("address"), py::arg("on_gpu"))
-      .def("accumulate_from", [](hps::WorkingSet& w, int32_t worker, const py::array& keys, uintptr_t address,
+        w.GetAt(worker, p, n, reinterpret_cast<float*>(address), {}, MemoryArg(on_gpu));
+      }, py::arg("worker"), py::arg("positions"), py::arg("address"), py::arg("on_gpu"))
+      .def("accumulate_from", [](hps::WorkingSet& w, int32_t worker, const py::array& positions, uintptr_t address,
                                  bool on_gpu) {
-        const auto [k, n] = KeysArg(keys, "keys");
+        const auto [p, n] = PositionsArg(positions, "positions");
         py::gil_scoped_release release;
-        w.Accumulate(worker, k, n, reinterpret_cast<const float*>(address), MemoryArg(on_gpu));
-      }, py::arg("worker"), py::arg("keys"), py::arg("address"), py::arg("on_gpu"))
+        w.AccumulateAt(worker, p, n, reinterpret_cast<const float*>(address), {}, MemoryArg(on_gpu));
+      }, py::arg("worker"), py::arg("positions"), py::arg("address"), py::arg("on_gpu"))
       .def("apply", [](hps::WorkingSet& w) {
         py::gil_scoped_release release;
         return w.Apply();

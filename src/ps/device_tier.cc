@@ -11,6 +11,7 @@
 
 #include "hps/hash_table.h"
 #include "format/key_index.h"
+#include "ps/batch_rows.h"
 #include "ps/row_mover.h"
 #include "util/mix64.h"
 #include "table/table_kernels.h"
@@ -124,6 +125,11 @@ class Tier final : public DeviceTier {
                   const int32_t* owners) override {
     CheckWorker(worker);
     CheckKeys(keys, n);
+    if (BoundInPlace()) {  // into the positions' sums, so that a key steps once however its gradients came
+      std::vector<int64_t> positions(n);
+      PositionsOf(keys, n, positions.data(), "accumulate");
+      return AccumulateAt(worker, positions.data(), n, grads, RowLayout{});
+    }
     if (mover_) return MovedAccumulate(worker, keys, n, grads, owners);
     const int32_t dim = o_.optimizer.dim;
     const Parts parts = Partition(keys, n, owners, grads, dim);
@@ -134,9 +140,104 @@ class Tier final : public DeviceTier {
     }
   }
 
-  std::vector<uint64_t> Apply() override {
+  std::vector<uint64_t> Apply() override { return Step(nullptr); }
+
+  std::vector<uint64_t> ApplyBound(std::vector<int64_t>* positions) override {
+    CheckBound("apply");
+    return Step(positions);
+  }
+
+  void Bind(const uint64_t* keys, uint64_t n, const int32_t* owners) override {
+    CheckKeys(keys, n);
+    if (n >= detail::KeyIndex::kNone) throw std::invalid_argument("device tier bind: more than 2^32 - 2 keys");
+    for (const auto& g : grads_) {
+      if (g->size() != 0) throw std::logic_error("device tier bind: gradients wait for Apply");
+    }
+    if (in_place_ && in_place_->size() != 0) {
+      for (uint64_t p = 0; p < in_place_->size(); ++p) {
+        if (in_place_->touched(p)) throw std::logic_error("device tier bind: gradients wait for Apply");
+      }
+    }
+    Unbind();
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);  // checks the owners
+    bound_keys_.assign(keys, keys + n);
+    bound_owners_.assign(o_.devices > 1 ? n : 0, 0);
+    for (int32_t d = 0; d < o_.devices && o_.devices > 1; ++d) {
+      for (uint64_t j = 0; j < parts.size[static_cast<size_t>(d)]; ++j) bound_owners_[parts.Index(d, j)] = d;
+    }
+    if (reads_in_place()) {
+      if (!in_place_) in_place_ = std::make_unique<detail::BatchRows>(o_.optimizer, "device tier");
+      in_place_->Reset(n);
+      std::vector<float*> at;
+      for (int32_t d = 0; d < o_.devices; ++d) {
+        const uint64_t size = parts.size[static_cast<size_t>(d)];
+        at.resize(size);
+        if (size > 0) rows_[d]->row_addresses(parts.keys[d], size, at.data());
+        for (uint64_t j = 0; j < size; ++j) {
+          if (at[j] == nullptr) {
+            Unbind();
+            NotLoaded(keys, parts.Index(d, j), d);
+          }
+          in_place_->addresses()[parts.Index(d, j)] = reinterpret_cast<uint8_t*>(at[j]);
+        }
+      }
+    }
+    bound_ = true;
+  }
+
+  bool reads_in_place() const override { return kind_ == "cpu" && !mover_; }
+
+  void GetAt(int32_t worker, const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout) override {
+    CheckWorker(worker);
+    CheckBound("get");
+    if (BoundInPlace()) {
+      in_place_->Get(positions, n, embeddings, layout);
+      CountAt(worker, positions, n, /*to_worker=*/true);
+      return;
+    }
+    CheckCompact(layout, "get");
+    std::vector<uint64_t> keys;
+    std::vector<int32_t> owners;
+    KeysAt(positions, n, &keys, &owners, "get");
+    Get(worker, keys.data(), n, embeddings, owners.empty() ? nullptr : owners.data());
+  }
+
+  void AccumulateAt(int32_t worker, const int64_t* positions, uint64_t n, const float* grads,
+                    RowLayout layout) override {
+    CheckWorker(worker);
+    CheckBound("accumulate");
+    if (BoundInPlace()) {
+      in_place_->Accumulate(positions, n, grads, layout);
+      CountAt(worker, positions, n, /*to_worker=*/false);
+      return;
+    }
+    CheckCompact(layout, "accumulate");
+    std::vector<uint64_t> keys;
+    std::vector<int32_t> owners;
+    KeysAt(positions, n, &keys, &owners, "accumulate");
+    Accumulate(worker, keys.data(), n, grads, owners.empty() ? nullptr : owners.data());
+  }
+
+  void RowsAt(const int64_t* positions, uint64_t n, float* rows) const override {
+    CheckBound("rows");
+    if (BoundInPlace()) return in_place_->Rows(positions, n, rows);
+    std::vector<uint64_t> keys;
+    std::vector<int32_t> owners;
+    KeysAt(positions, n, &keys, &owners, "rows");
+    Rows(keys.data(), n, rows, owners.empty() ? nullptr : owners.data());
+  }
+
+  std::vector<uint64_t> Step(std::vector<int64_t>* positions) {
     const int32_t dim = o_.optimizer.dim;
     std::vector<uint64_t> updated;
+    if (BoundInPlace()) {
+      std::vector<int64_t> stepped;
+      in_place_->Apply(&stepped);
+      updated.reserve(stepped.size());
+      for (int64_t p : stepped) updated.push_back(bound_keys_[static_cast<uint64_t>(p)]);
+      if (positions) positions->insert(positions->end(), stepped.begin(), stepped.end());
+    }
+    const size_t by_key = updated.size();  // the keys stepped from the gradient tables start here
     std::vector<float> grads;
     for (int32_t d = 0; d < o_.devices; ++d) {
       const uint64_t n = grads_[d]->size();
@@ -148,6 +249,11 @@ class Tier final : public DeviceTier {
       grads.resize(n * dim);
       updated.resize(at + grads_[d]->export_rows(updated.data() + at, grads.data(), n));
       grads_[d]->clear();
+    }
+    if (positions && updated.size() > by_key) {
+      const size_t at = positions->size();
+      positions->resize(at + updated.size() - by_key);
+      PositionsOf(updated.data() + by_key, updated.size() - by_key, positions->data() + at, "apply");
     }
     return updated;
   }
@@ -165,6 +271,7 @@ class Tier final : public DeviceTier {
   }
 
   void Clear() override {
+    Unbind();
     for (int32_t d = 0; d < o_.devices; ++d) {
       rows_[d]->clear();
       grads_[d]->clear();
@@ -361,6 +468,86 @@ class Tier final : public DeviceTier {
     }
   }
 
+  bool BoundInPlace() const { return bound_ && in_place_ != nullptr; }
+
+  void Unbind() {
+    bound_ = false;
+    bound_keys_.clear();
+    bound_owners_.clear();
+    bound_index_.reset();
+    if (in_place_) in_place_->Reset(0);
+  }
+
+  void CheckBound(const char* what) const {
+    if (!bound_) throw std::logic_error(std::string("device tier ") + what + " by position before Bind");
+  }
+
+  void CheckCompact(RowLayout layout, const char* what) const {
+    const uint64_t dim = static_cast<uint64_t>(o_.optimizer.dim);
+    if (layout.group_stride != 0 && layout.group_stride != layout.group * dim) {
+      throw std::invalid_argument("device tier " + std::string(what) + ": the " + kind_ + " tier of " +
+                                  std::to_string(o_.devices) + " device(s) takes compact rows only (group_stride " +
+                                  std::to_string(layout.group_stride) + ", not " +
+                                  std::to_string(layout.group * dim) + ")");
+    }
+  }
+
+  // Where each of keys (n, bound) is among the bound keys.
+  void PositionsOf(const uint64_t* keys, uint64_t n, int64_t* positions, const char* what) const {
+    if (!bound_index_) {
+      auto index = std::make_unique<detail::KeyIndex>(bound_keys_.size());
+      for (uint64_t i = 0; i < bound_keys_.size(); ++i) index->Upsert(bound_keys_[i], static_cast<uint32_t>(i));
+      bound_index_ = std::move(index);
+    }
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint32_t at = bound_index_->Find(keys[i]);
+      if (at == detail::KeyIndex::kNone) {
+        throw std::out_of_range("device tier " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
+                                std::to_string(keys[i]) + " is not among the " + std::to_string(bound_keys_.size()) +
+                                " keys bound");
+      }
+      positions[i] = at;
+    }
+  }
+
+  // The bound keys at positions, and their owners (left empty with one device).
+  void KeysAt(const int64_t* positions, uint64_t n, std::vector<uint64_t>* keys, std::vector<int32_t>* owners,
+              const char* what) const {
+    const uint64_t size = bound_keys_.size();
+    keys->resize(n);
+    if (o_.devices > 1) owners->resize(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      const auto p = static_cast<uint64_t>(positions[i]);
+      if (p >= size) {
+        throw std::out_of_range("device tier " + std::string(what) + ": positions[" + std::to_string(i) + "] = " +
+                                std::to_string(positions[i]) + " is outside [0, " + std::to_string(size) + ")");
+      }
+      (*keys)[i] = bound_keys_[p];
+      if (o_.devices > 1) (*owners)[i] = bound_owners_[p];
+    }
+  }
+
+  // The transfers of a positional Get (rows from their owners to the worker)
+  // or Accumulate (gradients from the worker to the owners).
+  void CountAt(int32_t worker, const int64_t* positions, uint64_t n, bool to_worker) {
+    const uint64_t row_bytes = static_cast<uint64_t>(o_.optimizer.dim) * sizeof(float);
+    std::vector<uint64_t> per(static_cast<size_t>(o_.devices), 0);
+    if (o_.devices == 1) {
+      per[0] = n;
+    } else {
+      for (uint64_t i = 0; i < n; ++i) ++per[static_cast<size_t>(bound_owners_[static_cast<uint64_t>(positions[i])])];
+    }
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t rows = per[static_cast<size_t>(d)];
+      if (rows == 0) continue;
+      if (to_worker) {
+        Count(d, worker, rows, rows * row_bytes);
+      } else {
+        Count(worker, d, rows, rows * row_bytes);
+      }
+    }
+  }
+
   [[noreturn]] static void NotLoaded(const uint64_t* keys, uint64_t i, int32_t device) {
     throw std::out_of_range("device tier: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
                             " is not loaded on device " + std::to_string(device) +
@@ -407,6 +594,14 @@ class Tier final : public DeviceTier {
   std::unique_ptr<detail::RowMover> mover_;  // null: rows cross devices by the tables' own copies
   RoutePlan direct_;                         // the mover's plan without routes
   std::unique_ptr<detail::HostStaging> staging_;  // StagingRows' buffer, made at the first load
+  // The batch Bind named: its keys by position, their owners (several
+  // devices), a key -> position index built when a call by key needs it, and
+  // (reads_in_place) the rows where the tables hold them, with their sums.
+  bool bound_ = false;
+  std::vector<uint64_t> bound_keys_;
+  std::vector<int32_t> bound_owners_;
+  mutable std::unique_ptr<detail::KeyIndex> bound_index_;
+  std::unique_ptr<detail::BatchRows> in_place_;
 };
 
 }  // namespace
@@ -463,20 +658,19 @@ int32_t DeviceTier::ModuloOwner(uint64_t key, int32_t devices) {
 HostBatch::HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, uint8_t* const* addresses,
                      const SparseOptimizer& optimizer)
     : cache_(cache), optimizer_(optimizer), keys_(keys, keys + n) {
-  Setup();
-  rows_.assign(addresses, addresses + n);
+  Setup(addresses);
 }
 
 // Not delegating to the constructor above: once that one returned, a throw
 // here would run the destructor, which unpins keys this batch never held.
 HostBatch::HostBatch(MemCache& cache, const uint64_t* keys, uint64_t n, const SparseOptimizer& optimizer)
     : cache_(cache), optimizer_(optimizer), keys_(keys, keys + n) {
-  Setup();
+  Setup(nullptr);
   BuildIndex();
-  cache.PinnedRows(keys, n, rows_.data());
+  cache.PinnedRows(keys, n, rows_->addresses());
 }
 
-void HostBatch::Setup() {
+void HostBatch::Setup(uint8_t* const* addresses) {
   optimizer_.validate();
   if (cache_.row_bytes() != sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats())) {
     throw std::invalid_argument("host batch: MEM-PS rows are " + std::to_string(cache_.row_bytes()) +
@@ -484,10 +678,9 @@ void HostBatch::Setup() {
   }
   const uint64_t n = keys_.size();
   if (n >= detail::KeyIndex::kNone) throw std::invalid_argument("host batch: more than 2^32 - 2 keys");
-  rows_.resize(n);
-  grads_.assign(n * static_cast<uint64_t>(optimizer_.dim), 0.0f);
-  touched_.assign(n, 0);
-  updated_.assign(n, 0);
+  rows_ = std::make_unique<detail::BatchRows>(optimizer_, "host batch");
+  rows_->Reset(n);
+  if (addresses != nullptr) std::copy(addresses, addresses + n, rows_->addresses());
 }
 
 void HostBatch::BuildIndex() const {
@@ -518,23 +711,6 @@ void HostBatch::CheckLive(const char* what) const {
   if (released_) throw std::logic_error(std::string("host batch: ") + what + " after release");
 }
 
-void HostBatch::CheckPositions(const int64_t* positions, uint64_t n, const char* what) const {
-  CheckLive(what);
-  // One branch-free pass (it vectorizes; a negative position is a huge unsigned
-  // one), then the loop that names the first bad position only if there is one.
-  const uint64_t size = keys_.size();
-  bool any_outside = false;
-  for (uint64_t i = 0; i < n; ++i) any_outside |= static_cast<uint64_t>(positions[i]) >= size;
-  if (!any_outside) return;
-  for (uint64_t i = 0; i < n; ++i) {
-    if (static_cast<uint64_t>(positions[i]) >= size) {
-      throw std::out_of_range("host batch " + std::string(what) + ": positions[" + std::to_string(i) + "] = " +
-                              std::to_string(positions[i]) + " is outside [0, " + std::to_string(keys_.size()) +
-                              ")");
-    }
-  }
-}
-
 void HostBatch::Positions(const uint64_t* keys, uint64_t n, int64_t* positions) const {
   CheckLive("positions");
   if (!index_) BuildIndex();
@@ -548,144 +724,41 @@ void HostBatch::Positions(const uint64_t* keys, uint64_t n, int64_t* positions) 
   }
 }
 
-// Rows lie scattered over MEM-PS's arena: each read is a cache (and often a
-// TLB) miss. Asking for the row a few iterations ahead keeps several misses in
-// flight instead of one.
-constexpr uint64_t kLookahead = 8;
-
-RowLayout HostBatch::CheckLayout(RowLayout layout, uint64_t n, const char* what) const {
-  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
-  if (layout.group_stride == 0) layout.group_stride = layout.group * dim;
-  if (layout.group == 0 || n % layout.group != 0 || layout.group_stride < layout.group * dim) {
-    throw std::invalid_argument("host batch " + std::string(what) + ": " + std::to_string(n) +
-                                " rows do not fit groups of " + std::to_string(layout.group) + " rows of " +
-                                std::to_string(dim) + " floats every " + std::to_string(layout.group_stride) +
-                                " floats");
-  }
-  return layout;
-}
-
-namespace {
-// Walks the offsets of consecutive rows of a block laid out as `layout`
-// (rows of dim floats) without a division per row.
-class RowOffsets {
- public:
-  RowOffsets(RowLayout layout, uint64_t dim) : layout_(layout), dim_(dim) {}
-  uint64_t operator*() const { return group_start_ + in_group_ * dim_; }
-  void operator++() {
-    if (++in_group_ == layout_.group) {
-      in_group_ = 0;
-      group_start_ += layout_.group_stride;
-    }
-  }
-
- private:
-  RowLayout layout_;
-  uint64_t dim_;
-  uint64_t group_start_ = 0;
-  uint64_t in_group_ = 0;
-};
-
-// Calls body(width) with the row width as a compile-time constant for the
-// common embedding dims, else as a plain value: a copy of a known size is a
-// few vector moves inline, where a size known only at run time costs a call
-// to memcpy per row.
-template <typename Body>
-void WithRowWidth(uint64_t dim, Body body) {
-  switch (dim) {
-    case 8: return body(std::integral_constant<uint64_t, 8>{});
-    case 16: return body(std::integral_constant<uint64_t, 16>{});
-    case 32: return body(std::integral_constant<uint64_t, 32>{});
-    case 64: return body(std::integral_constant<uint64_t, 64>{});
-    case 128: return body(std::integral_constant<uint64_t, 128>{});
-    default: return body(dim);
-  }
-}
-}  // namespace
-
 void HostBatch::Get(const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout) const {
-  CheckPositions(positions, n, "get");
-  layout = CheckLayout(layout, n, "get");
-  WithRowWidth(static_cast<uint64_t>(optimizer_.dim), [&](auto dim) {
-    const uint64_t row_bytes = dim * sizeof(float);
-    if (n <= 2 * keys_.size()) {
-      RowOffsets at(layout, dim);
-      for (uint64_t i = 0; i < n; ++i, ++at) {
-        if (i + kLookahead < n) __builtin_prefetch(rows_[positions[i + kLookahead]]);
-        std::memcpy(embeddings + *at, rows_[positions[i]], row_bytes);
-      }
-      return;
-    }
-    // Many examples a key (a whole batch): each scattered row is read once into
-    // a compact copy, which the examples then read from the cache.
-    std::vector<float> compact(keys_.size() * dim);
-    for (uint64_t p = 0; p < keys_.size(); ++p) {
-      if (p + kLookahead < keys_.size()) __builtin_prefetch(rows_[p + kLookahead]);
-      std::memcpy(compact.data() + p * dim, rows_[p], row_bytes);
-    }
-    const float* __restrict from = compact.data();
-    float* __restrict to = embeddings;
-    RowOffsets at(layout, dim);
-    for (uint64_t i = 0; i < n; ++i, ++at) std::memcpy(to + *at, from + positions[i] * dim, row_bytes);
-  });
+  CheckLive("get");
+  rows_->Get(positions, n, embeddings, layout);
 }
 
 void HostBatch::Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout) {
-  CheckPositions(positions, n, "accumulate");
-  layout = CheckLayout(layout, n, "accumulate");
-  // Not WithRowWidth: at a fixed width of 16 gcc kept the sums scalar, and
-  // through local copies they took as long as this loop (W4s's batches).
-  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
-  float* __restrict sums = grads_.data();
-  const float* __restrict from = grads;
-  RowOffsets at(layout, dim);
-  for (uint64_t i = 0; i < n; ++i, ++at) {
-    float* __restrict to = sums + positions[i] * dim;
-    const float* __restrict g = from + *at;
-    for (uint64_t j = 0; j < dim; ++j) to[j] += g[j];
-    touched_[positions[i]] = 1;
-  }
+  CheckLive("accumulate");
+  rows_->Accumulate(positions, n, grads, layout);
 }
 
 uint64_t HostBatch::Apply() {
   CheckLive("apply");
-  const uint32_t dim = static_cast<uint32_t>(optimizer_.dim);
-  const uint64_t row_bytes = sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats());
-  uint64_t stepped = 0;
-  for (uint64_t p = 0; p < keys_.size(); ++p) {
-    if (p + kLookahead < keys_.size() && touched_[p + kLookahead]) {
-      const char* ahead = reinterpret_cast<const char*>(rows_[p + kLookahead]);
-      for (uint64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line, 1);
-    }
-    if (!touched_[p]) continue;
-    float* grad = grads_.data() + p * dim;
-    detail::ApplyUpdate(optimizer_, Row(p), grad);
-    detail::ZeroRow(grad, dim);
-    touched_[p] = 0;
-    updated_[p] = 1;
-    ++stepped;
-  }
-  return stepped;
+  return rows_->Apply();
 }
 
 void HostBatch::Rows(const int64_t* positions, uint64_t n, float* rows) const {
-  CheckPositions(positions, n, "rows");
-  const uint32_t width = static_cast<uint32_t>(optimizer_.row_floats());
-  for (uint64_t i = 0; i < n; ++i) detail::CopyRow(rows + i * width, Row(positions[i]), width);
+  CheckLive("rows");
+  rows_->Rows(positions, n, rows);
 }
 
 std::vector<uint64_t> HostBatch::UpdatedKeys() const {
   std::vector<uint64_t> out;
+  const std::vector<uint8_t>& updated = rows_->updated();
   for (uint64_t p = 0; p < keys_.size(); ++p) {
-    if (updated_[p]) out.push_back(keys_[p]);
+    if (updated[p]) out.push_back(keys_[p]);
   }
   return out;
 }
 
 void HostBatch::Release() {
   if (released_) return;
+  const std::vector<uint8_t>& updated = rows_->updated();
+  uint8_t* const* rows = rows_->addresses();
   try {
-    cache_.UnpinUpdated(keys_.data(), keys_.size(), updated_.data(), rows_.data());
+    cache_.UnpinUpdated(keys_.data(), keys_.size(), updated.data(), rows);
     released_ = true;
     return;
   } catch (const std::invalid_argument&) {
@@ -699,7 +772,7 @@ void HostBatch::Release() {
   std::vector<uint64_t> refused;
   for (uint64_t p = 0; p < keys_.size(); ++p) {
     try {
-      cache_.UnpinUpdated(&keys_[p], 1, &updated_[p], &rows_[p]);
+      cache_.UnpinUpdated(&keys_[p], 1, &updated[p], rows + p);
     } catch (const std::invalid_argument&) {
       refused.push_back(p);
     }
@@ -708,7 +781,7 @@ void HostBatch::Release() {
   std::string which;
   for (size_t j = 0; j < refused.size() && j < 8; ++j) {
     which += (j > 0 ? ", keys[" : "keys[") + std::to_string(refused[j]) + "] = " + std::to_string(keys_[refused[j]]) +
-             (updated_[refused[j]] ? " (updated)" : "");
+             (updated[refused[j]] ? " (updated)" : "");
   }
   if (refused.size() > 8) which += ", ...";
   throw std::runtime_error("host batch release: " + std::to_string(refused.size()) + " of " +

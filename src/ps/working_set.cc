@@ -74,11 +74,30 @@ void WorkingSet::SetOwners(const int32_t* owners) {
                                   std::to_string(devices_) + ")");
     }
   }
-  auto index = std::make_unique<detail::KeyIndex>(keys_.size());
-  for (uint64_t i = 0; i < keys_.size(); ++i) index->Upsert(keys_[i], static_cast<uint32_t>(i));
+  Index();
   owners_.assign(owners, owners + keys_.size());
-  index_ = std::move(index);
   CountPerDevice();
+}
+
+const detail::KeyIndex& WorkingSet::Index() const {
+  if (!index_) {
+    auto index = std::make_unique<detail::KeyIndex>(keys_.size());
+    for (uint64_t i = 0; i < keys_.size(); ++i) index->Upsert(keys_[i], static_cast<uint32_t>(i));
+    index_ = std::move(index);
+  }
+  return *index_;
+}
+
+void WorkingSet::Positions(const uint64_t* keys, uint64_t n, int64_t* positions) const {
+  const detail::KeyIndex& index = Index();
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint32_t at = index.Find(keys[i]);
+    if (at == detail::KeyIndex::kNone) {
+      throw std::out_of_range("working set positions: keys[" + std::to_string(i) + "] = " + std::to_string(keys[i]) +
+                              " is not in the batch");
+    }
+    positions[i] = at;
+  }
 }
 
 const int32_t* WorkingSet::OwnersOf(const uint64_t* keys, uint64_t n, std::vector<int32_t>* out,
@@ -86,7 +105,7 @@ const int32_t* WorkingSet::OwnersOf(const uint64_t* keys, uint64_t n, std::vecto
   if (owners_.empty()) return nullptr;  // the tier's own modulo hash
   out->resize(n);
   for (uint64_t i = 0; i < n; ++i) {
-    const uint32_t at = index_->Find(keys[i]);
+    const uint32_t at = Index().Find(keys[i]);
     if (at == detail::KeyIndex::kNone) {
       throw std::out_of_range("working set " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
                               std::to_string(keys[i]) + " is not in the batch");
@@ -112,6 +131,7 @@ void WorkingSet::Load(DeviceTier& tier, std::shared_ptr<Updates> previous) {
     float* rows = tier.StagingRows(keys_.size() * static_cast<uint64_t>(optimizer_.row_floats()));
     cache_.ReadPinned(keys_.data(), keys_.size(), reinterpret_cast<uint8_t*>(rows));
     tier.Insert(keys_.data(), keys_.size(), rows, owners_.empty() ? nullptr : owners_.data());
+    tier.Bind(keys_.data(), keys_.size(), owners_.empty() ? nullptr : owners_.data());
   } catch (...) {
     try {
       tier.Clear();
@@ -167,16 +187,42 @@ void WorkingSet::Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, co
   tier_->Accumulate(worker, keys, n, grads, OwnersOf(keys, n, &owners, "accumulate"));
 }
 
+void WorkingSet::GetAt(int32_t worker, const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout,
+                       Memory memory) {
+  CheckLoaded("get");
+  CheckMemory(memory, "get");
+  CatchUp();
+  tier_->GetAt(worker, positions, n, embeddings, layout);
+}
+
+void WorkingSet::AccumulateAt(int32_t worker, const int64_t* positions, uint64_t n, const float* grads,
+                              RowLayout layout, Memory memory) {
+  CheckLoaded("accumulate");
+  CheckMemory(memory, "accumulate");
+  CatchUp();
+  tier_->AccumulateAt(worker, positions, n, grads, layout);
+}
+
+bool WorkingSet::reads_in_place() const {
+  CheckLoaded("reads_in_place");
+  return tier_->reads_in_place();
+}
+
 uint64_t WorkingSet::Apply() {
   CheckLoaded("apply");
   if (applied_) return 0;
   try {
     CatchUp();
-    std::vector<uint64_t> updated = tier_->Apply();
+    std::vector<int64_t> at;  // positions among keys_ (the tier's bound keys)
+    std::vector<uint64_t> updated = tier_->ApplyBound(&at);
     std::vector<int32_t> owners;
-    const int32_t* o = OwnersOf(updated.data(), updated.size(), &owners, "apply");
+    if (!owners_.empty()) {
+      owners.reserve(at.size());
+      for (int64_t p : at) owners.push_back(owners_[static_cast<uint64_t>(p)]);
+    }
     std::vector<float> rows(updated.size() * static_cast<uint64_t>(optimizer_.row_floats()));
-    tier_->Rows(updated.data(), updated.size(), rows.data(), o);
+    tier_->RowsAt(at.data(), at.size(), rows.data());
+    updated_positions_ = std::move(at);
     std::lock_guard lock(updates_->mutex);
     updates_->keys = std::move(updated);
     updates_->rows = std::move(rows);
@@ -249,11 +295,7 @@ void WorkingSet::ReleaseAll() {
   std::vector<uint64_t> rest;
   if (updated.size() < keys_.size()) {
     std::vector<uint8_t> is_updated(keys_.size(), 0);
-    if (!updated.empty()) {
-      detail::KeyIndex index(keys_.size());
-      for (uint64_t i = 0; i < keys_.size(); ++i) index.Upsert(keys_[i], static_cast<uint32_t>(i));
-      for (uint64_t key : updated) is_updated[index.Find(key)] = 1;
-    }
+    for (int64_t p : updated_positions_) is_updated[static_cast<uint64_t>(p)] = 1;
     rest.reserve(keys_.size() - updated.size());
     for (uint64_t i = 0; i < keys_.size(); ++i) {
       if (!is_updated[i]) rest.push_back(keys_[i]);

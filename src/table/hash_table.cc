@@ -192,6 +192,27 @@ class CpuHashTable final : public HashTable {
     return Sum(hits);
   }
 
+  uint64_t row_addresses(const uint64_t* keys, uint64_t n, float** rows_out) override {
+    CheckKeys(keys, n);
+    std::shared_lock lock(mutex_);
+    const int parts = PartsFor(n, threads_);
+    std::vector<uint64_t> hits(static_cast<size_t>(parts), 0);
+    RunParts(parts, [&](int part) {
+      uint64_t item = PartBegin(n, part, parts);
+      uint64_t h = 0;
+      Pipeline(
+          ref_, PartBegin(n, part + 1, parts) - item, /*row_write=*/false,
+          [&item] { return item++; }, [keys](uint64_t i) { return keys[i]; },
+          [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
+          [&](const Probe& p) {
+            rows_out[p.item] = p.slot >= 0 ? ref_.row(static_cast<uint64_t>(p.slot)) : nullptr;
+            h += p.slot >= 0;
+          });
+      hits[static_cast<size_t>(part)] = h;
+    });
+    return Sum(hits);
+  }
+
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {
     CheckKeys(keys, n);
     std::unique_lock lock(mutex_);

@@ -213,6 +213,10 @@ class CudaHashTable final : public HashTable {
     return Gather(keys, n, static_cast<uint32_t>(columns), rows_out, found);
   }
 
+  uint64_t row_addresses(const uint64_t*, uint64_t, float**) override {
+    throw std::logic_error("hash table on " + device() + ": its rows lie in GPU memory, with no host address");
+  }
+
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {
     std::lock_guard lock(mutex_);
     CheckKeys(keys, n);

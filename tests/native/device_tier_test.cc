@@ -215,6 +215,116 @@ TEST(DeviceTier, OneDeviceMatchesTheSameStepsOnTwo) {
   EXPECT_THROW(one->Insert(keys.data(), 1, rows.data(), owners), std::invalid_argument);
 }
 
+// Two hosts and memory: executed routes put a row mover between the tier's
+// devices, so its positional calls go by key rather than in place.
+std::shared_ptr<const TierRoutes> TwoHostRoutes() {
+  Topology t;
+  t.devices = {{"h0", DeviceKind::kHost, 0}, {"h1", DeviceKind::kHost, 0}, {"mem", DeviceKind::kCpu, 0}};
+  t.links = {{0, 2, 1, 0.5, "memcpy"}, {1, 2, 1, 0.5, "memcpy"}};
+  return PlanTierRoutes(t, 2, 1 << 20, /*execute=*/true);
+}
+
+TEST(DeviceTier, StepsByPositionEqualStepsByKeyInPlaceOrNot) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  std::vector<uint64_t> keys;
+  for (uint64_t k = 1; k <= 40; ++k) keys.push_back(k * 104729);
+  std::vector<float> rows(keys.size() * width);
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  // Two workers' examples: positions with repeats, the same key on both.
+  const std::vector<int64_t> at0 = {0, 5, 5, 39, 12, 7}, at1 = {5, 20, 0, 33};
+  std::vector<float> g0(at0.size() * 4), g1(at1.size() * 4);
+  for (size_t i = 0; i < g0.size(); ++i) g0[i] = 0.01f * static_cast<float>(i % 7) - 0.02f;
+  for (size_t i = 0; i < g1.size(); ++i) g1[i] = 0.03f * static_cast<float>(i % 5) - 0.05f;
+  const auto keys_at = [&](const std::vector<int64_t>& at) {
+    std::vector<uint64_t> k;
+    for (int64_t p : at) k.push_back(keys[static_cast<size_t>(p)]);
+    return k;
+  };
+
+  // By key, the reference.
+  auto by_key = DeviceTier::New({2, 128, opt, false, 1, nullptr, {}});
+  by_key->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+  std::vector<float> want_emb0(at0.size() * 4);
+  by_key->Get(0, keys_at(at0).data(), at0.size(), want_emb0.data(), nullptr);
+  by_key->Accumulate(0, keys_at(at0).data(), at0.size(), g0.data(), nullptr);
+  by_key->Accumulate(1, keys_at(at1).data(), at1.size(), g1.data(), nullptr);
+  by_key->Apply();
+  std::vector<float> want_rows(keys.size() * width);
+  by_key->Rows(keys.data(), keys.size(), want_rows.data(), nullptr);
+
+  for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "in place" : "through the row mover");
+    auto tier = DeviceTier::New({2, 128, opt, false, 1, in_place ? nullptr : TwoHostRoutes(), {}});
+    EXPECT_EQ(tier->reads_in_place(), in_place);
+    tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+    std::vector<float> emb0(at0.size() * 4);
+    EXPECT_THROW(tier->GetAt(0, at0.data(), at0.size(), emb0.data(), {}), std::logic_error);  // before Bind
+    tier->Bind(keys.data(), keys.size(), nullptr);
+    tier->GetAt(0, at0.data(), at0.size(), emb0.data(), {});
+    EXPECT_EQ(emb0, want_emb0);
+    tier->AccumulateAt(0, at0.data(), at0.size(), g0.data(), {});
+    // Worker 1 by key: its gradients join the positions' sums, one step a key.
+    tier->Accumulate(1, keys_at(at1).data(), at1.size(), g1.data(), nullptr);
+    std::vector<int64_t> positions;
+    const std::vector<uint64_t> updated = tier->ApplyBound(&positions);
+    ASSERT_EQ(updated.size(), 7u);  // 0, 5, 7, 12, 20, 33, 39
+    ASSERT_EQ(positions.size(), updated.size());
+    for (size_t j = 0; j < updated.size(); ++j) EXPECT_EQ(updated[j], keys[static_cast<size_t>(positions[j])]);
+    std::vector<int64_t> all(keys.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+    std::vector<float> got_rows(keys.size() * width);
+    tier->RowsAt(all.data(), all.size(), got_rows.data());
+    for (size_t i = 0; i < got_rows.size(); ++i) EXPECT_NEAR(got_rows[i], want_rows[i], 1e-6f) << i;
+    const TransferMatrix want = by_key->transfers(), got = tier->transfers();
+    EXPECT_EQ(got.rows, want.rows);
+    EXPECT_EQ(got.bytes, want.bytes);
+
+    const int64_t outside[2] = {3, 40};
+    try {
+      tier->GetAt(1, outside, 2, emb0.data(), {});
+      ADD_FAILURE() << "a position past the bound keys must throw";
+    } catch (const std::out_of_range& e) {
+      EXPECT_NE(std::string(e.what()).find("positions[1] = 40"), std::string::npos) << e.what();
+    }
+    // Two rows of 4 floats in a matrix 10 wide: only where the tier reads in place.
+    std::vector<float> wide(10, -1.0f);
+    const int64_t two[2] = {1, 2};
+    if (in_place) {
+      tier->GetAt(0, two, 2, wide.data(), RowLayout{2, 10});
+      EXPECT_EQ(wide[8], -1.0f);
+      EXPECT_EQ(wide[4], rows[2 * static_cast<size_t>(width)]);
+    } else {
+      EXPECT_THROW(tier->GetAt(0, two, 2, wide.data(), RowLayout{2, 10}), std::invalid_argument);
+    }
+    tier->Clear();
+    EXPECT_THROW(tier->RowsAt(two, 2, got_rows.data()), std::logic_error);  // Clear unbinds
+  }
+}
+
+TEST(DeviceTier, BindNamesAKeyNotLoadedAndRefusesPendingGradients) {
+  const SparseOptimizer opt = AdaGrad(4);
+  std::vector<uint64_t> keys = {21, 22, 23};
+  std::vector<float> rows(keys.size() * opt.row_floats());
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  auto tier = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
+  tier->Insert(keys.data(), 2, rows.data(), nullptr);  // 23 is not loaded
+  try {
+    tier->Bind(keys.data(), keys.size(), nullptr);
+    ADD_FAILURE() << "a key not loaded must throw";
+  } catch (const std::out_of_range& e) {
+    EXPECT_NE(std::string(e.what()).find("keys[2] = 23"), std::string::npos) << e.what();
+  }
+  std::vector<float> g(4, 1.0f);
+  tier->Accumulate(0, keys.data(), 1, g.data(), nullptr);
+  EXPECT_THROW(tier->Bind(keys.data(), 2, nullptr), std::logic_error);
+  tier->Apply();
+  tier->Bind(keys.data(), 2, nullptr);
+  const int64_t first = 0;
+  tier->AccumulateAt(1, &first, 1, g.data(), {});
+  EXPECT_THROW(tier->Bind(keys.data(), 2, nullptr), std::logic_error);
+}
+
 TEST(DeviceTier, GradientTablesOfABatchsSizeStepAsTheRowsSizeDoes) {
   const SparseOptimizer opt = AdaGrad(4);
   const int32_t width = opt.row_floats();

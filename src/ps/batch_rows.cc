@@ -1,0 +1,168 @@
+#include "ps/batch_rows.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+#include <utility>
+
+#include "table/optimizer_kernels.h"
+#include "table/table_kernels.h"
+
+namespace hps::detail {
+namespace {
+
+// Rows lie scattered (over MEM-PS's arena, or a table's slots): each read is
+// a cache (and often a TLB) miss. Asking for the row a few iterations ahead
+// keeps several misses in flight instead of one.
+constexpr uint64_t kLookahead = 8;
+
+// Walks the offsets of consecutive rows of a block laid out as `layout`
+// (rows of dim floats) without a division per row.
+class RowOffsets {
+ public:
+  RowOffsets(RowLayout layout, uint64_t dim) : layout_(layout), dim_(dim) {}
+  uint64_t operator*() const { return group_start_ + in_group_ * dim_; }
+  void operator++() {
+    if (++in_group_ == layout_.group) {
+      in_group_ = 0;
+      group_start_ += layout_.group_stride;
+    }
+  }
+
+ private:
+  RowLayout layout_;
+  uint64_t dim_;
+  uint64_t group_start_ = 0;
+  uint64_t in_group_ = 0;
+};
+
+// Calls body(width) with the row width as a compile-time constant for the
+// common embedding dims, else as a plain value: a copy of a known size is a
+// few vector moves inline, where a size known only at run time costs a call
+// to memcpy per row.
+template <typename Body>
+void WithRowWidth(uint64_t dim, Body body) {
+  switch (dim) {
+    case 8: return body(std::integral_constant<uint64_t, 8>{});
+    case 16: return body(std::integral_constant<uint64_t, 16>{});
+    case 32: return body(std::integral_constant<uint64_t, 32>{});
+    case 64: return body(std::integral_constant<uint64_t, 64>{});
+    case 128: return body(std::integral_constant<uint64_t, 128>{});
+    default: return body(dim);
+  }
+}
+
+}  // namespace
+
+BatchRows::BatchRows(const SparseOptimizer& optimizer, std::string who)
+    : optimizer_(optimizer), who_(std::move(who)) {
+  optimizer_.validate();
+}
+
+void BatchRows::Reset(uint64_t n) {
+  rows_.assign(n, nullptr);
+  grads_.assign(n * static_cast<uint64_t>(optimizer_.dim), 0.0f);
+  touched_.assign(n, 0);
+  updated_.assign(n, 0);
+}
+
+void BatchRows::CheckPositions(const int64_t* positions, uint64_t n, const char* what) const {
+  // One branch-free pass (it vectorizes; a negative position is a huge unsigned
+  // one), then the loop that names the first bad position only if there is one.
+  const uint64_t size = rows_.size();
+  bool any_outside = false;
+  for (uint64_t i = 0; i < n; ++i) any_outside |= static_cast<uint64_t>(positions[i]) >= size;
+  if (!any_outside) return;
+  for (uint64_t i = 0; i < n; ++i) {
+    if (static_cast<uint64_t>(positions[i]) >= size) {
+      throw std::out_of_range(who_ + " " + what + ": positions[" + std::to_string(i) + "] = " +
+                              std::to_string(positions[i]) + " is outside [0, " + std::to_string(size) + ")");
+    }
+  }
+}
+
+RowLayout BatchRows::CheckLayout(RowLayout layout, uint64_t n, const char* what) const {
+  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
+  if (layout.group_stride == 0) layout.group_stride = layout.group * dim;
+  if (layout.group == 0 || n % layout.group != 0 || layout.group_stride < layout.group * dim) {
+    throw std::invalid_argument(who_ + " " + what + ": " + std::to_string(n) + " rows do not fit groups of " +
+                                std::to_string(layout.group) + " rows of " + std::to_string(dim) +
+                                " floats every " + std::to_string(layout.group_stride) + " floats");
+  }
+  return layout;
+}
+
+void BatchRows::Get(const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout) const {
+  CheckPositions(positions, n, "get");
+  layout = CheckLayout(layout, n, "get");
+  const uint64_t size = rows_.size();
+  WithRowWidth(static_cast<uint64_t>(optimizer_.dim), [&](auto dim) {
+    const uint64_t row_bytes = dim * sizeof(float);
+    if (n <= 2 * size) {
+      RowOffsets at(layout, dim);
+      for (uint64_t i = 0; i < n; ++i, ++at) {
+        if (i + kLookahead < n) __builtin_prefetch(rows_[positions[i + kLookahead]]);
+        std::memcpy(embeddings + *at, rows_[positions[i]], row_bytes);
+      }
+      return;
+    }
+    // Many examples a key (a whole batch): each scattered row is read once into
+    // a compact copy, which the examples then read from the cache.
+    std::vector<float> compact(size * dim);
+    for (uint64_t p = 0; p < size; ++p) {
+      if (p + kLookahead < size) __builtin_prefetch(rows_[p + kLookahead]);
+      std::memcpy(compact.data() + p * dim, rows_[p], row_bytes);
+    }
+    const float* __restrict from = compact.data();
+    float* __restrict to = embeddings;
+    RowOffsets at(layout, dim);
+    for (uint64_t i = 0; i < n; ++i, ++at) std::memcpy(to + *at, from + positions[i] * dim, row_bytes);
+  });
+}
+
+void BatchRows::Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout) {
+  CheckPositions(positions, n, "accumulate");
+  layout = CheckLayout(layout, n, "accumulate");
+  // Not WithRowWidth: at a fixed width of 16 gcc kept the sums scalar, and
+  // through local copies they took as long as this loop (W4s's batches).
+  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
+  float* __restrict sums = grads_.data();
+  const float* __restrict from = grads;
+  RowOffsets at(layout, dim);
+  for (uint64_t i = 0; i < n; ++i, ++at) {
+    float* __restrict to = sums + positions[i] * dim;
+    const float* __restrict g = from + *at;
+    for (uint64_t j = 0; j < dim; ++j) to[j] += g[j];
+    touched_[positions[i]] = 1;
+  }
+}
+
+uint64_t BatchRows::Apply(std::vector<int64_t>* stepped) {
+  const uint32_t dim = static_cast<uint32_t>(optimizer_.dim);
+  const uint64_t row_bytes = sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats());
+  const uint64_t size = rows_.size();
+  uint64_t count = 0;
+  for (uint64_t p = 0; p < size; ++p) {
+    if (p + kLookahead < size && touched_[p + kLookahead]) {
+      const char* ahead = reinterpret_cast<const char*>(rows_[p + kLookahead]);
+      for (uint64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line, 1);
+    }
+    if (!touched_[p]) continue;
+    float* grad = grads_.data() + p * dim;
+    ApplyUpdate(optimizer_, Row(p), grad);
+    ZeroRow(grad, dim);
+    touched_[p] = 0;
+    updated_[p] = 1;
+    if (stepped) stepped->push_back(static_cast<int64_t>(p));
+    ++count;
+  }
+  return count;
+}
+
+void BatchRows::Rows(const int64_t* positions, uint64_t n, float* rows) const {
+  CheckPositions(positions, n, "rows");
+  const uint32_t width = static_cast<uint32_t>(optimizer_.row_floats());
+  for (uint64_t i = 0; i < n; ++i) CopyRow(rows + i * width, Row(positions[i]), width);
+}
+
+}  // namespace hps::detail

@@ -1,0 +1,60 @@
+// A batch's rows addressed by position among its distinct keys: the get,
+// accumulate and apply steps that a HostBatch runs on MEM-PS's pinned rows and
+// a host-partition DeviceTier on its tables' rows. Each key is looked up once,
+// when its row's address is set; every step after that indexes an array.
+//
+// Thread safety: one thread at a time (the batch's).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hps/device_tier.h"  // RowLayout
+#include "hps/optimizer.h"
+
+namespace hps::detail {
+
+class BatchRows {
+ public:
+  // `who` names the batch in errors ("host batch", "device tier").
+  BatchRows(const SparseOptimizer& optimizer, std::string who);
+
+  // n positions, every gradient zero, none updated; the rows' addresses are
+  // the caller's to set (addresses()).
+  void Reset(uint64_t n);
+  uint64_t size() const { return rows_.size(); }
+  uint8_t** addresses() { return rows_.data(); }
+  uint8_t* const* addresses() const { return rows_.data(); }
+
+  // std::out_of_range names the first position outside [0, size).
+  void CheckPositions(const int64_t* positions, uint64_t n, const char* what) const;
+  // The embeddings (n, dim) of the rows at positions (repeats allowed), laid out as `layout` says.
+  void Get(const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout) const;
+  // Adds gradients (n, dim), laid out as `layout` says, to the rows at positions (repeats sum up).
+  void Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout);
+  // One optimizer step per row that got gradients, in place; the gradients
+  // are cleared. Appends the positions stepped to `stepped` (if given), in
+  // order; returns how many.
+  uint64_t Apply(std::vector<int64_t>* stepped = nullptr);
+  // The full rows (n, row_floats) at positions, as they are now.
+  void Rows(const int64_t* positions, uint64_t n, float* rows) const;
+  // Whether the row at `position` has gradients waiting for Apply.
+  bool touched(uint64_t position) const { return touched_[position] != 0; }
+  // 1 at each position some Apply stepped.
+  const std::vector<uint8_t>& updated() const { return updated_; }
+
+ private:
+  // The layout with its stride filled in; std::invalid_argument if n rows do not fit it.
+  RowLayout CheckLayout(RowLayout layout, uint64_t n, const char* what) const;
+  float* Row(uint64_t position) const { return reinterpret_cast<float*>(rows_[position]); }
+
+  const SparseOptimizer optimizer_;
+  const std::string who_;
+  std::vector<uint8_t*> rows_;     // each position's row (embedding + optimizer state)
+  std::vector<float> grads_;       // (size, dim), summed until Apply
+  std::vector<uint8_t> touched_;   // got a gradient since the last Apply
+  std::vector<uint8_t> updated_;   // stepped by some Apply
+};
+
+}  // namespace hps::detail
