@@ -48,6 +48,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -152,6 +153,28 @@ ExecStats ExecuteOnHost(const RoutePlan& plan, const std::vector<uint64_t>& byte
 ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
                         const std::vector<int32_t>& gpu_ids,
                         const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv);
+// What ExecuteOnCuda allocates for an exchange: a relay's staging on its
+// middleman, a host route's in page-locked memory, a stream an endpoint. A
+// caller that exchanges often (the GPUs' row mover: twice a batch) keeps them
+// from one call to the next, grown when a call needs more, instead of paying
+// for cudaMalloc, cudaMallocHost and stream creation (each of which may
+// synchronise the device) on every call. One exchange at a time uses them.
+class CudaExchangeBuffers {
+ public:
+  CudaExchangeBuffers();
+  ~CudaExchangeBuffers();
+  CudaExchangeBuffers(const CudaExchangeBuffers&) = delete;
+  CudaExchangeBuffers& operator=(const CudaExchangeBuffers&) = delete;
+  struct State;  // the CUDA build's; empty without CUDA
+  State& state() { return *state_; }
+
+ private:
+  std::unique_ptr<State> state_;
+};
+// ExecuteOnCuda with its buffers and streams kept in `kept`.
+ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
+                        const std::vector<int32_t>& gpu_ids, const std::vector<const uint8_t*>& send,
+                        const std::vector<uint8_t*>& recv, CudaExchangeBuffers& kept);
 // ExecuteOnCuda between host buffers (laid out as ExecuteOnHost's): each
 // endpoint's segments are copied to a buffer on its GPU, exchanged there, and
 // copied back; the stats are the exchange's. For tests and benchmarks of the

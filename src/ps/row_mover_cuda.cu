@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ps/row_mover.h"
+#include "util/cuda_buffer.h"
 #include "util/cuda_check.h"
 
 namespace hps::detail {
@@ -27,37 +28,6 @@ __global__ void GatherKernel(float* out, const float* in, const uint64_t* index,
 
 unsigned Blocks(uint64_t n) { return static_cast<unsigned>((n + kBlock - 1) / kBlock); }
 
-// Device memory that grows on demand and is freed with its owner, on its GPU.
-class GrowingBuffer {
- public:
-  GrowingBuffer() = default;
-  GrowingBuffer(const GrowingBuffer&) = delete;
-  GrowingBuffer& operator=(const GrowingBuffer&) = delete;
-  ~GrowingBuffer() {
-    if (ptr_) {
-      cudaSetDevice(gpu_);
-      cudaFree(ptr_);
-    }
-  }
-  void* Get(int gpu, uint64_t bytes) {
-    if (bytes > bytes_) {
-      HPS_CUDA_TRY(cudaSetDevice(gpu));
-      if (ptr_) HPS_CUDA_TRY(cudaFree(ptr_));
-      ptr_ = nullptr;
-      bytes_ = 0;
-      HPS_CUDA_TRY(cudaMalloc(&ptr_, bytes));
-      gpu_ = gpu;
-      bytes_ = bytes;
-    }
-    return ptr_;
-  }
-
- private:
-  int gpu_ = 0;
-  void* ptr_ = nullptr;
-  uint64_t bytes_ = 0;
-};
-
 class CudaRowMover final : public RowMover {
  public:
   explicit CudaRowMover(std::vector<int32_t> gpus)
@@ -70,7 +40,7 @@ class CudaRowMover final : public RowMover {
 
   void Exchange(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<const uint8_t*>& send,
                 const std::vector<uint8_t*>& receive) override {
-    ExecuteOnCuda(plan, bytes, gpus_, send, receive);
+    ExecuteOnCuda(plan, bytes, gpus_, send, receive, exchange_);
   }
 
   void ScatterOut(int32_t device, const uint64_t* index, uint64_t n, uint32_t dim, const float* in,
@@ -108,6 +78,7 @@ class CudaRowMover final : public RowMover {
   std::vector<int32_t> gpus_;
   std::vector<GrowingBuffer> buffers_;  // [device * kSlots + slot]
   std::vector<GrowingBuffer> index_, stage_;
+  CudaExchangeBuffers exchange_;  // the exchanges' staging and streams, kept from batch to batch
 };
 
 // Page-locked host memory: the GPUs' DMA engines read it directly.

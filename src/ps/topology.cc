@@ -536,9 +536,20 @@ ExecStats ExecuteOnHost(const RoutePlan& plan, const std::vector<uint64_t>& byte
   return st;
 }
 
+ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
+                        const std::vector<int32_t>& gpu_ids, const std::vector<const uint8_t*>& send,
+                        const std::vector<uint8_t*>& recv) {
+  CudaExchangeBuffers kept;
+  return ExecuteOnCuda(plan, bytes, gpu_ids, send, recv, kept);
+}
+
 #if !HPS_HAVE_CUDA
+struct CudaExchangeBuffers::State {};
+CudaExchangeBuffers::CudaExchangeBuffers() : state_(std::make_unique<State>()) {}
+CudaExchangeBuffers::~CudaExchangeBuffers() = default;
+
 ExecStats ExecuteOnCuda(const RoutePlan&, const std::vector<uint64_t>&, const std::vector<int32_t>&,
-                        const std::vector<const uint8_t*>&, const std::vector<uint8_t*>&) {
+                        const std::vector<const uint8_t*>&, const std::vector<uint8_t*>&, CudaExchangeBuffers&) {
   throw std::runtime_error("CUDA executor: this build of hps has no CUDA support "
                            "(configure with HPS_CUDA=ON and nvcc on the PATH)");
 }

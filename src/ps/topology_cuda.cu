@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "hps/topology.h"
+#include "ps/row_mover.h"  // HostStaging
+#include "util/cuda_buffer.h"
 #include "util/cuda_check.h"
 
 namespace hps {
@@ -36,13 +38,50 @@ struct DeviceBuffer {
 
 }  // namespace
 
+// Grown, never shrunk; the streams follow the endpoints' GPUs.
+struct CudaExchangeBuffers::State {
+  std::vector<detail::GrowingBuffer> stage;  // a relay's staging on its middleman, by endpoint
+  std::unique_ptr<detail::HostStaging> host = detail::NewHostStaging(/*page_locked=*/true);
+  std::vector<int32_t> stream_gpus;          // the GPU each stream was made on
+  std::vector<cudaStream_t> streams;         // one an endpoint
+
+  ~State() { DestroyStreams(); }
+
+  // Room for endpoints on gpu_ids: staging slots and a stream each.
+  void Fit(const std::vector<int32_t>& gpu_ids) {
+    if (stage.size() != gpu_ids.size()) stage = std::vector<detail::GrowingBuffer>(gpu_ids.size());
+    if (stream_gpus == gpu_ids) return;
+    DestroyStreams();
+    for (int32_t gpu : gpu_ids) {
+      HPS_CUDA_TRY(cudaSetDevice(gpu));
+      cudaStream_t s = nullptr;
+      HPS_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      streams.push_back(s);
+      stream_gpus.push_back(gpu);
+    }
+  }
+
+  void DestroyStreams() {
+    for (size_t i = 0; i < streams.size(); ++i) {
+      cudaSetDevice(stream_gpus[i]);
+      cudaStreamDestroy(streams[i]);
+    }
+    streams.clear();
+    stream_gpus.clear();
+  }
+};
+
+CudaExchangeBuffers::CudaExchangeBuffers() : state_(std::make_unique<State>()) {}
+CudaExchangeBuffers::~CudaExchangeBuffers() = default;
+
 bool CudaExecutorAvailable() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
 ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<int32_t>& gpu_ids,
-                        const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv) {
+                        const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv,
+                        CudaExchangeBuffers& kept) {
   const size_t e = send.size();
   if (recv.size() != e || gpu_ids.size() != e || bytes.size() != e * e || plan.routes.size() != e * e)
     throw std::invalid_argument("CUDA executor: " + std::to_string(send.size()) + " send, " +
@@ -71,15 +110,13 @@ ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& byte
       host_need += bytes[i];
     }
   }
-  std::vector<std::unique_ptr<DeviceBuffer>> stage;
-  for (size_t m = 0; m < e; ++m) stage.push_back(std::make_unique<DeviceBuffer>(gpu_ids[m], need[m]));
+  CudaExchangeBuffers::State& k = kept.state();
+  k.Fit(gpu_ids);
+  std::vector<uint8_t*> stage(e, nullptr);
+  for (size_t m = 0; m < e; ++m) stage[m] = static_cast<uint8_t*>(k.stage[m].Get(gpu_ids[m], need[m]));
   uint8_t* host_stage = nullptr;
-  if (host_need > 0) HPS_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&host_stage), host_need));
-  std::vector<cudaStream_t> streams(e);
-  for (size_t s = 0; s < e; ++s) {
-    HPS_CUDA_TRY(cudaSetDevice(gpu_ids[s]));
-    HPS_CUDA_TRY(cudaStreamCreateWithFlags(&streams[s], cudaStreamNonBlocking));
-  }
+  if (host_need > 0) host_stage = reinterpret_cast<uint8_t*>(k.host->Get((host_need + 3) / sizeof(float)));
+  const std::vector<cudaStream_t>& streams = k.streams;
   ExecStats st;
   st.phase_seconds.assign(2, 0);
   try {
@@ -98,7 +135,7 @@ ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& byte
         if (k == RouteKind::kDirect) {
           if (ph == 0) HPS_CUDA_TRY(cudaMemcpyPeerAsync(to, gpu_ids[d], from, gpu_ids[s], b, streams[s]));
         } else if (k == RouteKind::kRelay) {
-          uint8_t* buf = static_cast<uint8_t*>(stage[r.via]->ptr) + stage_off[i];
+          uint8_t* buf = stage[r.via] + stage_off[i];
           if (ph == 0) {
             HPS_CUDA_TRY(cudaMemcpyPeerAsync(buf, gpu_ids[r.via], from, gpu_ids[s], b, streams[s]));
           } else {
@@ -124,12 +161,11 @@ ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& byte
       st.seconds += st.phase_seconds[ph];
     }
   } catch (...) {
-    for (size_t s = 0; s < e; ++s) cudaStreamDestroy(streams[s]);
-    if (host_stage) cudaFreeHost(host_stage);
+    // The kept staging outlives this call: nothing still copying may use it
+    // when the next one starts.
+    for (size_t s = 0; s < e; ++s) cudaStreamSynchronize(streams[s]);
     throw;
   }
-  for (size_t s = 0; s < e; ++s) cudaStreamDestroy(streams[s]);
-  if (host_stage) cudaFreeHost(host_stage);
   return st;
 }
 
