@@ -128,7 +128,10 @@ class MemCache {
   virtual uint64_t Pin(const uint64_t* keys, uint64_t n, uint8_t* hit, uint8_t** addresses) = 0;
   // Overwrites the rows of pinned keys, marks them dirty and unpins them.
   // std::invalid_argument names a key that is not pinned (nothing changes).
-  virtual void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows) = 0;
+  // `addresses` (or null): the rows' addresses that Pin or PinnedRows gave,
+  // which spare looking the keys up again, as UnpinUpdated's do.
+  virtual void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows,
+                         uint8_t* const* addresses = nullptr) = 0;
   // Unpins keys, leaving their rows as they are.
   virtual void Unpin(const uint64_t* keys, uint64_t n) = 0;
   // Trace replay: hits are visits; misses enter the cache with zero rows,
@@ -145,7 +148,9 @@ class MemCache {
   // Copies the rows of pinned keys into out (n, row_bytes), without counting
   // a visit: the rows of a batch in flight, re-read after an earlier batch's
   // write-back. std::invalid_argument names a key that is not pinned.
-  virtual void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out) const = 0;
+  // `addresses` (or null) as WriteBack's.
+  virtual void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out,
+                          uint8_t* const* addresses = nullptr) const = 0;
   // Addresses of the rows of pinned keys, valid while they stay pinned: for
   // a batch that trains on MEM-PS's rows where they are (HostBatch) instead
   // of on a copy. Only the holder of a pin writes such a row, and it says so

@@ -151,6 +151,7 @@ class WorkingSet {
   mutable std::unique_ptr<detail::KeyIndex> index_;  // key -> position: with owners_, or when Positions needs it
   std::vector<uint64_t> per_device_;  // distinct keys each device owns
   std::vector<int64_t> updated_positions_;  // of Apply's keys, in their order
+  std::vector<uint8_t*> addresses_;  // each key's row in MEM-PS, as its pin gave it (valid while pinned)
   uint64_t hits_ = 0;
   bool written_ = false;  // WriteBack's first half (the updated rows) is done
   DeviceTier* tier_ = nullptr;

@@ -474,11 +474,14 @@ class ShardedCache final : public MemCache {
     }
   }
 
-  void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {
-    ForPinned(keys, n, "write back", [&](Shard& shard, uint32_t slot, uint64_t i) {
-      std::memcpy(RowAt(shard, slot), rows + i * row_bytes_, row_bytes_);
-      if (!shard.dirty[slot]) MarkDirty(shard, slot);
-    });
+  void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows, uint8_t* const* addresses) override {
+    ForPinned(
+        keys, n, "write back",
+        [&](Shard& shard, uint32_t slot, uint64_t i) {
+          std::memcpy(RowAt(shard, slot), rows + i * row_bytes_, row_bytes_);
+          if (!shard.dirty[slot]) MarkDirty(shard, slot);
+        },
+        addresses);
   }
 
   void Unpin(const uint64_t* keys, uint64_t n) override {
@@ -583,10 +586,10 @@ class ShardedCache final : public MemCache {
     rows_flushed_ += rows;
   }
 
-  void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out) const override {
-    ForEachPinnedRow(keys, n, "read", [&](uint64_t i, const uint8_t* row) {
-      std::memcpy(out + i * row_bytes_, row, row_bytes_);
-    });
+  void ReadPinned(const uint64_t* keys, uint64_t n, uint8_t* out, uint8_t* const* addresses) const override {
+    ForEachPinnedRow(
+        keys, n, "read", [&](uint64_t i, const uint8_t* row) { std::memcpy(out + i * row_bytes_, row, row_bytes_); },
+        addresses);
   }
 
   void PinnedRows(const uint64_t* keys, uint64_t n, uint8_t** rows) const override {
@@ -882,7 +885,8 @@ class ShardedCache final : public MemCache {
   // visit(i, row) for each key, under its shard's lock; std::invalid_argument
   // names the first key that is not pinned.
   template <typename Visit>
-  void ForEachPinnedRow(const uint64_t* keys, uint64_t n, const char* what, Visit visit) const {
+  void ForEachPinnedRow(const uint64_t* keys, uint64_t n, const char* what, Visit visit,
+                        uint8_t* const* addresses = nullptr) const {
     CheckKeys(keys, n);
     const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
     for (size_t s = 0; s < shards_.size(); ++s) {
@@ -890,7 +894,7 @@ class ShardedCache final : public MemCache {
       const Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
       for (uint64_t i : by_shard[s]) {
-        const uint32_t slot = shard.where.Find(keys[i]);
+        const uint32_t slot = SlotOf(shard, keys[i], addresses == nullptr ? nullptr : addresses[i]);
         if (slot == kNoSlot || shard.pins[slot] == 0) NotPinned(what, keys, i);
         visit(i, RowAt(shard, slot));
       }
@@ -911,6 +915,14 @@ class ShardedCache final : public MemCache {
     return static_cast<uint32_t>(offset / row_bytes_);
   }
 
+  // key's slot in shard: where its row is at `address` (from Pin or
+  // PinnedRows; kNoSlot if another key's row is there), else looked up.
+  uint32_t SlotOf(const Shard& shard, uint64_t key, const uint8_t* address) const {
+    if (address == nullptr) return shard.where.Find(key);
+    const uint32_t slot = SlotAt(shard, address);
+    return slot != kNoSlot && shard.keys[slot] == key ? slot : kNoSlot;
+  }
+
   // Checks that every key is pinned, then applies `change` and unpins each.
   // With `addresses` (rows of the keys, from Pin), the slots come from them
   // instead of the index.
@@ -927,14 +939,8 @@ class ShardedCache final : public MemCache {
       const std::vector<uint64_t>& mine = by_shard[s];
       for (size_t j = 0; j < mine.size(); ++j) {
         const uint64_t i = mine[j];
-        uint32_t slot;
-        if (addresses != nullptr) {
-          slot = SlotAt(shard, addresses[i]);
-          if (slot != kNoSlot && shard.keys[slot] != keys[i]) slot = kNoSlot;
-        } else {
-          if (j + kLookahead < mine.size()) shard.where.Prefetch(keys[mine[j + kLookahead]]);
-          slot = shard.where.Find(keys[i]);
-        }
+        if (addresses == nullptr && j + kLookahead < mine.size()) shard.where.Prefetch(keys[mine[j + kLookahead]]);
+        const uint32_t slot = SlotOf(shard, keys[i], addresses == nullptr ? nullptr : addresses[i]);
         if (slot == kNoSlot || shard.pins[slot] == 0) NotPinned(what, keys, i);
         slots[s].push_back(slot);
       }

@@ -37,7 +37,8 @@ WorkingSet::WorkingSet(MemCache& cache, const SparseOptimizer& optimizer, int32_
   CountPerDevice();
   // Last: from here on the pins are this object's to release.
   std::vector<uint8_t> hit(keys_.size());
-  cache_.Pull(keys_.data(), keys_.size(), nullptr, /*pin=*/true, hit.data());
+  addresses_.resize(keys_.size());
+  cache_.Pin(keys_.data(), keys_.size(), hit.data(), addresses_.data());
   hits_ = static_cast<uint64_t>(std::count(hit.begin(), hit.end(), uint8_t{1}));
 }
 
@@ -129,7 +130,7 @@ void WorkingSet::Load(DeviceTier& tier, std::shared_ptr<Updates> previous) {
     // MEM-PS's rows as they are now, not as the prefetch found them: a batch
     // written back since may have updated some (they are pinned, so cached).
     float* rows = tier.StagingRows(keys_.size() * static_cast<uint64_t>(optimizer_.row_floats()));
-    cache_.ReadPinned(keys_.data(), keys_.size(), reinterpret_cast<uint8_t*>(rows));
+    cache_.ReadPinned(keys_.data(), keys_.size(), reinterpret_cast<uint8_t*>(rows), addresses_.data());
     tier.Insert(keys_.data(), keys_.size(), rows, owners_.empty() ? nullptr : owners_.data());
     tier.Bind(keys_.data(), keys_.size(), owners_.empty() ? nullptr : owners_.data());
   } catch (...) {
@@ -270,6 +271,13 @@ void WorkingSet::ReleaseAll() {
   const uint32_t row_bytes = cache_.row_bytes();
   const auto* rows = reinterpret_cast<const uint8_t*>(updates_->rows.data());
   std::vector<uint64_t> refused;
+  // The pins' row addresses, in the order of `keys` (positions among keys_):
+  // MemCache finds the slots from them instead of looking each key up.
+  const auto addresses_at = [&](const std::vector<int64_t>& at) {
+    std::vector<uint8_t*> out(at.size());
+    for (size_t j = 0; j < at.size(); ++j) out[j] = addresses_[static_cast<uint64_t>(at[j])];
+    return out;
+  };
   // Bulk first; a key something else unpinned makes MemCache refuse the
   // whole call (changing nothing), and then they go one by one.
   const auto each = [&](const std::vector<uint64_t>& keys, auto&& one) {
@@ -289,18 +297,28 @@ void WorkingSet::ReleaseAll() {
     }
   };
   if (!written_ && !updated.empty()) {
-    each(updated, [&](uint64_t at, uint64_t n) { cache_.WriteBack(updated.data() + at, n, rows + at * row_bytes); });
+    const std::vector<uint8_t*> where = addresses_at(updated_positions_);
+    each(updated, [&](uint64_t at, uint64_t n) {
+      cache_.WriteBack(updated.data() + at, n, rows + at * row_bytes, where.data() + at);
+    });
   }
   written_ = true;
   std::vector<uint64_t> rest;
   if (updated.size() < keys_.size()) {
     std::vector<uint8_t> is_updated(keys_.size(), 0);
     for (int64_t p : updated_positions_) is_updated[static_cast<uint64_t>(p)] = 1;
-    rest.reserve(keys_.size() - updated.size());
+    std::vector<int64_t> rest_at;
+    rest_at.reserve(keys_.size() - updated.size());
     for (uint64_t i = 0; i < keys_.size(); ++i) {
-      if (!is_updated[i]) rest.push_back(keys_[i]);
+      if (!is_updated[i]) rest_at.push_back(static_cast<int64_t>(i));
     }
-    each(rest, [&](uint64_t at, uint64_t n) { cache_.Unpin(rest.data() + at, n); });
+    rest.reserve(rest_at.size());
+    for (int64_t p : rest_at) rest.push_back(keys_[static_cast<uint64_t>(p)]);
+    const std::vector<uint8_t*> where = addresses_at(rest_at);
+    const std::vector<uint8_t> unchanged(rest.size(), 0);
+    each(rest, [&](uint64_t at, uint64_t n) {
+      cache_.UnpinUpdated(rest.data() + at, n, unchanged.data() + at, where.data() + at);
+    });
   }
   released_ = true;
   previous_.reset();

@@ -206,6 +206,49 @@ TEST(MemCache, APrefaultedArenaCachesAsAnotherDoes) {
   EXPECT_EQ(got[0], got[1]);
 }
 
+TEST(MemCache, WriteBackAndReadPinnedByAddressAsByKey) {
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 64;
+  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  std::vector<uint64_t> keys = {3, 4, 5};
+  std::vector<uint8_t> hit(3);
+  std::vector<uint8_t*> at(3);
+  ASSERT_EQ(cache->Pin(keys.data(), 3, hit.data(), at.data()), 0u);
+  std::vector<uint8_t> read(3 * 8);
+  cache->ReadPinned(keys.data(), 3, read.data(), at.data());
+  uint64_t v;
+  std::memcpy(&v, read.data() + 8, 8);
+  EXPECT_EQ(v, 4000u);  // the loader's row of key 4
+  cache->FlushDirty();   // clean: only WriteBack's marks make them go to the sink again
+  EXPECT_EQ(backing.rows.at(3), 3000u);
+
+  // Another key's address is refused, naming the key, and nothing changes.
+  std::vector<uint8_t*> swapped = {at[1], at[0]};
+  const uint64_t rows[2] = {7, 8};
+  try {
+    cache->WriteBack(keys.data(), 2, reinterpret_cast<const uint8_t*>(rows), swapped.data());
+    ADD_FAILURE() << "a row address of another key must be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("3"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(cache->ReadPinned(keys.data(), 2, read.data(), swapped.data()), std::invalid_argument);
+  EXPECT_EQ(cache->stats().pinned, 3u);
+
+  // By address: keys 3 and 4 take the rows and are unpinned dirty; 5 stays pinned.
+  cache->WriteBack(keys.data(), 2, reinterpret_cast<const uint8_t*>(rows), at.data());
+  EXPECT_EQ(cache->stats().pinned, 1u);
+  std::vector<uint8_t> out(2 * 8);
+  cache->Pull(keys.data(), 2, out.data(), false, nullptr);
+  EXPECT_EQ(std::memcmp(out.data(), rows, 16), 0);
+  cache->FlushDirty();
+  EXPECT_EQ(backing.rows.at(3), 7u);
+  EXPECT_EQ(backing.rows.at(4), 8u);
+  EXPECT_THROW(cache->WriteBack(keys.data(), 1, reinterpret_cast<const uint8_t*>(rows), at.data()),
+               std::invalid_argument);  // no longer pinned
+}
+
 TEST(MemCache, PullThatLosesItsSlotsToConcurrentPinsKeepsItsDirtyVictims) {
   Backing backing;
   auto cache = FourDirtyRows(backing);
