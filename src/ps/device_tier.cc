@@ -227,37 +227,6 @@ class Tier final : public DeviceTier {
     Rows(keys.data(), n, rows, owners.empty() ? nullptr : owners.data());
   }
 
-  std::vector<uint64_t> Step(std::vector<int64_t>* positions) {
-    const int32_t dim = o_.optimizer.dim;
-    std::vector<uint64_t> updated;
-    if (BoundInPlace()) {
-      std::vector<int64_t> stepped;
-      in_place_->Apply(&stepped);
-      updated.reserve(stepped.size());
-      for (int64_t p : stepped) updated.push_back(bound_keys_[static_cast<uint64_t>(p)]);
-      if (positions) positions->insert(positions->end(), stepped.begin(), stepped.end());
-    }
-    const size_t by_key = updated.size();  // the keys stepped from the gradient tables start here
-    std::vector<float> grads;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t n = grads_[d]->size();
-      if (n == 0) continue;
-      // The gradient table already holds one summed row per key: apply it as it is.
-      rows_[d]->apply_summed_gradients(*grads_[d], o_.optimizer);
-      const size_t at = updated.size();
-      updated.resize(at + n);
-      grads.resize(n * dim);
-      updated.resize(at + grads_[d]->export_rows(updated.data() + at, grads.data(), n));
-      grads_[d]->clear();
-    }
-    if (positions && updated.size() > by_key) {
-      const size_t at = positions->size();
-      positions->resize(at + updated.size() - by_key);
-      PositionsOf(updated.data() + by_key, updated.size() - by_key, positions->data() + at, "apply");
-    }
-    return updated;
-  }
-
   void Rows(const uint64_t* keys, uint64_t n, float* rows, const int32_t* owners) const override {
     ReadOnOwners(keys, n, owners, rows, row_floats_, [](int32_t, uint64_t) {});
   }
@@ -466,6 +435,39 @@ class Tier final : public DeviceTier {
       grads_[d]->accumulate(parts.keys[d], size, received[static_cast<size_t>(d)]);
       Count(worker, d, size, size * dim * sizeof(float));
     }
+  }
+
+  // Apply's steps: the positions' sums (a bound in-place tier), then the
+  // gradient tables; `positions` (if given) gets each updated key's.
+  std::vector<uint64_t> Step(std::vector<int64_t>* positions) {
+    const int32_t dim = o_.optimizer.dim;
+    std::vector<uint64_t> updated;
+    if (BoundInPlace()) {
+      std::vector<int64_t> stepped;
+      in_place_->Apply(&stepped);
+      updated.reserve(stepped.size());
+      for (int64_t p : stepped) updated.push_back(bound_keys_[static_cast<uint64_t>(p)]);
+      if (positions) positions->insert(positions->end(), stepped.begin(), stepped.end());
+    }
+    const size_t by_key = updated.size();  // the keys stepped from the gradient tables start here
+    std::vector<float> grads;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t n = grads_[d]->size();
+      if (n == 0) continue;
+      // The gradient table already holds one summed row per key: apply it as it is.
+      rows_[d]->apply_summed_gradients(*grads_[d], o_.optimizer);
+      const size_t at = updated.size();
+      updated.resize(at + n);
+      grads.resize(n * dim);
+      updated.resize(at + grads_[d]->export_rows(updated.data() + at, grads.data(), n));
+      grads_[d]->clear();
+    }
+    if (positions && updated.size() > by_key) {
+      const size_t at = positions->size();
+      positions->resize(at + updated.size() - by_key);
+      PositionsOf(updated.data() + by_key, updated.size() - by_key, positions->data() + at, "apply");
+    }
+    return updated;
   }
 
   bool BoundInPlace() const { return bound_ && in_place_ != nullptr; }
