@@ -166,51 +166,23 @@ class CpuHashTable final : public HashTable {
                         uint8_t* found) const override {
     CheckKeys(keys, n);
     detail::CheckColumns(columns, row_floats());
-    std::shared_lock lock(mutex_);
     const uint32_t stride = static_cast<uint32_t>(columns);
-    const int parts = PartsFor(n, threads_);
-    std::vector<uint64_t> hits(static_cast<size_t>(parts), 0);
-    RunParts(parts, [&](int part) {
-      uint64_t item = PartBegin(n, part, parts);
-      uint64_t h = 0;
-      Pipeline(
-          ref_, PartBegin(n, part + 1, parts) - item, /*row_write=*/false,
-          [&item] { return item++; }, [keys](uint64_t i) { return keys[i]; },
-          [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
-          [&](const Probe& p) {
-            float* out = rows_out + p.item * stride;
-            if (p.slot >= 0) {
-              CopyRow(out, ref_.row(static_cast<uint64_t>(p.slot)), stride);
-            } else {
-              ZeroRow(out, stride);
-            }
-            if (found) found[p.item] = p.slot >= 0 ? 1 : 0;
-            h += p.slot >= 0;
-          });
-      hits[static_cast<size_t>(part)] = h;
+    return FindEach(keys, n, [&](const Probe& p) {
+      float* out = rows_out + p.item * stride;
+      if (p.slot >= 0) {
+        CopyRow(out, ref_.row(static_cast<uint64_t>(p.slot)), stride);
+      } else {
+        ZeroRow(out, stride);
+      }
+      if (found) found[p.item] = p.slot >= 0 ? 1 : 0;
     });
-    return Sum(hits);
   }
 
   uint64_t row_addresses(const uint64_t* keys, uint64_t n, float** rows_out) override {
     CheckKeys(keys, n);
-    std::shared_lock lock(mutex_);
-    const int parts = PartsFor(n, threads_);
-    std::vector<uint64_t> hits(static_cast<size_t>(parts), 0);
-    RunParts(parts, [&](int part) {
-      uint64_t item = PartBegin(n, part, parts);
-      uint64_t h = 0;
-      Pipeline(
-          ref_, PartBegin(n, part + 1, parts) - item, /*row_write=*/false,
-          [&item] { return item++; }, [keys](uint64_t i) { return keys[i]; },
-          [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
-          [&](const Probe& p) {
-            rows_out[p.item] = p.slot >= 0 ? ref_.row(static_cast<uint64_t>(p.slot)) : nullptr;
-            h += p.slot >= 0;
-          });
-      hits[static_cast<size_t>(part)] = h;
+    return FindEach(keys, n, [&](const Probe& p) {
+      rows_out[p.item] = p.slot >= 0 ? ref_.row(static_cast<uint64_t>(p.slot)) : nullptr;
     });
-    return Sum(hits);
   }
 
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {
@@ -395,6 +367,29 @@ class CpuHashTable final : public HashTable {
   int64_t ClaimSlot(Probe& p, int parts) {
     return parts == 1 ? FindOrClaim<false>(ref_, p.key, p.home, &p.claimed)
                       : FindOrClaim<true>(ref_, p.key, p.home, &p.claimed);
+  }
+
+  // Finds each key's slot (-1 when absent) on the launcher's threads, the
+  // table shared, and hands each probe to visit; returns how many were found.
+  template <class Visit>
+  uint64_t FindEach(const uint64_t* keys, uint64_t n, const Visit& visit) const {
+    std::shared_lock lock(mutex_);
+    const int parts = PartsFor(n, threads_);
+    std::vector<uint64_t> hits(static_cast<size_t>(parts), 0);
+    RunParts(parts, [&](int part) {
+      uint64_t item = PartBegin(n, part, parts);
+      uint64_t h = 0;
+      Pipeline(
+          ref_, PartBegin(n, part + 1, parts) - item, /*row_write=*/false,
+          [&item] { return item++; }, [keys](uint64_t i) { return keys[i]; },
+          [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
+          [&](const Probe& p) {
+            visit(p);
+            h += p.slot >= 0;
+          });
+      hits[static_cast<size_t>(part)] = h;
+    });
+    return Sum(hits);
   }
 
   // Finds or claims each key's slot, then finish(probe) -> whether it counts.
