@@ -132,8 +132,8 @@ class MemCache {
   // which spare looking the keys up again, as UnpinUpdated's do.
   virtual void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows,
                          uint8_t* const* addresses = nullptr) = 0;
-  // Unpins keys, leaving their rows as they are.
-  virtual void Unpin(const uint64_t* keys, uint64_t n) = 0;
+  // Unpins keys, leaving their rows as they are; `addresses` (or null) as WriteBack's.
+  virtual void Unpin(const uint64_t* keys, uint64_t n, uint8_t* const* addresses = nullptr) = 0;
   // Trace replay: hits are visits; misses enter the cache with zero rows,
   // clean, unpinned, without the loader. hit[i] (optional). Returns hits.
   // With a lookahead window set, the call's own later keys are its head

@@ -251,7 +251,7 @@ class ShardedCache final : public MemCache {
     try {
       return FetchPinning(keys, n, out, pin, hit, addresses, &held);
     } catch (...) {
-      if (!held.empty()) Unpin(held.data(), held.size());
+      if (!held.empty()) Unpin(held.data(), held.size(), nullptr);
       throw;
     }
   }
@@ -484,8 +484,8 @@ class ShardedCache final : public MemCache {
         addresses);
   }
 
-  void Unpin(const uint64_t* keys, uint64_t n) override {
-    ForPinned(keys, n, "unpin", [](Shard&, uint32_t, uint64_t) {});
+  void Unpin(const uint64_t* keys, uint64_t n, uint8_t* const* addresses) override {
+    ForPinned(keys, n, "unpin", [](Shard&, uint32_t, uint64_t) {}, addresses);
   }
 
   uint64_t Access(const uint64_t* keys, uint64_t n, uint8_t* hit) override {

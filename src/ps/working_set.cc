@@ -271,13 +271,6 @@ void WorkingSet::ReleaseAll() {
   const uint32_t row_bytes = cache_.row_bytes();
   const auto* rows = reinterpret_cast<const uint8_t*>(updates_->rows.data());
   std::vector<uint64_t> refused;
-  // The pins' row addresses, in the order of `keys` (positions among keys_):
-  // MemCache finds the slots from them instead of looking each key up.
-  const auto addresses_at = [&](const std::vector<int64_t>& at) {
-    std::vector<uint8_t*> out(at.size());
-    for (size_t j = 0; j < at.size(); ++j) out[j] = addresses_[static_cast<uint64_t>(at[j])];
-    return out;
-  };
   // Bulk first; a key something else unpinned makes MemCache refuse the
   // whole call (changing nothing), and then they go one by one.
   const auto each = [&](const std::vector<uint64_t>& keys, auto&& one) {
@@ -297,7 +290,9 @@ void WorkingSet::ReleaseAll() {
     }
   };
   if (!written_ && !updated.empty()) {
-    const std::vector<uint8_t*> where = addresses_at(updated_positions_);
+    // The pins' row addresses: MemCache finds the slots from them instead of looking each key up.
+    std::vector<uint8_t*> where(updated.size());
+    for (size_t j = 0; j < where.size(); ++j) where[j] = addresses_[static_cast<uint64_t>(updated_positions_[j])];
     each(updated, [&](uint64_t at, uint64_t n) {
       cache_.WriteBack(updated.data() + at, n, rows + at * row_bytes, where.data() + at);
     });
@@ -307,18 +302,15 @@ void WorkingSet::ReleaseAll() {
   if (updated.size() < keys_.size()) {
     std::vector<uint8_t> is_updated(keys_.size(), 0);
     for (int64_t p : updated_positions_) is_updated[static_cast<uint64_t>(p)] = 1;
-    std::vector<int64_t> rest_at;
-    rest_at.reserve(keys_.size() - updated.size());
+    std::vector<uint8_t*> where;
+    rest.reserve(keys_.size() - updated.size());
+    where.reserve(rest.capacity());
     for (uint64_t i = 0; i < keys_.size(); ++i) {
-      if (!is_updated[i]) rest_at.push_back(static_cast<int64_t>(i));
+      if (is_updated[i]) continue;
+      rest.push_back(keys_[i]);
+      where.push_back(addresses_[i]);
     }
-    rest.reserve(rest_at.size());
-    for (int64_t p : rest_at) rest.push_back(keys_[static_cast<uint64_t>(p)]);
-    const std::vector<uint8_t*> where = addresses_at(rest_at);
-    const std::vector<uint8_t> unchanged(rest.size(), 0);
-    each(rest, [&](uint64_t at, uint64_t n) {
-      cache_.UnpinUpdated(rest.data() + at, n, unchanged.data() + at, where.data() + at);
-    });
+    each(rest, [&](uint64_t at, uint64_t n) { cache_.Unpin(rest.data() + at, n, where.data() + at); });
   }
   released_ = true;
   previous_.reset();
