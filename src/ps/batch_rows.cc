@@ -1,6 +1,7 @@
 #include "ps/batch_rows.h"
 
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
@@ -50,6 +51,53 @@ void WithRowWidth(uint64_t dim, Body body) {
     case 128: return body(std::integral_constant<uint64_t, 128>{});
     default: return body(dim);
   }
+}
+
+// The compact copy's floats, kept by each thread from batch to batch: a fresh
+// buffer a batch (a MB or two) cost a page fault every 4 KiB and a zero fill,
+// a fifth of the get. Larger copies than kKeptScratchFloats get a buffer of
+// their own, so that no thread keeps one batch's peak for good.
+constexpr uint64_t kKeptScratchFloats = uint64_t{1} << 22;  // 16 MiB
+
+class CompactScratch {
+ public:
+  explicit CompactScratch(uint64_t floats) {
+    thread_local std::unique_ptr<float[]> kept;
+    thread_local uint64_t kept_floats = 0;
+    if (floats > kKeptScratchFloats) {
+      own_.reset(new float[floats]);
+      data_ = own_.get();
+      return;
+    }
+    if (floats > kept_floats) {
+      kept.reset();  // the old buffer goes before the larger one comes
+      kept.reset(new float[floats]);
+      kept_floats = floats;
+    }
+    data_ = kept.get();
+  }
+  float* data() const { return data_; }
+
+ private:
+  std::unique_ptr<float[]> own_;
+  float* data_ = nullptr;
+};
+
+// Four floats as one value (GCC's vector extension): a row's sums as vector
+// adds. Left to itself gcc kept a 16-float row's sums scalar (a byte store of
+// touched_ in the same loop may alias them), which took as long as the rest.
+typedef float Float4 __attribute__((vector_size(16)));
+
+inline void AddRow(float* __restrict to, const float* __restrict from, uint64_t dim) {
+  uint64_t j = 0;
+  for (; j + 4 <= dim; j += 4) {
+    Float4 a, b;
+    std::memcpy(&a, to + j, sizeof a);
+    std::memcpy(&b, from + j, sizeof b);
+    a += b;
+    std::memcpy(to + j, &a, sizeof a);
+  }
+  for (; j < dim; ++j) to[j] += from[j];
 }
 
 }  // namespace
@@ -108,7 +156,7 @@ void BatchRows::Get(const int64_t* positions, uint64_t n, float* embeddings, Row
     }
     // Many examples a key (a whole batch): each scattered row is read once into
     // a compact copy, which the examples then read from the cache.
-    std::vector<float> compact(size * dim);
+    const CompactScratch compact(size * dim);
     for (uint64_t p = 0; p < size; ++p) {
       if (p + kLookahead < size) __builtin_prefetch(rows_[p + kLookahead]);
       std::memcpy(compact.data() + p * dim, rows_[p], row_bytes);
@@ -123,18 +171,15 @@ void BatchRows::Get(const int64_t* positions, uint64_t n, float* embeddings, Row
 void BatchRows::Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout) {
   CheckPositions(positions, n, "accumulate");
   layout = CheckLayout(layout, n, "accumulate");
-  // Not WithRowWidth: at a fixed width of 16 gcc kept the sums scalar, and
-  // through local copies they took as long as this loop (W4s's batches).
-  const uint64_t dim = static_cast<uint64_t>(optimizer_.dim);
-  float* __restrict sums = grads_.data();
-  const float* __restrict from = grads;
-  RowOffsets at(layout, dim);
-  for (uint64_t i = 0; i < n; ++i, ++at) {
-    float* __restrict to = sums + positions[i] * dim;
-    const float* __restrict g = from + *at;
-    for (uint64_t j = 0; j < dim; ++j) to[j] += g[j];
-    touched_[positions[i]] = 1;
-  }
+  float* sums = grads_.data();
+  uint8_t* touched = touched_.data();
+  WithRowWidth(static_cast<uint64_t>(optimizer_.dim), [&](auto dim) {
+    RowOffsets at(layout, dim);
+    for (uint64_t i = 0; i < n; ++i, ++at) {
+      AddRow(sums + positions[i] * dim, grads + *at, dim);
+      touched[positions[i]] = 1;
+    }
+  });
 }
 
 uint64_t BatchRows::Apply(std::vector<int64_t>* stepped) {

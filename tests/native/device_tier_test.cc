@@ -420,7 +420,9 @@ using test_support::RowStore;
 // At dim 4 a row's width is known at run time; at 16 Get copies rows of a
 // width fixed at compile time (WithRowWidth).
 TEST(HostBatch, StepsPinnedRowsInPlaceLikeOneTable) {
-  for (const int32_t dim : {4, 16}) {
+  // 16: a width the copies know at compile time; 6 and 33: widths whose
+  // sums end past the last whole group of four floats.
+  for (const int32_t dim : {4, 6, 16, 33}) {
     SCOPED_TRACE("dim " + std::to_string(dim));
     RowStore store(AdaGrad(dim));
     const SparseOptimizer& opt = store.opt;
