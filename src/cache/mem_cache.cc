@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <mutex>
 #include <new>
-#include <unordered_map>
+#include <span>
 
 #include "cache/cache_policy.h"
 #include "format/key_index.h"
@@ -32,6 +32,35 @@ using detail::kNoSlot;
 constexpr uint64_t kOverheadPerRow = 112;
 constexpr uint64_t kSinkBatchRows = 16384;
 constexpr int kMpolInterleave = 3;  // <linux/mempolicy.h>; no libnuma needed
+
+// A Fetch's missing keys, distinct in order of first appearance, each with
+// the requests (indices into the call's keys) it answers, in call order:
+// flat arrays where a map and a vector a key cost two allocations a miss.
+class MissedKeys {
+ public:
+  MissedKeys(const uint64_t* keys, const std::vector<uint64_t>& missed) {
+    std::vector<uint64_t> missing(missed.size());
+    for (size_t j = 0; j < missed.size(); ++j) missing[j] = keys[missed[j]];
+    std::vector<int64_t> inverse(missed.size());
+    distinct_ = UniqueKeys(missing.data(), missing.size(), inverse.data());
+    offsets_.assign(distinct_.size() + 1, 0);
+    for (int64_t m : inverse) ++offsets_[m + 1];
+    for (size_t m = 0; m < distinct_.size(); ++m) offsets_[m + 1] += offsets_[m];
+    requests_.resize(missed.size());
+    std::vector<uint64_t> next(offsets_.begin(), offsets_.end() - 1);
+    for (size_t j = 0; j < missed.size(); ++j) requests_[next[inverse[j]]++] = missed[j];
+  }
+  const std::vector<uint64_t>& distinct() const { return distinct_; }
+  // The requests key m answers.
+  std::span<const uint64_t> requests(size_t m) const {
+    return {requests_.data() + offsets_[m], requests_.data() + offsets_[m + 1]};
+  }
+
+ private:
+  std::vector<uint64_t> distinct_;
+  std::vector<uint64_t> offsets_;   // distinct_.size() + 1
+  std::vector<uint64_t> requests_;  // missed.size(), grouped by key
+};
 
 int CountNumaNodes() {
   namespace fs = std::filesystem;
@@ -313,21 +342,8 @@ class ShardedCache final : public MemCache {
     }
 
     std::lock_guard miss_lock(miss_mutex_);
-    // Distinct missing keys, each with the requests it answers.
-    std::vector<uint64_t> load_keys;
-    std::vector<std::vector<uint64_t>> requests;
-    {
-      std::unordered_map<uint64_t, size_t> seen;
-      seen.reserve(missed.size());
-      for (uint64_t i : missed) {
-        auto [it, inserted] = seen.try_emplace(keys[i], load_keys.size());
-        if (inserted) {
-          load_keys.push_back(keys[i]);
-          requests.emplace_back();
-        }
-        requests[it->second].push_back(i);
-      }
-    }
+    MissedKeys requests(keys, missed);
+    const std::vector<uint64_t>& load_keys = requests.distinct();
     // Another caller may have loaded some meanwhile; the rest need slots.
     std::vector<std::vector<size_t>> new_by_shard(shards_.size());
     for (size_t m = 0; m < load_keys.size(); ++m) {
@@ -339,7 +355,7 @@ class ShardedCache final : public MemCache {
         new_by_shard[s].push_back(m);
         continue;
       }
-      for (uint64_t i : requests[m]) {
+      for (uint64_t i : requests.requests(m)) {
         Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
         if (pin) held->push_back(keys[i]);
         if (addresses) addresses[i] = RowAt(shard, slot);
@@ -412,7 +428,7 @@ class ShardedCache final : public MemCache {
           const uint32_t slot = taken[s][j].slot;
           if (slot == kNoSlot) {
             if (out) {
-              for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+              for (uint64_t i : requests.requests(m)) std::memcpy(out + i * row_bytes_, row, row_bytes_);
             }
             continue;
           }
@@ -423,17 +439,17 @@ class ShardedCache final : public MemCache {
           if (dirty[m]) MarkDirty(shard, slot);
           if (pin) {
             shard.fresh[slot] = 1;
-            shard.pins[slot] = static_cast<uint32_t>(requests[m].size());
+            shard.pins[slot] = static_cast<uint32_t>(requests.requests(m).size());
             ++shard.pinned;
-            for (uint64_t i : requests[m]) held->push_back(keys[i]);
+            for (uint64_t i : requests.requests(m)) held->push_back(keys[i]);
           } else {
             shard.policy->Add(slot, load_keys[m]);
           }
           if (out) {
-            for (uint64_t i : requests[m]) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+            for (uint64_t i : requests.requests(m)) std::memcpy(out + i * row_bytes_, row, row_bytes_);
           }
           if (addresses) {
-            for (uint64_t i : requests[m]) addresses[i] = RowAt(shard, slot);
+            for (uint64_t i : requests.requests(m)) addresses[i] = RowAt(shard, slot);
           }
         }
       } catch (...) {

@@ -249,6 +249,60 @@ TEST(MemCache, WriteBackAndReadPinnedByAddressAsByKey) {
                std::invalid_argument);  // no longer pinned
 }
 
+// A key may miss several times in one call (a batch's examples repeat keys):
+// one load serves every occurrence, each gets its row and the same slot, and
+// the row is pinned once per occurrence.
+TEST(MemCache, RepeatedMissesAreLoadedOnceAndPinnedPerOccurrence) {
+  Backing backing;
+  std::vector<std::vector<uint64_t>> loads;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 64;
+  o.shards = 4;
+  auto loader = backing.Loader();
+  auto cache = MemCache::New(
+      o,
+      [&](const uint64_t* keys, uint64_t n, uint8_t* out, uint8_t* dirty) {
+        loads.emplace_back(keys, keys + n);
+        loader(keys, n, out, dirty);
+      },
+      backing.Sink());
+  const uint64_t cached = 1;
+  cache->Pull(&cached, 1, nullptr, /*pin=*/false, nullptr);
+  loads.clear();
+
+  const std::vector<uint64_t> keys = {7, 3, 7, 9, 3, 7, 1};
+  std::vector<uint64_t> rows(keys.size());
+  std::vector<uint8_t> hit(keys.size());
+  EXPECT_EQ(cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), /*pin=*/true,
+                        hit.data()),
+            1u);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_EQ(rows[i], keys[i] * 1000) << "occurrence " << i;
+    EXPECT_EQ(hit[i], keys[i] == cached ? 1 : 0) << "occurrence " << i;
+  }
+  ASSERT_EQ(loads.size(), 1u);
+  std::sort(loads[0].begin(), loads[0].end());
+  EXPECT_EQ(loads[0], (std::vector<uint64_t>{3, 7, 9}));  // each missing key once
+  EXPECT_EQ(cache->stats().misses, 1u + 6u);            // the first Pull's miss, then one per occurrence
+
+  std::vector<uint8_t*> at(keys.size());
+  cache->Pin(keys.data(), keys.size(), nullptr, at.data());  // all hits now, pinned again
+  EXPECT_EQ(at[0], at[2]);
+  EXPECT_EQ(at[0], at[5]);
+  EXPECT_EQ(at[1], at[4]);
+  EXPECT_NE(at[0], at[1]);
+  cache->Unpin(keys.data(), keys.size());
+  EXPECT_EQ(cache->stats().pinned, 4u);  // the first Pull's pins: 7 three times, 3 twice
+  const std::vector<uint64_t> most = {7, 3, 9, 1, 7};
+  cache->Unpin(most.data(), most.size());
+  EXPECT_EQ(cache->stats().pinned, 2u);  // 7 and 3, once each
+  const std::vector<uint64_t> rest = {7, 3};
+  cache->Unpin(rest.data(), rest.size());
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_THROW(cache->Unpin(rest.data(), 1), std::invalid_argument);  // no pin left
+}
+
 TEST(MemCache, PullThatLosesItsSlotsToConcurrentPinsKeepsItsDirtyVictims) {
   Backing backing;
   auto cache = FourDirtyRows(backing);
