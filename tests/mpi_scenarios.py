@@ -131,6 +131,46 @@ def run_pullpush(node, out: str, args) -> None:
     ds.close()
 
 
+def run_distbatch(node, out: str, args) -> None:
+    """A rank's DistBatch finds its keys' positions from the prefetch for a run of
+    the prefetched keys (a worker's share, a view), by a search for a copy of
+    them; both give the same rows and sums, and a key outside the batch is named."""
+    import hps
+    from hps.distributed import DistributedServer
+    from hps.parameter_server import working_batch
+    ds = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
+                                                         budget="1MiB")), node)
+    rng = np.random.default_rng(node.rank)
+    keys = rng.integers(0, 40, size=(8, 3)).astype(np.uint64)
+    batch = ds.batch(ds.prefetch(keys))
+    share = keys[2:6]  # a view, as a worker's consecutive examples are
+    copy = share.copy()
+    # As hps.torch goes: the protocol's positions of a by-keys batch are the keys.
+    work = working_batch(batch)
+    at_view, at_copy = work.positions(share), work.positions(copy)
+    got = {"pos_view": batch._positions(at_view), "pos_copy": batch._positions(at_copy)}
+    got["view_is_prefetched"] = np.array(np.shares_memory(got["pos_view"], batch.pre.inverse))
+    got["rows_view"], got["rows_copy"] = work.gather(at_view), work.gather(at_copy)
+    grads = rng.random((share.size, ds.dim), dtype=np.float32)
+    sums = []
+    for at in (at_view, at_copy):
+        batch.grads[:] = 0.0
+        batch.touched[:] = False
+        work.accumulate(at, grads)
+        sums.append(batch.grads.copy())
+    got["sums_view"], got["sums_copy"] = sums
+    got["want_sums"] = np.zeros_like(sums[0])
+    np.add.at(got["want_sums"], np.searchsorted(batch.keys, share.reshape(-1)), grads)
+    try:
+        batch.pull(np.array([1000], np.uint64))
+        got["error"] = np.array("")
+    except KeyError as e:
+        got["error"] = np.array(str(e))
+    batch.abort()
+    np.savez(os.path.join(out, f"rank{node.rank}.npz"), **got)
+    ds.close()
+
+
 def run_train(node, out: str, args) -> None:
     from hps.train import train
     cfg = train_config(os.path.join(out, "job"), args.dense_sync, args.k, args.hierarchical, args.ranks_per_node,
@@ -233,7 +273,7 @@ def run_fail(node, out: str, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["pullpush", "train", "kstep", "allreduce", "fail"])
+    ap.add_argument("scenario", choices=["pullpush", "distbatch", "train", "kstep", "allreduce", "fail"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")

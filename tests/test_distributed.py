@@ -43,6 +43,21 @@ def test_remote_pull_push_equals_one_server(tmp_path, world, optimizer):
     ref.close()
 
 
+def test_a_rank_batch_takes_its_positions_from_the_prefetch_or_searches_for_them(tmp_path):
+    """hps.torch looks up a worker's share of the examples (a view of the prefetched
+    keys): its positions are the prefetch's, not searched again; a copy of the
+    same keys is searched for, with the same rows and the same sums per key."""
+    scenario(2, "distbatch", tmp_path)
+    for r in range(2):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        assert bool(got["view_is_prefetched"]), f"rank {r}: the share's positions were searched for"
+        np.testing.assert_array_equal(got["pos_view"], got["pos_copy"])
+        np.testing.assert_array_equal(got["rows_view"], got["rows_copy"])
+        np.testing.assert_array_equal(got["sums_view"], got["sums_copy"])
+        np.testing.assert_allclose(got["sums_view"], got["want_sums"], rtol=1e-6)
+        assert "key 1000 is not in this batch's working set" in str(got["error"])
+
+
 @pytest.mark.parametrize("world,codec", [(2, "bf16"), (3, "int8")])
 def test_remote_pull_push_through_a_codec_equals_one_server_of_rounded_traffic(tmp_path, world, codec):
     """[distributed] sparse_rows / sparse_grads: every row a rank pulls and every

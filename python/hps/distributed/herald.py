@@ -271,7 +271,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
             for buf in got:
                 (fields, width), u, w = _unpack(buf, (np.int64, np.uint64, np.uint8))
                 parts.append(u[w.view(np.uint16 if width == 2 else np.uint32).reshape(-1, fields)])
-        _, _, _, asked = self._send_keys("prefetch", uniq, "herald keys to their owners")
+        asked = self._send_keys("prefetch", uniq, "herald keys to their owners")[3]
         return parts, np.unique(np.concatenate(asked)), window
 
     def _lookahead(self, upcoming):

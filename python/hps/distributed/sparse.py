@@ -8,11 +8,12 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
+from hps import _core
 from hps.data.keys import mix64
 from hps.distributed.comm import Node
 from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import CacheFullError
-from hps.parameter_server import ParameterServer
+from hps.parameter_server import ParameterServer, _prefetched_positions
 
 class RowCodec:
     """A codec for rows crossing between ranks (``[distributed] sparse_rows`` and
@@ -106,12 +107,14 @@ class DistPrefetched:
     """The keys of a rank's examples batch, sent to their owners, and the owner's
     pins of what the ranks asked it for."""
 
-    def __init__(self, uniq, order, counts, asked, local):
+    def __init__(self, uniq, order, counts, asked, local, flat, inverse):
         self.keys = uniq                # this rank's distinct keys, sorted
         self.order = order              # uniq[order] is the send order (grouped by owner)
         self.counts = counts            # keys sent to each owner
         self.asked = asked              # per rank: the keys it asked this rank for
         self.local = local              # the local server's Prefetched (the union of asked)
+        self.flat = flat                # the batch's keys as prefetched, flattened
+        self.inverse = inverse          # where each of them is among uniq
 
     def release(self) -> None:
         self.local.release()
@@ -133,7 +136,14 @@ class DistBatch:
         self.wait_seconds = local.wait_seconds
 
     def _positions(self, keys: np.ndarray) -> np.ndarray:
-        keys = np.asarray(keys, np.uint64)
+        """Where each key is among the batch's: from the prefetch for its keys or a
+        run of them (a worker's examples), else by a search (2 ms for a rank's
+        26k keys, twice a batch, before the prefetch's were used)."""
+        keys = np.asarray(keys)
+        known = _prefetched_positions(keys.reshape(-1), self.pre.flat, self.pre.inverse)
+        if known is not None:
+            return known
+        keys = keys.astype(np.uint64, copy=False)
         pos = np.minimum(np.searchsorted(self.keys, keys), max(len(self.keys) - 1, 0))
         if len(keys) and (len(self.keys) == 0 or (self.keys[pos] != keys).any()):
             missing = keys[(self.keys[pos] != keys) if len(self.keys) else slice(None)]
@@ -144,8 +154,11 @@ class DistBatch:
         return self.rows[self._positions(keys)]
 
     def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        # Summed per key natively, in the examples' order (np.add.at took 12.6 ms
+        # where this takes 0.6, for 106k rows of 16 floats over 21k keys).
         pos = self._positions(keys)
-        np.add.at(self.grads, pos, np.asarray(grads, np.float32))
+        rows = np.ascontiguousarray(grads, np.float32).reshape(len(pos), self.grads.shape[1])
+        self.grads += _core.sum_by_inverse(pos, rows, len(self.grads))
         self.touched[pos] = True
 
     def apply(self) -> None:
@@ -204,7 +217,11 @@ class DistributedServer:
 
     # -- exchange helpers
     def _send_keys(self, stage: str, keys: np.ndarray, what: str):
-        uniq = np.unique(np.asarray(keys, np.uint64).ravel())
+        """keys' distinct ones (sorted) to their owners: (uniq, order, counts,
+        asked, flat, inverse), flat the keys as given, flattened, and inverse
+        where each is among uniq (numpy's unique finds it for less than without)."""
+        flat = np.asarray(keys, np.uint64).ravel()
+        uniq, inverse = np.unique(flat, return_inverse=True)
         if len(uniq) and uniq[-1] == EMPTY_KEY:
             raise ValueError(f"{what}: key {EMPTY_KEY:#x} is reserved (the empty-slot sentinel)")
         owners = owner_ranks(uniq, self.node.size)
@@ -212,7 +229,7 @@ class DistributedServer:
         counts = np.bincount(owners, minlength=self.node.size)
         blocks = np.split(uniq[order], np.cumsum(counts)[:-1])
         asked = self.node.alltoallv(stage, blocks, "sparse_keys", what)
-        return uniq, order, counts, asked
+        return uniq, order, counts, asked, flat, inverse.reshape(-1)
 
     def _return_rows(self, stage: str, uniq, order, rows_out, what: str) -> np.ndarray:
         rows_in = self.rows_codec.unpack(self.node.alltoallv(stage, self.rows_codec.pack(rows_out, self.node.rank),
@@ -225,9 +242,9 @@ class DistributedServer:
     def pull(self, keys: np.ndarray) -> np.ndarray:
         """Rows (n, dim) of keys, from their owners, as of the last finished batch."""
         keys = np.asarray(keys)
-        uniq, order, _, asked = self._send_keys("train", keys, "pull keys")
+        uniq, order, _, asked, _, inverse = self._send_keys("train", keys, "pull keys")
         rows = self._return_rows("train", uniq, order, [self.local.pull(a) for a in asked], "pull rows")
-        return rows[np.searchsorted(uniq, keys.ravel())].reshape(keys.shape + (self.dim,))
+        return rows[inverse].reshape(keys.shape + (self.dim,))
 
     def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
         """Sums the gradients every rank pushes for each key at its owner, which
@@ -262,14 +279,14 @@ class DistributedServer:
                 self._lookahead(upcoming)
             exchange = self._send_keys("prefetch", keys, "prefetch keys")
         self._retry = None
-        uniq, order, counts, asked = exchange
+        uniq, order, counts, asked, flat, inverse = exchange
         union = np.unique(np.concatenate(asked)) if asked else np.empty(0, np.uint64)
         try:
             local = self.local.prefetch(union)
         except CacheFullError:
             self._retry = (keys, exchange)
             raise
-        return DistPrefetched(uniq, order, counts, asked, local)
+        return DistPrefetched(uniq, order, counts, asked, local, flat, inverse)
 
     def _lookahead(self, upcoming) -> np.ndarray:
         """Every rank's window, sent to the owners (collective, prefetch stage): each
