@@ -342,8 +342,8 @@ class ShardedCache final : public MemCache {
     }
 
     std::lock_guard miss_lock(miss_mutex_);
-    MissedKeys requests(keys, missed);
-    const std::vector<uint64_t>& load_keys = requests.distinct();
+    const MissedKeys missing(keys, missed);
+    const std::vector<uint64_t>& load_keys = missing.distinct();
     // Another caller may have loaded some meanwhile; the rest need slots.
     std::vector<std::vector<size_t>> new_by_shard(shards_.size());
     for (size_t m = 0; m < load_keys.size(); ++m) {
@@ -355,7 +355,7 @@ class ShardedCache final : public MemCache {
         new_by_shard[s].push_back(m);
         continue;
       }
-      for (uint64_t i : requests.requests(m)) {
+      for (uint64_t i : missing.requests(m)) {
         Deliver(shard, slot, out ? out + i * row_bytes_ : nullptr, pin);
         if (pin) held->push_back(keys[i]);
         if (addresses) addresses[i] = RowAt(shard, slot);
@@ -428,7 +428,7 @@ class ShardedCache final : public MemCache {
           const uint32_t slot = taken[s][j].slot;
           if (slot == kNoSlot) {
             if (out) {
-              for (uint64_t i : requests.requests(m)) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+              for (uint64_t i : missing.requests(m)) std::memcpy(out + i * row_bytes_, row, row_bytes_);
             }
             continue;
           }
@@ -439,17 +439,17 @@ class ShardedCache final : public MemCache {
           if (dirty[m]) MarkDirty(shard, slot);
           if (pin) {
             shard.fresh[slot] = 1;
-            shard.pins[slot] = static_cast<uint32_t>(requests.requests(m).size());
+            shard.pins[slot] = static_cast<uint32_t>(missing.requests(m).size());
             ++shard.pinned;
-            for (uint64_t i : requests.requests(m)) held->push_back(keys[i]);
+            for (uint64_t i : missing.requests(m)) held->push_back(keys[i]);
           } else {
             shard.policy->Add(slot, load_keys[m]);
           }
           if (out) {
-            for (uint64_t i : requests.requests(m)) std::memcpy(out + i * row_bytes_, row, row_bytes_);
+            for (uint64_t i : missing.requests(m)) std::memcpy(out + i * row_bytes_, row, row_bytes_);
           }
           if (addresses) {
-            for (uint64_t i : requests.requests(m)) addresses[i] = RowAt(shard, slot);
+            for (uint64_t i : missing.requests(m)) addresses[i] = RowAt(shard, slot);
           }
         }
       } catch (...) {
