@@ -319,7 +319,7 @@ def _build(spec, table: dict, where: str):
         raise ValueError(f"{where} ({kind}): {e}") from None
 
 
-def _prefetched_positions(flat: np.ndarray, prefetched: np.ndarray, inverse: np.ndarray) -> Optional[np.ndarray]:
+def prefetched_positions(flat: np.ndarray, prefetched: np.ndarray, inverse: np.ndarray) -> Optional[np.ndarray]:
     """inverse's entries for `flat` when it is the prefetched keys themselves
     (the same bytes, as a view of any dtype of their width), a run of them in
     their memory (a worker's share of a batch's examples is a slice of them),
@@ -485,7 +485,7 @@ class Batch(_BatchBase):
         """Where each of keys (any shape, flattened) is among the batch's keys:
         known from the prefetch for its keys or a run of them, else looked up."""
         flat = np.ascontiguousarray(keys).reshape(-1)
-        known = _prefetched_positions(flat, self._flat, self._inverse)
+        known = prefetched_positions(flat, self._flat, self._inverse)
         return self._ws.positions(flat) if known is None else known
 
     def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:
@@ -607,7 +607,7 @@ class HostBatch(_BatchBase):
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """Where each of keys (any shape, flattened) is among the batch's keys."""
         flat = np.ascontiguousarray(keys).reshape(-1)
-        known = _prefetched_positions(flat, self._flat, self._inverse)
+        known = prefetched_positions(flat, self._flat, self._inverse)
         return self._native.positions(flat) if known is None else known
 
     def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:

@@ -42,10 +42,10 @@ import numpy as np
 from hps import _core
 from hps.batch_base import BatchBase, StopsAfterAFailedStep
 from hps.distributed.comm import Node
-from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks, window_keys
+from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks, rank_positions, window_keys
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
-from hps.parameter_server import ParameterServer, _prefetched_positions
+from hps.parameter_server import ParameterServer
 from hps.worker_caches import size_gradients
 
 
@@ -452,16 +452,7 @@ class HeraldDistBatch(BatchBase):
     def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
         """Gradients of this rank's keys, summed here until apply()."""
         self.partition()
-        keys = np.ascontiguousarray(keys).reshape(-1)
-        # The exchanged examples' keys or a run of them (hps.torch's) are where the
-        # step's unique found them; other keys are searched for.
-        at = _prefetched_positions(keys, self._flat, self._inverse)
-        if at is None:
-            keys = keys.astype(np.uint64, copy=False)
-            at = np.minimum(np.searchsorted(self._mine, keys), max(len(self._mine) - 1, 0))
-            if len(keys) and (len(self._mine) == 0 or (self._mine[at] != keys).any()):
-                bad = keys[(self._mine[at] != keys) if len(self._mine) else slice(None)][0]
-                raise KeyError(f"key {int(bad)} is not trained on this rank this step")
+        at = rank_positions(keys, self._mine, self._flat, self._inverse, "is not trained on this rank this step")
         self._grads += _core.sum_by_inverse(at.astype(np.int64, copy=False), np.ascontiguousarray(grads, np.float32),
                                             len(self._mine))
 

@@ -13,7 +13,7 @@ from hps.data.keys import mix64
 from hps.distributed.comm import Node
 from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import CacheFullError
-from hps.parameter_server import ParameterServer, _prefetched_positions
+from hps.parameter_server import ParameterServer, prefetched_positions
 
 class RowCodec:
     """A codec for rows crossing between ranks (``[distributed] sparse_rows`` and
@@ -73,6 +73,24 @@ class RowCodec:
 def owner_ranks(keys: np.ndarray, world: int) -> np.ndarray:
     """The rank that owns each key (int64)."""
     return ((mix64(keys) >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
+
+
+def rank_positions(keys, uniq: np.ndarray, flat: np.ndarray, inverse: np.ndarray, absent: str) -> np.ndarray:
+    """Where each of keys is among a rank batch's distinct keys `uniq` (sorted),
+    which np.unique found for the batch's keys `flat` (`inverse`): taken from
+    there for those keys or a run of them (a worker's examples), else searched
+    for (2 ms for a rank's 26k keys, twice a batch, where it was the only way).
+    KeyError "key K <absent>" for the first key not among them."""
+    keys = np.asarray(keys).reshape(-1)
+    known = prefetched_positions(keys, flat, inverse)
+    if known is not None:
+        return known
+    keys = keys.astype(np.uint64, copy=False)
+    pos = np.minimum(np.searchsorted(uniq, keys), max(len(uniq) - 1, 0))
+    if len(keys) and (len(uniq) == 0 or (uniq[pos] != keys).any()):
+        missing = keys[(uniq[pos] != keys) if len(uniq) else slice(None)]
+        raise KeyError(f"key {int(missing[0])} {absent}")
+    return pos
 
 
 def window_keys(upcoming) -> np.ndarray:
@@ -136,19 +154,7 @@ class DistBatch:
         self.wait_seconds = local.wait_seconds
 
     def _positions(self, keys: np.ndarray) -> np.ndarray:
-        """Where each key is among the batch's: from the prefetch for its keys or a
-        run of them (a worker's examples), else by a search (2 ms for a rank's
-        26k keys, twice a batch, before the prefetch's were used)."""
-        keys = np.asarray(keys)
-        known = _prefetched_positions(keys.reshape(-1), self.pre.flat, self.pre.inverse)
-        if known is not None:
-            return known
-        keys = keys.astype(np.uint64, copy=False)
-        pos = np.minimum(np.searchsorted(self.keys, keys), max(len(self.keys) - 1, 0))
-        if len(keys) and (len(self.keys) == 0 or (self.keys[pos] != keys).any()):
-            missing = keys[(self.keys[pos] != keys) if len(self.keys) else slice(None)]
-            raise KeyError(f"key {int(missing[0])} is not in this batch's working set")
-        return pos
+        return rank_positions(keys, self.keys, self.pre.flat, self.pre.inverse, "is not in this batch's working set")
 
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
         return self.rows[self._positions(keys)]
