@@ -157,6 +157,32 @@ def test_a_key_outside_the_batch_is_named(tmp_path):
     b.write_back()
 
 
+def test_a_worker_reads_its_own_copies_by_position_into_a_models_columns(tmp_path):
+    ps = server(tmp_path / "a", "herald")
+    batches = trace(batches=4)
+    run(ps, batches[:3])  # warm caches: the next batch's keys have copies on several devices
+    b = ps.batch(ps.prefetch(batches[3]))
+    parts = b.partition()
+    assert b.gathers_into_columns  # host partitions: read where the tables hold the rows
+    trained = {}
+    for w, idx in enumerate(parts):
+        k = batches[3][idx]  # a copy of the worker's examples' keys, as hps.torch gathers them
+        at = b.positions(k)
+        np.testing.assert_array_equal(b.keys[at], k.reshape(-1))
+        wide = np.full((len(idx), k.shape[1] * 4 + 3), -1.0, np.float32)  # [fields' embeddings | dense]
+        b.gather(at, wide[:, :k.shape[1] * 4], worker=w)
+        np.testing.assert_array_equal(wide[:, :k.shape[1] * 4].reshape(-1, 4), b.pull(k.reshape(-1), worker=w))
+        assert (wide[:, -3:] == -1.0).all()
+        trained.update({int(x): w for x in np.unique(k)})
+    assert len(set(trained.values())) > 1
+    key, w = next((key, w) for key, w in trained.items()
+                  if not any(key in batches[3][idx] for idx in parts[(w + 1) % 4:(w + 1) % 4 + 1]))
+    other = (w + 1) % 4
+    with pytest.raises(KeyError, match=f"key {key} is not in worker {other}'s cache this batch"):
+        b.pull(np.array([key], np.uint64), worker=other)
+    b.abort()
+
+
 SMALL_VOCAB = [50, 200, 1000, 5000] + [800] * 22
 
 

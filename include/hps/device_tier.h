@@ -174,10 +174,17 @@ class DeviceTier {
   virtual void SetGradientCapacity(int32_t device, uint64_t capacity) = 0;
 
   // Positional access to one batch's working set, as a HostBatch has it.
-  // Bind names the batch's distinct keys (n, each loaded, owners as Insert
-  // was given them), between its Insert and its first Get or Accumulate;
-  // position i is keys[i] until Clear. std::out_of_range names a key not
-  // loaded; std::logic_error when gradients already wait for Apply.
+  // Bind names the batch's rows (n keys, each loaded, owners as Insert was
+  // given them), between its Insert and its first Get or Accumulate;
+  // position i is (keys[i], owners[i]) until Clear. Each (key, owner) pair
+  // is bound once (not checked: a pair bound twice is stepped twice). A key
+  // may be bound on several devices, a copy on each (Herald's caches: each
+  // trainer reads its own copy, the gradients sum on one); reach such a
+  // binding by position: where the tier reads in place, Accumulate by key
+  // throws std::logic_error naming the key, as does ApplyBound elsewhere
+  // (its positions of keys stepped by key). std::out_of_range
+  // names a key not loaded; std::logic_error when gradients already wait for
+  // Apply.
   // On host partitions whose rows cross no row mover (reads_in_place), the
   // positional calls read and step the rows where the tables hold them, each
   // key looked up once (at Bind) instead of once a call; elsewhere they go by
@@ -197,6 +204,12 @@ class DeviceTier {
   virtual std::vector<uint64_t> ApplyBound(std::vector<int64_t>* positions) = 0;
   // The full rows (n, row_floats) of the bound keys at positions.
   virtual void RowsAt(const int64_t* positions, uint64_t n, float* rows) const = 0;
+  // Overwrites the full row at to[i] with the row at from[i], for each i in
+  // order (a key's updated copy onto its other copies after Apply); not
+  // counted as transfers (the caller counts what it moves). Gradients waiting
+  // at a position stay there. std::out_of_range names a position outside the
+  // bound keys; std::logic_error before Bind.
+  virtual void CopyRowsAt(const int64_t* from, const int64_t* to, uint64_t n) = 0;
 
   virtual TransferMatrix transfers() const = 0;
   // Empty (links = 0) without routes.

@@ -1,7 +1,8 @@
 """What every working batch shares (hps.parameter_server's device-tier and host
 batches, Herald's batches on one node and across ranks): finish(), the with-block
-protocol, and positions / gather / accumulate for a batch that looks rows up by key;
-and what the owners of Herald's caches share: stopping after a failed step."""
+protocol, positions / gather / accumulate for a batch that looks rows up by key,
+and finding a batch's keys among the keys it prefetched; and what the owners of
+Herald's caches share: stopping after a failed step."""
 from __future__ import annotations
 
 import threading
@@ -9,6 +10,22 @@ from contextlib import contextmanager
 from typing import Optional
 
 import numpy as np
+
+
+def prefetched_positions(flat: np.ndarray, prefetched: np.ndarray, inverse: np.ndarray) -> Optional[np.ndarray]:
+    """inverse's entries for `flat` when it is the prefetched keys themselves
+    (the same bytes, as a view of any dtype of their width), a run of them in
+    their memory (a worker's share of a batch's examples is a slice of them),
+    or a copy of them, compared; else None."""
+    if flat.itemsize != prefetched.itemsize or flat.nbytes > prefetched.nbytes:
+        return None
+    offset = flat.ctypes.data - prefetched.ctypes.data
+    if 0 <= offset <= prefetched.nbytes - flat.nbytes and offset % flat.itemsize == 0:
+        start = offset // flat.itemsize
+        return inverse if len(flat) == len(inverse) else inverse[start:start + len(flat)]
+    if flat.nbytes == prefetched.nbytes and np.array_equal(flat.view(prefetched.dtype), prefetched):
+        return inverse
+    return None
 
 
 class BatchBase:

@@ -69,6 +69,7 @@ from hps.mem_cache import MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 from hps.ssd_store import SsdStore
 from hps.batch_base import BatchBase as _BatchBase
+from hps.batch_base import prefetched_positions
 from hps.worker_caches import HeraldBatch, WorkerCaches
 
 METADATA = "hps-parameter-server.json"
@@ -317,22 +318,6 @@ def _build(spec, table: dict, where: str):
         return table[kind](**spec)
     except TypeError as e:
         raise ValueError(f"{where} ({kind}): {e}") from None
-
-
-def prefetched_positions(flat: np.ndarray, prefetched: np.ndarray, inverse: np.ndarray) -> Optional[np.ndarray]:
-    """inverse's entries for `flat` when it is the prefetched keys themselves
-    (the same bytes, as a view of any dtype of their width), a run of them in
-    their memory (a worker's share of a batch's examples is a slice of them),
-    or a copy of them, compared; else None."""
-    if flat.itemsize != prefetched.itemsize or flat.nbytes > prefetched.nbytes:
-        return None
-    offset = flat.ctypes.data - prefetched.ctypes.data
-    if 0 <= offset <= prefetched.nbytes - flat.nbytes and offset % flat.itemsize == 0:
-        start = offset // flat.itemsize
-        return inverse if len(flat) == len(inverse) else inverse[start:start + len(flat)]
-    if flat.nbytes == prefetched.nbytes and np.array_equal(flat.view(prefetched.dtype), prefetched):
-        return inverse
-    return None
 
 
 class Prefetched:

@@ -40,9 +40,11 @@ thread only unpins MEM-PS; pull and checkpoint take the same lock.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
-from hps.batch_base import BatchBase, StopsAfterAFailedStep
+from hps.batch_base import BatchBase, StopsAfterAFailedStep, prefetched_positions
 from hps.herald import Herald
 
 
@@ -208,18 +210,14 @@ class HeraldBatch(BatchBase):
         # Each key's trainers; its primary (lowest trainer) gets its gradients.
         trains = np.zeros((len(self.keys), W), bool)
         trains[pre.inverse, np.repeat(plan.assignment, fields)] = True
-        self._primary = trains.argmax(axis=1).astype(np.int32)
+        self._trains = trains
+        self._primary = trains.argmax(axis=1)
         size_gradients(c._tier, c._gradient_slots, np.bincount(self._primary, minlength=W), c._table_rows)
-        trains[np.arange(len(self.keys)), self._primary] = False
-        replica, self._replica_to = np.nonzero(trains)
-        self._replica_to = self._replica_to.astype(np.int32)
-        self._replica_key = self.keys[replica]
-        self._replica_from = self._primary[replica]
-        # The keys a device pushes are its examples' keys, in order (hps.torch
-        # pushes a mini-batch's fields together): their primaries, ready.
-        by_example = self._primary[pre.inverse].reshape(n, fields)
+        # Each worker's examples' positions among the batch's keys (hps.torch
+        # gathers a mini-batch's keys, a copy of them: the examples are not in order).
+        by_example = pre.inverse.reshape(n, fields)
         self._mine = [(examples[mb].reshape(-1), by_example[mb].reshape(-1)) for mb in self._minibatches]
-        self._sorted = None  # for pushes of other keys (built when first needed)
+        self._sorted = None  # for the positions of other keys (built when first needed)
 
         # Fetches: rows the trainers lack, from MEM-PS or from a peer's table.
         fk = plan.fetch_keys
@@ -239,6 +237,7 @@ class HeraldBatch(BatchBase):
             c._present += np.bincount(dest, minlength=W)
             c.counts["ps_loads"] += int(from_ps.sum())
             c.counts["peer_fetches"] += int((~from_ps).sum())
+        self._bind(W)
         c.counts["batches"] += 1
         c.counts["plan_pulls"] += plan.pulls
         c.counts["plan_peer_pulls"] += plan.peer_pulls
@@ -246,39 +245,94 @@ class HeraldBatch(BatchBase):
         c.counts["plan_shared"] += plan.shared
         c.counts["distinct"] += plan.distinct
 
-    def _primaries(self, keys: np.ndarray, worker: int) -> np.ndarray:
-        mine, owners = self._mine[worker]
-        if len(mine) == len(keys) and np.array_equal(mine, keys):
-            return owners
+    def _bind(self, W: int) -> None:
+        """Binds the batch's rows on the tier by position: a copy of each key on
+        each of its trainers (key by key, trainers ascending), so that a pull
+        reads the worker's own copy and a push sums on the key's primary, with
+        no key looked up after this (a host partition's rows are read and
+        stepped where its table holds them)."""
+        c, K = self._caches, len(self.keys)
+        copies = np.flatnonzero(self._trains.reshape(-1))  # key * W + worker
+        del self._trains
+        at = np.full(K * W, -1, np.int64)
+        at[copies] = np.arange(len(copies))
+        self._at = at.reshape(K, W)  # the position of key i's copy on w; -1 where w does not train it
+        owner = (copies % W).astype(np.int32)
+        c._tier.bind(self.keys[copies // W], owner)
+        self._at_primary = self._at[np.arange(K), self._primary]
+        # After the step, the primary's row goes onto each other copy.
+        replica = np.ones(len(copies), bool)
+        replica[self._at_primary] = False
+        self._replica_to = np.flatnonzero(replica)
+        self._replica_from = self._at_primary[copies[replica] // W]
+        self._replica_moves = np.bincount(self._primary[copies[replica] // W] * W + owner[replica],
+                                          minlength=W * W).reshape(W, W).astype(np.uint64)
+        self.gathers_into_columns = c._tier.reads_in_place
+
+    def positions(self, keys: np.ndarray) -> np.ndarray:
+        """Where each of keys (any shape, flattened) is among the batch's keys:
+        from the prefetch for its keys, a run of them or a worker's examples,
+        else searched for. KeyError names a key not in the batch."""
+        self.partition()
+        flat = np.ascontiguousarray(keys).reshape(-1)
+        known = prefetched_positions(flat, self._pre.flat, self._pre.inverse)
+        if known is not None:
+            return known
+        if flat.itemsize == 8:
+            for mine, at in self._mine:
+                if len(mine) == len(flat) and np.array_equal(mine, flat.view(np.uint64)):
+                    return at
+        flat = flat.astype(np.uint64, copy=False)
         if self._sorted is None:
             self._sorted = np.argsort(self.keys)
-        at = np.searchsorted(self.keys, keys, sorter=self._sorted)
+        at = np.searchsorted(self.keys, flat, sorter=self._sorted)
         at = self._sorted[np.minimum(at, len(self.keys) - 1)]
-        if not np.array_equal(self.keys[at], keys):
-            bad = keys[self.keys[at] != keys][0]
+        if not np.array_equal(self.keys[at], flat):
+            bad = flat[self.keys[at] != flat][0]
             raise KeyError(f"key {int(bad)} is not in this batch")
-        return self._primary[at]
+        return at
+
+    def _copies(self, positions: np.ndarray, worker: int) -> np.ndarray:
+        """Worker `worker`'s copies of the keys at positions (the schedule put a
+        copy of every key it trains on it). KeyError names a key it does not train."""
+        self._check_worker(worker)
+        at = self._at[positions, worker]
+        if len(at) and at.min() < 0:
+            bad = int(self.keys[positions[np.flatnonzero(at < 0)[0]]])
+            raise KeyError(f"key {bad} is not in worker {worker}'s cache this batch "
+                           f"(the schedule gave its examples to other workers)")
+        return at
 
     # ------------------------------------------------------------ the WorkingBatch protocol
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
-        """Embeddings (n, dim) of keys on device `worker`, from its own cache
-        (the schedule put every key it trains there)."""
-        self.partition()
-        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
-        self._check_worker(worker)
-        c = self._caches
-        with c._lock:
-            return c._tier.get(worker, keys, np.full(len(keys), worker, np.int32), c._tier.dim)
+        """Embeddings (n, dim) of keys on device `worker`, from its own cache."""
+        return self.gather(self.positions(keys), worker=worker)
 
     def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
         """Gradients (n, dim) from device `worker` to each key's primary, where they sum."""
+        positions = self.positions(keys)
+        self.accumulate(positions, np.ascontiguousarray(grads, dtype=np.float32).reshape(len(positions), -1),
+                        worker=worker)
+
+    def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:
+        """Embeddings (n, dim) of the keys at positions, from worker `worker`'s
+        copies; into `out` if given: (n, dim), or where the tier reads in place
+        (gathers_into_columns) also (B, k * dim) with B * k = n, which may be the
+        first columns of a wider matrix."""
         self.partition()
-        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
+        at = self._copies(np.asarray(positions), worker)
+        c = self._caches
+        with c._lock:
+            return c._tier.get_at(worker, at, out)
+
+    def accumulate(self, positions: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        """Gradients from worker `worker` to the primaries of the keys at
+        positions, where they sum until apply(); laid out as gather's `out`."""
+        self.partition()
         self._check_worker(worker)
         c = self._caches
         with c._lock:
-            c._tier.accumulate(worker, keys, np.ascontiguousarray(grads, dtype=np.float32),
-                               self._primaries(keys, worker), c._tier.dim)
+            c._tier.accumulate_at(worker, self._at_primary[np.asarray(positions)], grads)
 
     def _check_worker(self, worker: int) -> None:
         if not 0 <= worker < self._caches.workers:
@@ -290,18 +344,16 @@ class HeraldBatch(BatchBase):
         if self._applied:
             return
         self.partition()
-        c, W = self._caches, self._caches.workers
+        c = self._caches
         # The real exception is the reason recorded: the abort inside marks a
         # scheduled batch failed first, and step() overwrites that on the way out.
         with c.step(check=False):
             try:
                 c._tier.apply()
-                if len(self._replica_key):
-                    rows = c._tier.rows(self._replica_key, self._replica_from, c._row_floats)
-                    c._tier.assign(self._replica_key, rows, self._replica_to, c._row_floats)
-                    c.moved_rows += np.bincount(self._replica_from.astype(np.int64) * W + self._replica_to,
-                                                minlength=W * W).reshape(W, W).astype(np.uint64)
-                    c.counts["replica_copies"] += len(self._replica_key)
+                if len(self._replica_to):
+                    c._tier.copy_rows_at(self._replica_from, self._replica_to)
+                    c.moved_rows += self._replica_moves
+                    c.counts["replica_copies"] += len(self._replica_to)
                 lost = self._plan.lost_keys
                 if len(lost):
                     c._to_mem(lost, c._tier.rows(lost, self._plan.lost_from, c._row_floats))

@@ -830,6 +830,44 @@ PYBIND11_MODULE(_core, m) {
         if (got != n) throw std::logic_error("device tier: read back fewer rows than it holds");
         return py::make_tuple(keys, rows);
       }, py::arg("row_floats"))
+      .def_property_readonly("reads_in_place", &hps::DeviceTier::reads_in_place)
+      .def("bind", [](hps::DeviceTier& t, const py::array& keys, const py::object& owners) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const int32_t* o = OwnersArg(owners, n);
+        py::gil_scoped_release release;
+        t.Bind(k, n, o);
+      }, py::arg("keys"), py::arg("owners"), "position i is (keys[i], owners[i]) until clear()")
+      .def("get_at", [](hps::DeviceTier& t, int32_t worker, const py::array& positions, const py::object& out)
+               -> py::object {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        if (out.is_none()) {
+          return FilledRows(n, t.dim(), [&, p = p, n = n](float* e) { t.GetAt(worker, p, n, e, {}); });
+        }
+        const LaidOutRows rows = LaidOutRowsArg(out.cast<py::array>(), "out", n, t.dim(), true);
+        {
+          py::gil_scoped_release release;
+          t.GetAt(worker, p, n, rows.data, rows.layout);
+        }
+        return out;
+      }, py::arg("worker"), py::arg("positions"), py::arg("out") = py::none(),
+         "out: (n, dim), or (B, k * dim) with B * k = n, possibly a wider matrix's first columns (reads_in_place)")
+      .def("accumulate_at", [](hps::DeviceTier& t, int32_t worker, const py::array& positions,
+                               const py::array& grads) {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        const LaidOutRows rows = LaidOutRowsArg(grads, "grads", n, t.dim(), false);
+        py::gil_scoped_release release;
+        t.AccumulateAt(worker, p, n, rows.data, rows.layout);
+      }, py::arg("worker"), py::arg("positions"), py::arg("grads"), "grads: laid out as get_at's out")
+      .def("copy_rows_at", [](hps::DeviceTier& t, const py::array& from, const py::array& to) {
+        const auto [f, n] = PositionsArg(from, "from_positions");
+        const auto [d, m] = PositionsArg(to, "to_positions");
+        if (m != n) {
+          throw py::value_error("copy_rows_at: from_positions has " + std::to_string(n) + " entries, to_positions " +
+                                std::to_string(m));
+        }
+        py::gil_scoped_release release;
+        t.CopyRowsAt(f, d, n);
+      }, py::arg("from_positions"), py::arg("to_positions"))
       .def("clear", [](hps::DeviceTier& t) {
         py::gil_scoped_release release;
         t.Clear();

@@ -210,4 +210,13 @@ void BatchRows::Rows(const int64_t* positions, uint64_t n, float* rows) const {
   for (uint64_t i = 0; i < n; ++i) CopyRow(rows + i * width, Row(positions[i]), width);
 }
 
+void BatchRows::CopyRows(const int64_t* from, const int64_t* to, uint64_t n) {
+  CheckPositions(from, n, "copy (from)");
+  CheckPositions(to, n, "copy (to)");
+  const uint64_t row_bytes = sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats());
+  for (uint64_t i = 0; i < n; ++i) {
+    if (from[i] != to[i]) std::memcpy(rows_[to[i]], rows_[from[i]], row_bytes);  // two pairs, two rows
+  }
+}
+
 }  // namespace hps::detail

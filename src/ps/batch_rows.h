@@ -39,6 +39,9 @@ class BatchRows {
   uint64_t Apply(std::vector<int64_t>* stepped = nullptr);
   // The full rows (n, row_floats) at positions, as they are now.
   void Rows(const int64_t* positions, uint64_t n, float* rows) const;
+  // Overwrites the full row at to[i] with the one at from[i], in order
+  // (gradients waiting stay with their positions).
+  void CopyRows(const int64_t* from, const int64_t* to, uint64_t n);
   // Whether the row at `position` has gradients waiting for Apply.
   bool touched(uint64_t position) const { return touched_[position] != 0; }
   // 1 at each position some Apply stepped.

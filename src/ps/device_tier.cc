@@ -227,6 +227,17 @@ class Tier final : public DeviceTier {
     Rows(keys.data(), n, rows, owners.empty() ? nullptr : owners.data());
   }
 
+  void CopyRowsAt(const int64_t* from, const int64_t* to, uint64_t n) override {
+    CheckBound("copy");
+    if (BoundInPlace()) return in_place_->CopyRows(from, to, n);
+    std::vector<float> rows(n * static_cast<uint64_t>(row_floats_));
+    RowsAt(from, n, rows.data());
+    std::vector<uint64_t> keys;
+    std::vector<int32_t> owners;
+    KeysAt(to, n, &keys, &owners, "copy");
+    Assign(keys.data(), n, rows.data(), owners.empty() ? nullptr : owners.data());
+  }
+
   void Rows(const uint64_t* keys, uint64_t n, float* rows, const int32_t* owners) const override {
     ReadOnOwners(keys, n, owners, rows, row_floats_, [](int32_t, uint64_t) {});
   }
@@ -471,6 +482,7 @@ class Tier final : public DeviceTier {
   }
 
   bool BoundInPlace() const { return bound_ && in_place_ != nullptr; }
+  int32_t BoundOwner(uint64_t position) const { return o_.devices > 1 ? bound_owners_[position] : 0; }
 
   void Unbind() {
     bound_ = false;
@@ -498,7 +510,15 @@ class Tier final : public DeviceTier {
   void PositionsOf(const uint64_t* keys, uint64_t n, int64_t* positions, const char* what) const {
     if (!bound_index_) {
       auto index = std::make_unique<detail::KeyIndex>(bound_keys_.size());
-      for (uint64_t i = 0; i < bound_keys_.size(); ++i) index->Upsert(bound_keys_[i], static_cast<uint32_t>(i));
+      for (uint64_t i = 0; i < bound_keys_.size(); ++i) {
+        const uint32_t before = index->Upsert(bound_keys_[i], static_cast<uint32_t>(i));
+        if (before != detail::KeyIndex::kNone) {  // which copy a key names is not defined
+          throw std::logic_error("device tier " + std::string(what) + " by key: key " +
+                                 std::to_string(bound_keys_[i]) + " is bound on devices " +
+                                 std::to_string(BoundOwner(before)) + " and " + std::to_string(BoundOwner(i)) +
+                                 "; reach a key bound on several devices by position");
+        }
+      }
       bound_index_ = std::move(index);
     }
     for (uint64_t i = 0; i < n; ++i) {

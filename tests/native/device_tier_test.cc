@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -299,6 +300,71 @@ TEST(DeviceTier, StepsByPositionEqualStepsByKeyInPlaceOrNot) {
     }
     tier->Clear();
     EXPECT_THROW(tier->RowsAt(two, 2, got_rows.data()), std::logic_error);  // Clear unbinds
+  }
+}
+
+TEST(DeviceTier, AKeyBoundOnTwoDevicesIsReadOnEachAndSteppedOnOneThenCopied) {
+  // Herald's caches: key 7 has a copy on devices 0 and 1, key 9 on device 1 only.
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  const std::vector<uint64_t> keys = {7, 7, 9};
+  const std::vector<int32_t> owners = {0, 1, 1};
+  std::vector<float> rows(keys.size() * static_cast<size_t>(width));
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  for (float& x : std::span(rows).subspan(static_cast<size_t>(width), 4)) x += 1.0f;  // device 1's copy of 7 differs
+  const std::vector<float> g = {0.5f, -0.25f, 1.0f, 2.0f};
+
+  // The reference: one key's gradients from both workers on one table, one step.
+  auto one = DeviceTier::New({1, 64, opt, false, 1, nullptr, {}});
+  one->Insert(keys.data(), 1, rows.data(), nullptr);
+  one->Accumulate(0, keys.data(), 1, g.data(), nullptr);
+  one->Accumulate(0, keys.data(), 1, g.data(), nullptr);
+  one->Apply();
+  std::vector<float> want(static_cast<size_t>(width));
+  one->Rows(keys.data(), 1, want.data(), nullptr);
+
+  for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "in place" : "through the row mover");
+    auto tier = DeviceTier::New({2, 64, opt, false, 1, in_place ? nullptr : TwoHostRoutes(), {}});
+    tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+    tier->Bind(keys.data(), keys.size(), owners.data());
+    // Each worker reads its own copy.
+    const int64_t mine0 = 0, mine1 = 1;
+    std::vector<float> e0(4), e1(4);
+    tier->GetAt(0, &mine0, 1, e0.data(), {});
+    tier->GetAt(1, &mine1, 1, e1.data(), {});
+    EXPECT_EQ(e0, std::vector<float>(rows.begin(), rows.begin() + 4));
+    EXPECT_EQ(e1[0], rows[static_cast<size_t>(width)]);
+    // Both send their gradient to the copy on device 0 (the key's primary).
+    tier->AccumulateAt(0, &mine0, 1, g.data(), {});
+    tier->AccumulateAt(1, &mine0, 1, g.data(), {});
+    if (in_place) {  // by key, the in-place sums cannot tell the copies apart (by the row mover, owners do)
+      try {
+        tier->Accumulate(1, keys.data(), 1, g.data(), nullptr);
+        ADD_FAILURE() << "by key, a key bound on two devices must throw";
+      } catch (const std::logic_error& e) {
+        EXPECT_NE(std::string(e.what()).find("key 7 is bound on devices 0 and 1"), std::string::npos) << e.what();
+      }
+    }
+    const std::vector<uint64_t> updated = tier->Apply();
+    EXPECT_EQ(updated, std::vector<uint64_t>{7});  // one step
+    tier->CopyRowsAt(&mine0, &mine1, 1);
+    std::vector<float> got(2 * static_cast<size_t>(width));
+    const int64_t both[2] = {0, 1};
+    tier->RowsAt(both, 2, got.data());
+    for (int32_t j = 0; j < width; ++j) {
+      EXPECT_NEAR(got[static_cast<size_t>(j)], want[static_cast<size_t>(j)], 1e-6f) << j;
+      EXPECT_EQ(got[static_cast<size_t>(width + j)], got[static_cast<size_t>(j)]) << j;
+    }
+    // Key 9 untouched; the gets came from each worker's own device, the gradients crossed 1 -> 0.
+    std::vector<float> nine(static_cast<size_t>(width));
+    const int64_t at9 = 2;
+    tier->RowsAt(&at9, 1, nine.data());
+    EXPECT_EQ(nine, std::vector<float>(rows.begin() + 2 * width, rows.end()));
+    const TransferMatrix m = tier->transfers();
+    EXPECT_EQ(m.rows, (std::vector<uint64_t>{2, 0, 1, 1}));
+    const int64_t outside = 3;
+    EXPECT_THROW(tier->CopyRowsAt(&mine0, &outside, 1), std::out_of_range);
   }
 }
 

@@ -13,7 +13,8 @@ from hps.data.keys import mix64
 from hps.distributed.comm import Node
 from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import CacheFullError
-from hps.parameter_server import ParameterServer, prefetched_positions
+from hps.batch_base import prefetched_positions
+from hps.parameter_server import ParameterServer
 
 class RowCodec:
     """A codec for rows crossing between ranks (``[distributed] sparse_rows`` and
