@@ -293,10 +293,14 @@ class Tier final : public DeviceTier {
     std::vector<const uint64_t*> keys;
     std::vector<const float*> rows;
     std::vector<uint64_t> size;
-    std::vector<std::vector<uint64_t>> key_store, index;  // index[d][j]: where part d's j-th key was
+    std::vector<uint64_t> start;  // runs: part d is the input's [start[d], start[d] + size[d])
+    std::vector<std::vector<uint64_t>> key_store, index;  // else index[d][j]: where part d's j-th key was
     std::vector<std::vector<float>> row_store;
-    bool whole = false;  // part 0 is the input itself
-    uint64_t Index(int32_t d, uint64_t j) const { return whole ? j : index[d][j]; }
+    // Each device's entries are one run of the input (one device; a caller's
+    // rows for one device, or grouped by device): the parts point into the
+    // input, with no copy of its keys and rows.
+    bool runs = false;
+    uint64_t Index(int32_t d, uint64_t j) const { return runs ? start[static_cast<size_t>(d)] + j : index[d][j]; }
   };
 
   Parts Partition(const uint64_t* keys, uint64_t n, const int32_t* owners, const float* rows, int32_t width) const {
@@ -305,7 +309,10 @@ class Tier final : public DeviceTier {
     p.keys.assign(devices, nullptr);
     p.rows.assign(devices, nullptr);
     p.size.assign(devices, 0);
+    p.start.assign(devices, 0);
     std::vector<int32_t> owner(o_.devices == 1 ? 0 : n);
+    bool runs = true;
+    int32_t last = -1;
     for (uint64_t i = 0; i < n; ++i) {
       const int32_t d = owners ? owners[i] : (o_.devices == 1 ? 0 : ModuloOwner(keys[i], o_.devices));
       if (d < 0 || d >= o_.devices) {
@@ -313,12 +320,19 @@ class Tier final : public DeviceTier {
                                     " is not a device in [0, " + std::to_string(o_.devices) + ")");
       }
       if (o_.devices > 1) owner[i] = d;
+      if (d != last) {  // a run starts: the device's first, or its entries are not one run
+        if (p.size[static_cast<size_t>(d)] != 0) runs = false;
+        p.start[static_cast<size_t>(d)] = i;
+        last = d;
+      }
       ++p.size[static_cast<size_t>(d)];
     }
-    if (o_.devices == 1) {
-      p.whole = true;
-      p.keys[0] = keys;
-      p.rows[0] = rows;
+    if (runs) {
+      p.runs = true;
+      for (size_t d = 0; d < devices; ++d) {
+        p.keys[d] = keys + p.start[d];
+        p.rows[d] = rows ? rows + p.start[d] * static_cast<uint64_t>(width) : nullptr;
+      }
       return p;
     }
     p.key_store.resize(devices);
@@ -355,10 +369,11 @@ class Tier final : public DeviceTier {
       const uint64_t size = parts.size[static_cast<size_t>(d)];
       if (size == 0) continue;
       found.resize(size);
-      if (parts.whole) {  // straight into out (which may be the GPU's memory: accepts_gpu_memory)
-        rows_[d]->find_columns(parts.keys[d], size, width, out, found.data());
+      if (parts.runs) {  // straight into out (which may be the GPU's memory: accepts_gpu_memory)
+        const uint64_t at = parts.start[static_cast<size_t>(d)];
+        rows_[d]->find_columns(parts.keys[d], size, width, out + at * static_cast<uint64_t>(width), found.data());
         for (uint64_t j = 0; j < size; ++j) {
-          if (!found[j]) NotLoaded(keys, j, d);
+          if (!found[j]) NotLoaded(keys, at + j, d);
         }
       } else {
         found_rows.resize(size * row_floats_);

@@ -303,6 +303,50 @@ TEST(DeviceTier, StepsByPositionEqualStepsByKeyInPlaceOrNot) {
   }
 }
 
+TEST(DeviceTier, KeysGroupedByDeviceGoWhereTheirOwnersSayAsScatteredOnesDo) {
+  // Grouped owners (a run a device: the parts point into the input) and the same
+  // pairs scattered (copied out per device) load and read back the same rows.
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  const std::vector<uint64_t> grouped_keys = {11, 12, 13, 21, 22, 31};
+  const std::vector<int32_t> grouped_owners = {1, 1, 1, 0, 0, 2};
+  const std::vector<uint64_t> scattered_keys = {11, 21, 12, 31, 22, 13};
+  const std::vector<int32_t> scattered_owners = {1, 0, 1, 2, 0, 1};
+  std::vector<float> rows(grouped_keys.size() * static_cast<size_t>(width));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i);
+  const auto row_of = [&](uint64_t key) {  // the row the grouped input gave key
+    const auto at = static_cast<size_t>(std::find(grouped_keys.begin(), grouped_keys.end(), key) - grouped_keys.begin());
+    return std::vector<float>(rows.begin() + static_cast<std::ptrdiff_t>(at * width),
+                              rows.begin() + static_cast<std::ptrdiff_t>((at + 1) * width));
+  };
+  std::vector<float> scattered_rows;
+  for (uint64_t k : scattered_keys) {
+    const std::vector<float> r = row_of(k);
+    scattered_rows.insert(scattered_rows.end(), r.begin(), r.end());
+  }
+  auto a = DeviceTier::New({3, 64, opt, false, 1, nullptr, {}});
+  auto b = DeviceTier::New({3, 64, opt, false, 1, nullptr, {}});
+  a->Insert(grouped_keys.data(), grouped_keys.size(), rows.data(), grouped_owners.data());
+  b->Insert(scattered_keys.data(), scattered_keys.size(), scattered_rows.data(), scattered_owners.data());
+  for (auto* tier : {a.get(), b.get()}) {
+    std::vector<float> got(rows.size());
+    tier->Rows(grouped_keys.data(), grouped_keys.size(), got.data(), grouped_owners.data());
+    EXPECT_EQ(got, rows);
+    tier->Rows(scattered_keys.data(), scattered_keys.size(), got.data(), scattered_owners.data());
+    EXPECT_EQ(got, scattered_rows);
+  }
+  // A key missing from its device is named by its index in the whole input.
+  const std::vector<uint64_t> asked = {11, 12, 22, 31};
+  const std::vector<int32_t> wrong = {1, 1, 2, 2};  // 22 lives on device 0
+  std::vector<float> got(asked.size() * static_cast<size_t>(width));
+  try {
+    a->Rows(asked.data(), asked.size(), got.data(), wrong.data());
+    ADD_FAILURE() << "a key not on its device must throw";
+  } catch (const std::out_of_range& e) {
+    EXPECT_NE(std::string(e.what()).find("keys[2] = 22 is not loaded on device 2"), std::string::npos) << e.what();
+  }
+}
+
 TEST(DeviceTier, AKeyBoundOnTwoDevicesIsReadOnEachAndSteppedOnOneThenCopied) {
   // Herald's caches: key 7 has a copy on devices 0 and 1, key 9 on device 1 only.
   const SparseOptimizer opt = AdaGrad(4);
