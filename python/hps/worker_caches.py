@@ -256,10 +256,11 @@ class HeraldBatch(BatchBase):
         del self._trains
         at = np.full(K * W, -1, np.int64)
         at[copies] = np.arange(len(copies))
-        self._at = at.reshape(K, W)  # the position of key i's copy on w; -1 where w does not train it
+        # _at[w][i]: the position of key i's copy on w; -1 where w does not train it.
+        self._at = np.ascontiguousarray(at.reshape(K, W).T)
         owner = (copies % W).astype(np.int32)
         c._tier.bind(self.keys[copies // W], owner)
-        self._at_primary = self._at[np.arange(K), self._primary]
+        self._at_primary = self._at[self._primary, np.arange(K)]
         # After the step, the primary's row goes onto each other copy.
         replica = np.ones(len(copies), bool)
         replica[self._at_primary] = False
@@ -278,9 +279,11 @@ class HeraldBatch(BatchBase):
         known = prefetched_positions(flat, self._pre.flat, self._pre.inverse)
         if known is not None:
             return known
-        if flat.itemsize == 8:
-            for mine, at in self._mine:
-                if len(mine) == len(flat) and np.array_equal(mine, flat.view(np.uint64)):
+        if flat.itemsize == 8 and len(flat):
+            keys = flat.view(np.uint64)
+            for mine, at in self._mine:  # (the shares are the same size: the ends tell them apart first)
+                if len(mine) == len(keys) and mine[0] == keys[0] and mine[-1] == keys[-1] \
+                        and np.array_equal(mine, keys):
                     return at
         flat = flat.astype(np.uint64, copy=False)
         if self._sorted is None:
@@ -296,7 +299,7 @@ class HeraldBatch(BatchBase):
         """Worker `worker`'s copies of the keys at positions (the schedule put a
         copy of every key it trains on it). KeyError names a key it does not train."""
         self._check_worker(worker)
-        at = self._at[positions, worker]
+        at = self._at[worker][positions]
         if len(at) and at.min() < 0:
             bad = int(self.keys[positions[np.flatnonzero(at < 0)[0]]])
             raise KeyError(f"key {bad} is not in worker {worker}'s cache this batch "

@@ -438,23 +438,44 @@ class HeraldDistBatch(BatchBase):
             s._present += len(want)
             s.counts["ps_loads"] += int((~peer).sum())
             s.counts["peer_fetches"] += int(peer.sum())
+        # By position from here: the rows are read (into a model input's columns
+        # where the tier reads in place) and stepped with no key looked up again.
+        s._tier.bind(self._mine, None)
+        self.gathers_into_columns = s._tier.reads_in_place
         s.counts["batches"] += 1
         for name in ("plan_pulls", "plan_peer_pulls", "plan_shared", "distinct"):
             s.counts[name] += got[name]
 
     # ------------------------------------------------------------ the WorkingBatch protocol
-    def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
+    def positions(self, keys: np.ndarray) -> np.ndarray:
+        """Where each of keys is among the keys this rank trains this step
+        (KeyError names one it does not train)."""
         self.partition()
-        keys = np.ascontiguousarray(keys, dtype=np.uint64).reshape(-1)
-        with self.server._lock:
-            return self.server._tier.get(0, keys, None, self.server._tier.dim)
+        return rank_positions(keys, self._mine, self._flat, self._inverse, "is not trained on this rank this step")
+
+    def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
+        return self.gather(self.positions(keys), worker=worker)
 
     def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
         """Gradients of this rank's keys, summed here until apply()."""
+        self.accumulate(self.positions(keys), grads, worker=worker)
+
+    def gather(self, positions: np.ndarray, out=None, worker: int = 0) -> np.ndarray:
+        """Embeddings (n, dim) of the keys at positions, from this rank's cache;
+        into `out` if given: (n, dim), or where the tier reads in place
+        (gathers_into_columns) also (B, k * dim) with B * k = n, which may be the
+        first columns of a wider matrix."""
         self.partition()
-        at = rank_positions(keys, self._mine, self._flat, self._inverse, "is not trained on this rank this step")
-        self._grads += _core.sum_by_inverse(at.astype(np.int64, copy=False), np.ascontiguousarray(grads, np.float32),
-                                            len(self._mine))
+        with self.server._lock:
+            return self.server._tier.get_at(0, np.asarray(positions, np.int64), out)
+
+    def accumulate(self, positions: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        """Gradients (laid out as gather's `out`) of the keys at positions,
+        summed here until apply() (where shared keys' sums cross ranks)."""
+        self.partition()
+        positions = np.asarray(positions, np.int64)
+        grads = np.ascontiguousarray(grads, np.float32).reshape(len(positions), -1)
+        self._grads += _core.sum_by_inverse(positions, grads, len(self._mine))
 
     def apply(self) -> None:
         """Shared keys' gradients to their primaries, one step there, the stepped rows
@@ -492,7 +513,7 @@ class HeraldDistBatch(BatchBase):
                 self._grads[primary == r] = sums_in[r]
                 s.counts["replica_copies"] += len(sums_in[r])
         if len(self._mine):
-            s._tier.accumulate(0, self._mine, self._grads, None, s._tier.dim)
+            s._tier.accumulate_at(0, np.arange(len(self._mine)), self._grads)
             s._tier.apply()
         s.counts["primary_steps"] += int(mine.sum())
         # Rows no cache holds any more: from the rank that dropped the last copy to the owner.
