@@ -177,6 +177,34 @@ Positions PositionsArg(const py::array& a, const char* name) {
   return {static_cast<const int64_t*>(a.data()), static_cast<uint64_t>(a.shape(0))};
 }
 
+// get_at and accumulate_at of a batch's rows bound by position (a working set,
+// a device tier): embeddings into a new (n, dim) array or into `out`, and
+// gradients read, laid out as LaidOutRowsArg takes them.
+template <typename Bound>
+py::object GetAtArg(Bound& bound, int32_t worker, const py::array& positions, const py::object& out) {
+  const auto [p, n] = PositionsArg(positions, "positions");
+  if (out.is_none()) {
+    return FilledRows(n, bound.dim(), [&, p = p, n = n](float* e) { bound.GetAt(worker, p, n, e, hps::RowLayout{}); });
+  }
+  const LaidOutRows rows = LaidOutRowsArg(out.cast<py::array>(), "out", n, bound.dim(), true);
+  {
+    py::gil_scoped_release release;
+    bound.GetAt(worker, p, n, rows.data, rows.layout);
+  }
+  return out;
+}
+
+template <typename Bound>
+void AccumulateAtArg(Bound& bound, int32_t worker, const py::array& positions, const py::array& grads) {
+  const auto [p, n] = PositionsArg(positions, "positions");
+  const LaidOutRows rows = LaidOutRowsArg(grads, "grads", n, bound.dim(), false);
+  py::gil_scoped_release release;
+  bound.AccumulateAt(worker, p, n, rows.data, rows.layout);
+}
+
+constexpr const char* kGetAtOut =
+    "out: (n, dim), or (B, k * dim) with B * k = n, possibly a wider matrix's first columns (reads_in_place)";
+
 // Where MemCache::Pin left a batch's rows, for the HostBatch of those keys;
 // holds the cache so that the addresses cannot outlive it.
 struct RowAddresses {
@@ -837,27 +865,10 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         t.Bind(k, n, o);
       }, py::arg("keys"), py::arg("owners"), "position i is (keys[i], owners[i]) until clear()")
-      .def("get_at", [](hps::DeviceTier& t, int32_t worker, const py::array& positions, const py::object& out)
-               -> py::object {
-        const auto [p, n] = PositionsArg(positions, "positions");
-        if (out.is_none()) {
-          return FilledRows(n, t.dim(), [&, p = p, n = n](float* e) { t.GetAt(worker, p, n, e, {}); });
-        }
-        const LaidOutRows rows = LaidOutRowsArg(out.cast<py::array>(), "out", n, t.dim(), true);
-        {
-          py::gil_scoped_release release;
-          t.GetAt(worker, p, n, rows.data, rows.layout);
-        }
-        return out;
-      }, py::arg("worker"), py::arg("positions"), py::arg("out") = py::none(),
-         "out: (n, dim), or (B, k * dim) with B * k = n, possibly a wider matrix's first columns (reads_in_place)")
-      .def("accumulate_at", [](hps::DeviceTier& t, int32_t worker, const py::array& positions,
-                               const py::array& grads) {
-        const auto [p, n] = PositionsArg(positions, "positions");
-        const LaidOutRows rows = LaidOutRowsArg(grads, "grads", n, t.dim(), false);
-        py::gil_scoped_release release;
-        t.AccumulateAt(worker, p, n, rows.data, rows.layout);
-      }, py::arg("worker"), py::arg("positions"), py::arg("grads"), "grads: laid out as get_at's out")
+      .def("get_at", &GetAtArg<hps::DeviceTier>, py::arg("worker"), py::arg("positions"), py::arg("out") = py::none(),
+           kGetAtOut)
+      .def("accumulate_at", &AccumulateAtArg<hps::DeviceTier>, py::arg("worker"), py::arg("positions"), py::arg("grads"),
+           "grads: laid out as get_at's out")
       .def("copy_rows_at", [](hps::DeviceTier& t, const py::array& from, const py::array& to) {
         const auto [f, n] = PositionsArg(from, "from_positions");
         const auto [d, m] = PositionsArg(to, "to_positions");
@@ -1025,27 +1036,10 @@ PYBIND11_MODULE(_core, m) {
         return out;
       }, py::arg("keys"))
       .def_property_readonly("reads_in_place", &hps::WorkingSet::reads_in_place)
-      .def("get_at", [](hps::WorkingSet& w, int32_t worker, const py::array& positions, const py::object& out)
-               -> py::object {
-        const auto [p, n] = PositionsArg(positions, "positions");
-        if (out.is_none()) {
-          return FilledRows(n, w.dim(), [&, p = p, n = n](float* e) { w.GetAt(worker, p, n, e); });
-        }
-        const LaidOutRows rows = LaidOutRowsArg(out.cast<py::array>(), "out", n, w.dim(), true);
-        {
-          py::gil_scoped_release release;
-          w.GetAt(worker, p, n, rows.data, rows.layout);
-        }
-        return out;
-      }, py::arg("worker"), py::arg("positions"), py::arg("out") = py::none(),
-         "out: (n, dim), or (B, k * dim) with B * k = n, possibly a wider matrix's first columns (reads_in_place)")
-      .def("accumulate_at", [](hps::WorkingSet& w, int32_t worker, const py::array& positions,
-                               const py::array& grads) {
-        const auto [p, n] = PositionsArg(positions, "positions");
-        const LaidOutRows rows = LaidOutRowsArg(grads, "grads", n, w.dim(), false);
-        py::gil_scoped_release release;
-        w.AccumulateAt(worker, p, n, rows.data, rows.layout);
-      }, py::arg("worker"), py::arg("positions"), py::arg("grads"), "grads: laid out as get_at's out")
+      .def("get_at", &GetAtArg<hps::WorkingSet>, py::arg("worker"), py::arg("positions"), py::arg("out") = py::none(),
+           kGetAtOut)
+      .def("accumulate_at", &AccumulateAtArg<hps::WorkingSet>, py::arg("worker"), py::arg("positions"), py::arg("grads"),
+           "grads: laid out as get_at's out")
       // A tensor's memory by address (torch's data_ptr): the caller vouches for
       // (len(positions), dim) contiguous float32 there, on the host or (on_gpu)
       // on the worker's GPU.
