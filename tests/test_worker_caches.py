@@ -180,6 +180,11 @@ def test_a_worker_reads_its_own_copies_by_position_into_a_models_columns(tmp_pat
     other = (w + 1) % 4
     with pytest.raises(KeyError, match=f"key {key} is not in worker {other}'s cache this batch"):
         b.pull(np.array([key], np.uint64), worker=other)
+    for bad in (-1, len(b.keys)):  # numpy alone would read a negative position from the end
+        with pytest.raises(IndexError, match=rf"positions\[1\] = {bad} is outside \[0, {len(b.keys)}\)"):
+            b.gather(np.array([0, bad]), worker=w)
+        with pytest.raises(IndexError, match=rf"positions\[1\] = {bad} is outside"):
+            b.accumulate(np.array([0, bad]), np.zeros((2, 4), np.float32), worker=w)
     b.abort()
 
 

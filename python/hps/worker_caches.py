@@ -295,10 +295,20 @@ class HeraldBatch(BatchBase):
             raise KeyError(f"key {int(bad)} is not in this batch")
         return at
 
+    def _checked(self, positions) -> np.ndarray:
+        """positions as an array, each among the batch's keys (numpy would take
+        a negative one from the end): IndexError names the first that is not."""
+        positions = np.asarray(positions)
+        if len(positions) and (positions.min() < 0 or positions.max() >= len(self.keys)):
+            i = int(np.flatnonzero((positions < 0) | (positions >= len(self.keys)))[0])
+            raise IndexError(f"positions[{i}] = {int(positions[i])} is outside [0, {len(self.keys)})")
+        return positions
+
     def _copies(self, positions: np.ndarray, worker: int) -> np.ndarray:
         """Worker `worker`'s copies of the keys at positions (the schedule put a
         copy of every key it trains on it). KeyError names a key it does not train."""
         self._check_worker(worker)
+        positions = self._checked(positions)
         at = self._at[worker][positions]
         if len(at) and at.min() < 0:
             bad = int(self.keys[positions[np.flatnonzero(at < 0)[0]]])
@@ -323,7 +333,7 @@ class HeraldBatch(BatchBase):
         (gathers_into_columns) also (B, k * dim) with B * k = n, which may be the
         first columns of a wider matrix."""
         self.partition()
-        at = self._copies(np.asarray(positions), worker)
+        at = self._copies(positions, worker)
         c = self._caches
         with c._lock:
             return c._tier.get_at(worker, at, out)
@@ -335,7 +345,7 @@ class HeraldBatch(BatchBase):
         self._check_worker(worker)
         c = self._caches
         with c._lock:
-            c._tier.accumulate_at(worker, self._at_primary[np.asarray(positions)], grads)
+            c._tier.accumulate_at(worker, self._at_primary[self._checked(positions)], grads)
 
     def _check_worker(self, worker: int) -> None:
         if not 0 <= worker < self._caches.workers:
