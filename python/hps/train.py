@@ -48,7 +48,7 @@ from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, P
                                   ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
                                   remove_writer_lock)
 from hps.pipeline import Loaded, Pipeline
-from hps.tuning import ThreadTuner, dense_adam, import_torch  # (also hps.train.X, as before)
+from hps.tuning import ThreadTuner, dense_adam, import_torch, keep_freed_memory  # (also hps.train.X, as before)
 
 JOB_MANIFEST = "job.json"
 SUMMARY = "train-summary.json"
@@ -115,6 +115,8 @@ class TrainConfig:
                                         # "auto" (the GPUs when the device tier is on them)
     dense_replica_per_worker: bool = False  # a dense replica a worker even on one device (as on GPUs)
     helper_nice: int = 19               # niceness of the pipeline's read/prefetch/load/write-back threads
+    keep_freed_memory: bool = True      # glibc's malloc keeps what a step frees for the next (whole process;
+                                        # hps.tuning.keep_freed_memory), so no step faults its tensors in anew
     bind_cores: bool = False            # pin those threads to the cores of the NUMA node of what each feeds
                                         # from (hps.topology's plan; a no-op on one node, and said so)
     sysfs: str = "/sys"                 # where bind_cores reads the machine's topology (tests: fake trees)
@@ -155,6 +157,9 @@ class TrainConfig:
         if d.get("online") and (data.epochs != 1 or data.shuffle_buffer) and _online_directory(data):
             raise ValueError(f"{source}: online training reads a growing directory once: data.epochs must be 1 "
                              f"and data.shuffle_buffer 0")
+        for name in ("pipelined", "dense_replica_per_worker", "bind_cores", "online", "keep_freed_memory"):
+            if name in d and not isinstance(d[name], bool):
+                raise ValueError(f"{source}: {name} must be true or false, got {d[name]!r}")
         if d.get("model_devices", "auto") not in ("auto", "cpu", "cuda"):
             raise ValueError(f"{source}: model_devices must be \"auto\", \"cpu\" or \"cuda\", "
                              f"got {d['model_devices']!r}")
@@ -783,6 +788,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         except ImportError:
             bar = None
 
+    malloc = keep_freed_memory() if cfg.keep_freed_memory else {"kept": False, "reason": "keep_freed_memory = false"}
     t_start = time.perf_counter()
     online = None
     if cfg.online:  # progressive validation: the step keeps its logits, scored here before the next step
@@ -875,7 +881,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
                                  else {"chosen": cfg.torch_threads}),
-               "ps": _jsonable(trainer.ps.stats()), "settings": settings(cfg),
+               "ps": _jsonable(trainer.ps.stats()), "settings": settings(cfg), "malloc": malloc,
                "dense_model": {"devices": [str(d) for d in trainer.replicas.devices],
                                "replicas": len(trainer.replicas)},
                "core_binding": ({"noop": binding.noop, "reason": binding.reason,
