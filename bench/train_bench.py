@@ -11,6 +11,9 @@ same model and data, in the same run.
                                                   # device-tier path), against in place
     python3 bench/train_bench.py --multi-hot 100000:4,20000:8
                                                   # W4m: two multi-hot fields as well
+    python3 bench/train_bench.py --mlp 16 --rounds 5 --no-torchrec --malloc-ab
+                                                  # also hps with glibc's malloc as it comes
+                                                  # (keep_freed_memory = false), against hps
     python3 bench/train_bench.py --model-device cuda --no-torchrec
                                                   # W4 on a GPU: every MLP, and plain PyTorch's
                                                   # EmbeddingBag, on cuda:0 (bench/gpu_check.sh)
@@ -176,9 +179,10 @@ def mlp_alone(train_batches, hidden, threads, seed, lr_dense, dim, device="cpu")
     return {"examples": n, "seconds": seconds, "examples_per_s": n / seconds, "threads": threads, "device": device}
 
 
-def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0):
+def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0, keep_freed_memory: bool = True):
     """devices = 0: the in-place path (one host partition, MEM-PS's rows);
-    devices > 0: the device-tier path over that many host partitions."""
+    devices > 0: the device-tier path over that many host partitions.
+    keep_freed_memory: TrainConfig's (false: glibc's malloc as it comes)."""
     import hps
     from hps.train import DataConfig, TrainConfig, train
     rows = 2_000_000  # MEM budget for every row the run can touch (W4: the table fits in memory)
@@ -193,17 +197,19 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0
         data=DataConfig(batch_size=args.batch_size, train_examples=args.examples,
                         eval_examples=args.eval_examples, seed=args.seed),
         hidden=tuple(hidden), dense_lr=args.lr_dense, seed=args.seed, torch_threads=args.hps_threads,
-        pipelined=not args.sequential, model_devices=args.model_device)
+        pipelined=not args.sequential, model_devices=args.model_device, keep_freed_memory=keep_freed_memory)
     summary = train(cfg, progress=False, train_batches=train_batches, eval_batches=eval_batches)
     return {"examples": summary["examples"], "seconds": summary["train_seconds"],
             "ps_open_seconds": summary["ps_open_seconds"],
             "examples_per_s": summary["examples_per_s"], "auc": summary["final"]["auc"],
             "logloss": summary["final"]["logloss"], "pipeline": summary["pipeline"],
             "mem_hit_rate": summary["final"]["mem_hit_rate"], "torch_threads": summary["torch_threads"],
-            "device_tier": summary["ps"]["device"]["kind"], "model_device": args.model_device}
+            "device_tier": summary["ps"]["device"]["kind"], "model_device": args.model_device,
+            "malloc": summary["malloc"]}
 
 
-SYSTEMS = ("mlp_alone", "torch", "torchrec", "hps", "hps_device")  # mlp_alone: the bound; hps_device: --device-path
+# mlp_alone: the bound; hps_device: --device-path; hps_glibc_malloc: --malloc-ab
+SYSTEMS = ("mlp_alone", "torch", "torchrec", "hps", "hps_device", "hps_glibc_malloc")
 
 
 def save_batches(path, train_batches, eval_batches):
@@ -252,7 +258,8 @@ def run_system(a, system, hidden, data_path, workdir):
         return torchrec_peer.torchrec(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb,
                                       a.lr_dense, a.dim)
     return run_hps(a, workdir, hidden, train_batches, eval_batches,
-                   devices=a.device_path if system == "hps_device" else 0)
+                   devices=a.device_path if system == "hps_device" else 0,
+                   keep_freed_memory=system != "hps_glibc_malloc")
 
 
 def spawn(a, system, data_path, workdir) -> dict:
@@ -293,6 +300,9 @@ def main():
     ap.add_argument("--device-path", type=int, default=0, metavar="G",
                     help="also run hps on the device-tier path over G host partitions (host_in_place off) "
                          "and report its rate over the in-place path's")
+    ap.add_argument("--malloc-ab", action="store_true",
+                    help="also run hps with glibc's malloc as it comes (keep_freed_memory = false) and report "
+                         "hps's rate over it")
     ap.add_argument("--model-device", choices=("cpu", "cuda"), default="cpu",
                     help="where every system's MLP trains (cuda: GPU 0; plain PyTorch's embeddings too)")
     ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # worker: one run, one JSON line
@@ -318,7 +328,7 @@ def main():
             ap.error("--model-device cuda with --device-path: the device path over host partitions is a CPU figure")
         a.no_torchrec = True  # its sharded GPU kernels need a process group of its own; not measured here
     systems = [s for s in SYSTEMS if not (s == "torchrec" and a.no_torchrec) and
-               not (s == "hps_device" and not a.device_path)]
+               not (s == "hps_device" and not a.device_path) and not (s == "hps_glibc_malloc" and not a.malloc_ab)]
     if "torchrec" in systems:
         sys.path.insert(0, HERE)
         import torchrec_peer
@@ -330,6 +340,7 @@ def main():
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
            "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
            "device_path": a.device_path, "model_device": a.model_device, "quick": a.quick,
+           "malloc_ab": a.malloc_ab,
            "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
     workdir = scratch_dir("train-bench-")
     try:
@@ -348,7 +359,7 @@ def main():
                 result = spawn(a, system, data_path, workdir)
                 runs[system].append(result)
                 extra = ""
-                if system in ("hps", "hps_device"):
+                if system in ("hps", "hps_device", "hps_glibc_malloc"):
                     p = result["pipeline"]
                     extra = (f", wall/slowest stage {p['wall_over_slowest_stage']:.2f} (bound by {p['bound_by']}), "
                              f"torch threads {result['torch_threads']['chosen']}")
@@ -373,6 +384,10 @@ def main():
         out["ratio_device_path_over_in_place_per_round"] = [d["examples_per_s"] / h["examples_per_s"]
                                                             for d, h in zip(runs["hps_device"], runs["hps"])]
         out["ratio_device_path_over_in_place"] = float(np.median(out["ratio_device_path_over_in_place_per_round"]))
+    if "hps_glibc_malloc" in runs:
+        out["ratio_keep_freed_memory_per_round"] = [h["examples_per_s"] / g["examples_per_s"]
+                                                    for h, g in zip(runs["hps"], runs["hps_glibc_malloc"])]
+        out["ratio_keep_freed_memory"] = float(np.median(out["ratio_keep_freed_memory_per_round"]))
     # What fraction of the bound each system reaches, round by round.
     out["fraction_of_mlp_alone_per_round"] = {s: [r["examples_per_s"] / m["examples_per_s"]
                                                   for r, m in zip(runs[s], runs["mlp_alone"])]

@@ -1,6 +1,7 @@
 """The benchmarks' --quick modes still run and agree with their own checks."""
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -57,7 +58,7 @@ def test_cache_policy_refuses_a_held_out_trace_equal_to_the_tuning_one():
 def test_train_quick_against_pytorch():
     pytest.importorskip("torch", reason="the training benchmark needs torch")
     out = run_json("bench/train_bench.py", "--quick", "--no-torchrec", "--examples", "100000",
-                   "--eval-examples", "20000", timeout=600)
+                   "--eval-examples", "20000", "--malloc-ab", timeout=600)
     assert out["hps"]["examples"] == out["torch"]["examples"] == 100_000
     assert abs(out["auc_difference"]) < 0.002  # same model, same data, same optimizers
     # W9's figures, from the pipeline's own counters and clocks: every batch went
@@ -81,6 +82,13 @@ def test_train_quick_against_pytorch():
             pytest.approx(out[system]["examples_per_s"] / alone["examples_per_s"])]
         assert out["fraction_of_mlp_alone"][system] == pytest.approx(
             out[system]["examples_per_s"] / alone["examples_per_s"])
+    # --malloc-ab: hps again with glibc's malloc as it comes, the same model trained.
+    plain = out["hps_glibc_malloc"]
+    assert plain["examples"] == 100_000 and abs(plain["auc"] - out["hps"]["auc"]) < 0.001
+    assert plain["malloc"] == {"kept": False, "reason": "keep_freed_memory = false"}
+    assert out["hps"]["malloc"]["kept"] is (sys.platform == "linux" and platform.libc_ver()[0] == "glibc")
+    assert out["ratio_keep_freed_memory_per_round"] == [
+        pytest.approx(out["hps"]["examples_per_s"] / plain["examples_per_s"])]
 
 
 def test_train_quick_multi_hot_against_pytorch():
