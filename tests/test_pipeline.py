@@ -17,6 +17,7 @@ import hps  # noqa: E402
 from hps.train import DataConfig, TrainConfig, auc, load_trainer_state, train  # noqa: E402
 
 SMALL_VOCAB = [50, 200, 1000, 50_000] + [3000] * 22
+GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"  # where keep_freed_memory sets malloc
 
 
 def config(path, **kw):
@@ -71,11 +72,7 @@ def test_the_model_learns(tmp_path):
     cfg.data.train_examples = 512 * 40
     summary = train(cfg, progress=False)
     assert summary["final"]["auc"] > 0.7, summary["final"]
-    glibc = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
-    assert summary["malloc"]["kept"] is glibc, summary["malloc"]
-
-
-GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+    assert summary["malloc"]["kept"] is GLIBC, summary["malloc"]
 
 
 @pytest.mark.skipif(not GLIBC, reason="keep_freed_memory sets glibc's malloc; this libc is not glibc")

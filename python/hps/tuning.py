@@ -42,8 +42,8 @@ def keep_freed_memory(trim_bytes: int = 256 << 20) -> dict:
     gradient: 4096 x 429 floats, 7 MB, on W4's data) and frees them at its end.
     By default glibc serves them with mmap, or from the heap's top, which it
     trims back to the kernel once more than twice the last such block is free,
-    so every step faults those pages in again and the kernel zeroes each one
-    (W4s on 2 cores: the trainer spent 3-5% of its samples in clear_page). Here
+    so every step faults those pages in again and the kernel zeroes each one,
+    on the trainer's thread. Here
     blocks up to 32 MiB come from the heap and up to `trim_bytes` of free heap
     is kept. It applies to the whole process and stays after training; it is
     the setting most allocators (jemalloc, tcmalloc) have by default."""
