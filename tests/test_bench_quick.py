@@ -264,3 +264,12 @@ def test_herald_system_quick_moves_fewer_rows_and_learns_the_same():
     mpi = out["mpi"]  # the same under mpiexec -n 2: examples moved between ranks, the same AUC
     assert mpi["ranks"] == 2 and mpi["auc_difference"] < 1e-3
     assert mpi["results"]["herald"]["bytes_sent"]["examples"] > 0 == mpi["results"]["sequential"]["bytes_sent"]["examples"]
+
+
+def test_first_layer_quick():
+    out = run_json("bench/first_layer_bench.py", "--quick")
+    (row,) = out["rows"]
+    assert (row["threads"], row["k"]) == (1, 16) and out["embedding_columns"] == 416 and out["columns"] == 429
+    for side in ("every_column", "embedding_columns"):
+        assert 0 < row[side]["min_ms"] <= row[side]["median_ms"] <= row[side]["max_ms"]
+    assert row["ratio"] == round(row["every_column"]["median_ms"] / row["embedding_columns"]["median_ms"], 2)

@@ -144,3 +144,85 @@ def test_host_batches_train_exactly_like_the_device_tier(tmp_path, mode):
     for step, (a, b) in enumerate(zip(runs[True][1], runs[False][1])):
         np.testing.assert_array_equal(a, b, err_msg=f"after batch {step}")
     assert not np.array_equal(runs[True][1][0], runs[True][1][-1])
+
+
+def graph_nodes(tensor) -> set:
+    """The names of the autograd nodes behind `tensor`."""
+    names, seen, todo = set(), set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.add(node.name())
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("hidden, host_in_place", [((16,), True), ((24, 8), True), ((16,), False)])
+def test_ctr_model_trains_like_plain_torch(tmp_path, hidden, host_in_place):
+    """CtrModel on a batch against plain torch (nn.Embedding, the same MLP, torch
+    autograd throughout). On the CPU CtrModel runs the first layer itself
+    (_FirstLayer: the input's gradient for the embedding columns only); the rows
+    and the MLP follow torch's to float tolerance, on a host batch and through the
+    device tier, and a frozen key's row does not move."""
+    vocab, fields, n_dense, frozen = 40, 3, 2, 7
+    ps = make_ps(tmp_path, lr=0.3, host_in_place=host_in_place)
+    model = ht.CtrModel(ps, num_fields=fields, num_dense=n_dense, hidden=hidden, seed=3)
+    model.embedding.frozen_key = frozen
+    before = ps.pull(np.arange(vocab, dtype=np.uint64))
+    emb_ref = torch.nn.Embedding(vocab, DIM)
+    with torch.no_grad():
+        emb_ref.weight.copy_(torch.from_numpy(before))
+    mlp_ref = ht.mlp(fields * DIM + n_dense, hidden, seed=3)
+    opt = torch.optim.Adam(model.mlp.parameters(), lr=0.01)
+    opt_ref = torch.optim.Adam(mlp_ref.parameters(), lr=0.01)
+    sgd_ref = torch.optim.SGD(emb_ref.parameters(), lr=0.3)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    for step in range(4):
+        rng = np.random.default_rng(step)
+        keys = rng.integers(0, vocab, (64, fields))
+        keys[0, 1] = frozen
+        dense = torch.from_numpy(rng.standard_normal((64, n_dense)).astype(np.float32))
+        labels = torch.from_numpy((rng.random(64) < 0.5).astype(np.float32))
+        with ps.batch(keys.astype(np.uint64)) as b:
+            model.embedding.attach(b)
+            logits = model(torch.from_numpy(keys), dense)
+            assert "_FirstLayerBackward" in graph_nodes(logits)
+            loss = loss_fn(logits, labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            model.embedding.attach(None)
+        x = torch.cat([emb_ref(torch.from_numpy(keys)).reshape(64, -1), dense], 1)
+        loss_ref = loss_fn(mlp_ref(x).squeeze(1), labels)
+        opt_ref.zero_grad()
+        sgd_ref.zero_grad()
+        loss_ref.backward()
+        emb_ref.weight.grad[frozen] = 0.0
+        opt_ref.step()
+        sgd_ref.step()
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    rows = ps.pull(np.arange(vocab, dtype=np.uint64))
+    torch.testing.assert_close(torch.from_numpy(rows), emb_ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.mlp.parameters(), mlp_ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(rows[frozen], before[frozen])
+    assert (rows != before).any(axis=1).sum() == vocab - 1  # every other key was drawn and trained
+
+
+def test_ctr_model_leaves_a_frozen_first_layer_alone(tmp_path):
+    """A first layer whose parameters do not require gradients (frozen by the user)
+    gets none, while the embeddings and the layers after it still train."""
+    ps = make_ps(tmp_path, lr=0.3)
+    model = ht.CtrModel(ps, num_fields=2, num_dense=1, hidden=(8,), seed=0)
+    model.mlp[0].requires_grad_(False)
+    keys = np.arange(12, dtype=np.uint64).reshape(6, 2)
+    before = ps.pull(keys.reshape(-1))
+    with ps.batch(keys) as b:
+        model.embedding.attach(b)
+        model(torch.from_numpy(keys.view(np.int64)), torch.ones(6, 1)).sum().backward()
+        model.embedding.attach(None)
+    assert model.mlp[0].weight.grad is None and model.mlp[0].bias.grad is None
+    assert model.mlp[2].weight.grad is not None and model.mlp[2].weight.grad.abs().sum() > 0
+    assert (ps.pull(keys.reshape(-1)) != before).any(axis=1).all()

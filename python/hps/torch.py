@@ -112,31 +112,36 @@ class _PooledLookup(torch.autograd.Function):
         return None, None, None, None, None, None, None
 
 
+def _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, device):
+    """[field embeddings | dense] for _InputWithFields and _FirstLayer: the rows
+    gathered straight into the first columns of the MLP's input (a field of one key
+    pools to its row; a host batch reads them from MEM-PS); on a GPU, or from a batch
+    that does not gather into columns, gathered into a tensor of their own on that
+    device (by the tier itself where it can: WorkingBatch.gather_tensor) and the input
+    put together from it. Keeps on ctx what a backward needs to hand the gradient back."""
+    examples, fields = keys.shape
+    width = fields * dim
+    ctx.positions = batch.positions(keys)
+    ctx.batch, ctx.worker, ctx.width, ctx.dim, ctx.keys, ctx.frozen_key = batch, worker, width, dim, keys, frozen_key
+    if device.type != "cpu" or not batch.gathers_into_columns:
+        rows = torch.empty(examples * fields, dim, dtype=torch.float32, device=device)
+        batch.gather_tensor(ctx.positions, rows, worker=worker)
+        return torch.cat([rows.view(examples, width), dense.to(device, torch.float32, non_blocking=True)], 1)
+    x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
+    batch.gather(ctx.positions, x.numpy()[:, :width], worker=worker)
+    x[:, width:] = dense
+    return x
+
+
 class _InputWithFields(torch.autograd.Function):
-    """A batch's MLP input [field embeddings | dense] in one matrix: the rows are
-    gathered straight into its first columns (a field of one key pools to its
-    row; a host batch reads them from MEM-PS), and backward hands those
-    columns' gradient to the batch where it lies. The same values as pooling
-    and torch.cat, without the concatenation's copy and the copies of the
-    gradient slice. On a GPU (`device`), or from a batch that does not gather
-    into columns, the rows are gathered into a tensor of their own on that
-    device (by the tier itself where it can: WorkingBatch.gather_tensor), the
-    input is put together from it, and the gradient goes back from there."""
+    """A batch's MLP input [field embeddings | dense] in one matrix (_model_input),
+    whose backward hands the embedding columns' gradient to the batch where it lies.
+    The same values as pooling and torch.cat, without the concatenation's copy and
+    the copies of the gradient slice."""
 
     @staticmethod
     def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, device):
-        examples, fields = keys.shape
-        width = fields * dim
-        ctx.positions = batch.positions(keys)
-        ctx.batch, ctx.worker, ctx.width, ctx.keys, ctx.frozen_key = batch, worker, width, keys, frozen_key
-        if device.type != "cpu" or not batch.gathers_into_columns:
-            rows = torch.empty(examples * fields, dim, dtype=torch.float32, device=device)
-            batch.gather_tensor(ctx.positions, rows, worker=worker)
-            return torch.cat([rows.view(examples, width), dense.to(device, torch.float32, non_blocking=True)], 1)
-        x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
-        batch.gather(ctx.positions, x.numpy()[:, :width], worker=worker)
-        x[:, width:] = dense
-        return x
+        return _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, device)
 
     @staticmethod
     def backward(ctx, grad_x):
@@ -155,6 +160,37 @@ class _InputWithFields(torch.autograd.Function):
             grads[(drop // fields)[:, None], ((drop % fields) * dim)[:, None] + np.arange(dim)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width], worker=ctx.worker)
         return None, None, None, None, None, None, None, None
+
+
+class _FirstLayer(torch.autograd.Function):
+    """The MLP's first layer (weight (k, in), bias (k,)) on the batch's input
+    [field embeddings | dense] (_model_input), on the CPU. Its backward computes the
+    input's gradient for the embedding columns only, grad (B, k) times the weight's
+    first fields x dim columns, and hands it to the batch; nn.Linear's autograd would
+    compute every column, the dense features' too, which nothing reads. That is
+    less work, and more so than the columns say: W4's input has 26 x 16 + 13 = 429
+    columns, rows that are not a multiple of 64 bytes, and torch's BLAS (MKL on an
+    AMD EPYC) took 1.5 to 2.2 times as long for every column as for the 416
+    embedding columns at k = 16 on one thread, 1.5 times at k = 512
+    (python3 bench/first_layer_bench.py, docs/benchmarks.md). The weight's
+    and bias's gradients are nn.Linear's."""
+
+    @staticmethod
+    def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, weight, bias):
+        x = _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, torch.device("cpu"))
+        ctx.save_for_backward(x, weight)
+        return torch.addmm(bias, x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        x, weight = ctx.saved_tensors
+        grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[7] else None
+        grad_bias = grad_h.sum(0) if ctx.needs_input_grad[8] else None
+        grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
+        if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
+            grads.reshape(-1, ctx.dim)[_occurrences(ctx.keys, ctx.frozen_key)] = 0.0
+        ctx.batch.accumulate(ctx.positions, grads, worker=ctx.worker)
+        return None, None, None, None, None, None, None, grad_weight, grad_bias
 
 
 class EmbeddingBag(nn.Module):
@@ -264,11 +300,30 @@ class CtrModel(nn.Module):
             pooled = [p.to(device) for p in pooled]
             return self.mlp(torch.cat(pooled + [dense.to(device, torch.float32)], dim=1)).squeeze(1)
         if emb.batch is not None and emb.padding_key is None and not dense.requires_grad:
+            first = self._first_layer(device)
+            if first is not None:
+                h = _FirstLayer.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
+                                            emb.frozen_key, first.weight, first.bias)
+                layers = iter(self.mlp)
+                next(layers)
+                for layer in layers:
+                    h = layer(h)
+                return h.squeeze(1)
             x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
                                        emb.frozen_key, device)
             return self.mlp(x).squeeze(1)
         pooled = emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1).to(device)
         return self.mlp(torch.cat([pooled, dense.to(device, torch.float32)], dim=1)).squeeze(1)
+
+    def _first_layer(self, device: torch.device) -> Optional[nn.Linear]:
+        """The MLP's first layer where _FirstLayer computes it (an nn.Sequential
+        starting with a float32 nn.Linear with a bias, on the CPU), else None."""
+        if device.type != "cpu" or not isinstance(self.mlp, nn.Sequential) or len(self.mlp) < 2:
+            return None
+        first = self.mlp[0]
+        if type(first) is not nn.Linear or first.bias is None or first.weight.dtype != torch.float32:
+            return None
+        return first
 
     @property
     def device(self) -> torch.device:

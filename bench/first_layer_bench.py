@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The input gradient of a CTR model's first layer, two ways with the same torch: every
+input column (what nn.Linear's autograd computes) against the embedding columns only
+(what hps.torch's CtrModel computes on the CPU, hps.torch._FirstLayer: the dense
+features' gradient is read by nothing).
+
+    python3 bench/first_layer_bench.py            # k = 16 .. 512 units, 1 and 2 threads
+    python3 bench/first_layer_bench.py --quick    # fewer repeats and shapes (the test's)
+
+The shapes are W4's and W4s's: a batch of 4096 examples, 26 fields of dim 16 (416
+embedding columns) and 13 dense features (429 columns), so grad (4096, k) times the
+weight (k, 429), or its first 416 columns. Each product starts from cold caches (a 64 MiB
+pass before it), as in a training step, and writes a fresh output, as autograd does;
+glibc keeps freed memory as `hps train` has it (hps.tuning.keep_freed_memory). The two
+alternate product by product, so that the machine's drift hits both alike; medians with
+min-max in milliseconds, and the ratio of the medians. One JSON line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _provenance import provenance  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 repeats, k = 16, one thread")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--examples", type=int, default=4096)
+    args = ap.parse_args()
+    import torch
+
+    import hps.tuning
+
+    hps.tuning.keep_freed_memory()
+    repeats = 3 if args.quick else args.repeats
+    units = (16,) if args.quick else (16, 64, 256, 512)
+    threads = (1,) if args.quick else (1, 2)
+    fields, dim, n_dense = 26, 16, 13
+    width, columns = fields * dim, fields * dim + n_dense
+    sweep = torch.empty(64 << 20, dtype=torch.uint8)
+    rng = np.random.default_rng(0)
+    rows = []
+    for t in threads:
+        torch.set_num_threads(t)
+        for k in units:
+            grad = torch.from_numpy(rng.standard_normal((args.examples, k)).astype(np.float32))
+            weight = torch.from_numpy(rng.standard_normal((k, columns)).astype(np.float32))
+            sides = {"every_column": lambda: torch.mm(grad, weight),
+                     "embedding_columns": lambda: torch.mm(grad, weight[:, :width])}
+            want = (grad.double() @ weight.double())[:, :width]
+            times = {name: [] for name in sides}
+            for _ in range(repeats):
+                for name, product in sides.items():
+                    sweep.add_(1)
+                    start = time.perf_counter()
+                    out = product()
+                    times[name].append(1e3 * (time.perf_counter() - start))
+                    if not torch.allclose(out[:, :width].double(), want, rtol=1e-4, atol=1e-4 * k):
+                        raise SystemExit(f"{name} at k = {k}: the product differs from float64's")
+            row = {"threads": t, "k": k}
+            for name, v in times.items():
+                row[name] = {"median_ms": round(float(np.median(v)), 3), "min_ms": round(min(v), 3),
+                             "max_ms": round(max(v), 3)}
+            row["ratio"] = round(row["every_column"]["median_ms"] / row["embedding_columns"]["median_ms"], 2)
+            rows.append(row)
+            e, c = row["every_column"], row["embedding_columns"]
+            print(f"threads {t} k {k:4d}: every column {e['median_ms']:7.3f} ms ({e['min_ms']:.3f}-{e['max_ms']:.3f}), "
+                  f"embedding columns {c['median_ms']:7.3f} ms ({c['min_ms']:.3f}-{c['max_ms']:.3f}): "
+                  f"{row['ratio']:.2f}x", file=sys.stderr)
+    print(json.dumps({"benchmark": "first layer's input gradient", "examples": args.examples,
+                      "embedding_columns": width, "columns": columns, "repeats": repeats,
+                      "torch": torch.__version__, "torch_blas": "mkl" if torch.backends.mkl.is_available() else "other",
+                      "rows": rows, "provenance": provenance()}))
+
+
+if __name__ == "__main__":
+    main()
