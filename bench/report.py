@@ -7,7 +7,7 @@
 
 Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
 commit, uncommitted files, date, machine, command). `--add` files each such line under
-docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w4a, w5, w6, w7, w7s, w8, w10, w11, w11w, w11m, w12, w13, and reader, told apart by the line's
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w4a, w4f, w4l, w5, w6, w7, w7s, w8, w10, w11, w11w, w11m, w12, w13, and reader, told apart by the line's
 "benchmark" field); it refuses --quick lines and lines without provenance, since a table
 must come from a real run of a recorded command.
 
@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w4a", "w5", "w6", "w7", "w7s", "w8", "w10", "w11", "w11w", "w11m", "w12", "w13", "reader")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w4a", "w4f", "w4l", "w5", "w6", "w7", "w7s", "w8", "w10", "w11", "w11w", "w11m", "w12", "w13", "reader")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -57,6 +57,10 @@ def workload_of(line: dict) -> str | None:
         return "w11w"
     if name.startswith("W4") and line.get("malloc_ab"):  # train_bench.py --malloc-ab: hps against itself
         return "w4a"
+    if name.startswith("W4") and line.get("first_layer_ab"):  # train_bench.py --first-layer-ab: the same
+        return "w4f"
+    if name == "first layer's input gradient":  # bench/first_layer_bench.py: W4's first layer, two products
+        return "w4l"
     for prefix, wid in (("W10", "w10"), ("W11", "w11"), ("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
                         ("W5", "w5"), ("W6", "w6"), ("w6", "w6"), ("W7s", "w7s"), ("W7", "w7"), ("W8", "w8")):
         if name.startswith(prefix):
@@ -406,7 +410,8 @@ def render_w3(o: dict) -> list[str]:
 
 # ------------------------------------------------------------------ W4 / W4s
 W4_NAMES = {"hps": "hps", "torch": "PyTorch", "torchrec": "TorchRec", "mlp_alone": "the MLP alone (the bound)",
-            "hps_device": "hps, device-tier path", "hps_glibc_malloc": "hps, glibc's malloc as it comes"}
+            "hps_device": "hps, device-tier path", "hps_glibc_malloc": "hps, glibc's malloc as it comes",
+            "hps_torch_first_layer": "hps, torch's nn.Linear as the first layer"}
 
 
 def render_w4(o: dict) -> list[str]:
@@ -418,7 +423,7 @@ def render_w4(o: dict) -> list[str]:
            "own process, the systems taking turns); examples/s: median (min-max) over the rounds.", ""]
     rows = []
     fraction = o.get("fraction_of_mlp_alone") or {}
-    for s in ("hps", "hps_device", "hps_glibc_malloc", "torch", "torchrec", "mlp_alone"):
+    for s in ("hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer", "torch", "torchrec", "mlp_alone"):
         e = o.get(s)
         if not e:
             continue
@@ -437,7 +442,7 @@ def render_w4(o: dict) -> list[str]:
     per = o.get("fraction_of_mlp_alone_per_round") or {}
     for s in ("torch", "torchrec"):
         if per.get(s):
-            out.append(f"- the MLP alone / {W4_NAMES[s]}, examples/s (the most any system's ratio over it can be): "
+            out.append(f"- the MLP alone / {W4_NAMES[s]}, examples/s (the most over it for a system that runs the MLP as torch does): "
                        f"{per_round([1.0 / f for f in per[s]])}")
     if per.get("hps"):
         out.append(f"- hps / the MLP alone: {per_round(per['hps'])}")
@@ -447,6 +452,9 @@ def render_w4(o: dict) -> list[str]:
     if o.get("ratio_keep_freed_memory_per_round"):
         out.append("- hps (keep_freed_memory, the default) / hps with glibc's malloc as it comes, examples/s: "
                    f"{per_round(o['ratio_keep_freed_memory_per_round'])}")
+    if o.get("ratio_own_first_layer_per_round"):
+        out.append("- hps (its own first layer, the default) / hps with torch's nn.Linear as the first layer, "
+                   f"examples/s: {per_round(o['ratio_own_first_layer_per_round'])}")
     if o.get("auc_difference") is not None:
         out.append(f"- AUC hps - PyTorch: {o['auc_difference']:+.4f}")
     p = (o.get("hps") or {}).get("pipeline") or {}
@@ -963,8 +971,22 @@ def render_reader(o: dict) -> list[str]:
     return out
 
 
+def render_w4l(o: dict) -> list[str]:
+    out = [f"grad ({o['examples']:,}, k) times the first layer's weight: every one of its {o['columns']} input "
+           f"columns, as nn.Linear's autograd computes, or the {o['embedding_columns']} embedding columns, as "
+           f"hps.torch's CtrModel does on the CPU; milliseconds a product from cold caches, median (min-max) of "
+           f"{o['repeats']}, torch {o['torch']} ({o['torch_blas']}).", ""]
+    rows = [[str(r["threads"]), str(r["k"]),
+             spread(r["every_column"]["median_ms"], r["every_column"]["min_ms"], r["every_column"]["max_ms"], ".2f"),
+             spread(r["embedding_columns"]["median_ms"], r["embedding_columns"]["min_ms"],
+                    r["embedding_columns"]["max_ms"], ".2f"),
+             f"{r['ratio']:.2f}x"] for r in o["rows"]]
+    return out + table(["torch threads", "k (first layer's units)", "every column, ms", "embedding columns, ms",
+                        "every / embedding"], rows)
+
+
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4, "w4m": render_w4, "w4a": render_w4,
-          "w5": render_w5, "w6": render_w6, "w7": render_w7, "w7s": render_w7s, "w8": render_w8, "w12": render_w12,
+          "w4f": render_w4, "w4l": render_w4l, "w5": render_w5, "w6": render_w6, "w7": render_w7, "w7s": render_w7s, "w8": render_w8, "w12": render_w12,
           "w10": render_w10, "w11": render_w11, "w11w": render_w11, "w11m": render_w11, "w13": render_w13, "reader": render_reader}
 
 

@@ -14,6 +14,10 @@ same model and data, in the same run.
     python3 bench/train_bench.py --mlp 16 --rounds 5 --no-torchrec --malloc-ab
                                                   # also hps with glibc's malloc as it comes
                                                   # (keep_freed_memory = false), against hps
+    python3 bench/train_bench.py --mlp 16 --rounds 5 --no-torchrec --first-layer-ab
+                                                  # also hps with torch's nn.Linear as the
+                                                  # first layer (every input column's
+                                                  # gradient), against hps
     python3 bench/train_bench.py --model-device cuda --no-torchrec
                                                   # W4 on a GPU: every MLP, and plain PyTorch's
                                                   # EmbeddingBag, on cuda:0 (bench/gpu_check.sh)
@@ -208,8 +212,10 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0
             "malloc": summary["malloc"]}
 
 
-# mlp_alone: the bound; hps_device: --device-path; hps_glibc_malloc: --malloc-ab
-SYSTEMS = ("mlp_alone", "torch", "torchrec", "hps", "hps_device", "hps_glibc_malloc")
+# mlp_alone: the bound; hps_device: --device-path; hps_glibc_malloc: --malloc-ab;
+# hps_torch_first_layer: --first-layer-ab
+SYSTEMS = ("mlp_alone", "torch", "torchrec", "hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer")
+HPS_SYSTEMS = ("hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer")
 
 
 def save_batches(path, train_batches, eval_batches):
@@ -257,6 +263,11 @@ def run_system(a, system, hidden, data_path, workdir):
         import torchrec_peer
         return torchrec_peer.torchrec(train_batches, eval_batches, hidden, a.threads, a.seed, a.lr_emb,
                                       a.lr_dense, a.dim)
+    if system == "hps_torch_first_layer":
+        # This process only: CtrModel declines to run the first layer itself, so the MLP's
+        # nn.Linear computes it (and every input column's gradient) through torch's autograd.
+        import hps.torch
+        hps.torch.CtrModel._first_layer = lambda self, device: None
     return run_hps(a, workdir, hidden, train_batches, eval_batches,
                    devices=a.device_path if system == "hps_device" else 0,
                    keep_freed_memory=system != "hps_glibc_malloc")
@@ -303,6 +314,9 @@ def main():
     ap.add_argument("--malloc-ab", action="store_true",
                     help="also run hps with glibc's malloc as it comes (keep_freed_memory = false) and report "
                          "hps's rate over it")
+    ap.add_argument("--first-layer-ab", action="store_true",
+                    help="also run hps with torch's nn.Linear as the MLP's first layer (CtrModel's own off) and "
+                         "report hps's rate over it")
     ap.add_argument("--model-device", choices=("cpu", "cuda"), default="cpu",
                     help="where every system's MLP trains (cuda: GPU 0; plain PyTorch's embeddings too)")
     ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # worker: one run, one JSON line
@@ -328,7 +342,8 @@ def main():
             ap.error("--model-device cuda with --device-path: the device path over host partitions is a CPU figure")
         a.no_torchrec = True  # its sharded GPU kernels need a process group of its own; not measured here
     systems = [s for s in SYSTEMS if not (s == "torchrec" and a.no_torchrec) and
-               not (s == "hps_device" and not a.device_path) and not (s == "hps_glibc_malloc" and not a.malloc_ab)]
+               not (s == "hps_device" and not a.device_path) and not (s == "hps_glibc_malloc" and not a.malloc_ab)
+               and not (s == "hps_torch_first_layer" and not a.first_layer_ab)]
     if "torchrec" in systems:
         sys.path.insert(0, HERE)
         import torchrec_peer
@@ -340,7 +355,7 @@ def main():
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
            "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
            "device_path": a.device_path, "model_device": a.model_device, "quick": a.quick,
-           "malloc_ab": a.malloc_ab,
+           "malloc_ab": a.malloc_ab, "first_layer_ab": a.first_layer_ab,
            "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
     workdir = scratch_dir("train-bench-")
     try:
@@ -359,7 +374,7 @@ def main():
                 result = spawn(a, system, data_path, workdir)
                 runs[system].append(result)
                 extra = ""
-                if system in ("hps", "hps_device", "hps_glibc_malloc"):
+                if system in HPS_SYSTEMS:
                     p = result["pipeline"]
                     extra = (f", wall/slowest stage {p['wall_over_slowest_stage']:.2f} (bound by {p['bound_by']}), "
                              f"torch threads {result['torch_threads']['chosen']}")
@@ -388,6 +403,10 @@ def main():
         out["ratio_keep_freed_memory_per_round"] = [h["examples_per_s"] / g["examples_per_s"]
                                                     for h, g in zip(runs["hps"], runs["hps_glibc_malloc"])]
         out["ratio_keep_freed_memory"] = float(np.median(out["ratio_keep_freed_memory_per_round"]))
+    if "hps_torch_first_layer" in runs:
+        out["ratio_own_first_layer_per_round"] = [h["examples_per_s"] / g["examples_per_s"]
+                                                  for h, g in zip(runs["hps"], runs["hps_torch_first_layer"])]
+        out["ratio_own_first_layer"] = float(np.median(out["ratio_own_first_layer_per_round"]))
     # What fraction of the bound each system reaches, round by round.
     out["fraction_of_mlp_alone_per_round"] = {s: [r["examples_per_s"] / m["examples_per_s"]
                                                   for r, m in zip(runs[s], runs["mlp_alone"])]

@@ -58,7 +58,7 @@ def test_cache_policy_refuses_a_held_out_trace_equal_to_the_tuning_one():
 def test_train_quick_against_pytorch():
     pytest.importorskip("torch", reason="the training benchmark needs torch")
     out = run_json("bench/train_bench.py", "--quick", "--no-torchrec", "--examples", "100000",
-                   "--eval-examples", "20000", "--malloc-ab", timeout=600)
+                   "--eval-examples", "20000", "--malloc-ab", "--first-layer-ab", timeout=600)
     assert out["hps"]["examples"] == out["torch"]["examples"] == 100_000
     assert abs(out["auc_difference"]) < 0.002  # same model, same data, same optimizers
     # W9's figures, from the pipeline's own counters and clocks: every batch went
@@ -89,6 +89,12 @@ def test_train_quick_against_pytorch():
     assert out["hps"]["malloc"]["kept"] is (sys.platform == "linux" and platform.libc_ver()[0] == "glibc")
     assert out["ratio_keep_freed_memory_per_round"] == [
         pytest.approx(out["hps"]["examples_per_s"] / plain["examples_per_s"])]
+    # --first-layer-ab: hps again with torch's nn.Linear as the first layer, the same model
+    # trained (the gradients differ only in float rounding).
+    linear = out["hps_torch_first_layer"]
+    assert linear["examples"] == 100_000 and abs(linear["auc"] - out["hps"]["auc"]) < 0.001
+    assert out["ratio_own_first_layer_per_round"] == [
+        pytest.approx(out["hps"]["examples_per_s"] / linear["examples_per_s"])]
 
 
 def test_train_quick_multi_hot_against_pytorch():

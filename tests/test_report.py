@@ -155,7 +155,7 @@ def test_w4_reports_each_system_as_a_fraction_of_the_mlp_alone(tree):
     assert "| hps | 110 (100-120) | 2 | 0.8101 | 0.4500 | 0.56 |" in w4
     assert "| the MLP alone (the bound) | 200 (160-240) | 2 | - | - | 1 |" in w4
     # The ceiling of a ratio over PyTorch is the MLP alone over PyTorch, round by round.
-    assert "the MLP alone / PyTorch, examples/s (the most any system's ratio over it can be): 2.20 " \
+    assert "the MLP alone / PyTorch, examples/s (the most over it for a system that runs the MLP as torch does): 2.20 " \
            "(rounds: 2.00, 2.40)" in w4
     assert "hps / the MLP alone: 0.56 (rounds: 0.62, 0.50)" in w4
     assert "device-tier" not in w4  # no --device-path in this run
@@ -171,6 +171,30 @@ def test_w4_reports_the_device_tier_path_beside_the_in_place_one(tree):
     assert "| hps, device-tier path (2 host partitions) | 90 (90-96) | 2 | 0.8101 | 0.4500 |" in w4
     assert "the device-tier path over 2 host partitions / the in-place path, examples/s: 0.85 " \
            "(rounds: 0.90, 0.80)" in w4
+
+
+def test_w4f_and_w4l_the_first_layer_a_b_and_its_products(tree):
+    with open(tree / "benchmarks.md", "a") as f:
+        f.write("<!-- report:w4f -->\n<!-- /report:w4f -->\n<!-- report:w4l -->\n<!-- /report:w4l -->\n")
+    line = w4_line([300.0, 320.0], [100.0, 100.0], mlp=(16,))
+    line["first_layer_ab"] = True
+    line["hps_torch_first_layer"] = {"examples": 1000, "examples_per_s": 250.0, "examples_per_s_runs": [250.0, 240.0],
+                                     "auc": 0.8101, "logloss": 0.45}
+    line["ratio_own_first_layer_per_round"] = [1.2, 1.4]
+    assert report.workload_of(line) == "w4f"
+    w4f = rendered(tree, "w4f", line)
+    assert "| hps, torch's nn.Linear as the first layer | 250 (240-250) | 2 | 0.8101 | 0.4500 |" in w4f
+    assert "hps (its own first layer, the default) / hps with torch's nn.Linear as the first layer, examples/s: " \
+           "1.30 (rounds: 1.20, 1.40)" in w4f
+    products = {"benchmark": "first layer's input gradient", "examples": 4096, "embedding_columns": 416,
+                "columns": 429, "repeats": 15, "torch": "2.13.0+cpu", "torch_blas": "mkl", "quick": False,
+                "rows": [{"threads": 1, "k": 16, "every_column": {"median_ms": 2.1, "min_ms": 1.6, "max_ms": 5.8},
+                          "embedding_columns": {"median_ms": 1.4, "min_ms": 1.4, "max_ms": 1.6}, "ratio": 1.5}],
+                "provenance": prov(command="python3 bench/first_layer_bench.py")}
+    assert report.workload_of(products) == "w4l"
+    w4l = rendered(tree, "w4l", products)
+    assert "| 1 | 16 | 2.10 (1.60-5.80) | 1.40 (1.40-1.60) | 1.50x |" in w4l
+    assert "every one of its 429 input columns" in w4l and "the 416 embedding columns" in w4l
 
 
 def test_w5_ratios_are_medians_of_the_same_round_ratios_and_w2_the_benchmarks(tree):
