@@ -170,9 +170,9 @@ class _FirstLayer(torch.autograd.Function):
     compute every column, the dense features' too, which nothing reads. That is
     less work, and more so than the columns say: W4's input has 26 x 16 + 13 = 429
     columns, rows that are not a multiple of 64 bytes, and torch's BLAS (MKL on an
-    AMD EPYC) took 1.5 to 2.2 times as long for every column as for the 416
-    embedding columns at k = 16 on one thread, 1.5 times at k = 512
-    (python3 bench/first_layer_bench.py, docs/benchmarks.md). The weight's
+    AMD EPYC) took 2.6 times as long for every column as for the 416 embedding
+    columns at k = 16 on one thread, 1.3 times at k = 512 (docs/benchmarks.md, W4l:
+    python3 bench/first_layer_bench.py). The weight's
     and bias's gradients are nn.Linear's."""
 
     @staticmethod
