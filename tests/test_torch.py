@@ -226,3 +226,43 @@ def test_ctr_model_leaves_a_frozen_first_layer_alone(tmp_path):
     assert model.mlp[0].weight.grad is None and model.mlp[0].bias.grad is None
     assert model.mlp[2].weight.grad is not None and model.mlp[2].weight.grad.abs().sum() > 0
     assert (ps.pull(keys.reshape(-1)) != before).any(axis=1).all()
+
+
+def test_ctr_model_with_bags_trains_like_plain_torch(tmp_path):
+    """With multi-hot fields CtrModel pools each field and puts the first layer's input
+    together with torch.cat; on the CPU the first layer is _FirstLayerOnPooled, which
+    hands each piece the gradient of its own columns. Rows, MLP and the dense features'
+    gradient (asked for here) follow plain torch's to float tolerance."""
+    vocab, fields = 30, 2
+    ps = make_ps(tmp_path, lr=0.3)
+    model = ht.CtrModel(ps, num_fields=fields, num_dense=3, hidden=(16, 4), seed=5, num_bags=1)
+    before = ps.pull(np.arange(vocab, dtype=np.uint64))
+    table = torch.nn.Parameter(torch.from_numpy(before.copy()))
+    mlp_ref = ht.mlp((fields + 1) * DIM + 3, (16, 4), seed=5)
+    opt = torch.optim.SGD(model.mlp.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD([table, *mlp_ref.parameters()], lr=0.1)
+    for step in range(3):
+        rng = np.random.default_rng(step)
+        keys = torch.from_numpy(rng.integers(0, vocab, (8, fields)))
+        bag_keys = torch.from_numpy(rng.integers(0, vocab, 20))
+        offsets = torch.tensor([0, 2, 2, 5, 9, 12, 15, 18])
+        dense = torch.from_numpy(rng.standard_normal((8, 3)).astype(np.float32)).requires_grad_(True)
+        dense_ref = dense.detach().clone().requires_grad_(True)
+        logits = model(keys, dense, [(bag_keys, offsets, None)])
+        assert "_FirstLayerOnPooledBackward" in graph_nodes(logits)
+        opt.zero_grad()
+        (logits ** 2).sum().backward()
+        opt.step()
+        x = torch.cat([table[keys].reshape(8, -1),
+                       torch.nn.functional.embedding_bag(bag_keys, table, offsets, mode="sum"), dense_ref], 1)
+        opt_ref.zero_grad()
+        (mlp_ref(x).squeeze(1) ** 2).sum().backward()
+        with torch.no_grad():  # the rows step by the server's SGD (lr 0.3), the MLP by opt_ref
+            table -= 0.3 * table.grad
+        table.grad = None
+        opt_ref.step()
+        torch.testing.assert_close(dense.grad, dense_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(ps.pull(np.arange(vocab, dtype=np.uint64))), table.detach(),
+                               rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.mlp.parameters(), mlp_ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

@@ -193,6 +193,31 @@ class _FirstLayer(torch.autograd.Function):
         return None, None, None, None, None, None, None, grad_weight, grad_bias
 
 
+class _FirstLayerOnPooled(torch.autograd.Function):
+    """The MLP's first layer on [pooled embeddings... | dense] put together by torch.cat
+    (CtrModel with multi-hot fields, on the CPU): apply(dense, weight, bias, *pooled).
+    As _FirstLayer, its backward computes the input's gradient for the embedding columns
+    only (each piece's, views of one product) and none for the dense features unless
+    they require it."""
+
+    @staticmethod
+    def forward(ctx, dense, weight, bias, *pooled):
+        x = torch.cat([*pooled, dense.to(torch.float32)], dim=1)
+        ctx.save_for_backward(x, weight)
+        ctx.widths = [p.shape[1] for p in pooled]
+        return torch.addmm(bias, x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        x, weight = ctx.saved_tensors
+        width = sum(ctx.widths)
+        grad_dense = grad_h.mm(weight[:, width:]) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_h.sum(0) if ctx.needs_input_grad[2] else None
+        grads = torch.split(grad_h.mm(weight[:, :width]), ctx.widths, dim=1) if width else ()
+        return (grad_dense, grad_weight, grad_bias, *grads)
+
+
 class EmbeddingBag(nn.Module):
     """nn.EmbeddingBag-like pooling over rows kept in `ps`.
 
@@ -298,17 +323,17 @@ class CtrModel(nn.Module):
             pooled = [emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)] if self.num_fields else []
             pooled += [be(k, o, per_sample_weights=w) for k, o, w in bags]
             pooled = [p.to(device) for p in pooled]
+            first = self._first_layer(device)
+            if first is not None:
+                return self._after_first_layer(
+                    _FirstLayerOnPooled.apply(dense, first.weight, first.bias, *pooled))
             return self.mlp(torch.cat(pooled + [dense.to(device, torch.float32)], dim=1)).squeeze(1)
         if emb.batch is not None and emb.padding_key is None and not dense.requires_grad:
             first = self._first_layer(device)
             if first is not None:
-                h = _FirstLayer.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
-                                            emb.frozen_key, first.weight, first.bias)
-                layers = iter(self.mlp)
-                next(layers)
-                for layer in layers:
-                    h = layer(h)
-                return h.squeeze(1)
+                return self._after_first_layer(
+                    _FirstLayer.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
+                                      emb.frozen_key, first.weight, first.bias))
             x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
                                        emb.frozen_key, device)
             return self.mlp(x).squeeze(1)
@@ -316,14 +341,23 @@ class CtrModel(nn.Module):
         return self.mlp(torch.cat([pooled, dense.to(device, torch.float32)], dim=1)).squeeze(1)
 
     def _first_layer(self, device: torch.device) -> Optional[nn.Linear]:
-        """The MLP's first layer where _FirstLayer computes it (an nn.Sequential
-        starting with a float32 nn.Linear with a bias, on the CPU), else None."""
+        """The MLP's first layer where _FirstLayer (with multi-hot fields,
+        _FirstLayerOnPooled) computes it: an nn.Sequential starting with a float32
+        nn.Linear with a bias, on the CPU; else None."""
         if device.type != "cpu" or not isinstance(self.mlp, nn.Sequential) or len(self.mlp) < 2:
             return None
         first = self.mlp[0]
         if type(first) is not nn.Linear or first.bias is None or first.weight.dtype != torch.float32:
             return None
         return first
+
+    def _after_first_layer(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits from the first layer's output h: the MLP's layers after the first."""
+        layers = iter(self.mlp)
+        next(layers)
+        for layer in layers:
+            h = layer(h)
+        return h.squeeze(1)
 
     @property
     def device(self) -> torch.device:
