@@ -172,8 +172,8 @@ class _FirstLayer(torch.autograd.Function):
     columns, rows that are not a multiple of 64 bytes, and torch's BLAS (MKL on an
     AMD EPYC) took 2.6 times as long for every column as for the 416 embedding
     columns at k = 16 on one thread, 1.3 times at k = 512 (docs/benchmarks.md, W4l:
-    python3 bench/first_layer_bench.py). The weight's
-    and bias's gradients are nn.Linear's."""
+    python3 bench/first_layer_bench.py). The weight's and bias's gradients are
+    nn.Linear's."""
 
     @staticmethod
     def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, weight, bias):
