@@ -388,25 +388,17 @@ def main():
         out[system]["examples_per_s_runs"] = rates
         out[system]["examples_per_s"] = float(np.median(rates))
     median = {s: out[s]["examples_per_s"] for s in runs}
-    # A ratio is the median of the same-round ratios (each round's runs ran close in time).
-    out["ratio_per_round"] = [h["examples_per_s"] / t["examples_per_s"] for h, t in zip(runs["hps"], runs["torch"])]
-    out["ratio_examples_per_s"] = float(np.median(out["ratio_per_round"]))
-    if "torchrec" in runs:
-        out["ratio_over_torchrec_per_round"] = [h["examples_per_s"] / t["examples_per_s"]
-                                                for h, t in zip(runs["hps"], runs["torchrec"])]
-        out["ratio_over_torchrec"] = float(np.median(out["ratio_over_torchrec_per_round"]))
-    if "hps_device" in runs:
-        out["ratio_device_path_over_in_place_per_round"] = [d["examples_per_s"] / h["examples_per_s"]
-                                                            for d, h in zip(runs["hps_device"], runs["hps"])]
-        out["ratio_device_path_over_in_place"] = float(np.median(out["ratio_device_path_over_in_place_per_round"]))
-    if "hps_glibc_malloc" in runs:
-        out["ratio_keep_freed_memory_per_round"] = [h["examples_per_s"] / g["examples_per_s"]
-                                                    for h, g in zip(runs["hps"], runs["hps_glibc_malloc"])]
-        out["ratio_keep_freed_memory"] = float(np.median(out["ratio_keep_freed_memory_per_round"]))
-    if "hps_torch_first_layer" in runs:
-        out["ratio_own_first_layer_per_round"] = [h["examples_per_s"] / g["examples_per_s"]
-                                                  for h, g in zip(runs["hps"], runs["hps_torch_first_layer"])]
-        out["ratio_own_first_layer"] = float(np.median(out["ratio_own_first_layer_per_round"]))
+    # A ratio is the median of the same-round ratios (each round's runs ran close in time):
+    # (its per-round key, its median's key, the system over, the system under).
+    for per_round, key, over, under in (
+            ("ratio_per_round", "ratio_examples_per_s", "hps", "torch"),
+            ("ratio_over_torchrec_per_round", "ratio_over_torchrec", "hps", "torchrec"),
+            ("ratio_device_path_over_in_place_per_round", "ratio_device_path_over_in_place", "hps_device", "hps"),
+            ("ratio_keep_freed_memory_per_round", "ratio_keep_freed_memory", "hps", "hps_glibc_malloc"),
+            ("ratio_own_first_layer_per_round", "ratio_own_first_layer", "hps", "hps_torch_first_layer")):
+        if over in runs and under in runs:
+            out[per_round] = [a["examples_per_s"] / b["examples_per_s"] for a, b in zip(runs[over], runs[under])]
+            out[key] = float(np.median(out[per_round]))
     # What fraction of the bound each system reaches, round by round.
     out["fraction_of_mlp_alone_per_round"] = {s: [r["examples_per_s"] / m["examples_per_s"]
                                                   for r, m in zip(runs[s], runs["mlp_alone"])]
