@@ -36,12 +36,23 @@ def train(ps, batches, workers, overlap, views=False):
         b.finish()
 
 
+def copying_tier(self, capacity):
+    """ParameterServer._new_tier with copies of the rows in the host partitions'
+    tables, as a GPU tier holds them (the default binds MEM-PS's rows)."""
+    return _core.DeviceTier(self.config.devices, capacity, self._native_opt, threads=self.config.device_threads,
+                            routes=self._routes, bind_host_rows=False)
+
+
+@pytest.mark.parametrize("bind", [True, False], ids=["bound", "copying"])
 @pytest.mark.parametrize("views", [False, True], ids=["copies", "views"])
 @pytest.mark.parametrize("devices", [1, 2, 4])
-def test_the_device_tier_path_equals_the_in_place_path(tmp_path, devices, views):
+def test_the_device_tier_path_equals_the_in_place_path(tmp_path, monkeypatch, devices, views, bind):
+    if not bind:
+        monkeypatch.setattr(hps.ParameterServer, "_new_tier", copying_tier)
     batches = steps()
     in_place = server(tmp_path, "in_place")
     tier = server(tmp_path, "tier", devices=devices, host_in_place=False)
+    assert tier._slots[0].tier.binds_host_rows is bind
     train(in_place, batches, 1, overlap=False)
     train(tier, batches, devices, overlap=True, views=views)
     keys = np.unique(np.concatenate([b.reshape(-1) for b in batches]))

@@ -2,7 +2,9 @@
 // spread over G devices of one node (the MLSys 2020 paper's section 4).
 //
 // Each device holds two hash tables: the rows (embedding + optimizer state)
-// of the keys it owns, and the gradients workers have sent it for them. A
+// of the keys it owns, and the gradients workers have sent it for them.
+// (Host partitions that read in place may instead bind a batch's rows where
+// MEM-PS pins them: BindHostRows.) A
 // key's owner comes from the caller (a pluggable partition policy) or, by
 // default, from a modulo hash. Devices are CUDA GPUs when the node has enough
 // of them, otherwise host partitions: the same tables in host memory, run by
@@ -88,6 +90,13 @@ struct DeviceTierOptions {
   // endpoint e on GPU e. Several may share a GPU, so a one-GPU machine runs
   // a tier of several devices (the tests of the GPUs' row mover do).
   std::vector<int32_t> cuda_devices;
+  // Host partitions that read in place (no row mover) bind a working set's
+  // rows where MEM-PS pins them (BindHostRows) instead of holding copies in
+  // their tables: the partitions share the host's memory with MEM-PS, so a
+  // copy in and out of it bought nothing but two passes over the rows (the
+  // device-tier path ran W4s at 0.75x the in-place one with them). false:
+  // copies, as a GPU must hold them (the tests run the copying path this way).
+  bool bind_host_rows = true;
 };
 
 struct TransferMatrix {
@@ -210,6 +219,20 @@ class DeviceTier {
   // at a position stay there. std::out_of_range names a position outside the
   // bound keys; std::logic_error before Bind.
   virtual void CopyRowsAt(const int64_t* from, const int64_t* to, uint64_t n) = 0;
+  // Whether BindHostRows may be called: host partitions that read in place,
+  // with options.bind_host_rows.
+  virtual bool binds_host_rows() const = 0;
+  // Bind without Insert: the batch's rows stay where they lie in host memory
+  // (rows[i] holds keys[i]'s row_floats floats: MEM-PS's pinned slots, which
+  // must stay valid and unmoved until Clear), each key on its owner. The
+  // positional calls read and step them there, the calls by key find them
+  // through the bound keys (Get, Rows, Assign: a key not bound is named, or
+  // skipped by Assign; Insert throws std::logic_error), size() counts them,
+  // and transfers are counted as for rows in the tables. TableFullError when
+  // a device would own more keys than its capacity, as Insert's; std::logic_error
+  // where !binds_host_rows(). Clear forgets them (the caller writes nothing back:
+  // Apply stepped them where they lie).
+  virtual void BindHostRows(const uint64_t* keys, uint64_t n, const int32_t* owners, uint8_t* const* rows) = 0;
 
   virtual TransferMatrix transfers() const = 0;
   // Empty (links = 0) without routes.

@@ -8,20 +8,33 @@
 //   WorkingSet(keys)  the batch's distinct keys pinned in MEM-PS (misses come
 //                     from its loader: the BackingStore), owners chosen
 //   Load(tier)        the pinned rows, as MEM-PS holds them now, onto the
-//                     owners' tables of an empty device tier
+//                     owners' tables of an empty device tier; on host
+//                     partitions that bind host rows (DeviceTier::
+//                     binds_host_rows), the pinned rows themselves, uncopied
 //   Get / Accumulate  per worker: embeddings pulled from the owners,
 //                     gradients sent to them (Algorithm 2)
 //   Apply             one optimizer step per key on its owner; the updated
 //                     rows are read back and published to the next batch
+//                     (bound to host rows: stepped in MEM-PS, nothing to read)
 //   WriteBack         the updated rows into their MEM-PS slots (dirty), every
-//                     pin released, the tier emptied
+//                     pin released, the tier emptied (bound to host rows: the
+//                     stepped rows marked dirty as they are unpinned)
 //
 // Abort (or the destructor) releases a batch that will not finish.
 //
 // Pipelining: a batch loaded while the one before it still trains (Load's
 // `previous`) takes that one's updated rows onto its tier before its first
 // Get, Accumulate or Apply, waiting for that Apply if needed; so the
-// pipelined run computes what the sequential one does.
+// pipelined run computes what the sequential one does. (Bound to host rows,
+// both step MEM-PS's rows, and the wait is all.) The two batches' tiers must
+// be of one kind, both bound to host rows or both holding copies: a copying
+// batch writes its rows into MEM-PS at its write-back, which may come after
+// the bound batch behind it stepped them. Load refuses a mix
+// (std::invalid_argument), releasing the batch.
+//
+// A failed Apply of a batch bound to host rows may have stepped some rows in
+// MEM-PS; its release marks every row dirty, so none of those steps is lost
+// (HostBatch keeps partial steps the same way).
 //
 // Failures keep HostBatch's guarantees (device_tier.h, mem_cache.h): a call
 // that throws holds no pin it did not hold before and loses no dirty row.
@@ -154,6 +167,8 @@ class WorkingSet {
   std::vector<uint8_t*> addresses_;  // each key's row in MEM-PS, as its pin gave it (valid while pinned)
   uint64_t hits_ = 0;
   bool written_ = false;  // WriteBack's first half (the updated rows) is done
+  bool in_mem_ps_ = false;  // loaded onto a tier bound to host rows: the rows are MEM-PS's own
+  bool apply_failed_ = false;  // (then, with in_mem_ps_, some rows may be stepped: all go back dirty)
   DeviceTier* tier_ = nullptr;
   std::shared_ptr<Updates> previous_;
   std::shared_ptr<Updates> updates_;

@@ -435,7 +435,8 @@ class Batch(_BatchBase):
     """A batch's working set on the device tier (ParameterServer.batch), run by
     a native _core.WorkingSet: a handful of calls into C++ a batch (pin, load,
     a pull and a push per worker, apply, write back), the rows moving between
-    MEM-PS and the tier without passing through Python.
+    MEM-PS and the tier without passing through Python (on host partitions they
+    do not move: the tier steps MEM-PS's pinned rows where they lie).
 
     finish() is apply() (one optimizer step per key on the device tier), then
     write_back() (the rows to MEM-PS, the tier freed); the pipeline runs the

@@ -772,12 +772,15 @@ PYBIND11_MODULE(_core, m) {
   };
   py::class_<hps::DeviceTier>(m, "DeviceTier")
       .def(py::init([](int32_t devices, uint64_t capacity, const hps::SparseOptimizer& optimizer, bool use_cuda,
-                       int32_t threads, const TierRoutesHandle* routes, const std::vector<int32_t>& cuda_devices) {
-             return hps::DeviceTier::New(
-                 {devices, capacity, optimizer, use_cuda, threads, routes ? routes->routes : nullptr, cuda_devices});
+                       int32_t threads, const TierRoutesHandle* routes, const std::vector<int32_t>& cuda_devices,
+                       bool bind_host_rows) {
+             return hps::DeviceTier::New({devices, capacity, optimizer, use_cuda, threads,
+                                          routes ? routes->routes : nullptr, cuda_devices, bind_host_rows});
            }),
            py::arg("devices"), py::arg("capacity"), py::arg("optimizer"), py::arg("use_cuda") = true,
-           py::arg("threads") = 0, py::arg("routes") = nullptr, py::arg("cuda_devices") = std::vector<int32_t>{})
+           py::arg("threads") = 0, py::arg("routes") = nullptr, py::arg("cuda_devices") = std::vector<int32_t>{},
+           py::arg("bind_host_rows") = true)
+      .def_property_readonly("binds_host_rows", &hps::DeviceTier::binds_host_rows)
       .def_property_readonly("devices", &hps::DeviceTier::devices)
       .def_property_readonly("row_floats", &hps::DeviceTier::row_floats)
       .def_property_readonly("dim", &hps::DeviceTier::dim)

@@ -86,12 +86,14 @@ class Tier final : public DeviceTier {
     return staging_->Get(floats);
   }
   uint64_t size() const override {
+    if (host_rows_) return bound_keys_.size();  // the tables are empty
     uint64_t n = 0;
     for (const auto& t : rows_) n += t->size();
     return n;
   }
 
   void Insert(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) override {
+    if (host_rows_) throw std::logic_error("device tier insert: the tier is bound to host rows; Clear it first");
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
     for (int32_t d = 0; d < o_.devices; ++d) {
@@ -102,6 +104,18 @@ class Tier final : public DeviceTier {
 
   uint64_t Assign(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) override {
     CheckKeys(keys, n);
+    if (host_rows_) {  // into the bound rows where they lie
+      const uint64_t row_bytes = static_cast<uint64_t>(row_floats_) * sizeof(float);
+      const detail::KeyIndex& index = BoundIndex("assign");
+      uint64_t assigned = 0;
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint32_t at = index.Find(keys[i]);
+        if (at == detail::KeyIndex::kNone) continue;
+        std::memcpy(in_place_->addresses()[at], rows + i * static_cast<uint64_t>(row_floats_), row_bytes);
+        ++assigned;
+      }
+      return assigned;
+    }
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
     uint64_t assigned = 0;
     for (int32_t d = 0; d < o_.devices; ++d) {
@@ -115,6 +129,11 @@ class Tier final : public DeviceTier {
            const int32_t* owners) override {
     CheckWorker(worker);
     const int32_t dim = o_.optimizer.dim;
+    if (host_rows_) {
+      std::vector<int64_t> positions(n);
+      PositionsOf(keys, n, positions.data(), "get");
+      return GetAt(worker, positions.data(), n, embeddings, RowLayout{});
+    }
     if (mover_) return MovedGet(worker, keys, n, embeddings, owners);
     ReadOnOwners(keys, n, owners, embeddings, dim, [&](int32_t device, uint64_t rows) {
       Count(device, worker, rows, rows * dim * sizeof(float));
@@ -148,26 +167,8 @@ class Tier final : public DeviceTier {
   }
 
   void Bind(const uint64_t* keys, uint64_t n, const int32_t* owners) override {
-    CheckKeys(keys, n);
-    if (n >= detail::KeyIndex::kNone) throw std::invalid_argument("device tier bind: more than 2^32 - 2 keys");
-    for (const auto& g : grads_) {
-      if (g->size() != 0) throw std::logic_error("device tier bind: gradients wait for Apply");
-    }
-    if (in_place_ && in_place_->size() != 0) {
-      for (uint64_t p = 0; p < in_place_->size(); ++p) {
-        if (in_place_->touched(p)) throw std::logic_error("device tier bind: gradients wait for Apply");
-      }
-    }
-    Unbind();
-    const Parts parts = Partition(keys, n, owners, nullptr, 0);  // checks the owners
-    bound_keys_.assign(keys, keys + n);
-    bound_owners_.assign(o_.devices > 1 ? n : 0, 0);
-    for (int32_t d = 0; d < o_.devices && o_.devices > 1; ++d) {
-      for (uint64_t j = 0; j < parts.size[static_cast<size_t>(d)]; ++j) bound_owners_[parts.Index(d, j)] = d;
-    }
+    const Parts parts = BindKeys(keys, n, owners, "bind");
     if (reads_in_place()) {
-      if (!in_place_) in_place_ = std::make_unique<detail::BatchRows>(o_.optimizer, "device tier");
-      in_place_->Reset(n);
       std::vector<float*> at;
       for (int32_t d = 0; d < o_.devices; ++d) {
         const uint64_t size = parts.size[static_cast<size_t>(d)];
@@ -182,6 +183,34 @@ class Tier final : public DeviceTier {
         }
       }
     }
+    bound_ = true;
+  }
+
+  bool binds_host_rows() const override { return reads_in_place() && o_.bind_host_rows; }
+
+  void BindHostRows(const uint64_t* keys, uint64_t n, const int32_t* owners, uint8_t* const* rows) override {
+    if (!binds_host_rows()) {
+      throw std::logic_error("device tier bind host rows: the " + kind_ + " tier of " + std::to_string(o_.devices) +
+                             " device(s) holds copies of its rows" +
+                             (reads_in_place() ? " (bind_host_rows is off)" : ""));
+    }
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      if (rows_[d]->size() != 0) {
+        throw std::logic_error("device tier bind host rows: device " + std::to_string(d) +
+                               "'s table holds rows; Clear the tier first");
+      }
+    }
+    const Parts parts = BindKeys(keys, n, owners, "bind host rows");
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      if (parts.size[static_cast<size_t>(d)] > o_.capacity) {
+        Unbind();
+        throw TableFullError("device tier bind host rows: device " + std::to_string(d) + " would own " +
+                             std::to_string(parts.size[static_cast<size_t>(d)]) + " keys, over its capacity of " +
+                             std::to_string(o_.capacity) + " rows");
+      }
+    }
+    std::copy(rows, rows + n, in_place_->addresses());
+    host_rows_ = true;
     bound_ = true;
   }
 
@@ -239,10 +268,24 @@ class Tier final : public DeviceTier {
   }
 
   void Rows(const uint64_t* keys, uint64_t n, float* rows, const int32_t* owners) const override {
+    if (host_rows_) {
+      CheckKeys(keys, n);
+      std::vector<int64_t> positions(n);
+      PositionsOf(keys, n, positions.data(), "rows");
+      return in_place_->Rows(positions.data(), n, rows);
+    }
     ReadOnOwners(keys, n, owners, rows, row_floats_, [](int32_t, uint64_t) {});
   }
 
   uint64_t ReadBack(uint64_t* keys, float* rows, uint64_t max_rows) const override {
+    if (host_rows_) {
+      const uint64_t n = std::min<uint64_t>(max_rows, bound_keys_.size());
+      std::vector<int64_t> positions(n);
+      for (uint64_t i = 0; i < n; ++i) positions[i] = static_cast<int64_t>(i);
+      std::copy(bound_keys_.begin(), bound_keys_.begin() + static_cast<std::ptrdiff_t>(n), keys);
+      in_place_->Rows(positions.data(), n, rows);
+      return n;
+    }
     uint64_t done = 0;
     for (int32_t d = 0; d < o_.devices && done < max_rows; ++d) {
       done += rows_[d]->export_rows(keys + done, rows + done * row_floats_, max_rows - done);
@@ -496,11 +539,44 @@ class Tier final : public DeviceTier {
     return updated;
   }
 
+  // Bind's and BindHostRows's common part: the checks, the keys by position
+  // and their owners, the in-place rows sized (reads_in_place) for the caller
+  // to fill. Returns the keys split by owner.
+  Parts BindKeys(const uint64_t* keys, uint64_t n, const int32_t* owners, const char* what) {
+    CheckKeys(keys, n);
+    if (n >= detail::KeyIndex::kNone) {
+      throw std::invalid_argument("device tier " + std::string(what) + ": more than 2^32 - 2 keys");
+    }
+    for (const auto& g : grads_) {
+      if (g->size() != 0) throw std::logic_error("device tier " + std::string(what) + ": gradients wait for Apply");
+    }
+    if (in_place_ && in_place_->size() != 0) {
+      for (uint64_t p = 0; p < in_place_->size(); ++p) {
+        if (in_place_->touched(p)) {
+          throw std::logic_error("device tier " + std::string(what) + ": gradients wait for Apply");
+        }
+      }
+    }
+    Unbind();
+    Parts parts = Partition(keys, n, owners, nullptr, 0);  // checks the owners
+    bound_keys_.assign(keys, keys + n);
+    bound_owners_.assign(o_.devices > 1 ? n : 0, 0);
+    for (int32_t d = 0; d < o_.devices && o_.devices > 1; ++d) {
+      for (uint64_t j = 0; j < parts.size[static_cast<size_t>(d)]; ++j) bound_owners_[parts.Index(d, j)] = d;
+    }
+    if (reads_in_place()) {
+      if (!in_place_) in_place_ = std::make_unique<detail::BatchRows>(o_.optimizer, "device tier");
+      in_place_->Reset(n);
+    }
+    return parts;
+  }
+
   bool BoundInPlace() const { return bound_ && in_place_ != nullptr; }
   int32_t BoundOwner(uint64_t position) const { return o_.devices > 1 ? bound_owners_[position] : 0; }
 
   void Unbind() {
     bound_ = false;
+    host_rows_ = false;
     bound_keys_.clear();
     bound_owners_.clear();
     bound_index_.reset();
@@ -521,8 +597,8 @@ class Tier final : public DeviceTier {
     }
   }
 
-  // Where each of keys (n, bound) is among the bound keys.
-  void PositionsOf(const uint64_t* keys, uint64_t n, int64_t* positions, const char* what) const {
+  // The bound keys' key -> position index, built when a call by key first needs it.
+  const detail::KeyIndex& BoundIndex(const char* what) const {
     if (!bound_index_) {
       auto index = std::make_unique<detail::KeyIndex>(bound_keys_.size());
       for (uint64_t i = 0; i < bound_keys_.size(); ++i) {
@@ -536,8 +612,14 @@ class Tier final : public DeviceTier {
       }
       bound_index_ = std::move(index);
     }
+    return *bound_index_;
+  }
+
+  // Where each of keys (n, bound) is among the bound keys.
+  void PositionsOf(const uint64_t* keys, uint64_t n, int64_t* positions, const char* what) const {
+    const detail::KeyIndex& index = BoundIndex(what);
     for (uint64_t i = 0; i < n; ++i) {
-      const uint32_t at = bound_index_->Find(keys[i]);
+      const uint32_t at = index.Find(keys[i]);
       if (at == detail::KeyIndex::kNone) {
         throw std::out_of_range("device tier " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
                                 std::to_string(keys[i]) + " is not among the " + std::to_string(bound_keys_.size()) +
@@ -639,6 +721,7 @@ class Tier final : public DeviceTier {
   std::vector<int32_t> bound_owners_;
   mutable std::unique_ptr<detail::KeyIndex> bound_index_;
   std::unique_ptr<detail::BatchRows> in_place_;
+  bool host_rows_ = false;  // BindHostRows: in_place_ points at the caller's rows, the tables are empty
 };
 
 }  // namespace

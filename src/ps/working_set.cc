@@ -18,8 +18,11 @@ struct WorkingSet::Updates {
   std::condition_variable ready_cv;
   bool ready = false;  // GUARDED_BY(mutex); keys, rows, owners are fixed once it is set
   std::vector<uint64_t> keys;
-  std::vector<float> rows;     // (keys, row_floats)
+  std::vector<float> rows;     // (keys, row_floats); empty when in_mem_ps
   std::vector<int32_t> owners;  // empty: the modulo hash
+  // Set by the batch's Load, for the next batch's: how it holds its rows.
+  bool loaded = false;
+  bool in_mem_ps = false;  // on a tier bound to host rows: it steps MEM-PS's rows where they lie
 };
 
 WorkingSet::WorkingSet(MemCache& cache, const SparseOptimizer& optimizer, int32_t devices, const uint64_t* keys,
@@ -127,12 +130,41 @@ void WorkingSet::Load(DeviceTier& tier, std::shared_ptr<Updates> previous) {
                                   std::to_string(devices_) + " devices and rows of " +
                                   std::to_string(optimizer_.row_floats()) + " floats");
     }
-    // MEM-PS's rows as they are now, not as the prefetch found them: a batch
-    // written back since may have updated some (they are pinned, so cached).
-    float* rows = tier.StagingRows(keys_.size() * static_cast<uint64_t>(optimizer_.row_floats()));
-    cache_.ReadPinned(keys_.data(), keys_.size(), reinterpret_cast<uint8_t*>(rows), addresses_.data());
-    tier.Insert(keys_.data(), keys_.size(), rows, owners_.empty() ? nullptr : owners_.data());
-    tier.Bind(keys_.data(), keys_.size(), owners_.empty() ? nullptr : owners_.data());
+    const int32_t* owners = owners_.empty() ? nullptr : owners_.data();
+    if (previous) {
+      // A copying batch writes its rows into MEM-PS at its write-back, which
+      // may come after a bound batch stepped them; a bound one steps MEM-PS's
+      // rows while a copying one may be reading them in: the pipeline's tiers
+      // are of one kind, and a mix is refused.
+      bool previous_loaded, previous_in_mem_ps;
+      {
+        std::lock_guard lock(previous->mutex);
+        previous_loaded = previous->loaded;
+        previous_in_mem_ps = previous->in_mem_ps;
+      }
+      if (previous_loaded && previous_in_mem_ps != tier.binds_host_rows()) {
+        throw std::invalid_argument(std::string("working set load: the batch before this one ") +
+                                    (previous_in_mem_ps ? "is bound to MEM-PS's rows" : "holds copies of its rows") +
+                                    ", this tier " + (tier.binds_host_rows() ? "binds them" : "copies them") +
+                                    "; pipelined batches need tiers of one kind");
+      }
+    }
+    if (tier.binds_host_rows()) {
+      // The tier reads and steps MEM-PS's pinned rows where they lie: nothing
+      // to copy in now or out at the write-back.
+      tier.BindHostRows(keys_.data(), keys_.size(), owners, addresses_.data());
+      in_mem_ps_ = true;
+    } else {
+      // MEM-PS's rows as they are now, not as the prefetch found them: a batch
+      // written back since may have updated some (they are pinned, so cached).
+      float* rows = tier.StagingRows(keys_.size() * static_cast<uint64_t>(optimizer_.row_floats()));
+      cache_.ReadPinned(keys_.data(), keys_.size(), reinterpret_cast<uint8_t*>(rows), addresses_.data());
+      tier.Insert(keys_.data(), keys_.size(), rows, owners);
+      tier.Bind(keys_.data(), keys_.size(), owners);
+    }
+    std::lock_guard lock(updates_->mutex);
+    updates_->loaded = true;
+    updates_->in_mem_ps = in_mem_ps_;
   } catch (...) {
     try {
       tier.Clear();
@@ -158,7 +190,8 @@ void WorkingSet::CatchUp() {
     std::unique_lock lock(p.mutex);
     p.ready_cv.wait(lock, [&] { return p.ready; });
   }
-  if (!p.keys.empty()) {
+  // Bound to host rows, both batches step MEM-PS's rows: waiting was all.
+  if (!p.in_mem_ps && !p.keys.empty()) {
     tier_->Assign(p.keys.data(), p.keys.size(), p.rows.data(), p.owners.empty() ? nullptr : p.owners.data());
   }
   previous_.reset();
@@ -221,8 +254,11 @@ uint64_t WorkingSet::Apply() {
       owners.reserve(at.size());
       for (int64_t p : at) owners.push_back(owners_[static_cast<uint64_t>(p)]);
     }
-    std::vector<float> rows(updated.size() * static_cast<uint64_t>(optimizer_.row_floats()));
-    tier_->RowsAt(at.data(), at.size(), rows.data());
+    std::vector<float> rows;
+    if (!in_mem_ps_) {  // else the batch after this one reads them in MEM-PS
+      rows.resize(updated.size() * static_cast<uint64_t>(optimizer_.row_floats()));
+      tier_->RowsAt(at.data(), at.size(), rows.data());
+    }
     updated_positions_ = std::move(at);
     std::lock_guard lock(updates_->mutex);
     updates_->keys = std::move(updated);
@@ -230,6 +266,7 @@ uint64_t WorkingSet::Apply() {
     updates_->owners = std::move(owners);
     updates_->ready = true;
   } catch (...) {
+    apply_failed_ = true;
     try {
       ReleaseAll();
     } catch (const std::exception& e) {
@@ -289,7 +326,16 @@ void WorkingSet::ReleaseAll() {
       throw;  // nothing of this step released: a retry does it again
     }
   };
-  if (!written_ && !updated.empty()) {
+  if (in_mem_ps_) {
+    // The rows were stepped where they lie: one unpin, the updated ones dirty
+    // (every one after a failed Apply, which may have stepped some).
+    std::vector<uint8_t> dirty(keys_.size(), apply_failed_ ? 1 : 0);
+    for (int64_t p : updated_positions_) dirty[static_cast<uint64_t>(p)] = 1;
+    each(keys_, [&](uint64_t at, uint64_t n) {
+      cache_.UnpinUpdated(keys_.data() + at, n, dirty.data() + at, addresses_.data() + at);
+    });
+    written_ = true;
+  } else if (!written_ && !updated.empty()) {
     // The pins' row addresses: MemCache finds the slots from them instead of looking each key up.
     std::vector<uint8_t*> where(updated.size());
     for (size_t j = 0; j < where.size(); ++j) where[j] = addresses_[static_cast<uint64_t>(updated_positions_[j])];
@@ -299,7 +345,7 @@ void WorkingSet::ReleaseAll() {
   }
   written_ = true;
   std::vector<uint64_t> rest;
-  if (updated.size() < keys_.size()) {
+  if (!in_mem_ps_ && updated.size() < keys_.size()) {
     std::vector<uint8_t> is_updated(keys_.size(), 0);
     for (int64_t p : updated_positions_) is_updated[static_cast<uint64_t>(p)] = 1;
     std::vector<uint8_t*> where;

@@ -281,6 +281,7 @@ class CpuHashTable final : public HashTable {
   void clear() override {
     std::unique_lock lock(mutex_);
     const uint64_t used = size_.load(std::memory_order_relaxed);
+    if (used == 0) return;  // nothing erases a key, so every slot is empty (a tier bound to host rows)
     const uint64_t row_bytes = uint64_t{ref_.stride} * sizeof(float);
     if (used * row_bytes * 4 < ref_.slots * sizeof(uint64_t) + rows_.bytes()) {
       // A mostly empty table (the device tier's, between batches): scanning the

@@ -1,7 +1,9 @@
 // The working set under the sanitizers: a batch from pin to release on one
 // and two host partitions against HostBatch's steps on the same rows, its
 // failures (no pin left, no dirty row lost), and two batches pipelined on two
-// threads (the next pinned and loaded while this one trains), for TSan.
+// threads (the next pinned and loaded while this one trains), for TSan. Host
+// partitions run both ways: bound to MEM-PS's rows (their default) and with
+// copies in their tables (bind_host_rows off: the path a GPU tier takes).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -9,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "hps/device_tier.h"
@@ -83,13 +86,19 @@ void TierStep(MemCache& cache, DeviceTier& tier, const SparseOptimizer& opt, con
   EXPECT_EQ(tier.size(), 0u);
 }
 
-class WorkingSetDevices : public ::testing::TestWithParam<int32_t> {};
+std::unique_ptr<DeviceTier> HostTier(int32_t devices, uint64_t capacity, const SparseOptimizer& opt,
+                                     bool bind_host_rows) {
+  return DeviceTier::New({devices, capacity, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}, bind_host_rows});
+}
+
+class WorkingSetDevices : public ::testing::TestWithParam<std::tuple<int32_t, bool>> {};
 
 TEST_P(WorkingSetDevices, BatchesMatchHostBatchOnTheSameRows) {
   const SparseOptimizer opt = AdaGrad(4);
   RowStore host_store(opt), tier_store(opt);
   auto host = host_store.Cache(64), cached = tier_store.Cache(64);
-  auto tier = DeviceTier::New({GetParam(), 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+  auto tier = HostTier(std::get<0>(GetParam()), 64, opt, std::get<1>(GetParam()));
+  EXPECT_EQ(tier->binds_host_rows(), std::get<1>(GetParam()));
   const std::vector<std::vector<uint64_t>> batches = {
       {1, 2, 3, 2, 1, 9}, {2, 3, 4, 5, 3, 3}, {100, 101, 1, 2}, {7, 7, 7, 7}};
   std::vector<uint64_t> all;
@@ -109,7 +118,48 @@ TEST_P(WorkingSetDevices, BatchesMatchHostBatchOnTheSameRows) {
   EXPECT_GT(st.dirty, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(HostPartitions, WorkingSetDevices, ::testing::Values(1, 2, 4));
+INSTANTIATE_TEST_SUITE_P(HostPartitions, WorkingSetDevices,
+                         ::testing::Combine(::testing::Values(1, 2, 4), ::testing::Bool()));
+
+// Bound to MEM-PS's rows the tier holds no copy: Apply steps the rows in
+// MEM-PS before the write-back, the transfers are counted as with copies,
+// and calls that would put copies in the tables are refused.
+TEST(WorkingSet, BoundToHostRowsTheStepLandsInMemPsAtApply) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore bound_store(opt), copy_store(opt);
+  auto bound_cache = bound_store.Cache(16), copy_cache = copy_store.Cache(16);
+  auto bound = HostTier(2, 16, opt, true), copies = HostTier(2, 16, opt, false);
+  const std::vector<uint64_t> keys = {1, 2, 3, 4, 5};
+  const std::vector<float> before = CachedRows(*bound_cache, keys);
+  WorkingSet a(*bound_cache, opt, 2, keys.data(), keys.size()), b(*copy_cache, opt, 2, keys.data(), keys.size());
+  a.Load(*bound, nullptr);
+  b.Load(*copies, nullptr);
+  EXPECT_EQ(bound->size(), keys.size());  // the rows it reads, though its tables are empty
+  const float row[4] = {0, 0, 0, 0};
+  EXPECT_THROW(bound->Insert(keys.data(), 1, row, nullptr), std::logic_error);
+  uint8_t* any = nullptr;
+  EXPECT_THROW(copies->BindHostRows(keys.data(), 1, nullptr, &any), std::logic_error);
+  std::vector<float> g(keys.size() * 2, 1.0f), ea(keys.size() * 2), eb(keys.size() * 2);
+  for (WorkingSet* ws : {&a, &b}) {
+    ws->Get(1, keys.data(), keys.size(), ws == &a ? ea.data() : eb.data());
+    ws->Accumulate(0, keys.data(), keys.size(), g.data());
+    EXPECT_EQ(ws->Apply(), keys.size());
+  }
+  EXPECT_EQ(ea, eb);
+  EXPECT_EQ(bound->transfers().rows, copies->transfers().rows);
+  const std::vector<float> stepped = CachedRows(*bound_cache, keys);  // before the write-back
+  EXPECT_NE(stepped, before);
+  std::vector<float> read(keys.size() * opt.row_floats());
+  bound->Rows(keys.data(), keys.size(), read.data(), nullptr);
+  EXPECT_EQ(read, stepped);
+  EXPECT_EQ(CachedRows(*copy_cache, keys), before);  // copies: MEM-PS waits for the write-back
+  a.WriteBack();
+  b.WriteBack();
+  EXPECT_EQ(CachedRows(*bound_cache, keys), CachedRows(*copy_cache, keys));
+  EXPECT_EQ(bound_cache->stats().dirty, keys.size());
+  EXPECT_EQ(bound_cache->stats().pinned, 0u);
+  EXPECT_EQ(bound->size(), 0u);
+}
 
 TEST(WorkingSet, GivesTheDistinctKeysAndWhereEachExampleKeyIs) {
   const SparseOptimizer opt = AdaGrad(2);
@@ -141,16 +191,18 @@ TEST(WorkingSet, AFailedLoadReleasesEveryPinAndEmptiesTheTier) {
   const SparseOptimizer opt = AdaGrad(2);
   RowStore store(opt);
   auto cache = store.Cache(64);
-  auto tier = DeviceTier::New({1, 4, opt, false, 1, nullptr, {}});  // 4 rows: too small for 10 keys
   std::vector<uint64_t> keys(10);
   for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = 100 + i;
-  WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
-  EXPECT_THROW(ws.Load(*tier, nullptr), TableFullError);
-  EXPECT_TRUE(ws.released());
-  EXPECT_EQ(cache->stats().pinned, 0u);
-  EXPECT_EQ(tier->size(), 0u);
-  std::vector<float> emb(2);
-  EXPECT_THROW(ws.Get(0, keys.data(), 1, emb.data()), std::logic_error);
+  for (bool bind_host_rows : {true, false}) {
+    auto tier = HostTier(1, 4, opt, bind_host_rows);  // 4 rows: too small for 10 keys
+    WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
+    EXPECT_THROW(ws.Load(*tier, nullptr), TableFullError);
+    EXPECT_TRUE(ws.released());
+    EXPECT_EQ(cache->stats().pinned, 0u);
+    EXPECT_EQ(tier->size(), 0u);
+    std::vector<float> emb(2);
+    EXPECT_THROW(ws.Get(0, keys.data(), 1, emb.data()), std::logic_error);
+  }
 
   // A tier of the wrong shape is refused the same way.
   auto two = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
@@ -271,14 +323,16 @@ TEST(WorkingSet, AbortAfterApplyKeepsTheStepsAndBeforeItDropsThem) {
 
 // The pipeline's overlap: batch B is pinned and loaded on a second tier on
 // another thread while batch A trains; B's first Get waits for A's Apply and
-// takes A's updated rows. The result equals running them one after another.
+// takes A's updated rows. The result equals running them one after another,
+// whichever of the two tiers is bound to MEM-PS's rows and which holds copies.
 TEST(WorkingSet, APipelinedBatchTakesThePreviousOnesUpdates) {
   const SparseOptimizer opt = AdaGrad(4);
-  for (int32_t devices : {1, 2}) {
+  for (int32_t devices : {1, 2})
+  for (int bound : {0, 3}) {  // bit 0: A's tier bound to host rows, bit 1: B's
     RowStore seq_store(opt), pipe_store(opt);
     auto seq = seq_store.Cache(64), piped = pipe_store.Cache(64);
-    auto tier_a = DeviceTier::New({devices, 64, opt, false, 1, nullptr, {}});
-    auto tier_b = DeviceTier::New({devices, 64, opt, false, 1, nullptr, {}});
+    auto tier_a = HostTier(devices, 64, opt, (bound & 1) != 0);
+    auto tier_b = HostTier(devices, 64, opt, (bound & 2) != 0);
     const Step a = MakeStep({1, 2, 3, 4, 1}, opt.dim, 0.5f), b = MakeStep({3, 4, 5, 1}, opt.dim, 0.25f);
     TierStep(*seq, *tier_a, opt, a);
     TierStep(*seq, *tier_a, opt, b);
@@ -302,8 +356,40 @@ TEST(WorkingSet, APipelinedBatchTakesThePreviousOnesUpdates) {
     wb->WriteBack();
     const std::vector<uint64_t> keys = {1, 2, 3, 4, 5};
     const std::vector<float> want = CachedRows(*seq, keys), got = CachedRows(*piped, keys);
-    for (size_t i = 0; i < want.size(); ++i) ASSERT_FLOAT_EQ(got[i], want[i]) << devices << " devices, float " << i;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_FLOAT_EQ(got[i], want[i]) << devices << " devices, bound " << bound << ", float " << i;
+    }
     EXPECT_EQ(piped->stats().pinned, 0u);
+  }
+}
+
+// A copying batch writes its rows into MEM-PS at its write-back, after a
+// bound batch behind it may have stepped them there: a pipelined pair of
+// tiers of the two kinds is refused at the second load, which releases its pins.
+TEST(WorkingSet, APipelinedPairOfTiersOfTwoKindsIsRefused) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const std::vector<uint64_t> keys = {1, 2};
+  for (bool first_bound : {true, false}) {
+    RowStore store(opt);
+    auto cache = store.Cache(16);
+    auto tier_a = HostTier(2, 16, opt, first_bound), tier_b = HostTier(2, 16, opt, !first_bound);
+    WorkingSet wa(*cache, opt, 2, keys.data(), keys.size());
+    wa.Load(*tier_a, nullptr);
+    WorkingSet wb(*cache, opt, 2, keys.data(), keys.size());
+    try {
+      wb.Load(*tier_b, wa.updates());
+      FAIL() << "a pipelined pair of two kinds loaded";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("tiers of one kind"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(wb.released());
+    EXPECT_EQ(tier_b->size(), 0u);
+    std::vector<float> g(2 * 2, 1.0f);
+    wa.Accumulate(0, keys.data(), 2, g.data());
+    wa.Apply();
+    wa.WriteBack();
+    EXPECT_EQ(cache->stats().pinned, 0u);
+    EXPECT_EQ(cache->stats().dirty, 2u);
   }
 }
 
