@@ -118,6 +118,23 @@ LaidOutRows LaidOutRowsArg(const py::array& a, const char* name, uint64_t n, int
   return {static_cast<float*>(const_cast<void*>(a.data())), {group, stride}};
 }
 
+// A C-contiguous float32 array of `rows` rows of `columns` floats (1-D when
+// rows is 0); its data.
+float* FloatMatrixArg(const py::array& a, const char* name, uint64_t rows, uint64_t columns, bool write) {
+  const bool one_d = rows == 0;
+  const bool fits = HasDtype<float>(a) && (a.flags() & py::array::c_style) && a.ndim() == (one_d ? 1 : 2) &&
+                    (one_d ? static_cast<uint64_t>(a.shape(0)) == columns
+                           : static_cast<uint64_t>(a.shape(0)) == rows && static_cast<uint64_t>(a.shape(1)) == columns);
+  if (!fits) {
+    throw py::value_error(std::string(name) + " must be a C-contiguous float32 array of shape " +
+                          (one_d ? "(" + std::to_string(columns) + ",)"
+                                 : "(" + std::to_string(rows) + ", " + std::to_string(columns) + ")") +
+                          "; got " + DtypeName(a) + " of shape " + ShapeOf(a));
+  }
+  if (write && !a.writeable()) throw py::value_error(std::string(name) + " must be writeable");
+  return static_cast<float*>(const_cast<void*>(a.data()));
+}
+
 // A C-contiguous (n, k) array of any dtype whose rows are row_bytes long.
 const uint8_t* ByteRowsArg(const py::array& a, const char* name, uint64_t n, uint32_t row_bytes) {
   if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != n ||
@@ -967,6 +984,43 @@ PYBIND11_MODULE(_core, m) {
         b.Accumulate(p, n, rows.data, rows.layout);
       }, py::arg("positions"), py::arg("grads"),
          "grads: (n, dim), or (B, k * dim) with B * k = n, possibly the first columns of a wider matrix")
+      .def_static("projects_fast", &hps::HostBatch::ProjectsFast, py::arg("outputs"))
+      .def("get_projected", [](const hps::HostBatch& b, const py::array& positions, const py::array& x,
+                               uint64_t fields, const py::array& weight, const py::array& bias, const py::array& out) {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        if (fields == 0 || n % fields != 0 || x.ndim() != 2) {
+          throw py::value_error("get_projected: " + std::to_string(n) + " positions in examples of " +
+                                std::to_string(fields) + " fields, into x of shape " + ShapeOf(x));
+        }
+        const uint64_t examples = n / fields, inputs = static_cast<uint64_t>(x.shape(1));
+        const uint64_t outputs = weight.ndim() == 2 ? static_cast<uint64_t>(weight.shape(0)) : 0;
+        if (inputs < fields * static_cast<uint64_t>(b.dim())) {
+          throw py::value_error("get_projected: x's rows of " + std::to_string(inputs) + " floats hold fewer than " +
+                                std::to_string(fields) + " fields of " + std::to_string(b.dim()));
+        }
+        float* xd = FloatMatrixArg(x, "x", examples, inputs, true);
+        const float* w = FloatMatrixArg(weight, "weight", outputs, inputs, false);
+        const float* bd = FloatMatrixArg(bias, "bias", 0, outputs, false);
+        float* o = FloatMatrixArg(out, "out", examples, outputs, true);
+        py::gil_scoped_release release;
+        b.GetProjected(p, n, xd, {fields, inputs}, w, outputs, bd, o);
+      }, py::arg("positions"), py::arg("x"), py::arg("fields"), py::arg("weight"), py::arg("bias"), py::arg("out"),
+         "x: (B, inputs), its columns past fields x dim filled; weight (outputs, inputs); out (B, outputs)")
+      .def("accumulate_projected", [](hps::HostBatch& b, const py::array& positions, uint64_t fields,
+                                      const py::array& grad_out, const py::array& weight, int64_t skip) {
+        const auto [p, n] = PositionsArg(positions, "positions");
+        if (fields == 0 || n % fields != 0 || weight.ndim() != 2) {
+          throw py::value_error("accumulate_projected: " + std::to_string(n) + " positions in examples of " +
+                                std::to_string(fields) + " fields, through a weight of shape " + ShapeOf(weight));
+        }
+        const uint64_t outputs = static_cast<uint64_t>(weight.shape(0));
+        const uint64_t stride = static_cast<uint64_t>(weight.shape(1));
+        const float* g = FloatMatrixArg(grad_out, "grad_out", n / fields, outputs, false);
+        const float* w = FloatMatrixArg(weight, "weight", outputs, stride, false);
+        py::gil_scoped_release release;
+        b.AccumulateProjected(p, n, fields, g, w, outputs, stride, skip);
+      }, py::arg("positions"), py::arg("fields"), py::arg("grad_out"), py::arg("weight"), py::arg("skip") = -1,
+         "grad_out (B, outputs); weight (outputs, inputs); skip: a position that gets no gradient (-1: none)")
       .def("apply", [](hps::HostBatch& b) {
         py::gil_scoped_release release;
         return b.Apply();

@@ -12,6 +12,7 @@
 #include "hps/hash_table.h"
 #include "format/key_index.h"
 #include "ps/batch_rows.h"
+#include "ps/first_layer.h"
 #include "ps/row_mover.h"
 #include "util/mix64.h"
 #include "table/table_kernels.h"
@@ -852,6 +853,20 @@ void HostBatch::Get(const int64_t* positions, uint64_t n, float* embeddings, Row
 void HostBatch::Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout) {
   CheckLive("accumulate");
   rows_->Accumulate(positions, n, grads, layout);
+}
+
+bool HostBatch::ProjectsFast(uint64_t outputs) { return detail::ProjectionIsFast(outputs); }
+
+void HostBatch::GetProjected(const int64_t* positions, uint64_t n, float* x, RowLayout layout, const float* weight,
+                             uint64_t outputs, const float* bias, float* out) const {
+  CheckLive("get");
+  rows_->GetProjected(positions, n, x, layout, weight, outputs, bias, out);
+}
+
+void HostBatch::AccumulateProjected(const int64_t* positions, uint64_t n, uint64_t fields, const float* grad_out,
+                                    const float* weight, uint64_t outputs, uint64_t weight_stride, int64_t skip) {
+  CheckLive("accumulate");
+  rows_->AccumulateProjected(positions, n, fields, grad_out, weight, outputs, weight_stride, skip);
 }
 
 uint64_t HostBatch::Apply() {
