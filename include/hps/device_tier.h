@@ -208,6 +208,15 @@ class DeviceTier {
                      RowLayout layout) = 0;
   virtual void AccumulateAt(int32_t worker, const int64_t* positions, uint64_t n, const float* grads,
                             RowLayout layout) = 0;
+  // GetAt and AccumulateAt with the MLP's first layer run beside them, as
+  // HostBatch's GetProjected and AccumulateProjected (below) run it, for a
+  // tier that reads in place (else std::logic_error); transfers counted as
+  // GetAt's and AccumulateAt's.
+  virtual void GetProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, float* x, RowLayout layout,
+                              const float* weight, uint64_t outputs, const float* bias, float* out) = 0;
+  virtual void AccumulateProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, uint64_t fields,
+                                     const float* grad_out, const float* weight, uint64_t outputs,
+                                     uint64_t weight_stride, int64_t skip) = 0;
   // Apply on a bound tier, with each updated key's position among the bound
   // keys appended to `positions` (in the order of the keys returned).
   virtual std::vector<uint64_t> ApplyBound(std::vector<int64_t>* positions) = 0;

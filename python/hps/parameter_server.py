@@ -486,6 +486,19 @@ class Batch(_BatchBase):
         positions, where they add up until apply(); laid out as gather's `out`."""
         self._ws.accumulate_at(worker, positions, grads)
 
+    def projects_first_layer(self, outputs: int) -> bool:
+        return self.gathers_into_columns and _core.HostBatch.projects_fast(outputs)
+
+    def gather_projected(self, positions: np.ndarray, x: np.ndarray, fields: int, weight: np.ndarray,
+                         bias: np.ndarray, out: np.ndarray, worker: int = 0) -> None:
+        """As HostBatch.gather_projected, for device `worker`, on host partitions."""
+        self._ws.get_projected(worker, positions, x, fields, weight, bias, out)
+
+    def accumulate_projected(self, positions: np.ndarray, fields: int, grad_out: np.ndarray,
+                             weight: np.ndarray, skip: int = -1, worker: int = 0) -> None:
+        """As HostBatch.accumulate_projected, from device `worker` to the owners."""
+        self._ws.accumulate_projected(worker, positions, fields, grad_out, weight, skip)
+
     def gather_tensor(self, positions: np.ndarray, out, worker: int = 0):
         """gather() into a torch tensor (n, dim); on a CUDA tier, with `out` on the
         worker's GPU, the tier writes it there, with no host copy."""

@@ -248,6 +248,25 @@ class Tier final : public DeviceTier {
     Accumulate(worker, keys.data(), n, grads, owners.empty() ? nullptr : owners.data());
   }
 
+  void GetProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, float* x, RowLayout layout,
+                      const float* weight, uint64_t outputs, const float* bias, float* out) override {
+    CheckWorker(worker);
+    CheckBound("get");
+    CheckReadsInPlace("get projected");
+    in_place_->GetProjected(positions, n, x, layout, weight, outputs, bias, out);
+    CountAt(worker, positions, n, /*to_worker=*/true);
+  }
+
+  void AccumulateProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, uint64_t fields,
+                             const float* grad_out, const float* weight, uint64_t outputs, uint64_t weight_stride,
+                             int64_t skip) override {
+    CheckWorker(worker);
+    CheckBound("accumulate");
+    CheckReadsInPlace("accumulate projected");
+    in_place_->AccumulateProjected(positions, n, fields, grad_out, weight, outputs, weight_stride, skip);
+    CountAt(worker, positions, n, /*to_worker=*/false);
+  }
+
   void RowsAt(const int64_t* positions, uint64_t n, float* rows) const override {
     CheckBound("rows");
     if (BoundInPlace()) return in_place_->Rows(positions, n, rows);
@@ -586,6 +605,13 @@ class Tier final : public DeviceTier {
 
   void CheckBound(const char* what) const {
     if (!bound_) throw std::logic_error(std::string("device tier ") + what + " by position before Bind");
+  }
+
+  void CheckReadsInPlace(const char* what) const {
+    if (!BoundInPlace()) {
+      throw std::logic_error("device tier " + std::string(what) + ": the " + kind_ + " tier of " +
+                             std::to_string(o_.devices) + " device(s) does not read its rows in place");
+    }
   }
 
   void CheckCompact(RowLayout layout, const char* what) const {

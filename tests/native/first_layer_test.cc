@@ -140,5 +140,63 @@ TEST(FirstLayer, HostBatchProjectsBesideGetAndAccumulate) {
   batch.Release();
 }
 
+// On host partitions the device tier runs the same steps on its bound rows,
+// counting the transfers as GetAt and AccumulateAt count them; before Bind it
+// refuses.
+TEST(FirstLayer, TheDeviceTierProjectsWhereItReadsInPlace) {
+  const SparseOptimizer opt = Sgd(4);
+  const uint64_t fields = 2, examples = 9, outputs = 16, inputs = fields * 4 + 1;
+  const std::vector<uint64_t> keys = {21, 22, 23, 24, 25};
+  std::vector<int64_t> positions(examples * fields);
+  for (uint64_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int64_t>((i * 3) % keys.size());
+  const std::vector<float> weight = Random(outputs * inputs, 11), bias = Random(outputs, 12),
+                           grad = Random(examples * outputs, 13);
+  std::vector<float> results[2];
+  TransferMatrix counted[2];
+  for (const bool projected : {true, false}) {
+    test_support::RowStore store(opt);
+    auto cache = store.Cache(64);
+    auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+    std::vector<float> rows(keys.size() * 4);
+    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), false, nullptr);
+    tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+    tier->Bind(keys.data(), keys.size(), nullptr);
+    std::vector<float> x(examples * inputs, 0.5f), out(examples * outputs);
+    if (projected) {
+      tier->GetProjectedAt(1, positions.data(), positions.size(), x.data(), {fields, inputs}, weight.data(), outputs,
+                           bias.data(), out.data());
+      tier->AccumulateProjectedAt(1, positions.data(), positions.size(), fields, grad.data(), weight.data(),
+                                  outputs, inputs, -1);
+    } else {
+      tier->GetAt(1, positions.data(), positions.size(), x.data(), {fields, inputs});
+      std::vector<float> g(positions.size() * 4);
+      detail::ProjectBackPlain(grad.data(), examples, outputs, weight.data(), inputs, fields * 4, g.data());
+      tier->AccumulateAt(1, positions.data(), positions.size(), g.data(), {});
+      std::vector<float> weight_t(inputs * outputs);
+      for (uint64_t j = 0; j < outputs; ++j)
+        for (uint64_t k = 0; k < inputs; ++k) weight_t[k * outputs + j] = weight[j * inputs + k];
+      detail::ProjectRowsPlain(x.data(), examples, inputs, inputs, weight_t.data(), outputs, bias.data(), out.data());
+    }
+    std::vector<int64_t> stepped;
+    tier->ApplyBound(&stepped);
+    std::vector<int64_t> all = {0, 1, 2, 3, 4};
+    std::vector<float> now(keys.size() * 4);
+    tier->RowsAt(all.data(), all.size(), now.data());
+    results[projected] = out;
+    results[projected].insert(results[projected].end(), now.begin(), now.end());
+    counted[projected] = tier->transfers();
+  }
+  ExpectNear(results[1], results[0], "out and stepped rows");
+  EXPECT_EQ(counted[1].rows, counted[0].rows);
+  uint64_t total = 0;
+  for (uint64_t r : counted[1].rows) total += r;
+  EXPECT_EQ(total, 2 * positions.size());  // each row to worker 1 and its gradient back
+  auto unbound = DeviceTier::New({1, 64, opt, false, 1, nullptr, {}});
+  std::vector<float> x(examples * inputs), out(examples * outputs);
+  EXPECT_THROW(unbound->GetProjectedAt(0, positions.data(), positions.size(), x.data(), {fields, inputs},
+                                      weight.data(), outputs, bias.data(), out.data()),
+               std::logic_error);
+}
+
 }  // namespace
 }  // namespace hps
