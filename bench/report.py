@@ -57,8 +57,8 @@ def workload_of(line: dict) -> str | None:
         return "w11w"
     if name.startswith("W4") and line.get("malloc_ab"):  # train_bench.py --malloc-ab: hps against itself
         return "w4a"
-    if name.startswith("W4") and (line.get("first_layer_ab") or line.get("projected_ab")):
-        return "w4f"  # train_bench.py --first-layer-ab or --projected-ab: hps against itself
+    if name.startswith("W4") and line.get("first_layer_ab"):  # train_bench.py --first-layer-ab: the same
+        return "w4f"
     if name == "first layer's input gradient":  # bench/first_layer_bench.py: W4's first layer, two products
         return "w4l"
     for prefix, wid in (("W10", "w10"), ("W11", "w11"), ("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
@@ -411,8 +411,7 @@ def render_w3(o: dict) -> list[str]:
 # ------------------------------------------------------------------ W4 / W4s
 W4_NAMES = {"hps": "hps", "torch": "PyTorch", "torchrec": "TorchRec", "mlp_alone": "the MLP alone (the bound)",
             "hps_device": "hps, device-tier path", "hps_glibc_malloc": "hps, glibc's malloc as it comes",
-            "hps_torch_first_layer": "hps, torch's nn.Linear as the first layer",
-            "hps_first_layer_apart": "hps, the first layer apart from the gather"}
+            "hps_torch_first_layer": "hps, torch's nn.Linear as the first layer"}
 
 
 def render_w4(o: dict) -> list[str]:
@@ -424,8 +423,7 @@ def render_w4(o: dict) -> list[str]:
            "own process, the systems taking turns); examples/s: median (min-max) over the rounds.", ""]
     rows = []
     fraction = o.get("fraction_of_mlp_alone") or {}
-    for s in ("hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer", "hps_first_layer_apart", "torch",
-              "torchrec", "mlp_alone"):
+    for s in ("hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer", "torch", "torchrec", "mlp_alone"):
         e = o.get(s)
         if not e:
             continue
@@ -457,10 +455,6 @@ def render_w4(o: dict) -> list[str]:
     if o.get("ratio_own_first_layer_per_round"):
         out.append("- hps (its own first layer, the default) / hps with torch's nn.Linear as the first layer, "
                    f"examples/s: {per_round(o['ratio_own_first_layer_per_round'])}")
-    if o.get("ratio_projected_first_layer_per_round"):
-        out.append("- hps (the first layer beside the batch's gather and accumulate, the default where its kernels "
-                   "are fast) / hps with it apart (torch's BLAS), examples/s: "
-                   f"{per_round(o['ratio_projected_first_layer_per_round'])}")
     if o.get("auc_difference") is not None:
         out.append(f"- AUC hps - PyTorch: {o['auc_difference']:+.4f}")
     p = (o.get("hps") or {}).get("pipeline") or {}

@@ -213,10 +213,9 @@ def run_hps(args, workdir, hidden, train_batches, eval_batches, devices: int = 0
 
 
 # mlp_alone: the bound; hps_device: --device-path; hps_glibc_malloc: --malloc-ab;
-# hps_torch_first_layer: --first-layer-ab; hps_first_layer_apart: --projected-ab
-SYSTEMS = ("mlp_alone", "torch", "torchrec", "hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer",
-           "hps_first_layer_apart")
-HPS_SYSTEMS = ("hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer", "hps_first_layer_apart")
+# hps_torch_first_layer: --first-layer-ab
+SYSTEMS = ("mlp_alone", "torch", "torchrec", "hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer")
+HPS_SYSTEMS = ("hps", "hps_device", "hps_glibc_malloc", "hps_torch_first_layer")
 
 
 def save_batches(path, train_batches, eval_batches):
@@ -269,11 +268,6 @@ def run_system(a, system, hidden, data_path, workdir):
         # nn.Linear computes it (and every input column's gradient) through torch's autograd.
         import hps.torch
         hps.torch.CtrModel._first_layer = lambda self, device: None
-    if system == "hps_first_layer_apart":
-        # This process only: the host batch declines to run the first layer beside its
-        # gather and accumulate, so _FirstLayer multiplies with torch's BLAS apart.
-        import hps.parameter_server
-        hps.parameter_server.HostBatch.projects_first_layer = lambda self, outputs: False
     return run_hps(a, workdir, hidden, train_batches, eval_batches,
                    devices=a.device_path if system == "hps_device" else 0,
                    keep_freed_memory=system != "hps_glibc_malloc")
@@ -323,9 +317,6 @@ def main():
     ap.add_argument("--first-layer-ab", action="store_true",
                     help="also run hps with torch's nn.Linear as the MLP's first layer (CtrModel's own off) and "
                          "report hps's rate over it")
-    ap.add_argument("--projected-ab", action="store_true",
-                    help="also run hps with the first layer apart from the batch's gather and accumulate (torch's "
-                         "BLAS for its products, the input's gradient written out) and report hps's rate over it")
     ap.add_argument("--model-device", choices=("cpu", "cuda"), default="cpu",
                     help="where every system's MLP trains (cuda: GPU 0; plain PyTorch's embeddings too)")
     ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # worker: one run, one JSON line
@@ -352,8 +343,7 @@ def main():
         a.no_torchrec = True  # its sharded GPU kernels need a process group of its own; not measured here
     systems = [s for s in SYSTEMS if not (s == "torchrec" and a.no_torchrec) and
                not (s == "hps_device" and not a.device_path) and not (s == "hps_glibc_malloc" and not a.malloc_ab)
-               and not (s == "hps_torch_first_layer" and not a.first_layer_ab)
-               and not (s == "hps_first_layer_apart" and not a.projected_ab)]
+               and not (s == "hps_torch_first_layer" and not a.first_layer_ab)]
     if "torchrec" in systems:
         sys.path.insert(0, HERE)
         import torchrec_peer
@@ -365,7 +355,7 @@ def main():
            "examples": a.examples, "eval_examples": a.eval_examples, "batch_size": a.batch_size, "mlp": hidden,
            "dim": a.dim, "threads": a.threads, "hps_threads": a.hps_threads, "rounds": a.rounds,
            "device_path": a.device_path, "model_device": a.model_device, "quick": a.quick,
-           "malloc_ab": a.malloc_ab, "first_layer_ab": a.first_layer_ab, "projected_ab": a.projected_ab,
+           "malloc_ab": a.malloc_ab, "first_layer_ab": a.first_layer_ab,
            "machine": {"cpus": os.cpu_count()}, "provenance": provenance()}
     workdir = scratch_dir("train-bench-")
     try:
@@ -405,9 +395,7 @@ def main():
             ("ratio_over_torchrec_per_round", "ratio_over_torchrec", "hps", "torchrec"),
             ("ratio_device_path_over_in_place_per_round", "ratio_device_path_over_in_place", "hps_device", "hps"),
             ("ratio_keep_freed_memory_per_round", "ratio_keep_freed_memory", "hps", "hps_glibc_malloc"),
-            ("ratio_own_first_layer_per_round", "ratio_own_first_layer", "hps", "hps_torch_first_layer"),
-            ("ratio_projected_first_layer_per_round", "ratio_projected_first_layer", "hps",
-             "hps_first_layer_apart")):
+            ("ratio_own_first_layer_per_round", "ratio_own_first_layer", "hps", "hps_torch_first_layer")):
         if over in runs and under in runs:
             out[per_round] = [a["examples_per_s"] / b["examples_per_s"] for a, b in zip(runs[over], runs[under])]
             out[key] = float(np.median(out[per_round]))

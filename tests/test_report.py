@@ -194,15 +194,6 @@ def test_w4f_and_w4l_the_first_layer_a_b_and_its_products(tree):
     assert report.workload_of(products) == "w4l"
     w4l = rendered(tree, "w4l", products)
     assert "| 1 | 16 | 2.10 (1.60-5.80) | 1.40 (1.40-1.60) | 1.50x |" in w4l
-    apart = w4_line([300.0, 330.0], [100.0, 100.0], mlp=(16,))
-    apart["projected_ab"] = True
-    apart["hps_first_layer_apart"] = {"examples": 1000, "examples_per_s": 270.0, "examples_per_s_runs": [250.0, 290.0],
-                                      "auc": 0.8101, "logloss": 0.45}
-    apart["ratio_projected_first_layer_per_round"] = [1.2, 1.1]
-    assert report.workload_of(apart) == "w4f"
-    w4f = rendered(tree, "w4f", apart)
-    assert "| hps, the first layer apart from the gather | 270 (250-290) | 2 | 0.8101 | 0.4500 |" in w4f
-    assert "/ hps with it apart (torch's BLAS), examples/s: 1.15 (rounds: 1.20, 1.10)" in w4f
     assert "every one of its 429 input columns" in w4l and "the 416 embedding columns" in w4l
 
 

@@ -208,15 +208,6 @@ class DeviceTier {
                      RowLayout layout) = 0;
   virtual void AccumulateAt(int32_t worker, const int64_t* positions, uint64_t n, const float* grads,
                             RowLayout layout) = 0;
-  // GetAt and AccumulateAt with the MLP's first layer run beside them, as
-  // HostBatch's GetProjected and AccumulateProjected (below) run it, for a
-  // tier that reads in place (else std::logic_error); transfers counted as
-  // GetAt's and AccumulateAt's.
-  virtual void GetProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, float* x, RowLayout layout,
-                              const float* weight, uint64_t outputs, const float* bias, float* out) = 0;
-  virtual void AccumulateProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, uint64_t fields,
-                                     const float* grad_out, const float* weight, uint64_t outputs,
-                                     uint64_t weight_stride, int64_t skip) = 0;
   // Apply on a bound tier, with each updated key's position among the bound
   // keys appended to `positions` (in the order of the keys returned).
   virtual std::vector<uint64_t> ApplyBound(std::vector<int64_t>* positions) = 0;
@@ -292,23 +283,6 @@ class HostBatch {
   // Adds gradients (n, dim), laid out as `layout` says, to the keys at
   // positions (repeats sum up).
   void Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout = {});
-  // The MLP's first layer run beside Get and Accumulate, for a layer of
-  // `outputs` outputs where ProjectsFast(outputs) (else torch's BLAS is
-  // faster): GetProjected is Get into the first columns of the input x's rows
-  // (layout: group = the fields, group_stride = the row's floats, whose other
-  // columns the caller filled), and out (n / group, outputs) = bias + x times
-  // weight (outputs, group_stride) transposed. AccumulateProjected adds the
-  // embedding columns' gradient, grad_out (n / fields, outputs) times weight's
-  // first fields x dim columns (row j at weight + j * weight_stride), to the
-  // keys at positions; the key at position `skip` (-1: none) gets none. Both
-  // work a block of examples at a time while its rows are in the cache, so the
-  // input is not read again for the product and the gradient (n, dim) is
-  // never written out.
-  static bool ProjectsFast(uint64_t outputs);
-  void GetProjected(const int64_t* positions, uint64_t n, float* x, RowLayout layout, const float* weight,
-                    uint64_t outputs, const float* bias, float* out) const;
-  void AccumulateProjected(const int64_t* positions, uint64_t n, uint64_t fields, const float* grad_out,
-                           const float* weight, uint64_t outputs, uint64_t weight_stride, int64_t skip);
   // One optimizer step per key that got gradients, on its MEM-PS row; the
   // gradients are cleared. Returns how many keys it stepped.
   uint64_t Apply();

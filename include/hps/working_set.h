@@ -127,14 +127,6 @@ class WorkingSet {
                     RowLayout layout = {}, Memory memory = Memory::kHost);
   // Whether GetAt and AccumulateAt take layouts other than compact (the tier loaded reads in place).
   bool reads_in_place() const;
-  // GetAt and AccumulateAt with the MLP's first layer beside them
-  // (DeviceTier::GetProjectedAt, HostBatch::GetProjected), on host memory,
-  // where reads_in_place (else std::logic_error).
-  void GetProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, float* x, RowLayout layout,
-                      const float* weight, uint64_t outputs, const float* bias, float* out);
-  void AccumulateProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, uint64_t fields,
-                             const float* grad_out, const float* weight, uint64_t outputs, uint64_t weight_stride,
-                             int64_t skip);
   // One optimizer step per key with gradients; returns how many. Later calls
   // do nothing and return 0. A failure releases the batch.
   uint64_t Apply();

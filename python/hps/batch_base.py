@@ -37,12 +37,6 @@ class BatchBase:
     #: (gather_tensor) and the model's input is put together from it.
     gathers_into_columns = False
 
-    def projects_first_layer(self, outputs: int) -> bool:
-        """Whether gather_projected and accumulate_projected run a first layer of
-        `outputs` outputs beside the gather and the accumulate faster than torch's
-        BLAS does it apart (HostBatch, where native kernels for it run here)."""
-        return False
-
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """The keys themselves (flattened): gather and accumulate look them up."""
         return np.ascontiguousarray(keys).reshape(-1)

@@ -486,19 +486,6 @@ class Batch(_BatchBase):
         positions, where they add up until apply(); laid out as gather's `out`."""
         self._ws.accumulate_at(worker, positions, grads)
 
-    def projects_first_layer(self, outputs: int) -> bool:
-        return self.gathers_into_columns and _core.HostBatch.projects_fast(outputs)
-
-    def gather_projected(self, positions: np.ndarray, x: np.ndarray, fields: int, weight: np.ndarray,
-                         bias: np.ndarray, out: np.ndarray, worker: int = 0) -> None:
-        """As HostBatch.gather_projected, for device `worker`, on host partitions."""
-        self._ws.get_projected(worker, positions, x, fields, weight, bias, out)
-
-    def accumulate_projected(self, positions: np.ndarray, fields: int, grad_out: np.ndarray,
-                             weight: np.ndarray, skip: int = -1, worker: int = 0) -> None:
-        """As HostBatch.accumulate_projected, from device `worker` to the owners."""
-        self._ws.accumulate_projected(worker, positions, fields, grad_out, weight, skip)
-
     def gather_tensor(self, positions: np.ndarray, out, worker: int = 0):
         """gather() into a torch tensor (n, dim); on a CUDA tier, with `out` on the
         worker's GPU, the tier writes it there, with no host copy."""
@@ -624,29 +611,6 @@ class HostBatch(_BatchBase):
         if worker:
             self._check_worker(worker)
         self._native.accumulate(positions, grads)
-
-    def projects_first_layer(self, outputs: int) -> bool:
-        return _core.HostBatch.projects_fast(outputs)
-
-    def gather_projected(self, positions: np.ndarray, x: np.ndarray, fields: int, weight: np.ndarray,
-                         bias: np.ndarray, out: np.ndarray, worker: int = 0) -> None:
-        """gather() into the first fields x dim columns of the model's input x (B,
-        inputs), whose other columns the caller filled, and out (B, outputs) = bias
-        + x @ weight.T (weight (outputs, inputs), as nn.Linear holds it), computed
-        a block of examples at a time while their rows are in the cache."""
-        if worker:
-            self._check_worker(worker)
-        self._catch_up()
-        self._native.get_projected(positions, x, fields, weight, bias, out)
-
-    def accumulate_projected(self, positions: np.ndarray, fields: int, grad_out: np.ndarray,
-                             weight: np.ndarray, skip: int = -1, worker: int = 0) -> None:
-        """accumulate() of grad_out (B, outputs) @ weight[:, :fields * dim], the
-        first layer's gradient for the embedding columns, without writing it out;
-        the key at position `skip` (-1: none) gets none."""
-        if worker:
-            self._check_worker(worker)
-        self._native.accumulate_projected(positions, fields, grad_out, weight, skip)
 
     def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
         """Embeddings (n, dim) of keys (`worker` is 0: there is one partition)."""

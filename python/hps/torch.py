@@ -177,41 +177,15 @@ class _FirstLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, weight, bias):
-        outputs = weight.shape[0]
-        ctx.projected = (batch.gathers_into_columns and weight.dtype == torch.float32 and
-                         bias.dtype == torch.float32 and batch.projects_first_layer(outputs))
-        if not ctx.projected:
-            x = _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, torch.device("cpu"))
-            ctx.save_for_backward(x, weight)
-            return torch.addmm(bias, x, weight.t())
-        # The batch runs the layer beside the gather (a narrow layer: W4s's 16
-        # outputs), a block of examples at a time while their rows are in the cache.
-        examples, fields = keys.shape
-        width = fields * dim
-        ctx.positions = batch.positions(keys)
-        ctx.batch, ctx.worker, ctx.width, ctx.dim, ctx.keys, ctx.frozen_key = batch, worker, width, dim, keys, frozen_key
-        x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
-        x[:, width:] = dense
-        h = torch.empty(examples, outputs, dtype=torch.float32)
-        batch.gather_projected(ctx.positions, x.numpy(), fields, weight.detach().contiguous().numpy(),
-                               bias.detach().contiguous().numpy(), h.numpy(), worker=worker)
+        x = _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, torch.device("cpu"))
         ctx.save_for_backward(x, weight)
-        return h
+        return torch.addmm(bias, x, weight.t())
 
     @staticmethod
     def backward(ctx, grad_h):
         x, weight = ctx.saved_tensors
         grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[7] else None
         grad_bias = grad_h.sum(0) if ctx.needs_input_grad[8] else None
-        if ctx.projected:  # the embedding columns' gradient made and summed per key by the batch
-            skip = -1
-            if ctx.frozen_key is not None:
-                drop = _occurrences(ctx.keys, ctx.frozen_key)
-                skip = int(ctx.positions[drop[0]]) if len(drop) else -1
-            ctx.batch.accumulate_projected(ctx.positions, ctx.keys.shape[1],
-                                           grad_h.detach().to(torch.float32).contiguous().numpy(),
-                                           weight.detach().contiguous().numpy(), skip, worker=ctx.worker)
-            return None, None, None, None, None, None, None, grad_weight, grad_bias
         grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
             grads.reshape(-1, ctx.dim)[_occurrences(ctx.keys, ctx.frozen_key)] = 0.0

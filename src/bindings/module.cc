@@ -118,23 +118,6 @@ LaidOutRows LaidOutRowsArg(const py::array& a, const char* name, uint64_t n, int
   return {static_cast<float*>(const_cast<void*>(a.data())), {group, stride}};
 }
 
-// A C-contiguous float32 array of `rows` rows of `columns` floats (1-D when
-// rows is 0); its data.
-float* FloatMatrixArg(const py::array& a, const char* name, uint64_t rows, uint64_t columns, bool write) {
-  const bool one_d = rows == 0;
-  const bool fits = HasDtype<float>(a) && (a.flags() & py::array::c_style) && a.ndim() == (one_d ? 1 : 2) &&
-                    (one_d ? static_cast<uint64_t>(a.shape(0)) == columns
-                           : static_cast<uint64_t>(a.shape(0)) == rows && static_cast<uint64_t>(a.shape(1)) == columns);
-  if (!fits) {
-    throw py::value_error(std::string(name) + " must be a C-contiguous float32 array of shape " +
-                          (one_d ? "(" + std::to_string(columns) + ",)"
-                                 : "(" + std::to_string(rows) + ", " + std::to_string(columns) + ")") +
-                          "; got " + DtypeName(a) + " of shape " + ShapeOf(a));
-  }
-  if (write && !a.writeable()) throw py::value_error(std::string(name) + " must be writeable");
-  return static_cast<float*>(const_cast<void*>(a.data()));
-}
-
 // A C-contiguous (n, k) array of any dtype whose rows are row_bytes long.
 const uint8_t* ByteRowsArg(const py::array& a, const char* name, uint64_t n, uint32_t row_bytes) {
   if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != n ||
@@ -218,55 +201,6 @@ void AccumulateAtArg(Bound& bound, int32_t worker, const py::array& positions, c
   py::gil_scoped_release release;
   bound.AccumulateAt(worker, p, n, rows.data, rows.layout);
 }
-
-// The arguments of a get with the first layer beside it (HostBatch and
-// WorkingSet): positions in examples of `fields`, the input x (B, inputs) with
-// its columns past the fields filled, weight (outputs, inputs), bias, out (B,
-// outputs); call(positions, n, x, layout, weight, outputs, bias, out).
-template <typename Call>
-void GetProjectedArg(const py::array& positions, const py::array& x, uint64_t fields, const py::array& weight,
-                     const py::array& bias, const py::array& out, int32_t dim, Call call) {
-  const auto [p, n] = PositionsArg(positions, "positions");
-  if (fields == 0 || n % fields != 0 || x.ndim() != 2) {
-    throw py::value_error("get_projected: " + std::to_string(n) + " positions in examples of " +
-                          std::to_string(fields) + " fields, into x of shape " + ShapeOf(x));
-  }
-  const uint64_t examples = n / fields, inputs = static_cast<uint64_t>(x.shape(1));
-  const uint64_t outputs = weight.ndim() == 2 ? static_cast<uint64_t>(weight.shape(0)) : 0;
-  if (inputs < fields * static_cast<uint64_t>(dim)) {
-    throw py::value_error("get_projected: x's rows of " + std::to_string(inputs) + " floats hold fewer than " +
-                          std::to_string(fields) + " fields of " + std::to_string(dim));
-  }
-  float* xd = FloatMatrixArg(x, "x", examples, inputs, true);
-  const float* w = FloatMatrixArg(weight, "weight", outputs, inputs, false);
-  const float* bd = FloatMatrixArg(bias, "bias", 0, outputs, false);
-  float* o = FloatMatrixArg(out, "out", examples, outputs, true);
-  py::gil_scoped_release release;
-  call(p, n, xd, hps::RowLayout{fields, inputs}, w, outputs, bd, o);
-}
-
-// An accumulate with the first layer's backward beside it: grad_out (B,
-// outputs), weight (outputs, its row's floats); call(positions, n, fields,
-// grad_out, weight, outputs, weight_stride, skip).
-template <typename Call>
-void AccumulateProjectedArg(const py::array& positions, uint64_t fields, const py::array& grad_out,
-                            const py::array& weight, int64_t skip, Call call) {
-  const auto [p, n] = PositionsArg(positions, "positions");
-  if (fields == 0 || n % fields != 0 || weight.ndim() != 2) {
-    throw py::value_error("accumulate_projected: " + std::to_string(n) + " positions in examples of " +
-                          std::to_string(fields) + " fields, through a weight of shape " + ShapeOf(weight));
-  }
-  const uint64_t outputs = static_cast<uint64_t>(weight.shape(0)), stride = static_cast<uint64_t>(weight.shape(1));
-  const float* g = FloatMatrixArg(grad_out, "grad_out", n / fields, outputs, false);
-  const float* w = FloatMatrixArg(weight, "weight", outputs, stride, false);
-  py::gil_scoped_release release;
-  call(p, n, fields, g, w, outputs, stride, skip);
-}
-
-constexpr const char* kGetProjected =
-    "x: (B, inputs), its columns past fields x dim filled; weight (outputs, inputs); out (B, outputs)";
-constexpr const char* kAccumulateProjected =
-    "grad_out (B, outputs); weight (outputs, inputs); skip: a position that gets no gradient (-1: none)";
 
 constexpr const char* kGetAtOut =
     "out: (n, dim), or (B, k * dim) with B * k = n, possibly a wider matrix's first columns (reads_in_place)";
@@ -1033,18 +967,6 @@ PYBIND11_MODULE(_core, m) {
         b.Accumulate(p, n, rows.data, rows.layout);
       }, py::arg("positions"), py::arg("grads"),
          "grads: (n, dim), or (B, k * dim) with B * k = n, possibly the first columns of a wider matrix")
-      .def_static("projects_fast", &hps::HostBatch::ProjectsFast, py::arg("outputs"))
-      .def("get_projected", [](const hps::HostBatch& b, const py::array& positions, const py::array& x,
-                               uint64_t fields, const py::array& weight, const py::array& bias, const py::array& out) {
-        GetProjectedArg(positions, x, fields, weight, bias, out, b.dim(), [&](auto... a) { b.GetProjected(a...); });
-      }, py::arg("positions"), py::arg("x"), py::arg("fields"), py::arg("weight"), py::arg("bias"), py::arg("out"),
-         kGetProjected)
-      .def("accumulate_projected", [](hps::HostBatch& b, const py::array& positions, uint64_t fields,
-                                      const py::array& grad_out, const py::array& weight, int64_t skip) {
-        AccumulateProjectedArg(positions, fields, grad_out, weight, skip,
-                               [&](auto... a) { b.AccumulateProjected(a...); });
-      }, py::arg("positions"), py::arg("fields"), py::arg("grad_out"), py::arg("weight"), py::arg("skip") = -1,
-         kAccumulateProjected)
       .def("apply", [](hps::HostBatch& b) {
         py::gil_scoped_release release;
         return b.Apply();
@@ -1117,19 +1039,6 @@ PYBIND11_MODULE(_core, m) {
         return out;
       }, py::arg("keys"))
       .def_property_readonly("reads_in_place", &hps::WorkingSet::reads_in_place)
-      .def("get_projected", [](hps::WorkingSet& ws, int32_t worker, const py::array& positions, const py::array& x,
-                               uint64_t fields, const py::array& weight, const py::array& bias, const py::array& out) {
-        GetProjectedArg(positions, x, fields, weight, bias, out, ws.dim(),
-                        [&](auto... a) { ws.GetProjectedAt(worker, a...); });
-      }, py::arg("worker"), py::arg("positions"), py::arg("x"), py::arg("fields"), py::arg("weight"), py::arg("bias"),
-         py::arg("out"), kGetProjected)
-      .def("accumulate_projected", [](hps::WorkingSet& ws, int32_t worker, const py::array& positions,
-                                      uint64_t fields, const py::array& grad_out, const py::array& weight,
-                                      int64_t skip) {
-        AccumulateProjectedArg(positions, fields, grad_out, weight, skip,
-                               [&](auto... a) { ws.AccumulateProjectedAt(worker, a...); });
-      }, py::arg("worker"), py::arg("positions"), py::arg("fields"), py::arg("grad_out"), py::arg("weight"),
-         py::arg("skip") = -1, kAccumulateProjected)
       .def("get_at", &GetAtArg<hps::WorkingSet>, py::arg("worker"), py::arg("positions"), py::arg("out") = py::none(),
            kGetAtOut)
       .def("accumulate_at", &AccumulateAtArg<hps::WorkingSet>, py::arg("worker"), py::arg("positions"), py::arg("grads"),

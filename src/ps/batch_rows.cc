@@ -1,14 +1,11 @@
 #include "ps/batch_rows.h"
 
-#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
-#include "ps/first_layer.h"
 #include "table/optimizer_kernels.h"
 #include "table/table_kernels.h"
 
@@ -19,11 +16,6 @@ namespace {
 // a cache (and often a TLB) miss. Asking for the row a few iterations ahead
 // keeps several misses in flight instead of one.
 constexpr uint64_t kLookahead = 8;
-
-// Examples a block of GetProjected and AccumulateProjected: W4s's 32 input
-// rows (429 floats) or gradient rows (416) are some 55 KB, which stay in the
-// L2 cache between the gather and the product.
-constexpr uint64_t kProjectBlock = 32;
 
 // Walks the offsets of consecutive rows of a block laid out as `layout`
 // (rows of dim floats) without a division per row.
@@ -98,8 +90,7 @@ typedef float Float4 __attribute__((vector_size(16)));
 
 inline void AddRow(float* __restrict to, const float* __restrict from, uint64_t dim) {
   uint64_t j = 0;
-  const uint64_t whole = dim & ~uint64_t{3};  // (j + 4 <= dim made gcc see an overflowing trip count and warn)
-  for (; j < whole; j += 4) {
+  for (; j + 4 <= dim; j += 4) {
     Float4 a, b;
     std::memcpy(&a, to + j, sizeof a);
     std::memcpy(&b, from + j, sizeof b);
@@ -174,61 +165,6 @@ void BatchRows::Get(const int64_t* positions, uint64_t n, float* embeddings, Row
     float* __restrict to = embeddings;
     RowOffsets at(layout, dim);
     for (uint64_t i = 0; i < n; ++i, ++at) std::memcpy(to + *at, from + positions[i] * dim, row_bytes);
-  });
-}
-
-void BatchRows::GetProjected(const int64_t* positions, uint64_t n, float* x, RowLayout layout, const float* weight,
-                             uint64_t outputs, const float* bias, float* out) const {
-  CheckPositions(positions, n, "get");
-  layout = CheckLayout(layout, n, "get");
-  if (outputs == 0) throw std::invalid_argument(who_ + " get: a first layer of 0 outputs");
-  const uint64_t inputs = layout.group_stride;  // the input row: the fields' rows, then the caller's columns
-  std::vector<float> weight_t(inputs * outputs);
-  for (uint64_t j = 0; j < outputs; ++j) {
-    for (uint64_t k = 0; k < inputs; ++k) weight_t[k * outputs + j] = weight[j * inputs + k];
-  }
-  const uint64_t examples = n / layout.group;
-  WithRowWidth(static_cast<uint64_t>(optimizer_.dim), [&](auto dim) {
-    const uint64_t row_bytes = dim * sizeof(float);
-    for (uint64_t e0 = 0; e0 < examples; e0 += kProjectBlock) {
-      const uint64_t e1 = std::min(examples, e0 + kProjectBlock);
-      float* block = x + e0 * inputs;
-      RowOffsets at(layout, dim);
-      for (uint64_t i = e0 * layout.group; i < e1 * layout.group; ++i, ++at) {
-        if (i + kLookahead < n) __builtin_prefetch(rows_[positions[i + kLookahead]]);
-        std::memcpy(block + *at, rows_[positions[i]], row_bytes);
-      }
-      ProjectRows(block, e1 - e0, inputs, inputs, weight_t.data(), outputs, bias, out + e0 * outputs);
-    }
-  });
-}
-
-void BatchRows::AccumulateProjected(const int64_t* positions, uint64_t n, uint64_t fields, const float* grad_out,
-                                    const float* weight, uint64_t outputs, uint64_t weight_stride, int64_t skip) {
-  CheckPositions(positions, n, "accumulate");
-  const uint64_t columns = fields * static_cast<uint64_t>(optimizer_.dim);
-  if (fields == 0 || n % fields != 0 || outputs == 0 || weight_stride < columns) {
-    throw std::invalid_argument(who_ + " accumulate: " + std::to_string(n) + " rows in examples of " +
-                                std::to_string(fields) + " fields, from " + std::to_string(outputs) +
-                                " outputs through a weight of rows of " + std::to_string(weight_stride) +
-                                " floats (at least fields x dim = " + std::to_string(columns) + ")");
-  }
-  const uint64_t examples = n / fields;
-  const CompactScratch block(kProjectBlock * columns);
-  float* sums = grads_.data();
-  uint8_t* touched = touched_.data();
-  WithRowWidth(static_cast<uint64_t>(optimizer_.dim), [&](auto dim) {
-    for (uint64_t e0 = 0; e0 < examples; e0 += kProjectBlock) {
-      const uint64_t e1 = std::min(examples, e0 + kProjectBlock);
-      ProjectBack(grad_out + e0 * outputs, e1 - e0, outputs, weight, weight_stride, columns, block.data());
-      const float* from = block.data();
-      for (uint64_t i = e0 * fields; i < e1 * fields; ++i, from += dim) {
-        const int64_t p = positions[i];
-        if (p == skip) continue;
-        AddRow(sums + p * dim, from, dim);
-        touched[p] = 1;
-      }
-    }
   });
 }
 

@@ -33,21 +33,6 @@ class BatchRows {
   void Get(const int64_t* positions, uint64_t n, float* embeddings, RowLayout layout) const;
   // Adds gradients (n, dim), laid out as `layout` says, to the rows at positions (repeats sum up).
   void Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout);
-  // The MLP's first layer beside the gather (the caller checks
-  // ProjectionIsFast, ps/first_layer.h): Get into the first columns of the
-  // input x's rows (layout: group = the fields, group_stride = the row's
-  // floats, whose other columns the caller filled beforehand), and out
-  // (n / group, outputs) = bias + x times weight (outputs, group_stride)
-  // transposed, a block of examples at a time while their rows are in the cache.
-  void GetProjected(const int64_t* positions, uint64_t n, float* x, RowLayout layout, const float* weight,
-                    uint64_t outputs, const float* bias, float* out) const;
-  // Accumulate of the first layer's gradient for the embedding columns:
-  // grad_out (n / fields, outputs) times weight's first fields * dim columns
-  // (row j at weight + j * weight_stride), made a block of examples at a time
-  // and summed into the keys' sums without a (n, dim) gradient in memory. The
-  // key at position `skip` (-1: none) gets no gradient (a frozen key's).
-  void AccumulateProjected(const int64_t* positions, uint64_t n, uint64_t fields, const float* grad_out,
-                           const float* weight, uint64_t outputs, uint64_t weight_stride, int64_t skip);
   // One optimizer step per row that got gradients, in place; the gradients
   // are cleared. Appends the positions stepped to `stepped` (if given), in
   // order; returns how many.

@@ -12,7 +12,6 @@
 #include "hps/hash_table.h"
 #include "format/key_index.h"
 #include "ps/batch_rows.h"
-#include "ps/first_layer.h"
 #include "ps/row_mover.h"
 #include "util/mix64.h"
 #include "table/table_kernels.h"
@@ -246,25 +245,6 @@ class Tier final : public DeviceTier {
     std::vector<int32_t> owners;
     KeysAt(positions, n, &keys, &owners, "accumulate");
     Accumulate(worker, keys.data(), n, grads, owners.empty() ? nullptr : owners.data());
-  }
-
-  void GetProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, float* x, RowLayout layout,
-                      const float* weight, uint64_t outputs, const float* bias, float* out) override {
-    CheckWorker(worker);
-    CheckBound("get");
-    CheckReadsInPlace("get projected");
-    in_place_->GetProjected(positions, n, x, layout, weight, outputs, bias, out);
-    CountAt(worker, positions, n, /*to_worker=*/true);
-  }
-
-  void AccumulateProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, uint64_t fields,
-                             const float* grad_out, const float* weight, uint64_t outputs, uint64_t weight_stride,
-                             int64_t skip) override {
-    CheckWorker(worker);
-    CheckBound("accumulate");
-    CheckReadsInPlace("accumulate projected");
-    in_place_->AccumulateProjected(positions, n, fields, grad_out, weight, outputs, weight_stride, skip);
-    CountAt(worker, positions, n, /*to_worker=*/false);
   }
 
   void RowsAt(const int64_t* positions, uint64_t n, float* rows) const override {
@@ -607,13 +587,6 @@ class Tier final : public DeviceTier {
     if (!bound_) throw std::logic_error(std::string("device tier ") + what + " by position before Bind");
   }
 
-  void CheckReadsInPlace(const char* what) const {
-    if (!BoundInPlace()) {
-      throw std::logic_error("device tier " + std::string(what) + ": the " + kind_ + " tier of " +
-                             std::to_string(o_.devices) + " device(s) does not read its rows in place");
-    }
-  }
-
   void CheckCompact(RowLayout layout, const char* what) const {
     const uint64_t dim = static_cast<uint64_t>(o_.optimizer.dim);
     if (layout.group_stride != 0 && layout.group_stride != layout.group * dim) {
@@ -879,20 +852,6 @@ void HostBatch::Get(const int64_t* positions, uint64_t n, float* embeddings, Row
 void HostBatch::Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout) {
   CheckLive("accumulate");
   rows_->Accumulate(positions, n, grads, layout);
-}
-
-bool HostBatch::ProjectsFast(uint64_t outputs) { return detail::ProjectionIsFast(outputs); }
-
-void HostBatch::GetProjected(const int64_t* positions, uint64_t n, float* x, RowLayout layout, const float* weight,
-                             uint64_t outputs, const float* bias, float* out) const {
-  CheckLive("get");
-  rows_->GetProjected(positions, n, x, layout, weight, outputs, bias, out);
-}
-
-void HostBatch::AccumulateProjected(const int64_t* positions, uint64_t n, uint64_t fields, const float* grad_out,
-                                    const float* weight, uint64_t outputs, uint64_t weight_stride, int64_t skip) {
-  CheckLive("accumulate");
-  rows_->AccumulateProjected(positions, n, fields, grad_out, weight, outputs, weight_stride, skip);
 }
 
 uint64_t HostBatch::Apply() {

@@ -237,21 +237,6 @@ void WorkingSet::AccumulateAt(int32_t worker, const int64_t* positions, uint64_t
   tier_->AccumulateAt(worker, positions, n, grads, layout);
 }
 
-void WorkingSet::GetProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, float* x, RowLayout layout,
-                                const float* weight, uint64_t outputs, const float* bias, float* out) {
-  CheckLoaded("get");
-  CatchUp();
-  tier_->GetProjectedAt(worker, positions, n, x, layout, weight, outputs, bias, out);
-}
-
-void WorkingSet::AccumulateProjectedAt(int32_t worker, const int64_t* positions, uint64_t n, uint64_t fields,
-                                       const float* grad_out, const float* weight, uint64_t outputs,
-                                       uint64_t weight_stride, int64_t skip) {
-  CheckLoaded("accumulate");
-  CatchUp();
-  tier_->AccumulateProjectedAt(worker, positions, n, fields, grad_out, weight, outputs, weight_stride, skip);
-}
-
 bool WorkingSet::reads_in_place() const {
   CheckLoaded("reads_in_place");
   return tier_->reads_in_place();
