@@ -334,7 +334,6 @@ void WorkingSet::ReleaseAll() {
     each(keys_, [&](uint64_t at, uint64_t n) {
       cache_.UnpinUpdated(keys_.data() + at, n, dirty.data() + at, addresses_.data() + at);
     });
-    written_ = true;
   } else if (!written_ && !updated.empty()) {
     // The pins' row addresses: MemCache finds the slots from them instead of looking each key up.
     std::vector<uint8_t*> where(updated.size());
