@@ -77,6 +77,26 @@ def test_batches_sum_gradients_of_all_workers_then_step_once(tmp_path):
     assert moved.sum() == 3 + 4 + 4  # rows pulled + gradients sent
 
 
+@pytest.mark.parametrize("dim", [3, 6, 16])
+def test_an_in_place_batch_sums_repeated_keys_at_any_row_width(tmp_path, dim):
+    """The in-place batch sums a key's gradients four floats at a time and the
+    rest one by one: widths below 4, between multiples of 4 and a multiple, each
+    against the in-memory table given the sums."""
+    cfg = hps.ParameterServerConfig(dim=dim, path=str(tmp_path / "ps"), seed=11, optimizer=hps.SGD(lr=0.5),
+                                    mem_budget="1MiB", host_in_place=True)
+    ps = hps.ParameterServer(cfg)
+    ref = hps.EmbeddingTable(1000, dim, optimizer=cfg.optimizer, initializer=cfg.initializer, seed=cfg.seed)
+    keys = np.array([9, 4, 9, 7, 9, 4], np.uint64)
+    g = (np.arange(len(keys) * dim, dtype=np.float32).reshape(len(keys), dim) + 1) / 8
+    ps.push(keys, g)
+    distinct = np.array([4, 7, 9], np.uint64)
+    summed = np.stack([g[keys == k].sum(0) for k in distinct])
+    ref.push(distinct, summed)
+    assert ps.stats()["device"]["kind"] == "host, in place (MEM-PS rows)"
+    np.testing.assert_array_equal(ps.pull(distinct), ref.pull(distinct))
+    ps.close()
+
+
 @pytest.mark.parametrize("in_place", [True, False])
 def test_an_aborted_batch_changes_nothing(tmp_path, in_place):
     cfg = config(tmp_path / "ps", host_in_place=in_place)
