@@ -19,7 +19,7 @@ struct WorkingSet::Updates {
   bool ready = false;  // GUARDED_BY(mutex); keys, rows, owners are fixed once it is set
   std::vector<uint64_t> keys;
   std::vector<float> rows;     // (keys, row_floats); empty when in_mem_ps
-  std::vector<int32_t> owners;  // empty: the modulo hash
+  std::vector<int32_t> owners;  // empty: the modulo hash, or in_mem_ps
   // Set by the batch's Load, for the next batch's: how it holds its rows.
   bool loaded = false;
   bool in_mem_ps = false;  // on a tier bound to host rows: it steps MEM-PS's rows where they lie
@@ -249,13 +249,15 @@ uint64_t WorkingSet::Apply() {
     CatchUp();
     std::vector<int64_t> at;  // positions among keys_ (the tier's bound keys)
     std::vector<uint64_t> updated = tier_->ApplyBound(&at);
+    // The updated rows and their owners, for the next batch's CatchUp to
+    // assign; bound to host rows, it reads them in MEM-PS and needs neither.
     std::vector<int32_t> owners;
-    if (!owners_.empty()) {
-      owners.reserve(at.size());
-      for (int64_t p : at) owners.push_back(owners_[static_cast<uint64_t>(p)]);
-    }
     std::vector<float> rows;
-    if (!in_mem_ps_) {  // else the batch after this one reads them in MEM-PS
+    if (!in_mem_ps_) {
+      if (!owners_.empty()) {
+        owners.reserve(at.size());
+        for (int64_t p : at) owners.push_back(owners_[static_cast<uint64_t>(p)]);
+      }
       rows.resize(updated.size() * static_cast<uint64_t>(optimizer_.row_floats()));
       tier_->RowsAt(at.data(), at.size(), rows.data());
     }
