@@ -63,16 +63,25 @@ def test_a_replica_a_worker_trains_what_the_in_place_path_trains(tmp_path, in_pl
         assert "routes" in table and "(counted)" in table  # the flat default: counted, not executed
 
 
-def test_replicas_on_one_device_equal_the_shared_model_bit_for_bit(tmp_path):
-    # The reduce adds the replicas' gradients in worker order: the sum one model
-    # makes accumulating the mini-batches one after another.
-    train(config(tmp_path / "shared", devices=2), progress=False)
-    train(config(tmp_path / "rep", devices=2, dense_replica_per_worker=True), progress=False)
-    rows_a, mlp_a = final_state(tmp_path / "shared")
-    rows_b, mlp_b = final_state(tmp_path / "rep")
-    np.testing.assert_array_equal(rows_a, rows_b)
-    for name in mlp_a:
-        assert torch.equal(mlp_a[name], mlp_b[name]), name
+@pytest.mark.parametrize("devices", [2, 4])
+def test_workers_on_one_replica_train_what_the_in_place_path_trains_bit_for_bit(tmp_path, in_place, devices):
+    # Workers sharing the one replica on the CPU run as one model call
+    # (Trainer._calls), their examples in order: the MLP's sums are the in-place
+    # path's, and each worker's rows, gathered and accumulated by its own calls
+    # into the tier, sum on the owners in example order too.
+    summary, (rows, mlp_state) = in_place
+    shared = train(config(tmp_path / "shared", devices=devices), progress=False)
+    got_rows, got_mlp = final_state(tmp_path / "shared")
+    np.testing.assert_array_equal(got_rows, rows)
+    for name, value in mlp_state.items():
+        assert torch.equal(got_mlp[name], value), name
+    assert shared["dense_model"] == {"devices": ["cpu"] * devices, "replicas": 1}
+    # The tier still served each worker its own rows: the transfer matrix a
+    # replica a worker makes (the same partition, one call a worker).
+    rep = train(config(tmp_path / "rep", devices=devices, dense_replica_per_worker=True), progress=False)
+    assert shared["ps"]["device"]["transfer_rows"] == rep["ps"]["device"]["transfer_rows"]
+    moved = np.asarray(shared["ps"]["device"]["transfer_rows"])
+    assert moved.shape == (devices, devices) and (moved.sum(axis=0) > 0).all()
 
 
 def test_device_replicas_reduce_then_broadcast():

@@ -366,6 +366,92 @@ class CtrModel(nn.Module):
         return p.device if p is not None else torch.device("cpu")
 
 
+class WorkerShares:
+    """A working batch as one model call over several workers' mini-batches,
+    for workers that share one dense replica on one device: the model runs
+    once over their examples one worker after another (each share's rows
+    consecutive, in worker order), and every lookup and gradient is still
+    split by example, each share going to its worker's gather and accumulate
+    (so the tier moves and counts each worker's rows as it would for a call of
+    its own). `examples` gives each worker's number of examples, in order.
+
+    A lookup's keys and its out or gradients must have a multiple of the
+    examples' count as their first dimension (CtrModel's fields, one row an
+    example or one a key); positions are each share's, as its batch gave them.
+    apply, write_back, finish and abort are the batch's own."""
+
+    def __init__(self, batch: WorkingBatch, workers: Sequence[int], examples: Sequence[int]):
+        if len(workers) != len(examples):
+            raise ValueError(f"WorkerShares: {len(workers)} worker(s) and {len(examples)} example count(s)")
+        self._batch = working_batch(batch)
+        self._workers = [int(w) for w in workers]
+        self._bounds = np.concatenate([[0], np.cumsum(np.asarray(examples, dtype=np.int64))])
+        self.keys = self._batch.keys
+        self.wait_seconds = getattr(self._batch, "wait_seconds", 0.0)
+        self.gathers_into_columns = self._batch.gathers_into_columns
+
+    def _spans(self, rows: int):
+        """(worker, start, stop) of each share among `rows` rows, a multiple of the examples."""
+        examples = int(self._bounds[-1])
+        if examples == 0 or rows % examples:
+            raise ValueError(f"WorkerShares: {rows} rows are not a whole number a example "
+                             f"({examples} examples)")
+        k = rows // examples
+        return [(w, int(a) * k, int(b) * k) for w, a, b in zip(self._workers, self._bounds[:-1], self._bounds[1:])]
+
+    def positions(self, keys: np.ndarray) -> list:
+        keys = np.asarray(keys)
+        return [self._batch.positions(keys[a:b]) for _, a, b in self._spans(keys.shape[0])]
+
+    def _split(self, positions: list, array_rows: int):
+        """Each share's (worker, its positions, its rows of an array of array_rows rows)."""
+        counts = [len(p) for p in positions]
+        total = sum(counts)
+        if array_rows == total:
+            ends = np.cumsum([0] + counts)
+            return [(w, p, slice(int(a), int(b))) for (w, _, _), p, a, b
+                    in zip(self._spans(total), positions, ends[:-1], ends[1:])]
+        return [(w, p, slice(a, b)) for (w, a, b), p in zip(self._spans(array_rows), positions)]
+
+    def gather(self, positions: list, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:
+        if out is None:
+            return np.concatenate([self._batch.gather(p, worker=w) for w, p in zip(self._workers, positions)])
+        for w, p, rows in self._split(positions, out.shape[0]):
+            self._batch.gather(p, out[rows], worker=w)
+        return out
+
+    def accumulate(self, positions: list, grads: np.ndarray, worker: int = 0) -> None:
+        for w, p, rows in self._split(positions, grads.shape[0]):
+            self._batch.accumulate(p, grads[rows], worker=w)
+
+    def gather_tensor(self, positions: list, out, worker: int = 0):
+        for w, p, rows in self._split(positions, out.shape[0]):
+            self._batch.gather_tensor(p, out[rows], worker=w)
+        return out
+
+    def accumulate_tensor(self, positions: list, grads, worker: int = 0) -> None:
+        for w, p, rows in self._split(positions, grads.shape[0]):
+            self._batch.accumulate_tensor(p, grads[rows], worker=w)
+
+    def pull(self, keys: np.ndarray, worker: int = 0) -> np.ndarray:
+        return self.gather(self.positions(keys))
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        self.accumulate(self.positions(keys), grads)
+
+    def apply(self) -> None:
+        self._batch.apply()
+
+    def write_back(self) -> None:
+        self._batch.write_back()
+
+    def finish(self) -> None:
+        self._batch.finish()
+
+    def abort(self) -> None:
+        self._batch.abort()
+
+
 class DeviceReplicas:
     """A dense model replicated over a node's worker devices, the data-parallel
     half of the MLSys 2020 paper's node: worker g runs its mini-batch through

@@ -436,11 +436,9 @@ class Trainer:
         n = max(getattr(examples, "total_examples", len(examples.labels)), 1)
         self.opt.zero_grad()
         emb = self.model.embedding
-        for worker, idx in enumerate(loaded.minibatches):
-            if len(idx) == 0:
-                continue
+        for worker, idx, batch in self._calls(loaded, examples):
             model = self.replicas.replica(worker)
-            emb.attach(loaded.batch, worker)
+            emb.attach(batch, worker)
             rows = _as_slice(idx)
             keys = torch.from_numpy(examples.keys[rows].view(np.int64))
             if getattr(examples, "bags", None):  # multi-hot fields (a schema's)
@@ -460,6 +458,22 @@ class Trainer:
         if self.dense_sync is not None:
             self.dense_sync.after_step()
         self.replicas.broadcast()
+
+    def _calls(self, loaded: Loaded, examples):
+        """(worker, its examples, the batch it reads) for each call of the model
+        in a step: one a worker with examples; or, where every worker trains on
+        one replica (host partitions, the MLP on the CPU) and the fields are
+        single-hot, one call over all of them, the workers' examples one after
+        another, whose lookups and gradients WorkerShares splits by worker (the
+        tier still moves and counts each worker's rows). A model call has a
+        fixed cost whatever its examples: two calls a batch made the device-tier
+        path on 2 host partitions 0.84x the in-place path on W4s (16 hidden units)."""
+        shares = [(w, idx) for w, idx in enumerate(loaded.minibatches) if len(idx)]
+        if len(shares) < 2 or len(self.replicas) > 1 or getattr(examples, "bags", None):
+            return [(w, idx, loaded.batch) for w, idx in shares]
+        from hps.torch import WorkerShares
+        workers, parts = zip(*shares)
+        return [(0, np.concatenate(parts), WorkerShares(loaded.batch, workers, [len(p) for p in parts]))]
 
     def evaluate(self, batches: list) -> dict:
         """AUC and logloss over `batches`; in a job, rank r scores batches r, r+N, ...
