@@ -2,7 +2,10 @@
 """The input gradient of a CTR model's first layer, two ways with the same torch: every
 input column (what nn.Linear's autograd computes) against the embedding columns only
 (what hps.torch's CtrModel computes on the CPU, hps.torch._FirstLayer: the dense
-features' gradient is read by nothing).
+features' gradient is read by nothing). At k <= 16 units, where CtrModel runs hps's
+own kernels (hps/narrow_linear.h), those too: the embedding columns' gradient and the
+forward product (x (4096, 429) times the weight, plus the bias) by hps against torch's
+mm and addmm.
 
     python3 bench/first_layer_bench.py            # k = 16 .. 512 units, 1 and 2 threads
     python3 bench/first_layer_bench.py --quick    # fewer repeats and shapes (the test's)
@@ -24,10 +27,27 @@ import sys
 import time
 
 import numpy as np
+import torch
+
+from hps import _core
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _provenance import provenance  # noqa: E402
+
+
+def narrow_input_grad(grad, weight, width: int, threads: int):
+    """hps's kernel for the embedding columns' gradient, into a fresh output (as hps.torch._FirstLayer)."""
+    out = np.empty((grad.shape[0], width), dtype=np.float32)
+    _core.narrow_linear_input_grad(grad.numpy(), weight.numpy(), width, out, threads=threads)
+    return torch.from_numpy(out)
+
+
+def narrow_forward(x, weight, bias, threads: int):
+    """hps's forward kernel, into a fresh output (as hps.torch._FirstLayer)."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    _core.narrow_linear_forward(x.numpy(), weight.numpy(), bias.numpy(), out.numpy(), threads=threads)
+    return out
 
 
 def main() -> None:
@@ -36,8 +56,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--examples", type=int, default=4096)
     args = ap.parse_args()
-    import torch
-
     import hps.tuning
 
     hps.tuning.keep_freed_memory()
@@ -56,7 +74,15 @@ def main() -> None:
             weight = torch.from_numpy(rng.standard_normal((k, columns)).astype(np.float32))
             sides = {"every_column": lambda: torch.mm(grad, weight),
                      "embedding_columns": lambda: torch.mm(grad, weight[:, :width])}
-            want = (grad.double() @ weight.double())[:, :width]
+            want = {name: (grad.double() @ weight.double())[:, :width] for name in sides}
+            if k <= _core.NARROW_LINEAR_MAX_OUTPUTS:
+                x = torch.from_numpy(rng.standard_normal((args.examples, columns)).astype(np.float32))
+                bias = torch.from_numpy(rng.standard_normal(k).astype(np.float32))
+                sides["hps_embedding_columns"] = lambda: narrow_input_grad(grad, weight, width, t)
+                sides["torch_forward"] = lambda: torch.addmm(bias, x, weight.t())
+                sides["hps_forward"] = lambda: narrow_forward(x, weight, bias, t)
+                want["hps_embedding_columns"] = want["embedding_columns"]
+                want["torch_forward"] = want["hps_forward"] = x.double() @ weight.double().t() + bias.double()
             times = {name: [] for name in sides}
             for _ in range(repeats):
                 for name, product in sides.items():
@@ -64,21 +90,32 @@ def main() -> None:
                     start = time.perf_counter()
                     out = product()
                     times[name].append(1e3 * (time.perf_counter() - start))
-                    if not torch.allclose(out[:, :width].double(), want, rtol=1e-4, atol=1e-4 * k):
+                    got = out[:, :width] if want[name].shape[1] == width else out
+                    if not torch.allclose(got.double(), want[name], rtol=1e-4, atol=1e-4 * max(k, columns)):
                         raise SystemExit(f"{name} at k = {k}: the product differs from float64's")
             row = {"threads": t, "k": k}
             for name, v in times.items():
                 row[name] = {"median_ms": round(float(np.median(v)), 3), "min_ms": round(min(v), 3),
                              "max_ms": round(max(v), 3)}
             row["ratio"] = round(row["every_column"]["median_ms"] / row["embedding_columns"]["median_ms"], 2)
+            if "hps_forward" in row:  # torch's time over hps's
+                row["hps_input_grad_ratio"] = round(
+                    row["embedding_columns"]["median_ms"] / row["hps_embedding_columns"]["median_ms"], 2)
+                row["hps_forward_ratio"] = round(row["torch_forward"]["median_ms"] / row["hps_forward"]["median_ms"], 2)
             rows.append(row)
             e, c = row["every_column"], row["embedding_columns"]
             print(f"threads {t} k {k:4d}: every column {e['median_ms']:7.3f} ms ({e['min_ms']:.3f}-{e['max_ms']:.3f}), "
                   f"embedding columns {c['median_ms']:7.3f} ms ({c['min_ms']:.3f}-{c['max_ms']:.3f}): "
                   f"{row['ratio']:.2f}x", file=sys.stderr)
+            if "hps_forward" in row:
+                h, f, hf = row["hps_embedding_columns"], row["torch_forward"], row["hps_forward"]
+                print(f"    hps embedding columns {h['median_ms']:7.3f} ms ({row['hps_input_grad_ratio']:.2f}x torch's); "
+                      f"forward torch {f['median_ms']:7.3f} ms, hps {hf['median_ms']:7.3f} ms "
+                      f"({row['hps_forward_ratio']:.2f}x)", file=sys.stderr)
     print(json.dumps({"benchmark": "first layer's input gradient", "examples": args.examples,
                       "embedding_columns": width, "columns": columns, "repeats": repeats,
                       "torch": torch.__version__, "torch_blas": "mkl" if torch.backends.mkl.is_available() else "other",
+                      "hps_kernel": _core.narrow_linear_kernel(),
                       "rows": rows, "provenance": provenance()}))
 
 

@@ -981,8 +981,22 @@ def render_w4l(o: dict) -> list[str]:
              spread(r["embedding_columns"]["median_ms"], r["embedding_columns"]["min_ms"],
                     r["embedding_columns"]["max_ms"], ".2f"),
              f"{r['ratio']:.2f}x"] for r in o["rows"]]
-    return out + table(["torch threads", "k (first layer's units)", "every column, ms", "embedding columns, ms",
-                        "every / embedding"], rows)
+    out += table(["torch threads", "k (first layer's units)", "every column, ms", "embedding columns, ms",
+                  "every / embedding"], rows)
+    narrow = [r for r in o["rows"] if "hps_forward" in r]
+    if narrow:
+        def ms(side):
+            return spread(side["median_ms"], side["min_ms"], side["max_ms"], ".2f")
+        out += ["", f"At k <= 16, where CtrModel runs hps's own kernels (hps/narrow_linear.h, the "
+                    f"{o.get('hps_kernel', '?')} version here), the same products by hps, and the forward product "
+                    f"(x ({o['examples']:,}, {o['columns']}) times the weight, plus the bias) by torch's addmm and by "
+                    f"hps; ratios are torch's time over hps's.", ""]
+        out += table(["torch threads", "k", "embedding columns: torch mm, ms", "hps, ms", "torch / hps",
+                      "forward: torch addmm, ms", "hps, ms", "torch / hps"],
+                     [[str(r["threads"]), str(r["k"]), ms(r["embedding_columns"]), ms(r["hps_embedding_columns"]),
+                       f"{r['hps_input_grad_ratio']:.2f}x", ms(r["torch_forward"]), ms(r["hps_forward"]),
+                       f"{r['hps_forward_ratio']:.2f}x"] for r in narrow])
+    return out
 
 
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4, "w4m": render_w4, "w4a": render_w4,

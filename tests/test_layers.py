@@ -23,6 +23,7 @@ PUBLIC_LAYER = {
     "errors.h": "util",
     "keys.h": "util",
     "optimizer.h": "table",
+    "narrow_linear.h": "table",
     "hash_table.h": "table",
     "ssd_store.h": "store",
     "mem_cache.h": "cache",

@@ -195,6 +195,17 @@ def test_w4f_and_w4l_the_first_layer_a_b_and_its_products(tree):
     w4l = rendered(tree, "w4l", products)
     assert "| 1 | 16 | 2.10 (1.60-5.80) | 1.40 (1.40-1.60) | 1.50x |" in w4l
     assert "every one of its 429 input columns" in w4l and "the 416 embedding columns" in w4l
+    assert "hps's own kernels" not in w4l  # a line from before them: no table for them
+    # With hps's kernels (k <= 16): their products beside torch's, ratios torch's over hps's.
+    products["hps_kernel"] = "avx512"
+    products["rows"][0].update({"hps_embedding_columns": {"median_ms": 0.7, "min_ms": 0.6, "max_ms": 0.9},
+                                "torch_forward": {"median_ms": 0.9, "min_ms": 0.8, "max_ms": 1.0},
+                                "hps_forward": {"median_ms": 0.5, "min_ms": 0.5, "max_ms": 0.6},
+                                "hps_input_grad_ratio": 2.0, "hps_forward_ratio": 1.8})
+    w4l = rendered(tree, "w4l", products)
+    assert "hps's own kernels (hps/narrow_linear.h, the avx512 version here)" in w4l
+    assert "| 1 | 16 | 1.40 (1.40-1.60) | 0.70 (0.60-0.90) | 2.00x | 0.90 (0.80-1.00) | 0.50 (0.50-0.60) | 1.80x |" \
+        in w4l
 
 
 def test_w5_ratios_are_medians_of_the_same_round_ratios_and_w2_the_benchmarks(tree):

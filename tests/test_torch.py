@@ -266,3 +266,33 @@ def test_ctr_model_with_bags_trains_like_plain_torch(tmp_path):
                                rtol=1e-5, atol=1e-6)
     for a, b in zip(model.mlp.parameters(), mlp_ref.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_narrow_linear_is_nn_linear_on_hps_kernels():
+    """NarrowLinear (CtrModel's first layer) gives nn.Linear's outputs and gradients
+    to float tolerance, with the same parameters and state_dict; wider layers and
+    float64 inputs are nn.Linear's own. The peers' mlp() keeps torch's nn.Linear."""
+    torch.manual_seed(0)
+    for outputs in (1, 9, 16):
+        narrow, plain = ht.NarrowLinear(429, outputs), torch.nn.Linear(429, outputs)
+        plain.load_state_dict(narrow.state_dict())
+        assert narrow.runs_kernels()
+        x = torch.randn(300, 429)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = narrow(xa), plain(xb)
+        assert ya.grad_fn.name() == "_NarrowLinearProductsBackward"
+        torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+        g = torch.randn_like(ya)
+        ya.backward(g)
+        yb.backward(g)
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(narrow.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(narrow.bias.grad, plain.bias.grad, rtol=1e-5, atol=1e-5)
+    wide = ht.NarrowLinear(8, 17)
+    assert not wide.runs_kernels() and wide(torch.randn(3, 8)).grad_fn.name() == "AddmmBackward0"
+    narrow = ht.NarrowLinear(8, 4)
+    assert not narrow.runs_kernels(torch.randn(3, 8, dtype=torch.float64))
+    assert narrow.double()(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64
+    assert type(ht.mlp(10, (16,))[0]) is torch.nn.Linear
+    assert type(ht.mlp(10, (16,), narrow_kernels=True)[0]) is ht.NarrowLinear
+    assert type(ht.mlp(10, (16,), narrow_kernels=True)[2]) is torch.nn.Linear

@@ -24,19 +24,22 @@ from torch import nn
 from hps import _core
 from hps.parameter_server import ParameterServer, WorkingBatch, working_batch
 
-__all__ = ["EmbeddingBag", "CtrModel", "DeviceReplicas", "mlp"]
+__all__ = ["EmbeddingBag", "CtrModel", "DeviceReplicas", "NarrowLinear", "WorkerShares", "mlp"]
 
 
-def mlp(in_width: int, hidden: Sequence[int], seed: int = 0) -> nn.Sequential:
+def mlp(in_width: int, hidden: Sequence[int], seed: int = 0, narrow_kernels: bool = False) -> nn.Sequential:
     """Linear+ReLU layers of the widths in `hidden`, then one output: the CTR
     model's MLP, initialised from `seed` alone (uniform +-1/sqrt(fan_in), as
-    torch's default), so that benchmark peers can build the same network."""
+    torch's default), so that benchmark peers can build the same network.
+    `narrow_kernels`: the first layer an hps.torch.NarrowLinear (CtrModel's),
+    the same parameters; the peers' is torch's nn.Linear."""
     gen = torch.Generator().manual_seed(seed)
     layers: list[nn.Module] = []
     width = in_width
     for h in hidden:
         # In place: the ReLU needs no tensor of its own (5% of a W5 step on 2 cores).
-        layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
+        linear = NarrowLinear if narrow_kernels and not layers else nn.Linear
+        layers += [linear(width, h), nn.ReLU(inplace=True)]
         width = h
     layers.append(nn.Linear(width, 1))
     net = nn.Sequential(*layers)
@@ -162,6 +165,67 @@ class _InputWithFields(torch.autograd.Function):
         return None, None, None, None, None, None, None, None
 
 
+class _NarrowLinearProducts(torch.autograd.Function):
+    """NarrowLinear's products by hps's kernels, on an input of its own: what
+    _FirstLayer computes inside a batch, so that a model fed its input another way
+    (CtrModel without a batch, a Hogwild net on the input it tapped) gets the same
+    bits. The input's gradient covers every column."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        ctx.save_for_backward(x, weight)
+        h = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        _core.narrow_linear_forward(x.detach().numpy(), weight.detach().numpy(),
+                                    None if bias is None else bias.detach().numpy(), h.numpy(),
+                                    threads=torch.get_num_threads())
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        x, weight = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.empty(x.shape, dtype=torch.float32)
+            _core.narrow_linear_input_grad(grad_h.detach().contiguous().numpy(), weight.detach().numpy(), x.shape[1],
+                                           grad_x.numpy(), threads=torch.get_num_threads())
+        grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_h.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
+
+
+class NarrowLinear(nn.Linear):
+    """nn.Linear (the same parameters and state_dict) whose products, for at most 16
+    outputs in float32 on the CPU, run on hps's kernels (hps/narrow_linear.h: at that
+    width torch's BLAS spends more time packing the input and clearing its output
+    than multiplying). CtrModel's first layer; wider layers, other dtypes and devices
+    are nn.Linear's. The sums are in a fixed order, so every path that trains a
+    CtrModel on the CPU (a batch's _FirstLayer, a Hogwild net) gets the same bits."""
+
+    def runs_kernels(self, x: Optional[torch.Tensor] = None) -> bool:
+        w = self.weight
+        return (w.shape[0] <= _core.NARROW_LINEAR_MAX_OUTPUTS and w.dtype == torch.float32
+                and w.device.type == "cpu" and w.is_contiguous()
+                and (x is None or (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.runs_kernels(x):
+            return super().forward(x)
+        return _NarrowLinearProducts.apply(x, self.weight, self.bias)
+
+
+def _first_linear(net: nn.Module, device: torch.device) -> Optional[nn.Linear]:
+    """The first layer of `net` where hps.torch computes it itself (_FirstLayer,
+    _FirstLayerOnPooled): an nn.Sequential starting with a float32 nn.Linear (or
+    NarrowLinear) with a bias, on the CPU; else None."""
+    if device.type != "cpu" or not isinstance(net, nn.Sequential) or len(net) < 2:
+        return None
+    first = net[0]
+    if type(first) not in (nn.Linear, NarrowLinear) or first.bias is None or first.weight.dtype != torch.float32:
+        return None
+    return first
+
+
 class _FirstLayer(torch.autograd.Function):
     """The MLP's first layer (weight (k, in), bias (k,)) on the batch's input
     [field embeddings | dense] (_model_input), on the CPU. Its backward computes the
@@ -173,24 +237,37 @@ class _FirstLayer(torch.autograd.Function):
     AMD EPYC) took 2.6 times as long for every column as for the 416 embedding
     columns at k = 16 on one thread, 1.3 times at k = 512 (docs/benchmarks.md, W4l:
     python3 bench/first_layer_bench.py). The weight's and bias's gradients are
-    nn.Linear's."""
+    nn.Linear's. A layer of at most 16 outputs (W4s) runs its forward product and
+    the input's gradient on hps's own kernels (_narrow), the same on every path
+    that trains through this layer; wider ones on torch's addmm and mm."""
 
     @staticmethod
-    def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, weight, bias):
+    def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, narrow, weight, bias):
         x = _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, torch.device("cpu"))
         ctx.save_for_backward(x, weight)
-        return torch.addmm(bias, x, weight.t())
+        ctx.narrow = narrow
+        if not narrow:
+            return torch.addmm(bias, x, weight.t())
+        h = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        _core.narrow_linear_forward(x.numpy(), weight.detach().numpy(), bias.detach().numpy(), h.numpy(),
+                                    threads=torch.get_num_threads())
+        return h
 
     @staticmethod
     def backward(ctx, grad_h):
         x, weight = ctx.saved_tensors
-        grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[7] else None
-        grad_bias = grad_h.sum(0) if ctx.needs_input_grad[8] else None
-        grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
+        grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[8] else None
+        grad_bias = grad_h.sum(0) if ctx.needs_input_grad[9] else None
+        if ctx.narrow:
+            grads = np.empty((grad_h.shape[0], ctx.width), dtype=np.float32)  # (B, fields * dim)
+            _core.narrow_linear_input_grad(grad_h.detach().contiguous().numpy(), weight.detach().numpy(), ctx.width,
+                                           grads, threads=torch.get_num_threads())
+        else:
+            grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
             grads.reshape(-1, ctx.dim)[_occurrences(ctx.keys, ctx.frozen_key)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads, worker=ctx.worker)
-        return None, None, None, None, None, None, None, grad_weight, grad_bias
+        return None, None, None, None, None, None, None, None, grad_weight, grad_bias
 
 
 class _FirstLayerOnPooled(torch.autograd.Function):
@@ -303,7 +380,7 @@ class CtrModel(nn.Module):
         # Multi-hot fields, pooled by `pooling`; the MLP input is [single-hot | multi-hot | dense].
         self.num_bags = num_bags
         self.bag_embedding = EmbeddingBag(ps, mode=pooling) if num_bags else None
-        self.mlp = mlp((num_fields + num_bags) * ps.dim + num_dense, hidden, seed)
+        self.mlp = mlp((num_fields + num_bags) * ps.dim + num_dense, hidden, seed, narrow_kernels=True)
 
     def forward(self, keys: torch.Tensor, dense: torch.Tensor, bags: Optional[Sequence] = None) -> torch.Tensor:
         """keys: (B, num_fields) int64, one key per field; dense: (B, num_dense); bags: one
@@ -333,7 +410,8 @@ class CtrModel(nn.Module):
             if first is not None:
                 return self._after_first_layer(
                     _FirstLayer.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
-                                      emb.frozen_key, first.weight, first.bias))
+                                      emb.frozen_key, isinstance(first, NarrowLinear) and first.runs_kernels(),
+                                      first.weight, first.bias))
             x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
                                        emb.frozen_key, device)
             return self.mlp(x).squeeze(1)
@@ -342,14 +420,8 @@ class CtrModel(nn.Module):
 
     def _first_layer(self, device: torch.device) -> Optional[nn.Linear]:
         """The MLP's first layer where _FirstLayer (with multi-hot fields,
-        _FirstLayerOnPooled) computes it: an nn.Sequential starting with a float32
-        nn.Linear with a bias, on the CPU; else None."""
-        if device.type != "cpu" or not isinstance(self.mlp, nn.Sequential) or len(self.mlp) < 2:
-            return None
-        first = self.mlp[0]
-        if type(first) is not nn.Linear or first.bias is None or first.weight.dtype != torch.float32:
-            return None
-        return first
+        _FirstLayerOnPooled) computes it (_first_linear); else None."""
+        return _first_linear(self.mlp, device)
 
     def _after_first_layer(self, h: torch.Tensor) -> torch.Tensor:
         """The logits from the first layer's output h: the MLP's layers after the first."""

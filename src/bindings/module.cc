@@ -17,6 +17,7 @@
 #include "hps/hash_table.h"
 #include "hps/herald.h"
 #include "hps/mem_cache.h"
+#include "hps/narrow_linear.h"
 #include "hps/optimizer.h"
 #include "hps/ssd_store.h"
 #include "hps/topology.h"
@@ -88,6 +89,28 @@ const float* RowsArg(const py::array& a, const char* name, uint64_t n, int64_t c
   RequireContiguous(a, name);
   return static_cast<const float*>(a.data());
 }
+
+// A 2-D float32 array whose rows are runs of floats (a column range of a wider
+// matrix too): its data and row stride in floats.
+struct FloatRows {
+  float* data;
+  int64_t rows, columns, stride;
+};
+
+FloatRows FloatRowsArg(const py::array& a, const char* name) {
+  if (!HasDtype<float>(a)) {
+    throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
+  }
+  if (a.ndim() != 2) throw py::value_error(std::string(name) + " must be 2-D, got shape " + ShapeOf(a));
+  const auto unit = static_cast<py::ssize_t>(sizeof(float));
+  if ((a.shape(1) > 1 && a.strides(1) != unit) || a.strides(0) % unit != 0 || a.strides(0) < 0) {
+    throw py::value_error(std::string(name) + " must have rows of consecutive float32 (a row-major array or a "
+                          "column range of one)");
+  }
+  const int64_t stride = a.shape(0) > 1 ? a.strides(0) / unit : a.shape(1);
+  return {static_cast<float*>(const_cast<void*>(a.data())), a.shape(0), a.shape(1), stride};
+}
+
 
 // n rows of dim float32 in a 2-D array: a C-contiguous (n, dim) one, or a
 // column range (B, k * dim) of a wider matrix with B * k = n, whose row
@@ -737,6 +760,45 @@ PYBIND11_MODULE(_core, m) {
         d["lookahead_forced"] = st.lookahead_forced;
         return d;
       });
+
+  m.def("narrow_linear_forward", [](const py::array& x, const py::array& weight, const py::object& bias,
+                                    const py::array& out, int threads) {
+    const FloatRows in = FloatRowsArg(x, "x");
+    const float* w = RowsArg(weight, "weight", static_cast<uint64_t>(weight.ndim() == 2 ? weight.shape(0) : 0),
+                             in.columns);
+    const int64_t outputs = weight.shape(0);
+    const float* b = nullptr;
+    if (!bias.is_none()) {
+      py::array bias_array = bias.cast<py::array>();
+      if (bias_array.ndim() != 1 || bias_array.shape(0) != outputs) {
+        throw py::value_error("bias must have shape (" + std::to_string(outputs) + ",), got " + ShapeOf(bias_array));
+      }
+      b = RowsArg(bias_array.reshape({outputs, int64_t{1}}), "bias", static_cast<uint64_t>(outputs), 1);
+    }
+    if (!out.writeable()) throw py::value_error("out is read-only");
+    float* o = const_cast<float*>(RowsArg(out, "out", static_cast<uint64_t>(in.rows), outputs));
+    py::gil_scoped_release release;
+    hps::NarrowLinearForward(in.data, in.rows, in.columns, in.stride, w, b, outputs, o, threads);
+  }, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads") = 1,
+     "out (rows, outputs) = x @ weight.T + bias, for at most 16 outputs (hps/narrow_linear.h)");
+
+  m.def("narrow_linear_input_grad", [](const py::array& grad, const py::array& weight, int64_t columns,
+                                       const py::array& out, int threads) {
+    const FloatRows g = FloatRowsArg(grad, "grad");
+    const FloatRows w = FloatRowsArg(weight, "weight");
+    const FloatRows o = FloatRowsArg(out, "out");
+    if (g.stride != g.columns || w.rows != g.columns || o.rows != g.rows || o.columns != columns) {
+      throw py::value_error("narrow_linear_input_grad: grad (rows, outputs) contiguous, weight (outputs, >= columns) "
+                            "and out (rows, columns); got grad " + ShapeOf(grad) + ", weight " + ShapeOf(weight) +
+                            ", out " + ShapeOf(out) + ", columns " + std::to_string(columns));
+    }
+    if (!out.writeable()) throw py::value_error("out is read-only");
+    py::gil_scoped_release release;
+    hps::NarrowLinearInputGrad(g.data, g.rows, g.columns, w.data, w.stride, columns, o.data, o.stride, threads);
+  }, py::arg("grad"), py::arg("weight"), py::arg("columns"), py::arg("out"), py::arg("threads") = 1,
+     "out (rows, columns) = grad @ weight[:, :columns], for at most 16 outputs (hps/narrow_linear.h)");
+  m.attr("NARROW_LINEAR_MAX_OUTPUTS") = hps::kNarrowLinearMaxOutputs;
+  m.def("narrow_linear_kernel", &hps::NarrowLinearKernel, "the version of the narrow linear kernels this CPU runs");
 
   m.def("unique_keys", [](const py::array& keys) {
     const auto [k, n] = KeysArg(keys, "keys");

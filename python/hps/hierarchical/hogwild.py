@@ -143,9 +143,8 @@ class HogwildNets:
             self._tap.x = None
 
     def _net_step(self, r: int, pieces: list, n: int, loss_fn):
-        """Thread r: forward and backward of its slice, a piece a device mini-batch
-        it meets (as Trainer.step takes them: with one net, the same sums in the same
-        order), the group's all-reduce of its gradients (T > 1), then its
+        """Thread r: forward and backward of its slice, a piece a model call of
+        Trainer.step it meets (with one net, the same sums in the same order), the group's all-reduce of its gradients (T > 1), then its
         optimizer's step on the shared memory. Returns each piece's input gradient
         and logits."""
         net, params, opt = self.nets[r], self.params[r], self.optimizers[r]
@@ -179,10 +178,8 @@ class HogwildNets:
         emb = trainer.model.embedding
         xs, rows = [], []
         with self._tapped(trainer.model) as tap:
-            for worker, idx in enumerate(loaded.minibatches):
-                if len(idx) == 0:
-                    continue
-                emb.attach(loaded.batch, worker)
+            for worker, idx, batch in trainer._calls(loaded, examples):  # (Trainer.step's model calls)
+                emb.attach(batch, worker)
                 keys = torch.from_numpy(examples.keys[idx].view(np.int64))
                 if getattr(examples, "bags", None):
                     from hps.train import _bag_inputs
