@@ -238,7 +238,7 @@ class _FirstLayer(torch.autograd.Function):
     columns at k = 16 on one thread, 1.3 times at k = 512 (docs/benchmarks.md, W4l:
     python3 bench/first_layer_bench.py). The weight's and bias's gradients are
     nn.Linear's. A layer of at most 16 outputs (W4s) runs its forward product and
-    the input's gradient on hps's own kernels (_narrow), the same on every path
+    the input's gradient on hps's own kernels (NarrowLinear's), the same on every path
     that trains through this layer; wider ones on torch's addmm and mm."""
 
     @staticmethod
@@ -466,7 +466,7 @@ class WorkerShares:
         """(worker, start, stop) of each share among `rows` rows, a multiple of the examples."""
         examples = int(self._bounds[-1])
         if examples == 0 or rows % examples:
-            raise ValueError(f"WorkerShares: {rows} rows are not a whole number a example "
+            raise ValueError(f"WorkerShares: {rows} rows are not a whole number of rows an example "
                              f"({examples} examples)")
         k = rows // examples
         return [(w, int(a) * k, int(b) * k) for w, a, b in zip(self._workers, self._bounds[:-1], self._bounds[1:])]
