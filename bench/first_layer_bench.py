@@ -36,6 +36,10 @@ sys.path.insert(0, HERE)
 from _provenance import provenance  # noqa: E402
 
 
+# hps.torch runs the narrow kernels on one thread whatever torch's threads (_NARROW_THREADS).
+from hps.torch import _NARROW_THREADS as NARROW_THREADS  # noqa: E402
+
+
 def narrow_input_grad(grad, weight, width: int, threads: int):
     """hps's kernel for the embedding columns' gradient, into a fresh output (as hps.torch._FirstLayer)."""
     out = np.empty((grad.shape[0], width), dtype=np.float32)
@@ -78,9 +82,9 @@ def main() -> None:
             if k <= _core.NARROW_LINEAR_MAX_OUTPUTS:
                 x = torch.from_numpy(rng.standard_normal((args.examples, columns)).astype(np.float32))
                 bias = torch.from_numpy(rng.standard_normal(k).astype(np.float32))
-                sides["hps_embedding_columns"] = lambda: narrow_input_grad(grad, weight, width, t)
+                sides["hps_embedding_columns"] = lambda: narrow_input_grad(grad, weight, width, NARROW_THREADS)
                 sides["torch_forward"] = lambda: torch.addmm(bias, x, weight.t())
-                sides["hps_forward"] = lambda: narrow_forward(x, weight, bias, t)
+                sides["hps_forward"] = lambda: narrow_forward(x, weight, bias, NARROW_THREADS)
                 want["hps_embedding_columns"] = want["embedding_columns"]
                 want["torch_forward"] = want["hps_forward"] = x.double() @ weight.double().t() + bias.double()
             times = {name: [] for name in sides}

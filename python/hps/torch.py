@@ -165,6 +165,12 @@ class _InputWithFields(torch.autograd.Function):
         return None, None, None, None, None, None, None, None
 
 
+# The narrow kernels' threads, whatever torch's: on W4l's shapes (4096 x 429, 16 units,
+# cold caches) one thread of them took less time than torch's products on two, and two
+# of them (a thread started a call) more than one.
+_NARROW_THREADS = 1
+
+
 class _NarrowLinearProducts(torch.autograd.Function):
     """NarrowLinear's products by hps's kernels, on an input of its own: what
     _FirstLayer computes inside a batch, so that a model fed its input another way
@@ -178,7 +184,7 @@ class _NarrowLinearProducts(torch.autograd.Function):
         h = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         _core.narrow_linear_forward(x.detach().numpy(), weight.detach().numpy(),
                                     None if bias is None else bias.detach().numpy(), h.numpy(),
-                                    threads=torch.get_num_threads())
+                                    threads=_NARROW_THREADS)
         return h
 
     @staticmethod
@@ -188,7 +194,7 @@ class _NarrowLinearProducts(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = torch.empty(x.shape, dtype=torch.float32)
             _core.narrow_linear_input_grad(grad_h.detach().contiguous().numpy(), weight.detach().numpy(), x.shape[1],
-                                           grad_x.numpy(), threads=torch.get_num_threads())
+                                           grad_x.numpy(), threads=_NARROW_THREADS)
         grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[1] else None
         grad_bias = grad_h.sum(0) if ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias
@@ -250,7 +256,7 @@ class _FirstLayer(torch.autograd.Function):
             return torch.addmm(bias, x, weight.t())
         h = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         _core.narrow_linear_forward(x.numpy(), weight.detach().numpy(), bias.detach().numpy(), h.numpy(),
-                                    threads=torch.get_num_threads())
+                                    threads=_NARROW_THREADS)
         return h
 
     @staticmethod
@@ -261,7 +267,7 @@ class _FirstLayer(torch.autograd.Function):
         if ctx.narrow:
             grads = np.empty((grad_h.shape[0], ctx.width), dtype=np.float32)  # (B, fields * dim)
             _core.narrow_linear_input_grad(grad_h.detach().contiguous().numpy(), weight.detach().numpy(), ctx.width,
-                                           grads, threads=torch.get_num_threads())
+                                           grads, threads=_NARROW_THREADS)
         else:
             grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
