@@ -144,9 +144,9 @@ class HogwildNets:
 
     def _net_step(self, r: int, pieces: list, n: int, loss_fn):
         """Thread r: forward and backward of its slice, a piece a model call of
-        Trainer.step it meets (with one net, the same sums in the same order), the group's all-reduce of its gradients (T > 1), then its
-        optimizer's step on the shared memory. Returns each piece's input gradient
-        and logits."""
+        Trainer.step it meets (with one net, the same sums in the same order), the
+        group's all-reduce of its gradients (T > 1), then its optimizer's step on
+        the shared memory. Returns each piece's input gradient and logits."""
         net, params, opt = self.nets[r], self.params[r], self.optimizers[r]
         for p in params:
             p.grad = None
