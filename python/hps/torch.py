@@ -171,6 +171,22 @@ class _InputWithFields(torch.autograd.Function):
 _NARROW_THREADS = 1
 
 
+def _narrow_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ weight.T + bias by hps's narrow kernel (x: rows of consecutive floats)."""
+    h = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    _core.narrow_linear_forward(x.detach().numpy(), weight.detach().numpy(),
+                                None if bias is None else bias.detach().numpy(), h.numpy(), threads=_NARROW_THREADS)
+    return h
+
+
+def _narrow_input_grad(grad_h: torch.Tensor, weight: torch.Tensor, columns: int) -> np.ndarray:
+    """grad_h @ weight[:, :columns] by hps's narrow kernel, (rows, columns) float32."""
+    out = np.empty((grad_h.shape[0], columns), dtype=np.float32)
+    _core.narrow_linear_input_grad(grad_h.detach().contiguous().numpy(), weight.detach().numpy(), columns, out,
+                                   threads=_NARROW_THREADS)
+    return out
+
+
 class _NarrowLinearProducts(torch.autograd.Function):
     """NarrowLinear's products by hps's kernels, on an input of its own: what
     _FirstLayer computes inside a batch, so that a model fed its input another way
@@ -181,20 +197,12 @@ class _NarrowLinearProducts(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         x = x if x.stride(-1) == 1 else x.contiguous()
         ctx.save_for_backward(x, weight)
-        h = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        _core.narrow_linear_forward(x.detach().numpy(), weight.detach().numpy(),
-                                    None if bias is None else bias.detach().numpy(), h.numpy(),
-                                    threads=_NARROW_THREADS)
-        return h
+        return _narrow_forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_h):
         x, weight = ctx.saved_tensors
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.empty(x.shape, dtype=torch.float32)
-            _core.narrow_linear_input_grad(grad_h.detach().contiguous().numpy(), weight.detach().numpy(), x.shape[1],
-                                           grad_x.numpy(), threads=_NARROW_THREADS)
+        grad_x = torch.from_numpy(_narrow_input_grad(grad_h, weight, x.shape[1])) if ctx.needs_input_grad[0] else None
         grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[1] else None
         grad_bias = grad_h.sum(0) if ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias
@@ -254,10 +262,7 @@ class _FirstLayer(torch.autograd.Function):
         ctx.narrow = narrow
         if not narrow:
             return torch.addmm(bias, x, weight.t())
-        h = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        _core.narrow_linear_forward(x.numpy(), weight.detach().numpy(), bias.detach().numpy(), h.numpy(),
-                                    threads=_NARROW_THREADS)
-        return h
+        return _narrow_forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -265,9 +270,7 @@ class _FirstLayer(torch.autograd.Function):
         grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[8] else None
         grad_bias = grad_h.sum(0) if ctx.needs_input_grad[9] else None
         if ctx.narrow:
-            grads = np.empty((grad_h.shape[0], ctx.width), dtype=np.float32)  # (B, fields * dim)
-            _core.narrow_linear_input_grad(grad_h.detach().contiguous().numpy(), weight.detach().numpy(), ctx.width,
-                                           grads, threads=_NARROW_THREADS)
+            grads = _narrow_input_grad(grad_h, weight, ctx.width)  # (B, fields * dim)
         else:
             grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
