@@ -4,8 +4,8 @@ input column (what nn.Linear's autograd computes) against the embedding columns 
 (what hps.torch's CtrModel computes on the CPU, hps.torch._FirstLayer: the dense
 features' gradient is read by nothing). At k <= 16 units, where CtrModel runs hps's
 own kernels (hps/narrow_linear.h), those too: the embedding columns' gradient and the
-forward product (x (4096, 429) times the weight, plus the bias) by hps against torch's
-mm and addmm.
+forward product (x (4096, 429) times the weight, plus the bias) and the weight's and
+bias's gradients by hps against torch's mm, addmm, and mm with sum.
 
     python3 bench/first_layer_bench.py            # k = 16 .. 512 units, 1 and 2 threads
     python3 bench/first_layer_bench.py --quick    # fewer repeats and shapes (the test's)
@@ -54,6 +54,21 @@ def narrow_forward(x, weight, bias, threads: int):
     return out
 
 
+def narrow_weight_grad(grad, x, threads: int):
+    """hps's kernel for the weight's and the bias's gradients, into fresh outputs (as
+    hps.torch._FirstLayer); the weight's is returned."""
+    grad_weight = torch.empty(grad.shape[1], x.shape[1], dtype=torch.float32)
+    grad_bias = torch.empty(grad.shape[1], dtype=torch.float32)
+    _core.narrow_linear_weight_grad(grad.numpy(), x.numpy(), grad_weight.numpy(), grad_bias.numpy(), threads=threads)
+    return grad_weight
+
+
+def torch_weight_grad(grad, x):
+    """The weight's and the bias's gradients as nn.Linear's autograd computes them; the weight's is returned."""
+    grad.sum(0)
+    return grad.t().mm(x)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 repeats, k = 16, one thread")
@@ -85,6 +100,9 @@ def main() -> None:
                 sides["hps_embedding_columns"] = lambda: narrow_input_grad(grad, weight, width, NARROW_THREADS)
                 sides["torch_forward"] = lambda: torch.addmm(bias, x, weight.t())
                 sides["hps_forward"] = lambda: narrow_forward(x, weight, bias, NARROW_THREADS)
+                sides["torch_weight_grad"] = lambda: torch_weight_grad(grad, x)
+                sides["hps_weight_grad"] = lambda: narrow_weight_grad(grad, x, NARROW_THREADS)
+                want["torch_weight_grad"] = want["hps_weight_grad"] = grad.double().t() @ x.double()
                 want["hps_embedding_columns"] = want["embedding_columns"]
                 want["torch_forward"] = want["hps_forward"] = x.double() @ weight.double().t() + bias.double()
             times = {name: [] for name in sides}
@@ -106,6 +124,8 @@ def main() -> None:
                 row["hps_input_grad_ratio"] = round(
                     row["embedding_columns"]["median_ms"] / row["hps_embedding_columns"]["median_ms"], 2)
                 row["hps_forward_ratio"] = round(row["torch_forward"]["median_ms"] / row["hps_forward"]["median_ms"], 2)
+                row["hps_weight_grad_ratio"] = round(
+                    row["torch_weight_grad"]["median_ms"] / row["hps_weight_grad"]["median_ms"], 2)
             rows.append(row)
             e, c = row["every_column"], row["embedding_columns"]
             print(f"threads {t} k {k:4d}: every column {e['median_ms']:7.3f} ms ({e['min_ms']:.3f}-{e['max_ms']:.3f}), "
@@ -115,7 +135,9 @@ def main() -> None:
                 h, f, hf = row["hps_embedding_columns"], row["torch_forward"], row["hps_forward"]
                 print(f"    hps embedding columns {h['median_ms']:7.3f} ms ({row['hps_input_grad_ratio']:.2f}x torch's); "
                       f"forward torch {f['median_ms']:7.3f} ms, hps {hf['median_ms']:7.3f} ms "
-                      f"({row['hps_forward_ratio']:.2f}x)", file=sys.stderr)
+                      f"({row['hps_forward_ratio']:.2f}x); weight's gradient torch "
+                      f"{row['torch_weight_grad']['median_ms']:7.3f} ms, hps {row['hps_weight_grad']['median_ms']:7.3f} "
+                      f"ms ({row['hps_weight_grad_ratio']:.2f}x)", file=sys.stderr)
     print(json.dumps({"benchmark": "first layer's input gradient", "examples": args.examples,
                       "embedding_columns": width, "columns": columns, "repeats": repeats,
                       "torch": torch.__version__, "torch_blas": "mkl" if torch.backends.mkl.is_available() else "other",

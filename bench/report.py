@@ -991,11 +991,15 @@ def render_w4l(o: dict) -> list[str]:
                     f"{o.get('hps_kernel', '?')} version here), the same products by hps, and the forward product "
                     f"(x ({o['examples']:,}, {o['columns']}) times the weight, plus the bias) by torch's addmm and by "
                     f"hps; ratios are torch's time over hps's.", ""]
+        weight = all("hps_weight_grad" in r for r in narrow)  # lines before its kernel lack it
         out += table(["torch threads", "k", "embedding columns: torch mm, ms", "hps, ms", "torch / hps",
-                      "forward: torch addmm, ms", "hps, ms", "torch / hps"],
+                      "forward: torch addmm, ms", "hps, ms", "torch / hps"]
+                     + (["weight's and bias's gradients: torch mm + sum, ms", "hps, ms", "torch / hps"] if weight else []),
                      [[str(r["threads"]), str(r["k"]), ms(r["embedding_columns"]), ms(r["hps_embedding_columns"]),
                        f"{r['hps_input_grad_ratio']:.2f}x", ms(r["torch_forward"]), ms(r["hps_forward"]),
-                       f"{r['hps_forward_ratio']:.2f}x"] for r in narrow])
+                       f"{r['hps_forward_ratio']:.2f}x"]
+                      + ([ms(r["torch_weight_grad"]), ms(r["hps_weight_grad"]), f"{r['hps_weight_grad_ratio']:.2f}x"]
+                         if weight else []) for r in narrow])
     return out
 
 

@@ -276,8 +276,11 @@ def test_first_layer_quick():
     out = run_json("bench/first_layer_bench.py", "--quick")
     (row,) = out["rows"]
     assert (row["threads"], row["k"]) == (1, 16) and out["embedding_columns"] == 416 and out["columns"] == 429
-    for side in ("every_column", "embedding_columns", "hps_embedding_columns", "torch_forward", "hps_forward"):
+    for side in ("every_column", "embedding_columns", "hps_embedding_columns", "torch_forward", "hps_forward",
+                 "torch_weight_grad", "hps_weight_grad"):
         assert 0 < row[side]["min_ms"] <= row[side]["median_ms"] <= row[side]["max_ms"]
     assert row["ratio"] == round(row["every_column"]["median_ms"] / row["embedding_columns"]["median_ms"], 2)
     assert row["hps_forward_ratio"] == round(row["torch_forward"]["median_ms"] / row["hps_forward"]["median_ms"], 2)
+    assert row["hps_weight_grad_ratio"] == round(
+        row["torch_weight_grad"]["median_ms"] / row["hps_weight_grad"]["median_ms"], 2)
     assert out["hps_kernel"] in ("avx512", "avx2", "portable")

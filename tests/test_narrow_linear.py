@@ -49,6 +49,22 @@ def test_input_grad_fills_the_first_columns_only():
     assert (out[:, 41:] == 5.0).all()
 
 
+def test_weight_grad_is_grad_transposed_times_x_and_the_bias_grad_its_row_sum():
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((2100, 50), dtype=np.float32)
+    x = wide[:, :45]  # rows 50 floats apart, as a column range of the model's input
+    grad = rng.standard_normal((2100, 13), dtype=np.float32)
+    gw, gb = np.full((13, 45), np.nan, np.float32), np.full(13, np.nan, np.float32)
+    _core.narrow_linear_weight_grad(grad, x, gw, gb)
+    exact = grad.T.astype(np.float64) @ x.astype(np.float64)
+    scale = np.abs(grad).T.astype(np.float64) @ np.abs(x).astype(np.float64)
+    assert (np.abs(gw - exact) <= 1e-6 * 2100 * scale).all()
+    np.testing.assert_allclose(gb, grad.astype(np.float64).sum(0), rtol=1e-4, atol=1e-4)
+    two = np.empty_like(gw)
+    _core.narrow_linear_weight_grad(grad, x, two, None, threads=2)  # the columns split, each sum whole
+    np.testing.assert_array_equal(two, gw)
+
+
 def test_bad_arrays_are_refused_by_name():
     x = np.zeros((4, 3), np.float32)
     w = np.zeros((2, 3), np.float32)
@@ -71,5 +87,13 @@ def test_bad_arrays_are_refused_by_name():
         _core.narrow_linear_forward(x, w, None, frozen)
     with pytest.raises(ValueError, match=r"got grad \(4, 2\), weight \(2, 3\), out \(4, 2\), columns 3"):
         _core.narrow_linear_input_grad(np.zeros((4, 2), np.float32), w, 3, np.zeros((4, 2), np.float32))
+    with pytest.raises(ValueError, match=r"got grad \(4, 2\), x \(3, 3\), grad_weight \(2, 3\)"):
+        _core.narrow_linear_weight_grad(out, np.zeros((3, 3), np.float32), w, None)
+    with pytest.raises(ValueError, match=r"grad_bias must have shape \(2,\), got \(3,\)"):
+        _core.narrow_linear_weight_grad(out, x, w.copy(), np.zeros(3, np.float32))
+    frozen_weight = w.copy()
+    frozen_weight.flags.writeable = False
+    with pytest.raises(ValueError, match="grad_weight is read-only"):
+        _core.narrow_linear_weight_grad(out, x, frozen_weight, None)
     assert _core.narrow_linear_kernel() in ("avx512", "avx2", "portable")
     assert _core.NARROW_LINEAR_MAX_OUTPUTS == 16

@@ -206,6 +206,13 @@ def test_w4f_and_w4l_the_first_layer_a_b_and_its_products(tree):
     assert "hps's own kernels (hps/narrow_linear.h, the avx512 version here)" in w4l
     assert "| 1 | 16 | 1.40 (1.40-1.60) | 0.70 (0.60-0.90) | 2.00x | 0.90 (0.80-1.00) | 0.50 (0.50-0.60) | 1.80x |" \
         in w4l
+    assert "weight's and bias's gradients" not in w4l  # a line from before its kernel
+    products["rows"][0].update({"torch_weight_grad": {"median_ms": 1.6, "min_ms": 1.5, "max_ms": 1.8},
+                                "hps_weight_grad": {"median_ms": 1.0, "min_ms": 0.9, "max_ms": 1.2},
+                                "hps_weight_grad_ratio": 1.6})
+    w4l = rendered(tree, "w4l", products)
+    assert "| 1 | 16 | 1.40 (1.40-1.60) | 0.70 (0.60-0.90) | 2.00x | 0.90 (0.80-1.00) | 0.50 (0.50-0.60) | 1.80x | " \
+           "1.60 (1.50-1.80) | 1.00 (0.90-1.20) | 1.60x |" in w4l
 
 
 def test_w5_ratios_are_medians_of_the_same_round_ratios_and_w2_the_benchmarks(tree):

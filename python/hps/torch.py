@@ -15,7 +15,7 @@ Requires torch (``pip install torch``); the rest of hps does not.
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -187,6 +187,19 @@ def _narrow_input_grad(grad_h: torch.Tensor, weight: torch.Tensor, columns: int)
     return out
 
 
+def _narrow_weight_grads(grad_h: torch.Tensor, x: torch.Tensor, weight: bool,
+                         bias: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The weight's gradient grad_h.T @ x if `weight`, the bias's grad_h.sum(0) (in row
+    order) if `bias`, by hps's narrow kernel (one pass over x for both)."""
+    if not (weight or bias):
+        return None, None
+    grad_weight = torch.empty(grad_h.shape[1], x.shape[1], dtype=torch.float32)
+    grad_bias = torch.empty(grad_h.shape[1], dtype=torch.float32) if bias else None
+    _core.narrow_linear_weight_grad(grad_h.detach().contiguous().numpy(), x.detach().numpy(), grad_weight.numpy(),
+                                    None if grad_bias is None else grad_bias.numpy(), threads=_NARROW_THREADS)
+    return grad_weight if weight else None, grad_bias
+
+
 class _NarrowLinearProducts(torch.autograd.Function):
     """NarrowLinear's products by hps's kernels, on an input of its own: what
     _FirstLayer computes inside a batch, so that a model fed its input another way
@@ -203,8 +216,7 @@ class _NarrowLinearProducts(torch.autograd.Function):
     def backward(ctx, grad_h):
         x, weight = ctx.saved_tensors
         grad_x = torch.from_numpy(_narrow_input_grad(grad_h, weight, x.shape[1])) if ctx.needs_input_grad[0] else None
-        grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[1] else None
-        grad_bias = grad_h.sum(0) if ctx.needs_input_grad[2] else None
+        grad_weight, grad_bias = _narrow_weight_grads(grad_h, x, *ctx.needs_input_grad[1:3])
         return grad_x, grad_weight, grad_bias
 
 
@@ -250,10 +262,10 @@ class _FirstLayer(torch.autograd.Function):
     columns, rows that are not a multiple of 64 bytes, and torch's BLAS (MKL on an
     AMD EPYC) took 2.6 times as long for every column as for the 416 embedding
     columns at k = 16 on one thread, 1.3 times at k = 512 (docs/benchmarks.md, W4l:
-    python3 bench/first_layer_bench.py). The weight's and bias's gradients are
-    nn.Linear's. A layer of at most 16 outputs (W4s) runs its forward product and
-    the input's gradient on hps's own kernels (NarrowLinear's), the same on every path
-    that trains through this layer; wider ones on torch's addmm and mm."""
+    python3 bench/first_layer_bench.py). A layer of at most 16 outputs (W4s) runs
+    its forward product and all three gradients on hps's own kernels (NarrowLinear's),
+    the same on every path that trains through this layer; wider ones on torch's
+    addmm and mm, the weight's and bias's gradients as nn.Linear computes them."""
 
     @staticmethod
     def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, narrow, weight, bias):
@@ -267,11 +279,12 @@ class _FirstLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):
         x, weight = ctx.saved_tensors
-        grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[8] else None
-        grad_bias = grad_h.sum(0) if ctx.needs_input_grad[9] else None
         if ctx.narrow:
+            grad_weight, grad_bias = _narrow_weight_grads(grad_h, x, *ctx.needs_input_grad[8:10])
             grads = _narrow_input_grad(grad_h, weight, ctx.width)  # (B, fields * dim)
         else:
+            grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[8] else None
+            grad_bias = grad_h.sum(0) if ctx.needs_input_grad[9] else None
             grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
             grads.reshape(-1, ctx.dim)[_occurrences(ctx.keys, ctx.frozen_key)] = 0.0

@@ -797,6 +797,34 @@ PYBIND11_MODULE(_core, m) {
     hps::NarrowLinearInputGrad(g.data, g.rows, g.columns, w.data, w.stride, columns, o.data, o.stride, threads);
   }, py::arg("grad"), py::arg("weight"), py::arg("columns"), py::arg("out"), py::arg("threads") = 1,
      "out (rows, columns) = grad @ weight[:, :columns], for at most 16 outputs (hps/narrow_linear.h)");
+  m.def("narrow_linear_weight_grad", [](const py::array& grad, const py::array& x, const py::array& grad_weight,
+                                        const py::object& grad_bias, int threads) {
+    const FloatRows g = FloatRowsArg(grad, "grad");
+    const FloatRows in = FloatRowsArg(x, "x");
+    const FloatRows gw = FloatRowsArg(grad_weight, "grad_weight");
+    if (g.stride != g.columns || in.rows != g.rows || gw.rows != g.columns || gw.columns != in.columns ||
+        gw.stride != gw.columns) {
+      throw py::value_error("narrow_linear_weight_grad: grad (rows, outputs) contiguous, x (rows, inputs) and "
+                            "grad_weight (outputs, inputs) contiguous; got grad " + ShapeOf(grad) + ", x " +
+                            ShapeOf(x) + ", grad_weight " + ShapeOf(grad_weight));
+    }
+    if (!grad_weight.writeable()) throw py::value_error("grad_weight is read-only");
+    float* gb = nullptr;
+    if (!grad_bias.is_none()) {
+      py::array bias_array = grad_bias.cast<py::array>();
+      if (bias_array.ndim() != 1 || bias_array.shape(0) != g.columns) {
+        throw py::value_error("grad_bias must have shape (" + std::to_string(g.columns) + ",), got " +
+                              ShapeOf(bias_array));
+      }
+      if (!bias_array.writeable()) throw py::value_error("grad_bias is read-only");
+      gb = const_cast<float*>(
+          RowsArg(bias_array.reshape({g.columns, int64_t{1}}), "grad_bias", static_cast<uint64_t>(g.columns), 1));
+    }
+    py::gil_scoped_release release;
+    hps::NarrowLinearWeightGrad(g.data, g.rows, g.columns, in.data, in.columns, in.stride, gw.data, gb, threads);
+  }, py::arg("grad"), py::arg("x"), py::arg("grad_weight"), py::arg("grad_bias"), py::arg("threads") = 1,
+     "grad_weight (outputs, inputs) = grad.T @ x and grad_bias (outputs,) = grad.sum(0) in row order, for at most "
+     "16 outputs (hps/narrow_linear.h)");
   m.attr("NARROW_LINEAR_MAX_OUTPUTS") = hps::kNarrowLinearMaxOutputs;
   m.def("narrow_linear_kernel", &hps::NarrowLinearKernel, "the version of the narrow linear kernels this CPU runs");
 

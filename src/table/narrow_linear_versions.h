@@ -20,4 +20,8 @@ void NarrowLinearInputGradAs(NarrowLinearVersion version, const float* grad, int
                              const float* weight, int64_t weight_stride, int64_t columns, float* out,
                              int64_t out_stride, int threads);
 
+void NarrowLinearWeightGradAs(NarrowLinearVersion version, const float* grad, int64_t rows, int64_t outputs,
+                              const float* x, int64_t inputs, int64_t x_stride, float* grad_weight, float* grad_bias,
+                              int threads);
+
 }  // namespace hps::detail

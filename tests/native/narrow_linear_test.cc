@@ -37,10 +37,11 @@ struct Shape {
   int64_t rows, inputs, outputs, stride_pad;
 };
 
-// Row counts around the kernels' groups (8, 4 and 2 rows), outputs below,
-// at and between the register widths, input counts not a multiple of a vector.
-const Shape kShapes[] = {{0, 5, 3, 0},   {1, 1, 1, 0},    {7, 13, 16, 3},  {9, 429, 16, 0},
-                         {33, 40, 8, 1}, {130, 17, 9, 5}, {2500, 64, 12, 0}};
+// Row counts around the kernels' groups (8, 4 and 2 rows; 64 for the weight's
+// gradient), outputs below, at and between the register widths, input counts
+// not a multiple of a vector.
+const Shape kShapes[] = {{0, 5, 3, 0},      {1, 1, 1, 0},    {7, 13, 16, 3},    {9, 429, 16, 0},
+                         {33, 40, 8, 1},    {130, 17, 9, 5}, {2500, 64, 12, 0}, {1100, 429, 16, 2}};
 
 TEST(NarrowLinear, ForwardVersionsGiveThePortableBitsNearTheExactProduct) {
   for (const Shape& s : kShapes) {
@@ -119,6 +120,50 @@ TEST(NarrowLinear, InputGradVersionsGiveThePortableBitsAndLeaveTheOtherColumns) 
   }
 }
 
+TEST(NarrowLinear, WeightGradVersionsGiveThePortableBitsNearTheExactProduct) {
+  for (const Shape& s : kShapes) {
+    const int64_t stride = s.inputs + s.stride_pad;
+    const auto g = Random(static_cast<size_t>(std::max<int64_t>(1, s.rows * s.outputs)), 8);
+    const auto x = Random(static_cast<size_t>(std::max<int64_t>(1, s.rows * stride)), 9);
+    std::vector<float> want(static_cast<size_t>(s.outputs * s.inputs), 7.0f), want_bias(s.outputs, 7.0f);
+    hps::detail::NarrowLinearWeightGradAs(NarrowLinearVersion::kPortable, g.data(), s.rows, s.outputs, x.data(),
+                                          s.inputs, stride, want.data(), want_bias.data(), 1);
+    for (int64_t o = 0; o < s.outputs; ++o) {
+      double exact_bias = 0, bias_scale = 0;
+      for (int64_t j = 0; j < s.rows; ++j) {
+        exact_bias += g[static_cast<size_t>(j * s.outputs + o)];
+        bias_scale += std::fabs(g[static_cast<size_t>(j * s.outputs + o)]);
+      }
+      EXPECT_NEAR(want_bias[static_cast<size_t>(o)], exact_bias, 1e-6 * bias_scale * (s.rows + 1)) << "output " << o;
+      for (int64_t i = 0; i < s.inputs; ++i) {
+        double exact = 0, scale = 0;
+        for (int64_t j = 0; j < s.rows; ++j) {
+          const double term = double{g[static_cast<size_t>(j * s.outputs + o)]} * x[static_cast<size_t>(j * stride + i)];
+          exact += term;
+          scale += std::fabs(term);
+        }
+        EXPECT_NEAR(want[static_cast<size_t>(o * s.inputs + i)], exact, 1e-6 * scale * (s.rows + 1))
+            << "output " << o << " input " << i;
+      }
+    }
+    for (NarrowLinearVersion v : kVersions) {
+      if (!hps::detail::NarrowLinearRuns(v)) continue;
+      for (int threads : {1, 3}) {
+        std::vector<float> got(want.size(), -1.0f), got_bias(want_bias.size(), -1.0f);
+        hps::detail::NarrowLinearWeightGradAs(v, g.data(), s.rows, s.outputs, x.data(), s.inputs, stride, got.data(),
+                                              got_bias.data(), threads);
+        EXPECT_TRUE(SameBits(got, want)) << "version " << static_cast<int>(v) << " threads " << threads << " rows "
+                                         << s.rows << " inputs " << s.inputs << " outputs " << s.outputs;
+        EXPECT_TRUE(SameBits(got_bias, want_bias)) << "version " << static_cast<int>(v) << " threads " << threads;
+        std::vector<float> no_bias(want.size(), -1.0f);
+        hps::detail::NarrowLinearWeightGradAs(v, g.data(), s.rows, s.outputs, x.data(), s.inputs, stride,
+                                              no_bias.data(), nullptr, threads);
+        EXPECT_TRUE(SameBits(no_bias, want)) << "version " << static_cast<int>(v) << " without the bias";
+      }
+    }
+  }
+}
+
 TEST(NarrowLinear, TheBestVersionIsOneThisCpuRuns) {
   const std::string name = hps::NarrowLinearKernel();
   const NarrowLinearVersion v = name == "avx512" ? NarrowLinearVersion::kAvx512
@@ -141,6 +186,14 @@ TEST(NarrowLinear, BadSizesAreRefusedByName) {
   EXPECT_THROW(hps::NarrowLinearInputGrad(x, 1, 2, w, 3, 4, out, 4), std::invalid_argument);  // columns > stride
   EXPECT_THROW(hps::NarrowLinearInputGrad(x, 1, 2, w, 4, 4, out, 3), std::invalid_argument);  // out_stride
   EXPECT_THROW(hps::NarrowLinearInputGrad(x, -1, 2, w, 4, 4, out, 4), std::invalid_argument);
+  EXPECT_THROW(hps::NarrowLinearWeightGrad(x, 1, 17, w, 2, 2, out, nullptr), std::invalid_argument);  // outputs
+  try {
+    hps::NarrowLinearWeightGrad(x, 1, 2, w, 4, 3, out, nullptr);
+    FAIL() << "a stride under the inputs was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("weight grad: x_stride (3) is less than inputs (4)"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
