@@ -987,11 +987,12 @@ def render_w4l(o: dict) -> list[str]:
     if narrow:
         def ms(side):
             return spread(side["median_ms"], side["min_ms"], side["max_ms"], ".2f")
+        weight = all("hps_weight_grad" in r for r in narrow)  # lines before its kernel lack it
         out += ["", f"At k <= 16, where CtrModel runs hps's own kernels (hps/narrow_linear.h, the "
                     f"{o.get('hps_kernel', '?')} version here), the same products by hps, and the forward product "
                     f"(x ({o['examples']:,}, {o['columns']}) times the weight, plus the bias) by torch's addmm and by "
-                    f"hps; ratios are torch's time over hps's.", ""]
-        weight = all("hps_weight_grad" in r for r in narrow)  # lines before its kernel lack it
+                    f"hps" + (", and the weight's and bias's gradients (grad.T times x, grad's column sums) by torch's "
+                              "mm and sum and by hps" if weight else "") + "; ratios are torch's time over hps's.", ""]
         out += table(["torch threads", "k", "embedding columns: torch mm, ms", "hps, ms", "torch / hps",
                       "forward: torch addmm, ms", "hps, ms", "torch / hps"]
                      + (["weight's and bias's gradients: torch mm + sum, ms", "hps, ms", "torch / hps"] if weight else []),
