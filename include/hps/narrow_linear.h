@@ -8,8 +8,8 @@
 // multiply's time), and the input's gradient clears its 4096 x 416 output
 // before adding into it (as long as the multiply); the weight's gradient, a
 // (16 x 4096) by (4096 x 429) product, took it 1.7 ms from cold caches with
-// the bias's sum, about the forward's time (W4l line 3). Here each output is summed in registers and written once,
-// and the input is read where it lies.
+// the bias's sum, about the forward's time (W4l line 3). Here each output is
+// summed in registers and written once, and the input is read where it lies.
 //
 // Every output is a sum in a fixed order, one fused multiply-add a term from
 // zero, so the AVX-512, AVX2 and portable versions give the same bits and a

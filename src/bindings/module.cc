@@ -90,6 +90,22 @@ const float* RowsArg(const py::array& a, const char* name, uint64_t n, int64_t c
   return static_cast<const float*>(a.data());
 }
 
+// An optional float32 vector of n, contiguous (None: null): a bias or its
+// gradient. The pointer is into the caller's array, which outlives the call.
+float* OptionalVectorArg(const py::object& v, const char* name, int64_t n, bool write) {
+  if (v.is_none()) return nullptr;
+  py::array a = v.cast<py::array>();
+  if (!HasDtype<float>(a)) {
+    throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
+  }
+  if (a.ndim() != 1 || a.shape(0) != n) {
+    throw py::value_error(std::string(name) + " must have shape (" + std::to_string(n) + ",), got " + ShapeOf(a));
+  }
+  RequireContiguous(a, name);
+  if (write && !a.writeable()) throw py::value_error(std::string(name) + " is read-only");
+  return static_cast<float*>(const_cast<void*>(a.data()));
+}
+
 // A 2-D float32 array whose rows are runs of floats (a column range of a wider
 // matrix too): its data and row stride in floats.
 struct FloatRows {
@@ -767,14 +783,7 @@ PYBIND11_MODULE(_core, m) {
     const float* w = RowsArg(weight, "weight", static_cast<uint64_t>(weight.ndim() == 2 ? weight.shape(0) : 0),
                              in.columns);
     const int64_t outputs = weight.shape(0);
-    const float* b = nullptr;
-    if (!bias.is_none()) {
-      py::array bias_array = bias.cast<py::array>();
-      if (bias_array.ndim() != 1 || bias_array.shape(0) != outputs) {
-        throw py::value_error("bias must have shape (" + std::to_string(outputs) + ",), got " + ShapeOf(bias_array));
-      }
-      b = RowsArg(bias_array.reshape({outputs, int64_t{1}}), "bias", static_cast<uint64_t>(outputs), 1);
-    }
+    const float* b = OptionalVectorArg(bias, "bias", outputs, false);
     if (!out.writeable()) throw py::value_error("out is read-only");
     float* o = const_cast<float*>(RowsArg(out, "out", static_cast<uint64_t>(in.rows), outputs));
     py::gil_scoped_release release;
@@ -809,17 +818,7 @@ PYBIND11_MODULE(_core, m) {
                             ShapeOf(x) + ", grad_weight " + ShapeOf(grad_weight));
     }
     if (!grad_weight.writeable()) throw py::value_error("grad_weight is read-only");
-    float* gb = nullptr;
-    if (!grad_bias.is_none()) {
-      py::array bias_array = grad_bias.cast<py::array>();
-      if (bias_array.ndim() != 1 || bias_array.shape(0) != g.columns) {
-        throw py::value_error("grad_bias must have shape (" + std::to_string(g.columns) + ",), got " +
-                              ShapeOf(bias_array));
-      }
-      if (!bias_array.writeable()) throw py::value_error("grad_bias is read-only");
-      gb = const_cast<float*>(
-          RowsArg(bias_array.reshape({g.columns, int64_t{1}}), "grad_bias", static_cast<uint64_t>(g.columns), 1));
-    }
+    float* gb = OptionalVectorArg(grad_bias, "grad_bias", g.columns, true);
     py::gil_scoped_release release;
     hps::NarrowLinearWeightGrad(g.data, g.rows, g.columns, in.data, in.columns, in.stride, gw.data, gb, threads);
   }, py::arg("grad"), py::arg("x"), py::arg("grad_weight"), py::arg("grad_bias"), py::arg("threads") = 1,

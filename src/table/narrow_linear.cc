@@ -319,7 +319,9 @@ __attribute__((target("avx2,fma"))) void WeightGradAvx2(const WeightGrad& a, int
   const __m256i high_mask = HPS_AVX2_MASK(std::max<int64_t>(0, a.outputs - 8));
   constexpr int64_t kBlock = 8;  // columns a pass: 16 registers of sums
   for (int64_t j0 = 0; j0 < a.rows; j0 += kWeightGradRows) {
-    const int64_t j1 = std::min(a.rows, j0 + kWeightGradRows);
+    const int64_t rows = std::min(kWeightGradRows, a.rows - j0);
+    const float* g0 = a.grad + j0 * a.outputs;
+    const float* x0 = a.x + j0 * a.x_stride;
     int64_t c = begin;
     for (; c + kBlock <= end; c += kBlock) {
       __m256 low[kBlock], high[kBlock];
@@ -328,10 +330,10 @@ __attribute__((target("avx2,fma"))) void WeightGradAvx2(const WeightGrad& a, int
         low[k] = _mm256_load_ps(sums + k * kLanes);
         high[k] = _mm256_load_ps(sums + k * kLanes + 8);
       }
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* g = a.grad + j * a.outputs;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* g = g0 + r * a.outputs;
         const __m256 gl = _mm256_maskload_ps(g, low_mask), gh = _mm256_maskload_ps(g + 8, high_mask);
-        const float* x = a.x + j * a.x_stride + c;
+        const float* x = x0 + r * a.x_stride + c;
         for (int64_t k = 0; k < kBlock; ++k) {
           const __m256 xk = _mm256_broadcast_ss(x + k);
           low[k] = _mm256_fmadd_ps(gl, xk, low[k]);
@@ -346,9 +348,9 @@ __attribute__((target("avx2,fma"))) void WeightGradAvx2(const WeightGrad& a, int
     for (; c < end; ++c) {
       float* sums = a.sums + c * kLanes;
       __m256 low = _mm256_load_ps(sums), high = _mm256_load_ps(sums + 8);
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* g = a.grad + j * a.outputs;
-        const __m256 xc = _mm256_broadcast_ss(a.x + j * a.x_stride + c);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* g = g0 + r * a.outputs;
+        const __m256 xc = _mm256_broadcast_ss(x0 + r * a.x_stride + c);
         low = _mm256_fmadd_ps(_mm256_maskload_ps(g, low_mask), xc, low);
         high = _mm256_fmadd_ps(_mm256_maskload_ps(g + 8, high_mask), xc, high);
       }
