@@ -19,10 +19,12 @@
 // Shares: a batch of n examples gives each worker n / W, and the first n % W
 // workers one more, in either partition.
 //
-// Greedy order: examples by their best score on the snapshot, highest first
-// (ties in batch order: the examples with most to lose to a full worker
-// choose first); each goes to the worker of highest score that still has
-// room, ties to the lowest worker index, and its keys
+// Greedy order: examples by their regret on the snapshot, the lead of their
+// best score over their second best, highest first (then by best score,
+// highest first, then in batch order): the examples with most to lose to a
+// full worker choose first, and those whose keys every worker holds, which
+// lose nothing wherever they go, last. Each goes to the worker of highest
+// score that still has room, ties to the lowest worker index, and its keys
 // count as cached by that worker for the examples after it (so examples that
 // share a key no cache holds land together). Everything is a function of the
 // snapshot and the batch, so every rank that runs the same batches computes

@@ -8,6 +8,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -638,29 +639,47 @@ struct Herald::Snapshot final : Herald::Impl {
     plan.assignment.resize(n_examples);
     if (opt.location_aware) {
       placed.assign(latest.begin(), latest.begin() + static_cast<int64_t>(U));  // the snapshot, plus the keys of examples placed so far
-      // Examples with the most cached keys choose first (their best score on the
-      // snapshot, ties in batch order): they have the most to lose to a full worker.
-      // A best score is at most the example's key count, so a counting sort
-      // (stable: batch order within a score) orders them where the scores
-      // span no more than about the batch; else a sort of (-best, i).
+      // Examples with the most to lose to a full worker choose first: the widest
+      // gap between their best and second-best scores on the snapshot (regret),
+      // then the highest best score, then batch order. Keys every worker holds
+      // (hot keys) raise every worker's score alike: ordered by the best score
+      // alone, examples rich in them chose first, filling the workers that the
+      // examples after them needed (regret order: W7's Criteo sample pulled
+      // 1.4% less and pushed 6% less). Both scores are at most the example's
+      // key count, so two stable counting sorts (best, then regret) order them
+      // where the scores span no more than about the batch; else a sort of
+      // (-regret, -best, i).
       best_of.resize(n_examples);
+      regret_of.resize(n_examples);
       uint32_t top = 0;
       for (uint64_t i = 0; i < n_examples; ++i) {
         Tally(offsets[i], offsets[i + 1], latest.data());
-        best_of[i] = *std::max_element(score.begin(), score.end());
-        top = std::max(top, best_of[i]);
+        uint32_t first = 0, second = 0;
+        for (const uint32_t s : score) {  // branch-free: the compiler vectorises it
+          second = std::max(second, std::min(first, s));
+          first = std::max(first, s);
+        }
+        best_of[i] = first;
+        regret_of[i] = first - second;
+        top = std::max(top, first);
       }
       order.resize(n_examples);
       if (top <= n_examples + 64) {
-        by_best.assign(top + 2, 0);
-        for (uint64_t i = 0; i < n_examples; ++i) ++by_best[top - best_of[i] + 1];
-        for (uint32_t b = 0; b <= top; ++b) by_best[b + 1] += by_best[b];
-        for (uint64_t i = 0; i < n_examples; ++i) order[by_best[top - best_of[i]]++] = i;
+        by_best.resize(n_examples);
+        // Stable, highest first: from `from` (examples) into `to` by key[].
+        auto counting_sort = [&](const auto& from, auto& to, const std::vector<uint32_t>& key) {
+          by_score.assign(top + 2, 0);
+          for (uint64_t k = 0; k < n_examples; ++k) ++by_score[top - key[from(k)] + 1];
+          for (uint32_t b = 0; b <= top; ++b) by_score[b + 1] += by_score[b];
+          for (uint64_t k = 0; k < n_examples; ++k) to[by_score[top - key[from(k)]]++] = from(k);
+        };
+        counting_sort([](uint64_t k) { return k; }, by_best, best_of);
+        counting_sort([&](uint64_t k) { return by_best[k]; }, order, regret_of);
       } else {
-        std::vector<std::pair<uint32_t, uint64_t>> pairs(n_examples);  // (-best, i) as (kMax - best, i)
-        for (uint64_t i = 0; i < n_examples; ++i) pairs[i] = {UINT32_MAX - best_of[i], i};
-        std::sort(pairs.begin(), pairs.end());
-        for (uint64_t i = 0; i < n_examples; ++i) order[i] = pairs[i].second;
+        std::vector<std::tuple<uint32_t, uint32_t, uint64_t>> keyed(n_examples);  // (-regret, -best, i) as kMax - x
+        for (uint64_t i = 0; i < n_examples; ++i) keyed[i] = {UINT32_MAX - regret_of[i], UINT32_MAX - best_of[i], i};
+        std::sort(keyed.begin(), keyed.end());
+        for (uint64_t i = 0; i < n_examples; ++i) order[i] = std::get<2>(keyed[i]);
       }
       for (const uint64_t i : order) {
         Tally(offsets[i], offsets[i + 1], placed.data());
@@ -881,8 +900,9 @@ struct Herald::Snapshot final : Herald::Impl {
   std::vector<uint64_t> sort_tmp;     // SortUnique's
   std::vector<uint32_t> sort_count;
   std::vector<Mask> latest, need, placed;
-  std::vector<uint32_t> best_of, by_best;  // each example's best score on the snapshot; a count a score
-  std::vector<uint64_t> order;              // the examples in the order they choose
+  std::vector<uint32_t> best_of, regret_of;  // each example's best score on the snapshot, and its lead over the second
+  std::vector<uint32_t> by_score;            // a count a score (the counting sorts)
+  std::vector<uint64_t> by_best, order;      // the examples by best score; in the order they choose
 };
 
 Herald::Herald(const HeraldOptions& options) : options_(options) {
