@@ -142,6 +142,19 @@ TEST(Herald, ExamplesWithTheMostToLoseChooseFirst) {
   std::vector<uint64_t> third_offsets = {0, 2, 5}, third = {1, 9, 1, 2, 5};
   const auto q = h.Schedule(third_offsets.data(), 2, third.data());
   EXPECT_EQ(q.assignment, (std::vector<int32_t>{0, 1}));
+
+  // The second batch again with its keys repeated, {1, 2} 50 times (scores
+  // 100 and 100) and {5} 80 times (80 and 0): scores above the batch's size
+  // take the comparison sort, not the counting sorts; the same order, though
+  // here the first example's best score is the higher.
+  hps::Herald g({.workers = 2, .capacity = 0});
+  g.Schedule(first.data(), 2, 3);
+  std::vector<uint64_t> long_offsets = {0, 100, 180}, long_keys;
+  for (int i = 0; i < 50; ++i) long_keys.insert(long_keys.end(), {1, 2});
+  long_keys.insert(long_keys.end(), 80, 5);
+  const auto r = g.Schedule(long_offsets.data(), 2, long_keys.data());
+  EXPECT_EQ(r.assignment, (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(r.pulls, 0u);
 }
 
 TEST(Herald, EvictsTheLeastRecentlyUsedAndPushesTheLastDirtyCopy) {
