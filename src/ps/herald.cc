@@ -655,7 +655,7 @@ struct Herald::Snapshot final : Herald::Impl {
       for (uint64_t i = 0; i < n_examples; ++i) {
         Tally(offsets[i], offsets[i + 1], latest.data());
         uint32_t first = 0, second = 0;
-        for (const uint32_t s : score) {  // branch-free: the compiler vectorises it
+        for (const uint32_t s : score) {  // branch-free: which score leads is unpredictable
           second = std::max(second, std::min(first, s));
           first = std::max(first, s);
         }
