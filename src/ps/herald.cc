@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "hps/keys.h"
+#include "util/huge_pages.h"
 #include "util/mix64.h"
 
 namespace hps {
@@ -231,6 +232,10 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   using Record = LogRecord;
+  // The index and the log are read at random positions, a batch's keys each:
+  // on huge pages (util/huge_pages.h), not a TLB miss a probe.
+  using Index = std::vector<uint32_t, detail::HugePageAllocator<uint32_t>>;
+  using Log = std::vector<Record, detail::HugePageAllocator<Record>>;
   static constexpr bool kMaskInRecord = sizeof(Mask) == 1;
 
   // A record's holders byte for holder mask m (LogRecord).
@@ -306,7 +311,7 @@ struct Herald::Snapshot final : Herald::Impl {
     if (slots == index.size()) {  // in place: fresh pages would cost a page fault each
       std::fill(index.begin(), index.end(), kFree);
     } else {
-      std::vector<uint32_t> fresh(slots, kFree);
+      Index fresh(slots, kFree);
       index.swap(fresh);
     }
     int bits = 2;
@@ -401,7 +406,7 @@ struct Herald::Snapshot final : Herald::Impl {
     const uint64_t room =
         std::min(kMaxRecords, keep ? cap : static_cast<uint64_t>((1 + kRoomBand / 2) * static_cast<double>(want)));
     if (log.capacity() != room) {
-      std::vector<Record> records;
+      Log records;
       records.reserve(room);
       records.assign(log.begin(), log.end());
       log = std::move(records);
@@ -880,13 +885,13 @@ struct Herald::Snapshot final : Herald::Impl {
   static constexpr uint64_t kNone = ~uint64_t{0};
 
   HeraldOptions opt;
-  std::vector<uint32_t> index;
+  Index index;
   int pos_bits = 32;                 // the index's position bits (the class comment)
   uint32_t pos_mask = ~uint32_t{0};  // their mask
   uint64_t used = 0;                 // occupied index slots: the live and pending records
   uint64_t tombs = 0;                // erased slots since the last rebuild
   uint64_t largest = 0;              // the most keys a batch had so far
-  std::vector<Record> log;
+  Log log;
   SharedMasks<Mask> shared;    // W > 8: the masks of the keys two or more workers hold
   uint64_t dead = 0;           // records with no holder
   std::vector<uint64_t> runs;  // with a capacity: where each batch's records begin, oldest first

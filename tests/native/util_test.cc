@@ -1,5 +1,6 @@
 // The util layer's leaf helpers: key checks and de-duplication (hps/keys.h),
-// the errno message (util/errors.h) and whole-range file I/O (util/block_io.h).
+// the errno message (util/errors.h), whole-range file I/O (util/block_io.h) and
+// the huge-page allocator (util/huge_pages.h).
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include "hps/keys.h"
 #include "util/block_io.h"
 #include "util/errors.h"
+#include "util/huge_pages.h"
 
 namespace hps {
 namespace {
@@ -91,6 +93,23 @@ TEST(ReadFully, AShortFileIsCorruptionNamingTheFileAndOffset) {
   close(fd);
   unlink(path);
   EXPECT_THROW(detail::ReadFully(fd, path, 0, back, 1), IoError);  // a closed descriptor: EBADF
+}
+
+TEST(HugePageAllocator, LargeBuffersStartOnAHugePageAndKeepTheirContentsThroughGrowth) {
+  using Vec = std::vector<uint32_t, detail::HugePageAllocator<uint32_t>>;
+  Vec small(100, 7);  // under a huge page: operator new's
+  EXPECT_EQ(small[99], 7u);
+  Vec v;
+  const uint64_t n = 3 * detail::kHugePageBytes / sizeof(uint32_t) + 5;  // 6 MiB and a tail
+  for (uint64_t i = 0; i < n; ++i) v.push_back(static_cast<uint32_t>(i * 2654435761u));  // grows through both kinds
+  for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(v[i], static_cast<uint32_t>(i * 2654435761u)) << "v[" << i << "]";
+  if (detail::HugePageAllocator<uint32_t>::Mapped(v.capacity() * sizeof(uint32_t))) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data()) % detail::kHugePageBytes, 0u);
+  }
+  Vec copy(v.begin(), v.end());
+  v = Vec();  // unmapped: the copy is its own
+  EXPECT_EQ(copy[n - 1], static_cast<uint32_t>((n - 1) * 2654435761u));
+  EXPECT_THROW(detail::HugePageAllocator<uint64_t>().allocate(SIZE_MAX / 4), std::bad_array_new_length);
 }
 
 }  // namespace
