@@ -20,8 +20,9 @@ reps=${3:-3}
 batches=${4:-60}
 out=${HERALD_AB_DIR:-/tmp/herald-ab}
 mkdir -p "$out/old/include/hps" "$out/old/src/ps" "$out/old/src/util" "$out/obj"
-for f in src/ps/herald.cc include/hps/herald.h src/util/keys.cc include/hps/keys.h src/util/mix64.h; do
-  git -C "$root" show "$base:$f" >"$out/old/$f"
+for f in src/ps/herald.cc include/hps/herald.h src/util/keys.cc include/hps/keys.h src/util/mix64.h src/util/huge_pages.h; do
+  # (huge_pages.h since the snapshot went on huge pages; older bases lack it)
+  if git -C "$root" cat-file -e "$base:$f" 2>/dev/null; then git -C "$root" show "$base:$f" >"$out/old/$f"; fi
 done
 config=${HERALD_AB_CMAKE_BUILD:-$root/build}/include
 [[ -f $config/hps/config.h ]] || { echo "no $config/hps/config.h: configure a build first (cmake -S . -B build)" >&2; exit 1; }

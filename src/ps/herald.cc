@@ -227,7 +227,12 @@ struct Herald::Snapshot final : Herald::Impl {
   static constexpr uint64_t kMaxRecords = UINT32_MAX - 1;
 
   explicit Snapshot(const HeraldOptions& options)
-      : opt(options), held(options.workers, 0), cursor(options.workers, 0), score(options.workers, 0) {
+      : opt(options),
+        held(options.workers, 0),
+        cursor(options.workers, 0),
+        score(options.workers, 0),
+        gains(options.workers, 0),
+        losses(options.workers, 0) {
     Rebuild(kMinSlots, 0);
   }
 
@@ -451,10 +456,14 @@ struct Herald::Snapshot final : Herald::Impl {
     };
     while (drop > 0) {  // held counts live records: the log cannot run dry first
       const uint64_t end = r + 1 < runs.size() ? runs[r + 1] : log.size();
-      mine.clear();
+      // Branch-free: whether a record is w's is a coin flip the predictor loses.
+      mine.resize(end - p);
+      uint64_t count = 0;
       for (uint64_t q = p; q < end; ++q) {
-        if (HeldBy(log[q], w, bit)) mine.push_back(q);
+        mine[count] = q;
+        count += HeldBy(log[q], w, bit) ? 1 : 0;
       }
+      mine.resize(count);
       if (mine.size() <= drop) {
         for (uint64_t q : mine) lose(q);
         drop -= mine.size();
@@ -471,22 +480,26 @@ struct Herald::Snapshot final : Herald::Impl {
     cursor[w] = p;
   }
 
-  // score[w] = the batch keys j in [begin, end) whose masks[inverse[j]] has
-  // bit w. Each byte of a key's mask adds kSpread[byte] to its accumulator, a
-  // byte a worker (no branch on how many bits are set), and the bytes are
-  // spilled before they can overflow.
+  // score[w] = the batch keys j in [begin, end) whose masks[inverse[j]] has bit w.
   void Tally(uint64_t begin, uint64_t end, const Mask* masks) {
+    std::fill(score.begin(), score.end(), 0);
+    AddBits(end - begin, [&](uint64_t j) { return masks[inverse[begin + j]]; }, score);
+  }
+
+  // out[w] += the j in [0, n) whose mask_of(j) has bit w. Each byte of a mask
+  // adds kSpread[byte] to its accumulator, a byte a worker (no branch on how
+  // many bits are set), and the bytes are spilled before they can overflow.
+  template <class MaskOf>
+  static void AddBits(uint64_t n, MaskOf mask_of, std::vector<uint32_t>& out) {
     constexpr int kBytes = sizeof(Mask);
-    const auto W = static_cast<int32_t>(score.size());
-    for (bool first = true; first || begin < end; first = false) {
+    const auto W = static_cast<int32_t>(out.size());
+    for (uint64_t j = 0; j < n;) {
       std::array<uint64_t, kBytes> acc{};
-      for (const uint64_t stop = std::min(end, begin + 255); begin < stop; ++begin) {
-        const Mask m = masks[inverse[begin]];
+      for (const uint64_t stop = std::min(n, j + 255); j < stop; ++j) {
+        const Mask m = mask_of(j);
         for (int b = 0; b < kBytes; ++b) acc[b] += kSpread[static_cast<uint8_t>(m >> (8 * b))];
       }
-      for (int32_t w = 0; w < W; ++w) {
-        score[w] = (first ? 0 : score[w]) + static_cast<uint32_t>((acc[w / 8] >> (8 * (w % 8))) & 0xff);
-      }
+      for (int32_t w = 0; w < W; ++w) out[w] += static_cast<uint32_t>((acc[w / 8] >> (8 * (w % 8))) & 0xff);
     }
   }
 
@@ -815,10 +828,21 @@ struct Herald::Snapshot final : Herald::Impl {
   void Commit(HeraldPlan& plan, uint64_t U, uint64_t held_window) {
     const int32_t W = opt.workers;
     constexpr uint64_t kAhead = 16;
-    for (uint64_t u = 0; u < U; ++u) {  // the old records died in Find
-      const Mask was = latest[u];
-      for (Mask m = static_cast<Mask>(need[u] & ~was); m != 0; m &= static_cast<Mask>(m - 1)) ++held[std::countr_zero(m)];
-      for (Mask m = static_cast<Mask>(was & ~need[u]); m != 0; m &= static_cast<Mask>(m - 1)) --held[std::countr_zero(m)];
+    // The trainers hold the batch's keys now, and the other holders (the old
+    // records died in Find) do not. A byte mask's bits are counted
+    // branch-free (AddBits); a wider one's, a few of many, one by one.
+    if constexpr (sizeof(Mask) == 1) {
+      std::fill(gains.begin(), gains.end(), 0);
+      std::fill(losses.begin(), losses.end(), 0);
+      AddBits(U, [&](uint64_t u) { return static_cast<Mask>(need[u] & ~latest[u]); }, gains);
+      AddBits(U, [&](uint64_t u) { return static_cast<Mask>(latest[u] & ~need[u]); }, losses);
+      for (int32_t w = 0; w < W; ++w) held[w] = held[w] + gains[w] - losses[w];
+    } else {
+      for (uint64_t u = 0; u < U; ++u) {
+        const Mask was = latest[u];
+        for (Mask m = static_cast<Mask>(need[u] & ~was); m != 0; m &= static_cast<Mask>(m - 1)) ++held[std::countr_zero(m)];
+        for (Mask m = static_cast<Mask>(was & ~need[u]); m != 0; m &= static_cast<Mask>(m - 1)) --held[std::countr_zero(m)];
+      }
     }
     bool rebuilt = false;
     if (log.size() + U + held_window > std::min<uint64_t>(log.capacity(), kMaxRecords)) {
@@ -899,6 +923,7 @@ struct Herald::Snapshot final : Herald::Impl {
   std::vector<uint64_t> cursor;  // (W,) no record before it has the worker's bit
   // Per-batch scratch, kept for the next batch (not in MemoryBytes).
   std::vector<uint32_t> inverse, score, old;  // inverse: a batch has under 2^32 - 1 keys
+  std::vector<uint32_t> gains, losses;        // (W,) Commit's: keys each cache gains and loses to the batch
   std::vector<uint64_t> uniq, share, fetch_at, comm_at, emptied, mine;
   std::vector<uint64_t> emptied_hash;  // Hash of emptied[e]'s key
   std::vector<uint64_t> win, win_slot;  // the window's held keys and their slots (Window)
