@@ -503,6 +503,45 @@ struct Herald::Snapshot final : Herald::Impl {
     }
   }
 
+  // For byte masks, Partition's counts without a branch a key (which workers
+  // lack a key, and whether a peer holds it, are coin flips the predictor
+  // loses): fetch_offsets[w + 1] and comm_offsets[w + 1] += each worker's
+  // fetches and the fetches it serves, and the plan's pulls, peer_pulls,
+  // pushes and shared, as the loop for wider masks counts them. Four masks a
+  // key add their kSpread bytes to four accumulators (AddBits' scheme).
+  void CountFetches(HeraldPlan& plan, uint64_t U) const {
+    static_assert(sizeof(Mask) == 1);
+    const int32_t W = opt.workers;
+    // On demand a held key's source is its lowest holder; write-through the PS.
+    const Mask sources = opt.on_demand ? static_cast<Mask>(~Mask{0}) : Mask{0};
+    uint64_t fetched = 0, needed = 0, served = 0, from_peers = 0;
+    for (uint64_t u = 0; u < U;) {
+      uint64_t lacking_acc = 0, need_acc = 0, served_acc = 0, peer_acc = 0;
+      for (const uint64_t stop = std::min(U, u + 255); u < stop; ++u) {
+        const Mask lacking = static_cast<Mask>(need[u] & ~latest[u]);
+        const auto source = static_cast<Mask>(latest[u] & sources);
+        const auto lowest = static_cast<Mask>(source & (0u - source));
+        lacking_acc += kSpread[lacking];
+        need_acc += kSpread[need[u]];
+        served_acc += kSpread[lacking != 0 ? lowest : 0];
+        peer_acc += kSpread[source != 0 ? lacking : 0];
+      }
+      for (int32_t w = 0; w < W; ++w) {
+        const int shift = 8 * w;
+        plan.fetch_offsets[w + 1] += (lacking_acc >> shift) & 0xff;
+        plan.comm_offsets[w + 1] += (served_acc >> shift) & 0xff;
+        fetched += (lacking_acc >> shift) & 0xff;
+        needed += (need_acc >> shift) & 0xff;
+        served += (served_acc >> shift) & 0xff;
+        from_peers += (peer_acc >> shift) & 0xff;
+      }
+    }
+    plan.pulls += fetched;
+    plan.peer_pulls += from_peers;
+    plan.pushes += opt.on_demand ? served : U;  // on demand: a row a fetch from a peer needs, once
+    plan.shared += needed - U;                  // every batch key is needed by someone
+  }
+
   // ---- the batch's keys, found in the index ----
   // uniq (distinct keys in order of first appearance), inverse (each key's
   // index among them), latest (the snapshot's holders of uniq[u]) and old (its
@@ -733,19 +772,23 @@ struct Herald::Snapshot final : Herald::Impl {
     };
     plan.fetch_offsets.assign(W + 1, 0);
     plan.comm_offsets.assign(W + 1, 0);
-    for (uint64_t u = 0; u < U; ++u) {
-      const auto lacking = static_cast<Mask>(need[u] & ~latest[u]);
-      uint32_t pulls = 0;
-      for (Mask m = lacking; m != 0; m &= static_cast<Mask>(m - 1)) {
-        ++plan.fetch_offsets[std::countr_zero(m) + 1];
-        ++pulls;
+    if constexpr (sizeof(Mask) == 1) {
+      CountFetches(plan, U);
+    } else {
+      for (uint64_t u = 0; u < U; ++u) {
+        const auto lacking = static_cast<Mask>(need[u] & ~latest[u]);
+        uint32_t pulls = 0;
+        for (Mask m = lacking; m != 0; m &= static_cast<Mask>(m - 1)) {
+          ++plan.fetch_offsets[std::countr_zero(m) + 1];
+          ++pulls;
+        }
+        const int32_t from = source_of(u);
+        if (lacking != 0 && from >= 0) ++plan.comm_offsets[from + 1];
+        plan.pulls += pulls;
+        if (from >= 0) plan.peer_pulls += pulls;
+        if (opt.on_demand ? (lacking != 0 && from >= 0) : true) ++plan.pushes;
+        plan.shared += Holders(need[u]) - 1;  // every batch key is needed by someone
       }
-      const int32_t from = source_of(u);
-      if (lacking != 0 && from >= 0) ++plan.comm_offsets[from + 1];
-      plan.pulls += pulls;
-      if (from >= 0) plan.peer_pulls += pulls;
-      if (opt.on_demand ? (lacking != 0 && from >= 0) : true) ++plan.pushes;
-      plan.shared += Holders(need[u]) - 1;  // every batch key is needed by someone
     }
     for (int32_t w = 0; w < W; ++w) {
       plan.fetch_offsets[w + 1] += plan.fetch_offsets[w];
