@@ -573,7 +573,9 @@ def render_w7(o: dict) -> list[str]:
     cost = o.get("schedule_cost") or {}
     for w, c in sorted((cost.get("workers") or {}).items(), key=lambda wc: int(wc[0])):
         out.append(f"- Herald.schedule, {w} workers, batches of {cost.get('batch')} x {cost.get('fields')} keys: "
-                   f"{spread(c['median_ms'], c.get('min_ms'), c.get('max_ms'), '.1f')} ms, snapshot "
+                   f"{spread(c['median_ms'], c.get('min_ms'), c.get('max_ms'), '.1f')} ms"
+                   + (f" (CPU {c['cpu_median_ms']:.1f} ms)" if c.get("cpu_median_ms") is not None else "")
+                   + ", snapshot "
                    f"{c['snapshot_bytes'] / max(1, c['cached_keys']):.1f} bytes a cached key")
     return out
 
