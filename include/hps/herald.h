@@ -92,7 +92,9 @@
 // stay short: at 0.6 to 0.7 a batch took 5 to 15% longer) and the log's room
 // between compactions (each rebuilds the index, some 5 ms) are what is left.
 // memory_bytes() counts all of it: every slot and record allocated, live,
-// dead or spare. It leaves out the per-batch scratch (some 36 bytes a key of
+// dead or spare. The index and the log, read at random a key each, sit on
+// transparent huge pages where the kernel gives them (no more memory: a
+// buffer's tail past its last whole huge page keeps small pages). It leaves out the per-batch scratch (some 36 bytes a key of
 // the largest batch so far), which does not grow with the caches. No dirty
 // bit is kept: on demand every held row is dirty (a worker trained it),
 // write-through every one is clean (the PS got it at the batch's end).
