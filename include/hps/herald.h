@@ -94,8 +94,9 @@
 // memory_bytes() counts all of it: every slot and record allocated, live,
 // dead or spare. The index and the log, read at random a key each, sit on
 // transparent huge pages where the kernel gives them (no more memory: a
-// buffer's tail past its last whole huge page keeps small pages). It leaves out the per-batch scratch (some 36 bytes a key of
-// the largest batch so far), which does not grow with the caches. No dirty
+// buffer's tail past its last whole huge page keeps small pages). It leaves
+// out the per-batch scratch (some 36 bytes a key of the largest batch so
+// far), which does not grow with the caches. No dirty
 // bit is kept: on demand every held row is dirty (a worker trained it),
 // write-through every one is clean (the PS got it at the batch's end).
 //

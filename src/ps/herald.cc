@@ -872,13 +872,14 @@ struct Herald::Snapshot final : Herald::Impl {
     const int32_t W = opt.workers;
     constexpr uint64_t kAhead = 16;
     // The trainers hold the batch's keys now, and the other holders (the old
-    // records died in Find) do not. A byte mask's bits are counted
-    // branch-free (AddBits); a wider one's, a few of many, one by one.
+    // records died in Find) do not: a cache gains the batch keys it trains
+    // and loses those it held. A byte mask's bits are counted branch-free
+    // (AddBits); a wider one's, a few of many, one by one.
     if constexpr (sizeof(Mask) == 1) {
       std::fill(gains.begin(), gains.end(), 0);
       std::fill(losses.begin(), losses.end(), 0);
-      AddBits(U, [&](uint64_t u) { return static_cast<Mask>(need[u] & ~latest[u]); }, gains);
-      AddBits(U, [&](uint64_t u) { return static_cast<Mask>(latest[u] & ~need[u]); }, losses);
+      AddBits(U, [&](uint64_t u) { return need[u]; }, gains);
+      AddBits(U, [&](uint64_t u) { return latest[u]; }, losses);
       for (int32_t w = 0; w < W; ++w) held[w] = held[w] + gains[w] - losses[w];
     } else {
       for (uint64_t u = 0; u < U; ++u) {
@@ -966,7 +967,7 @@ struct Herald::Snapshot final : Herald::Impl {
   std::vector<uint64_t> cursor;  // (W,) no record before it has the worker's bit
   // Per-batch scratch, kept for the next batch (not in MemoryBytes).
   std::vector<uint32_t> inverse, score, old;  // inverse: a batch has under 2^32 - 1 keys
-  std::vector<uint32_t> gains, losses;        // (W,) Commit's: keys each cache gains and loses to the batch
+  std::vector<uint32_t> gains, losses;        // (W,) Commit's: batch keys each cache trains, and held before
   std::vector<uint64_t> uniq, share, fetch_at, comm_at, emptied, mine;
   std::vector<uint64_t> emptied_hash;  // Hash of emptied[e]'s key
   std::vector<uint64_t> win, win_slot;  // the window's held keys and their slots (Window)
