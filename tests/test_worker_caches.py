@@ -64,6 +64,23 @@ def test_herald_ends_with_the_parameters_of_the_sequential_schedule(tmp_path):
     assert moved.sum() == h["peer_fetches"] + h["replica_copies"] and np.trace(moved) == 0
 
 
+def test_tables_are_sized_for_a_workers_share_of_the_examples(tmp_path):
+    """A worker fetches at most the keys of its share of the examples, so the tables
+    grow for that, not for every distinct key of the batch on every worker: 64
+    examples of 8 distinct keys on 4 workers fetch at most 16 x 8 = 128 rows a
+    worker, which with a cache of 40 fits half of 512 rows (the 512 distinct keys
+    would have asked for 2,048)."""
+    from hps.worker_caches import most_fetched
+    assert most_fetched(64, 8, 4, 512) == 128 and most_fetched(65, 8, 4, 512) == 136
+    assert most_fetched(64, 8, 4, 100) == 100  # fewer distinct keys than a share has
+    batches = [np.arange(512, dtype=np.uint64).reshape(64, 8) + 1000 * i + 1 for i in range(3)]
+    ps = run(server(tmp_path, "herald"), batches)
+    h = ps.stats()["device"]
+    assert h["capacity_per_device"] == 512 and h["herald"]["table_growths"] > 0
+    seq = run(server(tmp_path / "seq", "sequential"), batches)
+    np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
+
+
 def test_herald_moves_fewer_rows_from_mem_ps_than_the_per_batch_tier(tmp_path):
     batches = trace(keys=150)
     seq = run(server(tmp_path / "seq", "sequential", rows=200), batches)

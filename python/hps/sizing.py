@@ -152,18 +152,19 @@ def mem_capacity(budget_bytes: int, row_bytes: int) -> int:
     return int(_core.MemCache.capacity_for_budget(int(budget_bytes), int(row_bytes)))
 
 
-def herald_tables(devices: int, cache_rows: int, batch_distinct: int, row_floats: int, dim: int) -> dict:
+def herald_tables(devices: int, cache_rows: int, most_fetched: int, row_floats: int, dim: int) -> dict:
     """Herald's worker caches (hps.worker_caches): one tier whose tables persist, each
     sized as WorkerCaches sizes it: twice a cache at first (64 to 2^16 rows), doubled
-    until a cache and a batch's distinct keys fill it at most half (a rebuild drops the
-    stale rows); and the scheduler's snapshot, about 19 bytes a cached key (W7), at most
-    devices x cache_rows keys."""
+    until a cache and the most rows a device can fetch for a batch (most_fetched: the
+    keys of its share of the examples, at most the batch's distinct keys) fill it at
+    most half (a rebuild drops the stale rows); and the scheduler's snapshot, about 19
+    bytes a cached key (W7), at most devices x cache_rows keys."""
     table = min(max(64, 1 << (2 * cache_rows - 1).bit_length()), 1 << 16)
-    while cache_rows + batch_distinct > 0.5 * table:
+    while cache_rows + most_fetched > 0.5 * table:
         table *= 2
     snapshot = 19 * devices * cache_rows
     return {"devices": devices, "tiers": 1, "table_rows": table, "cache_rows": cache_rows,
-            "most_keys_per_device": batch_distinct, "scheduler_bytes": snapshot,
+            "most_keys_per_device": most_fetched, "scheduler_bytes": snapshot,
             "bytes": device_tier_bytes(devices, table, row_floats, dim, 1) + snapshot}
 
 
@@ -187,6 +188,7 @@ class Sample:
     field_length: list            # per field: keys of that field in the sample
     exhausted: bool               # the stream ended within the sample
     most_per_device: int = 0      # the largest share of one batch's distinct keys on one device
+    most_fetched: int = 0         # schedule = "herald": the most rows one device can fetch for a batch
 
 
 def read_sample(cfg, sample: int = DEFAULT_SAMPLE) -> Sample:
@@ -197,7 +199,8 @@ def read_sample(cfg, sample: int = DEFAULT_SAMPLE) -> Sample:
     if sample < 1:
         raise ValueError(f"--sample: must be >= 1 examples, got {sample}")
     source = _train_source(dataclasses.replace(cfg, online=False), 0, 1)
-    batches, columns, examples, exhausted, most = [], None, 0, True, 0
+    from hps.worker_caches import most_fetched
+    batches, columns, examples, exhausted, most, fetched = [], None, 0, True, 0, 0
     devices = cfg.ps.devices
     it = iter(source)
     for batch in it:
@@ -213,6 +216,7 @@ def read_sample(cfg, sample: int = DEFAULT_SAMPLE) -> Sample:
         flat = np.concatenate([keys.reshape(-1)] + [b.keys for b in bags]) if bags else keys.reshape(-1)
         uniq = _core.unique_keys(np.ascontiguousarray(flat))[0]
         batches.append(uniq)
+        fetched = max(fetched, most_fetched(take, keys.shape[1] if keys.ndim == 2 else 1, devices, len(uniq)))
         if devices > 1 and len(uniq):
             owners = _core.DeviceTier.modulo_owners(uniq, devices)
             most = max(most, int(np.bincount(owners, minlength=devices).max()))
@@ -227,7 +231,7 @@ def read_sample(cfg, sample: int = DEFAULT_SAMPLE) -> Sample:
         _, idx = np.unique(keys, return_index=True)
         first.append(np.sort(idx))
         length.append(len(keys))
-    return Sample(examples, batches, first, length, exhausted, most)
+    return Sample(examples, batches, first, length, exhausted, most, fetched)
 
 
 def run_examples(cfg, smp: Sample) -> Optional[int]:
@@ -467,8 +471,7 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
     in_place = ps.host_in_place and ps.devices == 1 and _core.cuda_device_count() < 1 \
         and ps.schedule == "sequential"
     if ps.schedule == "herald":
-        dev = herald_tables(ps.devices, ps.worker_cache_rows, max((len(b) for b in smp.batches), default=0),
-                            row_floats, ps.dim)
+        dev = herald_tables(ps.devices, ps.worker_cache_rows, smp.most_fetched, row_floats, ps.dim)
         dev["kind"] = ("cuda" if _core.cuda_device_count() >= ps.devices else "host partitions") + \
             ", herald worker caches"
     elif in_place:

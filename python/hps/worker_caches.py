@@ -63,6 +63,15 @@ def size_gradients(tier, slots: np.ndarray, keys: np.ndarray, table_rows: int) -
             slots[d] = want
 
 
+def most_fetched(n_examples: int, fields: int, workers: int, distinct: int) -> int:
+    """The most rows one worker can fetch for a batch: the keys of its share
+    of the examples (Herald gives each ceil(n / W) at most), or the batch's
+    distinct keys where those are fewer. Sizing the tables for every distinct
+    key on every worker made them twice the size (W7s: 262,144 rows a device
+    where the caches hold 52k keys and a share has 13k)."""
+    return min(distinct, -(-n_examples // workers) * fields)
+
+
 class WorkerCaches(StopsAfterAFailedStep):
     """The persistent device tier of ``workers`` devices, each a cache of at
     most ``capacity`` rows, scheduled by Herald. Built by ParameterServer."""
@@ -200,7 +209,7 @@ class HeraldBatch(BatchBase):
         c, pre, W = self._caches, self._pre, self._caches.workers
         examples = pre.examples
         n, fields = examples.shape
-        c.ensure_room(len(self.keys))
+        c.ensure_room(most_fetched(n, fields, W, len(self.keys)))
         plan = c.herald.schedule(examples, upcoming=getattr(pre, "upcoming", None))  # lookahead: kept last
         self._plan = plan
         order = np.argsort(plan.assignment, kind="stable")

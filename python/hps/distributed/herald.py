@@ -46,7 +46,7 @@ from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks, ra
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
-from hps.worker_caches import size_gradients
+from hps.worker_caches import most_fetched, size_gradients
 
 
 LEADER = 0  # the rank that holds the snapshot and plans every step
@@ -291,7 +291,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         W = self.node.size
         uniq, inverse, examples = pre.uniq, pre.inverse, pre.examples
         fields = examples.shape[1]
-        compact = self._compactions(len(uniq))
+        compact = self._compactions(most_fetched(len(examples), fields, W, len(uniq)))
         plan = self.herald.schedule(examples, upcoming=pre.upcoming)
         fetches = np.diff(plan.fetch_offsets).astype(np.int64)
         for table, n in zip(self._tables, fetches):
