@@ -39,6 +39,23 @@ def test_same_batches_same_plans():
     assert [a.cached(w).tolist() for w in range(8)] == [b.cached(w).tolist() for w in range(8)]
 
 
+@pytest.mark.parametrize("workers", [3, 12])  # holder masks in the log's byte, and shared masks beside it
+def test_cached_by_worker_is_every_cache_in_eviction_order(workers):
+    """One pass gives what cached() gives a worker at a time, each worker's keys least
+    recently trained first; and it follows evictions."""
+    h = Herald(workers, 150)
+    for keys in batches(4, 12, 64, 4, 900):
+        h.schedule(keys)
+        by_worker = h.cached_by_worker()
+        assert len(by_worker) == workers
+        for w, got in enumerate(by_worker):
+            assert sorted(got.tolist()) == h.cached(w).tolist() and len(got) == h.cached_count(w)
+    one = Herald(1)
+    for keys in ([[5, 6]], [[7]], [[5]]):
+        one.schedule(np.array(keys, dtype=np.uint64))
+    assert one.cached_by_worker()[0].tolist() == [6, 7, 5]
+
+
 def test_fetches_and_comm_plans_are_what_other_workers_need_from_each_cache():
     """Against a model of the caches kept here from the contract alone (unbounded caches)."""
     W = 4

@@ -166,6 +166,10 @@ class Herald {
   const HeraldOptions& options() const { return options_; }
   // The keys worker w's cache holds now (its latest versions), ascending.
   std::vector<uint64_t> Cached(int32_t worker) const;
+  // Every worker's at once, in one pass over the snapshot (Cached reads all
+  // of it for each worker): worker w's keys are keys[offsets[w] :
+  // offsets[w + 1]], least recently trained first (eviction order).
+  std::vector<uint64_t> CachedByWorker(std::vector<uint64_t>& offsets) const;
   uint64_t cached(int32_t worker) const;  // how many
   uint64_t batches() const { return batches_; }
   uint64_t memory_bytes() const;

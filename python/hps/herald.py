@@ -169,6 +169,13 @@ class Herald:
         self._check_worker(worker)
         return self._native.cached(int(worker))
 
+    def cached_by_worker(self) -> list:
+        """Every worker's cached keys (a list of W arrays), each least recently
+        trained first: one pass over the snapshot, where ``cached`` makes one a
+        worker (and sorts)."""
+        keys, offsets = self._native.cached_by_worker()
+        return [keys[offsets[w]:offsets[w + 1]] for w in range(self.workers)]
+
     def cached_count(self, worker: int) -> int:
         self._check_worker(worker)
         return self._native.cached_count(int(worker))
@@ -180,10 +187,11 @@ class Herald:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes the snapshot holds: a log record per key (8 bytes and a holder mask of
-        1 to 8 bytes, with 1.25 to 1.4 x room for dead and spare records) and an
-        index of 4-byte slots at load 0.55 to 0.8; about 19 bytes a key for up to 8
-        workers, 26 for up to 64 (``include/hps/herald.h``, Memory)."""
+        """Bytes the snapshot holds: a 9-byte log record per key (key and holders,
+        with 1.25 to 1.4 x room for dead and spare records), an index of 4-byte slots
+        at load 0.55 to 0.8, and for more than 8 workers the masks of keys two or
+        more hold; about 19 bytes a cached key for 8 workers, 17 to 18 for 64
+        (``include/hps/herald.h``, Memory)."""
         return self._native.memory_bytes
 
     def clear(self) -> None:

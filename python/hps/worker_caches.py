@@ -111,7 +111,7 @@ class WorkerCaches(StopsAfterAFailedStep):
         limit = int(0.7 * self._table_rows)
         if int(self._present.max()) + incoming <= limit:
             return
-        held = [self.herald.cached(w) for w in range(self.workers)]
+        held = self.herald.cached_by_worker()
         rows = [self._tier.rows(k, np.full(len(k), w, np.int32), self._row_floats) for w, k in enumerate(held)]
         live = max(len(k) for k in held)
         table_rows = self._table_rows
@@ -150,7 +150,7 @@ class WorkerCaches(StopsAfterAFailedStep):
             self.check()
             if not self._dirty:
                 return 0
-            held = [self.herald.cached(w) for w in range(self.workers)]
+            held = self.herald.cached_by_worker()
             keys = np.concatenate(held) if held else np.empty(0, np.uint64)
             owners = np.repeat(np.arange(self.workers, dtype=np.int32), [len(k) for k in held])
             keys, first = np.unique(keys, return_index=True)  # a key once, from its lowest holder

@@ -1223,6 +1223,15 @@ PYBIND11_MODULE(_core, m) {
         if (!keys.empty()) std::memcpy(out.mutable_data(), keys.data(), keys.size() * sizeof(uint64_t));
         return out;
       }, py::arg("worker"))
+      .def("cached_by_worker", [](const hps::Herald& h) {
+        std::vector<uint64_t> offsets;
+        const std::vector<uint64_t> keys = h.CachedByWorker(offsets);
+        py::array_t<uint64_t> k(static_cast<py::ssize_t>(keys.size()));
+        py::array_t<uint64_t> o(static_cast<py::ssize_t>(offsets.size()));
+        if (!keys.empty()) std::memcpy(k.mutable_data(), keys.data(), keys.size() * sizeof(uint64_t));
+        std::memcpy(o.mutable_data(), offsets.data(), offsets.size() * sizeof(uint64_t));
+        return py::make_tuple(k, o);
+      }, "(keys, offsets): every worker's cached keys, worker w's at keys[offsets[w]:offsets[w + 1]]")
       .def("cached_count", &hps::Herald::cached, py::arg("worker"))
       .def_property_readonly("batches", &hps::Herald::batches)
       .def_property_readonly("memory_bytes", &hps::Herald::memory_bytes)

@@ -177,6 +177,7 @@ struct Herald::Impl {
   virtual HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys,
                           const uint64_t* upcoming, uint64_t n_upcoming) = 0;
   virtual std::vector<uint64_t> Cached(int32_t worker) const = 0;
+  virtual std::vector<uint64_t> CachedByWorker(std::vector<uint64_t>& offsets) const = 0;
   virtual uint64_t Held(int32_t worker) const = 0;
   virtual uint64_t MemoryBytes() const = 0;
   virtual void Clear() = 0;
@@ -932,6 +933,28 @@ struct Herald::Snapshot final : Herald::Impl {
     return out;
   }
 
+  // held[w] sizes each worker's part; a part that does not come out at its
+  // size would mean the counts and the log disagree (checked: cheap).
+  std::vector<uint64_t> CachedByWorker(std::vector<uint64_t>& offsets) const override {
+    const int32_t W = opt.workers;
+    offsets.assign(W + 1, 0);
+    for (int32_t w = 0; w < W; ++w) offsets[w + 1] = offsets[w] + held[w];
+    std::vector<uint64_t> out(offsets[W]);
+    std::vector<uint64_t> at(offsets.begin(), offsets.end() - 1);
+    for (uint64_t p = 0; p < log.size(); ++p) {
+      if (log[p].holders == 0) continue;
+      for (Mask m = HoldersOf(log[p]); m != 0; m &= static_cast<Mask>(m - 1)) {
+        const int w = std::countr_zero(m);
+        if (at[w] == offsets[w + 1]) throw std::logic_error("Herald::CachedByWorker: the log holds more keys than the counts");
+        out[at[w]++] = log[p].key;
+      }
+    }
+    for (int32_t w = 0; w < W; ++w) {
+      if (at[w] != offsets[w + 1]) throw std::logic_error("Herald::CachedByWorker: the log holds fewer keys than the counts");
+    }
+    return out;
+  }
+
   uint64_t Held(int32_t worker) const override { return held[worker]; }
 
   uint64_t MemoryBytes() const override {
@@ -1038,6 +1061,10 @@ std::vector<uint64_t> Herald::Cached(int32_t worker) const {
                             std::to_string(options_.workers) + ")");
   }
   return impl_->Cached(worker);
+}
+
+std::vector<uint64_t> Herald::CachedByWorker(std::vector<uint64_t>& offsets) const {
+  return impl_->CachedByWorker(offsets);
 }
 
 uint64_t Herald::cached(int32_t worker) const {

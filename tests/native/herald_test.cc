@@ -253,6 +253,18 @@ void CheckEvictionAgainstAnLruModel(uint64_t capacity, int ahead, uint64_t seed,
       ASSERT_EQ(h.Cached(w), expect) << "capacity " << capacity << " ahead " << ahead << " batch " << b << " worker " << w;
       ASSERT_EQ(h.cached(w), expect.size());
     }
+    // All caches in one pass: the same keys, each cache's in eviction order (ticks never fall).
+    std::vector<uint64_t> offsets;
+    const std::vector<uint64_t> all = h.CachedByWorker(offsets);
+    ASSERT_EQ(offsets.size(), static_cast<size_t>(W) + 1);
+    for (int w = 0; w < W; ++w) {
+      std::vector<uint64_t> part(all.begin() + static_cast<int64_t>(offsets[w]), all.begin() + static_cast<int64_t>(offsets[w + 1]));
+      for (size_t j = 1; j < part.size(); ++j) {
+        ASSERT_LE(model[w].at(part[j - 1]), model[w].at(part[j])) << "batch " << b << " worker " << w;
+      }
+      std::sort(part.begin(), part.end());
+      ASSERT_EQ(part, h.Cached(w)) << "batch " << b << " worker " << w;
+    }
   }
 }
 

@@ -137,12 +137,14 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         """Leader, before a step is scheduled (tables and snapshot agree): the ranks
         whose tables lack room for `incoming` rows, each with the keys its cache
         holds and its table's new size (doubled until they fit at half load)."""
-        out = {}
+        out, held = {}, None
         for r, table in enumerate(self._tables):
             present, rows = table
             if present + incoming <= 0.7 * rows:
                 continue
-            keys = self.herald.cached(r)
+            if held is None:
+                held = self.herald.cached_by_worker()
+            keys = held[r]
             while len(keys) + incoming > 0.5 * rows:
                 rows *= 2
             table[:] = [len(keys), rows]
@@ -196,8 +198,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
             blocks = []
             if self.leader:
                 written = np.empty(0, np.uint64)
-                for r in range(self.node.size):
-                    held = self.herald.cached(r)
+                for held in self.herald.cached_by_worker():
                     blocks.append(held[~np.isin(held, written, assume_unique=True)])
                     written = np.union1d(written, held)
             mine = self._from_leader("train", blocks, "plan", "flush keys", np.empty(0, np.uint64))
