@@ -575,6 +575,8 @@ def render_w7(o: dict) -> list[str]:
         out.append(f"- Herald.schedule, {w} workers, batches of {cost.get('batch')} x {cost.get('fields')} keys: "
                    f"{spread(c['median_ms'], c.get('min_ms'), c.get('max_ms'), '.1f')} ms"
                    + (f" (CPU {c['cpu_median_ms']:.1f} ms)" if c.get("cpu_median_ms") is not None else "")
+                   + (f", mean {c['mean_ms']:.1f} ms (compaction batches included)"
+                      if c.get("mean_ms") is not None else "")
                    + ", snapshot "
                    f"{c['snapshot_bytes'] / max(1, c['cached_keys']):.1f} bytes a cached key")
     return out
