@@ -169,6 +169,7 @@ class Herald {
   // Every worker's at once, in one pass over the snapshot (Cached reads all
   // of it for each worker): worker w's keys are keys[offsets[w] :
   // offsets[w + 1]], least recently trained first (eviction order).
+  // std::logic_error if the log and the per-worker counts disagree (a bug).
   std::vector<uint64_t> CachedByWorker(std::vector<uint64_t>& offsets) const;
   uint64_t cached(int32_t worker) const;  // how many
   uint64_t batches() const { return batches_; }

@@ -945,12 +945,16 @@ struct Herald::Snapshot final : Herald::Impl {
       if (log[p].holders == 0) continue;
       for (Mask m = HoldersOf(log[p]); m != 0; m &= static_cast<Mask>(m - 1)) {
         const int w = std::countr_zero(m);
-        if (at[w] == offsets[w + 1]) throw std::logic_error("Herald::CachedByWorker: the log holds more keys than the counts");
+        if (at[w] == offsets[w + 1]) {
+          throw std::logic_error("Herald::CachedByWorker: the log holds more keys than the counts");
+        }
         out[at[w]++] = log[p].key;
       }
     }
     for (int32_t w = 0; w < W; ++w) {
-      if (at[w] != offsets[w + 1]) throw std::logic_error("Herald::CachedByWorker: the log holds fewer keys than the counts");
+      if (at[w] != offsets[w + 1]) {
+        throw std::logic_error("Herald::CachedByWorker: the log holds fewer keys than the counts");
+      }
     }
     return out;
   }

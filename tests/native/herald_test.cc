@@ -258,7 +258,8 @@ void CheckEvictionAgainstAnLruModel(uint64_t capacity, int ahead, uint64_t seed,
     const std::vector<uint64_t> all = h.CachedByWorker(offsets);
     ASSERT_EQ(offsets.size(), static_cast<size_t>(W) + 1);
     for (int w = 0; w < W; ++w) {
-      std::vector<uint64_t> part(all.begin() + static_cast<int64_t>(offsets[w]), all.begin() + static_cast<int64_t>(offsets[w + 1]));
+      std::vector<uint64_t> part(all.begin() + static_cast<int64_t>(offsets[w]),
+                                 all.begin() + static_cast<int64_t>(offsets[w + 1]));
       for (size_t j = 1; j < part.size(); ++j) {
         ASSERT_LE(model[w].at(part[j - 1]), model[w].at(part[j])) << "batch " << b << " worker " << w;
       }
