@@ -159,9 +159,8 @@ def herald_tables(devices: int, cache_rows: int, most_fetched: int, row_floats: 
     keys of its share of the examples, at most the batch's distinct keys) fill it at
     most half (a rebuild drops the stale rows); and the scheduler's snapshot, about 19
     bytes a cached key (W7), at most devices x cache_rows keys."""
-    table = min(max(64, 1 << (2 * cache_rows - 1).bit_length()), 1 << 16)
-    while cache_rows + most_fetched > 0.5 * table:
-        table *= 2
+    from hps.worker_caches import first_table_rows, rebuilt_table_rows
+    table = rebuilt_table_rows(first_table_rows(cache_rows), cache_rows, most_fetched)
     snapshot = 19 * devices * cache_rows
     return {"devices": devices, "tiers": 1, "table_rows": table, "cache_rows": cache_rows,
             "most_keys_per_device": most_fetched, "scheduler_bytes": snapshot,

@@ -63,6 +63,27 @@ def size_gradients(tier, slots: np.ndarray, keys: np.ndarray, table_rows: int) -
             slots[d] = want
 
 
+def first_table_rows(capacity: int) -> int:
+    """A worker table's rows at first: twice a cache of `capacity` keys, at least
+    64, at most 2^16 (it grows when the caches and a batch's fetches need more)."""
+    return min(max(64, 1 << (2 * capacity - 1).bit_length()), 1 << 16)
+
+
+def needs_rebuild(present: int, incoming: int, table_rows: int) -> bool:
+    """Whether a table holding `present` rows (live or stale) lacks room for
+    `incoming` more below load 0.7."""
+    return present + incoming > 0.7 * table_rows
+
+
+def rebuilt_table_rows(table_rows: int, live: int, incoming: int) -> int:
+    """A rebuilt table's rows: doubled until its `live` rows and `incoming` more
+    fill at most half of it, so that the batches after the rebuild fill the other
+    0.2 with stale rows before the next one (each costs a copy of every cache)."""
+    while live + incoming > 0.5 * table_rows:
+        table_rows *= 2
+    return table_rows
+
+
 def most_fetched(n_examples: int, fields: int, workers: int, distinct: int) -> int:
     """The most rows one worker can fetch for a batch: the keys of its share
     of the examples (Herald gives each ceil(n / W) at most), or the batch's
@@ -86,9 +107,8 @@ class WorkerCaches(StopsAfterAFailedStep):
         self.capacity = capacity
         self.herald = Herald(workers, capacity)
         self._row_floats = ps.row_floats
-        # Tables start at twice a cache (at least 64 rows, at most 2^16) and double
-        # when a batch's fetches would fill one past 0.7 (ensure_room).
-        self._table_rows = min(max(64, 1 << (2 * capacity - 1).bit_length()), 1 << 16)
+        # Tables grow when a batch's fetches would fill one past 0.7 (ensure_room).
+        self._table_rows = first_table_rows(capacity)
         self._tier = ps._new_tier(self._table_rows)
         self._gradient_slots = np.full(workers, self._table_rows, np.int64)  # each device's gradient table's
         # Rows physically in each device's table, live or stale (an upper
@@ -108,17 +128,12 @@ class WorkerCaches(StopsAfterAFailedStep):
         """Before a batch is scheduled (tables and snapshot agree): room for
         `incoming` more rows on any device, by dropping stale rows, then by
         larger tables."""
-        limit = int(0.7 * self._table_rows)
-        if int(self._present.max()) + incoming <= limit:
+        if not needs_rebuild(int(self._present.max()), incoming, self._table_rows):
             return
         held = self.herald.cached_by_worker()
         rows = [self._tier.rows(k, np.full(len(k), w, np.int32), self._row_floats) for w, k in enumerate(held)]
         live = max(len(k) for k in held)
-        table_rows = self._table_rows
-        # Rebuilt at most half full, so that the batches after it fill the
-        # other 0.2 before the next rebuild (each costs a copy of every cache).
-        while live + incoming > 0.5 * table_rows:
-            table_rows *= 2
+        table_rows = rebuilt_table_rows(self._table_rows, live, incoming)
         if table_rows != self._table_rows:
             rows_before, bytes_before = self._tier.transfers()
             self._tier_before = (rows_before, bytes_before) if self._tier_before is None else \

@@ -46,7 +46,7 @@ from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks, ra
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
-from hps.worker_caches import most_fetched, size_gradients
+from hps.worker_caches import first_table_rows, most_fetched, needs_rebuild, rebuilt_table_rows, size_gradients
 
 
 LEADER = 0  # the rank that holds the snapshot and plans every step
@@ -115,7 +115,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         self.leader = node.rank == LEADER
         self.herald = Herald(node.size, capacity) if self.leader else None
         self._row_floats = local.row_floats
-        self._table_rows = min(max(64, 1 << (2 * capacity - 1).bit_length()), 1 << 16)
+        self._table_rows = first_table_rows(capacity)
         self._tier = self._new_tier(self._table_rows)
         self._gradient_slots = np.array([self._table_rows], np.int64)  # the tier's gradient table's
         self._present = 0  # rows in the table, live or stale (an upper bound)
@@ -140,13 +140,12 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         out, held = {}, None
         for r, table in enumerate(self._tables):
             present, rows = table
-            if present + incoming <= 0.7 * rows:
+            if not needs_rebuild(present, incoming, rows):
                 continue
             if held is None:
                 held = self.herald.cached_by_worker()
             keys = held[r]
-            while len(keys) + incoming > 0.5 * rows:
-                rows *= 2
+            rows = rebuilt_table_rows(rows, len(keys), incoming)
             table[:] = [len(keys), rows]
             out[r] = (keys, rows)
         return out
