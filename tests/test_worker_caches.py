@@ -21,21 +21,31 @@ def trace(batches=40, n=48, fields=3, keys=400, seed=0):
     return [np.minimum(rng.zipf(1.3, size=(n, fields)), keys).astype(np.uint64) * 7 + 3 for _ in range(batches)]
 
 
-def run(ps, batches, pull_every=0):
+def run(ps, batches, pull_every=0, ahead=False, seen=None):
     """Each device pulls its mini-batch's rows and pushes gradients that
-    depend on them (so a stale row would change the result)."""
+    depend on them (so a stale row would change the result). ahead: batch i + 1
+    is made (scheduled) before batch i trains, as the pipeline's load stage
+    makes it. seen: a list that gets, every pull_every batches, the rows of
+    every key of the trace pulled inside the step (before apply, as an
+    evaluation in a training step's hook pulls them)."""
     devices = ps.config.devices
+    probe = np.unique(np.concatenate([k.reshape(-1) for k in batches]))
+    made = ps.batch(ps.prefetch(batches[0])) if ahead else None
     for i, keys in enumerate(batches):
-        b = ps.batch(ps.prefetch(keys))
+        b = made if ahead else ps.batch(ps.prefetch(keys))
+        if ahead and i + 1 < len(batches):
+            made = ps.batch(ps.prefetch(batches[i + 1]))
         parts = b.partition() if hasattr(b, "partition") else np.array_split(np.arange(len(keys)), devices)
         assert sorted(np.concatenate(parts).tolist()) == list(range(len(keys)))  # every example once
         for w, idx in enumerate(parts):
             k = keys[idx].reshape(-1)
             e = b.pull(k, worker=w)
             b.push(k, (0.3 * e + 0.02).astype(np.float32), worker=w)
+        if seen is not None and pull_every and i % pull_every == 0:
+            seen.append(ps.pull(probe))
         b.apply()
         b.write_back()
-        if pull_every and i % pull_every == 0:
+        if seen is None and pull_every and i % pull_every == 0:
             ps.pull(keys[:4].reshape(-1))  # an evaluation in the middle: the caches flush to MEM-PS
     return ps
 
@@ -62,6 +72,40 @@ def test_herald_ends_with_the_parameters_of_the_sequential_schedule(tmp_path):
     assert all(c <= 40 for c in h["cached"])
     moved = np.array(h["moved_rows"])
     assert moved.sum() == h["peer_fetches"] + h["replica_copies"] and np.trace(moved) == 0
+
+
+def test_batches_scheduled_ahead_train_what_the_sequential_schedule_trains(tmp_path):
+    """The pipeline's loader makes (schedules) batch i + 1 while batch i trains. A
+    pull inside batch i's step (an evaluation in the step's hook) sees every row
+    as batch i - 1 left it, as the sequential schedule's MEM-PS has it: the caches
+    flush the keys they held before batch i was scheduled, including the rows
+    batch i's schedule evicts (still in the tables until batch i applies)."""
+    batches = trace()
+    seq_seen, her_seen = [], []
+    seq = run(server(tmp_path / "seq", "sequential"), batches, pull_every=3, seen=seq_seen)
+    her = run(server(tmp_path / "her", "herald"), batches, pull_every=3, ahead=True, seen=her_seen)
+    assert len(her_seen) == len(seq_seen) == 14
+    for i, (a, b) in enumerate(zip(seq_seen, her_seen)):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7, err_msg=f"pull inside batch {3 * i}")
+    np.testing.assert_allclose(all_rows(her, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
+    h = her.stats()["device"]["herald"]
+    assert h["evict_pushes"] > 0 and h["compactions"] > 0 and h["table_growths"] > 0 and h["flushes"] > 10
+
+
+def test_batches_start_in_the_order_they_were_made(tmp_path):
+    batches = trace(batches=4)
+    ps = server(tmp_path / "a", "herald")
+    first, second = (ps.batch(ps.prefetch(k)) for k in batches[:2])
+    with pytest.raises(RuntimeError, match="start in the order they were made.*batch 1 started after 0 applied"):
+        second.partition()
+    for b, keys in ((first, batches[0]), (second, batches[1])):  # the caches are unharmed
+        for w, idx in enumerate(b.partition()):
+            k = keys[idx].reshape(-1)
+            b.push(k, (0.3 * b.pull(k, worker=w) + 0.02).astype(np.float32), worker=w)
+        b.finish()
+    run(ps, batches[2:])
+    seq = run(server(tmp_path / "seq", "sequential"), batches)
+    np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
 
 
 def test_tables_are_sized_for_a_workers_share_of_the_examples(tmp_path):
@@ -122,17 +166,20 @@ def test_bad_settings_are_named(tmp_path):
                         partitioner=lambda keys, g: keys % g)
 
 
-def test_a_batch_aborted_after_its_schedule_stops_the_caches(tmp_path):
+@pytest.mark.parametrize("started", [True, False])
+def test_a_batch_aborted_after_its_schedule_stops_the_caches(tmp_path, started):
     ps = server(tmp_path / "a", "herald")
     batches = trace(batches=3)
     run(ps, batches[:1])
-    b = ps.batch(ps.prefetch(batches[1]))
-    b.partition()
+    b = ps.batch(ps.prefetch(batches[1]))  # scheduled when made
+    if started:
+        b.partition()
     b.abort()  # the scheduler moved on, the tables did not
     with pytest.raises(RuntimeError, match="stopped after a failed batch .*aborted.*reopen"):
         ps.batch(ps.prefetch(batches[2])).partition()
     with pytest.raises(RuntimeError, match="stopped after a failed batch"):
         ps.pull(batches[0].reshape(-1))
+    assert ps._herald_active == 0  # every batch let go of its pins
 
 
 class _TierWhoseApplyFails:

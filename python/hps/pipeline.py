@@ -163,7 +163,8 @@ class Pipeline:
     def _train(self, loaded: Loaded) -> None:
         """The train stage: the caller's step, then the sparse optimizer step.
         A batch that partitions its own examples (Herald's, hps.worker_caches)
-        does so first, here: its schedule needs the batches before it trained."""
+        moves its rows first, here: they are the batches' before it, trained
+        (its schedule ran in the load stage: it reads keys only)."""
         try:
             partition = getattr(loaded.batch, "partition", None)
             if partition is not None:

@@ -30,16 +30,26 @@ parameter server calls it before a pull (an evaluation) and a checkpoint.
 
 Physical rows follow the scheduler's snapshot: a row a device no longer holds
 stays in its table (stale, never read: a fetch overwrites it) until the table
-fills, when the tables are rebuilt from the snapshot (``compactions``). The
-scheduler runs at the start of the batch's train stage, where the snapshot
-and the tables agree: its cost shows in that stage (a later step: schedule in
-the load stage and keep the tables a batch behind).
+fills, when the tables are rebuilt from the snapshot (``compactions``).
 
-Thread safety: the pipeline's train thread runs the batches; the write-back
-thread only unpins MEM-PS; pull and checkpoint take the same lock.
+A batch is scheduled when it is made (``ParameterServer.batch``: the
+pipeline's load stage, while the batch before it trains), since a schedule
+reads keys only; its rows move when it starts (``partition()``, first in the
+train stage), after the batch before it applied. Between the two the snapshot
+is ahead of the tables: each schedule keeps the caches' keys as the batch
+before left them, which the batch's table rebuild and a flush in the meantime
+(an evaluation inside the step before it) use. Batches start in the order
+they were made, each after the one before it applied (RuntimeError
+otherwise), and a batch dropped after its schedule (abort) stops the caches.
+
+Thread safety: one thread makes the batches (the pipeline's loader) and one
+runs them (the train thread); the write-back thread only unpins MEM-PS; pull
+and checkpoint take the step lock, and the snapshot has a lock of its own.
 """
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Optional
 
 import numpy as np
@@ -107,13 +117,21 @@ class WorkerCaches(StopsAfterAFailedStep):
         self.capacity = capacity
         self.herald = Herald(workers, capacity)
         self._row_floats = ps.row_floats
-        # Tables grow when a batch's fetches would fill one past 0.7 (ensure_room).
+        # Tables grow when a batch's fetches would fill one past 0.7 (schedule).
         self._table_rows = first_table_rows(capacity)
         self._tier = ps._new_tier(self._table_rows)
         self._gradient_slots = np.full(workers, self._table_rows, np.int64)  # each device's gradient table's
-        # Rows physically in each device's table, live or stale (an upper
-        # bound: a fetch that overwrote a stale row is counted again).
-        self._present = np.zeros(workers, np.int64)
+        # The snapshot and the tables as the scheduled batches will leave them,
+        # under _scheduling: each device's rows, live or stale, once they have
+        # fetched (an upper bound: a fetch that overwrote a stale row is counted
+        # again), and the tables' rows.
+        self._scheduling = threading.Lock()
+        self._planned_present = np.zeros(workers, np.int64)
+        self._planned_rows = self._table_rows
+        self._scheduled = 0  # batches scheduled
+        self._applied = 0    # batches applied: the next to start is the one scheduled as number _applied
+        # (number, the caches' keys before it) of each batch scheduled and not applied, oldest first
+        self._pending: collections.deque = collections.deque()
         self._init_fail_stop()
         self._dirty = False  # some cached row is newer than MEM-PS's copy
         self.moved_rows = np.zeros((workers, workers), np.uint64)  # whole rows copied device to device
@@ -123,17 +141,50 @@ class WorkerCaches(StopsAfterAFailedStep):
                        "plan_shared": 0, "distinct": 0}
         self._tier_before = None  # transfer counts of the tiers replaced when the tables grew
 
-    # ------------------------------------------------------------ room
-    def ensure_room(self, incoming: int) -> None:
-        """Before a batch is scheduled (tables and snapshot agree): room for
-        `incoming` more rows on any device, by dropping stale rows, then by
-        larger tables."""
-        if not needs_rebuild(int(self._present.max()), incoming, self._table_rows):
-            return
-        held = self.herald.cached_by_worker()
+    # ------------------------------------------------------------ schedule
+    def schedule(self, examples: np.ndarray, distinct: int, upcoming=None):
+        """Schedules a batch (examples: (n, fields) keys with `distinct` distinct
+        ones): any thread, batches in the order they train. Decides whether its
+        tables must be rebuilt first: room for the most rows a device can fetch,
+        by dropping stale rows, then by larger tables. Returns (number, plan,
+        the caches' keys before it, the rebuilt tables' rows or 0)."""
+        self.check()
+        n, fields = examples.shape
+        incoming = most_fetched(n, fields, self.workers, distinct)
+        with self._scheduling:
+            held = self.herald.cached_by_worker()  # as the batch before leaves them
+            rebuild = 0
+            if needs_rebuild(int(self._planned_present.max()), incoming, self._planned_rows):
+                rebuild = rebuilt_table_rows(self._planned_rows, max(len(k) for k in held), incoming)
+            plan = self.herald.schedule(examples, upcoming=upcoming)  # lookahead: kept last
+            if rebuild:
+                self._planned_rows = rebuild
+                self._planned_present[:] = [len(k) for k in held]
+            self._planned_present += np.diff(plan.fetch_offsets).astype(np.int64)
+            number = self._scheduled
+            self._scheduled += 1
+            self._pending.append((number, held))
+        return number, plan, held, rebuild
+
+    def _begin(self, number: int) -> None:
+        """Batch `number` starts: the one before it must have applied."""
+        with self._scheduling:
+            if number != self._applied:
+                raise RuntimeError(f"Herald batches start in the order they were made, each after the one before "
+                                   f"it applied: batch {number} started after {self._applied} applied")
+
+    def _finished(self, number: int) -> None:
+        """Batch `number` applied (or was aborted): it is no longer pending."""
+        with self._scheduling:
+            self._pending = collections.deque(p for p in self._pending if p[0] != number)
+            if not self._failed:
+                self._applied += 1
+
+    def _rebuild(self, held: list, table_rows: int) -> None:
+        """At a batch's start (the batch before it applied): each device's table
+        holds the keys `held` gives it and no stale rows, in tables of
+        `table_rows` rows."""
         rows = [self._tier.rows(k, np.full(len(k), w, np.int32), self._row_floats) for w, k in enumerate(held)]
-        live = max(len(k) for k in held)
-        table_rows = rebuilt_table_rows(self._table_rows, live, incoming)
         if table_rows != self._table_rows:
             rows_before, bytes_before = self._tier.transfers()
             self._tier_before = (rows_before, bytes_before) if self._tier_before is None else \
@@ -147,7 +198,6 @@ class WorkerCaches(StopsAfterAFailedStep):
         for w, (k, r) in enumerate(zip(held, rows)):
             if len(k):
                 self._tier.insert(k, r, np.full(len(k), w, np.int32), self._row_floats)
-            self._present[w] = len(k)
         self.counts["compactions"] += 1
 
     # ------------------------------------------------------------ MEM-PS
@@ -160,12 +210,15 @@ class WorkerCaches(StopsAfterAFailedStep):
         cache.write_back(keys, np.ascontiguousarray(rows).view(np.uint8))
 
     def flush(self) -> int:
-        """Every cached row to MEM-PS, one copy a key; returns how many."""
+        """Every cached row to MEM-PS, one copy a key; returns how many: the
+        caches as the last batch applied left them (the snapshot before the
+        batches scheduled since, a batch in its step among them)."""
         with self._lock:
             self.check()
             if not self._dirty:
                 return 0
-            held = self.herald.cached_by_worker()
+            with self._scheduling:
+                held = self._pending[0][1] if self._pending else self.herald.cached_by_worker()
             keys = np.concatenate(held) if held else np.empty(0, np.uint64)
             owners = np.repeat(np.arange(self.workers, dtype=np.int32), [len(k) for k in held])
             keys, first = np.unique(keys, return_index=True)  # a key once, from its lowest holder
@@ -188,7 +241,8 @@ class WorkerCaches(StopsAfterAFailedStep):
         return rows + self.moved_rows, moved_bytes + self.moved_rows * np.uint64(4 * self._row_floats)
 
     def stats(self) -> dict:
-        with self._lock:
+        """Counts; `cached`: each cache's keys once the batches scheduled so far train."""
+        with self._lock, self._scheduling:
             return {**self.counts, "cached": [self.herald.cached_count(w) for w in range(self.workers)],
                     "capacity_per_worker": self.capacity, "table_rows": self._table_rows,
                     "scheduler_bytes": self.herald.memory_bytes,
@@ -197,35 +251,39 @@ class WorkerCaches(StopsAfterAFailedStep):
 
 class HeraldBatch(BatchBase):
     """One batch on the worker caches (the WorkingBatch protocol of
-    hps.parameter_server). ``partition()`` schedules it and fetches the rows
-    the devices lack (the pipeline calls it first in the train stage; the
-    other calls run it if it has not); pull, push and apply as on the device
-    tier; write_back only unpins MEM-PS (the rows stay cached)."""
+    hps.parameter_server). Made, it is scheduled (the pipeline's load stage);
+    ``partition()`` fetches the rows the devices lack (the pipeline calls it
+    first in the train stage; the other calls run it if it has not); pull,
+    push and apply as on the device tier; write_back only unpins MEM-PS (the
+    rows stay cached)."""
 
     def __init__(self, caches: WorkerCaches, prefetched):
         self._caches = caches
         self._pre = prefetched
         self.keys = prefetched.keys  # distinct, in order of first appearance
         self.wait_seconds = 0.0
-        self._plan = None
+        self._number = None  # set: scheduled (the snapshot has taken this batch)
+        self._started = False
         self._applied = False
         self._done = False
+        try:
+            self._schedule()
+        except BaseException as e:
+            if self._number is not None:  # the snapshot moved on without this batch's rows
+                caches.fail(f"{type(e).__name__} after a batch was scheduled: {e}")
+                caches._finished(self._number)
+            self._release()
+            raise
 
-    # ------------------------------------------------------------ schedule and fetch
-    def partition(self) -> list:
-        """Schedules the batch and fetches its rows; returns each device's
-        example indices (the pipeline's mini-batches)."""
-        if self._plan is None:
-            with self._caches.step():
-                self._start()
-        return self._minibatches
-
-    def _start(self) -> None:
+    # ------------------------------------------------------------ schedule, then fetch
+    def _schedule(self) -> None:
+        """The schedule and what follows from it alone (no row moves): each
+        device's examples, each key's trainers and primary, the copies to bind."""
         c, pre, W = self._caches, self._pre, self._caches.workers
         examples = pre.examples
         n, fields = examples.shape
-        c.ensure_room(most_fetched(n, fields, W, len(self.keys)))
-        plan = c.herald.schedule(examples, upcoming=getattr(pre, "upcoming", None))  # lookahead: kept last
+        self._number, plan, self._held, self._rebuild_rows = c.schedule(
+            examples, len(self.keys), getattr(pre, "upcoming", None))
         self._plan = plan
         order = np.argsort(plan.assignment, kind="stable")
         bounds = np.searchsorted(plan.assignment[order], np.arange(W + 1))
@@ -234,14 +292,54 @@ class HeraldBatch(BatchBase):
         # Each key's trainers; its primary (lowest trainer) gets its gradients.
         trains = np.zeros((len(self.keys), W), bool)
         trains[pre.inverse, np.repeat(plan.assignment, fields)] = True
-        self._trains = trains
         self._primary = trains.argmax(axis=1)
-        size_gradients(c._tier, c._gradient_slots, np.bincount(self._primary, minlength=W), c._table_rows)
         # Each worker's examples' positions among the batch's keys (hps.torch
         # gathers a mini-batch's keys, a copy of them: the examples are not in order).
         by_example = pre.inverse.reshape(n, fields)
         self._mine = [(examples[mb].reshape(-1), by_example[mb].reshape(-1)) for mb in self._minibatches]
         self._sorted = None  # for the positions of other keys (built when first needed)
+        self._copies_of(trains, W)
+
+    def _copies_of(self, trains: np.ndarray, W: int) -> None:
+        """The batch's rows by position: a copy of each key on each of its
+        trainers (key by key, trainers ascending), so that a pull reads the
+        worker's own copy and a push sums on the key's primary, with no key
+        looked up after the bind (a host partition's rows are read and stepped
+        where its table holds them)."""
+        K = len(self.keys)
+        copies = np.flatnonzero(trains.reshape(-1))  # key * W + worker
+        at = np.full(K * W, -1, np.int64)
+        at[copies] = np.arange(len(copies))
+        # _at[w][i]: the position of key i's copy on w; -1 where w does not train it.
+        self._at = np.ascontiguousarray(at.reshape(K, W).T)
+        self._bound_keys = self.keys[copies // W]
+        self._bound_owners = (copies % W).astype(np.int32)
+        self._at_primary = self._at[self._primary, np.arange(K)]
+        # After the step, the primary's row goes onto each other copy.
+        replica = np.ones(len(copies), bool)
+        replica[self._at_primary] = False
+        self._replica_to = np.flatnonzero(replica)
+        self._replica_from = self._at_primary[copies[replica] // W]
+        self._replica_moves = np.bincount(self._primary[copies[replica] // W] * W + self._bound_owners[replica],
+                                          minlength=W * W).reshape(W, W).astype(np.uint64)
+
+    def partition(self) -> list:
+        """Fetches the batch's rows (after the batch before it applied); returns
+        each device's example indices (the pipeline's mini-batches)."""
+        if not self._started:
+            self._caches.check()
+            self._caches._begin(self._number)  # out of order: an error, the caches unharmed
+            with self._caches.step():
+                self._start()
+        return self._minibatches
+
+    def _start(self) -> None:
+        c, plan, W = self._caches, self._plan, self._caches.workers
+        self._started = True
+        if self._rebuild_rows:
+            c._rebuild(self._held, self._rebuild_rows)
+        self._held = None  # (the caches keep it while the batch is pending: flush)
+        size_gradients(c._tier, c._gradient_slots, np.bincount(self._primary, minlength=W), c._table_rows)
 
         # Fetches: rows the trainers lack, from MEM-PS or from a peer's table.
         fk = plan.fetch_keys
@@ -258,41 +356,16 @@ class HeraldBatch(BatchBase):
                                             minlength=W * W).reshape(W, W).astype(np.uint64)
             c._tier.assign(fk, rows, dest, c._row_floats)  # a stale copy is overwritten
             c._tier.insert(fk, rows, dest, c._row_floats)  # the others join the table
-            c._present += np.bincount(dest, minlength=W)
             c.counts["ps_loads"] += int(from_ps.sum())
             c.counts["peer_fetches"] += int((~from_ps).sum())
-        self._bind(W)
+        c._tier.bind(self._bound_keys, self._bound_owners)
+        self.gathers_into_columns = c._tier.reads_in_place
         c.counts["batches"] += 1
         c.counts["plan_pulls"] += plan.pulls
         c.counts["plan_peer_pulls"] += plan.peer_pulls
         c.counts["plan_pushes"] += plan.pushes
         c.counts["plan_shared"] += plan.shared
         c.counts["distinct"] += plan.distinct
-
-    def _bind(self, W: int) -> None:
-        """Binds the batch's rows on the tier by position: a copy of each key on
-        each of its trainers (key by key, trainers ascending), so that a pull
-        reads the worker's own copy and a push sums on the key's primary, with
-        no key looked up after this (a host partition's rows are read and
-        stepped where its table holds them)."""
-        c, K = self._caches, len(self.keys)
-        copies = np.flatnonzero(self._trains.reshape(-1))  # key * W + worker
-        del self._trains
-        at = np.full(K * W, -1, np.int64)
-        at[copies] = np.arange(len(copies))
-        # _at[w][i]: the position of key i's copy on w; -1 where w does not train it.
-        self._at = np.ascontiguousarray(at.reshape(K, W).T)
-        owner = (copies % W).astype(np.int32)
-        c._tier.bind(self.keys[copies // W], owner)
-        self._at_primary = self._at[self._primary, np.arange(K)]
-        # After the step, the primary's row goes onto each other copy.
-        replica = np.ones(len(copies), bool)
-        replica[self._at_primary] = False
-        self._replica_to = np.flatnonzero(replica)
-        self._replica_from = self._at_primary[copies[replica] // W]
-        self._replica_moves = np.bincount(self._primary[copies[replica] // W] * W + owner[replica],
-                                          minlength=W * W).reshape(W, W).astype(np.uint64)
-        self.gathers_into_columns = c._tier.reads_in_place
 
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """Where each of keys (any shape, flattened) is among the batch's keys:
@@ -399,6 +472,7 @@ class HeraldBatch(BatchBase):
                 self.abort()
                 raise
             c._dirty = True
+            c._finished(self._number)
         self._applied = True
 
     def write_back(self) -> None:
@@ -414,8 +488,9 @@ class HeraldBatch(BatchBase):
         scheduler, which has moved on: they stop (see WorkerCaches.fail)."""
         if self._done:
             return
-        if not self._applied and self._plan is not None:
+        if not self._applied and self._number is not None:
             self._caches.fail("a batch was aborted after it was scheduled")
+            self._caches._finished(self._number)
         self._release()
 
     def _release(self) -> None:
