@@ -176,6 +176,7 @@ def run_train(node, out: str, args) -> None:
     cfg = train_config(os.path.join(out, "job"), args.dense_sync, args.k, args.hierarchical, args.ranks_per_node,
                        pipelined=not args.sequential, mem_budget=args.mem_budget)
     cfg.checkpoint_every = args.checkpoint_every
+    cfg.eval_every = args.eval_every
     if args.herald:
         cfg.ps.schedule, cfg.ps.worker_cache_rows = "herald", args.herald
     cfg.ps.lookahead = args.lookahead
@@ -206,7 +207,9 @@ def run_train(node, out: str, args) -> None:
                     raise ValueError(f"rank 1's data: malformed at step {at}")
                 yield b
         mine = failing(mine, args.fail_at_step)
-    summary = train(cfg, resume=args.resume, progress=False, train_batches=mine, eval_batches=[], node=node)
+    evals = [rank_part(b, node.rank, args.per_rank) for b in global_batches(2, args.per_rank, node.size, seed=77)] \
+        if args.eval_every else []
+    summary = train(cfg, resume=args.resume, progress=False, train_batches=mine, eval_batches=evals, node=node)
     if "finished_before" in summary:  # resumed with nothing left to train
         with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
             json.dump({"finished_before": summary["finished_before"]}, f)
@@ -217,7 +220,8 @@ def run_train(node, out: str, args) -> None:
                    "merges": summary["distributed"]["dense_merges"],
                    "prefetch_waits": summary["pipeline"]["prefetch_waits"],
                    "herald": summary["ps"].get("herald"), "admission": summary["admission"],
-                   "codecs": summary["ps"]["distributed"]["codecs"]}, f)
+                   "codecs": summary["ps"]["distributed"]["codecs"],
+                   "evals": [{k: h.get(k) for k in ("batches", "auc", "logloss")} for h in summary["history"]]}, f)
 
 
 def run_kstep(node, out: str, args) -> None:
@@ -291,6 +295,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--how", default="hang")
     ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=0, help="evaluations every N steps, inside the step")
     ap.add_argument("--die-at-checkpoint", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fail-at-step", type=int, default=0)

@@ -266,6 +266,22 @@ def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extr
     assert all(x["scheduler_bytes"] == 0 for x in h[1:]) and all(rep["bytes_sent"]["plan"] == 0 for rep in reports[1:])
 
 
+def test_herald_evaluations_inside_a_step_see_what_the_sequential_job_sees(tmp_path):
+    """An evaluation in a step's hook pulls while the leader has scheduled the next
+    step (the pipeline's load stage makes it): the caches flush the rows as the last
+    applied step left them, evicted ones included, so every evaluation of the job
+    equals the sequential job's (up to the order floats are summed in)."""
+    steps, per_rank = 8, 48
+    for schedule, extra in (("seq", ()), ("her", ("--herald", 150))):
+        scenario(2, "train", tmp_path / schedule, "--steps", steps, "--per-rank", per_rank, "--eval-every", 2, *extra)
+    seq, her = (json.loads((tmp_path / s / "rank0.json").read_text()) for s in ("seq", "her"))
+    assert [e["batches"] for e in her["evals"]] == [e["batches"] for e in seq["evals"]] == [2, 4, 6, 8, 8]
+    for a, b in zip(seq["evals"], her["evals"]):
+        assert b["logloss"] == pytest.approx(a["logloss"], rel=1e-6, abs=1e-7), a["batches"]
+        assert b["auc"] == pytest.approx(a["auc"], abs=1e-6), a["batches"]
+    assert her["herald"]["evict_pushes"] > 0 and her["herald"]["flushes"] >= 4
+
+
 def test_a_herald_rank_given_no_examples_still_takes_part(tmp_path):
     """Steps of fewer examples than ranks (1 a rank, and the last rank's data ended two
     steps early: 3 examples for 4 ranks) leave a rank with no examples and no keys to

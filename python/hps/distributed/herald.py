@@ -11,9 +11,13 @@ every step; the others learn only their part of the plan:
   the leader (its distinct keys and where each example's sit among them), and its
   distinct keys to their owners, which pin them in MEM-PS (a rank may fetch them
   from there);
+- schedule (when the step's batch is made: the pipeline's load stage, while the
+  step before trains): the leader runs Herald (hps.herald) on the global batch
+  and cuts the plan into parts; it keeps the caches' keys as the step before
+  left them, for a flush in the meantime (as hps.worker_caches does on a node);
 - partition (first in the train stage, where every rank's cache agrees with the
-  snapshot): the leader runs Herald (hps.herald) on the global batch and sends
-  each rank its plan part (``plan`` bytes): the rank of each of its examples; for
+  snapshot before the step): the leader sends each rank its plan part (``plan``
+  bytes): the rank of each of its examples; for
   each key it will train (ascending), its trainers (a bit a rank) and where its
   row comes from when the rank's cache lacks it; the rows it serves to others;
   the rows its evictions lost; and, when its table must be compacted, the keys
@@ -29,13 +33,18 @@ every step; the others learn only their part of the plan:
 So the job computes what the sequential one does, up to the order in which floats
 are summed (tests/test_distributed.py runs both on 2 and 4 ranks). The leader's
 scheduler sees the whole global batch: its cost does not fall with more ranks,
-and the other ranks wait for it at each step's partition. Were every rank to run
+and it runs beside the step before (the ranks wait for it only where it takes
+longer than that step). Steps start in the order they were made, each after the
+one before it applied. Were every rank to run
 it, every rank's keys would go to every other: W - 1 times the leader's inbound
 keys, and W schedulers' CPU. With ``[ps] lookahead``, every rank's window goes to the
 leader (the scheduler keeps the job's window last) and to the owners (MEM-PS
 keeps it). Multi-hot fields are not taken (hps train refuses them).
 """
 from __future__ import annotations
+
+import collections
+import threading
 
 import numpy as np
 
@@ -122,6 +131,13 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         self._cached = 0   # keys this rank's cache holds (the leader's count, at the last plan)
         if self.leader:  # every rank's table as the leader plans it: rows present and table size
             self._tables = [[0, self._table_rows] for _ in range(node.size)]
+        # Steps made (scheduled) and applied; the leader's (number, the caches' keys
+        # before it) of each step scheduled and not applied, oldest first. Under
+        # _scheduling: steps are made on the loader thread and run on the train thread.
+        self._scheduling = threading.Lock()
+        self._made = 0
+        self._applied = 0
+        self._pending: collections.deque = collections.deque()
         self._init_fail_stop()
         self._dirty = False
         self.counts = {"batches": 0, "examples_sent": 0, "examples_kept": 0, "ps_loads": 0, "peer_fetches": 0,
@@ -133,17 +149,16 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         return _core.DeviceTier(1, rows, self.local._native_opt, threads=self.local.config.device_threads)
 
     # ------------------------------------------------------------ state
-    def _compactions(self, incoming: int) -> dict:
-        """Leader, before a step is scheduled (tables and snapshot agree): the ranks
-        whose tables lack room for `incoming` rows, each with the keys its cache
-        holds and its table's new size (doubled until they fit at half load)."""
-        out, held = {}, None
+    def _compactions(self, incoming: int, held: list) -> dict:
+        """Leader, before a step is scheduled: the ranks whose tables (as the steps
+        scheduled before leave them) lack room for `incoming` rows, each with the
+        keys its cache holds (held[r]) and its table's new size (doubled until they
+        fit at half load)."""
+        out = {}
         for r, table in enumerate(self._tables):
             present, rows = table
             if not needs_rebuild(present, incoming, rows):
                 continue
-            if held is None:
-                held = self.herald.cached_by_worker()
             keys = held[r]
             rows = rebuilt_table_rows(rows, len(keys), incoming)
             table[:] = [len(keys), rows]
@@ -197,7 +212,9 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
             blocks = []
             if self.leader:
                 written = np.empty(0, np.uint64)
-                for held in self.herald.cached_by_worker():
+                with self._scheduling:  # the caches as the last step applied left them
+                    cached = self._pending[0][1] if self._pending else self.herald.cached_by_worker()
+                for held in cached:
                     blocks.append(held[~np.isin(held, written, assume_unique=True)])
                     written = np.union1d(written, held)
             mine = self._from_leader("train", blocks, "plan", "flush keys", np.empty(0, np.uint64))
@@ -217,6 +234,8 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         emptied first (the step goes to the owners' rows)."""
         with self._lock:
             self.flush()
+            if self._made != self._applied:
+                raise RuntimeError(f"push with {self._made - self._applied} Herald steps made and not applied")
             if self.leader:
                 self.herald.clear()
                 for table in self._tables:
@@ -286,12 +305,39 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         self.local._cache.set_lookahead(got[owner_ranks(got, W) == me] if self.leader else got)
         return got if self.leader else None
 
-    def _plan_parts(self, pre: HeraldPrefetched) -> list:
-        """Leader: schedules the step and cuts the plan into each rank's part (_PART)."""
+    def _schedule(self, pre: HeraldPrefetched) -> tuple:
+        """Numbers a step as it is made; the leader schedules it and keeps the
+        caches' keys before it. Returns (number, the plan parts or None)."""
+        self.check()
+        with self._scheduling:
+            parts = None
+            if self.leader:
+                held = self.herald.cached_by_worker()
+                parts = self._plan_parts(pre, held)
+                self._pending.append((self._made, held))
+            self._made += 1
+            return self._made - 1, parts
+
+    def _begin(self, number: int) -> None:
+        with self._scheduling:
+            if number != self._applied:
+                raise RuntimeError(f"Herald steps start in the order they were made, each after the one before "
+                                   f"it applied: step {number} started after {self._applied} applied")
+
+    def _finished(self, number: int) -> None:
+        """Step `number` applied (or was aborted): it is no longer pending."""
+        with self._scheduling:
+            self._pending = collections.deque(p for p in self._pending if p[0] != number)
+            if not self._failed:
+                self._applied += 1
+
+    def _plan_parts(self, pre: HeraldPrefetched, held: list) -> list:
+        """Leader: schedules the step and cuts the plan into each rank's part (_PART);
+        held: the caches' keys before it."""
         W = self.node.size
         uniq, inverse, examples = pre.uniq, pre.inverse, pre.examples
         fields = examples.shape[1]
-        compact = self._compactions(most_fetched(len(examples), fields, W, len(uniq)))
+        compact = self._compactions(most_fetched(len(examples), fields, W, len(uniq)), held)
         plan = self.herald.schedule(examples, upcoming=pre.upcoming)
         fetches = np.diff(plan.fetch_offsets).astype(np.int64)
         for table, n in zip(self._tables, fetches):
@@ -332,7 +378,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
 
     def stats(self) -> dict:
         s = super().stats()
-        with self._lock:
+        with self._lock, self._scheduling:
             s["herald"] = {**self.counts, "cached": self._cached, "capacity": self.capacity,
                            "table_rows": self._table_rows, "leader": LEADER,
                            "scheduler_bytes": self.herald.memory_bytes if self.leader else 0}
@@ -353,9 +399,17 @@ class HeraldDistBatch(BatchBase):
         self.exchanged = None  # the examples this rank trains (hps.pipeline takes them as the batch's data)
         self._data = None
         self._lost = None  # the keys this rank's evictions lost, from its plan part (set: partitioned)
-        self._scheduled = False  # partition began: the leader's snapshot may have taken this step
+        self._number = None  # set: scheduled (the leader's snapshot has taken this step)
         self._applied = False
         self._done = False
+        try:
+            self._number, self._parts = server._schedule(pre)
+        except BaseException as e:
+            self._done = True
+            pre.release()
+            if server._failed is None:  # the leader's tables may have taken the step
+                server.fail(f"{type(e).__name__} while a step was scheduled: {e}")
+            raise
 
     def bind(self, data) -> None:
         """The rank's own examples of this step (its reader's batch): partition()
@@ -365,6 +419,8 @@ class HeraldDistBatch(BatchBase):
     # ------------------------------------------------------------ partition
     def partition(self) -> list:
         if self._lost is None:
+            self.server.check()
+            self.server._begin(self._number)  # out of order: an error, the server unharmed
             with self.server.step():
                 self._start()
         return self._minibatches
@@ -372,8 +428,7 @@ class HeraldDistBatch(BatchBase):
     def _start(self) -> None:
         s, node = self.server, self.server.node
         W, me = node.size, node.rank
-        self._scheduled = True
-        blocks = s._plan_parts(self.pre) if s.leader else None
+        blocks, self._parts = self._parts, None
         part = _unpack(s._from_leader("train", blocks, "plan", "herald plan parts", np.empty(0, np.uint8)), _PART)
         counts, dest, bits, source, served, serve_counts, from_peer, self._lost, held = part
         got = dict(zip(_COUNTS, counts.tolist()))
@@ -488,6 +543,7 @@ class HeraldDistBatch(BatchBase):
         with s.step(check=False):
             self._apply(s, node, W, me)
             s._dirty = True
+            s._finished(self._number)
         self._applied = True
 
     def _apply(self, s, node, W, me) -> None:
@@ -534,7 +590,8 @@ class HeraldDistBatch(BatchBase):
     def abort(self) -> None:
         if self._done:
             return
-        if not self._applied and self._scheduled:
+        if not self._applied and self._number is not None:
             self.server.fail("a step was aborted after it was scheduled")
+            self.server._finished(self._number)
         self._done = True
         self.pre.release()
