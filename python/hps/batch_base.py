@@ -2,9 +2,11 @@
 batches, Herald's batches on one node and across ranks): finish(), the with-block
 protocol, positions / gather / accumulate for a batch that looks rows up by key,
 and finding a batch's keys among the keys it prefetched; and what the owners of
-Herald's caches share: stopping after a failed step."""
+Herald's caches share: stopping after a failed step, and batches scheduled when
+made and run later in that order."""
 from __future__ import annotations
 
+import collections
 import threading
 from contextlib import contextmanager
 from typing import Optional
@@ -117,3 +119,51 @@ class StopsAfterAFailedStep:
             except BaseException as e:
                 self.fail(f"{type(e).__name__}: {e}")
                 raise
+
+
+class RunsInMadeOrder:
+    """For an owner whose batches are scheduled when they are made (the
+    pipeline's load stage, while the batch before trains) and run later: they
+    start in the order they were made, each after the one before it applied;
+    what the snapshot held before each pending batch (scheduled, not applied)
+    is kept for a flush in the meantime. With StopsAfterAFailedStep (a failed
+    owner counts nothing applied). ``_unit`` and ``_units`` name a batch in errors."""
+
+    _unit, _units = "batch", "batches"
+
+    def _init_made_order(self) -> None:
+        # Batches are made on one thread (the loader) and run on another.
+        self._scheduling = threading.Lock()
+        self._made = 0
+        self._applied = 0  # the next batch to start is the one made as number _applied
+        self._pending: collections.deque = collections.deque()  # (number, held) oldest first
+
+    def _made_one(self, held) -> int:
+        """Under _scheduling: numbers the batch being made; `held`, the snapshot's
+        caches before it (None: not kept)."""
+        number = self._made
+        self._made += 1
+        if held is not None:
+            self._pending.append((number, held))
+        return number
+
+    def _begin(self, number: int) -> None:
+        """Batch `number` starts: the owner has not failed, and the batch before
+        it applied (out of order: RuntimeError, the owner unharmed)."""
+        self.check()
+        with self._scheduling:
+            if number != self._applied:
+                raise RuntimeError(f"Herald {self._units} start in the order they were made, each after the one "
+                                   f"before it applied: {self._unit} {number} started after {self._applied} applied")
+
+    def _finished(self, number: int) -> None:
+        """Batch `number` applied (or was aborted): it is no longer pending."""
+        with self._scheduling:
+            self._pending = collections.deque(p for p in self._pending if p[0] != number)
+            if self._failed is None:
+                self._applied += 1
+
+    def _as_applied(self, live):
+        """Under _scheduling: the caches as the last applied batch left them: what
+        the oldest pending batch's schedule found, else live() (none pending)."""
+        return self._pending[0][1] if self._pending else live()

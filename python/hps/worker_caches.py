@@ -48,13 +48,11 @@ and checkpoint take the step lock, and the snapshot has a lock of its own.
 """
 from __future__ import annotations
 
-import collections
-import threading
 from typing import Optional
 
 import numpy as np
 
-from hps.batch_base import BatchBase, StopsAfterAFailedStep, prefetched_positions
+from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep, prefetched_positions
 from hps.herald import Herald
 
 
@@ -103,7 +101,7 @@ def most_fetched(n_examples: int, fields: int, workers: int, distinct: int) -> i
     return min(distinct, -(-n_examples // workers) * fields)
 
 
-class WorkerCaches(StopsAfterAFailedStep):
+class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
     """The persistent device tier of ``workers`` devices, each a cache of at
     most ``capacity`` rows, scheduled by Herald. Built by ParameterServer."""
 
@@ -121,17 +119,13 @@ class WorkerCaches(StopsAfterAFailedStep):
         self._table_rows = first_table_rows(capacity)
         self._tier = ps._new_tier(self._table_rows)
         self._gradient_slots = np.full(workers, self._table_rows, np.int64)  # each device's gradient table's
-        # The snapshot and the tables as the scheduled batches will leave them,
-        # under _scheduling: each device's rows, live or stale, once they have
-        # fetched (an upper bound: a fetch that overwrote a stale row is counted
-        # again), and the tables' rows.
-        self._scheduling = threading.Lock()
+        # The tables as the scheduled batches will leave them, under _scheduling:
+        # each device's rows, live or stale, once they have fetched (an upper
+        # bound: a fetch that overwrote a stale row is counted again), and the
+        # tables' rows.
+        self._init_made_order()
         self._planned_present = np.zeros(workers, np.int64)
         self._planned_rows = self._table_rows
-        self._scheduled = 0  # batches scheduled
-        self._applied = 0    # batches applied: the next to start is the one scheduled as number _applied
-        # (number, the caches' keys before it) of each batch scheduled and not applied, oldest first
-        self._pending: collections.deque = collections.deque()
         self._init_fail_stop()
         self._dirty = False  # some cached row is newer than MEM-PS's copy
         self.moved_rows = np.zeros((workers, workers), np.uint64)  # whole rows copied device to device
@@ -161,24 +155,7 @@ class WorkerCaches(StopsAfterAFailedStep):
                 self._planned_rows = rebuild
                 self._planned_present[:] = [len(k) for k in held]
             self._planned_present += np.diff(plan.fetch_offsets).astype(np.int64)
-            number = self._scheduled
-            self._scheduled += 1
-            self._pending.append((number, held))
-        return number, plan, held, rebuild
-
-    def _begin(self, number: int) -> None:
-        """Batch `number` starts: the one before it must have applied."""
-        with self._scheduling:
-            if number != self._applied:
-                raise RuntimeError(f"Herald batches start in the order they were made, each after the one before "
-                                   f"it applied: batch {number} started after {self._applied} applied")
-
-    def _finished(self, number: int) -> None:
-        """Batch `number` applied (or was aborted): it is no longer pending."""
-        with self._scheduling:
-            self._pending = collections.deque(p for p in self._pending if p[0] != number)
-            if not self._failed:
-                self._applied += 1
+            return self._made_one(held), plan, held, rebuild
 
     def _rebuild(self, held: list, table_rows: int) -> None:
         """At a batch's start (the batch before it applied): each device's table
@@ -218,7 +195,7 @@ class WorkerCaches(StopsAfterAFailedStep):
             if not self._dirty:
                 return 0
             with self._scheduling:
-                held = self._pending[0][1] if self._pending else self.herald.cached_by_worker()
+                held = self._as_applied(self.herald.cached_by_worker)
             keys = np.concatenate(held) if held else np.empty(0, np.uint64)
             owners = np.repeat(np.arange(self.workers, dtype=np.int32), [len(k) for k in held])
             keys, first = np.unique(keys, return_index=True)  # a key once, from its lowest holder
@@ -327,8 +304,7 @@ class HeraldBatch(BatchBase):
         """Fetches the batch's rows (after the batch before it applied); returns
         each device's example indices (the pipeline's mini-batches)."""
         if not self._started:
-            self._caches.check()
-            self._caches._begin(self._number)  # out of order: an error, the caches unharmed
+            self._caches._begin(self._number)
             with self._caches.step():
                 self._start()
         return self._minibatches

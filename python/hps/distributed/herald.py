@@ -43,13 +43,10 @@ keeps it). Multi-hot fields are not taken (hps train refuses them).
 """
 from __future__ import annotations
 
-import collections
-import threading
-
 import numpy as np
 
 from hps import _core
-from hps.batch_base import BatchBase, StopsAfterAFailedStep
+from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep
 from hps.distributed.comm import Node
 from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks, rank_positions, window_keys
 from hps.herald import Herald
@@ -108,12 +105,13 @@ class HeraldPrefetched:
             self._cache.unpin(self.pinned)
 
 
-class HeraldServer(StopsAfterAFailedStep, DistributedServer):
+class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
     """DistributedServer with Herald's schedule: a cache of at most ``capacity``
     rows on each rank. Collective like DistributedServer: every rank calls
     prefetch, batch, the batch's calls, pull, push and checkpoint in the same order."""
 
     _what = "the rank's Herald cache"
+    _unit, _units = "step", "steps"
     _resume_hint = "rerun the job with --resume from its last checkpoint"
 
     def __init__(self, local: ParameterServer, node: Node, capacity: int):
@@ -131,13 +129,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         self._cached = 0   # keys this rank's cache holds (the leader's count, at the last plan)
         if self.leader:  # every rank's table as the leader plans it: rows present and table size
             self._tables = [[0, self._table_rows] for _ in range(node.size)]
-        # Steps made (scheduled) and applied; the leader's (number, the caches' keys
-        # before it) of each step scheduled and not applied, oldest first. Under
-        # _scheduling: steps are made on the loader thread and run on the train thread.
-        self._scheduling = threading.Lock()
-        self._made = 0
-        self._applied = 0
-        self._pending: collections.deque = collections.deque()
+        self._init_made_order()  # the leader keeps the caches' keys before each pending step
         self._init_fail_stop()
         self._dirty = False
         self.counts = {"batches": 0, "examples_sent": 0, "examples_kept": 0, "ps_loads": 0, "peer_fetches": 0,
@@ -213,7 +205,7 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
             if self.leader:
                 written = np.empty(0, np.uint64)
                 with self._scheduling:  # the caches as the last step applied left them
-                    cached = self._pending[0][1] if self._pending else self.herald.cached_by_worker()
+                    cached = self._as_applied(self.herald.cached_by_worker)
                 for held in cached:
                     blocks.append(held[~np.isin(held, written, assume_unique=True)])
                     written = np.union1d(written, held)
@@ -310,26 +302,11 @@ class HeraldServer(StopsAfterAFailedStep, DistributedServer):
         caches' keys before it. Returns (number, the plan parts or None)."""
         self.check()
         with self._scheduling:
-            parts = None
+            parts = held = None
             if self.leader:
                 held = self.herald.cached_by_worker()
                 parts = self._plan_parts(pre, held)
-                self._pending.append((self._made, held))
-            self._made += 1
-            return self._made - 1, parts
-
-    def _begin(self, number: int) -> None:
-        with self._scheduling:
-            if number != self._applied:
-                raise RuntimeError(f"Herald steps start in the order they were made, each after the one before "
-                                   f"it applied: step {number} started after {self._applied} applied")
-
-    def _finished(self, number: int) -> None:
-        """Step `number` applied (or was aborted): it is no longer pending."""
-        with self._scheduling:
-            self._pending = collections.deque(p for p in self._pending if p[0] != number)
-            if not self._failed:
-                self._applied += 1
+            return self._made_one(held), parts
 
     def _plan_parts(self, pre: HeraldPrefetched, held: list) -> list:
         """Leader: schedules the step and cuts the plan into each rank's part (_PART);
@@ -419,8 +396,7 @@ class HeraldDistBatch(BatchBase):
     # ------------------------------------------------------------ partition
     def partition(self) -> list:
         if self._lost is None:
-            self.server.check()
-            self.server._begin(self._number)  # out of order: an error, the server unharmed
+            self.server._begin(self._number)
             with self.server.step():
                 self._start()
         return self._minibatches
