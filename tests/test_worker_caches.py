@@ -182,6 +182,33 @@ def test_a_batch_aborted_after_its_schedule_stops_the_caches(tmp_path, started):
     assert ps._herald_active == 0  # every batch let go of its pins
 
 
+def test_a_pipeline_failing_midway_stops_the_caches_and_lets_go_of_every_pin(tmp_path):
+    """The pipeline's loader makes (schedules) batches ahead of the train stage; when a
+    step fails, the batches made after it are dropped: the caches stop (their snapshot
+    moved on) and every batch lets go of its MEM-PS pins."""
+    from hps.data import Batch
+    from hps.pipeline import Pipeline
+    ps = server(tmp_path / "a", "herald")
+    data = [Batch(np.zeros(len(k), np.float32), np.zeros((len(k), 1), np.float32), k) for k in trace(batches=12)]
+    trained = []
+
+    def step(loaded):
+        if len(trained) == 5:
+            raise ValueError("the model's step failed at batch 5")
+        b = loaded.batch
+        for w, idx in enumerate(loaded.minibatches):
+            k = loaded.data.keys[idx].reshape(-1)
+            b.push(k, (0.3 * b.pull(k, worker=w) + 0.02).astype(np.float32), worker=w)
+        trained.append(len(trained))
+
+    with pytest.raises(ValueError, match="failed at batch 5"):
+        Pipeline(ps, step, devices=4).run(iter(data))
+    assert len(trained) == 5
+    assert ps._herald_active == 0 and ps.stats()["mem"]["pinned"] == 0
+    with pytest.raises(RuntimeError, match=r"stopped after a failed batch \(a batch was aborted after it was sched"):
+        ps.pull(data[0].keys.reshape(-1))
+
+
 class _TierWhoseApplyFails:
     """The device tier, but its optimizer step raises (a device lost mid-step)."""
 
