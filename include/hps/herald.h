@@ -91,6 +91,11 @@
 // against the caches. At W = 8 the index (load near 0.5, where its probes
 // stay short: at 0.6 to 0.7 a batch took 5 to 15% longer) and the log's room
 // between compactions (each rebuilds the index, some 5 ms) are what is left.
+// An index of 16-slot buckets (a cache line compared at once, where an erase
+// can free its slot outright) probes short at loads up to 0.9, a smaller
+// index, but its compares cost more instructions than these short linear
+// probes, and Find is bound by instructions once its prefetches land: a batch
+// took longer than the budget allows (measured, not kept).
 // memory_bytes() counts all of it: every slot and record allocated, live,
 // dead or spare. The index and the log, read at random a key each, sit on
 // transparent huge pages where the kernel gives them (no more memory: a
