@@ -141,21 +141,22 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         ones): any thread, batches in the order they train. Decides whether its
         tables must be rebuilt first: room for the most rows a device can fetch,
         by dropping stale rows, then by larger tables. Returns (number, plan,
-        the caches' keys before it, the rebuilt tables' rows or 0)."""
+        rebuild): rebuild is None, or (the caches' keys before the batch, the
+        rebuilt tables' rows) for _rebuild at its start."""
         self.check()
         n, fields = examples.shape
         incoming = most_fetched(n, fields, self.workers, distinct)
         with self._scheduling:
             held = self.herald.cached_by_worker()  # as the batch before leaves them
-            rebuild = 0
+            rebuild = None
             if needs_rebuild(int(self._planned_present.max()), incoming, self._planned_rows):
-                rebuild = rebuilt_table_rows(self._planned_rows, max(len(k) for k in held), incoming)
+                rebuild = (held, rebuilt_table_rows(self._planned_rows, max(len(k) for k in held), incoming))
             plan = self.herald.schedule(examples, upcoming=upcoming)  # lookahead: kept last
-            if rebuild:
-                self._planned_rows = rebuild
+            if rebuild is not None:
+                self._planned_rows = rebuild[1]
                 self._planned_present[:] = [len(k) for k in held]
             self._planned_present += np.diff(plan.fetch_offsets).astype(np.int64)
-            return self._made_one(held), plan, held, rebuild
+            return self._made_one(held), plan, rebuild
 
     def _rebuild(self, held: list, table_rows: int) -> None:
         """At a batch's start (the batch before it applied): each device's table
@@ -259,8 +260,7 @@ class HeraldBatch(BatchBase):
         c, pre, W = self._caches, self._pre, self._caches.workers
         examples = pre.examples
         n, fields = examples.shape
-        self._number, plan, self._held, self._rebuild_rows = c.schedule(
-            examples, len(self.keys), getattr(pre, "upcoming", None))
+        self._number, plan, self._rebuild = c.schedule(examples, len(self.keys), getattr(pre, "upcoming", None))
         self._plan = plan
         order = np.argsort(plan.assignment, kind="stable")
         bounds = np.searchsorted(plan.assignment[order], np.arange(W + 1))
@@ -312,9 +312,9 @@ class HeraldBatch(BatchBase):
     def _start(self) -> None:
         c, plan, W = self._caches, self._plan, self._caches.workers
         self._started = True
-        if self._rebuild_rows:
-            c._rebuild(self._held, self._rebuild_rows)
-        self._held = None  # (the caches keep it while the batch is pending: flush)
+        if self._rebuild is not None:
+            c._rebuild(*self._rebuild)
+            self._rebuild = None
         size_gradients(c._tier, c._gradient_slots, np.bincount(self._primary, minlength=W), c._table_rows)
 
         # Fetches: rows the trainers lack, from MEM-PS or from a peer's table.
