@@ -5,7 +5,10 @@ input column (what nn.Linear's autograd computes) against the embedding columns 
 features' gradient is read by nothing). At k <= 16 units, where CtrModel runs hps's
 own kernels (hps/narrow_linear.h), those too: the embedding columns' gradient and the
 forward product (x (4096, 429) times the weight, plus the bias) and the weight's and
-bias's gradients by hps against torch's mm, addmm, and mm with sum.
+bias's gradients by hps against torch's mm, addmm, and mm with sum. Above 16 units, the
+weight's gradient grad.T times x over x's 429 columns (nn.Linear's) against over its
+rows padded to 432 floats, a multiple of 64 bytes, with the weight's columns copied out
+after (hps.torch._FirstLayer's).
 
     python3 bench/first_layer_bench.py            # k = 16 .. 512 units, 1 and 2 threads
     python3 bench/first_layer_bench.py --quick    # fewer repeats and shapes (the test's)
@@ -38,6 +41,8 @@ from _provenance import provenance  # noqa: E402
 
 # hps.torch runs the narrow kernels on one thread whatever torch's threads (_NARROW_THREADS).
 from hps.torch import _NARROW_THREADS as NARROW_THREADS  # noqa: E402
+# A wider first layer's input rows and weight's gradient (hps.torch._FirstLayer).
+from hps.torch import _ROW_FLOATS as ROW_FLOATS, _weight_grad as weight_grad_over_rows  # noqa: E402
 
 
 def narrow_input_grad(grad, weight, width: int, threads: int):
@@ -69,9 +74,17 @@ def torch_weight_grad(grad, x):
     return grad.t().mm(x)
 
 
+def padded_weight_grad(grad, x):
+    """The weight's and the bias's gradients as hps.torch._FirstLayer computes them at
+    more than 16 units: x's rows padded to a multiple of 64 bytes (hps.torch._model_input),
+    the product over the whole rows (hps.torch._weight_grad); the weight's is returned."""
+    grad.sum(0)
+    return weight_grad_over_rows(grad, x)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 repeats, k = 16, one thread")
+    ap.add_argument("--quick", action="store_true", help="3 repeats, k = 16 and 64, one thread")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--examples", type=int, default=4096)
     args = ap.parse_args()
@@ -79,7 +92,7 @@ def main() -> None:
 
     hps.tuning.keep_freed_memory()
     repeats = 3 if args.quick else args.repeats
-    units = (16,) if args.quick else (16, 64, 256, 512)
+    units = (16, 64) if args.quick else (16, 64, 256, 512)
     threads = (1,) if args.quick else (1, 2)
     fields, dim, n_dense = 26, 16, 13
     width, columns = fields * dim, fields * dim + n_dense
@@ -105,6 +118,13 @@ def main() -> None:
                 want["torch_weight_grad"] = want["hps_weight_grad"] = grad.double().t() @ x.double()
                 want["hps_embedding_columns"] = want["embedding_columns"]
                 want["torch_forward"] = want["hps_forward"] = x.double() @ weight.double().t() + bias.double()
+            else:  # torch's products: the weight's gradient over x's 429 columns, or as hps.torch pads them
+                x = torch.from_numpy(rng.standard_normal((args.examples, columns)).astype(np.float32))
+                padded = torch.zeros(args.examples, -(-columns // ROW_FLOATS) * ROW_FLOATS)[:, :columns]
+                padded.copy_(x)
+                sides["torch_weight_grad"] = lambda: torch_weight_grad(grad, x)
+                sides["padded_weight_grad"] = lambda: padded_weight_grad(grad, padded)
+                want["torch_weight_grad"] = want["padded_weight_grad"] = grad.double().t() @ x.double()
             times = {name: [] for name in sides}
             for _ in range(repeats):
                 for name, product in sides.items():
@@ -120,6 +140,9 @@ def main() -> None:
                 row[name] = {"median_ms": round(float(np.median(v)), 3), "min_ms": round(min(v), 3),
                              "max_ms": round(max(v), 3)}
             row["ratio"] = round(row["every_column"]["median_ms"] / row["embedding_columns"]["median_ms"], 2)
+            if "padded_weight_grad" in row:  # over 429 columns / over padded rows
+                row["padded_weight_grad_ratio"] = round(
+                    row["torch_weight_grad"]["median_ms"] / row["padded_weight_grad"]["median_ms"], 2)
             if "hps_forward" in row:  # torch's time over hps's
                 row["hps_input_grad_ratio"] = round(
                     row["embedding_columns"]["median_ms"] / row["hps_embedding_columns"]["median_ms"], 2)
@@ -131,6 +154,10 @@ def main() -> None:
             print(f"threads {t} k {k:4d}: every column {e['median_ms']:7.3f} ms ({e['min_ms']:.3f}-{e['max_ms']:.3f}), "
                   f"embedding columns {c['median_ms']:7.3f} ms ({c['min_ms']:.3f}-{c['max_ms']:.3f}): "
                   f"{row['ratio']:.2f}x", file=sys.stderr)
+            if "padded_weight_grad" in row:
+                print(f"    weight's gradient over {columns} columns {row['torch_weight_grad']['median_ms']:7.3f} ms, "
+                      f"over padded rows {row['padded_weight_grad']['median_ms']:7.3f} ms "
+                      f"({row['padded_weight_grad_ratio']:.2f}x)", file=sys.stderr)
             if "hps_forward" in row:
                 h, f, hf = row["hps_embedding_columns"], row["torch_forward"], row["hps_forward"]
                 print(f"    hps embedding columns {h['median_ms']:7.3f} ms ({row['hps_input_grad_ratio']:.2f}x torch's); "

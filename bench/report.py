@@ -987,10 +987,21 @@ def render_w4l(o: dict) -> list[str]:
              f"{r['ratio']:.2f}x"] for r in o["rows"]]
     out += table(["torch threads", "k (first layer's units)", "every column, ms", "embedding columns, ms",
                   "every / embedding"], rows)
+    def ms(side):
+        return spread(side["median_ms"], side["min_ms"], side["max_ms"], ".2f")
+
+    padded = [r for r in o["rows"] if "padded_weight_grad" in r]  # the earlier lines lack it
+    if padded:
+        out += ["", f"Above 16 units, the weight's gradient (grad.T times x) over x's {o['columns']} columns, as "
+                    f"nn.Linear's autograd computes it, and over x's rows padded to a multiple of 64 bytes, as "
+                    f"hps.torch's CtrModel does on the CPU (the weight's columns copied out after); ratios are the "
+                    f"first's time over the second's.", ""]
+        out += table(["torch threads", "k", f"over {o['columns']} columns, ms", "over padded rows, ms",
+                      "columns / padded"],
+                     [[str(r["threads"]), str(r["k"]), ms(r["torch_weight_grad"]), ms(r["padded_weight_grad"]),
+                       f"{r['padded_weight_grad_ratio']:.2f}x"] for r in padded])
     narrow = [r for r in o["rows"] if "hps_forward" in r]
     if narrow:
-        def ms(side):
-            return spread(side["median_ms"], side["min_ms"], side["max_ms"], ".2f")
         weight = all("hps_weight_grad" in r for r in narrow)  # lines before its kernel lack it
         out += ["", f"At k <= 16, where CtrModel runs hps's own kernels (hps/narrow_linear.h, the "
                     f"{o.get('hps_kernel', '?')} version here), the same products by hps, and the forward product "

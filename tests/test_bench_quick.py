@@ -274,7 +274,7 @@ def test_herald_system_quick_moves_fewer_rows_and_learns_the_same():
 
 def test_first_layer_quick():
     out = run_json("bench/first_layer_bench.py", "--quick")
-    (row,) = out["rows"]
+    row, wide = out["rows"]
     assert (row["threads"], row["k"]) == (1, 16) and out["embedding_columns"] == 416 and out["columns"] == 429
     for side in ("every_column", "embedding_columns", "hps_embedding_columns", "torch_forward", "hps_forward",
                  "torch_weight_grad", "hps_weight_grad"):
@@ -284,3 +284,10 @@ def test_first_layer_quick():
     assert row["hps_weight_grad_ratio"] == round(
         row["torch_weight_grad"]["median_ms"] / row["hps_weight_grad"]["median_ms"], 2)
     assert out["hps_kernel"] in ("avx512", "avx2", "portable")
+    # At 64 units torch's products, the weight's gradient also over padded rows (each
+    # checked against float64's by the benchmark, which exits otherwise).
+    assert (wide["threads"], wide["k"]) == (1, 64) and "hps_forward" not in wide
+    for side in ("torch_weight_grad", "padded_weight_grad"):
+        assert 0 < wide[side]["min_ms"] <= wide[side]["median_ms"] <= wide[side]["max_ms"]
+    assert wide["padded_weight_grad_ratio"] == round(
+        wide["torch_weight_grad"]["median_ms"] / wide["padded_weight_grad"]["median_ms"], 2)

@@ -146,17 +146,17 @@ def test_host_batches_train_exactly_like_the_device_tier(tmp_path, mode):
     assert not np.array_equal(runs[True][1][0], runs[True][1][-1])
 
 
-def graph_nodes(tensor) -> set:
-    """The names of the autograd nodes behind `tensor`."""
-    names, seen, todo = set(), set(), [tensor.grad_fn]
+def graph_nodes(tensor, as_nodes: bool = False):
+    """The names of the autograd nodes behind `tensor` (a set); as_nodes: the nodes themselves (a list)."""
+    nodes, seen, todo = [], set(), [tensor.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        names.add(node.name())
+        nodes.append(node)
         todo.extend(n for n, _ in node.next_functions)
-    return names
+    return nodes if as_nodes else {node.name() for node in nodes}
 
 
 @pytest.mark.parametrize("hidden, host_in_place", [((16,), True), ((24, 8), True), ((16,), False)])
@@ -209,6 +209,37 @@ def test_ctr_model_trains_like_plain_torch(tmp_path, hidden, host_in_place):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(rows[frozen], before[frozen])
     assert (rows != before).any(axis=1).sum() == vocab - 1  # every other key was drawn and trained
+
+
+def test_a_wide_first_layer_pads_its_input_rows_and_keeps_the_weight_gradient_to_its_columns(tmp_path):
+    """Above 16 units _FirstLayer gathers its input into rows a multiple of 16 floats
+    apart (26 columns here: 32), zeros after the columns, and _weight_grad multiplies
+    over the whole rows and hands back the weight's columns only; at 16 units (hps's
+    own kernels) the rows are as long as the input."""
+    fields, n_dense = 3, 2
+    for hidden, stride in (((24, 8), 32), ((16,), fields * DIM + n_dense)):
+        ps = make_ps(tmp_path / str(hidden[0]))
+        model = ht.CtrModel(ps, num_fields=fields, num_dense=n_dense, hidden=hidden, seed=3)
+        keys = np.arange(10 * fields, dtype=np.uint64).reshape(10, fields)
+        with ps.batch(keys) as b:
+            model.embedding.attach(b)
+            logits = model(torch.from_numpy(keys.astype(np.int64)), torch.ones(10, n_dense))
+            (node,) = [n for n in graph_nodes(logits, as_nodes=True) if n.name() == "_FirstLayerBackward"]
+            x = node.saved_tensors[0]
+            assert x.shape == (10, fields * DIM + n_dense) and x.stride() == (stride, 1)
+            if stride > x.shape[1]:
+                whole = x.as_strided((10, stride), (stride, 1))
+                assert (whole[:, x.shape[1]:] == 0).all()
+            model.embedding.attach(None)
+    # The padding never reaches the gradient, whatever it holds.
+    rows = torch.randn(7, 48)
+    x, grad = rows[:, :29], torch.randn(7, 5)
+    got = ht._weight_grad(grad, x)
+    assert got.shape == (5, 29) and got.is_contiguous()
+    torch.testing.assert_close(got, grad.t().mm(x.contiguous()))
+    torch.testing.assert_close(ht._weight_grad(grad, x.contiguous()), grad.t().mm(x.contiguous()))
+    every_other = torch.randn(13, 40)[::2, :29]  # rows 80 floats apart; the last one's end is the storage's
+    torch.testing.assert_close(ht._weight_grad(grad, every_other), grad.t().mm(every_other.contiguous()))
 
 
 def test_ctr_model_leaves_a_frozen_first_layer_alone(tmp_path):

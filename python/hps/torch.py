@@ -115,13 +115,23 @@ class _PooledLookup(torch.autograd.Function):
         return None, None, None, None, None, None, None
 
 
-def _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, device):
+# A wide first layer's input rows lie this many floats apart, or a multiple of it
+# (64 bytes), the columns past the input's zeros: torch's BLAS computes the weight's
+# gradient grad^T x faster over W4's rows padded to 432 floats than over its 429
+# columns (_weight_grad; docs/benchmarks.md, W4l: python3 bench/first_layer_bench.py).
+_ROW_FLOATS = 16
+
+
+def _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, device, padded=False):
     """[field embeddings | dense] for _InputWithFields and _FirstLayer: the rows
     gathered straight into the first columns of the MLP's input (a field of one key
     pools to its row; a host batch reads them from MEM-PS); on a GPU, or from a batch
     that does not gather into columns, gathered into a tensor of their own on that
     device (by the tier itself where it can: WorkingBatch.gather_tensor) and the input
-    put together from it. Keeps on ctx what a backward needs to hand the gradient back."""
+    put together from it. Keeps on ctx what a backward needs to hand the gradient back.
+    padded (on the CPU, gathering into columns): the input is the first columns of a
+    matrix whose rows are _ROW_FLOATS floats apart or a multiple of it, zeros after
+    them (_weight_grad multiplies over all of them)."""
     examples, fields = keys.shape
     width = fields * dim
     ctx.positions = batch.positions(keys)
@@ -130,10 +140,30 @@ def _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, device):
         rows = torch.empty(examples * fields, dim, dtype=torch.float32, device=device)
         batch.gather_tensor(ctx.positions, rows, worker=worker)
         return torch.cat([rows.view(examples, width), dense.to(device, torch.float32, non_blocking=True)], 1)
-    x = torch.empty(examples, width + dense.shape[1], dtype=torch.float32)
+    cols = width + dense.shape[1]
+    if padded and cols % _ROW_FLOATS:
+        rows = torch.empty(examples, cols + _ROW_FLOATS - cols % _ROW_FLOATS, dtype=torch.float32)
+        rows[:, cols:] = 0.0
+        x = rows[:, :cols]
+    else:
+        x = torch.empty(examples, cols, dtype=torch.float32)
     batch.gather(ctx.positions, x.numpy()[:, :width], worker=worker)
     x[:, width:] = dense
     return x
+
+
+def _weight_grad(grad_h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad_h^T x, a linear layer's weight gradient (out, in) for its input x (B, in).
+    Where x's rows lie further apart than its columns (_model_input's padded rows),
+    the product runs over the whole rows, zeros included, and the weight's columns
+    are copied out of it: a product whose rows are a multiple of 64 bytes long ran
+    faster than the narrower one, by more than the copy costs."""
+    rows, cols = x.shape
+    covered = x.storage_offset() + rows * x.stride(0) <= x.untyped_storage().nbytes() // x.element_size()
+    if x.stride(1) != 1 or x.stride(0) <= cols or not covered:
+        return grad_h.t().mm(x)
+    whole = x.as_strided((rows, x.stride(0)), (x.stride(0), 1))
+    return grad_h.t().mm(whole)[:, :cols].contiguous()
 
 
 class _InputWithFields(torch.autograd.Function):
@@ -265,11 +295,12 @@ class _FirstLayer(torch.autograd.Function):
     python3 bench/first_layer_bench.py). A layer of at most 16 outputs (W4s) runs
     its forward product and all three gradients on hps's own kernels (NarrowLinear's),
     the same on every path that trains through this layer; wider ones on torch's
-    addmm and mm, the weight's and bias's gradients as nn.Linear computes them."""
+    addmm and mm, the weight's and bias's gradients as nn.Linear computes them, but
+    over input rows padded to a multiple of 64 bytes (_model_input, _weight_grad)."""
 
     @staticmethod
     def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, narrow, weight, bias):
-        x = _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, torch.device("cpu"))
+        x = _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, torch.device("cpu"), padded=not narrow)
         ctx.save_for_backward(x, weight)
         ctx.narrow = narrow
         if not narrow:
@@ -283,7 +314,7 @@ class _FirstLayer(torch.autograd.Function):
             grad_weight, grad_bias = _narrow_weight_grads(grad_h, x, *ctx.needs_input_grad[8:10])
             grads = _narrow_input_grad(grad_h, weight, ctx.width)  # (B, fields * dim)
         else:
-            grad_weight = grad_h.t().mm(x) if ctx.needs_input_grad[8] else None
+            grad_weight = _weight_grad(grad_h, x) if ctx.needs_input_grad[8] else None
             grad_bias = grad_h.sum(0) if ctx.needs_input_grad[9] else None
             grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
