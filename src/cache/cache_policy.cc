@@ -33,6 +33,11 @@ class SlotLists {
     prev_[slot] = next_[slot] = kNoSlot;
     --sizes_[list];
   }
+  // Fetches the links a Remove or PushFront of slot writes first.
+  void Prefetch(uint32_t slot) const {
+    __builtin_prefetch(&prev_[slot], 1);
+    __builtin_prefetch(&next_[slot], 1);
+  }
   uint32_t Back(int list) const { return heads_[list].back; }
   uint32_t Prev(uint32_t slot) const { return prev_[slot]; }
   uint32_t size(int list) const { return sizes_[list]; }
@@ -80,6 +85,10 @@ class DeferredOrder {
  public:
   explicit DeferredOrder(uint32_t capacity) : stamps_(capacity, 0) {}
   bool deferring() const { return deferring_; }
+  // Fetches the stamp a visit of slot writes (while deferring).
+  void Prefetch(uint32_t slot) const {
+    if (deferring_) __builtin_prefetch(&stamps_[slot], 1);
+  }
   // A visit (Add, Touch, Reattach) of an ordered row: true when deferring
   // took it; false when the policy must order it. Never allocates or throws
   // (MEM-PS puts rows back on paths that must not), hence 64-bit stamps,
@@ -222,6 +231,13 @@ class FrequencyHeap {
 class Lru final : public CachePolicy {
  public:
   explicit Lru(uint32_t capacity) : lists_(capacity, 1), deferred_(capacity) {}
+  void PrefetchVisit(uint32_t slot, uint64_t) const override {
+    if (deferred_.deferring()) {
+      deferred_.Prefetch(slot);
+    } else {
+      lists_.Prefetch(slot);
+    }
+  }
   void Add(uint32_t slot, uint64_t) override { Reattach(slot); }
   void Touch(uint32_t slot) override {
     Detach(slot);
@@ -614,6 +630,17 @@ class TinyLfuLfu final : public CachePolicy {
                                            sketch_(capacity), deferred_(capacity) {}
 
   void Prefetch(uint64_t key) const override { sketch_.Prefetch(key); }
+  // Deferring, a visit writes the slot's stamp; else it moves the slot between
+  // buckets, by the sketch's estimate of its key on a Reattach.
+  void PrefetchVisit(uint32_t slot, uint64_t key) const override {
+    if (deferred_.deferring()) {
+      deferred_.Prefetch(slot);
+      return;
+    }
+    lists_.Prefetch(slot);
+    __builtin_prefetch(&bucket_[slot], 1);
+    sketch_.Prefetch(key);
+  }
   void Record(uint64_t key) override {
     // After a halving, rows ordered by their old estimates would be compared
     // with new visits' halved ones: order them by fresh estimates.

@@ -17,8 +17,12 @@ inline constexpr uint32_t kNoSlot = UINT32_MAX;
 class CachePolicy {
  public:
   virtual ~CachePolicy() = default;
-  // A hint: key will be Recorded (or its slot reattached) soon.
+  // A hint: key will be Recorded soon.
   virtual void Prefetch(uint64_t /*key*/) const {}
+  // A hint: slot, which holds key, will be detached, reattached or touched
+  // soon. The cache's pin and unpin passes go over a batch's rows at random
+  // slots, and without it each visit waited on the policy's per-slot state.
+  virtual void PrefetchVisit(uint32_t /*slot*/, uint64_t /*key*/) const {}
   // Every access to key, hit or miss, before anything else happens to it.
   virtual void Record(uint64_t /*key*/) {}
   // A row enters the eviction order for the first time.

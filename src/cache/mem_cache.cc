@@ -315,8 +315,13 @@ class ShardedCache final : public MemCache {
       }
       for (size_t j = 0; j < mine.size(); ++j) {
         if (j + kLookahead < mine.size()) {
-          if (!pin) shard.policy->Prefetch(keys[mine[j + kLookahead]]);
-          if (slots[j + kLookahead] != kNoSlot) __builtin_prefetch(&shard.pins[slots[j + kLookahead]]);
+          const uint64_t key = keys[mine[j + kLookahead]];
+          if (!pin) shard.policy->Prefetch(key);
+          const uint32_t ahead = slots[j + kLookahead];
+          if (ahead != kNoSlot) {
+            __builtin_prefetch(&shard.pins[ahead]);
+            shard.policy->PrefetchVisit(ahead, key);  // a first pin detaches it (unpinned: a touch)
+          }
         }
         const uint64_t i = mine[j];
         // A pinning call's rows leave the policy's order until unpinned, so
@@ -969,7 +974,9 @@ class ShardedCache final : public MemCache {
           const uint32_t ahead = slots[s][j + kLookahead];
           __builtin_prefetch(&shard.pins[ahead]);
           __builtin_prefetch(&shard.keys[ahead]);
-          shard.policy->Prefetch(keys[by_shard[s][j + kLookahead]]);
+          __builtin_prefetch(&shard.dirty[ahead]);
+          __builtin_prefetch(&shard.fresh[ahead]);
+          shard.policy->PrefetchVisit(ahead, keys[by_shard[s][j + kLookahead]]);  // the last unpin reattaches it
         }
         const uint64_t i = by_shard[s][j];
         const uint32_t slot = slots[s][j];
