@@ -25,14 +25,15 @@ Counted (the same batches, so the same on every round; the figures are the last 
   between devices     rows and bytes of the transfer matrix off its diagonal: embeddings
                       pulled and gradients pushed (dim floats a row), and for herald the
                       whole rows (embedding and optimizer state) of peer fetches and
-                      replica copies
+                      replica copies; and by device, the rows each sends and receives
+                      (the matrix's rows and columns, the whole matrix in the JSON)
 and timed: examples/s, median (min-max) over --rounds rounds, the two schedules
 interleaved (A B, then B A, ...); eval AUC, which must agree within 0.001.
 
 Then the same under `mpiexec -n --ranks` (hps.distributed; each rank a worker, one
 device each; the global batch is --batch examples a rank): bytes between ranks by kind
 (examples, keys, rows, gradients, Herald's plan parts from its leader rank, dense),
-summed over ranks, and examples/s (the
+summed over ranks and by rank, and examples/s (the
 slowest rank's), the schedules interleaved the same way. On this 2-core machine the
 ranks share the cores, so examples/s there measures the work, not a cluster.
 
@@ -71,6 +72,8 @@ def run_one(schedule: str, batches, eval_batches, a, cache_rows: int, path: str)
     out = {"schedule": schedule, "examples": s["examples"], "examples_per_s": s["examples_per_s"],
            "auc": s["final"].get("auc"), "logloss": s["final"].get("logloss"),
            "between_devices_rows": int(rows[off].sum()), "between_devices_bytes": int(moved[off].sum()),
+           # off the diagonal: what each device sends and receives (a row: from, a column: to)
+           "device_out_rows": (rows * off).sum(axis=1).tolist(), "device_in_rows": (rows * off).sum(axis=0).tolist(),
            "transfer_rows": rows.tolist()}
     if "herald" in dev:
         h = dev["herald"]
@@ -103,9 +106,11 @@ def mpi_rank(a) -> None:
     if node.rank == 0:
         ranks = s["distributed"]["ranks"]
         sent = {k: sum(r["bytes_sent"][k] for r in ranks) for k in ranks[0]["bytes_sent"]}
+        by_rank = [{k: v for k, v in r["bytes_sent"].items() if v} for r in ranks]
         with open(out, "w") as f:
             json.dump({"schedule": schedule, "examples": s["examples"], "examples_per_s": s["examples_per_s"],
-                       "auc": s["final"].get("auc"), "bytes_sent": sent, "herald": s["ps"].get("herald")}, f)
+                       "auc": s["final"].get("auc"), "bytes_sent": sent, "bytes_sent_by_rank": by_rank,
+                       "herald": s["ps"].get("herald")}, f)
 
 
 def run_mpi(schedule: str, a, cache_rows: int, tmp: str, r: int) -> dict:

@@ -761,6 +761,15 @@ def render_w7s(o: dict) -> list[str]:
                  f"{her['examples_per_s_max']:,.0f})", ratio(seq["examples_per_s"], her["examples_per_s"])])
     rows.append(["eval AUC", num(seq.get("auc"), ".4f"), num(her.get("auc"), ".4f"), "-"])
     out += table(["", "sequential", "herald", "herald / sequential"], rows)
+    if "device_in_rows" in seq and "device_in_rows" in her:
+        out += ["", "The transfer matrix by device: rows each device sent to other devices and received from "
+                "them (off the diagonal; the whole matrix is in the JSON line).", ""]
+        devices = range(len(seq["device_in_rows"]))
+        out += table(["", *(f"device {d}" for d in devices), "max / mean"],
+                     [[f"{name}, {what}", *(f"{v:,}" for v in x[key]),
+                       f"{max(x[key]) / (sum(x[key]) / len(x[key])):.2f}" if sum(x[key]) else "-"]
+                      for name, x in (("sequential", seq), ("herald", her))
+                      for what, key in (("sent", "device_out_rows"), ("received", "device_in_rows"))])
     h = her.get("herald") or {}
     if h:
         out += ["", f"Herald's rows: {h['ps_loads']:,} from MEM-PS and {h['peer_fetches']:,} from peers "
@@ -784,6 +793,15 @@ def render_w7s(o: dict) -> list[str]:
                      f"{mh['examples_per_s_max']:,.0f})", ratio(ms["examples_per_s"], mh["examples_per_s"])])
         rows.append(["eval AUC", num(ms.get("auc"), ".4f"), num(mh.get("auc"), ".4f"), "-"])
         out += table(["", "sequential", "herald", "herald / sequential"], rows)
+        if "bytes_sent_by_rank" in ms and "bytes_sent_by_rank" in mh:
+            out += ["", "By rank: MB each rank sent, every kind but dense (which is the same for every rank).", ""]
+            ranks = range(len(ms["bytes_sent_by_rank"]))
+            sparse = {name: [sum(v for k, v in r.items() if k != "dense") / 1e6 for r in x["bytes_sent_by_rank"]]
+                      for name, x in (("sequential", ms), ("herald", mh))}
+            out += table(["", *(f"rank {r}" for r in ranks), "max / mean"],
+                         [[name, *(f"{v:,.2f}" for v in vals),
+                           f"{max(vals) / (sum(vals) / len(vals)):.2f}" if sum(vals) else "-"]
+                          for name, vals in sparse.items()])
     return out
 
 

@@ -53,6 +53,7 @@ from typing import Optional
 import numpy as np
 
 from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep, prefetched_positions
+from hps.data.keys import mix64
 from hps.herald import Herald
 
 
@@ -69,6 +70,31 @@ def size_gradients(tier, slots: np.ndarray, keys: np.ndarray, table_rows: int) -
         if want > slots[d] or 4 * want <= slots[d]:
             tier.set_gradient_capacity(d, want)
             slots[d] = want
+
+
+def primaries(keys: np.ndarray, trains: np.ndarray) -> np.ndarray:
+    """Each key's primary among its trainers (trains: (K, W) bools, a row a key
+    that at least one worker trains): the first trainer at or after a start
+    the key's hash picks, going round. The lowest trainer would put every key
+    the whole batch trains (the hottest, trained by every worker) on worker 0:
+    all their gradients into its one device, and every replica copy out of it
+    (W7s's transfer matrix had 70% of the rows between devices in worker 0's
+    column and row), where a start by hash spreads them evenly. Low bits of the
+    hash: the owner of a key (hps.distributed.sparse.owner_ranks) takes the
+    high ones."""
+    K, W = trains.shape
+    if K == 0 or W == 1:
+        return np.zeros(K, np.int64)
+    held = np.ascontiguousarray(trains, bool).view(np.uint8) @ (np.uint64(1) << np.arange(W, dtype=np.uint64))  # bit w: w trains it
+    start = ((mix64(keys) & np.uint64(0xFFFF_FFFF)) * np.uint64(W)) >> np.uint64(32)
+    # held rotated right by start, so that bit 0 is worker `start` (a shift by W is
+    # not defined: start 0 takes held as it is)
+    wrapped = held << np.where(start == 0, np.uint64(0), np.uint64(W) - start)
+    turned = (held >> start) | np.where(start == 0, np.uint64(0), wrapped)
+    if W < 64:
+        turned &= np.uint64((1 << W) - 1)
+    first = np.log2((turned & (~turned + np.uint64(1))).astype(np.float64)).astype(np.int64)  # its lowest set bit
+    return (start.astype(np.int64) + first) % W
 
 
 def first_table_rows(capacity: int) -> int:
@@ -266,10 +292,10 @@ class HeraldBatch(BatchBase):
         bounds = np.searchsorted(plan.assignment[order], np.arange(W + 1))
         self._minibatches = [order[bounds[w]:bounds[w + 1]] for w in range(W)]
 
-        # Each key's trainers; its primary (lowest trainer) gets its gradients.
+        # Each key's trainers; its primary (primaries()) gets its gradients.
         trains = np.zeros((len(self.keys), W), bool)
         trains[pre.inverse, np.repeat(plan.assignment, fields)] = True
-        self._primary = trains.argmax(axis=1)
+        self._primary = primaries(self.keys, trains)
         # Each worker's examples' positions among the batch's keys (hps.torch
         # gathers a mini-batch's keys, a copy of them: the examples are not in order).
         by_example = pre.inverse.reshape(n, fields)

@@ -24,9 +24,11 @@ every step; the others learn only their part of the plan:
   its cache holds. The examples go to their ranks (labels, dense features, keys:
   ``examples`` bytes); the rows a rank lacks come from the rank whose cache holds
   their latest version, else from their owner's MEM-PS;
-- apply: a key trained on several ranks is stepped on the lowest of them (its
-  primary), which gets the others' summed gradients and sends them the stepped
-  row; a row no cache holds any more goes to its owner's MEM-PS; pulls (an
+- apply: a key trained on several ranks has its gradients summed on one of
+  them (its primary, the trainer its hash picks: hps.worker_caches.primaries,
+  so that the keys every rank trains do not all sum on rank 0), which sends the
+  sum back, and each trainer steps its own copy; a row no cache holds any more
+  goes to its owner's MEM-PS; pulls (an
   evaluation) and checkpoints first write every cached row to its owner (the
   leader names which rank writes which).
 
@@ -52,7 +54,8 @@ from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks, ra
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
-from hps.worker_caches import first_table_rows, most_fetched, needs_rebuild, rebuilt_table_rows, size_gradients
+from hps.worker_caches import (first_table_rows, most_fetched, needs_rebuild, primaries, rebuilt_table_rows,
+                               size_gradients)
 
 
 LEADER = 0  # the rank that holds the snapshot and plans every step
@@ -434,7 +437,8 @@ class HeraldDistBatch(BatchBase):
         s.counts["examples_kept"] += int((dest == me).sum())
 
         # The keys this rank trains (ascending, as the plan part lists them), their
-        # trainers, and their primaries (the lowest trainer, which steps the key).
+        # trainers, and their primaries (the trainer the key's hash picks, which sums
+        # its gradients: hps.worker_caches.primaries).
         self._flat = np.ascontiguousarray(mine.keys).view(np.uint64).reshape(-1)
         self._mine, self._inverse = np.unique(self._flat, return_inverse=True)
         self._inverse = self._inverse.reshape(-1)
@@ -443,7 +447,7 @@ class HeraldDistBatch(BatchBase):
                                f"have {len(self._mine)}")
         self._trains = np.unpackbits(bits.reshape(len(source), (W + 7) // 8), axis=1, count=W,
                                      bitorder="little").astype(bool)  # (keys, W); a rank may train none
-        self._primary = self._trains.argmax(axis=1)
+        self._primary = primaries(self._mine, self._trains)
         self._grads = np.zeros((len(self._mine), s._tier.dim), np.float32)
         size_gradients(s._tier, s._gradient_slots, [len(self._mine)], s._table_rows)
 
@@ -533,10 +537,19 @@ class HeraldDistBatch(BatchBase):
         blocks = [self._grads[primary == p] if p != me else self._grads[:0] for p in range(W)]
         grads_in = node.alltoallv("train", blocks, "sparse_grads", "herald shared gradients")
         mine = primary == me
-        total, trainers = self._grads[mine], self._trains[mine]
+        trainers = self._trains[mine]
+        # Summed in rank order, the lowest trainer's first, whichever rank sums
+        # (so the floats are the same wherever the primary is).
+        lowest = trainers.argmax(axis=1)
+        total = np.empty((len(trainers), self._grads.shape[1]), np.float32)
         for r in range(W):
-            if r != me and len(grads_in[r]):
-                total[trainers[:, r]] += grads_in[r]
+            part = self._grads[mine] if r == me else grads_in[r]
+            if not len(part):
+                continue
+            at = np.flatnonzero(trainers[:, r])
+            first = lowest[at] == r
+            total[at[first]] = part[first]
+            total[at[~first]] += part[~first]
         out = [total[trainers[:, r]] if r != me else total[:0] for r in range(W)]
         sums_in = node.alltoallv("train", out, "sparse_grads", "herald summed gradients")
         self._grads[mine] = total
