@@ -15,7 +15,8 @@ Each device (a worker) keeps a cache of rows, and the Herald scheduler
 
 Under BSP every device that trains a key holds its latest version after the
 batch: the key's gradients from all of them are summed on one of them (the
-lowest-index trainer, the key's *primary*), one optimizer step runs there, and
+key's *primary*, the trainer its hash picks: ``primaries``), one optimizer
+step runs there, and
 the updated row is copied to the key's other trainers. So a run computes what
 the sequential schedule computes, up to the order in which floats are summed.
 
