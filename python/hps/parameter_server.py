@@ -994,7 +994,7 @@ class ParameterServer:
         hit = self._cache.pin(uniq)
         self._count(mem_hits=int(hit.sum()))
         pre = Prefetched(self, uniq, flat, inverse)
-        pre.examples = flat.view(np.uint64).reshape(len(keys), -1)
+        pre.examples = flat.view(np.uint64).reshape(len(keys), keys.shape[1] if keys.ndim == 2 else 1)
         return pre
 
     def _pin_working_set(self, keys: np.ndarray) -> "Prefetched":

@@ -424,7 +424,9 @@ class HeraldBatch(BatchBase):
     def push(self, keys: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
         """Gradients (n, dim) from device `worker` to each key's primary, where they sum."""
         positions = self.positions(keys)
-        self.accumulate(positions, np.ascontiguousarray(grads, dtype=np.float32).reshape(len(positions), -1),
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
+        # (n, dim); a worker with no examples pushes none (-1 cannot stand for dim when n is 0)
+        self.accumulate(positions, grads.reshape(len(positions), -1 if len(positions) else self._caches._tier.dim),
                         worker=worker)
 
     def gather(self, positions: np.ndarray, out: Optional[np.ndarray] = None, worker: int = 0) -> np.ndarray:

@@ -119,7 +119,8 @@ FloatRows FloatRowsArg(const py::array& a, const char* name) {
   }
   if (a.ndim() != 2) throw py::value_error(std::string(name) + " must be 2-D, got shape " + ShapeOf(a));
   const auto unit = static_cast<py::ssize_t>(sizeof(float));
-  if ((a.shape(1) > 1 && a.strides(1) != unit) || a.strides(0) % unit != 0 || a.strides(0) < 0) {
+  // An empty array's strides say nothing (numpy makes them 0).
+  if (a.size() > 0 && ((a.shape(1) > 1 && a.strides(1) != unit) || a.strides(0) % unit != 0 || a.strides(0) < 0)) {
     throw py::value_error(std::string(name) + " must have rows of consecutive float32 (a row-major array or a "
                           "column range of one)");
   }
@@ -140,9 +141,11 @@ LaidOutRows LaidOutRowsArg(const py::array& a, const char* name, uint64_t n, int
   if (!HasDtype<float>(a)) {
     throw py::type_error(std::string(name) + " must be an array of float32, got " + DtypeName(a));
   }
-  const bool fits = a.ndim() == 2 && a.shape(1) > 0 && a.shape(1) % dim == 0 && a.strides(1) == sizeof(float) &&
-                    a.strides(0) % static_cast<py::ssize_t>(sizeof(float)) == 0 &&
-                    (a.shape(0) <= 1 || a.strides(0) >= a.shape(1) * static_cast<py::ssize_t>(sizeof(float))) &&
+  // An empty array's strides say nothing (numpy makes them 0): its shape alone must fit.
+  const bool fits = a.ndim() == 2 && a.shape(1) > 0 && a.shape(1) % dim == 0 &&
+                    (a.shape(0) == 0 ||
+                     (a.strides(1) == sizeof(float) && a.strides(0) % static_cast<py::ssize_t>(sizeof(float)) == 0 &&
+                      (a.shape(0) <= 1 || a.strides(0) >= a.shape(1) * static_cast<py::ssize_t>(sizeof(float))))) &&
                     static_cast<uint64_t>(a.shape(0)) * static_cast<uint64_t>(a.shape(1) / dim) == n;
   if (!fits) {
     throw py::value_error(std::string(name) + " must hold " + std::to_string(n) + " rows of " +
