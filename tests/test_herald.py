@@ -278,3 +278,49 @@ def test_a_plan_part_unpacks_to_what_the_leader_packed_and_a_cut_one_is_refused(
         assert all(np.array_equal(g, f) for g, f in zip(got, fields))
     with pytest.raises(RuntimeError, match="does not match its header"):
         _unpack(buf[:-1], dtypes)
+
+
+def test_int64_keys_plan_as_their_uint64_bits():
+    a, b = Herald(3, 20), Herald(3, 20)
+    for keys in batches(6, 8, 30, 2, 90):
+        signed = keys.astype(np.int64)
+        signed[:, 0] = -signed[:, 0] - 2  # negative keys (not -1, the reserved key) in the first field
+        pa, pb = a.schedule(signed), b.schedule(signed.view(np.uint64))
+        for field in ("assignment", "fetch_keys", "fetch_from", "evicted", "lost_keys"):
+            assert np.array_equal(getattr(pa, field), getattr(pb, field)), field
+    assert [a.cached(w).tolist() for w in range(3)] == [b.cached(w).tolist() for w in range(3)]
+
+
+def test_the_wrapper_names_bad_arguments_the_native_scheduler_would_misread():
+    with pytest.raises(ValueError, match="capacity must be an int >= 0"):
+        Herald(2, True)
+    h = Herald(2)
+    with pytest.raises(ValueError, match=r"offsets\[1\] is negative"):
+        h.schedule(np.array([1, 2, 3], dtype=np.int64), offsets=np.array([0, -1, 3], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"keys must be 1-D with offsets, got shape \(2, 2\)"):
+        h.schedule(np.array([[1, 2], [3, 4]], dtype=np.uint64), offsets=np.array([0, 2, 4], dtype=np.uint64))
+    assert h.batches == 0
+    for call in (h.cached, h.cached_count):
+        for worker in (-1, 2):
+            with pytest.raises(ValueError, match=rf"worker {worker} is outside \[0, 2\)"):
+                call(worker)
+
+
+@pytest.mark.parametrize("empty", [[], ()])
+def test_an_empty_list_or_tuple_window_plans_as_none(empty):
+    h = Herald(1, 2)
+    h.schedule(np.array([[5, 6]], dtype=np.uint64))
+    assert h.schedule(np.array([[7]], dtype=np.uint64), upcoming=empty).evicted.tolist() == [5]
+
+
+def test_batches_counts_the_schedules_and_clear_forgets_every_cached_copy():
+    h = Herald(2, 10)
+    keys = np.array([[1, 2], [3, 4]], dtype=np.uint64)
+    assert h.batches == 0
+    h.schedule(keys)
+    assert h.schedule(keys).pulls == 0 and h.batches == 2
+    h.clear()
+    assert [h.cached_count(w) for w in range(2)] == [0, 0] and [len(k) for k in h.cached_by_worker()] == [0, 0]
+    plan = h.schedule(keys)  # every row from the PS again
+    assert plan.pulls == 4 and plan.peer_pulls == 0 and (plan.fetch_from == -1).all() and h.batches == 3
+    assert [h.cached(w).tolist() for w in range(2)] == [[1, 2], [3, 4]]

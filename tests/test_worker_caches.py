@@ -382,3 +382,269 @@ def test_gradient_tables_follow_the_batch_not_the_cache():
     # 64k, 300 needs 1k; 33k -> 128k, 200k -> 512k, capped at the rows' table.
     assert t.sizes == [(0, 65_536), (1, 256), (1, 1024), (0, 131_072), (1, 262_144)]
     assert slots.tolist() == [131_072, 262_144]
+
+
+def primary(key, trainers, workers):
+    """A key's primary by the rule of hps.worker_caches.primaries: the first of its
+    trainers at or after the worker the low 32 bits of its hash pick, going round."""
+    from hps.data.keys import mix64
+    start = (int(mix64(np.array([key], np.uint64))[0]) & 0xFFFF_FFFF) * workers >> 32
+    return next(w % workers for w in range(start, start + workers) if w % workers in trainers)
+
+
+def train_batch(b, keys):
+    """Each device pulls its mini-batch's rows and pushes gradients that depend on them (as run() does)."""
+    for w, idx in enumerate(b.partition()):
+        k = keys[idx].reshape(-1)
+        b.push(k, (0.3 * b.pull(k, worker=w) + 0.02).astype(np.float32), worker=w)
+
+
+def test_tables_start_at_twice_a_cache_and_are_rebuilt_past_load_0_7_to_half_full():
+    from hps.worker_caches import first_table_rows, needs_rebuild, rebuilt_table_rows
+    assert [first_table_rows(c) for c in (1, 32, 40, 64, 40_000)] == [64, 64, 128, 128, 65_536]
+    assert not needs_rebuild(60, 10, 100) and needs_rebuild(61, 10, 100)
+    assert rebuilt_table_rows(128, 40, 24) == 128 and rebuilt_table_rows(128, 40, 25) == 256
+    assert rebuilt_table_rows(128, 300, 200) == 1024
+
+
+def test_a_long_run_compacts_its_tables_rather_than_filling_them(tmp_path):
+    """A large vocabulary leaves stale rows in the tables batch after batch: a rebuild
+    drops them (the tables grew once, then never fill), and leaves room for the batches
+    after it (never two rebuilds in a row)."""
+    batches = trace(batches=60, keys=2000)
+    ps = server(tmp_path / "her", "herald")
+    compactions = []
+    for keys in batches:
+        run(ps, [keys])
+        compactions.append(ps.stats()["device"]["herald"]["compactions"])
+    h = ps.stats()["device"]["herald"]
+    assert h["table_growths"] == 1 and h["compactions"] >= 4
+    rebuilt_at = np.flatnonzero(np.diff([0] + compactions))
+    assert np.diff(rebuilt_at).min() > 1, rebuilt_at
+    seq = run(server(tmp_path / "seq", "sequential"), batches)
+    np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
+
+
+def test_a_flush_writes_each_cached_key_once_and_nothing_until_a_batch_changes_them(tmp_path):
+    batches = trace(batches=6)
+    ps = run(server(tmp_path / "a", "herald"), batches[:5])
+    cached = np.unique(np.concatenate([ps._herald.herald.cached(w) for w in range(4)]))
+    assert len(cached) < sum(ps.stats()["device"]["herald"]["cached"])  # some keys on several devices
+    ps.pull(batches[0][:2].reshape(-1))
+    h = ps.stats()["device"]["herald"]
+    assert (h["flushes"], h["flushed_rows"]) == (1, len(cached))
+    ps.pull(batches[1].reshape(-1))  # MEM-PS is up to date: nothing to write
+    ps.checkpoint()
+    assert ps._herald.flush() == 0
+    h = ps.stats()["device"]["herald"]
+    assert (h["flushes"], h["flushed_rows"]) == (1, len(cached))
+    run(ps, batches[5:])
+    ps.pull(batches[0][:2].reshape(-1))
+    assert ps.stats()["device"]["herald"]["flushes"] == 2
+
+
+@pytest.mark.parametrize("shared", [1, 5])  # keys whose hashes pick device 0 and device 1
+def test_rows_move_from_the_device_holding_them_and_replicas_from_the_keys_primary(tmp_path, shared):
+    p = primary(shared, {0, 1}, 2)
+    assert {primary(1, {0, 1}, 2), primary(5, {0, 1}, 2)} == {0, 1}
+    ps = server(tmp_path / "a", "herald", devices=2)
+    run(ps, [np.array([[1, 5], [3, 4]], np.uint64)])
+    d = ps.stats()["device"]
+    assert d["herald"]["moved_rows"] == [[0, 0], [0, 0]] and d["herald"]["cached"] == [2, 2]
+    assert d["herald"]["ps_loads"] == 4 and d["transfer_rows"] == [[4, 0], [0, 4]]
+    # Example [1, 5] stays on device 0, which holds both; [3, shared] goes to device 1,
+    # which fetches the shared key from device 0. Its gradients are summed on its primary,
+    # where the step runs, and the updated row is copied from there to the other trainer.
+    run(ps, [np.array([[1, 5], [3, shared]], np.uint64)])
+    d = ps.stats()["device"]
+    fetched, copied, gradient = np.zeros((3, 2, 2), np.int64)
+    fetched[0, 1] = copied[p, 1 - p] = gradient[1 - p, p] = 1
+    assert d["herald"]["moved_rows"] == (fetched + copied).tolist()
+    # Each device reads its 2 + 2 keys' rows and sums 2 + 2 gradients; one of them goes to the other device.
+    assert d["transfer_rows"] == (np.diag([8, 8]) - np.diag(gradient.sum(axis=1)) + gradient + fetched + copied).tolist()
+    h = d["herald"]
+    assert (h["peer_fetches"], h["replica_copies"], h["ps_loads"], h["cached"]) == (1, 1, 4, [2, 3])
+
+
+def test_rows_evicted_from_their_last_cache_go_to_mem_ps_counted_a_row_each(tmp_path):
+    batches = [np.array([[5, 6]], np.uint64), np.array([[7, 8]], np.uint64)]
+    seq = run(server(tmp_path / "s", "sequential", devices=1), batches)
+    her = run(server(tmp_path / "h", "herald", devices=1, rows=2), batches)
+    h = her.stats()["device"]["herald"]
+    assert (h["evict_pushes"], h["plan_pushes"], h["flushes"], h["cached"]) == (2, 2, 0, [2])
+    keys = np.array([5, 6, 7, 8], np.uint64)
+    np.testing.assert_allclose(her.pull(keys), seq.pull(keys), rtol=1e-6)
+
+
+def test_transfers_count_every_table_the_caches_used_and_whole_rows_at_their_size(tmp_path):
+    """The tier counts each key an example pulls and pushes (dim floats), in the tables
+    the caches outgrew too; peer fetches and replica copies move whole rows (with the
+    optimizer's state)."""
+    batches = trace()
+    ps = run(server(tmp_path / "a", "herald"), batches)
+    d = ps.stats()["device"]
+    assert d["herald"]["table_growths"] > 0
+    rows, moved_bytes = np.array(d["transfer_rows"], np.int64), np.array(d["transfer_bytes"], np.int64)
+    whole = np.array(d["herald"]["moved_rows"], np.int64)
+    assert (rows - whole).sum() == 2 * sum(k.size for k in batches)
+    assert ps.row_floats > ps.dim
+    np.testing.assert_array_equal(moved_bytes, (rows - whole) * 4 * ps.dim + whole * 4 * ps.row_floats)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 8, 64])
+def test_a_keys_primary_is_its_first_trainer_from_where_its_hash_points_so_shared_keys_spread(workers):
+    from hps.worker_caches import primaries
+    rng = np.random.default_rng(workers)
+    keys = rng.integers(0, 2**63, size=300, dtype=np.uint64)
+    trains = rng.random((300, workers)) < 0.3
+    trains[np.arange(300), rng.integers(0, workers, 300)] = True  # each key has a trainer
+    got = primaries(keys, trains)
+    assert got.tolist() == [primary(k, set(np.flatnonzero(t).tolist()), workers) for k, t in zip(keys.tolist(), trains)]
+    # Keys every worker trains (the hottest) spread over the workers, not all on worker 0.
+    counts = np.bincount(primaries(np.arange(1, 16_001, dtype=np.uint64), np.ones((16_000, workers), bool)),
+                         minlength=workers)
+    assert len(counts) == workers and counts.min() > 0.7 * 16_000 / workers, counts
+    one = np.zeros((5, workers), bool)
+    one[:, workers - 1] = True  # a key one worker trains: that worker
+    assert primaries(keys[:5], one).tolist() == [workers - 1] * 5
+    assert primaries(keys[:0], trains[:0]).tolist() == [] and primaries(keys[:3], np.ones((3, 1), bool)).tolist() == [0] * 3
+
+
+def test_positions_finds_each_key_of_the_batch_the_largest_too(tmp_path):
+    ps = server(tmp_path / "a", "herald", devices=2)
+    keys = np.array([[1, 2], [3, 4]], np.uint64)
+    b = ps.batch(ps.prefetch(keys))
+    for some in ([4], [4, 1], [3, 2, 2], [1]):
+        k = np.array(some, np.uint64)
+        np.testing.assert_array_equal(b.keys[b.positions(k)], k)
+    with pytest.raises(KeyError, match="key 5 is not in this batch"):
+        b.positions(np.array([2, 5], np.uint64))
+    b.finish()
+
+
+def test_apply_steps_once_and_write_back_waits_for_it(tmp_path):
+    batches = trace(batches=4)
+    ps = server(tmp_path / "a", "herald")
+    run(ps, batches[:1])
+    b = ps.batch(ps.prefetch(batches[1]))
+    train_batch(b, batches[1])
+    with pytest.raises(RuntimeError, match="write_back before apply"):
+        b.write_back()
+    assert ps._herald_active == 1  # still held
+    b.apply()
+    b.apply()  # a second apply does nothing
+    b.finish()
+    assert ps._herald_active == 0
+    run(ps, batches[2:])
+    h = ps.stats()["device"]["herald"]
+    assert h["batches"] == 4 and h["replica_copies"] == h["plan_shared"]
+    seq = run(server(tmp_path / "seq", "sequential"), batches)
+    np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
+
+
+def test_a_batch_aborted_after_it_applied_only_lets_go_of_its_pins(tmp_path):
+    """An abort after apply (a with block whose body failed after finishing the step's
+    apply) keeps the caches: they match the scheduler."""
+    batches = trace(batches=4)
+    ps = server(tmp_path / "a", "herald")
+    run(ps, batches[:1])
+    b = ps.batch(ps.prefetch(batches[1]))
+    train_batch(b, batches[1])
+    b.apply()
+    b.abort()
+    assert ps._herald_active == 0 and ps.stats()["mem"]["pinned"] == 0
+    run(ps, batches[2:])
+    seq = run(server(tmp_path / "seq", "sequential"), batches)
+    np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
+
+
+def test_a_batch_whose_schedule_fails_after_the_snapshot_took_it_stops_the_caches(tmp_path, monkeypatch):
+    from hps.worker_caches import HeraldBatch
+    ps = server(tmp_path / "a", "herald")
+    batches = trace(batches=3)
+    run(ps, batches[:1])
+
+    def fails(self, trains, W):
+        raise MemoryError("no room for the copies")
+
+    with monkeypatch.context() as m:
+        m.setattr(HeraldBatch, "_copies_of", fails)
+        with pytest.raises(MemoryError, match="no room for the copies"):
+            ps.batch(ps.prefetch(batches[1]))
+    assert ps._herald_active == 0 and ps.stats()["mem"]["pinned"] == 0
+    stopped = r"stopped after a failed batch \(MemoryError after a batch was scheduled: no room for the copies\)"
+    with pytest.raises(RuntimeError, match=stopped):
+        ps.batch(ps.prefetch(batches[2])).partition()
+    with pytest.raises(RuntimeError, match=stopped):
+        ps.pull(batches[0].reshape(-1))
+    assert ps._herald_active == 0 and ps.stats()["mem"]["pinned"] == 0
+
+
+class _TierThatRecordsItsGradientTables:
+    """The device tier, keeping each device's gradient table's slots (a new tier's
+    have its rows' slots)."""
+
+    def __init__(self, tier, rows, devices):
+        self._tier = tier
+        self.gradient_slots = [rows] * devices
+
+    def __getattr__(self, name):
+        return getattr(self._tier, name)
+
+    def __len__(self):
+        return len(self._tier)
+
+    def set_gradient_capacity(self, device, capacity):
+        self._tier.set_gradient_capacity(device, capacity)
+        self.gradient_slots[device] = capacity
+
+
+def test_each_devices_gradient_table_is_sized_for_the_keys_it_sums_after_the_tables_grow(tmp_path, monkeypatch):
+    """A device sums the gradients of the keys it is the primary of: its gradient table has twice their number, a power of two, at least 64,
+    at most the rows' table, or up to four times that (size_gradients), also in the
+    tables that replace the caches' when they grow."""
+    new_tier = ParameterServer._new_tier
+    monkeypatch.setattr(ParameterServer, "_new_tier", lambda ps, rows: _TierThatRecordsItsGradientTables(
+        new_tier(ps, rows), rows, ps.config.devices))
+    ps = server(tmp_path / "a", "herald")
+    wide = [np.arange(512, dtype=np.uint64).reshape(64, 8) + 10_000 * (i + 1) for i in range(2)]  # 128 keys a device
+    for keys in trace(batches=8) + wide + trace(batches=8, seed=1):
+        b = ps.batch(ps.prefetch(keys))
+        trainers = {}
+        for w, idx in enumerate(b.partition()):
+            for k in np.unique(keys[idx]).tolist():
+                trainers.setdefault(k, set()).add(w)
+        sums = np.bincount([primary(k, ws, 4) for k, ws in trainers.items()], minlength=4)
+        rows = ps.stats()["device"]["capacity_per_device"]
+        slots = ps._herald._tier.gradient_slots
+        for d, n in enumerate(sums.tolist()):
+            want = min(rows, max(64, 1 << (2 * n - 1).bit_length()))
+            assert want <= slots[d] < 4 * want, (d, n, slots[d], rows)
+        train_batch(b, keys)
+        b.finish()
+    assert ps.stats()["device"]["herald"]["table_growths"] > 0
+
+
+def test_keys_every_device_trains_sum_on_every_device_not_on_the_first(tmp_path):
+    """64 keys in every example, so every device trains each of them every batch:
+    their gradients go to their primaries, which the keys' hashes spread over the
+    four devices; with the lowest trainer as primary device 0 would receive them all."""
+    rng = np.random.default_rng(3)
+    hot = rng.integers(1, 2**40, 64).astype(np.uint64)
+    batches = [np.concatenate([np.tile(hot, (32, 1)), rng.integers(2**41, 2**42, (32, 2)).astype(np.uint64)], axis=1)
+               for _ in range(4)]
+    ps = run(server(tmp_path, "herald", rows=200), batches)
+    moved = np.array(ps.stats()["device"]["transfer_rows"])
+    received = (moved * ~np.eye(4, dtype=bool)).sum(axis=0)
+    assert received.min() > 0.5 * received.mean() and received.max() < 1.5 * received.mean(), received
+
+
+def test_a_batch_of_no_examples_and_a_device_given_none_train_as_the_sequential_schedule(tmp_path):
+    """One example for four devices leaves three with nothing to pull or push, and
+    a batch may have no examples at all: Herald takes both as the sequential
+    schedule does (an empty push of (0, dim) gradients included)."""
+    batches = [np.array([[5, 6]], np.uint64), np.zeros((0, 2), np.uint64), np.array([[6, 7], [5, 8]], np.uint64)]
+    seq = run(server(tmp_path / "seq", "sequential"), batches)
+    her = run(server(tmp_path / "her", "herald"), batches)
+    np.testing.assert_allclose(all_rows(her, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
+    assert her.stats()["device"]["herald"]["batches"] == 3
