@@ -5,6 +5,7 @@
     python3 bench/plots.py w3 bench/results/cache_policy-<date>.json  -> docs/img/w3.png
     python3 bench/plots.py w4 w4.json [w4s.json]                       -> docs/img/w4.png
     python3 bench/plots.py w6 w6.json                                  -> docs/img/w6.png
+    python3 bench/plots.py w7 docs/results/w7.jsonl                    -> docs/img/w7.png
 """
 from __future__ import annotations
 
@@ -111,13 +112,48 @@ def w6(path):
     save(fig, "w6.png")
 
 
-def save(fig, name):
+def w7(path):
+    """Herald's replay: pulls, pushes and bytes of each schedule as ratios of naive's,
+    a panel a trace, with the issue's targets and the pull floor (each distinct key
+    pulled once), and Herald with caches that never evict beside them."""
+    d = load(path)
+    traces = [t for t, v in d["traces"].items() if "modes" in v]
+    fig, ax = plt.subplots(1, len(traces), figsize=(4.6 * len(traces), 3.8), squeeze=False, sharey=True)
+    kinds = (("pull", "pulls"), ("push", "pushes"), ("overall", "bytes"))
+    for a, t in zip(ax[0], traces):
+        v = d["traces"][t]
+        order = [m for m in ("naive", "on_demand", "location", "herald") if m in v["modes"]]
+        runs = {**{m: v["modes"][m] for m in order},
+                **({"herald, caches never evict": v["unbounded"]} if "unbounded" in v else {})}
+        width = 0.8 / len(runs)
+        for i, (name, r) in enumerate(runs.items()):
+            a.bar([x + i * width for x in range(len(kinds))], [r[f"{k}_ratio"] for k, _ in kinds], width,
+                  label=name.replace("_", " "), color=f"C{i}", hatch="//" if "never" in name else None)
+        for x, (k, _) in enumerate(kinds):
+            a.hlines(d["targets"][k], x - width / 2, x + 0.8 - width / 2, color="k", linestyle="--", linewidth=1,
+                     label="target" if x == 0 else None)
+        if v.get("pull_floor_ratio"):
+            a.hlines(v["pull_floor_ratio"], -width / 2, 0.8 - width / 2, color="r", linestyle=":", linewidth=1.5,
+                     label="pull floor (distinct keys)")
+        a.set_xticks([x + 0.4 - width / 2 for x in range(len(kinds))], [f"{label}" for _, label in kinds])
+        a.set(ylim=(0, 1.05), title=f"{t}: {v['examples']:,} examples, {v['distinct_keys']:,} keys")
+    ax[0][0].set_ylabel("ratio to naive (lower is better)")
+    handles, labels = ax[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small", frameon=False)
+    fig.suptitle(f"W7: Herald's replay, {d['workers']} workers, LRU caches of {d['cache_fraction']:.0%} of the "
+                 f"distinct keys, {d['per_worker']} examples a worker a batch")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    save(fig, "w7.png", tight=False)
+
+
+def save(fig, name, tight=True):
     os.makedirs(IMG, exist_ok=True)
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     out = os.path.join(IMG, name)
     fig.savefig(out, dpi=90)
     print(out)
 
 
 if __name__ == "__main__":
-    {"w1": w1, "w3": w3, "w4": w4, "w6": w6}[sys.argv[1]](*sys.argv[2:])
+    {"w1": w1, "w3": w3, "w4": w4, "w6": w6, "w7": w7}[sys.argv[1]](*sys.argv[2:])

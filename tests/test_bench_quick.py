@@ -270,6 +270,33 @@ def test_herald_system_quick_moves_fewer_rows_and_learns_the_same():
     mpi = out["mpi"]  # the same under mpiexec -n 2: examples moved between ranks, the same AUC
     assert mpi["ranks"] == 2 and mpi["auc_difference"] < 1e-3
     assert mpi["results"]["herald"]["bytes_sent"]["examples"] > 0 == mpi["results"]["sequential"]["bytes_sent"]["examples"]
+    # By device (the transfer matrix's rows and columns off its diagonal) and by rank, the totals split.
+    for r in (seq, her):
+        assert sum(r["device_out_rows"]) == sum(r["device_in_rows"]) == r["between_devices_rows"] > 0
+        assert len(r["device_in_rows"]) == out["config"]["devices"]
+    for r in mpi["results"].values():
+        assert len(r["bytes_sent_by_rank"]) == 2
+        assert {k: sum(b.get(k, 0) for b in r["bytes_sent_by_rank"]) for k in r["bytes_sent"]} == r["bytes_sent"]
+
+
+def test_w7_plot_draws_every_trace_of_the_committed_replay(tmp_path, monkeypatch):
+    """bench/plots.py w7 on docs/results/w7.jsonl: the latest line (with Herald's
+    never-evicting caches and the pull floor) and the first (without them)."""
+    pytest.importorskip("matplotlib", reason="the plots need matplotlib")
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import plots
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    monkeypatch.setattr(plots, "IMG", str(tmp_path))
+    with open(os.path.join(ROOT, "docs", "results", "w7.jsonl")) as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate((lines[0], lines[-1])):
+        (tmp_path / f"w7-{i}.jsonl").write_text(line + "\n")
+        plots.w7(str(tmp_path / f"w7-{i}.jsonl"))
+        png = tmp_path / "w7.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+        png.unlink()
 
 
 def test_first_layer_quick():
