@@ -16,9 +16,9 @@ Each device (a worker) keeps a cache of rows, and the Herald scheduler
 Under BSP every device that trains a key holds its latest version after the
 batch: the key's gradients from all of them are summed on one of them (the
 key's *primary*, the trainer its hash picks: ``primaries``), one optimizer
-step runs there, and
-the updated row is copied to the key's other trainers. So a run computes what
-the sequential schedule computes, up to the order in which floats are summed.
+step runs there, and the updated row is copied to the key's other trainers. So
+a run computes what the sequential schedule computes, up to the order in which
+floats are summed.
 
 What moves is counted: ``stats()`` gives the rows loaded from MEM-PS, fetched
 from peers, copied to keep replicas equal, written to MEM-PS (evictions and
@@ -79,14 +79,15 @@ def primaries(keys: np.ndarray, trains: np.ndarray) -> np.ndarray:
     the key's hash picks, going round. The lowest trainer would put every key
     the whole batch trains (the hottest, trained by every worker) on worker 0:
     all their gradients into its one device, and every replica copy out of it
-    (W7s's transfer matrix had 70% of the rows between devices in worker 0's
-    column and row), where a start by hash spreads them evenly. Low bits of the
+    (W7s line 17: device 0 received 70% of the rows between the 8 devices),
+    where a start by hash spreads them evenly. Low bits of the
     hash: the owner of a key (hps.distributed.sparse.owner_ranks) takes the
     high ones."""
     K, W = trains.shape
     if K == 0 or W == 1:
         return np.zeros(K, np.int64)
-    held = np.ascontiguousarray(trains, bool).view(np.uint8) @ (np.uint64(1) << np.arange(W, dtype=np.uint64))  # bit w: w trains it
+    bits = np.uint64(1) << np.arange(W, dtype=np.uint64)
+    held = np.ascontiguousarray(trains, bool).view(np.uint8) @ bits  # bit w: worker w trains the key
     start = ((mix64(keys) & np.uint64(0xFFFF_FFFF)) * np.uint64(W)) >> np.uint64(32)
     # held rotated right by start, so that bit 0 is worker `start` (a shift by W is
     # not defined: start 0 takes held as it is)
