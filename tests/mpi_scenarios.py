@@ -59,6 +59,28 @@ def pullpush_round(rank: int, rnd: int, world: int) -> tuple[np.ndarray, np.ndar
     return keys, grads
 
 
+def herald_example_keys(rank: int) -> np.ndarray:
+    """A rank's example keys for one Herald prefetch: (n, 8) uint64; rank 1's have
+    more than 65,536 distinct keys (their places among them need 4 bytes, not 2)."""
+    rng = np.random.default_rng(60 + rank)
+    n = 9000 if rank == 1 else 40 + 7 * rank
+    return rng.integers(1, 10_000_000, size=(n, 8)).astype(np.uint64)
+
+
+def herald_step_keys(rank: int, step: int) -> np.ndarray:
+    """A rank's example keys (n, 3) of one step of the heraldpush scenario: about
+    100 keys between the ranks, shared, more than a cache of 20 holds."""
+    rng = np.random.default_rng(70 + 10 * step + rank)
+    return rng.integers(1, 120, size=(10 + 3 * rank, 3)).astype(np.uint64)
+
+
+def key_gradient(keys: np.ndarray) -> np.ndarray:
+    """A gradient (n, DIM) for each of keys that depends on the key alone, so that a
+    key's sum does not depend on which rank trains its examples."""
+    k = np.asarray(keys, np.float64).reshape(-1, 1)
+    return (0.5 * np.sin(k * np.arange(1, DIM + 1))).astype(np.float32)
+
+
 def ps_config(path: str, optimizer: str = "adagrad", budget: str = "16KiB"):
     import hps
     opt = hps.AdaGrad(lr=0.1) if optimizer == "adagrad" else hps.Adam(lr=0.01)
@@ -171,6 +193,48 @@ def run_distbatch(node, out: str, args) -> None:
     ds.close()
 
 
+def run_heraldkeys(node, out: str, args) -> None:
+    """Every rank prefetches its herald_example_keys with schedule = 'herald'; the
+    leader saves the global batch it received (examples, starts)."""
+    import hps
+    from hps.distributed.herald import HeraldServer
+    ps = hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad", budget="64MiB"))
+    server = HeraldServer(ps, node, 150)
+    pre = server.prefetch(herald_example_keys(node.rank))
+    if node.rank == 0:
+        np.savez(os.path.join(out, "rank0.npz"), examples=pre.examples, starts=pre.starts)
+    pre.release()
+    server.close()
+
+
+def run_heraldpush(node, out: str, args) -> None:
+    """Four Herald steps driven by hand (caches of 20 rows; every example key's
+    gradient is key_gradient's), with a direct push of pullpush_round's keys
+    (key_gradient's gradients) between steps 2 and 3; rank 0 saves the rows of
+    keys 0..149 at the end."""
+    import hps
+    from hps.data import Batch
+    from hps.distributed.herald import HeraldServer
+    server = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
+                                                        budget="1MiB")), node, 20)
+    for step in range(4):
+        if step == 2:
+            keys, _ = pullpush_round(node.rank, 0, node.size)
+            server.push(keys, key_gradient(keys))
+        keys = herald_step_keys(node.rank, step)
+        batch = server.batch(server.prefetch(keys))
+        batch.bind(Batch(np.zeros(len(keys), np.float32), np.zeros((len(keys), 1), np.float32), keys))
+        batch.partition()
+        mine = np.ascontiguousarray(batch.exchanged.keys).view(np.uint64).reshape(-1)
+        batch.push(mine, key_gradient(mine))
+        batch.apply()
+        batch.write_back()
+    final = server.pull(np.arange(150, dtype=np.uint64))
+    if node.rank == 0:
+        np.savez(os.path.join(out, "rank0.npz"), final=final, herald=np.array(json.dumps(server.stats()["herald"])))
+    server.close()
+
+
 def run_train(node, out: str, args) -> None:
     from hps.train import train
     cfg = train_config(os.path.join(out, "job"), args.dense_sync, args.k, args.hierarchical, args.ranks_per_node,
@@ -277,7 +341,8 @@ def run_fail(node, out: str, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["pullpush", "distbatch", "train", "kstep", "allreduce", "fail"])
+    ap.add_argument("scenario", choices=["pullpush", "distbatch", "heraldkeys", "heraldpush", "train", "kstep",
+                                         "allreduce", "fail"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")
