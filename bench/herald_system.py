@@ -69,11 +69,11 @@ def run_one(schedule: str, batches, eval_batches, a, cache_rows: int, path: str)
     dev = s["ps"]["device"]
     rows, moved = np.array(dev["transfer_rows"], np.int64), np.array(dev["transfer_bytes"], np.int64)
     off = ~np.eye(len(rows), dtype=bool)
+    between = rows * off  # the matrix off its diagonal (a row: from, a column: to)
     out = {"schedule": schedule, "examples": s["examples"], "examples_per_s": s["examples_per_s"],
            "auc": s["final"].get("auc"), "logloss": s["final"].get("logloss"),
            "between_devices_rows": int(rows[off].sum()), "between_devices_bytes": int(moved[off].sum()),
-           # off the diagonal: what each device sends and receives (a row: from, a column: to)
-           "device_out_rows": (rows * off).sum(axis=1).tolist(), "device_in_rows": (rows * off).sum(axis=0).tolist(),
+           "device_out_rows": between.sum(axis=1).tolist(), "device_in_rows": between.sum(axis=0).tolist(),
            "transfer_rows": rows.tolist()}
     if "herald" in dev:
         h = dev["herald"]

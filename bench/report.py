@@ -736,6 +736,11 @@ def render_w12(o: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ W7s
+def max_over_mean(vals) -> str:
+    """How far the busiest of some devices or ranks is above their mean."""
+    return f"{max(vals) / (sum(vals) / len(vals)):.2f}" if sum(vals) else "-"
+
+
 def render_w7s(o: dict) -> list[str]:
     c, res = o["config"], o["results"]
     seq, her = res["sequential"], res["herald"]
@@ -766,8 +771,7 @@ def render_w7s(o: dict) -> list[str]:
                 "them (off the diagonal; the whole matrix is in the JSON line).", ""]
         devices = range(len(seq["device_in_rows"]))
         out += table(["", *(f"device {d}" for d in devices), "max / mean"],
-                     [[f"{name}, {what}", *(f"{v:,}" for v in x[key]),
-                       f"{max(x[key]) / (sum(x[key]) / len(x[key])):.2f}" if sum(x[key]) else "-"]
+                     [[f"{name}, {what}", *(f"{v:,}" for v in x[key]), max_over_mean(x[key])]
                       for name, x in (("sequential", seq), ("herald", her))
                       for what, key in (("sent", "device_out_rows"), ("received", "device_in_rows"))])
     h = her.get("herald") or {}
@@ -799,8 +803,7 @@ def render_w7s(o: dict) -> list[str]:
             sparse = {name: [sum(v for k, v in r.items() if k != "dense") / 1e6 for r in x["bytes_sent_by_rank"]]
                       for name, x in (("sequential", ms), ("herald", mh))}
             out += table(["", *(f"rank {r}" for r in ranks), "max / mean"],
-                         [[name, *(f"{v:,.2f}" for v in vals),
-                           f"{max(vals) / (sum(vals) / len(vals)):.2f}" if sum(vals) else "-"]
+                         [[name, *(f"{v:,.2f}" for v in vals), max_over_mean(vals)]
                           for name, vals in sparse.items()])
     return out
 
