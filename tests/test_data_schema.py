@@ -162,6 +162,23 @@ def test_csv_errors_name_file_line_and_column(tmp_path):
     assert (e.value.line, e.value.field) == (3, "price")
 
 
+def test_dense_values_past_float32s_range_are_refused(tmp_path):
+    # Dense values read as they are are stored as float32: a finite double that
+    # would round to inf there is refused, naming line and column, as a non-number
+    # is; the largest float32 reads as it is, and so does any count under "log".
+    p = tmp_path / "big.csv"
+    p.write_text("id,click,price,site,os,tags\n1,0,3.4028234e38,a,b,\n2,1,-3.4028236e38,a,b,\n3,0,1e39,a,b,\n")
+    as_read = {**SCHEMA, "dense_transform": "none"}
+    with pytest.raises(DataError, match=r"big.csv:3: column 'price': '-3.4028236e38' is past float32's range") as e:
+        list(SchemaCsv(p, as_read))
+    assert (e.value.line, e.value.field) == (3, "price")
+    r = SchemaCsv(p, as_read, skip_malformed=True)
+    dense = np.concatenate([b.dense for b in r])
+    assert dense.tolist() == [[np.finfo(np.float32).max]] and r.malformed == 2
+    logged = np.concatenate([b.dense for b in SchemaCsv(p, SCHEMA)])
+    np.testing.assert_allclose(logged[:, 0], np.log1p([3.4028234e38, 0, 1e39]), rtol=1e-6)
+
+
 def test_csv_schema_that_does_not_match_the_file(tmp_path):
     p = tmp_path / "a.csv"
     p.write_text("click,price,site\n0,1,a\n")
@@ -415,6 +432,14 @@ def test_libsvm_reads_plain_lines_as_written(tmp_path):
     q.write_text("1 3:1\n0 3:1e400\n")
     with pytest.raises(DataError, match=r"bad.svm:2: '3:1e400': the value is not finite"):
         list(Libsvm(q, schema))
+    # Values are stored as float32: one that would be inf there is refused by both
+    # parsers (the first 3.4028235677973366e38 rounds to inf, the least that does).
+    q.write_text("1 3:3.4028234e38\n0 3:3.4028235677973366e38\n1 3:-1e39\n")
+    with pytest.raises(DataError, match=r"bad.svm:2: '3:3.4028235677973366e38': the value is past float32's range"):
+        list(Libsvm(q, schema))
+    r = Libsvm(q, schema, skip_malformed=True)
+    weights = np.concatenate([b.bags[0].weights for b in r])
+    assert weights.tolist() == [np.finfo(np.float32).max] and r.malformed == 2
 
 
 def test_directories_globs_and_mixed_kinds(tmp_path):

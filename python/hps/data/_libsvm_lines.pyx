@@ -6,13 +6,14 @@ hps.data.tabular.Libsvm._parse_line is the reference definition; this applies th
 same rules in C: a "#" starts a comment; ASCII whitespace separates tokens; a line
 with no token is blank (skipped); the label is one of 0, 1, -1, +1, 0.0, 1.0; each
 feature is index:value or field:index:value (the field left to the schema), the
-index [0-9]+ below 2**63, the value what Python's float() reads, finite. Values are
+index [0-9]+ below 2**63, the value what Python's float() reads, finite and inside
+float32's range (it is stored as a float32; one that would round to inf is refused). Values are
 read by CPython's own PyOS_string_to_double, the function float() calls; a value
 with an underscore (which float() also accepts) is handed to float() itself. Only the
 verdicts and values come from here: the reader asks _parse_line why a line is bad.
 """
 from cpython.ref cimport PyObject
-from libc.math cimport isfinite
+from libc.math cimport fabs, isfinite
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 import numpy as np
@@ -20,6 +21,11 @@ import numpy as np
 cdef extern from "Python.h":
     # overflow_exception NULL: an overflow gives +-inf (float()'s behaviour), not an error
     double PyOS_string_to_double(const char* s, char** endptr, PyObject* overflow_exception) except? -1.0
+
+# The least magnitude a float32 rounds to inf: FLT_MAX and half its last place
+# (a tie, rounded to the even inf). Values are stored as float32.
+cdef double F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
+FLOAT32_OVERFLOW = F32_OVERFLOW
 
 # Line kinds in `kind`.
 BLANK, EXAMPLE, BAD = 0, 1, 2
@@ -42,7 +48,8 @@ cdef int _label(const uint8_t[:] s, Py_ssize_t a, Py_ssize_t z) noexcept nogil:
 
 
 cdef bint _value(const uint8_t[:] s, Py_ssize_t a, Py_ssize_t z, double* out):
-    """float() of s[a:z], finite; False if it is not a number or not finite."""
+    """float() of s[a:z], finite and inside float32's range; False if it is not a
+    number, not finite, or would be inf as a float32."""
     cdef char buf[64]
     cdef char* end
     cdef Py_ssize_t n = z - a, i
@@ -60,7 +67,7 @@ cdef bint _value(const uint8_t[:] s, Py_ssize_t a, Py_ssize_t z, double* out):
         except ValueError:
             return False
         out[0] = x
-        return isfinite(x)
+        return isfinite(x) and fabs(x) < F32_OVERFLOW
     for i in range(n):
         buf[i] = <char>s[a + i]
     buf[n] = 0
@@ -71,7 +78,7 @@ cdef bint _value(const uint8_t[:] s, Py_ssize_t a, Py_ssize_t z, double* out):
     if end != buf + n:
         return False
     out[0] = x
-    return isfinite(x)
+    return isfinite(x) and fabs(x) < F32_OVERFLOW
 
 
 def parse_lines(const uint8_t[:] block, const int64_t[:] starts, const int64_t[:] ends):

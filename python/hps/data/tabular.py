@@ -36,6 +36,9 @@ from hps.data.files import (DataError, _fsspec, _is_url, _line_bounds, _Reader, 
 from hps.data.keys import _field_tag, _keys
 from hps.data.schema import Schema, _as_binary, value_hashes
 
+# The least magnitude that is inf as a float32, the type values are stored in.
+FLOAT32_OVERFLOW = _libsvm_lines.FLOAT32_OVERFLOW
+
 _COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
 
 
@@ -139,13 +142,19 @@ class _Converted:
         values, missing, bad = _numeric(pa, get(layout.label), label_name, path)
         self.n = len(values)
         self.labels = np.where(missing, 0.0, values).astype(np.float32)
-        self.bad = [(label_name, missing | bad | ((values != 0) & (values != 1)), "is not 0 or 1")]
+        # (column position, name, bad rows, why), checked in this order.
+        self.bad = [(layout.label, label_name, missing | bad | ((values != 0) & (values != 1)), "is not 0 or 1")]
         dense = np.zeros((self.n, len(layout.dense)))
+        log = schema.dense_transform == "log"
         for j, i in enumerate(layout.dense):
             values, missing, bad = _numeric(pa, get(i), names[i], path)
             dense[:, j] = np.where(missing, 0.0, values)
-            self.bad.append((names[i], bad, "is not a number"))
-        self.dense = dense_transform(dense) if schema.dense_transform == "log" else dense.astype(np.float32)
+            self.bad.append((i, names[i], bad, "is not a number"))
+            if not log:  # stored as float32, where it would be inf (log1p brings any double inside)
+                past = np.abs(dense[:, j]) >= FLOAT32_OVERFLOW
+                dense[past, j] = 0.0  # a bad row, dropped or raised: not cast
+                self.bad.append((i, names[i], past, "is past float32's range (+-3.4028235e38)"))
+        self.dense = dense_transform(dense) if log else dense.astype(np.float32)
         self.keys = np.empty((self.n, len(layout.categorical)), np.uint64)
         for j, i in enumerate(layout.categorical):
             arr = _as_binary(pa, get(i))
@@ -161,12 +170,11 @@ class _Converted:
         self.names = names
 
     def bad_rows(self) -> np.ndarray:
-        return np.logical_or.reduce([b for _, b, _ in self.bad])
+        return np.logical_or.reduce([b for _, _, b, _ in self.bad])
 
-    def reason(self, r: int, layout) -> tuple[str, str]:
+    def reason(self, r: int) -> tuple[str, str]:
         """(column, message) of bad row r: the first bad column in schema order."""
-        positions = [layout.label] + list(layout.dense)
-        for (name, bad, why), i in zip(self.bad, positions, strict=True):
+        for i, name, bad, why in self.bad:
             if bad[r]:
                 value = self.get(i)[int(r)].as_py()
                 return name, f"{_shown(value)} {why}"
@@ -213,7 +221,7 @@ class _SchemaReader(_Reader):
         if not bad.any():
             return None
         for r in np.flatnonzero(bad):
-            name, message = conv.reason(r, layout)
+            name, message = conv.reason(r)
             self._bad(DataError(f"{where(int(lines[r]))}: column {name!r}: {message}", path=path,
                                 line=int(lines[r]), field=name))
         return ~bad
@@ -540,6 +548,8 @@ class Libsvm(_SchemaReader):
                 return f"{_shown(p)}: the value is not a number"
             if not np.isfinite(x):
                 return f"{_shown(p)}: the value is not finite"
+            if abs(x) >= FLOAT32_OVERFLOW:  # stored as float32, where it would be inf
+                return f"{_shown(p)}: the value is past float32's range (+-3.4028235e38)"
             if int(k) >= 1 << 63:
                 return f"{_shown(p)}: the index is past 2**63 - 1"
             idx.append(int(k))
