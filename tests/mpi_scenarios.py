@@ -212,26 +212,89 @@ def run_heraldpush(node, out: str, args) -> None:
     gradient is key_gradient's), with a direct push of pullpush_round's keys
     (key_gradient's gradients) between steps 2 and 3; rank 0 saves the rows of
     keys 0..149 at the end."""
-    import hps
-    from hps.data import Batch
-    from hps.distributed.herald import HeraldServer
-    server = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
-                                                        budget="1MiB")), node, 20)
+    server = herald_server(node, out)
     for step in range(4):
         if step == 2:
             keys, _ = pullpush_round(node.rank, 0, node.size)
             server.push(keys, key_gradient(keys))
         keys = herald_step_keys(node.rank, step)
-        batch = server.batch(server.prefetch(keys))
-        batch.bind(Batch(np.zeros(len(keys), np.float32), np.zeros((len(keys), 1), np.float32), keys))
-        batch.partition()
-        mine = np.ascontiguousarray(batch.exchanged.keys).view(np.uint64).reshape(-1)
-        batch.push(mine, key_gradient(mine))
-        batch.apply()
-        batch.write_back()
+        herald_step(server, server.prefetch(keys), keys)
     final = server.pull(np.arange(150, dtype=np.uint64))
     if node.rank == 0:
         np.savez(os.path.join(out, "rank0.npz"), final=final, herald=np.array(json.dumps(server.stats()["herald"])))
+    server.close()
+
+
+def herald_server(node, out: str):
+    """A HeraldServer with caches of 20 rows and 1 MiB of MEM-PS a rank (the
+    hand-driven Herald scenarios')."""
+    import hps
+    from hps.distributed.herald import HeraldServer
+    return HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
+                                                      budget="1MiB")), node, 20)
+
+
+def herald_step(server, pre, keys: np.ndarray) -> None:
+    """One Herald step driven by hand, from `pre`, the prefetch of this rank's
+    example `keys` (no labels or dense features; every example key's gradient is
+    key_gradient's), to its write-back."""
+    from hps.data import Batch
+    batch = server.batch(pre)
+    batch.bind(Batch(np.zeros(len(keys), np.float32), np.zeros((len(keys), 1), np.float32), keys))
+    batch.partition()
+    mine = np.ascontiguousarray(batch.exchanged.keys).view(np.uint64).reshape(-1)
+    batch.push(mine, key_gradient(mine))
+    batch.apply()
+    batch.write_back()
+
+
+def run_heraldtable(node, out: str, args) -> None:
+    """--steps Herald steps of herald_step_keys driven by hand; after each, a rank
+    saves the keys its table (the tier that holds its cache's rows) holds, its
+    compactions so far and its table's size."""
+    server = herald_server(node, out)
+    got = {"compactions": [], "table_rows": []}
+    for step in range(args.steps):
+        keys = herald_step_keys(node.rank, step)
+        herald_step(server, server.prefetch(keys), keys)
+        got[f"table{step}"] = np.sort(server._tier.read_back(server._row_floats)[0])
+        stats = server.stats()["herald"]
+        got["compactions"].append(stats["compactions"])
+        got["table_rows"].append(stats["table_rows"])
+    np.savez(os.path.join(out, f"rank{node.rank}.npz"), **got)
+    server.close()
+
+
+def run_heraldretry(node, out: str, args) -> None:
+    """--steps Herald steps of herald_step_keys driven by hand. At step 1 the ranks
+    in --fail-ranks find MEM-PS full: their first pin of the step's keys raises
+    CacheFullError (holding no pin, as a full MEM-PS's does), and they prefetch the
+    same keys object again, as hps.pipeline does after a write-back frees room.
+    Each rank saves the bytes it sent by kind (COMM_KINDS), how many prefetches it
+    saw fail, and the rows of keys 0..149 at the end."""
+    from hps.distributed import COMM_KINDS
+    from hps.mem_cache import CacheFullError
+    server = herald_server(node, out)
+    cache = server.local._cache
+    failing = [int(r) for r in args.fail_ranks.split(",") if r]
+    full = 0
+
+    def no_room(keys):
+        raise CacheFullError("MEM-PS is full (mpi_scenarios: heraldretry)")
+    for step in range(args.steps):
+        keys = herald_step_keys(node.rank, step)
+        if step == 1 and node.rank in failing:
+            cache.pin = no_room  # this instance's pin, this once
+            try:
+                server.prefetch(keys)
+            except CacheFullError:
+                full += 1
+            finally:
+                del cache.pin  # MemCache.pin again
+        herald_step(server, server.prefetch(keys), keys)
+    final = server.pull(np.arange(150, dtype=np.uint64))
+    np.savez(os.path.join(out, f"rank{node.rank}.npz"), final=final, full=np.array(full),
+             bytes=np.array([node.bytes_sent[k] for k in COMM_KINDS]))
     server.close()
 
 
@@ -341,8 +404,8 @@ def run_fail(node, out: str, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["pullpush", "distbatch", "heraldkeys", "heraldpush", "train", "kstep",
-                                         "allreduce", "fail"])
+    ap.add_argument("scenario", choices=["pullpush", "distbatch", "heraldkeys", "heraldpush", "heraldtable",
+                                         "heraldretry", "train", "kstep", "allreduce", "fail"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")
@@ -369,6 +432,8 @@ def main() -> None:
     ap.add_argument("--sparse-codec", default="none", help="[distributed] sparse_rows and sparse_grads")
     ap.add_argument("--herald", type=int, default=0, metavar="ROWS",
                     help="schedule = 'herald' with caches of ROWS rows a rank")
+    ap.add_argument("--fail-ranks", default="", help="heraldretry: the ranks (comma-separated) whose MEM-PS is "
+                    "full once")
     args = ap.parse_args()
     from hps.distributed import DistributedConfig, Node
     node = Node(DistributedConfig(ranks_per_node=args.ranks_per_node, timeout=args.timeout))

@@ -334,6 +334,68 @@ def test_a_direct_push_between_herald_steps_empties_the_caches_and_the_steps_aft
     assert herald["batches"] == 4 and herald["evict_pushes"] > 0 and herald["peer_fetches"] > 0
 
 
+def test_a_compacted_herald_table_holds_only_the_keys_its_cache_holds(tmp_path):
+    """A compaction rebuilds a rank's table (the tier that holds its cache's rows)
+    with the keys the cache holds and nothing else: the rows of keys it evicted
+    go, also where the table keeps its size. So after each step a table holds
+    the keys its cache held at its last compaction and every row fetched since,
+    as one Herald scheduled here on the same steps gives them. With caches of 20
+    rows (herald_step_keys: about 100 keys) the tables grow from 64 rows to 128
+    at step 1, then are compacted at 128 at steps 3 and 5."""
+    from hps.herald import Herald
+    from hps.worker_caches import first_table_rows, most_fetched, needs_rebuild, rebuilt_table_rows
+    world, steps, capacity = 2, 6, 20
+    scenario(world, "heraldtable", tmp_path, "--steps", steps)
+    got = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
+    her = Herald(world, capacity)
+    tables = [np.empty(0, np.uint64)] * world  # the keys each table should hold
+    present = [0] * world  # its rows as the leader counts them (live or stale; a key fetched again twice)
+    rows = [first_table_rows(capacity)] * world
+    compactions, kinds = [0] * world, [set() for _ in range(world)]
+    for t in range(steps):
+        keys = np.concatenate([sc.herald_step_keys(r, t) for r in range(world)])
+        incoming = most_fetched(len(keys), keys.shape[1], world, len(np.unique(keys)))
+        for r, held in enumerate(her.cached_by_worker()):
+            if needs_rebuild(present[r], incoming, rows[r]):
+                size = rebuilt_table_rows(rows[r], len(held), incoming)
+                kinds[r].add("same size" if size == rows[r] else "grown")
+                tables[r], present[r], rows[r] = held, len(held), size
+                compactions[r] += 1
+        plan = her.schedule(keys)
+        for r, fetched in enumerate(np.split(plan.fetch_keys, plan.fetch_offsets[1:-1].astype(np.int64))):
+            tables[r] = np.union1d(tables[r], fetched)
+            present[r] += len(fetched)
+            np.testing.assert_array_equal(got[r][f"table{t}"], tables[r],
+                                          err_msg=f"rank {r}'s table after step {t} ({compactions[r]} compactions)")
+            assert (got[r]["compactions"][t], got[r]["table_rows"][t]) == (compactions[r], rows[r]), (r, t)
+    # Both kinds of compaction happened on every rank: to a larger table, and at the same size.
+    assert kinds == [{"grown", "same size"}] * world
+
+
+@pytest.mark.parametrize("failing", ["0,1", "1"])
+def test_a_herald_prefetch_retried_after_mem_ps_was_full_only_pins_again(tmp_path, failing):
+    """A prefetch whose pin finds MEM-PS full keeps its exchange (the example keys
+    sent to the leader, the distinct keys to their owners); the retry with the
+    same keys object only pins again. So every rank sends the bytes of a job whose
+    MEM-PS was never full, by kind, and the steps end with the same rows. Where
+    every rank retries, an exchange repeated would send each rank's keys twice;
+    where rank 1 alone does, it would wait in a collective the others never enter,
+    and the watchdog ends the job after --timeout seconds."""
+    from hps.distributed import COMM_KINDS
+    world, steps = 2, 3
+    scenario(world, "heraldretry", tmp_path / "plain", "--steps", steps)
+    scenario(world, "heraldretry", tmp_path / "retried", "--steps", steps, "--fail-ranks", failing, "--timeout", 10)
+    full = {int(r) for r in failing.split(",")}
+    for r in range(world):
+        plain, retried = (np.load(tmp_path / run / f"rank{r}.npz") for run in ("plain", "retried"))
+        # MEM-PS was full once where the test made it so (else the retry went untested).
+        assert int(retried["full"]) == (r in full) and int(plain["full"]) == 0, f"rank {r}"
+        sent = dict(zip(COMM_KINDS, retried["bytes"].tolist()))
+        assert sent == dict(zip(COMM_KINDS, plain["bytes"].tolist())), f"rank {r}: bytes sent with a retry"
+        assert sent["sparse_keys"] > 0  # each rank's exchange sends keys: an exchange repeated would show
+        np.testing.assert_array_equal(retried["final"], plain["final"], err_msg=f"rank {r}")
+
+
 def _herald_replay(world: int, steps: int, per_rank: int, capacity: int, lookahead: int) -> dict:
     """What each rank of a Herald job should count, from one Herald scheduled here
     on the job's global batches (the ranks' examples in rank order, the next
