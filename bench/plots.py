@@ -114,8 +114,9 @@ def w6(path):
 
 def w7(path):
     """Herald's replay: pulls, pushes and bytes of each schedule as ratios of naive's,
-    a panel a trace, with the issue's targets and the pull floor (each distinct key
-    pulled once), and Herald with caches that never evict beside them."""
+    a panel a trace, with the issue's targets and the floors no schedule of these
+    caches goes below (bench/herald_replay.py), and Herald with caches that never
+    evict beside them."""
     d = load(path)
     traces = [t for t, v in d["traces"].items() if "modes" in v]
     fig, ax = plt.subplots(1, len(traces), figsize=(4.6 * len(traces), 3.8), squeeze=False, sharey=True)
@@ -132,9 +133,10 @@ def w7(path):
         for x, (k, _) in enumerate(kinds):
             a.hlines(d["targets"][k], x - width / 2, x + 0.8 - width / 2, color="k", linestyle="--", linewidth=1,
                      label="target" if x == 0 else None)
-        if v.get("pull_floor_ratio"):
-            a.hlines(v["pull_floor_ratio"], -width / 2, 0.8 - width / 2, color="r", linestyle=":", linewidth=1.5,
-                     label="pull floor (distinct keys)")
+        floors = [(x, v.get(f"{k}_floor_ratio")) for x, (k, _) in enumerate(kinds)]
+        for x, f in [(x, f) for x, f in floors if f]:  # lines before the push and overall floors have the pull's
+            a.hlines(f, x - width / 2, x + 0.8 - width / 2, color="r", linestyle=":", linewidth=1.5,
+                     label="floor (any schedule)" if x == 0 else None)
         a.set_xticks([x + 0.4 - width / 2 for x in range(len(kinds))], [f"{label}" for _, label in kinds])
         a.set(ylim=(0, 1.05), title=f"{t}: {v['examples']:,} examples, {v['distinct_keys']:,} keys")
     ax[0][0].set_ylabel("ratio to naive (lower is better)")

@@ -562,14 +562,28 @@ def render_w7(o: dict) -> list[str]:
         if u:
             rows.append([name, "unbounded caches", f"{u['pulls']:,}", num(u.get("pull_ratio"), ".3f"),
                          f"{u['pushes']:,}", num(u.get("push_ratio"), ".3f"), num(u.get("overall_ratio"), ".3f")])
-        rows.append([name, "distinct keys (pull floor)", "-", num(tr.get("pull_floor_ratio"), ".3f"), "-", "-", "-"])
+        if "forced_pushes" in tr:
+            rows.append([name, "floors (any schedule)", f"{tr['distinct_keys']:,}", num(tr.get("pull_floor_ratio"), ".3f"),
+                         f"{tr['forced_pushes']:,}", num(tr.get("push_floor_ratio"), ".3f"),
+                         num(tr.get("overall_floor_ratio"), ".3f")])
+        else:  # lines before the push and overall floors
+            rows.append([name, "distinct keys (pull floor)", "-", num(tr.get("pull_floor_ratio"), ".3f"), "-", "-",
+                         "-"])
     if rows:
         out += [f"Herald with lookahead: the keys of the next K batches as each batch's window (K=0: the herald row "
                 f"above); beside them, Herald with unbounded caches (no eviction: about the most an eviction order "
-                f"can save) and the trace's distinct keys over naive's pulls (each is pulled once at least). Ratios of "
-                f"naive; targets pull <= {t.get('pull')}x, push <= {t.get('push')}x, overall <= {t.get('overall')}x.",
-                ""]
+                f"can save) and the floors no schedule of these caches goes below: each distinct key is pulled once "
+                f"at least (its first use), and each key the caches cannot hold at the end, the distinct keys less "
+                f"workers x capacity, was pushed once at least (it was trained, so dirty, and left its last cache). "
+                f"Ratios of naive; targets pull <= {t.get('pull')}x, push <= {t.get('push')}x, overall <= "
+                f"{t.get('overall')}x.", ""]
         out += table(["trace", "Herald", "pulls", "/ naive", "pushes", "/ naive", "bytes / naive"], rows) + [""]
+        below = [f"{name}: {what} (target {t.get(what)}x, floor {tr[f'{what}_floor_ratio']:.3f}x)"
+                 for name, tr in (o.get("traces") or {}).items() if "targets_reachable" in tr
+                 for what, ok in tr["targets_reachable"].items() if not ok]
+        if below:
+            out += ["Targets below their floor, which no schedule meets on that trace with these caches: "
+                    + "; ".join(below) + ".", ""]
     cost = o.get("schedule_cost") or {}
     for w, c in sorted((cost.get("workers") or {}).items(), key=lambda wc: int(wc[0])):
         out.append(f"- Herald.schedule, {w} workers, batches of {cost.get('batch')} x {cost.get('fields')} keys: "
