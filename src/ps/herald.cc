@@ -967,11 +967,13 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   void Clear() override {
-    log = {};
-    runs = {};
+    // Swapped out, not assigned {} (which keeps a vector's capacity): a fresh
+    // start holds no memory of the caches before it.
+    Log().swap(log);
+    std::vector<uint64_t>().swap(runs);
     dead = 0;
     shared.Clear();
-    index = {};
+    Index().swap(index);
     Rebuild(kMinSlots, 0);
     std::fill(held.begin(), held.end(), 0);
     std::fill(cursor.begin(), cursor.end(), 0);

@@ -1,13 +1,17 @@
 // The Herald scheduler (include/hps/herald.h): shares, determinism, fetches
-// and comm plans against the snapshot, eviction, and bad arguments.
+// and comm plans against the snapshot, eviction, Clear, running out of memory,
+// and bad arguments.
 #include "hps/herald.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 #include <iterator>
 #include <map>
+#include <new>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -535,6 +539,179 @@ TEST(Herald, RejectsBadArguments) {
   EXPECT_THROW(h.Schedule(good.data(), 2, 1, nullptr, 3), std::invalid_argument);
   EXPECT_EQ(h.batches(), 0u);
   EXPECT_THROW(h.Cached(2), std::out_of_range);
+}
+
+}  // namespace
+
+// ---- Clear, windows without a capacity, wide masks, running out of memory ----
+
+// Allocations can be made to fail, to reach the scheduler's out-of-memory path
+// (a Schedule that fails after its keys were found in the index must leave the
+// snapshot as it was). Disarmed (fail_in = 0) this is malloc and free; the
+// tests run on one thread. Buffers from the aligned forms (the snapshot's own
+// index and log) are not counted.
+namespace {
+uint64_t fail_in = 0;  // the fail_in-th allocation from now throws std::bad_alloc; 0: none
+}  // namespace
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // free() of what this operator new gives
+#endif
+void* operator new(std::size_t n) {
+  if (fail_in != 0 && --fail_in == 0) throw std::bad_alloc();
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+namespace {
+
+// The comparison sort (scores above the batch's size: keys repeated) orders as
+// the counting sorts do. Worker 0 holds {5} and worker 1 {1, 2}. Equal
+// regrets: the higher best score first, though later in the batch; equal
+// regrets and best scores: batch order.
+TEST(Herald, TheComparisonSortBreaksTiesAsTheCountingSortsDo) {
+  std::vector<uint64_t> first_offsets = {0, 1, 3}, first = {5, 1, 2};  // {5} to 0, {1, 2} to 1
+  for (const uint64_t repeat : {1u, 100u}) {  // 1: the counting sorts; 100: the comparison sort
+    SCOPED_TRACE(repeat);
+    auto example = [&](std::vector<uint64_t>& keys, std::initializer_list<uint64_t> of) {
+      for (const uint64_t k : of) keys.insert(keys.end(), repeat, k);
+      return keys.size();
+    };
+    {  // {1, 9} (scores 0 and 1 x repeat) and {1, 2, 5} (1 and 2 x repeat): the second gets worker 1
+      hps::Herald h({.workers = 2, .capacity = 0});
+      h.Schedule(first_offsets.data(), 2, first.data());
+      ASSERT_EQ(h.Cached(0), (std::vector<uint64_t>{5}));
+      ASSERT_EQ(h.Cached(1), (std::vector<uint64_t>{1, 2}));
+      std::vector<uint64_t> keys, offsets = {0};
+      offsets.push_back(example(keys, {1, 9}));
+      offsets.push_back(example(keys, {1, 2, 5}));
+      EXPECT_EQ(h.Schedule(offsets.data(), 2, keys.data()).assignment, (std::vector<int32_t>{0, 1}));
+    }
+    {  // {1} and {2}: both score 0 and 1 x repeat, and the first in the batch gets worker 1
+      hps::Herald h({.workers = 2, .capacity = 0});
+      h.Schedule(first_offsets.data(), 2, first.data());
+      std::vector<uint64_t> keys, offsets = {0};
+      offsets.push_back(example(keys, {1}));
+      offsets.push_back(example(keys, {2}));
+      EXPECT_EQ(h.Schedule(offsets.data(), 2, keys.data()).assignment, (std::vector<int32_t>{1, 0}));
+    }
+  }
+}
+
+// Clear is a fresh start: no cache holds anything, and the batches after it
+// plan (evictions and compactions included) exactly as a new scheduler's.
+// W = 12 keeps shared keys' masks in the side table.
+TEST(Herald, AfterClearPlansAreANewSchedulers) {
+  for (const int32_t W : {3, 12}) {
+    SCOPED_TRACE(W);
+    const hps::HeraldOptions options{.workers = W, .capacity = 20};
+    hps::Herald h(options), fresh(options);
+    std::mt19937_64 rng(W);
+    std::vector<std::vector<uint64_t>> batches(91);
+    for (auto& b : batches) b = RandomBatch(rng, 24, 2, 300);
+    for (int b = 0; b < 30; ++b) h.Schedule(batches[b].data(), 24, 2, batches[b + 1].data(), batches[b + 1].size());
+    h.Clear();
+    for (int32_t w = 0; w < W; ++w) {
+      EXPECT_EQ(h.cached(w), 0u) << "worker " << w;
+      EXPECT_TRUE(h.Cached(w).empty()) << "worker " << w;
+    }
+    EXPECT_EQ(h.memory_bytes(), fresh.memory_bytes());  // the snapshot's buffers let go of, the side table's too
+    for (int b = 30; b < 90; ++b) {
+      const auto p = h.Schedule(batches[b].data(), 24, 2, batches[b + 1].data(), batches[b + 1].size());
+      const auto q = fresh.Schedule(batches[b].data(), 24, 2, batches[b + 1].data(), batches[b + 1].size());
+      ASSERT_EQ(p.assignment, q.assignment) << "batch " << b;
+      ASSERT_EQ(Digest(0, p), Digest(0, q)) << "batch " << b;
+    }
+    for (int32_t w = 0; w < W; ++w) EXPECT_EQ(h.Cached(w), fresh.Cached(w)) << "worker " << w;
+  }
+}
+
+// A window without a capacity is ignored: the snapshot (its memory included)
+// stays as it is without the window, not only the plans.
+TEST(Herald, AWindowWithoutACapacityLeavesTheSnapshotAlone) {
+  hps::Herald a({.workers = 4, .capacity = 0}), b({.workers = 4, .capacity = 0});
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 40; ++i) {
+    const auto keys = RandomBatch(rng, 32, 3, 200);
+    const auto window = RandomBatch(rng, 32, 3, 200);  // most of it held
+    a.Schedule(keys.data(), 32, 3);
+    b.Schedule(keys.data(), 32, 3, window.data(), window.size());
+    ASSERT_EQ(a.memory_bytes(), b.memory_bytes()) << "batch " << i;
+  }
+}
+
+// More than 8 workers: a key's mask sits in the side table only while two or
+// more workers hold it. Every key of a batch here is trained by two workers
+// (examples i and i + 32 alike, split in order) and soon evicted: the table
+// holds at most the keys the caches share now, not every key ever shared.
+TEST(Herald, WideMasksOfKeysNoLongerSharedAreDropped) {
+  const int32_t W = 16;
+  const uint64_t capacity = 256;
+  hps::Herald h({.workers = W, .capacity = capacity, .location_aware = false});
+  uint64_t most = 0;
+  for (uint64_t b = 0; b < 200; ++b) {
+    std::vector<uint64_t> keys(64 * 4);
+    for (uint64_t j = 0; j < 32 * 4; ++j) keys[j] = keys[j + 32 * 4] = b * 1000 + j;
+    h.Schedule(keys.data(), 64, 4);
+    most = std::max(most, h.memory_bytes());
+  }
+  // The caches hold 16 x 256 copies, two a key: 2,048 keys, with a batch's 128
+  // on top. The header's bounds: 1.4 x 9 bytes of log and 7.5 of index a key
+  // (doubled here for the batch's room), and 64 bytes of side table a shared
+  // key; 200 run starts of 8 bytes, twice for a vector's room. Keeping every
+  // key ever shared (25,600) passes 400 KB of side table alone.
+  const uint64_t keys = 2048 + 128;
+  EXPECT_LT(most, keys * 2 * (13 + 8) + keys * 64 + 2 * 200 * 8);
+}
+
+// A Schedule that runs out of memory after its keys were found in the index
+// (planning the batch) throws std::bad_alloc and leaves the snapshot as it was:
+// the caches are unchanged, and the same batch and those after it plan as they
+// do where it never failed. Every allocation of the batch is failed in turn.
+// No capacity and a log with room: committing the batch allocates nothing.
+TEST(Herald, AScheduleThatRunsOutOfMemoryChangesNothing) {
+  const int32_t W = 4;
+  std::mt19937_64 rng(13);
+  std::vector<std::vector<uint64_t>> batches(12);
+  for (auto& b : batches) b = RandomBatch(rng, 16, 3, 60);  // retrained keys and new ones
+  hps::Herald reference({.workers = W, .capacity = 0});
+  std::vector<hps::HeraldPlan> expect;
+  for (const auto& b : batches) expect.push_back(reference.Schedule(b.data(), 16, 3));
+  int failures = 0;
+  for (uint64_t k = 1;; ++k) {
+    hps::Herald h({.workers = W, .capacity = 0});
+    h.Schedule(batches[0].data(), 16, 3);
+    std::vector<std::vector<uint64_t>> before(W);
+    for (int32_t w = 0; w < W; ++w) before[w] = h.Cached(w);
+    bool failed = false;
+    fail_in = k;
+    try {
+      h.Schedule(batches[1].data(), 16, 3);
+    } catch (const std::bad_alloc&) {
+      failed = true;
+    }
+    fail_in = 0;
+    if (!failed) break;  // the batch made fewer than k allocations
+    ++failures;
+    SCOPED_TRACE(testing::Message() << "allocation " << k);
+    EXPECT_EQ(h.batches(), 1u);
+    for (int32_t w = 0; w < W; ++w) {
+      EXPECT_EQ(h.Cached(w), before[w]) << "worker " << w;
+      EXPECT_EQ(h.cached(w), before[w].size()) << "worker " << w;
+    }
+    for (size_t b = 1; b < batches.size(); ++b) {
+      const auto p = h.Schedule(batches[b].data(), 16, 3);
+      ASSERT_EQ(Digest(0, p), Digest(0, expect[b])) << "batch " << b;
+    }
+    for (int32_t w = 0; w < W; ++w) ASSERT_EQ(h.Cached(w), reference.Cached(w)) << "worker " << w;
+  }
+  EXPECT_GT(failures, 5);  // the plan's own vectors, at least, were failed
 }
 
 }  // namespace
