@@ -563,9 +563,9 @@ def render_w7(o: dict) -> list[str]:
             rows.append([name, "unbounded caches", f"{u['pulls']:,}", num(u.get("pull_ratio"), ".3f"),
                          f"{u['pushes']:,}", num(u.get("push_ratio"), ".3f"), num(u.get("overall_ratio"), ".3f")])
         if "forced_pushes" in tr:
-            rows.append([name, "floors (any schedule)", f"{tr['distinct_keys']:,}", num(tr.get("pull_floor_ratio"), ".3f"),
-                         f"{tr['forced_pushes']:,}", num(tr.get("push_floor_ratio"), ".3f"),
-                         num(tr.get("overall_floor_ratio"), ".3f")])
+            rows.append([name, "floors (any schedule)", f"{tr['distinct_keys']:,}",
+                         num(tr.get("pull_floor_ratio"), ".3f"), f"{tr['forced_pushes']:,}",
+                         num(tr.get("push_floor_ratio"), ".3f"), num(tr.get("overall_floor_ratio"), ".3f")])
         else:  # lines before the push and overall floors
             rows.append([name, "distinct keys (pull floor)", "-", num(tr.get("pull_floor_ratio"), ".3f"), "-", "-",
                          "-"])

@@ -343,31 +343,27 @@ def test_a_compacted_herald_table_holds_only_the_keys_its_cache_holds(tmp_path):
     rows (herald_step_keys: about 100 keys) the tables grow from 64 rows to 128
     at step 1, then are compacted at 128 at steps 3 and 5."""
     from hps.herald import Herald
-    from hps.worker_caches import first_table_rows, most_fetched, needs_rebuild, rebuilt_table_rows
+    from hps.worker_caches import first_table_rows
     world, steps, capacity = 2, 6, 20
     scenario(world, "heraldtable", tmp_path, "--steps", steps)
     got = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
     her = Herald(world, capacity)
-    tables = [np.empty(0, np.uint64)] * world  # the keys each table should hold
-    present = [0] * world  # its rows as the leader counts them (live or stale; a key fetched again twice)
-    rows = [first_table_rows(capacity)] * world
+    contents = [np.empty(0, np.uint64)] * world  # the keys each table should hold
+    tables = [[0, first_table_rows(capacity)] for _ in range(world)]
     compactions, kinds = [0] * world, [set() for _ in range(world)]
     for t in range(steps):
         keys = np.concatenate([sc.herald_step_keys(r, t) for r in range(world)])
-        incoming = most_fetched(len(keys), keys.shape[1], world, len(np.unique(keys)))
-        for r, held in enumerate(her.cached_by_worker()):
-            if needs_rebuild(present[r], incoming, rows[r]):
-                size = rebuilt_table_rows(rows[r], len(held), incoming)
-                kinds[r].add("same size" if size == rows[r] else "grown")
-                tables[r], present[r], rows[r] = held, len(held), size
-                compactions[r] += 1
+        for r, held, size in _compactions(her, keys, tables):
+            kinds[r].add("same size" if tables[r][1] == size else "grown")
+            contents[r] = held
+            compactions[r] += 1
         plan = her.schedule(keys)
         for r, fetched in enumerate(np.split(plan.fetch_keys, plan.fetch_offsets[1:-1].astype(np.int64))):
-            tables[r] = np.union1d(tables[r], fetched)
-            present[r] += len(fetched)
-            np.testing.assert_array_equal(got[r][f"table{t}"], tables[r],
+            contents[r] = np.union1d(contents[r], fetched)
+            tables[r][0] += len(fetched)
+            np.testing.assert_array_equal(got[r][f"table{t}"], contents[r],
                                           err_msg=f"rank {r}'s table after step {t} ({compactions[r]} compactions)")
-            assert (got[r]["compactions"][t], got[r]["table_rows"][t]) == (compactions[r], rows[r]), (r, t)
+            assert (got[r]["compactions"][t], got[r]["table_rows"][t]) == (compactions[r], tables[r][1]), (r, t)
     # Both kinds of compaction happened on every rank: to a larger table, and at the same size.
     assert kinds == [{"grown", "same size"}] * world
 
@@ -396,6 +392,22 @@ def test_a_herald_prefetch_retried_after_mem_ps_was_full_only_pins_again(tmp_pat
         np.testing.assert_array_equal(retried["final"], plain["final"], err_msg=f"rank {r}")
 
 
+def _compactions(her, keys: np.ndarray, tables: list) -> list:
+    """The table compactions the leader orders before a step of example `keys`
+    (hps.worker_caches' rules), on `her`, the Herald scheduled so far: each rank's
+    table, [rows present (live or stale; a key fetched again counts twice), size],
+    updated in place. Returns (rank, the keys its cache holds, the size before) for
+    each rank whose table is compacted to those keys."""
+    from hps.worker_caches import most_fetched, needs_rebuild, rebuilt_table_rows
+    incoming = most_fetched(len(keys), keys.shape[1], len(tables), len(np.unique(keys)))
+    done = []
+    for r, (held, table) in enumerate(zip(her.cached_by_worker(), tables)):
+        if needs_rebuild(table[0], incoming, table[1]):
+            done.append((r, held, table[1]))
+            table[:] = [len(held), rebuilt_table_rows(table[1], len(held), incoming)]
+    return done
+
+
 def _herald_replay(world: int, steps: int, per_rank: int, capacity: int, lookahead: int) -> dict:
     """What each rank of a Herald job should count, from one Herald scheduled here
     on the job's global batches (the ranks' examples in rank order, the next
@@ -409,7 +421,7 @@ def _herald_replay(world: int, steps: int, per_rank: int, capacity: int, lookahe
     fetched rows would fill it past hps.worker_caches.needs_rebuild's load)."""
     from hps.distributed import owner_ranks
     from hps.herald import Herald
-    from hps.worker_caches import first_table_rows, most_fetched, needs_rebuild, primaries, rebuilt_table_rows
+    from hps.worker_caches import first_table_rows, primaries
     batches = sc.global_batches(steps, per_rank, world)
     her = Herald(world, capacity)
     names = ("examples_kept", "examples_sent", "ps_loads", "peer_fetches", "rows_served", "primary_steps",
@@ -420,11 +432,8 @@ def _herald_replay(world: int, steps: int, per_rank: int, capacity: int, lookahe
     for t, b in enumerate(batches):
         keys = np.ascontiguousarray(b.keys).view(np.uint64)
         ahead = [np.ascontiguousarray(x.keys).view(np.uint64).reshape(-1) for x in batches[t + 1:t + 1 + lookahead]]
-        incoming = most_fetched(len(keys), keys.shape[1], world, len(np.unique(keys)))
-        for r, (held, table) in enumerate(zip(her.cached_by_worker(), tables)):
-            if needs_rebuild(table[0], incoming, table[1]):
-                table[:] = [len(held), rebuilt_table_rows(table[1], len(held), incoming)]
-                want["compactions"][r] += 1
+        for r, _, _ in _compactions(her, keys, tables):
+            want["compactions"][r] += 1
         plan = her.schedule(keys, upcoming=np.unique(np.concatenate(ahead)) if ahead else None)
         ranks = np.repeat(np.arange(world), per_rank)
         want["examples_kept"] += np.bincount(ranks[plan.assignment == ranks], minlength=world)
