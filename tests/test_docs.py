@@ -1,5 +1,6 @@
 """The examples in docstrings run as written."""
 import doctest
+import tempfile
 
 import pytest
 
@@ -21,7 +22,10 @@ MODULES = [hps.config, hps.hash_table, hps.embedding, hps.ssd_store, hps.mem_cac
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
-def test_docstring_examples(module):
+def test_docstring_examples(module, tmp_path, monkeypatch):
+    # The examples make their stores with tempfile.mkdtemp, as a user would;
+    # here those land under pytest's tmp_path, not left behind in /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = doctest.testmod(module)
     assert result.attempted > 0
     assert result.failed == 0

@@ -35,8 +35,11 @@ class TempDir : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = (fs::temp_directory_path() / ("hps-ssd-test-" + std::to_string(getpid()) + "-" +
-                                         test->test_suite_name() + "-" + test->name()))
+    // A parameterised test's names hold '/' ("IoPaths/BlockCrcReadTest"): kept,
+    // they would nest directories that TearDown, removing only the last, leaves.
+    std::string name = std::string(test->test_suite_name()) + "-" + test->name();
+    std::replace(name.begin(), name.end(), '/', '.');
+    dir_ = (fs::temp_directory_path() / ("hps-ssd-test-" + std::to_string(getpid()) + "-" + name))
                .string();
     fs::remove_all(dir_);
     fs::create_directories(dir_);
