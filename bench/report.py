@@ -555,29 +555,43 @@ def render_w7(o: dict) -> list[str]:
     for name, tr in (o.get("traces") or {}).items():
         if "lookahead" not in tr:
             continue
+        naive_pulls = tr["modes"].get("naive", {}).get("pulls")
+
+        def from_ps(c: dict) -> list[str]:
+            """The pulls no peer served (the PS's), and their ratio to naive's pulls."""
+            if c.get("peer_pulls") is None:
+                return ["-", "-"]
+            ps = c["pulls"] - c["peer_pulls"]
+            return [f"{ps:,}", num(ps / naive_pulls if naive_pulls else None, ".3f")]
+
         for k, c in sorted(tr["lookahead"].items(), key=lambda kc: int(kc[0])):
-            rows.append([name, f"K={k}", f"{c['pulls']:,}", num(c.get("pull_ratio"), ".3f"), f"{c['pushes']:,}",
-                         num(c.get("push_ratio"), ".3f"), num(c.get("overall_ratio"), ".3f")])
+            rows.append([name, f"K={k}", f"{c['pulls']:,}", num(c.get("pull_ratio"), ".3f"), *from_ps(c),
+                         f"{c['pushes']:,}", num(c.get("push_ratio"), ".3f"), num(c.get("overall_ratio"), ".3f")])
         u = tr.get("unbounded")
         if u:
-            rows.append([name, "unbounded caches", f"{u['pulls']:,}", num(u.get("pull_ratio"), ".3f"),
+            rows.append([name, "unbounded caches", f"{u['pulls']:,}", num(u.get("pull_ratio"), ".3f"), *from_ps(u),
                          f"{u['pushes']:,}", num(u.get("push_ratio"), ".3f"), num(u.get("overall_ratio"), ".3f")])
+        # Every first use is a pull from the PS: the pull floor is one too.
+        floor_ps = [f"{tr['distinct_keys']:,}", num(tr.get("pull_floor_ratio"), ".3f")]
         if "forced_pushes" in tr:
             rows.append([name, "floors (any schedule)", f"{tr['distinct_keys']:,}",
-                         num(tr.get("pull_floor_ratio"), ".3f"), f"{tr['forced_pushes']:,}",
+                         num(tr.get("pull_floor_ratio"), ".3f"), *floor_ps, f"{tr['forced_pushes']:,}",
                          num(tr.get("push_floor_ratio"), ".3f"), num(tr.get("overall_floor_ratio"), ".3f")])
         else:  # lines before the push and overall floors
-            rows.append([name, "distinct keys (pull floor)", "-", num(tr.get("pull_floor_ratio"), ".3f"), "-", "-",
-                         "-"])
+            rows.append([name, "distinct keys (pull floor)", "-", num(tr.get("pull_floor_ratio"), ".3f"), *floor_ps,
+                         "-", "-", "-"])
     if rows:
         out += [f"Herald with lookahead: the keys of the next K batches as each batch's window (K=0: the herald row "
                 f"above); beside them, Herald with unbounded caches (no eviction: about the most an eviction order "
                 f"can save) and the floors no schedule of these caches goes below: each distinct key is pulled once "
                 f"at least (its first use), and each key the caches cannot hold at the end, the distinct keys less "
                 f"workers x capacity, was pushed once at least (it was trained, so dirty, and left its last cache). "
+                f"\"From the PS\": the pulls no peer's cache served (with unbounded caches, the keys' first uses, "
+                f"one for each worker that trains a key in its first batch), as a ratio of naive's pulls. "
                 f"Ratios of naive; targets pull <= {t.get('pull')}x, push <= {t.get('push')}x, overall <= "
                 f"{t.get('overall')}x.", ""]
-        out += table(["trace", "Herald", "pulls", "/ naive", "pushes", "/ naive", "bytes / naive"], rows) + [""]
+        out += table(["trace", "Herald", "pulls", "/ naive", "from the PS", "/ naive", "pushes", "/ naive",
+                      "bytes / naive"], rows) + [""]
         below = [f"{name}: {what} (target {t.get(what)}x, floor {tr[f'{what}_floor_ratio']:.3f}x)"
                  for name, tr in (o.get("traces") or {}).items() if "targets_reachable" in tr
                  for what, ok in tr["targets_reachable"].items() if not ok]

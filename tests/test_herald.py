@@ -261,6 +261,12 @@ def test_replay_quick():
     la_rows = [r for r in rendered[rendered.index("", head):] if r.startswith("| ")][1:]
     assert len(la_rows) == 6 * len(measured)  # 4 windows, unbounded caches, the floors
     assert f"| K=4 | {measured[0]['lookahead']['4']['pulls']:,} |" in "".join(la_rows)
+    # "from the PS": the pulls no peer served, each key's first use among them
+    k4 = measured[0]["lookahead"]["4"]
+    from_ps = k4["pulls"] - k4["peer_pulls"]
+    assert from_ps >= measured[0]["distinct_keys"]
+    k4_row = next(r for r in la_rows if "| K=4 |" in r).split(" | ")
+    assert k4_row[4:6] == [f"{from_ps:,}", f"{from_ps / measured[0]['modes']['naive']['pulls']:.3f}"]
     floors = [r for r in la_rows if "| floors (any schedule) |" in r]
     assert len(floors) == len(measured) and f"| {measured[0]['forced_pushes']:,} |" in floors[0]
     # A target below its floor is named under the table (the quick traces' pull floors pass 0.52x).
