@@ -310,6 +310,31 @@ def test_errors_name_what_is_wrong(tmp_path):
         hps.ParameterServer.open(tmp_path / "nothing")
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("schedule", "herlad", "schedule must be 'sequential' or 'herald', got 'herlad'"),
+    ("lookahead", -1, r"lookahead must be an int >= 0 \(batches\), got -1"),
+    ("ttl_steps", -1, r"ttl_steps must be an int >= 0 \(0: off\), got -1"),
+    ("cache_policy", "lruu", "cache_policy must be one of lru, .*, got 'lruu'"),
+    ("mem_budget", "lots", "mem_budget: cannot read 'lots' as a size"),
+    ("devices", 0, "devices must be an int >= 1, got 0"),
+    ("device_capacity", 0, r"device_capacity must be an int >= 1 \(rows a device\), got 0"),
+    ("write_buffer_rows", -1, "write_buffer_rows must be an int >= 1, got -1"),
+    ("device_threads", -1, r"device_threads must be an int >= 0 \(0: all cores\), got -1"),
+    ("ssd", hps.SsdOptions(file_records=0), "ssd.file_records must be an int >= 1, got 0"),
+    ("ssd", hps.SsdOptions(compaction_trigger=0.5), "ssd.compaction_trigger must be a number >= 1"),
+    ("topology", "no-such-topology.toml", "topology: no-such-topology.toml: cannot read the topology file"),
+])
+def test_a_refused_setting_is_named_and_leaves_nothing_at_the_path(tmp_path, field, value, message):
+    """The config is checked before the server creates its directory: a refused
+    run leaves no half-made job for the next run to find and start over."""
+    path = tmp_path / "ps"
+    with pytest.raises(ValueError, match=message):
+        hps.ParameterServer(config(path, **{field: value}))
+    assert not path.exists()
+    with pytest.raises(ValueError, match="^cfg.toml: " + message):
+        config(path, **{field: value}).check("cfg.toml")
+
+
 def test_config_from_toml(tmp_path):
     toml = tmp_path / "ps.toml"
     toml.write_text(textwrap.dedent(f"""

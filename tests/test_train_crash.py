@@ -249,6 +249,15 @@ def test_a_bad_data_path_creates_nothing(tmp_path, capsys):
     assert not path.exists()
 
 
+def test_a_bad_ps_setting_is_named_with_its_file_and_creates_nothing(tmp_path, capsys):
+    path = tmp_path / "ps"
+    cfg = write_config(tmp_path, "typo", path)
+    cfg.write_text(cfg.read_text().replace("write_buffer_rows = 256", 'schedule = "herlad"'))
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 2
+    assert f"{cfg}: [ps]: schedule must be 'sequential' or 'herald', got 'herlad'" in capsys.readouterr().err
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("rerun", ["plain", "--resume"])
 def test_a_malformed_line_before_the_first_checkpoint_lets_the_rerun_start_over(tmp_path, capsys, rerun):
     lines = tsv_lines(6 * BATCH)

@@ -64,8 +64,8 @@ import numpy as np
 
 from hps import _core
 from hps import topology as htopo
-from hps.config import check_fields, load_toml
-from hps.mem_cache import MemCache
+from hps.config import check_fields, load_toml, parse_bytes
+from hps.mem_cache import POLICIES, MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 from hps.ssd_store import SsdStore
 from hps.batch_base import BatchBase as _BatchBase
@@ -195,6 +195,55 @@ class ParameterServerConfig:
             ssd = SsdOptions(**ssd)
         d["ssd"] = ssd
         return cls(**d)
+
+    def check(self, source: Optional[str] = None) -> None:
+        """Raises ValueError naming the first field whose value no server takes
+        (after ``source``, the file, where given). ParameterServer checks its
+        config before it creates anything at the path, so a refused config
+        leaves no job directory behind (the next run would find a run that
+        "ended before its first checkpoint")."""
+        where = f"{source}: " if source else ""
+
+        def whole(name: str, value, least: int, why: str = "") -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(f"{where}{name} must be an int >= {least}{why}, got {value!r}")
+
+        whole("dim", self.dim, 1)
+        try:
+            parse_bytes(self.mem_budget, "mem_budget")
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}{e}") from None
+        if self.cache_policy not in POLICIES:
+            raise ValueError(f"{where}cache_policy must be one of {', '.join(POLICIES)}, got {self.cache_policy!r}")
+        whole("devices", self.devices, 1)
+        whole("device_capacity", self.device_capacity, 1, " (rows a device)")
+        whole("write_buffer_rows", self.write_buffer_rows, 1)
+        whole("device_threads", self.device_threads, 0, " (0: all cores)")
+        if self.schedule not in ("sequential", "herald"):
+            raise ValueError(f"{where}schedule must be 'sequential' or 'herald', got {self.schedule!r}")
+        whole("lookahead", self.lookahead, 0, " (batches)")
+        for name in ("ttl_steps", "max_rows"):
+            whole(name, getattr(self, name), 0, " (0: off)")
+        if self.schedule == "herald":
+            whole("worker_cache_rows", self.worker_cache_rows, 1)
+            if self.devices > 64:
+                raise ValueError(f"{where}schedule = 'herald' takes 1 to 64 devices, got devices = {self.devices}")
+            if self.ttl_steps or self.max_rows:
+                # Herald's worker caches keep rows between batches, out of reach of
+                # the checkpoint's erase: an expired key would come back from them.
+                raise ValueError(f"{where}ttl_steps = {self.ttl_steps} and max_rows = {self.max_rows}: bounded "
+                                 f"tables need schedule = 'sequential' (Herald's worker caches hold rows between "
+                                 f"batches)")
+        whole("ssd.file_records", self.ssd.file_records, 1)
+        trigger = self.ssd.compaction_trigger
+        if isinstance(trigger, bool) or not isinstance(trigger, (int, float)) or not trigger >= 1:
+            raise ValueError(f"{where}ssd.compaction_trigger must be a number >= 1 (records on disk / live "
+                             f"records), got {trigger!r}")
+        if self.topology is not None:
+            try:
+                htopo.load(self.topology)
+            except htopo.TopologyError as e:  # it names the topology file and line; this, the field
+                raise htopo.TopologyError(f"{where}topology: {e}") from None
 
     @classmethod
     def from_toml(cls, path: Union[str, os.PathLike]) -> "ParameterServerConfig":
@@ -683,6 +732,9 @@ class ParameterServer:
         (the last finished one, which the metadata names), a number (an MPI job
         rolls every rank back to the one all of them finished), or None (none:
         the server starts empty, as new). Opening drops every other checkpoint."""
+        config.check()  # before anything is created at the path
+        if config.schedule == "herald" and partitioner is not None:
+            raise ValueError("schedule = 'herald' places keys by the caches; it takes no partitioner")
         self.config = config
         self.dim = config.dim
         self._native_opt = native_optimizer(config.dim, config.optimizer, config.initializer, config.seed)
@@ -706,8 +758,7 @@ class ParameterServer:
             checkpoint = None
         elif checkpoint == LAST:
             checkpoint = meta.get("checkpoint")
-        herald = self._check_schedule(config, partitioner)
-        self._check_bounds(config, herald)
+        herald = config.schedule == "herald"
         # The step of the checkpoint resumed from: the metadata's, when it names
         # that one (an MPI job rolled back to an earlier one has the store's stamp).
         saved_step = meta.get("step") if meta is not None and meta.get("checkpoint") == checkpoint else None
@@ -748,37 +799,6 @@ class ParameterServer:
         self._load_lock = threading.Lock()  # one batch() at a time; checkpoint() holds it too
         self._herald = WorkerCaches(self, config.devices, config.worker_cache_rows) if herald else None
         self._herald_active = 0  # herald batches not yet written back (guarded by _host_batches)
-
-    @staticmethod
-    def _check_schedule(config: ParameterServerConfig, partitioner) -> bool:
-        """Whether the config asks for Herald's worker caches; names a bad field."""
-        if config.schedule not in ("sequential", "herald"):
-            raise ValueError(f"schedule must be 'sequential' or 'herald', got {config.schedule!r}")
-        if isinstance(config.lookahead, bool) or not isinstance(config.lookahead, int) or config.lookahead < 0:
-            raise ValueError(f"lookahead must be an int >= 0 (batches), got {config.lookahead!r}")
-        if config.schedule != "herald":
-            return False
-        if partitioner is not None:
-            raise ValueError("schedule = 'herald' places keys by the caches; it takes no partitioner")
-        if isinstance(config.worker_cache_rows, bool) or not isinstance(config.worker_cache_rows, int) \
-                or config.worker_cache_rows < 1:
-            raise ValueError(f"worker_cache_rows must be an int >= 1, got {config.worker_cache_rows!r}")
-        if not 1 <= config.devices <= 64:
-            raise ValueError(f"schedule = 'herald' takes 1 to 64 devices, got devices = {config.devices}")
-        return True
-
-    @staticmethod
-    def _check_bounds(config: ParameterServerConfig, herald: bool) -> None:
-        """ttl_steps and max_rows: ints >= 0; names a bad field."""
-        for name in ("ttl_steps", "max_rows"):
-            value = getattr(config, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
-        if herald and (config.ttl_steps or config.max_rows):
-            # Herald's worker caches keep rows between batches, out of reach of
-            # the checkpoint's erase: an expired key would come back from them.
-            raise ValueError(f"ttl_steps = {config.ttl_steps} and max_rows = {config.max_rows}: bounded tables "
-                             f"need schedule = 'sequential' (Herald's worker caches hold rows between batches)")
 
     # ------------------------------------------------------------ opening
     @classmethod

@@ -134,8 +134,11 @@ class TrainConfig:
         check_fields(cls, d, source)
         if "ps" not in d:
             raise ValueError(f"{source}: missing table [ps] (dim, path, ...)")
-        ps = d["ps"] if isinstance(d["ps"], ParameterServerConfig) else \
-            ParameterServerConfig.from_dict(d["ps"], source=f"{source}: [ps]")
+        if isinstance(d["ps"], ParameterServerConfig):
+            ps = d["ps"]
+        else:
+            ps = ParameterServerConfig.from_dict(d["ps"], source=f"{source}: [ps]")
+            ps.check(f"{source}: [ps]")  # a bad value named with its file, before the job starts
         data = d.get("data", {})
         if not isinstance(data, DataConfig):
             check_fields(DataConfig, data, source, prefix="data.")
