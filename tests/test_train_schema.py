@@ -105,6 +105,26 @@ def test_train_config_schema_errors_name_the_file(tmp_path):
         TrainConfig.from_dict({"ps": ps, "pooling": "max"}, "run.toml")
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("checkpoint_every", -1, "checkpoint_every must be an int >= 0, got -1"),  # trained no batch, ended "finished"
+    ("eval_every", -3, "eval_every must be an int >= 0, got -3"),
+    ("torch_threads", 1.5, "torch_threads must be an int >= 0, got 1.5"),
+    ("helper_nice", -1, r"helper_nice must be an int in \[0, 19\], got -1"),
+    ("dense_lr", -1, "dense_lr must be a finite number > 0, got -1"),
+    ("dense_lr", float("nan"), "dense_lr must be a finite number > 0, got nan"),
+    ("hidden", [64, 0], r"hidden must be a list of layer widths, ints >= 1 \(\[\] for none\), got \[64, 0\]"),
+    ("hidden", 64, "hidden must be a list of layer widths"),
+    ("ps", {"schedule": "herlad"}, r"\[ps\]: schedule must be 'sequential' or 'herald', got 'herlad'"),
+    ("ps", {"optimizer": {"kind": "adagrad", "lr": -0.05}}, r"\[ps\]: optimizer: lr must be a finite number > 0"),
+])
+def test_a_bad_top_level_or_ps_value_is_named_with_the_file(tmp_path, field, value, message):
+    ps = {"dim": DIM, "path": str(tmp_path / "ps")}
+    d = {"ps": dict(ps, **value)} if field == "ps" else {"ps": ps, field: value}
+    with pytest.raises(ValueError, match="^run.toml: " + message):
+        TrainConfig.from_dict(d, "run.toml")
+    assert TrainConfig.from_dict({"ps": ps, "hidden": [], "checkpoint_every": 0}, "run.toml").hidden == ()
+
+
 def test_hps_train_data_without_a_toml(tmp_path, capsys):
     from hps.cli import main
     write_csv(tmp_path / "train.csv", 1000, 5)

@@ -209,6 +209,10 @@ class ParameterServerConfig:
                 raise ValueError(f"{where}{name} must be an int >= {least}{why}, got {value!r}")
 
         whole("dim", self.dim, 1)
+        try:  # the optimizer's and initializer's values (lr > 0, ...), as the native optimizer takes them
+            native_optimizer(self.dim, self.optimizer, self.initializer, self.seed)
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
         try:
             parse_bytes(self.mem_budget, "mem_budget")
         except (TypeError, ValueError) as e:

@@ -153,10 +153,23 @@ class TrainConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{source}: data.{name} must be an int >= {low}, got {v!r}")
-        for name, low in (("online_window", 1), ("online_window_batches", 0)):
-            v = d.get(name, 1)
+        # (checkpoint_every = -1 trained no batch and ended as a finished run)
+        for name, low in (("online_window", 1), ("online_window_batches", 0), ("eval_every", 0),
+                          ("checkpoint_every", 0), ("torch_threads", 0)):
+            v = d.get(name, low)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{source}: {name} must be an int >= {low}, got {v!r}")
+        nice = d.get("helper_nice", 19)
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:  # as Pipeline takes it
+            raise ValueError(f"{source}: helper_nice must be an int in [0, 19], got {nice!r}")
+        lr = d.get("dense_lr", 1.0)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+            raise ValueError(f"{source}: dense_lr must be a finite number > 0, got {lr!r}")
+        hidden = d.get("hidden", [1])
+        if not isinstance(hidden, (list, tuple)) or \
+                any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in hidden):
+            raise ValueError(f"{source}: hidden must be a list of layer widths, ints >= 1 ([] for none), "
+                             f"got {hidden!r}")
         if d.get("online") and (data.epochs != 1 or data.shuffle_buffer) and _online_directory(data):
             raise ValueError(f"{source}: online training reads a growing directory once: data.epochs must be 1 "
                              f"and data.shuffle_buffer 0")
