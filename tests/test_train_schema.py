@@ -116,10 +116,14 @@ def test_train_config_schema_errors_name_the_file(tmp_path):
     ("hidden", 64, "hidden must be a list of layer widths"),
     ("ps", {"schedule": "herlad"}, r"\[ps\]: schedule must be 'sequential' or 'herald', got 'herlad'"),
     ("ps", {"optimizer": {"kind": "adagrad", "lr": -0.05}}, r"\[ps\]: optimizer: lr must be a finite number > 0"),
+    ("data", {"source": "x.tsv", "format": "parket"}, "data.format must be one of 'tsv', 'parquet', got 'parket'"),
+    ("data", {"source": "x.csv", "format": "tsv", "schema": {"label": "y"}},
+     "data.format must be one of 'csv', 'parquet', 'libsvm' with a schema, got 'tsv'"),
+    ("data", {"format": "parquet"}, "data.format = 'parquet' is the files' format: give data.source too"),
 ])
 def test_a_bad_top_level_or_ps_value_is_named_with_the_file(tmp_path, field, value, message):
     ps = {"dim": DIM, "path": str(tmp_path / "ps")}
-    d = {"ps": dict(ps, **value)} if field == "ps" else {"ps": ps, field: value}
+    d = {"ps": dict(ps, **value)} if field == "ps" else {"ps": ps, field: value}  # "data": a table
     with pytest.raises(ValueError, match="^run.toml: " + message):
         TrainConfig.from_dict(d, "run.toml")
     assert TrainConfig.from_dict({"ps": ps, "hidden": [], "checkpoint_every": 0}, "run.toml").hidden == ()

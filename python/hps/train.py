@@ -147,6 +147,15 @@ class TrainConfig:
             data.schema = hdata.Schema.from_dict(data.schema, source)
             if data.source == "synthetic":
                 raise ValueError(f"{source}: data.schema describes files: give data.source too")
+        if data.format is not None:
+            # checked here, where the file is named (the readers check it only once they open a file,
+            # and a synthetic source never does: it would be ignored)
+            formats = ("csv", "parquet", "libsvm") if data.schema is not None else ("tsv", "parquet")
+            if data.format not in formats:
+                raise ValueError(f"{source}: data.format must be one of {', '.join(map(repr, formats))}"
+                                 f"{' with a schema' if data.schema is not None else ''}, got {data.format!r}")
+            if data.source == "synthetic":
+                raise ValueError(f"{source}: data.format = {data.format!r} is the files' format: give data.source too")
         for name, low in (("epochs", 1), ("shuffle_buffer", 0), ("train_examples", 1)):
             v = getattr(data, name)
             if name == "train_examples" and v is None:
