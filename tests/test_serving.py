@@ -365,6 +365,19 @@ def test_export_errors_name_the_argument(job, tmp_path, capsys):
     assert export(job, tmp_path / "z3", "t-err", full=True)["full"]
 
 
+def test_a_consumer_s_export_keeps_the_key_sets_of_consumers_whose_names_extend_its_own(job, tmp_path):
+    """Consumer 'feed' removed the key sets of 'feed.2' as its own orphans (their
+    names begin 'feed.' and a digit), so the next export of 'feed.2' failed on its
+    missing key set; and one running meanwhile lost the set it had just written."""
+    from hps.export import export
+    export(job, tmp_path / "a", "t-feed.2")
+    kept = json.loads((job / "exports" / "t-feed.2.json").read_text())["ranks"][0]["keys"]
+    export(job, tmp_path / "b", "t-feed")
+    assert (job / "exports" / kept).exists()
+    meta = export(job, tmp_path / "c", "t-feed.2")
+    assert not meta["full"] and meta["rows"] == 0 and meta["tombstones"] == 0
+
+
 def test_export_of_an_mpi_job_writes_every_rank_with_its_owner(mpi_job, tmp_path):
     from hps.distributed.sparse import owner_ranks
     from hps.export import export

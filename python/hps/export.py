@@ -223,10 +223,11 @@ def _remove_orphans(exports: str, consumer: str, position: Optional[dict]) -> No
     """Key sets of this consumer that its position does not name: an export that
     failed before its commit point left them."""
     named = {r.get("keys") for r in (position or {}).get("ranks", [])}
-    prefix = consumer + "."
+    # The whole name as _export_locked writes it, not a prefix: a consumer name may
+    # hold '.', so the key sets of consumer 'feed.2' also begin with 'feed.' and a digit.
+    own = re.compile(re.escape(consumer) + r"\.[0-9]{6,}-[0-9a-f]{8}\.rank[0-9]{5,}\.keys\.npy")
     for name in os.listdir(exports):
-        if name.startswith(prefix) and name.endswith(".keys.npy") and name not in named \
-                and name[len(prefix):].split(".")[0][:6].isdigit():
+        if own.fullmatch(name) and name not in named:
             os.remove(os.path.join(exports, name))
 
 
