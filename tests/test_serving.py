@@ -233,6 +233,28 @@ def test_inspect_refuses_a_path_that_holds_no_job(tmp_path, capsys):
     assert "holds no hps job or parameter server" in capsys.readouterr().err
 
 
+def test_a_damaged_json_file_of_the_job_is_named(job, tmp_path, capsys):
+    """hps inspect, export and serve said only 'Unterminated string starting at:
+    line 23 column 3' of a damaged metadata file or export position, naming no file."""
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    assert main(["export", str(copy), "--to", str(tmp_path / "e1"), "--consumer", "c"]) == 0
+    position = copy / "exports" / "c.json"
+    position.write_text(position.read_text()[:40])
+    capsys.readouterr()
+    assert main(["export", str(copy), "--to", str(tmp_path / "e2"), "--consumer", "c"]) == 2
+    assert f"{position}: not JSON (Unterminated string" in capsys.readouterr().err
+    assert main(["inspect", str(copy)]) == 2
+    assert f"{position}: not JSON" in capsys.readouterr().err
+    position.unlink()
+    meta = copy / "hps-parameter-server.json"
+    meta.write_text(meta.read_text()[:100])
+    for argv in (["inspect", str(copy)], ["export", str(copy), "--to", str(tmp_path / "e3")],
+                 ["serve", str(copy), "--port", "0"]):
+        assert main(argv) == 2
+        assert f"{meta}: not JSON" in capsys.readouterr().err, argv
+
+
 # ---------------------------------------------------------------- hps export
 
 def read_export(directory):

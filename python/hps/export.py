@@ -51,8 +51,7 @@ def position_path(root: str, consumer: str) -> str:
 
 def read_position(root: str, consumer: str) -> Optional[dict]:
     try:
-        with open(position_path(root, consumer)) as f:
-            return json.load(f)
+        return jobdir.read_json(position_path(root, consumer))
     except FileNotFoundError:
         return None
 

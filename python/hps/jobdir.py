@@ -159,6 +159,17 @@ class Job:
         return 4 * native_optimizer(c.dim, c.optimizer, c.initializer, c.seed).row_floats
 
 
+def read_json(path: str):
+    """A JSON file of the job (metadata, job.json, an export position), its damage
+    named with the file: json's own message gives only a line and column."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return json.loads(data)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path}: not JSON ({e})") from None
+
+
 def read_job(root: str) -> Job:
     """The job at root as it is now. Raises FileNotFoundError when root holds
     neither a job nor a parameter server, ValueError for a format this build
@@ -166,8 +177,7 @@ def read_job(root: str) -> Job:
     root = os.fspath(root)
     manifest = os.path.join(root, JOB_MANIFEST)
     if os.path.exists(manifest):
-        with open(manifest) as f:
-            job = json.load(f)
+        job = read_json(manifest)
         for name in ("world", "checkpoint"):
             if name not in job:
                 raise ValueError(f"{manifest}: no field '{name}'")
@@ -177,8 +187,7 @@ def read_job(root: str) -> Job:
         meta_path = os.path.join(root, METADATA)
         distributed, world, number, step = False, 1, None, None
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = read_json(meta_path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{root} holds no hps job or parameter server (no {JOB_MANIFEST}, "
                                 f"no {METADATA})") from None
@@ -386,8 +395,7 @@ def export_positions(root: str) -> dict:
     if os.path.isdir(d):
         for name in sorted(os.listdir(d)):
             if name.endswith(".json"):
-                with open(os.path.join(d, name)) as f:
-                    out[name[:-5]] = json.load(f)
+                out[name[:-5]] = read_json(os.path.join(d, name))
     return out
 
 
