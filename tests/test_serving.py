@@ -821,10 +821,42 @@ def test_serve_answers_json_and_binary_lookups(server, job):
     ("GET", "/lookup", None, None, 405, "GET /lookup: use POST"),
     ("POST", "/health", b"", "application/json", 405, "POST /health: use GET"),
     ("GET", "/rows", None, None, 404, "/rows: no such endpoint"),
+    # json.loads raised ValueError (Python's 4300-digit limit) and RecursionError past
+    # the HttpErrors: the connection was dropped with no answer at all
+    ("POST", "/lookup", b'{"keys": [' + b"1" * 5000 + b"]}", "application/json", 400,
+     "body: an integer of 5000 digits; keys are integers in [0, 2^64 - 2]"),
+    ("POST", "/lookup", b'{"keys": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", 400,
+     "body: not JSON (nested too deeply)"),
 ])
 def test_serve_answers_bad_requests_with_a_4xx_naming_the_fault(server, method, path, body, kind, status, message):
     got, _, data = request(server, method, path, body, kind)
     assert got == status and message in json.loads(data)["error"]
+
+
+def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_path):
+    """A POST /refresh that raised (the job's metadata damaged, or the job gone) got
+    no answer: the connection was dropped and the traceback went to stderr."""
+    import threading
+    from hps.serve import LookupServer
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    lk = hps.Lookup(copy, memory_budget="64MiB")
+    srv = LookupServer(lk, ("127.0.0.1", 0))
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        meta = copy / "hps-parameter-server.json"
+        meta.write_text(meta.read_text()[:100])
+        status, _, data = request(srv, "POST", "/refresh", b"")
+        assert status == 500
+        assert json.loads(data)["error"].startswith(f"refresh failed, still serving checkpoint 6: ValueError: "
+                                                    f"{meta}: not JSON")
+        status, _, data = request(srv, "POST", "/lookup", b'{"keys": [1]}')
+        assert status == 200 and json.loads(data)["checkpoint"] == 6
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        lk.close()
 
 
 def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):

@@ -17,7 +17,8 @@ more is answered 429 at once rather than queued without bound.
     GET  /stats    Lookup.stats()
 Errors are JSON {"error": "..."}: 400 malformed (naming the field or key index),
 404 unknown path, 405 wrong method, 411 no Content-Length, 413 too many keys or
-bytes, 415 other content types, 429 over the concurrency limit.
+bytes, 415 other content types, 429 over the concurrency limit, 500 a failure of
+the lookup or the refresh (logged to stderr; a failed refresh keeps the checkpoint).
 """
 from __future__ import annotations
 
@@ -41,11 +42,22 @@ class HttpError(Exception):
         self.status = status
 
 
+def _parse_int(text: str) -> int:
+    # A key has at most 20 digits: a longer integer is out of range, and past 4300
+    # digits Python's int() refuses it (CPython 3.11+) with a ValueError of its own.
+    if len(text.lstrip("-")) > 20:
+        raise HttpError(400, f"body: an integer of {len(text.lstrip('-'))} digits; keys are integers in "
+                             f"[0, 2^64 - 2]")
+    return int(text)
+
+
 def _keys_from_json(body: bytes) -> np.ndarray:
     try:
-        doc = json.loads(body)
+        doc = json.loads(body, parse_int=_parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HttpError(400, f"body: not JSON ({e})") from None
+    except RecursionError:  # arrays nested thousands deep
+        raise HttpError(400, "body: not JSON (nested too deeply)") from None
     if not isinstance(doc, dict) or "keys" not in doc:
         raise HttpError(400, 'body: a JSON object with a "keys" array expected')
     keys = doc["keys"]
@@ -120,6 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
             super().log_message(format, *args)
 
     def _send(self, status: int, body: bytes, content_type: str = "application/json", headers=None) -> None:
+        self._answered = True
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -150,6 +163,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self, method: str) -> None:
         routes = {"/lookup": "POST", "/refresh": "POST", "/health": "GET", "/stats": "GET"}
         path = self.path.split("?", 1)[0]
+        self._answered = False
         try:
             if path not in routes:
                 raise HttpError(404, f"{path}: no such endpoint (POST /lookup, POST /refresh, GET /health, "
@@ -162,7 +176,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._lookup()
             elif path == "/refresh":
                 self._body()
-                moved = self.server.lookup.refresh()
+                try:
+                    moved = self.server.lookup.refresh()
+                except Exception as e:  # noqa: BLE001 - the checkpoint served stays, as with --refresh-every
+                    raise HttpError(500, f"refresh failed, still serving checkpoint {self.server.lookup.checkpoint}: "
+                                         f"{type(e).__name__}: {e}") from None
                 self._json(200, {"moved": moved, "checkpoint": self.server.lookup.checkpoint})
             elif path == "/health":
                 s = self.server.lookup
@@ -172,7 +190,16 @@ class _Handler(BaseHTTPRequestHandler):
                                  "max_concurrent": self.server.max_concurrent})
         except HttpError as e:
             self.close_connection = True  # the body may be unread: the connection cannot carry another request
+            if e.status >= 500:
+                print(f"hps serve: {self.command} {path}: {e}", file=sys.stderr, flush=True)
             self._json(e.status, {"error": str(e)})
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client left: no one to answer
+        except Exception as e:  # noqa: BLE001 - answered, not a dropped connection with a traceback
+            self.close_connection = True
+            print(f"hps serve: {self.command} {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if not self._answered:
+                self._json(500, {"error": f"{type(e).__name__}: {e}"})
 
     def _lookup(self) -> None:
         kind = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
