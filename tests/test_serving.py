@@ -859,6 +859,50 @@ def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_pa
         lk.close()
 
 
+def test_serve_labels_each_answer_with_the_checkpoint_it_was_read_from(tmp_path):
+    """The handler read lk.checkpoint after lk.lookup returned: a refresh finishing
+    in between labelled checkpoint 6's rows as 12's (JSON "checkpoint" and "step",
+    X-Hps-Checkpoint). Here the refresh runs the moment the lookup lets go of its
+    checkpoint, as one on another thread (--refresh-every) may."""
+    import threading
+    from hps.serve import LookupServer
+    path = train(tmp_path, "labelled")
+    keys = trained_keys()[:50]
+    old, _ = server_rows(path, keys)
+    lk = hps.Lookup(path, memory_budget="64MiB")
+    srv = LookupServer(lk, ("127.0.0.1", 0))
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        cfg = write_config(tmp_path, "labelled", path)
+        assert main(["train", "--config", str(cfg), "--resume", "--examples", str(2 * BATCH * BATCHES),
+                     "--no-progress"]) == 0
+        release, refreshed = lk._release, []
+
+        def release_then_refresh(gen):
+            release(gen)
+            if not refreshed:
+                refreshed.append(lk.refresh())
+        lk._release = release_then_refresh
+        status, _, body = request(srv, "POST", "/lookup", json.dumps({"keys": [int(k) for k in keys]}))
+        assert status == 200 and refreshed == [True] and lk.checkpoint == 12
+        doc = json.loads(body)
+        np.testing.assert_array_equal(np.array(doc["rows"], np.float32), old)
+        assert (doc["checkpoint"], doc["step"]) == (6, BATCHES)
+        lk._release, refreshed[:] = release_then_refresh, []
+        cfg = write_config(tmp_path, "labelled", path)
+        assert main(["train", "--config", str(cfg), "--resume", "--examples", str(3 * BATCH * BATCHES),
+                     "--no-progress"]) == 0
+        status, headers, body = request(srv, "POST", "/lookup", np.asarray(keys, "<u8").tobytes(),
+                                        "application/octet-stream")
+        assert status == 200 and refreshed == [True] and lk.checkpoint == 18
+        assert headers["X-Hps-Checkpoint"] == "12"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        lk.close()
+
+
 def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
     import threading
     import hps.serve
@@ -866,14 +910,14 @@ def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
     status, _, data = request(server, "POST", "/lookup", json.dumps({"keys": [1, 2, 3, 4, 5]}))
     assert status == 413 and "5 keys, more than the 4" in json.loads(data)["error"]
     entered, release = threading.Event(), threading.Event()
-    real = server.lookup.lookup
+    real = server.lookup.lookup_with_checkpoint
 
     def slow(keys):
         entered.set()
         release.wait(30)
         return real(keys)
 
-    monkeypatch.setattr(server.lookup, "lookup", slow)
+    monkeypatch.setattr(server.lookup, "lookup_with_checkpoint", slow)
     first = []
     t = threading.Thread(target=lambda: first.append(request(server, "POST", "/lookup", b'{"keys": [1]}')))
     t.start()

@@ -321,6 +321,8 @@ class Lookup:
     keys in any order, repeats allowed. A key the checkpoint does not hold (never
     updated by training) gets a zero row and found = False; the model itself would
     give it the initializer's row, a function of the seed and the key.
+    ``lookup_with_checkpoint(keys)`` adds the checkpoint and step the answer was
+    read from (the ``checkpoint`` property may have moved on by the time it returns).
 
     ``memory_budget`` (bytes, or a string like "256MiB") bounds all the lookup
     holds: the stores' key index and files' metadata, the read buffers of up to
@@ -455,6 +457,13 @@ class Lookup:
 
     # ------------------------------------------------------------ API
     def lookup(self, keys) -> tuple[np.ndarray, np.ndarray]:
+        rows, found, _, _ = self.lookup_with_checkpoint(keys)
+        return rows, found
+
+    def lookup_with_checkpoint(self, keys) -> tuple[np.ndarray, np.ndarray, int, Optional[int]]:
+        """(rows, found, checkpoint, step): lookup()'s answer and the checkpoint it was
+        read from. Read apart, a refresh finishing between the two would pair one
+        checkpoint's rows with the next one's number."""
         keys = np.asarray(keys)
         if keys.ndim != 1:
             raise ValueError(f"keys: a 1-D array, not of shape {keys.shape}")
@@ -471,8 +480,8 @@ class Lookup:
             gen = self._acquire()
             try:
                 if len(keys) == 0:
-                    return np.empty((0, gen.dim), np.float32), np.empty(0, bool)
-                result = gen.lookup(keys)
+                    return np.empty((0, gen.dim), np.float32), np.empty(0, bool), gen.checkpoint, gen.step
+                result = (*gen.lookup(keys), gen.checkpoint, gen.step)
             finally:
                 self._release(gen)
         with self._lock:

@@ -212,9 +212,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.rejected += 1
             raise HttpError(429, f"{self.server.max_concurrent} lookups under way, the server's limit: retry")
         try:
-            lk = self.server.lookup
-            rows, found = lk.lookup(keys)
-            checkpoint, step = lk.checkpoint, lk.step
+            # the checkpoint the rows were read from: lookup.checkpoint, read after, may be a newer one's
+            rows, found, checkpoint, step = self.server.lookup.lookup_with_checkpoint(keys)
         finally:
             self.server.slots.release()
         if kind == "application/json":
