@@ -952,6 +952,26 @@ def test_hps_serve_command_serves_until_terminated(job):
     assert not os.path.exists(job / jobdir.READERS)
 
 
+def test_hps_serve_names_an_address_it_cannot_listen_on_and_releases_the_checkpoint(job, capsys):
+    """A port in use printed only 'OSError: [Errno 98] Address already in use', and
+    an out-of-range port an OverflowError traceback; the Lookup opened first was
+    never closed, so its pinned view stayed in .hps-readers."""
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(job), "--port", str(port), "--memory-budget", "64MiB"]) == 1
+        err = capsys.readouterr().err
+        assert f"--host 127.0.0.1 --port {port}: cannot listen there: " in err and "in use" in err, err
+    assert not os.path.exists(job / jobdir.READERS)
+    assert main(["serve", str(job), "--max-concurrent", "0", "--memory-budget", "64MiB"]) == 2
+    assert "max_concurrent = 0: must be >= 1" in capsys.readouterr().err
+    assert not os.path.exists(job / jobdir.READERS)
+    assert main(["serve", str(job), "--port", "70000"]) == 2
+    assert "--port 70000: a TCP port, 0-65535 (0: any free one)" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- bench/lookup_bench.py
 
 def test_lookup_bench_quick_runs_both_stores_on_the_same_rows():

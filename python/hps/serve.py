@@ -241,8 +241,17 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="2
           max_concurrent: int = 8, refresh_every: float = 0.0, quiet: bool = False) -> None:
     """Serves the job at path until interrupted (SIGINT / SIGTERM)."""
     import signal
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a TCP port, 0-65535 (0: any free one)")
     lookup = Lookup(path, memory_budget=memory_budget)
-    server = LookupServer(lookup, (host, port), max_concurrent, refresh_every, quiet)
+    try:
+        server = LookupServer(lookup, (host, port), max_concurrent, refresh_every, quiet)
+    except OSError as e:  # the address: in use, or not this host's
+        lookup.close()
+        raise OSError(e.errno, f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+    except BaseException:
+        lookup.close()  # releases the pinned checkpoint, as stopping the server does
+        raise
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     print(f"hps serve: {path} checkpoint {lookup.checkpoint} (step {lookup.step}, {lookup.world} rank(s), "
           f"dim {lookup.dim}) on {server.url}, at most {max_concurrent} lookups at once", file=sys.stderr,
