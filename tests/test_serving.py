@@ -821,6 +821,9 @@ def test_serve_answers_json_and_binary_lookups(server, job):
     ("GET", "/lookup", None, None, 405, "GET /lookup: use POST"),
     ("POST", "/health", b"", "application/json", 405, "POST /health: use GET"),
     ("GET", "/rows", None, None, 404, "/rows: no such endpoint"),
+    # methods without a do_ handler got http.server's 501 page in HTML
+    ("PATCH", "/lookup", b'{"keys": [1]}', "application/json", 405, "PATCH /lookup: use POST"),
+    ("OPTIONS", "/health", None, None, 405, "OPTIONS /health: use GET"),
     # json.loads raised ValueError (Python's 4300-digit limit) and RecursionError past
     # the HttpErrors: the connection was dropped with no answer at all
     ("POST", "/lookup", b'{"keys": [' + b"1" * 5000 + b"]}", "application/json", 400,
@@ -831,6 +834,15 @@ def test_serve_answers_json_and_binary_lookups(server, job):
 def test_serve_answers_bad_requests_with_a_4xx_naming_the_fault(server, method, path, body, kind, status, message):
     got, _, data = request(server, method, path, body, kind)
     assert got == status and message in json.loads(data)["error"]
+
+
+def test_serve_answers_head_as_get_without_the_body(server):
+    """HEAD (curl -I) got http.server's 501 page in HTML rather than GET's headers."""
+    status, headers, body = request(server, "HEAD", "/health")
+    assert status == 200 and body == b"" and headers["Content-Type"] == "application/json"
+    assert int(headers["Content-Length"]) == len(request(server, "GET", "/health")[2])
+    status, headers, body = request(server, "HEAD", "/lookup")
+    assert status == 405 and body == b"" and headers["Connection"] == "close"
 
 
 def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_path):

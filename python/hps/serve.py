@@ -13,7 +13,7 @@ more is answered 429 at once rather than queued without bound.
                      rows (little-endian), then n bytes of found (0/1); headers
                      X-Hps-Dim, X-Hps-Checkpoint
     POST /refresh  moves to the job's newer checkpoint: {"moved": bool, "checkpoint": N}
-    GET  /health   {"checkpoint", "step", "world", "dim", "rows"}
+    GET  /health   {"checkpoint", "step", "world", "dim"} (HEAD: its headers)
     GET  /stats    Lookup.stats()
 Errors are JSON {"error": "..."}: 400 malformed (naming the field or key index),
 404 unknown path, 405 wrong method, 411 no Content-Length, 413 too many keys or
@@ -141,7 +141,8 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, str(v))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":  # HEAD: GET's headers, no body
+            self.wfile.write(body)
 
     def _json(self, status: int, obj) -> None:
         self._send(status, json.dumps(obj).encode())
@@ -168,7 +169,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path not in routes:
                 raise HttpError(404, f"{path}: no such endpoint (POST /lookup, POST /refresh, GET /health, "
                                      f"GET /stats)")
-            if routes[path] != method:
+            if routes[path] != method and (method, routes[path]) != ("HEAD", "GET"):
                 if method == "POST":
                     self._body()  # read it, so that the connection stays usable
                 raise HttpError(405, f"{method} {path}: use {routes[path]}")
@@ -235,6 +236,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self):  # noqa: N802
         self._handle("DELETE")
+
+    # Without a do_ method http.server answers 501 with an HTML page: these get a 405 in JSON
+    # (HEAD: GET's headers), the methods a client or a probe may well send.
+    def do_HEAD(self):  # noqa: N802
+        self._handle("HEAD")
+
+    def do_PATCH(self):  # noqa: N802
+        self._handle("PATCH")
+
+    def do_OPTIONS(self):  # noqa: N802
+        self._handle("OPTIONS")
 
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="256MiB",
