@@ -845,6 +845,26 @@ def test_serve_answers_head_as_get_without_the_body(server):
     assert status == 405 and body == b"" and headers["Connection"] == "close"
 
 
+def test_serve_takes_a_post_without_a_body_where_none_is_read(server):
+    """`curl -X POST .../refresh` sends no Content-Length (a POST with no body, RFC 9112
+    6.3): it got 411, and a POST to a GET endpoint 411 rather than 405."""
+    import http.client
+
+    def bare_post(path):
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+        conn.putrequest("POST", path)
+        conn.endheaders()  # neither Content-Length nor a body
+        r = conn.getresponse()
+        out = r.status, json.loads(r.read())
+        conn.close()
+        return out
+    assert bare_post("/refresh") == (200, {"moved": False, "checkpoint": 6})
+    status, doc = bare_post("/health")
+    assert status == 405 and doc["error"] == "POST /health: use GET"
+    status, doc = bare_post("/lookup")  # where the keys are the body, it is still required
+    assert status == 411 and doc["error"] == "Content-Length required"
+
+
 def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_path):
     """A POST /refresh that raised (the job's metadata damaged, or the job gone) got
     no answer: the connection was dropped and the traceback went to stderr."""

@@ -147,9 +147,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj) -> None:
         self._send(status, json.dumps(obj).encode())
 
-    def _body(self) -> bytes:
+    def _body(self, required: bool = True) -> bytes:
+        """The request's body. Without Content-Length or Transfer-Encoding a request has
+        none (RFC 9112 6.3): only /lookup, whose keys are its body, refuses that.
+        Chunked bodies are not read: 411 (left unread, they would be taken for a request)."""
         length = self.headers.get("Content-Length")
         if length is None:
+            if not required and "Transfer-Encoding" not in self.headers:
+                return b""
             raise HttpError(411, "Content-Length required")
         try:
             n = int(length)
@@ -171,12 +176,12 @@ class _Handler(BaseHTTPRequestHandler):
                                      f"GET /stats)")
             if routes[path] != method and (method, routes[path]) != ("HEAD", "GET"):
                 if method == "POST":
-                    self._body()  # read it, so that the connection stays usable
+                    self._body(required=False)  # read it, so that the answer is not lost to a reset
                 raise HttpError(405, f"{method} {path}: use {routes[path]}")
             if path == "/lookup":
                 self._lookup()
             elif path == "/refresh":
-                self._body()
+                self._body(required=False)
                 try:
                     moved = self.server.lookup.refresh()
                 except Exception as e:  # noqa: BLE001 - the checkpoint served stays, as with --refresh-every
