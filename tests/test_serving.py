@@ -255,6 +255,25 @@ def test_a_damaged_json_file_of_the_job_is_named(job, tmp_path, capsys):
         assert f"{meta}: not JSON" in capsys.readouterr().err, argv
 
 
+def test_a_checkpoint_missing_a_file_is_reported_as_damaged_not_as_replaced(job, tmp_path, capsys):
+    """pin() took every missing file for training replacing the checkpoint, and after
+    100 tries raised RuntimeError 'the job's checkpoint changed during each of 100
+    attempts' (a traceback from the CLI) of a checkpoint that had not changed."""
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    store = copy / "checkpoints" / "000006" / "ssd"
+    gone = store / jobdir.file_name(min(jobdir.replay_manifest((store / "MANIFEST").read_bytes())))
+    gone.unlink()
+    expected = f"{gone}: missing from checkpoint 6, which the job at {copy} names: the checkpoint is damaged"
+    for argv in (["inspect", str(copy)], ["export", str(copy), "--to", str(tmp_path / "e")],
+                 ["serve", str(copy), "--port", "0"]):
+        assert main(argv) == 2
+        assert expected in capsys.readouterr().err, argv
+    with pytest.raises(FileNotFoundError, match="the checkpoint is damaged"):
+        hps.Lookup(copy)
+    assert not os.path.exists(copy / jobdir.READERS)
+
+
 # ---------------------------------------------------------------- hps export
 
 def read_export(directory):

@@ -341,8 +341,13 @@ def pin(root: str, attempts: int = 100) -> View:
                 path = os.path.join(directory, f"rank{r}")
                 view.ranks.append(RankView(r, source, path, link_checkpoint(source, path)))
             return view
-        except FileNotFoundError:
+        except FileNotFoundError as e:
             view.close()  # a later checkpoint replaced this one meanwhile: read the job again
+            # Training deletes a checkpoint only once the job names a later one: a file
+            # missing from the checkpoint the job still names is damage, not a replacement.
+            if read_job(root).checkpoint == job.checkpoint:
+                raise FileNotFoundError(f"{e.filename}: missing from checkpoint {job.checkpoint}, which the job at "
+                                        f"{root} names: the checkpoint is damaged") from None
     raise RuntimeError(f"{root}: the job's checkpoint changed during each of {attempts} attempts to pin it")
 
 
