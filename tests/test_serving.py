@@ -419,6 +419,28 @@ def test_a_consumer_s_export_keeps_the_key_sets_of_consumers_whose_names_extend_
     assert not meta["full"] and meta["rows"] == 0 and meta["tombstones"] == 0
 
 
+def test_an_export_that_waited_for_the_consumer_s_lock_does_not_overwrite_the_one_before(job, tmp_path,
+                                                                                          monkeypatch):
+    """--to was checked for being new or empty before the consumer's lock only: two runs
+    of one command (an overlapping cron job) both passed it, and the second, once the
+    first let go of the lock, wrote its empty delta over the first's export, whose
+    rows the consumer's position had already moved past."""
+    import fcntl
+    from hps.export import export
+    real, first = fcntl.flock, []
+
+    def flock(fd, op):  # the first export runs whole while the second waits here
+        if not first:
+            first.append(None)
+            first[0] = export(job, tmp_path / "e", "t-overlap")
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with pytest.raises(ValueError, match="exists and is not an empty directory"):
+        export(job, tmp_path / "e", "t-overlap")
+    meta, table = read_export(tmp_path / "e")
+    assert meta == first[0] and meta["full"] and len(table["key"]) == meta["rows"] > 0
+
+
 def test_export_of_an_mpi_job_writes_every_rank_with_its_owner(mpi_job, tmp_path):
     from hps.distributed.sparse import owner_ranks
     from hps.export import export

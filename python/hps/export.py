@@ -132,8 +132,7 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
                           "(or hps[data])") from None
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows = {chunk_rows}: must be >= 1")
-    if os.path.exists(to) and (not os.path.isdir(to) or os.listdir(to)):
-        raise ValueError(f"--to {to}: exists and is not an empty directory; give a new one for each export")
+    _check_to(to)
     exports = os.path.join(root, jobdir.EXPORTS)
     # Nothing is written before the job has a finished checkpoint: a directory that
     # training has yet to start in must stay empty (it refuses a non-empty one).
@@ -145,8 +144,16 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
         return _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_rows)
 
 
+def _check_to(to: str) -> None:
+    if os.path.exists(to) and (not os.path.isdir(to) or os.listdir(to)):
+        raise ValueError(f"--to {to}: exists and is not an empty directory; give a new one for each export")
+
+
 def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_rows) -> dict:
     import pyarrow.parquet as pq
+    # Again under the lock: an export of this consumer to the same directory may have
+    # filled it while this one waited, and this one's delta would overwrite its rows.
+    _check_to(to)
     previous = read_position(root, consumer)
     _remove_orphans(exports, consumer, previous)
     view = jobdir.pin(root)
