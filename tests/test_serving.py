@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -777,6 +778,39 @@ def test_a_refresh_with_no_room_beside_the_served_checkpoint_frees_it_first(tmp_
         assert len(os.listdir(path / jobdir.READERS)) == 1
     finally:
         lk.close()
+
+
+def test_close_during_a_refresh_leaves_no_checkpoint_pinned(tmp_path):
+    """close() on one thread while refresh() ran on another (hps serve stopped by
+    SIGTERM during a --refresh-every refresh): the refresh then swapped into a
+    closed Lookup (AttributeError) and left the new checkpoint's view in .hps-readers."""
+    path = train(tmp_path, "closing")
+    lk = hps.Lookup(path, memory_budget="64MiB")
+    cfg = write_config(tmp_path, "closing", path)
+    assert main(["train", "--config", str(cfg), "--resume", "--examples", str(2 * BATCH * BATCHES),
+                 "--no-progress"]) == 0
+    swap, entered, outcome = lk._swap, threading.Event(), []
+
+    def slow_swap(new):  # the new checkpoint is open: close() comes now
+        entered.set()
+        time.sleep(0.5)
+        return swap(new)
+    lk._swap = slow_swap
+
+    def refresh():
+        try:
+            outcome.append(lk.refresh())
+        except Exception as e:  # noqa: BLE001 - asserted below
+            outcome.append(e)
+    t = threading.Thread(target=refresh)
+    t.start()
+    assert entered.wait(60)
+    lk.close()
+    t.join()
+    assert outcome == [True]
+    with pytest.raises(ValueError, match="is closed"):
+        lk.lookup(np.array([1], np.uint64))
+    assert not os.path.exists(path / jobdir.READERS)
 
 
 def test_lookup_refuses_bad_keys_naming_them(job, tmp_path):

@@ -351,7 +351,8 @@ class Lookup:
     without the GIL), more wait for one of them to return.
 
     The checkpoint is pinned (hps.jobdir: hard links in <path>/.hps-readers), so
-    training may prune it while it is served; ``close()`` releases it.
+    training may prune it while it is served; ``close()`` releases it (once a refresh
+    under way on another thread has finished).
     """
 
     def __init__(self, path: Union[str, os.PathLike], memory_budget: Union[int, str] = "256MiB", *,
@@ -604,8 +605,11 @@ class Lookup:
             self._release(gen)
 
     def close(self) -> None:
-        with self._lock:
-            gen, self._current = self._current, None
+        # After a refresh under way on another thread: it would otherwise swap its new
+        # checkpoint into a closed Lookup and leave that checkpoint pinned.
+        with self._refresh_lock:
+            with self._lock:
+                gen, self._current = self._current, None
         if gen is not None:
             self._retire(gen)
 

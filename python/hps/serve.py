@@ -110,6 +110,8 @@ class LookupServer(ThreadingHTTPServer):
             try:
                 self.lookup.refresh()
             except Exception as e:  # noqa: BLE001 - keep serving the checkpoint it has
+                if self._stop.is_set():
+                    break  # the server stopped and closed the lookup meanwhile
                 print(f"hps serve: refresh failed, still serving checkpoint {self.lookup.checkpoint}: "
                       f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
