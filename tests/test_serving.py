@@ -901,10 +901,10 @@ def test_serve_answers_json_and_binary_lookups(server, job):
     ("OPTIONS", "/health", None, None, 405, "OPTIONS /health: use GET"),
     # json.loads raised ValueError (Python's 4300-digit limit) and RecursionError past
     # the HttpErrors: the connection was dropped with no answer at all
-    ("POST", "/lookup", b'{"keys": [' + b"1" * 5000 + b"]}", "application/json", 400,
-     "body: an integer of 5000 digits; keys are integers in [0, 2^64 - 2]"),
-    ("POST", "/lookup", b'{"keys": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", 400,
-     "body: not JSON (nested too deeply)"),
+    pytest.param("POST", "/lookup", b'{"keys": [' + b"1" * 5000 + b"]}", "application/json", 400,
+                 "body: an integer of 5000 digits; keys are integers in [0, 2^64 - 2]", id="a-5000-digit-key"),
+    pytest.param("POST", "/lookup", b'{"keys": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json",
+                 400, "body: not JSON (nested too deeply)", id="arrays-nested-100000-deep"),
 ])
 def test_serve_answers_bad_requests_with_a_4xx_naming_the_fault(server, method, path, body, kind, status, message):
     got, _, data = request(server, method, path, body, kind)
