@@ -940,6 +940,48 @@ def test_serve_takes_a_post_without_a_body_where_none_is_read(server):
     assert status == 411 and doc["error"] == "Content-Length required"
 
 
+def test_serve_answers_a_stalled_or_cut_short_body_and_frees_the_connection(job):
+    """A client that declares more body than it sends held its handler thread for good
+    (no socket timeout), and one that closed its side early had its short body served
+    as if whole."""
+    import socket
+    import threading
+    from hps.serve import LookupServer
+    lk = hps.Lookup(job, memory_budget="64MiB")
+    srv = LookupServer(lk, ("127.0.0.1", 0), idle_timeout=0.5)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    head = b"POST /lookup HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+
+    def answer(sock) -> bytes:
+        sock.settimeout(30)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        return got
+    try:
+        with socket.create_connection(srv.server_address[:2]) as sock:  # 10 of 100 bytes, then silence
+            sock.sendall(head + b'{"keys": [')
+            reply = answer(sock)
+        assert reply.startswith(b"HTTP/1.1 408 ")
+        assert b"100 bytes declared, not all sent within 0.5 s" in reply
+        with socket.create_connection(srv.server_address[:2]) as sock:  # the same, then the client's side closed
+            sock.sendall(head + b'{"keys": [')
+            sock.shutdown(socket.SHUT_WR)
+            reply = answer(sock)
+        assert reply.startswith(b"HTTP/1.1 400 ")
+        assert b"100 bytes declared, 10 sent before the client closed" in reply
+        with socket.create_connection(srv.server_address[:2]) as sock:  # connected, nothing sent: closed
+            assert answer(sock) == b""
+        assert request(srv, "GET", "/health")[0] == 200  # still serving
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        lk.close()
+    with pytest.raises(ValueError, match="idle_timeout = 0: must be > 0 seconds"):
+        LookupServer(lk, ("127.0.0.1", 0), idle_timeout=0)
+
+
 def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_path):
     """A POST /refresh that raised (the job's metadata damaged, or the job gone) got
     no answer: the connection was dropped and the traceback went to stderr."""

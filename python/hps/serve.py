@@ -16,7 +16,8 @@ more is answered 429 at once rather than queued without bound.
     GET  /health   {"checkpoint", "step", "world", "dim"} (HEAD: its headers)
     GET  /stats    Lookup.stats()
 Errors are JSON {"error": "..."}: 400 malformed (naming the field or key index),
-404 unknown path, 405 wrong method, 411 no Content-Length, 413 too many keys or
+404 unknown path, 405 wrong method, 408 a body not all sent within the idle
+timeout (60 s; a connection idle that long is closed), 411 no Content-Length, 413 too many keys or
 bytes, 415 other content types, 429 over the concurrency limit, 500 a failure of
 the lookup or the refresh (logged to stderr; a failed refresh keeps the checkpoint).
 """
@@ -87,7 +88,9 @@ class LookupServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, lookup: Lookup, address=("127.0.0.1", 0), max_concurrent: int = 8,
-                 refresh_every: float = 0.0, quiet: bool = True):
+                 refresh_every: float = 0.0, quiet: bool = True, idle_timeout: float = 60.0):
+        if not idle_timeout > 0:
+            raise ValueError(f"idle_timeout = {idle_timeout}: must be > 0 seconds")
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent = {max_concurrent}: must be >= 1")
         if refresh_every < 0:
@@ -97,6 +100,10 @@ class LookupServer(ThreadingHTTPServer):
         self.max_concurrent = max_concurrent
         self.quiet = quiet
         self.rejected = 0
+        self._rejected_lock = threading.Lock()  # += from the handlers' threads
+        # A connection that sends nothing for this long is closed: a client that stalls
+        # mid-request (a Content-Length it never fills) would hold its thread for good.
+        self.idle_timeout = idle_timeout
         self._stop = threading.Event()
         super().__init__(address, _Handler)
         self._refresher: Optional[threading.Thread] = None
@@ -115,6 +122,10 @@ class LookupServer(ThreadingHTTPServer):
                 print(f"hps serve: refresh failed, still serving checkpoint {self.lookup.checkpoint}: "
                       f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
+    def count_rejected(self) -> None:
+        with self._rejected_lock:
+            self.rejected += 1
+
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
@@ -128,6 +139,10 @@ class LookupServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: LookupServer
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout  # the socket's, set by the base class's setup
+        super().setup()
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         if not self.server.quiet:
@@ -166,7 +181,14 @@ class _Handler(BaseHTTPRequestHandler):
             raise HttpError(400, f"Content-Length {n}: negative")
         if n > MAX_BODY:
             raise HttpError(413, f"body of {n} bytes, more than {MAX_BODY}")
-        return self.rfile.read(n)
+        try:
+            body = self.rfile.read(n)
+        except TimeoutError:
+            raise HttpError(408, f"body: {n} bytes declared, not all sent within {self.server.idle_timeout:g} s") \
+                from None
+        if len(body) != n:  # the client closed its side early: a short body is not the request
+            raise HttpError(400, f"body: {n} bytes declared, {len(body)} sent before the client closed")
+        return body
 
     def _handle(self, method: str) -> None:
         routes = {"/lookup": "POST", "/refresh": "POST", "/health": "GET", "/stats": "GET"}
@@ -217,7 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
                                  f"application/octet-stream")
         keys = _keys_from_json(body) if kind == "application/json" else _keys_from_bytes(body)
         if not self.server.slots.acquire(blocking=False):
-            self.server.rejected += 1
+            self.server.count_rejected()
             raise HttpError(429, f"{self.server.max_concurrent} lookups under way, the server's limit: retry")
         try:
             # the checkpoint the rows were read from: lookup.checkpoint, read after, may be a newer one's
