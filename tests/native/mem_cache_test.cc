@@ -21,17 +21,20 @@ namespace {
 
 // SSD-PS stand-in: rows are one uint64; an absent key's row is key * 1000.
 // before_load (optional) runs at the start of each load; while sink_down,
-// the sink throws without storing anything.
+// the sink throws without storing anything. loads and sunk count the rows
+// asked for and stored (a row stored twice counts twice).
 struct Backing {
   std::mutex mutex;
   std::map<uint64_t, uint64_t> rows;
   std::function<void()> before_load;
   bool sink_down = false;
+  uint64_t loads = 0, sunk = 0;
 
   RowLoader Loader() {
     return [this](const uint64_t* keys, uint64_t n, uint8_t* out, uint8_t* dirty) {
       if (before_load) before_load();
       std::lock_guard lock(mutex);
+      loads += n;
       for (uint64_t i = 0; i < n; ++i) {
         const auto it = rows.find(keys[i]);
         const uint64_t v = it == rows.end() ? keys[i] * 1000 : it->second;
@@ -44,6 +47,7 @@ struct Backing {
     return [this](const uint64_t* keys, uint64_t n, const uint8_t* in) {
       std::lock_guard lock(mutex);
       if (sink_down) throw std::runtime_error("sink down");
+      sunk += n;
       for (uint64_t i = 0; i < n; ++i) std::memcpy(&rows[keys[i]], in + i * 8, 8);
     };
   }
@@ -484,6 +488,302 @@ TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
   for (auto& th : threads) th.join();
   for (int t = 0; t < 4; ++t) EXPECT_EQ(bad[t], 0);
   EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// A caller may reuse its hit buffer: a miss must read 0 whatever it held.
+TEST(MemCache, PullClearsTheHitFlagsOfMisses) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lru", 8, 1);
+  const uint64_t cached = 1;
+  cache->Pull(&cached, 1, nullptr, /*pin=*/false, nullptr);
+  const std::vector<uint64_t> keys = {1, 2, 3};
+  std::vector<uint8_t> hit(keys.size(), 1);
+  EXPECT_EQ(cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/false, hit.data()), 1u);
+  EXPECT_EQ(hit, (std::vector<uint8_t>{1, 0, 0}));
+}
+
+// The budget check is "more than the shard holds": pins that fill a shard
+// exactly fit, one more does not (and fails before the loader is asked).
+TEST(MemCache, PinsThatExactlyFillAShardFit) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lru", 4, 1);
+  const std::vector<uint64_t> keys = {1, 2, 3, 4};
+  EXPECT_NO_THROW(cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr));
+  EXPECT_EQ(cache->stats().pinned, 4u);
+  const uint64_t more = 5;
+  EXPECT_THROW(cache->Pull(&more, 1, nullptr, /*pin=*/true, nullptr), CacheFullError);
+  cache->Unpin(keys.data(), keys.size());
+}
+
+// A pinning Pull that cannot fit fails before it loads or evicts: the
+// pipeline retries it until pins free up, and each attempt that read SSD-PS
+// or pushed rows out would cost I/O for nothing.
+TEST(MemCache, PullWhosePinsCannotFitFailsBeforeLoading) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  const std::vector<uint64_t> held = {1, 2, 3};
+  cache->Pull(held.data(), held.size(), nullptr, /*pin=*/true, nullptr);
+  const MemCacheStats before = cache->stats();
+  const uint64_t loads = backing.loads;
+  const std::vector<uint64_t> keys = {10, 11};  // one unpinned slot (4's) for two new rows
+  try {
+    cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
+    ADD_FAILURE() << "two new pinned rows cannot fit in one unpinned slot";
+  } catch (const CacheFullError& e) {
+    EXPECT_NE(std::string(e.what()).find("has 3 pinned and this call needs 2 more"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(backing.loads, loads) << "the loader was asked for rows of a call bound to fail";
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.rows_loaded, before.rows_loaded);
+  EXPECT_EQ(st.evictions, before.evictions);
+  EXPECT_EQ(st.pinned, 3u);
+  EXPECT_TRUE(cache->Contains(4));
+  cache->Unpin(held.data(), held.size());
+}
+
+// rows_loaded is the loader's traffic: one row per distinct missing key.
+TEST(MemCache, RowsLoadedCountsEachDistinctMissingKeyOnce) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lru", 8, 1);
+  const std::vector<uint64_t> first = {5, 6, 5, 7};
+  cache->Pull(first.data(), first.size(), nullptr, /*pin=*/false, nullptr);
+  EXPECT_EQ(cache->stats().rows_loaded, 3u);
+  const std::vector<uint64_t> second = {5, 8};
+  cache->Pull(second.data(), second.size(), nullptr, /*pin=*/false, nullptr);
+  EXPECT_EQ(cache->stats().rows_loaded, 4u);
+  EXPECT_EQ(cache->stats().rows_loaded, backing.loads);
+}
+
+// A failed call changes nothing the caller can see but its own counts of
+// hits and misses: the evictions it undid are not evictions.
+TEST(MemCache, FailedPullUndoesItsEvictionCounts) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  backing.sink_down = true;
+  const std::vector<uint64_t> keys = {10, 11};  // evicts dirty rows 1 and 2, then the sink throws
+  EXPECT_THROW(cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr), std::runtime_error);
+  MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.evictions, 0u);
+  EXPECT_EQ(st.dirty_evictions, 0u);
+  backing.sink_down = false;
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/false, nullptr);
+  st = cache->stats();
+  EXPECT_EQ(st.evictions, 2u);
+  EXPECT_EQ(st.dirty_evictions, 2u);
+}
+
+// Each dirty victim reaches SSD-PS once: a replay that evicts several
+// stores each as it goes, not again with the next.
+TEST(MemCache, EachDirtyVictimGoesToTheSinkOnce) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  const std::vector<uint64_t> keys = {10, 11, 12};
+  cache->Access(keys.data(), keys.size(), nullptr);
+  EXPECT_EQ(cache->stats().dirty_evictions, 3u);
+  EXPECT_EQ(backing.sunk, 3u);
+}
+
+// A replayed miss that takes a dirty victim's slot enters clean: once the
+// victim is stored, nothing of it stays dirty, and a flush sends only the
+// rows still dirty (not the replayed key's zero row).
+TEST(MemCache, AccessThatEvictsADirtyRowLeavesNoDirtyMarkBehind) {
+  Backing backing;
+  auto cache = FourDirtyRows(backing);
+  const uint64_t key = 10;  // evicts 1
+  cache->Access(&key, 1, nullptr);
+  EXPECT_EQ(cache->stats().dirty, 3u);
+  backing.sunk = 0;
+  cache->FlushDirty();
+  EXPECT_EQ(cache->stats().dirty, 0u);
+  EXPECT_EQ(backing.sunk, 3u);
+  EXPECT_EQ(backing.rows.count(key), 0u) << "the replayed row went to the sink";
+  for (uint64_t k = 1; k <= 4; ++k) EXPECT_EQ(backing.rows.at(k), k * 10 + 1) << k;
+}
+
+// Access enters a miss with a zero row, whatever its slot held before.
+TEST(MemCache, AccessEntersMissesWithZeroRows) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lru", 1, 1);
+  const uint64_t one = 1, two = 2;
+  uint64_t row = 0;
+  cache->Pull(&one, 1, reinterpret_cast<uint8_t*>(&row), /*pin=*/false, nullptr);
+  ASSERT_EQ(row, 1000u);
+  cache->Access(&two, 1, nullptr);  // 1's slot
+  ASSERT_TRUE(cache->Contains(two));
+  cache->Pull(&two, 1, reinterpret_cast<uint8_t*>(&row), /*pin=*/false, nullptr);
+  EXPECT_EQ(row, 0u) << "the replayed key was served its victim's row";
+}
+
+// FlushDirty hands the sink batches of kSinkBatchRows or more as it goes;
+// rows_flushed counts every batch, not only the last.
+TEST(MemCache, FlushCountsTheRowsOfEveryBatch) {
+  Backing backing;
+  constexpr uint64_t kRows = 20000;  // above the flush's batch of 16384 rows, in one shard
+  auto cache = BackedCache(backing, "lru", kRows, 1);
+  std::vector<uint64_t> keys(kRows);
+  for (uint64_t k = 0; k < kRows; ++k) keys[k] = k + 1;
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/false, nullptr);  // all new: dirty
+  ASSERT_EQ(cache->stats().dirty, kRows);
+  cache->FlushDirty();
+  EXPECT_EQ(cache->stats().dirty, 0u);
+  EXPECT_EQ(cache->stats().rows_flushed, kRows);
+  EXPECT_EQ(backing.sunk, kRows);
+}
+
+// UnpinUpdated marks dirty only the rows the caller says it wrote: an
+// unwritten row goes back to SSD-PS for nothing otherwise.
+TEST(MemCache, UnpinUpdatedMarksOnlyTheUpdatedRows) {
+  Backing backing;
+  backing.rows = {{1, 11}, {2, 22}};  // stored: loaded clean
+  auto cache = BackedCache(backing, "lru", 8, 1);
+  const std::vector<uint64_t> keys = {1, 2};
+  std::vector<uint8_t*> at(2);
+  cache->Pin(keys.data(), keys.size(), nullptr, at.data());
+  ASSERT_EQ(cache->stats().dirty, 0u);
+  const uint64_t v = 12;
+  std::memcpy(at[0], &v, 8);
+  const std::vector<uint8_t> updated = {1, 0};
+  cache->UnpinUpdated(keys.data(), keys.size(), updated.data(), at.data());
+  EXPECT_EQ(cache->stats().dirty, 1u);
+  cache->FlushDirty();
+  EXPECT_EQ(backing.sunk, 1u);
+  EXPECT_EQ(backing.rows.at(1), 12u);
+}
+
+// A pinned row that SSD-PS erased stays, dirty: its only copy is now here,
+// so it goes to the sink even if the batch unpins it unwritten.
+TEST(MemCache, ErasedPinnedRowGoesBackToTheSinkEvenUnwritten) {
+  Backing backing;
+  backing.rows = {{5, 55}};
+  auto cache = BackedCache(backing, "lru", 8, 1);
+  const uint64_t five = 5;
+  cache->Pull(&five, 1, nullptr, /*pin=*/true, nullptr);
+  ASSERT_EQ(cache->stats().dirty, 0u);
+  backing.rows.erase(five);  // as SsdStore::Bound would
+  EXPECT_EQ(cache->Erase(&five, 1), 0u);
+  EXPECT_EQ(cache->stats().dirty, 1u);
+  cache->Unpin(&five, 1);
+  cache->FlushDirty();
+  ASSERT_EQ(backing.rows.count(five), 1u) << "the erased key's only copy was dropped";
+  EXPECT_EQ(backing.rows.at(five), 55u);
+}
+
+// An address that is not the start of a row (a caller's pointer
+// arithmetic gone wrong) is refused like another key's row.
+TEST(MemCache, AddressInsideARowIsRefused) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lru", 8, 1);
+  const uint64_t key = 3;
+  uint8_t* at = nullptr;
+  cache->Pin(&key, 1, nullptr, &at);
+  uint8_t* inside = at + 1;
+  const uint64_t row = 7;
+  EXPECT_THROW(cache->WriteBack(&key, 1, reinterpret_cast<const uint8_t*>(&row), &inside), std::invalid_argument);
+  uint64_t out = 0;
+  EXPECT_THROW(cache->ReadPinned(&key, 1, reinterpret_cast<uint8_t*>(&out), &inside), std::invalid_argument);
+  EXPECT_EQ(cache->stats().pinned, 1u);
+  cache->Unpin(&key, 1, &at);
+}
+
+// A write-back may land while a flush's sink runs (it takes no miss lock);
+// if that sink then throws, the row is dirty once, not twice.
+TEST(MemCache, FlushWhoseSinkThrowsAfterAWriteBackCountsTheRowDirtyOnce) {
+  Backing backing;
+  MemCache* self = nullptr;
+  const uint64_t five = 5, written = 77;
+  bool write_back_then_throw = true;
+  RowSink store = backing.Sink();
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 4;
+  o.shards = 1;
+  o.policy = CachePolicyKind::kLru;
+  auto cache = MemCache::New(o, backing.Loader(), [&](const uint64_t* keys, uint64_t n, const uint8_t* rows) {
+    if (write_back_then_throw) {
+      write_back_then_throw = false;
+      self->WriteBack(&five, 1, reinterpret_cast<const uint8_t*>(&written));
+      throw std::runtime_error("sink down");
+    }
+    store(keys, n, rows);
+  });
+  self = cache.get();
+  cache->Pull(&five, 1, nullptr, /*pin=*/true, nullptr);  // absent: loaded dirty
+  ASSERT_EQ(cache->stats().dirty, 1u);
+  EXPECT_THROW(cache->FlushDirty(), std::runtime_error);
+  EXPECT_EQ(cache->stats().dirty, 1u);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  cache->FlushDirty();
+  EXPECT_EQ(cache->stats().dirty, 0u);
+  EXPECT_EQ(backing.rows.at(five), written);
+}
+
+// lru_fraction is in (0, 1]: at 1 the LRU takes every slot.
+TEST(MemCache, LruLfuTakesAnLruShareUpToTheWholeCache) {
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 8;
+  o.shards = 1;
+  o.policy = CachePolicyKind::kLruLfu;
+  for (double bad : {0.0, -0.5, 1.01}) {
+    o.lru_fraction = bad;
+    EXPECT_THROW(MemCache::New(o, backing.Loader(), backing.Sink()), std::invalid_argument) << bad;
+  }
+  o.lru_fraction = 1.0;
+  auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
+  std::vector<uint64_t> keys(20);
+  for (uint64_t k = 0; k < keys.size(); ++k) keys[k] = k + 1;
+  std::vector<uint64_t> rows(keys.size());
+  cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), /*pin=*/false, nullptr);
+  for (size_t i = 0; i < keys.size(); ++i) EXPECT_EQ(rows[i], keys[i] * 1000);
+  EXPECT_EQ(cache->stats().size, 8u);
+}
+
+// lfu counts visits while a row is cached: a row's count starts at its
+// entry, whoever held its slot before, and carries across its pins.
+TEST(MemCache, LfuStartsANewRowsCountAfreshInAReusedSlot) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lfu", 2, 1);
+  const uint64_t hot = 1, warm = 2, fresh = 3, next = 4;
+  for (int i = 0; i < 10; ++i) cache->Pull(&hot, 1, nullptr, /*pin=*/false, nullptr);
+  for (int i = 0; i < 3; ++i) cache->Pull(&warm, 1, nullptr, /*pin=*/false, nullptr);
+  ASSERT_EQ(cache->Erase(&hot, 1), 1u);  // frees the slot with the count of 10
+  cache->Pull(&fresh, 1, nullptr, /*pin=*/true, nullptr);  // takes it, pinned
+  cache->Unpin(&fresh, 1);  // enters the order with one visit
+  cache->Pull(&next, 1, nullptr, /*pin=*/false, nullptr);  // evicts the least visited
+  EXPECT_FALSE(cache->Contains(fresh)) << "the new row inherited the erased row's count";
+  EXPECT_TRUE(cache->Contains(warm));
+}
+
+TEST(MemCache, LfuKeepsARowsCountAcrossItsPins) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lfu", 2, 1);
+  const uint64_t pinned = 1, other = 2, next = 3;
+  for (int i = 0; i < 4; ++i) {  // a miss, then three hits: four visits
+    cache->Pull(&pinned, 1, nullptr, /*pin=*/true, nullptr);
+    cache->Unpin(&pinned, 1);
+  }
+  for (int i = 0; i < 2; ++i) cache->Pull(&other, 1, nullptr, /*pin=*/false, nullptr);
+  cache->Pull(&next, 1, nullptr, /*pin=*/false, nullptr);  // evicts the least visited
+  EXPECT_TRUE(cache->Contains(pinned)) << "a re-pinned row's count started over";
+  EXPECT_FALSE(cache->Contains(other));
+}
+
+// A pinning Pull that succeeds counts its keys' visits in the admission
+// sketch (once each, after it succeeded): tinylfu-lfu keeps the row a
+// training batch pins often over one read once.
+TEST(MemCache, PinnedPullsCountTheirVisitsInTheSketch) {
+  Backing backing;
+  auto cache = BackedCache(backing, "tinylfu-lfu", 2, 1);
+  const uint64_t cold = 7, warm = 8, fresh = 9;
+  cache->Pull(&cold, 1, nullptr, /*pin=*/false, nullptr);
+  for (int i = 0; i < 3; ++i) {
+    cache->Pull(&warm, 1, nullptr, /*pin=*/true, nullptr);
+    cache->Unpin(&warm, 1);
+  }
+  cache->Pull(&fresh, 1, nullptr, /*pin=*/false, nullptr);  // evicts the least frequent
+  EXPECT_TRUE(cache->Contains(warm)) << "pinned visits were not counted";
+  EXPECT_FALSE(cache->Contains(cold));
 }
 
 // ---- lookahead eviction (SetLookahead)
