@@ -975,6 +975,22 @@ TEST(MemCacheLookahead, ReservedKeyIsRefusedAndTheWindowStays) {
   EXPECT_EQ(cache->stats().lookahead_keys, 2u);
 }
 
+// A row passed over goes behind the others: once the window is gone, the
+// next eviction takes the row that was next in line, not the one spared.
+TEST(MemCacheLookahead, SparedRowGoesBehindTheOthers) {
+  auto cache = TraceCache("lru", 3);
+  AccessAll(*cache, {1, 2, 3});
+  const uint64_t one = 1;
+  cache->SetLookahead(&one, 1);
+  AccessAll(*cache, {4});  // 1 spared, 2 goes: order 3, 1, 4
+  ASSERT_TRUE(cache->Contains(1));
+  ASSERT_FALSE(cache->Contains(2));
+  cache->ClearLookahead();
+  AccessAll(*cache, {5});
+  EXPECT_FALSE(cache->Contains(3));
+  EXPECT_TRUE(cache->Contains(1)) << "the spared row stayed first in line";
+}
+
 // Under TSan: a prefetch thread replaces the window while others pull, pin,
 // unpin and replay; rows stay right and no pin is lost.
 TEST(MemCacheLookahead, WindowSwapsRaceNothing) {
@@ -1086,6 +1102,50 @@ TEST_P(MemCachePolicies, PinsAndErasesBeforeTheFirstEvictionHoldAfterIt) {
   AccessAll(*cache, fresh);
   EXPECT_EQ(cache->stats().size, 64u);
   for (uint64_t k : pinned) EXPECT_FALSE(cache->Contains(k));
+}
+
+
+// ---- trace replay (Access)
+
+// Access returns and counts its hits and misses like Pull does.
+TEST(MemCacheAccess, CountsHitsAndMisses) {
+  auto cache = TraceCache("lru", 2);
+  const std::vector<uint64_t> keys = {1, 2, 1, 3, 1};  // hits: the second and third 1
+  std::vector<uint8_t> hit(keys.size());
+  EXPECT_EQ(cache->Access(keys.data(), keys.size(), hit.data()), 2u);
+  EXPECT_EQ(hit, (std::vector<uint8_t>{0, 0, 1, 0, 1}));
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.hits, 2u);
+  EXPECT_EQ(st.misses, 3u);
+  EXPECT_EQ(st.evictions, 1u);
+}
+
+// Access records each visit in the admission sketch: tinylfu-lfu keeps
+// the frequent row over the recent one.
+TEST(MemCacheAccess, VisitsCountInTheSketch) {
+  auto cache = TraceCache("tinylfu-lfu", 2);
+  AccessAll(*cache, {8, 8, 8, 7});
+  AccessAll(*cache, {9});  // evicts the least frequent, 7, not the least recent, 8
+  EXPECT_TRUE(cache->Contains(8));
+  EXPECT_FALSE(cache->Contains(7));
+}
+
+// A replayed hit on a pinned row counts, but leaves the row out of the
+// policy's order: it stays cached, whatever the replay evicts after.
+TEST_P(MemCachePolicies, AccessHitOnAPinnedRowLeavesItPinned) {
+  auto cache = TraceCache(GetParam(), 4);
+  AccessAll(*cache, {1, 2, 3, 4});
+  const uint64_t one = 1;
+  std::vector<uint8_t> hit(1);
+  ASSERT_EQ(cache->Pin(&one, 1, hit.data(), nullptr), 1u);
+  for (int i = 0; i < 3; ++i) AccessAll(*cache, {1});
+  std::vector<uint64_t> others(100);
+  for (uint64_t k = 0; k < others.size(); ++k) others[k] = 100 + k;
+  AccessAll(*cache, others);
+  EXPECT_TRUE(cache->Contains(one)) << GetParam() << " evicted a pinned row";
+  EXPECT_EQ(cache->stats().pinned, 1u);
+  EXPECT_EQ(cache->stats().size, 4u);
+  cache->Unpin(&one, 1);
 }
 
 }  // namespace
