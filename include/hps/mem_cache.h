@@ -210,8 +210,10 @@ class MemCache {
   // A pinned row is in use by a batch: it stays, marked dirty, so that it
   // goes back to SSD-PS when evicted or flushed (the key comes back, as
   // recently updated). Absent keys are skipped. Returns the rows dropped.
+  // Throws std::invalid_argument for the reserved key (naming its index),
+  // changing nothing.
   virtual uint64_t Erase(const uint64_t* keys, uint64_t n) = 0;
-  // Whether key is cached, without counting a visit.
+  // Whether key is cached, without counting a visit (never the reserved key).
   virtual bool Contains(uint64_t key) const = 0;
   // Counts a HostBatch release that failed, in stats().failed_releases: the
   // one record of a failure that a batch's destructor cannot throw.

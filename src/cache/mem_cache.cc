@@ -629,6 +629,9 @@ class ShardedCache final : public MemCache {
   }
 
   uint64_t Erase(const uint64_t* keys, uint64_t n) override {
+    // The index marks its empty buckets with the reserved key: looked up, it
+    // finds one, whose stale value names some slot.
+    CheckKeys(keys, n);
     std::lock_guard miss_lock(miss_mutex_);  // no eviction moves a row meanwhile
     uint64_t dropped = 0;
     for (uint64_t i = 0; i < n; ++i) {
@@ -653,6 +656,7 @@ class ShardedCache final : public MemCache {
   }
 
   bool Contains(uint64_t key) const override {
+    if (key == kEmptyKey) return false;  // never cached; the index would find an empty bucket (see Erase)
     const Shard& shard = shards_[ShardOf(key)];
     std::lock_guard lock(shard.mutex);
     return shard.where.Find(key) != kNoSlot;

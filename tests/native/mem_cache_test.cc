@@ -1148,5 +1148,39 @@ TEST_P(MemCachePolicies, AccessHitOnAPinnedRowLeavesItPinned) {
   cache->Unpin(&one, 1);
 }
 
+// The reserved key (kEmptyKey) is never cached: Contains says so, and Erase
+// refuses it like every other call that takes keys, changing nothing. (The
+// index marks its empty buckets with that key: looked up, it finds one.)
+TEST(MemCache, ReservedKeyIsNeverCachedNorErased) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lru", 4096, 1);
+  std::vector<uint64_t> keys(4096);  // enough to reach every part of the index
+  for (uint64_t k = 0; k < keys.size(); ++k) keys[k] = k + 1;
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/false, nullptr);
+  const std::vector<uint64_t> some = {1, 2, 3};
+  cache->Erase(some.data(), some.size());  // leaves holes in the index
+  EXPECT_FALSE(cache->Contains(kEmptyKey));
+  const uint64_t before = cache->stats().size;
+  const std::vector<uint64_t> erase = {4, kEmptyKey};
+  EXPECT_THROW(cache->Erase(erase.data(), erase.size()), std::invalid_argument);
+  EXPECT_EQ(cache->stats().size, before);
+  EXPECT_TRUE(cache->Contains(4));
+  // Every row is still its key's, once the erased keys are back (the first
+  // pass copies misses from the loader; the second reads every row cached).
+  for (int pass = 0; pass < 2; ++pass) {
+    std::vector<uint64_t> rows(keys.size());
+    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), /*pin=*/false, nullptr);
+    for (size_t i = 0; i < keys.size(); ++i) ASSERT_EQ(rows[i], keys[i] * 1000) << "pass " << pass << ", key " << keys[i];
+  }
+  EXPECT_EQ(cache->stats().size, keys.size());
+  // New keys evict; none may take a slot that still holds a cached row.
+  std::vector<uint64_t> fresh(64);
+  for (uint64_t k = 0; k < fresh.size(); ++k) fresh[k] = 100000 + k;
+  cache->Pull(fresh.data(), fresh.size(), nullptr, /*pin=*/false, nullptr);
+  std::vector<uint64_t> rows(keys.size());
+  cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), /*pin=*/false, nullptr);
+  for (size_t i = 0; i < keys.size(); ++i) ASSERT_EQ(rows[i], keys[i] * 1000) << "key " << keys[i];
+}
+
 }  // namespace
 }  // namespace hps
