@@ -171,6 +171,18 @@ def test_write_back_of_an_unpinned_key_is_refused():
         cache.pull(u64([hps.EMPTY_KEY]))
 
 
+def test_the_reserved_key_is_never_cached_nor_erased():
+    """The index marks empty buckets with the reserved key: `in` said True for it,
+    and erase dropped whatever slot an empty bucket's stale value named."""
+    cache = hps.MemCache(ROW, 64, loader=Backing().loader, sink=Backing().sink)
+    cache.pull(u64(range(1, 40)))
+    assert hps.EMPTY_KEY not in cache and 5 in cache
+    before = cache.stats()
+    with pytest.raises(ValueError, match=r"keys\[1\] is 0xffffffffffffffff"):
+        cache.erase(u64([4, hps.EMPTY_KEY]))
+    assert cache.stats()["size"] == before["size"] == 39 and 4 in cache  # nothing changed
+
+
 def test_budgets_and_options():
     assert hps.parse_bytes("8GiB") == 8 << 30 and hps.parse_bytes("1.5 MB") == 1_500_000
     assert hps.parse_bytes(4096) == 4096
