@@ -234,6 +234,20 @@ def test_inspect_refuses_a_path_that_holds_no_job(tmp_path, capsys):
     assert "holds no hps job or parameter server" in capsys.readouterr().err
 
 
+def test_inspect_of_a_server_with_no_checkpoint_yet(tmp_path, capsys):
+    """A run killed before its first checkpoint leaves a server whose metadata names
+    none: hps inspect (and --verify, --json) ended in a TypeError traceback from
+    step_of formatting checkpoint None."""
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job")))
+    ps.close()
+    assert main(["inspect", str(tmp_path / "job"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "no finished checkpoint yet" in out and "verify: 0 files checked" in out
+    assert main(["inspect", str(tmp_path / "job"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["checkpoint"] is None and report["step"] is None and report["rows"] == 0
+
+
 def test_a_damaged_json_file_of_the_job_is_named(job, tmp_path, capsys):
     """hps inspect, export and serve said only 'Unterminated string starting at:
     line 23 column 3' of a damaged metadata file or export position, naming no file."""

@@ -215,6 +215,8 @@ def step_of(job: Job, number: Optional[int] = None) -> Optional[int]:
     checkpoint written before that file was (needs torch); else None."""
     if job.distributed:
         return job.step if number in (None, job.checkpoint) else None
+    if number is None and job.checkpoint is None:
+        return None  # a run stopped before its first checkpoint
     directory = job.checkpoint_dir(0, number)
     try:
         with open(os.path.join(directory, TRAINER_STEP)) as f:
@@ -525,9 +527,10 @@ def inspect(root: str, verify: bool = False) -> dict:
 
 def format_report(report: dict) -> str:
     """The human-readable form of inspect()'s report."""
+    where = ("no finished checkpoint yet" if report["checkpoint"] is None
+             else f"checkpoint {report['checkpoint']} at step {report['step']}")
     lines = [f"{report['path']}: {report['kind']}, {report['world']} rank(s)",
-             f"  checkpoint {report['checkpoint']} at step {report['step']}, dim {report['dim']}, "
-             f"optimizer {report['optimizer']}, rows of {report['row_bytes']} bytes",
+             f"  {where}, dim {report['dim']}, optimizer {report['optimizer']}, rows of {report['row_bytes']} bytes",
              f"  rows {report.get('rows', 0):,}, disk {report['disk_bytes'] / 2**20:,.1f} MiB",
              f"  formats: parameter server {report['format']['parameter_server']} (written by hps "
              f"{report['format']['written_by']}, this build {report['format']['this_build']})"]
