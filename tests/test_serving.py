@@ -232,6 +232,11 @@ def test_inspect_refuses_a_path_that_holds_no_job(tmp_path, capsys):
     (tmp_path / "other").mkdir()
     assert main(["inspect", str(tmp_path / "other")]) == 2
     assert "holds no hps job or parameter server" in capsys.readouterr().err
+    # A file (the run's TOML, say) is no job either: exit 2 naming it, as documented,
+    # not 1 with "NotADirectoryError: ... run.toml/hps-parameter-server.json".
+    (tmp_path / "run.toml").write_text("[ps]\n")
+    assert main(["inspect", str(tmp_path / "run.toml"), "--verify"]) == 2
+    assert f"{tmp_path / 'run.toml'} is a file, not a job directory" in capsys.readouterr().err
 
 
 def test_inspect_of_a_server_with_no_checkpoint_yet(tmp_path, capsys):

@@ -175,6 +175,8 @@ def read_job(root: str) -> Job:
     neither a job nor a parameter server, ValueError for a format this build
     does not read."""
     root = os.fspath(root)
+    if os.path.exists(root) and not os.path.isdir(root):  # a config or a checkpoint's file given by mistake
+        raise FileNotFoundError(f"{root} is a file, not a job directory: give the job's path ([ps] path)")
     manifest = os.path.join(root, JOB_MANIFEST)
     if os.path.exists(manifest):
         job = read_json(manifest)
