@@ -228,6 +228,38 @@ def test_verify_names_a_damaged_manifest(job, tmp_path):
                for p in report["verify"]["problems"]), report["verify"]["problems"]
 
 
+def test_verify_names_a_checkpoint_manifest_cut_short(job, tmp_path, capsys):
+    """A checkpoint's MANIFEST is a copy of a committed log, so it ends in a commit
+    record. Cut inside its last commit that added files, it replays to the commit
+    before: the checkpoint silently loses those files' rows, and --verify said
+    'all sound' over the fewer files left."""
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    manifest = copy / "checkpoints" / "000006" / "ssd" / "MANIFEST"
+    data = manifest.read_bytes()
+    # The last commit record whose cut leaves a state of fewer files, all still in the
+    # checkpoint (a state a compaction dropped files from would fail the pin instead),
+    # and where the commit before it ends.
+    at, committed, cut, kept = 0, 0, None, 0
+    whole = jobdir.replay_manifest(data)
+    while at < len(data):
+        length = int.from_bytes(data[at:at + 4], "little")
+        if data[at + 8] == 3:
+            earlier = jobdir.replay_manifest(data[:at + 5])
+            if earlier.keys() < whole.keys():
+                cut, kept = at, committed
+            committed = at + 8 + length
+        at += 8 + length
+    assert cut is not None
+    before = jobdir.inspect(copy)["rows"]
+    manifest.write_bytes(data[:cut + 5])
+    assert jobdir.inspect(copy)["rows"] != before  # the cut lost rows: the native replay takes it as a torn tail
+    assert main(["inspect", str(copy), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"rank 0 checkpoint 6: {manifest}: {cut + 5 - kept} bytes after its last commit record (at byte {kept})" \
+        in out, out
+
+
 def test_inspect_refuses_a_path_that_holds_no_job(tmp_path, capsys):
     (tmp_path / "other").mkdir()
     assert main(["inspect", str(tmp_path / "other")]) == 2

@@ -103,6 +103,20 @@ def replay_manifest(data: bytes, where: str = MANIFEST) -> dict:
     return live
 
 
+def committed_length(data: bytes) -> int:
+    """Bytes of a MANIFEST up to the end of its last commit record that replay
+    reaches (replay_manifest's walk); what follows is a torn tail or uncommitted edits."""
+    at = end = 0
+    while at + 8 <= len(data):
+        length, crc = struct.unpack_from("<II", data, at)
+        if not 1 <= length <= 17 or at + 8 + length > len(data) or crc32c(data[at + 8: at + 8 + length]) != crc:
+            break
+        at += 8 + length
+        if data[at - length] == 3:
+            end = at
+    return end
+
+
 def encode_manifest(files: dict) -> bytes:
     """A MANIFEST that adds `files` ({sequence: records}) and commits."""
     out = bytearray()
@@ -456,11 +470,22 @@ def _verify_checkpoint(job: Job, rank: int, number: int, scratch: str, row_bytes
             shutil.rmtree(one, ignore_errors=True)
     if problems:
         return problems, len(files)  # the whole store's open would name the first of them again
+    with open(os.path.join(pinned, MANIFEST), "rb") as f:
+        manifest = f.read()  # before the open, which cuts a torn tail off the view's copy
     try:
         del_store = open_store(view, row_bytes)  # the MANIFEST's own replay (damage inside the log)
         del del_store
     except (HpsError, ValueError, OSError) as e:
         problems.append(f"rank {rank} checkpoint {number}: " + view.source_name(str(e)))
+        return problems, len(files)
+    # The replay takes bytes after the last commit for a crash's torn tail, as it must
+    # in the live store; but a checkpoint's MANIFEST is copied whole after a commit, so
+    # there they are a cut (or damaged) copy that has lost the files of its last commits.
+    end = committed_length(manifest)
+    if end != len(manifest):
+        problems.append(f"rank {rank} checkpoint {number}: {os.path.join(source, MANIFEST)}: "
+                        f"{len(manifest) - end} bytes after its last commit record (at byte {end}): a checkpoint's "
+                        f"log ends in a commit, so this one is cut short or damaged and may lack committed files")
     return problems, len(files)
 
 
