@@ -297,6 +297,13 @@ def test_cli_discovers_a_fake_one_node_machine(tmp_path, capsys):
     assert "cannot read the topology file" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_missing_sysfs_root(tmp_path, capsys):
+    """A mistyped --sysfs printed an empty machine (no NUMA node, no core) with exit 0."""
+    from hps.cli import main
+    assert main(["topology", "--sysfs", str(tmp_path / "sys")]) == 2
+    assert capsys.readouterr().err.strip() == f"hps topology: --sysfs: {tmp_path / 'sys'}: no such directory"
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding to two nodes needs two cores")
 def test_pipeline_threads_run_on_their_stages_cores(tmp_path):
     import hps

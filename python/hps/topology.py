@@ -774,6 +774,9 @@ def plot(topo: Topology, path: str, rows: int = 1_000_000, row_bytes: int = 256)
 def cli(file: str | None, sysfs: str, png: str | None, rows: int) -> str:
     """`hps topology`: the text report of a file's topology or this machine's; writes
     the PNG too with png. Returns the text."""
+    if not file and not os.path.isdir(sysfs):
+        # discover() reads what it finds: a mistyped root would print an empty machine as this one
+        raise TopologyError(f"--sysfs: {sysfs}: no such directory")
     topo = load(file) if file else discover(sysfs, host_partitions_if_no_gpu=0)
     if not topo.endpoints and not file:
         hosts = host_partitions(len(topo.numa_cores) or 1, numa_cores=topo.numa_cores)
