@@ -304,6 +304,18 @@ def test_cli_refuses_a_missing_sysfs_root(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"hps topology: --sysfs: {tmp_path / 'sys'}: no such directory"
 
 
+@pytest.mark.parametrize("rows", ["0", "10", "-5"])
+def test_cli_refuses_too_few_rows_to_route(capsys, rows):
+    """--rows below one row a pair (figure1: 8 x 8) ended in ZeroDivisionError (no bytes
+    through host memory), a negative one in OverflowError, both as tracebacks."""
+    from hps.cli import main
+    assert main(["topology", "--file", str(TOPOLOGIES / "figure1.toml"), "--rows", rows]) == 2
+    assert capsys.readouterr().err.strip() == f"hps topology: --rows: must be at least 64 (one row a pair of 8 " \
+                                               f"endpoints), got {int(rows):,}"
+    assert main(["topology", "--file", str(TOPOLOGIES / "figure1.toml"), "--rows", "64"]) == 0
+    assert "gpu0 -> gpu5: relay via" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding to two nodes needs two cores")
 def test_pipeline_threads_run_on_their_stages_cores(tmp_path):
     import hps

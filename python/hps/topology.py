@@ -782,6 +782,12 @@ def cli(file: str | None, sysfs: str, png: str | None, rows: int) -> str:
         hosts = host_partitions(len(topo.numa_cores) or 1, numa_cores=topo.numa_cores)
         topo = Topology(topo.name + " (no GPU: one host partition a NUMA node)", hosts.devices, hosts.links,
                         topo.numa_cores, topo.nvme, topo.nics, topo.source)
+    pairs = len(topo.endpoints) ** 2
+    if len(topo.endpoints) > 1 and rows < pairs:
+        # even_all_to_all gives each pair rows // pairs: fewer would route nothing (and
+        # divide by a zero host time)
+        raise ValueError(f"--rows: must be at least {pairs:,} (one row a pair of {len(topo.endpoints)} endpoints), "
+                         f"got {rows:,}")
     text = format_text(topo, rows=rows)
     if png:
         text += f"\n\nplot: {plot(topo, png, rows=rows)}"
