@@ -160,3 +160,36 @@ def test_hps_plan_command(tmp_path, capsys):
     cfg.write_text('hidden = [8]\n[hierarchical.planner]\ninput_width = 30\nbandwidth = -1\n')
     assert main(["plan", "--config", str(cfg)]) == 2
     assert "[hierarchical.planner]: bandwidth must be > 0, got -1" in capsys.readouterr().err
+
+
+def test_hps_plan_shows_the_placement_the_run_uses(capsys):
+    """examples/hierarchical.toml fixes its placement (fc0 vertical, fc1 horizontal on the
+    group PS, fc2 on the trainer), which the run uses; hps plan printed the planner's own
+    choice instead (fc1 on the trainer), so it said the layers run where they do not."""
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[1] / "examples" / "hierarchical.toml"
+    assert main(["plan", "--config", str(example)]) == 0
+    out = capsys.readouterr().out
+    assert "fc0       429 -> 512     group PS 0       vertical" in out
+    assert "fc1       512 -> 256     group PS 0       horizontal" in out
+    assert "fc2       256 -> 1       trainer          -" in out
+    assert "the config's placement, not the planner's" in out
+
+
+def test_hps_plan_without_group_ps_keeps_every_layer_on_the_trainer(tmp_path, capsys):
+    """group_ps = 0 (the default, as in a config with no [hierarchical]) runs the whole MLP
+    on the trainers; hps plan placed layers on a 'group PS 0' the run does not have."""
+    cfg = tmp_path / "plain.toml"
+    cfg.write_text('hidden = [32]\n[ps]\ndim = 8\n[data]\nbatch_size = 1024\n')
+    assert main(["plan", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "group PS" not in out and "\nps0" not in out, out
+    assert "fc1        32 -> 1       trainer          -" in out and "every layer on the trainer" in out
+
+
+def test_hps_plan_names_a_placement_of_the_wrong_length(tmp_path, capsys):
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text('hidden = [32]\n[ps]\ndim = 8\n[hierarchical]\ngroup_ps = 1\nplacement = ["trainer"]\n')
+    assert main(["plan", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip() == f"hps plan: {cfg}: [hierarchical] placement names 1 Linear layers, " \
+                                               f"the MLP has 2"

@@ -321,9 +321,8 @@ def cmd_export(a) -> int:
 
 
 def cmd_plan(a) -> int:
-    from hps.hierarchical.planner import format_plan, load_plan_config, plan
-    shapes, cfg = load_plan_config(a.config)
-    print(format_plan(plan(shapes, cfg)))
+    from hps.hierarchical.planner import format_plan, plan_of_config
+    print(format_plan(plan_of_config(a.config)))
     return 0
 
 

@@ -35,7 +35,7 @@ from hps.errors import HpsError
 from hps.hierarchical.split_mlp import FcPlacement, SplitPlan, segments
 
 __all__ = ["PlannerConfig", "NodeCost", "PlanResult", "PlanError", "tag", "costs", "node_costs", "refine", "plan",
-           "format_plan", "linear_shapes", "load_plan_config"]
+           "format_plan", "linear_shapes", "load_plan_config", "plan_of_config"]
 
 
 class PlanError(HpsError):
@@ -101,6 +101,7 @@ class PlanResult:
     bottleneck: str
     moves: int = 0            # refinement moves taken
     shapes: list = field(default_factory=list)
+    given: str = ""           # not the planner's: where the config fixes the placement (plan_of_config)
 
 
 def linear_shapes(seq) -> list:
@@ -381,9 +382,39 @@ def format_plan(result: PlanResult) -> str:
     for n in result.nodes:
         lines.append(f"{n.name:<9} {n.flops / 1e9:>8.3f} {n.cpu_s * 1e3:>9.3f}  {n.net_bytes / 1e6:>8.3f} "
                      f"{n.net_s * 1e3:>9.3f}  {n.memory / 1e6:>11.3f}  {', '.join(n.layers) or '-'}")
-    lines.append(f"modelled step {result.step_s * 1e3:.3f} ms, bound by {_node_label(result.bottleneck)}; "
-                 f"{result.moves} refinement move(s) after the rules")
+    how = result.given or f"{result.moves} refinement move(s) after the rules"
+    lines.append(f"modelled step {result.step_s * 1e3:.3f} ms, bound by {_node_label(result.bottleneck)}; {how}")
     return "\n".join(lines)
+
+
+def plan_of_config(path) -> PlanResult:
+    """The placement a training run of the config at path uses (hps.hierarchical.roles'
+    _plan_for), with its modelled costs: every Linear on the trainer when
+    ``[hierarchical] group_ps`` is 0 (or there is no such table), the config's own
+    ``placement`` when it gives one, else the planner's (:func:`plan`)."""
+    import os
+    from hps.config import load_toml
+    from hps.hierarchical.roles import HierarchicalConfig, parse_placement
+    source = os.fspath(path)
+    shapes, cfg = load_plan_config(path)
+    ht = HierarchicalConfig.from_dict(dict(load_toml(path).get("hierarchical", {})), f"{source}: [hierarchical]")
+    if ht.group_ps == 0:
+        fixed = SplitPlan([FcPlacement() for _ in shapes], 1)
+        given = "group_ps = 0: every layer on the trainer"
+    elif ht.placement:
+        where = f"{source}: [hierarchical] placement"
+        if len(ht.placement) != len(shapes):
+            raise ValueError(f"{where} names {len(ht.placement)} Linear layers, the MLP has {len(shapes)}")
+        fixed = SplitPlan([parse_placement(s, f"{where}[{j}]") for j, s in enumerate(ht.placement)], ht.group_ps)
+        segments(_shape_only(shapes), fixed)  # the split MLP's own checks, as the run makes them
+        given = "the config's placement, not the planner's"
+    else:
+        return plan(shapes, cfg)
+    nodes = costs(shapes, fixed, cfg)
+    if ht.group_ps == 0:
+        nodes = nodes[:1]  # no group PS to show
+    worst = max(nodes, key=lambda n: n.time_s)
+    return PlanResult(fixed, nodes, worst.time_s, worst.name, 0, list(shapes), given)
 
 
 def load_plan_config(path) -> tuple:
