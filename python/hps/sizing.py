@@ -452,7 +452,11 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
         total_written = None
         if run_batches is not None:
             # Every miss is a row that is written once: when evicted, or by the last flush.
-            total_written = int((1.0 - hit["hit_rate"]) * hit["accesses_per_batch"] * run_batches)
+            # Each checkpoint before the last also writes the dirty rows cached then (at
+            # most the cache), which are written again when evicted or at the end.
+            flushes = (run_batches - 1) // cfg.checkpoint_every if cfg.checkpoint_every > 0 else 0
+            total_written = int((1.0 - hit["hit_rate"]) * hit["accesses_per_batch"] * run_batches) + \
+                flushes * cached_rows
         worst_records = int(trigger * rows) + written_per_commit + cached_rows
         worst_from = "trigger x live + a commit interval's evictions + the final flush"
         if total_written is not None and max(total_written, rows) < worst_records:
