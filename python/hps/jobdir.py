@@ -75,52 +75,58 @@ def crc32c(data: bytes) -> int:
     return c ^ 0xFFFFFFFF
 
 
+_COMMIT = 3  # a MANIFEST record's type: the files added and deleted before it are live
+
+
+def _manifest_records(data: bytes):
+    """(offset, payload) of each whole record of a MANIFEST, in order, up to the
+    first that is cut short or fails its CRC (a torn tail, natively)."""
+    at = 0
+    while at + 8 <= len(data):
+        length, crc = struct.unpack_from("<II", data, at)
+        if not 1 <= length <= 17 or at + 8 + length > len(data):
+            return
+        payload = data[at + 8: at + 8 + length]
+        if crc32c(payload) != crc:
+            return
+        yield at, payload
+        at += 8 + length
+
+
 def replay_manifest(data: bytes, where: str = MANIFEST) -> dict:
     """{sequence: records} of the files live at the MANIFEST's last commit record
     (docs/ssd_format.md, "Manifest"). A bad record ends the replay, as a torn
     tail does natively; a damaged log is the native open's to report."""
     live: dict = {}
     pending: dict = {}
-    at = 0
-    while at + 8 <= len(data):
-        length, crc = struct.unpack_from("<II", data, at)
-        if not 1 <= length <= 17 or at + 8 + length > len(data):
-            break
-        payload = data[at + 8: at + 8 + length]
-        if crc32c(payload) != crc:
-            break
-        kind = payload[0]
+    for at, payload in _manifest_records(data):
+        kind, length = payload[0], len(payload)
         if kind == 1 and length == 17:
             seq, records = struct.unpack_from("<QQ", payload, 1)
             pending[seq] = records
         elif kind == 2 and length == 9:
             pending.pop(struct.unpack_from("<Q", payload, 1)[0], None)
-        elif kind == 3 and length == 1:
+        elif kind == _COMMIT and length == 1:
             live = dict(pending)
         else:
             raise ValueError(f"{where}: record at byte {at}: unknown type {kind} of length {length}")
-        at += 8 + length
     return live
 
 
 def committed_length(data: bytes) -> int:
     """Bytes of a MANIFEST up to the end of its last commit record that replay
-    reaches (replay_manifest's walk); what follows is a torn tail or uncommitted edits."""
-    at = end = 0
-    while at + 8 <= len(data):
-        length, crc = struct.unpack_from("<II", data, at)
-        if not 1 <= length <= 17 or at + 8 + length > len(data) or crc32c(data[at + 8: at + 8 + length]) != crc:
-            break
-        at += 8 + length
-        if data[at - length] == 3:
-            end = at
+    reaches; what follows is a torn tail or uncommitted edits."""
+    end = 0
+    for at, payload in _manifest_records(data):
+        if payload[0] == _COMMIT:
+            end = at + 8 + len(payload)
     return end
 
 
 def encode_manifest(files: dict) -> bytes:
     """A MANIFEST that adds `files` ({sequence: records}) and commits."""
     out = bytearray()
-    payloads = [struct.pack("<BQQ", 1, seq, n) for seq, n in sorted(files.items())] + [b"\x03"]
+    payloads = [struct.pack("<BQQ", 1, seq, n) for seq, n in sorted(files.items())] + [bytes([_COMMIT])]
     for p in payloads:
         out += struct.pack("<II", len(p), crc32c(p)) + p
     return bytes(out)
