@@ -100,6 +100,7 @@ def run(ranks: int, sync: str, k: int, a, workdir: str) -> dict:
         row["dense_bytes_per_rank"] = 0
     if not a.keep:
         shutil.rmtree(path, ignore_errors=True)
+        os.remove(cfg)
     return row
 
 
@@ -130,6 +131,15 @@ def main() -> None:
         raise SystemExit("w6: no mpiexec on PATH; pip install '.[mpi]' (mpi4py and mpich)")
     workdir = a.workdir or tempfile.mkdtemp(prefix="hps-w6-")
     os.makedirs(workdir, exist_ok=True)
+    try:
+        measure(a, workdir)
+    finally:
+        if not a.keep and not a.workdir:  # the runs' own are gone: the directory made for them goes too
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure(a, workdir: str) -> None:
+    """Runs the k-step and scaling jobs in workdir and prints their table and JSON line."""
     print(f"w6: {a.ranks} ranks on {a.cores} cores, {a.examples:,} examples, batches of {a.batch} a rank, "
           f"MLP {a.hidden}, in {workdir}", file=sys.stderr)
 
