@@ -1,0 +1,284 @@
+// SSD-PS's own contracts, beyond the format (ssd_format_test.cc): what open
+// refuses, what the counters count, what a failed compaction or Bound leaves,
+// and what a put racing a compaction leaves committed. Each test holds a
+// behaviour that a mutation audit of src/store/ssd_store.cc found unchecked.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hps/ssd_store.h"
+
+namespace hps {
+namespace {
+
+namespace fs = std::filesystem;
+
+class SsdStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = (fs::temp_directory_path() / ("hps-ssd-store-test-" + std::to_string(getpid()) + "-" + test->name()))
+               .string();
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  SsdStoreOptions Options(uint64_t file_records) const {
+    SsdStoreOptions o;
+    o.path = dir_;
+    o.row_bytes = kRowBytes;
+    o.file_records = file_records;
+    o.background_compaction = false;
+    o.compaction_trigger = 100;  // compactions only where a test asks for one
+    return o;
+  }
+
+  // The parameter files in the store's directory, by name.
+  std::vector<std::string> Files() const {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(dir_)) {
+      if (entry.path().extension() == ".hpf") names.push_back(entry.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  // Takes the name the store gives its next file ("%012llu.hpf", one past
+  // the highest sequence in the directory), so that the next write fails
+  // with EEXIST: a fault injected without touching the process's limits.
+  std::string BlockNextFile(uint64_t ahead = 0) const {
+    uint64_t highest = 0;
+    for (const std::string& name : Files()) highest = std::max<uint64_t>(highest, std::stoull(name));
+    char name[32];
+    std::snprintf(name, sizeof name, "%012llu.hpf", static_cast<unsigned long long>(highest + 1 + ahead));
+    const std::string path = (fs::path(dir_) / name).string();
+    std::ofstream(path) << "in the way";
+    return path;
+  }
+
+  static constexpr uint32_t kRowBytes = 16;
+  std::string dir_;
+};
+
+// Row of `key` at `version`: (key, version, key, ~version) as uint32.
+std::vector<uint8_t> Rows(const std::vector<uint64_t>& keys, uint32_t version) {
+  std::vector<uint8_t> rows(keys.size() * 16);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const uint32_t words[4] = {static_cast<uint32_t>(keys[i]), version, static_cast<uint32_t>(keys[i]), ~version};
+    std::memcpy(rows.data() + i * 16, words, sizeof words);
+  }
+  return rows;
+}
+
+void Put(SsdStore& store, const std::vector<uint64_t>& keys, uint32_t version) {
+  const std::vector<uint8_t> rows = Rows(keys, version);
+  store.Put(keys.data(), keys.size(), rows.data());
+}
+
+// The version each key reads at; -1 for a miss; -2 for a row not of its key.
+std::vector<int64_t> Versions(SsdStore& store, const std::vector<uint64_t>& keys) {
+  std::vector<uint8_t> out(keys.size() * 16), found(keys.size());
+  store.Get(keys.data(), keys.size(), out.data(), found.data());
+  std::vector<int64_t> versions(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    uint32_t w[4];
+    std::memcpy(w, out.data() + i * 16, sizeof w);
+    const bool own = w[0] == static_cast<uint32_t>(keys[i]) && w[2] == w[0] && w[3] == ~w[1];
+    versions[i] = !found[i] ? -1 : own ? int64_t{w[1]} : -2;
+  }
+  return versions;
+}
+
+std::vector<uint64_t> Range(uint64_t first, uint64_t end) {
+  std::vector<uint64_t> keys(end - first);
+  std::iota(keys.begin(), keys.end(), first);
+  return keys;
+}
+
+// ------------------------------------------------------------------ open
+
+// A later format's store must not be read as this one's.
+TEST_F(SsdStoreTest, AStoreMarkerOfAnotherFormatIsRefused) {
+  fs::create_directories(dir_);
+  std::ofstream(fs::path(dir_) / "STORE") << "hps-ssd-store 2\nrow_bytes 16\n";
+  try {
+    SsdStore::Open(Options(4));
+    ADD_FAILURE() << "opened a store of format 2";
+  } catch (const CorruptionError& e) {
+    EXPECT_NE(std::string(e.what()).find("store format 2, this build reads 1"), std::string::npos) << e.what();
+  }
+}
+
+// Two files that swapped names (a botched restore) hold the same keys, the
+// older rows under the newer name: open must refuse, not serve the older.
+TEST_F(SsdStoreTest, AFileUnderAnotherFilesNameIsCorruptionNotStaleRows) {
+  {
+    auto store = SsdStore::Open(Options(4));
+    Put(*store, Range(1, 5), 1);
+    Put(*store, Range(1, 5), 2);
+    store->Commit();
+  }
+  const std::vector<std::string> files = Files();
+  ASSERT_EQ(files.size(), 2u);
+  const fs::path a = fs::path(dir_) / files[0], b = fs::path(dir_) / files[1], tmp = fs::path(dir_) / "swap";
+  fs::rename(a, tmp);
+  fs::rename(b, a);
+  fs::rename(tmp, b);
+  try {
+    auto store = SsdStore::Open(Options(4));
+    ADD_FAILURE() << "opened swapped files; key 1 reads version " << Versions(*store, {1})[0];
+  } catch (const CorruptionError& e) {
+    EXPECT_NE(std::string(e.what()).find(files[0] + ": header says sequence 2"), std::string::npos) << e.what();
+  }
+}
+
+// Compaction writes old rows into new files, which keep the old stamp under
+// a higher sequence: the reopened stamp is the highest, not the last file's,
+// or the stamps a trainer set would go back.
+TEST_F(SsdStoreTest, ReopenedStampIsTheHighestNotTheLastFilesStamp) {
+  {
+    auto store = SsdStore::Open(Options(4));
+    store->SetStamp(1);
+    Put(*store, Range(1, 9), 1);
+    store->SetStamp(5);
+    Put(*store, Range(1, 4), 5);  // the first file three quarters stale
+    store->Compact();             // key 4 rewritten, stamp 1, into the newest file
+    ASSERT_EQ(store->stats().compactions, 1u);
+  }
+  auto store = SsdStore::Open(Options(4));
+  EXPECT_EQ(store->stamp(), 5u);
+  EXPECT_THROW(store->SetStamp(4), std::invalid_argument);
+  std::vector<uint64_t> stamps(2);
+  const std::vector<uint64_t> keys = {1, 4};
+  store->Stamps(keys.data(), 2, stamps.data(), nullptr);
+  EXPECT_EQ(stamps, (std::vector<uint64_t>{5, 1}));  // the rewritten row kept its own
+}
+
+// ------------------------------------------------------------- counters
+
+TEST_F(SsdStoreTest, DuplicateKeysInOnePutStoreTheLastRowOnce) {
+  auto store = SsdStore::Open(Options(4));
+  const std::vector<uint64_t> keys = {5, 6, 5};
+  std::vector<uint8_t> rows = Rows(keys, 1);
+  std::vector<uint8_t> last = Rows({5}, 3);
+  std::memcpy(rows.data() + 2 * 16, last.data(), 16);
+  store->Put(keys.data(), keys.size(), rows.data());
+  EXPECT_EQ(Versions(*store, {5, 6}), (std::vector<int64_t>{3, 1}));
+  const SsdStoreStats s = store->stats();
+  EXPECT_EQ(s.rows_written, 2u);  // one record a key, not one a row given
+  EXPECT_EQ(s.live_records, 2u);
+  EXPECT_EQ(s.stale_records, 0u);
+}
+
+// commits counts manifest commits, each once, and goes on across a reopen.
+TEST_F(SsdStoreTest, CommitsCountEachManifestCommitOnce) {
+  {
+    auto store = SsdStore::Open(Options(4));
+    Put(*store, {1}, 1);
+    store->Commit();
+    store->Commit();
+    EXPECT_EQ(store->stats().commits, 2u);
+  }
+  auto store = SsdStore::Open(Options(4));
+  EXPECT_EQ(store->stats().commits, 2u);
+  store->Commit();
+  EXPECT_EQ(store->stats().commits, 3u);
+}
+
+// rows_read and bytes_requested are what read amplification divides by:
+// misses read nothing and must not count.
+TEST_F(SsdStoreTest, RowsReadCountsHitsOnly) {
+  auto store = SsdStore::Open(Options(4));
+  Put(*store, {7}, 1);
+  const std::vector<uint64_t> keys = {7, 8, 9};
+  std::vector<uint8_t> out(3 * 16);
+  EXPECT_EQ(store->Get(keys.data(), 3, out.data(), nullptr), 1u);
+  const SsdStoreStats s = store->stats();
+  EXPECT_EQ(s.rows_read, 1u);
+  EXPECT_EQ(s.bytes_requested, 16u);
+}
+
+// "Stamps never go back": staying put is not going back (a trainer stamps
+// every batch, several batches a step).
+TEST_F(SsdStoreTest, SetStampTakesTheCurrentStampAgain) {
+  auto store = SsdStore::Open(Options(4));
+  store->SetStamp(3);
+  EXPECT_NO_THROW(store->SetStamp(3));
+  EXPECT_THROW(store->SetStamp(2), std::invalid_argument);
+  EXPECT_EQ(store->stamp(), 3u);
+}
+
+// The bound_* stats are the results summed over calls; a cap that ends
+// exactly on a stamp drops that stamp's file whole, rewriting nothing.
+TEST_F(SsdStoreTest, BoundStatsAddUpItsResults) {
+  auto store = SsdStore::Open(Options(4));
+  store->SetStamp(1);
+  Put(*store, Range(1, 5), 1);
+  store->SetStamp(2);
+  Put(*store, Range(5, 9), 2);
+  store->SetStamp(3);
+  Put(*store, Range(9, 13), 3);
+  store->Commit();
+  const SsdBoundResult expired = store->Bound(2, 0);  // stamp 1 goes
+  EXPECT_EQ(expired.expired, Range(1, 5));
+  EXPECT_EQ(expired.files_dropped, 1u);
+  const SsdBoundResult capped = store->Bound(0, 4);  // exactly stamp 2's four keys too many
+  EXPECT_EQ(capped.capped, Range(5, 9));
+  EXPECT_EQ(capped.files_dropped, 1u);
+  EXPECT_EQ(capped.records_rewritten, 0u);
+  const SsdBoundResult cut = store->Bound(0, 3);  // cuts stamp 3: key 9 goes, 10..12 rewritten
+  EXPECT_EQ(cut.capped, std::vector<uint64_t>{9});
+  EXPECT_EQ(cut.records_rewritten, 3u);
+  const SsdStoreStats s = store->stats();
+  EXPECT_EQ(s.bound_expired, 4u);
+  EXPECT_EQ(s.bound_capped, 5u);
+  EXPECT_EQ(s.bound_files_dropped, 2u);
+  EXPECT_EQ(s.bound_records_rewritten, 3u);
+  store->Commit();
+  EXPECT_EQ(Files().size(), 1u);
+}
+
+// A file Bound drops before any commit listed it is simply gone: the
+// manifest never named it, so the commit must not drop it there either (a
+// replay refuses a drop of a file it does not know, and the store with it).
+TEST_F(SsdStoreTest, BoundDroppingAnUncommittedFileCommitsAndReopens) {
+  {
+    auto store = SsdStore::Open(Options(4));
+    store->SetStamp(1);
+    Put(*store, Range(1, 5), 1);  // never committed
+    store->SetStamp(2);
+    Put(*store, Range(5, 9), 2);
+    EXPECT_EQ(store->Bound(2, 0).expired, Range(1, 5));
+    store->Commit();
+  }
+  auto store = SsdStore::Open(Options(4));
+  EXPECT_EQ(Versions(*store, Range(1, 9)), (std::vector<int64_t>{-1, -1, -1, -1, 2, 2, 2, 2}));
+  EXPECT_EQ(Files().size(), 1u);
+}
+
+// Compact() rewrites the files more than half stale, and only those;
+// compacted_records counts the live records it moved.
+TEST_F(SsdStoreTest, CompactMovesTheLiveRecordsOfFilesMoreThanHalfStale) {
+  auto store = SsdStore::Open(Options(4));
+  Put(*store, Range(1, 13), 1);                // files A = 1..4, B = 5..8, C = 9..12
+  Put(*store, {1, 2, 5, 6, 7, 9, 10, 11}, 2);  // A half stale, B and C three quarters
+  store->Compact();
+  SsdStoreStats s = store->stats();
+  EXPECT_EQ(s.compactions, 1u);
+  EXPECT_EQ(s.compacted_records, 2u);  // keys 8 and 12, out of B and C, into one file
+  EXPECT_EQ(s.stale_records, 2u);      // A's 1 and 2: A stays
+  EXPECT_EQ(s.files, 4u);              // A, the put's two, B and C's output
+  EXPECT_EQ(Versions(*store, Range(1, 13)), (std::vector<int64_t>{2, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1}));
+}
+
+}  // namespace
+}  // namespace hps
