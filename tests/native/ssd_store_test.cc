@@ -280,5 +280,76 @@ TEST_F(SsdStoreTest, CompactMovesTheLiveRecordsOfFilesMoreThanHalfStale) {
   EXPECT_EQ(Versions(*store, Range(1, 13)), (std::vector<int64_t>{2, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1}));
 }
 
+// --------------------------------------------------------------- failures
+
+// A put that would take more files than record ids can address fails before
+// it touches the index or leaves a file behind.
+TEST_F(SsdStoreTest, APutPastTheFileLimitLeavesNothing) {
+  auto store = SsdStore::Open(Options(uint64_t{1} << 31));  // ids for one file only
+  Put(*store, {1}, 1);
+  EXPECT_THROW(Put(*store, {2}, 1), std::runtime_error);
+  EXPECT_EQ(Files().size(), 1u);
+  EXPECT_EQ(store->size(), 1u);
+  EXPECT_EQ(Versions(*store, {1, 2}), (std::vector<int64_t>{1, -1}));
+}
+
+// A put of several files whose second cannot be written removes the first:
+// nothing of a failed put stays on disk or in the index.
+TEST_F(SsdStoreTest, APutThatFailsMidwayLeavesNoFile) {
+  auto store = SsdStore::Open(Options(4));
+  Put(*store, Range(1, 5), 1);
+  const std::vector<std::string> before = Files();
+  const std::string blocker = BlockNextFile(/*ahead=*/1);
+  EXPECT_THROW(Put(*store, Range(11, 19), 2), IoError);  // two files; the second is in the way
+  fs::remove(blocker);
+  EXPECT_EQ(Files(), before);
+  EXPECT_EQ(store->size(), 4u);
+  EXPECT_EQ(Versions(*store, {1, 11}), (std::vector<int64_t>{1, -1}));
+}
+
+// A compaction that cannot write its output throws from Compact(), is
+// counted, changes nothing, and leaves no file marked as its victim: a put
+// over such a file later must not have its superseded copy carried into a
+// newer file by the next compaction, where a reopen would read it.
+TEST_F(SsdStoreTest, AFailedCompactionThrowsCountsAndLeavesNoTrace) {
+  {
+    auto store = SsdStore::Open(Options(4));
+    Put(*store, Range(1, 9), 1);
+    store->Commit();
+    Put(*store, {1, 2, 3, 5, 6, 7}, 2);  // both files three quarters stale
+    store->Commit();
+    BlockNextFile();
+    EXPECT_THROW(store->Compact(), IoError);
+    SsdStoreStats s = store->stats();
+    EXPECT_EQ(s.compaction_failures, 1u);
+    EXPECT_EQ(s.compactions, 0u);
+    EXPECT_NE(s.last_error.find("File exists"), std::string::npos) << s.last_error;
+    EXPECT_EQ(Versions(*store, Range(1, 9)), (std::vector<int64_t>{2, 2, 2, 1, 2, 2, 2, 1}));
+    Put(*store, {4, 8}, 3);  // the failed victims now wholly stale
+    store->Compact();
+    s = store->stats();
+    EXPECT_EQ(s.compactions, 1u);
+    EXPECT_EQ(s.compacted_records, 0u);  // nothing live was left in them
+    EXPECT_EQ(Versions(*store, Range(1, 9)), (std::vector<int64_t>{2, 2, 2, 3, 2, 2, 2, 3}));
+  }
+  auto store = SsdStore::Open(Options(4));
+  EXPECT_EQ(Versions(*store, Range(1, 9)), (std::vector<int64_t>{2, 2, 2, 3, 2, 2, 2, 3}));
+}
+
+// Bound writes the cut stamp's survivors before it changes anything; when
+// one of those files cannot be written, the ones already written go too.
+TEST_F(SsdStoreTest, ABoundWhoseRewriteFailsLeavesNoFile) {
+  auto store = SsdStore::Open(Options(2));
+  Put(*store, Range(1, 7), 1);  // three files of one stamp
+  store->Commit();
+  const std::vector<std::string> before = Files();
+  const std::string blocker = BlockNextFile(/*ahead=*/1);  // the second of two survivor files
+  EXPECT_THROW(store->Bound(0, 3), IoError);  // would erase 1..3, rewrite 4..6
+  fs::remove(blocker);
+  EXPECT_EQ(Files(), before);
+  EXPECT_EQ(store->size(), 6u);
+  EXPECT_EQ(Versions(*store, Range(1, 7)), std::vector<int64_t>(6, 1));
+}
+
 }  // namespace
 }  // namespace hps
