@@ -351,5 +351,66 @@ TEST_F(SsdStoreTest, ABoundWhoseRewriteFailsLeavesNoFile) {
   EXPECT_EQ(Versions(*store, Range(1, 7)), std::vector<int64_t>(6, 1));
 }
 
+// ------------------------------------------------------------------ races
+
+// A put lands while a background compaction runs: the copies it supersedes
+// in victims not yet rewritten are the committed ones, so the compaction
+// must carry them over (and plan no next job over them while the put is
+// uncommitted). A crash before the next commit (here: no commit) reopens to
+// the committed rows, every one; after a commit, to the put's, with the
+// same stale count the store kept in memory.
+TEST_F(SsdStoreTest, APutRacingACompactionKeepsTheCommittedRows) {
+  constexpr uint64_t n = 20000;
+  SsdStoreOptions options = Options(64);
+  options.background_compaction = true;
+  options.compaction_trigger = 1.5;
+  const std::vector<uint64_t> keys = Range(1, n + 1);
+  std::vector<uint64_t> most = keys;  // 70%, all over the files: every file more than half stale
+  std::shuffle(most.begin(), most.end(), std::mt19937_64(4));
+  most.resize(n * 7 / 10);
+  std::vector<int64_t> committed(n, 1);
+  for (uint64_t k : most) committed[k - 1] = 2;
+
+  // Commits version 2 over `most`, which starts a compaction of nearly every
+  // file, and puts `racing` over all keys, a few hundred at a time, while it
+  // runs. False when no put ran wholly inside it (then nothing raced).
+  auto race = [&](SsdStore& store, uint32_t racing) {
+    Put(store, most, 2);
+    store.Commit();
+    bool raced = false;
+    for (uint64_t begin = 0; begin < n; begin += 500) {
+      const bool running = store.stats().compaction_running;
+      Put(store, std::vector<uint64_t>(keys.begin() + begin, keys.begin() + std::min(n, begin + 500)), racing);
+      raced |= running && store.stats().compaction_running;
+    }
+    store.WaitForCompaction();
+    EXPECT_EQ(store.stats().compaction_failures, 0u) << store.stats().last_error;
+    return raced;
+  };
+  int raced = 0;
+  {
+    auto store = SsdStore::Open(options);
+    Put(*store, keys, 1);
+    store->Commit();
+    raced += race(*store, 3);
+    EXPECT_EQ(Versions(*store, keys), std::vector<int64_t>(n, 3));
+  }  // no commit: version 3 was never durable
+  auto store = SsdStore::Open(options);
+  ASSERT_EQ(Versions(*store, keys), committed);
+  raced += race(*store, 4);
+  store->Commit();
+  store->WaitForCompaction();
+  const SsdStoreStats in_memory = store->stats();
+  store.reset();
+  store = SsdStore::Open(options);
+  EXPECT_EQ(Versions(*store, keys), std::vector<int64_t>(n, 4));
+  const SsdStoreStats reopened = store->stats();
+  EXPECT_EQ(in_memory.files, reopened.files);
+  EXPECT_EQ(in_memory.live_records, reopened.live_records);
+  EXPECT_EQ(in_memory.stale_records, reopened.stale_records);
+  // The race is timing: say so when it did not happen rather than pass as held.
+  if (raced < 2) GTEST_SKIP() << "the put raced the compaction " << raced << " of 2 times";
+}
+
 }  // namespace
 }  // namespace hps
