@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from hps.errors import CorruptionError
 from hps.parameter_server import CHECKPOINTS, FORMAT_VERSION, METADATA, ParameterServerConfig, _write_durable
 
 JOB_MANIFEST = "job.json"       # hps.train's, in a job's root
@@ -369,9 +370,9 @@ def pin(root: str, attempts: int = 100) -> View:
             view.close()  # a later checkpoint replaced this one meanwhile: read the job again
             # Training deletes a checkpoint only once the job names a later one: a file
             # missing from the checkpoint the job still names is damage, not a replacement.
-            if read_job(root).checkpoint == job.checkpoint:
-                raise FileNotFoundError(f"{e.filename}: missing from checkpoint {job.checkpoint}, which the job at "
-                                        f"{root} names: the checkpoint is damaged") from None
+            if read_job(root).checkpoint == job.checkpoint:  # damage, as a bad CRC is (exit 1), not a missing job
+                raise CorruptionError(f"{e.filename}: missing from checkpoint {job.checkpoint}, which the job at "
+                                      f"{root} names: the checkpoint is damaged") from None
     raise RuntimeError(f"{root}: the job's checkpoint changed during each of {attempts} attempts to pin it")
 
 
