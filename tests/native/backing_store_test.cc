@@ -17,6 +17,7 @@
 #include "hps/backing_store.h"
 #include "hps/mem_cache.h"
 #include "hps/ssd_store.h"
+#include "temp_dir.h"
 
 namespace hps {
 namespace {
@@ -36,10 +37,7 @@ SparseOptimizer Sgd() {
 class BackingStoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = (fs::temp_directory_path() / ("hps-backing-test-" + std::to_string(getpid()) + "-" + test->name()))
-               .string();
-    fs::remove_all(dir_);
+    dir_ = test_support::FreshTestDir("hps-backing-test");
     SsdStoreOptions o;
     o.path = dir_;
     o.row_bytes = 8;

@@ -25,6 +25,7 @@
 #include "format/key_index.h"
 #include "format/manifest.h"
 #include "format/param_file.h"
+#include "temp_dir.h"
 
 namespace hps::detail {
 namespace {
@@ -34,14 +35,7 @@ namespace fs = std::filesystem;
 class TempDir : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    // A parameterised test's names hold '/' ("IoPaths/BlockCrcReadTest"): kept,
-    // they would nest directories that TearDown, removing only the last, leaves.
-    std::string name = std::string(test->test_suite_name()) + "-" + test->name();
-    std::replace(name.begin(), name.end(), '/', '.');
-    dir_ = (fs::temp_directory_path() / ("hps-ssd-test-" + std::to_string(getpid()) + "-" + name))
-               .string();
-    fs::remove_all(dir_);
+    dir_ = test_support::FreshTestDir("hps-ssd-test");
     fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }

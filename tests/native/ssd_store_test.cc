@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "hps/ssd_store.h"
+#include "temp_dir.h"
 
 namespace hps {
 namespace {
@@ -25,10 +26,7 @@ namespace fs = std::filesystem;
 class SsdStoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = (fs::temp_directory_path() / ("hps-ssd-store-test-" + std::to_string(getpid()) + "-" + test->name()))
-               .string();
-    fs::remove_all(dir_);
+    dir_ = test_support::FreshTestDir("hps-ssd-store-test");
   }
   void TearDown() override { fs::remove_all(dir_); }
 
