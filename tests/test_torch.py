@@ -59,6 +59,59 @@ def test_padded_input_and_weights(tmp_path):
         bag(torch.tensor([[1.0]]))
 
 
+def test_per_sample_weights_get_their_gradient_as_in_torch(tmp_path):
+    """Weights that require grad get d out / d w (row . the bag's output gradient), as
+    nn.EmbeddingBag's do, for offsets and for a padded 2-D input; the rows train as
+    before."""
+    ps = make_ps(tmp_path)
+    ref = torch_twin(ps, 20)
+    bag = ht.EmbeddingBag(ps)
+    keys = torch.tensor([3, 7, 3, 11, 2, 9])
+    offsets = torch.tensor([0, 2, 2, 5])
+    w = torch.tensor([0.5, 2.0, -1.0, 1.5, 3.0, 0.25], requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_(True)
+    target = torch.arange(4 * DIM, dtype=torch.float32).reshape(4, DIM) / 10
+    ((bag(keys, offsets, per_sample_weights=w) - target) ** 2).sum().backward()
+    ((ref(keys, offsets, per_sample_weights=w_ref) - target) ** 2).sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(ps.pull(np.array([3, 7, 11, 2, 9], np.uint64))),
+                               ref.weight.detach()[[3, 7, 11, 2, 9]] - 0.5 * ref.weight.grad.to_dense()[[3, 7, 11, 2, 9]],
+                               rtol=1e-5, atol=1e-5)
+
+    # 2-D, padded: the padding's weights get none (they weigh nothing); mean divides by the keys kept.
+    padded = ht.EmbeddingBag(ps, mode="mean", padding_key=-1)
+    rows = torch.from_numpy(ps.pull(np.array([4, 5, 6], np.uint64)))
+    w2 = torch.tensor([[2.0, 9.0, 1.0], [9.0, 9.0, 0.5]], requires_grad=True)
+    padded(torch.tensor([[4, -1, 5], [-1, -1, 6]]), per_sample_weights=w2).sum().backward()
+    want = torch.tensor([[rows[0].sum() / 2, 0.0, rows[1].sum() / 2], [0.0, 0.0, rows[2].sum()]])
+    torch.testing.assert_close(w2.grad, want, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_bag_refuses_what_nn_embedding_bag_refuses(tmp_path):
+    ps = make_ps(tmp_path)
+    bag = ht.EmbeddingBag(ps)
+    before = ps.pull(np.arange(4, dtype=np.uint64))
+    # No bag at all: a (0, dim) output, as nn.EmbeddingBag's; no key is in a bag, none trains.
+    out = bag(torch.arange(4), torch.zeros(0, dtype=torch.int64))
+    assert out.shape == (0, DIM)
+    (out.sum() + 1).backward()
+    np.testing.assert_array_equal(ps.pull(np.arange(4, dtype=np.uint64)), before)
+    with pytest.raises(ValueError, match="offsets must be a 1-D int64 or int32 tensor, got 1-D torch.float32"):
+        bag(torch.arange(4), torch.tensor([0.0, 2.5]))
+    with pytest.raises(ValueError, match="offsets must be a 1-D int64 or int32 tensor, got 2-D"):
+        bag(torch.arange(4), torch.tensor([[0, 2]]))
+    with pytest.raises(ValueError, match=r"per_sample_weights must have the input's shape \(2, 2\), got \(4,\)"):
+        bag(torch.arange(4).reshape(2, 2), per_sample_weights=torch.ones(4))
+    # Masked to 64 bits, 2**70 would be key 0, and key 0's rows would be dropped as padding.
+    with pytest.raises(ValueError, match="padding_key must be a 64-bit key"):
+        ht.EmbeddingBag(ps, padding_key=2 ** 70)
+    model = ht.CtrModel(ps, num_fields=2, num_dense=3, hidden=(4,))
+    with pytest.raises(ValueError, match=r"dense must have shape \(2, 3\) \(keys' B, num_dense\), got \(2, 5\)"):
+        model(torch.arange(4).reshape(2, 2), torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"dense must have shape \(2, 3\).*got \(3, 3\)"):
+        model(torch.arange(4).reshape(2, 2), torch.ones(3, 3))
+
+
 def test_ctr_model_trains_inside_a_batch(tmp_path):
     ps = make_ps(tmp_path, lr=0.1, devices=2)
     model = ht.CtrModel(ps, num_fields=3, num_dense=2, hidden=(8,), seed=1)

@@ -80,7 +80,10 @@ class _PooledLookup(torch.autograd.Function):
             rows = torch.from_numpy(module.ps.pull(uniq))
             elem = rows[torch.from_numpy(inverse)]
             ctx.uniq, ctx.inverse = uniq, inverse
+        ctx.rows = None
         if weights is not None:
+            if ctx.needs_input_grad[4]:  # d out / d weight j = row j . grad_out[bag j]
+                ctx.rows = elem
             elem = elem * weights.unsqueeze(1)
         bag_t = torch.from_numpy(bag)
         if weights is None and len(bag) == len(counts) and (counts == 1).all():
@@ -102,6 +105,9 @@ class _PooledLookup(torch.autograd.Function):
         if module.mode == "mean":
             grad_out = grad_out / torch.from_numpy(np.maximum(ctx.counts, 1)).to(torch.float32).unsqueeze(1)
         elem = grad_out if len(ctx.bag) == len(ctx.counts) and (ctx.counts == 1).all() else grad_out[ctx.bag]
+        grad_weights = None
+        if ctx.rows is not None:
+            grad_weights = (ctx.rows * elem).sum(1)
         if weights.numel():
             elem = elem * weights.unsqueeze(1)
         elem = np.ascontiguousarray(elem.detach().numpy())
@@ -112,7 +118,7 @@ class _PooledLookup(torch.autograd.Function):
         else:
             # One pass in C++: torch's index_add_ took 4x as long on these shapes.
             module.ps.push(ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
-        return None, None, None, None, None, None, None
+        return None, None, None, None, grad_weights, None, None
 
 
 # A wide first layer's input rows lie this many floats apart, or a multiple of it
@@ -355,6 +361,10 @@ class EmbeddingBag(nn.Module):
       - 1-D input (int64 keys) with offsets (bag starts, like nn.EmbeddingBag);
       - 2-D input (B, L): one bag per row; entries equal to ``padding_key`` are
         left out (an empty bag pools to zeros).
+    per_sample_weights (the input's shape) scale each key's row before pooling and,
+    where they require grad, get their gradient as nn.EmbeddingBag's do; with
+    ``mode="mean"`` (which nn.EmbeddingBag refuses) a bag's weighted sum is divided by
+    its number of keys.
     Returns (B, dim) float32 on the input's device (the rows are looked up in
     host memory or on the device tier, and copied there). Gradients go to the
     parameter server on backward: into the attached batch (``attach``) if there
@@ -365,6 +375,9 @@ class EmbeddingBag(nn.Module):
         super().__init__()
         if mode not in ("sum", "mean"):
             raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        if padding_key is not None and not -(1 << 63) <= padding_key < (1 << 64):
+            # (masked to 64 bits it would name another key, whose rows would be dropped)
+            raise ValueError(f"padding_key must be a 64-bit key (-2**63 to 2**64 - 1), got {padding_key}")
         self.ps = ps
         self.dim = ps.dim
         self.mode = mode
@@ -385,6 +398,9 @@ class EmbeddingBag(nn.Module):
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         keys = _keys_of(input)
+        if per_sample_weights is not None:
+            # Kept in the graph: a weight that requires grad gets one, as nn.EmbeddingBag's does.
+            per_sample_weights = per_sample_weights.to("cpu", torch.float32)
         if input.dim() == 2:
             if offsets is not None:
                 raise ValueError("offsets must be None for a 2-D input (one bag per row)")
@@ -396,29 +412,34 @@ class EmbeddingBag(nn.Module):
                 keep = keys != np.uint64(self.padding_key & 0xFFFFFFFFFFFFFFFF)
                 keys, bag = keys[keep], bag[keep]
             if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights.detach().cpu().reshape(-1)
+                if per_sample_weights.shape != input.shape:
+                    raise ValueError(f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
+                                     f"got {tuple(per_sample_weights.shape)}")
+                per_sample_weights = per_sample_weights.reshape(-1)
                 if keep is not None:
                     per_sample_weights = per_sample_weights[torch.from_numpy(keep)]
         elif input.dim() == 1:
-            if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights.detach().cpu()
             if offsets is None:
                 raise ValueError("a 1-D input needs offsets (the start of each bag)")
+            if offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"offsets must be a 1-D int64 or int32 tensor, got {offsets.dim()}-D "
+                                 f"{offsets.dtype}")
             starts = offsets.detach().cpu().numpy().astype(np.int64)
             if len(starts) and (starts[0] != 0 or (np.diff(starts) < 0).any() or starts[-1] > len(keys)):
                 raise ValueError("offsets must start at 0, not decrease, and not pass the end of input")
+            if per_sample_weights is not None and per_sample_weights.shape != (len(keys),):
+                raise ValueError(f"per_sample_weights must have one weight a key ({len(keys)}), "
+                                 f"got shape {tuple(per_sample_weights.shape)}")
             bags = len(starts)
+            if not bags:  # no bag: every key is outside one (nn.EmbeddingBag's (0, dim) output)
+                keys = keys[:0]
+                if per_sample_weights is not None:
+                    per_sample_weights = per_sample_weights[:0]
             bag = np.repeat(np.arange(bags, dtype=np.int64), np.diff(np.append(starts, len(keys))))
         else:
             raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()} dimensions")
         counts = np.bincount(bag, minlength=bags).astype(np.int64)
-        weights = None
-        if per_sample_weights is not None:
-            if per_sample_weights.shape != (len(keys),):
-                raise ValueError(f"per_sample_weights must have one weight a key ({len(keys)}), "
-                                 f"got shape {tuple(per_sample_weights.shape)}")
-            weights = per_sample_weights.detach().to("cpu", torch.float32)
-        return _PooledLookup.apply(self.anchor, self, keys, bag, weights, counts, input.device)
+        return _PooledLookup.apply(self.anchor, self, keys, bag, per_sample_weights, counts, input.device)
 
 
 class CtrModel(nn.Module):
@@ -430,6 +451,7 @@ class CtrModel(nn.Module):
         super().__init__()
         self.embedding = EmbeddingBag(ps, mode="sum")
         self.num_fields = num_fields
+        self.num_dense = num_dense
         # Multi-hot fields, pooled by `pooling`; the MLP input is [single-hot | multi-hot | dense].
         self.num_bags = num_bags
         self.bag_embedding = EmbeddingBag(ps, mode=pooling) if num_bags else None
@@ -441,6 +463,9 @@ class CtrModel(nn.Module):
         The logits come out on the MLP's device, wherever keys and dense are."""
         if keys.dim() != 2 or keys.shape[1] != self.num_fields:
             raise ValueError(f"keys must have shape (B, {self.num_fields}), got {tuple(keys.shape)}")
+        if dense.dim() != 2 or dense.shape != (keys.shape[0], self.num_dense):
+            raise ValueError(f"dense must have shape ({keys.shape[0]}, {self.num_dense}) (keys' B, num_dense), "
+                             f"got {tuple(dense.shape)}")
         emb = self.embedding
         device = self.device
         if self.num_bags or bags:
