@@ -201,6 +201,15 @@ def test_bad_optimizer_arguments():
         hps.EmbeddingTable(8, 4, optimizer="adam")
     with pytest.raises(TypeError, match="initializer must be hps.Uniform"):
         hps.EmbeddingTable(8, 4, initializer=0.1)
+    # Named here, not left to the binding's list of overloads.
+    with pytest.raises(TypeError, match="optimizer: lr must be a number, got '0.1'"):
+        hps.EmbeddingTable(8, 4, optimizer=hps.SGD(lr="0.1"))
+    with pytest.raises(TypeError, match="optimizer: initializer scale must be a number, got None"):
+        hps.EmbeddingTable(8, 4, initializer=hps.Uniform(scale=None))
+    for seed in (-1, 2 ** 64, 1.5, True):
+        with pytest.raises(ValueError, match=f"seed must be an integer from 0 to 2\\*\\*64 - 1, got {seed}"):
+            hps.EmbeddingTable(8, 4, seed=seed)
+    assert hps.EmbeddingTable(8, 4, seed=2 ** 64 - 1).pull(np.array([1], np.uint64)).shape == (1, 4)
 
 
 def test_optimizer_must_match_the_table_rows():

@@ -116,6 +116,8 @@ def test_train_config_schema_errors_name_the_file(tmp_path):
     ("hidden", 64, "hidden must be a list of layer widths"),
     ("ps", {"schedule": "herlad"}, r"\[ps\]: schedule must be 'sequential' or 'herald', got 'herlad'"),
     ("ps", {"optimizer": {"kind": "adagrad", "lr": -0.05}}, r"\[ps\]: optimizer: lr must be a finite number > 0"),
+    ("ps", {"optimizer": {"kind": "adagrad", "lr": "0.05"}}, r"\[ps\]: optimizer: lr must be a number, got '0.05'"),
+    ("ps", {"seed": -1}, r"\[ps\]: seed must be an integer from 0 to 2\*\*64 - 1, got -1"),
     ("data", {"source": "x.tsv", "format": "parket"}, "data.format must be one of 'tsv', 'parquet', got 'parket'"),
     ("data", {"source": "x.csv", "format": "tsv", "schema": {"label": "y"}},
      "data.format must be one of 'csv', 'parquet', 'libsvm' with a schema, got 'tsv'"),

@@ -15,6 +15,7 @@ A new row is initialised as a pure function of (seed, key).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Union
 
@@ -93,6 +94,13 @@ def native_optimizer(dim: int, optimizer: Optimizer, initializer: Initializer,
         raise TypeError(f"optimizer must be hps.SGD, AdaGrad, RowWiseAdaGrad or Adam, got {optimizer!r}")
     if not isinstance(initializer, (Uniform, Normal, Zeros)):
         raise TypeError(f"initializer must be hps.Uniform, Normal or Zeros, got {initializer!r}")
+    # Types here, ranges in the native check: a string or a negative seed would
+    # otherwise reach the binding and come back as its list of overloads.
+    for name, value in [*optimizer._native_args().items(), ("initializer scale", initializer.scale)]:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"optimizer: {name} must be a number, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
     return _core.SparseOptimizer(dim=dim, kind=optimizer.kind, init=initializer.kind,
                                  init_scale=initializer.scale, seed=seed,
                                  **optimizer._native_args())

@@ -211,7 +211,7 @@ class ParameterServerConfig:
         whole("dim", self.dim, 1)
         try:  # the optimizer's and initializer's values (lr > 0, ...), as the native optimizer takes them
             native_optimizer(self.dim, self.optimizer, self.initializer, self.seed)
-        except ValueError as e:
+        except (TypeError, ValueError) as e:  # (TypeError: a value of the wrong type, lr = "0.05")
             raise ValueError(f"{where}{e}") from None
         try:
             parse_bytes(self.mem_budget, "mem_budget")
