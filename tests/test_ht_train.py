@@ -222,6 +222,13 @@ def test_config_errors_are_named():
         HierarchicalConfig.from_dict({"placement": ["ps:diagonal"]})
     with pytest.raises(ValueError, match="averaging: unknown codec 'gzip'"):
         HierarchicalConfig.from_dict({"averaging": "gzip"})
+    # A string for the list: it was read a letter a layer ("cannot read 't'").
+    with pytest.raises(ValueError, match=r"placement must be a list, one place a Linear layer .*got 'trainer'"):
+        HierarchicalConfig.from_dict({"placement": "trainer"})
+    with pytest.raises(ValueError, match="group_ps must be an int >= 0, got True"):
+        HierarchicalConfig.from_dict({"group_ps": True})
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got '60'"):  # (a TypeError before)
+        HierarchicalConfig.from_dict({"timeout": "60"})
     with pytest.raises(ValueError, match="unknown field.s. hierarchical.group"):
         HierarchicalConfig.from_dict({"group": 2})
     with pytest.raises(ValueError, match="unknown field.s. planner.flops"):

@@ -108,7 +108,7 @@ class HierarchicalConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise ValueError(f"{source}: {name} must be an int >= 1, got {v!r}")
-        if not (isinstance(self.group_ps, int) and self.group_ps >= 0):
+        if not (isinstance(self.group_ps, int) and not isinstance(self.group_ps, bool) and self.group_ps >= 0):
             raise ValueError(f"{source}: group_ps must be an int >= 0, got {self.group_ps!r}")
         EasgdConfig(self.alpha, self.period).check(source)
         if self.across not in ACROSS:
@@ -123,6 +123,9 @@ class HierarchicalConfig:
                 make_codec(getattr(self, name))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{source}: {name}: {e}") from None
+        if not isinstance(self.placement, (list, tuple)):  # (a string would be read a letter a layer)
+            raise ValueError(f"{source}: placement must be a list, one place a Linear layer (e.g. "
+                             f"[\"ps:vertical\", \"trainer\"]; [] for the planner's), got {self.placement!r}")
         for j, s in enumerate(self.placement):
             parse_placement(s, f"{source}: placement[{j}]")
         known = ({f.name for f in fields(PlannerConfig)} - {"group_ps", "activations", "gradients"}) | {"input_width"}
@@ -130,7 +133,7 @@ class HierarchicalConfig:
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join('planner.' + u for u in unknown)}; known: "
                              f"{', '.join('planner.' + k for k in sorted(known))}")
-        if not self.timeout > 0:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"{source}: timeout must be > 0 seconds, got {self.timeout!r}")
 
     def planner_config(self):
