@@ -749,6 +749,17 @@ def test_distributed_config_errors_name_the_field():
         TrainConfig.from_dict({**base, "distributed": {"k": 0}})
     with pytest.raises(ValueError, match="timeout must be > 0"):
         TrainConfig.from_dict({**base, "distributed": {"timeout": 0}})
+    # Values of the wrong type: each passed as something else (true as k = 1, "yes" as
+    # true, 1.5 ranks a node) or failed in a comparison without naming the field.
+    for field, value, message in [
+            ("k", True, "k must be an int >= 1, got True"),
+            ("hierarchical", "yes", "hierarchical must be true or false, got 'yes'"),
+            ("ranks_per_node", 1.5, r"ranks_per_node must be an int >= 0 \(0: the ranks sharing a machine\), got 1.5"),
+            ("timeout", "60", "timeout must be > 0 seconds, got '60'"),
+            ("beta1", "0.9", r"beta1 and beta2 must be in \[0, 1\), got '0.9', 0.999"),
+            ("eps", float("inf"), "eps must be a finite number > 0, got inf")]:
+        with pytest.raises(ValueError, match=r"job.toml: \[distributed\]: " + message):
+            TrainConfig.from_dict({**base, "distributed": {field: value}}, source="job.toml")
 
 
 def test_only_a_launcher_with_several_ranks_makes_a_job(monkeypatch):

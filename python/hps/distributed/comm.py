@@ -4,6 +4,7 @@ answering. Only :class:`Node` imports mpi4py, so a plain run never initialises M
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -60,18 +61,27 @@ class DistributedConfig:
     sparse_grads: str = "none"      # codec of sparse gradients between ranks: the same choices
 
     def check(self, source: str = "[distributed]") -> None:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v) -> bool:  # (a string or a bool would fail in a comparison, or pass as 1)
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
         if self.dense_sync not in ("allreduce", "kstep"):
             raise ValueError(f"{source}: dense_sync must be 'allreduce' or 'kstep', got {self.dense_sync!r}")
-        if not (isinstance(self.k, int) and self.k >= 1):
+        if not (is_int(self.k) and self.k >= 1):
             raise ValueError(f"{source}: k must be an int >= 1, got {self.k!r}")
-        if not 0.0 <= self.beta1 < 1.0 or not 0.0 <= self.beta2 < 1.0:
-            raise ValueError(f"{source}: beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
-        if not self.eps > 0:
-            raise ValueError(f"{source}: eps must be > 0, got {self.eps}")
-        if self.ranks_per_node < 0:
-            raise ValueError(f"{source}: ranks_per_node must be >= 0, got {self.ranks_per_node}")
-        if not self.timeout > 0:
-            raise ValueError(f"{source}: timeout must be > 0 seconds, got {self.timeout}")
+        if not all(is_number(b) and 0.0 <= b < 1.0 for b in (self.beta1, self.beta2)):
+            raise ValueError(f"{source}: beta1 and beta2 must be in [0, 1), got {self.beta1!r}, {self.beta2!r}")
+        if not (is_number(self.eps) and 0 < self.eps < math.inf):
+            raise ValueError(f"{source}: eps must be a finite number > 0, got {self.eps!r}")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"{source}: hierarchical must be true or false, got {self.hierarchical!r}")
+        if not (is_int(self.ranks_per_node) and self.ranks_per_node >= 0):
+            raise ValueError(f"{source}: ranks_per_node must be an int >= 0 (0: the ranks sharing a machine), got "
+                             f"{self.ranks_per_node!r}")
+        if not (is_number(self.timeout) and self.timeout > 0):
+            raise ValueError(f"{source}: timeout must be > 0 seconds, got {self.timeout!r}")
         for name in ("sparse_rows", "sparse_grads"):
             spec = getattr(self, name)
             if spec not in ("none", "bf16", "int8"):
