@@ -114,6 +114,9 @@ def test_train_config_schema_errors_name_the_file(tmp_path):
     ("dense_lr", float("nan"), "dense_lr must be a finite number > 0, got nan"),
     ("hidden", [64, 0], r"hidden must be a list of layer widths, ints >= 1 \(\[\] for none\), got \[64, 0\]"),
     ("hidden", 64, "hidden must be a list of layer widths"),
+    ("seed", "1", r"seed must be an integer from 0 to 2\*\*64 - 1, got '1'"),  # (torch refused it, job made)
+    ("seed", 2 ** 70, r"seed must be an integer from 0 to 2\*\*64 - 1, got 1180591620717411303424"),
+    ("sysfs", 3, r"sysfs must be a path \(a string\), got 3"),
     ("ps", {"schedule": "herlad"}, r"\[ps\]: schedule must be 'sequential' or 'herald', got 'herlad'"),
     ("ps", {"optimizer": {"kind": "adagrad", "lr": -0.05}}, r"\[ps\]: optimizer: lr must be a finite number > 0"),
     ("ps", {"optimizer": {"kind": "adagrad", "lr": "0.05"}}, r"\[ps\]: optimizer: lr must be a number, got '0.05'"),

@@ -190,6 +190,11 @@ class TrainConfig:
                              f"got {d['model_devices']!r}")
         if d.get("pooling", "sum") not in ("sum", "mean"):
             raise ValueError(f"{source}: pooling must be \"sum\" or \"mean\", got {d['pooling']!r}")
+        seed = d.get("seed", 0)  # the MLP's initial weights (torch's generator takes 64 bits)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+            raise ValueError(f"{source}: seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+        if not isinstance(d.get("sysfs", ""), str):
+            raise ValueError(f"{source}: sysfs must be a path (a string), got {d['sysfs']!r}")
         dist = d.get("distributed", {})
         if not isinstance(dist, DistributedConfig):
             check_fields(DistributedConfig, dist, source, prefix="distributed.")
