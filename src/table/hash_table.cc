@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <shared_mutex>
@@ -500,6 +501,13 @@ std::unique_ptr<HashTable> NewHashTable(const HashTableOptions& options) {
   if (options.threads < 0) {
     throw std::invalid_argument("hash table: threads must be >= 0 (0 = all cores), got " +
                                 std::to_string(options.threads));
+  }
+  // A slot takes a key and a row. Past this many slots their bytes overflow 64
+  // bits, and the table would map a wrapped (small) size and write past it.
+  const uint64_t slot_bytes = sizeof(uint64_t) + static_cast<uint64_t>(options.row_floats) * sizeof(float);
+  if (options.capacity > UINT64_MAX / slot_bytes - detail::kBucketSlots) {
+    throw std::invalid_argument("hash table: capacity " + std::to_string(options.capacity) + " slots of " +
+                                std::to_string(slot_bytes) + " bytes overflows 64 bits of bytes");
   }
   if (options.cuda_device >= 0) return NewCudaHashTable(options);
   return std::make_unique<detail::CpuHashTable>(options.capacity, options.row_floats,

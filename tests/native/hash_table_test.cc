@@ -6,6 +6,7 @@
 #include <map>
 #include <random>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -128,6 +129,16 @@ TEST(HashTable, RejectsTheEmptyKey) {
   const float rows[2] = {1, 2};
   EXPECT_THROW(table->insert(keys, 2, rows, nullptr), std::invalid_argument);
   EXPECT_EQ(table->size(), 0u);
+}
+
+// A capacity whose bytes overflow 64 bits mapped a wrapped size, and the first
+// insert wrote past it (a SEGV from Python's hps.HashTable(2**62, 4)).
+TEST(HashTable, RefusesACapacityWhoseBytesOverflow) {
+  EXPECT_THROW(Table(uint64_t{1} << 62, 4, 1), std::invalid_argument);
+  EXPECT_THROW(Table(UINT64_MAX, 1, 1), std::invalid_argument);
+  EXPECT_THROW(Table(UINT64_MAX / 12, 1, 1), std::invalid_argument);  // 12 bytes a slot: the rounding's margin
+  // Representable but larger than the machine: the mapping's own error.
+  EXPECT_THROW(Table(uint64_t{1} << 50, 1, 1), std::system_error);
 }
 
 TEST(HashTable, OptimizerStepsOnDuplicates) {
