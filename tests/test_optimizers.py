@@ -197,6 +197,12 @@ def test_bad_optimizer_settings(kwargs, message):
 def test_bad_optimizer_arguments():
     with pytest.raises(ValueError, match="dim must be > 0"):
         hps.EmbeddingTable(8, 0)
+    # Adam's row of 3 x dim + 1 floats overflowed int32 (a signed overflow in the
+    # native row width); larger dims failed in the binding's conversion.
+    with pytest.raises(ValueError, match="optimizer: dim must be at most 715827882, got 715827883"):
+        hps.EmbeddingTable(8, 715_827_883, optimizer=hps.Adam())
+    with pytest.raises(ValueError, match=r"optimizer: dim must be > 0 and below 2\*\*31, got 1099511627776"):
+        hps.EmbeddingTable(8, 2 ** 40)
     with pytest.raises(TypeError, match="optimizer must be hps.SGD"):
         hps.EmbeddingTable(8, 4, optimizer="adam")
     with pytest.raises(TypeError, match="initializer must be hps.Uniform"):

@@ -99,6 +99,8 @@ def native_optimizer(dim: int, optimizer: Optimizer, initializer: Initializer,
     for name, value in [*optimizer._native_args().items(), ("initializer scale", initializer.scale)]:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"optimizer: {name} must be a number, got {value!r}")
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or not 0 < dim < 1 << 31:
+        raise ValueError(f"optimizer: dim must be > 0 and below 2**31, got {dim!r}")  # (the native bound is lower)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
     return _core.SparseOptimizer(dim=dim, kind=optimizer.kind, init=initializer.kind,

@@ -1,6 +1,7 @@
 #include "hps/optimizer.h"
 
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 
 #include "table/optimizer_kernels.h"  // InitRow
@@ -40,6 +41,9 @@ int32_t SparseOptimizer::row_floats() const { return dim + StateFloats(opt.kind,
 void SparseOptimizer::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument("optimizer: " + what); };
   if (dim <= 0) fail("dim must be > 0, got " + std::to_string(dim));
+  // Adam's row is 3 x dim + 1 floats, counted in int32_t: past this it overflows.
+  constexpr int32_t kMaxDim = (INT32_MAX - 1) / 3;
+  if (dim > kMaxDim) fail("dim must be at most " + std::to_string(kMaxDim) + ", got " + std::to_string(dim));
   StateFloats(opt.kind, dim);  // throws on an unknown kind
   if (!(opt.lr > 0.0f) || !std::isfinite(opt.lr)) fail("lr must be a finite number > 0");
   if (!(opt.eps >= 0.0f) || !std::isfinite(opt.eps)) fail("eps must be a finite number >= 0");
