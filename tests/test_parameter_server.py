@@ -605,3 +605,19 @@ def test_arrays_that_went_through_pickle_are_taken(tmp_path, devices):
     with pytest.raises(TypeError, match=r"uint64 or int64, got >u8"):
         ps.pull(keys.astype(">u8"))  # another byte order is still refused, by name
     ps.close()
+
+
+def test_a_closed_server_says_so(tmp_path):
+    """After close() a call named the store it had dropped (AttributeError: '_cache');
+    it now says the server is closed, and closing again does nothing."""
+    ps = hps.ParameterServer(config(tmp_path / "ps"))
+    keys = np.arange(4, dtype=np.uint64)
+    ps.push(keys, np.ones((4, ps.dim), np.float32))
+    ps.checkpoint()
+    ps.close()
+    ps.close()
+    for call in (lambda: ps.pull(keys), lambda: ps.checkpoint(), lambda: ps.stats()):
+        with pytest.raises(RuntimeError, match=r"ParameterServer\(dim=.*\) is closed"):
+            call()
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
+        hps.ParameterServer(config(tmp_path / "ps")).no_such_thing  # (the path was released: it opens again)

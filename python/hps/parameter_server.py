@@ -1297,10 +1297,21 @@ class ParameterServer:
         return out
 
     def close(self) -> None:
-        """Releases the stores and the path; what was not checkpointed is dropped."""
+        """Releases the stores and the path; what was not checkpointed is dropped.
+        Closing again does nothing; any other call on a closed server raises
+        RuntimeError."""
+        if self.__dict__.get("_closed"):
+            return
         self._ssd.wait_for_compaction()
         del self._cache, self._backing, self._ssd, self._slots, self._last_batch
+        self._closed = True
         self._release_path()
+
+    def __getattr__(self, name: str):
+        # Reached only for attributes not found: after close(), the stores it dropped.
+        if self.__dict__.get("_closed"):
+            raise RuntimeError(f"{self!r} is closed (close() released its stores and path)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"ParameterServer(dim={self.dim}, path={self.config.path!r})"
