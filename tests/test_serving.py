@@ -251,13 +251,38 @@ def test_verify_names_a_checkpoint_manifest_cut_short(job, tmp_path, capsys):
             committed = at + 8 + length
         at += 8 + length
     assert cut is not None
-    before = jobdir.inspect(copy)["rows"]
     manifest.write_bytes(data[:cut + 5])
-    assert jobdir.inspect(copy)["rows"] != before  # the cut lost rows: the native replay takes it as a torn tail
+    # The native replay takes the cut for a torn tail and serves fewer rows; the
+    # checkpoint's record of its MANIFEST (ssd.json) refuses it.
+    with pytest.raises(hps.CorruptionError, match=f"{manifest}: {cut + 5} bytes .* where the checkpoint recorded "
+                                                  f"{len(data)} .* in ssd.json"):
+        jobdir.inspect(copy)
     assert main(["inspect", str(copy), "--verify"]) == 1
     out = capsys.readouterr().out
     assert f"rank 0 checkpoint 6: {manifest}: {cut + 5 - kept} bytes after its last commit record (at byte {kept})" \
         in out, out
+    assert "ssd.json" not in out  # (one damage, one line)
+
+    # Cut at the end of that earlier commit, the log is whole and shorter: only the
+    # record tells. Every reader refuses it, and so does reopening the server.
+    manifest.write_bytes(data[:kept])
+    assert main(["inspect", str(copy), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"rank 0 checkpoint 6: {manifest}: {kept} bytes (CRC-32 " in out and \
+        f"where the checkpoint recorded {len(data)} (CRC-32 " in out, out
+    assert main(["inspect", str(copy)]) == 1
+    assert "the copy is cut short or damaged and may lack committed files" in capsys.readouterr().err
+    assert not list(copy.glob(".hps-readers/*"))  # the refused pin left no view
+    with pytest.raises(hps.CorruptionError, match=f"{manifest}: {kept} bytes"):
+        hps.ParameterServer.open(str(copy))
+    from hps.reshard import check_source
+    with pytest.raises(hps.CorruptionError, match=f"{manifest}: {kept} bytes"):
+        check_source(str(copy))  # (--resume onto another world would reshard the shorter store)
+    # A checkpoint written before the record existed is read as before.
+    manifest.write_bytes(data)
+    (copy / "checkpoints" / "000006" / "ssd.json").unlink()
+    assert jobdir.inspect(copy, verify=True)["verify"]["ok"]
+    assert hps.ParameterServer.open(str(copy)).checkpoint_number == 6
 
 
 def test_inspect_refuses_a_path_that_holds_no_job(tmp_path, capsys):

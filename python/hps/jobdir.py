@@ -37,7 +37,8 @@ from typing import Optional
 import numpy as np
 
 from hps.errors import CorruptionError
-from hps.parameter_server import CHECKPOINTS, FORMAT_VERSION, METADATA, ParameterServerConfig, _write_durable
+from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, METADATA, ParameterServerConfig, _write_durable,
+                                  check_store_digest)
 
 JOB_MANIFEST = "job.json"       # hps.train's, in a job's root
 READERS = ".hps-readers"        # the private views, in the job's root
@@ -329,13 +330,17 @@ def _remove_dead_views(root: str) -> None:
             shutil.rmtree(os.path.join(readers, name), ignore_errors=True)
 
 
-def link_checkpoint(source: str, dst: str) -> dict:
+def link_checkpoint(source: str, dst: str, check_digest: bool = True) -> dict:
     """Pins the store of one checkpoint (source) into the new directory dst: links
     to the files its MANIFEST lists, copies of MANIFEST and STORE; returns
-    {sequence: records}. FileNotFoundError when the checkpoint is (being) deleted."""
+    {sequence: records}. FileNotFoundError when the checkpoint is (being) deleted;
+    hps.CorruptionError when its MANIFEST is not the one the checkpoint recorded
+    (unless not `check_digest`: the caller reports it)."""
     os.makedirs(dst)
     with open(os.path.join(source, MANIFEST), "rb") as f:
         manifest = f.read()
+    if check_digest:
+        check_store_digest(os.path.dirname(source), manifest)
     with open(os.path.join(source, MARKER), "rb") as f:
         marker = f.read()
     files = replay_manifest(manifest, os.path.join(source, MANIFEST))
@@ -348,9 +353,11 @@ def link_checkpoint(source: str, dst: str) -> dict:
     return files
 
 
-def pin(root: str, attempts: int = 100) -> View:
+def pin(root: str, attempts: int = 100, check_digest: bool = True) -> View:
     """A private view of the last finished checkpoint of every rank of the job at
-    root. Raises FileNotFoundError when the job has no finished checkpoint yet."""
+    root. Raises FileNotFoundError when the job has no finished checkpoint yet,
+    hps.CorruptionError when it is damaged (a MANIFEST unlike its checkpoint's
+    record: unless not `check_digest`, for inspect --verify, which lists it)."""
     root = os.fspath(root)
     _remove_dead_views(root)
     for _ in range(attempts):
@@ -364,7 +371,7 @@ def pin(root: str, attempts: int = 100) -> View:
             for r in range(job.world):
                 source = os.path.join(job.checkpoint_dir(r), STORE_DIR)
                 path = os.path.join(directory, f"rank{r}")
-                view.ranks.append(RankView(r, source, path, link_checkpoint(source, path)))
+                view.ranks.append(RankView(r, source, path, link_checkpoint(source, path, check_digest)))
             return view
         except FileNotFoundError as e:
             view.close()  # a later checkpoint replaced this one meanwhile: read the job again
@@ -373,6 +380,9 @@ def pin(root: str, attempts: int = 100) -> View:
             if read_job(root).checkpoint == job.checkpoint:  # damage, as a bad CRC is (exit 1), not a missing job
                 raise CorruptionError(f"{e.filename}: missing from checkpoint {job.checkpoint}, which the job at "
                                       f"{root} names: the checkpoint is damaged") from None
+        except BaseException:
+            view.close()  # (damage, as a MANIFEST unlike its checkpoint's record: no view left behind)
+            raise
     raise RuntimeError(f"{root}: the job's checkpoint changed during each of {attempts} attempts to pin it")
 
 
@@ -446,7 +456,7 @@ def _verify_checkpoint(job: Job, rank: int, number: int, scratch: str, row_bytes
     source = os.path.join(job.checkpoint_dir(rank, number), STORE_DIR)
     pinned = os.path.join(scratch, f"rank{rank}-{number}")
     try:
-        files = link_checkpoint(source, pinned)
+        files = link_checkpoint(source, pinned, check_digest=False)  # (checked below, as a problem)
     except FileNotFoundError as e:
         # Training deletes only checkpoints other than the one the job names: one of
         # those going meanwhile was pruned, not damaged.
@@ -493,6 +503,11 @@ def _verify_checkpoint(job: Job, rank: int, number: int, scratch: str, row_bytes
         problems.append(f"rank {rank} checkpoint {number}: {os.path.join(source, MANIFEST)}: "
                         f"{len(manifest) - end} bytes after its last commit record (at byte {end}): a checkpoint's "
                         f"log ends in a commit, so this one is cut short or damaged and may lack committed files")
+        return problems, len(files)
+    try:  # a cut at a record boundary replays as a shorter log: the checkpoint's own record tells
+        check_store_digest(os.path.dirname(source), manifest)
+    except CorruptionError as e:
+        problems.append(f"rank {rank} checkpoint {number}: {e}")
     return problems, len(files)
 
 
@@ -512,7 +527,7 @@ def inspect(root: str, verify: bool = False) -> dict:
         "dim": job.config.dim, "optimizer": job.config.optimizer.kind, "row_bytes": row_bytes,
         "disk_bytes": _disk_bytes(job.root), "ranks": [], "exports": export_positions(job.root),
     }
-    view = pin(job.root) if job.checkpoint is not None else None
+    view = pin(job.root, check_digest=not verify) if job.checkpoint is not None else None
     try:
         for r in range(job.world):
             rank_dir = job.rank_dir(r)

@@ -57,6 +57,7 @@ import shutil
 import threading
 import time
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
@@ -65,6 +66,7 @@ import numpy as np
 from hps import _core
 from hps import topology as htopo
 from hps.config import check_fields, load_toml, parse_bytes
+from hps.errors import CorruptionError
 from hps.mem_cache import POLICIES, MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 from hps.ssd_store import SsdStore
@@ -358,6 +360,39 @@ def _copy_store(src: str, dst: str) -> None:
         else:
             _write_durable(target, _read_or_empty(source))
     _sync_dir(dst)
+
+
+# Beside a checkpoint's ssd/: the length and CRC-32 of the MANIFEST copied there.
+# A MANIFEST cut at a record boundary replays as a shorter, valid log that has
+# lost the files of its last commits; only a record made when it was copied
+# tells the two apart.
+STORE_DIGEST = "ssd.json"
+
+
+def write_store_digest(snapshot: str, manifest: bytes) -> None:
+    """Records, in checkpoint directory `snapshot`, the MANIFEST its ssd/ holds."""
+    digest = {"manifest_bytes": len(manifest), "manifest_crc32": zlib.crc32(manifest)}
+    _write_durable(os.path.join(snapshot, STORE_DIGEST), json.dumps(digest).encode())
+
+
+def check_store_digest(snapshot: str, manifest: bytes) -> None:
+    """Raises hps.CorruptionError, naming the MANIFEST, when `manifest` (read from
+    checkpoint directory `snapshot`'s ssd/) is not the one its checkpoint recorded.
+    Checkpoints written before the record existed have none: nothing to check."""
+    path = os.path.join(snapshot, STORE_DIGEST)
+    try:
+        with open(path, "rb") as f:
+            digest = json.loads(f.read())
+        want = (int(digest["manifest_bytes"]), int(digest["manifest_crc32"]))
+    except FileNotFoundError:
+        return
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptionError(f"{path}: not a store digest ({e})") from None
+    if (len(manifest), zlib.crc32(manifest)) != want:
+        raise CorruptionError(
+            f"{os.path.join(snapshot, _STORE_DIR, _MANIFEST)}: {len(manifest)} bytes (CRC-32 "
+            f"{zlib.crc32(manifest):#010x}) where the checkpoint recorded {want[0]} (CRC-32 {want[1]:#010x}) in "
+            f"{STORE_DIGEST}: the copy is cut short or damaged and may lack committed files")
 
 
 def _build(spec, table: dict, where: str):
@@ -880,6 +915,7 @@ class ParameterServer:
             snapshot = self.checkpoint_dir(number)
             if not os.path.isdir(snapshot):
                 raise FileNotFoundError(f"{snapshot}: checkpoint {number} of {root} is missing")
+            check_store_digest(snapshot, _read_or_empty(os.path.join(snapshot, _STORE_DIR, _MANIFEST)))
             os.makedirs(staging)
             _copy_store(os.path.join(snapshot, _STORE_DIR), staging)
         _remove_tree(live)
@@ -909,9 +945,9 @@ class ParameterServer:
         with self._load_lock:
             self._prune(keep=self._checkpoint)
 
-    def _snapshot_store(self, dst: str) -> None:
+    def _snapshot_store(self, dst: str) -> bytes:
         """Hard links of the live store's parameter files and a copy of its
-        MANIFEST and STORE into dst. The MANIFEST is read before and after the
+        MANIFEST and STORE into dst; returns the MANIFEST copied. The MANIFEST is read before and after the
         links: if a compaction committed in between, it may have deleted a file
         that the first read lists, so the files are linked again (those not yet
         linked) until a pass sees no commit. A link to a file that the copied
@@ -936,6 +972,7 @@ class ParameterServer:
             if not name.endswith((".hpf", ".tmp")) and name != _MANIFEST:
                 _write_durable(os.path.join(dst, name), _read_or_empty(os.path.join(src, name)))
         _sync_dir(dst)
+        return before
 
     # ------------------------------------------------------------ plumbing
     def _count(self, **amounts) -> None:
@@ -1249,7 +1286,7 @@ class ParameterServer:
             for leftover in (tmp, final):  # of a checkpoint that a crash left unfinished
                 _remove_tree(leftover)
             os.makedirs(os.path.join(tmp, _STORE_DIR))
-            self._snapshot_store(os.path.join(tmp, _STORE_DIR))
+            write_store_digest(tmp, self._snapshot_store(os.path.join(tmp, _STORE_DIR)))
             if save is not None:
                 save(tmp)
             _sync_dir(tmp)

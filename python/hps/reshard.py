@@ -46,7 +46,8 @@ import numpy as np
 from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
                         read_job, replay_manifest, write_trainer_state)
-from hps.parameter_server import CHECKPOINTS, METADATA, _remove_tree, _replace_durable, _sync_dir, _write_durable
+from hps.parameter_server import (CHECKPOINTS, METADATA, _remove_tree, _replace_durable, _sync_dir, _write_durable,
+                                  check_store_digest)
 
 JOB_MANIFEST = "job.json"
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
@@ -59,7 +60,8 @@ def check_source(root: str) -> dict:
     "step", "distributed"}. Raises FileNotFoundError naming the first missing
     part (a rank's checkpoint directory, its store's MANIFEST or STORE, a
     parameter file the MANIFEST lists, the dense state), ValueError when the job
-    has no finished checkpoint."""
+    has no finished checkpoint, hps.CorruptionError when a rank's MANIFEST is not
+    the one its checkpoint recorded."""
     job = read_job(root)
     if job.checkpoint is None:
         raise ValueError(f"{root}: the job has no finished checkpoint to reshard")
@@ -73,7 +75,9 @@ def check_source(root: str) -> dict:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{where}: {path} is missing; the checkpoint cannot be resharded")
         with open(os.path.join(store, MANIFEST), "rb") as f:
-            files = replay_manifest(f.read(), os.path.join(store, MANIFEST))
+            manifest = f.read()
+        check_store_digest(directory, manifest)
+        files = replay_manifest(manifest, os.path.join(store, MANIFEST))
         for seq in sorted(files):
             path = os.path.join(store, file_name(seq))
             if not os.path.exists(path):
