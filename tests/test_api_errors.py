@@ -6,7 +6,8 @@ import hps.data
 
 
 def test_every_error_is_exported_from_hps():
-    for name in ["HpsError", "CorruptionError", "IoError", "CacheFullError", "TableFullError", "DataError"]:
+    for name in ["HpsError", "CorruptionError", "IoError", "CacheFullError", "TableFullError", "DataError",
+                 "DivergedError"]:
         assert name in hps.__all__, name
         assert isinstance(getattr(hps, name), type), name
     assert hps.DataError is hps.data.DataError

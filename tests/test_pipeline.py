@@ -125,6 +125,13 @@ def test_auc_matches_a_pairwise_count():
     pos, neg = s[y], s[~y]
     pairs = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
     assert auc(y, s) == pytest.approx(pairs / (len(pos) * len(neg)))
+    # A NaN score sorts anywhere: a diverged model got an AUC of noise (0.49), not "undefined".
+    s[7] = np.nan
+    assert np.isnan(auc(y, s)) and np.isnan(auc(y, np.where(y, np.inf, 0.0)))
+    # ... and the summary's JSON line carried it as a bare NaN (numpy's float passed as is).
+    from hps.train import _jsonable
+    assert json.dumps(_jsonable({"logloss": np.float64("nan"), "auc": float("nan"), "x": [np.float32(0.5)]}),
+                      allow_nan=False) == '{"logloss": null, "auc": null, "x": [0.5]}'
 
 
 def test_hps_train_command_line(tmp_path):

@@ -11,6 +11,7 @@ most checkpoints), so a kill lands mid-batch, mid-checkpoint or mid-compaction.
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -297,3 +298,24 @@ def test_a_server_of_an_older_format_is_refused_not_started_over(tmp_path, capsy
         assert main(["train", "--config", str(cfg), "--no-progress", *flags]) == 2
         assert "format 1, this build reads 2" in capsys.readouterr().err
         assert (path / "ssd" / "000000000001.hpf").read_bytes() == b"rows"
+
+
+def test_a_diverged_run_stops_before_a_nan_reaches_the_job(tmp_path, capsys):
+    """A learning rate far too high: the loss turns NaN or infinite in a few batches.
+    The run went on to the end, wrote NaN rows and weights into its checkpoints and
+    exited 0 with an eval AUC ranked from NaN scores. Now the batch whose loss is not
+    a number stops it (exit 1, naming the batch and the rates) before its gradients
+    reach any row or weight, and the last finished checkpoint holds numbers only."""
+    path = tmp_path / "ps"
+    cfg = write_config(tmp_path, "hot", path, every=1)
+    cfg.write_text(cfg.read_text().replace("dense_lr = 0.01", "dense_lr = 1e30").replace("lr = 0.05", "lr = 1e30"))
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"hps train: DivergedError: batch (\d+): the loss is (nan|inf) \(worker 0\): training diverged "
+                     r"\(a learning rate too high\? dense_lr = 1e\+30, \[ps.optimizer\] lr = 1e\+30\)", err), err
+    assert "the last finished checkpoint is intact" in err
+    done = load_trainer_state(str(path))["batches_done"]
+    assert 1 <= done < BATCHES
+    state = parameters(str(path))
+    assert np.isfinite(state["rows"]).all()
+    assert all(torch.isfinite(v).all() for v in state["mlp"].values())

@@ -5,7 +5,7 @@ without a GPU), a host-memory cache and an SSD store; this package is the
 Python face of the native core.
 """
 from hps._core import __version__, cuda_compiled, cuda_device_count, liburing_compiled
-from hps.errors import CorruptionError, HpsError, IoError, IoPathWarning, TableFullError
+from hps.errors import CorruptionError, DivergedError, HpsError, IoError, IoPathWarning, TableFullError
 # Malformed input (a ValueError, like the other bad arguments; not an HpsError):
 # exported here because a training script catches it beside the others.
 from hps.data import DataError
@@ -30,6 +30,7 @@ __all__ = [
     "Adam",
     "CorruptionError",
     "DataError",
+    "DivergedError",
     "EmbeddingTable",
     "HashTable",
     "Herald",

@@ -3,13 +3,20 @@
 Bad arguments (wrong dtype, shape, the reserved key, out-of-range settings)
 raise the built-in TypeError or ValueError with a message naming the argument;
 conditions of the system itself derive from HpsError: a full table, a
-damaged file (CorruptionError, naming it), a failed system call (IoError).
+damaged file (CorruptionError, naming it), a failed system call (IoError), a
+training run whose loss stopped being a number (DivergedError).
 IoPathWarning says that SSD-PS moves rows on a slower path than it was asked
 for.
 """
 from hps._core import CorruptionError, HpsError, IoError, TableFullError
 
-__all__ = ["CorruptionError", "HpsError", "IoError", "IoPathWarning", "TableFullError"]
+__all__ = ["CorruptionError", "DivergedError", "HpsError", "IoError", "IoPathWarning", "TableFullError"]
+
+
+class DivergedError(HpsError):
+    """A batch's loss was NaN or infinite (training diverged: a learning rate too
+    high, most often). Raised before that batch's gradients reach any row or
+    parameter, so the job keeps its last finished checkpoint as it was."""
 
 
 class IoPathWarning(RuntimeWarning):

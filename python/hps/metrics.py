@@ -13,11 +13,12 @@ __all__ = ["auc", "logloss"]
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Area under the ROC curve (ties count half), by ranks."""
+    """Area under the ROC curve (ties count half), by ranks; NaN where it is
+    undefined: one class only, or a score that is not a finite number."""
     labels = np.asarray(labels) > 0.5
     pos = int(labels.sum())
     neg = len(labels) - pos
-    if pos == 0 or neg == 0:
+    if pos == 0 or neg == 0 or not np.isfinite(scores).all():  # (NaNs would sort anywhere: an AUC of noise)
         return float("nan")
     order = np.argsort(scores, kind="mergesort")
     sorted_scores = np.asarray(scores)[order]

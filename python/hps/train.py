@@ -42,6 +42,7 @@ from hps.admission import Admission
 from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
+from hps.errors import DivergedError
 from hps.jobdir import TRAINER_STATE, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, ParameterServer,
@@ -477,6 +478,10 @@ class Trainer:
                 logits = model(keys, torch.from_numpy(examples.dense[rows]))
             labels = torch.from_numpy(examples.labels[rows]).to(logits.device, non_blocking=True)
             loss = self.loss_fn(logits, labels) / n
+            if not torch.isfinite(loss):  # before backward: no NaN reaches a row, the MLP or a checkpoint
+                raise DivergedError(f"batch {self.batches_done + 1}: the loss is {loss.item()} (worker {worker}): "
+                                    f"training diverged (a learning rate too high? dense_lr = {self.cfg.dense_lr}, "
+                                    f"[ps.optimizer] lr = {self.cfg.ps.optimizer.lr})")
             loss.backward()
             if self.step_logits is not None:
                 self.step_logits.append((idx, logits.detach().cpu().numpy()))
@@ -1046,8 +1051,6 @@ def _jsonable(x: Any):
         return [_jsonable(v) for v in x]
     if isinstance(x, (np.integer,)):
         return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, float) and math.isnan(x):
-        return None
+    if isinstance(x, (np.floating, float)):
+        return None if math.isnan(x) else float(x)  # (a numpy NaN, eval's logloss, passed as NaN: not JSON)
     return x
