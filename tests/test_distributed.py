@@ -652,9 +652,11 @@ def test_hps_train_under_mpiexec_resumes_to_the_same_parameters(tmp_path, capsys
     first = _write_config(tmp_path, "first", tmp_path / "resumed", 16384, every=8)
     _hps_train(2, first)
     job = json.loads((tmp_path / "resumed" / "job.json").read_text())
+    run = job.pop("run")  # the run's id (docs/serving.md): a resumed job keeps it
     assert job == {"world": 2, "step": 32, "checkpoint": 5}  # batches 8, 16, 24, 32, and the end
     second = _write_config(tmp_path, "second", tmp_path / "resumed", 32768, every=8)
     _hps_train(2, second, "--resume")
+    assert json.loads((tmp_path / "resumed" / "job.json").read_text())["run"] == run
 
     from hps.data import SyntheticCriteo
     from hps.distributed import owner_ranks
@@ -696,7 +698,7 @@ def test_a_rank_killed_in_the_middle_of_a_checkpoint_rolls_every_rank_back(tmp_p
     p = scenario(2, "train", tmp_path / "crash", *common, "--die-at-checkpoint", 2, check=False)
     assert p.returncode != 0
     job = json.loads((tmp_path / "crash" / "job" / "job.json").read_text())
-    assert job == {"world": 2, "step": every, "checkpoint": 1}
+    assert len(job.pop("run")) == 32 and job == {"world": 2, "step": every, "checkpoint": 1}
     assert stored_checkpoint(str(tmp_path / "crash" / "job" / "rank0")) == (True, 2)  # rank 0 was ahead
     assert stored_checkpoint(str(tmp_path / "crash" / "job" / "rank1")) == (True, 1)
     scenario(2, "train", tmp_path / "crash", *common, "--resume")
@@ -722,11 +724,14 @@ def test_a_job_that_failed_before_its_first_checkpoint_is_started_over(tmp_path,
     p = scenario(2, "train", tmp_path, *common, "--fail-at-step", 2, check=False)
     assert p.returncode != 0  # (MPI_Abort may cut the traceback short: its text is not checked)
     job = json.loads((tmp_path / "job" / "job.json").read_text())
+    failed = job.pop("run")
     assert job == {"world": 2, "step": 0, "checkpoint": None}
     p = scenario(2, "train", tmp_path, *common, *([rerun] if rerun != "plain" else []))
     assert "ended before its first checkpoint: starting it over from batch 0" in p.stderr, p.stderr[-2000:]
     for r in range(2):
         assert load_trainer_state(str(tmp_path / "job" / f"rank{r}"))["batches_done"] == 6
+    if rerun == "plain":  # a new job.json, so a new run (--resume keeps the id of a run no export can have read)
+        assert json.loads((tmp_path / "job" / "job.json").read_text())["run"] != failed
 
 
 def torch_equal(a, b) -> bool:

@@ -114,6 +114,8 @@ def test_reshard_moves_every_row_to_its_owner_and_trains_on_as_an_m_rank_job(tmp
 
     # The reference: resharded by the steps themselves, then the rows checked against the old checkpoint.
     ref = tmp_path / "reference"
+    from hps.jobdir import read_job
+    old_run = read_job(str(ref / "job")).run
     reshard_in_process(ref / "job", new_world)
     after = rows_of(ref / "job")
     assert after.keys() == before.keys() and len(after) > 100
@@ -125,6 +127,8 @@ def test_reshard_moves_every_row_to_its_owner_and_trains_on_as_an_m_rank_job(tmp
         assert after[k] == (owner, before[k][1], before[k][2]), k
     assert set(owners.tolist()) == set(range(new_world))
     job = json.loads((ref / "job" / "job.json").read_text())
+    # its files are numbered anew: a new run, so that no export position of the old one applies
+    assert job.pop("run") not in (None, old_run)
     assert job == {"world": new_world, "step": STEPS, "checkpoint": job["checkpoint"],
                    "resharded_from": {"world": old_world, "checkpoint": job["checkpoint"] - 1}}
     assert sorted(n for n in os.listdir(ref / "job") if n.startswith("rank")) == \
@@ -278,7 +282,10 @@ def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ran
     before_dense = dense_states(old / "job", 2)[0]
     shutil.copytree(old, tmp_path / "via_train")
     ref = old / "job"
+    from hps.jobdir import read_job
+    old_run = read_job(str(ref)).run
     reshard.to_one_process(str(ref))
+    assert read_job(str(ref)).run not in (None, old_run)  # its files numbered anew: a new run
     assert rows_of(ref) == {k: (0, row, stamp) for k, (_, row, stamp) in before.items()}
     assert sorted(n for n in os.listdir(ref) if n.startswith(("rank", "job", "resharded"))) == []
     state = load_trainer_state(str(ref))

@@ -483,6 +483,39 @@ def test_export_errors_name_the_argument(job, tmp_path, capsys):
     assert export(job, tmp_path / "z3", "t-err", full=True)["full"]
 
 
+def test_a_position_of_a_run_started_over_in_the_same_path_is_refused_naming_both_runs(tmp_path):
+    """A run started over in the job's path numbers its checkpoints and parameter files
+    anew. Once its checkpoint numbers passed a consumer's saved one, the consumer's
+    delta was taken against the old run's file numbers and missed every row in the new
+    run's files numbered at or below them: here all of them, with no error."""
+    from hps.export import export
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=0.5),
+                                    ssd=hps.SsdOptions(file_records=64))
+    ps = hps.ParameterServer(cfg)
+    for first in (0, 1000, 2000):  # 3 checkpoints of 600 rows each, in files of 64 rows
+        keys = np.arange(first, first + 600, dtype=np.uint64)
+        ps.push(keys, np.ones((600, 4), np.float32))
+        ps.checkpoint()
+    ps.close()
+    old = export(tmp_path / "job", tmp_path / "e1", "t-run")
+    assert old["checkpoint"] == 3 and old["rows"] == 1800
+    ps = hps.ParameterServer(cfg, checkpoint=None)  # started over, in the same path
+    new_keys = np.arange(5000, 5100, dtype=np.uint64)
+    for _ in range(4):  # checkpoint 4, past the consumer's 3
+        ps.push(new_keys, np.ones((100, 4), np.float32))
+        ps.checkpoint()
+    ps.close()
+    job = jobdir.read_job(tmp_path / "job")
+    assert job.checkpoint == 4 and job.run != old["run"]
+    with pytest.raises(ValueError, match=f"t-run.json: consumer 't-run' last exported run {old['run']}, but the job "
+                                         f".* is now run {job.run} \\(started over in this path.*export with --full"):
+        export(tmp_path / "job", tmp_path / "e2", "t-run")
+    assert not (tmp_path / "e2").exists()
+    full = export(tmp_path / "job", tmp_path / "e3", "t-run", full=True)
+    assert full["full"] and full["rows"] == 100 and full["run"] == job.run
+    assert export(tmp_path / "job", tmp_path / "e4", "t-run")["rows"] == 0  # its position is the new run's now
+
+
 def test_a_consumer_s_export_keeps_the_key_sets_of_consumers_whose_names_extend_its_own(job, tmp_path):
     """Consumer 'feed' removed the key sets of 'feed.2' as its own orphans (their
     names begin 'feed.' and a digit), so the next export of 'feed.2' failed on its

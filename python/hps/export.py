@@ -108,6 +108,15 @@ def _table(sch, keys, rows, dim, step, rank, int8, with_state, tombstone=False):
 
 def _check_position(pos: dict, view: jobdir.View, consumer: str) -> None:
     where = position_path(view.job.root, consumer)
+    # The run first: a position's sequence numbers count another run's files (a job started
+    # over in this path, or resharded, numbers its files anew), so its delta would miss the
+    # rows of every file numbered at or below them, even once the checkpoints pass its own.
+    # (A position or a job written before runs had ids is checked by the rules below alone.)
+    if pos.get("run") and view.job.run and pos["run"] != view.job.run:
+        raise ValueError(f"{where}: consumer '{consumer}' last exported run {pos['run']}, but the job at "
+                         f"{view.job.root} is now run {view.job.run} (started over in this path, or resharded), "
+                         f"whose files are numbered anew; its position does not apply: export with --full "
+                         f"(a whole snapshot, to replace the consumer's copy)")
     if pos["world"] != view.job.world:
         raise ValueError(f"{where}: consumer '{consumer}' last exported a job of {pos['world']} ranks, the job now "
                          f"has {view.job.world}; its positions do not apply: export with --full")
@@ -167,7 +176,8 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
             _check_position(pos, view, consumer)
         os.makedirs(to, exist_ok=True)
         sch = schema(dim, state_floats, int8, with_state)
-        meta = {"consumer": consumer, "job": os.path.abspath(root), "checkpoint": view.checkpoint, "step": step,
+        meta = {"consumer": consumer, "job": os.path.abspath(root), "run": job.run, "checkpoint": view.checkpoint,
+                "step": step,
                 "world": job.world, "full": pos is None, "since_checkpoint": None if pos is None else pos["checkpoint"],
                 "dim": dim, "int8": int8, "with_state": with_state, "optimizer": job.config.optimizer.kind,
                 "ranks": [], "rows": 0, "tombstones": 0, "unix_time": time.time()}
@@ -208,7 +218,7 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
         _write_durable(os.path.join(to, EXPORT_META), json.dumps(meta, indent=1).encode())
         _sync_dir(to)
         position = {"consumer": consumer, "checkpoint": view.checkpoint, "step": step, "world": job.world,
-                    "to": os.path.abspath(to), "unix_time": meta["unix_time"],
+                    "run": job.run, "to": os.path.abspath(to), "unix_time": meta["unix_time"],
                     "ranks": [{"rank": r["rank"], "max_sequence": r["max_sequence"], "keys": k}
                               for r, k in zip(meta["ranks"], new_keys_files)]}
         path = position_path(root, consumer)

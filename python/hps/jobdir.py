@@ -37,7 +37,7 @@ from typing import Optional
 import numpy as np
 
 from hps.errors import CorruptionError
-from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, METADATA, ParameterServerConfig, _write_durable,
+from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, METADATA, RUN, ParameterServerConfig, _write_durable,
                                   check_store_digest)
 
 JOB_MANIFEST = "job.json"       # hps.train's, in a job's root
@@ -166,6 +166,7 @@ class Job:
     step: Optional[int]          # job.json's; for one server, read from trainer-state.pt (see step_of)
     config: ParameterServerConfig
     metadata: dict
+    run: Optional[str] = None    # job.json's run id in a job, else the metadata's (None: written before runs had ids)
 
     def rank_dir(self, rank: int) -> str:
         return os.path.join(self.root, f"rank{rank}") if self.distributed else self.root
@@ -207,9 +208,10 @@ def read_job(root: str) -> Job:
                 raise ValueError(f"{manifest}: no field '{name}'")
         meta_path = os.path.join(root, "rank0", METADATA)
         distributed, world, number, step = True, int(job["world"]), job["checkpoint"], job.get("step")
+        run = job.get(RUN)
     else:
         meta_path = os.path.join(root, METADATA)
-        distributed, world, number, step = False, 1, None, None
+        distributed, world, number, step, run = False, 1, None, None, None
     try:
         meta = read_json(meta_path)
     except FileNotFoundError:
@@ -218,9 +220,9 @@ def read_job(root: str) -> Job:
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{meta_path}: format {meta.get('format')}, this build reads {FORMAT_VERSION}")
     if not distributed:
-        number = meta.get("checkpoint")
+        number, run = meta.get("checkpoint"), meta.get(RUN)
     config = ParameterServerConfig.from_dict({**meta["config"], "path": root}, source=meta_path)
-    return Job(root, distributed, world, number, step, config, meta)
+    return Job(root, distributed, world, number, step, config, meta, run)
 
 
 def write_trainer_state(directory: str, data: bytes, batches_done: int, examples_done: int) -> None:
@@ -372,7 +374,11 @@ def pin(root: str, attempts: int = 100, check_digest: bool = True) -> View:
                 source = os.path.join(job.checkpoint_dir(r), STORE_DIR)
                 path = os.path.join(directory, f"rank{r}")
                 view.ranks.append(RankView(r, source, path, link_checkpoint(source, path, check_digest)))
-            return view
+            if read_job(root).run == job.run:
+                return view
+            # A new run started meanwhile (its id is written before it deletes the old run's
+            # checkpoints): the files linked may be its own checkpoint of the same number.
+            view.close()
         except FileNotFoundError as e:
             view.close()  # a later checkpoint replaced this one meanwhile: read the job again
             # Training deletes a checkpoint only once the job names a later one: a file
@@ -380,8 +386,13 @@ def pin(root: str, attempts: int = 100, check_digest: bool = True) -> View:
             if read_job(root).checkpoint == job.checkpoint:  # damage, as a bad CRC is (exit 1), not a missing job
                 raise CorruptionError(f"{e.filename}: missing from checkpoint {job.checkpoint}, which the job at "
                                       f"{root} names: the checkpoint is damaged") from None
+        except CorruptionError:
+            view.close()  # (no view left behind)
+            now = read_job(root)
+            if (now.run, now.checkpoint) == (job.run, job.checkpoint):
+                raise  # a MANIFEST unlike its checkpoint's record; else it was read as the job moved on
         except BaseException:
-            view.close()  # (damage, as a MANIFEST unlike its checkpoint's record: no view left behind)
+            view.close()
             raise
     raise RuntimeError(f"{root}: the job's checkpoint changed during each of {attempts} attempts to pin it")
 

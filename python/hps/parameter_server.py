@@ -56,6 +56,7 @@ import socket
 import shutil
 import threading
 import time
+import uuid
 import weakref
 import zlib
 from dataclasses import dataclass, field
@@ -81,6 +82,14 @@ LAST = "last"  # ParameterServer(checkpoint=LAST): the checkpoint the metadata n
 _STORE_DIR = "ssd"
 _MANIFEST = "MANIFEST"  # the store's (docs/ssd_format.md), appended to: a snapshot copies it
 WRITER_LOCK = ".hps-writer.lock"  # flock'ed by the one ParameterServer open at a path
+# The metadata's (and a job's job.json's) "run": a random id that a new run at the path
+# gets (one started over, or a job resharded: its stores' files are numbered anew). An
+# export's position records it, so that a position never applies to another run's files.
+RUN = "run"
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
 
 
 class PathInUseError(OSError):
@@ -790,6 +799,10 @@ class ParameterServer:
 
     def _open(self, config: ParameterServerConfig, partitioner, checkpoint, row_bytes: int) -> None:
         meta = self._check_path()
+        # A run resumed keeps its id; a new one (checkpoint None: started over) gets one.
+        # Metadata written before runs had ids gets one now.
+        self._run = (meta or {}).get(RUN) if checkpoint is not None else None
+        self._run = self._run or new_run_id()
         if meta is None:
             if checkpoint not in (LAST, None):
                 raise FileNotFoundError(f"{config.path} holds no parameter server, so no checkpoint {checkpoint}")
@@ -884,6 +897,7 @@ class ParameterServer:
         """The metadata, naming the last finished checkpoint; replaced atomically
         (this rename is a checkpoint's commit point)."""
         meta = {"format": FORMAT_VERSION, "hps_version": _core.__version__, "checkpoint": checkpoint,
+                RUN: self._run,
                 "step": getattr(self, "_step", 0),  # this server's batches at that checkpoint
                 "config": {k: v for k, v in self.config.to_dict().items() if k != "path"}}
         path = self._metadata_path()

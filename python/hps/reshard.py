@@ -46,8 +46,8 @@ import numpy as np
 from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
                         read_job, replay_manifest, write_trainer_state)
-from hps.parameter_server import (CHECKPOINTS, METADATA, _remove_tree, _replace_durable, _sync_dir, _write_durable,
-                                  check_store_digest)
+from hps.parameter_server import (CHECKPOINTS, METADATA, RUN, _remove_tree, _replace_durable, _sync_dir,
+                                  _write_durable, check_store_digest, new_run_id)
 
 JOB_MANIFEST = "job.json"
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
@@ -165,15 +165,17 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
         job = view.job
         number = view.checkpoint + 1
         rank_dir = root if one_process else _rank_dir(root, rank)
+        # Its files are numbered anew: a new run (a position of an export never applies across it).
+        run_id = new_run_id()
         if one_process:
             from hps.train import _discard_run
             _discard_run(root)  # what an earlier reshard to one process that did not finish left
-            meta = {**job.metadata, "checkpoint": None}
+            meta = {**job.metadata, "checkpoint": None, RUN: run_id}
             _write_durable(os.path.join(root, METADATA), json.dumps(meta, indent=1).encode())
         elif not job.distributed or rank >= job.world:
             _remove_tree(rank_dir)  # no rank of the old job: left by an earlier reshard that did not finish
             os.makedirs(rank_dir)
-            meta = {**job.metadata, "checkpoint": None}
+            meta = {**job.metadata, "checkpoint": None, RUN: run_id}
             _write_durable(os.path.join(rank_dir, METADATA), json.dumps(meta, indent=1).encode())
         final = os.path.join(rank_dir, CHECKPOINTS, f"{number:06d}")
         tmp = final + ".tmp"
@@ -232,7 +234,7 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
         os.rename(tmp, final)
         _sync_dir(os.path.dirname(final))
         if one_process:  # the root's server names it (read only once job.json is gone)
-            meta = {**job.metadata, "checkpoint": number}
+            meta = {**job.metadata, "checkpoint": number, RUN: run_id}
             _write_durable(os.path.join(root, METADATA + ".tmp"), json.dumps(meta, indent=1).encode())
             _replace_durable(os.path.join(root, METADATA + ".tmp"), os.path.join(root, METADATA))
         return view.checkpoint, number, written
@@ -248,7 +250,7 @@ def commit(root: str, world: int, old: dict, number: int) -> None:
         raise RuntimeError(f"{root}: the job changed during the reshard (now {job.world} ranks at checkpoint "
                            f"{job.checkpoint}, was {old['world']} at {old['checkpoint']}); resume it again")
     manifest = os.path.join(root, JOB_MANIFEST)
-    record = {"world": world, "step": old["step"], "checkpoint": number,
+    record = {"world": world, "step": old["step"], "checkpoint": number, RUN: new_run_id(),  # files numbered anew
               RESHARDED: {"world": old["world"], "checkpoint": old["checkpoint"]}}
     _write_durable(manifest + ".tmp", json.dumps(record, indent=1).encode())
     _replace_durable(manifest + ".tmp", manifest)

@@ -43,11 +43,11 @@ from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.errors import DivergedError
-from hps.jobdir import TRAINER_STATE, write_trainer_state  # in each checkpoint's directory
+from hps.jobdir import TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
-from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, ParameterServer,
+from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, RUN, ParameterServer,
                                   ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
-                                  remove_writer_lock)
+                                  new_run_id, remove_writer_lock)
 from hps.pipeline import Loaded, Pipeline
 from hps.tuning import ThreadTuner, dense_adam, import_torch, keep_freed_memory  # (also hps.train.X, as before)
 
@@ -451,8 +451,10 @@ class Trainer:
             detail = ", ".join(f"rank {r}: checkpoint {n} at batch {b}" for r, (n, b) in enumerate(done))
             raise RuntimeError(f"the ranks' checkpoints disagree ({detail})")
         if self.node.rank == 0:
-            _write_json_atomic(os.path.join(self.cfg.ps.path, JOB_MANIFEST),
-                               {"world": self.node.size, "step": self.batches_done, "checkpoint": number})
+            manifest = os.path.join(self.cfg.ps.path, JOB_MANIFEST)
+            run = read_json(manifest).get(RUN) or new_run_id()  # the job's run goes on (a job.json before ids: one now)
+            _write_json_atomic(manifest, {"world": self.node.size, "step": self.batches_done, "checkpoint": number,
+                                          RUN: run})
         self.node.allgather("train", None, "checkpoint recorded in job.json")
         self.ps.prune_checkpoints()
 
@@ -694,7 +696,7 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
         if os.path.exists(root) and os.listdir(root):
             raise ValueError(f"{root} is not empty; pass --resume to continue the job there, or give a new path")
         os.makedirs(root, exist_ok=True)
-        _write_json_atomic(manifest, {"world": node.size, "step": 0, "checkpoint": None})
+        _write_json_atomic(manifest, {"world": node.size, "step": 0, "checkpoint": None, RUN: new_run_id()})
         return None
     number = _collective(node, check)
     number = node.allgather("train", number, "the job's checkpoint")[0]
