@@ -551,6 +551,34 @@ def test_an_export_that_waited_for_the_consumer_s_lock_does_not_overwrite_the_on
     assert meta == first[0] and meta["full"] and len(table["key"]) == meta["rows"] > 0
 
 
+def test_exports_of_two_consumers_to_one_directory_do_not_write_over_each_other(job, tmp_path, monkeypatch):
+    """Each consumer's lock keeps only its own exports apart: an export of consumer
+    't-b' to the DIR that one of 't-a' was writing found it empty too, and each wrote
+    its part-rank00000.parquet and _export.json over the other's; both positions moved,
+    one of them past rows that no file held any more."""
+    import hps.export
+    from hps.export import export
+    real, inner = jobdir.open_store, []
+
+    def open_store(*args, **kw):  # 't-a' holds the directory: 't-b' starts meanwhile
+        if not inner:
+            inner.append(None)
+            with pytest.raises(hps.PathInUseError, match="--to .*/e: another export is writing this directory"):
+                export(job, tmp_path / "e", "t-b", full=True)
+            inner[0] = "refused"
+        return real(*args, **kw)
+    monkeypatch.setattr(hps.export.jobdir, "open_store", open_store)
+    meta = export(job, tmp_path / "e", "t-a", full=True)
+    assert inner == ["refused"]
+    got, table = read_export(tmp_path / "e")
+    assert got == meta and got["consumer"] == "t-a" and len(table["key"]) == meta["rows"] > 0
+    assert not (job / "exports" / "t-b.json").exists()
+    monkeypatch.setattr(hps.export.jobdir, "open_store", real)
+    with pytest.raises(ValueError, match="exists and is not an empty directory"):  # once it finished: not empty
+        export(job, tmp_path / "e", "t-b", full=True)
+    assert main(["export", str(job), "--to", str(tmp_path / "e"), "--consumer", "t-b"]) == 2
+
+
 def test_export_of_an_mpi_job_writes_every_rank_with_its_owner(mpi_job, tmp_path):
     from hps.distributed.sparse import owner_ranks
     from hps.export import export

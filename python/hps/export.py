@@ -31,9 +31,10 @@ from typing import Optional
 import numpy as np
 
 from hps import jobdir
-from hps.parameter_server import _replace_durable, _sync_dir, _write_durable
+from hps.parameter_server import PathInUseError, _replace_durable, _sync_dir, _write_durable
 
 EXPORT_META = "_export.json"    # in the output directory, written last
+TO_LOCK = ".hps-export.lock"    # in the output directory: flock'ed while an export writes there (kept)
 CHUNK_ROWS = 1 << 18            # rows read and written at a time (bounds the export's memory)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
@@ -154,8 +155,31 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
 
 
 def _check_to(to: str) -> None:
-    if os.path.exists(to) and (not os.path.isdir(to) or os.listdir(to)):
+    if os.path.exists(to) and (not os.path.isdir(to) or set(os.listdir(to)) - {TO_LOCK}):
         raise ValueError(f"--to {to}: exists and is not an empty directory; give a new one for each export")
+
+
+def _lock_to(to: str) -> int:
+    """Makes ``to`` and locks it for this export (flock on its TO_LOCK file, released
+    when the returned descriptor closes). The consumer's lock keeps only exports of
+    one consumer apart: two of different consumers given one DIR both found it empty
+    and wrote their Parquet files over each other's. A file, not the directory: NFS
+    emulates flock with a write lock, which a directory cannot be opened for. It
+    stays (pyarrow skips names that begin with '.'): removed, a later export could
+    lock a new file of that name while one that opened the old one still writes."""
+    os.makedirs(to, exist_ok=True)
+    fd = os.open(os.path.join(to, TO_LOCK), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _check_to(to)  # again: an export that held the lock until now leaves its files
+    except BlockingIOError:
+        os.close(fd)
+        raise PathInUseError(f"--to {to}: another export is writing this directory; give each export a new "
+                             f"one") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_rows) -> dict:
@@ -166,6 +190,7 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
     previous = read_position(root, consumer)
     _remove_orphans(exports, consumer, previous)
     view = jobdir.pin(root)
+    to_lock = None
     try:
         job = view.job
         dim, row_bytes = job.config.dim, job.row_bytes
@@ -174,7 +199,7 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
         pos = None if full else previous
         if pos is not None:
             _check_position(pos, view, consumer)
-        os.makedirs(to, exist_ok=True)
+        to_lock = _lock_to(to)
         sch = schema(dim, state_floats, int8, with_state)
         meta = {"consumer": consumer, "job": os.path.abspath(root), "run": job.run, "checkpoint": view.checkpoint,
                 "step": step,
@@ -232,6 +257,8 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
                     pass
         return meta
     finally:
+        if to_lock is not None:
+            os.close(to_lock)
         view.close()
 
 
