@@ -1048,6 +1048,43 @@ def test_serve_answers_bad_requests_with_a_4xx_naming_the_fault(server, method, 
     assert got == status and message in json.loads(data)["error"]
 
 
+def raw_exchange(srv, data: bytes):
+    """Sends data as is on a new connection; (status, headers, body) of the answer,
+    read until the server closes the connection."""
+    import socket
+    host, port = srv.server_address[:2]
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode("iso-8859-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.mark.parametrize("data, status, message", [
+    (b"GARBAGE\r\n\r\n", 400, "Bad request syntax ('GARBAGE')"),
+    (b"GET /health HTTP/1.1 extra\r\n\r\n", 400, "Bad request version ('extra')"),
+    (b"GET /health HTTP/2.0\r\n\r\n", 505, "Invalid HTTP version (2.0)"),
+    (b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431, "Line too long"),
+    (b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(120)) + b"\r\n", 431,
+     "Too many headers"),
+    (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414, "Request-URI Too Long"),
+    (b"FETCH /health HTTP/1.1\r\n\r\n", 501, "Unsupported method ('FETCH')"),
+], ids=["malformed-line", "bad-version", "http-2", "long-header", "many-headers", "long-request-line",
+        "unknown-method"])
+def test_serve_answers_what_http_server_refuses_itself_in_json(server, data, status, message):
+    """A malformed request line, an unsupported HTTP version, over-long headers or an
+    unknown method were refused by http.server itself, with its HTML error page:
+    a client that parses every answer as JSON failed on those alone."""
+    got, headers, body = raw_exchange(server, data)
+    assert got == status and headers["Content-Type"] == "application/json", (got, headers, body)
+    assert headers["Connection"] == "close" and int(headers["Content-Length"]) == len(body)
+    assert message in json.loads(body)["error"]
+
+
 def test_serve_answers_head_as_get_without_the_body(server):
     """HEAD (curl -I) got http.server's 501 page in HTML rather than GET's headers."""
     status, headers, body = request(server, "HEAD", "/health")

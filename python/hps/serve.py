@@ -15,7 +15,7 @@ more is answered 429 at once rather than queued without bound.
     POST /refresh  moves to the job's newer checkpoint: {"moved": bool, "checkpoint": N}
     GET  /health   {"checkpoint", "step", "world", "dim"} (HEAD: its headers)
     GET  /stats    Lookup.stats()
-Errors are JSON {"error": "..."}: 400 malformed (naming the field or key index),
+Errors are JSON {"error": "..."}, http.server's own too (send_error): 400 malformed (naming the field or key index),
 404 unknown path, 405 wrong method, 408 a body not all sent within the idle
 timeout (60 s; a connection idle that long is closed), 411 no Content-Length, 413 too many keys or
 bytes, 415 other content types, 429 over the concurrency limit, 500 a failure of
@@ -163,6 +163,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _json(self, status: int, obj) -> None:
         self._send(status, json.dumps(obj).encode())
+
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """http.server's own refusals, made before a request reaches _handle (a malformed
+        request line, an unsupported HTTP version, a line or header block over its
+        limits, a method with no do_ handler): JSON like every other answer, not the
+        base class's HTML page. The request was not read whole: the connection closes."""
+        self.close_connection = True
+        text = message or self.responses.get(code, ("error",))[0]
+        self.log_error("code %d, message %s", code, text)
+        if self.request_version == "HTTP/0.9":  # the default when the request line was not understood:
+            self.request_version = "HTTP/1.0"  # the answer still gets a status line and headers
+        try:
+            self._json(code, {"error": f"{text}: {explain}" if explain else text})
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client left
 
     def _body(self, required: bool = True) -> bytes:
         """The request's body. Without Content-Length or Transfer-Encoding a request has
