@@ -1085,6 +1085,40 @@ def test_serve_answers_what_http_server_refuses_itself_in_json(server, data, sta
     assert message in json.loads(body)["error"]
 
 
+def test_serve_writes_a_diverged_row_as_valid_json_and_lists_it(tmp_path):
+    """A row holding NaN or an infinity (training diverged) came back as bare NaN /
+    Infinity: not JSON, so a strict parser (JavaScript's, Go's, serde's) refused the
+    whole answer. Such a value is null and the row's index is in "nonfinite"; the
+    binary answer carries the float32 values themselves."""
+    import threading
+    from hps.serve import LookupServer
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=1.0)))
+    keys = np.array([1, 2, 3], np.uint64)
+    grads = np.array([[np.nan, 0, 0, 0], [0, np.inf, -np.inf, 0], [0.5, 0.5, 0.5, 0.5]], np.float32)
+    ps.push(keys, grads)
+    ps.checkpoint()
+    want = ps.pull(keys)
+    ps.close()
+    assert np.isnan(want[0, 0]) and np.isinf(want[1, 1:3]).all() and np.isfinite(want[2]).all()
+    with hps.Lookup(tmp_path / "job", memory_budget="64MiB") as lk:
+        srv = LookupServer(lk, ("127.0.0.1", 0))
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            status, _, body = request(srv, "POST", "/lookup", json.dumps({"keys": [1, 2, 3, 4]}))
+            assert status == 200
+            doc = json.loads(body, parse_constant=lambda c: pytest.fail(f"{c} in the answer: not JSON"))
+            assert doc["nonfinite"] == [0, 1] and doc["found"] == [True, True, True, False]
+            assert doc["rows"][0][0] is None and doc["rows"][1][1:3] == [None, None]
+            np.testing.assert_array_equal(np.array(doc["rows"][:3], np.float32),  # null reads back as NaN
+                                          np.where(np.isfinite(want), want, np.nan))
+            raw = np.array([2], "<u8").tobytes()
+            status, _, body = request(srv, "POST", "/lookup", raw, "application/octet-stream")
+            assert status == 200 and np.array_equal(np.frombuffer(body[:16], "<f4"), want[1])
+        finally:
+            srv.shutdown()
+            srv.server_close()
+
+
 def test_serve_answers_head_as_get_without_the_body(server):
     """HEAD (curl -I) got http.server's 501 page in HTML rather than GET's headers."""
     status, headers, body = request(server, "HEAD", "/health")

@@ -8,7 +8,9 @@ more is answered 429 at once rather than queued without bound.
 
     POST /lookup   keys in; rows and found out. Content-Type:
                    application/json: {"keys": [int, ...]} -> {"rows": [[float] * dim, ...],
-                     "found": [bool, ...], "checkpoint": N, "step": S}
+                     "found": [bool, ...], "checkpoint": N, "step": S, "nonfinite": [int, ...]}
+                     (a NaN or infinity in a row, which JSON cannot hold, is null, and
+                     "nonfinite" lists the indices of the rows that held one)
                    application/octet-stream: little-endian uint64 keys -> n * dim float32
                      rows (little-endian), then n bytes of found (0/1); headers
                      X-Hps-Dim, X-Hps-Checkpoint
@@ -82,6 +84,21 @@ def _keys_from_bytes(body: bytes) -> np.ndarray:
     if len(bad):
         raise HttpError(400, f"key at index {int(bad[0])}: 2^64 - 1 is reserved (hps.EMPTY_KEY)")
     return keys
+
+
+def _rows_json(rows: np.ndarray) -> tuple[list, list]:
+    """(rows as lists of floats, the indices of the rows that hold a NaN or an
+    infinity). JSON has no NaN or infinity: each such value is written null, as
+    JavaScript's JSON.stringify does (np.array(..., np.float32) reads null back as
+    NaN), and the rows that held one are listed, so that a client can tell a row of
+    a diverged model from a sound one without scanning for nulls."""
+    out = rows.tolist()
+    bad = ~np.isfinite(rows)
+    if not bad.any():  # the usual answer: one vectorised check
+        return out, []
+    for i, j in zip(*np.nonzero(bad)):
+        out[i][j] = None
+    return out, np.flatnonzero(bad.any(axis=1)).tolist()
 
 
 class LookupServer(ThreadingHTTPServer):
@@ -162,7 +179,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, status: int, obj) -> None:
-        self._send(status, json.dumps(obj).encode())
+        # allow_nan=False: json would write bare NaN / Infinity, which is not JSON and
+        # which strict parsers refuse; rows are made finite first (_rows_json), and a
+        # non-finite number anywhere else is a bug, answered 500 by _handle.
+        self._send(status, json.dumps(obj, allow_nan=False).encode())
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         """http.server's own refusals, made before a request reaches _handle (a malformed
@@ -262,8 +282,9 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             self.server.slots.release()
         if kind == "application/json":
-            self._json(200, {"rows": rows.tolist(), "found": found.tolist(), "checkpoint": checkpoint,
-                             "step": step})
+            rows_json, nonfinite = _rows_json(rows)
+            self._json(200, {"rows": rows_json, "found": found.tolist(), "checkpoint": checkpoint,
+                             "step": step, "nonfinite": nonfinite})
         else:
             body = rows.astype("<f4").tobytes() + found.astype(np.uint8).tobytes()
             self._send(200, body, "application/octet-stream",
