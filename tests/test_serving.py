@@ -1119,6 +1119,40 @@ def test_serve_writes_a_diverged_row_as_valid_json_and_lists_it(tmp_path):
             srv.server_close()
 
 
+def ipv6_loopback() -> bool:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.parametrize("host", ["::1", "::"])
+def test_serve_listens_on_an_ipv6_host(job, host):
+    """--host ::1 or --host :: failed: the server was IPv4's alone (AF_INET), which
+    cannot bind an IPv6 address."""
+    import http.client
+    import threading
+    from hps.serve import LookupServer
+    with hps.Lookup(job, memory_budget="64MiB") as lk:
+        srv = LookupServer(lk, (host, 0))
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            port = srv.server_address[1]
+            assert srv.url == f"http://[{host}]:{port}"
+            conn = http.client.HTTPConnection("::1", port, timeout=30)
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["checkpoint"] == 6
+            conn.close()
+        finally:
+            srv.shutdown()
+            srv.server_close()
+
+
 def test_serve_answers_head_as_get_without_the_body(server):
     """HEAD (curl -I) got http.server's 501 page in HTML rather than GET's headers."""
     status, headers, body = request(server, "HEAD", "/health")

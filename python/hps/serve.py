@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -86,6 +87,18 @@ def _keys_from_bytes(body: bytes) -> np.ndarray:
     return keys
 
 
+def _address_family(host: str) -> int:
+    """The address family to listen with for host: IPv6 for an IPv6 address ('::1',
+    '::') or a name that resolves only to one, else IPv4 (ThreadingHTTPServer's own,
+    which refused every IPv6 host)."""
+    try:
+        found = socket.getaddrinfo(host or None, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return socket.AF_INET  # the bind names the host it cannot resolve
+    families = [f for f, *_ in found]
+    return socket.AF_INET if socket.AF_INET in families or not families else families[0]
+
+
 def _rows_json(rows: np.ndarray) -> tuple[list, list]:
     """(rows as lists of floats, the indices of the rows that hold a NaN or an
     infinity). JSON has no NaN or infinity: each such value is written null, as
@@ -122,6 +135,7 @@ class LookupServer(ThreadingHTTPServer):
         # mid-request (a Content-Length it never fills) would hold its thread for good.
         self.idle_timeout = idle_timeout
         self._stop = threading.Event()
+        self.address_family = _address_family(address[0])  # the class's is IPv4's
         super().__init__(address, _Handler)
         self._refresher: Optional[threading.Thread] = None
         if refresh_every:
@@ -146,7 +160,7 @@ class LookupServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def server_close(self) -> None:
         self._stop.set()
