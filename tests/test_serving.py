@@ -217,6 +217,25 @@ def test_verify_names_each_corrupted_file_and_block(job, tmp_path, capsys):
     assert jobdir.READERS not in out  # the checkpoint's paths, not the private copy's
 
 
+@pytest.mark.parametrize("marker", [b"hps-ssd-store 9\nrow_bytes 32\n", b"\xff\xfe garbage"],
+                         ids=["another-format", "not-a-marker"])
+def test_verify_names_a_damaged_store_marker_once(job, tmp_path, capsys, marker):
+    """Each parameter file is checked in a store of its own that holds a copy of the
+    checkpoint's STORE marker: a damaged marker was reported once per file, and a
+    marker that is not text made inspect itself fail with a UnicodeDecodeError."""
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    store = copy / "checkpoints" / "000006" / "ssd"
+    (store / "STORE").write_bytes(marker)
+    assert main(["inspect", str(copy), "--verify"]) == 1
+    out = capsys.readouterr().out
+    report = jobdir.inspect(copy, verify=True)
+    problems = report["verify"]["problems"]
+    assert len(problems) == 1 and problems[0].startswith(f"rank 0 checkpoint 6: {store / 'STORE'}: "), problems
+    assert report["verify"]["files_checked"] > 1  # the files are checked still, against a sound marker
+    assert "1 problem(s)" in out and jobdir.READERS not in out
+
+
 def test_verify_names_a_damaged_manifest(job, tmp_path):
     copy = tmp_path / "job"
     shutil.copytree(job, copy)

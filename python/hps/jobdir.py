@@ -457,6 +457,36 @@ def _checkpoint_numbers(rank_dir: str) -> list:
     return sorted(int(n) for n in os.listdir(d) if n.isdigit())
 
 
+def _sound_marker(directory: str, row_bytes: int) -> bytes:
+    """The STORE marker this build writes for rows of row_bytes (a new store's, made in directory)."""
+    from hps.ssd_store import SsdStore
+    os.makedirs(directory)
+    try:
+        del_store = SsdStore(directory, row_bytes, background_compaction=False)
+        del del_store
+        with open(os.path.join(directory, MARKER), "rb") as f:
+            return f.read()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _check_marker(store_dir: str, directory: str, row_bytes: int) -> Optional[str]:
+    """What the native open says of store_dir's STORE marker (a store holding only a
+    copy of it, made in directory), or None when it is sound."""
+    from hps.errors import HpsError
+    from hps.ssd_store import SsdStore
+    os.makedirs(directory)
+    try:
+        shutil.copyfile(os.path.join(store_dir, MARKER), os.path.join(directory, MARKER))
+        del_store = SsdStore(directory, row_bytes, background_compaction=False)
+        del del_store
+        return None
+    except (HpsError, ValueError, OSError) as e:
+        return str(e).replace(directory, store_dir)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _verify_checkpoint(job: Job, rank: int, number: int, scratch: str, row_bytes: int) -> tuple[list, int]:
     """Checks every parameter file a checkpoint's MANIFEST lists, each on its own
     (so that every bad file is named, not only the first): header, length, the
@@ -476,6 +506,13 @@ def _verify_checkpoint(job: Job, rank: int, number: int, scratch: str, row_bytes
         return [f"rank {rank} checkpoint {number}: {e.filename or e}: missing"], 0
     view = RankView(rank, source, pinned, files)
     problems = []
+    # The STORE marker once, on its own: each file below is checked in a store of its
+    # own, which would otherwise report a damaged marker again for every file.
+    problem = _check_marker(pinned, os.path.join(scratch, f"marker-{rank}-{number}"), row_bytes)
+    if problem:
+        problems.append(f"rank {rank} checkpoint {number}: " + problem.replace(pinned, source))
+        with open(os.path.join(pinned, MARKER), "wb") as f:  # the view's copy: the files are checked still
+            f.write(_sound_marker(os.path.join(scratch, f"sound-{rank}-{number}"), row_bytes))
     with open(os.path.join(pinned, MARKER), "rb") as f:
         marker = f.read()
     for seq, records in sorted(files.items()):
@@ -496,7 +533,7 @@ def _verify_checkpoint(job: Job, rank: int, number: int, scratch: str, row_bytes
             problems.append(f"rank {rank} checkpoint {number}: " + str(e).replace(one, source))
         finally:
             shutil.rmtree(one, ignore_errors=True)
-    if problems:
+    if len(problems) > bool(problem):
         return problems, len(files)  # the whole store's open would name the first of them again
     with open(os.path.join(pinned, MANIFEST), "rb") as f:
         manifest = f.read()  # before the open, which cuts a torn tail off the view's copy
@@ -549,8 +586,8 @@ def inspect(root: str, verify: bool = False) -> dict:
                 for seq in rv.files:
                     v = read_header(os.path.join(rv.path, file_name(seq)))["version"]
                     versions[str(v)] = versions.get(str(v), 0) + 1
-                with open(os.path.join(rv.path, MARKER)) as f:
-                    marker = f.read().split()
+                with open(os.path.join(rv.path, MARKER), "rb") as f:  # damaged, maybe not text: --verify names it
+                    marker = f.read().decode("utf-8", "replace").split()
                 try:
                     store = open_store(rv, row_bytes)
                     entry["rows"] = len(store)
@@ -561,7 +598,8 @@ def inspect(root: str, verify: bool = False) -> dict:
                         raise type(e)(entry["error"]) from None
                 entry.update(files=len(rv.files), records=int(sum(rv.files.values())),
                              max_sequence=max(rv.files, default=None), param_file_versions=versions,
-                             store_format=int(marker[1]) if len(marker) > 1 else None,
+                             store_format=int(marker[1]) if len(marker) > 1 and marker[1].isascii()
+                             and marker[1].isdigit() else None,
                              dense_state=os.path.exists(os.path.join(job.checkpoint_dir(r, view.checkpoint),
                                                                      TRAINER_STATE)))
             report["ranks"].append(entry)
