@@ -584,6 +584,20 @@ def test_a_lost_rank_ends_the_job_with_a_clear_error(tmp_path, how):
             f"exit {p.returncode}\nstdout:\n{p.stdout[-2000:]}\nstderr:\n{p.stderr[-3000:]}"
 
 
+def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
+    """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_XXXXXX behind
+    (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an
+    HWLOC_XMLFILE, in whose presence hydra writes none: the ranks of an aborted job
+    see that one, not a file of hydra's."""
+    p = mpirun(2, sys.executable, "-c", "import os, time; from mpi4py import MPI\n"
+               "if MPI.COMM_WORLD.rank == 0: print(os.environ.get('HWLOC_XMLFILE'), flush=True); "
+               "MPI.COMM_WORLD.Abort(3)\n"
+               "time.sleep(60)", check=False, timeout=120)
+    assert p.returncode != 0
+    seen = p.stdout.strip()
+    assert seen == os.environ.get("HWLOC_XMLFILE") and not seen.startswith("/tmp/hydra"), (p.stdout, p.stderr[-3000:])
+
+
 # ---------------------------------------------------------------- `mpiexec hps train`, checkpoint and resume
 
 TOML = """
