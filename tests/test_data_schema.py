@@ -179,6 +179,33 @@ def test_dense_values_past_float32s_range_are_refused(tmp_path):
     np.testing.assert_allclose(logged[:, 0], np.log1p([3.4028234e38, 0, 1e39]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("transform", ["none", "log"])
+def test_nan_text_is_a_missing_value_as_a_parquet_nan_is(tmp_path, transform):
+    # "nan" in a CSV's dense column had reached the batch as NaN under
+    # dense_transform = "none" (and poisoned the model's loss), where the same
+    # value in a Parquet float column is a missing one. Both read as missing now,
+    # in a clean block and in one that also holds a bad value (read value by value).
+    schema = {"label": "click", "dense": ["price"], "categorical": "rest", "dense_transform": transform}
+    p = tmp_path / "nan.csv"
+    p.write_text("click,price,site\n0,nan,a\n1,NaN,b\n0,2.5,c\n1,-nan,d\n")
+    q = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"click": [0, 1, 0, 1], "price": [np.nan, np.nan, 2.5, np.nan],
+                             "site": ["a", "b", "c", "d"]}), q)
+    want = np.array([[0.0], [0.0], [2.5 if transform == "none" else np.log1p(2.5)], [0.0]], np.float32)
+    for source in (p, q):
+        _, dense, _, _, _ = read_all(open_schema(source, schema))
+        np.testing.assert_array_equal(dense, want)
+    p.write_text("click,price,site\n0,nan,a\n1,abc,b\n0,2.5,c\n")
+    r = SchemaCsv(p, schema, skip_malformed=True)
+    _, dense, _, _, _ = read_all(r)
+    np.testing.assert_array_equal(dense, want[[0, 2]])
+    assert r.malformed_examples == [f"{p}:3: column 'price': 'abc' is not a number"]
+    # A label must still be 0 or 1.
+    p.write_text("click,price,site\nnan,1,a\n")
+    with pytest.raises(DataError, match=r"nan.csv:2: column 'click': 'nan' is not 0 or 1"):
+        list(SchemaCsv(p, schema))
+
+
 def test_csv_schema_that_does_not_match_the_file(tmp_path):
     p = tmp_path / "a.csv"
     p.write_text("click,price,site\n0,1,a\n")

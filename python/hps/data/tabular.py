@@ -74,7 +74,10 @@ def _text_type(pa, t) -> bool:
 
 def _numeric(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values float64 with NaN for missing, missing, bad) of a label or dense column:
-    numbers, or text that pyarrow reads as a number (empty is missing)."""
+    numbers, or text that pyarrow reads as a number (empty is missing). A NaN is a
+    missing value wherever it comes from: a float column's NaN, or text such as
+    "nan" or "NaN" (which would otherwise reach a batch as NaN under
+    ``dense_transform = "none"``)."""
     t = arr.type
     if pa.types.is_dictionary(t):
         arr, t = arr.dictionary_decode(), t.value_type
@@ -90,7 +93,7 @@ def _numeric(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.
     missing = arr.is_null().to_numpy(zero_copy_only=False)
     try:
         values = arr.cast(pa.string()).cast(pa.float64()).to_numpy(zero_copy_only=False)
-        return values, missing, np.isinf(values)
+        return values, missing | np.isnan(values), np.isinf(values)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         pass
     values = np.full(len(arr), np.nan)
@@ -103,7 +106,7 @@ def _numeric(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             bad[i] = True
     bad |= np.isinf(values)
-    return values, missing, bad
+    return values, missing | (np.isnan(values) & ~bad), bad
 
 
 def _bags(pa, arr, sep: str, field_index: int, name: str, path: str) -> Bags:
