@@ -111,6 +111,12 @@ def test_schema_config_errors_name_the_source_and_field():
         Schema.from_dict({"fields": {"a": [0, 5], "b": [5, 9]}}, "run.toml")
     with pytest.raises(ValueError, match=r"run.toml: data.schema.dense: -1 is not a column name"):
         Schema.from_dict({"dense": [-1]}, "run.toml")
+    # Any negative label position is refused, not only -1: label = -2 had passed the
+    # check and then read a column from the end (also a categorical one under "rest").
+    for label in (-1, -2, -40):
+        with pytest.raises(ValueError, match=rf"run.toml: data.schema.label must be a column name or a 0-based "
+                                             rf"position, got {label}"):
+            Schema.from_dict({"label": label, "header": False}, "run.toml")
     # A Schema made in Python is checked by the reader.
     with pytest.raises(ValueError, match=r"column 'a' is in both data.schema.dense and data.schema.skip"):
         SchemaCsv(__file__, Schema(dense=["a"], skip=["a"]))

@@ -76,7 +76,8 @@ class Schema:
 
     def check(self, source: str = "[data.schema]") -> None:
         p = "data.schema."
-        if isinstance(self.label, bool) or not isinstance(self.label, (str, int)) or self.label in ("", -1):
+        if isinstance(self.label, bool) or not isinstance(self.label, (str, int)) or self.label == "" or \
+                (isinstance(self.label, int) and self.label < 0):
             raise ValueError(f"{source}: {p}label must be a column name or a 0-based position, got {self.label!r}")
         self.dense = _column_list(self.dense, p + "dense", source)
         self.skip = _column_list(self.skip, p + "skip", source)
