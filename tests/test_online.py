@@ -110,6 +110,21 @@ def test_stop_conditions_marker_examples_idle(tmp_path):
     assert 0.3 <= time.monotonic() - t0
 
 
+def test_lines_skipped_in_every_file_add_up(tmp_path):
+    # Each file has a reader of its own, whose skip_malformed count was lost with it:
+    # the directory's malformed and malformed_examples now add up every file's.
+    bad = "2,1,s1,t1\n"  # a label that is not 0 or 1
+    (tmp_path / "a.csv").write_text(HEADER + bad + "".join(rows(20, 9)) + bad)
+    (tmp_path / "b.csv").write_text(HEADER + "".join(rows(10, 10)) + bad)
+    (tmp_path / "_DONE").write_text("")
+    src = GrowingDirectory(tmp_path, lambda path: open_schema([path], SCHEMA, 16, skip_malformed=True), poll=0.05)
+    for _ in range(2):  # each pass counts afresh
+        assert sum(len(b) for b in src) == 30
+        assert src.malformed == 3 and src.stats()["malformed"] == 3
+        assert [m.split(":", 2)[1] for m in src.malformed_examples] == ["2", "23", "12"]
+        assert [os.path.basename(m.split(":")[0]) for m in src.malformed_examples] == ["a.csv", "a.csv", "b.csv"]
+
+
 def test_named_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"online data: .*nowhere does not exist"):
         GrowingDirectory(tmp_path / "nowhere", csv_reader)

@@ -155,6 +155,50 @@ def test_hps_train_data_without_a_toml(tmp_path, capsys):
     assert not (tmp_path / "other").exists()  # a bad input leaves nothing behind
 
 
+def test_hps_train_reports_the_lines_skip_malformed_left_out(tmp_path, capsys):
+    # With skip_malformed = true a run had trained on fewer examples than the files
+    # hold without a word of it: neither the table nor train-summary.json counted
+    # the skipped lines. Both now give the count and the first line's message, for
+    # the training files and the held-out ones.
+    from hps.cli import main
+    write_csv(tmp_path / "train.csv", 300, 7)
+    write_csv(tmp_path / "eval.csv", 100, 8)
+    for name, bad in (("train.csv", [5, 40, 41]), ("eval.csv", [10])):
+        lines = (tmp_path / name).read_text().splitlines()
+        for i in bad:
+            lines[i - 1] = "2,1,s1,t1"  # a label that is not 0 or 1
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    config = tmp_path / "run.toml"
+    config.write_text(f"""hidden = [8]
+torch_threads = 1
+[ps]
+dim = {DIM}
+path = "{tmp_path / 'run'}"
+mem_budget = "8MiB"
+[data]
+source = "{tmp_path / 'train.csv'}"
+eval_source = "{tmp_path / 'eval.csv'}"
+batch_size = 64
+skip_malformed = true
+[data.schema]
+label = "click"
+dense = ["price"]
+categorical = ["site"]
+multi_hot = {{ tags = "|" }}
+""")
+    assert main(["train", "--config", str(config), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    first = f"{tmp_path / 'train.csv'}:5: column 'click': '2' is not 0 or 1"
+    assert f"malformed lines skipped (train)  3; the first: {first}" in err
+    assert f"malformed lines skipped (eval)   1; the first: {tmp_path / 'eval.csv'}:10: column 'click'" in err
+    with open(tmp_path / "run" / "train-summary.json") as f:
+        summary = json.load(f)
+    assert summary["examples"] == 300 - 3
+    assert summary["skipped_lines"]["train"]["malformed"] == 3
+    assert summary["skipped_lines"]["train"]["malformed_examples"][0] == first
+    assert summary["skipped_lines"]["eval"]["malformed"] == 1
+
+
 def test_hps_version(capsys):
     from hps.cli import main
     with pytest.raises(SystemExit) as e:

@@ -172,6 +172,10 @@ def _summary_table(summary: dict) -> str:
         rows.insert(3, ("sent per rank: sparse / dense", f"{sparse / 1e6:,.1f} MB / {dense / 1e6:,.1f} MB"
                         + (f"; examples and plans {moved / 1e6:,.1f} MB" if moved else "")))
         rows.insert(4, ("tiers and stages below", "rank 0's"))
+    for part, got in (summary.get("skipped_lines") or {}).items():  # skip_malformed's count, and the first
+        first = got["malformed_examples"][:1]
+        rows.append((f"malformed lines skipped ({part})",
+                     f"{got['malformed']:,}" + (f"; the first: {first[0]}" if first else "")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

@@ -286,7 +286,7 @@ def _eval_batches(cfg: TrainConfig) -> list:
                                           part="eval", zipf_a=d.zipf_a, **kw))
     if not d.eval_source:
         return []
-    out, n = [], 0
+    out, n = _EvalBatches(), 0
     reader = hdata.open_criteo(d.eval_source, d.batch_size, format=d.format, skip_malformed=d.skip_malformed) \
         if d.schema is None else hdata.open_schema(d.eval_source, d.schema, d.batch_size, format=d.format,
                                                    skip_malformed=d.skip_malformed)
@@ -295,7 +295,27 @@ def _eval_batches(cfg: TrainConfig) -> list:
         n += len(b)
         if n >= d.eval_examples:
             break
+    out.malformed, out.malformed_examples = reader.malformed, list(reader.malformed_examples)
     return out
+
+
+class _EvalBatches(list):
+    """The held-out batches, and the malformed lines skipped reading them (skip_malformed)."""
+    malformed = 0
+    malformed_examples: list = []
+
+
+def _malformed_report(cfg: TrainConfig, source, eval_batches) -> Optional[dict]:
+    """What skip_malformed left out, for the summary: the lines skipped in the training
+    data's last pass (this rank's files) and in the held-out data, with the first messages."""
+    if not cfg.data.skip_malformed:
+        return None
+    report = {}
+    for name, reader in (("train", source), ("eval", eval_batches)):
+        count = getattr(reader, "malformed", None)
+        if isinstance(count, int):
+            report[name] = {"malformed": count, "malformed_examples": list(reader.malformed_examples)}
+    return report or None
 
 
 # ---------------------------------------------------------------- training
@@ -964,6 +984,9 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                                   "dense_sync": cfg.distributed.dense_sync, "k": cfg.distributed.k,
                                   "hierarchical": cfg.distributed.hierarchical,
                                   "dense_merges": trainer.dense_sync.merges, "ranks": ranks}
+    skipped = _malformed_report(cfg, source, eval_batches)
+    if skipped is not None:
+        summary["skipped_lines"] = skipped
     asked = cfg.data.train_examples
     if asked is not None and cfg.data.source != "synthetic" and not cfg.online \
             and trainer.examples_done < asked * cfg.data.epochs:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Optional
 
 from hps.data.epochs import _take
 from hps.data.examples import Batch
-from hps.data.files import DataError, _visible
+from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, _visible
 
 import numpy as np
 
@@ -60,7 +60,8 @@ class GrowingDirectory:
     ``examples``: at most this many examples (None: no cap).
 
     One pass: iterating again starts over from an empty set of read files.
-    ``files_read`` lists the files read in the current or last pass.
+    ``files_read`` lists the files read in the current or last pass; ``malformed``
+    and ``malformed_examples`` add up what its readers skipped (``skip_malformed``).
     """
 
     def __init__(self, directory, open_file: Callable[[str], object], *, poll: float = 1.0,
@@ -85,6 +86,8 @@ class GrowingDirectory:
         self.batch_size = batch_size
         self.files_read: list = []
         self.examples_read = 0
+        self.malformed = 0
+        self.malformed_examples: list = []
         self._first: Optional[str] = None
 
     def _scan(self) -> dict:
@@ -156,6 +159,7 @@ class GrowingDirectory:
 
     def __iter__(self) -> Iterator[Batch]:
         self.files_read, self.examples_read = [], 0
+        self.malformed, self.malformed_examples = 0, []
         files = self._files()
         if self._first is not None:  # found by widths(): start with it, then whatever follows
             first = self._first
@@ -164,8 +168,10 @@ class GrowingDirectory:
             if i % self.world != self.rank:
                 continue
             self.files_read.append(path)
+            reader = None
             try:
-                for batch in self._reader(path):
+                reader = self._reader(path)
+                for batch in reader:
                     if self.examples is not None and self.examples_read + len(batch) >= self.examples:
                         keep = self.examples - self.examples_read
                         if keep < len(batch):
@@ -179,9 +185,18 @@ class GrowingDirectory:
                 raise
             except _read_errors() as e:  # a damaged or vanished file
                 raise DataError(f"{path}: cannot read: {type(e).__name__}: {e}", path=path) from e
+            finally:
+                self._count_malformed(reader)
+
+    def _count_malformed(self, reader) -> None:
+        n = getattr(reader, "malformed", 0)
+        if n:
+            self.malformed += n
+            room = MAX_MALFORMED_EXAMPLES - len(self.malformed_examples)
+            self.malformed_examples.extend(reader.malformed_examples[:max(room, 0)])
 
     def stats(self) -> dict:
-        return {"files": len(self.files_read), "examples_read": self.examples_read}
+        return {"files": len(self.files_read), "examples_read": self.examples_read, "malformed": self.malformed}
 
     def __repr__(self) -> str:
         return (f"GrowingDirectory({self.directory!r}, poll={self.poll}, idle={self.idle}, marker={self.marker!r}, "
