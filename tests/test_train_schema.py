@@ -1,12 +1,13 @@
 """Multi-hot fields end to end: a schema reader's bags through hps.torch against torch.nn.EmbeddingBag,
 and `hps train` on files of a declared schema."""
+import bz2
 import json
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="hps.torch needs torch (pip install torch)")
-pytest.importorskip("pyarrow")
+pa = pytest.importorskip("pyarrow")
 import hps  # noqa: E402
 import hps.torch as ht  # noqa: E402
 from hps.data import SchemaCsv  # noqa: E402
@@ -286,6 +287,17 @@ def test_hps_train_data_on_libsvm_files(tmp_path, capsys):
                  "--path", str(tmp_path / "run"), "--batch-size", "50", "--no-progress"]) == 0
     final = json.loads(capsys.readouterr().out)["final"]
     assert final["eval_examples"] == 100
+    # Every name open_schema reads as libsvm: .ffm, and compressed files (.svm.bz2, .libfm.zst)
+    # had been read as Criteo TSV ("has 1 fields, expected 40").
+    text = ("\n".join(lines[:100]) + "\n").encode()
+    (tmp_path / "t.ffm").write_bytes(text)
+    (tmp_path / "t.svm.bz2").write_bytes(bz2.compress(text))
+    with pa.output_stream(tmp_path / "t.LIBFM.zst", compression="zstd") as f:
+        f.write(text)
+    for name in ("t.ffm", "t.svm.bz2", "t.LIBFM.zst"):
+        assert main(["train", "--data", str(tmp_path / name), "--path", str(tmp_path / ("run-" + name)),
+                     "--batch-size", "50", "--no-progress"]) == 0, capsys.readouterr().err
+        assert json.loads(capsys.readouterr().out)["final"]["examples"] == 100
 
 
 def test_resume_over_shuffled_epochs_continues_to_the_same_result(tmp_path):

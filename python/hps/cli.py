@@ -183,8 +183,10 @@ def _summary_table(summary: dict) -> str:
 def _config_without_toml(a):
     """`hps train --data PATH`: defaults for everything but the data; Criteo's layout, or with
     --label a schema of that label, --dense columns and every other column categorical;
-    libsvm files (.svm, .libsvm, .libfm) by their name."""
+    libsvm files (.svm, .libsvm, .libfm, .ffm, compressed or not) by their name, as open_schema
+    tells them."""
     from hps.data import Schema
+    from hps.data.tabular import _kind
     from hps.parameter_server import ParameterServerConfig
     from hps.train import DataConfig, TrainConfig
     schema = None
@@ -192,7 +194,7 @@ def _config_without_toml(a):
         schema = {"label": a.label, "dense": [c for c in (a.dense or "").split(",") if c], "categorical": "rest"}
     elif a.dense:
         raise ValueError("--dense needs --label (without it the data is in Criteo's layout)")
-    elif all(os.path.basename(p).lower().split(".gz")[0].endswith((".svm", ".libsvm", ".libfm")) for p in a.data):
+    elif all(_kind(p) == "libsvm" for p in a.data):
         schema = {}
     path = a.path or "hps-run"
     print(f"hps train: parameter server in {os.path.abspath(path)}", file=sys.stderr)

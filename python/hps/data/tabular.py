@@ -566,6 +566,12 @@ _PARQUET = (".parquet", ".pq")
 _LIBSVM = (".svm", ".libsvm", ".libfm", ".ffm")
 
 
+def _kind(path: str) -> str:
+    """The format a file's name says: "parquet", "libsvm" or "csv" (a compression suffix looked through)."""
+    name = _plain_name(os.path.basename(path))
+    return "parquet" if name.endswith(_PARQUET) else "libsvm" if name.endswith(_LIBSVM) else "csv"
+
+
 def open_schema(paths, schema, batch_size: int = 4096, *, format: Optional[str] = None, **options):
     """A reader of ``paths`` laid out by ``schema`` (a Schema or a ``[data.schema]`` dict).
 
@@ -577,11 +583,7 @@ def open_schema(paths, schema, batch_size: int = 4096, *, format: Optional[str] 
         schema = Schema.from_dict(schema)
     if format is None:
         files = list_files(paths)
-
-        def kind(f):
-            name = _plain_name(os.path.basename(f))
-            return "parquet" if name.endswith(_PARQUET) else "libsvm" if name.endswith(_LIBSVM) else "csv"
-        kinds = sorted({kind(f) for f in files})
+        kinds = sorted({_kind(f) for f in files})
         if len(kinds) > 1:
             raise ValueError(f"{paths!r} mixes {' and '.join(kinds)} files; give one kind, or format=")
         format, paths = kinds[0], files
