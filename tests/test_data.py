@@ -1,6 +1,7 @@
 """hps.data: key hashing, the TSV and Parquet readers, sharding, the synthetic generator."""
 import doctest
 import gzip
+import os
 import subprocess
 import sys
 import textwrap
@@ -441,6 +442,26 @@ def test_list_and_shard_files(tmp_path):
     assert batches[1].sources == (Source(expect[1], 5, 2), Source(expect[3], 1, 2))
     with pytest.raises(ValueError, match="gets no file"):
         CriteoTsv(tmp_path, rank=5, world=6)
+
+
+def test_a_local_double_star_glob_reaches_every_depth_as_a_url_glob_does(tmp_path):
+    # "**" in a local glob had matched one directory level only (glob.glob without
+    # recursive=True), so data/**/*.tsv silently left out the files directly in
+    # data/ and those two levels down, which the same glob over fsspec reads.
+    fsspec = pytest.importorskip("fsspec")
+    names = ["top.tsv", "day=1/a.tsv", "day=2/hour=3/b.tsv", "day=2/hour=3/c.parquet"]
+    fs, root = fsspec.filesystem("memory"), "/hps-test-double-star"
+    try:
+        for name in names:
+            os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
+            (tmp_path / name).write_text("")
+            fs.pipe(f"{root}/{name}", b"")
+        local = list_files(str(tmp_path / "**" / "*.tsv"))
+        assert local == sorted(str(tmp_path / n) for n in names[:3])
+        url = list_files(f"memory://{root}/**/*.tsv")
+        assert [u.rsplit(root + "/", 1)[1] for u in url] == [os.path.relpath(p, tmp_path) for p in local]
+    finally:
+        fs.rm(root, recursive=True)
 
 
 def test_open_criteo_picks_the_reader(tmp_path):

@@ -87,7 +87,8 @@ def _expand(path: str) -> list[str]:
         else:
             raise FileNotFoundError(f"no such file: {path}")
     elif _glob.has_magic(path):
-        found = sorted(q for q in _glob.glob(path) if os.path.isfile(q))
+        # recursive: "**" is any depth, as in an fsspec URL's glob
+        found = sorted(q for q in _glob.glob(path, recursive=True) if os.path.isfile(q))
     elif os.path.isdir(path):
         found = sorted(os.path.join(path, q) for q in os.listdir(path)
                        if _visible(q) and os.path.isfile(os.path.join(path, q)))
@@ -104,7 +105,8 @@ def list_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
     """Data files named by ``paths``: a path, glob or directory, or a list of them.
 
     Globs and directories expand to their files in sorted order (so every node
-    sees the same list); a directory's hidden and ``_``-prefixed entries
+    sees the same list); ``**`` in a glob matches any number of directories,
+    local or URL; a directory's hidden and ``_``-prefixed entries
     (``_SUCCESS``) are left out; a list keeps its order.
     """
     if isinstance(paths, (str, os.PathLike)):
