@@ -409,6 +409,27 @@ def test_fsspec_urls(tmp_path):
         fs.rm(root, recursive=True)
 
 
+def test_a_damaged_bz2_url_is_a_data_error_naming_file_and_line(tmp_path):
+    # bz2 reports bad data as a plain OSError ("Invalid data stream"), which had
+    # left the reader as it was: hps train printed "OSError: Invalid data stream",
+    # naming no file. It is now the DataError a damaged .gz gives.
+    import bz2
+    fsspec = pytest.importorskip("fsspec")
+    root = f"memory://hps-test-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    try:
+        good = bz2.compress("".join(line() + "\n" for _ in range(3)).encode())
+        for name, data in (("bad.tsv.bz2", good[:10] + b"\0" * 40 + good[50:]), ("cut.tsv.bz2", good[:-20])):
+            with fsspec.open(f"{root}/{name}", "wb") as f:
+                f.write(data)
+            reader = CriteoTsv(f"{root}/{name}", skip_malformed=True)
+            with pytest.raises(DataError, match=r":1: corrupt or truncated compressed data") as e:
+                list(reader)
+            assert e.value.path == reader.files[0] and e.value.path.endswith(name) and e.value.line == 1
+    finally:
+        fs.rm(root, recursive=True)
+
+
 # ------------------------------------------------------------------ sharding and file lists
 
 def test_list_and_shard_files(tmp_path):

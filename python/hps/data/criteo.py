@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Optional, Union
 import numpy as np
 
 from hps.data.examples import _Piece, _sources_of
-from hps.data.files import (DataError, _line_bounds, _open_binary, _Reader, _shown, list_files, parquet_errors,
-                            parquet_file)
+from hps.data.files import (DataError, _compression, _line_bounds, _open_binary, _Reader, _shown, list_files,
+                            parquet_errors, parquet_file)
 from hps.data.keys import _field_tags, _keys
 
 from hps.data import _criteo_lines  # the compiled per-line parser (bench/reader_bench.py sets it to None
@@ -287,9 +287,9 @@ class CriteoTsv(_Reader):
     kept in ``malformed_examples``. Valid fields: label 0 or 1; I* empty or a
     decimal int64 (``-?[0-9]+``); C* empty or 1 to 16 hex digits. Lines end
     at "\\n" (a "\\r" before it is dropped), so a lone "\\r" or a byte order
-    mark belongs to a field and makes the line malformed. A damaged ``.gz``
-    file raises DataError at the first line it cannot give, even with
-    ``skip_malformed``.
+    mark belongs to a field and makes the line malformed. A damaged
+    compressed file (``.gz``, or a URL's ``.bz2`` ...) raises DataError at the
+    first line it cannot give, even with ``skip_malformed``.
 
     Files are read in blocks of ``block_bytes`` (cut at line ends) that
     pyarrow.csv parses with several threads; a block it rejects, or one with a
@@ -318,13 +318,16 @@ class CriteoTsv(_Reader):
 
     def _pieces(self) -> Iterator[_Piece]:
         for path in self.files:
+            # bz2 and zstd report damaged data as a plain OSError; so do fsspec's
+            # decompressors for a URL: for a compressed file it is the data's fault.
+            damaged = _DECOMPRESSION_ERRORS + ((OSError,) if _compression(path) else ())
             with _open_binary(path) as f:
                 line = 1
                 blocks = _blocks(f, self.block_bytes)
                 while True:
                     try:
                         block = next(blocks, None)
-                    except _DECOMPRESSION_ERRORS as e:
+                    except damaged as e:
                         # Not a line to skip: nothing after this point can be read.
                         raise DataError(f"{path}:{line}: corrupt or truncated compressed data at or after this "
                                         f"line: {e}", path=path, line=line) from e

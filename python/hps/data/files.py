@@ -131,6 +131,16 @@ def shard_files(files: Sequence[str], rank: int = 0, world: int = 1) -> list[str
     return mine
 
 
+#: Compression by file name suffix (any case): what the readers decompress.
+_COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
+
+
+def _compression(path: str) -> Optional[str]:
+    """The compression a file's name says ("gzip", "bz2", "zstd"), or None."""
+    name = path.lower()
+    return next((kind for ext, kind in _COMPRESSED.items() if name.endswith(ext)), None)
+
+
 def _open_binary(path: str):
     if _is_url(path):
         return _fsspec().open(path, "rb", compression="infer").open()

@@ -31,16 +31,13 @@ import numpy as np
 from hps.data import _libsvm_lines  # the compiled libsvm line parser (_libsvm_lines.pyx)
 from hps.data.criteo import dense_transform
 from hps.data.examples import Bags, _Piece, _sources_of
-from hps.data.files import (DataError, _fsspec, _is_url, _line_bounds, _Reader, _shown, list_files, parquet_errors,
-                            parquet_file)
+from hps.data.files import (_COMPRESSED, DataError, _compression, _fsspec, _is_url, _line_bounds, _Reader, _shown,
+                            list_files, parquet_errors, parquet_file)
 from hps.data.keys import _field_tag, _keys
 from hps.data.schema import Schema, _as_binary, value_hashes
 
 # The least magnitude that is inf as a float32, the type values are stored in.
 FLOAT32_OVERFLOW = _libsvm_lines.FLOAT32_OVERFLOW
-
-_COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
-
 
 def _plain_name(path: str) -> str:
     """The file name without a compression suffix ("day0.tsv.gz" -> "day0.tsv")."""
@@ -55,8 +52,7 @@ def _open_stream(pa, path: str):
     """A pyarrow input stream of the file's decompressed bytes."""
     if _is_url(path):
         return pa.PythonFile(_fsspec().open(path, "rb", compression="infer").open(), mode="r")
-    ext = next((e for e in _COMPRESSED if path.lower().endswith(e)), None)
-    return pa.input_stream(path, compression=_COMPRESSED[ext] if ext else None)
+    return pa.input_stream(path, compression=_compression(path))
 
 
 def _read_errors(pa):
