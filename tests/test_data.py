@@ -409,6 +409,38 @@ def test_fsspec_urls(tmp_path):
         fs.rm(root, recursive=True)
 
 
+def test_local_tsv_is_decompressed_by_the_names_the_schema_readers_take(tmp_path):
+    # A local Criteo file was decompressed only when its name ended in a lower-case
+    # ".gz": day_0.tsv.bz2, .zst or .TSV.GZ failed with "has 1 fields, expected 40",
+    # though the same file behind a URL (fsspec) and the schema readers read them.
+    import bz2
+    pa = pytest.importorskip("pyarrow")
+    lines = [line(label=str(i % 2), C1=format(i, "08x")) for i in range(40)]
+    plain = write(tmp_path / "day.tsv", lines)
+    content = (tmp_path / "day.tsv").read_bytes()
+    (tmp_path / "day.tsv.bz2").write_bytes(bz2.compress(content))
+    (tmp_path / "day.TSV.GZ").write_bytes(gzip.compress(content))
+    with pa.output_stream(str(tmp_path / "day.tsv.zst"), compression="zstd") as f:
+        f.write(content)
+    want = list(CriteoTsv(plain, batch_size=16))
+    for name in ("day.tsv.bz2", "day.TSV.GZ", "day.tsv.zst"):
+        got = list(open_criteo(str(tmp_path / name), batch_size=16, block_bytes=300))
+        assert_same_rows(got, want)
+        assert got[-1].locate(len(got[-1]) - 1) == (str(tmp_path / name), 40)
+    # An empty file is one without lines, compressed or not.
+    for name in ("empty.tsv.bz2", "empty.tsv.zst", "empty.tsv.gz"):
+        (tmp_path / name).write_bytes(b"")
+        assert list(CriteoTsv(str(tmp_path / name))) == []
+    # Damaged, each names the file and the line where its data ends.
+    (tmp_path / "cut.tsv.bz2").write_bytes(bz2.compress(content)[:-30])
+    (tmp_path / "cut.tsv.zst").write_bytes((tmp_path / "day.tsv.zst").read_bytes()[:-30])
+    for name in ("cut.tsv.bz2", "cut.tsv.zst"):
+        path = str(tmp_path / name)
+        with pytest.raises(DataError, match=r"corrupt or truncated compressed data") as e:
+            list(CriteoTsv(path, batch_size=16, block_bytes=300))
+        assert e.value.path == path and 1 <= e.value.line <= 40
+
+
 def test_a_damaged_bz2_url_is_a_data_error_naming_file_and_line(tmp_path):
     # bz2 reports bad data as a plain OSError ("Invalid data stream"), which had
     # left the reader as it was: hps train printed "OSError: Invalid data stream",

@@ -37,8 +37,8 @@ Sources:
 
 Paths may be local, or any fsspec URL (``s3://``, ``gs://``, ``memory://`` ...),
 and may be a list, a glob or a directory (:func:`list_files`); node ``rank`` of
-``world`` reads ``files[rank::world]`` (:func:`shard_files`). ``.gz`` TSV files
-are decompressed on the fly.
+``world`` reads ``files[rank::world]`` (:func:`shard_files`). ``.gz``, ``.bz2`` and
+``.zst`` TSV files are decompressed on the fly.
 
 Bad input raises :class:`DataError` (a ValueError) naming file, line and
 field: ``train.tsv:1234: field I5: 'abc' is not an integer``.

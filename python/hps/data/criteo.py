@@ -276,9 +276,10 @@ class CriteoTsv(_Reader):
     """Batches from Criteo TSV files (label, I1..I13, C1..C26; tab-separated, no header).
 
     ``paths``: a file, glob, directory or list of them, local or fsspec URLs
-    (``.gz`` is decompressed). Node ``rank`` of ``world`` reads its share of the
-    files (:func:`shard_files`). Batches have ``batch_size`` rows and run on
-    across file boundaries; the last one is smaller unless ``drop_last``.
+    (``.gz``, ``.bz2``, ``.zst``, by name in any case, are decompressed). Node
+    ``rank`` of ``world`` reads its share of the files (:func:`shard_files`).
+    Batches have ``batch_size`` rows and run on across file boundaries; the
+    last one is smaller unless ``drop_last``.
 
     A malformed line raises :class:`DataError`, e.g.
     ``train.tsv:1234: field I5: 'abc' is not an integer`` or
@@ -288,8 +289,8 @@ class CriteoTsv(_Reader):
     decimal int64 (``-?[0-9]+``); C* empty or 1 to 16 hex digits. Lines end
     at "\\n" (a "\\r" before it is dropped), so a lone "\\r" or a byte order
     mark belongs to a field and makes the line malformed. A damaged
-    compressed file (``.gz``, or a URL's ``.bz2`` ...) raises DataError at the
-    first line it cannot give, even with ``skip_malformed``.
+    compressed file raises DataError at the first line it cannot give, even
+    with ``skip_malformed``.
 
     Files are read in blocks of ``block_bytes`` (cut at line ends) that
     pyarrow.csv parses with several threads; a block it rejects, or one with a

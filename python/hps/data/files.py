@@ -9,6 +9,7 @@ pyarrow and fsspec are imported on first use, so this module needs only numpy.
 from __future__ import annotations
 
 import abc
+import bz2
 import glob as _glob
 import gzip
 import os
@@ -142,10 +143,15 @@ def _compression(path: str) -> Optional[str]:
 
 
 def _open_binary(path: str):
+    """A binary file object of the file's bytes, decompressed as its name says
+    (a local file by _compression, as the schema readers do; a URL by fsspec)."""
     if _is_url(path):
         return _fsspec().open(path, "rb", compression="infer").open()
-    if path.endswith(".gz"):
+    kind = _compression(path)
+    if kind == "gzip":
         return gzip.open(path, "rb")
+    if kind is not None:  # pyarrow's codecs (as the schema readers'): an empty .bz2 file is empty,
+        return _pyarrow().input_stream(path, compression=kind)  # where the bz2 module calls it cut short
     return open(path, "rb")
 
 
