@@ -93,6 +93,37 @@ def test_value_keys_hash_any_bytes_with_the_field():
     assert value_keys(0, [b"ab"])[0] != value_keys(0, [b"ab\0"])[0]
 
 
+def test_hashing_values_mixes_each_word_of_the_data_once(monkeypatch):
+    # Values were hashed in rounds of one 8-byte word over every distinct value of
+    # a block, as many rounds as the longest value has words: one long text among
+    # many short ones (a free-text column under categorical = "rest") cost the
+    # block (values x the longest's words). Counted here: the words mixed.
+    import hps.data.schema as schema_module
+    real, mixed = schema_module._splitmix64, []
+
+    def counting(x):
+        mixed.append(len(x))
+        return real(x)
+    monkeypatch.setattr(schema_module, "_splitmix64", counting)
+    values = [f"v{i}" for i in range(500)] + ["x" * 8000, "y" * 9, ""]
+    got = value_keys(2, values).tolist()
+    assert sum(mixed) == 500 + 1000 + 2  # one word a short value, 1000 the long one, 2 for 9 bytes
+    assert got == [ref_key(2, v) for v in values]
+
+
+def test_value_keys_of_values_of_any_lengths_are_the_documented_hash():
+    # The rounds above skip values without a k-th word: keys must not change
+    # (they live in checkpoints), whatever the mix of lengths in one call.
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    @hypothesis.given(st.lists(st.binary(max_size=70), max_size=30), st.integers(0, 40))
+    def check(values, field):
+        assert value_keys(field, values).tolist() == [ref_key(field, v) for v in values]
+    check()
+
+
 def test_schema_config_errors_name_the_source_and_field():
     with pytest.raises(ValueError, match=r"run.toml: unknown field\(s\) data.schema.lable"):
         Schema.from_dict({"lable": "click"}, "run.toml")

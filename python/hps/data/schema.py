@@ -199,7 +199,12 @@ class Layout:
 # with probability 2**-64 a pair (a hash, not a bijection).
 
 def _hash_strings(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
-    """h (above) of each string of an arrow-style (offsets, data) pair, vectorised over strings."""
+    """h (above) of each string of an arrow-style (offsets, data) pair, vectorised over strings.
+
+    Round k mixes in the k-th word of the strings that have one, and only those:
+    with the strings ordered longest first they are a prefix of that order, so
+    the work is the data's words, not (strings x the longest string's words)
+    (one 20 kB value among 20,000 short ones had taken 160 times as long)."""
     offsets = offsets.astype(np.int64)
     lengths = np.diff(offsets)
     n = len(lengths)
@@ -208,15 +213,21 @@ def _hash_strings(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
         return h
     words = (lengths + 7) // 8
     data = data if len(data) else np.zeros(1, np.uint8)
+    order = np.argsort(-words, kind="stable")  # longest first
+    # have[k]: how many strings have a k-th word (the first have[k] of `order`)
+    rounds = int(words.max(initial=0))
+    have = n - np.searchsorted(np.sort(words), np.arange(rounds), side="right")
+    starts, lens = offsets[:-1][order], lengths[order]
     lane = np.arange(8)
-    for k in range(int(words.max(initial=0))):
+    for k in range(rounds):
+        m = int(have[k])
         pos = 8 * k + lane
-        inside = pos < lengths[:, None]
-        idx = np.minimum(offsets[:-1, None] + pos, len(data) - 1)
+        inside = pos < lens[:m, None]
+        idx = np.minimum(starts[:m, None] + pos, len(data) - 1)
         b = np.where(inside, data[idx], 0).astype(np.uint8)
-        w = np.ascontiguousarray(b).view("<u8").reshape(n).astype(np.uint64)
-        active = k < words
-        h = np.where(active, _splitmix64(h ^ w), h)
+        w = np.ascontiguousarray(b).view("<u8").reshape(m).astype(np.uint64)
+        rows = order[:m]
+        h[rows] = _splitmix64(h[rows] ^ w)
     return h
 
 
