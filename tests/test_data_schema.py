@@ -274,6 +274,24 @@ def test_parquet_gives_the_keys_of_the_same_text(tmp_path):
     assert keys.tolist() == [[ref_key(0, "-1")]]
 
 
+def test_parquet_decimal_columns_are_numbers(tmp_path):
+    # Spark and pandas write SQL DECIMAL columns (prices, amounts) as Parquet
+    # decimals, which a dense column or the label had refused as "has type
+    # decimal128(10, 2), expected numbers". They read as the numbers they hold.
+    import decimal
+    p = tmp_path / "dec.parquet"
+    prices = [decimal.Decimal("3.50"), None, decimal.Decimal("7.00"), decimal.Decimal("-2.25")]
+    pq.write_table(pa.table({"click": pa.array([decimal.Decimal(x) for x in LABELS], pa.decimal128(1, 0)),
+                             "price": pa.array(prices, pa.decimal128(10, 2)),
+                             "big": pa.array([decimal.Decimal(10) ** 30] * 4, pa.decimal256(50, 0)),
+                             "site": SITES}), p)
+    schema = {"label": "click", "dense": ["price", "big"], "categorical": ["site"], "dense_transform": "none"}
+    labels, dense, keys, _, _ = read_all(open_schema(p, schema))
+    np.testing.assert_array_equal(labels, np.array(LABELS, np.float32))
+    np.testing.assert_array_equal(dense, np.array([[3.5, 1e30], [0, 1e30], [7, 1e30], [-2.25, 1e30]], np.float32))
+    np.testing.assert_array_equal(keys[:, 0], [ref_key(0, s) for s in SITES])
+
+
 def test_parquet_errors_name_row_group_row_and_column(tmp_path):
     p = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"click": [0, 1, 1, 0], "price": ["1", "2", "x", "3"], "site": ["a", "b", "c", "d"]}),

@@ -4,7 +4,8 @@
   pyarrow.csv with the schema's delimiter (quotes allowed, a value never spans
   lines). Every column the schema uses is read as bytes and converted here, so
   that a bad value is named with its file, line and column.
-- :class:`SchemaParquet`: any of those columns in Parquet; categoricals as
+- :class:`SchemaParquet`: any of those columns in Parquet; labels and dense
+  values as integers, floats, booleans, decimals or numeric text; categoricals as
   strings, binary or integers (an integer's key is that of its decimal text),
   multi-hot fields as list columns or as text with a separator.
 - :class:`Libsvm`: ``label idx:val idx:val ...`` (libsvm, libFM); each field of
@@ -70,14 +71,15 @@ def _text_type(pa, t) -> bool:
 
 def _numeric(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values float64 with NaN for missing, missing, bad) of a label or dense column:
-    numbers, or text that pyarrow reads as a number (empty is missing). A NaN is a
+    numbers (integers, floats, booleans, decimals), or text that pyarrow reads as a
+    number (empty is missing). A NaN is a
     missing value wherever it comes from: a float column's NaN, or text such as
     "nan" or "NaN" (which would otherwise reach a batch as NaN under
     ``dense_transform = "none"``)."""
     t = arr.type
     if pa.types.is_dictionary(t):
         arr, t = arr.dictionary_decode(), t.value_type
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t):
         values = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
         missing = np.isnan(values)
         return values, missing, np.isinf(values)
