@@ -298,6 +298,13 @@ def test_hps_train_data_on_libsvm_files(tmp_path, capsys):
         assert main(["train", "--data", str(tmp_path / name), "--path", str(tmp_path / ("run-" + name)),
                      "--batch-size", "50", "--no-progress"]) == 0, capsys.readouterr().err
         assert json.loads(capsys.readouterr().out)["final"]["examples"] == 100
+    # A directory of libsvm files is libsvm too (it had gone to the Criteo reader).
+    (tmp_path / "svm-dir").mkdir()
+    for part in range(2):
+        (tmp_path / "svm-dir" / f"part-{part}.svm").write_text("\n".join(lines[part * 50:(part + 1) * 50]) + "\n")
+    assert main(["train", "--data", str(tmp_path / "svm-dir"), "--path", str(tmp_path / "run-dir"),
+                 "--batch-size", "50", "--no-progress"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["final"]["examples"] == 100
 
 
 def test_resume_over_shuffled_epochs_continues_to_the_same_result(tmp_path):

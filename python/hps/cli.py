@@ -180,11 +180,21 @@ def _summary_table(summary: dict) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _files_or_names(paths) -> list:
+    """The files that ``paths`` (files, globs, directories) name, or the paths themselves
+    when they name none yet (an online run's empty directory; a missing path, named later)."""
+    from hps.data import list_files
+    try:
+        return list_files(paths)
+    except (FileNotFoundError, ValueError):
+        return list(paths)
+
+
 def _config_without_toml(a):
     """`hps train --data PATH`: defaults for everything but the data; Criteo's layout, or with
     --label a schema of that label, --dense columns and every other column categorical;
     libsvm files (.svm, .libsvm, .libfm, .ffm, compressed or not) by their name, as open_schema
-    tells them."""
+    tells them (a directory or glob by the files in it)."""
     from hps.data import Schema
     from hps.data.tabular import _kind
     from hps.parameter_server import ParameterServerConfig
@@ -194,7 +204,7 @@ def _config_without_toml(a):
         schema = {"label": a.label, "dense": [c for c in (a.dense or "").split(",") if c], "categorical": "rest"}
     elif a.dense:
         raise ValueError("--dense needs --label (without it the data is in Criteo's layout)")
-    elif all(_kind(p) == "libsvm" for p in a.data):
+    elif all(_kind(p) == "libsvm" for p in _files_or_names(a.data)):
         schema = {}
     path = a.path or "hps-run"
     print(f"hps train: parameter server in {os.path.abspath(path)}", file=sys.stderr)
