@@ -427,6 +427,37 @@ def test_fsspec_urls(tmp_path):
         fs.rm("/schema-test", recursive=True)
 
 
+@pytest.mark.parametrize("at", [2, 3, 12, 40, 61])
+def test_csv_line_longer_than_the_read_blocks(tmp_path, at):
+    # pyarrow refuses a line longer than about two of its blocks ("straddling object
+    # straddles two block boundaries"), and block_bytes is no [data] setting: a CSV
+    # with one long multi-hot row could not be read at all (5 MB with the default
+    # 1 MiB). The file is read again with larger blocks from the line not yet given;
+    # every row comes once, in order, and a skipped line is counted once.
+    lines = ["click,price,site,tags"] + [f"{i % 2},{i},s{i % 7},t{i % 3}|t{i % 5}" for i in range(60)]
+    lines[at - 1] = "1,5,long," + "|".join(f"item{j}" for j in range(400))
+    lines[7 - 1] = "1,abc,s,t"  # a bad value
+    lines[30 - 1] = "1,2"  # a wrong field count
+    p = tmp_path / "long.csv"
+    p.write_text("\n".join(lines) + "\n")
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site"], "multi_hot": {"tags": "|"}}
+    whole = SchemaCsv(p, schema, 16, block_bytes=1 << 20, skip_malformed=True)
+    want = read_all(whole)
+    small = SchemaCsv(p, schema, 16, block_bytes=200, skip_malformed=True)
+    got = read_all(small)
+    for a, b in zip(got[:3], want[:3], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got[3][0].keys, want[3][0].keys)
+    np.testing.assert_array_equal(got[3][0].offsets, want[3][0].offsets)
+    assert [b.locate(i) for b in got[4] for i in range(len(b))] == \
+        [(str(p), ln) for ln in range(2, 62) if ln not in (7, 30)]
+    assert small.malformed == whole.malformed == 2
+    assert sorted(small.malformed_examples) == sorted(whole.malformed_examples)  # (order: by block)
+    # Without skipping, the first bad line is named as before.
+    with pytest.raises(DataError, match=r"long.csv:7: column 'price': 'abc' is not a number"):
+        list(SchemaCsv(p, schema, 16, block_bytes=200))
+
+
 def test_csv_line_ends_and_files_without_rows(tmp_path):
     schema = {"label": "click", "categorical": "rest"}
     want = [[ref_key(0, "x")], [ref_key(0, "y")]]

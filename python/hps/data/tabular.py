@@ -242,6 +242,8 @@ class SchemaCsv(_SchemaReader):
     number``, ``clicks.csv:7: has 4 fields, expected 5``, ``clicks.csv: no column 'click'``.
     ``skip_malformed`` skips and counts bad lines as the Criteo readers do; a schema that
     does not match a file raises even then. Lines are 1-based and count the header.
+    pyarrow parses ``block_bytes`` at a time; a file with a longer line (a long
+    multi-hot list) is read again from that line with larger blocks, up to 1 GiB.
     """
 
     def __init__(self, paths, schema, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
@@ -287,22 +289,6 @@ class SchemaCsv(_SchemaReader):
         pa = self._pa
         errors = _read_errors(pa)
         for path in self.files:
-            failure: list[DataError] = []
-            skipped: list[int] = []
-
-            def on_invalid(row, path=path, failure=failure, skipped=skipped):
-                error = DataError(f"{path}:{row.number}: has {row.actual_columns} fields, expected "
-                                  f"{row.expected_columns}" + (" (an empty line)" if not row.text else ""),
-                                  path=path, line=row.number)
-                if not self.skip_malformed:
-                    failure.append(error)
-                    return "error"
-                self._bad(error)
-                skipped.append(row.number)
-                return "skip"
-
-            parse = pa.csv.ParseOptions(delimiter=self.delimiter(path), newlines_in_values=False,
-                                        ignore_empty_lines=False, invalid_row_handler=on_invalid)
             try:
                 names, first_bytes = self._columns(path, pa.csv.ParseOptions(delimiter=self.delimiter(path)))
             except errors as e:
@@ -311,46 +297,104 @@ class SchemaCsv(_SchemaReader):
             self._same_fields(layout, path)
             if self.schema.header and first_bytes < 0:
                 continue  # a header without a line end: no rows
-            # Columns read by position (generated names) even with a header, which
-            # may repeat a name the schema does not use.
-            generated = [f"c{i}" for i in range(len(names))]
-            wanted = layout.read_columns()
-            read = pa.csv.ReadOptions(column_names=generated, skip_rows=1 if self.schema.header else 0,
-                                      block_size=max(self.block_bytes, 2 * first_bytes), use_threads=False)
-            convert = pa.csv.ConvertOptions(column_types={generated[i]: pa.binary() for i in wanted},
-                                            include_columns=[generated[i] for i in wanted],
-                                            strings_can_be_null=False, quoted_strings_can_be_null=False)
-            line = 2 if self.schema.header else 1
-            try:
-                reader = pa.csv.open_csv(_open_stream(pa, path), read_options=read, parse_options=parse,
-                                         convert_options=convert)
-            except errors as e:
-                raise (failure[0] if failure else DataError(f"{path}: cannot read: {e}", path=path)) from e
-            with reader:
-                while True:
-                    try:
-                        rb = reader.read_next_batch()
-                    except StopIteration:
-                        break
-                    except errors as e:
-                        if failure:
-                            raise failure[0] from None
-                        raise DataError(f"{path}: cannot read at or after line {line}: {e}", path=path,
-                                        line=line) from e
-                    n = rb.num_rows
-                    lines = np.arange(line, line + n)
-                    for s in sorted(skipped):
-                        lines[lines >= s] += 1
-                    if n:
-                        line = int(lines[-1]) + 1
-                    skipped[:] = [s for s in skipped if s >= line]
-                    if n == 0:
-                        continue
-                    conv = _Converted(pa, lambda i, rb=rb: rb.column(generated[i]), layout, self.schema, path)
-                    keep = self._bad_rows(conv, layout, path, lines, lambda ln, path=path: f"{path}:{ln}")
-                    piece = conv.piece(path, lines, keep)
-                    if len(piece):
-                        yield piece
+            block = max(self.block_bytes, 2 * first_bytes)
+            resume = [2 if self.schema.header else 1]  # the first line not delivered yet
+            counted: set = set()  # lines of a wrong field count already counted as malformed
+            while True:
+                try:
+                    yield from self._file_pieces(path, names, layout, block, resume, counted)
+                    break
+                except _LineTooLong as e:
+                    # pyarrow cannot take a line longer than about two of its blocks: read
+                    # the file again with larger blocks, delivering the lines not yet given.
+                    if block >= _MAX_BLOCK_BYTES:
+                        raise DataError(f"{path}: cannot read at or after line {resume[0]}: a line is longer "
+                                        f"than {_MAX_BLOCK_BYTES:,} bytes ({e})", path=path, line=resume[0]) from e
+                    block = min(4 * block, _MAX_BLOCK_BYTES)
+
+    def _file_pieces(self, path: str, names: list, layout, block: int, resume: list, counted: set):
+        """The pieces of one file's lines from ``resume[0]`` on (set to the next line after
+        each piece), read in pyarrow blocks of ``block`` bytes; raises _LineTooLong where a
+        line does not fit them."""
+        pa = self._pa
+        errors = _read_errors(pa)
+        failure: list[DataError] = []
+        skipped: list[int] = []
+        start = resume[0]
+
+        def on_invalid(row):
+            skipped.append(row.number)
+            if row.number < start or row.number in counted:  # delivered (skipped) before a re-read
+                return "skip"
+            error = DataError(f"{path}:{row.number}: has {row.actual_columns} fields, expected "
+                              f"{row.expected_columns}" + (" (an empty line)" if not row.text else ""),
+                              path=path, line=row.number)
+            if not self.skip_malformed:
+                failure.append(error)
+                return "error"
+            counted.add(row.number)
+            self._bad(error)
+            return "skip"
+
+        def cannot_read(e, line):
+            if failure:
+                return failure[0]
+            if isinstance(e, pa.ArrowInvalid) and "straddl" in str(e):  # "straddling object straddles two
+                return _LineTooLong(str(e))                               # block boundaries"
+            at = f" at or after line {line}" if line is not None else ""
+            return DataError(f"{path}: cannot read{at}: {e}", path=path, line=line)
+
+        parse = pa.csv.ParseOptions(delimiter=self.delimiter(path), newlines_in_values=False,
+                                    ignore_empty_lines=False, invalid_row_handler=on_invalid)
+        # Columns read by position (generated names) even with a header, which
+        # may repeat a name the schema does not use.
+        generated = [f"c{i}" for i in range(len(names))]
+        wanted = layout.read_columns()
+        read = pa.csv.ReadOptions(column_names=generated, skip_rows=1 if self.schema.header else 0,
+                                  block_size=block, use_threads=False)
+        convert = pa.csv.ConvertOptions(column_types={generated[i]: pa.binary() for i in wanted},
+                                        include_columns=[generated[i] for i in wanted],
+                                        strings_can_be_null=False, quoted_strings_can_be_null=False)
+        line = 2 if self.schema.header else 1
+        try:
+            reader = pa.csv.open_csv(_open_stream(pa, path), read_options=read, parse_options=parse,
+                                     convert_options=convert)
+        except errors as e:
+            raise cannot_read(e, None) from e
+        with reader:
+            while True:
+                try:
+                    rb = reader.read_next_batch()
+                except StopIteration:
+                    break
+                except errors as e:
+                    raise cannot_read(e, line) from e
+                n = rb.num_rows
+                lines = np.arange(line, line + n)
+                for s in sorted(skipped):
+                    lines[lines >= s] += 1
+                if n:
+                    line = int(lines[-1]) + 1
+                skipped[:] = [s for s in skipped if s >= line]
+                first = int(np.searchsorted(lines, start))  # rows before it were delivered before a re-read
+                if first:
+                    rb, lines = rb.slice(first), lines[first:]
+                if len(lines) == 0:
+                    continue
+                conv = _Converted(pa, lambda i, rb=rb: rb.column(generated[i]), layout, self.schema, path)
+                keep = self._bad_rows(conv, layout, path, lines, lambda ln: f"{path}:{ln}")
+                piece = conv.piece(path, lines, keep)
+                resume[0] = line
+                if len(piece):
+                    yield piece
+
+
+class _LineTooLong(Exception):
+    """A line longer than the pyarrow blocks SchemaCsv reads a file in."""
+
+
+# Blocks grow (4x a time) to this, for the longest line SchemaCsv reads.
+_MAX_BLOCK_BYTES = 1 << 30
 
 
 # --------------------------------------------------------------------------- Parquet
