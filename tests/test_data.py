@@ -639,6 +639,12 @@ def test_synthetic_write_tsv_reads_back(tmp_path):
     assert gen.write_tsv(str(tmp_path / "syn.tsv.gz"), 5000) == 5000
     assert_same_rows(list(CriteoTsv(str(tmp_path / "syn.tsv"), batch_size=1000)), list(gen))
     assert_same_rows(list(CriteoTsv(str(tmp_path / "syn.tsv.gz"), batch_size=1000)), list(gen))
+    # Every name CriteoTsv decompresses is written compressed (a .bz2 or .zst path had
+    # held plain text, which the reader, decompressing it, refuses).
+    for name in ("syn.tsv.bz2", "syn.tsv.zst", "SYN.TSV.GZ"):
+        assert gen.write_tsv(str(tmp_path / name), 5000) == 5000
+        assert (tmp_path / name).read_bytes()[:2] not in (b"0\t", b"1\t")  # not plain text
+        assert_same_rows(list(CriteoTsv(str(tmp_path / name), batch_size=1000)), list(gen))
     first = (tmp_path / "syn.tsv").read_text().split("\n", 1)[0].split("\t")
     assert len(first) == 40 and all(len(v) in (0, 8) for v in first[14:])
 

@@ -6,6 +6,7 @@ and its AUC has a known ceiling; ``write_tsv`` writes the stream as a Criteo TSV
 """
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
 import math
@@ -15,7 +16,7 @@ import numpy as np
 
 from hps.data.criteo import CATEGORICAL_COLUMNS, DENSE_COLUMNS, dense_transform
 from hps.data.examples import Bags, Batch, _check_batching, _Piece, _rebatch, _sources_of
-from hps.data.files import _fsspec, _is_url
+from hps.data.files import _compression, _fsspec, _is_url, _pyarrow
 from hps.data.keys import _MIX2, _field_tag, _field_tags, _keys
 
 #: Criteo Kaggle's per-field cardinalities, clipped to [10, 1_000_000].
@@ -372,7 +373,7 @@ class SyntheticCriteo:
         The file holds the raw values (counts and 8-digit hex ids; missing ones
         empty), so reading it with :class:`CriteoTsv` gives this generator's
         batches (the same as ``SyntheticCriteo(..., examples=examples)``'s on one
-        node). ``path`` may be an fsspec URL; a ``.gz`` path is compressed.
+        node). ``path`` may be an fsspec URL; a ``.gz``, ``.bz2`` or ``.zst`` path is compressed.
         Needs 13 dense and 26 categorical fields and no multi-hot ones.
         """
         if self.multi_hot:
@@ -385,8 +386,10 @@ class SyntheticCriteo:
             raise ValueError(f"examples must be >= 0, got {examples}")
         if _is_url(path):
             out = _fsspec().open(path, "wb", compression="infer").open()
-        else:
-            out = gzip.open(path, "wb") if path.endswith(".gz") else open(path, "wb")
+        else:  # compressed as its name says, as CriteoTsv reads it (hps.data.files._compression)
+            kind = _compression(path)
+            out = gzip.open(path, "wb") if kind == "gzip" else bz2.open(path, "wb") if kind == "bz2" else \
+                _pyarrow().output_stream(path, compression="zstd") if kind == "zstd" else open(path, "wb")
         written = 0
         with out:
             for _, raw in self._raw_blocks(None):
