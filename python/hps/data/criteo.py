@@ -319,8 +319,8 @@ class CriteoTsv(_Reader):
 
     def _pieces(self) -> Iterator[_Piece]:
         for path in self.files:
-            # bz2 and zstd report damaged data as a plain OSError; so do fsspec's
-            # decompressors for a URL: for a compressed file it is the data's fault.
+            # pyarrow's codecs (bz2, zstd, and any of a URL's) report damaged data as
+            # a plain OSError: for a compressed file it is the data's fault.
             damaged = _DECOMPRESSION_ERRORS + ((OSError,) if _compression(path) else ())
             with _open_binary(path) as f:
                 line = 1

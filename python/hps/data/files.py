@@ -142,12 +142,90 @@ def _compression(path: str) -> Optional[str]:
     return next((kind for ext, kind in _COMPRESSED.items() if name.endswith(ext)), None)
 
 
+class _Decompressed:
+    """The decompressed bytes of a file object of compressed ones (a URL's), by
+    pyarrow's codecs; closing it closes that file object too."""
+
+    def __init__(self, raw, kind: str):
+        pa = _pyarrow()
+        self._raw = raw
+        self._stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), kind)
+
+    def read(self, n: Optional[int] = -1) -> bytes:
+        return self._stream.read() if n is None or n < 0 else self._stream.read(n)
+
+    def readable(self) -> bool:
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._stream.closed
+
+    def close(self) -> None:
+        try:
+            self._stream.close()
+        finally:
+            self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Compressing:
+    """A writer that compresses into a file object (a URL's) by pyarrow's codecs;
+    closing it finishes the stream and closes that file object."""
+
+    def __init__(self, raw, kind: str):
+        pa = _pyarrow()
+        self._raw = raw
+        self._stream = pa.CompressedOutputStream(pa.PythonFile(raw, mode="w"), kind)
+
+    def write(self, data: bytes) -> int:
+        return self._stream.write(data)
+
+    def close(self) -> None:
+        try:
+            self._stream.close()
+        finally:
+            self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_binary_for_writing(path: str):
+    """A binary writer to ``path`` (local or a URL) that compresses as the name says,
+    so that _open_binary reads back what was written."""
+    kind = _compression(path)
+    if _is_url(path):
+        raw = _fsspec().open(path, "wb", compression=None if kind else "infer").open()
+        return _Compressing(raw, kind) if kind else raw
+    if kind == "gzip":
+        return gzip.open(path, "wb")
+    if kind == "bz2":
+        return bz2.open(path, "wb")
+    if kind == "zstd":
+        return _pyarrow().output_stream(path, compression="zstd")
+    return open(path, "wb")
+
+
 def _open_binary(path: str):
     """A binary file object of the file's bytes, decompressed as its name says
-    (a local file by _compression, as the schema readers do; a URL by fsspec)."""
-    if _is_url(path):
-        return _fsspec().open(path, "rb", compression="infer").open()
+    (_compression), local or a URL; a URL of another compression suffix (.xz
+    ...) as fsspec infers it."""
     kind = _compression(path)
+    if _is_url(path):
+        if kind is None:
+            return _fsspec().open(path, "rb", compression="infer").open()
+        # Not fsspec's inference: without the optional zstandard module it reads a
+        # .zst file as it is, compressed bytes given as text.
+        return _Decompressed(_fsspec().open(path, "rb").open(), kind)
     if kind == "gzip":
         return gzip.open(path, "rb")
     if kind is not None:  # pyarrow's codecs (as the schema readers'): an empty .bz2 file is empty,

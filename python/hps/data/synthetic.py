@@ -6,8 +6,6 @@ and its AUC has a known ceiling; ``write_tsv`` writes the stream as a Criteo TSV
 """
 from __future__ import annotations
 
-import bz2
-import gzip
 import io
 import math
 from typing import Iterator, Optional, Sequence
@@ -16,7 +14,7 @@ import numpy as np
 
 from hps.data.criteo import CATEGORICAL_COLUMNS, DENSE_COLUMNS, dense_transform
 from hps.data.examples import Bags, Batch, _check_batching, _Piece, _rebatch, _sources_of
-from hps.data.files import _compression, _fsspec, _is_url, _pyarrow
+from hps.data.files import _open_binary_for_writing
 from hps.data.keys import _MIX2, _field_tag, _field_tags, _keys
 
 #: Criteo Kaggle's per-field cardinalities, clipped to [10, 1_000_000].
@@ -384,12 +382,7 @@ class SyntheticCriteo:
                              f"categorical fields; this generator has {self.n_dense} and {len(self.vocab_sizes)}")
         if examples < 0:
             raise ValueError(f"examples must be >= 0, got {examples}")
-        if _is_url(path):
-            out = _fsspec().open(path, "wb", compression="infer").open()
-        else:  # compressed as its name says, as CriteoTsv reads it (hps.data.files._compression)
-            kind = _compression(path)
-            out = gzip.open(path, "wb") if kind == "gzip" else bz2.open(path, "wb") if kind == "bz2" else \
-                _pyarrow().output_stream(path, compression="zstd") if kind == "zstd" else open(path, "wb")
+        out = _open_binary_for_writing(path)  # compressed as its name says, as CriteoTsv reads it
         written = 0
         with out:
             for _, raw in self._raw_blocks(None):

@@ -32,8 +32,8 @@ import numpy as np
 from hps.data import _libsvm_lines  # the compiled libsvm line parser (_libsvm_lines.pyx)
 from hps.data.criteo import dense_transform
 from hps.data.examples import Bags, _Piece, _sources_of
-from hps.data.files import (_COMPRESSED, DataError, _compression, _fsspec, _is_url, _line_bounds, _Reader, _shown,
-                            list_files, parquet_errors, parquet_file)
+from hps.data.files import (_COMPRESSED, DataError, _compression, _is_url, _line_bounds, _open_binary, _Reader,
+                            _shown, list_files, parquet_errors, parquet_file)
 from hps.data.keys import _field_tag, _keys
 from hps.data.schema import Schema, _as_binary, value_hashes
 
@@ -52,7 +52,7 @@ def _plain_name(path: str) -> str:
 def _open_stream(pa, path: str):
     """A pyarrow input stream of the file's decompressed bytes."""
     if _is_url(path):
-        return pa.PythonFile(_fsspec().open(path, "rb", compression="infer").open(), mode="r")
+        return pa.PythonFile(_open_binary(path), mode="r")
     return pa.input_stream(path, compression=_compression(path))
 
 
