@@ -427,6 +427,37 @@ def test_fsspec_urls(tmp_path):
         fs.rm("/schema-test", recursive=True)
 
 
+@pytest.mark.parametrize("block_bytes", [1 << 20, 16])
+def test_csv_quoted_value_over_a_line_end_is_malformed_and_later_lines_keep_their_numbers(tmp_path, block_bytes):
+    # pyarrow's parser lets a quoted value run on over a line end even with
+    # newlines_in_values = False: a quote not closed on its line swallowed the lines
+    # after it into one value (here the rest of the file: rows silently gone, not
+    # counted), and every later row, and error, was named one line too early per line
+    # end swallowed. Such a row is now malformed, and lines are counted in the file.
+    schema = {"label": "click", "dense": ["price"], "categorical": "rest"}
+    p = tmp_path / "q.csv"
+    p.write_bytes(b'click,price,title\r\n1,2,a\r\n0,3,"two\r\nlines"\r\n1,4,b\r\n1,5\r\n0,6,c\r\n')
+    r = SchemaCsv(p, schema, skip_malformed=True, block_bytes=block_bytes)
+    _, dense, _, _, batches = read_all(r)
+    assert [b.locate(i)[1] for b in batches for i in range(len(b))] == [2, 5, 7]
+    np.testing.assert_array_equal(dense[:, 0], log1p([2, 4, 6]))
+    assert sorted(r.malformed_examples) == [
+        f"{p}:3: column 'title': 'two\\r\\nlines' runs on past the end of its line (a quote not closed on it?)",
+        f"{p}:6: has 2 fields, expected 3"]
+    # A quote never closed: its value runs to the end of a block of pyarrow's (so what
+    # it takes depends on the blocks); each row read is on the line it names (its
+    # price is its line number).
+    p.write_text('click,price,title\n1,2,a\n0,3,"open\n1,4,b\n1,5,c\n0,6,d\n1,7,e\n')
+    with pytest.raises(DataError, match=r"q.csv:3: column 'title': 'open\\n1,4,b\\n.* runs on past the end") as e:
+        list(SchemaCsv(p, schema, block_bytes=block_bytes))
+    assert (e.value.line, e.value.field) == (3, "title")
+    r = SchemaCsv(p, schema, skip_malformed=True, block_bytes=block_bytes)
+    _, dense, _, _, batches = read_all(r)
+    lines = [b.locate(i)[1] for b in batches for i in range(len(b))]
+    assert lines[0] == 2 and r.malformed == 1
+    np.testing.assert_array_equal(dense[:, 0], log1p(lines))
+
+
 @pytest.mark.parametrize("at", [2, 3, 12, 40, 61])
 def test_csv_line_longer_than_the_read_blocks(tmp_path, at):
     # pyarrow refuses a line longer than about two of its blocks ("straddling object

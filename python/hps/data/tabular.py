@@ -35,7 +35,7 @@ from hps.data.examples import Bags, _Piece, _sources_of
 from hps.data.files import (_COMPRESSED, DataError, _compression, _is_url, _line_bounds, _open_binary, _Reader,
                             _shown, list_files, parquet_errors, parquet_file)
 from hps.data.keys import _field_tag, _keys
-from hps.data.schema import Schema, _as_binary, value_hashes
+from hps.data.schema import Schema, _as_binary, _binary_parts, value_hashes
 
 # The least magnitude that is inf as a float32, the type values are stored in.
 FLOAT32_OVERFLOW = _libsvm_lines.FLOAT32_OVERFLOW
@@ -318,30 +318,41 @@ class SchemaCsv(_SchemaReader):
         line does not fit them."""
         pa = self._pa
         errors = _read_errors(pa)
-        failure: list[DataError] = []
-        skipped: list[int] = []
         start = resume[0]
+        # pyarrow numbers rows as if each were one line; a quoted value may run on over
+        # line ends (see below), so its numbers are turned into lines here: a row's
+        # line is its number plus the line ends inside the rows before it (`extra`).
+        invalid: list[tuple] = []  # rows of a wrong field count: (pyarrow's number, message), to report
+        shifts: list[int] = []  # their numbers, which the rows after them skip
 
         def on_invalid(row):
-            skipped.append(row.number)
-            if row.number < start or row.number in counted:  # delivered (skipped) before a re-read
-                return "skip"
-            error = DataError(f"{path}:{row.number}: has {row.actual_columns} fields, expected "
-                              f"{row.expected_columns}" + (" (an empty line)" if not row.text else ""),
-                              path=path, line=row.number)
-            if not self.skip_malformed:
-                failure.append(error)
-                return "error"
-            counted.add(row.number)
-            self._bad(error)
-            return "skip"
+            invalid.append((row.number, f"has {row.actual_columns} fields, expected {row.expected_columns}"
+                            + (" (an empty line)" if not row.text else "")))
+            shifts.append(row.number)
+            return "skip"  # raised or counted once placed on its line, below
+
+        def place(rows: list, line_of) -> None:
+            """Raise or count invalid rows (pyarrow's number, message), at line line_of(number)."""
+            for number, message in rows:
+                ln = int(line_of(number))
+                if ln < start or ln in counted:  # delivered (skipped) before a re-read
+                    continue
+                error = DataError(f"{path}:{ln}: {message}", path=path, line=ln)
+                if not self.skip_malformed:
+                    raise error
+                counted.add(ln)
+                self._bad(error)
 
         def cannot_read(e, line):
-            if failure:
-                return failure[0]
+            if invalid and not self.skip_malformed:
+                number, message = invalid[0]
+                return DataError(f"{path}:{number + extra}: {message}", path=path, line=number + extra)
             if isinstance(e, pa.ArrowInvalid) and "straddl" in str(e):  # "straddling object straddles two
                 return _LineTooLong(str(e))                               # block boundaries"
             at = f" at or after line {line}" if line is not None else ""
+            if isinstance(e, pa.ArrowInvalid) and "out of sync with chunker" in str(e):  # across a block's end
+                return DataError(f"{path}: cannot read{at}: a quoted value runs on past the end of its line (a "
+                                 f"quote not closed on it?)", path=path, line=line)
             return DataError(f"{path}: cannot read{at}: {e}", path=path, line=line)
 
         parse = pa.csv.ParseOptions(delimiter=self.delimiter(path), newlines_in_values=False,
@@ -355,7 +366,9 @@ class SchemaCsv(_SchemaReader):
         convert = pa.csv.ConvertOptions(column_types={generated[i]: pa.binary() for i in wanted},
                                         include_columns=[generated[i] for i in wanted],
                                         strings_can_be_null=False, quoted_strings_can_be_null=False)
-        line = 2 if self.schema.header else 1
+        number = 2 if self.schema.header else 1  # pyarrow's number of the next row
+        extra = 0  # line ends inside the rows read so far
+        line = number  # the next row's line
         try:
             reader = pa.csv.open_csv(_open_stream(pa, path), read_options=read, parse_options=parse,
                                      convert_options=convert)
@@ -370,23 +383,48 @@ class SchemaCsv(_SchemaReader):
                 except errors as e:
                     raise cannot_read(e, line) from e
                 n = rb.num_rows
-                lines = np.arange(line, line + n)
-                for s in sorted(skipped):
-                    lines[lines >= s] += 1
+                numbers = np.arange(number, number + n)
+                for s in sorted(shifts):
+                    numbers[numbers >= s] += 1
+                # pyarrow's parser lets a quoted value run on over line ends (a quote not
+                # closed on its line swallows the lines after it) whatever newlines_in_values
+                # says: such a row is malformed, and the lines it took count.
+                ends = {i: _line_ends(pa, rb.column(generated[i])) for i in wanted}
+                ends = {i: e for i, e in ends.items() if e is not None}
+                spans = sum((e[1] for e in ends.values()), np.zeros(n, np.int64))
+                before = np.concatenate([[0], np.cumsum(spans)]).astype(np.int64)  # line ends before row j
+                lines = numbers + extra + before[:-1]
                 if n:
-                    line = int(lines[-1]) + 1
-                skipped[:] = [s for s in skipped if s >= line]
+                    number = int(numbers[-1]) + 1
+                shifts[:] = [s for s in shifts if s >= number]
+                # This batch's invalid rows: those among its rows and those right after them
+                # (pyarrow may have parsed blocks ahead, whose invalid rows wait their turn).
+                invalid.sort()
+                mine, after = [], number
+                for r in invalid:
+                    if r[0] < number or r[0] == after:
+                        mine.append(r)
+                        after += r[0] == after
+                invalid[:] = [r for r in invalid if r not in mine]
+                place(mine, lambda s: s + extra + before[np.searchsorted(numbers, s)])
+                extra += int(before[-1])
+                if n:
+                    line = int(lines[-1]) + int(spans[-1]) + 1
                 first = int(np.searchsorted(lines, start))  # rows before it were delivered before a re-read
                 if first:
                     rb, lines = rb.slice(first), lines[first:]
                 if len(lines) == 0:
                     continue
                 conv = _Converted(pa, lambda i, rb=rb: rb.column(generated[i]), layout, self.schema, path)
+                for i, e in ends.items():  # reported before the column's other faults
+                    conv.bad.insert(0, (i, names[i], e[0][first:],
+                                        "runs on past the end of its line (a quote not closed on it?)"))
                 keep = self._bad_rows(conv, layout, path, lines, lambda ln: f"{path}:{ln}")
                 piece = conv.piece(path, lines, keep)
                 resume[0] = line
                 if len(piece):
                     yield piece
+            place(invalid, lambda s: s + extra)  # after the last row
 
 
 class _LineTooLong(Exception):
@@ -395,6 +433,23 @@ class _LineTooLong(Exception):
 
 # Blocks grow (4x a time) to this, for the longest line SchemaCsv reads.
 _MAX_BLOCK_BYTES = 1 << 30
+
+
+def _line_ends(pa, arr) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(the values that hold a line end, the lines each runs on over) of a binary column,
+    or None when no value holds one (the usual case). A quote not closed runs on to the
+    end of pyarrow's block, taking its row's own line end: a value that ends in "\\n"
+    runs over one line fewer than it holds line ends."""
+    offsets, data, _ = _binary_parts(pa, arr)
+    offsets = offsets.astype(np.int64)
+    at = np.flatnonzero(data[offsets[0]:offsets[-1]] == 10) + offsets[0]
+    if not len(at):
+        return None
+    rows = np.searchsorted(offsets, at, side="right") - 1
+    counts = np.bincount(rows, minlength=len(arr)).astype(np.int64)
+    holds = counts > 0
+    counts[rows[offsets[rows + 1] - 1 == at]] -= 1  # a value's last byte
+    return holds, counts
 
 
 # --------------------------------------------------------------------------- Parquet
