@@ -489,6 +489,23 @@ def test_csv_line_longer_than_the_read_blocks(tmp_path, at):
         list(SchemaCsv(p, schema, 16, block_bytes=200))
 
 
+def test_open_schema_format_tsv_reads_tabs_whatever_the_name(tmp_path):
+    # format="tsv" was taken as "csv", whose delimiter comes from the name: a tab-
+    # separated clicks.txt was split at commas ("no column 'click' (the file's
+    # columns: click\tprice\tsite)"). "tsv" now means tabs unless the schema says.
+    p = tmp_path / "clicks.txt"
+    p.write_text("click\tprice\tsite\n1\t2\ta,b\n")
+    schema = {"label": "click", "dense": ["price"], "categorical": "rest"}
+    (batch,) = list(open_schema(p, schema, format="tsv"))
+    assert batch.keys.tolist() == [[ref_key(0, "a,b")]]
+    with pytest.raises(DataError, match="no column 'click'"):
+        list(open_schema(p, schema, format="csv"))
+    q = tmp_path / "semi.txt"
+    q.write_text("click;price;site\n1;2;x\n")
+    (batch,) = list(open_schema(q, {**schema, "delimiter": ";"}, format="tsv"))  # the schema's delimiter wins
+    assert batch.keys.tolist() == [[ref_key(0, "x")]]
+
+
 def test_csv_line_ends_and_files_without_rows(tmp_path):
     schema = {"label": "click", "categorical": "rest"}
     want = [[ref_key(0, "x")], [ref_key(0, "y")]]

@@ -23,6 +23,7 @@ fields (names and order) as the first one.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Iterator, Optional
@@ -672,9 +673,11 @@ def _kind(path: str) -> str:
 def open_schema(paths, schema, batch_size: int = 4096, *, format: Optional[str] = None, **options):
     """A reader of ``paths`` laid out by ``schema`` (a Schema or a ``[data.schema]`` dict).
 
-    ``format``: "csv" (any delimited text, TSV too), "parquet" or "libsvm"; by default
-    from the names (.parquet/.pq; .svm/.libsvm/.libfm/.ffm; else text; a compression
-    suffix is looked through); a mix is an error.
+    ``format``: "csv" (any delimited text, TSV too: the delimiter is the schema's, or
+    by the file's name), "tsv" (text whose delimiter is a tab unless the schema gives
+    one), "parquet" or "libsvm"; by default from the names (.parquet/.pq;
+    .svm/.libsvm/.libfm/.ffm; else text; a compression suffix is looked through); a
+    mix is an error.
     """
     if not isinstance(schema, Schema):
         schema = Schema.from_dict(schema)
@@ -684,6 +687,8 @@ def open_schema(paths, schema, batch_size: int = 4096, *, format: Optional[str] 
         if len(kinds) > 1:
             raise ValueError(f"{paths!r} mixes {' and '.join(kinds)} files; give one kind, or format=")
         format, paths = kinds[0], files
+    if format == "tsv" and schema.delimiter is None:  # (not a comma for a name that is not .tsv)
+        schema = dataclasses.replace(schema, delimiter="\t")
     if format in ("csv", "tsv", "text"):
         return SchemaCsv(paths, schema, batch_size, **options)
     if format == "parquet":
