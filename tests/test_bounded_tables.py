@@ -173,6 +173,70 @@ def test_stamps_move_each_batch_with_bounds_on_and_at_checkpoints_with_them_off(
     ps.close()
 
 
+def _trainer_state(step):
+    """hps train's dense state for a checkpoint at `step` (what a reshard reads beside the rows)."""
+    import io
+    import torch
+    from hps.jobdir import write_trainer_state
+    buf = io.BytesIO()
+    torch.save({"mlp": {}, "opt": {}, "batches_done": step, "examples_done": step}, buf)
+    return lambda directory: write_trainer_state(directory, buf.getvalue(), step, step)
+
+
+def test_a_resharded_rank_goes_on_from_the_jobs_step(tmp_path):
+    """A rank of a resharded job opens a checkpoint its metadata does not name: its
+    step is the job's, not the newest stamp of the rows it got, which is older when
+    the last interval updated none of them (its TTL would then run late, and its
+    rows be stamped behind the other ranks')."""
+    pytest.importorskip("torch", reason="a reshard reads hps train's dense state")
+    from hps import reshard
+    root = tmp_path / "job"
+    ps = hps.ParameterServer(config(root, ttl_steps=100))
+    keys = np.arange(1, 101, dtype=np.uint64)
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))  # step 1
+    ps.checkpoint(_trainer_state(1))
+    for _ in range(3):  # steps 2 to 4: key 1 alone
+        ps.push(keys[:1], np.ones((1, DIM), np.float32))
+    ps.checkpoint(_trainer_state(4))
+    ps.close()
+    old = reshard.check_source(str(root))
+    done = [reshard.write_rank(str(root), 2, r) for r in range(2)]
+    reshard.commit(str(root), 2, old, done[0][1])
+    newest = []
+    for r in range(2):
+        rank = hps.ParameterServer(config(root / f"rank{r}", ttl_steps=100), checkpoint=done[0][1])
+        stamps, found = rank._ssd.stamps(keys)
+        newest.append(int(stamps[found].max()))
+        assert rank.step == 4, f"rank {r}"
+        rank.close()
+    assert sorted(newest) == [1, 4]  # one rank holds rows of step 1 only
+
+
+def test_a_server_rolled_back_goes_on_from_that_checkpoints_step(tmp_path):
+    """An MPI rank rolls back to the checkpoint job.json names, which its metadata no
+    longer names: it goes on from that checkpoint's step, even when the batches
+    before it updated none of its rows (a rank that owned no key of those steps)."""
+    path = tmp_path / "ps"
+    ps = hps.ParameterServer(config(path, ttl_steps=100))
+    keys = np.arange(1, 101, dtype=np.uint64)
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))  # step 1
+    ps.checkpoint()
+    for _ in range(2):  # steps 2 and 3 update no row
+        with ps.batch(keys[:5]):
+            pass
+    assert ps.checkpoint(keep_previous=True) == 2
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))  # step 4
+    assert ps.checkpoint(keep_previous=True) == 3
+    ps.close()
+    ps = hps.ParameterServer(config(path, ttl_steps=100), checkpoint=2)
+    assert ps.step == 3
+    assert int(ps._ssd.stamps(keys)[0].max()) == 1  # the rows' stamps alone say step 1
+    ps.close()
+    ps = hps.ParameterServer.open(path)  # the metadata names checkpoint 2 now, at its step
+    assert ps.checkpoint_number == 2 and ps.step == 3
+    ps.close()
+
+
 def test_expired_space_is_given_back(tmp_path):
     ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=2))
     keys = np.arange(1, 2001, dtype=np.uint64)

@@ -86,6 +86,7 @@ WRITER_LOCK = ".hps-writer.lock"  # flock'ed by the one ParameterServer open at 
 # gets (one started over, or a job resharded: its stores' files are numbered anew). An
 # export's position records it, so that a position never applies to another run's files.
 RUN = "run"
+SERVER_STEP = "server-step.json"  # in a checkpoint: the server's step (batches) when it was made
 
 
 def new_run_id() -> str:
@@ -342,6 +343,19 @@ def _routes_stats(topo, routes, links: dict, source: Optional[str]) -> dict:
             "links": per_link, "hop_rows": int(links["rows"].sum()), "hop_bytes": int(links["bytes"].sum()),
             "rows_by_route": dict(links["route_rows"]), "relayed_rows": links["relayed_rows"],
             "relayed_bytes": links["relayed_bytes"]}
+
+
+def checkpoint_step(directory: str) -> Optional[int]:
+    """The server's step recorded in a checkpoint directory (SERVER_STEP), or None
+    for a checkpoint made before servers recorded it."""
+    path = os.path.join(directory, SERVER_STEP)
+    try:
+        with open(path) as f:
+            return int(json.load(f)["step"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a server step record ({type(e).__name__}: {e})") from None
 
 
 def _remove_tree(path: str) -> None:
@@ -812,9 +826,15 @@ class ParameterServer:
             checkpoint = meta.get("checkpoint")
         herald = config.schedule == "herald"
         # The step of the checkpoint resumed from: the metadata's, when it names
-        # that one (an MPI job rolled back to an earlier one has the store's stamp).
-        saved_step = meta.get("step") if meta is not None and meta.get("checkpoint") == checkpoint else None
-        self._step = 0
+        # that one; else the checkpoint's own record (an MPI job rolled back to an
+        # earlier checkpoint, a resharded rank's new one). Known before _restore,
+        # which may rewrite the metadata to name this checkpoint.
+        saved_step = None
+        if meta is not None and meta.get("checkpoint") == checkpoint:
+            saved_step = meta.get("step")
+        elif checkpoint is not None:
+            saved_step = checkpoint_step(self.checkpoint_dir(checkpoint))
+        self._step = int(saved_step or 0)
         self._checkpoint = self._restore(checkpoint, meta)
         self._ssd = SsdStore(os.path.join(config.path, _STORE_DIR), row_bytes, file_records=config.ssd.file_records,
                              compaction_trigger=config.ssd.compaction_trigger,
@@ -822,8 +842,9 @@ class ParameterServer:
                              require_direct_io=config.ssd.require_direct_io)
         # Evicted rows gather in the write buffer, then go to SSD-PS in large puts;
         # misses read the buffer, then SSD-PS, then initialise (native, no GIL).
-        # Stamps never go back: the store's newest file bounds the step from below.
-        self._step = max(int(saved_step or 0), self._ssd.stamp)
+        # Stamps never go back: the store's newest file bounds the step from below
+        # (and is the step of a checkpoint that recorded none).
+        self._step = max(self._step, self._ssd.stamp)
         self._ssd.set_stamp(self._step)
         self._backing = _core.BackingStore(self._ssd, self._native_opt, config.write_buffer_rows)
         self._counts_lock = threading.Lock()
@@ -1301,6 +1322,7 @@ class ParameterServer:
                 _remove_tree(leftover)
             os.makedirs(os.path.join(tmp, _STORE_DIR))
             write_store_digest(tmp, self._snapshot_store(os.path.join(tmp, _STORE_DIR)))
+            _write_durable(os.path.join(tmp, SERVER_STEP), json.dumps({"step": self._step}).encode())
             if save is not None:
                 save(tmp)
             _sync_dir(tmp)

@@ -46,8 +46,8 @@ import numpy as np
 from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
                         read_job, replay_manifest, write_trainer_state)
-from hps.parameter_server import (CHECKPOINTS, METADATA, RUN, _remove_tree, _replace_durable, _sync_dir,
-                                  _write_durable, check_store_digest, new_run_id)
+from hps.parameter_server import (CHECKPOINTS, METADATA, RUN, SERVER_STEP, _remove_tree, _replace_durable,
+                                  _sync_dir, _write_durable, check_store_digest, checkpoint_step, new_run_id)
 
 JOB_MANIFEST = "job.json"
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
@@ -229,17 +229,31 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
         merged = merge_dense(states)
         torch.save(merged, buf)
         write_trainer_state(tmp, buf.getvalue(), merged["batches_done"], merged["examples_done"])
+        # The server's step goes on from the old job's (the newest stamp among the
+        # rows a rank gets may be older: it would restart the rank's step there).
+        step = _server_step(job, merged)
+        _write_durable(os.path.join(tmp, SERVER_STEP), json.dumps({"step": step}).encode())
         _sync_dir(os.path.join(tmp, STORE_DIR))
         _sync_dir(tmp)
         os.rename(tmp, final)
         _sync_dir(os.path.dirname(final))
         if one_process:  # the root's server names it (read only once job.json is gone)
-            meta = {**job.metadata, "checkpoint": number, RUN: run_id}
+            meta = {**job.metadata, "checkpoint": number, "step": step, RUN: run_id}
             _write_durable(os.path.join(root, METADATA + ".tmp"), json.dumps(meta, indent=1).encode())
             _replace_durable(os.path.join(root, METADATA + ".tmp"), os.path.join(root, METADATA))
         return view.checkpoint, number, written
     finally:
         view.close()
+
+
+def _server_step(job, merged: dict) -> int:
+    """The old job's server step at the checkpoint resharded: its rank 0's record,
+    else (a checkpoint made before servers recorded it) job.json's step, or the
+    one-process server's metadata's, else the trainer's batches done."""
+    step = checkpoint_step(job.checkpoint_dir(0))
+    if step is None:
+        step = job.step if job.distributed else job.metadata.get("step")
+    return int(merged["batches_done"] if step is None else step)
 
 
 def commit(root: str, world: int, old: dict, number: int) -> None:
