@@ -233,6 +233,33 @@ def test_an_incomplete_checkpoint_is_named_and_nothing_is_written(tmp_path, two_
     assert json.loads((old / "job" / "job.json").read_text())["world"] == 2
 
 
+@pytest.mark.parametrize("old_world", [2, 1])
+def test_a_job_still_running_is_not_resharded_under_it(tmp_path, two_ranks, old_world):
+    """A resume on another number of ranks started while a server of the old job is
+    open (the job still runs) is refused, naming it, before anything is written:
+    else that job's next checkpoint would replace the one the reshard wrote, and the
+    switch would take the job from under it."""
+    import hps
+    from hps import reshard
+    old = copy_of(two_ranks, tmp_path) if old_world == 2 else old_job(tmp_path, 1)
+    server = old / "job" / "rank1" if old_world == 2 else old / "job"
+    held = hps.ParameterServer.open(server)
+    try:
+        listing = sorted(os.listdir(old / "job"))
+        where = "rank 1 of the job" if old_world == 2 else "the parameter server"
+        with pytest.raises(hps.PathInUseError, match=f"{where} at .*still running.*{server}: another parameter "
+                                                     f"server has this path open"):
+            reshard.check_source(str(old / "job"))
+        if old_world == 2:  # hps train names it on every rank
+            p = scenario(3, old, "--steps", STEPS, "--resume", check=False)
+            assert p.returncode != 0 and "still running" in p.stderr, p.stderr[-3000:]
+        assert sorted(os.listdir(old / "job")) == listing
+    finally:
+        held.close()
+    reshard_in_process(old / "job", 3)  # once it is closed
+    assert json.loads((old / "job" / "job.json").read_text())["world"] == 3
+
+
 def test_the_old_files_a_crash_after_the_switch_left_go_at_the_next_resume(tmp_path, monkeypatch):
     """One process -> 2 ranks, the job dies right after job.json's switch, before
     the one-process parameter server at the root is removed: the next resume on

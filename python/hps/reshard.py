@@ -46,8 +46,9 @@ import numpy as np
 from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
                         read_job, replay_manifest, write_trainer_state)
-from hps.parameter_server import (CHECKPOINTS, METADATA, RUN, SERVER_STEP, _remove_tree, _replace_durable,
-                                  _sync_dir, _write_durable, check_store_digest, checkpoint_step, new_run_id)
+from hps.parameter_server import (CHECKPOINTS, METADATA, RUN, SERVER_STEP, WRITER_LOCK, PathInUseError, _lock_path,
+                                  _remove_tree, _replace_durable, _sync_dir, _write_durable, check_store_digest,
+                                  checkpoint_step, new_run_id)
 
 JOB_MANIFEST = "job.json"
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
@@ -61,13 +62,16 @@ def check_source(root: str) -> dict:
     part (a rank's checkpoint directory, its store's MANIFEST or STORE, a
     parameter file the MANIFEST lists, the dense state), ValueError when the job
     has no finished checkpoint, hps.CorruptionError when a rank's MANIFEST is not
-    the one its checkpoint recorded."""
+    the one its checkpoint recorded, PathInUseError when a server of the old job
+    is open (the job still runs): its next checkpoint would replace the one
+    written here, and the switch would take the job from under it."""
     job = read_job(root)
     if job.checkpoint is None:
         raise ValueError(f"{root}: the job has no finished checkpoint to reshard")
     for r in range(job.world):
         where = f"rank {r} of the job at {root} (checkpoint {job.checkpoint})" if job.distributed else \
             f"the parameter server at {root} (checkpoint {job.checkpoint})"
+        _check_not_open(job.rank_dir(r), where)
         directory = job.checkpoint_dir(r)
         store = os.path.join(directory, STORE_DIR)
         for path in (directory, os.path.join(store, MANIFEST), os.path.join(store, MARKER),
@@ -87,6 +91,19 @@ def check_source(root: str) -> dict:
     if step is None:
         step = _load_state(os.path.join(job.checkpoint_dir(0), TRAINER_STATE))["batches_done"]
     return {"world": job.world, "checkpoint": job.checkpoint, "step": int(step), "distributed": job.distributed}
+
+
+def _check_not_open(server: str, where: str) -> None:
+    """Raises PathInUseError, naming `where` and the holder, when a parameter server
+    has the directory `server` open (its writer lock is held)."""
+    if not os.path.exists(os.path.join(server, WRITER_LOCK)):
+        return  # never opened since the lock existed: nothing to take it (and nothing created here)
+    try:
+        fd = _lock_path(server)
+    except PathInUseError as e:
+        raise PathInUseError(f"{where}: the job is still running, or another run has it open; it cannot be "
+                             f"resharded under it. {e}") from None
+    os.close(fd)
 
 
 def _load_state(path: str) -> dict:
