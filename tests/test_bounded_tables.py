@@ -304,7 +304,8 @@ def test_erased_keys_are_export_tombstones(tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("ttl_steps", -1), ("ttl_steps", "7"), ("ttl_steps", True),
-                                         ("max_rows", -5), ("max_rows", 2.5)])
+                                         ("max_rows", -5), ("max_rows", 2.5),
+                                         ("max_rows", 1 << 64), ("ttl_steps", 1 << 64)])
 def test_bad_bounds_are_named(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         hps.ParameterServer(config(tmp_path / "ps", **{field: value}))

@@ -86,6 +86,7 @@ WRITER_LOCK = ".hps-writer.lock"  # flock'ed by the one ParameterServer open at 
 # gets (one started over, or a job resharded: its stores' files are numbered anew). An
 # export's position records it, so that a position never applies to another run's files.
 RUN = "run"
+_MAX_BOUND = (1 << 63) - 1  # the largest ttl_steps and max_rows
 SERVER_STEP = "server-step.json"  # in a checkpoint: the server's step (batches) when it was made
 
 
@@ -240,6 +241,9 @@ class ParameterServerConfig:
         whole("lookahead", self.lookahead, 0, " (batches)")
         for name in ("ttl_steps", "max_rows"):
             whole(name, getattr(self, name), 0, " (0: off)")
+            if getattr(self, name) > _MAX_BOUND:  # SSD-PS takes steps and rows as uint64
+                raise ValueError(f"{where}{name} must be at most 2^63 - 1 (TOML's largest int), "
+                                 f"got {getattr(self, name)!r}")
         if self.schedule == "herald":
             whole("worker_cache_rows", self.worker_cache_rows, 1)
             if self.devices > 64:
