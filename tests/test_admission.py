@@ -181,6 +181,7 @@ def test_config_errors_name_the_field(tmp_path):
                         ({"threshold": "3"}, "admission.threshold"),
                         ({"threshold": 2, "sketch_bytes": "lots"}, "admission.sketch_bytes"),
                         ({"threshold": 2, "sketch_bytes": 2}, "admission.sketch_bytes"),
+                        ({"threshold": 2, "sketch_bytes": "1000000TiB"}, "admission.sketch_bytes.*machine's memory"),
                         ({"threshold": 2, "bogus": 1}, "admission.bogus")):
         with pytest.raises(ValueError, match=name):
             config(tmp_path / "x", **extra)

@@ -99,6 +99,19 @@ class AdmissionConfig:
         if b < 4:
             raise ValueError(f"{source}: admission.sketch_bytes must be at least 4 (4 arrays of one-byte "
                              f"counters), got {self.sketch_bytes!r}")
+        memory = _physical_memory()
+        if self.threshold > 1 and memory is not None and b > memory:
+            # The counters are allocated and zeroed whole when training starts.
+            raise ValueError(f"{source}: admission.sketch_bytes = {self.sketch_bytes!r} ({b:,} bytes) is more "
+                             f"than this machine's memory ({memory:,} bytes)")
+
+
+def _physical_memory() -> Optional[int]:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @dataclass
