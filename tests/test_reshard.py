@@ -353,6 +353,39 @@ def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ran
         assert via["admission"]["keys_admitted"] == single["admission"]["keys_admitted"]
 
 
+@pytest.mark.parametrize("change", ["dim", "admission", "sketch_bytes"])
+def test_a_config_the_job_cannot_resume_with_is_refused_before_the_reshard(tmp_path, two_ranks, change):
+    """A resume on another number of ranks whose config the old job's checkpoint does
+    not fit (another [ps] dim, [admission] threshold or sketch size) is refused before
+    the reshard: it would otherwise reshard the whole table (here to one process, the
+    rank directories removed) and only then fail to open or load it."""
+    import dataclasses
+    from hps.train import AdmissionConfig, train
+    if change == "sketch_bytes":
+        old = tmp_path / "old"
+        scenario(2, old, "--steps", STEPS, "--admission", 3)
+    else:
+        old = copy_of(two_ranks, tmp_path)
+    before = rows_of(old / "job")
+    listing = sorted(os.listdir(old / "job"))
+    cfg = sc.train_config(str(old / "job"))
+    cfg.checkpoint_every = EVERY
+    if change == "dim":
+        cfg.ps = dataclasses.replace(cfg.ps, dim=cfg.ps.dim * 2)
+        match = r"dim = 8, this run's \[ps\] has 16; nothing was resharded"
+    elif change == "admission":
+        cfg.admission = sc.admission_config(3)
+        match = r"\[admission\] threshold = 1, this run has 3; nothing was resharded"
+    else:
+        cfg.admission = AdmissionConfig(threshold=3, sketch_bytes="2KiB")
+        match = r"sketch of 1,024 bytes, this run's \[admission\] sketch_bytes = '2KiB' \(2,048\); nothing was"
+    with pytest.raises(ValueError, match=match):
+        train(cfg, resume=True, progress=False, train_batches=sc.global_batches(STEPS + 2, PER_RANK, 2),
+              eval_batches=[])
+    assert sorted(os.listdir(old / "job")) == listing  # job.json and the ranks as they were
+    assert rows_of(old / "job") == before
+
+
 def test_a_kstep_job_does_not_reshard_to_one_process(tmp_path):
     from hps import reshard
     old = old_job(tmp_path, 2, sync="kstep")

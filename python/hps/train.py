@@ -372,7 +372,7 @@ class Trainer:
                                  f"mpiexec -n {world} hps train ..." + (
                                      ", or pass --resume to continue it in this one process"
                                      if manifest.get("checkpoint") is not None else ""))
-            _plan_reshard(cfg.ps.path, 1)  # back to one process: a parameter server at the root
+            _plan_reshard(cfg.ps.path, 1, cfg)  # back to one process: a parameter server at the root
             _, new, rows = reshard.to_one_process(cfg.ps.path)
             _notice(f"resharded: {rows:,} rows now in one process as checkpoint {new}")
         if node is None:
@@ -703,9 +703,9 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
             with open(manifest) as f:
                 job = json.load(f)
         if resume and job is not None and job["world"] != node.size and job.get("checkpoint") is not None:
-            return _plan_reshard(root, node.size)  # (a job that never checkpointed starts over below)
+            return _plan_reshard(root, node.size, cfg)  # (a job that never checkpointed starts over below)
         if resume and job is None and stored_checkpoint(root)[1] is not None:
-            return _plan_reshard(root, node.size)  # a one-process run's parameter server
+            return _plan_reshard(root, node.size, cfg)  # a one-process run's parameter server
         if resume and job is not None and job["world"] == node.size:
             if reshard.RESHARDED in job:
                 reshard.remove_old(root)  # what a crash right after the reshard's switch left
@@ -744,12 +744,42 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
     return number
 
 
-def _plan_reshard(root: str, world: int) -> dict:
-    """Rank 0: the checkpoint to reshard, checked whole (hps.reshard), and says so."""
+def _plan_reshard(root: str, world: int, cfg: TrainConfig) -> dict:
+    """Rank 0: the checkpoint to reshard, checked whole (hps.reshard) and against
+    this run's config, and says so."""
     old = reshard.check_source(root)
+    _check_resumable_with(cfg, root)
     _notice(f"--resume: the job at {root} ran on {old['world']} rank(s), this run has {world}: resharding "
             f"its checkpoint {old['checkpoint']} (step {old['step']}) over {world} ranks")
     return old
+
+
+def _check_resumable_with(cfg: TrainConfig, root: str) -> None:
+    """Raises ValueError naming the field when the job at root cannot resume with
+    cfg: the parameter server's layout ([ps] dim, optimizer kind, initializer,
+    seed) or [admission] (threshold, sketch bytes) of its checkpoint differ. A
+    reshard checks this first: the parameter server and the trainer would refuse
+    it only once the table had been resharded."""
+    from hps.jobdir import read_job
+    job = read_job(root)
+    mine, theirs = cfg.ps.layout(), job.config.layout()
+    for name in ParameterServerConfig.LAYOUT_FIELDS:
+        if mine[name] != theirs[name]:
+            raise ValueError(f"--resume: the job at {root} has {name} = {theirs[name]!r}, this run's [ps] has "
+                             f"{mine[name]!r}; nothing was resharded (resume with the job's {name})")
+    state = reshard._load_state(os.path.join(job.checkpoint_dir(0), TRAINER_STATE))
+    saved = state.get("admission") or {"threshold": 1}
+    if saved["threshold"] != cfg.admission.threshold:
+        raise ValueError(f"--resume: the job at {root} was trained with [admission] threshold = "
+                         f"{saved['threshold']}, this run has {cfg.admission.threshold}; nothing was resharded")
+    sketch = saved.get("sketch")
+    if sketch is not None:
+        rows = int(sketch["rows"])
+        asked = parse_bytes(cfg.admission.sketch_bytes, "admission.sketch_bytes") // rows * rows
+        if asked != int(sketch["bytes"]):
+            raise ValueError(f"--resume: the job at {root} counts admission in a sketch of {sketch['bytes']:,} "
+                             f"bytes, this run's [admission] sketch_bytes = {cfg.admission.sketch_bytes!r} "
+                             f"({asked:,}); nothing was resharded")
 
 
 def _check_resumed_step(trainer: Trainer) -> None:
