@@ -166,6 +166,14 @@ def test_resume_is_exact(straight, tmp_path):
     np.testing.assert_array_equal(pull(part, keys)[0], pull(path, keys)[0])
 
 
+def test_a_resume_with_another_sketch_size_names_the_field(tmp_path):
+    part = tmp_path / "ps"
+    train(config(part, F, examples=BATCH * 2, checkpoint_every=2, sketch_bytes="64KiB"), progress=False)
+    with pytest.raises(ValueError, match=r"sketch of 65,536 bytes, this run's \[admission\] sketch_bytes gives "
+                                         r"131,072; resume with sketch_bytes = 65536"):
+        train(config(part, F, checkpoint_every=2, sketch_bytes="128KiB"), resume=True, progress=False)
+
+
 def test_threshold_one_is_no_admission(tmp_path):
     a = train(config(tmp_path / "a", 1, examples=BATCH * 4), progress=False)
     b = train(config(tmp_path / "b", None, examples=BATCH * 4), progress=False)

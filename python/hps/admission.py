@@ -256,7 +256,12 @@ class Admission:
         self.rank_occurrences = int(state.get("rank_occurrences", 0))
         self.rank_default_reads = int(state.get("rank_default_reads", 0))
         if self.sketch is not None:
-            self.sketch.load_state_dict(state["sketch"])
+            saved = state["sketch"]
+            if saved["bytes"] != self.sketch.bytes:
+                raise ValueError(f"the checkpoint counted admission in a sketch of {saved['bytes']:,} bytes, this "
+                                 f"run's [admission] sketch_bytes gives {self.sketch.bytes:,}; resume with "
+                                 f"sketch_bytes = {saved['bytes']}")
+            self.sketch.load_state_dict(saved)
 
     def summary(self) -> dict:
         s = self.sketch
