@@ -174,6 +174,49 @@ def test_a_resume_with_another_sketch_size_names_the_field(tmp_path):
         train(config(part, F, checkpoint_every=2, sketch_bytes="128KiB"), resume=True, progress=False)
 
 
+def test_evaluations_in_a_run_answer_as_the_batches_trained_left_the_sketch(tmp_path, monkeypatch):
+    """The read stage counts admission ahead of the batch trained (its queues). An
+    evaluation in the middle of a pipelined run answers as the batches trained by
+    then left the sketch: its metrics equal those of the run that reads each batch
+    only as it trains it, however far the reader has got (here made to be two
+    batches ahead at every evaluation), as they do without admission."""
+    import threading
+    from hps import train as htrain
+    batches = 6
+    counted = [0]
+    cond = threading.Condition()
+
+    def source():
+        for b in hps.data.SyntheticCriteo(batch_size=BATCH, examples=BATCH * batches, vocab_sizes=VOCAB):
+            yield b
+            with cond:  # the reader came back for more: it has counted b
+                counted[0] += 1
+                cond.notify_all()
+        with cond:
+            counted[0] = batches
+            cond.notify_all()
+
+    evaluate = htrain.Trainer.evaluate
+
+    def evaluate_with_the_reader_ahead(trainer, eval_batches):
+        want = min(trainer.batches_done + 2, batches)
+        with cond:
+            assert cond.wait_for(lambda: counted[0] >= want, timeout=120), "the reader did not read ahead"
+        return evaluate(trainer, eval_batches)
+
+    runs = []
+    for pipelined in (False, True):
+        cfg = config(tmp_path / f"p{pipelined}", F, examples=BATCH * batches)
+        cfg.eval_every, cfg.pipelined = 1, pipelined
+        if pipelined:
+            monkeypatch.setattr(htrain.Trainer, "evaluate", evaluate_with_the_reader_ahead)
+        counted[0] = 0
+        summary = train(cfg, progress=False, train_batches=source())
+        runs.append([(h["batches"], h["auc"], h["logloss"]) for h in summary["history"]])
+    assert len(runs[0]) == batches + 1
+    assert runs[1] == runs[0]
+
+
 def test_threshold_one_is_no_admission(tmp_path):
     a = train(config(tmp_path / "a", 1, examples=BATCH * 4), progress=False)
     b = train(config(tmp_path / "b", None, examples=BATCH * 4), progress=False)

@@ -28,7 +28,10 @@ Example::
 
 In training (``[admission]`` in ``hps train``'s TOML; docs/training.md) the
 pipeline's read stage rewrites each batch's keys, and evaluation batches are
-answered by :meth:`AdmissionSketch.query`, which counts nothing.
+answered by :meth:`AdmissionSketch.query`, which counts nothing. The read stage
+counts batches ahead of the one trained, so an evaluation in the middle of a run
+answers with a copy of the counters that the read stage kept when it counted the
+last batch trained before it (:meth:`Admission.keep_for_evaluations`).
 
 Under mpiexec the count is the job's: every rank keeps the same sketch and counts
 every rank's keys of each global step (:meth:`Admission.train_job_batch`: the
@@ -45,7 +48,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Union
+import threading
+from typing import Optional, Union
 
 import numpy as np
 
@@ -166,6 +170,12 @@ class Admission:
         self.rank_occurrences = 0
         self.rank_default_reads = 0
         self._eval_pass = [0, 0]
+        self._eval_every = 0      # keep_for_evaluations' cadence (0: no copies)
+        self._counted = 0         # batches the read stage counted (a resumed run's included)
+        self._kept = {}           # batches counted -> the counters then (guarded by _kept_lock)
+        self._kept_lock = threading.Lock()
+        self._eval_sketch: Optional[AdmissionSketch] = None  # holds a kept copy for an evaluation
+        self._eval_query = None   # what eval_batch answers with (None: the sketch's query)
 
     @property
     def enabled(self) -> bool:
@@ -177,6 +187,7 @@ class Admission:
             return batch
         out, defaults = _rewrite(batch, self.sketch.admit)
         self.default_reads += defaults
+        self._batch_counted()
         return out
 
     def train_job_batch(self, batch, node):
@@ -201,7 +212,30 @@ class Admission:
         self.rank_occurrences += sum(len(p) for p in parts)
         out, defaults = _apply(batch, mine)
         self.rank_default_reads += defaults
+        self._batch_counted()
         return out
+
+    def keep_for_evaluations(self, every: int, done: int = 0) -> None:
+        """Evaluations after every `every` batches trained (hps train's eval_every)
+        answer as the batches trained by then left the sketch, not as the read
+        stage, which counts batches ahead of the one trained (its queues), has
+        left it by the time the trainer evaluates: each time the read stage has
+        counted a multiple of `every` batches (`done`: a resumed run's batches
+        before), it keeps a copy of the counters, which begin_evaluation(that
+        many) takes. A copy costs the sketch's bytes; at most as many are held as
+        the read stage is ahead by evaluations (with eval_every = 1, the batches
+        it is ahead)."""
+        with self._kept_lock:
+            self._eval_every, self._counted = int(every), int(done)
+            self._kept.clear()
+
+    def _batch_counted(self) -> None:
+        """The read stage counted one more batch (in its thread)."""
+        self._counted += 1
+        if self._eval_every and self._counted % self._eval_every == 0:
+            counters = self.sketch.counters()
+            with self._kept_lock:
+                self._kept[self._counted] = counters
 
     def agree(self, node) -> bool:
         """Collective, on resume in a job: makes every rank's sketch and job counters
@@ -227,11 +261,30 @@ class Admission:
         self.default_reads = sum(e[4] for e in every)
         return True
 
+    def begin_evaluation(self, trained: Optional[int] = None) -> None:
+        """Starts an evaluation after `trained` batches: eval_batch answers with the
+        counters kept when the read stage counted that many (keep_for_evaluations),
+        else (none kept: the read stage is done, or keeps none) with the sketch's."""
+        if self.sketch is None:
+            return
+        with self._kept_lock:
+            counters = self._kept.pop(trained, None) if trained is not None else None
+            for n in [n for n in self._kept if trained is not None and n < trained]:
+                del self._kept[n]  # (an evaluation skipped)
+        if counters is None:
+            self._eval_query = None
+            return
+        if self._eval_sketch is None:
+            s = self.sketch
+            self._eval_sketch = AdmissionSketch(s.threshold, s.bytes, rows=s.rows, seed=s.seed)
+        self._eval_sketch._native.restore(counters)
+        self._eval_query = self._eval_sketch.query
+
     def eval_batch(self, batch):
         """The batch as evaluation reads it: keys never admitted replaced, nothing counted."""
         if self.sketch is None:
             return batch
-        out, defaults = _rewrite(batch, self.sketch.query)
+        out, defaults = _rewrite(batch, self._eval_query or self.sketch.query)
         self._eval_pass[0] += _occurrences(batch)
         self._eval_pass[1] += defaults
         return out
@@ -240,6 +293,7 @@ class Admission:
         """Closes an evaluation's counts (eval_reads, eval_default_reads)."""
         self.eval_reads, self.eval_default_reads = self._eval_pass
         self._eval_pass = [0, 0]
+        self._eval_query = None
 
     def state_dict(self) -> dict:
         return {"threshold": self.threshold, "default_reads": self.default_reads, "eval_reads": self.eval_reads,

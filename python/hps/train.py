@@ -558,6 +558,7 @@ class Trainer:
             rounds = -(-len(batches) // node.size)
             mine = [batches[i] if i < len(batches) else None for i in range(node.rank, rounds * node.size, node.size)]
         labels, probs = [], []
+        self.admission.begin_evaluation(self.batches_done)  # the sketch as the batches trained left it
         with torch.no_grad():
             for b in mine:
                 if b is None:
@@ -865,6 +866,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
 
 def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, eval_batches: list) -> dict:
     node = trainer.node
+    if cfg.eval_every and eval_batches:
+        # The read stage counts admission ahead of the batch trained: each evaluation
+        # in the run takes the counters it kept at that batch.
+        trainer.admission.keep_for_evaluations(cfg.eval_every, trainer.batches_done)
 
     if node is None:
         # Skipped by examples, not batches: the run resumed from may have ended on a
