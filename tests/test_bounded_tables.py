@@ -212,6 +212,35 @@ def test_a_resharded_rank_goes_on_from_the_jobs_step(tmp_path):
     assert sorted(newest) == [1, 4]  # one rank holds rows of step 1 only
 
 
+def test_a_rank_that_got_further_than_the_job_takes_the_reshards_step(tmp_path):
+    """A rank finished checkpoint K+1 (its metadata names it, at a later step) before
+    the job died with job.json at K; resharded, the reshard's own checkpoint K+1
+    replaces that rank's: the rank goes on from the job's step at K."""
+    pytest.importorskip("torch", reason="a reshard reads hps train's dense state")
+    from hps import reshard
+    root = tmp_path / "job"
+    ps = hps.ParameterServer(config(root, ttl_steps=100))
+    keys = np.arange(1, 101, dtype=np.uint64)
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))  # step 1
+    ps.checkpoint(_trainer_state(1))
+    ps.close()
+    old = reshard.check_source(str(root))  # to a job of 2 ranks at checkpoint 2, step 1
+    reshard.commit(str(root), 2, old, [reshard.write_rank(str(root), 2, r) for r in range(2)][0][1])
+    rank0 = hps.ParameterServer(config(root / "rank0", ttl_steps=100), checkpoint=2)
+    for _ in range(3):
+        rank0.push(keys, np.ones((len(keys), DIM), np.float32))
+    assert rank0.checkpoint(_trainer_state(4), keep_previous=True) == 3  # job.json still names 2
+    rank0.close()
+    old = reshard.check_source(str(root))
+    done = [reshard.write_rank(str(root), 3, r) for r in range(3)]
+    reshard.commit(str(root), 3, old, done[0][1])
+    assert done[0][1] == 3
+    for r in range(3):
+        rank = hps.ParameterServer(config(root / f"rank{r}", ttl_steps=100), checkpoint=3)
+        assert rank.step == 1, f"rank {r}"
+        rank.close()
+
+
 def test_a_server_rolled_back_goes_on_from_that_checkpoints_step(tmp_path):
     """An MPI rank rolls back to the checkpoint job.json names, which its metadata no
     longer names: it goes on from that checkpoint's step, even when the batches

@@ -829,15 +829,15 @@ class ParameterServer:
         elif checkpoint == LAST:
             checkpoint = meta.get("checkpoint")
         herald = config.schedule == "herald"
-        # The step of the checkpoint resumed from: the metadata's, when it names
-        # that one; else the checkpoint's own record (an MPI job rolled back to an
-        # earlier checkpoint, a resharded rank's new one). Known before _restore,
+        # The step of the checkpoint resumed from: its own record, which holds also
+        # where the metadata names another checkpoint (an MPI job rolled back to an
+        # earlier one) or another checkpoint of that number (a rank that got
+        # further than job.json, then resharded: the reshard's checkpoint replaced
+        # its own); else the metadata's, when it names it. Known before _restore,
         # which may rewrite the metadata to name this checkpoint.
-        saved_step = None
-        if meta is not None and meta.get("checkpoint") == checkpoint:
+        saved_step = None if checkpoint is None else checkpoint_step(self.checkpoint_dir(checkpoint))
+        if saved_step is None and meta is not None and meta.get("checkpoint") == checkpoint:
             saved_step = meta.get("step")
-        elif checkpoint is not None:
-            saved_step = checkpoint_step(self.checkpoint_dir(checkpoint))
         self._step = int(saved_step or 0)
         self._checkpoint = self._restore(checkpoint, meta)
         self._ssd = SsdStore(os.path.join(config.path, _STORE_DIR), row_bytes, file_records=config.ssd.file_records,
