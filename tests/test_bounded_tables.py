@@ -266,6 +266,31 @@ def test_a_server_rolled_back_goes_on_from_that_checkpoints_step(tmp_path):
     ps.close()
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_row_a_prefetch_holds_across_the_checkpoint_comes_back_as_new(tmp_path, devices):
+    """A prefetch made before a checkpoint that expires one of its keys pins that
+    key's row in MEM-PS: the checkpoint cannot drop it, and it kept the erased row,
+    which its batch then trained on and the next checkpoint wrote back (a key erased
+    from SSD-PS, resurrected from MEM-PS). The pinned copy now gets the key's
+    initial row, as a key never seen: unless its batch updates it, it is not stored."""
+    ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=1, devices=devices))
+    key, other = np.array([5], np.uint64), np.array([9], np.uint64)
+    ps.push(key, np.ones((1, DIM), np.float32))  # step 1
+    ps.checkpoint()
+    for _ in range(2):  # steps 2 and 3: key 5 not updated for 2 > ttl_steps steps
+        ps.push(other, np.ones((1, DIM), np.float32))
+    pre = ps.prefetch(key)
+    ps.checkpoint()
+    assert ps.stats()["counts"]["expired"] == 1 and not ps._ssd.stamps(key)[1][0]
+    initial = initial_rows(tmp_path / "fresh", key)
+    with ps.batch(pre) as b:  # reads the row, updates nothing
+        np.testing.assert_array_equal(b.pull(key), initial)
+    ps.checkpoint()
+    assert not ps._ssd.stamps(key)[1][0]  # not written back
+    np.testing.assert_array_equal(ps.pull(key), initial)
+    ps.close()
+
+
 def test_expired_space_is_given_back(tmp_path):
     ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=2))
     keys = np.arange(1, 2001, dtype=np.uint64)

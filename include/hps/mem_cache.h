@@ -207,9 +207,12 @@ class MemCache {
   virtual void ClearLookahead() = 0;
   // Drops the cached rows of keys, clean or dirty, without the sink: keys
   // that SSD-PS erased (SsdStore::Bound), whose next Pull loads them anew.
-  // A pinned row is in use by a batch: it stays, marked dirty, so that it
-  // goes back to SSD-PS when evicted or flushed (the key comes back, as
-  // recently updated). Absent keys are skipped. Returns the rows dropped.
+  // A pinned row (a prefetch made beside the erase holds it) stays, pinned
+  // where it is, but gets what the loader gives for its key now (for a key
+  // SSD-PS erased, its initial row), clean or dirty as the loader says: the
+  // key comes back as a new key would, never with the row erased. Without a
+  // loader it keeps its row, marked dirty. Absent keys are skipped. Returns
+  // the rows dropped (not those reloaded).
   // Throws std::invalid_argument for the reserved key (naming its index),
   // changing nothing.
   virtual uint64_t Erase(const uint64_t* keys, uint64_t n) = 0;

@@ -26,7 +26,9 @@ class MemCache(_core.MemCache):
     that evictions spare them (Belady inside that window), and ``replay(trace,
     batch, lookahead=K)`` replays a trace in batches with such a window of K batches.
     ``erase(keys)`` drops cached rows, clean or dirty, without the sink (keys that
-    SSD-PS erased); a pinned row stays, dirty, and returns the count dropped.
+    SSD-PS erased), and returns the count dropped; a pinned row stays pinned but gets
+    what the loader gives for its key now (for a key SSD-PS erased, its initial row;
+    without a loader it keeps its row, marked dirty).
     ``huge_pages=False`` keeps the rows' arena off transparent huge pages, so that
     its resident memory follows the rows cached (a 2 MiB page is resident once one
     row in it is written); True gives fewer TLB misses to a cache that fills.

@@ -1219,7 +1219,8 @@ class ParameterServer:
         """Bounded tables, at a checkpoint after the flush: erases from SSD-PS the
         rows not updated for more than ttl_steps and then the oldest beyond
         max_rows, and drops MEM-PS's copies (clean after the flush; a row pinned
-        by a prefetch running beside the checkpoint stays, dirty, and returns)."""
+        by a prefetch made beside the checkpoint stays pinned, with the key's
+        initial row: its batch reads the key as new, never the row erased)."""
         if not self._bounded:
             return
         ttl, cap = self.config.ttl_steps, self.config.max_rows

@@ -634,13 +634,18 @@ class ShardedCache final : public MemCache {
     CheckKeys(keys, n);
     std::lock_guard miss_lock(miss_mutex_);  // no eviction moves a row meanwhile
     uint64_t dropped = 0;
+    std::vector<uint64_t> held;  // pinned: their rows are reloaded below
     for (uint64_t i = 0; i < n; ++i) {
       Shard& shard = shards_[ShardOf(keys[i])];
       std::lock_guard lock(shard.mutex);
       const uint32_t slot = shard.where.Find(keys[i]);
       if (slot == kNoSlot) continue;
       if (shard.pins[slot] > 0) {
-        if (!shard.dirty[slot]) MarkDirty(shard, slot);
+        if (loader_) {
+          held.push_back(keys[i]);
+        } else if (!shard.dirty[slot]) {
+          MarkDirty(shard, slot);
+        }
         continue;
       }
       shard.policy->Detach(slot);  // unpinned rows are in the order: out of it for good
@@ -652,7 +657,33 @@ class ShardedCache final : public MemCache {
       shard.free.push_back(slot);  // never past its initial capacity: cannot throw
       ++dropped;
     }
+    if (!held.empty()) ReloadPinned(&held);
     return dropped;
+  }
+
+  // Erase's pinned rows: each gets what the loader gives for its key now, clean
+  // or dirty as the loader says, in its slot (its pins hold it there).
+  // REQUIRES: miss_mutex_ held (no other load or eviction meanwhile).
+  void ReloadPinned(std::vector<uint64_t>* held) {
+    std::sort(held->begin(), held->end());
+    held->erase(std::unique(held->begin(), held->end()), held->end());
+    std::vector<uint8_t> rows(held->size() * row_bytes_);
+    std::vector<uint8_t> dirty(held->size(), 0);
+    loader_(held->data(), held->size(), rows.data(), dirty.data());
+    rows_loaded_ += held->size();
+    for (size_t m = 0; m < held->size(); ++m) {
+      Shard& shard = shards_[ShardOf((*held)[m])];
+      std::lock_guard lock(shard.mutex);
+      const uint32_t slot = shard.where.Find((*held)[m]);
+      if (slot == kNoSlot) continue;  // (cannot happen: a pinned row stays)
+      std::memcpy(RowAt(shard, slot), rows.data() + m * row_bytes_, row_bytes_);
+      if (dirty[m] && !shard.dirty[slot]) {
+        MarkDirty(shard, slot);
+      } else if (!dirty[m] && shard.dirty[slot]) {
+        shard.dirty[slot] = 0;  // its entry in dirty_slots is skipped by the next flush
+        --shard.dirty_rows;
+      }
+    }
   }
 
   bool Contains(uint64_t key) const override {

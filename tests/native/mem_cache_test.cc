@@ -650,22 +650,31 @@ TEST(MemCache, UnpinUpdatedMarksOnlyTheUpdatedRows) {
   EXPECT_EQ(backing.rows.at(1), 12u);
 }
 
-// A pinned row that SSD-PS erased stays, dirty: its only copy is now here,
-// so it goes to the sink even if the batch unpins it unwritten.
-TEST(MemCache, ErasedPinnedRowGoesBackToTheSinkEvenUnwritten) {
+// A pinned row that SSD-PS erased (a prefetch made beside the erase holds it)
+// stays pinned where it is, but with what the loader gives for its key now: the
+// erased row is never served nor written back.
+TEST(MemCache, ErasedPinnedRowTakesTheLoadersRowNow) {
   Backing backing;
-  backing.rows = {{5, 55}};
+  backing.rows = {{5, 55}, {6, 66}};
   auto cache = BackedCache(backing, "lru", 8, 1);
-  const uint64_t five = 5;
-  cache->Pull(&five, 1, nullptr, /*pin=*/true, nullptr);
+  const std::vector<uint64_t> keys = {5, 6};
+  std::vector<uint8_t*> at(2);
+  cache->Pin(keys.data(), keys.size(), nullptr, at.data());
   ASSERT_EQ(cache->stats().dirty, 0u);
-  backing.rows.erase(five);  // as SsdStore::Bound would
-  EXPECT_EQ(cache->Erase(&five, 1), 0u);
-  EXPECT_EQ(cache->stats().dirty, 1u);
-  cache->Unpin(&five, 1);
+  backing.rows.erase(5);  // as SsdStore::Bound would
+  backing.rows[6] = 67;   // (another row now: the loader's is taken, clean as it says)
+  EXPECT_EQ(cache->Erase(keys.data(), keys.size()), 0u);
+  uint64_t five = 0, six = 0;
+  std::memcpy(&five, at[0], 8);
+  std::memcpy(&six, at[1], 8);
+  EXPECT_EQ(five, 5000u) << "the erased row stayed";  // this loader's row for a key it does not hold
+  EXPECT_EQ(six, 67u);
+  EXPECT_EQ(cache->stats().dirty, 1u);  // key 5: this loader calls the rows it does not hold dirty
+  cache->Unpin(keys.data(), keys.size(), at.data());
   cache->FlushDirty();
-  ASSERT_EQ(backing.rows.count(five), 1u) << "the erased key's only copy was dropped";
-  EXPECT_EQ(backing.rows.at(five), 55u);
+  EXPECT_EQ(backing.rows.at(5), 5000u);
+  EXPECT_EQ(backing.rows.at(6), 67u);
+  EXPECT_EQ(backing.sunk, 1u);
 }
 
 // An address that is not the start of a row (a caller's pointer
