@@ -138,6 +138,12 @@ def test_reshard_moves_every_row_to_its_owner_and_trains_on_as_an_m_rank_job(tmp
     report = inspect(str(ref / "job"), verify=True)
     assert (report["world"], report["rows"], report["step"]) == (new_world, len(before), STEPS)
     assert report["verify"]["ok"], report["verify"]["problems"]
+    # Each new checkpoint records its MANIFEST as checkpoint() does (ssd.json), so a copy cut
+    # at a record boundary is refused there too.
+    for r in range(new_world):
+        checkpoint = ref / "job" / f"rank{r}" / "checkpoints" / f"{job['checkpoint']:06d}"
+        digest = json.loads((checkpoint / "ssd.json").read_text())
+        assert digest["manifest_bytes"] == (checkpoint / "ssd" / "MANIFEST").stat().st_size > 0
     import torch
     for state in dense_states(ref / "job", new_world):
         assert state["batches_done"] == STEPS

@@ -48,7 +48,7 @@ from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, l
                         read_job, replay_manifest, write_trainer_state)
 from hps.parameter_server import (CHECKPOINTS, METADATA, RUN, SERVER_STEP, WRITER_LOCK, PathInUseError, _lock_path,
                                   _remove_tree, _replace_durable, _sync_dir, _write_durable, check_store_digest,
-                                  checkpoint_step, new_run_id)
+                                  checkpoint_step, new_run_id, write_store_digest)
 
 JOB_MANIFEST = "job.json"
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
@@ -240,6 +240,8 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
         del sources
         out.commit()
         del out
+        with open(os.path.join(tmp, STORE_DIR, MANIFEST), "rb") as f:  # (closed: the store's last word)
+            write_store_digest(tmp, f.read())
         states = [_load_state(os.path.join(job.checkpoint_dir(r), TRAINER_STATE)) for r in range(job.world)]
         import torch
         buf = io.BytesIO()
