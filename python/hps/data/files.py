@@ -142,14 +142,33 @@ def _compression(path: str) -> Optional[str]:
     return next((kind for ext, kind in _COMPRESSED.items() if name.endswith(ext)), None)
 
 
-class _Decompressed:
-    """The decompressed bytes of a file object of compressed ones (a URL's), by
-    pyarrow's codecs; closing it closes that file object too."""
+class _CodecStream:
+    """A pyarrow codec stream over a file object (a URL's); closing it closes the
+    stream (finishing it, when writing), then that file object."""
+
+    def __init__(self, raw, stream):
+        self._raw = raw
+        self._stream = stream
+
+    def close(self) -> None:
+        try:
+            self._stream.close()
+        finally:
+            self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Decompressed(_CodecStream):
+    """The decompressed bytes of a file object of compressed ones, by pyarrow's codecs."""
 
     def __init__(self, raw, kind: str):
         pa = _pyarrow()
-        self._raw = raw
-        self._stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), kind)
+        super().__init__(raw, pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), kind))
 
     def read(self, n: Optional[int] = -1) -> bytes:
         return self._stream.read() if n is None or n < 0 else self._stream.read(n)
@@ -161,42 +180,16 @@ class _Decompressed:
     def closed(self) -> bool:
         return self._stream.closed
 
-    def close(self) -> None:
-        try:
-            self._stream.close()
-        finally:
-            self._raw.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class _Compressing:
-    """A writer that compresses into a file object (a URL's) by pyarrow's codecs;
-    closing it finishes the stream and closes that file object."""
+class _Compressing(_CodecStream):
+    """A writer that compresses into a file object by pyarrow's codecs."""
 
     def __init__(self, raw, kind: str):
         pa = _pyarrow()
-        self._raw = raw
-        self._stream = pa.CompressedOutputStream(pa.PythonFile(raw, mode="w"), kind)
+        super().__init__(raw, pa.CompressedOutputStream(pa.PythonFile(raw, mode="w"), kind))
 
     def write(self, data: bytes) -> int:
         return self._stream.write(data)
-
-    def close(self) -> None:
-        try:
-            self._stream.close()
-        finally:
-            self._raw.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _open_binary_for_writing(path: str):
