@@ -148,4 +148,83 @@ TEST(AdmissionSketch, RejectsBadOptions) {
   EXPECT_EQ(s.counters().size(), 8u);
 }
 
+// The counters a key's occurrence can raise: one per array, found by counting
+// the key once in an empty sketch of the same options.
+std::vector<uint64_t> CountersOf(const hps::AdmissionOptions& o, uint64_t key) {
+  hps::AdmissionSketch empty(o);
+  uint8_t admitted;
+  empty.Admit(&key, 1, &admitted);
+  std::vector<uint64_t> at;
+  for (uint64_t i = 0; i < empty.counters().size(); ++i) {
+    if (empty.counters()[i] != 0) at.push_back(i);
+  }
+  return at;
+}
+
+// The header's arithmetic, counter by counter: each array has one counter
+// of a key; an occurrence raises those of its counters equal to their
+// minimum (conservative update), none once it is 255; Estimate is that
+// minimum. A small sketch, so that keys share counters and the rules differ
+// from plain count-min's.
+TEST(AdmissionSketch, CountersFollowTheConservativeUpdateAndEstimatesTheirMinimum) {
+  const hps::AdmissionOptions o{.bytes = 3 * 16, .rows = 3, .threshold = 2, .seed = 9};
+  hps::AdmissionSketch s(o);
+  std::vector<uint8_t> model(s.counters().size(), 0);
+  std::mt19937_64 rng(13);
+  std::vector<uint8_t> admitted;
+  for (int b = 0; b < 40; ++b) {
+    const auto keys = SkewedKeys(rng, 50, 60);
+    for (uint64_t k : keys) {
+      const std::vector<uint64_t> at = CountersOf(o, k);
+      ASSERT_EQ(at.size(), 3u) << "key " << k;
+      for (int32_t r = 0; r < 3; ++r) ASSERT_EQ(at[r] / s.width(), static_cast<uint64_t>(r)) << "key " << k;
+      uint8_t m = 255;
+      for (uint64_t i : at) m = std::min(m, model[i]);
+      if (m == 255) continue;
+      for (uint64_t i : at) model[i] += model[i] == m;
+    }
+    admitted.resize(keys.size());
+    s.Admit(keys.data(), keys.size(), admitted.data());
+    ASSERT_EQ(s.counters(), model) << "batch " << b;
+  }
+  for (uint64_t k = 0; k < 60; ++k) {
+    uint32_t m = 255;
+    for (uint64_t i : CountersOf(o, k)) m = std::min<uint32_t>(m, model[i]);
+    EXPECT_EQ(s.Estimate(k), m) << "key " << k;
+  }
+  // One array: the estimate is the key's one counter, 0 for a key never seen.
+  hps::AdmissionSketch one({.bytes = 64, .rows = 1, .threshold = 1});
+  EXPECT_EQ(one.Estimate(123), 0u);
+}
+
+// Each array has its own hash over its whole width, and the seed changes
+// them: keys land on every counter of every array, at offsets that differ
+// from array to array and from seed to seed.
+TEST(AdmissionSketch, ArraysHashKeysIndependentlyOverTheirWholeWidth) {
+  const hps::AdmissionOptions o{.bytes = 4 * 8, .rows = 4, .threshold = 1, .seed = 1};
+  hps::AdmissionOptions reseeded = o;
+  reseeded.seed = 2;
+  std::vector<uint8_t> hit(32, 0);
+  bool arrays_differ = false, seeds_differ = false;
+  for (uint64_t k = 0; k < 200; ++k) {
+    const std::vector<uint64_t> at = CountersOf(o, k);
+    ASSERT_EQ(at.size(), 4u);
+    for (uint64_t i : at) hit[i] = 1;
+    arrays_differ |= at[0] % 8 != at[1] % 8 || at[1] % 8 != at[2] % 8 || at[2] % 8 != at[3] % 8;
+    seeds_differ |= CountersOf(reseeded, k) != at;
+  }
+  EXPECT_EQ(hit, std::vector<uint8_t>(32, 1)) << "a counter no key reaches";
+  EXPECT_TRUE(arrays_differ) << "every array hashes a key to the same offset";
+  EXPECT_TRUE(seeds_differ) << "the seed changes no key's counters";
+}
+
+// The bounds of the options are accepted: 16 arrays, one counter each, threshold 255.
+TEST(AdmissionSketch, AcceptsTheBoundsOfItsOptions) {
+  hps::AdmissionSketch rows16({.bytes = 16, .rows = 16, .threshold = 255});
+  EXPECT_EQ(rows16.width(), 1u);
+  EXPECT_EQ(rows16.counters().size(), 16u);
+  hps::AdmissionSketch one({.bytes = 1, .rows = 1, .threshold = 1});
+  EXPECT_EQ(one.width(), 1u);
+}
+
 }  // namespace
