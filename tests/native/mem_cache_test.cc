@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "cache/cache_policy.h"
 #include "hps/keys.h"  // kEmptyKey
 #include "hps/mem_cache.h"
 
@@ -1189,6 +1190,262 @@ TEST(MemCache, ReservedKeyIsNeverCachedNorErased) {
   std::vector<uint64_t> rows(keys.size());
   cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), /*pin=*/false, nullptr);
   for (size_t i = 0; i < keys.size(); ++i) ASSERT_EQ(rows[i], keys[i] * 1000) << "key " << keys[i];
+}
+
+// ---- the replacement policies themselves (src/cache/cache_policy.h)
+
+// Drives one policy as a shard does (Record before every visit) through
+// random adds, visits, pins, unpins, walks, defers and evictions. After each
+// step: a walk names every ordered row once, no pinned or free one, and at
+// most `limit`; Evict takes the walk's first. For lru, lfu and tinylfu-lfu
+// the walk is also checked against a reference order, (rank, last visit)
+// least first: lru's rank is nothing, lfu's the visits since the row was
+// added, tinylfu-lfu's the key's count at the row's last visit (or when the
+// order was built, for rows visited before). The tinylfu-lfu sketch is large
+// for the few keys, so its estimates are the exact counts. lru+lfu's
+// reference: the LFU's rows by (visits since added, when they left the
+// LRU), then the LRU's (its half of the slots) least recent first.
+class PolicyWalk : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PolicyWalk, WalksNameTheOrderedRowsInOrderAndEvictTakesTheFirst) {
+  const CachePolicyKind kind = ParseCachePolicy(GetParam());
+  constexpr uint32_t kSlots = 48;
+  // tinylfu-lfu's sketch grows with the capacity: room for exact counts.
+  const uint32_t capacity = kind == CachePolicyKind::kTinyLfuLfu ? 1024 : kSlots;
+  auto policy = detail::NewCachePolicy(kind, capacity, 0.5);
+  const bool modelled = kind != CachePolicyKind::kWTinyLfu;
+  const bool two_parts = kind == CachePolicyKind::kLruLfu;
+  const uint32_t lru_share = kSlots / 2;
+  enum State { kFree, kOrdered, kPinned };
+  std::vector<State> state(kSlots, kFree);
+  std::vector<uint64_t> key_of(kSlots, 0), rank(kSlots, 0), last(kSlots, 0);
+  std::vector<uint8_t> in_lru(kSlots, 0);  // lru+lfu: in its LRU part
+  std::map<uint64_t, uint64_t> recorded;  // key -> Record calls
+  uint64_t clock = 0;
+  bool built = kind == CachePolicyKind::kLfu;  // lru and tinylfu-lfu order at the first walk or eviction
+  std::mt19937_64 rng(17);
+  const auto record = [&](uint64_t key) {
+    policy->Record(key);
+    ++recorded[key];
+  };
+  const auto visit_rank = [&](uint32_t slot, bool added) -> uint64_t {
+    switch (kind) {
+      case CachePolicyKind::kLfu:
+      case CachePolicyKind::kLruLfu: return added ? 1 : rank[slot] + 1;
+      case CachePolicyKind::kTinyLfuLfu: return std::min<uint64_t>(recorded[key_of[slot]], 255);
+      default: return 0;
+    }
+  };
+  const auto slots_in = [&](State s) {
+    std::vector<uint32_t> out;
+    for (uint32_t slot = 0; slot < kSlots; ++slot) {
+      if (state[slot] == s) out.push_back(slot);
+    }
+    return out;
+  };
+  // A visit of an ordered row: its rank and recency; lru+lfu's enter its
+  // LRU, whose least recent beyond its share go to the LFU.
+  const auto visited = [&](uint32_t slot, bool added) {
+    rank[slot] = visit_rank(slot, added);
+    last[slot] = ++clock;
+    if (!two_parts) return;
+    in_lru[slot] = 1;
+    for (;;) {
+      std::vector<uint32_t> lru;
+      for (uint32_t s = 0; s < kSlots; ++s) {
+        if (state[s] == kOrdered && in_lru[s]) lru.push_back(s);
+      }
+      if (lru.size() <= lru_share) return;
+      const uint32_t oldest = *std::min_element(lru.begin(), lru.end(), [&](uint32_t a, uint32_t b) { return last[a] < last[b]; });
+      in_lru[oldest] = 0;
+      last[oldest] = ++clock;
+    }
+  };
+  const auto build = [&] {
+    if (built) return;
+    built = true;
+    if (kind == CachePolicyKind::kTinyLfuLfu) {
+      for (uint32_t slot : slots_in(kOrdered)) rank[slot] = std::min<uint64_t>(recorded[key_of[slot]], 255);
+    }
+  };
+  const auto expected_order = [&] {
+    std::vector<uint32_t> order = slots_in(kOrdered);
+    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      if (in_lru[a] != in_lru[b]) return in_lru[a] < in_lru[b];
+      if (!in_lru[a] && rank[a] != rank[b]) return rank[a] < rank[b];
+      return last[a] < last[b];
+    });
+    return order;
+  };
+  const auto walk = [&](uint32_t limit) {
+    std::vector<uint32_t> named;
+    policy->ForEachCandidate(limit, [&](uint32_t slot) {
+      named.push_back(slot);
+      return true;
+    });
+    build();
+    return named;
+  };
+  const auto pick = [&](const std::vector<uint32_t>& from) { return from[rng() % from.size()]; };
+  uint64_t next_key = 1;
+  for (int step = 0; step < 4000; ++step) {
+    const int op = static_cast<int>(rng() % 100);
+    const std::vector<uint32_t> free = slots_in(kFree), ordered = slots_in(kOrdered), pinned = slots_in(kPinned);
+    if (op < 25 && !free.empty()) {  // a miss takes a free slot; keys come back now and then
+      const uint32_t slot = pick(free);
+      const uint64_t key = rng() % 4 == 0 && next_key > 1 ? 1 + rng() % next_key : next_key++;
+      bool cached = false;
+      for (uint32_t s = 0; s < kSlots; ++s) cached |= state[s] != kFree && key_of[s] == key;
+      if (cached) continue;
+      record(key);
+      key_of[slot] = key;
+      policy->Add(slot, key);
+      state[slot] = kOrdered;
+      visited(slot, true);
+    } else if (op < 45 && !ordered.empty()) {  // a hit
+      const uint32_t slot = pick(ordered);
+      record(key_of[slot]);
+      policy->Touch(slot);
+      in_lru[slot] = 0;  // Touch is a Detach and a Reattach
+      visited(slot, false);
+    } else if (op < 55 && !ordered.empty()) {  // a pin
+      const uint32_t slot = pick(ordered);
+      record(key_of[slot]);
+      policy->Detach(slot);
+      state[slot] = kPinned;
+      in_lru[slot] = 0;
+    } else if (op < 65 && !pinned.empty()) {  // its unpin, a visit
+      const uint32_t slot = pick(pinned);
+      policy->Reattach(slot);
+      state[slot] = kOrdered;
+      visited(slot, false);
+    } else if (op < 72) {  // a key no row holds
+      record(100000 + rng() % 50);
+    } else if (op < 85) {
+      const std::vector<uint32_t> first = walk(1);
+      const uint32_t victim = policy->Evict();
+      if (ordered.empty()) {
+        ASSERT_EQ(victim, detail::kNoSlot) << "step " << step;
+        ASSERT_TRUE(first.empty());
+        continue;
+      }
+      ASSERT_EQ(first.size(), 1u) << "step " << step;
+      ASSERT_EQ(victim, first[0]) << "step " << step << ": Evict took another row than the walk's first";
+      if (modelled) {
+        ASSERT_EQ(victim, expected_order()[0]) << "step " << step;
+      }
+      state[victim] = kFree;
+      in_lru[victim] = 0;
+    } else {
+      const uint32_t limit = std::vector<uint32_t>{0, 1, 2, 5, UINT32_MAX}[rng() % 5];
+      const std::vector<uint32_t> named = walk(limit);
+      ASSERT_EQ(named.size(), std::min<uint64_t>(limit, ordered.size())) << "step " << step << ", limit " << limit;
+      std::vector<uint32_t> sorted = named;
+      std::sort(sorted.begin(), sorted.end());
+      ASSERT_TRUE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) << "step " << step;
+      for (uint32_t slot : named) ASSERT_EQ(state[slot], kOrdered) << "step " << step << ", slot " << slot;
+      if (modelled) {
+        const std::vector<uint32_t> want = expected_order();
+        ASSERT_EQ(named, std::vector<uint32_t>(want.begin(), want.begin() + named.size())) << "step " << step;
+      }
+      // Pass some over, as a lookahead eviction does: a new last visit, the same rank.
+      for (uint32_t slot : named) {
+        if (rng() % 2 == 0) continue;
+        policy->Defer(slot);
+        last[slot] = ++clock;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, PolicyWalk, ::testing::Values("lru", "lfu", "lru+lfu", "w-tinylfu", "tinylfu-lfu"));
+
+// tinylfu-lfu's counts are halved every 200 x capacity accesses (its
+// "slowly aged" sketch): then every row is ordered by its halved estimate,
+// so a key that became more frequent since outranks an old hot one, and rows
+// of one estimate keep their recency order.
+TEST(PolicyAging, TinyLfuLfuReordersItsRowsByTheHalvedCounts) {
+  auto policy = detail::NewCachePolicy(CachePolicyKind::kTinyLfuLfu, 4, 0.5);
+  const uint64_t hot = 1, rising = 2, a = 3, b = 4, other = 5;
+  uint64_t accesses = 0;
+  const auto record = [&](uint64_t key, int times) {
+    for (int i = 0; i < times; ++i, ++accesses) policy->Record(key);
+  };
+  record(hot, 100);
+  policy->Add(0, hot);
+  record(a, 1);
+  policy->Add(2, a);
+  record(b, 1);
+  policy->Add(3, b);
+  record(rising, 10);
+  policy->Add(1, rising);
+  const auto walk = [&] {
+    std::vector<uint32_t> order;
+    policy->ForEachCandidate(UINT32_MAX, [&](uint32_t slot) {
+      order.push_back(slot);
+      return true;
+    });
+    return order;
+  };
+  ASSERT_EQ(walk(), (std::vector<uint32_t>{2, 3, 1, 0}));  // a 1, b 1, rising 10, hot 100
+  record(other, static_cast<int>(200 * 4 - accesses));  // the period's last access halves: hot 50, rising 5
+  record(rising, 50);
+  policy->Touch(1);  // rising 55 + 0 (its Record comes first)
+  EXPECT_EQ(walk(), (std::vector<uint32_t>{2, 3, 0, 1})) << "a 0, b 0, hot 50, rising 55";
+}
+
+// w-tinylfu: a window of 1% of the slots in front of the main space. A row
+// leaving the window enters the main space only if the sketch counts its key
+// more often than the main space's victim's: a one-off key does not push out
+// a row seen as often (TinyLFU's admission), here the least recent row.
+TEST(MemCache, WTinyLfuAdmitsFromItsOnePercentWindowOnlyTheMoreFrequent) {
+  auto cache = TraceCache("w-tinylfu", 100);  // a window of 1 row
+  std::vector<uint64_t> fill(100);
+  for (uint64_t k = 0; k < fill.size(); ++k) fill[k] = k + 1;
+  AccessAll(*cache, fill);  // 100 in the window, 1..99 in the main space
+  AccessAll(*cache, {101});  // 100 leaves the window, as frequent as 1: not admitted
+  EXPECT_FALSE(cache->Contains(100));
+  EXPECT_TRUE(cache->Contains(1));
+  AccessAll(*cache, {101, 102});  // 101, seen twice, is admitted over 1
+  EXPECT_TRUE(cache->Contains(101));
+  EXPECT_FALSE(cache->Contains(1));
+  for (uint64_t k = 2; k <= 99; ++k) EXPECT_TRUE(cache->Contains(k)) << k;
+}
+
+// w-tinylfu's walk: the duel's loser, then the window's rows, the
+// probation's and the protected's, each least recent first. A row hit in
+// the probation moves to the protected segment (80% of the main space), whose
+// least recent row goes back to the probation's front when it overflows; a
+// row passed over goes to the front of its own segment; the window's oldest
+// row is admitted over the main space's victim only when more frequent.
+TEST(PolicySegments, WTinyLfuWalksItsWindowThenProbationThenProtected) {
+  auto policy = detail::NewCachePolicy(CachePolicyKind::kWTinyLfu, 10, 0.5);  // window 1, protected 7
+  const auto key = [](uint32_t slot) { return uint64_t{slot} + 1; };
+  const auto walk = [&] {
+    std::vector<uint32_t> order;
+    policy->ForEachCandidate(UINT32_MAX, [&](uint32_t slot) {
+      order.push_back(slot);
+      return true;
+    });
+    return order;
+  };
+  for (uint32_t slot = 0; slot < 10; ++slot) {
+    policy->Record(key(slot));
+    policy->Add(slot, key(slot));
+  }
+  // Window: 9; probation, least recent first: 0 .. 8. 9 loses its duel with 0 (a tie).
+  EXPECT_EQ(walk(), (std::vector<uint32_t>{9, 0, 1, 2, 3, 4, 5, 6, 7, 8}));
+  for (uint32_t slot = 0; slot < 8; ++slot) {
+    policy->Record(key(slot));
+    policy->Touch(slot);  // probation -> protected; the 8th pushes 0 back to the probation
+  }
+  EXPECT_EQ(walk(), (std::vector<uint32_t>{9, 8, 0, 1, 2, 3, 4, 5, 6, 7}));
+  policy->Defer(8);  // to the probation's front, behind 0
+  EXPECT_EQ(walk(), (std::vector<uint32_t>{9, 0, 8, 1, 2, 3, 4, 5, 6, 7}));
+  for (int i = 0; i < 2; ++i) policy->Record(key(9));  // 9 is seen 3 times, 0 twice: 9 wins
+  EXPECT_EQ(walk(), (std::vector<uint32_t>{0, 9, 8, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(policy->Evict(), 0u);
+  EXPECT_EQ(walk(), (std::vector<uint32_t>{8, 9, 1, 2, 3, 4, 5, 6, 7})) << "9 went to the probation's front";
 }
 
 }  // namespace
