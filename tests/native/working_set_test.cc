@@ -417,5 +417,217 @@ TEST(WorkingSet, ABatchAfterOneAbortedBeforeApplyTakesNothingAndDoesNotWait) {
   EXPECT_EQ(cache->stats().pinned, 0u);
 }
 
+TEST(WorkingSet, RefusesNoDevicesAndMemPsRowsOfAnotherWidth) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  const std::vector<uint64_t> keys = {1, 2};
+  EXPECT_THROW(WorkingSet(*cache, opt, 0, keys.data(), keys.size()), std::invalid_argument);
+  const SparseOptimizer narrower = AdaGrad(1);  // MEM-PS's rows are wider than its rows
+  EXPECT_THROW(WorkingSet(*cache, narrower, 1, keys.data(), keys.size()), std::invalid_argument);
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// SetOwners names a negative owner too, and is refused once loaded.
+TEST(WorkingSet, OwnersAreSetBeforeLoadOnlyAndNegativeOnesAreNamed) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  auto tier = DeviceTier::New({2, 16, opt, false, 1, nullptr, {}});
+  const std::vector<uint64_t> keys = {1, 2};
+  WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+  const std::vector<int32_t> negative = {0, -1};
+  try {
+    ws.SetOwners(negative.data());
+    FAIL() << "owner -1 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("owners[1] = -1 (key 2)"), std::string::npos) << e.what();
+  }
+  ws.Load(*tier, nullptr);
+  const std::vector<int32_t> good = {1, 0};
+  EXPECT_THROW(ws.SetOwners(good.data()), std::logic_error);
+  ws.Abort();
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// Positions gives each key's place among keys() (a missing key is named),
+// and the positional calls read and step the rows the calls by key do.
+TEST(WorkingSet, PositionsAndThePositionalCallsMatchTheCallsByKey) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bind_host_rows : {false, true}) {
+    RowStore by_key_store(opt), at_store(opt);
+    auto by_key_cache = by_key_store.Cache(16), at_cache = at_store.Cache(16);
+    auto by_key_tier = HostTier(1, 16, opt, bind_host_rows), at_tier = HostTier(1, 16, opt, bind_host_rows);
+    const std::vector<uint64_t> batch = {7, 3, 9, 3, 5};
+    WorkingSet by_key(*by_key_cache, opt, 1, batch.data(), batch.size());
+    WorkingSet at(*at_cache, opt, 1, batch.data(), batch.size());
+    const std::vector<uint64_t> asked = {5, 9, 7, 3, 9};
+    std::vector<int64_t> positions(asked.size());
+    at.Positions(asked.data(), asked.size(), positions.data());
+    EXPECT_EQ(positions, (std::vector<int64_t>{3, 2, 0, 1, 2}));
+    const std::vector<uint64_t> missing = {7, 4};
+    std::vector<int64_t> unused(missing.size());
+    EXPECT_THROW(at.Positions(missing.data(), missing.size(), unused.data()), std::out_of_range);
+    by_key.Load(*by_key_tier, nullptr);
+    at.Load(*at_tier, nullptr);
+    std::vector<float> want(asked.size() * 2), got(asked.size() * 2), grads(asked.size() * 2);
+    for (size_t i = 0; i < grads.size(); ++i) grads[i] = 0.1f * static_cast<float>(i + 1);
+    by_key.Get(0, asked.data(), asked.size(), want.data());
+    at.GetAt(0, positions.data(), positions.size(), got.data());
+    EXPECT_EQ(got, want);
+    by_key.Accumulate(0, asked.data(), asked.size(), grads.data());
+    at.AccumulateAt(0, positions.data(), positions.size(), grads.data());
+    EXPECT_EQ(by_key.Apply(), 4u);
+    EXPECT_EQ(at.Apply(), 4u);
+    by_key.WriteBack();
+    at.WriteBack();
+    const std::vector<uint64_t> all = {3, 5, 7, 9};
+    EXPECT_EQ(CachedRows(*at_cache, all), CachedRows(*by_key_cache, all)) << "bind_host_rows " << bind_host_rows;
+  }
+}
+
+// With owners from a policy, calls by key find each key on its own owner,
+// in whatever order the keys come (tiers holding copies look keys up on the
+// owner they are given).
+TEST(WorkingSet, CallsByKeyFindEachKeyOnItsOwnerInAnyOrder) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {false, true}) {
+    RowStore store(opt);
+    auto cache = store.Cache(16);
+    auto tier = HostTier(2, 16, opt, bound);
+    const std::vector<uint64_t> keys = {1, 2, 3};
+    const std::vector<float> rows = CachedRows(*cache, keys);
+    WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+    const std::vector<int32_t> owners = {0, 1, 1};
+    ws.SetOwners(owners.data());
+    ws.Load(*tier, nullptr);
+    const std::vector<uint64_t> asked = {3, 1};  // owners 1 and 0
+    std::vector<float> emb(asked.size() * 2);
+    ws.Get(0, asked.data(), asked.size(), emb.data());
+    for (int d = 0; d < 2; ++d) {
+      EXPECT_EQ(emb[d], rows[2 * opt.row_floats() + d]) << "bound " << bound;
+      EXPECT_EQ(emb[2 + d], rows[0 * opt.row_floats() + d]) << "bound " << bound;
+    }
+    const TransferMatrix m = tier->transfers();
+    EXPECT_EQ(m.rows[1 * 2 + 0], 1u);  // key 3 from device 1
+    EXPECT_EQ(m.rows[0 * 2 + 0], 1u);  // key 1 from device 0
+    std::vector<float> g(asked.size() * 2, 1.0f);
+    ws.Accumulate(1, asked.data(), asked.size(), g.data());
+    EXPECT_EQ(ws.Apply(), 2u);
+    ws.WriteBack();
+    EXPECT_EQ(cache->stats().dirty, 2u);
+    EXPECT_EQ(cache->stats().pinned, 0u);
+  }
+}
+
+TEST(WorkingSet, ATierThatHoldsRowsIsRefused) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  auto tier = DeviceTier::New({1, 16, opt, false, 1, nullptr, {}});
+  const std::vector<uint64_t> a_keys = {1, 2}, b_keys = {3};
+  WorkingSet a(*cache, opt, 1, a_keys.data(), a_keys.size());
+  a.Load(*tier, nullptr);
+  WorkingSet b(*cache, opt, 1, b_keys.data(), b_keys.size());
+  EXPECT_THROW(b.Load(*tier, nullptr), std::invalid_argument);
+  EXPECT_TRUE(b.released());
+  EXPECT_EQ(tier->size(), 0u);  // the failed load empties the tier
+  a.Abort();
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// A batch released before it was loaded holds no rows of either kind: the
+// batch after it may load onto a tier of any kind.
+TEST(WorkingSet, ABatchAfterOneNeverLoadedLoadsOntoEitherKindOfTier) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const std::vector<uint64_t> keys = {1, 2};
+  for (bool bound : {true, false}) {
+    RowStore store(opt);
+    auto cache = store.Cache(16);
+    auto tier = HostTier(1, 16, opt, bound);
+    WorkingSet a(*cache, opt, 1, keys.data(), keys.size());
+    a.Abort();
+    WorkingSet b(*cache, opt, 1, keys.data(), keys.size());
+    b.Load(*tier, a.updates());
+    std::vector<float> g(2 * 2, 1.0f);
+    b.Accumulate(0, keys.data(), 2, g.data());
+    EXPECT_EQ(b.Apply(), 2u);
+    b.WriteBack();
+    EXPECT_EQ(cache->stats().pinned, 0u);
+  }
+}
+
+// Apply steps once: a second call changes nothing and returns 0, and the
+// write-back writes the first call's steps and unpins the rows without
+// gradients (clean). Abort after a write-back, and the destructor after
+// either, do nothing more.
+TEST(WorkingSet, LaterAppliesAndReleasesDoNothing) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {false, true}) {
+    RowStore store(opt), once_store(opt);
+    auto cache = store.Cache(16), once = once_store.Cache(16);
+    auto tier = HostTier(1, 16, opt, bound), once_tier = HostTier(1, 16, opt, bound);
+    const Step s = MakeStep({1, 2, 2}, opt.dim, 0.5f);
+    TierStep(*once, *once_tier, opt, s);
+    {
+      const std::vector<uint64_t> batch = {1, 2, 2, 3};  // 3 gets no gradient
+      WorkingSet ws(*cache, opt, 1, batch.data(), batch.size());
+      ws.Load(*tier, nullptr);
+      ws.Accumulate(0, s.keys.data(), s.keys.size(), s.grads.data());
+      EXPECT_EQ(ws.Apply(), 2u);
+      EXPECT_EQ(ws.Apply(), 0u);
+      EXPECT_EQ(ws.updated_keys().size(), 2u);
+      ws.WriteBack();
+      ws.WriteBack();
+      ws.Abort();
+    }
+    const std::vector<uint64_t> keys = {1, 2};
+    EXPECT_EQ(CachedRows(*cache, keys), CachedRows(*once, keys)) << "bound " << bound;
+    const MemCacheStats st = cache->stats();
+    EXPECT_EQ(st.pinned, 0u);
+    EXPECT_EQ(st.dirty, 2u);
+    EXPECT_EQ(st.failed_releases, 0u);
+  }
+}
+
+// The pipelined batch's positional calls also wait for the previous batch's
+// Apply and see its updated rows (host partitions holding copies, the path a
+// GPU tier takes, and bound to MEM-PS's rows).
+TEST(WorkingSet, APipelinedBatchsPositionalCallsSeeThePreviousOnesUpdates) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {false, true}) {
+    RowStore seq_store(opt), pipe_store(opt);
+    auto seq = seq_store.Cache(32), piped = pipe_store.Cache(32);
+    auto seq_tier = HostTier(1, 32, opt, bound), tier_a = HostTier(1, 32, opt, bound),
+         tier_b = HostTier(1, 32, opt, bound);
+    const Step a = MakeStep({1, 2, 3}, opt.dim, 0.5f), b = MakeStep({3, 1, 4}, opt.dim, 0.25f);
+    TierStep(*seq, *seq_tier, opt, a);
+    const std::vector<float> after_a = CachedRows(*seq, b.keys);
+    TierStep(*seq, *seq_tier, opt, b);
+
+    WorkingSet wa(*piped, opt, 1, a.keys.data(), a.keys.size());
+    wa.Load(*tier_a, nullptr);
+    WorkingSet wb(*piped, opt, 1, b.keys.data(), b.keys.size());
+    wb.Load(*tier_b, wa.updates());
+    wa.Accumulate(0, a.keys.data(), a.keys.size(), a.grads.data());
+    wa.Apply();
+    std::vector<int64_t> positions(b.keys.size());
+    wb.Positions(b.keys.data(), b.keys.size(), positions.data());
+    std::vector<float> emb(b.keys.size() * opt.dim);
+    wb.GetAt(0, positions.data(), positions.size(), emb.data());
+    for (size_t i = 0; i < b.keys.size(); ++i) {
+      for (int32_t d = 0; d < opt.dim; ++d) {
+        EXPECT_EQ(emb[i * opt.dim + d], after_a[i * opt.row_floats() + d]) << "bound " << bound << ", key " << b.keys[i];
+      }
+    }
+    wb.AccumulateAt(0, positions.data(), positions.size(), b.grads.data());
+    wb.Apply();
+    wa.WriteBack();
+    wb.WriteBack();
+    const std::vector<uint64_t> keys = {1, 2, 3, 4};
+    EXPECT_EQ(CachedRows(*piped, keys), CachedRows(*seq, keys)) << "bound " << bound;
+  }
+}
+
 }  // namespace
 }  // namespace hps
