@@ -23,8 +23,10 @@
 // Abort (or the destructor) releases a batch that will not finish.
 //
 // Pipelining: a batch loaded while the one before it still trains (Load's
-// `previous`) takes that one's updated rows onto its tier before its first
-// Get, Accumulate or Apply, waiting for that Apply if needed; so the
+// `previous`) takes that one's updated rows onto its tier (each on this
+// batch's owner of the key, which a partition policy may choose otherwise
+// than for the batch before) before its first Get, Accumulate or Apply
+// (or their positional forms), waiting for that Apply if needed; so the
 // pipelined run computes what the sequential one does. (Bound to host rows,
 // both step MEM-PS's rows, and the wait is all.) The two batches' tiers must
 // be of one kind, both bound to host rows or both holding copies: a copying

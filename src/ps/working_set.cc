@@ -16,10 +16,9 @@ namespace hps {
 struct WorkingSet::Updates {
   std::mutex mutex;
   std::condition_variable ready_cv;
-  bool ready = false;  // GUARDED_BY(mutex); keys, rows, owners are fixed once it is set
+  bool ready = false;  // GUARDED_BY(mutex); keys and rows are fixed once it is set
   std::vector<uint64_t> keys;
   std::vector<float> rows;     // (keys, row_floats); empty when in_mem_ps
-  std::vector<int32_t> owners;  // empty: the modulo hash, or in_mem_ps
   // Set by the batch's Load, for the next batch's: how it holds its rows.
   bool loaded = false;
   bool in_mem_ps = false;  // on a tier bound to host rows: it steps MEM-PS's rows where they lie
@@ -192,7 +191,26 @@ void WorkingSet::CatchUp() {
   }
   // Bound to host rows, both batches step MEM-PS's rows: waiting was all.
   if (!p.in_mem_ps && !p.keys.empty()) {
-    tier_->Assign(p.keys.data(), p.keys.size(), p.rows.data(), p.owners.empty() ? nullptr : p.owners.data());
+    if (owners_.empty()) {
+      tier_->Assign(p.keys.data(), p.keys.size(), p.rows.data(), nullptr);  // skips keys not in this batch
+    } else {
+      // On this batch's owners: a policy may place a key on another device
+      // than the batch before did, and the tier looks a key up on the owner
+      // it is given only.
+      const detail::KeyIndex& index = Index();
+      const auto width = static_cast<uint64_t>(optimizer_.row_floats());
+      std::vector<uint64_t> keys;
+      std::vector<int32_t> owners;
+      std::vector<float> rows;
+      for (uint64_t j = 0; j < p.keys.size(); ++j) {
+        const uint32_t at = index.Find(p.keys[j]);
+        if (at == detail::KeyIndex::kNone) continue;  // not in this batch
+        keys.push_back(p.keys[j]);
+        owners.push_back(owners_[at]);
+        rows.insert(rows.end(), p.rows.begin() + j * width, p.rows.begin() + (j + 1) * width);
+      }
+      if (!keys.empty()) tier_->Assign(keys.data(), keys.size(), rows.data(), owners.data());
+    }
   }
   previous_.reset();
 }
@@ -249,15 +267,10 @@ uint64_t WorkingSet::Apply() {
     CatchUp();
     std::vector<int64_t> at;  // positions among keys_ (the tier's bound keys)
     std::vector<uint64_t> updated = tier_->ApplyBound(&at);
-    // The updated rows and their owners, for the next batch's CatchUp to
-    // assign; bound to host rows, it reads them in MEM-PS and needs neither.
-    std::vector<int32_t> owners;
+    // The updated rows, for the next batch's CatchUp to assign on its own
+    // owners; bound to host rows, it reads them in MEM-PS and needs none.
     std::vector<float> rows;
     if (!in_mem_ps_) {
-      if (!owners_.empty()) {
-        owners.reserve(at.size());
-        for (int64_t p : at) owners.push_back(owners_[static_cast<uint64_t>(p)]);
-      }
       rows.resize(updated.size() * static_cast<uint64_t>(optimizer_.row_floats()));
       tier_->RowsAt(at.data(), at.size(), rows.data());
     }
@@ -265,7 +278,6 @@ uint64_t WorkingSet::Apply() {
     std::lock_guard lock(updates_->mutex);
     updates_->keys = std::move(updated);
     updates_->rows = std::move(rows);
-    updates_->owners = std::move(owners);
     updates_->ready = true;
   } catch (...) {
     apply_failed_ = true;

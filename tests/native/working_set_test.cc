@@ -629,5 +629,42 @@ TEST(WorkingSet, APipelinedBatchsPositionalCallsSeeThePreviousOnesUpdates) {
   }
 }
 
+// A policy may give a key another owner in the next batch: the pipelined
+// batch still takes the previous one's updated row, wherever it holds the key.
+TEST(WorkingSet, APipelinedBatchWithOtherOwnersTakesThePreviousOnesUpdates) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore seq_store(opt), pipe_store(opt);
+  auto seq = seq_store.Cache(32), piped = pipe_store.Cache(32);
+  auto seq_tier = HostTier(2, 32, opt, false), tier_a = HostTier(2, 32, opt, false),
+       tier_b = HostTier(2, 32, opt, false);
+  const Step a = MakeStep({1, 2, 3}, opt.dim, 0.5f), b = MakeStep({3, 1, 4}, opt.dim, 0.25f);
+  const std::vector<int32_t> a_owners = {0, 0, 1}, b_owners = {0, 1, 1};  // key 3: 1, then 0; key 1: 0, then 1
+  const auto run = [&](MemCache& cache, DeviceTier& tier, const Step& s, const std::vector<int32_t>& owners) {
+    WorkingSet ws(cache, opt, 2, s.keys.data(), s.keys.size());
+    ws.SetOwners(owners.data());
+    ws.Load(tier, nullptr);
+    ws.Accumulate(0, s.keys.data(), s.keys.size(), s.grads.data());
+    ws.Apply();
+    ws.WriteBack();
+  };
+  run(*seq, *seq_tier, a, a_owners);
+  run(*seq, *seq_tier, b, b_owners);
+
+  WorkingSet wa(*piped, opt, 2, a.keys.data(), a.keys.size());
+  wa.SetOwners(a_owners.data());
+  wa.Load(*tier_a, nullptr);
+  WorkingSet wb(*piped, opt, 2, b.keys.data(), b.keys.size());
+  wb.SetOwners(b_owners.data());
+  wb.Load(*tier_b, wa.updates());
+  wa.Accumulate(0, a.keys.data(), a.keys.size(), a.grads.data());
+  wa.Apply();
+  wb.Accumulate(1, b.keys.data(), b.keys.size(), b.grads.data());
+  wb.Apply();
+  wa.WriteBack();
+  wb.WriteBack();
+  const std::vector<uint64_t> keys = {1, 2, 3, 4};
+  EXPECT_EQ(CachedRows(*piped, keys), CachedRows(*seq, keys));
+}
+
 }  // namespace
 }  // namespace hps
