@@ -201,8 +201,7 @@ class Layout:
 def _hash_strings(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
     """h (above) of each string of an arrow-style (offsets, data) pair, vectorised over strings.
 
-    Round k mixes in the k-th word of the strings that have one, and only those:
-    with the strings ordered longest first they are a prefix of that order, so
+    Round k mixes in the k-th word of the strings that have one, and only those, so
     the work is the data's words, not (strings x the longest string's words)
     (one 20 kB value among 20,000 short ones had taken 160 times as long)."""
     offsets = offsets.astype(np.int64)
@@ -213,21 +212,37 @@ def _hash_strings(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
         return h
     words = (lengths + 7) // 8
     data = data if len(data) else np.zeros(1, np.uint8)
-    order = np.argsort(-words, kind="stable")  # longest first
-    # have[k]: how many strings have a k-th word (the first have[k] of `order`)
     rounds = int(words.max(initial=0))
-    have = n - np.searchsorted(np.sort(words), np.arange(rounds), side="right")
-    starts, lens = offsets[:-1][order], lengths[order]
+    # Few rounds (ids, short names: the usual column): each takes the strings that have
+    # its word by a mask, all of them when every string does. Many (a long value among
+    # short ones): the strings ordered longest first once, so that each round's are a
+    # prefix of that order (the sort costs more than a few masks).
+    ordered = rounds > 4
+    if ordered:
+        order = np.argsort(-words, kind="stable")
+        # have[k]: how many strings have a k-th word (the first have[k] of `order`)
+        have = n - np.searchsorted(np.sort(words), np.arange(rounds), side="right")
+        sorted_starts, sorted_lens = offsets[:-1][order], lengths[order]
+    shortest = int(words.min(initial=0))
     lane = np.arange(8)
     for k in range(rounds):
-        m = int(have[k])
+        if ordered:
+            rows = order[:int(have[k])]
+            starts, lens = sorted_starts[:len(rows)], sorted_lens[:len(rows)]
+        elif k < shortest:  # every string has a k-th word
+            rows, starts, lens = None, offsets[:-1], lengths
+        else:
+            rows = np.flatnonzero(words > k)
+            starts, lens = offsets[:-1][rows], lengths[rows]
         pos = 8 * k + lane
-        inside = pos < lens[:m, None]
-        idx = np.minimum(starts[:m, None] + pos, len(data) - 1)
+        inside = pos < lens[:, None]
+        idx = np.minimum(starts[:, None] + pos, len(data) - 1)
         b = np.where(inside, data[idx], 0).astype(np.uint8)
-        w = np.ascontiguousarray(b).view("<u8").reshape(m).astype(np.uint64)
-        rows = order[:m]
-        h[rows] = _splitmix64(h[rows] ^ w)
+        w = np.ascontiguousarray(b).view("<u8").reshape(len(lens)).astype(np.uint64)
+        if rows is None:
+            h = _splitmix64(h ^ w)
+        else:
+            h[rows] = _splitmix64(h[rows] ^ w)
     return h
 
 

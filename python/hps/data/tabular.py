@@ -442,10 +442,11 @@ def _line_ends(pa, arr) -> Optional[tuple[np.ndarray, np.ndarray]]:
     end of pyarrow's block, taking its row's own line end: a value that ends in "\\n"
     runs over one line fewer than it holds line ends."""
     offsets, data, _ = _binary_parts(pa, arr)
-    offsets = offsets.astype(np.int64)
-    at = np.flatnonzero(data[offsets[0]:offsets[-1]] == 10) + offsets[0]
-    if not len(at):
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    if data[lo:hi].tobytes().find(b"\n") < 0:  # the usual case, one memchr (a comparison's array cost 5x)
         return None
+    offsets = offsets.astype(np.int64)
+    at = np.flatnonzero(data[lo:hi] == 10) + lo
     rows = np.searchsorted(offsets, at, side="right") - 1
     counts = np.bincount(rows, minlength=len(arr)).astype(np.int64)
     holds = counts > 0
