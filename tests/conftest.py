@@ -7,7 +7,7 @@ import pytest
 @pytest.fixture(scope="session", autouse=True)
 def no_hydra_topology_files_in_tmp(tmp_path_factory):
     """MPICH's mpiexec (hydra) writes the machine's topology for its proxies to
-    /tmp/hydra_hwloc_xmlfile_XXXXXX, a fixed path that TMPDIR does not move, and
+    /tmp/hydra_hwloc_xmlfile_* (a mkstemp name, always in /tmp: TMPDIR does not move it), and
     removes it only when the job exits cleanly: each test whose job is aborted
     (MPI_Abort, a rank killed, a timeout) left one in /tmp for good. Given
     HWLOC_XMLFILE in its environment, hydra writes none. The one set here names no

@@ -173,6 +173,15 @@ def test_stamps_move_each_batch_with_bounds_on_and_at_checkpoints_with_them_off(
     ps.close()
 
 
+def _checkpointed_at_step_1(root):
+    """(a server at root whose keys 1..100 were pushed once and checkpointed, its keys)."""
+    ps = hps.ParameterServer(config(root, ttl_steps=100))
+    keys = np.arange(1, 101, dtype=np.uint64)
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))  # step 1
+    ps.checkpoint(_trainer_state(1))
+    return ps, keys
+
+
 def _trainer_state(step):
     """hps train's dense state for a checkpoint at `step` (what a reshard reads beside the rows)."""
     import io
@@ -191,10 +200,7 @@ def test_a_resharded_rank_goes_on_from_the_jobs_step(tmp_path):
     pytest.importorskip("torch", reason="a reshard reads hps train's dense state")
     from hps import reshard
     root = tmp_path / "job"
-    ps = hps.ParameterServer(config(root, ttl_steps=100))
-    keys = np.arange(1, 101, dtype=np.uint64)
-    ps.push(keys, np.ones((len(keys), DIM), np.float32))  # step 1
-    ps.checkpoint(_trainer_state(1))
+    ps, keys = _checkpointed_at_step_1(root)
     for _ in range(3):  # steps 2 to 4: key 1 alone
         ps.push(keys[:1], np.ones((1, DIM), np.float32))
     ps.checkpoint(_trainer_state(4))
@@ -219,10 +225,7 @@ def test_a_rank_that_got_further_than_the_job_takes_the_reshards_step(tmp_path):
     pytest.importorskip("torch", reason="a reshard reads hps train's dense state")
     from hps import reshard
     root = tmp_path / "job"
-    ps = hps.ParameterServer(config(root, ttl_steps=100))
-    keys = np.arange(1, 101, dtype=np.uint64)
-    ps.push(keys, np.ones((len(keys), DIM), np.float32))  # step 1
-    ps.checkpoint(_trainer_state(1))
+    ps, keys = _checkpointed_at_step_1(root)
     ps.close()
     old = reshard.check_source(str(root))  # to a job of 2 ranks at checkpoint 2, step 1
     reshard.commit(str(root), 2, old, [reshard.write_rank(str(root), 2, r) for r in range(2)][0][1])

@@ -585,7 +585,7 @@ def test_a_lost_rank_ends_the_job_with_a_clear_error(tmp_path, how):
 
 
 def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
-    """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_XXXXXX behind
+    """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_* (a mkstemp name) behind
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an
     HWLOC_XMLFILE, in whose presence hydra writes none: the ranks of an aborted job
     see that one, not a file of hydra's."""

@@ -314,8 +314,8 @@ def test_a_diverged_run_stops_before_a_nan_reaches_the_job(tmp_path, capsys):
     assert re.search(r"hps train: DivergedError: batch (\d+): the loss is (nan|inf) \(worker 0\): training diverged "
                      r"\(a learning rate too high\? dense_lr = 1e\+30, \[ps.optimizer\] lr = 1e\+30\)", err), err
     assert "the last finished checkpoint is intact" in err
-    done = load_trainer_state(str(path))["batches_done"]
-    assert 1 <= done < BATCHES
+    checkpointed = load_trainer_state(str(path))["batches_done"]
+    assert 1 <= checkpointed < BATCHES  # a checkpoint after the first batch, none after the NaN
     state = parameters(str(path))
     assert np.isfinite(state["rows"]).all()
     assert all(torch.isfinite(v).all() for v in state["mlp"].values())

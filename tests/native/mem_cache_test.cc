@@ -20,6 +20,16 @@
 namespace hps {
 namespace {
 
+// The slots a policy's walk names, in its order (at most `limit`).
+std::vector<uint32_t> CandidateOrder(detail::CachePolicy& policy, uint32_t limit = UINT32_MAX) {
+  std::vector<uint32_t> order;
+  policy.ForEachCandidate(limit, [&](uint32_t slot) {
+    order.push_back(slot);
+    return true;
+  });
+  return order;
+}
+
 // SSD-PS stand-in: rows are one uint64; an absent key's row is key * 1000.
 // before_load (optional) runs at the start of each load; while sink_down,
 // the sink throws without storing anything. loads and sunk count the rows
@@ -1278,11 +1288,7 @@ TEST_P(PolicyWalk, WalksNameTheOrderedRowsInOrderAndEvictTakesTheFirst) {
     return order;
   };
   const auto walk = [&](uint32_t limit) {
-    std::vector<uint32_t> named;
-    policy->ForEachCandidate(limit, [&](uint32_t slot) {
-      named.push_back(slot);
-      return true;
-    });
+    std::vector<uint32_t> named = CandidateOrder(*policy, limit);
     build();
     return named;
   };
@@ -1379,14 +1385,7 @@ TEST(PolicyAging, TinyLfuLfuReordersItsRowsByTheHalvedCounts) {
   policy->Add(3, b);
   record(rising, 10);
   policy->Add(1, rising);
-  const auto walk = [&] {
-    std::vector<uint32_t> order;
-    policy->ForEachCandidate(UINT32_MAX, [&](uint32_t slot) {
-      order.push_back(slot);
-      return true;
-    });
-    return order;
-  };
+  const auto walk = [&] { return CandidateOrder(*policy); };
   ASSERT_EQ(walk(), (std::vector<uint32_t>{2, 3, 1, 0}));  // a 1, b 1, rising 10, hot 100
   record(other, static_cast<int>(200 * 4 - accesses));  // the period's last access halves: hot 50, rising 5
   record(rising, 50);
@@ -1421,14 +1420,7 @@ TEST(MemCache, WTinyLfuAdmitsFromItsOnePercentWindowOnlyTheMoreFrequent) {
 TEST(PolicySegments, WTinyLfuWalksItsWindowThenProbationThenProtected) {
   auto policy = detail::NewCachePolicy(CachePolicyKind::kWTinyLfu, 10, 0.5);  // window 1, protected 7
   const auto key = [](uint32_t slot) { return uint64_t{slot} + 1; };
-  const auto walk = [&] {
-    std::vector<uint32_t> order;
-    policy->ForEachCandidate(UINT32_MAX, [&](uint32_t slot) {
-      order.push_back(slot);
-      return true;
-    });
-    return order;
-  };
+  const auto walk = [&] { return CandidateOrder(*policy); };
   for (uint32_t slot = 0; slot < 10; ++slot) {
     policy->Record(key(slot));
     policy->Add(slot, key(slot));
