@@ -22,7 +22,7 @@ except ImportError:  # Python 3.10
 
 import numpy as np
 
-__all__ = ["check_fields", "load_toml", "parse_bytes"]
+__all__ = ["check_fields", "is_int", "is_number", "load_toml", "parse_bytes"]
 
 
 def check_fields(cls, d: dict, source: str, prefix: str = "") -> None:
@@ -32,6 +32,17 @@ def check_fields(cls, d: dict, source: str, prefix: str = "") -> None:
     if unknown:
         raise ValueError(f"{source}: unknown field(s) {', '.join(prefix + u for u in unknown)}; "
                          f"known: {', '.join(prefix + k for k in sorted(known))}")
+
+
+def is_int(value) -> bool:
+    """An int and not a bool (TOML's true would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or a float, not a bool: a string or a bool would fail in a comparison,
+    or pass as 1."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def load_toml(path) -> dict:

@@ -40,7 +40,7 @@ from hps import data as hdata
 from hps import reshard
 from hps.admission import Admission
 from hps.data.keys import ADMISSION_DEFAULT_KEY
-from hps.config import check_fields, load_toml, parse_bytes
+from hps.config import check_fields, is_int, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.errors import DivergedError
 from hps.jobdir import TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
@@ -205,7 +205,7 @@ class TrainConfig:
         if d.get("pooling", "sum") not in ("sum", "mean"):
             raise ValueError(f"{source}: pooling must be \"sum\" or \"mean\", got {d['pooling']!r}")
         seed = d.get("seed", 0)  # the MLP's initial weights (torch's generator takes 64 bits)
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        if not (is_int(seed) and 0 <= seed < 1 << 64):
             raise ValueError(f"{source}: seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
         if not isinstance(d.get("sysfs", ""), str):
             raise ValueError(f"{source}: sysfs must be a path (a string), got {d['sysfs']!r}")

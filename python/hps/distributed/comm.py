@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from hps.config import is_int, is_number
 from hps.errors import HpsError
 
 COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "plan", "dense", "control", "admission")
@@ -61,12 +62,6 @@ class DistributedConfig:
     sparse_grads: str = "none"      # codec of sparse gradients between ranks: the same choices
 
     def check(self, source: str = "[distributed]") -> None:
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_number(v) -> bool:  # (a string or a bool would fail in a comparison, or pass as 1)
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
         if self.dense_sync not in ("allreduce", "kstep"):
             raise ValueError(f"{source}: dense_sync must be 'allreduce' or 'kstep', got {self.dense_sync!r}")
         if not (is_int(self.k) and self.k >= 1):

@@ -67,6 +67,7 @@ from typing import Optional
 
 import numpy as np
 
+from hps.config import is_int, is_number
 from hps.distributed import poll
 from hps.hierarchical.easgd import (AllreduceAverage, BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig,
                                     GroupAverage)
@@ -108,7 +109,7 @@ class HierarchicalConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise ValueError(f"{source}: {name} must be an int >= 1, got {v!r}")
-        if not (isinstance(self.group_ps, int) and not isinstance(self.group_ps, bool) and self.group_ps >= 0):
+        if not (is_int(self.group_ps) and self.group_ps >= 0):
             raise ValueError(f"{source}: group_ps must be an int >= 0, got {self.group_ps!r}")
         EasgdConfig(self.alpha, self.period).check(source)
         if self.across not in ACROSS:
@@ -133,7 +134,7 @@ class HierarchicalConfig:
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join('planner.' + u for u in unknown)}; known: "
                              f"{', '.join('planner.' + k for k in sorted(known))}")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+        if not (is_number(self.timeout) and self.timeout > 0):
             raise ValueError(f"{source}: timeout must be > 0 seconds, got {self.timeout!r}")
 
     def planner_config(self):
