@@ -523,6 +523,36 @@ def test_list_and_shard_files(tmp_path):
         CriteoTsv(tmp_path, rank=5, world=6)
 
 
+def test_a_glob_leaves_out_the_markers_spark_and_hadoop_write_beside_the_data(tmp_path):
+    # "out/*" had matched _SUCCESS (an empty file: "empty file" from the CSV reader),
+    # _committed_* and, through "**", the part files under _temporary/; a directory
+    # already left them out. A name the user spells out is still read.
+    fsspec = pytest.importorskip("fsspec")
+    names = ["part-0.csv", "sub/part-1.csv", "_SUCCESS", "_committed_7", ".part-0.csv.crc",
+             "_temporary/part-9.csv", "sub/.part-1.csv.crc"]
+    fs, root = fsspec.filesystem("memory"), "/hps-test-markers"
+    try:
+        for name in names:
+            os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
+            (tmp_path / name).write_text("")
+            fs.pipe(f"{root}/{name}", b"")
+        for base in (str(tmp_path), f"memory://{root}"):
+            def found(pattern):
+                return [f.rsplit(base + "/", 1)[1] for f in list_files(f"{base}/{pattern}")]
+            assert found("*") == ["part-0.csv"]
+            assert found("**") == found("**/*.csv") == ["part-0.csv", "sub/part-1.csv"]
+            assert found("*/*.csv") == ["sub/part-1.csv"]
+            assert found("_*") == ["_SUCCESS", "_committed_7"]  # a wildcard that asks for them
+            assert found("_temporary/*") == ["_temporary/part-9.csv"]
+            assert found("**/.*") == [".part-0.csv.crc", "sub/.part-1.csv.crc"]
+            assert list_files(f"{base}/_SUCCESS") == [f"{base}/_SUCCESS"]
+            assert [f.rsplit("/", 1)[1] for f in list_files(base)] == ["part-0.csv"]
+            with pytest.raises(FileNotFoundError, match="no data file in"):
+                list_files(f"{base}/*S")  # only _SUCCESS matches: no data file
+    finally:
+        fs.rm(root, recursive=True)
+
+
 def test_a_local_double_star_glob_reaches_every_depth_as_a_url_glob_does(tmp_path):
     # "**" in a local glob had matched one directory level only (glob.glob without
     # recursive=True), so data/**/*.tsv silently left out the files directly in

@@ -75,11 +75,29 @@ def _visible(name: str) -> bool:
     return not base.startswith((".", "_"))
 
 
+def _wildcard_visible(pattern: str, match: str) -> bool:
+    """Whether a glob's match is data: no name that a wildcard part of the pattern
+    matched starts with "." or "_" (Spark's _SUCCESS, _temporary/, .crc files),
+    unless that part starts with the same character ("out/_part-*" asks for them).
+    Names the pattern spells out are the user's own choice and always kept."""
+    pp, mp = pattern.split("/"), match.split("/")
+    if "**" in pp:  # "**" matches any number of names (none too): pair the parts around it
+        i, j = pp.index("**"), len(pp) - pp[::-1].index("**")
+        tail = len(pp) - j
+        pairs = (list(zip(pp[:i], mp[:i])) + [("**", m) for m in mp[i:len(mp) - tail]]
+                 + list(zip(pp[j:], mp[len(mp) - tail:])))
+    else:
+        pairs = list(zip(pp, mp))
+    return all(not (_glob.has_magic(part) and name[:1] in (".", "_") and not part.startswith(name[0]))
+               for part, name in pairs)
+
+
 def _expand(path: str) -> list[str]:
     if _is_url(path):
         fs, p = _fsspec().core.url_to_fs(path)
         if _glob.has_magic(p):
-            found = sorted(fs.unstrip_protocol(q) for q in fs.glob(p) if not fs.isdir(q))
+            found = sorted(fs.unstrip_protocol(q) for q in fs.glob(p)
+                           if _wildcard_visible(p, q) and not fs.isdir(q))
         elif fs.isdir(p):
             found = sorted(fs.unstrip_protocol(q) for q in fs.ls(p, detail=False)
                            if _visible(q) and not fs.isdir(q))
@@ -89,7 +107,8 @@ def _expand(path: str) -> list[str]:
             raise FileNotFoundError(f"no such file: {path}")
     elif _glob.has_magic(path):
         # recursive: "**" is any depth, as in an fsspec URL's glob
-        found = sorted(q for q in _glob.glob(path, recursive=True) if os.path.isfile(q))
+        found = sorted(q for q in _glob.glob(path, recursive=True)
+                       if _wildcard_visible(path.replace(os.sep, "/"), q.replace(os.sep, "/")) and os.path.isfile(q))
     elif os.path.isdir(path):
         found = sorted(os.path.join(path, q) for q in os.listdir(path)
                        if _visible(q) and os.path.isfile(os.path.join(path, q)))
@@ -107,8 +126,12 @@ def list_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
     Globs and directories expand to their files in sorted order (so every node
     sees the same list); ``**`` in a glob matches any number of directories,
-    local or URL; a directory's hidden and ``_``-prefixed entries
-    (``_SUCCESS``) are left out; a list keeps its order.
+    local or URL; a list keeps its order. Names starting with ``.`` or ``_``
+    (Spark's and Hadoop's ``_SUCCESS``, ``_committed_*``, ``.crc`` files,
+    ``_temporary/``) are left out of a directory and out of what a wildcard
+    matches (``out/*``, ``out/**/*.csv``), as pyarrow datasets leave them out; a
+    file named as it is (``out/_SUCCESS``), or by a wildcard that starts with the
+    same character (``out/_part-*``), is read.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
