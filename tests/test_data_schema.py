@@ -489,6 +489,37 @@ def test_csv_line_longer_than_the_read_blocks(tmp_path, at):
         list(SchemaCsv(p, schema, 16, block_bytes=200))
 
 
+@pytest.mark.parametrize("name", ["e.csv", "e.csv.gz"])
+def test_csv_empty_line_is_named_an_empty_line_as_the_criteo_reader_names_it(tmp_path, name):
+    # pyarrow reads an empty line as a row of empty values, so it was reported as
+    # "column 'click': '' is not 0 or 1", a row of commas' message. Empty lines are
+    # looked up in the file (past its first MiB too, CRLF or not, compressed or not);
+    # a row of empty values keeps its column's message.
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site"], "skip": ["id"]}
+    rows = [f"{i},{i % 2},{i},s{i % 7}" for i in range(80000)]  # about 1.3 MB
+    empty = {3, 5, 40000, 79999}  # 1-based lines of the file, the header line 1
+    for ln in sorted(empty):
+        rows[ln - 2] = ""
+    rows[10 - 2] = ",,,"
+    rows[11 - 2] = "7,,,"  # empty but for a column not read
+    rows[12 - 2] = "\r"  # (an empty CRLF line)
+    text = ("id,click,price,site\n" + "\n".join(rows) + "\n").encode()
+    p = tmp_path / name
+    p.write_bytes(gzip.compress(text) if name.endswith(".gz") else text)
+    with pytest.raises(DataError, match=rf"^{p}:3: is an empty line, expected 4 fields$") as e:
+        list(SchemaCsv(p, schema))
+    assert (e.value.line, e.value.field) == (3, None)
+    r = SchemaCsv(p, schema, skip_malformed=True)
+    _, dense, _, _, batches = read_all(r)
+    lines = [b.locate(i)[1] for b in batches for i in range(len(b))]
+    assert lines == [ln for ln in range(2, 80002) if ln not in empty | {10, 11, 12}]
+    np.testing.assert_array_equal(dense[:, 0], log1p(np.array(lines) - 2))
+    assert r.malformed == 7
+    assert sorted(r.malformed_examples) == sorted(
+        [f"{p}:{ln}: is an empty line, expected 4 fields" for ln in empty | {12}]
+        + [f"{p}:{ln}: column 'click': '' is not 0 or 1" for ln in (10, 11)])
+
+
 def test_open_schema_format_tsv_reads_tabs_whatever_the_name(tmp_path):
     # format="tsv" was taken as "csv", whose delimiter comes from the name: a tab-
     # separated clicks.txt was split at commas ("no column 'click' (the file's

@@ -143,6 +143,7 @@ class _Converted:
         label_name = names[layout.label]
         values, missing, bad = _numeric(pa, get(layout.label), label_name, path)
         self.n = len(values)
+        self.label_missing = missing
         self.labels = np.where(missing, 0.0, values).astype(np.float32)
         # (column position, name, bad rows, why), checked in this order.
         self.bad = [(layout.label, label_name, missing | bad | ((values != 0) & (values != 1)), "is not 0 or 1")]
@@ -174,10 +175,13 @@ class _Converted:
     def bad_rows(self) -> np.ndarray:
         return np.logical_or.reduce([b for _, _, b, _ in self.bad])
 
-    def reason(self, r: int) -> tuple[str, str]:
-        """(column, message) of bad row r: the first bad column in schema order."""
+    def reason(self, r: int) -> tuple[Optional[str], str]:
+        """(column, message) of bad row r: the first bad column in schema order; the
+        column None for what is wrong with the whole line."""
         for i, name, bad, why in self.bad:
             if bad[r]:
+                if name is None:
+                    return None, why
                 value = self.get(i)[int(r)].as_py()
                 return name, f"{_shown(value)} {why}"
         raise AssertionError("row is not bad")
@@ -224,8 +228,9 @@ class _SchemaReader(_Reader):
             return None
         for r in np.flatnonzero(bad):
             name, message = conv.reason(r)
-            self._bad(DataError(f"{where(int(lines[r]))}: column {name!r}: {message}", path=path,
-                                line=int(lines[r]), field=name))
+            column = f" column {name!r}:" if name is not None else ""
+            self._bad(DataError(f"{where(int(lines[r]))}:{column} {message}", path=path, line=int(lines[r]),
+                                field=name))
         return ~bad
 
 
@@ -240,7 +245,8 @@ class SchemaCsv(_SchemaReader):
     """Batches from delimited text laid out by ``schema`` (header or not, by ``schema.header``).
 
     Errors name file, line and column: ``clicks.csv:12: column 'price': 'abc' is not a
-    number``, ``clicks.csv:7: has 4 fields, expected 5``, ``clicks.csv: no column 'click'``.
+    number``, ``clicks.csv:7: has 4 fields, expected 5``, ``clicks.csv:9: is an empty line,
+    expected 5 fields``, ``clicks.csv: no column 'click'``.
     ``skip_malformed`` skips and counts bad lines as the Criteo readers do; a schema that
     does not match a file raises even then. Lines are 1-based and count the header.
     pyarrow parses ``block_bytes`` at a time; a file with a longer line (a long
@@ -301,22 +307,25 @@ class SchemaCsv(_SchemaReader):
             block = max(self.block_bytes, 2 * first_bytes)
             resume = [2 if self.schema.header else 1]  # the first line not delivered yet
             counted: set = set()  # lines of a wrong field count already counted as malformed
-            while True:
-                try:
-                    yield from self._file_pieces(path, names, layout, block, resume, counted)
-                    break
-                except _LineTooLong as e:
-                    # pyarrow cannot take a line longer than about two of its blocks: read
-                    # the file again with larger blocks, delivering the lines not yet given.
-                    if block >= _MAX_BLOCK_BYTES:
-                        raise DataError(f"{path}: cannot read at or after line {resume[0]}: a line is longer "
-                                        f"than {_MAX_BLOCK_BYTES:,} bytes ({e})", path=path, line=resume[0]) from e
-                    block = min(4 * block, _MAX_BLOCK_BYTES)
+            with _LinePeek(pa, path) as peek:
+                while True:
+                    try:
+                        yield from self._file_pieces(path, names, layout, block, resume, counted, peek)
+                        break
+                    except _LineTooLong as e:
+                        # pyarrow cannot take a line longer than about two of its blocks: read
+                        # the file again with larger blocks, delivering the lines not yet given.
+                        if block >= _MAX_BLOCK_BYTES:
+                            raise DataError(f"{path}: cannot read at or after line {resume[0]}: a line is longer "
+                                            f"than {_MAX_BLOCK_BYTES:,} bytes ({e})", path=path,
+                                            line=resume[0]) from e
+                        block = min(4 * block, _MAX_BLOCK_BYTES)
 
-    def _file_pieces(self, path: str, names: list, layout, block: int, resume: list, counted: set):
+    def _file_pieces(self, path: str, names: list, layout, block: int, resume: list, counted: set,
+                     peek: "_LinePeek"):
         """The pieces of one file's lines from ``resume[0]`` on (set to the next line after
         each piece), read in pyarrow blocks of ``block`` bytes; raises _LineTooLong where a
-        line does not fit them."""
+        line does not fit them. ``peek`` reads the file's lines that may be empty."""
         pa = self._pa
         errors = _read_errors(pa)
         start = resume[0]
@@ -327,8 +336,8 @@ class SchemaCsv(_SchemaReader):
         shifts: list[int] = []  # their numbers, which the rows after them skip
 
         def on_invalid(row):
-            invalid.append((row.number, f"has {row.actual_columns} fields, expected {row.expected_columns}"
-                            + (" (an empty line)" if not row.text else "")))
+            invalid.append((row.number, _empty_line(row.expected_columns) if not row.text else
+                            f"has {row.actual_columns} fields, expected {row.expected_columns}"))
             shifts.append(row.number)
             return "skip"  # raised or counted once placed on its line, below
 
@@ -420,12 +429,81 @@ class SchemaCsv(_SchemaReader):
                 for i, e in ends.items():  # reported before the column's other faults
                     conv.bad.insert(0, (i, names[i], e[0][first:],
                                         "runs on past the end of its line (a quote not closed on it?)"))
+                empty = self._empty_lines(conv, rb, generated, wanted, lines, peek)
+                if empty is not None:
+                    conv.bad.insert(0, (None, None, empty, _empty_line(len(names))))
                 keep = self._bad_rows(conv, layout, path, lines, lambda ln: f"{path}:{ln}")
                 piece = conv.piece(path, lines, keep)
                 resume[0] = line
                 if len(piece):
                     yield piece
             place(invalid, lambda s: s + extra)  # after the last row
+
+
+    def _empty_lines(self, conv: _Converted, rb, generated: list, wanted: list, lines: np.ndarray,
+                     peek: "_LinePeek") -> Optional[np.ndarray]:
+        """The rows that are empty lines, or None when there is none. pyarrow reads an
+        empty line as a row of empty values, as it reads ",,": a row whose label is
+        empty and whose every column read is empty is looked up in the file (rare: the
+        file is read a second time only when a batch has such a row)."""
+        if not conv.label_missing.any():
+            return None
+        pc = self._pa.compute
+        maybe = conv.label_missing.copy()
+        for i in wanted:
+            maybe &= pc.equal(pc.binary_length(rb.column(generated[i])), 0).to_numpy(zero_copy_only=False)
+        if not maybe.any():
+            return None
+        empty = np.zeros(len(maybe), bool)
+        for r in np.flatnonzero(maybe):
+            empty[r] = peek.text(int(lines[r])) == b""
+        return empty if empty.any() else None
+
+
+class _LinePeek:
+    """A file's lines, read forward only, opened on first use: what a line holds
+    where pyarrow's rows do not say (an empty line)."""
+
+    def __init__(self, pa, path: str):
+        self._pa, self._path = pa, path
+        self._f = None
+        self._buf, self._line = b"", 1  # the buffer starts at line self._line
+        self._eof = False
+
+    def text(self, line: int) -> Optional[bytes]:
+        """The bytes of 1-based ``line`` without its line end, or None past the file's end."""
+        if self._f is None or line < self._line:  # (a line before is asked only after a re-read)
+            self.close()
+            self._f, self._buf, self._line, self._eof = _open_stream(self._pa, self._path), b"", 1, False
+        while True:
+            ends = np.flatnonzero(np.frombuffer(self._buf, np.uint8) == 10)
+            k = line - self._line  # line ends to pass in the buffer
+            start = int(ends[k - 1]) + 1 if 0 < k <= len(ends) else 0
+            if k < len(ends):
+                return self._buf[start:int(ends[k])].rstrip(b"\r")
+            if self._eof:  # the last line has no line end, or there is no such line
+                return self._buf[start:].rstrip(b"\r") if k == len(ends) and start < len(self._buf) else None
+            if len(ends):  # keep the last line, begun
+                self._buf, self._line = self._buf[int(ends[-1]) + 1:], self._line + len(ends)
+            chunk = self._f.read(1 << 20)
+            self._eof = not chunk
+            self._buf += chunk
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _empty_line(fields: int) -> str:
+    """What a CSV reader says of an empty line (as the Criteo reader says it)."""
+    return f"is an empty line, expected {fields} field{'s' if fields != 1 else ''}"
 
 
 class _LineTooLong(Exception):
