@@ -1,8 +1,8 @@
 """Readers of data laid out by a :class:`~hps.data.schema.Schema`: CSV/TSV, Parquet, libsvm/libFM text.
 
 - :class:`SchemaCsv`: delimited text with or without a header, parsed by
-  pyarrow.csv with the schema's delimiter (quotes allowed, a value never spans
-  lines). Every column the schema uses is read as bytes and converted here, so
+  pyarrow.csv with the schema's delimiter (quotes allowed; a value over a line
+  end makes its row malformed). Every column the schema uses is read as bytes and converted here, so
   that a bad value is named with its file, line and column.
 - :class:`SchemaParquet`: any of those columns in Parquet; labels and dense
   values as integers, floats, booleans, decimals or numeric text; categoricals as
@@ -316,9 +316,12 @@ class SchemaCsv(_SchemaReader):
                         # pyarrow cannot take a line longer than about two of its blocks: read
                         # the file again with larger blocks, delivering the lines not yet given.
                         if block >= _MAX_BLOCK_BYTES:
-                            raise DataError(f"{path}: cannot read at or after line {resume[0]}: a line is longer "
-                                            f"than {_MAX_BLOCK_BYTES:,} bytes ({e})", path=path,
-                                            line=resume[0]) from e
+                            most = f"{_MAX_BLOCK_BYTES:,} bytes"
+                            why = f"a quoted value runs on past the end of its line for more than {most} (a " \
+                                f"quote not closed on it?)" if (peek.text(resume[0]) or b"").count(b'"') % 2 \
+                                else f"a line is longer than {most}"
+                            raise DataError(f"{path}: cannot read at or after line {resume[0]}: {why} ({e})",
+                                            path=path, line=resume[0]) from e
                         block = min(4 * block, _MAX_BLOCK_BYTES)
 
     def _file_pieces(self, path: str, names: list, layout, block: int, resume: list, counted: set,
@@ -332,19 +335,24 @@ class SchemaCsv(_SchemaReader):
         # pyarrow numbers rows as if each were one line; a quoted value may run on over
         # line ends (see below), so its numbers are turned into lines here: a row's
         # line is its number plus the line ends inside the rows before it (`extra`).
-        invalid: list[tuple] = []  # rows of a wrong field count: (pyarrow's number, message), to report
+        # rows of a wrong field count: (pyarrow's number, message, line ends in it), to report
+        invalid: list[tuple] = []
         shifts: list[int] = []  # their numbers, which the rows after them skip
+        final = [0, False]  # the last row's line so far, and whether a value in it holds a line end
 
         def on_invalid(row):
             invalid.append((row.number, _empty_line(row.expected_columns) if not row.text else
-                            f"has {row.actual_columns} fields, expected {row.expected_columns}"))
+                            f"has {row.actual_columns} fields, expected {row.expected_columns}",
+                            row.text.count("\n")))
             shifts.append(row.number)
             return "skip"  # raised or counted once placed on its line, below
 
         def place(rows: list, line_of) -> None:
-            """Raise or count invalid rows (pyarrow's number, message), at line line_of(number)."""
-            for number, message in rows:
+            """Raise or count invalid rows (pyarrow's number, message, line ends), at line line_of(number)."""
+            for number, message, ends in rows:
                 ln = int(line_of(number))
+                if ln > final[0]:
+                    final[:] = [ln, ends > 0]
                 if ln < start or ln in counted:  # delivered (skipped) before a re-read
                     continue
                 error = DataError(f"{path}:{ln}: {message}", path=path, line=ln)
@@ -355,7 +363,7 @@ class SchemaCsv(_SchemaReader):
 
         def cannot_read(e, line):
             if invalid and not self.skip_malformed:
-                number, message = invalid[0]
+                number, message, _ = invalid[0]
                 return DataError(f"{path}:{number + extra}: {message}", path=path, line=number + extra)
             if isinstance(e, pa.ArrowInvalid) and "straddl" in str(e):  # "straddling object straddles two
                 return _LineTooLong(str(e))                               # block boundaries"
@@ -365,7 +373,12 @@ class SchemaCsv(_SchemaReader):
                                  f"quote not closed on it?)", path=path, line=line)
             return DataError(f"{path}: cannot read{at}: {e}", path=path, line=line)
 
-        parse = pa.csv.ParseOptions(delimiter=self.delimiter(path), newlines_in_values=False,
+        # newlines_in_values: without it pyarrow cuts its blocks at any line end, inside a
+        # quoted value too, and a value over a line end that a block boundary split ended
+        # the read ("out of sync with chunker"), gave its tail as a row of its own, or
+        # swallowed the rows after it, as the blocks fell. With it the file reads the same
+        # at any block size; such a row is malformed all the same (below).
+        parse = pa.csv.ParseOptions(delimiter=self.delimiter(path), newlines_in_values=True,
                                     ignore_empty_lines=False, invalid_row_handler=on_invalid)
         # Columns read by position (generated names) even with a header, which
         # may repeat a name the schema does not use.
@@ -396,9 +409,9 @@ class SchemaCsv(_SchemaReader):
                 numbers = np.arange(number, number + n)
                 for s in sorted(shifts):
                     numbers[numbers >= s] += 1
-                # pyarrow's parser lets a quoted value run on over line ends (a quote not
-                # closed on its line swallows the lines after it) whatever newlines_in_values
-                # says: such a row is malformed, and the lines it took count.
+                # A quoted value may run on over line ends (a quote not closed on its line
+                # takes the lines up to the next quote, or to the end of the file): such a
+                # row is malformed, and the lines it took count.
                 ends = {i: _line_ends(pa, rb.column(generated[i])) for i in wanted}
                 ends = {i: e for i, e in ends.items() if e is not None}
                 spans = sum((e[1] for e in ends.values()), np.zeros(n, np.int64))
@@ -420,6 +433,8 @@ class SchemaCsv(_SchemaReader):
                 extra += int(before[-1])
                 if n:
                     line = int(lines[-1]) + int(spans[-1]) + 1
+                    if int(lines[-1]) > final[0]:
+                        final[:] = [int(lines[-1]), bool(spans[-1])]
                 first = int(np.searchsorted(lines, start))  # rows before it were delivered before a re-read
                 if first:
                     rb, lines = rb.slice(first), lines[first:]
@@ -438,6 +453,11 @@ class SchemaCsv(_SchemaReader):
                 if len(piece):
                     yield piece
             place(invalid, lambda s: s + extra)  # after the last row
+        if final[1] and peek.quotes_from(final[0]) % 2:
+            # The quote was never closed: the file is cut short or its quoting broken,
+            # and skipping that "line" would drop the rest of the file as one line.
+            raise DataError(f"{path}:{final[0]}: a quoted value runs on to the end of the file (a quote not "
+                            f"closed on line {final[0]}?)", path=path, line=final[0])
 
 
     def _empty_lines(self, conv: _Converted, rb, generated: list, wanted: list, lines: np.ndarray,
@@ -488,6 +508,20 @@ class _LinePeek:
             chunk = self._f.read(1 << 20)
             self._eof = not chunk
             self._buf += chunk
+
+    def quotes_from(self, line: int) -> int:
+        """The number of quote characters (") from the start of 1-based ``line`` to the file's end."""
+        if self.text(line) is None:
+            return 0
+        k = line - self._line
+        ends = np.flatnonzero(np.frombuffer(self._buf, np.uint8) == 10)
+        count = self._buf.count(b'"', int(ends[k - 1]) + 1 if k else 0)
+        while not self._eof:
+            chunk = self._f.read(1 << 20)
+            self._eof = not chunk
+            count += chunk.count(b'"')
+        self.close()
+        return count
 
     def close(self) -> None:
         if self._f is not None:
