@@ -495,6 +495,28 @@ def test_csv_quoted_value_over_a_line_end_reads_the_same_at_any_block_size(tmp_p
             list(SchemaCsv(p, schema, block_bytes=block_bytes))
 
 
+@pytest.mark.parametrize("block_bytes", [8, 20, 40, 1 << 20])
+def test_csv_lines_after_a_value_ending_in_a_line_end_keep_their_numbers(tmp_path, block_bytes):
+    # A value that ends in a line end ('"x\n"') was taken for a quote never closed, which
+    # had swallowed its row's own line end, and a row of a wrong field count over a
+    # line end ('1,"y\nz"') did not count its line ends: every later row and error was
+    # named a line too early.
+    schema = {"label": "c", "dense": ["p"], "categorical": "rest"}
+    p = tmp_path / "q.csv"
+    p.write_bytes(b'c,p,t\n1,2,a\n0,3,"x\n"\n1,5,b\n1,6\n1,"y\nz"\n0,9,"\n"\n1,11,c\n0,12\n1,13,d\n')
+    r = SchemaCsv(p, schema, skip_malformed=True, block_bytes=block_bytes)
+    _, dense, _, _, batches = read_all(r)
+    lines = [b.locate(i)[1] for b in batches for i in range(len(b))]
+    assert lines == [2, 5, 11, 13]
+    np.testing.assert_array_equal(dense[:, 0], log1p(lines))  # (a row's price: its line)
+    assert sorted(r.malformed_examples, key=lambda m: int(m.split(":")[1])) == [
+        f"{p}:3: column 't': 'x\\n' runs on past the end of its line (a quote not closed on it?)",
+        f"{p}:6: has 2 fields, expected 3",
+        f"{p}:7: has 2 fields, expected 3",
+        f"{p}:9: column 't': '\\n' runs on past the end of its line (a quote not closed on it?)",
+        f"{p}:12: has 2 fields, expected 3"]
+
+
 @pytest.mark.parametrize("at", [2, 3, 12, 40, 61])
 def test_csv_line_longer_than_the_read_blocks(tmp_path, at):
     # pyarrow refuses a line longer than about two of its blocks ("straddling object

@@ -337,14 +337,14 @@ class SchemaCsv(_SchemaReader):
         # line is its number plus the line ends inside the rows before it (`extra`).
         # rows of a wrong field count: (pyarrow's number, message, line ends in it), to report
         invalid: list[tuple] = []
-        shifts: list[int] = []  # their numbers, which the rows after them skip
+        shifts: list[tuple] = []  # their (number, line ends), which the rows after them skip
         final = [0, False]  # the last row's line so far, and whether a value in it holds a line end
 
         def on_invalid(row):
             invalid.append((row.number, _empty_line(row.expected_columns) if not row.text else
                             f"has {row.actual_columns} fields, expected {row.expected_columns}",
                             row.text.count("\n")))
-            shifts.append(row.number)
+            shifts.append((row.number, invalid[-1][2]))
             return "skip"  # raised or counted once placed on its line, below
 
         def place(rows: list, line_of) -> None:
@@ -407,8 +407,14 @@ class SchemaCsv(_SchemaReader):
                     raise cannot_read(e, line) from e
                 n = rb.num_rows
                 numbers = np.arange(number, number + n)
-                for s in sorted(shifts):
+                waiting = sorted(shifts)
+                inside = np.zeros(n, np.int64)  # line ends inside the invalid rows before a row, not in `extra`
+                for s, k in waiting:
                     numbers[numbers >= s] += 1
+                    inside[numbers > s] += k
+
+                def invalid_ends_before(s: int) -> int:
+                    return sum(k for t, k in waiting if t < s)
                 # A quoted value may run on over line ends (a quote not closed on its line
                 # takes the lines up to the next quote, or to the end of the file): such a
                 # row is malformed, and the lines it took count.
@@ -416,10 +422,10 @@ class SchemaCsv(_SchemaReader):
                 ends = {i: e for i, e in ends.items() if e is not None}
                 spans = sum((e[1] for e in ends.values()), np.zeros(n, np.int64))
                 before = np.concatenate([[0], np.cumsum(spans)]).astype(np.int64)  # line ends before row j
-                lines = numbers + extra + before[:-1]
+                lines = numbers + extra + before[:-1] + inside
                 if n:
                     number = int(numbers[-1]) + 1
-                shifts[:] = [s for s in shifts if s >= number]
+                shifts[:] = [(s, k) for s, k in shifts if s >= number]
                 # This batch's invalid rows: those among its rows and those right after them
                 # (pyarrow may have parsed blocks ahead, whose invalid rows wait their turn).
                 invalid.sort()
@@ -429,8 +435,8 @@ class SchemaCsv(_SchemaReader):
                         mine.append(r)
                         after += r[0] == after
                 invalid[:] = [r for r in invalid if r not in mine]
-                place(mine, lambda s: s + extra + before[np.searchsorted(numbers, s)])
-                extra += int(before[-1])
+                place(mine, lambda s: s + extra + before[np.searchsorted(numbers, s)] + invalid_ends_before(s))
+                extra += int(before[-1]) + invalid_ends_before(number)
                 if n:
                     line = int(lines[-1]) + int(spans[-1]) + 1
                     if int(lines[-1]) > final[0]:
@@ -452,7 +458,7 @@ class SchemaCsv(_SchemaReader):
                 resume[0] = line
                 if len(piece):
                     yield piece
-            place(invalid, lambda s: s + extra)  # after the last row
+            place(invalid, lambda s: s + extra + sum(k for t, k in shifts if t < s))  # after the last row
         if final[1] and peek.quotes_from(final[0]) % 2:
             # The quote was never closed: the file is cut short or its quoting broken,
             # and skipping that "line" would drop the rest of the file as one line.
@@ -549,10 +555,8 @@ _MAX_BLOCK_BYTES = 1 << 30
 
 
 def _line_ends(pa, arr) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """(the values that hold a line end, the lines each runs on over) of a binary column,
-    or None when no value holds one (the usual case). A quote not closed runs on to the
-    end of pyarrow's block, taking its row's own line end: a value that ends in "\\n"
-    runs over one line fewer than it holds line ends."""
+    """(the values that hold a line end, the line ends each holds: the lines it runs on
+    over) of a binary column, or None when no value holds one (the usual case)."""
     offsets, data, _ = _binary_parts(pa, arr)
     lo, hi = int(offsets[0]), int(offsets[-1])
     if data[lo:hi].tobytes().find(b"\n") < 0:  # the usual case, one memchr (a comparison's array cost 5x)
@@ -561,9 +565,7 @@ def _line_ends(pa, arr) -> Optional[tuple[np.ndarray, np.ndarray]]:
     at = np.flatnonzero(data[lo:hi] == 10) + lo
     rows = np.searchsorted(offsets, at, side="right") - 1
     counts = np.bincount(rows, minlength=len(arr)).astype(np.int64)
-    holds = counts > 0
-    counts[rows[offsets[rows + 1] - 1 == at]] -= 1  # a value's last byte
-    return holds, counts
+    return counts > 0, counts
 
 
 # --------------------------------------------------------------------------- Parquet
