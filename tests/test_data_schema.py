@@ -693,6 +693,17 @@ def test_libsvm_reads_plain_lines_as_written(tmp_path):
     assert weights.tolist() == [np.finfo(np.float32).max] and r.malformed == 2
 
 
+def test_libsvm_takes_no_block_lines(tmp_path):
+    # Libsvm(block_lines=...) was accepted and never used (the reader parses 1 MiB of
+    # lines at a time whatever it said): a caller tuning it changed nothing.
+    p = tmp_path / "a.svm"
+    p.write_text("1 3:1\n")
+    with pytest.raises(TypeError, match="block_lines"):
+        Libsvm(p, block_lines=16)
+    with pytest.raises(TypeError, match="block_lines"):
+        open_schema(p, Schema(), block_lines=16)
+
+
 def test_directories_globs_and_mixed_kinds(tmp_path):
     d = tmp_path / "data"
     d.mkdir()

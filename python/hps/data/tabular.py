@@ -638,7 +638,7 @@ class Libsvm(_SchemaReader):
     number``. A ``#`` starts a comment; blank lines are skipped."""
 
     def __init__(self, paths, schema=None, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
-                 drop_last: bool = False, skip_malformed: bool = False, block_lines: int = 65536):
+                 drop_last: bool = False, skip_malformed: bool = False):
         super().__init__(paths, schema if schema is not None else Schema(), batch_size, rank=rank, world=world,
                          drop_last=drop_last, skip_malformed=skip_malformed)
         fields = self.schema.fields or {"features": [0, (1 << 63) - 1]}
@@ -647,7 +647,6 @@ class Libsvm(_SchemaReader):
         self._lo = np.array([lo for lo, _, _ in order], np.int64)
         self._hi = np.array([hi for _, hi, _ in order], np.int64)
         self._field = np.array([j for _, _, j in order], np.int64)
-        self.block_lines = int(block_lines)
 
     def widths(self) -> tuple[int, int, int]:
         return 0, 0, len(self.field_names)
