@@ -700,6 +700,44 @@ def test_hps_train_under_mpiexec_resumes_to_the_same_parameters(tmp_path, capsys
     assert p.returncode == 2 and "is not empty; pass --resume" in p.stderr
 
 
+def test_hps_train_under_mpiexec_counts_every_ranks_skipped_lines(tmp_path):
+    # train-summary.json's skipped_lines (and the table rank 0 prints) counted only the
+    # reporting rank's files: a job whose rank 1 skipped lines said it skipped none.
+    bad = {0: [3], 1: [2, 5, 6]}  # 1-based lines of each rank's file (files[rank::world])
+    for r, lines in bad.items():
+        rows = ["click,price,site"] + [f"{i % 2},{i},s{i % 5}" for i in range(64)]
+        for ln in lines:
+            rows[ln - 1] = "2,1,s1"  # a label that is not 0 or 1
+        (tmp_path / f"part-{r}.csv").write_text("\n".join(rows) + "\n")
+    config = tmp_path / "run.toml"
+    config.write_text(f"""hidden = [4]
+torch_threads = 1
+[ps]
+dim = 4
+path = "{tmp_path / 'job'}"
+mem_budget = "1MiB"
+[data]
+source = "{tmp_path / 'part-*.csv'}"
+batch_size = 16
+skip_malformed = true
+[data.schema]
+label = "click"
+dense = ["price"]
+categorical = ["site"]
+[distributed]
+timeout = 120
+""")
+    p = _hps_train(2, config)
+    first = [f"{tmp_path / 'part-0.csv'}:3: column 'click': '2' is not 0 or 1",
+             f"{tmp_path / 'part-1.csv'}:2: column 'click': '2' is not 0 or 1"]
+    assert f"malformed lines skipped (train)  4; the first: {first[0]}" in p.stderr
+    for r in range(2):
+        summary = json.loads((tmp_path / "job" / f"rank{r}" / "train-summary.json").read_text())
+        train = summary["skipped_lines"]["train"]
+        assert (train["malformed"], train["ranks"]) == (4, [1, 3])
+        assert train["malformed_examples"][:2] == first and len(train["malformed_examples"]) == 4
+
+
 def test_a_rank_killed_in_the_middle_of_a_checkpoint_rolls_every_rank_back(tmp_path):
     """Rank 1 dies (SIGKILL) while making checkpoint 2, after rank 0 finished its
     own: job.json names checkpoint 1, the one every rank finished. --resume rolls

@@ -320,7 +320,8 @@ class _EvalBatches(list):
 
 def _malformed_report(cfg: TrainConfig, source, eval_batches) -> Optional[dict]:
     """What skip_malformed left out, for the summary: the lines skipped in the training
-    data's last pass (this rank's files) and in the held-out data, with the first messages."""
+    data's last pass (this rank's files; run() sums the ranks') and in the held-out data,
+    with the first messages."""
     if not cfg.data.skip_malformed:
         return None
     report = {}
@@ -1020,11 +1021,21 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         files = getattr(source, "files_read", None)
         if files is not None:
             summary["online"]["files_read"] = len(files)
+    skipped = _malformed_report(cfg, source, eval_batches)
     if node is not None:
         ranks = node.allgather("train", {"examples": pipeline.stats.examples, "wall_seconds": wall,
                                          "bytes_sent": dict(node.bytes_sent),
-                                         "admission": trainer.admission.rank_summary()}, "summary")
+                                         "admission": trainer.admission.rank_summary(),
+                                         "skipped": (skipped or {}).get("train")}, "summary")
         summary["admission"]["ranks"] = [r.pop("admission") for r in ranks]  # the rest is the job's
+        skipped_ranks = [r.pop("skipped") for r in ranks]
+        if skipped is not None and "train" in skipped:
+            # Each rank reads its own files: the job skipped the sum (the held-out
+            # data is every rank's, so its count is already the job's).
+            skipped["train"] = {"malformed": sum(r["malformed"] for r in skipped_ranks),
+                                "malformed_examples": [m for r in skipped_ranks for m in r["malformed_examples"]]
+                                [:hdata.MAX_MALFORMED_EXAMPLES],
+                                "ranks": [r["malformed"] for r in skipped_ranks]}
         slowest = max(r["wall_seconds"] for r in ranks)
         trained = sum(r["examples"] for r in ranks)
         summary["examples_per_s"] = trained / slowest if slowest else 0.0
@@ -1032,7 +1043,6 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                                   "dense_sync": cfg.distributed.dense_sync, "k": cfg.distributed.k,
                                   "hierarchical": cfg.distributed.hierarchical,
                                   "dense_merges": trainer.dense_sync.merges, "ranks": ranks}
-    skipped = _malformed_report(cfg, source, eval_batches)
     if skipped is not None:
         summary["skipped_lines"] = skipped
     asked = cfg.data.train_examples
