@@ -107,9 +107,15 @@ def feature_keys(field: int, values, missing=None) -> np.ndarray:
     0xFFFFFFFF), which is how 32-bit hashes stored in signed columns mean it.
     Returns an array of the shape of ``values``; never SENTINEL_KEY.
 
+    Keys are distinct for distinct (field, value) pairs only while values are
+    below 2**32 (8 hex digits, as Criteo's are): the field is XORed into bits
+    32 and up, so a larger value may share its key with another field's value.
+
     >>> feature_keys(0, ["68fd1e64", "", None]).tolist() == (
     ...     feature_keys(0, [0x68fd1e64]).tolist() + [missing_key(0)] * 2)
     True
+    >>> feature_keys(0, ["300000000"]) == feature_keys(1, ["0"])  # 9 digits: C1's value, C2's key
+    array([ True])
     """
     tag = _field_tag(field)
     arr = np.asarray(values)
