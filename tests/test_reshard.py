@@ -266,13 +266,102 @@ def test_a_job_still_running_is_not_resharded_under_it(tmp_path, two_ranks, old_
     assert json.loads((old / "job" / "job.json").read_text())["world"] == 3
 
 
+class _OneRank:
+    """A stand-in for hps.distributed.Node of one rank: _prepare_job in this process."""
+
+    rank, size = 0, 1
+
+    def allgather(self, channel, value, what):
+        return [value]
+
+
+def _refused(path, root) -> str:
+    """What opening a server at `path` (as a run of the job would) says while this
+    process reshards the job at `root`: "" when it opens."""
+    import hps
+    try:
+        hps.ParameterServer.open(path).close()
+    except hps.PathInUseError as e:
+        assert f"pid {os.getpid()} on " in str(e) and f"resharding the job at {root}" in str(e), str(e)
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("how", ["ranks", "one process"])
+def test_a_run_started_during_the_reshard_is_refused_naming_it(tmp_path, two_ranks, monkeypatch, how):
+    """The reshard holds the old job's directories from its check to its end: a run
+    of the old job started while it writes (here: an mpiexec -n 2 hps train
+    --resume, and a server opened in this process) is refused with
+    hps.PathInUseError naming the reshard's process, and the reshard finishes.
+    Checked, then let go, that run would train on while its directories were
+    rewritten, and the switch would take the job from under it."""
+    from hps import reshard
+    from hps.train import _prepare_job
+    old = copy_of(two_ranks, tmp_path)
+    root = str(old / "job")
+    seen = {}
+    write_rank = reshard.write_rank
+
+    def write_rank_meanwhile(*args, **kw):
+        seen["rank1"] = _refused(old / "job" / "rank1", root)
+        if how == "ranks":
+            p = scenario(2, old, "--steps", STEPS + 2, "--resume", check=False)
+            seen["train"] = (p.returncode, p.stderr[-3000:])
+        return write_rank(*args, **kw)
+
+    monkeypatch.setattr(reshard, "write_rank", write_rank_meanwhile)
+    if how == "ranks":  # (this process as the one rank of the resumed job)
+        from hps.jobdir import read_job
+        number = read_job(root).checkpoint
+        assert _prepare_job(sc.train_config(root), _OneRank(), resume=True) == number + 1
+    else:
+        remove_old_ranks = reshard.remove_old_ranks
+
+        def remove_old_ranks_meanwhile(path):  # after the switch: root is the job now (then hps train's own call)
+            seen.setdefault("root", _refused(old / "job", root))
+            return remove_old_ranks(path)
+
+        monkeypatch.setattr(reshard, "remove_old_ranks", remove_old_ranks_meanwhile)
+        one_process(old / "job", STEPS + 2, resume=True)
+        assert seen["root"]
+    assert seen["rank1"]
+    if how == "ranks":
+        code, err = seen["train"]
+        assert code != 0 and "PathInUseError" in err and f"resharding the job at {root}" in err, err
+    assert dense_states(old / "job", 1)[0]["batches_done"] == (STEPS if how == "ranks" else STEPS + 2)
+    monkeypatch.undo()
+    assert not _refused(old / "job" / ("rank0" if how == "ranks" else ""), root)  # let go at the end
+
+
+def test_a_reshard_holds_the_new_ranks_from_its_switch(tmp_path, two_ranks, monkeypatch):
+    """2 -> 3: from the switch on job.json names rank 2, new; a run of the new job
+    opening it while the old files are removed is refused until the commit ends."""
+    from hps import reshard
+    old = copy_of(two_ranks, tmp_path)
+    root = str(old / "job")
+    seen = []
+    remove_old = reshard.remove_old
+
+    def remove_old_meanwhile(path, hold=None):
+        seen.append(_refused(old / "job" / "rank2", root))
+        return remove_old(path, hold)
+
+    monkeypatch.setattr(reshard, "remove_old", remove_old_meanwhile)
+    with reshard.Hold(root) as hold:
+        before = reshard.check_source(root, hold)
+        done = [reshard.write_rank(root, 3, r) for r in range(3)]
+        reshard.commit(root, 3, before, done[0][1], hold)
+        assert seen and seen[0]
+    assert not _refused(old / "job" / "rank2", root)
+
+
 def test_the_old_files_a_crash_after_the_switch_left_go_at_the_next_resume(tmp_path, monkeypatch):
     """One process -> 2 ranks, the job dies right after job.json's switch, before
     the one-process parameter server at the root is removed: the next resume on
     2 ranks removes it and trains on from the resharded checkpoint."""
     from hps import reshard
     old = old_job(tmp_path, 1)
-    monkeypatch.setattr(reshard, "remove_old", lambda root: None)
+    monkeypatch.setattr(reshard, "remove_old", lambda root, hold=None: None)
     reshard_in_process(old / "job", 2)
     monkeypatch.undo()
     assert os.path.exists(old / "job" / "hps-parameter-server.json")

@@ -98,12 +98,13 @@ class PathInUseError(OSError):
     """Another ParameterServer (this process's or another's) has the path open."""
 
 
-def _lock_path(path: str) -> int:
+def _lock_path(path: str, doing: str = "") -> int:
     """Takes the path's writer lock and returns its file descriptor (closing it
     releases the lock; so does the process's end, however it ends). Two servers at
     one path would each write parameter files of the same sequence numbers and
     overwrite each other's MANIFEST, and the first sign was a later `create: File
-    exists`."""
+    exists`. `doing`: what the holder does there, for the message of whoever is
+    refused (a reshard holds its job's directories: hps.reshard.Hold)."""
     fd = os.open(os.path.join(path, WRITER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         try:
@@ -118,7 +119,7 @@ def _lock_path(path: str) -> int:
                              f"path would overwrite each other's files. Close it (or stop its hps train) "
                              f"first, or give another path") from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{', ' + doing if doing else ''}\n".encode(), 0)
     return fd
 
 

@@ -20,6 +20,13 @@ path) and resumed under ``mpiexec -n M hps train --resume`` is resharded first
    job's files that the new one does not use are removed (the rank directories
    from M on; for a one-process job, its parameter server at the root).
 
+The process that reshards (rank 0) holds the writer lock of every old rank's
+directory from step 1 to the end of step 3, and of every new rank's from before
+the switch (``Hold``): an ``hps train`` of the old job, or another reshard,
+started meanwhile is refused with PathInUseError naming this process, instead of
+training on while the reshard rewrites its directories and the switch takes the
+job from under it.
+
 A crash before the switch leaves job.json naming checkpoint K of N ranks, whole:
 the job resumes on N ranks (each old rank rolls back to K and drops the partial
 K+1) or reshards again on M. A crash after it leaves the new job whole; the next
@@ -40,6 +47,7 @@ import io
 import json
 import os
 import shutil
+from typing import Optional
 
 import numpy as np
 
@@ -56,7 +64,50 @@ RESHARDED_FILE = "resharded-from.json"  # a one-process server's root: the job.j
 _CHUNK = 1 << 16               # rows moved per get / put
 
 
-def check_source(root: str) -> dict:
+class Hold:
+    """The writer locks (hps.parameter_server's) of the directories a reshard
+    rewrites, held by the process that reshards from check_source until it
+    releases them (after commit, or to_one_process's switch): a server opened
+    there meanwhile (an ``hps train`` of the old job, or another reshard's
+    check) is refused with PathInUseError naming this process. Checking that no
+    server is open and then letting go would leave a gap in which a run of the
+    old job starts, trains on and checkpoints while its directories are rewritten.
+    The process's own server must not open a held directory either (flock: every
+    open of the file is another holder): release first."""
+
+    def __init__(self, root: str):
+        self.root = os.fspath(root)  # the job's
+        self._fds: dict = {}  # realpath -> the lock's file descriptor
+
+    def take(self, server: str, where: str) -> None:
+        """Locks the directory `server` (once per directory), or raises
+        PathInUseError naming `where` and the holder."""
+        key = os.path.realpath(server)
+        if key in self._fds:
+            return
+        try:
+            fd = _lock_path(server, doing=f"resharding the job at {self.root}")
+        except PathInUseError as e:
+            raise PathInUseError(f"{where}: the job is still running, or another run has it open; it cannot be "
+                                 f"resharded under it. {e}") from None
+        self._fds[key] = fd
+
+    def release(self, server: Optional[str] = None) -> None:
+        """Lets go of `server`'s lock, or of every lock held."""
+        keys = list(self._fds) if server is None else [os.path.realpath(server)]
+        for key in keys:
+            fd = self._fds.pop(key, None)
+            if fd is not None:
+                os.close(fd)
+
+    def __enter__(self) -> "Hold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def check_source(root: str, hold: Optional[Hold] = None) -> dict:
     """What resharding the job at root reads, checked whole: {"world", "checkpoint",
     "step", "distributed"}. Raises FileNotFoundError naming the first missing
     part (a rank's checkpoint directory, its store's MANIFEST or STORE, a
@@ -64,14 +115,19 @@ def check_source(root: str) -> dict:
     has no finished checkpoint, hps.CorruptionError when a rank's MANIFEST is not
     the one its checkpoint recorded, PathInUseError when a server of the old job
     is open (the job still runs): its next checkpoint would replace the one
-    written here, and the switch would take the job from under it."""
+    written here, and the switch would take the job from under it. With `hold`,
+    each old rank's directory stays locked in it (Hold): the reshard that follows
+    needs that; without, this only checks."""
     job = read_job(root)
     if job.checkpoint is None:
         raise ValueError(f"{root}: the job has no finished checkpoint to reshard")
     for r in range(job.world):
         where = f"rank {r} of the job at {root} (checkpoint {job.checkpoint})" if job.distributed else \
             f"the parameter server at {root} (checkpoint {job.checkpoint})"
-        _check_not_open(job.rank_dir(r), where)
+        if hold is None:
+            _check_not_open(job.rank_dir(r), where)
+        elif os.path.isdir(job.rank_dir(r)):  # (a missing one is named below)
+            hold.take(job.rank_dir(r), where)
         directory = job.checkpoint_dir(r)
         store = os.path.join(directory, STORE_DIR)
         for path in (directory, os.path.join(store, MANIFEST), os.path.join(store, MARKER),
@@ -275,25 +331,31 @@ def _server_step(job, merged: dict) -> int:
     return int(merged["batches_done"] if step is None else step)
 
 
-def commit(root: str, world: int, old: dict, number: int) -> None:
+def commit(root: str, world: int, old: dict, number: int, hold: Optional[Hold] = None) -> None:
     """Step 3 (module docstring), rank 0's, once every new rank wrote checkpoint
-    `number` from the checkpoint `old` (check_source's) names."""
+    `number` from the checkpoint `old` (check_source's) names. `hold` (check_source's)
+    takes every new rank's directory too before the switch: from it on, a run of the
+    new job could open them while the old files are still being removed."""
     job = read_job(root)
     if (job.world, job.checkpoint) != (old["world"], old["checkpoint"]):
         raise RuntimeError(f"{root}: the job changed during the reshard (now {job.world} ranks at checkpoint "
                            f"{job.checkpoint}, was {old['world']} at {old['checkpoint']}); resume it again")
+    if hold is not None:
+        for r in range(world):
+            hold.take(_rank_dir(root, r), f"rank {r} of the job at {root} as resharded (checkpoint {number})")
     manifest = os.path.join(root, JOB_MANIFEST)
     record = {"world": world, "step": old["step"], "checkpoint": number, RUN: new_run_id(),  # files numbered anew
               RESHARDED: {"world": old["world"], "checkpoint": old["checkpoint"]}}
     _write_durable(manifest + ".tmp", json.dumps(record, indent=1).encode())
     _replace_durable(manifest + ".tmp", manifest)
-    remove_old(root)
+    remove_old(root, hold)
 
 
-def remove_old(root: str) -> None:
+def remove_old(root: str, hold: Optional[Hold] = None) -> None:
     """Removes what the job resharded from (job.json's RESHARDED) left that the
     job does not use: rank directories from its world on; a one-process job's
-    parameter server at the root. Run again on each resume (a crash may cut it short)."""
+    parameter server at the root. Run again on each resume (a crash may cut it short).
+    `hold`: the reshard's (commit), which lets go of the root's lock to remove it."""
     from hps.train import _discard_run
     manifest = os.path.join(root, JOB_MANIFEST)
     with open(manifest) as f:
@@ -305,16 +367,23 @@ def remove_old(root: str) -> None:
         if os.path.isdir(_rank_dir(root, r)):
             shutil.rmtree(_rank_dir(root, r))
     if os.path.exists(os.path.join(root, METADATA)):
+        if hold is not None:
+            hold.release(root)  # (the removal takes the root's lock itself; the new job's ranks are held)
         _discard_run(root)
     _sync_dir(root)
 
 
 
-def to_one_process(root: str) -> tuple:
+def to_one_process(root: str, hold: Optional[Hold] = None) -> tuple:
     """Reshards the job of N ranks at root into one parameter server at root (module
     docstring); returns (the old job as check_source gives it, the new checkpoint,
-    rows written). Raises ValueError for a k-step Adam job, before writing anything."""
-    old = check_source(root)
+    rows written). Raises ValueError for a k-step Adam job, before writing anything.
+    The job's directories are held (Hold) until it returns; given `hold`, until the
+    caller releases it (before it opens the server at root)."""
+    if hold is None:
+        with Hold(root) as own:
+            return to_one_process(root, own)
+    old = check_source(root, hold)
     if not old["distributed"]:
         raise ValueError(f"{root} holds one parameter server already, not a job of ranks")
     job = read_job(root)
@@ -323,6 +392,9 @@ def to_one_process(root: str) -> tuple:
         raise ValueError(f"{root}: the job trained its MLP with k-step Adam ([distributed] dense_sync = 'kstep'), "
                          f"whose state (m a rank) one process has no optimizer for; resume it under mpiexec")
     _, number, written = write_rank(root, 1, 0, one_process=True)
+    # From the switch on, root is the job: a server opened there now would race the
+    # removal of the rank directories.
+    hold.take(root, f"the parameter server at {root} as resharded (checkpoint {number})")
     manifest = os.path.join(root, JOB_MANIFEST)
     current = read_job(root)
     if (current.world, current.checkpoint) != (old["world"], old["checkpoint"]):

@@ -373,8 +373,9 @@ class Trainer:
                                  f"mpiexec -n {world} hps train ..." + (
                                      ", or pass --resume to continue it in this one process"
                                      if manifest.get("checkpoint") is not None else ""))
-            _plan_reshard(cfg.ps.path, 1, cfg)  # back to one process: a parameter server at the root
-            _, new, rows = reshard.to_one_process(cfg.ps.path)
+            with reshard.Hold(cfg.ps.path) as hold:  # (let go before the server below opens at the root)
+                _plan_reshard(cfg.ps.path, 1, cfg, hold)  # back to one process: a parameter server at the root
+                _, new, rows = reshard.to_one_process(cfg.ps.path, hold)
             _notice(f"resharded: {rows:,} rows now in one process as checkpoint {new}")
         if node is None:
             reshard.remove_old_ranks(cfg.ps.path)  # (what a crash right after such a reshard's switch left)
@@ -694,7 +695,11 @@ def _collective(node: Optional[Node], fn):
 def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
     """Rank 0 checks <path>/job.json (world size; the checkpoint every rank
     finished), or writes a new one; every rank gets the checkpoint to roll back
-    to (None: start from batch 0)."""
+    to (None: start from batch 0). A reshard's rank 0 holds the job's directories
+    (hps.reshard.Hold) from its check to its commit, and lets go before its own
+    server opens."""
+    hold = reshard.Hold(cfg.ps.path)
+
     def check():
         if node.rank != 0:
             return None
@@ -705,9 +710,9 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
             with open(manifest) as f:
                 job = json.load(f)
         if resume and job is not None and job["world"] != node.size and job.get("checkpoint") is not None:
-            return _plan_reshard(root, node.size, cfg)  # (a job that never checkpointed starts over below)
+            return _plan_reshard(root, node.size, cfg, hold)  # (a job that never checkpointed starts over below)
         if resume and job is None and stored_checkpoint(root)[1] is not None:
-            return _plan_reshard(root, node.size, cfg)  # a one-process run's parameter server
+            return _plan_reshard(root, node.size, cfg, hold)  # a one-process run's parameter server
         if resume and job is not None and job["world"] == node.size:
             if reshard.RESHARDED in job:
                 reshard.remove_old(root)  # what a crash right after the reshard's switch left
@@ -733,23 +738,27 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
         os.makedirs(root, exist_ok=True)
         _write_json_atomic(manifest, {"world": node.size, "step": 0, "checkpoint": None, RUN: new_run_id()})
         return None
-    number = _collective(node, check)
-    number = node.allgather("train", number, "the job's checkpoint")[0]
-    if isinstance(number, dict):  # the job ran on another number of ranks: reshard its checkpoint first
-        done = node.allgather("train", _collective(node, lambda: reshard.write_rank(cfg.ps.path, node.size,
-                                                                                   node.rank)), "reshard")
-        new = done[0][1]
-        _collective(node, lambda: reshard.commit(cfg.ps.path, node.size, number, new) if node.rank == 0 else None)
-        if node.rank == 0:
-            _notice(f"resharded: {sum(d[2] for d in done):,} rows now on {node.size} ranks as checkpoint {new}")
-        number = new
+    try:
+        number = _collective(node, check)
+        number = node.allgather("train", number, "the job's checkpoint")[0]
+        if isinstance(number, dict):  # the job ran on another number of ranks: reshard its checkpoint first
+            done = node.allgather("train", _collective(node, lambda: reshard.write_rank(cfg.ps.path, node.size,
+                                                                                       node.rank)), "reshard")
+            new = done[0][1]
+            _collective(node, lambda: reshard.commit(cfg.ps.path, node.size, number, new, hold)
+                        if node.rank == 0 else None)
+            if node.rank == 0:
+                _notice(f"resharded: {sum(d[2] for d in done):,} rows now on {node.size} ranks as checkpoint {new}")
+            number = new
+    finally:
+        hold.release()
     return number
 
 
-def _plan_reshard(root: str, world: int, cfg: TrainConfig) -> dict:
+def _plan_reshard(root: str, world: int, cfg: TrainConfig, hold: "reshard.Hold") -> dict:
     """Rank 0: the checkpoint to reshard, checked whole (hps.reshard) and against
-    this run's config, and says so."""
-    old = reshard.check_source(root)
+    this run's config, and says so; the old job's directories stay locked in `hold`."""
+    old = reshard.check_source(root, hold)
     _check_resumable_with(cfg, root)
     _notice(f"--resume: the job at {root} ran on {old['world']} rank(s), this run has {world}: resharding "
             f"its checkpoint {old['checkpoint']} (step {old['step']}) over {world} ranks")
