@@ -448,14 +448,16 @@ def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ran
         assert via["admission"]["keys_admitted"] == single["admission"]["keys_admitted"]
 
 
-@pytest.mark.parametrize("change", ["dim", "admission", "sketch_bytes"])
+@pytest.mark.parametrize("change", ["dim", "admission", "sketch_bytes", "hidden", "fields", "dense_sync"])
 def test_a_config_the_job_cannot_resume_with_is_refused_before_the_reshard(tmp_path, two_ranks, change):
     """A resume on another number of ranks whose config the old job's checkpoint does
-    not fit (another [ps] dim, [admission] threshold or sketch size) is refused before
-    the reshard: it would otherwise reshard the whole table (here to one process, the
-    rank directories removed) and only then fail to open or load it."""
+    not fit (another [ps] dim, [admission] threshold or sketch size, MLP hidden
+    layers, data fields, [distributed] dense_sync) is refused before the reshard,
+    naming the field and the checkpoint's file: it would otherwise reshard the
+    whole table (here to one process, the rank directories removed; or on to
+    ranks) and only then fail to open or load it, or at the first step."""
     import dataclasses
-    from hps.train import AdmissionConfig, train
+    from hps.train import AdmissionConfig, _prepare_job, train
     if change == "sketch_bytes":
         old = tmp_path / "old"
         scenario(2, old, "--steps", STEPS, "--admission", 3)
@@ -471,12 +473,26 @@ def test_a_config_the_job_cannot_resume_with_is_refused_before_the_reshard(tmp_p
     elif change == "admission":
         cfg.admission = sc.admission_config(3)
         match = r"\[admission\] threshold = 1, this run has 3; nothing was resharded"
-    else:
+    elif change == "sketch_bytes":
         cfg.admission = AdmissionConfig(threshold=3, sketch_bytes="2KiB")
         match = r"sketch of 1,024 bytes, this run's \[admission\] sketch_bytes = '2KiB' \(2,048\); nothing was"
+    elif change == "hidden":
+        cfg.hidden = (8, 4)
+        match = r"an MLP of hidden = \[16\] \(.*rank0/checkpoints/\d+/trainer-state.pt\), this run has hidden = " \
+                r"\[8, 4\]; nothing was resharded"
+    elif change == "fields":  # two multi-hot fields more
+        match = r"an MLP of 221 inputs \(.*trainer-state.pt\), this run's data has 13 dense, 26 single-hot and 2 " \
+                r"multi-hot fields, 237 inputs at dim 8; nothing was resharded"
+    else:
+        cfg.distributed = dataclasses.replace(cfg.distributed, dense_sync="kstep", k=3)
+        match = r"\[distributed\] dense_sync = 'allreduce' \(.*trainer-state.pt: its optimizer's state\), this run " \
+                r"has 'kstep'; nothing was resharded"
     with pytest.raises(ValueError, match=match):
-        train(cfg, resume=True, progress=False, train_batches=sc.global_batches(STEPS + 2, PER_RANK, 2),
-              eval_batches=[])
+        if change == "dense_sync":  # onto ranks (this process as the one rank of the resumed job)
+            _prepare_job(cfg, _OneRank(), resume=True, widths=(13, 26, 0))
+        else:
+            train(cfg, resume=True, progress=False, eval_batches=[],
+                  train_batches=sc.global_batches(STEPS + 2, PER_RANK, 2, multi_hot=change == "fields"))
     assert sorted(os.listdir(old / "job")) == listing  # job.json and the ranks as they were
     assert rows_of(old / "job") == before
 

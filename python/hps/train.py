@@ -374,7 +374,8 @@ class Trainer:
                                      ", or pass --resume to continue it in this one process"
                                      if manifest.get("checkpoint") is not None else ""))
             with reshard.Hold(cfg.ps.path) as hold:  # (let go before the server below opens at the root)
-                _plan_reshard(cfg.ps.path, 1, cfg, hold)  # back to one process: a parameter server at the root
+                # back to one process: a parameter server at the root
+                _plan_reshard(cfg.ps.path, 1, cfg, hold, widths, ranks=False)
                 _, new, rows = reshard.to_one_process(cfg.ps.path, hold)
             _notice(f"resharded: {rows:,} rows now in one process as checkpoint {new}")
         if node is None:
@@ -692,10 +693,11 @@ def _collective(node: Optional[Node], fn):
     return result
 
 
-def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
+def _prepare_job(cfg: TrainConfig, node: Node, resume: bool, widths: Optional[tuple] = None) -> Optional[int]:
     """Rank 0 checks <path>/job.json (world size; the checkpoint every rank
     finished), or writes a new one; every rank gets the checkpoint to roll back
-    to (None: start from batch 0). A reshard's rank 0 holds the job's directories
+    to (None: start from batch 0). `widths`: the data's fields, which a reshard
+    checks against the job's MLP first. A reshard's rank 0 holds the job's directories
     (hps.reshard.Hold) from its check to its commit, and lets go before its own
     server opens."""
     hold = reshard.Hold(cfg.ps.path)
@@ -710,9 +712,10 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
             with open(manifest) as f:
                 job = json.load(f)
         if resume and job is not None and job["world"] != node.size and job.get("checkpoint") is not None:
-            return _plan_reshard(root, node.size, cfg, hold)  # (a job that never checkpointed starts over below)
+            # (a job that never checkpointed starts over below)
+            return _plan_reshard(root, node.size, cfg, hold, widths, ranks=True)
         if resume and job is None and stored_checkpoint(root)[1] is not None:
-            return _plan_reshard(root, node.size, cfg, hold)  # a one-process run's parameter server
+            return _plan_reshard(root, node.size, cfg, hold, widths, ranks=True)  # a one-process run's server
         if resume and job is not None and job["world"] == node.size:
             if reshard.RESHARDED in job:
                 reshard.remove_old(root)  # what a crash right after the reshard's switch left
@@ -755,22 +758,29 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool) -> Optional[int]:
     return number
 
 
-def _plan_reshard(root: str, world: int, cfg: TrainConfig, hold: "reshard.Hold") -> dict:
+def _plan_reshard(root: str, world: int, cfg: TrainConfig, hold: "reshard.Hold", widths: Optional[tuple],
+                  ranks: bool) -> dict:
     """Rank 0: the checkpoint to reshard, checked whole (hps.reshard) and against
-    this run's config, and says so; the old job's directories stay locked in `hold`."""
+    this run's config and data (`widths`: its dense, single-hot and multi-hot
+    fields; `ranks`: the run is a job of ranks, not one process), and says so;
+    the old job's directories stay locked in `hold`."""
     old = reshard.check_source(root, hold)
-    _check_resumable_with(cfg, root)
+    _check_resumable_with(cfg, root, widths, cfg.distributed.dense_sync if ranks else None)
     _notice(f"--resume: the job at {root} ran on {old['world']} rank(s), this run has {world}: resharding "
             f"its checkpoint {old['checkpoint']} (step {old['step']}) over {world} ranks")
     return old
 
 
-def _check_resumable_with(cfg: TrainConfig, root: str) -> None:
+def _check_resumable_with(cfg: TrainConfig, root: str, widths: Optional[tuple] = None,
+                          dense_sync: Optional[str] = None) -> None:
     """Raises ValueError naming the field when the job at root cannot resume with
     cfg: the parameter server's layout ([ps] dim, optimizer kind, initializer,
-    seed) or [admission] (threshold, sketch bytes) of its checkpoint differ. A
-    reshard checks this first: the parameter server and the trainer would refuse
-    it only once the table had been resharded."""
+    seed), the MLP (``hidden``; its input, from `widths`: the data's dense,
+    single-hot and multi-hot fields), the dense optimizer ([distributed]
+    `dense_sync`: the run's, None for one process) or [admission] (threshold,
+    sketch bytes) of its checkpoint differ. A reshard checks this first: the
+    parameter server and the trainer would refuse it only once the table had been
+    resharded (the MLP's and optimizer's state load, or the first step, fails)."""
     from hps.jobdir import read_job
     job = read_job(root)
     mine, theirs = cfg.ps.layout(), job.config.layout()
@@ -778,7 +788,28 @@ def _check_resumable_with(cfg: TrainConfig, root: str) -> None:
         if mine[name] != theirs[name]:
             raise ValueError(f"--resume: the job at {root} has {name} = {theirs[name]!r}, this run's [ps] has "
                              f"{mine[name]!r}; nothing was resharded (resume with the job's {name})")
-    state = reshard._load_state(os.path.join(job.checkpoint_dir(0), TRAINER_STATE))
+    path = os.path.join(job.checkpoint_dir(0), TRAINER_STATE)
+    state = reshard._load_state(path)
+    saved_in, saved_hidden = _mlp_widths(state["mlp"])
+    if saved_hidden is not None and saved_hidden != list(cfg.hidden):
+        raise ValueError(f"--resume: the job at {root} trained an MLP of hidden = {saved_hidden} ({path}), this "
+                         f"run has hidden = {list(cfg.hidden)}; nothing was resharded (resume with the job's hidden)")
+    if widths is not None and saved_in is not None:
+        n_dense, n_fields, n_bags = widths
+        wanted = (n_fields + n_bags) * cfg.ps.dim + n_dense
+        if wanted != saved_in:
+            raise ValueError(f"--resume: the job at {root} trained an MLP of {saved_in} inputs ({path}), this run's "
+                             f"data has {n_dense} dense, {n_fields} single-hot and {n_bags} multi-hot fields, "
+                             f"{wanted} inputs at dim {cfg.ps.dim}; nothing was resharded (resume on the job's "
+                             f"data fields: [data] schema)")
+    if dense_sync is not None:
+        groups = state["opt"].get("param_groups") or [{}]
+        kstep = "beta1" in groups[0] or any("m" in st for st in state["opt"].get("state", {}).values())
+        saved_sync = "kstep" if kstep else "allreduce"  # (k-step Adam's groups and state; else torch's Adam)
+        if saved_sync != dense_sync:
+            raise ValueError(f"--resume: the job at {root} trained its MLP with [distributed] dense_sync = "
+                             f"{saved_sync!r} ({path}: its optimizer's state), this run has {dense_sync!r}; "
+                             f"nothing was resharded (resume with the job's dense_sync)")
     saved = state.get("admission") or {"threshold": 1}
     if saved["threshold"] != cfg.admission.threshold:
         raise ValueError(f"--resume: the job at {root} was trained with [admission] threshold = "
@@ -791,6 +822,20 @@ def _check_resumable_with(cfg: TrainConfig, root: str) -> None:
             raise ValueError(f"--resume: the job at {root} counts admission in a sketch of {sketch['bytes']:,} "
                              f"bytes, this run's [admission] sketch_bytes = {cfg.admission.sketch_bytes!r} "
                              f"({asked:,}); nothing was resharded")
+
+
+def _mlp_widths(mlp: dict) -> tuple:
+    """(input width, hidden widths) of a saved CTR MLP (hps.torch.mlp's Sequential:
+    a Linear at every other index, the last of width 1); (None, None) for another
+    network, which its own load then checks."""
+    try:
+        weights = sorted((int(name.split(".")[0]), tuple(v.shape)) for name, v in mlp.items()
+                         if name.endswith(".weight"))
+    except (ValueError, AttributeError):
+        return None, None
+    if not weights or any(len(shape) != 2 for _, shape in weights) or weights[-1][1][0] != 1:
+        return None, None
+    return weights[0][1][1], [shape[0] for _, shape in weights[:-1]]
 
 
 def _check_resumed_step(trainer: Trainer) -> None:
@@ -853,7 +898,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                              + ", ".join(f"rank {r}: {w}" for r, w in enumerate(every)))
     number = LAST
     if node is not None:
-        number = _prepare_job(cfg, node, resume)
+        number = _prepare_job(cfg, node, resume, tuple(widths))
     trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths))
     if dense_hook is not None:
         if len(trainer.replicas) > 1 or trainer.model.device.type != "cpu":
