@@ -277,3 +277,71 @@ eval_examples = 0
     summary = json.loads((tmp_path / "job" / "train-summary.json").read_text())
     peak = max(h["ssd_disk_bytes"] for h in summary["history"])
     assert peak <= e["ssd"]["disk_worst_bytes"], (peak, e["ssd"])
+
+
+BOUNDED = """\
+hidden = [8]
+checkpoint_every = 5
+torch_threads = 1
+
+[ps]
+dim = 8
+path = "{path}"
+mem_budget = "4MiB"
+{bounds}
+
+[ps.optimizer]
+kind = "adagrad"
+
+[data]
+source = "synthetic"
+batch_size = 1024
+train_examples = 20000
+eval_examples = 0
+"""
+
+
+def test_max_rows_bounds_the_rows_and_disk_a_run_keeps(tmp_path, capsys):
+    """[ps] max_rows = 5,000 of the data's 67k keys: hps size sized the store for every
+    key (20 MiB of disk for 364 KiB) and MEM-PS for a full cache at the end; the run
+    keeps 5,000 rows at each checkpoint, and the estimate now says so (the index,
+    which never shrinks, stays sized for every key)."""
+    pytest.importorskip("torch", reason="the run is hps train's")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(BOUNDED.format(path=tmp_path / "job", bounds="max_rows = 5000"))
+    assert main(["size", "--config", str(cfg), "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    b = e["run"]["bounds"]
+    assert e["run"]["rows"] > 50_000 and b["rows_kept"] == e["ssd"]["live_rows"] == 5000
+    assert b["rows_kept"] < b["rows_peak"] <= e["run"]["rows"] and not b["upper_bound"]
+    assert e["ssd"]["disk_live_bytes"] == sizing.ssd_disk_bytes(5000, 64, 1 << 16)
+    assert e["mem"]["cached_rows_at_end"] <= 5000
+    assert "max_rows = 5,000 keeps at most that many" in b["notes"][0]
+    assert main(["size", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "rows kept (max_rows)" in out and "5,000 at each checkpoint" in out
+
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    capsys.readouterr()
+    summary = json.loads((tmp_path / "job" / "train-summary.json").read_text())
+    ssd, mem = summary["ps"]["ssd"], summary["ps"]["mem"]
+    assert ssd["live_records"] == 5000 and ssd["disk_bytes"] <= e["ssd"]["disk_live_bytes"]
+    assert mem["size"] <= e["mem"]["cached_rows_at_end"]
+    assert max(h["ssd_disk_bytes"] for h in summary["history"]) <= e["ssd"]["disk_worst_bytes"]
+    assert abs(ssd["index_bytes"] - e["ssd"]["index_bytes"]) < 0.02 * ssd["index_bytes"]
+
+
+def test_ttl_and_admission_make_the_estimate_an_upper_bound(tmp_path, capsys):
+    """ttl_steps and [admission] lower the rows by what the data does: not modelled,
+    the estimate says it is an upper bound and which fields make it so."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(BOUNDED.format(path=tmp_path / "job", bounds="ttl_steps = 3")
+                   + "\n[admission]\nthreshold = 2\n")
+    assert main(["size", "--config", str(cfg), "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    b = e["run"]["bounds"]
+    assert b["upper_bound"] and b["rows_kept"] == b["rows_peak"] == e["run"]["rows"]
+    assert ("[ps] ttl_steps = 3" in b["notes"][0] and "[admission] threshold = 2" in b["notes"][0]
+            and "upper bounds" in b["notes"][0])
+    assert main(["size", "--config", str(cfg)]) == 0
+    assert "note: not modelled: [ps] ttl_steps = 3" in capsys.readouterr().out

@@ -18,6 +18,16 @@ Sizes come from the native code's own accounting, not from guesses:
   (``SsdStore.stats()["index_bytes"]``), and its growth rule (65536 shards,
   16 slots first, doubled past a load of 0.8) gives the expected slots for n keys.
 
+Bounded tables and admission: ``[ps] max_rows = N`` caps the rows kept at each
+checkpoint, so the rows on disk at a commit (and cached at the end) are at most N,
+and between checkpoints at most N plus the keys of one checkpoint interval, which
+the CRC tables are sized for (the index keeps the slots of every key it held:
+sized for all of them). ``[ps] ttl_steps`` and ``[admission]
+threshold`` lower the rows by amounts that depend on the data: they are not
+modelled, and the rows and sizes are then upper bounds (``bounds()``'s notes say
+so). Nor are the erasures in the hit rate and the disk's writes: an erased key
+that comes back misses.
+
 The hit rate is the real policy's, not a model: the keys of a sample of the
 training data (its first ``sample`` examples, in batch order) are pinned batch by
 batch in an ``hps.MemCache`` of the configured policy and capacity, as the
@@ -389,6 +399,37 @@ def estimate_hit_rate(smp: Sample, capacity: int, policy: str, rows: Optional[in
             "cache_full_at_batch": r["full_at"], "steady_batches": n - start}
 
 
+# ---------------------------------------------------------------- bounded tables
+
+def bounds(cfg, rows: int, accesses_per_batch: float, interval: Optional[int]) -> dict:
+    """What [ps] max_rows and ttl_steps and [admission] make of the ``rows`` the data
+    gives: ``rows_kept``, the most rows at a commit (the cap holds there), and
+    ``rows_peak``, the most between two (new keys of one checkpoint interval, at
+    most ``accesses_per_batch`` a batch over ``interval`` batches, come on top
+    until the checkpoint's erase; ``interval`` None: unknown, the whole run), with
+    ``notes`` naming what is not modelled."""
+    ps = cfg.ps
+    threshold = cfg.admission.threshold
+    kept, peak, notes = rows, rows, []
+    if ps.max_rows and ps.max_rows < rows:
+        kept = ps.max_rows
+        if interval is not None:
+            peak = min(rows, ps.max_rows + int(math.ceil(accesses_per_batch * interval)))
+        notes.append(f"[ps] max_rows = {ps.max_rows:,} keeps at most that many of the {rows:,} rows at each "
+                     f"checkpoint (per rank under mpiexec), up to {peak:,} between checkpoints; the hit rate and the "
+                     f"disk's writes are a table's without erasures (an erased key that comes back misses)")
+    lowered = []
+    if ps.ttl_steps:
+        lowered.append(f"[ps] ttl_steps = {ps.ttl_steps:,} (rows not updated for that many steps are erased)")
+    if threshold > 1:
+        lowered.append(f"[admission] threshold = {threshold} (only keys seen {threshold} times get a row)")
+    if lowered:
+        notes.append(f"not modelled: {' and '.join(lowered)} lower the rows by what the data does, so these rows "
+                     f"and sizes are upper bounds")
+    return {"max_rows": ps.max_rows, "ttl_steps": ps.ttl_steps, "admission_threshold": threshold,
+            "rows_kept": kept, "rows_peak": peak, "upper_bound": bool(lowered), "notes": notes}
+
+
 # ---------------------------------------------------------------- the whole estimate
 
 def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_flight: Optional[int] = None) -> dict:
@@ -428,27 +469,29 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
     budget = parse_bytes(ps.mem_budget, "mem_budget")
     capacity = mem_capacity(budget, row_bytes)
     overhead = mem_overhead_per_row(row_bytes)
-    cached_rows = min(capacity, rows)
+    hit = estimate_hit_rate(smp, capacity, ps.cache_policy, rows, run_batches, in_flight)
+    every = cfg.checkpoint_every or run_batches
+    bound = bounds(cfg, rows, hit["accesses_per_batch"], every)
+    kept, peak = bound["rows_kept"], bound["rows_peak"]
+    cached_rows = min(capacity, kept)
     mem = {"budget_bytes": budget, "row_bytes": row_bytes, "overhead_bytes_per_row": overhead,
            "bytes_per_row": row_bytes + overhead, "capacity_rows": capacity,
            "arena_bytes": capacity * row_bytes, "cached_rows_at_end": cached_rows,
            "bytes_at_end": cached_rows * (row_bytes + overhead), "policy": ps.cache_policy}
 
-    # SSD-PS
+    # SSD-PS (its live rows at a commit: the cap holds there)
     fr, trigger = ps.ssd.file_records, ps.ssd.compaction_trigger
-    live = ssd_disk_bytes(rows, row_bytes, fr)
+    live = ssd_disk_bytes(kept, row_bytes, fr)
     disk_per_row = ssd_file_bytes(fr, row_bytes) / fr
-    hit = estimate_hit_rate(smp, capacity, ps.cache_policy, rows, run_batches, in_flight)
     # Between commits (hps train commits at each checkpoint, or only at the end) the
     # store grows by the rows MEM-PS evicts (every evicted row was updated, so dirty):
     # about one a miss once the cache is full; the checkpoint's flush adds the
     # cached dirty rows. A commit then compacts it back under trigger x live.
     steady_miss = 1.0 - (hit["hit_rate_steady"] if hit["hit_rate_steady"] is not None else (hit["hit_rate"] or 0.0))
-    every = cfg.checkpoint_every or run_batches
     written_per_commit = None
     worst, worst_from = None, None
     if every is not None and hit["hit_rate"] is not None:
-        written_per_commit = int(steady_miss * hit["accesses_per_batch"] * every) if rows > capacity else 0
+        written_per_commit = int(steady_miss * hit["accesses_per_batch"] * every) if peak > capacity else 0
         total_written = None
         if run_batches is not None:
             # Every miss is a row that is written once: when evicted, or by the last flush.
@@ -457,18 +500,21 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
             flushes = (run_batches - 1) // cfg.checkpoint_every if cfg.checkpoint_every > 0 else 0
             total_written = int((1.0 - hit["hit_rate"]) * hit["accesses_per_batch"] * run_batches) + \
                 flushes * cached_rows
-        worst_records = int(trigger * rows) + written_per_commit + cached_rows
+        worst_records = int(trigger * kept) + written_per_commit + min(capacity, peak)
         worst_from = "trigger x live + a commit interval's evictions + the final flush"
-        if total_written is not None and max(total_written, rows) < worst_records:
-            worst_records = max(total_written, rows)
+        if total_written is not None and max(total_written, kept) < worst_records:
+            worst_records = max(total_written, kept)
             worst_from = "every row the run writes"
         worst = int(worst_records * disk_per_row)
     ssd = {"row_bytes": row_bytes, "disk_bytes_per_row": disk_per_row, "file_records": fr,
-           "file_bytes": ssd_file_bytes(fr, row_bytes), "live_rows": rows, "disk_live_bytes": live,
+           "file_bytes": ssd_file_bytes(fr, row_bytes), "live_rows": kept, "disk_live_bytes": live,
            "compaction_trigger": trigger, "disk_at_trigger_bytes": int(trigger * live),
            "rows_written_per_commit": written_per_commit, "disk_worst_bytes": worst, "disk_worst_from": worst_from,
+           # The index's shards never shrink, and each grows to the most keys it held at
+           # once: with max_rows erasing, keys that come and go reach about the figure
+           # of every key at once (measured: 8,282,464 B at a cap of 5,000 of 66,929).
            "index_bytes": ssd_index_bytes(rows), "index_bytes_per_key": ssd_index_bytes(rows) / rows,
-           "crc_table_bytes": ssd_crc_table_bytes(rows, row_bytes, fr)}
+           "crc_table_bytes": ssd_crc_table_bytes(peak, row_bytes, fr)}
 
     # Device tier
     in_place = ps.host_in_place and ps.devices == 1 and _core.cuda_device_count() < 1 \
@@ -495,7 +541,7 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
             "sample": {"examples": smp.examples, "batches": len(smp.batches), "exhausted": smp.exhausted,
                        "distinct_keys": sum(len(f) for f in smp.field_first)},
             "run": {"examples_per_pass": pass_examples, "epochs": epochs, "batches": run_batches,
-                    "rows": rows, "rows_from": rows_how},
+                    "rows": rows, "rows_from": rows_how, "bounds": bound},
             "mem": mem, "ssd": ssd, "device": dev, "hit": _plain(hit),
             "memory_bytes": mem["bytes_at_end"] + ssd["index_bytes"] + ssd["crc_table_bytes"] +
             (dev["bytes"] if not dev["kind"].startswith("cuda") else 0)}
@@ -525,6 +571,9 @@ def format_table(e: dict) -> str:
         ("row", f"{e['config']['dim']} + state = {e['config']['row_floats']} floats = {m['row_bytes']} B "
                 f"({e['config']['optimizer']})"),
         ("rows stored (distinct keys)", f"{r['rows']:,}: {r['rows_from']}"),
+        *([("rows kept (max_rows)", f"{r['bounds']['rows_kept']:,} at each checkpoint, up to "
+                                    f"{r['bounds']['rows_peak']:,} between checkpoints")]
+          if r["bounds"]["rows_kept"] < r["rows"] else []),
         ("MEM-PS budget", f"{_size(m['budget_bytes'])} = {m['capacity_rows']:,} rows of {m['bytes_per_row']} B "
                           f"(row {m['row_bytes']} + bookkeeping {m['overhead_bytes_per_row']})"),
         ("MEM-PS rows cached at the end", f"{m['cached_rows_at_end']:,} ({_size(m['bytes_at_end'])})"),
@@ -546,7 +595,7 @@ def format_table(e: dict) -> str:
          (f"; the run: {r['batches']:,} batches" if r["batches"] else "; the run's length unknown")),
     ]
     out = "\n".join(f"  {k:<36}  {v}" for k, v in rows)
-    for note in (h.get("note"), h.get("error")):
+    for note in (h.get("note"), h.get("error"), *r["bounds"]["notes"]):
         if note:
             out += f"\n  note: {note}"
     return out
