@@ -242,6 +242,26 @@ def test_config_errors_name_the_field(tmp_path):
         TrainConfig.from_dict(d)
 
 
+@pytest.mark.parametrize("launcher", [{"MPI_LOCALNRANKS": "4", "PMI_SIZE": "8"},
+                                      {"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_SIZE": "8"}])
+def test_the_sketch_memory_check_counts_the_ranks_on_the_machine(monkeypatch, launcher):
+    """Every rank allocates the sketch: 4 ranks of mpiexec on this machine with a
+    sketch of 300 KiB each need 1.2 MiB, more than a machine of 1 MiB holds,
+    though one sketch fits (the check compared one sketch with the machine)."""
+    import hps.train
+    from hps.train import AdmissionConfig
+    monkeypatch.setattr(hps.train, "_physical_memory", lambda: 1 << 20)
+    AdmissionConfig(threshold=2, sketch_bytes="300KiB").check()  # one process
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"admission.sketch_bytes = '300KiB' \(307,200 bytes, a rank, and this "
+                                         r"machine runs 4 ranks: 1,228,800 bytes\) is more than this machine's "
+                                         r"memory \(1,048,576 bytes\)"):
+        AdmissionConfig(threshold=2, sketch_bytes="300KiB").check()
+    AdmissionConfig(threshold=2, sketch_bytes="256KiB").check()  # 4 of them fit
+    AdmissionConfig(threshold=1, sketch_bytes="300KiB").check()  # threshold 1 keeps no sketch
+
+
 def test_multi_hot_bags_are_rewritten_too():
     adm = Admission(threshold=2, sketch_bytes="64KiB")
     b = hps.data.Batch(np.zeros(2, np.float32), np.zeros((2, 1), np.float32), np.array([[1], [2]], np.uint64), (),

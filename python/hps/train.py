@@ -42,6 +42,7 @@ from hps.admission import Admission
 from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, is_int, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
+from hps.distributed.comm import launcher_local_ranks
 from hps.errors import DivergedError
 from hps.jobdir import TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
@@ -100,10 +101,13 @@ class AdmissionConfig:
             raise ValueError(f"{source}: admission.sketch_bytes must be at least 4 (4 arrays of one-byte "
                              f"counters), got {self.sketch_bytes!r}")
         memory = _physical_memory()
-        if self.threshold > 1 and memory is not None and b > memory:
-            # The counters are allocated and zeroed whole when training starts.
-            raise ValueError(f"{source}: admission.sketch_bytes = {self.sketch_bytes!r} ({b:,} bytes) is more "
-                             f"than this machine's memory ({memory:,} bytes)")
+        # The counters are allocated and zeroed whole when training starts, by every
+        # rank: the ranks mpiexec put on this machine each hold a sketch.
+        ranks = launcher_local_ranks()
+        if self.threshold > 1 and memory is not None and b * ranks > memory:
+            held = "" if ranks == 1 else f", a rank, and this machine runs {ranks} ranks: {b * ranks:,} bytes"
+            raise ValueError(f"{source}: admission.sketch_bytes = {self.sketch_bytes!r} ({b:,} bytes{held}) is "
+                             f"more than this machine's memory ({memory:,} bytes)")
 
 
 def _physical_memory() -> Optional[int]:

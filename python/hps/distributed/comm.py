@@ -48,6 +48,23 @@ def launched_by_mpi() -> bool:
     return False
 
 
+def launcher_local_ranks() -> int:
+    """The ranks mpiexec started on this machine (this one included), as its
+    environment tells (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, MPICH Hydra's
+    MPI_LOCALNRANKS), before MPI starts; 1 in a plain run, or where the launcher
+    does not say."""
+    if not launched_by_mpi():
+        return 1
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        try:
+            n = int(os.environ.get(name, "0"))
+        except ValueError:
+            continue
+        if n > 0:
+            return n
+    return 1
+
+
 @dataclass
 class DistributedConfig:
     dense_sync: str = "allreduce"   # "allreduce": gradients summed every step; "kstep": k-step Adam
