@@ -32,8 +32,8 @@ of the next K global batches of the trace as each batch's window
 (Herald.schedule(..., upcoming=...)): a cache that must evict drops the keys
 it holds in the window last. K = 0 is the herald row (no window). Each K's
 counts are reported as ratios of the same naive run. Beside them, what bounds
-them: Herald with unbounded caches ("unbounded": no eviction, so the most any
-eviction order can save) and the trace's distinct keys over naive's pulls
+them: Herald with unbounded caches ("unbounded": no eviction, so about the most
+an eviction order can save; not a bound, as the partition follows the caches) and the trace's distinct keys over naive's pulls
 ("pull_floor_ratio": every key is pulled from the PS at least once).
 
 Floors that bind every schedule of these caches, whatever its partition,

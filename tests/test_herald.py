@@ -104,6 +104,24 @@ def test_location_aware_beats_sequential_on_a_constructed_trace():
     assert pulls[True] == [80, 0, 0, 0]
 
 
+
+def test_a_cold_batch_is_not_dealt_out_in_batch_order():
+    """No cache holds a key yet: every example's snapshot score is 0 everywhere.
+
+    Every example holds hot key 1, alternate ones key 2 or key 3. Taken by score
+    alone, worker 0 holds key 1 after the first example, so it outscores the
+    empty worker 1 until its share is full: the sequential partition, both
+    groups on both workers (14 pulls). The load term sends the second example
+    to worker 1, and each group then follows its key (12 pulls: key 1 twice,
+    keys 2 and 3 and the 8 single keys once).
+    """
+    examples = np.array([[1, 2 if i % 2 == 0 else 3, 100 + i] for i in range(8)], dtype=np.uint64)
+    plan = Herald(2, 0).schedule(examples)
+    assert plan.assignment.tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert plan.pulls == 12
+    sequential = Herald(2, 0, location_aware=False).schedule(examples)
+    assert sequential.assignment.tolist() == [0, 0, 0, 0, 1, 1, 1, 1] and sequential.pulls == 14
+
 def test_eviction_keeps_each_cache_within_capacity_and_pushes_the_last_dirty_copy():
     h = Herald(1, 2)
     h.schedule(np.array([[5, 6]], dtype=np.uint64))
@@ -162,7 +180,8 @@ def test_lookahead_pulls_less_on_a_looping_trace():
 def test_csr_examples_of_any_length():
     h = Herald(2)
     plan = h.schedule(np.array([1, 2, 3, 4], dtype=np.uint64), offsets=np.array([0, 3, 3, 4], dtype=np.uint64))
-    assert plan.assignment.tolist() == [0, 0, 1] and plan.distinct == 4
+    # Shares of 2 and 1; the empty example scores 0 everywhere and goes where the load is lower.
+    assert plan.assignment.tolist() == [0, 1, 0] and plan.distinct == 4
 
 
 def test_bad_arguments():
@@ -235,8 +254,9 @@ def test_replay_quick():
     rows = [r for r in rows if "| skipped: " not in r]  # the Criteo sample's row where it is absent
     assert [r.split(" | ")[1] for r in rows[:4]] == ["naive", "on_demand", "location", "herald"]
     assert f"| {measured[0]['modes']['herald']['pull_ratio']:.3f} |" in rows[3]
-    # lookahead (the default --lookahead 0,1,2,4): K = 0 is the herald row; no K changes the partition's
-    # first batch, and unbounded caches pull no more than any K (they evict nothing)
+    # lookahead (the default --lookahead 0,1,2,4): K = 0 is the herald row. (Unbounded caches need not pull
+    # less than every K: the greedy follows the caches, so caches that hold more place examples differently;
+    # on the quick trace they pulled one row more than K = 4 once the greedy had its load term.)
     assert line["lookahead"] == [0, 1, 2, 4]
     for t in measured:
         la, m = t["lookahead"], t["modes"]
@@ -246,7 +266,6 @@ def test_replay_quick():
             assert c["bytes"] == (c["pulls"] + c["pushes"]) * line["dim"] * 4
             assert c["pull_ratio"] == round(c["pulls"] / m["naive"]["pulls"], 4)
             assert set(c["targets_met"]) == {"pull", "push", "overall"}
-        assert t["unbounded"]["pulls"] <= min(c["pulls"] for c in la.values())
         # The floors: every key's first use pulls it, and what 8 caches of 10% cannot
         # hold at the end (a fifth of the keys) was pushed; every schedule of these
         # caches is at or above them, and caches that never evict pull no less.
@@ -257,6 +276,7 @@ def test_replay_quick():
         assert t["overall_floor_ratio"] == round((distinct + forced) / (m["naive"]["pulls"] + m["naive"]["pushes"]), 4)
         for c in [*m.values(), *la.values()]:
             assert c["pulls"] >= distinct and c["pushes"] >= forced
+        assert t["unbounded"]["pulls"] >= distinct  # (its caches hold every key: no push is forced)
         assert t["targets_reachable"] == {w: t[f"{w}_floor_ratio"] <= line["targets"][w] for w in line["targets"]}
     la_rows = [r for r in rendered[rendered.index("", head):] if r.startswith("| ")][1:]
     assert len(la_rows) == 6 * len(measured)  # 4 windows, unbounded caches, the floors

@@ -24,11 +24,16 @@
 // highest first, then in batch order): the examples with most to lose to a
 // full worker choose first, and those whose keys every worker holds, which
 // lose nothing wherever they go, last. Each goes to the worker of highest
-// score that still has room, ties to the lowest worker index, and its keys
+// value that still has room, ties to the lowest worker index, and its keys
 // count as cached by that worker for the examples after it (so examples that
-// share a key no cache holds land together). Everything is a function of the
-// snapshot and the batch, so every rank that runs the same batches computes
-// the same plans.
+// share a key no cache holds land together). A worker's value is its score
+// less a load term (past the paper): lambda x the batch's mean keys an
+// example x the fraction of its share it has taken, lambda 1/4, or 2 for an
+// example none of whose keys any cache holds. Without it a cold batch went
+// as the sequential partition: worker 0 took the first example, then scored
+// highest for every example after it (their hot keys), until its share was
+// full. Everything is a function of the snapshot and the batch, in integers,
+// so every rank that runs the same batches computes the same plans.
 //
 // Capacity and eviction: each worker's cache holds at most `capacity` keys
 // (0: unbounded). A key's last use is the batch that last trained it (a
