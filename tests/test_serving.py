@@ -1067,6 +1067,29 @@ def test_serve_answers_bad_requests_with_a_4xx_naming_the_fault(server, method, 
     assert got == status and message in json.loads(data)["error"]
 
 
+@pytest.mark.parametrize("method, path, allow", [
+    ("PUT", "/lookup", "POST"), ("DELETE", "/lookup", "POST"), ("PATCH", "/refresh", "POST"),
+    ("GET", "/refresh", "POST"), ("HEAD", "/lookup", "POST"), ("OPTIONS", "/lookup", "POST"),
+    ("POST", "/health", "GET, HEAD"), ("PUT", "/stats", "GET, HEAD"), ("DELETE", "/health", "GET, HEAD"),
+    ("OPTIONS", "/stats", "GET, HEAD"),
+])
+def test_serve_names_the_allowed_methods_in_a_405(server, method, path, allow):
+    """A 405 came without the Allow header RFC 9110 (15.5.6) requires of it: a client
+    could learn the right method only from the error's prose."""
+    status, headers, body = request(server, method, path, b"" if method in ("PUT", "PATCH", "POST") else None)
+    assert status == 405 and headers["Allow"] == allow, (status, headers)
+    assert headers["Content-Type"] == "application/json"
+    if method != "HEAD":
+        assert json.loads(body)["error"] == f"{method} {path}: use {allow.split(',')[0]}"
+
+
+def test_serve_answers_an_unknown_path_404_whatever_the_method(server):
+    for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
+        status, headers, body = request(server, method, "/rows", b"" if method != "GET" else None)
+        assert status == 404 and "Allow" not in headers, (method, status, headers)
+        assert json.loads(body)["error"].startswith("/rows: no such endpoint")
+
+
 def raw_exchange(srv, data: bytes):
     """Sends data as is on a new connection; (status, headers, body) of the answer,
     read until the server closes the connection."""

@@ -18,7 +18,7 @@ more is answered 429 at once rather than queued without bound.
     GET  /health   {"checkpoint", "step", "world", "dim"} (HEAD: its headers)
     GET  /stats    Lookup.stats()
 Errors are JSON {"error": "..."}, http.server's own too (send_error): 400 malformed (naming the field or key index),
-404 unknown path, 405 wrong method, 408 a body not all sent within the idle
+404 unknown path, 405 wrong method (with Allow), 408 a body not all sent within the idle
 timeout (60 s; a connection idle that long is closed), 411 no Content-Length, 413 too many keys or
 bytes, 415 other content types, 429 over the concurrency limit, 500 a failure of
 the lookup or the refresh (logged to stderr; a failed refresh keeps the checkpoint).
@@ -42,9 +42,10 @@ MAX_BODY = 64 << 20         # bytes of one request body (JSON keys take up to ~2
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: Optional[dict] = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
 
 
 def _too_long(digits: int) -> HttpError:
@@ -192,11 +193,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":  # HEAD: GET's headers, no body
             self.wfile.write(body)
 
-    def _json(self, status: int, obj) -> None:
+    def _json(self, status: int, obj, headers=None) -> None:
         # allow_nan=False: json would write bare NaN / Infinity, which is not JSON and
         # which strict parsers refuse; rows are made finite first (_rows_json), and a
         # non-finite number anywhere else is a bug, answered 500 by _handle.
-        self._send(status, json.dumps(obj, allow_nan=False).encode())
+        self._send(status, json.dumps(obj, allow_nan=False).encode(), headers=headers)
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         """http.server's own refusals, made before a request reaches _handle (a malformed
@@ -250,7 +251,10 @@ class _Handler(BaseHTTPRequestHandler):
             if routes[path] != method and (method, routes[path]) != ("HEAD", "GET"):
                 if method == "POST":
                     self._body(required=False)  # read it, so that the answer is not lost to a reset
-                raise HttpError(405, f"{method} {path}: use {routes[path]}")
+                # RFC 9110 15.5.6: a 405 names the methods the resource takes, so that a
+                # client can correct itself without reading the error text
+                allow = "GET, HEAD" if routes[path] == "GET" else routes[path]
+                raise HttpError(405, f"{method} {path}: use {routes[path]}", {"Allow": allow})
             if path == "/lookup":
                 self._lookup()
             elif path == "/refresh":
@@ -271,7 +275,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the body may be unread: the connection cannot carry another request
             if e.status >= 500:
                 print(f"hps serve: {self.command} {path}: {e}", file=sys.stderr, flush=True)
-            self._json(e.status, {"error": str(e)})
+            self._json(e.status, {"error": str(e)}, e.headers)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client left: no one to answer
         except Exception as e:  # noqa: BLE001 - answered, not a dropped connection with a traceback
