@@ -1195,6 +1195,157 @@ def test_serve_listens_on_an_ipv6_host(job, host):
             srv.server_close()
 
 
+def resolve_localhost_to(addresses):
+    """A socket.getaddrinfo that resolves localhost to addresses, as a host whose
+    /etc/hosts lists "::1 localhost" beside "127.0.0.1 localhost" (Debian's, Ubuntu's)
+    does; other names as the system does."""
+    import socket
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):  # noqa: A002 - socket's names
+        if host != "localhost":
+            return real(host, port, family, type, proto, flags)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (a, int(port or 0), 0, 0)) if ":" in a
+                else (socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, int(port or 0))) for a in addresses]
+    return getaddrinfo
+
+
+def health_at(host, port):
+    import http.client
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_serve_listens_on_every_address_of_a_host_name(job, monkeypatch):
+    """--host localhost, where localhost is both ::1 and 127.0.0.1, listened on
+    127.0.0.1 alone: a client that tried ::1 first (as glibc orders them) was refused,
+    and failed unless it fell back to the next address."""
+    import socket
+    import threading
+    from hps.serve import LookupServer
+    monkeypatch.setattr(socket, "getaddrinfo", resolve_localhost_to(["::1", "127.0.0.1"]))
+    with hps.Lookup(job, memory_budget="64MiB") as lk:
+        srv = LookupServer(lk, ("localhost", 0))
+        t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        t.start()
+        try:
+            port = srv.server_address[1]
+            for host in ("::1", "127.0.0.1"):
+                assert health_at(host, port) == (200, {"checkpoint": 6, "step": BATCHES, "world": 1, "dim": 4})
+            assert srv.urls == [f"http://[::1]:{port}", f"http://127.0.0.1:{port}"] and srv.unavailable == []
+        finally:
+            srv.shutdown()  # every address's loop, not only the first's
+            srv.server_close()
+        t.join(timeout=30)
+        assert not t.is_alive()
+        for host in ("::1", "127.0.0.1"):  # both closed
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((host, port), timeout=30).close()
+
+
+def test_serve_skips_an_address_of_the_name_that_is_not_this_host_s(job, monkeypatch, capsys):
+    """A name's address this host cannot listen on (::1 with IPv6 disabled, here the
+    documentation addresses 198.51.100.1, 203.0.113.1) is skipped and named while another
+    serves; with none left the error names the first. An address in use is not skipped: a
+    client of the name could reach the other process there."""
+    import socket
+    import threading
+    from hps.serve import LookupServer
+    for foreign in ("198.51.100.1", "203.0.113.1"):
+        with socket.socket() as s:
+            try:
+                s.bind((foreign, 0))
+                pytest.skip(f"{foreign} is this machine's: no address to show as another host's")
+            except OSError:
+                pass
+    monkeypatch.setattr(socket, "getaddrinfo", resolve_localhost_to(["198.51.100.1", "127.0.0.1"]))
+    with hps.Lookup(job, memory_budget="64MiB") as lk:
+        srv = LookupServer(lk, ("localhost", 0))
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            port = srv.server_address[1]
+            assert srv.urls == [f"http://127.0.0.1:{port}"]
+            assert srv.unavailable == ["198.51.100.1: Cannot assign requested address"]
+            assert health_at("127.0.0.1", port)[0] == 200
+        finally:
+            srv.shutdown()
+            srv.server_close()
+    monkeypatch.setattr(socket, "getaddrinfo", resolve_localhost_to(["198.51.100.1", "203.0.113.1"]))
+    assert main(["serve", str(job), "--host", "localhost", "--port", "0", "--memory-budget", "64MiB"]) == 1
+    err = capsys.readouterr().err
+    assert "--host localhost --port 0: cannot listen there: 198.51.100.1: Cannot assign requested address" in err, err
+    monkeypatch.setattr(socket, "getaddrinfo", resolve_localhost_to(["127.0.0.2", "127.0.0.1"]))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(job), "--host", "localhost", "--port", str(port), "--memory-budget", "64MiB"]) == 1
+        err = capsys.readouterr().err
+        assert f"--port {port}: cannot listen there: 127.0.0.1:{port}: Address already in use" in err, err
+        with socket.socket() as again:  # 127.0.0.2, bound before the failure, was closed
+            again.bind(("127.0.0.2", port))
+    assert not os.path.exists(job / jobdir.READERS)
+
+
+def test_serve_on_port_0_tries_again_when_a_later_address_s_port_is_taken(job, monkeypatch):
+    """Port 0 gives every address the port the first got; should another process hold
+    it on a later address, the set is bound again on another port rather than refused."""
+    import errno
+    import socket
+    import hps.serve
+    from hps.serve import LookupServer
+    monkeypatch.setattr(socket, "getaddrinfo", resolve_localhost_to(["127.0.0.2", "127.0.0.1"]))
+    real_bind, taken = hps.serve._bind, []
+
+    def bind(family, sockaddr, v6only, backlog):
+        if sockaddr[0] == "127.0.0.1" and not taken:
+            taken.append(sockaddr[1])
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+        return real_bind(family, sockaddr, v6only, backlog)
+    monkeypatch.setattr(hps.serve, "_bind", bind)
+    with hps.Lookup(job, memory_budget="64MiB") as lk:
+        srv = LookupServer(lk, ("localhost", 0))
+        try:
+            port = srv.server_address[1]
+            assert srv.urls == [f"http://127.0.0.2:{port}", f"http://127.0.0.1:{port}"] and taken
+        finally:
+            srv.server_close()
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_hps_serve_prints_every_address_it_listens_on(job):
+    import re
+    import signal
+    prelude = ("import socket, sys\n"
+               f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+               "from test_serving import resolve_localhost_to\n"
+               "socket.getaddrinfo = resolve_localhost_to(['::1', '127.0.0.1'])\n"
+               "from hps.cli import main\n"
+               "sys.exit(main(sys.argv[1:]))\n")
+    p = subprocess.Popen([sys.executable, "-c", prelude, "serve", str(job), "--host", "localhost", "--port", "0",
+                          "--memory-budget", "64MiB"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        m = re.search(r" on http://\[::1\]:([0-9]+) and http://127\.0\.0\.1:([0-9]+), ", line)
+        assert m and m.group(1) == m.group(2), line
+        port = int(m.group(1))
+        assert health_at("::1", port)[0] == health_at("127.0.0.1", port)[0] == 200
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
+    assert not os.path.exists(job / jobdir.READERS)
+
+
 def test_serve_answers_head_as_get_without_the_body(server):
     """HEAD (curl -I) got http.server's 501 page in HTML rather than GET's headers."""
     status, headers, body = request(server, "HEAD", "/health")

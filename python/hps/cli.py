@@ -414,7 +414,8 @@ def main(argv=None) -> int:
     e.add_argument("--with-state", action="store_true", help="the optimizer state beside each embedding")
     v = sub.add_parser("serve", help="lookups of a job's last checkpoint over local HTTP (docs/serving.md)")
     v.add_argument("path", help="the job's path ([ps] path)")
-    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this host only)")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address or name to listen on, a name at each of its addresses (default: this host only)")
     v.add_argument("--port", type=int, default=8470, help="0: any free port (printed)")
     v.add_argument("--memory-budget", default="256MiB",
                    help="all the lookup holds (key index, read buffers, a refresh's reserve, row cache), e.g. 1GiB")

@@ -25,9 +25,11 @@ the lookup or the refresh (logged to stderr; a failed refresh keeps the checkpoi
 """
 from __future__ import annotations
 
+import errno
 import json
 import re
 import socket
+import socketserver
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,16 +90,77 @@ def _keys_from_bytes(body: bytes) -> np.ndarray:
     return keys
 
 
-def _address_family(host: str) -> int:
-    """The address family to listen with for host: IPv6 for an IPv6 address ('::1',
-    '::') or a name that resolves only to one, else IPv4 (ThreadingHTTPServer's own,
-    which refused every IPv6 host)."""
+# A name's address that this host cannot listen on: IPv6 disabled (::1 still in /etc/hosts
+# for localhost), or an address of another host. Skipped while another address serves.
+_UNAVAILABLE = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+
+
+def _format_address(sockaddr) -> str:
+    host, port = sockaddr[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bind(family: int, sockaddr, v6only: bool, backlog: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        found = socket.getaddrinfo(host or None, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return socket.AF_INET  # the bind names the host it cannot resolve
-    families = [f for f, *_ in found]
-    return socket.AF_INET if socket.AF_INET in families or not families else families[0]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server's: a restart reuses the port
+        if v6only:  # "::" beside "0.0.0.0" (host ""): a dual-stack "::" would take IPv4's port too
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_all(addresses: list, backlog: int) -> tuple[list[socket.socket], list[str]]:
+    several = len(addresses) > 1
+    socks: list[socket.socket] = []
+    skipped: list[tuple[str, OSError]] = []
+    try:
+        for family, sockaddr in addresses:
+            if socks:  # port 0: the port the first address was given
+                sockaddr = (sockaddr[0], socks[0].getsockname()[1], *sockaddr[2:])
+            try:
+                socks.append(_bind(family, sockaddr, family == socket.AF_INET6 and several, backlog))
+            except OSError as e:
+                if e.errno not in _UNAVAILABLE:
+                    raise OSError(e.errno, f"{_format_address(sockaddr)}: {e.strerror}" if several
+                                  else e.strerror) from None
+                skipped.append((sockaddr[0], e))  # its port is not why
+        if not socks:  # none of the addresses is this host's: the first one's reason
+            where, e = skipped[0]
+            raise OSError(e.errno, f"{where}: {e.strerror}" if several else e.strerror)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks, [f"{where}: {e.strerror}" for where, e in skipped]
+
+
+def _listen(host: str, port: int, backlog: int) -> tuple[list[socket.socket], list[str]]:
+    """Listening sockets on every address host resolves to, in getaddrinfo's order (the
+    system's preference), and the addresses skipped as unavailable, each "ADDRESS: why".
+
+    A name is listened on at each of its addresses, not one: a client on this host may
+    try any of them first (glibc's order, curl's, put ::1 first for localhost, Java's
+    127.0.0.1), and one that finds nothing there fails unless it falls back to the next.
+    With port 0 every address gets the port the first was given; should another process
+    hold that port on a later address, the whole set is tried again on a new port."""
+    found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = []
+    for family, _, _, _, sockaddr in found:
+        if family in (socket.AF_INET, socket.AF_INET6) and (family, sockaddr) not in addresses:
+            addresses.append((family, sockaddr))
+    attempt = 1
+    while True:
+        try:
+            return _bind_all(addresses, backlog)
+        except OSError as e:
+            if not (port == 0 and len(addresses) > 1 and e.errno == errno.EADDRINUSE and attempt < 8):
+                raise
+            attempt += 1
 
 
 def _rows_json(rows: np.ndarray) -> tuple[list, list]:
@@ -136,8 +199,14 @@ class LookupServer(ThreadingHTTPServer):
         # mid-request (a Content-Length it never fills) would hold its thread for good.
         self.idle_timeout = idle_timeout
         self._stop = threading.Event()
-        self.address_family = _address_family(address[0])  # the class's is IPv4's
-        super().__init__(address, _Handler)
+        socks, self.unavailable = _listen(address[0], address[1], self.request_queue_size)
+        self.address_family = socks[0].family  # the class's is IPv4's
+        super().__init__(socks[0].getsockname(), _Handler, bind_and_activate=False)
+        self.socket.close()  # the unbound one the base class made
+        self.socket = socks[0]
+        self.server_name, self.server_port = self.server_address[:2]
+        # the name's other addresses: their connections are served as this server's own
+        self._listeners = [_Listener(self, sock) for sock in socks[1:]]
         self._refresher: Optional[threading.Thread] = None
         if refresh_every:
             self._refresher = threading.Thread(target=self._refresh_loop, args=(refresh_every,), daemon=True,
@@ -160,12 +229,51 @@ class LookupServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        """The first address's URL (the system's preferred address of the host)."""
+        return self.urls[0]
+
+    @property
+    def urls(self) -> list[str]:
+        """A URL for each address listened on, in getaddrinfo's order."""
+        return [f"http://{_format_address(sock.getsockname())}"
+                for sock in [self.socket, *(lst.socket for lst in self._listeners)]]
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        for lst in self._listeners:
+            threading.Thread(target=lst.serve_forever, args=(poll_interval,), daemon=True,
+                             name="hps-serve-listen").start()
+        try:
+            super().serve_forever(poll_interval)
+        finally:  # stopped when this returns, so that server_close next does not close them under their loops
+            for lst in self._listeners:
+                lst.shutdown()
+
+    def shutdown(self) -> None:
+        super().shutdown()  # returns once the first address's loop is done, before the others'
+        for lst in self._listeners:
+            lst.shutdown()
 
     def server_close(self) -> None:
         self._stop.set()
+        for lst in self._listeners:
+            lst.server_close()
         super().server_close()
+
+
+class _Listener(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    """Another address of a LookupServer's host, on its own listening socket: each
+    connection is handled as one of the LookupServer's (its lookup, limits, counters)."""
+    daemon_threads = True
+
+    def __init__(self, owner: LookupServer, sock: socket.socket):
+        self.address_family = sock.family
+        super().__init__(sock.getsockname(), _Handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
+        self.owner = owner
+
+    def finish_request(self, request, client_address) -> None:
+        self.RequestHandlerClass(request, client_address, self.owner)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -348,9 +456,10 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="2
         lookup.close()  # releases the pinned checkpoint, as stopping the server does
         raise
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    skipped = f" (not on {'; '.join(server.unavailable)})" if server.unavailable else ""
     print(f"hps serve: {path} checkpoint {lookup.checkpoint} (step {lookup.step}, {lookup.world} rank(s), "
-          f"dim {lookup.dim}) on {server.url}, at most {max_concurrent} lookups at once", file=sys.stderr,
-          flush=True)
+          f"dim {lookup.dim}) on {' and '.join(server.urls)}{skipped}, at most {max_concurrent} lookups at once",
+          file=sys.stderr, flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
