@@ -148,7 +148,10 @@ TEST_P(MemCacheConcurrency, VersionsNeverGoBack) {
     std::mt19937_64 rng(100 + t);
     std::vector<uint64_t> own;
     for (uint64_t k = static_cast<uint64_t>(t); k < kKeys; k += kWriters) own.push_back(k);
-    for (int step = 0; step < kWriterSteps; ++step) {
+    // Past kWriterSteps while no call has met a full cache yet (up to 10 x):
+    // whether one does depends on how the threads interleave (as few as 2 of
+    // some 600 in a run on one loaded core), and the check below needs one.
+    for (int step = 0; step < kWriterSteps || (fulls == 0 && step < 10 * kWriterSteps); ++step) {
       std::shuffle(own.begin(), own.end(), rng);
       std::vector<uint64_t> keys(own.begin(), own.begin() + kWriterBatch);
       const uint64_t n = keys.size();
