@@ -2,12 +2,14 @@
 // ThreadSanitizer (HPS_SANITIZE): every call below spans several threads.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <random>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "hps/hash_table.h"
@@ -190,6 +192,175 @@ TEST(HashTable, ClearZeroesRows) {
   table->accumulate(keys.data(), kBatch, ones.data());
   table->find(keys.data(), kBatch, out.data(), nullptr);
   for (float v : out) ASSERT_GE(v, 1.0f);
+}
+
+// ---- optimizer steps against their formulas, computed here in double ----
+
+// One row's weights and state, stepped as include/hps/optimizer.h documents
+// (torch.optim's Adagrad and Adam). eps is large in the cases below so that
+// where it enters the denominator shows in the result.
+struct ReferenceRow {
+  std::vector<double> w, h, m, v;
+  double rowwise_h = 0, t = 0;
+
+  void Step(const SparseOptimizer& o, const std::vector<double>& g) {
+    const auto& p = o.opt;
+    const size_t dim = w.size();
+    switch (p.kind) {
+      case OptimizerKind::kSgd:
+        for (size_t j = 0; j < dim; ++j) w[j] -= p.lr * g[j];
+        break;
+      case OptimizerKind::kAdaGrad:
+        for (size_t j = 0; j < dim; ++j) {
+          h[j] += g[j] * g[j];
+          w[j] -= p.lr * g[j] / (std::sqrt(h[j]) + p.eps);
+        }
+        break;
+      case OptimizerKind::kRowWiseAdaGrad: {
+        double mean_sq = 0;
+        for (double x : g) mean_sq += x * x / static_cast<double>(dim);
+        rowwise_h += mean_sq;
+        for (size_t j = 0; j < dim; ++j) w[j] -= p.lr * g[j] / (std::sqrt(rowwise_h) + p.eps);
+        break;
+      }
+      case OptimizerKind::kAdam: {
+        t += 1;
+        const double b1 = p.beta1, b2 = p.beta2;
+        for (size_t j = 0; j < dim; ++j) {
+          m[j] = b1 * m[j] + (1 - b1) * g[j];
+          v[j] = b2 * v[j] + (1 - b2) * g[j] * g[j];
+          const double m_hat = m[j] / (1 - std::pow(b1, t));
+          const double v_hat = v[j] / (1 - std::pow(b2, t));
+          w[j] -= p.lr * m_hat / (std::sqrt(v_hat) + p.eps);
+        }
+        break;
+      }
+    }
+  }
+
+  // The row as the table stores it: [w | state].
+  std::vector<double> Stored(OptimizerKind kind) const {
+    std::vector<double> row = w;
+    if (kind == OptimizerKind::kAdaGrad) row.insert(row.end(), h.begin(), h.end());
+    if (kind == OptimizerKind::kRowWiseAdaGrad) row.push_back(rowwise_h);
+    if (kind == OptimizerKind::kAdam) {
+      row.insert(row.end(), m.begin(), m.end());
+      row.insert(row.end(), v.begin(), v.end());
+      row.push_back(t);
+    }
+    return row;
+  }
+};
+
+SparseOptimizer Optimizer(OptimizerKind kind, float lr, float eps, float beta1 = 0.9f,
+                          float beta2 = 0.999f) {
+  SparseOptimizer o;
+  o.dim = 3;
+  o.opt.kind = kind;
+  o.opt.lr = lr;
+  o.opt.eps = eps;
+  o.opt.beta1 = beta1;
+  o.opt.beta2 = beta2;
+  o.opt.initial_accumulator = 0.25f;
+  o.init.kind = InitKind::kUniform;
+  o.init.scale = 0.5f;
+  o.init.seed = 17;
+  return o;
+}
+
+class OptimizerStep : public ::testing::TestWithParam<SparseOptimizer> {};
+
+// Keys 1 and 2 are stepped six times; key 3 is first seen by a push, which must
+// start it from its initial row. Each push carries key 1 twice, whose gradients
+// are summed before the step. Every float of each row, state included, is
+// checked after every step.
+TEST_P(OptimizerStep, MatchesTheFormulaStepByStep) {
+  const SparseOptimizer opt = GetParam();
+  const auto kind = opt.opt.kind;
+  const size_t dim = static_cast<size_t>(opt.dim);
+  auto table = Table(64, opt.row_floats(), 1);
+  const std::vector<uint64_t> keys = {1, 2, 3};
+  // initial_rows writes every float of a row, state included (NaN shows a gap).
+  std::vector<float> init(keys.size() * opt.row_floats(), NAN);
+  opt.initial_rows(keys.data(), keys.size(), init.data());
+  std::map<uint64_t, ReferenceRow> ref;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ReferenceRow& r = ref[keys[i]];
+    r.w.assign(init.begin() + i * opt.row_floats(), init.begin() + i * opt.row_floats() + dim);
+    r.h.assign(dim, opt.opt.initial_accumulator);
+    r.rowwise_h = opt.opt.initial_accumulator;
+    r.m.assign(dim, 0.0);
+    r.v.assign(dim, 0.0);
+    const auto want = r.Stored(kind);
+    for (size_t j = 0; j < want.size(); ++j) EXPECT_EQ(init[i * opt.row_floats() + j], want[j]) << j;
+  }
+  std::vector<float> pulled(2 * dim);
+  table->lookup_or_init(keys.data(), 2, opt, pulled.data());
+  for (int step = 0; step < 6; ++step) {
+    const std::vector<uint64_t> pushed = step == 0 ? std::vector<uint64_t>{1, 2, 1}
+                                                   : std::vector<uint64_t>{1, 2, 1, 3};
+    std::vector<float> grads(pushed.size() * dim);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      grads[i] = 0.3f * static_cast<float>((i * 7 + step * 3) % 11) - 1.5f;
+    }
+    table->apply_gradients(pushed.data(), pushed.size(), grads.data(), opt);
+    std::map<uint64_t, std::vector<double>> summed;
+    for (size_t i = 0; i < pushed.size(); ++i) {
+      auto& g = summed[pushed[i]];
+      g.resize(dim);
+      for (size_t j = 0; j < dim; ++j) g[j] += grads[i * dim + j];
+    }
+    for (const auto& [key, g] : summed) ref[key].Step(opt, g);
+    const uint64_t present = step == 0 ? 2 : 3;
+    ASSERT_EQ(table->size(), present);
+    std::vector<float> rows(present * opt.row_floats());
+    ASSERT_EQ(table->find(keys.data(), present, rows.data(), nullptr), present);
+    for (uint64_t i = 0; i < present; ++i) {
+      const auto want = ref[keys[i]].Stored(kind);
+      for (size_t j = 0; j < want.size(); ++j) {
+        EXPECT_NEAR(rows[i * opt.row_floats() + j], want[j], 1e-5 + 1e-5 * std::abs(want[j]))
+            << "step " << step << ", key " << keys[i] << ", column " << j;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, OptimizerStep,
+    ::testing::Values(Optimizer(OptimizerKind::kSgd, 0.1f, 0.0f),
+                      Optimizer(OptimizerKind::kAdaGrad, 0.05f, 0.1f),
+                      Optimizer(OptimizerKind::kRowWiseAdaGrad, 0.05f, 0.1f),
+                      Optimizer(OptimizerKind::kAdam, 0.01f, 0.1f),
+                      Optimizer(OptimizerKind::kAdam, 0.02f, 1e-3f, 0.0f, 0.99f),
+                      Optimizer(OptimizerKind::kAdam, 0.01f, 1e-8f, 0.5f, 0.7f)),
+    [](const auto& info) { return "case" + std::to_string(info.index); });
+
+// Each bad setting is refused by name, and the edges of the documented ranges
+// are accepted (Adam with beta1 = beta2 = 0 is the sign of the gradient).
+TEST(Optimizer, ValidateRefusesEachBadSettingAndAcceptsTheEdges) {
+  SparseOptimizer ok = Optimizer(OptimizerKind::kAdam, 0.01f, 0.0f, 0.0f, 0.0f);
+  ok.opt.initial_accumulator = 0.0f;
+  EXPECT_NO_THROW(ok.validate());
+  const std::vector<std::pair<std::string, void (*)(SparseOptimizer&)>> bad = {
+      {"dim must be > 0", [](SparseOptimizer& o) { o.dim = 0; }},
+      {"lr must be a finite number > 0", [](SparseOptimizer& o) { o.opt.lr = 0.0f; }},
+      {"lr must be a finite number > 0", [](SparseOptimizer& o) { o.opt.lr = INFINITY; }},
+      {"eps must be a finite number >= 0", [](SparseOptimizer& o) { o.opt.eps = -1e-8f; }},
+      {"beta1 must be in [0, 1)", [](SparseOptimizer& o) { o.opt.beta1 = 1.0f; }},
+      {"beta2 must be in [0, 1)", [](SparseOptimizer& o) { o.opt.beta2 = 1.0f; }},
+      {"beta2 must be in [0, 1)", [](SparseOptimizer& o) { o.opt.beta2 = -0.1f; }},
+      {"initial_accumulator must be", [](SparseOptimizer& o) { o.opt.initial_accumulator = -1.0f; }},
+  };
+  for (const auto& [message, spoil] : bad) {
+    SparseOptimizer o = ok;
+    spoil(o);
+    try {
+      o.validate();
+      ADD_FAILURE() << "accepted a setting that should fail with: " << message;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
