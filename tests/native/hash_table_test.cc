@@ -14,6 +14,7 @@
 
 #include "hps/hash_table.h"
 #include "hps/optimizer.h"
+#include "table/table_kernels.h"  // HomeSlot
 
 namespace hps {
 namespace {
@@ -361,6 +362,118 @@ TEST(Optimizer, ValidateRefusesEachBadSettingAndAcceptsTheEdges) {
       EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
     }
   }
+}
+
+// ---- probing at the edges: a table of one bucket, filled ----
+
+// With 8 slots every key's probe starts at slot 0, so the last key placed sits
+// 7 steps from its home and the first one in slot 0.
+TEST(HashTable, OneFullBucketFindsEveryKeyAndRefusesTheNinth) {
+  auto table = Table(8, 1, 1);
+  ASSERT_EQ(table->capacity(), 8u);
+  std::vector<uint64_t> keys;
+  std::vector<float> rows;
+  for (uint64_t k = 0; k < 9; ++k) {
+    keys.push_back(1000 + k);
+    rows.push_back(static_cast<float>(k + 1));
+  }
+  std::vector<uint8_t> inserted(9, 7);
+  try {
+    table->insert(keys.data(), 9, rows.data(), inserted.data());
+    FAIL() << "a ninth key fit in eight slots";
+  } catch (const TableFullError& e) {
+    EXPECT_NE(std::string(e.what()).find("1 key(s) found no free slot"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(table->size(), 8u);
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(inserted[i], 1) << i;
+  EXPECT_EQ(inserted[8], 0);
+  std::vector<float> out(9, -1.0f);
+  std::vector<uint8_t> found(9, 7);
+  EXPECT_EQ(table->find(keys.data(), 9, out.data(), found.data()), 8u);
+  for (uint64_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(found[i], 1) << i;
+    EXPECT_EQ(out[i], rows[i]) << i;
+  }
+  EXPECT_EQ(found[8], 0);
+  EXPECT_EQ(out[8], 0.0f);
+  std::vector<float> twice(rows.begin(), rows.end());
+  for (float& x : twice) x *= 2;
+  EXPECT_EQ(table->assign(keys.data(), 9, twice.data(), found.data()), 8u);
+  EXPECT_EQ(found[0], 1);
+  EXPECT_EQ(found[8], 0);
+  table->find(keys.data(), 8, out.data(), nullptr);
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(out[i], twice[i]) << i;
+
+  SparseOptimizer sgd;
+  sgd.dim = 1;
+  auto full = Table(8, 1, 1);
+  std::vector<float> ones(9, 1.0f);
+  EXPECT_THROW(full->apply_gradients(keys.data(), 9, ones.data(), sgd), TableFullError);
+  EXPECT_EQ(full->size(), 8u);
+}
+
+// A probe that runs off the last slot goes on at slot 0: with the last of two
+// buckets full, a ninth key homed there lands in the first bucket.
+TEST(HashTable, AProbePastTheLastSlotWrapsToTheFirst) {
+  auto table = Table(16, 1, 1);
+  ASSERT_EQ(table->capacity(), 16u);
+  std::vector<uint64_t> keys;
+  for (uint64_t k = 1; keys.size() < 9; ++k) {
+    if (detail::HomeSlot(k, 16) == 8) keys.push_back(k);
+  }
+  std::vector<float> rows(keys.begin(), keys.end());
+  EXPECT_EQ(table->insert(keys.data(), keys.size(), rows.data(), nullptr), keys.size());
+  std::vector<float> out(keys.size());
+  std::vector<uint8_t> found(keys.size());
+  EXPECT_EQ(table->find(keys.data(), keys.size(), out.data(), found.data()), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) EXPECT_EQ(out[i], rows[i]) << i;
+  std::vector<float> ones(keys.size(), 1.0f);
+  table->accumulate(keys.data(), keys.size(), ones.data());
+  EXPECT_EQ(table->size(), keys.size());
+}
+
+// export_rows writes no more than max_rows, also when the table holds more.
+TEST(HashTable, ExportStopsAtMaxRows) {
+  auto table = Table(3 * kBatch, 2, 2);
+  const auto keys = RandomKeys(kBatch, 1u << 30, 21);
+  std::vector<float> rows(2 * kBatch);
+  for (uint64_t i = 0; i < kBatch; ++i) rows[2 * i] = rows[2 * i + 1] = static_cast<float>(keys[i] % 1000);
+  table->insert(keys.data(), kBatch, rows.data(), nullptr);
+  constexpr uint64_t kMax = 10, kSpare = 1000;
+  std::vector<uint64_t> out_keys(kMax + kSpare, 0);
+  std::vector<float> out_rows(2 * (kMax + kSpare), -1.0f);
+  EXPECT_EQ(table->export_rows(out_keys.data(), out_rows.data(), kMax), kMax);
+  for (uint64_t i = 0; i < kMax; ++i) {
+    EXPECT_EQ(out_rows[2 * i], static_cast<float>(out_keys[i] % 1000)) << i;
+  }
+  for (uint64_t i = kMax; i < kMax + kSpare; ++i) ASSERT_EQ(out_keys[i], 0u) << i;
+  for (uint64_t i = 2 * kMax; i < out_rows.size(); ++i) ASSERT_EQ(out_rows[i], -1.0f) << i;
+}
+
+// A clear of a mostly empty table (the branch that visits occupied slots only)
+// leaves neither keys nor row values behind.
+TEST(HashTable, ClearOfAMostlyEmptyTableZeroesItsRows) {
+  auto table = Table(4 * kBatch, 4, 2);
+  const std::vector<uint64_t> keys = {3, 5, 8, 13, 21};
+  std::vector<float> ones(4 * keys.size(), 1.0f), out(4 * keys.size(), -1.0f);
+  for (int round = 0; round < 2; ++round) {
+    table->accumulate(keys.data(), keys.size(), ones.data());
+    EXPECT_EQ(table->size(), keys.size());
+    table->find(keys.data(), keys.size(), out.data(), nullptr);
+    for (float v : out) EXPECT_EQ(v, 1.0f) << "round " << round;
+    table->clear();
+    EXPECT_EQ(table->size(), 0u);
+    std::vector<uint8_t> found(keys.size(), 7);
+    EXPECT_EQ(table->find(keys.data(), keys.size(), out.data(), found.data()), 0u);
+    for (uint8_t f : found) EXPECT_EQ(f, 0);
+  }
+  // One key is enough to need clearing.
+  table->accumulate(keys.data(), 1, ones.data());
+  table->clear();
+  EXPECT_EQ(table->size(), 0u);
+  table->accumulate(keys.data(), 1, ones.data());
+  table->find(keys.data(), 1, out.data(), nullptr);
+  EXPECT_EQ(out[0], 1.0f);
 }
 
 }  // namespace
