@@ -1,6 +1,7 @@
 """Serving and operations on a job directory (docs/serving.md): `hps inspect`,
 `hps export`, hps.Lookup and `hps serve`, on real small jobs (`hps train` of 10
 batches of 128 examples, alone and under mpiexec -n 2) and corrupted copies."""
+import contextlib
 import json
 import os
 import shutil
@@ -1318,6 +1319,20 @@ def test_serve_on_port_0_tries_again_when_a_later_address_s_port_is_taken(job, m
             srv.server_close()
 
 
+@contextlib.contextmanager
+def _hps_serve(argv: list):
+    """`hps serve` as a child process: (the process, the first line it printed to stderr);
+    killed on the way out if the test left it running."""
+    p = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        yield p, p.stderr.readline()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
+
+
 @pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 def test_hps_serve_prints_every_address_it_listens_on(job):
     import re
@@ -1328,21 +1343,14 @@ def test_hps_serve_prints_every_address_it_listens_on(job):
                "socket.getaddrinfo = resolve_localhost_to(['::1', '127.0.0.1'])\n"
                "from hps.cli import main\n"
                "sys.exit(main(sys.argv[1:]))\n")
-    p = subprocess.Popen([sys.executable, "-c", prelude, "serve", str(job), "--host", "localhost", "--port", "0",
-                          "--memory-budget", "64MiB"], stderr=subprocess.PIPE, text=True)
-    try:
-        line = p.stderr.readline()
+    with _hps_serve([sys.executable, "-c", prelude, "serve", str(job), "--host", "localhost", "--port", "0",
+                     "--memory-budget", "64MiB"]) as (p, line):
         m = re.search(r" on http://\[::1\]:([0-9]+) and http://127\.0\.0\.1:([0-9]+), ", line)
         assert m and m.group(1) == m.group(2), line
         port = int(m.group(1))
         assert health_at("::1", port)[0] == health_at("127.0.0.1", port)[0] == 200
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=30) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        p.stderr.close()
     assert not os.path.exists(job / jobdir.READERS)
 
 
@@ -1519,20 +1527,13 @@ def test_hps_serve_command_serves_until_terminated(job):
     import re
     import signal
     import urllib.request
-    p = subprocess.Popen([sys.executable, "-m", "hps.cli", "serve", str(job), "--port", "0",
-                          "--memory-budget", "64MiB"], stderr=subprocess.PIPE, text=True)
-    try:
-        line = p.stderr.readline()
+    with _hps_serve([sys.executable, "-m", "hps.cli", "serve", str(job), "--port", "0",
+                     "--memory-budget", "64MiB"]) as (p, line):
         url = re.search(r"on (http://[0-9.]+:[0-9]+)", line).group(1)
         with urllib.request.urlopen(url + "/health", timeout=30) as r:
             assert json.loads(r.read())["checkpoint"] == 6
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=30) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        p.stderr.close()
     assert not os.path.exists(job / jobdir.READERS)
 
 

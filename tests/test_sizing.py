@@ -242,46 +242,10 @@ def test_herald_tables_are_sized_as_a_run_sizes_them(tmp_path, capsys):
     assert ps.stats()["device"]["capacity_per_device"] == d["table_rows"]
 
 
-def test_worst_disk_before_a_commit_bounds_a_run_with_checkpoints(tmp_path, capsys):
-    """'every row the run writes' counted each MEM-PS miss once, but a checkpoint before
-    the last also writes the dirty rows cached then, and those are written again when
-    evicted: with no compaction in the run (16,000 rows over 23,800 cached) the disk
-    after the last checkpoint passed the 'worst before a commit' by a third."""
-    pytest.importorskip("torch", reason="the run is hps train's")
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(f"""\
+# A small hps train run; {top}: top-level lines, {bounds}: [ps] bounds (max_rows, ttl_steps).
+RUN = """\
 hidden = [8]
-eval_every = 1
-checkpoint_every = 5
-torch_threads = 1
-
-[ps]
-dim = 8
-path = "{tmp_path / 'job'}"
-mem_budget = "4MiB"
-
-[ps.optimizer]
-kind = "adagrad"
-
-[data]
-source = "synthetic"
-batch_size = 1024
-train_examples = 20000
-eval_examples = 0
-""")
-    assert main(["size", "--config", str(cfg), "--json"]) == 0
-    e = json.loads(capsys.readouterr().out)
-    assert e["sample"]["exhausted"] and e["run"]["batches"] == 20  # the estimate replays the whole run
-    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
-    capsys.readouterr()
-    summary = json.loads((tmp_path / "job" / "train-summary.json").read_text())
-    peak = max(h["ssd_disk_bytes"] for h in summary["history"])
-    assert peak <= e["ssd"]["disk_worst_bytes"], (peak, e["ssd"])
-
-
-BOUNDED = """\
-hidden = [8]
-checkpoint_every = 5
+{top}checkpoint_every = 5
 torch_threads = 1
 
 [ps]
@@ -301,6 +265,26 @@ eval_examples = 0
 """
 
 
+def test_worst_disk_before_a_commit_bounds_a_run_with_checkpoints(tmp_path, capsys):
+    """'every row the run writes' counted each MEM-PS miss once, but a checkpoint before
+    the last also writes the dirty rows cached then, and those are written again when
+    evicted: with no compaction in the run (16,000 rows over 23,800 cached) the disk
+    after the last checkpoint passed the 'worst before a commit' by a third."""
+    pytest.importorskip("torch", reason="the run is hps train's")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(RUN.format(top="eval_every = 1\n", path=tmp_path / "job", bounds=""))
+    assert main(["size", "--config", str(cfg), "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["sample"]["exhausted"] and e["run"]["batches"] == 20  # the estimate replays the whole run
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    capsys.readouterr()
+    summary = json.loads((tmp_path / "job" / "train-summary.json").read_text())
+    peak = max(h["ssd_disk_bytes"] for h in summary["history"])
+    assert peak <= e["ssd"]["disk_worst_bytes"], (peak, e["ssd"])
+
+
+
+
 def test_max_rows_bounds_the_rows_and_disk_a_run_keeps(tmp_path, capsys):
     """[ps] max_rows = 5,000 of the data's 67k keys: hps size sized the store for every
     key (20 MiB of disk for 364 KiB) and MEM-PS for a full cache at the end; the run
@@ -308,7 +292,7 @@ def test_max_rows_bounds_the_rows_and_disk_a_run_keeps(tmp_path, capsys):
     which never shrinks, stays sized for every key)."""
     pytest.importorskip("torch", reason="the run is hps train's")
     cfg = tmp_path / "run.toml"
-    cfg.write_text(BOUNDED.format(path=tmp_path / "job", bounds="max_rows = 5000"))
+    cfg.write_text(RUN.format(top="", path=tmp_path / "job", bounds="max_rows = 5000"))
     assert main(["size", "--config", str(cfg), "--json"]) == 0
     e = json.loads(capsys.readouterr().out)
     b = e["run"]["bounds"]
@@ -335,7 +319,7 @@ def test_ttl_and_admission_make_the_estimate_an_upper_bound(tmp_path, capsys):
     """ttl_steps and [admission] lower the rows by what the data does: not modelled,
     the estimate says it is an upper bound and which fields make it so."""
     cfg = tmp_path / "run.toml"
-    cfg.write_text(BOUNDED.format(path=tmp_path / "job", bounds="ttl_steps = 3")
+    cfg.write_text(RUN.format(top="", path=tmp_path / "job", bounds="ttl_steps = 3")
                    + "\n[admission]\nthreshold = 2\n")
     assert main(["size", "--config", str(cfg), "--json"]) == 0
     e = json.loads(capsys.readouterr().out)
