@@ -105,6 +105,30 @@ TEST_F(BackingStoreTest, MemCacheThroughItMatchesAMap) {
   }
 }
 
+// The buffer goes to SSD-PS when it holds write_buffer_rows rows, not one
+// later; a loaded row is never reported dirty, whatever the caller's flags held.
+TEST_F(BackingStoreTest, PutsAFullBufferAndClearsTheDirtyFlags) {
+  const SparseOptimizer opt = Sgd();
+  BackingStore backing(ssd_.get(), opt, /*write_buffer_rows=*/2);
+  const std::vector<uint64_t> keys = {1, 2};
+  const std::vector<float> rows = {1.0f, 2.0f, 3.0f, 4.0f};
+  backing.Sink(keys.data(), 1, reinterpret_cast<const uint8_t*>(rows.data()));
+  EXPECT_EQ(backing.counts().puts, 0u);
+  EXPECT_EQ(backing.counts().pending_rows, 1u);
+  backing.Sink(keys.data() + 1, 1, reinterpret_cast<const uint8_t*>(rows.data() + 2));
+  EXPECT_EQ(backing.counts().puts, 1u);
+  EXPECT_EQ(backing.counts().rows_put, 2u);
+  EXPECT_EQ(backing.counts().pending_rows, 0u);
+
+  const std::vector<uint64_t> load = {2, 3};  // on SSD-PS, and found nowhere
+  std::vector<float> got(4, 0.0f);
+  std::vector<uint8_t> dirty(2, 1);
+  backing.Load(load.data(), 2, reinterpret_cast<uint8_t*>(got.data()), dirty.data());
+  EXPECT_EQ(dirty, (std::vector<uint8_t>{0, 0}));
+  EXPECT_EQ(std::vector<float>(got.begin(), got.begin() + 2), (std::vector<float>{3.0f, 4.0f}));
+  EXPECT_EQ(std::vector<float>(got.begin() + 2, got.end()), Initial(opt, 3));
+}
+
 TEST_F(BackingStoreTest, RefusesRowsOfAnotherSize) {
   SparseOptimizer wide = Sgd();
   wide.dim = 4;

@@ -504,6 +504,97 @@ TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   }
 }
 
+// Writing back a batch: every key's own row, from each device's table, and
+// never more than max_rows (the caller sized its buffers by it).
+TEST(DeviceTier, ReadBackGivesEachKeyItsOwnRowFromEveryDeviceWithinMaxRows) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+  std::vector<uint64_t> keys = {10, 11, 12, 13, 14, 15, 16, 17, 18, 19};
+  std::vector<int32_t> owners = {0, 0, 0, 0, 1, 1, 1, 1, 1, 1};
+  std::map<uint64_t, std::vector<float>> want;
+  std::vector<float> rows;
+  for (uint64_t k : keys) {
+    for (int32_t c = 0; c < width; ++c) want[k].push_back(static_cast<float>(k * 100 + c));
+    rows.insert(rows.end(), want[k].begin(), want[k].end());
+  }
+  tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+
+  std::vector<uint64_t> got_keys(keys.size(), 0);
+  std::vector<float> got_rows(keys.size() * width, -1.0f);
+  ASSERT_EQ(tier->ReadBack(got_keys.data(), got_rows.data(), keys.size()), keys.size());
+  std::vector<uint64_t> sorted = got_keys;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, keys);
+  for (size_t j = 0; j < got_keys.size(); ++j) {
+    const std::vector<float> row(got_rows.begin() + j * width, got_rows.begin() + (j + 1) * width);
+    EXPECT_EQ(row, want[got_keys[j]]) << "ReadBack's row " << j << ", key " << got_keys[j];
+  }
+
+  // Device 0 has 4 rows: device 1 may add 3, and nothing past the 7th is written.
+  std::fill(got_keys.begin(), got_keys.end(), 0);
+  std::fill(got_rows.begin(), got_rows.end(), -1.0f);
+  ASSERT_EQ(tier->ReadBack(got_keys.data(), got_rows.data(), 7), 7u);
+  for (size_t j = 0; j < 7; ++j) {
+    const std::vector<float> row(got_rows.begin() + j * width, got_rows.begin() + (j + 1) * width);
+    EXPECT_EQ(row, want[got_keys[j]]) << "ReadBack's row " << j << ", key " << got_keys[j];
+  }
+  for (size_t j = 7; j < keys.size(); ++j) EXPECT_EQ(got_keys[j], 0u) << "written past max_rows at " << j;
+  for (size_t i = 7 * width; i < got_rows.size(); ++i) {
+    EXPECT_EQ(got_rows[i], -1.0f) << "written past max_rows at " << i;
+  }
+}
+
+// Bound to MEM-PS's pinned rows: a device owning one key over its capacity is
+// refused, Assign counts the keys it wrote, ReadBack stops at max_rows.
+TEST(DeviceTier, HostRowsKeepCapacityAndCountWhatAssignAndReadBackDid) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const int32_t width = opt.row_floats();
+  auto tier = DeviceTier::New({1, 3, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+  ASSERT_TRUE(tier->binds_host_rows());
+  std::vector<uint64_t> keys = {5, 6, 7, 8};
+  std::vector<float> store(keys.size() * width, 1.0f);
+  std::vector<uint8_t*> at(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) at[i] = reinterpret_cast<uint8_t*>(store.data() + i * width);
+  EXPECT_THROW(tier->BindHostRows(keys.data(), 4, nullptr, at.data()), TableFullError);  // 4 rows, capacity 3
+  tier->BindHostRows(keys.data(), 3, nullptr, at.data());  // exactly the capacity
+  EXPECT_EQ(tier->size(), 3u);
+
+  std::vector<uint64_t> newer = {7, 99, 5};  // 99 is not bound: skipped
+  std::vector<float> newer_rows(newer.size() * width);
+  for (size_t i = 0; i < newer_rows.size(); ++i) newer_rows[i] = 2.0f + static_cast<float>(i);
+  EXPECT_EQ(tier->Assign(newer.data(), newer.size(), newer_rows.data(), nullptr), 2u);
+  for (int32_t c = 0; c < width; ++c) {
+    EXPECT_EQ(store[0 * width + c], newer_rows[2 * width + c]);  // 5 <- third row
+    EXPECT_EQ(store[1 * width + c], 1.0f);                        // 6 untouched
+    EXPECT_EQ(store[2 * width + c], newer_rows[0 * width + c]);  // 7 <- first row
+  }
+
+  std::vector<uint64_t> got_keys(3, 0);
+  std::vector<float> got_rows(3 * width, -1.0f);
+  ASSERT_EQ(tier->ReadBack(got_keys.data(), got_rows.data(), 2), 2u);
+  EXPECT_EQ(got_keys, (std::vector<uint64_t>{5, 6, 0}));
+  for (int32_t c = 0; c < width; ++c) EXPECT_EQ(got_rows[2 * width + c], -1.0f) << "written past max_rows";
+}
+
+// A worker outside [0, devices) is refused, not counted in some other pair's cell.
+TEST(DeviceTier, RefusesAWorkerThatIsNotADevice) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const int32_t width = opt.row_floats();
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+  std::vector<uint64_t> keys = {1, 2, 3};
+  std::vector<float> rows(keys.size() * width, 1.0f);
+  tier->Insert(keys.data(), keys.size(), rows.data(), nullptr);
+  std::vector<float> emb(keys.size() * 2), g(keys.size() * 2, 1.0f);
+  for (int32_t worker : {-1, 2}) {
+    EXPECT_THROW(tier->Get(worker, keys.data(), keys.size(), emb.data(), nullptr), std::invalid_argument);
+    EXPECT_THROW(tier->Accumulate(worker, keys.data(), keys.size(), g.data(), nullptr), std::invalid_argument);
+  }
+  const TransferMatrix m = tier->transfers();
+  for (uint64_t r : m.rows) EXPECT_EQ(r, 0u);
+  EXPECT_TRUE(tier->Apply().empty());
+}
+
 TEST(DeviceTier, UniqueKeysKeepsFirstAppearance) {
   std::vector<uint64_t> keys = {9, 4, 9, 7, 4, 9};
   std::vector<int64_t> inverse(keys.size());
