@@ -1,4 +1,5 @@
 """hps.data: key hashing, the TSV and Parquet readers, sharding, the synthetic generator."""
+import contextlib
 import doctest
 import gzip
 import os
@@ -523,19 +524,30 @@ def test_list_and_shard_files(tmp_path):
         CriteoTsv(tmp_path, rank=5, world=6)
 
 
-def test_a_glob_leaves_out_the_markers_spark_and_hadoop_write_beside_the_data(tmp_path):
-    # "out/*" had matched _SUCCESS (an empty file: "empty file" from the CSV reader),
-    # _committed_* and, through "**", the part files under _temporary/; a directory
-    # already left them out. A name the user spells out is still read.
+@contextlib.contextmanager
+def _empty_files_local_and_in_memory(tmp_path, root: str, names: list):
+    """Empty files of these relative names under tmp_path and under fsspec's
+    memory://root (removed after), to list the same tree locally and by URL."""
     fsspec = pytest.importorskip("fsspec")
-    names = ["part-0.csv", "sub/part-1.csv", "_SUCCESS", "_committed_7", ".part-0.csv.crc",
-             "_temporary/part-9.csv", "sub/.part-1.csv.crc"]
-    fs, root = fsspec.filesystem("memory"), "/hps-test-markers"
+    fs = fsspec.filesystem("memory")
     try:
         for name in names:
             os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
             (tmp_path / name).write_text("")
             fs.pipe(f"{root}/{name}", b"")
+        yield
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def test_a_glob_leaves_out_the_markers_spark_and_hadoop_write_beside_the_data(tmp_path):
+    # "out/*" had matched _SUCCESS (an empty file: "empty file" from the CSV reader),
+    # _committed_* and, through "**", the part files under _temporary/; a directory
+    # already left them out. A name the user spells out is still read.
+    names = ["part-0.csv", "sub/part-1.csv", "_SUCCESS", "_committed_7", ".part-0.csv.crc",
+             "_temporary/part-9.csv", "sub/.part-1.csv.crc"]
+    root = "/hps-test-markers"
+    with _empty_files_local_and_in_memory(tmp_path, root, names):
         for base in (str(tmp_path), f"memory://{root}"):
             def found(pattern):
                 return [f.rsplit(base + "/", 1)[1] for f in list_files(f"{base}/{pattern}")]
@@ -549,28 +561,19 @@ def test_a_glob_leaves_out_the_markers_spark_and_hadoop_write_beside_the_data(tm
             assert [f.rsplit("/", 1)[1] for f in list_files(base)] == ["part-0.csv"]
             with pytest.raises(FileNotFoundError, match="no data file in"):
                 list_files(f"{base}/*S")  # only _SUCCESS matches: no data file
-    finally:
-        fs.rm(root, recursive=True)
 
 
 def test_a_local_double_star_glob_reaches_every_depth_as_a_url_glob_does(tmp_path):
     # "**" in a local glob had matched one directory level only (glob.glob without
     # recursive=True), so data/**/*.tsv silently left out the files directly in
     # data/ and those two levels down, which the same glob over fsspec reads.
-    fsspec = pytest.importorskip("fsspec")
     names = ["top.tsv", "day=1/a.tsv", "day=2/hour=3/b.tsv", "day=2/hour=3/c.parquet"]
-    fs, root = fsspec.filesystem("memory"), "/hps-test-double-star"
-    try:
-        for name in names:
-            os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
-            (tmp_path / name).write_text("")
-            fs.pipe(f"{root}/{name}", b"")
+    root = "/hps-test-double-star"
+    with _empty_files_local_and_in_memory(tmp_path, root, names):
         local = list_files(str(tmp_path / "**" / "*.tsv"))
         assert local == sorted(str(tmp_path / n) for n in names[:3])
         url = list_files(f"memory://{root}/**/*.tsv")
         assert [u.rsplit(root + "/", 1)[1] for u in url] == [os.path.relpath(p, tmp_path) for p in local]
-    finally:
-        fs.rm(root, recursive=True)
 
 
 def test_open_criteo_picks_the_reader(tmp_path):
