@@ -184,6 +184,33 @@ def test_csr_examples_of_any_length():
     assert plan.assignment.tolist() == [0, 1, 0] and plan.distinct == 4
 
 
+def test_examples_stay_on_their_origin_by_their_cost_in_keys():
+    """Origins: a cost above what any worker's cache holds of an example keeps every
+    example where it was read; no cost plans as no origin; the moves are counted."""
+    trace = batches(5, 8, 512, 6, 4000)
+    origin = np.repeat(np.arange(4), 128)
+    # 8 keys: more than an example's 6 and the load term's most (1/4 x 6 keys a full share)
+    free, none, costly = Herald(4, 500), Herald(4, 500), Herald(4, 500, example_cost=8)
+    moved_free = 0
+    for keys in trace:
+        pf, pn, pc = free.schedule(keys, origin=origin), none.schedule(keys), costly.schedule(keys, origin=origin)
+        assert pf.assignment.tolist() == pn.assignment.tolist() and pn.examples_moved == 0
+        assert pf.examples_moved == int((pf.assignment != origin).sum())
+        moved_free += pf.examples_moved
+        assert pc.assignment.tolist() == origin.tolist() and pc.examples_moved == 0
+    assert moved_free > 0
+    # Between the two: fewer moves than free, more pulls than free (a trade, not a free gain).
+    mid, free2 = Herald(4, 500, example_cost=2), Herald(4, 500)
+    moves = [0, 0]
+    pulls = [0, 0]
+    for keys in trace:
+        for i, h in enumerate((free2, mid)):
+            p = h.schedule(keys, origin=origin)
+            moves[i] += p.examples_moved
+            pulls[i] += p.pulls
+    assert moves[1] < moves[0] and pulls[1] >= pulls[0]
+
+
 def test_bad_arguments():
     for workers in (0, 65, 2.0, True):
         with pytest.raises(ValueError, match="workers"):
@@ -214,6 +241,19 @@ def test_bad_arguments():
         h._native.schedule(np.array([0, 2], dtype=np.uint64), ok.reshape(-1), [1, 2])
     with pytest.raises(ValueError, match=r"upcoming\[1\]"):  # the native check, past the wrapper's
         h._native.schedule(np.array([0, 2], dtype=np.uint64), ok.reshape(-1), np.array([1, 2**64 - 1], np.uint64))
+    for cost in (-0.5, 65537, float("nan"), "2", True):
+        with pytest.raises(ValueError, match="example_cost"):
+            Herald(2, example_cost=cost)
+    with pytest.raises(ValueError, match=r"origin must be \(1,\) integers"):
+        h.schedule(ok, origin=np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"origin must be \(1,\) integers"):
+        h.schedule(ok, origin=np.array([0.0]))
+    with pytest.raises(ValueError, match=r"origin\[0\] = 2 is outside \[-1, 2\)"):
+        h.schedule(ok, origin=np.array([2]))
+    with pytest.raises(ValueError, match=r"origin\[0\] = -2 is outside"):  # the native check, past the wrapper's
+        h._native.schedule(np.array([0, 2], dtype=np.uint64), ok.reshape(-1), None, np.array([-2], np.int32))
+    with pytest.raises(ValueError, match=r"origin must be \(n_examples,\) = \(1,\)"):
+        h._native.schedule(np.array([0, 2], dtype=np.uint64), ok.reshape(-1), None, np.array([0, 1], np.int32))
     assert h.batches == 0
     with pytest.raises(ValueError, match="worker 2"):
         h.cached(2)

@@ -32,8 +32,16 @@
 // example none of whose keys any cache holds. Without it a cold batch went
 // as the sequential partition: worker 0 took the first example, then scored
 // highest for every example after it (their hot keys), until its share was
-// full. Everything is a function of the snapshot and the batch, in integers,
-// so every rank that runs the same batches computes the same plans.
+// full. Origins (past the paper): where a batch's examples were read on
+// different workers (the ranks of an MPI job), an example may come with its
+// origin worker, which then earns example_cost keys of score for it (and,
+// for an example no cache holds a key of, no load term: origins already
+// spread a cold batch): moving an example costs what pulling that many rows
+// does, so an example whose keys are no better cached elsewhere stays where
+// it was read. example_cost 0 ignores origins.
+// Everything is a function of the snapshot and the batch, in integers (the
+// cost in 1/256 of a key), so every rank that runs the same batches computes
+// the same plans.
 //
 // Capacity and eviction: each worker's cache holds at most `capacity` keys
 // (0: unbounded). A key's last use is the batch that last trained it (a
@@ -124,6 +132,10 @@ struct HeraldOptions {
   uint64_t capacity = 0;       ///< keys a worker's cache holds; 0: unbounded
   bool location_aware = true;  ///< Algorithm 1's partition; false: sequential
   bool on_demand = true;       ///< push only what another worker needs or an eviction loses; false: write-through
+  /// Keys of score an example earns on its origin worker (Schedule's origin):
+  /// the bytes of an example over those of a pulled row. 0 to 65,536, in steps
+  /// of 1/256; 0: examples move for free (the paper's partition).
+  double example_cost = 0;
 };
 
 // What one batch does: the partition, the fetches and comm plans, the counts.
@@ -150,11 +162,13 @@ struct HeraldPlan {
   uint64_t evict_pushes = 0;  // of them, dirty rows evicted from their last holder
   uint64_t shared = 0;        // gradient rows exchanged for keys several workers train
   uint64_t distinct = 0;      // distinct keys in the batch
+  uint64_t examples_moved = 0;  // examples given an origin that go to another worker
 };
 
 class Herald {
  public:
-  // Throws std::invalid_argument for workers outside [1, 64].
+  // Throws std::invalid_argument for workers outside [1, 64] or example_cost
+  // outside [0, 65536] (or not a number).
   explicit Herald(const HeraldOptions& options);
   ~Herald();
   Herald(const Herald&) = delete;
@@ -166,12 +180,15 @@ class Herald {
   // offsets or a reserved key (CheckKeys), before changing anything.
   // upcoming[0 : n_upcoming): the lookahead window (the header comment),
   // typically the keys of the next K batches; none by default. A reserved key
-  // there throws std::invalid_argument naming upcoming[i].
+  // there throws std::invalid_argument naming upcoming[i]. origin: null, or
+  // (n_examples,) the worker that holds each example now (-1: none), which
+  // the location-aware partition weighs by example_cost (the header comment);
+  // one outside [-1, W) throws std::invalid_argument naming origin[i].
   HeraldPlan Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys,
-                      const uint64_t* upcoming = nullptr, uint64_t n_upcoming = 0);
+                      const uint64_t* upcoming = nullptr, uint64_t n_upcoming = 0, const int32_t* origin = nullptr);
   // The same for examples of `fields` keys each: keys (n_examples, fields).
   HeraldPlan Schedule(const uint64_t* keys, uint64_t n_examples, int32_t fields, const uint64_t* upcoming = nullptr,
-                      uint64_t n_upcoming = 0);
+                      uint64_t n_upcoming = 0, const int32_t* origin = nullptr);
 
   const HeraldOptions& options() const { return options_; }
   // The keys worker w's cache holds now (its latest versions), ascending.

@@ -57,7 +57,8 @@ class HeraldPlan:
     worker whose eviction dropped the last copy (where an on-demand push reads it).
     Counts: pulls (all fetches), peer_pulls (of them, from a peer), pushes
     (rows sent to the PS, evict_pushes of them for evictions), shared (gradient
-    rows exchanged for keys several workers train), distinct (keys in the batch).
+    rows exchanged for keys several workers train), distinct (keys in the batch),
+    examples_moved (examples given an origin that go to another worker).
     """
 
     assignment: np.ndarray
@@ -75,6 +76,7 @@ class HeraldPlan:
     evict_pushes: int
     shared: int
     distinct: int
+    examples_moved: int
 
     def fetch(self, worker: int) -> tuple[np.ndarray, np.ndarray]:
         """(keys, sources) worker ``worker`` fetches this batch."""
@@ -93,19 +95,32 @@ class Herald:
     i // share) and ``on_demand=False`` write-through synchronisation (every
     trained row pushed at the batch's end): the baselines of the paper's Table 1.
     Deterministic: the same batches give the same plans on every rank.
+
+    ``example_cost``: where examples were read on different workers (the ranks
+    of an MPI job, ``schedule(..., origin=)``), what moving one costs in pulled
+    rows (an example's bytes over a row's): the location-aware partition gives
+    an example's origin worker that many keys of score, so an example moves
+    only where that many more of its keys are cached elsewhere (or its origin
+    is full). 0 (the default, the paper's partition): examples move for free.
+    In steps of 1/256, up to 65,536.
     """
 
     def __init__(self, workers: int, capacity: int = 0, *, location_aware: bool = True,
-                 on_demand: bool = True):
+                 on_demand: bool = True, example_cost: float = 0.0):
         if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or not 1 <= workers <= 64:
             raise ValueError(f"workers must be an int in [1, 64], got {workers!r}")
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
             raise ValueError(f"capacity must be an int >= 0 (0: unbounded), got {capacity!r}")
+        if isinstance(example_cost, bool) or not isinstance(example_cost, (int, float, np.integer, np.floating)) \
+                or not 0 <= example_cost <= 65536:
+            raise ValueError(f"example_cost must be a number of keys in [0, 65536], got {example_cost!r}")
         self.workers = int(workers)
         self.capacity = int(capacity)
-        self._native = _core.Herald(int(workers), int(capacity), bool(location_aware), bool(on_demand))
+        self.example_cost = float(example_cost)
+        self._native = _core.Herald(int(workers), int(capacity), bool(location_aware), bool(on_demand),
+                                    float(example_cost))
 
-    def schedule(self, keys, offsets=None, upcoming=None) -> HeraldPlan:
+    def schedule(self, keys, offsets=None, upcoming=None, origin=None) -> HeraldPlan:
         """Plans a batch and updates the snapshot.
 
         ``keys``: (n_examples, fields) uint64/int64, one row an example; or, with
@@ -121,6 +136,11 @@ class Herald:
         within each (``include/hps/herald.h``, Lookahead). None or an empty
         array: no window. Raises TypeError for another dtype and ValueError for
         the reserved key 2**64 - 1 (naming its index).
+
+        ``origin``: None, or (n_examples,) integers, the worker that read each
+        example (-1: none), weighed by ``example_cost``; the plan counts the
+        examples that move (``examples_moved``). Raises ValueError for another
+        shape or a worker outside [-1, workers) (naming its index).
         """
         window = None if upcoming is None else self._check_upcoming(upcoming)
         keys = np.asarray(keys)
@@ -142,8 +162,21 @@ class Herald:
                 raise ValueError(f"keys must be 1-D with offsets, got shape {keys.shape}")
             offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
             flat = np.ascontiguousarray(keys)
-        d = self._native.schedule(offsets, flat.view(np.uint64) if flat.dtype == np.int64 else flat, window)
+        if origin is not None:
+            origin = self._check_origin(origin, len(offsets) - 1)
+        d = self._native.schedule(offsets, flat.view(np.uint64) if flat.dtype == np.int64 else flat, window, origin)
         return HeraldPlan(**d)
+
+    def _check_origin(self, origin, n_examples: int) -> np.ndarray:
+        """origin as a contiguous int32 array of n_examples workers in [-1, W)."""
+        o = np.asarray(origin)
+        if o.shape != (n_examples,) or not np.issubdtype(o.dtype, np.integer):
+            raise ValueError(f"origin must be ({n_examples},) integers (a worker an example), "
+                             f"got {o.dtype} {o.shape}")
+        bad = np.flatnonzero((o < -1) | (o >= self.workers))
+        if len(bad):
+            raise ValueError(f"origin[{int(bad[0])}] = {int(o[bad[0]])} is outside [-1, {self.workers})")
+        return np.ascontiguousarray(o, dtype=np.int32)
 
     @staticmethod
     def _check_upcoming(upcoming) -> np.ndarray | None:

@@ -417,7 +417,9 @@ class Trainer:
         else:
             if cfg.ps.schedule == "herald":
                 from hps.distributed.herald import HeraldServer
-                self.ps = HeraldServer(self.ps, node, cfg.ps.worker_cache_rows)
+                # an example's bytes on the wire: its keys, dense features and label
+                self.ps = HeraldServer(self.ps, node, cfg.ps.worker_cache_rows,
+                                       example_bytes=8 * widths[1] + 4 * (widths[0] + 1))
             else:
                 self.ps = DistributedServer(self.ps, node, sparse_rows=cfg.distributed.sparse_rows,
                                             sparse_grads=cfg.distributed.sparse_grads)

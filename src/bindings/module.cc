@@ -1172,11 +1172,13 @@ PYBIND11_MODULE(_core, m) {
 
   // Herald's scheduler (hps/herald.h); hps.herald.Herald is its Python face.
   py::class_<hps::Herald>(m, "Herald")
-      .def(py::init([](int32_t workers, uint64_t capacity, bool location_aware, bool on_demand) {
-             return std::make_unique<hps::Herald>(hps::HeraldOptions{workers, capacity, location_aware, on_demand});
-           }), py::arg("workers"), py::arg("capacity"), py::arg("location_aware"), py::arg("on_demand"))
+      .def(py::init([](int32_t workers, uint64_t capacity, bool location_aware, bool on_demand, double example_cost) {
+             return std::make_unique<hps::Herald>(
+                 hps::HeraldOptions{workers, capacity, location_aware, on_demand, example_cost});
+           }), py::arg("workers"), py::arg("capacity"), py::arg("location_aware"), py::arg("on_demand"),
+           py::arg("example_cost") = 0.0)
       .def("schedule", [](hps::Herald& h, const py::array& offsets, const py::array& keys,
-                          const py::object& upcoming) {
+                          const py::object& upcoming, const py::object& origin) {
         const auto [o, n_offsets] = KeysArg(offsets, "offsets");
         const auto [k, n] = KeysArg(keys, "keys");
         const uint64_t* up = nullptr;
@@ -1192,10 +1194,19 @@ PYBIND11_MODULE(_core, m) {
           throw py::value_error("offsets[-1] = " + std::to_string(o[n_offsets - 1]) + " but keys has " +
                                 std::to_string(n) + " entries");
         }
+        py::array_t<int32_t, py::array::c_style> from;
+        if (!origin.is_none()) {
+          from = origin.cast<py::array_t<int32_t, py::array::c_style>>();
+          if (from.ndim() != 1 || static_cast<uint64_t>(from.size()) != n_offsets - 1) {
+            throw py::value_error("origin must be (n_examples,) = (" + std::to_string(n_offsets - 1) + ",), got " +
+                                  std::to_string(from.size()) + " entries");
+          }
+        }
+        const int32_t* from_data = origin.is_none() ? nullptr : from.data();
         hps::HeraldPlan p;
         {
           py::gil_scoped_release release;
-          p = h.Schedule(o, n_offsets - 1, k, up, n_up);
+          p = h.Schedule(o, n_offsets - 1, k, up, n_up, from_data);
         }
         auto array = [](const auto& v) {
           using T = typename std::decay_t<decltype(v)>::value_type;
@@ -1214,12 +1225,14 @@ PYBIND11_MODULE(_core, m) {
         d["lost_keys"] = array(p.lost_keys);
         d["lost_from"] = array(p.lost_from);
         for (auto [name, value] : {std::pair{"pulls", p.pulls}, {"peer_pulls", p.peer_pulls}, {"pushes", p.pushes},
-                                   {"evict_pushes", p.evict_pushes}, {"shared", p.shared}, {"distinct", p.distinct}}) {
+                                   {"evict_pushes", p.evict_pushes}, {"shared", p.shared}, {"distinct", p.distinct},
+                                   {"examples_moved", p.examples_moved}}) {
           d[name] = value;
         }
         return d;
-      }, py::arg("offsets"), py::arg("keys"), py::arg("upcoming") = py::none(),
-         "plans one batch (CSR offsets, keys; upcoming: the lookahead window, 1-D): a dict of arrays and counts")
+      }, py::arg("offsets"), py::arg("keys"), py::arg("upcoming") = py::none(), py::arg("origin") = py::none(),
+         "plans one batch (CSR offsets, keys; upcoming: the lookahead window, 1-D; origin: each example's "
+         "worker, int32): a dict of arrays and counts")
       .def("cached", [](const hps::Herald& h, int32_t worker) {
         const std::vector<uint64_t> keys = h.Cached(worker);
         py::array_t<uint64_t> out(static_cast<py::ssize_t>(keys.size()));

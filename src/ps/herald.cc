@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -173,15 +174,19 @@ constexpr uint64_t kMinSlots = 64;
 // kLoadCold / kLoadDen (2) for one no cache does. Chosen on W7's Criteo
 // sample (pulls 0.713x -> 0.676x of naive's); its Zipf traces were not tuned on.
 constexpr int64_t kLoadDen = 4, kLoadWarm = 1, kLoadCold = 8;
+// HeraldOptions::example_cost's fixed point: 1/256 of a key.
+constexpr int kCostBits = 8;
+constexpr double kMaxExampleCost = 65536;
 
 }  // namespace
 
 struct Herald::Impl {
   virtual ~Impl() = default;
   // Plans a batch whose offsets were checked, and updates the snapshot.
-  // upcoming: the lookahead window (n_upcoming keys, checked).
+  // upcoming: the lookahead window (n_upcoming keys, checked); origin: null
+  // or each example's worker (checked).
   virtual HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys,
-                          const uint64_t* upcoming, uint64_t n_upcoming) = 0;
+                          const uint64_t* upcoming, uint64_t n_upcoming, const int32_t* origin) = 0;
   virtual std::vector<uint64_t> Cached(int32_t worker) const = 0;
   virtual std::vector<uint64_t> CachedByWorker(std::vector<uint64_t>& offsets) const = 0;
   virtual uint64_t Held(int32_t worker) const = 0;
@@ -235,6 +240,7 @@ struct Herald::Snapshot final : Herald::Impl {
 
   explicit Snapshot(const HeraldOptions& options)
       : opt(options),
+        cost(static_cast<int64_t>(std::llround(options.example_cost * (1 << kCostBits)))),
         held(options.workers, 0),
         cursor(options.workers, 0),
         score(options.workers, 0),
@@ -650,7 +656,7 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   HeraldPlan Plan(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys, const uint64_t* upcoming,
-                  uint64_t n_upcoming) override {
+                  uint64_t n_upcoming, const int32_t* origin) override {
     const uint64_t total = offsets[n_examples];
     CheckKeys(keys, total);
     // Indices are uint32 with UINT32_MAX kept free, as in UniqueKeys.
@@ -679,7 +685,7 @@ struct Herald::Snapshot final : Herald::Impl {
     HeraldPlan plan;
     uint64_t m = 0;
     try {
-      Partition(plan, offsets, n_examples, U);
+      Partition(plan, offsets, n_examples, U, origin);
       // The window matters only where caches evict.
       if (opt.capacity > 0 && n_upcoming > 0) m = Window(upcoming, n_upcoming);
     } catch (...) {  // out of memory: the snapshot is left as it was
@@ -691,8 +697,9 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   // The partition, fetches, comm plans and counts of a batch whose keys Find
-  // found (U distinct); changes nothing in the snapshot.
-  void Partition(HeraldPlan& plan, const uint64_t* offsets, uint64_t n_examples, uint64_t U) {
+  // found (U distinct); changes nothing in the snapshot. origin: null or each
+  // example's worker (-1: none).
+  void Partition(HeraldPlan& plan, const uint64_t* offsets, uint64_t n_examples, uint64_t U, const int32_t* origin) {
     const int32_t W = opt.workers;
     plan.distinct = U;
     need.assign(U, 0);
@@ -757,6 +764,8 @@ struct Herald::Snapshot final : Herald::Impl {
       __extension__ typedef __int128 Wide;
       constexpr int kFillBits = 16;
       const Wide scale = static_cast<Wide>(kLoadDen) * static_cast<Wide>(n_examples) << kFillBits;
+      // An example's origin worker earns example_cost keys of score (kCostBits: its fixed point).
+      const Wide stay = origin == nullptr ? 0 : (static_cast<Wide>(cost) * scale) >> kCostBits;
       const auto keys_in_batch = static_cast<Wide>(offsets[n_examples]);
       full.assign(share.begin(), share.end());
       // (W,) keys x filled_w, kept as workers fill (a division a placement, not a worker).
@@ -764,11 +773,19 @@ struct Herald::Snapshot final : Herald::Impl {
       for (const uint64_t i : order) {
         Tally(offsets[i], offsets[i + 1], placed.data());
         const Wide lambda = best_of[i] == 0 ? kLoadCold : kLoadWarm;
+        // A cold example's origin is spared the load term, which is there to
+        // spread a cold batch's examples, as their origins already do: it stays
+        // where it was read while there is room. (Sparing a warm one's too
+        // kept examples home that up to the term's weight more keys wanted
+        // elsewhere: SyntheticCriteo on 4 workers pulled 17% more at a cost of 1.)
+        const int32_t home = stay == 0 ? -1 : origin[i];
+        const bool spared = best_of[i] == 0;
         int32_t best = -1;
         Wide best_value = 0;
         for (int32_t w = 0; w < W; ++w) {
           if (share[w] == 0) continue;
-          const Wide value = static_cast<Wide>(score[w]) * scale - lambda * load[w];
+          const Wide value =
+              static_cast<Wide>(score[w]) * scale + (w == home ? stay - (spared ? 0 : lambda * load[w]) : -lambda * load[w]);
           if (best < 0 || value > best_value) {
             best = w;
             best_value = value;
@@ -793,6 +810,10 @@ struct Herald::Snapshot final : Herald::Impl {
         const auto bit = static_cast<Mask>(uint64_t{1} << w);
         for (uint64_t j = offsets[i]; j < offsets[i + 1]; ++j) need[inverse[j]] |= bit;
       }
+    }
+
+    if (origin != nullptr) {
+      for (uint64_t i = 0; i < n_examples; ++i) plan.examples_moved += origin[i] >= 0 && origin[i] != plan.assignment[i];
     }
 
     // ---- fetches, comm plans and counts ----
@@ -1012,6 +1033,7 @@ struct Herald::Snapshot final : Herald::Impl {
   static constexpr uint64_t kNone = ~uint64_t{0};
 
   HeraldOptions opt;
+  int64_t cost;  // example_cost in 1/2^kCostBits of a key
   Index index;
   int pos_bits = 32;                 // the index's position bits (the class comment)
   uint32_t pos_mask = ~uint32_t{0};  // their mask
@@ -1044,6 +1066,10 @@ Herald::Herald(const HeraldOptions& options) : options_(options) {
     throw std::invalid_argument("Herald: workers = " + std::to_string(W) +
                                 " is outside [1, 64] (a key's holders are a 64-bit mask)");
   }
+  if (!(options.example_cost >= 0 && options.example_cost <= kMaxExampleCost)) {  // NaN fails too
+    throw std::invalid_argument("Herald: example_cost = " + std::to_string(options.example_cost) +
+                                " is outside [0, 65536] keys");
+  }
   if (W <= 8) {
     impl_ = std::make_unique<Snapshot<uint8_t>>(options);
   } else if (W <= 16) {
@@ -1058,15 +1084,15 @@ Herald::Herald(const HeraldOptions& options) : options_(options) {
 Herald::~Herald() = default;
 
 HeraldPlan Herald::Schedule(const uint64_t* keys, uint64_t n_examples, int32_t fields, const uint64_t* upcoming,
-                            uint64_t n_upcoming) {
+                            uint64_t n_upcoming, const int32_t* origin) {
   if (fields < 0) throw std::invalid_argument("Herald::Schedule: fields = " + std::to_string(fields) + " is negative");
   std::vector<uint64_t> offsets(n_examples + 1);
   for (uint64_t i = 0; i <= n_examples; ++i) offsets[i] = i * static_cast<uint64_t>(fields);
-  return Schedule(offsets.data(), n_examples, keys, upcoming, n_upcoming);
+  return Schedule(offsets.data(), n_examples, keys, upcoming, n_upcoming, origin);
 }
 
 HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys,
-                            const uint64_t* upcoming, uint64_t n_upcoming) {
+                            const uint64_t* upcoming, uint64_t n_upcoming, const int32_t* origin) {
   if (offsets[0] != 0) {
     throw std::invalid_argument("Herald::Schedule: offsets[0] = " + std::to_string(offsets[0]) + ", must be 0");
   }
@@ -1086,7 +1112,13 @@ HeraldPlan Herald::Schedule(const uint64_t* offsets, uint64_t n_examples, const 
                                   "] is 0xffffffffffffffff (-1 as int64), the reserved empty-slot key");
     }
   }
-  HeraldPlan plan = impl_->Plan(offsets, n_examples, keys, upcoming, n_upcoming);
+  for (uint64_t i = 0; origin != nullptr && i < n_examples; ++i) {
+    if (origin[i] < -1 || origin[i] >= options_.workers) {
+      throw std::invalid_argument("Herald::Schedule: origin[" + std::to_string(i) + "] = " + std::to_string(origin[i]) +
+                                  " is outside [-1, " + std::to_string(options_.workers) + ")");
+    }
+  }
+  HeraldPlan plan = impl_->Plan(offsets, n_examples, keys, upcoming, n_upcoming, origin);
   ++batches_;
   return plan;
 }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
@@ -517,9 +518,62 @@ TEST(Herald, PlansOfASeededReplayArePinned) {
   }
 }
 
+// Origins: worker 0 holds {1, 2}, worker 1 holds {10, 11}. An example of one
+// key of each ({1, 10}) read on worker 1 scores 1 and 1: it stays home at any
+// cost above 0. One of {1, 2} read on worker 1 scores 2 on worker 0 and 0 at
+// home: it moves while example_cost is below 2 keys, and stays from 2 up
+// (a tie at exactly 2 goes to the lower worker, 0; so 2 + 1/256 is the first
+// cost that keeps it).
+TEST(Herald, AnExampleStaysOnItsOriginUnlessMoreThanItsCostOfKeysAreCachedElsewhere) {
+  auto plan_for = [](double cost, std::vector<uint64_t> second, std::vector<int32_t> origin) {
+    hps::Herald h({.workers = 2, .capacity = 0, .example_cost = cost});
+    std::vector<uint64_t> first = {1, 2, 10, 11};
+    h.Schedule(first.data(), 2, 2);
+    return h.Schedule(second.data(), 2, 2, nullptr, 0, origin.data());
+  };
+  // Example 0 ({20, 21}, cold) was read on worker 0, example 1 on worker 1.
+  for (double cost : {0.0, 0.5}) {
+    const auto p = plan_for(cost, {20, 21, 1, 2}, {0, 1});
+    EXPECT_EQ(p.assignment, (std::vector<int32_t>{1, 0})) << cost;
+    EXPECT_EQ(p.examples_moved, 2u) << cost;
+  }
+  for (double cost : {2.0 + 1.0 / 256, 3.0}) {
+    const auto p = plan_for(cost, {20, 21, 1, 2}, {0, 1});
+    EXPECT_EQ(p.assignment, (std::vector<int32_t>{0, 1})) << cost;
+    EXPECT_EQ(p.examples_moved, 0u) << cost;
+    EXPECT_EQ(p.pulls, 4u) << cost;  // 20 and 21 to worker 0; 1 and 2 to worker 1
+  }
+  EXPECT_EQ(plan_for(2.0, {20, 21, 1, 2}, {0, 1}).assignment, (std::vector<int32_t>{1, 0}));
+  // No origin (-1) earns nothing, and moves are counted only for examples that have one.
+  const auto none = plan_for(3.0, {20, 21, 1, 2}, {-1, -1});
+  EXPECT_EQ(none.assignment, (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(none.examples_moved, 0u);
+  // Without origins the cost changes nothing.
+  hps::Herald a({.workers = 2, .example_cost = 3.0}), b({.workers = 2});
+  std::vector<uint64_t> first = {1, 2, 10, 11}, second = {20, 21, 1, 2};
+  a.Schedule(first.data(), 2, 2);
+  b.Schedule(first.data(), 2, 2);
+  EXPECT_EQ(a.Schedule(second.data(), 2, 2).assignment, b.Schedule(second.data(), 2, 2).assignment);
+}
+
 TEST(Herald, RejectsBadArguments) {
   EXPECT_THROW(hps::Herald({.workers = 0}), std::invalid_argument);
   EXPECT_THROW(hps::Herald({.workers = 65}), std::invalid_argument);
+  EXPECT_THROW(hps::Herald({.workers = 2, .example_cost = -1}), std::invalid_argument);
+  EXPECT_THROW(hps::Herald({.workers = 2, .example_cost = 65537}), std::invalid_argument);
+  EXPECT_THROW(hps::Herald({.workers = 2, .example_cost = std::nan("")}), std::invalid_argument);
+  {
+    hps::Herald o({.workers = 2});
+    std::vector<uint64_t> two = {1, 2};
+    std::vector<int32_t> origin = {0, 2};
+    try {
+      o.Schedule(two.data(), 2, 1, nullptr, 0, origin.data());
+      FAIL() << "an origin outside [-1, W) accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("origin[1] = 2"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(o.batches(), 0u);
+  }
   hps::Herald h({.workers = 2});
   std::vector<uint64_t> offsets = {0, 3, 2}, keys = {1, 2, 3};
   try {

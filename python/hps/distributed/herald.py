@@ -12,8 +12,10 @@ every step; the others learn only their part of the plan:
   distinct keys to their owners, which pin them in MEM-PS (a rank may fetch them
   from there);
 - schedule (when the step's batch is made: the pipeline's load stage, while the
-  step before trains): the leader runs Herald (hps.herald) on the global batch
-  and cuts the plan into parts; it keeps the caches' keys as the step before
+  step before trains): the leader runs Herald (hps.herald) on the global batch,
+  each example's origin the rank that read it (it moves only where more of its
+  keys' rows than its own bytes are cached elsewhere: example_cost), and cuts
+  the plan into parts; it keeps the caches' keys as the step before
   left them, for a flush in the meantime (as hps.worker_caches does on a node);
 - partition (first in the train stage, where every rank's cache agrees with the
   snapshot before the step): the leader sends each rank its plan part (``plan``
@@ -117,14 +119,21 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
     _unit, _units = "step", "steps"
     _resume_hint = "rerun the job with --resume from its last checkpoint"
 
-    def __init__(self, local: ParameterServer, node: Node, capacity: int):
+    def __init__(self, local: ParameterServer, node: Node, capacity: int, example_bytes: int = 0):
         super().__init__(local, node)
         if capacity < 1:
             raise ValueError(f"worker_cache_rows must be >= 1 with schedule = 'herald', got {capacity}")
+        if example_bytes < 0:
+            raise ValueError(f"example_bytes must be >= 0, got {example_bytes}")
         self.capacity = capacity
         self.leader = node.rank == LEADER
-        self.herald = Herald(node.size, capacity) if self.leader else None
         self._row_floats = local.row_floats
+        # An example moved costs its bytes (keys, dense features, label); a row
+        # pulled, its floats with the optimizer's state: the partition keeps an
+        # example on the rank that read it unless that many more of its keys
+        # are cached elsewhere (hps.herald.Herald's example_cost).
+        self.example_cost = min(65536.0, example_bytes / (4 * self._row_floats))
+        self.herald = Herald(node.size, capacity, example_cost=self.example_cost) if self.leader else None
         self._table_rows = first_table_rows(capacity)
         self._tier = self._new_tier(self._table_rows)
         self._gradient_slots = np.array([self._table_rows], np.int64)  # the tier's gradient table's
@@ -318,7 +327,8 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         uniq, inverse, examples = pre.uniq, pre.inverse, pre.examples
         fields = examples.shape[1]
         compact = self._compactions(most_fetched(len(examples), fields, W, len(uniq)), held)
-        plan = self.herald.schedule(examples, upcoming=pre.upcoming)
+        origin = np.repeat(np.arange(W, dtype=np.int32), np.diff(pre.starts))  # the rank that read each example
+        plan = self.herald.schedule(examples, upcoming=pre.upcoming, origin=origin)
         fetches = np.diff(plan.fetch_offsets).astype(np.int64)
         for table, n in zip(self._tables, fetches):
             table[0] += int(n)
