@@ -183,20 +183,50 @@ def test_headerless_tsv_by_position_compressed(tmp_path):
 def test_csv_errors_name_file_line_and_column(tmp_path):
     p = tmp_path / "bad.csv"
     p.write_text("id,click,price,site,os,tags\n1,0,3.5,a,b,\n2,1,abc,a,b,\n3,2,1,a,b,\n4,1\n")
-    with pytest.raises(DataError, match=r"bad.csv:5: has 2 fields, expected 6") as e:
-        list(SchemaCsv(p, SCHEMA))
-    assert e.value.line == 5
-    r = SchemaCsv(p, SCHEMA, skip_malformed=True)
-    labels = np.concatenate([b.labels for b in r])
-    assert labels.tolist() == [0.0] and r.malformed == 3
-    assert sorted(r.malformed_examples) == sorted([
-        f"{p}:3: column 'price': 'abc' is not a number", f"{p}:4: column 'click': '2' is not 0 or 1",
-        f"{p}:5: has 2 fields, expected 6"])
-    # Without the line of the wrong field count, the value error is raised.
-    p.write_text("id,click,price,site,os,tags\n1,0,3.5,a,b,\n2,1,abc,a,b,\n")
     with pytest.raises(DataError, match=r"bad.csv:3: column 'price': 'abc' is not a number") as e:
         list(SchemaCsv(p, SCHEMA))
     assert (e.value.line, e.value.field) == (3, "price")
+    r = SchemaCsv(p, SCHEMA, skip_malformed=True)
+    labels = np.concatenate([b.labels for b in r])
+    assert labels.tolist() == [0.0] and r.malformed == 3
+    assert r.malformed_examples == [
+        f"{p}:3: column 'price': 'abc' is not a number", f"{p}:4: column 'click': '2' is not 0 or 1",
+        f"{p}:5: has 2 fields, expected 6"]
+    # With the values mended, the wrong field count is raised.
+    p.write_text("id,click,price,site,os,tags\n1,0,3.5,a,b,\n2,1,4,a,b,\n3,1,1,a,b,\n4,1\n")
+    with pytest.raises(DataError, match=r"bad.csv:5: has 2 fields, expected 6") as e:
+        list(SchemaCsv(p, SCHEMA))
+    assert (e.value.line, e.value.field) == (5, None)
+
+
+@pytest.mark.parametrize("bad_value", [("click", "2", "is not 0 or 1"), ("price", "abc", "is not a number"),
+                                       ("title", '"two\nlines"',
+                                        "runs on past the end of its line (a quote not closed on it?)")])
+def test_csv_first_error_is_the_lowest_lines_at_any_block_and_batch_size(tmp_path, bad_value):
+    # A row of a wrong field count was raised before the value errors of its batch, and
+    # pyarrow's blocks decided which rows shared a batch: a file with a bad value on line
+    # 9 and a short row on line 30 named line 30 at the default block size (line 9 at a
+    # small one), so a user fixing errors one by one was sent down the file and back.
+    # The lowest line's error comes first however the file is cut, and so do the
+    # malformed_examples kept when skipping.
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site", "title"]}
+    column, value, why = bad_value
+    rows = [f"{i % 2},{i},s{i % 3},t{i}" for i in range(2, 40)]
+    rows[9 - 2] = {"click": f"{value},9,s,t", "price": f"1,{value},s,t", "title": f"1,9,s,{value}"}[column]
+    rows[30 - 2] = "1,30"
+    p = tmp_path / "order.csv"
+    p.write_text("click,price,site,title\n" + "\n".join(rows) + "\n")
+    spans = value.count("\n")  # (a value over a line end moves the short row down)
+    examples = [f"{p}:9: column {column!r}: {value.strip(chr(34))!r} {why}",
+                f"{p}:{30 + spans}: has 2 fields, expected 4"]
+    for block_bytes in (1 << 20, 4096, 300, 100, 40, 16):
+        for batch_size in (4096, 16, 7, 1):
+            with pytest.raises(DataError, match=rf"order.csv:9: column '{column}':") as e:
+                list(SchemaCsv(p, schema, batch_size, block_bytes=block_bytes))
+            assert (e.value.line, e.value.field) == (9, column), (block_bytes, batch_size)
+            r = SchemaCsv(p, schema, batch_size, block_bytes=block_bytes, skip_malformed=True)
+            list(r)
+            assert r.malformed_examples == examples, (block_bytes, batch_size)
 
 
 def test_dense_values_past_float32s_range_are_refused(tmp_path):
@@ -487,9 +517,8 @@ def test_csv_quoted_value_over_a_line_end_reads_the_same_at_any_block_size(tmp_p
         assert sorted(r.malformed_examples) == sorted([
             f"{p}:{at}: column 't': {value!r} runs on past the end of its line (a quote not closed on it?)",
             f"{p}:{at + spans + 5}: has 2 fields, expected 3"]), block_bytes
-    # Without skipping, the value is raised at every block size (here without the line
-    # of the wrong field count, which a batch raises before its value errors).
-    p.write_bytes(("c,p,t\n" + "\n".join(r for r in rows if r != "1,5") + "\n").encode())
+    # Without skipping, the value is raised at every block size (before the line of the
+    # wrong field count after it).
     for block_bytes in [*range(8, 130, 3), 1 << 20]:
         with pytest.raises(DataError, match=rf"q.csv:{at}: column 't': .* runs on past the end of its line"):
             list(SchemaCsv(p, schema, block_bytes=block_bytes))
@@ -542,7 +571,7 @@ def test_csv_line_longer_than_the_read_blocks(tmp_path, at):
     assert [b.locate(i) for b in got[4] for i in range(len(b))] == \
         [(str(p), ln) for ln in range(2, 62) if ln not in (7, 30)]
     assert small.malformed == whole.malformed == 2
-    assert sorted(small.malformed_examples) == sorted(whole.malformed_examples)  # (order: by block)
+    assert small.malformed_examples == whole.malformed_examples
     # Without skipping, the first bad line is named as before.
     with pytest.raises(DataError, match=r"long.csv:7: column 'price': 'abc' is not a number"):
         list(SchemaCsv(p, schema, 16, block_bytes=200))

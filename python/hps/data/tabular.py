@@ -222,16 +222,24 @@ class _SchemaReader(_Reader):
             raise DataError(f"{path}: the schema gives other fields here than in {self._first[0]} "
                             f"({_describe(names)} against {_describe(self._first[1])})", path=path)
 
-    def _bad_rows(self, conv: _Converted, layout, path: str, lines: np.ndarray, where) -> Optional[np.ndarray]:
+    def _bad_rows(self, conv: _Converted, layout, path: str, lines: np.ndarray, where,
+                  other_lines: tuple = ()) -> Optional[np.ndarray]:
+        """The rows to keep (None: all), raising or counting the bad ones; ``other_lines``:
+        errors of lines among these that gave no row (a wrong field count). All are
+        reported in line order, so that the error raised is the lowest line's however
+        the file was cut into blocks."""
         bad = conv.bad_rows()
-        if not bad.any():
+        if not bad.any() and not other_lines:
             return None
+        errors = list(other_lines)
         for r in np.flatnonzero(bad):
             name, message = conv.reason(r)
             column = f" column {name!r}:" if name is not None else ""
-            self._bad(DataError(f"{where(int(lines[r]))}:{column} {message}", path=path, line=int(lines[r]),
-                                field=name))
-        return ~bad
+            errors.append(DataError(f"{where(int(lines[r]))}:{column} {message}", path=path, line=int(lines[r]),
+                                    field=name))
+        for error in sorted(errors, key=lambda e: e.line):
+            self._bad(error)
+        return ~bad if bad.any() else None
 
 
 def _describe(names) -> str:
@@ -347,19 +355,20 @@ class SchemaCsv(_SchemaReader):
             shifts.append((row.number, invalid[-1][2]))
             return "skip"  # raised or counted once placed on its line, below
 
-        def place(rows: list, line_of) -> None:
-            """Raise or count invalid rows (pyarrow's number, message, line ends), at line line_of(number)."""
+        def place(rows: list, line_of) -> list[DataError]:
+            """The errors of invalid rows (pyarrow's number, message, line ends), at line
+            line_of(number), to raise or count with the errors of the rows around them."""
+            errors = []
             for number, message, ends in rows:
                 ln = int(line_of(number))
                 if ln > final[0]:
                     final[:] = [ln, ends > 0]
                 if ln < start or ln in counted:  # delivered (skipped) before a re-read
                     continue
-                error = DataError(f"{path}:{ln}: {message}", path=path, line=ln)
-                if not self.skip_malformed:
-                    raise error
-                counted.add(ln)
-                self._bad(error)
+                if self.skip_malformed:
+                    counted.add(ln)
+                errors.append(DataError(f"{path}:{ln}: {message}", path=path, line=ln))
+            return errors
 
         def cannot_read(e, line):
             if invalid and not self.skip_malformed:
@@ -435,7 +444,8 @@ class SchemaCsv(_SchemaReader):
                         mine.append(r)
                         after += r[0] == after
                 invalid[:] = [r for r in invalid if r not in mine]
-                place(mine, lambda s: s + extra + before[np.searchsorted(numbers, s)] + invalid_ends_before(s))
+                placed = place(mine, lambda s: s + extra + before[np.searchsorted(numbers, s)] +
+                               invalid_ends_before(s))
                 extra += int(before[-1]) + invalid_ends_before(number)
                 if n:
                     line = int(lines[-1]) + int(spans[-1]) + 1
@@ -445,6 +455,8 @@ class SchemaCsv(_SchemaReader):
                 if first:
                     rb, lines = rb.slice(first), lines[first:]
                 if len(lines) == 0:
+                    for error in placed:
+                        self._bad(error)
                     continue
                 conv = _Converted(pa, lambda i, rb=rb: rb.column(generated[i]), layout, self.schema, path)
                 for i, e in ends.items():  # reported before the column's other faults
@@ -453,12 +465,13 @@ class SchemaCsv(_SchemaReader):
                 empty = self._empty_lines(conv, rb, generated, wanted, lines, peek)
                 if empty is not None:
                     conv.bad.insert(0, (None, None, empty, _empty_line(len(names))))
-                keep = self._bad_rows(conv, layout, path, lines, lambda ln: f"{path}:{ln}")
+                keep = self._bad_rows(conv, layout, path, lines, lambda ln: f"{path}:{ln}", placed)
                 piece = conv.piece(path, lines, keep)
                 resume[0] = line
                 if len(piece):
                     yield piece
-            place(invalid, lambda s: s + extra + sum(k for t, k in shifts if t < s))  # after the last row
+            for error in place(invalid, lambda s: s + extra + sum(k for t, k in shifts if t < s)):  # after the rows
+                self._bad(error)
         if final[1] and peek.quotes_from(final[0]) % 2:
             # The quote was never closed: the file is cut short or its quoting broken,
             # and skipping that "line" would drop the rest of the file as one line.
