@@ -402,10 +402,33 @@ def run_fail(node, out: str, args) -> None:
     train(cfg, progress=False, train_batches=source(), eval_batches=[], node=node)
 
 
+def run_sketchmemory(node, out: str, args) -> None:
+    """[admission] with a sketch this machine holds once but not once a rank, under
+    a launcher that says nothing of the ranks on a machine (as srun's PMI plugins):
+    only MPI's count can refuse it. Writes what train() raised, a rank."""
+    import hps.train
+    from hps.train import AdmissionConfig, train
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE",
+                 "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        os.environ.pop(name, None)
+    sketch = 300 * 1024
+    hps.train._physical_memory = lambda: sketch * node.size - 1
+    cfg = train_config(os.path.join(out, "job"))
+    cfg.admission = AdmissionConfig(threshold=2, sketch_bytes=sketch)
+    cfg.admission.check()  # the environment's count: one rank, whose sketch fits
+    try:
+        train(cfg, progress=False, train_batches=[], eval_batches=[], node=node)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"error": error}, f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["pullpush", "distbatch", "heraldkeys", "heraldpush", "heraldtable",
-                                         "heraldretry", "train", "kstep", "allreduce", "fail"])
+                                         "heraldretry", "train", "kstep", "allreduce", "fail", "sketchmemory"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")

@@ -242,24 +242,91 @@ def test_config_errors_name_the_field(tmp_path):
         TrainConfig.from_dict(d)
 
 
-@pytest.mark.parametrize("launcher", [{"MPI_LOCALNRANKS": "4", "PMI_SIZE": "8"},
-                                      {"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_SIZE": "8"}])
-def test_the_sketch_memory_check_counts_the_ranks_on_the_machine(monkeypatch, launcher):
-    """Every rank allocates the sketch: 4 ranks of mpiexec on this machine with a
-    sketch of 300 KiB each need 1.2 MiB, more than a machine of 1 MiB holds,
-    though one sketch fits (the check compared one sketch with the machine)."""
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE",
+                      "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID")
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """No launcher's variables (the tests may run inside a Slurm or MPI job) and a
+    machine of 1 MiB."""
     import hps.train
-    from hps.train import AdmissionConfig
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(hps.train, "_physical_memory", lambda: 1 << 20)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("launcher", [{"MPI_LOCALNRANKS": "4", "PMI_SIZE": "8"},
+                                      {"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_SIZE": "8"},
+                                      {"PMIX_LOCAL_SIZE": "4", "PMIX_SIZE": "8"},
+                                      {"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1"},
+                                      {"SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_TASKS_PER_NODE": "8"},
+                                      {"SLURM_NTASKS_PER_NODE": "4"}])
+def test_the_sketch_memory_check_counts_the_ranks_on_the_machine(no_launcher, launcher):
+    """Every rank allocates the sketch: 4 ranks on this machine with a sketch of
+    300 KiB each need 1.2 MiB, more than a machine of 1 MiB holds, though one
+    sketch fits. The count comes from whichever launcher's variable says it
+    (plain srun and PMIx launchers set none of MPI's), named in the error."""
+    from hps.train import AdmissionConfig
     AdmissionConfig(threshold=2, sketch_bytes="300KiB").check()  # one process
     for name, value in launcher.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=r"admission.sketch_bytes = '300KiB' \(307,200 bytes, a rank, and this "
-                                         r"machine runs 4 ranks: 1,228,800 bytes\) is more than this machine's "
-                                         r"memory \(1,048,576 bytes\)"):
+        no_launcher.setenv(name, value)
+    told_by = next(name for name in LAUNCHER_VARIABLES if name in launcher)
+    with pytest.raises(ValueError, match=r"admission.sketch_bytes = '300KiB' \(307,200 bytes a rank; 4 ranks on "
+                                         rf"this machine \({told_by}\) hold 1,228,800 bytes\) is more than this "
+                                         r"machine's memory \(1,048,576 bytes\)"):
         AdmissionConfig(threshold=2, sketch_bytes="300KiB").check()
     AdmissionConfig(threshold=2, sketch_bytes="256KiB").check()  # 4 of them fit
     AdmissionConfig(threshold=1, sketch_bytes="300KiB").check()  # threshold 1 keeps no sketch
+
+
+def test_the_ranks_on_the_machine_as_each_launcher_writes_them():
+    from hps.distributed.comm import local_ranks_from_environment as ranks
+    assert ranks({}) == (1, "")
+    assert ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}) == (3, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    assert ranks({"MPI_LOCALNRANKS": "5"}) == (5, "MPI_LOCALNRANKS")
+    assert ranks({"PMIX_LOCAL_SIZE": "2"}) == (2, "PMIX_LOCAL_SIZE")
+    assert ranks({"SLURM_NTASKS_PER_NODE": "6", "SLURM_NODEID": "3"}) == (6, "SLURM_NTASKS_PER_NODE")
+    # Slurm's layout: this machine's entry is the one at SLURM_NODEID (the first without it).
+    layout = "4(x2),3"
+    assert [ranks({"SLURM_TASKS_PER_NODE": layout, "SLURM_NODEID": str(n)})[0] for n in range(3)] == [4, 4, 3]
+    assert ranks({"SLURM_TASKS_PER_NODE": layout}) == (4, "SLURM_TASKS_PER_NODE")
+    assert ranks({"SLURM_TASKS_PER_NODE": "2,1(x3),7", "SLURM_NODEID": "4"}) == (7, "SLURM_TASKS_PER_NODE")
+    # The step's layout before the job's, the job's before --ntasks-per-node; an
+    # mpiexec's own count before Slurm's (an mpiexec inside a Slurm job).
+    assert ranks({"SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "8"}) == (2, "SLURM_STEP_TASKS_PER_NODE")
+    assert ranks({"SLURM_TASKS_PER_NODE": "3", "SLURM_NTASKS_PER_NODE": "8"}) == (3, "SLURM_TASKS_PER_NODE")
+    assert ranks({"MPI_LOCALNRANKS": "2", "SLURM_TASKS_PER_NODE": "8"}) == (2, "MPI_LOCALNRANKS")
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "four"}, "OMPI_COMM_WORLD_LOCAL_SIZE = 'four' is not a number of ranks"),
+    ({"MPI_LOCALNRANKS": "0"}, "MPI_LOCALNRANKS = '0' is not a number of ranks"),
+    ({"PMIX_LOCAL_SIZE": ""}, "PMIX_LOCAL_SIZE = '' is not a number of ranks"),
+    ({"SLURM_NTASKS_PER_NODE": "-2"}, "SLURM_NTASKS_PER_NODE = '-2' is not a number of ranks"),
+    ({"SLURM_TASKS_PER_NODE": "4(x2"}, r"SLURM_TASKS_PER_NODE = '4\(x2': '4\(x2' is not a task count"),
+    ({"SLURM_TASKS_PER_NODE": "4(y2)"}, r"SLURM_TASKS_PER_NODE = '4\(y2\)': '4\(y2\)' is not a task count"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2,,1"}, r"SLURM_STEP_TASKS_PER_NODE = '2,,1': '' is not a task count"),
+    ({"SLURM_TASKS_PER_NODE": "4(x0)"}, r"'4\(x0\)' is not a task count"),
+    ({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "3"},
+     r"SLURM_TASKS_PER_NODE = '4\(x2\),3' lists 3 node\(s\), and this is node 3 \(SLURM_NODEID\)"),
+    ({"SLURM_TASKS_PER_NODE": "4", "SLURM_NODEID": "first"}, "SLURM_NODEID = 'first' is not a node number")])
+def test_a_launcher_variable_no_launcher_writes_is_named(env, message):
+    """A count read from a value no launcher writes would be a guess: refused, named."""
+    from hps.distributed.comm import local_ranks_from_environment
+    with pytest.raises(ValueError, match=message):
+        local_ranks_from_environment(env)
+
+
+def test_the_sketch_memory_check_names_a_bad_launcher_variable(no_launcher):
+    from hps.train import AdmissionConfig
+    no_launcher.setenv("SLURM_TASKS_PER_NODE", "many")
+    with pytest.raises(ValueError, match=r"job.toml: admission.sketch_bytes: the ranks on this machine, each of which "
+                                         r"holds a sketch, cannot be counted: SLURM_TASKS_PER_NODE = 'many': 'many' "
+                                         r"is not a task count"):
+        AdmissionConfig(threshold=2, sketch_bytes="300KiB").check("job.toml")
+    AdmissionConfig(threshold=1, sketch_bytes="300KiB").check("job.toml")  # no sketch: nothing to count
 
 
 def test_multi_hot_bags_are_rewritten_too():

@@ -573,6 +573,23 @@ def test_hierarchical_allreduce_sums_and_counts_bytes(tmp_path, world, ranks_per
             assert int(got[f"bytes{n}"]) == sends * n * 8, (r, n)
 
 
+# ---------------------------------------------------------------- admission: the sketch's memory
+
+def test_the_sketch_memory_check_counts_the_ranks_mpi_puts_on_the_machine(tmp_path):
+    """Under a launcher that sets no variable of the ranks on a machine, the config's
+    check sees one rank; once MPI runs, its shared-memory communicator counts both
+    ranks here, and a sketch the machine holds once but not twice is refused on
+    every rank before anything is trained."""
+    scenario(2, "sketchmemory", tmp_path, timeout=120)
+    for r in range(2):
+        error = json.loads((tmp_path / f"rank{r}.json").read_text())["error"]
+        assert error is not None, f"rank {r} trained with 2 sketches of 300 KiB on a machine of 600 KiB - 1"
+        for q in range(2):
+            assert (f"rank {q}: ValueError: [admission]: admission.sketch_bytes = 307200 (307,200 bytes a rank; "
+                    "2 ranks on this machine (MPI's shared-memory communicator) hold 614,400 bytes) is more than "
+                    "this machine's memory (614,399 bytes)") in error, error
+
+
 # ---------------------------------------------------------------- failures
 
 @pytest.mark.parametrize("how", ["hang", "die"])

@@ -42,7 +42,7 @@ from hps.admission import Admission
 from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, is_int, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
-from hps.distributed.comm import launcher_local_ranks
+from hps.distributed.comm import local_ranks_from_environment
 from hps.errors import DivergedError
 from hps.jobdir import TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
@@ -100,12 +100,27 @@ class AdmissionConfig:
         if b < 4:
             raise ValueError(f"{source}: admission.sketch_bytes must be at least 4 (4 arrays of one-byte "
                              f"counters), got {self.sketch_bytes!r}")
+        self.check_memory(source)
+
+    def check_memory(self, source: str = "[admission]", machine_ranks: Optional[tuple[int, str]] = None) -> None:
+        """Refuses a sketch that the ranks on this machine cannot all hold: the counters
+        are allocated and zeroed whole when training starts, by every rank.
+        `machine_ranks`: (ranks, where that was counted); by default the launcher's
+        environment's count (before MPI starts; hps.distributed.comm)."""
         memory = _physical_memory()
-        # The counters are allocated and zeroed whole when training starts, by every
-        # rank: the ranks mpiexec put on this machine each hold a sketch.
-        ranks = launcher_local_ranks()
-        if self.threshold > 1 and memory is not None and b * ranks > memory:
-            held = "" if ranks == 1 else f", a rank, and this machine runs {ranks} ranks: {b * ranks:,} bytes"
+        if self.threshold == 1 or memory is None:
+            return
+        b = parse_bytes(self.sketch_bytes, "admission.sketch_bytes")
+        if machine_ranks is None:
+            try:
+                machine_ranks = local_ranks_from_environment()
+            except ValueError as e:
+                raise ValueError(f"{source}: admission.sketch_bytes: the ranks on this machine, each of which "
+                                 f"holds a sketch, cannot be counted: {e}") from None
+        ranks, counted_by = machine_ranks
+        if b * ranks > memory:
+            held = "" if ranks == 1 else \
+                f" a rank; {ranks} ranks on this machine ({counted_by}) hold {b * ranks:,} bytes"
             raise ValueError(f"{source}: admission.sketch_bytes = {self.sketch_bytes!r} ({b:,} bytes{held}) is "
                              f"more than this machine's memory ({memory:,} bytes)")
 
@@ -867,6 +882,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     optimizer and dense sync (hps.hierarchical's split MLP does)."""
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
+    if node is not None and cfg.admission.threshold > 1:
+        # Reading the config could count the ranks on this machine only by the
+        # launcher's variables, which some launchers (srun's PMI plugins) do not set.
+        _collective(node, lambda: cfg.admission.check_memory(
+            "[admission]", (node.machine_ranks, "MPI's shared-memory communicator")))
     if cfg.ps.schedule == "herald" and node is not None and \
             (cfg.distributed.sparse_rows, cfg.distributed.sparse_grads) != ("none", "none"):
         raise ValueError("[distributed] sparse_rows and sparse_grads compress the sequential job's embeddings and "

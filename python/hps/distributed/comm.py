@@ -48,21 +48,71 @@ def launched_by_mpi() -> bool:
     return False
 
 
-def launcher_local_ranks() -> int:
-    """The ranks mpiexec started on this machine (this one included), as its
-    environment tells (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, MPICH Hydra's
-    MPI_LOCALNRANKS), before MPI starts; 1 in a plain run, or where the launcher
-    does not say."""
-    if not launched_by_mpi():
-        return 1
-    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+# Launcher variables that give the ranks of this job on this machine, the most exact
+# first: Open MPI's, MPICH Hydra's and a PMIx launcher's count the ranks started here
+# (an mpiexec inside a Slurm job sets them, and its layout is not Slurm's); then
+# Slurm's layouts of tasks over the nodes (srun's step, then the job), of which this
+# machine's entry is the one at SLURM_NODEID; then --ntasks-per-node, the same on
+# every node.
+LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE")
+SLURM_LAYOUT_VARIABLES = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def slurm_tasks_on_node(layout: str, node: int, name: str) -> int:
+    """The tasks on node `node` (0-based) of a Slurm task layout as Slurm writes it:
+    comma-separated groups "COUNT" or "COUNT(xNODES)", e.g. "4(x2),3" (4 tasks on
+    nodes 0 and 1, 3 on node 2). `name` is the variable, for the error."""
+    groups = []  # (tasks a node, nodes), the whole layout read before this node's is taken
+    for group in layout.split(","):
+        count, _, repeat = group.strip().partition("(x")
         try:
-            n = int(os.environ.get(name, "0"))
+            tasks, nodes = int(count), int(repeat[:-1]) if repeat else 1
+            if (repeat and not repeat.endswith(")")) or tasks < 1 or nodes < 1:
+                raise ValueError
         except ValueError:
+            raise ValueError(f"{name} = {layout!r}: {group!r} is not a task count (as '4' or '4(x2)')") from None
+        groups.append((tasks, nodes))
+    first = 0
+    for tasks, nodes in groups:
+        if node < first + nodes:
+            return tasks
+        first += nodes
+    raise ValueError(f"{name} = {layout!r} lists {first} node(s), and this is node {node} (SLURM_NODEID)")
+
+
+def local_ranks_from_environment(environ=None) -> tuple[int, str]:
+    """The ranks of this job on this machine (this one included) as the launcher's
+    environment tells before MPI starts, and the variable that told it:
+    (1, "") where none does (a plain run; a launcher that sets none of them).
+    A variable set to what no launcher writes raises ValueError naming it: the
+    count would be a guess."""
+    env = os.environ if environ is None else environ
+    for name in LOCAL_SIZE_VARIABLES:
+        if name in env:
+            return _ranks_in(env, name), name
+    for name in SLURM_LAYOUT_VARIABLES:
+        layout = env.get(name)
+        if layout is None:
             continue
-        if n > 0:
-            return n
-    return 1
+        node = env.get("SLURM_NODEID", "0")
+        if not node.isdigit():
+            raise ValueError(f"SLURM_NODEID = {node!r} is not a node number (an int >= 0)")
+        return slurm_tasks_on_node(layout, int(node), name), name
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return _ranks_in(env, "SLURM_NTASKS_PER_NODE"), "SLURM_NTASKS_PER_NODE"
+    return 1, ""
+
+
+def _ranks_in(env, name: str) -> int:
+    """The number of ranks variable `name` of `env` holds (an int >= 1)."""
+    value = env[name]
+    try:
+        ranks = int(value)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise ValueError(f"{name} = {value!r} is not a number of ranks (an int >= 1)")
+    return ranks
 
 
 @dataclass
@@ -166,6 +216,12 @@ class Node:
             self.node_comm = world.Split(self.rank // rpn, self.rank)
         else:
             self.node_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        # The ranks of `world` sharing this machine's memory (this one included),
+        # whatever ranks_per_node groups: each holds an admission sketch (hps.train).
+        shared = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank) if rpn else self.node_comm
+        self.machine_ranks = shared.Get_size()
+        if shared is not self.node_comm:
+            shared.Free()
         local = self.node_comm.Get_rank()
         self.cross_comm = world.Split(local, self.rank)  # the same local rank on every node
         sizes = world.allgather(self.node_comm.Get_size())
