@@ -546,6 +546,40 @@ def test_csv_lines_after_a_value_ending_in_a_line_end_keep_their_numbers(tmp_pat
         f"{p}:12: has 2 fields, expected 3"]
 
 
+@pytest.mark.parametrize("block_bytes", [8, 16, 40, 1 << 20])
+@pytest.mark.parametrize("schema", [{"skip": ["id", "note"]}, {}])
+def test_csv_line_ends_in_a_column_not_read_are_counted(tmp_path, block_bytes, schema):
+    # Line ends were counted in the columns the schema reads only: after a quoted value
+    # over a line end in a skipped column (or one the schema does not name), every later
+    # row and error was named a line too early per line end, and a quote not closed
+    # there took the lines up to the next quote unseen. Such a value makes its row
+    # malformed as in any other column.
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site"], **schema}
+    p = tmp_path / "s.csv"
+    p.write_text('id,click,price,site,note\n1,0,2,a,x\n2,1,3,b,"two\nlines"\n4,0,5,c,y\n5,1,abc,d,z\n6,0\n'
+                 '7,1,8,e,w\n8,0,9,f,"open\n9,1,10,g,h\n10,0,11,h,"\n11,1,12,i,j\n')
+    with pytest.raises(DataError, match=r"s.csv:3: column 'note': 'two\\nlines' runs on past the end of its line") \
+            as e:
+        list(SchemaCsv(p, schema, block_bytes=block_bytes))
+    assert (e.value.line, e.value.field) == (3, "note")
+    r = SchemaCsv(p, schema, skip_malformed=True, block_bytes=block_bytes)
+    _, dense, _, _, batches = read_all(r)
+    lines = [b.locate(i)[1] for b in batches for i in range(len(b))]
+    assert lines == [2, 5, 8, 12]
+    np.testing.assert_array_equal(dense[:, 0], log1p([2, 5, 8, 12]))  # (a row's price: its line)
+    assert r.malformed_examples == [
+        f"{p}:3: column 'note': 'two\\nlines' runs on past the end of its line (a quote not closed on it?)",
+        f"{p}:6: column 'price': 'abc' is not a number", f"{p}:7: has 2 fields, expected 5",
+        f"{p}:9: column 'note': 'open\\n9,1,10,g,h\\n10,0,11,h,' runs on past the end of its line (a quote not "
+        f"closed on it?)"]
+    # A quote never closed there raises even when skipping, as in a column read.
+    p.write_text('id,click,price,site,note\n1,0,2,a,x\n2,1,3,b,"open\n3,0,4,c,y\n')
+    for skip in (True, False):
+        with pytest.raises(DataError, match=r"s.csv:3: a quoted value runs on to the end of the file|"
+                                            r"s.csv:3: column 'note': 'open.* runs on past the end"):
+            list(SchemaCsv(p, schema, skip_malformed=skip, block_bytes=block_bytes))
+
+
 @pytest.mark.parametrize("at", [2, 3, 12, 40, 61])
 def test_csv_line_longer_than_the_read_blocks(tmp_path, at):
     # pyarrow refuses a line longer than about two of its blocks ("straddling object

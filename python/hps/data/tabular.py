@@ -2,8 +2,9 @@
 
 - :class:`SchemaCsv`: delimited text with or without a header, parsed by
   pyarrow.csv with the schema's delimiter (quotes allowed; a value over a line
-  end makes its row malformed). Every column the schema uses is read as bytes and converted here, so
-  that a bad value is named with its file, line and column.
+  end makes its row malformed, in a column the schema skips too). Every column is read as bytes,
+  and those the schema uses are converted here, so that a bad value is named with its file, line
+  and column.
 - :class:`SchemaParquet`: any of those columns in Parquet; labels and dense
   values as integers, floats, booleans, decimals or numeric text; categoricals as
   strings, binary or integers (an integer's key is that of its decimal text),
@@ -390,13 +391,14 @@ class SchemaCsv(_SchemaReader):
         parse = pa.csv.ParseOptions(delimiter=self.delimiter(path), newlines_in_values=True,
                                     ignore_empty_lines=False, invalid_row_handler=on_invalid)
         # Columns read by position (generated names) even with a header, which
-        # may repeat a name the schema does not use.
+        # may repeat a name the schema does not use. The columns the schema does not
+        # use are read too, as bytes: a value over a line end there moves the lines
+        # after it as much, and is as malformed.
         generated = [f"c{i}" for i in range(len(names))]
         wanted = layout.read_columns()
         read = pa.csv.ReadOptions(column_names=generated, skip_rows=1 if self.schema.header else 0,
                                   block_size=block, use_threads=False)
-        convert = pa.csv.ConvertOptions(column_types={generated[i]: pa.binary() for i in wanted},
-                                        include_columns=[generated[i] for i in wanted],
+        convert = pa.csv.ConvertOptions(column_types={c: pa.binary() for c in generated},
                                         strings_can_be_null=False, quoted_strings_can_be_null=False)
         number = 2 if self.schema.header else 1  # pyarrow's number of the next row
         extra = 0  # line ends inside the rows read so far
@@ -427,7 +429,7 @@ class SchemaCsv(_SchemaReader):
                 # A quoted value may run on over line ends (a quote not closed on its line
                 # takes the lines up to the next quote, or to the end of the file): such a
                 # row is malformed, and the lines it took count.
-                ends = {i: _line_ends(pa, rb.column(generated[i])) for i in wanted}
+                ends = {i: _line_ends(pa, rb.column(generated[i])) for i in range(len(names))}
                 ends = {i: e for i, e in ends.items() if e is not None}
                 spans = sum((e[1] for e in ends.values()), np.zeros(n, np.int64))
                 before = np.concatenate([[0], np.cumsum(spans)]).astype(np.int64)  # line ends before row j
