@@ -423,7 +423,10 @@ def _herald_replay(world: int, steps: int, per_rank: int, capacity: int, lookahe
     from hps.herald import Herald
     from hps.worker_caches import first_table_rows, primaries
     batches = sc.global_batches(steps, per_rank, world)
-    her = Herald(world, capacity)
+    # An example's bytes (8 a key, 4 a dense value and the label) over a fetched row's
+    # (the job's dim 8 and AdaGrad's 8 accumulators, 4 bytes a float): the leader's cost.
+    cost = (8 * batches[0].keys.shape[1] + 4 * (batches[0].dense.shape[1] + 1)) / (4 * 2 * 8)
+    her = Herald(world, capacity, example_cost=cost)
     names = ("examples_kept", "examples_sent", "ps_loads", "peer_fetches", "rows_served", "primary_steps",
              "replica_copies", "evict_pushes", "compactions")
     want = {name: np.zeros(world, np.int64) for name in names}
@@ -434,8 +437,8 @@ def _herald_replay(world: int, steps: int, per_rank: int, capacity: int, lookahe
         ahead = [np.ascontiguousarray(x.keys).view(np.uint64).reshape(-1) for x in batches[t + 1:t + 1 + lookahead]]
         for r, _, _ in _compactions(her, keys, tables):
             want["compactions"][r] += 1
-        plan = her.schedule(keys, upcoming=np.unique(np.concatenate(ahead)) if ahead else None)
         ranks = np.repeat(np.arange(world), per_rank)
+        plan = her.schedule(keys, upcoming=np.unique(np.concatenate(ahead)) if ahead else None, origin=ranks)
         want["examples_kept"] += np.bincount(ranks[plan.assignment == ranks], minlength=world)
         want["examples_sent"] += np.bincount(ranks[plan.assignment != ranks], minlength=world)
         fdest = np.repeat(np.arange(world), np.diff(plan.fetch_offsets).astype(np.int64))
@@ -462,11 +465,11 @@ def _herald_replay(world: int, steps: int, per_rank: int, capacity: int, lookahe
         flushed.append(int((~np.isin(held, written)).sum()))
         written = np.union1d(written, held)
     want["flushed_rows"] = np.array(flushed)
-    return {"per_rank": {k: v.tolist() for k, v in want.items()}, "totals": totals}
+    return {"per_rank": {k: v.tolist() for k, v in want.items()}, "totals": totals, "example_cost": cost}
 
 
 @pytest.mark.parametrize("world,capacity,lookahead,mem_budget,per_rank",
-                         [(3, 700, 2, "192KiB", 64), (2, 5000, 0, "256KiB", 48)])
+                         [(3, 400, 2, "192KiB", 72), (2, 5000, 0, "256KiB", 48)])
 def test_each_herald_rank_moves_and_steps_what_the_leaders_plan_gives_it(tmp_path, world, capacity, lookahead,
                                                                           mem_budget, per_rank):
     """Every rank's share of the work is the plan's, rank by rank, not only in sum:
@@ -478,12 +481,13 @@ def test_each_herald_rank_moves_and_steps_what_the_leaders_plan_gives_it(tmp_pat
     compacted and to what size; the leader plans with
     every rank's lookahead window. All as one Herald scheduled on the global
     batches (with the next global batches as its window) gives them. Caches of
-    700 rows (fewer than the job's keys) evict and are compacted unevenly; caches
+    400 rows (fewer than the job's keys) evict and are compacted unevenly; caches
     of 5,000 never fill, and hold different numbers of rows. MEM-PS (192 KiB a
     rank, with 3 ranks) holds only a few steps' pinned rows: each step unpins the
-    rows it pinned. (Since the greedy took its load term, which spreads the plans
-    more evenly, 3 ranks of 48 examples compact alike at every capacity from 300
-    to 900; 64 examples a rank with caches of 700 rows do not.)"""
+    rows it pinned. (Plans that spread evenly compact every rank alike: since
+    examples stay on the rank that read them unless their keys are cached
+    elsewhere, 3 ranks of 48 or 64 examples do at every capacity from 300 to 1,000,
+    and of 72 examples at 350 to 450 rows do not.)"""
     steps = 6
     scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--herald", capacity,
              "--lookahead", lookahead, "--mem-budget", mem_budget)
@@ -492,6 +496,7 @@ def test_each_herald_rank_moves_and_steps_what_the_leaders_plan_gives_it(tmp_pat
     for name, counts in want["per_rank"].items():
         assert [x[name] for x in h] == counts, name
     assert all({name: x[name] for name in want["totals"]} == want["totals"] for x in h)
+    assert [x["example_cost"] for x in h] == [want["example_cost"]] * world
     assert [x["flushes"] for x in h] == [1] * world  # the final checkpoint's
     assert sum(want["per_rank"]["peer_fetches"]) > 0 and min(want["per_rank"]["replica_copies"]) > 0
     assert min(want["per_rank"]["examples_sent"]) > 0

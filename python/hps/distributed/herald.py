@@ -370,7 +370,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         s = super().stats()
         with self._lock, self._scheduling:
             s["herald"] = {**self.counts, "cached": self._cached, "capacity": self.capacity,
-                           "table_rows": self._table_rows, "leader": LEADER,
+                           "table_rows": self._table_rows, "leader": LEADER, "example_cost": self.example_cost,
                            "scheduler_bytes": self.herald.memory_bytes if self.leader else 0}
         return s
 
