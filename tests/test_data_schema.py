@@ -378,6 +378,49 @@ def test_libsvm_errors_name_line_and_feature(tmp_path):
                                     f"{p}:5: feature index 30 is in no field of data.schema.fields"]
 
 
+
+# A bad line 9 and a later bad line 30 (see the test below): line, message.
+LIBSVM_EARLIER = {"no-field": ("1 3:1 30:1", "feature index 30 is in no field of data.schema.fields"),
+                  "value": ("1 3:x", "'3:x': the value is not a number")}
+LIBSVM_LATER = {"value": ("0 4:1e400", "'4:1e400': the value is not finite"),
+                "label": ("2 3:1", "label '2' is not 0, 1, -1 or +1"),
+                "no-field": ("0 40:1", "feature index 40 is in no field of data.schema.fields")}
+
+
+@pytest.mark.parametrize("long_line", [None, 5, 20])
+@pytest.mark.parametrize("end", ["\n", "\r\n"])
+@pytest.mark.parametrize("later", LIBSVM_LATER)
+@pytest.mark.parametrize("earlier", LIBSVM_EARLIER)
+def test_libsvm_first_error_is_the_lowest_lines(tmp_path, earlier, later, end, long_line):
+    # The lines of a block that the line parser refused were reported before those
+    # whose index is in no field, whatever their lines: a file with index 30 on line 9
+    # and '3:x' on line 30 raised line 30 when the two shared a 1 MiB block (line 9 when
+    # they did not), and with skip_malformed the kept malformed_examples were in that
+    # order. The lowest line's error comes first, and each line keeps its number past
+    # blank lines, CRLF line ends, and a line longer than a block (on line 5: both bad
+    # lines in the block after it; on line 20: in two blocks).
+    schema = {"fields": {"a": [0, 9]}}
+    lines = [f"{i % 2} 3:{i}" for i in range(1, 61)]
+    if long_line:
+        lines[long_line - 1] = f"{long_line % 2} 3:{'0' * (1 << 20)}{long_line}"
+    lines[7 - 1] = "   # a comment: a blank line"
+    lines[12 - 1] = ""
+    lines[9 - 1], first = LIBSVM_EARLIER[earlier]
+    lines[30 - 1], second = LIBSVM_LATER[later]
+    p = tmp_path / "order.svm"
+    p.write_bytes(end.join(lines).encode())  # (the last line without a line end)
+    good = [n for n in range(1, 61) if n not in (7, 9, 12, 30)]
+    for batch_size in (4096, 7):
+        with pytest.raises(DataError) as e:
+            list(Libsvm(p, schema, batch_size))
+        assert (str(e.value), e.value.line) == (f"{p}:9: {first}", 9), batch_size
+        r = Libsvm(p, schema, batch_size, skip_malformed=True)
+        labels, _, _, (bag,), batches = read_all(r)
+        assert r.malformed_examples == [f"{p}:9: {first}", f"{p}:30: {second}"], batch_size
+        assert [b.locate(i)[1] for b in batches for i in range(len(b))] == good, batch_size
+        assert bag.weights.tolist() == good and labels.tolist() == [n % 2 for n in good]  # (a row's value: its line)
+
+
 # ------------------------------------------------------------------ batches
 
 def test_batch_rows_and_all_keys_keep_bags_with_their_rows():

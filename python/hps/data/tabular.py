@@ -705,6 +705,7 @@ class Libsvm(_SchemaReader):
         (hps.data._libsvm_lines); each bad line named by _parse_line, the reference."""
         data, starts, ends = _line_bounds(block)
         kind, labels, f_line, f_idx, f_val = _libsvm_lines.parse_lines(data, starts, ends)
+        errors = []
         for i in np.flatnonzero(kind == _libsvm_lines.BAD):
             text = block[starts[i]:ends[i]].split(b"#", 1)[0].strip()
             message = self._parse_line(text)
@@ -712,28 +713,32 @@ class Libsvm(_SchemaReader):
                 raise RuntimeError(f"{path}:{first_line + i}: the compiled libsvm parser rejects a line that "
                                    f"_parse_line accepts (a bug in hps.data._libsvm_lines)")
             ln = first_line + int(i)
-            self._bad(DataError(f"{path}:{ln}: {message}", path=path, line=ln))
+            errors.append(DataError(f"{path}:{ln}: {message}", path=path, line=ln))
         example = kind == _libsvm_lines.EXAMPLE
         row_of = np.cumsum(example) - 1  # a line's row among the block's examples
         piece = self._assemble(path, first_line + np.flatnonzero(example), labels[example], row_of[f_line],
-                               f_idx, f_val)
+                               f_idx, f_val, errors)
         return piece, len(starts)
 
     def _assemble(self, path: str, lines: np.ndarray, labels: np.ndarray, row: np.ndarray, idx: np.ndarray,
-                  val: np.ndarray) -> _Piece:
-        """Rows from parsed lines: labels (n,), and each feature's row, index and value."""
+                  val: np.ndarray, errors: list) -> _Piece:
+        """Rows from parsed lines: labels (n,), and each feature's row, index and value.
+        ``errors``: those of the lines among these the line parser refused, raised or
+        counted here in line order with those of indices in no field, so that the
+        error raised is the lowest line's."""
         n = len(labels)
         where = np.searchsorted(self._lo, idx, side="right") - 1
         field = self._field[np.maximum(where, 0)]
         outside = (where < 0) | (idx > self._hi[np.maximum(where, 0)])
-        if outside.any():
-            # Indices in no field: the whole line is malformed.
-            bad_rows = np.unique(row[outside])
-            for r in bad_rows:
-                k = int(idx[outside & (row == r)][0])
-                ln = int(lines[r])
-                self._bad(DataError(f"{path}:{ln}: feature index {k} is in no field of data.schema.fields",
+        bad_rows = np.unique(row[outside])  # indices in no field: the whole line is malformed
+        for r in bad_rows:
+            k = int(idx[outside & (row == r)][0])
+            ln = int(lines[r])
+            errors.append(DataError(f"{path}:{ln}: feature index {k} is in no field of data.schema.fields",
                                     path=path, line=ln, field=str(k)))
+        for error in sorted(errors, key=lambda e: e.line):
+            self._bad(error)
+        if len(bad_rows):
             keep_rows = np.ones(n, bool)
             keep_rows[bad_rows] = False
             new_row = np.cumsum(keep_rows) - 1
