@@ -320,6 +320,48 @@ def test_skip_malformed_counts_and_keeps_first_messages(tmp_path):
     assert reader.malformed == len(bad_at)
 
 
+# A malformed line 30 after a bad value on line 9 (see the test below).
+LATER_MALFORMED = {"short": ("1\t30", "has 2 fields, expected 40"),
+                   "empty": ("", "is an empty line, expected 40 tab-separated fields"),
+                   "long": (line(I1="0" * 3000 + "7") + "\tx", "has 41 fields, expected 40")}
+# A bad value on line 9, with the line end of the file's lines.
+EARLIER_BAD = {"label": (line(label="2"), "field label: '2' is not 0 or 1", "\n"),
+               "int": (line(I5="abc"), "field I5: 'abc' is not an integer", "\r\n"),
+               "lone-cr": (line(C3="ab\rcd"), "field C3: 'ab\\rcd' is not a hexadecimal value", "\n"),
+               "space": (line(I2=" 5"), "field I2: ' 5' is not an integer", "\r\n")}
+
+
+@pytest.mark.parametrize("later", LATER_MALFORMED)
+@pytest.mark.parametrize("earlier", EARLIER_BAD)
+def test_tsv_first_error_is_the_lowest_lines_at_any_block_and_batch_size(tmp_path, later, earlier):
+    # As for SchemaCsv: with a bad value on line 9 and a malformed line 30, in one block
+    # or not, line 9 is named first at every block and batch size (the kept
+    # malformed_examples in line order too), and every line keeps its number past a
+    # line longer than a block (line 5: 3,000 leading zeros), CRLF line ends and block
+    # boundaries.
+    pytest.importorskip("pyarrow")
+    bad, message, end = EARLIER_BAD[earlier]
+    lines = [line(label=str(i % 2), I3=str(i)) for i in range(1, 61)]
+    lines[5 - 1] = line(label="1", I1="0" * 3000 + "5", I3="5")
+    lines[9 - 1] = bad
+    lines[30 - 1], later_message = LATER_MALFORMED[later]
+    path = write(tmp_path / "order.tsv", lines, end=end)
+    good = [n for n in range(1, 61) if n not in (9, 30)]
+    for block_bytes in (4 << 20, 1000, 300, 16):
+        for batch_size in (4096, 7):
+            with pytest.raises(DataError) as e:
+                list(CriteoTsv(path, batch_size, block_bytes=block_bytes))
+            assert str(e.value).startswith(f"{path}:9: {message}"), (block_bytes, batch_size)
+            assert e.value.line == 9
+            reader = CriteoTsv(path, batch_size, block_bytes=block_bytes, skip_malformed=True)
+            batches = list(reader)
+            assert reader.malformed_examples[0].startswith(f"{path}:9: {message}"), (block_bytes, batch_size)
+            assert reader.malformed_examples[1:] == [f"{path}:30: {later_message}"], (block_bytes, batch_size)
+            assert [b.locate(i)[1] for b in batches for i in range(len(b))] == good, (block_bytes, batch_size)
+            dense = np.concatenate([b.dense for b in batches])  # (a row's I3: its line)
+            np.testing.assert_allclose(dense[:, 2], np.log1p(good).astype(np.float32), rtol=1e-6)
+
+
 def test_gzip_tsv(tmp_path):
     pytest.importorskip("pyarrow")
     text = "".join(line(label=str(i % 2)) + "\n" for i in range(20))
