@@ -82,9 +82,10 @@ def test_a_zero_gradient_leaves_a_row_unchanged(tmp_path, opt):
     assert not np.array_equal(after[1], first[1])
 
 
-def config(path, threshold=None, examples=BATCH * BATCHES, checkpoint_every=0, **extra):
-    d = {"hidden": [8], "dense_lr": 0.01, "torch_threads": 1, "pipelined": False, "seed": 1,
-         "checkpoint_every": checkpoint_every,
+def config(path, threshold=None, examples=BATCH * BATCHES, checkpoint_every=0, eval_every=0, pipelined=False,
+           **extra):
+    d = {"hidden": [8], "dense_lr": 0.01, "torch_threads": 1, "pipelined": pipelined, "seed": 1,
+         "checkpoint_every": checkpoint_every, "eval_every": eval_every,
          "ps": {"dim": 4, "path": str(path), "mem_budget": "64MiB", "optimizer": {"kind": "adagrad", "lr": 0.05}},
          "data": {"source": "synthetic", "batch_size": BATCH, "train_examples": examples, "eval_examples": 1024,
                   "vocab_sizes": VOCAB}}
@@ -279,6 +280,44 @@ def test_the_sketch_memory_check_counts_the_ranks_on_the_machine(no_launcher, la
         AdmissionConfig(threshold=2, sketch_bytes="300KiB").check()
     AdmissionConfig(threshold=2, sketch_bytes="256KiB").check()  # 4 of them fit
     AdmissionConfig(threshold=1, sketch_bytes="300KiB").check()  # threshold 1 keeps no sketch
+
+
+def test_the_sketch_memory_check_counts_the_evaluations_sketches(no_launcher, tmp_path):
+    """With eval_every > 0 a rank holds the live sketch, the evaluation's (a second
+    one kept for the rest of the run) and the copies of the counters the read stage
+    kept for the evaluations it has counted batches for: a sketch of 400 KiB fits a
+    machine of 1 MiB once, not three times."""
+    with pytest.raises(ValueError, match=r"admission.sketch_bytes = '400KiB' \(409,600 bytes a sketch; 3 sketches "
+                                         r"a rank with eval_every = 20: the live one, the evaluation's, and one kept "
+                                         r"for the next evaluation: 1,228,800 bytes\) is more than this machine's "
+                                         r"memory \(1,048,576 bytes\)"):
+        config(tmp_path / "a", threshold=2, sketch_bytes="400KiB", eval_every=20)
+    config(tmp_path / "b", threshold=2, sketch_bytes="400KiB", eval_every=0)  # only at the end: the live one
+    config(tmp_path / "c", threshold=2, sketch_bytes="300KiB", eval_every=20)  # 3 of them fit
+
+
+def test_the_sketch_memory_check_counts_the_copies_of_evaluations_the_read_stage_is_ahead_of(no_launcher, tmp_path):
+    """A pipelined run's read stage counts batches up to 9 past the one trained (the
+    queues' 4 + 1 + 1 slots, and one held by each of the reader, prefetcher and
+    loader), keeping a copy for each evaluation among them: with eval_every = 1,
+    ten copies besides the live and evaluation sketches; with eval_every = 5, two."""
+    with pytest.raises(ValueError, match=r"\(102,400 bytes a sketch; 12 sketches a rank with eval_every = 1: the live "
+                                         r"one, the evaluation's, and 10 kept for the next evaluations, which the "
+                                         r"read stage passes up to 9 batches ahead of training: 1,228,800 bytes\)"):
+        config(tmp_path / "a", threshold=2, sketch_bytes="100KiB", eval_every=1, pipelined=True)
+    config(tmp_path / "b", threshold=2, sketch_bytes="100KiB", eval_every=1, pipelined=False)  # 3 sketches
+    with pytest.raises(ValueError, match=r"4 sketches a rank with eval_every = 5: the live one, the evaluation's, "
+                                         r"and 2 kept for the next evaluations"):
+        config(tmp_path / "c", threshold=2, sketch_bytes="300KiB", eval_every=5, pipelined=True)
+    config(tmp_path / "d", threshold=2, sketch_bytes="300KiB", eval_every=10, pipelined=True)  # 3 sketches
+    # train() checks again under MPI with its count of the ranks on the machine.
+    from hps.train import AdmissionConfig
+    with pytest.raises(ValueError, match=r"\(102,400 bytes a sketch; 3 sketches a rank with eval_every = 20: the live "
+                                         r"one, the evaluation's, and one kept for the next evaluation: 307,200 "
+                                         r"bytes; 4 ranks on this machine \(MPI's shared-memory communicator\) hold "
+                                         r"1,228,800 bytes\)"):
+        AdmissionConfig(threshold=2, sketch_bytes="100KiB").check_memory(
+            "[admission]", (4, "MPI's shared-memory communicator"), eval_every=20, pipelined=False)
 
 
 def test_the_ranks_on_the_machine_as_each_launcher_writes_them():

@@ -265,6 +265,36 @@ def test_cpu_seconds_count_a_stage_threads_work_not_its_waits():
     assert stats.busy_seconds["train"] >= 0.2 and stats.cpu_seconds["train"] > 0.3 * stats.busy_seconds["train"]
 
 
+def test_the_read_stage_reads_at_most_batches_ahead_past_the_batch_trained():
+    """What the read stage does to a batch (admission counts it, and keeps a copy of
+    its counters at each evaluation) runs ahead of training by up to
+    hps.pipeline.batches_ahead() batches, which the admission memory check counts
+    on: no more, however long a step takes, and that many while a step waits."""
+    from hps.pipeline import DEPTHS, Pipeline, batches_ahead
+    read, trained, ahead = [0], [0], []
+
+    def source():
+        for _ in range(16):
+            read[0] += 1  # (as the read stage's admission counts a batch: in next())
+            yield SimpleNamespace(keys=np.arange(3, dtype=np.uint64), labels=np.zeros(4))
+
+    def step(loaded):
+        trained[0] += 1
+        if trained[0] <= 4:  # the other stages fill their queues while this step waits
+            end = time.perf_counter() + 5.0
+            while read[0] - trained[0] < batches_ahead() and time.perf_counter() < end:
+                time.sleep(0.01)
+            time.sleep(0.1)  # (room for one more, were there any)
+        ahead.append(read[0] - trained[0])
+
+    batch = SimpleNamespace(wait_seconds=0.0, apply=lambda: None, write_back=lambda: None, abort=lambda: None)
+    server = SimpleNamespace(prefetch=lambda keys: SimpleNamespace(release=lambda: None),
+                             batch=lambda prefetched, overlap=False: batch)
+    assert Pipeline(server, step, devices=1).run(source()).batches == 16
+    assert batches_ahead() == sum(DEPTHS) + 3 == 9
+    assert ahead[:4] == [9] * 4 and max(ahead) == 9
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
 def test_helper_threads_run_at_helper_nice_and_the_trainer_does_not(tmp_path):
     """Read, prefetch, load and write back run at the pipeline's helper_nice; the

@@ -47,6 +47,16 @@ from hps.parameter_server import ParameterServer, WorkingBatch
 
 STAGES = ("read", "prefetch", "load", "train", "write_back")
 _DONE = object()
+#: The bounded queues' sizes after read, prefetch and load (Pipeline's default ``depths``).
+DEPTHS = (4, 1, 1)
+
+
+def batches_ahead(depths=DEPTHS) -> int:
+    """The most batches a pipelined run's read stage has read past the one being
+    trained: one in each queue slot, and one held by each of the reader (read,
+    waiting for room), the prefetcher and the loader. What the read stage does to a
+    batch as it reads it (hps.admission counts its keys) runs this far ahead."""
+    return sum(depths) + 3
 
 
 @dataclass
@@ -117,7 +127,7 @@ class Pipeline:
     """
 
     def __init__(self, ps: ParameterServer, train_step: TrainStep, *, devices: Optional[int] = None,
-                 keys_of: Callable[[Any], np.ndarray] = lambda d: d.keys, depths=(4, 1, 1),
+                 keys_of: Callable[[Any], np.ndarray] = lambda d: d.keys, depths=DEPTHS,
                  helper_nice: int = 19, binding=None, lookahead: Optional[int] = None):
         if isinstance(helper_nice, bool) or not isinstance(helper_nice, int) or not 0 <= helper_nice <= 19:
             raise ValueError(f"helper_nice must be an int in [0, 19], got {helper_nice!r}")

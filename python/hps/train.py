@@ -49,7 +49,7 @@ from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, RUN, ParameterServer,
                                   ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
                                   new_run_id, remove_writer_lock)
-from hps.pipeline import Loaded, Pipeline
+from hps.pipeline import Loaded, Pipeline, batches_ahead
 from hps.tuning import ThreadTuner, dense_adam, import_torch, keep_freed_memory  # (also hps.train.X, as before)
 
 JOB_MANIFEST = "job.json"
@@ -89,7 +89,9 @@ class AdmissionConfig:
     threshold: int = 1                  # occurrences a key needs for a row, 1 to 255; 1: every key, no sketch
     sketch_bytes: Union[int, str] = "4MiB"  # the counting sketch's counters (one byte each)
 
-    def check(self, source: str = "[admission]") -> None:
+    def check(self, source: str = "[admission]", eval_every: int = 0, pipelined: bool = True) -> None:
+        """Refuses a bad value, naming it; `eval_every` and `pipelined`: the run's
+        (TrainConfig's), which decide how many sketches a rank holds (check_memory)."""
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= 255:
             raise ValueError(f"{source}: admission.threshold must be an int in [1, 255], got {t!r}")
@@ -100,11 +102,13 @@ class AdmissionConfig:
         if b < 4:
             raise ValueError(f"{source}: admission.sketch_bytes must be at least 4 (4 arrays of one-byte "
                              f"counters), got {self.sketch_bytes!r}")
-        self.check_memory(source)
+        self.check_memory(source, eval_every=eval_every, pipelined=pipelined)
 
-    def check_memory(self, source: str = "[admission]", machine_ranks: Optional[tuple[int, str]] = None) -> None:
-        """Refuses a sketch that the ranks on this machine cannot all hold: the counters
-        are allocated and zeroed whole when training starts, by every rank.
+    def check_memory(self, source: str = "[admission]", machine_ranks: Optional[tuple[int, str]] = None,
+                     eval_every: int = 0, pipelined: bool = True) -> None:
+        """Refuses sketches that the ranks on this machine cannot all hold: the counters
+        are allocated and zeroed whole when training starts, by every rank, and with
+        `eval_every` > 0 a rank holds more of them (_sketches_a_rank).
         `machine_ranks`: (ranks, where that was counted); by default the launcher's
         environment's count (before MPI starts; hps.distributed.comm)."""
         memory = _physical_memory()
@@ -118,11 +122,37 @@ class AdmissionConfig:
                 raise ValueError(f"{source}: admission.sketch_bytes: the ranks on this machine, each of which "
                                  f"holds a sketch, cannot be counted: {e}") from None
         ranks, counted_by = machine_ranks
-        if b * ranks > memory:
-            held = "" if ranks == 1 else \
-                f" a rank; {ranks} ranks on this machine ({counted_by}) hold {b * ranks:,} bytes"
+        sketches, why = _sketches_a_rank(eval_every, pipelined)
+        a_rank = b * sketches
+        if a_rank * ranks > memory:
+            if sketches == 1:
+                held = "" if ranks == 1 else " a rank"
+            else:
+                held = f" a sketch; {sketches} sketches a rank with eval_every = {eval_every}: {why}: {a_rank:,} bytes"
+            if ranks > 1:
+                held += f"; {ranks} ranks on this machine ({counted_by}) hold {a_rank * ranks:,} bytes"
             raise ValueError(f"{source}: admission.sketch_bytes = {self.sketch_bytes!r} ({b:,} bytes{held}) is "
                              f"more than this machine's memory ({memory:,} bytes)")
+
+
+def _sketches_a_rank(eval_every: int, pipelined: bool) -> tuple[int, str]:
+    """(the most sketches a rank holds at once, what they are). Without evaluations in
+    the run (eval_every = 0) the live sketch. With them (hps.admission.Admission): the
+    live one; the evaluation's, built at the first evaluation and kept; and the
+    copies of the counters the read stage keeps at each multiple of eval_every it
+    counts, until the evaluation there takes its copy (held while the evaluation's
+    sketch is restored from it). The read stage counts at most
+    hps.pipeline.batches_ahead() batches past the one trained (none past it when
+    not pipelined), so at the evaluation after batch t the copies are those of t and
+    of the multiples up to t + that many."""
+    if not eval_every:
+        return 1, "the live one"
+    ahead = batches_ahead() if pipelined else 0
+    kept = 1 + ahead // eval_every
+    if kept == 1:
+        return 3, "the live one, the evaluation's, and one kept for the next evaluation"
+    return 2 + kept, (f"the live one, the evaluation's, and {kept} kept for the next evaluations, which the read "
+                      f"stage passes up to {ahead} batches ahead of training")
 
 
 def _physical_memory() -> Optional[int]:
@@ -237,7 +267,7 @@ class TrainConfig:
         if not isinstance(adm, AdmissionConfig):
             check_fields(AdmissionConfig, adm, source, prefix="admission.")
             adm = AdmissionConfig(**adm)
-        adm.check(source)
+        adm.check(source, eval_every=d.get("eval_every", 0), pipelined=d.get("pipelined", True))
         if adm.threshold > 1 and ps.optimizer.kind != "sgd" and ps.optimizer.eps == 0 \
                 and getattr(ps.optimizer, "initial_accumulator_value", 0.0) == 0:
             raise ValueError(f"{source}: admission.threshold > 1 drops the default row's gradients, and with "
@@ -886,7 +916,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         # Reading the config could count the ranks on this machine only by the
         # launcher's variables, which some launchers (srun's PMI plugins) do not set.
         _collective(node, lambda: cfg.admission.check_memory(
-            "[admission]", (node.machine_ranks, "MPI's shared-memory communicator")))
+            "[admission]", (node.machine_ranks, "MPI's shared-memory communicator"), eval_every=cfg.eval_every,
+            pipelined=cfg.pipelined))
     if cfg.ps.schedule == "herald" and node is not None and \
             (cfg.distributed.sparse_rows, cfg.distributed.sparse_grads) != ("none", "none"):
         raise ValueError("[distributed] sparse_rows and sparse_grads compress the sequential job's embeddings and "
