@@ -688,6 +688,64 @@ TEST(MemCache, ErasedPinnedRowTakesTheLoadersRowNow) {
   EXPECT_EQ(backing.sunk, 1u);
 }
 
+// A pinned dirty row whose key the loader now holds (another writer stored
+// it) takes that row clean: flushing it would overwrite what SSD-PS has.
+TEST(MemCache, ErasedPinnedDirtyRowTakesTheLoadersRowClean) {
+  Backing backing;  // key 5 absent: loaded dirty
+  auto cache = BackedCache(backing, "lru", 8, 1);
+  const uint64_t key = 5;
+  uint8_t* at = nullptr;
+  cache->Pin(&key, 1, nullptr, &at);
+  ASSERT_EQ(cache->stats().dirty, 1u);
+  backing.rows[5] = 55;
+  EXPECT_EQ(cache->Erase(&key, 1), 0u);
+  uint64_t row = 0;
+  std::memcpy(&row, at, 8);
+  EXPECT_EQ(row, 55u);
+  EXPECT_EQ(cache->stats().dirty, 0u) << "the reloaded row is clean, as the loader says";
+  cache->Unpin(&key, 1, &at);
+  cache->FlushDirty();
+  EXPECT_EQ(backing.sunk, 0u);
+}
+
+// Without a loader, a pinned row that is erased keeps its row, dirty: SSD-PS
+// no longer has it, so the row's only copy is here and goes to the sink.
+TEST(MemCache, ErasedPinnedRowWithoutALoaderStaysDirty) {
+  Backing backing;
+  MemCacheOptions o;
+  o.row_bytes = 8;
+  o.capacity = 4;
+  o.shards = 1;
+  o.policy = CachePolicyKind::kLru;
+  auto cache = MemCache::New(o, nullptr, backing.Sink());
+  const uint64_t key = 7;
+  cache->Access(&key, 1, nullptr);  // enters clean, a zero row
+  cache->Pull(&key, 1, nullptr, /*pin=*/true, nullptr);  // a hit: no loader needed
+  EXPECT_EQ(cache->Erase(&key, 1), 0u);
+  EXPECT_TRUE(cache->Contains(key));
+  EXPECT_EQ(cache->stats().dirty, 1u);
+  cache->Unpin(&key, 1);
+  cache->FlushDirty();
+  EXPECT_EQ(backing.sunk, 1u);
+  EXPECT_EQ(backing.rows.at(key), 0u);
+}
+
+// Erasing an unpinned dirty row drops it from the dirty count with the row:
+// stats().dirty counts only rows cached.
+TEST(MemCache, ErasedDirtyRowLeavesTheDirtyCount) {
+  Backing backing;  // absent keys load dirty
+  auto cache = BackedCache(backing, "lru", 8, 1);
+  const std::vector<uint64_t> keys = {1, 2};
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/false, nullptr);
+  ASSERT_EQ(cache->stats().dirty, 2u);
+  EXPECT_EQ(cache->Erase(keys.data(), 1), 1u);
+  EXPECT_EQ(cache->stats().dirty, 1u);
+  EXPECT_EQ(cache->stats().size, 1u);
+  cache->FlushDirty();
+  EXPECT_EQ(backing.sunk, 1u);
+  EXPECT_EQ(cache->stats().dirty, 0u);
+}
+
 // An address that is not the start of a row (a caller's pointer
 // arithmetic gone wrong) is refused like another key's row.
 TEST(MemCache, AddressInsideARowIsRefused) {
@@ -906,6 +964,29 @@ TEST(MemCacheLookahead, AccessCountsItsOwnKeysAsTheWindowsHead) {
   auto past = TraceCache("lru", 2);
   past->SetLookahead(&later, 1);
   EXPECT_EQ(AccessAll(*past, {2, 1, 1, 3, 2}), (std::vector<uint8_t>{0, 0, 1, 0, 1}));  // 3 evicts 1
+}
+
+// The call's own keys come before the window's: a row the window needs
+// first is needed after every key still to come in the call.
+TEST(MemCacheLookahead, AccessRanksTheWindowAfterItsOwnKeys) {
+  auto cache = TraceCache("lru", 2);
+  AccessAll(*cache, {1, 2});
+  const uint64_t one = 1;
+  cache->SetLookahead(&one, 1);
+  // 3's miss finds 1 and 2 both needed: 2 later in this call, 1 after it.
+  EXPECT_EQ(AccessAll(*cache, {3, 2}), (std::vector<uint8_t>{0, 1}));
+  EXPECT_FALSE(cache->Contains(1));
+  EXPECT_EQ(cache->stats().lookahead_forced, 1u);
+}
+
+// An empty window (n = 0: no batch comes) is still a window: Access counts
+// its own keys as its head, unlike after ClearLookahead.
+TEST(MemCacheLookahead, EmptyWindowStillCountsAccessOwnKeys) {
+  auto cache = TraceCache("lru", 2);
+  cache->SetLookahead(nullptr, 0);
+  EXPECT_EQ(AccessAll(*cache, {1, 2, 3, 1}), (std::vector<uint8_t>{0, 0, 0, 1}));  // 3 evicts 2
+  cache->ClearLookahead();  // order: 3, 1
+  EXPECT_EQ(AccessAll(*cache, {4, 3}), (std::vector<uint8_t>{0, 0}));  // 4 evicts 3, the least recent
 }
 
 // A window of the coming batches: hits at least as many as without (on this
