@@ -12,7 +12,8 @@
 - :class:`Libsvm`: ``label idx:val idx:val ...`` (libsvm, libFM); each field of
   the schema's ``fields`` (an inclusive range of feature indices; without
   ``fields``, one field of every index) is a bag of its indices, weighted by
-  their values. Labels 0/1 (or -1/+1). Parsed line by line in Python.
+  their values. Labels 0/1 (or -1/+1). Parsed by the compiled line parser
+  (_libsvm_lines.pyx); a bad line is named by the Python reference parser.
 - :func:`open_schema` picks the reader from the file names (.parquet/.pq,
   .svm/.libsvm/.libfm, else text) or ``format``.
 
