@@ -74,14 +74,20 @@ std::vector<uint64_t> DistinctDraws(std::mt19937_64& rng, int draws, uint64_t un
   return keys;
 }
 
-// A cache of 8-byte rows over `backing` (its loader and sink).
-std::unique_ptr<MemCache> BackedCache(Backing& backing, const std::string& policy, uint64_t capacity,
-                                      uint32_t shards = 0) {
+// Options of a cache of 8-byte rows (the tests' rows: a key or a count).
+MemCacheOptions EightByteRows(uint64_t capacity, uint32_t shards, CachePolicyKind policy) {
   MemCacheOptions o;
   o.row_bytes = 8;
   o.capacity = capacity;
   o.shards = shards;
-  o.policy = ParseCachePolicy(policy);
+  o.policy = policy;
+  return o;
+}
+
+// A cache of 8-byte rows over `backing` (its loader and sink).
+std::unique_ptr<MemCache> BackedCache(Backing& backing, const std::string& policy, uint64_t capacity,
+                                      uint32_t shards = 0) {
+  const MemCacheOptions o = EightByteRows(capacity, shards, ParseCachePolicy(policy));
   return MemCache::New(o, backing.Loader(), backing.Sink());
 }
 
@@ -176,11 +182,7 @@ INSTANTIATE_TEST_SUITE_P(All, MemCachePolicies, ::testing::Values("lru", "lfu", 
 
 // One shard of 4 LRU rows holding dirty rows 1..4 (1 the least recent).
 std::unique_ptr<MemCache> FourDirtyRows(Backing& backing) {
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 4;
-  o.shards = 1;
-  o.policy = CachePolicyKind::kLru;
+  const MemCacheOptions o = EightByteRows(4, 1, CachePolicyKind::kLru);
   auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
   for (uint64_t k = 1; k <= 4; ++k) {
     cache->Pull(&k, 1, nullptr, /*pin=*/true, nullptr);
@@ -443,11 +445,7 @@ TEST(MemCache, PullThatThrowsCountsNoHitOrMiss) {
 // prefetches counted would pass for a hotter one.
 TEST(MemCache, PullThatThrowsRecordsNoVisitInTheSketch) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 2;
-  o.shards = 1;
-  o.policy = CachePolicyKind::kTinyLfuLfu;
+  const MemCacheOptions o = EightByteRows(2, 1, CachePolicyKind::kTinyLfuLfu);
   auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
   const uint64_t cold = 7, warm = 8, fresh = 9;
   cache->Pull(&cold, 1, nullptr, /*pin=*/false, nullptr);  // one visit
@@ -479,11 +477,7 @@ int PullCountingWrongRows(MemCache& cache, const std::vector<uint64_t>& keys) {
 
 TEST(MemCache, ConcurrentPullsSeeConsistentRows) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 256;
-  o.shards = 4;
-  o.policy = CachePolicyKind::kWTinyLfu;
+  const MemCacheOptions o = EightByteRows(256, 4, CachePolicyKind::kWTinyLfu);
   auto cache = MemCache::New(o, backing.Loader(), backing.Sink());
   std::vector<std::thread> threads;
   std::vector<int> bad(4, 0);
@@ -712,11 +706,7 @@ TEST(MemCache, ErasedPinnedDirtyRowTakesTheLoadersRowClean) {
 // no longer has it, so the row's only copy is here and goes to the sink.
 TEST(MemCache, ErasedPinnedRowWithoutALoaderStaysDirty) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 4;
-  o.shards = 1;
-  o.policy = CachePolicyKind::kLru;
+  const MemCacheOptions o = EightByteRows(4, 1, CachePolicyKind::kLru);
   auto cache = MemCache::New(o, nullptr, backing.Sink());
   const uint64_t key = 7;
   cache->Access(&key, 1, nullptr);  // enters clean, a zero row
@@ -771,11 +761,7 @@ TEST(MemCache, FlushWhoseSinkThrowsAfterAWriteBackCountsTheRowDirtyOnce) {
   const uint64_t five = 5, written = 77;
   bool write_back_then_throw = true;
   RowSink store = backing.Sink();
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 4;
-  o.shards = 1;
-  o.policy = CachePolicyKind::kLru;
+  const MemCacheOptions o = EightByteRows(4, 1, CachePolicyKind::kLru);
   auto cache = MemCache::New(o, backing.Loader(), [&](const uint64_t* keys, uint64_t n, const uint8_t* rows) {
     if (write_back_then_throw) {
       write_back_then_throw = false;
@@ -798,11 +784,7 @@ TEST(MemCache, FlushWhoseSinkThrowsAfterAWriteBackCountsTheRowDirtyOnce) {
 // lru_fraction is in (0, 1]: at 1 the LRU takes every slot.
 TEST(MemCache, LruLfuTakesAnLruShareUpToTheWholeCache) {
   Backing backing;
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = 8;
-  o.shards = 1;
-  o.policy = CachePolicyKind::kLruLfu;
+  MemCacheOptions o = EightByteRows(8, 1, CachePolicyKind::kLruLfu);
   for (double bad : {0.0, -0.5, 1.01}) {
     o.lru_fraction = bad;
     EXPECT_THROW(MemCache::New(o, backing.Loader(), backing.Sink()), std::invalid_argument) << bad;
@@ -867,11 +849,7 @@ TEST(MemCache, PinnedPullsCountTheirVisitsInTheSketch) {
 // ---- lookahead eviction (SetLookahead)
 
 std::unique_ptr<MemCache> TraceCache(const std::string& policy, uint64_t capacity, uint32_t shards = 1) {
-  MemCacheOptions o;
-  o.row_bytes = 8;
-  o.capacity = capacity;
-  o.shards = shards;
-  o.policy = ParseCachePolicy(policy);
+  const MemCacheOptions o = EightByteRows(capacity, shards, ParseCachePolicy(policy));
   return MemCache::New(o, nullptr, nullptr);
 }
 
