@@ -348,6 +348,7 @@ def run_train(node, out: str, args) -> None:
                    "prefetch_waits": summary["pipeline"]["prefetch_waits"],
                    "herald": summary["ps"].get("herald"), "admission": summary["admission"],
                    "codecs": summary["ps"]["distributed"]["codecs"],
+                   "fresh_rows": summary["ps"]["distributed"]["fresh_rows_sent_as_bits"],
                    "evals": [{k: h.get(k) for k in ("batches", "auc", "logloss")} for h in summary["history"]]}, f)
 
 

@@ -176,6 +176,8 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
         for q in range(world):
             mine = not (uneven and q == world - 1 and t >= steps - 2)
             distinct[t, q] = np.unique(sc.rank_part(g, q, per_rank).all_keys()) if mine else np.empty(0, np.uint64)
+    seen = {t: np.unique(np.concatenate([distinct[u, q] for u in range(t) for q in range(world)] or
+                                        [np.empty(0, np.uint64)])) for t in range(steps)}  # keys trained before step t
     for r, b in enumerate(sent):
         asks = sum(int((owner_ranks(u, world) != q).sum()) for (t, q), u in distinct.items() if q == r)
         asked = sum(int((owner_ranks(u, world) == r).sum()) for (t, q), u in distinct.items() if q != r)
@@ -187,9 +189,17 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
         assert b["sparse_keys"] == asks * (8 + 4) + window, f"rank {r}"
         row_bytes = {"none": dim * 4, "bf16": dim * 2, "int8": dim + 4}[codec]  # int8: a float32 scale a row
         assert b["sparse_grads"] == asks * row_bytes, f"rank {r}"
-        assert b["sparse_rows"] == asked * row_bytes, f"rank {r}"
+        # Rows go back to the ranks that asked, a block a rank a step: a bit a row,
+        # then the rows a step before it trained; a key no step before trained is
+        # still its initial row, sent as its bit alone (hps.distributed.FreshRows).
+        blocks = [(t, distinct[t, q][owner_ranks(distinct[t, q], world) == r]) for (t, q) in distinct if q != r]
+        trained = [np.isin(k, seen[t]) for t, k in blocks]
+        rows_sent = sum(int(x.sum()) for x in trained)
+        fresh = asked - rows_sent
+        assert 0 < fresh < asked and reports[r]["fresh_rows"] == fresh, f"rank {r}"
+        assert b["sparse_rows"] == sum((len(k) + 7) // 8 for _, k in blocks) + rows_sent * row_bytes, f"rank {r}"
         c = reports[r]["codecs"]
-        assert c["sparse_rows"]["before"] == asked * dim * 4 and c["sparse_rows"]["after"] == b["sparse_rows"]
+        assert c["sparse_rows"]["before"] == rows_sent * dim * 4 and c["sparse_rows"]["after"] == rows_sent * row_bytes
         assert c["sparse_grads"]["before"] == asks * dim * 4 and c["sparse_grads"]["after"] == b["sparse_grads"]
         if "--hierarchical" not in extra:
             # One gradient all-reduce of every dense parameter a step (payload counted).

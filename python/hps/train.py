@@ -1136,6 +1136,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     if node is not None:
         ranks = node.allgather("train", {"examples": pipeline.stats.examples, "wall_seconds": wall,
                                          "bytes_sent": dict(node.bytes_sent),
+                                         # rows sent as a bit, never trained (hps.distributed.FreshRows)
+                                         "fresh_rows_sent_as_bits": getattr(trainer.ps, "fresh_rows_sent", int)(),
                                          "admission": trainer.admission.rank_summary(),
                                          "skipped": (skipped or {}).get("train")}, "summary")
         summary["admission"]["ranks"] = [r.pop("admission") for r in ranks]  # the rest is the job's

@@ -35,9 +35,9 @@ receive that sleeps between probes instead of spinning, for ranks that mostly wa
 from hps.distributed.comm import (COMM_KINDS, DistributedConfig, Node, RankFailure, hierarchical_allreduce,
                                   launched_by_mpi)
 from hps.distributed.dense import DenseSync, kstep_adam_class
-from hps.distributed.sparse import DistBatch, DistPrefetched, DistributedServer, owner_ranks
+from hps.distributed.sparse import DistBatch, DistPrefetched, DistributedServer, FreshRows, owner_ranks
 
-__all__ = ["DistributedConfig", "DistributedServer", "KStepAdam", "DenseSync", "Node", "RankFailure",
+__all__ = ["DistributedConfig", "DistributedServer", "FreshRows", "KStepAdam", "DenseSync", "Node", "RankFailure",
            "hierarchical_allreduce", "launched_by_mpi", "owner_ranks"]
 
 

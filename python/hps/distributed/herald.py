@@ -52,7 +52,8 @@ import numpy as np
 from hps import _core
 from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep
 from hps.distributed.comm import Node
-from hps.distributed.sparse import DistributedServer, _StepData, owner_ranks, rank_positions, window_keys
+from hps.distributed.sparse import (DistributedServer, FreshRows, _StepData, owner_ranks, rank_positions,
+                                   window_keys)
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
@@ -128,6 +129,8 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         self.capacity = capacity
         self.leader = node.rank == LEADER
         self._row_floats = local.row_floats
+        # Fetched rows move whole (with the optimizer's state); those never trained, as a bit.
+        self.fetched_rows = FreshRows(local._native_opt, self._row_floats)
         # An example moved costs its bytes (keys, dense features, label); a row
         # pulled, its floats with the optimizer's state: the partition keeps an
         # example on the rank that read it unless that many more of its keys
@@ -366,11 +369,15 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         self.flush()
         return super().checkpoint(save, keep_previous=keep_previous)
 
+    def fresh_rows_sent(self) -> int:
+        return super().fresh_rows_sent() + self.fetched_rows.fresh
+
     def stats(self) -> dict:
         s = super().stats()
         with self._lock, self._scheduling:
             s["herald"] = {**self.counts, "cached": self._cached, "capacity": self.capacity,
                            "table_rows": self._table_rows, "leader": LEADER, "example_cost": self.example_cost,
+                           "fresh_rows_served_as_bits": self.fetched_rows.fresh,
                            "scheduler_bytes": self.herald.memory_bytes if self.leader else 0}
         return s
 
@@ -468,12 +475,15 @@ class HeraldDistBatch(BatchBase):
             rows_out[from_peer] = s._tier.rows(served[from_peer], None, s._row_floats)
         if (~from_peer).any():
             rows_out[~from_peer] = s.local._cache.read_pinned(served[~from_peer]).view(np.float32)
-        rows_in = node.alltoallv("train", np.split(rows_out, np.cumsum(serve_counts)[:-1]), "sparse_rows",
-                                 "herald fetched rows")
+        cuts = np.cumsum(serve_counts)[:-1]
+        sent = node.alltoallv("train", s.fetched_rows.pack(np.split(served, cuts), np.split(rows_out, cuts), me),
+                              "sparse_rows", "herald fetched rows")
         want = np.flatnonzero(source != _HELD)  # my fetches, ascending by key
         peer, server = source[want] < _OWNER, source[want] % _OWNER
+        asked = [self._mine[want][server == r] for r in range(W)]  # rank r served mine ascending by key
+        rows_in = s.fetched_rows.unpack(asked, sent)
         fetched = np.empty((len(want), s._row_floats), np.float32)
-        for r in range(W):  # rank r served mine ascending by key
+        for r in range(W):
             fetched[server == r] = rows_in[r]
         s.counts["rows_served"] += len(served)
         if len(want):

@@ -55,6 +55,12 @@ class RowCodec:
     def row_bytes(self) -> int:
         return {"bf16": 2 * self.width, "int8": self.width + 4}.get(self.spec, 4 * self.width)
 
+    def roundtrip(self, rows: np.ndarray) -> np.ndarray:
+        """rows (n, width) as they arrive after crossing through the codec."""
+        if self.spec == "none":
+            return rows
+        return self.codec.decode(self.codec.encode(np.ascontiguousarray(rows, np.float32)))
+
     def unpack(self, blocks: list) -> list:
         if self.spec == "none":
             return blocks
@@ -68,6 +74,75 @@ class RowCodec:
                 arrays = (np.ascontiguousarray(b[:, :w]).view(np.int8), np.ascontiguousarray(b[:, w:]).view(np.float32)
                           .reshape(n))
             out.append(self.codec.decode(Encoded(self.spec, (n, w), arrays)))
+        return out
+
+
+class FreshRows:
+    """Rows still as their keys' first use made them cross between ranks as a bit.
+
+    A new row's values are a function of its key and the table's seed alone (the
+    initializer, and the optimizer's starting state: SparseOptimizer.initial_rows),
+    so the rank that asked for a row can make it itself. The sender marks each row
+    whose bits equal its key's initial row (one never trained: every key's first
+    pull, which in click logs is most keys', their tails being long) and sends only
+    the others; the receiver, which knows the keys it asked for, makes the marked
+    ones. A block is bytes: a bit a row (ceil(n / 8) bytes, little-endian bit
+    order), then the other rows, through the codec where there is one. What arrives
+    is bit for bit what whole rows would give (through a lossy codec too: a made
+    row goes through it as a sent one would). ``fresh``: rows sent to other ranks
+    as a bit."""
+
+    def __init__(self, optimizer, width: int, codec: Optional[RowCodec] = None):
+        self.optimizer = optimizer  # hps._core.SparseOptimizer (initial_rows)
+        self.width = width          # floats a row carries: the embedding, or the whole row with its state
+        self.codec = codec
+        self.fresh = 0
+
+    def initial(self, keys: np.ndarray) -> np.ndarray:
+        """The first `width` floats of keys' initial rows."""
+        return self.optimizer.initial_rows(np.ascontiguousarray(keys, np.uint64))[:, :self.width]
+
+    def pack(self, keys: list, rows: list, me: int) -> list:
+        """The byte blocks that send rows[r] (n, width) of keys[r] to rank r."""
+        marks = []
+        for r, (k, b) in enumerate(zip(keys, rows)):
+            b = np.ascontiguousarray(b, np.float32).reshape(len(k), self.width)
+            mark = np.all(b.view(np.uint32) == self.initial(k).view(np.uint32), axis=1)
+            if r != me:
+                self.fresh += int(mark.sum())
+            marks.append((mark, b[~mark]))
+        kept = [b for _, b in marks]
+        if self.codec is not None:
+            kept = self.codec.pack(kept, me)
+        return [np.concatenate([np.packbits(mark, bitorder="little"), np.ascontiguousarray(b).view(np.uint8).reshape(-1)])
+                for (mark, _), b in zip(marks, kept)]
+
+    def unpack(self, keys: list, blocks: list) -> list:
+        """The rows (n, width) float32 of keys[r] from what rank r sent (pack's)."""
+        out = []
+        for k, buf in zip(keys, blocks):
+            n = len(k)
+            head = (n + 7) // 8
+            if len(buf) < head:
+                raise RuntimeError(f"a block of {len(buf)} bytes cannot mark {n} rows")
+            mark = np.unpackbits(buf[:head], count=n, bitorder="little").astype(bool)
+            sent = n - int(mark.sum())
+            body = buf[head:].tobytes()  # a copy: the received offset need not be aligned
+            row_bytes = 4 * self.width if self.codec is None else self.codec.row_bytes
+            if len(body) != sent * row_bytes:
+                raise RuntimeError(f"a block that marks {sent} of {n} rows as sent holds {len(body)} bytes of "
+                                   f"rows, not {sent * row_bytes}")
+            if self.codec is None or self.codec.spec == "none":
+                got = np.frombuffer(body, np.float32).reshape(sent, self.width)
+            else:
+                got = self.codec.unpack([np.frombuffer(body, np.uint8).reshape(sent, row_bytes)])[0]
+            made = self.initial(k[mark])
+            if self.codec is not None:
+                made = self.codec.roundtrip(made)
+            rows = np.empty((n, self.width), np.float32)
+            rows[mark] = made
+            rows[~mark] = got
+            out.append(rows)
         return out
 
 
@@ -220,6 +295,7 @@ class DistributedServer:
         self.dim = local.dim
         self._retry: Optional[tuple] = None  # the exchange of a prefetch that hit CacheFullError
         self.rows_codec = RowCodec(sparse_rows, self.dim)  # [distributed] sparse_rows: rows to the askers
+        self.fresh_rows = FreshRows(local._native_opt, self.dim, self.rows_codec)  # untrained rows as a bit
         self.grads_codec = RowCodec(sparse_grads, self.dim)  # sparse_grads: gradients to the owners
 
     # -- exchange helpers
@@ -238,9 +314,13 @@ class DistributedServer:
         asked = self.node.alltoallv(stage, blocks, "sparse_keys", what)
         return uniq, order, counts, asked, flat, inverse.reshape(-1)
 
-    def _return_rows(self, stage: str, uniq, order, rows_out, what: str) -> np.ndarray:
-        rows_in = self.rows_codec.unpack(self.node.alltoallv(stage, self.rows_codec.pack(rows_out, self.node.rank),
-                                                              "sparse_rows", what))
+    def _return_rows(self, stage: str, uniq, order, counts, asked, rows_out, what: str) -> np.ndarray:
+        """rows_out[r] (the rows of asked[r], the keys rank r asked this owner for) to
+        the ranks that asked; returns the rows of uniq, whose uniq[order] went to
+        their owners, counts[r] to rank r."""
+        sent = self.node.alltoallv(stage, self.fresh_rows.pack(asked, rows_out, self.node.rank), "sparse_rows", what)
+        mine = np.split(uniq[order], np.cumsum(counts)[:-1])
+        rows_in = self.fresh_rows.unpack(mine, sent)
         rows = np.empty((len(uniq), self.dim), np.float32)
         rows[order] = np.concatenate(rows_in) if rows_in else rows
         return rows
@@ -249,8 +329,8 @@ class DistributedServer:
     def pull(self, keys: np.ndarray) -> np.ndarray:
         """Rows (n, dim) of keys, from their owners, as of the last finished batch."""
         keys = np.asarray(keys)
-        uniq, order, _, asked, _, inverse = self._send_keys("train", keys, "pull keys")
-        rows = self._return_rows("train", uniq, order, [self.local.pull(a) for a in asked], "pull rows")
+        uniq, order, counts, asked, _, inverse = self._send_keys("train", keys, "pull keys")
+        rows = self._return_rows("train", uniq, order, counts, asked, [self.local.pull(a) for a in asked], "pull rows")
         return rows[inverse].reshape(keys.shape + (self.dim,))
 
     def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
@@ -313,7 +393,7 @@ class DistributedServer:
         local = self.local.batch(pre.local, overlap=overlap)
         try:
             rows_out = [local.pull(a) for a in pre.asked]
-            rows = self._return_rows("load", pre.keys, pre.order, rows_out, "load rows")
+            rows = self._return_rows("load", pre.keys, pre.order, pre.counts, pre.asked, rows_out, "load rows")
         except BaseException:
             local.abort()
             raise
@@ -343,10 +423,14 @@ class DistributedServer:
     def prune_checkpoints(self) -> None:
         self.local.prune_checkpoints()
 
+    def fresh_rows_sent(self) -> int:
+        """Rows this rank sent as a bit, never trained (FreshRows)."""
+        return self.fresh_rows.fresh
+
     def stats(self) -> dict:
         s = self.local.stats()
         s["distributed"] = {"rank": self.node.rank, "world": self.node.size, "nodes": self.node.nodes,
-                            "bytes_sent": dict(self.node.bytes_sent),
+                            "bytes_sent": dict(self.node.bytes_sent), "fresh_rows_sent_as_bits": self.fresh_rows.fresh,
                             "codecs": {name: {"codec": c.spec, "before": c.before, "after": c.after}
                                        for name, c in (("sparse_rows", self.rows_codec),
                                                        ("sparse_grads", self.grads_codec))}}
