@@ -110,6 +110,7 @@ def mpi_rank(a) -> None:
         with open(out, "w") as f:
             json.dump({"schedule": schedule, "examples": s["examples"], "examples_per_s": s["examples_per_s"],
                        "auc": s["final"].get("auc"), "bytes_sent": sent, "bytes_sent_by_rank": by_rank,
+                       "fresh_rows_sent_as_bits": sum(r["fresh_rows_sent_as_bits"] for r in ranks),
                        "herald": s["ps"].get("herald")}, f)
 
 
@@ -219,6 +220,8 @@ def main(argv=None) -> int:
         for kind in ms["bytes_sent"]:
             print(f"  {kind:<40}{ms['bytes_sent'][kind] / 1e6:>12,.2f}{mh['bytes_sent'][kind] / 1e6:>12,.2f}",
                   file=sys.stderr)
+        print(f"  {'rows never trained, sent as a bit':<40}{ms['fresh_rows_sent_as_bits']:>12,}"
+              f"{mh['fresh_rows_sent_as_bits']:>12,}", file=sys.stderr)
         print(f"  {'examples/s':<40}{ms['examples_per_s']:>12,.0f}{mh['examples_per_s']:>12,.0f}", file=sys.stderr)
         print(f"  {'AUC':<40}{ms['auc']:>12.4f}{mh['auc']:>12.4f}", file=sys.stderr)
     out = {"bench": "w7s", "benchmark": "W7s Herald in the system", "quick": a.quick,

@@ -820,6 +820,9 @@ def render_w7s(o: dict) -> list[str]:
             rows.append([f"{kind}, MB", f"{x:,.2f}", f"{y:,.2f}", ratio(x, y)])
         x, y = sum(ms["bytes_sent"].values()) / 1e6, sum(mh["bytes_sent"].values()) / 1e6
         rows.append(["all, MB", f"{x:,.2f}", f"{y:,.2f}", ratio(x, y)])
+        if "fresh_rows_sent_as_bits" in ms and "fresh_rows_sent_as_bits" in mh:  # since FreshRows
+            x, y = ms["fresh_rows_sent_as_bits"], mh["fresh_rows_sent_as_bits"]
+            rows.append(["rows never trained, sent as a bit", f"{x:,}", f"{y:,}", ratio(x, y)])
         rows.append(["examples/s", f"{ms['examples_per_s']:,.0f} ({ms['examples_per_s_min']:,.0f}-"
                      f"{ms['examples_per_s_max']:,.0f})", f"{mh['examples_per_s']:,.0f} ({mh['examples_per_s_min']:,.0f}-"
                      f"{mh['examples_per_s_max']:,.0f})", ratio(ms["examples_per_s"], mh["examples_per_s"])])
