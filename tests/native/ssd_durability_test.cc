@@ -1,0 +1,206 @@
+// SSD-PS's durability order, which no test that reopens a store in the same
+// (or a killed) process can see: the page cache keeps a file that was never
+// synced. A commit must make each new file's data durable (fdatasync), then
+// their names (fsync of the directory), and only then the MANIFEST record
+// that names them; a compaction must do the same for its outputs. Otherwise a
+// power loss after the commit returns leaves a MANIFEST pointing at empty or
+// missing files.
+//
+// This binary defines fdatasync, fsync and ftruncate itself: the store's
+// calls (it is linked in statically) come here, are logged with the path of
+// their descriptor (or fail, where a test asks), and go on to the kernel.
+#include <gtest/gtest.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "format/manifest.h"
+#include "hps/ssd_store.h"
+#include "temp_dir.h"
+
+namespace {
+
+struct SyncCall {
+  bool data_only;    // fdatasync, not fsync
+  std::string path;  // what the descriptor names
+};
+
+std::mutex sync_log_mutex;
+std::vector<SyncCall> sync_log;  // guarded by sync_log_mutex
+// Faults a test injects: the next fdatasync or ftruncate fails with EIO.
+std::atomic<bool> fail_next_fdatasync{false}, fail_next_ftruncate{false};
+
+std::string PathOf(int fd) {
+  char link[64], target[4096];
+  std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  const ssize_t n = readlink(link, target, sizeof target - 1);
+  return n > 0 ? std::string(target, static_cast<size_t>(n)) : "?";
+}
+
+void LogSync(int fd, bool data_only) {
+  std::string path = PathOf(fd);
+  std::lock_guard lock(sync_log_mutex);
+  sync_log.push_back({data_only, std::move(path)});
+}
+
+}  // namespace
+
+extern "C" int fdatasync(int fd) {
+  LogSync(fd, true);
+  if (fail_next_fdatasync.exchange(false)) {
+    errno = EIO;
+    return -1;
+  }
+  return static_cast<int>(syscall(SYS_fdatasync, fd));
+}
+
+extern "C" int ftruncate(int fd, off_t length) noexcept {
+  if (fail_next_ftruncate.exchange(false)) {
+    errno = EIO;
+    return -1;
+  }
+  return static_cast<int>(syscall(SYS_ftruncate, fd, length));
+}
+
+extern "C" int fsync(int fd) {
+  LogSync(fd, false);
+  return static_cast<int>(syscall(SYS_fsync, fd));
+}
+
+namespace hps {
+namespace {
+
+namespace fs = std::filesystem;
+
+class SsdDurabilityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::weakly_canonical(test_support::FreshTestDir("hps-ssd-durability-test")).string();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::unique_ptr<SsdStore> Open() const {
+    SsdStoreOptions o;
+    o.path = dir_;
+    o.row_bytes = kRowBytes;
+    o.file_records = 4;
+    o.background_compaction = false;
+    o.compaction_trigger = 100;  // compactions only where a test asks for one
+    return SsdStore::Open(o);
+  }
+
+  static void Put(SsdStore& store, uint64_t first, uint64_t end) {
+    std::vector<uint64_t> keys(end - first);
+    std::iota(keys.begin(), keys.end(), first);
+    const std::vector<uint8_t> rows(keys.size() * kRowBytes, 7);
+    store.Put(keys.data(), keys.size(), rows.data());
+  }
+
+  // The parameter files in the store's directory, by path.
+  std::vector<std::string> Files() const {
+    std::vector<std::string> paths;
+    for (const auto& entry : fs::directory_iterator(dir_)) {
+      if (entry.path().extension() == ".hpf") paths.push_back(entry.path().string());
+    }
+    std::sort(paths.begin(), paths.end());
+    return paths;
+  }
+
+  static std::vector<SyncCall> TakeSyncLog() {
+    std::lock_guard lock(sync_log_mutex);
+    return std::exchange(sync_log, {});
+  }
+
+  // Checks that in `log` each of `files` has an fdatasync, then the
+  // directory an fsync, then MANIFEST an fdatasync, in that order.
+  void ExpectSyncedBeforeTheManifest(const std::vector<SyncCall>& log, const std::vector<std::string>& files) const {
+    const std::string manifest = (fs::path(dir_) / "MANIFEST").string();
+    auto last = [&](const std::string& path, bool data_only, size_t before) -> ptrdiff_t {
+      for (size_t i = std::min(before, log.size()); i-- > 0;) {
+        if (log[i].path == path && log[i].data_only == data_only) return static_cast<ptrdiff_t>(i);
+      }
+      return -1;
+    };
+    const ptrdiff_t manifest_sync = last(manifest, true, log.size());
+    ASSERT_GE(manifest_sync, 0) << "no fdatasync of " << manifest;
+    const ptrdiff_t dir_sync = last(dir_, false, static_cast<size_t>(manifest_sync));
+    ASSERT_GE(dir_sync, 0) << "no fsync of " << dir_ << " before the fdatasync of " << manifest;
+    for (const std::string& file : files) {
+      EXPECT_GE(last(file, true, static_cast<size_t>(dir_sync)), 0)
+          << "no fdatasync of " << file << " before the fsync of its directory and " << manifest;
+    }
+  }
+
+  static constexpr uint32_t kRowBytes = 16;
+  std::string dir_;
+};
+
+TEST_F(SsdDurabilityTest, CommitSyncsTheNewFilesThenTheirNamesThenTheManifest) {
+  auto store = Open();
+  Put(*store, 1, 11);  // three files
+  const std::vector<std::string> written = Files();
+  ASSERT_EQ(written.size(), 3u);
+  TakeSyncLog();
+  store->Commit();
+  ExpectSyncedBeforeTheManifest(TakeSyncLog(), written);
+}
+
+TEST_F(SsdDurabilityTest, CompactionSyncsItsOutputsThenTheirNamesThenTheManifest) {
+  auto store = Open();
+  Put(*store, 1, 13);  // files of 1..4, 5..8, 9..12
+  store->Commit();
+  Put(*store, 2, 5);   // the first three quarters stale
+  Put(*store, 6, 9);   // the second too
+  store->Commit();
+  const std::vector<std::string> before = Files();
+  TakeSyncLog();
+  store->Compact();
+  const std::vector<SyncCall> log = TakeSyncLog();
+  std::vector<std::string> outputs;
+  for (const std::string& file : Files()) {
+    if (!std::binary_search(before.begin(), before.end(), file)) outputs.push_back(file);
+  }
+  ASSERT_EQ(outputs.size(), 1u) << "keys 1 and 5, out of the two stale files, into one";
+  ASSERT_EQ(store->stats().compactions, 1u);
+  ExpectSyncedBeforeTheManifest(log, outputs);
+}
+
+// A commit whose sync fails leaves its append in the log; the writer cuts it
+// off, and when that cut fails too, the next commit cuts it before its own
+// append. Otherwise that append, written at the end of the last commit and
+// shorter than the failed one, leaves the failed one's later records (sound,
+// commit record included) after it: replay then refuses the whole log.
+TEST_F(SsdDurabilityTest, AFailedCommitThatCouldNotBeCutIsCutByTheNext) {
+  fs::create_directories(dir_);
+  const std::string path = (fs::path(dir_) / "MANIFEST").string();
+  detail::ManifestWriter w(path, 0);
+  w.AddFile(1, 10);
+  w.Commit();
+  w.AddFile(2, 20);
+  w.AddFile(3, 30);
+  fail_next_fdatasync = true;
+  fail_next_ftruncate = true;
+  EXPECT_THROW(w.Commit(), IoError);
+  EXPECT_FALSE(fail_next_fdatasync || fail_next_ftruncate) << "the commit did not sync and cut as expected";
+  w.Commit();  // nothing of the failed one stands: no edits
+  const detail::ManifestReplay r = detail::ReplayManifest(path);
+  EXPECT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{1, 10}}));
+  EXPECT_EQ(r.state.commits, 2u);
+  EXPECT_EQ(r.ignored_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace hps
