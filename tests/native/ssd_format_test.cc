@@ -223,6 +223,10 @@ TEST_F(ParamFileTest, CorruptionIsReportedWithFileAndField) {
                                            ") CRC mismatch");
   fs::resize_file(fresh(), layout.file_bytes() - kBlockBytes);
   ExpectCorrupt(copy, row_bytes, false, "the header implies");
+  fs::resize_file(fresh(), layout.file_bytes() + kBlockBytes);  // longer is no better than shorter
+  ExpectCorrupt(copy, row_bytes, false, "the header implies");
+  fs::resize_file(fresh(), 20);  // magic intact, the rest of the header gone
+  ExpectCorrupt(copy, row_bytes, false, "file ends early, at byte 20");
   ExpectCorrupt(path, 32, false, "rows of 64 bytes, the store expects 32");
   EXPECT_THROW(ParamFile::Open(Path("missing"), row_bytes, false), IoError);
 }
@@ -496,6 +500,38 @@ TEST_F(ManifestTest, TornLastCommitFallsBackToThePreviousOne) {
     ASSERT_EQ(ReplayManifest(torn).state.live_files,
               (std::map<uint64_t, uint64_t>{{1, 100}, {7, 1}}));
   }
+}
+
+// A crash can leave whole edit records of the last append, short only of its
+// commit record. The next writer must cut them off: its own append is
+// written at the end of the last commit, and when it is shorter than the
+// torn tail, the tail's whole records would follow it, and replay would take
+// that for damage inside the log and refuse the store.
+TEST_F(ManifestTest, AppendingAfterATornTailOfWholeEditsCutsThemOff) {
+  const std::string path = Path("MANIFEST");
+  uint64_t first_commit_bytes = 0;
+  {
+    ManifestWriter w(path, 0);
+    w.AddFile(1, 100);
+    w.Commit();
+    first_commit_bytes = w.bytes();
+    w.AddFile(2, 5);
+    w.AddFile(3, 5);
+    w.AddFile(4, 5);
+    w.Commit();
+  }
+  fs::resize_file(path, fs::file_size(path) - 1);  // the commit record torn
+  const ManifestReplay torn = ReplayManifest(path);
+  ASSERT_EQ(torn.valid_bytes, first_commit_bytes);
+  {
+    ManifestWriter w(path, torn.valid_bytes);
+    EXPECT_EQ(fs::file_size(path), first_commit_bytes);
+    w.Commit();  // a commit with no edits, as a store's commit with no puts
+  }
+  const ManifestReplay r = ReplayManifest(path);
+  EXPECT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{1, 100}}));
+  EXPECT_EQ(r.state.commits, 2u);
+  EXPECT_EQ(r.ignored_bytes, 0u);
 }
 
 // The log of three commits that the damage tests below take apart, and
