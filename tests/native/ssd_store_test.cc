@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "format/param_file.h"  // ParamFile::kKeyChunk
 #include "hps/ssd_store.h"
 #include "temp_dir.h"
 
@@ -278,7 +279,55 @@ TEST_F(SsdStoreTest, CompactMovesTheLiveRecordsOfFilesMoreThanHalfStale) {
   EXPECT_EQ(Versions(*store, Range(1, 13)), (std::vector<int64_t>{2, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1}));
 }
 
+// Open indexes a file's keys a chunk at a time (ParamFile::kKeyChunk): each
+// chunk's keys must point at their own slots, not the first chunk's.
+TEST_F(SsdStoreTest, AReopenedFileOfSeveralKeyChunksServesEveryRow) {
+  const uint64_t n = detail::ParamFile::kKeyChunk + 1000;
+  {
+    auto store = SsdStore::Open(Options(n));
+    Put(*store, Range(1, n + 1), 1);
+    store->Commit();
+  }
+  auto store = SsdStore::Open(Options(n));
+  ASSERT_EQ(store->stats().files, 1u);
+  EXPECT_EQ(store->size(), n);
+  EXPECT_EQ(Versions(*store, Range(1, n + 1)), std::vector<int64_t>(n, 1));
+}
+
 // --------------------------------------------------------------- failures
+
+// A file cut short under an open store (by another process, or a failing
+// disk) is named with where it ends, by both I/O paths: a read that comes up
+// short asks for the rest and finds the end, rather than taking whatever the
+// buffer held for the missing bytes (which a block CRC then reports as a
+// mismatch, or, when the buffer held that very block from an earlier read,
+// does not report at all).
+TEST_F(SsdStoreTest, AFileCutShortUnderAnOpenStoreIsNamedWithWhereItEnds) {
+  for (const bool uring : {false, true}) {
+    SCOPED_TRACE(uring ? "io_uring" : "pread");
+    fs::remove_all(dir_);
+    SsdStoreOptions options = Options(1024);  // 16 KiB of rows: four blocks
+    options.use_io_uring = uring;
+    auto store = SsdStore::Open(options);
+    if (uring && store->stats().io_path.rfind("io_uring", 0) != 0) GTEST_SKIP() << "no io_uring here";
+    const std::vector<uint64_t> keys = Range(1, 1025);
+    Put(*store, keys, 1);
+    store->Commit();
+    ASSERT_EQ(Versions(*store, keys), std::vector<int64_t>(1024, 1));  // the blocks now in the scratch
+    const std::string file = (fs::path(dir_) / Files().at(0)).string();
+    const uint64_t end = fs::file_size(file) - 2 * 4096;  // the last two rows blocks gone
+    fs::resize_file(file, end);
+    try {
+      Versions(*store, keys);  // one read of the whole rows region
+      ADD_FAILURE() << "read the rows of " << file << " cut to " << end << " bytes";
+    } catch (const CorruptionError& e) {
+      EXPECT_NE(std::string(e.what()).find(file + ": not a valid hps parameter file: file ends early, at byte " +
+                                           std::to_string(end)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
 
 // A put that would take more files than record ids can address fails before
 // it touches the index or leaves a file behind.
