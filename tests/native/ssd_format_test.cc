@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -469,18 +470,24 @@ TEST_F(ManifestTest, ReplaysCommittedEditsOnly) {
   EXPECT_EQ(r.ignored_bytes, 0u);
 }
 
+// Writes a MANIFEST of two commits, file 1 (100 bytes) and then `second`'s
+// edits; returns the bytes of the first commit.
+uint64_t WriteTwoCommits(const std::string& path, const std::function<void(ManifestWriter&)>& second) {
+  ManifestWriter w(path, 0);
+  w.AddFile(1, 100);
+  w.Commit();
+  const uint64_t first_commit_bytes = w.bytes();
+  second(w);
+  w.Commit();
+  return first_commit_bytes;
+}
+
 TEST_F(ManifestTest, TornLastCommitFallsBackToThePreviousOne) {
   const std::string path = Path("MANIFEST");
-  uint64_t first_commit_bytes = 0;
-  {
-    ManifestWriter w(path, 0);
-    w.AddFile(1, 100);
-    w.Commit();
-    first_commit_bytes = w.bytes();
+  const uint64_t first_commit_bytes = WriteTwoCommits(path, [](ManifestWriter& w) {
     w.AddFile(2, 5);
     w.DropFile(1);
-    w.Commit();
-  }
+  });
   const uint64_t full = fs::file_size(path);
   // A crash can stop the second append at any byte.
   for (uint64_t cut = first_commit_bytes; cut < full; ++cut) {
@@ -509,17 +516,9 @@ TEST_F(ManifestTest, TornLastCommitFallsBackToThePreviousOne) {
 // that for damage inside the log and refuse the store.
 TEST_F(ManifestTest, AppendingAfterATornTailOfWholeEditsCutsThemOff) {
   const std::string path = Path("MANIFEST");
-  uint64_t first_commit_bytes = 0;
-  {
-    ManifestWriter w(path, 0);
-    w.AddFile(1, 100);
-    w.Commit();
-    first_commit_bytes = w.bytes();
-    w.AddFile(2, 5);
-    w.AddFile(3, 5);
-    w.AddFile(4, 5);
-    w.Commit();
-  }
+  const uint64_t first_commit_bytes = WriteTwoCommits(path, [](ManifestWriter& w) {
+    for (uint64_t file = 2; file <= 4; ++file) w.AddFile(file, 5);
+  });
   fs::resize_file(path, fs::file_size(path) - 1);  // the commit record torn
   const ManifestReplay torn = ReplayManifest(path);
   ASSERT_EQ(torn.valid_bytes, first_commit_bytes);
