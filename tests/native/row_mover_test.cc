@@ -50,6 +50,31 @@ TEST(RowMover, DirectPlanExchangesEverySegmentAsACopyWould) {
   }
 }
 
+// Without a topology each pair's route is the one link from its source to
+// its destination (topology.h's paths: source first, destination last); a
+// device's rows to itself take no route.
+TEST(RowMover, DirectPlanRoutesEachPairOverItsOwnLink) {
+  const int32_t e = 3;
+  const RoutePlan plan = DirectPlan(e);
+  ASSERT_EQ(plan.routes.size(), 9u);
+  for (int32_t s = 0; s < e; ++s) {
+    for (int32_t d = 0; d < e; ++d) {
+      const Route& r = plan.routes[static_cast<size_t>(s * e + d)];
+      EXPECT_EQ(r.src, s);
+      EXPECT_EQ(r.dst, d);
+      EXPECT_EQ(r.via, -1) << s << " -> " << d;
+      if (s == d) {
+        EXPECT_EQ(r.kind, RouteKind::kNone);
+        EXPECT_TRUE(r.path.empty()) << s << " -> " << d;
+      } else {
+        EXPECT_EQ(r.kind, RouteKind::kDirect);
+        EXPECT_EQ(r.path, (std::vector<int32_t>{s, d})) << s << " -> " << d;
+        EXPECT_FALSE(r.reason.empty()) << s << " -> " << d;
+      }
+    }
+  }
+}
+
 TEST(RowMover, ScatterOutAndGatherInAreInversesByIndex) {
   auto mover = NewHostRowMover(2);
   const uint32_t dim = 3;
@@ -68,6 +93,7 @@ TEST(RowMover, ABufferKeepsItsAddressUntilItMustGrow) {
   auto mover = NewHostRowMover(1);
   float* a = mover->Buffer(0, RowMover::kSend, 16);
   EXPECT_EQ(mover->Buffer(0, RowMover::kSend, 8), a);
+  EXPECT_EQ(mover->Buffer(0, RowMover::kSend, 16), a);  // exactly its size is not too small
   EXPECT_NE(mover->Buffer(0, RowMover::kReceive, 8), a);  // slots are apart
   EXPECT_THROW(mover->Buffer(1, RowMover::kSend, 8), std::out_of_range);  // no device 1
 }
