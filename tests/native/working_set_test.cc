@@ -6,7 +6,12 @@
 // copies in their tables (bind_host_rows off: the path a GPU tier takes).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <future>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -267,31 +272,51 @@ TEST(WorkingSet, OwnersFromAPolicyPlaceTheRowsAndBadOnesAreNamed) {
   EXPECT_EQ(cache->stats().pinned, 0u);
 }
 
+// Both ways: bound to MEM-PS's rows (one unpin, the stepped rows dirty) and
+// holding copies (the updated rows written back, then the rest unpinned).
 TEST(WorkingSet, AKeyUnpinnedByOthersIsNamedAndTheRestReleasedDirty) {
   const SparseOptimizer opt = AdaGrad(2);
-  RowStore store(opt);
-  auto cache = store.Cache(16);
-  auto tier = DeviceTier::New({2, 16, opt, false, 1, nullptr, {}});
-  const std::vector<uint64_t> keys = {1, 2, 3, 4};
-  WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
-  ws.Load(*tier, nullptr);
-  std::vector<float> g(2 * 2, 1.0f);
-  ws.Accumulate(0, keys.data(), 2, g.data());  // keys 1 and 2 get steps
-  ws.Apply();
-  cache->Unpin(&keys[0], 1);  // an updated key
-  cache->Unpin(&keys[3], 1);  // one that was not
-  try {
-    ws.WriteBack();
-    FAIL() << "a release of keys no longer pinned passed";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("2 of 4 keys"), std::string::npos) << e.what();
+  for (bool bound : {true, false}) {
+    RowStore store(opt);
+    auto cache = store.Cache(16);
+    auto tier = HostTier(2, 16, opt, bound);
+    const std::vector<uint64_t> keys = {1, 2, 3, 4};
+    WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+    ws.Load(*tier, nullptr);
+    std::vector<float> g(2 * 2, 1.0f);
+    ws.Accumulate(0, keys.data(), 2, g.data());  // keys 1 and 2 get steps
+    ws.Apply();
+    // The first updated key the write-back writes is refused; the other one's
+    // row comes after it, written alone.
+    ASSERT_EQ(ws.updated_keys().size(), 2u);
+    const uint64_t refused_key = ws.updated_keys()[0], kept_key = ws.updated_keys()[1];
+    cache->Unpin(&refused_key, 1);  // an updated key
+    cache->Unpin(&keys[3], 1);  // one that was not
+    try {
+      ws.WriteBack();
+      FAIL() << "a release of keys no longer pinned passed";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("2 of 4 keys"), std::string::npos) << e.what();
+    }
+    const MemCacheStats st = cache->stats();
+    EXPECT_EQ(st.pinned, 0u);
+    EXPECT_EQ(st.dirty, 1u);  // kept_key's step; refused_key's was refused (named: MEM-PS may drop it)
+    EXPECT_EQ(st.failed_releases, 1u);
+    EXPECT_TRUE(ws.released());
+    EXPECT_EQ(tier->size(), 0u);
+    // The kept key's row is its own step (the same batch on an unhindered
+    // cache): the rows written one by one keep their places.
+    RowStore reference_store(opt);
+    auto reference = reference_store.Cache(16);
+    auto reference_tier = HostTier(2, 16, opt, bound);
+    WorkingSet unhindered(*reference, opt, 2, keys.data(), keys.size());
+    unhindered.Load(*reference_tier, nullptr);
+    unhindered.Accumulate(0, keys.data(), 2, g.data());
+    unhindered.Apply();
+    unhindered.WriteBack();
+    const std::vector<uint64_t> kept = {kept_key};
+    EXPECT_EQ(CachedRows(*cache, kept), CachedRows(*reference, kept)) << "bound " << bound << ", key " << kept_key;
   }
-  const MemCacheStats st = cache->stats();
-  EXPECT_EQ(st.pinned, 0u);
-  EXPECT_EQ(st.dirty, 1u);  // key 2's step; key 1's was refused
-  EXPECT_EQ(st.failed_releases, 1u);
-  EXPECT_TRUE(ws.released());
-  EXPECT_EQ(tier->size(), 0u);
 }
 
 TEST(WorkingSet, AbortAfterApplyKeepsTheStepsAndBeforeItDropsThem) {
@@ -664,6 +689,212 @@ TEST(WorkingSet, APipelinedBatchWithOtherOwnersTakesThePreviousOnesUpdates) {
   wb.WriteBack();
   const std::vector<uint64_t> keys = {1, 2, 3, 4};
   EXPECT_EQ(CachedRows(*piped, keys), CachedRows(*seq, keys));
+}
+
+// A pipelined batch whose first Get comes before the previous batch's Apply
+// waits on another thread, and that Apply wakes it: the Get returns only once
+// the Apply has begun, with the updated rows, and does not wait forever.
+TEST(WorkingSet, APipelinedBatchWaitingOnAnotherThreadWakesAtThePreviousOnesApply) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {false, true}) {
+    RowStore seq_store(opt), pipe_store(opt);
+    auto seq = seq_store.Cache(32), piped = pipe_store.Cache(32);
+    auto seq_tier = HostTier(1, 32, opt, bound), tier_a = HostTier(1, 32, opt, bound),
+         tier_b = HostTier(1, 32, opt, bound);
+    const Step a = MakeStep({1, 2, 3}, opt.dim, 0.5f), b = MakeStep({3, 1, 4}, opt.dim, 0.25f);
+    TierStep(*seq, *seq_tier, opt, a);
+    const std::vector<float> after_a = CachedRows(*seq, b.keys);
+
+    WorkingSet wa(*piped, opt, 1, a.keys.data(), a.keys.size());
+    wa.Load(*tier_a, nullptr);
+    WorkingSet wb(*piped, opt, 1, b.keys.data(), b.keys.size());
+    wb.Load(*tier_b, wa.updates());
+    std::atomic<bool> applying{false}, returned_early{false};
+    std::vector<float> emb(b.keys.size() * opt.dim);
+    std::promise<void> got;
+    std::future<void> got_done = got.get_future();
+    std::thread trainer([&] {
+      wb.Get(0, b.keys.data(), b.keys.size(), emb.data());
+      returned_early = !applying;
+      got.set_value();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the trainer waits by now, as a rule
+    wa.Accumulate(0, a.keys.data(), a.keys.size(), a.grads.data());
+    applying = true;
+    wa.Apply();
+    if (got_done.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      std::fprintf(stderr, "WorkingSet: a Get waiting for the previous batch's Apply was never woken (bound %d)\n",
+                   bound);
+      std::abort();  // the waiting thread cannot be joined
+    }
+    trainer.join();
+    EXPECT_FALSE(returned_early) << "bound " << bound << ": Get returned before the previous batch's Apply";
+    for (size_t i = 0; i < b.keys.size(); ++i) {
+      for (int32_t d = 0; d < opt.dim; ++d) {
+        EXPECT_EQ(emb[i * opt.dim + d], after_a[i * opt.row_floats() + d]) << "bound " << bound << ", key " << b.keys[i];
+      }
+    }
+    wa.WriteBack();
+    wb.Abort();
+    EXPECT_EQ(piped->stats().pinned, 0u);
+  }
+}
+
+// MEM-PS whose Unpin fails (a fault other than a key something else
+// unpinned) as many times as asked; everything else is the real cache's.
+class UnpinFailingCache final : public MemCache {
+ public:
+  explicit UnpinFailingCache(std::unique_ptr<MemCache> cache) : cache_(std::move(cache)) {}
+  int failures = 0;
+
+  uint64_t Pull(const uint64_t* k, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) override {
+    return cache_->Pull(k, n, out, pin, hit);
+  }
+  uint64_t Pin(const uint64_t* k, uint64_t n, uint8_t* hit, uint8_t** at) override { return cache_->Pin(k, n, hit, at); }
+  void WriteBack(const uint64_t* k, uint64_t n, const uint8_t* rows, uint8_t* const* at) override {
+    cache_->WriteBack(k, n, rows, at);
+  }
+  void Unpin(const uint64_t* k, uint64_t n, uint8_t* const* at) override {
+    if (failures > 0) {
+      --failures;
+      throw std::runtime_error("unpin failed (injected)");
+    }
+    cache_->Unpin(k, n, at);
+  }
+  uint64_t Access(const uint64_t* k, uint64_t n, uint8_t* hit) override { return cache_->Access(k, n, hit); }
+  void FlushDirty() override { cache_->FlushDirty(); }
+  void ReadPinned(const uint64_t* k, uint64_t n, uint8_t* out, uint8_t* const* at) const override {
+    cache_->ReadPinned(k, n, out, at);
+  }
+  void PinnedRows(const uint64_t* k, uint64_t n, uint8_t** rows) const override { cache_->PinnedRows(k, n, rows); }
+  void UnpinUpdated(const uint64_t* k, uint64_t n, const uint8_t* updated, uint8_t* const* at) override {
+    cache_->UnpinUpdated(k, n, updated, at);
+  }
+  void SetLookahead(const uint64_t* k, uint64_t n) override { cache_->SetLookahead(k, n); }
+  void ClearLookahead() override { cache_->ClearLookahead(); }
+  uint64_t Erase(const uint64_t* k, uint64_t n) override { return cache_->Erase(k, n); }
+  bool Contains(uint64_t key) const override { return cache_->Contains(key); }
+  void CountFailedRelease() override { cache_->CountFailedRelease(); }
+  uint32_t row_bytes() const override { return cache_->row_bytes(); }
+  MemCacheStats stats() const override { return cache_->stats(); }
+
+ private:
+  std::unique_ptr<MemCache> cache_;
+};
+
+// A write-back whose unpinning of the rows without steps fails has written
+// the updated rows already (and unpinned them): it is counted, and a retry
+// unpins the rest without writing those rows again (they are no longer
+// pinned, so a second write would be refused and their keys named).
+TEST(WorkingSet, AWriteBackThatFailsToUnpinTheRestIsRetriedWithoutWritingTwice) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt), reference_store(opt);
+  UnpinFailingCache cache(store.Cache(16));
+  auto reference = reference_store.Cache(16);
+  const std::vector<uint64_t> keys = {1, 2, 3};
+  const Step s = MakeStep({1, 2}, opt.dim, 0.5f);  // 3 gets no gradient
+  auto tier = HostTier(1, 16, opt, /*bind_host_rows=*/false), reference_tier = HostTier(1, 16, opt, false);
+  WorkingSet unhindered(*reference, opt, 1, keys.data(), keys.size());
+  unhindered.Load(*reference_tier, nullptr);
+  unhindered.Accumulate(0, s.keys.data(), s.keys.size(), s.grads.data());
+  unhindered.Apply();
+  unhindered.WriteBack();
+
+  WorkingSet ws(cache, opt, 1, keys.data(), keys.size());
+  ws.Load(*tier, nullptr);
+  ws.Accumulate(0, s.keys.data(), s.keys.size(), s.grads.data());
+  EXPECT_EQ(ws.Apply(), 2u);
+  cache.failures = 1;
+  EXPECT_THROW(ws.WriteBack(), std::runtime_error);
+  EXPECT_FALSE(ws.released());
+  EXPECT_EQ(cache.stats().failed_releases, 1u);
+  EXPECT_EQ(cache.stats().pinned, 1u);  // key 3's pin; the updated rows went back
+  ws.WriteBack();
+  EXPECT_TRUE(ws.released());
+  const MemCacheStats st = cache.stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_EQ(st.dirty, 2u);
+  EXPECT_EQ(st.failed_releases, 1u);
+  EXPECT_EQ(CachedRows(cache, keys), CachedRows(*reference, keys));
+}
+
+// A tier whose ApplyBound fails after the real one stepped the rows (as an
+// allocation failure midway would); everything else is the real tier's.
+class ApplyFailingTier final : public DeviceTier {
+ public:
+  explicit ApplyFailingTier(std::unique_ptr<DeviceTier> tier) : tier_(std::move(tier)) {}
+
+  int32_t devices() const override { return tier_->devices(); }
+  int32_t row_floats() const override { return tier_->row_floats(); }
+  int32_t dim() const override { return tier_->dim(); }
+  std::string kind() const override { return tier_->kind(); }
+  bool accepts_gpu_memory() const override { return tier_->accepts_gpu_memory(); }
+  uint64_t size() const override { return tier_->size(); }
+  float* StagingRows(uint64_t floats) override { return tier_->StagingRows(floats); }
+  void Insert(const uint64_t* k, uint64_t n, const float* rows, const int32_t* o) override {
+    tier_->Insert(k, n, rows, o);
+  }
+  uint64_t Assign(const uint64_t* k, uint64_t n, const float* rows, const int32_t* o) override {
+    return tier_->Assign(k, n, rows, o);
+  }
+  void Get(int32_t w, const uint64_t* k, uint64_t n, float* e, const int32_t* o) override { tier_->Get(w, k, n, e, o); }
+  void Accumulate(int32_t w, const uint64_t* k, uint64_t n, const float* g, const int32_t* o) override {
+    tier_->Accumulate(w, k, n, g, o);
+  }
+  std::vector<uint64_t> Apply() override { return tier_->Apply(); }
+  void Rows(const uint64_t* k, uint64_t n, float* rows, const int32_t* o) const override { tier_->Rows(k, n, rows, o); }
+  uint64_t ReadBack(uint64_t* k, float* rows, uint64_t max_rows) const override {
+    return tier_->ReadBack(k, rows, max_rows);
+  }
+  void Clear() override { tier_->Clear(); }
+  void SetGradientCapacity(int32_t device, uint64_t capacity) override { tier_->SetGradientCapacity(device, capacity); }
+  void Bind(const uint64_t* k, uint64_t n, const int32_t* o) override { tier_->Bind(k, n, o); }
+  bool reads_in_place() const override { return tier_->reads_in_place(); }
+  void GetAt(int32_t w, const int64_t* p, uint64_t n, float* e, RowLayout l) override { tier_->GetAt(w, p, n, e, l); }
+  void AccumulateAt(int32_t w, const int64_t* p, uint64_t n, const float* g, RowLayout l) override {
+    tier_->AccumulateAt(w, p, n, g, l);
+  }
+  std::vector<uint64_t> ApplyBound(std::vector<int64_t>* positions) override {
+    tier_->ApplyBound(positions);
+    throw std::runtime_error("apply failed after its steps (injected)");
+  }
+  void RowsAt(const int64_t* p, uint64_t n, float* rows) const override { tier_->RowsAt(p, n, rows); }
+  void CopyRowsAt(const int64_t* from, const int64_t* to, uint64_t n) override { tier_->CopyRowsAt(from, to, n); }
+  bool binds_host_rows() const override { return tier_->binds_host_rows(); }
+  void BindHostRows(const uint64_t* k, uint64_t n, const int32_t* o, uint8_t* const* rows) override {
+    tier_->BindHostRows(k, n, o, rows);
+  }
+  TransferMatrix transfers() const override { return tier_->transfers(); }
+  LinkCounters link_counters() const override { return tier_->link_counters(); }
+  void ResetTransfers() override { tier_->ResetTransfers(); }
+
+ private:
+  std::unique_ptr<DeviceTier> tier_;
+};
+
+// Bound to MEM-PS's rows, an Apply that fails may have stepped rows where
+// they lie: the batch is released with every row dirty, so no step is lost
+// when MEM-PS evicts them.
+TEST(WorkingSet, AFailedApplyBoundToHostRowsReleasesEveryRowDirty) {
+  const SparseOptimizer opt = AdaGrad(2);
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  ApplyFailingTier tier(HostTier(1, 16, opt, /*bind_host_rows=*/true));
+  const std::vector<uint64_t> keys = {1, 2, 3};
+  const std::vector<float> before = CachedRows(*cache, keys);
+  const Step s = MakeStep({1, 2}, opt.dim, 0.5f);  // 3 gets no gradient
+  WorkingSet ws(*cache, opt, 1, keys.data(), keys.size());
+  ws.Load(tier, nullptr);
+  ws.Accumulate(0, s.keys.data(), s.keys.size(), s.grads.data());
+  EXPECT_THROW(ws.Apply(), std::runtime_error);
+  EXPECT_TRUE(ws.released());
+  EXPECT_EQ(tier.size(), 0u);
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_EQ(st.dirty, 3u);
+  EXPECT_NE(CachedRows(*cache, {1}), std::vector<float>(before.begin(), before.begin() + opt.row_floats()));
+  cache->FlushDirty();
+  EXPECT_EQ(store.stored.size(), 3u);
 }
 
 }  // namespace
