@@ -618,39 +618,59 @@ TEST(WorkingSet, LaterAppliesAndReleasesDoNothing) {
 // The pipelined batch's positional calls also wait for the previous batch's
 // Apply and see its updated rows (host partitions holding copies, the path a
 // GPU tier takes, and bound to MEM-PS's rows).
-TEST(WorkingSet, APipelinedBatchsPositionalCallsSeeThePreviousOnesUpdates) {
-  const SparseOptimizer opt = AdaGrad(2);
-  for (bool bound : {false, true}) {
-    RowStore seq_store(opt), pipe_store(opt);
-    auto seq = seq_store.Cache(32), piped = pipe_store.Cache(32);
-    auto seq_tier = HostTier(1, 32, opt, bound), tier_a = HostTier(1, 32, opt, bound),
-         tier_b = HostTier(1, 32, opt, bound);
-    const Step a = MakeStep({1, 2, 3}, opt.dim, 0.5f), b = MakeStep({3, 1, 4}, opt.dim, 0.25f);
+// Batches a and b on one device: stepped in turn on one store (the reference,
+// after_a: b's keys' rows after a), and pipelined on another, b's working set
+// loaded behind a's.
+struct PipelinedPair {
+  PipelinedPair(const SparseOptimizer& opt, bool bound)
+      : opt(opt), bound(bound), seq_store(opt), pipe_store(opt), seq(seq_store.Cache(32)),
+        piped(pipe_store.Cache(32)), seq_tier(HostTier(1, 32, opt, bound)), tier_a(HostTier(1, 32, opt, bound)),
+        tier_b(HostTier(1, 32, opt, bound)), a(MakeStep({1, 2, 3}, opt.dim, 0.5f)),
+        b(MakeStep({3, 1, 4}, opt.dim, 0.25f)) {
     TierStep(*seq, *seq_tier, opt, a);
-    const std::vector<float> after_a = CachedRows(*seq, b.keys);
-    TierStep(*seq, *seq_tier, opt, b);
-
-    WorkingSet wa(*piped, opt, 1, a.keys.data(), a.keys.size());
-    wa.Load(*tier_a, nullptr);
-    WorkingSet wb(*piped, opt, 1, b.keys.data(), b.keys.size());
-    wb.Load(*tier_b, wa.updates());
-    wa.Accumulate(0, a.keys.data(), a.keys.size(), a.grads.data());
-    wa.Apply();
-    std::vector<int64_t> positions(b.keys.size());
-    wb.Positions(b.keys.data(), b.keys.size(), positions.data());
-    std::vector<float> emb(b.keys.size() * opt.dim);
-    wb.GetAt(0, positions.data(), positions.size(), emb.data());
+    after_a = CachedRows(*seq, b.keys);
+    wa = std::make_unique<WorkingSet>(*piped, opt, 1, a.keys.data(), a.keys.size());
+    wa->Load(*tier_a, nullptr);
+    wb = std::make_unique<WorkingSet>(*piped, opt, 1, b.keys.data(), b.keys.size());
+    wb->Load(*tier_b, wa->updates());
+  }
+  // emb (b's keys' embeddings, as b read them) holds a's updates.
+  void ExpectAUpdatesIn(const std::vector<float>& emb) const {
     for (size_t i = 0; i < b.keys.size(); ++i) {
       for (int32_t d = 0; d < opt.dim; ++d) {
         EXPECT_EQ(emb[i * opt.dim + d], after_a[i * opt.row_floats() + d]) << "bound " << bound << ", key " << b.keys[i];
       }
     }
-    wb.AccumulateAt(0, positions.data(), positions.size(), b.grads.data());
-    wb.Apply();
-    wa.WriteBack();
-    wb.WriteBack();
+  }
+
+  const SparseOptimizer& opt;
+  const bool bound;
+  RowStore seq_store, pipe_store;
+  std::unique_ptr<MemCache> seq, piped;
+  std::unique_ptr<DeviceTier> seq_tier, tier_a, tier_b;
+  const Step a, b;
+  std::vector<float> after_a;
+  std::unique_ptr<WorkingSet> wa, wb;
+};
+
+TEST(WorkingSet, APipelinedBatchsPositionalCallsSeeThePreviousOnesUpdates) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {false, true}) {
+    PipelinedPair p(opt, bound);
+    TierStep(*p.seq, *p.seq_tier, opt, p.b);
+    p.wa->Accumulate(0, p.a.keys.data(), p.a.keys.size(), p.a.grads.data());
+    p.wa->Apply();
+    std::vector<int64_t> positions(p.b.keys.size());
+    p.wb->Positions(p.b.keys.data(), p.b.keys.size(), positions.data());
+    std::vector<float> emb(p.b.keys.size() * opt.dim);
+    p.wb->GetAt(0, positions.data(), positions.size(), emb.data());
+    p.ExpectAUpdatesIn(emb);
+    p.wb->AccumulateAt(0, positions.data(), positions.size(), p.b.grads.data());
+    p.wb->Apply();
+    p.wa->WriteBack();
+    p.wb->WriteBack();
     const std::vector<uint64_t> keys = {1, 2, 3, 4};
-    EXPECT_EQ(CachedRows(*piped, keys), CachedRows(*seq, keys)) << "bound " << bound;
+    EXPECT_EQ(CachedRows(*p.piped, keys), CachedRows(*p.seq, keys)) << "bound " << bound;
   }
 }
 
@@ -697,31 +717,20 @@ TEST(WorkingSet, APipelinedBatchWithOtherOwnersTakesThePreviousOnesUpdates) {
 TEST(WorkingSet, APipelinedBatchWaitingOnAnotherThreadWakesAtThePreviousOnesApply) {
   const SparseOptimizer opt = AdaGrad(2);
   for (bool bound : {false, true}) {
-    RowStore seq_store(opt), pipe_store(opt);
-    auto seq = seq_store.Cache(32), piped = pipe_store.Cache(32);
-    auto seq_tier = HostTier(1, 32, opt, bound), tier_a = HostTier(1, 32, opt, bound),
-         tier_b = HostTier(1, 32, opt, bound);
-    const Step a = MakeStep({1, 2, 3}, opt.dim, 0.5f), b = MakeStep({3, 1, 4}, opt.dim, 0.25f);
-    TierStep(*seq, *seq_tier, opt, a);
-    const std::vector<float> after_a = CachedRows(*seq, b.keys);
-
-    WorkingSet wa(*piped, opt, 1, a.keys.data(), a.keys.size());
-    wa.Load(*tier_a, nullptr);
-    WorkingSet wb(*piped, opt, 1, b.keys.data(), b.keys.size());
-    wb.Load(*tier_b, wa.updates());
+    PipelinedPair p(opt, bound);
     std::atomic<bool> applying{false}, returned_early{false};
-    std::vector<float> emb(b.keys.size() * opt.dim);
+    std::vector<float> emb(p.b.keys.size() * opt.dim);
     std::promise<void> got;
     std::future<void> got_done = got.get_future();
     std::thread trainer([&] {
-      wb.Get(0, b.keys.data(), b.keys.size(), emb.data());
+      p.wb->Get(0, p.b.keys.data(), p.b.keys.size(), emb.data());
       returned_early = !applying;
       got.set_value();
     });
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the trainer waits by now, as a rule
-    wa.Accumulate(0, a.keys.data(), a.keys.size(), a.grads.data());
+    p.wa->Accumulate(0, p.a.keys.data(), p.a.keys.size(), p.a.grads.data());
     applying = true;
-    wa.Apply();
+    p.wa->Apply();
     if (got_done.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
       std::fprintf(stderr, "WorkingSet: a Get waiting for the previous batch's Apply was never woken (bound %d)\n",
                    bound);
@@ -729,14 +738,10 @@ TEST(WorkingSet, APipelinedBatchWaitingOnAnotherThreadWakesAtThePreviousOnesAppl
     }
     trainer.join();
     EXPECT_FALSE(returned_early) << "bound " << bound << ": Get returned before the previous batch's Apply";
-    for (size_t i = 0; i < b.keys.size(); ++i) {
-      for (int32_t d = 0; d < opt.dim; ++d) {
-        EXPECT_EQ(emb[i * opt.dim + d], after_a[i * opt.row_floats() + d]) << "bound " << bound << ", key " << b.keys[i];
-      }
-    }
-    wa.WriteBack();
-    wb.Abort();
-    EXPECT_EQ(piped->stats().pinned, 0u);
+    p.ExpectAUpdatesIn(emb);
+    p.wa->WriteBack();
+    p.wb->Abort();
+    EXPECT_EQ(p.piped->stats().pinned, 0u);
   }
 }
 
