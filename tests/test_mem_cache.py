@@ -171,6 +171,29 @@ def test_write_back_of_an_unpinned_key_is_refused():
         cache.pull(u64([hps.EMPTY_KEY]))
 
 
+def test_a_cache_whose_constructor_raised_has_a_repr():
+    """pytest shows the locals of a failed test's frames, a refused MemCache's self
+    among them (hps.Lookup with a cache_policy it does not know): its repr read the
+    stats of a native object never built, and the test run died of a segfault.
+    A child process, so that a segfault fails this test rather than the run."""
+    import subprocess
+    import sys
+    code = """
+import hps
+try:
+    hps.MemCache(8, 2, policy="bogus")
+except ValueError as e:
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    print(repr(tb.tb_frame.f_locals["self"]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "MemCache(not built: its constructor raised)"
+    assert repr(hps.MemCache(ROW, 2)) == "MemCache(row_bytes=8, size=0, capacity=2)"
+
+
 def test_the_reserved_key_is_never_cached_nor_erased():
     """The index marks empty buckets with the reserved key: `in` said True for it,
     and erase dropped whatever slot an empty bucket's stale value named."""

@@ -58,6 +58,7 @@ class MemCache(_core.MemCache):
             if capacity == 0:
                 raise ValueError(f"budget {budget!r} holds no row of {row_bytes} bytes")
         super().__init__(row_bytes, capacity, policy, shards, lru_fraction, loader, sink, huge_pages, prefault)
+        self._built = True
 
     def pull(self, keys: np.ndarray, pin: bool = False, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
         rows, hit = super().pull(keys, pin)
@@ -139,5 +140,10 @@ class MemCache(_core.MemCache):
         return hit
 
     def __repr__(self) -> str:
+        # A cache whose __init__ raised has no native object behind it, and its methods
+        # would read through a null pointer; a traceback that shows its frame's locals
+        # (pytest's, a debugger's) calls repr on it: at 8724409 that was a segfault.
+        if not getattr(self, "_built", False):
+            return "MemCache(not built: its constructor raised)"
         s = self.stats()
         return f"MemCache(row_bytes={self.row_bytes}, size={s['size']}, capacity={s['capacity']})"
