@@ -501,6 +501,8 @@ def test_export_errors_name_the_argument(job, tmp_path, capsys):
     with pytest.raises(ValueError, match="last exported checkpoint 9, after the job's checkpoint 6"):
         export(job, tmp_path / "z2", "t-err")
     assert export(job, tmp_path / "z3", "t-err", full=True)["full"]
+    with pytest.raises(ValueError, match="chunk_rows = 0: must be >= 1"):
+        export(job, tmp_path / "z4", "t-err", chunk_rows=0)
 
 
 def test_a_position_of_a_run_started_over_in_the_same_path_is_refused_naming_both_runs(tmp_path):
@@ -534,6 +536,59 @@ def test_a_position_of_a_run_started_over_in_the_same_path_is_refused_naming_bot
     full = export(tmp_path / "job", tmp_path / "e3", "t-run", full=True)
     assert full["full"] and full["rows"] == 100 and full["run"] == job.run
     assert export(tmp_path / "job", tmp_path / "e4", "t-run")["rows"] == 0  # its position is the new run's now
+
+
+def test_a_delta_read_a_few_rows_at_a_time_holds_exactly_the_rows_updated_since(tmp_path):
+    """Exports read and write chunk_rows rows at a time: with chunks of 7 and 2 rows
+    every row still comes once, and a delta after five keys were updated holds those
+    five, read from the file written after the consumer's position (no compaction ran,
+    so nothing is over-reported)."""
+    from hps.export import export
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=0.5),
+                                    ssd=hps.SsdOptions(file_records=64))
+    keys = np.arange(1, 601, dtype=np.uint64)
+    ps = hps.ParameterServer(cfg)
+    ps.push(keys, np.ones((600, 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    meta, table = read_export(export(cfg.path, tmp_path / "e1", "t-chunks", chunk_rows=7)["job"] and tmp_path / "e1")
+    assert meta["full"] and meta["rows"] == 600 and table["key"] == keys.tolist()
+    want, _ = server_rows(tmp_path / "job", keys)
+    np.testing.assert_array_equal(np.array(table["embedding"], np.float32), want)
+    ps = hps.ParameterServer.open(cfg.path)
+    ps.push(keys[10:15], np.full((5, 4), 2.0, np.float32))
+    ps.checkpoint()
+    ps.close()
+    meta, table = read_export(export(cfg.path, tmp_path / "e2", "t-chunks", chunk_rows=2)["job"] and tmp_path / "e2")
+    assert not meta["full"] and meta["rows"] == 5 and sorted(table["key"]) == keys[10:15].tolist()
+    want, _ = server_rows(tmp_path / "job", np.array(table["key"], np.uint64))
+    np.testing.assert_array_equal(np.array(table["embedding"], np.float32), want)
+    assert meta["ranks"][0]["since_sequence"] < meta["ranks"][0]["max_sequence"]
+
+
+def test_a_key_of_a_parameter_file_that_the_store_cannot_read_fails_the_export(job, tmp_path, monkeypatch):
+    """The keys come from the live files, the rows from the store's index: a key the
+    index lacks is damage, raised naming the store and the key, not a zero row
+    exported; and the consumer's position stays where it was."""
+    import hps.export
+    from hps.export import export
+    real = jobdir.latest_records
+
+    def with_a_stray_key(rv):
+        keys, seqs = real(rv)
+        return np.append(keys, np.uint64(12345)), np.append(seqs, seqs.max())
+    monkeypatch.setattr(hps.export.jobdir, "latest_records", with_a_stray_key)
+    with pytest.raises(RuntimeError, match=r"/ssd: key 12345 is in a parameter file but not in the store's index"):
+        export(job, tmp_path / "e", "t-stray", full=True)
+    assert not (job / "exports" / "t-stray.json").exists()
+
+
+def test_int8_of_a_zero_row_is_zeros_with_scale_0():
+    from hps.export import quantize_int8
+    x = np.array([[0, 0, 0], [1, -2, 0.5]], np.float32)
+    q, scale = quantize_int8(x)  # (warnings are errors: no 0 / 0)
+    assert q.dtype == np.int8 and q[0].tolist() == [0, 0, 0] and q[1].tolist() == [64, -127, 32]
+    np.testing.assert_array_equal(scale, np.array([0, 2 / 127], np.float32))
 
 
 def test_a_consumer_s_export_keeps_the_key_sets_of_consumers_whose_names_extend_its_own(job, tmp_path):
