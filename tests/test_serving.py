@@ -1025,10 +1025,36 @@ def test_close_during_a_refresh_leaves_no_checkpoint_pinned(tmp_path):
     assert not os.path.exists(path / jobdir.READERS)
 
 
+def test_a_lookup_under_way_when_the_lookup_closes_returns_its_answer(job):
+    """hps serve closes its Lookup when stopped while handler threads may still be in
+    a lookup: close() frees the checkpoint once they return, and each returns its
+    answer labelled with the checkpoint it was read from (not the closed Lookup's)."""
+    keys = trained_keys()
+    lk = hps.Lookup(job, memory_budget=budget_for(job, 256))
+    want_rows, want_found = lk.lookup(keys)
+    gen = lk._current
+    read = gen.lookup
+
+    def read_then_close(k):  # close() comes on another thread while these rows are read
+        answer = read(k)
+        lk.close()
+        return answer
+    gen.lookup = read_then_close
+    rows, found, checkpoint, step = lk.lookup_with_checkpoint(keys)
+    assert (checkpoint, step) == (6, BATCHES)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(found, want_found)
+    assert gen.stores == [] and not os.path.exists(job / jobdir.READERS)  # freed once it returned
+    with pytest.raises(ValueError, match="is closed"):
+        lk.lookup(keys)
+
+
 def test_lookup_refuses_bad_keys_naming_them(job, tmp_path):
     with hps.Lookup(job, memory_budget=budget_for(job, 64)) as lk:
         with pytest.raises(ValueError, match=r"key -5 at index 1"):
             lk.lookup(np.array([1, -5], np.int64))
+        with pytest.raises(ValueError, match=r"key -1 at index 2"):  # (not cast to the reserved 2^64-1)
+            lk.lookup(np.array([1, 2, -1], np.int64))
         with pytest.raises(ValueError, match="index 2 holds the reserved key"):
             lk.lookup(np.array([1, 2, 2 ** 64 - 1], np.uint64))
         with pytest.raises(ValueError, match=r"1-D array, not of shape \(2, 2\)"):
