@@ -1127,6 +1127,7 @@ def test_serve_answers_json_and_binary_lookups(server, job):
     ("POST", "/lookup", b'{"key": [1]}', "application/json", 400, 'a JSON object with a "keys" array'),
     ("POST", "/lookup", b'{"keys": 5}', "application/json", 400, '"keys": an array expected, not int'),
     ("POST", "/lookup", b'{"keys": [1, 2, "3"]}', "application/json", 400, '"keys"[2] = "3"'),
+    ("POST", "/lookup", b'{"keys": [1, true]}', "application/json", 400, '"keys"[1] = true'),  # not key 1
     ("POST", "/lookup", b'{"keys": [18446744073709551615]}', "application/json", 400, '"keys"[0] = 1844'),
     ("POST", "/lookup", b"\x01" * 12, "application/octet-stream", 400, "12 bytes, not a whole number"),
     ("POST", "/lookup", b"\xff" * 8, "application/octet-stream", 400, "key at index 0: 2^64 - 1 is reserved"),
@@ -1582,6 +1583,13 @@ def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
     monkeypatch.setattr(hps.serve, "MAX_KEYS", 4)
     status, _, data = request(server, "POST", "/lookup", json.dumps({"keys": [1, 2, 3, 4, 5]}))
     assert status == 413 and "5 keys, more than the 4" in json.loads(data)["error"]
+    status, _, data = request(server, "POST", "/lookup", np.arange(5, dtype="<u8").tobytes(),
+                              "application/octet-stream")
+    assert status == 413 and "body: 5 keys, more than the 4" in json.loads(data)["error"]
+    assert request(server, "POST", "/lookup", json.dumps({"keys": [1, 2, 3, 4]}))[0] == 200  # the limit itself
+    monkeypatch.setattr(hps.serve, "MAX_BODY", 100)
+    status, _, data = request(server, "POST", "/lookup", json.dumps({"keys": list(range(30))}))
+    assert status == 413 and "body of 120 bytes, more than 100" in json.loads(data)["error"]
     entered, release = threading.Event(), threading.Event()
     real = server.lookup.lookup_with_checkpoint
 
@@ -1744,6 +1752,54 @@ def test_export_without_pyarrow_says_what_to_install(job, tmp_path, monkeypatch,
     assert main(["export", str(job), "--to", str(tmp_path / "x"), "--consumer", "t-nopa"]) == 2
     assert "hps export writes Parquet through pyarrow: pip install 'pyarrow>=12'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (job / "exports" / "t-nopa.json").exists()
+
+
+def test_serve_reads_requests_as_http_allows_them(server):
+    """Media types and their parameters are case-insensitive (RFC 9110 8.3.1), and a
+    query string does not change the resource: both are served, not refused."""
+    status, _, data = request(server, "POST", "/lookup", b'{"keys": [1]}', "Application/JSON; charset=utf-8")
+    assert status == 200 and json.loads(data)["found"] == [False]
+    status, _, data = request(server, "GET", "/health?verbose=1")
+    assert status == 200 and json.loads(data)["checkpoint"] == 6
+    # HEAD: GET's headers, no body on the wire (http.client would not read one)
+    status, headers, body = raw_exchange(server, b"HEAD /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert status == 200 and int(headers["Content-Length"]) > 0 and body == b""
+
+
+def test_serve_refuses_a_negative_content_length_naming_it(server):
+    import socket
+    with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+        sock.sendall(b"POST /lookup HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: -5\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 400 ") and b"Content-Length -5: negative" in got
+
+
+@pytest.mark.parametrize("method, path, status", [("POST", "/health", 405)])
+def test_serve_answers_a_large_body_it_refuses_before_closing(server, method, path, status):
+    """A refused request's body is read before the connection closes: closed with bytes
+    unread, the socket is reset and the client may never see the answer."""
+    import socket
+    body = b"x" * (4 << 20)
+    head = f"{method} {path} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    assert got.startswith(f"HTTP/1.1 {status} ".encode()), got[:200]
+
+
+def test_serve_answers_a_lookup_that_failed_with_a_500(server, monkeypatch):
+    def fails(keys):
+        raise RuntimeError("the disk went away")
+    monkeypatch.setattr(server.lookup, "lookup_with_checkpoint", fails)
+    status, _, data = request(server, "POST", "/lookup", b'{"keys": [1]}')
+    assert status == 500 and json.loads(data) == {"error": "RuntimeError: the disk went away"}
+    monkeypatch.undo()
+    assert request(server, "POST", "/lookup", b'{"keys": [1]}')[0] == 200  # the slot was given back
 
 
 def test_serve_keeps_a_connection_sound_after_a_bad_request(server):
