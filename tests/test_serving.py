@@ -1777,7 +1777,8 @@ def test_serve_refuses_a_negative_content_length_naming_it(server):
     assert got.startswith(b"HTTP/1.1 400 ") and b"Content-Length -5: negative" in got
 
 
-@pytest.mark.parametrize("method, path, status", [("POST", "/health", 405)])
+@pytest.mark.parametrize("method, path, status", [("POST", "/health", 405), ("PUT", "/lookup", 405),
+                                                  ("POST", "/rows", 404)])
 def test_serve_answers_a_large_body_it_refuses_before_closing(server, method, path, status):
     """A refused request's body is read before the connection closes: closed with bytes
     unread, the socket is reset and the client may never see the answer."""

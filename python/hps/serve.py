@@ -353,12 +353,14 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         self._answered = False
         try:
+            # A refused request's body is read first (any method's: Content-Length frames them
+            # all): a connection closed with bytes unread is reset, and the answer may be lost.
             if path not in routes:
+                self._body(required=False)
                 raise HttpError(404, f"{path}: no such endpoint (POST /lookup, POST /refresh, GET /health, "
                                      f"GET /stats)")
             if routes[path] != method and (method, routes[path]) != ("HEAD", "GET"):
-                if method == "POST":
-                    self._body(required=False)  # read it, so that the answer is not lost to a reset
+                self._body(required=False)
                 # RFC 9110 15.5.6: a 405 names the methods the resource takes, so that a
                 # client can correct itself without reading the error text
                 allow = "GET, HEAD" if routes[path] == "GET" else routes[path]
