@@ -153,6 +153,24 @@ def run_pullpush(node, out: str, args) -> None:
     ds.close()
 
 
+def run_otherseed(node, out: str, args) -> None:
+    """Rank 1's server has another seed: its initial rows are not the owners', so
+    the DistributedServer refuses it on every rank, and says which."""
+    import dataclasses
+    import hps
+    from hps.distributed import DistributedServer
+    cfg = ps_config(os.path.join(out, f"ps{node.rank}"))
+    if node.rank == 1:
+        cfg = dataclasses.replace(cfg, seed=4)
+    try:
+        DistributedServer(hps.ParameterServer(cfg), node)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    with open(os.path.join(out, f"rank{node.rank}.txt"), "w") as f:
+        f.write(error)
+
+
 def run_distbatch(node, out: str, args) -> None:
     """A rank's DistBatch finds its keys' positions from the prefetch for a run of
     the prefetched keys (a worker's share, a view), by a search for a copy of
@@ -429,7 +447,8 @@ def run_sketchmemory(node, out: str, args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["pullpush", "distbatch", "heraldkeys", "heraldpush", "heraldtable",
-                                         "heraldretry", "train", "kstep", "allreduce", "fail", "sketchmemory"])
+                                         "heraldretry", "train", "kstep", "allreduce", "fail", "sketchmemory",
+                                         "otherseed"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")

@@ -58,6 +58,16 @@ def test_a_rank_batch_takes_its_positions_from_the_prefetch_or_searches_for_them
         assert "key 1000 is not in this batch's working set" in str(got["error"])
 
 
+def test_ranks_whose_servers_make_other_initial_rows_are_refused(tmp_path):
+    """A rank makes the untrained rows it pulls (hps.distributed.FreshRows): a rank
+    whose server has another seed would make other rows than their owner holds, so
+    every rank refuses the job, naming the rank."""
+    scenario(3, "otherseed", tmp_path)
+    for r in range(3):
+        assert "rank 1's parameter server makes other initial rows than rank 0's" in \
+            (tmp_path / f"rank{r}.txt").read_text(), f"rank {r}"
+
+
 @pytest.mark.parametrize("world,codec", [(2, "bf16"), (3, "int8")])
 def test_remote_pull_push_through_a_codec_equals_one_server_of_rounded_traffic(tmp_path, world, codec):
     """[distributed] sparse_rows / sparse_grads: every row a rank pulls and every

@@ -296,6 +296,7 @@ class DistributedServer:
         self._retry: Optional[tuple] = None  # the exchange of a prefetch that hit CacheFullError
         self.rows_codec = RowCodec(sparse_rows, self.dim)  # [distributed] sparse_rows: rows to the askers
         self.fresh_rows = FreshRows(local._native_opt, self.dim, self.rows_codec)  # untrained rows as a bit
+        self._check_initial_rows()
         self.grads_codec = RowCodec(sparse_grads, self.dim)  # sparse_grads: gradients to the owners
 
     # -- exchange helpers
@@ -422,6 +423,20 @@ class DistributedServer:
 
     def prune_checkpoints(self) -> None:
         self.local.prune_checkpoints()
+
+    def _check_initial_rows(self) -> None:
+        """Refuses ranks whose servers make other initial rows (another dim,
+        initializer, seed or optimizer): a rank makes the untrained rows it asked an
+        owner for (FreshRows), so they must be the owner's. Collective: the first
+        exchange of the job's servers."""
+        probe = np.array([0, 1, 0x9E3779B97F4A7C15], np.uint64)
+        mine = self.local._native_opt.initial_rows(probe).tobytes()
+        every = self.node.allgather("train", mine, "the ranks' initial rows")
+        other = [r for r, theirs in enumerate(every) if theirs != every[0]]
+        if other:
+            raise ValueError(f"rank {other[0]}'s parameter server makes other initial rows than rank 0's (its "
+                             f"dim, initializer, seed or optimizer differ): every rank's must be the same, since "
+                             f"a rank makes the untrained rows it pulls from their owners")
 
     def fresh_rows_sent(self) -> int:
         """Rows this rank sent as a bit, never trained (FreshRows)."""
