@@ -634,12 +634,16 @@ def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an
     HWLOC_XMLFILE, in whose presence hydra writes none: the ranks of an aborted job
     see that one, not a file of hydra's."""
-    p = mpirun(2, sys.executable, "-c", "import os, time; from mpi4py import MPI\n"
-               "if MPI.COMM_WORLD.rank == 0: print(os.environ.get('HWLOC_XMLFILE'), flush=True); "
-               "MPI.COMM_WORLD.Abort(3)\n"
-               "time.sleep(60)", check=False, timeout=120)
+    # Rank 0 writes what it sees to a file before it aborts: printed, the line could be
+    # lost with the job (hydra forwards a rank's output, and an abort may end it first).
+    seen_file = tmp_path / "seen"
+    p = mpirun(2, sys.executable, "-c", "import os, sys, time; from mpi4py import MPI\n"
+               "if MPI.COMM_WORLD.rank == 0:\n"
+               "    with open(sys.argv[1], 'w') as f: f.write(os.environ.get('HWLOC_XMLFILE', ''))\n"
+               "    MPI.COMM_WORLD.Abort(3)\n"
+               "time.sleep(60)", str(seen_file), check=False, timeout=120)
     assert p.returncode != 0
-    seen = p.stdout.strip()
+    seen = seen_file.read_text()
     assert seen == os.environ.get("HWLOC_XMLFILE") and not seen.startswith("/tmp/hydra"), (p.stdout, p.stderr[-3000:])
 
 
