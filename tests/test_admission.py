@@ -320,6 +320,56 @@ def test_the_sketch_memory_check_counts_the_copies_of_evaluations_the_read_stage
             "[admission]", (4, "MPI's shared-memory communicator"), eval_every=20, pipelined=False)
 
 
+def test_the_sketch_memory_check_counts_no_evaluation_sketch_without_held_out_data(no_launcher, tmp_path):
+    """Evaluations keep sketches only where there are held-out batches to score:
+    files without eval_source have none, and the check refused 400 KiB on a machine
+    of 1 MiB as 3 sketches a rank that the run never holds (one)."""
+    d = {"eval_every": 20, "pipelined": False, "ps": {"dim": 4, "path": str(tmp_path / "a")},
+         "data": {"source": str(tmp_path / "day_0.tsv")}, "admission": {"threshold": 2, "sketch_bytes": "400KiB"}}
+    TrainConfig.from_dict(d)
+    d["data"]["eval_source"] = str(tmp_path / "day_1.tsv")
+    with pytest.raises(ValueError, match=r"3 sketches a rank with eval_every = 20"):
+        TrainConfig.from_dict(d)
+    d["data"] = {"source": "synthetic", "eval_examples": 0}  # the generator's eval stream, of no example
+    TrainConfig.from_dict(d)
+
+
+class _Reached(Exception):
+    pass
+
+
+class _OneRankJob:
+    """A job of one rank on a machine of 4 (MPI's count) that stops train() once it
+    asks the ranks for their data's fields, past the memory check."""
+    rank, size, machine_ranks = 0, 1, 4
+
+    def allgather(self, channel, value, what):
+        if what == "the data's fields":
+            raise _Reached
+        return [value]
+
+
+def test_train_checks_the_sketches_of_the_evaluations_it_runs(no_launcher, tmp_path):
+    """train() checks again with the held-out batches it has: none (eval_batches=[])
+    keep no evaluation sketch, so 100 KiB a rank on 4 ranks fits 1 MiB once (the
+    check under MPI counted 3 sketches a rank and refused); the synthetic eval
+    stream's batches do, so an eval_every set after the config was read (as
+    --eval-every does) counts them (it was not checked without MPI)."""
+    cfg = config(tmp_path / "a", threshold=2, sketch_bytes="100KiB")
+    cfg.eval_every = 20
+    batches = hps.data.SyntheticCriteo(batch_size=BATCH, examples=BATCH, vocab_sizes=VOCAB)
+    with pytest.raises(_Reached):
+        train(cfg, progress=False, node=_OneRankJob(), train_batches=batches, eval_batches=[])
+    with pytest.raises(ValueError, match=r"3 sketches a rank with eval_every = 20.*4 ranks on this machine "
+                                         r"\(MPI's shared-memory communicator\) hold 1,228,800 bytes"):
+        train(cfg, progress=False, node=_OneRankJob(), train_batches=batches)
+    cfg = config(tmp_path / "b", threshold=2, sketch_bytes="400KiB")
+    cfg.eval_every = 20
+    with pytest.raises(ValueError, match=r"3 sketches a rank with eval_every = 20: the live one, the evaluation's"):
+        train(cfg, progress=False, train_batches=batches)
+    assert not (tmp_path / "b").exists()
+
+
 def test_the_ranks_on_the_machine_as_each_launcher_writes_them():
     from hps.distributed.comm import local_ranks_from_environment as ranks
     assert ranks({}) == (1, "")

@@ -91,7 +91,8 @@ class AdmissionConfig:
 
     def check(self, source: str = "[admission]", eval_every: int = 0, pipelined: bool = True) -> None:
         """Refuses a bad value, naming it; `eval_every` and `pipelined`: the run's
-        (TrainConfig's), which decide how many sketches a rank holds (check_memory)."""
+        (TrainConfig's), which decide how many sketches a rank holds (check_memory);
+        `eval_every` 0 where the run has no held-out data to evaluate."""
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= 255:
             raise ValueError(f"{source}: admission.threshold must be an int in [1, 255], got {t!r}")
@@ -137,11 +138,11 @@ class AdmissionConfig:
 
 def _sketches_a_rank(eval_every: int, pipelined: bool) -> tuple[int, str]:
     """(the most sketches a rank holds at once, what they are). Without evaluations in
-    the run (eval_every = 0) the live sketch. With them (hps.admission.Admission): the
-    live one; the evaluation's, built at the first evaluation and kept; and the
-    copies of the counters the read stage keeps at each multiple of eval_every it
-    counts, until the evaluation there takes its copy (held while the evaluation's
-    sketch is restored from it). The read stage counts at most
+    the run (eval_every = 0, or no held-out batches) the live sketch. With them
+    (hps.admission.Admission): the live one; the evaluation's, built at the first
+    evaluation and kept; and the copies of the counters the read stage keeps at each
+    multiple of eval_every it counts, until the evaluation there takes its copy (held
+    while the evaluation's sketch is restored from it). The read stage counts at most
     hps.pipeline.batches_ahead() batches past the one trained (none past it when
     not pipelined), so at the evaluation after batch t the copies are those of t and
     of the multiples up to t + that many."""
@@ -267,7 +268,8 @@ class TrainConfig:
         if not isinstance(adm, AdmissionConfig):
             check_fields(AdmissionConfig, adm, source, prefix="admission.")
             adm = AdmissionConfig(**adm)
-        adm.check(source, eval_every=d.get("eval_every", 0), pipelined=d.get("pipelined", True))
+        adm.check(source, eval_every=d.get("eval_every", 0) if _has_held_out(data) else 0,
+                  pipelined=d.get("pipelined", True))
         if adm.threshold > 1 and ps.optimizer.kind != "sgd" and ps.optimizer.eps == 0 \
                 and getattr(ps.optimizer, "initial_accumulator_value", 0.0) == 0:
             raise ValueError(f"{source}: admission.threshold > 1 drops the default row's gradients, and with "
@@ -359,6 +361,13 @@ def _eval_batches(cfg: TrainConfig) -> list:
             break
     out.malformed, out.malformed_examples = reader.malformed, list(reader.malformed_examples)
     return out
+
+
+def _has_held_out(d: DataConfig) -> bool:
+    """Whether [data] gives evaluations examples to score (_eval_batches): synthetic
+    data's eval stream, or eval_source's files. Without them an evaluation scores
+    nothing and admission keeps no sketch for it."""
+    return d.eval_examples > 0 if d.source == "synthetic" else bool(d.eval_source)
 
 
 class _EvalBatches(list):
@@ -912,12 +921,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     optimizer and dense sync (hps.hierarchical's split MLP does)."""
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
-    if node is not None and cfg.admission.threshold > 1:
-        # Reading the config could count the ranks on this machine only by the
-        # launcher's variables, which some launchers (srun's PMI plugins) do not set.
-        _collective(node, lambda: cfg.admission.check_memory(
-            "[admission]", (node.machine_ranks, "MPI's shared-memory communicator"), eval_every=cfg.eval_every,
-            pipelined=cfg.pipelined))
     if cfg.ps.schedule == "herald" and node is not None and \
             (cfg.distributed.sparse_rows, cfg.distributed.sparse_grads) != ("none", "none"):
         raise ValueError("[distributed] sparse_rows and sparse_grads compress the sequential job's embeddings and "
@@ -937,6 +940,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     source = train_batches if train_batches is not None else \
         _collective(node, lambda: _train_source(cfg, rank, world))
     eval_batches = list(eval_batches) if eval_batches is not None else _collective(node, lambda: _eval_batches(cfg))
+    if cfg.admission.threshold > 1:
+        # Checked again with what this run does. Reading the config could count the
+        # ranks on this machine only by the launcher's variables, which some
+        # launchers (srun's PMI plugins) do not set; and evaluations keep sketches only
+        # where there are held-out batches to score, which `eval_batches` and the
+        # command line's flags (eval_every, --sequential) may have changed since.
+        _collective(node, lambda: cfg.admission.check_memory(
+            "[admission]", None if node is None else (node.machine_ranks, "MPI's shared-memory communicator"),
+            eval_every=cfg.eval_every if eval_batches else 0, pipelined=cfg.pipelined))
     widths = _collective(node, lambda: _widths(cfg, source))
     if cfg.data.schema is not None and eval_batches:
         b = eval_batches[0]
