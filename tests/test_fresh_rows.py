@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hps.distributed.sparse import FreshRows, RowCodec
-from hps.optim import AdaGrad, Uniform, native_optimizer
+from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 
 DIM = 8
 
@@ -90,3 +90,51 @@ def test_a_block_that_does_not_match_the_keys_asked_is_refused():
         fresh.unpack(keys, [sent[:-1]])
     with pytest.raises(RuntimeError, match="of 11 rows as sent"):  # asked for another key count
         fresh.unpack([np.arange(11, dtype=np.uint64)], [sent])
+
+
+@pytest.mark.parametrize("optimizer", [SGD(), AdaGrad(initial_accumulator_value=0.1), RowWiseAdaGrad(), Adam()],
+                         ids=["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("initializer", [Uniform(0.05), Normal(0.2), Zeros()], ids=["uniform", "normal", "zeros"])
+@pytest.mark.parametrize("dim", [1, 16, 33])
+def test_initial_embeddings_are_the_initial_rows_first_dim_floats_bit_for_bit(optimizer, initializer, dim):
+    keys = np.concatenate([np.array([0, 1, 2**63, 2**64 - 2], np.uint64),  # the key range's edges; -1 is reserved
+                           np.random.default_rng(dim).integers(0, 2**64 - 1, 200, dtype=np.uint64)])
+    for seed in (0, 7, 2**64 - 1):
+        opt = native_optimizer(dim, optimizer, initializer, seed=seed)
+        got = opt.initial_embeddings(keys)
+        assert got.dtype == np.float32 and got.shape == (len(keys), dim) and got.flags.c_contiguous
+        assert np.array_equal(got.view(np.uint32), opt.initial_rows(keys)[:, :dim].view(np.uint32)), seed
+    assert opt.initial_embeddings(np.empty(0, np.uint64)).shape == (0, dim)
+
+
+def test_initial_embeddings_refuse_the_reserved_key_by_its_index():
+    with pytest.raises(ValueError, match=r"keys\[1\] is 0xffffffffffffffff"):
+        _optimizer().initial_embeddings(np.array([3, 2**64 - 1], np.uint64))
+
+
+class _EmbeddingsOnly:
+    """A SparseOptimizer that refuses to make whole rows: what an embeddings-only
+    FreshRows may ask of it."""
+
+    def __init__(self, opt):
+        self.opt, self.dim = opt, opt.dim
+
+    def initial_embeddings(self, keys):
+        return self.opt.initial_embeddings(keys)
+
+    def initial_rows(self, keys):
+        raise AssertionError("made whole rows, optimizer state included, for embeddings")
+
+
+@pytest.mark.parametrize("codec", [None, "bf16"])
+def test_embeddings_only_blocks_make_no_optimizer_state_on_either_side(codec):
+    """The sequential job's pulls carry embeddings: neither the owner, marking the
+    rows still initial, nor the asker, making them, builds the rows' state."""
+    opt = _optimizer()
+    c = RowCodec(codec, DIM) if codec else None
+    fresh = FreshRows(_EmbeddingsOnly(opt), DIM, c)
+    keys, rows, _ = _blocks(opt, DIM)
+    got = fresh.unpack(keys, fresh.pack(keys, rows, me=0))
+    for r, g in zip(rows, got):
+        want = r if c is None else c.roundtrip(r)
+        assert np.array_equal(g.view(np.uint32), want.view(np.uint32))

@@ -50,6 +50,10 @@ struct SparseOptimizer {
   // Writes the initial rows (n, row_floats) of `keys`; the reference for what
   // lookup_or_init stores. Pure and thread-safe.
   void initial_rows(const uint64_t* keys, uint64_t n, float* rows) const;
+  // Writes the embeddings (n, dim) of `keys`' initial rows, bit for bit the
+  // first dim floats of initial_rows' rows, without making the optimizer state
+  // (for a caller that needs only the embeddings). Pure and thread-safe.
+  void initial_embeddings(const uint64_t* keys, uint64_t n, float* embeddings) const;
 };
 
 // Floats of optimizer state per row for an embedding of width `dim`.

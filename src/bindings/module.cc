@@ -414,7 +414,18 @@ PYBIND11_MODULE(_core, m) {
           o.initial_rows(k, n, dst);
         }
         return out;
-      }, py::arg("keys"), "Initial rows (n, row_floats) of keys: embedding then optimizer state.");
+      }, py::arg("keys"), "Initial rows (n, row_floats) of keys: embedding then optimizer state.")
+      .def("initial_embeddings", [](const hps::SparseOptimizer& o, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        hps::CheckKeys(k, n);
+        auto out = NewRows(n, o.dim);
+        float* dst = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          o.initial_embeddings(k, n, dst);
+        }
+        return out;
+      }, py::arg("keys"), "The embeddings (n, dim) of keys' initial rows: initial_rows' first dim floats.");
 
   py::class_<Table>(m, "HashTable")
       .def(py::init([](uint64_t capacity, int32_t row_floats, int32_t threads, int32_t cuda_device) {

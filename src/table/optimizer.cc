@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <stdexcept>
 
-#include "table/optimizer_kernels.h"  // InitRow
+#include "table/optimizer_kernels.h"  // InitRow, InitEmbedding
 
 namespace hps {
 
@@ -65,6 +65,12 @@ void SparseOptimizer::initial_rows(const uint64_t* keys, uint64_t n, float* rows
   validate();
   const int64_t stride = row_floats();
   for (uint64_t i = 0; i < n; ++i) detail::InitRow(*this, keys[i], rows + i * stride);
+}
+
+void SparseOptimizer::initial_embeddings(const uint64_t* keys, uint64_t n, float* embeddings) const {
+  validate();
+  const int64_t stride = dim;
+  for (uint64_t i = 0; i < n; ++i) detail::InitEmbedding(*this, keys[i], embeddings + i * stride);
 }
 
 }  // namespace hps

@@ -37,9 +37,16 @@ HPS_HD inline float InitialValue(const InitializerOptions& init, uint64_t key, u
   return 0.0f;
 }
 
+// The embedding part (dim floats) of a key's initial row: InitRow's first dim
+// floats, the same code, so the two cannot drift apart.
+HPS_HD inline void InitEmbedding(const SparseOptimizer& o, uint64_t key, float* embedding) {
+  const uint32_t dim = static_cast<uint32_t>(o.dim);
+  for (uint32_t j = 0; j < dim; ++j) embedding[j] = InitialValue(o.init, key, j);
+}
+
 HPS_HD inline void InitRow(const SparseOptimizer& o, uint64_t key, float* row) {
   const uint32_t dim = static_cast<uint32_t>(o.dim);
-  for (uint32_t j = 0; j < dim; ++j) row[j] = InitialValue(o.init, key, j);
+  InitEmbedding(o, key, row);
   float* state = row + dim;
   switch (o.opt.kind) {
     case OptimizerKind::kSgd:

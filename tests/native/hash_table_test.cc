@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <random>
 #include <stdexcept>
@@ -362,6 +363,45 @@ TEST(Optimizer, ValidateRefusesEachBadSettingAndAcceptsTheEdges) {
       EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
     }
   }
+}
+
+// initial_embeddings is initial_rows' first dim floats, bit for bit, for every
+// optimizer (state or none), initializer, seed and dim, at the edges of the key
+// range too; and it writes dim floats a key, no more (the guard floats stay).
+TEST(Optimizer, InitialEmbeddingsAreTheInitialRowsFirstDimFloats) {
+  const std::vector<uint64_t> keys = {0, 1, 2, 0x8000000000000000ULL, kEmptyKey - 1, 0x9E3779B97F4A7C15ULL};
+  const size_t n = keys.size();
+  for (const auto kind : {OptimizerKind::kSgd, OptimizerKind::kAdaGrad, OptimizerKind::kRowWiseAdaGrad,
+                          OptimizerKind::kAdam}) {
+    for (const auto init : {InitKind::kZeros, InitKind::kUniform, InitKind::kNormal}) {
+      for (const int32_t dim : {1, 3, 16, 33}) {
+        for (const uint64_t seed : {uint64_t{0}, uint64_t{7}, kEmptyKey}) {
+          SparseOptimizer o = Optimizer(kind, 0.05f, 1e-8f);
+          o.dim = dim;
+          o.init.kind = init;
+          o.init.seed = seed;
+          const size_t d = static_cast<size_t>(dim), stride = static_cast<size_t>(o.row_floats());
+          std::vector<float> rows(n * stride, NAN);
+          o.initial_rows(keys.data(), n, rows.data());
+          std::vector<float> embeddings(n * d + 1, NAN);
+          o.initial_embeddings(keys.data(), n, embeddings.data());
+          for (size_t i = 0; i < n; ++i) {
+            for (size_t j = 0; j < d; ++j) {
+              // memcmp, not ==: the bits (a -0.0 or a NaN would compare otherwise).
+              ASSERT_EQ(std::memcmp(&embeddings[i * d + j], &rows[i * stride + j], sizeof(float)), 0)
+                  << ToString(kind) << " init " << static_cast<int>(init) << " dim " << dim << " seed " << seed
+                  << " key " << keys[i] << " column " << j;
+            }
+          }
+          EXPECT_TRUE(std::isnan(embeddings[n * d])) << "wrote past n x dim floats";
+        }
+      }
+    }
+  }
+  SparseOptimizer bad = Optimizer(OptimizerKind::kSgd, 0.05f, 0.0f);
+  bad.dim = 0;
+  float out = 0.0f;
+  EXPECT_THROW(bad.initial_embeddings(keys.data(), 1, &out), std::invalid_argument);
 }
 
 // ---- probing at the edges: a table of one bucket, filled ----

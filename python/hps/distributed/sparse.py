@@ -93,14 +93,20 @@ class FreshRows:
     as a bit."""
 
     def __init__(self, optimizer, width: int, codec: Optional[RowCodec] = None):
-        self.optimizer = optimizer  # hps._core.SparseOptimizer (initial_rows)
+        self.optimizer = optimizer  # hps._core.SparseOptimizer (initial_rows, initial_embeddings)
         self.width = width          # floats a row carries: the embedding, or the whole row with its state
         self.codec = codec
         self.fresh = 0
 
     def initial(self, keys: np.ndarray) -> np.ndarray:
         """The first `width` floats of keys' initial rows."""
-        return self.optimizer.initial_rows(np.ascontiguousarray(keys, np.uint64))[:, :self.width]
+        keys = np.ascontiguousarray(keys, np.uint64)
+        if self.width == self.optimizer.dim:
+            # The sequential job's pulls carry embeddings only: the owner, for each
+            # block, and the asker, for the rows it makes, would otherwise make the
+            # optimizer state of every row and drop it.
+            return self.optimizer.initial_embeddings(keys)
+        return self.optimizer.initial_rows(keys)[:, :self.width]
 
     def pack(self, keys: list, rows: list, me: int) -> list:
         """The byte blocks that send rows[r] (n, width) of keys[r] to rank r."""
