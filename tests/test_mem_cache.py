@@ -1,4 +1,5 @@
 """MEM-PS: replacement policies, pinning, write-back through the sink, errors."""
+import re
 import threading
 from collections import OrderedDict
 
@@ -192,6 +193,43 @@ except ValueError as e:
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "MemCache(not built: its constructor raised)"
     assert repr(hps.MemCache(ROW, 2)) == "MemCache(row_bytes=8, size=0, capacity=2)"
+
+
+UNBUILT = "was never built \\(its constructor raised, or only __new__ made it\\): make a new one"
+
+
+def test_every_method_of_a_cache_whose_constructor_raised_raises():
+    """A refused MemCache's self outlives its __init__ in the traceback's frame: every
+    method and property read a native object never built (pybind11 handed them
+    uninitialized memory), and the process died of a segfault. Each raises
+    ValueError now. A child process, so that a segfault fails this test only."""
+    import subprocess
+    import sys
+    code = """
+import numpy as np, hps
+try:
+    hps.MemCache(8, 2, policy="bogus")
+except ValueError as e:
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    cache = tb.tb_frame.f_locals["self"]
+keys = np.array([1, 2], np.uint64)
+for call in [lambda: cache.stats(), lambda: cache.row_bytes, lambda: cache.pull(keys), lambda: cache.pin(keys),
+             lambda: cache.pin_rows(keys), lambda: cache.write_back(keys, np.zeros((2, 8), np.uint8)),
+             lambda: cache.unpin(keys), lambda: cache.access(keys), lambda: cache.erase(keys),
+             lambda: cache.flush_dirty(), lambda: cache.read_pinned(keys), lambda: cache.set_lookahead(keys),
+             lambda: cache.clear_lookahead(), lambda: 1 in cache, lambda: cache.replay(keys, 1)]:
+    try:
+        call()
+        print("no error")
+    except ValueError as e:
+        print(e, flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 15 and all(re.fullmatch(f"this hps.mem_cache.MemCache {UNBUILT}", x) for x in lines), lines
 
 
 def test_the_reserved_key_is_never_cached_nor_erased():

@@ -47,7 +47,10 @@ class HashTable(_core.HashTable):
 
     def __init__(self, capacity: int, row_floats: int, *, threads: int = 0, device: str = "cpu"):
         super().__init__(capacity, row_floats, threads, parse_device(device))
+        self._built = True
 
     def __repr__(self) -> str:
+        if not getattr(self, "_built", False):  # its __init__ raised: the methods raise (see MemCache's)
+            return "HashTable(not built: its constructor raised)"
         return (f"HashTable(capacity={self.capacity}, row_floats={self.row_floats}, "
                 f"size={self.size}, device={self.device!r})")

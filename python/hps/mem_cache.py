@@ -141,8 +141,8 @@ class MemCache(_core.MemCache):
 
     def __repr__(self) -> str:
         # A cache whose __init__ raised has no native object behind it, and its methods
-        # would read through a null pointer; a traceback that shows its frame's locals
-        # (pytest's, a debugger's) calls repr on it: at 8724409 that was a segfault.
+        # raise ValueError saying so (the binding's ConstructedCaster); a traceback that
+        # shows its frame's locals (pytest's, a debugger's) calls repr on it.
         if not getattr(self, "_built", False):
             return "MemCache(not built: its constructor raised)"
         s = self.stats()

@@ -60,6 +60,7 @@ class SsdStore(_core.SsdStore):
         super().__init__(os.fspath(path), row_bytes, file_records, verify_rows_on_open,
                          compaction_trigger, use_io_uring, direct_io, background_compaction,
                          require_direct_io)
+        self._built = True
         self._path = os.fspath(path)
         self._io_warned = False
         self._warn_of_io_fallback()
@@ -97,4 +98,6 @@ class SsdStore(_core.SsdStore):
             self._warn_of_io_fallback()
 
     def __repr__(self) -> str:
+        if not getattr(self, "_built", False):  # its __init__ raised: the methods raise (see MemCache's)
+            return "SsdStore(not built: its constructor raised)"
         return f"SsdStore(row_bytes={self.row_bytes}, size={len(self)})"

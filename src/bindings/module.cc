@@ -260,6 +260,51 @@ struct TierRoutesHandle {
   std::shared_ptr<const hps::TierRoutes> routes;
 };
 
+// The caster of every class bound here: refuses an instance whose constructor did
+// not finish. A Python subclass's __init__ that raised (hps.MemCache refusing a
+// policy, hps.SsdStore a row size) leaves self alive in the traceback's frame, where
+// pytest's and debuggers' reprs call its methods; X.__new__(X) makes one too.
+// pybind11 hands such an instance's methods fresh uninitialized memory of the
+// class's size (its lazy allocation for placement-new constructors, which no class
+// here has), and the first virtual call or field read crashed the process.
+template <typename T>
+class ConstructedCaster : public py::detail::type_caster_base<T> {
+ public:
+  bool load(py::handle src, bool convert) {
+    const py::detail::type_info* info = this->typeinfo;
+    if (info != nullptr && src && PyObject_TypeCheck(src.ptr(), info->type) &&
+        reinterpret_cast<py::detail::instance*>(src.ptr())->get_value_and_holder(info).value_ptr() == nullptr) {
+      const py::handle type = py::type::handle_of(src);
+      throw py::value_error(py::str("this {}.{} was never built (its constructor raised, or only __new__ made it): "
+                                    "make a new one")
+                                .format(type.attr("__module__"), type.attr("__qualname__")));
+    }
+    return py::detail::type_caster_base<T>::load(src, convert);
+  }
+};
+
+}  // namespace
+
+// Declared before any cast of these types instantiates pybind11's own caster.
+#define HPS_CONSTRUCTED_CASTER(T) \
+  template <>                     \
+  class pybind11::detail::type_caster<T> : public ConstructedCaster<T> {}
+HPS_CONSTRUCTED_CASTER(hps::SparseOptimizer);
+HPS_CONSTRUCTED_CASTER(hps::HashTable);
+HPS_CONSTRUCTED_CASTER(hps::SsdStore);
+HPS_CONSTRUCTED_CASTER(hps::BackingStore);
+HPS_CONSTRUCTED_CASTER(hps::MemCache);
+HPS_CONSTRUCTED_CASTER(hps::DeviceTier);
+HPS_CONSTRUCTED_CASTER(RowAddresses);
+HPS_CONSTRUCTED_CASTER(hps::HostBatch);
+HPS_CONSTRUCTED_CASTER(hps::WorkingSet);
+HPS_CONSTRUCTED_CASTER(hps::Herald);
+HPS_CONSTRUCTED_CASTER(hps::AdmissionSketch);
+HPS_CONSTRUCTED_CASTER(TierRoutesHandle);
+#undef HPS_CONSTRUCTED_CASTER
+
+namespace {
+
 // A Python loader, called from native code without the GIL: takes a uint64
 // array, returns (rows of row_bytes each, dirty bool array).
 hps::RowLoader PythonLoader(py::object loader, uint32_t row_bytes) {
