@@ -537,8 +537,40 @@ def test_csv_quoted_value_over_a_line_end_is_malformed_and_later_lines_keep_thei
         assert e.value.line == 3
 
 
-# (Not "\r\n" inside the value: pyarrow 26 drops the "\n" of one that a block boundary
-# splits, and the line it ends then goes uncounted.)
+def test_csv_crlf_split_by_a_block_boundary_keeps_the_lines_after_it(tmp_path):
+    # pyarrow 26 drops the "\n" of a "\r\n" inside a quoted value when its "\r" is the
+    # last byte of a block and its "\n" the first of the next: the value read as one
+    # line ('two\rlines'), its row valid, and every later row and error named a line
+    # too early ('q.csv:6: has 2 fields' for line 7). Every block size here puts a "\r"
+    # of the file, inside a quoted value or outside one, at a block's end.
+    schema = {"label": "c", "dense": ["p"], "categorical": "rest"}
+    p = tmp_path / "q.csv"
+    data = b'c,p,t\r\n1,2,a\r\n0,3,"two\r\nlines"\r\n1,5,b\r\n1,6,"c"\r\n1,7\r\n0,8,d\r\n1,9,"e\r\nf"\r\n1,11,g\r\n'
+    p.write_bytes(data)
+    quoted = [i for i in range(len(data)) if data[:i].count(b'"') % 2]
+    split = {"inside": [], "outside": []}  # block sizes whose first block ends in a "\r", by where it is
+    for i in range(len(data) - 1):
+        if data[i:i + 2] == b"\r\n" and i + 1 >= 8:
+            split["inside" if i in quoted else "outside"].append(i + 1)
+    assert split["inside"] and split["outside"]
+    reference = read_all(SchemaCsv(p, schema, skip_malformed=True))
+    for block_bytes in sorted(split["inside"] + split["outside"]) + [1 << 20]:
+        r = SchemaCsv(p, schema, skip_malformed=True, block_bytes=block_bytes)
+        labels, dense, keys, _, batches = read_all(r)
+        assert [b.locate(i)[1] for b in batches for i in range(len(b))] == [2, 5, 6, 8, 11], block_bytes
+        np.testing.assert_array_equal(dense[:, 0], log1p([2, 5, 6, 8, 11]))
+        np.testing.assert_array_equal(keys, reference[2])
+        np.testing.assert_array_equal(labels, reference[0])
+        assert sorted(r.malformed_examples) == [
+            f"{p}:3: column 't': 'two\\r\\nlines' runs on past the end of its line (a quote not closed on it?)",
+            f"{p}:7: has 2 fields, expected 3",
+            f"{p}:9: column 't': 'e\\r\\nf' runs on past the end of its line (a quote not closed on it?)"], \
+            block_bytes
+        with pytest.raises(DataError, match=r"q.csv:3: column 't': 'two\\r\\nlines' runs on") as e:
+            list(SchemaCsv(p, schema, block_bytes=block_bytes))
+        assert e.value.line == 3
+
+
 @pytest.mark.parametrize("value", ["two\nlines", "a\nb\nc", "\nstarts", "x,\n,y"])
 @pytest.mark.parametrize("before", [0, 1, 3])
 def test_csv_quoted_value_over_a_line_end_reads_the_same_at_any_block_size(tmp_path, value, before):

@@ -405,7 +405,8 @@ class SchemaCsv(_SchemaReader):
         extra = 0  # line ends inside the rows read so far
         line = number  # the next row's line
         try:
-            reader = pa.csv.open_csv(_open_stream(pa, path), read_options=read, parse_options=parse,
+            reader = pa.csv.open_csv(pa.PythonFile(_NoBlockEndsInCr(_open_stream(pa, path)), mode="r"),
+                                     read_options=read, parse_options=parse,
                                      convert_options=convert)
         except errors as e:
             raise cannot_read(e, None) from e
@@ -560,6 +561,42 @@ class _LinePeek:
 def _empty_line(fields: int) -> str:
     """What a CSV reader says of an empty line (as the Criteo reader says it)."""
     return f"is an empty line, expected {fields} field{'s' if fields != 1 else ''}"
+
+
+class _NoBlockEndsInCr:
+    """A pyarrow stream read by SchemaCsv, whose reads (pyarrow's blocks) never end in a
+    "\r" the file goes on after: pyarrow 26 drops the "\n" of a "\r\n" that a block
+    boundary splits inside a quoted value, and the line it ends went uncounted (the row
+    read as valid, every later row and error named a line too early). The "\r" is held
+    back for the next read."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._held = b""
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            data, self._held = self._held + self._stream.read(), b""
+            return data
+        if n < 2:  # too small to hold a byte back (pyarrow's blocks here are larger)
+            data, self._held = self._held or self._stream.read(n), b""
+            return data
+        data, self._held = self._held + self._stream.read(n - len(self._held)), b""
+        if data == b"\r":  # a short read: the "\r" goes out with what follows it
+            data += self._stream.read(1)
+        if len(data) > 1 and data.endswith(b"\r"):
+            self._held, data = b"\r", data[:-1]
+        return data
+
+    def close(self) -> None:
+        self._stream.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._stream.closed
+
+    def readable(self) -> bool:
+        return True
 
 
 class _LineTooLong(Exception):
