@@ -162,6 +162,23 @@ class MemCache {
   // whose address does not hold its pinned row is refused like an unpinned one.
   virtual void UnpinUpdated(const uint64_t* keys, uint64_t n, const uint8_t* updated,
                             uint8_t* const* addresses) = 0;
+  // Keeps the updates of a batch whose release was refused for keys that
+  // something else unpinned, so that none is lost:
+  //  * KeepUpdated: rows (n, row_bytes), the batch's copies of its updated
+  //    rows. A key cached (pinned or not) gets its row, dirty; one evicted
+  //    since gives its row to the sink (its only copy), with no load of the
+  //    key meanwhile. Pins are left as they are. Passes on what the sink
+  //    throws (those rows are not kept).
+  //  * MarkUpdated: rows stepped in place at `addresses` (from Pin or
+  //    PinnedRows). Each row still at its address under its key, pinned or
+  //    not, is marked dirty; returns the indices of the keys whose row left
+  //    its slot (evicted since: their steps are lost, and may have landed in
+  //    the slot's new row). A batch bound to MEM-PS's rows calls it right
+  //    after stepping, so that a step is dirty before anything else can
+  //    unpin and evict its row.
+  // Both throw std::invalid_argument for the reserved key, changing nothing.
+  virtual void KeepUpdated(const uint64_t* keys, uint64_t n, const uint8_t* rows) = 0;
+  virtual std::vector<uint64_t> MarkUpdated(const uint64_t* keys, uint64_t n, uint8_t* const* addresses) = 0;
   // Lookahead eviction. keys (n, repeats allowed) are the keys of the
   // batches coming next, in the order they will be needed. The pipeline's
   // prefetch thread calls it before it pins batch i, with the keys of batches

@@ -41,10 +41,14 @@
 // Failures keep HostBatch's guarantees (device_tier.h, mem_cache.h): a call
 // that throws holds no pin it did not hold before and loses no dirty row.
 // A failed Load or Apply releases the batch (every pin, the tier emptied, the
-// next batch told there is nothing to take). WriteBack is HostBatch::Release:
-// a key something else unpinned is named and the others are released; any
-// other failure releases nothing and can be retried. Each failed release is
-// counted in MEM-PS's stats().failed_releases.
+// next batch told there is nothing to take). WriteBack is HostBatch::Release,
+// but keeps every step: a key something else unpinned is named (std::
+// runtime_error) and the others are released, and its updated row is kept all
+// the same (MemCache::KeepUpdated: dirty in MEM-PS, or stored if evicted
+// since; bound to host rows, Apply marks its steps dirty as it makes them, and
+// names a key whose row had left its slot before the step); any other failure
+// releases nothing and can be retried. Each failed release is counted in
+// MEM-PS's stats().failed_releases.
 //
 // Thread safety: one thread at a time per working set (the pipeline pins the
 // next batch on another thread while this one trains: different objects).

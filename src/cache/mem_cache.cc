@@ -628,6 +628,45 @@ class ShardedCache final : public MemCache {
         addresses);
   }
 
+  void KeepUpdated(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {
+    CheckKeys(keys, n);
+    std::lock_guard miss_lock(miss_mutex_);  // no load reads a key's stored row before the sink has the new one
+    SinkBatch evicted;
+    for (uint64_t i = 0; i < n; ++i) {
+      Shard& shard = shards_[ShardOf(keys[i])];
+      std::lock_guard lock(shard.mutex);
+      const uint32_t slot = shard.where.Find(keys[i]);
+      if (slot == kNoSlot) {
+        evicted.Add(keys[i], rows + i * row_bytes_, row_bytes_);
+        continue;
+      }
+      std::memcpy(RowAt(shard, slot), rows + i * row_bytes_, row_bytes_);
+      if (!shard.dirty[slot]) MarkDirty(shard, slot);
+    }
+    Sink(&evicted);  // not counted in rows_flushed, which is FlushDirty's
+  }
+
+  std::vector<uint64_t> MarkUpdated(const uint64_t* keys, uint64_t n, uint8_t* const* addresses) override {
+    CheckKeys(keys, n);
+    const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
+    std::vector<uint64_t> gone;
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      if (by_shard[s].empty()) continue;
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      for (uint64_t i : by_shard[s]) {
+        const uint32_t slot = SlotOf(shard, keys[i], addresses[i]);
+        if (slot == kNoSlot) {
+          gone.push_back(i);
+        } else if (!shard.dirty[slot]) {
+          MarkDirty(shard, slot);
+        }
+      }
+    }
+    std::sort(gone.begin(), gone.end());
+    return gone;
+  }
+
   uint64_t Erase(const uint64_t* keys, uint64_t n) override {
     // The index marks its empty buckets with the reserved key: looked up, it
     // finds one, whose stale value names some slot.

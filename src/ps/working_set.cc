@@ -12,6 +12,14 @@
 
 namespace hps {
 
+// Up to 8 of keys at positions `at`, for an error message.
+static std::string Named(const std::vector<uint64_t>& keys, const std::vector<uint64_t>& at) {
+  std::string which = "keys ";
+  for (size_t j = 0; j < at.size() && j < 8; ++j) which += (j > 0 ? ", " : "") + std::to_string(keys[at[j]]);
+  if (at.size() > 8) which += ", ...";
+  return which;
+}
+
 // Written once by the batch's Apply (or its release, empty), then read only.
 struct WorkingSet::Updates {
   std::mutex mutex;
@@ -273,6 +281,19 @@ uint64_t WorkingSet::Apply() {
     if (!in_mem_ps_) {
       rows.resize(updated.size() * static_cast<uint64_t>(optimizer_.row_floats()));
       tier_->RowsAt(at.data(), at.size(), rows.data());
+    } else {
+      // The steps are MEM-PS's rows now, and dirty from here on: a key that
+      // something else unpins before the release is then stored when evicted,
+      // not dropped with its step.
+      std::vector<uint8_t*> where(at.size());
+      for (size_t j = 0; j < at.size(); ++j) where[j] = addresses_[static_cast<uint64_t>(at[j])];
+      const std::vector<uint64_t> gone = cache_.MarkUpdated(updated.data(), updated.size(), where.data());
+      if (!gone.empty()) {
+        throw std::runtime_error("working set apply: " + std::to_string(gone.size()) + " of " +
+                                 std::to_string(updated.size()) + " stepped keys (" + Named(updated, gone) +
+                                 ") had left their MEM-PS rows: something else unpinned them before the step, "
+                                 "which is lost");
+      }
     }
     updated_positions_ = std::move(at);
     std::lock_guard lock(updates_->mutex);
@@ -321,10 +342,11 @@ void WorkingSet::ReleaseAll() {
   const std::vector<uint64_t>& updated = updates_->keys;  // empty unless applied
   const uint32_t row_bytes = cache_.row_bytes();
   const auto* rows = reinterpret_cast<const uint8_t*>(updates_->rows.data());
-  std::vector<uint64_t> refused;
+  std::vector<uint64_t> refused;  // positions in the keys of the step that refused them
   // Bulk first; a key something else unpinned makes MemCache refuse the
   // whole call (changing nothing), and then they go one by one.
   const auto each = [&](const std::vector<uint64_t>& keys, auto&& one) {
+    refused.clear();
     try {
       one(0, keys.size());
     } catch (const std::invalid_argument&) {
@@ -332,7 +354,7 @@ void WorkingSet::ReleaseAll() {
         try {
           one(i, 1);
         } catch (const std::invalid_argument&) {
-          refused.push_back(keys[i]);
+          refused.push_back(i);
         }
       }
     } catch (...) {
@@ -340,6 +362,8 @@ void WorkingSet::ReleaseAll() {
       throw;  // nothing of this step released: a retry does it again
     }
   };
+  // Keys something else unpinned, and those of them whose steps are lost.
+  std::vector<uint64_t> unpinned, lost;
   if (in_mem_ps_) {
     // The rows were stepped where they lie: one unpin, the updated ones dirty
     // (every one after a failed Apply, which may have stepped some).
@@ -348,6 +372,14 @@ void WorkingSet::ReleaseAll() {
     each(keys_, [&](uint64_t at, uint64_t n) {
       cache_.UnpinUpdated(keys_.data() + at, n, dirty.data() + at, addresses_.data() + at);
     });
+    for (uint64_t p : refused) unpinned.push_back(keys_[p]);
+    if (apply_failed_ && !refused.empty()) {
+      // Apply marks its steps dirty as it makes them, unless it failed first:
+      // the rows still in their slots are marked now.
+      std::vector<uint8_t*> where;
+      for (uint64_t p : refused) where.push_back(addresses_[p]);
+      for (uint64_t j : cache_.MarkUpdated(unpinned.data(), unpinned.size(), where.data())) lost.push_back(unpinned[j]);
+    }
   } else if (!written_ && !updated.empty()) {
     // The pins' row addresses: MemCache finds the slots from them instead of looking each key up.
     std::vector<uint8_t*> where(updated.size());
@@ -355,6 +387,23 @@ void WorkingSet::ReleaseAll() {
     each(updated, [&](uint64_t at, uint64_t n) {
       cache_.WriteBack(updated.data() + at, n, rows + at * row_bytes, where.data() + at);
     });
+    if (!refused.empty()) {
+      // The batch's copies are these rows' only copies: into MEM-PS (or the
+      // store, if evicted since), dirty.
+      std::vector<uint64_t> keys;
+      std::vector<uint8_t> kept;
+      for (uint64_t j : refused) {
+        keys.push_back(updated[j]);
+        kept.insert(kept.end(), rows + j * row_bytes, rows + (j + 1) * row_bytes);
+      }
+      try {
+        cache_.KeepUpdated(keys.data(), keys.size(), kept.data());
+      } catch (...) {
+        cache_.CountFailedRelease();
+        throw;  // nothing written: a retry writes them back again (and then keeps those refused)
+      }
+      unpinned = keys;
+    }
   }
   written_ = true;
   std::vector<uint64_t> rest;
@@ -370,19 +419,23 @@ void WorkingSet::ReleaseAll() {
       where.push_back(addresses_[i]);
     }
     each(rest, [&](uint64_t at, uint64_t n) { cache_.Unpin(rest.data() + at, n, where.data() + at); });
+    for (uint64_t p : refused) unpinned.push_back(rest[p]);
   }
   released_ = true;
   previous_.reset();
   if (tier_ != nullptr) tier_->Clear();
-  if (refused.empty()) return;
+  if (unpinned.empty()) return;
   cache_.CountFailedRelease();
-  std::string which;
-  for (size_t j = 0; j < refused.size() && j < 8; ++j) which += (j > 0 ? ", " : "") + std::to_string(refused[j]);
-  if (refused.size() > 8) which += ", ...";
-  throw std::runtime_error("working set release: " + std::to_string(refused.size()) + " of " +
-                           std::to_string(keys_.size()) + " keys were no longer pinned by this batch (keys " + which +
-                           "): something else unpinned them, and MEM-PS may drop the updated ones' steps; "
-                           "the other keys were released");
+  std::vector<uint64_t> all(unpinned.size()), gone(lost.size());
+  for (size_t j = 0; j < all.size(); ++j) all[j] = j;
+  for (size_t j = 0; j < gone.size(); ++j) gone[j] = j;
+  throw std::runtime_error("working set release: " + std::to_string(unpinned.size()) + " of " +
+                           std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" +
+                           Named(unpinned, all) + "): something else unpinned them; " +
+                           (lost.empty() ? std::string("their steps were kept")
+                                         : "the steps of " + Named(lost, gone) +
+                                               " are lost (their rows left MEM-PS after a failed apply), the others' were kept") +
+                           " (dirty in MEM-PS or stored), and the other keys were released");
 }
 
 }  // namespace hps

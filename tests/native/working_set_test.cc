@@ -273,49 +273,62 @@ TEST(WorkingSet, OwnersFromAPolicyPlaceTheRowsAndBadOnesAreNamed) {
 }
 
 // Both ways: bound to MEM-PS's rows (one unpin, the stepped rows dirty) and
-// holding copies (the updated rows written back, then the rest unpinned).
-TEST(WorkingSet, AKeyUnpinnedByOthersIsNamedAndTheRestReleasedDirty) {
+// holding copies (the updated rows written back, then the rest unpinned). A
+// key something else unpinned is named, and its step is kept all the same:
+// with `evict`, its row leaves MEM-PS before the write-back (a clean row
+// would be dropped, its step with it), and the step must reach the store.
+TEST(WorkingSet, AKeyUnpinnedByOthersIsNamedAndItsStepKept) {
   const SparseOptimizer opt = AdaGrad(2);
   for (bool bound : {true, false}) {
-    RowStore store(opt);
-    auto cache = store.Cache(16);
-    auto tier = HostTier(2, 16, opt, bound);
-    const std::vector<uint64_t> keys = {1, 2, 3, 4};
-    WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
-    ws.Load(*tier, nullptr);
-    std::vector<float> g(2 * 2, 1.0f);
-    ws.Accumulate(0, keys.data(), 2, g.data());  // keys 1 and 2 get steps
-    ws.Apply();
-    // The first updated key the write-back writes is refused; the other one's
-    // row comes after it, written alone.
-    ASSERT_EQ(ws.updated_keys().size(), 2u);
-    const uint64_t refused_key = ws.updated_keys()[0], kept_key = ws.updated_keys()[1];
-    cache->Unpin(&refused_key, 1);  // an updated key
-    cache->Unpin(&keys[3], 1);  // one that was not
-    try {
-      ws.WriteBack();
-      FAIL() << "a release of keys no longer pinned passed";
-    } catch (const std::runtime_error& e) {
-      EXPECT_NE(std::string(e.what()).find("2 of 4 keys"), std::string::npos) << e.what();
+    for (bool evict : {false, true}) {
+      RowStore store(opt);
+      auto cache = store.Cache(16);
+      auto tier = HostTier(2, 16, opt, bound);
+      const std::vector<uint64_t> keys = {1, 2, 3, 4};
+      WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+      ws.Load(*tier, nullptr);
+      std::vector<float> g(2 * 2, 1.0f);
+      ws.Accumulate(0, keys.data(), 2, g.data());  // keys 1 and 2 get steps
+      ws.Apply();
+      // The first updated key the write-back writes is refused; the other one's
+      // row comes after it, written alone.
+      ASSERT_EQ(ws.updated_keys().size(), 2u);
+      const uint64_t refused_key = ws.updated_keys()[0], kept_key = ws.updated_keys()[1];
+      cache->Unpin(&refused_key, 1);  // an updated key
+      cache->Unpin(&keys[3], 1);  // one that was not
+      if (evict) {
+        for (uint64_t other = 100; other < 164; ++other) cache->Pull(&other, 1, nullptr, /*pin=*/false, nullptr);
+        ASSERT_FALSE(cache->Contains(refused_key)) << "bound " << bound;
+      }
+      try {
+        ws.WriteBack();
+        FAIL() << "a release of keys no longer pinned passed";
+      } catch (const std::runtime_error& e) {
+        EXPECT_NE(std::string(e.what()).find("2 of 4 keys"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("their steps were kept"), std::string::npos) << e.what();
+      }
+      const MemCacheStats st = cache->stats();
+      EXPECT_EQ(st.pinned, 0u);
+      if (!evict) {
+        EXPECT_EQ(st.dirty, 2u);  // both steps
+      }
+      EXPECT_EQ(st.failed_releases, 1u);
+      EXPECT_TRUE(ws.released());
+      EXPECT_EQ(tier->size(), 0u);
+      // Both updated rows are their steps (the same batch on an unhindered
+      // cache), wherever MEM-PS keeps them now.
+      RowStore reference_store(opt);
+      auto reference = reference_store.Cache(16);
+      auto reference_tier = HostTier(2, 16, opt, bound);
+      WorkingSet unhindered(*reference, opt, 2, keys.data(), keys.size());
+      unhindered.Load(*reference_tier, nullptr);
+      unhindered.Accumulate(0, keys.data(), 2, g.data());
+      unhindered.Apply();
+      unhindered.WriteBack();
+      const std::vector<uint64_t> updated = {refused_key, kept_key};
+      EXPECT_EQ(CachedRows(*cache, updated), CachedRows(*reference, updated))
+          << "bound " << bound << ", evict " << evict;
     }
-    const MemCacheStats st = cache->stats();
-    EXPECT_EQ(st.pinned, 0u);
-    EXPECT_EQ(st.dirty, 1u);  // kept_key's step; refused_key's was refused (named: MEM-PS may drop it)
-    EXPECT_EQ(st.failed_releases, 1u);
-    EXPECT_TRUE(ws.released());
-    EXPECT_EQ(tier->size(), 0u);
-    // The kept key's row is its own step (the same batch on an unhindered
-    // cache): the rows written one by one keep their places.
-    RowStore reference_store(opt);
-    auto reference = reference_store.Cache(16);
-    auto reference_tier = HostTier(2, 16, opt, bound);
-    WorkingSet unhindered(*reference, opt, 2, keys.data(), keys.size());
-    unhindered.Load(*reference_tier, nullptr);
-    unhindered.Accumulate(0, keys.data(), 2, g.data());
-    unhindered.Apply();
-    unhindered.WriteBack();
-    const std::vector<uint64_t> kept = {kept_key};
-    EXPECT_EQ(CachedRows(*cache, kept), CachedRows(*reference, kept)) << "bound " << bound << ", key " << kept_key;
   }
 }
 
@@ -774,6 +787,10 @@ class UnpinFailingCache final : public MemCache {
   void PinnedRows(const uint64_t* k, uint64_t n, uint8_t** rows) const override { cache_->PinnedRows(k, n, rows); }
   void UnpinUpdated(const uint64_t* k, uint64_t n, const uint8_t* updated, uint8_t* const* at) override {
     cache_->UnpinUpdated(k, n, updated, at);
+  }
+  void KeepUpdated(const uint64_t* k, uint64_t n, const uint8_t* rows) override { cache_->KeepUpdated(k, n, rows); }
+  std::vector<uint64_t> MarkUpdated(const uint64_t* k, uint64_t n, uint8_t* const* at) override {
+    return cache_->MarkUpdated(k, n, at);
   }
   void SetLookahead(const uint64_t* k, uint64_t n) override { cache_->SetLookahead(k, n); }
   void ClearLookahead() override { cache_->ClearLookahead(); }
