@@ -173,9 +173,8 @@ class MemCache {
   //    PinnedRows). Each row still at its address under its key, pinned or
   //    not, is marked dirty; returns the indices of the keys whose row left
   //    its slot (evicted since: their steps are lost, and may have landed in
-  //    the slot's new row). A batch bound to MEM-PS's rows calls it right
-  //    after stepping, so that a step is dirty before anything else can
-  //    unpin and evict its row.
+  //    the slot's new row). A batch bound to MEM-PS's rows calls it at its
+  //    release for the stepped keys whose unpin was refused.
   // Both throw std::invalid_argument for the reserved key, changing nothing.
   virtual void KeepUpdated(const uint64_t* keys, uint64_t n, const uint8_t* rows) = 0;
   virtual std::vector<uint64_t> MarkUpdated(const uint64_t* keys, uint64_t n, uint8_t* const* addresses) = 0;

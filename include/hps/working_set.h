@@ -42,12 +42,13 @@
 // that throws holds no pin it did not hold before and loses no dirty row.
 // A failed Load or Apply releases the batch (every pin, the tier emptied, the
 // next batch told there is nothing to take). WriteBack is HostBatch::Release,
-// but keeps every step: a key something else unpinned is named (std::
+// but keeps what steps it can: a key something else unpinned is named (std::
 // runtime_error) and the others are released, and its updated row is kept all
-// the same (MemCache::KeepUpdated: dirty in MEM-PS, or stored if evicted
-// since; bound to host rows, Apply marks its steps dirty as it makes them, and
-// names a key whose row had left its slot before the step); any other failure
-// releases nothing and can be retried. Each failed release is counted in
+// the same (holding copies, MemCache::KeepUpdated: dirty in MEM-PS, or stored
+// if evicted since; bound to MEM-PS's rows, MemCache::MarkUpdated marks the
+// stepped row dirty where it still lies, and a row evicted between the unpin
+// and the release took its step with it: the error names it lost); any other
+// failure releases nothing and can be retried. Each failed release is counted in
 // MEM-PS's stats().failed_releases.
 //
 // Thread safety: one thread at a time per working set (the pipeline pins the

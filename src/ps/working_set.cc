@@ -281,19 +281,6 @@ uint64_t WorkingSet::Apply() {
     if (!in_mem_ps_) {
       rows.resize(updated.size() * static_cast<uint64_t>(optimizer_.row_floats()));
       tier_->RowsAt(at.data(), at.size(), rows.data());
-    } else {
-      // The steps are MEM-PS's rows now, and dirty from here on: a key that
-      // something else unpins before the release is then stored when evicted,
-      // not dropped with its step.
-      std::vector<uint8_t*> where(at.size());
-      for (size_t j = 0; j < at.size(); ++j) where[j] = addresses_[static_cast<uint64_t>(at[j])];
-      const std::vector<uint64_t> gone = cache_.MarkUpdated(updated.data(), updated.size(), where.data());
-      if (!gone.empty()) {
-        throw std::runtime_error("working set apply: " + std::to_string(gone.size()) + " of " +
-                                 std::to_string(updated.size()) + " stepped keys (" + Named(updated, gone) +
-                                 ") had left their MEM-PS rows: something else unpinned them before the step, "
-                                 "which is lost");
-      }
     }
     updated_positions_ = std::move(at);
     std::lock_guard lock(updates_->mutex);
@@ -373,13 +360,20 @@ void WorkingSet::ReleaseAll() {
       cache_.UnpinUpdated(keys_.data() + at, n, dirty.data() + at, addresses_.data() + at);
     });
     for (uint64_t p : refused) unpinned.push_back(keys_[p]);
-    if (apply_failed_ && !refused.empty()) {
-      // Apply marks its steps dirty as it makes them, unless it failed first:
-      // the rows still in their slots are marked now.
-      std::vector<uint8_t*> where;
-      for (uint64_t p : refused) where.push_back(addresses_[p]);
-      for (uint64_t j : cache_.MarkUpdated(unpinned.data(), unpinned.size(), where.data())) lost.push_back(unpinned[j]);
+    // A refused key's row was unpinned by something else, so UnpinUpdated did
+    // not mark its step: the rows still in their slots are marked now. One
+    // that left its slot meanwhile (unpinned, then evicted clean) took its
+    // step with it, and is named. Marking here, not in Apply, keeps the batch
+    // path free of a second pass over its keys for what only a broken pin
+    // contract needs.
+    std::vector<uint64_t> stepped;
+    std::vector<uint8_t*> where;
+    for (uint64_t p : refused) {
+      if (dirty[p] == 0) continue;
+      stepped.push_back(keys_[p]);
+      where.push_back(addresses_[p]);
     }
+    for (uint64_t j : cache_.MarkUpdated(stepped.data(), stepped.size(), where.data())) lost.push_back(stepped[j]);
   } else if (!written_ && !updated.empty()) {
     // The pins' row addresses: MemCache finds the slots from them instead of looking each key up.
     std::vector<uint8_t*> where(updated.size());
@@ -434,7 +428,7 @@ void WorkingSet::ReleaseAll() {
                            Named(unpinned, all) + "): something else unpinned them; " +
                            (lost.empty() ? std::string("their steps were kept")
                                          : "the steps of " + Named(lost, gone) +
-                                               " are lost (their rows left MEM-PS after a failed apply), the others' were kept") +
+                                               " are lost (their rows left MEM-PS before the release), the others' were kept") +
                            " (dirty in MEM-PS or stored), and the other keys were released");
 }
 
