@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "hps/config.h"
+#include "ps/route_checks.h"
 
 namespace hps {
 
@@ -456,6 +457,27 @@ RoutePlan FixedRoutes(const Topology& t, const std::vector<uint64_t>& bytes, con
   return plan;
 }
 
+namespace detail {
+
+void CheckRoutes(const char* executor, const RoutePlan& plan, const std::vector<uint64_t>& bytes, size_t e) {
+  for (size_t i = 0; i < e * e; ++i) {
+    const Route& r = plan.routes[i];
+    if (r.src != static_cast<int32_t>(i / e) || r.dst != static_cast<int32_t>(i % e))
+      throw std::invalid_argument(std::string(executor) + ": route " + std::to_string(i) + " is for (" +
+                                  std::to_string(r.src) + ", " + std::to_string(r.dst) + "), expected (" +
+                                  std::to_string(i / e) + ", " + std::to_string(i % e) + ")");
+    if (bytes[i] == 0 || i / e == i % e) continue;
+    if (r.kind == RouteKind::kNone)
+      throw std::invalid_argument(std::string(executor) + ": pair (" + std::to_string(i / e) + ", " +
+                                  std::to_string(i % e) + ") has " + std::to_string(bytes[i]) + " bytes but no route");
+    if (r.kind == RouteKind::kRelay && (r.via < 0 || static_cast<size_t>(r.via) >= e))
+      throw std::invalid_argument(std::string(executor) + ": route " + std::to_string(i) + " relays via endpoint " +
+                                  std::to_string(r.via) + " of " + std::to_string(e));
+  }
+}
+
+}  // namespace detail
+
 ExecStats ExecuteOnHost(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
                         const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv) {
   const size_t e = send.size();
@@ -464,6 +486,7 @@ ExecStats ExecuteOnHost(const RoutePlan& plan, const std::vector<uint64_t>& byte
                                 std::to_string(recv.size()) + " receive buffers, " + std::to_string(bytes.size()) +
                                 " matrix entries and " + std::to_string(plan.routes.size()) +
                                 " routes do not describe one E x E exchange");
+  detail::CheckRoutes("host executor", plan, bytes, e);
   // Segment offsets: send[s] by destination, recv[d] by source.
   std::vector<uint64_t> send_off(e * e, 0), recv_off(e * e, 0);
   for (size_t s = 0; s < e; ++s)
@@ -478,18 +501,8 @@ ExecStats ExecuteOnHost(const RoutePlan& plan, const std::vector<uint64_t>& byte
   std::vector<uint64_t> stage_off(e * e, 0);
   for (size_t i = 0; i < e * e; ++i) {
     const Route& r = plan.routes[i];
-    if (r.src != static_cast<int32_t>(i / e) || r.dst != static_cast<int32_t>(i % e))
-      throw std::invalid_argument("host executor: route " + std::to_string(i) + " is for (" + std::to_string(r.src) +
-                                  ", " + std::to_string(r.dst) + "), expected (" + std::to_string(i / e) + ", " +
-                                  std::to_string(i % e) + ")");
     if (bytes[i] == 0 || i / e == i % e) continue;
-    if (r.kind == RouteKind::kNone)
-      throw std::invalid_argument("host executor: pair (" + std::to_string(i / e) + ", " + std::to_string(i % e) +
-                                  ") has " + std::to_string(bytes[i]) + " bytes but no route");
     if (r.kind == RouteKind::kRelay) {
-      if (r.via < 0 || static_cast<size_t>(r.via) >= e)
-        throw std::invalid_argument("host executor: route " + std::to_string(i) + " relays via endpoint " +
-                                    std::to_string(r.via) + " of " + std::to_string(e));
       stage_key[i] = r.via;
     } else if (r.kind == RouteKind::kHost) {
       stage_key[i] = -1 - (r.path.size() > 2 ? r.path[1] : 0);
@@ -548,8 +561,11 @@ struct CudaExchangeBuffers::State {};
 CudaExchangeBuffers::CudaExchangeBuffers() : state_(std::make_unique<State>()) {}
 CudaExchangeBuffers::~CudaExchangeBuffers() = default;
 
-ExecStats ExecuteOnCuda(const RoutePlan&, const std::vector<uint64_t>&, const std::vector<int32_t>&,
-                        const std::vector<const uint8_t*>&, const std::vector<uint8_t*>&, CudaExchangeBuffers&) {
+ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<int32_t>&,
+                        const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>&, CudaExchangeBuffers&) {
+  // A bad plan is named as the CUDA build names it, whatever the build.
+  const size_t e = send.size();
+  if (bytes.size() == e * e && plan.routes.size() == e * e) detail::CheckRoutes("CUDA executor", plan, bytes, e);
   throw std::runtime_error("CUDA executor: this build of hps has no CUDA support "
                            "(configure with HPS_CUDA=ON and nvcc on the PATH)");
 }

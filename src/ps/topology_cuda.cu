@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "hps/topology.h"
+#include "ps/route_checks.h"
 #include "ps/row_mover.h"  // HostStaging
 #include "util/cuda_buffer.h"
 #include "util/cuda_check.h"
@@ -88,6 +89,8 @@ ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& byte
                                 std::to_string(recv.size()) + " receive buffers, " + std::to_string(gpu_ids.size()) +
                                 " GPUs, " + std::to_string(bytes.size()) + " matrix entries and " +
                                 std::to_string(plan.routes.size()) + " routes do not describe one E x E exchange");
+  // Before a relay's middleman indexes the staging below.
+  detail::CheckRoutes("CUDA executor", plan, bytes, e);
   std::vector<uint64_t> send_off(e * e, 0), recv_off(e * e, 0);
   for (size_t s = 0; s < e; ++s)
     for (size_t d = 1; d < e; ++d) send_off[s * e + d] = send_off[s * e + d - 1] + bytes[s * e + d - 1];
@@ -99,9 +102,6 @@ ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& byte
   for (size_t i = 0; i < e * e; ++i) {
     const Route& r = plan.routes[i];
     if (bytes[i] == 0 || i / e == i % e) continue;
-    if (r.kind == RouteKind::kNone)
-      throw std::invalid_argument("CUDA executor: pair (" + std::to_string(i / e) + ", " + std::to_string(i % e) +
-                                  ") has bytes but no route");
     if (r.kind == RouteKind::kRelay) {
       stage_off[i] = need[r.via];
       need[r.via] += bytes[i];

@@ -7,6 +7,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hps {
@@ -241,6 +242,38 @@ TEST(Topology, RejectsBadInput) {
     std::vector<const uint8_t*> s8(8, bufs[0].data());
     EXPECT_THROW(ExecuteOnCuda(p, Even(8, 10), std::vector<int32_t>(8, 0), s8, rp), std::runtime_error);
   }
+}
+
+// Both executors index their staging by a relay's middleman: a plan whose
+// middleman is no endpoint is refused before a byte moves (the CUDA executor
+// wrote past its staging sizes), checked before the GPU is touched, so without
+// one too.
+TEST(Topology, BothExecutorsRefuseARelayViaNoEndpoint) {
+  const RoutePlan planned = PlanRoutes(TwoSocket(), Even(8, 10), Schedule::kRelay);
+  std::vector<std::vector<uint8_t>> bufs(8, std::vector<uint8_t>(70));
+  std::vector<const uint8_t*> sp(8, bufs[0].data());
+  std::vector<uint8_t*> rp(8, bufs[1].data());
+  for (int32_t via : {-1, 8}) {
+    RoutePlan p = planned;
+    p.routes[1].kind = RouteKind::kRelay;  // (0, 1)
+    p.routes[1].via = via;
+    const std::string want = "route 1 relays via endpoint " + std::to_string(via) + " of 8";
+    try {
+      ExecuteOnHost(p, Even(8, 10), sp, rp);
+      FAIL() << "the host executor relayed via " << via;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("host executor: " + want), std::string::npos) << e.what();
+    }
+    try {
+      ExecuteOnCuda(p, Even(8, 10), std::vector<int32_t>(8, 0), sp, rp);
+      FAIL() << "the CUDA executor relayed via " << via;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("CUDA executor: " + want), std::string::npos) << e.what();
+    }
+  }
+  RoutePlan swapped = planned;
+  std::swap(swapped.routes[1], swapped.routes[2]);
+  EXPECT_THROW(ExecuteOnCuda(swapped, Even(8, 10), std::vector<int32_t>(8, 0), sp, rp), std::invalid_argument);
 }
 
 }  // namespace
