@@ -36,6 +36,22 @@ def test_table_ops_match_the_cpu():
 
 @pytest.mark.gpu
 @needs_gpu
+def test_assign_of_a_repeated_key_stores_its_last_row_as_the_cpu_does():
+    # Thousands of threads copying into one row at once left a mix of their rows.
+    keys = np.array([7] * 5_000 + [8, 9, 8], np.uint64)
+    rows = np.arange(keys.size * 8, dtype=np.float32).reshape(keys.size, 8)
+    gpu, cpu = hps.HashTable(64, 8, device="cuda:0"), hps.HashTable(64, 8)
+    for table in (gpu, cpu):
+        table.insert(np.array([7, 8], np.uint64), np.zeros((2, 8), np.float32))
+        found = table.assign(keys, rows)
+        assert found.tolist() == [True] * 5_001 + [False, True]
+    g_rows, _ = gpu.find(np.array([7, 8], np.uint64))
+    np.testing.assert_array_equal(g_rows, rows[[4_999, 5_002]])
+    np.testing.assert_array_equal(g_rows, cpu.find(np.array([7, 8], np.uint64))[0])
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("optimizer", [hps.SGD(0.1), hps.AdaGrad(0.1), hps.Adam(0.01)])
 def test_optimizers_match_the_cpu(optimizer):
     rng = np.random.default_rng(1)

@@ -79,7 +79,8 @@ class HashTable {
   virtual void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) = 0;
 
   // Overwrites the rows of present keys; absent keys are skipped (found[i] = 0).
-  // Returns the number of keys assigned.
+  // Of duplicates inside one call, the last one's row is stored. Returns the
+  // number of keys assigned (each duplicate counted).
   virtual uint64_t assign(const uint64_t* keys, uint64_t n, const float* rows,
                           uint8_t* found) = 0;
 

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "hps/hash_table.h"
 #include "table/table_kernels.h"
@@ -83,13 +84,15 @@ __global__ void AccumulateKernel(TableRef t, const uint64_t* keys, uint64_t n, c
   detail::AddRow<true>(t.row(slot), deltas + i * t.stride, t.stride);
 }
 
+// writes (null: every key is distinct): whether keys[i] is its key's last in
+// the call, the one whose row is stored.
 __global__ void AssignKernel(TableRef t, const uint64_t* keys, uint64_t n, const float* rows,
-                             uint8_t* found, Counters* c) {
+                             const uint8_t* writes, uint8_t* found, Counters* c) {
   const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
   if (i >= n) return;
   const int64_t slot = FindSlot(t, keys[i]);
   if (slot >= 0) {
-    detail::CopyRow(t.row(slot), rows + i * t.stride, t.stride);
+    if (writes == nullptr || writes[i]) detail::CopyRow(t.row(slot), rows + i * t.stride, t.stride);
     Count(&c->counted);
   }
   found[i] = slot >= 0 ? 1 : 0;
@@ -238,8 +241,22 @@ class CudaHashTable final : public HashTable {
     auto d_keys = Upload(keys, n);
     auto d_rows = Upload(rows, n * ref_.stride);
     DeviceArray<uint8_t> d_found(n);
+    // Of duplicate keys only the last writes, as the CPU launcher's call order
+    // leaves it: threads copying into one row at once would leave a mix of
+    // their rows, none of them the caller's.
+    std::unique_ptr<DeviceArray<uint8_t>> d_writes;
+    std::vector<int64_t> inverse(n);
+    const uint64_t distinct = UniqueKeys(keys, n, inverse.data()).size();
+    if (distinct < n) {
+      std::vector<uint64_t> last(distinct);
+      for (uint64_t i = 0; i < n; ++i) last[static_cast<uint64_t>(inverse[i])] = i;
+      std::vector<uint8_t> writes(n, 0);
+      for (uint64_t i : last) writes[i] = 1;
+      d_writes = Upload(writes.data(), n);
+    }
     ResetCounters();
-    AssignKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, d_rows->get(), d_found.get(),
+    AssignKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, d_rows->get(),
+                                        d_writes ? d_writes->get() : nullptr, d_found.get(),
                                         counters_.get());
     const Counters c = Finish();
     if (found) d_found.download(found, n);
