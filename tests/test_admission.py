@@ -370,6 +370,30 @@ def test_train_checks_the_sketches_of_the_evaluations_it_runs(no_launcher, tmp_p
     assert not (tmp_path / "b").exists()
 
 
+def test_eval_examples_of_0_read_no_held_out_batch_and_a_negative_count_is_refused(no_launcher, tmp_path):
+    """data.eval_examples = 0 means no held-out examples for files as for synthetic
+    data: _eval_batches read one batch of eval_source before it looked at the count,
+    and the sketch check counted evaluation sketches for a run that scores none. A
+    negative count was taken as it came."""
+    from hps.train import _eval_batches
+    tsv = tmp_path / "day_0.tsv"
+    row = "\t".join(["1"] + ["1"] * 13 + ["68fd1e64"] * 26)
+    tsv.write_text((row + "\n") * 8)
+    d = {"eval_every": 20, "pipelined": False, "ps": {"dim": 4, "path": str(tmp_path / "a")},
+         "data": {"source": str(tsv), "eval_source": str(tsv), "batch_size": 4},
+         "admission": {"threshold": 2, "sketch_bytes": "400KiB"}}
+    with pytest.raises(ValueError, match="3 sketches a rank"):  # 1 MiB machine (no_launcher)
+        TrainConfig.from_dict(d)
+    d["data"]["eval_examples"] = 0
+    cfg = TrainConfig.from_dict(d)
+    assert _eval_batches(cfg) == []
+    d["data"]["eval_examples"] = 5
+    assert [len(b) for b in _eval_batches(TrainConfig.from_dict({**d, "admission": {}}))] == [4, 4]
+    d["data"]["eval_examples"] = -1
+    with pytest.raises(ValueError, match=r"data.eval_examples must be an int >= 0, got -1"):
+        TrainConfig.from_dict(d)
+
+
 def test_the_ranks_on_the_machine_as_each_launcher_writes_them():
     from hps.distributed.comm import local_ranks_from_environment as ranks
     assert ranks({}) == (1, "")

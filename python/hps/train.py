@@ -220,7 +220,7 @@ class TrainConfig:
                                  f"{' with a schema' if data.schema is not None else ''}, got {data.format!r}")
             if data.source == "synthetic":
                 raise ValueError(f"{source}: data.format = {data.format!r} is the files' format: give data.source too")
-        for name, low in (("epochs", 1), ("shuffle_buffer", 0), ("train_examples", 1)):
+        for name, low in (("epochs", 1), ("shuffle_buffer", 0), ("train_examples", 1), ("eval_examples", 0)):
             v = getattr(data, name)
             if name == "train_examples" and v is None:
                 continue
@@ -348,7 +348,7 @@ def _eval_batches(cfg: TrainConfig) -> list:
             kw.update(multi_hot=[tuple(f) for f in d.multi_hot], bag_length=d.bag_length)
         return list(hdata.SyntheticCriteo(seed=d.seed, batch_size=d.batch_size, examples=d.eval_examples,
                                           part="eval", zipf_a=d.zipf_a, **kw))
-    if not d.eval_source:
+    if not d.eval_source or d.eval_examples == 0:  # 0: no held-out examples, as synthetic data's
         return []
     out, n = _EvalBatches(), 0
     reader = hdata.open_criteo(d.eval_source, d.batch_size, format=d.format, skip_malformed=d.skip_malformed) \
@@ -367,7 +367,7 @@ def _has_held_out(d: DataConfig) -> bool:
     """Whether [data] gives evaluations examples to score (_eval_batches): synthetic
     data's eval stream, or eval_source's files. Without them an evaluation scores
     nothing and admission keeps no sketch for it."""
-    return d.eval_examples > 0 if d.source == "synthetic" else bool(d.eval_source)
+    return d.eval_examples > 0 and (d.source == "synthetic" or bool(d.eval_source))
 
 
 class _EvalBatches(list):
