@@ -1,0 +1,219 @@
+// SSD-PS's row I/O under faults a healthy disk never shows, on both paths:
+// a completion of -EAGAIN (the operation did nothing: ask again), a read or
+// write that moves fewer bytes than asked, and on the pread path a call
+// interrupted (EINTR) or cut short. A put must still write every byte (a
+// reopen reads each row back), and a get must read every byte.
+//
+// This binary defines io_uring_submit, pread and pwrite itself: the store
+// (linked in statically) calls them here; they inject what a test asks for
+// and go on to liburing (a shared library, found with dlsym) or the kernel.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "hps/config.h"
+#include "hps/ssd_store.h"
+#include "temp_dir.h"
+
+#if HPS_HAVE_LIBURING
+#include <liburing.h>
+#endif
+
+namespace {
+
+// Faults a test injects; each counts down as it is used.
+std::atomic<int> again_completions{0};    // the next reads or writes complete with -EAGAIN, moving nothing
+std::atomic<int> short_completions{0};    // the next reads or writes of 8 KiB or more move half
+std::atomic<int> interrupted_calls{0};    // pread or pwrite fails with EINTR
+std::atomic<int> short_calls{0};          // pread or pwrite of 8 KiB or more moves half
+
+// Half of `bytes`, a multiple of 4 KiB (as O_DIRECT needs); 0 below 8 KiB.
+uint64_t Half(uint64_t bytes) { return bytes >= 8192 ? bytes / 2 / 4096 * 4096 : 0; }
+
+bool Take(std::atomic<int>& faults) {
+  int left = faults.load();
+  while (left > 0 && !faults.compare_exchange_weak(left, left - 1)) {
+  }
+  return left > 0;
+}
+
+#if HPS_HAVE_LIBURING
+// A read's buffer gets garbage where the read is not to land, so that a
+// caller that takes a short or refused read as done reads that garbage.
+void Scribble(const io_uring_sqe* sqe, uint64_t from, uint64_t to) {
+  if (sqe->opcode == IORING_OP_READ) std::memset(reinterpret_cast<uint8_t*>(sqe->addr) + from, 0xee, to - from);
+}
+
+#endif
+}  // namespace
+
+#if HPS_HAVE_LIBURING
+extern "C" int io_uring_submit(io_uring* ring) {
+  static const auto real = reinterpret_cast<int (*)(io_uring*)>(dlsym(RTLD_NEXT, "io_uring_submit"));
+  // The queued operations, not yet handed to the kernel: refused ones become
+  // reads or writes of 0 bytes, whose completions are rewritten below.
+  std::vector<uint64_t> refused;
+  for (unsigned i = ring->sq.sqe_head; i != ring->sq.sqe_tail; ++i) {
+    io_uring_sqe* sqe = &ring->sq.sqes[i & ring->sq.ring_mask];
+    if (sqe->opcode != IORING_OP_READ && sqe->opcode != IORING_OP_WRITE) continue;
+    if (Take(again_completions)) {
+      Scribble(sqe, 0, sqe->len);
+      sqe->len = 0;
+      refused.push_back(sqe->user_data);
+    } else if (Half(sqe->len) > 0 && Take(short_completions)) {
+      const unsigned asked = sqe->len;
+      sqe->len = static_cast<unsigned>(Half(asked));
+      Scribble(sqe, sqe->len, asked);
+    }
+  }
+  const int submitted = real(ring);
+  // Each refused operation's completion (0 bytes moved) becomes -EAGAIN
+  // before the caller can see it; the completion ring is the caller's memory.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!refused.empty()) {
+    const unsigned tail = __atomic_load_n(ring->cq.ktail, __ATOMIC_ACQUIRE);
+    for (unsigned i = *ring->cq.khead; i != tail; ++i) {
+      io_uring_cqe* cqe = &ring->cq.cqes[i & ring->cq.ring_mask];
+      const auto it = std::find(refused.begin(), refused.end(), cqe->user_data);
+      if (it == refused.end()) continue;
+      if (cqe->res == 0) cqe->res = -EAGAIN;
+      refused.erase(it);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::fprintf(stderr, "io_uring_submit: a refused operation never completed\n");
+      std::abort();
+    }
+  }
+  return submitted;
+}
+#endif
+
+extern "C" ssize_t pread(int fd, void* data, size_t bytes, off_t offset) {
+  if (Take(interrupted_calls)) {
+    errno = EINTR;
+    return -1;
+  }
+  if (Half(bytes) > 0 && Take(short_calls)) bytes = Half(bytes);
+  return syscall(SYS_pread64, fd, data, bytes, offset);
+}
+
+extern "C" ssize_t pwrite(int fd, const void* data, size_t bytes, off_t offset) {
+  if (Take(interrupted_calls)) {
+    errno = EINTR;
+    return -1;
+  }
+  if (Half(bytes) > 0 && Take(short_calls)) bytes = Half(bytes);
+  return syscall(SYS_pwrite64, fd, data, bytes, offset);
+}
+
+namespace hps {
+namespace {
+
+namespace fs = std::filesystem;
+
+class SsdIoFaultTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = test_support::FreshTestDir("hps-ssd-io-fault-test"); }
+  void TearDown() override {
+    again_completions = short_completions = interrupted_calls = short_calls = 0;
+    fs::remove_all(dir_);
+  }
+
+  // 1024 records a file: 16 KiB of rows, read whole by a get of all its keys.
+  std::unique_ptr<SsdStore> Open(bool uring) const {
+    SsdStoreOptions o;
+    o.path = dir_;
+    o.row_bytes = kRowBytes;
+    o.file_records = 1024;
+    o.background_compaction = false;
+    o.compaction_trigger = 100;
+    o.use_io_uring = uring;
+    return SsdStore::Open(o);
+  }
+
+  static bool OnUring(const SsdStore& store) { return store.stats().io_path.rfind("io_uring", 0) == 0; }
+
+  // Row of `key`: its 8 bytes, then its bitwise complement.
+  static std::vector<uint8_t> Rows(const std::vector<uint64_t>& keys) {
+    std::vector<uint8_t> rows(keys.size() * kRowBytes);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const uint64_t words[2] = {keys[i], ~keys[i]};
+      std::memcpy(rows.data() + i * kRowBytes, words, sizeof words);
+    }
+    return rows;
+  }
+
+  static void Put(SsdStore& store, const std::vector<uint64_t>& keys) {
+    store.Put(keys.data(), keys.size(), Rows(keys).data());
+  }
+
+  // Whether every key is found with its own row.
+  static void ExpectRows(SsdStore& store, const std::vector<uint64_t>& keys) {
+    std::vector<uint8_t> out(keys.size() * kRowBytes), found(keys.size());
+    ASSERT_EQ(store.Get(keys.data(), keys.size(), out.data(), found.data()), keys.size());
+    EXPECT_TRUE(out == Rows(keys)) << "rows read back differ from those put";
+  }
+
+  static std::vector<uint64_t> Range(uint64_t first, uint64_t end) {
+    std::vector<uint64_t> keys(end - first);
+    std::iota(keys.begin(), keys.end(), first);
+    return keys;
+  }
+
+  static constexpr uint32_t kRowBytes = 16;
+  std::string dir_;
+};
+
+// Each fault on a few of a put's writes (several files) and of a get's reads:
+// every byte still moves, as a reopened store shows.
+TEST_F(SsdIoFaultTest, IoUringCompletionsOfEagainOrCutShortAreAskedAgain) {
+  const std::vector<uint64_t> keys = Range(1, 4097);  // four files
+  {
+    auto store = Open(true);
+    if (!OnUring(*store)) GTEST_SKIP() << "no io_uring here";
+    again_completions = 2;
+    short_completions = 2;
+    Put(*store, keys);
+    EXPECT_EQ(again_completions + short_completions, 0) << "the put's writes took fewer faults than asked";
+    store->Commit();
+  }
+  auto store = Open(true);
+  again_completions = 2;
+  short_completions = 2;
+  ExpectRows(*store, keys);
+  EXPECT_EQ(again_completions + short_completions, 0) << "the get's reads took fewer faults than asked";
+}
+
+// The pread path (io_uring not asked for): calls interrupted or cut short
+// are asked again, for every write of a put (MANIFEST's too) and read of a get.
+TEST_F(SsdIoFaultTest, PreadPathCallsInterruptedOrCutShortAreAskedAgain) {
+  const std::vector<uint64_t> keys = Range(1, 4097);
+  {
+    auto store = Open(false);
+    ASSERT_EQ(store->stats().io_path.rfind("pread", 0), 0u) << store->stats().io_path;
+    interrupted_calls = 3;
+    short_calls = 3;
+    Put(*store, keys);
+    store->Commit();
+    EXPECT_EQ(interrupted_calls + short_calls, 0) << "the put's writes took fewer faults than asked";
+  }
+  auto store = Open(false);
+  interrupted_calls = 3;
+  short_calls = 3;
+  ExpectRows(*store, keys);
+  EXPECT_EQ(interrupted_calls + short_calls, 0) << "the get's reads took fewer faults than asked";
+}
+
+}  // namespace
+}  // namespace hps
