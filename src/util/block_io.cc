@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -70,6 +72,10 @@ class PosixIo final : public BlockIo {
 // waiting on reads per 1M examples, 6-8 s with 512); most batches now take one submit.
 constexpr unsigned kQueueDepth = 512;
 constexpr uint64_t kMaxOpBytes = uint64_t{1} << 30;  // io_uring lengths are 32-bit
+// A submit refused with nothing in the kernel is tried again this many times,
+// this far apart (about a second in all), before the call fails.
+constexpr int kSubmitRetries = 1000;
+constexpr auto kSubmitBackoff = std::chrono::milliseconds(1);
 
 class UringIo final : public BlockIo {
  public:
@@ -92,6 +98,7 @@ class UringIo final : public BlockIo {
   void ReadAll(std::vector<IoRequest>& requests) override { Run(requests, false); }
   void WriteAll(std::vector<IoRequest>& requests) override { Run(requests, true); }
   const char* name() const override { return "io_uring"; }
+  bool reusable() const override { return reusable_; }
 
  private:
   UringIo() = default;
@@ -100,6 +107,7 @@ class UringIo final : public BlockIo {
     write_ = write;
     pending_done_.clear();
     size_t next = 0, in_flight = 0;
+    int refusals = 0;  // submits refused in a row with nothing in the kernel
     try {
       while (next < requests.size() || in_flight > 0) {
         while (next < requests.size() && in_flight < kQueueDepth) {
@@ -108,7 +116,25 @@ class UringIo final : public BlockIo {
           ++in_flight;
         }
         const int submitted = io_uring_submit(&ring_);
-        if (submitted < 0) ThrowUring("submit", submitted, *requests.front().path);
+        if (submitted == -EAGAIN || submitted == -EBUSY) {
+          // Refused for now: the kernel is short of memory for the requests
+          // (-EAGAIN) or has completions to reap first (-EBUSY). With some
+          // operations in the kernel, reaping their completions below frees
+          // what it lacks; with none, only time can, and nothing would ever
+          // complete to end the wait.
+          if (in_flight - io_uring_sq_ready(&ring_) == 0) {
+            if (++refusals > kSubmitRetries) {
+              ThrowUring("submit", submitted, *requests.front().path,
+                         " (refused " + std::to_string(refusals) + " times in a row)");
+            }
+            std::this_thread::sleep_for(kSubmitBackoff);
+            continue;
+          }
+        } else if (submitted < 0) {
+          ThrowUring("submit", submitted, *requests.front().path);
+        } else {
+          refusals = 0;
+        }
         io_uring_cqe* cqe = nullptr;
         const int waited = io_uring_wait_cqe(&ring_, &cqe);
         if (waited < 0) {
@@ -159,15 +185,24 @@ class UringIo final : public BlockIo {
     }
   }
 
-  // After a failure, waits out the operations still in flight: their
-  // buffers belong to the caller, who is about to free them.
+  // After a failure, waits out the operations the kernel holds: their
+  // buffers belong to the caller, who is about to free them. Those still
+  // queued, when the kernel refuses them even now, are never waited for
+  // (they would never complete); the ring, which would hand them to the
+  // kernel with the next call's, is then not reused.
   void Drain(size_t in_flight) {
     io_uring_submit(&ring_);
+    const unsigned unsubmitted = io_uring_sq_ready(&ring_);
+    if (unsubmitted > 0) reusable_ = false;
+    in_flight -= std::min<size_t>(in_flight, unsubmitted);
     while (in_flight > 0) {
       io_uring_cqe* cqe = nullptr;
       const int waited = io_uring_wait_cqe(&ring_, &cqe);
       if (waited == -EINTR) continue;
-      if (waited < 0) return;  // the ring itself is broken; nothing more to wait for
+      if (waited < 0) {  // the ring itself is broken; nothing more to wait for
+        reusable_ = false;
+        return;
+      }
       io_uring_cqe_seen(&ring_, cqe);
       --in_flight;
     }
@@ -192,13 +227,15 @@ class UringIo final : public BlockIo {
     pending_done_[r] = done;
   }
 
-  [[noreturn]] static void ThrowUring(const char* what, int res, const std::string& path) {
-    throw IoError(path + ": io_uring " + what + ": " + std::strerror(-res));
+  [[noreturn]] static void ThrowUring(const char* what, int res, const std::string& path,
+                                      const std::string& detail = "") {
+    throw IoError(path + ": io_uring " + what + ": " + std::strerror(-res) + detail);
   }
 
   io_uring ring_{};
   bool ready_ = false;
   bool write_ = false;
+  bool reusable_ = true;
   std::unordered_map<IoRequest*, uint64_t> pending_done_;  // bytes already moved
 };
 #endif
@@ -286,7 +323,7 @@ BlockIoPool::Lease BlockIoPool::Acquire() {
 }
 
 void BlockIoPool::Return(std::unique_ptr<BlockIo> io) {
-  if (io == nullptr) return;
+  if (io == nullptr || !io->reusable()) return;  // the next caller gets a fresh one
   std::lock_guard lock(mutex_);
   idle_.push_back(std::move(io));
 }

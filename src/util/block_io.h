@@ -57,6 +57,9 @@ class BlockIo {
   virtual void WriteAll(std::vector<IoRequest>& requests) = 0;
   // "io_uring" or "pread".
   virtual const char* name() const = 0;
+  // False once a failure left the object unfit for another call (an
+  // io_uring holding requests the kernel refused): BlockIoPool drops it.
+  virtual bool reusable() const { return true; }
 
   // At least `bytes` of aligned buffer for this caller's reads, kept between
   // calls (its contents are not kept): a get reuses it instead of allocating

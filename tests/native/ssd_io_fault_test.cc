@@ -1,8 +1,11 @@
 // SSD-PS's row I/O under faults a healthy disk never shows, on both paths:
-// a completion of -EAGAIN (the operation did nothing: ask again), a read or
-// write that moves fewer bytes than asked, and on the pread path a call
-// interrupted (EINTR) or cut short. A put must still write every byte (a
-// reopen reads each row back), and a get must read every byte.
+// io_uring_submit refused for now (-EAGAIN: no memory for the requests;
+// -EBUSY: completions to reap first), a completion of -EAGAIN (the operation
+// did nothing: ask again), a read or write that moves fewer bytes than asked,
+// and on the pread path a call interrupted (EINTR) or cut short. A put must
+// still write every byte (a reopen reads each row back), a get must read
+// every byte, and a refusal that does not pass must fail naming the file,
+// neither hang nor leave requests behind for the next call.
 //
 // This binary defines io_uring_submit, pread and pwrite itself: the store
 // (linked in statically) calls them here; they inject what a test asks for
@@ -33,6 +36,8 @@
 namespace {
 
 // Faults a test injects; each counts down as it is used.
+std::atomic<int> submit_refusals{0};      // io_uring_submit returns -submit_error, submitting nothing
+std::atomic<int> submit_error{EAGAIN};
 std::atomic<int> again_completions{0};    // the next reads or writes complete with -EAGAIN, moving nothing
 std::atomic<int> short_completions{0};    // the next reads or writes of 8 KiB or more move half
 std::atomic<int> interrupted_calls{0};    // pread or pwrite fails with EINTR
@@ -61,6 +66,7 @@ void Scribble(const io_uring_sqe* sqe, uint64_t from, uint64_t to) {
 #if HPS_HAVE_LIBURING
 extern "C" int io_uring_submit(io_uring* ring) {
   static const auto real = reinterpret_cast<int (*)(io_uring*)>(dlsym(RTLD_NEXT, "io_uring_submit"));
+  if (Take(submit_refusals)) return -submit_error.load();
   // The queued operations, not yet handed to the kernel: refused ones become
   // reads or writes of 0 bytes, whose completions are rewritten below.
   std::vector<uint64_t> refused;
@@ -126,7 +132,7 @@ class SsdIoFaultTest : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = test_support::FreshTestDir("hps-ssd-io-fault-test"); }
   void TearDown() override {
-    again_completions = short_completions = interrupted_calls = short_calls = 0;
+    submit_refusals = again_completions = short_completions = interrupted_calls = short_calls = 0;
     fs::remove_all(dir_);
   }
 
@@ -193,6 +199,69 @@ TEST_F(SsdIoFaultTest, IoUringCompletionsOfEagainOrCutShortAreAskedAgain) {
   short_completions = 2;
   ExpectRows(*store, keys);
   EXPECT_EQ(again_completions + short_completions, 0) << "the get's reads took fewer faults than asked";
+}
+
+// A submit the kernel refuses for now (-EAGAIN: short of memory; -EBUSY:
+// completions waiting) is tried again, not raised as the get's or put's failure.
+TEST_F(SsdIoFaultTest, IoUringSubmitRefusedForNowIsTriedAgain) {
+  const std::vector<uint64_t> keys = Range(1, 2049);
+  for (const int error : {EAGAIN, EBUSY}) {
+    SCOPED_TRACE(std::strerror(error));
+    fs::remove_all(dir_);
+    {
+      auto store = Open(true);
+      if (!OnUring(*store)) GTEST_SKIP() << "no io_uring here";
+      submit_error = error;
+      submit_refusals = 3;
+      Put(*store, keys);
+      EXPECT_EQ(submit_refusals, 0);
+      store->Commit();
+    }
+    auto store = Open(true);
+    submit_refusals = 3;
+    ExpectRows(*store, keys);
+    EXPECT_EQ(submit_refusals, 0);
+  }
+}
+
+// A refusal that does not pass fails the call naming the file, in bounded
+// time (waiting for operations the kernel never took would hang); the
+// operations left unsubmitted in that ring never reach a later call, whose
+// buffers they do not point at: the next put and get, fault-free, are whole.
+TEST_F(SsdIoFaultTest, IoUringSubmitRefusedForGoodFailsNamingTheFileAndLeavesNothingBehind) {
+  auto store = Open(true);
+  if (!OnUring(*store)) GTEST_SKIP() << "no io_uring here";
+  const std::vector<uint64_t> keys = Range(1, 2049);
+  Put(*store, keys);
+  store->Commit();
+  submit_error = EAGAIN;
+  submit_refusals = 1 << 30;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<uint8_t> out(keys.size() * kRowBytes);
+  try {
+    store->Get(keys.data(), keys.size(), out.data(), nullptr);
+    ADD_FAILURE() << "a get whose every submit was refused succeeded";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir_), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(".hpf: io_uring submit: "), std::string::npos) << e.what();
+  }
+  try {
+    Put(*store, Range(3001, 3011));
+    ADD_FAILURE() << "a put whose every submit was refused succeeded";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(".hpf: io_uring submit: "), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  submit_refusals = 0;
+  ExpectRows(*store, keys);
+  const std::vector<uint64_t> later = Range(5001, 6025);
+  Put(*store, later);
+  store->Commit();
+  store.reset();
+  store = Open(true);
+  ExpectRows(*store, keys);
+  ExpectRows(*store, later);
+  EXPECT_EQ(store->size(), keys.size() + later.size()) << "the failed put left rows";
 }
 
 // The pread path (io_uring not asked for): calls interrupted or cut short
