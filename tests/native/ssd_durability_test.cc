@@ -6,10 +6,12 @@
 // power loss after the commit returns leaves a MANIFEST pointing at empty or
 // missing files.
 //
-// This binary defines fdatasync, fsync and ftruncate itself: the store's
-// calls (it is linked in statically) come here, are logged with the path of
-// their descriptor (or fail, where a test asks), and go on to the kernel.
+// This binary defines fdatasync, fsync, ftruncate and close itself: the
+// store's calls (it is linked in statically) come here, are logged with the
+// path of their descriptor (or fail, where a test asks), and go on to the
+// kernel.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -42,6 +44,13 @@ std::mutex sync_log_mutex;
 std::vector<SyncCall> sync_log;  // guarded by sync_log_mutex
 // Faults a test injects: the next fdatasync or ftruncate fails with EIO.
 std::atomic<bool> fail_next_fdatasync{false}, fail_next_ftruncate{false};
+// The next fdatasync of a path ending so fails with sync_error.
+std::mutex sync_fault_mutex;
+std::string fail_sync_of;  // guarded by sync_fault_mutex
+int sync_error = EIO;      // guarded by sync_fault_mutex
+// The next close of a descriptor open for writing fails with EIO, as NFS
+// reports a write-back that failed; the descriptor is closed all the same.
+std::atomic<bool> fail_next_write_close{false};
 
 std::string PathOf(int fd) {
   char link[64], target[4096];
@@ -58,10 +67,26 @@ void LogSync(int fd, bool data_only) {
 
 }  // namespace
 
+bool EndsWith(const std::string& s, const std::string& end) {
+  return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
+}
+
+// Whether this fdatasync of `path` is to fail, and with what.
+int SyncFault(const std::string& path) {
+  std::lock_guard lock(sync_fault_mutex);
+  if (fail_sync_of.empty() || !EndsWith(path, fail_sync_of)) return 0;
+  fail_sync_of.clear();
+  return sync_error;
+}
+
 extern "C" int fdatasync(int fd) {
   LogSync(fd, true);
   if (fail_next_fdatasync.exchange(false)) {
     errno = EIO;
+    return -1;
+  }
+  if (const int error = SyncFault(PathOf(fd))) {
+    errno = error;
     return -1;
   }
   return static_cast<int>(syscall(SYS_fdatasync, fd));
@@ -73,6 +98,16 @@ extern "C" int ftruncate(int fd, off_t length) noexcept {
     return -1;
   }
   return static_cast<int>(syscall(SYS_ftruncate, fd, length));
+}
+
+extern "C" int close(int fd) {
+  const bool writing = fd >= 0 && (fcntl(fd, F_GETFL) & O_ACCMODE) == O_WRONLY;
+  const int rc = static_cast<int>(syscall(SYS_close, fd));
+  if (rc == 0 && writing && fail_next_write_close.exchange(false)) {
+    errno = EIO;
+    return -1;
+  }
+  return rc;
 }
 
 extern "C" int fsync(int fd) {
@@ -90,7 +125,11 @@ class SsdDurabilityTest : public ::testing::Test {
   void SetUp() override {
     dir_ = fs::weakly_canonical(test_support::FreshTestDir("hps-ssd-durability-test")).string();
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override {
+    fail_next_write_close = false;
+    FailNextSyncOf("", EIO);
+    fs::remove_all(dir_);
+  }
 
   std::unique_ptr<SsdStore> Open() const {
     SsdStoreOptions o;
@@ -107,6 +146,26 @@ class SsdDurabilityTest : public ::testing::Test {
     std::iota(keys.begin(), keys.end(), first);
     const std::vector<uint8_t> rows(keys.size() * kRowBytes, 7);
     store.Put(keys.data(), keys.size(), rows.data());
+  }
+
+  // How many of the keys [first, end) the store finds, each with the row Put gave it.
+  static uint64_t Found(SsdStore& store, uint64_t first, uint64_t end) {
+    std::vector<uint64_t> keys(end - first);
+    std::iota(keys.begin(), keys.end(), first);
+    std::vector<uint8_t> rows(keys.size() * kRowBytes), found(keys.size());
+    const uint64_t hits = store.Get(keys.data(), keys.size(), rows.data(), found.data());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (found[i]) {
+        EXPECT_EQ(rows[i * kRowBytes], 7) << "key " << keys[i];
+      }
+    }
+    return hits;
+  }
+
+  static void FailNextSyncOf(const std::string& path_end, int error) {
+    std::lock_guard lock(sync_fault_mutex);
+    fail_sync_of = path_end;
+    sync_error = error;
   }
 
   // The parameter files in the store's directory, by path.
@@ -200,6 +259,62 @@ TEST_F(SsdDurabilityTest, AFailedCommitThatCouldNotBeCutIsCutByTheNext) {
   EXPECT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{1, 10}}));
   EXPECT_EQ(r.state.commits, 2u);
   EXPECT_EQ(r.ignored_bytes, 0u);
+}
+
+// A parameter file whose close fails (NFS reports a failed write-back
+// there) was not written: the put fails naming it, removes it and leaves the
+// store as it was, committed rows and all.
+TEST_F(SsdDurabilityTest, APutWhoseFileFailsToCloseFailsNamingItAndChangesNothing) {
+  auto store = Open();
+  Put(*store, 1, 5);
+  store->Commit();
+  const std::vector<std::string> before = Files();
+  fail_next_write_close = true;
+  try {
+    Put(*store, 5, 9);
+    ADD_FAILURE() << "a put whose file failed to close succeeded";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir_ + "/"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(".hpf: close: " + std::string(std::strerror(EIO))), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fail_next_write_close) << "no file was closed after writing";
+  EXPECT_EQ(Files(), before);
+  EXPECT_EQ(Found(*store, 1, 9), 4u);
+  store->Commit();
+  store.reset();
+  store = Open();
+  EXPECT_EQ(Found(*store, 1, 9), 4u);
+  EXPECT_EQ(Found(*store, 1, 5), 4u);
+}
+
+// A commit whose MANIFEST sync fails (a full disk) fails naming MANIFEST and
+// commits nothing: a reopen finds the last commit's rows only; the puts stay
+// in the open store, and the next commit makes them durable.
+TEST_F(SsdDurabilityTest, ACommitWhoseManifestSyncFailsNamesItAndCommitsNothing) {
+  for (const bool retry : {false, true}) {
+    SCOPED_TRACE(retry ? "committed again" : "reopened");
+    fs::remove_all(dir_);
+    auto store = Open();
+    Put(*store, 1, 5);
+    store->Commit();
+    Put(*store, 5, 9);
+    FailNextSyncOf("/MANIFEST", ENOSPC);
+    try {
+      store->Commit();
+      ADD_FAILURE() << "a commit whose MANIFEST sync failed succeeded";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(dir_ + "/MANIFEST: sync commit: " + std::strerror(ENOSPC)),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(Found(*store, 1, 9), 8u);
+    if (retry) store->Commit();
+    store.reset();
+    store = Open();
+    EXPECT_EQ(Found(*store, 1, 5), 4u);
+    EXPECT_EQ(Found(*store, 5, 9), retry ? 4u : 0u);
+  }
 }
 
 }  // namespace
