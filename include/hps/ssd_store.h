@@ -117,6 +117,9 @@ class SsdStore {
   // the commit() it ran in (background_compaction = false) or the next one
   // (on the background thread, which also writes a line to stderr) throws
   // IoError for it, once, after its own commit is durable.
+  // A file that fails to sync (fdatasync) lost its rows with the error, which
+  // the kernel reports once: this commit and every later one throw IoError
+  // naming it; reopening returns to the last commit.
   virtual void Commit() = 0;
   // Commits, then rewrites the live records of every file more than half
   // stale, in the calling thread (after any compaction under way); afterwards

@@ -615,7 +615,20 @@ class FileStore final : public SsdStore {
       std::shared_lock lock(mutex_);
       for (uint32_t handle : uncommitted_) pending.emplace_back(handle, Entry(handle).file);
     }
-    for (const auto& entry : pending) entry.second->Sync();
+    if (!unsyncable_.empty()) throw IoError(unsyncable_);
+    for (const auto& entry : pending) {
+      try {
+        entry.second->Sync();
+      } catch (const IoError& e) {
+        // The kernel reports a failed write-back once and marks the pages
+        // clean: a second fdatasync succeeds though the rows never reached
+        // the disk. So no later commit may name this file.
+        unsyncable_ = "ssd store " + options_.path + ": " + e.what() +
+                      "; rows put since the last commit cannot be made durable: reopen the store, which "
+                      "returns to the last commit";
+        throw IoError(unsyncable_);
+      }
+    }
     SyncDirectory(options_.path);  // the new files' names, before the manifest points at them
     {
       std::lock_guard manifest_lock(manifest_mutex_);
@@ -1148,6 +1161,8 @@ class FileStore final : public SsdStore {
   std::atomic<uint64_t> commits_{0};
   std::atomic<uint64_t> stamp_{0};               // what puts write; never goes back
   std::vector<Dropped> dropped_;                 // guarded by put_mutex_: Bound's, until the next commit
+  std::string unsyncable_;                       // guarded by put_mutex_: why every commit fails, once a
+                                                 // file failed to sync
 
   mutable std::mutex compaction_mutex_;
   std::condition_variable compaction_cv_;

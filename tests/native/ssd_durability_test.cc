@@ -317,5 +317,37 @@ TEST_F(SsdDurabilityTest, ACommitWhoseManifestSyncFailsNamesItAndCommitsNothing)
   }
 }
 
+// After a failed fdatasync the kernel has dropped the error with the dirty
+// pages (marked clean, never written): a second fdatasync of the file
+// succeeds though its data never reached the disk. So a commit whose file
+// failed to sync must not be retried into one that names the file: every
+// later commit fails, naming it, and a reopen (back to the last commit)
+// finds no row of it.
+TEST_F(SsdDurabilityTest, AFileThatFailedToSyncIsNeverCommitted) {
+  auto store = Open();
+  Put(*store, 1, 5);
+  store->Commit();
+  Put(*store, 5, 9);
+  const std::vector<std::string> files = Files();
+  ASSERT_EQ(files.size(), 2u);
+  const std::string unsynced = files.back();
+  FailNextSyncOf(unsynced, EIO);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    SCOPED_TRACE(attempt == 0 ? "the commit whose sync failed" : "the next commit");
+    try {
+      store->Commit();
+      ADD_FAILURE() << "committed " << unsynced << ", whose sync failed";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(unsynced + ": sync: " + std::strerror(EIO)), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(Found(*store, 1, 9), 8u) << "the open store still serves its puts";
+  store.reset();
+  store = Open();
+  EXPECT_EQ(Found(*store, 1, 5), 4u);
+  EXPECT_EQ(Found(*store, 5, 9), 0u);
+}
+
 }  // namespace
 }  // namespace hps
