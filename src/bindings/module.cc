@@ -896,7 +896,7 @@ PYBIND11_MODULE(_core, m) {
       uniq = hps::UniqueKeys(k, n, inv);
     }
     py::array_t<uint64_t> out(static_cast<py::ssize_t>(uniq.size()));
-    std::memcpy(out.mutable_data(), uniq.data(), uniq.size() * sizeof(uint64_t));
+    if (!uniq.empty()) std::memcpy(out.mutable_data(), uniq.data(), uniq.size() * sizeof(uint64_t));  // no keys: null data
     return py::make_tuple(out, inverse);
   }, py::arg("keys"), "(distinct keys in order of first appearance, index of each key among them)");
   m.def("sum_by_inverse", [](const py::array& inverse, const py::array& rows, uint64_t n_unique) {

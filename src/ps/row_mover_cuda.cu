@@ -52,6 +52,10 @@ class CudaRowMover final : public RowMover {
     ScatterKernel<<<Blocks(n), kBlock>>>(staged, in, d_index, n, dim);
     HPS_CUDA_TRY(cudaGetLastError());
     HPS_CUDA_TRY(cudaMemcpy(out, staged, n * dim * sizeof(float), cudaMemcpyDefault));
+    // A copy between two devices' memory does not wait for the host: `out`
+    // (a torch tensor on another GPU, say) must be whole when this returns,
+    // and the next Exchange must not overwrite `in` while the kernel reads it.
+    HPS_CUDA_TRY(cudaDeviceSynchronize());
   }
 
   void GatherIn(int32_t device, const uint64_t* index, uint64_t n, uint32_t dim, const float* in,

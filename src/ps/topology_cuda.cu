@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "hps/hash_table.h"  // CudaDeviceCount
 #include "hps/topology.h"
 #include "ps/route_checks.h"
 #include "ps/row_mover.h"  // HostStaging
@@ -75,10 +76,9 @@ struct CudaExchangeBuffers::State {
 CudaExchangeBuffers::CudaExchangeBuffers() : state_(std::make_unique<State>()) {}
 CudaExchangeBuffers::~CudaExchangeBuffers() = default;
 
-bool CudaExecutorAvailable() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+// CudaDeviceCount clears the error a machine without a GPU leaves, which a
+// later launch would otherwise report as its own.
+bool CudaExecutorAvailable() { return CudaDeviceCount() > 0; }
 
 ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<int32_t>& gpu_ids,
                         const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv,

@@ -319,6 +319,9 @@ class CudaHashTable final : public HashTable {
     std::lock_guard lock(mutex_);
     SetDevice(device_);
     FillKeys<<<Blocks(ref_.slots), kBlock>>>(ref_.keys, ref_.slots);
+    // A launch that failed (no kernel image for this GPU, say) is reported
+    // here, not blamed on the next call; synchronising does not report it.
+    HPS_CUDA_TRY(cudaGetLastError());
     HPS_CUDA_TRY(cudaMemset(ref_.rows, 0, rows_.bytes()));
     HPS_CUDA_TRY(cudaDeviceSynchronize());
     size_ = 0;
