@@ -648,3 +648,42 @@ def test_a_batch_of_no_examples_and_a_device_given_none_train_as_the_sequential_
     her = run(server(tmp_path / "her", "herald"), batches)
     np.testing.assert_allclose(all_rows(her, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
     assert her.stats()["device"]["herald"]["batches"] == 3
+
+
+@pytest.mark.parametrize("worker", [-1, 2])
+def test_a_worker_outside_the_devices_is_named_by_every_call(tmp_path, worker):
+    """A worker index below 0 is refused as one past the devices is: numpy would
+    read device W - 1's copies for -1."""
+    ps = server(tmp_path / "a", "herald", devices=2)
+    keys = np.array([[1, 2], [3, 4]], np.uint64)
+    b = ps.batch(ps.prefetch(keys))
+    b.partition()
+    message = rf"worker {worker} is outside \[0, 2\)"
+    with pytest.raises(ValueError, match=message):
+        b.pull(keys[0], worker=worker)
+    with pytest.raises(ValueError, match=message):
+        b.gather(np.array([0, 1]), worker=worker)
+    with pytest.raises(ValueError, match=message):
+        b.push(keys[0], np.zeros((2, 4), np.float32), worker=worker)
+    with pytest.raises(ValueError, match=message):
+        b.accumulate(np.array([0, 1]), np.zeros((2, 4), np.float32), worker=worker)
+    b.apply()
+    b.write_back()
+
+
+def test_a_rebuild_makes_room_for_the_largest_cache_not_the_smallest(tmp_path):
+    """Two devices, caches of 40 rows in tables of 128 at first: each batch gives
+    device 0 an example of 30 new keys and device 1 one of a single key, so the
+    caches come out 40 rows and 2. The third batch's fetches (30 a device) pass
+    load 0.7 of 128 on device 0: the tables are rebuilt to fit its 40 rows and 30
+    more at half load (256 rows), and the next batch needs no other rebuild."""
+    ps = server(tmp_path / "a", "herald", devices=2, rows=40)
+    batches = [np.array([np.arange(30) + 30 * b + 1, np.full(30, 1000 + b)], np.uint64) for b in range(4)]
+    run(ps, batches[:2])
+    h = ps.stats()["device"]["herald"]
+    assert h["cached"] == [40, 2] and h["table_rows"] == 128 and h["compactions"] == 0
+    run(ps, batches[2:3])
+    h = ps.stats()["device"]["herald"]
+    assert h["table_rows"] == 256 and h["compactions"] == 1
+    run(ps, batches[3:])
+    assert ps.stats()["device"]["herald"]["compactions"] == 1
