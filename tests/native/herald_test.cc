@@ -556,6 +556,64 @@ TEST(Herald, AnExampleStaysOnItsOriginUnlessMoreThanItsCostOfKeysAreCachedElsewh
   EXPECT_EQ(a.Schedule(second.data(), 2, 2).assignment, b.Schedule(second.data(), 2, 2).assignment);
 }
 
+// The load term on a cold batch (no cache holds a key): lambda 2, so a worker
+// that took x of its share of 2 loses 2 x (8 keys / 4 examples) x x. Example 1
+// shares key 1 with example 0 (score 1 on worker 0, which took half its
+// share: value 1 - 2 = -1) and goes to worker 1 (value 0). With lambda 1, or
+// a mean of one key an example, or no term, the two values tie (or worker 0
+// leads) and it joins example 0, as the sequential partition would.
+TEST(Herald, AColdExampleLeavesAWorkerWhoseLoadOutweighsTheKeysItShares) {
+  hps::Herald h({.workers = 2, .capacity = 0});
+  std::vector<uint64_t> keys = {1, 2, 1, 5, 6, 7, 8, 9};
+  const auto p = h.Schedule(keys.data(), 4, 2);
+  EXPECT_EQ(p.assignment, (std::vector<int32_t>{0, 1, 0, 1}));
+}
+
+// Placed examples' keys count as cached by their worker for the examples
+// after them: example 1 repeats example 0's three cold keys and scores 3 on
+// worker 0 after it, more than the load term there (2 x 2 keys x 1/2), so the
+// two land together; scored on the snapshot alone it would go to worker 1.
+TEST(Herald, ExamplesSharingKeysNoCacheHoldsLandTogether) {
+  hps::Herald h({.workers = 2, .capacity = 0});
+  std::vector<uint64_t> offsets = {0, 3, 6, 7, 8}, keys = {1, 2, 3, 1, 2, 3, 7, 8};
+  const auto p = h.Schedule(offsets.data(), 4, keys.data());
+  EXPECT_EQ(p.assignment, (std::vector<int32_t>{0, 0, 1, 1}));
+  EXPECT_EQ(p.pulls, 5u);  // each key once, no key on both workers
+  EXPECT_EQ(p.shared, 0u);
+}
+
+// The origin's load term: spared for a cold example, not for a warm one.
+TEST(Herald, OnlyAColdExampleIsSparedTheLoadTermAtItsOrigin) {
+  {  // Cold, all four read on worker 0 at a cost of 1/2 key: the second stays
+     // home (1/2 against 0 on worker 1) though worker 0 took half its share;
+     // charged the load term (2 x 2 keys x 1/2) it would move.
+    hps::Herald h({.workers = 2, .capacity = 0, .example_cost = 0.5});
+    std::vector<uint64_t> keys = {1, 2, 3, 4, 5, 6, 7, 8};
+    std::vector<int32_t> origin = {0, 0, 1, 1};
+    const auto p = h.Schedule(keys.data(), 4, 2, nullptr, 0, origin.data());
+    EXPECT_EQ(p.assignment, (std::vector<int32_t>{0, 0, 1, 1}));
+    EXPECT_EQ(p.examples_moved, 0u);
+  }
+  {  // Warm: worker 0 holds key 1, and four examples of key 1 and nine cold
+     // keys (10 keys an example) are read on worker 0 at a cost of 1/8 key.
+     // The second scores 1 + 1/8 at home less the load term (1/4 x 10 x 1/2 =
+     // 1.25): -1/8, against 0 on worker 1, where it goes. Spared, it would stay.
+    hps::Herald h({.workers = 2, .capacity = 0, .example_cost = 0.125});
+    std::vector<uint64_t> first = {1, 2};  // 1 to worker 0, 2 to worker 1
+    h.Schedule(first.data(), 2, 1);
+    ASSERT_EQ(h.Cached(0), (std::vector<uint64_t>{1}));
+    std::vector<uint64_t> keys;
+    for (uint64_t i = 0; i < 4; ++i) {
+      keys.push_back(1);
+      for (uint64_t j = 0; j < 9; ++j) keys.push_back(100 + 10 * i + j);
+    }
+    std::vector<int32_t> origin(4, 0);
+    const auto p = h.Schedule(keys.data(), 4, 10, nullptr, 0, origin.data());
+    EXPECT_EQ(p.assignment, (std::vector<int32_t>{0, 1, 0, 1}));
+    EXPECT_EQ(p.examples_moved, 2u);
+  }
+}
+
 TEST(Herald, RejectsBadArguments) {
   EXPECT_THROW(hps::Herald({.workers = 0}), std::invalid_argument);
   EXPECT_THROW(hps::Herald({.workers = 65}), std::invalid_argument);
@@ -629,7 +687,7 @@ namespace {
 // The comparison sort (scores above the batch's size: keys repeated) orders as
 // the counting sorts do. Worker 0 holds {5} and worker 1 {1, 2}. Equal
 // regrets: the higher best score first, though later in the batch; equal
-// regrets and best scores: batch order.
+// regrets and best scores: batch order; a higher regret before a higher best score.
 TEST(Herald, TheComparisonSortBreaksTiesAsTheCountingSortsDo) {
   std::vector<uint64_t> first_offsets = {0, 1, 3}, first = {5, 1, 2};  // {5} to 0, {1, 2} to 1
   for (const uint64_t repeat : {1u, 100u}) {  // 1: the counting sorts; 100: the comparison sort
@@ -647,6 +705,15 @@ TEST(Herald, TheComparisonSortBreaksTiesAsTheCountingSortsDo) {
       offsets.push_back(example(keys, {1, 9}));
       offsets.push_back(example(keys, {1, 2, 5}));
       EXPECT_EQ(h.Schedule(offsets.data(), 2, keys.data()).assignment, (std::vector<int32_t>{0, 1}));
+    }
+    {  // {1, 2, 5, 5} (scores 2 and 2 x repeat: regret 0) and {5} (1 and 0: regret 1):
+       // the second, with the lower best score, chooses first and takes worker 0
+      hps::Herald h({.workers = 2, .capacity = 0});
+      h.Schedule(first_offsets.data(), 2, first.data());
+      std::vector<uint64_t> keys, offsets = {0};
+      offsets.push_back(example(keys, {1, 2, 5, 5}));
+      offsets.push_back(example(keys, {5}));
+      EXPECT_EQ(h.Schedule(offsets.data(), 2, keys.data()).assignment, (std::vector<int32_t>{1, 0}));
     }
     {  // {1} and {2}: both score 0 and 1 x repeat, and the first in the batch gets worker 1
       hps::Herald h({.workers = 2, .capacity = 0});
