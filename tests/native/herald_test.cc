@@ -63,20 +63,25 @@ TEST(Herald, SameBatchesGiveTheSamePlans) {
 }
 
 // Replays the plans against a model of the caches built from the header's
-// contract alone: holders[k] = the workers with k's latest version.
-TEST(Herald, FetchesAndCommPlansMatchAModelOfTheCaches) {
-  const int W = 4;
-  hps::Herald h({.workers = W, .capacity = 0});
-  std::mt19937_64 rng(3);
+// contract alone: holders[k] = the workers with k's latest version. Every
+// count too: pulls, those from peers, pushes (on demand: a key a worker
+// fetches from a peer, once; write-through: every batch key, from the PS
+// alone), shared (|trainers| - 1 a key) and distinct. W = 12 takes the wide
+// masks' loop, W = 4 the byte masks' branch-free counts.
+void CheckFetchesAgainstAModelOfTheCaches(int W, bool on_demand) {
+  hps::Herald h({.workers = W, .capacity = 0, .on_demand = on_demand});
+  std::mt19937_64 rng(3 + W);
+  const uint64_t n = 4 * static_cast<uint64_t>(W);
   std::vector<std::set<int>> holders(40);
   for (int b = 0; b < 30; ++b) {
-    const auto keys = RandomBatch(rng, 16, 3, 40);
-    const auto p = h.Schedule(keys.data(), 16, 3);
+    SCOPED_TRACE(testing::Message() << "batch " << b);
+    const auto keys = RandomBatch(rng, n, 3, 40);
+    const auto p = h.Schedule(keys.data(), n, 3);
     std::vector<std::set<int>> trainers(40);
-    for (uint64_t i = 0; i < 16; ++i)
+    for (uint64_t i = 0; i < n; ++i)
       for (int f = 0; f < 3; ++f) trainers[keys[i * 3 + f]].insert(p.assignment[i]);
     std::vector<std::set<uint64_t>> comm(W);
-    uint64_t pulls = 0;
+    uint64_t pulls = 0, peer_pulls = 0;
     for (int w = 0; w < W; ++w) {
       std::set<uint64_t> want;
       for (uint64_t k = 0; k < 40; ++k)
@@ -85,19 +90,33 @@ TEST(Herald, FetchesAndCommPlansMatchAModelOfTheCaches) {
       for (uint64_t at = p.fetch_offsets[w]; at < p.fetch_offsets[w + 1]; ++at) {
         const uint64_t k = p.fetch_keys[at];
         got.insert(k);
-        const int expect_from = holders[k].empty() ? -1 : *holders[k].begin();
+        const int expect_from = holders[k].empty() || !on_demand ? -1 : *holders[k].begin();
         EXPECT_EQ(p.fetch_from[at], expect_from) << "key " << k;
         if (expect_from >= 0) comm[expect_from].insert(k);
+        peer_pulls += expect_from >= 0;
       }
-      EXPECT_EQ(got, want) << "batch " << b << " worker " << w;
+      EXPECT_EQ(got, want) << "worker " << w;
       pulls += want.size();
     }
     EXPECT_EQ(p.pulls, pulls);
+    EXPECT_EQ(p.peer_pulls, peer_pulls);
+    uint64_t pushes = 0, shared = 0, distinct = 0;
     for (int w = 0; w < W; ++w) {
       std::set<uint64_t> plan(p.comm_keys.begin() + p.comm_offsets[w], p.comm_keys.begin() + p.comm_offsets[w + 1]);
       EXPECT_EQ(plan.size(), p.comm_offsets[w + 1] - p.comm_offsets[w]) << "a comm plan repeats a key";
-      EXPECT_EQ(plan, comm[w]) << "batch " << b << " worker " << w;
+      EXPECT_EQ(plan, comm[w]) << "worker " << w;
+      pushes += on_demand ? comm[w].size() : 0;
     }
+    for (uint64_t k = 0; k < 40; ++k) {
+      if (trainers[k].empty()) continue;
+      ++distinct;
+      shared += trainers[k].size() - 1;
+      pushes += on_demand ? 0 : 1;
+    }
+    EXPECT_EQ(p.pushes, pushes);
+    EXPECT_EQ(p.evict_pushes, 0u);
+    EXPECT_EQ(p.shared, shared);
+    EXPECT_EQ(p.distinct, distinct);
     for (uint64_t k = 0; k < 40; ++k)
       if (!trainers[k].empty()) holders[k] = trainers[k];
     for (int w = 0; w < W; ++w) {
@@ -106,6 +125,15 @@ TEST(Herald, FetchesAndCommPlansMatchAModelOfTheCaches) {
         if (holders[k].count(w)) expect.push_back(k);
       EXPECT_EQ(h.Cached(w), expect);
       EXPECT_EQ(h.cached(w), expect.size());
+    }
+  }
+}
+
+TEST(Herald, FetchesAndCommPlansMatchAModelOfTheCaches) {
+  for (const int W : {4, 12}) {
+    for (const bool on_demand : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "W " << W << " on_demand " << on_demand);
+      CheckFetchesAgainstAModelOfTheCaches(W, on_demand);
     }
   }
 }
