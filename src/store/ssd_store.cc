@@ -109,7 +109,13 @@ void CheckOrCreateMarker(const std::string& dir, uint32_t row_bytes) {
     if (!out) ThrowErrno("write", tmp);
   }
   const int fd = open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0 || fsync(fd) != 0) ThrowErrno("sync", tmp);
+  if (fd < 0) ThrowErrno("open", tmp);
+  if (fsync(fd) != 0) {
+    const int err = errno;
+    close(fd);  // not leaked by a store that failed to open
+    errno = err;
+    ThrowErrno("sync", tmp);
+  }
   close(fd);
   if (std::rename(tmp.c_str(), marker.c_str()) != 0) ThrowErrno("rename", tmp);
   SyncDirectory(dir);

@@ -48,6 +48,8 @@ std::atomic<bool> fail_next_fdatasync{false}, fail_next_ftruncate{false};
 std::mutex sync_fault_mutex;
 std::string fail_sync_of;  // guarded by sync_fault_mutex
 int sync_error = EIO;      // guarded by sync_fault_mutex
+// The next fsync of a path ending so fails with EIO.
+std::string fail_fsync_of;  // guarded by sync_fault_mutex
 // The next close of a descriptor open for writing fails with EIO, as NFS
 // reports a write-back that failed; the descriptor is closed all the same.
 std::atomic<bool> fail_next_write_close{false};
@@ -112,7 +114,26 @@ extern "C" int close(int fd) {
 
 extern "C" int fsync(int fd) {
   LogSync(fd, false);
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    if (!fail_fsync_of.empty() && EndsWith(PathOf(fd), fail_fsync_of)) {
+      fail_fsync_of.clear();
+      errno = EIO;
+      return -1;
+    }
+  }
   return static_cast<int>(syscall(SYS_fsync, fd));
+}
+
+// Descriptors of this process open on paths ending so.
+int OpenDescriptorsOf(const std::string& end) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    const auto target = std::filesystem::read_symlink(entry.path(), error);
+    if (!error && EndsWith(target.string(), end)) ++count;
+  }
+  return count;
 }
 
 namespace hps {
@@ -128,6 +149,10 @@ class SsdDurabilityTest : public ::testing::Test {
   void TearDown() override {
     fail_next_write_close = false;
     FailNextSyncOf("", EIO);
+    {
+      std::lock_guard lock(sync_fault_mutex);
+      fail_fsync_of.clear();
+    }
     fs::remove_all(dir_);
   }
 
@@ -347,6 +372,26 @@ TEST_F(SsdDurabilityTest, AFileThatFailedToSyncIsNeverCommitted) {
   store = Open();
   EXPECT_EQ(Found(*store, 1, 5), 4u);
   EXPECT_EQ(Found(*store, 5, 9), 0u);
+}
+
+// A new store whose marker fails to sync is refused naming the marker, and
+// leaves no descriptor open on it (each failed open leaked one).
+TEST_F(SsdDurabilityTest, ANewStoreWhoseMarkerFailsToSyncIsRefusedAndLeaksNoDescriptor) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    {
+      std::lock_guard lock(sync_fault_mutex);
+      fail_fsync_of = "STORE.tmp";
+    }
+    try {
+      Open();
+      ADD_FAILURE() << "a store whose marker failed to sync opened";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find("STORE.tmp"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(OpenDescriptorsOf("STORE.tmp"), 0) << "attempt " << attempt;
+    fs::remove(fs::path(dir_) / "STORE.tmp");
+  }
+  EXPECT_NE(Open(), nullptr);  // the fault passed: the store opens
 }
 
 }  // namespace
