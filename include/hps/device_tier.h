@@ -295,7 +295,9 @@ class HostBatch {
   // stats().failed_releases and thrown:
   //  * a key no longer pinned (something else unpinned it): the other keys
   //    are released all the same, one by one, and std::runtime_error names
-  //    the keys refused, whose updates MEM-PS may drop (they are not dirty);
+  //    the keys refused; an updated one's step is marked dirty where its row
+  //    still lies (MemCache::MarkUpdated), and one whose row was evicted
+  //    meanwhile (clean: its step with it) is named lost;
   //  * anything else (bad_alloc): nothing was released, and a later Release
   //    or the destructor tries again.
   void Release();

@@ -898,16 +898,37 @@ void HostBatch::Release() {
     }
   }
   cache_.CountFailedRelease();
-  std::string which;
-  for (size_t j = 0; j < refused.size() && j < 8; ++j) {
-    which += (j > 0 ? ", keys[" : "keys[") + std::to_string(refused[j]) + "] = " + std::to_string(keys_[refused[j]]) +
-             (updated[refused[j]] ? " (updated)" : "");
+  // A refused key's unpin did not mark its step: marked now where its row
+  // still lies, so MEM-PS stores it when it evicts the row. A row that left
+  // its slot meanwhile (unpinned, then evicted clean) took its step with it.
+  std::vector<uint64_t> stepped;
+  std::vector<uint8_t*> where;
+  std::vector<uint64_t> position;
+  for (uint64_t p : refused) {
+    if (!updated[p]) continue;
+    stepped.push_back(keys_[p]);
+    where.push_back(rows[p]);
+    position.push_back(p);
   }
-  if (refused.size() > 8) which += ", ...";
+  std::vector<uint64_t> lost;
+  for (uint64_t j : cache_.MarkUpdated(stepped.data(), stepped.size(), where.data())) lost.push_back(position[j]);
+  const auto named = [&](const std::vector<uint64_t>& at, bool say_updated) {
+    std::string which;
+    for (size_t j = 0; j < at.size() && j < 8; ++j) {
+      which += (j > 0 ? ", keys[" : "keys[") + std::to_string(at[j]) + "] = " + std::to_string(keys_[at[j]]) +
+               (say_updated && updated[at[j]] ? " (updated)" : "");
+    }
+    if (at.size() > 8) which += ", ...";
+    return which;
+  };
   throw std::runtime_error("host batch release: " + std::to_string(refused.size()) + " of " +
-                           std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" + which +
-                           "): something else unpinned them, and MEM-PS may drop the updated ones' steps; "
-                           "the other keys were released");
+                           std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" +
+                           named(refused, true) + "): something else unpinned them; " +
+                           (lost.empty() ? std::string("the updated ones' steps were kept")
+                                         : "the steps of " + named(lost, false) +
+                                               " are lost (their rows left MEM-PS before the release), the other "
+                                               "updated ones' were kept") +
+                           " (dirty in MEM-PS), and the other keys were released");
 }
 
 std::unique_ptr<DeviceTier> DeviceTier::New(const DeviceTierOptions& options) {

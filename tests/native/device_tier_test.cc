@@ -848,10 +848,36 @@ TEST(HostBatch, ReleaseOfAKeyUnpinnedBehindItsBackReleasesTheRestAndThrows) {
   }
   const MemCacheStats st = cache->stats();
   EXPECT_EQ(st.pinned, 0u);
-  EXPECT_EQ(st.dirty, 2u);  // keys 1 and 3
+  EXPECT_EQ(st.dirty, 3u);  // keys 1 and 3, and key 2's step, kept
   EXPECT_EQ(st.failed_releases, 1u);
   batch.Release();  // released: nothing more to do, nothing counted
   EXPECT_EQ(cache->stats().failed_releases, 1u);
+}
+
+// The same, with key 2's row evicted between the foreign unpin and the
+// release: its step left with the row (clean until the release could mark
+// it), and the error names it lost.
+TEST(HostBatch, AStepWhoseRowWasEvictedBeforeTheReleaseIsNamedLost) {
+  RowStore store(AdaGrad(2));
+  auto cache = store.Cache(16);
+  std::vector<uint64_t> keys = {1, 2, 3};
+  cache->Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+  HostBatch batch(*cache, keys.data(), keys.size(), store.opt);
+  std::vector<int64_t> at = {0, 1, 2};
+  std::vector<float> g(6, 0.5f);
+  batch.Accumulate(at.data(), 3, g.data());
+  batch.Apply();
+  const uint64_t stolen = 2;
+  cache->Unpin(&stolen, 1);
+  for (uint64_t other = 100; other < 164; ++other) cache->Pull(&other, 1, nullptr, /*pin=*/false, nullptr);
+  ASSERT_FALSE(cache->Contains(stolen));
+  try {
+    batch.Release();
+    FAIL() << "a release that could not unpin key 2 succeeded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("the steps of keys[1] = 2 are lost"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cache->stats().pinned, 0u);
 }
 
 // A batch dropped unreleased is released by its destructor, which cannot
