@@ -172,6 +172,18 @@ def test_write_back_of_an_unpinned_key_is_refused():
         cache.pull(u64([hps.EMPTY_KEY]))
 
 
+# A child process's code leaving `tb` at the frame of a MemCache whose constructor
+# raised, its half-built self among the frame's locals (as pytest shows them).
+REFUSED_CACHE = """
+try:
+    hps.MemCache(8, 2, policy="bogus")
+except ValueError as e:
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+"""
+
+
 def test_a_cache_whose_constructor_raised_has_a_repr():
     """pytest shows the locals of a failed test's frames, a refused MemCache's self
     among them (hps.Lookup with a cache_policy it does not know): its repr read the
@@ -179,16 +191,7 @@ def test_a_cache_whose_constructor_raised_has_a_repr():
     A child process, so that a segfault fails this test rather than the run."""
     import subprocess
     import sys
-    code = """
-import hps
-try:
-    hps.MemCache(8, 2, policy="bogus")
-except ValueError as e:
-    tb = e.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    print(repr(tb.tb_frame.f_locals["self"]))
-"""
+    code = "import hps\n" + REFUSED_CACHE + 'print(repr(tb.tb_frame.f_locals["self"]))\n'
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "MemCache(not built: its constructor raised)"
@@ -205,15 +208,7 @@ def test_every_method_of_a_cache_whose_constructor_raised_raises():
     ValueError now. A child process, so that a segfault fails this test only."""
     import subprocess
     import sys
-    code = """
-import numpy as np, hps
-try:
-    hps.MemCache(8, 2, policy="bogus")
-except ValueError as e:
-    tb = e.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    cache = tb.tb_frame.f_locals["self"]
+    code = "import numpy as np, hps\n" + REFUSED_CACHE + 'cache = tb.tb_frame.f_locals["self"]\n' + """
 keys = np.array([1, 2], np.uint64)
 for call in [lambda: cache.stats(), lambda: cache.row_bytes, lambda: cache.pull(keys), lambda: cache.pin(keys),
              lambda: cache.pin_rows(keys), lambda: cache.write_back(keys, np.zeros((2, 8), np.uint8)),

@@ -823,23 +823,30 @@ TEST(HostBatch, ErrorsNameTheKeyOrPosition) {
   }
 }
 
+// A host batch of keys 1, 2 and 3, each stepped, whose pin of key 2 something
+// else took (unpinned behind its back).
+std::unique_ptr<HostBatch> SteppedBatchWithKey2UnpinnedElsewhere(const RowStore& store, MemCache& cache) {
+  std::vector<uint64_t> keys = {1, 2, 3};
+  cache.Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+  auto batch = std::make_unique<HostBatch>(cache, keys.data(), keys.size(), store.opt);
+  std::vector<int64_t> at = {0, 1, 2};
+  std::vector<float> g(6, 0.5f);
+  batch->Accumulate(at.data(), 3, g.data());
+  batch->Apply();
+  const uint64_t stolen = 2;
+  cache.Unpin(&stolen, 1);
+  return batch;
+}
+
 // Something else unpinned one of a batch's keys: Release still releases the
 // others (the updated ones dirty), then says which key it could not release;
 // the cache counts the failure.
 TEST(HostBatch, ReleaseOfAKeyUnpinnedBehindItsBackReleasesTheRestAndThrows) {
   RowStore store(AdaGrad(2));
   auto cache = store.Cache(16);
-  std::vector<uint64_t> keys = {1, 2, 3};
-  cache->Pull(keys.data(), keys.size(), nullptr, true, nullptr);
-  HostBatch batch(*cache, keys.data(), keys.size(), store.opt);
-  std::vector<int64_t> at = {0, 1, 2};
-  std::vector<float> g(6, 0.5f);
-  batch.Accumulate(at.data(), 3, g.data());
-  batch.Apply();
-  const uint64_t stolen = 2;
-  cache->Unpin(&stolen, 1);
+  auto batch = SteppedBatchWithKey2UnpinnedElsewhere(store, *cache);
   try {
-    batch.Release();
+    batch->Release();
     FAIL() << "a release that could not unpin key 2 succeeded";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("1 of 3 keys were no longer pinned by this batch (keys[1] = 2 (updated))"),
@@ -850,7 +857,7 @@ TEST(HostBatch, ReleaseOfAKeyUnpinnedBehindItsBackReleasesTheRestAndThrows) {
   EXPECT_EQ(st.pinned, 0u);
   EXPECT_EQ(st.dirty, 3u);  // keys 1 and 3, and key 2's step, kept
   EXPECT_EQ(st.failed_releases, 1u);
-  batch.Release();  // released: nothing more to do, nothing counted
+  batch->Release();  // released: nothing more to do, nothing counted
   EXPECT_EQ(cache->stats().failed_releases, 1u);
 }
 
@@ -860,19 +867,11 @@ TEST(HostBatch, ReleaseOfAKeyUnpinnedBehindItsBackReleasesTheRestAndThrows) {
 TEST(HostBatch, AStepWhoseRowWasEvictedBeforeTheReleaseIsNamedLost) {
   RowStore store(AdaGrad(2));
   auto cache = store.Cache(16);
-  std::vector<uint64_t> keys = {1, 2, 3};
-  cache->Pull(keys.data(), keys.size(), nullptr, true, nullptr);
-  HostBatch batch(*cache, keys.data(), keys.size(), store.opt);
-  std::vector<int64_t> at = {0, 1, 2};
-  std::vector<float> g(6, 0.5f);
-  batch.Accumulate(at.data(), 3, g.data());
-  batch.Apply();
-  const uint64_t stolen = 2;
-  cache->Unpin(&stolen, 1);
+  auto batch = SteppedBatchWithKey2UnpinnedElsewhere(store, *cache);
   for (uint64_t other = 100; other < 164; ++other) cache->Pull(&other, 1, nullptr, /*pin=*/false, nullptr);
-  ASSERT_FALSE(cache->Contains(stolen));
+  ASSERT_FALSE(cache->Contains(2));
   try {
-    batch.Release();
+    batch->Release();
     FAIL() << "a release that could not unpin key 2 succeeded";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("the steps of keys[1] = 2 are lost"), std::string::npos) << e.what();
