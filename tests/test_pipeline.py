@@ -67,6 +67,56 @@ def test_resume_continues_to_the_same_result(tmp_path):
         train(config(tmp_path / "whole"), progress=False)
 
 
+def test_a_resume_whose_path_another_run_checkpointed_meanwhile_is_refused(tmp_path, monkeypatch):
+    """A resume reads the server's last checkpoint before its server takes the path's
+    lock. Another resume that opened, trained and checkpointed in between made that
+    number stale, and opening at it rolled the other run's newer checkpoint back
+    (opening drops every other checkpoint). The open now checks, under the lock,
+    that the server still names what this run read, and refuses otherwise, changing
+    nothing."""
+    import hps.train as ht
+    path = tmp_path / "ps"
+    first = config(path, checkpoint_every=4)
+    first.data.train_examples = 512 * 4
+    train(first, progress=False)
+    real = ht.stored_checkpoint
+    raced = []
+
+    def stored_then_another_run(p):
+        read = real(p)
+        if not raced:  # the other resume runs in this one's window, once
+            raced.append(True)
+            other = config(path, checkpoint_every=4)
+            other.data.train_examples = 512 * 8
+            assert train(other, resume=True, progress=False)["batches"] == 8
+        return read
+    monkeypatch.setattr(ht, "stored_checkpoint", stored_then_another_run)
+    read = real(str(path))[1]  # this run's, before the other's
+    with pytest.raises(hps.PathInUseError, match=rf"{path}: another run changed it while this one was opening it "
+                                                  rf"\(its checkpoint is now \d+, where this run read {read}\)") as refused:
+        train(config(path, checkpoint_every=4), resume=True, progress=False)
+    after = real(str(path))[1]  # the other run's last checkpoint, kept: opening at `read` dropped it
+    assert after > read and f"now {after}," in str(refused.value)
+    monkeypatch.setattr(ht, "stored_checkpoint", real)
+    assert train(config(path, checkpoint_every=4), resume=True, progress=False)["batches"] == 12
+
+
+def test_a_rank_refuses_a_job_manifest_another_run_changed_before_it_opened(tmp_path):
+    """A rank opens its server at the checkpoint rank 0 read from job.json; under
+    its lock it checks that job.json still names that checkpoint and world."""
+    from hps.train import JOB_MANIFEST, _job_still_at
+    (tmp_path / JOB_MANIFEST).write_text(json.dumps({"world": 2, "step": 8, "checkpoint": 3, "run": "a"}))
+    _job_still_at(str(tmp_path), 2, 3)(None)  # unchanged: opens
+    with pytest.raises(hps.PathInUseError, match=r"\(its checkpoint is now 3 of 2 ranks, where this run read 2 of "
+                                                  r"2 ranks\); nothing was changed"):
+        _job_still_at(str(tmp_path), 2, 2)({"checkpoint": 2})
+    with pytest.raises(hps.PathInUseError, match=r"now 3 of 2 ranks, where this run read 3 of 4 ranks"):
+        _job_still_at(str(tmp_path), 4, 3)(None)
+    (tmp_path / JOB_MANIFEST).unlink()
+    with pytest.raises(hps.PathInUseError, match=r"now None of None ranks"):
+        _job_still_at(str(tmp_path), 2, 3)(None)
+
+
 def test_the_model_learns(tmp_path):
     cfg = config(tmp_path / "ps")
     cfg.data.train_examples = 512 * 40

@@ -794,11 +794,17 @@ class ParameterServer:
 
     def __init__(self, config: ParameterServerConfig,
                  partitioner: Optional[Callable[[np.ndarray, int], np.ndarray]] = None, *,
-                 checkpoint: Union[int, None, str] = LAST):
+                 checkpoint: Union[int, None, str] = LAST,
+                 before_restore: Optional[Callable[[Optional[dict]], None]] = None):
         """``checkpoint``: which checkpoint an existing server resumes from: LAST
         (the last finished one, which the metadata names), a number (an MPI job
         rolls every rank back to the one all of them finished), or None (none:
-        the server starts empty, as new). Opening drops every other checkpoint."""
+        the server starts empty, as new). Opening drops every other checkpoint.
+        ``before_restore``: called with the stored metadata (None for a new path)
+        once the path's writer lock is held and before anything is dropped; what
+        it raises ends the open, changing nothing. A caller that chose
+        ``checkpoint`` from what it read before taking the lock checks there that
+        no other run changed the path meanwhile."""
         config.check()  # before anything is created at the path
         if config.schedule == "herald" and partitioner is not None:
             raise ValueError("schedule = 'herald' places keys by the caches; it takes no partitioner")
@@ -811,13 +817,16 @@ class ParameterServer:
         # Released by close(), or when the server is collected without it.
         self._release_path = weakref.finalize(self, os.close, _lock_path(config.path))
         try:
-            self._open(config, partitioner, checkpoint, row_bytes)
+            self._open(config, partitioner, checkpoint, row_bytes, before_restore)
         except BaseException:
             self._release_path()
             raise
 
-    def _open(self, config: ParameterServerConfig, partitioner, checkpoint, row_bytes: int) -> None:
+    def _open(self, config: ParameterServerConfig, partitioner, checkpoint, row_bytes: int,
+              before_restore) -> None:
         meta = self._check_path()
+        if before_restore is not None:
+            before_restore(meta)
         # A run resumed keeps its id; a new one (checkpoint None: started over) gets one.
         # Metadata written before runs had ids gets one now.
         self._run = (meta or {}).get(RUN) if checkpoint is not None else None

@@ -48,7 +48,7 @@ from hps.jobdir import TRAINER_STATE, read_json, write_trainer_state  # in each 
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, RUN, ParameterServer,
                                   ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
-                                  new_run_id, remove_writer_lock)
+                                  PathInUseError, new_run_id, remove_writer_lock)
 from hps.pipeline import Loaded, Pipeline, batches_ahead
 from hps.tuning import ThreadTuner, dense_adam, import_torch, keep_freed_memory  # (also hps.train.X, as before)
 
@@ -453,7 +453,15 @@ class Trainer:
             _discard_run(path)  # nothing durable to keep; a new config may differ in layout
         self.state_dir = path
         opened = time.perf_counter()
-        self.ps = ParameterServer(ps_cfg, checkpoint=checkpoint)
+        # What was read above, before the server took the path's lock (a reshard's
+        # hold is let go before it), must still be so once it holds it: another run
+        # may have checkpointed or resharded in between, and opening at what this
+        # one read would roll that back.
+        if node is None:
+            unchanged = _server_still_at(path, stored if has_ps else None)
+        else:
+            unchanged = _job_still_at(cfg.ps.path, node.size, checkpoint)
+        self.ps = ParameterServer(ps_cfg, checkpoint=checkpoint, before_restore=unchanged)
         self.ps_open_seconds = time.perf_counter() - opened  # a prefault's cost shows here, not in training
         self.local_ps = self.ps
         self.widths = widths
@@ -715,6 +723,35 @@ def stored_checkpoint(path: str) -> tuple[bool, Optional[int]]:
     if meta.get("format") != FORMAT_VERSION:  # never taken for a server without checkpoints, and discarded
         raise ValueError(f"{meta_path}: format {meta.get('format')}, this build reads {FORMAT_VERSION}")
     return True, meta.get("checkpoint")
+
+
+def _changed_meanwhile(path: str, now, read) -> PathInUseError:
+    return PathInUseError(f"{path}: another run changed it while this one was opening it (its checkpoint is "
+                          f"now {now}, where this run read {read}); nothing was changed: run again")
+
+
+def _server_still_at(path: str, checkpoint: Optional[int]):
+    """ParameterServer's before_restore for one process: the server at path still
+    names `checkpoint` as its last (None: none, or no server)."""
+    def check(meta: Optional[dict]) -> None:
+        now = None if meta is None else meta.get("checkpoint")
+        if now != checkpoint:
+            raise _changed_meanwhile(path, now, checkpoint)
+    return check
+
+
+def _job_still_at(root: str, world: int, checkpoint: Optional[int]):
+    """ParameterServer's before_restore for a rank: the job's manifest still
+    names this job's world and the checkpoint its ranks roll back to."""
+    def check(meta: Optional[dict]) -> None:
+        try:
+            job = read_json(os.path.join(root, JOB_MANIFEST))
+        except FileNotFoundError:
+            job = {}
+        if job.get("world") != world or job.get("checkpoint") != checkpoint:
+            raise _changed_meanwhile(root, f"{job.get('checkpoint')} of {job.get('world')} ranks",
+                                     f"{checkpoint} of {world} ranks")
+    return check
 
 
 def load_trainer_state(path: str) -> dict:
