@@ -96,9 +96,10 @@ class PageLockedHostStaging final : public HostStaging {
   }
   float* Get(uint64_t floats) override {
     if (floats > size_) {
-      if (data_) HPS_CUDA_TRY(cudaFreeHost(data_));
-      data_ = nullptr;
+      float* old = data_;
+      data_ = nullptr;  // not freed again by the destructor if the free below fails
       size_ = 0;
+      if (old) HPS_CUDA_TRY(cudaFreeHost(old));
       HPS_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&data_), floats * sizeof(float), cudaHostAllocPortable));
       size_ = floats;
     }

@@ -242,6 +242,8 @@ class CpuHashTable final : public HashTable {
 
   void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) override {
     CheckOptimizer(opt);
+    // Its own lock taken shared for the sums, then exclusive for the rows.
+    if (&sums == this) throw std::invalid_argument("apply_summed_gradients: sums must be another table");
     const auto* cpu = dynamic_cast<const CpuHashTable*>(&sums);
     if (cpu == nullptr || sums.row_floats() != opt.dim) {
       throw std::invalid_argument("apply_summed_gradients: sums must be a CPU table with rows of dim = " +

@@ -289,6 +289,7 @@ class CudaHashTable final : public HashTable {
   }
 
   void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) override {
+    if (&sums == this) throw std::invalid_argument("apply_summed_gradients: sums must be another table");
     std::lock_guard lock(mutex_);
     CheckOptimizer(opt);
     const auto* cuda = dynamic_cast<const CudaHashTable*>(&sums);
@@ -297,6 +298,9 @@ class CudaHashTable final : public HashTable {
                                   " with rows of dim = " + std::to_string(opt.dim) + " floats, got " +
                                   sums.device() + " with " + std::to_string(sums.row_floats()));
     }
+    // The sums' slots are read by the kernel: no call on that table meanwhile
+    // (as the CPU table holds its lock shared).
+    std::lock_guard sums_lock(cuda->mutex_);
     ApplySums(*cuda, opt);
   }
 

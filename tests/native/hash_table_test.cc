@@ -182,6 +182,17 @@ TEST(HashTable, SummedGradientsStepLikeRawOnes) {
   for (uint64_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5f) << i;
   auto wrong_width = Table(64, opt.row_floats(), 1);
   EXPECT_THROW(summed->apply_summed_gradients(*wrong_width, opt), std::invalid_argument);
+  // A table of SGD rows (dim floats) is of the sums' width: applied to itself
+  // it took its lock shared, then exclusive, and hung.
+  SparseOptimizer sgd;
+  sgd.dim = 4;
+  auto rows = Table(64, sgd.row_floats(), 1);
+  try {
+    rows->apply_summed_gradients(*rows, sgd);
+    FAIL() << "a table's own rows were applied as its sums";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "apply_summed_gradients: sums must be another table");
+  }
 }
 
 TEST(HashTable, ClearZeroesRows) {
