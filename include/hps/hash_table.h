@@ -100,7 +100,10 @@ class HashTable {
   // Throws std::invalid_argument when `sums` is not such a table.
   virtual void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) = 0;
 
-  // Writes up to max_rows (key, row) pairs in slot order; returns how many.
+  // Writes up to max_rows (key, row) pairs; returns how many. The CPU table
+  // writes them in slot order; the CUDA table's threads claim output places
+  // as they find rows, so its order, and which rows a max_rows below size()
+  // writes, is not fixed. Callers export every row (max_rows >= size()).
   virtual uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const = 0;
 
   // Removes every key; rows return to zero.
