@@ -12,11 +12,11 @@
 
 namespace hps {
 
-// Up to 8 of keys at positions `at`, for an error message.
-static std::string Named(const std::vector<uint64_t>& keys, const std::vector<uint64_t>& at) {
+// Up to 8 of `keys`, for an error message.
+static std::string Named(const std::vector<uint64_t>& keys) {
   std::string which = "keys ";
-  for (size_t j = 0; j < at.size() && j < 8; ++j) which += (j > 0 ? ", " : "") + std::to_string(keys[at[j]]);
-  if (at.size() > 8) which += ", ...";
+  for (size_t j = 0; j < keys.size() && j < 8; ++j) which += (j > 0 ? ", " : "") + std::to_string(keys[j]);
+  if (keys.size() > 8) which += ", ...";
   return which;
 }
 
@@ -420,14 +420,11 @@ void WorkingSet::ReleaseAll() {
   if (tier_ != nullptr) tier_->Clear();
   if (unpinned.empty()) return;
   cache_.CountFailedRelease();
-  std::vector<uint64_t> all(unpinned.size()), gone(lost.size());
-  for (size_t j = 0; j < all.size(); ++j) all[j] = j;
-  for (size_t j = 0; j < gone.size(); ++j) gone[j] = j;
   throw std::runtime_error("working set release: " + std::to_string(unpinned.size()) + " of " +
                            std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" +
-                           Named(unpinned, all) + "): something else unpinned them; " +
+                           Named(unpinned) + "): something else unpinned them; " +
                            (lost.empty() ? std::string("their steps were kept")
-                                         : "the steps of " + Named(lost, gone) +
+                                         : "the steps of " + Named(lost) +
                                                " are lost (their rows left MEM-PS before the release), the others' were kept") +
                            " (dirty in MEM-PS or stored), and the other keys were released");
 }
