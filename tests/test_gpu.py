@@ -156,3 +156,30 @@ def test_a_batch_gathers_into_and_accumulates_from_a_cuda_tensor(tmp_path):
         h.finish()
     flat = np.unique(keys)
     np.testing.assert_allclose(by_gpu.pull(flat), by_host.pull(flat), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_batch_reads_gradients_a_side_stream_is_still_writing(tmp_path):
+    # The tier reads on the legacy default stream, which does not wait for a
+    # torch.cuda.Stream: gradients queued behind a long kernel there were read
+    # before they were written.
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    cfg = dict(dim=4, mem_budget="1MiB", optimizer=hps.SGD(lr=1.0), devices=1, host_in_place=False)
+    ps = hps.ParameterServer(hps.ParameterServerConfig(path=str(tmp_path / "gpu"), **cfg))
+    keys = np.arange(1, 257, dtype=np.uint64).reshape(-1, 1)
+    before = ps.pull(keys.reshape(-1))
+    side = torch.cuda.Stream(device="cuda:0")
+    with ps.batch(keys) as batch, torch.cuda.stream(side):
+        positions = batch.positions(keys)
+        big = torch.randn(4096, 4096, device="cuda:0")
+        grads = torch.zeros(len(positions), 4, device="cuda:0")
+        for _ in range(20):  # keeps the side stream busy well past the read
+            big = big @ big / 64
+        grads += 1 + 0 * big[: len(positions), :4]
+        batch.accumulate_tensor(positions, grads)
+        del grads  # its memory goes back to the side stream's pool
+        torch.zeros(len(positions), 4, device="cuda:0").fill_(7)  # and may be written again
+    np.testing.assert_allclose(ps.pull(keys.reshape(-1)), before - 1.0, rtol=1e-6, atol=1e-6)

@@ -47,6 +47,7 @@ every other snapshot. A server with no checkpoint yet opens empty, as it started
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import gc
@@ -96,6 +97,31 @@ def new_run_id() -> str:
 
 class PathInUseError(OSError):
     """Another ParameterServer (this process's or another's) has the path open."""
+
+
+@contextlib.contextmanager
+def _ordered_with_torch(t):
+    """Orders the tier's reads and writes of a CUDA tensor's memory with torch's.
+    The tier's copies and kernels run on the device's legacy default stream, which
+    waits for torch's default stream but not for a stream of the caller's
+    (torch.cuda.Stream: non-blocking). So on such a stream, the work that writes
+    t (a backward pass's gradients) is waited for first, and torch's later work
+    there (which may reuse t's memory once the caller drops it) waits for the
+    tier's. On the default stream, or for host memory, nothing is needed."""
+    if t.device.type != "cuda":
+        yield
+        return
+    import torch
+    current = torch.cuda.current_stream(t.device)
+    legacy = torch.cuda.default_stream(t.device)
+    if current == legacy:
+        yield
+        return
+    current.synchronize()
+    try:
+        yield
+    finally:
+        current.wait_stream(legacy)
 
 
 def _lock_path(path: str, doing: str = "") -> int:
@@ -607,14 +633,16 @@ class Batch(_BatchBase):
         worker's GPU, the tier writes it there, with no host copy."""
         if not self._takes(out, worker, len(positions)):
             return super().gather_tensor(positions, out, worker)
-        self._ws.get_into(worker, positions, out.data_ptr(), out.device.type == "cuda")
+        with _ordered_with_torch(out):
+            self._ws.get_into(worker, positions, out.data_ptr(), out.device.type == "cuda")
         return out
 
     def accumulate_tensor(self, positions: np.ndarray, grads, worker: int = 0) -> None:
         """accumulate() of a torch tensor (n, dim); on the tier's GPU, read there."""
         if not self._takes(grads, worker, len(positions)):
             return super().accumulate_tensor(positions, grads, worker)
-        self._ws.accumulate_from(worker, positions, grads.data_ptr(), grads.device.type == "cuda")
+        with _ordered_with_torch(grads):
+            self._ws.accumulate_from(worker, positions, grads.data_ptr(), grads.device.type == "cuda")
 
     def _takes(self, t, worker: int, n: int) -> bool:
         """Whether the tier reads or writes tensor t's memory itself: host memory,
