@@ -110,6 +110,23 @@ def test_stop_conditions_marker_examples_idle(tmp_path):
     assert 0.3 <= time.monotonic() - t0
 
 
+def test_idle_does_not_end_the_source_on_a_file_that_appeared_but_is_not_ready_yet(tmp_path):
+    # b.csv is written while a.csv is read: the next poll sees it for the first time (not
+    # ready: its size must hold across two polls), and the idle time, shorter than a poll,
+    # has passed. b.csv is a new file within the idle time: the source must wait the poll
+    # that makes it ready rather than end without it.
+    (tmp_path / "a.csv").write_text(HEADER + "".join(rows(20, 11)))
+
+    def reader(path):
+        if path.endswith("a.csv"):
+            (tmp_path / "b.csv").write_text(HEADER + "".join(rows(10, 12)))
+        return csv_reader(path)
+
+    src = GrowingDirectory(tmp_path, reader, poll=0.3, idle=0.1, marker=None)
+    assert sum(len(b) for b in src) == 30
+    assert [os.path.basename(f) for f in src.files_read] == ["a.csv", "b.csv"]
+
+
 def test_lines_skipped_in_every_file_add_up(tmp_path):
     # Each file has a reader of its own, whose skip_malformed count was lost with it:
     # the directory's malformed and malformed_examples now add up every file's.

@@ -20,7 +20,8 @@ taken, every ``world``-th one (``i % world == rank``).
 Stop. Whichever comes first: the marker file (``marker``, ``_DONE`` by default)
 appears, and then every file present is read (a writer puts the marker after
 its last file, so those files are complete) and the source ends; ``idle``
-seconds pass with no new ready file; ``examples`` examples were read (the last
+seconds pass with no new ready file and no file appearing or changing (a
+file seen but not yet ready is waited for); ``examples`` examples were read (the last
 batch is cut to that number). A file's batches never span two files.
 """
 from __future__ import annotations
@@ -124,7 +125,11 @@ class GrowingDirectory:
             for name in fresh:
                 taken.add(name)
                 yield os.path.join(self.directory, name)
-            if fresh:
+            # A file not taken yet that is new or changed since the last poll is a
+            # file arriving: the idle time counts from it too, else a file seen for
+            # the first time just as the idle time runs out is never read.
+            arriving = any(n not in taken and before.get(n) != st for n, st in now.items())
+            if fresh or arriving:
                 last_new = time.monotonic()
             if marked:
                 return
