@@ -1,6 +1,7 @@
 """Online training: a directory that grows while the run reads it (hps.data.GrowingDirectory),
 its stop conditions and named errors, and progressive validation (hps.progressive) against a
 reference scored in the test with the model as it is before each step."""
+import collections
 import gzip
 import json
 import os
@@ -125,6 +126,28 @@ def test_idle_does_not_end_the_source_on_a_file_that_appeared_but_is_not_ready_y
     src = GrowingDirectory(tmp_path, reader, poll=0.3, idle=0.1, marker=None)
     assert sum(len(b) for b in src) == 30
     assert [os.path.basename(f) for f in src.files_read] == ["a.csv", "b.csv"]
+
+
+def test_ranks_that_saw_the_files_arrive_in_another_order_still_split_them(tmp_path):
+    # Each rank polls on its own: rank 1 took b.csv first (its widths() waited for the
+    # first file while a.csv was still being written), rank 0 came later and saw a.csv
+    # and b.csv in one poll, in name order. Every file must be read by exactly one rank.
+    names = ["a.csv", "b.csv", "c.csv", "d.csv", "e.csv", "f.csv"]
+    (tmp_path / "b.csv").write_text(HEADER + "".join(rows(10, 20)))
+    rank1 = GrowingDirectory(tmp_path, csv_reader, poll=0.05, rank=1, world=2)
+    assert os.path.basename(rank1.first_file()) == "b.csv"
+    for k, name in enumerate(names):
+        if name != "b.csv":
+            (tmp_path / name).write_text(HEADER + "".join(rows(10, 20 + k)))
+    (tmp_path / "_DONE").write_text("")
+    rank0 = GrowingDirectory(tmp_path, csv_reader, poll=0.05, rank=0, world=2)
+    read = [{os.path.basename(f) for f in r.files_read} for r in (rank0, rank1) if list(r) is not None]
+    assert read[0].isdisjoint(read[1]) and read[0] | read[1] == set(names)
+    assert rank0.examples_read + rank1.examples_read == 10 * len(names)
+    # The shares are even over many files, and names that differ in a digit spread too.
+    from hps.data.online import owner
+    assert sorted(collections.Counter(owner(f"part-{i:05d}.tsv", 2) for i in range(8)).values()) == [3, 5]
+    assert min(collections.Counter(owner(f"part-{i:05d}.tsv", 4) for i in range(400)).values()) > 80
 
 
 def test_lines_skipped_in_every_file_add_up(tmp_path):

@@ -14,8 +14,12 @@ rule only catches a writer that pauses no longer than a poll interval.
 
 Order. At each poll the ready files not read yet are read in name order; a
 file that becomes ready later is read after them even if its name sorts
-earlier. Node ``rank`` of ``world`` reads the files it takes in the order
-taken, every ``world``-th one (``i % world == rank``).
+earlier. Node ``rank`` of ``world`` reads, in the order taken, the files whose
+name is its own: a hash of the name modulo ``world`` (:func:`owner`). Each rank
+polls on its own and may see files become ready in another order than the
+others, so a rank given by a file's place in the order taken would read some
+files twice and others never; by name, every file has one rank. The shares are
+even over many files, not necessarily over a few.
 
 Stop. Whichever comes first: the marker file (``marker``, ``_DONE`` by default)
 appears, and then every file present is read (a writer puts the marker after
@@ -26,6 +30,7 @@ batch is cut to that number). A file's batches never span two files.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Callable, Iterator, Optional
@@ -42,6 +47,14 @@ TEMPORARY_SUFFIXES = (".tmp", ".part", ".partial", ".inprogress", ".crdownload",
 
 def _candidate(name: str) -> bool:
     return _visible(name) and not name.lower().endswith(TEMPORARY_SUFFIXES)
+
+
+def owner(name: str, world: int) -> int:
+    """The rank of ``world`` that reads the file ``name`` (a file name, no directory).
+    BLAKE2b, not CRC-32: CRC is linear, and names that differ in a digit or two
+    (part-00000 ... part-00007) all fell to rank 0 of 2."""
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % world
 
 
 def ready_files(before: dict, now: dict) -> list:
@@ -83,6 +96,8 @@ class GrowingDirectory:
         self.open_file = open_file
         self.poll, self.idle, self.marker = float(poll), idle, marker
         self.examples = None if examples is None else int(examples)
+        if not 0 <= int(rank) < int(world):
+            raise ValueError(f"online data: rank must be in [0, world), got rank {rank!r} of world {world!r}")
         self.rank, self.world = int(rank), int(world)
         self.batch_size = batch_size
         self.files_read: list = []
@@ -169,8 +184,8 @@ class GrowingDirectory:
         if self._first is not None:  # found by widths(): start with it, then whatever follows
             first = self._first
             files = _chain_first(first, (p for p in files if p != first))
-        for i, path in enumerate(files):
-            if i % self.world != self.rank:
+        for path in files:
+            if owner(os.path.basename(path), self.world) != self.rank:
                 continue
             self.files_read.append(path)
             reader = None
