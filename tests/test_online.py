@@ -393,3 +393,48 @@ def test_a_resumed_online_run_goes_on_with_the_window_it_stopped_with(tmp_path):
     # batches before it: equal only if the checkpoint kept them.
     assert curve(resumed) == curve(straight)
     assert (resumed["auc"], resumed["logloss"]) == (straight["auc"], straight["logloss"])
+
+
+def test_a_resumed_run_on_a_growing_directory_reads_each_file_once(tmp_path):
+    # The first run read b.csv, the only file, and ended (idle). Then a.csv came, whose
+    # name sorts first, and the marker. A resumed run skips the examples done: that is
+    # right only if it reads the files in the order the first run did (b.csv, then
+    # what is new), not in name order (it would skip 40 examples of a.csv and train
+    # b.csv a second time).
+    pytest.importorskip("torch")
+    from hps.train import TrainConfig, train
+    data = tmp_path / "stream"
+    data.mkdir()
+    (data / "b.csv").write_text(HEADER + "".join(rows(40, 30)))
+
+    def run(resume):
+        cfg = TrainConfig.from_dict({
+            "ps": {"dim": 4, "path": str(tmp_path / "ps"), "mem_budget": "8MiB"},
+            "data": {"source": str(data), "batch_size": 16, "schema": SCHEMA, "online_poll": 0.05,
+                     "online_idle": 0.3},
+            "hidden": [8], "torch_threads": 1, "pipelined": False, "online": True}, "run.toml")
+        trained = []
+
+        def hook(trainer):
+            step = trainer.step
+
+            def recording_step(loaded):
+                trained.extend((os.path.basename(s.path), s.count) for s in loaded.data.sources)
+                step(loaded)
+            trainer.step = recording_step
+        summary = train(cfg, resume=resume, progress=False, dense_hook=hook)
+        return summary, trained
+
+    summary, trained = run(False)
+    assert summary["examples"] == 40 and {name for name, _ in trained} == {"b.csv"}
+    (data / "a.csv").write_text(HEADER + "".join(rows(70, 31)))
+    (data / "_DONE").write_text("")
+    summary, trained = run(True)
+    assert summary["examples"] == 110
+    assert {name for name, _ in trained} == {"a.csv"} and sum(n for _, n in trained) == 70
+    # A file the checkpoint names that is gone: the examples to skip are not there to skip.
+    os.remove(data / "b.csv")
+    src = GrowingDirectory(data, csv_reader, poll=0.05)
+    src.replay(["b.csv", "a.csv"])
+    with pytest.raises(DataError, match=r"b.csv: read before the checkpoint this run resumes from, and gone since"):
+        list(src)

@@ -501,6 +501,9 @@ class Trainer:
         #: Online: the progressive window (hps.progressive), kept in each checkpoint.
         self.online_window = None
         self.online_state: Optional[dict] = None  # a resumed run's window, for _train to load
+        #: Online, a growing directory: the source, whose files read (in order) each checkpoint keeps ...
+        self.online_source = None
+        self.online_files: Optional[list] = None  # ... and a resumed run's, for _train to replay
         if checkpoint is not None:
             self._load_state()
 
@@ -518,6 +521,7 @@ class Trainer:
         self.batches_done, self.examples_done = state["batches_done"], state["examples_done"]
         self.history = state.get("history", [])
         self.online_state = state.get("online_window")
+        self.online_files = state.get("online_files")
         self.admission.load_state_dict(state.get("admission", {"threshold": 1, "default_reads": 0, "eval_reads": 0,
                                                               "eval_default_reads": 0, "sketch": None}))
         if self.dense_sync is not None:
@@ -537,6 +541,8 @@ class Trainer:
             state["dense_sync"] = self.dense_sync.state_dict()
         if self.online_window is not None:
             state["online_window"] = self.online_window.state_dict()
+        if self.online_source is not None:  # (read ahead of this batch too: replayed in the same order)
+            state["online_files"] = [os.path.basename(p) for p in list(self.online_source.files_read)]
         if self.admission.enabled:  # the sketch's counters: a resumed run admits as this one would
             state["admission"] = self.admission.state_dict()
         buf = io.BytesIO()
@@ -1032,6 +1038,10 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         # in the run takes the counters it kept at that batch.
         trainer.admission.keep_for_evaluations(cfg.eval_every, trainer.batches_done)
 
+    if isinstance(source, hdata.GrowingDirectory):
+        trainer.online_source = source
+        if trainer.online_files:  # the files the run resumed from read, first and in its order
+            source.replay(trainer.online_files)
     if node is None:
         # Skipped by examples, not batches: the run resumed from may have ended on a
         # short batch (its --examples smaller than this run's).

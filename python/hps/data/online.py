@@ -105,6 +105,7 @@ class GrowingDirectory:
         self.malformed = 0
         self.malformed_examples: list = []
         self._first: Optional[str] = None
+        self._replay: list = []  # replay(): names a run before this one read, in its order
 
     def _scan(self) -> dict:
         out = {}
@@ -160,6 +161,16 @@ class GrowingDirectory:
             self._first = next(self._files(), None)
         return self._first
 
+    def replay(self, names) -> None:
+        """The files a run before this one read (``files_read``'s names, kept in its
+        checkpoint), in its order: the next pass reads them first, in that order,
+        then the files new to it. A resumed run skips the examples done, which is
+        right only if they come in the order they came before; in a fresh pass the
+        files present are taken in name order, and a file that was read later than
+        one whose name sorts after it would be skipped in part and the other read
+        again. A file named here that is gone is a DataError naming it."""
+        self._replay = [os.fspath(n) for n in names]
+
     def widths(self) -> tuple:
         """(dense, single-hot, multi-hot) fields of the first file's reader (waiting for it)."""
         first = self.first_file()
@@ -180,13 +191,19 @@ class GrowingDirectory:
     def __iter__(self) -> Iterator[Batch]:
         self.files_read, self.examples_read = [], 0
         self.malformed, self.malformed_examples = 0, []
-        files = self._files()
-        if self._first is not None:  # found by widths(): start with it, then whatever follows
-            first = self._first
-            files = _chain_first(first, (p for p in files if p != first))
+        # The files a run before read (replay()), then the one widths() found, then whatever follows.
+        earlier = [os.path.join(self.directory, n) for n in self._replay]
+        if self._first is not None and self._first not in earlier:
+            earlier.append(self._first)
+        files = _chain_first(earlier, (p for p in self._files() if p not in earlier))
+        replayed = set(earlier[:len(self._replay)])
         for path in files:
             if owner(os.path.basename(path), self.world) != self.rank:
                 continue
+            if path in replayed and not os.path.exists(path):
+                raise DataError(f"{path}: read before the checkpoint this run resumes from, and gone since: the "
+                                f"resumed run cannot skip the examples done (it needs the files read so far, "
+                                f"unchanged)", path=path)
             self.files_read.append(path)
             reader = None
             try:
@@ -233,6 +250,6 @@ def _read_errors() -> tuple:
         return errors
 
 
-def _chain_first(first, rest):
-    yield first
+def _chain_first(first: list, rest):
+    yield from first
     yield from rest
