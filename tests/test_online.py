@@ -333,6 +333,28 @@ def test_hps_train_online_cli_reads_a_growing_criteo_directory(tmp_path, capsys)
     assert "'wait=3' is not idle=SECONDS" in capsys.readouterr().err
 
 
+def test_the_json_line_writes_an_undefined_auc_as_null(tmp_path, capsys):
+    # A window of one class only (no click among its examples: common with a small window
+    # on CTR data) has no AUC. The JSON line wrote it as a bare NaN, which is not JSON
+    # (jq and JSON.parse refuse the line); docs/training.md says null.
+    pytest.importorskip("torch")
+    from hps.cli import main
+    data = tmp_path / "stream"
+    data.mkdir()
+    rng = np.random.default_rng(4)
+    lines = ["\t".join(["0"] + [str(v) for v in rng.integers(0, 9, 13)] + [f"{c:08x}" for c in rng.integers(0, 30, 26)])
+             for _ in range(100)]
+    (data / "part-0.tsv").write_text("\n".join(lines) + "\n")
+    (data / "_DONE").write_text("")
+    assert main(["train", "--data", str(data), "--path", str(tmp_path / "ps"), "--batch-size", "50",
+                 "--no-progress", "--online"]) == 0
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the JSON line")
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1], parse_constant=refuse)
+    assert line["online"]["auc"] is None and line["online"]["window_examples"] == 100
+
+
 def test_online_config_errors(tmp_path):
     from hps.train import TrainConfig
     base = {"ps": {"dim": 4, "path": str(tmp_path / "ps")}, "online": True}

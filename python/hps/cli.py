@@ -214,7 +214,7 @@ def _config_without_toml(a):
 
 
 def cmd_train(a) -> int:
-    from hps.train import TrainConfig, train
+    from hps.train import TrainConfig, _jsonable, train
     if a.config is None and not a.data:
         raise ValueError("give --config FILE.toml, or --data PATH to train on files with the defaults")
     ht = None
@@ -278,7 +278,9 @@ def cmd_train(a) -> int:
     if a.report:
         from hps.report import write_report
         line["report"] = write_report(summary, a.report)
-    print(json.dumps(line))
+    # An AUC or logloss that is undefined (one class in the window or eval set) is
+    # NaN in the summary: null here, since a bare NaN is not JSON.
+    print(json.dumps(_jsonable(line)))
     return 0
 
 
@@ -286,7 +288,7 @@ def cmd_demo(a) -> int:
     from hps.optim import AdaGrad
     from hps.parameter_server import ParameterServerConfig
     from hps.report import write_report
-    from hps.train import DataConfig, TrainConfig, train
+    from hps.train import DataConfig, TrainConfig, _jsonable, train
     path = a.path or tempfile.mkdtemp(prefix="hps-demo-")
     if os.path.exists(path) and os.listdir(path):
         print(f"hps demo: {path} is not empty; give a new directory", file=sys.stderr)
@@ -313,8 +315,8 @@ def cmd_demo(a) -> int:
     print(f"  {'wall time':<30}  {time.time() - t0:.0f} s", file=sys.stderr)
     print(f"  {'demo folder':<30}  {os.path.abspath(path)} (remove it with: rm -rf {os.path.abspath(path)})",
           file=sys.stderr)
-    print(json.dumps({"final": summary["final"], "examples_per_s": summary["examples_per_s"],
-                      "pipeline": summary["pipeline"], "report": written}))
+    print(json.dumps(_jsonable({"final": summary["final"], "examples_per_s": summary["examples_per_s"],
+                                "pipeline": summary["pipeline"], "report": written})))
     return 0
 
 
