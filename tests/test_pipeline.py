@@ -431,6 +431,28 @@ def test_thread_tuner_keeps_the_faster_thread_count(monkeypatch):
     assert one_core.chosen == 1 and one_core.torch.calls == [1]
 
 
+def test_thread_tuner_probes_the_cpus_this_process_may_run_on(monkeypatch, tmp_path):
+    # taskset, a cpuset (docker --cpuset-cpus, Slurm) or bind_cores leave the process fewer
+    # CPUs than the machine has: os.cpu_count() counts the machine's. The tuner started
+    # torch on 64 threads (and probed 63) on 2 CPUs, each step's threads fighting for them.
+    from hps import train as htrain
+    monkeypatch.setattr(htrain.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(htrain.os, "sched_getaffinity", lambda pid: {3, 5}, raising=False)
+    cfg = htrain.TrainConfig.from_dict({"ps": {"dim": 4, "path": str(tmp_path / "ps"), "mem_budget": "8MiB"},
+                                        "hidden": [8], "torch_threads": 0}, "run.toml")
+    threads = torch.get_num_threads()
+    try:
+        trainer = htrain.Trainer(cfg)
+        assert trainer.thread_tuner.candidates == [2, 1] and torch.get_num_threads() == 2
+        trainer.ps.close()
+    finally:
+        torch.set_num_threads(threads)
+    # Where the platform has no affinity call, the machine's count is what there is.
+    from hps.tuning import usable_cpus
+    monkeypatch.delattr(htrain.os, "sched_getaffinity")
+    assert usable_cpus() == 64
+
+
 def test_thread_tuner_stops_early_when_every_core_is_clearly_faster(monkeypatch):
     from hps import train as htrain
     clock = [0.0]

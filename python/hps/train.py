@@ -50,7 +50,8 @@ from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, R
                                   ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
                                   PathInUseError, new_run_id, remove_writer_lock)
 from hps.pipeline import Loaded, Pipeline, batches_ahead
-from hps.tuning import ThreadTuner, dense_adam, import_torch, keep_freed_memory  # (also hps.train.X, as before)
+from hps.tuning import (ThreadTuner, dense_adam, import_torch, keep_freed_memory,  # (also hps.train.X, as before)
+                         usable_cpus)
 
 JOB_MANIFEST = "job.json"
 SUMMARY = "train-summary.json"
@@ -413,7 +414,7 @@ class Trainer:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         else:
-            self.thread_tuner = ThreadTuner(torch, os.cpu_count() or 1)
+            self.thread_tuner = ThreadTuner(torch, usable_cpus())
         ps_cfg = cfg.ps
         if node is not None:
             # Under mpiexec, schedule = "herald" makes each rank a worker (HeraldServer);

@@ -13,13 +13,22 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["ThreadTuner", "dense_adam", "import_torch", "keep_freed_memory"]
+__all__ = ["ThreadTuner", "dense_adam", "import_torch", "keep_freed_memory", "usable_cpus"]
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # The largest mmap threshold glibc takes on 64-bit (its DEFAULT_MMAP_THRESHOLD_MAX).
 _MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (taskset, a cpuset, a
+    scheduler's binding), which os.cpu_count() ignores, counting the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (no such call on macOS and Windows)
+        return os.cpu_count() or 1
 
 
 def import_torch():
@@ -77,7 +86,7 @@ def dense_adam(params, lr: float):
 
 class ThreadTuner:
     """Chooses torch's intra-op threads (TrainConfig.torch_threads = 0) while the
-    run goes: a few batches of warm-up, then probes of ``probe`` batches with every
+    run goes, ``cores`` being the CPUs the process may use (:func:`usable_cpus`): a few batches of warm-up, then probes of ``probe`` batches with every
     core (A) and with one fewer (B) in the order A B B A, so that a run that speeds
     up or slows down as it goes (caches filling) favours neither; then one fewer
     for the rest of the run if it was at least 5% faster, else every core. A
