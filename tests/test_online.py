@@ -223,6 +223,25 @@ def test_window_by_examples_and_by_batches():
     assert m["window_examples"] == 9 and m["auc"] == pytest.approx(pair_auc(y[-9:], p[-9:]))
 
 
+def test_empty_batches_do_not_push_scored_examples_out_of_the_window():
+    # Under mpiexec a rank whose data ended steps on with empty batches while the others
+    # finish theirs (ParameterServer.aligned). They are no batches of examples: a window of
+    # the latest 2 batches counted them, emptied, and reported the run's online AUC and
+    # logloss as NaN (with numpy's "Mean of empty slice" at every point of the curve).
+    w = ProgressiveWindow(batches=2)
+    w.add(np.array([0.0, 1.0, 1.0]), np.array([0.2, 0.9, 0.6]))
+    w.add(np.array([1.0, 0.0]), np.array([0.7, 0.4]))
+    before = w.metrics()
+    for _ in range(3):
+        w.add(np.empty(0), np.empty(0))
+        assert w.record(batches=1) is not None
+    assert w.metrics() == before and before["window_examples"] == 5 and before["auc"] == 1.0
+    by_examples = ProgressiveWindow(examples=4)
+    by_examples.add(np.empty(0), np.empty(0))
+    m = by_examples.metrics()  # nothing scored yet: NaN without numpy's warning
+    assert m["window_examples"] == 0 and np.isnan(m["auc"]) and np.isnan(m["logloss"])
+
+
 def test_window_curve_stays_bounded_by_doubling_its_stride():
     w = ProgressiveWindow(examples=6, max_points=4)
     rng = np.random.default_rng(1)

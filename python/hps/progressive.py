@@ -25,7 +25,7 @@ from hps.metrics import auc, logloss
 
 class ProgressiveWindow:
     """The latest ``examples`` scored examples (or those of the latest ``batches``
-    batches, when given). ``add`` one batch's labels and probabilities; ``metrics``
+    batches, when given; an empty batch is none). ``add`` one batch's labels and probabilities; ``metrics``
     gives AUC and logloss over the window, and the counts; ``record``, called once a
     batch, keeps the curve in ``history`` at most ``max_points`` long: every
     ``stride``-th batch, the stride doubling (and every other point dropped) each
@@ -77,6 +77,8 @@ class ProgressiveWindow:
         probs = np.asarray(probs, np.float64)
         if labels.shape != probs.shape:
             raise ValueError(f"online window: {len(labels)} labels for {len(probs)} scores")
+        if not len(labels):  # a rank whose data ended, stepping on empty with the others: no batch of examples
+            return
         self._parts.append((labels, probs))
         self.size += len(labels)
         self.scored += len(labels)
@@ -95,8 +97,9 @@ class ProgressiveWindow:
     def metrics(self) -> dict:
         """{"auc", "logloss", "window_examples", "scored_examples"} over the window
         (AUC is NaN while the window holds one class only)."""
-        if not self._parts:
-            return {"auc": float("nan"), "logloss": float("nan"), "window_examples": 0, "scored_examples": 0}
+        if not self.size:
+            return {"auc": float("nan"), "logloss": float("nan"), "window_examples": 0,
+                    "scored_examples": int(self.scored)}
         y = np.concatenate([a for a, _ in self._parts])
         p = np.concatenate([b for _, b in self._parts])
         return {"auc": auc(y, p), "logloss": logloss(y, p), "window_examples": int(self.size),
