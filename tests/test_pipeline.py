@@ -453,6 +453,19 @@ def test_thread_tuner_probes_the_cpus_this_process_may_run_on(monkeypatch, tmp_p
     assert usable_cpus() == 64
 
 
+def test_thread_tuner_refuses_counts_it_cannot_time():
+    # warmup = 0 left the first probe without a start time: a TypeError 8 batches into
+    # the run, far from the argument that caused it. Named at construction now.
+    from hps.tuning import ThreadTuner
+
+    class FakeTorch:
+        def set_num_threads(self, n):
+            pass
+    for kw, name in (({"warmup": 0}, "warmup"), ({"probe": 0}, "probe"), ({"cores": 0}, "cores")):
+        with pytest.raises(ValueError, match=rf"ThreadTuner: {name} must be an int >= 1, got 0"):
+            ThreadTuner(FakeTorch(), **{"cores": 4, **kw})
+
+
 def test_thread_tuner_stops_early_when_every_core_is_clearly_faster(monkeypatch):
     from hps import train as htrain
     clock = [0.0]

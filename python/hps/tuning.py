@@ -108,6 +108,10 @@ class ThreadTuner:
     CLEAR = 1.25   # all cores this much faster after one probe each: keep them, skip the probes left
 
     def __init__(self, torch, cores: int, warmup: int = 6, probe: int = 8):
+        for name, value in (("cores", cores), ("warmup", warmup), ("probe", probe)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                # (warmup's last batch starts the first probe's clock: none would leave it unset)
+                raise ValueError(f"ThreadTuner: {name} must be an int >= 1, got {value!r}")
         self.torch = torch
         self.candidates = [cores, cores - 1] if cores > 1 else [1]
         self.schedule = [cores, cores - 1, cores - 1, cores] if cores > 1 else []
