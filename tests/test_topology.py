@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -363,6 +364,31 @@ def test_apply_binding_reports_noop_and_missing_cores(tmp_path):
     assert os.sched_getaffinity(0) == before
     with pytest.raises(KeyError, match="no pipeline thread 'trainer'"):
         T.apply_binding(far, "trainer")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a narrower allowed set needs two cores")
+def test_apply_binding_stays_within_the_cores_the_process_may_use():
+    # sysfs lists a node's cores whatever taskset or a cpuset allows: a thread
+    # confined to core a, planned onto a and b, must not be widened to b.
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    plan = T.BindingPlan([T.StageBinding("reader", [a, b], 0, "eth0 is on NUMA node 0")], False, "2 nodes")
+    elsewhere = T.BindingPlan([T.StageBinding("reader", [b], 1, "eth0 is on NUMA node 1")], False, "2 nodes")
+    got = {}
+
+    def confined():  # a thread of its own: the test's thread keeps its cores
+        os.sched_setaffinity(0, {a})
+        got["narrowed"] = T.apply_binding(plan, "reader")
+        got["after"] = sorted(os.sched_getaffinity(0))
+        got["outside"] = T.apply_binding(elsewhere, "reader")
+        got["still"] = sorted(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=confined)
+    t.start()
+    t.join()
+    assert got["narrowed"]["cores"] == [a] and got["after"] == [a], got
+    assert f"only {a} are among those this process may run on" in got["narrowed"]["reason"]
+    assert got["outside"]["cores"] is None and got["still"] == [a], got
+    assert got["outside"]["reason"].startswith(f"not applied: cores {b}: none is among the cores"), got
 
 
 def test_cuda_executor_needs_a_gpu_a_endpoint():

@@ -805,8 +805,11 @@ THREAD_STAGES = {"reader": ("reader",), "prefetcher": ("ssd_io",), "writer": ("s
 def apply_binding(plan: BindingPlan, thread: str) -> dict:
     """Pins the calling thread to the cores of its stages (THREAD_STAGES) and says what
     it got: {"cores": the thread's affinity afterwards, "reason": ...}; a no-op plan
-    leaves the thread alone ("cores": None). A core this machine lacks is reported,
-    not raised: the run goes on unbound."""
+    leaves the thread alone ("cores": None). The plan's cores come from sysfs, which
+    lists a node's cores whatever this process may use: the thread gets only those
+    among the cores it may run on now (taskset, a cgroup's cpuset, offline cores), so
+    that binding never widens what the process was given. A planned core set with none
+    of those is reported, not raised: the run goes on unbound."""
     if thread not in THREAD_STAGES:
         raise KeyError(f"no pipeline thread {thread!r} (known: {', '.join(THREAD_STAGES)})")
     if plan.noop:
@@ -817,8 +820,15 @@ def apply_binding(plan: BindingPlan, thread: str) -> dict:
     reason = "; ".join(f"{s.stage}: {s.reason}" for s in chosen)
     if not cores:
         return {"cores": None, "reason": f"no cores planned ({reason or 'no stage'})"}
+    allowed = os.sched_getaffinity(0)
+    usable = [c for c in cores if c in allowed]
+    if not usable:
+        return {"cores": None, "reason": f"not applied: cores {_cpulist(cores)}: none is among the cores this "
+                                         f"process may run on ({_cpulist(sorted(allowed))})"}
+    if len(usable) < len(cores):
+        reason += f"; of cores {_cpulist(cores)} only {_cpulist(usable)} are among those this process may run on"
     try:
-        os.sched_setaffinity(0, cores)
+        os.sched_setaffinity(0, usable)
     except OSError as e:
-        return {"cores": None, "reason": f"not applied: cores {_cpulist(cores)}: {e.strerror}"}
+        return {"cores": None, "reason": f"not applied: cores {_cpulist(usable)}: {e.strerror}"}
     return {"cores": sorted(os.sched_getaffinity(0)), "reason": reason}
