@@ -144,6 +144,14 @@ def test_good_tiny_file_loads(tmp_path):
     (('latency_us = 1.0', 'latency_us = -1'), 12, "link[0].latency_us: must be >= 0"),
     (('latency_us = 1.0', 'latency_us = 1.0\nspeed = 3'), 13, "link[0].speed: unknown field"),
     (('name = "g1"', 'name = "g0"'), 6, "device[1].name: 'g0' is already device 0"),
+    # numbers TOML reads that the router refuses, found here rather than at the first plan
+    (('gbps = 25.0', 'gbps = inf'), 11, "link[0].gbps: must be > 0 and finite, got inf"),
+    (('gbps = 25.0', 'gbps = 1' + '0' * 400), 11, "link[0].gbps: must be > 0 and finite"),
+    (('latency_us = 1.0', 'latency_us = inf'), 12, "link[0].latency_us: must be >= 0 and finite, got inf"),
+    (('gbps = 25.0', 'gbps = 1e308\nbridges = 10'), 12, "link[0].bridges: 10 bridges of 1e+308 GB/s overflow"),
+    (('kind = "gpu"\n[[link]]', 'kind = "gpu"\nnuma = 3000000000\n[[link]]'), 8,
+     "device[1].numa: must be -1 (unknown) or a node number in [0, 2147483647], got 3000000000"),
+    (('kind = "gpu"\n[[link]]', 'kind = "gpu"\nnuma = -2\n[[link]]'), 8, "device[1].numa: must be -1 (unknown)"),
 ])
 def test_bad_files_name_file_line_and_field(tmp_path, edit, line, where):
     p = write(tmp_path, GOOD.replace(*edit, 1))
@@ -161,6 +169,8 @@ def test_bad_files_other_errors(tmp_path):
     dup = GOOD + '[[link]]\nbetween = ["g1", "g0"]\nkind = "pcie"\ngbps = 12\nlatency_us = 1\n'
     with pytest.raises(T.TopologyError, match=r":14: link\[1\].between: g1-g0 is already link 0"):
         T.load(write(tmp_path, dup))
+    with pytest.raises(T.TopologyError, match=r":2: numa\[0\].node: must be a node number in \[0, 2147483647\], got -1"):
+        T.load(write(tmp_path, '[[numa]]\nnode = -1\ncpus = "0"\n' + GOOD.replace('name = "tiny"\n', "")))
     cpus = '[[numa]]\nnode = 0\ncpus = "3-1"\n' + GOOD.replace('name = "tiny"\n', "")
     with pytest.raises(T.TopologyError, match=r":3: numa\[0\].cpus: not a cpulist"):
         T.load(write(tmp_path, cpus))

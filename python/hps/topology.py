@@ -46,6 +46,7 @@ and the field.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 import tomllib
@@ -56,6 +57,8 @@ import numpy as np
 from hps import _core
 
 KINDS = {"gpu": 0, "host": 1, "cpu": 2, "switch": 3}
+# The router takes a device's NUMA node as an int32 (include/hps/topology.h).
+_INT32_MAX = 2**31 - 1
 SCHEDULES = ("host", "direct", "relay")
 
 # Assumed when sysfs does not say (documented in `hps topology`'s output through the
@@ -270,6 +273,15 @@ def host_partitions(n: int, gbps: float = MEMCPY_GBPS, latency_us: float = 0.5, 
 
 
 # ------------------------------------------------------------------ TOML
+def _finite(*factors) -> bool:
+    """Whether the product of a file's numbers is a finite float (TOML has inf, and
+    integers past a float's range)."""
+    try:
+        return math.isfinite(math.prod(float(x) for x in factors))
+    except OverflowError:
+        return False
+
+
 def _locate(text: str, table: str, index: int, key: str | None) -> int:
     """The 1-based line of `key` in the index-th [[table]] of a TOML text (its header's
     line if the key is absent, 1 if the table is)."""
@@ -348,6 +360,8 @@ def load(path: str) -> Topology:
         check_keys("numa", i, t, {"node", "cpus"})
         node = get("numa", i, t, "node", int)
         cpus = get("numa", i, t, "cpus", str)
+        if not 0 <= node <= _INT32_MAX:
+            fail("numa", i, "node", f"must be a node number in [0, {_INT32_MAX}], got {node}")
         if node in numa_cores:
             fail("numa", i, "node", f"node {node} is listed twice")
         try:
@@ -368,6 +382,8 @@ def load(path: str) -> Topology:
             fail("device", i, "name", f"{name!r} is already device {names[name]}")
         if kind not in KINDS:
             fail("device", i, "kind", f"{kind!r} is not one of {', '.join(KINDS)}")
+        if not -1 <= numa <= _INT32_MAX:
+            fail("device", i, "numa", f"must be -1 (unknown) or a node number in [0, {_INT32_MAX}], got {numa}")
         if numa_cores and numa != -1 and numa not in numa_cores:
             fail("device", i, "numa", f"node {numa} has no [[numa]] table")
         names[name] = i
@@ -395,14 +411,16 @@ def load(path: str) -> Topology:
         pairs[key] = i
         kind = get("link", i, t, "kind", str)
         gbps = get("link", i, t, "gbps", (int, float))
-        if not gbps > 0:
-            fail("link", i, "gbps", f"must be > 0, got {gbps}")
+        if not (gbps > 0 and _finite(gbps)):
+            fail("link", i, "gbps", f"must be > 0 and finite, got {gbps}")
         bridges = get("link", i, t, "bridges", int, required=False, default=1)
         if bridges < 1:
             fail("link", i, "bridges", f"must be >= 1, got {bridges}")
+        if not _finite(gbps, bridges):
+            fail("link", i, "bridges", f"{bridges} bridges of {gbps} GB/s overflow a float")
         lat = get("link", i, t, "latency_us", (int, float))
-        if not lat >= 0:
-            fail("link", i, "latency_us", f"must be >= 0, got {lat}")
+        if not (lat >= 0 and _finite(lat)):
+            fail("link", i, "latency_us", f"must be >= 0 and finite, got {lat}")
         links.append(Link(a, b, float(gbps) * bridges, float(lat), kind, bridges))
 
     placed: dict[str, list[tuple[str, int]]] = {}
