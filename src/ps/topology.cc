@@ -296,7 +296,9 @@ RoutePlan PlanRoutes(const Topology& t, const std::vector<uint64_t>& bytes, Sche
       const auto& dp = direct[s * e + d];
       const auto& hp = host[s * e + d];
       if (!dp.empty() && schedule != Schedule::kHost) cs.push_back({{r.src, r.dst, RouteKind::kDirect, -1, dp, ""}, g.Alone(dp, b)});
-      if (!hp.empty()) cs.push_back({{r.src, r.dst, RouteKind::kHost, -1, hp, ""}, g.Alone(hp, b)});
+      // The direct schedule is a fixed baseline: the host path only where there is no link.
+      if (!hp.empty() && (schedule != Schedule::kDirect || dp.empty()))
+        cs.push_back({{r.src, r.dst, RouteKind::kHost, -1, hp, ""}, g.Alone(hp, b)});
       if (schedule == Schedule::kRelay) {
         for (size_t m = 0; m < e; ++m) {
           if (m == s || m == d) continue;

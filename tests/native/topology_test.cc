@@ -132,6 +132,26 @@ TEST(Topology, HostScheduleCostIsTheSlowestLink) {
   EXPECT_EQ(slow.routes[1].kind, RouteKind::kHost) << slow.routes[1].reason;
 }
 
+// The direct schedule is the baseline of a pair's own link (topology.h): a
+// pair with a link takes it even where the host path would be faster, and
+// only a pair without one goes through the host.
+TEST(Topology, DirectScheduleTakesThePairsOwnLink) {
+  Topology t;
+  const int32_t g0 = Add(t, "g0", DeviceKind::kGpu, 0), g1 = Add(t, "g1", DeviceKind::kGpu, 0);
+  const int32_t g2 = Add(t, "g2", DeviceKind::kGpu, 0), c = Add(t, "cpu", DeviceKind::kCpu, 0);
+  for (int32_t g : {g0, g1, g2}) Link(t, g, c, 12, 1, "pcie");
+  Link(t, g0, g1, 1, 0, "slow");  // slower than the host path's 12 GB/s
+  std::vector<uint64_t> m(9, 1000000);
+  for (size_t i = 0; i < 3; ++i) m[i * 3 + i] = 0;
+  const RoutePlan p = PlanRoutes(t, m, Schedule::kDirect);
+  for (size_t i : {0 * 3 + 1, 1 * 3 + 0}) EXPECT_EQ(p.routes[i].kind, RouteKind::kDirect) << p.routes[i].reason;
+  for (size_t i : {0 * 3 + 2, 2 * 3 + 0, 1 * 3 + 2, 2 * 3 + 1})
+    EXPECT_EQ(p.routes[i].kind, RouteKind::kHost) << p.routes[i].reason;
+  EXPECT_EQ(p.cost.route_count[static_cast<size_t>(RouteKind::kDirect)], 2u);
+  // The router, free to choose, leaves the slow link.
+  EXPECT_EQ(PlanRoutes(t, m, Schedule::kRelay).routes[1].kind, RouteKind::kHost);
+}
+
 TEST(Topology, ContentionSpreadsRelaysOverMiddlemen) {
   // a and b are joined only through three middlemen m0..m2, each by a
   // 10 GB/s link: one middleman alone would carry everything.
