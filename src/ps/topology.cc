@@ -462,6 +462,13 @@ RoutePlan FixedRoutes(const Topology& t, const std::vector<uint64_t>& bytes, con
 namespace detail {
 
 void CheckRoutes(const char* executor, const RoutePlan& plan, const std::vector<uint64_t>& bytes, size_t e) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < e * e; ++i) {
+    if (bytes[i] > std::numeric_limits<uint64_t>::max() - total)
+      throw std::invalid_argument(std::string(executor) + ": the transfer matrix's bytes overflow 64 bits at pair (" +
+                                  std::to_string(i / e) + ", " + std::to_string(i % e) + ")");
+    total += bytes[i];
+  }
   for (size_t i = 0; i < e * e; ++i) {
     const Route& r = plan.routes[i];
     if (r.src != static_cast<int32_t>(i / e) || r.dst != static_cast<int32_t>(i % e))

@@ -296,5 +296,35 @@ TEST(Topology, BothExecutorsRefuseARelayViaNoEndpoint) {
   EXPECT_THROW(ExecuteOnCuda(swapped, Even(8, 10), std::vector<int32_t>(8, 0), sp, rp), std::invalid_argument);
 }
 
+// Segment offsets and staging sizes are sums of matrix entries: entries whose
+// sums wrap to 0 would have passed a caller's buffer-size check with empty
+// buffers and sent memcpy 2^63 bytes. Both executors refuse the matrix first.
+TEST(Topology, BothExecutorsRefuseAMatrixWhoseSumsOverflow) {
+  Topology t;
+  const int32_t mem = Add(t, "memory", DeviceKind::kCpu, 0);
+  for (int h = 0; h < 3; ++h) Link(t, Add(t, "host" + std::to_string(h), DeviceKind::kHost, 0), mem, 10, 0, "memcpy");
+  // Every row, column and the one host staging sum 2 or 6 x 2^63: 0 mod 2^64.
+  std::vector<uint64_t> m(9, uint64_t{1} << 63);
+  for (size_t i = 0; i < 3; ++i) m[i * 3 + i] = 0;
+  const RoutePlan p = PlanRoutes(t, m, Schedule::kHost);
+  uint8_t byte = 0;
+  const std::vector<const uint8_t*> sp(3, &byte);
+  const std::vector<uint8_t*> rp(3, &byte);
+  try {
+    ExecuteOnHost(p, m, sp, rp);
+    FAIL() << "the host executor ran an exchange whose offsets wrap";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("host executor: the transfer matrix's bytes overflow 64 bits at pair (0, 2)"),
+              std::string::npos) << e.what();
+  }
+  try {
+    ExecuteOnCuda(p, m, std::vector<int32_t>(3, 0), sp, rp);
+    FAIL() << "the CUDA executor ran an exchange whose offsets wrap";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("CUDA executor: the transfer matrix's bytes overflow"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace hps
