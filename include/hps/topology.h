@@ -128,6 +128,9 @@ RoutePlan PlanRoutes(const Topology& t, const std::vector<uint64_t>& bytes, Sche
 RoutePlan FixedRoutes(const Topology& t, const std::vector<uint64_t>& bytes, const std::vector<int32_t>& via);
 
 // The modelled cost of routes already chosen (same layout as RoutePlan::routes).
+// Throws std::invalid_argument naming the route when one with bytes is not a
+// walk over the topology's links from its source to its destination, or is a
+// relay whose path does not pass its middleman.
 ScheduleCost CostOf(const Topology& t, const std::vector<uint64_t>& bytes, const std::vector<Route>& routes);
 
 // Executes a plan between buffers in host memory with memcpy: for endpoint s,

@@ -260,6 +260,33 @@ ScheduleCost CostOf(const Topology& t, const std::vector<uint64_t>& bytes, const
     throw std::invalid_argument("topology: " + std::to_string(routes.size()) + " routes for " + std::to_string(e) +
                                 " x " + std::to_string(e) + " endpoint pairs");
   Graph g(t);
+  // Evaluate walks each path's links and splits a relay's at its middleman:
+  // a route from elsewhere must be one it can walk.
+  const std::vector<int32_t> ep = t.Endpoints();
+  for (size_t i = 0; i < e * e; ++i) {
+    const Route& r = routes[i];
+    const std::string where = "topology: route " + std::to_string(i);
+    if (r.src != static_cast<int32_t>(i / e) || r.dst != static_cast<int32_t>(i % e))
+      throw std::invalid_argument(where + " is for (" + std::to_string(r.src) + ", " + std::to_string(r.dst) +
+                                  "), expected (" + std::to_string(i / e) + ", " + std::to_string(i % e) + ")");
+    if (r.kind == RouteKind::kNone || bytes[i] == 0) continue;
+    if (r.kind != RouteKind::kDirect && r.kind != RouteKind::kHost && r.kind != RouteKind::kRelay)
+      throw std::invalid_argument(where + " has kind " + std::to_string(static_cast<int32_t>(r.kind)));
+    if (r.path.size() < 2 || r.path.front() != ep[i / e] || r.path.back() != ep[i % e])
+      throw std::invalid_argument(where + "'s path does not run from " + t.devices[ep[i / e]].name + " to " +
+                                  t.devices[ep[i % e]].name);
+    for (size_t h = 1; h < r.path.size(); ++h) {
+      const int32_t a = r.path[h - 1], b = r.path[h];
+      if (a < 0 || b < 0 || static_cast<size_t>(std::max(a, b)) >= t.devices.size() || g.Link(a, b) < 0)
+        throw std::invalid_argument(where + "'s path steps from device " + std::to_string(a) + " to " +
+                                    std::to_string(b) + ", which no link joins");
+    }
+    if (r.kind == RouteKind::kRelay &&
+        (r.via < 0 || static_cast<size_t>(r.via) >= e ||
+         std::find(r.path.begin(), r.path.end(), ep[static_cast<size_t>(r.via)]) == r.path.end()))
+      throw std::invalid_argument(where + " relays via endpoint " + std::to_string(r.via) +
+                                  ", which its path does not pass");
+  }
   return Evaluate(g, bytes, routes).cost;
 }
 

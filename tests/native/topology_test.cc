@@ -96,6 +96,24 @@ TEST(Topology, FixedRulesCostNoLessThanTheRouter) {
   EXPECT_LE(router.cost.seconds, q.cost.seconds * (1 + 1e-12));
   // A fixed plan's cost is what CostOf says of its routes.
   EXPECT_DOUBLE_EQ(CostOf(t, m, p.routes).seconds, p.cost.seconds);
+  // Routes CostOf cannot walk are refused, not read past their paths' ends.
+  auto refused = [&](std::vector<Route> routes, const std::string& want) {
+    try {
+      CostOf(t, m, routes);
+      ADD_FAILURE() << "CostOf took a route it cannot walk: " << want;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  std::vector<Route> unwalkable = p.routes;
+  unwalkable[0 * 8 + 5].via = 6;  // relay via gpu4 -> says gpu6, which its path does not pass
+  refused(unwalkable, "route 5 relays via endpoint 6, which its path does not pass");
+  unwalkable = p.routes;
+  unwalkable[0 * 8 + 5].path = {0, 5};  // gpu0 and gpu5 have no link
+  refused(unwalkable, "route 5's path steps from device 0 to 5, which no link joins");
+  unwalkable = p.routes;
+  unwalkable[0 * 8 + 5].path.pop_back();
+  refused(unwalkable, "route 5's path does not run from gpu0 to gpu5");
   // Errors name the pair.
   std::vector<int32_t> bad(64, -1);
   bad[0 * 8 + 5] = 6;  // gpu6 has no link to gpu0
