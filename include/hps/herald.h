@@ -88,8 +88,9 @@
 // that one read gives both. For W <= 8 the byte is the holder mask; for wider
 // masks it names the one holder most keys have, or says the key is shared,
 // and the masks of shared keys (two or more holders) sit in a side table of
-// key and mask (16 bytes an entry) at load 0.25 to 0.7, so a key costs a
-// mask only where it has more than one holder. Retraining a key moves its record to
+// key and mask (16 bytes an entry) at load 0.25 to 0.7 (below 0.25 after a
+// batch that stopped sharing many keys, until the next batch sizes the
+// table), so a key costs a mask only where it has more than one holder. Retraining a key moves its record to
 // the log's end and leaves a dead one; a log out of room is compacted into
 // room for 1.25 x (its live records + the batch's keys), up to 10% more where
 // its old room is in that band. The key index takes 4 bytes a slot (the
@@ -184,6 +185,8 @@ class Herald {
   // (n_examples,) the worker that holds each example now (-1: none), which
   // the location-aware partition weighs by example_cost (the header comment);
   // one outside [-1, W) throws std::invalid_argument naming origin[i].
+  // Out of memory it throws std::bad_alloc and leaves the snapshot as it was
+  // (its caches, counts and memory), so the batch can be retried.
   HeraldPlan Schedule(const uint64_t* offsets, uint64_t n_examples, const uint64_t* keys,
                       const uint64_t* upcoming = nullptr, uint64_t n_upcoming = 0, const int32_t* origin = nullptr);
   // The same for examples of `fields` keys each: keys (n_examples, fields).

@@ -57,15 +57,20 @@ constexpr auto kSpread = [] {
 // a pass places each key in one of about n / 4 buckets by its offset from the
 // lowest key (buckets in key order), then each small bucket is sorted. tmp and
 // count are scratch.
+constexpr uint64_t kMinBucketSort = 1024;  // fewer keys: std::sort
+uint64_t SortBuckets(uint64_t n) {
+  uint64_t buckets = 1;
+  while (buckets < n / 4) buckets *= 2;
+  return buckets;
+}
 void SortUnique(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp, std::vector<uint32_t>& count) {
   const uint64_t n = keys.size();
-  if (n < 1024) {
+  if (n < kMinBucketSort) {
     std::sort(keys.begin(), keys.end());
   } else {
     const auto [lo, hi] = std::minmax_element(keys.begin(), keys.end());
     const uint64_t low = *lo, span = *hi - *lo;
-    uint64_t buckets = 1;
-    while (buckets < n / 4) buckets *= 2;
+    const uint64_t buckets = SortBuckets(n);
     int shift = 0;
     while (shift < 64 && (span >> shift) >= buckets) ++shift;
     count.assign(buckets + 1, 0);
@@ -79,6 +84,14 @@ void SortUnique(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp, std::ve
     keys.swap(tmp);
   }
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+}
+
+// Room in SortUnique's scratch for up to n keys: a SortUnique of them then
+// allocates nothing (it cannot fail).
+void ReserveSortUnique(uint64_t n, std::vector<uint64_t>& tmp, std::vector<uint32_t>& count) {
+  if (n < kMinBucketSort) return;
+  tmp.reserve(n);
+  count.reserve(SortBuckets(n) + 1);
 }
 
 // A log record: a key and its holders, packed in 9 bytes, so that the one
@@ -95,10 +108,20 @@ constexpr uint8_t kShared = 0xff;
 // The holder masks of the keys that two or more workers hold, for W > 8:
 // open addressing with linear probing on Mix64, keys and masks together, at
 // load 0.25 to 0.7 (a power-of-two size); an erase shifts the probe run back
-// (a key says where its home is), so there are no tombstones.
+// (a key says where its home is), so there are no tombstones. A batch's
+// commit must not fail, so the table changes size only before it: Sized
+// gives the table its Puts need (Adopt moves the keys in), and its Erases do
+// not shrink the table; the room they leave goes at the next batch's Sized.
 template <class Mask>
 class SharedMasks {
+  struct Entry {
+    uint64_t key;
+    Mask mask;
+  };
+
  public:
+  using Table = std::vector<Entry>;
+
   SharedMasks() { Resize(kMinSize); }
 
   // The mask of a key the table holds.
@@ -120,7 +143,7 @@ class SharedMasks {
     ++count_;
   }
   // Erases a key the table holds, moving back the keys after it that its
-  // slot would have found.
+  // slot would have found. The table keeps its size (Sized shrinks it).
   void Erase(uint64_t key) {
     const uint64_t last = table_.size() - 1;
     uint64_t i = Home(key);
@@ -134,29 +157,37 @@ class SharedMasks {
     }
     table_[i].key = kEmptyKey;
     --count_;
-    if (table_.size() > kMinSize && 4 * count_ < table_.size()) Resize(table_.size() / 2);  // below 0.25
   }
-  void Clear() { *this = SharedMasks(); }
-  uint64_t MemoryBytes() const { return table_.capacity() * sizeof(Entry); }
-
- private:
-  struct Entry {
-    uint64_t key;
-    Mask mask;
-  };
-  static constexpr uint64_t kMinSize = 64;
-  uint64_t Home(uint64_t key) const { return detail::Mix64(key) >> shift_; }
-  void Resize(uint64_t size) {
-    std::vector<Entry> before(size, Entry{kEmptyKey, 0});
-    before.swap(table_);
-    shift_ = 64 - std::countr_zero(size);
-    for (const Entry& e : before) {
+  // An empty table for a batch that holds at most `keys` keys at once: grown
+  // to hold them below load 0.7 (so that Puts up to that count, and an
+  // update's check of one more, do not grow it), or halved while the keys
+  // held now are below load 0.25 and the batch's stay below 0.7; none where
+  // this one's size is that.
+  Table Sized(uint64_t keys) const {
+    uint64_t size = table_.size();
+    while (10 * (keys + 1) > 7 * size) size *= 2;
+    while (size > kMinSize && 4 * count_ < size && 10 * (keys + 1) <= 7 * (size / 2)) size /= 2;
+    return size == table_.size() ? Table() : Table(size, Entry{kEmptyKey, 0});
+  }
+  // Moves the keys into `table` (empty, from Sized) and keeps it.
+  void Adopt(Table table) noexcept {
+    table.swap(table_);
+    shift_ = 64 - std::countr_zero(table_.size());
+    for (const Entry& e : table) {
       if (e.key == kEmptyKey) continue;
       uint64_t i = Home(e.key);
       while (table_[i].key != kEmptyKey) i = (i + 1) & (table_.size() - 1);
       table_[i] = e;
     }
   }
+  void Clear() { *this = SharedMasks(); }
+  uint64_t count() const { return count_; }
+  uint64_t MemoryBytes() const { return table_.capacity() * sizeof(Entry); }
+
+ private:
+  static constexpr uint64_t kMinSize = 64;
+  uint64_t Home(uint64_t key) const { return detail::Mix64(key) >> shift_; }
+  void Resize(uint64_t size) { Adopt(Table(size, Entry{kEmptyKey, 0})); }
   std::vector<Entry> table_;
   uint64_t count_ = 0;
   int shift_ = 64;
@@ -226,13 +257,18 @@ struct Herald::Impl {
 // new, so the key's later appearances find u there. The old record (if any)
 // dies there and then (its holders, read into latest[u], are zeroed while the
 // record is in cache), its position kept in old[u]. Until the batch is
-// committed the pass can be undone (Rollback revives the old records), so a
-// failed allocation leaves the snapshot as it was.
+// committed the pass can be undone (Undo revives the old records and puts
+// back the index's slots, or the index the batch grew), so a failed
+// allocation leaves the snapshot as it was, memory included. Everything the
+// commit allocates is allocated before it (PrepareCommit), so that the
+// commit, which changes the counts, the log and the index, cannot fail
+// halfway.
 template <class Mask>
 struct Herald::Snapshot final : Herald::Impl {
   static constexpr uint32_t kFree = ~uint32_t{0};
   static constexpr uint32_t kTomb = ~uint32_t{0} - 1;
   static constexpr uint32_t kNoRecord = ~uint32_t{0};  // old[u] of a key the snapshot did not hold
+  static constexpr uint32_t kNoRecordInTomb = kNoRecord - 1;  // the same, whose slot was a tombstone
   // Positions are at most 2^pos_bits - 3, so that no slot equals kFree or
   // kTomb whatever its fingerprint; with 32 bits (no fingerprint) that allows
   // 2^32 - 2 records, as the 8-byte slots did.
@@ -246,7 +282,7 @@ struct Herald::Snapshot final : Herald::Impl {
         score(options.workers, 0),
         gains(options.workers, 0),
         losses(options.workers, 0) {
-    Rebuild(kMinSlots, 0);
+    Rebuild(TableFor(kMinSlots), kMinSlots, 0);
   }
 
   using Record = LogRecord;
@@ -313,6 +349,10 @@ struct Herald::Snapshot final : Herald::Impl {
   uint32_t PrintOf(uint32_t v) const { return v & ~pos_mask; }
   // The highest position slots can hold now.
   uint64_t MaxPos() const { return uint64_t{pos_mask} - 2; }
+  void SetPosBits(int bits) {
+    pos_bits = bits;
+    pos_mask = bits == 32 ? ~uint32_t{0} : static_cast<uint32_t>((uint64_t{1} << bits) - 1);
+  }
 
   // Places a key known to be absent (no tombstones: a rebuild's index).
   void Place(uint64_t hash, uint64_t pos) {
@@ -321,21 +361,29 @@ struct Herald::Snapshot final : Herald::Impl {
     index[i] = Print(hash) | static_cast<uint32_t>(pos);
   }
 
-  // Rebuilds the index with `slots` slots from the live records and the
-  // pending ones (uniq[0 : pending) at positions log.size() + u), with
-  // position bits for positions up to `limit`. The new table is allocated
-  // before the old one is dropped.
-  void Rebuild(uint64_t slots, uint64_t limit, uint64_t pending = 0) {
-    if (slots == index.size()) {  // in place: fresh pages would cost a page fault each
+  // The table a rebuild to `slots` slots fills: a new one (room only: its
+  // pages are touched when it is filled), or none where the index has that
+  // size (refilled in place: fresh pages would cost a page fault each).
+  Index TableFor(uint64_t slots) const {
+    Index table;
+    if (slots != index.size()) table.reserve(slots);
+    return table;
+  }
+
+  // Rebuilds the index with `slots` slots (in `table`, from TableFor) from
+  // the live records and the pending ones (uniq[0 : pending) at positions
+  // log.size() + u), with position bits for positions up to `limit`. Returns
+  // the table it replaced (none where it refilled the index in place).
+  Index Rebuild(Index table, uint64_t slots, uint64_t limit, uint64_t pending = 0) {
+    if (slots == index.size()) {
       std::fill(index.begin(), index.end(), kFree);
     } else {
-      Index fresh(slots, kFree);
-      index.swap(fresh);
+      table.assign(slots, kFree);  // within its room: allocates nothing
+      index.swap(table);
     }
     int bits = 2;
     while (bits < 32 && (uint64_t{1} << bits) - 2 <= limit) ++bits;  // limit <= 2^bits - 3
-    pos_bits = bits;
-    pos_mask = bits == 32 ? ~uint32_t{0} : static_cast<uint32_t>((uint64_t{1} << bits) - 1);
+    SetPosBits(bits);
     tombs = 0;
     used = 0;
     // Each live record's home slot is fetched kAhead live records ahead of
@@ -363,6 +411,7 @@ struct Herald::Snapshot final : Herald::Impl {
     }
     for (; done < queued; ++done) Place(ahead[done % kAhead].first, ahead[done % kAhead].second);
     used = queued;
+    return table;
   }
 
   // Slots for `entries` keys below kMaxLoad, tombstones counted: grown to
@@ -388,16 +437,50 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   // ---- the log ----
-  // Drops the dead records in place, then moves the live ones to a log with
-  // room for `more` records beyond them (kLogRoom x) where that room differs,
-  // rewriting the positions runs and cursors hold (a record's new position is
-  // the number of live ones before it: a bit a record and a count a block of
-  // 64), and rebuilds the index with the `pending` keys of the batch after
-  // the live records.
-  void Compact(uint64_t more, uint64_t pending) {
+  // What a compaction allocates (PrepareCompact), before it changes anything.
+  struct CompactSpace {
+    std::vector<RankBlock> blocks;  // (log.size() / 64 + 1,)
+    Log records;                    // room for the new log; none where the log keeps its own
+    std::vector<uint64_t> runs;     // room for the runs kept and extra_runs more
+    Index table;                    // TableFor(slots)
+    uint64_t slots = 0, limit = 0, pending = 0;
+  };
+
+  // A compaction's buffers: a log with room for `more` records beyond the
+  // live ones (kLogRoom x) where that room differs, and an index for them
+  // and the `pending` keys of the batch; runs with room for `extra_runs`
+  // more after it.
+  CompactSpace PrepareCompact(uint64_t more, uint64_t pending, uint64_t extra_runs) const {
+    const uint64_t live = log.size() - dead;
+    CompactSpace space;
+    space.blocks.resize(log.size() / 64 + 1);
+    // Room for kLogRoom x (live + more), give or take kRoomBand: a log within
+    // the band keeps its pages (new ones would cost a page fault each, most
+    // of a compaction's time).
+    const uint64_t want = static_cast<uint64_t>(kLogRoom * static_cast<double>(live + more)) + 64;
+    const uint64_t cap = log.capacity();
+    const bool keep = cap >= want && static_cast<double>(cap) <= (1 + kRoomBand) * static_cast<double>(want);
+    const uint64_t room =
+        std::min(kMaxRecords, keep ? cap : static_cast<uint64_t>((1 + kRoomBand / 2) * static_cast<double>(want)));
+    if (cap != room) space.records.reserve(room);
+    space.runs.reserve(runs.size() + extra_runs);
+    space.slots = SlotsFor(live + pending + largest);
+    space.limit = room + largest;
+    space.pending = pending;
+    space.table = TableFor(space.slots);
+    return space;
+  }
+
+  // Drops the dead records in place, then moves the live ones to the new
+  // log (space.records) if there is one, rewriting the positions runs and
+  // cursors hold (a record's new position is the number of live ones before
+  // it: a bit a record and a count a block of 64), and rebuilds the index
+  // with the pending keys of the batch after the live records. Allocates
+  // nothing (PrepareCompact did).
+  void Compact(CompactSpace& space) {
     const uint64_t n = log.size();
     const uint64_t live = n - dead;
-    std::vector<RankBlock> blocks(n / 64 + 1);
+    std::vector<RankBlock>& blocks = space.blocks;
     uint64_t at = 0;
     for (uint64_t b = 0; b < blocks.size(); ++b) {
       blocks[b].base = at;
@@ -415,31 +498,22 @@ struct Herald::Snapshot final : Herald::Impl {
       return b.base + Popcount64(b.bits & ((uint64_t{1} << (p % 64)) - 1));
     };
     log.resize(live);
-    // Room for kLogRoom x (live + more), give or take kRoomBand: a log within
-    // the band keeps its pages (new ones would cost a page fault each, most
-    // of a compaction's time).
-    const uint64_t want = static_cast<uint64_t>(kLogRoom * static_cast<double>(live + more)) + 64;
-    const uint64_t cap = log.capacity();
-    const bool keep = cap >= want && static_cast<double>(cap) <= (1 + kRoomBand) * static_cast<double>(want);
-    const uint64_t room =
-        std::min(kMaxRecords, keep ? cap : static_cast<uint64_t>((1 + kRoomBand / 2) * static_cast<double>(want)));
-    if (log.capacity() != room) {
-      Log records;
-      records.reserve(room);
-      records.assign(log.begin(), log.end());
-      log = std::move(records);
+    if (space.records.capacity() != 0) {
+      space.records.assign(log.begin(), log.end());  // within its room
+      log.swap(space.records);
+      Log().swap(space.records);  // the old log goes before the new index is filled
     }
-    std::vector<uint64_t> kept;
+    std::vector<uint64_t>& kept = space.runs;
     for (uint64_t r = 0; r < runs.size(); ++r) {
       const uint64_t begin = moved(runs[r]);
       if (begin == live) break;  // this run and the later ones are empty
       if (!kept.empty() && kept.back() == begin) kept.pop_back();  // the run before was empty
       kept.push_back(begin);
     }
-    runs = std::move(kept);
+    runs.swap(kept);
     for (uint64_t& c : cursor) c = moved(c);
     dead = 0;
-    Rebuild(SlotsFor(live + pending + largest), room + largest, pending);
+    Rebuild(std::move(space.table), space.slots, space.limit, space.pending);
   }
 
   // Worker w drops its `drop` least recently used keys: its records from its
@@ -624,6 +698,7 @@ struct Herald::Snapshot final : Herald::Impl {
         if (hole != kNone) {
           i = hole;
           --tombs;
+          old[u] = kNoRecordInTomb;
         }
         ++used;
       } else {  // the old record dies here, while it is in cache (Rollback revives it)
@@ -637,21 +712,38 @@ struct Herald::Snapshot final : Herald::Impl {
     return count;
   }
 
-  // Undoes Find's changes to the index (uniq[0 : count) pending).
-  void Rollback(uint64_t count) {
+  // Undoes Find's changes (uniq[0 : count) pending): revives the old
+  // records and puts back each slot as it was, the last key's first (a slot
+  // a later key passed is occupied until that key's is put back). With
+  // `index_before` (the index before the batch grew it, and its position
+  // bits and counts) that index comes back instead, the batch's slots with it.
+  void Undo(uint64_t count, Index& index_before, int pos_bits_before, uint64_t used_before, uint64_t tombs_before) {
     const uint64_t end = log.size();
-    for (uint64_t u = 0; u < count; ++u) {
+    const bool grown = index_before.capacity() != 0;
+    for (uint64_t u = count; u-- > 0;) {
+      if (old[u] < kNoRecordInTomb) {
+        log[old[u]].holders = HoldersByte(latest[u]);
+        --dead;
+      }
+      if (grown) continue;
       const uint64_t hash = Hash(uniq[u]);
       const uint64_t s = SlotOf(hash, end + u);
       if (old[u] == kNoRecord) {
+        index[s] = kFree;
+        --used;
+      } else if (old[u] == kNoRecordInTomb) {
         index[s] = kTomb;
         --used;
         ++tombs;
       } else {
         index[s] = Print(hash) | old[u];
-        log[old[u]].holders = HoldersByte(latest[u]);
-        --dead;
       }
+    }
+    if (grown) {
+      index.swap(index_before);
+      SetPosBits(pos_bits_before);
+      used = used_before;
+      tombs = tombs_before;
     }
   }
 
@@ -665,34 +757,59 @@ struct Herald::Snapshot final : Herald::Impl {
     // + u must fit the slots, and the live records with them kMaxRecords
     // (compacted first if that is what it takes; compaction changes no plan).
     // Where the live records and the batch's keys (not its distinct keys, not
-    // known yet) pass 2^32 - 2, the batch is refused.
+    // known yet) pass 2^32 - 2, the batch is refused. A batch that fails
+    // leaves `largest` (which sizes the index and the log) as it was; that
+    // compaction, the only change it keeps, changes no plan and no cache.
+    const uint64_t largest_before = largest;
     largest = std::max(largest, total);
-    if (log.size() + total > kMaxRecords) Compact(total, 0);
-    if (log.size() + total > kMaxRecords) {
-      throw std::length_error("Herald::Schedule: the snapshot would pass 2^32 - 2 keys");
-    }
-    inverse.resize(total);
-    uniq.resize(total);
-    old.resize(total);
-    latest.resize(total);
-    // The inserts must find room (tombstones count against the load) and
-    // positions up to log.size() + total - 1.
-    if (total > 0 && (static_cast<double>(used + tombs + total) > kMaxLoad * static_cast<double>(index.size()) ||
-                      log.size() + total - 1 > MaxPos())) {
-      Rebuild(SlotsFor(used + total), std::max<uint64_t>(log.capacity(), log.size() + total) + largest);
+    // The index before the batch grew it (with its position bits and
+    // counts): kept until the batch is committed, so that a failure puts it
+    // back (a rebuild in place keeps its size: nothing to put back).
+    Index index_before;
+    int pos_bits_before = 0;
+    uint64_t used_before = 0, tombs_before = 0;
+    try {
+      if (log.size() + total > kMaxRecords) {
+        CompactSpace space = PrepareCompact(total, 0, 0);
+        Compact(space);
+      }
+      if (log.size() + total > kMaxRecords) {
+        throw std::length_error("Herald::Schedule: the snapshot would pass 2^32 - 2 keys");
+      }
+      inverse.resize(total);
+      uniq.resize(total);
+      old.resize(total);
+      latest.resize(total);
+      // The inserts must find room (tombstones count against the load) and
+      // positions up to log.size() + total - 1.
+      if (total > 0 && (static_cast<double>(used + tombs + total) > kMaxLoad * static_cast<double>(index.size()) ||
+                        log.size() + total - 1 > MaxPos())) {
+        const uint64_t slots = SlotsFor(used + total);
+        pos_bits_before = pos_bits;
+        used_before = used;
+        tombs_before = tombs;
+        index_before = Rebuild(TableFor(slots), slots, std::max<uint64_t>(log.capacity(), log.size() + total) + largest);
+      }
+    } catch (...) {
+      largest = largest_before;
+      throw;
     }
     const uint64_t U = Find(keys, total);
     HeraldPlan plan;
     uint64_t m = 0;
+    CommitSpace space;
     try {
       Partition(plan, offsets, n_examples, U, origin);
       // The window matters only where caches evict.
       if (opt.capacity > 0 && n_upcoming > 0) m = Window(upcoming, n_upcoming);
+      space = PrepareCommit(plan, U, m);
     } catch (...) {  // out of memory: the snapshot is left as it was
-      Rollback(U);
+      Undo(U, index_before, pos_bits_before, used_before, tombs_before);
+      largest = largest_before;
       throw;
     }
-    Commit(plan, U, m);
+    Index().swap(index_before);  // before the commit's allocations are filled
+    Commit(plan, U, space);
     return plan;
   }
 
@@ -916,40 +1033,94 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   // ---- the snapshot: the trainers hold the latest version, other copies go ----
-  // Each batch key gets a new record at the log's end, a run for the batch
-  // (its slot already points there); its old record (if any) dies. Then the
-  // held keys of the window move to a run after it, before eviction.
-  // held_window: the held window keys Window found.
-  void Commit(HeraldPlan& plan, uint64_t U, uint64_t held_window) {
+  // What a commit allocates, and what it was worked out from.
+  struct CommitSpace {
+    bool compact = false;
+    CompactSpace compaction;                        // where compact
+    typename SharedMasks<Mask>::Table shared_table;  // W > 8: the side table's new size, if it changes
+    uint64_t held_window = 0;                       // the window keys it refreshes
+  };
+
+  // The commit's allocations (it makes none itself, so it cannot fail
+  // halfway): a compaction's buffers where the log is out of room, room for
+  // the runs, the side table's room, and eviction's lists and scratch. Sets
+  // gains and losses (W,): the batch keys each cache trains, and those it
+  // held before. held_window: the held window keys Window found. Changes
+  // nothing in the snapshot.
+  CommitSpace PrepareCommit(HeraldPlan& plan, uint64_t U, uint64_t held_window) {
     const int32_t W = opt.workers;
-    constexpr uint64_t kAhead = 16;
     // The trainers hold the batch's keys now, and the other holders (the old
     // records died in Find) do not: a cache gains the batch keys it trains
     // and loses those it held. A byte mask's bits are counted branch-free
-    // (AddBits); a wider one's, a few of many, one by one.
+    // (AddBits); a wider one's, a few of many, one by one, with the most
+    // keys the side table holds while the batch's records are appended.
+    CommitSpace space;
+    std::fill(gains.begin(), gains.end(), 0);
+    std::fill(losses.begin(), losses.end(), 0);
     if constexpr (sizeof(Mask) == 1) {
-      std::fill(gains.begin(), gains.end(), 0);
-      std::fill(losses.begin(), losses.end(), 0);
       AddBits(U, [&](uint64_t u) { return need[u]; }, gains);
       AddBits(U, [&](uint64_t u) { return latest[u]; }, losses);
-      for (int32_t w = 0; w < W; ++w) held[w] = held[w] + gains[w] - losses[w];
     } else {
+      uint64_t shared_keys = shared.count(), most_shared = shared_keys;
       for (uint64_t u = 0; u < U; ++u) {
-        const Mask was = latest[u];
-        for (Mask m = static_cast<Mask>(need[u] & ~was); m != 0; m &= static_cast<Mask>(m - 1)) ++held[std::countr_zero(m)];
-        for (Mask m = static_cast<Mask>(was & ~need[u]); m != 0; m &= static_cast<Mask>(m - 1)) --held[std::countr_zero(m)];
+        const Mask was = latest[u], now = need[u];
+        for (Mask m = static_cast<Mask>(now & ~was); m != 0; m &= static_cast<Mask>(m - 1)) ++gains[std::countr_zero(m)];
+        for (Mask m = static_cast<Mask>(was & ~now); m != 0; m &= static_cast<Mask>(m - 1)) ++losses[std::countr_zero(m)];
+        // Encode puts a key shared now and erases one shared only before.
+        shared_keys = shared_keys + ((now & (now - 1)) != 0) - ((was & (was - 1)) != 0);
+        most_shared = std::max(most_shared, shared_keys);
+      }
+      space.shared_table = shared.Sized(most_shared);
+    }
+    space.compact = log.size() + U + held_window > std::min<uint64_t>(log.capacity(), kMaxRecords);
+    const uint64_t new_runs = (opt.capacity > 0 && U > 0 ? 1 : 0) + (held_window > 0 ? 1 : 0);
+    if (space.compact) space.compaction = PrepareCompact(U + held_window, U, new_runs);
+    // Past 2^32 - 2 records the window's highest keys are not refreshed.
+    const uint64_t records = space.compact ? log.size() - dead : log.size();
+    space.held_window = std::min(held_window, kMaxRecords - std::min(kMaxRecords, records + U));
+    if (opt.capacity > 0) {
+      // Eviction drops, from each cache above capacity, its keys past it
+      // (a key once for each), and gives at most as many to lost_keys.
+      uint64_t drops = 0;
+      for (int32_t w = 0; w < W; ++w) {
+        const uint64_t after = held[w] + gains[w] - losses[w];
+        drops += after > opt.capacity ? after - opt.capacity : 0;
+      }
+      plan.evicted.reserve(drops);
+      plan.lost_keys.reserve(drops);
+      plan.lost_from.reserve(drops);
+      emptied.reserve(drops);
+      emptied_hash.reserve(drops);
+      ReserveSortUnique(drops, sort_tmp, sort_count);
+      // Evict reads a run at a time into mine: no run is longer than the one
+      // a commit appended (this one's are the batch's U records and the
+      // window's; a compaction only shortens runs), and mine never gives
+      // back its room.
+      mine.reserve(std::max(U, space.held_window));
+      // Last, as it changes the snapshot's memory: nothing after it fails.
+      if (!space.compact && runs.capacity() < runs.size() + new_runs) {
+        runs.reserve(std::max(2 * runs.capacity(), runs.size() + new_runs));
       }
     }
-    bool rebuilt = false;
-    if (log.size() + U + held_window > std::min<uint64_t>(log.capacity(), kMaxRecords)) {
-      Compact(U + held_window, U);
-      rebuilt = true;
+    return space;
+  }
+
+  // Each batch key gets a new record at the log's end, a run for the batch
+  // (its slot already points there); its old record (if any) dies. Then the
+  // held keys of the window move to a run after it, before eviction. Every
+  // buffer it fills has its room (PrepareCommit's space): it allocates
+  // nothing and cannot fail.
+  void Commit(HeraldPlan& plan, uint64_t U, CommitSpace& space) {
+    const int32_t W = opt.workers;
+    constexpr uint64_t kAhead = 16;
+    for (int32_t w = 0; w < W; ++w) held[w] = held[w] + gains[w] - losses[w];
+    if (space.compact) Compact(space.compaction);
+    if constexpr (!kMaskInRecord) {
+      if (space.shared_table.capacity() != 0) shared.Adopt(std::move(space.shared_table));
     }
-    // Past 2^32 - 2 records the window's highest keys are not refreshed.
-    held_window = std::min(held_window, kMaxRecords - std::min(kMaxRecords, log.size() + U));
     if (opt.capacity > 0 && U > 0) runs.push_back(log.size());
     for (uint64_t u = 0; u < U; ++u) log.push_back(Encode(uniq[u], need[u], latest[u]));
-    if (held_window > 0) Refresh(held_window, rebuilt);
+    if (space.held_window > 0) Refresh(space.held_window, space.compact);
 
     // ---- eviction: a cache above capacity drops its least recently used keys ----
     if (opt.capacity > 0) {
@@ -1025,7 +1196,7 @@ struct Herald::Snapshot final : Herald::Impl {
     dead = 0;
     shared.Clear();
     Index().swap(index);
-    Rebuild(kMinSlots, 0);
+    Rebuild(TableFor(kMinSlots), kMinSlots, 0);
     std::fill(held.begin(), held.end(), 0);
     std::fill(cursor.begin(), cursor.end(), 0);
   }

@@ -689,8 +689,7 @@ TEST(Herald, RejectsBadArguments) {
 // Allocations can be made to fail, to reach the scheduler's out-of-memory path
 // (a Schedule that fails after its keys were found in the index must leave the
 // snapshot as it was). Disarmed (fail_in = 0) this is malloc and free; the
-// tests run on one thread. Buffers from the aligned forms (the snapshot's own
-// index and log) are not counted.
+// tests run on one thread.
 namespace {
 uint64_t fail_in = 0;  // the fail_in-th allocation from now throws std::bad_alloc; 0: none
 }  // namespace
@@ -706,6 +705,16 @@ void* operator new(std::size_t n) {
 }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+// The aligned forms: the snapshot's index and log (HugePageAllocator's
+// buffers below a huge page) come from them.
+void* operator new(std::size_t n, std::align_val_t align) {
+  if (fail_in != 0 && --fail_in == 0) throw std::bad_alloc();
+  void* p = nullptr;
+  if (posix_memalign(&p, std::max(sizeof(void*), static_cast<std::size_t>(align)), n == 0 ? 1 : n) == 0) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -862,6 +871,83 @@ TEST(Herald, AScheduleThatRunsOutOfMemoryChangesNothing) {
     for (int32_t w = 0; w < W; ++w) ASSERT_EQ(h.Cached(w), reference.Cached(w)) << "worker " << w;
   }
   EXPECT_GT(failures, 5);  // the plan's own vectors, at least, were failed
+}
+
+// What a caller sees of a snapshot: each cache's keys in eviction order (and
+// CachedByWorker's check that the log and the counts agree), the counts, the
+// memory and the batch count.
+struct Seen {
+  std::vector<uint64_t> offsets, keys, counts;
+  uint64_t memory = 0, batches = 0;
+};
+Seen SeenOf(const hps::Herald& h) {
+  Seen s;
+  s.keys = h.CachedByWorker(s.offsets);
+  for (int32_t w = 0; w < h.options().workers; ++w) s.counts.push_back(h.cached(w));
+  s.memory = h.memory_bytes();
+  s.batches = h.batches();
+  return s;
+}
+void ExpectSame(const Seen& a, const Seen& b) {
+  EXPECT_EQ(a.offsets, b.offsets);
+  EXPECT_EQ(a.keys, b.keys);
+  EXPECT_EQ(a.counts, b.counts);
+  EXPECT_EQ(a.memory, b.memory);
+  EXPECT_EQ(a.batches, b.batches);
+}
+
+// The same where committing a batch allocates: caches at capacity (eviction's
+// lists), windows (their runs), a log that fills with retrained keys' dead
+// records (compactions: a new log, runs and index), and for W = 64 the side
+// table of shared keys' masks. Each batch is retried, failing its k-th
+// allocation for k = 1, 2, ... until it succeeds: after every failure the
+// snapshot is as it was, memory included, and the batch that succeeds plans
+// as it does on a twin that never failed.
+TEST(Herald, AScheduleThatRunsOutOfMemoryWhileCommittingChangesNothing) {
+  for (const int32_t W : {8, 64}) {
+    SCOPED_TRACE(testing::Message() << "W " << W);
+    const hps::HeraldOptions options{.workers = W, .capacity = 320u / static_cast<uint32_t>(W)};
+    hps::Herald h(options), twin(options);
+    std::mt19937_64 rng(W);
+    constexpr uint64_t kExamples = 96;
+    constexpr int32_t kFields = 5;
+    std::vector<std::vector<uint64_t>> batches(16);
+    for (auto& b : batches) {
+      b.resize(kExamples * kFields);
+      for (auto& k : b) {
+        const uint64_t r = rng() % 1500;
+        k = r * r / 1500;  // skewed to low r: hot keys, retrained and shared
+      }
+    }
+    uint64_t failures = 0, most_evicted = 0;
+    for (size_t b = 0; b + 2 < batches.size(); ++b) {
+      SCOPED_TRACE(testing::Message() << "batch " << b);
+      std::vector<uint64_t> window = batches[b + 1];
+      window.insert(window.end(), batches[b + 2].begin(), batches[b + 2].begin() + 40);
+      const Seen before = SeenOf(h);
+      hps::HeraldPlan plan;
+      for (uint64_t k = 1;; ++k) {
+        fail_in = k;
+        try {
+          plan = h.Schedule(batches[b].data(), kExamples, kFields, window.data(), window.size());
+          fail_in = 0;
+          break;
+        } catch (const std::bad_alloc&) {
+          fail_in = 0;
+        }
+        ++failures;
+        SCOPED_TRACE(testing::Message() << "allocation " << k);
+        ExpectSame(SeenOf(h), before);
+        if (testing::Test::HasFailure()) return;  // one report, not one a retry
+      }
+      const auto expected = twin.Schedule(batches[b].data(), kExamples, kFields, window.data(), window.size());
+      ASSERT_EQ(Digest(0, plan), Digest(0, expected));
+      ExpectSame(SeenOf(h), SeenOf(twin));
+      most_evicted = std::max<uint64_t>(most_evicted, plan.evicted.size());
+    }
+    EXPECT_GT(failures, 100u);
+    EXPECT_GT(most_evicted, 0u);  // the caches evicted
+  }
 }
 
 }  // namespace
