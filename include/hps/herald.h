@@ -206,6 +206,7 @@ class Herald {
   uint64_t memory_bytes() const;
 
   // Drops every cached copy, pushing none (a fresh start: the PS holds all).
+  // std::bad_alloc leaves the caches as they were.
   void Clear();
 
  private:

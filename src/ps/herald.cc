@@ -180,7 +180,6 @@ class SharedMasks {
       table_[i] = e;
     }
   }
-  void Clear() { *this = SharedMasks(); }
   uint64_t count() const { return count_; }
   uint64_t MemoryBytes() const { return table_.capacity() * sizeof(Entry); }
 
@@ -1189,14 +1188,19 @@ struct Herald::Snapshot final : Herald::Impl {
   }
 
   void Clear() override {
+    // The fresh start's tables first: a Clear that runs out of memory leaves
+    // the caches as they were.
+    Index table;
+    table.reserve(kMinSlots);
+    SharedMasks<Mask> no_shared;
     // Swapped out, not assigned {} (which keeps a vector's capacity): a fresh
     // start holds no memory of the caches before it.
     Log().swap(log);
     std::vector<uint64_t>().swap(runs);
     dead = 0;
-    shared.Clear();
+    shared = std::move(no_shared);
     Index().swap(index);
-    Rebuild(TableFor(kMinSlots), kMinSlots, 0);
+    Rebuild(std::move(table), kMinSlots, 0);  // within the table's room: allocates nothing
     std::fill(held.begin(), held.end(), 0);
     std::fill(cursor.begin(), cursor.end(), 0);
   }

@@ -34,17 +34,20 @@ class CudaRowMover final : public RowMover {
       : gpus_(std::move(gpus)), buffers_(gpus_.size() * kSlots), index_(gpus_.size()), stage_(gpus_.size()) {}
 
   float* Buffer(int32_t device, Slot slot, uint64_t floats) override {
+    const detail::CurrentDevice keep;
     const auto d = static_cast<size_t>(device);
     return static_cast<float*>(buffers_.at(d * kSlots + slot).Get(gpus_.at(d), floats * sizeof(float)));
   }
 
   void Exchange(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<const uint8_t*>& send,
                 const std::vector<uint8_t*>& receive) override {
+    const detail::CurrentDevice keep;
     ExecuteOnCuda(plan, bytes, gpus_, send, receive, exchange_);
   }
 
   void ScatterOut(int32_t device, const uint64_t* index, uint64_t n, uint32_t dim, const float* in,
                   float* out) override {
+    const detail::CurrentDevice keep;
     if (n == 0) return;
     const auto d = static_cast<size_t>(device);
     const uint64_t* d_index = Index(d, index, n);
@@ -60,6 +63,7 @@ class CudaRowMover final : public RowMover {
 
   void GatherIn(int32_t device, const uint64_t* index, uint64_t n, uint32_t dim, const float* in,
                 float* out) override {
+    const detail::CurrentDevice keep;
     if (n == 0) return;
     const auto d = static_cast<size_t>(device);
     const uint64_t* d_index = Index(d, index, n);

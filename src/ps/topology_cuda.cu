@@ -32,6 +32,7 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() {
     if (ptr) {
+      const detail::CurrentDevice keep;
       cudaSetDevice(device);
       cudaFree(ptr);
     }
@@ -64,6 +65,7 @@ struct CudaExchangeBuffers::State {
   }
 
   void DestroyStreams() {
+    const detail::CurrentDevice keep;
     for (size_t i = 0; i < streams.size(); ++i) {
       cudaSetDevice(stream_gpus[i]);
       cudaStreamDestroy(streams[i]);
@@ -83,6 +85,7 @@ bool CudaExecutorAvailable() { return CudaDeviceCount() > 0; }
 ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& bytes, const std::vector<int32_t>& gpu_ids,
                         const std::vector<const uint8_t*>& send, const std::vector<uint8_t*>& recv,
                         CudaExchangeBuffers& kept) {
+  const detail::CurrentDevice keep;
   const size_t e = send.size();
   if (recv.size() != e || gpu_ids.size() != e || bytes.size() != e * e || plan.routes.size() != e * e)
     throw std::invalid_argument("CUDA executor: " + std::to_string(send.size()) + " send, " +
@@ -172,6 +175,7 @@ ExecStats ExecuteOnCuda(const RoutePlan& plan, const std::vector<uint64_t>& byte
 ExecStats ExecuteOnCudaFromHost(const RoutePlan& plan, const std::vector<uint64_t>& bytes,
                                 const std::vector<int32_t>& gpu_ids, const std::vector<const uint8_t*>& send,
                                 const std::vector<uint8_t*>& recv) {
+  const detail::CurrentDevice keep;
   const size_t e = send.size();
   if (recv.size() != e || gpu_ids.size() != e || bytes.size() != e * e)
     throw std::invalid_argument("CUDA executor: " + std::to_string(send.size()) + " send, " +

@@ -191,7 +191,7 @@ class CudaHashTable final : public HashTable {
     std::lock_guard lock(mutex_);
     CheckKeys(keys, n);
     if (n == 0) return 0;
-    SetDevice(device_);
+    const detail::CurrentDevice current(device_);
     auto d_keys = Upload(keys, n);
     auto d_rows = Upload(rows, n * ref_.stride);
     DeviceArray<uint8_t> d_flags(n);
@@ -224,7 +224,7 @@ class CudaHashTable final : public HashTable {
     std::lock_guard lock(mutex_);
     CheckKeys(keys, n);
     if (n == 0) return;
-    SetDevice(device_);
+    const detail::CurrentDevice current(device_);
     auto d_keys = Upload(keys, n);
     auto d_deltas = Upload(deltas, n * ref_.stride);
     ResetCounters();
@@ -237,7 +237,7 @@ class CudaHashTable final : public HashTable {
     std::lock_guard lock(mutex_);
     CheckKeys(keys, n);
     if (n == 0) return 0;
-    SetDevice(device_);
+    const detail::CurrentDevice current(device_);
     auto d_keys = Upload(keys, n);
     auto d_rows = Upload(rows, n * ref_.stride);
     DeviceArray<uint8_t> d_found(n);
@@ -269,7 +269,7 @@ class CudaHashTable final : public HashTable {
     CheckOptimizer(opt);
     CheckKeys(keys, n);
     if (n == 0) return;
-    SetDevice(device_);
+    const detail::CurrentDevice current(device_);
     auto d_keys = Upload(keys, n);
     ResetCounters();
     EnsureKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, opt, counters_.get());
@@ -306,7 +306,7 @@ class CudaHashTable final : public HashTable {
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
     std::lock_guard lock(mutex_);
-    SetDevice(device_);
+    const detail::CurrentDevice current(device_);
     const uint64_t n = std::min(max_rows, size_);
     DeviceArray<uint64_t> d_keys(n);
     DeviceArray<float> d_rows(n * ref_.stride);
@@ -321,7 +321,7 @@ class CudaHashTable final : public HashTable {
 
   void clear() override {
     std::lock_guard lock(mutex_);
-    SetDevice(device_);
+    const detail::CurrentDevice current(device_);
     FillKeys<<<Blocks(ref_.slots), kBlock>>>(ref_.keys, ref_.slots);
     // A launch that failed (no kernel image for this GPU, say) is reported
     // here, not blamed on the next call; synchronising does not report it.
@@ -334,7 +334,7 @@ class CudaHashTable final : public HashTable {
  private:
   // REQUIRES: mutex_ held; sums holds each key once (a table does).
   void ApplySums(const CudaHashTable& sums, const SparseOptimizer& opt) {
-    SetDevice(device_);
+    const detail::CurrentDevice current(device_);
     ResetCounters();
     ApplyKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());
     Settle(Finish());
@@ -352,7 +352,7 @@ class CudaHashTable final : public HashTable {
   uint64_t Gather(const uint64_t* keys, uint64_t n, uint32_t columns, float* out,
                   uint8_t* found) const {
     if (n == 0) return 0;
-    SetDevice(device_);
+    const detail::CurrentDevice current(device_);
     auto d_keys = Upload(keys, n);
     DeviceArray<float> d_out(n * columns);
     DeviceArray<uint8_t> d_found(n);
@@ -413,6 +413,7 @@ std::unique_ptr<HashTable> NewCudaHashTable(const HashTableOptions& options) {
                              " requested, but " + std::to_string(devices) +
                              " usable CUDA device(s) found");
   }
+  const detail::CurrentDevice keep;  // the constructor allocates on the table's device
   return std::make_unique<CudaHashTable>(options.capacity, options.row_floats,
                                          options.cuda_device);
 }

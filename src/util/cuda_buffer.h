@@ -21,7 +21,7 @@ class GrowingBuffer {
     if (bytes > bytes_ || (ptr_ != nullptr && gpu != gpu_)) {
       Free();
       if (bytes == 0) return nullptr;
-      HPS_CUDA_TRY(cudaSetDevice(gpu));
+      const CurrentDevice current(gpu);
       HPS_CUDA_TRY(cudaMalloc(&ptr_, bytes));
       gpu_ = gpu;
       bytes_ = bytes;
@@ -32,6 +32,7 @@ class GrowingBuffer {
  private:
   void Free() {
     if (ptr_) {
+      const CurrentDevice keep;  // (a destructor's too: it may run in the caller's thread at any time)
       cudaSetDevice(gpu_);
       cudaFree(ptr_);
     }

@@ -950,4 +950,35 @@ TEST(Herald, AScheduleThatRunsOutOfMemoryWhileCommittingChangesNothing) {
   }
 }
 
+// Clear allocates its fresh snapshot (the index's smallest table, W > 8's side
+// table) before it drops the caches: one that runs out of memory leaves them.
+TEST(Herald, AClearThatRunsOutOfMemoryChangesNothing) {
+  for (const int32_t W : {8, 64}) {
+    SCOPED_TRACE(testing::Message() << "W " << W);
+    hps::Herald h({.workers = W, .capacity = 50});
+    std::vector<uint64_t> keys(64 * 4);
+    for (size_t i = 0; i < keys.size(); ++i) keys[i] = i % 97;
+    h.Schedule(keys.data(), 64, 4);
+    const Seen before = SeenOf(h);
+    ASSERT_GT(before.keys.size(), 0u);
+    uint64_t failures = 0;
+    for (uint64_t k = 1;; ++k) {
+      fail_in = k;
+      try {
+        h.Clear();
+        fail_in = 0;
+        break;
+      } catch (const std::bad_alloc&) {
+        fail_in = 0;
+      }
+      ++failures;
+      SCOPED_TRACE(testing::Message() << "allocation " << k);
+      ExpectSame(SeenOf(h), before);
+      if (testing::Test::HasFailure()) return;
+    }
+    EXPECT_GT(failures, 0u);
+    for (int32_t w = 0; w < W; ++w) EXPECT_EQ(h.cached(w), 0u);
+  }
+}
+
 }  // namespace
