@@ -183,3 +183,17 @@ def test_a_batch_reads_gradients_a_side_stream_is_still_writing(tmp_path):
         del grads  # its memory goes back to the side stream's pool
         torch.zeros(len(positions), 4, device="cuda:0").fill_(7)  # and may be written again
     np.testing.assert_allclose(ps.pull(keys.reshape(-1)), before - 1.0, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices: a table on the second must leave the first current")
+def test_a_table_on_another_gpu_leaves_the_callers_current_device():
+    torch = pytest.importorskip("torch")
+    torch.cuda.set_device(0)
+    table = hps.HashTable(1024, 4, device="cuda:1")  # the constructor allocates on GPU 1
+    assert torch.cuda.current_device() == 0
+    keys = np.arange(1, 65, dtype=np.uint64)
+    table.insert(keys, np.ones((64, 4), np.float32))
+    table.find(keys)
+    assert torch.cuda.current_device() == 0
+    assert torch.empty(1, device="cuda").device.index == 0
