@@ -135,6 +135,17 @@ def test_a_topology_with_too_few_endpoints_is_refused_naming_the_file(tmp_path):
         hps.ParameterServer(cfg.ps)
 
 
+def test_a_cuda_tier_refuses_a_topology_naming_more_endpoints_than_gpus(tmp_path, monkeypatch):
+    # Endpoint e of a CUDA tier is GPU e: figure1's 8 on a machine of 4 GPUs failed at
+    # the first exchange with CUDA's "invalid device ordinal", naming no file.
+    from hps import parameter_server
+    monkeypatch.setattr(parameter_server._core, "cuda_device_count", lambda: 4)
+    cfg = config(tmp_path, TOPOLOGIES / "figure1.toml", devices=4)
+    with pytest.raises(ValueError, match=r"figure1\.toml: topology 'figure1' has 8 endpoints, but this machine has "
+                                         r"4 GPUs for the CUDA tier's devices = 4"):
+        hps.ParameterServer(cfg.ps)
+
+
 def test_one_device_keeps_the_in_place_path_without_routes(tmp_path):
     cfg = config(tmp_path, TOPOLOGIES / "figure1.toml", devices=1)
     ps = hps.ParameterServer(cfg.ps)

@@ -1297,6 +1297,13 @@ class ParameterServer:
             if len(topo.endpoints) < g:
                 raise ValueError(f"{self.config.topology}: topology {topo.name!r} has {len(topo.endpoints)} "
                                  f"endpoints (GPUs and host partitions), fewer than devices = {g}")
+            gpus = _core.cuda_device_count()
+            if not host and len(topo.endpoints) > gpus:
+                # A CUDA tier's endpoint e is GPU e: its exchange makes a stream on
+                # every one, and a relay stages on its middleman's GPU.
+                raise ValueError(f"{self.config.topology}: topology {topo.name!r} has {len(topo.endpoints)} "
+                                 f"endpoints, but this machine has {gpus} GPUs for the CUDA tier's devices = "
+                                 f"{g}: give a topology of at most {gpus} endpoints (or none)")
         devices, links = topo._native()
         return _core.TierRoutes(devices, links, g, _PLAN_PAIR_BYTES, host and self.config.topology is not None), topo
 
