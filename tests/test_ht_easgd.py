@@ -201,3 +201,114 @@ def test_groups_of_several_trainers_match_the_model(tmp_path, G, T, tau):
             assert int(peer["corrections"]) == int(first["corrections"]) == steps // tau
             assert peer["x"].tobytes() == first["x"].tobytes(), f"group {g}: trainer {t} drifted from trainer 0"
     np.testing.assert_allclose(np.load(tmp_path / "centre.npz")["centre"], ref_c, rtol=1e-5, atol=1e-6)
+
+
+class _Mailbox:
+    """In-process point-to-point messages between threads standing for ranks: what
+    EasgdCentre and EasgdClient use of an mpi4py communicator (send, improbe),
+    payloads copied as MPI would."""
+
+    ANY_SOURCE = -1
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+        self.queues: dict = {}
+
+    def comm(self, rank: int):
+        box = self
+
+        class Comm:
+            def send(self, obj, dest, tag):
+                import copy
+                with box.lock:
+                    box.queues.setdefault(dest, []).append((rank, tag, copy.deepcopy(obj)))
+
+            def improbe(self, source, tag, status=None):
+                with box.lock:
+                    q = box.queues.setdefault(rank, [])
+                    for i, (src, t, obj) in enumerate(q):
+                        if source in (src, box.ANY_SOURCE) and t == tag:
+                            del q[i]
+                            if status is not None:
+                                status.source = src
+                            return type("Message", (), {"recv": lambda self, obj=obj: obj})()
+                return None
+
+        return Comm()
+
+    def empty(self, rank: int) -> bool:
+        with self.lock:
+            return not self.queues.get(rank)
+
+
+@pytest.fixture
+def mailbox(monkeypatch):
+    """A fake mpi4py.MPI (ANY_SOURCE, Status) for EasgdCentre.serve, whatever is installed."""
+    import types
+    box = _Mailbox()
+
+    class Status:
+        source = None
+
+        def Get_source(self):
+            return self.source
+
+    mpi = types.SimpleNamespace(ANY_SOURCE=box.ANY_SOURCE, Status=Status)
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=mpi))
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", mpi)
+    return box
+
+
+def test_sync_centre_finishes_a_round_when_a_group_stops_while_another_waits(mailbox):
+    # Group 0 stops after one round; group 1 has sent its second exchange before group
+    # 0's stop reaches the centre. That round is group 1's alone now: the centre must
+    # answer it, not wait (until its timeout) for an exchange group 0 will never send.
+    import threading
+    import time
+    from hps.hierarchical.easgd import EasgdCentre, EasgdClient
+    cfg = EasgdConfig(alpha=0.5, mode="sync")
+    centre = EasgdCentre(mailbox.comm(2), np.zeros(3, np.float32), [0, 1], cfg)
+    clients = [EasgdClient(mailbox.comm(g), 2, g, cfg, timeout=5.0) for g in range(2)]
+    served: dict = {}
+
+    def serve():
+        try:
+            served["centre"] = centre.serve(timeout=5.0)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            served["error"] = e
+
+    xs = [np.full(3, 2.0, np.float32), np.full(3, 4.0, np.float32)]
+    t = threading.Thread(target=serve)
+    t.start()
+    first = [threading.Thread(target=clients[g].exchange, args=(xs[g],)) for g in range(2)]
+    for th in first:
+        th.start()
+    for th in first:
+        th.join()
+    # Round 1 from c = 0: d = (2, 4); the groups move to 1 and 2, the centre to 0.5 * 6 = 3.
+    np.testing.assert_array_equal(xs[0], 1.0)
+    np.testing.assert_array_equal(xs[1], 2.0)
+    second_error: list = []
+
+    def second_exchange():
+        try:
+            clients[1].exchange(xs[1])
+        except BaseException as e:  # noqa: BLE001 - checked below
+            second_error.append(e)
+
+    second = threading.Thread(target=second_exchange)
+    second.start()
+    deadline = time.monotonic() + 5.0
+    while not mailbox.empty(2) and time.monotonic() < deadline:  # the centre holds group 1's exchange
+        time.sleep(0.001)
+    clients[0].stop()
+    second.join(timeout=10.0)
+    assert not second.is_alive() and not second_error, second_error
+    clients[1].stop()
+    t.join(timeout=10.0)
+    assert "error" not in served, served["error"]
+    # Round 2, group 1 alone against c = 3: d = -1; group 1 to 2.5, the centre to 2.5.
+    np.testing.assert_array_equal(xs[1], 2.5)
+    np.testing.assert_array_equal(served["centre"], 2.5)
+    assert centre.easgd.exchanges == 3

@@ -152,7 +152,8 @@ _TAG = 41
 class EasgdCentre:
     """The centre on a rank of its own: serves the groups' exchanges until each has
     said stop. ``async``: one group at a time, in the order they arrive; ``sync``:
-    a round waits for every group, then answers all from one centre.
+    a round waits for every group that has not stopped, then answers all from one
+    centre.
 
     A group sends its replica through the ``averaging`` codec; the centre returns
     d = x - c through it too; the group applies x -= alpha d."""
@@ -184,21 +185,27 @@ class EasgdCentre:
             if op == "stop":
                 live.discard(g)
                 self.comm.send(None, dest=src, tag=_TAG)
+            elif self.easgd.config.mode == "async":
+                self.comm.send(self._encode(g, self.easgd.difference(g, decode(enc))), dest=src, tag=_TAG)
                 continue
-            x = decode(enc)
-            if self.easgd.config.mode == "async":
-                self.comm.send(self._encode(g, self.easgd.difference(g, x)), dest=src, tag=_TAG)
-                continue
-            pending[g] = x
-            if len(pending) == len(live):  # a sync round: every live group has sent
-                before = self.easgd.centre.copy()
-                for h, xh in sorted(pending.items()):
-                    d = xh - before
-                    self.easgd.centre += np.float32(self.easgd.config.alpha) * d
-                    self.easgd.exchanges += 1
-                    self.comm.send(self._encode(h, d), dest=self.ranks[h], tag=_TAG)
-                pending.clear()
+            else:
+                pending[g] = decode(enc)
+            # A sync round once every live group has sent; checked after a stop too: the
+            # groups already waiting make the round then (no more will come from the one
+            # that stopped).
+            if pending and len(pending) == len(live):
+                self._round(pending)
         return self.easgd.centre
+
+    def _round(self, pending: dict) -> None:
+        """One sync round: every pending replica against the same centre, answered."""
+        before = self.easgd.centre.copy()
+        for h, xh in sorted(pending.items()):
+            d = xh - before
+            self.easgd.centre += np.float32(self.easgd.config.alpha) * d
+            self.easgd.exchanges += 1
+            self.comm.send(self._encode(h, d), dest=self.ranks[h], tag=_TAG)
+        pending.clear()
 
     def _encode(self, g: int, d: np.ndarray):
         return self.counter.encode(self.codecs.get("averaging", ("centre", g)), "averaging", d)
