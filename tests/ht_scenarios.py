@@ -301,8 +301,8 @@ HT_STEPS, HT_PER_RANK = 5, 48
 
 def ht_config(groups: int, group_ps: int, placement: list, alpha: float = 0.5, **kw):
     from hps.hierarchical.roles import HierarchicalConfig
-    return HierarchicalConfig(groups=groups, group_ps=group_ps, placement=placement, alpha=alpha, period=1,
-                              timeout=60, **kw)
+    kw = {"period": 1, "timeout": 60, **kw}
+    return HierarchicalConfig(groups=groups, group_ps=group_ps, placement=placement, alpha=alpha, **kw)
 
 
 def _record_averages() -> list:

@@ -151,6 +151,22 @@ def test_allreduce_across_groups_keeps_their_replicas_equal_after_every_step(tmp
         assert a[name].tobytes() == b[name].tobytes(), name
 
 
+@needs_mpi
+def test_allreduce_across_groups_ends_with_one_model_group_ps_layers_included(tmp_path):
+    # period 8 > the 5 steps: no average during training, so the one after the last
+    # step (AllreduceAverage.finish) is what makes the groups one model. The trainers
+    # return their group's whole MLP after training (as the final evaluation sees it):
+    # the layer on the group PS must be averaged by then too, not after the trainers
+    # stopped.
+    out = _run(tmp_path, 4, 2, 1, "ps:vertical,trainer", "across=allreduce", "period=8")
+    for r in range(4):
+        assert out[r]["averages"] and len(out[r]["averages"]) == 1, out[r]
+    a, b = np.load(tmp_path / "mlp0.npz"), np.load(tmp_path / "mlp2.npz")
+    assert {"0.weight", "2.weight"} <= set(a.files)
+    for name in a.files:
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
 def hps_train(tmp_path, ranks: int, toml: str) -> tuple[str, dict]:
     """`mpiexec -n ranks hps train` on a config (its path = tmp_path/run); returns
     the printed `hierarchical:` line and the JSON line."""

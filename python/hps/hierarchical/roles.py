@@ -291,7 +291,8 @@ class _HtDenseSync:
             p.grad = torch.from_numpy(buf)
 
     def after_step(self, final: bool = False) -> None:
-        if final:  # the last exchange's correction lands before the final evaluation
+        if final:  # the last exchange's correction (or average) lands before the final evaluation
+            self.split.ps_finish()  # on the group PSs' blocks too, not after the trainers stop
             if self.average is not None:
                 self.average.finish()
                 self.merges = self.average.corrections
@@ -363,6 +364,10 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
         # forward and backward of the next step see the same blocks.
         average = GroupAverage(live, BackgroundEasgd(client, live))
         server.on_step = average.step
+    if average is not None:
+        # At the trainers' "finish" (after their last step, before their final
+        # evaluation); again after serve, a no-op then.
+        server.on_finish = average.finish
     serve(world, server, trainers=roles.trainers, idle_timeout=None)
     if average is not None:
         average.finish()

@@ -217,8 +217,11 @@ class GroupPsServer:
     activations for a backward pass); ("backward", seg, call,
     dy, want_dx) -> dx part or None; ("step",) applies the optimizer to the
     gradients gathered since the last step once `trainers` trainers have asked
-    (DEFER until then: serve answers them all together); ("state",) -> {name: (weight, grad)}
-    of its blocks; ("stop",). Tensors travel as codec payloads."""
+    (DEFER until then: serve answers them all together); ("finish",) after the last
+    step, answered (as a step) once every trainer has asked: runs `on_finish` (the
+    last averaging of its blocks lands before the trainers' final evaluation);
+    ("state",) -> {name: (weight, grad)} of its blocks; ("stop",). Tensors travel as
+    codec payloads."""
 
     def __init__(self, seq: nn.Sequential, plan: SplitPlan, index: int,
                  make_optimizer: Callable, codecs: Optional[CodecStreams] = None,
@@ -227,6 +230,8 @@ class GroupPsServer:
         self.trainers = trainers  # a step is taken once this many trainers have asked (their gradients summed)
         self._asked = 0
         self.on_step: Optional[Callable] = None  # called after each step (the group PS's EASGD thread)
+        self.on_finish: Optional[Callable] = None  # called once every trainer has asked "finish"
+        self._finishing = 0
         self.plan = plan
         P = plan.group_ps
         if not 0 <= index < P:
@@ -273,6 +278,14 @@ class GroupPsServer:
             if self.on_step is not None:
                 self.on_step()
             return self.steps
+        if op == "finish":
+            self._finishing += 1
+            if self._finishing < self.trainers:
+                return DEFER
+            self._finishing = 0
+            if self.on_finish is not None:
+                self.on_finish()
+            return "finished"
         if op == "state":
             return {f"{seg}.{name}": (p.detach().numpy().copy(),
                                       None if p.grad is None else p.grad.detach().numpy().copy())
@@ -333,7 +346,7 @@ def serve(comm, server: GroupPsServer, trainers: int, idle_timeout: Optional[flo
     trainers."""
     from mpi4py import MPI
     stopped = 0
-    waiting: list = []  # (rank, tag) of step requests answered when the group's last trainer asks
+    waiting: list = []  # (rank, tag) of step (or finish) requests answered when the group's last trainer asks
     status = MPI.Status()
     while stopped < trainers:
         # Sleeps between probes while idle (a blocking recv would spin a core away
@@ -347,7 +360,7 @@ def serve(comm, server: GroupPsServer, trainers: int, idle_timeout: Optional[flo
             waiting.append((src, tag))
             continue
         comm.send(reply, dest=src, tag=tag)
-        if msg[0] == "step":
+        if msg[0] in ("step", "finish"):
             for r, t in waiting:
                 comm.send(reply, dest=r, tag=t)
             waiting.clear()
@@ -511,6 +524,15 @@ class SplitTrainer(nn.Module):
             self.transport.post(p, ("step",))
         for p in self._all_ps():
             self.transport.wait(p, "the optimizer step")
+
+    def ps_finish(self) -> None:
+        """After the last step: every group PS lands its last averaging (its
+        on_finish) before this returns, so that an evaluation after it sees the
+        blocks the job ends with."""
+        for p in self._all_ps():
+            self.transport.post(p, ("finish",))
+        for p in self._all_ps():
+            self.transport.wait(p, "the end of training")
 
     def stop(self) -> None:
         for p in self._all_ps():
