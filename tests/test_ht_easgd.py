@@ -312,3 +312,22 @@ def test_sync_centre_finishes_a_round_when_a_group_stops_while_another_waits(mai
     np.testing.assert_array_equal(xs[1], 2.5)
     np.testing.assert_array_equal(served["centre"], 2.5)
     assert centre.easgd.exchanges == 3
+
+
+def test_a_topk_averaging_codec_is_refused():
+    # An exchange sends the replica: top-k of it reads as zeros at the centre for the
+    # values left out, so d = -c there and the centre is pulled to zero. Shown on the
+    # two halves of one exchange, then refused where the exchanges are made.
+    from hps.hierarchical.codecs import CodecStreams, decode
+    from hps.hierarchical.easgd import EasgdCentre, EasgdClient
+    x = np.arange(1, 9, dtype=np.float32)
+    e = Easgd(x.copy(), 2, EasgdConfig(alpha=0.5))
+    sent = decode(CodecStreams({"averaging": "topk:0.25"}).get("averaging", 0).encode(x))
+    e.difference(0, sent)
+    assert np.abs(e.centre - x).max() >= 2.0  # the centre moved although the replica equals it
+    codecs = CodecStreams({"averaging": "topk:0.25"})
+    with pytest.raises(ValueError, match="averaging = 'topk:0.25': top-k cannot compress an EASGD exchange"):
+        EasgdClient(None, 1, 0, EasgdConfig(), codecs)
+    with pytest.raises(ValueError, match="averaging = 'topk:0.25': top-k cannot compress an EASGD exchange"):
+        EasgdCentre(None, x, [0, 1], EasgdConfig(), codecs)
+    EasgdClient(None, 1, 0, EasgdConfig(), CodecStreams({"averaging": "bf16"}))  # the others are fine

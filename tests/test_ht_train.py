@@ -251,6 +251,10 @@ def test_config_errors_are_named():
         HierarchicalConfig.from_dict({"planner": {"flops": 1}})
     with pytest.raises(ValueError, match=r"\[hierarchical\]: across must be one of 'easgd', 'allreduce', got 'gossip'"):
         HierarchicalConfig.from_dict({"across": "gossip"})
+    # Top-k of the replica sends zeros for the values it leaves out: the centre read d = -c there.
+    with pytest.raises(ValueError, match=r"\[hierarchical\]: averaging = 'topk:0.1': top-k cannot compress an EASGD "
+                                         r"exchange"):
+        HierarchicalConfig.from_dict({"averaging": "topk:0.1"})
     with pytest.raises(ValueError, match="across = 'allreduce' sums the replicas in MPI as float32; averaging = 'bf16'"):
         HierarchicalConfig.from_dict({"across": "allreduce", "averaging": "bf16"})
     # No centre rank with across = "allreduce": 2 groups of a trainer and a PS fill 4 ranks.

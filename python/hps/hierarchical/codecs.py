@@ -16,7 +16,8 @@ Each codec turns a float32 array into a :class:`Encoded` payload and back:
              of largest magnitude (int32 index + float32 value, 8 bytes each) and keeps
              the rest as the next residual. Exactly: decode(encode(g)) + new residual
              == g + old residual, bit for bit. A TopK object is one stream: use one per
-             tensor that is sent every step.
+             tensor that is sent every step. Not for ``averaging`` (an EASGD exchange
+             sends the replica, not an update; hps.hierarchical.easgd refuses it).
 
 Traffic kinds (what HT sends): ``activations`` (forward, trainer <-> group PS),
 ``gradients`` (backward), ``averaging`` (dense EASGD exchange with the centre),

@@ -45,7 +45,7 @@ from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
 __all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "GroupAverage", "AllreduceAverage",
-           "CentreTimeout"]
+           "CentreTimeout", "check_averaging_codec"]
 
 
 @dataclass
@@ -149,6 +149,17 @@ def _wait(comm, source: int, tag: int, timeout: float, what: str):
 _TAG = 41
 
 
+def check_averaging_codec(spec: str) -> None:
+    """Refuses a top-k ``averaging`` codec. An exchange sends the replica itself and
+    answers with d = x - c, neither an update that adds up over steps: top-k sends
+    the replica's largest values and zeros for the rest, so the centre sees d = -c
+    there and is pulled to zero (and the group with it), and error feedback would
+    add an older replica's unsent values into the next one."""
+    if isinstance(spec, str) and spec.partition(":")[0] == "topk":
+        raise ValueError(f"averaging = {spec!r}: top-k cannot compress an EASGD exchange (it sends the replica, "
+                         f"not an update: the values not sent would read as zeros); use 'bf16' or 'int8'")
+
+
 class EasgdCentre:
     """The centre on a rank of its own: serves the groups' exchanges until each has
     said stop. ``async``: one group at a time, in the order they arrive; ``sync``:
@@ -164,6 +175,7 @@ class EasgdCentre:
         self.ranks = list(group_ranks)
         self.easgd = Easgd(x0, len(self.ranks), config)
         self.codecs = codecs or CodecStreams()
+        check_averaging_codec(self.codecs.spec["averaging"])
         self.counter = counter or ByteCounter()
 
     def _awaited(self, live: set, pending: dict) -> str:
@@ -221,6 +233,7 @@ class EasgdClient:
         config.check()
         self.comm, self.centre, self.group, self.config = comm, centre_rank, group, config
         self.codecs = codecs or CodecStreams()
+        check_averaging_codec(self.codecs.spec["averaging"])
         self.counter = counter or ByteCounter()
         self.timeout = timeout
         self.exchanges = 0

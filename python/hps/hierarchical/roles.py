@@ -70,7 +70,7 @@ import numpy as np
 from hps.config import is_int, is_number
 from hps.distributed import poll
 from hps.hierarchical.easgd import (AllreduceAverage, BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig,
-                                    GroupAverage)
+                                    GroupAverage, check_averaging_codec)
 
 __all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical", "ACROSS"]
 
@@ -124,6 +124,10 @@ class HierarchicalConfig:
                 make_codec(getattr(self, name))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{source}: {name}: {e}") from None
+        try:
+            check_averaging_codec(self.averaging)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
         if not isinstance(self.placement, (list, tuple)):  # (a string would be read a letter a layer)
             raise ValueError(f"{source}: placement must be a list, one place a Linear layer (e.g. "
                              f"[\"ps:vertical\", \"trainer\"]; [] for the planner's), got {self.placement!r}")
