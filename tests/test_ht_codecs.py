@@ -177,10 +177,11 @@ def test_bad_payloads_and_shapes_are_named():
 
 
 def test_codec_streams_keep_a_residual_per_tensor():
-    s = CodecStreams({"gradients": "topk:0.5", "activations": "int8"})
-    a, b = s.get("gradients", "a"), s.get("gradients", "b")
-    assert a is not b and s.get("gradients", "a") is a
-    assert s.get("activations", 0).name == "int8" and s.get("averaging", 0).name == "none"
+    # (A kind whose top-k keeps a residual: not activations or gradients, which keep none.)
+    s = CodecStreams({"averaging": "topk:0.5", "activations": "int8"})
+    a, b = s.get("averaging", "a"), s.get("averaging", "b")
+    assert a is not b and s.get("averaging", "a") is a
+    assert s.get("activations", 0).name == "int8" and s.get("gradients", 0).name == "none"
     a.encode(np.ones(4, np.float32))
     b.encode(np.ones(6, np.float32))  # another tensor's stream: no clash of residual shapes
     assert a.residual.shape == (4,) and b.residual.shape == (6,)
@@ -199,3 +200,16 @@ def test_decode_reads_any_payload():
         np.testing.assert_array_equal(decode(enc), c.decode(enc))
     with pytest.raises(ValueError, match="decode: a payload of unknown codec 'zstd'"):
         decode(Encoded("zstd", (1,), ()))
+
+
+def test_topk_without_feedback_sends_each_message_on_its_own():
+    c = TopK(0.25, feedback=False)
+    a = np.array([8, 1, 2, 3], np.float32)
+    np.testing.assert_array_equal(c.decode(c.encode(a)), [8, 0, 0, 0])
+    # Nothing carried: the 3 left out above does not come back, and any shape goes.
+    np.testing.assert_array_equal(c.decode(c.encode(np.array([0, 1, 2, 0], np.float32))), [0, 0, 2, 0])
+    assert c.residual is None
+    assert c.decode(c.encode(np.ones(8, np.float32))).sum() == 2
+    s = CodecStreams({"activations": "topk:0.5", "gradients": "topk:0.5", "averaging": "topk:0.5"})
+    assert not s.get("activations", 0).feedback and not s.get("gradients", 0).feedback
+    assert s.get("averaging", 0).feedback  # (refused by hps.hierarchical.easgd)

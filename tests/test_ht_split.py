@@ -202,3 +202,33 @@ def test_topk_streams_follow_the_batch_size():
     t = tr.counter.as_dict()
     assert 0 < t["activations"]["after"] < t["activations"]["before"]
     assert 0 < t["gradients"]["after"] < t["gradients"]["before"]
+
+
+def test_topk_on_the_wire_carries_nothing_from_one_batch_to_the_next():
+    # Activations and their gradients are a batch's examples, other ones every step: a
+    # top-k residual carried over added one batch's unsent values into the next batch's
+    # (another example's), so the same input gave another output and input gradient
+    # after any earlier batch. Now each message is sparsified on its own.
+    spec = {"activations": "topk:0.25", "gradients": "topk:0.25"}
+    _, tr, servers = _local("vertical_horizontal", spec)
+    _, fresh, _ = _local("vertical_horizontal", spec)
+    xs, labels = sc.inputs("vertical_horizontal", 6, 0)
+
+    def output_and_dx(trainer):
+        x = torch.from_numpy(xs).requires_grad_(True)
+        y = trainer(x)
+        sc.loss_of(y, labels).backward()
+        return y.detach().numpy(), x.grad.numpy()
+
+    torch.manual_seed(0)
+    tr(torch.randn(8, 6)).sum().backward()  # an earlier batch of the same shape
+    with torch.no_grad():
+        tr(torch.randn(8, 6))  # and an evaluation
+    y, dx = output_and_dx(tr)
+    y0, dx0 = output_and_dx(fresh)  # no batch before it
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(dx, dx0)
+    # The codec did act (three values in four dropped), each way of the wire.
+    t = tr.counter.as_dict()
+    assert 0 < t["activations"]["after"] < t["activations"]["before"]
+    assert 0 < t["gradients"]["after"] < t["gradients"]["before"]

@@ -18,6 +18,12 @@ Each codec turns a float32 array into a :class:`Encoded` payload and back:
              == g + old residual, bit for bit. A TopK object is one stream: use one per
              tensor that is sent every step. Not for ``averaging`` (an EASGD exchange
              sends the replica, not an update; hps.hierarchical.easgd refuses it).
+             ``TopK(ratio, feedback=False)`` keeps no residual: each message sends
+             its own k largest values and drops the rest. :class:`CodecStreams`
+             uses it for ``activations`` and ``gradients``: their rows are a new
+             batch's examples every step, and a residual carried over would add
+             one example's unsent values into another's (the forward outputs of a
+             batch would depend on the batches before it).
 
 Traffic kinds (what HT sends): ``activations`` (forward, trainer <-> group PS),
 ``gradients`` (backward), ``averaging`` (dense EASGD exchange with the centre),
@@ -42,10 +48,12 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["TRAFFIC_KINDS", "Encoded", "Codec", "NoCodec", "BFloat16", "Int8RowScale", "TopK", "ByteCounter",
-           "CodecStreams", "decode", "make_codec"]
+__all__ = ["TRAFFIC_KINDS", "PER_EXAMPLE_KINDS", "Encoded", "Codec", "NoCodec", "BFloat16", "Int8RowScale", "TopK",
+           "ByteCounter", "CodecStreams", "decode", "make_codec"]
 
 TRAFFIC_KINDS = ("activations", "gradients", "averaging", "sparse_rows", "sparse_grads")
+# Kinds whose messages hold a batch's examples, other ones every step: no top-k residual.
+PER_EXAMPLE_KINDS = ("activations", "gradients")
 
 
 @dataclass
@@ -159,13 +167,15 @@ class Int8RowScale(Codec):
 
 class TopK(Codec):
     """One stream of top-k sparsification with error feedback (see the module's
-    docstring). `ratio` in (0, 1]: the share of values sent each step."""
+    docstring). `ratio` in (0, 1]: the share of values sent each step.
+    `feedback` False: no residual is kept (each message on its own)."""
     name = "topk"
 
-    def __init__(self, ratio: float):
+    def __init__(self, ratio: float, feedback: bool = True):
         if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
             raise ValueError(f"topk: ratio must be in (0, 1], got {ratio!r}")
         self.ratio = float(ratio)
+        self.feedback = bool(feedback)
         self.residual: Optional[np.ndarray] = None
 
     def __repr__(self) -> str:
@@ -177,12 +187,15 @@ class TopK(Codec):
     def encode(self, x: np.ndarray) -> Encoded:
         x = _check_input(x, self.name, "x")
         flat = x.reshape(-1)
-        if self.residual is None:
-            self.residual = np.zeros_like(flat)
+        if not self.feedback:
+            acc = flat  # (only read)
+        elif self.residual is None:
+            acc = flat.copy()  # (becomes the residual)
         elif self.residual.shape != flat.shape:
             raise ValueError(f"topk.encode: this stream carries a residual of {self.residual.size} values, got "
                              f"an array of shape {x.shape} ({flat.size} values); use one TopK per tensor")
-        acc = flat + self.residual
+        else:
+            acc = flat + self.residual
         k = self.k_of(acc.size)
         if k == acc.size:
             idx = np.arange(acc.size, dtype=np.int64)
@@ -190,8 +203,9 @@ class TopK(Codec):
             idx = np.argpartition(np.abs(acc), acc.size - k)[acc.size - k:]
             idx.sort()
         values = acc[idx]
-        acc[idx] = 0.0
-        self.residual = acc
+        if self.feedback:
+            acc[idx] = 0.0
+            self.residual = acc
         return Encoded(self.name, x.shape, (idx.astype(np.int32), values.astype(np.float32)))
 
     def decode(self, enc: Encoded) -> np.ndarray:
@@ -242,7 +256,9 @@ def decode(enc: Encoded) -> np.ndarray:
 class CodecStreams:
     """The codec of each traffic kind, one stream per (kind, key): a top-k codec
     keeps each tensor's residual apart. `spec` maps kinds to codec names; a kind
-    not named is sent as float32.
+    not named is sent as float32. Top-k of ``activations`` and ``gradients`` keeps
+    no residual (:data:`PER_EXAMPLE_KINDS`: a message's rows are other examples
+    every step).
 
     >>> s = CodecStreams({"activations": "int8", "gradients": "topk:0.1"})
     >>> s.get("activations", 3).name, s.get("averaging", 0).name
@@ -269,7 +285,10 @@ class CodecStreams:
         with self._lock:
             c = self._streams.get((kind, key))
             if c is None:
-                c = self._streams[kind, key] = make_codec(self.spec[kind])
+                c = make_codec(self.spec[kind])
+                if isinstance(c, TopK) and kind in PER_EXAMPLE_KINDS:
+                    c.feedback = False
+                self._streams[kind, key] = c
             return c
 
 

@@ -52,11 +52,10 @@ Limits of this version (issue 18): no --resume of a hierarchical job; with R > 1
 every net keeps its own Adam state (R times the trainer-held layers' optimizer
 memory), and a net's step is on its slice's gradient only (the loss still
 normalised by the global batch's examples), so a batch takes R smaller steps; the
-group-PS-held layers stay synchronous per batch under Hogwild (above), and a PS's
-codec streams back to a trainer are shared by its nets (a top-k residual then
-carries from one net's message to the next's); and each group's loss is normalised
-by the examples of all groups' batches (as the sparse exchange aligns them), which
-scales the gradients by 1/G (Adam is nearly indifferent to it).
+group-PS-held layers stay synchronous per batch under Hogwild (above); and each
+group's loss is normalised by the examples of all groups' batches (as the sparse
+exchange aligns them), which scales the gradients by 1/G (Adam is nearly
+indifferent to it).
 """
 from __future__ import annotations
 

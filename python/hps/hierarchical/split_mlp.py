@@ -394,7 +394,7 @@ class _RemoteSegment(nn.Module):
         self.parts = _participants(seg, trainer.plan.group_ps)
         self._trainer = [trainer]  # not a submodule: its parameters are not ours
         self.calls = itertools.count()
-        self.stream: tuple = ()  # in the codec streams' keys: a Hogwild net's own (top-k residuals stay apart)
+        self.stream: tuple = ()  # in the codec streams' keys: a Hogwild net's own
         # Backward must run even when no input needs a gradient: the PSs' weights do.
         self.anchor = torch.zeros(0, requires_grad=True)
 
@@ -451,7 +451,7 @@ class _RemoteSegment(nn.Module):
         outs = blocks(self.out_width, t.plan.group_ps) if vertical else None
         for k, p in enumerate(self.parts):
             part = np.ascontiguousarray(dys[:, outs[k][0]:outs[k][1]]) if vertical else dys
-            # One stream a shape: a top-k residual carries over between batches of one size.
+            # One stream a shape (a top-k of activations or gradients keeps no residual).
             enc = t.counter.encode(t.codecs.get("gradients", ("bwd", *self.stream, self.seg.start, p, part.shape)),
                                    "gradients", part)
             t.transport.post(p, ("backward", self.seg.start, call, enc, want_dx))
