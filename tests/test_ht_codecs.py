@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings, strategies as st
+from hypothesis.extra.numpy import arrays
 
 from hps.hierarchical.codecs import (TRAFFIC_KINDS, BFloat16, ByteCounter, CodecStreams, Encoded, Int8RowScale,
                                      NoCodec, TopK, decode, make_codec)
@@ -213,3 +215,40 @@ def test_topk_without_feedback_sends_each_message_on_its_own():
     s = CodecStreams({"activations": "topk:0.5", "gradients": "topk:0.5", "averaging": "topk:0.5"})
     assert not s.get("activations", 0).feedback and not s.get("gradients", 0).feedback
     assert s.get("averaging", 0).feedback  # (refused by hps.hierarchical.easgd)
+
+
+FLT_MAX = float(np.finfo(np.float32).max)
+_finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+_rows = arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 9)), elements=_finite)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_rows)
+@example(np.array([[FLT_MAX, -FLT_MAX / 3], [-FLT_MAX, 1.0]], np.float32))  # decoded as inf before
+@example(np.array([[3.6055052e16, 5.0043623e16]], np.float32))  # a tie, and the decoded value's rounding
+def test_int8_bound_holds_over_all_of_float32(x):
+    # The module's stated bound: max|row| / 254, up to float32's rounding (a relative
+    # 2**-15 more), for every row whose scale is a normal float32; every row decodes finite.
+    c = Int8RowScale()
+    y = c.decode(c.encode(x))
+    assert np.isfinite(y).all()
+    amax = np.abs(x).max(axis=1, keepdims=True).astype(np.float64)
+    err = np.abs(y.astype(np.float64) - x)
+    normal = amax >= 127 * 2.0**-126
+    assert np.all((err <= amax / 254 * (1 + 2.0**-15)) | ~normal), (x, y)
+    assert np.all(err <= amax)  # (below: the scale loses bits, never more than the row's size)
+
+
+@settings(max_examples=400, deadline=None)
+@given(arrays(np.float32, st.integers(1, 16), elements=st.floats(width=32)))
+@example(np.array([2.0**-149, 3e-40, 1.2e-38, -1e-39], np.float32))  # subnormals: half bf16's step
+def test_bf16_bound_holds_over_all_of_float32(x):
+    c = BFloat16()
+    y = c.decode(c.encode(x))
+    assert np.array_equal(np.isnan(y), np.isnan(x))
+    keep = np.isfinite(x) & np.isfinite(y)  # (a rounding past float32's largest value goes to inf)
+    assert np.all(y[np.isinf(x)] == x[np.isinf(x)])
+    err = np.abs(y[keep].astype(np.float64) - x[keep])
+    xs = np.abs(x[keep].astype(np.float64))
+    assert np.all(np.where(xs >= 2.0**-126, err <= xs * 2.0**-8, err <= 2.0**-134)), (x, y)
+    assert np.all(np.isinf(y[np.isfinite(x) & ~keep]) & (np.abs(x[np.isfinite(x) & ~keep]) > 3.3e38))

@@ -4,13 +4,19 @@ Each codec turns a float32 array into a :class:`Encoded` payload and back:
 
   ``none``   float32 as is (4 bytes a value; exact).
   ``bf16``   bfloat16, the top 16 bits of each float32 rounded to nearest even
-             (2 bytes a value). Error bound: |x - x'| <= 2**-8 |x| for every finite
-             x whose rounding stays below float32's largest value (NaN stays NaN,
-             +-inf stays +-inf).
+             (2 bytes a value). Error bound: |x - x'| <= 2**-8 |x| for every normal
+             x (|x| >= 2**-126) whose rounding stays below float32's largest value,
+             and |x - x'| <= 2**-134 (half bfloat16's step there) for a subnormal x
+             (NaN stays NaN, +-inf stays +-inf).
   ``int8``   one signed byte a value with one float32 scale a row (the last axis):
              scale = max|row| / 127, q = round(x / scale). Error bound:
-             |x - x'| <= scale / 2 = max|row| / 254 (a zero row is exact). Non-finite
-             values are refused (they have no scale).
+             |x - x'| <= scale / 2 = max|row| / 254, up to float32's rounding (of the
+             scale, x / scale and the decoded value: at most a relative 2**-15 more),
+             for every row whose scale is a normal float32
+             (max|row| >= 127 * 2**-126, about 1.5e-36; below that the scale loses
+             bits and the error can reach max|row|); a zero row is exact, and a row
+             at float32's largest values decodes finite. Non-finite values are refused
+             (they have no scale).
   ``topk``   top-k sparsification with error feedback: the stream adds the residual
              it kept from the previous step, sends the k = ceil(ratio * size) values
              of largest magnitude (int32 index + float32 value, 8 bytes each) and keeps
@@ -151,6 +157,12 @@ class Int8RowScale(Codec):
             raise ValueError(f"int8.encode: row {bad} holds a non-finite value (no scale can represent it)")
         amax = np.abs(rows).max(axis=1) if rows.size else np.zeros(len(rows), np.float32)
         scale = (amax / np.float32(127)).astype(np.float32)
+        # A scale rounded up past FLT_MAX / 127 would decode a row's largest value as
+        # inf: one step down (the quotient then clips to 127, a rounding's worth off).
+        with np.errstate(over="ignore"):
+            over = np.isinf(scale * np.float32(127))
+        if over.any():
+            scale[over] = np.nextafter(scale[over], np.float32(0))
         safe = np.where(scale > 0, scale, np.float32(1))
         q = np.clip(np.rint(rows / safe[:, None]), -127, 127).astype(np.int8)
         return Encoded(self.name, x.shape, (q, scale))
