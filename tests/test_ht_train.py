@@ -236,6 +236,17 @@ def test_config_errors_are_named():
     assert parse_placement("ps:whole:1") == F("ps", "none", ps=1)
     with pytest.raises(ValueError, match=r"placement\[0\]: cannot read 'ps:diagonal'"):
         HierarchicalConfig.from_dict({"placement": ["ps:diagonal"]})
+    # A placement on group PSs that the run does not have: ignored silently with group_ps = 0
+    # (the default: every layer stayed on the trainer), refused late (after the data and the
+    # parameter server were opened) for a PS index past group_ps.
+    with pytest.raises(ValueError, match=r"placement\[1\] = 'ps:vertical' puts a layer on a group PS, but "
+                                         r"group_ps = 0"):
+        HierarchicalConfig.from_dict({"groups": 2, "placement": ["trainer", "ps:vertical", "trainer"]})
+    with pytest.raises(ValueError, match=r"placement\[0\] = 'ps:whole:2': there is no group PS 2 with group_ps = 2 "
+                                         r"\(PSs 0..1\)"):
+        HierarchicalConfig.from_dict({"group_ps": 2, "placement": ["ps:whole:2", "trainer"]})
+    HierarchicalConfig.from_dict({"group_ps": 2, "placement": ["ps:whole:1", "trainer"]})
+    HierarchicalConfig.from_dict({"placement": ["trainer", "trainer"]})  # (every layer on the trainer: fine)
     with pytest.raises(ValueError, match="averaging: unknown codec 'gzip'"):
         HierarchicalConfig.from_dict({"averaging": "gzip"})
     # A string for the list: it was read a letter a layer ("cannot read 't'").

@@ -131,7 +131,15 @@ class HierarchicalConfig:
             raise ValueError(f"{source}: placement must be a list, one place a Linear layer (e.g. "
                              f"[\"ps:vertical\", \"trainer\"]; [] for the planner's), got {self.placement!r}")
         for j, s in enumerate(self.placement):
-            parse_placement(s, f"{source}: placement[{j}]")
+            place = parse_placement(s, f"{source}: placement[{j}]")
+            # (A run with group_ps = 0 keeps every layer on the trainer: a placement on
+            # a group PS would be ignored without a word.)
+            if place.where == "ps" and self.group_ps == 0:
+                raise ValueError(f"{source}: placement[{j}] = {s!r} puts a layer on a group PS, but group_ps = 0 "
+                                 f"(no group PS): set group_ps, or place it on the 'trainer'")
+            if place.where == "ps" and place.split == "none" and not place.ps < self.group_ps:
+                raise ValueError(f"{source}: placement[{j}] = {s!r}: there is no group PS {place.ps} with group_ps = "
+                                 f"{self.group_ps} (PSs 0..{self.group_ps - 1})")
         known = ({f.name for f in fields(PlannerConfig)} - {"group_ps", "activations", "gradients"}) | {"input_width"}
         unknown = sorted(set(self.planner) - known)
         if unknown:
