@@ -258,6 +258,11 @@ def test_config_errors_are_named():
         HierarchicalConfig.from_dict({"timeout": "60"})
     with pytest.raises(ValueError, match="unknown field.s. hierarchical.group"):
         HierarchicalConfig.from_dict({"group": 2})
+    # Not tables: a TypeError ('int' object is not iterable) that named nothing.
+    with pytest.raises(ValueError, match=r"\[hierarchical\]: must be a table of fields .*got 3"):
+        HierarchicalConfig.from_dict(3)
+    with pytest.raises(ValueError, match=r"\[hierarchical\]: planner must be a table .*got 3"):
+        HierarchicalConfig.from_dict({"planner": 3})
     with pytest.raises(ValueError, match="unknown field.s. planner.flops"):
         HierarchicalConfig.from_dict({"planner": {"flops": 1}})
     with pytest.raises(ValueError, match=r"\[hierarchical\]: across must be one of 'easgd', 'allreduce', got 'gossip'"):

@@ -96,6 +96,8 @@ class HierarchicalConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "[hierarchical]") -> "HierarchicalConfig":
         from hps.config import check_fields
+        if not isinstance(d, dict):  # (`hierarchical = 3` in the TOML: not a table)
+            raise ValueError(f"{source}: must be a table of fields (groups, group_ps, ...), got {d!r}")
         check_fields(cls, d, source, prefix="hierarchical.")
         cfg = cls(**d)
         cfg.check(source)
@@ -140,6 +142,9 @@ class HierarchicalConfig:
             if place.where == "ps" and place.split == "none" and not place.ps < self.group_ps:
                 raise ValueError(f"{source}: placement[{j}] = {s!r}: there is no group PS {place.ps} with group_ps = "
                                  f"{self.group_ps} (PSs 0..{self.group_ps - 1})")
+        if not isinstance(self.planner, dict):
+            raise ValueError(f"{source}: planner must be a table ([hierarchical.planner] of the cost model's "
+                             f"fields), got {self.planner!r}")
         known = ({f.name for f in fields(PlannerConfig)} - {"group_ps", "activations", "gradients"}) | {"input_width"}
         unknown = sorted(set(self.planner) - known)
         if unknown:
