@@ -361,6 +361,14 @@ def main() -> None:
         # Then the placement ("-": the default) and HierarchicalConfig fields as name=value (ints as ints).
         placement = sys.argv[5].split(",") if len(sys.argv) > 5 and sys.argv[5] != "-" else []
         kw = dict(a.split("=", 1) for a in sys.argv[6:])
+        if kw.pop("plan_alone_on", None) == str(comm.Get_rank()):
+            # This rank's planner ends elsewhere than the others' (its refinement's time
+            # limit hit at another move on a loaded machine): the first Linear on the group
+            # PSs, where the planner puts only the last one there.
+            import hps.hierarchical.roles as roles_module
+            from hps.hierarchical.split_mlp import FcPlacement, SplitPlan
+            roles_module._plan_for = lambda mlp, cfg: SplitPlan([FcPlacement("ps", "vertical"), FcPlacement()],
+                                                               cfg.group_ps)
         run_ht_train(comm, out, groups, group_ps, placement,
                      **{k: int(v) if v.isdigit() else v for k, v in kw.items()})
     elif scenario == "easgd_groups":

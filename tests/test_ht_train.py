@@ -167,6 +167,20 @@ def test_allreduce_across_groups_ends_with_one_model_group_ps_layers_included(tm
         assert a[name].tobytes() == b[name].tobytes(), name
 
 
+@needs_mpi
+def test_every_trainer_uses_one_plan_whatever_its_own_planner_would_give(tmp_path):
+    # The planner's refinement stops at a time limit, so on a loaded machine two trainers
+    # could end at different plans; each used its own, while the group PS took trainer 0's:
+    # the trainers' layers and all-reduces no longer matched (a crash or a hang). Trainer 1's
+    # planner is made to give another plan here: the job uses trainer 0's everywhere.
+    out = _run(tmp_path, 3, 1, 1, "-", "plan_alone_on=1")
+    assert out[0]["hierarchical"]["plan"] == out[1]["hierarchical"]["plan"] != ["ps:vertical", "trainer:none"]
+    assert out[2]["role"] == "group_ps" and out[2]["steps"] == sc.HT_STEPS
+    a, b = np.load(tmp_path / "mlp0.npz"), np.load(tmp_path / "mlp1.npz")
+    for name in a.files:
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
 def hps_train(tmp_path, ranks: int, toml: str) -> tuple[str, dict]:
     """`mpiexec -n ranks hps train` on a config (its path = tmp_path/run); returns
     the printed `hierarchical:` line and the JSON line."""

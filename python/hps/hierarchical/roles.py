@@ -471,7 +471,12 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
 
     def hook(trainer) -> None:
         mlp = trainer.model.mlp
-        plan = _plan_for(mlp, cfg)
+        # One plan for the job, the first trainer's: the planner's refinement stops at a
+        # time limit, so trainers planning on their own could stop at different moves on a
+        # loaded machine, and a trainer, its group PSs or another group (whose blocks
+        # average with these) would then hold other layers.
+        plan = _plan_for(mlp, cfg) if trainers_comm.Get_rank() == 0 else None
+        plan = trainers_comm.bcast(plan, root=0)
         ps_ranks = roles.ps_ranks(roles.group)
         if roles.index == 0:
             for r in ps_ranks:
