@@ -1,4 +1,5 @@
 """The node parameter server against a plain in-memory table of the same optimizer."""
+import fcntl
 import os
 import signal
 import subprocess
@@ -180,6 +181,56 @@ def test_a_second_server_at_one_path_is_refused_naming_the_holder_until_it_lets_
     np.testing.assert_array_equal(again.pull(keys), want)
     del again  # dropped without close(): the next one opens
     hps.ParameterServer(config(path)).close()
+
+
+def remove_before_the_next_lock(monkeypatch, path, remove):
+    """Makes the next flock of hps.parameter_server first lock the path's lock
+    file as another process would, remove(the lock file), and let go: a removal
+    between a locker's open of the file and its lock."""
+    from types import SimpleNamespace
+    from hps.parameter_server import WRITER_LOCK
+    lock = str(path / WRITER_LOCK)
+
+    def removed_first(fd, op):
+        monkeypatch.setattr(hps.parameter_server, "fcntl", fcntl)
+        remover = os.open(lock, os.O_RDWR)
+        fcntl.flock(remover, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        remove(lock)
+        os.close(remover)
+        fcntl.flock(fd, op)
+    monkeypatch.setattr(hps.parameter_server, "fcntl", SimpleNamespace(flock=removed_first, LOCK_EX=fcntl.LOCK_EX,
+                                                                       LOCK_NB=fcntl.LOCK_NB))
+
+
+def test_a_lock_file_removed_between_a_servers_open_and_its_lock_gives_no_second_holder(tmp_path, monkeypatch):
+    """A process that removes a path's lock file does so holding it (a discarded run's
+    files, a reshard's rank directories). A server that opened the file just before and
+    locked it just after held the lock of a file no path named: the next server created
+    a new file and locked that, and two servers wrote at one path. A lock counts only
+    while the path still names the file locked; else it is taken again."""
+    path = tmp_path / "ps"
+    hps.ParameterServer(config(path)).close()  # (its lock file stays)
+    remove_before_the_next_lock(monkeypatch, path, os.unlink)
+    first = hps.ParameterServer(config(path))
+    assert hps.parameter_server.fcntl is fcntl  # (the removal ran)
+    with pytest.raises(hps.PathInUseError, match=f"{path}: another parameter server has this path open "
+                                                  f"\\(pid {os.getpid()} on "):
+        hps.ParameterServer(config(path))
+    first.close()
+    hps.ParameterServer(config(path)).close()
+
+
+def test_a_directory_removed_between_a_lockers_open_and_its_lock_is_named(tmp_path, monkeypatch):
+    """A reshard removes a rank's directory holding its lock: a server that was taking
+    the lock meanwhile is refused naming the path, not left holding a removed file's."""
+    import shutil
+    path = tmp_path / "ps"
+    hps.ParameterServer(config(path)).close()
+    remove_before_the_next_lock(monkeypatch, path, lambda lock: shutil.rmtree(os.path.dirname(lock)))
+    with pytest.raises(hps.PathInUseError, match=f"{path}: another run removed this directory while this one was "
+                                                  f"taking its writer lock; run again"):
+        hps.parameter_server._lock_path(str(path))
+    assert not path.exists()
 
 
 MID_CHECKPOINT = textwrap.dedent("""

@@ -130,23 +130,52 @@ def _lock_path(path: str, doing: str = "") -> int:
     one path would each write parameter files of the same sequence numbers and
     overwrite each other's MANIFEST, and the first sign was a later `create: File
     exists`. `doing`: what the holder does there, for the message of whoever is
-    refused (a reshard holds its job's directories: hps.reshard.Hold)."""
-    fd = os.open(os.path.join(path, WRITER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
+    refused (a reshard holds its job's directories: hps.reshard.Hold).
+
+    The lock file is removed only by a process that holds it (the removal of a run
+    that never checkpointed, a reshard's of rank directories). A process that opened
+    it just before and locks it just after holds the lock of a file no path names,
+    while the next to come creates another and locks that: the lock counts only if
+    the path still names the file locked, else it is taken again."""
+    lock = os.path.join(path, WRITER_LOCK)
+    removed = False  # the file this process locked was removed, and it tries again
+    while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            if removed:  # (a reshard removed the directory, and what was there went with it)
+                raise PathInUseError(f"{path}: another run removed this directory while this one was taking its "
+                                     f"writer lock; run again") from None
+            raise
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                gc.collect()  # a server of this process, dropped but not yet collected, lets go
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            gc.collect()  # a server of this process, dropped but not yet collected, lets go
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "a process that wrote no name"
-        os.close(fd)
-        raise PathInUseError(f"{path}: another parameter server has this path open ({holder}); two at one "
-                             f"path would overwrite each other's files. Close it (or stop its hps train) "
-                             f"first, or give another path") from None
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "a process that wrote no name"
+            os.close(fd)
+            raise PathInUseError(f"{path}: another parameter server has this path open ({holder}); two at one "
+                                 f"path would overwrite each other's files. Close it (or stop its hps train) "
+                                 f"first, or give another path") from None
+        if _names_file(lock, fd):
+            break
+        os.close(fd)  # removed between the open and the lock: open the path's file anew
+        removed = True
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{', ' + doing if doing else ''}\n".encode(), 0)
     return fd
+
+
+def _names_file(path: str, fd: int) -> bool:
+    """Whether path names the file open as fd (not another, nor none)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def remove_writer_lock(path: str) -> None:
