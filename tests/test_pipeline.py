@@ -101,6 +101,56 @@ def test_a_resume_whose_path_another_run_checkpointed_meanwhile_is_refused(tmp_p
     assert train(config(path, checkpoint_every=4), resume=True, progress=False)["batches"] == 12
 
 
+def test_a_server_that_opens_while_a_run_is_discarded_is_refused_not_removed(tmp_path, monkeypatch):
+    """A rerun removes what a run that never checkpointed left at its path. It checked
+    that no server held the path's lock, let go, and then removed: a server that opened
+    there in between (another hps train) had its metadata and store removed from under
+    it. The removal now holds the lock throughout, and that server is refused."""
+    import hps.train as ht
+    from hps.parameter_server import METADATA, WRITER_LOCK
+    path = tmp_path / "ps"
+    hps.ParameterServer(config(path).ps).close()  # a run that ended before its first checkpoint
+    real = ht._remove_tree
+    other = []
+
+    def another_run_opens_first(p):
+        if not other:  # in the window, once
+            try:
+                other.append(hps.ParameterServer(config(path).ps))
+            except hps.PathInUseError as e:
+                other.append(e)
+        real(p)
+    monkeypatch.setattr(ht, "_remove_tree", another_run_opens_first)
+    ht._discard_run(str(path))
+    if isinstance(other[0], hps.ParameterServer):
+        assert (path / METADATA).exists(), "the server that opened meanwhile lost its files"
+    assert isinstance(other[0], hps.PathInUseError), other[0]
+    assert str(other[0]).startswith(f"{path}: another parameter server has this path open (pid {os.getpid()} on ")
+    assert not os.listdir(path)  # (the lock file too, removed last)
+    monkeypatch.setattr(ht, "_remove_tree", real)
+    assert train(config(path), progress=False)["batches"] == 12
+    assert (path / WRITER_LOCK).exists()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_without_a_checkpoint_yet_is_not_discarded_while_it_runs(tmp_path, capsys, resume):
+    """A second hps train at the path of one that runs and has not checkpointed yet
+    is refused naming the path and the holder, and says nothing of starting over."""
+    from hps.train import Trainer
+    path = tmp_path / "ps"
+    first = Trainer(config(path))
+    before = sorted(os.listdir(path))
+    capsys.readouterr()
+    with pytest.raises(hps.PathInUseError) as refused:
+        train(config(path), resume=resume, progress=False)
+    assert str(refused.value).startswith(f"{path} holds a run that has not finished a checkpoint and is still "
+                                         f"running: it was not removed. {path}: another parameter server has "
+                                         f"this path open (pid {os.getpid()} on "), refused.value
+    assert "starting it over" not in capsys.readouterr().err
+    assert sorted(os.listdir(path)) == before
+    first.ps.close()
+
+
 def test_a_rank_refuses_a_job_manifest_another_run_changed_before_it_opened(tmp_path):
     """A rank opens its server at the checkpoint rank 0 read from job.json; under
     its lock it checks that job.json still names that checkpoint and world."""

@@ -178,18 +178,6 @@ def _names_file(path: str, fd: int) -> bool:
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
-def remove_writer_lock(path: str) -> None:
-    """Removes the path's writer lock file, when no server holds it (PathInUseError
-    when one does): for the removal of a run that never finished a checkpoint."""
-    if not os.path.exists(os.path.join(path, WRITER_LOCK)):
-        return
-    fd = _lock_path(path)
-    try:
-        os.unlink(os.path.join(path, WRITER_LOCK))
-    finally:
-        os.close(fd)
-
-
 _OPTIMIZERS = {"sgd": SGD, "adagrad": AdaGrad, "rowwise_adagrad": RowWiseAdaGrad, "adam": Adam}
 _INITIALIZERS = {"uniform": Uniform, "normal": Normal, "zeros": Zeros}
 

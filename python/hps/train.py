@@ -46,9 +46,9 @@ from hps.distributed.comm import local_ranks_from_environment
 from hps.errors import DivergedError
 from hps.jobdir import TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
-from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, RUN, ParameterServer,
-                                  ParameterServerConfig, _remove_tree, _replace_durable, _write_durable,
-                                  PathInUseError, new_run_id, remove_writer_lock)
+from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, RUN, WRITER_LOCK, ParameterServer,
+                                  ParameterServerConfig, _lock_path, _remove_tree, _replace_durable, _write_durable,
+                                  PathInUseError, new_run_id)
 from hps.pipeline import Loaded, Pipeline, batches_ahead
 from hps.tuning import (ThreadTuner, dense_adam, import_torch, keep_freed_memory,  # (also hps.train.X, as before)
                          usable_cpus)
@@ -444,14 +444,14 @@ class Trainer:
             if has_ps and stored is not None and not resume:
                 raise ValueError(f"{path} already holds a parameter server (checkpoint {stored}); pass --resume "
                                  f"to continue it, or give a new path")
-            if has_ps and stored is None:
-                _notice(f"{path} holds a run that ended before its first checkpoint: starting it over "
-                        f"from batch 0")
-            elif resume and not has_ps and not (os.path.isdir(path) and os.listdir(path)):
+            if resume and not has_ps and not (os.path.isdir(path) and os.listdir(path)):
                 _notice(f"--resume: {path} holds no checkpoint yet: starting from batch 0")
             checkpoint = stored
         if has_ps and checkpoint is None:
             _discard_run(path)  # nothing durable to keep; a new config may differ in layout
+            if node is None:  # (said once it is so: a run still running there is refused above)
+                _notice(f"{path} holds a run that ended before its first checkpoint: starting it over "
+                        f"from batch 0")
         self.state_dir = path
         opened = time.perf_counter()
         # What was read above, before the server took the path's lock (a reshard's
@@ -774,10 +774,22 @@ def load_trainer_state(path: str) -> dict:
 
 def _discard_run(path: str) -> None:
     """Removes what a run that never finished a checkpoint left at path: nothing
-    in it is durable state (a parameter server opens such a run empty anyway)."""
-    remove_writer_lock(path)  # first: a run still holding it is refused before anything goes
-    for name in (METADATA, "ssd", "ssd.restore", CHECKPOINTS, SUMMARY, TRAINER_STATE):
-        _remove_tree(os.path.join(path, name))
+    in it is durable state (a parameter server opens such a run empty anyway).
+    Holds the path's writer lock throughout, so that a run still open there is
+    refused (PathInUseError) before anything goes, and none opens there until
+    the removal is done: a check that let go before removing left a window in
+    which another run opened and lost its files. The lock file goes last, while
+    held (_lock_path takes the path's new one then)."""
+    try:
+        fd = _lock_path(path, doing="removing what a run that never checkpointed left")
+    except PathInUseError as e:
+        raise PathInUseError(f"{path} holds a run that has not finished a checkpoint and is still running: it was "
+                             f"not removed. {e}") from None
+    try:
+        for name in (METADATA, "ssd", "ssd.restore", CHECKPOINTS, SUMMARY, TRAINER_STATE, WRITER_LOCK):
+            _remove_tree(os.path.join(path, name))
+    finally:
+        os.close(fd)
 
 
 def _collective(node: Optional[Node], fn):
