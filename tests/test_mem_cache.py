@@ -172,6 +172,24 @@ def test_write_back_of_an_unpinned_key_is_refused():
         cache.pull(u64([hps.EMPTY_KEY]))
 
 
+def test_write_back_that_finds_a_key_unpinned_part_way_keeps_its_row_and_says_so():
+    """A key named twice but pinned once passes the check that every key is pinned
+    and is found unpinned at its second occurrence, as one that another thread
+    unpinned during the call would be: its row (the last one given) is kept, the
+    other keys are released, and RuntimeError names it."""
+    backing = Backing()
+    cache = hps.MemCache(ROW, 10, loader=backing.loader, sink=backing.sink)
+    cache.pull(u64([1, 2]), pin=True)
+    with pytest.raises(RuntimeError, match=r"MEM-PS write back: 1 of 3 keys were no longer pinned "
+                                           r"when it came to release them \(keys\[2\] = 1\)"):
+        cache.write_back(u64([1, 2, 1]), np.array([[10], [20], [11]], np.uint64))
+    assert cache.stats()["pinned"] == 0
+    rows, _ = cache.pull(u64([1, 2]), dtype=np.uint64)
+    assert rows[:, 0].tolist() == [11, 20]
+    cache.flush_dirty()
+    assert backing.rows[1] == 11
+
+
 # A child process's code leaving `tb` at the frame of a MemCache whose constructor
 # raised, its half-built self among the frame's locals (as pytest shows them).
 REFUSED_CACHE = """

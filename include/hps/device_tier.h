@@ -293,11 +293,12 @@ class HostBatch {
   // Unpins every key, the updated ones dirty. Later calls do nothing; no
   // other call is valid after it. A failure is counted in the cache's
   // stats().failed_releases and thrown:
-  //  * a key no longer pinned (something else unpinned it): the other keys
-  //    are released all the same, one by one, and std::runtime_error names
-  //    the keys refused; an updated one's step is marked dirty where its row
-  //    still lies (MemCache::MarkUpdated), and one whose row was evicted
-  //    meanwhile (clean: its step with it) is named lost;
+  //  * a key no longer pinned (something else unpinned it, before the
+  //    release or during it): the other keys are released all the same,
+  //    and std::runtime_error names the keys refused; an updated one's step
+  //    is marked dirty where its row still lies (MemCache::MarkUpdated), and
+  //    one whose row was evicted meanwhile (clean: its step with it) is
+  //    named lost;
   //  * anything else (bad_alloc): nothing was released, and a later Release
   //    or the destructor tries again.
   void Release();

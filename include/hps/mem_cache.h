@@ -44,6 +44,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hps/errors.h"  // CacheFullError
@@ -96,6 +97,29 @@ struct MemCacheStats {
   int numa_nodes = 1;            ///< the arena is interleaved across them when > 1
 };
 
+// A release (WriteBack, Unpin, UnpinUpdated) that found, past its check that
+// every key was pinned, keys that something else had unpinned meanwhile: a
+// broken pin contract (a concurrent caller released a pin it did not own, or
+// the call names a key more often than it is pinned). The call released every
+// other key and kept what it could of the named keys' updates (see WriteBack
+// and UnpinUpdated), so it must not be retried: unlike std::invalid_argument
+// (refused, nothing changed), this one has changed the cache.
+class BrokenPinError : public std::runtime_error {
+ public:
+  BrokenPinError(const std::string& what, std::vector<uint64_t> unpinned, std::vector<uint64_t> lost)
+      : std::runtime_error(what), unpinned_(std::move(unpinned)), lost_(std::move(lost)) {}
+  // Indices into the call's keys of the occurrences it found no longer
+  // pinned, increasing.
+  const std::vector<uint64_t>& unpinned() const { return unpinned_; }
+  // Those of them whose update the call could not keep (see WriteBack,
+  // UnpinUpdated); their caller's copy, if any, is all that is left.
+  const std::vector<uint64_t>& lost() const { return lost_; }
+
+ private:
+  std::vector<uint64_t> unpinned_;
+  std::vector<uint64_t> lost_;
+};
+
 // Fills rows (n, row_bytes) for keys that are not cached; dirty[i] = 1 marks a
 // row that exists nowhere else yet (0: it can be loaded again).
 using RowLoader = std::function<void(const uint64_t* keys, uint64_t n, uint8_t* rows, uint8_t* dirty)>;
@@ -130,9 +154,15 @@ class MemCache {
   // std::invalid_argument names a key that is not pinned (nothing changes).
   // `addresses` (or null): the rows' addresses that Pin or PinnedRows gave,
   // which spare looking the keys up again, as UnpinUpdated's do.
+  // A key that passed the check and that something else unpinned before its
+  // row was written keeps its row all the same (KeepUpdated: dirty in MEM-PS,
+  // or stored if evicted since), and BrokenPinError names it (lost: those
+  // rows the sink refused) once the other keys are written back.
   virtual void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows,
                          uint8_t* const* addresses = nullptr) = 0;
-  // Unpins keys, leaving their rows as they are; `addresses` (or null) as WriteBack's.
+  // Unpins keys, leaving their rows as they are; `addresses` (or null) as
+  // WriteBack's. A key that something else unpinned during the call is
+  // named by BrokenPinError, once the other keys are unpinned.
   virtual void Unpin(const uint64_t* keys, uint64_t n, uint8_t* const* addresses = nullptr) = 0;
   // Trace replay: hits are visits; misses enter the cache with zero rows,
   // clean, unpinned, without the loader. hit[i] (optional). Returns hits.
@@ -160,6 +190,10 @@ class MemCache {
   // in place through PinnedRows. `addresses` (or null) are the rows' addresses
   // that Pin or PinnedRows gave, which spare looking the keys up again; a key
   // whose address does not hold its pinned row is refused like an unpinned one.
+  // A key that something else unpinned during the call is named by
+  // BrokenPinError, once the other keys are unpinned; if updated, its row is
+  // marked dirty where it still lies (MarkUpdated), and lost() names it if
+  // its row left its slot meanwhile (its step with it).
   virtual void UnpinUpdated(const uint64_t* keys, uint64_t n, const uint8_t* updated,
                             uint8_t* const* addresses) = 0;
   // Keeps the updates of a batch whose release was refused for keys that

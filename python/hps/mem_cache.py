@@ -20,7 +20,10 @@ class MemCache(_core.MemCache):
     evicting by ``policy`` (one of POLICIES); an evicted dirty row goes to
     ``sink(keys, rows)`` before the call returns (a ``_core.BackingStore`` may be
     both loader and sink: the parameter server's, native). Pinned rows stay until
-    ``write_back(keys, rows)`` (which marks them dirty) or ``unpin(keys)``.
+    ``write_back(keys, rows)`` (which marks them dirty) or ``unpin(keys)``; a key
+    not pinned makes either raise ValueError, changing nothing, and one that another
+    thread unpinned during the call makes it raise RuntimeError naming it, once the
+    other keys are released (``write_back`` keeps its row all the same).
     ``access(keys)`` replays a trace: hits are visits, misses enter with zero rows.
     ``set_lookahead(keys)`` tells the cache the keys of the coming batches, so
     that evictions spare them (Belady inside that window), and ``replay(trace,

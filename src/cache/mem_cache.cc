@@ -12,6 +12,7 @@
 #include <new>
 #include <span>
 
+#include "cache/broken_pins.h"
 #include "cache/cache_policy.h"
 #include "format/key_index.h"
 #include "util/mix64.h"
@@ -496,17 +497,20 @@ class ShardedCache final : public MemCache {
   }
 
   void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows, uint8_t* const* addresses) override {
-    ForPinned(
+    const std::vector<detail::UnpinnedKey> unpinned = ForPinned(
         keys, n, "write back",
         [&](Shard& shard, uint32_t slot, uint64_t i) {
           std::memcpy(RowAt(shard, slot), rows + i * row_bytes_, row_bytes_);
           if (!shard.dirty[slot]) MarkDirty(shard, slot);
         },
         addresses);
+    if (!unpinned.empty()) detail::KeepUnpinnedRows(*this, keys, n, rows, unpinned);
   }
 
   void Unpin(const uint64_t* keys, uint64_t n, uint8_t* const* addresses) override {
-    ForPinned(keys, n, "unpin", [](Shard&, uint32_t, uint64_t) {}, addresses);
+    const std::vector<detail::UnpinnedKey> unpinned =
+        ForPinned(keys, n, "unpin", [](Shard&, uint32_t, uint64_t) {}, addresses);
+    if (!unpinned.empty()) detail::ThrowUnpinned(keys, n, unpinned);
   }
 
   uint64_t Access(const uint64_t* keys, uint64_t n, uint8_t* hit) override {
@@ -620,12 +624,13 @@ class ShardedCache final : public MemCache {
 
   void UnpinUpdated(const uint64_t* keys, uint64_t n, const uint8_t* updated,
                     uint8_t* const* addresses) override {
-    ForPinned(
+    const std::vector<detail::UnpinnedKey> unpinned = ForPinned(
         keys, n, "unpin",
         [&](Shard& shard, uint32_t slot, uint64_t i) {
           if (updated[i] && !shard.dirty[slot]) MarkDirty(shard, slot);
         },
         addresses);
+    if (!unpinned.empty()) detail::MarkUnpinnedSteps(*this, keys, n, updated, unpinned);
   }
 
   void KeepUpdated(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {
@@ -1020,10 +1025,13 @@ class ShardedCache final : public MemCache {
 
   // Checks that every key is pinned, then applies `change` and unpins each.
   // With `addresses` (rows of the keys, from Pin), the slots come from them
-  // instead of the index.
+  // instead of the index. Returns, by increasing index, the occurrences that
+  // something else unpinned between the check and the change (a broken pin
+  // contract, or more occurrences of a key than pins): those got no change,
+  // and the caller keeps their updates and names them.
   template <typename Change>
-  void ForPinned(const uint64_t* keys, uint64_t n, const char* what, Change change,
-                 uint8_t* const* addresses = nullptr) {
+  [[nodiscard]] std::vector<detail::UnpinnedKey> ForPinned(const uint64_t* keys, uint64_t n, const char* what,
+                                                           Change change, uint8_t* const* addresses = nullptr) {
     CheckKeys(keys, n);
     const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
     std::vector<std::vector<uint32_t>> slots(shards_.size());  // found in the check, used in the change
@@ -1040,6 +1048,7 @@ class ShardedCache final : public MemCache {
         slots[s].push_back(slot);
       }
     }
+    std::vector<detail::UnpinnedKey> unpinned;  // allocates only when a pin was broken
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
@@ -1055,7 +1064,10 @@ class ShardedCache final : public MemCache {
         const uint64_t i = by_shard[s][j];
         const uint32_t slot = slots[s][j];
         // A concurrent caller may have unpinned it meanwhile (and the slot moved on).
-        if (shard.pins[slot] == 0 || shard.keys[slot] != keys[i]) continue;
+        if (shard.pins[slot] == 0 || shard.keys[slot] != keys[i]) [[unlikely]] {
+          detail::NoteUnpinned(&unpinned, i, RowAt(shard, slot));
+          continue;
+        }
         change(shard, slot, i);
         if (--shard.pins[slot] > 0) continue;
         --shard.pinned;
@@ -1067,6 +1079,8 @@ class ShardedCache final : public MemCache {
         }
       }
     }
+    if (!unpinned.empty()) detail::SortUnpinned(&unpinned);
+    return unpinned;
   }
 
   const uint32_t row_bytes_;

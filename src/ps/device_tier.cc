@@ -877,10 +877,18 @@ void HostBatch::Release() {
   if (released_) return;
   const std::vector<uint8_t>& updated = rows_->updated();
   uint8_t* const* rows = rows_->addresses();
+  // Positions of the keys something else unpinned, and of those whose steps are lost.
+  std::vector<uint64_t> refused, lost;
   try {
     cache_.UnpinUpdated(keys_.data(), keys_.size(), updated.data(), rows);
     released_ = true;
     return;
+  } catch (const BrokenPinError& e) {
+    // Released, but for keys something else unpinned during the call, whose
+    // steps it marked already (as below).
+    released_ = true;
+    refused = e.unpinned();
+    lost = e.lost();
   } catch (const std::invalid_argument&) {
     // Some key is no longer pinned, and UnpinUpdated refused them all: one
     // at a time, the others are released below.
@@ -888,30 +896,33 @@ void HostBatch::Release() {
     cache_.CountFailedRelease();
     throw;
   }
-  released_ = true;
-  std::vector<uint64_t> refused;
-  for (uint64_t p = 0; p < keys_.size(); ++p) {
-    try {
-      cache_.UnpinUpdated(&keys_[p], 1, &updated[p], rows + p);
-    } catch (const std::invalid_argument&) {
+  if (!released_) {
+    released_ = true;
+    std::vector<uint64_t> stepped;
+    std::vector<uint8_t*> where;
+    std::vector<uint64_t> position;
+    for (uint64_t p = 0; p < keys_.size(); ++p) {
+      try {
+        cache_.UnpinUpdated(&keys_[p], 1, &updated[p], rows + p);
+        continue;
+      } catch (const BrokenPinError& e) {  // unpinned during the call, its step marked
+        if (!e.lost().empty()) lost.push_back(p);
+      } catch (const std::invalid_argument&) {
+        // Its unpin did not mark its step: marked below where its row still
+        // lies, so MEM-PS stores it when it evicts the row.
+        if (updated[p]) {
+          stepped.push_back(keys_[p]);
+          where.push_back(rows[p]);
+          position.push_back(p);
+        }
+      }
       refused.push_back(p);
     }
+    // A row that left its slot meanwhile (unpinned, then evicted clean) took its step with it.
+    for (uint64_t j : cache_.MarkUpdated(stepped.data(), stepped.size(), where.data())) lost.push_back(position[j]);
+    std::sort(lost.begin(), lost.end());
   }
   cache_.CountFailedRelease();
-  // A refused key's unpin did not mark its step: marked now where its row
-  // still lies, so MEM-PS stores it when it evicts the row. A row that left
-  // its slot meanwhile (unpinned, then evicted clean) took its step with it.
-  std::vector<uint64_t> stepped;
-  std::vector<uint8_t*> where;
-  std::vector<uint64_t> position;
-  for (uint64_t p : refused) {
-    if (!updated[p]) continue;
-    stepped.push_back(keys_[p]);
-    where.push_back(rows[p]);
-    position.push_back(p);
-  }
-  std::vector<uint64_t> lost;
-  for (uint64_t j : cache_.MarkUpdated(stepped.data(), stepped.size(), where.data())) lost.push_back(position[j]);
   const auto named = [&](const std::vector<uint64_t>& at, bool say_updated) {
     std::string which;
     for (size_t j = 0; j < at.size() && j < 8; ++j) {

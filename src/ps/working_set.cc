@@ -329,20 +329,33 @@ void WorkingSet::ReleaseAll() {
   const std::vector<uint64_t>& updated = updates_->keys;  // empty unless applied
   const uint32_t row_bytes = cache_.row_bytes();
   const auto* rows = reinterpret_cast<const uint8_t*>(updates_->rows.data());
-  std::vector<uint64_t> refused;  // positions in the keys of the step that refused them
+  // Positions, in the keys of the step, of keys something else unpinned:
+  // those refused (their updates still to be kept), and those unpinned during
+  // the call (BrokenPinError: it kept their updates but for `unkept`'s),
+  // both increasing in `unpinned_at`.
+  std::vector<uint64_t> refused, unkept, unpinned_at;
   // Bulk first; a key something else unpinned makes MemCache refuse the
   // whole call (changing nothing), and then they go one by one.
   const auto each = [&](const std::vector<uint64_t>& keys, auto&& one) {
     refused.clear();
+    unkept.clear();
+    unpinned_at.clear();
     try {
       one(0, keys.size());
+    } catch (const BrokenPinError& e) {  // the call released the others
+      unkept = e.lost();
+      unpinned_at = e.unpinned();
     } catch (const std::invalid_argument&) {
       for (uint64_t i = 0; i < keys.size(); ++i) {
         try {
           one(i, 1);
+          continue;
+        } catch (const BrokenPinError& e) {
+          if (!e.lost().empty()) unkept.push_back(i);
         } catch (const std::invalid_argument&) {
           refused.push_back(i);
         }
+        unpinned_at.push_back(i);
       }
     } catch (...) {
       cache_.CountFailedRelease();
@@ -359,7 +372,8 @@ void WorkingSet::ReleaseAll() {
     each(keys_, [&](uint64_t at, uint64_t n) {
       cache_.UnpinUpdated(keys_.data() + at, n, dirty.data() + at, addresses_.data() + at);
     });
-    for (uint64_t p : refused) unpinned.push_back(keys_[p]);
+    for (uint64_t p : unpinned_at) unpinned.push_back(keys_[p]);
+    for (uint64_t p : unkept) lost.push_back(keys_[p]);
     // A refused key's row was unpinned by something else, so UnpinUpdated did
     // not mark its step: the rows still in their slots are marked now. One
     // that left its slot meanwhile (unpinned, then evicted clean) took its
@@ -381,12 +395,16 @@ void WorkingSet::ReleaseAll() {
     each(updated, [&](uint64_t at, uint64_t n) {
       cache_.WriteBack(updated.data() + at, n, rows + at * row_bytes, where.data() + at);
     });
-    if (!refused.empty()) {
+    if (!unpinned_at.empty()) {
       // The batch's copies are these rows' only copies: into MEM-PS (or the
-      // store, if evicted since), dirty.
+      // store, if evicted since), dirty; those of keys unpinned during the
+      // write-back are there already, unless its keeping failed.
       std::vector<uint64_t> keys;
       std::vector<uint8_t> kept;
-      for (uint64_t j : refused) {
+      std::vector<uint64_t> keep = refused;
+      keep.insert(keep.end(), unkept.begin(), unkept.end());
+      std::sort(keep.begin(), keep.end());
+      for (uint64_t j : keep) {
         keys.push_back(updated[j]);
         kept.insert(kept.end(), rows + j * row_bytes, rows + (j + 1) * row_bytes);
       }
@@ -396,7 +414,7 @@ void WorkingSet::ReleaseAll() {
         cache_.CountFailedRelease();
         throw;  // nothing written: a retry writes them back again (and then keeps those refused)
       }
-      unpinned = keys;
+      for (uint64_t j : unpinned_at) unpinned.push_back(updated[j]);
     }
   }
   written_ = true;
@@ -413,7 +431,7 @@ void WorkingSet::ReleaseAll() {
       where.push_back(addresses_[i]);
     }
     each(rest, [&](uint64_t at, uint64_t n) { cache_.Unpin(rest.data() + at, n, where.data() + at); });
-    for (uint64_t p : refused) unpinned.push_back(rest[p]);
+    for (uint64_t p : unpinned_at) unpinned.push_back(rest[p]);
   }
   released_ = true;
   previous_.reset();

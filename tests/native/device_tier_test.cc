@@ -15,6 +15,7 @@
 #include "hps/device_tier.h"
 #include "hps/hash_table.h"
 #include "hps/mem_cache.h"
+#include "forwarding_cache.h"
 #include "row_store.h"
 
 namespace hps {
@@ -615,6 +616,7 @@ TEST(DeviceTier, SumByInverseAddsRowsOfTheSameKey) {
   EXPECT_THROW(SumByInverse(bad.data(), 2, rows.data(), 2, 3, out.data()), std::out_of_range);
 }
 
+using test_support::PinBreakingCache;
 using test_support::RowStore;
 
 
@@ -877,6 +879,40 @@ TEST(HostBatch, AStepWhoseRowWasEvictedBeforeTheReleaseIsNamedLost) {
     EXPECT_NE(std::string(e.what()).find("the steps of keys[1] = 2 are lost"), std::string::npos) << e.what();
   }
   EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// Something else unpins key 2 during the release's own UnpinUpdated, past
+// its check that the keys are pinned (PinBreakingCache): the release names
+// it and keeps its step, and releases nothing twice (the next batch's pins
+// on keys 1 and 3 stay).
+TEST(HostBatch, AKeyUnpinnedDuringTheReleaseIsNamedAndItsStepKept) {
+  RowStore store(AdaGrad(2));
+  PinBreakingCache cache(store.Cache(16));
+  const std::vector<uint64_t> keys = {1, 2, 3}, next = {1, 3};
+  cache.Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+  {
+    HostBatch batch(cache, keys.data(), keys.size(), store.opt);
+    std::vector<int64_t> at = {0, 1, 2};
+    std::vector<float> g(6, 0.5f);
+    batch.Accumulate(at.data(), 3, g.data());
+    batch.Apply();
+    cache.Pull(next.data(), next.size(), nullptr, true, nullptr);
+    cache.victim = 2;
+    try {
+      batch.Release();
+      FAIL() << "a release that met key 2 unpinned during it succeeded";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("1 of 3 keys were no longer pinned by this batch (keys[1] = 2 (updated))"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("the updated ones' steps were kept"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(cache.victim, kEmptyKey) << "the foreign unpin did not happen";
+    EXPECT_EQ(cache.stats().dirty, 3u);  // keys 1 and 3, and key 2's step, kept
+  }  // the destructor has nothing left to release
+  const MemCacheStats st = cache.stats();
+  EXPECT_EQ(st.pinned, 2u);  // the next batch's
+  EXPECT_EQ(st.failed_releases, 1u);
 }
 
 // A batch dropped unreleased is released by its destructor, which cannot

@@ -320,6 +320,73 @@ TEST(MemCache, RepeatedMissesAreLoadedOnceAndPinnedPerOccurrence) {
   EXPECT_THROW(cache->Unpin(rest.data(), 1), std::invalid_argument);  // no pin left
 }
 
+// A release that names a key more often than it is pinned passes the check
+// (each occurrence finds a pin) and finds the key unpinned at its last
+// occurrence: the same state as a key that a concurrent caller unpinned
+// between the check and the change (a broken pin contract), reached without
+// threads. That occurrence's update is kept, not dropped, and BrokenPinError
+// names it once the others are released.
+TEST(MemCache, ReleaseOfAKeyUnpinnedPastTheCheckKeepsItsUpdateAndNamesIt) {
+  Backing backing;
+  auto cache = BackedCache(backing, "lru", 64, 4);
+  const uint64_t key = 5;
+  const std::vector<uint64_t> twice = {key, key};
+  const auto pin_once_clean = [&] {
+    cache->Pull(&key, 1, nullptr, /*pin=*/true, nullptr);
+    cache->FlushDirty();  // the loader's row of a new key is dirty: stored now, so that only a release dirties it
+    ASSERT_EQ(cache->stats().dirty, 0u);
+    ASSERT_EQ(cache->stats().pinned, 1u);
+  };
+  const auto expect_names_second = [&](const BrokenPinError& e) {
+    EXPECT_EQ(e.unpinned(), std::vector<uint64_t>{1});
+    EXPECT_TRUE(e.lost().empty());
+    EXPECT_NE(std::string(e.what()).find("keys[1] = 5"), std::string::npos) << e.what();
+  };
+
+  // WriteBack: the second occurrence's row, the last one written, is the one kept.
+  pin_once_clean();
+  const uint64_t rows[2] = {7, 8};
+  try {
+    cache->WriteBack(twice.data(), 2, reinterpret_cast<const uint8_t*>(rows));
+    ADD_FAILURE() << "a write-back that found its key unpinned must say so";
+  } catch (const BrokenPinError& e) {
+    expect_names_second(e);
+  }
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_EQ(cache->stats().dirty, 1u);
+  uint64_t row = 0;
+  cache->Pull(&key, 1, reinterpret_cast<uint8_t*>(&row), /*pin=*/false, nullptr);
+  EXPECT_EQ(row, 8u);
+  cache->FlushDirty();
+  EXPECT_EQ(backing.rows.at(key), 8u);
+
+  // UnpinUpdated: the step of the occurrence found unpinned is marked.
+  pin_once_clean();
+  std::vector<uint8_t*> at(2);
+  cache->PinnedRows(&key, 1, at.data());
+  at[1] = at[0];
+  const std::vector<uint8_t> updated = {0, 1};
+  try {
+    cache->UnpinUpdated(twice.data(), 2, updated.data(), at.data());
+    ADD_FAILURE() << "an unpin that found its key unpinned must say so";
+  } catch (const BrokenPinError& e) {
+    expect_names_second(e);
+  }
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_EQ(cache->stats().dirty, 1u);
+
+  // Unpin: named too; nothing to keep.
+  pin_once_clean();
+  try {
+    cache->Unpin(twice.data(), 2);
+    ADD_FAILURE() << "an unpin that found its key unpinned must say so";
+  } catch (const BrokenPinError& e) {
+    expect_names_second(e);
+  }
+  EXPECT_EQ(cache->stats().pinned, 0u);
+  EXPECT_EQ(cache->stats().dirty, 0u);
+}
+
 TEST(MemCache, PullThatLosesItsSlotsToConcurrentPinsKeepsItsDirtyVictims) {
   Backing backing;
   auto cache = FourDirtyRows(backing);

@@ -23,6 +23,7 @@
 #include "hps/hash_table.h"
 #include "hps/mem_cache.h"
 #include "hps/working_set.h"
+#include "forwarding_cache.h"
 #include "row_store.h"
 
 namespace hps {
@@ -37,6 +38,8 @@ SparseOptimizer AdaGrad(int32_t dim) {
   return o;
 }
 
+using test_support::ForwardingCache;
+using test_support::PinBreakingCache;
 using test_support::RowStore;
 
 
@@ -764,50 +767,76 @@ TEST(WorkingSet, APipelinedBatchWaitingOnAnotherThreadWakesAtThePreviousOnesAppl
   }
 }
 
+// Something else unpins an updated key during the release's own MemCache
+// call, past its check that the keys are pinned (PinBreakingCache): that
+// call releases the other keys and says so (BrokenPinError), and the batch
+// is released: its error names the key, the step is kept, and nothing is
+// released twice (the next batch's pins on the same keys stay).
+TEST(WorkingSet, AKeyUnpinnedDuringTheReleaseIsNamedAndItsStepKept) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {true, false}) {
+    RowStore store(opt), reference_store(opt);
+    PinBreakingCache cache(store.Cache(16));
+    auto reference = reference_store.Cache(16);
+    const std::vector<uint64_t> keys = {1, 2, 3, 4};
+    std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
+    auto reference_tier = HostTier(2, 16, opt, bound);
+    WorkingSet unhindered(*reference, opt, 2, keys.data(), keys.size());
+    unhindered.Load(*reference_tier, nullptr);
+    unhindered.Accumulate(0, keys.data(), 2, g.data());
+    unhindered.Apply();
+    unhindered.WriteBack();
+
+    std::vector<uint64_t> next;  // the next batch's keys: all but the victim, whose only pin the foreign unpin takes
+    uint64_t victim = 0;
+    {
+      auto tier = HostTier(2, 16, opt, bound);
+      WorkingSet ws(cache, opt, 2, keys.data(), keys.size());
+      ws.Load(*tier, nullptr);
+      ws.Accumulate(0, keys.data(), 2, g.data());
+      ws.Apply();
+      victim = ws.updated_keys()[0];
+      for (uint64_t k : keys) {
+        if (k != victim) next.push_back(k);
+      }
+      cache.Pull(next.data(), next.size(), nullptr, /*pin=*/true, nullptr);
+      cache.victim = victim;
+      try {
+        ws.WriteBack();
+        FAIL() << "bound " << bound << ": a release that met a key unpinned during it passed";
+      } catch (const std::runtime_error& e) {
+        const std::string said = e.what();
+        EXPECT_NE(said.find("1 of 4 keys were no longer pinned by this batch (keys " + std::to_string(victim) + ")"),
+                  std::string::npos)
+            << said;
+        EXPECT_NE(said.find("their steps were kept"), std::string::npos) << said;
+      }
+      EXPECT_EQ(cache.victim, kEmptyKey) << "bound " << bound << ": the foreign unpin did not happen";
+      EXPECT_TRUE(ws.released()) << "bound " << bound;
+    }  // the destructor has nothing left to release
+    const MemCacheStats st = cache.stats();
+    EXPECT_EQ(st.pinned, next.size()) << "bound " << bound << ": the next batch's pins";
+    EXPECT_EQ(st.failed_releases, 1u) << "bound " << bound;
+    cache.Unpin(next.data(), next.size(), nullptr);
+    const std::vector<uint64_t> updated = {1, 2};
+    EXPECT_EQ(CachedRows(cache, updated), CachedRows(*reference, updated)) << "bound " << bound;
+  }
+}
+
 // MEM-PS whose Unpin fails (a fault other than a key something else
 // unpinned) as many times as asked; everything else is the real cache's.
-class UnpinFailingCache final : public MemCache {
+class UnpinFailingCache final : public ForwardingCache {
  public:
-  explicit UnpinFailingCache(std::unique_ptr<MemCache> cache) : cache_(std::move(cache)) {}
+  using ForwardingCache::ForwardingCache;
   int failures = 0;
 
-  uint64_t Pull(const uint64_t* k, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) override {
-    return cache_->Pull(k, n, out, pin, hit);
-  }
-  uint64_t Pin(const uint64_t* k, uint64_t n, uint8_t* hit, uint8_t** at) override { return cache_->Pin(k, n, hit, at); }
-  void WriteBack(const uint64_t* k, uint64_t n, const uint8_t* rows, uint8_t* const* at) override {
-    cache_->WriteBack(k, n, rows, at);
-  }
   void Unpin(const uint64_t* k, uint64_t n, uint8_t* const* at) override {
     if (failures > 0) {
       --failures;
       throw std::runtime_error("unpin failed (injected)");
     }
-    cache_->Unpin(k, n, at);
+    ForwardingCache::Unpin(k, n, at);
   }
-  uint64_t Access(const uint64_t* k, uint64_t n, uint8_t* hit) override { return cache_->Access(k, n, hit); }
-  void FlushDirty() override { cache_->FlushDirty(); }
-  void ReadPinned(const uint64_t* k, uint64_t n, uint8_t* out, uint8_t* const* at) const override {
-    cache_->ReadPinned(k, n, out, at);
-  }
-  void PinnedRows(const uint64_t* k, uint64_t n, uint8_t** rows) const override { cache_->PinnedRows(k, n, rows); }
-  void UnpinUpdated(const uint64_t* k, uint64_t n, const uint8_t* updated, uint8_t* const* at) override {
-    cache_->UnpinUpdated(k, n, updated, at);
-  }
-  void KeepUpdated(const uint64_t* k, uint64_t n, const uint8_t* rows) override { cache_->KeepUpdated(k, n, rows); }
-  std::vector<uint64_t> MarkUpdated(const uint64_t* k, uint64_t n, uint8_t* const* at) override {
-    return cache_->MarkUpdated(k, n, at);
-  }
-  void SetLookahead(const uint64_t* k, uint64_t n) override { cache_->SetLookahead(k, n); }
-  void ClearLookahead() override { cache_->ClearLookahead(); }
-  uint64_t Erase(const uint64_t* k, uint64_t n) override { return cache_->Erase(k, n); }
-  bool Contains(uint64_t key) const override { return cache_->Contains(key); }
-  void CountFailedRelease() override { cache_->CountFailedRelease(); }
-  uint32_t row_bytes() const override { return cache_->row_bytes(); }
-  MemCacheStats stats() const override { return cache_->stats(); }
-
- private:
-  std::unique_ptr<MemCache> cache_;
 };
 
 // A write-back whose unpinning of the rows without steps fails has written
