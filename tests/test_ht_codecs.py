@@ -252,3 +252,14 @@ def test_bf16_bound_holds_over_all_of_float32(x):
     xs = np.abs(x[keep].astype(np.float64))
     assert np.all(np.where(xs >= 2.0**-126, err <= xs * 2.0**-8, err <= 2.0**-134)), (x, y)
     assert np.all(np.isinf(y[np.isfinite(x) & ~keep]) & (np.abs(x[np.isfinite(x) & ~keep]) > 3.3e38))
+
+
+@pytest.mark.parametrize("ratio, size, k", [(0.07, 100, 7), (0.1, 30, 3), (0.1, 31, 4), (1 / 3, 3, 1), (0.5, 3, 2),
+                                            (0.001, 10, 1), (1.0, 7, 7), (0.25, 0, 0)])
+def test_topk_sends_ceil_of_the_ratio_as_written_times_the_size(ratio, size, k):
+    # In floats 0.07 * 100 is 7.000000000000001: its ceiling sent 8 of 100 values.
+    codec = TopK(ratio)
+    assert codec.k_of(size) == k
+    if size:
+        enc = codec.encode(np.arange(1, size + 1, dtype=np.float32))
+        assert len(enc.arrays[0]) == k

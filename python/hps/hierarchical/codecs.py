@@ -50,6 +50,7 @@ import abc
 import math
 import threading
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Optional
 
 import numpy as np
@@ -194,7 +195,12 @@ class TopK(Codec):
         return f"topk:{self.ratio:g}"
 
     def k_of(self, size: int) -> int:
-        return min(size, max(1, math.ceil(self.ratio * size))) if size else 0
+        """ceil(ratio * size), at least 1, of the ratio as written (its shortest
+        decimal): in floats, 0.07 * 100 is 7.000000000000001, which took 8 values."""
+        if not size:
+            return 0
+        exact = Fraction(repr(self.ratio))
+        return min(size, max(1, -(-exact.numerator * size // exact.denominator)))
 
     def encode(self, x: np.ndarray) -> Encoded:
         x = _check_input(x, self.name, "x")
