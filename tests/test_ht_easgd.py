@@ -127,6 +127,10 @@ def test_bad_arguments_are_named():
         e.exchange(1, np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="3 replicas for 2 groups"):
         e.exchange_all([np.zeros(2, np.float32)] * 3)
+    # A negative group indexed from the end: group -1 counted group 1's steps.
+    with pytest.raises(ValueError, match=r"group -1 out of range \[0, 2\)"):
+        e.after_step(-1, np.zeros(2, np.float32))
+    assert e.steps == [0, 0]
 
 
 def _mpirun(n, *args):
@@ -331,3 +335,14 @@ def test_a_topk_averaging_codec_is_refused():
     with pytest.raises(ValueError, match="averaging = 'topk:0.25': top-k cannot compress an EASGD exchange"):
         EasgdCentre(None, x, [0, 1], EasgdConfig(), codecs)
     EasgdClient(None, 1, 0, EasgdConfig(), CodecStreams({"averaging": "bf16"}))  # the others are fine
+
+
+@pytest.mark.parametrize("group", [5, -1])
+def test_the_centre_names_a_group_index_out_of_range(mailbox, group):
+    # Group 5 of 2 raised a bare IndexError; -1 was taken for the last group's rank.
+    from hps.hierarchical.easgd import EasgdCentre
+    centre = EasgdCentre(mailbox.comm(2), np.zeros(3, np.float32), [0, 1], EasgdConfig(alpha=0.5))
+    from hps.hierarchical.easgd import _TAG
+    mailbox.comm(1).send(("exchange", group, None), dest=2, tag=_TAG)
+    with pytest.raises(ValueError, match=rf"rank 1 spoke as group {group}, not one of the 2 groups \[0, 2\)"):
+        centre.serve(timeout=5.0)

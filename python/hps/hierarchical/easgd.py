@@ -127,6 +127,7 @@ class Easgd:
     def after_step(self, g: int, x: np.ndarray) -> bool:
         """Counts a local step of group g (async mode); exchanges every `period`
         steps. Returns whether it exchanged."""
+        self._check(g, x)  # (before the count: a negative g would count another group's step)
         self.steps[g] += 1
         if self.steps[g] % self.config.period:
             return False
@@ -192,6 +193,9 @@ class EasgdCentre:
                                    CentreTimeout(f"EASGD centre: nothing from {self._awaited(live, pending)} within "
                                                  f"{timeout:g} s"))
             src = status.Get_source()
+            if not (isinstance(g, int) and 0 <= g < len(self.ranks)):
+                raise ValueError(f"EASGD centre: rank {src} spoke as group {g!r}, not one of the "
+                                 f"{len(self.ranks)} groups [0, {len(self.ranks)})")
             if src != self.ranks[g]:
                 raise ValueError(f"EASGD centre: rank {src} spoke as group {g} (rank {self.ranks[g]})")
             if op == "stop":
