@@ -79,7 +79,7 @@ class DataConfig:
     online_poll: float = 1.0            # online, source a directory: seconds between looks for new files
     online_idle: Optional[float] = 60.0  # online: end after this many seconds without a new file (None: never)
     online_marker: Optional[str] = "_DONE"  # online: end once this file appears and the files present are read
-    online_examples: Optional[int] = None  # online: end after this many examples (None: no cap)
+    online_examples: Optional[int] = None  # online: end after this many examples a rank (None: no cap)
 
 
 @dataclass
