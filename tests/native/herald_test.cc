@@ -896,6 +896,27 @@ void ExpectSame(const Seen& a, const Seen& b) {
   EXPECT_EQ(a.batches, b.batches);
 }
 
+// Runs call() with its k-th allocation failing, for k = 1, 2, ... until it
+// succeeds; after each failure the snapshot must be as it was (one report,
+// not one a retry). Returns the failures.
+template <class Call>
+uint64_t FailEachAllocationUntilItSucceeds(const hps::Herald& h, Call call) {
+  const Seen before = SeenOf(h);
+  for (uint64_t k = 1;; ++k) {
+    fail_in = k;
+    try {
+      call();
+      fail_in = 0;
+      return k - 1;
+    } catch (const std::bad_alloc&) {
+      fail_in = 0;
+    }
+    SCOPED_TRACE(testing::Message() << "allocation " << k);
+    ExpectSame(SeenOf(h), before);
+    if (testing::Test::HasFailure()) return k;
+  }
+}
+
 // The same where committing a batch allocates: caches at capacity (eviction's
 // lists), windows (their runs), a log that fills with retrained keys' dead
 // records (compactions: a new log, runs and index), and for W = 64 the side
@@ -924,22 +945,10 @@ TEST(Herald, AScheduleThatRunsOutOfMemoryWhileCommittingChangesNothing) {
       SCOPED_TRACE(testing::Message() << "batch " << b);
       std::vector<uint64_t> window = batches[b + 1];
       window.insert(window.end(), batches[b + 2].begin(), batches[b + 2].begin() + 40);
-      const Seen before = SeenOf(h);
       hps::HeraldPlan plan;
-      for (uint64_t k = 1;; ++k) {
-        fail_in = k;
-        try {
-          plan = h.Schedule(batches[b].data(), kExamples, kFields, window.data(), window.size());
-          fail_in = 0;
-          break;
-        } catch (const std::bad_alloc&) {
-          fail_in = 0;
-        }
-        ++failures;
-        SCOPED_TRACE(testing::Message() << "allocation " << k);
-        ExpectSame(SeenOf(h), before);
-        if (testing::Test::HasFailure()) return;  // one report, not one a retry
-      }
+      failures += FailEachAllocationUntilItSucceeds(
+          h, [&] { plan = h.Schedule(batches[b].data(), kExamples, kFields, window.data(), window.size()); });
+      if (testing::Test::HasFailure()) return;
       const auto expected = twin.Schedule(batches[b].data(), kExamples, kFields, window.data(), window.size());
       ASSERT_EQ(Digest(0, plan), Digest(0, expected));
       ExpectSame(SeenOf(h), SeenOf(twin));
@@ -959,24 +968,9 @@ TEST(Herald, AClearThatRunsOutOfMemoryChangesNothing) {
     std::vector<uint64_t> keys(64 * 4);
     for (size_t i = 0; i < keys.size(); ++i) keys[i] = i % 97;
     h.Schedule(keys.data(), 64, 4);
-    const Seen before = SeenOf(h);
-    ASSERT_GT(before.keys.size(), 0u);
-    uint64_t failures = 0;
-    for (uint64_t k = 1;; ++k) {
-      fail_in = k;
-      try {
-        h.Clear();
-        fail_in = 0;
-        break;
-      } catch (const std::bad_alloc&) {
-        fail_in = 0;
-      }
-      ++failures;
-      SCOPED_TRACE(testing::Message() << "allocation " << k);
-      ExpectSame(SeenOf(h), before);
-      if (testing::Test::HasFailure()) return;
-    }
-    EXPECT_GT(failures, 0u);
+    ASSERT_GT(SeenOf(h).keys.size(), 0u);
+    EXPECT_GT(FailEachAllocationUntilItSucceeds(h, [&] { h.Clear(); }), 0u);
+    if (testing::Test::HasFailure()) return;
     for (int32_t w = 0; w < W; ++w) EXPECT_EQ(h.cached(w), 0u);
   }
 }
