@@ -99,6 +99,18 @@ std::unique_ptr<DeviceTier> HostTier(int32_t devices, uint64_t capacity, const S
   return DeviceTier::New({devices, capacity, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}, bind_host_rows});
 }
 
+// The batch a release test hinders, on a cache nothing hinders: worker 0
+// steps the first two keys by g; what the hindered batch's rows should be.
+void StepUnhindered(MemCache& cache, const SparseOptimizer& opt, bool bind_host_rows,
+                    const std::vector<uint64_t>& keys, const std::vector<float>& g) {
+  auto tier = HostTier(2, 16, opt, bind_host_rows);
+  WorkingSet unhindered(cache, opt, 2, keys.data(), keys.size());
+  unhindered.Load(*tier, nullptr);
+  unhindered.Accumulate(0, keys.data(), 2, g.data());
+  unhindered.Apply();
+  unhindered.WriteBack();
+}
+
 class WorkingSetDevices : public ::testing::TestWithParam<std::tuple<int32_t, bool>> {};
 
 TEST_P(WorkingSetDevices, BatchesMatchHostBatchOnTheSameRows) {
@@ -327,12 +339,7 @@ TEST(WorkingSet, AKeyUnpinnedByOthersIsNamedAndItsStepKept) {
       // cache), wherever MEM-PS keeps them now.
       RowStore reference_store(opt);
       auto reference = reference_store.Cache(16);
-      auto reference_tier = HostTier(2, 16, opt, bound);
-      WorkingSet unhindered(*reference, opt, 2, keys.data(), keys.size());
-      unhindered.Load(*reference_tier, nullptr);
-      unhindered.Accumulate(0, keys.data(), 2, g.data());
-      unhindered.Apply();
-      unhindered.WriteBack();
+      StepUnhindered(*reference, opt, bound, keys, g);
       std::vector<uint64_t> updated = {kept_key};
       if (!(bound && evict)) updated.push_back(refused_key);
       EXPECT_EQ(CachedRows(*cache, updated), CachedRows(*reference, updated))
@@ -780,12 +787,7 @@ TEST(WorkingSet, AKeyUnpinnedDuringTheReleaseIsNamedAndItsStepKept) {
     auto reference = reference_store.Cache(16);
     const std::vector<uint64_t> keys = {1, 2, 3, 4};
     std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
-    auto reference_tier = HostTier(2, 16, opt, bound);
-    WorkingSet unhindered(*reference, opt, 2, keys.data(), keys.size());
-    unhindered.Load(*reference_tier, nullptr);
-    unhindered.Accumulate(0, keys.data(), 2, g.data());
-    unhindered.Apply();
-    unhindered.WriteBack();
+    StepUnhindered(*reference, opt, bound, keys, g);
 
     std::vector<uint64_t> next;  // the next batch's keys: all but the victim, whose only pin the foreign unpin takes
     uint64_t victim = 0;
