@@ -9,6 +9,21 @@ needs_gpu = pytest.mark.skipif(
     GPUS == 0, reason="no usable CUDA device (no GPU, or the driver is missing or too old)")
 
 
+@pytest.fixture
+def cuda_torch():
+    """torch, where it sees a CUDA GPU (else the test skips)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    return torch
+
+
+def one_device_server(path, optimizer):
+    """A parameter server of dim 4 whose one device tier is the GPU's (not the in-place host batch)."""
+    cfg = dict(dim=4, mem_budget="1MiB", optimizer=optimizer, devices=1, host_in_place=False)
+    return hps.ParameterServer(hps.ParameterServerConfig(path=str(path), **cfg))
+
+
 @pytest.mark.skipif(GPUS > 0, reason="a GPU is present; this checks the message given without one")
 def test_cuda_request_without_a_gpu_says_why():
     with pytest.raises(RuntimeError, match="CUDA device 0 requested, but"):
@@ -133,13 +148,10 @@ def test_the_cuda_executor_delivers_what_the_host_executor_does(schedule):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_a_batch_gathers_into_and_accumulates_from_a_cuda_tensor(tmp_path):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA GPU")
-    cfg = dict(dim=4, mem_budget="1MiB", optimizer=hps.AdaGrad(lr=0.1), devices=1, host_in_place=False)
-    by_gpu = hps.ParameterServer(hps.ParameterServerConfig(path=str(tmp_path / "gpu"), **cfg))
-    by_host = hps.ParameterServer(hps.ParameterServerConfig(path=str(tmp_path / "host"), **cfg))
+def test_a_batch_gathers_into_and_accumulates_from_a_cuda_tensor(tmp_path, cuda_torch):
+    torch = cuda_torch
+    by_gpu = one_device_server(tmp_path / "gpu", hps.AdaGrad(lr=0.1))
+    by_host = one_device_server(tmp_path / "host", hps.AdaGrad(lr=0.1))
     keys = np.random.default_rng(0).integers(1, 300, (64, 3)).astype(np.uint64)
     for _ in range(2):
         g, h = by_gpu.batch(keys), by_host.batch(keys)
@@ -160,15 +172,12 @@ def test_a_batch_gathers_into_and_accumulates_from_a_cuda_tensor(tmp_path):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_a_batch_reads_gradients_a_side_stream_is_still_writing(tmp_path):
+def test_a_batch_reads_gradients_a_side_stream_is_still_writing(tmp_path, cuda_torch):
     # The tier reads on the legacy default stream, which does not wait for a
     # torch.cuda.Stream: gradients queued behind a long kernel there were read
     # before they were written.
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA GPU")
-    cfg = dict(dim=4, mem_budget="1MiB", optimizer=hps.SGD(lr=1.0), devices=1, host_in_place=False)
-    ps = hps.ParameterServer(hps.ParameterServerConfig(path=str(tmp_path / "gpu"), **cfg))
+    torch = cuda_torch
+    ps = one_device_server(tmp_path / "gpu", hps.SGD(lr=1.0))
     keys = np.arange(1, 257, dtype=np.uint64).reshape(-1, 1)
     before = ps.pull(keys.reshape(-1))
     side = torch.cuda.Stream(device="cuda:0")
@@ -187,8 +196,8 @@ def test_a_batch_reads_gradients_a_side_stream_is_still_writing(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices: a table on the second must leave the first current")
-def test_a_table_on_another_gpu_leaves_the_callers_current_device():
-    torch = pytest.importorskip("torch")
+def test_a_table_on_another_gpu_leaves_the_callers_current_device(cuda_torch):
+    torch = cuda_torch
     torch.cuda.set_device(0)
     table = hps.HashTable(1024, 4, device="cuda:1")  # the constructor allocates on GPU 1
     assert torch.cuda.current_device() == 0
