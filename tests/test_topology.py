@@ -412,18 +412,31 @@ def test_cuda_executor_needs_a_gpu_a_endpoint():
 
 class _FakeNvml(types.ModuleType):
     """pynvml as a driver would answer it: `bridges` maps two GPUs' PCI bus ids to the
-    NVLink bridges between them; NVML names remote GPUs with an 8-digit domain."""
+    NVLink bridges between them, `switch_links` a GPU's bus id to the NVSwitches' bus ids
+    its NVLinks end at (one entry a link); NVML names remote devices with an 8-digit
+    domain. remote_type=False is a pynvml older than nvmlDeviceGetNvLinkRemoteDeviceType,
+    "raises" a driver older than it; `unknown` the bus ids NVML has no GPU at (a GPU
+    bound to another driver, or none at all)."""
 
     class NVMLError(Exception):
         pass
 
-    def __init__(self, bridges: dict, init_fails: bool = False):
+    GPU, SWITCH = 0, 2  # nvml.h's NVML_NVLINK_DEVICE_TYPE_GPU, _SWITCH
+
+    def __init__(self, bridges: dict, init_fails: bool = False, switch_links: dict | None = None,
+                 remote_type: bool = True, unknown: set = frozenset()):
         super().__init__("pynvml")
-        self.ends: dict[str, list[str]] = {}
+        self.ends: dict[str, list[tuple[str, int]]] = {}
         for (a, b), n in bridges.items():
-            self.ends.setdefault(a, []).extend([b] * n)
-            self.ends.setdefault(b, []).extend([a] * n)
-        self.init_fails, self.shut = init_fails, False
+            self.ends.setdefault(a, []).extend([(b, self.GPU)] * n)
+            self.ends.setdefault(b, []).extend([(a, self.GPU)] * n)
+        for gpu, switches in (switch_links or {}).items():
+            self.ends.setdefault(gpu, []).extend((s, self.SWITCH) for s in switches)
+        self.init_fails, self.shut, self.unknown = init_fails, False, set(unknown)
+        if remote_type == "raises":  # a driver older than the pynvml
+            self.nvmlDeviceGetNvLinkRemoteDeviceType = self._no_function
+        elif remote_type:
+            self.nvmlDeviceGetNvLinkRemoteDeviceType = self._remote_type
 
     def nvmlInit(self):
         if self.init_fails:
@@ -433,15 +446,23 @@ class _FakeNvml(types.ModuleType):
         self.shut = True
 
     def nvmlDeviceGetHandleByPciBusId(self, bus_id):
+        if bus_id in self.unknown:
+            raise self.NVMLError("Not Found")
         return bus_id
 
     def nvmlDeviceGetNvLinkState(self, handle, link):
-        if link >= 12:  # links past the GPU's: NVML raises
+        if link >= max(12, len(self.ends.get(handle, []))):  # links past the GPU's: NVML raises
             raise self.NVMLError("Not Supported")
         return int(link < len(self.ends.get(handle, [])))
 
+    def _remote_type(self, handle, link):
+        return self.ends[handle][link][1]
+
+    def _no_function(self, handle, link):
+        raise self.NVMLError("Function Not Found")
+
     def nvmlDeviceGetNvLinkRemotePciInfo(self, handle, link):
-        return types.SimpleNamespace(busId=("0000" + self.ends[handle][link]).upper().encode())
+        return types.SimpleNamespace(busId=("0000" + self.ends[handle][link][0]).upper().encode())
 
 
 def test_nvlinks_come_from_nvml_counted_once_a_bridge(tmp_path, monkeypatch):
@@ -457,6 +478,65 @@ def test_nvlinks_come_from_nvml_counted_once_a_bridge(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml({(bus[0], bus[1]): 2}, init_fails=True))
     assert not [l for l in T.discover(str(tmp_path)).links if l.kind == "nvlink"]  # no driver: none
     assert not [l for l in T.discover(str(tmp_path), gpus=False).links if l.kind == "nvlink"]
+
+
+NVSWITCHES = [f"0000:{0xc0 + s:02x}:00.0" for s in range(6)]
+
+
+def dgx_a100_nvml(tmp_path, **fake):
+    """A DGX A100-like node: 8 GPUs on 2 NUMA nodes, each with 12 NVLinks, two to each
+    of 6 NVSwitches, no NVLink between GPUs (examples/topologies/nvswitch.toml by hand).
+    The switches are PCI bridges in sysfs (vendor 0x10de, class 0x068000)."""
+    fake_sysfs(tmp_path, 2, cores_per_node=4, gpus_per_node=4, nvme_node=0, nic_node=1)
+    for bus in NVSWITCHES:
+        for name, value in (("vendor", "0x10de"), ("class", "0x068000"), ("numa_node", "-1")):
+            (tmp_path / "bus" / "pci" / "devices" / bus).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "bus" / "pci" / "devices" / bus / name).write_text(value + "\n")
+    gpus = [f"0000:{0x10 + k:02x}:00.0" for k in range(8)]
+    return gpus, _FakeNvml({}, switch_links={g: [s for s in NVSWITCHES for _ in range(2)] for g in gpus}, **fake)
+
+
+@pytest.mark.parametrize("remote_type", [True, False, "raises"], ids=["remote-type", "sysfs-class", "old-driver"])
+def test_nvlinks_to_nvswitches_make_the_switch_fabric(tmp_path, monkeypatch, remote_type):
+    # Before, only NVLinks ending at a GPU counted: on an NVSwitch node none did, so the
+    # 8 GPUs had no NVLink at all and every pair went through host memory (or a
+    # 12 GB/s PCIe peer link) instead of the 300 GB/s fabric.
+    gpus, nvml = dgx_a100_nvml(tmp_path, remote_type=remote_type)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    runtime = _FakeCudart(gpus, {(a, b) for a in gpus for b in gpus if a < b})  # peer access everywhere
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = runtime
+    for name, module in (("cuda", types.ModuleType("cuda")), ("cuda.bindings", bindings),
+                         ("cuda.bindings.runtime", runtime)):
+        monkeypatch.setitem(sys.modules, name, module)
+    t = T.discover(str(tmp_path))
+    switches = [d for d in t.devices if d.kind == "switch"]
+    assert [(d.name, d.numa) for d in switches] == [("nvswitch", -1)]  # one fabric, as nvswitch.toml has it
+    for k in range(8):
+        link = link_between(t, f"gpu{k}", "nvswitch")
+        assert (link.kind, link.bridges, link.gbps) == ("nvlink", 12, 300.0), link
+    # the fabric carries the peer traffic: no GPU pair gets a PCIe peer link besides
+    assert not [l for l in t.links if l.kind == "pcie-p2p" or (l.kind == "nvlink" and "nvswitch" not in
+                                                                  (t.devices[l.a].name, t.devices[l.b].name))]
+    m = T.even_all_to_all(8, 1_000_000, 256)
+    plan = t.plan(m, "relay")
+    assert plan["route_count"]["direct"] == 56 and plan["route_count"]["relay"] == 0
+    assert all(r["path"][1] == t.index("nvswitch") for r in plan["routes"] if r["kind"] == "direct")
+    by_hand = T.load(TOPOLOGIES / "nvswitch.toml")
+    assert plan["seconds"] == pytest.approx(by_hand.plan(m, "relay")["seconds"])
+    assert nvml.shut
+
+
+def test_nvlinks_to_other_bridges_are_not_a_switch(tmp_path, monkeypatch):
+    # Without NVML's remote device type, only NVIDIA's NVSwitch class (0x068000) is a
+    # switch: a POWER9 NPU bridge (0x068001) or a bus id sysfs lacks is not.
+    gpus, nvml = dgx_a100_nvml(tmp_path, remote_type=False)
+    (tmp_path / "bus" / "pci" / "devices" / NVSWITCHES[0] / "class").write_text("0x068001\n")
+    os.remove(tmp_path / "bus" / "pci" / "devices" / NVSWITCHES[1] / "class")
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    for k in range(8):
+        assert link_between(t, f"gpu{k}", "nvswitch").bridges == 8  # 12 less the 2 + 2 to those
 
 
 class _FakeCudart(types.ModuleType):

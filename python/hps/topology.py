@@ -67,6 +67,11 @@ SCHEDULES = ("host", "direct", "relay")
 PCIE_GBPS = 12.0
 MEMCPY_GBPS = 10.0
 NUMA_GBPS = 20.0
+# One NVLink's GB/s per direction: 25 for NVLink 2, 3 and 4 alike (V100 6 links, A100
+# 12, H100 18; the datasheets' totals count both directions).
+NVLINK_GBPS = 25.0
+NVML_NVLINK_MAX_LINKS = 18                 # nvml.h; H100 has all 18
+NVML_NVLINK_DEVICE_TYPE_SWITCH = 2         # nvml.h's nvmlIntNvLinkDeviceType_t
 
 
 class TopologyError(ValueError):
@@ -473,11 +478,12 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
     CUDA's order with CUDA_DEVICE_ORDER=PCI_BUS_ID), NVMe drives (class/nvme/*/device)
     and NICs (class/net/*/device). One "cpu" device per node; each GPU links to its
     node's cpu over PCIe (its link speed if sysfs gives it, else PCIE_GBPS); nodes link
-    pairwise with NUMA_GBPS (sysfs does not say). NVLink between GPUs comes from NVML
-    when pynvml is importable and a driver answers (gpus=True); otherwise none. Pairs the
-    CUDA runtime reports peer access between (cuda-python's P2P attributes) and NVML does
-    not link get a PCIe peer link. With no GPU and host_partitions_if_no_gpu > 0, host
-    partitions over the first node's memory.
+    pairwise with NUMA_GBPS (sysfs does not say). NVLinks come from NVML when pynvml is
+    importable and a driver answers (gpus=True); otherwise none: NVLinks between two GPUs
+    link them, NVLinks to NVSwitches link the GPU to one "nvswitch" device (the fabric),
+    NVLINK_GBPS a link. Pairs the CUDA runtime reports peer access between (cuda-python's
+    P2P attributes) and NVLink does not join get a PCIe peer link. With no GPU and
+    host_partitions_if_no_gpu > 0, host partitions over the first node's memory.
     """
     node_root = os.path.join(sysfs, "devices", "system", "node")
     numa_cores: dict[int, list[int]] = {}
@@ -514,9 +520,22 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
         links.append(Link(len(devices) - 1, host, gbps or PCIE_GBPS, 1.0, "pcie" if gbps else "pcie-assumed"))
     if gpus and gpu_dirs:
         bus_ids = [os.path.basename(d) for d in gpu_dirs]
-        links += _nvml_links(bus_ids, len(nodes))
-        nvlinked = {(l.a, l.b) for l in links if l.kind == "nvlink"}
-        links += _cuda_peer_links(bus_ids, len(nodes), nvlinked)
+        first_gpu = len(nodes)
+        nv = _nvml_links(bus_ids, sysfs)
+        links += [Link(first_gpu + a, first_gpu + b, NVLINK_GBPS * n, 1.5, "nvlink", n)
+                  for (a, b), n in sorted(nv.between.items())]
+        nvlinked = {(first_gpu + a, first_gpu + b) for a, b in nv.between}
+        if nv.to_switch:
+            # The NVSwitches as one device, as examples/topologies/nvswitch.toml has them:
+            # every GPU pair on them is two hops apart at the slower GPU's NVLink rate
+            # (the switches do not block), and NVML does not tell which switches form
+            # one fabric anyway.
+            devices.append(Device("nvswitch", "switch", -1))
+            links += [Link(first_gpu + k, len(devices) - 1, NVLINK_GBPS * n, 1.0, "nvlink", n)
+                      for k, n in sorted(nv.to_switch.items())]
+            on_switch = sorted(first_gpu + k for k in nv.to_switch)
+            nvlinked |= {(a, b) for i, a in enumerate(on_switch) for b in on_switch[i + 1:]}
+        links += _cuda_peer_links(bus_ids, first_gpu, nvlinked)
     if not gpu_dirs and host_partitions_if_no_gpu > 0:
         for i in range(host_partitions_if_no_gpu):
             devices.append(Device(f"host{i}", "host", nodes[0]))
@@ -556,15 +575,14 @@ def _cuda_peer_links(bus_ids: list[str], first_gpu: int, nvlinked: set) -> list[
     err, count = rt.cudaGetDeviceCount()
     if err != ok:
         return []
-    index = {b.lower()[-12:]: k for k, b in enumerate(bus_ids)}
+    index = {_bus_id(b): k for k, b in enumerate(bus_ids)}
     of_ordinal = {}
     for d in range(count):
         err, bus = rt.cudaDeviceGetPCIBusId(32, d)
         if err != ok:
             continue
-        bus = (bus.decode() if isinstance(bus, bytes) else bus).rstrip("\x00").lower()
-        if bus[-12:] in index:
-            of_ordinal[d] = index[bus[-12:]]
+        if _bus_id(bus) in index:
+            of_ordinal[d] = index[_bus_id(bus)]
     links = []
     attr = rt.cudaDeviceP2PAttr.cudaDevP2PAttrAccessSupported
     ordinals = sorted(of_ordinal)
@@ -579,39 +597,80 @@ def _cuda_peer_links(bus_ids: list[str], first_gpu: int, nvlinked: set) -> list[
     return links
 
 
-def _nvml_links(bus_ids: list[str], first_gpu: int) -> list[Link]:
-    """NVLinks between the GPUs (device indices first_gpu + k) as NVML reports them; []
-    without pynvml or a driver. NVLink 2 per-link bandwidth assumed (25 GB/s)."""
+@dataclass
+class _NvLinks:
+    between: dict[tuple[int, int], int]   # (GPU k, GPU r), k < r -> NVLink bridges between them
+    to_switch: dict[int, int]              # GPU k -> its NVLinks that end at an NVSwitch
+
+
+def _bus_id(bus) -> str:
+    """A PCI bus id as sysfs names its directory: NVML and CUDA write an 8-digit domain
+    ("00000000:1A:00.0"), sysfs a 4-digit one in lower case ("0000:1a:00.0")."""
+    return (bus.decode() if isinstance(bus, bytes) else bus).rstrip("\x00").lower()[-12:]
+
+
+def _nvlink_ends_at_switch(pynvml, remote_type, handle, link: int, sysfs: str) -> bool | None:
+    """Whether an NVLink's far end is an NVSwitch: NVML's remote device type where the
+    driver and pynvml have it, else the far end's PCI class in sysfs (NVSwitches are
+    NVIDIA bridges of class 0x068000; 0x068001 is POWER9's NPU, no switch). None when
+    neither says (the far end is then looked for among the GPUs)."""
+    if remote_type is not None:
+        try:
+            return remote_type(handle, link) == NVML_NVLINK_DEVICE_TYPE_SWITCH
+        except pynvml.NVMLError:
+            pass
+    try:
+        remote = _bus_id(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+    except pynvml.NVMLError:
+        return None
+    dev = os.path.join(sysfs, "bus", "pci", "devices", remote)
+    if _read(os.path.join(dev, "vendor")) == "0x10de" and _read(os.path.join(dev, "class")) == "0x068000":
+        return True
+    return None
+
+
+def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
+    """The NVLinks of the GPUs (sysfs bus ids; GPU k is bus_ids[k]) as NVML reports them:
+    bridges between two GPUs, and each GPU's NVLinks to NVSwitches (DGX/HGX A100 and
+    H100, where no NVLink ends at a GPU). Nothing without pynvml or a driver."""
+    none = _NvLinks({}, {})
     try:
         import pynvml  # noqa: PLC0415 - optional
     except ImportError:
-        return []
+        return none
     try:
         pynvml.nvmlInit()
     except Exception:  # noqa: BLE001 - no driver: no links to report
-        return []
+        return none
+    # older pynvml lacks it; older drivers raise NVMLError when it is called
+    remote_type = getattr(pynvml, "nvmlDeviceGetNvLinkRemoteDeviceType", None)
     try:
-        index = {b.lower()[-12:]: k for k, b in enumerate(bus_ids)}
+        index = {_bus_id(b): k for k, b in enumerate(bus_ids)}
         count: dict[tuple[int, int], int] = {}
+        to_switch: dict[int, int] = {}
         for k, b in enumerate(bus_ids):
             h = pynvml.nvmlDeviceGetHandleByPciBusId(b)
-            for link in range(18):
+            for link in range(NVML_NVLINK_MAX_LINKS):
                 try:
                     if not pynvml.nvmlDeviceGetNvLinkState(h, link):
                         continue
+                except pynvml.NVMLError:
+                    continue
+                if _nvlink_ends_at_switch(pynvml, remote_type, h, link, sysfs):
+                    to_switch[k] = to_switch.get(k, 0) + 1
+                    continue
+                try:
                     remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId
                 except pynvml.NVMLError:
                     continue
-                r = index.get((remote.decode() if isinstance(remote, bytes) else remote).lower()[-12:])
+                r = index.get(_bus_id(remote))
                 if r is not None and r != k:
                     key = (min(k, r), max(k, r))
                     count[key] = count.get(key, 0) + 1
-        # each bridge is seen from both ends
-        return [Link(first_gpu + a, first_gpu + b, 25.0 * max(1, n // 2), 1.5, "nvlink", max(1, n // 2))
-                for (a, b), n in sorted(count.items())]
+        # a bridge between two GPUs is seen from both ends; one to a switch from the GPU's only
+        return _NvLinks({pair: max(1, n // 2) for pair, n in count.items()}, to_switch)
     finally:
         pynvml.nvmlShutdown()
-
 
 
 def write_fake_sysfs(root: str, nodes: int, cores_per_node: int, gpus_per_node: int, nvme_node: int,
