@@ -480,6 +480,27 @@ def test_nvlinks_come_from_nvml_counted_once_a_bridge(tmp_path, monkeypatch):
     assert not [l for l in T.discover(str(tmp_path), gpus=False).links if l.kind == "nvlink"]
 
 
+def test_gpus_nvml_does_not_know_get_no_nvlinks(tmp_path, monkeypatch):
+    # A GPU in sysfs that NVML has no handle for (bound to vfio-pci for a VM, or a
+    # driver that sees no GPU at all) made NVML's NotFound escape discover(), and
+    # `hps topology` with it.
+    fake_sysfs(tmp_path, 2, cores_per_node=2, gpus_per_node=2, nvme_node=0, nic_node=0)
+    bus = [f"0000:{0x10 + k:02x}:00.0" for k in range(4)]
+    nvml = _FakeNvml({(bus[0], bus[1]): 2, (bus[2], bus[3]): 2}, unknown={bus[3]})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    names = {i: d.name for i, d in enumerate(t.devices)}
+    # gpu2's bridges to gpu3 are seen from gpu2's end only, and still count whole
+    assert sorted((names[l.a], names[l.b], l.bridges) for l in t.links if l.kind == "nvlink") == \
+        [("gpu0", "gpu1", 2), ("gpu2", "gpu3", 2)]
+    assert [t.devices[i].name for i in t.endpoints] == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    assert nvml.shut
+    nvml = _FakeNvml({(bus[0], bus[1]): 2}, unknown=set(bus))  # NVML answers, with no GPU
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    assert not [l for l in t.links if l.kind == "nvlink"] and len(t.endpoints) == 4 and nvml.shut
+
+
 NVSWITCHES = [f"0000:{0xc0 + s:02x}:00.0" for s in range(6)]
 
 

@@ -632,7 +632,9 @@ def _nvlink_ends_at_switch(pynvml, remote_type, handle, link: int, sysfs: str) -
 def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
     """The NVLinks of the GPUs (sysfs bus ids; GPU k is bus_ids[k]) as NVML reports them:
     bridges between two GPUs, and each GPU's NVLinks to NVSwitches (DGX/HGX A100 and
-    H100, where no NVLink ends at a GPU). Nothing without pynvml or a driver."""
+    H100, where no NVLink ends at a GPU). Nothing without pynvml or a driver; a GPU NVML
+    does not know (bound to another driver such as vfio-pci, or NVML sees no GPU at all)
+    has only the NVLinks other GPUs report to it."""
     none = _NvLinks({}, {})
     try:
         import pynvml  # noqa: PLC0415 - optional
@@ -646,10 +648,13 @@ def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
     remote_type = getattr(pynvml, "nvmlDeviceGetNvLinkRemoteDeviceType", None)
     try:
         index = {_bus_id(b): k for k, b in enumerate(bus_ids)}
-        count: dict[tuple[int, int], int] = {}
+        seen_from: dict[tuple[int, int], int] = {}   # (GPU k, GPU r) -> k's NVLinks ending at r
         to_switch: dict[int, int] = {}
         for k, b in enumerate(bus_ids):
-            h = pynvml.nvmlDeviceGetHandleByPciBusId(b)
+            try:
+                h = pynvml.nvmlDeviceGetHandleByPciBusId(b)
+            except pynvml.NVMLError:
+                continue  # its NVLinks to other GPUs are still seen from their ends
             for link in range(NVML_NVLINK_MAX_LINKS):
                 try:
                     if not pynvml.nvmlDeviceGetNvLinkState(h, link):
@@ -665,10 +670,14 @@ def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
                     continue
                 r = index.get(_bus_id(remote))
                 if r is not None and r != k:
-                    key = (min(k, r), max(k, r))
-                    count[key] = count.get(key, 0) + 1
-        # a bridge between two GPUs is seen from both ends; one to a switch from the GPU's only
-        return _NvLinks({pair: max(1, n // 2) for pair, n in count.items()}, to_switch)
+                    seen_from[(k, r)] = seen_from.get((k, r), 0) + 1
+        # A bridge between two GPUs is seen from both ends, or from one where NVML does
+        # not know the other; one to a switch from the GPU's end only.
+        between: dict[tuple[int, int], int] = {}
+        for (k, r), n in seen_from.items():
+            pair = (min(k, r), max(k, r))
+            between[pair] = max(between.get(pair, 0), n)
+        return _NvLinks(between, to_switch)
     finally:
         pynvml.nvmlShutdown()
 
