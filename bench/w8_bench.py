@@ -170,7 +170,7 @@ def binding_plans() -> dict:
     here = discover()
     if not here.endpoints:  # no GPU: the load threads of one host partition a node
         from hps.topology import host_partitions
-        here = host_partitions(max(1, len(here.numa_cores)), numa_cores=here.numa_cores)
+        here = host_partitions(max(1, len(here.cpu_nodes)), numa_cores=here.numa_cores)
     out = {"this_machine": summary(here.binding_plan())}
     for nodes in (2, 4):
         with tempfile.TemporaryDirectory() as root:

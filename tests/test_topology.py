@@ -281,6 +281,50 @@ def test_binding_names_unknown_drive(tmp_path):
         t.binding_plan(nvme="nvme7")
 
 
+def add_memory_only_node(root: Path, node: int):
+    """A NUMA node with memory and no cores (a CXL expander, GH200's GPU memory): the
+    kernel lists it with an empty cpulist."""
+    d = root / "devices" / "system" / "node" / f"node{node}"
+    d.mkdir(parents=True)
+    (d / "cpulist").write_text("\n")
+
+
+def test_memory_only_nodes_are_no_place_to_bind(tmp_path):
+    # One socket and a CXL memory node counted as two NUMA nodes: binding was planned
+    # for real, and a device the kernel put on the memory node got an empty core list.
+    fake_sysfs(tmp_path, 1, cores_per_node=4, gpus_per_node=2, nvme_node=0, nic_node=0)
+    add_memory_only_node(tmp_path, 1)
+    (tmp_path / "bus" / "pci" / "devices" / "0000:11:00.0" / "numa_node").write_text("-1\n")
+    t = T.discover(str(tmp_path), gpus=False)
+    assert t.numa_cores == {0: [0, 1, 2, 3], 1: []}
+    assert [t.devices[i].numa for i in t.endpoints] == [0, 0]  # the unknown node is the one socket's
+    b = t.binding_plan()
+    assert b.noop and b.reason.startswith("one NUMA node (4 cores, and memory-only node 1)"), b.reason
+    assert all(s.cores == [0, 1, 2, 3] for s in b.stages)
+    assert T.apply_binding(b, "loader")["cores"] is None
+    assert t.cpu_nodes == {0: [0, 1, 2, 3]}
+    # Two sockets and a memory node with the drive on it: the drive's stage gets every
+    # core, not none.
+    fake_sysfs(tmp_path / "two", 2, cores_per_node=2, gpus_per_node=1, nvme_node=2, nic_node=1)
+    add_memory_only_node(tmp_path / "two", 2)
+    t = T.discover(str(tmp_path / "two"), gpus=False)
+    b = t.binding_plan()
+    assert not b.noop and b.reason.startswith("2 NUMA nodes, and memory-only node 2:"), b.reason
+    assert b.cores_of("ssd_io") == [0, 1, 2, 3]
+    assert "nvme0 is on NUMA node 2, which has no cores (memory only)" in b.stages[0].reason
+    assert b.cores_of("reader") == [2, 3] and b.cores_of("load:gpu0") == [0, 1]
+    assert all(s.cores for s in b.stages)
+
+
+def test_cli_gives_memory_only_nodes_no_host_partition(tmp_path, capsys):
+    from hps.cli import main
+    fake_sysfs(tmp_path, 1, cores_per_node=4, gpus_per_node=0, nvme_node=0, nic_node=0)
+    add_memory_only_node(tmp_path, 1)
+    assert main(["topology", "--sysfs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "one endpoint: nothing to route" in out and "binding is a no-op" in out
+
+
 # ------------------------------------------------------------------ `hps topology`
 def test_cli_prints_a_file_and_plots(tmp_path, capsys):
     from hps.cli import main

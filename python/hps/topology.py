@@ -200,23 +200,37 @@ class Topology:
         return m
 
     # ---- core binding
+    @property
+    def cpu_nodes(self) -> dict[int, list[int]]:
+        """The NUMA nodes with cores, and their cores: numa_cores without the
+        memory-only nodes (a CXL memory expander, GH200's GPU memory), which no thread
+        can run on."""
+        return {n: cs for n, cs in self.numa_cores.items() if cs}
+
     def binding_plan(self, nvme: str | None = None, nic: str | None = None) -> BindingPlan:
         """Which cores each stage thread gets: the SSD I/O threads the NVMe drive's node,
         the reader the NIC's node, each endpoint's load thread its own node. nvme / nic
-        pick a drive or NIC by name (default: the first listed). With one NUMA node (or
-        none known) every stage gets every core and the plan says it is a no-op."""
-        all_cores = sorted(c for cs in self.numa_cores.values() for c in cs)
-        nodes = sorted(self.numa_cores)
+        pick a drive or NIC by name (default: the first listed). With one NUMA node with
+        cores (or none known) every stage gets every core and the plan says it is a
+        no-op. A device on a memory-only node gets every core."""
+        cpu_nodes = self.cpu_nodes
+        all_cores = sorted(c for cs in cpu_nodes.values() for c in cs)
+        nodes = sorted(cpu_nodes)
+        memory_only = sorted(set(self.numa_cores) - set(cpu_nodes))
+        also = (f", and memory-only node{'s' if len(memory_only) > 1 else ''} {_cpulist(memory_only)}"
+                if memory_only else "")
         if len(nodes) <= 1:
-            why = (f"one NUMA node ({len(all_cores)} cores): every core is as near to every device, binding is a no-op"
-                   if nodes else "no NUMA nodes known: binding is a no-op")
+            why = (f"one NUMA node ({len(all_cores)} cores{also}): every core is as near to every device, "
+                   "binding is a no-op" if nodes else f"no NUMA node with cores known{also}: binding is a no-op")
             stages = [StageBinding(s, all_cores, nodes[0] if nodes else -1, why)
                       for s in ["ssd_io", "reader"] + [f"load:{self.devices[i].name}" for i in self.endpoints]]
             return BindingPlan(stages, True, why)
 
         def near(node: int, what: str) -> tuple[list[int], int, str]:
+            if node in cpu_nodes:
+                return cpu_nodes[node], node, f"{what} is on NUMA node {node}"
             if node in self.numa_cores:
-                return self.numa_cores[node], node, f"{what} is on NUMA node {node}"
+                return all_cores, -1, f"{what} is on NUMA node {node}, which has no cores (memory only): every core"
             return all_cores, -1, f"{what}'s NUMA node is unknown: every core"
 
         def pick(items: list[tuple[str, int]], name: str | None, kind: str) -> tuple[str, int] | None:
@@ -240,7 +254,7 @@ class Topology:
             d = self.devices[i]
             cores, node, why = near(d.numa, d.name)
             stages.append(StageBinding(f"load:{d.name}", cores, node, why))
-        return BindingPlan(stages, False, f"{len(nodes)} NUMA nodes: each stage on the node of what it feeds from")
+        return BindingPlan(stages, False, f"{len(nodes)} NUMA nodes{also}: each stage on the node of what it feeds from")
 
 
 # ------------------------------------------------------------------ helpers
@@ -499,10 +513,12 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
     if not numa_cores:
         numa_cores = {0: sorted(os.sched_getaffinity(0))} if sysfs == "/sys" else {}
     nodes = sorted(numa_cores) or [0]
-    single = len(nodes) == 1
+    # a device whose node sysfs does not say is on the one socket, if there is one; a
+    # memory-only node (CXL, GH200's GPU memory) is no socket
+    sockets = [n for n in nodes if numa_cores.get(n)] or nodes
 
     def node_of(n: int) -> int:
-        return nodes[0] if (n < 0 and single) else n
+        return sockets[0] if (n < 0 and len(sockets) == 1) else n
 
     devices = [Device(f"cpu{n}", "cpu", n) for n in nodes]
     cpu_index = {n: i for i, n in enumerate(nodes)}
@@ -865,7 +881,7 @@ def cli(file: str | None, sysfs: str, png: str | None, rows: int) -> str:
         raise TopologyError(f"--sysfs: {sysfs}: no such directory")
     topo = load(file) if file else discover(sysfs, host_partitions_if_no_gpu=0)
     if not topo.endpoints and not file:
-        hosts = host_partitions(len(topo.numa_cores) or 1, numa_cores=topo.numa_cores)
+        hosts = host_partitions(len(topo.cpu_nodes) or 1, numa_cores=topo.numa_cores)
         topo = Topology(topo.name + " (no GPU: one host partition a NUMA node)", hosts.devices, hosts.links,
                         topo.numa_cores, topo.nvme, topo.nics, topo.source)
     pairs = len(topo.endpoints) ** 2
