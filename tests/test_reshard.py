@@ -317,9 +317,9 @@ def test_a_run_started_during_the_reshard_is_refused_naming_it(tmp_path, two_ran
     else:
         remove_old_ranks = reshard.remove_old_ranks
 
-        def remove_old_ranks_meanwhile(path):  # after the switch: root is the job now (then hps train's own call)
+        def remove_old_ranks_meanwhile(path, hold=None):  # after the switch: root is the job now (then hps train's)
             seen.setdefault("root", _refused(old / "job", root))
-            return remove_old_ranks(path)
+            return remove_old_ranks(path, hold)
 
         monkeypatch.setattr(reshard, "remove_old_ranks", remove_old_ranks_meanwhile)
         one_process(old / "job", STEPS + 2, resume=True)
@@ -371,6 +371,134 @@ def test_the_old_files_a_crash_after_the_switch_left_go_at_the_next_resume(tmp_p
     for name in ("hps-parameter-server.json", "ssd", "checkpoints"):
         assert not os.path.exists(old / "job" / name), name
     assert dense_states(old / "job", 2)[0]["batches_done"] == STEPS + 2
+
+
+def _listing(path) -> list:
+    return sorted(os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names)
+
+
+def _keeps_its_files(server, path, listing) -> None:
+    """The server open at path was not disturbed: its files are as they were, and
+    it checkpoints (a server whose files went from under it fails there)."""
+    assert os.path.isdir(path) and _listing(path) == listing
+    server.push(np.arange(4, dtype=np.uint64), np.ones((4, server.dim), np.float32))
+    assert server.checkpoint() is not None
+
+
+def test_the_rank_directories_a_reshard_to_one_process_left_are_not_removed_under_a_server(tmp_path, two_ranks,
+                                                                                             monkeypatch):
+    """2 -> 1, the job died right after the switch (resharded-from.json written, the
+    rank directories still there), and a server is open on rank 1's (an hps train
+    or ParameterServer of it): the next one-process hps train --resume is refused,
+    naming the directory, and leaves it whole; once the server is closed the rank
+    directories go. Removed without their locks, the server's files went from
+    under it."""
+    import hps
+    from hps import reshard
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    monkeypatch.setattr(reshard, "remove_old_ranks", lambda root, hold=None: None)
+    reshard.to_one_process(str(root))
+    monkeypatch.undo()
+    assert os.path.exists(root / reshard.RESHARDED_FILE) and os.path.isdir(root / "rank1")
+    held = hps.ParameterServer.open(root / "rank1")
+    try:
+        listing = _listing(root / "rank1")
+        with pytest.raises(hps.PathInUseError, match=f"rank 1 of the job at {root} before its reshard to one "
+                                                     f"process: another run has its directory open; it was not "
+                                                     f"removed .*{root / 'rank1'}: another parameter server"):
+            one_process(root, STEPS + 2, resume=True)
+        assert os.path.exists(root / reshard.RESHARDED_FILE)  # (the next run removes what is left)
+        _keeps_its_files(held, root / "rank1", listing)
+    finally:
+        held.close()
+    one_process(root, STEPS + 2, resume=True)
+    assert not os.path.exists(root / "rank0") and not os.path.exists(root / "rank1")
+    assert not os.path.exists(root / reshard.RESHARDED_FILE)
+    assert dense_states(root, 1)[0]["batches_done"] == STEPS + 2
+
+
+def test_the_rank_directories_a_reshard_to_fewer_ranks_left_are_not_removed_under_a_server(tmp_path, two_ranks,
+                                                                                             monkeypatch):
+    """2 -> 1 rank under mpiexec, the job died right after job.json's switch (rank 1's
+    directory still there), and a server is open on it: the next resume (rank 0's
+    _prepare_job) is refused, naming it, and leaves it whole; once closed, it goes."""
+    import hps
+    from hps import reshard
+    from hps.train import _prepare_job
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    monkeypatch.setattr(reshard, "remove_old", lambda root, hold=None: None)
+    reshard_in_process(root, 1)
+    monkeypatch.undo()
+    assert json.loads((root / "job.json").read_text())["world"] == 1 and os.path.isdir(root / "rank1")
+    held = hps.ParameterServer.open(root / "rank1")
+    try:
+        listing = _listing(root / "rank1")
+        with pytest.raises(ValueError, match=f"rank 1 of the job at {root} before its reshard to 1 ranks: "
+                                             f"another run has its directory open; it was not removed"):
+            _prepare_job(sc.train_config(str(root)), _OneRank(), resume=True)
+        _keeps_its_files(held, root / "rank1", listing)
+    finally:
+        held.close()
+    number = json.loads((root / "job.json").read_text())["checkpoint"]
+    assert _prepare_job(sc.train_config(str(root)), _OneRank(), resume=True) == number
+    assert not os.path.exists(root / "rank1")
+
+
+def test_a_server_opened_as_a_rank_directory_is_removed_is_named(tmp_path, monkeypatch):
+    """A server that opens a rank directory once its removal unlinked the lock file
+    (it makes a new one) keeps the directory: the removal is refused naming it."""
+    import hps
+    from hps import reshard
+    from hps.parameter_server import WRITER_LOCK, _lock_path
+    rank1 = tmp_path / "rank1"
+    (rank1 / "ssd").mkdir(parents=True)
+    (rank1 / WRITER_LOCK).write_text("")
+    opened = []
+    unlink = os.unlink
+
+    def unlink_then_open(path, *args, **kw):
+        unlink(path, *args, **kw)
+        if os.fspath(path) == os.fspath(rank1 / WRITER_LOCK):
+            opened.append(_lock_path(str(rank1)))  # (as a ParameterServer opening there does)
+
+    monkeypatch.setattr(os, "unlink", unlink_then_open)
+    try:
+        with pytest.raises(hps.PathInUseError, match=f"rank 1 here: {rank1}: another run opened it while it was "
+                                                     f"being removed"):
+            reshard._remove_server_dir(str(rank1), "rank 1 here")
+    finally:
+        monkeypatch.undo()
+        for fd in opened:
+            os.close(fd)
+    assert opened and os.listdir(rank1) == [WRITER_LOCK]
+
+
+def test_a_new_ranks_directory_is_not_emptied_under_a_server(tmp_path, two_ranks):
+    """2 -> 3: rank 2's directory is new to the job, and what is there an earlier
+    reshard that did not finish left, unless a server is open there (a run of it,
+    or another reshard's rank 2): then rank 2's share is refused, naming it, and
+    the server keeps its files; once it is closed the reshard goes on."""
+    import hps
+    from hps import reshard
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    before = reshard.check_source(str(root))
+    reshard.write_rank(str(root), 3, 2)  # (a reshard cut short: rank 2's share written, then a server opened it)
+    held = hps.ParameterServer.open(root / "rank2")
+    try:
+        listing = _listing(root / "rank2")
+        with pytest.raises(hps.PathInUseError, match=f"rank 2 of the job at {root} as resharded: another run has "
+                                                     f"its directory open; nothing of it was removed. "
+                                                     f"{root / 'rank2'}: another parameter server"):
+            reshard.write_rank(str(root), 3, 2)
+        _keeps_its_files(held, root / "rank2", listing)
+    finally:
+        held.close()
+    done = [reshard.write_rank(str(root), 3, r) for r in range(3)]
+    reshard.commit(str(root), 3, before, done[0][1])
+    assert json.loads((root / "job.json").read_text())["world"] == 3
 
 
 def one_process(path, steps: int, resume: bool, admission: int = 0) -> dict:

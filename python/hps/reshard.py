@@ -25,7 +25,10 @@ directory from step 1 to the end of step 3, and of every new rank's from before
 the switch (``Hold``): an ``hps train`` of the old job, or another reshard,
 started meanwhile is refused with PathInUseError naming this process, instead of
 training on while the reshard rewrites its directories and the switch takes the
-job from under it.
+job from under it. A directory the reshard empties or removes that no Hold has (a
+new rank's left by an earlier reshard; an old rank's removed by a later resume)
+is locked for it: a server open there is refused, naming the directory, and
+keeps its files.
 
 A crash before the switch leaves job.json naming checkpoint K of N ranks, whole:
 the job resumes on N ranks (each old rank rolls back to K and drops the partial
@@ -43,10 +46,10 @@ by the next one-process run if a crash cut it short). k-step Adam's dense state
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
-import shutil
 from typing import Optional
 
 import numpy as np
@@ -91,6 +94,11 @@ class Hold:
             raise PathInUseError(f"{where}: the job is still running, or another run has it open; it cannot be "
                                  f"resharded under it. {e}") from None
         self._fds[key] = fd
+
+    def hand_over(self, server: str) -> Optional[int]:
+        """Gives `server`'s lock to the caller (the file descriptor; None when it is
+        not held here), which closes it: a removal that goes on holding it."""
+        return self._fds.pop(os.path.realpath(server), None)
 
     def release(self, server: Optional[str] = None) -> None:
         """Lets go of `server`'s lock, or of every lock held."""
@@ -234,6 +242,7 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
     checkpoint, the new one's number, rows written). `one_process` (world 1, rank
     0): the rows go to a parameter server at the root (to_one_process)."""
     view = pin(root)
+    lock = None  # a new rank's directory's writer lock, held until it is written
     try:
         job = view.job
         number = view.checkpoint + 1
@@ -246,8 +255,18 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
             meta = {**job.metadata, "checkpoint": None, RUN: run_id}
             _write_durable(os.path.join(root, METADATA), json.dumps(meta, indent=1).encode())
         elif not job.distributed or rank >= job.world:
-            _remove_tree(rank_dir)  # no rank of the old job: left by an earlier reshard that did not finish
-            os.makedirs(rank_dir)
+            # No rank of the old job, so no Hold has it: what is there an earlier reshard that
+            # did not finish left, unless a server is open there (a run or another reshard),
+            # whose files must not go from under it.
+            os.makedirs(rank_dir, exist_ok=True)
+            try:
+                lock = _lock_path(rank_dir, doing=f"resharding the job at {root}")
+            except PathInUseError as e:
+                raise PathInUseError(f"rank {rank} of the job at {root} as resharded: another run has its "
+                                     f"directory open; nothing of it was removed. {e}") from None
+            for name in os.listdir(rank_dir):
+                if name != WRITER_LOCK:
+                    _remove_tree(os.path.join(rank_dir, name))
             meta = {**job.metadata, "checkpoint": None, RUN: run_id}
             _write_durable(os.path.join(rank_dir, METADATA), json.dumps(meta, indent=1).encode())
         final = os.path.join(rank_dir, CHECKPOINTS, f"{number:06d}")
@@ -318,6 +337,8 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
             _replace_durable(os.path.join(root, METADATA + ".tmp"), os.path.join(root, METADATA))
         return view.checkpoint, number, written
     finally:
+        if lock is not None:
+            os.close(lock)
         view.close()
 
 
@@ -355,7 +376,9 @@ def remove_old(root: str, hold: Optional[Hold] = None) -> None:
     """Removes what the job resharded from (job.json's RESHARDED) left that the
     job does not use: rank directories from its world on; a one-process job's
     parameter server at the root. Run again on each resume (a crash may cut it short).
-    `hold`: the reshard's (commit), which lets go of the root's lock to remove it."""
+    `hold`: the reshard's (commit), whose locks of the old ranks' directories their
+    removals keep (without it each is locked for its removal: _remove_server_dir),
+    and which lets go of the root's lock to remove it."""
     from hps.train import _discard_run
     manifest = os.path.join(root, JOB_MANIFEST)
     with open(manifest) as f:
@@ -364,8 +387,8 @@ def remove_old(root: str, hold: Optional[Hold] = None) -> None:
     if not old:
         return
     for r in range(job["world"], max(job["world"], old["world"])):
-        if os.path.isdir(_rank_dir(root, r)):
-            shutil.rmtree(_rank_dir(root, r))
+        _remove_server_dir(_rank_dir(root, r), f"rank {r} of the job at {root} before its reshard to "
+                                               f"{job['world']} ranks", hold)
     if os.path.exists(os.path.join(root, METADATA)):
         if hold is not None:
             hold.release(root)  # (the removal takes the root's lock itself; the new job's ranks are held)
@@ -401,21 +424,60 @@ def to_one_process(root: str, hold: Optional[Hold] = None) -> tuple:
         raise RuntimeError(f"{root}: the job changed during the reshard (now {current.world} ranks at checkpoint "
                            f"{current.checkpoint}, was {old['world']} at {old['checkpoint']}); resume it again")
     _replace_durable(manifest, os.path.join(root, RESHARDED_FILE))  # the switch
-    remove_old_ranks(root)
+    remove_old_ranks(root, hold)
     return old, number, written
 
 
-def remove_old_ranks(root: str) -> None:
+def remove_old_ranks(root: str, hold: Optional[Hold] = None) -> None:
     """What a job resharded to one process (to_one_process) left: its rank
     directories, then the record of it. Run again by each one-process run (a crash
-    may cut it short)."""
+    may cut it short). `hold`: to_one_process's, which holds the rank directories;
+    without it each is locked for its removal (_remove_server_dir)."""
     record = os.path.join(root, RESHARDED_FILE)
     if not os.path.exists(record):
         return
     with open(record) as f:
         world = int(json.load(f)["world"])
     for r in range(world):
-        if os.path.isdir(_rank_dir(root, r)):
-            shutil.rmtree(_rank_dir(root, r))
-    os.remove(record)
+        _remove_server_dir(_rank_dir(root, r), f"rank {r} of the job at {root} before its reshard to one process",
+                           hold)
+    os.remove(record)  # (kept while a rank directory is refused: the next run removes it then)
     _sync_dir(root)
+
+
+def _remove_server_dir(path: str, where: str, hold: Optional[Hold] = None) -> None:
+    """Removes the directory `path` (an old rank's parameter server) whole, holding
+    its writer lock throughout: `hold`'s, where it holds it, else taken here. A
+    server open there (an hps train or hps.ParameterServer of that rank, another
+    reshard) is refused with PathInUseError naming `where` and the holder, and
+    nothing of the directory goes: removed without the lock, its files went from
+    under that server. As hps.train's _discard_run, the lock file goes last,
+    while held (_lock_path takes no removed file's lock)."""
+    if not os.path.isdir(path):
+        return
+    fd = hold.hand_over(path) if hold is not None else None
+    if fd is None:
+        try:
+            fd = _lock_path(path, doing=f"removing it: {where}")
+        except FileNotFoundError:
+            return  # (another run removed it meanwhile)
+        except PathInUseError as e:
+            if not os.path.isdir(path):
+                return  # (removed meanwhile, while this one was taking its lock)
+            raise PathInUseError(f"{where}: another run has its directory open; it was not removed (stop that "
+                                 f"run, then run again). {e}") from None
+    try:
+        for name in os.listdir(path):
+            if name != WRITER_LOCK:
+                _remove_tree(os.path.join(path, name))
+        os.unlink(os.path.join(path, WRITER_LOCK))
+        try:
+            os.rmdir(path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # A server opened there once the lock file was gone (it made a new one): it starts empty.
+            raise PathInUseError(f"{where}: {path}: another run opened it while it was being removed; what the "
+                                 f"old job left there is gone, but the directory stays") from None
+    finally:
+        os.close(fd)
