@@ -418,6 +418,37 @@ def test_the_rank_directories_a_reshard_to_one_process_left_are_not_removed_unde
     assert dense_states(root, 1)[0]["batches_done"] == STEPS + 2
 
 
+def test_a_lookup_of_a_rank_directory_serves_on_when_the_directory_is_removed(tmp_path, two_ranks, monkeypatch):
+    """hps serve takes no writer lock (it reads a pinned view: hard links, files held
+    open), so the removal of the rank directories does not wait for it: the rows it
+    serves stay the checkpoint's, those not read before included."""
+    from hps import reshard
+    from hps.jobdir import latest_records, open_store, pin
+    from hps.lookup import Lookup
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    with pin(str(root / "rank1")) as view:
+        keys, _ = latest_records(view.ranks[0])
+        store = open_store(view.ranks[0], view.job.row_bytes)
+        rows, found = store.get(keys)
+        assert found.all()
+        del store
+    monkeypatch.setattr(reshard, "remove_old_ranks", lambda root, hold=None: None)
+    reshard.to_one_process(str(root))
+    monkeypatch.undo()
+    lookup = Lookup(root / "rank1", "64MiB")
+    try:
+        half = len(keys) // 2
+        assert lookup.lookup(keys[:half])[1].all()
+        reshard.remove_old_ranks(str(root))
+        assert not os.path.exists(root / "rank1")
+        got, found = lookup.lookup(keys[half:])  # (not cached: read from the pinned files)
+        assert found.all()
+        assert np.array_equal(got, rows[half:].view(np.float32)[:, :got.shape[1]])
+    finally:
+        lookup.close()
+
+
 def test_the_rank_directories_a_reshard_to_fewer_ranks_left_are_not_removed_under_a_server(tmp_path, two_ranks,
                                                                                              monkeypatch):
     """2 -> 1 rank under mpiexec, the job died right after job.json's switch (rank 1's
