@@ -37,6 +37,9 @@
 // slots it counted, or the sink's or loader's exception), the victims are
 // cached again, dirty, and the pins the call took are given back. A flush
 // whose sink throws leaves its rows dirty. So a failed call can be retried.
+// A release (WriteBack, Unpin, UnpinUpdated) that throws anything but
+// BrokenPinError changed nothing (its change pass never allocates): its
+// caller may retry it without unpinning any key twice.
 #pragma once
 
 #include <cstdint>

@@ -25,7 +25,9 @@ class CachePolicy {
   virtual void PrefetchVisit(uint32_t /*slot*/, uint64_t /*key*/) const {}
   // Every access to key, hit or miss, before anything else happens to it.
   virtual void Record(uint64_t /*key*/) {}
-  // A row enters the eviction order for the first time.
+  // A row enters the eviction order for the first time. Add and Reattach
+  // never allocate or throw: MEM-PS calls them midway through a release
+  // (and through undoing a failed call), which must not stop there.
   virtual void Add(uint32_t slot, uint64_t key) = 0;
   // An ordered (unpinned) row is visited.
   virtual void Touch(uint32_t slot) = 0;

@@ -205,7 +205,11 @@ struct Shard {
   std::vector<uint32_t> pins;
   std::vector<uint8_t> dirty;
   std::vector<uint8_t> fresh;  // inserted pinned, never yet in the policy's order
-  std::vector<uint32_t> dirty_slots;  // slots made dirty since the last flush (some since evicted)
+  // Slots made dirty since the last flush (some since evicted). Room for
+  // DirtySlotsBound(capacity) from the start, so that MarkDirty never
+  // allocates: a release (ForPinned) and the undo paths (GiveBack, Redirty)
+  // mark rows dirty midway through changes they cannot take back.
+  std::vector<uint32_t> dirty_slots;
   std::vector<uint32_t> free;
   std::unique_ptr<CachePolicy> policy;
   Window window;  // the keys of the coming batches that hash here (SetLookahead)
@@ -257,6 +261,8 @@ class ShardedCache final : public MemCache {
       shard.dirty.assign(shard.capacity, 0);
       shard.fresh.assign(shard.capacity, 0);
       shard.free.resize(shard.capacity);
+      // Address space only: its pages are touched as rows go dirty, as they were when it grew.
+      shard.dirty_slots.reserve(DirtySlotsBound(shard.capacity));
       for (uint32_t i = 0; i < shard.capacity; ++i) shard.free[i] = shard.capacity - 1 - i;
       shard.policy = detail::NewCachePolicy(o.policy, shard.capacity, o.lru_fraction);
     }
@@ -418,7 +424,7 @@ class ShardedCache final : public MemCache {
       throw;
     }
     // The victims are stored: their slots take the new rows. Only growing
-    // the index (or dirty_slots before the loop) can throw here, bad_alloc:
+    // the index can throw here, bad_alloc:
     // the slots not yet filled are then freed, and the rows placed so far
     // are pins in *held like the others.
     for (size_t s = 0; s < shards_.size(); ++s) {
@@ -427,7 +433,6 @@ class ShardedCache final : public MemCache {
       std::lock_guard lock(shard.mutex);
       size_t j = 0;
       try {
-        shard.dirty_slots.reserve(shard.dirty_slots.size() + new_by_shard[s].size());  // MarkDirty cannot throw
         for (; j < new_by_shard[s].size(); ++j) {
           const size_t m = new_by_shard[s][j];
           const uint8_t* row = rows.data() + m * row_bytes_;
@@ -837,13 +842,18 @@ class ShardedCache final : public MemCache {
     }
   }
 
-  // REQUIRES: shard.mutex held; the slot is clean. Throws only bad_alloc
-  // (when dirty_slots grows), having changed nothing.
-  void MarkDirty(Shard& shard, uint32_t slot) {
+  // The most entries dirty_slots ever holds: MarkDirty rebuilds it once it
+  // passes twice the slots, right after the push that took it there.
+  static uint64_t DirtySlotsBound(uint32_t capacity) { return 2 * uint64_t{capacity} + 1; }
+
+  // REQUIRES: shard.mutex held; the slot is clean. Never allocates or throws
+  // (dirty_slots has room for DirtySlotsBound), so a release's change pass
+  // cannot stop midway with some keys unpinned and others not.
+  void MarkDirty(Shard& shard, uint32_t slot) noexcept {
     shard.dirty_slots.push_back(slot);
     shard.dirty[slot] = 1;
     ++shard.dirty_rows;
-    if (shard.dirty_slots.size() > 2 * uint64_t{shard.capacity}) {  // mostly evicted since: rebuild
+    if (shard.dirty_slots.size() >= DirtySlotsBound(shard.capacity)) {  // mostly evicted since: rebuild
       shard.dirty_slots.clear();
       for (uint32_t s = 0; s < shard.capacity; ++s) {
         if (shard.dirty[s]) shard.dirty_slots.push_back(s);
@@ -1029,6 +1039,11 @@ class ShardedCache final : public MemCache {
   // something else unpinned between the check and the change (a broken pin
   // contract, or more occurrences of a key than pins): those got no change,
   // and the caller keeps their updates and names them.
+  // Only the check can fail (NotPinned, bad_alloc), having changed nothing:
+  // the change pass allocates nothing (MarkDirty has its room, the policy's
+  // Add and Reattach never allocate) but the record of a broken pin. A
+  // failure midway would leave some keys unpinned and others not, and the
+  // caller's retry would unpin the next batch's pins on the first ones.
   template <typename Change>
   [[nodiscard]] std::vector<detail::UnpinnedKey> ForPinned(const uint64_t* keys, uint64_t n, const char* what,
                                                            Change change, uint8_t* const* addresses = nullptr) {

@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <new>  // std::bad_alloc
 #include <random>
 #include <stdexcept>
 #include <thread>
@@ -16,9 +17,12 @@
 #include "cache/cache_policy.h"
 #include "hps/keys.h"  // kEmptyKey
 #include "hps/mem_cache.h"
+#include "failing_allocations.h"
 
 namespace hps {
 namespace {
+
+using test_support::fail_in;
 
 // The slots a policy's walk names, in its order (at most `limit`).
 std::vector<uint32_t> CandidateOrder(detail::CachePolicy& policy, uint32_t limit = UINT32_MAX) {
@@ -385,6 +389,78 @@ TEST(MemCache, ReleaseOfAKeyUnpinnedPastTheCheckKeepsItsUpdateAndNamesIt) {
   }
   EXPECT_EQ(cache->stats().pinned, 0u);
   EXPECT_EQ(cache->stats().dirty, 0u);
+}
+
+// A release that runs out of memory changes nothing, or it finishes: one
+// that stopped midway, some keys unpinned and others not, would be retried
+// by its batch (bad_alloc says nothing was released), and the retry would
+// unpin the next batch's pins on the keys released the first time. Every
+// allocation of the call is failed in turn, until one attempt passes. The
+// rows come clean, two Pulls of half the keys each, so that the release
+// marks more rows dirty than any earlier call did (dirty_slots' growth).
+// Each release runs twice: its first unpins Add the rows to the policy's
+// order (inserted pinned), its second Reattach them.
+TEST_P(MemCachePolicies, AReleaseThatRunsOutOfMemoryChangesNothingOrFinishes) {
+  constexpr uint64_t kKeys = 512;
+  for (const bool write_back : {true, false}) {
+    SCOPED_TRACE(write_back ? "WriteBack" : "UnpinUpdated");
+    Backing backing;
+    std::vector<uint64_t> keys(kKeys);
+    for (uint64_t i = 0; i < kKeys; ++i) {
+      keys[i] = i + 1;
+      backing.rows[keys[i]] = keys[i];  // stored already: loaded clean
+    }
+    auto cache = BackedCache(backing, GetParam(), 2 * kKeys, 2);
+    for (int round = 0; round < 2; ++round) {
+      SCOPED_TRACE(round);
+      cache->Pull(keys.data(), kKeys / 2, nullptr, /*pin=*/true, nullptr);
+      cache->Pull(keys.data() + kKeys / 2, kKeys / 2, nullptr, /*pin=*/true, nullptr);
+      cache->FlushDirty();
+      ASSERT_EQ(cache->stats().dirty, 0u);
+      std::vector<uint64_t> before(kKeys);
+      cache->ReadPinned(keys.data(), kKeys, reinterpret_cast<uint8_t*>(before.data()));
+      std::vector<uint64_t> rows(kKeys);
+      for (uint64_t i = 0; i < kKeys; ++i) rows[i] = before[i] + 1;
+      const std::vector<uint8_t> updated(kKeys, 1);
+      std::vector<uint8_t*> at(kKeys);
+      cache->PinnedRows(keys.data(), kKeys, at.data());
+      if (!write_back) std::memcpy(at[0], &rows[0], 8);  // a step in place (the others' rows stay)
+      uint64_t failures = 0;
+      for (uint64_t k = 1;; ++k) {
+        bool failed = false;
+        fail_in = k;
+        try {
+          if (write_back) {
+            cache->WriteBack(keys.data(), kKeys, reinterpret_cast<const uint8_t*>(rows.data()), at.data());
+          } else {
+            cache->UnpinUpdated(keys.data(), kKeys, updated.data(), at.data());
+          }
+        } catch (const std::bad_alloc&) {
+          failed = true;
+        }
+        fail_in = 0;
+        if (!failed) break;
+        ++failures;
+        SCOPED_TRACE(testing::Message() << "allocation " << k);
+        const MemCacheStats st = cache->stats();
+        ASSERT_EQ(st.pinned, kKeys) << "a failed release unpinned some keys";
+        ASSERT_EQ(st.dirty, 0u) << "a failed release marked rows dirty";
+        std::vector<uint64_t> now(kKeys);
+        cache->ReadPinned(keys.data(), kKeys, reinterpret_cast<uint8_t*>(now.data()));
+        if (!write_back) now[0] = before[0];
+        ASSERT_EQ(now, before) << "a failed write-back wrote rows";
+      }
+      EXPECT_GT(failures, 0u);  // the call's own bookkeeping, at least, was failed
+      const MemCacheStats st = cache->stats();
+      EXPECT_EQ(st.pinned, 0u);
+      EXPECT_EQ(st.dirty, kKeys);
+      std::vector<uint64_t> now(kKeys);
+      cache->Pull(keys.data(), kKeys, reinterpret_cast<uint8_t*>(now.data()), /*pin=*/false, nullptr);
+      if (write_back) {
+        EXPECT_EQ(now, rows);
+      }
+    }
+  }
 }
 
 TEST(MemCache, PullThatLosesItsSlotsToConcurrentPinsKeepsItsDirtyVictims) {

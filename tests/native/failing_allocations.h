@@ -1,0 +1,51 @@
+// Test support: allocations that can be made to fail, to reach the
+// out-of-memory paths of code that must change nothing or finish when one
+// fails. It replaces the global operator new and delete: include it in one
+// file of a test binary. Disarmed (fail_in = 0) they are malloc and free.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+
+namespace hps::test_support {
+
+// The fail_in-th allocation from now throws std::bad_alloc; 0: none. Armed by
+// a test on one thread; atomic because other tests of the binary allocate on
+// several (disarmed).
+inline std::atomic<uint64_t> fail_in{0};
+
+inline void CountDownToFailure() {
+  if (fail_in.load(std::memory_order_relaxed) != 0 && fail_in.fetch_sub(1, std::memory_order_relaxed) == 1) {
+    throw std::bad_alloc();
+  }
+}
+
+}  // namespace hps::test_support
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // free() of what this operator new gives
+#endif
+void* operator new(std::size_t n) {
+  hps::test_support::CountDownToFailure();
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+// The aligned forms: aligned containers (HugePageAllocator's buffers below a
+// huge page, for one) come from them.
+void* operator new(std::size_t n, std::align_val_t align) {
+  hps::test_support::CountDownToFailure();
+  void* p = nullptr;
+  if (posix_memalign(&p, std::max(sizeof(void*), static_cast<std::size_t>(align)), n == 0 ? 1 : n) == 0) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
