@@ -48,8 +48,11 @@
 // if evicted since; bound to MEM-PS's rows, MemCache::MarkUpdated marks the
 // stepped row dirty where it still lies, and a row evicted between the unpin
 // and the release took its step with it: the error names it lost); any other
-// failure releases nothing and can be retried. Each failed release is counted in
-// MEM-PS's stats().failed_releases.
+// failure can be retried: one before any key was released releases nothing,
+// one after (the sink's error keeping a refused key's row) leaves that row to
+// keep and the keys after it pinned, and the retry does only those, never
+// releasing a key twice (another batch may hold a pin on it by then). Each
+// failed release is counted in MEM-PS's stats().failed_releases.
 //
 // Thread safety: one thread at a time per working set (the pipeline pins the
 // next batch on another thread while this one trains: different objects).
@@ -173,7 +176,13 @@ class WorkingSet {
   std::vector<int64_t> updated_positions_;  // of Apply's keys, in their order
   std::vector<uint8_t*> addresses_;  // each key's row in MEM-PS, as its pin gave it (valid while pinned)
   uint64_t hits_ = 0;
-  bool written_ = false;  // WriteBack's first half (the updated rows) is done
+  // Release progress, so that a retry (WriteBack, Abort, the destructor)
+  // after a failure past some keys' release finishes the rest and releases
+  // no key twice.
+  bool written_ = false;  // the updated rows' release (WriteBack, or UnpinUpdated bound to host rows) was called
+  std::vector<uint64_t> to_keep_;  // positions (in updated_keys(), or in keys_ bound to host rows) of updates still to keep
+  bool rest_released_ = false;  // the rows without steps were unpinned (holding copies)
+  std::vector<uint64_t> unpinned_, lost_;  // keys something else unpinned, and those whose steps are lost: the error names them
   bool in_mem_ps_ = false;  // loaded onto a tier bound to host rows: the rows are MEM-PS's own
   bool apply_failed_ = false;  // (then, with in_mem_ps_, some rows may be stepped: all go back dirty)
   DeviceTier* tier_ = nullptr;

@@ -335,17 +335,27 @@ void WorkingSet::ReleaseAll() {
   // both increasing in `unpinned_at`.
   std::vector<uint64_t> refused, unkept, unpinned_at;
   // Bulk first; a key something else unpinned makes MemCache refuse the
-  // whole call (changing nothing), and then they go one by one.
-  const auto each = [&](const std::vector<uint64_t>& keys, auto&& one) {
+  // whole call (changing nothing), and then they go one by one. *called is
+  // set once some key may have been released: from then on the step is never
+  // called again, whatever fails after (a second release of a key would
+  // take the pin of the next batch that holds it).
+  const auto each = [&](const std::vector<uint64_t>& keys, bool* called, auto&& one) {
     refused.clear();
     unkept.clear();
     unpinned_at.clear();
     try {
       one(0, keys.size());
+      *called = true;
     } catch (const BrokenPinError& e) {  // the call released the others
+      *called = true;
       unkept = e.lost();
       unpinned_at = e.unpinned();
     } catch (const std::invalid_argument&) {
+      // Room first, while nothing is released: the bookkeeping below cannot fail.
+      refused.reserve(keys.size());
+      unkept.reserve(keys.size());
+      unpinned_at.reserve(keys.size());
+      *called = true;  // a failure midway leaves the rest pinned rather than risk releasing any twice
       for (uint64_t i = 0; i < keys.size(); ++i) {
         try {
           one(i, 1);
@@ -362,64 +372,76 @@ void WorkingSet::ReleaseAll() {
       throw;  // nothing of this step released: a retry does it again
     }
   };
-  // Keys something else unpinned, and those of them whose steps are lost.
-  std::vector<uint64_t> unpinned, lost;
-  if (in_mem_ps_) {
+  if (!written_ && in_mem_ps_) {
     // The rows were stepped where they lie: one unpin, the updated ones dirty
     // (every one after a failed Apply, which may have stepped some).
     std::vector<uint8_t> dirty(keys_.size(), apply_failed_ ? 1 : 0);
     for (int64_t p : updated_positions_) dirty[static_cast<uint64_t>(p)] = 1;
-    each(keys_, [&](uint64_t at, uint64_t n) {
+    each(keys_, &written_, [&](uint64_t at, uint64_t n) {
       cache_.UnpinUpdated(keys_.data() + at, n, dirty.data() + at, addresses_.data() + at);
     });
-    for (uint64_t p : unpinned_at) unpinned.push_back(keys_[p]);
-    for (uint64_t p : unkept) lost.push_back(keys_[p]);
     // A refused key's row was unpinned by something else, so UnpinUpdated did
-    // not mark its step: the rows still in their slots are marked now. One
-    // that left its slot meanwhile (unpinned, then evicted clean) took its
-    // step with it, and is named. Marking here, not in Apply, keeps the batch
-    // path free of a second pass over its keys for what only a broken pin
-    // contract needs.
-    std::vector<uint64_t> stepped;
-    std::vector<uint8_t*> where;
-    for (uint64_t p : refused) {
-      if (dirty[p] == 0) continue;
-      stepped.push_back(keys_[p]);
-      where.push_back(addresses_[p]);
-    }
-    for (uint64_t j : cache_.MarkUpdated(stepped.data(), stepped.size(), where.data())) lost.push_back(stepped[j]);
+    // not mark its step: the rows still in their slots are marked below.
+    // Marking here, not in Apply, keeps the batch path free of a second pass
+    // over its keys for what only a broken pin contract needs. (Swapped, not
+    // copied: no allocation before the steps to keep are recorded.)
+    refused.erase(std::remove_if(refused.begin(), refused.end(), [&](uint64_t p) { return dirty[p] == 0; }),
+                  refused.end());
+    to_keep_.swap(refused);
+    for (uint64_t p : unpinned_at) unpinned_.push_back(keys_[p]);
+    for (uint64_t p : unkept) lost_.push_back(keys_[p]);
   } else if (!written_ && !updated.empty()) {
     // The pins' row addresses: MemCache finds the slots from them instead of looking each key up.
     std::vector<uint8_t*> where(updated.size());
     for (size_t j = 0; j < where.size(); ++j) where[j] = addresses_[static_cast<uint64_t>(updated_positions_[j])];
-    each(updated, [&](uint64_t at, uint64_t n) {
+    each(updated, &written_, [&](uint64_t at, uint64_t n) {
       cache_.WriteBack(updated.data() + at, n, rows + at * row_bytes, where.data() + at);
     });
-    if (!unpinned_at.empty()) {
-      // The batch's copies are these rows' only copies: into MEM-PS (or the
-      // store, if evicted since), dirty; those of keys unpinned during the
-      // write-back are there already, unless its keeping failed.
-      std::vector<uint64_t> keys;
-      std::vector<uint8_t> kept;
-      std::vector<uint64_t> keep = refused;
-      keep.insert(keep.end(), unkept.begin(), unkept.end());
-      std::sort(keep.begin(), keep.end());
-      for (uint64_t j : keep) {
-        keys.push_back(updated[j]);
-        kept.insert(kept.end(), rows + j * row_bytes, rows + (j + 1) * row_bytes);
-      }
-      try {
-        cache_.KeepUpdated(keys.data(), keys.size(), kept.data());
-      } catch (...) {
-        cache_.CountFailedRelease();
-        throw;  // nothing written: a retry writes them back again (and then keeps those refused)
-      }
-      for (uint64_t j : unpinned_at) unpinned.push_back(updated[j]);
+    // The batch's copies are these rows' only copies: kept below (those of
+    // keys unpinned during the write-back are kept already, unless its
+    // keeping failed).
+    // Swapped, not copied: no allocation before the rows to keep are
+    // recorded (one by one, refused has room for unkept too; a
+    // BrokenPinError refuses none).
+    to_keep_.swap(refused.empty() ? unkept : refused);
+    if (!unkept.empty()) {
+      to_keep_.insert(to_keep_.end(), unkept.begin(), unkept.end());
+      std::sort(to_keep_.begin(), to_keep_.end());
     }
+    for (uint64_t j : unpinned_at) unpinned_.push_back(updated[j]);
   }
   written_ = true;
-  std::vector<uint64_t> rest;
-  if (!in_mem_ps_ && updated.size() < keys_.size()) {
+  if (!to_keep_.empty()) {
+    // Until it passes, a retry's first step too (keeping an update twice is
+    // harmless); if it throws, the rows without steps stay pinned till then.
+    try {
+      std::vector<uint64_t> keys;
+      if (in_mem_ps_) {
+        // A row that left its slot meanwhile (unpinned, then evicted clean)
+        // took its step with it, and is named.
+        std::vector<uint8_t*> where;
+        for (uint64_t p : to_keep_) {
+          keys.push_back(keys_[p]);
+          where.push_back(addresses_[p]);
+        }
+        for (uint64_t j : cache_.MarkUpdated(keys.data(), keys.size(), where.data())) lost_.push_back(keys[j]);
+      } else {
+        // Into MEM-PS (or the store, if evicted since), dirty.
+        std::vector<uint8_t> kept;
+        for (uint64_t j : to_keep_) {
+          keys.push_back(updated[j]);
+          kept.insert(kept.end(), rows + j * row_bytes, rows + (j + 1) * row_bytes);
+        }
+        cache_.KeepUpdated(keys.data(), keys.size(), kept.data());
+      }
+    } catch (...) {
+      cache_.CountFailedRelease();
+      throw;  // kept nothing: a retry keeps them and releases what is left, without releasing any key again
+    }
+    to_keep_.clear();
+  }
+  if (!in_mem_ps_ && !rest_released_ && updated.size() < keys_.size()) {
+    std::vector<uint64_t> rest;
     std::vector<uint8_t> is_updated(keys_.size(), 0);
     for (int64_t p : updated_positions_) is_updated[static_cast<uint64_t>(p)] = 1;
     std::vector<uint8_t*> where;
@@ -430,20 +452,20 @@ void WorkingSet::ReleaseAll() {
       rest.push_back(keys_[i]);
       where.push_back(addresses_[i]);
     }
-    each(rest, [&](uint64_t at, uint64_t n) { cache_.Unpin(rest.data() + at, n, where.data() + at); });
-    for (uint64_t p : unpinned_at) unpinned.push_back(rest[p]);
+    each(rest, &rest_released_, [&](uint64_t at, uint64_t n) { cache_.Unpin(rest.data() + at, n, where.data() + at); });
+    for (uint64_t p : unpinned_at) unpinned_.push_back(rest[p]);
   }
   released_ = true;
   previous_.reset();
   if (tier_ != nullptr) tier_->Clear();
-  if (unpinned.empty()) return;
+  if (unpinned_.empty()) return;
   cache_.CountFailedRelease();
-  throw std::runtime_error("working set release: " + std::to_string(unpinned.size()) + " of " +
+  throw std::runtime_error("working set release: " + std::to_string(unpinned_.size()) + " of " +
                            std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" +
-                           Named(unpinned) + "): something else unpinned them; " +
-                           (lost.empty() ? std::string("their steps were kept")
-                                         : "the steps of " + Named(lost) +
-                                               " are lost (their rows left MEM-PS before the release), the others' were kept") +
+                           Named(unpinned_) + "): something else unpinned them; " +
+                           (lost_.empty() ? std::string("their steps were kept")
+                                          : "the steps of " + Named(lost_) +
+                                                " are lost (their rows left MEM-PS before the release), the others' were kept") +
                            " (dirty in MEM-PS or stored), and the other keys were released");
 }
 

@@ -14,6 +14,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <thread>
 #include <tuple>
@@ -822,6 +823,89 @@ TEST(WorkingSet, AKeyUnpinnedDuringTheReleaseIsNamedAndItsStepKept) {
     cache.Unpin(next.data(), next.size(), nullptr);
     const std::vector<uint64_t> updated = {1, 2};
     EXPECT_EQ(CachedRows(cache, updated), CachedRows(*reference, updated)) << "bound " << bound;
+  }
+}
+
+// MEM-PS whose keeping of a refused release's updates fails (the sink's
+// error behind KeepUpdated; MarkUpdated's bad_alloc) as many times as asked;
+// everything else is the real cache's.
+class KeepFailingCache final : public ForwardingCache {
+ public:
+  using ForwardingCache::ForwardingCache;
+  int failures = 0;
+
+  void KeepUpdated(const uint64_t* k, uint64_t n, const uint8_t* rows) override {
+    if (failures > 0) {
+      --failures;
+      throw std::runtime_error("sink failed (injected)");
+    }
+    ForwardingCache::KeepUpdated(k, n, rows);
+  }
+  std::vector<uint64_t> MarkUpdated(const uint64_t* k, uint64_t n, uint8_t* const* at) override {
+    if (failures > 0) {
+      --failures;
+      throw std::bad_alloc();
+    }
+    return ForwardingCache::MarkUpdated(k, n, at);
+  }
+};
+
+// A release that has released some keys and then fails to keep a refused
+// key's step (KeepUpdated's sink, MarkUpdated's allocation) is retried
+// without releasing any key again: meanwhile the next batch pinned the same
+// keys, and a second release of them would have taken its pins. The retry
+// keeps the step, releases what was left, and names the refused key.
+TEST(WorkingSet, ARetryAfterAFailureToKeepARefusedStepReleasesNoKeyTwice) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {true, false}) {
+    SCOPED_TRACE(bound ? "bound to host rows" : "holding copies");
+    RowStore store(opt), reference_store(opt);
+    KeepFailingCache cache(store.Cache(16));
+    auto reference = reference_store.Cache(16);
+    const std::vector<uint64_t> keys = {1, 2, 3, 4};
+    std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
+    StepUnhindered(*reference, opt, bound, keys, g);
+
+    auto tier = HostTier(2, 16, opt, bound);
+    WorkingSet ws(cache, opt, 2, keys.data(), keys.size());
+    ws.Load(*tier, nullptr);
+    ws.Accumulate(0, keys.data(), 2, g.data());
+    ws.Apply();
+    const uint64_t refused_key = ws.updated_keys()[0];
+    cache.Unpin(&refused_key, 1, nullptr);  // something else takes its pin: the write-back goes one key at a time
+    cache.failures = 1;
+    try {
+      ws.WriteBack();
+      FAIL() << "a release whose keeping failed passed";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(bound ? "bad_alloc" : "injected"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(ws.released());
+    EXPECT_EQ(cache.failures, 0);
+    EXPECT_EQ(cache.stats().failed_releases, 1u);
+
+    // The next batch pins every key but the refused one.
+    std::vector<uint64_t> next;
+    for (uint64_t k : keys) {
+      if (k != refused_key) next.push_back(k);
+    }
+    cache.Pull(next.data(), next.size(), nullptr, /*pin=*/true, nullptr);
+    try {
+      ws.WriteBack();
+      FAIL() << "a release of a key no longer pinned passed";
+    } catch (const std::runtime_error& e) {
+      const std::string said = e.what();
+      EXPECT_NE(said.find("1 of 4 keys were no longer pinned by this batch (keys " + std::to_string(refused_key) + ")"),
+                std::string::npos)
+          << said;
+      EXPECT_NE(said.find("their steps were kept"), std::string::npos) << said;
+    }
+    EXPECT_TRUE(ws.released());
+    EXPECT_EQ(cache.stats().pinned, next.size()) << "the next batch's pins";
+    EXPECT_EQ(cache.stats().failed_releases, 2u);
+    cache.Unpin(next.data(), next.size(), nullptr);
+    const std::vector<uint64_t> updated = {1, 2};
+    EXPECT_EQ(CachedRows(cache, updated), CachedRows(*reference, updated));
   }
 }
 
