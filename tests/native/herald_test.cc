@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "hps/keys.h"
+#include "failing_allocations.h"
 
 namespace {
 
@@ -686,40 +687,13 @@ TEST(Herald, RejectsBadArguments) {
 
 // ---- Clear, windows without a capacity, wide masks, running out of memory ----
 
-// Allocations can be made to fail, to reach the scheduler's out-of-memory path
-// (a Schedule that fails after its keys were found in the index must leave the
-// snapshot as it was). Disarmed (fail_in = 0) this is malloc and free; the
-// tests run on one thread.
-namespace {
-uint64_t fail_in = 0;  // the fail_in-th allocation from now throws std::bad_alloc; 0: none
-}  // namespace
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // free() of what this operator new gives
-#endif
-void* operator new(std::size_t n) {
-  if (fail_in != 0 && --fail_in == 0) throw std::bad_alloc();
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-// The aligned forms: the snapshot's index and log (HugePageAllocator's
-// buffers below a huge page) come from them.
-void* operator new(std::size_t n, std::align_val_t align) {
-  if (fail_in != 0 && --fail_in == 0) throw std::bad_alloc();
-  void* p = nullptr;
-  if (posix_memalign(&p, std::max(sizeof(void*), static_cast<std::size_t>(align)), n == 0 ? 1 : n) == 0) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+// Allocations can be made to fail (failing_allocations.h), to reach the
+// scheduler's out-of-memory path (a Schedule that fails after its keys were
+// found in the index must leave the snapshot as it was).
 
 namespace {
+
+using hps::test_support::fail_in;
 
 // The comparison sort (scores above the batch's size: keys repeated) orders as
 // the counting sorts do. Worker 0 holds {5} and worker 1 {1, 2}. Equal
