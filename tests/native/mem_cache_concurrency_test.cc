@@ -404,8 +404,14 @@ TEST(MemCacheBrokenPin, ARogueUnpinDuringAWriteBackNeverLosesTheRowSilently) {
   for (size_t f = 0; f < failures.size() && f < 5; ++f) ADD_FAILURE() << failures[f];
   EXPECT_EQ(silent, 0u) << "of " << rounds << " rounds";
   EXPECT_TRUE(failures.empty()) << failures.size() << " failures in " << rounds << " rounds";
-  // The race this test is about did happen.
-  EXPECT_GT(inside + silent, 0u) << rounds << " rounds, " << refused << " refused whole";
+  // Whether the race this test is about happened depends on the scheduler (under
+  // ThreadSanitizer it once did not in 180 rounds): a run where it never did shows
+  // nothing, and says so as a skip rather than a failure. The deterministic
+  // MemCache.ReleaseOfAKeyUnpinnedPastTheCheckKeepsItsUpdateAndNamesIt covers the path.
+  if (inside + silent == 0) {
+    GTEST_SKIP() << "the rogue unpin never landed inside a write-back: " << rounds << " rounds, " << refused
+                 << " refused whole";
+  }
 }
 
 }  // namespace
