@@ -48,6 +48,14 @@ synchronisation or eviction (each trace, "*_floor_ratio", ratios of naive):
 A target below its floor ("targets_reachable": false) is met by no schedule on
 that trace at that cache size.
 
+Past the first uses: every run records its pulls batch by batch ("batch_pulls"),
+and each trace the keys each batch is the first to have ("batch_first_uses").
+A short trace's pulls are largely first uses, which every schedule makes and a
+long trace (the paper's) has few of, so each run also gives its pulls less the
+distinct keys over naive's less them ("past_first_uses_ratio"), and its pulls
+over naive's in the trace's last quarter of batches ("last_quarter_pull_ratio",
+with that quarter's first uses in "last_quarter").
+
 It also times Herald.schedule on batches of 4096 examples of 26 keys with 8
 and 64 workers (caches of 100k keys each, one core): "schedule_cost".
 
@@ -104,6 +112,7 @@ def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: floa
     def run(aware: bool, on_demand: bool, ahead: int, cap: int = capacity) -> dict:
         h = Herald(workers, cap, location_aware=aware, on_demand=on_demand)
         c = dict(pulls=0, peer_pulls=0, pushes=0, evict_pushes=0, shared=0)
+        per_batch = []
         t0 = time.perf_counter()
         for start in range(0, len(keys), batch):
             # the next `ahead` batches of the trace, a view (rows are contiguous)
@@ -111,6 +120,8 @@ def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: floa
             plan = h.schedule(keys[start:start + batch], upcoming=window)
             for k in c:
                 c[k] += getattr(plan, k)
+            per_batch.append(plan.pulls)
+        c["batch_pulls"] = per_batch
         c["bytes"] = (c["pulls"] + c["pushes"]) * dim * 4
         c["schedule_s"] = round(time.perf_counter() - t0, 3)
         return c
@@ -122,6 +133,10 @@ def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: floa
                             for k in lookahead}
         out["unbounded"] = run(True, True, 0, 0)
     naive = out["modes"]["naive"]
+    # Each batch's first uses (keys no earlier batch had): pulls every schedule makes.
+    _, first_at = np.unique(keys.reshape(-1), return_index=True)
+    out["batch_first_uses"] = np.bincount(first_at // (batch * keys.shape[1]),
+                                          minlength=out["batches"]).tolist()
     ratio = lambda x, y: round(x / y, 4) if y else None  # noqa: E731
     # The floors (the module docstring): first uses pull, and what the caches
     # cannot hold at the end was pushed on its way out.
@@ -143,6 +158,16 @@ def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: floa
         c["overall_ratio"] = ratio(c["bytes"], naive["bytes"])
     for c in out.get("lookahead", {}).values():
         c["targets_met"] = met(c)
+    # Past the first uses (the pull floor), which a short trace is mostly made of
+    # and a long one hardly: each schedule's pulls beyond them over naive's, on the
+    # whole trace and on its last quarter of batches.
+    tail = out["batches"] - max(1, out["batches"] // 4)
+    tail_first = sum(out["batch_first_uses"][tail:])
+    for c in [*out["modes"].values(), *extra]:
+        c["past_first_uses_ratio"] = ratio(c["pulls"] - distinct, naive["pulls"] - distinct)
+        c["last_quarter_pull_ratio"] = ratio(sum(c["batch_pulls"][tail:]), sum(naive["batch_pulls"][tail:]))
+    out["last_quarter"] = {"first_batch": tail, "first_uses": tail_first,
+                           "first_uses_over_naive_pulls": ratio(tail_first, sum(naive["batch_pulls"][tail:]))}
     out["targets_met"] = met(out["modes"]["herald"])
     return out
 

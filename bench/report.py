@@ -598,6 +598,28 @@ def render_w7(o: dict) -> list[str]:
         if below:
             out += ["Targets below their floor, which no schedule meets on that trace with these caches: "
                     + "; ".join(below) + ".", ""]
+    rows = []
+    for name, tr in (o.get("traces") or {}).items():
+        if "last_quarter" not in tr:  # lines before the per-batch pulls
+            continue
+        q = tr["last_quarter"]
+        runs = [("herald", tr["modes"]["herald"])]
+        runs += [(f"herald, K={k}", c) for k, c in sorted(tr.get("lookahead", {}).items(), key=lambda kc: int(kc[0]))
+                 if k != "0"][-1:]
+        runs += [("herald, unbounded caches", tr["unbounded"])] if "unbounded" in tr else []
+        for label, c in runs:
+            rows.append([name, num(tr.get("pull_floor_ratio"), ".3f"), label, num(c.get("pull_ratio"), ".3f"),
+                         num(c.get("past_first_uses_ratio"), ".3f"),
+                         f"{q['first_batch'] + 1}-{tr['batches']}", num(q.get("first_uses_over_naive_pulls"), ".3f"),
+                         num(c.get("last_quarter_pull_ratio"), ".3f")])
+    if rows:
+        out += ["Past the first uses: a key's first use is a pull in every schedule, so a short trace's pulls are "
+                "largely first uses, which a long trace (the paper's) has few of. \"Past first uses\": a schedule's "
+                "pulls less the trace's distinct keys, over naive's pulls less them. \"Last quarter\": the trace's "
+                "last quarter of batches alone, its first uses (keys no earlier batch had) and Herald's pulls as "
+                "ratios of naive's pulls in those batches. The pull target is on the whole trace.", ""]
+        out += table(["trace", "first uses / naive", "schedule", "pulls / naive", "past first uses / naive's",
+                      "last quarter: batches", "first uses / naive", "pulls / naive"], rows) + [""]
     cost = o.get("schedule_cost") or {}
     for w, c in sorted((cost.get("workers") or {}).items(), key=lambda wc: int(wc[0])):
         out.append(f"- Herald.schedule, {w} workers, batches of {cost.get('batch')} x {cost.get('fields')} keys: "

@@ -280,6 +280,17 @@ def test_replay_quick():
         assert m["herald"]["pulls"] == m["location"]["pulls"] <= m["naive"]["pulls"]
         assert m["herald"]["pushes"] < m["naive"]["pushes"]
         assert m["herald"]["overall_ratio"] == round(m["herald"]["bytes"] / m["naive"]["bytes"], 4)
+        # per batch: every schedule pulls each key in the batch where the trace first has it
+        firsts = t["batch_first_uses"]
+        assert len(firsts) == t["batches"] and sum(firsts) == t["distinct_keys"]
+        for c in [*m.values(), *t["lookahead"].values(), t["unbounded"]]:
+            assert len(c["batch_pulls"]) == t["batches"] and sum(c["batch_pulls"]) == c["pulls"]
+            assert all(p >= f for p, f in zip(c["batch_pulls"], firsts))
+            past = (c["pulls"] - t["distinct_keys"]) / (m["naive"]["pulls"] - t["distinct_keys"])
+            assert c["past_first_uses_ratio"] == round(past, 4)
+        q = t["last_quarter"]
+        assert 0 < q["first_batch"] < t["batches"] and q["first_uses"] == sum(firsts[q["first_batch"]:])
+        assert m["herald"]["last_quarter_pull_ratio"] < 1 and m["naive"]["last_quarter_pull_ratio"] == 1
     # bench/report.py files the line as W7 and renders each trace's four schedules in order
     spec = importlib.util.spec_from_file_location("hps_bench_report", ROOT / "bench" / "report.py")
     report = importlib.util.module_from_spec(spec)
@@ -298,6 +309,10 @@ def test_replay_quick():
     # less than every K: the greedy follows the caches, so caches that hold more place examples differently;
     # on the quick trace they pulled one row more than K = 4 once the greedy had its load term.)
     assert line["lookahead"] == [0, 1, 2, 4]
+    past = rendered[rendered.index(next(r for r in rendered if r.startswith("| trace | first uses"))):]
+    herald_row = next(r for r in past if r.startswith(f"| {next(iter(line['traces']))} |") and "| herald |" in r)
+    first_trace = next(t for t in line["traces"].values() if "modes" in t)
+    assert f"| {first_trace['modes']['herald']['past_first_uses_ratio']:.3f} |" in herald_row
     for t in measured:
         la, m = t["lookahead"], t["modes"]
         assert set(la) == {"0", "1", "2", "4"}
@@ -318,7 +333,8 @@ def test_replay_quick():
             assert c["pulls"] >= distinct and c["pushes"] >= forced
         assert t["unbounded"]["pulls"] >= distinct  # (its caches hold every key: no push is forced)
         assert t["targets_reachable"] == {w: t[f"{w}_floor_ratio"] <= line["targets"][w] for w in line["targets"]}
-    la_rows = [r for r in rendered[rendered.index("", head):] if r.startswith("| ")][1:]
+    la_head = rendered.index(next(r for r in rendered if r.startswith("| trace | Herald |")))
+    la_rows = rendered[la_head + 2:rendered.index("", la_head)]  # the lookahead table, past its header and rule
     assert len(la_rows) == 6 * len(measured)  # 4 windows, unbounded caches, the floors
     assert f"| K=4 | {measured[0]['lookahead']['4']['pulls']:,} |" in "".join(la_rows)
     # "from the PS": the pulls no peer served, each key's first use among them
