@@ -56,6 +56,13 @@ distinct keys over naive's less them ("past_first_uses_ratio"), and its pulls
 over naive's in the trace's last quarter of batches ("last_quarter_pull_ratio",
 with that quarter's first uses in "last_quarter").
 
+Partition headroom (--headroom-batches, default 10): over each trace's first
+batches, Herald's pulls against those of its partition after a local search
+(swap_refined: swaps of two examples between two workers that lower the batch's
+pulls, shares kept, the same caches), each batch's pulls recounted from its
+partition apart from the scheduler (a disagreement stops the run): how far
+the greedy is from a partition no such swap improves.
+
 It also times Herald.schedule on batches of 4096 examples of 26 keys with 8
 and 64 workers (caches of 100k keys each, one core): "schedule_cost".
 
@@ -102,7 +109,7 @@ def zipf_trace(n: int, fields: int, vocab: int, a: float, seed: int) -> np.ndarr
 
 
 def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: float, dim: int,
-           lookahead=(0,)) -> dict:
+           lookahead=(0,), headroom_batches: int = 0) -> dict:
     from hps.herald import Herald
     distinct = int(len(np.unique(keys)))
     capacity = max(1, int(round(cache_fraction * distinct)))
@@ -169,7 +176,93 @@ def replay(keys: np.ndarray, workers: int, per_worker: int, cache_fraction: floa
     out["last_quarter"] = {"first_batch": tail, "first_uses": tail_first,
                            "first_uses_over_naive_pulls": ratio(tail_first, sum(naive["batch_pulls"][tail:]))}
     out["targets_met"] = met(out["modes"]["herald"])
+    if headroom_batches:
+        out["partition_headroom"] = partition_headroom(keys, workers, per_worker, capacity, headroom_batches)
     return out
+
+
+def batch_pulls(examples: list, assignment, held: list) -> int:
+    """Pulls of one batch under `assignment`: each worker's distinct keys its
+    cache (held[w], a set) lacks. Computed apart from the scheduler, which must agree."""
+    need = [set() for _ in held]
+    for e, w in zip(examples, assignment):
+        need[w].update(e)
+    return sum(len(n - h) for n, h in zip(need, held))
+
+
+def swap_refined(examples: list, assignment: list, held: list, candidates: int = 16) -> list:
+    """A local search on one batch's partition, keeping every worker's share:
+    swaps of two examples between two workers that lower the batch's pulls,
+    until no swap among each pair's `candidates` most promising examples does.
+    Not the scheduler's (far too slow for its budget): it measures how far the
+    greedy is from a partition no such swap improves."""
+    W = len(held)
+    count = [dict() for _ in range(W)]  # worker -> key -> examples of the batch it has with the key
+    for e, w in zip(examples, assignment):
+        for k in e:
+            count[w][k] = count[w].get(k, 0) + 1
+
+    def leave(i: int, a: int) -> int:  # pulls a saves without example i
+        return sum(1 for k in examples[i] if count[a][k] == 1 and k not in held[a])
+
+    def enter(i: int, b: int) -> int:  # pulls b adds with example i
+        return sum(1 for k in examples[i] if k not in count[b] and k not in held[b])
+
+    def move(i: int, a: int, b: int) -> None:
+        for k in examples[i]:
+            count[a][k] -= 1
+            if not count[a][k]:
+                del count[a][k]
+            count[b][k] = count[b].get(k, 0) + 1
+        assignment[i] = b
+
+    improved = True
+    while improved:
+        improved = False
+        members = [[] for _ in range(W)]
+        for i, w in enumerate(assignment):
+            members[w].append(i)
+        for a in range(W):
+            for b in range(a + 1, W):
+                ga = sorted(((leave(i, a) - enter(i, b), i) for i in members[a]), reverse=True)[:candidates]
+                gb = sorted(((leave(j, b) - enter(j, a), j) for j in members[b]), reverse=True)[:candidates]
+                for _, i in ga:
+                    for _, j in gb:
+                        if assignment[i] != a or assignment[j] != b:
+                            continue
+                        first = leave(i, a) - enter(i, b)
+                        move(i, a, b)
+                        if first + leave(j, b) - enter(j, a) > 0:  # exact, after i moved
+                            move(j, b, a)
+                            improved = True
+                            break
+                        move(i, b, a)
+                members[a], members[b] = ([i for i in members[a] + members[b] if assignment[i] == w]
+                                          for w in (a, b))
+    return assignment
+
+
+def partition_headroom(keys: np.ndarray, workers: int, per_worker: int, capacity: int, batches: int) -> dict:
+    """Herald's replay (both, no window) over the trace's first `batches` batches:
+    each batch's pulls as the scheduler plans them, recounted from its assignment
+    and the caches before the batch (they must agree), and after swap_refined on
+    the same caches. The snapshot follows Herald's own plans throughout."""
+    from hps.herald import Herald
+    h = Herald(workers, capacity)
+    batch = workers * per_worker
+    greedy = refined = 0
+    for start in range(0, min(len(keys), batches * batch), batch):
+        rows = keys[start:start + batch]
+        held = [set(c.tolist()) for c in h.cached_by_worker()]
+        plan = h.schedule(rows)
+        examples = [list(set(r)) for r in rows.tolist()]
+        recount = batch_pulls(examples, plan.assignment.tolist(), held)
+        if recount != plan.pulls:
+            raise SystemExit(f"batch at example {start}: the plan counts {plan.pulls} pulls, its partition {recount}")
+        greedy += plan.pulls
+        refined += batch_pulls(examples, swap_refined(examples, plan.assignment.tolist(), held), held)
+    return {"batches": -(-min(len(keys), batches * batch) // batch), "herald_pulls": greedy,
+            "swap_refined_pulls": refined, "refined_over_herald": round(refined / greedy, 4) if greedy else None}
 
 
 def schedule_cost(workers_list, batch: int, fields: int, capacity: int, repeats: int) -> dict:
@@ -214,12 +307,17 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", type=int, default=200_000, help="examples of each synthetic trace")
     ap.add_argument("--lookahead", default="0,1,2,4",
                     help="windows of the next K batches to replay Herald with, comma-separated ('0': none)")
+    ap.add_argument("--headroom-batches", type=int, default=10,
+                    help="batches of each trace to measure the partition's headroom on (swap_refined; 0: none)")
     ap.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
     a = ap.parse_args(argv)
     for name, v in (("--workers", a.workers), ("--per-worker", a.per_worker), ("--dim", a.dim),
                     ("--examples", a.examples)):
         if v < 1:
             ap.error(f"{name} must be >= 1, got {v}")
+    if a.headroom_batches < 0:
+        ap.error(f"--headroom-batches must be >= 0, got {a.headroom_batches}")
+    headroom = min(a.headroom_batches, 2) if a.quick else a.headroom_batches
     if not 1 <= a.workers <= 64:
         ap.error(f"--workers must be in [1, 64], got {a.workers}")
     if not 0 < a.cache <= 1:
@@ -247,11 +345,11 @@ def main(argv=None) -> int:
             if a.quick:
                 keys = keys[:2048]
             traces["criteo"] = {"path": os.path.relpath(a.trace, ROOT),
-                                **replay(keys, a.workers, a.per_worker, a.cache, a.dim, lookahead)}
+                                **replay(keys, a.workers, a.per_worker, a.cache, a.dim, lookahead, headroom)}
     for s in skews:
         keys = zipf_trace(examples, 26, 100_000 if not a.quick else 20_000, s, seed=7)
         traces[f"zipf{s:g}"] = {"zipf_a": s, "vocab_per_field": 100_000 if not a.quick else 20_000,
-                               **replay(keys, a.workers, a.per_worker, a.cache, a.dim, lookahead)}
+                               **replay(keys, a.workers, a.per_worker, a.cache, a.dim, lookahead, headroom)}
     for name, t in traces.items():
         if "modes" not in t:
             print(f"{name}: skipped ({t['skipped']})", file=sys.stderr)
@@ -268,6 +366,10 @@ def main(argv=None) -> int:
             c = t["unbounded"]
             print(f"  unbounded  pulls {c['pulls']:>10,} ({c['pull_ratio']})  pushes {c['pushes']:>10,} "
                   f"({c['push_ratio']})  overall {c['overall_ratio']}", file=sys.stderr)
+        if "partition_headroom" in t:
+            p = t["partition_headroom"]
+            print(f"  headroom   first {p['batches']} batches: herald pulls {p['herald_pulls']:,}, swap-refined "
+                  f"{p['swap_refined_pulls']:,} ({p['refined_over_herald']}x)", file=sys.stderr)
         print(f"  floors     pulls {t['distinct_keys']:>10,} ({t['pull_floor_ratio']})  pushes "
               f"{t['forced_pushes']:>10,} ({t['push_floor_ratio']})  overall {t['overall_floor_ratio']}; "
               f"targets reachable: {t['targets_reachable']}", file=sys.stderr)

@@ -620,6 +620,12 @@ def render_w7(o: dict) -> list[str]:
                 "ratios of naive's pulls in those batches. The pull target is on the whole trace.", ""]
         out += table(["trace", "first uses / naive", "schedule", "pulls / naive", "past first uses / naive's",
                       "last quarter: batches", "first uses / naive", "pulls / naive"], rows) + [""]
+    for name, tr in (o.get("traces") or {}).items():
+        p = tr.get("partition_headroom")
+        if p:
+            out.append(f"- Partition headroom, {name}, first {p['batches']} batches: Herald's partition pulls "
+                       f"{p['herald_pulls']:,}; after a local search of two-example swaps between workers (shares "
+                       f"kept, the same caches) {p['swap_refined_pulls']:,}, {p['refined_over_herald']:.4f}x")
     cost = o.get("schedule_cost") or {}
     for w, c in sorted((cost.get("workers") or {}).items(), key=lambda wc: int(wc[0])):
         out.append(f"- Herald.schedule, {w} workers, batches of {cost.get('batch')} x {cost.get('fields')} keys: "
