@@ -992,6 +992,63 @@ def test_a_refresh_with_no_room_beside_the_served_checkpoint_frees_it_first(tmp_
         lk.close()
 
 
+def damage_new_rows(path, served: dict) -> int:
+    """Flips a byte in the first rows block of each parameter file of the job's
+    checkpoint that the served one (`served`, {sequence: records}) lacks; returns
+    the checkpoint's number."""
+    number = jobdir.read_job(str(path)).checkpoint
+    store = os.path.join(path, "checkpoints", f"{number:06d}", "ssd")
+    with open(os.path.join(store, "MANIFEST"), "rb") as f:
+        files = jobdir.replay_manifest(f.read())
+    up = lambda n: -(-n // 4096) * 4096  # noqa: E731
+    for seq in set(files) - set(served):
+        name = os.path.join(store, jobdir.file_name(seq))
+        h = jobdir.read_header(name)
+        flip(name, 4096 + up(h["records"] * 8) + up(up(h["records"] * h["row_bytes"]) // 4096 * 4) + 5)
+    return number
+
+
+@pytest.mark.parametrize("room", ["beside", "blocking"])
+def test_a_refresh_that_fails_keeps_serving_and_unpins_the_new_checkpoint(tmp_path, monkeypatch, room):
+    """A row of the new checkpoint fails its CRC while the refresh warms its cache
+    with the keys looked up lately. Beside the served checkpoint, the new one's
+    view stayed pinned (its links keeping its files on disk once training pruned
+    it, one more view each --refresh-every); with no room beside it (the served
+    one freed first), every lookup after waited for good."""
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), mem_budget="1MiB")
+    keys = np.arange(1, 3001, dtype=np.uint64)
+    ps = hps.ParameterServer(cfg)
+    ps.push(keys, np.ones((len(keys), 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    lk = hps.Lookup(cfg.path, memory_budget="64MiB")
+    try:
+        want, found = lk.lookup(keys)
+        assert found.all()
+        ps = hps.ParameterServer.open(cfg.path)
+        ps.push(keys, np.ones((len(keys), 4), np.float32))
+        ps.checkpoint()
+        ps.close()
+        damage_new_rows(cfg.path, lk._current.view.ranks[0].files)
+        if room == "blocking":  # as if the job had grown past the reserve
+            monkeypatch.setattr(hps.lookup._Generation, "next_fixed_estimate", lambda self, view: 1 << 40)
+        with pytest.raises(hps.CorruptionError, match="rows block 0 .* fails its CRC-32C check"):
+            lk.refresh()
+        assert len(os.listdir(os.path.join(cfg.path, jobdir.READERS))) == 1  # the served view alone
+        answer = []
+        t = threading.Thread(target=lambda: answer.append(lk.lookup_with_checkpoint(keys)), daemon=True)
+        t.start()
+        t.join(60)
+        assert answer, "a lookup after the failed refresh did not return"
+        rows, found, checkpoint, _ = answer[0]
+        assert checkpoint == 1 and found.all()
+        np.testing.assert_array_equal(rows, want)
+        assert lk.stats()["refreshes"] == 0
+    finally:
+        lk.close()
+    assert not os.path.exists(os.path.join(cfg.path, jobdir.READERS))
+
+
 def test_close_during_a_refresh_leaves_no_checkpoint_pinned(tmp_path):
     """close() on one thread while refresh() ran on another (hps serve stopped by
     SIGTERM during a --refresh-every refresh): the refresh then swapped into a

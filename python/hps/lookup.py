@@ -515,14 +515,24 @@ class Lookup:
             if view.checkpoint <= current.checkpoint:
                 view.close()
                 return False
-            with self._lock:
-                recent = np.unique(self._recent[:self._recent_n])
-            fits = current.next_fixed_estimate(view) <= current.plan.next_fixed - current.plan.buffers
+            # A failure from here on (a row of the new checkpoint failing its CRC while
+            # the cache is warmed, say) leaves the served checkpoint serving, and unpins
+            # the new one: its view's links would otherwise keep its files on disk after
+            # training prunes it, one more view each --refresh-every.
+            try:
+                with self._lock:
+                    recent = np.unique(self._recent[:self._recent_n])
+                fits = current.next_fixed_estimate(view) <= current.plan.next_fixed - current.plan.buffers
+            except BaseException:
+                view.close()
+                raise
             if fits:  # beside the served checkpoint, in its reserve
                 new = self._open(view)
-                warm = recent[:min(current.plan.warm_rows, new.capacity // 2)]
-                if len(warm):  # warm the new cache with the keys looked up lately, before it serves
-                    new.lookup(warm)
+                try:
+                    warm = self._warm(new, recent[:min(current.plan.warm_rows, new.capacity // 2)])
+                except BaseException:
+                    new.close()
+                    raise
                 self._note(current, new)
                 old = self._swap(new)
                 old.close()
@@ -532,14 +542,18 @@ class Lookup:
                 old.close(keep_view=True)
                 try:
                     new = self._open(view)
+                    _return_freed_memory()
+                    try:
+                        warm = self._warm(new, recent[:new.capacity // 2])
+                    except BaseException:
+                        new.close()
+                        raise
                 except BaseException:
-                    self._serve(self._open(old.view))  # back to the checkpoint served, still pinned
+                    # back to the checkpoint served, still pinned: until _serve the lookups
+                    # wait (_swapping), so leaving without it would block them for good
+                    self._serve(self._open(old.view))
                     raise
                 old.view.close()
-                _return_freed_memory()
-                warm = recent[:new.capacity // 2]
-                if len(warm):
-                    new.lookup(warm)
                 self._serve(new)
                 self._blocking_refreshes += 1
             self._warmed = len(warm)
@@ -548,6 +562,13 @@ class Lookup:
                 self._refreshes += 1
             self._note(new)
             return True
+
+    @staticmethod
+    def _warm(new: _Generation, keys: np.ndarray) -> np.ndarray:
+        """Reads keys (the ones looked up lately) into new's cache before it serves."""
+        if len(keys):
+            new.lookup(keys)
+        return keys
 
     def _served(self) -> _Generation:
         gen = self._current
