@@ -1049,6 +1049,33 @@ def test_a_refresh_that_fails_keeps_serving_and_unpins_the_new_checkpoint(tmp_pa
     assert not os.path.exists(os.path.join(cfg.path, jobdir.READERS))
 
 
+def test_a_refresh_moves_to_the_checkpoint_of_the_job_resharded_meanwhile(job, tmp_path):
+    """The job served is resharded from one process to 2 ranks (as a --resume under
+    mpiexec -n 2 does first): its checkpoint K+1 has ranks the served one lacks, of
+    another run whose files are numbered anew. The refresh's estimate of its index
+    looked each new rank up among the served ranks (IndexError: every refresh
+    failed, the old checkpoint served for good)."""
+    from hps import reshard
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    keys = trained_keys()
+    lk = hps.Lookup(copy, memory_budget="64MiB")
+    try:
+        want, found = lk.lookup(keys)
+        assert found.all() and lk.world == 1
+        old = reshard.check_source(str(copy))
+        written = [reshard.write_rank(str(copy), 2, r) for r in range(2)]
+        reshard.commit(str(copy), 2, old, written[0][1])
+        assert lk.refresh()
+        assert (lk.checkpoint, lk.world) == (7, 2)
+        rows, found = lk.lookup(keys)
+        assert found.all()
+        np.testing.assert_array_equal(rows, want)  # the rows resharded, each read from its new owner
+        assert len(os.listdir(copy / jobdir.READERS)) == 1
+    finally:
+        lk.close()
+
+
 def test_close_during_a_refresh_leaves_no_checkpoint_pinned(tmp_path):
     """close() on one thread while refresh() ran on another (hps serve stopped by
     SIGTERM during a --refresh-every refresh): the refresh then swapped into a

@@ -186,14 +186,19 @@ class _Generation:
     def next_fixed_estimate(self, view: jobdir.View) -> int:
         """Index and metadata of `view`'s checkpoint, estimated before it is opened:
         its keys are at most those served now plus the keys of files added since
-        that the served index lacks (and at most its records)."""
+        that the served index lacks (and at most its records). A checkpoint of
+        another run (the job resharded, or started over) numbers its files anew and
+        may have other ranks: its records alone bound it."""
+        same_run = view.job.run == self.view.job.run and view.job.world == self.world
         index = meta = 0
         for r, rv in enumerate(view.ranks):
             records = sum(rv.files.values())
-            now = self.view.ranks[r].files
-            added = {seq: n for seq, n in rv.files.items() if seq not in now}
-            index += math.ceil(INDEX_HEAP_FACTOR * index_bytes_estimate(
-                min(records, self.live[r] + self._unknown_keys(r, rv, added))))
+            keys = records
+            if same_run:
+                now = self.view.ranks[r].files
+                added = {seq: n for seq, n in rv.files.items() if seq not in now}
+                keys = min(records, self.live[r] + self._unknown_keys(r, rv, added))
+            index += math.ceil(INDEX_HEAP_FACTOR * index_bytes_estimate(keys))
             meta += _meta_bytes(records, len(rv.files), view.job.row_bytes)
         return index + meta
 
