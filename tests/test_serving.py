@@ -1076,6 +1076,35 @@ def test_a_refresh_moves_to_the_checkpoint_of_the_job_resharded_meanwhile(job, t
         lk.close()
 
 
+def test_a_refresh_moves_to_a_run_started_over_in_the_same_path(tmp_path):
+    """A server started over at the served path (ParameterServer(config,
+    checkpoint=None): every old checkpoint dropped, a new run) numbers its
+    checkpoints from 1 again. The refresh compared numbers alone: the old run's
+    checkpoint 2, pruned from disk, served on until the new run passed it."""
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), mem_budget="1MiB")
+    keys = np.arange(1, 1001, dtype=np.uint64)
+    ps = hps.ParameterServer(cfg)
+    for _ in range(2):
+        ps.push(keys, np.ones((len(keys), 4), np.float32))
+        ps.checkpoint()
+    ps.close()
+    with hps.Lookup(cfg.path, memory_budget="64MiB") as lk:
+        old, found = lk.lookup(keys)
+        assert found.all() and lk.checkpoint == 2
+        ps = hps.ParameterServer(cfg, checkpoint=None)  # started over
+        ps.push(keys[:10], -np.ones((10, 4), np.float32))
+        assert ps.checkpoint() == 1
+        new = ps.pull(keys[:10])
+        ps.close()
+        assert lk.refresh() and lk.checkpoint == 1
+        rows, found = lk.lookup(keys)
+        np.testing.assert_array_equal(found, np.arange(len(keys)) < 10)  # the new run's keys alone
+        np.testing.assert_array_equal(rows[:10], new)
+        assert not np.array_equal(rows[:10], old[:10])
+        assert not lk.refresh()  # nothing newer now
+        assert len(os.listdir(os.path.join(cfg.path, jobdir.READERS))) == 1
+
+
 def test_close_during_a_refresh_leaves_no_checkpoint_pinned(tmp_path):
     """close() on one thread while refresh() ran on another (hps serve stopped by
     SIGTERM during a --refresh-every refresh): the refresh then swapped into a

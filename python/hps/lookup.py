@@ -177,6 +177,14 @@ class _Generation:
         self._stats_wanted = 0
         self._between = threading.Condition()
 
+    def older_than(self, run: Optional[str], checkpoint: Optional[int]) -> bool:
+        """Whether checkpoint `checkpoint` of run `run` is newer than this one: a later
+        one of the same run, or any of another run (a job started over in the same path
+        numbers its checkpoints from 1 again)."""
+        if checkpoint is None:
+            return False
+        return run != self.view.job.run or checkpoint > self.checkpoint
+
     @staticmethod
     def row_cost(row_bytes: int) -> int:
         """A cached row's bytes as MemCache counts them, bookkeeping included."""
@@ -507,17 +515,18 @@ class Lookup:
 
     def refresh(self) -> bool:
         """Moves to the job's last finished checkpoint if it is newer than the one
-        served; returns whether it moved. Lookups go on meanwhile (class docstring)."""
+        served (a later one, or one of another run: the job started over in this
+        path); returns whether it moved. Lookups go on meanwhile (class docstring)."""
         with self._refresh_lock:
             job = jobdir.read_job(self.path)
             with self._lock:
                 current = self._current
             if current is None:
                 raise ValueError(f"hps.Lookup of {self.path} is closed")
-            if job.checkpoint is None or job.checkpoint <= current.checkpoint:
+            if not current.older_than(job.run, job.checkpoint):
                 return False
             view = jobdir.pin(self.path)
-            if view.checkpoint <= current.checkpoint:
+            if not current.older_than(view.job.run, view.checkpoint):
                 view.close()
                 return False
             # A failure from here on (a row of the new checkpoint failing its CRC while
