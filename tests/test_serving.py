@@ -1620,6 +1620,26 @@ def test_serve_answers_a_stalled_or_cut_short_body_and_frees_the_connection(job)
         LookupServer(lk, ("127.0.0.1", 0), idle_timeout=0)
 
 
+def test_serve_refuses_a_refresh_interval_that_is_not_a_number_of_seconds(job, capsys):
+    """--refresh-every nan passed the test of < 0, and the refresher's wait(nan)
+    returned at once: refreshes back to back, a core busy for good; inf (or
+    anything past threading.TIMEOUT_MAX) made that wait raise, ending the
+    refresher with a traceback while the server went on."""
+    from hps.serve import LookupServer
+    with hps.Lookup(job, memory_budget="64MiB") as lk:
+        for bad in (float("nan"), float("inf"), 1e300, -1.0):
+            try:
+                srv = LookupServer(lk, ("127.0.0.1", 0), refresh_every=bad)
+            except ValueError as e:
+                assert f"refresh_every = {bad}: must be a number of seconds from 0 to " in str(e)
+            else:
+                srv.server_close()
+                pytest.fail(f"refresh_every = {bad} was taken")
+    assert main(["serve", str(job), "--refresh-every", "nan", "--memory-budget", "64MiB"]) == 2
+    assert "refresh_every = nan: must be a number of seconds" in capsys.readouterr().err
+    assert not os.path.exists(job / jobdir.READERS)
+
+
 def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_path):
     """A POST /refresh that raised (the job's metadata damaged, or the job gone) got
     no answer: the connection was dropped and the traceback went to stderr."""

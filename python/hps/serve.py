@@ -187,8 +187,11 @@ class LookupServer(ThreadingHTTPServer):
             raise ValueError(f"idle_timeout = {idle_timeout}: must be > 0 seconds")
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent = {max_concurrent}: must be >= 1")
-        if refresh_every < 0:
-            raise ValueError(f"refresh_every = {refresh_every}: must be >= 0 seconds")
+        # (NaN passed a test of < 0, and then the refresher's wait returned at once: a
+        # refresh in a loop with no pause; past TIMEOUT_MAX the wait raised, killing it)
+        if not 0 <= refresh_every <= threading.TIMEOUT_MAX:
+            raise ValueError(f"refresh_every = {refresh_every}: must be a number of seconds from 0 to "
+                             f"{threading.TIMEOUT_MAX:.0f}")
         self.lookup = lookup
         self.slots = threading.BoundedSemaphore(max_concurrent)
         self.max_concurrent = max_concurrent
