@@ -341,6 +341,54 @@ def test_cli_prints_a_file_and_plots(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def endpoint_grid(out: str) -> dict[tuple[str, str], str]:
+    """`hps topology`'s grid of how each endpoint pair is joined, as {(row, column): mark}."""
+    lines = out[out.index("how each endpoint pair is joined"):].splitlines()[1:]
+    names = lines[0].split()
+    grid = {}
+    for line in lines[2:]:
+        if not line.strip() or line.startswith(" "):  # the legend below it
+            break
+        row, *cells = line.split()
+        grid.update({(row, col): c for col, c in zip(names, cells)})
+    return grid
+
+
+def test_cli_grid_names_what_joins_each_pair(tmp_path, capsys):
+    # Pairs without a link of their own printed "-" (joined by nothing) although an
+    # NVSwitch fabric, a PCIe switch or the CPUs join them, and the SW / SYS marks the
+    # comment promised were never printed.
+    from hps.cli import main
+    marks = {}
+    for name in ("nvswitch", "pcie_only", "figure1"):
+        assert main(["topology", "--file", str(TOPOLOGIES / f"{name}.toml")]) == 0
+        marks[name] = endpoint_grid(capsys.readouterr().out)
+    gpus = [f"gpu{k}" for k in range(8)]
+    assert all(marks["nvswitch"][(a, b)] == ("X" if a == b else "SW12") for a in gpus for b in gpus)
+    pcie = marks["pcie_only"]
+    assert (pcie[("gpu0", "gpu1")], pcie[("gpu0", "gpu2")], pcie[("gpu0", "gpu4")]) == ("PIX", "PHB", "SYS")
+    fig1 = marks["figure1"]
+    assert (fig1[("gpu0", "gpu3")], fig1[("gpu0", "gpu1")], fig1[("gpu0", "gpu5")], fig1[("gpu1", "gpu3")]) == \
+        ("NV2", "NV1", "SYS", "NV1")
+    # a discovered NVSwitch machine: the fabric, not the PCIe path through the CPUs
+    gpus_bus, nvml = dgx_a100_nvml(tmp_path)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setitem(sys.modules, "pynvml", nvml)
+        assert main(["topology", "--sysfs", str(tmp_path)]) == 0
+    finally:
+        mp.undo()
+    found = endpoint_grid(capsys.readouterr().out)
+    assert all(found[(a, b)] == ("X" if a == b else "SW12") for a in gpus for b in gpus)
+    # without NVML the same GPUs are joined through their sockets
+    assert main(["topology", "--sysfs", str(tmp_path)]) == 0
+    found = endpoint_grid(capsys.readouterr().out)
+    assert (found[("gpu0", "gpu1")], found[("gpu0", "gpu4")]) == ("PHB", "SYS")
+    # host partitions: through the one memory
+    hosts = T.host_partitions(2)
+    assert endpoint_grid(T.format_text(hosts, rows=64))[("host0", "host1")] == "PHB"
+
+
 def test_cli_discovers_a_fake_one_node_machine(tmp_path, capsys):
     from hps.cli import main
     fake_sysfs(tmp_path, 1, cores_per_node=4, gpus_per_node=0, nvme_node=0, nic_node=0)

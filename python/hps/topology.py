@@ -737,6 +737,51 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
             + [fmt.format(*map(str, r)) for r in rows]]
 
 
+def _joined_by(topo: Topology, a: int, b: int) -> str:
+    """How endpoints a and b are joined, nvidia-smi topo -m style, judged on the model's
+    devices and links without passing another endpoint: a link of their own (its kind's
+    first two letters and bridges: NV2); else the nearest of an NVSwitch fabric (switches
+    joined by NVLinks only: SWn, n the fewest bridges on the way), PCIe switches (PIX one,
+    PXB several), one CPU (PHB: its host bridge or memory) and CPUs of several NUMA nodes
+    (SYS); "-" if the model joins them through nothing but other endpoints."""
+    between = [l for l in topo.links if {l.a, l.b} == {a, b}]
+    if between:
+        return f"{between[0].kind[:2].upper()}{between[0].bridges}"
+
+    def fewest(kinds: set[str], nvlink_only: bool) -> tuple[int, int, int] | None:
+        """(CPUs, switches, fewest bridges) of the way from a to b through devices of
+        `kinds` with the fewest CPUs, then switches; None if there is none."""
+        best: dict[int, tuple[int, int, int]] = {a: (0, 0, 1 << 30)}
+        todo = [a]
+        while todo:  # few devices: relax until nothing improves
+            here = todo.pop()
+            cpus, switches, narrowest = best[here]
+            for l in topo.links:
+                if here not in (l.a, l.b) or (nvlink_only and not l.kind.startswith("nvlink")):
+                    continue
+                there = l.b if l.a == here else l.a
+                kind = topo.devices[there].kind
+                if there != b and kind not in kinds:
+                    continue
+                cost = (cpus + (kind == "cpu"), switches + (kind == "switch"), min(narrowest, l.bridges))
+                if there not in best or (cost[0], cost[1], -cost[2]) < (best[there][0], best[there][1], -best[there][2]):
+                    best[there] = cost
+                    if there != b:
+                        todo.append(there)
+        return best.get(b)
+
+    fabric = fewest({"switch"}, nvlink_only=True)
+    if fabric:
+        return f"SW{fabric[2]}"
+    pcie = fewest({"switch"}, nvlink_only=False)
+    if pcie:
+        return "PIX" if pcie[1] == 1 else "PXB"
+    host = fewest({"switch", "cpu"}, nvlink_only=False)
+    if host:
+        return "PHB" if host[0] == 1 else "SYS"
+    return "-"
+
+
 def format_text(topo: Topology, rows: int = 1_000_000, row_bytes: int = 256) -> str:
     """What `hps topology` prints: devices, links, the endpoints' link matrix, the routes
     of an even all-to-all of `rows` rows and the modelled time of each schedule, and
@@ -751,18 +796,12 @@ def format_text(topo: Topology, rows: int = 1_000_000, row_bytes: int = 256) -> 
     for name, nodes in (("NVMe", topo.nvme), ("NIC", topo.nics)):
         if nodes:
             out.append(f"{name}: " + ", ".join(f"{n} (node {k})" for n, k in nodes))
-    # the endpoints' own links, nvidia-smi topo -m style: the link's kind and bridges, or how
-    # the pair is joined otherwise (SW: one switch between, SYS: through a CPU)
-    index = {(min(l.a, l.b), max(l.a, l.b)): l for l in topo.links}
     names = [topo.devices[i].name for i in ep]
-    grid = []
-    for i in ep:
-        row = []
-        for j in ep:
-            l = index.get((min(i, j), max(i, j)))
-            row.append("X" if i == j else (f"{l.kind[:2].upper()}{l.bridges}" if l else "-"))
-        grid.append([topo.devices[i].name, *row])
-    out += ["", "links between endpoints (kind and bridges; - none):"] + _table(["", *names], grid)
+    grid = [[topo.devices[i].name, *("X" if i == j else _joined_by(topo, i, j) for j in ep)] for i in ep]
+    out += ["", "how each endpoint pair is joined (nvidia-smi topo -m style):"] + _table(["", *names], grid)
+    out += ["  NVn, PCn ...: a link of their own (its kind's first two letters, n bridges)",
+            "  SWn: an NVSwitch fabric (n NVLinks at the narrower end); PIX / PXB: one / several PCIe switches",
+            "  PHB: one CPU (its PCIe host bridge or memory); SYS: the CPUs of several NUMA nodes; -: nothing"]
     if len(ep) < 2:
         out += ["", "one endpoint: nothing to route"]
     else:
