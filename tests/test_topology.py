@@ -505,8 +505,8 @@ def test_cuda_executor_needs_a_gpu_a_endpoint():
 class _FakeNvml(types.ModuleType):
     """pynvml as a driver would answer it: `bridges` maps two GPUs' PCI bus ids to the
     NVLink bridges between them, `switch_links` a GPU's bus id to the NVSwitches' bus ids
-    its NVLinks end at (one entry a link); NVML names remote devices with an 8-digit
-    domain. remote_type=False is a pynvml older than nvmlDeviceGetNvLinkRemoteDeviceType,
+    its NVLinks end at (one entry a link; None: NVML cannot name it); NVML names remote
+    devices with an 8-digit domain. remote_type=False is a pynvml older than nvmlDeviceGetNvLinkRemoteDeviceType,
     "raises" a driver older than it; `unknown` the bus ids NVML has no GPU at (a GPU
     bound to another driver, or none at all)."""
 
@@ -554,6 +554,8 @@ class _FakeNvml(types.ModuleType):
         raise self.NVMLError("Function Not Found")
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, handle, link):
+        if self.ends[handle][link][0] is None:  # a far end NVML does not name
+            raise self.NVMLError("Unknown Error")
         return types.SimpleNamespace(busId=("0000" + self.ends[handle][link][0]).upper().encode())
 
 
@@ -650,6 +652,61 @@ def test_nvlinks_to_other_bridges_are_not_a_switch(tmp_path, monkeypatch):
     t = T.discover(str(tmp_path))
     for k in range(8):
         assert link_between(t, f"gpu{k}", "nvswitch").bridges == 8  # 12 less the 2 + 2 to those
+
+
+def use_fake_cudart(monkeypatch, runtime):
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = runtime
+    for name, module in (("cuda", types.ModuleType("cuda")), ("cuda.bindings", bindings),
+                         ("cuda.bindings.runtime", runtime)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_separate_nvswitch_fabrics_stay_apart(tmp_path, monkeypatch):
+    # Every GPU with an NVLink to any NVSwitch went onto one "nvswitch" device, so two
+    # NVLink domains in one node were modelled as one: GPUs of different domains, which
+    # no NVLink joins, got direct 300 GB/s routes (and no PCIe peer link).
+    gpus, _ = dgx_a100_nvml(tmp_path)
+    domain = {g: (0 if k in (0, 1, 4, 5) else 1) for k, g in enumerate(gpus)}  # each domain on both sockets
+    switches = [NVSWITCHES[:3], NVSWITCHES[3:]]
+    nvml = _FakeNvml({}, switch_links={g: [s for s in switches[domain[g]] for _ in range(4)] for g in gpus})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    use_fake_cudart(monkeypatch, _FakeCudart(gpus, {(a, b) for a in gpus for b in gpus if a < b}))
+    t = T.discover(str(tmp_path))
+    assert [d.name for d in t.devices if d.kind == "switch"] == ["nvswitch0", "nvswitch1"]
+    for k, g in enumerate(gpus):
+        assert link_between(t, f"gpu{k}", f"nvswitch{domain[g]}").bridges == 12
+        assert link_between(t, f"gpu{k}", f"nvswitch{1 - domain[g]}") is None
+    kinds = {(a, b): link_between(t, a, b) and link_between(t, a, b).kind for a in ("gpu0", "gpu1") for b in
+             ("gpu1", "gpu2", "gpu4", "gpu6")}
+    # the fabric carries its own domain's peer traffic; the other domain's is PCIe
+    assert (kinds[("gpu0", "gpu1")], kinds[("gpu0", "gpu4")]) == (None, None)
+    assert (kinds[("gpu0", "gpu2")], kinds[("gpu1", "gpu6")]) == ("pcie-p2p", "pcie-p2p")
+    plan = t.plan(T.even_all_to_all(8, 1_000_000, 256), "direct")
+    by = {(r["src"], r["dst"]): r for r in plan["routes"]}
+    assert by[(0, 4)]["path"] == [t.index("gpu0"), t.index("nvswitch0"), t.index("gpu4")]
+    assert t.index("nvswitch0") not in by[(0, 2)]["path"] and t.index("nvswitch1") not in by[(0, 2)]["path"]
+    grid = endpoint_grid(T.format_text(t))
+    assert (grid[("gpu0", "gpu4")], grid[("gpu2", "gpu7")], grid[("gpu0", "gpu2")]) == ("SW12", "SW12", "PC1")
+    assert nvml.shut
+
+
+def test_gpus_off_the_switches_are_off_the_fabric(tmp_path, monkeypatch):
+    # Half the GPUs on NVSwitches, half on none; then switch links whose far end NVML
+    # cannot name, which count as ending at one switch (the fabric's members cannot be
+    # told apart otherwise).
+    gpus, _ = dgx_a100_nvml(tmp_path)
+    nvml = _FakeNvml({}, switch_links={g: [s for s in NVSWITCHES for _ in range(2)] for g in gpus[:4]})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    assert [d.name for d in t.devices if d.kind == "switch"] == ["nvswitch"]
+    assert [k for k in range(8) if link_between(t, f"gpu{k}", "nvswitch")] == [0, 1, 2, 3]
+    nvml = _FakeNvml({}, switch_links={g: [None] * 12 for g in gpus[:2]} | {g: [None] * 6 for g in gpus[4:6]})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    assert [d.name for d in t.devices if d.kind == "switch"] == ["nvswitch"]
+    assert [link_between(t, f"gpu{k}", "nvswitch") and link_between(t, f"gpu{k}", "nvswitch").bridges
+            for k in range(8)] == [12, 12, None, None, 6, 6, None, None]
 
 
 class _FakeCudart(types.ModuleType):

@@ -494,8 +494,9 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
     node's cpu over PCIe (its link speed if sysfs gives it, else PCIE_GBPS); nodes link
     pairwise with NUMA_GBPS (sysfs does not say). NVLinks come from NVML when pynvml is
     importable and a driver answers (gpus=True); otherwise none: NVLinks between two GPUs
-    link them, NVLinks to NVSwitches link the GPU to one "nvswitch" device (the fabric),
-    NVLINK_GBPS a link. Pairs the CUDA runtime reports peer access between (cuda-python's
+    link them, NVLinks to NVSwitches link the GPU to its fabric's switch device
+    ("nvswitch", or "nvswitch0", "nvswitch1" ... with several: GPUs whose NVLinks end at
+    a common switch are one fabric), NVLINK_GBPS a link. Pairs the CUDA runtime reports peer access between (cuda-python's
     P2P attributes) and NVLink does not join get a PCIe peer link. With no GPU and
     host_partitions_if_no_gpu > 0, host partitions over the first node's memory.
     """
@@ -541,16 +542,17 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
         links += [Link(first_gpu + a, first_gpu + b, NVLINK_GBPS * n, 1.5, "nvlink", n)
                   for (a, b), n in sorted(nv.between.items())]
         nvlinked = {(first_gpu + a, first_gpu + b) for a, b in nv.between}
-        if nv.to_switch:
-            # The NVSwitches as one device, as examples/topologies/nvswitch.toml has them:
-            # every GPU pair on them is two hops apart at the slower GPU's NVLink rate
-            # (the switches do not block), and NVML does not tell which switches form
-            # one fabric anyway.
-            devices.append(Device("nvswitch", "switch", -1))
-            links += [Link(first_gpu + k, len(devices) - 1, NVLINK_GBPS * n, 1.0, "nvlink", n)
-                      for k, n in sorted(nv.to_switch.items())]
-            on_switch = sorted(first_gpu + k for k in nv.to_switch)
-            nvlinked |= {(a, b) for i, a in enumerate(on_switch) for b in on_switch[i + 1:]}
+        fabrics = sorted({f for f in nv.fabric.values()})
+        for f in fabrics:
+            # Each fabric's NVSwitches as one device, as examples/topologies/nvswitch.toml
+            # has them: every GPU pair on it is two hops apart at the slower GPU's NVLink
+            # rate (the switches do not block). GPUs of different fabrics share no switch
+            # and get no NVLink route (_nvml_links says how fabrics are told apart).
+            devices.append(Device("nvswitch" if len(fabrics) == 1 else f"nvswitch{f}", "switch", -1))
+            on_switch = sorted(k for k, g in nv.fabric.items() if g == f)
+            links += [Link(first_gpu + k, len(devices) - 1, NVLINK_GBPS * nv.to_switch[k], 1.0, "nvlink",
+                           nv.to_switch[k]) for k in on_switch]
+            nvlinked |= {(first_gpu + a, first_gpu + b) for i, a in enumerate(on_switch) for b in on_switch[i + 1:]}
         links += _cuda_peer_links(bus_ids, first_gpu, nvlinked)
     if not gpu_dirs and host_partitions_if_no_gpu > 0:
         for i in range(host_partitions_if_no_gpu):
@@ -617,6 +619,7 @@ def _cuda_peer_links(bus_ids: list[str], first_gpu: int, nvlinked: set) -> list[
 class _NvLinks:
     between: dict[tuple[int, int], int]   # (GPU k, GPU r), k < r -> NVLink bridges between them
     to_switch: dict[int, int]              # GPU k -> its NVLinks that end at an NVSwitch
+    fabric: dict[int, int] = field(default_factory=dict)  # GPU k on switches -> its fabric, 0, 1 ... by lowest GPU
 
 
 def _bus_id(bus) -> str:
@@ -645,10 +648,39 @@ def _nvlink_ends_at_switch(pynvml, remote_type, handle, link: int, sysfs: str) -
     return None
 
 
+def _fabrics(switches_of: dict[int, set]) -> dict[int, int]:
+    """GPUs grouped into NVSwitch fabrics: two GPUs whose NVLinks end at a common switch
+    (by its PCI bus id) are on one fabric, and so are GPUs joined through a chain of
+    such. Returns GPU -> fabric, numbered 0, 1 ... in order of each fabric's lowest GPU.
+    What a GPU's NVLinks do not show is not seen: switches joined only to each other
+    (DGX-2's two baseboards, whose switches are trunked) make two fabrics here, and
+    their GPUs are modelled without NVLink between the halves."""
+    fabric: dict[int, int] = {}
+    on_switch: dict = {}   # switch bus id -> a GPU on it
+    parent = {k: k for k in switches_of}
+
+    def root(k: int) -> int:
+        while parent[k] != k:
+            k = parent[k]
+        return k
+    for k in sorted(switches_of):
+        for switch in switches_of[k]:
+            if switch in on_switch:
+                parent[root(k)] = root(on_switch[switch])
+            else:
+                on_switch[switch] = k
+    roots: dict[int, int] = {}
+    for k in sorted(switches_of):
+        fabric[k] = roots.setdefault(root(k), len(roots))
+    return fabric
+
+
 def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
     """The NVLinks of the GPUs (sysfs bus ids; GPU k is bus_ids[k]) as NVML reports them:
-    bridges between two GPUs, and each GPU's NVLinks to NVSwitches (DGX/HGX A100 and
-    H100, where no NVLink ends at a GPU). Nothing without pynvml or a driver; a GPU NVML
+    bridges between two GPUs, each GPU's NVLinks to NVSwitches (DGX/HGX A100 and
+    H100, where no NVLink ends at a GPU) and the fabric those make it part of (_fabrics;
+    switches told apart by the PCI bus id NVML gives as each NVLink's far end, those it
+    does not name taken as one switch). Nothing without pynvml or a driver; a GPU NVML
     does not know (bound to another driver such as vfio-pci, or NVML sees no GPU at all)
     has only the NVLinks other GPUs report to it."""
     none = _NvLinks({}, {})
@@ -666,6 +698,7 @@ def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
         index = {_bus_id(b): k for k, b in enumerate(bus_ids)}
         seen_from: dict[tuple[int, int], int] = {}   # (GPU k, GPU r) -> k's NVLinks ending at r
         to_switch: dict[int, int] = {}
+        switches_of: dict[int, set] = {}   # GPU k -> the bus ids of the NVSwitches its NVLinks end at
         for k, b in enumerate(bus_ids):
             try:
                 h = pynvml.nvmlDeviceGetHandleByPciBusId(b)
@@ -679,6 +712,11 @@ def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
                     continue
                 if _nvlink_ends_at_switch(pynvml, remote_type, h, link, sysfs):
                     to_switch[k] = to_switch.get(k, 0) + 1
+                    try:
+                        switch = _bus_id(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId)
+                    except pynvml.NVMLError:
+                        switch = None  # a switch NVML does not name: taken as one, shared
+                    switches_of.setdefault(k, set()).add(switch)
                     continue
                 try:
                     remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId
@@ -693,7 +731,7 @@ def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
         for (k, r), n in seen_from.items():
             pair = (min(k, r), max(k, r))
             between[pair] = max(between.get(pair, 0), n)
-        return _NvLinks(between, to_switch)
+        return _NvLinks(between, to_switch, _fabrics(switches_of))
     finally:
         pynvml.nvmlShutdown()
 
