@@ -316,6 +316,29 @@ def test_memory_only_nodes_are_no_place_to_bind(tmp_path):
     assert all(s.cores for s in b.stages)
 
 
+def test_host_partitions_go_to_nodes_with_cores(tmp_path, capsys):
+    # A memory-only node 0 (the cores on nodes 1 and 2) got the host partitions: their
+    # load threads were bound to every core, as if their node were unknown, and `hps
+    # topology`'s "one host partition a NUMA node" put them all on node 0.
+    fake_sysfs(tmp_path, 3, cores_per_node=4, gpus_per_node=0, nvme_node=1, nic_node=2)
+    (tmp_path / "devices" / "system" / "node" / "node0" / "cpulist").write_text("\n")
+    t = T.discover(str(tmp_path), host_partitions_if_no_gpu=2)
+    assert [(t.devices[i].name, t.devices[i].numa) for i in t.endpoints] == [("host0", 1), ("host1", 1)]
+    assert all(link_between(t, f"host{k}", "cpu1") for k in range(2))
+    b = t.binding_plan()
+    assert b.cores_of("load:host0") == b.cores_of("load:host1") == [4, 5, 6, 7]
+    assert b.stages[2].reason == "host0 is on NUMA node 1"
+    hosts = T.host_partitions(2, numa_cores=t.numa_cores)
+    assert [hosts.devices[i].numa for i in hosts.endpoints] == [1, 2]
+    assert hosts.binding_plan().cores_of("load:host1") == [8, 9, 10, 11]
+    assert [d.numa for d in T.host_partitions(3, numa_cores={0: [0, 1]}).devices] == [0, 0, 0, 0]
+    from hps.cli import main
+    assert main(["topology", "--sysfs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    binding = out[out.index("core binding:"):]
+    assert "load:host0  1     4-7" in binding and "load:host1  2     8-11" in binding, binding
+
+
 def test_cli_gives_memory_only_nodes_no_host_partition(tmp_path, capsys):
     from hps.cli import main
     fake_sysfs(tmp_path, 1, cores_per_node=4, gpus_per_node=0, nvme_node=0, nic_node=0)

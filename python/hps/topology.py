@@ -282,12 +282,17 @@ def even_all_to_all(endpoints: int, rows: int, row_bytes: int) -> np.ndarray:
 
 
 def host_partitions(n: int, gbps: float = MEMCPY_GBPS, latency_us: float = 0.5, numa_cores=None) -> Topology:
-    """n host partitions over one memory: a flat topology (every pair the same route)."""
+    """n host partitions over one memory: a flat topology (every pair the same route).
+    Partition i is on the i-th NUMA node with cores of numa_cores (round the nodes again
+    past the last; node 0 if none has cores): a memory-only node has no core to run its
+    load thread. Default numa_cores: node 0 with the cores this process may use."""
     if n < 1:
         raise ValueError(f"host_partitions: n must be >= 1, got {n}")
-    devices = [Device(f"host{i}", "host", 0) for i in range(n)] + [Device("memory", "cpu", 0)]
-    links = [Link(i, n, gbps, latency_us, "memcpy") for i in range(n)]
     cores = numa_cores if numa_cores is not None else {0: sorted(os.sched_getaffinity(0))}
+    sockets = sorted(node for node, cs in cores.items() if cs) or [0]
+    devices = [Device(f"host{i}", "host", sockets[i % len(sockets)]) for i in range(n)] + \
+        [Device("memory", "cpu", sockets[0])]
+    links = [Link(i, n, gbps, latency_us, "memcpy") for i in range(n)]
     return Topology(f"{n} host partitions", devices, links, dict(cores), source="host partitions")
 
 
@@ -498,7 +503,8 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
     ("nvswitch", or "nvswitch0", "nvswitch1" ... with several: GPUs whose NVLinks end at
     a common switch are one fabric), NVLINK_GBPS a link. Pairs the CUDA runtime reports peer access between (cuda-python's
     P2P attributes) and NVLink does not join get a PCIe peer link. With no GPU and
-    host_partitions_if_no_gpu > 0, host partitions over the first node's memory.
+    host_partitions_if_no_gpu > 0, host partitions over the memory of the first node
+    with cores.
     """
     node_root = os.path.join(sysfs, "devices", "system", "node")
     numa_cores: dict[int, list[int]] = {}
@@ -555,9 +561,10 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
             nvlinked |= {(first_gpu + a, first_gpu + b) for i, a in enumerate(on_switch) for b in on_switch[i + 1:]}
         links += _cuda_peer_links(bus_ids, first_gpu, nvlinked)
     if not gpu_dirs and host_partitions_if_no_gpu > 0:
+        # on the first socket: a memory-only node has no core for their load thread
         for i in range(host_partitions_if_no_gpu):
-            devices.append(Device(f"host{i}", "host", nodes[0]))
-            links.append(Link(len(devices) - 1, 0, MEMCPY_GBPS, 0.5, "memcpy-assumed"))
+            devices.append(Device(f"host{i}", "host", sockets[0]))
+            links.append(Link(len(devices) - 1, cpu_index[sockets[0]], MEMCPY_GBPS, 0.5, "memcpy-assumed"))
     nvme = [(os.path.basename(c), node_of(_numa_of(os.path.join(c, "device"))))
             for c in sorted(glob.glob(os.path.join(sysfs, "class", "nvme", "nvme*")))]
     nics = [(os.path.basename(c), node_of(_numa_of(os.path.join(c, "device"))))
