@@ -327,3 +327,12 @@ def test_resume_over_shuffled_epochs_continues_to_the_same_result(tmp_path):
     assert resumed["batches"] == 10
     assert resumed["final"]["auc"] == whole["final"]["auc"]
     assert resumed["final"]["logloss"] == whole["final"]["logloss"]
+
+
+@pytest.mark.parametrize("value", ["false", "no", 0, 1])
+def test_skip_malformed_that_is_not_a_bool_is_refused(tmp_path, value):
+    # TOML's skip_malformed = "false" is a string, which bool() reads as True: the run
+    # would leave out the bad lines the user asked to be stopped at.
+    with pytest.raises(ValueError, match=r"run.toml: data.skip_malformed must be true or false, got "):
+        TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps")},
+                               "data": {"source": str(tmp_path), "skip_malformed": value}}, "run.toml")

@@ -227,6 +227,9 @@ class TrainConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{source}: data.{name} must be an int >= {low}, got {v!r}")
+        # A string such as "false" would pass bool() as True: lines left out that should stop the run.
+        if not isinstance(data.skip_malformed, bool):
+            raise ValueError(f"{source}: data.skip_malformed must be true or false, got {data.skip_malformed!r}")
         # (checkpoint_every = -1 trained no batch and ended as a finished run)
         for name, low in (("online_window", 1), ("online_window_batches", 0), ("eval_every", 0),
                           ("checkpoint_every", 0), ("torch_threads", 0)):
