@@ -336,3 +336,27 @@ def test_skip_malformed_that_is_not_a_bool_is_refused(tmp_path, value):
     with pytest.raises(ValueError, match=r"run.toml: data.skip_malformed must be true or false, got "):
         TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps")},
                                "data": {"source": str(tmp_path), "skip_malformed": value}}, "run.toml")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("online_poll", "1", r"data.online_poll must be a number > 0 \(seconds\), got '1'"),
+    ("online_poll", True, r"data.online_poll must be a number > 0 \(seconds\), got True"),
+    ("online_poll", 0, r"data.online_poll must be a number > 0 \(seconds\), got 0"),
+    ("online_idle", "5", r"data.online_idle must be a number >= 0 \(seconds\), got '5'"),
+    ("online_examples", 2.5, r"data.online_examples must be an int >= 1, got 2.5"),
+    ("online_examples", "100", r"data.online_examples must be an int >= 1, got '100'"),
+    ("online_marker", 5, r"data.online_marker must be a file name, got 5"),
+    ("zipf_a", "1.1", r"data.zipf_a must be a number >= 0, got '1.1'"),
+    ("source", 5, r"data.source must be a path, a glob, a directory or a list of them, got 5"),
+    ("source", [], r"data.source must be a path, a glob, a directory or a list of them, got \[\]"),
+    ("eval_source", [7], r"data.eval_source must be a path, a glob, a directory or a list of them, got \[7\]"),
+])
+def test_data_fields_of_the_wrong_type_are_named(tmp_path, field, value, message):
+    # These were taken as given and failed later, in the reader, with a TypeError that named
+    # neither the file nor the field ("'>' not supported between instances of 'str' and 'int'"),
+    # or were cut short silently (online_examples = 2.5 read 2 examples).
+    (tmp_path / "in").mkdir()
+    data = {"source": str(tmp_path / "in"), field: value}
+    with pytest.raises(ValueError, match="run.toml: " + message):
+        TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "online": True, "data": data},
+                              "run.toml")

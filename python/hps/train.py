@@ -40,7 +40,7 @@ from hps import data as hdata
 from hps import reshard
 from hps.admission import Admission
 from hps.data.keys import ADMISSION_DEFAULT_KEY
-from hps.config import check_fields, is_int, load_toml, parse_bytes
+from hps.config import check_fields, is_int, is_number, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.distributed.comm import local_ranks_from_environment
 from hps.errors import DivergedError
@@ -230,6 +230,25 @@ class TrainConfig:
         # A string such as "false" would pass bool() as True: lines left out that should stop the run.
         if not isinstance(data.skip_malformed, bool):
             raise ValueError(f"{source}: data.skip_malformed must be true or false, got {data.skip_malformed!r}")
+        # Checked here, naming the field: a reader given one of the wrong type failed with a bare
+        # TypeError, or (online_examples = 2.5) cut it short without a word.
+        for name in ("source", "eval_source"):
+            v = getattr(data, name)
+            paths = v if isinstance(v, (list, tuple)) else [v]
+            if not (v is None and name == "eval_source") and \
+                    (not paths or not all(isinstance(p, (str, os.PathLike)) for p in paths)):
+                raise ValueError(f"{source}: data.{name} must be a path, a glob, a directory or a list of them, "
+                                 f"got {v!r}")
+        if not (is_number(data.online_poll) and 0 < data.online_poll < math.inf):
+            raise ValueError(f"{source}: data.online_poll must be a number > 0 (seconds), got {data.online_poll!r}")
+        if data.online_idle is not None and not (is_number(data.online_idle) and data.online_idle >= 0):
+            raise ValueError(f"{source}: data.online_idle must be a number >= 0 (seconds), got {data.online_idle!r}")
+        if data.online_examples is not None and not (is_int(data.online_examples) and data.online_examples >= 1):
+            raise ValueError(f"{source}: data.online_examples must be an int >= 1, got {data.online_examples!r}")
+        if data.online_marker is not None and not (isinstance(data.online_marker, str) and data.online_marker):
+            raise ValueError(f"{source}: data.online_marker must be a file name, got {data.online_marker!r}")
+        if not (is_number(data.zipf_a) and data.zipf_a >= 0):
+            raise ValueError(f"{source}: data.zipf_a must be a number >= 0, got {data.zipf_a!r}")
         # (checkpoint_every = -1 trained no batch and ended as a finished run)
         for name, low in (("online_window", 1), ("online_window_batches", 0), ("eval_every", 0),
                           ("checkpoint_every", 0), ("torch_threads", 0)):
