@@ -479,3 +479,34 @@ def test_a_resumed_run_on_a_growing_directory_reads_each_file_once(tmp_path):
     src.replay(["b.csv", "a.csv"])
     with pytest.raises(DataError, match=r"b.csv: read before the checkpoint this run resumes from, and gone since"):
         list(src)
+
+
+def test_a_file_changed_after_it_was_read_is_not_read_again_and_says_so(tmp_path):
+    # Files are read once, whole, when ready: a file rewritten or appended to under the same
+    # name afterwards (a writer that paused longer than a poll, then went on) is not read
+    # again, since its first part was trained on already. That was silent; now it warns,
+    # naming the file, once.
+    from hps.data import FileChangedWarning
+    (tmp_path / "a.csv").write_text(HEADER + "".join(rows(10, 40)))
+    (tmp_path / "b.csv").write_text(HEADER + "".join(rows(10, 41)))
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05, idle=None)
+    with pytest.warns(FileChangedWarning, match=r"a.csv: changed after it was read \(\d+ -> \d+ bytes\)") as got:
+        names = []
+        for b in src:
+            names.append(os.path.basename(b.sources[0].path))
+            if names == ["a.csv", "b.csv"]:  # a.csv read whole: the source is at b.csv
+                with open(tmp_path / "a.csv", "a") as f:
+                    f.write("".join(rows(5, 42)))
+                (tmp_path / "_DONE").write_text("")
+    assert names == ["a.csv", "b.csv"] and src.examples_read == 20
+    assert len([w for w in got if issubclass(w.category, FileChangedWarning)]) == 1
+    assert [os.path.basename(p) for p in src.changed_after_read] == ["a.csv"]
+    # Changed while its reader was still at it: said when the reader is done.
+    os.remove(tmp_path / "b.csv")
+    (tmp_path / "a.csv").write_text(HEADER + "".join(rows(20, 43)))
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05)
+    with pytest.warns(FileChangedWarning, match=r"a.csv: changed after it was read"):
+        for i, b in enumerate(src):
+            if i == 0:
+                (tmp_path / "a.csv").write_text(HEADER + "".join(rows(30, 44)))
+    assert [os.path.basename(p) for p in src.changed_after_read] == ["a.csv"]

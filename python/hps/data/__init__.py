@@ -31,7 +31,9 @@ Sources:
   (:mod:`hps.data.tabular`). Any categorical value is a feature
   (:func:`value_keys`); multi-hot fields arrive in ``Batch.bags`` (:class:`Bags`).
 - :class:`GrowingDirectory`: a directory whose new files are read as they appear,
-  until a stop condition (online training, :mod:`hps.data.online`).
+  until a stop condition (online training, :mod:`hps.data.online`); each file is
+  read once, whole: a file changed after it was read warns
+  (:class:`FileChangedWarning`) and the change is not read.
 - :class:`Epochs`: several passes over a source through a seeded shuffle buffer;
   :class:`FirstExamples`: the first N rows of each pass; :func:`skip_examples`.
 
@@ -67,7 +69,7 @@ from hps.data.epochs import Epochs, FirstExamples, skip_examples
 from hps.data.examples import Bags, Batch, Source
 from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, list_files, shard_files  # (the first: not in __all__)
 from hps.data.keys import SENTINEL_KEY, feature_keys, missing_key, mix64
-from hps.data.online import GrowingDirectory
+from hps.data.online import FileChangedWarning, GrowingDirectory
 from hps.data.schema import Schema, value_keys
 from hps.data.synthetic import DEFAULT_VOCAB_SIZES, SyntheticCriteo
 from hps.data.tabular import Libsvm, SchemaCsv, SchemaParquet, open_schema
@@ -83,6 +85,7 @@ __all__ = [
     "DEFAULT_VOCAB_SIZES",
     "DataError",
     "Epochs",
+    "FileChangedWarning",
     "FirstExamples",
     "GrowingDirectory",
     "LABEL_COLUMN",

@@ -12,6 +12,14 @@ size and modification time are the same in two polls in a row. Writers should
 write under a temporary suffix (or a dot name) and rename when done; the size
 rule only catches a writer that pauses no longer than a poll interval.
 
+Files are immutable once ready. Each file is read once, whole, when it is
+taken: a file changed afterwards under the same name (rewritten, or appended to
+by a writer that paused longer than a poll and was taken for done) is not read
+again, since its first content was trained on already and reading it again
+would train those examples twice. A change that is seen (at a later poll, or
+while the file was read) warns once, naming the file (:class:`FileChangedWarning`),
+and the file is in ``changed_after_read``. New examples go in new files.
+
 Order. At each poll the ready files not read yet are read in name order; a
 file that becomes ready later is read after them even if its name sorts
 earlier. Node ``rank`` of ``world`` reads, in the order taken, the files whose
@@ -33,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import warnings
 from typing import Callable, Iterator, Optional
 
 from hps.data.epochs import _take
@@ -43,6 +52,11 @@ import numpy as np
 
 #: Names ending in one of these are files still being written.
 TEMPORARY_SUFFIXES = (".tmp", ".part", ".partial", ".inprogress", ".crdownload", ".copying")
+
+
+class FileChangedWarning(UserWarning):
+    """A file of a growing directory changed after it was read: the change is not
+    read (each file is read once, whole; see :mod:`hps.data.online`)."""
 
 
 def _candidate(name: str) -> bool:
@@ -75,7 +89,9 @@ class GrowingDirectory:
 
     One pass: iterating again starts over from an empty set of read files.
     ``files_read`` lists the files read in the current or last pass; ``malformed``
-    and ``malformed_examples`` add up what its readers skipped (``skip_malformed``).
+    and ``malformed_examples`` add up what its readers skipped (``skip_malformed``);
+    ``changed_after_read`` lists the files read that were seen to change afterwards
+    (each warned of once, :class:`FileChangedWarning`; the change is not read).
     """
 
     def __init__(self, directory, open_file: Callable[[str], object], *, poll: float = 1.0,
@@ -104,6 +120,8 @@ class GrowingDirectory:
         self.examples_read = 0
         self.malformed = 0
         self.malformed_examples: list = []
+        self.changed_after_read: list = []
+        self._read_stats: dict = {}  # name -> (size, mtime_ns) when this rank's reader opened it
         self._first: Optional[str] = None
         self._replay: list = []  # replay(): names a run before this one read, in its order
 
@@ -136,6 +154,7 @@ class GrowingDirectory:
         while True:
             marked = self._marked()  # looked at before the listing: the files it saw are complete
             now = self._scan()
+            self._check_unchanged(now)
             ready = sorted(now) if marked else ready_files(before, now)
             fresh = [n for n in ready if n not in taken]
             for name in fresh:
@@ -153,6 +172,27 @@ class GrowingDirectory:
                 return
             before = now
             time.sleep(self.poll)
+
+    def _check_unchanged(self, now: dict) -> None:
+        """Warns of the files read in this pass whose (size, mtime) in ``now`` is not
+        what it was when they were opened (once each)."""
+        for name, st in now.items():
+            was = self._read_stats.get(name)
+            path = os.path.join(self.directory, name)
+            if was is None or was == st or path in self.changed_after_read:
+                continue
+            self.changed_after_read.append(path)
+            warnings.warn(f"{path}: changed after it was read ({was[0]} -> {st[0]} bytes): a growing directory "
+                          f"reads each file once, whole, when it is ready, so the change is not read; write new "
+                          f"examples as new files (under a temporary name, renamed when complete)",
+                          FileChangedWarning, stacklevel=3)
+
+    def _stat(self, path: str) -> Optional[tuple]:
+        try:
+            st = os.stat(path)
+        except OSError:  # gone: the reader names it
+            return None
+        return st.st_size, st.st_mtime_ns
 
     def first_file(self) -> Optional[str]:
         """The first file that becomes ready (waiting for it, up to the stop
@@ -191,6 +231,7 @@ class GrowingDirectory:
     def __iter__(self) -> Iterator[Batch]:
         self.files_read, self.examples_read = [], 0
         self.malformed, self.malformed_examples = 0, []
+        self.changed_after_read, self._read_stats = [], {}
         # The files a run before read (replay()), then the one widths() found, then whatever follows.
         earlier = [os.path.join(self.directory, n) for n in self._replay]
         if self._first is not None and self._first not in earlier:
@@ -205,6 +246,10 @@ class GrowingDirectory:
                                 f"resumed run cannot skip the examples done (it needs the files read so far, "
                                 f"unchanged)", path=path)
             self.files_read.append(path)
+            name = os.path.basename(path)
+            opened = self._stat(path)
+            if opened is not None:
+                self._read_stats[name] = opened
             reader = None
             try:
                 reader = self._reader(path)
@@ -224,6 +269,9 @@ class GrowingDirectory:
                 raise DataError(f"{path}: cannot read: {type(e).__name__}: {e}", path=path) from e
             finally:
                 self._count_malformed(reader)
+            done = self._stat(path)  # (a change while it was read; later ones, the next polls find)
+            if opened is not None and done is not None:
+                self._check_unchanged({name: done})
 
     def _count_malformed(self, reader) -> None:
         n = getattr(reader, "malformed", 0)
