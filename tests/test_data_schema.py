@@ -858,3 +858,25 @@ def test_directories_globs_and_mixed_kinds(tmp_path):
         open_schema(d, SCHEMA)
     with pytest.raises(ValueError, match=r"format must be 'csv', 'parquet' or 'libsvm' with a schema, got 'orc'"):
         open_schema(d / "part-0.csv", SCHEMA, format="orc")
+
+
+@pytest.mark.parametrize("header", [True, False])
+def test_csv_with_lone_cr_line_ends_reads_every_row(tmp_path, header):
+    # "\r" alone ends a line for pyarrow (classic Mac files, Excel's "CSV (Macintosh)"),
+    # but the header was looked for up to the first "\n": a file without one was taken
+    # for a header with no line end, "no rows", and read as 0 examples without a word.
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site"], "header": header}
+    if not header:
+        schema.update(label=0, dense=[1], categorical=[2])
+    p = tmp_path / "mac.csv"
+    p.write_bytes((b"click,price,site\r" if header else b"") + b"1,2,a\r0,3,b\r1,4,c\r")
+    labels, dense, keys, _, batches = read_all(SchemaCsv(p, schema))
+    np.testing.assert_array_equal(labels, [1, 0, 1])
+    np.testing.assert_array_equal(dense, log1p([2, 3, 4])[:, None])
+    np.testing.assert_array_equal(keys[:, 0], [ref_key(0, v) for v in "abc"])
+    first = 2 if header else 1
+    assert [b.locate(i)[1] for b in batches for i in range(len(b))] == [first, first + 1, first + 2]
+    # A bad row is named by that line (each "\r" ends one).
+    p.write_bytes((b"click,price,site\r" if header else b"") + b"1,2,a\r0,x,b\r")
+    with pytest.raises(DataError, match=rf"mac.csv:{first + 1}: column '(price|1)': 'x' is not a number"):
+        list(SchemaCsv(p, schema))

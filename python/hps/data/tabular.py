@@ -43,6 +43,10 @@ from hps.data.schema import Schema, _as_binary, _binary_parts, value_hashes
 # The least magnitude that is inf as a float32, the type values are stored in.
 FLOAT32_OVERFLOW = _libsvm_lines.FLOAT32_OVERFLOW
 
+# A line end as pyarrow.csv reads one.
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+
+
 def _plain_name(path: str) -> str:
     """The file name without a compression suffix ("day0.tsv.gz" -> "day0.tsv")."""
     base = path.lower()
@@ -258,7 +262,8 @@ class SchemaCsv(_SchemaReader):
     number``, ``clicks.csv:7: has 4 fields, expected 5``, ``clicks.csv:9: is an empty line,
     expected 5 fields``, ``clicks.csv: no column 'click'``.
     ``skip_malformed`` skips and counts bad lines as the Criteo readers do; a schema that
-    does not match a file raises even then. Lines are 1-based and count the header.
+    does not match a file raises even then. Lines are 1-based and count the header;
+    a line ends at "\\n", "\\r\\n" or a lone "\\r" (as pyarrow.csv reads them).
     pyarrow parses ``block_bytes`` at a time; a file with a longer line (a long
     multi-hot list) is read again from that line with larger blocks, up to 1 GiB.
     """
@@ -282,22 +287,29 @@ class SchemaCsv(_SchemaReader):
         """(the header's names, or "0", "1", ... for the first line's fields; the first line's bytes)."""
         pa = self._pa
         with _open_stream(pa, path) as f:
-            first = b""
-            while not first.endswith(b"\n"):
+            # The first line ends where pyarrow ends it: at "\n", "\r\n" or a lone "\r"
+            # (a file of "\r" line ends has no "\n" at all, and was taken for a header
+            # without a line end: no rows). A "\r" last in what is read waits for the
+            # next byte, which may be its "\n".
+            buf, end, eof = b"", None, False
+            while end is None and not eof:
                 chunk = f.read(1 << 16)
-                if not chunk:
-                    break
-                first += chunk
-                if b"\n" in chunk:
-                    first = first[:first.index(b"\n") + 1]
+                eof = not chunk
+                at = max(len(buf) - 1, 0)  # (from the last byte read before: a "\r" held back)
+                buf += chunk
+                m = _LINE_END.search(buf, at)
+                if m is not None and (m.group() != b"\r" or m.end() < len(buf) or eof):
+                    end = m.end()
+            first = buf if end is None else buf[:end]
         if not first.strip(b"\r\n"):
             raise DataError(f"{path}:1: " + ("empty file" if not first else "the first line is empty"), path=path,
                             line=1)
+        ended = first.endswith((b"\n", b"\r"))
         if self.schema.header:
             # (a header that does not end a line has no rows after it: -1)
-            whole = first if first.endswith(b"\n") else first + b"\n"
+            whole = first if ended else first + b"\n"
             return (list(pa.csv.read_csv(pa.BufferReader(whole), parse_options=parse).column_names),
-                    len(first) if first.endswith(b"\n") else -1)
+                    len(first) if ended else -1)
         head = pa.csv.read_csv(pa.BufferReader(first), parse_options=parse,
                                read_options=pa.csv.ReadOptions(autogenerate_column_names=True))
         return [str(i) for i in range(head.num_columns)], len(first)
