@@ -232,3 +232,77 @@ def test_topk_on_the_wire_carries_nothing_from_one_batch_to_the_next():
     t = tr.counter.as_dict()
     assert 0 < t["activations"]["after"] < t["activations"]["before"]
     assert 0 < t["gradients"]["after"] < t["gradients"]["before"]
+
+
+class _ClockedPs:
+    """A trainer's view of group PSs over MPI, on a clock that only sleeping moves
+    (hps.distributed.poll's time, patched): a PS answers a request `answer_after`
+    clock seconds after it was posted (None: never). No thread, no real waiting, so
+    a bound is tested exactly, whatever the machine's load."""
+
+    def __init__(self, answer_after: dict):
+        self.now = 0.0
+        self.answer_after = answer_after  # request op -> seconds, or None
+        self.posted: list = []            # (rank, tag, op, at)
+
+    # time, as poll uses it
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    # the communicator, as MpiTransport and poll use it
+    def send(self, msg, dest, tag):
+        self.posted.append((dest, tag, msg[0], self.now))
+
+    def improbe(self, source, tag, status=None):
+        for i, (rank, t, op, at) in enumerate(self.posted):
+            after = self.answer_after[op]
+            if rank == source and t == tag and after is not None and self.now >= at + after:
+                del self.posted[i]
+                return type("Message", (), {"recv": lambda self, op=op: f"{op} done"})()
+        return None
+
+
+@pytest.fixture
+def clocked(monkeypatch):
+    from hps.distributed import poll
+
+    def make(answer_after):
+        ps = _ClockedPs(answer_after)
+        monkeypatch.setattr(poll, "time", ps)
+        return ps
+    return make
+
+
+def _clocked_trainer(ps, timeout):
+    from hps.hierarchical.split_mlp import MpiTransport
+    seq = nn.Sequential(nn.Linear(4, 2))
+    return SplitTrainer(seq, SplitPlan.all_trainer(seq, 2), MpiTransport(ps, [5, 6], timeout=timeout))
+
+
+def test_the_end_of_training_waits_for_a_group_ps_busy_with_its_last_average(clocked):
+    # A group PS answers "finish" after its averaging's finish, which waits on the
+    # centre up to `timeout` for the exchange in flight and again for its stop: 1.5 x
+    # timeout is within its own bounds. The trainer waited one timeout and failed the
+    # job, blaming the PS ("did not answer the end of training within 1 s").
+    ps = clocked({"finish": 1.5, "step": 0.0})
+    tr = _clocked_trainer(ps, timeout=1.0)
+    tr.ps_finish()
+    assert ps.now >= 1.5 and not ps.posted
+
+
+def test_a_group_ps_that_never_finishes_fails_the_trainer_after_the_finish_bound(clocked):
+    from hps.hierarchical.split_mlp import FINISH_WAITS, GroupPsTimeout
+    ps = clocked({"finish": None, "step": None})
+    tr = _clocked_trainer(ps, timeout=1.0)
+    with pytest.raises(GroupPsTimeout, match=r"group PS 0 \(rank 5\) did not answer the end of training \(its last "
+                                             rf"averaging, allowed {FINISH_WAITS} x the timeout\) within 3 s"):
+        tr.ps_finish()
+    assert FINISH_WAITS == 3 and 3.0 <= ps.now < 3.1
+    # Every other wait keeps the timeout itself.
+    ps.now, ps.posted = 0.0, []
+    with pytest.raises(GroupPsTimeout, match=r"group PS 0 \(rank 5\) did not answer the optimizer step within 1 s"):
+        tr.ps_step()
+    assert 1.0 <= ps.now < 1.1

@@ -91,7 +91,8 @@ class HierarchicalConfig:
     placement: list = field(default_factory=list)  # per Linear: "trainer", "ps:vertical", "ps:vertical:pair",
                                                    # "ps:horizontal", "ps:whole:Q"; empty: the planner's
     planner: dict = field(default_factory=dict)    # PlannerConfig fields for the planner's cost model
-    timeout: float = 60.0            # seconds a rank waits for a group PS or the centre
+    timeout: float = 60.0            # seconds a rank waits for a group PS or the centre (for the group PSs'
+                                     # last average, which may wait on the centre twice: 3 x, FINISH_WAITS)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "[hierarchical]") -> "HierarchicalConfig":

@@ -48,7 +48,7 @@ from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
 __all__ = ["FcPlacement", "SplitPlan", "Segment", "segments", "blocks", "GroupPsServer", "SplitTrainer",
-           "LocalTransport", "MpiTransport", "GroupPsTimeout", "serve", "assemble_state", "shared_copy", "ELEMENTWISE"]
+           "LocalTransport", "MpiTransport", "GroupPsTimeout", "FINISH_WAITS", "serve", "assemble_state", "shared_copy", "ELEMENTWISE"]
 
 # Activations that act on each value alone, so that a PS may apply them to its block.
 ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.GELU, nn.ELU, nn.SiLU, nn.Identity)
@@ -57,6 +57,12 @@ SPLITS = ("none", "vertical", "horizontal")
 
 
 DEFER = "defer"  # GroupPsServer.handle's answer to a step request that waits for the group's other trainers
+# A trainer waits for a group PS's answer to "finish" up to this many times the transport's
+# timeout: the PS answers once its averaging's finish has run, and with EASGD that waits on
+# the centre twice, each wait bounded by the same timeout (the exchange in flight or due at
+# the last step, then the group's stop); the third is for the PS's own work around them. One
+# timeout would fail a PS busy within its own bounds, naming the PS where the centre was slow.
+FINISH_WAITS = 3
 
 
 class GroupPsTimeout(HpsError):
@@ -301,6 +307,8 @@ class GroupPsServer:
 class LocalTransport:
     """Calls the group PSs' servers in this process (tests, one-process runs)."""
 
+    finish_timeout = None  # (nothing to wait for: post ran the request)
+
     def __init__(self, servers: Sequence[GroupPsServer], src: int = 0):
         self.servers = list(servers)
         self.count = len(self.servers)
@@ -310,7 +318,7 @@ class LocalTransport:
     def post(self, p: int, msg: tuple) -> None:
         self._replies[p] = self.servers[p].handle(self.src, msg)
 
-    def wait(self, p: int, what: str):
+    def wait(self, p: int, what: str, timeout: Optional[float] = None):
         return self._replies.pop(p)
 
 
@@ -318,24 +326,28 @@ class MpiTransport:
     """Requests to the group PSs' ranks over `comm` (tag `tag`, one per trainer
     thread, so that each thread gets its own replies). A reply that does not come
     within `timeout` seconds raises GroupPsTimeout naming the PS's rank; waiting
-    for one sleeps between probes (hps.distributed.poll)."""
+    for one sleeps between probes (hps.distributed.poll). The answer to "finish"
+    may take `finish_timeout`, FINISH_WAITS times `timeout` (see there)."""
 
     def __init__(self, comm, ps_ranks: Sequence[int], timeout: float = 60.0, tag: int = 1):
         self.comm = comm
         self.ps_ranks = list(ps_ranks)
         self.count = len(self.ps_ranks)
         self.timeout = timeout
+        self.finish_timeout = FINISH_WAITS * timeout
         self.tag = tag
 
     def post(self, p: int, msg: tuple) -> None:
         self.comm.send(msg, dest=self.ps_ranks[p], tag=self.tag)
 
-    def wait(self, p: int, what: str):
+    def wait(self, p: int, what: str, timeout: Optional[float] = None):
+        """PS p's reply, within `timeout` seconds (None: the transport's)."""
         # A PS that hangs is caught here; one whose process dies is ended with the
         # job by the launcher (MPICH's hydra kills every rank at once).
         rank = self.ps_ranks[p]
-        return poll.recv(self.comm, rank, self.tag, timeout=self.timeout, expired=lambda: GroupPsTimeout(
-            f"group PS {p} (rank {rank}) did not answer {what} within {self.timeout:g} s: it died or hung"))
+        bound = self.timeout if timeout is None else timeout
+        return poll.recv(self.comm, rank, self.tag, timeout=bound, expired=lambda: GroupPsTimeout(
+            f"group PS {p} (rank {rank}) did not answer {what} within {bound:g} s: it died or hung"))
 
 
 def serve(comm, server: GroupPsServer, trainers: int, idle_timeout: Optional[float] = None) -> None:
@@ -528,11 +540,13 @@ class SplitTrainer(nn.Module):
     def ps_finish(self) -> None:
         """After the last step: every group PS lands its last averaging (its
         on_finish) before this returns, so that an evaluation after it sees the
-        blocks the job ends with."""
+        blocks the job ends with. Waits the transport's ``finish_timeout``: the
+        last averaging may wait on the centre twice (FINISH_WAITS)."""
         for p in self._all_ps():
             self.transport.post(p, ("finish",))
         for p in self._all_ps():
-            self.transport.wait(p, "the end of training")
+            self.transport.wait(p, f"the end of training (its last averaging, allowed {FINISH_WAITS} x the timeout)",
+                                timeout=self.transport.finish_timeout)
 
     def stop(self) -> None:
         for p in self._all_ps():
