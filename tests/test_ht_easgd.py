@@ -346,3 +346,49 @@ def test_the_centre_names_a_group_index_out_of_range(mailbox, group):
     mailbox.comm(1).send(("exchange", group, None), dest=2, tag=_TAG)
     with pytest.raises(ValueError, match=rf"rank 1 spoke as group {group}, not one of the 2 groups \[0, 2\)"):
         centre.serve(timeout=5.0)
+
+
+def test_a_background_correction_keeps_the_steps_taken_while_it_was_in_flight():
+    # The thread only reads the live replica (its snapshot may mix two steps' weights:
+    # a stale read, by design); the correction from that snapshot is added at a later
+    # step boundary, on the owner's thread, to the replica as it is then. An exchange
+    # held open by the client (a seam, no timing) spans one optimizer step: that step
+    # survives the correction, and the correction is the snapshot's.
+    import threading
+    from hps.hierarchical.easgd import BackgroundEasgd, GroupAverage
+
+    class HeldClient:
+        config, group, exchanges = EasgdConfig(alpha=0.5, period=1), 0, 0
+
+        def __init__(self):
+            self.sent, self.release = threading.Event(), threading.Event()
+            self.snapshots: list = []
+
+        def exchange(self, x, apply_to):  # the centre at 0: d = x
+            self.snapshots.append(x.copy())
+            self.sent.set()
+            assert self.release.wait(10)
+            apply_to -= np.float32(self.config.alpha) * x
+            self.exchanges += 1
+
+        def stop(self):
+            pass
+
+    client = HeldClient()
+    live = np.full(4, 2.0, np.float32)
+    bg = BackgroundEasgd(client, live)
+    avg = GroupAverage(live, bg)
+    avg.step()                      # after step 1: the thread snapshots 2.0
+    assert client.sent.wait(10)
+    live += 1.0                     # step 2's in-place write, the exchange still in flight
+    avg.step()                      # nothing to land yet
+    np.testing.assert_array_equal(live, 3.0)
+    client.release.set()
+    bg.wait_idle()                  # the correction -0.5 * 2.0 is ready, not yet applied
+    np.testing.assert_array_equal(live, 3.0)
+    live += 1.0                     # step 3
+    avg.step()                      # lands on 4.0: both steps kept, the pull the snapshot's
+    np.testing.assert_array_equal(live, 3.0)
+    np.testing.assert_array_equal(client.snapshots[0], 2.0)
+    assert avg.corrections == 1
+    avg.finish()

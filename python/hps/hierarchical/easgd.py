@@ -271,9 +271,24 @@ class BackgroundEasgd:
     once the previous correction was taken (and, by the owner, applied before its
     next :meth:`step_done`), so each snapshot holds every earlier correction.
 
+    What a snapshot holds: the thread copies the live replica while the owner
+    trains on, and the owner's optimizer step (with Hogwild nets, every net's)
+    writes that memory in place meanwhile, so a snapshot may mix the weights of
+    two consecutive steps, tensor by tensor and within a tensor (each value as one
+    step or the next left it). That is a stale read and nothing more, the staleness
+    asynchronous EASGD (and ShadowSync) runs with by design: the thread never
+    writes the replica, and the correction is added, on the owner's thread at a
+    step boundary, to the replica as it is then, so the steps taken since the
+    snapshot are kept (none is lost or overwritten; the correction is as old as
+    its snapshot). An exchange moves exactly alpha d from the group to the centre
+    whatever the snapshot held, so the sum of the replicas and the centre is kept
+    too; the snapshot only decides where the elastic pull points.
+
     ``wait``: :meth:`wait_idle` lets the step boundary wait for the exchange it
     started, which makes the average synchronous (with ``mode = "sync"`` at the
-    centre, deterministic): for checks against a model."""
+    centre, deterministic): for checks against a model. The owner then waits at
+    the boundary while the thread copies, so each snapshot is exactly the replica
+    after that step."""
 
     def __init__(self, client: EasgdClient, live: np.ndarray, wait: bool = False):
         self.client, self.live, self.wait = client, live, wait
