@@ -290,3 +290,21 @@ def test_config_errors_are_named():
     # No centre rank with across = "allreduce": 2 groups of a trainer and a PS fill 4 ranks.
     assert [Roles.layout(4, r, HierarchicalConfig(groups=2, group_ps=1, across="allreduce")).role
             for r in range(4)] == ["trainer", "group_ps", "trainer", "group_ps"]
+
+
+def test_planner_fields_are_checked_with_the_config():
+    # [hierarchical.planner]'s values passed the config and were checked only when a
+    # trainer planned (after the data and the parameter server were opened, on trainer 0
+    # only), naming the field under [hierarchical]; a string time_limit was a bare
+    # TypeError ('>=' not supported), a bool optimizer_slots counted as 1.
+    for planner, message in [({"bandwidth": 0}, "bandwidth must be > 0, got 0"),
+                             ({"time_limit": "1"}, "time_limit must be >= 0 seconds, got '1'"),
+                             ({"batch_size": "4096"}, "batch_size must be an int >= 1, got '4096'"),
+                             ({"optimizer_slots": True}, "optimizer_slots must be an int >= 0, got True"),
+                             ({"ps_flops": False}, "ps_flops must be > 0, got False"),
+                             ({"input_width": 0}, "input_width must be an int >= 1, got 0")]:
+        with pytest.raises(ValueError, match=re.escape(f"[hierarchical.planner]: {message}")):
+            HierarchicalConfig.from_dict({"group_ps": 1, "planner": planner})
+        with pytest.raises(ValueError, match=re.escape(f"run.toml: [hierarchical.planner]: {message}")):
+            HierarchicalConfig.from_dict({"group_ps": 1, "planner": planner}, "run.toml: [hierarchical]")
+    HierarchicalConfig.from_dict({"group_ps": 1, "planner": {"bandwidth": 1e9, "time_limit": 0, "input_width": 8}})

@@ -58,18 +58,19 @@ class PlannerConfig:
     time_limit: float = 1.0                 # seconds of greedy refinement at most
 
     def check(self, source: str = "[hierarchical]") -> None:
+        from hps.config import is_int, is_number
         from hps.hierarchical.codecs import make_codec
         for name in ("batch_size", "group_ps"):
             v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            if not (is_int(v) and v >= 1):
                 raise ValueError(f"{source}: {name} must be an int >= 1, got {v!r}")
         for name in ("trainer_flops", "ps_flops", "bandwidth", "trainer_memory", "ps_memory"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0):
+            if not (is_number(v) and v > 0):
                 raise ValueError(f"{source}: {name} must be > 0, got {v!r}")
-        if not (isinstance(self.optimizer_slots, int) and self.optimizer_slots >= 0):
+        if not (is_int(self.optimizer_slots) and self.optimizer_slots >= 0):
             raise ValueError(f"{source}: optimizer_slots must be an int >= 0, got {self.optimizer_slots!r}")
-        if not self.time_limit >= 0:
+        if not (is_number(self.time_limit) and self.time_limit >= 0):  # (a string failed the comparison)
             raise ValueError(f"{source}: time_limit must be >= 0 seconds, got {self.time_limit!r}")
         for name in ("activations", "gradients"):
             try:
@@ -435,9 +436,7 @@ def load_plan_config(path) -> tuple:
     planner = dict(ht.planner)
     ps = d.get("ps", {})
     if "input_width" in planner:
-        width = planner.pop("input_width")
-        if not (isinstance(width, int) and width >= 1):
-            raise ValueError(f"{source}: hierarchical.planner.input_width must be an int >= 1, got {width!r}")
+        width = planner.pop("input_width")  # (checked by from_dict)
     else:
         if "dim" not in ps:
             raise ValueError(f"{source}: [ps] dim (or [hierarchical.planner] input_width) is needed for the MLP's "

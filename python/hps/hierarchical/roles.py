@@ -151,6 +151,14 @@ class HierarchicalConfig:
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join('planner.' + u for u in unknown)}; known: "
                              f"{', '.join('planner.' + k for k in sorted(known))}")
+        # Checked with the config: the run plans only on trainer 0, once its data and
+        # parameter server are open (and with a placement given, never).
+        planner_source = (source[:-1] + ".planner]" if source.endswith("[hierarchical]")
+                          else f"{source}: [hierarchical.planner]")
+        width = self.planner.get("input_width", 1)
+        if not (is_int(width) and width >= 1):
+            raise ValueError(f"{planner_source}: input_width must be an int >= 1, got {width!r}")
+        self.planner_config().check(planner_source)
         if not (is_number(self.timeout) and self.timeout > 0):
             raise ValueError(f"{source}: timeout must be > 0 seconds, got {self.timeout!r}")
 
