@@ -308,3 +308,27 @@ def test_planner_fields_are_checked_with_the_config():
         with pytest.raises(ValueError, match=re.escape(f"run.toml: [hierarchical.planner]: {message}")):
             HierarchicalConfig.from_dict({"group_ps": 1, "planner": planner}, "run.toml: [hierarchical]")
     HierarchicalConfig.from_dict({"group_ps": 1, "planner": {"bandwidth": 1e9, "time_limit": 0, "input_width": 8}})
+
+
+@needs_mpi
+def test_a_rank_that_fails_ends_the_job_naming_why(tmp_path):
+    # A placement of the wrong length is found by the trainer's dense hook, once the MLP
+    # is made (the config alone cannot know its layers). The trainer printed the error
+    # and returned, then waited in MPI_Finalize for its group PS, which waited for the
+    # MLP the trainer never sent: the job hung until killed. A failing rank now ends
+    # every rank of the job (MPI_Abort), saying which rank and why.
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text(f'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{tmp_path / "run"}"\n'
+                   'mem_budget = "1MiB"\n[data]\nbatch_size = 128\ntrain_examples = 512\neval_examples = 128\n'
+                   '[hierarchical]\ngroup_ps = 1\nplacement = ["ps:vertical"]\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
+                          "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.terminate()  # (mpiexec ends its ranks on SIGTERM)
+        pytest.fail(f"the job hung after its trainer failed: {p.communicate()[1][-3000:]}")
+    assert p.returncode != 0
+    assert ("hps.hierarchical: rank 0 (trainer 0 of group 0): ValueError: [hierarchical] placement names 1 Linear "
+            "layers, the MLP has 2; aborting the job") in err, err[-3000:]

@@ -450,17 +450,45 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
     put back together, as {name: array}); group PSs and the centre return what they
     did."""
     from mpi4py import MPI
-    from hps.distributed import Node
-    from hps.hierarchical.codecs import CodecStreams
-    from hps.hierarchical.split_mlp import MpiTransport, SplitTrainer
-    from hps.train import train
-    from hps.tuning import dense_adam
 
     if resume:
         raise ValueError("[hierarchical]: --resume of a hierarchical job is not supported yet")
     cfg.check()
     world = comm if comm is not None else MPI.COMM_WORLD
     roles = Roles.layout(world.Get_size(), world.Get_rank(), cfg)
+    try:
+        return _run_role(world, roles, train_cfg, cfg, progress=progress, train_batches=train_batches,
+                         eval_batches=eval_batches, return_mlp=return_mlp)
+    except Exception as e:  # noqa: BLE001 - the job's other ranks would wait for this one for ever
+        if world.Get_size() == 1:
+            raise
+        # (Returning would leave this rank in MPI_Finalize, waiting for peers that wait
+        # for it: a trainer whose dense hook failed left its group PSs waiting for the
+        # MLP, and the job hung until killed.)
+        import traceback
+        from hps.distributed.comm import abort_job
+        traceback.print_exc()
+        abort_job(world, f"hps.hierarchical: rank {roles.rank} ({_role_name(roles)}): {type(e).__name__}: {e}",
+                  code=1)
+        raise  # (abort_job does not return; a fake communicator's might)
+
+
+def _role_name(roles: Roles) -> str:
+    if roles.role == "centre":
+        return "the EASGD centre"
+    return f"{'trainer' if roles.role == 'trainer' else 'group PS'} {roles.index} of group {roles.group}"
+
+
+def _run_role(world, roles: Roles, train_cfg, cfg: HierarchicalConfig, *, progress: bool, train_batches,
+              eval_batches, return_mlp: bool) -> dict:
+    """train_hierarchical's work on this rank, in its role."""
+    from mpi4py import MPI
+    from hps.distributed import Node
+    from hps.hierarchical.codecs import CodecStreams
+    from hps.hierarchical.split_mlp import MpiTransport, SplitTrainer
+    from hps.train import train
+    from hps.tuning import dense_adam
+
     trainers_comm = world.Split(0 if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank())
     group_comm = world.Split(roles.group if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank())
     easgd_comms = [world.Dup() for _ in range(1 + cfg.group_ps)] if roles.has_centre else []
