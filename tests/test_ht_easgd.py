@@ -131,6 +131,13 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"group -1 out of range \[0, 2\)"):
         e.after_step(-1, np.zeros(2, np.float32))
     assert e.steps == [0, 0]
+    # TOML's `alpha = true` passed as an elasticity of 1 (each exchange moving a replica
+    # all the way to the centre), and groups = True as one group.
+    for alpha in (True, "0.1"):
+        with pytest.raises(ValueError, match=rf"alpha \(elasticity\) must be in \(0, 1\], got {alpha!r}"):
+            EasgdConfig(alpha=alpha).check()
+    with pytest.raises(ValueError, match=r"groups must be an int >= 1, got True"):
+        Easgd(np.zeros(2, np.float32), True)
 
 
 def _mpirun(n, *args):

@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from hps.config import is_int, is_number
 from hps.distributed import poll
 from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
@@ -55,9 +56,9 @@ class EasgdConfig:
     mode: str = "async"       # "async": one group at a time (background); "sync": all groups against one centre
 
     def check(self, source: str = "[hierarchical]") -> None:
-        if not (isinstance(self.alpha, (int, float)) and 0.0 < self.alpha <= 1.0):
+        if not (is_number(self.alpha) and 0.0 < self.alpha <= 1.0):
             raise ValueError(f"{source}: alpha (elasticity) must be in (0, 1], got {self.alpha!r}")
-        if not (isinstance(self.period, int) and not isinstance(self.period, bool) and self.period >= 1):
+        if not (is_int(self.period) and self.period >= 1):
             raise ValueError(f"{source}: period must be an int >= 1, got {self.period!r}")
         if self.mode not in ("async", "sync"):
             raise ValueError(f"{source}: mode must be 'async' or 'sync', got {self.mode!r}")
@@ -80,7 +81,7 @@ class Easgd:
         if not isinstance(centre, np.ndarray) or centre.dtype != np.float32:
             raise TypeError(f"Easgd: centre must be a float32 numpy array, got "
                             f"{getattr(centre, 'dtype', type(centre).__name__)}")
-        if not (isinstance(groups, int) and groups >= 1):
+        if not (is_int(groups) and groups >= 1):
             raise ValueError(f"Easgd: groups must be an int >= 1, got {groups!r}")
         self.centre = centre.copy()
         self.groups = groups
