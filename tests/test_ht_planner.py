@@ -193,3 +193,22 @@ def test_hps_plan_names_a_placement_of_the_wrong_length(tmp_path, capsys):
     assert main(["plan", "--config", str(cfg)]) == 2
     assert capsys.readouterr().err.strip() == f"hps plan: {cfg}: [hierarchical] placement names 1 Linear layers, " \
                                                f"the MLP has 2"
+
+
+@pytest.mark.parametrize("toml,message", [
+    ('hidden = 32\n[ps]\ndim = 4\n', "hidden must be a list of layer widths, ints >= 1 ([] for none), got 32"),
+    ('hidden = [32, "x"]\n[ps]\ndim = 4\n', "hidden must be a list of layer widths, ints >= 1 ([] for none), "
+                                            "got [32, 'x']"),
+    ('hidden = [32.7]\n[ps]\ndim = 4\n', "hidden must be a list of layer widths, ints >= 1 ([] for none), got [32.7]"),
+    ('hidden = [32]\n[ps]\ndim = 0\n', "[ps] dim must be an int >= 1, got 0"),
+    ('hidden = [32]\n[ps]\ndim = "4"\n', "[ps] dim must be an int >= 1, got '4'"),
+    ('hidden = [32]\n[ps]\ndim = 4\n[data]\nbatch_size = true\n', "[data] batch_size must be an int >= 1, got True"),
+])
+def test_hps_plan_names_a_bad_model_or_batch_field(tmp_path, capsys, toml, message):
+    # hps plan reads the training config's hidden, [ps] dim and [data] batch_size with
+    # int(): `hidden = 32` was a TypeError traceback, a string an unnamed "invalid
+    # literal for int()", and 32.7, "4" or true were modelled as 32, 4 or a batch of 1.
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text(toml)
+    assert main(["plan", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip() == f"hps plan: {cfg}: {message}"

@@ -425,7 +425,7 @@ def load_plan_config(path) -> tuple:
     of ``[data]`` (unless the planner table gives one), ``group_ps`` and the codecs of
     ``[hierarchical]``, the cost model's fields in ``[hierarchical.planner]``."""
     import os
-    from hps.config import load_toml
+    from hps.config import is_int, load_toml
     from hps.hierarchical.roles import HierarchicalConfig
     source = os.fspath(path)
     d = load_toml(path)
@@ -441,11 +441,20 @@ def load_plan_config(path) -> tuple:
         if "dim" not in ps:
             raise ValueError(f"{source}: [ps] dim (or [hierarchical.planner] input_width) is needed for the MLP's "
                              f"input")
-        width = 26 * int(ps["dim"]) + 13
-    hidden = [int(h) for h in d.get("hidden", (512, 256))]
+        if not (is_int(ps["dim"]) and ps["dim"] >= 1):
+            raise ValueError(f"{source}: [ps] dim must be an int >= 1, got {ps['dim']!r}")
+        width = 26 * ps["dim"] + 13
+    # Checked as hps train checks them (int() took 32.7 for 32, true for 1 and a string
+    # or a bare number with an unnamed error).
+    hidden = d.get("hidden", [512, 256])
+    if not (isinstance(hidden, list) and all(is_int(h) and h >= 1 for h in hidden)):
+        raise ValueError(f"{source}: hidden must be a list of layer widths, ints >= 1 ([] for none), got {hidden!r}")
     widths = [width] + hidden + [1]
     if "batch_size" not in planner and "batch_size" in d.get("data", {}):
-        planner["batch_size"] = int(d["data"]["batch_size"])
+        batch = d["data"]["batch_size"]
+        if not (is_int(batch) and batch >= 1):
+            raise ValueError(f"{source}: [data] batch_size must be an int >= 1, got {batch!r}")
+        planner["batch_size"] = batch
     ht.planner = planner
     cfg = ht.planner_config()
     cfg.check(f"{source}: [hierarchical.planner]")
