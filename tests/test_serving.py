@@ -732,6 +732,60 @@ def test_the_step_is_read_from_the_counters_file_and_older_checkpoints_from_the_
     assert jobdir.step_of(jobdir.read_job(str(copy))) is None
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["step-file", "dense-state-only"])
+def test_the_step_of_a_pinned_checkpoint_survives_its_pruning(job, tmp_path, monkeypatch, older):
+    """A Lookup (and an export) read the step of the checkpoint it pinned from the
+    checkpoint's own directory: when training pruned it right after the pin, the
+    step served was null for as long as that checkpoint was. The view links the
+    step's file (in an older checkpoint, the dense state) as it links the rows."""
+    from hps.export import export
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    if older:  # as an hps train from before trainer-step.json left it
+        os.remove(os.path.join(jobdir.read_job(str(copy)).checkpoint_dir(0), jobdir.TRAINER_STEP))
+    real_pin = jobdir.pin
+
+    def pin_then_prune(root, *args, **kwargs):
+        view = real_pin(root, *args, **kwargs)
+        shutil.rmtree(view.job.checkpoint_dir(0))  # as training does once it names a later one
+        return view
+    monkeypatch.setattr(jobdir, "pin", pin_then_prune)
+    with hps.Lookup(copy, memory_budget="64MiB") as lk:
+        assert lk.checkpoint == 6 and lk.step == BATCHES
+        assert lk.lookup_with_checkpoint(trained_keys()[:3])[3] == BATCHES
+    shutil.rmtree(copy)
+    shutil.copytree(job, copy)
+    if older:
+        os.remove(os.path.join(jobdir.read_job(str(copy)).checkpoint_dir(0), jobdir.TRAINER_STEP))
+    export(copy, tmp_path / "e", "c", full=True)
+    assert read_export(tmp_path / "e")[0]["step"] == BATCHES
+    assert not os.path.exists(copy / jobdir.READERS)
+
+
+def test_a_pin_that_finds_the_step_gone_as_training_moves_on_pins_the_next_checkpoint(job, tmp_path, monkeypatch):
+    """Training pruned the checkpoint after its rows were linked and before its
+    step was: the pin starts over from the checkpoint the job names then, rather
+    than keep a view without the step."""
+    from hps.parameter_server import METADATA
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    shutil.copytree(copy / "checkpoints" / "000006", copy / "checkpoints" / "000007")
+    real_link = jobdir._link_trainer_step
+    pruned = []
+
+    def prune_first(checkpoint, dst):
+        if not pruned:  # as training does: name the next checkpoint, then delete this one
+            meta = json.loads((copy / METADATA).read_text())
+            (copy / METADATA).write_text(json.dumps({**meta, "checkpoint": 7}))
+            shutil.rmtree(checkpoint)
+            pruned.append(checkpoint)
+        return real_link(checkpoint, dst)
+    monkeypatch.setattr(jobdir, "_link_trainer_step", prune_first)
+    with jobdir.pin(copy) as view:
+        assert pruned and view.checkpoint == 7 and view.step() == BATCHES
+    assert not os.path.exists(copy / jobdir.READERS)
+
+
 def test_hps_train_at_a_path_another_server_holds_is_refused_and_removes_nothing(tmp_path, capsys):
     """Two hps train runs at one path used to run until both wrote the same
     parameter file; the second is refused naming the holder, whether it would

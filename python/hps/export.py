@@ -195,7 +195,7 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
         job = view.job
         dim, row_bytes = job.config.dim, job.row_bytes
         state_floats = row_bytes // 4 - dim
-        step = jobdir.step_of(job, view.checkpoint)
+        step = view.step()
         pos = None if full else previous
         if pos is not None:
             _check_position(pos, view, consumer)

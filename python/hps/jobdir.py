@@ -13,10 +13,13 @@ inspect``, ``hps export``, ``hps.Lookup``) only ever read finished checkpoints:
 - ``pin()`` takes a private view of it: hard links to the parameter files its
   MANIFEST lists (immutable, so a link is an exact copy that outlives the
   checkpoint's deletion) and copies of its MANIFEST and STORE marker, in
-  ``<path>/.hps-readers/<pid>-<id>/rank<r>/``. If training deletes the checkpoint
-  while the links are made (a missing file or MANIFEST), pin starts over from the
-  checkpoint the job names then. So the view is always one whole checkpoint of
-  every rank, never a mix and never a half-written one.
+  ``<path>/.hps-readers/<pid>-<id>/rank<r>/``; for one server also a link to hps
+  train's step (``trainer-step.json``, or ``trainer-state.pt`` in a checkpoint
+  written before that file) in ``<pid>-<id>/``, so that ``View.step()`` still
+  reads it once training has pruned the checkpoint. If training deletes the
+  checkpoint while the links are made (a missing file or MANIFEST), pin starts
+  over from the checkpoint the job names then. So the view is always one whole
+  checkpoint of every rank, never a mix and never a half-written one.
 - An ``SsdStore`` opened on a private view reads it with every check of its own
   (docs/ssd_format.md); what it may change there (its MANIFEST, stray files) is
   the view's, never the job's.
@@ -238,12 +241,19 @@ def write_trainer_state(directory: str, data: bytes, batches_done: int, examples
 def step_of(job: Job, number: Optional[int] = None) -> Optional[int]:
     """The training step (batches done) of a checkpoint: job.json's in a job; for
     one server, trainer-step.json's (hps train's), or trainer-state.pt's in a
-    checkpoint written before that file was (needs torch); else None."""
+    checkpoint written before that file was (needs torch); else None. Of a
+    checkpoint that training may prune meanwhile, read a pinned view's
+    (View.step)."""
     if job.distributed:
         return job.step if number in (None, job.checkpoint) else None
     if number is None and job.checkpoint is None:
         return None  # a run stopped before its first checkpoint
-    directory = job.checkpoint_dir(0, number)
+    return _step_in(job.checkpoint_dir(0, number))
+
+
+def _step_in(directory: str) -> Optional[int]:
+    """step_of of one server's checkpoint, from the files in directory (the
+    checkpoint's, or a view's links to them)."""
     try:
         with open(os.path.join(directory, TRAINER_STEP)) as f:
             return int(json.load(f)["batches_done"])
@@ -292,6 +302,13 @@ class View:
     checkpoint: int
     directory: str
     ranks: list = field(default_factory=list)
+
+    def step(self) -> Optional[int]:
+        """The training step of the checkpoint pinned (step_of's), read from the view:
+        training may have pruned the checkpoint since."""
+        if self.job.distributed:
+            return self.job.step  # job.json's, read with the checkpoint it names
+        return _step_in(self.directory)
 
     def close(self) -> None:
         _remove_private(self.directory)
@@ -355,6 +372,20 @@ def link_checkpoint(source: str, dst: str, check_digest: bool = True) -> dict:
     return files
 
 
+def _link_trainer_step(checkpoint: str, dst: str) -> bool:
+    """Links hps train's step of one server's checkpoint (the directory checkpoint)
+    into dst: trainer-step.json, or in a checkpoint written before that file the
+    dense state it was read from. False when it has neither (a ParameterServer not
+    made by hps train, or the checkpoint being deleted)."""
+    for name in (TRAINER_STEP, TRAINER_STATE):
+        try:
+            os.link(os.path.join(checkpoint, name), os.path.join(dst, name))
+            return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
 def pin(root: str, attempts: int = 100, check_digest: bool = True) -> View:
     """A private view of the last finished checkpoint of every rank of the job at
     root. Raises FileNotFoundError when the job has no finished checkpoint yet,
@@ -374,10 +405,14 @@ def pin(root: str, attempts: int = 100, check_digest: bool = True) -> View:
                 source = os.path.join(job.checkpoint_dir(r), STORE_DIR)
                 path = os.path.join(directory, f"rank{r}")
                 view.ranks.append(RankView(r, source, path, link_checkpoint(source, path, check_digest)))
-            if read_job(root).run == job.run:
+            stepped = job.distributed or _link_trainer_step(job.checkpoint_dir(0), directory)
+            now = read_job(root)
+            if now.run == job.run and (stepped or now.checkpoint == job.checkpoint):
                 return view
             # A new run started meanwhile (its id is written before it deletes the old run's
-            # checkpoints): the files linked may be its own checkpoint of the same number.
+            # checkpoints): the files linked may be its own checkpoint of the same number. Or
+            # the step was missing from a checkpoint the job no longer names: deleted meanwhile
+            # (a checkpoint the job still names simply has none).
             view.close()
         except FileNotFoundError as e:
             view.close()  # a later checkpoint replaced this one meanwhile: read the job again

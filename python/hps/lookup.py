@@ -148,7 +148,7 @@ class _Generation:
         self.dim = job.config.dim
         self.world = job.world
         self.checkpoint = view.checkpoint
-        self.step = jobdir.step_of(job, view.checkpoint)
+        self.step = view.step()
         self._reads = reads
         row_bytes = job.row_bytes
         self.cached_row_bytes = 4 * (self.dim + 1)  # the embedding, then 1.0 if stored (0.0: a cached miss)
