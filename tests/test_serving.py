@@ -4,6 +4,7 @@ batches of 128 examples, alone and under mpiexec -n 2) and corrupted copies."""
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1100,6 +1101,48 @@ def test_a_refresh_that_fails_keeps_serving_and_unpins_the_new_checkpoint(tmp_pa
         assert lk.stats()["refreshes"] == 0
     finally:
         lk.close()
+    assert not os.path.exists(os.path.join(cfg.path, jobdir.READERS))
+
+
+def test_a_damaged_checkpoint_is_named_by_its_own_files_not_the_readers_copies(tmp_path):
+    """A CRC failure of a Lookup (so of hps serve's 500) or of an export named the
+    reader's private copy in .hps-readers, which is removed when the reader closes:
+    the file named could not be found. It names the checkpoint's file, with the
+    block and offset that failed."""
+    from hps.export import export
+    from hps.serve import LookupServer
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), mem_budget="1MiB")
+    keys = np.arange(1, 3001, dtype=np.uint64)
+    ps = hps.ParameterServer(cfg)
+    ps.push(keys, np.ones((len(keys), 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    damage_new_rows(cfg.path, {})  # every file of the checkpoint
+    store = os.path.join(cfg.path, "checkpoints", "000001", "ssd")
+    named = re.escape(store + os.sep) + r"\d{12}\.hpf: rows block 0 \(file offset \d+\) fails its CRC-32C check"
+    with hps.Lookup(cfg.path, memory_budget="64MiB") as lk:
+        with pytest.raises(hps.CorruptionError, match=named) as e:
+            lk.lookup(keys)
+        assert jobdir.READERS not in str(e.value)
+        srv = LookupServer(lk, ("127.0.0.1", 0))
+        t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        t.start()
+        try:
+            status, _, body = request(srv, "POST", "/lookup", json.dumps({"keys": [int(k) for k in keys]}))
+        finally:
+            srv.shutdown()
+            srv.server_close()
+        assert status == 500 and re.search(named, json.loads(body)["error"]), body
+    with pytest.raises(hps.CorruptionError, match=named) as e:
+        export(cfg.path, tmp_path / "e", "c", full=True)
+    assert jobdir.READERS not in str(e.value)
+    # damage the open finds (a header's CRC): named as the checkpoint's file too
+    with open(os.path.join(store, "MANIFEST"), "rb") as f:
+        first = os.path.join(store, jobdir.file_name(min(jobdir.replay_manifest(f.read()))))
+    flip(first, 20)
+    with pytest.raises(hps.CorruptionError, match=re.escape(first)) as e:
+        hps.Lookup(cfg.path, memory_budget="64MiB")
+    assert jobdir.READERS not in str(e.value)
     assert not os.path.exists(os.path.join(cfg.path, jobdir.READERS))
 
 

@@ -221,7 +221,8 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
             with pq.ParquetWriter(os.path.join(to, name), sch) as writer:
                 for at in range(0, len(changed), chunk_rows):
                     chunk = changed[at:at + chunk_rows]
-                    rows, found = store.get(chunk, np.float32)
+                    with rv.source_names():  # a CRC failure names the checkpoint's file
+                        rows, found = store.get(chunk, np.float32)
                     if not found.all():
                         raise RuntimeError(f"{rv.source}: key {int(chunk[~found][0])} is in a parameter file but "
                                            f"not in the store's index")

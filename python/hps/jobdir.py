@@ -22,13 +22,15 @@ inspect``, ``hps export``, ``hps.Lookup``) only ever read finished checkpoints:
   checkpoint of every rank, never a mix and never a half-written one.
 - An ``SsdStore`` opened on a private view reads it with every check of its own
   (docs/ssd_format.md); what it may change there (its MANIFEST, stray files) is
-  the view's, never the job's.
+  the view's, never the job's. Its errors name the checkpoint's files
+  (``RankView.source_names``), since the view's go with it.
 
 Views a crashed reader left behind are removed by the next pin (their process is
 gone); ``View.close()`` removes its own.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +41,7 @@ from typing import Optional
 
 import numpy as np
 
-from hps.errors import CorruptionError
+from hps.errors import CorruptionError, HpsError
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, METADATA, RUN, ParameterServerConfig, _write_durable,
                                   check_store_digest)
 
@@ -294,6 +296,36 @@ class RankView:
         """text with the private copy's path replaced by the checkpoint's."""
         return text.replace(self.path, self.source)
 
+    @contextlib.contextmanager
+    def source_names(self):
+        """Errors raised in the block (reads of the private copy) name the
+        checkpoint's files instead, the rest of their text kept (a CRC failure's
+        block and offset): the copy is gone once the view is closed, so a user
+        could not find the file its path names."""
+        try:
+            yield
+        except (HpsError, ValueError, OSError) as e:
+            renamed = _renamed(e, self)
+            if renamed is None:
+                raise
+            raise renamed from None
+
+
+def _renamed(e: BaseException, rank: RankView) -> Optional[BaseException]:
+    """e as rank's checkpoint would have raised it (RankView.source_names), or None
+    when it names no file of the copy (or its type takes no message alone)."""
+    if rank.path not in str(e):
+        return None
+    try:
+        if isinstance(e, OSError) and e.errno is not None:  # errno and filename kept apart, as raised
+            args = [e.errno, rank.source_name(e.strerror or "")]
+            if e.filename is not None:
+                args.append(rank.source_name(os.fsdecode(e.filename)))
+            return type(e)(*args)
+        return type(e)(rank.source_name(str(e)))
+    except TypeError:
+        return None
+
 
 @dataclass
 class View:
@@ -433,9 +465,11 @@ def pin(root: str, attempts: int = 100, check_digest: bool = True) -> View:
 
 
 def open_store(rank: RankView, row_bytes: int, verify: bool = False):
-    """The SsdStore of a pinned rank (read it only; a put would go to the view)."""
+    """The SsdStore of a pinned rank (read it only; a put would go to the view). Its
+    reads' errors name the view's files: wrap them in ``rank.source_names()``."""
     from hps.ssd_store import SsdStore
-    return SsdStore(rank.path, row_bytes, verify_rows_on_open=verify, background_compaction=False)
+    with rank.source_names():
+        return SsdStore(rank.path, row_bytes, verify_rows_on_open=verify, background_compaction=False)
 
 
 def latest_records(rank: RankView) -> tuple[np.ndarray, np.ndarray]:
@@ -444,7 +478,8 @@ def latest_records(rank: RankView) -> tuple[np.ndarray, np.ndarray]:
     counts in the highest-numbered one, as the store's index does."""
     parts_k, parts_s = [], []
     for seq, records in sorted(rank.files.items()):
-        keys = read_keys(os.path.join(rank.path, file_name(seq)), records)
+        with rank.source_names():
+            keys = read_keys(os.path.join(rank.path, file_name(seq)), records)
         parts_k.append(keys)
         parts_s.append(np.full(len(keys), seq, np.uint64))
     if not parts_k:

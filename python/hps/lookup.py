@@ -237,12 +237,13 @@ class _Generation:
             owners = owner_ranks(keys, self.world)
             parts = [(np.flatnonzero(owners == r), r) for r in range(self.world)]
         for idx, r in parts:
-            for at in range(0, len(idx), READ_KEYS):  # a read's scratch stays READ_KEYS rows' blocks
-                part = idx[at:at + READ_KEYS]
-                with self._reads:
-                    rows, found = self.stores[r].get(keys[part], np.float32)
-                out[part, :self.dim] = rows[:, :self.dim]
-                out[part, self.dim] = found
+            with self.view.ranks[r].source_names():  # a CRC failure names the checkpoint's file
+                for at in range(0, len(idx), READ_KEYS):  # a read's scratch stays READ_KEYS rows' blocks
+                    part = idx[at:at + READ_KEYS]
+                    with self._reads:
+                        rows, found = self.stores[r].get(keys[part], np.float32)
+                    out[part, :self.dim] = rows[:, :self.dim]
+                    out[part, self.dim] = found
         return out, np.zeros(len(keys), bool)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
