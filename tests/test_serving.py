@@ -1713,8 +1713,34 @@ def test_serve_answers_a_stalled_or_cut_short_body_and_frees_the_connection(job)
         srv.shutdown()
         srv.server_close()
         lk.close()
-    with pytest.raises(ValueError, match="idle_timeout = 0: must be > 0 seconds"):
+    with pytest.raises(ValueError, match="idle_timeout = 0: must be a number of seconds above 0"):
         LookupServer(lk, ("127.0.0.1", 0), idle_timeout=0)
+
+
+def test_serve_refuses_an_idle_timeout_that_is_not_a_number_of_seconds(job):
+    """LookupServer(idle_timeout=inf) (or past threading.TIMEOUT_MAX) was taken, and
+    then setting it on each connection's socket raised OverflowError: every request
+    was dropped unanswered. The longest timeout a socket takes still serves."""
+    import threading
+    from hps.serve import LookupServer
+    with hps.Lookup(job, memory_budget="64MiB") as lk:
+        for bad in (float("inf"), 1e300, 2 * threading.TIMEOUT_MAX, float("nan"), 0, -1.0):
+            try:
+                srv = LookupServer(lk, ("127.0.0.1", 0), idle_timeout=bad)
+            except ValueError as e:
+                assert f"idle_timeout = {bad}: must be a number of seconds above 0, at most " in str(e)
+            else:
+                srv.server_close()
+                pytest.fail(f"idle_timeout = {bad} was taken")
+        srv = LookupServer(lk, ("127.0.0.1", 0), idle_timeout=threading.TIMEOUT_MAX)
+        t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        t.start()
+        try:
+            assert request(srv, "GET", "/health")[0] == 200
+        finally:
+            srv.shutdown()
+            srv.server_close()
+    assert not os.path.exists(job / jobdir.READERS)
 
 
 def test_serve_refuses_a_refresh_interval_that_is_not_a_number_of_seconds(job, capsys):

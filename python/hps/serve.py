@@ -183,8 +183,11 @@ class LookupServer(ThreadingHTTPServer):
 
     def __init__(self, lookup: Lookup, address=("127.0.0.1", 0), max_concurrent: int = 8,
                  refresh_every: float = 0.0, quiet: bool = True, idle_timeout: float = 60.0):
-        if not idle_timeout > 0:
-            raise ValueError(f"idle_timeout = {idle_timeout}: must be > 0 seconds")
+        # (inf, or anything past TIMEOUT_MAX, was taken, and then each connection's
+        # settimeout raised OverflowError: every request dropped unanswered, with a traceback)
+        if not 0 < idle_timeout <= threading.TIMEOUT_MAX:
+            raise ValueError(f"idle_timeout = {idle_timeout}: must be a number of seconds above 0, at most "
+                             f"{threading.TIMEOUT_MAX:.0f}")
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent = {max_concurrent}: must be >= 1")
         # (NaN passed a test of < 0, and then the refresher's wait returned at once: a
