@@ -663,3 +663,26 @@ def test_a_kstep_job_does_not_reshard_to_one_process(tmp_path):
     with pytest.raises(ValueError, match="k-step Adam"):
         reshard.to_one_process(str(old / "job"))
     assert sorted(os.listdir(old / "job")) == listing
+
+
+def test_a_commit_refuses_a_new_rank_whose_checkpoint_went_meanwhile(tmp_path, two_ranks):
+    """2 -> 3 by the steps, rank 2's directory locked only while it is written: a
+    server that opens it after (its metadata names no checkpoint yet, so the open
+    drops every checkpoint there, the reshard's too) and closes before the commit
+    takes it leaves rank 2 without checkpoint K+1. The commit refuses to switch,
+    naming it, and the old job stays as it was; switched, job.json named a
+    checkpoint that rank 2 lacks, and the job could not resume."""
+    import hps
+    from hps import reshard
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    before = reshard.check_source(str(root))
+    done = [reshard.write_rank(str(root), 3, r) for r in range(3)]
+    hps.ParameterServer.open(root / "rank2").close()  # (the window: after rank 2's write, before the commit)
+    gone = root / "rank2" / "checkpoints" / f"{done[0][1]:06d}"
+    assert not os.path.exists(gone)
+    with pytest.raises(FileNotFoundError, match=f"rank 2 of the job at {root} as resharded: {gone} is gone"):
+        reshard.commit(str(root), 3, before, done[0][1])
+    assert json.loads((root / "job.json").read_text())["world"] == 2
+    reshard_in_process(root, 3)  # (resharded again, it is whole)
+    assert json.loads((root / "job.json").read_text())["world"] == 3

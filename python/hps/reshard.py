@@ -356,14 +356,22 @@ def commit(root: str, world: int, old: dict, number: int, hold: Optional[Hold] =
     """Step 3 (module docstring), rank 0's, once every new rank wrote checkpoint
     `number` from the checkpoint `old` (check_source's) names. `hold` (check_source's)
     takes every new rank's directory too before the switch: from it on, a run of the
-    new job could open them while the old files are still being removed."""
+    new job could open them while the old files are still being removed. Raises
+    FileNotFoundError, switching nothing, when a new rank's checkpoint `number` is
+    gone: a server opened on a directory no one held after its rank wrote it (its
+    metadata names no checkpoint yet, so the open drops them all)."""
     job = read_job(root)
     if (job.world, job.checkpoint) != (old["world"], old["checkpoint"]):
         raise RuntimeError(f"{root}: the job changed during the reshard (now {job.world} ranks at checkpoint "
                            f"{job.checkpoint}, was {old['world']} at {old['checkpoint']}); resume it again")
-    if hold is not None:
-        for r in range(world):
-            hold.take(_rank_dir(root, r), f"rank {r} of the job at {root} as resharded (checkpoint {number})")
+    for r in range(world):
+        where = f"rank {r} of the job at {root} as resharded"
+        if hold is not None:
+            hold.take(_rank_dir(root, r), f"{where} (checkpoint {number})")
+        written = os.path.join(_rank_dir(root, r), CHECKPOINTS, f"{number:06d}")
+        if not os.path.isdir(written):
+            raise FileNotFoundError(f"{where}: {written} is gone (a server opened the directory after its rank "
+                                    f"wrote it); nothing was switched: resume it again")
     manifest = os.path.join(root, JOB_MANIFEST)
     record = {"world": world, "step": old["step"], "checkpoint": number, RUN: new_run_id(),  # files numbered anew
               RESHARDED: {"world": old["world"], "checkpoint": old["checkpoint"]}}
