@@ -83,11 +83,14 @@ def dense_states(root, world: int) -> list:
 
 
 def reshard_in_process(root, world: int) -> None:
-    """The reshard's steps, every new rank's in turn (what _prepare_job runs on each rank)."""
+    """The reshard's steps, every new rank's in turn, under rank 0's Hold (what
+    _prepare_job runs on each rank)."""
     from hps import reshard
-    old = reshard.check_source(str(root))
-    done = [reshard.write_rank(str(root), world, r) for r in range(world)]
-    reshard.commit(str(root), world, old, done[0][1])
+    with reshard.Hold(str(root)) as hold:
+        old = reshard.check_source(str(root), hold)
+        reshard.take_new_ranks(str(root), world, hold)
+        done = [reshard.write_rank(str(root), world, r, held=True) for r in range(world)]
+        reshard.commit(str(root), world, old, done[0][1], hold)
 
 
 def assert_same_job(a, b, world: int) -> None:
@@ -686,3 +689,39 @@ def test_a_commit_refuses_a_new_rank_whose_checkpoint_went_meanwhile(tmp_path, t
     assert json.loads((root / "job.json").read_text())["world"] == 2
     reshard_in_process(root, 3)  # (resharded again, it is whole)
     assert json.loads((root / "job.json").read_text())["world"] == 3
+
+
+@pytest.mark.parametrize("how", ["ranks", "one process"])
+def test_a_new_ranks_directory_is_held_from_before_it_is_written_to_the_end(tmp_path, two_ranks, monkeypatch,
+                                                                              how):
+    """A directory the reshard writes that no old rank's was (ranks: a one-process
+    job's rank 0 under mpiexec -n 1; one process: the root) is held from before its
+    rank writes it to the end: a server opened after the write (here, at the seam
+    between write_rank and what follows) is refused naming the reshard, which
+    finishes. Before, the directory was let go after the write and taken again
+    later: a server opened in between made the reshard fail (or, closed again,
+    dropped the checkpoint just written)."""
+    from hps import reshard
+    from hps.jobdir import read_job
+    from hps.train import _prepare_job
+    old = old_job(tmp_path, 1) if how == "ranks" else copy_of(two_ranks, tmp_path)
+    root = str(old / "job")
+    number = read_job(root).checkpoint
+    seen = []
+    write_rank = reshard.write_rank
+
+    def write_rank_then_open(*args, **kw):
+        done = write_rank(*args, **kw)
+        seen.append(_refused(old / "job" / ("rank0" if how == "ranks" else ""), root))
+        return done
+
+    monkeypatch.setattr(reshard, "write_rank", write_rank_then_open)
+    if how == "ranks":
+        assert _prepare_job(sc.train_config(root), _OneRank(), resume=True) == number + 1
+        assert read_job(root).world == 1
+    else:
+        reshard.to_one_process(root)
+        assert read_job(root).distributed is False and read_job(root).checkpoint == number + 1
+    assert seen and seen[0]
+    monkeypatch.undo()
+    assert not _refused(old / "job" / ("rank0" if how == "ranks" else ""), root)  # let go at the end

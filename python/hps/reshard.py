@@ -21,14 +21,19 @@ path) and resumed under ``mpiexec -n M hps train --resume`` is resharded first
    from M on; for a one-process job, its parameter server at the root).
 
 The process that reshards (rank 0) holds the writer lock of every old rank's
-directory from step 1 to the end of step 3, and of every new rank's from before
-the switch (``Hold``): an ``hps train`` of the old job, or another reshard,
-started meanwhile is refused with PathInUseError naming this process, instead of
-training on while the reshard rewrites its directories and the switch takes the
-job from under it. A directory the reshard empties or removes that no Hold has (a
-new rank's left by an earlier reshard; an old rank's removed by a later resume)
-is locked for it: a server open there is refused, naming the directory, and
-keeps its files.
+directory from step 1 to the end of step 3, and of every other directory that
+step 2 writes from right after step 1 (``take_new_ranks``; to_one_process: the
+root) to the end too (``Hold``): an ``hps train`` of the old job, or another
+reshard, started meanwhile is refused with PathInUseError naming this process,
+instead of training on while the reshard rewrites its directories and the switch
+takes the job from under it. The ranks write under rank 0's locks
+(``write_rank(held=True)``): a lock cannot pass from the rank that wrote a
+directory to rank 0, so let go after the write and taken at the commit, a server
+opened in between dropped the new checkpoint (or made the commit refuse). A
+directory the reshard empties or removes that no Hold has (a new rank's, written
+by a caller that runs the steps without take_new_ranks; an old rank's removed by
+a later resume) is locked for it: a server open there is refused, naming the
+directory, and keeps its files.
 
 A crash before the switch leaves job.json naming checkpoint K of N ranks, whole:
 the job resumes on N ranks (each old rank rolls back to K and drops the partial
@@ -237,10 +242,32 @@ def _rank_dir(root: str, rank: int) -> str:
     return os.path.join(root, f"rank{rank}")
 
 
-def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> tuple:
+def take_new_ranks(root: str, world: int, hold: Hold) -> None:
+    """Rank 0, once check_source(root, hold) passed: takes into `hold` the directory
+    (made here when missing) of every rank of `world` that was no rank of the old
+    job, before any rank writes it; each rank's write_rank then runs with
+    held=True. The lock cannot pass from the process that writes a rank to the
+    one that commits (another process, maybe on another host): let go after the
+    write and taken again at the commit, a server opened in between dropped the
+    checkpoint just written (its metadata names none yet) or made the commit
+    refuse. Raises PathInUseError naming the rank when a server is open there."""
+    job = read_job(root)
+    for r in range(world):
+        if job.distributed and r < job.world:
+            continue  # (an old rank's: check_source holds it)
+        os.makedirs(_rank_dir(root, r), exist_ok=True)
+        hold.take(_rank_dir(root, r), f"rank {r} of the job at {root} as resharded")
+
+
+def write_rank(root: str, world: int, rank: int, one_process: bool = False, held: bool = False) -> tuple:
     """Step 2 (module docstring) for new rank `rank` of `world`; returns (the old
     checkpoint, the new one's number, rows written). `one_process` (world 1, rank
-    0): the rows go to a parameter server at the root (to_one_process)."""
+    0): the rows go to a parameter server at the root (to_one_process).
+    `held`: the reshard's rank 0 holds the directory written (take_new_ranks;
+    to_one_process the root) until the commit's end, as hps train's does; it is
+    not locked here then (flock refuses every other holder, this process's too).
+    Else a directory no old rank had is locked only while it is written, and a
+    server opened after makes the commit refuse."""
     view = pin(root)
     lock = None  # a new rank's directory's writer lock, held until it is written
     try:
@@ -251,19 +278,20 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False) -> t
         run_id = new_run_id()
         if one_process:
             from hps.train import _discard_run
-            _discard_run(root)  # what an earlier reshard to one process that did not finish left
+            _discard_run(root, held)  # what an earlier reshard to one process that did not finish left
             meta = {**job.metadata, "checkpoint": None, RUN: run_id}
             _write_durable(os.path.join(root, METADATA), json.dumps(meta, indent=1).encode())
         elif not job.distributed or rank >= job.world:
-            # No rank of the old job, so no Hold has it: what is there an earlier reshard that
-            # did not finish left, unless a server is open there (a run or another reshard),
-            # whose files must not go from under it.
+            # No rank of the old job, so check_source's Hold has it not: what is there an earlier
+            # reshard that did not finish left, unless a server is open there (a run or another
+            # reshard), whose files must not go from under it. (take_new_ranks checked that.)
             os.makedirs(rank_dir, exist_ok=True)
-            try:
-                lock = _lock_path(rank_dir, doing=f"resharding the job at {root}")
-            except PathInUseError as e:
-                raise PathInUseError(f"rank {rank} of the job at {root} as resharded: another run has its "
-                                     f"directory open; nothing of it was removed. {e}") from None
+            if not held:
+                try:
+                    lock = _lock_path(rank_dir, doing=f"resharding the job at {root}")
+                except PathInUseError as e:
+                    raise PathInUseError(f"rank {rank} of the job at {root} as resharded: another run has its "
+                                         f"directory open; nothing of it was removed. {e}") from None
             for name in os.listdir(rank_dir):
                 if name != WRITER_LOCK:
                     _remove_tree(os.path.join(rank_dir, name))
@@ -422,10 +450,11 @@ def to_one_process(root: str, hold: Optional[Hold] = None) -> tuple:
     if any("m" in st for st in dense["opt"].get("state", {}).values()):
         raise ValueError(f"{root}: the job trained its MLP with k-step Adam ([distributed] dense_sync = 'kstep'), "
                          f"whose state (m a rank) one process has no optimizer for; resume it under mpiexec")
-    _, number, written = write_rank(root, 1, 0, one_process=True)
-    # From the switch on, root is the job: a server opened there now would race the
-    # removal of the rank directories.
-    hold.take(root, f"the parameter server at {root} as resharded (checkpoint {number})")
+    # Held from before it is written to the end: a server opened at root once its
+    # metadata is there would drop the checkpoint being written, or (opened after)
+    # race the switch and the removal of the rank directories.
+    hold.take(root, f"the parameter server at {root} as resharded")
+    _, number, written = write_rank(root, 1, 0, one_process=True, held=True)
     manifest = os.path.join(root, JOB_MANIFEST)
     current = read_job(root)
     if (current.world, current.checkpoint) != (old["world"], old["checkpoint"]):

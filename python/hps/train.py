@@ -794,24 +794,29 @@ def load_trainer_state(path: str) -> dict:
                       map_location="cpu")
 
 
-def _discard_run(path: str) -> None:
+def _discard_run(path: str, held: bool = False) -> None:
     """Removes what a run that never finished a checkpoint left at path: nothing
     in it is durable state (a parameter server opens such a run empty anyway).
     Holds the path's writer lock throughout, so that a run still open there is
     refused (PathInUseError) before anything goes, and none opens there until
     the removal is done: a check that let go before removing left a window in
     which another run opened and lost its files. The lock file goes last, while
-    held (_lock_path takes the path's new one then)."""
+    held (_lock_path takes the path's new one then). `held`: the caller holds the
+    lock (a reshard's hps.reshard.Hold) and goes on holding it: the lock file stays."""
+    fd = None
+    if not held:
+        try:
+            fd = _lock_path(path, doing="removing what a run that never checkpointed left")
+        except PathInUseError as e:
+            raise PathInUseError(f"{path} holds a run that has not finished a checkpoint and is still running: it "
+                                 f"was not removed. {e}") from None
     try:
-        fd = _lock_path(path, doing="removing what a run that never checkpointed left")
-    except PathInUseError as e:
-        raise PathInUseError(f"{path} holds a run that has not finished a checkpoint and is still running: it was "
-                             f"not removed. {e}") from None
-    try:
-        for name in (METADATA, "ssd", "ssd.restore", CHECKPOINTS, SUMMARY, TRAINER_STATE, WRITER_LOCK):
+        names = (METADATA, "ssd", "ssd.restore", CHECKPOINTS, SUMMARY, TRAINER_STATE)
+        for name in names if held else names + (WRITER_LOCK,):
             _remove_tree(os.path.join(path, name))
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _collective(node: Optional[Node], fn):
@@ -883,8 +888,9 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool, widths: Optional[tu
         number = _collective(node, check)
         number = node.allgather("train", number, "the job's checkpoint")[0]
         if isinstance(number, dict):  # the job ran on another number of ranks: reshard its checkpoint first
-            done = node.allgather("train", _collective(node, lambda: reshard.write_rank(cfg.ps.path, node.size,
-                                                                                       node.rank)), "reshard")
+            def write():  # (under rank 0's hold of every directory written: reshard.take_new_ranks)
+                return reshard.write_rank(cfg.ps.path, node.size, node.rank, held=True)
+            done = node.allgather("train", _collective(node, write), "reshard")
             new = done[0][1]
             _collective(node, lambda: reshard.commit(cfg.ps.path, node.size, number, new, hold)
                         if node.rank == 0 else None)
@@ -901,9 +907,12 @@ def _plan_reshard(root: str, world: int, cfg: TrainConfig, hold: "reshard.Hold",
     """Rank 0: the checkpoint to reshard, checked whole (hps.reshard) and against
     this run's config and data (`widths`: its dense, single-hot and multi-hot
     fields; `ranks`: the run is a job of ranks, not one process), and says so;
-    the old job's directories stay locked in `hold`."""
+    the old job's directories stay locked in `hold`, and (`ranks`) the new ranks'
+    too (hps.reshard.take_new_ranks: every rank writes under rank 0's locks)."""
     old = reshard.check_source(root, hold)
     _check_resumable_with(cfg, root, widths, cfg.distributed.dense_sync if ranks else None)
+    if ranks:  # (once nothing is refused: a refused resume writes nothing)
+        reshard.take_new_ranks(root, world, hold)
     _notice(f"--resume: the job at {root} ran on {old['world']} rank(s), this run has {world}: resharding "
             f"its checkpoint {old['checkpoint']} (step {old['step']}) over {world} ranks")
     return old
