@@ -725,3 +725,38 @@ def test_a_new_ranks_directory_is_held_from_before_it_is_written_to_the_end(tmp_
     assert seen and seen[0]
     monkeypatch.undo()
     assert not _refused(old / "job" / ("rank0" if how == "ranks" else ""), root)  # let go at the end
+
+
+@pytest.mark.parametrize("then", ["one process", "ranks"])
+def test_what_a_reshard_left_to_remove_goes_before_the_job_is_resharded_again(tmp_path, two_ranks, monkeypatch,
+                                                                               then):
+    """A reshard of 2 ranks (one process: to 1 rank; ranks: to one process) whose
+    removal of the old rank directories a crash, or a server open on one, cut
+    short right after the switch, and the next run reshards again instead of
+    resuming as it is (one process: back to one process; ranks: mpiexec -n 1).
+    That reshard's switch replaces the record naming what is left, so it removes
+    that first: before, the rank directory (and resharded-from.json) stayed for
+    good, and the next run did not finish the removal as said."""
+    from hps import reshard
+    from hps.jobdir import read_job
+    from hps.train import _prepare_job
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    if then == "one process":
+        monkeypatch.setattr(reshard, "remove_old", lambda root, hold=None: None)
+        reshard_in_process(root, 1)
+    else:
+        monkeypatch.setattr(reshard, "remove_old_ranks", lambda root, hold=None: None)
+        reshard.to_one_process(str(root))
+    monkeypatch.undo()
+    assert os.path.isdir(root / "rank1")
+    if then == "one process":
+        one_process(root, STEPS + 2, resume=True)
+        assert read_job(str(root)).distributed is False
+        assert dense_states(root, 1)[0]["batches_done"] == STEPS + 2
+        left = []
+    else:
+        number = read_job(str(root)).checkpoint
+        assert _prepare_job(sc.train_config(str(root)), _OneRank(), resume=True) == number + 1
+        left = ["job.json", "rank0"]
+    assert sorted(n for n in os.listdir(root) if n.startswith(("rank", "job", "resharded"))) == left

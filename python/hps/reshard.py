@@ -38,7 +38,7 @@ directory, and keeps its files.
 A crash before the switch leaves job.json naming checkpoint K of N ranks, whole:
 the job resumes on N ranks (each old rank rolls back to K and drops the partial
 K+1) or reshards again on M. A crash after it leaves the new job whole; the next
-resume removes the old files left over.
+resume removes the old files left over (a reshard again: first, ``finish_removal``).
 
 Back to one process: a job of N ranks resumed by ``hps train --resume`` without
 mpiexec becomes a one-process parameter server at the job's root
@@ -463,6 +463,18 @@ def to_one_process(root: str, hold: Optional[Hold] = None) -> tuple:
     _replace_durable(manifest, os.path.join(root, RESHARDED_FILE))  # the switch
     remove_old_ranks(root, hold)
     return old, number, written
+
+
+def finish_removal(root: str) -> None:
+    """What the job's last reshard left to remove (remove_old's, or remove_old_ranks'
+    where the root is one process now), removed before the job is resharded again:
+    that reshard's switch replaces the record that names it, and a resume that is
+    no reshard, which removes it otherwise, need not come first. Raises
+    PathInUseError as they do, before anything of the new reshard is written."""
+    if os.path.exists(os.path.join(root, JOB_MANIFEST)):
+        remove_old(root)
+    else:
+        remove_old_ranks(root)
 
 
 def remove_old_ranks(root: str, hold: Optional[Hold] = None) -> None:

@@ -909,6 +909,7 @@ def _plan_reshard(root: str, world: int, cfg: TrainConfig, hold: "reshard.Hold",
     fields; `ranks`: the run is a job of ranks, not one process), and says so;
     the old job's directories stay locked in `hold`, and (`ranks`) the new ranks'
     too (hps.reshard.take_new_ranks: every rank writes under rank 0's locks)."""
+    reshard.finish_removal(root)  # (the switch below replaces the record of what is left)
     old = reshard.check_source(root, hold)
     _check_resumable_with(cfg, root, widths, cfg.distributed.dense_sync if ranks else None)
     if ranks:  # (once nothing is refused: a refused resume writes nothing)
