@@ -40,6 +40,19 @@ the job resumes on N ranks (each old rank rolls back to K and drops the partial
 K+1) or reshards again on M. A crash after it leaves the new job whole; the next
 resume removes the old files left over (a reshard again: first, ``finish_removal``).
 
+A removal refused partway (a server open on the third of four directories to go)
+leaves the first two removed and the rest whole. It is not made all-or-nothing
+(every lock taken first) because nothing reads that state wrongly, and a crash
+partway leaves the same: the removals run after the switch, so the job is what
+the record names (job.json's ranks below its world; to one process, the root's
+server) and every reader and run reads only that, never a directory to remove;
+each directory goes whole under its lock or, refused before anything of it goes,
+stays whole (a server or Lookup opened on it directly reads on); and the record
+of what to remove (job.json's ``resharded_from``; ``resharded-from.json``, kept
+until the last rank directory is gone) stays until a later run removes the rest.
+Taking every lock first would still leave a crash partway, and changes nothing
+that is read.
+
 Back to one process: a job of N ranks resumed by ``hps train --resume`` without
 mpiexec becomes a one-process parameter server at the job's root
 (``to_one_process``): step 2 writes every row as checkpoint K+1 of a parameter
