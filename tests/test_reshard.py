@@ -6,6 +6,7 @@ resumed from the same state; a crash before the switch leaves the old job
 resumable; a missing part of the checkpoint is named."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -380,12 +381,22 @@ def _listing(path) -> list:
     return sorted(os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names)
 
 
-def _keeps_its_files(server, path, listing) -> None:
-    """The server open at path was not disturbed: its files are as they were, and
-    it checkpoints (a server whose files went from under it fails there)."""
-    assert os.path.isdir(path) and _listing(path) == listing
-    server.push(np.arange(4, dtype=np.uint64), np.ones((4, server.dim), np.float32))
-    assert server.checkpoint() is not None
+@contextlib.contextmanager
+def _a_server_open_on(path):
+    """A parameter server open at path (as a run of that rank holds it) while the
+    body runs; the body done, the server must not have been disturbed: its files
+    are as they were, and it checkpoints (a server whose files went from under it
+    fails there)."""
+    import hps
+    server = hps.ParameterServer.open(path)
+    try:
+        listing = _listing(path)
+        yield
+        assert os.path.isdir(path) and _listing(path) == listing
+        server.push(np.arange(4, dtype=np.uint64), np.ones((4, server.dim), np.float32))
+        assert server.checkpoint() is not None
+    finally:
+        server.close()
 
 
 def test_the_rank_directories_a_reshard_to_one_process_left_are_not_removed_under_a_server(tmp_path, two_ranks,
@@ -404,17 +415,12 @@ def test_the_rank_directories_a_reshard_to_one_process_left_are_not_removed_unde
     reshard.to_one_process(str(root))
     monkeypatch.undo()
     assert os.path.exists(root / reshard.RESHARDED_FILE) and os.path.isdir(root / "rank1")
-    held = hps.ParameterServer.open(root / "rank1")
-    try:
-        listing = _listing(root / "rank1")
+    with _a_server_open_on(root / "rank1"):
         with pytest.raises(hps.PathInUseError, match=f"rank 1 of the job at {root} before its reshard to one "
                                                      f"process: another run has its directory open; it was not "
                                                      f"removed .*{root / 'rank1'}: another parameter server"):
             one_process(root, STEPS + 2, resume=True)
         assert os.path.exists(root / reshard.RESHARDED_FILE)  # (the next run removes what is left)
-        _keeps_its_files(held, root / "rank1", listing)
-    finally:
-        held.close()
     one_process(root, STEPS + 2, resume=True)
     assert not os.path.exists(root / "rank0") and not os.path.exists(root / "rank1")
     assert not os.path.exists(root / reshard.RESHARDED_FILE)
@@ -457,7 +463,6 @@ def test_the_rank_directories_a_reshard_to_fewer_ranks_left_are_not_removed_unde
     """2 -> 1 rank under mpiexec, the job died right after job.json's switch (rank 1's
     directory still there), and a server is open on it: the next resume (rank 0's
     _prepare_job) is refused, naming it, and leaves it whole; once closed, it goes."""
-    import hps
     from hps import reshard
     from hps.train import _prepare_job
     old = copy_of(two_ranks, tmp_path)
@@ -466,15 +471,10 @@ def test_the_rank_directories_a_reshard_to_fewer_ranks_left_are_not_removed_unde
     reshard_in_process(root, 1)
     monkeypatch.undo()
     assert json.loads((root / "job.json").read_text())["world"] == 1 and os.path.isdir(root / "rank1")
-    held = hps.ParameterServer.open(root / "rank1")
-    try:
-        listing = _listing(root / "rank1")
+    with _a_server_open_on(root / "rank1"):
         with pytest.raises(ValueError, match=f"rank 1 of the job at {root} before its reshard to 1 ranks: "
                                              f"another run has its directory open; it was not removed"):
             _prepare_job(sc.train_config(str(root)), _OneRank(), resume=True)
-        _keeps_its_files(held, root / "rank1", listing)
-    finally:
-        held.close()
     number = json.loads((root / "job.json").read_text())["checkpoint"]
     assert _prepare_job(sc.train_config(str(root)), _OneRank(), resume=True) == number
     assert not os.path.exists(root / "rank1")
@@ -520,16 +520,11 @@ def test_a_new_ranks_directory_is_not_emptied_under_a_server(tmp_path, two_ranks
     root = old / "job"
     before = reshard.check_source(str(root))
     reshard.write_rank(str(root), 3, 2)  # (a reshard cut short: rank 2's share written, then a server opened it)
-    held = hps.ParameterServer.open(root / "rank2")
-    try:
-        listing = _listing(root / "rank2")
+    with _a_server_open_on(root / "rank2"):
         with pytest.raises(hps.PathInUseError, match=f"rank 2 of the job at {root} as resharded: another run has "
                                                      f"its directory open; nothing of it was removed. "
                                                      f"{root / 'rank2'}: another parameter server"):
             reshard.write_rank(str(root), 3, 2)
-        _keeps_its_files(held, root / "rank2", listing)
-    finally:
-        held.close()
     done = [reshard.write_rank(str(root), 3, r) for r in range(3)]
     reshard.commit(str(root), 3, before, done[0][1])
     assert json.loads((root / "job.json").read_text())["world"] == 3
