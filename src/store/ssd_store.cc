@@ -1087,6 +1087,7 @@ class FileStore final : public SsdStore {
       uint64_t begin, count;  // in kept
     };
     std::vector<Output> outputs;
+    std::vector<uint32_t> handles;  // the outputs', taken before the commit
     uint64_t bytes = 0;
     try {
       for (uint64_t begin = 0; begin < kept.size(); begin += options_.file_records) {
@@ -1105,12 +1106,27 @@ class FileStore final : public SsdStore {
         file->Sync();
       }
       SyncDirectory(options_.path);
+      // Once the manifest has dropped the victims, the swap below must not
+      // fail: a store still serving them would drop them again at its next
+      // compaction, and no replay accepts a drop of a file that is gone. So
+      // the outputs take their handles (record ids) now, where running out
+      // of them (file_records too large for this many files) still changes
+      // nothing. Unindexed, they serve no get until the swap.
+      {
+        std::unique_lock lock(mutex_);
+        free_handles_.reserve(free_handles_.size() + victims.size());  // RemoveEntry's, in the swap
+        for (const Output& out : outputs) handles.push_back(AddEntry(out.sequence, out.file, false));
+      }
       std::lock_guard manifest_lock(manifest_mutex_);
       for (const Output& out : outputs) manifest_->AddFile(out.sequence, out.count);
       for (const auto& victim : sources) manifest_->DropFile(victim->header().sequence);
       manifest_->Commit();
       ++commits_;
     } catch (...) {
+      {
+        std::unique_lock lock(mutex_);
+        for (uint32_t handle : handles) RemoveEntry(handle);
+      }
       for (const Output& out : outputs) fs::remove(out.file->path());
       throw;
     }
@@ -1118,8 +1134,10 @@ class FileStore final : public SsdStore {
     const auto swap_start = std::chrono::steady_clock::now();
     {
       std::unique_lock lock(mutex_);
-      for (Output& out : outputs) {
-        const uint32_t handle = AddEntry(out.sequence, std::move(out.file), true);
+      for (size_t o = 0; o < outputs.size(); ++o) {
+        const Output& out = outputs[o];
+        const uint32_t handle = handles[o];
+        Entry(handle).committed = true;
         for (uint64_t j = 0; j < out.count; ++j) {
           const Kept& k = kept[out.begin + j];
           const uint32_t to = RecordId(handle, j);

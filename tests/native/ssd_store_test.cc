@@ -383,6 +383,34 @@ TEST_F(SsdStoreTest, AFailedCompactionThrowsCountsAndLeavesNoTrace) {
   EXPECT_EQ(Versions(*store, Range(1, 9)), (std::vector<int64_t>{2, 2, 2, 3, 2, 2, 2, 3}));
 }
 
+// A compaction whose outputs would take more files than record ids can
+// address fails before its manifest commit, changing nothing. It used to
+// find out only when swapping the index over, after the commit had dropped
+// its victims: the open store kept serving them, the next compaction dropped
+// them again, and the replay of that MANIFEST refused the store.
+TEST_F(SsdStoreTest, ACompactionPastTheFileLimitFailsBeforeItsCommit) {
+  const uint64_t two_files = (uint64_t{1} << 31) - 1;  // ids for two files only
+  {
+    auto store = SsdStore::Open(Options(two_files));
+    Put(*store, Range(1, 11), 1);
+    store->Commit();
+    Put(*store, Range(1, 7), 2);  // the first file 60% stale: a victim, with 4 live records
+    store->Commit();
+    const std::vector<std::string> before = Files();
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      EXPECT_THROW(store->Compact(), IoError);
+      EXPECT_EQ(Files(), before) << "attempt " << attempt;
+      const SsdStoreStats s = store->stats();
+      EXPECT_EQ(s.compactions, 0u);
+      EXPECT_EQ(s.compaction_failures, static_cast<uint64_t>(attempt + 1));
+      EXPECT_NE(s.last_error.find("raise file_records"), std::string::npos) << s.last_error;
+    }
+    store->Commit();
+  }
+  auto store = SsdStore::Open(Options(two_files));
+  EXPECT_EQ(Versions(*store, Range(1, 11)), (std::vector<int64_t>{2, 2, 2, 2, 2, 2, 1, 1, 1, 1}));
+}
+
 // Bound writes the cut stamp's survivors before it changes anything; when
 // one of those files cannot be written, the ones already written go too.
 TEST_F(SsdStoreTest, ABoundWhoseRewriteFailsLeavesNoFile) {
