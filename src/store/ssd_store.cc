@@ -58,6 +58,21 @@ void SyncDirectory(const std::string& dir) {
   if (rc != 0) ThrowErrno("sync directory", dir);
 }
 
+// Creates `dir` and its missing parents, and makes their names durable: an
+// fsync of a new directory does not persist its entry in the one above it
+// (fsync(2)), so without this a power loss after a commit returned could
+// lose the whole store.
+void CreateDirectoriesDurably(const fs::path& dir) {
+  std::vector<fs::path> parents;  // of each directory created, deepest first
+  for (fs::path at = dir; !at.empty() && !fs::exists(at); at = at.parent_path()) {
+    parents.push_back(at.has_parent_path() ? at.parent_path() : fs::path("."));
+    if (!at.has_parent_path() || at.parent_path() == at) break;
+  }
+  if (parents.empty()) return;
+  fs::create_directories(dir);
+  for (const fs::path& parent : parents) SyncDirectory(parent.string());
+}
+
 std::string FileName(uint64_t sequence) {
   char name[32];
   std::snprintf(name, sizeof name, "%012llu%s", static_cast<unsigned long long>(sequence), kFileSuffix);
@@ -145,7 +160,7 @@ class FileStore final : public SsdStore {
     if (fs::exists(dir) && !fs::is_directory(dir)) {
       throw std::invalid_argument(dir + " is not a directory, so not an hps store");
     }
-    fs::create_directories(dir);
+    CreateDirectoriesDurably(dir);
     CheckOrCreateMarker(dir, options_.row_bytes);
     if (options_.direct_io) {
       const std::string refused = ProbeDirectIo(dir);

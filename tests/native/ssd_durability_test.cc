@@ -374,6 +374,28 @@ TEST_F(SsdDurabilityTest, AFileThatFailedToSyncIsNeverCommitted) {
   EXPECT_EQ(Found(*store, 5, 9), 0u);
 }
 
+// A new store's directory, and each missing parent that open creates, is an
+// entry in the directory above it, which an fsync of the new directory itself
+// does not make durable (fsync(2)): a power loss after a commit returned could
+// take the whole store with it. Open syncs each directory it added an entry to.
+TEST_F(SsdDurabilityTest, ANewStoresDirectoriesAreSyncedIntoTheirParents) {
+  const fs::path root(dir_);
+  SsdStoreOptions o;
+  o.path = (root / "a" / "store").string();
+  o.row_bytes = kRowBytes;
+  o.background_compaction = false;
+  TakeSyncLog();
+  auto store = SsdStore::Open(o);
+  Put(*store, 1, 3);
+  store->Commit();
+  const std::vector<SyncCall> log = TakeSyncLog();
+  for (const fs::path& parent : {root.parent_path(), root, root / "a"}) {
+    EXPECT_TRUE(std::any_of(log.begin(), log.end(),
+                            [&](const SyncCall& c) { return !c.data_only && c.path == parent.string(); }))
+        << "no fsync of " << parent << ", where open created " << o.path << " or a parent of it";
+  }
+}
+
 // A new store whose marker fails to sync is refused naming the marker, and
 // leaves no descriptor open on it (each failed open leaked one).
 TEST_F(SsdDurabilityTest, ANewStoreWhoseMarkerFailsToSyncIsRefusedAndLeaksNoDescriptor) {
