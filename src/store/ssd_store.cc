@@ -112,11 +112,15 @@ void CheckOrCreateMarker(const std::string& dir, uint32_t row_bytes) {
     }
     return;
   }
-  if (!fs::is_empty(dir)) {
+  // A marker still under its temporary name is a first open that failed or
+  // was killed before the rename, and wrote nothing else: the directory is
+  // still new (and the marker is written over below).
+  const std::string tmp = marker + ".tmp";
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().filename() == fs::path(tmp).filename()) continue;
     throw std::invalid_argument(dir + " is not an hps store (no " + kStoreMarker +
                                 " file) and is not empty; give a new or empty directory");
   }
-  const std::string tmp = marker + ".tmp";
   {
     std::ofstream out(tmp);
     out << "hps-ssd-store " << kStoreVersion << "\nrow_bytes " << row_bytes << "\n";

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -414,6 +415,31 @@ TEST_F(SsdDurabilityTest, ANewStoreWhoseMarkerFailsToSyncIsRefusedAndLeaksNoDesc
     fs::remove(fs::path(dir_) / "STORE.tmp");
   }
   EXPECT_NE(Open(), nullptr);  // the fault passed: the store opens
+}
+
+// A first open that failed, or was killed, before its marker was renamed into
+// place leaves STORE.tmp alone in the directory, torn or whole: the next open
+// makes the store, rather than refusing a directory that is "not empty" until
+// someone removes the file by hand.
+TEST_F(SsdDurabilityTest, AMarkerLeftUnrenamedByAFailedFirstOpenDoesNotBlockTheNext) {
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    fail_fsync_of = "STORE.tmp";
+  }
+  EXPECT_THROW(Open(), IoError);
+  ASSERT_TRUE(fs::exists(fs::path(dir_) / "STORE.tmp"));
+  {
+    auto store = Open();
+    Put(*store, 1, 3);
+    store->Commit();
+  }
+  EXPECT_FALSE(fs::exists(fs::path(dir_) / "STORE.tmp"));
+  EXPECT_EQ(Found(*Open(), 1, 3), 2u);
+
+  fs::remove_all(dir_);  // a kill mid-write: a torn marker
+  fs::create_directories(dir_);
+  std::ofstream(fs::path(dir_) / "STORE.tmp") << "hps-ssd-st";
+  EXPECT_NE(Open(), nullptr);
 }
 
 }  // namespace
