@@ -27,7 +27,10 @@ void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uin
     const ssize_t r = pread(fd, p, bytes, static_cast<off_t>(offset));
     if (r < 0) {
       if (errno == EINTR) continue;
-      ThrowErrno("read", path);
+      const int error = errno;
+      const std::string what = "read at byte " + std::to_string(offset);  // where a bad sector is
+      errno = error;
+      ThrowErrno(what, path);
     }
     if (r == 0) throw CorruptionError(path + ": not a valid hps parameter file: file ends early, at byte " +
                                     std::to_string(offset));
@@ -160,7 +163,9 @@ class UringIo final : public BlockIo {
               throw IoError(*r->path + ": io_uring write: " + std::strerror(-res) + " after a short write at byte " +
                             std::to_string(r->offset + done) + " (disk full or file size limit?)");
             }
-            ThrowUring(write_ ? "write" : "read", res, *r->path);
+            if (write_) ThrowUring("write", res, *r->path);
+            // A failed read names where: a bad sector is one block, not the file.
+            ThrowUring(("read at byte " + std::to_string(r->offset + done)).c_str(), res, *r->path);
           }
           if (res == 0) {
             io_uring_cq_advance(&ring_, seen);

@@ -17,7 +17,8 @@
 namespace hps::detail {
 
 // Reads exactly `bytes` at `offset`, retrying short reads; IoError names the
-// file, CorruptionError a file shorter than expected.
+// file and the byte where the failed read began, CorruptionError a file
+// shorter than expected.
 void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes);
 // Writes exactly `bytes` at `offset`, retrying short writes; IoError names the file.
 void WriteFully(int fd, const std::string& path, uint64_t offset, const void* data, uint64_t bytes);
@@ -49,8 +50,8 @@ class AlignedBuffer {
 class BlockIo {
  public:
   virtual ~BlockIo() = default;
-  // Reads every request fully; throws IoError (or CorruptionError for a file
-  // that ends early) naming the file.
+  // Reads every request fully; throws IoError naming the file and the byte
+  // where the failed read began (or CorruptionError for a file that ends early).
   virtual void ReadAll(std::vector<IoRequest>& requests) = 0;
   // Writes every request fully; throws IoError naming the file (a full disk
   // is ENOSPC, or EFBIG past RLIMIT_FSIZE).

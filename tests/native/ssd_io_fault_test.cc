@@ -2,7 +2,8 @@
 // io_uring_submit refused for now (-EAGAIN: no memory for the requests;
 // -EBUSY: completions to reap first), a completion of -EAGAIN (the operation
 // did nothing: ask again), a read or write that moves fewer bytes than asked,
-// and on the pread path a call interrupted (EINTR) or cut short. A put must
+// and on the pread path a call interrupted (EINTR) or cut short; on both, a
+// read the device fails (EIO). A put must
 // still write every byte (a reopen reads each row back), a get must read
 // every byte, and a refusal that does not pass must fail naming the file,
 // neither hang nor leave requests behind for the next call.
@@ -42,6 +43,7 @@ std::atomic<int> again_completions{0};    // the next reads or writes complete w
 std::atomic<int> short_completions{0};    // the next reads or writes of 8 KiB or more move half
 std::atomic<int> interrupted_calls{0};    // pread or pwrite fails with EINTR
 std::atomic<int> short_calls{0};          // pread or pwrite of 8 KiB or more moves half
+std::atomic<int> failed_reads{0};         // the next reads (io_uring or pread) fail with EIO
 
 // Half of `bytes`, a multiple of 4 KiB (as O_DIRECT needs); 0 below 8 KiB.
 uint64_t Half(uint64_t bytes) { return bytes >= 8192 ? bytes / 2 / 4096 * 4096 : 0; }
@@ -69,11 +71,15 @@ extern "C" int io_uring_submit(io_uring* ring) {
   if (Take(submit_refusals)) return -submit_error.load();
   // The queued operations, not yet handed to the kernel: refused ones become
   // reads or writes of 0 bytes, whose completions are rewritten below.
-  std::vector<uint64_t> refused;
+  std::vector<uint64_t> refused, failed;
   for (unsigned i = ring->sq.sqe_head; i != ring->sq.sqe_tail; ++i) {
     io_uring_sqe* sqe = &ring->sq.sqes[i & ring->sq.ring_mask];
     if (sqe->opcode != IORING_OP_READ && sqe->opcode != IORING_OP_WRITE) continue;
-    if (Take(again_completions)) {
+    if (sqe->opcode == IORING_OP_READ && Take(failed_reads)) {
+      Scribble(sqe, 0, sqe->len);
+      sqe->len = 0;
+      failed.push_back(sqe->user_data);
+    } else if (Take(again_completions)) {
       Scribble(sqe, 0, sqe->len);
       sqe->len = 0;
       refused.push_back(sqe->user_data);
@@ -84,17 +90,20 @@ extern "C" int io_uring_submit(io_uring* ring) {
     }
   }
   const int submitted = real(ring);
-  // Each refused operation's completion (0 bytes moved) becomes -EAGAIN
-  // before the caller can see it; the completion ring is the caller's memory.
+  // Each refused operation's completion (0 bytes moved) becomes -EAGAIN,
+  // each failed one's -EIO, before the caller can see it; the completion
+  // ring is the caller's memory.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!refused.empty()) {
+  while (!refused.empty() || !failed.empty()) {
     const unsigned tail = __atomic_load_n(ring->cq.ktail, __ATOMIC_ACQUIRE);
     for (unsigned i = *ring->cq.khead; i != tail; ++i) {
       io_uring_cqe* cqe = &ring->cq.cqes[i & ring->cq.ring_mask];
-      const auto it = std::find(refused.begin(), refused.end(), cqe->user_data);
-      if (it == refused.end()) continue;
-      if (cqe->res == 0) cqe->res = -EAGAIN;
-      refused.erase(it);
+      for (auto* list : {&refused, &failed}) {
+        const auto it = std::find(list->begin(), list->end(), cqe->user_data);
+        if (it == list->end()) continue;
+        if (cqe->res == 0) cqe->res = list == &refused ? -EAGAIN : -EIO;
+        list->erase(it);
+      }
     }
     if (std::chrono::steady_clock::now() > deadline) {
       std::fprintf(stderr, "io_uring_submit: a refused operation never completed\n");
@@ -108,6 +117,10 @@ extern "C" int io_uring_submit(io_uring* ring) {
 extern "C" ssize_t pread(int fd, void* data, size_t bytes, off_t offset) {
   if (Take(interrupted_calls)) {
     errno = EINTR;
+    return -1;
+  }
+  if (Take(failed_reads)) {
+    errno = EIO;
     return -1;
   }
   if (Half(bytes) > 0 && Take(short_calls)) bytes = Half(bytes);
@@ -132,7 +145,7 @@ class SsdIoFaultTest : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = test_support::FreshTestDir("hps-ssd-io-fault-test"); }
   void TearDown() override {
-    submit_refusals = again_completions = short_completions = interrupted_calls = short_calls = 0;
+    submit_refusals = again_completions = short_completions = interrupted_calls = short_calls = failed_reads = 0;
     fs::remove_all(dir_);
   }
 
@@ -282,6 +295,36 @@ TEST_F(SsdIoFaultTest, PreadPathCallsInterruptedOrCutShortAreAskedAgain) {
   short_calls = 3;
   ExpectRows(*store, keys);
   EXPECT_EQ(interrupted_calls + short_calls, 0) << "the get's reads took fewer faults than asked";
+}
+
+// A read the device fails (EIO: a bad sector, say) fails the get naming the
+// file and where in it, on both paths: the offset is what finds the sector,
+// and what tells one bad block from a dead drive.
+TEST_F(SsdIoFaultTest, AReadTheDeviceFailsNamesTheFileAndTheOffset) {
+  for (const bool uring : {true, false}) {
+    SCOPED_TRACE(uring ? "io_uring" : "pread");
+    fs::remove_all(dir_);
+    auto store = Open(uring);
+    if (uring && !OnUring(*store)) continue;  // the pread path still runs below
+    Put(*store, Range(1, 1025));  // one file: slot = key - 1
+    store->Commit();
+    // Key 700's row, slot 699, lies in rows block 2: the region starts at
+    // 16384 (header, 8 KiB of keys, one block of block CRCs), so at 24576.
+    failed_reads = 1;
+    const uint64_t key = 700;
+    std::vector<uint8_t> out(kRowBytes);
+    try {
+      store->Get(&key, 1, out.data(), nullptr);
+      ADD_FAILURE() << "a get whose read failed succeeded";
+    } catch (const IoError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find((fs::path(dir_) / "000000000001.hpf").string() + ": "), std::string::npos) << what;
+      EXPECT_NE(what.find("at byte 24576"), std::string::npos) << what;
+      EXPECT_NE(what.find(std::strerror(EIO)), std::string::npos) << what;
+    }
+    EXPECT_EQ(failed_reads, 0);
+    ExpectRows(*store, {key});  // the fault passed: the row reads
+  }
 }
 
 }  // namespace
