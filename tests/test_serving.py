@@ -219,6 +219,28 @@ def test_verify_names_each_corrupted_file_and_block(job, tmp_path, capsys):
     assert jobdir.READERS not in out  # the checkpoint's paths, not the private copy's
 
 
+def test_verify_names_a_file_cut_shorter_than_its_header(job, tmp_path, capsys):
+    """A parameter file cut short before the end of its header (a crash of a copy,
+    a truncating tool) is damage that --verify lists with the rest. Counting the
+    files' versions read each header unchecked first, and its ValueError ended
+    inspect as a usage error (exit 2) with no report at all."""
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    store = copy / "checkpoints" / "000006" / "ssd"
+    files = [jobdir.file_name(seq) for seq in sorted(jobdir.replay_manifest((store / "MANIFEST").read_bytes()))]
+    cut, flipped = store / files[0], store / files[1]
+    with open(cut, "r+b") as f:
+        f.truncate(20)
+    flip(flipped, 4096 + 3)  # its keys: a second problem, named as well
+    assert main(["inspect", str(copy), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "2 problem(s)" in out, out
+    assert f"{cut}: not a valid hps parameter file: file ends early, at byte 20" in out, out
+    assert f"{flipped}: not a valid hps parameter file: keys CRC mismatch" in out, out
+    assert main(["inspect", str(copy)]) == 1  # damage, not a usage error
+    assert f"{cut}: not a valid hps parameter file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("marker", [b"hps-ssd-store 9\nrow_bytes 32\n", b"\xff\xfe garbage"],
                          ids=["another-format", "not-a-marker"])
 def test_verify_names_a_damaged_store_marker_once(job, tmp_path, capsys, marker):

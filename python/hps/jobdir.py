@@ -654,8 +654,11 @@ def inspect(root: str, verify: bool = False) -> dict:
                 rv = view.ranks[r]
                 versions: dict = {}
                 for seq in rv.files:
-                    v = read_header(os.path.join(rv.path, file_name(seq)))["version"]
-                    versions[str(v)] = versions.get(str(v), 0) + 1
+                    try:
+                        v = str(read_header(os.path.join(rv.path, file_name(seq)))["version"])
+                    except (ValueError, OSError):  # cut short: the open below names it (--verify: with the rest)
+                        v = "unreadable"
+                    versions[v] = versions.get(v, 0) + 1
                 with open(os.path.join(rv.path, MARKER), "rb") as f:  # damaged, maybe not text: --verify names it
                     marker = f.read().decode("utf-8", "replace").split()
                 try:
