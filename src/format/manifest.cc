@@ -175,6 +175,7 @@ void ManifestWriter::AddFile(uint64_t sequence, uint64_t records) {
 void ManifestWriter::DropFile(uint64_t sequence) { Append(ManifestEdit::kDropFile, {sequence}); }
 
 void ManifestWriter::Commit() {
+  failed_commit_may_stand_ = false;
   Append(ManifestEdit::kCommit, {});
   // A failed append must be cut off before the next one goes after it:
   // replay takes a damaged record followed by sound ones for damage inside
@@ -205,7 +206,10 @@ void ManifestWriter::Commit() {
     }
     done += static_cast<uint64_t>(w);
   }
-  if (fdatasync(fd_) != 0) fail("sync commit");
+  if (fdatasync(fd_) != 0) {
+    failed_commit_may_stand_ = true;
+    fail("sync commit");
+  }
   bytes_ += pending_.size();
   pending_.clear();
 }

@@ -54,6 +54,10 @@ class ManifestWriter {
   // Appends the buffered edits and a commit record, then syncs: on return
   // they are durable. On failure the log is cut back to its last commit.
   void Commit();
+  // Whether the last Commit() failed only in its sync, its whole append
+  // written: the kernel may have put it on disk before reporting, and the
+  // cut back is not synced, so after a crash the commit may stand.
+  bool failed_commit_may_stand() const { return failed_commit_may_stand_; }
 
   uint64_t bytes() const { return bytes_; }
 
@@ -64,6 +68,7 @@ class ManifestWriter {
   int fd_ = -1;
   uint64_t bytes_ = 0;           // durable length
   bool cut_pending_ = false;     // a failed append is still past bytes_
+  bool failed_commit_may_stand_ = false;
   std::vector<uint8_t> pending_;  // encoded edits since the last commit
 };
 

@@ -1107,6 +1107,7 @@ class FileStore final : public SsdStore {
     };
     std::vector<Output> outputs;
     std::vector<uint32_t> handles;  // the outputs', taken before the commit
+    bool commit_may_stand = false;  // the manifest commit failed in its sync
     uint64_t bytes = 0;
     try {
       for (uint64_t begin = 0; begin < kept.size(); begin += options_.file_records) {
@@ -1139,14 +1140,24 @@ class FileStore final : public SsdStore {
       std::lock_guard manifest_lock(manifest_mutex_);
       for (const Output& out : outputs) manifest_->AddFile(out.sequence, out.count);
       for (const auto& victim : sources) manifest_->DropFile(victim->header().sequence);
-      manifest_->Commit();
+      try {
+        manifest_->Commit();
+      } catch (...) {
+        commit_may_stand = manifest_->failed_commit_may_stand();
+        throw;
+      }
       ++commits_;
     } catch (...) {
       {
         std::unique_lock lock(mutex_);
         for (uint32_t handle : handles) RemoveEntry(handle);
       }
-      for (const Output& out : outputs) fs::remove(out.file->path());
+      // A commit whose sync failed may be on disk after all (and reopen to
+      // it after a crash): its files stay, and an open that finds them
+      // unlisted removes them. The victims stay either way.
+      if (!commit_may_stand) {
+        for (const Output& out : outputs) fs::remove(out.file->path());
+      }
       throw;
     }
     // Committed: swap the index over. Readers wait for this block only.

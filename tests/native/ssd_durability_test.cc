@@ -23,6 +23,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -49,6 +50,10 @@ std::atomic<bool> fail_next_fdatasync{false}, fail_next_ftruncate{false};
 std::mutex sync_fault_mutex;
 std::string fail_sync_of;  // guarded by sync_fault_mutex
 int sync_error = EIO;      // guarded by sync_fault_mutex
+int sync_fault_skips = 0;  // guarded by sync_fault_mutex: matching syncs let through first
+// The file's contents when its sync failed: what a crash right then may
+// leave on disk (the kernel may have written them before reporting).
+std::string contents_at_failed_sync;  // guarded by sync_fault_mutex
 // The next fsync of a path ending so fails with EIO.
 std::string fail_fsync_of;  // guarded by sync_fault_mutex
 // The next close of a descriptor open for writing fails with EIO, as NFS
@@ -78,7 +83,13 @@ bool EndsWith(const std::string& s, const std::string& end) {
 int SyncFault(const std::string& path) {
   std::lock_guard lock(sync_fault_mutex);
   if (fail_sync_of.empty() || !EndsWith(path, fail_sync_of)) return 0;
+  if (sync_fault_skips > 0) {
+    --sync_fault_skips;
+    return 0;
+  }
   fail_sync_of.clear();
+  std::ifstream in(path, std::ios::binary);
+  contents_at_failed_sync.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   return sync_error;
 }
 
@@ -188,10 +199,11 @@ class SsdDurabilityTest : public ::testing::Test {
     return hits;
   }
 
-  static void FailNextSyncOf(const std::string& path_end, int error) {
+  static void FailNextSyncOf(const std::string& path_end, int error, int skips = 0) {
     std::lock_guard lock(sync_fault_mutex);
     fail_sync_of = path_end;
     sync_error = error;
+    sync_fault_skips = skips;
   }
 
   // The parameter files in the store's directory, by path.
@@ -341,6 +353,44 @@ TEST_F(SsdDurabilityTest, ACommitWhoseManifestSyncFailsNamesItAndCommitsNothing)
     EXPECT_EQ(Found(*store, 1, 5), 4u);
     EXPECT_EQ(Found(*store, 5, 9), retry ? 4u : 0u);
   }
+}
+
+// A compaction whose MANIFEST sync fails cannot tell whether its commit is
+// on disk: the kernel may have written the append before reporting the
+// error, and a crash then keeps it (the writer's cut is not synced). So it
+// keeps its new files, which an open that finds them unlisted removes.
+// Deleting them left such a store refusing to open, an output "listed as
+// live in MANIFEST but missing", with its victims deleted by that open.
+TEST_F(SsdDurabilityTest, ACompactionWhoseManifestSyncFailsKeepsItsOutputs) {
+  {
+    auto store = Open();
+    Put(*store, 1, 13);  // files of 1..4, 5..8, 9..12
+    store->Commit();
+    Put(*store, 2, 5);   // the first three quarters stale
+    Put(*store, 6, 9);   // the second too
+    store->Commit();
+    FailNextSyncOf("/MANIFEST", EIO, /*skips=*/1);  // Compact's own commit first, then the chunk's
+    try {
+      store->Compact();
+      ADD_FAILURE() << "a compaction whose manifest failed to sync succeeded";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find("MANIFEST: sync commit"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(store->stats().compactions, 0u);
+    EXPECT_EQ(Found(*store, 1, 13), 12u);
+  }
+  std::string at_crash;
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    at_crash = contents_at_failed_sync;
+  }
+  // A crash as the sync failed, with the append on disk after all.
+  const fs::path manifest = fs::path(dir_) / "MANIFEST";
+  ASSERT_GT(at_crash.size(), fs::file_size(manifest)) << "the failed append was not cut off";
+  std::ofstream(manifest, std::ios::binary | std::ios::trunc) << at_crash;
+  auto store = Open();
+  EXPECT_EQ(Found(*store, 1, 13), 12u);
+  EXPECT_EQ(store->stats().files, 4u) << "the output, the third file and the two puts'";
 }
 
 // After a failed fdatasync the kernel has dropped the error with the dirty
