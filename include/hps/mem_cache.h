@@ -106,7 +106,9 @@ struct MemCacheStats {
 // the call names a key more often than it is pinned). The call released every
 // other key and kept what it could of the named keys' updates (see WriteBack
 // and UnpinUpdated), so it must not be retried: unlike std::invalid_argument
-// (refused, nothing changed), this one has changed the cache.
+// (refused, nothing changed), this one has changed the cache. It is thrown
+// even if memory runs out while the call keeps and names those keys (then
+// with a shorter message, and every update of theirs counted in lost()).
 class BrokenPinError : public std::runtime_error {
  public:
   BrokenPinError(const std::string& what, std::vector<uint64_t> unpinned, std::vector<uint64_t> lost)

@@ -502,20 +502,17 @@ class ShardedCache final : public MemCache {
   }
 
   void WriteBack(const uint64_t* keys, uint64_t n, const uint8_t* rows, uint8_t* const* addresses) override {
-    const std::vector<detail::UnpinnedKey> unpinned = ForPinned(
-        keys, n, "write back",
+    ForPinned(
+        detail::Release::kWriteBack, keys, n, "write back",
         [&](Shard& shard, uint32_t slot, uint64_t i) {
           std::memcpy(RowAt(shard, slot), rows + i * row_bytes_, row_bytes_);
           if (!shard.dirty[slot]) MarkDirty(shard, slot);
         },
-        addresses);
-    if (!unpinned.empty()) detail::KeepUnpinnedRows(*this, keys, n, rows, unpinned);
+        rows, addresses);
   }
 
   void Unpin(const uint64_t* keys, uint64_t n, uint8_t* const* addresses) override {
-    const std::vector<detail::UnpinnedKey> unpinned =
-        ForPinned(keys, n, "unpin", [](Shard&, uint32_t, uint64_t) {}, addresses);
-    if (!unpinned.empty()) detail::ThrowUnpinned(keys, n, unpinned);
+    ForPinned(detail::Release::kUnpin, keys, n, "unpin", [](Shard&, uint32_t, uint64_t) {}, nullptr, addresses);
   }
 
   uint64_t Access(const uint64_t* keys, uint64_t n, uint8_t* hit) override {
@@ -629,13 +626,12 @@ class ShardedCache final : public MemCache {
 
   void UnpinUpdated(const uint64_t* keys, uint64_t n, const uint8_t* updated,
                     uint8_t* const* addresses) override {
-    const std::vector<detail::UnpinnedKey> unpinned = ForPinned(
-        keys, n, "unpin",
+    ForPinned(
+        detail::Release::kUnpinUpdated, keys, n, "unpin",
         [&](Shard& shard, uint32_t slot, uint64_t i) {
           if (updated[i] && !shard.dirty[slot]) MarkDirty(shard, slot);
         },
-        addresses);
-    if (!unpinned.empty()) detail::MarkUnpinnedSteps(*this, keys, n, updated, unpinned);
+        updated, addresses);
   }
 
   void KeepUpdated(const uint64_t* keys, uint64_t n, const uint8_t* rows) override {
@@ -1035,20 +1031,22 @@ class ShardedCache final : public MemCache {
 
   // Checks that every key is pinned, then applies `change` and unpins each.
   // With `addresses` (rows of the keys, from Pin), the slots come from them
-  // instead of the index. Returns, by increasing index, the occurrences that
-  // something else unpinned between the check and the change (a broken pin
-  // contract, or more occurrences of a key than pins): those got no change,
-  // and the caller keeps their updates and names them.
+  // instead of the index. The occurrences that something else unpinned
+  // between the check and the change (a broken pin contract, or more
+  // occurrences of a key than pins) get no change: once the others are
+  // released, detail::ReportUnpinned keeps their updates (`data`: WriteBack's
+  // rows, UnpinUpdated's updated) and throws BrokenPinError naming them.
   // Only the check can fail (NotPinned, bad_alloc), having changed nothing:
   // the change pass allocates nothing (MarkDirty has its room, the policy's
-  // Add and Reattach never allocate) but the record of a broken pin. A
-  // failure midway would leave some keys unpinned and others not, and the
-  // caller's retry would unpin the next batch's pins on the first ones.
+  // Add and Reattach never allocate, and a broken pin is recorded in the
+  // pass's own lists). A failure midway would leave some keys unpinned and
+  // others not, and the caller's retry would unpin the next batch's pins on
+  // the first ones.
   template <typename Change>
-  [[nodiscard]] std::vector<detail::UnpinnedKey> ForPinned(const uint64_t* keys, uint64_t n, const char* what,
-                                                           Change change, uint8_t* const* addresses = nullptr) {
+  void ForPinned(detail::Release release, const uint64_t* keys, uint64_t n, const char* what, Change change,
+                 const uint8_t* data, uint8_t* const* addresses) {
     CheckKeys(keys, n);
-    const std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
+    std::vector<std::vector<uint64_t>> by_shard = GroupByShard(keys, n);
     std::vector<std::vector<uint32_t>> slots(shards_.size());  // found in the check, used in the change
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
@@ -1063,24 +1061,34 @@ class ShardedCache final : public MemCache {
         slots[s].push_back(slot);
       }
     }
-    std::vector<detail::UnpinnedKey> unpinned;  // allocates only when a pin was broken
+    // A broken pin's occurrence is moved to the front of its shard's lists,
+    // which the pass has read past (it is never ahead of the pass), and the
+    // lists are cut to those once the shard is done: a record that needs no
+    // room, so that the pass cannot stop midway, and costs the common case
+    // nothing per key.
+    uint64_t broken = 0;
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
+      std::vector<uint64_t>& mine = by_shard[s];
+      std::vector<uint32_t>& their_slots = slots[s];
+      size_t unpinned = 0;
       std::lock_guard lock(shard.mutex);
-      for (size_t j = 0; j < by_shard[s].size(); ++j) {
-        if (j + kLookahead < by_shard[s].size()) {
-          const uint32_t ahead = slots[s][j + kLookahead];
+      for (size_t j = 0; j < mine.size(); ++j) {
+        if (j + kLookahead < mine.size()) {
+          const uint32_t ahead = their_slots[j + kLookahead];
           __builtin_prefetch(&shard.pins[ahead]);
           __builtin_prefetch(&shard.keys[ahead]);
           __builtin_prefetch(&shard.dirty[ahead]);
           __builtin_prefetch(&shard.fresh[ahead]);
-          shard.policy->PrefetchVisit(ahead, keys[by_shard[s][j + kLookahead]]);  // the last unpin reattaches it
+          shard.policy->PrefetchVisit(ahead, keys[mine[j + kLookahead]]);  // the last unpin reattaches it
         }
-        const uint64_t i = by_shard[s][j];
-        const uint32_t slot = slots[s][j];
+        const uint64_t i = mine[j];
+        const uint32_t slot = their_slots[j];
         // A concurrent caller may have unpinned it meanwhile (and the slot moved on).
         if (shard.pins[slot] == 0 || shard.keys[slot] != keys[i]) [[unlikely]] {
-          detail::NoteUnpinned(&unpinned, i, RowAt(shard, slot));
+          mine[unpinned] = i;
+          their_slots[unpinned] = slot;
+          ++unpinned;
           continue;
         }
         change(shard, slot, i);
@@ -1093,9 +1101,19 @@ class ShardedCache final : public MemCache {
           shard.policy->Reattach(slot);
         }
       }
+      mine.resize(unpinned);  // shrinking: never allocates
+      their_slots.resize(unpinned);
+      broken += unpinned;
     }
-    if (!unpinned.empty()) detail::SortUnpinned(&unpinned);
-    return unpinned;
+    if (broken != 0) [[unlikely]] {
+      detail::ReportUnpinned(*this, release, what, keys, n, data, {by_shard, slots, broken, &RowOfSlot});
+    }
+  }
+
+  // Where slot's row of shard s is (detail::UnpinnedRecord's row_of).
+  static uint8_t* RowOfSlot(const MemCache& cache, size_t s, uint32_t slot) {
+    const auto& self = static_cast<const ShardedCache&>(cache);
+    return self.RowAt(self.shards_[s], slot);
   }
 
   const uint32_t row_bytes_;

@@ -463,6 +463,99 @@ TEST_P(MemCachePolicies, AReleaseThatRunsOutOfMemoryChangesNothingOrFinishes) {
   }
 }
 
+// The same with a broken pin: the call names its last key twice and it is
+// pinned once, so the change pass finds that occurrence unpinned after it
+// has released every other key (as one a concurrent caller unpinned). The
+// pass records it, and reports it, without failing midway: an attempt that
+// runs out of memory changed nothing (bad_alloc: the caller's retry releases
+// no key twice), or it released every other key and threw BrokenPinError
+// naming the occurrence, having kept its update unless it says it lost it.
+TEST(MemCache, AReleaseThatFindsABrokenPinAndRunsOutOfMemoryChangesNothingOrFinishes) {
+  constexpr uint64_t kKeys = 256;
+  enum Release { kWriteBack, kUnpinUpdated, kUnpin };
+  for (const Release release : {kWriteBack, kUnpinUpdated, kUnpin}) {
+    SCOPED_TRACE(release == kWriteBack ? "WriteBack" : release == kUnpinUpdated ? "UnpinUpdated" : "Unpin");
+    Backing backing;
+    std::vector<uint64_t> keys(kKeys);
+    for (uint64_t i = 0; i < kKeys; ++i) {
+      keys[i] = i + 1;
+      backing.rows[keys[i]] = keys[i];  // stored already: loaded clean
+    }
+    auto cache = BackedCache(backing, "lru", 2 * kKeys, 4);
+    std::vector<uint64_t> twice = keys;
+    twice.push_back(keys.back());  // the broken occurrence: index kKeys
+    std::vector<uint64_t> rows(kKeys + 1);
+    for (uint64_t i = 0; i <= kKeys; ++i) rows[i] = 10000 + i;  // the second occurrence's row differs
+    const std::vector<uint8_t> updated(kKeys + 1, 1);
+    uint64_t failures = 0;
+    for (uint64_t k = 1;; ++k) {
+      SCOPED_TRACE(testing::Message() << "allocation " << k);
+      cache->Pull(keys.data(), kKeys, nullptr, /*pin=*/true, nullptr);
+      ASSERT_EQ(cache->stats().pinned, kKeys);
+      ASSERT_EQ(cache->stats().dirty, 0u);
+      std::vector<uint8_t*> at(kKeys + 1);
+      cache->PinnedRows(twice.data(), kKeys + 1, at.data());
+      bool failed = false, broken = false;
+      bool none_failed = false;  // k is past the call's allocations
+      std::vector<uint64_t> lost;
+      fail_in = k;
+      try {
+        switch (release) {
+          case kWriteBack:
+            cache->WriteBack(twice.data(), kKeys + 1, reinterpret_cast<const uint8_t*>(rows.data()), at.data());
+            break;
+          case kUnpinUpdated: cache->UnpinUpdated(twice.data(), kKeys + 1, updated.data(), at.data()); break;
+          case kUnpin: cache->Unpin(twice.data(), kKeys + 1, at.data()); break;
+        }
+      } catch (const std::bad_alloc&) {
+        failed = true;
+      } catch (const BrokenPinError& e) {
+        none_failed = fail_in.exchange(0) != 0;  // before the handler allocates
+        broken = true;
+        EXPECT_EQ(e.unpinned(), std::vector<uint64_t>{kKeys}) << e.what();
+        lost = e.lost();
+      }
+      fail_in = 0;
+      const MemCacheStats st = cache->stats();
+      if (failed) {
+        ++failures;
+        ASSERT_EQ(st.pinned, kKeys) << "a failed release unpinned some keys";
+        ASSERT_EQ(st.dirty, 0u) << "a failed release marked rows dirty";
+        std::vector<uint64_t> now(kKeys);
+        cache->ReadPinned(keys.data(), kKeys, reinterpret_cast<uint8_t*>(now.data()));
+        ASSERT_EQ(now, keys) << "a failed write-back wrote rows";
+        cache->Unpin(keys.data(), kKeys, at.data());  // as the retry would: every key once
+        continue;
+      }
+      ASSERT_TRUE(broken) << "a release that found a key unpinned passed";
+      ASSERT_EQ(st.pinned, 0u) << "a release that named a broken pin left keys pinned";
+      if (release == kUnpin) {
+        EXPECT_TRUE(lost.empty());
+        EXPECT_EQ(st.dirty, 0u);
+      } else if (lost.empty()) {  // kept: the last occurrence's row (WriteBack), the step marked (UnpinUpdated)
+        EXPECT_EQ(st.dirty, kKeys);
+        if (release == kWriteBack) {
+          std::vector<uint64_t> now(kKeys);
+          cache->Pull(keys.data(), kKeys, reinterpret_cast<uint8_t*>(now.data()), /*pin=*/false, nullptr);
+          EXPECT_EQ(now.back(), rows[kKeys]);
+          now.back() = rows[kKeys - 1];
+          EXPECT_EQ(now, std::vector<uint64_t>(rows.begin(), rows.end() - 1));
+        }
+      } else {
+        EXPECT_EQ(lost, std::vector<uint64_t>{kKeys});
+      }
+      if (none_failed) {
+        EXPECT_TRUE(lost.empty());
+        break;
+      }
+      cache->FlushDirty();
+      for (uint64_t i = 0; i < kKeys; ++i) backing.rows[keys[i]] = keys[i];
+      cache->Erase(keys.data(), kKeys);  // clean again for the next attempt
+    }
+    EXPECT_GT(failures, 0u);
+  }
+}
+
 TEST(MemCache, PullThatLosesItsSlotsToConcurrentPinsKeepsItsDirtyVictims) {
   Backing backing;
   auto cache = FourDirtyRows(backing);
