@@ -49,10 +49,12 @@
 // stepped row dirty where it still lies, and a row evicted between the unpin
 // and the release took its step with it: the error names it lost); any other
 // failure can be retried: one before any key was released releases nothing,
-// one after (the sink's error keeping a refused key's row) leaves that row to
-// keep and the keys after it pinned, and the retry does only those, never
-// releasing a key twice (another batch may hold a pin on it by then). Each
-// failed release is counted in MEM-PS's stats().failed_releases.
+// one after (the sink's error keeping a refused key's row; bad_alloc while
+// the keys go one by one, or while naming them) leaves what it had not done
+// (that row to keep, the keys after it pinned, the error), and the retry does
+// only that, never releasing a key twice (another batch may hold a pin on it
+// by then). Each failed release is counted in MEM-PS's
+// stats().failed_releases.
 //
 // Thread safety: one thread at a time per working set (the pipeline pins the
 // next batch on another thread while this one trains: different objects).
@@ -183,6 +185,11 @@ class WorkingSet {
   std::vector<uint64_t> to_keep_;  // positions (in updated_keys(), or in keys_ bound to host rows) of updates still to keep
   bool rest_released_ = false;  // the rows without steps were unpinned (holding copies)
   std::vector<uint64_t> unpinned_, lost_;  // keys something else unpinned, and those whose steps are lost: the error names them
+  // A step released key by key (its bulk call refused) that a failure
+  // stopped: the position of its next key, and what it found so far.
+  bool key_by_key_ = false;
+  uint64_t next_key_ = 0;
+  std::vector<uint64_t> step_refused_, step_unkept_, step_unpinned_at_;
   bool in_mem_ps_ = false;  // loaded onto a tier bound to host rows: the rows are MEM-PS's own
   bool apply_failed_ = false;  // (then, with in_mem_ps_, some rows may be stepped: all go back dirty)
   DeviceTier* tier_ = nullptr;

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -332,45 +333,66 @@ void WorkingSet::ReleaseAll() {
   // Positions, in the keys of the step, of keys something else unpinned:
   // those refused (their updates still to be kept), and those unpinned during
   // the call (BrokenPinError: it kept their updates but for `unkept`'s),
-  // both increasing in `unpinned_at`.
-  std::vector<uint64_t> refused, unkept, unpinned_at;
+  // both increasing in `unpinned_at`. Members: a step going key by key keeps
+  // them across a failure, for its retry.
+  std::vector<uint64_t>& refused = step_refused_;
+  std::vector<uint64_t>& unkept = step_unkept_;
+  std::vector<uint64_t>& unpinned_at = step_unpinned_at_;
   // Bulk first; a key something else unpinned makes MemCache refuse the
   // whole call (changing nothing), and then they go one by one. *called is
-  // set once some key may have been released: from then on the step is never
-  // called again, whatever fails after (a second release of a key would
-  // take the pin of the next batch that holds it).
+  // set once the step is done, or once some key may have been released and
+  // what became of them is unknown: from then on the step is never called
+  // again, whatever fails after (a second release of a key would take the pin
+  // of the next batch that holds it). Key by key, a call that fails with
+  // anything but BrokenPinError or std::invalid_argument (bad_alloc) has
+  // released nothing (MemCache's contract): next_key_ stays at it, and the
+  // retry goes on from there, so that every key is released exactly once.
   const auto each = [&](const std::vector<uint64_t>& keys, bool* called, auto&& one) {
-    refused.clear();
-    unkept.clear();
-    unpinned_at.clear();
-    try {
-      one(0, keys.size());
-      *called = true;
-    } catch (const BrokenPinError& e) {  // the call released the others
-      *called = true;
-      unkept = e.lost();
-      unpinned_at = e.unpinned();
-    } catch (const std::invalid_argument&) {
-      // Room first, while nothing is released: the bookkeeping below cannot fail.
-      refused.reserve(keys.size());
-      unkept.reserve(keys.size());
-      unpinned_at.reserve(keys.size());
-      *called = true;  // a failure midway leaves the rest pinned rather than risk releasing any twice
-      for (uint64_t i = 0; i < keys.size(); ++i) {
-        try {
-          one(i, 1);
-          continue;
-        } catch (const BrokenPinError& e) {
-          if (!e.lost().empty()) unkept.push_back(i);
-        } catch (const std::invalid_argument&) {
-          refused.push_back(i);
-        }
-        unpinned_at.push_back(i);
+    if (!key_by_key_) {
+      refused.clear();
+      unkept.clear();
+      unpinned_at.clear();
+      try {
+        one(0, keys.size());
+        *called = true;
+        return;
+      } catch (const BrokenPinError& e) {  // the call released the others
+        *called = true;
+        unkept = e.lost();
+        unpinned_at = e.unpinned();
+        return;
+      } catch (const std::invalid_argument&) {
+        // Room first, while nothing is released: the bookkeeping below and
+        // after the step cannot fail (each key is in one step, named once).
+        refused.reserve(keys.size());
+        unkept.reserve(keys.size());
+        unpinned_at.reserve(keys.size());
+        unpinned_.reserve(keys_.size());
+        lost_.reserve(keys_.size());
+        key_by_key_ = true;
+        next_key_ = 0;
+      } catch (...) {
+        cache_.CountFailedRelease();
+        throw;  // nothing of this step released: a retry does it again
       }
-    } catch (...) {
-      cache_.CountFailedRelease();
-      throw;  // nothing of this step released: a retry does it again
     }
+    for (; next_key_ < keys.size(); ++next_key_) {
+      const uint64_t i = next_key_;
+      try {
+        one(i, 1);
+        continue;
+      } catch (const BrokenPinError& e) {
+        if (!e.lost().empty()) unkept.push_back(i);
+      } catch (const std::invalid_argument&) {
+        refused.push_back(i);
+      } catch (...) {
+        cache_.CountFailedRelease();
+        throw;  // key i released nothing: a retry goes on from it
+      }
+      unpinned_at.push_back(i);
+    }
+    key_by_key_ = false;
+    *called = true;
   };
   if (!written_ && in_mem_ps_) {
     // The rows were stepped where they lie: one unpin, the updated ones dirty
@@ -455,18 +477,30 @@ void WorkingSet::ReleaseAll() {
     each(rest, &rest_released_, [&](uint64_t at, uint64_t n) { cache_.Unpin(rest.data() + at, n, where.data() + at); });
     for (uint64_t p : unpinned_at) unpinned_.push_back(rest[p]);
   }
+  // The error is built before the batch counts as released: if that runs
+  // out of memory, the retry reports it.
+  std::optional<std::runtime_error> error;
+  if (!unpinned_.empty()) {
+    try {
+      error.emplace("working set release: " + std::to_string(unpinned_.size()) + " of " +
+                    std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" + Named(unpinned_) +
+                    "): something else unpinned them; " +
+                    (lost_.empty() ? std::string("their steps were kept")
+                                   : "the steps of " + Named(lost_) +
+                                         " are lost (their rows left MEM-PS before the release), the others' were "
+                                         "kept") +
+                    " (dirty in MEM-PS or stored), and the other keys were released");
+    } catch (...) {
+      cache_.CountFailedRelease();
+      throw;
+    }
+  }
   released_ = true;
   previous_.reset();
   if (tier_ != nullptr) tier_->Clear();
-  if (unpinned_.empty()) return;
+  if (!error) return;
   cache_.CountFailedRelease();
-  throw std::runtime_error("working set release: " + std::to_string(unpinned_.size()) + " of " +
-                           std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" +
-                           Named(unpinned_) + "): something else unpinned them; " +
-                           (lost_.empty() ? std::string("their steps were kept")
-                                          : "the steps of " + Named(lost_) +
-                                                " are lost (their rows left MEM-PS before the release), the others' were kept") +
-                           " (dirty in MEM-PS or stored), and the other keys were released");
+  throw *error;  // a copy that shares the message: nothing to allocate
 }
 
 }  // namespace hps

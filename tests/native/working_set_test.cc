@@ -24,6 +24,7 @@
 #include "hps/hash_table.h"
 #include "hps/mem_cache.h"
 #include "hps/working_set.h"
+#include "failing_allocations.h"
 #include "forwarding_cache.h"
 #include "row_store.h"
 
@@ -39,6 +40,7 @@ SparseOptimizer AdaGrad(int32_t dim) {
   return o;
 }
 
+using test_support::fail_in;
 using test_support::ForwardingCache;
 using test_support::PinBreakingCache;
 using test_support::RowStore;
@@ -906,6 +908,75 @@ TEST(WorkingSet, ARetryAfterAFailureToKeepARefusedStepReleasesNoKeyTwice) {
     cache.Unpin(next.data(), next.size(), nullptr);
     const std::vector<uint64_t> updated = {1, 2};
     EXPECT_EQ(CachedRows(cache, updated), CachedRows(*reference, updated));
+  }
+}
+
+// A release that goes key by key (something else took a key's pin, so the
+// bulk call is refused) and runs out of memory midway is retried as its
+// batch would retry it: every allocation of the first attempt is failed in
+// turn. The retry releases exactly the keys the first left pinned: the next
+// batch's pins on the same keys stay (none released twice), none of this
+// batch's is left behind, the steps are kept and the refused key is named.
+TEST(WorkingSet, AKeyByKeyReleaseThatRunsOutOfMemoryIsFinishedByItsRetry) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {true, false}) {
+    SCOPED_TRACE(bound ? "bound to host rows" : "holding copies");
+    const std::vector<uint64_t> keys = {1, 2, 3, 4, 5, 6};
+    std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
+    RowStore reference_store(opt);
+    auto reference = reference_store.Cache(16);
+    StepUnhindered(*reference, opt, bound, keys, g);
+    const std::vector<uint64_t> updated = {1, 2};
+    const std::vector<float> expected = CachedRows(*reference, updated);
+    uint64_t failures = 0;
+    for (uint64_t k = 1;; ++k) {
+      SCOPED_TRACE(testing::Message() << "allocation " << k);
+      RowStore store(opt);
+      auto cache = store.Cache(16);
+      auto tier = HostTier(2, 16, opt, bound);
+      WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+      ws.Load(*tier, nullptr);
+      ws.Accumulate(0, keys.data(), 2, g.data());
+      ws.Apply();
+      const uint64_t refused_key = ws.updated_keys()[0];
+      cache->Unpin(&refused_key, 1, nullptr);  // something else takes its pin
+      std::vector<uint64_t> next;              // the next batch pins every other key
+      for (uint64_t key : keys) {
+        if (key != refused_key) next.push_back(key);
+      }
+      cache->Pull(next.data(), next.size(), nullptr, /*pin=*/true, nullptr);
+
+      bool failed = false, none_failed = false;
+      fail_in = k;
+      try {
+        ws.WriteBack();
+        ADD_FAILURE() << "a release of a key no longer pinned passed";
+      } catch (const std::bad_alloc&) {
+        failed = true;
+      } catch (const std::runtime_error&) {
+        none_failed = fail_in.exchange(0) != 0;  // k is past the release's allocations
+      }
+      fail_in = 0;
+      if (failed) {
+        ++failures;
+        EXPECT_FALSE(ws.released());
+        try {
+          ws.WriteBack();
+          ADD_FAILURE() << "a retried release of a key no longer pinned passed";
+        } catch (const std::runtime_error& e) {
+          EXPECT_NE(std::string(e.what()).find("(keys " + std::to_string(refused_key) + ")"), std::string::npos)
+              << e.what();
+        }
+      }
+      EXPECT_TRUE(ws.released());
+      // The next batch's pins, each once: a key released twice has lost its
+      // pin (refused), one left pinned stays pinned after.
+      EXPECT_NO_THROW(cache->Unpin(next.data(), next.size(), nullptr));
+      EXPECT_EQ(cache->stats().pinned, 0u);
+      EXPECT_EQ(CachedRows(*cache, updated), expected);
+      if (none_failed || HasFailure()) break;
+    }
+    EXPECT_GT(failures, 0u);
   }
 }
 
