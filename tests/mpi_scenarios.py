@@ -352,6 +352,17 @@ def run_train(node, out: str, args) -> None:
                     raise ValueError(f"rank 1's data: malformed at step {at}")
                 yield b
         mine = failing(mine, args.fail_at_step)
+    if args.fail_in_step and node.rank == 1:
+        # Rank 1's train stage raises at that step (a diverged loss, say), while the
+        # other ranks' stages go on to their next collectives.
+        import hps.train
+        step = hps.train.Trainer.step
+
+        def failing_step(trainer, loaded):
+            if trainer.batches_done + 1 == args.fail_in_step:
+                raise RuntimeError(f"rank 1's step {args.fail_in_step} failed")
+            return step(trainer, loaded)
+        hps.train.Trainer.step = failing_step
     evals = [rank_part(b, node.rank, args.per_rank) for b in global_batches(2, args.per_rank, node.size, seed=77)] \
         if args.eval_every else []
     summary = train(cfg, resume=args.resume, progress=False, train_batches=mine, eval_batches=evals, node=node)
@@ -470,6 +481,7 @@ def main() -> None:
     ap.add_argument("--die-at-checkpoint", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fail-at-step", type=int, default=0)
+    ap.add_argument("--fail-in-step", type=int, default=0, help="rank 1's train stage raises at that step")
     ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")
     ap.add_argument("--admission", type=int, default=0, metavar="F", help="[admission] threshold = F")
     ap.add_argument("--sparse-codec", default="none", help="[distributed] sparse_rows and sparse_grads")

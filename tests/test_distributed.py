@@ -629,6 +629,19 @@ def test_a_lost_rank_ends_the_job_with_a_clear_error(tmp_path, how):
             f"exit {p.returncode}\nstdout:\n{p.stdout[-2000:]}\nstderr:\n{p.stderr[-3000:]}"
 
 
+def test_a_rank_whose_train_step_raises_ends_the_job_naming_the_rank_and_the_error(tmp_path):
+    """Rank 1's train stage raises at step 3. Its peer waits in that step's exchanges
+    and rank 1's loader in the next batch's, for the peer's loader, which waits for
+    its step: the pipeline's join of rank 1's stages never ended, and the job ended
+    only at the watchdog's timeout, saying a rank had hung and not what failed. Now
+    the failed stage ends the job at once, naming the rank and the error."""
+    p = scenario(2, "train", tmp_path, "--steps", 8, "--fail-in-step", 3, "--timeout", 60, check=False, timeout=200)
+    assert p.returncode != 0
+    assert "hps.distributed: rank 1 of 2: RuntimeError: rank 1's step 3 failed; aborting the job" in p.stderr, \
+        p.stderr[-3000:]
+    assert "waited" not in p.stderr, p.stderr[-3000:]
+
+
 def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
     """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_* (a mkstemp name) behind
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an

@@ -395,6 +395,48 @@ def test_the_read_stage_reads_at_most_batches_ahead_past_the_batch_trained():
     assert ahead[:4] == [9] * 4 and max(ahead) == 9
 
 
+@pytest.mark.parametrize("failing", ["train", "load"])
+def test_a_stage_that_raises_is_reported_before_the_other_stages_are_joined(failing):
+    """on_error hears of a stage's exception while the other stages still run: in a
+    distributed job one of them may wait in a collective for peers that wait for the
+    failed stage, so the join would never end (hps.train ends the job here). Here
+    the train step of batch 1 and the load of batch 2 run together; one raises, and
+    the other waits until on_error is called (10 s at most) and records whether it was."""
+    from hps.pipeline import Pipeline
+    told, released, loading, waits = [], threading.Event(), threading.Event(), []
+    message = "the step failed" if failing == "train" else "the loader failed"
+
+    def source():
+        for _ in range(6):
+            yield SimpleNamespace(keys=np.arange(3, dtype=np.uint64), labels=np.zeros(4))
+
+    loads = [0]
+
+    def load(prefetched, overlap=False):
+        loads[0] += 1
+        if loads[0] == 2:
+            loading.set()
+            if failing == "load":
+                raise OSError(message)
+            waits.append(released.wait(10.0))  # True: on_error was called first
+        return SimpleNamespace(wait_seconds=0.0, apply=lambda: None, write_back=lambda: None, abort=lambda: None)
+
+    def step(loaded):
+        if failing == "train":
+            assert loading.wait(10.0)  # the load of batch 2 has begun
+            raise RuntimeError(message)
+        waits.append(released.wait(10.0))
+
+    def on_error(e):
+        told.append(e)
+        released.set()
+
+    server = SimpleNamespace(prefetch=lambda keys: SimpleNamespace(release=lambda: None), batch=load)
+    with pytest.raises((RuntimeError, OSError), match=message):
+        Pipeline(server, step, devices=1, on_error=on_error).run(source())
+    assert [str(e) for e in told] == [message] and waits == [True]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
 def test_helper_threads_run_at_helper_nice_and_the_trainer_does_not(tmp_path):
     """Read, prefetch, load and write back run at the pipeline's helper_nice; the

@@ -37,6 +37,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -124,11 +125,18 @@ class Pipeline:
     window is always the next K batches (fewer only at the end of the data): the
     prefetch waits for the reader to have read them, so a pipelined run sees the
     windows a sequential one does. K is at most the read queue's depth.
+
+    ``on_error(e)`` (default None) is called with each exception a stage raises, in
+    the thread that raised it, before the run stops its other stages and joins
+    their threads (then run() raises the first). A distributed job ends itself
+    there (hps.train): a stage of another thread may be waiting in a collective for
+    peers that wait in turn for the stage that failed, so the join would never end.
     """
 
     def __init__(self, ps: ParameterServer, train_step: TrainStep, *, devices: Optional[int] = None,
                  keys_of: Callable[[Any], np.ndarray] = lambda d: d.keys, depths=DEPTHS,
-                 helper_nice: int = 19, binding=None, lookahead: Optional[int] = None):
+                 helper_nice: int = 19, binding=None, lookahead: Optional[int] = None,
+                 on_error: Optional[Callable[[BaseException], None]] = None):
         if isinstance(helper_nice, bool) or not isinstance(helper_nice, int) or not 0 <= helper_nice <= 19:
             raise ValueError(f"helper_nice must be an int in [0, 19], got {helper_nice!r}")
         if lookahead is None:
@@ -137,6 +145,7 @@ class Pipeline:
             raise ValueError(f"lookahead must be an int in [0, {depths[0]}] (the read queue's depth), "
                              f"got {lookahead!r}")
         self.lookahead = lookahead
+        self.on_error = on_error
         self._upcoming: collections.deque = collections.deque()  # keys of batches read, not yet prefetched
         self._reading = threading.Condition()  # guards _upcoming and _read_all
         self._read_all = False
@@ -249,6 +258,15 @@ class Pipeline:
         with self._lock:
             self.stats.binding[thread] = got
 
+    def _failed(self, e: BaseException) -> None:
+        """A stage raised e: on_error hears of it before anything is joined."""
+        if self.on_error is None:
+            return
+        try:
+            self.on_error(e)
+        except Exception:  # noqa: BLE001 - the stage's own error is what run() raises
+            traceback.print_exc()
+
     # ------------------------------------------------------------ runs
     def run(self, source: Iterable, pipelined: bool = True) -> PipelineStats:
         self._in_flight = 0  # whatever a previous run left in flight it released
@@ -257,7 +275,11 @@ class Pipeline:
             if pipelined:
                 self._run_pipelined(iter(source))
             else:
-                self._run_sequential(iter(source))
+                try:
+                    self._run_sequential(iter(source))
+                except BaseException as e:
+                    self._failed(e)
+                    raise
         finally:
             self.stats.wall_seconds += time.perf_counter() - t0
         return self.stats
@@ -322,6 +344,7 @@ class Pipeline:
                         return
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 errors.append(e)
+                self._failed(e)
                 put(q_read, _DONE)
             finally:
                 with self._reading:
@@ -355,6 +378,7 @@ class Pipeline:
                         return
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
+                self._failed(e)
                 put(q_prefetch, _DONE)
 
         def loader():
@@ -372,6 +396,7 @@ class Pipeline:
                         return
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
+                self._failed(e)
                 put(q_load, _DONE)
 
         def writer():
@@ -385,6 +410,7 @@ class Pipeline:
                     self._write_back(loaded)
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
+                self._failed(e)
                 stop.set()
 
         threads = [threading.Thread(target=f, name=f"hps-{f.__name__}", daemon=True)
@@ -408,6 +434,9 @@ class Pipeline:
                 if not put(q_write_back, loaded):
                     loaded.batch.abort()
                     break
+        except BaseException as e:
+            self._failed(e)  # (the train stage: before the joins below)
+            raise
         finally:
             # The write-backs of trained batches finish; then the other stages stop.
             put(q_write_back, _DONE)

@@ -1070,10 +1070,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         try:
             return _train(cfg, trainer, progress and node.rank == 0, on_eval, source, eval_batches)
         except Exception as e:  # noqa: BLE001 - the peers would wait for this rank forever
-            import traceback
-            traceback.print_exc()
-            node.abort(f"{type(e).__name__}: {e}", code=1)
+            _abort_rank(node, e)
     return _train(cfg, trainer, progress, on_eval, source, eval_batches)
+
+
+def _abort_rank(node: Node, e: BaseException) -> None:
+    """e ended this rank's part of the job: its traceback and the abort of every
+    rank (naming this one and e), since the peers would wait for it forever.
+    A KeyboardInterrupt or SystemExit is left to end the process as it would."""
+    if not isinstance(e, Exception):
+        return
+    import traceback
+    traceback.print_exception(e)
+    node.abort(f"{type(e).__name__}: {e}", code=1)
 
 
 def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, eval_batches: list) -> dict:
@@ -1175,7 +1184,13 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         from hps import topology as htopo
         binding = htopo.discover(cfg.sysfs, host_partitions_if_no_gpu=cfg.ps.devices).binding_plan()
     keys_of = {"keys_of": lambda d: d.all_keys()} if trainer.widths[2] else {}
-    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice, binding=binding, **keys_of)
+    # In a job, a stage that raises ends the job at once: its other stages' threads,
+    # which the pipeline joins before it raises, may wait in collectives for peers
+    # that wait for the failed stage (a train step that raised, say: its peers wait
+    # in the step's exchanges, its loader in the next batch's), until the watchdog's
+    # timeout, whose message would not say what failed.
+    on_error = None if node is None else (lambda e: _abort_rank(node, e))
+    pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice, binding=binding, on_error=on_error, **keys_of)
 
     def after_batch_hooks(inner):
         def wrapped(loaded):
