@@ -341,6 +341,17 @@ def run_train(node, out: str, args) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return snapshot(ps, dst)
         ParameterServer._snapshot_store = dying
+    if args.fail_open and node.rank == 1:
+        # Rank 1's server does not open (its disk, its store), while rank 0's
+        # opens and goes on to the servers' first exchange.
+        import hps.train
+        from hps.errors import CorruptionError
+
+        def failing_open(*a, **kw):
+            if args.fail_open == "corrupt":
+                raise CorruptionError("rank 1's store: a damaged checkpoint")
+            raise OSError(28, "No space left on device")
+        hps.train.ParameterServer = failing_open
     batches = global_batches(args.steps, args.per_rank, node.size, multi_hot=args.multi_hot)
     mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
     if args.uneven and node.rank == node.size - 1:
@@ -482,6 +493,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fail-at-step", type=int, default=0)
     ap.add_argument("--fail-in-step", type=int, default=0, help="rank 1's train stage raises at that step")
+    ap.add_argument("--fail-open", default="", help="rank 1's server fails to open: 'disk' (OSError) or 'corrupt'")
     ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")
     ap.add_argument("--admission", type=int, default=0, metavar="F", help="[admission] threshold = F")
     ap.add_argument("--sparse-codec", default="none", help="[distributed] sparse_rows and sparse_grads")

@@ -642,6 +642,23 @@ def test_a_rank_whose_train_step_raises_ends_the_job_naming_the_rank_and_the_err
     assert "waited" not in p.stderr, p.stderr[-3000:]
 
 
+@pytest.mark.parametrize("how, error", [("disk", "OSError: [Errno 28] No space left on device"),
+                                        ("corrupt", "CorruptionError: rank 1's store: a damaged checkpoint")])
+def test_a_rank_whose_server_fails_to_open_ends_the_job_on_every_rank_naming_it(tmp_path, how, error):
+    """Rank 1's server fails to open; rank 0's opens and waits in the servers' first
+    exchange (their initial rows). Before: an OSError went to the setup exchange,
+    which met rank 0's initial rows, so rank 1 reported rank 0's row bytes as its
+    error and rank 0 (told rank 1's rows differ) waited in the setup exchange until
+    the watchdog's timeout; a CorruptionError was not exchanged at all (rank 0
+    waited the same). Now every rank raises at once, naming rank 1 and its error."""
+    p = scenario(2, "train", tmp_path, "--fail-open", how, "--timeout", 60, check=False, timeout=200)
+    assert p.returncode != 0
+    said = (f"RankFailure: the ranks are out of step: rank 0 in the ranks' initial rows; rank 1 in setup "
+            f"(rank 1: {error})")
+    assert p.stderr.count(said) == 2, p.stderr[-3000:]  # every rank says it
+    assert "waited" not in p.stderr, p.stderr[-3000:]
+
+
 def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
     """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_* (a mkstemp name) behind
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an

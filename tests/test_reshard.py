@@ -275,7 +275,7 @@ class _OneRank:
 
     rank, size = 0, 1
 
-    def allgather(self, channel, value, what):
+    def allgather(self, channel, value, what, note=None):
         return [value]
 
 

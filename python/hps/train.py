@@ -42,7 +42,7 @@ from hps.admission import Admission
 from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, is_int, is_number, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
-from hps.distributed.comm import local_ranks_from_environment
+from hps.distributed.comm import RankFailure, local_ranks_from_environment
 from hps.errors import DivergedError
 from hps.jobdir import TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
@@ -821,15 +821,22 @@ def _discard_run(path: str, held: bool = False) -> None:
 
 def _collective(node: Optional[Node], fn):
     """fn() on every rank; if it raises on any, every rank raises (naming the
-    rank), so a setup error ends the job cleanly instead of leaving peers waiting."""
+    rank), so a setup error ends the job cleanly instead of leaving peers waiting.
+    Any exception counts (a damaged store's CorruptionError too: one that went by
+    left its peers waiting here until the watchdog's timeout). fn may run
+    collectives itself (the Trainer's servers check their initial rows): a rank
+    that failed before one meets its peers there, where Node.allgather raises
+    RankFailure on every rank, naming what failed; that is passed on as it is."""
     if node is None:
         return fn()
     result, error = None, None
     try:
         result = fn()
-    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+    except RankFailure:
+        raise  # every rank raised it in the same exchange: none is owed here
+    except Exception as e:  # noqa: BLE001 - the peers wait here for this rank's word
         error = f"{type(e).__name__}: {e}"
-    errors = node.allgather("train", error, "setup")
+    errors = node.allgather("train", error, "setup", note=error and f"rank {node.rank}: {error}")
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         raise ValueError("; ".join(f"rank {r}: {e}" for r, e in failed))

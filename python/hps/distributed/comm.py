@@ -33,7 +33,8 @@ def abort_job(world, why: str, code: int = 70) -> None:
 
 
 class RankFailure(HpsError):
-    """The ranks disagree about the job (world size, checkpoint step)."""
+    """The ranks disagree about the job (world size, checkpoint step), or are out of
+    step (Node.allgather): raised on every rank alike, no exchange is owed after it."""
 
 
 def launched_by_mpi() -> bool:
@@ -280,9 +281,19 @@ class Node:
             self.count(kind, buf.nbytes)
         return buf
 
-    def allgather(self, stage: str, obj: Any, what: str) -> list:
+    def allgather(self, stage: str, obj: Any, what: str, note: Optional[str] = None) -> list:
+        """Every rank's obj, in rank order. Each rank's `what` travels with it: ranks
+        that meet in allgathers of different operations are out of step (one of
+        them failed, and went on to tell the others while they were in the next
+        exchange), and every rank raises RankFailure naming each rank's operation
+        and `note` (what failed), rather than take one operation's objects for
+        another's and wait in the next exchange for a rank that has left."""
         with self.guard(what):
-            return self.comms[stage].allgather(obj)
+            every = self.comms[stage].allgather((what, note, obj))
+        if len({w for w, _, _ in every}) > 1:
+            raise RankFailure("the ranks are out of step: " + "; ".join(
+                f"rank {r} in {w}" + (f" ({n})" if n else "") for r, (w, n, _) in enumerate(every)))
+        return [o for _, _, o in every]
 
     def close(self) -> None:
         self._watchdog.stop()
