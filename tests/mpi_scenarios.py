@@ -341,6 +341,11 @@ def run_train(node, out: str, args) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return snapshot(ps, dst)
         ParameterServer._snapshot_store = dying
+    if args.rank1_config and node.rank == 1:  # rank 1 given another config (another file on its host, say)
+        if args.rank1_config == "dense_lr":
+            cfg.dense_lr = 0.1
+        else:
+            cfg.distributed.sparse_grads = "bf16"
     if args.fail_open and node.rank == 1:
         # Rank 1's server does not open (its disk, its store), while rank 0's
         # opens and goes on to the servers' first exchange.
@@ -493,6 +498,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fail-at-step", type=int, default=0)
     ap.add_argument("--fail-in-step", type=int, default=0, help="rank 1's train stage raises at that step")
+    ap.add_argument("--rank1-config", default="", help="rank 1 runs another 'dense_lr' or 'sparse_grads'")
     ap.add_argument("--fail-open", default="", help="rank 1's server fails to open: 'disk' (OSError) or 'corrupt'")
     ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")
     ap.add_argument("--admission", type=int, default=0, metavar="F", help="[admission] threshold = F")

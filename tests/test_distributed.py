@@ -659,6 +659,32 @@ def test_a_rank_whose_server_fails_to_open_ends_the_job_on_every_rank_naming_it(
     assert "waited" not in p.stderr, p.stderr[-3000:]
 
 
+@pytest.mark.parametrize("setting, values", [("dense_lr", "0.01 on rank 0, 0.1 on rank 1"),
+                                             ("distributed.sparse_grads", "'none' on rank 0, 'bf16' on rank 1")])
+def test_ranks_given_different_configs_are_refused_naming_the_setting(tmp_path, setting, values):
+    """Rank 1 runs another config. Before: another dense_lr trained on without a word,
+    each rank stepping its copy of the MLP with its own rate (all-reduce keeps them
+    equal only if every rank steps alike); another sparse_grads codec ended in an MPI
+    error ("See the MPI_ERROR field") of an alltoallv whose blocks the ranks sized
+    differently. Now every rank refuses it before anything is written, naming it."""
+    name = setting.split(".")[-1]
+    p = scenario(2, "train", tmp_path, "--rank1-config", name, check=False, timeout=120)
+    assert p.returncode != 0
+    said = f"ValueError: the ranks run different configs ({setting} = {values}): every rank of a job must run the same"
+    assert p.stderr.count(said) == 2, p.stderr[-3000:]
+    assert not (tmp_path / "job").exists()
+
+
+def test_the_settings_ranks_must_share_leave_out_only_the_machines_own():
+    from hps.train import MACHINE_SETTINGS, _job_settings
+    cfg = sc.train_config("/tmp/unused")
+    settings = _job_settings(cfg)
+    assert settings["ps.optimizer.kind"] == "adagrad" and settings["ps.optimizer.lr"] == 0.05
+    assert settings["dense_lr"] == 0.01 and settings["hidden"] == [16] and settings["ps.path"] == "/tmp/unused"
+    assert settings["distributed.sparse_rows"] == "none" and "distributed.timeout" not in settings
+    assert not any(k == m or k.startswith(m + ".") for k in settings for m in MACHINE_SETTINGS)
+
+
 def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
     """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_* (a mkstemp name) behind
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an

@@ -819,6 +819,49 @@ def _discard_run(path: str, held: bool = False) -> None:
             os.close(fd)
 
 
+# Settings each rank may take for its own machine: they change how fast it runs or
+# where it keeps rows, not what the ranks exchange or compute together.
+MACHINE_SETTINGS = ("torch_threads", "helper_nice", "bind_cores", "sysfs", "keep_freed_memory", "model_devices",
+                    "dense_replica_per_worker", "ps.mem_budget", "ps.prefault", "ps.devices", "ps.device_capacity",
+                    "ps.write_buffer_rows", "ps.device_threads", "ps.host_in_place", "ps.topology", "ps.ssd",
+                    "distributed.timeout")
+
+
+def _job_settings(cfg: TrainConfig) -> dict:
+    """cfg's settings that every rank of a job must share, flattened ("ps.optimizer.lr": 0.05)."""
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+    def flatten(d: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flatten(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = plain(v)
+        return out
+    settings = flatten({**dataclasses.asdict(cfg), "ps": cfg.ps.to_dict()}, "")
+    return {k: v for k, v in settings.items()
+            if not any(k == m or k.startswith(m + ".") for m in MACHINE_SETTINGS)}
+
+
+def _check_same_config(cfg: TrainConfig, node: Node) -> None:
+    """Every rank must run the job's config (save MACHINE_SETTINGS): a rank given
+    another dense_lr steps its copy of the MLP apart from the others' without a
+    word, another codec or checkpoint_every puts its exchanges out of step. Raises
+    on every rank, naming the settings that differ and each rank's value."""
+    every = node.allgather("train", _job_settings(cfg), "the ranks' configs")
+    names = sorted(set().union(*every))
+    differ = [k for k in names if any(e.get(k) != every[0].get(k) for e in every)]
+    if differ:
+        detail = "; ".join(f"{k} = " + ", ".join(f"{e.get(k)!r} on rank {r}" for r, e in enumerate(every))
+                           for k in differ[:4]) + ("; ..." if len(differ) > 4 else "")
+        raise ValueError(f"the ranks run different configs ({detail}): every rank of a job must run the same "
+                         f"one (only {', '.join(MACHINE_SETTINGS)} may differ)")
+
+
 def _collective(node: Optional[Node], fn):
     """fn() on every rank; if it raises on any, every rank raises (naming the
     rank), so a setup error ends the job cleanly instead of leaving peers waiting.
@@ -1031,6 +1074,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise ValueError(f"[ps] ttl_steps = {cfg.ps.ttl_steps} and max_rows = {cfg.ps.max_rows}: bounded tables "
                          f"need schedule = 'sequential' (Herald's worker caches hold rows between batches)")
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
+    if node is not None:
+        _check_same_config(cfg, node)
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \
         _collective(node, lambda: _train_source(cfg, rank, world))
