@@ -448,6 +448,20 @@ def run_fail(node, out: str, args) -> None:
     train(cfg, progress=False, train_batches=source(), eval_batches=[], node=node)
 
 
+def run_rowbytes(node, out: str, args) -> None:
+    """One alltoallv whose rows are 16 bytes on rank 0 and 12 on rank 1 (a peer of
+    another layout); each rank writes what it received or the error it raised."""
+    width = 4 if node.rank == 0 else 3
+    blocks = [np.full((2, width), node.rank + 1, np.float32) for _ in range(node.size)]
+    try:
+        got = node.alltoallv("train", blocks, "sparse_grads", "push gradients")
+        result = {"error": None, "shapes": [list(g.shape) for g in got]}
+    except Exception as e:  # noqa: BLE001 - written for the test
+        result = {"error": f"{type(e).__name__}: {e}"}
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def run_sketchmemory(node, out: str, args) -> None:
     """[admission] with a sketch this machine holds once but not once a rank, under
     a launcher that says nothing of the ranks on a machine (as srun's PMI plugins):
@@ -474,7 +488,7 @@ def run_sketchmemory(node, out: str, args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["pullpush", "distbatch", "heraldkeys", "heraldpush", "heraldtable",
-                                         "heraldretry", "train", "kstep", "allreduce", "fail", "sketchmemory",
+                                         "heraldretry", "train", "kstep", "allreduce", "fail", "sketchmemory", "rowbytes",
                                          "otherseed"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)

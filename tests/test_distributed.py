@@ -685,6 +685,18 @@ def test_the_settings_ranks_must_share_leave_out_only_the_machines_own():
     assert not any(k == m or k.startswith(m + ".") for k in settings for m in MACHINE_SETTINGS)
 
 
+def test_an_exchange_whose_ranks_send_rows_of_other_sizes_is_refused_not_misread(tmp_path):
+    """Rank 0 sends rows of 16 bytes, rank 1 of 12. The receivers sized their buffers
+    from the rows they were told of and their own row size: rank 1's alltoallv failed
+    with an MPI error, and rank 0 took rank 1's 24 bytes for 2 rows of 16, the rest of
+    its buffer whatever memory held. Both refuse it now, naming the sizes."""
+    scenario(2, "rowbytes", tmp_path, timeout=120)
+    errors = [json.loads((tmp_path / f"rank{r}.json").read_text())["error"] for r in range(2)]
+    assert errors[0] == ("RankFailure: push gradients: rank 1 sends 2 rows of 12 bytes, and this rank (rank 0) "
+                         "takes rows of 16 bytes: the ranks run other versions of hps or configs"), errors
+    assert errors[1].startswith("RankFailure: push gradients: rank 0 sends 2 rows of 16 bytes"), errors
+
+
 def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
     """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_* (a mkstemp name) behind
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an

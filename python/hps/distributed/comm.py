@@ -251,10 +251,22 @@ class Node:
         first = blocks[self.rank]
         tail = first.shape[1:]
         row_bytes = first.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
+        # Each block's rows and bytes a row: the receiver sizes its buffer from the
+        # rows, so a peer whose rows are of another size (another hps version's
+        # layout) is refused here, rather than its bytes read as rows of this size
+        # (MPI fills a larger buffer in part, without a word).
         send_counts = np.array([len(b) for b in blocks], np.int64)
-        recv_counts = np.empty(self.size, np.int64)
+        header = np.stack([send_counts, np.full(self.size, row_bytes, np.int64)], axis=1)
+        got = np.empty_like(header)
         with self.guard(f"{what} (counts)"):
-            comm.Alltoall(send_counts, recv_counts)
+            comm.Alltoall(header, got)
+        recv_counts = np.ascontiguousarray(got[:, 0])
+        other = np.flatnonzero((got[:, 1] != row_bytes) & (recv_counts > 0))
+        if len(other):
+            r = int(other[0])
+            raise RankFailure(f"{what}: rank {r} sends {int(recv_counts[r])} rows of {int(got[r, 1])} bytes, and "
+                              f"this rank (rank {self.rank}) takes rows of {row_bytes} bytes: the ranks run other "
+                              f"versions of hps or configs")
         if max(int(send_counts.sum()), int(recv_counts.sum())) * row_bytes >= 2**31:
             raise ValueError(f"{what}: a batch of {send_counts.sum()} / {recv_counts.sum()} rows of {row_bytes} "
                              f"bytes passes MPI's 2 GiB message limit; use smaller batches")
