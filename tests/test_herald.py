@@ -503,3 +503,24 @@ def test_swap_refined_keeps_shares_and_finds_the_partition_no_swap_improves(monk
                     swapped = list(refined)
                     swapped[i], swapped[j] = refined[j], refined[i]
                     assert replay.batch_pulls(examples, swapped, held) >= best
+
+
+def test_a_ranks_example_keys_decode_on_the_leader_and_a_foreign_header_is_refused():
+    """What a rank's prefetch sends the Herald leader (its distinct keys and 2- or 4-byte
+    indices, hps.distributed.herald._exchange) decodes to its examples' keys; a width,
+    length or index that code never writes names the rank instead of being misread (a
+    width of 3 was read as 4)."""
+    from hps.distributed.herald import _example_keys, _pack
+    keys = np.array([[7, 9, 7], [2**63 + 5, 9, 1]], np.uint64)
+    uniq, inverse = np.unique(keys.reshape(-1), return_inverse=True)
+    for dtype in (np.uint16, np.uint32):
+        where = inverse.astype(dtype)
+        buf = _pack([np.array([3, where.itemsize], np.int64), uniq, where])
+        assert np.array_equal(_example_keys(buf, 1), keys)
+    where = inverse.astype(np.uint16)
+    for header, idx, message in (([3, 3], where, "of 3 bytes"), ([4, 2], where, "do not make whole examples"),
+                                 ([3, 2], where[:-1], "do not make whole examples"),
+                                 ([3, 2], np.where(where == where.max(), len(uniq), where).astype(np.uint16),
+                                  "past its 4 distinct keys")):
+        with pytest.raises(RuntimeError, match=rf"rank 2's example keys: .*{message}"):
+            _example_keys(_pack([np.array(header, np.int64), uniq, idx]), 2)

@@ -80,6 +80,22 @@ def _pack(arrays) -> np.ndarray:
                                                     for a in arrays])
 
 
+def _example_keys(buf: np.ndarray, rank: int) -> np.ndarray:
+    """Rank `rank`'s example keys, (n_examples, fields), from what its _exchange
+    sent the leader: its distinct keys and, for each key of each example, its
+    index among them (2 or 4 bytes). A header this code does not write (another
+    hps version on that rank) is refused, naming the rank, not misread."""
+    (fields, width), uniq, where = _unpack(buf, (np.int64, np.uint64, np.uint8))
+    if width not in (2, 4) or fields < 1 or len(where) % (width * fields):
+        raise RuntimeError(f"rank {rank}'s example keys: {len(where)} bytes of key indices of {width} bytes for "
+                           f"examples of {fields} keys do not make whole examples (does that rank run another hps?)")
+    index = where.view(np.uint16 if width == 2 else np.uint32).reshape(-1, fields)
+    if index.size and int(index.max()) >= len(uniq):
+        raise RuntimeError(f"rank {rank}'s example keys: an index {int(index.max())} past its {len(uniq)} distinct "
+                           f"keys (does that rank run another hps?)")
+    return uniq[index]
+
+
 def _unpack(buf: np.ndarray, dtypes) -> list:
     """What _pack packed, as arrays of `dtypes` (copies: a received buffer's
     offsets need not be aligned)."""
@@ -293,10 +309,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
                                   "sparse_keys", "herald example keys")
         parts = None
         if self.leader:
-            parts = []
-            for buf in got:
-                (fields, width), u, w = _unpack(buf, (np.int64, np.uint64, np.uint8))
-                parts.append(u[w.view(np.uint16 if width == 2 else np.uint32).reshape(-1, fields)])
+            parts = [_example_keys(buf, r) for r, buf in enumerate(got)]
         asked = self._send_keys("prefetch", uniq, "herald keys to their owners")[3]
         return parts, np.unique(np.concatenate(asked)), window
 
