@@ -183,6 +183,31 @@ def test_inspect_reports_what_the_job_holds(job, capsys):
     assert json.loads(capsys.readouterr().out)["rows"] == live
 
 
+def test_inspect_reports_the_step_of_the_checkpoint_it_pinned(job, tmp_path, monkeypatch):
+    """inspect read the step (and the checkpoint's number) from the job before
+    pinning: when training named a later checkpoint and pruned the one read
+    meanwhile, it reported the old number and step beside the new checkpoint's
+    rows (or a null step, had the prune come first)."""
+    from hps.parameter_server import METADATA
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    later = copy / "checkpoints" / "000007"
+    shutil.copytree(copy / "checkpoints" / "000006", later)
+    (later / jobdir.TRAINER_STEP).write_text(json.dumps({"batches_done": BATCHES + 1, "examples_done": 0}))
+    real_pin = jobdir.pin
+
+    def moved_on_then_pin(root, *args, **kwargs):
+        meta = json.loads((copy / METADATA).read_text())  # as training does: name the next one, prune this one
+        (copy / METADATA).write_text(json.dumps({**meta, "checkpoint": 7}))
+        shutil.rmtree(copy / "checkpoints" / "000006")
+        return real_pin(root, *args, **kwargs)
+    monkeypatch.setattr(jobdir, "pin", moved_on_then_pin)
+    report = jobdir.inspect(copy)
+    assert report["checkpoint"] == 7 and report["step"] == BATCHES + 1
+    assert report["ranks"][0]["checkpoints"] == [7] and report["rows"] > 0
+    assert not os.path.exists(copy / jobdir.READERS)
+
+
 def test_inspect_of_an_mpi_job_counts_every_rank(mpi_job):
     report = jobdir.inspect(mpi_job, verify=True)
     assert report["kind"] == "job" and report["world"] == 2 and report["step"] == BATCHES

@@ -636,17 +636,21 @@ def inspect(root: str, verify: bool = False) -> dict:
     from hps import _core
     from hps.errors import HpsError
     job = read_job(root)
-    row_bytes = job.row_bytes
-    report = {
-        "path": os.path.abspath(root), "kind": "job" if job.distributed else "parameter server",
-        "world": job.world, "checkpoint": job.checkpoint, "step": step_of(job),
-        "format": {"parameter_server": job.metadata.get("format"), "written_by": job.metadata.get("hps_version"),
-                   "this_build": _core.__version__},
-        "dim": job.config.dim, "optimizer": job.config.optimizer.kind, "row_bytes": row_bytes,
-        "disk_bytes": _disk_bytes(job.root), "ranks": [], "exports": export_positions(job.root),
-    }
     view = pin(job.root, check_digest=not verify) if job.checkpoint is not None else None
     try:
+        # The job as pinned: training may have moved to a later checkpoint (and pruned
+        # the one read above) meanwhile, and the report counts the view's rows.
+        job = view.job if view is not None else job
+        row_bytes = job.row_bytes
+        report = {
+            "path": os.path.abspath(root), "kind": "job" if job.distributed else "parameter server",
+            "world": job.world, "checkpoint": view.checkpoint if view is not None else job.checkpoint,
+            "step": view.step() if view is not None else step_of(job),
+            "format": {"parameter_server": job.metadata.get("format"), "written_by": job.metadata.get("hps_version"),
+                       "this_build": _core.__version__},
+            "dim": job.config.dim, "optimizer": job.config.optimizer.kind, "row_bytes": row_bytes,
+            "disk_bytes": _disk_bytes(job.root), "ranks": [], "exports": export_positions(job.root),
+        }
         for r in range(job.world):
             rank_dir = job.rank_dir(r)
             entry = {"rank": r, "checkpoints": _checkpoint_numbers(rank_dir), "disk_bytes": _disk_bytes(rank_dir)}
