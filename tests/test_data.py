@@ -3,6 +3,7 @@ import contextlib
 import doctest
 import gzip
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -452,6 +453,26 @@ def test_fsspec_urls(tmp_path):
         fs.rm(root, recursive=True)
 
 
+def test_an_empty_tsv_file_warns_naming_it_and_the_others_are_read(tmp_path):
+    # A 0-byte file (an export that wrote nothing) gave 0 examples without a word.
+    # It warns and the reader goes on: shards of a directory may be empty parts.
+    pytest.importorskip("pyarrow")
+    d = tmp_path / "day"
+    d.mkdir()
+    write(d / "part-0.tsv", [line(label="1")])
+    (d / "part-1.tsv").write_bytes(b"")
+    (d / "part-2.tsv.gz").write_bytes(gzip.compress(b""))  # no data once decompressed
+    with pytest.warns(hps.data.EmptyFileWarning) as got:
+        batches = list(CriteoTsv(str(d), batch_size=8))
+    assert sum(len(b) for b in batches) == 1
+    assert [str(w.message) for w in got] == [
+        f"{d / 'part-1.tsv'}: empty file (no data): no examples read from it",
+        f"{d / 'part-2.tsv.gz'}: empty file (no data once decompressed): no examples read from it"]
+    write(d / "part-1.tsv", [""])  # an empty line is a line: malformed, not an empty file
+    with pytest.raises(DataError, match=r"part-1.tsv:1: is an empty line"):
+        list(CriteoTsv(str(d / "part-1.tsv")))
+
+
 def test_local_tsv_is_decompressed_by_the_names_the_schema_readers_take(tmp_path):
     # A local Criteo file was decompressed only when its name ended in a lower-case
     # ".gz": day_0.tsv.bz2, .zst or .TSV.GZ failed with "has 1 fields, expected 40",
@@ -470,10 +491,11 @@ def test_local_tsv_is_decompressed_by_the_names_the_schema_readers_take(tmp_path
         got = list(open_criteo(str(tmp_path / name), batch_size=16, block_bytes=300))
         assert_same_rows(got, want)
         assert got[-1].locate(len(got[-1]) - 1) == (str(tmp_path / name), 40)
-    # An empty file is one without lines, compressed or not.
+    # An empty file is one without lines, compressed or not (and warns, as every empty file).
     for name in ("empty.tsv.bz2", "empty.tsv.zst", "empty.tsv.gz"):
         (tmp_path / name).write_bytes(b"")
-        assert list(CriteoTsv(str(tmp_path / name))) == []
+        with pytest.warns(hps.data.EmptyFileWarning, match=re.escape(name)):
+            assert list(CriteoTsv(str(tmp_path / name))) == []
     # Damaged, each names the file and the line where its data ends.
     (tmp_path / "cut.tsv.bz2").write_bytes(bz2.compress(content)[:-30])
     (tmp_path / "cut.tsv.zst").write_bytes((tmp_path / "day.tsv.zst").read_bytes()[:-30])

@@ -12,6 +12,7 @@ that wrapped, was cut at a NUL or moved by a field.
 """
 import gzip
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ from hypothesis import strategies as st
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from hps.data import CATEGORICAL_COLUMNS, COLUMNS, DENSE_COLUMNS, CriteoParquet, CriteoTsv, DataError  # noqa: E402
+from hps.data import (CATEGORICAL_COLUMNS, COLUMNS, DENSE_COLUMNS, CriteoParquet, CriteoTsv, DataError,  # noqa: E402
+                      EmptyFileWarning)
 
 # Fixed examples, no database: the same cases on every run and machine.
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None)
@@ -105,16 +107,22 @@ def ref_tsv_file(content: bytes):
 
 # ------------------------------------------------------------------ checking a reader
 
-def read_all(reader, path):
-    """(rows, line numbers) of one pass, rows as the reference writes them."""
+def read_all(reader, path, empty=None):
+    """(rows, line numbers) of one pass, rows as the reference writes them. ``empty``:
+    whether the file warns that it holds no data (EmptyFileWarning; None: either)."""
     rows, lines = [], []
-    for b in reader:
-        assert b.labels.dtype == np.float32 and b.dense.dtype == np.float32 and b.keys.dtype == np.uint64
-        for i in range(len(b)):
-            rows.append((float(b.labels[i]), tuple(b.dense[i].tolist()), tuple(b.keys[i].tolist())))
-            where, n = b.locate(i)
-            assert where == path
-            lines.append(n)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for b in reader:
+            assert b.labels.dtype == np.float32 and b.dense.dtype == np.float32 and b.keys.dtype == np.uint64
+            for i in range(len(b)):
+                rows.append((float(b.labels[i]), tuple(b.dense[i].tolist()), tuple(b.keys[i].tolist())))
+                where, n = b.locate(i)
+                assert where == path
+                lines.append(n)
+    assert all(issubclass(w.category, EmptyFileWarning) for w in warned), [str(w.message) for w in warned]
+    if empty is not None:
+        assert len(warned) == int(empty), (empty, [str(w.message) for w in warned])
     return rows, lines
 
 
@@ -136,14 +144,15 @@ def check_reader(make, path, expected, parquet=False):
     good = [(n, row) for n, row, _ in expected if row is not None]
     bad = [(n, field) for n, row, field in expected if row is None]
     want = ([row for _, row in good], [n for n, _ in good])
+    empty = not parquet and not expected  # a text file without a line: no data (a Parquet file has rows or not)
     if bad:
         with pytest.raises(DataError) as e:
             list(make(False))
         assert_names(e.value, path, *bad[0], parquet=parquet)
     else:
-        assert read_all(make(False), path) == want
+        assert read_all(make(False), path, empty) == want
     reader = make(True)
-    assert read_all(reader, path) == want
+    assert read_all(reader, path, empty) == want
     assert reader.malformed == len(bad)
     assert reader.stats()["malformed"] == len(bad)
     assert len(reader.malformed_examples) == min(len(bad), 10)

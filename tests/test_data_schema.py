@@ -831,6 +831,19 @@ def test_libsvm_reads_plain_lines_as_written(tmp_path):
     assert weights.tolist() == [np.finfo(np.float32).max] and r.malformed == 2
 
 
+def test_an_empty_libsvm_file_warns_naming_it(tmp_path):
+    # A 0-byte file gave 0 examples without a word; a file of blank lines or
+    # comments is not empty (its lines are read, and hold no example).
+    from hps.data import EmptyFileWarning
+    (tmp_path / "a.svm").write_text("1 3:1\n")
+    (tmp_path / "b.svm").write_bytes(b"")
+    with pytest.warns(EmptyFileWarning, match=r"b.svm: empty file \(no data\): no examples read from it") as got:
+        labels, *_ = read_all(Libsvm([tmp_path / "a.svm", tmp_path / "b.svm"]))
+    assert labels.tolist() == [1] and len(got) == 1
+    (tmp_path / "b.svm").write_text("\n# nothing yet\n")
+    assert list(Libsvm(tmp_path / "b.svm")) == []
+
+
 def test_libsvm_takes_no_block_lines(tmp_path):
     # Libsvm(block_lines=...) was accepted and never used (the reader parses 1 MiB of
     # lines at a time whatever it said): a caller tuning it changed nothing.

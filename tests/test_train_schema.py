@@ -307,6 +307,38 @@ def test_hps_train_data_on_libsvm_files(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["final"]["examples"] == 100
 
 
+def test_hps_train_on_data_without_an_example_fails_naming_it_and_writes_nothing(tmp_path, capsys):
+    # A 0-byte export, a header alone, or every line malformed and skipped: the run
+    # trained 0 examples, checkpointed an untrained model and ended with exit 0 (its
+    # eval AUC NaN). Refused now before anything is written, the training data or
+    # the held-out data named.
+    from hps.cli import main
+    from hps.data import EmptyFileWarning
+    (tmp_path / "empty.svm").write_bytes(b"")
+    write_csv(tmp_path / "header.csv", 0, 1)
+    (tmp_path / "bad.csv").write_text("click,price,site,tags\n2,1,s1,t1\n3,1,s2,t2\n")
+    write_csv(tmp_path / "ok.csv", 50, 2)
+    csv = ["--label", "click", "--dense", "price", "--no-progress", "--batch-size", "16"]
+    with pytest.warns(EmptyFileWarning, match="empty.svm"):
+        assert main(["train", "--data", str(tmp_path / "empty.svm"), "--path", str(tmp_path / "r1"),
+                     "--no-progress"]) == 2
+    assert f"{tmp_path / 'empty.svm'}: the training data holds no examples (1 file(s)); nothing was written" \
+        in capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path / "header.csv"), "--path", str(tmp_path / "r2"), *csv]) == 2
+    assert "header.csv: the training data holds no examples (1 file(s))" in capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path / "ok.csv"), "--eval-data", str(tmp_path / "header.csv"),
+                 "--path", str(tmp_path / "r3"), *csv]) == 2
+    assert "header.csv: the held-out data (data.eval_source) holds no examples (1 file(s))" \
+        in capsys.readouterr().err
+    cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "r4")}, "torch_threads": 1,
+                                 "data": {"source": str(tmp_path / "bad.csv"), "skip_malformed": True,
+                                          "schema": SCHEMA}}, "run.toml")
+    with pytest.raises(ValueError, match=r"bad.csv: the training data holds no examples \(1 file\(s\), 2 "
+                                         r"malformed line\(s\) skipped\)"):
+        train(cfg, progress=False)
+    assert not any((tmp_path / f"r{i}").exists() for i in range(1, 5))
+
+
 def test_resume_over_shuffled_epochs_continues_to_the_same_result(tmp_path):
     from hps.train import _train_source
     write_csv(tmp_path / "train.csv", 500, 11)

@@ -363,6 +363,41 @@ def _one_pass(cfg: TrainConfig, rank: int, world: int):
                              skip_malformed=d.skip_malformed)
 
 
+def _source_name(source) -> str:
+    """[data] source or eval_source as a message names it (a path, a glob, or a list of them)."""
+    return ", ".join(map(os.fspath, source)) if isinstance(source, (list, tuple)) else os.fspath(source)
+
+
+def _check_data_has_examples(cfg: TrainConfig, node: Optional[Node], rank: int, world: int) -> None:
+    """Refuses files that give no example at all (each one empty, a header alone, or
+    every line malformed and skipped) before anything is written: such a run trained
+    nothing, wrote a checkpoint and a summary, and ended as a success. The first
+    example is read from a reader of its own (the run's reads its pass from the
+    start). Under mpiexec the job's data must have one: a rank without any steps
+    through the others' batches. A growing directory (online) is not read ahead."""
+    d = cfg.data
+    if d.source == "synthetic" or (cfg.online and _online_directory(d) is not None):
+        return
+
+    def first_example() -> tuple[bool, int, int]:
+        reader = _one_pass(cfg, rank, world)
+        batches = iter(reader)
+        try:
+            return next(batches, None) is not None, len(reader.files), reader.malformed
+        finally:
+            batches.close()
+    found = _collective(node, first_example)
+    if node is not None:
+        every = node.allgather("train", found, "whether the data holds an example")
+        found = (any(f[0] for f in every), sum(f[1] for f in every), sum(f[2] for f in every))
+    has, files, malformed = found
+    if has:
+        return
+    raise ValueError(f"{_source_name(d.source)}: the training data holds no examples ({files} file(s)"
+                     + (f", {malformed:,} malformed line(s) skipped" if malformed else "")
+                     + "); nothing was written")
+
+
 def _eval_batches(cfg: TrainConfig) -> list:
     d = cfg.data
     if d.source == "synthetic":
@@ -383,6 +418,10 @@ def _eval_batches(cfg: TrainConfig) -> list:
         if n >= d.eval_examples:
             break
     out.malformed, out.malformed_examples = reader.malformed, list(reader.malformed_examples)
+    if not out:  # (evaluations would score nothing and report no AUC, as if none were asked for)
+        raise ValueError(f"{_source_name(d.eval_source)}: the held-out data (data.eval_source) holds no examples "
+                         f"({len(reader.files)} file(s)" + (f", {reader.malformed:,} malformed line(s) skipped"
+                                                          if reader.malformed else "") + "); nothing was written")
     return out
 
 
@@ -1090,6 +1129,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
             "[admission]", None if node is None else (node.machine_ranks, "MPI's shared-memory communicator"),
             eval_every=cfg.eval_every if eval_batches else 0, pipelined=cfg.pipelined))
     widths = _collective(node, lambda: _widths(cfg, source))
+    if train_batches is None:
+        _check_data_has_examples(cfg, node, rank, world)
     if cfg.data.schema is not None and eval_batches:
         b = eval_batches[0]
         got = (b.dense.shape[1], b.keys.shape[1], len(getattr(b, "bags", ())))
@@ -1345,7 +1386,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
 def settings(cfg: TrainConfig) -> dict:
     """The run's settings a reader of its numbers and plots needs (the plots' caption)."""
     d, ps = cfg.data, cfg.ps
-    src = d.source if isinstance(d.source, str) else ", ".join(map(os.fspath, d.source))
+    src = _source_name(d.source)
     return {"data": src if len(src) <= 60 else "..." + src[-57:], "batch_size": d.batch_size,
             "examples": d.train_examples if d.train_examples is not None else
             (SYNTHETIC_EXAMPLES if d.source == "synthetic" else "all"), "epochs": d.epochs,

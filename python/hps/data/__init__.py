@@ -43,7 +43,9 @@ and may be a list, a glob or a directory (:func:`list_files`); node ``rank`` of
 ``.zst`` TSV files are decompressed on the fly.
 
 Bad input raises :class:`DataError` (a ValueError) naming file, line and
-field: ``train.tsv:1234: field I5: 'abc' is not an integer``.
+field: ``train.tsv:1234: field I5: 'abc' is not an integer``. A TSV or libsvm
+file without data (0 bytes) gives no examples and warns, naming it
+(:class:`EmptyFileWarning`).
 
 This package needs only numpy to import and to generate synthetic data; the
 file readers need pyarrow (and fsspec for URLs) and say so when it is missing.
@@ -67,7 +69,8 @@ from hps.data.criteo import (CATEGORICAL_COLUMNS, COLUMNS, DENSE_COLUMNS, LABEL_
                              dense_transform, open_criteo)
 from hps.data.epochs import Epochs, FirstExamples, skip_examples
 from hps.data.examples import Bags, Batch, Source
-from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, list_files, shard_files  # (the first: not in __all__)
+from hps.data.files import (MAX_MALFORMED_EXAMPLES, DataError, EmptyFileWarning,  # (the first: not in __all__)
+                            list_files, shard_files)
 from hps.data.keys import SENTINEL_KEY, feature_keys, missing_key, mix64
 from hps.data.online import FileChangedWarning, GrowingDirectory
 from hps.data.schema import Schema, value_keys
@@ -84,6 +87,7 @@ __all__ = [
     "DENSE_COLUMNS",
     "DEFAULT_VOCAB_SIZES",
     "DataError",
+    "EmptyFileWarning",
     "Epochs",
     "FileChangedWarning",
     "FirstExamples",

@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Optional, Union
 import numpy as np
 
 from hps.data.examples import _Piece, _sources_of
-from hps.data.files import (DataError, _compression, _line_bounds, _open_binary, _Reader, _shown, list_files,
-                            parquet_errors, parquet_file)
+from hps.data.files import (DataError, _compression, _line_bounds, _open_binary, _Reader, _shown, _warn_empty,
+                            list_files, parquet_errors, parquet_file)
 from hps.data.keys import _field_tags, _keys
 
 from hps.data import _criteo_lines  # the compiled per-line parser (bench/reader_bench.py sets it to None
@@ -325,6 +325,7 @@ class CriteoTsv(_Reader):
             with _open_binary(path) as f:
                 line = 1
                 blocks = _blocks(f, self.block_bytes)
+                read_any = False
                 while True:
                     try:
                         block = next(blocks, None)
@@ -334,10 +335,13 @@ class CriteoTsv(_Reader):
                                         f"line: {e}", path=path, line=line) from e
                     if block is None:
                         break
+                    read_any = True
                     piece, n_lines = self._fast(block, path, line) or self._slow(block, path, line)
                     line += n_lines
                     if len(piece):
                         yield piece
+                if not read_any:
+                    _warn_empty(path)
 
     def _fast(self, block: bytes, path: str, first_line: int) -> Optional[tuple[_Piece, int]]:
         """(rows, lines) of the block through pyarrow.csv, or None if a line needs the per-line parser."""

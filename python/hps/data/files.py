@@ -3,7 +3,8 @@
 :func:`list_files` expands paths, globs and directories (local or fsspec URLs);
 :func:`shard_files` gives node ``rank`` of ``world`` its share; ``_Reader`` is the
 base of the format readers (file list, batching, malformed-line count);
-:class:`DataError` is what bad input raises, naming file, line and field.
+:class:`DataError` is what bad input raises, naming file, line and field;
+:class:`EmptyFileWarning` what a text file without a byte of data warns.
 pyarrow and fsspec are imported on first use, so this module needs only numpy.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import glob as _glob
 import gzip
 import os
 import re
+import warnings
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence, Union
 
@@ -41,6 +43,19 @@ class DataError(ValueError):
         self.path = path
         self.line = line
         self.field = field
+
+
+class EmptyFileWarning(UserWarning):
+    """A text data file (Criteo TSV, libsvm) holds no data: 0 bytes, or none once
+    decompressed. It gives no examples, and the reader goes on to the next file
+    rather than fail: a directory of shards may hold empty parts (a Hadoop job writes
+    one for a reducer that had no output). ``hps train`` refuses data that gives no
+    example at all."""
+
+
+def _warn_empty(path: str) -> None:
+    warnings.warn(f"{path}: empty file (no data{' once decompressed' if _compression(path) else ''}): no examples "
+                  f"read from it", EmptyFileWarning, stacklevel=2)
 
 
 def _pyarrow():

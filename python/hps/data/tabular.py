@@ -36,7 +36,7 @@ from hps.data import _libsvm_lines  # the compiled libsvm line parser (_libsvm_l
 from hps.data.criteo import dense_transform
 from hps.data.examples import Bags, _Piece, _sources_of
 from hps.data.files import (_COMPRESSED, DataError, _compression, _is_url, _line_bounds, _open_binary, _Reader,
-                            _shown, list_files, parquet_errors, parquet_file)
+                            _shown, _warn_empty, list_files, parquet_errors, parquet_file)
 from hps.data.keys import _field_tag, _keys
 from hps.data.schema import Schema, _as_binary, _binary_parts, value_hashes
 
@@ -727,6 +727,7 @@ class Libsvm(_SchemaReader):
             with stream:
                 pending = b""
                 line = 1
+                read_any = False
                 while True:
                     try:
                         data = stream.read(1 << 20)
@@ -735,6 +736,7 @@ class Libsvm(_SchemaReader):
                                         line=line) from e
                     if not data:
                         break
+                    read_any = True
                     buf = pending + data
                     cut = buf.rfind(b"\n")
                     if cut < 0:
@@ -749,6 +751,8 @@ class Libsvm(_SchemaReader):
                     piece, _ = self._block(pending, path, line)
                     if len(piece):
                         yield piece
+                if not read_any:
+                    _warn_empty(path)
 
     def _block(self, block: bytes, path: str, first_line: int) -> tuple[_Piece, int]:
         """(rows, lines) of a block of whole lines, by the compiled line parser
