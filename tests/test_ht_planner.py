@@ -203,6 +203,10 @@ def test_hps_plan_names_a_placement_of_the_wrong_length(tmp_path, capsys):
     ('hidden = [32]\n[ps]\ndim = 0\n', "[ps] dim must be an int >= 1, got 0"),
     ('hidden = [32]\n[ps]\ndim = "4"\n', "[ps] dim must be an int >= 1, got '4'"),
     ('hidden = [32]\n[ps]\ndim = 4\n[data]\nbatch_size = true\n', "[data] batch_size must be an int >= 1, got True"),
+    # not tables: an unnamed TypeError ("argument of type 'int' is not iterable")
+    ('hidden = [32]\nps = 3\n', "ps must be a table, got 3"),
+    ('hidden = [32]\nps = "dim"\n', "ps must be a table, got 'dim'"),
+    ('hidden = [32]\ndata = 3\n[ps]\ndim = 4\n', "data must be a table, got 3"),
 ])
 def test_hps_plan_names_a_bad_model_or_batch_field(tmp_path, capsys, toml, message):
     # hps plan reads the training config's hidden, [ps] dim and [data] batch_size with

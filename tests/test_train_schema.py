@@ -2,6 +2,7 @@
 and `hps train` on files of a declared schema."""
 import bz2
 import json
+import re
 
 import numpy as np
 import pytest
@@ -337,6 +338,24 @@ def test_hps_train_on_data_without_an_example_fails_naming_it_and_writes_nothing
                                          r"malformed line\(s\) skipped\)"):
         train(cfg, progress=False)
     assert not any((tmp_path / f"r{i}").exists() for i in range(1, 5))
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("ps = 3\n", r"\[ps\]: must be a table, got 3"),
+    ("data = 3\n[ps]\ndim = 4\npath = 'p'\n", "data must be a table, got 3"),
+    ("distributed = 'x'\n[ps]\ndim = 4\npath = 'p'\n", "distributed must be a table, got 'x'"),
+    ("admission = [1]\n[ps]\ndim = 4\npath = 'p'\n", r"admission must be a table, got \[1\]"),
+    ("[ps]\ndim = 4\npath = 'p'\nssd = 3\n", r"\[ps\]: ssd must be a table, got 3"),
+])
+def test_a_table_given_as_a_value_is_named_with_the_file(tmp_path, toml, message):
+    # `ps = 3` (or [data], [distributed], [admission], [ps] ssd) in the TOML was an
+    # unnamed TypeError ("'int' object is not iterable") naming neither file nor table.
+    from hps.cli import main
+    config = tmp_path / "run.toml"
+    config.write_text(toml)
+    with pytest.raises(ValueError, match="^" + re.escape(str(config)) + ": " + message + "$"):
+        TrainConfig.from_toml(config)
+    assert main(["train", "--config", str(config), "--no-progress"]) == 2
 
 
 def test_resume_over_shuffled_epochs_continues_to_the_same_result(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from typing import Union
 
 try:
@@ -26,7 +27,11 @@ __all__ = ["check_fields", "is_int", "is_number", "load_toml", "parse_bytes"]
 
 
 def check_fields(cls, d: dict, source: str, prefix: str = "") -> None:
-    """Raises ValueError naming the keys of d that are not fields of the dataclass cls."""
+    """Raises ValueError naming the keys of d that are not fields of the dataclass cls,
+    or naming the table (prefix without its dot) when d is not a table at all (`ps = 3`
+    in the TOML: else an unnamed TypeError where d is read)."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{source}: {prefix[:-1] + ' ' if prefix else ''}must be a table, got {d!r}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:

@@ -238,8 +238,8 @@ class ParameterServerConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "ParameterServerConfig":
-        d = dict(d)
         check_fields(cls, d, source)
+        d = dict(d)
         for name in ("dim", "path"):
             if name not in d:
                 raise ValueError(f"{source}: missing field '{name}'")

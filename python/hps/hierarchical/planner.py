@@ -432,6 +432,9 @@ def load_plan_config(path) -> tuple:
     table = d.get("hierarchical", {})
     if not isinstance(table, dict):
         raise ValueError(f"{source}: hierarchical must be a table")
+    for name in ("ps", "data"):  # (`ps = 3`: not a table, read below as one)
+        if not isinstance(d.get(name, {}), dict):
+            raise ValueError(f"{source}: {name} must be a table, got {d[name]!r}")
     ht = HierarchicalConfig.from_dict(dict(table), f"{source}: [hierarchical]")
     planner = dict(ht.planner)
     ps = d.get("ps", {})
