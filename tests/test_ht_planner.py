@@ -102,6 +102,23 @@ def test_slow_trainer_moves_a_co_partitioned_pair_to_the_ps():
     assert r.step_s < before / 10
 
 
+def test_plans_made_one_after_another_leave_no_state_behind():
+    # _valid kept every plan it checked, of every model, in a module-level dict for the
+    # life of the process: a process that plans many models (a sweep) grew without bound.
+    import hps.hierarchical.planner as planner
+
+    def held():
+        return {name: len(v) for name, v in vars(planner).items()
+                if isinstance(v, (dict, list, set)) and not name.startswith("__")}
+    cfg = PlannerConfig(batch_size=1024, big_fc_bytes=1e12, trainer_flops=1e9, ps_flops=1e11, bandwidth=1e10)
+    plan([(64, 2048), (2048, 64), (64, 1)], cfg)  # (any module state made on first use)
+    before = held()
+    for width in range(8, 16):
+        r = plan([(64, width * 256), (width * 256, 64), (64, 1)], cfg)
+        assert r.plan.fcs[:2] == [F("ps", "vertical", pair=True), F("ps", "horizontal")]  # each refined
+    assert held() == before
+
+
 def test_no_time_for_refinement_keeps_the_rules_plan():
     cfg = PlannerConfig(batch_size=1024, big_fc_bytes=1e12, trainer_flops=1e9, time_limit=0)
     r = plan([(64, 2048), (2048, 64), (64, 1)], cfg)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 from hps.errors import HpsError
 from hps.hierarchical.split_mlp import FcPlacement, SplitPlan, segments
@@ -248,22 +249,22 @@ def _score(shapes, plan, cfg):
     return (_over_memory(nodes, cfg), worst.time_s), nodes, worst
 
 
-def _valid(shapes: list, plan: SplitPlan) -> bool:
-    """Whether `plan` passes split_mlp's checks for a Sequential of these shapes."""
-    key = (tuple(shapes), plan.group_ps, tuple(plan.fcs))
-    hit = _VALID.get(key)
+def _valid(shapes: list, plan: SplitPlan, seen: Optional[dict] = None) -> bool:
+    """Whether `plan` passes split_mlp's checks for a Sequential of these shapes.
+    ``seen``: the answers so far for these shapes (one refinement meets a plan many
+    times), kept by the caller for its own search: a cache here for the process
+    grew with every plan made in it."""
+    key = (plan.group_ps, tuple(plan.fcs))
+    hit = seen.get(key) if seen is not None else None
     if hit is None:
-        seq = _shape_only(shapes)
         try:
-            segments(seq, plan)
+            segments(_shape_only(shapes), plan)
             hit = True
         except ValueError:
             hit = False
-        _VALID[key] = hit
+        if seen is not None:
+            seen[key] = hit
     return hit
-
-
-_VALID: dict = {}
 
 
 def _shape_only(shapes):
@@ -310,6 +311,7 @@ def _moves(plan: SplitPlan, j: int) -> list:
 def refine(shapes: list, start: SplitPlan, cfg: PlannerConfig) -> PlanResult:
     """Greedy refinement (part 2) from `start`; never returns a worse plan."""
     deadline = time.monotonic() + cfg.time_limit
+    seen: dict = {}  # _valid's answers for these shapes, for this refinement only
     plan = start
     score, nodes, worst = _score(shapes, plan, cfg)
     moves = 0
@@ -325,7 +327,7 @@ def refine(shapes: list, start: SplitPlan, cfg: PlannerConfig) -> PlanResult:
         best = None
         for j in on_target:
             for cand in _moves(plan, j):
-                if not _valid(shapes, cand):
+                if not _valid(shapes, cand, seen):
                     continue
                 s, n2, w2 = _score(shapes, cand, cfg)
                 if s < score and (best is None or s < best[0]):
