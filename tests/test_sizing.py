@@ -203,6 +203,19 @@ def test_files_of_unknown_length_need_rows(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["run"]["examples_per_pass"] == 2500
 
 
+def test_data_without_an_example_is_named_not_divided_by(tmp_path, capsys):
+    # 0 examples (a 0-byte export) ended hps size in a ZeroDivisionError traceback, or
+    # with --rows in the sizes of a run of 0 batches.
+    tsv = tmp_path / "day.tsv"
+    tsv.write_bytes(b"")
+    cfg = write_config(tmp_path, source=str(tsv), examples=None)
+    for rows in ([], ["--rows", "1000"]):
+        with pytest.warns(hps.data.EmptyFileWarning):
+            assert main(["size", "--config", cfg, *rows]) == 2
+        assert capsys.readouterr().err.strip() == \
+            f"hps size: {tsv}: the training data holds no examples: nothing to size"
+
+
 # ---------------------------------------------------------------- against a real run
 
 def test_size_check_quick():

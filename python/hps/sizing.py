@@ -448,6 +448,9 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
     row_floats = int(opt.row_floats)
     row_bytes = 4 * row_floats
     smp = read_sample(cfg, sample)
+    if smp.examples == 0:  # (every figure below is per example or per row: a ZeroDivisionError)
+        from hps.train import _source_name
+        raise ValueError(f"{_source_name(cfg.data.source)}: the training data holds no examples: nothing to size")
     pass_examples = run_examples(cfg, smp)
     rows_how = "given (--rows)"
     if rows is None:
