@@ -442,19 +442,29 @@ class Pipeline:
             put(q_write_back, _DONE)
             write_back.join()
             stop.set()
+
+            def let_go_of_queued():
+                """Whatever waits in a queue lets go of its pins and device tier:
+                trained, not written back (the writer failed), or prefetched or
+                loaded, not trained."""
+                for q in (q_write_back, q_prefetch, q_load):
+                    while True:
+                        try:
+                            item = q.get_nowait()
+                        except queue.Empty:
+                            break
+                        if isinstance(item, Loaded):
+                            item.batch.abort()
+                        elif isinstance(item, tuple):
+                            item[1].release()
+
+            # The loader may be waiting in ps.batch, with no way out, for a device
+            # tier (or a host batch's turn) that a queued batch holds: the queues
+            # let go while the stages stop, not only after.
             for t in threads:
-                t.join()
-            while not q_write_back.empty():
-                item = q_write_back.get_nowait()
-                if isinstance(item, Loaded):
-                    item.batch.abort()
-            # Whatever was prefetched or loaded but not trained lets go of its pins.
-            for q in (q_prefetch, q_load):
-                while not q.empty():
-                    item = q.get_nowait()
-                    if isinstance(item, Loaded):
-                        item.batch.abort()
-                    elif isinstance(item, tuple):
-                        item[1].release()
+                while t.is_alive():
+                    let_go_of_queued()
+                    t.join(timeout=0.1)
+            let_go_of_queued()  # what a stage put as the stop came
         if errors:
             raise errors[0]

@@ -1,0 +1,92 @@
+"""The pipeline's failure paths (hps.pipeline): a stage that fails at batch k
+stops the run with its error, no stage left waiting, every pin let go. The
+failures are injected at a chosen batch and the stages brought to the state
+that matters by events, not by timing."""
+import threading
+
+import numpy as np
+import pytest
+
+from hps.parameter_server import ParameterServer, ParameterServerConfig
+from hps.pipeline import Pipeline
+
+HANG = 60  # seconds: a run still going by then is waiting for good
+
+
+class Data:
+    def __init__(self, i):
+        self.keys = np.array([[i, 1000 + i], [7, 8]], np.uint64)  # keys 7 and 8 in every batch
+        self.labels = np.zeros(2, np.float32)
+
+
+def server(path, **kw):
+    return ParameterServer(ParameterServerConfig(dim=4, path=str(path), mem_budget="1MiB", **kw))
+
+
+def push_ones(loaded):
+    b = loaded.batch
+    for w, idx in enumerate(loaded.minibatches):
+        k = loaded.data.keys[idx].reshape(-1)
+        b.push(k, np.ones((len(k), 4), np.float32), worker=w)
+
+
+def run_to_the_end(pipeline, source):
+    """pipeline.run(source) on a thread: (finished, the exception it raised)."""
+    raised = []
+
+    def go():
+        try:
+            pipeline.run(source)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            raised.append(e)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(HANG)
+    return not t.is_alive(), (raised[0] if raised else None)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_failed_write_back_stops_the_run_while_the_next_batch_waits_to_be_written_back(tmp_path, devices):
+    """Batch k's write-back fails once batch k+1 is queued behind it and the loader
+    waits for k+1's device tier (to load k+3): that batch lets go of its tier while
+    the stages stop. (It was let go of only after they had stopped: the loader
+    waited for good.)"""
+    k = 2
+    ps = server(tmp_path / "a", devices=devices, host_in_place=False)  # on device tiers, which batches take turns on
+    loading_k3, training_k2 = threading.Event(), threading.Event()
+    made = [0]
+    real_batch = ps.batch
+
+    def batch(prefetched, overlap=False):
+        made[0] += 1
+        if made[0] == k + 4:  # batch k+3: its tier is k+1's
+            loading_k3.set()
+        return real_batch(prefetched, overlap=overlap)
+
+    ps.batch = batch
+    trained = [0]
+
+    def step(loaded):
+        push_ones(loaded)
+        if trained[0] == k:
+            b = loaded.batch
+            real_write_back = b.write_back
+
+            def write_back():
+                real_write_back()  # frees k's tier: k+2 loads, and k+1 is queued for its write-back
+                training_k2.wait(HANG)
+                raise OSError("MEM-PS write-back of batch 2 failed")
+
+            b.write_back = write_back
+        if trained[0] == k + 2:  # k+1 is queued; the loader is in batch() for k+3
+            loading_k3.wait(HANG)
+            training_k2.set()
+        trained[0] += 1
+
+    finished, error = run_to_the_end(Pipeline(ps, step), [Data(i) for i in range(10)])
+    assert finished, "the run waited for good after a write-back failed"
+    assert loading_k3.is_set() and training_k2.is_set()  # the run went through the state this test is about
+    assert isinstance(error, OSError) and "batch 2 failed" in str(error)
+    assert ps.stats()["mem"]["pinned"] == 0
+    assert all(slot.free.is_set() for slot in ps._slots)
