@@ -419,6 +419,7 @@ class Pipeline:
         write_back.start()
         for t in threads:
             t.start()
+        held = None  # a batch trained that the writer did not take (it stopped)
         try:
             while True:
                 loaded = get(q_load)
@@ -432,7 +433,7 @@ class Pipeline:
                     self.stats.queue_depth_sum["write_back"] += q_write_back.qsize()
                 self._train(loaded)
                 if not put(q_write_back, loaded):
-                    loaded.batch.abort()
+                    held = loaded
                     break
         except BaseException as e:
             self._failed(e)  # (the train stage: before the joins below)
@@ -443,11 +444,10 @@ class Pipeline:
             write_back.join()
             stop.set()
 
-            def let_go_of_queued():
-                """Whatever waits in a queue lets go of its pins and device tier:
-                trained, not written back (the writer failed), or prefetched or
-                loaded, not trained."""
-                for q in (q_write_back, q_prefetch, q_load):
+            def let_go_of(queues):
+                """Whatever waits in the queues lets go of its pins and device tier
+                (a batch trained keeps its step: abort writes it back)."""
+                for q in queues:
                     while True:
                         try:
                             item = q.get_nowait()
@@ -458,13 +458,21 @@ class Pipeline:
                         elif isinstance(item, tuple):
                             item[1].release()
 
+            # Batches trained and not written back (the writer failed) go in the
+            # order they trained: each holds the rows of the one before it, with
+            # its own step on top, so a batch written back before the one ahead
+            # of it would have its rows overwritten with older ones (a tier
+            # holding copies).
+            let_go_of([q_write_back])
+            if held is not None:
+                held.batch.abort()
             # The loader may be waiting in ps.batch, with no way out, for a device
             # tier (or a host batch's turn) that a queued batch holds: the queues
             # let go while the stages stop, not only after.
             for t in threads:
                 while t.is_alive():
-                    let_go_of_queued()
+                    let_go_of([q_prefetch, q_load])
                     t.join(timeout=0.1)
-            let_go_of_queued()  # what a stage put as the stop came
+            let_go_of([q_prefetch, q_load])  # what a stage put as the stop came
         if errors:
             raise errors[0]
