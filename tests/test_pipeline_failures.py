@@ -2,14 +2,16 @@
 stops the run with its error, no stage left waiting, every pin let go. The
 failures are injected at a chosen batch and the stages brought to the state
 that matters by events, not by timing."""
+import queue
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import hps.pipeline
 from hps.parameter_server import ParameterServer, ParameterServerConfig
-from hps.pipeline import Pipeline
+from hps.pipeline import Loaded, Pipeline
 
 HANG = 60  # seconds: a run still going by then is waiting for good
 TOPOLOGY = Path(__file__).resolve().parents[1] / "examples" / "topologies" / "pcie_only.toml"
@@ -109,4 +111,63 @@ def test_a_failed_write_back_stops_the_run_while_the_next_batch_waits_to_be_writ
     # Batches k+1 and k+2 trained (k+2 on k+1's rows of keys 7 and 8): their steps
     # are kept, in that order.
     keys, rows = rows_after(tmp_path / "ref", data[:k + 3], **kw)
+    np.testing.assert_array_equal(ps.pull(keys), rows)
+
+
+class _InterruptedHandOff:
+    """hps.pipeline's queue module, but the train stage's hand-off of batch `at`
+    to the write-back (a put from the main thread) raises KeyboardInterrupt, as a
+    Ctrl-C arriving while the trainer waits for the writer does."""
+
+    Full, Empty = queue.Full, queue.Empty
+
+    def __init__(self, at):
+        outer = self
+        self.handed = 0
+
+        class Queue(queue.Queue):
+            def put(self, item, block=True, timeout=None):
+                if isinstance(item, Loaded) and threading.current_thread() is threading.main_thread():
+                    outer.handed += 1
+                    if outer.handed == at + 1:
+                        raise KeyboardInterrupt
+                super().put(item, block, timeout)
+
+        self.Queue = Queue
+
+
+@pytest.mark.parametrize("tier", [*TIERS, "in-place"])
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_an_interrupt_between_a_batchs_step_and_its_write_back_writes_it_back(tmp_path, monkeypatch, pipelined,
+                                                                               tier):
+    """Ctrl-C after batch k trained, before the write-back stage took it: batch k
+    is written back all the same (its step is kept, as for every batch trained),
+    and nothing stays pinned or holds a device tier, so a checkpoint after it
+    does not wait for good. (The batch was dropped with its pins and its tier.)"""
+    k = 3
+    data = [Data(i) for i in range(8)]
+    kw = dict(devices=1) if tier == "in-place" else dict(TIERS[tier], host_in_place=False)
+    ps = server(tmp_path / "a", **kw)
+    pipeline = Pipeline(ps, push_ones)
+    if pipelined:
+        monkeypatch.setattr(hps.pipeline, "queue", _InterruptedHandOff(k))
+    else:
+        real_timed, written = pipeline._timed, [0]
+
+        def timed(stage, fn, *args, **kwargs):
+            if stage == "write_back":
+                written[0] += 1
+                if written[0] == k + 1:
+                    raise KeyboardInterrupt
+            return real_timed(stage, fn, *args, **kwargs)
+
+        pipeline._timed = timed
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(data, pipelined=pipelined)
+    assert ps.stats()["mem"]["pinned"] == 0
+    checkpointed = threading.Thread(target=ps.checkpoint, daemon=True)
+    checkpointed.start()
+    checkpointed.join(HANG)
+    assert not checkpointed.is_alive(), "the checkpoint waited for good for a batch dropped by the interrupt"
+    keys, rows = rows_after(tmp_path / "ref", data[:k + 1], **kw)
     np.testing.assert_array_equal(ps.pull(keys), rows)

@@ -183,22 +183,20 @@ class Pipeline:
         """The train stage: the caller's step, then the sparse optimizer step.
         A batch that partitions its own examples (Herald's, hps.worker_caches)
         moves its rows first, here: they are the batches' before it, trained
-        (its schedule ran in the load stage: it reads keys only)."""
-        try:
-            partition = getattr(loaded.batch, "partition", None)
-            if partition is not None:
-                bind = getattr(loaded.batch, "bind", None)
-                if bind is not None:  # a batch that moves examples between ranks sends these
-                    bind(loaded.data)
-                loaded.minibatches = self._timed("train", partition)
-                exchanged = getattr(loaded.batch, "exchanged", None)
-                if exchanged is not None:  # the examples this rank trains now
-                    loaded.data = exchanged
-            self._timed("train", self.train_step, loaded)
-            self._timed("train", loaded.batch.apply)
-        except BaseException:
-            loaded.batch.abort()
-            raise
+        (its schedule ran in the load stage: it reads keys only). The caller
+        aborts the batch if this raises (once the batches before it are
+        written back: it may have applied its step)."""
+        partition = getattr(loaded.batch, "partition", None)
+        if partition is not None:
+            bind = getattr(loaded.batch, "bind", None)
+            if bind is not None:  # a batch that moves examples between ranks sends these
+                bind(loaded.data)
+            loaded.minibatches = self._timed("train", partition)
+            exchanged = getattr(loaded.batch, "exchanged", None)
+            if exchanged is not None:  # the examples this rank trains now
+                loaded.data = exchanged
+        self._timed("train", self.train_step, loaded)
+        self._timed("train", loaded.batch.apply)
 
     def _write_back(self, loaded: Loaded) -> None:
         self._timed("write_back", loaded.batch.write_back)
@@ -298,8 +296,14 @@ class Pipeline:
             upcoming = [self.keys_of(d) for d in ahead] if self.lookahead else None
             prefetched = self._prefetch(data, upcoming=upcoming)
             loaded = self._timed("load", self._load, data, prefetched)
-            self._train(loaded)
-            self._write_back(loaded)
+            try:
+                self._train(loaded)
+                self._write_back(loaded)
+            except BaseException:
+                # Not written back (a failed step, an interrupt): the batch lets go
+                # of its pins and device tier, keeping a step it applied.
+                loaded.batch.abort()
+                raise
 
     def _run_pipelined(self, it: Iterator) -> None:
         with self._reading:  # a window ends with the run's batches (as a sequential run's does)
@@ -419,12 +423,13 @@ class Pipeline:
         write_back.start()
         for t in threads:
             t.start()
-        held = None  # a batch trained that the writer did not take (it stopped)
+        held = None  # the batch the train stage holds, not yet handed to the writer
         try:
             while True:
                 loaded = get(q_load)
                 if loaded is _DONE:
                     break
+                held = loaded
                 with self._lock:
                     self.stats.queue_samples += 1
                     self.stats.queue_depth_sum["read"] += q_read.qsize()
@@ -432,9 +437,9 @@ class Pipeline:
                     self.stats.queue_depth_sum["load"] += q_load.qsize()
                     self.stats.queue_depth_sum["write_back"] += q_write_back.qsize()
                 self._train(loaded)
-                if not put(q_write_back, loaded):
-                    held = loaded
+                if not put(q_write_back, loaded):  # the writer stopped
                     break
+                held = None
         except BaseException as e:
             self._failed(e)  # (the train stage: before the joins below)
             raise
@@ -459,13 +464,15 @@ class Pipeline:
                             item[1].release()
 
             # Batches trained and not written back (the writer failed) go in the
-            # order they trained: each holds the rows of the one before it, with
-            # its own step on top, so a batch written back before the one ahead
-            # of it would have its rows overwritten with older ones (a tier
+            # order they trained, and then the one the train stage held (its step
+            # failed, the writer stopped, or an interrupt came before the hand-off;
+            # it may have applied its step): each holds the rows of the one before
+            # it, with its own step on top, so a batch written back before the one
+            # ahead of it would have its rows overwritten with older ones (a tier
             # holding copies).
             let_go_of([q_write_back])
             if held is not None:
-                held.batch.abort()
+                held.batch.abort()  # nothing, if the writer took it before the interrupt
             # The loader may be waiting in ps.batch, with no way out, for a device
             # tier (or a host batch's turn) that a queued batch holds: the queues
             # let go while the stages stop, not only after.
