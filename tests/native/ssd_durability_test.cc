@@ -185,6 +185,17 @@ class SsdDurabilityTest : public ::testing::Test {
     store.Put(keys.data(), keys.size(), rows.data());
   }
 
+  // Three files of keys 1..4, 5..8, 9..12, committed, then the first two three
+  // quarters stale (keys 2..4 and 6..8 written again), committed: what a
+  // compaction has to work on.
+  static void CommitTwoFilesMostlyStale(SsdStore& store) {
+    Put(store, 1, 13);
+    store.Commit();
+    Put(store, 2, 5);
+    Put(store, 6, 9);
+    store.Commit();
+  }
+
   // How many of the keys [first, end) the store finds, each with the row Put gave it.
   static uint64_t Found(SsdStore& store, uint64_t first, uint64_t end) {
     std::vector<uint64_t> keys(end - first);
@@ -257,11 +268,7 @@ TEST_F(SsdDurabilityTest, CommitSyncsTheNewFilesThenTheirNamesThenTheManifest) {
 
 TEST_F(SsdDurabilityTest, CompactionSyncsItsOutputsThenTheirNamesThenTheManifest) {
   auto store = Open();
-  Put(*store, 1, 13);  // files of 1..4, 5..8, 9..12
-  store->Commit();
-  Put(*store, 2, 5);   // the first three quarters stale
-  Put(*store, 6, 9);   // the second too
-  store->Commit();
+  CommitTwoFilesMostlyStale(*store);
   const std::vector<std::string> before = Files();
   TakeSyncLog();
   store->Compact();
@@ -364,11 +371,7 @@ TEST_F(SsdDurabilityTest, ACommitWhoseManifestSyncFailsNamesItAndCommitsNothing)
 TEST_F(SsdDurabilityTest, ACompactionWhoseManifestSyncFailsKeepsItsOutputs) {
   {
     auto store = Open();
-    Put(*store, 1, 13);  // files of 1..4, 5..8, 9..12
-    store->Commit();
-    Put(*store, 2, 5);   // the first three quarters stale
-    Put(*store, 6, 9);   // the second too
-    store->Commit();
+    CommitTwoFilesMostlyStale(*store);
     FailNextSyncOf("/MANIFEST", EIO, /*skips=*/1);  // Compact's own commit first, then the chunk's
     try {
       store->Compact();
