@@ -1110,6 +1110,18 @@ def damage_new_rows(path, served: dict) -> int:
     return number
 
 
+def _checkpointed_ones(tmp_path):
+    """A parameter server at tmp_path/ps (dim 4, a 1 MiB MEM-PS) whose keys 1..3000 were
+    pushed ones and checkpointed: its config and keys."""
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), mem_budget="1MiB")
+    keys = np.arange(1, 3001, dtype=np.uint64)
+    ps = hps.ParameterServer(cfg)
+    ps.push(keys, np.ones((len(keys), 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    return cfg, keys
+
+
 @pytest.mark.parametrize("room", ["beside", "blocking"])
 def test_a_refresh_that_fails_keeps_serving_and_unpins_the_new_checkpoint(tmp_path, monkeypatch, room):
     """A row of the new checkpoint fails its CRC while the refresh warms its cache
@@ -1117,12 +1129,7 @@ def test_a_refresh_that_fails_keeps_serving_and_unpins_the_new_checkpoint(tmp_pa
     view stayed pinned (its links keeping its files on disk once training pruned
     it, one more view each --refresh-every); with no room beside it (the served
     one freed first), every lookup after waited for good."""
-    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), mem_budget="1MiB")
-    keys = np.arange(1, 3001, dtype=np.uint64)
-    ps = hps.ParameterServer(cfg)
-    ps.push(keys, np.ones((len(keys), 4), np.float32))
-    ps.checkpoint()
-    ps.close()
+    cfg, keys = _checkpointed_ones(tmp_path)
     lk = hps.Lookup(cfg.path, memory_budget="64MiB")
     try:
         want, found = lk.lookup(keys)
@@ -1158,12 +1165,7 @@ def test_a_damaged_checkpoint_is_named_by_its_own_files_not_the_readers_copies(t
     block and offset that failed."""
     from hps.export import export
     from hps.serve import LookupServer
-    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), mem_budget="1MiB")
-    keys = np.arange(1, 3001, dtype=np.uint64)
-    ps = hps.ParameterServer(cfg)
-    ps.push(keys, np.ones((len(keys), 4), np.float32))
-    ps.checkpoint()
-    ps.close()
+    cfg, keys = _checkpointed_ones(tmp_path)
     damage_new_rows(cfg.path, {})  # every file of the checkpoint
     store = os.path.join(cfg.path, "checkpoints", "000001", "ssd")
     named = re.escape(store + os.sep) + r"\d{12}\.hpf: rows block 0 \(file offset \d+\) fails its CRC-32C check"
@@ -1764,6 +1766,19 @@ def test_serve_answers_a_stalled_or_cut_short_body_and_frees_the_connection(job)
         LookupServer(lk, ("127.0.0.1", 0), idle_timeout=0)
 
 
+def _refuses_each(lk, setting: str, values, message: str) -> None:
+    """LookupServer(lk, setting=v) raises ValueError naming the setting, v and message for each v."""
+    from hps.serve import LookupServer
+    for bad in values:
+        try:
+            srv = LookupServer(lk, ("127.0.0.1", 0), **{setting: bad})
+        except ValueError as e:
+            assert f"{setting} = {bad}: {message}" in str(e)
+        else:
+            srv.server_close()
+            pytest.fail(f"{setting} = {bad} was taken")
+
+
 def test_serve_refuses_an_idle_timeout_that_is_not_a_number_of_seconds(job):
     """LookupServer(idle_timeout=inf) (or past threading.TIMEOUT_MAX) was taken, and
     then setting it on each connection's socket raised OverflowError: every request
@@ -1771,14 +1786,8 @@ def test_serve_refuses_an_idle_timeout_that_is_not_a_number_of_seconds(job):
     import threading
     from hps.serve import LookupServer
     with hps.Lookup(job, memory_budget="64MiB") as lk:
-        for bad in (float("inf"), 1e300, 2 * threading.TIMEOUT_MAX, float("nan"), 0, -1.0):
-            try:
-                srv = LookupServer(lk, ("127.0.0.1", 0), idle_timeout=bad)
-            except ValueError as e:
-                assert f"idle_timeout = {bad}: must be a number of seconds above 0, at most " in str(e)
-            else:
-                srv.server_close()
-                pytest.fail(f"idle_timeout = {bad} was taken")
+        _refuses_each(lk, "idle_timeout", (float("inf"), 1e300, 2 * threading.TIMEOUT_MAX, float("nan"), 0, -1.0),
+                      "must be a number of seconds above 0, at most ")
         srv = LookupServer(lk, ("127.0.0.1", 0), idle_timeout=threading.TIMEOUT_MAX)
         t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         t.start()
@@ -1797,14 +1806,8 @@ def test_serve_refuses_a_refresh_interval_that_is_not_a_number_of_seconds(job, c
     refresher with a traceback while the server went on."""
     from hps.serve import LookupServer
     with hps.Lookup(job, memory_budget="64MiB") as lk:
-        for bad in (float("nan"), float("inf"), 1e300, -1.0):
-            try:
-                srv = LookupServer(lk, ("127.0.0.1", 0), refresh_every=bad)
-            except ValueError as e:
-                assert f"refresh_every = {bad}: must be a number of seconds from 0 to " in str(e)
-            else:
-                srv.server_close()
-                pytest.fail(f"refresh_every = {bad} was taken")
+        _refuses_each(lk, "refresh_every", (float("nan"), float("inf"), 1e300, -1.0),
+                      "must be a number of seconds from 0 to ")
     assert main(["serve", str(job), "--refresh-every", "nan", "--memory-budget", "64MiB"]) == 2
     assert "refresh_every = nan: must be a number of seconds" in capsys.readouterr().err
     assert not os.path.exists(job / jobdir.READERS)
