@@ -190,6 +190,59 @@ def test_write_back_that_finds_a_key_unpinned_part_way_keeps_its_row_and_says_so
     assert backing.rows[1] == 11
 
 
+def test_keep_updated_takes_rows_without_a_slot_or_a_load():
+    """keep_updated (rows newer than MEM-PS's, kept elsewhere: Herald's caches): a
+    key cached, pinned or not, gets its row, dirty (flushed later); one not cached
+    gives its row to the sink, not loaded first, and a pull reads it from there.
+    A cache whose slots are pinned takes them all the same, where a pin would
+    need a free slot for each key not cached."""
+    backing = Backing()
+    cache = hps.MemCache(ROW, 4, policy="lru", shards=1, loader=backing.loader, sink=backing.sink)
+    cache.pull(u64([1, 2, 3]), pin=True)  # a batch in flight
+    cache.pull(u64([4]))  # cached, not pinned
+    cache.flush_dirty()  # the new keys' first rows stored: clean in MEM-PS
+    with pytest.raises(hps.CacheFullError, match="has 3 pinned and this call needs 2 more"):
+        cache.pin(u64([7, 8]))
+    loads, sunk = backing.loads, backing.sunk
+    cache.keep_updated(u64([1, 4, 7, 8]), np.array([[11], [14], [17], [18]], np.uint64))
+    assert backing.loads == loads and backing.sunk == sunk + 2  # only 7 and 8 went to the sink, unread
+    assert (backing.rows[7], backing.rows[8]) == (17, 18) and 7 not in cache and 8 not in cache
+    s = cache.stats()
+    assert (s["dirty"], s["pinned"], s["size"]) == (2, 3, 4)  # 1 and 4; the pins stay
+    assert cache.read_pinned(u64([1])).view(np.uint64)[0, 0] == 11  # the pin's holder reads the new row
+    assert backing.rows[1] == 1000 and backing.rows[4] == 4000  # not stored yet: dirty in MEM-PS
+    cache.unpin(u64([1, 2, 3]))
+    cache.flush_dirty()
+    assert (backing.rows[1], backing.rows[4]) == (11, 14) and cache.stats()["dirty"] == 0
+    rows, hit = cache.pull(u64([7, 8]), dtype=np.uint64)
+    assert rows[:, 0].tolist() == [17, 18] and hit.tolist() == [False, False]
+
+
+def test_keep_updated_errors():
+    """The reserved key and rows of the wrong shape are refused, changing nothing;
+    a sink that raises keeps nothing of the rows it was given (their caller still
+    holds them), while the cached keys have theirs, dirty."""
+    backing = Backing()
+    cache = hps.MemCache(ROW, 4, policy="lru", shards=1, loader=backing.loader, sink=backing.sink)
+    cache.pull(u64([1]))
+    cache.flush_dirty()
+    with pytest.raises(ValueError, match=r"keys\[1\] is 0xffffffffffffffff"):
+        cache.keep_updated(u64([1, hps.EMPTY_KEY]), np.zeros((2, 1), np.uint64))
+    with pytest.raises(ValueError, match="rows must be a 2-D array of 2 rows of 8 bytes each"):
+        cache.keep_updated(u64([1, 2]), np.zeros((1, 1), np.uint64))
+    assert cache.stats()["dirty"] == 0
+
+    def refusing_sink(keys, rows):
+        raise OSError("SSD-PS full")
+
+    cache = hps.MemCache(ROW, 4, policy="lru", shards=1, loader=backing.loader, sink=refusing_sink)
+    cache.pull(u64([1]))
+    with pytest.raises(OSError, match="SSD-PS full"):
+        cache.keep_updated(u64([1, 9]), np.array([[11], [19]], np.uint64))
+    assert 9 not in cache and cache.stats()["dirty"] == 1
+    assert cache.pull(u64([1]), dtype=np.uint64)[0][0, 0] == 11
+
+
 # A child process's code leaving `tb` at the frame of a MemCache whose constructor
 # raised, its half-built self among the frame's locals (as pytest shows them).
 REFUSED_CACHE = """
@@ -230,6 +283,7 @@ def test_every_method_of_a_cache_whose_constructor_raised_raises():
 keys = np.array([1, 2], np.uint64)
 for call in [lambda: cache.stats(), lambda: cache.row_bytes, lambda: cache.pull(keys), lambda: cache.pin(keys),
              lambda: cache.pin_rows(keys), lambda: cache.write_back(keys, np.zeros((2, 8), np.uint8)),
+             lambda: cache.keep_updated(keys, np.zeros((2, 8), np.uint8)),
              lambda: cache.unpin(keys), lambda: cache.access(keys), lambda: cache.erase(keys),
              lambda: cache.flush_dirty(), lambda: cache.read_pinned(keys), lambda: cache.set_lookahead(keys),
              lambda: cache.clear_lookahead(), lambda: 1 in cache, lambda: cache.replay(keys, 1)]:
@@ -242,7 +296,7 @@ for call in [lambda: cache.stats(), lambda: cache.row_bytes, lambda: cache.pull(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
-    assert len(lines) == 15 and all(re.fullmatch(f"this hps.mem_cache.MemCache {UNBUILT}", x) for x in lines), lines
+    assert len(lines) == 16 and all(re.fullmatch(f"this hps.mem_cache.MemCache {UNBUILT}", x) for x in lines), lines
 
 
 def test_the_reserved_key_is_never_cached_nor_erased():

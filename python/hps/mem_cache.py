@@ -24,6 +24,8 @@ class MemCache(_core.MemCache):
     not pinned makes either raise ValueError, changing nothing, and one that another
     thread unpinned during the call makes it raise RuntimeError naming it, once the
     other keys are released (``write_back`` keeps its row all the same).
+    ``keep_updated(keys, rows)`` takes newer rows of keys kept elsewhere (pinned or
+    not, cached or not) without a pin or a load, so it never needs a free slot.
     ``access(keys)`` replays a trace: hits are visits, misses enter with zero rows.
     ``set_lookahead(keys)`` tells the cache the keys of the coming batches, so
     that evictions spare them (Belady inside that window), and ``replay(trace,
@@ -66,6 +68,27 @@ class MemCache(_core.MemCache):
     def pull(self, keys: np.ndarray, pin: bool = False, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:
         rows, hit = super().pull(keys, pin)
         return rows.view(dtype), hit
+
+    def keep_updated(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Takes the newest rows (n, row_bytes bytes each, any dtype) of keys kept
+        elsewhere, without a pin or a load: a cached key, pinned or not, gets its
+        row, dirty (its pins stay); one not cached gives its row to ``sink`` (its
+        only copy: a later pull loads it from there). So it needs no free slot and
+        cannot raise CacheFullError. Raises what the sink raised (the rows it was
+        given are not kept, the cached keys' are), and ValueError for the reserved
+        key 2**64 - 1, changing nothing.
+
+        >>> import numpy as np, hps
+        >>> stored = {}
+        >>> cache = hps.MemCache(row_bytes=8, capacity=2, policy="lru",
+        ...                      sink=lambda k, r: stored.update(zip(k.tolist(), r.tolist())))
+        >>> cache.access(np.array([1], np.uint64)).tolist()
+        [False]
+        >>> cache.keep_updated(np.array([1, 2], np.uint64), np.full((2, 8), 7, np.uint8))
+        >>> cache.stats()["dirty"], list(stored)
+        (1, [2])
+        """
+        super().keep_updated(keys, rows)
 
     def set_lookahead(self, keys: Union[np.ndarray, Sequence[np.ndarray]]) -> None:
         """Lookahead eviction: the keys of the batches coming next, in the order they

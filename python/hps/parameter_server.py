@@ -1375,9 +1375,11 @@ class ParameterServer:
             with self._host_batches:
                 while self._host_active or self._herald_active:
                     self._host_batches.wait()
+            # The flushes' rows were updated up to now (bounds off: see _advance_step),
+            # the caches' too: those MEM-PS does not hold go straight to the write buffer.
+            self._ssd.set_stamp(self._step)
             if self._herald is not None:
                 self._herald.flush()  # the caches' rows are part of the checkpoint
-            self._ssd.set_stamp(self._step)  # the flush's rows were updated up to now (bounds off: see _advance_step)
             self._cache.flush_dirty()
             self._backing.flush()
             self._bound()

@@ -11,7 +11,8 @@ Each device (a worker) keeps a cache of rows, and the Herald scheduler
   version (a row copied device to device) or from MEM-PS;
 - which rows the caches drop: a device above ``worker_cache_rows`` drops its
   least recently trained keys, and a dirty row no cache holds any more is
-  written to MEM-PS (the on-demand push).
+  written to MEM-PS (the on-demand push; to SSD-PS if MEM-PS does not hold
+  the key: see ``_to_mem``).
 
 Under BSP every device that trains a key holds its latest version after the
 batch: the key's gradients from all of them are summed on one of them (the
@@ -208,12 +209,21 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
 
     # ------------------------------------------------------------ MEM-PS
     def _to_mem(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Rows into MEM-PS as its newest copies (dirty): pinned, then written."""
+        """Rows as the newest copies below the caches: dirty in MEM-PS where it
+        holds the key, else straight to SSD-PS (through the backing store), so
+        that the latest version lives in one place only.
+
+        Not pinned and written back: a pin needs a free slot for each key MEM-PS
+        lacks, beside the pins of the batches in flight (the pipeline's prefetch
+        holds the next batch's), so a pipelined run failed with CacheFullError
+        at budgets where the sequential one ran, and a flush of more cached keys
+        than MEM-PS holds failed in any run. It also loaded each such row from
+        SSD-PS only to overwrite it, counted as a MEM-PS miss and load.
+        keep_updated takes no slot and loads nothing; a key a prefetch has
+        pinned meanwhile gets its row in place, where its batch reads it."""
         if len(keys) == 0:
             return
-        cache = self._ps._cache
-        cache.pin(keys)
-        cache.write_back(keys, np.ascontiguousarray(rows).view(np.uint8))
+        self._ps._cache.keep_updated(keys, np.ascontiguousarray(rows))
 
     def flush(self) -> int:
         """Every cached row to MEM-PS, one copy a key; returns how many: the

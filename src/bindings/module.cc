@@ -758,6 +758,14 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         c.WriteBack(k, n, r);
       }, py::arg("keys"), py::arg("rows"))
+      .def("keep_updated", [](hps::MemCache& c, const py::array& keys, const py::array& rows) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const uint8_t* r = ByteRowsArg(rows, "rows", n, c.row_bytes());
+        // It takes the miss lock, which a pull holds while its Python loader waits for the GIL.
+        py::gil_scoped_release release;
+        c.KeepUpdated(k, n, r);
+      }, py::arg("keys"), py::arg("rows"),
+           "newest rows of keys, pinned or not: dirty where cached, else to the sink; see hps.MemCache.keep_updated")
       .def("unpin", [](hps::MemCache& c, const py::array& keys) {
         const auto [k, n] = KeysArg(keys, "keys");
         py::gil_scoped_release release;

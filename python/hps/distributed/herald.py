@@ -204,8 +204,10 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         self.counts["compactions"] += 1
 
     def _to_owners(self, keys: np.ndarray, rows: np.ndarray, what: str) -> int:
-        """Sends rows to their owners (collective), which write them into MEM-PS
-        as the newest copies; returns how many this rank wrote."""
+        """Sends rows to their owners (collective), which keep them as the newest
+        copies (MEM-PS's keep_updated: dirty where it holds the key, else to
+        SSD-PS; no pin, so no room needed beside the batches in flight: see
+        hps.worker_caches.WorkerCaches._to_mem); returns how many this rank wrote."""
         W = self.node.size
         owners = owner_ranks(keys, W)
         order = np.argsort(owners, kind="stable")
@@ -214,10 +216,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         rows_in = self.node.alltoallv("train", np.split(rows[order], cuts), "sparse_rows", f"{what} rows")
         k = np.concatenate(keys_in)
         if len(k):
-            r = np.ascontiguousarray(np.concatenate(rows_in))
-            cache = self.local._cache
-            cache.pin(k)
-            cache.write_back(k, r.view(np.uint8))
+            self.local._cache.keep_updated(k, np.ascontiguousarray(np.concatenate(rows_in)))
         return len(k)
 
     def _from_leader(self, stage: str, blocks, kind: str, what: str, empty: np.ndarray) -> np.ndarray:
