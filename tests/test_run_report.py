@@ -66,3 +66,25 @@ def test_write_report_writes_every_plot(tmp_path):
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_report_of_a_resumed_run_starts_its_intervals_where_this_process_started(tmp_path, monkeypatch):
+    """A resumed run's history holds the points of the run it resumed from, whose
+    seconds and counters are that process's; this process's start (seconds 0,
+    counters 0) belongs before its own first point. Put before every point, it left
+    this process's first interval out, and the interval from the earlier run's last
+    point to this run's first mixed two processes' counters (a hit rate of 1.2)."""
+    pytest.importorskip("matplotlib")
+    import hps.report as report
+    earlier = [point(1000, 1.0, 50, 50, 0, 0, 0.5), point(2000, 2.0, 150, 50, 0, 0, 1.0)]
+    resumed = [point(3000, 3.0, 30, 70, 3e6, 0, 2.0), point(4000, 4.0, 120, 80, 4e6, 0, 3.0)]
+    summary = {"history": earlier + resumed, "examples": 4000, "settings": SETTINGS,
+               "pipeline": {"examples": 2000, "busy_seconds": {"train": 3.0, "read": 0.1}, "wall_seconds": 4.0,
+                            "bound_by": "train"}}
+    drawn = []
+    monkeypatch.setattr(report, "_plot_intervals", lambda plt, spans, save: drawn.extend(spans))
+    report.write_report(summary, str(tmp_path / "report"))
+    assert [(s["examples"], s["trained"], s["seconds"]) for s in drawn] == \
+        [(2000, 1000, 1.0), (3000, 1000, 3.0), (4000, 1000, 1.0)]
+    assert [s["hit_rate"] for s in drawn] == [1.0, 0.3, 0.9]
+    assert [s["ssd_read_mb_s"] for s in drawn] == [0.0, 1.0, 1.0]

@@ -101,7 +101,11 @@ def write_report(summary: dict, directory: str) -> list[str]:
         start = {"examples": summary["examples"] - summary["pipeline"]["examples"], "seconds": 0.0,
                  "mem_hits": 0, "mem_misses": 0, "ssd_bytes_read": 0, "ssd_bytes_written": 0,
                  "stages": {name: 0.0 for name in summary["pipeline"]["busy_seconds"]}}
-        points = [start] + points
+        # A resumed run's history begins with the points of the runs before it (their
+        # own clocks and counters): this process's start goes before its first point,
+        # and the interval into it, its seconds 0, is skipped.
+        here = next((i for i, p in enumerate(points) if p["examples"] > start["examples"]), len(points))
+        points = points[:here] + [start] + points[here:]
     spans = intervals(points)
     if spans:
         _plot_intervals(plt, spans, save)
