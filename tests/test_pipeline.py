@@ -629,3 +629,38 @@ def test_a_minibatch_of_consecutive_examples_is_read_as_a_view():
         np.testing.assert_array_equal(keys[got], keys[idx])
     empty = _as_slice(np.array([], np.int64))
     assert isinstance(empty, np.ndarray) and len(keys[empty]) == 0
+
+
+def test_thread_tuner_leaves_the_evaluations_out_of_its_probes(tmp_path, monkeypatch):
+    """An evaluation (and a checkpoint) runs between two batches, on the train
+    stage's thread: timed, it slowed whichever probe it fell in, and the probes
+    compared evaluations, not thread counts. Here every core trains faster (1.0
+    against 1.2 clock seconds a batch) and each evaluation costs 30: with
+    eval_every = 12 two land in each pass's every-core probes and one in its
+    one-fewer probes, and both passes picked one fewer thread."""
+    import hps.tuning
+    from hps import train as htrain
+    clock = [0.0]
+    monkeypatch.setattr(hps.tuning, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(htrain, "usable_cpus", lambda: 2)
+    step, evaluate = htrain.Trainer.step, htrain.Trainer.evaluate
+
+    def timed_step(self, loaded):
+        step(self, loaded)
+        clock[0] += {2: 1.0, 1: 1.2}[torch.get_num_threads()]
+
+    def timed_evaluate(self, batches):
+        clock[0] += 30.0
+        return evaluate(self, batches)
+    monkeypatch.setattr(htrain.Trainer, "step", timed_step)
+    monkeypatch.setattr(htrain.Trainer, "evaluate", timed_evaluate)
+    cfg = config(tmp_path / "ps", eval_every=12)
+    cfg.torch_threads = 0
+    cfg.data.batch_size, cfg.data.train_examples, cfg.data.eval_examples = 64, 64 * 84, 128
+    threads = torch.get_num_threads()
+    try:
+        got = train(cfg, progress=False)["torch_threads"]
+    finally:
+        torch.set_num_threads(threads)
+    assert got["chosen"] == 2 and got["passes"] == 1
+    assert got["examples_per_s"]["2"] == pytest.approx(1.2 * got["examples_per_s"]["1"])

@@ -22,6 +22,7 @@ names the new one, and a resumed job rolls every rank back to the one job.json n
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import itertools
@@ -1285,11 +1286,16 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     on_error = None if node is None else (lambda e: _abort_rank(node, e))
     pipeline = Pipeline(trainer.ps, step, helper_nice=cfg.helper_nice, binding=binding, on_error=on_error, **keys_of)
 
+    def untimed():
+        """Evaluations and checkpoints: not in the ThreadTuner's probes."""
+        return trainer.thread_tuner.untimed() if trainer.thread_tuner is not None else contextlib.nullcontext()
+
     def after_batch_hooks(inner):
         def wrapped(loaded):
             inner(loaded)
             if cfg.eval_every and trainer.batches_done % cfg.eval_every == 0:
-                record_eval()
+                with untimed():
+                    record_eval()
             if cfg.checkpoint_every and trainer.batches_done % cfg.checkpoint_every == 0:
                 # The batch in flight is written back after this step returns; the
                 # checkpoint waits for it (ParameterServer.checkpoint takes the batch lock).
@@ -1304,7 +1310,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         seg_stats_before = pipeline.stats.batches
         pipeline.run(segment, pipelined=cfg.pipelined)
         if pending_checkpoint:
-            trainer.checkpoint()
+            with untimed():
+                trainer.checkpoint()
             pending_checkpoint.clear()
         if pipeline.stats.batches == seg_stats_before:
             break

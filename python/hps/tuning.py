@@ -6,6 +6,7 @@ memory a step frees kept for the next (:func:`keep_freed_memory`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -163,6 +164,18 @@ class ThreadTuner:
         if following != threads:
             self.torch.set_num_threads(following)
             self._skip = self.SETTLE
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Work between two batches that is not training (an evaluation, a checkpoint),
+        left out of the probe it falls in: timed, it slows that probe alone, and the
+        probes would compare where it fell instead of the thread counts."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.chosen is None and self._start is not None:
+                self._start += time.perf_counter() - began
 
     def as_dict(self) -> dict:
         return {"chosen": self.chosen if self.chosen is not None else self.torch.get_num_threads(),
