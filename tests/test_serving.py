@@ -208,6 +208,50 @@ def test_inspect_reports_the_step_of_the_checkpoint_it_pinned(job, tmp_path, mon
     assert not os.path.exists(copy / jobdir.READERS)
 
 
+def test_inspect_reports_the_dense_state_of_the_checkpoint_it_pinned(job, tmp_path, monkeypatch):
+    """inspect looked for trainer-state.pt in the live checkpoint directory after
+    pinning: when training named a later checkpoint and pruned the pinned one
+    meanwhile, it reported no dense state beside the pinned checkpoint's rows."""
+    from hps.parameter_server import METADATA
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    shutil.copytree(copy / "checkpoints" / "000006", copy / "checkpoints" / "000007")
+    real_pin = jobdir.pin
+
+    def pin_then_move_on(root, *args, **kwargs):
+        view = real_pin(root, *args, **kwargs)
+        meta = json.loads((copy / METADATA).read_text())  # as training does: name the next one, prune this one
+        (copy / METADATA).write_text(json.dumps({**meta, "checkpoint": 7}))
+        shutil.rmtree(copy / "checkpoints" / "000006")
+        return view
+    monkeypatch.setattr(jobdir, "pin", pin_then_move_on)
+    report = jobdir.inspect(copy)
+    assert report["checkpoint"] == 6 and report["ranks"][0]["dense_state"] and report["rows"] > 0
+
+
+def test_pin_takes_no_dense_state_from_a_checkpoint_pruned_while_it_links(job, tmp_path, monkeypatch):
+    """A trainer-state.pt missing because training pruned the checkpoint while pin
+    linked it is not read as a checkpoint without one: pin starts over."""
+    from hps.parameter_server import METADATA
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    shutil.copytree(copy / "checkpoints" / "000006", copy / "checkpoints" / "000007")
+    real_link = jobdir.link_checkpoint
+    pruned = []
+
+    def link_then_move_on(source, dst, *args, **kwargs):
+        files = real_link(source, dst, *args, **kwargs)
+        if not pruned:  # the store is linked; the rest of checkpoint 6 goes before pin looks at it
+            pruned.append(True)
+            meta = json.loads((copy / METADATA).read_text())
+            (copy / METADATA).write_text(json.dumps({**meta, "checkpoint": 7}))
+            os.remove(copy / "checkpoints" / "000006" / jobdir.TRAINER_STATE)
+        return files
+    monkeypatch.setattr(jobdir, "link_checkpoint", link_then_move_on)
+    with jobdir.pin(copy) as view:
+        assert view.checkpoint == 7 and view.ranks[0].dense_state
+
+
 def test_inspect_of_an_mpi_job_counts_every_rank(mpi_job):
     report = jobdir.inspect(mpi_job, verify=True)
     assert report["kind"] == "job" and report["world"] == 2 and report["step"] == BATCHES

@@ -16,7 +16,8 @@ inspect``, ``hps export``, ``hps.Lookup``) only ever read finished checkpoints:
   ``<path>/.hps-readers/<pid>-<id>/rank<r>/``; for one server also a link to hps
   train's step (``trainer-step.json``, or ``trainer-state.pt`` in a checkpoint
   written before that file) in ``<pid>-<id>/``, so that ``View.step()`` still
-  reads it once training has pruned the checkpoint. If training deletes the
+  reads it once training has pruned the checkpoint; and whether each rank's
+  checkpoint holds hps train's dense state (``RankView.dense_state``). If training deletes the
   checkpoint while the links are made (a missing file or MANIFEST), pin starts
   over from the checkpoint the job names then. So the view is always one whole
   checkpoint of every rank, never a mix and never a half-written one.
@@ -291,6 +292,7 @@ class RankView:
     source: str              # the checkpoint's store directory (may be deleted after pinning)
     path: str                # the private copy
     files: dict              # {sequence: records} live in the checkpoint
+    dense_state: bool = False  # the checkpoint holds hps train's dense state (trainer-state.pt)
 
     def source_name(self, text: str) -> str:
         """text with the private copy's path replaced by the checkpoint's."""
@@ -436,15 +438,17 @@ def pin(root: str, attempts: int = 100, check_digest: bool = True) -> View:
             for r in range(job.world):
                 source = os.path.join(job.checkpoint_dir(r), STORE_DIR)
                 path = os.path.join(directory, f"rank{r}")
-                view.ranks.append(RankView(r, source, path, link_checkpoint(source, path, check_digest)))
+                view.ranks.append(RankView(r, source, path, link_checkpoint(source, path, check_digest),
+                                           os.path.exists(os.path.join(job.checkpoint_dir(r), TRAINER_STATE))))
             stepped = job.distributed or _link_trainer_step(job.checkpoint_dir(0), directory)
+            dense = all(rv.dense_state for rv in view.ranks)
             now = read_job(root)
-            if now.run == job.run and (stepped or now.checkpoint == job.checkpoint):
+            if now.run == job.run and ((stepped and dense) or now.checkpoint == job.checkpoint):
                 return view
             # A new run started meanwhile (its id is written before it deletes the old run's
             # checkpoints): the files linked may be its own checkpoint of the same number. Or
-            # the step was missing from a checkpoint the job no longer names: deleted meanwhile
-            # (a checkpoint the job still names simply has none).
+            # the step or a dense state was missing from a checkpoint the job no longer names:
+            # deleted meanwhile (a checkpoint the job still names simply has none).
             view.close()
         except FileNotFoundError as e:
             view.close()  # a later checkpoint replaced this one meanwhile: read the job again
@@ -677,8 +681,7 @@ def inspect(root: str, verify: bool = False) -> dict:
                              max_sequence=max(rv.files, default=None), param_file_versions=versions,
                              store_format=int(marker[1]) if len(marker) > 1 and marker[1].isascii()
                              and marker[1].isdigit() else None,
-                             dense_state=os.path.exists(os.path.join(job.checkpoint_dir(r, view.checkpoint),
-                                                                     TRAINER_STATE)))
+                             dense_state=rv.dense_state)  # the pinned checkpoint's: the live one may be pruned
             report["ranks"].append(entry)
         report["rows"] = sum(e.get("rows", 0) for e in report["ranks"])
         if verify:
