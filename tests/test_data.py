@@ -473,6 +473,22 @@ def test_an_empty_tsv_file_warns_naming_it_and_the_others_are_read(tmp_path):
         list(CriteoTsv(str(d / "part-1.tsv")))
 
 
+def test_a_parquet_file_of_no_rows_warns_naming_it_and_the_others_are_read(tmp_path):
+    # A Parquet part of 0 rows (an export's reducer without output: a schema, no row
+    # group or empty ones) gave 0 examples without a word, where an empty TSV part warns.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    d = tmp_path / "day"
+    d.mkdir()
+    table = _sample_table(pa, [line(label="1"), line(label="0")])
+    pq.write_table(table, d / "part-0.parquet")
+    pq.write_table(table.slice(0, 0), d / "part-1.parquet")
+    with pytest.warns(hps.data.EmptyFileWarning) as got:
+        batches = list(CriteoParquet(str(d), batch_size=8))
+    assert sum(len(b) for b in batches) == 2
+    assert [str(w.message) for w in got] == [f"{d / 'part-1.parquet'}: empty file (no rows): no examples read from it"]
+
+
 def test_local_tsv_is_decompressed_by_the_names_the_schema_readers_take(tmp_path):
     # A local Criteo file was decompressed only when its name ended in a lower-case
     # ".gz": day_0.tsv.bz2, .zst or .TSV.GZ failed with "has 1 fields, expected 40",

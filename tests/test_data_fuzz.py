@@ -144,7 +144,7 @@ def check_reader(make, path, expected, parquet=False):
     good = [(n, row) for n, row, _ in expected if row is not None]
     bad = [(n, field) for n, row, field in expected if row is None]
     want = ([row for _, row in good], [n for n, _ in good])
-    empty = not parquet and not expected  # a text file without a line: no data (a Parquet file has rows or not)
+    empty = not expected  # a text file without a line, a Parquet file of no rows: no data
     if bad:
         with pytest.raises(DataError) as e:
             list(make(False))

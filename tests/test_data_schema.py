@@ -10,8 +10,8 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
 
-from hps.data import (Bags, Batch, DataError, Libsvm, Schema, SchemaCsv, SchemaParquet, missing_key,  # noqa: E402
-                      open_schema, value_keys)
+from hps.data import (Bags, Batch, DataError, EmptyFileWarning, Libsvm, Schema, SchemaCsv, SchemaParquet,  # noqa: E402
+                      missing_key, open_schema, value_keys)
 
 M64 = (1 << 64) - 1
 
@@ -741,9 +741,18 @@ def test_csv_line_ends_and_files_without_rows(tmp_path):
         (tmp_path / name).write_bytes(text.encode())
         labels, _, keys, _, _ = read_all(SchemaCsv(tmp_path / name, schema))
         assert labels.tolist() == [1, 0] and keys.tolist() == want, name
+    # A header alone gave no rows without a word, as a Parquet file of 0 rows did: it
+    # warns, as an empty TSV or libsvm file does.
     for name, text in (("header.csv", "click,a\n"), ("header_no_end.csv", "click,a")):
         (tmp_path / name).write_bytes(text.encode())
-        assert list(SchemaCsv(tmp_path / name, schema)) == [], name
+        with pytest.warns(EmptyFileWarning) as got:
+            assert list(SchemaCsv(tmp_path / name, schema)) == [], name
+        assert [str(w.message) for w in got] == [f"{tmp_path / name}: empty file (a header, no rows): no examples "
+                                                 f"read from it"]
+    # Lines after the header, all malformed and skipped, are not an empty file (counted, not warned).
+    (tmp_path / "bad.csv").write_bytes(b"click,a\n7,x\n")
+    r = SchemaCsv(tmp_path / "bad.csv", schema, skip_malformed=True)
+    assert list(r) == [] and r.malformed == 1
     (tmp_path / "empty.csv").write_bytes(b"")
     with pytest.raises(DataError, match=r"empty.csv:1: empty file"):
         list(SchemaCsv(tmp_path / "empty.csv", schema))
@@ -829,6 +838,19 @@ def test_libsvm_reads_plain_lines_as_written(tmp_path):
     r = Libsvm(q, schema, skip_malformed=True)
     weights = np.concatenate([b.bags[0].weights for b in r])
     assert weights.tolist() == [np.finfo(np.float32).max] and r.malformed == 2
+
+
+def test_a_parquet_file_of_no_rows_warns_naming_it(tmp_path):
+    # A Parquet part of 0 rows gave 0 examples without a word, where an empty TSV part warns.
+    schema = {"label": "click", "categorical": ["site"]}
+    table = pa.table({"click": [1, 0], "site": ["a", "b"]})
+    pq.write_table(table, tmp_path / "a.parquet")
+    pq.write_table(table.slice(0, 0), tmp_path / "b.parquet")
+    with pytest.warns(EmptyFileWarning) as got:
+        labels, *_ = read_all(SchemaParquet([tmp_path / "a.parquet", tmp_path / "b.parquet"], schema))
+    assert labels.tolist() == [1, 0]
+    assert [str(w.message) for w in got] == [f"{tmp_path / 'b.parquet'}: empty file (no rows): no examples read "
+                                             f"from it"]
 
 
 def test_an_empty_libsvm_file_warns_naming_it(tmp_path):

@@ -325,10 +325,12 @@ def test_hps_train_on_data_without_an_example_fails_naming_it_and_writes_nothing
                      "--no-progress"]) == 2
     assert f"{tmp_path / 'empty.svm'}: the training data holds no examples (1 file(s)); nothing was written" \
         in capsys.readouterr().err
-    assert main(["train", "--data", str(tmp_path / "header.csv"), "--path", str(tmp_path / "r2"), *csv]) == 2
+    with pytest.warns(EmptyFileWarning, match="header.csv"):
+        assert main(["train", "--data", str(tmp_path / "header.csv"), "--path", str(tmp_path / "r2"), *csv]) == 2
     assert "header.csv: the training data holds no examples (1 file(s))" in capsys.readouterr().err
-    assert main(["train", "--data", str(tmp_path / "ok.csv"), "--eval-data", str(tmp_path / "header.csv"),
-                 "--path", str(tmp_path / "r3"), *csv]) == 2
+    with pytest.warns(EmptyFileWarning, match="header.csv"):
+        assert main(["train", "--data", str(tmp_path / "ok.csv"), "--eval-data", str(tmp_path / "header.csv"),
+                     "--path", str(tmp_path / "r3"), *csv]) == 2
     assert "header.csv: the held-out data (data.eval_source) holds no examples (1 file(s))" \
         in capsys.readouterr().err
     cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "r4")}, "torch_threads": 1,

@@ -470,6 +470,8 @@ class CriteoParquet(_Reader):
                 # One row group at a time, so that an error names the group.
                 for g in range(pf.num_row_groups):
                     row = yield from self._row_group(pf, g, path, row, errors)
+                if row == 1:  # (an export's part of no rows, as an empty TSV part)
+                    _warn_empty(path, "no rows")
 
     def _row_group(self, pf, g: int, path: str, row: int, errors):
         """Yields the pieces of row group g, whose first row is ``row`` of the file; returns

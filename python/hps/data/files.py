@@ -4,7 +4,7 @@
 :func:`shard_files` gives node ``rank`` of ``world`` its share; ``_Reader`` is the
 base of the format readers (file list, batching, malformed-line count);
 :class:`DataError` is what bad input raises, naming file, line and field;
-:class:`EmptyFileWarning` what a text file without a byte of data warns.
+:class:`EmptyFileWarning` what a file without a row of data warns.
 pyarrow and fsspec are imported on first use, so this module needs only numpy.
 """
 from __future__ import annotations
@@ -46,16 +46,18 @@ class DataError(ValueError):
 
 
 class EmptyFileWarning(UserWarning):
-    """A text data file (Criteo TSV, libsvm) holds no data: 0 bytes, or none once
-    decompressed. It gives no examples, and the reader goes on to the next file
-    rather than fail: a directory of shards may hold empty parts (a Hadoop job writes
-    one for a reducer that had no output). ``hps train`` refuses data that gives no
+    """A data file holds no data: a Criteo TSV or libsvm file of 0 bytes (or none once
+    decompressed), a Parquet file of 0 rows, a CSV file of a header alone. It gives
+    no examples, and the reader goes on to the next file rather than fail: a
+    directory of shards may hold empty parts (a Hadoop job writes one for a reducer
+    that had no output). ``hps train`` refuses data that gives no
     example at all."""
 
 
-def _warn_empty(path: str) -> None:
-    warnings.warn(f"{path}: empty file (no data{' once decompressed' if _compression(path) else ''}): no examples "
-                  f"read from it", EmptyFileWarning, stacklevel=2)
+def _warn_empty(path: str, what: Optional[str] = None) -> None:
+    """Warns that the file at path gave no examples: ``what`` it holds (default: no data)."""
+    what = what or f"no data{' once decompressed' if _compression(path) else ''}"
+    warnings.warn(f"{path}: empty file ({what}): no examples read from it", EmptyFileWarning, stacklevel=2)
 
 
 def _pyarrow():

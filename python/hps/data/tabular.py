@@ -324,15 +324,20 @@ class SchemaCsv(_SchemaReader):
                 raise DataError(f"{path}: cannot read: {e}", path=path) from e
             layout = self.schema.resolve(names, path, by_name=self.schema.header)
             self._same_fields(layout, path)
-            if self.schema.header and first_bytes < 0:
-                continue  # a header without a line end: no rows
+            if self.schema.header and first_bytes < 0:  # a header without a line end: no rows
+                _warn_empty(path, "a header, no rows")
+                continue
+            # A line after the header gives a row or a malformed line (raised, or counted).
+            rows, malformed_before = 0, self.malformed
             block = max(self.block_bytes, 2 * first_bytes)
             resume = [2 if self.schema.header else 1]  # the first line not delivered yet
             counted: set = set()  # lines of a wrong field count already counted as malformed
             with _LinePeek(pa, path) as peek:
                 while True:
                     try:
-                        yield from self._file_pieces(path, names, layout, block, resume, counted, peek)
+                        for piece in self._file_pieces(path, names, layout, block, resume, counted, peek):
+                            rows += len(piece)
+                            yield piece
                         break
                     except _LineTooLong as e:
                         # pyarrow cannot take a line longer than about two of its blocks: read
@@ -345,6 +350,8 @@ class SchemaCsv(_SchemaReader):
                             raise DataError(f"{path}: cannot read at or after line {resume[0]}: {why} ({e})",
                                             path=path, line=resume[0]) from e
                         block = min(4 * block, _MAX_BLOCK_BYTES)
+            if self.schema.header and not rows and self.malformed == malformed_before:
+                _warn_empty(path, "a header, no rows")
 
     def _file_pieces(self, path: str, names: list, layout, block: int, resume: list, counted: set,
                      peek: "_LinePeek"):
@@ -684,6 +691,8 @@ class SchemaParquet(_SchemaReader):
                         piece = conv.piece(path, lines, keep)
                         if len(piece):
                             yield piece
+                if row == 1:  # (an export's part of no rows, as an empty TSV part)
+                    _warn_empty(path, "no rows")
 
 
 # --------------------------------------------------------------------------- libsvm / libFM
