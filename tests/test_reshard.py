@@ -377,6 +377,42 @@ def test_the_old_files_a_crash_after_the_switch_left_go_at_the_next_resume(tmp_p
     assert dense_states(old / "job", 2)[0]["batches_done"] == STEPS + 2
 
 
+def test_the_root_stays_held_while_the_one_process_server_there_is_removed(tmp_path, monkeypatch):
+    """One process -> 2 ranks: the commit let go of the root's lock and the removal
+    of the old server there took it again; a server opened in between (here as the
+    removal starts) made the removal refuse, leaving the old server's files to the
+    next run. The root stays held: that open is refused, and the removal finishes."""
+    from hps import reshard
+    from hps import train as hps_train
+    from hps.parameter_server import WRITER_LOCK, PathInUseError, _lock_path
+    old = old_job(tmp_path, 1)
+    root = str(old / "job")
+    refused = []
+    discard_run = hps_train._discard_run
+
+    def open_then_discard(path, *args, **kw):
+        fd = None
+        try:
+            fd = _lock_path(path)  # (as a ParameterServer opening there does)
+        except PathInUseError as e:
+            refused.append(str(e))
+        try:
+            return discard_run(path, *args, **kw)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    monkeypatch.setattr(hps_train, "_discard_run", open_then_discard)
+    reshard_in_process(root, 2)
+    monkeypatch.undo()
+    assert len(refused) == 1 and f"pid {os.getpid()} on " in refused[0] and f"resharding the job at {root}" \
+        in refused[0], refused
+    for name in ("hps-parameter-server.json", "ssd", "checkpoints", WRITER_LOCK):
+        assert not os.path.exists(old / "job" / name), name
+    assert json.loads((old / "job" / "job.json").read_text())["world"] == 2
+    assert not _refused(old / "job" / "rank0", root)  # let go at the end
+
+
 def _listing(path) -> list:
     return sorted(os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names)
 

@@ -427,7 +427,8 @@ def remove_old(root: str, hold: Optional[Hold] = None) -> None:
     parameter server at the root. Run again on each resume (a crash may cut it short).
     `hold`: the reshard's (commit), whose locks of the old ranks' directories their
     removals keep (without it each is locked for its removal: _remove_server_dir),
-    and which lets go of the root's lock to remove it."""
+    the root's too: let go and taken again by the removal, a server opened in
+    between made it refuse (the next run removed it)."""
     from hps.train import _discard_run
     manifest = os.path.join(root, JOB_MANIFEST)
     with open(manifest) as f:
@@ -439,9 +440,15 @@ def remove_old(root: str, hold: Optional[Hold] = None) -> None:
         _remove_server_dir(_rank_dir(root, r), f"rank {r} of the job at {root} before its reshard to "
                                                f"{job['world']} ranks", hold)
     if os.path.exists(os.path.join(root, METADATA)):
-        if hold is not None:
-            hold.release(root)  # (the removal takes the root's lock itself; the new job's ranks are held)
-        _discard_run(root)
+        fd = hold.hand_over(root) if hold is not None else None
+        if fd is None:
+            _discard_run(root)
+        else:
+            try:
+                _discard_run(root, held=True)
+                os.unlink(os.path.join(root, WRITER_LOCK))  # last, while held, as _discard_run's own
+            finally:
+                os.close(fd)
     _sync_dir(root)
 
 
