@@ -374,6 +374,35 @@ def test_the_json_line_writes_an_undefined_auc_as_null(tmp_path, capsys):
     assert line["online"]["auc"] is None and line["online"]["window_examples"] == 100
 
 
+def test_hps_train_refuses_a_growing_directory_without_an_example_and_writes_nothing(tmp_path, capsys):
+    # Files that held no example (each empty, or every line malformed and skipped)
+    # until the stop condition trained nothing, wrote a checkpoint and a summary and
+    # exited 0, where the same files given as files are refused: a growing directory
+    # was not read ahead. It is now, up to its first example (waiting as the run would).
+    pytest.importorskip("torch")
+    from hps.cli import main
+    from hps.data import EmptyFileWarning
+    data = tmp_path / "stream"
+    data.mkdir()
+    (data / "part-0.tsv").write_bytes(b"")
+    (data / "_DONE").write_text("")
+    args = ["--batch-size", "50", "--no-progress", "--online"]
+    with pytest.warns(EmptyFileWarning, match="part-0.tsv"):
+        assert main(["train", "--data", str(data), "--path", str(tmp_path / "ps"), *args]) == 2
+    assert f"{data}: the training data holds no examples (1 file(s) read before the online stop condition); " \
+        f"nothing was written" in capsys.readouterr().err
+    assert not (tmp_path / "ps").exists()
+    # An example in a later file is found past the empty one, and the run reads them all.
+    rng = np.random.default_rng(5)
+    (data / "part-1.tsv").write_text("".join(
+        "\t".join([str(i % 2)] + [str(v) for v in rng.integers(0, 9, 13)] +
+                  [f"{c:08x}" for c in rng.integers(0, 30, 26)]) + "\n" for i in range(60)))
+    with pytest.warns(EmptyFileWarning, match="part-0.tsv"):
+        assert main(["train", "--data", str(data), "--path", str(tmp_path / "ps"), *args]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["final"]["examples"] == 60 and line["online"]["files_read"] == 2
+
+
 def test_online_config_errors(tmp_path):
     from hps.train import TrainConfig
     base = {"ps": {"dim": 4, "path": str(tmp_path / "ps")}, "online": True}

@@ -375,28 +375,34 @@ def _check_data_has_examples(cfg: TrainConfig, node: Optional[Node], rank: int, 
     nothing, wrote a checkpoint and a summary, and ended as a success. The first
     example is read from a reader of its own (the run's reads its pass from the
     start). Under mpiexec the job's data must have one: a rank without any steps
-    through the others' batches. A growing directory (online) is not read ahead."""
+    through the others' batches. A growing directory (online) is read up to its first
+    example, waiting for it as the run would, or to its stop condition: every rank
+    reads the whole directory, since a rank's own files may come only as the stream
+    ends (each file goes to the rank its name hashes to)."""
     d = cfg.data
-    if d.source == "synthetic" or (cfg.online and _online_directory(d) is not None):
+    if d.source == "synthetic":
         return
+    growing = cfg.online and _online_directory(d) is not None
 
     def first_example() -> tuple[bool, int, int]:
-        reader = _one_pass(cfg, rank, world)
+        reader = _one_pass(cfg, 0, 1) if growing else _one_pass(cfg, rank, world)
         batches = iter(reader)
         try:
-            return next(batches, None) is not None, len(reader.files), reader.malformed
+            return next(batches, None) is not None, len(reader.files_read if growing else reader.files), \
+                reader.malformed
         finally:
             batches.close()
     found = _collective(node, first_example)
     if node is not None:
         every = node.allgather("train", found, "whether the data holds an example")
-        found = (any(f[0] for f in every), sum(f[1] for f in every), sum(f[2] for f in every))
+        total = max if growing else sum  # (each rank read the same directory)
+        found = (any(f[0] for f in every), total(f[1] for f in every), total(f[2] for f in every))
     has, files, malformed = found
     if has:
         return
     raise ValueError(f"{_source_name(d.source)}: the training data holds no examples ({files} file(s)"
                      + (f", {malformed:,} malformed line(s) skipped" if malformed else "")
-                     + "); nothing was written")
+                     + (" read before the online stop condition" if growing else "") + "); nothing was written")
 
 
 def _eval_batches(cfg: TrainConfig) -> list:
