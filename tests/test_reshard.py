@@ -699,6 +699,41 @@ def test_a_kstep_job_does_not_reshard_to_one_process(tmp_path):
     assert sorted(os.listdir(old / "job")) == listing
 
 
+def test_a_reshard_refused_before_a_new_rank_is_written_leaves_no_directory_of_it(tmp_path, two_ranks):
+    """2 -> 4 with a server open on rank 3's directory: the reshard made rank 2's
+    directory (to hold it) and was refused at rank 3's. Rank 2's was left holding
+    only its lock file, a rank the job does not have and no removal names. It goes
+    as the reshard lets go; rank 3's, the server's, stays as it is; one that a rank
+    wrote stays."""
+    from hps import reshard
+    from hps.parameter_server import METADATA, WRITER_LOCK, PathInUseError, _lock_path
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    (root / "rank3").mkdir()
+    fd = _lock_path(str(root / "rank3"))  # (as a ParameterServer open there holds it)
+    try:
+        with pytest.raises(PathInUseError, match=f"rank 3 of the job at {root} as resharded"):
+            with reshard.Hold(str(root)) as hold:
+                reshard.check_source(str(root), hold)
+                reshard.take_new_ranks(str(root), 4, hold)
+        assert not os.path.exists(root / "rank2")
+        assert os.listdir(root / "rank3") == [WRITER_LOCK]
+    finally:
+        os.close(fd)
+    # One left so before (an earlier reshard's crash) goes too, when this one stops short of writing it.
+    (root / "rank2").mkdir()
+    (root / "rank2" / WRITER_LOCK).write_text("")
+    with reshard.Hold(str(root)) as hold:
+        reshard.check_source(str(root), hold)
+        reshard.take_new_ranks(str(root), 3, hold)
+    assert not os.path.exists(root / "rank2")
+    with reshard.Hold(str(root)) as hold:
+        reshard.check_source(str(root), hold)
+        reshard.take_new_ranks(str(root), 3, hold)
+        reshard.write_rank(str(root), 3, 2, held=True)
+    assert (root / "rank2" / METADATA).exists()
+
+
 def test_a_commit_refuses_a_new_rank_whose_checkpoint_went_meanwhile(tmp_path, two_ranks):
     """2 -> 3 by the steps, rank 2's directory locked only while it is written: a
     server that opens it after (its metadata names no checkpoint yet, so the open

@@ -94,16 +94,25 @@ class Hold:
     server is open and then letting go would leave a gap in which a run of the
     old job starts, trains on and checkpoints while its directories are rewritten.
     The process's own server must not open a held directory either (flock: every
-    open of the file is another holder): release first."""
+    open of the file is another holder): release first.
+
+    A new rank's directory (``take(new_rank=True)``) that holds only its lock file
+    when let go (the reshard was refused, or failed, before its rank wrote it; or
+    one an earlier reshard's crash left so) goes then: left, it would be a rank the
+    job does not have, which no later removal names."""
 
     def __init__(self, root: str):
         self.root = os.fspath(root)  # the job's
         self._fds: dict = {}  # realpath -> the lock's file descriptor
+        self._new_ranks: dict = {}  # realpath -> the path, of the new ranks' directories
 
-    def take(self, server: str, where: str) -> None:
+    def take(self, server: str, where: str, new_rank: bool = False) -> None:
         """Locks the directory `server` (once per directory), or raises
-        PathInUseError naming `where` and the holder."""
+        PathInUseError naming `where` and the holder. `new_rank`: the directory of
+        a rank the job had not (class docstring)."""
         key = os.path.realpath(server)
+        if new_rank:
+            self._new_ranks[key] = os.fspath(server)
         if key in self._fds:
             return
         try:
@@ -116,14 +125,23 @@ class Hold:
     def hand_over(self, server: str) -> Optional[int]:
         """Gives `server`'s lock to the caller (the file descriptor; None when it is
         not held here), which closes it: a removal that goes on holding it."""
-        return self._fds.pop(os.path.realpath(server), None)
+        key = os.path.realpath(server)
+        self._new_ranks.pop(key, None)
+        return self._fds.pop(key, None)
 
     def release(self, server: Optional[str] = None) -> None:
-        """Lets go of `server`'s lock, or of every lock held."""
+        """Lets go of `server`'s lock, or of every lock held; a new rank's directory
+        that holds only its lock file goes first (class docstring)."""
         keys = list(self._fds) if server is None else [os.path.realpath(server)]
         for key in keys:
             fd = self._fds.pop(key, None)
-            if fd is not None:
+            new_rank = self._new_ranks.pop(key, None)
+            if fd is None:
+                continue
+            try:
+                if new_rank is not None:
+                    _remove_if_lock_alone(new_rank)
+            finally:
                 os.close(fd)
 
     def __enter__(self) -> "Hold":
@@ -131,6 +149,21 @@ class Hold:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _remove_if_lock_alone(path: str) -> None:
+    """Removes the directory `path`, whose writer lock the caller holds, when its lock
+    file is all it holds: the lock file goes first, while held (_lock_path takes no
+    removed file's lock). A server that opens there once it is gone makes a new one,
+    and the directory stays, its. Run as locks are let go, maybe after a failure:
+    what cannot be removed stays (a later reshard empties it) rather than hide that
+    failure."""
+    try:
+        if os.listdir(path) == [WRITER_LOCK]:
+            os.unlink(os.path.join(path, WRITER_LOCK))
+            os.rmdir(path)
+    except OSError:
+        pass
 
 
 def check_source(root: str, hold: Optional[Hold] = None) -> dict:
@@ -263,13 +296,14 @@ def take_new_ranks(root: str, world: int, hold: Hold) -> None:
     one that commits (another process, maybe on another host): let go after the
     write and taken again at the commit, a server opened in between dropped the
     checkpoint just written (its metadata names none yet) or made the commit
-    refuse. Raises PathInUseError naming the rank when a server is open there."""
+    refuse. Raises PathInUseError naming the rank when a server is open there.
+    Each goes when `hold` lets go of it if it holds only its lock file (Hold)."""
     job = read_job(root)
     for r in range(world):
         if job.distributed and r < job.world:
             continue  # (an old rank's: check_source holds it)
         os.makedirs(_rank_dir(root, r), exist_ok=True)
-        hold.take(_rank_dir(root, r), f"rank {r} of the job at {root} as resharded")
+        hold.take(_rank_dir(root, r), f"rank {r} of the job at {root} as resharded", new_rank=True)
 
 
 def write_rank(root: str, world: int, rank: int, one_process: bool = False, held: bool = False) -> tuple:
