@@ -171,6 +171,40 @@ def run_otherseed(node, out: str, args) -> None:
         f.write(error)
 
 
+def run_badkeys(node, out: str, args) -> None:
+    """Keys of another dtype than uint64 or int64, given to every collective call of
+    a DistributedServer and to a rank's batch: each is refused on every rank before
+    any exchange (so the job goes on), naming the call."""
+    import hps
+    from hps.distributed import DistributedServer
+    server = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"))), node)
+    floats, small = np.array([1.7, 2.0]), np.array([1, 2], np.int32)
+    grads = np.ones((2, DIM), np.float32)
+    calls = {"pull float64": lambda: server.pull(floats), "pull int32": lambda: server.pull(small),
+             "push float64": lambda: server.push(floats, grads), "prefetch float64": lambda: server.prefetch(floats),
+             "lookahead float64": lambda: server.prefetch(np.array([1, 2], np.uint64), upcoming=[floats])}
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except TypeError as e:
+            errors[name] = str(e)
+    pre = server.prefetch(np.array([1, 2], np.uint64))
+    batch = server.batch(pre)
+    try:
+        batch.pull(floats)
+        errors["batch pull float64"] = None
+    except TypeError as e:
+        errors["batch pull float64"] = str(e)
+    batch.finish()
+    pre.release()
+    rows = server.pull(np.array([1, 2], np.uint64))  # the job goes on
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"errors": errors, "rows": rows.tolist()}, f)
+    server.close()
+
+
 def run_distbatch(node, out: str, args) -> None:
     """A rank's DistBatch finds its keys' positions from the prefetch for a run of
     the prefetched keys (a worker's share, a view), by a search for a copy of
@@ -487,7 +521,7 @@ def run_sketchmemory(node, out: str, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["pullpush", "distbatch", "heraldkeys", "heraldpush", "heraldtable",
+    ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldtable",
                                          "heraldretry", "train", "kstep", "allreduce", "fail", "sketchmemory", "rowbytes",
                                          "otherseed"])
     ap.add_argument("out")

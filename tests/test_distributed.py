@@ -58,6 +58,23 @@ def test_a_rank_batch_takes_its_positions_from_the_prefetch_or_searches_for_them
         assert "key 1000 is not in this batch's working set" in str(got["error"])
 
 
+def test_keys_neither_uint64_nor_int64_are_refused_not_cast(tmp_path):
+    """hps.ParameterServer refuses float and int32 keys; the DistributedServer cast
+    them to uint64, so a float key 1.7 pulled and trained key 1's row. Every call
+    refuses them now, on every rank, before any exchange: the job goes on."""
+    scenario(2, "badkeys", tmp_path)
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["errors"] == {
+            "pull float64": "pull keys must be an array of uint64 or int64 keys, got float64",
+            "pull int32": "pull keys must be an array of uint64 or int64 keys, got int32",
+            "push float64": "push keys must be an array of uint64 or int64 keys, got float64",
+            "prefetch float64": "prefetch keys must be an array of uint64 or int64 keys, got float64",
+            "lookahead float64": "upcoming[0] must be an array of uint64 or int64 keys, got float64",
+            "batch pull float64": "keys must be an array of uint64 or int64 keys, got float64"}, f"rank {r}"
+        assert np.asarray(got["rows"]).shape == (2, sc.DIM)
+
+
 def test_ranks_whose_servers_make_other_initial_rows_are_refused(tmp_path):
     """A rank makes the untrained rows it pulls (hps.distributed.FreshRows): a rank
     whose server has another seed would make other rows than their owner holds, so

@@ -152,6 +152,16 @@ class FreshRows:
         return out
 
 
+def key_array(keys, what: str) -> np.ndarray:
+    """keys as an array, refused (TypeError naming `what`) unless uint64 or int64 (uint64
+    keys bit-cast), as hps.ParameterServer refuses them: a cast to uint64 would make a
+    float key 1.7 key 1, and a key of 2**53 + 1 its neighbour, without a word."""
+    keys = np.asarray(keys)
+    if keys.dtype not in (np.uint64, np.int64) and keys.size:
+        raise TypeError(f"{what} must be an array of uint64 or int64 keys, got {keys.dtype}")
+    return keys
+
+
 def owner_ranks(keys: np.ndarray, world: int) -> np.ndarray:
     """The rank that owns each key (int64)."""
     return ((mix64(keys) >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
@@ -163,7 +173,7 @@ def rank_positions(keys, uniq: np.ndarray, flat: np.ndarray, inverse: np.ndarray
     there for those keys or a run of them (a worker's examples), else searched
     for (2 ms for a rank's 26k keys, twice a batch, where it was the only way).
     KeyError "key K <absent>" for the first key not among them."""
-    keys = np.asarray(keys).reshape(-1)
+    keys = key_array(keys, "keys").reshape(-1)
     known = prefetched_positions(keys, flat, inverse)
     if known is not None:
         return known
@@ -179,7 +189,8 @@ def window_keys(upcoming) -> np.ndarray:
     """A rank's lookahead window: the distinct keys of its coming batches, sorted."""
     if not len(upcoming):
         return np.empty(0, np.uint64)
-    return np.unique(np.concatenate([np.asarray(u, np.uint64).reshape(-1) for u in upcoming]))
+    return np.unique(np.concatenate([key_array(u, f"upcoming[{i}]").astype(np.uint64, copy=False).reshape(-1)
+                                     for i, u in enumerate(upcoming)]))
 
 
 class _StepData:
@@ -310,7 +321,7 @@ class DistributedServer:
         """keys' distinct ones (sorted) to their owners: (uniq, order, counts,
         asked, flat, inverse), flat the keys as given, flattened, and inverse
         where each is among uniq (numpy's unique finds it for less than without)."""
-        flat = np.asarray(keys, np.uint64).ravel()
+        flat = key_array(keys, what).astype(np.uint64, copy=False).ravel()
         uniq, inverse = np.unique(flat, return_inverse=True)
         if len(uniq) and uniq[-1] == EMPTY_KEY:
             raise ValueError(f"{what}: key {EMPTY_KEY:#x} is reserved (the empty-slot sentinel)")
@@ -335,7 +346,7 @@ class DistributedServer:
     # -- the collective API
     def pull(self, keys: np.ndarray) -> np.ndarray:
         """Rows (n, dim) of keys, from their owners, as of the last finished batch."""
-        keys = np.asarray(keys)
+        keys = key_array(keys, "pull keys")
         uniq, order, counts, asked, _, inverse = self._send_keys("train", keys, "pull keys")
         rows = self._return_rows("train", uniq, order, counts, asked, [self.local.pull(a) for a in asked], "pull rows")
         return rows[inverse].reshape(keys.shape + (self.dim,))
@@ -343,7 +354,7 @@ class DistributedServer:
     def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
         """Sums the gradients every rank pushes for each key at its owner, which
         applies one step per key: as one ParameterServer.push of all ranks' pairs."""
-        keys = np.asarray(keys, np.uint64)
+        keys = key_array(keys, "push keys").astype(np.uint64, copy=False)
         grads = np.asarray(grads)
         if grads.dtype != np.float32:
             raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
