@@ -453,6 +453,20 @@ def run_kstep(node, out: str, args) -> None:
              dense_bytes=np.array(node.bytes_sent["dense"]), merges=np.array(sync.merges))
 
 
+def run_unevenallreduce(node, out: str, args) -> None:
+    """hierarchical_allreduce over nodes of --node-size ranks and one of fewer
+    (the last): as MPI's shared-memory split makes them of a job whose ranks are
+    spread unevenly over its machines."""
+    from hps.distributed import hierarchical_allreduce
+    world = node.world
+    node_comm = world.Split(node.rank // args.node_size, node.rank)
+    cross_comm = world.Split(node_comm.Get_rank(), node.rank)
+    buf = (np.arange(5, dtype=np.float64) + 1) * 10.0 ** node.rank
+    hierarchical_allreduce(buf, node_comm, cross_comm)  # (finds out that the nodes differ)
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump(buf.tolist(), f)
+
+
 def run_allreduce(node, out: str, args) -> None:
     bufs = {}
     for n in (1, 5, 1000):
@@ -522,7 +536,7 @@ def run_sketchmemory(node, out: str, args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldtable",
-                                         "heraldretry", "train", "kstep", "allreduce", "fail", "sketchmemory", "rowbytes",
+                                         "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
                                          "otherseed"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
@@ -534,6 +548,7 @@ def main() -> None:
     ap.add_argument("--beta1", type=float, default=0.0)
     ap.add_argument("--hierarchical", action="store_true")
     ap.add_argument("--ranks-per-node", type=int, default=0)
+    ap.add_argument("--node-size", type=int, default=1, help="unevenallreduce: the ranks of a node but the last")
     ap.add_argument("--sequential", action="store_true")
     ap.add_argument("--uneven", action="store_true")
     ap.add_argument("--multi-hot", action="store_true")

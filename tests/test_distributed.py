@@ -619,6 +619,17 @@ def test_hierarchical_allreduce_sums_and_counts_bytes(tmp_path, world, ranks_per
             assert int(got[f"bytes{n}"]) == sends * n * 8, (r, n)
 
 
+@pytest.mark.parametrize("world,node_size", [(3, 2), (5, 2), (5, 3)])
+def test_hierarchical_allreduce_sums_over_nodes_of_other_sizes(tmp_path, world, node_size):
+    """Nodes of 2 and 1 ranks: the lone rank summed only the ranks of local index 0
+    (rank 0's and its own), the dense gradients of the others missed without a word."""
+    scenario(world, "unevenallreduce", tmp_path, "--node-size", node_size)
+    total = (np.arange(5) + 1) * sum(10.0 ** r for r in range(world))
+    for r in range(world):
+        np.testing.assert_array_equal(json.loads((tmp_path / f"rank{r}.json").read_text()), total,
+                                      err_msg=f"rank {r}")
+
+
 # ---------------------------------------------------------------- admission: the sketch's memory
 
 def test_the_sketch_memory_check_counts_the_ranks_mpi_puts_on_the_machine(tmp_path):

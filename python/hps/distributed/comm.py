@@ -286,7 +286,8 @@ class Node:
         within them, over communicators of their own: only the train stage uses it."""
         with self.guard(what):
             if hierarchical:
-                hierarchical_allreduce(buf, self.node_comm, self.cross_comm, lambda n: self.count(kind, n))
+                hierarchical_allreduce(buf, self.node_comm, self.cross_comm, lambda n: self.count(kind, n),
+                                       uniform=self.uniform_nodes)
                 return buf
             self.comms[stage].Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
         if self.size > 1:
@@ -311,37 +312,66 @@ class Node:
         self._watchdog.stop()
 
 
-def hierarchical_allreduce(buf: np.ndarray, node_comm, cross_comm, count=lambda nbytes: None) -> np.ndarray:
+def hierarchical_allreduce(buf: np.ndarray, node_comm, cross_comm, count=lambda nbytes: None,
+                           uniform: Optional[bool] = None) -> np.ndarray:
     """Sums buf over all ranks, in place, the MLSys 2020 paper's way (appendix C.3):
     first across nodes, each rank exchanging with the rank of the same local index
     on its partner node (recursive doubling: log2(nodes) pairwise exchanges, with
     the nodes beyond a power of two folded in first), then within each node.
-    `count(n)` is told the bytes each send moves."""
+    `count(n)` is told the bytes each send moves.
+
+    That needs every node to hold as many ranks: on nodes of 2 and 1 ranks, the
+    lone rank summed only the ranks of local index 0 and missed the others. Nodes
+    of other sizes (`uniform` False; None: found out here, by two small
+    collectives) sum within each node onto its first rank, those ranks across the
+    nodes, and the first rank sends the sum to the others of its node."""
     from mpi4py import MPI
-    n, me = cross_comm.Get_size(), cross_comm.Get_rank()
-    if n > 1:
-        pof2 = 1 << (n.bit_length() - 1)
-        tmp = np.empty_like(buf)
-        # Nodes beyond the power of two hand their sums to a partner and wait.
-        if me >= pof2:
-            cross_comm.Send(buf, dest=me - pof2, tag=11)
+    if uniform is None:
+        sizes = cross_comm.allgather(node_comm.Get_size())  # every node's, on the ranks of local index 0
+        uniform = not node_comm.allreduce(len(set(sizes)) > 1)
+    if uniform:
+        _recursive_doubling(buf, cross_comm, count)
+        if node_comm.Get_size() > 1:
+            node_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             count(buf.nbytes)
-            cross_comm.Recv(buf, source=me - pof2, tag=12)
-        else:
-            if me + pof2 < n:
-                cross_comm.Recv(tmp, source=me + pof2, tag=11)
-                buf += tmp
-            step = 1
-            while step < pof2:
-                partner = me ^ step
-                cross_comm.Sendrecv(buf, dest=partner, sendtag=13, recvbuf=tmp, source=partner, recvtag=13)
-                count(buf.nbytes)
-                buf += tmp  # a + b == b + a in IEEE arithmetic: both partners hold the same sum
-                step <<= 1
-            if me + pof2 < n:
-                cross_comm.Send(buf, dest=me + pof2, tag=12)
-                count(buf.nbytes)
+        return buf
+    first = node_comm.Get_rank() == 0
     if node_comm.Get_size() > 1:
-        node_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        count(buf.nbytes)
+        node_comm.Reduce(MPI.IN_PLACE if first else buf, buf if first else None, op=MPI.SUM, root=0)
+        if not first:
+            count(buf.nbytes)
+    if first:  # (the ranks of local index 0: one a node)
+        _recursive_doubling(buf, cross_comm, count)
+    if node_comm.Get_size() > 1:
+        node_comm.Bcast(buf, root=0)
+        if first:
+            count(buf.nbytes)
     return buf
+
+
+def _recursive_doubling(buf: np.ndarray, cross_comm, count) -> None:
+    """Sums buf over cross_comm's ranks, in place (hierarchical_allreduce's step across nodes)."""
+    n, me = cross_comm.Get_size(), cross_comm.Get_rank()
+    if n == 1:
+        return
+    pof2 = 1 << (n.bit_length() - 1)
+    tmp = np.empty_like(buf)
+    # Nodes beyond the power of two hand their sums to a partner and wait.
+    if me >= pof2:
+        cross_comm.Send(buf, dest=me - pof2, tag=11)
+        count(buf.nbytes)
+        cross_comm.Recv(buf, source=me - pof2, tag=12)
+        return
+    if me + pof2 < n:
+        cross_comm.Recv(tmp, source=me + pof2, tag=11)
+        buf += tmp
+    step = 1
+    while step < pof2:
+        partner = me ^ step
+        cross_comm.Sendrecv(buf, dest=partner, sendtag=13, recvbuf=tmp, source=partner, recvtag=13)
+        count(buf.nbytes)
+        buf += tmp  # a + b == b + a in IEEE arithmetic: both partners hold the same sum
+        step <<= 1
+    if me + pof2 < n:
+        cross_comm.Send(buf, dest=me + pof2, tag=12)
+        count(buf.nbytes)
