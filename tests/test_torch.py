@@ -87,6 +87,24 @@ def test_per_sample_weights_get_their_gradient_as_in_torch(tmp_path):
     torch.testing.assert_close(w2.grad, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_frozen_key_leaves_the_gradient_other_branches_share_alone(tmp_path):
+    """Autograd hands an addition's gradient to both its inputs, the same tensor: a
+    lookup of one key a bag zeroed the frozen key's rows of it in place, and z,
+    added to the lookup, got a zero gradient there. The frozen row still stays."""
+    ps = make_ps(tmp_path)
+    bag = ht.EmbeddingBag(ps)
+    bag.frozen_key = 7
+    before = ps.pull(np.array([7, 3], np.uint64))
+    z = torch.zeros(2, DIM, requires_grad=True)
+    zz = z * 2.0  # made before the lookup: autograd runs its backward after the lookup's
+    out = bag(torch.tensor([[7], [3]]))
+    ((out + zz) * torch.full((2, DIM), 3.0)).sum().backward()
+    torch.testing.assert_close(z.grad, torch.full((2, DIM), 6.0))
+    after = ps.pull(np.array([7, 3], np.uint64))
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_allclose(after[1], before[1] - 0.5 * 3.0, rtol=1e-6)
+
+
 def test_embedding_bag_refuses_what_nn_embedding_bag_refuses(tmp_path):
     ps = make_ps(tmp_path)
     bag = ht.EmbeddingBag(ps)

@@ -110,9 +110,15 @@ class _PooledLookup(torch.autograd.Function):
             grad_weights = (ctx.rows * elem).sum(1)
         if weights.numel():
             elem = elem * weights.unsqueeze(1)
+        incoming = elem is grad_out  # (a single-hot lookup's gradient, as autograd handed it)
         elem = np.ascontiguousarray(elem.detach().numpy())
-        if module.frozen_key is not None:  # (in place: this backward is the gradient's one reader)
-            elem[_occurrences(ctx.keys, module.frozen_key)] = 0.0
+        if module.frozen_key is not None:
+            drop = _occurrences(ctx.keys, module.frozen_key)
+            if len(drop) and incoming:
+                # Not in place: autograd hands one gradient to several branches (an
+                # addition's inputs), and the other's rows would be zeroed too.
+                elem = elem.copy()
+            elem[drop] = 0.0
         if ctx.batch is not None:
             ctx.batch.accumulate(ctx.positions, elem, worker=ctx.worker)  # summed per key as they arrive
         else:
