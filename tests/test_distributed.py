@@ -3,6 +3,7 @@ checked against a single-process reference (tests/mpi_scenarios.py runs the rank
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -595,6 +596,28 @@ def test_kstep_adam_matches_algorithm_2_step_by_step(tmp_path, world, k, beta1, 
     apart = [t for t in range(steps) if (t + 1) % k]
     if apart:
         assert np.ptp(xs[:, apart], axis=0).max() > 1e-3
+
+
+@pytest.mark.parametrize("beta2,flush", [(0.0, False), (0.5, False), (0.9, True)])
+def test_kstep_adam_keeps_a_parameter_whose_gradient_stays_zero_finite(beta2, flush):
+    """Without eps in the denominator, v is all that keeps m / sqrt(v) finite: a
+    parameter whose gradient stays 0 (a dead unit's) saw v decay to 0, at once with
+    beta2 = 0, after 124 steps with 0.5, after about 650 with 0.9 where denormals
+    are flushed, and 0 / 0 made it NaN. It stays where it is now; the others train."""
+    import torch
+    from hps.distributed import KStepAdam
+    if flush and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        x = torch.nn.Parameter(torch.ones(2))
+        opt = KStepAdam([x], lr=0.01, beta1=0.0, beta2=beta2, eps=1e-8)
+        for _ in range(1000):
+            x.grad = torch.tensor([0.0, 1.0])
+            opt.step()
+        assert x[0].item() == 1.0, x
+        assert math.isfinite(x[1].item()) and x[1].item() < 0.0, x  # (trained)
+    finally:
+        torch.set_flush_denormal(False)
 
 
 # ---------------------------------------------------------------- hierarchical all-reduce

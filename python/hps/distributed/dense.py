@@ -37,8 +37,11 @@ def kstep_adam_class():
             x <- x - lr m / sqrt(v)
 
         with m = 0 and v = eps to start, no bias correction and no eps in the
-        denominator (v > 0 from the start keeps it finite). Every k steps
-        DenseSync averages x and v over the ranks; m stays local."""
+        denominator: v > 0 keeps it finite, so v is kept at least the dtype's
+        smallest normal value. A parameter whose gradient stays 0 (a dead ReLU
+        unit's weights) saw v decay to 0 (beta2 <= 0.5 after a few dozen steps,
+        any beta2 where denormals are flushed) and m / sqrt(v) = 0 / 0 made it NaN.
+        Every k steps DenseSync averages x and v over the ranks; m stays local."""
 
         def __init__(self, params, lr: float = 1e-3, beta1: float = 0.0, beta2: float = 0.999,
                      eps: float = 1e-8):
@@ -57,7 +60,7 @@ def kstep_adam_class():
                         st["v"] = torch.full_like(p, eps)
                     g = p.grad
                     st["m"].mul_(b1).add_(g, alpha=1 - b1)
-                    st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    st["v"].mul_(b2).addcmul_(g, g, value=1 - b2).clamp_min_(torch.finfo(p.dtype).tiny)
                     p.addcdiv_(st["m"], st["v"].sqrt(), value=-lr)
 
         def second_moments(self) -> list:
