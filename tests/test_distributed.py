@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -618,6 +619,18 @@ def test_kstep_adam_keeps_a_parameter_whose_gradient_stays_zero_finite(beta2, fl
         assert math.isfinite(x[1].item()) and x[1].item() < 0.0, x  # (trained)
     finally:
         torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("setting,value,message", [
+    ("lr", -0.1, "lr must be a finite number >= 0, got -0.1"), ("lr", float("nan"), "lr must be a finite number"),
+    ("beta1", 1.0, "beta1 must be in [0, 1), got 1.0"), ("beta2", -0.5, "beta2 must be in [0, 1), got -0.5"),
+    ("beta2", "0.9", "beta2 must be in [0, 1), got '0.9'"), ("eps", 0.0, "eps must be a finite number > 0, got 0.0")])
+def test_kstep_adam_refuses_settings_naming_them(setting, value, message):
+    """KStepAdam used directly went on with any of these (a negative lr steps uphill)."""
+    import torch
+    from hps.distributed import KStepAdam
+    with pytest.raises(ValueError, match=re.escape(f"KStepAdam: {message}")):
+        KStepAdam([torch.nn.Parameter(torch.ones(2))], **{setting: value})
 
 
 # ---------------------------------------------------------------- hierarchical all-reduce

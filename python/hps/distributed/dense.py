@@ -5,6 +5,7 @@ imported on first use, so that the package imports without it.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -45,6 +46,17 @@ def kstep_adam_class():
 
         def __init__(self, params, lr: float = 1e-3, beta1: float = 0.0, beta2: float = 0.999,
                      eps: float = 1e-8):
+            # As [distributed] checks them (a direct use went on with a negative lr or
+            # a beta of 1 or more: steps uphill, or a v that grows without bound).
+            def number(v) -> bool:
+                return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not (number(lr) and lr >= 0):
+                raise ValueError(f"KStepAdam: lr must be a finite number >= 0, got {lr!r}")
+            for name, b in (("beta1", beta1), ("beta2", beta2)):
+                if not (number(b) and 0.0 <= b < 1.0):
+                    raise ValueError(f"KStepAdam: {name} must be in [0, 1), got {b!r}")
+            if not (number(eps) and eps > 0):
+                raise ValueError(f"KStepAdam: eps must be a finite number > 0, got {eps!r}")
             super().__init__(params, {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps})
 
         @torch.no_grad()
