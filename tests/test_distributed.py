@@ -856,6 +856,11 @@ def test_hps_train_under_mpiexec_resumes_to_the_same_parameters(tmp_path, capsys
     second = _write_config(tmp_path, "second", tmp_path / "resumed", 32768, every=8)
     _hps_train(2, second, "--resume")
     assert json.loads((tmp_path / "resumed" / "job.json").read_text())["run"] == run
+    # Where the resumed process started, for its report's intervals: the job's examples
+    # (rank 0's pipeline trained only its half of them).
+    summary = json.loads((tmp_path / "resumed" / "rank0" / "train-summary.json").read_text())
+    assert summary["started_at"] == {"examples": 16384, "batches": 32}
+    assert summary["pipeline"]["examples"] == 8192
 
     from hps.data import SyntheticCriteo
     from hps.distributed import owner_ranks

@@ -96,9 +96,10 @@ def write_report(summary: dict, directory: str) -> list[str]:
         save(fig, "auc.png")
 
     points = summary["history"]
-    if "distributed" not in summary and points:
+    started = _started_at(summary)
+    if started is not None and points:
         # The run's start (its counters start at 0 in each process): the first interval.
-        start = {"examples": summary["examples"] - summary["pipeline"]["examples"], "seconds": 0.0,
+        start = {"examples": started, "seconds": 0.0,
                  "mem_hits": 0, "mem_misses": 0, "ssd_bytes_read": 0, "ssd_bytes_written": 0,
                  "stages": {name: 0.0 for name in summary["pipeline"]["busy_seconds"]}}
         # A resumed run's history begins with the points of the runs before it (their
@@ -135,6 +136,18 @@ def write_report(summary: dict, directory: str) -> list[str]:
         ax[1].legend(fontsize="small")
     save(fig, "stages.png")
     return written
+
+
+def _started_at(summary: dict):
+    """The examples trained when this process started (hps.train's ``started_at``).
+    A summary written before it was recorded: a one-process run's examples less those
+    its pipeline trained; a job's is unknown (its ranks' pipelines count their own
+    examples, its points the job's), so None."""
+    if "started_at" in summary:
+        return summary["started_at"]["examples"]
+    if "distributed" in summary:
+        return None
+    return summary["examples"] - summary["pipeline"]["examples"]
 
 
 def _mark_partial(ax, spans, ys, color) -> None:

@@ -1233,6 +1233,9 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             bar = None
 
     malloc = keep_freed_memory() if cfg.keep_freed_memory else {"kept": False, "reason": "keep_freed_memory = false"}
+    # Where this process's clock and counters start (a resumed run's history holds the
+    # points of the runs before it, on their own): hps.report's intervals start here.
+    started_at = {"examples": trainer.examples_done, "batches": trainer.batches_done}
     t_start = time.perf_counter()
     online = None
     if cfg.online:  # progressive validation: the step keeps its logits, scored here before the next step
@@ -1335,6 +1338,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
                "train_seconds": wall, "ps_open_seconds": trainer.ps_open_seconds,
                "examples_per_s": pipeline.stats.examples / wall if wall else 0.0,
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
+               "started_at": started_at,
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
                                  else {"chosen": cfg.torch_threads}),
                "ps": _jsonable(trainer.ps.stats()), "settings": settings(cfg), "malloc": malloc,
