@@ -126,3 +126,20 @@ def test_examples_must_be_positive(capsys, tmp_path):
     cfg.write_text(TOML.format(path=tmp_path / "ps") + "train_examples = 0\n")
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 2
     assert "data.train_examples must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_hit_rate_of_no_lookups_is_shown_as_not_measured(capsys, tmp_path):
+    """A MEM-PS that served no lookup has no hit rate: "-" in the table, null in the
+    JSON, not a rate of 0.000 (every lookup missing) from a denominator of max(1, 0)."""
+    from hps.cli import _summary_table
+    from hps.train import _tier_counters
+    rc, line, err = run(capsys, tmp_path, "--examples", "1000")
+    assert rc == 0, err
+    rate = line["final"]["mem_hit_rate"]
+    assert 0 <= rate <= 1 and "MEM-PS hit rate" in err
+    summary = json.loads((tmp_path / "ps" / "train-summary.json").read_text())
+    assert f"{rate:.3f}" in [x for x in err.splitlines() if "MEM-PS hit rate" in x][0]
+    summary["ps"]["mem"].update(hits=0, misses=0)
+    row = [x for x in _summary_table(summary).splitlines() if "MEM-PS hit rate" in x][0]
+    assert row.split()[-1] == "-"
+    assert _tier_counters(summary["ps"])["mem_hit_rate"] is None

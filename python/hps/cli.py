@@ -98,6 +98,7 @@ def _apply_online_flags(cfg, a) -> None:
 
 
 def _summary_table(summary: dict) -> str:
+    from hps.train import format_rate, mem_hit_rate
     f = summary["final"]
     p = summary["pipeline"]
     ps = summary["ps"]
@@ -108,7 +109,7 @@ def _summary_table(summary: dict) -> str:
         ("examples/s", f"{summary['examples_per_s']:,.0f}"),
         ("eval AUC", f"{f.get('auc', float('nan')):.4f}"),
         ("eval logloss", f"{f.get('logloss', float('nan')):.4f}"),
-        ("MEM-PS hit rate", f"{mem['hits'] / max(1, mem['hits'] + mem['misses']):.3f}"),
+        ("MEM-PS hit rate", format_rate(mem_hit_rate(mem))),
         ("MEM-PS rows (capacity)", f"{mem['size']:,} ({mem['capacity']:,})"),
         ("rows from SSD-PS / initialised", f"{counts['ssd_hits']:,} / {counts['initialized']:,}"),
         ("SSD-PS read / written", f"{ssd['bytes_read'] / 1e6:,.1f} MB / {ssd['bytes_written'] / 1e6:,.1f} MB"),

@@ -1261,7 +1261,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             on_eval(entry)
         if bar is not None and "auc" in metrics:
             bar.write(f"batch {trainer.batches_done}: eval AUC {metrics['auc']:.4f}, "
-                      f"logloss {metrics['logloss']:.4f}, MEM hit rate {entry['mem_hit_rate']:.3f}")
+                      f"logloss {metrics['logloss']:.4f}, MEM hit rate {format_rate(entry['mem_hit_rate'])}")
 
     def step(loaded: Loaded) -> None:
         trainer.step(loaded)
@@ -1275,7 +1275,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         if bar is not None:
             s = trainer.ps.stats()
             mem = s["mem"]
-            post = {"hit": f"{mem['hits'] / max(1, mem['hits'] + mem['misses']):.3f}",
+            post = {"hit": format_rate(mem_hit_rate(mem)),
                     "ssd_MB": f"{(s['ssd']['bytes_read'] + s['ssd']['bytes_written']) / 1e6:.0f}"}
             if online is not None and online.history:
                 post["auc_win"] = f"{online.history[-1]['auc']:.4f}"
@@ -1413,10 +1413,22 @@ def settings(cfg: TrainConfig) -> dict:
             "pipelined": cfg.pipelined, "online": cfg.online}
 
 
+def mem_hit_rate(mem: dict) -> Optional[float]:
+    """MEM-PS hits over lookups (ParameterServer.stats()["mem"]); None without any
+    lookup: nothing was measured, which a rate of 0 would pass off as every lookup missing."""
+    lookups = mem["hits"] + mem["misses"]
+    return mem["hits"] / lookups if lookups else None
+
+
+def format_rate(rate: Optional[float]) -> str:
+    """A hit rate for a table or progress line: "-" where nothing was measured."""
+    return "-" if rate is None else f"{rate:.3f}"
+
+
 def _tier_counters(s: dict) -> dict:
     """What an eval point records of the tiers (ParameterServer.stats())."""
     mem, ssd = s["mem"], s["ssd"]
-    return {"mem_hit_rate": mem["hits"] / max(1, mem["hits"] + mem["misses"]),
+    return {"mem_hit_rate": mem_hit_rate(mem),
             "mem_hits": mem["hits"], "mem_misses": mem["misses"],
             "ssd_bytes_read": ssd["bytes_read"], "ssd_bytes_written": ssd["bytes_written"],
             "ssd_live_records": ssd["live_records"], "ssd_disk_bytes": ssd["disk_bytes"]}
