@@ -143,3 +143,37 @@ def test_a_hit_rate_of_no_lookups_is_shown_as_not_measured(capsys, tmp_path):
     row = [x for x in _summary_table(summary).splitlines() if "MEM-PS hit rate" in x][0]
     assert row.split()[-1] == "-"
     assert _tier_counters(summary["ps"])["mem_hit_rate"] is None
+
+
+def test_the_rate_says_the_evaluations_inside_the_run_are_in_it_and_gives_it_without_them(capsys, tmp_path,
+                                                                                          monkeypatch):
+    """eval_every's evaluations run inside the train stage, so inside the wall time of
+    examples_per_s: the table says so and gives the rate without their time (each
+    evaluation here made at least 0.2 s longer). The final evaluation runs after the
+    pipeline, in neither."""
+    import time
+
+    from hps.train import Trainer
+    evaluate = Trainer.evaluate
+
+    def slow(self, batches):
+        time.sleep(0.2)
+        return evaluate(self, batches)
+    monkeypatch.setattr(Trainer, "evaluate", slow)
+    rc, line, err = run(capsys, tmp_path, "--examples", "4000", "--eval-every", "2")  # at batches 2 and 4
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "ps" / "train-summary.json").read_text())
+    assert 0.4 <= summary["eval_seconds"] < summary["train_seconds"]
+    assert summary["examples_per_s_without_eval"] == pytest.approx(
+        4000 / (summary["train_seconds"] - summary["eval_seconds"]))
+    assert summary["examples_per_s_without_eval"] > summary["examples_per_s"]
+    assert line["eval_seconds"] == summary["eval_seconds"]
+    row = [x for x in err.splitlines() if "examples/s" in x][0]
+    assert f"(evaluations' {summary['eval_seconds']:,.1f} s included; " \
+           f"{summary['examples_per_s_without_eval']:,.0f} without them)" in row
+    # Without eval_every nothing inside the run is an evaluation: the rate alone.
+    (tmp_path / "none").mkdir()
+    rc, line, err = run(capsys, tmp_path / "none", "--examples", "2000")
+    assert rc == 0, err
+    assert line["eval_seconds"] == 0.0 and line["examples_per_s_without_eval"] == pytest.approx(line["examples_per_s"])
+    assert "evaluations'" not in [x for x in err.splitlines() if "examples/s" in x][0]

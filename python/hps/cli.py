@@ -97,6 +97,17 @@ def _apply_online_flags(cfg, a) -> None:
         raise ValueError("--online-window and --online-stop need --online (or online = true in the config)")
 
 
+def _examples_per_s(summary: dict) -> str:
+    """The run's rate; with evaluations in the run (eval_every), which run inside the
+    train stage and so inside its wall time, the rate without their time too."""
+    rate = f"{summary['examples_per_s']:,.0f}"
+    evals = summary.get("eval_seconds") or 0.0
+    if evals:
+        rate += (f" (evaluations' {evals:,.1f} s included; {summary['examples_per_s_without_eval']:,.0f} "
+                 f"without them)")
+    return rate
+
+
 def _summary_table(summary: dict) -> str:
     from hps.train import format_rate, mem_hit_rate
     f = summary["final"]
@@ -106,7 +117,7 @@ def _summary_table(summary: dict) -> str:
     counts = ps["counts"]
     rows = [
         ("examples trained", f"{summary['examples']:,}"),
-        ("examples/s", f"{summary['examples_per_s']:,.0f}"),
+        ("examples/s", _examples_per_s(summary)),
         ("eval AUC", f"{f.get('auc', float('nan')):.4f}"),
         ("eval logloss", f"{f.get('logloss', float('nan')):.4f}"),
         ("MEM-PS hit rate", format_rate(mem_hit_rate(mem))),
@@ -267,6 +278,9 @@ def cmd_train(a) -> int:
               f"{averaged}", file=sys.stderr)
     line = {"final": summary["final"], "examples_per_s": summary["examples_per_s"], "pipeline": summary["pipeline"],
             "device": summary["ps"]["device"]}
+    for key in ("eval_seconds", "examples_per_s_without_eval"):  # (a summary of a run before they were kept: none)
+        if key in summary:
+            line[key] = summary[key]
     if "herald" in summary["ps"]:  # Herald across ranks: this rank's counts
         line["herald"] = summary["ps"]["herald"]
     for key in ("finished_before", "short"):

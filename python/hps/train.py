@@ -1304,7 +1304,9 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             inner(loaded)
             if cfg.eval_every and trainer.batches_done % cfg.eval_every == 0:
                 with untimed():
+                    began = time.perf_counter()
                     record_eval()
+                    eval_seconds[0] += time.perf_counter() - began
             if cfg.checkpoint_every and trainer.batches_done % cfg.checkpoint_every == 0:
                 # The batch in flight is written back after this step returns; the
                 # checkpoint waits for it (ParameterServer.checkpoint takes the batch lock).
@@ -1312,6 +1314,9 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         return wrapped
 
     pending_checkpoint: list[int] = []
+    # The periodic evaluations run inside the train stage, so inside the pipeline's
+    # wall time (the final one and the checkpoints run outside it).
+    eval_seconds = [0.0]
     pipeline.train_step = after_batch_hooks(step)
     # Checkpoints between batches: run the pipeline in segments.
     while True:
@@ -1337,6 +1342,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     summary = {"examples": trainer.examples_done, "batches": trainer.batches_done,
                "train_seconds": wall, "ps_open_seconds": trainer.ps_open_seconds,
                "examples_per_s": pipeline.stats.examples / wall if wall else 0.0,
+               "eval_seconds": eval_seconds[0],
+               "examples_per_s_without_eval": _rate(pipeline.stats.examples, wall - eval_seconds[0]),
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
                "started_at": started_at,
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
@@ -1364,6 +1371,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     skipped = _malformed_report(cfg, source, eval_batches)
     if node is not None:
         ranks = node.allgather("train", {"examples": pipeline.stats.examples, "wall_seconds": wall,
+                                         "eval_seconds": eval_seconds[0],
                                          "bytes_sent": dict(node.bytes_sent),
                                          # rows sent as a bit, never trained (hps.distributed.FreshRows)
                                          "fresh_rows_sent_as_bits": getattr(trainer.ps, "fresh_rows_sent", int)(),
@@ -1381,6 +1389,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         slowest = max(r["wall_seconds"] for r in ranks)
         trained = sum(r["examples"] for r in ranks)
         summary["examples_per_s"] = trained / slowest if slowest else 0.0
+        summary["examples_per_s_without_eval"] = _rate(trained, max(r["wall_seconds"] - r["eval_seconds"]
+                                                                    for r in ranks))
         summary["distributed"] = {"rank": node.rank, "world": node.size, "nodes": node.nodes,
                                   "dense_sync": cfg.distributed.dense_sync, "k": cfg.distributed.k,
                                   "hierarchical": cfg.distributed.hierarchical,
@@ -1423,6 +1433,10 @@ def mem_hit_rate(mem: dict) -> Optional[float]:
 def format_rate(rate: Optional[float]) -> str:
     """A hit rate for a table or progress line: "-" where nothing was measured."""
     return "-" if rate is None else f"{rate:.3f}"
+
+
+def _rate(examples: int, seconds: float) -> float:
+    return examples / seconds if seconds > 0 else 0.0
 
 
 def _tier_counters(s: dict) -> dict:
