@@ -369,6 +369,15 @@ def main() -> None:
             from hps.hierarchical.split_mlp import FcPlacement, SplitPlan
             roles_module._plan_for = lambda mlp, cfg: SplitPlan([FcPlacement("ps", "vertical"), FcPlacement()],
                                                                cfg.group_ps)
+        stall = {"stall_average_on": ("hps.hierarchical.easgd", "AllreduceAverage", "_average"),
+                 "stall_net_on": ("hps.hierarchical.hogwild", "HogwildNets", "_net_step")}
+        for name, (module, cls, method) in stall.items():
+            if kw.pop(name, None) == str(comm.Get_rank()):
+                # This rank stops taking part in the all-reduce (its average across groups, or
+                # its Hogwild nets' gradients): it hangs there, alive, until the job ends.
+                import importlib
+                setattr(getattr(importlib.import_module(module), cls), method,
+                        lambda *a, **k: time.sleep(600))
         run_ht_train(comm, out, groups, group_ps, placement,
                      **{k: int(v) if v.isdigit() else v for k, v in kw.items()})
     elif scenario == "easgd_groups":

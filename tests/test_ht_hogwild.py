@@ -187,3 +187,15 @@ def test_hps_train_runs_hogwild_nets_in_two_groups(tmp_path):
     # This trainer's examples (the synthetic source gives each trainer rank its own), every one by one net.
     assert h["nets"] == 2 and sum(h["net_examples"]) == out["pipeline"]["examples"] > 0
     assert min(h["net_examples"]) > 0
+
+
+@needs_mpi
+def test_a_trainer_whose_nets_stop_taking_part_ends_the_job_naming_the_all_reduce(tmp_path):
+    # Two trainers of two nets, no group PS; trainer 1's nets hang before their
+    # gradients' all-reduce: trainer 0's nets waited in it for ever. They now wait
+    # `timeout` (2 s) and the job ends naming the all-reduce and the group's ranks.
+    import test_ht_train  # its launcher of a job that must end
+    err = test_ht_train._run_until_it_ends(tmp_path, 2, 1, 0, "-", "nets=2", "timeout=2", "stall_net_on=1")
+    assert re.search(r"AllreduceTimeout: Hogwild net [01]'s gradients: the all-reduce over ranks \[0, 1\] did not "
+                     r"complete within 2 s \(a rank died, hung or stopped taking part\); aborting the job", err), \
+        err[-3000:]

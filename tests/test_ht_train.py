@@ -332,3 +332,30 @@ def test_a_rank_that_fails_ends_the_job_naming_why(tmp_path):
     assert p.returncode != 0
     assert ("hps.hierarchical: rank 0 (trainer 0 of group 0): ValueError: [hierarchical] placement names 1 Linear "
             "layers, the MLP has 2; aborting the job") in err, err[-3000:]
+
+
+def _run_until_it_ends(tmp_path, n, *args, limit: float = 90) -> str:
+    """The ht_train scenario on n ranks, which must fail; returns its stderr. A job
+    still running after `limit` seconds is ended and the test fails: it hung."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, SCRIPT, "ht_train", str(tmp_path),
+                          *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _, err = p.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        p.terminate()  # (mpiexec ends its ranks on SIGTERM)
+        pytest.fail(f"the job hung: {p.communicate()[1][-3000:]}")
+    assert p.returncode != 0, err[-3000:]
+    return err
+
+
+@needs_mpi
+def test_allreduce_across_groups_ends_the_job_when_a_group_stops_taking_part(tmp_path):
+    # The trainer of group 1 (rank 2) hangs instead of joining its first average: the
+    # blocking all-reduce left trainer 0 of group 0 waiting for ever. It now waits
+    # `timeout` (2 s here) and ends the job naming the average and the ranks.
+    err = _run_until_it_ends(tmp_path, 4, 2, 1, "ps:vertical,trainer", "across=allreduce", "timeout=2",
+                             "stall_average_on=2")
+    assert ("AllreduceTimeout: trainer 0's average of its layers across groups: the all-reduce over ranks [0, 2] "
+            "did not complete within 2 s (a rank died, hung or stopped taking part); aborting the job") in err, \
+        err[-3000:]

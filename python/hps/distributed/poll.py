@@ -10,7 +10,10 @@ same communicator), and sleeps between probes: the first pause is short, so that
 reply that comes at once costs little latency, and the pauses double up to
 ``LONGEST_PAUSE`` while nothing comes, which bounds the extra latency of a message
 that ends a long idle spell and keeps an idle rank's CPU to a few percent of a core.
-Each call starts again from ``FIRST_PAUSE``.
+Each call starts again from ``FIRST_PAUSE``. :func:`wait` does the same for a
+non-blocking operation's request (an ``Iallreduce``): a collective that may wait on a
+peer then waits by the clock, with a timeout, rather than in a blocking call that
+never returns when the peer has died or hung.
 
 MPICH has switches that bear on this (``MPIR_CVAR_CH4_PROGRESS_THROTTLE`` sleeps
 1 us after thousands of empty polls; ``MPIR_CVAR_POLLS_BEFORE_YIELD`` calls
@@ -24,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-__all__ = ["recv", "FIRST_PAUSE", "LONGEST_PAUSE"]
+__all__ = ["recv", "wait", "FIRST_PAUSE", "LONGEST_PAUSE"]
 
 FIRST_PAUSE = 20e-6    # seconds slept after the first empty probe
 LONGEST_PAUSE = 1e-3   # the pauses double up to this while no message comes
@@ -48,5 +51,24 @@ def recv(comm, source: int, tag: int, *, timeout: Optional[float] = None,
             if expired is not None:
                 raise expired()
             raise TimeoutError(f"no message from rank {source} with tag {tag} within {timeout:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, LONGEST_PAUSE)
+
+
+def wait(request, *, timeout: Optional[float] = None, expired: Optional[Callable[[], BaseException]] = None) -> None:
+    """``request.Wait()`` (an MPI request, e.g. ``comm.Iallreduce``'s), the wait spent
+    sleeping between tests rather than spinning.
+
+    timeout: seconds; when the operation has not completed by then, raises
+    ``expired()`` (TimeoutError without it). The operation is then still in flight
+    (MPI cannot cancel a collective, and its buffer may still be written): the
+    caller ends the job rather than go on. None waits for ever."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = FIRST_PAUSE
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            if expired is not None:
+                raise expired()
+            raise TimeoutError(f"an MPI operation did not complete within {timeout:g} s")
         time.sleep(pause)
         pause = min(pause * 2, LONGEST_PAUSE)

@@ -46,7 +46,7 @@ from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
 __all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "GroupAverage", "AllreduceAverage",
-           "CentreTimeout", "check_averaging_codec"]
+           "CentreTimeout", "AllreduceTimeout", "allreduce_within", "check_averaging_codec"]
 
 
 @dataclass
@@ -146,6 +146,29 @@ class CentreTimeout(HpsError):
 def _wait(comm, source: int, tag: int, timeout: float, what: str):
     return poll.recv(comm, source, tag, timeout=timeout, expired=lambda: CentreTimeout(
         f"{what}: no answer from rank {source} within {timeout:g} s (it died or hung)"))
+
+
+class AllreduceTimeout(HpsError):
+    """A group's all-reduce (the synchronous average across groups, a Hogwild net's
+    gradients) did not complete within the timeout: a rank of it died, hung or
+    stopped taking part."""
+
+
+def allreduce_within(comm, buf: np.ndarray, timeout: Optional[float], what: str,
+                     ranks: Optional[Sequence[int]] = None) -> None:
+    """Sums buf over `comm`, in place, as ``comm.Allreduce(MPI.IN_PLACE, buf)``, but
+    waits at most `timeout` seconds (None: for ever), then raises AllreduceTimeout
+    saying `what` and the ranks it waited on (`ranks`, as the caller numbers them;
+    default the communicator's). A blocking all-reduce whose peer had died or hung
+    never returned, and the rank waited for ever, where every other wait of the job
+    has a timeout. The operation is still in flight after the error (MPI cannot
+    cancel a collective): the job ends."""
+    from mpi4py import MPI
+    request = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    named = list(ranks) if ranks is not None else list(range(comm.Get_size()))
+    poll.wait(request, timeout=timeout, expired=lambda: AllreduceTimeout(
+        f"{what}: the all-reduce over ranks {named} did not complete within {timeout:g} s (a rank died, hung or "
+        f"stopped taking part)"))
 
 
 _TAG = 41
@@ -447,16 +470,23 @@ class AllreduceAverage:
     rank, 2 (G-1)/G of the replica each way, rounded up).
 
     :meth:`finish` after the last step averages once more if steps were taken since
-    the last average, so the job ends with one model across the groups."""
+    the last average, so the job ends with one model across the groups.
+
+    ``timeout``: seconds an average waits for the other groups (None: for ever);
+    past it, AllreduceTimeout names `what` and `ranks` (the ranks of `comm` as the
+    job numbers them), and the caller ends the job."""
 
     background = None  # no background thread (GroupAverage's readers look for one)
 
-    def __init__(self, live: np.ndarray, comm, period: int, counter: Optional[ByteCounter] = None):
+    def __init__(self, live: np.ndarray, comm, period: int, counter: Optional[ByteCounter] = None, *,
+                 timeout: Optional[float] = None, what: str = "the synchronous average across groups",
+                 ranks: Optional[Sequence[int]] = None):
         if not (isinstance(period, int) and not isinstance(period, bool) and period >= 1):
             raise ValueError(f"AllreduceAverage: period must be an int >= 1, got {period!r}")
         if not isinstance(live, np.ndarray) or live.dtype != np.float32 or not live.flags.c_contiguous:
             raise TypeError("AllreduceAverage: live must be a contiguous float32 numpy array (the replica's memory)")
         self.live, self.comm, self.period = live, comm, period
+        self.timeout, self.what, self.ranks = timeout, what, ranks
         self.counter = counter or ByteCounter()
         self.groups = comm.Get_size()
         self.steps = 0
@@ -465,9 +495,8 @@ class AllreduceAverage:
         self._averaged_at = 0
 
     def _average(self) -> None:
-        from mpi4py import MPI
         if self.live.size:
-            self.comm.Allreduce(MPI.IN_PLACE, self.live, op=MPI.SUM)
+            allreduce_within(self.comm, self.live, self.timeout, self.what, self.ranks)
             self.live *= np.float32(1.0 / self.groups)
             self.counter.add("averaging", 2 * self.live.nbytes, 2 * self.live.nbytes)
         self.corrections += 1

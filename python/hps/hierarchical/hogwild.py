@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hps.hierarchical.easgd import allreduce_within
 from hps.hierarchical.split_mlp import SplitTrainer, shared_copy
 
 __all__ = ["HogwildNets", "HogwildOptimizers", "install"]
@@ -100,11 +101,14 @@ class HogwildNets:
     ``make_optimizer(params)``: a net's optimizer. ``group_comms``: with T > 1
     trainers in the group, one communicator a net over the group's trainers (net
     r all-reduces its gradients over the r-th); ``group_comm``: the group's, for
-    the broadcast that keeps its trainers' copies one replica."""
+    the broadcast that keeps its trainers' copies one replica. ``timeout``: seconds
+    a net's all-reduce waits for the other trainers (None: for ever), past which
+    the step raises AllreduceTimeout naming the net and ``group_ranks`` (the
+    group's trainers as the job numbers them)."""
 
     def __init__(self, model: nn.Module, live: np.ndarray, nets: int, make_optimizer: Callable, *,
                  transport_for: Optional[Callable] = None, group_comms: Optional[Sequence] = None,
-                 group_comm=None):
+                 group_comm=None, timeout: Optional[float] = None, group_ranks: Optional[Sequence[int]] = None):
         if not (isinstance(nets, int) and not isinstance(nets, bool) and nets >= 1):
             raise ValueError(f"[hierarchical] nets must be an int >= 1, got {nets!r}")
         self.model, self.live, self.R = model, live, nets
@@ -124,6 +128,7 @@ class HogwildNets:
         if self.group_comms is not None and len(self.group_comms) != nets:
             raise ValueError(f"HogwildNets: {len(self.group_comms)} group communicators for {nets} nets")
         self.group_comm = group_comm
+        self.timeout, self.group_ranks = timeout, group_ranks
         self.examples = [0] * nets      # examples each net trained (its slices' rows)
         self.steps = 0                  # batches (each net steps once a batch)
         self._pool = ThreadPoolExecutor(max_workers=nets, thread_name_prefix="hps-hogwild")
@@ -157,10 +162,10 @@ class HogwildNets:
             (loss_fn(logits, labels) / n).backward()
             out.append((x.grad, logits.detach()))
         if self.group_comms is not None and params:
-            from mpi4py import MPI
             buf = np.concatenate([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).numpy()
                                   for p in params])
-            self.group_comms[r].Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            allreduce_within(self.group_comms[r], buf, self.timeout, f"Hogwild net {r}'s gradients",
+                             self.group_ranks)
             at = 0
             for p in params:
                 p.grad = torch.from_numpy(buf[at:at + p.numel()]).view_as(p)

@@ -91,8 +91,9 @@ class HierarchicalConfig:
     placement: list = field(default_factory=list)  # per Linear: "trainer", "ps:vertical", "ps:vertical:pair",
                                                    # "ps:horizontal", "ps:whole:Q"; empty: the planner's
     planner: dict = field(default_factory=dict)    # PlannerConfig fields for the planner's cost model
-    timeout: float = 60.0            # seconds a rank waits for a group PS or the centre (for the group PSs'
-                                     # last average, which may wait on the centre twice: 3 x, FINISH_WAITS)
+    timeout: float = 60.0            # seconds a rank waits for a group PS, the centre or a group's all-reduce
+                                     # (for the group PSs' last average, which may wait on the centre twice:
+                                     # 3 x, FINISH_WAITS)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "[hierarchical]") -> "HierarchicalConfig":
@@ -375,7 +376,9 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
     average = None
     if across_comm is not None:  # synchronous: PS p of every group averages its blocks right after a step
         average = AllreduceAverage(holder.get("live", np.zeros(0, np.float32)), across_comm, cfg.period,
-                                   server.counter)
+                                   server.counter, timeout=cfg.timeout,
+                                   what=f"group PS {roles.index}'s average of its blocks across groups",
+                                   ranks=[roles.ps_ranks(g)[roles.index] for g in range(roles.groups)])
         server.on_step = average.step
     elif roles.groups > 1:
         comm = easgd_comms[1 + roles.index]
@@ -526,7 +529,9 @@ def _run_role(world, roles: Roles, train_cfg, cfg: HierarchicalConfig, *, progre
         trainer.opt = dense_adam(params, train_cfg.dense_lr) if params else _NoOptimizer()
         average = None
         if across_comm is not None:
-            average = AllreduceAverage(live, across_comm, cfg.period, split.counter)
+            average = AllreduceAverage(live, across_comm, cfg.period, split.counter, timeout=cfg.timeout,
+                                       what=f"trainer {roles.index}'s average of its layers across groups",
+                                       ranks=[roles.trainer_ranks(g)[roles.index] for g in range(roles.groups)])
         elif roles.groups > 1:
             background = None
             if roles.index == 0:  # the group's trainer 0 exchanges; the group's trainers all apply
@@ -544,7 +549,7 @@ def _run_role(world, roles: Roles, train_cfg, cfg: HierarchicalConfig, *, progre
                 trainer, cfg.nets, lambda ps: dense_adam(ps, train_cfg.dense_lr), live,
                 transport_for=lambda r: MpiTransport(world, ps_ranks, timeout=cfg.timeout, tag=HOGWILD_TAG + r),
                 group_comms=[group_comm.Dup() for _ in range(cfg.nets)] if roles.trainers > 1 else None,
-                group_comm=group_comm)
+                group_comm=group_comm, timeout=cfg.timeout, group_ranks=roles.trainer_ranks(roles.group))
 
     node = Node(train_cfg.distributed, comm=trainers_comm)
     cpu0, wall0 = time.process_time(), time.perf_counter()  # the trainer's measured time, as the PS's
