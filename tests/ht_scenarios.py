@@ -319,15 +319,16 @@ def _record_averages() -> list:
     return seen
 
 
-def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list, **kw) -> None:
+def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list, record: bool = True, **kw) -> None:
     """hps train's HT path over tests/mpi_scenarios.py's global batches (trainer t of
     the job takes part t of each); every rank writes its summary's essentials (with
-    ``across = "allreduce"``, the CRC of its replica after each average too)."""
+    ``across = "allreduce"`` and `record`, the CRC of its replica after each average
+    too)."""
     import json
     from hps.hierarchical.roles import Roles, train_hierarchical
     ms = _mpi_scenarios()
     cfg = ht_config(groups, group_ps, placement, **kw)
-    averages = _record_averages() if cfg.across == "allreduce" else None
+    averages = _record_averages() if cfg.across == "allreduce" and record else None
     roles = Roles.layout(comm.Get_size(), comm.Get_rank(), cfg)
     trainers = roles.trainer_ranks()
     mine = None
@@ -345,6 +346,68 @@ def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list, **
         summary["averages"] = averages
     with open(os.path.join(out, f"rank{comm.Get_rank()}.json"), "w") as f:
         json.dump(summary, f)
+
+
+SPARE_COMMS = 24  # communicator ids run_ht_jobs leaves free: one job's take (about 10 a rank) fits, three do not
+MOST_COMMS = 20000  # run_ht_jobs' Dups stop here: an MPI without a limit this low is not tested
+
+
+def _take_every_comm(most: int) -> list:
+    """Dups of COMM_SELF until MPI refuses one (this process has no communicator id
+    left) or `most`. (The ids are the process's: a Dup of COMM_SELF takes one as a
+    Dup of the world does, without waiting on the other ranks.)"""
+    from mpi4py import MPI
+    held = []
+    while len(held) < most:
+        try:
+            held.append(MPI.COMM_SELF.Dup())
+        except MPI.Exception:
+            break
+    return held
+
+
+def run_ht_jobs(comm, out: str, jobs: int, groups: int, group_ps: int, placement: list, fail_job: int = -1,
+                **kw) -> None:
+    """`jobs` HT jobs, one after the other, in the same processes (a trainer script
+    that runs several), with only SPARE_COMMS communicator ids left free: MPI caps
+    the communicators a process holds at once (MPICH: 2048), so the jobs run only
+    if each frees what it made. Each job's summaries go to OUT/jobJ; every rank
+    writes OUT/comms{rank}.json: the ids free before the jobs and after them.
+    Job `fail_job` (on one rank: a job of several ends them all) fails once its
+    communicators are made: hps.train.train raises; its error is reported too."""
+    import json
+    import hps.train
+    held = _take_every_comm(MOST_COMMS)
+    counts = comm.allgather(len(held))
+    report = {"limit": len(held) < MOST_COMMS and len(set(counts)) == 1}
+    if report["limit"]:
+        for c in held[-SPARE_COMMS:]:
+            c.Free()
+        del held[-SPARE_COMMS:]
+        for j in range(jobs):
+            job = os.path.join(out, f"job{j}")
+            os.makedirs(job, exist_ok=True)
+            if j != fail_job:
+                run_ht_train(comm, job, groups, group_ps, placement, record=False, **kw)
+                continue
+            train = hps.train.train
+
+            def failing(*a, **k):
+                raise RuntimeError(f"job {j} fails")
+            hps.train.train = failing
+            try:
+                run_ht_train(comm, job, groups, group_ps, placement, record=False, **kw)
+            except RuntimeError as e:
+                report["error"] = str(e)
+            finally:
+                hps.train.train = train
+        after = _take_every_comm(2 * SPARE_COMMS)
+        report.update(before=SPARE_COMMS, after=len(after))
+        held += after
+    for c in reversed(held):
+        c.Free()
+    with open(os.path.join(out, f"comms{comm.Get_rank()}.json"), "w") as f:
+        json.dump(report, f)
 
 
 def main() -> None:
@@ -380,6 +443,13 @@ def main() -> None:
                         lambda *a, **k: time.sleep(600))
         run_ht_train(comm, out, groups, group_ps, placement,
                      **{k: int(v) if v.isdigit() else v for k, v in kw.items()})
+    elif scenario == "ht_jobs":
+        # JOBS, GROUPS, GROUP_PS, the placement ("-": the default), then name=value as ht_train's.
+        jobs, groups, group_ps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+        placement = sys.argv[6].split(",") if sys.argv[6] != "-" else []
+        kw = dict(a.split("=", 1) for a in sys.argv[7:])
+        run_ht_jobs(comm, out, jobs, groups, group_ps, placement,
+                    **{k: int(v) if v.isdigit() else v for k, v in kw.items()})
     elif scenario == "easgd_groups":
         run_easgd_groups(comm, out, int(sys.argv[3]), int(sys.argv[4]))
     elif scenario in ("easgd_sync", "easgd_background"):

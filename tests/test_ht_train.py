@@ -359,3 +359,31 @@ def test_allreduce_across_groups_ends_the_job_when_a_group_stops_taking_part(tmp
     assert ("AllreduceTimeout: trainer 0's average of its layers across groups: the all-reduce over ranks [0, 2] "
             "did not complete within 2 s (a rank died, hung or stopped taking part); aborting the job") in err, \
         err[-3000:]
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks, args", [
+    (4, (2, 1, "ps:vertical,trainer", "across=allreduce")),  # a group PS a group, averaged by all-reduce
+    (5, (2, 0, "-", "nets=2")),                               # 2 trainers of 2 Hogwild nets a group, the centre
+    (1, (1, 0, "-", "fail_job=1")),                           # the second job fails (one rank: it raises)
+], ids=["allreduce", "easgd_hogwild", "failed_job"])
+def test_jobs_one_after_another_in_a_process_free_their_communicators(tmp_path, ranks, args):
+    # Three jobs in the same processes, with 24 communicator ids left free (MPICH holds
+    # 2048 a process). A job made about 10 a rank (the roles' Splits and Dups, its
+    # Node's) and freed none: the third job failed with 'Too many communicators'.
+    # Each now frees its own, when it ends and when it fails.
+    p = ms.mpirun(ranks, sys.executable, SCRIPT, "ht_jobs", tmp_path, 3, *args, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-5000:]
+    comms = [json.loads((tmp_path / f"comms{r}.json").read_text()) for r in range(ranks)]
+    if not comms[0]["limit"]:
+        pytest.skip(f"this MPI lets a process hold {sc.MOST_COMMS} communicators or more")
+    for r, c in enumerate(comms):
+        assert c["before"] == c["after"] == sc.SPARE_COMMS, (r, c)
+    failed = 1 if "fail_job=1" in args else None
+    if failed is not None:
+        assert comms[0]["error"] == "job 1 fails"
+    for j in range(3):
+        if j == failed:
+            continue
+        trainer = json.loads((tmp_path / f"job{j}" / "rank0.json").read_text())
+        assert trainer["role"] == "trainer" and trainer["batches"] == sc.HT_STEPS, (j, trainer)

@@ -228,6 +228,7 @@ class Node:
         sizes = world.allgather(self.node_comm.Get_size())
         self.nodes = self.cross_comm.Get_size()
         self.uniform_nodes = len(set(sizes)) == 1
+        self._closed = False
         self._watchdog = _Watchdog(self, self.config.timeout)
 
     # -- failure
@@ -309,7 +310,16 @@ class Node:
         return [o for _, _, o in every]
 
     def close(self) -> None:
+        """Stops the watchdog and frees the communicators this node made, once this
+        rank's exchanges are over (again: a no-op). MPI caps the communicators a
+        process holds (MPICH: 2048), and a process may run one job after another.
+        Collective: every rank of the job closes its node."""
         self._watchdog.stop()
+        if self._closed:
+            return
+        self._closed = True
+        for comm in (self.cross_comm, self.node_comm, *reversed(list(self.comms.values()))):
+            comm.Free()
 
 
 def hierarchical_allreduce(buf: np.ndarray, node_comm, cross_comm, count=lambda nbytes: None,

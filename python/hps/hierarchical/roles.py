@@ -459,21 +459,56 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
     cfg.check()
     world = comm if comm is not None else MPI.COMM_WORLD
     roles = Roles.layout(world.Get_size(), world.Get_rank(), cfg)
+    job_comms = _JobComms()
     try:
-        return _run_role(world, roles, train_cfg, cfg, progress=progress, train_batches=train_batches,
-                         eval_batches=eval_batches, return_mlp=return_mlp)
+        result = _run_role(world, roles, job_comms, train_cfg, cfg, progress=progress, train_batches=train_batches,
+                           eval_batches=eval_batches, return_mlp=return_mlp)
     except Exception as e:  # noqa: BLE001 - the job's other ranks would wait for this one for ever
         if world.Get_size() == 1:
+            job_comms.free()
             raise
         # (Returning would leave this rank in MPI_Finalize, waiting for peers that wait
         # for it: a trainer whose dense hook failed left its group PSs waiting for the
-        # MLP, and the job hung until killed.)
+        # MLP, and the job hung until killed. The communicators are not freed first:
+        # freeing is collective, and the peers may never come to it; the abort ends
+        # the processes that hold them.)
         import traceback
         from hps.distributed.comm import abort_job
         traceback.print_exc()
         abort_job(world, f"hps.hierarchical: rank {roles.rank} ({_role_name(roles)}): {type(e).__name__}: {e}",
                   code=1)
         raise  # (abort_job does not return; a fake communicator's might)
+    job_comms.free()
+    return result
+
+
+class _JobComms:
+    """The communicators a job makes on this rank (and its hps.distributed Node's),
+    freed when the job ends. MPI caps the communicators a process holds at once
+    (MPICH: 2048) and a job makes about 10 a rank, so a process that runs jobs one
+    after another (a user's trainer, the tests) ran out of them when none was freed.
+    MPI_Comm_free is collective over a communicator's ranks: every rank frees the
+    ones it belongs to, in the same order, the last made first (a Dup before the
+    communicator it was made from)."""
+
+    def __init__(self):
+        self.comms: list = []
+        self.node = None  # the trainer's Node (its Dups of the trainers' communicator)
+
+    def add(self, comm):
+        """Keeps comm to free (not MPI.COMM_NULL: a Split this rank is not in); returns it."""
+        from mpi4py import MPI
+        if comm != MPI.COMM_NULL:
+            self.comms.append(comm)
+        return comm
+
+    def free(self) -> None:
+        """Once every thread that used them has ended (again: a no-op)."""
+        if self.node is not None:
+            self.node.close()  # (train() closes it at its end already; a no-op then)
+            self.node = None
+        while self.comms:
+            self.comms.pop().Free()
 
 
 def _role_name(roles: Roles) -> str:
@@ -482,9 +517,10 @@ def _role_name(roles: Roles) -> str:
     return f"{'trainer' if roles.role == 'trainer' else 'group PS'} {roles.index} of group {roles.group}"
 
 
-def _run_role(world, roles: Roles, train_cfg, cfg: HierarchicalConfig, *, progress: bool, train_batches,
-              eval_batches, return_mlp: bool) -> dict:
-    """train_hierarchical's work on this rank, in its role."""
+def _run_role(world, roles: Roles, job_comms: _JobComms, train_cfg, cfg: HierarchicalConfig, *, progress: bool,
+              train_batches, eval_batches, return_mlp: bool) -> dict:
+    """train_hierarchical's work on this rank, in its role; the communicators it
+    makes go to `job_comms`, for the caller to free."""
     from mpi4py import MPI
     from hps.distributed import Node
     from hps.hierarchical.codecs import CodecStreams
@@ -492,14 +528,14 @@ def _run_role(world, roles: Roles, train_cfg, cfg: HierarchicalConfig, *, progre
     from hps.train import train
     from hps.tuning import dense_adam
 
-    trainers_comm = world.Split(0 if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank())
-    group_comm = world.Split(roles.group if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank())
-    easgd_comms = [world.Dup() for _ in range(1 + cfg.group_ps)] if roles.has_centre else []
+    trainers_comm = job_comms.add(world.Split(0 if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank()))
+    group_comm = job_comms.add(world.Split(roles.group if roles.role == "trainer" else MPI.UNDEFINED, world.Get_rank()))
+    easgd_comms = [job_comms.add(world.Dup()) for _ in range(1 + cfg.group_ps)] if roles.has_centre else []
     across_comm = None
     if roles.groups > 1 and not roles.has_centre:
         # Trainer t of every group (color t), group PS p of every group (color T + p), ordered by group.
         color = roles.index if roles.role == "trainer" else roles.trainers + roles.index
-        across_comm = world.Split(color, roles.group)
+        across_comm = job_comms.add(world.Split(color, roles.group))
     if roles.role == "group_ps":
         return _serve_group_ps(world, roles, cfg, train_cfg, easgd_comms, across_comm)
     if roles.role == "centre":
@@ -548,10 +584,10 @@ def _run_role(world, roles: Roles, train_cfg, cfg: HierarchicalConfig, *, progre
             made["hogwild"] = install(
                 trainer, cfg.nets, lambda ps: dense_adam(ps, train_cfg.dense_lr), live,
                 transport_for=lambda r: MpiTransport(world, ps_ranks, timeout=cfg.timeout, tag=HOGWILD_TAG + r),
-                group_comms=[group_comm.Dup() for _ in range(cfg.nets)] if roles.trainers > 1 else None,
+                group_comms=[job_comms.add(group_comm.Dup()) for _ in range(cfg.nets)] if roles.trainers > 1 else None,
                 group_comm=group_comm, timeout=cfg.timeout, group_ranks=roles.trainer_ranks(roles.group))
 
-    node = Node(train_cfg.distributed, comm=trainers_comm)
+    node = job_comms.node = Node(train_cfg.distributed, comm=trainers_comm)
     cpu0, wall0 = time.process_time(), time.perf_counter()  # the trainer's measured time, as the PS's
     summary = train(train_cfg, resume=False, progress=progress, train_batches=train_batches,
                     eval_batches=eval_batches, node=node, dense_hook=hook)
