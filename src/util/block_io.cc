@@ -79,6 +79,12 @@ constexpr uint64_t kMaxOpBytes = uint64_t{1} << 30;  // io_uring lengths are 32-
 // this far apart (about a second in all), before the call fails.
 constexpr int kSubmitRetries = 1000;
 constexpr auto kSubmitBackoff = std::chrono::milliseconds(1);
+// An operation that completes with -EAGAIN (it did nothing: ask again) is
+// asked again this many times in a row, with this pause before each pass
+// that met one, before the call fails: a device that never stops answering
+// so would otherwise keep the thread spinning for good.
+constexpr int kAgainRetries = 1000;
+constexpr auto kAgainBackoff = std::chrono::milliseconds(1);
 
 class UringIo final : public BlockIo {
  public:
@@ -109,6 +115,7 @@ class UringIo final : public BlockIo {
   void Run(std::vector<IoRequest>& requests, bool write) {
     write_ = write;
     pending_done_.clear();
+    agains_.clear();
     size_t next = 0, in_flight = 0;
     int refusals = 0;  // submits refused in a row with nothing in the kernel
     try {
@@ -147,15 +154,27 @@ class UringIo final : public BlockIo {
         // Drain every completion that is ready.
         unsigned head;
         unsigned seen = 0;
+        bool met_again = false;
         io_uring_for_each_cqe(&ring_, head, cqe) {
           ++seen;
           auto* r = static_cast<IoRequest*>(io_uring_cqe_get_data(cqe));
           const int res = cqe->res;
           const uint64_t done = pending_done_[r];
+          if (res == -EAGAIN) {
+            const int agains = ++agains_[r];
+            if (agains > kAgainRetries) {
+              io_uring_cq_advance(&ring_, seen);
+              --in_flight;
+              ThrowUring(((write_ ? "write at byte " : "read at byte ") + std::to_string(r->offset + done)).c_str(),
+                         res, *r->path, " (the same answer " + std::to_string(agains) + " times in a row)");
+            }
+            met_again = true;
+          }
           if (res == -EINTR || res == -EAGAIN) {
             Queue(r, r->bytes - done, done);  // the same operation again
             continue;
           }
+          if (res > 0) agains_.erase(r);  // it moved: a later -EAGAIN starts a new count
           if (res < 0) {
             io_uring_cq_advance(&ring_, seen);
             --in_flight;
@@ -183,6 +202,7 @@ class UringIo final : public BlockIo {
           }
         }
         io_uring_cq_advance(&ring_, seen);
+        if (met_again) std::this_thread::sleep_for(kAgainBackoff);
       }
     } catch (...) {
       Drain(in_flight);
@@ -242,6 +262,7 @@ class UringIo final : public BlockIo {
   bool write_ = false;
   bool reusable_ = true;
   std::unordered_map<IoRequest*, uint64_t> pending_done_;  // bytes already moved
+  std::unordered_map<IoRequest*, int> agains_;             // -EAGAIN completions in a row
 };
 #endif
 

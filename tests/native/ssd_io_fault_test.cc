@@ -277,6 +277,50 @@ TEST_F(SsdIoFaultTest, IoUringSubmitRefusedForGoodFailsNamingTheFileAndLeavesNot
   EXPECT_EQ(store->size(), keys.size() + later.size()) << "the failed put left rows";
 }
 
+// A device that answers every read or write with -EAGAIN fails the call
+// naming the file and where in it, after a bounded number of tries (asking
+// for good would keep the thread spinning); once it answers again, the
+// store works on, with nothing of the failed put in it.
+TEST_F(SsdIoFaultTest, IoUringCompletionsOfEagainForGoodFailNamingTheFileAndTheOffset) {
+  auto store = Open(true);
+  if (!OnUring(*store)) GTEST_SKIP() << "no io_uring here";
+  const std::vector<uint64_t> keys = Range(1, 1025);  // one file
+  Put(*store, keys);
+  store->Commit();
+  // Enough for any bound a test can wait for, few enough that a loop with
+  // none takes them all and lets the calls succeed (in a second or so).
+  constexpr int kFaults = 200000;
+  again_completions = kFaults;
+  std::vector<uint8_t> out(keys.size() * kRowBytes);
+  try {
+    store->Get(keys.data(), keys.size(), out.data(), nullptr);
+    ADD_FAILURE() << "a get whose every read completed with EAGAIN succeeded";
+  } catch (const IoError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find((fs::path(dir_) / "000000000001.hpf").string() + ": io_uring read at byte "),
+              std::string::npos) << what;
+    EXPECT_NE(what.find(std::strerror(EAGAIN)), std::string::npos) << what;
+  }
+  EXPECT_GT(again_completions, 0) << "the get asked again as long as the faults lasted";
+  again_completions = kFaults;
+  try {
+    Put(*store, Range(3001, 3011));
+    ADD_FAILURE() << "a put whose every write completed with EAGAIN succeeded";
+  } catch (const IoError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(".hpf: io_uring write at byte "), std::string::npos) << what;
+    EXPECT_NE(what.find(std::strerror(EAGAIN)), std::string::npos) << what;
+  }
+  EXPECT_GT(again_completions, 0) << "the put asked again as long as the faults lasted";
+  again_completions = 0;
+  ExpectRows(*store, keys);
+  store->Commit();
+  store.reset();
+  store = Open(true);
+  ExpectRows(*store, keys);
+  EXPECT_EQ(store->size(), keys.size()) << "the failed put left rows";
+}
+
 // The pread path (io_uring not asked for): calls interrupted or cut short
 // are asked again, for every write of a put (MANIFEST's too) and read of a get.
 TEST_F(SsdIoFaultTest, PreadPathCallsInterruptedOrCutShortAreAskedAgain) {
