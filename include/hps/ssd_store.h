@@ -116,7 +116,10 @@ class SsdStore {
   // fails is counted in the stats and leaves the committed state as it was;
   // the commit() it ran in (background_compaction = false) or the next one
   // (on the background thread, which also writes a line to stderr) throws
-  // IoError for it, once, after its own commit is durable.
+  // IoError for it, once, after its own commit is durable. A chunk whose
+  // manifest commit is synced has taken effect: a failure to delete its
+  // victims, or to sync their deletion, is no failure (a line on stderr; the
+  // next commit syncs the directory again; open removes what is left).
   // A file that fails to sync (fdatasync) lost its rows with the error, which
   // the kernel reports once: this commit and every later one throw IoError
   // naming it; reopening returns to the last commit.

@@ -16,6 +16,8 @@
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -671,10 +673,39 @@ class FileStore final : public SsdStore {
     }
     // Bound's files, no longer listed: a crash before these removals leaves
     // strays that open removes. Gets still holding one keep reading it.
+    // Cleared first: a second DropFile of one of them would make the
+    // manifest unreadable.
     if (!dropped_.empty()) {
-      for (const Dropped& d : dropped_) fs::remove(d.file->path());
-      dropped_.clear();
+      std::vector<std::string> paths;
+      for (const Dropped& d : std::exchange(dropped_, {})) paths.push_back(d.file->path());
+      RemoveUnlisted(paths);
+    }
+  }
+
+  // Removes files that a commit, already synced, no longer lists, and syncs
+  // the directory. That commit stands whatever happens here: its manifest
+  // record is durable, and so are the names of the files it added (synced
+  // before it). A removal that fails or that a crash undoes only leaves a
+  // stray, which open removes. So a failure here is no failure of the
+  // commit's caller: it is written to stderr (hps has no logger), and the
+  // next commit syncs the directory again before its own record.
+  void RemoveUnlisted(const std::vector<std::string>& paths) {
+    std::string failure;
+    for (const std::string& path : paths) {
+      std::error_code error;
+      fs::remove(path, error);
+      if (error && failure.empty()) failure = "remove " + path + ": " + error.message();
+    }
+    try {
       SyncDirectory(options_.path);
+    } catch (const IoError& e) {
+      if (failure.empty()) failure = e.what();
+    }
+    if (!failure.empty()) {
+      std::fprintf(stderr,
+                   "hps: ssd store %s: %s, after a commit that stands; the next commit syncs the directory "
+                   "again, and open removes any file left behind\n",
+                   options_.path.c_str(), failure.c_str());
     }
   }
 
@@ -1187,8 +1218,9 @@ class FileStore final : public SsdStore {
     }
     // A crash before these removals leaves files the manifest no longer
     // lists; open removes them. Readers still holding one keep reading it.
-    for (const auto& victim : sources) fs::remove(victim->path());
-    SyncDirectory(options_.path);
+    std::vector<std::string> victim_paths;
+    for (const auto& victim : sources) victim_paths.push_back(victim->path());
+    RemoveUnlisted(victim_paths);
     counters_.bytes_written += bytes;
     ++counters_.compactions;
     counters_.compacted_records += kept.size();

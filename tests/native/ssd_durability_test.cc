@@ -56,6 +56,7 @@ int sync_fault_skips = 0;  // guarded by sync_fault_mutex: matching syncs let th
 std::string contents_at_failed_sync;  // guarded by sync_fault_mutex
 // The next fsync of a path ending so fails with EIO.
 std::string fail_fsync_of;  // guarded by sync_fault_mutex
+int fsync_fault_skips = 0;  // guarded by sync_fault_mutex: matching fsyncs let through first
 // The next close of a descriptor open for writing fails with EIO, as NFS
 // reports a write-back that failed; the descriptor is closed all the same.
 std::atomic<bool> fail_next_write_close{false};
@@ -129,9 +130,13 @@ extern "C" int fsync(int fd) {
   {
     std::lock_guard lock(sync_fault_mutex);
     if (!fail_fsync_of.empty() && EndsWith(PathOf(fd), fail_fsync_of)) {
-      fail_fsync_of.clear();
-      errno = EIO;
-      return -1;
+      if (fsync_fault_skips > 0) {
+        --fsync_fault_skips;
+      } else {
+        fail_fsync_of.clear();
+        errno = EIO;
+        return -1;
+      }
     }
   }
   return static_cast<int>(syscall(SYS_fsync, fd));
@@ -164,6 +169,7 @@ class SsdDurabilityTest : public ::testing::Test {
     {
       std::lock_guard lock(sync_fault_mutex);
       fail_fsync_of.clear();
+      fsync_fault_skips = 0;
     }
     fs::remove_all(dir_);
   }
@@ -227,6 +233,17 @@ class SsdDurabilityTest : public ::testing::Test {
     return paths;
   }
 
+  // The next fsync of a path ending in path_end, after `skips` of them, fails with EIO.
+  static void FailNextFsyncOf(const std::string& path_end, int skips) {
+    std::lock_guard lock(sync_fault_mutex);
+    fail_fsync_of = path_end;
+    fsync_fault_skips = skips;
+  }
+  static bool FsyncFaultTaken() {
+    std::lock_guard lock(sync_fault_mutex);
+    return fail_fsync_of.empty();
+  }
+
   static std::vector<SyncCall> TakeSyncLog() {
     std::lock_guard lock(sync_log_mutex);
     return std::exchange(sync_log, {});
@@ -280,6 +297,62 @@ TEST_F(SsdDurabilityTest, CompactionSyncsItsOutputsThenTheirNamesThenTheManifest
   ASSERT_EQ(outputs.size(), 1u) << "keys 1 and 5, out of the two stale files, into one";
   ASSERT_EQ(store->stats().compactions, 1u);
   ExpectSyncedBeforeTheManifest(log, outputs);
+}
+
+// Once its manifest record is synced, a compaction has taken effect for
+// good: the names of its outputs were synced before that record, and the
+// directory sync after it makes only the victims' removal durable (a crash
+// that undoes it leaves strays that open removes). So a failure of that last
+// sync is no failure of the compaction: it counts as done, nothing raises,
+// and the next commit syncs the directory again.
+TEST_F(SsdDurabilityTest, ACompactionThatCommittedStandsThoughTheSyncOfItsVictimsRemovalFails) {
+  auto store = Open();
+  CommitTwoFilesMostlyStale(*store);
+  // Compact's own commit, then the outputs' names, go through; the third
+  // fsync of the directory, after the victims' removal, fails.
+  FailNextFsyncOf(dir_, 2);
+  EXPECT_NO_THROW(store->Compact());
+  ASSERT_TRUE(FsyncFaultTaken()) << "the compaction synced the directory fewer than three times";
+  SsdStoreStats s = store->stats();
+  EXPECT_EQ(s.compactions, 1u);
+  EXPECT_EQ(s.compaction_failures, 0u) << s.last_error;
+  EXPECT_EQ(s.last_error, "");
+  EXPECT_EQ(s.files, 4u) << "of five files, two victims out and one output in";
+  EXPECT_EQ(Files().size(), 4u) << "the victims are removed";
+  EXPECT_EQ(Found(*store, 1, 13), 12u);
+  TakeSyncLog();
+  EXPECT_NO_THROW(store->Commit());
+  const std::vector<SyncCall> log = TakeSyncLog();
+  EXPECT_TRUE(std::any_of(log.begin(), log.end(), [&](const SyncCall& c) { return !c.data_only && c.path == dir_; }))
+      << "the next commit did not sync the directory again";
+  store.reset();
+  store = Open();
+  EXPECT_EQ(store->stats().files, 4u);
+  EXPECT_EQ(Found(*store, 1, 13), 12u);
+}
+
+// The same for the files a Bound dropped: the commit that drops them from
+// the manifest stands though the sync of their removal fails.
+TEST_F(SsdDurabilityTest, ACommitOfBoundsDropsStandsThoughTheSyncOfTheirRemovalFails) {
+  auto store = Open();
+  store->SetStamp(1);
+  Put(*store, 1, 5);
+  store->SetStamp(2);
+  Put(*store, 5, 9);
+  store->Commit();
+  const SsdBoundResult bounded = store->Bound(/*min_stamp=*/2, /*max_live=*/0);
+  ASSERT_EQ(bounded.files_dropped, 1u);
+  // The commit's sync of the directory before its record goes through; the
+  // one after the removal fails.
+  FailNextFsyncOf(dir_, 1);
+  EXPECT_NO_THROW(store->Commit());
+  ASSERT_TRUE(FsyncFaultTaken()) << "the commit synced the directory fewer than twice";
+  EXPECT_EQ(Files().size(), 1u);
+  EXPECT_NO_THROW(store->Commit()) << "the next commit drops nothing again";
+  store.reset();
+  store = Open();
+  EXPECT_EQ(Found(*store, 1, 5), 0u);
+  EXPECT_EQ(Found(*store, 5, 9), 4u);
 }
 
 // A commit whose sync fails leaves its append in the log; the writer cuts it
