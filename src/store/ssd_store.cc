@@ -27,9 +27,13 @@
 #include "format/key_index.h"
 #include "format/manifest.h"
 #include "format/param_file.h"
+#include "store/ssd_store_testing.h"
 #include "util/errors.h"  // ThrowErrno
 
 namespace hps {
+namespace detail {
+SsdStoreTestSeams ssd_store_test_seams;
+}  // namespace detail
 namespace {
 
 namespace fs = std::filesystem;
@@ -188,6 +192,9 @@ class FileStore final : public SsdStore {
                                   " records in one file; at most 2^32 - 2");
     }
     max_handles_ = uint64_t{KeyIndex::kNone} / slots_per_file_;
+    if (detail::ssd_store_test_seams.max_files > 0) {
+      max_handles_ = std::min(max_handles_, detail::ssd_store_test_seams.max_files);
+    }
     commits_ = replay.state.commits;
     next_sequence_ = replay.state.max_sequence + 1;
     // Files not in the last commit were written by puts that were never
@@ -272,6 +279,7 @@ class FileStore final : public SsdStore {
       std::vector<uint64_t> keys;
     };
     std::vector<Written> written;
+    std::vector<uint32_t> handles;  // written's, taken together
     uint64_t bytes = 0;
     try {
       auto io = io_pool_.Acquire();
@@ -288,20 +296,30 @@ class FileStore final : public SsdStore {
         written.push_back({sequence, WriteFile(image, sequence, stamp, *io, &bytes),
                            std::vector<uint64_t>(file_keys, file_keys + count)});
       }
+      // Every file's handle (its record ids) in this one lock section: a
+      // compaction takes handles for its outputs meanwhile, and one that
+      // took the last between two of our files would fail the put halfway,
+      // its first files in the index. Unindexed, the files serve no get yet.
       std::unique_lock lock(mutex_);
       if (entries_.size() - free_handles_.size() + written.size() > max_handles_) {
         throw std::runtime_error("ssd store: more than " + std::to_string(max_handles_) +
                                  " files would be live; raise file_records");
       }
+      uncommitted_.reserve(uncommitted_.size() + written.size());
+      for (const Written& w : written) handles.push_back(AddEntry(w.sequence, w.file, false));
+      uncommitted_.insert(uncommitted_.end(), handles.begin(), handles.end());
     } catch (...) {
+      if (!handles.empty()) {
+        std::unique_lock lock(mutex_);
+        for (uint32_t handle : handles) RemoveEntry(handle);
+      }
       for (const Written& w : written) fs::remove(w.file->path());
       throw;
     }
-    for (Written& w : written) {  // one file at a time, so readers wait one file's indexing at most
+    for (size_t f = 0; f < written.size(); ++f) {  // one file at a time, so readers wait one file's indexing at most
+      if (f > 0 && detail::ssd_store_test_seams.put_between_files) detail::ssd_store_test_seams.put_between_files();
       std::unique_lock lock(mutex_);
-      const uint32_t handle = AddEntry(w.sequence, std::move(w.file), false);
-      uncommitted_.push_back(handle);
-      Index(handle, w.keys);
+      Index(handles[f], written[f].keys);
     }
     counters_.rows_written += order.size();
     counters_.bytes_written += bytes;

@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -28,11 +30,13 @@
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "format/manifest.h"
 #include "hps/ssd_store.h"
+#include "store/ssd_store_testing.h"
 #include "temp_dir.h"
 
 namespace {
@@ -57,6 +61,46 @@ std::string contents_at_failed_sync;  // guarded by sync_fault_mutex
 // The next fsync of a path ending so fails with EIO.
 std::string fail_fsync_of;  // guarded by sync_fault_mutex
 int fsync_fault_skips = 0;  // guarded by sync_fault_mutex: matching fsyncs let through first
+// Holds the first fdatasync of a path ending so, once armed, until the test
+// opens it: a thread of the store stops there while the test does something
+// else, and the test learns that it got there.
+class SyncGate {
+ public:
+  void Arm(const std::string& path_end) {
+    std::lock_guard lock(mutex_);
+    path_end_ = path_end;
+    entered_ = open_ = false;
+  }
+  void PassIfArmed(const std::string& path) {
+    std::unique_lock lock(mutex_);
+    if (path_end_.empty() || entered_ || path.size() < path_end_.size() ||
+        path.compare(path.size() - path_end_.size(), path_end_.size(), path_end_) != 0) {
+      return;
+    }
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return open_; });
+  }
+  // Whether a sync waits there (or passed), after waiting up to `wait` for one.
+  bool Entered(std::chrono::milliseconds wait) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, wait, [this] { return entered_; });
+  }
+  void Open() {
+    std::lock_guard lock(mutex_);
+    open_ = true;
+    path_end_.clear();
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::string path_end_;  // "": not armed
+  bool entered_ = false, open_ = false;
+};
+SyncGate first_gate, second_gate;
+
 // The next close of a descriptor open for writing fails with EIO, as NFS
 // reports a write-back that failed; the descriptor is closed all the same.
 std::atomic<bool> fail_next_write_close{false};
@@ -96,6 +140,8 @@ int SyncFault(const std::string& path) {
 
 extern "C" int fdatasync(int fd) {
   LogSync(fd, true);
+  first_gate.PassIfArmed(PathOf(fd));
+  second_gate.PassIfArmed(PathOf(fd));
   if (fail_next_fdatasync.exchange(false)) {
     errno = EIO;
     return -1;
@@ -164,6 +210,9 @@ class SsdDurabilityTest : public ::testing::Test {
     dir_ = fs::weakly_canonical(test_support::FreshTestDir("hps-ssd-durability-test")).string();
   }
   void TearDown() override {
+    detail::ssd_store_test_seams = {};
+    first_gate.Open();
+    second_gate.Open();
     fail_next_write_close = false;
     FailNextSyncOf("", EIO);
     {
@@ -353,6 +402,64 @@ TEST_F(SsdDurabilityTest, ACommitOfBoundsDropsStandsThoughTheSyncOfTheirRemovalF
   store = Open();
   EXPECT_EQ(Found(*store, 1, 5), 0u);
   EXPECT_EQ(Found(*store, 5, 9), 4u);
+}
+
+// A put takes the record ids of all its files at once. Before, it took each
+// file's as it indexed that file, so a compaction taking the last ids for its
+// outputs between two of them failed the put halfway: its first file in the
+// index, the rest not. Now the put takes them in the lock section where it
+// checks there are enough: a compaction that took ids first fails the put
+// whole, changing nothing, and one that comes after finds none left and fails
+// before its commit, changing nothing either. The test runs a store of
+// four files' ids to that point: the compaction, stopped at its output's
+// fdatasync before taking an id, goes on while the put is between its two
+// files, and the test waits there until the compaction has taken its id
+// (it is then at its manifest's fdatasync) or failed.
+TEST_F(SsdDurabilityTest, APutTakesTheRecordIdsOfAllItsFilesBeforeACompactionCanTakeThem) {
+  detail::ssd_store_test_seams.max_files = 4;
+  auto store = Open();
+  Put(*store, 1, 5);  // file 1
+  store->Commit();
+  Put(*store, 2, 5);  // file 2: file 1 three quarters stale
+  store->Commit();
+  // Compact's output is file 3 (reserved when it plans); the put's are 4 and 5.
+  first_gate.Arm("/000000000003.hpf");
+  std::atomic<bool> compaction_returned{false};
+  std::string compaction_error;
+  std::thread compaction([&] {
+    try {
+      store->Compact();
+    } catch (const IoError& e) {
+      compaction_error = e.what();
+    }
+    compaction_returned = true;
+  });
+  ASSERT_TRUE(first_gate.Entered(std::chrono::seconds(20))) << "the compaction never synced its output";
+  second_gate.Arm("/MANIFEST");
+  bool compaction_went_on = false;
+  detail::ssd_store_test_seams.put_between_files = [&] {
+    first_gate.Open();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!compaction_returned && !second_gate.Entered(std::chrono::milliseconds(10))) {
+      if (std::chrono::steady_clock::now() > deadline) return;
+    }
+    compaction_went_on = true;
+  };
+  EXPECT_NO_THROW(Put(*store, 101, 109));  // two files
+  detail::ssd_store_test_seams.put_between_files = nullptr;
+  second_gate.Open();
+  compaction.join();
+  ASSERT_TRUE(compaction_went_on) << "the compaction neither committed nor failed while the put was between files";
+  EXPECT_NE(compaction_error.find("files live; raise file_records"), std::string::npos) << compaction_error;
+  EXPECT_EQ(store->stats().compaction_failures, 1u);
+  EXPECT_EQ(Found(*store, 1, 5), 4u);
+  EXPECT_EQ(Found(*store, 101, 109), 8u);
+  store->Commit();
+  store.reset();
+  store = Open();
+  EXPECT_EQ(Found(*store, 1, 5), 4u);
+  EXPECT_EQ(Found(*store, 101, 109), 8u);
+  EXPECT_EQ(store->stats().files, 4u);
 }
 
 // A commit whose sync fails leaves its append in the log; the writer cuts it

@@ -1,0 +1,24 @@
+// Test seams of SSD-PS (src/store/ssd_store.cc), for tests that must bring
+// about an ordering that otherwise only a race between a put and a
+// compaction reaches (tests/native/ssd_durability_test.cc). Not for use
+// outside tests. Set them before opening a store and reset them after.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace hps::detail {
+
+struct SsdStoreTestSeams {
+  // Record ids for at most this many files (0: as many as 32-bit ids
+  // address), so that a test can run a store out of them with a few files.
+  // Read at open.
+  uint64_t max_files = 0;
+  // Runs inside each put with more than one file, before each file after the
+  // first enters the index, with no lock held but the put's own.
+  std::function<void()> put_between_files;
+};
+
+extern SsdStoreTestSeams ssd_store_test_seams;
+
+}  // namespace hps::detail
