@@ -68,6 +68,9 @@ struct SsdStoreStats {
   uint64_t compacted_records = 0;    ///< live records rewritten by them
   uint64_t compaction_failures = 0;  ///< runs that failed and changed nothing (see last_error)
   std::string last_error;            ///< the message of the last failed compaction
+  uint64_t cleanup_failures = 0;     ///< removals of unlisted files, or directory syncs after a
+                                     ///< commit that stands, that failed (written to stderr; the
+                                     ///< commit stands, and the next one syncs the directory again)
   bool compaction_running = false;   ///< a compaction is planned or under way
   double compaction_lock_max_us = 0; ///< longest a compaction held readers off (one file swap)
   uint64_t index_bytes = 0;     ///< memory of the key index

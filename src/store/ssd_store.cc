@@ -533,6 +533,7 @@ class FileStore final : public SsdStore {
     s.compactions = counters_.compactions;
     s.compacted_records = counters_.compacted_records;
     s.compaction_failures = counters_.compaction_failures;
+    s.cleanup_failures = counters_.cleanup_failures;
     s.compaction_lock_max_us = counters_.compaction_lock_max_ns / 1000.0;
     {
       std::lock_guard lock(compaction_mutex_);
@@ -588,7 +589,7 @@ class FileStore final : public SsdStore {
   };
   struct Counters {
     std::atomic<uint64_t> rows_written{0}, bytes_written{0}, rows_read{0}, bytes_read{0};
-    std::atomic<uint64_t> compactions{0}, compacted_records{0}, compaction_failures{0};
+    std::atomic<uint64_t> compactions{0}, compacted_records{0}, compaction_failures{0}, cleanup_failures{0};
     std::atomic<uint64_t> compaction_lock_max_ns{0};
     std::atomic<uint64_t> bound_expired{0}, bound_capped{0}, bound_files_dropped{0}, bound_records_rewritten{0};
   };
@@ -720,6 +721,7 @@ class FileStore final : public SsdStore {
       if (failure.empty()) failure = e.what();
     }
     if (!failure.empty()) {
+      ++counters_.cleanup_failures;
       std::fprintf(stderr,
                    "hps: ssd store %s: %s, after a commit that stands; the next commit syncs the directory "
                    "again, and open removes any file left behind\n",

@@ -366,6 +366,7 @@ TEST_F(SsdDurabilityTest, ACompactionThatCommittedStandsThoughTheSyncOfItsVictim
   EXPECT_EQ(s.compactions, 1u);
   EXPECT_EQ(s.compaction_failures, 0u) << s.last_error;
   EXPECT_EQ(s.last_error, "");
+  EXPECT_EQ(s.cleanup_failures, 1u) << "the failed sync is counted";
   EXPECT_EQ(s.files, 4u) << "of five files, two victims out and one output in";
   EXPECT_EQ(Files().size(), 4u) << "the victims are removed";
   EXPECT_EQ(Found(*store, 1, 13), 12u);
@@ -396,6 +397,7 @@ TEST_F(SsdDurabilityTest, ACommitOfBoundsDropsStandsThoughTheSyncOfTheirRemovalF
   FailNextFsyncOf(dir_, 1);
   EXPECT_NO_THROW(store->Commit());
   ASSERT_TRUE(FsyncFaultTaken()) << "the commit synced the directory fewer than twice";
+  EXPECT_EQ(store->stats().cleanup_failures, 1u) << "the failed sync is counted";
   EXPECT_EQ(Files().size(), 1u);
   EXPECT_NO_THROW(store->Commit()) << "the next commit drops nothing again";
   store.reset();
