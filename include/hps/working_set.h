@@ -164,7 +164,8 @@ class WorkingSet {
   void CatchUp();
   const detail::KeyIndex& Index() const;
   void PublishEmpty();
-  void ReleaseAll();
+  void ReleaseAll();  // ReleaseRemaining, each failure counted in MEM-PS's stats().failed_releases
+  void ReleaseRemaining();
   void CountPerDevice();
 
   MemCache& cache_;

@@ -326,6 +326,18 @@ void WorkingSet::Abort() {
 }
 
 void WorkingSet::ReleaseAll() {
+  // Every failure counted, once, wherever it came from: also those before
+  // any key's release (the room for a step's addresses), which release
+  // nothing and leave the whole release to the retry.
+  try {
+    ReleaseRemaining();
+  } catch (...) {
+    cache_.CountFailedRelease();
+    throw;
+  }
+}
+
+void WorkingSet::ReleaseRemaining() {
   if (!applied_) PublishEmpty();
   const std::vector<uint64_t>& updated = updates_->keys;  // empty unless applied
   const uint32_t row_bytes = cache_.row_bytes();
@@ -371,10 +383,7 @@ void WorkingSet::ReleaseAll() {
         lost_.reserve(keys_.size());
         key_by_key_ = true;
         next_key_ = 0;
-      } catch (...) {
-        cache_.CountFailedRelease();
-        throw;  // nothing of this step released: a retry does it again
-      }
+      }  // anything else: nothing of this step released, and a retry does it again
     }
     for (; next_key_ < keys.size(); ++next_key_) {
       const uint64_t i = next_key_;
@@ -385,10 +394,7 @@ void WorkingSet::ReleaseAll() {
         if (!e.lost().empty()) unkept.push_back(i);
       } catch (const std::invalid_argument&) {
         refused.push_back(i);
-      } catch (...) {
-        cache_.CountFailedRelease();
-        throw;  // key i released nothing: a retry goes on from it
-      }
+      }  // anything else: key i released nothing, and a retry goes on from it
       unpinned_at.push_back(i);
     }
     key_by_key_ = false;
@@ -435,30 +441,27 @@ void WorkingSet::ReleaseAll() {
   written_ = true;
   if (!to_keep_.empty()) {
     // Until it passes, a retry's first step too (keeping an update twice is
-    // harmless); if it throws, the rows without steps stay pinned till then.
-    try {
-      std::vector<uint64_t> keys;
-      if (in_mem_ps_) {
-        // A row that left its slot meanwhile (unpinned, then evicted clean)
-        // took its step with it, and is named.
-        std::vector<uint8_t*> where;
-        for (uint64_t p : to_keep_) {
-          keys.push_back(keys_[p]);
-          where.push_back(addresses_[p]);
-        }
-        for (uint64_t j : cache_.MarkUpdated(keys.data(), keys.size(), where.data())) lost_.push_back(keys[j]);
-      } else {
-        // Into MEM-PS (or the store, if evicted since), dirty.
-        std::vector<uint8_t> kept;
-        for (uint64_t j : to_keep_) {
-          keys.push_back(updated[j]);
-          kept.insert(kept.end(), rows + j * row_bytes, rows + (j + 1) * row_bytes);
-        }
-        cache_.KeepUpdated(keys.data(), keys.size(), kept.data());
+    // harmless); if it throws, it kept nothing, and the retry keeps them and
+    // releases what is left (the rows without steps stay pinned till then),
+    // without releasing any key again.
+    std::vector<uint64_t> keys;
+    if (in_mem_ps_) {
+      // A row that left its slot meanwhile (unpinned, then evicted clean)
+      // took its step with it, and is named.
+      std::vector<uint8_t*> where;
+      for (uint64_t p : to_keep_) {
+        keys.push_back(keys_[p]);
+        where.push_back(addresses_[p]);
       }
-    } catch (...) {
-      cache_.CountFailedRelease();
-      throw;  // kept nothing: a retry keeps them and releases what is left, without releasing any key again
+      for (uint64_t j : cache_.MarkUpdated(keys.data(), keys.size(), where.data())) lost_.push_back(keys[j]);
+    } else {
+      // Into MEM-PS (or the store, if evicted since), dirty.
+      std::vector<uint8_t> kept;
+      for (uint64_t j : to_keep_) {
+        keys.push_back(updated[j]);
+        kept.insert(kept.end(), rows + j * row_bytes, rows + (j + 1) * row_bytes);
+      }
+      cache_.KeepUpdated(keys.data(), keys.size(), kept.data());
     }
     to_keep_.clear();
   }
@@ -481,25 +484,19 @@ void WorkingSet::ReleaseAll() {
   // out of memory, the retry reports it.
   std::optional<std::runtime_error> error;
   if (!unpinned_.empty()) {
-    try {
-      error.emplace("working set release: " + std::to_string(unpinned_.size()) + " of " +
-                    std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" + Named(unpinned_) +
-                    "): something else unpinned them; " +
-                    (lost_.empty() ? std::string("their steps were kept")
-                                   : "the steps of " + Named(lost_) +
-                                         " are lost (their rows left MEM-PS before the release), the others' were "
-                                         "kept") +
-                    " (dirty in MEM-PS or stored), and the other keys were released");
-    } catch (...) {
-      cache_.CountFailedRelease();
-      throw;
-    }
+    error.emplace("working set release: " + std::to_string(unpinned_.size()) + " of " +
+                  std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" + Named(unpinned_) +
+                  "): something else unpinned them; " +
+                  (lost_.empty() ? std::string("their steps were kept")
+                                 : "the steps of " + Named(lost_) +
+                                       " are lost (their rows left MEM-PS before the release), the others' were "
+                                       "kept") +
+                  " (dirty in MEM-PS or stored), and the other keys were released");
   }
   released_ = true;
   previous_.reset();
   if (tier_ != nullptr) tier_->Clear();
   if (!error) return;
-  cache_.CountFailedRelease();
   throw *error;  // a copy that shares the message: nothing to allocate
 }
 

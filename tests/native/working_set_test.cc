@@ -980,6 +980,58 @@ TEST(WorkingSet, AKeyByKeyReleaseThatRunsOutOfMemoryIsFinishedByItsRetry) {
   }
 }
 
+// A release that runs out of memory is counted in failed_releases, once,
+// wherever it ran out: also before any key's release (the room for the
+// step's flags or addresses), where the retry does the whole release. Every
+// allocation of the first attempt is failed in turn; the retry passes and
+// counts nothing more.
+TEST(WorkingSet, EveryReleaseThatRunsOutOfMemoryIsCountedOnce) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (bool bound : {true, false}) {
+    SCOPED_TRACE(bound ? "bound to host rows" : "holding copies");
+    const std::vector<uint64_t> keys = {1, 2, 3, 4};
+    std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
+    RowStore reference_store(opt);
+    auto reference = reference_store.Cache(16);
+    StepUnhindered(*reference, opt, bound, keys, g);
+    const std::vector<uint64_t> updated = {1, 2};
+    const std::vector<float> expected = CachedRows(*reference, updated);
+    uint64_t failures = 0;
+    for (uint64_t k = 1;; ++k) {
+      SCOPED_TRACE(testing::Message() << "allocation " << k);
+      RowStore store(opt);
+      auto cache = store.Cache(16);
+      auto tier = HostTier(2, 16, opt, bound);
+      WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+      ws.Load(*tier, nullptr);
+      ws.Accumulate(0, keys.data(), 2, g.data());
+      ws.Apply();
+
+      bool failed = false, none_failed = false;
+      fail_in = k;
+      try {
+        ws.WriteBack();
+        none_failed = fail_in.exchange(0) != 0;  // k is past the release's allocations
+      } catch (const std::bad_alloc&) {
+        failed = true;
+      }
+      fail_in = 0;
+      EXPECT_EQ(cache->stats().failed_releases, failed ? 1u : 0u);
+      if (failed) {
+        ++failures;
+        EXPECT_FALSE(ws.released());
+        EXPECT_NO_THROW(ws.WriteBack());
+        EXPECT_EQ(cache->stats().failed_releases, 1u);
+      }
+      EXPECT_TRUE(ws.released());
+      EXPECT_EQ(cache->stats().pinned, 0u);
+      EXPECT_EQ(CachedRows(*cache, updated), expected);
+      if (none_failed || HasFailure()) break;
+    }
+    EXPECT_GT(failures, 0u);
+  }
+}
+
 // MEM-PS whose Unpin fails (a fault other than a key something else
 // unpinned) as many times as asked; everything else is the real cache's.
 class UnpinFailingCache final : public ForwardingCache {
