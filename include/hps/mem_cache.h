@@ -119,6 +119,10 @@ class BrokenPinError : public std::runtime_error {
   // Those of them whose update the call could not keep (see WriteBack,
   // UnpinUpdated); their caller's copy, if any, is all that is left.
   const std::vector<uint64_t>& lost() const { return lost_; }
+  // The same lists moved out, leaving them empty: for a handler that must
+  // record them without allocating (the call cannot be made again).
+  std::vector<uint64_t> TakeUnpinned() noexcept { return std::move(unpinned_); }
+  std::vector<uint64_t> TakeLost() noexcept { return std::move(lost_); }
 
  private:
   std::vector<uint64_t> unpinned_;

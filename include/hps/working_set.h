@@ -50,7 +50,8 @@
 // and the release took its step with it: the error names it lost); any other
 // failure can be retried: one before any key was released releases nothing,
 // one after (the sink's error keeping a refused key's row; bad_alloc while
-// the keys go one by one, or while naming them) leaves what it had not done
+// the keys go one by one, while recording the keys a release call found
+// unpinned during it, or while naming them) leaves what it had not done
 // (that row to keep, the keys after it pinned, the error), and the retry does
 // only that, never releasing a key twice (another batch may hold a pin on it
 // by then). Each failed release is counted in MEM-PS's
@@ -186,9 +187,11 @@ class WorkingSet {
   std::vector<uint64_t> to_keep_;  // positions (in updated_keys(), or in keys_ bound to host rows) of updates still to keep
   bool rest_released_ = false;  // the rows without steps were unpinned (holding copies)
   std::vector<uint64_t> unpinned_, lost_;  // keys something else unpinned, and those whose steps are lost: the error names them
-  // A step released key by key (its bulk call refused) that a failure
-  // stopped: the position of its next key, and what it found so far.
-  bool key_by_key_ = false;
+  // A step that a failure stopped once it had released keys (key by key, its
+  // bulk call refused; or its bulk call released them all, and naming what
+  // it found ran out of memory): the position of its next key (past the
+  // last: none left to call), and what it found so far.
+  bool step_unfinished_ = false;
   uint64_t next_key_ = 0;
   std::vector<uint64_t> step_refused_, step_unkept_, step_unpinned_at_;
   bool in_mem_ps_ = false;  // loaded onto a tier bound to host rows: the rows are MEM-PS's own

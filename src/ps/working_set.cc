@@ -345,22 +345,26 @@ void WorkingSet::ReleaseRemaining() {
   // Positions, in the keys of the step, of keys something else unpinned:
   // those refused (their updates still to be kept), and those unpinned during
   // the call (BrokenPinError: it kept their updates but for `unkept`'s),
-  // both increasing in `unpinned_at`. Members: a step going key by key keeps
-  // them across a failure, for its retry.
+  // both increasing in `unpinned_at`. Members: a step that some failure
+  // stops once it has released keys keeps them, for its retry.
   std::vector<uint64_t>& refused = step_refused_;
   std::vector<uint64_t>& unkept = step_unkept_;
   std::vector<uint64_t>& unpinned_at = step_unpinned_at_;
   // Bulk first; a key something else unpinned makes MemCache refuse the
   // whole call (changing nothing), and then they go one by one. *called is
-  // set once the step is done, or once some key may have been released and
-  // what became of them is unknown: from then on the step is never called
-  // again, whatever fails after (a second release of a key would take the pin
-  // of the next batch that holds it). Key by key, a call that fails with
+  // set once the step is done, with room for naming what it found (the
+  // bookkeeping after it cannot fail): from then on the step is never
+  // called again (a second release of a key would take the pin of the next
+  // batch that holds it). A step stopped before that, once it has released
+  // keys, is unfinished: its retry goes on from next_key_ without calling
+  // again for any key before it. Key by key, a call that fails with
   // anything but BrokenPinError or std::invalid_argument (bad_alloc) has
-  // released nothing (MemCache's contract): next_key_ stays at it, and the
-  // retry goes on from there, so that every key is released exactly once.
+  // released nothing (MemCache's contract): next_key_ stays at it, so that
+  // every key is released exactly once. A bulk call's BrokenPinError has
+  // released every key: what it found is moved (not copied: no room
+  // needed), and next_key_ is past the last key.
   const auto each = [&](const std::vector<uint64_t>& keys, bool* called, auto&& one) {
-    if (!key_by_key_) {
+    if (!step_unfinished_) {
       refused.clear();
       unkept.clear();
       unpinned_at.clear();
@@ -368,22 +372,19 @@ void WorkingSet::ReleaseRemaining() {
         one(0, keys.size());
         *called = true;
         return;
-      } catch (const BrokenPinError& e) {  // the call released the others
-        *called = true;
-        unkept = e.lost();
-        unpinned_at = e.unpinned();
-        return;
+      } catch (BrokenPinError& e) {  // the call released the others
+        unkept = e.TakeLost();
+        unpinned_at = e.TakeUnpinned();
+        next_key_ = keys.size();
       } catch (const std::invalid_argument&) {
-        // Room first, while nothing is released: the bookkeeping below and
-        // after the step cannot fail (each key is in one step, named once).
+        // Room first, while nothing is released: the bookkeeping below
+        // cannot fail.
         refused.reserve(keys.size());
         unkept.reserve(keys.size());
         unpinned_at.reserve(keys.size());
-        unpinned_.reserve(keys_.size());
-        lost_.reserve(keys_.size());
-        key_by_key_ = true;
         next_key_ = 0;
       }  // anything else: nothing of this step released, and a retry does it again
+      step_unfinished_ = true;
     }
     for (; next_key_ < keys.size(); ++next_key_) {
       const uint64_t i = next_key_;
@@ -397,7 +398,12 @@ void WorkingSet::ReleaseRemaining() {
       }  // anything else: key i released nothing, and a retry goes on from it
       unpinned_at.push_back(i);
     }
-    key_by_key_ = false;
+    // Room for naming what the step found, before it counts as done: each
+    // key is in one step and named once, so the bookkeeping after it cannot
+    // fail.
+    unpinned_.reserve(keys_.size());
+    lost_.reserve(keys_.size());
+    step_unfinished_ = false;
     *called = true;
   };
   if (!written_ && in_mem_ps_) {

@@ -1032,6 +1032,117 @@ TEST(WorkingSet, EveryReleaseThatRunsOutOfMemoryIsCountedOnce) {
   }
 }
 
+// MEM-PS whose releases (WriteBack, Unpin, UnpinUpdated) allocate nothing
+// that fail_in counts, so that a failure injected around one lands in its
+// caller's own bookkeeping: a release that ran out of memory after it
+// released keys would break MemCache's contract (bad_alloc: nothing
+// released), which its own tests keep.
+class UncountedReleaseCache final : public ForwardingCache {
+ public:
+  using ForwardingCache::ForwardingCache;
+
+  void WriteBack(const uint64_t* k, uint64_t n, const uint8_t* rows, uint8_t* const* at) override {
+    Uncounted([&] { ForwardingCache::WriteBack(k, n, rows, at); });
+  }
+  void Unpin(const uint64_t* k, uint64_t n, uint8_t* const* at) override {
+    Uncounted([&] { ForwardingCache::Unpin(k, n, at); });
+  }
+  void UnpinUpdated(const uint64_t* k, uint64_t n, const uint8_t* updated, uint8_t* const* at) override {
+    Uncounted([&] { ForwardingCache::UnpinUpdated(k, n, updated, at); });
+  }
+
+ private:
+  template <typename Call>
+  static void Uncounted(Call call) {
+    const uint64_t armed = fail_in.exchange(0);
+    try {
+      call();
+    } catch (...) {
+      fail_in = armed;  // a rethrow allocates nothing
+      throw;
+    }
+    fail_in = armed;
+  }
+};
+
+// Something else unpins a key (one with a step, or one without) during the
+// release's bulk call (PinBreakingCache), which releases the others and says so
+// (BrokenPinError), and the working set runs out of memory recording what
+// the call found: every allocation of the working set's first attempt is
+// failed in turn (the cache's own are not: its tests fail those). The call is never made again (it would take the next
+// batch's pins), and the retry still names the key: the working set does not
+// count the release done before it has recorded what the call found.
+TEST(WorkingSet, ARecordOfKeysUnpinnedDuringTheReleaseThatRunsOutOfMemoryIsFinishedByItsRetry) {
+  const SparseOptimizer opt = AdaGrad(2);
+  for (const auto& [bound, stepped] : {std::pair(true, true), std::pair(true, false), std::pair(false, true),
+                                        std::pair(false, false)}) {
+    SCOPED_TRACE(bound ? "bound to host rows" : "holding copies");
+    SCOPED_TRACE(stepped ? "a key with a step unpinned" : "a key without a step unpinned");
+    const std::vector<uint64_t> keys = {1, 2, 3, 4};
+    std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
+    RowStore reference_store(opt);
+    auto reference = reference_store.Cache(16);
+    StepUnhindered(*reference, opt, bound, keys, g);
+    const std::vector<uint64_t> updated = {1, 2};
+    const std::vector<float> expected = CachedRows(*reference, updated);
+    uint64_t failures = 0;
+    for (uint64_t k = 1;; ++k) {
+      SCOPED_TRACE(testing::Message() << "allocation " << k);
+      RowStore store(opt);
+      auto breaking = std::make_unique<PinBreakingCache>(store.Cache(16));
+      PinBreakingCache& pin_breaker = *breaking;
+      UncountedReleaseCache cache(std::move(breaking));
+      auto tier = HostTier(2, 16, opt, bound);
+      WorkingSet ws(cache, opt, 2, keys.data(), keys.size());
+      ws.Load(*tier, nullptr);
+      ws.Accumulate(0, keys.data(), 2, g.data());
+      ws.Apply();
+      const uint64_t victim = stepped ? ws.updated_keys()[0] : keys.back();  // (holding copies: Unpin's, or WriteBack's)
+      std::vector<uint64_t> next;  // the next batch's keys: all but the victim, whose only pin the foreign unpin takes
+      for (uint64_t key : keys) {
+        if (key != victim) next.push_back(key);
+      }
+      cache.Pull(next.data(), next.size(), nullptr, /*pin=*/true, nullptr);
+      pin_breaker.victim = victim;
+
+      const std::string named = "1 of 4 keys were no longer pinned by this batch (keys " + std::to_string(victim) + ")";
+      bool failed = false, none_failed = false;
+      fail_in = k;
+      try {
+        ws.WriteBack();
+        ADD_FAILURE() << "a release that met a key unpinned during it passed";
+      } catch (const std::bad_alloc&) {
+        failed = true;
+      } catch (const std::runtime_error& e) {
+        none_failed = fail_in.exchange(0) != 0;  // k is past the release's allocations
+        EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+      }
+      fail_in = 0;
+      if (failed) {
+        ++failures;
+        EXPECT_FALSE(ws.released());
+        try {
+          ws.WriteBack();
+          ADD_FAILURE() << "a retried release that met a key unpinned during it passed";
+        } catch (const std::runtime_error& e) {
+          EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("their steps were kept"), std::string::npos) << e.what();
+        }
+      }
+      EXPECT_EQ(pin_breaker.victim, kEmptyKey) << "the foreign unpin did not happen";
+      EXPECT_TRUE(ws.released());
+      EXPECT_EQ(cache.stats().failed_releases, failed ? 2u : 1u);
+      // The next batch's pins, each once: a key released twice has lost its pin.
+      EXPECT_EQ(cache.stats().pinned, next.size());
+      EXPECT_NO_THROW(cache.Unpin(next.data(), next.size(), nullptr));
+      EXPECT_EQ(cache.stats().pinned, 0u);
+      EXPECT_EQ(CachedRows(cache, updated), expected);
+      if (none_failed || HasFailure()) break;
+    }
+    EXPECT_GT(failures, 0u);
+  }
+}
+
 // MEM-PS whose Unpin fails (a fault other than a key something else
 // unpinned) as many times as asked; everything else is the real cache's.
 class UnpinFailingCache final : public ForwardingCache {
