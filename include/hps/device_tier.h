@@ -299,14 +299,18 @@ class HostBatch {
   //    is marked dirty where its row still lies (MemCache::MarkUpdated), and
   //    one whose row was evicted meanwhile (clean: its step with it) is
   //    named lost;
-  //  * anything else (bad_alloc): nothing was released, and a later Release
-  //    or the destructor tries again.
+  //  * anything else (bad_alloc): a later Release or the destructor does
+  //    what it had not done (all of it, if it failed before any key was
+  //    released; else the keys still pinned, the refused steps to mark, the
+  //    error), never releasing a key twice (another batch may hold a pin on
+  //    it by then).
   void Release();
 
  private:
   void CheckLive(const char* what) const;
   void Setup(uint8_t* const* addresses);
   void BuildIndex() const;
+  void ReleaseRemaining();
 
   MemCache& cache_;
   const SparseOptimizer optimizer_;
@@ -314,6 +318,13 @@ class HostBatch {
   std::unique_ptr<detail::BatchRows> rows_;  // in MEM-PS's arena, as MemCache::Pin gave them
   mutable std::unique_ptr<detail::KeyIndex> index_;  // key -> position, built when first needed
   bool released_ = false;
+  // A release that a failure stopped once it had released keys: the
+  // position of its next key to release (past the last: none left), and
+  // the positions it found so far of keys something else unpinned, of
+  // steps lost, and of refused steps still to mark.
+  bool unfinished_ = false;
+  uint64_t next_key_ = 0;
+  std::vector<uint64_t> refused_, lost_, to_mark_;
 };
 
 }  // namespace hps

@@ -828,7 +828,8 @@ HostBatch::~HostBatch() {
 }
 
 void HostBatch::CheckLive(const char* what) const {
-  if (released_) throw std::logic_error(std::string("host batch: ") + what + " after release");
+  // (Unfinished: some keys are released already, their rows no longer the batch's.)
+  if (released_ || unfinished_) throw std::logic_error(std::string("host batch: ") + what + " after release");
 }
 
 void HostBatch::Positions(const uint64_t* keys, uint64_t n, int64_t* positions) const {
@@ -875,54 +876,80 @@ std::vector<uint64_t> HostBatch::UpdatedKeys() const {
 
 void HostBatch::Release() {
   if (released_) return;
-  const std::vector<uint8_t>& updated = rows_->updated();
-  uint8_t* const* rows = rows_->addresses();
-  // Positions of the keys something else unpinned, and of those whose steps are lost.
-  std::vector<uint64_t> refused, lost;
+  // Every failure counted, once, wherever it came from.
   try {
-    cache_.UnpinUpdated(keys_.data(), keys_.size(), updated.data(), rows);
-    released_ = true;
-    return;
-  } catch (const BrokenPinError& e) {
-    // Released, but for keys something else unpinned during the call, whose
-    // steps it marked already (as below).
-    released_ = true;
-    refused = e.unpinned();
-    lost = e.lost();
-  } catch (const std::invalid_argument&) {
-    // Some key is no longer pinned, and UnpinUpdated refused them all: one
-    // at a time, the others are released below.
+    ReleaseRemaining();
   } catch (...) {
     cache_.CountFailedRelease();
     throw;
   }
-  if (!released_) {
-    released_ = true;
+}
+
+void HostBatch::ReleaseRemaining() {
+  const std::vector<uint8_t>& updated = rows_->updated();
+  uint8_t* const* rows = rows_->addresses();
+  // Bulk first; a key something else unpinned makes UnpinUpdated refuse the
+  // whole call (changing nothing), and then the keys go one by one. Once a
+  // call has released keys the release is unfinished: a failure after that
+  // (bad_alloc) leaves what it found in members and its next key in
+  // next_key_, and the retry goes on from there without calling again for
+  // any key before it (a second unpin would take the pin of the next batch
+  // that holds the key). Key by key, a call that fails with anything but
+  // BrokenPinError or std::invalid_argument has released nothing
+  // (MemCache's contract): next_key_ stays at it.
+  if (!unfinished_) {
+    try {
+      cache_.UnpinUpdated(keys_.data(), keys_.size(), updated.data(), rows);
+      released_ = true;
+      return;
+    } catch (BrokenPinError& e) {
+      // Released, but for keys something else unpinned during the call,
+      // whose steps it marked already (as below). What it found is moved
+      // (no room needed) and no key is left to call.
+      refused_ = e.TakeUnpinned();
+      lost_ = e.TakeLost();
+      next_key_ = keys_.size();
+    } catch (const std::invalid_argument&) {
+      // Room first, while nothing is released: the bookkeeping below cannot
+      // fail (each key is refused, lost or to mark once).
+      refused_.reserve(keys_.size());
+      lost_.reserve(keys_.size());
+      to_mark_.reserve(keys_.size());
+      next_key_ = 0;
+    }  // anything else: nothing released, and a retry does it all again
+    unfinished_ = true;
+  }
+  for (; next_key_ < keys_.size(); ++next_key_) {
+    const uint64_t p = next_key_;
+    try {
+      cache_.UnpinUpdated(&keys_[p], 1, &updated[p], rows + p);
+      continue;
+    } catch (const BrokenPinError& e) {  // unpinned during the call, its step marked
+      if (!e.lost().empty()) lost_.push_back(p);
+    } catch (const std::invalid_argument&) {
+      // Its unpin did not mark its step: marked below where its row still
+      // lies, so MEM-PS stores it when it evicts the row.
+      if (updated[p]) to_mark_.push_back(p);
+    }  // anything else: key p released nothing, and a retry goes on from it
+    refused_.push_back(p);
+  }
+  if (!to_mark_.empty()) {
+    // Until it passes (marking a step twice is harmless). A row that left
+    // its slot meanwhile (unpinned, then evicted clean) took its step with it.
     std::vector<uint64_t> stepped;
     std::vector<uint8_t*> where;
-    std::vector<uint64_t> position;
-    for (uint64_t p = 0; p < keys_.size(); ++p) {
-      try {
-        cache_.UnpinUpdated(&keys_[p], 1, &updated[p], rows + p);
-        continue;
-      } catch (const BrokenPinError& e) {  // unpinned during the call, its step marked
-        if (!e.lost().empty()) lost.push_back(p);
-      } catch (const std::invalid_argument&) {
-        // Its unpin did not mark its step: marked below where its row still
-        // lies, so MEM-PS stores it when it evicts the row.
-        if (updated[p]) {
-          stepped.push_back(keys_[p]);
-          where.push_back(rows[p]);
-          position.push_back(p);
-        }
-      }
-      refused.push_back(p);
+    stepped.reserve(to_mark_.size());
+    where.reserve(to_mark_.size());
+    for (uint64_t p : to_mark_) {
+      stepped.push_back(keys_[p]);
+      where.push_back(rows[p]);
     }
-    // A row that left its slot meanwhile (unpinned, then evicted clean) took its step with it.
-    for (uint64_t j : cache_.MarkUpdated(stepped.data(), stepped.size(), where.data())) lost.push_back(position[j]);
-    std::sort(lost.begin(), lost.end());
+    for (uint64_t j : cache_.MarkUpdated(stepped.data(), stepped.size(), where.data())) lost_.push_back(to_mark_[j]);
+    to_mark_.clear();
+    std::sort(lost_.begin(), lost_.end());
   }
-  cache_.CountFailedRelease();
+  const std::vector<uint64_t>& refused = refused_;
+  const std::vector<uint64_t>& lost = lost_;
   const auto named = [&](const std::vector<uint64_t>& at, bool say_updated) {
     std::string which;
     for (size_t j = 0; j < at.size() && j < 8; ++j) {
@@ -932,14 +959,17 @@ void HostBatch::Release() {
     if (at.size() > 8) which += ", ...";
     return which;
   };
-  throw std::runtime_error("host batch release: " + std::to_string(refused.size()) + " of " +
-                           std::to_string(keys_.size()) + " keys were no longer pinned by this batch (" +
-                           named(refused, true) + "): something else unpinned them; " +
-                           (lost.empty() ? std::string("the updated ones' steps were kept")
-                                         : "the steps of " + named(lost, false) +
-                                               " are lost (their rows left MEM-PS before the release), the other "
-                                               "updated ones' were kept") +
-                           " (dirty in MEM-PS), and the other keys were released");
+  // Built before the batch counts as released: if that runs out of memory,
+  // the retry reports it.
+  const std::runtime_error error(
+      "host batch release: " + std::to_string(refused.size()) + " of " + std::to_string(keys_.size()) +
+      " keys were no longer pinned by this batch (" + named(refused, true) + "): something else unpinned them; " +
+      (lost.empty() ? std::string("the updated ones' steps were kept")
+                    : "the steps of " + named(lost, false) +
+                          " are lost (their rows left MEM-PS before the release), the other updated ones' were kept") +
+      " (dirty in MEM-PS), and the other keys were released");
+  released_ = true;
+  throw error;  // a copy that shares the message: nothing to allocate
 }
 
 std::unique_ptr<DeviceTier> DeviceTier::New(const DeviceTierOptions& options) {

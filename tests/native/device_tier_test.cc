@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <stdexcept>
@@ -15,8 +16,10 @@
 #include "hps/device_tier.h"
 #include "hps/hash_table.h"
 #include "hps/mem_cache.h"
+#include "failing_allocations.h"
 #include "forwarding_cache.h"
 #include "row_store.h"
+#include "uncounted_release_cache.h"
 
 namespace hps {
 namespace {
@@ -616,8 +619,10 @@ TEST(DeviceTier, SumByInverseAddsRowsOfTheSameKey) {
   EXPECT_THROW(SumByInverse(bad.data(), 2, rows.data(), 2, 3, out.data()), std::out_of_range);
 }
 
+using test_support::fail_in;
 using test_support::PinBreakingCache;
 using test_support::RowStore;
+using test_support::UncountedReleaseCache;
 
 
 // At dim 4 a row's width is known at run time; at 16 Get copies rows of a
@@ -913,6 +918,122 @@ TEST(HostBatch, AKeyUnpinnedDuringTheReleaseIsNamedAndItsStepKept) {
   const MemCacheStats st = cache.stats();
   EXPECT_EQ(st.pinned, 2u);  // the next batch's
   EXPECT_EQ(st.failed_releases, 1u);
+}
+
+// A release that meets a key something else unpinned (before it: the keys
+// go one by one; or during its call: PinBreakingCache) and runs out of
+// memory is retried as its owner would retry it: every allocation of the
+// first attempt is failed in turn (the cache's releases' own are not: its
+// tests fail those). The retry releases what the first left pinned and no
+// key twice (the next batch's pins stay), keeps every step (dirty), names
+// the key, and each failed attempt is counted.
+TEST(HostBatch, AReleaseThatMeetsAnUnpinnedKeyAndRunsOutOfMemoryIsFinishedByItsRetry) {
+  for (bool during : {false, true}) {
+    SCOPED_TRACE(during ? "unpinned during the release" : "unpinned before the release");
+    uint64_t failures = 0;
+    for (uint64_t k = 1;; ++k) {
+      SCOPED_TRACE(testing::Message() << "allocation " << k);
+      RowStore store(AdaGrad(2));
+      auto breaking = std::make_unique<PinBreakingCache>(store.Cache(16));
+      PinBreakingCache& pin_breaker = *breaking;
+      UncountedReleaseCache cache(std::move(breaking));
+      const std::vector<uint64_t> keys = {1, 2, 3, 4, 5}, next = {1, 3, 4, 5};
+      cache.Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+      HostBatch batch(cache, keys.data(), keys.size(), store.opt);
+      std::vector<int64_t> at = {0, 1, 2};
+      std::vector<float> g(6, 0.5f);
+      batch.Accumulate(at.data(), 3, g.data());
+      batch.Apply();
+      if (during) {
+        pin_breaker.victim = 2;
+      } else {
+        const uint64_t stolen = 2;
+        cache.Unpin(&stolen, 1, nullptr);
+      }
+      cache.Pull(next.data(), next.size(), nullptr, true, nullptr);  // the next batch's pins
+
+      const std::string named = "1 of 5 keys were no longer pinned by this batch (keys[1] = 2 (updated))";
+      bool failed = false, none_failed = false;
+      fail_in = k;
+      try {
+        batch.Release();
+        ADD_FAILURE() << "a release that met key 2 unpinned passed";
+      } catch (const std::bad_alloc&) {
+        failed = true;
+      } catch (const std::runtime_error& e) {
+        none_failed = fail_in.exchange(0) != 0;  // k is past the release's allocations
+        EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+      }
+      fail_in = 0;
+      if (failed) {
+        ++failures;
+        try {
+          batch.Release();
+          ADD_FAILURE() << "a retried release that met key 2 unpinned passed";
+        } catch (const std::runtime_error& e) {
+          EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+        }
+      }
+      EXPECT_EQ(pin_breaker.victim, kEmptyKey) << "the foreign unpin did not happen";
+      const MemCacheStats st = cache.stats();
+      EXPECT_EQ(st.failed_releases, failed ? 2u : 1u);
+      EXPECT_EQ(st.pinned, next.size()) << "the next batch's pins";
+      EXPECT_EQ(st.dirty, 3u);  // keys 1 to 3's steps, kept
+      EXPECT_NO_THROW(cache.Unpin(next.data(), next.size(), nullptr));
+      EXPECT_EQ(cache.stats().pinned, 0u) << "a pin of the batch left behind";
+      if (none_failed || HasFailure()) break;
+    }
+    EXPECT_GT(failures, 0u);
+  }
+}
+
+// MEM-PS whose one-key UnpinUpdated of `failing` fails once with bad_alloc
+// (having released nothing, as MemCache's contract says); everything else is
+// the real cache's.
+class OneKeyUnpinFailingCache final : public test_support::ForwardingCache {
+ public:
+  using ForwardingCache::ForwardingCache;
+  uint64_t failing = kEmptyKey;  // reset once met
+
+  void UnpinUpdated(const uint64_t* k, uint64_t n, const uint8_t* updated, uint8_t* const* at) override {
+    if (n == 1 && k[0] == failing) {
+      failing = kEmptyKey;
+      throw std::bad_alloc();
+    }
+    ForwardingCache::UnpinUpdated(k, n, updated, at);
+  }
+};
+
+// A release stopped midway by a failure (the keys going one by one, some
+// released already) leaves a batch whose rows are no longer all its own: no
+// call but Release reads or steps them, and the retry finishes the release.
+TEST(HostBatch, ABatchWhoseReleaseStoppedMidwayRefusesEveryCallButRelease) {
+  RowStore store(AdaGrad(2));
+  OneKeyUnpinFailingCache cache(store.Cache(16));
+  const std::vector<uint64_t> keys = {1, 2, 3, 4};
+  cache.Pull(keys.data(), keys.size(), nullptr, true, nullptr);
+  HostBatch batch(cache, keys.data(), keys.size(), store.opt);
+  const uint64_t stolen = 2;
+  cache.Unpin(&stolen, 1, nullptr);  // the keys go one by one
+  cache.failing = 4;                 // after keys 1 and 3 are released
+  EXPECT_THROW(batch.Release(), std::bad_alloc);
+  EXPECT_EQ(cache.failing, kEmptyKey);
+  const std::vector<int64_t> at = {0};
+  std::vector<float> emb(2);
+  std::vector<float> g(2, 0.5f);
+  EXPECT_THROW(batch.Get(at.data(), 1, emb.data()), std::logic_error);
+  EXPECT_THROW(batch.Accumulate(at.data(), 1, g.data()), std::logic_error);
+  EXPECT_THROW(batch.Apply(), std::logic_error);
+  try {
+    batch.Release();
+    FAIL() << "a retried release of a key no longer pinned passed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("1 of 4 keys were no longer pinned by this batch (keys[1] = 2)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(cache.stats().pinned, 0u);
+  EXPECT_EQ(cache.stats().failed_releases, 2u);
 }
 
 // A batch dropped unreleased is released by its destructor, which cannot

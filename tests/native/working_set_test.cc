@@ -27,6 +27,7 @@
 #include "failing_allocations.h"
 #include "forwarding_cache.h"
 #include "row_store.h"
+#include "uncounted_release_cache.h"
 
 namespace hps {
 namespace {
@@ -44,6 +45,7 @@ using test_support::fail_in;
 using test_support::ForwardingCache;
 using test_support::PinBreakingCache;
 using test_support::RowStore;
+using test_support::UncountedReleaseCache;
 
 
 std::vector<float> CachedRows(MemCache& cache, const std::vector<uint64_t>& keys) {
@@ -1031,39 +1033,6 @@ TEST(WorkingSet, EveryReleaseThatRunsOutOfMemoryIsCountedOnce) {
     EXPECT_GT(failures, 0u);
   }
 }
-
-// MEM-PS whose releases (WriteBack, Unpin, UnpinUpdated) allocate nothing
-// that fail_in counts, so that a failure injected around one lands in its
-// caller's own bookkeeping: a release that ran out of memory after it
-// released keys would break MemCache's contract (bad_alloc: nothing
-// released), which its own tests keep.
-class UncountedReleaseCache final : public ForwardingCache {
- public:
-  using ForwardingCache::ForwardingCache;
-
-  void WriteBack(const uint64_t* k, uint64_t n, const uint8_t* rows, uint8_t* const* at) override {
-    Uncounted([&] { ForwardingCache::WriteBack(k, n, rows, at); });
-  }
-  void Unpin(const uint64_t* k, uint64_t n, uint8_t* const* at) override {
-    Uncounted([&] { ForwardingCache::Unpin(k, n, at); });
-  }
-  void UnpinUpdated(const uint64_t* k, uint64_t n, const uint8_t* updated, uint8_t* const* at) override {
-    Uncounted([&] { ForwardingCache::UnpinUpdated(k, n, updated, at); });
-  }
-
- private:
-  template <typename Call>
-  static void Uncounted(Call call) {
-    const uint64_t armed = fail_in.exchange(0);
-    try {
-      call();
-    } catch (...) {
-      fail_in = armed;  // a rethrow allocates nothing
-      throw;
-    }
-    fail_in = armed;
-  }
-};
 
 // Something else unpins a key (one with a step, or one without) during the
 // release's bulk call (PinBreakingCache), which releases the others and says so
