@@ -463,3 +463,41 @@ def test_hps_train_refuses_bounds_with_herald_before_writing(tmp_path):
     with pytest.raises(ValueError, match=r"ttl_steps = 3 and max_rows = 100.*schedule = 'sequential'"):
         train(TrainConfig.from_toml(cfg))
     assert not path.exists()
+
+
+def test_a_job_resharded_onto_fewer_ranks_keeps_the_cap_in_its_checkpoint(tmp_path):
+    """max_rows is per rank and hard at each checkpoint: a job of 2 ranks each at the
+    cap, resharded to one process, gets at most max_rows rows in the reshard's own
+    checkpoint (it held both ranks' until the next checkpoint: an export or a
+    Lookup of it read twice the cap), the oldest gone as a checkpoint takes them."""
+    pytest.importorskip("torch", reason="a reshard reads hps train's dense state")
+    from hps import reshard
+    from hps.distributed import owner_ranks
+    from hps.jobdir import JOB_MANIFEST, read_job
+    from hps.parameter_server import RUN
+    cap = 60
+    root = tmp_path / "job"
+    ps = hps.ParameterServer(config(root, max_rows=cap))
+    keys = np.arange(1, cap + 1, dtype=np.uint64)
+    ps.push(keys, np.ones((len(keys), DIM), np.float32))  # step 1: the cap just holds them
+    ps.checkpoint(_trainer_state(1))
+    ps.close()
+    old = reshard.check_source(str(root))  # to 2 ranks at checkpoint 2, about cap / 2 rows each
+    done = [reshard.write_rank(str(root), 2, r) for r in range(2)]
+    reshard.commit(str(root), 2, old, done[0][1])
+    more = np.arange(1000, 1000 + 4 * cap, dtype=np.uint64)
+    for r in range(2):  # step 2: each rank fills up to the cap with new keys of its own
+        rank = hps.ParameterServer(config(root / f"rank{r}", max_rows=cap), checkpoint=2)
+        mine = more[owner_ranks(more, 2) == r][:cap - len(rank._ssd)]
+        rank.push(mine, np.ones((len(mine), DIM), np.float32))
+        assert rank.checkpoint(_trainer_state(2), keep_previous=True) == 3
+        assert len(rank._ssd) == cap
+        rank.close()
+    job = read_job(str(root))
+    (root / JOB_MANIFEST).write_text(json.dumps({"world": 2, "step": 2, "checkpoint": 3, RUN: job.run}))
+    _, number, _ = reshard.to_one_process(str(root))
+    ps = hps.ParameterServer.open(root)
+    assert ps.checkpoint_number == number and len(ps._ssd) == cap
+    stamps, found = ps._ssd.stamps(keys)
+    assert not found.any()  # the oldest (step 1's) went first
+    ps.close()

@@ -91,6 +91,15 @@ _MAX_BOUND = (1 << 63) - 1  # the largest ttl_steps and max_rows
 SERVER_STEP = "server-step.json"  # in a checkpoint: the server's step (batches) when it was made
 
 
+def bound_store(ssd, step: int, ttl_steps: int, max_rows: int) -> dict:
+    """Bounded tables' erase of an SsdStore at a checkpoint of `step`: the rows
+    stamped more than ttl_steps before it, then the oldest beyond max_rows (0:
+    off); SsdStore.bound's {"expired", "capped"} keys. A checkpoint's store is
+    bounded so wherever it is written: the server's checkpoint, and a reshard's."""
+    min_stamp = step - ttl_steps if ttl_steps and step > ttl_steps else 0
+    return ssd.bound(min_stamp, max_rows)
+
+
 def new_run_id() -> str:
     return uuid.uuid4().hex
 
@@ -1278,9 +1287,7 @@ class ParameterServer:
         initial row: its batch reads the key as new, never the row erased)."""
         if not self._bounded:
             return
-        ttl, cap = self.config.ttl_steps, self.config.max_rows
-        min_stamp = self._step - ttl if ttl and self._step > ttl else 0
-        gone = self._ssd.bound(min_stamp, cap)
+        gone = bound_store(self._ssd, self._step, self.config.ttl_steps, self.config.max_rows)
         erased = np.concatenate([gone["expired"], gone["capped"]])
         if len(erased):
             self._cache.erase(erased)

@@ -12,7 +12,9 @@ path) and resumed under ``mpiexec -n M hps train --resume`` is resharded first
    (``owner_ranks(keys, M) == r``) with their whole rows (embedding and the
    sparse optimizer's state, which the row holds: Adam's step count too) and
    writes them as a new SSD-PS store in checkpoint K+1 of ``<path>/rank<r>``
-   (K: the old checkpoint), beside the dense state of step K (``merge_dense``).
+   (K: the old checkpoint), beside the dense state of step K (``merge_dense``),
+   bounded by the job's [ps] ttl_steps and max_rows as a checkpoint is (onto
+   fewer ranks, a rank gets up to several old ranks' caps of rows).
    An old rank's directory keeps its checkpoint K untouched; a directory that
    was no rank of the old job is made anew.
 3. ``commit`` (rank 0, once every rank finished step 2): job.json names
@@ -76,8 +78,8 @@ from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
                         read_job, replay_manifest, write_trainer_state)
 from hps.parameter_server import (CHECKPOINTS, METADATA, RUN, SERVER_STEP, WRITER_LOCK, PathInUseError, _lock_path,
-                                  _remove_tree, _replace_durable, _sync_dir, _write_durable, check_store_digest,
-                                  checkpoint_step, new_run_id, write_store_digest)
+                                  _remove_tree, _replace_durable, _sync_dir, _write_durable, bound_store,
+                                  check_store_digest, checkpoint_step, new_run_id, write_store_digest)
 
 JOB_MANIFEST = "job.json"
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
@@ -388,19 +390,22 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False, held
                     out.put(k, rows)
                     written += len(k)
         del sources
+        states = [_load_state(os.path.join(job.checkpoint_dir(r), TRAINER_STATE)) for r in range(job.world)]
+        merged = merge_dense(states)
+        # The server's step goes on from the old job's (the newest stamp among the
+        # rows a rank gets may be older: it would restart the rank's step there).
+        step = _server_step(job, merged)
+        # max_rows is per rank and hard at each checkpoint, this one too: onto fewer
+        # ranks, a rank gets several old ranks' rows (up to their caps together).
+        bound_store(out, step, job.config.ttl_steps, job.config.max_rows)
         out.commit()
         del out
         with open(os.path.join(tmp, STORE_DIR, MANIFEST), "rb") as f:  # (closed: the store's last word)
             write_store_digest(tmp, f.read())
-        states = [_load_state(os.path.join(job.checkpoint_dir(r), TRAINER_STATE)) for r in range(job.world)]
         import torch
         buf = io.BytesIO()
-        merged = merge_dense(states)
         torch.save(merged, buf)
         write_trainer_state(tmp, buf.getvalue(), merged["batches_done"], merged["examples_done"])
-        # The server's step goes on from the old job's (the newest stamp among the
-        # rows a rank gets may be older: it would restart the rank's step there).
-        step = _server_step(job, merged)
         _write_durable(os.path.join(tmp, SERVER_STEP), json.dumps({"step": step}).encode())
         _sync_dir(os.path.join(tmp, STORE_DIR))
         _sync_dir(tmp)
