@@ -630,6 +630,41 @@ def test_a_position_of_a_run_started_over_in_the_same_path_is_refused_naming_bot
     assert export(tmp_path / "job", tmp_path / "e4", "t-run")["rows"] == 0  # its position is the new run's now
 
 
+def test_a_position_past_the_checkpoint_a_server_was_rolled_back_to_is_refused(tmp_path):
+    """A server rolled back to an earlier checkpoint (ParameterServer(checkpoint=2))
+    drops the later ones and numbers its next checkpoint and files as they were. A
+    consumer that had exported the dropped checkpoint 3 took the new checkpoint 3 for
+    it once the job got there again: its delta was empty, the 60 rows trained since
+    the rollback missing, with no error. The rollback makes a new run: refused."""
+    from hps.export import export
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=0.5),
+                                    ssd=hps.SsdOptions(file_records=32))
+    ps = hps.ParameterServer(cfg)
+    for first in (1, 41, 81):  # checkpoints 1 to 3, the earlier ones kept
+        ps.push(np.arange(first, first + 40, dtype=np.uint64), np.ones((40, 4), np.float32))
+        ps.checkpoint(keep_previous=True)
+    ps.close()
+    old = export(tmp_path / "job", tmp_path / "e1", "t-back")
+    assert old["checkpoint"] == 3 and old["rows"] == 120
+    ps = hps.ParameterServer(cfg, checkpoint=2)
+    trained = np.arange(500, 560, dtype=np.uint64)
+    ps.push(trained, np.ones((60, 4), np.float32))
+    assert ps.checkpoint() == 3  # the number the consumer's position holds, other rows
+    ps.close()
+    job = jobdir.read_job(tmp_path / "job")
+    assert job.run != old["run"]
+    with pytest.raises(ValueError, match=f"consumer 't-back' last exported run {old['run']}, but the job .* is now "
+                                         f"run {job.run} \\(started over in this path, rolled back to an earlier "
+                                         f"checkpoint, or resharded\\).*export with --full"):
+        export(tmp_path / "job", tmp_path / "e2", "t-back")
+    meta, table = read_export(export(tmp_path / "job", tmp_path / "e3", "t-back", full=True)["job"] and tmp_path / "e3")
+    assert set(trained.tolist()) <= set(table["key"]) and meta["rows"] == 80 + len(trained)
+    # A server opened at the checkpoint its metadata names goes on in its run.
+    ps = hps.ParameterServer(cfg, checkpoint=3)
+    ps.close()
+    assert jobdir.read_job(tmp_path / "job").run == job.run
+
+
 def test_a_delta_read_a_few_rows_at_a_time_holds_exactly_the_rows_updated_since(tmp_path):
     """Exports read and write chunk_rows rows at a time: with chunks of 7 and 2 rows
     every row still comes once, and a delta after five keys were updated holds those

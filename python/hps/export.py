@@ -110,12 +110,14 @@ def _table(sch, keys, rows, dim, step, rank, int8, with_state, tombstone=False):
 def _check_position(pos: dict, view: jobdir.View, consumer: str) -> None:
     where = position_path(view.job.root, consumer)
     # The run first: a position's sequence numbers count another run's files (a job started
-    # over in this path, or resharded, numbers its files anew), so its delta would miss the
+    # over in this path, rolled back to an earlier checkpoint, or resharded, numbers its files
+    # anew), so its delta would miss the
     # rows of every file numbered at or below them, even once the checkpoints pass its own.
     # (A position or a job written before runs had ids is checked by the rules below alone.)
     if pos.get("run") and view.job.run and pos["run"] != view.job.run:
         raise ValueError(f"{where}: consumer '{consumer}' last exported run {pos['run']}, but the job at "
-                         f"{view.job.root} is now run {view.job.run} (started over in this path, or resharded), "
+                         f"{view.job.root} is now run {view.job.run} (started over in this path, rolled back to an "
+                         f"earlier checkpoint, or resharded), "
                          f"whose files are numbered anew; its position does not apply: export with --full "
                          f"(a whole snapshot, to replace the consumer's copy)")
     if pos["world"] != view.job.world:

@@ -854,6 +854,8 @@ class ParameterServer:
         (the last finished one, which the metadata names), a number (an MPI job
         rolls every rank back to the one all of them finished), or None (none:
         the server starts empty, as new). Opening drops every other checkpoint.
+        None, or a number before the last finished checkpoint, starts a new run
+        (its id in the metadata; docs/serving.md): the numbers come again.
         ``before_restore``: called with the stored metadata (None for a new path)
         once the path's writer lock is held and before anything is dropped; what
         it raises ends the open, changing nothing. A caller that chose
@@ -882,8 +884,16 @@ class ParameterServer:
         if before_restore is not None:
             before_restore(meta)
         # A run resumed keeps its id; a new one (checkpoint None: started over) gets one.
+        # So does a run rolled back to a checkpoint before the last finished one: the
+        # checkpoints after it go, and their numbers (and parameter files' numbers) come
+        # again for other rows. Under the old id a reader that had read a dropped one (an
+        # export's position, a Lookup) took the new checkpoint of its number for it, and a
+        # delta missed every row written since the rollback. (An MPI job's run is job.json's,
+        # which a rank's rollback to the checkpoint job.json names leaves as it is.)
         # Metadata written before runs had ids gets one now.
-        self._run = (meta or {}).get(RUN) if checkpoint is not None else None
+        rolled_back = (meta is not None and checkpoint not in (LAST, None) and meta.get("checkpoint") is not None
+                       and checkpoint < meta["checkpoint"])
+        self._run = (meta or {}).get(RUN) if checkpoint is not None and not rolled_back else None
         self._run = self._run or new_run_id()
         if meta is None:
             if checkpoint not in (LAST, None):
