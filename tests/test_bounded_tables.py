@@ -501,3 +501,47 @@ def test_a_job_resharded_onto_fewer_ranks_keeps_the_cap_in_its_checkpoint(tmp_pa
     stamps, found = ps._ssd.stamps(keys)
     assert not found.any()  # the oldest (step 1's) went first
     ps.close()
+
+
+def test_keys_an_export_that_failed_after_its_files_delivered_get_tombstones_once_erased(tmp_path, monkeypatch):
+    """An export writes its Parquet files and _export.json, then moves the consumer's
+    position: failed in between, its directory looks complete, and a consumer may have
+    read its rows. The next export goes on from the position before it: the keys only
+    that export delivered, erased since, were in no key set it compared against, and
+    got no tombstone (the consumer kept them for good)."""
+    pytest.importorskip("pyarrow", reason="hps export writes Parquet through pyarrow")
+    import pyarrow.parquet as pq
+    from hps import export as hexport
+    path = tmp_path / "ps"
+    ps = hps.ParameterServer(config(path, ttl_steps=2))
+    kept, delivered = np.arange(1, 51, dtype=np.uint64), np.arange(101, 121, dtype=np.uint64)
+    ps.push(kept, np.ones((len(kept), DIM), np.float32))  # step 1
+    ps.checkpoint()
+    hexport.export(path, tmp_path / "e0", "c")
+    both = np.concatenate([kept, delivered])
+    ps.push(both, np.ones((len(both), DIM), np.float32))  # step 2
+    ps.checkpoint()
+
+    def no_commit(src, dst):
+        raise OSError(28, "No space left on device", dst)
+    with monkeypatch.context() as m:
+        m.setattr(hexport, "_replace_durable", no_commit)
+        with pytest.raises(OSError, match="No space"):
+            hexport.export(path, tmp_path / "e1", "c")
+    assert set(pq.read_table(tmp_path / "e1").to_pydict()["key"]) >= set(delivered.tolist())  # as a reader finds it
+    assert (tmp_path / "e1" / hexport.EXPORT_META).exists()
+    for _ in range(3):  # steps 3 to 5: the delivered keys not updated for 3 > ttl_steps steps
+        ps.push(kept, np.ones((len(kept), DIM), np.float32))
+    ps.checkpoint()
+    assert ps.stats()["counts"]["expired"] == len(delivered)
+    ps.close()
+    # And a key set a crash cut short as it was written (its export never looked whole): skipped.
+    whole = next(n for n in os.listdir(path / "exports") if n.endswith(".keys.npy"))
+    (path / "exports" / "c.000009-0badcafe.rank00000.keys.npy").write_bytes((path / "exports" / whole).read_bytes()[:90])
+    meta = hexport.export(path, tmp_path / "e2", "c")
+    table = pq.read_table(tmp_path / "e2").to_pydict()
+    assert {k for k, t in zip(table["key"], table["tombstone"]) if t} == set(delivered.tolist())
+    assert meta["tombstones"] == len(delivered)
+    # The failed export's key sets went with this export's commit: one set, the position's.
+    pos = json.loads((path / "exports" / "c.json").read_text())
+    assert sorted(n for n in os.listdir(path / "exports") if n.endswith(".keys.npy")) == [pos["ranks"][0]["keys"]]

@@ -190,7 +190,7 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
     # filled it while this one waited, and this one's delta would overwrite its rows.
     _check_to(to)
     previous = read_position(root, consumer)
-    _remove_orphans(exports, consumer, previous)
+    unsettled = _unsettled_key_sets(exports, consumer, previous)
     view = jobdir.pin(root)
     to_lock = None
     try:
@@ -215,9 +215,13 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
             since = None if pos is None else pos["ranks"][rv.rank]["max_sequence"]
             changed = keys if since is None else keys[seqs > np.uint64(since)]
             gone = np.empty(0, np.uint64)
-            if pos is not None and pos["ranks"][rv.rank].get("keys"):
-                seen = np.load(os.path.join(exports, pos["ranks"][rv.rank]["keys"]))
-                gone = np.setdiff1d(seen, keys, assume_unique=True)
+            if pos is not None:
+                seen = [np.load(os.path.join(exports, pos["ranks"][rv.rank]["keys"]))] \
+                    if pos["ranks"][rv.rank].get("keys") else []
+                seen += _readable_key_sets(exports, unsettled.get(rv.rank, []))
+                if seen:  # (each set sorted and distinct: merged only after a failed export)
+                    seen = seen[0] if len(seen) == 1 else np.unique(np.concatenate(seen))
+                    gone = np.setdiff1d(seen, keys, assume_unique=True)
             name = f"part-rank{rv.rank:05d}.parquet"
             store = jobdir.open_store(rv, row_bytes)
             with pq.ParquetWriter(os.path.join(to, name), sch) as writer:
@@ -243,6 +247,7 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
                                   "since_sequence": since})
             meta["rows"] += int(len(changed))
             meta["tombstones"] += int(len(gone))
+        _sync_dir(exports)  # the key sets' names, before _export.json says the export is whole
         _write_durable(os.path.join(to, EXPORT_META), json.dumps(meta, indent=1).encode())
         _sync_dir(to)
         position = {"consumer": consumer, "checkpoint": view.checkpoint, "step": step, "world": job.world,
@@ -252,10 +257,11 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
         path = position_path(root, consumer)
         _write_durable(path + ".tmp", json.dumps(position, indent=1).encode())
         _replace_durable(path + ".tmp", path)  # the export's commit point
-        for old in (previous or {}).get("ranks", []):
-            if old.get("keys") and old["keys"] not in new_keys_files:
+        for name in [r.get("keys") for r in (previous or {}).get("ranks", [])] + \
+                [n for names in unsettled.values() for n in names]:
+            if name and name not in new_keys_files:
                 try:
-                    os.remove(os.path.join(exports, old["keys"]))
+                    os.remove(os.path.join(exports, name))
                 except FileNotFoundError:
                     pass
         return meta
@@ -265,16 +271,36 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
         view.close()
 
 
-def _remove_orphans(exports: str, consumer: str, position: Optional[dict]) -> None:
-    """Key sets of this consumer that its position does not name: an export that
-    failed before its commit point left them."""
+def _unsettled_key_sets(exports: str, consumer: str, position: Optional[dict]) -> dict:
+    """{rank: names} of this consumer's key sets that its position does not name:
+    exports that failed before their commit point left them. One that failed after
+    writing _export.json looks whole, and its reader may hold its rows: the next
+    export (from the position before it) writes tombstones for their keys gone
+    since too, or those rows would stay with the reader for good (a tombstone for a
+    key the reader never got deletes nothing). They go once an export commits."""
     named = {r.get("keys") for r in (position or {}).get("ranks", [])}
     # The whole name as _export_locked writes it, not a prefix: a consumer name may
     # hold '.', so the key sets of consumer 'feed.2' also begin with 'feed.' and a digit.
-    own = re.compile(re.escape(consumer) + r"\.[0-9]{6,}-[0-9a-f]{8}\.rank[0-9]{5,}\.keys\.npy")
-    for name in os.listdir(exports):
-        if own.fullmatch(name) and name not in named:
-            os.remove(os.path.join(exports, name))
+    own = re.compile(re.escape(consumer) + r"\.[0-9]{6,}-[0-9a-f]{8}\.rank([0-9]{5,})\.keys\.npy")
+    out: dict = {}
+    for name in sorted(os.listdir(exports)):
+        m = own.fullmatch(name)
+        if m and name not in named:
+            out.setdefault(int(m.group(1)), []).append(name)
+    return out
+
+
+def _readable_key_sets(exports: str, names: list) -> list:
+    """The key sets of failed exports, less those cut short by a crash as they were
+    written (each is synced before _export.json is written, so their export never
+    looked whole)."""
+    out = []
+    for name in names:
+        try:
+            out.append(np.load(os.path.join(exports, name)))
+        except (ValueError, EOFError):  # a truncated .npy
+            continue
+    return out
 
 
 def _npy_bytes(a: np.ndarray) -> bytes:
