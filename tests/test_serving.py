@@ -575,6 +575,20 @@ def test_a_key_the_consumer_saw_that_the_checkpoint_lacks_is_a_tombstone(job, tm
     assert not os.path.exists(keys_file)  # replaced by this export's key set
 
 
+def test_a_damaged_key_set_of_a_position_is_named(job, tmp_path):
+    """numpy's message for a truncated .npy names no file: the export's names the
+    consumer's key set, and --full, which does not read it, writes a new one."""
+    from hps.export import export
+    export(job, tmp_path / "a", "t-damaged")
+    pos = json.loads((job / "exports" / "t-damaged.json").read_text())
+    keys_file = job / "exports" / pos["ranks"][0]["keys"]
+    keys_file.write_bytes(keys_file.read_bytes()[:200])
+    with pytest.raises(ValueError, match=re.escape(str(keys_file)) + ": the key set of consumer 't-damaged'.*--full"):
+        export(job, tmp_path / "b", "t-damaged")
+    assert export(job, tmp_path / "c", "t-damaged", full=True)["full"]
+    assert export(job, tmp_path / "d", "t-damaged")["rows"] == 0
+
+
 def test_export_errors_name_the_argument(job, tmp_path, capsys):
     from hps.export import export
     assert main(["export", str(job), "--to", str(tmp_path / "x"), "--consumer", "../up"]) == 2

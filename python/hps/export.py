@@ -216,7 +216,7 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
             changed = keys if since is None else keys[seqs > np.uint64(since)]
             gone = np.empty(0, np.uint64)
             if pos is not None:
-                seen = [np.load(os.path.join(exports, pos["ranks"][rv.rank]["keys"]))] \
+                seen = [_load_key_set(os.path.join(exports, pos["ranks"][rv.rank]["keys"]), consumer)] \
                     if pos["ranks"][rv.rank].get("keys") else []
                 seen += _readable_key_sets(exports, unsettled.get(rv.rank, []))
                 if seen:  # (each set sorted and distinct: merged only after a failed export)
@@ -288,6 +288,16 @@ def _unsettled_key_sets(exports: str, consumer: str, position: Optional[dict]) -
         if m and name not in named:
             out.setdefault(int(m.group(1)), []).append(name)
     return out
+
+
+def _load_key_set(path: str, consumer: str) -> np.ndarray:
+    """The key set a consumer's position names; damage is named with the file (numpy's
+    own message names none) and what to do."""
+    try:
+        return np.load(path)
+    except (ValueError, EOFError) as e:
+        raise ValueError(f"{path}: the key set of consumer '{consumer}''s position is damaged ({e}); export "
+                         f"with --full (a whole snapshot, which writes a new one)") from None
 
 
 def _readable_key_sets(exports: str, names: list) -> list:
