@@ -153,6 +153,21 @@ def run_pullpush(node, out: str, args) -> None:
     ds.close()
 
 
+def run_pushstep(node, out: str, args) -> None:
+    """Rounds of DistributedServer.push whose keys all belong to rank 0: each rank's
+    server step (what [ps] ttl_steps counts) after them."""
+    import hps
+    from hps.distributed import DistributedServer, owner_ranks
+    ds = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"))), node)
+    keys = np.arange(1, 200, dtype=np.uint64)
+    keys = keys[owner_ranks(keys, node.size) == 0][:10]
+    for _ in range(args.rounds):
+        ds.push(keys, np.ones((len(keys), DIM), np.float32))
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"step": ds.local.step}, f)
+    ds.close()
+
+
 def run_otherseed(node, out: str, args) -> None:
     """Rank 1's server has another seed: its initial rows are not the owners', so
     the DistributedServer refuses it on every rank, and says which."""
@@ -537,7 +552,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldtable",
                                          "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
-                                         "otherseed"])
+                                         "otherseed", "pushstep"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")

@@ -45,6 +45,16 @@ def test_remote_pull_push_equals_one_server(tmp_path, world, optimizer):
     ref.close()
 
 
+def test_a_push_is_a_step_of_every_rank_s_server(tmp_path):
+    """DistributedServer.push is one push of the job's pairs: every rank's server counts
+    the step ([ps] ttl_steps counts them), also a rank that owns none of the keys. It
+    pushed nothing to its server, whose step then fell behind, and whose rows a TTL
+    erased that many steps late."""
+    scenario(2, "pushstep", tmp_path, "--rounds", 3)
+    steps = [json.loads((tmp_path / f"rank{r}.json").read_text())["step"] for r in range(2)]
+    assert steps == [3, 3]
+
+
 def test_a_rank_batch_takes_its_positions_from_the_prefetch_or_searches_for_them(tmp_path):
     """hps.torch looks up a worker's share of the examples (a view of the prefetched
     keys): its positions are the prefetch's, not searched again; a copy of the

@@ -368,8 +368,10 @@ class DistributedServer:
         grads_in = codec.unpack(self.node.alltoallv("train", codec.pack(np.split(grads[order], cuts), self.node.rank),
                                                     "sparse_grads", "push gradients"))
         k = np.concatenate(keys_in)
-        if len(k):
-            self.local.push(k, np.ascontiguousarray(np.concatenate(grads_in)))
+        # Also with no pair for this rank: a push is a step of every rank's server (the
+        # step [ps] ttl_steps counts), as one ParameterServer.push of the job's pairs.
+        g = np.ascontiguousarray(np.concatenate(grads_in)) if len(k) else np.empty((0, self.dim), np.float32)
+        self.local.push(k, g)
 
     def prefetch(self, keys: np.ndarray, upcoming=None) -> DistPrefetched:
         """The pipeline's pull stage: keys to their owners, each owner pins what it
