@@ -330,6 +330,50 @@ def test_ctr_model_leaves_a_frozen_first_layer_alone(tmp_path):
     assert (ps.pull(keys.reshape(-1)) != before).any(axis=1).all()
 
 
+class _PlusTensor(torch.nn.Module):
+    """x + other: a model that passes its input on unchanged, as autograd sees it (an
+    addition hands both inputs the one gradient tensor it got)."""
+
+    def __init__(self, other):
+        super().__init__()
+        self.other = other
+
+    def forward(self, x):
+        return x + self.other
+
+
+@pytest.mark.parametrize("into_columns, n_dense", [(True, 2), (False, 0)])
+def test_ctr_model_leaves_the_input_gradient_another_branch_shares_alone(tmp_path, into_columns, n_dense):
+    """A first layer that is not a Linear: the batch's input x goes through
+    _InputWithFields, whose backward zeroed the frozen key's columns in place, in
+    the gradient autograd handed it; z, added to x, got a zero gradient there too (on a
+    batch gathering into columns, and on one made to gather into a tensor of its own,
+    as a GPU's does, the embedding columns the whole input). The frozen row still stays."""
+    fields, frozen, examples = 2, 7, 4
+    cols = fields * DIM + n_dense
+    ps = make_ps(tmp_path, lr=0.3)
+    model = ht.CtrModel(ps, num_fields=fields, num_dense=n_dense, hidden=(8,), seed=0)
+    model.embedding.frozen_key = frozen
+    z = torch.zeros(examples, cols, requires_grad=True)
+    zz = z * 2.0  # made before the model's input: autograd runs its backward after _InputWithFields's
+    linear = torch.nn.Linear(cols, 1)
+    model.mlp = torch.nn.Sequential(_PlusTensor(zz), linear)
+    keys = np.array([[frozen, 1], [2, 3], [4, frozen], [5, 6]], np.uint64)
+    before = ps.pull(keys.reshape(-1))
+    with ps.batch(keys) as b:
+        b.gathers_into_columns = into_columns
+        model.embedding.attach(b)
+        logits = model(torch.from_numpy(keys.view(np.int64)), torch.ones(examples, n_dense))
+        assert "_InputWithFieldsBackward" in graph_nodes(logits)
+        (logits * 3.0).sum().backward()
+        model.embedding.attach(None)
+    torch.testing.assert_close(z.grad, 6.0 * linear.weight.detach().expand(examples, cols))
+    after = ps.pull(keys.reshape(-1))
+    frozen_at = keys.reshape(-1) == frozen
+    np.testing.assert_array_equal(after[frozen_at], before[frozen_at])
+    assert (after[~frozen_at] != before[~frozen_at]).any(axis=1).all()
+
+
 def test_ctr_model_with_bags_trains_like_plain_torch(tmp_path):
     """With multi-hot fields CtrModel pools each field and puts the first layer's input
     together with torch.cat; on the CPU the first layer is _FirstLayerOnPooled, which

@@ -178,6 +178,12 @@ def _weight_grad(grad_h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return grad_h.t().mm(whole)[:, :cols].contiguous()
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a lies in b's memory (a view of it, or b itself as .to and .contiguous
+    hand it back when there is nothing to convert)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class _InputWithFields(torch.autograd.Function):
     """A batch's MLP input [field embeddings | dense] in one matrix (_model_input),
     whose backward hands the embedding columns' gradient to the batch where it lies.
@@ -194,12 +200,20 @@ class _InputWithFields(torch.autograd.Function):
             fields = ctx.keys.shape[1]
             grads = grad_x[:, :ctx.width].to(torch.float32).contiguous().view(-1, ctx.width // fields)
             if ctx.frozen_key is not None:  # one row a key: the frozen key's rows
-                grads[torch.from_numpy(_occurrences(ctx.keys, ctx.frozen_key)).to(grads.device)] = 0.0
+                drop = _occurrences(ctx.keys, ctx.frozen_key)
+                if len(drop) and _same_storage(grads, grad_x):
+                    grads = grads.clone()  # (not in autograd's tensor: see below)
+                grads[torch.from_numpy(drop).to(grads.device)] = 0.0
             ctx.batch.accumulate_tensor(ctx.positions, grads, worker=ctx.worker)
             return None, None, None, None, None, None, None, None
-        grads = grad_x.detach().to(torch.float32).contiguous().numpy()
-        if ctx.frozen_key is not None:  # its columns, in place (this backward is grad_x's one reader)
+        grads_t = grad_x.detach().to(torch.float32).contiguous()
+        grads = grads_t.numpy()
+        if ctx.frozen_key is not None:  # its columns
             drop = _occurrences(ctx.keys, ctx.frozen_key)
+            if len(drop) and _same_storage(grads_t, grad_x):
+                # Not in place: autograd hands one gradient to several branches (a model
+                # that adds x to another tensor), and the other's columns would be zeroed too.
+                grads = grads.copy()
             fields = ctx.keys.shape[1]
             dim = ctx.width // fields
             grads[(drop // fields)[:, None], ((drop % fields) * dim)[:, None] + np.arange(dim)] = 0.0
