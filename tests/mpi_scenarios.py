@@ -428,6 +428,18 @@ def run_train(node, out: str, args) -> None:
                 raise RuntimeError(f"rank 1's step {args.fail_in_step} failed")
             return step(trainer, loaded)
         hps.train.Trainer.step = failing_step
+    if args.nan_grad_at_step and node.rank == 1:
+        # Rank 1's sparse gradients of that step hold a NaN (a step that diverged
+        # with a finite loss), while the other ranks' are numbers.
+        from hps.distributed.sparse import DistBatch
+        apply, applied = DistBatch.apply, [0]
+
+        def diverged_apply(batch):
+            applied[0] += 1
+            if applied[0] == args.nan_grad_at_step:
+                batch.grads[np.flatnonzero(batch.touched)[0], 1] = np.nan
+            return apply(batch)
+        DistBatch.apply = diverged_apply
     evals = [rank_part(b, node.rank, args.per_rank) for b in global_batches(2, args.per_rank, node.size, seed=77)] \
         if args.eval_every else []
     summary = train(cfg, resume=args.resume, progress=False, train_batches=mine, eval_batches=evals, node=node)
@@ -576,6 +588,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fail-at-step", type=int, default=0)
     ap.add_argument("--fail-in-step", type=int, default=0, help="rank 1's train stage raises at that step")
+    ap.add_argument("--nan-grad-at-step", type=int, default=0, help="rank 1's sparse gradients of that step hold a NaN")
     ap.add_argument("--rank1-config", default="", help="rank 1 runs another 'dense_lr' or 'sparse_grads'")
     ap.add_argument("--fail-open", default="", help="rank 1's server fails to open: 'disk' (OSError) or 'corrupt'")
     ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")

@@ -775,6 +775,34 @@ def test_an_exchange_whose_ranks_send_rows_of_other_sizes_is_refused_not_misread
     assert errors[1].startswith("RankFailure: push gradients: rank 0 sends 2 rows of 16 bytes"), errors
 
 
+@pytest.mark.parametrize("codec", ["int8", "bf16", "none"])
+def test_a_nan_sparse_gradient_ends_the_job_naming_the_rank_the_traffic_and_the_key(tmp_path, codec):
+    """Rank 1's summed sparse gradients of step 3 hold a NaN (a step that diverged with
+    a finite loss). The int8 codec raised on rank 1 alone, saying only that a row
+    held a non-finite value; bf16 and none carried the NaN into the owner's row and
+    the job finished. Now every codec refuses it before the exchange, and the job
+    ends at once naming the rank, the traffic, the count and the key."""
+    p = scenario(2, "train", tmp_path, "--steps", 6, "--nan-grad-at-step", 3, "--sparse-codec", codec,
+                 "--timeout", 60, check=False, timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    assert re.search(r"hps\.distributed: rank 1 of 2: DivergedError: push gradients: 1 non-finite value in the "
+                     r"gradients of 1 key \(key \d+ first: nan\): training diverged .*; aborting the job",
+                     p.stderr), p.stderr[-3000:]
+    assert "waited" not in p.stderr, p.stderr[-3000:]
+
+
+def test_refuse_nonfinite_counts_values_and_keys_and_lets_numbers_pass():
+    from hps.distributed.sparse import refuse_nonfinite
+    keys = np.array([5, 9, 11, 13], np.uint64)
+    grads = np.ones((4, 3), np.float32)
+    refuse_nonfinite(grads, keys, "push gradients")
+    grads[1, 2] = np.inf
+    grads[3, 0:2] = np.nan
+    with pytest.raises(hps.errors.DivergedError,
+                       match=r"^push gradients: 3 non-finite values in the gradients of 2 keys \(key 9 first: inf\)"):
+        refuse_nonfinite(grads, keys, "push gradients")
+
+
 def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
     """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_* (a mkstemp name) behind
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an

@@ -16,7 +16,9 @@ __all__ = ["CorruptionError", "DivergedError", "HpsError", "IoError", "IoPathWar
 class DivergedError(HpsError):
     """A batch's loss was NaN or infinite (training diverged: a learning rate too
     high, most often). Raised before that batch's gradients reach any row or
-    parameter, so the job keeps its last finished checkpoint as it was."""
+    parameter, so the job keeps its last finished checkpoint as it was. Under
+    hps.distributed also a sparse gradient that is not a number, raised before it
+    leaves its rank for the key's owner (hps.distributed.sparse.refuse_nonfinite)."""
 
 
 class IoPathWarning(RuntimeWarning):

@@ -11,6 +11,7 @@ import numpy as np
 from hps import _core
 from hps.data.keys import mix64
 from hps.distributed.comm import Node
+from hps.errors import DivergedError
 from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import CacheFullError
 from hps.batch_base import prefetched_positions
@@ -152,6 +153,24 @@ class FreshRows:
         return out
 
 
+def refuse_nonfinite(grads: np.ndarray, keys: np.ndarray, what: str) -> None:
+    """Raises DivergedError where the gradients (n, dim) of keys (n,) hold a NaN or
+    an infinity, naming `what` (the traffic), how many values and keys, and the
+    first key. Checked before the gradients leave the rank, whatever codec carries
+    them: int8 cannot encode one, and bf16 or none would carry it into the owners'
+    rows, which every later step and checkpoint would then hold as NaN."""
+    finite = np.isfinite(grads)
+    if finite.all():
+        return
+    bad_rows = ~finite.all(axis=1)
+    first = int(np.flatnonzero(bad_rows)[0])
+    values, rows = int(finite.size - np.count_nonzero(finite)), int(bad_rows.sum())
+    raise DivergedError(f"{what}: {values} non-finite value{'s' if values != 1 else ''} in the gradients of {rows} "
+                        f"key{'s' if rows != 1 else ''} (key {int(keys[first])} first: "
+                        f"{grads[first][~finite[first]][0]}): training diverged (no codec of [distributed] "
+                        f"sparse_grads carries a value that is not a number to the owners' rows)")
+
+
 def key_array(keys, what: str) -> np.ndarray:
     """keys as an array, refused (TypeError naming `what`) unless uint64 or int64 (uint64
     keys bit-cast), as hps.ParameterServer refuses them: a cast to uint64 would make a
@@ -265,6 +284,9 @@ class DistBatch:
         applies one step per key (collective)."""
         node, pre = self.server.node, self.pre
         try:
+            # Before the first exchange: the peers wait in it for this rank, whose
+            # error ends the job (hps train's on_error) naming it.
+            refuse_nonfinite(self.grads, self.keys, "push gradients")
             in_send_order = pre.order
             touched = self.touched[in_send_order]
             grads = self.grads[in_send_order]
@@ -360,6 +382,7 @@ class DistributedServer:
             raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
         if grads.shape != (len(keys), self.dim):
             raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
+        refuse_nonfinite(grads, keys, "push gradients")
         owners = owner_ranks(keys, self.node.size)
         order = np.argsort(owners, kind="stable")
         cuts = np.cumsum(np.bincount(owners, minlength=self.node.size))[:-1]
