@@ -643,6 +643,67 @@ def test_kstep_adam_refuses_settings_naming_them(setting, value, message):
         KStepAdam([torch.nn.Parameter(torch.ones(2))], **{setting: value})
 
 
+class _TwoEqualRanks:
+    """DenseSync's node for a test in this process: 2 ranks holding the same numbers
+    (an all-reduce doubles the buffer), the buffers host memory, as MPI's are."""
+    size = 2
+
+    def __init__(self, dense_sync: str):
+        from hps.distributed import DistributedConfig
+        self.config = DistributedConfig(dense_sync=dense_sync)
+
+    def allreduce(self, stage, buf, kind, what, hierarchical=False):
+        assert isinstance(buf, np.ndarray) and buf.dtype == np.float32
+        buf *= 2.0
+        return buf
+
+
+def _off_host_class():
+    import torch
+
+    class OffHost(torch.Tensor):
+        """A tensor whose memory numpy cannot read, as a GPU's (model_devices = "cuda"):
+        .numpy() refuses it as it refuses a CUDA tensor; .cpu() and .to("cpu")
+        hand back a plain host tensor, and copy_ writes into it from the host."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.numpy:
+                raise TypeError("can't convert an off-host tensor to numpy. Use Tensor.cpu() to copy the tensor "
+                                "to host memory first.")
+            out = super().__torch_function__(func, types, args, kwargs)
+            to_host = func is torch.Tensor.cpu or (func is torch.Tensor.to and any(
+                str(a) == "cpu" for a in [*args[1:], kwargs.get("device")]))
+            return out.as_subclass(torch.Tensor) if to_host else out
+    return OffHost
+
+
+def test_dense_sync_reads_parameters_numpy_cannot_and_writes_them_back_where_they_are():
+    """DenseSync read the dense parameters, their gradients and k-step Adam's v with
+    .numpy(), which refuses a model on a GPU (and a bfloat16 one): the all-reduce
+    and the merge raised. They now go to host float32 for MPI and back into the
+    tensors, which keep their kind and dtype."""
+    import torch
+    from hps.distributed import DenseSync
+    OffHost = _off_host_class()
+    off = torch.arange(6, dtype=torch.float32).reshape(2, 3).as_subclass(OffHost).requires_grad_(True)
+    half = torch.nn.Parameter(torch.tensor([0.5, -1.5], dtype=torch.bfloat16))
+    off.grad = torch.full((2, 3), 0.25).as_subclass(OffHost)
+    half.grad = torch.tensor([1.0, -3.0], dtype=torch.bfloat16)
+    sync = DenseSync(_TwoEqualRanks("allreduce"), [off, half], lr=0.1)
+    sync.reduce_gradients()
+    assert type(off.grad) is OffHost and half.grad.dtype == torch.bfloat16
+    assert torch.equal(off.grad.as_subclass(torch.Tensor), torch.full((2, 3), 0.5))
+    assert torch.equal(half.grad, torch.tensor([2.0, -6.0], dtype=torch.bfloat16))
+
+    sync = DenseSync(_TwoEqualRanks("kstep"), [off], lr=0.1)
+    sync.make_optimizer(None)
+    sync.merge()  # the mean of two equal ranks: the same numbers, back where they were
+    assert type(off) is OffHost and sync.merges == 1
+    assert torch.equal(off.detach().as_subclass(torch.Tensor), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+
+
 # ---------------------------------------------------------------- hierarchical all-reduce
 
 @pytest.mark.parametrize("world,ranks_per_node", [(4, 2), (3, 1), (4, 1), (2, 0)])

@@ -13,10 +13,15 @@ import numpy as np
 from hps.distributed.comm import DistributedConfig, Node
 
 def _flat(tensors) -> np.ndarray:
-    return np.concatenate([t.detach().reshape(-1).numpy() for t in tensors]).astype(np.float32)
+    """The tensors' values as one float32 array in host memory, MPI's buffer, from
+    wherever they lie: a model on a GPU (model_devices = "cuda"), or of a dtype
+    numpy has none of (bfloat16), is one .numpy() refuses."""
+    import torch
+    return np.concatenate([t.detach().reshape(-1).to("cpu", torch.float32).numpy() for t in tensors])
 
 
 def _unflat(flat: np.ndarray, tensors) -> None:
+    """flat's values back into the tensors, on their devices, in their dtypes (copy_)."""
     import torch
     at = 0
     for t in tensors:
