@@ -545,3 +545,33 @@ def test_keys_an_export_that_failed_after_its_files_delivered_get_tombstones_onc
     # The failed export's key sets went with this export's commit: one set, the position's.
     pos = json.loads((path / "exports" / "c.json").read_text())
     assert sorted(n for n in os.listdir(path / "exports") if n.endswith(".keys.npy")) == [pos["ranks"][0]["keys"]]
+
+
+def test_a_training_iteration_of_several_hps_torch_lookups_is_one_step(tmp_path):
+    """Without a batch, each hps.torch lookup's backward pushes to the server; a push
+    alone is a step, and a model of two embedding modules (one of them looking up
+    twice) aged its rows three steps an iteration: ttl_steps = T expired a row
+    unused for T iterations at a third of them. One backward pass is one step."""
+    torch = pytest.importorskip("torch")
+    import hps.torch as ht
+    ttl = 4
+    ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=ttl))
+    user, item = ht.EmbeddingBag(ps), ht.EmbeddingBag(ps)
+    once = np.uint64(7)  # looked up at the first iteration only
+    for it in range(1, 11):
+        keys = [1, 2] + ([int(once)] if it == 1 else [])
+        out = (user(torch.tensor([keys])).sum() + user(torch.tensor([[3]])).sum()
+               + item(torch.tensor([[4, 5]])).sum())
+        out.backward()
+        assert ps.step == it
+        ps.checkpoint()
+        # Stamped at step 1 (the checkpoint after its update), erased at the first
+        # checkpoint more than ttl steps later: step ttl + 2, never before.
+        _, found = ps._ssd.stamps(np.array([once, 1, 4], np.uint64))
+        assert list(found) == [it <= ttl + 1, True, True], f"iteration {it}"
+    # A push outside a backward pass is a step, as before; step=False is part of the last.
+    ones = np.ones((1, DIM), np.float32)
+    ps.push(np.array([1], np.uint64), ones)
+    ps.push(np.array([4], np.uint64), ones, step=False)
+    assert ps.step == 11
+    ps.close()

@@ -1110,15 +1110,18 @@ class ParameterServer:
         self._count(pulls=1, mem_hits=int(hit.sum()))
         return np.ascontiguousarray(rows[:, :self.dim])
 
-    def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
-        """Sums the gradients (n, dim) of each distinct key and applies one optimizer step."""
+    def push(self, keys: np.ndarray, grads: np.ndarray, *, step: bool = True) -> None:
+        """Sums the gradients (n, dim) of each distinct key and applies one optimizer step.
+        A push is one step of the server (``step``, which [ps] ttl_steps counts), as a
+        batch is; ``step=False``: a part of the step counted last (hps.torch's modules
+        push so after the first push of one backward pass, which is the step)."""
         keys = np.asarray(keys)
         grads = np.asarray(grads)
         if grads.dtype != np.float32:
             raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
         if grads.ndim != 2 or grads.shape != (len(keys), self.dim):
             raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
-        with self.batch(keys) as b:
+        with self._batch(keys, overlap=False, new_step=step) as b:
             b.push(keys, grads)
         self._count(pushes=1)
 
@@ -1195,11 +1198,17 @@ class ParameterServer:
         flight to be written back, or, with ``overlap`` (the pipeline's way), only
         for the one before it: two device tiers take turns, and the new batch
         takes the updates of the one in flight from it when that one applies them."""
+        return self._batch(keys, overlap=overlap, new_step=True)
+
+    def _batch(self, keys: Union[np.ndarray, "Prefetched"], *, overlap: bool,
+               new_step: bool) -> Union[Batch, HostBatch]:
+        """batch(); new_step=False: the batch is part of the step counted last (push(step=False))."""
         prefetched = keys if isinstance(keys, Prefetched) else self.prefetch(keys)
         if prefetched._ps is not self or prefetched._used:
             raise ValueError("batch: a Prefetched can be used once, with the server that made it")
         prefetched._used = True
-        self._advance_step()
+        if new_step:
+            self._advance_step()
         if self._herald is not None:
             with self._host_batches:
                 self._herald_active += 1

@@ -15,6 +15,7 @@ Requires torch (``pip install torch``); the rest of hps does not.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -63,6 +64,34 @@ def _keys_of(t: torch.Tensor) -> np.ndarray:
     if t.dtype != torch.int64:
         raise TypeError(f"input must be an int64 tensor of keys (uint64 keys bit-cast), got {t.dtype}")
     return t.detach().cpu().contiguous().numpy().view(np.uint64)
+
+
+# (backward pass, server) pairs whose step a push has counted (_new_step); a pass's
+# pairs go when it ends. The lock: a pass on several devices runs backwards on
+# several threads.
+_STEPPED: set = set()
+_STEPPED_LOCK = threading.Lock()
+
+
+def _new_step(ps) -> bool:
+    """Whether a push to ps from this backward pass is a new step of the server
+    ([ps] ttl_steps counts steps, documented as batches): the pass's first push is,
+    the others (a model's other embedding modules, one module's other lookups)
+    belong to it, so that one training iteration is one step whatever the number of
+    lookups. Outside a backward pass (or a torch without graph task ids) every push
+    is a step, as ParameterServer.push alone is."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    task = current() if current is not None else -1
+    if task < 0:
+        return True
+    mark = (task, id(ps))
+    with _STEPPED_LOCK:
+        if mark in _STEPPED:
+            return False
+        _STEPPED.add(mark)
+    # Ids are unique per pass, so a pass that fails before its end leaves one stale pair only.
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _STEPPED.discard(mark))
+    return True
 
 
 class _PooledLookup(torch.autograd.Function):
@@ -123,7 +152,11 @@ class _PooledLookup(torch.autograd.Function):
             ctx.batch.accumulate(ctx.positions, elem, worker=ctx.worker)  # summed per key as they arrive
         else:
             # One pass in C++: torch's index_add_ took 4x as long on these shapes.
-            module.ps.push(ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
+            grads = _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq))
+            if _new_step(module.ps):
+                module.ps.push(ctx.uniq, grads)
+            else:  # the pass's step, counted by its first push
+                module.ps.push(ctx.uniq, grads, step=False)
         return None, None, None, None, grad_weights, None, None
 
 
@@ -388,7 +421,8 @@ class EmbeddingBag(nn.Module):
     Returns (B, dim) float32 on the input's device (the rows are looked up in
     host memory or on the device tier, and copied there). Gradients go to the
     parameter server on backward: into the attached batch (``attach``) if there
-    is one, else as a ps.push.
+    is one, else as a ps.push. Without a batch, one backward pass is one step of
+    the server ([ps] ttl_steps), however many modules or lookups push in it.
     """
 
     def __init__(self, ps: ParameterServer, mode: str = "sum", padding_key: Optional[int] = None):

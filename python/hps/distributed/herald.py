@@ -251,7 +251,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         self.flush()
         return super().pull(keys)
 
-    def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
+    def push(self, keys: np.ndarray, grads: np.ndarray, *, step: bool = True) -> None:
         """As DistributedServer.push; the caches are written to the owners and
         emptied first (the step goes to the owners' rows)."""
         with self._lock:
@@ -265,7 +265,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             self._tier.clear()
             self._present = 0
             self._cached = 0
-        super().push(keys, grads)
+        super().push(keys, grads, step=step)
 
     def prefetch(self, keys: np.ndarray, upcoming=None) -> HeraldPrefetched:
         """This rank's example keys to the leader, its distinct keys to their

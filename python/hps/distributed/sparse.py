@@ -373,9 +373,10 @@ class DistributedServer:
         rows = self._return_rows("train", uniq, order, counts, asked, [self.local.pull(a) for a in asked], "pull rows")
         return rows[inverse].reshape(keys.shape + (self.dim,))
 
-    def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
+    def push(self, keys: np.ndarray, grads: np.ndarray, *, step: bool = True) -> None:
         """Sums the gradients every rank pushes for each key at its owner, which
-        applies one step per key: as one ParameterServer.push of all ranks' pairs."""
+        applies one step per key: as one ParameterServer.push of all ranks' pairs
+        (``step``: as ParameterServer.push's; every rank passes the same)."""
         keys = key_array(keys, "push keys").astype(np.uint64, copy=False)
         grads = np.asarray(grads)
         if grads.dtype != np.float32:
@@ -394,7 +395,7 @@ class DistributedServer:
         # Also with no pair for this rank: a push is a step of every rank's server (the
         # step [ps] ttl_steps counts), as one ParameterServer.push of the job's pairs.
         g = np.ascontiguousarray(np.concatenate(grads_in)) if len(k) else np.empty((0, self.dim), np.float32)
-        self.local.push(k, g)
+        self.local.push(k, g, step=step)
 
     def prefetch(self, keys: np.ndarray, upcoming=None) -> DistPrefetched:
         """The pipeline's pull stage: keys to their owners, each owner pins what it
