@@ -575,3 +575,30 @@ def test_a_training_iteration_of_several_hps_torch_lookups_is_one_step(tmp_path)
     ps.push(np.array([4], np.uint64), ones, step=False)
     assert ps.step == 11
     ps.close()
+
+
+@pytest.mark.parametrize("ttl,cap", [(2, 0), (0, 3)])
+def test_the_admission_default_row_outlives_the_bounds(tmp_path, ttl, cap):
+    """Admission's default row (hps.ADMISSION_DEFAULT_KEY) is never trained, and
+    the checkpoint holds it once a batch read it (docs/serving.md): a serving
+    Lookup answers keys never admitted with it, and an export writes it. Not read
+    for ttl_steps, or the oldest beyond max_rows, it was erased like a row (and
+    exported as a tombstone). It is exempt: each checkpoint stamps it anew."""
+    default = np.array([hps.ADMISSION_DEFAULT_KEY], np.uint64)
+    ps = hps.ParameterServer(config(tmp_path / "ps", ttl_steps=ttl, max_rows=cap))
+    ps.push(default, np.zeros((1, DIM), np.float32))  # read once, its gradient dropped
+    row = ps.pull(default)
+    ps.checkpoint()
+    for step in range(2, 10):
+        keys = np.array([step, 100 + step], np.uint64)
+        ps.push(keys, np.ones((2, DIM), np.float32))
+        ps.checkpoint()
+        _, found = ps._ssd.stamps(default)
+        assert found.all(), f"the default row erased at step {step}"
+        if cap:
+            assert len(ps._ssd) <= cap
+    assert ps.stats()["counts"]["expired" if ttl else "capped"] > 0  # the bounds erased others
+    ps.close()
+    ps = hps.ParameterServer.open(tmp_path / "ps")
+    np.testing.assert_array_equal(ps.pull(default), row)
+    ps.close()

@@ -68,6 +68,7 @@ import numpy as np
 from hps import _core
 from hps import topology as htopo
 from hps.config import check_fields, load_toml, parse_bytes
+from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.errors import CorruptionError
 from hps.mem_cache import POLICIES, MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
@@ -95,7 +96,20 @@ def bound_store(ssd, step: int, ttl_steps: int, max_rows: int) -> dict:
     """Bounded tables' erase of an SsdStore at a checkpoint of `step`: the rows
     stamped more than ttl_steps before it, then the oldest beyond max_rows (0:
     off); SsdStore.bound's {"expired", "capped"} keys. A checkpoint's store is
-    bounded so wherever it is written: the server's checkpoint, and a reshard's."""
+    bounded so wherever it is written: the server's checkpoint, and a reshard's.
+
+    Admission's default row (ADMISSION_DEFAULT_KEY) is exempt: the checkpoint must
+    hold it for the keys never admitted (a Lookup answers them with it, an export
+    writes it), also when no batch read it for ttl_steps or it is among the oldest.
+    It is written again at `step` first (its bytes: it is never trained), the
+    newest row, one of the max_rows kept."""
+    if not (ttl_steps or max_rows):
+        return ssd.bound(0, 0)
+    default = np.array([ADMISSION_DEFAULT_KEY], np.uint64)
+    row, found = ssd.get(default)
+    if found.all():
+        ssd.set_stamp(max(int(ssd.stamp), int(step)))  # (stamps never go back)
+        ssd.put(default, np.ascontiguousarray(row))
     min_stamp = step - ttl_steps if ttl_steps and step > ttl_steps else 0
     return ssd.bound(min_stamp, max_rows)
 
