@@ -319,11 +319,28 @@ def _record_averages() -> list:
     return seen
 
 
-def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list, record: bool = True, **kw) -> None:
+def _crash_after_checkpoint(at: int) -> None:
+    """This process ends (as if killed) right after its checkpoint at batch `at`
+    is recorded; the launcher ends the job's other ranks."""
+    import hps.train
+    checkpoint = hps.train.Trainer.checkpoint
+
+    def crashing(self):
+        checkpoint(self)
+        if self.batches_done == at:
+            os._exit(3)
+    hps.train.Trainer.checkpoint = crashing
+
+
+def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list, record: bool = True, *,
+                 steps: int = HT_STEPS, checkpoint_every: int = 0, crash_after: int = 0, resume: bool = False,
+                 evaluate: bool = False, **kw) -> None:
     """hps train's HT path over tests/mpi_scenarios.py's global batches (trainer t of
     the job takes part t of each); every rank writes its summary's essentials (with
     ``across = "allreduce"`` and `record`, the CRC of its replica after each average
-    too)."""
+    too). `crash_after`: trainer rank 0 dies right after its checkpoint at that
+    batch; `resume`: --resume of the job at OUT/job; `evaluate`: two held-out
+    batches, the final AUC in the summary."""
     import json
     from hps.hierarchical.roles import Roles, train_hierarchical
     ms = _mpi_scenarios()
@@ -331,17 +348,22 @@ def run_ht_train(comm, out: str, groups: int, group_ps: int, placement: list, re
     averages = _record_averages() if cfg.across == "allreduce" and record else None
     roles = Roles.layout(comm.Get_size(), comm.Get_rank(), cfg)
     trainers = roles.trainer_ranks()
-    mine = None
+    mine = held_out = None
     if roles.role == "trainer":
         t = trainers.index(comm.Get_rank())
-        mine = [ms.rank_part(b, t, HT_PER_RANK) for b in ms.global_batches(HT_STEPS, HT_PER_RANK, len(trainers))]
+        mine = [ms.rank_part(b, t, HT_PER_RANK) for b in ms.global_batches(steps, HT_PER_RANK, len(trainers))]
+        held_out = ms.global_batches(2, HT_PER_RANK, 1, seed=11) if evaluate else []
+    if crash_after and comm.Get_rank() == 0:
+        _crash_after_checkpoint(crash_after)
     train_cfg = ms.train_config(os.path.join(out, "job"))
-    summary = train_hierarchical(train_cfg, cfg, progress=False, train_batches=mine, eval_batches=[],
-                                 return_mlp=True)
+    train_cfg.checkpoint_every = checkpoint_every
+    summary = train_hierarchical(train_cfg, cfg, resume=resume, progress=False, train_batches=mine,
+                                 eval_batches=held_out, return_mlp=True)
     if roles.role == "trainer":
         mlp = summary["hierarchical"].pop("mlp")
         np.savez(os.path.join(out, f"mlp{comm.Get_rank()}.npz"), **mlp)
-        summary = {"role": "trainer", "hierarchical": summary["hierarchical"], "batches": summary["batches"]}
+        summary = {"role": "trainer", "hierarchical": summary["hierarchical"], "batches": summary["batches"],
+                   "final": {k: summary["final"].get(k) for k in ("auc", "logloss")}}
     if averages is not None:
         summary["averages"] = averages
     with open(os.path.join(out, f"rank{comm.Get_rank()}.json"), "w") as f:

@@ -387,3 +387,106 @@ def test_jobs_one_after_another_in_a_process_free_their_communicators(tmp_path, 
             continue
         trainer = json.loads((tmp_path / f"job{j}" / "rank0.json").read_text())
         assert trainer["role"] == "trainer" and trainer["batches"] == sc.HT_STEPS, (j, trainer)
+
+
+# ---------------------------------------------------------------- --resume of a hierarchical job
+
+RESUMED = ("ps:vertical,trainer", "across=allreduce", "period=2", "steps=6", "checkpoint_every=3", "evaluate=1")
+
+
+def _crashed_after_3(tmp_path, n, *args):
+    """The job at tmp_path/job, its trainer rank 0 killed right after the checkpoint at batch 3 of 6."""
+    _run_until_it_ends(tmp_path, n, *args, "crash_after=3")
+    job = json.loads((tmp_path / "job" / "job.json").read_text())
+    assert job["step"] == 3, job
+
+
+@needs_mpi
+def test_a_resumed_allreduce_job_ends_as_the_job_run_straight(tmp_path):
+    # Two groups of a trainer and a group PS, averaged every 2 steps. Crashed after its
+    # checkpoint at batch 3, the job resumes there: the group PSs' blocks and their Adam
+    # state, the steps and the averages' phase (the next at batch 4, not 5) come back,
+    # so it ends with the straight run's bits and AUC.
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir(), resumed.mkdir()
+    ref = _run(straight, 4, 2, 1, *RESUMED)
+    _crashed_after_3(resumed, 4, 2, 1, *RESUMED)
+    got = _run(resumed, 4, 2, 1, *RESUMED, "resume=1")
+    for r in (1, 3):  # the group PSs
+        assert got[r]["resumed"] and got[r]["steps"] == ref[r]["steps"] == 6
+        assert got[r]["averages"] == ref[r]["averages"][1:]  # those after batch 3 (4 and 6), the same bits
+    for r in (0, 2):  # the trainers: every layer of the MLP, the group PS's put back
+        assert got[r]["batches"] == 6 and got[r]["averages"] == ref[r]["averages"][1:]
+        a, b = np.load(straight / f"mlp{r}.npz"), np.load(resumed / f"mlp{r}.npz")
+        assert set(a.files) == set(b.files) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        for name in a.files:
+            assert a[name].tobytes() == b[name].tobytes(), f"rank {r}: {name}"
+        assert got[r]["final"] == ref[r]["final"] and got[r]["final"]["auc"] is not None
+
+
+@needs_mpi
+def test_a_resumed_easgd_job_starts_from_the_checkpointed_centre(tmp_path):
+    # Background EASGD is not deterministic: the resumed job must run, each group PS
+    # with its blocks, and the centre start from the parameters the checkpoint holds.
+    import torch
+    from hps.jobdir import HT_CENTRE, read_job
+    args = ("ps:vertical,trainer", "steps=6", "checkpoint_every=3")
+    _crashed_after_3(tmp_path, 5, 2, 1, *args)
+    parts = torch.load(os.path.join(read_job(str(tmp_path / "job")).checkpoint_dir(0), HT_CENTRE),
+                       weights_only=False)
+    assert len(parts) == 2  # the trainers' layers, group PS 0's blocks
+    out = _run(tmp_path, 5, 2, 1, *args, "resume=1")
+    import zlib
+    assert out[4]["role"] == "centre"
+    assert out[4]["starts"] == [{"crc32": zlib.crc32(p["centre"].tobytes()), "exchanges": p["exchanges"]}
+                                for p in parts]
+    assert all(p["exchanges"] >= 1 for p in parts)  # (a centre that had moved)
+    assert [o["resumed"] for o in out if o["role"] == "group_ps"] == [True, True]
+    assert [o["batches"] for o in out if o["role"] == "trainer"] == [6, 6]
+
+
+@needs_mpi
+def test_a_hierarchical_resume_is_refused_on_another_layout_or_a_missing_block(tmp_path):
+    import shutil
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    _crashed_after_3(crashed, 4, 2, 1, *RESUMED)
+
+    def resume(name, n, *args):
+        case = tmp_path / name
+        shutil.copytree(crashed / "job", case / "job")
+        return _run_until_it_ends(case, n, *args, "steps=6", "checkpoint_every=3", "resume=1")
+
+    # Another placement of the MLP over the group PSs.
+    err = resume("placement", 4, 2, 1, "ps:horizontal,trainer", "across=allreduce", "period=2")
+    assert re.search(r"--resume: the checkpoint's split of the MLP \(\S+/rank0/checkpoints/\d+/hierarchical.json, "
+                     r"rank 0\) is \['ps:vertical', 'trainer:none'\], this run's placement gives "
+                     r"\['ps:horizontal', 'trainer:none'\]", err), err[-3000:]
+    # The same trainer ranks, grouped otherwise (one group of 2 trainers and 2 group PSs).
+    err = resume("groups", 4, 1, 2, "ps:vertical,trainer")
+    assert re.search(r"the checkpoint's \[hierarchical\] layout \(\S+hierarchical.json, rank 0\) is not this run's: "
+                     r"groups = 2 there, 1 here; trainers = 1 there, 2 here; group_ps = 1 there, 2 here; "
+                     r"across = 'allreduce' there, None here; resume with the job's layout", err), err[-3000:]
+    # Another number of trainer ranks (one group of 3 and a group PS): not resharded.
+    err = resume("world", 4, 1, 1, "ps:vertical,trainer")
+    assert ("ran 2 trainer rank(s)" in err and "has 3 (1 group(s) of 3): a hierarchical job cannot be resharded onto "
+            "another number of ranks") in err, err[-3000:]
+    # One process without [hierarchical] (which would reshard the trainers' embeddings and lose the rest).
+    from hps.train import train
+    case = tmp_path / "one"
+    shutil.copytree(crashed / "job", case / "job")
+    before = (case / "job" / "job.json").read_text()
+    with pytest.raises(ValueError, match=r"is a hierarchical job \(\S+/rank0/checkpoints/\d+/hierarchical.json\): it "
+                                         r"cannot be resharded onto another number of ranks; nothing was resharded"):
+        train(ms.train_config(str(case / "job")), resume=True, progress=False,
+              train_batches=ms.global_batches(6, sc.HT_PER_RANK, 1), eval_batches=[])
+    assert (case / "job" / "job.json").read_text() == before
+    # Group 1's first trainer (rank 2, trainer rank 1 of the job) lacks its group PS's blocks.
+    case = tmp_path / "missing"
+    shutil.copytree(crashed / "job", case / "job")
+    from hps.jobdir import read_job
+    blocks = os.path.join(read_job(str(case / "job")).checkpoint_dir(1), "group-ps0.pt")
+    os.remove(blocks)
+    err = _run_until_it_ends(case, 4, 2, 1, *RESUMED, "resume=1")
+    assert (f"--resume: {blocks} is missing: the checkpoint lacks the blocks of group PS 0 of group 1 (rank 3), "
+            f"which rank 2 saves") in err, err[-3000:]

@@ -54,6 +54,12 @@ MANIFEST = "MANIFEST"
 MARKER = "STORE"
 TRAINER_STATE = "trainer-state.pt"
 TRAINER_STEP = "trainer-step.json"  # trainer-state.pt's counters, readable without unpickling it
+# hps.hierarchical's, beside trainer-state.pt in a trainer rank's checkpoint: the job's
+# [hierarchical] layout and plan (every trainer rank), each group PS's blocks (the
+# group's first trainer rank), the EASGD centre's parameters (trainer rank 0).
+HT_LAYOUT = "hierarchical.json"
+HT_GROUP_PS = "group-ps{}.pt"     # .format(index of the PS in its group)
+HT_CENTRE = "easgd-centre.pt"
 FILE_SUFFIX = ".hpf"
 HEADER = struct.Struct("<8sIIQQIIII")  # magic, version, row_bytes, sequence, records, 4 CRCs
 MAGIC = b"HPSPARAM"
@@ -239,6 +245,12 @@ def write_trainer_state(directory: str, data: bytes, batches_done: int, examples
     _write_durable(os.path.join(directory, TRAINER_STEP),
                    json.dumps({"batches_done": int(batches_done), "examples_done": int(examples_done)}).encode())
     _write_durable(os.path.join(directory, TRAINER_STATE), data)
+
+
+def write_checkpoint_file(directory: str, name: str, data: bytes) -> None:
+    """One more file of the caller's into a checkpoint directory (ParameterServer.
+    checkpoint's ``save``), synced: the checkpoint names it only once it is whole."""
+    _write_durable(os.path.join(directory, name), data)
 
 
 def step_of(job: Job, number: Optional[int] = None) -> Optional[int]:

@@ -45,7 +45,7 @@ from hps.config import check_fields, is_int, is_number, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.distributed.comm import RankFailure, local_ranks_from_environment
 from hps.errors import DivergedError
-from hps.jobdir import TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
+from hps.jobdir import HT_LAYOUT, TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, RUN, WRITER_LOCK, ParameterServer,
                                   ParameterServerConfig, _lock_path, _remove_tree, _replace_durable, _write_durable,
@@ -469,10 +469,13 @@ class Trainer:
     with the other ranks' (DenseSync)."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, node: Optional[Node] = None,
-                 checkpoint: Union[int, None, str] = LAST, widths: tuple = (13, 26, 0)):
+                 checkpoint: Union[int, None, str] = LAST, widths: tuple = (13, 26, 0), defer_dense: bool = False):
         """``checkpoint``: in a job, the checkpoint job.json names (None: none yet),
         to which this rank rolls back; alone, LAST (the last one finished). ``widths``:
-        the data's dense features, single-hot and multi-hot fields (Criteo's by default)."""
+        the data's dense features, single-hot and multi-hot fields (Criteo's by default).
+        ``defer_dense``: a resumed MLP, its optimizer and dense sync are loaded by
+        :meth:`load_dense_state`, once a dense hook has replaced them (hps.hierarchical's
+        split MLP saves a state the unsplit one cannot take)."""
         torch = import_torch()
         from hps.torch import CtrModel, DeviceReplicas
         self.torch = torch
@@ -573,6 +576,11 @@ class Trainer:
         #: Online, a growing directory: the source, whose files read (in order) each checkpoint keeps ...
         self.online_source = None
         self.online_files: Optional[list] = None  # ... and a resumed run's, for _train to replay
+        #: More files for each checkpoint, written in its directory after the dense state and
+        #: before the checkpoint is named (hps.hierarchical: the group PSs' blocks, the centre's).
+        self.checkpoint_files: Optional[Callable[[str], None]] = None
+        self._defer_dense = defer_dense
+        self._dense_state: Optional[dict] = None  # deferred: loaded by load_dense_state
         if checkpoint is not None:
             self._load_state()
 
@@ -583,16 +591,31 @@ class Trainer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"--resume: {path} is missing: checkpoint {self.local_ps.checkpoint_number} "
                                     f"of {self.state_dir} holds no dense state (not made by hps train)")
+        if os.path.exists(os.path.join(self.local_ps.checkpoint_dir(), HT_LAYOUT)) and not self._defer_dense:
+            # (hps.hierarchical checks the other way: a checkpoint without it is not its job's)
+            raise ValueError(f"--resume: checkpoint {self.local_ps.checkpoint_number} of {self.state_dir} was "
+                             f"written by a hierarchical job (its MLP split over group PSs, {HT_LAYOUT}): resume it "
+                             f"with the same [hierarchical] table")
         state = self.torch.load(path, weights_only=False, map_location="cpu")  # (saved on any device)
-        self.model.mlp.load_state_dict(state["mlp"])
-        self.opt.load_state_dict(state["opt"])  # (its state moves to the parameters' device)
-        self.replicas.broadcast()
+        self._dense_state = {k: state[k] for k in ("mlp", "opt", "dense_sync") if k in state}
+        if not self._defer_dense:
+            self.load_dense_state()
         self.batches_done, self.examples_done = state["batches_done"], state["examples_done"]
         self.history = state.get("history", [])
         self.online_state = state.get("online_window")
         self.online_files = state.get("online_files")
         self.admission.load_state_dict(state.get("admission", {"threshold": 1, "default_reads": 0, "eval_reads": 0,
                                                               "eval_default_reads": 0, "sketch": None}))
+
+    def load_dense_state(self) -> None:
+        """The MLP, its optimizer and the dense sync as the checkpoint resumed from
+        holds them (a no-op without one, or again)."""
+        state, self._dense_state = self._dense_state, None
+        if state is None:
+            return
+        self.model.mlp.load_state_dict(state["mlp"])
+        self.opt.load_state_dict(state["opt"])  # (its state moves to the parameters' device)
+        self.replicas.broadcast()
         if self.dense_sync is not None:
             self.dense_sync.load_state_dict(state["dense_sync"])
 
@@ -620,6 +643,8 @@ class Trainer:
 
         def save(directory: str) -> None:
             write_trainer_state(directory, data, self.batches_done, self.examples_done)
+            if self.checkpoint_files is not None:
+                self.checkpoint_files(directory)
 
         if self.node is None:
             self.ps.checkpoint(save)
@@ -1032,6 +1057,11 @@ def _check_resumable_with(cfg: TrainConfig, root: str, widths: Optional[tuple] =
         if mine[name] != theirs[name]:
             raise ValueError(f"--resume: the job at {root} has {name} = {theirs[name]!r}, this run's [ps] has "
                              f"{mine[name]!r}; nothing was resharded (resume with the job's {name})")
+    if os.path.exists(os.path.join(job.checkpoint_dir(0), HT_LAYOUT)):
+        # (its group PSs' blocks and centre live in the trainer ranks' checkpoints, for as many ranks)
+        raise ValueError(f"--resume: the job at {root} is a hierarchical job ({job.checkpoint_dir(0)}/{HT_LAYOUT}): "
+                         f"it cannot be resharded onto another number of ranks; nothing was resharded (resume it "
+                         f"with its [hierarchical] layout and mpiexec -n)")
     path = os.path.join(job.checkpoint_dir(0), TRAINER_STATE)
     state = reshard._load_state(path)
     saved_in, saved_hidden = _mlp_widths(state["mlp"])
@@ -1156,12 +1186,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     number = LAST
     if node is not None:
         number = _prepare_job(cfg, node, resume, tuple(widths))
-    trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths))
+    trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths,
+                                                defer_dense=dense_hook is not None))
     if dense_hook is not None:
         if len(trainer.replicas) > 1 or trainer.model.device.type != "cpu":
             raise ValueError("[hierarchical] splits one dense model on the CPU a trainer: set model_devices = "
                              "\"cpu\" and dense_replica_per_worker = false")
         dense_hook(trainer)
+        _collective(node, trainer.load_dense_state)  # (into the hook's MLP, optimizer and dense sync)
     if node is not None:
         _check_resumed_step(trainer)
         trainer.admission.agree(node)  # one sketch for the job (checkpoints before job-wide counting had one a rank)

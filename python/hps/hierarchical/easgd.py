@@ -46,7 +46,8 @@ from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
 __all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "GroupAverage", "AllreduceAverage",
-           "CentreTimeout", "AllreduceTimeout", "allreduce_within", "check_averaging_codec"]
+           "CentreTimeout", "AllreduceTimeout", "allreduce_within", "check_averaging_codec", "centre_state",
+           "release_centre"]
 
 
 @dataclass
@@ -172,6 +173,18 @@ def allreduce_within(comm, buf: np.ndarray, timeout: Optional[float], what: str,
 
 
 _TAG = 41
+_SNAPSHOT_TAG = 42  # the centre's answer to a ("snapshot",)
+
+
+def centre_state(comm, centre_rank: int, timeout: float) -> dict:
+    """The centre's state_dict, asked over comm (no exchange of this rank in flight on it)."""
+    comm.send(("snapshot", None, None), dest=centre_rank, tag=_TAG)
+    return _wait(comm, centre_rank, _SNAPSHOT_TAG, timeout, "the EASGD centre's snapshot for a checkpoint")
+
+
+def release_centre(comm, centre_rank: int) -> None:
+    """Lets the centre's serve(until_released=True) end once its groups have stopped."""
+    comm.send(("release", None, None), dest=centre_rank, tag=_TAG)
 
 
 def check_averaging_codec(spec: str) -> None:
@@ -206,17 +219,28 @@ class EasgdCentre:
     def _awaited(self, live: set, pending: dict) -> str:
         return ", ".join(f"group {g} (rank {self.ranks[g]})" for g in sorted(live - set(pending)))
 
-    def serve(self, timeout: float = 600.0) -> np.ndarray:
-        """Returns the final centre."""
+    def serve(self, timeout: float = 600.0, until_released: bool = False) -> np.ndarray:
+        """Returns the final centre. Answers a ("snapshot",) from any rank (the centre
+        and its exchanges so far, for a checkpoint) at any time; `until_released`:
+        goes on after every group stopped until a rank sends ("release",) (a job's last
+        checkpoint comes after its groups' stop)."""
         from mpi4py import MPI
         live = set(range(len(self.ranks)))
         pending: dict = {}
         status = MPI.Status()
-        while live:
+        released = not until_released
+        while live or not released:
             op, g, enc = poll.recv(self.comm, MPI.ANY_SOURCE, _TAG, timeout=timeout, status=status, expired=lambda:
-                                   CentreTimeout(f"EASGD centre: nothing from {self._awaited(live, pending)} within "
-                                                 f"{timeout:g} s"))
+                                   CentreTimeout(f"EASGD centre: nothing from "
+                                                 f"{self._awaited(live, pending) or 'the rank that releases it'} "
+                                                 f"within {timeout:g} s"))
             src = status.Get_source()
+            if op == "snapshot":
+                self.comm.send(self.state_dict(), dest=src, tag=_SNAPSHOT_TAG)
+                continue
+            if op == "release":
+                released = True
+                continue
             if not (isinstance(g, int) and 0 <= g < len(self.ranks)):
                 raise ValueError(f"EASGD centre: rank {src} spoke as group {g!r}, not one of the "
                                  f"{len(self.ranks)} groups [0, {len(self.ranks)})")
@@ -236,6 +260,19 @@ class EasgdCentre:
             if pending and len(pending) == len(live):
                 self._round(pending)
         return self.easgd.centre
+
+    def state_dict(self) -> dict:
+        """The centre and its exchanges so far (a copy)."""
+        return {"centre": self.easgd.centre.copy(), "exchanges": self.easgd.exchanges}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's centre (of this one's shape) and its exchanges."""
+        centre = state["centre"]
+        if not isinstance(centre, np.ndarray) or centre.dtype != np.float32 or centre.shape != self.easgd.centre.shape:
+            raise ValueError(f"EASGD centre: the checkpoint's centre is {getattr(centre, 'dtype', type(centre))} "
+                             f"{getattr(centre, 'shape', '')}, this part is float32 {self.easgd.centre.shape}")
+        self.easgd.centre[...] = centre
+        self.easgd.exchanges = int(state["exchanges"])
 
     def _round(self, pending: dict) -> None:
         """One sync round: every pending replica against the same centre, answered."""
@@ -342,6 +379,28 @@ class BackgroundEasgd:
             self._cv.wait_for(lambda: self.error is not None or not (self._busy or self._due()))
         self._raise()
 
+    def state_dict(self) -> dict:
+        """For a checkpoint, at a step boundary: waits for the exchange due or in flight
+        (so that the centre holds no half of an exchange the checkpoint lacks), then the
+        local steps, the steps the exchanges covered and the correction not yet taken."""
+        self.wait_idle()
+        with self._cv:
+            return {"steps": self._steps, "done": self._done, "exchanges": self.client.exchanges,
+                    "pending": None if self._pending is None else self._pending.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's state_dict, before the first step_done (the next exchange
+        falls where it would have; a correction pending then lands at the next step)."""
+        pending = state["pending"]
+        if pending is not None and (pending.dtype != self.live.dtype or pending.shape != self.live.shape):
+            raise ValueError(f"BackgroundEasgd: the checkpoint's correction is {pending.dtype} {pending.shape}, the "
+                             f"replica {self.live.dtype} {self.live.shape}")
+        with self._cv:
+            self._steps, self._done = int(state["steps"]), int(state["done"])
+            self._pending = None if pending is None else pending.copy()
+            self.client.exchanges = int(state["exchanges"])
+            self._cv.notify_all()
+
     def take(self) -> Optional[np.ndarray]:
         """The correction (add it to the live replica) of the exchange finished since
         the last take, or None. Starts nothing: the next exchange waits for step_done."""
@@ -442,6 +501,17 @@ class GroupAverage:
         if bg is not None:
             bg.step_done()
 
+    def state_dict(self) -> dict:
+        """For a checkpoint, at a step boundary, on every copy (the root's holds its
+        background exchange's)."""
+        return {"corrections": self.corrections,
+                "background": None if self.background is None or self.finished else self.background.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.corrections = int(state["corrections"])
+        if self.background is not None and state.get("background") is not None:
+            self.background.load_state_dict(state["background"])
+
     def finish(self) -> None:
         """After the last step, on every copy (again: a no-op)."""
         if self.finished:
@@ -506,6 +576,14 @@ class AllreduceAverage:
         self.steps += 1
         if self.steps % self.period == 0:
             self._average()
+
+    def state_dict(self) -> dict:
+        """The steps counted (the period's phase), the last averaged one and the averages."""
+        return {"steps": self.steps, "averaged_at": self._averaged_at, "corrections": self.corrections}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self._averaged_at = int(state["steps"]), int(state["averaged_at"])
+        self.corrections = int(state["corrections"])
 
     def finish(self) -> None:
         """After the last step, on every rank of comm (again: a no-op)."""

@@ -48,7 +48,18 @@ and steps once a batch on the sum of every net's gradients, as with one net. The
 embedding gradients of the R slices are pushed once a batch (sparse stays BSP).
 R = 1 keeps hps.train.Trainer.step untouched.
 
-Limits of this version (issue 18): no --resume of a hierarchical job; with R > 1
+Checkpoints: at each checkpoint of hps.train (the same step on every trainer), every
+trainer rank writes the layout and plan (HT_LAYOUT) beside its dense state, a group's
+first trainer its group PSs' state (each PS's blocks, their optimizer, its steps and
+its averaging's state, fetched from the PS: HT_GROUP_PS) and trainer rank 0 the
+EASGD centre's parts (HT_CENTRE), all in the checkpoint's directory before hps.train
+names it. A background exchange in flight is waited for first, and the centre is
+asked only once every group has, so no half of an exchange is kept. --resume loads
+each role from the checkpoint the job resumes from (the PSs' and the centre's state
+sent by the trainers that hold it); a checkpoint lacking a file, another layout or
+placement, or another number of trainer ranks (no reshard) is refused.
+
+Limits of this version (issue 18): with R > 1
 every net keeps its own Adam state (R times the trainer-held layers' optimizer
 memory), and a net's step is on its slice's gradient only (the loss still
 normalised by the global batch's examples), so a batch takes R smaller steps; the
@@ -61,6 +72,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -69,7 +81,7 @@ import numpy as np
 from hps.config import is_int, is_number
 from hps.distributed import poll
 from hps.hierarchical.easgd import (AllreduceAverage, BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig,
-                                    GroupAverage, check_averaging_codec)
+                                    GroupAverage, centre_state, check_averaging_codec, release_centre)
 
 __all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical", "ACROSS"]
 
@@ -329,10 +341,40 @@ class _HtDenseSync:
             self.merges = self.average.corrections
 
     def state_dict(self) -> dict:
-        return {"merges": self.merges}
+        # (The average's at this step boundary: with a background exchange, once it settled.)
+        return {"merges": self.merges, "average": self.average.state_dict() if self.average is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.merges = state.get("merges", 0)
+        if self.average is not None and state.get("average") is not None:
+            self.average.load_state_dict(state["average"])
+
+
+def _save_checkpoint_files(directory: str, trainer, roles: Roles, cfg: HierarchicalConfig, split, plan,
+                           easgd_comms) -> None:
+    """A trainer rank's part of an HT checkpoint, into its checkpoint's directory
+    before the checkpoint is named (so a crash leaves all of it or the previous
+    checkpoint): the layout and plan (every trainer rank), its group PSs' blocks
+    (the group's first trainer), the centre's parts (trainer rank 0, once every
+    group's exchanges have settled: each group's trainer 0 waited for its own when
+    its dense state was taken, each group PS when its blocks were)."""
+    import io
+    import json
+    import torch
+    from hps.hierarchical.split_mlp import FINISH_WAITS
+    from hps.jobdir import HT_CENTRE, HT_GROUP_PS, HT_LAYOUT, write_checkpoint_file
+    write_checkpoint_file(directory, HT_LAYOUT, json.dumps({"layout": _layout(roles, cfg),
+                                                             "plan": _plan_dict(plan)}).encode())
+    if roles.index == 0:
+        for p, data in enumerate(split.ps_save()):
+            write_checkpoint_file(directory, HT_GROUP_PS.format(p), data)
+    if roles.has_centre:
+        trainer.node.allgather("train", None, "the group PSs' blocks checkpointed")
+        if roles.rank == 0:
+            parts = [centre_state(comm, roles.world - 1, FINISH_WAITS * cfg.timeout) for comm in easgd_comms]
+            buf = io.BytesIO()
+            torch.save(parts, buf)
+            write_checkpoint_file(directory, HT_CENTRE, buf.getvalue())
 
 
 def _plan_for(mlp, cfg: HierarchicalConfig):
@@ -362,8 +404,9 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
     import_torch()
     leader = roles.trainer_ranks(roles.group)[0]
     # Sleeps between probes while the trainer starts (its data and embeddings can take a
-    # while): a blocking recv would spin a core away from it.
-    mlp, plan = poll.recv(world, leader, 51)
+    # while): a blocking recv would spin a core away from it. `saved`: a resumed job's
+    # state of this PS (torch.save's bytes) from the file `where` of the leader's checkpoint.
+    mlp, plan, saved, where = poll.recv(world, leader, 51)
     codecs = CodecStreams({"activations": cfg.activations, "gradients": cfg.gradients,
                            "averaging": cfg.averaging})
     holder: dict = {}
@@ -383,8 +426,8 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
     elif roles.groups > 1:
         comm = easgd_comms[1 + roles.index]
         live = holder.get("live", np.zeros(0, np.float32))
-        if roles.group == 0:
-            comm.send(live.copy(), dest=roles.world - 1, tag=40)
+        if roles.group == 0 and saved is None:  # (resumed: trainer rank 0 sends the checkpoint's centre)
+            comm.send({"centre": live.copy(), "exchanges": 0}, dest=roles.world - 1, tag=40)
         client = EasgdClient(comm, roles.world - 1, roles.group, EasgdConfig(cfg.alpha, cfg.period), codecs,
                              server.counter, timeout=cfg.timeout)
         # The PS holds the only copy of its blocks; a correction lands in the serve loop
@@ -396,10 +439,19 @@ def _serve_group_ps(world, roles: Roles, cfg: HierarchicalConfig, train_cfg, eas
         # At the trainers' "finish" (after their last step, before their final
         # evaluation); again after serve, a no-op then.
         server.on_finish = average.finish
+        server.on_save = average.state_dict
+    if saved is not None:
+        import io
+        import torch
+        state = torch.load(io.BytesIO(saved), weights_only=False, map_location="cpu")
+        server.load_state_dict(state, f"{where} (rank {leader}'s checkpoint)")
+        if average is not None and state.get("averaging") is not None:
+            average.load_state_dict(state["averaging"])
     serve(world, server, trainers=roles.trainers, idle_timeout=None)
     if average is not None:
         average.finish()
     return {"role": "group_ps", "group": roles.group, "index": roles.index, "steps": server.steps,
+            "resumed": saved is not None,
             "exchanges": _exchanges(average),
             "corrections": average.corrections if average is not None else 0,
             "bytes": server.counter.as_dict(), "cpu_seconds": time.process_time() - cpu0,
@@ -414,6 +466,7 @@ def _exchanges(average) -> int:
 
 
 def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
+    from mpi4py import MPI
     from hps.hierarchical.codecs import ByteCounter, CodecStreams
     cpu0, wall0 = time.process_time(), time.perf_counter()
     codecs = CodecStreams({"averaging": cfg.averaging})
@@ -421,15 +474,22 @@ def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
     parts = 1 + roles.group_ps
     errors: list = []
     centres: list = [None] * parts
+    starts: list = [None] * parts  # each part's first centre (a CRC-32 of its bytes) and exchanges
 
     def run(k: int) -> None:
         try:
             comm = easgd_comms[k]
-            first = roles.trainer_ranks(0)[0] if k == 0 else roles.ps_ranks(0)[k - 1]
-            x0 = poll.recv(comm, first, 40)  # sleeps between probes, as every wait of the centre
+            # The first state: group 0's replica of part k (from its holder), or a resumed
+            # job's checkpointed centre (from trainer rank 0). Sleeps between probes, as
+            # every wait of the centre.
+            start = poll.recv(comm, MPI.ANY_SOURCE, 40)
             ranks = [roles.trainer_ranks(g)[0] if k == 0 else roles.ps_ranks(g)[k - 1] for g in range(roles.groups)]
-            centres[k] = EasgdCentre(comm, x0, ranks, EasgdConfig(cfg.alpha, cfg.period), codecs, counter)
-            centres[k].serve(timeout=max(cfg.timeout, 3600.0))
+            centres[k] = EasgdCentre(comm, start["centre"].copy(), ranks, EasgdConfig(cfg.alpha, cfg.period), codecs,
+                                     counter)
+            centres[k].load_state_dict(start)
+            starts[k] = {"crc32": zlib.crc32(start["centre"].tobytes()), "exchanges": int(start["exchanges"])}
+            # Until trainer rank 0 releases it: its last checkpoint, after the groups stopped, asks for the centre.
+            centres[k].serve(timeout=max(cfg.timeout, 3600.0), until_released=True)
         except BaseException as e:  # noqa: BLE001 - reported below, in the main thread
             errors.append(e)
 
@@ -440,7 +500,7 @@ def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
         t.join()
     if errors:
         raise errors[0]
-    return {"role": "centre", "exchanges": sum(c.easgd.exchanges for c in centres if c is not None),
+    return {"role": "centre", "exchanges": sum(c.easgd.exchanges for c in centres if c is not None), "starts": starts,
             "bytes": counter.as_dict(), "cpu_seconds": time.process_time() - cpu0,
             "wall_seconds": time.perf_counter() - wall0}
 
@@ -454,15 +514,15 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
     did."""
     from mpi4py import MPI
 
-    if resume:
-        raise ValueError("[hierarchical]: --resume of a hierarchical job is not supported yet")
     cfg.check()
     world = comm if comm is not None else MPI.COMM_WORLD
     roles = Roles.layout(world.Get_size(), world.Get_rank(), cfg)
     job_comms = _JobComms()
     try:
-        result = _run_role(world, roles, job_comms, train_cfg, cfg, progress=progress, train_batches=train_batches,
-                           eval_batches=eval_batches, return_mlp=return_mlp)
+        if resume:
+            _check_resumable(train_cfg, roles)
+        result = _run_role(world, roles, job_comms, train_cfg, cfg, resume=resume, progress=progress,
+                           train_batches=train_batches, eval_batches=eval_batches, return_mlp=return_mlp)
     except Exception as e:  # noqa: BLE001 - the job's other ranks would wait for this one for ever
         if world.Get_size() == 1:
             job_comms.free()
@@ -517,8 +577,85 @@ def _role_name(roles: Roles) -> str:
     return f"{'trainer' if roles.role == 'trainer' else 'group PS'} {roles.index} of group {roles.group}"
 
 
-def _run_role(world, roles: Roles, job_comms: _JobComms, train_cfg, cfg: HierarchicalConfig, *, progress: bool,
-              train_batches, eval_batches, return_mlp: bool) -> dict:
+def _check_resumable(train_cfg, roles: Roles) -> None:
+    """Every rank, before the job starts: a checkpointed job of another number of
+    trainer ranks cannot resume (hps.train would reshard its embeddings, but not the
+    group PSs' blocks or the centre)."""
+    import os
+    from hps.jobdir import JOB_MANIFEST, read_json
+    manifest = os.path.join(train_cfg.ps.path, JOB_MANIFEST)
+    if not os.path.exists(manifest):
+        return
+    job = read_json(manifest)
+    trainers = roles.groups * roles.trainers
+    if job.get("checkpoint") is not None and job.get("world") != trainers:
+        raise ValueError(f"--resume: the job at {train_cfg.ps.path} ran {job.get('world')} trainer rank(s) "
+                         f"({manifest}), this [hierarchical] layout of {roles.world} ranks has {trainers} "
+                         f"({roles.groups} group(s) of {roles.trainers}): a hierarchical job cannot be resharded "
+                         f"onto another number of ranks; resume it with its own layout and mpiexec -n")
+
+
+def _layout(roles: Roles, cfg: HierarchicalConfig) -> dict:
+    """What a resumed job must run as its checkpoint did (HT_LAYOUT holds it, with the plan)."""
+    return {"groups": roles.groups, "trainers": roles.trainers, "group_ps": roles.group_ps,
+            "across": cfg.across if roles.groups > 1 else None, "nets": cfg.nets}  # (one group: no average)
+
+
+def _plan_dict(plan) -> dict:
+    from dataclasses import asdict
+    return {"group_ps": plan.group_ps, "fcs": [asdict(p) for p in plan.fcs]}
+
+
+def _plan_names(plan) -> list:
+    def name(p) -> str:
+        whole = p.where == "ps" and p.split == "none"  # (which PS holds it)
+        return f"{p.where}:{p.split}{':pair' if p.pair else ''}{f':{p.ps}' if whole else ''}"
+    return [name(p) for p in plan.fcs]
+
+
+def _resumed_plan(directory: str, roles: Roles, cfg: HierarchicalConfig, mlp):
+    """The plan of the checkpoint in `directory` (this trainer rank's), once its
+    layout is this run's; a placement given must be the one checkpointed (with
+    none, the planner does not run again: its refinement stops at a time limit, so
+    it could split otherwise). ValueError naming the file and what differs."""
+    import json
+    import os
+    from hps.hierarchical.split_mlp import FcPlacement, SplitPlan
+    from hps.jobdir import HT_LAYOUT
+    path = os.path.join(directory, HT_LAYOUT)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--resume: {path} is missing (rank {roles.rank}): the checkpoint was not written "
+                                f"by a hierarchical job; resume it without [hierarchical]")
+    with open(path) as f:
+        saved = json.load(f)
+    mine = _layout(roles, cfg)
+    differ = [f"{k} = {saved['layout'].get(k)!r} there, {v!r} here" for k, v in mine.items()
+              if saved["layout"].get(k) != v]
+    if differ:
+        raise ValueError(f"--resume: the checkpoint's [hierarchical] layout ({path}, rank {roles.rank}) is not this "
+                         f"run's: {'; '.join(differ)}; resume with the job's layout")
+    plan = SplitPlan([FcPlacement(**d) for d in saved["plan"]["fcs"]], saved["plan"]["group_ps"])
+    if cfg.placement or cfg.group_ps == 0:
+        wanted = _plan_for(mlp, cfg)
+        if _plan_dict(wanted) != saved["plan"]:
+            raise ValueError(f"--resume: the checkpoint's split of the MLP ({path}, rank {roles.rank}) is "
+                             f"{_plan_names(plan)}, this run's placement gives {_plan_names(wanted)}; resume with "
+                             f"the job's placement (or none: the checkpoint's plan is kept)")
+    return plan
+
+
+def _read_checkpoint_file(directory: str, name: str, what: str) -> bytes:
+    import os
+    path = os.path.join(directory, name)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--resume: {path} is missing: the checkpoint lacks {what}") from None
+
+
+def _run_role(world, roles: Roles, job_comms: _JobComms, train_cfg, cfg: HierarchicalConfig, *, resume: bool,
+              progress: bool, train_batches, eval_batches, return_mlp: bool) -> dict:
     """train_hierarchical's work on this rank, in its role; the communicators it
     makes go to `job_comms`, for the caller to free."""
     from mpi4py import MPI
@@ -546,17 +683,28 @@ def _run_role(world, roles: Roles, job_comms: _JobComms, train_cfg, cfg: Hierarc
     made: dict = {}
 
     def hook(trainer) -> None:
+        from hps.jobdir import HT_CENTRE, HT_GROUP_PS
         mlp = trainer.model.mlp
-        # One plan for the job, the first trainer's: the planner's refinement stops at a
-        # time limit, so trainers planning on their own could stop at different moves on a
-        # loaded machine, and a trainer, its group PSs or another group (whose blocks
-        # average with these) would then hold other layers.
-        plan = _plan_for(mlp, cfg) if trainers_comm.Get_rank() == 0 else None
-        plan = trainers_comm.bcast(plan, root=0)
+        # The checkpoint the job resumes from (None: none), this rank's.
+        directory = trainer.local_ps.checkpoint_dir()
+        if directory is not None:  # (every trainer rank of the job, or none)
+            plan = _resumed_plan(directory, roles, cfg, mlp)
+        else:
+            # One plan for the job, the first trainer's: the planner's refinement stops at a
+            # time limit, so trainers planning on their own could stop at different moves on a
+            # loaded machine, and a trainer, its group PSs or another group (whose blocks
+            # average with these) would then hold other layers.
+            plan = _plan_for(mlp, cfg) if trainers_comm.Get_rank() == 0 else None
+            plan = trainers_comm.bcast(plan, root=0)
         ps_ranks = roles.ps_ranks(roles.group)
         if roles.index == 0:
-            for r in ps_ranks:
-                world.send((mlp, plan), dest=r, tag=51)
+            names = [HT_GROUP_PS.format(p) for p in range(len(ps_ranks))]
+            saved = [None] * len(ps_ranks) if directory is None else [
+                _read_checkpoint_file(directory, name, f"the blocks of group PS {p} of group {roles.group} (rank "
+                                                       f"{r}), which rank {roles.rank} saves")
+                for p, (name, r) in enumerate(zip(names, ps_ranks))]
+            for r, name, data in zip(ps_ranks, names, saved):
+                world.send((mlp, plan, data, name), dest=r, tag=51)
         transport = MpiTransport(world, ps_ranks, timeout=cfg.timeout, tag=1)
         split = SplitTrainer(mlp, plan, transport, codecs)
         trainer.model.mlp = split
@@ -571,14 +719,25 @@ def _run_role(world, roles: Roles, job_comms: _JobComms, train_cfg, cfg: Hierarc
         elif roles.groups > 1:
             background = None
             if roles.index == 0:  # the group's trainer 0 exchanges; the group's trainers all apply
-                if roles.group == 0:
-                    easgd_comms[0].send(live.copy(), dest=roles.world - 1, tag=40)
+                if roles.group == 0 and directory is not None:  # every part's centre, as checkpointed
+                    import io
+                    import torch
+                    data = _read_checkpoint_file(directory, HT_CENTRE, f"the EASGD centre (rank {roles.world - 1})")
+                    starts = torch.load(io.BytesIO(data), weights_only=False)
+                    if len(starts) != len(easgd_comms):
+                        raise ValueError(f"--resume: {directory}/{HT_CENTRE} holds {len(starts)} part(s) of the "
+                                         f"centre, this layout has {len(easgd_comms)}")
+                    for comm, start in zip(easgd_comms, starts):
+                        comm.send(start, dest=roles.world - 1, tag=40)
+                elif roles.group == 0:
+                    easgd_comms[0].send({"centre": live.copy(), "exchanges": 0}, dest=roles.world - 1, tag=40)
                 client = EasgdClient(easgd_comms[0], roles.world - 1, roles.group,
                                      EasgdConfig(cfg.alpha, cfg.period), codecs, split.counter, timeout=cfg.timeout)
                 background = BackgroundEasgd(client, live)
             average = GroupAverage(live, background, group_comm, root=0)
         trainer.dense_sync = _HtDenseSync(split, group_comm, params, average)
         made.update(split=split, plan=plan, average=average, hogwild=None)
+        trainer.checkpoint_files = lambda d: _save_checkpoint_files(d, trainer, roles, cfg, split, plan, easgd_comms)
         if cfg.nets > 1:
             from hps.hierarchical.hogwild import install
             made["hogwild"] = install(
@@ -589,8 +748,11 @@ def _run_role(world, roles: Roles, job_comms: _JobComms, train_cfg, cfg: Hierarc
 
     node = job_comms.node = Node(train_cfg.distributed, comm=trainers_comm)
     cpu0, wall0 = time.process_time(), time.perf_counter()  # the trainer's measured time, as the PS's
-    summary = train(train_cfg, resume=False, progress=progress, train_batches=train_batches,
+    summary = train(train_cfg, resume=resume, progress=progress, train_batches=train_batches,
                     eval_batches=eval_batches, node=node, dense_hook=hook)
+    if roles.has_centre and roles.rank == 0:  # its last checkpoint is written: the centre may end
+        for comm in easgd_comms:
+            release_centre(comm, roles.world - 1)
     cpu_seconds, wall_seconds = time.process_time() - cpu0, time.perf_counter() - wall0
     split = made["split"]
     hogwild = made["hogwild"]

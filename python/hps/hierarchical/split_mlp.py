@@ -226,8 +226,9 @@ class GroupPsServer:
     (DEFER until then: serve answers them all together); ("finish",) after the last
     step, answered (as a step) once every trainer has asked: runs `on_finish` (the
     last averaging of its blocks lands before the trainers' final evaluation);
-    ("state",) -> {name: (weight, grad)} of its blocks; ("stop",). Tensors travel as
-    codec payloads."""
+    ("state",) -> {name: (weight, grad)} of its blocks; ("save",) -> its
+    state_dict as torch.save's bytes (for a checkpoint, at a step boundary); ("stop",).
+    Tensors travel as codec payloads."""
 
     def __init__(self, seq: nn.Sequential, plan: SplitPlan, index: int,
                  make_optimizer: Callable, codecs: Optional[CodecStreams] = None,
@@ -237,6 +238,7 @@ class GroupPsServer:
         self._asked = 0
         self.on_step: Optional[Callable] = None  # called after each step (the group PS's EASGD thread)
         self.on_finish: Optional[Callable] = None  # called once every trainer has asked "finish"
+        self.on_save: Optional[Callable[[], dict]] = None  # the averaging's state, saved with the blocks
         self._finishing = 0
         self.plan = plan
         P = plan.group_ps
@@ -296,9 +298,41 @@ class GroupPsServer:
             return {f"{seg}.{name}": (p.detach().numpy().copy(),
                                       None if p.grad is None else p.grad.detach().numpy().copy())
                     for seg, m in self.shards.items() for name, p in m.named_parameters()}
+        if op == "save":
+            import io
+            buf = io.BytesIO()
+            torch.save(self.state_dict(), buf)
+            return buf.getvalue()
         if op == "stop":
             return "stopped"
         raise ValueError(f"group PS {self.index}: unknown request {op!r} from rank {src}")
+
+    def state_dict(self) -> dict:
+        """Its blocks ({"<segment>.<name>": tensor}), their optimizer's state, the steps
+        taken and (``on_save``) the averaging's state: what a checkpoint keeps of it."""
+        return {"index": self.index,
+                "blocks": {f"{seg}.{name}": p.detach().clone() for seg, m in self.shards.items()
+                           for name, p in m.named_parameters()},
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "steps": self.steps, "averaging": self.on_save() if self.on_save is not None else None}
+
+    def load_state_dict(self, state: dict, where: str = "the checkpoint") -> None:
+        """A state_dict of this PS's blocks (the same plan and model) into it; the
+        averaging's state is the caller's (state["averaging"]). ValueError naming
+        `where` when it holds other blocks."""
+        mine = {f"{seg}.{name}": p for seg, m in self.shards.items() for name, p in m.named_parameters()}
+        saved = state.get("blocks", {})
+        if state.get("index") != self.index or set(saved) != set(mine) or any(
+                tuple(saved[k].shape) != tuple(p.shape) for k, p in mine.items()):
+            raise ValueError(f"group PS {self.index}: {where} holds group PS {state.get('index')}'s blocks "
+                             f"{ {k: tuple(v.shape) for k, v in saved.items()} }, this plan gives it "
+                             f"{ {k: tuple(p.shape) for k, p in mine.items()} }")
+        with torch.no_grad():
+            for k, p in mine.items():
+                p.copy_(saved[k])  # (in place: the flat memory the averaging shares stays)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
 
 
 # ---------------------------------------------------------------- transports
@@ -547,6 +581,14 @@ class SplitTrainer(nn.Module):
         for p in self._all_ps():
             self.transport.wait(p, f"the end of training (its last averaging, allowed {FINISH_WAITS} x the timeout)",
                                 timeout=self.transport.finish_timeout)
+
+    def ps_save(self) -> list:
+        """Every group PS's state_dict (torch.save's bytes), in PS order, at a step
+        boundary (for the checkpoint its group's first trainer writes)."""
+        for p in self._all_ps():
+            self.transport.post(p, ("save",))
+        return [self.transport.wait(p, "the state of its blocks for a checkpoint",
+                                    timeout=self.transport.finish_timeout) for p in self._all_ps()]
 
     def stop(self) -> None:
         for p in self._all_ps():
