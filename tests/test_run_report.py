@@ -68,6 +68,27 @@ def test_write_report_writes_every_plot(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def resumed_summary(pipeline_examples, **more):
+    """The summary of a run resumed from one that stopped at 2000 examples: the
+    earlier run's two points, then this process's two; its pipeline counted
+    `pipeline_examples`."""
+    earlier = [point(1000, 1.0, 50, 50, 0, 0, 0.5), point(2000, 2.0, 150, 50, 0, 0, 1.0)]
+    resumed = [point(3000, 3.0, 30, 70, 3e6, 0, 2.0), point(4000, 4.0, 120, 80, 4e6, 0, 3.0)]
+    return {"history": earlier + resumed, "examples": 4000, "settings": SETTINGS,
+            "pipeline": {"examples": pipeline_examples, "busy_seconds": {"train": 3.0, "read": 0.1},
+                         "wall_seconds": 4.0, "bound_by": "train"},
+            **more}
+
+
+def drawn_intervals(summary, tmp_path, monkeypatch):
+    """The intervals write_report plots for `summary`."""
+    import hps.report as report
+    drawn = []
+    monkeypatch.setattr(report, "_plot_intervals", lambda plt, spans, save: drawn.extend(spans))
+    report.write_report(summary, str(tmp_path / "report"))
+    return drawn
+
+
 def test_write_report_of_a_resumed_run_starts_its_intervals_where_this_process_started(tmp_path, monkeypatch):
     """A resumed run's history holds the points of the run it resumed from, whose
     seconds and counters are that process's; this process's start (seconds 0,
@@ -75,15 +96,7 @@ def test_write_report_of_a_resumed_run_starts_its_intervals_where_this_process_s
     this process's first interval out, and the interval from the earlier run's last
     point to this run's first mixed two processes' counters (a hit rate of 1.2)."""
     pytest.importorskip("matplotlib")
-    import hps.report as report
-    earlier = [point(1000, 1.0, 50, 50, 0, 0, 0.5), point(2000, 2.0, 150, 50, 0, 0, 1.0)]
-    resumed = [point(3000, 3.0, 30, 70, 3e6, 0, 2.0), point(4000, 4.0, 120, 80, 4e6, 0, 3.0)]
-    summary = {"history": earlier + resumed, "examples": 4000, "settings": SETTINGS,
-               "pipeline": {"examples": 2000, "busy_seconds": {"train": 3.0, "read": 0.1}, "wall_seconds": 4.0,
-                            "bound_by": "train"}}
-    drawn = []
-    monkeypatch.setattr(report, "_plot_intervals", lambda plt, spans, save: drawn.extend(spans))
-    report.write_report(summary, str(tmp_path / "report"))
+    drawn = drawn_intervals(resumed_summary(2000), tmp_path, monkeypatch)
     assert [(s["examples"], s["trained"], s["seconds"]) for s in drawn] == \
         [(2000, 1000, 1.0), (3000, 1000, 3.0), (4000, 1000, 1.0)]
     assert [s["hit_rate"] for s in drawn] == [1.0, 0.3, 0.9]
@@ -97,17 +110,9 @@ def test_write_report_of_a_resumed_job_starts_its_intervals_where_this_process_s
     job's report took the interval from the earlier run's last point to this run's
     first across two processes (a hit rate of 1.2), and lost this run's first."""
     pytest.importorskip("matplotlib")
-    import hps.report as report
-    earlier = [point(1000, 1.0, 50, 50, 0, 0, 0.5), point(2000, 2.0, 150, 50, 0, 0, 1.0)]
-    resumed = [point(3000, 3.0, 30, 70, 3e6, 0, 2.0), point(4000, 4.0, 120, 80, 4e6, 0, 3.0)]
-    summary = {"history": earlier + resumed, "examples": 4000, "settings": SETTINGS,
-               "started_at": {"examples": 2000, "batches": 2},
-               "pipeline": {"examples": 1000, "busy_seconds": {"train": 3.0, "read": 0.1}, "wall_seconds": 4.0,
-                            "bound_by": "train"},
-               "distributed": {"rank": 0, "world": 2, "ranks": []}}
-    drawn = []
-    monkeypatch.setattr(report, "_plot_intervals", lambda plt, spans, save: drawn.extend(spans))
-    report.write_report(summary, str(tmp_path / "report"))
+    summary = resumed_summary(1000, started_at={"examples": 2000, "batches": 2},
+                              distributed={"rank": 0, "world": 2, "ranks": []})
+    drawn = drawn_intervals(summary, tmp_path, monkeypatch)
     assert [(s["examples"], s["trained"], s["seconds"]) for s in drawn] == \
         [(2000, 1000, 1.0), (3000, 1000, 3.0), (4000, 1000, 1.0)]
     assert [s["hit_rate"] for s in drawn] == [1.0, 0.3, 0.9]
