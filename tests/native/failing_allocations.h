@@ -4,11 +4,15 @@
 // file of a test binary. Disarmed (fail_in = 0) they are malloc and free.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <stdexcept>
+#include <string>
 
 namespace hps::test_support {
 
@@ -21,6 +25,50 @@ inline void CountDownToFailure() {
   if (fail_in.load(std::memory_order_relaxed) != 0 && fail_in.fetch_sub(1, std::memory_order_relaxed) == 1) {
     throw std::bad_alloc();
   }
+}
+
+// What a call made with its k-th allocation failing did.
+struct FailingAllocationCall {
+  bool ran_out = false;               // it threw std::bad_alloc
+  bool past_its_allocations = false;  // it made fewer than k: no larger k is worth trying
+  bool refused = false;               // it threw std::runtime_error, saying `error`
+  std::string error;
+};
+
+// Calls `call` with its k-th allocation from now failing, and disarms the
+// failure before anything else allocates (an error's message is copied after).
+template <class Call>
+FailingAllocationCall CallFailingAllocation(uint64_t k, Call&& call) {
+  FailingAllocationCall result;
+  fail_in = k;
+  try {
+    call();
+    result.past_its_allocations = fail_in.exchange(0) != 0;
+  } catch (const std::bad_alloc&) {
+    result.ran_out = true;
+  } catch (const std::runtime_error& e) {
+    result.past_its_allocations = fail_in.exchange(0) != 0;
+    result.refused = true;
+    result.error = e.what();
+  }
+  fail_in = 0;
+  return result;
+}
+
+// Calls attempt(k) for k = 1, 2, ..., which fails the k-th allocation of what
+// it tries (CallFailingAllocation) and says what that did, until one makes
+// fewer than k allocations or a test assertion fails; at least one must have
+// run out of memory.
+template <class Attempt>
+void ForEveryAllocation(Attempt&& attempt) {
+  uint64_t failures = 0;
+  for (uint64_t k = 1;; ++k) {
+    SCOPED_TRACE(testing::Message() << "allocation " << k);
+    const FailingAllocationCall first = attempt(k);
+    if (first.ran_out) ++failures;
+    if (first.past_its_allocations || testing::Test::HasFailure()) break;
+  }
+  EXPECT_GT(failures, 0u);
 }
 
 }  // namespace hps::test_support

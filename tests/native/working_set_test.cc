@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "hps/device_tier.h"
@@ -41,7 +42,9 @@ SparseOptimizer AdaGrad(int32_t dim) {
   return o;
 }
 
-using test_support::fail_in;
+using test_support::CallFailingAllocation;
+using test_support::FailingAllocationCall;
+using test_support::ForEveryAllocation;
 using test_support::ForwardingCache;
 using test_support::PinBreakingCache;
 using test_support::RowStore;
@@ -104,17 +107,62 @@ std::unique_ptr<DeviceTier> HostTier(int32_t devices, uint64_t capacity, const S
   return DeviceTier::New({devices, capacity, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}, bind_host_rows});
 }
 
+// Loads the working set's keys onto `tier`; worker 0 steps the first two of
+// `keys` by g.
+void LoadAndStep(WorkingSet& ws, DeviceTier& tier, const std::vector<uint64_t>& keys, const std::vector<float>& g) {
+  ws.Load(tier, nullptr);
+  ws.Accumulate(0, keys.data(), 2, g.data());
+  ws.Apply();
+}
+
 // The batch a release test hinders, on a cache nothing hinders: worker 0
 // steps the first two keys by g; what the hindered batch's rows should be.
 void StepUnhindered(MemCache& cache, const SparseOptimizer& opt, bool bind_host_rows,
                     const std::vector<uint64_t>& keys, const std::vector<float>& g) {
   auto tier = HostTier(2, 16, opt, bind_host_rows);
   WorkingSet unhindered(cache, opt, 2, keys.data(), keys.size());
-  unhindered.Load(*tier, nullptr);
-  unhindered.Accumulate(0, keys.data(), 2, g.data());
-  unhindered.Apply();
+  LoadAndStep(unhindered, *tier, keys, g);
   unhindered.WriteBack();
 }
+
+// What StepUnhindered leaves in the rows of `updated`.
+std::vector<float> RowsSteppedUnhindered(const SparseOptimizer& opt, bool bind_host_rows,
+                                         const std::vector<uint64_t>& keys, const std::vector<float>& g,
+                                         const std::vector<uint64_t>& updated) {
+  RowStore store(opt);
+  auto cache = store.Cache(16);
+  StepUnhindered(*cache, opt, bind_host_rows, keys, g);
+  return CachedRows(*cache, updated);
+}
+
+// A working set of `keys` on its own cache and host tier, loaded and stepped
+// (LoadAndStep).
+struct SteppedWorkingSet {
+  SteppedWorkingSet(const SparseOptimizer& opt, bool bind_host_rows, const std::vector<uint64_t>& keys,
+                    const std::vector<float>& g)
+      : store(opt), cache(store.Cache(16)), tier(HostTier(2, 16, opt, bind_host_rows)),
+        ws(*cache, opt, 2, keys.data(), keys.size()) {
+    LoadAndStep(ws, *tier, keys, g);
+  }
+
+  RowStore store;
+  std::unique_ptr<MemCache> cache;
+  std::unique_ptr<DeviceTier> tier;
+  WorkingSet ws;
+};
+
+// The batch of a test that fails every allocation of its release in turn:
+// worker 0 steps the first two of `keys` (`updated`) by g; `expected`, their
+// rows however the release was hindered.
+struct ReleaseTestBatch {
+  ReleaseTestBatch(const SparseOptimizer& opt, bool bind_host_rows, std::vector<uint64_t> batch_keys)
+      : keys(std::move(batch_keys)), expected(RowsSteppedUnhindered(opt, bind_host_rows, keys, g, updated)) {}
+
+  const std::vector<uint64_t> keys;
+  const std::vector<float> g = std::vector<float>(2 * 2, 1.0f);
+  const std::vector<uint64_t> updated = {1, 2};
+  const std::vector<float> expected;
+};
 
 class WorkingSetDevices : public ::testing::TestWithParam<std::tuple<int32_t, bool>> {};
 
@@ -799,9 +847,7 @@ TEST(WorkingSet, AKeyUnpinnedDuringTheReleaseIsNamedAndItsStepKept) {
     {
       auto tier = HostTier(2, 16, opt, bound);
       WorkingSet ws(cache, opt, 2, keys.data(), keys.size());
-      ws.Load(*tier, nullptr);
-      ws.Accumulate(0, keys.data(), 2, g.data());
-      ws.Apply();
+      LoadAndStep(ws, *tier, keys, g);
       victim = ws.updated_keys()[0];
       for (uint64_t k : keys) {
         if (k != victim) next.push_back(k);
@@ -923,23 +969,10 @@ TEST(WorkingSet, AKeyByKeyReleaseThatRunsOutOfMemoryIsFinishedByItsRetry) {
   const SparseOptimizer opt = AdaGrad(2);
   for (bool bound : {true, false}) {
     SCOPED_TRACE(bound ? "bound to host rows" : "holding copies");
-    const std::vector<uint64_t> keys = {1, 2, 3, 4, 5, 6};
-    std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
-    RowStore reference_store(opt);
-    auto reference = reference_store.Cache(16);
-    StepUnhindered(*reference, opt, bound, keys, g);
-    const std::vector<uint64_t> updated = {1, 2};
-    const std::vector<float> expected = CachedRows(*reference, updated);
-    uint64_t failures = 0;
-    for (uint64_t k = 1;; ++k) {
-      SCOPED_TRACE(testing::Message() << "allocation " << k);
-      RowStore store(opt);
-      auto cache = store.Cache(16);
-      auto tier = HostTier(2, 16, opt, bound);
-      WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
-      ws.Load(*tier, nullptr);
-      ws.Accumulate(0, keys.data(), 2, g.data());
-      ws.Apply();
+    const auto& [keys, g, updated, expected] = ReleaseTestBatch(opt, bound, {1, 2, 3, 4, 5, 6});
+    ForEveryAllocation([&](uint64_t k) {
+      SteppedWorkingSet stepped(opt, bound, keys, g);
+      auto& [store, cache, tier, ws] = stepped;
       const uint64_t refused_key = ws.updated_keys()[0];
       cache->Unpin(&refused_key, 1, nullptr);  // something else takes its pin
       std::vector<uint64_t> next;              // the next batch pins every other key
@@ -948,19 +981,9 @@ TEST(WorkingSet, AKeyByKeyReleaseThatRunsOutOfMemoryIsFinishedByItsRetry) {
       }
       cache->Pull(next.data(), next.size(), nullptr, /*pin=*/true, nullptr);
 
-      bool failed = false, none_failed = false;
-      fail_in = k;
-      try {
-        ws.WriteBack();
-        ADD_FAILURE() << "a release of a key no longer pinned passed";
-      } catch (const std::bad_alloc&) {
-        failed = true;
-      } catch (const std::runtime_error&) {
-        none_failed = fail_in.exchange(0) != 0;  // k is past the release's allocations
-      }
-      fail_in = 0;
-      if (failed) {
-        ++failures;
+      const FailingAllocationCall first = CallFailingAllocation(k, [&] { ws.WriteBack(); });
+      if (!first.ran_out && !first.refused) ADD_FAILURE() << "a release of a key no longer pinned passed";
+      if (first.ran_out) {
         EXPECT_FALSE(ws.released());
         try {
           ws.WriteBack();
@@ -976,9 +999,8 @@ TEST(WorkingSet, AKeyByKeyReleaseThatRunsOutOfMemoryIsFinishedByItsRetry) {
       EXPECT_NO_THROW(cache->Unpin(next.data(), next.size(), nullptr));
       EXPECT_EQ(cache->stats().pinned, 0u);
       EXPECT_EQ(CachedRows(*cache, updated), expected);
-      if (none_failed || HasFailure()) break;
-    }
-    EXPECT_GT(failures, 0u);
+      return first;
+    });
   }
 }
 
@@ -991,36 +1013,15 @@ TEST(WorkingSet, EveryReleaseThatRunsOutOfMemoryIsCountedOnce) {
   const SparseOptimizer opt = AdaGrad(2);
   for (bool bound : {true, false}) {
     SCOPED_TRACE(bound ? "bound to host rows" : "holding copies");
-    const std::vector<uint64_t> keys = {1, 2, 3, 4};
-    std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
-    RowStore reference_store(opt);
-    auto reference = reference_store.Cache(16);
-    StepUnhindered(*reference, opt, bound, keys, g);
-    const std::vector<uint64_t> updated = {1, 2};
-    const std::vector<float> expected = CachedRows(*reference, updated);
-    uint64_t failures = 0;
-    for (uint64_t k = 1;; ++k) {
-      SCOPED_TRACE(testing::Message() << "allocation " << k);
-      RowStore store(opt);
-      auto cache = store.Cache(16);
-      auto tier = HostTier(2, 16, opt, bound);
-      WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
-      ws.Load(*tier, nullptr);
-      ws.Accumulate(0, keys.data(), 2, g.data());
-      ws.Apply();
+    const auto& [keys, g, updated, expected] = ReleaseTestBatch(opt, bound, {1, 2, 3, 4});
+    ForEveryAllocation([&](uint64_t k) {
+      SteppedWorkingSet stepped(opt, bound, keys, g);
+      auto& [store, cache, tier, ws] = stepped;
 
-      bool failed = false, none_failed = false;
-      fail_in = k;
-      try {
-        ws.WriteBack();
-        none_failed = fail_in.exchange(0) != 0;  // k is past the release's allocations
-      } catch (const std::bad_alloc&) {
-        failed = true;
-      }
-      fail_in = 0;
-      EXPECT_EQ(cache->stats().failed_releases, failed ? 1u : 0u);
-      if (failed) {
-        ++failures;
+      const FailingAllocationCall first = CallFailingAllocation(k, [&] { ws.WriteBack(); });
+      EXPECT_FALSE(first.refused) << first.error;
+      EXPECT_EQ(cache->stats().failed_releases, first.ran_out ? 1u : 0u);
+      if (first.ran_out) {
         EXPECT_FALSE(ws.released());
         EXPECT_NO_THROW(ws.WriteBack());
         EXPECT_EQ(cache->stats().failed_releases, 1u);
@@ -1028,9 +1029,8 @@ TEST(WorkingSet, EveryReleaseThatRunsOutOfMemoryIsCountedOnce) {
       EXPECT_TRUE(ws.released());
       EXPECT_EQ(cache->stats().pinned, 0u);
       EXPECT_EQ(CachedRows(*cache, updated), expected);
-      if (none_failed || HasFailure()) break;
-    }
-    EXPECT_GT(failures, 0u);
+      return first;
+    });
   }
 }
 
@@ -1047,25 +1047,15 @@ TEST(WorkingSet, ARecordOfKeysUnpinnedDuringTheReleaseThatRunsOutOfMemoryIsFinis
                                         std::pair(false, false)}) {
     SCOPED_TRACE(bound ? "bound to host rows" : "holding copies");
     SCOPED_TRACE(stepped ? "a key with a step unpinned" : "a key without a step unpinned");
-    const std::vector<uint64_t> keys = {1, 2, 3, 4};
-    std::vector<float> g(2 * 2, 1.0f);  // keys 1 and 2 get steps
-    RowStore reference_store(opt);
-    auto reference = reference_store.Cache(16);
-    StepUnhindered(*reference, opt, bound, keys, g);
-    const std::vector<uint64_t> updated = {1, 2};
-    const std::vector<float> expected = CachedRows(*reference, updated);
-    uint64_t failures = 0;
-    for (uint64_t k = 1;; ++k) {
-      SCOPED_TRACE(testing::Message() << "allocation " << k);
+    const auto& [keys, g, updated, expected] = ReleaseTestBatch(opt, bound, {1, 2, 3, 4});
+    ForEveryAllocation([&](uint64_t k) {
       RowStore store(opt);
       auto breaking = std::make_unique<PinBreakingCache>(store.Cache(16));
       PinBreakingCache& pin_breaker = *breaking;
       UncountedReleaseCache cache(std::move(breaking));
       auto tier = HostTier(2, 16, opt, bound);
       WorkingSet ws(cache, opt, 2, keys.data(), keys.size());
-      ws.Load(*tier, nullptr);
-      ws.Accumulate(0, keys.data(), 2, g.data());
-      ws.Apply();
+      LoadAndStep(ws, *tier, keys, g);
       const uint64_t victim = stepped ? ws.updated_keys()[0] : keys.back();  // (holding copies: Unpin's, or WriteBack's)
       std::vector<uint64_t> next;  // the next batch's keys: all but the victim, whose only pin the foreign unpin takes
       for (uint64_t key : keys) {
@@ -1075,20 +1065,12 @@ TEST(WorkingSet, ARecordOfKeysUnpinnedDuringTheReleaseThatRunsOutOfMemoryIsFinis
       pin_breaker.victim = victim;
 
       const std::string named = "1 of 4 keys were no longer pinned by this batch (keys " + std::to_string(victim) + ")";
-      bool failed = false, none_failed = false;
-      fail_in = k;
-      try {
-        ws.WriteBack();
-        ADD_FAILURE() << "a release that met a key unpinned during it passed";
-      } catch (const std::bad_alloc&) {
-        failed = true;
-      } catch (const std::runtime_error& e) {
-        none_failed = fail_in.exchange(0) != 0;  // k is past the release's allocations
-        EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+      const FailingAllocationCall first = CallFailingAllocation(k, [&] { ws.WriteBack(); });
+      if (!first.ran_out && !first.refused) ADD_FAILURE() << "a release that met a key unpinned during it passed";
+      if (first.refused) {
+        EXPECT_NE(first.error.find(named), std::string::npos) << first.error;
       }
-      fail_in = 0;
-      if (failed) {
-        ++failures;
+      if (first.ran_out) {
         EXPECT_FALSE(ws.released());
         try {
           ws.WriteBack();
@@ -1100,15 +1082,14 @@ TEST(WorkingSet, ARecordOfKeysUnpinnedDuringTheReleaseThatRunsOutOfMemoryIsFinis
       }
       EXPECT_EQ(pin_breaker.victim, kEmptyKey) << "the foreign unpin did not happen";
       EXPECT_TRUE(ws.released());
-      EXPECT_EQ(cache.stats().failed_releases, failed ? 2u : 1u);
+      EXPECT_EQ(cache.stats().failed_releases, first.ran_out ? 2u : 1u);
       // The next batch's pins, each once: a key released twice has lost its pin.
       EXPECT_EQ(cache.stats().pinned, next.size());
       EXPECT_NO_THROW(cache.Unpin(next.data(), next.size(), nullptr));
       EXPECT_EQ(cache.stats().pinned, 0u);
       EXPECT_EQ(CachedRows(cache, updated), expected);
-      if (none_failed || HasFailure()) break;
-    }
-    EXPECT_GT(failures, 0u);
+      return first;
+    });
   }
 }
 
