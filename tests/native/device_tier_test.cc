@@ -619,7 +619,9 @@ TEST(DeviceTier, SumByInverseAddsRowsOfTheSameKey) {
   EXPECT_THROW(SumByInverse(bad.data(), 2, rows.data(), 2, 3, out.data()), std::out_of_range);
 }
 
-using test_support::fail_in;
+using test_support::CallFailingAllocation;
+using test_support::FailingAllocationCall;
+using test_support::ForEveryAllocation;
 using test_support::PinBreakingCache;
 using test_support::RowStore;
 using test_support::UncountedReleaseCache;
@@ -830,16 +832,21 @@ TEST(HostBatch, ErrorsNameTheKeyOrPosition) {
   }
 }
 
+// Steps the first three keys of `batch` by 0.5 each.
+void StepFirstThree(HostBatch& batch) {
+  std::vector<int64_t> at = {0, 1, 2};
+  std::vector<float> g(6, 0.5f);
+  batch.Accumulate(at.data(), 3, g.data());
+  batch.Apply();
+}
+
 // A host batch of keys 1, 2 and 3, each stepped, whose pin of key 2 something
 // else took (unpinned behind its back).
 std::unique_ptr<HostBatch> SteppedBatchWithKey2UnpinnedElsewhere(const RowStore& store, MemCache& cache) {
   std::vector<uint64_t> keys = {1, 2, 3};
   cache.Pull(keys.data(), keys.size(), nullptr, true, nullptr);
   auto batch = std::make_unique<HostBatch>(cache, keys.data(), keys.size(), store.opt);
-  std::vector<int64_t> at = {0, 1, 2};
-  std::vector<float> g(6, 0.5f);
-  batch->Accumulate(at.data(), 3, g.data());
-  batch->Apply();
+  StepFirstThree(*batch);
   const uint64_t stolen = 2;
   cache.Unpin(&stolen, 1);
   return batch;
@@ -886,6 +893,18 @@ TEST(HostBatch, AStepWhoseRowWasEvictedBeforeTheReleaseIsNamedLost) {
   EXPECT_EQ(cache->stats().pinned, 0u);
 }
 
+// What the release of `batch` said refusing it; a failure saying `if_passed`
+// (and "") if it passed.
+std::string ReleaseRefusal(HostBatch& batch, const std::string& if_passed) {
+  try {
+    batch.Release();
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << if_passed;
+  return "";
+}
+
 // Something else unpins key 2 during the release's own UnpinUpdated, past
 // its check that the keys are pinned (PinBreakingCache): the release names
 // it and keeps its step, and releases nothing twice (the next batch's pins
@@ -897,21 +916,13 @@ TEST(HostBatch, AKeyUnpinnedDuringTheReleaseIsNamedAndItsStepKept) {
   cache.Pull(keys.data(), keys.size(), nullptr, true, nullptr);
   {
     HostBatch batch(cache, keys.data(), keys.size(), store.opt);
-    std::vector<int64_t> at = {0, 1, 2};
-    std::vector<float> g(6, 0.5f);
-    batch.Accumulate(at.data(), 3, g.data());
-    batch.Apply();
+    StepFirstThree(batch);
     cache.Pull(next.data(), next.size(), nullptr, true, nullptr);
     cache.victim = 2;
-    try {
-      batch.Release();
-      FAIL() << "a release that met key 2 unpinned during it succeeded";
-    } catch (const std::runtime_error& e) {
-      EXPECT_NE(std::string(e.what()).find("1 of 3 keys were no longer pinned by this batch (keys[1] = 2 (updated))"),
-                std::string::npos)
-          << e.what();
-      EXPECT_NE(std::string(e.what()).find("the updated ones' steps were kept"), std::string::npos) << e.what();
-    }
+    const std::string error = ReleaseRefusal(batch, "a release that met key 2 unpinned during it succeeded");
+    EXPECT_NE(error.find("1 of 3 keys were no longer pinned by this batch (keys[1] = 2 (updated))"), std::string::npos)
+        << error;
+    EXPECT_NE(error.find("the updated ones' steps were kept"), std::string::npos) << error;
     EXPECT_EQ(cache.victim, kEmptyKey) << "the foreign unpin did not happen";
     EXPECT_EQ(cache.stats().dirty, 3u);  // keys 1 and 3, and key 2's step, kept
   }  // the destructor has nothing left to release
@@ -930,9 +941,7 @@ TEST(HostBatch, AKeyUnpinnedDuringTheReleaseIsNamedAndItsStepKept) {
 TEST(HostBatch, AReleaseThatMeetsAnUnpinnedKeyAndRunsOutOfMemoryIsFinishedByItsRetry) {
   for (bool during : {false, true}) {
     SCOPED_TRACE(during ? "unpinned during the release" : "unpinned before the release");
-    uint64_t failures = 0;
-    for (uint64_t k = 1;; ++k) {
-      SCOPED_TRACE(testing::Message() << "allocation " << k);
+    ForEveryAllocation([&](uint64_t k) {
       RowStore store(AdaGrad(2));
       auto breaking = std::make_unique<PinBreakingCache>(store.Cache(16));
       PinBreakingCache& pin_breaker = *breaking;
@@ -940,10 +949,7 @@ TEST(HostBatch, AReleaseThatMeetsAnUnpinnedKeyAndRunsOutOfMemoryIsFinishedByItsR
       const std::vector<uint64_t> keys = {1, 2, 3, 4, 5}, next = {1, 3, 4, 5};
       cache.Pull(keys.data(), keys.size(), nullptr, true, nullptr);
       HostBatch batch(cache, keys.data(), keys.size(), store.opt);
-      std::vector<int64_t> at = {0, 1, 2};
-      std::vector<float> g(6, 0.5f);
-      batch.Accumulate(at.data(), 3, g.data());
-      batch.Apply();
+      StepFirstThree(batch);
       if (during) {
         pin_breaker.victim = 2;
       } else {
@@ -953,37 +959,24 @@ TEST(HostBatch, AReleaseThatMeetsAnUnpinnedKeyAndRunsOutOfMemoryIsFinishedByItsR
       cache.Pull(next.data(), next.size(), nullptr, true, nullptr);  // the next batch's pins
 
       const std::string named = "1 of 5 keys were no longer pinned by this batch (keys[1] = 2 (updated))";
-      bool failed = false, none_failed = false;
-      fail_in = k;
-      try {
-        batch.Release();
-        ADD_FAILURE() << "a release that met key 2 unpinned passed";
-      } catch (const std::bad_alloc&) {
-        failed = true;
-      } catch (const std::runtime_error& e) {
-        none_failed = fail_in.exchange(0) != 0;  // k is past the release's allocations
-        EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+      const FailingAllocationCall first = CallFailingAllocation(k, [&] { batch.Release(); });
+      if (!first.ran_out && !first.refused) ADD_FAILURE() << "a release that met key 2 unpinned passed";
+      if (first.refused) {
+        EXPECT_NE(first.error.find(named), std::string::npos) << first.error;
       }
-      fail_in = 0;
-      if (failed) {
-        ++failures;
-        try {
-          batch.Release();
-          ADD_FAILURE() << "a retried release that met key 2 unpinned passed";
-        } catch (const std::runtime_error& e) {
-          EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
-        }
+      if (first.ran_out) {
+        const std::string error = ReleaseRefusal(batch, "a retried release that met key 2 unpinned passed");
+        EXPECT_NE(error.find(named), std::string::npos) << error;
       }
       EXPECT_EQ(pin_breaker.victim, kEmptyKey) << "the foreign unpin did not happen";
       const MemCacheStats st = cache.stats();
-      EXPECT_EQ(st.failed_releases, failed ? 2u : 1u);
+      EXPECT_EQ(st.failed_releases, first.ran_out ? 2u : 1u);
       EXPECT_EQ(st.pinned, next.size()) << "the next batch's pins";
       EXPECT_EQ(st.dirty, 3u);  // keys 1 to 3's steps, kept
       EXPECT_NO_THROW(cache.Unpin(next.data(), next.size(), nullptr));
       EXPECT_EQ(cache.stats().pinned, 0u) << "a pin of the batch left behind";
-      if (none_failed || HasFailure()) break;
-    }
-    EXPECT_GT(failures, 0u);
+      return first;
+    });
   }
 }
 
@@ -1024,14 +1017,8 @@ TEST(HostBatch, ABatchWhoseReleaseStoppedMidwayRefusesEveryCallButRelease) {
   EXPECT_THROW(batch.Get(at.data(), 1, emb.data()), std::logic_error);
   EXPECT_THROW(batch.Accumulate(at.data(), 1, g.data()), std::logic_error);
   EXPECT_THROW(batch.Apply(), std::logic_error);
-  try {
-    batch.Release();
-    FAIL() << "a retried release of a key no longer pinned passed";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("1 of 4 keys were no longer pinned by this batch (keys[1] = 2)"),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string error = ReleaseRefusal(batch, "a retried release of a key no longer pinned passed");
+  EXPECT_NE(error.find("1 of 4 keys were no longer pinned by this batch (keys[1] = 2)"), std::string::npos) << error;
   EXPECT_EQ(cache.stats().pinned, 0u);
   EXPECT_EQ(cache.stats().failed_releases, 2u);
 }
