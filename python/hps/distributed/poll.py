@@ -25,7 +25,7 @@ Thread safety: as the communicator's (MPI_THREAD_MULTIPLE for concurrent callers
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["recv", "wait", "FIRST_PAUSE", "LONGEST_PAUSE"]
 
@@ -41,18 +41,9 @@ def recv(comm, source: int, tag: int, *, timeout: Optional[float] = None,
     timeout: seconds; when no matching message has come by then, raises
     ``expired()`` (an exception built when it is raised, so it can say what was
     still awaited), or TimeoutError without `expired`. None waits for ever."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = FIRST_PAUSE
-    while True:
-        message = comm.improbe(source=source, tag=tag, status=status)
-        if message is not None:
-            return message.recv()
-        if deadline is not None and time.monotonic() > deadline:
-            if expired is not None:
-                raise expired()
-            raise TimeoutError(f"no message from rank {source} with tag {tag} within {timeout:g} s")
-        time.sleep(pause)
-        pause = min(pause * 2, LONGEST_PAUSE)
+    message = _poll(lambda: comm.improbe(source=source, tag=tag, status=status), timeout, expired,
+                    lambda: f"no message from rank {source} with tag {tag} within {timeout:g} s")
+    return message.recv()
 
 
 def wait(request, *, timeout: Optional[float] = None, expired: Optional[Callable[[], BaseException]] = None) -> None:
@@ -63,12 +54,23 @@ def wait(request, *, timeout: Optional[float] = None, expired: Optional[Callable
     ``expired()`` (TimeoutError without it). The operation is then still in flight
     (MPI cannot cancel a collective, and its buffer may still be written): the
     caller ends the job rather than go on. None waits for ever."""
+    _poll(lambda: True if request.Test() else None, timeout, expired,
+          lambda: f"an MPI operation did not complete within {timeout:g} s")
+
+
+def _poll(ready: Callable[[], Any], timeout: Optional[float], expired: Optional[Callable[[], BaseException]],
+          late: Callable[[], str]) -> Any:
+    """ready()'s first result that is not None, polled with pauses that double from
+    FIRST_PAUSE to LONGEST_PAUSE; past `timeout`, raises expired() or TimeoutError(late())."""
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = FIRST_PAUSE
-    while not request.Test():
+    while True:
+        got = ready()
+        if got is not None:
+            return got
         if deadline is not None and time.monotonic() > deadline:
             if expired is not None:
                 raise expired()
-            raise TimeoutError(f"an MPI operation did not complete within {timeout:g} s")
+            raise TimeoutError(late())
         time.sleep(pause)
         pause = min(pause * 2, LONGEST_PAUSE)
