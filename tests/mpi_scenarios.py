@@ -602,7 +602,14 @@ def main() -> None:
     from hps.distributed import DistributedConfig, Node
     node = Node(DistributedConfig(ranks_per_node=args.ranks_per_node, timeout=args.timeout))
     os.makedirs(args.out, exist_ok=True)
-    globals()[f"run_{args.scenario}"](node, args.out, args)
+    try:
+        globals()[f"run_{args.scenario}"](node, args.out, args)
+    except BaseException as e:
+        # Each rank's error on its own: mpiexec forwards the ranks' stderr in chunks
+        # that may interleave inside a line, so a test reads what a rank raised here.
+        with open(os.path.join(args.out, f"rank{node.rank}.raised"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}\n")
+        raise
     node.close()
 
 
