@@ -431,7 +431,17 @@ def run_train(node, out: str, args) -> None:
     if args.nan_grad_at_step and node.rank == 1:
         # Rank 1's sparse gradients of that step hold a NaN (a step that diverged
         # with a finite loss), while the other ranks' are numbers.
+        from hps.distributed.herald import HeraldDistBatch
         from hps.distributed.sparse import DistBatch
+        if args.herald:  # (_apply: once a step, where apply returns at once when called again)
+            herald_apply, herald_applied = HeraldDistBatch._apply, [0]
+
+            def diverged_herald_apply(batch, *a):
+                herald_applied[0] += 1
+                if herald_applied[0] == args.nan_grad_at_step:
+                    batch._grads[0, 1] = np.nan
+                return herald_apply(batch, *a)
+            HeraldDistBatch._apply = diverged_herald_apply
         apply, applied = DistBatch.apply, [0]
 
         def diverged_apply(batch):

@@ -862,6 +862,21 @@ def test_a_nan_sparse_gradient_ends_the_job_naming_the_rank_the_traffic_and_the_
     assert "waited" not in p.stderr, p.stderr[-3000:]
 
 
+def test_a_nan_sparse_gradient_ends_a_herald_job_before_the_shared_gradients_cross(tmp_path):
+    """As above with schedule = "herald": rank 1's gradients of step 3 hold a NaN.
+    Herald's exchange of shared keys' gradients carried it to the key's primary,
+    whose sum every trainer stepped its copy with, and the job finished (with NaN
+    rows). Now rank 1 refuses it before that exchange and the job ends at once
+    naming the rank, the traffic and the key."""
+    p = scenario(2, "train", tmp_path, "--steps", 6, "--herald", 150, "--nan-grad-at-step", 3,
+                 "--timeout", 60, check=False, timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    assert re.search(r"hps\.distributed: rank 1 of 2: DivergedError: herald shared gradients: 1 non-finite value "
+                     r"in the gradients of 1 key \(key \d+ first: nan\): training diverged .*; aborting the job",
+                     p.stderr), p.stderr[-3000:]
+    assert "waited" not in p.stderr, p.stderr[-3000:]
+
+
 def test_refuse_nonfinite_counts_values_and_keys_and_lets_numbers_pass():
     from hps.distributed.sparse import refuse_nonfinite
     keys = np.array([5, 9, 11, 13], np.uint64)

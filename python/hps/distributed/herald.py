@@ -53,7 +53,7 @@ from hps import _core
 from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep
 from hps.distributed.comm import Node
 from hps.distributed.sparse import (DistributedServer, FreshRows, _StepData, owner_ranks, rank_positions,
-                                   window_keys)
+                                   refuse_nonfinite, window_keys)
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
@@ -565,6 +565,11 @@ class HeraldDistBatch(BatchBase):
         # trainer then takes the same step on its copy (row and optimizer state
         # alike, from the same sum): the primary need not ship the stepped rows,
         # twice the floats of a gradient with AdaGrad's or Adam's state.
+        # Refused before the first exchange, as the sequential job's push: a NaN
+        # would reach the primary's sum and so every trainer's copy of the key. The
+        # peers wait in the exchange for this rank, whose error ends the job (hps
+        # train's on_error) naming it.
+        refuse_nonfinite(self._grads, self._mine, "herald shared gradients")
         primary = self._primary
         blocks = [self._grads[primary == p] if p != me else self._grads[:0] for p in range(W)]
         grads_in = node.alltoallv("train", blocks, "sparse_grads", "herald shared gradients")
