@@ -442,3 +442,83 @@ def test_narrow_linear_is_nn_linear_on_hps_kernels():
     assert type(ht.mlp(10, (16,))[0]) is torch.nn.Linear
     assert type(ht.mlp(10, (16,), narrow_kernels=True)[0]) is ht.NarrowLinear
     assert type(ht.mlp(10, (16,), narrow_kernels=True)[2]) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_lookups_of_one_backward_pass_step_each_key_once_on_its_summed_gradient(tmp_path, optimizer):
+    """Without a batch, two modules on one server and one of them looking up twice,
+    some keys in every lookup and twice in one: torch's sparse embedding sums a key's
+    gradients of the pass and its optimizer steps once on the sum. Each lookup's
+    backward pushed on its own, so a key in two lookups took two steps, which SGD
+    cannot tell from one but AdaGrad and Adam can (state updated twice, Adam's t
+    counted twice). The pass's gradients now go to the server summed per key, once,
+    at its end. The reference is a dense table under torch.optim's AdaGrad and Adam:
+    every key is in every step, so their steps are the rows' own."""
+    vocab = 6
+    opt = hps.AdaGrad(lr=0.1) if optimizer == "adagrad" else hps.Adam(lr=0.1)
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=DIM, path=str(tmp_path / "ps"), optimizer=opt,
+                                                       mem_budget="4MiB"))
+    user, item = ht.EmbeddingBag(ps), ht.EmbeddingBag(ps, mode="mean")
+    ref = torch.nn.EmbeddingBag(vocab, DIM)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(ps.pull(np.arange(vocab, dtype=np.uint64))))
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1) if optimizer == "adagrad" else \
+        torch.optim.Adam(ref.parameters(), lr=0.1)
+    scale = torch.arange(1, DIM + 1, dtype=torch.float32)
+    rng = np.random.default_rng(3)
+    for step in range(4):
+        first = torch.from_numpy(rng.permutation(vocab).reshape(2, 3))
+        second = torch.from_numpy(rng.integers(0, vocab, (2, 2)))
+        bags = torch.from_numpy(np.concatenate([rng.integers(0, vocab, 5), [1, 1]]))  # key 1 twice in a bag
+        offsets = torch.tensor([0, 3])
+
+        def loss(a, b):
+            return (a(first) * scale).sum() + (a(second) ** 2).sum() + (b(bags, offsets) ** 3).sum()
+        loss(user, item).backward()
+        assert ps.step == step + 1
+        ref_opt.zero_grad()
+        ref.mode = "sum"
+        plain_sum = (ref(first) * scale).sum() + (ref(second) ** 2).sum()
+        ref.mode = "mean"
+        (plain_sum + (ref(bags, offsets) ** 3).sum()).backward()
+        ref_opt.step()
+        torch.testing.assert_close(torch.from_numpy(ps.pull(np.arange(vocab, dtype=np.uint64))),
+                                   ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    ps.close()
+
+
+def test_an_error_of_the_push_at_a_passs_end_reaches_backwards_caller_and_a_failed_pass_pushes_nothing(tmp_path):
+    """The pass's push runs after its last node (a callback of torch's engine): what it
+    raises comes out of backward(). A pass that fails in another node before its end
+    pushes nothing (no row moves, no step), and the passes after it push as before.
+    (When each lookup pushed in its own backward, the failed pass had stepped the
+    rows of the lookup whose backward ran before the failing node.)"""
+    ps = make_ps(tmp_path)
+    bag = ht.EmbeddingBag(ps)
+    keys = torch.tensor([[1, 2]])
+    before = ps.pull(np.array([1, 2], np.uint64))
+
+    def refused(keys, grads, **kw):
+        raise RuntimeError("push refused")
+    ps.push, push = refused, ps.push
+    with pytest.raises(RuntimeError, match="push refused"):
+        bag(keys).sum().backward()
+    ps.push = push
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("a node failed")
+    # The second lookup's backward runs first (made last), then Fails' raises.
+    with pytest.raises(ValueError, match="a node failed"):
+        (Fails.apply(bag(keys)).sum() + bag(keys).sum()).backward()
+    np.testing.assert_array_equal(ps.pull(np.array([1, 2], np.uint64)), before)
+    assert ps.step == 0
+    bag(keys).sum().backward()
+    np.testing.assert_allclose(ps.pull(np.array([1, 2], np.uint64)), before - 0.5, rtol=1e-6)
+    assert ps.step == 1
+    ps.close()

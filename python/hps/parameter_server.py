@@ -1127,8 +1127,8 @@ class ParameterServer:
     def push(self, keys: np.ndarray, grads: np.ndarray, *, step: bool = True) -> None:
         """Sums the gradients (n, dim) of each distinct key and applies one optimizer step.
         A push is one step of the server (``step``, which [ps] ttl_steps counts), as a
-        batch is; ``step=False``: a part of the step counted last (hps.torch's modules
-        push so after the first push of one backward pass, which is the step)."""
+        batch is; ``step=False``: a part of the step counted last (a push that belongs
+        to the batch or push before it)."""
         keys = np.asarray(keys)
         grads = np.asarray(grads)
         if grads.dtype != np.float32:

@@ -66,32 +66,50 @@ def _keys_of(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy().view(np.uint64)
 
 
-# (backward pass, server) pairs whose step a push has counted (_new_step); a pass's
-# pairs go when it ends. The lock: a pass on several devices runs backwards on
-# several threads.
-_STEPPED: set = set()
-_STEPPED_LOCK = threading.Lock()
+# The gradients the lookups of each backward pass (torch's graph task) pushed, by
+# pass: {server: [(keys, grads), ...]}, pushed at the pass's end (_push_pass). The
+# lock: a pass on several devices runs backwards on several threads.
+_PENDING: dict = {}
+_PENDING_LOCK = threading.Lock()
 
 
-def _new_step(ps) -> bool:
-    """Whether a push to ps from this backward pass is a new step of the server
-    ([ps] ttl_steps counts steps, documented as batches): the pass's first push is,
-    the others (a model's other embedding modules, one module's other lookups)
-    belong to it, so that one training iteration is one step whatever the number of
-    lookups. Outside a backward pass (or a torch without graph task ids) every push
-    is a step, as ParameterServer.push alone is."""
+def _push(ps, keys: np.ndarray, grads: np.ndarray) -> None:
+    """Sends a lookup's gradients (its distinct keys') to ps: inside a backward pass,
+    at the pass's end, summed per key with those of the pass's other lookups (a
+    model's other modules, one module's other lookups), so that each key takes one
+    optimizer step on its summed gradient, as torch's sparse embedding and its
+    optimizer do, and the pass is one step of the server ([ps] ttl_steps). A push
+    per lookup stepped a key in two lookups twice: the same as one step under SGD,
+    not under AdaGrad or Adam. Outside a backward pass (or a torch without graph task
+    ids) at once, as ParameterServer.push alone."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     task = current() if current is not None else -1
     if task < 0:
-        return True
-    mark = (task, id(ps))
-    with _STEPPED_LOCK:
-        if mark in _STEPPED:
-            return False
-        _STEPPED.add(mark)
-    # Ids are unique per pass, so a pass that fails before its end leaves one stale pair only.
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: _STEPPED.discard(mark))
-    return True
+        ps.push(keys, grads)
+        return
+    with _PENDING_LOCK:
+        first = task not in _PENDING
+        _PENDING.setdefault(task, {}).setdefault(ps, []).append((keys, grads))
+    if first:
+        # Run once every node of the pass has run (as DDP's reducer finishes its
+        # all-reduces); an error in it reaches backward()'s caller. A pass that
+        # fails before its end runs no callback: its gradients reach no row, and
+        # stay here (ids are unique per pass, so they are never pushed).
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _push_pass(task))
+
+
+def _push_pass(task: int) -> None:
+    """The pass's gradients to each server it pushed to (in the order of their
+    first pushes), summed per key: one push, one step, a server."""
+    with _PENDING_LOCK:
+        by_server = _PENDING.pop(task)
+    for ps, parts in by_server.items():
+        if len(parts) == 1:
+            keys, grads = parts[0]
+        else:
+            keys, inverse = _core.unique_keys(np.concatenate([k for k, _ in parts]))
+            grads = _core.sum_by_inverse(inverse, np.concatenate([g for _, g in parts]), len(keys))
+        ps.push(keys, grads)
 
 
 class _PooledLookup(torch.autograd.Function):
@@ -152,11 +170,7 @@ class _PooledLookup(torch.autograd.Function):
             ctx.batch.accumulate(ctx.positions, elem, worker=ctx.worker)  # summed per key as they arrive
         else:
             # One pass in C++: torch's index_add_ took 4x as long on these shapes.
-            grads = _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq))
-            if _new_step(module.ps):
-                module.ps.push(ctx.uniq, grads)
-            else:  # the pass's step, counted by its first push
-                module.ps.push(ctx.uniq, grads, step=False)
+            _push(module.ps, ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
         return None, None, None, None, grad_weights, None, None
 
 
@@ -421,8 +435,9 @@ class EmbeddingBag(nn.Module):
     Returns (B, dim) float32 on the input's device (the rows are looked up in
     host memory or on the device tier, and copied there). Gradients go to the
     parameter server on backward: into the attached batch (``attach``) if there
-    is one, else as a ps.push. Without a batch, one backward pass is one step of
-    the server ([ps] ttl_steps), however many modules or lookups push in it.
+    is one, else as a ps.push at the end of the backward pass, summed per key
+    with the pass's other lookups (of any module on that server): one optimizer
+    step a key on its summed gradient, and one step of the server ([ps] ttl_steps).
     """
 
     def __init__(self, ps: ParameterServer, mode: str = "sum", padding_key: Optional[int] = None):
