@@ -2025,6 +2025,47 @@ def test_hps_serve_command_serves_until_terminated(job):
     assert not os.path.exists(job / jobdir.READERS)
 
 
+def test_server_close_waits_for_the_lookups_under_way_and_refuses_new_ones(server, monkeypatch):
+    """hps serve closed its Lookup and exited while handler threads (daemon threads) were
+    still in a lookup's native read: SIGTERM during lookups aborted the process (SIGABRT,
+    'terminate called without an active exception') and left the checkpoint pinned in
+    .hps-readers. server_close now returns once the lookups under way have returned, and
+    a request on a connection kept alive meanwhile is answered 503."""
+    import http.client
+    entered, release = threading.Event(), threading.Event()
+    real = server.lookup.lookup_with_checkpoint
+
+    def slow(keys):
+        entered.set()
+        assert release.wait(30)
+        return real(keys)
+
+    monkeypatch.setattr(server.lookup, "lookup_with_checkpoint", slow)
+    host, port = server.server_address[:2]
+    kept = http.client.HTTPConnection(host, port, timeout=30)
+    kept.request("GET", "/health")
+    r = kept.getresponse()
+    assert r.status == 200
+    r.read()
+    first = []
+    reader = threading.Thread(target=lambda: first.append(request(server, "POST", "/lookup", b'{"keys": [1]}')))
+    reader.start()
+    assert entered.wait(30)
+    server.shutdown()
+    closing = threading.Thread(target=server.server_close)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive()  # waiting for the lookup, which waits for release
+    kept.request("GET", "/health")
+    r = kept.getresponse()
+    assert r.status == 503 and json.loads(r.read()) == {"error": "the server is stopping"}
+    kept.close()
+    release.set()
+    closing.join(30)
+    reader.join(30)
+    assert not closing.is_alive() and first[0][0] == 200
+
+
 def test_hps_serve_names_an_address_it_cannot_listen_on_and_releases_the_checkpoint(job, capsys):
     """A port in use printed only 'OSError: [Errno 98] Address already in use', and
     an out-of-range port an OverflowError traceback; the Lookup opened first was

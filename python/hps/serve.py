@@ -21,10 +21,12 @@ Errors are JSON {"error": "..."}, http.server's own too (send_error): 400 malfor
 404 unknown path, 405 wrong method (with Allow), 408 a body not all sent within the idle
 timeout (60 s; a connection idle that long is closed), 411 no Content-Length, 413 too many keys or
 bytes, 415 other content types, 429 over the concurrency limit, 500 a failure of
-the lookup or the refresh (logged to stderr; a failed refresh keeps the checkpoint).
+the lookup or the refresh (logged to stderr; a failed refresh keeps the checkpoint),
+503 a request while the server stops (server_close waits for those using the lookup).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import re
@@ -205,6 +207,12 @@ class LookupServer(ThreadingHTTPServer):
         # mid-request (a Content-Length it never fills) would hold its thread for good.
         self.idle_timeout = idle_timeout
         self._stop = threading.Event()
+        # Requests using the lookup now (its native reads under way): server_close waits
+        # for them, so that the lookup is closed, and the process exits, with none in a
+        # read. (A daemon thread still in a read when the interpreter exited aborted the
+        # process, SIGABRT from the C++ runtime, and left the checkpoint pinned.)
+        self._using = 0
+        self._unused = threading.Condition()
         socks, self.unavailable = _listen(address[0], address[1], self.request_queue_size)
         self.address_family = socks[0].family  # the class's is IPv4's
         super().__init__(socks[0].getsockname(), _Handler, bind_and_activate=False)
@@ -228,6 +236,21 @@ class LookupServer(ThreadingHTTPServer):
                     break  # the server stopped and closed the lookup meanwhile
                 print(f"hps serve: refresh failed, still serving checkpoint {self.lookup.checkpoint}: "
                       f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def using_lookup(self):
+        """Around a handler's use of the lookup: refused with 503 once the server is
+        closing, and waited for by server_close."""
+        with self._unused:
+            if self._stop.is_set():
+                raise HttpError(503, "the server is stopping")
+            self._using += 1
+        try:
+            yield self.lookup
+        finally:
+            with self._unused:
+                self._using -= 1
+                self._unused.notify_all()
 
     def count_rejected(self) -> None:
         with self._rejected_lock:
@@ -260,10 +283,16 @@ class LookupServer(ThreadingHTTPServer):
             lst.shutdown()
 
     def server_close(self) -> None:
-        self._stop.set()
+        """Stops listening, then waits for the requests using the lookup to return
+        from it (one batch each): the caller may close the lookup next."""
+        with self._unused:
+            self._stop.set()
         for lst in self._listeners:
             lst.server_close()
         super().server_close()
+        with self._unused:
+            while self._using:
+                self._unused.wait()
 
 
 class _Listener(socketserver.ThreadingMixIn, socketserver.TCPServer):
@@ -375,18 +404,23 @@ class _Handler(BaseHTTPRequestHandler):
                 self._lookup()
             elif path == "/refresh":
                 self._body(required=False)
-                try:
-                    moved = self.server.lookup.refresh()
-                except Exception as e:  # noqa: BLE001 - the checkpoint served stays, as with --refresh-every
-                    raise HttpError(500, f"refresh failed, still serving checkpoint {self.server.lookup.checkpoint}: "
-                                         f"{type(e).__name__}: {e}") from None
-                self._json(200, {"moved": moved, "checkpoint": self.server.lookup.checkpoint})
+                with self.server.using_lookup() as lookup:
+                    try:
+                        moved = lookup.refresh()
+                    except Exception as e:  # noqa: BLE001 - the checkpoint served stays, as with --refresh-every
+                        raise HttpError(500, f"refresh failed, still serving checkpoint {lookup.checkpoint}: "
+                                             f"{type(e).__name__}: {e}") from None
+                    answer = {"moved": moved, "checkpoint": lookup.checkpoint}
+                self._json(200, answer)
             elif path == "/health":
-                s = self.server.lookup
-                self._json(200, {"checkpoint": s.checkpoint, "step": s.step, "world": s.world, "dim": s.dim})
+                with self.server.using_lookup() as s:
+                    answer = {"checkpoint": s.checkpoint, "step": s.step, "world": s.world, "dim": s.dim}
+                self._json(200, answer)
             else:
-                self._json(200, {**self.server.lookup.stats(), "rejected": self.server.rejected,
-                                 "max_concurrent": self.server.max_concurrent})
+                with self.server.using_lookup() as lookup:
+                    answer = {**lookup.stats(), "rejected": self.server.rejected,
+                              "max_concurrent": self.server.max_concurrent}
+                self._json(200, answer)
         except HttpError as e:
             self.close_connection = True  # the body may be unread: the connection cannot carry another request
             if e.status >= 500:
@@ -411,8 +445,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.count_rejected()
             raise HttpError(429, f"{self.server.max_concurrent} lookups under way, the server's limit: retry")
         try:
-            # the checkpoint the rows were read from: lookup.checkpoint, read after, may be a newer one's
-            rows, found, checkpoint, step = self.server.lookup.lookup_with_checkpoint(keys)
+            with self.server.using_lookup() as lookup:
+                # the checkpoint the rows were read from: lookup.checkpoint, read after, may be a newer one's
+                rows, found, checkpoint, step = lookup.lookup_with_checkpoint(keys)
         finally:
             self.server.slots.release()
         if kind == "application/json":
