@@ -2217,6 +2217,21 @@ def test_serve_refuses_a_negative_content_length_naming_it(server):
     assert got.startswith(b"HTTP/1.1 400 ") and b"Content-Length -5: negative" in got
 
 
+def test_serve_refuses_a_chunked_body_that_also_declares_a_content_length(server):
+    """A body with Transfer-Encoding: chunked and a Content-Length was read as the
+    Content-Length's bytes of the chunked coding, which frames it (RFC 9112 6.3): here
+    its size line and key as two keys, answered 200; the rest of the chunks was read as
+    the connection's next request (a request smuggled in a chunk, behind a proxy that
+    frames by Transfer-Encoding)."""
+    key = np.array([1], "<u8").tobytes()
+    chunked = b"8\r\n" + key + b"\r\n0\r\n\r\n"
+    head = (b"POST /lookup HTTP/1.1\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Length: 16\r\nConnection: close\r\n\r\n")
+    status, headers, body = raw_exchange(server, head + chunked)
+    assert status == 411 and headers["Connection"] == "close", (status, headers, body)
+    assert json.loads(body) == {"error": "Transfer-Encoding 'chunked': not read; send the body with a Content-Length"}
+
+
 @pytest.mark.parametrize("method, path, status", [("POST", "/health", 405), ("PUT", "/lookup", 405),
                                                   ("POST", "/rows", 404)])
 def test_serve_answers_a_large_body_it_refuses_before_closing(server, method, path, status):

@@ -362,8 +362,11 @@ class _Handler(BaseHTTPRequestHandler):
         none (RFC 9112 6.3): only /lookup, whose keys are its body, refuses that.
         Chunked bodies are not read: 411 (left unread, they would be taken for a request)."""
         length = self.headers.get("Content-Length")
+        if "Transfer-Encoding" in self.headers:  # it frames the body, Content-Length or not (RFC 9112 6.3)
+            raise HttpError(411, f"Transfer-Encoding {self.headers['Transfer-Encoding']!r}: not read; send "
+                                 f"the body with a Content-Length")
         if length is None:
-            if not required and "Transfer-Encoding" not in self.headers:
+            if not required:
                 return b""
             raise HttpError(411, "Content-Length required")
         try:
