@@ -2217,6 +2217,25 @@ def test_serve_refuses_a_negative_content_length_naming_it(server):
     assert got.startswith(b"HTTP/1.1 400 ") and b"Content-Length -5: negative" in got
 
 
+@pytest.mark.parametrize("lengths, message", [
+    (["+13"], "Content-Length '+13': not a number"),
+    (["1_3"], "Content-Length '1_3': not a number"),
+    (["13", "40"], "Content-Length given 2 times, differing: 13, 40"),
+])
+def test_serve_refuses_a_content_length_that_is_not_one_number(server, lengths, message):
+    """int() read "+13" and "1_3" as 13, and of two differing Content-Lengths the first
+    was taken: a body framed one way here and perhaps another by a proxy in front
+    (RFC 9112 6.3 makes each a 400). The same length twice is one length."""
+    body = b'{"keys": [1]}'
+    head = "".join(f"Content-Length: {n}\r\n" for n in lengths).encode()
+    status, _, data = raw_exchange(server, b"POST /lookup HTTP/1.1\r\nContent-Type: application/json\r\n" + head
+                                   + b"Connection: close\r\n\r\n" + body)
+    assert status == 400 and json.loads(data) == {"error": message}
+    status, _, data = raw_exchange(server, b"POST /lookup HTTP/1.1\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: 13\r\nContent-Length: 13\r\nConnection: close\r\n\r\n" + body)
+    assert status == 200 and json.loads(data)["found"] == [False]
+
+
 def test_serve_refuses_a_chunked_body_that_also_declares_a_content_length(server):
     """A body with Transfer-Encoding: chunked and a Content-Length was read as the
     Content-Length's bytes of the chunked coding, which frames it (RFC 9112 6.3): here

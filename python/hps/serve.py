@@ -361,7 +361,10 @@ class _Handler(BaseHTTPRequestHandler):
         """The request's body. Without Content-Length or Transfer-Encoding a request has
         none (RFC 9112 6.3): only /lookup, whose keys are its body, refuses that.
         Chunked bodies are not read: 411 (left unread, they would be taken for a request)."""
-        length = self.headers.get("Content-Length")
+        lengths = self.headers.get_all("Content-Length", [])
+        if len(set(lengths)) > 1:  # which one frames the body is unknowable (RFC 9112 6.3)
+            raise HttpError(400, f"Content-Length given {len(lengths)} times, differing: {', '.join(lengths)}")
+        length = lengths[0] if lengths else None
         if "Transfer-Encoding" in self.headers:  # it frames the body, Content-Length or not (RFC 9112 6.3)
             raise HttpError(411, f"Transfer-Encoding {self.headers['Transfer-Encoding']!r}: not read; send "
                                  f"the body with a Content-Length")
@@ -369,12 +372,13 @@ class _Handler(BaseHTTPRequestHandler):
             if not required:
                 return b""
             raise HttpError(411, "Content-Length required")
-        try:
-            n = int(length)
-        except ValueError:
-            raise HttpError(400, f"Content-Length {length!r}: not a number") from None
-        if n < 0:
-            raise HttpError(400, f"Content-Length {n}: negative")
+        # digits alone (RFC 9110 8.6): int() also takes "+13", "1_3" and other scripts'
+        # digits, read as a length where a proxy in front may read none or another
+        if re.fullmatch(r"-[0-9]+", length):
+            raise HttpError(400, f"Content-Length {length}: negative")
+        if not re.fullmatch(r"[0-9]+", length):
+            raise HttpError(400, f"Content-Length {length!r}: not a number")
+        n = int(length)
         if n > MAX_BODY:
             raise HttpError(413, f"body of {n} bytes, more than {MAX_BODY}")
         try:
