@@ -1251,6 +1251,69 @@ def test_a_refresh_that_fails_keeps_serving_and_unpins_the_new_checkpoint(tmp_pa
     assert not os.path.exists(os.path.join(cfg.path, jobdir.READERS))
 
 
+def test_a_refresh_that_can_open_neither_checkpoint_fails_the_lookups_until_the_next_one(tmp_path, monkeypatch):
+    """With no room beside the served checkpoint, a refresh frees it before opening the
+    new one; when that failed and so did opening the served one again (a process out of
+    file descriptors, say), the refresh raised and left every lookup, and a stopping
+    hps serve that waits for them, waiting for good. They now fail naming both causes,
+    and the next refresh opens the job's last checkpoint."""
+    cfg, keys = _checkpointed_ones(tmp_path)
+    lk = hps.Lookup(cfg.path, memory_budget="64MiB")
+    try:
+        lk.lookup(keys)
+        ps = hps.ParameterServer.open(cfg.path)
+        ps.push(keys, np.ones((len(keys), 4), np.float32))
+        ps.checkpoint()
+        ps.close()
+        want, _ = server_rows(cfg.path, keys)
+        monkeypatch.setattr(hps.lookup._Generation, "next_fixed_estimate", lambda self, view: 1 << 40)
+
+        def out_of_descriptors(self, *args, **kwargs):
+            raise OSError(24, "Too many open files")
+        monkeypatch.setattr(hps.lookup._Generation, "__init__", out_of_descriptors)
+        with pytest.raises(OSError, match="Too many open files"):
+            lk.refresh()
+        answer = []
+
+        def look():
+            try:
+                answer.append(lk.lookup(keys))
+            except Exception as e:  # noqa: BLE001 - asserted below
+                answer.append(e)
+        t = threading.Thread(target=look, daemon=True)
+        t.start()
+        t.join(60)
+        assert answer, "a lookup after the failed refresh did not return"
+        assert isinstance(answer[0], RuntimeError) and str(answer[0]) == (
+            f"hps.Lookup of {cfg.path} serves no checkpoint: a refresh to checkpoint 2 failed (OSError: [Errno 24] "
+            "Too many open files) after checkpoint 1 was freed, which could not be opened again (OSError: "
+            "[Errno 24] Too many open files); refresh() opens the job's last one")
+        readers = os.path.join(cfg.path, jobdir.READERS)
+        assert not os.path.exists(readers) or not os.listdir(readers)  # neither checkpoint left pinned
+        # hps serve says so, and its --refresh-every (which died on the message's lk.checkpoint) tries again
+        from hps.serve import LookupServer
+        srv = LookupServer(lk, ("127.0.0.1", 0), refresh_every=0.05)
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            status, _, data = request(srv, "POST", "/refresh", b"")
+            assert status == 500 and json.loads(data)["error"].startswith(
+                "refresh failed, serving no checkpoint until a refresh succeeds: OSError: [Errno 24]")
+            monkeypatch.undo()
+            deadline = time.monotonic() + 60
+            while lk._current is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status, _, data = request(srv, "POST", "/lookup", json.dumps({"keys": [int(k) for k in keys]}))
+        finally:
+            srv.shutdown()
+            srv.server_close()
+        assert status == 200 and json.loads(data)["checkpoint"] == 2
+        np.testing.assert_array_equal(np.array(json.loads(data)["rows"], np.float32), want)
+        assert lk.stats()["refreshes"] == 1
+    finally:
+        lk.close()
+    assert not os.path.exists(os.path.join(cfg.path, jobdir.READERS))
+
+
 def test_a_damaged_checkpoint_is_named_by_its_own_files_not_the_readers_copies(tmp_path):
     """A CRC failure of a Lookup (so of hps serve's 500) or of an export named the
     reader's private copy in .hps-readers, which is removed when the reader closes:

@@ -385,6 +385,10 @@ class Lookup:
         self._swapping = False
         self._refresh_lock = threading.Lock()
         self._current: Optional[_Generation] = None
+        # Why no checkpoint is served, when a refresh with no room beside the served one
+        # could open neither the new checkpoint nor the served one again (None: one is
+        # served, or the Lookup is closed). The next refresh() opens the job's last one.
+        self._unserved: Optional[str] = None
         self._lookups = 0
         self._refreshes = 0
         self._blocking_refreshes = 0
@@ -432,9 +436,15 @@ class Lookup:
                 self._idle.wait()
             gen = self._current
             if gen is None:
-                raise ValueError(f"hps.Lookup of {self.path} is closed")
+                raise self._none_served()
             gen.active += 1
             return gen
+
+    def _none_served(self) -> Exception:
+        if self._unserved is not None:
+            return RuntimeError(f"hps.Lookup of {self.path} serves no checkpoint: {self._unserved}; refresh() "
+                                f"opens the job's last one")
+        return ValueError(f"hps.Lookup of {self.path} is closed")
 
     def _release(self, gen: _Generation) -> None:
         with self._lock:
@@ -469,6 +479,24 @@ class Lookup:
         with self._lock:
             self._current, self._swapping = new, False
             self._idle.notify_all()
+
+    def _unserve(self, why: str) -> None:
+        with self._lock:
+            self._current, self._swapping, self._unserved = None, False, why
+            self._idle.notify_all()
+
+    def _reopen(self) -> bool:
+        """refresh() when no checkpoint is served (_unserved): opens the job's last one.
+        REQUIRES: self._refresh_lock is held."""
+        new = self._open()
+        self._new_ring(new)
+        with self._lock:
+            self._current, self._unserved = new, None
+            self._refreshes += 1
+            self._blocking_refreshes += 1
+            self._idle.notify_all()
+        self._note(new)
+        return True
 
     # ------------------------------------------------------------ API
     def lookup(self, keys) -> tuple[np.ndarray, np.ndarray]:
@@ -523,7 +551,9 @@ class Lookup:
             with self._lock:
                 current = self._current
             if current is None:
-                raise ValueError(f"hps.Lookup of {self.path} is closed")
+                if self._unserved is None:
+                    raise self._none_served()
+                return self._reopen()
             if not current.older_than(job.run, job.checkpoint):
                 return False
             view = jobdir.pin(self.path)
@@ -563,10 +593,20 @@ class Lookup:
                     except BaseException:
                         new.close()
                         raise
-                except BaseException:
+                except BaseException as failed:
                     # back to the checkpoint served, still pinned: until _serve the lookups
                     # wait (_swapping), so leaving without it would block them for good
-                    self._serve(self._open(old.view))
+                    try:
+                        back = self._open(old.view)
+                    except BaseException as e:  # (its view is unpinned by _open)
+                        # Nothing to serve: the lookups fail, naming both failures, until a
+                        # refresh opens a checkpoint. (They waited for good, and so did a
+                        # stopping hps serve, which waits for its lookups.)
+                        self._unserve(f"a refresh to checkpoint {view.checkpoint} failed "
+                                      f"({type(failed).__name__}: {failed}) after checkpoint {old.checkpoint} "
+                                      f"was freed, which could not be opened again ({type(e).__name__}: {e})")
+                        raise failed
+                    self._serve(back)
                     raise
                 old.view.close()
                 self._serve(new)
@@ -588,7 +628,7 @@ class Lookup:
     def _served(self) -> _Generation:
         gen = self._current
         if gen is None:
-            raise ValueError(f"hps.Lookup of {self.path} is closed")
+            raise self._none_served()
         return gen
 
     @property
@@ -645,7 +685,7 @@ class Lookup:
         # checkpoint into a closed Lookup and leave that checkpoint pinned.
         with self._refresh_lock:
             with self._lock:
-                gen, self._current = self._current, None
+                gen, self._current, self._unserved = self._current, None, None
         if gen is not None:
             self._retire(gen)
 

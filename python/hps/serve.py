@@ -180,6 +180,14 @@ def _rows_json(rows: np.ndarray) -> tuple[list, list]:
     return out, np.flatnonzero(bad.any(axis=1)).tolist()
 
 
+def _serving(lookup: Lookup) -> str:
+    """What a failed refresh left served, for its message."""
+    try:
+        return f"still serving checkpoint {lookup.checkpoint}"
+    except RuntimeError:  # it could open neither checkpoint (Lookup.refresh): the next refresh tries again
+        return "serving no checkpoint until a refresh succeeds"
+
+
 class LookupServer(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -234,7 +242,7 @@ class LookupServer(ThreadingHTTPServer):
             except Exception as e:  # noqa: BLE001 - keep serving the checkpoint it has
                 if self._stop.is_set():
                     break  # the server stopped and closed the lookup meanwhile
-                print(f"hps serve: refresh failed, still serving checkpoint {self.lookup.checkpoint}: "
+                print(f"hps serve: refresh failed, {_serving(self.lookup)}: "
                       f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
@@ -415,7 +423,7 @@ class _Handler(BaseHTTPRequestHandler):
                     try:
                         moved = lookup.refresh()
                     except Exception as e:  # noqa: BLE001 - the checkpoint served stays, as with --refresh-every
-                        raise HttpError(500, f"refresh failed, still serving checkpoint {lookup.checkpoint}: "
+                        raise HttpError(500, f"refresh failed, {_serving(lookup)}: "
                                              f"{type(e).__name__}: {e}") from None
                     answer = {"moved": moved, "checkpoint": lookup.checkpoint}
                 self._json(200, answer)
