@@ -1537,6 +1537,14 @@ def test_serve_answers_json_and_binary_lookups(server, job):
     assert status == 200 and json.loads(body)["lookups"] == 2
 
 
+def test_serve_counts_a_lookup_of_no_keys_in_its_stats(server):
+    """A lookup of no keys was answered 200 but left out of /stats' "lookups"."""
+    assert request(server, "POST", "/lookup", b'{"keys": []}')[0] == 200
+    status, headers, body = request(server, "POST", "/lookup", b"", "application/octet-stream")
+    assert status == 200 and body == b"" and headers["X-Hps-Checkpoint"] == "6"
+    assert json.loads(request(server, "GET", "/stats")[2])["lookups"] == 2
+
+
 @pytest.mark.parametrize("method, path, body, kind, status, message", [
     ("POST", "/lookup", b"{", "application/json", 400, "body: not JSON"),
     ("POST", "/lookup", b'{"key": [1]}', "application/json", 400, 'a JSON object with a "keys" array'),

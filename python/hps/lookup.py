@@ -522,9 +522,10 @@ class Lookup:
         with self._calls:
             gen = self._acquire()
             try:
-                if len(keys) == 0:
-                    return np.empty((0, gen.dim), np.float32), np.empty(0, bool), gen.checkpoint, gen.step
-                result = (*gen.lookup(keys), gen.checkpoint, gen.step)
+                if len(keys) == 0:  # counted below like any other (it returned before, uncounted)
+                    result = np.empty((0, gen.dim), np.float32), np.empty(0, bool), gen.checkpoint, gen.step
+                else:
+                    result = (*gen.lookup(keys), gen.checkpoint, gen.step)
             finally:
                 self._release(gen)
         with self._lock:
