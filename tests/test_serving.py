@@ -607,7 +607,7 @@ def test_export_errors_name_the_argument(job, tmp_path, capsys):
     with pytest.raises(ValueError, match="last exported checkpoint 9, after the job's checkpoint 6"):
         export(job, tmp_path / "z2", "t-err")
     assert export(job, tmp_path / "z3", "t-err", full=True)["full"]
-    with pytest.raises(ValueError, match="chunk_rows = 0: must be >= 1"):
+    with pytest.raises(ValueError, match="chunk_rows = 0: must be an int >= 1"):
         export(job, tmp_path / "z4", "t-err", chunk_rows=0)
 
 
@@ -705,6 +705,23 @@ def test_a_delta_read_a_few_rows_at_a_time_holds_exactly_the_rows_updated_since(
     want, _ = server_rows(tmp_path / "job", np.array(table["key"], np.uint64))
     np.testing.assert_array_equal(np.array(table["embedding"], np.float32), want)
     assert meta["ranks"][0]["since_sequence"] < meta["ranks"][0]["max_sequence"]
+
+
+def test_chunk_rows_that_is_not_a_positive_int_is_refused_naming_it(tmp_path):
+    """chunk_rows=True was taken as 1 (a bool is an int): the export ran a row at a
+    time instead of refusing the argument, as 0 and the other arguments are refused;
+    nothing is written for a refused one."""
+    from hps.export import export
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=0.5))
+    ps = hps.ParameterServer(cfg)
+    ps.push(np.arange(1, 4, dtype=np.uint64), np.ones((3, 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    for bad in (True, False, 0, -3, 2.0, "7"):
+        with pytest.raises(ValueError, match=re.escape(f"chunk_rows = {bad!r}: must be an int >= 1")):
+            export(cfg.path, tmp_path / "e", "t-chunk-arg", chunk_rows=bad)
+        assert not (tmp_path / "e").exists()
+    assert export(cfg.path, tmp_path / "e", "t-chunk-arg", chunk_rows=np.int64(2))["rows"] == 3
 
 
 def test_a_key_of_a_parameter_file_that_the_store_cannot_read_fails_the_export(job, tmp_path, monkeypatch):

@@ -142,8 +142,9 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
     except ImportError:
         raise ImportError("hps export writes Parquet through pyarrow: pip install 'pyarrow>=12' "
                           "(or hps[data])") from None
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows = {chunk_rows}: must be >= 1")
+    # A bool is an int: True was taken as chunks of 1 row.
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows = {chunk_rows!r}: must be an int >= 1")
     _check_to(to)
     exports = os.path.join(root, jobdir.EXPORTS)
     # Nothing is written before the job has a finished checkpoint: a directory that
