@@ -707,6 +707,41 @@ def test_a_delta_read_a_few_rows_at_a_time_holds_exactly_the_rows_updated_since(
     assert meta["ranks"][0]["since_sequence"] < meta["ranks"][0]["max_sequence"]
 
 
+@pytest.mark.parametrize("damage", ["checkpoint", "world", "ranks", "ranks[0].max_sequence", "ranks short"])
+def test_a_position_missing_a_field_is_refused_naming_the_file_and_the_field(tmp_path, capsys, damage):
+    """A consumer's position missing a field that export or inspect reads raised a bare
+    KeyError ('world'), naming neither the file nor that it is a position. Removed, the
+    position is no more, and a full export starts the consumer over."""
+    from hps.export import export
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=0.5))
+    ps = hps.ParameterServer(cfg)
+    ps.push(np.arange(1, 4, dtype=np.uint64), np.ones((3, 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    export(cfg.path, tmp_path / "e1", "c")
+    where = tmp_path / "job" / "exports" / "c.json"
+    pos = json.loads(where.read_text())
+    if damage == "ranks[0].max_sequence":
+        del pos["ranks"][0]["max_sequence"]
+        want = f"{where}: ranks[0] has no field 'max_sequence'"
+    elif damage == "ranks short":  # (inspect reads no rank's entry by its number)
+        pos["ranks"] = []
+        want = f"{where}: field 'ranks' holds 0 entries for a job of 1 ranks"
+    else:
+        del pos[damage]
+        want = f"{where}: no field '{damage}'"
+    where.write_text(json.dumps(pos))
+    with pytest.raises(ValueError, match=re.escape(want) + r".*damaged export position: remove it, then export "
+                                                           r"with --full"):
+        export(cfg.path, tmp_path / "e2", "c")
+    capsys.readouterr()
+    if damage != "ranks short":
+        assert main(["inspect", cfg.path]) == 2
+        assert want in capsys.readouterr().err
+    where.unlink()
+    assert export(cfg.path, tmp_path / "e3", "c", full=True)["rows"] == 3
+
+
 def test_chunk_rows_that_is_not_a_positive_int_is_refused_naming_it(tmp_path):
     """chunk_rows=True was taken as 1 (a bool is an int): the export ran a row at a
     time instead of refusing the argument, as 0 and the other arguments are refused;

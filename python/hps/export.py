@@ -52,7 +52,7 @@ def position_path(root: str, consumer: str) -> str:
 
 def read_position(root: str, consumer: str) -> Optional[dict]:
     try:
-        return jobdir.read_json(position_path(root, consumer))
+        return jobdir.read_export_position(position_path(root, consumer))
     except FileNotFoundError:
         return None
 
@@ -123,6 +123,9 @@ def _check_position(pos: dict, view: jobdir.View, consumer: str) -> None:
     if pos["world"] != view.job.world:
         raise ValueError(f"{where}: consumer '{consumer}' last exported a job of {pos['world']} ranks, the job now "
                          f"has {view.job.world}; its positions do not apply: export with --full")
+    if len(pos["ranks"]) != pos["world"]:  # (each rank's entry is read by its number)
+        raise ValueError(f"{where}: field 'ranks' holds {len(pos['ranks'])} entries for a job of {pos['world']} "
+                         f"ranks (a damaged export position: remove it, then export with --full)")
     if pos["checkpoint"] > view.checkpoint:
         raise ValueError(f"{where}: consumer '{consumer}' last exported checkpoint {pos['checkpoint']}, after the "
                          f"job's checkpoint {view.checkpoint} (was the job started over?): export with --full")

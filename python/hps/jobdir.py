@@ -525,6 +525,26 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
+def read_export_position(path: str) -> dict:
+    """An export consumer's position file (hps.export), checked for the fields that
+    export and inspect read: one missing raised a bare KeyError naming neither the
+    file nor the field."""
+    pos = read_json(path)
+    damaged = "a damaged export position: remove it, then export with --full"
+    if not isinstance(pos, dict):
+        raise ValueError(f"{path}: not a JSON object ({damaged})")
+    for name in ("checkpoint", "world", "ranks"):
+        if name not in pos:
+            raise ValueError(f"{path}: no field '{name}' ({damaged})")
+    ranks = pos["ranks"]
+    if not isinstance(ranks, list):
+        raise ValueError(f"{path}: field 'ranks' is not a list, one entry a rank ({damaged})")
+    for i, r in enumerate(ranks):
+        if not isinstance(r, dict) or "max_sequence" not in r:
+            raise ValueError(f"{path}: ranks[{i}] has no field 'max_sequence' ({damaged})")
+    return pos
+
+
 def export_positions(root: str) -> dict:
     """{consumer: its position file's contents} (hps.export)."""
     out = {}
@@ -532,7 +552,7 @@ def export_positions(root: str) -> dict:
     if os.path.isdir(d):
         for name in sorted(os.listdir(d)):
             if name.endswith(".json"):
-                out[name[:-5]] = read_json(os.path.join(d, name))
+                out[name[:-5]] = read_export_position(os.path.join(d, name))
     return out
 
 
