@@ -40,6 +40,34 @@ def pair_auc(y, p):
     return ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
 
 
+@pytest.mark.parametrize("n_scores", [3, 5, 1])
+def test_metrics_refuse_labels_and_scores_of_different_lengths_naming_both(n_scores):
+    """auc raised numpy's IndexError (boolean index did not match), naming neither
+    length; logloss broadcast a single score against every label, a number with no
+    error."""
+    from hps.metrics import auc, logloss
+    y = np.array([0, 1, 0, 1], np.float32)
+    p = np.linspace(0.1, 0.9, n_scores).astype(np.float32)
+    with pytest.raises(ValueError, match=f"auc: 4 labels but {n_scores} scores"):
+        auc(y, p)
+    with pytest.raises(ValueError, match=f"logloss: 4 labels but {n_scores} probs"):
+        logloss(y, p)
+
+
+def test_metrics_refuse_scores_of_more_than_one_dimension():
+    """Scores of shape (n, 1) (a model's output left unsqueezed) against labels of
+    shape (n,): logloss broadcast them to (n, n) pairs and auc sorted each one-score
+    row, both a number with no error."""
+    from hps.metrics import auc, logloss
+    y = np.array([0, 1, 0, 1], np.float32)
+    p = np.array([[0.2], [0.7], [0.4], [0.6]], np.float32)
+    with pytest.raises(ValueError, match=r"auc: scores of shape \(4, 1\), labels of shape \(4,\): give 1-D arrays"):
+        auc(y, p)
+    with pytest.raises(ValueError, match=r"logloss: probs of shape \(4, 1\), labels of shape \(4,\)"):
+        logloss(y, p)
+    assert auc(y, p[:, 0]) == 1.0
+
+
 def test_ready_files_are_those_unchanged_since_the_last_poll():
     before = {"a.csv": (10, 1), "b.csv": (5, 1), "c.csv": (7, 1)}
     now = {"c.csv": (7, 1), "a.csv": (10, 1), "b.csv": (9, 2), "d.csv": (1, 3)}
