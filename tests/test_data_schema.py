@@ -2,6 +2,7 @@
 hand-written files whose keys are computed here independently of the readers."""
 import bz2
 import gzip
+import re
 import textwrap
 
 import numpy as np
@@ -753,9 +754,40 @@ def test_csv_line_ends_and_files_without_rows(tmp_path):
     (tmp_path / "bad.csv").write_bytes(b"click,a\n7,x\n")
     r = SchemaCsv(tmp_path / "bad.csv", schema, skip_malformed=True)
     assert list(r) == [] and r.malformed == 1
-    (tmp_path / "empty.csv").write_bytes(b"")
-    with pytest.raises(DataError, match=r"empty.csv:1: empty file"):
-        list(SchemaCsv(tmp_path / "empty.csv", schema))
+    # An empty line first is a malformed file, not an empty one.
+    (tmp_path / "blank.csv").write_bytes(b"\n1,x\n")
+    with pytest.raises(DataError, match=r"blank.csv:1: the first line is empty"):
+        list(SchemaCsv(tmp_path / "blank.csv", schema))
+
+
+@pytest.mark.parametrize("header", [True, False])
+def test_a_csv_file_of_0_bytes_warns_naming_it_and_the_others_are_read(tmp_path, header):
+    """A 0-byte CSV file was refused ('empty.csv:1: empty file') where a 0-byte Criteo
+    TSV or libsvm file, and a CSV file of a header alone, warn and the other files are
+    read: a directory of an export's parts may hold empty ones (Spark writes an empty
+    partition's part without its header). It has no rows, so no fields to check."""
+    import gzip
+    schema = {"label": "click" if header else 0, "categorical": "rest", "header": header}
+    d = tmp_path / "day"
+    d.mkdir()
+    (d / "part-0.csv").write_bytes(b"")  # first: the model's shape comes from the first file with data
+    (d / "part-1.csv").write_bytes((b"click,a\n" if header else b"") + b"1,x\n0,y\n")
+    (d / "part-2.csv.gz").write_bytes(gzip.compress(b""))
+    reader = SchemaCsv(d, schema)
+    assert reader.widths() == (0, 1, 0)
+    with pytest.warns(EmptyFileWarning) as got:
+        labels, _, keys, _, _ = read_all(reader)
+    assert labels.tolist() == [1, 0] and keys.tolist() == [[ref_key(0, "x")], [ref_key(0, "y")]]
+    assert [str(w.message) for w in got] == [
+        f"{d / 'part-0.csv'}: empty file (no data): no examples read from it",
+        f"{d / 'part-2.csv.gz'}: empty file (no data once decompressed): no examples read from it"]
+    # Every file empty: no fields to take the model's shape from, said as such.
+    reader = SchemaCsv([d / "part-0.csv", d / "part-2.csv.gz"], schema)
+    with pytest.raises(DataError, match=re.escape(f"{d / 'part-0.csv'}: the data holds no examples (2 file(s), "
+                                                  f"each empty): no fields to take the model's shape from")):
+        reader.widths()
+    with pytest.warns(EmptyFileWarning):
+        assert list(reader) == []
 
 
 # ------------------------------------------------------------------ synthetic multi-hot fields

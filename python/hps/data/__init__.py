@@ -43,8 +43,8 @@ and may be a list, a glob or a directory (:func:`list_files`); node ``rank`` of
 ``.zst`` TSV files are decompressed on the fly.
 
 Bad input raises :class:`DataError` (a ValueError) naming file, line and
-field: ``train.tsv:1234: field I5: 'abc' is not an integer``. A TSV or libsvm
-file without data (0 bytes), a Parquet file of 0 rows or a CSV file of a header
+field: ``train.tsv:1234: field I5: 'abc' is not an integer``. A TSV, libsvm or
+CSV file without data (0 bytes), a Parquet file of 0 rows or a CSV file of a header
 alone gives no examples and warns, naming it (:class:`EmptyFileWarning`).
 
 This package needs only numpy to import and to generate synthetic data; the

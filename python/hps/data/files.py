@@ -46,8 +46,8 @@ class DataError(ValueError):
 
 
 class EmptyFileWarning(UserWarning):
-    """A data file holds no data: a Criteo TSV or libsvm file of 0 bytes (or none once
-    decompressed), a Parquet file of 0 rows, a CSV file of a header alone. It gives
+    """A data file holds no data: a Criteo TSV, libsvm or CSV file of 0 bytes (or none
+    once decompressed), a Parquet file of 0 rows, a CSV file of a header alone. It gives
     no examples, and the reader goes on to the next file rather than fail: a
     directory of shards may hold empty parts (a Hadoop job writes one for a reducer
     that had no output). ``hps train`` refuses data that gives no

@@ -216,9 +216,14 @@ class _SchemaReader(_Reader):
         self._first: Optional[tuple] = None
 
     def widths(self) -> tuple[int, int, int]:
-        """(dense features, single-hot fields, multi-hot fields) of the first file: the model's shape."""
-        layout = self._layout(self.files[0])
-        return len(layout.dense), len(layout.categorical), len(layout.multi_hot)
+        """(dense features, single-hot fields, multi-hot fields) of the first file with
+        data: the model's shape."""
+        for path in self.files:
+            layout = self._layout(path)
+            if layout is not None:
+                return len(layout.dense), len(layout.categorical), len(layout.multi_hot)
+        raise DataError(f"{self.files[0]}: the data holds no examples ({len(self.files)} file(s), each empty): no "
+                        f"fields to take the model's shape from", path=self.files[0])
 
     def _same_fields(self, layout, path: str) -> None:
         names = layout.names()
@@ -280,11 +285,13 @@ class SchemaCsv(_SchemaReader):
         return self.schema.delimiter or ("\t" if _plain_name(path).endswith(".tsv") else ",")
 
     def _layout(self, path: str):
+        """The file's layout; None for a file without data (no header, no fields)."""
         names, _ = self._columns(path, self._pa.csv.ParseOptions(delimiter=self.delimiter(path)))
-        return self.schema.resolve(names, path, by_name=self.schema.header)
+        return None if names is None else self.schema.resolve(names, path, by_name=self.schema.header)
 
-    def _columns(self, path: str, parse) -> tuple[list[str], int]:
-        """(the header's names, or "0", "1", ... for the first line's fields; the first line's bytes)."""
+    def _columns(self, path: str, parse) -> tuple[Optional[list[str]], int]:
+        """(the header's names, or "0", "1", ... for the first line's fields; the first line's bytes);
+        (None, 0) for a file without a byte (once decompressed)."""
         pa = self._pa
         with _open_stream(pa, path) as f:
             # The first line ends where pyarrow ends it: at "\n", "\r\n" or a lone "\r"
@@ -301,9 +308,10 @@ class SchemaCsv(_SchemaReader):
                 if m is not None and (m.group() != b"\r" or m.end() < len(buf) or eof):
                     end = m.end()
             first = buf if end is None else buf[:end]
+        if not first:
+            return None, 0
         if not first.strip(b"\r\n"):
-            raise DataError(f"{path}:1: " + ("empty file" if not first else "the first line is empty"), path=path,
-                            line=1)
+            raise DataError(f"{path}:1: the first line is empty", path=path, line=1)
         ended = first.endswith((b"\n", b"\r"))
         if self.schema.header:
             # (a header that does not end a line has no rows after it: -1)
@@ -322,6 +330,12 @@ class SchemaCsv(_SchemaReader):
                 names, first_bytes = self._columns(path, pa.csv.ParseOptions(delimiter=self.delimiter(path)))
             except errors as e:
                 raise DataError(f"{path}: cannot read: {e}", path=path) from e
+            # A file without a byte (an empty partition's part, which Spark writes without
+            # its header) has no rows, so no fields to check: it warns as an empty Criteo
+            # TSV or libsvm file does.
+            if names is None:
+                _warn_empty(path)
+                continue
             layout = self.schema.resolve(names, path, by_name=self.schema.header)
             self._same_fields(layout, path)
             if self.schema.header and first_bytes < 0:  # a header without a line end: no rows
