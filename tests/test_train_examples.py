@@ -177,3 +177,43 @@ def test_the_rate_says_the_evaluations_inside_the_run_are_in_it_and_gives_it_wit
     assert rc == 0, err
     assert line["eval_seconds"] == 0.0 and line["examples_per_s_without_eval"] == pytest.approx(line["examples_per_s"])
     assert "evaluations'" not in [x for x in err.splitlines() if "examples/s" in x][0]
+
+
+def test_the_evaluations_inside_the_run_are_not_the_train_stages_busy_time(capsys, tmp_path, monkeypatch):
+    """eval_every's evaluations run inside the train step, and were counted as the
+    train stage's busy time: a run whose evaluations dominate said it was bound by
+    train whatever bounded its training. The pipeline's clock is a fake one here, so
+    that nothing depends on timing: each batch read takes it 1 s on, each evaluation
+    100 s, and nothing else moves it. The read stage bounds the training; the
+    evaluations' 400 s are reported apart (set_aside_seconds, eval_seconds)."""
+    import types
+
+    import hps.pipeline
+    from hps.data import SyntheticCriteo
+    from hps.train import Trainer
+    clock = [0.0]
+    monkeypatch.setattr(hps.pipeline, "time", types.SimpleNamespace(perf_counter=lambda: clock[0],
+                                                                    thread_time=lambda: clock[0]))
+    evaluate, read = Trainer.evaluate, SyntheticCriteo.__iter__
+
+    def slow_evaluate(self, batches):
+        clock[0] += 100.0
+        return evaluate(self, batches)
+
+    def slow_read(self):
+        for batch in read(self):
+            clock[0] += 1.0
+            yield batch
+    monkeypatch.setattr(Trainer, "evaluate", slow_evaluate)
+    monkeypatch.setattr(SyntheticCriteo, "__iter__", slow_read)
+    # Sequential: every stage in this thread, so that only the read stage's timing
+    # holds the reads' seconds. 4 batches, an evaluation after each (the final one
+    # runs after the pipeline: in none of its figures).
+    rc, line, err = run(capsys, tmp_path, "--examples", "4000", "--eval-every", "1", "--sequential")
+    assert rc == 0, err
+    p = line["pipeline"]
+    assert p["busy_seconds"]["train"] == 0.0 and p["cpu_seconds"]["train"] == 0.0
+    assert p["busy_seconds"]["read"] == 4.0 and p["bound_by"] == "read"
+    assert p["set_aside_seconds"] == 400.0 and p["wall_seconds"] == 404.0
+    assert line["eval_seconds"] == 400.0
+    assert "bound by stage" in err and [x for x in err.splitlines() if "bound by stage" in x][0].split()[-1] == "read"

@@ -18,7 +18,9 @@ the rows batch i updated from batch i (ParameterServer.batch(overlap=True)), so 
 pipelined run computes exactly what running the stages one after another does.
 
 Per-stage busy times, waits and queue depths are in ``PipelineStats``; the stage
-with the largest busy time bounds the run.
+with the largest busy time bounds the run. What the train step does that is not
+training (hps train's periodic evaluations) it runs in ``Pipeline.set_aside()``,
+outside the train stage's busy time.
 
 The read, prefetch, load and write-back threads run at a lower priority (Linux
 niceness ``helper_nice``, 19 by default). A trainer that runs its dense step on
@@ -32,6 +34,7 @@ idle, and the helper gets them whatever its niceness (400k examples of W5:
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import sys
@@ -69,10 +72,13 @@ class PipelineStats:
     that thread only: not torch's intra-op threads in the train stage, nor
     pyarrow's parser threads in the read stage, so it understates the work of
     stages that hand work to threads of their own; the busy (wall) time remains
-    what bounds the run."""
+    what bounds the run. ``set_aside_seconds`` is the wall time the train step spent
+    in ``Pipeline.set_aside()`` (hps train's periodic evaluations): in
+    ``wall_seconds``, in no stage's busy or CPU time."""
     batches: int = 0
     examples: int = 0
     wall_seconds: float = 0.0
+    set_aside_seconds: float = 0.0
     busy_seconds: dict = field(default_factory=lambda: {s: 0.0 for s in STAGES})
     cpu_seconds: dict = field(default_factory=lambda: {s: 0.0 for s in STAGES})
     queue_depth_sum: dict = field(default_factory=lambda: {"read": 0, "prefetch": 0, "load": 0, "write_back": 0})
@@ -92,6 +98,7 @@ class PipelineStats:
         return {"batches": self.batches, "examples": self.examples, "wall_seconds": self.wall_seconds,
                 "examples_per_s": self.examples / self.wall_seconds if self.wall_seconds else 0.0,
                 "busy_seconds": busy, "cpu_seconds": dict(self.cpu_seconds), "bound_by": self.bound_by(),
+                "set_aside_seconds": self.set_aside_seconds,
                 "wall_over_slowest_stage": self.wall_seconds / slowest if slowest else None,
                 "mean_queue_depth": {k: v / n for k, v in self.queue_depth_sum.items()},
                 "prefetch_waits": self.prefetch_waits, "helper_nice": self.helper_nice, "binding": self.binding}
@@ -170,6 +177,24 @@ class Pipeline:
             self.stats.busy_seconds[stage] += wall
             self.stats.cpu_seconds[stage] += cpu
         return out
+
+    @contextlib.contextmanager
+    def set_aside(self):
+        """A block of the train step that is not training: hps train's periodic
+        evaluations, which run between two batches. Counted as the train stage's busy
+        time, they made a run whose evaluations dominate look bound by train whatever
+        bounded its training. The block's wall and CPU time are left out of the train
+        stage's busy_seconds and cpu_seconds and counted in stats.set_aside_seconds.
+        REQUIRES: called in the train step (the thread that runs it)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            with self._lock:  # (the step's _timed adds the whole step, this block in it, when it returns)
+                self.stats.busy_seconds["train"] -= wall
+                self.stats.cpu_seconds["train"] -= cpu
+                self.stats.set_aside_seconds += wall
 
     def _load(self, data, prefetched, overlap: bool = False) -> Loaded:
         b = self.ps.batch(prefetched, overlap=overlap)

@@ -1335,10 +1335,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         def wrapped(loaded):
             inner(loaded)
             if cfg.eval_every and trainer.batches_done % cfg.eval_every == 0:
-                with untimed():
-                    began = time.perf_counter()
+                with untimed(), pipeline.set_aside():  # (not the train stage's busy time: see set_aside)
                     record_eval()
-                    eval_seconds[0] += time.perf_counter() - began
             if cfg.checkpoint_every and trainer.batches_done % cfg.checkpoint_every == 0:
                 # The batch in flight is written back after this step returns; the
                 # checkpoint waits for it (ParameterServer.checkpoint takes the batch lock).
@@ -1346,9 +1344,6 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         return wrapped
 
     pending_checkpoint: list[int] = []
-    # The periodic evaluations run inside the train stage, so inside the pipeline's
-    # wall time (the final one and the checkpoints run outside it).
-    eval_seconds = [0.0]
     pipeline.train_step = after_batch_hooks(step)
     # Checkpoints between batches: run the pipeline in segments.
     while True:
@@ -1371,11 +1366,14 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     # read after it, so they agree with summary["ps"] (and the printed table).
     trainer.history[-1].update(_tier_counters(trainer.ps.stats()))
     wall = pipeline.stats.wall_seconds
+    # The periodic evaluations run inside the train step, so inside the pipeline's
+    # wall time (the final one and the checkpoints run outside it).
+    eval_seconds = pipeline.stats.set_aside_seconds
     summary = {"examples": trainer.examples_done, "batches": trainer.batches_done,
                "train_seconds": wall, "ps_open_seconds": trainer.ps_open_seconds,
                "examples_per_s": pipeline.stats.examples / wall if wall else 0.0,
-               "eval_seconds": eval_seconds[0],
-               "examples_per_s_without_eval": _rate(pipeline.stats.examples, wall - eval_seconds[0]),
+               "eval_seconds": eval_seconds,
+               "examples_per_s_without_eval": _rate(pipeline.stats.examples, wall - eval_seconds),
                "pipeline": pipeline.stats.as_dict(), "final": trainer.history[-1], "history": trainer.history,
                "started_at": started_at,
                "torch_threads": (trainer.thread_tuner.as_dict() if trainer.thread_tuner is not None
@@ -1403,7 +1401,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
     skipped = _malformed_report(cfg, source, eval_batches)
     if node is not None:
         ranks = node.allgather("train", {"examples": pipeline.stats.examples, "wall_seconds": wall,
-                                         "eval_seconds": eval_seconds[0],
+                                         "eval_seconds": eval_seconds,
                                          "bytes_sent": dict(node.bytes_sent),
                                          # rows sent as a bit, never trained (hps.distributed.FreshRows)
                                          "fresh_rows_sent_as_bits": getattr(trainer.ps, "fresh_rows_sent", int)(),
