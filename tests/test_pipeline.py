@@ -339,13 +339,14 @@ def test_prefetch_retries_when_the_last_batch_in_flight_is_written_back_during_t
 def test_cpu_seconds_count_a_stage_threads_work_not_its_waits():
     """Each stage's CPU time (its thread's time.thread_time) beside its busy (wall)
     time: a read stage that only sleeps costs next to no CPU however long it is
-    busy; a train step that spins costs about its busy time (loose bounds: a loaded
-    2-core machine may take the core from the spinning thread a while)."""
+    busy; a train step that spins costs at least the CPU it spun. (It spins for its
+    thread's CPU time, not the clock's: on a loaded machine a thread spinning by the
+    clock gets a share of a core, and a bound on that share failed there.)"""
     from hps.pipeline import STAGES, Pipeline
 
     def spin(seconds):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
             pass
 
     def source():
@@ -362,7 +363,7 @@ def test_cpu_seconds_count_a_stage_threads_work_not_its_waits():
     assert set(d["cpu_seconds"]) == set(STAGES) and d["cpu_seconds"] == stats.cpu_seconds
     assert all(v >= 0 for v in stats.cpu_seconds.values())
     assert stats.busy_seconds["read"] >= 0.2 and stats.cpu_seconds["read"] < 0.05
-    assert stats.busy_seconds["train"] >= 0.2 and stats.cpu_seconds["train"] > 0.3 * stats.busy_seconds["train"]
+    assert stats.cpu_seconds["train"] >= 0.19 and stats.busy_seconds["train"] >= 0.9 * stats.cpu_seconds["train"]
 
 
 def test_the_read_stage_reads_at_most_batches_ahead_past_the_batch_trained():
