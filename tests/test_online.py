@@ -156,6 +156,18 @@ def test_idle_does_not_end_the_source_on_a_file_that_appeared_but_is_not_ready_y
     assert [os.path.basename(f) for f in src.files_read] == ["a.csv", "b.csv"]
 
 
+def test_an_idle_time_of_0_reads_the_files_present_then_ends(tmp_path):
+    # idle = 0 (online_idle = 0, --online-stop idle=0: "read what is there and stop"): the
+    # first poll sees the files, not ready yet (their size must hold across two polls),
+    # and the idle time has passed at once. The source ended there having read nothing,
+    # though a file seen but not ready is waited for.
+    (tmp_path / "a.csv").write_text(HEADER + "".join(rows(20, 13)))
+    (tmp_path / "b.csv").write_text(HEADER + "".join(rows(10, 14)))
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05, idle=0, marker=None)
+    assert sum(len(b) for b in src) == 30
+    assert [os.path.basename(f) for f in src.files_read] == ["a.csv", "b.csv"]
+
+
 def test_ranks_that_saw_the_files_arrive_in_another_order_still_split_them(tmp_path):
     # Each rank polls on its own: rank 1 took b.csv first (its widths() waited for the
     # first file while a.csv was still being written), rank 0 came later and saw a.csv

@@ -168,7 +168,11 @@ class GrowingDirectory:
                 last_new = time.monotonic()
             if marked:
                 return
-            if self.idle is not None and time.monotonic() - last_new >= self.idle:
+            # A file seen and not taken yet is waited for whatever the idle time: it is
+            # ready at the next poll unless it changes (else with an idle time shorter
+            # than a listing, idle = 0 above all, the files present were never read).
+            waiting = any(n not in taken for n in now)
+            if self.idle is not None and not waiting and time.monotonic() - last_new >= self.idle:
                 return
             before = now
             time.sleep(self.poll)
