@@ -387,7 +387,13 @@ def test_eval_examples_of_0_read_no_held_out_batch_and_a_negative_count_is_refus
     d["data"]["eval_examples"] = 0
     cfg = TrainConfig.from_dict(d)
     assert _eval_batches(cfg) == []
+    # Files give exactly the count asked, the batch that crosses it cut short (synthetic data's
+    # eval stream always did; files gave whole batches: 8 examples scored for 5).
     d["data"]["eval_examples"] = 5
+    assert [len(b) for b in _eval_batches(TrainConfig.from_dict({**d, "admission": {}}))] == [4, 1]
+    d["data"]["eval_examples"] = 3
+    assert [len(b) for b in _eval_batches(TrainConfig.from_dict({**d, "admission": {}}))] == [3]
+    d["data"]["eval_examples"] = 8
     assert [len(b) for b in _eval_batches(TrainConfig.from_dict({**d, "admission": {}}))] == [4, 4]
     d["data"]["eval_examples"] = -1
     with pytest.raises(ValueError, match=r"data.eval_examples must be an int >= 0, got -1"):

@@ -420,6 +420,8 @@ def _eval_batches(cfg: TrainConfig) -> list:
         if d.schema is None else hdata.open_schema(d.eval_source, d.schema, d.batch_size, format=d.format,
                                                    skip_malformed=d.skip_malformed)
     for b in reader:
+        if n + len(b) > d.eval_examples:  # the batch that crosses the count cut short, as train_examples'
+            b = b.rows(np.arange(d.eval_examples - n))
         out.append(b)
         n += len(b)
         if n >= d.eval_examples:
