@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="hps.torch needs torch (pip install 
 pa = pytest.importorskip("pyarrow")
 import hps  # noqa: E402
 import hps.torch as ht  # noqa: E402
-from hps.data import SchemaCsv  # noqa: E402
+from hps.data import Epochs, SchemaCsv, SyntheticCriteo  # noqa: E402
 from hps.train import TrainConfig, train  # noqa: E402
 
 DIM = 4
@@ -221,6 +221,17 @@ def test_hps_train_epochs_with_a_shuffle_buffer(tmp_path):
         TrainConfig.from_dict(dict(base, data={"epochs": 0}), "run.toml")
     with pytest.raises(ValueError, match=r"run.toml: data.shuffle_buffer must be an int >= 0, got -5"):
         TrainConfig.from_dict(dict(base, data={"shuffle_buffer": -5}), "run.toml")
+    # batch_size was checked only by the readers (unnamed: "batch_size must be a positive int"),
+    # and the seed not at all: -1 failed at the first shuffle, once the parameter server was written.
+    for value in (0, "4096", 2.5, True):
+        with pytest.raises(ValueError, match=rf"run.toml: data.batch_size must be an int >= 1, got {value!r}"):
+            TrainConfig.from_dict(dict(base, data={"batch_size": value}), "run.toml")
+    for value in (-1, 1.5, "x", True):
+        with pytest.raises(ValueError, match=rf"run.toml: data.seed must be an int >= 0, got {value!r}"):
+            TrainConfig.from_dict(dict(base, data={"source": "x.csv", "epochs": 2, "seed": value}), "run.toml")
+    with pytest.raises(ValueError, match=r"seed must be an int >= 0, got -1"):
+        Epochs(SyntheticCriteo(batch_size=4, examples=8), 2, 4, seed=-1)
+    assert TrainConfig.from_dict(dict(base, data={"seed": 2**70}), "run.toml").data.seed == 2**70
 
 
 def test_eval_data_with_other_fields_is_refused_before_training(tmp_path):

@@ -222,7 +222,8 @@ class TrainConfig:
                                  f"{' with a schema' if data.schema is not None else ''}, got {data.format!r}")
             if data.source == "synthetic":
                 raise ValueError(f"{source}: data.format = {data.format!r} is the files' format: give data.source too")
-        for name, low in (("epochs", 1), ("shuffle_buffer", 0), ("train_examples", 1), ("eval_examples", 0)):
+        for name, low in (("batch_size", 1), ("epochs", 1), ("shuffle_buffer", 0), ("train_examples", 1),
+                          ("eval_examples", 0)):
             v = getattr(data, name)
             if name == "train_examples" and v is None:
                 continue
@@ -248,6 +249,10 @@ class TrainConfig:
             raise ValueError(f"{source}: data.online_examples must be an int >= 1, got {data.online_examples!r}")
         if data.online_marker is not None and not (isinstance(data.online_marker, str) and data.online_marker):
             raise ValueError(f"{source}: data.online_marker must be a file name, got {data.online_marker!r}")
+        # The shuffle's and synthetic data's seed: numpy's generators take a non-negative int
+        # (-1 failed at the first shuffle, after the parameter server was written; 1.5 was cut to 1).
+        if not (is_int(data.seed) and data.seed >= 0):
+            raise ValueError(f"{source}: data.seed must be an int >= 0, got {data.seed!r}")
         if not (is_number(data.zipf_a) and data.zipf_a >= 0):
             raise ValueError(f"{source}: data.zipf_a must be a number >= 0, got {data.zipf_a!r}")
         # (checkpoint_every = -1 trained no batch and ended as a finished run)

@@ -56,6 +56,8 @@ class Epochs:
             raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
         if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, (int, np.integer)) or shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer must be an int >= 0 (rows), got {shuffle_buffer!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")  # (numpy's generators: at the first pass)
         batch_size = batch_size if batch_size is not None else getattr(source, "batch_size", None)
         _check_batching(batch_size, 0, 1)
         self.source = source
