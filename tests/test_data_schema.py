@@ -288,6 +288,26 @@ def test_csv_schema_that_does_not_match_the_file(tmp_path):
         list(SchemaCsv([p, q], {"label": "click", "dense": ["price"], "categorical": "rest"}))
 
 
+def test_headerless_field_count_errors_point_back_at_line_1(tmp_path):
+    # Without a header the expected field count is line 1's. Where line 1 is the bad
+    # one, every other line is reported, and "a.csv:2: has 4 fields, expected 3"
+    # pointed at a good line without saying where the 3 came from.
+    p = tmp_path / "a.csv"
+    p.write_text("1,2,x\n1,2,x,y\n0,3,y,z\n")
+    schema = {"label": 0, "dense": [1], "categorical": "rest", "header": False}
+    with pytest.raises(DataError, match=r"a.csv:2: has 4 fields, expected 3 as on line 1 \(the file has no "
+                                        r"header\)$") as e:
+        list(SchemaCsv(p, schema))
+    assert (e.value.line, e.value.field) == (2, None)
+    r = SchemaCsv(p, schema, skip_malformed=True)
+    assert sum(len(b) for b in r) == 1 and r.malformed == 2
+    assert all(m.endswith("as on line 1 (the file has no header)") for m in r.malformed_examples)
+    # With a header its field count is what is expected, and the message says no more.
+    p.write_text("a,b,c\n1,2,x,y\n")
+    with pytest.raises(DataError, match=r"a.csv:2: has 4 fields, expected 3$"):
+        list(SchemaCsv(p, {"label": "a", "dense": ["b"], "categorical": "rest"}))
+
+
 # ------------------------------------------------------------------ Parquet
 
 def test_parquet_gives_the_keys_of_the_same_text(tmp_path):

@@ -265,8 +265,9 @@ class SchemaCsv(_SchemaReader):
 
     Errors name file, line and column: ``clicks.csv:12: column 'price': 'abc' is not a
     number``, ``clicks.csv:7: has 4 fields, expected 5``, ``clicks.csv:9: is an empty line,
-    expected 5 fields``, ``clicks.csv: no column 'click'``.
-    ``skip_malformed`` skips and counts bad lines as the Criteo readers do; a schema that
+    expected 5 fields``, ``clicks.csv: no column 'click'``. Without a header the field
+    count expected is line 1's (``clicks.csv:7: has 4 fields, expected 5 as on line 1 (the
+    file has no header)``). ``skip_malformed`` skips and counts bad lines as the Criteo readers do; a schema that
     does not match a file raises even then. Lines are 1-based and count the header;
     a line ends at "\\n", "\\r\\n" or a lone "\\r" (as pyarrow.csv reads them).
     pyarrow parses ``block_bytes`` at a time; a file with a longer line (a long
@@ -382,10 +383,13 @@ class SchemaCsv(_SchemaReader):
         invalid: list[tuple] = []
         shifts: list[tuple] = []  # their (number, line ends), which the rows after them skip
         final = [0, False]  # the last row's line so far, and whether a value in it holds a line end
+        # Without a header the field count is line 1's: where line 1 is the bad one, every
+        # other line is reported, and the message must point back at line 1.
+        counted_from = "" if self.schema.header else " as on line 1 (the file has no header)"
 
         def on_invalid(row):
             invalid.append((row.number, _empty_line(row.expected_columns) if not row.text else
-                            f"has {row.actual_columns} fields, expected {row.expected_columns}",
+                            f"has {row.actual_columns} fields, expected {row.expected_columns}{counted_from}",
                             row.text.count("\n")))
             shifts.append((row.number, invalid[-1][2]))
             return "skip"  # raised or counted once placed on its line, below
