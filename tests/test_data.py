@@ -591,6 +591,16 @@ def test_list_and_shard_files(tmp_path):
         list_files(tmp_path / "nope.tsv")
     with pytest.raises(FileNotFoundError):
         list_files(str(tmp_path / "nope*.tsv"))
+    # A file named twice was read twice: its examples trained on twice a pass, without a word.
+    for twice in ([tmp_path, expect[2]], [str(tmp_path / "day_*.tsv"), str(tmp_path / "day_[24].tsv")],
+                  [expect[2], os.path.join(str(tmp_path), ".", "day_2.tsv")]):
+        with pytest.raises(ValueError, match=r"day_2.tsv: named more than once in the data paths"):
+            list_files(twice)
+    os.symlink(expect[2], tmp_path / "link.tsv.lnk")
+    with pytest.raises(ValueError, match=r"link.tsv.lnk: named more than once in the data paths \(as .*day_2.tsv "
+                                         r"and as .*link.tsv.lnk\)"):
+        list_files([expect[2], str(tmp_path / "link.tsv.lnk")])
+    os.remove(tmp_path / "link.tsv.lnk")
 
     pytest.importorskip("pyarrow")
     reader = CriteoTsv(tmp_path, batch_size=4, rank=1, world=2)

@@ -148,14 +148,31 @@ def list_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
     ``_temporary/``) are left out of a directory and out of what a wildcard
     matches (``out/*``, ``out/**/*.csv``), as pyarrow datasets leave them out; a
     file named as it is (``out/_SUCCESS``), or by a wildcard that starts with the
-    same character (``out/_part-*``), is read.
+    same character (``out/_part-*``), is read. A file named twice (a directory and a
+    file in it, overlapping globs, a link and its target) is a ValueError naming it.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files = [f for p in paths for f in _expand(os.fspath(p))]
     if not files:
         raise ValueError("no data files given")
+    _refuse_repeats(files)
     return files
+
+
+def _refuse_repeats(files: list[str]) -> None:
+    """Raises ValueError naming a file that ``files`` holds twice (a directory and a file
+    in it, two globs that overlap, "a.tsv" and "./a.tsv", a link and its target): it
+    would be read twice, its examples trained on twice in a pass, and under mpiexec
+    possibly by two ranks."""
+    seen: dict = {}
+    for f in files:
+        key = f if _is_url(f) else os.path.realpath(f)
+        if key in seen:
+            also = "" if seen[key] == f else f" (as {seen[key]} and as {f})"
+            raise ValueError(f"{f}: named more than once in the data paths{also}: its examples would be read "
+                             f"twice a pass; name each file once (epochs repeat the data)")
+        seen[key] = f
 
 
 def shard_files(files: Sequence[str], rank: int = 0, world: int = 1) -> list[str]:
