@@ -414,6 +414,9 @@ def test_skip_malformed_that_is_not_a_bool_is_refused(tmp_path, value):
     ("source", 5, r"data.source must be a path, a glob, a directory or a list of them, got 5"),
     ("source", [], r"data.source must be a path, a glob, a directory or a list of them, got \[\]"),
     ("eval_source", [7], r"data.eval_source must be a path, a glob, a directory or a list of them, got \[7\]"),
+    ("source", "", r"data.source must be a path, a glob, a directory or a list of them, got ''"),
+    ("source", ["a.tsv", ""], r"data.source must be a path, a glob, a directory or a list of them, got \['a.tsv', ''\]"),
+    ("eval_source", [""], r"data.eval_source must be a path, a glob, a directory or a list of them, got \[''\]"),
 ])
 def test_data_fields_of_the_wrong_type_are_named(tmp_path, field, value, message):
     # These were taken as given and failed later, in the reader, with a TypeError that named

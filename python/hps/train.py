@@ -237,8 +237,10 @@ class TrainConfig:
         for name in ("source", "eval_source"):
             v = getattr(data, name)
             paths = v if isinstance(v, (list, tuple)) else [v]
-            if not (v is None and name == "eval_source") and \
-                    (not paths or not all(isinstance(p, (str, os.PathLike)) for p in paths)):
+            # (an empty path failed in the reader as "no such file: ", naming nothing; an
+            # eval_source of "" is no held-out data, as None is)
+            if not (v in (None, "") and name == "eval_source") and \
+                    (not paths or not all(isinstance(p, (str, os.PathLike)) and os.fspath(p) for p in paths)):
                 raise ValueError(f"{source}: data.{name} must be a path, a glob, a directory or a list of them, "
                                  f"got {v!r}")
         if not (is_number(data.online_poll) and 0 < data.online_poll < math.inf):
