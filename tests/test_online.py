@@ -205,6 +205,37 @@ def test_lines_skipped_in_every_file_add_up(tmp_path):
         assert [os.path.basename(m.split(":")[0]) for m in src.malformed_examples] == ["a.csv", "a.csv", "b.csv"]
 
 
+def test_a_file_of_other_fields_is_a_data_error_naming_it_and_the_first_file(tmp_path):
+    # Each file has a reader of its own, which checks only its one file: with categorical =
+    # "rest" a file of one more column reached the model as keys of another width ("keys
+    # must have shape (B, 2), got (16, 3)"), naming no file. The finite readers refuse it.
+    schema = {"label": "click", "dense": ["price"], "categorical": "rest"}
+    (tmp_path / "a.csv").write_text("click,price,site,os\n" + "1,2,s1,o1\n" * 20)
+    (tmp_path / "b.csv").write_text("click,price,site,os,app\n" + "0,3,s2,o2,p2\n" * 20)
+    (tmp_path / "_DONE").write_text("")
+
+    def reader(path):
+        return open_schema([path], schema, 16)
+    src = GrowingDirectory(tmp_path, reader, poll=0.05)
+    with pytest.raises(DataError, match=r"b.csv: the schema gives other fields here than in .*a.csv \(.*"
+                                        r"categorical \['site', 'os', 'app'\].* against .*categorical "
+                                        r"\['site', 'os'\].*\): every file of a growing directory") as e:
+        list(src)
+    assert e.value.path.endswith("b.csv") and src.examples_read == 20
+    # A rank whose own first file is not the one widths() shaped the model by compares with that one.
+    from hps.data.online import owner
+    a_rank = owner("a.csv", 2)
+    if owner("b.csv", 2) == a_rank:
+        pytest.skip("a.csv and b.csv hash to one rank of 2")  # (they do not: blake2b of these names)
+    other = GrowingDirectory(tmp_path, reader, poll=0.05, rank=1 - a_rank, world=2)
+    assert other.widths() == (1, 2, 0)  # a.csv's, which this rank does not read
+    with pytest.raises(DataError, match=r"b.csv: the schema gives other fields here than in .*a.csv"):
+        list(other)
+    # Files of the same fields are read (the label and dense columns anywhere; "rest" is in file order).
+    (tmp_path / "b.csv").write_text("site,price,os,click\n" + "s2,3,o2,0\n" * 20)
+    assert sum(len(b) for b in GrowingDirectory(tmp_path, reader, poll=0.05)) == 40
+
+
 def test_named_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"online data: .*nowhere does not exist"):
         GrowingDirectory(tmp_path / "nowhere", csv_reader)

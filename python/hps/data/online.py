@@ -35,6 +35,9 @@ its last file, so those files are complete) and the source ends; ``idle``
 seconds pass with no new ready file and no file appearing or changing (a
 file seen but not yet ready is waited for); ``examples`` examples were read (the last
 batch is cut to that number). A file's batches never span two files.
+
+Every file must give the fields of the first one (the file :meth:`GrowingDirectory.widths`
+shaped the model by), as in a finite data set: one that does not is a DataError naming it.
 """
 from __future__ import annotations
 
@@ -122,6 +125,7 @@ class GrowingDirectory:
         self.malformed_examples: list = []
         self.changed_after_read: list = []
         self._read_stats: dict = {}  # name -> (size, mtime_ns) when this rank's reader opened it
+        self._fields: Optional[tuple] = None
         self._first: Optional[str] = None
         self._replay: list = []  # replay(): names a run before this one read, in its order
 
@@ -236,6 +240,7 @@ class GrowingDirectory:
         self.files_read, self.examples_read = [], 0
         self.malformed, self.malformed_examples = 0, []
         self.changed_after_read, self._read_stats = [], {}
+        self._fields = None  # (path, fields) of the pass's first file (_check_fields)
         # The files a run before read (replay()), then the one widths() found, then whatever follows.
         earlier = [os.path.join(self.directory, n) for n in self._replay]
         if self._first is not None and self._first not in earlier:
@@ -257,6 +262,7 @@ class GrowingDirectory:
             reader = None
             try:
                 reader = self._reader(path)
+                self._check_fields(reader, path)
                 for batch in reader:
                     if self.examples is not None and self.examples_read + len(batch) >= self.examples:
                         keep = self.examples - self.examples_read
@@ -276,6 +282,26 @@ class GrowingDirectory:
             done = self._stat(path)  # (a change while it was read; later ones, the next polls find)
             if opened is not None and done is not None:
                 self._check_unchanged({name: done})
+
+    def _check_fields(self, reader, path: str) -> None:
+        """Raises DataError unless the file's reader gives the fields the pass's first file
+        gave. Each file has a reader of its own, which checks its one file: a file of other
+        columns (a schema's categorical = "rest") reached the model as keys of another
+        width ("keys must have shape (B, 2), got (16, 3)"), naming no file."""
+        fields = getattr(reader, "fields", None)
+        if fields is None:  # (the Criteo readers: fixed fields)
+            return
+        got = fields()
+        if self._fields is None and self._first is not None and self._first != path:
+            # The file widths() gave the model's shape by, which may be another rank's.
+            self._fields = (self._first, self._reader(self._first).fields())
+        if self._fields is None:
+            self._fields = (path, got)
+        elif got != self._fields[1]:
+            from hps.data.tabular import _describe
+            raise DataError(f"{path}: the schema gives other fields here than in {self._fields[0]} "
+                            f"({_describe(got)} against {_describe(self._fields[1])}): every file of a growing "
+                            f"directory must give the same fields", path=path)
 
     def _count_malformed(self, reader) -> None:
         n = getattr(reader, "malformed", 0)

@@ -225,6 +225,11 @@ class _SchemaReader(_Reader):
         raise DataError(f"{self.files[0]}: the data holds no examples ({len(self.files)} file(s), each empty): no "
                         f"fields to take the model's shape from", path=self.files[0])
 
+    def fields(self) -> tuple:
+        """The first file's fields (label, dense, categorical and multi-hot column names, the
+        last with their separators): what every file of a data set must give alike."""
+        return self._layout(self.files[0]).names()
+
     def _same_fields(self, layout, path: str) -> None:
         names = layout.names()
         if self._first is None:
@@ -742,6 +747,9 @@ class Libsvm(_SchemaReader):
 
     def widths(self) -> tuple[int, int, int]:
         return 0, 0, len(self.field_names)
+
+    def fields(self) -> tuple:
+        return None, [], [], [(name, "") for name in self.field_names]
 
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa
