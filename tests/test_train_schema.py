@@ -124,8 +124,8 @@ def test_train_config_schema_errors_name_the_file(tmp_path):
     ("ps", {"optimizer": {"kind": "adagrad", "lr": "0.05"}}, r"\[ps\]: optimizer: lr must be a number, got '0.05'"),
     ("ps", {"seed": -1}, r"\[ps\]: seed must be an integer from 0 to 2\*\*64 - 1, got -1"),
     ("data", {"source": "x.tsv", "format": "parket"}, "data.format must be one of 'tsv', 'parquet', got 'parket'"),
-    ("data", {"source": "x.csv", "format": "tsv", "schema": {"label": "y"}},
-     "data.format must be one of 'csv', 'parquet', 'libsvm' with a schema, got 'tsv'"),
+    ("data", {"source": "x.csv", "format": "svm", "schema": {"label": "y"}},
+     "data.format must be one of 'csv', 'tsv', 'parquet', 'libsvm' with a schema, got 'svm'"),
     ("data", {"format": "parquet"}, "data.format = 'parquet' is the files' format: give data.source too"),
 ])
 def test_a_bad_top_level_or_ps_value_is_named_with_the_file(tmp_path, field, value, message):
@@ -134,6 +134,20 @@ def test_a_bad_top_level_or_ps_value_is_named_with_the_file(tmp_path, field, val
     with pytest.raises(ValueError, match="^run.toml: " + message):
         TrainConfig.from_dict(d, "run.toml")
     assert TrainConfig.from_dict({"ps": ps, "hidden": [], "checkpoint_every": 0}, "run.toml").hidden == ()
+
+
+def test_data_format_tsv_with_a_schema_reads_tab_separated_text_whatever_the_name(tmp_path):
+    # open_schema takes format="tsv" (tabs unless the schema says), but [data] format = "tsv"
+    # with a schema was refused ("must be one of 'csv', 'parquet', 'libsvm' with a schema"),
+    # leaving a tab-separated clicks.txt to be split at commas.
+    from hps.train import _train_source
+    (tmp_path / "clicks.txt").write_text("click\tprice\tsite\n1\t2\ta,b\n0\t3\tc\n")
+    cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps")},
+                                 "data": {"source": str(tmp_path / "clicks.txt"), "format": "tsv",
+                                          "schema": {"label": "click", "dense": ["price"], "categorical": "rest"}}},
+                                "run.toml")
+    (batch,) = list(_train_source(cfg))
+    assert batch.labels.tolist() == [1.0, 0.0] and batch.keys.shape == (2, 1)
 
 
 def test_hps_train_data_without_a_toml(tmp_path, capsys):

@@ -216,7 +216,7 @@ class TrainConfig:
         if data.format is not None:
             # checked here, where the file is named (the readers check it only once they open a file,
             # and a synthetic source never does: it would be ignored)
-            formats = ("csv", "parquet", "libsvm") if data.schema is not None else ("tsv", "parquet")
+            formats = ("csv", "tsv", "parquet", "libsvm") if data.schema is not None else ("tsv", "parquet")
             if data.format not in formats:
                 raise ValueError(f"{source}: data.format must be one of {', '.join(map(repr, formats))}"
                                  f"{' with a schema' if data.schema is not None else ''}, got {data.format!r}")
