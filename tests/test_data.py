@@ -408,6 +408,31 @@ def test_parquet_round_trip_equals_tsv(tmp_path, categorical):
     assert reader.malformed == 0
 
 
+def test_parquet_feature_column_of_type_null_is_missing_values(tmp_path):
+    # pyarrow, pandas and polars write a column of None alone as type null, as a small
+    # shard's I12 or C22 (mostly missing in Criteo) may be: it was refused ("column I12 has
+    # type null, expected integers") though each of its values, missing, is valid.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = _sample_table(pa, [line(), line(label="1"), line()])
+    typed = table.set_column(COLUMNS.index("I12"), "I12", pa.array([None] * 3, pa.int64()))
+    typed = typed.set_column(COLUMNS.index("C22"), "C22", pa.array([None] * 3, pa.string()))
+    untyped = table.set_column(COLUMNS.index("I12"), "I12", pa.nulls(3))
+    untyped = untyped.set_column(COLUMNS.index("C22"), "C22", pa.nulls(3))
+    assert untyped.schema.field("C22").type == pa.null()
+    pq.write_table(typed, tmp_path / "typed.parquet")
+    pq.write_table(untyped, tmp_path / "untyped.parquet")
+    (want,) = list(CriteoParquet(str(tmp_path / "typed.parquet")))
+    (got,) = list(CriteoParquet(str(tmp_path / "untyped.parquet")))
+    np.testing.assert_array_equal(got.keys, want.keys)
+    np.testing.assert_array_equal(got.dense, want.dense)
+    np.testing.assert_array_equal(got.labels, want.labels)
+    # A label of type null is no data at all: still refused, naming the column.
+    pq.write_table(table.set_column(0, "label", pa.nulls(3)), tmp_path / "nolabel.parquet")
+    with pytest.raises(DataError, match=r"nolabel.parquet: column label has type null, expected integers"):
+        list(CriteoParquet(str(tmp_path / "nolabel.parquet")))
+
+
 def test_parquet_malformed_rows(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

@@ -343,6 +343,27 @@ def test_parquet_decimal_columns_are_numbers(tmp_path):
     np.testing.assert_array_equal(keys[:, 0], [ref_key(0, s) for s in SITES])
 
 
+def test_parquet_columns_of_type_null_are_missing_values(tmp_path):
+    # A column of None alone is written as type null (pyarrow, pandas, polars): a dense,
+    # categorical or multi-hot one was refused ("has type null, expected numbers"), though
+    # each of its values, missing, is valid. It reads as a typed column of nulls does.
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site"], "multi_hot": {"tags": ""}}
+    typed = pa.table({"click": LABELS, "price": pa.array([None] * 4, pa.float64()),
+                      "site": pa.array([None] * 4, pa.string()), "tags": pa.array([None] * 4, pa.list_(pa.string()))})
+    untyped = pa.table({"click": LABELS, "price": pa.nulls(4), "site": pa.nulls(4), "tags": pa.nulls(4)})
+    pq.write_table(typed, tmp_path / "typed.parquet")
+    pq.write_table(untyped, tmp_path / "untyped.parquet")
+    want = read_all(open_schema(tmp_path / "typed.parquet", schema))
+    got = read_all(open_schema(tmp_path / "untyped.parquet", schema))
+    for w, g in zip(want[:3], got[:3]):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(got[3][0].offsets, [0, 0, 0, 0, 0])
+    assert len(got[3][0].keys) == 0
+    # Text multi-hot too (a separator given).
+    got = read_all(open_schema(tmp_path / "untyped.parquet", dict(schema, multi_hot={"tags": "|"})))
+    np.testing.assert_array_equal(got[3][0].offsets, [0, 0, 0, 0, 0])
+
+
 def test_parquet_errors_name_row_group_row_and_column(tmp_path):
     p = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"click": [0, 1, 1, 0], "price": ["1", "2", "x", "3"], "site": ["a", "b", "c", "d"]}),

@@ -119,7 +119,11 @@ def _hex_array(pa, arr) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _check_type(pa, t, name: str, path: str) -> None:
-    """Raises DataError unless arrow type t is one that column ``name`` may have."""
+    """Raises DataError unless arrow type t is one that column ``name`` may have. A feature
+    column of type null (every value missing: what pyarrow, pandas and polars write for a
+    column of None alone, as a small shard's I12 or C22 may be) is taken; a label is not."""
+    if name != LABEL_COLUMN and pa.types.is_null(t):
+        return
     if name in CATEGORICAL_COLUMNS:
         v = t.value_type if pa.types.is_dictionary(t) else t
         if not (pa.types.is_string(v) or pa.types.is_large_string(v) or pa.types.is_binary(v)
@@ -149,6 +153,8 @@ def _numeric_array(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarra
 def _categorical_array(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values uint64, missing, bad) of a categorical column: hex strings or integers."""
     _check_type(pa, arr.type, name, path)
+    if pa.types.is_null(arr.type):
+        return np.zeros(len(arr), np.uint64), np.ones(len(arr), bool), np.zeros(len(arr), bool)
     t = arr.type.value_type if pa.types.is_dictionary(arr.type) else arr.type
     if not pa.types.is_integer(t):
         return _hex_array(pa, arr)
@@ -446,6 +452,7 @@ class CriteoParquet(_Reader):
     as unsigned of their width; null missing). Arguments and malformed-row
     handling as :class:`CriteoTsv`; a "line" here is the 1-based row number,
     e.g. ``day0.parquet: row 12: field C3: 'xyz' is not a hexadecimal ...``.
+    A feature column of type null (every value missing) is read as missing values.
     A file that cannot be read (not Parquet, truncated, a damaged row group),
     a missing or repeated column, or a column of another type raises
     DataError even with ``skip_malformed``: there is no row to skip.

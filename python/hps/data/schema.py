@@ -265,7 +265,7 @@ def _as_binary(pa, arr):
         arr, t = arr.dictionary_decode(), t.value_type
     if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
         return arr
-    if pa.types.is_integer(t) or pa.types.is_boolean(t):
+    if pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_null(t):  # (null: missing values alone)
         return arr.cast(pa.string())
     return None
 

@@ -86,7 +86,8 @@ def _numeric(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.
     t = arr.type
     if pa.types.is_dictionary(t):
         arr, t = arr.dictionary_decode(), t.value_type
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t):
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t) \
+            or pa.types.is_null(t):  # (null: a Parquet column of missing values alone)
         values = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
         missing = np.isnan(values)
         return values, missing, np.isinf(values)
@@ -121,6 +122,9 @@ def _bags(pa, arr, sep: str, field_index: int, name: str, path: str) -> Bags:
     t = arr.type
     if pa.types.is_dictionary(t):
         arr, t = arr.dictionary_decode(), t.value_type
+    if pa.types.is_null(t):  # a Parquet column of missing values alone: empty bags
+        arr = arr.cast(pa.list_(pa.string()))
+        t = arr.type
     if _text_type(pa, t):
         if not sep:
             raise DataError(f"{path}: multi-hot column {name!r} is text: give its separator in "
