@@ -276,6 +276,48 @@ def clocked(monkeypatch):
     return make
 
 
+class _ClockedCollective:
+    """An MPI request of a collective that completes at its `rounds`-th test (MPI
+    advances a collective only while its rank calls in: a round a test; None:
+    never), on a clock that sleeping and each test (1 us) move (hps.distributed.
+    poll's time, patched)."""
+
+    def __init__(self, rounds):
+        self.now, self.slept, self.tests, self.rounds = 0.0, 0.0, 0, rounds
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.slept += seconds
+
+    def Test(self) -> bool:
+        self.now += 1e-6
+        self.tests += 1
+        return self.rounds is not None and self.tests >= self.rounds
+
+
+def test_a_collective_runs_its_rounds_back_to_back_and_sleeps_while_it_waits(monkeypatch):
+    # hps.distributed.poll.wait, which a hierarchical job's all-reduces and broadcasts
+    # go through. Their peers present, a collective of 20 rounds completes in one burst
+    # of tests: a pause after every test made each round wait one (a 128 KiB all-reduce
+    # of two ranks took 12 ms instead of 1).
+    from hps.distributed import poll
+    request = _ClockedCollective(rounds=20)
+    monkeypatch.setattr(poll, "time", request)
+    poll.wait(request, timeout=1.0)
+    assert request.tests == 20 and request.slept == 0
+    # One that never completes: bursts of tests between pauses that sleep most of the
+    # wait (no spinning core), then the caller's error at the timeout.
+    request = _ClockedCollective(rounds=None)
+    monkeypatch.setattr(poll, "time", request)
+    with pytest.raises(RuntimeError, match="the all-reduce is late"):
+        poll.wait(request, timeout=0.1, expired=lambda: RuntimeError("the all-reduce is late"))
+    assert 0.1 <= request.now < 0.1 + poll.LONGEST_PAUSE + 2 * poll.BURST
+    assert request.slept > 0.8 * request.now and request.tests > 1000
+
+
 def _clocked_trainer(ps, timeout):
     from hps.hierarchical.split_mlp import MpiTransport
     seq = nn.Sequential(nn.Linear(4, 2))
