@@ -455,11 +455,16 @@ def main() -> None:
             roles_module._plan_for = lambda mlp, cfg: SplitPlan([FcPlacement("ps", "vertical"), FcPlacement()],
                                                                cfg.group_ps)
         stall = {"stall_average_on": ("hps.hierarchical.easgd", "AllreduceAverage", "_average"),
-                 "stall_net_on": ("hps.hierarchical.hogwild", "HogwildNets", "_net_step")}
+                 "stall_net_on": ("hps.hierarchical.hogwild", "HogwildNets", "_net_step"),
+                 "stall_reduce_on": ("hps.hierarchical.roles", "_HtDenseSync", "reduce_gradients"),
+                 "stall_broadcast_on": ("hps.hierarchical.roles", "_HtDenseSync", "broadcast_parameters"),
+                 "stall_land_on": ("hps.hierarchical.easgd", "GroupAverage", "_land"),
+                 "stall_share_on": ("hps.hierarchical.hogwild", "HogwildNets", "_share_replica")}
         for name, (module, cls, method) in stall.items():
             if kw.pop(name, None) == str(comm.Get_rank()):
-                # This rank stops taking part in the all-reduce (its average across groups, or
-                # its Hogwild nets' gradients): it hangs there, alive, until the job ends.
+                # This rank stops taking part in a collective (its average across groups, its
+                # Hogwild nets' gradients or replica, its group's gradients, first parameters or
+                # correction): it hangs there, alive, until the job ends.
                 import importlib
                 setattr(getattr(importlib.import_module(module), cls), method,
                         lambda *a, **k: time.sleep(600))

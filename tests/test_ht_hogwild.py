@@ -199,3 +199,14 @@ def test_a_trainer_whose_nets_stop_taking_part_ends_the_job_naming_the_all_reduc
     assert re.search(r"AllreduceTimeout: Hogwild net [01]'s gradients: the all-reduce over ranks \[0, 1\] did not "
                      r"complete within 2 s \(a rank died, hung or stopped taking part\); aborting the job", err), \
         err[-3000:]
+
+
+@needs_mpi
+def test_a_trainer_that_stops_sharing_its_nets_replica_ends_the_job_naming_the_broadcast(tmp_path):
+    # Two trainers of two nets; trainer 0 hangs instead of broadcasting the nets'
+    # replica after a step: trainer 1 waited in the broadcast for ever. It now waits
+    # `timeout` (2 s) and the job ends naming the broadcast and the group's ranks.
+    import test_ht_train
+    err = test_ht_train._run_until_it_ends(tmp_path, 2, 1, 0, "-", "nets=2", "timeout=2", "stall_share_on=0")
+    assert ("BroadcastTimeout: the Hogwild nets' replica: the broadcast from rank 0 over ranks [0, 1] did not "
+            "complete within 2 s (a rank died, hung or stopped taking part); aborting the job") in err, err[-3000:]

@@ -490,3 +490,34 @@ def test_a_hierarchical_resume_is_refused_on_another_layout_or_a_missing_block(t
     err = _run_until_it_ends(case, 4, 2, 1, *RESUMED, "resume=1")
     assert (f"--resume: {blocks} is missing: the checkpoint lacks the blocks of group PS 0 of group 1 (rank 3), "
             f"which rank 2 saves") in err, err[-3000:]
+
+
+@needs_mpi
+def test_a_trainer_that_stops_reducing_gradients_ends_the_job_naming_the_all_reduce(tmp_path):
+    # One group of two trainers, no group PS; trainer 1 hangs instead of all-reducing
+    # the trainer-held gradients: the blocking all-reduce left trainer 0 waiting for
+    # ever. It now waits `timeout` (2 s) and ends the job naming it and the ranks.
+    err = _run_until_it_ends(tmp_path, 2, 1, 0, "-", "timeout=2", "stall_reduce_on=1")
+    assert ("AllreduceTimeout: the trainer-held layers' gradients: the all-reduce over ranks [0, 1] did not complete "
+            "within 2 s (a rank died, hung or stopped taking part); aborting the job") in err, err[-3000:]
+
+
+@needs_mpi
+def test_a_trainer_that_stops_broadcasting_the_first_parameters_ends_the_job_naming_the_broadcast(tmp_path):
+    # Trainer 0 hangs instead of broadcasting its first parameters: trainer 1 waited
+    # in the broadcast for ever; it now waits `timeout` and names the broadcast.
+    err = _run_until_it_ends(tmp_path, 2, 1, 0, "-", "timeout=2", "stall_broadcast_on=0")
+    assert ("BroadcastTimeout: the trainer-held layers' first parameters: the broadcast from rank 0 over ranks [0, 1] "
+            "did not complete within 2 s (a rank died, hung or stopped taking part); aborting the job") in err, \
+        err[-3000:]
+
+
+@needs_mpi
+def test_a_group_root_that_stops_landing_corrections_ends_the_job_naming_the_broadcast(tmp_path):
+    # Two groups of two trainers and a centre (background EASGD); group 0's trainer 0,
+    # which runs the exchange, hangs instead of broadcasting whether a correction is
+    # ready: trainer 1 (rank 1) waited for ever; it now waits `timeout`.
+    err = _run_until_it_ends(tmp_path, 5, 2, 0, "-", "timeout=2", "stall_land_on=0")
+    assert ("BroadcastTimeout: whether an average's correction is ready: the broadcast from rank 0 over ranks [0, 1] "
+            "did not complete within 2 s (a rank died, hung or stopped taking part); aborting the job") in err, \
+        err[-3000:]

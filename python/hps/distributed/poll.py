@@ -11,10 +11,11 @@ reply that comes at once costs little latency, and the pauses double up to
 ``LONGEST_PAUSE`` while nothing comes, which bounds the extra latency of a message
 that ends a long idle spell and keeps an idle rank's CPU to a few percent of a core.
 Each call starts again from ``FIRST_PAUSE``. :func:`wait` does the same for a
-non-blocking operation's request (an ``Iallreduce``): a collective that may wait on a
-peer then waits by the clock, with a timeout, rather than in a blocking call that
-never returns when the peer has died or hung. It tests in bursts of ``BURST`` before
-each pause, since a collective advances only while its ranks call into MPI.
+non-blocking operation's request (an ``Iallreduce``, an ``Ibcast``): a collective
+that may wait on a peer then waits by the clock, with a timeout, rather than in a
+blocking call that never returns when the peer has died or hung. It tests in bursts
+of ``BURST`` before each pause, since a collective advances only while its ranks
+call into MPI.
 
 MPICH has switches that bear on this (``MPIR_CVAR_CH4_PROGRESS_THROTTLE`` sleeps
 1 us after thousands of empty polls; ``MPIR_CVAR_POLLS_BEFORE_YIELD`` calls
@@ -49,20 +50,24 @@ def recv(comm, source: int, tag: int, *, timeout: Optional[float] = None,
 
 
 def wait(request, *, timeout: Optional[float] = None, expired: Optional[Callable[[], BaseException]] = None) -> None:
-    """``request.Wait()`` (an MPI request, e.g. ``comm.Iallreduce``'s), the wait spent
-    sleeping between tests rather than spinning.
+    """``request.Wait()`` (an MPI request, e.g. ``comm.Iallreduce``'s, or a list of
+    them: ``MPI.Request.Waitall``), the wait spent sleeping between tests rather
+    than spinning.
 
     timeout: seconds; when the operation has not completed by then, raises
     ``expired()`` (TimeoutError without it). The operation is then still in flight
     (MPI cannot cancel a collective, and its buffer may still be written): the
     caller ends the job rather than go on. None waits for ever."""
+    requests = request if isinstance(request, (list, tuple)) else [request]
+
     def done() -> Optional[bool]:
         # A collective advances only while its ranks call into MPI, and one of several
         # rounds (a large all-reduce goes in pieces) completes a round a test: tested
         # once a pause, 128 KiB all-reduced by two ranks took 12 ms instead of 1. A
         # burst of tests lets it run its rounds back to back once the peers are there.
+        # (A completed request's Test is True again: it became MPI_REQUEST_NULL.)
         end = time.monotonic() + BURST
-        while not request.Test():
+        while not all(r.Test() for r in requests):
             if time.monotonic() > end:
                 return None
         return True

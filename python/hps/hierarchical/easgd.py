@@ -46,8 +46,8 @@ from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
 
 __all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "GroupAverage", "AllreduceAverage",
-           "CentreTimeout", "AllreduceTimeout", "allreduce_within", "check_averaging_codec", "centre_state",
-           "release_centre"]
+           "CentreTimeout", "CollectiveTimeout", "AllreduceTimeout", "BroadcastTimeout", "allreduce_within",
+           "bcast_within", "check_averaging_codec", "centre_state", "release_centre"]
 
 
 @dataclass
@@ -149,27 +149,58 @@ def _wait(comm, source: int, tag: int, timeout: float, what: str):
         f"{what}: no answer from rank {source} within {timeout:g} s (it died or hung)"))
 
 
-class AllreduceTimeout(HpsError):
+class CollectiveTimeout(HpsError):
+    """A collective of a group's ranks did not complete within the timeout: a rank
+    of it died, hung or stopped taking part."""
+
+
+class AllreduceTimeout(CollectiveTimeout):
     """A group's all-reduce (the synchronous average across groups, a Hogwild net's
-    gradients) did not complete within the timeout: a rank of it died, hung or
-    stopped taking part."""
+    gradients, the trainer-held layers' gradients) did not complete within the timeout."""
 
 
-def allreduce_within(comm, buf: np.ndarray, timeout: Optional[float], what: str,
-                     ranks: Optional[Sequence[int]] = None) -> None:
-    """Sums buf over `comm`, in place, as ``comm.Allreduce(MPI.IN_PLACE, buf)``, but
+class BroadcastTimeout(CollectiveTimeout):
+    """A group's broadcast (its trainers' first parameters, an average's correction,
+    the Hogwild nets' replica) did not complete within the timeout."""
+
+
+def _within(requests: list, timeout: Optional[float], error: type, what: str, how: str) -> None:
+    """Waits for every one of `requests` (polled, hps.distributed.poll.wait) at most
+    `timeout` seconds (None: for ever), then raises error("{what}: {how} did not
+    complete ..."). A blocking collective whose peer had died or hung never returned,
+    and the rank waited for ever, where every other wait of the job has a timeout.
+    The operations are still in flight after the error (MPI cannot cancel a
+    collective, and the buffers may still be written): the job ends."""
+    poll.wait(requests, timeout=timeout, expired=lambda: error(
+        f"{what}: {how} did not complete within {timeout:g} s (a rank died, hung or stopped taking part)"))
+
+
+def _named(comm, ranks: Optional[Sequence[int]]) -> list:
+    return list(ranks) if ranks is not None else list(range(comm.Get_size()))
+
+
+def allreduce_within(comm, bufs, timeout: Optional[float], what: str, ranks: Optional[Sequence[int]] = None) -> None:
+    """Sums `bufs` (an array, or a list of them: one all-reduce each, all in flight
+    together) over `comm`, in place, as ``comm.Allreduce(MPI.IN_PLACE, buf)``, but
     waits at most `timeout` seconds (None: for ever), then raises AllreduceTimeout
     saying `what` and the ranks it waited on (`ranks`, as the caller numbers them;
-    default the communicator's). A blocking all-reduce whose peer had died or hung
-    never returned, and the rank waited for ever, where every other wait of the job
-    has a timeout. The operation is still in flight after the error (MPI cannot
-    cancel a collective): the job ends."""
+    default the communicator's)."""
     from mpi4py import MPI
-    request = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    named = list(ranks) if ranks is not None else list(range(comm.Get_size()))
-    poll.wait(request, timeout=timeout, expired=lambda: AllreduceTimeout(
-        f"{what}: the all-reduce over ranks {named} did not complete within {timeout:g} s (a rank died, hung or "
-        f"stopped taking part)"))
+    bufs = [bufs] if isinstance(bufs, np.ndarray) else list(bufs)
+    requests = [comm.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM) for b in bufs]
+    _within(requests, timeout, AllreduceTimeout, what, f"the all-reduce over ranks {_named(comm, ranks)}")
+
+
+def bcast_within(comm, bufs, root: int, timeout: Optional[float], what: str,
+                 ranks: Optional[Sequence[int]] = None) -> None:
+    """``comm.Bcast(buf, root=root)`` of `bufs` (an array, or a list of them: one
+    broadcast each, all in flight together), waited as allreduce_within's; past
+    `timeout`, BroadcastTimeout names `what`, the root and the ranks (as `ranks`
+    numbers them)."""
+    bufs = [bufs] if isinstance(bufs, np.ndarray) else list(bufs)
+    requests = [comm.Ibcast(b, root=root) for b in bufs]
+    named = _named(comm, ranks)
+    _within(requests, timeout, BroadcastTimeout, what, f"the broadcast from rank {named[root]} over ranks {named}")
 
 
 _TAG = 41
@@ -464,10 +495,16 @@ class GroupAverage:
     broadcast, one a step.
 
     Call :meth:`step` on every copy after each optimizer step, and :meth:`finish`
-    after the last (the in-flight exchange's correction lands everywhere too)."""
+    after the last (the in-flight exchange's correction lands everywhere too).
 
-    def __init__(self, live: np.ndarray, background: Optional[BackgroundEasgd], comm=None, root: int = 0):
+    ``timeout``: seconds a broadcast waits for the root (None: for ever); past it,
+    BroadcastTimeout names the correction's broadcast and ``ranks`` (the ranks of
+    `comm` as the job numbers them), and the caller ends the job."""
+
+    def __init__(self, live: np.ndarray, background: Optional[BackgroundEasgd], comm=None, root: int = 0, *,
+                 timeout: Optional[float] = None, ranks: Optional[Sequence[int]] = None):
         self.live, self.background, self.comm, self.root = live, background, comm, root
+        self.timeout, self.ranks = timeout, ranks
         self.corrections = 0      # corrections applied, the same on every copy
         self.finished = False
         self._flag = np.zeros(1, np.int8)
@@ -478,12 +515,13 @@ class GroupAverage:
     def _land(self, corr: Optional[np.ndarray]) -> None:
         if self.comm is not None and self.comm.Get_size() > 1:
             self._flag[0] = corr is not None
-            self.comm.Bcast(self._flag, root=self.root)
+            bcast_within(self.comm, self._flag, self.root, self.timeout,
+                         "whether an average's correction is ready", self.ranks)
             if not self._flag[0]:
                 return
             if corr is None:
                 corr = np.empty_like(self.live)
-            self.comm.Bcast(corr, root=self.root)
+            bcast_within(self.comm, corr, self.root, self.timeout, "an average's correction", self.ranks)
         elif corr is None:
             return
         self.live += corr

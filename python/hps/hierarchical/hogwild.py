@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hps.hierarchical.easgd import allreduce_within
+from hps.hierarchical.easgd import allreduce_within, bcast_within
 from hps.hierarchical.split_mlp import SplitTrainer, shared_copy
 
 __all__ = ["HogwildNets", "HogwildOptimizers", "install"]
@@ -102,9 +102,10 @@ class HogwildNets:
     trainers in the group, one communicator a net over the group's trainers (net
     r all-reduces its gradients over the r-th); ``group_comm``: the group's, for
     the broadcast that keeps its trainers' copies one replica. ``timeout``: seconds
-    a net's all-reduce waits for the other trainers (None: for ever), past which
-    the step raises AllreduceTimeout naming the net and ``group_ranks`` (the
-    group's trainers as the job numbers them)."""
+    a net's all-reduce, or that broadcast, waits for the other trainers (None: for
+    ever), past which the step raises AllreduceTimeout naming the net (or
+    BroadcastTimeout) and ``group_ranks`` (the group's trainers as the job numbers
+    them)."""
 
     def __init__(self, model: nn.Module, live: np.ndarray, nets: int, make_optimizer: Callable, *,
                  transport_for: Optional[Callable] = None, group_comms: Optional[Sequence] = None,
@@ -223,11 +224,16 @@ class HogwildNets:
         if trainer.step_logits is not None:
             for idx, lg in zip(rows, logits):
                 trainer.step_logits.append((idx, (torch.cat(lg) if len(lg) > 1 else lg[0]).numpy()))
-        if self.group_comm is not None and self.group_comm.Get_size() > 1 and self.live.size:
-            self.group_comm.Bcast(self.live, root=0)
+        self._share_replica()
         self.steps += 1
         if trainer.dense_sync is not None:
             trainer.dense_sync.after_step()
+
+    def _share_replica(self) -> None:
+        """The group's trainer 0's replica, broadcast to the group's other trainers:
+        their copies stay one replica."""
+        if self.group_comm is not None and self.group_comm.Get_size() > 1 and self.live.size:
+            bcast_within(self.group_comm, self.live, 0, self.timeout, "the Hogwild nets' replica", self.group_ranks)
 
 
 def _inside(p: torch.Tensor, live: np.ndarray) -> bool:

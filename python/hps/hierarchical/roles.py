@@ -74,14 +74,15 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from hps.config import is_int, is_number
 from hps.distributed import poll
 from hps.hierarchical.easgd import (AllreduceAverage, BackgroundEasgd, EasgdCentre, EasgdClient, EasgdConfig,
-                                    GroupAverage, centre_state, check_averaging_codec, release_centre)
+                                    GroupAverage, allreduce_within, bcast_within, centre_state,
+                                    check_averaging_codec, release_centre)
 
 __all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical", "ACROSS"]
 
@@ -302,30 +303,33 @@ class _HtDenseSync:
     """Takes DenseSync's place in the Trainer: the group's trainers all-reduce the
     trainer-held gradients, the group PSs step once the group's trainers have all
     asked, and (G > 1) the background average's corrections land on every trainer
-    of the group after the same step."""
+    of the group after the same step. A broadcast or all-reduce of the group's
+    trainers waits at most ``timeout`` seconds, then raises a CollectiveTimeout
+    naming it and ``ranks`` (the group's trainers as the job numbers them)."""
 
-    def __init__(self, split, group_comm, params, average: Optional[GroupAverage]):
+    def __init__(self, split, group_comm, params, average: Optional[GroupAverage], *,
+                 timeout: Optional[float] = None, ranks: Optional[Sequence[int]] = None):
         self.split, self.comm, self.params = split, group_comm, list(params)
         self.average = average
+        self.timeout, self.ranks = timeout, ranks
         self.merges = 0
 
     def broadcast_parameters(self) -> None:
         import torch
-        for p in self.params:
-            buf = p.detach().numpy()
-            self.comm.Bcast(buf, root=0)
-            with torch.no_grad():
+        bufs = [p.detach().numpy() for p in self.params]
+        bcast_within(self.comm, bufs, 0, self.timeout, "the trainer-held layers' first parameters", self.ranks)
+        with torch.no_grad():
+            for p, buf in zip(self.params, bufs):
                 p.copy_(torch.from_numpy(buf))
 
     def reduce_gradients(self) -> None:
         import torch
-        from mpi4py import MPI
         if self.comm.Get_size() == 1:
             return
-        for p in self.params:
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            buf = np.ascontiguousarray(g.numpy(), np.float32)
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        bufs = [np.ascontiguousarray((p.grad if p.grad is not None else torch.zeros_like(p)).numpy(), np.float32)
+                for p in self.params]
+        allreduce_within(self.comm, bufs, self.timeout, "the trainer-held layers' gradients", self.ranks)
+        for p, buf in zip(self.params, bufs):
             p.grad = torch.from_numpy(buf)
 
     def after_step(self, final: bool = False) -> None:
@@ -734,8 +738,10 @@ def _run_role(world, roles: Roles, job_comms: _JobComms, train_cfg, cfg: Hierarc
                 client = EasgdClient(easgd_comms[0], roles.world - 1, roles.group,
                                      EasgdConfig(cfg.alpha, cfg.period), codecs, split.counter, timeout=cfg.timeout)
                 background = BackgroundEasgd(client, live)
-            average = GroupAverage(live, background, group_comm, root=0)
-        trainer.dense_sync = _HtDenseSync(split, group_comm, params, average)
+            average = GroupAverage(live, background, group_comm, root=0, timeout=cfg.timeout,
+                                   ranks=roles.trainer_ranks(roles.group))
+        trainer.dense_sync = _HtDenseSync(split, group_comm, params, average, timeout=cfg.timeout,
+                                          ranks=roles.trainer_ranks(roles.group))
         made.update(split=split, plan=plan, average=average, hogwild=None)
         trainer.checkpoint_files = lambda d: _save_checkpoint_files(d, trainer, roles, cfg, split, plan, easgd_comms)
         if cfg.nets > 1:
