@@ -210,3 +210,33 @@ def test_a_trainer_that_stops_sharing_its_nets_replica_ends_the_job_naming_the_b
     err = test_ht_train._run_until_it_ends(tmp_path, 2, 1, 0, "-", "nets=2", "timeout=2", "stall_share_on=0")
     assert ("BroadcastTimeout: the Hogwild nets' replica: the broadcast from rank 0 over ranks [0, 1] did not "
             "complete within 2 s (a rank died, hung or stopped taking part); aborting the job") in err, err[-3000:]
+
+
+@needs_mpi
+def test_a_resumed_job_of_two_nets_goes_on_from_its_checkpoint(tmp_path):
+    # A group of two trainers of two nets and a group PS, checkpointed every 3 of 6
+    # batches; trainer rank 0 dies right after the checkpoint at batch 3 and the job
+    # resumes there. Hogwild nets race on one copy by design, so the resumed job
+    # cannot end with the straight run's bits; what must hold: it goes on at batch 3
+    # with every net's optimizer state (each parameter's Adam steps end at 6, 3 of
+    # them from the checkpoint) and the group PS's blocks, keeps the layout and plan,
+    # and its trainers end one replica.
+    import test_ht_train
+    args = ("ps:vertical,trainer", "nets=2", "steps=6", "checkpoint_every=3")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir(), resumed.mkdir()
+    ref = _run(straight, 3, 1, 1, *args)
+    test_ht_train._crashed_after_3(resumed, 3, 1, 1, *args)
+    got = _run(resumed, 3, 1, 1, *args, "resume=1")
+    assert got[2]["role"] == "group_ps" and got[2]["resumed"] and got[2]["steps"] == ref[2]["steps"] == 6
+    for r in (0, 1):
+        assert got[r]["batches"] == ref[r]["batches"] == 6
+        h, h_ref = got[r]["hierarchical"], ref[r]["hierarchical"]
+        assert (h["roles"], h["plan"], h["nets"]) == (h_ref["roles"], h_ref["plan"], 2)
+        for job in (straight, resumed):
+            nets = load_trainer_state(str(job / "job" / f"rank{r}"))["opt"]["nets"]
+            steps = [int(s["step"]) for net in nets for s in net["state"].values()]
+            assert len(nets) == 2 and steps and set(steps) == {6}, (job, r, steps)
+    a, b = np.load(resumed / "mlp0.npz"), np.load(resumed / "mlp1.npz")
+    for name in a.files:
+        assert a[name].tobytes() == b[name].tobytes(), name
