@@ -79,12 +79,13 @@ constexpr uint64_t kMaxOpBytes = uint64_t{1} << 30;  // io_uring lengths are 32-
 // this far apart (about a second in all), before the call fails.
 constexpr int kSubmitRetries = 1000;
 constexpr auto kSubmitBackoff = std::chrono::milliseconds(1);
-// An operation that completes with -EAGAIN (it did nothing: ask again) is
-// asked again this many times in a row, with this pause before each pass
-// that met one, before the call fails: a device that never stops answering
-// so would otherwise keep the thread spinning for good.
-constexpr int kAgainRetries = 1000;
-constexpr auto kAgainBackoff = std::chrono::milliseconds(1);
+// An operation that completes with -EAGAIN (it did nothing: ask again) or
+// -EINTR (interrupted before it moved anything) is asked again this many
+// times in a row, either answer counting, with this pause before each pass
+// that met one, before the call fails: a device (or a signal) that never
+// stops answering so would otherwise keep the thread spinning for good.
+constexpr int kAskAgainRetries = 1000;
+constexpr auto kAskAgainBackoff = std::chrono::milliseconds(1);
 
 class UringIo final : public BlockIo {
  public:
@@ -115,7 +116,7 @@ class UringIo final : public BlockIo {
   void Run(std::vector<IoRequest>& requests, bool write) {
     write_ = write;
     pending_done_.clear();
-    agains_.clear();
+    asked_again_.clear();
     size_t next = 0, in_flight = 0;
     int refusals = 0;  // submits refused in a row with nothing in the kernel
     try {
@@ -160,21 +161,19 @@ class UringIo final : public BlockIo {
           auto* r = static_cast<IoRequest*>(io_uring_cqe_get_data(cqe));
           const int res = cqe->res;
           const uint64_t done = pending_done_[r];
-          if (res == -EAGAIN) {
-            const int agains = ++agains_[r];
-            if (agains > kAgainRetries) {
+          if (res == -EINTR || res == -EAGAIN) {
+            const int asked = ++asked_again_[r];
+            if (asked > kAskAgainRetries) {
               io_uring_cq_advance(&ring_, seen);
               --in_flight;
               ThrowUring(((write_ ? "write at byte " : "read at byte ") + std::to_string(r->offset + done)).c_str(),
-                         res, *r->path, " (the same answer " + std::to_string(agains) + " times in a row)");
+                         res, *r->path, " (nothing moved " + std::to_string(asked) + " times in a row)");
             }
             met_again = true;
-          }
-          if (res == -EINTR || res == -EAGAIN) {
             Queue(r, r->bytes - done, done);  // the same operation again
             continue;
           }
-          if (res > 0) agains_.erase(r);  // it moved: a later -EAGAIN starts a new count
+          if (res > 0) asked_again_.erase(r);  // it moved: a later -EAGAIN or -EINTR starts a new count
           if (res < 0) {
             io_uring_cq_advance(&ring_, seen);
             --in_flight;
@@ -202,7 +201,7 @@ class UringIo final : public BlockIo {
           }
         }
         io_uring_cq_advance(&ring_, seen);
-        if (met_again) std::this_thread::sleep_for(kAgainBackoff);
+        if (met_again) std::this_thread::sleep_for(kAskAgainBackoff);
       }
     } catch (...) {
       Drain(in_flight);
@@ -262,7 +261,7 @@ class UringIo final : public BlockIo {
   bool write_ = false;
   bool reusable_ = true;
   std::unordered_map<IoRequest*, uint64_t> pending_done_;  // bytes already moved
-  std::unordered_map<IoRequest*, int> agains_;             // -EAGAIN completions in a row
+  std::unordered_map<IoRequest*, int> asked_again_;        // -EAGAIN or -EINTR completions in a row
 };
 #endif
 

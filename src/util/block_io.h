@@ -52,8 +52,9 @@ class BlockIo {
   virtual ~BlockIo() = default;
   // Reads every request fully; throws IoError naming the file and the byte
   // where the failed read began (or CorruptionError for a file that ends early).
-  // Reads cut short, interrupted or refused for now (-EAGAIN) are asked
-  // again; one refused about a second in a row fails as a read error.
+  // Reads cut short, interrupted (-EINTR) or refused for now (-EAGAIN) are
+  // asked again; one interrupted or refused about a second in a row fails as
+  // a read error.
   virtual void ReadAll(std::vector<IoRequest>& requests) = 0;
   // Writes every request fully, asking again as ReadAll does; throws IoError
   // naming the file (a full disk is ENOSPC, or EFBIG past RLIMIT_FSIZE).

@@ -1,7 +1,7 @@
 // SSD-PS's row I/O under faults a healthy disk never shows, on both paths:
 // io_uring_submit refused for now (-EAGAIN: no memory for the requests;
 // -EBUSY: completions to reap first), a completion of -EAGAIN (the operation
-// did nothing: ask again), a read or write that moves fewer bytes than asked,
+// did nothing: ask again) or -EINTR (interrupted before it moved anything), a read or write that moves fewer bytes than asked,
 // and on the pread path a call interrupted (EINTR) or cut short; on both, a
 // read the device fails (EIO). A put must
 // still write every byte (a reopen reads each row back), a get must read
@@ -40,6 +40,7 @@ namespace {
 std::atomic<int> submit_refusals{0};      // io_uring_submit returns -submit_error, submitting nothing
 std::atomic<int> submit_error{EAGAIN};
 std::atomic<int> again_completions{0};    // the next reads or writes complete with -EAGAIN, moving nothing
+std::atomic<int> interrupted_completions{0};  // ... with -EINTR (with both, the two take turns)
 std::atomic<int> short_completions{0};    // the next reads or writes of 8 KiB or more move half
 std::atomic<int> interrupted_calls{0};    // pread or pwrite fails with EINTR
 std::atomic<int> short_calls{0};          // pread or pwrite of 8 KiB or more moves half
@@ -69,9 +70,10 @@ void Scribble(const io_uring_sqe* sqe, uint64_t from, uint64_t to) {
 extern "C" int io_uring_submit(io_uring* ring) {
   static const auto real = reinterpret_cast<int (*)(io_uring*)>(dlsym(RTLD_NEXT, "io_uring_submit"));
   if (Take(submit_refusals)) return -submit_error.load();
-  // The queued operations, not yet handed to the kernel: refused ones become
-  // reads or writes of 0 bytes, whose completions are rewritten below.
-  std::vector<uint64_t> refused, failed;
+  // The queued operations, not yet handed to the kernel: refused,
+  // interrupted and failed ones become reads or writes of 0 bytes, whose
+  // completions are rewritten below.
+  std::vector<uint64_t> refused, interrupted, failed;
   for (unsigned i = ring->sq.sqe_head; i != ring->sq.sqe_tail; ++i) {
     io_uring_sqe* sqe = &ring->sq.sqes[i & ring->sq.ring_mask];
     if (sqe->opcode != IORING_OP_READ && sqe->opcode != IORING_OP_WRITE) continue;
@@ -79,10 +81,12 @@ extern "C" int io_uring_submit(io_uring* ring) {
       Scribble(sqe, 0, sqe->len);
       sqe->len = 0;
       failed.push_back(sqe->user_data);
-    } else if (Take(again_completions)) {
+    } else if (std::atomic<int>& answer =  // both asked for: they take turns
+                   interrupted_completions > again_completions ? interrupted_completions : again_completions;
+               Take(answer)) {
       Scribble(sqe, 0, sqe->len);
       sqe->len = 0;
-      refused.push_back(sqe->user_data);
+      (&answer == &again_completions ? refused : interrupted).push_back(sqe->user_data);
     } else if (Half(sqe->len) > 0 && Take(short_completions)) {
       const unsigned asked = sqe->len;
       sqe->len = static_cast<unsigned>(Half(asked));
@@ -91,17 +95,17 @@ extern "C" int io_uring_submit(io_uring* ring) {
   }
   const int submitted = real(ring);
   // Each refused operation's completion (0 bytes moved) becomes -EAGAIN,
-  // each failed one's -EIO, before the caller can see it; the completion
-  // ring is the caller's memory.
+  // each interrupted one's -EINTR, each failed one's -EIO, before the caller
+  // can see it; the completion ring is the caller's memory.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!refused.empty() || !failed.empty()) {
+  while (!refused.empty() || !interrupted.empty() || !failed.empty()) {
     const unsigned tail = __atomic_load_n(ring->cq.ktail, __ATOMIC_ACQUIRE);
     for (unsigned i = *ring->cq.khead; i != tail; ++i) {
       io_uring_cqe* cqe = &ring->cq.cqes[i & ring->cq.ring_mask];
-      for (auto* list : {&refused, &failed}) {
+      for (auto* list : {&refused, &interrupted, &failed}) {
         const auto it = std::find(list->begin(), list->end(), cqe->user_data);
         if (it == list->end()) continue;
-        if (cqe->res == 0) cqe->res = list == &refused ? -EAGAIN : -EIO;
+        if (cqe->res == 0) cqe->res = list == &refused ? -EAGAIN : list == &interrupted ? -EINTR : -EIO;
         list->erase(it);
       }
     }
@@ -145,7 +149,8 @@ class SsdIoFaultTest : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = test_support::FreshTestDir("hps-ssd-io-fault-test"); }
   void TearDown() override {
-    submit_refusals = again_completions = short_completions = interrupted_calls = short_calls = failed_reads = 0;
+    submit_refusals = again_completions = interrupted_completions = short_completions = interrupted_calls =
+        short_calls = failed_reads = 0;
     fs::remove_all(dir_);
   }
 
@@ -277,48 +282,64 @@ TEST_F(SsdIoFaultTest, IoUringSubmitRefusedForGoodFailsNamingTheFileAndLeavesNot
   EXPECT_EQ(store->size(), keys.size() + later.size()) << "the failed put left rows";
 }
 
-// A device that answers every read or write with -EAGAIN fails the call
-// naming the file and where in it, after a bounded number of tries (asking
-// for good would keep the thread spinning); once it answers again, the
-// store works on, with nothing of the failed put in it.
-TEST_F(SsdIoFaultTest, IoUringCompletionsOfEagainForGoodFailNamingTheFileAndTheOffset) {
-  auto store = Open(true);
-  if (!OnUring(*store)) GTEST_SKIP() << "no io_uring here";
-  const std::vector<uint64_t> keys = Range(1, 1025);  // one file
-  Put(*store, keys);
-  store->Commit();
+// A device that answers every read or write with -EAGAIN (or -EINTR: a
+// signal that never stops coming) fails the call naming the file and where
+// in it, after a bounded number of tries (asking for good would keep the
+// thread spinning); once it answers again, the store works on, with nothing
+// of the failed put in it. The two answers share one count: a device that
+// gives them in turn fails so too.
+TEST_F(SsdIoFaultTest, IoUringCompletionsOfEagainOrEintrForGoodFailNamingTheFileAndTheOffset) {
   // Enough for any bound a test can wait for, few enough that a loop with
   // none takes them all and lets the calls succeed (in a second or so).
   constexpr int kFaults = 200000;
-  again_completions = kFaults;
-  std::vector<uint8_t> out(keys.size() * kRowBytes);
-  try {
-    store->Get(keys.data(), keys.size(), out.data(), nullptr);
-    ADD_FAILURE() << "a get whose every read completed with EAGAIN succeeded";
-  } catch (const IoError& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find((fs::path(dir_) / "000000000001.hpf").string() + ": io_uring read at byte "),
-              std::string::npos) << what;
-    EXPECT_NE(what.find(std::strerror(EAGAIN)), std::string::npos) << what;
+  const auto inject = [&](int error) {  // 0: both, in turn
+    again_completions = error == EINTR ? 0 : kFaults;
+    interrupted_completions = error == EAGAIN ? 0 : kFaults;
+  };
+  const auto left = [] { return again_completions + interrupted_completions; };
+  const auto names_the_answer = [](const std::string& what, int error) {
+    return error != 0 ? what.find(std::strerror(error)) != std::string::npos
+                      : what.find(std::strerror(EAGAIN)) != std::string::npos ||
+                            what.find(std::strerror(EINTR)) != std::string::npos;
+  };
+  for (const int error : {EAGAIN, EINTR, 0}) {
+    SCOPED_TRACE(error == 0 ? "EAGAIN and EINTR in turn" : std::strerror(error));
+    fs::remove_all(dir_);
+    auto store = Open(true);
+    if (!OnUring(*store)) GTEST_SKIP() << "no io_uring here";
+    const std::vector<uint64_t> keys = Range(1, 1025);  // one file
+    Put(*store, keys);
+    store->Commit();
+    inject(error);
+    std::vector<uint8_t> out(keys.size() * kRowBytes);
+    try {
+      store->Get(keys.data(), keys.size(), out.data(), nullptr);
+      ADD_FAILURE() << "a get whose every read completed so succeeded";
+    } catch (const IoError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find((fs::path(dir_) / "000000000001.hpf").string() + ": io_uring read at byte "),
+                std::string::npos) << what;
+      EXPECT_TRUE(names_the_answer(what, error)) << what;
+    }
+    EXPECT_GT(left(), 0) << "the get asked again as long as the faults lasted";
+    inject(error);
+    try {
+      Put(*store, Range(3001, 3011));
+      ADD_FAILURE() << "a put whose every write completed so succeeded";
+    } catch (const IoError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(".hpf: io_uring write at byte "), std::string::npos) << what;
+      EXPECT_TRUE(names_the_answer(what, error)) << what;
+    }
+    EXPECT_GT(left(), 0) << "the put asked again as long as the faults lasted";
+    again_completions = interrupted_completions = 0;
+    ExpectRows(*store, keys);
+    store->Commit();
+    store.reset();
+    store = Open(true);
+    ExpectRows(*store, keys);
+    EXPECT_EQ(store->size(), keys.size()) << "the failed put left rows";
   }
-  EXPECT_GT(again_completions, 0) << "the get asked again as long as the faults lasted";
-  again_completions = kFaults;
-  try {
-    Put(*store, Range(3001, 3011));
-    ADD_FAILURE() << "a put whose every write completed with EAGAIN succeeded";
-  } catch (const IoError& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find(".hpf: io_uring write at byte "), std::string::npos) << what;
-    EXPECT_NE(what.find(std::strerror(EAGAIN)), std::string::npos) << what;
-  }
-  EXPECT_GT(again_completions, 0) << "the put asked again as long as the faults lasted";
-  again_completions = 0;
-  ExpectRows(*store, keys);
-  store->Commit();
-  store.reset();
-  store = Open(true);
-  ExpectRows(*store, keys);
-  EXPECT_EQ(store->size(), keys.size()) << "the failed put left rows";
 }
 
 // The pread path (io_uring not asked for): calls interrupted or cut short
