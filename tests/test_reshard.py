@@ -734,6 +734,70 @@ def test_a_reshard_refused_before_a_new_rank_is_written_leaves_no_directory_of_i
     assert (root / "rank2" / METADATA).exists()
 
 
+def _killed_after_take_new_ranks(root, world: int) -> None:
+    """A reshard of the job at root onto `world` ranks killed (SIGKILL: its Hold never
+    lets go) once take_new_ranks made and locked the new ranks' directories, before
+    any rank wrote one."""
+    import signal
+    import sys
+    code = ("import os, signal, sys\n"
+            "from hps import reshard\n"
+            "hold = reshard.Hold(sys.argv[1])\n"
+            "reshard.check_source(sys.argv[1], hold)\n"
+            "reshard.take_new_ranks(sys.argv[1], int(sys.argv[2]), hold)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(root), str(world)], capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+
+
+class _Rank0Of2(_OneRank):
+    """Rank 0 of a job of 2 (its _prepare_job in this process; no peer writes)."""
+
+    size = 2
+
+
+@pytest.mark.parametrize("how", ["ranks", "one process"])
+def test_a_resume_removes_the_lock_only_rank_directories_a_killed_reshard_left_naming_them(tmp_path, two_ranks,
+                                                                                          capsys, how):
+    """A reshard killed between take_new_ranks and its ranks' writes left rank
+    directories holding only their lock file (its Hold never let go). A resume that
+    is no reshard (2 ranks on 2; a one-process server resumed in one process) never
+    took them, so they stayed for good: ranks the job does not have. It removes
+    them, naming each; one held (a server, or another reshard, open there) stays,
+    as does one with more than its lock file in it, and the job resumes as it was."""
+    from hps.parameter_server import WRITER_LOCK, _lock_path
+    from hps.jobdir import read_job
+    from hps.train import _prepare_job
+    if how == "ranks":
+        root = copy_of(two_ranks, tmp_path) / "job"
+        kept = ["rank0", "rank1"]
+    else:
+        root = old_job(tmp_path, 1) / "job"
+        kept = []
+    number = read_job(str(root)).checkpoint
+    _killed_after_take_new_ranks(root, 4)
+    left = [f"rank{r}" for r in range(4) if f"rank{r}" not in kept]
+    for name in left:
+        assert os.listdir(root / name) == [WRITER_LOCK], name
+    (root / "rank5").mkdir()
+    held = _lock_path(str(root / "rank5"))  # (as a ParameterServer, or another reshard, open there holds it)
+    (root / "rank6").mkdir()
+    (root / "rank6" / "something").write_text("not only a lock")
+    try:
+        capsys.readouterr()
+        if how == "ranks":
+            assert _prepare_job(sc.train_config(str(root)), _Rank0Of2(), resume=True) == number
+        else:
+            one_process(root, STEPS + 2, resume=True)
+        err = capsys.readouterr().err
+    finally:
+        os.close(held)
+    assert sorted(n for n in os.listdir(root) if n.startswith("rank")) == sorted(kept + ["rank5", "rank6"])
+    for name in left:
+        assert f"--resume: removed {root / name}: it held only a writer lock file" in err, err
+    assert "rank5" not in err and "rank6" not in err, err
+
+
 def test_a_commit_refuses_a_new_rank_whose_checkpoint_went_meanwhile(tmp_path, two_ranks):
     """2 -> 3 by the steps, rank 2's directory locked only while it is written: a
     server that opens it after (its metadata names no checkpoint yet, so the open

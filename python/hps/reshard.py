@@ -168,6 +168,39 @@ def _remove_if_lock_alone(path: str) -> None:
         pass
 
 
+def remove_lock_only_ranks(root: str, first: int) -> list:
+    """Removes every ``rank<r>`` directory at root, r >= `first` (no rank of the job:
+    its world; 0 at a one-process server's root), that holds only its writer lock
+    file, and returns their paths. A reshard killed between take_new_ranks and its
+    ranks' writes left such directories (its Hold never let go, so never removed
+    them), and a resume that is no reshard, or a reshard to fewer ranks than they
+    name, never takes them: kept, each would be a rank the job does not have. Each
+    is locked for its removal, as Hold's own are (_remove_if_lock_alone); one that a
+    server or another reshard holds is theirs and stays, as does one with more in it."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return removed
+    for name in sorted(names):
+        if not (name.startswith("rank") and name[4:].isdigit() and int(name[4:]) >= first):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.listdir(path) != [WRITER_LOCK]:
+                continue
+            fd = _lock_path(path, doing=f"removing it: a directory of no rank of the job at {root}")
+        except (OSError, PathInUseError):  # (not a directory, gone meanwhile, or held: not this run's)
+            continue
+        try:
+            _remove_if_lock_alone(path)
+        finally:
+            os.close(fd)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
 def check_source(root: str, hold: Optional[Hold] = None) -> dict:
     """What resharding the job at root reads, checked whole: {"world", "checkpoint",
     "step", "distributed"}. Raises FileNotFoundError naming the first missing

@@ -519,6 +519,8 @@ class Trainer:
             _notice(f"resharded: {rows:,} rows now in one process as checkpoint {new}")
         if node is None:
             reshard.remove_old_ranks(cfg.ps.path)  # (what a crash right after such a reshard's switch left)
+            if resume:
+                _remove_lock_only_ranks(cfg.ps.path, 0)  # (a one-process server has no rank directories)
         has_ps, stored = stored_checkpoint(path)
         if node is None:
             if has_ps and stored is not None and not resume:
@@ -820,6 +822,15 @@ def _notice(message: str) -> None:
     print(f"hps train: {message}", file=sys.stderr, flush=True)
 
 
+def _remove_lock_only_ranks(root: str, first: int) -> None:
+    """A resume's removal of the rank directories from `first` on that hold only their
+    lock file (hps.reshard.remove_lock_only_ranks: a reshard killed before its ranks
+    wrote them), each named, so that a directory the user saw does not go unsaid."""
+    for path in reshard.remove_lock_only_ranks(root, first):
+        _notice(f"--resume: removed {path}: it held only a writer lock file, left by a reshard that was cut "
+                f"short before its rank wrote it; the job has no such rank")
+
+
 def stored_checkpoint(path: str) -> tuple[bool, Optional[int]]:
     """(whether path holds a parameter server, the number of its last finished
     checkpoint or None)."""
@@ -984,6 +995,8 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool, widths: Optional[tu
         if os.path.exists(manifest):
             with open(manifest) as f:
                 job = json.load(f)
+        if resume and job is not None:  # (past both worlds: no directory a reshard takes or removes)
+            _remove_lock_only_ranks(root, max(job["world"], node.size))
         if resume and job is not None and job["world"] != node.size and job.get("checkpoint") is not None:
             # (a job that never checkpointed starts over below)
             return _plan_reshard(root, node.size, cfg, hold, widths, ranks=True)
