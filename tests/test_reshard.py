@@ -798,6 +798,70 @@ def test_a_resume_removes_the_lock_only_rank_directories_a_killed_reshard_left_n
     assert "rank5" not in err and "rank6" not in err, err
 
 
+def _consumer_copy(copy: dict, directory) -> None:
+    """Applies the export in `directory` to a consumer's copy {key: embedding}: a full
+    export replaces it; a delta upserts its rows and deletes its tombstones' keys."""
+    import pyarrow.parquet as pq
+    meta = json.loads((directory / "_export.json").read_text())
+    table = pq.read_table(directory).to_pydict()
+    if meta["full"]:
+        copy.clear()
+    for key, emb, tomb in zip(table["key"], table["embedding"], table["tombstone"]):
+        if tomb:
+            copy.pop(key, None)
+        else:
+            copy[key] = np.asarray(emb, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("how", ["opened by the job", "rank got further"])
+def test_a_consumer_of_a_rank_directory_gets_every_row_across_a_reshard(tmp_path, two_ranks, how):
+    """A consumer that exports from one rank's directory (its server, opened on it
+    directly), then again after a reshard replaced its checkpoint, ends with the
+    rank's rows, no fewer. The reshard writes the rank's checkpoint K+1 as files
+    numbered anew; under the directory's old run id the position's sequence numbers
+    were taken for theirs, and the delta missed every row in a file numbered at or
+    below them (the rows that came from the other rank). Two ways a directory's
+    metadata comes to name the new checkpoint: the job's server opens it at K+1 (job.json's),
+    or the rank had finished a K+1 of its own that the job's other rank had not
+    (job.json: K), which the reshard replaced. A position across it is refused as
+    another run's, and a full export gives the consumer every row."""
+    pytest.importorskip("pyarrow")
+    import hps
+    from hps.export import export
+    from hps.jobdir import read_job
+    from hps.parameter_server import METADATA
+    root = copy_of(two_ranks, tmp_path) / "job"
+    rank0 = root / "rank0"
+    number = read_job(str(root)).checkpoint
+    if how == "rank got further":  # (rank 0's K+1 holds K's rows: what it holds does not matter here)
+        shutil.copytree(rank0 / "checkpoints" / f"{number:06d}", rank0 / "checkpoints" / f"{number + 1:06d}")
+        meta = json.loads((rank0 / METADATA).read_text())
+        (rank0 / METADATA).write_text(json.dumps({**meta, "checkpoint": number + 1}))
+    dim = read_job(str(rank0)).config.dim
+    copy: dict = {}
+    export(rank0, tmp_path / "e1", "feed")
+    _consumer_copy(copy, tmp_path / "e1")
+    reshard_in_process(root, 3)
+    if how == "opened by the job":  # (as hps train's rank 0 opens it: at job.json's checkpoint)
+        meta = json.loads((rank0 / METADATA).read_text())
+        config = hps.ParameterServerConfig.from_dict({**meta["config"], "path": str(rank0)})
+        hps.ParameterServer(config, checkpoint=number + 1).close()
+    assert read_job(str(rank0)).checkpoint == number + 1
+    refused = None
+    try:
+        export(rank0, tmp_path / "e2", "feed")
+    except ValueError as e:
+        refused = str(e)
+        export(rank0, tmp_path / "e2-full", "feed", full=True)
+    _consumer_copy(copy, tmp_path / ("e2" if refused is None else "e2-full"))
+    rows = {k: row[:4 * dim] for k, (_, row, _) in rows_of(rank0).items()}
+    assert len(rows) > 10
+    missing = rows.keys() - copy.keys()
+    assert not missing, f"{len(missing)} of rank 0's {len(rows)} rows missing from the consumer's copy"
+    assert copy == rows
+    assert refused is not None and "is now run" in refused and "export with --full" in refused, refused
+
+
 def test_a_commit_refuses_a_new_rank_whose_checkpoint_went_meanwhile(tmp_path, two_ranks):
     """2 -> 3 by the steps, rank 2's directory locked only while it is written: a
     server that opens it after (its metadata names no checkpoint yet, so the open

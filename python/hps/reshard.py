@@ -76,7 +76,7 @@ import numpy as np
 
 from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
-                        read_job, replay_manifest, write_trainer_state)
+                        read_job, read_json, replay_manifest, write_trainer_state)
 from hps.parameter_server import (CHECKPOINTS, METADATA, RUN, SERVER_STEP, WRITER_LOCK, PathInUseError, _lock_path,
                                   _remove_tree, _replace_durable, _sync_dir, _write_durable, bound_store,
                                   check_store_digest, checkpoint_step, new_run_id, write_store_digest)
@@ -379,6 +379,20 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False, held
                     _remove_tree(os.path.join(rank_dir, name))
             meta = {**job.metadata, "checkpoint": None, RUN: run_id}
             _write_durable(os.path.join(rank_dir, METADATA), json.dumps(meta, indent=1).encode())
+        else:
+            # An old rank's directory, whose own run (its metadata's) is what a reader of
+            # the directory opened directly (an export's position, a Lookup) compares: its
+            # checkpoint `number` (the one its metadata names, where the rank got past
+            # job.json's) is replaced below by files numbered anew, and the job's server
+            # opens that one keeping the metadata's run. Under the old id a position there
+            # took the new files for the old run's: a delta missed every row in a file
+            # numbered at or below it. The new id goes first, before anything of the old
+            # checkpoint goes; a crash before the switch leaves checkpoint K under it,
+            # whose readers then export --full, once.
+            meta_path = os.path.join(rank_dir, METADATA)
+            meta = {**read_json(meta_path), RUN: run_id}
+            _write_durable(meta_path + ".tmp", json.dumps(meta, indent=1).encode())
+            _replace_durable(meta_path + ".tmp", meta_path)
         final = os.path.join(rank_dir, CHECKPOINTS, f"{number:06d}")
         tmp = final + ".tmp"
         for leftover in (tmp, final):  # an unfinished checkpoint of the old job, or of an earlier reshard
