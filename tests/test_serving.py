@@ -2134,6 +2134,56 @@ def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
     assert json.loads(request(server, "GET", "/stats")[2])["rejected"] == 1
 
 
+class FirstCallWaits:
+    """A stand-in for one of hps.serve's functions: its first call waits for release
+    (set by the test), later ones pass through; counts the calls inside at once."""
+
+    def __init__(self, real):
+        self.real, self.entered, self.release = real, threading.Event(), threading.Event()
+        self.inside = self.most_inside = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        with self._lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+            first = not self.entered.is_set()
+            self.entered.set()
+        try:
+            if first:
+                assert self.release.wait(30)
+            return self.real(*args)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+
+@pytest.mark.parametrize("stage, kind", [("_keys_from_json", "application/json"),
+                                         ("_keys_from_bytes", "application/octet-stream"),
+                                         ("_rows_json", "application/json")])
+def test_serve_parses_and_encodes_a_lookup_inside_its_concurrency_slot(server, monkeypatch, stage, kind):
+    """The keys were parsed before the slot was taken and the answer encoded after it was
+    released: --max-concurrent bounded the reads, not the memory, since every connection
+    could hold a JSON request's million keys as Python ints (or its answer's rows as lists
+    of floats) at once. A request parsing or encoding now holds the slot: one more is 429."""
+    import hps.serve
+    stand_in = FirstCallWaits(getattr(hps.serve, stage))
+    monkeypatch.setattr(hps.serve, stage, stand_in)
+    body = b'{"keys": [1, 2]}' if kind == "application/json" else np.arange(1, 3, dtype="<u8").tobytes()
+    first = []
+    t = threading.Thread(target=lambda: first.append(request(server, "POST", "/lookup", body, kind)))
+    t.start()
+    try:
+        assert stand_in.entered.wait(30)
+        status, _, data = request(server, "POST", "/lookup", body, kind)  # max_concurrent = 1
+        assert status == 429 and "1 lookups under way" in json.loads(data)["error"], data
+    finally:
+        stand_in.release.set()
+        t.join(30)
+    assert first[0][0] == 200 and stand_in.most_inside == 1
+    assert request(server, "POST", "/lookup", body, kind)[0] == 200  # the slot is free again
+
+
 def test_hps_serve_command_serves_until_terminated(job):
     import re
     import signal

@@ -3,8 +3,9 @@
 The server is the standard library's ThreadingHTTPServer: nothing to install on
 any Python (a fresh Debian 12's included), maintained with CPython, and enough
 for a local sidecar, since the lookups themselves release the GIL in SSD-PS.
-A thread per connection, and at most ``max_concurrent`` lookups at once: one
-more is answered 429 at once rather than queued without bound.
+A thread per connection, and at most ``max_concurrent`` lookups at once, each
+from its keys parsed to its answer encoded: one more is answered 429 at once
+rather than queued without bound.
 
     POST /lookup   keys in; rows and found out. Content-Type:
                    application/json: {"keys": [int, ...]} -> {"rows": [[float] * dim, ...],
@@ -180,6 +181,13 @@ def _rows_json(rows: np.ndarray) -> tuple[list, list]:
     return out, np.flatnonzero(bad.any(axis=1)).tolist()
 
 
+def _json_bytes(obj) -> bytes:
+    # allow_nan=False: json would write bare NaN / Infinity, which is not JSON and
+    # which strict parsers refuse; rows are made finite first (_rows_json), and a
+    # non-finite number anywhere else is a bug, answered 500 by _handle.
+    return json.dumps(obj, allow_nan=False).encode()
+
+
 def _serving(lookup: Lookup) -> str:
     """What a failed refresh left served, for its message."""
     try:
@@ -345,10 +353,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, status: int, obj, headers=None) -> None:
-        # allow_nan=False: json would write bare NaN / Infinity, which is not JSON and
-        # which strict parsers refuse; rows are made finite first (_rows_json), and a
-        # non-finite number anywhere else is a bug, answered 500 by _handle.
-        self._send(status, json.dumps(obj, allow_nan=False).encode(), headers=headers)
+        self._send(status, _json_bytes(obj), headers=headers)
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         """http.server's own refusals, made before a request reaches _handle (a malformed
@@ -455,24 +460,35 @@ class _Handler(BaseHTTPRequestHandler):
         if kind not in ("application/json", "application/octet-stream"):
             raise HttpError(415, f"Content-Type {kind or '(none)'!r}: send application/json or "
                                  f"application/octet-stream")
-        keys = _keys_from_json(body) if kind == "application/json" else _keys_from_bytes(body)
+        # The slot covers the keys parsed and the answer encoded, not the lookup alone: a
+        # JSON request's keys as Python ints, and its answer's rows as lists of floats, take
+        # many times the body's bytes, so that outside the slot max_concurrent bounded the
+        # reads but not the memory (every connection parsing and encoding at once). The
+        # body is read before (a slow client would hold a slot), the answer sent after.
         if not self.server.slots.acquire(blocking=False):
             self.server.count_rejected()
             raise HttpError(429, f"{self.server.max_concurrent} lookups under way, the server's limit: retry")
         try:
+            keys = _keys_from_json(body) if kind == "application/json" else _keys_from_bytes(body)
+            del body
             with self.server.using_lookup() as lookup:
                 # the checkpoint the rows were read from: lookup.checkpoint, read after, may be a newer one's
                 rows, found, checkpoint, step = lookup.lookup_with_checkpoint(keys)
+            del keys
+            if kind == "application/json":
+                rows_json, nonfinite = _rows_json(rows)
+                del rows
+                answer = _json_bytes({"rows": rows_json, "found": found.tolist(), "checkpoint": checkpoint,
+                                      "step": step, "nonfinite": nonfinite})
+                del rows_json
+                content_type, headers = "application/json", None
+            else:
+                answer = rows.astype("<f4").tobytes() + found.astype(np.uint8).tobytes()
+                content_type, headers = "application/octet-stream", {"X-Hps-Dim": rows.shape[1],
+                                                                     "X-Hps-Checkpoint": checkpoint}
         finally:
             self.server.slots.release()
-        if kind == "application/json":
-            rows_json, nonfinite = _rows_json(rows)
-            self._json(200, {"rows": rows_json, "found": found.tolist(), "checkpoint": checkpoint,
-                             "step": step, "nonfinite": nonfinite})
-        else:
-            body = rows.astype("<f4").tobytes() + found.astype(np.uint8).tobytes()
-            self._send(200, body, "application/octet-stream",
-                       {"X-Hps-Dim": rows.shape[1], "X-Hps-Checkpoint": checkpoint})
+        self._send(200, answer, content_type, headers)
 
     def do_GET(self):  # noqa: N802 - the base class's names
         self._handle("GET")
