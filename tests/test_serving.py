@@ -1577,7 +1577,9 @@ def test_serve_answers_json_and_binary_lookups(server, job):
     assert doc["checkpoint"] == 6 and doc["step"] == BATCHES
     raw = np.array(q, "<u8").tobytes()
     status, headers, body = request(server, "POST", "/lookup", raw, "application/octet-stream")
-    assert status == 200 and headers["X-Hps-Dim"] == "4"
+    # the step too, as the JSON answer has it (the binary one had the checkpoint alone)
+    assert status == 200 and headers["X-Hps-Dim"] == "4" and headers["X-Hps-Checkpoint"] == "6"
+    assert headers["X-Hps-Step"] == str(BATCHES)
     rows = np.frombuffer(body[:501 * 16], "<f4").reshape(501, 4)
     np.testing.assert_array_equal(rows[:500], want)
     assert list(body[501 * 16:]) == [1] * 500 + [0]
@@ -1712,8 +1714,10 @@ def test_serve_writes_a_diverged_row_as_valid_json_and_lists_it(tmp_path):
             np.testing.assert_array_equal(np.array(doc["rows"][:3], np.float32),  # null reads back as NaN
                                           np.where(np.isfinite(want), want, np.nan))
             raw = np.array([2], "<u8").tobytes()
-            status, _, body = request(srv, "POST", "/lookup", raw, "application/octet-stream")
+            status, headers, body = request(srv, "POST", "/lookup", raw, "application/octet-stream")
             assert status == 200 and np.array_equal(np.frombuffer(body[:16], "<f4"), want[1])
+            # a ParameterServer not made by hps train records no step: JSON's null, no X-Hps-Step
+            assert doc["step"] is None and "X-Hps-Step" not in headers and headers["X-Hps-Checkpoint"] == "1"
         finally:
             srv.shutdown()
             srv.server_close()

@@ -14,7 +14,8 @@ rather than queued without bound.
                      "nonfinite" lists the indices of the rows that held one)
                    application/octet-stream: little-endian uint64 keys -> n * dim float32
                      rows (little-endian), then n bytes of found (0/1); headers
-                     X-Hps-Dim, X-Hps-Checkpoint
+                     X-Hps-Dim, X-Hps-Checkpoint, X-Hps-Step (absent where the job records
+                     no step)
     POST /refresh  moves to the job's newer checkpoint: {"moved": bool, "checkpoint": N}
     GET  /health   {"checkpoint", "step", "world", "dim"} (HEAD: its headers)
     GET  /stats    Lookup.stats()
@@ -484,8 +485,10 @@ class _Handler(BaseHTTPRequestHandler):
                 content_type, headers = "application/json", None
             else:
                 answer = rows.astype("<f4").tobytes() + found.astype(np.uint8).tobytes()
-                content_type, headers = "application/octet-stream", {"X-Hps-Dim": rows.shape[1],
-                                                                     "X-Hps-Checkpoint": checkpoint}
+                content_type = "application/octet-stream"
+                headers = {"X-Hps-Dim": rows.shape[1], "X-Hps-Checkpoint": checkpoint}
+                if step is not None:  # the job records no step (JSON's "step": null): no header
+                    headers["X-Hps-Step"] = step
         finally:
             self.server.slots.release()
         self._send(200, answer, content_type, headers)
