@@ -1239,6 +1239,44 @@ def test_a_refresh_with_no_room_beside_the_served_checkpoint_frees_it_first(tmp_
         lk.close()
 
 
+@pytest.mark.parametrize("room", ["beside", "blocking"])
+def test_stats_counters_keep_counting_across_a_refresh(tmp_path, monkeypatch, room):
+    """ssd_bytes_read and the cache's counters were the served checkpoint's, so they fell
+    back to (nearly) zero at each refresh while lookups and refreshes kept counting: a
+    monitor computing rates from /stats saw them drop. They now count over the Lookup's
+    life; the cache's state (size, capacity) stays the served checkpoint's."""
+    counters = ("hits", "misses", "evictions", "rows_loaded")  # CACHE_COUNTERS that this test makes move
+    cfg, keys = _checkpointed_ones(tmp_path)
+    lk = hps.Lookup(cfg.path, memory_budget=budget_for(cfg.path, 512))  # misses, hits and evictions
+    try:
+        for _ in range(2):
+            lk.lookup(keys)
+        lk.lookup(keys[-100:])  # the last ones looked up: in the cache
+        before = lk.stats()
+        assert before["ssd_bytes_read"] > 0 and all(before["cache"][k] > 0 for k in counters), before["cache"]
+        ps = hps.ParameterServer.open(cfg.path)
+        ps.push(keys, np.ones((len(keys), 4), np.float32))
+        ps.checkpoint()
+        ps.close()
+        if room == "blocking":  # as if the job had grown past the reserve
+            monkeypatch.setattr(hps.lookup._Generation, "next_fixed_estimate", lambda self, view: 1 << 40)
+        assert lk.refresh()
+        gen = lk._current  # the new checkpoint's own counts: its cache warmed, no lookup yet
+        own_cache = gen.cache_stats()
+        own_ssd = sum(s.stats()["bytes_read"] for s in gen.stores)
+        after = lk.stats()
+        assert after["ssd_bytes_read"] == before["ssd_bytes_read"] + own_ssd
+        for k in counters:
+            assert after["cache"][k] == before["cache"][k] + own_cache[k], k
+        assert after["cache"]["size"] == own_cache["size"] and after["lookups"] == before["lookups"]
+        lk.lookup(keys)
+        later = lk.stats()
+        assert later["ssd_bytes_read"] >= after["ssd_bytes_read"]
+        assert all(later["cache"][k] >= after["cache"][k] for k in counters)
+    finally:
+        lk.close()
+
+
 def damage_new_rows(path, served: dict) -> int:
     """Flips a byte in the first rows block of each parameter file of the job's
     checkpoint that the served one (`served`, {sequence: records}) lacks; returns

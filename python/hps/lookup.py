@@ -66,6 +66,11 @@ _READ_BYTES_PER_KEY = 96    # a read's per-key bookkeeping (groups, requests, pl
 # room before), 1.0x at 200k (the shards' first size holds them all);
 # tests/test_serving.py checks the bound.
 INDEX_HEAP_FACTOR = 1.2
+# MemCache.stats() fields that count events (the others are the cache's state now):
+# a retired checkpoint's are carried into the next one's, so that stats() counts them
+# over the Lookup's life, as it does lookups and refreshes.
+CACHE_COUNTERS = ("hits", "misses", "evictions", "dirty_evictions", "rows_loaded", "rows_flushed",
+                  "failed_releases", "lookahead_spared", "lookahead_forced")
 _M_MMAP_THRESHOLD = -3      # <malloc.h>
 _MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept fixed
 # hps::detail::CompactKeyIndex (src/format/key_index.h): 2^16 shards of 10-byte
@@ -395,6 +400,10 @@ class Lookup:
         self._recent: Optional[np.ndarray] = None  # a ring of the keys looked up lately, to warm a refresh
         self._recent_at = self._recent_n = 0
         self._warmed = 0  # rows read into the cache by the last refresh
+        # The counters of the checkpoints served before this one (CACHE_COUNTERS, and
+        # the SSD-PS bytes read), added to the served one's by stats()
+        self._carried_cache = dict.fromkeys(CACHE_COUNTERS, 0)
+        self._carried_ssd_bytes = 0
         self._peak = 0    # the most held at once, by the split's accounting
         self._current = self._open()
         self._new_ring(self._current)
@@ -470,10 +479,20 @@ class Lookup:
             old = self._current
             while old.active:
                 self._idle.wait()
+            # before the new one serves: a stats() meanwhile waits (_swapping), so it never
+            # sees the old one's counts twice or not at all
+            self._carry_counters(old)
             if new is not None:
                 self._current, self._swapping = new, False
                 self._idle.notify_all()
             return old
+
+    def _carry_counters(self, gen: _Generation) -> None:
+        """Adds idle generation gen's counters to those carried (REQUIRES: self._lock held)."""
+        cache = gen.cache_stats()
+        for k in CACHE_COUNTERS:
+            self._carried_cache[k] += int(cache[k])
+        self._carried_ssd_bytes += int(sum(s.stats()["bytes_read"] for s in gen.stores))
 
     def _serve(self, new: _Generation) -> None:
         with self._lock:
@@ -653,11 +672,19 @@ class Lookup:
         parts in bytes (index, files' metadata, read buffers, refresh reserve, the
         cache's budget and its rows held now, the warm keys), ``held_bytes`` (what
         is held now by that accounting), ``peak_held_bytes`` (the most held at once
-        so far, a refresh's two checkpoints included) and ``within_budget``."""
+        so far, a refresh's two checkpoints included) and ``within_budget``.
+
+        The counters (``lookups``, ``refreshes``, ``blocking_refreshes``,
+        ``ssd_bytes_read`` and ``cache``'s CACHE_COUNTERS: hits, misses, evictions, ...)
+        count over the Lookup's life, the checkpoints served before included, so that
+        they never drop at a refresh; ``cache``'s other fields (size, capacity, ...),
+        ``rows``, ``memory`` and ``warmed_rows`` are the served checkpoint's."""
         gen = self._acquire()
         try:
             cache = gen.cache_stats()
             ssd = [s.stats() for s in gen.stores]
+            with self._lock:
+                carried_cache, carried_ssd_bytes = dict(self._carried_cache), self._carried_ssd_bytes
             plan = gen.plan
             held = self._note(gen)
             memory = {"budget_bytes": self._budget, "index_bytes": plan.index, "file_meta_bytes": plan.meta,
@@ -671,11 +698,12 @@ class Lookup:
                       + plan.cache_rows * plan.row_cost}
             memory["within_budget"] = memory["peak_held_bytes"] <= self._budget \
                 and memory["total_bytes"] <= self._budget
+            cache.update({k: int(cache[k]) + carried_cache[k] for k in CACHE_COUNTERS})
             return {"checkpoint": gen.checkpoint, "step": gen.step, "world": gen.world, "dim": gen.dim,
                     "memory_budget": self._budget, "memory": memory, "cache": cache,
                     "rows": int(sum(len(s) for s in gen.stores)),
                     "index_bytes": plan.index,
-                    "ssd_bytes_read": int(sum(s["bytes_read"] for s in ssd)),
+                    "ssd_bytes_read": carried_ssd_bytes + int(sum(s["bytes_read"] for s in ssd)),
                     "lookups": self._lookups, "refreshes": self._refreshes,
                     "blocking_refreshes": self._blocking_refreshes, "warmed_rows": self._warmed}
         finally:
