@@ -2281,6 +2281,37 @@ def test_server_close_waits_for_the_lookups_under_way_and_refuses_new_ones(serve
     assert not closing.is_alive() and first[0][0] == 200
 
 
+def test_a_second_interrupt_while_hps_serve_waits_for_its_lookups_still_releases_the_checkpoint(job, monkeypatch):
+    """A first Ctrl-C stops serving and server_close waits for the lookups under way; a
+    second one, raised in that wait, left serve() without closing the Lookup, so its
+    pinned view stayed in .hps-readers. Simulated here: KeyboardInterrupt out of
+    serve_forever, then out of server_close once it has stopped listening."""
+    import signal
+    from hps.serve import LookupServer, serve
+    real_close = LookupServer.server_close
+    closes = []
+
+    def interrupted_close(self):
+        real_close(self)
+        closes.append(self)
+        raise KeyboardInterrupt
+
+    def interrupted_serving(self, poll_interval=0.5):
+        assert os.path.isdir(job / jobdir.READERS)  # the checkpoint is pinned while it serves
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LookupServer, "serve_forever", interrupted_serving)
+    monkeypatch.setattr(LookupServer, "server_close", interrupted_close)
+    sigterm = signal.getsignal(signal.SIGTERM)  # serve() installs its own
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            serve(str(job), port=0, memory_budget="64MiB", quiet=True)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert len(closes) == 1
+    assert not os.path.exists(job / jobdir.READERS)
+
+
 def test_hps_serve_names_an_address_it_cannot_listen_on_and_releases_the_checkpoint(job, capsys):
     """A port in use printed only 'OSError: [Errno 98] Address already in use', and
     an out-of-range port an OverflowError traceback; the Lookup opened first was

@@ -542,5 +542,10 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="2
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
-        lookup.close()
+        try:
+            server.server_close()
+        finally:
+            # a second Ctrl-C, raised while server_close waits for the lookups under way,
+            # still releases the checkpoint (at once if none is left in a read, else as the
+            # last one returns; a process that exits first leaves its view to the next pin)
+            lookup.close()
