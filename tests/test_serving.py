@@ -2226,6 +2226,45 @@ def test_serve_parses_and_encodes_a_lookup_inside_its_concurrency_slot(server, m
     assert request(server, "POST", "/lookup", body, kind)[0] == 200  # the slot is free again
 
 
+def test_serve_refuses_a_connection_past_its_limit_with_a_503(job):
+    """Every connection held a thread, a kept-alive idle one for the whole idle timeout
+    (60 s), with no limit: clients' connection pools piled up threads without bound.
+    One past max_connections has its request answered 503 (Retry-After) and is closed;
+    once a connection closes, the next is served."""
+    import http.client
+    from hps.serve import LookupServer
+    with pytest.raises(ValueError, match="max_connections = 0: must be >= 1"):
+        LookupServer(None, ("127.0.0.1", 0), max_connections=0)
+    lk = hps.Lookup(job, memory_budget="64MiB")
+    srv = LookupServer(lk, ("127.0.0.1", 0), max_connections=1)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        kept = http.client.HTTPConnection(*srv.server_address[:2], timeout=30)
+        kept.request("GET", "/health")
+        r = kept.getresponse()
+        assert r.status == 200
+        r.read()
+        status, headers, body = request(srv, "POST", "/lookup", b'{"keys": [1]}')  # a second connection
+        assert status == 503 and headers["Connection"] == "close" and headers["Retry-After"] == "1"
+        assert json.loads(body)["error"] == ("1 connections open, the server's limit: retry, or reuse a "
+                                             "connection kept alive")
+        kept.request("GET", "/stats")  # the kept connection is served still
+        r = kept.getresponse()
+        stats = json.loads(r.read())
+        assert r.status == 200 and stats["connections"] == 1 and stats["max_connections"] == 1
+        assert stats["refused_connections"] == 1
+        kept.close()
+        deadline = time.monotonic() + 30  # its handler sees the close on its own thread
+        while srv.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.connections == 0
+        assert request(srv, "GET", "/health")[0] == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        lk.close()
+
+
 def test_hps_serve_command_serves_until_terminated(job):
     import re
     import signal
@@ -2327,6 +2366,8 @@ def test_hps_serve_names_an_address_it_cannot_listen_on_and_releases_the_checkpo
     assert not os.path.exists(job / jobdir.READERS)
     assert main(["serve", str(job), "--max-concurrent", "0", "--memory-budget", "64MiB"]) == 2
     assert "max_concurrent = 0: must be >= 1" in capsys.readouterr().err
+    assert main(["serve", str(job), "--max-connections", "0", "--memory-budget", "64MiB"]) == 2
+    assert "max_connections = 0: must be >= 1" in capsys.readouterr().err
     assert not os.path.exists(job / jobdir.READERS)
     assert main(["serve", str(job), "--port", "70000"]) == 2
     assert "--port 70000: a TCP port, 0-65535 (0: any free one)" in capsys.readouterr().err

@@ -3,9 +3,10 @@
 The server is the standard library's ThreadingHTTPServer: nothing to install on
 any Python (a fresh Debian 12's included), maintained with CPython, and enough
 for a local sidecar, since the lookups themselves release the GIL in SSD-PS.
-A thread per connection, and at most ``max_concurrent`` lookups at once, each
-from its keys parsed to its answer encoded: one more is answered 429 at once
-rather than queued without bound.
+A thread per connection, at most ``max_connections`` of them (one more has its
+request answered 503 and is closed), and at most ``max_concurrent`` lookups at
+once, each from its keys parsed to its answer encoded: one more is answered 429
+at once rather than queued without bound.
 
     POST /lookup   keys in; rows and found out. Content-Type:
                    application/json: {"keys": [int, ...]} -> {"rows": [[float] * dim, ...],
@@ -18,13 +19,15 @@ rather than queued without bound.
                      no step)
     POST /refresh  moves to the job's newer checkpoint: {"moved": bool, "checkpoint": N}
     GET  /health   {"checkpoint", "step", "world", "dim"} (HEAD: its headers)
-    GET  /stats    Lookup.stats()
+    GET  /stats    Lookup.stats(), and the server's: rejected (429s), max_concurrent, connections
+                   (open now), max_connections, refused_connections (503s for that limit)
 Errors are JSON {"error": "..."}, http.server's own too (send_error): 400 malformed (naming the field or key index),
 404 unknown path, 405 wrong method (with Allow), 408 a body not all sent within the idle
 timeout (60 s; a connection idle that long is closed), 411 no Content-Length, 413 too many keys or
 bytes, 415 other content types, 429 over the concurrency limit, 500 a failure of
 the lookup or the refresh (logged to stderr; a failed refresh keeps the checkpoint),
-503 a request while the server stops (server_close waits for those using the lookup).
+503 a request while the server stops (server_close waits for those using the lookup)
+or on a connection past max_connections (with Retry-After).
 """
 from __future__ import annotations
 
@@ -201,7 +204,8 @@ class LookupServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, lookup: Lookup, address=("127.0.0.1", 0), max_concurrent: int = 8,
-                 refresh_every: float = 0.0, quiet: bool = True, idle_timeout: float = 60.0):
+                 refresh_every: float = 0.0, quiet: bool = True, idle_timeout: float = 60.0,
+                 max_connections: int = 64):
         # (inf, or anything past TIMEOUT_MAX, was taken, and then each connection's
         # settimeout raised OverflowError: every request dropped unanswered, with a traceback)
         if not 0 < idle_timeout <= threading.TIMEOUT_MAX:
@@ -209,6 +213,8 @@ class LookupServer(ThreadingHTTPServer):
                              f"{threading.TIMEOUT_MAX:.0f}")
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent = {max_concurrent}: must be >= 1")
+        if max_connections < 1:
+            raise ValueError(f"max_connections = {max_connections}: must be >= 1")
         # (NaN passed a test of < 0, and then the refresher's wait returned at once: a
         # refresh in a loop with no pause; past TIMEOUT_MAX the wait raised, killing it)
         if not 0 <= refresh_every <= threading.TIMEOUT_MAX:
@@ -220,6 +226,13 @@ class LookupServer(ThreadingHTTPServer):
         self.quiet = quiet
         self.rejected = 0
         self._rejected_lock = threading.Lock()  # += from the handlers' threads
+        # Connections open now, each with its thread (a kept-alive one idle up to
+        # idle_timeout): one past max_connections has its request answered 503 and is
+        # closed, so that clients' idle pools cannot pile up threads without bound.
+        self.max_connections = max_connections
+        self.connections = 0
+        self.refused_connections = 0
+        self._connections_lock = threading.Lock()
         # A connection that sends nothing for this long is closed: a client that stalls
         # mid-request (a Content-Length it never fills) would hold its thread for good.
         self.idle_timeout = idle_timeout
@@ -268,6 +281,19 @@ class LookupServer(ThreadingHTTPServer):
             with self._unused:
                 self._using -= 1
                 self._unused.notify_all()
+
+    def connection_opened(self) -> bool:
+        """Counts a new connection in; False (and counted as refused) past max_connections."""
+        with self._connections_lock:
+            if self.connections >= self.max_connections:
+                self.refused_connections += 1
+                return False
+            self.connections += 1
+            return True
+
+    def connection_closed(self) -> None:
+        with self._connections_lock:
+            self.connections -= 1
 
     def count_rejected(self) -> None:
         with self._rejected_lock:
@@ -335,6 +361,14 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.idle_timeout  # the socket's, set by the base class's setup
         super().setup()
+
+    def handle(self) -> None:
+        self._over_limit = not self.server.connection_opened()
+        try:
+            super().handle()
+        finally:
+            if not self._over_limit:
+                self.server.connection_closed()
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         if not self.server.quiet:
@@ -409,6 +443,10 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         self._answered = False
         try:
+            if self._over_limit:  # its request read first, as any refused one's (below)
+                self._body(required=False)
+                raise HttpError(503, f"{self.server.max_connections} connections open, the server's limit: "
+                                     f"retry, or reuse a connection kept alive", {"Retry-After": 1})
             # A refused request's body is read first (any method's: Content-Length frames them
             # all): a connection closed with bytes unread is reset, and the answer may be lost.
             if path not in routes:
@@ -440,7 +478,10 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 with self.server.using_lookup() as lookup:
                     answer = {**lookup.stats(), "rejected": self.server.rejected,
-                              "max_concurrent": self.server.max_concurrent}
+                              "max_concurrent": self.server.max_concurrent,
+                              "connections": self.server.connections,
+                              "max_connections": self.server.max_connections,
+                              "refused_connections": self.server.refused_connections}
                 self._json(200, answer)
         except HttpError as e:
             self.close_connection = True  # the body may be unread: the connection cannot carry another request
@@ -518,14 +559,16 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="256MiB",
-          max_concurrent: int = 8, refresh_every: float = 0.0, quiet: bool = False) -> None:
+          max_concurrent: int = 8, refresh_every: float = 0.0, quiet: bool = False,
+          max_connections: int = 64) -> None:
     """Serves the job at path until interrupted (SIGINT / SIGTERM)."""
     import signal
     if not 0 <= port <= 65535:
         raise ValueError(f"--port {port}: a TCP port, 0-65535 (0: any free one)")
     lookup = Lookup(path, memory_budget=memory_budget)
     try:
-        server = LookupServer(lookup, (host, port), max_concurrent, refresh_every, quiet)
+        server = LookupServer(lookup, (host, port), max_concurrent, refresh_every, quiet,
+                              max_connections=max_connections)
     except OSError as e:  # the address: in use, or not this host's
         lookup.close()
         raise OSError(e.errno, f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
@@ -535,7 +578,8 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="2
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     skipped = f" (not on {'; '.join(server.unavailable)})" if server.unavailable else ""
     print(f"hps serve: {path} checkpoint {lookup.checkpoint} (step {lookup.step}, {lookup.world} rank(s), "
-          f"dim {lookup.dim}) on {' and '.join(server.urls)}{skipped}, at most {max_concurrent} lookups at once",
+          f"dim {lookup.dim}) on {' and '.join(server.urls)}{skipped}, at most {max_concurrent} lookups at once "
+          f"and {max_connections} connections",
           file=sys.stderr, flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
