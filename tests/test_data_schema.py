@@ -288,24 +288,51 @@ def test_csv_schema_that_does_not_match_the_file(tmp_path):
         list(SchemaCsv([p, q], {"label": "click", "dense": ["price"], "categorical": "rest"}))
 
 
-def test_headerless_field_count_errors_point_back_at_line_1(tmp_path):
-    # Without a header the expected field count is line 1's. Where line 1 is the bad
-    # one, every other line is reported, and "a.csv:2: has 4 fields, expected 3"
-    # pointed at a good line without saying where the 3 came from.
+def test_headerless_field_count_errors_say_where_the_count_comes_from(tmp_path):
+    # Without a header the expected field count is the one most of the first lines
+    # have; "a.csv:2: has 4 fields, expected 3" pointed at a good line without saying
+    # where the 3 came from.
     p = tmp_path / "a.csv"
-    p.write_text("1,2,x\n1,2,x,y\n0,3,y,z\n")
+    p.write_text("1,2,x\n1,2,x,y\n0,3,y\n")
     schema = {"label": 0, "dense": [1], "categorical": "rest", "header": False}
-    with pytest.raises(DataError, match=r"a.csv:2: has 4 fields, expected 3 as on line 1 \(the file has no "
-                                        r"header\)$") as e:
+    with pytest.raises(DataError, match=r"a.csv:2: has 4 fields, expected 3, as most of its first lines have "
+                                        r"\(the file has no header\)$") as e:
         list(SchemaCsv(p, schema))
     assert (e.value.line, e.value.field) == (2, None)
     r = SchemaCsv(p, schema, skip_malformed=True)
-    assert sum(len(b) for b in r) == 1 and r.malformed == 2
-    assert all(m.endswith("as on line 1 (the file has no header)") for m in r.malformed_examples)
+    assert sum(len(b) for b in r) == 2 and r.malformed == 1
+    assert r.malformed_examples[0].endswith("as most of its first lines have (the file has no header)")
     # With a header its field count is what is expected, and the message says no more.
     p.write_text("a,b,c\n1,2,x,y\n")
     with pytest.raises(DataError, match=r"a.csv:2: has 4 fields, expected 3$"):
         list(SchemaCsv(p, {"label": "a", "dense": ["b"], "categorical": "rest"}))
+
+
+@pytest.mark.parametrize("line_1", ["1,2,x,extra", "1,2"])
+@pytest.mark.parametrize("categorical", ["rest", [2]])
+def test_headerless_malformed_line_1_is_one_malformed_line(tmp_path, line_1, categorical):
+    # Line 1's field count was the one expected: a malformed line 1 made every good
+    # line after it malformed (with skip_malformed, all skipped: one row trained on),
+    # or, with too few fields for the schema, refused the file ("column 2 is past the
+    # file's 2 columns") even with skip_malformed.
+    p = tmp_path / "a.csv"
+    p.write_text(line_1 + "\n" + "".join(f"{i % 2},{i},v{i}\n" for i in range(6)) + "1,9\n")
+    schema = {"label": 0, "dense": [1], "categorical": categorical, "header": False}
+    r = SchemaCsv(p, schema, skip_malformed=True)
+    labels, dense, keys, _, _ = read_all(r)
+    assert labels.tolist() == [i % 2 for i in range(6)]
+    assert keys[:, 0].tolist() == [ref_key(0, f"v{i}") for i in range(6)]
+    n = len(line_1.split(","))
+    assert r.malformed == 2 and r.malformed_examples == [
+        f"{p}:1: has {n} fields, expected 3, as most of its first lines have (the file has no header)",
+        f"{p}:8: has 2 fields, expected 3, as most of its first lines have (the file has no header)"]
+    assert r.widths() == (1, 1, 0)
+    with pytest.raises(DataError, match=rf"a.csv:1: has {n} fields, expected 3, as most"):
+        list(SchemaCsv(p, schema))
+    # Two lines that disagree: the earlier one's count.
+    p.write_text("1,2,x\n0,3,y,z\n")
+    with pytest.raises(DataError, match=r"a.csv:2: has 4 fields, expected 3, as most"):
+        list(SchemaCsv(p, schema))
 
 
 # ------------------------------------------------------------------ Parquet

@@ -275,8 +275,10 @@ class SchemaCsv(_SchemaReader):
     Errors name file, line and column: ``clicks.csv:12: column 'price': 'abc' is not a
     number``, ``clicks.csv:7: has 4 fields, expected 5``, ``clicks.csv:9: is an empty line,
     expected 5 fields``, ``clicks.csv: no column 'click'``. Without a header the field
-    count expected is line 1's (``clicks.csv:7: has 4 fields, expected 5 as on line 1 (the
-    file has no header)``). ``skip_malformed`` skips and counts bad lines as the Criteo readers do; a schema that
+    count expected is the one most of the file's first lines (its first MiB) have, ties
+    going to the earliest line's, so that a malformed line 1 is one malformed line
+    (``clicks.csv:1: has 4 fields, expected 5, as most of its first lines have (the file
+    has no header)``). ``skip_malformed`` skips and counts bad lines as the Criteo readers do; a schema that
     does not match a file raises even then. Lines are 1-based and count the header;
     a line ends at "\\n", "\\r\\n" or a lone "\\r" (as pyarrow.csv reads them).
     pyarrow parses ``block_bytes`` at a time; a file with a longer line (a long
@@ -300,8 +302,9 @@ class SchemaCsv(_SchemaReader):
         return None if names is None else self.schema.resolve(names, path, by_name=self.schema.header)
 
     def _columns(self, path: str, parse) -> tuple[Optional[list[str]], int]:
-        """(the header's names, or "0", "1", ... for the first line's fields; the first line's bytes);
-        (None, 0) for a file without a byte (once decompressed)."""
+        """(the header's names, or "0", "1", ... for the fields most of the first lines have
+        (_field_count); the first line's bytes); (None, 0) for a file without a byte (once
+        decompressed)."""
         pa = self._pa
         with _open_stream(pa, path) as f:
             # The first line ends where pyarrow ends it: at "\n", "\r\n" or a lone "\r"
@@ -318,6 +321,13 @@ class SchemaCsv(_SchemaReader):
                 if m is not None and (m.group() != b"\r" or m.end() < len(buf) or eof):
                     end = m.end()
             first = buf if end is None else buf[:end]
+            if not self.schema.header and first.strip(b"\r\n"):
+                # The lines after it too, for the field count (_field_count)
+                while not eof and len(buf) < len(first) + _COUNT_SAMPLE_BYTES:
+                    chunk = f.read(1 << 16)
+                    eof = not chunk
+                    buf += chunk
+                sample = buf if eof else buf[:max(buf.rfind(b"\n"), buf.rfind(b"\r"), len(first) - 1) + 1]
         if not first:
             return None, 0
         if not first.strip(b"\r\n"):
@@ -328,9 +338,7 @@ class SchemaCsv(_SchemaReader):
             whole = first if ended else first + b"\n"
             return (list(pa.csv.read_csv(pa.BufferReader(whole), parse_options=parse).column_names),
                     len(first) if ended else -1)
-        head = pa.csv.read_csv(pa.BufferReader(first), parse_options=parse,
-                               read_options=pa.csv.ReadOptions(autogenerate_column_names=True))
-        return [str(i) for i in range(head.num_columns)], len(first)
+        return [str(i) for i in range(_field_count(pa, first, sample, parse))], len(first)
 
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa
@@ -392,9 +400,9 @@ class SchemaCsv(_SchemaReader):
         invalid: list[tuple] = []
         shifts: list[tuple] = []  # their (number, line ends), which the rows after them skip
         final = [0, False]  # the last row's line so far, and whether a value in it holds a line end
-        # Without a header the field count is line 1's: where line 1 is the bad one, every
-        # other line is reported, and the message must point back at line 1.
-        counted_from = "" if self.schema.header else " as on line 1 (the file has no header)"
+        # Without a header the field count is the one most of the first lines have
+        # (_field_count): the message says where it comes from.
+        counted_from = "" if self.schema.header else ", as most of its first lines have (the file has no header)"
 
         def on_invalid(row):
             invalid.append((row.number, _empty_line(row.expected_columns) if not row.text else
@@ -643,6 +651,39 @@ class _NoBlockEndsInCr:
 
     def readable(self) -> bool:
         return True
+
+
+# Without a header, the field count is the one most lines of about this many bytes
+# at the file's start have.
+_COUNT_SAMPLE_BYTES = 1 << 20
+
+
+def _field_count(pa, first: bytes, sample: bytes, parse) -> int:
+    """The field count of most of the rows of ``sample`` (whole lines from the file's
+    first, ``first``), ties going to the count seen first. A headerless file has no line
+    that says what its count is: line 1's was taken, and a malformed line 1 made every
+    other line malformed (with skip_malformed, every good line skipped)."""
+    n = pa.csv.read_csv(pa.BufferReader(first), parse_options=parse,
+                        read_options=pa.csv.ReadOptions(autogenerate_column_names=True)).num_columns
+    seen = {n: 0}  # count -> rows, in the order first seen
+
+    def on_invalid(row):
+        seen[row.actual_columns] = seen.get(row.actual_columns, 0) + 1
+        return "skip"
+
+    # Rows as _file_pieces reads them (a quoted value may run over a line end), but an
+    # empty line counts for no field count: it is malformed whatever the count. Values
+    # as bytes, one column converted: only the rows' field counts are wanted.
+    names = [f"c{i}" for i in range(n)]
+    table = pa.csv.read_csv(pa.BufferReader(sample),
+                            parse_options=pa.csv.ParseOptions(delimiter=parse.delimiter, newlines_in_values=True,
+                                                              ignore_empty_lines=True, invalid_row_handler=on_invalid),
+                            read_options=pa.csv.ReadOptions(column_names=names, use_threads=False,
+                                                            block_size=len(sample) + 1),
+                            convert_options=pa.csv.ConvertOptions(include_columns=names[:1],
+                                                                  column_types={names[0]: pa.binary()}))
+    seen[n] += table.num_rows
+    return max(seen, key=lambda k: seen[k])  # (max keeps the first of equal ones)
 
 
 class _LineTooLong(Exception):
