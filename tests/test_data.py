@@ -433,6 +433,32 @@ def test_parquet_feature_column_of_type_null_is_missing_values(tmp_path):
         list(CriteoParquet(str(tmp_path / "nolabel.parquet")))
 
 
+def test_integers_past_int64_are_refused_in_parquet_as_in_tsv(tmp_path):
+    # "An integer past int64 is an error" (docs/training.md): the TSV reader refused
+    # one, but a Parquet uint64 column's values from 2**63 up were taken as counts.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    big = [(1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+    lines = [line(I5=str(v)) for v in big]
+    tsv = write(tmp_path / "big.tsv", lines)
+    table = _sample_table(pa, [line()] * 3)
+    table = table.set_column(COLUMNS.index("I5"), "I5", pa.array(big, pa.uint64()))
+    path = str(tmp_path / "big.parquet")
+    pq.write_table(table, path)
+    with pytest.raises(DataError) as e:
+        list(CriteoTsv(tsv))
+    assert str(e.value) == f"{tsv}:2: field I5: '9223372036854775808' is out of the 64-bit integer range"
+    with pytest.raises(DataError) as e:
+        list(CriteoParquet(path))
+    assert str(e.value) == f"{path}: row 2: field I5: 9223372036854775808 is out of the 64-bit integer range"
+    assert (e.value.line, e.value.field) == (2, "I5")
+    readers = CriteoTsv(tsv, skip_malformed=True), CriteoParquet(path, skip_malformed=True)
+    (from_tsv,), (from_parquet,) = (list(r) for r in readers)
+    assert [r.malformed for r in readers] == [2, 2]
+    assert [from_tsv.locate(0)[1], from_parquet.locate(0)[1]] == [1, 1]
+    np.testing.assert_array_equal(from_parquet.dense, from_tsv.dense)
+
+
 def test_parquet_malformed_rows(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

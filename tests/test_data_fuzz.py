@@ -433,7 +433,9 @@ def dense_column(rnd, n):
         return pa.array(values, pa.float32() if width == 32 else pa.float64()), want
     bits, signed = {"int32": (32, True), "int64": (64, True), "uint64": (64, False)}[kind]
     values = _ints(rnd, n, bits, signed)
-    return pa.array(values, _int_type(bits, signed)), [0.0 if v is None else ref_dense(v) for v in values]
+    # past int64 (a uint64's top half) is an error, as in the TSV
+    return pa.array(values, _int_type(bits, signed)), [0.0 if v is None else "bad" if v > INT64_MAX else ref_dense(v)
+                                                       for v in values]
 
 
 BAD_TEXT = ["0x1f", " 1", "1 ", "1" * 17, "0" * 17, "g", "\x00", "1\x00", "\u0661", "é", "68fd1e6\x00", "+1", "-1",

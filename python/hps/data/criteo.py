@@ -135,15 +135,19 @@ def _check_type(pa, t, name: str, path: str) -> None:
 
 
 def _numeric_array(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(values float64 with NaN for missing, missing, non-finite) of an integer/float/bool array."""
+    """(values float64 with NaN for missing, missing, bad: non-finite or an integer past int64)
+    of an integer/float/bool array."""
     t = arr.type
     _check_type(pa, t, name, path)
     if pa.types.is_integer(t) and t.bit_width == 64:
         # float64 holds integers exactly only up to 2**53; beyond that the
         # log transform cannot tell the difference anyway.
         missing = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else np.zeros(len(arr), bool)
-        values = pa.compute.fill_null(arr, 0).to_numpy().astype(np.float64)
+        ints = pa.compute.fill_null(arr, 0).to_numpy()
+        values = ints.astype(np.float64)
         values[missing] = np.nan
+        if ints.dtype == np.uint64:  # past int64 is refused, as in a TSV file (_parse_line)
+            return values, missing, ints > np.uint64(_INT64_MAX)
     else:
         values = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
         missing = np.isnan(values)
@@ -219,6 +223,8 @@ def _reason(name: str, value) -> str:
     if name in DENSE_COLUMNS:
         if isinstance(value, float):  # a Parquet float column: only inf and -inf are refused
             return f"{_shown(value)} is not a finite number"
+        if isinstance(value, int) and value > _INT64_MAX:  # a Parquet uint64 column
+            return f"{_shown(value)} is out of the 64-bit integer range"
         return f"{_shown(value)} is not an integer"
     return f"{_shown(value)} is not a hexadecimal value of 1 to 16 digits"
 
@@ -449,7 +455,8 @@ class CriteoParquet(_Reader):
     Other columns are ignored. label: integers, floats or booleans equal to 0
     or 1; I*: integers or floats, null or NaN missing; C*: hex strings (as in
     the TSV files; empty or null missing) or integers (signed ones read bitwise
-    as unsigned of their width; null missing). Arguments and malformed-row
+    as unsigned of their width; null missing). An I* integer past int64 (in a
+    uint64 column) is malformed, as in a TSV file. Arguments and malformed-row
     handling as :class:`CriteoTsv`; a "line" here is the 1-based row number,
     e.g. ``day0.parquet: row 12: field C3: 'xyz' is not a hexadecimal ...``.
     A feature column of type null (every value missing) is read as missing values.
