@@ -248,6 +248,41 @@ def test_hps_train_epochs_with_a_shuffle_buffer(tmp_path):
     assert TrainConfig.from_dict(dict(base, data={"seed": 2**70}), "run.toml").data.seed == 2**70
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("vocab_sizes", [0] * 26, r"data.vocab_sizes must be a non-empty list of ints in \[1, 2\*\*31\]"),
+    ("vocab_sizes", [-5, 10], r"data.vocab_sizes must be a non-empty list"),
+    ("vocab_sizes", [], r"data.vocab_sizes must be a non-empty list"),  # (had taken the defaults)
+    ("vocab_sizes", [10, 1.5], r"data.vocab_sizes must be a non-empty list"),
+    ("vocab_sizes", [True, 10], r"data.vocab_sizes must be a non-empty list"),
+    ("vocab_sizes", [(1 << 31) + 1], r"data.vocab_sizes must be a non-empty list"),
+    ("vocab_sizes", 26, r"data.vocab_sizes must be a non-empty list"),
+    ("multi_hot", [5], r"data.multi_hot\[0\] must be \[vocabulary size, an int in \[1, 2\*\*31\]; mean bag "
+                       r"length, a number in \[0, 1000\]\], got 5$"),  # (a bare TypeError)
+    ("multi_hot", [[10, 2], [0, 2]], r"data.multi_hot\[1\] must be"),
+    ("multi_hot", [[10, -1]], r"data.multi_hot\[0\] must be"),
+    ("multi_hot", [[10, 2, 3]], r"data.multi_hot\[0\] must be"),
+    ("multi_hot", [["10", 2]], r"data.multi_hot\[0\] must be"),
+    ("multi_hot", [[10, float("nan")]], r"data.multi_hot\[0\] must be"),
+    ("multi_hot", "10,2", r"data.multi_hot must be a list of \[vocabulary size, mean bag length\]"),
+    ("bag_length", "zipf", r"data.bag_length must be one of 'poisson', 'geometric', 'fixed', got 'zipf'$"),
+])
+def test_synthetic_data_fields_are_checked_naming_the_file_and_field(tmp_path, field, value, message):
+    # SyntheticCriteo refused them once training began, naming neither the file nor the field;
+    # vocab_sizes = [] trained on the default vocabularies and a bad bag_length without
+    # multi_hot was never read.
+    base = {"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "hidden": [8], "torch_threads": 1}
+    with pytest.raises(ValueError, match=rf"^run.toml: {message}"):
+        TrainConfig.from_dict(dict(base, data={field: value}), "run.toml")
+    assert not (tmp_path / "ps").exists()
+
+
+def test_synthetic_data_fields_in_range_are_taken(tmp_path):
+    base = {"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "hidden": [8], "torch_threads": 1}
+    cfg = TrainConfig.from_dict(dict(base, data={"vocab_sizes": [1, 1 << 31], "multi_hot": [[1, 0], [1 << 31, 1000]],
+                                                 "bag_length": "fixed"}), "run.toml")
+    assert cfg.data.vocab_sizes == [1, 1 << 31] and cfg.data.bag_length == "fixed"
+
+
 def test_eval_data_with_other_fields_is_refused_before_training(tmp_path):
     write_csv(tmp_path / "train.csv", 100, 8)
     (tmp_path / "eval.csv").write_text("click,price,site,tags,os\n1,2,s1,t1,ios\n")

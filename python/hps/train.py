@@ -40,6 +40,7 @@ from hps import _core
 from hps import data as hdata
 from hps import reshard
 from hps.admission import Admission
+from hps.data.synthetic import BAG_LENGTHS, MAX_MEAN_BAG_LENGTH, MAX_VOCABULARY
 from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, is_int, is_number, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
@@ -257,6 +258,26 @@ class TrainConfig:
             raise ValueError(f"{source}: data.seed must be an int >= 0, got {data.seed!r}")
         if not (is_number(data.zipf_a) and data.zipf_a >= 0):
             raise ValueError(f"{source}: data.zipf_a must be a number >= 0, got {data.zipf_a!r}")
+        # Synthetic data's fields, as SyntheticCriteo takes them: it refused a bad one naming
+        # neither the file nor the field (multi_hot = [5] with a bare TypeError), vocab_sizes
+        # = [] trained on the default vocabularies, and a bad bag_length without multi_hot
+        # passed unread.
+        v = data.vocab_sizes
+        if v is not None and not (isinstance(v, (list, tuple)) and v and
+                                  all(is_int(x) and 1 <= x <= MAX_VOCABULARY for x in v)):
+            raise ValueError(f"{source}: data.vocab_sizes must be a non-empty list of ints in [1, 2**31] (a "
+                             f"categorical field's vocabulary each), got {v!r}")
+        if not isinstance(data.multi_hot, (list, tuple)):
+            raise ValueError(f"{source}: data.multi_hot must be a list of [vocabulary size, mean bag length], "
+                             f"got {data.multi_hot!r}")
+        for j, f in enumerate(data.multi_hot):
+            if not (isinstance(f, (list, tuple)) and len(f) == 2 and is_int(f[0]) and 1 <= f[0] <= MAX_VOCABULARY
+                    and is_number(f[1]) and 0 <= f[1] <= MAX_MEAN_BAG_LENGTH):
+                raise ValueError(f"{source}: data.multi_hot[{j}] must be [vocabulary size, an int in [1, 2**31]; "
+                                 f"mean bag length, a number in [0, {MAX_MEAN_BAG_LENGTH}]], got {f!r}")
+        if data.bag_length not in BAG_LENGTHS:
+            raise ValueError(f"{source}: data.bag_length must be one of {', '.join(map(repr, BAG_LENGTHS))}, "
+                             f"got {data.bag_length!r}")
         # (checkpoint_every = -1 trained no batch and ended as a finished run)
         for name, low in (("online_window", 1), ("online_window_batches", 0), ("eval_every", 0),
                           ("checkpoint_every", 0), ("torch_threads", 0)):

@@ -23,6 +23,11 @@ DEFAULT_VOCAB_SIZES: tuple[int, ...] = (
     27, 14992, 1_000_000, 10, 5652, 2173, 10, 1_000_000, 18, 15, 286181, 105, 142572,
 )
 
+#: What SyntheticCriteo takes (hps.train checks a config's data fields by these).
+MAX_VOCABULARY = 1 << 31          # a field's vocabulary, single- or multi-hot
+MAX_MEAN_BAG_LENGTH = 1000        # a multi-hot field's mean bag length
+BAG_LENGTHS = ("poisson", "geometric", "fixed")
+
 # DO NOT CHANGE these without meaning to change every synthetic stream: the
 # example stream is generated in blocks of _BLOCK examples (so it does not
 # depend on batch_size), block b of part p from SeedSequence(seed, (p, b)).
@@ -95,7 +100,7 @@ class SyntheticCriteo:
         if part not in _PARTS:
             raise ValueError(f"part must be one of {sorted(_PARTS)}, got {part!r}")
         vocab = np.asarray(vocab_sizes, dtype=np.int64)
-        if vocab.ndim != 1 or len(vocab) == 0 or (vocab < 1).any() or (vocab > 1 << 31).any():
+        if vocab.ndim != 1 or len(vocab) == 0 or (vocab < 1).any() or (vocab > MAX_VOCABULARY).any():
             raise ValueError("vocab_sizes must be a non-empty list of ints in [1, 2**31]")
         if not zipf_a >= 0:
             raise ValueError(f"zipf_a must be >= 0, got {zipf_a}")
@@ -109,11 +114,11 @@ class SyntheticCriteo:
         if n_dense < 0:
             raise ValueError(f"n_dense must be >= 0, got {n_dense}")
         for j, field in enumerate(multi_hot):
-            if (not isinstance(field, (tuple, list)) or len(field) != 2 or not 1 <= field[0] <= 1 << 31
-                    or not 0 <= field[1] <= 1000):
+            if (not isinstance(field, (tuple, list)) or len(field) != 2 or not 1 <= field[0] <= MAX_VOCABULARY
+                    or not 0 <= field[1] <= MAX_MEAN_BAG_LENGTH):
                 raise ValueError(f"multi_hot[{j}] must be (vocabulary size in [1, 2**31], mean bag length in "
                                  f"[0, 1000]), got {field!r}")
-        if bag_length not in ("poisson", "geometric", "fixed"):
+        if bag_length not in BAG_LENGTHS:
             raise ValueError(f"bag_length must be 'poisson', 'geometric' or 'fixed', got {bag_length!r}")
         self.multi_hot = tuple((int(v), float(m)) for v, m in multi_hot)
         self.bag_length = bag_length
