@@ -288,6 +288,40 @@ def test_csv_schema_that_does_not_match_the_file(tmp_path):
         list(SchemaCsv([p, q], {"label": "click", "dense": ["price"], "categorical": "rest"}))
 
 
+def test_a_repeated_column_name_is_refused_only_where_the_schema_names_it(tmp_path):
+    # A repeated header name was refused even where the schema does not use it: a header
+    # ending in ",," (two empty names) refused the file ("column '' appears 2 times").
+    p = tmp_path / "a.csv"
+    p.write_text("click,price,site,,\n1,2,a,,\n0,3,b,x,\n")
+    labels, dense, keys, _, _ = read_all(SchemaCsv(p, {"label": "click", "dense": ["price"],
+                                                       "categorical": ["site"]}))
+    assert labels.tolist() == [1, 0] and keys[:, 0].tolist() == [ref_key(0, "a"), ref_key(0, "b")]
+    np.testing.assert_array_equal(dense, log1p([[2], [3]]))
+    # "rest" takes them by position, each a field.
+    _, _, keys, _, _ = read_all(SchemaCsv(p, {"label": "click", "dense": ["price"], "categorical": "rest"}))
+    assert keys.tolist() == [[ref_key(0, "a"), ref_missing(1), ref_missing(2)],
+                             [ref_key(0, "b"), ref_key(1, "x"), ref_missing(2)]]
+    # A name the schema gives must say which column it is.
+    p.write_text("click,site,price,site\n1,a,2,b\n")
+    for schema in ({"label": "click", "categorical": ["site"]}, {"label": "click", "skip": ["site"]}):
+        with pytest.raises(DataError, match=r"a.csv: the schema names column 'site', which the file has 2 times "
+                                            r"\(at positions 1, 3, 0-based\): which one is meant is ambiguous") as e:
+            list(SchemaCsv(p, schema))
+        assert e.value.field == "site"
+    # Parquet: a repeated name not read is let be; one read (by "rest") is refused, since
+    # pyarrow reads Parquet columns by name.
+    table = pa.Table.from_arrays([pa.array([1, 0]), pa.array([2, 3]), pa.array(["a", "b"]), pa.array(["x", "y"])],
+                                 names=["click", "price", "s", "s"])
+    pq.write_table(table, tmp_path / "a.parquet")
+    (batch,) = list(SchemaParquet(tmp_path / "a.parquet", {"label": "click", "dense": ["price"]}))
+    assert batch.labels.tolist() == [1, 0] and batch.keys.shape == (2, 0)
+    with pytest.raises(DataError, match=r"a.parquet: column 's' is at 2 positions \(2, 3, 0-based\) and the schema "
+                                        r"reads it: Parquet columns are read by name"):
+        list(SchemaParquet(tmp_path / "a.parquet", {"label": "click", "dense": ["price"], "categorical": "rest"}))
+    with pytest.raises(DataError, match=r"a.parquet: the schema names column 's', which the file has 2 times"):
+        list(SchemaParquet(tmp_path / "a.parquet", {"label": "click", "categorical": ["s"]}))
+
+
 def test_headerless_field_count_errors_say_where_the_count_comes_from(tmp_path):
     # Without a header the expected field count is the one most of the first lines
     # have; "a.csv:2: has 4 fields, expected 3" pointed at a good line without saying

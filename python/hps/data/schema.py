@@ -126,11 +126,10 @@ class Schema:
 
     def resolve(self, columns: list[str], path: str, by_name: bool) -> "Layout":
         """The layout of a file with these columns (header names, Parquet names, or
-        generated ones when ``by_name`` is false and the schema gives positions)."""
-        dup = sorted({c for c in columns if columns.count(c) > 1})
-        if by_name and dup:
-            raise DataError(f"{path}: column {dup[0]!r} appears {columns.count(dup[0])} times", path=path,
-                            field=dup[0])
+        generated ones when ``by_name`` is false and the schema gives positions). A name may
+        repeat where the schema does not name it (a CSV header ending in ",," gives two empty
+        names; "rest" takes such columns by position); a name the schema gives that
+        repeats is refused: which column it means is ambiguous."""
 
         def find(c: Column) -> int:
             if isinstance(c, int):
@@ -144,7 +143,12 @@ class Schema:
             if c not in columns:
                 shown = ", ".join(columns[:20]) + (", ..." if len(columns) > 20 else "")
                 raise DataError(f"{path}: no column {c!r} (the file's columns: {shown})", path=path, field=c)
-            return columns.index(c)
+            at = [i for i, name in enumerate(columns) if name == c]
+            if len(at) > 1:
+                raise DataError(f"{path}: the schema names column {c!r}, which the file has {len(at)} times (at "
+                                f"positions {', '.join(map(str, at))}, 0-based): which one is meant is ambiguous",
+                                path=path, field=c)
+            return at[0]
 
         label = find(self.label)
         dense = [find(c) for c in self.dense]

@@ -728,7 +728,20 @@ class SchemaParquet(_SchemaReader):
     def _layout(self, path: str):
         with parquet_file(self._pa, path) as pf:
             names = pf.schema_arrow.names
-        return self.schema.resolve(list(names), path, by_name=True)
+        return self._resolve(names, path)
+
+    def _resolve(self, names: list, path: str):
+        """The schema's layout of a file of these columns. A repeated name the schema does
+        not read is let be (as in a CSV header); one it reads (by "rest") is refused here,
+        since pyarrow reads Parquet columns by name, and that name would give both."""
+        layout = self.schema.resolve(list(names), path, by_name=True)
+        for i in layout.read_columns():
+            at = [j for j, name in enumerate(names) if name == names[i]]
+            if len(at) > 1:
+                raise DataError(f"{path}: column {names[i]!r} is at {len(at)} positions ({', '.join(map(str, at))}, "
+                                f"0-based) and the schema reads it: Parquet columns are read by name; give "
+                                f"data.schema.categorical as a list without it", path=path, field=names[i])
+        return layout
 
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa
@@ -736,7 +749,7 @@ class SchemaParquet(_SchemaReader):
         for path in self.files:
             with parquet_file(pa, path) as pf:
                 names = pf.schema_arrow.names
-                layout = self.schema.resolve(list(names), path, by_name=True)
+                layout = self._resolve(names, path)
                 self._same_fields(layout, path)
                 wanted = [names[i] for i in layout.read_columns()]
                 row = 1
