@@ -326,6 +326,78 @@ def test_a_checkpoint_outlives_the_compactions_that_delete_its_files(tmp_path):
     np.testing.assert_array_equal(ps.pull(probe), reference(cfg).pull(probe))
 
 
+def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
+    """A server at ``<job>/rank<r>`` (r below job.json's world) opened at its last
+    checkpoint opens at the one job.json names, which the job resumes every rank at:
+    opened at its metadata's, the job's was dropped and the job could not resume.
+    Here rank 0 finished checkpoint 2 (its metadata names it), job.json names 1 (the
+    job died before naming 2); and the other way round, a reshard's switch: job.json
+    names 2, the metadata 1. A rank job.json lacks (r >= world) or a directory of
+    another name opens at its metadata's; a job.json that is no record is named, and
+    a checkpoint job.json names that the rank lacks is refused: nothing dropped."""
+    import json
+    job = tmp_path / "job"
+    rank0 = job / "rank0"
+    cfg = config(rank0)
+    probe = np.arange(300, dtype=np.uint64)
+    ps = hps.ParameterServer(cfg)
+    for keys, grads in random_steps(7, 5):
+        ps.push(keys, grads)
+    assert ps.checkpoint(keep_previous=True) == 1
+    at_first = ps.pull(probe)
+    for keys, grads in random_steps(8, 5):
+        ps.push(keys, grads)
+    assert ps.checkpoint(keep_previous=True) == 2
+    ps.close()
+    checkpoints = rank0 / "checkpoints"
+    names = sorted(os.listdir(checkpoints))
+    files = {n: sorted(os.listdir(checkpoints / n / "ssd")) for n in names}
+
+    def write_job(world, number):
+        (job / "job.json").write_text(json.dumps({"world": world, "step": 5, "checkpoint": number}))
+
+    write_job(1, 1)
+    with pytest.raises(ValueError, match="job.json: not a job record"):
+        (job / "job.json").write_text("{")
+        hps.ParameterServer.open(rank0)
+    assert sorted(os.listdir(checkpoints)) == names
+    write_job(1, 3)
+    with pytest.raises(FileNotFoundError, match="job.json names checkpoint 3 of this rank, which is missing.*its "
+                                                "metadata names 2: nothing was dropped"):
+        hps.ParameterServer.open(rank0)
+    assert sorted(os.listdir(checkpoints)) == names
+    write_job(1, 1)
+    ps = hps.ParameterServer.open(rank0)
+    assert ps.checkpoint_number == 1
+    np.testing.assert_array_equal(ps.pull(probe), at_first)
+    ps.close()
+    assert os.listdir(checkpoints) == ["000001"]
+
+    # The switch's order: job.json names 2, which the rank holds beside its metadata's 1.
+    os.makedirs(checkpoints / "000002" / "ssd")
+    for name in files["000001"]:
+        os.link(checkpoints / "000001" / "ssd" / name, checkpoints / "000002" / "ssd" / name)
+    for name in set(os.listdir(checkpoints / "000001")) - {"ssd"}:
+        os.link(checkpoints / "000001" / name, checkpoints / "000002" / name)
+    write_job(1, 2)
+    ps = hps.ParameterServer.open(rank0)
+    assert ps.checkpoint_number == 2
+    np.testing.assert_array_equal(ps.pull(probe), at_first)
+    ps.close()
+    assert os.listdir(checkpoints) == ["000002"]
+
+    # No rank of the job (its world is 1 rank): its metadata's checkpoint.
+    rank1 = job / "rank1"
+    ps = hps.ParameterServer(config(rank1))
+    ps.push(probe[:4], np.ones((4, DIM), np.float32))
+    assert ps.checkpoint() == 1
+    ps.close()
+    write_job(1, 7)
+    ps = hps.ParameterServer.open(rank1)
+    assert ps.checkpoint_number == 1
+    ps.close()
+
+
 def test_errors_name_what_is_wrong(tmp_path):
     cfg = config(tmp_path / "ps")
     ps = hps.ParameterServer(cfg)

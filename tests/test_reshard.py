@@ -954,3 +954,121 @@ def test_what_a_reshard_left_to_remove_goes_before_the_job_is_resharded_again(tm
         assert _prepare_job(sc.train_config(str(root)), _OneRank(), resume=True) == number + 1
         left = ["job.json", "rank0"]
     assert sorted(n for n in os.listdir(root) if n.startswith(("rank", "job", "resharded"))) == left
+
+
+def _checkpoints(rank_dir) -> list:
+    return sorted(os.listdir(rank_dir / "checkpoints"))
+
+
+@pytest.mark.parametrize("new_world", [3, 1])
+def test_a_rank_directory_opened_directly_after_the_switch_keeps_the_checkpoint_job_json_names(tmp_path, two_ranks,
+                                                                                                 new_world):
+    """2 -> 3 (and 2 -> 1) ranks, switched; then, before the job's own servers have
+    opened them, a user opens each ``<job>/rank<r>`` directly (hps.ParameterServer.open,
+    to inspect or serve one rank). An old rank's metadata still names the old
+    checkpoint K (a new rank's none), job.json names K+1: opened at the metadata's,
+    the open dropped K+1, and the job could no longer resume. Each opens at
+    job.json's K+1, as the job's own server does, and the job resumes from it."""
+    import hps
+    from hps.jobdir import read_job
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    number = read_job(str(root)).checkpoint
+    reshard_in_process(root, new_world)
+    assert json.loads((root / "job.json").read_text())["checkpoint"] == number + 1
+    assert _checkpoints(root / "rank0") == [f"{number:06d}", f"{number + 1:06d}"]
+    rows = rows_of(root)
+    for r in range(new_world):
+        server = hps.ParameterServer.open(root / f"rank{r}")
+        try:
+            assert server.checkpoint_number == number + 1
+        finally:
+            server.close()
+        assert _checkpoints(root / f"rank{r}") == [f"{number + 1:06d}"]
+        assert json.loads((root / f"rank{r}" / "hps-parameter-server.json").read_text())["checkpoint"] == number + 1
+    assert rows_of(root) == rows
+    scenario(new_world, old, "--steps", STEPS + 2, "--resume")
+    assert dense_states(root, new_world)[0]["batches_done"] == STEPS + 2
+
+
+def test_a_rank_directory_opened_directly_after_its_rank_got_further_keeps_the_checkpoint_job_json_names(
+        tmp_path, two_ranks):
+    """The other order: rank 0 finished checkpoint K+1 (its metadata names it), the
+    job died before job.json named it (K). Opened directly at its metadata's K+1,
+    the open dropped K, which job.json names. It rolls back to K, as the job's
+    resume does, and the job resumes."""
+    import hps
+    from hps.jobdir import read_job
+    from hps.parameter_server import METADATA
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    rank0 = root / "rank0"
+    number = read_job(str(root)).checkpoint
+    rows = rows_of(root)
+    shutil.copytree(rank0 / "checkpoints" / f"{number:06d}", rank0 / "checkpoints" / f"{number + 1:06d}")
+    meta = json.loads((rank0 / METADATA).read_text())
+    (rank0 / METADATA).write_text(json.dumps({**meta, "checkpoint": number + 1}))
+    hps.ParameterServer.open(rank0).close()
+    assert _checkpoints(rank0) == [f"{number:06d}"]
+    assert rows_of(root) == rows
+    scenario(2, old, "--steps", STEPS + 2, "--resume")
+    assert dense_states(root, 2)[0]["batches_done"] == STEPS + 2
+
+
+def test_a_rank_directory_missing_the_checkpoint_job_json_names_is_refused_and_keeps_its_own(tmp_path, two_ranks):
+    """job.json names a checkpoint rank 0's directory lacks (damage): a direct open
+    is refused, naming both checkpoints, and drops nothing of what the rank holds."""
+    import hps
+    from hps.jobdir import read_job
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    number = read_job(str(root)).checkpoint
+    job = json.loads((root / "job.json").read_text())
+    (root / "job.json").write_text(json.dumps({**job, "checkpoint": number + 1}))
+    before = _listing(root / "rank0")
+    with pytest.raises(FileNotFoundError, match=rf"job\.json names checkpoint {number + 1}.*its metadata names "
+                                                rf"{number}"):
+        hps.ParameterServer.open(root / "rank0")
+    assert _listing(root / "rank0") == before
+
+
+def test_a_rank_directory_no_rank_of_the_job_opens_at_its_own_checkpoint(tmp_path, two_ranks, monkeypatch):
+    """After a reshard to 1 rank, old rank 1's directory (left for removal) is no rank
+    of the job: job.json's checkpoint does not apply to it, and it opens at its own."""
+    import hps
+    from hps import reshard
+    from hps.jobdir import read_job
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    number = read_job(str(root)).checkpoint
+    monkeypatch.setattr(reshard, "remove_old", lambda root, hold=None: None)  # (rank 1 left for removal)
+    reshard_in_process(root, 1)
+    monkeypatch.undo()
+    server = hps.ParameterServer.open(root / "rank1")
+    try:
+        assert server.checkpoint_number == number
+    finally:
+        server.close()
+
+
+def test_reading_a_rank_directory_after_the_switch_deletes_nothing(tmp_path, two_ranks):
+    """hps inspect, hps serve (hps.Lookup) and hps export given a rank directory after
+    a reshard's switch, before the job's server opened it: they read (a pinned view)
+    and drop no checkpoint; the job resumes after."""
+    pytest.importorskip("pyarrow")
+    from hps.export import export
+    from hps.jobdir import inspect, read_job
+    from hps.lookup import Lookup
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    number = read_job(str(root)).checkpoint
+    reshard_in_process(root, 3)
+    listed = {r: _checkpoints(root / f"rank{r}") for r in range(3)}
+    inspect(str(root / "rank0"), verify=True)
+    lookup = Lookup(root / "rank0", "64MiB")
+    lookup.close()
+    export(root / "rank0", tmp_path / "e", "feed")
+    assert {r: _checkpoints(root / f"rank{r}") for r in range(3)} == listed
+    assert f"{number + 1:06d}" in listed[0]
+    scenario(3, old, "--steps", STEPS + 2, "--resume")
+    assert dense_states(root, 3)[0]["batches_done"] == STEPS + 2

@@ -44,6 +44,12 @@ Opening rebuilds the live store from the checkpoint the metadata names (or the
 one asked for: an MPI job rolls every rank back to the checkpoint that all of
 them finished), so nothing written after that checkpoint survives, and drops
 every other snapshot. A server with no checkpoint yet opens empty, as it started.
+A rank of an MPI job (``<job>/rank<r>``, r below job.json's world) opened at its
+last checkpoint opens at the one job.json names, as the job's own resume does:
+its metadata may name another (a reshard's switch leaves an old rank's at K where
+job.json names K+1; a crash between the rank's checkpoint and job.json's rewrite
+leaves it at K+1 where job.json names K), and opened there the job's checkpoint
+went.
 """
 from __future__ import annotations
 
@@ -90,6 +96,7 @@ WRITER_LOCK = ".hps-writer.lock"  # flock'ed by the one ParameterServer open at 
 RUN = "run"
 _MAX_BOUND = (1 << 63) - 1  # the largest ttl_steps and max_rows
 SERVER_STEP = "server-step.json"  # in a checkpoint: the server's step (batches) when it was made
+JOB_MANIFEST = "job.json"  # an MPI job's, at its root (hps.train's): its world and the checkpoint every rank finished
 
 
 def bound_store(ssd, step: int, ttl_steps: int, max_rows: int) -> dict:
@@ -427,6 +434,34 @@ def checkpoint_step(directory: str) -> Optional[int]:
         return None
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a server step record ({type(e).__name__}: {e})") from None
+
+
+def _job_checkpoint(path: str) -> Optional[tuple]:
+    """(job.json's path, the checkpoint it names) when the directory `path` is rank r
+    of an MPI job (``<job>/rank<r>``, r below job.json's world) and job.json names
+    one; else None (no job there, a directory of no rank of it, none finished yet).
+    Raises ValueError for a job.json that is no job record: which checkpoint the
+    rank must keep is unknown then."""
+    path = os.path.realpath(path)
+    name = os.path.basename(path)
+    if not (name.startswith("rank") and name[4:].isdigit()):
+        return None
+    manifest = os.path.join(os.path.dirname(path), JOB_MANIFEST)
+    try:
+        with open(manifest, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        job = json.loads(data)
+        world, number = int(job["world"]), job["checkpoint"]
+        number = None if number is None else int(number)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{manifest}: not a job record ({type(e).__name__}: {e}); {path} is a rank of that job, "
+                         f"whose checkpoint it names: nothing was opened") from None
+    if int(name[4:]) >= world or number is None:
+        return None
+    return manifest, number
 
 
 def _remove_tree(path: str) -> None:
@@ -865,7 +900,8 @@ class ParameterServer:
                  checkpoint: Union[int, None, str] = LAST,
                  before_restore: Optional[Callable[[Optional[dict]], None]] = None):
         """``checkpoint``: which checkpoint an existing server resumes from: LAST
-        (the last finished one, which the metadata names), a number (an MPI job
+        (the last finished one, which the metadata names; a rank of an MPI job's:
+        the one its job.json names, module docstring), a number (an MPI job
         rolls every rank back to the one all of them finished), or None (none:
         the server starts empty, as new). Opening drops every other checkpoint.
         None, or a number before the last finished checkpoint, starts a new run
@@ -897,6 +933,8 @@ class ParameterServer:
         meta = self._check_path()
         if before_restore is not None:
             before_restore(meta)
+        if checkpoint == LAST and meta is not None:
+            checkpoint = self._job_checkpoint_or_last(meta)
         # A run resumed keeps its id; a new one (checkpoint None: started over) gets one.
         # So does a run rolled back to a checkpoint before the last finished one: the
         # checkpoints after it go, and their numbers (and parameter files' numbers) come
@@ -981,6 +1019,23 @@ class ParameterServer:
                 raise ValueError(f"open: unknown config field '{name}'")
             setattr(config, name, value)
         return cls(config)
+
+    def _job_checkpoint_or_last(self, meta: dict):
+        """The checkpoint an open at LAST resumes: where the path is a rank of an MPI
+        job, the one job.json names (module docstring), which the job resumes every
+        rank at (the metadata's, opened at, would drop it); else LAST. Raises
+        FileNotFoundError, dropping nothing, when the rank lacks job.json's (damage):
+        opened at the metadata's, the rank could never rejoin the job."""
+        named = _job_checkpoint(self.config.path)
+        if named is None or named[1] == meta.get("checkpoint"):
+            return LAST
+        manifest, number = named
+        if not os.path.isdir(self.checkpoint_dir(number)):
+            raise FileNotFoundError(f"{self.config.path}: {manifest} names checkpoint {number} of this rank, which "
+                                    f"is missing ({self.checkpoint_dir(number)}); its metadata names "
+                                    f"{meta.get('checkpoint')}: nothing was dropped (open it at a checkpoint it "
+                                    f"holds: ParameterServer(config, checkpoint=N))")
+        return number
 
     def _metadata_path(self) -> str:
         return os.path.join(self.config.path, METADATA)

@@ -41,6 +41,12 @@ A crash before the switch leaves job.json naming checkpoint K of N ranks, whole:
 the job resumes on N ranks (each old rank rolls back to K and drops the partial
 K+1) or reshards again on M. A crash after it leaves the new job whole; the next
 resume removes the old files left over (a reshard again: first, ``finish_removal``).
+The switch rewrites job.json only: an old rank's metadata names K until a server
+opens the rank at K+1, and a new rank's none. Any server opened on a rank's
+directory at its last checkpoint (the job's, or one opened there directly) opens
+at job.json's (hps.parameter_server): opened at the metadata's, it dropped K+1.
+No other file has to change with the switch, so no crash between two of them can
+leave a rank naming a checkpoint the job does not.
 
 A removal refused partway (a server open on the third of four directories to go)
 leaves the first two removed and the rest whole. It is not made all-or-nothing
