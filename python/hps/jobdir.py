@@ -43,10 +43,9 @@ from typing import Optional
 import numpy as np
 
 from hps.errors import CorruptionError, HpsError
-from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, METADATA, RUN, ParameterServerConfig, _write_durable,
-                                  check_store_digest)
+from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, METADATA, RUN, ParameterServerConfig,
+                                  _write_durable, check_store_digest)
 
-JOB_MANIFEST = "job.json"       # hps.train's, in a job's root
 READERS = ".hps-readers"        # the private views, in the job's root
 EXPORTS = "exports"             # the export consumers' positions, in the job's root
 STORE_DIR = "ssd"

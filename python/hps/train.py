@@ -48,14 +48,13 @@ from hps.distributed.comm import RankFailure, local_ranks_from_environment
 from hps.errors import DivergedError
 from hps.jobdir import HT_LAYOUT, TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
 from hps.metrics import auc, logloss
-from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, LAST, METADATA, RUN, WRITER_LOCK, ParameterServer,
-                                  ParameterServerConfig, _lock_path, _remove_tree, _replace_durable, _write_durable,
-                                  PathInUseError, new_run_id)
+from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, LAST, METADATA, RUN, WRITER_LOCK,
+                                  ParameterServer, ParameterServerConfig, _lock_path, _remove_tree, _replace_durable,
+                                  _write_durable, PathInUseError, new_run_id)
 from hps.pipeline import Loaded, Pipeline, batches_ahead
 from hps.tuning import (ThreadTuner, dense_adam, import_torch, keep_freed_memory,  # (also hps.train.X, as before)
                          usable_cpus)
 
-JOB_MANIFEST = "job.json"
 SUMMARY = "train-summary.json"
 SYNTHETIC_EXAMPLES = 1_000_000  # synthetic data's examples a pass when [data] train_examples is not set
 
