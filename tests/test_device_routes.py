@@ -129,10 +129,17 @@ def test_the_flat_default_counts_each_pair_through_host_memory(flat_run):
 
 
 def test_a_topology_with_too_few_endpoints_is_refused_naming_the_file(tmp_path):
+    # Refused by the config's check, as any [ps] value no server takes: before, the
+    # server made the job's directory first, and hps train left a run "that ended
+    # before its first checkpoint" behind, its message naming neither config nor field.
     topo_file = TOPOLOGIES / "figure1.toml"
-    cfg = config(tmp_path, topo_file, devices=16)
+    cfg = config(tmp_path / "ps", topo_file, devices=16)
     with pytest.raises(ValueError, match=r"figure1\.toml: topology 'figure1' has 8 endpoints .*devices = 16"):
         hps.ParameterServer(cfg.ps)
+    assert not (tmp_path / "ps").exists()
+    with pytest.raises(ValueError, match=r"^run\.toml: \[ps\]: topology: .*figure1\.toml: topology 'figure1' has 8 "):
+        TrainConfig.from_dict({"ps": {"dim": 4, "path": str(tmp_path / "ps"), "devices": 16,
+                                      "topology": str(topo_file)}}, "run.toml")
 
 
 def test_a_cuda_tier_refuses_a_topology_naming_more_endpoints_than_gpus(tmp_path, monkeypatch):

@@ -335,9 +335,13 @@ class ParameterServerConfig:
                              f"records), got {trigger!r}")
         if self.topology is not None:
             try:
-                htopo.load(self.topology)
+                topo = htopo.load(self.topology)
             except htopo.TopologyError as e:  # it names the topology file and line; this, the field
                 raise htopo.TopologyError(f"{where}topology: {e}") from None
+            if len(topo.endpoints) < self.devices:  # tier device g is endpoint g
+                raise ValueError(f"{where}topology: {self.topology}: topology {topo.name!r} has "
+                                 f"{len(topo.endpoints)} endpoints (GPUs and host partitions), fewer than "
+                                 f"devices = {self.devices}")
 
     @classmethod
     def from_toml(cls, path: Union[str, os.PathLike]) -> "ParameterServerConfig":
@@ -1405,10 +1409,7 @@ class ParameterServer:
                 return None, None
             topo = htopo.host_partitions(g)
         else:
-            topo = htopo.load(self.config.topology)
-            if len(topo.endpoints) < g:
-                raise ValueError(f"{self.config.topology}: topology {topo.name!r} has {len(topo.endpoints)} "
-                                 f"endpoints (GPUs and host partitions), fewer than devices = {g}")
+            topo = htopo.load(self.config.topology)  # (at least g endpoints: config.check)
             gpus = _core.cuda_device_count()
             if not host and len(topo.endpoints) > gpus:
                 # A CUDA tier's endpoint e is GPU e: its exchange makes a stream on
