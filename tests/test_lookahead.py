@@ -47,6 +47,20 @@ def test_lookahead_is_checked(tmp_path):
         ps.prefetch(np.array([1, 2], np.uint64), upcoming=[np.array([3], np.uint64), np.array([1.5])])
 
 
+def test_hps_train_refuses_a_window_past_the_read_queue_before_it_makes_the_job(tmp_path):
+    # The pipeline refused lookahead = 5, but only once the server was open: the job's
+    # directory was left behind as a run "that ended before its first checkpoint".
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    from hps.train import DataConfig, TrainConfig, train
+    path = tmp_path / "ps"
+    cfg = TrainConfig(ps=ParameterServerConfig(dim=4, path=str(path), mem_budget="1MiB", lookahead=5),
+                      data=DataConfig(batch_size=64, train_examples=128, eval_examples=0), hidden=())
+    with pytest.raises(ValueError, match=r"^\[ps\]: lookahead must be an int in \[0, 4\] \(the read queue's "
+                                         r"depth\), got 5"):
+        train(cfg, progress=False)
+    assert not path.exists()
+
+
 def looping(batches=24, n=16, keys=96, fields=2):
     """A loop over `keys` keys, a little more than the caches hold: without lookahead
     LRU evicts each row just before it comes back."""

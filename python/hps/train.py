@@ -51,7 +51,7 @@ from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, LAST, METADATA, RUN, WRITER_LOCK,
                                   ParameterServer, ParameterServerConfig, _lock_path, _remove_tree, _replace_durable,
                                   _write_durable, PathInUseError, new_run_id)
-from hps.pipeline import Loaded, Pipeline, batches_ahead
+from hps.pipeline import DEPTHS, Loaded, Pipeline, batches_ahead
 from hps.tuning import (ThreadTuner, dense_adam, import_torch, keep_freed_memory,  # (also hps.train.X, as before)
                          usable_cpus)
 
@@ -158,6 +158,15 @@ def _sketches_a_rank(eval_every: int, pipelined: bool) -> tuple[int, str]:
                       f"stage passes up to {ahead} batches ahead of training")
 
 
+def _check_lookahead(ps: ParameterServerConfig, where: str) -> None:
+    """Refuses a lookahead window the pipeline cannot fill, naming it. The pipeline
+    refuses it too, but only once the server is open: by then the job's directory
+    was made, and the next run found a run "that ended before its first checkpoint"."""
+    if is_int(ps.lookahead) and ps.lookahead > DEPTHS[0]:
+        raise ValueError(f"{where}: lookahead must be an int in [0, {DEPTHS[0]}] (the read queue's depth), "
+                         f"got {ps.lookahead!r}")
+
+
 def _physical_memory() -> Optional[int]:
     """This machine's memory in bytes (None where the system does not say)."""
     try:
@@ -205,6 +214,7 @@ class TrainConfig:
         else:
             ps = ParameterServerConfig.from_dict(d["ps"], source=f"{source}: [ps]")
             ps.check(f"{source}: [ps]")  # a bad value named with its file, before the job starts
+            _check_lookahead(ps, f"{source}: [ps]")
         data = d.get("data", {})
         if not isinstance(data, DataConfig):
             check_fields(DataConfig, data, source, prefix="data.")
@@ -1175,6 +1185,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     rank calls train() with the same cfg; `train_batches` are this rank's.
     `dense_hook(trainer)`, called once the Trainer is made, may replace its MLP,
     optimizer and dense sync (hps.hierarchical's split MLP does)."""
+    _check_lookahead(cfg.ps, "[ps]")
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
     if cfg.ps.schedule == "herald" and node is not None and \
