@@ -1,8 +1,21 @@
-"""The examples in docstrings run as written."""
+"""The examples in docstrings run as written, and what the user docs show (configs,
+config keys, commands, hps names) is what hps takes."""
+import argparse
+import dataclasses
 import doctest
+import importlib
+import re
+import shlex
 import tempfile
+import textwrap
+from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 import hps.admission
 import hps.config
@@ -29,3 +42,176 @@ def test_docstring_examples(module, tmp_path, monkeypatch):
     result = doctest.testmod(module)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+# ---------------------------------------------------------------- the user docs
+
+# What a user copies from the docs (README, the guides in docs/, examples/*.toml) is
+# checked against the code here: the configs load, the config keys and commands exist,
+# the hps names resolve. docs/benchmarks.md holds benchmark runs' figures, not guides.
+ROOT = Path(__file__).resolve().parents[1]
+GUIDES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+TOPOLOGY_EXAMPLES = sorted((ROOT / "examples" / "topologies").glob("*.toml"))
+SUBCOMMANDS = ("train", "demo", "inspect", "export", "serve", "plan", "topology", "size")
+
+
+def _train_config(raw: dict, source: str):
+    """A TOML's tables as `hps train --config` reads them ([hierarchical] apart)."""
+    pytest.importorskip("torch", reason="[hierarchical]'s checks import its planner, which needs torch")
+    from hps.hierarchical.roles import HierarchicalConfig
+    from hps.train import TrainConfig
+    raw = dict(raw)
+    if "hierarchical" in raw:
+        HierarchicalConfig.from_dict(raw.pop("hierarchical"), f"{source}: [hierarchical]")
+    return TrainConfig.from_dict(raw, source=source)
+
+
+def _config_sections() -> dict:
+    """Each TOML table a config takes -> the names it takes there ("" the top level)."""
+    pytest.importorskip("torch", reason="hps.hierarchical.planner needs torch")
+    from hps.data import Schema
+    from hps.distributed.comm import DistributedConfig
+    from hps.hierarchical.planner import PlannerConfig
+    from hps.hierarchical.roles import HierarchicalConfig
+    from hps.optim import SGD, AdaGrad, Adam, Normal, Uniform
+    from hps.parameter_server import ParameterServerConfig, SsdOptions
+    from hps.train import AdmissionConfig, DataConfig, TrainConfig
+
+    def names(*classes):
+        return {f.name for c in classes for f in dataclasses.fields(c)}
+    return {"": names(TrainConfig), "ps": names(ParameterServerConfig), "ps.ssd": names(SsdOptions),
+            "ps.optimizer": names(SGD, AdaGrad, Adam) | {"kind"}, "ps.initializer": names(Uniform, Normal) | {"kind"},
+            "data": names(DataConfig), "data.schema": names(Schema), "distributed": names(DistributedConfig),
+            "admission": names(AdmissionConfig), "hierarchical": names(HierarchicalConfig),
+            "hierarchical.planner": names(PlannerConfig)}
+
+
+def _guide_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_config_loads_as_hps_train_reads_it(path):
+    # (warnings are errors in this suite: an example that warns fails too)
+    from hps.config import load_toml
+    cfg = _train_config(load_toml(path), str(path))
+    assert cfg.ps.dim >= 1
+
+
+@pytest.mark.parametrize("path", TOPOLOGY_EXAMPLES, ids=lambda p: p.name)
+def test_every_example_topology_loads(path):
+    import hps.topology
+    assert hps.topology.load(path).endpoints
+
+
+def _toml_blocks():
+    """The TOML a guide shows: ```toml blocks, and indented blocks that open with a table."""
+    for path in GUIDES:
+        text = _guide_text(path)
+        for m in re.finditer(r"```toml\n(.*?)```", text, re.S):
+            yield path.name, m.group(1)
+        for m in re.finditer(r"(?:^|\n\n)((?: {4}.*\n(?:\n(?= {4}))?)+)", text):  # (blank lines inside)
+            block = textwrap.dedent(m.group(1))
+            if re.match(r"\[[a-z_.]+\]\s*(#.*)?$", block.split("\n", 1)[0]):
+                yield path.name, block
+
+
+def test_the_toml_the_guides_show_is_a_config_hps_train_takes(tmp_path):
+    blocks = list(_toml_blocks())
+    assert len(blocks) >= 3  # [data] with [data.schema], [admission], the bounded tables' [ps]
+    for name, block in blocks:
+        raw = tomllib.loads(block)
+        raw.setdefault("ps", {}).setdefault("dim", 8)
+        raw["ps"].setdefault("path", str(tmp_path / "ps"))
+        try:
+            _train_config(raw, name)
+        except ValueError as e:
+            pytest.fail(f"{name}: this block is refused: {e}\n{block}")
+
+
+def test_every_config_key_the_guides_name_exists():
+    # `[ps] schedule = ...`, [ps] `ttl_steps`, `[data]` `online_idle`, `ps.optimizer.eps = 0`
+    sections = _config_sections()
+    patterns = [r"`\[([a-z_.]+)\] ([a-z_]+)", r"\[([a-z_.]+)\]`? `([a-z_]+)`",
+                r"`((?:ps|data|distributed|admission|hierarchical)(?:\.[a-z_]+)*)\.([a-z_]+) ="]
+    named, unknown = 0, []
+    for path in GUIDES + EXAMPLES:
+        text = _guide_text(path)
+        for pattern in patterns:
+            for m in re.finditer(pattern, text):
+                section, key = m.groups()
+                if section not in sections:
+                    continue  # (a table of another file: a topology's, the store's MANIFEST)
+                named += 1
+                if key not in sections[section]:
+                    unknown.append(f"{path.name}: {m.group(0)!r}: [{section}] has no field {key!r}")
+    assert named >= 20
+    assert not unknown, "\n".join(unknown)
+
+
+def _resolve(name: str):
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for p in parts[i:]:
+            obj = getattr(obj, p)
+        return obj
+    raise ImportError(name)
+
+
+def test_every_hps_name_the_guides_give_exists():
+    names = {(path.name, m.group(1)) for path in GUIDES
+             for m in re.finditer(r"`(hps(?:\.[A-Za-z_][A-Za-z0-9_]*)+)", _guide_text(path))}
+    assert len(names) >= 30
+    missing = []
+    for where, name in sorted(names):
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{where}: {name}: {e}")
+    assert not missing, "\n".join(missing)
+
+
+def _documented_commands():
+    """`hps <command> ...` as the guides and the examples' comments write them, with the
+    optional parts ([...]) given and placeholders (N, DIR, PATH ...) filled in."""
+    # (a command's optional parts may go on over the next lines: "\n    [--report DIR]")
+    pattern = re.compile(rf"(?<![\w.-])hps ({'|'.join(SUBCOMMANDS)})((?: [^`\n]*)?(?:\n *\[[^`\n]*)*)")
+    for path in GUIDES + EXAMPLES:
+        for m in pattern.finditer(_guide_text(path)):
+            rest = re.split(r" {2}|\(|`", re.sub(r"\n +", " ", m.group(2)))[0].rstrip()
+            if not rest or not re.match(r" (-|\[|PATH\b)", rest):
+                continue  # the command named in prose ("`hps plan` prints"), or a message ("hps train: ...")
+            args = rest.replace("[", " ").replace("]", " ").replace("...", " ")
+            args = re.sub(r"\b(N|S)\b", "1000", args)
+            args = re.sub(r"\b[A-Z][A-Z0-9_]*\b", "x", args)
+            yield path.name, m.group(0), [m.group(1)] + shlex.split(args)
+
+
+def test_every_hps_command_the_guides_show_parses():
+    from hps.cli import parser
+    commands = list(_documented_commands())
+    assert {c[2][0] for c in commands} >= {"train", "demo", "inspect", "export", "serve", "plan", "size"}
+    refused = []
+    for where, text, argv in commands:
+        try:
+            parser().parse_args(argv)
+        except SystemExit:
+            refused.append(f"{where}: {text!r} (as {argv})")
+    assert not refused, "the command line refuses:\n" + "\n".join(refused)
+
+
+def test_a_renamed_flag_or_key_would_be_caught(capsys):
+    # The checks above find what they look for: a flag, a key and a name that do not exist.
+    from hps.cli import parser
+    with pytest.raises(SystemExit):
+        parser().parse_args(["train", "--config", "x.toml", "--no-such-flag"])
+    capsys.readouterr()
+    assert "no_such_key" not in _config_sections()["ps"]
+    with pytest.raises(AttributeError):
+        _resolve("hps.train.NoSuchName")
+    assert isinstance(parser(), argparse.ArgumentParser)

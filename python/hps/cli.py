@@ -389,7 +389,8 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
     from hps import __version__
     ap = argparse.ArgumentParser(prog="hps", description="hps: a hierarchical parameter server for CTR models")
     ap.add_argument("--version", action="version", version=f"hps {__version__}")
@@ -459,7 +460,11 @@ def main(argv=None) -> int:
                     help="training examples read and replayed through MEM-PS (default 200000)")
     sz.add_argument("--mem-budget", help="MEM-PS budget to size instead of the config's, e.g. 512MiB")
     sz.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     commands = {"train": cmd_train, "demo": cmd_demo, "inspect": cmd_inspect, "export": cmd_export, "serve": cmd_serve,
                 "plan": cmd_plan, "topology": cmd_topology, "size": cmd_size}
     from hps.errors import HpsError
