@@ -176,6 +176,24 @@ def test_every_hps_name_the_guides_give_exists():
     assert not missing, "\n".join(missing)
 
 
+def test_every_file_and_test_the_guides_point_to_exists():
+    # src/cache/mem_cache.cc, tests/test_lookahead.py, docs/results/w11.jsonl, tests/x.py::test_y
+    named, missing = 0, []
+    for path in GUIDES + EXAMPLES:
+        text = _guide_text(path)
+        for m in re.finditer(r"(?<![\w/.-])(?:tests|src|include|bench|python|examples|docs)/[\w./-]*\w", text):
+            if m.group(0) == "examples/s":
+                continue  # (a rate: examples/s)
+            named += 1
+            if not (ROOT / m.group(0)).exists():
+                missing.append(f"{path.name}: {m.group(0)}")
+        for m in re.finditer(r"(tests/\w+\.py)::(\w+)", text):
+            if (ROOT / m.group(1)).exists() and f"def {m.group(2)}(" not in (ROOT / m.group(1)).read_text():
+                missing.append(f"{path.name}: {m.group(0)}")
+    assert named >= 50
+    assert not missing, "\n".join(missing)
+
+
 def _documented_commands():
     """`hps <command> ...` as the guides and the examples' comments write them, with the
     optional parts ([...]) given and placeholders (N, DIR, PATH ...) filled in."""
