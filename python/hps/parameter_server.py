@@ -346,7 +346,7 @@ class ParameterServerConfig:
     @classmethod
     def from_toml(cls, path: Union[str, os.PathLike]) -> "ParameterServerConfig":
         """A config from a TOML file: top-level fields, and [optimizer] (kind, lr, ...),
-        [initializer] (kind, scale) and [ssd] tables."""
+        [initializer] (kind, and uniform's scale or normal's std) and [ssd] tables."""
         return cls.from_dict(load_toml(path), source=os.fspath(path))
 
     def layout(self) -> dict:
