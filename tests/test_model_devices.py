@@ -129,6 +129,9 @@ def test_model_devices_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match=rf"model_devices = \"cuda\" .*\[ps\] devices = {want} needs {want} "
                                          rf"GPU\(s\), and torch sees {seen}"):
         train(config(tmp_path / "c", devices=want, model_devices="cuda"), progress=False)
+    # (refused before the server made the job's directory, which the next run would
+    # have found as a run "that ended before its first checkpoint")
+    assert not (tmp_path / "c").exists()
 
 
 def test_auto_takes_the_gpus_only_when_the_tier_is_on_them(tmp_path):

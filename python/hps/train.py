@@ -1186,6 +1186,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     `dense_hook(trainer)`, called once the Trainer is made, may replace its MLP,
     optimizer and dense sync (hps.hierarchical's split MLP does)."""
     _check_lookahead(cfg.ps, "[ps]")
+    if cfg.model_devices == "cuda":
+        worker_devices(cfg, import_torch())  # GPUs this machine lacks: refused before the job's directory is made
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
     if cfg.ps.schedule == "herald" and node is not None and \
