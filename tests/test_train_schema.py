@@ -173,6 +173,21 @@ def test_hps_train_data_without_a_toml(tmp_path, capsys):
     assert not (tmp_path / "other").exists()  # a bad input leaves nothing behind
 
 
+@pytest.mark.parametrize("flag,value,message", [
+    ("--checkpoint-every", "-1", "must be >= 0, got -1"),  # trained no batch, ended as a success
+    ("--eval-every", "-3", "must be >= 0, got -3"),
+    ("--devices", "0", "must be >= 1, got 0"),  # (was ignored: the config's devices ran)
+])
+def test_hps_train_flags_are_checked_as_the_fields_they_override(tmp_path, capsys, flag, value, message):
+    from hps.cli import main
+    path = tmp_path / "ps"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--path", str(path), "--no-progress", flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+    assert not path.exists()
+
+
 def test_hps_train_reports_the_lines_skip_malformed_left_out(tmp_path, capsys):
     # With skip_malformed = true a run had trained on fewer examples than the files
     # hold without a word of it: neither the table nor train-summary.json counted

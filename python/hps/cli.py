@@ -29,12 +29,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-examples", type=_positive, metavar="N",
                    help="held-out examples each evaluation scores (overrides [data] eval_examples)")
     p.add_argument("--mem-budget", help="MEM-PS budget, e.g. 512MiB")
-    p.add_argument("--devices", type=int, help="devices of the device tier (host partitions without GPUs)")
+    p.add_argument("--devices", type=_positive, help="devices of the device tier (host partitions without GPUs)")
     p.add_argument("--schedule", choices=("sequential", "herald"),
                    help="herald: devices keep rows in caches between batches and take the examples whose rows "
                         "they hold (overrides [ps] schedule)")
-    p.add_argument("--eval-every", type=int, help="evaluate every N batches (0: at the end)")
-    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N batches (0: at the end)")
+    p.add_argument("--eval-every", type=_non_negative, help="evaluate every N batches (0: at the end)")
+    p.add_argument("--checkpoint-every", type=_non_negative, help="checkpoint every N batches (0: at the end)")
     p.add_argument("--sequential", action="store_true", help="run the stages one after another, not pipelined")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
 
@@ -49,6 +49,18 @@ def _positive(text: str) -> int:
     return v
 
 
+def _non_negative(text: str) -> int:
+    # (checked as the config's field is: with --checkpoint-every -1 a run trained no
+    # batch and ended as a success)
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def _apply_flags(cfg, a) -> None:
     if a.path:
         cfg.ps.path = a.path
@@ -60,7 +72,7 @@ def _apply_flags(cfg, a) -> None:
         cfg.data.eval_examples = a.eval_examples
     if a.mem_budget:
         cfg.ps.mem_budget = a.mem_budget
-    if a.devices:
+    if a.devices is not None:
         cfg.ps.devices = a.devices
     if a.schedule:
         cfg.ps.schedule = a.schedule
