@@ -1557,12 +1557,12 @@ def _finished_before(cfg: TrainConfig, trainer: Trainer) -> dict:
 def _score_online(trainer: Trainer, window, examples, seconds: float) -> None:
     """Adds the batch's scores from the step just run (its forward pass came before
     its update) to the progressive window, which records a point of its curve."""
-    if len(trainer.step_logits) == 1 and len(trainer.step_logits[0][0]) == len(examples.labels):
-        logits = trainer.step_logits[0][1]
-    else:
-        logits = np.empty(len(examples.labels), np.float32)
-        for idx, part in trainer.step_logits:
-            logits[idx] = part
+    # Each call's logits go to its examples: one call over every device's share
+    # (Trainer._calls) may hold all of them, but in the shares' order, which
+    # Herald's schedule does not keep in the batch's.
+    logits = np.empty(len(examples.labels), np.float32)
+    for idx, part in trainer.step_logits:
+        logits[idx] = part
     trainer.step_logits.clear()
     window.add(examples.labels, 1.0 / (1.0 + np.exp(-logits.astype(np.float64))))
     window.record(batches=trainer.batches_done, examples=trainer.examples_done, seconds=seconds)
