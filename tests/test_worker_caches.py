@@ -209,6 +209,23 @@ def test_bad_settings_are_named(tmp_path):
                         partitioner=lambda keys, g: keys % g)
 
 
+@pytest.mark.parametrize("bound", [{"ttl_steps": 5}, {"max_rows": 100}])
+def test_herald_across_ranks_refuses_a_rank_server_with_bounded_tables(tmp_path, bound):
+    """Each rank's server runs 'sequential' behind HeraldServer's cache, so its own
+    check lets ttl_steps and max_rows through; its checkpoint would erase keys the
+    rank's cache still holds, and the next flush would bring them back. Refused
+    before anything touches the node (hps train refuses the config sooner)."""
+    from hps.distributed.herald import HeraldServer
+    local = server(tmp_path / "rank0", "sequential", devices=1, **bound)
+    try:
+        with pytest.raises(ValueError, match=rf"ttl_steps = {bound.get('ttl_steps', 0)} and max_rows = "
+                                             rf"{bound.get('max_rows', 0)}: bounded tables need schedule = "
+                                             r"'sequential'"):
+            HeraldServer(local, node=None, capacity=20)
+    finally:
+        local.close()
+
+
 @pytest.mark.parametrize("started", [True, False])
 def test_a_batch_aborted_after_its_schedule_stops_the_caches(tmp_path, started):
     ps = server(tmp_path / "a", "herald")

@@ -137,6 +137,13 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
     _resume_hint = "rerun the job with --resume from its last checkpoint"
 
     def __init__(self, local: ParameterServer, node: Node, capacity: int, example_bytes: int = 0):
+        ps = local.config
+        if ps.ttl_steps or ps.max_rows:
+            # The rank's server runs 'sequential' behind this cache, so its own check
+            # let them through: its checkpoint would erase keys the cache still holds,
+            # and the next flush would bring them back.
+            raise ValueError(f"[ps] ttl_steps = {ps.ttl_steps} and max_rows = {ps.max_rows}: bounded "
+                             f"tables need schedule = 'sequential' (Herald's caches hold rows between steps)")
         super().__init__(local, node)
         if capacity < 1:
             raise ValueError(f"worker_cache_rows must be >= 1 with schedule = 'herald', got {capacity}")
