@@ -300,22 +300,36 @@ class _ClockedCollective:
 
 def test_a_collective_runs_its_rounds_back_to_back_and_sleeps_while_it_waits(monkeypatch):
     # hps.distributed.poll.wait, which a hierarchical job's all-reduces and broadcasts
-    # go through. Their peers present, a collective of 20 rounds completes in one burst
-    # of tests: a pause after every test made each round wait one (a 128 KiB all-reduce
+    # go through. Their peers present, a collective of 20 rounds completes without a
+    # pause: a pause after every test made each round wait one (a 128 KiB all-reduce
     # of two ranks took 12 ms instead of 1).
     from hps.distributed import poll
     request = _ClockedCollective(rounds=20)
     monkeypatch.setattr(poll, "time", request)
     poll.wait(request, timeout=1.0)
     assert request.tests == 20 and request.slept == 0
-    # One that never completes: bursts of tests between pauses that sleep most of the
-    # wait (no spinning core), then the caller's error at the timeout.
+    # Nor one that takes most of YIELD_FOR (a peer descheduled a while): the first
+    # YIELD_FOR is tested back to back, as a blocking collective waits.
+    rounds = int(0.9 * poll.YIELD_FOR / 1e-6)
+    request = _ClockedCollective(rounds=rounds)
+    monkeypatch.setattr(poll, "time", request)
+    poll.wait(request, timeout=1.0)
+    assert request.tests == rounds and request.slept == 0
+    # One that never completes: past YIELD_FOR, bursts of tests between pauses that
+    # sleep most of the rest of the wait (no spinning core), then the caller's error
+    # at the timeout.
     request = _ClockedCollective(rounds=None)
     monkeypatch.setattr(poll, "time", request)
     with pytest.raises(RuntimeError, match="the all-reduce is late"):
-        poll.wait(request, timeout=0.1, expired=lambda: RuntimeError("the all-reduce is late"))
-    assert 0.1 <= request.now < 0.1 + poll.LONGEST_PAUSE + 2 * poll.BURST
-    assert request.slept > 0.8 * request.now and request.tests > 1000
+        poll.wait(request, timeout=0.2, expired=lambda: RuntimeError("the all-reduce is late"))
+    assert 0.2 <= request.now < 0.2 + poll.LONGEST_PAUSE + 2 * poll.BURST
+    assert request.slept > 0.8 * (request.now - poll.YIELD_FOR) and request.tests > 1000
+    # A timeout shorter than YIELD_FOR is kept.
+    request = _ClockedCollective(rounds=None)
+    monkeypatch.setattr(poll, "time", request)
+    with pytest.raises(RuntimeError, match="late"):
+        poll.wait(request, timeout=0.005, expired=lambda: RuntimeError("late"))
+    assert 0.005 <= request.now < 0.005 + poll.LONGEST_PAUSE + 2 * poll.BURST
 
 
 def _clocked_trainer(ps, timeout):
