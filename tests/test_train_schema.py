@@ -188,6 +188,19 @@ def test_hps_train_flags_are_checked_as_the_fields_they_override(tmp_path, capsy
     assert not path.exists()
 
 
+def test_a_ps_flag_that_makes_a_file_value_count_names_the_file_and_flag(tmp_path, capsys):
+    # worker_cache_rows = 0 is unused under the file's sequential schedule; --schedule herald
+    # reads it, and the server's check named neither the file nor [ps].
+    from hps.cli import main
+    config = tmp_path / "run.toml"
+    config.write_text(f'[ps]\ndim = {DIM}\npath = "{tmp_path / "ps"}"\nworker_cache_rows = 0\n'
+                      '[data]\ntrain_examples = 100\neval_examples = 10\nbatch_size = 10\n')
+    assert main(["train", "--config", str(config), "--schedule", "herald", "--no-progress"]) == 2
+    assert (f"hps train: {config}: [ps] with --schedule herald: worker_cache_rows must be an int >= 1, got 0"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "ps").exists()
+
+
 def test_hps_train_reports_the_lines_skip_malformed_left_out(tmp_path, capsys):
     # With skip_malformed = true a run had trained on fewer examples than the files
     # hold without a word of it: neither the table nor train-summary.json counted

@@ -61,7 +61,9 @@ def _non_negative(text: str) -> int:
     return v
 
 
-def _apply_flags(cfg, a) -> None:
+def _apply_flags(cfg, a, source: str = "") -> None:
+    """The flags over `cfg`, whose [ps] came from `source` (a TOML file; "" when none did)."""
+    ps_flags = []
     if a.path:
         cfg.ps.path = a.path
     if a.batch_size is not None:
@@ -72,16 +74,23 @@ def _apply_flags(cfg, a) -> None:
         cfg.data.eval_examples = a.eval_examples
     if a.mem_budget:
         cfg.ps.mem_budget = a.mem_budget
+        ps_flags.append(f"--mem-budget {a.mem_budget}")
     if a.devices is not None:
         cfg.ps.devices = a.devices
+        ps_flags.append(f"--devices {a.devices}")
     if a.schedule:
         cfg.ps.schedule = a.schedule
+        ps_flags.append(f"--schedule {a.schedule}")
     if a.eval_every is not None:
         cfg.eval_every = a.eval_every
     if a.checkpoint_every is not None:
         cfg.checkpoint_every = a.checkpoint_every
     if a.sequential:
         cfg.pipelined = False
+    if ps_flags:
+        # [ps] was checked with the file's values; a flag can make one the file left unused
+        # count (--schedule herald reads worker_cache_rows): named with both.
+        cfg.ps.check(f"{source + ': ' if source else ''}[ps] with {' '.join(ps_flags)}")
 
 
 def _apply_online_flags(cfg, a) -> None:
@@ -259,7 +268,7 @@ def cmd_train(a) -> int:
         cfg = _config_without_toml(a)
     if a.eval_data:
         cfg.data.eval_source = a.eval_data
-    _apply_flags(cfg, a)
+    _apply_flags(cfg, a, os.fspath(a.config) if a.config is not None else "")
     _apply_online_flags(cfg, a)
     if ht is None:
         summary = train(cfg, resume=a.resume, progress=not a.no_progress)
