@@ -194,6 +194,40 @@ def test_every_file_and_test_the_guides_point_to_exists():
     assert not missing, "\n".join(missing)
 
 
+def _documented_calls():
+    """`Name(a, b=1, ...)` as the guides write a call of an hps class or function: where hps,
+    hps.data or hps.torch has that name, (where, text, the object, positional names, keywords)."""
+    modules = [hps, hps.data]
+    try:
+        modules.append(importlib.import_module("hps.torch"))
+    except ImportError:  # (no torch: its classes' calls go unchecked)
+        pass
+    for path in GUIDES:
+        for m in re.finditer(r"`([A-Z]\w*)\(([^`()]*)\)`", _guide_text(path)):
+            obj = next((getattr(mod, m.group(1)) for mod in modules if hasattr(mod, m.group(1))), None)
+            if obj is None:
+                continue  # a C++ name (`Accumulate(positions, grads)`)
+            args = [a.strip() for a in m.group(2).split(",") if a.strip() and a.strip() != "..."]
+            positional = [a for a in args if "=" not in a]
+            keywords = [a.split("=")[0].strip() for a in args if "=" in a]
+            yield path.name, m.group(0), obj, positional, keywords
+
+
+def test_every_call_the_guides_show_takes_its_arguments_as_shown():
+    # `SyntheticCriteo(seed, vocab_sizes, zipf_a, ...)` was shown, whose vocab_sizes and
+    # zipf_a are keyword-only: the call as written is refused.
+    import inspect
+    calls = list(_documented_calls())
+    assert len(calls) >= 3
+    refused = []
+    for where, text, obj, positional, keywords in calls:
+        try:
+            inspect.signature(obj).bind_partial(*positional, **dict.fromkeys(keywords))  # (a call may show some)
+        except TypeError as e:
+            refused.append(f"{where}: {text}: {e}")
+    assert not refused, "\n".join(refused)
+
+
 def _documented_commands():
     """`hps <command> ...` as the guides and the examples' comments write them, with the
     optional parts ([...]) given and placeholders (N, DIR, PATH ...) filled in."""
