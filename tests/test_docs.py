@@ -257,6 +257,17 @@ def test_every_hps_command_the_guides_show_parses():
     assert not refused, "the command line refuses:\n" + "\n".join(refused)
 
 
+@pytest.mark.parametrize("argv", [["train", "--config", "x.toml", "--check", "10"],
+                                  ["serve", "x", "--refresh", "1"], ["inspect", "x", "--ver"]])
+def test_a_prefix_of_a_flag_is_refused(argv, capsys):
+    # Taken as the flag it began, a prefix in a script or a guide (--check for
+    # --checkpoint-every) worked until a new flag made it ambiguous.
+    from hps.cli import parser
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(argv)
+    assert e.value.code == 2 and "unrecognized arguments: " in capsys.readouterr().err
+
+
 def test_a_renamed_flag_or_key_would_be_caught(capsys):
     # The checks above find what they look for: a flag, a key and a name that do not exist.
     from hps.cli import parser

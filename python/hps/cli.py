@@ -3,6 +3,7 @@ directory `hps inspect`, `hps export`, `hps serve` (docs/serving.md)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -413,10 +414,14 @@ def cmd_serve(a) -> int:
 def parser() -> argparse.ArgumentParser:
     """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
     from hps import __version__
-    ap = argparse.ArgumentParser(prog="hps", description="hps: a hierarchical parameter server for CTR models")
+    # allow_abbrev=False: a prefix of a flag (--check for --checkpoint-every) would work in a
+    # script or a doc until a new flag made it ambiguous.
+    ap = argparse.ArgumentParser(prog="hps", description="hps: a hierarchical parameter server for CTR models",
+                                 allow_abbrev=False)
     ap.add_argument("--version", action="version", version=f"hps {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a CTR model from a TOML config")
+    command = functools.partial(sub.add_parser, allow_abbrev=False)
+    t = command("train", help="train a CTR model from a TOML config")
     t.add_argument("--config", help="TOML file: training fields, [ps], [ps.optimizer], [data], [data.schema]")
     t.add_argument("--data", nargs="+", metavar="PATH",
                    help="training files, globs or directories (overrides [data] source; without --config: "
@@ -437,21 +442,21 @@ def parser() -> argparse.ArgumentParser:
                         "present are read; default _DONE; 'marker=none'), examples=N")
     t.add_argument("--report", metavar="DIR", help="also write the run's plots (PNG) into DIR")
     _add_common(t)
-    d = sub.add_parser("demo", help="train on synthetic data through all three tiers and write a report")
+    d = command("demo", help="train on synthetic data through all three tiers and write a report")
     d.add_argument("--report", help="report directory (default: <path>/report)")
     _add_common(d)
-    i = sub.add_parser("inspect", help="what a job directory holds; --verify checks every file's checksums")
+    i = command("inspect", help="what a job directory holds; --verify checks every file's checksums")
     i.add_argument("path", help="the job's path ([ps] path)")
     i.add_argument("--verify", action="store_true", help="check every checkpoint's files (reads them all)")
     i.add_argument("--json", action="store_true", help="one JSON object instead of the summary")
-    e = sub.add_parser("export", help="rows changed since a consumer's last export, as Parquet")
+    e = command("export", help="rows changed since a consumer's last export, as Parquet")
     e.add_argument("path", help="the job's path ([ps] path)")
     e.add_argument("--to", required=True, help="a new or empty directory for this export's files")
     e.add_argument("--consumer", default="default", help="whose position (each consumer keeps its own)")
     e.add_argument("--full", action="store_true", help="every row, not only the changed ones")
     e.add_argument("--int8", action="store_true", help="embeddings as int8 with a float32 scale per row")
     e.add_argument("--with-state", action="store_true", help="the optimizer state beside each embedding")
-    v = sub.add_parser("serve", help="lookups of a job's last checkpoint over local HTTP (docs/serving.md)")
+    v = command("serve", help="lookups of a job's last checkpoint over local HTTP (docs/serving.md)")
     v.add_argument("path", help="the job's path ([ps] path)")
     v.add_argument("--host", default="127.0.0.1",
                    help="address or name to listen on, a name at each of its addresses (default: this host only)")
@@ -464,16 +469,16 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--refresh-every", type=float, default=0.0,
                    help="seconds between moves to a newer checkpoint (0: only on POST /refresh)")
     v.add_argument("--log", action="store_true", help="log every request to stderr")
-    pl = sub.add_parser("plan", help="Hierarchical Training: where each dense layer runs, and each node's "
-                                     "modelled CPU, network and memory")
+    pl = command("plan", help="Hierarchical Training: where each dense layer runs, and each node's "
+                              "modelled CPU, network and memory")
     pl.add_argument("--config", required=True, help="TOML file: hidden, [ps] dim, [data] batch_size, [hierarchical]")
-    tp = sub.add_parser("topology", help="this node's (or a file's) devices, links, routes and core binding")
+    tp = command("topology", help="this node's (or a file's) devices, links, routes and core binding")
     tp.add_argument("--file", help="a topology file (examples/topologies/); default: discover this machine")
     tp.add_argument("--sysfs", default="/sys", help="sysfs root to discover from (default /sys)")
     tp.add_argument("--plot", metavar="PNG", help="also draw the devices, links and relayed routes (matplotlib)")
     tp.add_argument("--rows", type=int, default=1_000_000, help="rows of the all-to-all whose routes are shown")
-    sz = sub.add_parser("size", help="memory, disk and index a config will take, and its MEM-PS hit rate "
-                                     "(replaying a sample of its data through the cache policy)")
+    sz = command("size", help="memory, disk and index a config will take, and its MEM-PS hit rate "
+                              "(replaying a sample of its data through the cache policy)")
     sz.add_argument("--config", required=True, help="the TOML file hps train reads ([ps], [ps.optimizer], [data])")
     sz.add_argument("--rows", type=int, metavar="N", help="distinct keys the run stores (default: estimated from "
                                                           "the sample; needed when the data's length is unknown)")
