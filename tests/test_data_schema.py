@@ -862,6 +862,30 @@ def test_csv_line_ends_and_files_without_rows(tmp_path):
         list(SchemaCsv(tmp_path / "blank.csv", schema))
 
 
+@pytest.mark.parametrize("first", [b"\n", b"\r\n", b"\r"])
+def test_an_empty_line_1_of_a_headerless_csv_is_skipped_as_any_empty_line_is(tmp_path, first):
+    # It was refused even with skip_malformed ("the first line is empty"), where an empty
+    # line anywhere else is skipped and counted.
+    schema = {"label": 0, "categorical": "rest", "header": False}
+    path = tmp_path / "blank.csv"
+    path.write_bytes(first + b"1,x,a" + first + first + b"0,y,b" + first)  # lines 1 and 3 empty
+    r = SchemaCsv(path, schema, skip_malformed=True)
+    labels, _, keys, _, _ = read_all(r)
+    assert labels.tolist() == [1, 0] and keys.tolist() == [[ref_key(0, "x"), ref_key(1, "a")],
+                                                           [ref_key(0, "y"), ref_key(1, "b")]]
+    assert r.malformed == 2
+    one, three = r.malformed_examples
+    assert one.startswith(f"{path}:1: ") and one.replace(":1: ", ":3: ") == three
+    if first != b"\r":  # (an empty line of a lone "\r" reads as a row of one empty field)
+        assert three == f"{path}:3: is an empty line, expected 3 fields"
+    with pytest.raises(DataError, match=r"blank.csv:1: the first line is empty"):
+        list(SchemaCsv(path, schema))
+    # A file of empty lines alone has no field count to read the rest by: refused even so.
+    path.write_bytes(first * 3)
+    with pytest.raises(DataError, match=r"blank.csv:1: the first line is empty"):
+        list(SchemaCsv(path, schema, skip_malformed=True))
+
+
 @pytest.mark.parametrize("header", [True, False])
 def test_a_csv_file_of_0_bytes_warns_naming_it_and_the_others_are_read(tmp_path, header):
     """A 0-byte CSV file was refused ('empty.csv:1: empty file') where a 0-byte Criteo

@@ -321,7 +321,7 @@ class SchemaCsv(_SchemaReader):
                 if m is not None and (m.group() != b"\r" or m.end() < len(buf) or eof):
                     end = m.end()
             first = buf if end is None else buf[:end]
-            if not self.schema.header and first.strip(b"\r\n"):
+            if not self.schema.header and (first.strip(b"\r\n") or self.skip_malformed):
                 # The lines after it too, for the field count (_field_count)
                 while not eof and len(buf) < len(first) + _COUNT_SAMPLE_BYTES:
                     chunk = f.read(1 << 16)
@@ -330,15 +330,22 @@ class SchemaCsv(_SchemaReader):
                 sample = buf if eof else buf[:max(buf.rfind(b"\n"), buf.rfind(b"\r"), len(first) - 1) + 1]
         if not first:
             return None, 0
+        counted = first
         if not first.strip(b"\r\n"):
-            raise DataError(f"{path}:1: the first line is empty", path=path, line=1)
+            # Without a header, skip_malformed skips it as any empty line (it has no field
+            # count): the lines after it give the count. A header's line cannot be skipped.
+            filled = None if self.schema.header or not self.skip_malformed else \
+                re.search(rb"[^\r\n]+(?:\r\n|\n|\r|$)", sample)
+            if filled is None:
+                raise DataError(f"{path}:1: the first line is empty", path=path, line=1)
+            counted = filled.group()
         ended = first.endswith((b"\n", b"\r"))
         if self.schema.header:
             # (a header that does not end a line has no rows after it: -1)
             whole = first if ended else first + b"\n"
             return (list(pa.csv.read_csv(pa.BufferReader(whole), parse_options=parse).column_names),
                     len(first) if ended else -1)
-        return [str(i) for i in range(_field_count(pa, first, sample, parse))], len(first)
+        return [str(i) for i in range(_field_count(pa, counted, sample, parse))], len(first)
 
     def _pieces(self) -> Iterator[_Piece]:
         pa = self._pa
