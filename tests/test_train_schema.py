@@ -129,6 +129,12 @@ def test_train_config_schema_errors_name_the_file(tmp_path):
     ("data", {"source": "x.csv", "format": "svm", "schema": {"label": "y"}},
      "data.format must be one of 'csv', 'tsv', 'parquet', 'libsvm' with a schema, got 'svm'"),
     ("data", {"format": "parquet"}, "data.format = 'parquet' is the files' format: give data.source too"),
+    # (the reverse: synthetic data's fields with files were read by nothing, without a word)
+    ("data", {"source": "x.csv", "zipf_a": 1.3}, r"data.zipf_a describes synthetic data; data.source = 'x.csv' "
+                                                 r"reads files: remove it, or set data.source = 'synthetic'"),
+    ("data", {"source": ["a.tsv"], "vocab_sizes": [10], "multi_hot": [[10, 2]], "bag_length": "fixed"},
+     r"data.vocab_sizes, data.multi_hot and data.bag_length describe synthetic data; data.source = \['a.tsv'\] "
+     r"reads files: remove them"),
 ])
 def test_a_bad_top_level_or_ps_value_is_named_with_the_file(tmp_path, field, value, message):
     ps = {"dim": DIM, "path": str(tmp_path / "ps")}

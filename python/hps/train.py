@@ -56,6 +56,8 @@ from hps.tuning import (ThreadTuner, dense_adam, import_torch, keep_freed_memory
                          usable_cpus)
 
 SUMMARY = "train-summary.json"
+# [data] fields only synthetic data reads (SyntheticCriteo's)
+SYNTHETIC_ONLY = ("vocab_sizes", "zipf_a", "multi_hot", "bag_length")
 SYNTHETIC_EXAMPLES = 1_000_000  # synthetic data's examples a pass when [data] train_examples is not set
 
 
@@ -216,8 +218,10 @@ class TrainConfig:
             ps.check(f"{source}: [ps]")  # a bad value named with its file, before the job starts
             _check_lookahead(ps, f"{source}: [ps]")
         data = d.get("data", {})
+        given = set()  # the fields the file gives (a DataConfig given as such: not known)
         if not isinstance(data, DataConfig):
             check_fields(DataConfig, data, source, prefix="data.")
+            given = set(data)
             data = DataConfig(**data)
         if data.schema is not None:
             data.schema = hdata.Schema.from_dict(data.schema, source)
@@ -287,6 +291,14 @@ class TrainConfig:
         if data.bag_length not in BAG_LENGTHS:
             raise ValueError(f"{source}: data.bag_length must be one of {', '.join(map(repr, BAG_LENGTHS))}, "
                              f"got {data.bag_length!r}")
+        # Synthetic data's fields with files were read by nothing, without a word (the
+        # reverse, data.format or data.schema with synthetic data, is refused above).
+        unread = [f"data.{name}" for name in SYNTHETIC_ONLY if name in given]
+        if unread and data.source != "synthetic":
+            named = " and ".join(filter(None, (", ".join(unread[:-1]), unread[-1])))
+            raise ValueError(f"{source}: {named} describe{'s' if len(unread) == 1 else ''} synthetic "
+                             f"data; data.source = {data.source!r} reads files: remove "
+                             f"{'it' if len(unread) == 1 else 'them'}, or set data.source = 'synthetic'")
         # (checkpoint_every = -1 trained no batch and ended as a finished run)
         for name, low in (("online_window", 1), ("online_window_batches", 0), ("eval_every", 0),
                           ("checkpoint_every", 0), ("torch_threads", 0)):
