@@ -521,4 +521,7 @@ def test_an_error_of_the_push_at_a_passs_end_reaches_backwards_caller_and_a_fail
     bag(keys).sum().backward()
     np.testing.assert_allclose(ps.pull(np.array([1, 2], np.uint64)), before - 0.5, rtol=1e-6)
     assert ps.step == 1
+    # The failed pass's gradients (and a reference to the server) stayed for the
+    # life of the process; they go once torch frees the pass.
+    assert ht._PENDING == {}
     ps.close()

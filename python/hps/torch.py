@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -68,9 +69,11 @@ def _keys_of(t: torch.Tensor) -> np.ndarray:
 
 # The gradients the lookups of each backward pass (torch's graph task) pushed, by
 # pass: {server: [(keys, grads), ...]}, pushed at the pass's end (_push_pass). The
-# lock: a pass on several devices runs backwards on several threads.
+# lock: a pass on several devices runs backwards on several threads. (Reentrant: a
+# failed pass's entry is dropped when torch frees its callback, which may happen on
+# any thread, at any decref, in principle while this thread holds the lock.)
 _PENDING: dict = {}
-_PENDING_LOCK = threading.Lock()
+_PENDING_LOCK = threading.RLock()
 
 
 def _push(ps, keys: np.ndarray, grads: np.ndarray) -> None:
@@ -93,9 +96,22 @@ def _push(ps, keys: np.ndarray, grads: np.ndarray) -> None:
     if first:
         # Run once every node of the pass has run (as DDP's reducer finishes its
         # all-reduces); an error in it reaches backward()'s caller. A pass that
-        # fails before its end runs no callback: its gradients reach no row, and
-        # stay here (ids are unique per pass, so they are never pushed).
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _push_pass(task))
+        # fails before its end runs no callback: its gradients reach no row. The
+        # pass's graph task holds the callback until the task is freed, run or not,
+        # so its freeing drops the entry: that of a failed pass (with its server)
+        # stayed for the life of the process. (Not by task id: passes on other
+        # threads, or nested ones, run at once with lower and higher ids.)
+        def at_end():
+            _push_pass(task)
+        weakref.finalize(at_end, _drop_pass, task)
+        torch.autograd.Variable._execution_engine.queue_callback(at_end)
+
+
+def _drop_pass(task: int) -> None:
+    """A pass's gradients, once torch freed its end callback: none after the pass's
+    push (_push_pass took them); a failed pass's, which nothing will push."""
+    with _PENDING_LOCK:
+        _PENDING.pop(task, None)
 
 
 def _push_pass(task: int) -> None:
