@@ -855,8 +855,14 @@ def test_a_nan_sparse_gradient_ends_the_job_naming_the_rank_the_traffic_and_the_
     ends at once naming the rank, the traffic, the count and the key."""
     p = scenario(2, "train", tmp_path, "--steps", 6, "--nan-grad-at-step", 3, "--sparse-codec", codec,
                  "--timeout", 60, check=False, timeout=200)
+    _assert_rank_1s_nan_ended_the_job(p, "push gradients")
+
+
+def _assert_rank_1s_nan_ended_the_job(p, traffic: str) -> None:
+    """The job failed at once (no rank waited out its timeout), naming rank 1, the
+    traffic and the key."""
     assert p.returncode != 0, p.stderr[-3000:]
-    assert re.search(r"hps\.distributed: rank 1 of 2: DivergedError: push gradients: 1 non-finite value in the "
+    assert re.search(rf"hps\.distributed: rank 1 of 2: DivergedError: {traffic}: 1 non-finite value in the "
                      r"gradients of 1 key \(key \d+ first: nan\): training diverged .*; aborting the job",
                      p.stderr), p.stderr[-3000:]
     assert "waited" not in p.stderr, p.stderr[-3000:]
@@ -870,11 +876,7 @@ def test_a_nan_sparse_gradient_ends_a_herald_job_before_the_shared_gradients_cro
     naming the rank, the traffic and the key."""
     p = scenario(2, "train", tmp_path, "--steps", 6, "--herald", 150, "--nan-grad-at-step", 3,
                  "--timeout", 60, check=False, timeout=200)
-    assert p.returncode != 0, p.stderr[-3000:]
-    assert re.search(r"hps\.distributed: rank 1 of 2: DivergedError: herald shared gradients: 1 non-finite value "
-                     r"in the gradients of 1 key \(key \d+ first: nan\): training diverged .*; aborting the job",
-                     p.stderr), p.stderr[-3000:]
-    assert "waited" not in p.stderr, p.stderr[-3000:]
+    _assert_rank_1s_nan_ended_the_job(p, "herald shared gradients")
 
 
 def test_refuse_nonfinite_counts_values_and_keys_and_lets_numbers_pass():

@@ -356,6 +356,13 @@ def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
     def write_job(world, number):
         (job / "job.json").write_text(json.dumps({"world": world, "step": 5, "checkpoint": number}))
 
+    def opens_at(number):  # rank 0 opened at LAST: at `number`, the rows of checkpoint 1, no other kept
+        ps = hps.ParameterServer.open(rank0)
+        assert ps.checkpoint_number == number
+        np.testing.assert_array_equal(ps.pull(probe), at_first)
+        ps.close()
+        assert os.listdir(checkpoints) == [f"{number:06d}"]
+
     write_job(1, 1)
     with pytest.raises(ValueError, match="job.json: not a job record"):
         (job / "job.json").write_text("{")
@@ -367,11 +374,7 @@ def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
         hps.ParameterServer.open(rank0)
     assert sorted(os.listdir(checkpoints)) == names
     write_job(1, 1)
-    ps = hps.ParameterServer.open(rank0)
-    assert ps.checkpoint_number == 1
-    np.testing.assert_array_equal(ps.pull(probe), at_first)
-    ps.close()
-    assert os.listdir(checkpoints) == ["000001"]
+    opens_at(1)
 
     # The switch's order: job.json names 2, which the rank holds beside its metadata's 1.
     os.makedirs(checkpoints / "000002" / "ssd")
@@ -380,11 +383,7 @@ def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
     for name in set(os.listdir(checkpoints / "000001")) - {"ssd"}:
         os.link(checkpoints / "000001" / name, checkpoints / "000002" / name)
     write_job(1, 2)
-    ps = hps.ParameterServer.open(rank0)
-    assert ps.checkpoint_number == 2
-    np.testing.assert_array_equal(ps.pull(probe), at_first)
-    ps.close()
-    assert os.listdir(checkpoints) == ["000002"]
+    opens_at(2)
 
     # No rank of the job (its world is 1 rank): its metadata's checkpoint.
     rank1 = job / "rank1"
