@@ -89,14 +89,24 @@ def ps_config(path: str, optimizer: str = "adagrad", budget: str = "16KiB"):
                                     write_buffer_rows=16)
 
 
-def global_batches(steps: int, per_rank: int, world: int, seed: int = 5, multi_hot: bool = False) -> list:
+def global_batches(steps: int, per_rank: int, world: int, seed: int = 5, multi_hot: bool = False,
+                   empty_bags_at: int = -1) -> list:
     """`steps` global batches of world * per_rank examples; rank r trains on rows
-    [r * per_rank, (r + 1) * per_rank) of each. `multi_hot`: two multi-hot fields too."""
-    from hps.data import SyntheticCriteo
+    [r * per_rank, (r + 1) * per_rank) of each. `multi_hot`: two multi-hot fields too;
+    at step `empty_bags_at` the last rank's examples have no key in them."""
+    import dataclasses
+    from hps.data import Bags, SyntheticCriteo
     vocab = [50, 200, 1000, 30] * 6 + [100, 7]
     kw = {"multi_hot": [(300, 3.0), (40, 2.0)]} if multi_hot else {}
-    return list(SyntheticCriteo(seed=seed, batch_size=per_rank * world, examples=steps * per_rank * world,
-                                vocab_sizes=vocab, **kw))
+    batches = list(SyntheticCriteo(seed=seed, batch_size=per_rank * world, examples=steps * per_rank * world,
+                                   vocab_sizes=vocab, **kw))
+    if 0 <= empty_bags_at < steps:
+        b, cut = batches[empty_bags_at], (world - 1) * per_rank
+        head = [bags.rows(0, cut) for bags in b.bags]
+        empty = [Bags(h.keys, np.concatenate([h.offsets, np.full(per_rank, h.offsets[-1])]), h.weights)
+                 for h in head]
+        batches[empty_bags_at] = dataclasses.replace(b, bags=tuple(empty))
+    return batches
 
 
 def rank_part(batch, rank: int, per_rank: int):
@@ -406,7 +416,8 @@ def run_train(node, out: str, args) -> None:
                 raise CorruptionError("rank 1's store: a damaged checkpoint")
             raise OSError(28, "No space left on device")
         hps.train.ParameterServer = failing_open
-    batches = global_batches(args.steps, args.per_rank, node.size, multi_hot=args.multi_hot)
+    batches = global_batches(args.steps, args.per_rank, node.size, multi_hot=args.multi_hot,
+                             empty_bags_at=args.empty_bags_at)
     mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
     if args.uneven and node.rank == node.size - 1:
         mine = mine[:-2]  # this rank's data ends two steps early
@@ -589,6 +600,8 @@ def main() -> None:
     ap.add_argument("--sequential", action="store_true")
     ap.add_argument("--uneven", action="store_true")
     ap.add_argument("--multi-hot", action="store_true")
+    ap.add_argument("--empty-bags-at", type=int, default=-1, help="the step whose last rank's multi-hot bags are "
+                    "all empty")
     ap.add_argument("--mem-budget", default="256KiB")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--how", default="hang")

@@ -245,6 +245,21 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
             assert b["dense"] == steps * n_params * 4
 
 
+def test_a_rank_whose_multi_hot_bags_are_all_empty_trains_as_one_process(tmp_path):
+    """At step 2 rank 1's examples have no multi-hot key (a file's short last batch of
+    rows without tags, say): its lookups gather no row and send back no gradient. The
+    distributed batch's accumulate reshaped the empty gradients to (0, -1), which numpy
+    refuses, and the job aborted; one process's native batch took them."""
+    from hps.train import train
+    world, steps, per_rank = 2, 4, 16
+    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--multi-hot",
+             "--empty-bags-at", 2)
+    batches = sc.global_batches(steps, per_rank, world, multi_hot=True, empty_bags_at=2)
+    assert len(sc.rank_part(batches[2], 1, per_rank).all_keys()) == per_rank * 26  # its single-hot keys alone
+    train(sc.train_config(str(tmp_path / "single")), progress=False, train_batches=batches, eval_batches=[])
+    _assert_job_equals_single(tmp_path, world, steps, batches)
+
+
 # ---------------------------------------------------------------- admission: the job's counts
 
 @pytest.mark.parametrize("world,extra,resume", [(2, (), True), (3, ("--multi-hot", "--uneven"), False)])

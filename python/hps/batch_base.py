@@ -51,6 +51,10 @@ class BatchBase:
         return out
 
     def accumulate(self, positions: np.ndarray, grads: np.ndarray, worker: int = 0) -> None:
+        if len(positions) == 0:
+            # (a multi-hot field none of the batch's examples has a key in): nothing to
+            # add, and no width to infer, which numpy refuses for (0, -1)
+            return
         grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(positions), -1)
         self.push(positions, grads, worker=worker)
 
