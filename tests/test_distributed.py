@@ -260,6 +260,23 @@ def test_a_rank_whose_multi_hot_bags_are_all_empty_trains_as_one_process(tmp_pat
     _assert_job_equals_single(tmp_path, world, steps, batches)
 
 
+def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_path):
+    """Rank 1's data ends two steps before rank 0's (it takes part in them empty);
+    resumed with more data on each rank (a directory that grew, a larger --examples),
+    rank 1 goes on from its third batch. It skipped as many of its batches as the job
+    had taken steps, and lost the two it never trained."""
+    from hps.train import load_trainer_state
+    per_rank = 48
+    scenario(2, "train", tmp_path / "job", "--steps", 4, "--per-rank", per_rank, "--uneven")
+    scenario(2, "train", tmp_path / "job", "--steps", 6, "--per-rank", per_rank, "--uneven", "--resume")
+    reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["examples"] for r in reports] == [(6 + 4) * per_rank] * 2  # rank 0's 6 batches, rank 1's 4
+    assert reports[0]["batches"] == 6
+    for r in range(2):
+        state = load_trainer_state(str(tmp_path / "job" / "job" / f"rank{r}"))
+        assert state["rank_examples"] == {"rank": r, "world": 2, "examples": (6 if r == 0 else 4) * per_rank}
+
+
 # ---------------------------------------------------------------- admission: the job's counts
 
 @pytest.mark.parametrize("world,extra,resume", [(2, (), True), (3, ("--multi-hot", "--uneven"), False)])

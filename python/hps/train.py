@@ -620,6 +620,10 @@ class Trainer:
             self.model.embedding.frozen_key = ADMISSION_DEFAULT_KEY
         self.batches_done = 0
         self.examples_done = 0
+        # In a job, the examples of this rank's own data trained (examples_done is the
+        # job's): where a resumed rank picks up in its data. Not with Herald's schedule,
+        # whose steps train examples other ranks read.
+        self.rank_examples_done: Optional[int] = 0 if cfg.ps.schedule != "herald" else None
         self.history: list[dict] = []
         #: Online: each step's logits as (rows, logits) a mini-batch, taken before its update; None: not kept.
         self.step_logits: Optional[list] = None
@@ -654,6 +658,9 @@ class Trainer:
         if not self._defer_dense:
             self.load_dense_state()
         self.batches_done, self.examples_done = state["batches_done"], state["examples_done"]
+        own = state.get("rank_examples")  # (None: a checkpoint of before, or of another number of ranks)
+        self.rank_examples_done = own["examples"] if own is not None and self.node is not None and \
+            (own["rank"], own["world"]) == (self.node.rank, self.node.size) else None
         self.history = state.get("history", [])
         self.online_state = state.get("online_window")
         self.online_files = state.get("online_files")
@@ -682,6 +689,9 @@ class Trainer:
         state = {"mlp": self.model.mlp.state_dict(), "opt": self.opt.state_dict(),
                  "batches_done": self.batches_done, "examples_done": self.examples_done,
                  "history": self.history}
+        if self.node is not None and self.rank_examples_done is not None:
+            state["rank_examples"] = {"rank": self.node.rank, "world": self.node.size,
+                                      "examples": self.rank_examples_done}
         if self.dense_sync is not None:
             state["dense_sync"] = self.dense_sync.state_dict()
         if self.online_window is not None:
@@ -1300,7 +1310,14 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         # short batch (its --examples smaller than this run's).
         steps = hdata.skip_examples(source, trainer.examples_done)
     else:  # the ranks' batches are aligned, a global batch one per rank
-        steps = itertools.islice(source, trainer.batches_done, None)
+        if trainer.rank_examples_done is not None:
+            # By this rank's examples, not the job's steps: the steps count those a
+            # rank whose data had ended took part in empty, and a rank may have ended
+            # on a short batch (a cap of examples, online_examples): skipping as many
+            # of its batches as the job took steps lost the examples past them.
+            steps = hdata.skip_examples(source, trainer.rank_examples_done)
+        else:  # a checkpoint that did not keep them (of before, or of another number of ranks)
+            steps = itertools.islice(source, trainer.batches_done, None)
         n_dense, n_fields, n_bags = trainer.widths
         empty = hdata.Batch(np.empty(0, np.float32), np.empty((0, n_dense), np.float32),
                             np.empty((0, n_fields), np.uint64), (),
@@ -1367,6 +1384,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         trainer.batches_done += 1
         n = getattr(loaded.data, "total_examples", len(loaded.data.labels))
         trainer.examples_done += n
+        if trainer.rank_examples_done is not None:
+            trainer.rank_examples_done += len(loaded.data.labels)
         if online is not None:
             _score_online(trainer, online, loaded.data, time.perf_counter() - t_start)
         if trainer.thread_tuner is not None:
