@@ -790,3 +790,39 @@ def test_a_rebuild_makes_room_for_the_largest_cache_not_the_smallest(tmp_path):
     run(ps, batches[3:])
     assert ps.stats()["device"]["herald"]["compactions"] == 1
 
+
+def test_a_pull_reads_no_rows_of_a_batch_that_applied_after_its_flush(tmp_path):
+    """A pull flushed the caches, then read MEM-PS: a batch applied on another
+    thread in between wrote the rows its evictions dropped, so the pull returned
+    rows of two batches. The flush and the read are one step now: the batch
+    applies after the pull."""
+    import threading
+    first, second = np.array([[5, 6]], np.uint64), np.array([[7, 8]], np.uint64)
+    ps = run(server(tmp_path / "a", "herald", devices=1, rows=1), [first])  # caches of one row: 7 or 8 is evicted
+    before = ps.pull(np.array([5, 6, 7, 8], np.uint64))
+    b = ps.batch(ps.prefetch(second))
+    b.partition()
+    b.push(second.reshape(-1), np.ones((2, 4), np.float32))
+    applied = threading.Event()
+
+    def apply():
+        b.apply()
+        applied.set()
+
+    flush = ps._herald.flush
+    applier = threading.Thread(target=apply)
+
+    def flush_then_apply():
+        n = flush()
+        applier.start()
+        applied.wait(timeout=2)  # applies now without the pull's lock; with it, after the pull
+        return n
+
+    ps._herald.flush = flush_then_apply
+    got = ps.pull(np.array([5, 6, 7, 8], np.uint64))
+    applier.join()
+    ps._herald.flush = flush
+    b.write_back()
+    assert ps.stats()["device"]["herald"]["evict_pushes"] > 0
+    np.testing.assert_array_equal(got, before)  # all as of the first batch
+    assert not np.array_equal(ps.pull(np.array([7, 8], np.uint64)), before[2:])

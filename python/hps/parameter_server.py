@@ -1176,10 +1176,14 @@ class ParameterServer:
     # ------------------------------------------------------------ the API
     def pull(self, keys: np.ndarray) -> np.ndarray:
         """Embeddings (n, dim) float32 of keys (uint64), as of the last finished batch."""
-        if self._herald is not None:
-            self._herald.flush()  # MEM-PS gets the caches' newer rows first
-        with self._rows_lock:
-            rows, hit = self._cache.pull(keys, pin=False, dtype=np.float32)
+        with self._herald._lock if self._herald is not None else contextlib.nullcontext():
+            # Herald: MEM-PS gets the caches' newer rows first, and no batch applies
+            # between the flush and the read (its evictions write MEM-PS: the pull
+            # would read rows of two batches).
+            if self._herald is not None:
+                self._herald.flush()
+            with self._rows_lock:
+                rows, hit = self._cache.pull(keys, pin=False, dtype=np.float32)
         self._count(pulls=1, mem_hits=int(hit.sum()))
         return np.ascontiguousarray(rows[:, :self.dim])
 
