@@ -226,6 +226,18 @@ def test_herald_across_ranks_refuses_a_rank_server_with_bounded_tables(tmp_path,
         local.close()
 
 
+def test_herald_across_ranks_refuses_a_cache_larger_than_device_capacity(tmp_path):
+    """The rank's server runs 'sequential', so its own check lets a cache larger
+    than device_capacity through; refused before anything touches the node."""
+    from hps.distributed.herald import HeraldServer
+    local = server(tmp_path / "rank0", "sequential", devices=1, device_capacity=100)
+    try:
+        with pytest.raises(ValueError, match="worker_cache_rows = 200 is more than device_capacity = 100"):
+            HeraldServer(local, node=None, capacity=200)
+    finally:
+        local.close()
+
+
 @pytest.mark.parametrize("started", [True, False])
 def test_a_batch_aborted_after_its_schedule_stops_the_caches(tmp_path, started):
     ps = server(tmp_path / "a", "herald")
@@ -826,3 +838,24 @@ def test_a_pull_reads_no_rows_of_a_batch_that_applied_after_its_flush(tmp_path):
     assert ps.stats()["device"]["herald"]["evict_pushes"] > 0
     np.testing.assert_array_equal(got, before)  # all as of the first batch
     assert not np.array_equal(ps.pull(np.array([7, 8], np.uint64)), before[2:])
+
+
+def test_device_capacity_bounds_the_caches_tables(tmp_path):
+    """[ps] device_capacity was ignored with schedule = 'herald': the tables kept
+    doubling past it. A cache larger than it is refused, naming both fields; the
+    tables grow up to it; a batch whose fetches would not fit beside the cache is
+    refused, and the caches go on."""
+    with pytest.raises(ValueError, match="worker_cache_rows = 300 is more than device_capacity = 200"):
+        server(tmp_path / "big", "herald", rows=300, device_capacity=200)
+    assert not (tmp_path / "big").exists()
+    batches = trace(batches=20, keys=2000)
+    ps = run(server(tmp_path / "a", "herald", rows=40, device_capacity=100), batches)
+    assert ps.stats()["device"]["herald"]["table_rows"] <= 100
+    free = server(tmp_path / "b", "herald", rows=40)
+    run(free, batches)
+    assert free.stats()["device"]["herald"]["table_rows"] > 100  # the same trace grows them past it
+    np.testing.assert_allclose(all_rows(ps, batches), all_rows(free, batches), rtol=1e-6, atol=1e-7)
+    wide = np.arange(1, 1 + 4 * 200, dtype=np.uint64).reshape(-1, 4) * 11  # 200 examples of new keys
+    with pytest.raises(ValueError, match="more than device_capacity = 100"):
+        ps.batch(ps.prefetch(wide))
+    run(ps, batches[:2])  # refused before it was scheduled: the caches go on

@@ -320,6 +320,12 @@ class ParameterServerConfig:
                                  f"got {getattr(self, name)!r}")
         if self.schedule == "herald":
             whole("worker_cache_rows", self.worker_cache_rows, 1)
+            if self.worker_cache_rows > self.device_capacity:
+                # A device's table holds its cache and a batch's fetches: at most device_capacity rows.
+                raise ValueError(f"{where}worker_cache_rows = {self.worker_cache_rows} is more than "
+                                 f"device_capacity = {self.device_capacity} (rows a device) with schedule = "
+                                 f"'herald': a device's cache must fit in its table; lower worker_cache_rows or "
+                                 f"raise device_capacity")
             if self.devices > 64:
                 raise ValueError(f"{where}schedule = 'herald' takes 1 to 64 devices, got devices = {self.devices}")
             if self.ttl_steps or self.max_rows:
@@ -1004,7 +1010,8 @@ class ParameterServer:
         self._transfers_before = None
         self._partitioner = partitioner
         self._load_lock = threading.Lock()  # one batch() at a time; checkpoint() holds it too
-        self._herald = WorkerCaches(self, config.devices, config.worker_cache_rows) if herald else None
+        self._herald = WorkerCaches(self, config.devices, config.worker_cache_rows,
+                                    config.device_capacity) if herald else None
         self._herald_active = 0  # herald batches not yet written back (guarded by _host_batches)
 
     # ------------------------------------------------------------ opening

@@ -162,15 +162,16 @@ def mem_capacity(budget_bytes: int, row_bytes: int) -> int:
     return int(_core.MemCache.capacity_for_budget(int(budget_bytes), int(row_bytes)))
 
 
-def herald_tables(devices: int, cache_rows: int, most_fetched: int, row_floats: int, dim: int) -> dict:
+def herald_tables(devices: int, cache_rows: int, most_fetched: int, row_floats: int, dim: int,
+                  device_capacity: int = 1 << 62) -> dict:
     """Herald's worker caches (hps.worker_caches): one tier whose tables persist, each
     sized as WorkerCaches sizes it: twice a cache at first (64 to 2^16 rows), doubled
     until a cache and the most rows a device can fetch for a batch (most_fetched: the
     keys of its share of the examples, at most the batch's distinct keys) fill it at
-    most half (a rebuild drops the stale rows); and the scheduler's snapshot, about 19
+    most half (a rebuild drops the stale rows), at most device_capacity; and the scheduler's snapshot, about 19
     bytes a cached key (W7), at most devices x cache_rows keys."""
     from hps.worker_caches import first_table_rows, rebuilt_table_rows
-    table = rebuilt_table_rows(first_table_rows(cache_rows), cache_rows, most_fetched)
+    table = min(rebuilt_table_rows(first_table_rows(cache_rows), cache_rows, most_fetched), device_capacity)
     snapshot = 19 * devices * cache_rows
     return {"devices": devices, "tiers": 1, "table_rows": table, "cache_rows": cache_rows,
             "most_keys_per_device": most_fetched, "scheduler_bytes": snapshot,
@@ -523,7 +524,8 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
     in_place = ps.host_in_place and ps.devices == 1 and _core.cuda_device_count() < 1 \
         and ps.schedule == "sequential"
     if ps.schedule == "herald":
-        dev = herald_tables(ps.devices, ps.worker_cache_rows, smp.most_fetched, row_floats, ps.dim)
+        dev = herald_tables(ps.devices, ps.worker_cache_rows, smp.most_fetched, row_floats, ps.dim,
+                            ps.device_capacity)
         dev["kind"] = ("cuda" if _core.cuda_device_count() >= ps.devices else "host partitions") + \
             ", herald worker caches"
     elif in_place:

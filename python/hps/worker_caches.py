@@ -183,16 +183,19 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
 
     _what = "the worker caches"
 
-    def __init__(self, ps, workers: int, capacity: int):
+    def __init__(self, ps, workers: int, capacity: int, device_capacity: int = 1 << 62):
         if capacity < 1:
             raise ValueError(f"worker_cache_rows must be >= 1 with schedule = 'herald', got {capacity}")
+        if capacity > device_capacity:
+            raise ValueError(f"worker_cache_rows = {capacity} is more than device_capacity = {device_capacity}")
         self._ps = ps
         self.workers = workers
         self.capacity = capacity
+        self.device_capacity = device_capacity  # the most rows a device's table has
         self.herald = Herald(workers, capacity)
         self._row_floats = ps.row_floats
-        # Tables grow when a batch's fetches would fill one past 0.7 (schedule).
-        self._table_rows = first_table_rows(capacity)
+        # Tables grow when a batch's fetches would fill one past 0.7 (schedule), up to device_capacity.
+        self._table_rows = min(first_table_rows(capacity), device_capacity)
         self._tier = ps._new_tier(self._table_rows)
         self._gradient_slots = np.full(workers, self._table_rows, np.int64)  # each device's gradient table's
         # The tables as the scheduled batches will leave them, under _scheduling:
@@ -226,7 +229,14 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
             held = self.herald.cached_by_worker()  # as the batch before leaves them
             rebuild = None
             if needs_rebuild(int(self._planned_present.max()), incoming, self._planned_rows):
-                rebuild = (held, rebuilt_table_rows(self._planned_rows, max(len(k) for k in held), incoming))
+                live = max(len(k) for k in held)
+                if live + incoming > self.device_capacity:
+                    # Refused before the snapshot takes the batch: the caches stay usable.
+                    raise ValueError(f"a batch of {distinct} distinct keys may fetch {incoming} rows onto a "
+                                     f"device whose cache holds {live}, more than device_capacity = "
+                                     f"{self.device_capacity} together; raise device_capacity or lower "
+                                     f"worker_cache_rows")
+                rebuild = (held, min(rebuilt_table_rows(self._planned_rows, live, incoming), self.device_capacity))
             plan = self.herald.schedule(examples, upcoming=upcoming)  # lookahead: kept last
             if rebuild is not None:
                 self._planned_rows = rebuild[1]

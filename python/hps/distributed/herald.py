@@ -145,6 +145,10 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             # and the next flush would bring them back.
             raise ValueError(f"[ps] ttl_steps = {ps.ttl_steps} and max_rows = {ps.max_rows}: bounded "
                              f"tables need schedule = 'sequential' (Herald's caches hold rows between steps)")
+        if capacity > ps.device_capacity:  # (the rank's server runs 'sequential': its check did not see it)
+            raise ValueError(f"worker_cache_rows = {capacity} is more than device_capacity = {ps.device_capacity} "
+                             f"(rows a device) with schedule = 'herald': a rank's cache must fit in its table; "
+                             f"lower worker_cache_rows or raise device_capacity")
         super().__init__(local, node)
         if capacity < 1:
             raise ValueError(f"worker_cache_rows must be >= 1 with schedule = 'herald', got {capacity}")
@@ -161,7 +165,8 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         # are cached elsewhere (hps.herald.Herald's example_cost).
         self.example_cost = min(65536.0, example_bytes / (4 * self._row_floats))
         self.herald = Herald(node.size, capacity, example_cost=self.example_cost) if self.leader else None
-        self._table_rows = first_table_rows(capacity)
+        self.device_capacity = ps.device_capacity  # the most rows a rank's table has
+        self._table_rows = min(first_table_rows(capacity), self.device_capacity)
         self._tier = self._new_tier(self._table_rows)
         self._gradient_slots = np.array([self._table_rows], np.int64)  # the tier's gradient table's
         self._present = 0  # rows in the table, live or stale (an upper bound)
@@ -193,7 +198,11 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             if not needs_rebuild(present, incoming, rows):
                 continue
             keys = held[r]
-            rows = rebuilt_table_rows(rows, len(keys), incoming)
+            if len(keys) + incoming > self.device_capacity:
+                raise ValueError(f"a step may fetch {incoming} rows onto rank {r}, whose cache holds {len(keys)}, "
+                                 f"more than device_capacity = {self.device_capacity} together; raise "
+                                 f"device_capacity or lower worker_cache_rows")
+            rows = min(rebuilt_table_rows(rows, len(keys), incoming), self.device_capacity)
             table[:] = [len(keys), rows]
             out[r] = (keys, rows)
         return out
