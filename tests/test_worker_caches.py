@@ -532,31 +532,6 @@ def test_a_flush_writes_each_cached_key_once_and_nothing_until_a_batch_changes_t
     assert ps.stats()["device"]["herald"]["flushes"] == 2
 
 
-def test_a_flush_writes_only_the_rows_trained_since_the_last_one(tmp_path):
-    """A flush wrote every cached row, changed or not: every checkpoint wrote the
-    whole caches again, and an export's delta listed rows that had not changed."""
-    batches = trace(batches=8)
-    ps = run(server(tmp_path / "a", "herald", rows=400), batches[:6])
-    ps.checkpoint()
-    first = ps.stats()["device"]["herald"]["flushed_rows"]
-    cached = np.unique(np.concatenate([ps._herald.herald.cached(w) for w in range(4)]))
-    small = batches[6][:4]  # a batch of a few keys, which stay cached (the caches have room)
-    run(ps, [small])
-    assert len(np.unique(small)) < len(cached)
-    written = []
-    keep_updated = ps._cache.keep_updated
-    ps._cache.keep_updated = lambda keys, rows: (written.append(np.array(keys)), keep_updated(keys, rows))[1]
-    ps.checkpoint()
-    h = ps.stats()["device"]["herald"]
-    assert h["evict_pushes"] == 0
-    assert sorted(np.concatenate(written).tolist()) == np.unique(small).tolist()
-    assert h["flushed_rows"] - first == len(np.unique(small))
-    # Nothing lost: the rows end as the sequential schedule's.
-    run(ps, batches[7:])
-    seq = run(server(tmp_path / "s", "sequential"), batches[:6] + [small] + batches[7:])
-    np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
-
-
 @pytest.mark.parametrize("shared", [1, 5])  # keys whose hashes pick device 0 and device 1
 def test_rows_move_from_the_device_holding_them_and_replicas_from_the_keys_primary(tmp_path, shared):
     p = primary(shared, {0, 1}, 2)

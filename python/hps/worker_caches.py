@@ -26,11 +26,9 @@ from peers, copied to keep replicas equal, written to MEM-PS (evictions and
 flushes), and the transfer matrix of all of it (with the tier's own counts of
 gradients sent to primaries and embeddings read).
 
-MEM-PS holds stale copies of cached rows: ``flush()`` writes to MEM-PS the
-cached rows trained since they were last written there (``TrainedKeys``; the
-caches keep them, clean as far as MEM-PS is concerned); the others' stored
-copies equal the cached ones already. The parameter server calls it before a
-pull (an evaluation) and a checkpoint.
+MEM-PS holds stale copies of cached rows: ``flush()`` writes every cached row
+to MEM-PS (the caches keep them, clean as far as MEM-PS is concerned); the
+parameter server calls it before a pull (an evaluation) and a checkpoint.
 
 Physical rows follow the scheduler's snapshot: a row a device no longer holds
 stays in its table (stale, never read: a fetch overwrites it) until the table
@@ -132,51 +130,6 @@ def most_fetched(n_examples: int, fields: int, workers: int, distinct: int) -> i
     return min(distinct, -(-n_examples // workers) * fields)
 
 
-class TrainedKeys:
-    """The keys trained since the caches last wrote their rows below them (a
-    flush): only those a flush writes, as the others' stored rows equal the
-    cached ones (every cached row came from MEM-PS, SSD-PS or a peer, and
-    changes only when trained). Writing every cached row at each flush made
-    every checkpoint write the whole caches again, and an export's delta list
-    rows that had not changed.
-
-    A batch's keys are added when it applies; a key its evictions dropped may
-    stay listed (a flush writes only the keys the caches hold: its row went
-    below when it was dropped). The list is made distinct and cut to the keys
-    held when it grows past twice `bound` (the keys the caches can hold), so
-    it stays within that between flushes."""
-
-    def __init__(self, bound: int):
-        self._bound = max(1, bound)
-        self._parts: list = []
-        self._count = 0
-        self._limit = 2 * self._bound
-
-    def __bool__(self) -> bool:
-        return self._count > 0
-
-    def add(self, keys: np.ndarray, held) -> None:
-        """keys: a batch's, as it applies; held(): the keys the caches hold now
-        (called only when the list is cut)."""
-        self._parts.append(np.asarray(keys, np.uint64))
-        self._count += len(keys)
-        if self._count > self._limit:
-            kept = np.unique(np.concatenate(self._parts))
-            cached = held()
-            kept = kept[np.isin(kept, np.concatenate(cached) if len(cached) else np.empty(0, np.uint64))]
-            self._parts, self._count = [kept], len(kept)
-            self._limit = 2 * max(self._bound, len(kept))
-
-    def of(self, keys: np.ndarray) -> np.ndarray:
-        """Which of keys were trained since the last flush (bools)."""
-        if not self._parts:
-            return np.zeros(len(keys), bool)
-        return np.isin(keys, np.concatenate(self._parts))
-
-    def clear(self) -> None:
-        self._parts, self._count, self._limit = [], 0, 2 * self._bound
-
-
 class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
     """The persistent device tier of ``workers`` devices, each a cache of at
     most ``capacity`` rows, scheduled by Herald. Built by ParameterServer."""
@@ -206,7 +159,7 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         self._planned_present = np.zeros(workers, np.int64)
         self._planned_rows = self._table_rows
         self._init_fail_stop()
-        self._trained = TrainedKeys(workers * capacity)  # cached rows newer than MEM-PS's copy
+        self._dirty = False  # some cached row is newer than MEM-PS's copy
         self.moved_rows = np.zeros((workers, workers), np.uint64)  # whole rows copied device to device
         self.counts = {"batches": 0, "ps_loads": 0, "peer_fetches": 0, "replica_copies": 0,
                        "evict_pushes": 0, "flushes": 0, "flushed_rows": 0, "compactions": 0,
@@ -282,29 +235,23 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
             return
         self._ps._cache.keep_updated(keys, np.ascontiguousarray(rows))
 
-    def _held_as_applied(self) -> list:
-        with self._scheduling:
-            return self._as_applied(self.herald.cached_by_worker)
-
     def flush(self) -> int:
-        """The cached rows trained since the last flush to MEM-PS, one copy a
-        key; returns how many: the caches as the last batch applied left them
-        (the snapshot before the batches scheduled since, a batch in its step
-        among them)."""
+        """Every cached row to MEM-PS, one copy a key; returns how many: the
+        caches as the last batch applied left them (the snapshot before the
+        batches scheduled since, a batch in its step among them)."""
         with self._lock:
             self.check()
-            if not self._trained:
+            if not self._dirty:
                 return 0
-            held = self._held_as_applied()
+            with self._scheduling:
+                held = self._as_applied(self.herald.cached_by_worker)
             keys = np.concatenate(held) if held else np.empty(0, np.uint64)
             owners = np.repeat(np.arange(self.workers, dtype=np.int32), [len(k) for k in held])
             keys, first = np.unique(keys, return_index=True)  # a key once, from its lowest holder
             owners = owners[first]
-            changed = self._trained.of(keys)
-            keys, owners = keys[changed], owners[changed]
             rows = self._tier.rows(keys, owners, self._row_floats)
             self._to_mem(keys, rows)
-            self._trained.clear()
+            self._dirty = False
             self.counts["flushes"] += 1
             self.counts["flushed_rows"] += len(keys)
             return len(keys)
@@ -550,8 +497,8 @@ class HeraldBatch(BatchBase):
             except BaseException:
                 self.abort()
                 raise
+            c._dirty = True
             c._finished(self._number)
-            c._trained.add(self.keys, c._held_as_applied)
         self._applied = True
 
     def write_back(self) -> None:

@@ -31,9 +31,8 @@ every step; the others learn only their part of the plan:
   so that the keys every rank trains do not all sum on rank 0), which sends the
   sum back, and each trainer steps its own copy; a row no cache holds any more
   goes to its owner's MEM-PS; pulls (an
-  evaluation) and checkpoints first write to its owner every cached row trained
-  since the last such flush (the leader keeps the job's trained keys and names
-  which rank writes which).
+  evaluation) and checkpoints first write every cached row to its owner (the
+  leader names which rank writes which).
 
 So the job computes what the sequential one does, up to the order in which floats
 are summed (tests/test_distributed.py runs both on 2 and 4 ranks). The leader's
@@ -58,8 +57,8 @@ from hps.distributed.sparse import (DistributedServer, FreshRows, _StepData, own
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
-from hps.worker_caches import (TrainedKeys, first_table_rows, most_fetched, needs_rebuild, primaries,
-                               rebuilt_table_rows, size_gradients)
+from hps.worker_caches import (first_table_rows, most_fetched, needs_rebuild, primaries, rebuilt_table_rows,
+                               size_gradients)
 
 
 LEADER = 0  # the rank that holds the snapshot and plans every step
@@ -175,9 +174,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             self._tables = [[0, self._table_rows] for _ in range(node.size)]
         self._init_made_order()  # the leader keeps the caches' keys before each pending step
         self._init_fail_stop()
-        self._dirty = False  # a step applied since the last flush (every rank's, so that all flush)
-        # Leader: the keys the job trained since the last flush, which alone it writes.
-        self._trained = TrainedKeys(node.size * capacity) if self.leader else None
+        self._dirty = False
         self.counts = {"batches": 0, "examples_sent": 0, "examples_kept": 0, "ps_loads": 0, "peer_fetches": 0,
                        "rows_served": 0, "primary_steps": 0, "replica_copies": 0, "evict_pushes": 0,
                        "flushes": 0, "flushed_rows": 0, "compactions": 0, "plan_pulls": 0, "plan_peer_pulls": 0,
@@ -243,14 +240,9 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         got = self.node.alltoallv(stage, blocks if self.leader else [empty] * self.node.size, kind, what)
         return got[LEADER]
 
-    def _held_as_applied(self) -> list:
-        with self._scheduling:  # the caches as the last step applied left them
-            return self._as_applied(self.herald.cached_by_worker)
-
     def flush(self) -> None:
-        """The cached rows trained since the last flush to their owners' MEM-PS,
-        one copy a key, from the lowest rank that holds it (collective; the
-        caches keep the rows)."""
+        """Every cached row to its owner's MEM-PS, one copy a key, from the lowest
+        rank that holds it (collective; the caches keep the rows)."""
         with self._lock:
             self.check()
             if not self._dirty:
@@ -258,11 +250,11 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             blocks = []
             if self.leader:
                 written = np.empty(0, np.uint64)
-                for held in self._held_as_applied():
-                    held = held[self._trained.of(held)]
+                with self._scheduling:  # the caches as the last step applied left them
+                    cached = self._as_applied(self.herald.cached_by_worker)
+                for held in cached:
                     blocks.append(held[~np.isin(held, written, assume_unique=True)])
                     written = np.union1d(written, held)
-                self._trained.clear()
             mine = self._from_leader("train", blocks, "plan", "flush keys", np.empty(0, np.uint64))
             rows = self._tier.rows(mine, None, self._row_floats)
             self._to_owners(mine, rows, "flush")
@@ -580,8 +572,6 @@ class HeraldDistBatch(BatchBase):
             self._apply(s, node, W, me)
             s._dirty = True
             s._finished(self._number)
-            if s.leader:
-                s._trained.add(self.pre.uniq, s._held_as_applied)
         self._applied = True
 
     def _apply(self, s, node, W, me) -> None:
