@@ -54,14 +54,15 @@ source = "{source}"
 batch_size = {batch}
 train_examples = {examples}
 eval_examples = 512
-vocab_sizes = {vocab}
-"""
+{vocab}"""
 
 
 def write_config(tmp_path, name, path, source="synthetic", every=EVERY, examples=BATCH * BATCHES):
     cfg = tmp_path / f"{name}.toml"
+    # (vocab_sizes describes synthetic data: refused beside a files source)
+    vocab = f"vocab_sizes = {VOCAB}\n" if source == "synthetic" else ""
     cfg.write_text(TOML.format(path=path, source=source, every=every, batch=BATCH, examples=examples,
-                               vocab=VOCAB))
+                               vocab=vocab))
     return cfg
 
 
