@@ -256,6 +256,38 @@ def test_crlf_and_missing_final_newline(tmp_path):
     assert_same_rows(lf, unterminated)
 
 
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_lone_cr_line_ends_read_as_lines(tmp_path, monkeypatch, compiled):
+    # A file of classic Mac OS "\r" line ends has no "\n": it was one line of 118
+    # fields, refused, or skipped as one malformed line with skip_malformed, so that
+    # the file gave no example without a word (and was read whole to find its end).
+    pytest.importorskip("pyarrow")
+    from hps.data import criteo
+    if not compiled:
+        monkeypatch.setattr(criteo, "_criteo_lines", None)
+    lines = [line(label=str(i % 2), I3=str(i)) for i in range(1, 41)]
+    lf = list(CriteoTsv(write(tmp_path / "lf.tsv", lines), batch_size=100))
+    mac = write(tmp_path / "mac.tsv", lines, end="\r")
+    (tmp_path / "mac.tsv.gz").write_bytes(gzip.compress((tmp_path / "mac.tsv").read_bytes()))
+    for path in (mac, str(tmp_path / "mac.tsv.gz")):
+        for block_bytes in (4 << 20, 1000, 16):
+            reader = CriteoTsv(path, batch_size=100, block_bytes=block_bytes, skip_malformed=True)
+            batches = list(reader)
+            assert reader.malformed == 0, (path, block_bytes)
+            assert_same_rows(lf, batches)
+            assert [b.locate(i)[1] for b in batches for i in range(len(b))] == list(range(1, 41))
+    # Each "\r" ends one line: a bad value is named by its line.
+    lines[6] = line(I5="abc")
+    bad = write(tmp_path / "bad.tsv", lines, end="\r")
+    for block_bytes in (4 << 20, 16):
+        with pytest.raises(DataError, match=r"bad\.tsv:7: field I5: 'abc' is not an integer"):
+            list(CriteoTsv(bad, batch_size=100, block_bytes=block_bytes))
+    # A "\r" inside a line of a "\n" file still makes that line (line 1 too) malformed.
+    (tmp_path / "stray.tsv").write_bytes(line(C3="ab\rcd").encode() + b"\n" + line().encode() + b"\n")
+    with pytest.raises(DataError, match=r"stray\.tsv:1: field C3: 'ab\\rcd' is not a hexadecimal"):
+        list(CriteoTsv(str(tmp_path / "stray.tsv"), batch_size=100))
+
 MALFORMED = [
     (line()[:-9], "has 39 fields, expected 40", None),
     (line() + "\t", "has 41 fields, expected 40", None),

@@ -467,6 +467,21 @@ def test_libsvm_fields_by_index_range(tmp_path):
     np.testing.assert_array_equal(one.offsets, [0, 3, 4, 5])
 
 
+def test_libsvm_with_lone_cr_line_ends_reads_every_line(tmp_path):
+    # Classic Mac OS "\r" line ends, as SchemaCsv reads them: the file was one line,
+    # refused at its second label, or skipped whole with skip_malformed.
+    p = tmp_path / "mac.svm"
+    p.write_bytes(b"1 3:1 12:0.5 4:2\r-1 11:1  # a comment\r\r+1 15:1\r")
+    reader = Libsvm(p, {"fields": {"user": [0, 9], "item": [10, 19]}}, skip_malformed=True)
+    labels, _, _, (user, item), batches = read_all(reader)
+    assert reader.malformed == 0 and labels.tolist() == [1, 0, 1]
+    np.testing.assert_array_equal(user.offsets, [0, 2, 2, 2])
+    np.testing.assert_array_equal(item.keys, [ref_key(1, "12"), ref_key(1, "11"), ref_key(1, "15")])
+    assert [b.locate(i) for b in batches for i in range(len(b))] == [(str(p), 1), (str(p), 2), (str(p), 4)]
+    p.write_bytes(b"1 3:1\r0 3:x\r")
+    with pytest.raises(DataError, match=r"mac\.svm:2: '3:x'"):
+        list(Libsvm(p))
+
 def test_libsvm_errors_name_line_and_feature(tmp_path):
     p = tmp_path / "bad.svm"
     p.write_text("1 3:1\n0 3:x\n2 3:1\n1 3\n1 30:1\n")

@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Optional, Union
 import numpy as np
 
 from hps.data.examples import _Piece, _sources_of
-from hps.data.files import (DataError, _compression, _line_bounds, _open_binary, _Reader, _shown, _warn_empty,
-                            list_files, parquet_errors, parquet_file)
+from hps.data.files import (DataError, _compression, _LfLineEnds, _line_bounds, _open_binary, _Reader, _shown,
+                            _warn_empty, list_files, parquet_errors, parquet_file)
 from hps.data.keys import _field_tags, _keys
 
 from hps.data import _criteo_lines  # the compiled per-line parser (bench/reader_bench.py sets it to None
@@ -300,7 +300,9 @@ class CriteoTsv(_Reader):
     kept in ``malformed_examples``. Valid fields: label 0 or 1; I* empty or a
     decimal int64 (``-?[0-9]+``); C* empty or 1 to 16 hex digits. Lines end
     at "\\n" (a "\\r" before it is dropped), so a lone "\\r" or a byte order
-    mark belongs to a field and makes the line malformed. A damaged
+    mark belongs to a field and makes the line malformed; but a file whose
+    first 64 KiB hold a "\\r" and no "\\n" has lone "\\r" line ends (classic
+    Mac OS), and is read with each "\\r" (or "\\r\\n") ending a line. A damaged
     compressed file raises DataError at the first line it cannot give, even
     with ``skip_malformed``.
 
@@ -334,9 +336,9 @@ class CriteoTsv(_Reader):
             # pyarrow's codecs (bz2, zstd, and any of a URL's) report damaged data as
             # a plain OSError: for a compressed file it is the data's fault.
             damaged = _DECOMPRESSION_ERRORS + ((OSError,) if _compression(path) else ())
-            with _open_binary(path) as f:
+            with _open_binary(path) as raw:
                 line = 1
-                blocks = _blocks(f, self.block_bytes)
+                blocks = _blocks(_LfLineEnds(raw), self.block_bytes)
                 read_any = False
                 while True:
                     try:

@@ -283,6 +283,76 @@ def _open_binary(path: str):
     return open(path, "rb")
 
 
+# How far into a file _LfLineEnds looks for a "\n" before taking its line ends for "\r".
+_LINE_END_SNIFF_BYTES = 64 << 10
+
+
+class _LfLineEnds:
+    """A binary reader of a file's bytes for the readers that end lines at "\n" alone
+    (Criteo TSV, libsvm), with a file of lone "\r" line ends (classic Mac OS, Excel's
+    "CSV (Macintosh)") given as one of "\n" line ends, as SchemaCsv (pyarrow.csv) reads
+    it: otherwise the file was one line, one malformed example (skipped without a
+    word with skip_malformed), and read whole into memory to find its end. A file is
+    taken for one of "\r" line ends when its first _LINE_END_SNIFF_BYTES (or all, if
+    fewer) hold a "\r" and no "\n": in a file of "\n" line ends a stray "\r" stays
+    in its line, which it makes malformed. Each "\r\n" of such a file stays one line
+    end. The first bytes are read on the first read, so that a damaged compressed
+    file fails where the reader's reads are guarded.
+    """
+
+    def __init__(self, raw):
+        self._raw = raw
+        self._cr = None  # whether the line ends are "\r": known at the first read
+        self._head = b""  # what the look for a "\n" read, not yet given
+        self._held = b""  # a "\r" last in what was read, which may be a "\r\n"'s
+
+    def _sniff(self) -> None:
+        head = b""
+        while len(head) < _LINE_END_SNIFF_BYTES and b"\n" not in head:
+            data = self._raw.read(_LINE_END_SNIFF_BYTES - len(head))
+            if not data:
+                break
+            head += data
+        if head.endswith(b"\r"):
+            head += self._raw.read(1)  # a "\n" after it makes this a "\r\n"
+        self._cr = b"\r" in head and b"\n" not in head
+        self._head = head
+
+    def read(self, n: Optional[int] = -1) -> bytes:
+        """At most about n bytes (one more where a held "\r" goes out); all with n < 0."""
+        if self._cr is None:
+            self._sniff()
+        whole = n is None or n < 0
+        while True:
+            if self._head:
+                data = self._head if whole else self._head[:n]
+                self._head = self._head[len(data):]
+                if whole:
+                    data += self._raw.read()
+            else:
+                data = self._raw.read() if whole else self._raw.read(n)
+            if not self._cr:
+                return data
+            if not data:  # the end: a held "\r" is the last line end
+                data, self._held = self._held, b""
+                return data.replace(b"\r", b"\n")
+            data, self._held = self._held + data, b""
+            if data.endswith(b"\r"):
+                data, self._held = data[:-1], b"\r"
+                if not data:
+                    continue
+            return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def parquet_errors(pa) -> tuple:
     """What pyarrow raises on a damaged Parquet file: ArrowInvalid (a ValueError), a
     plain OSError ("Couldn't deserialize thrift"), UnicodeDecodeError for a column

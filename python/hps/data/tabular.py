@@ -35,8 +35,8 @@ import numpy as np
 from hps.data import _libsvm_lines  # the compiled libsvm line parser (_libsvm_lines.pyx)
 from hps.data.criteo import dense_transform
 from hps.data.examples import Bags, _Piece, _sources_of
-from hps.data.files import (_COMPRESSED, DataError, _compression, _is_url, _line_bounds, _open_binary, _Reader,
-                            _shown, _warn_empty, list_files, parquet_errors, parquet_file)
+from hps.data.files import (_COMPRESSED, DataError, _compression, _is_url, _LfLineEnds, _line_bounds, _open_binary,
+                            _Reader, _shown, _warn_empty, list_files, parquet_errors, parquet_file)
 from hps.data.keys import _field_tag, _keys
 from hps.data.schema import Schema, _as_binary, _binary_parts, value_hashes
 
@@ -797,7 +797,9 @@ class Libsvm(_SchemaReader):
     (``Batch.bags``) of its indices' keys (:func:`hps.data.value_keys` of the index's
     decimal text) weighted by their values; ``keys`` and ``dense`` have no columns.
     Labels: 0, 1, -1 (as 0) or +1. Errors: ``train.svm:5: '3:x': the value is not a
-    number``. A ``#`` starts a comment; blank lines are skipped."""
+    number``. A ``#`` starts a comment; blank lines are skipped. Lines end at "\\n"
+    ("\\r\\n" too), or at a lone "\\r" in a file whose first 64 KiB hold a "\\r" and
+    no "\\n" (classic Mac OS line ends)."""
 
     def __init__(self, paths, schema=None, batch_size: int = 4096, *, rank: int = 0, world: int = 1,
                  drop_last: bool = False, skip_malformed: bool = False):
@@ -825,6 +827,7 @@ class Libsvm(_SchemaReader):
             except errors as e:
                 raise DataError(f"{path}: cannot read: {e}", path=path) from e
             with stream:
+                stream = _LfLineEnds(stream)
                 pending = b""
                 line = 1
                 read_any = False
