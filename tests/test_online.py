@@ -235,6 +235,37 @@ def test_a_file_of_other_fields_is_a_data_error_naming_it_and_the_first_file(tmp
     assert sum(len(b) for b in GrowingDirectory(tmp_path, reader, poll=0.05)) == 40
 
 
+def test_ranks_whose_first_files_differ_hold_their_files_to_rank_0s(tmp_path):
+    # Each rank's first file is the first to become ready at its own polls: rank 1 took
+    # b.csv (a.csv was still being written), rank 0 a.csv. Each held its files to its own
+    # first file, so a.csv and b.csv, of the same counts but other fields, were both read
+    # without an error on two ranks. agree() makes rank 0's first file every rank's.
+    from hps.data.online import owner
+    assert (owner("a.csv", 2), owner("b.csv", 2)) == (0, 1)  # (blake2b of these names: each on its own rank)
+    schema = {"label": "click", "dense": ["price"], "categorical": "rest"}
+
+    def reader(path):
+        return open_schema([path], schema, 16)
+    (tmp_path / "b.csv").write_text("click,price,os,site\n" + "0,3,o2,s2\n" * 20)
+    rank1 = GrowingDirectory(tmp_path, reader, poll=0.05, rank=1, world=2)
+    assert os.path.basename(rank1.first_file()) == "b.csv"
+    (tmp_path / "a.csv").write_text("click,price,site,os\n" + "1,2,s1,o1\n" * 20)
+    (tmp_path / "_DONE").write_text("")
+    rank0 = GrowingDirectory(tmp_path, reader, poll=0.05, rank=0, world=2)
+    assert os.path.basename(rank0.first_file()) == "a.csv"
+    assert rank0.widths() == rank1.widths() == (1, 2, 0)  # what the ranks' allgather of widths compares
+
+    class Node:  # the two ranks' allgather, as hps.distributed's Node gives it
+        def allgather(self, stage, obj, what):
+            return [os.path.basename(rank0.first_file()), os.path.basename(rank1.first_file())]
+    for r in (rank0, rank1):
+        r.agree(Node())
+    assert sum(len(b) for b in rank0) == 20
+    with pytest.raises(DataError, match=r"b.csv: the schema gives other fields here than in .*a.csv \(.*"
+                                        r"categorical \['os', 'site'\].* against .*categorical \['site', 'os'\]"):
+        list(rank1)
+
+
 def test_named_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"online data: .*nowhere does not exist"):
         GrowingDirectory(tmp_path / "nowhere", csv_reader)

@@ -1260,6 +1260,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         if len(set(every)) > 1:
             raise ValueError("the ranks' data give different fields (dense, single-hot, multi-hot): "
                              + ", ".join(f"rank {r}: {w}" for r, w in enumerate(every)))
+        if isinstance(source, hdata.GrowingDirectory):
+            source.agree(node)  # one file every rank's files are held to
     number = LAST
     if node is not None:
         number = _prepare_job(cfg, node, resume, tuple(widths))

@@ -37,7 +37,8 @@ file seen but not yet ready is waited for); ``examples`` examples were read (the
 batch is cut to that number). A file's batches never span two files.
 
 Every file must give the fields of the first one (the file :meth:`GrowingDirectory.widths`
-shaped the model by), as in a finite data set: one that does not is a DataError naming it.
+shaped the model by; under mpiexec rank 0's, :meth:`GrowingDirectory.agree`), as in a finite
+data set: one that does not is a DataError naming it.
 """
 from __future__ import annotations
 
@@ -127,6 +128,7 @@ class GrowingDirectory:
         self._read_stats: dict = {}  # name -> (size, mtime_ns) when this rank's reader opened it
         self._fields: Optional[tuple] = None
         self._first: Optional[str] = None
+        self._reference: Optional[str] = None  # agree(): the file every rank's files are held to
         self._replay: list = []  # replay(): names a run before this one read, in its order
 
     def _scan(self) -> dict:
@@ -219,6 +221,20 @@ class GrowingDirectory:
         again. A file named here that is gone is a DataError naming it."""
         self._replay = [os.fspath(n) for n in names]
 
+    def agree(self, node) -> None:
+        """Makes rank 0's first file (its widths()'s) the one whose fields every file of
+        every rank must give. Each rank's first file is the first that became ready at
+        its own polls, which may be another file on each rank (a file written while the
+        ranks started): each then held its files to its own first file, and files of
+        other fields (the same counts, so the model's shape agreed) were read on two
+        ranks without an error. Collective: every rank of ``node`` (a
+        hps.distributed Node) calls it, after widths()."""
+        first = self.first_file()
+        names = node.allgather("train", None if first is None else os.path.basename(first),
+                               "the online data's first file")
+        if names[0] is not None:
+            self._reference = os.path.join(self.directory, names[0])
+
     def widths(self) -> tuple:
         """(dense, single-hot, multi-hot) fields of the first file's reader (waiting for it)."""
         first = self.first_file()
@@ -292,9 +308,11 @@ class GrowingDirectory:
         if fields is None:  # (the Criteo readers: fixed fields)
             return
         got = fields()
-        if self._fields is None and self._first is not None and self._first != path:
-            # The file widths() gave the model's shape by, which may be another rank's.
-            self._fields = (self._first, self._reader(self._first).fields())
+        reference = self._reference or self._first
+        if self._fields is None and reference is not None and reference != path:
+            # The file widths() gave the model's shape by (rank 0's, agree()), which may
+            # be another rank's.
+            self._fields = (reference, self._reader(reference).fields())
         if self._fields is None:
             self._fields = (path, got)
         elif got != self._fields[1]:
