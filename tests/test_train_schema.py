@@ -207,6 +207,24 @@ def test_a_ps_flag_that_makes_a_file_value_count_names_the_file_and_flag(tmp_pat
     assert not (tmp_path / "ps").exists()
 
 
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_data_flag_over_a_synthetic_config_refuses_its_synthetic_fields_naming_the_file(tmp_path, capsys,
+                                                                                         hierarchical):
+    # TrainConfig.from_dict refuses vocab_sizes, multi_hot ... with a data.source of files, but
+    # --data put the files in after it: a synthetic config's vocab_sizes was read by nothing.
+    from hps.cli import main
+    (tmp_path / "train.tsv").write_text("")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[ps]\ndim = {DIM}\npath = "{tmp_path / "ps"}"\n'
+                      '[data]\nvocab_sizes = [10, 20]\nmulti_hot = [[10, 2]]\nbatch_size = 10\n'
+                      + ('[hierarchical]\ngroups = 1\n' if hierarchical else ''))
+    assert main(["train", "--config", str(config), "--data", str(tmp_path / "train.tsv"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (f"hps train: {config}: data.vocab_sizes and data.multi_hot describe synthetic data; --data "
+            f"{tmp_path / 'train.tsv'} reads files: remove them, or leave out --data" in err), err
+    assert not (tmp_path / "ps").exists()
+
+
 def test_hps_train_reports_the_lines_skip_malformed_left_out(tmp_path, capsys):
     # With skip_malformed = true a run had trained on fewer examples than the files
     # hold without a word of it: neither the table nor train-summary.json counted

@@ -259,6 +259,9 @@ def cmd_train(a) -> int:
             cfg = TrainConfig.from_toml(a.config)
         if a.data:
             cfg.data.source = a.data
+            # from_dict refused synthetic data's fields with files only where the file named files
+            from hps.train import refuse_synthetic_only
+            refuse_synthetic_only(cfg.data, set(raw.get("data", {})), os.fspath(a.config), data_flag=True)
         if a.label is not None or a.dense:
             raise ValueError("--label and --dense are for --data without --config; put [data.schema] in the TOML")
     else:

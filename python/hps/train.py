@@ -293,12 +293,7 @@ class TrainConfig:
                              f"got {data.bag_length!r}")
         # Synthetic data's fields with files were read by nothing, without a word (the
         # reverse, data.format or data.schema with synthetic data, is refused above).
-        unread = [f"data.{name}" for name in SYNTHETIC_ONLY if name in given]
-        if unread and data.source != "synthetic":
-            named = " and ".join(filter(None, (", ".join(unread[:-1]), unread[-1])))
-            raise ValueError(f"{source}: {named} describe{'s' if len(unread) == 1 else ''} synthetic "
-                             f"data; data.source = {data.source!r} reads files: remove "
-                             f"{'it' if len(unread) == 1 else 'them'}, or set data.source = 'synthetic'")
+        refuse_synthetic_only(data, given, source)
         # (checkpoint_every = -1 trained no batch and ended as a finished run)
         for name, low in (("online_window", 1), ("online_window_batches", 0), ("eval_every", 0),
                           ("checkpoint_every", 0), ("torch_threads", 0)):
@@ -355,6 +350,22 @@ class TrainConfig:
     @classmethod
     def from_toml(cls, path) -> "TrainConfig":
         return cls.from_dict(load_toml(path), source=os.fspath(path))
+
+
+def refuse_synthetic_only(data: DataConfig, given, source: str, data_flag: bool = False) -> None:
+    """Raises ValueError naming ``source`` (the config file) and the fields when ``given``
+    (the [data] fields the file gives) holds fields only synthetic data reads
+    (SYNTHETIC_ONLY) while data.source names files: nothing would read them.
+    ``data_flag``: the files come from ``hps train --data``, over the file's source."""
+    unread = [f"data.{name}" for name in SYNTHETIC_ONLY if name in given]
+    if not unread or data.source == "synthetic":
+        return
+    named = " and ".join(filter(None, (", ".join(unread[:-1]), unread[-1])))
+    what = f"--data {' '.join(map(os.fspath, data.source))}" if data_flag and isinstance(data.source, (list, tuple)) \
+        else "--data" if data_flag else f"data.source = {data.source!r}"
+    fix = "leave out --data" if data_flag else "set data.source = 'synthetic'"
+    raise ValueError(f"{source}: {named} describe{'s' if len(unread) == 1 else ''} synthetic data; {what} "
+                     f"reads files: remove {'it' if len(unread) == 1 else 'them'}, or {fix}")
 
 
 # ---------------------------------------------------------------- data
