@@ -531,15 +531,21 @@ class _FakeNvml(types.ModuleType):
     its NVLinks end at (one entry a link; None: NVML cannot name it); NVML names remote
     devices with an 8-digit domain. remote_type=False is a pynvml older than nvmlDeviceGetNvLinkRemoteDeviceType,
     "raises" a driver older than it; `unknown` the bus ids NVML has no GPU at (a GPU
-    bound to another driver, or none at all)."""
+    bound to another driver, or none at all). NVLink P2P status (nvmlDeviceGetP2PStatus)
+    is OK between GPUs bridged to each other, on a common switch, or on switches joined
+    by one of `trunks` (switch bus-id pairs, which no GPU's NVLinks show); p2p_status=False
+    is a pynvml without the function, "raises" a driver without it."""
 
     class NVMLError(Exception):
         pass
 
     GPU, SWITCH = 0, 2  # nvml.h's NVML_NVLINK_DEVICE_TYPE_GPU, _SWITCH
+    NVML_P2P_CAPS_INDEX_NVLINK = 2
+    NVML_P2P_STATUS_OK, NVML_P2P_STATUS_NOT_SUPPORTED = 0, 5
 
     def __init__(self, bridges: dict, init_fails: bool = False, switch_links: dict | None = None,
-                 remote_type: bool = True, unknown: set = frozenset()):
+                 remote_type: bool = True, unknown: set = frozenset(), trunks: set = frozenset(),
+                 p2p_status: bool | str = True):
         super().__init__("pynvml")
         self.ends: dict[str, list[tuple[str, int]]] = {}
         for (a, b), n in bridges.items():
@@ -552,6 +558,12 @@ class _FakeNvml(types.ModuleType):
             self.nvmlDeviceGetNvLinkRemoteDeviceType = self._no_function
         elif remote_type:
             self.nvmlDeviceGetNvLinkRemoteDeviceType = self._remote_type
+        self.trunks = {frozenset(t) for t in trunks}
+        if p2p_status == "raises":
+            self.nvmlDeviceGetP2PStatus = self._no_function
+        elif p2p_status:
+            self.nvmlDeviceGetP2PStatus = self._p2p_status
+        self.p2p_asked: set = set()
 
     def nvmlInit(self):
         if self.init_fails:
@@ -573,8 +585,18 @@ class _FakeNvml(types.ModuleType):
     def _remote_type(self, handle, link):
         return self.ends[handle][link][1]
 
-    def _no_function(self, handle, link):
+    def _no_function(self, *args):
         raise self.NVMLError("Function Not Found")
+
+    def _p2p_status(self, a, b, index):
+        assert index == self.NVML_P2P_CAPS_INDEX_NVLINK
+        self.p2p_asked.add(frozenset((a, b)))
+        ends_a = {e for e, _ in self.ends.get(a, [])}
+        switches_b = {e for e, kind in self.ends.get(b, []) if kind == self.SWITCH}
+        switches_a = {e for e, kind in self.ends.get(a, []) if kind == self.SWITCH}
+        joined = b in ends_a or switches_a & switches_b or any(
+            frozenset((x, y)) in self.trunks for x in switches_a for y in switches_b)
+        return self.NVML_P2P_STATUS_OK if joined else self.NVML_P2P_STATUS_NOT_SUPPORTED
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, handle, link):
         if self.ends[handle][link][0] is None:  # a far end NVML does not name
@@ -711,6 +733,8 @@ def test_separate_nvswitch_fabrics_stay_apart(tmp_path, monkeypatch):
     assert t.index("nvswitch0") not in by[(0, 2)]["path"] and t.index("nvswitch1") not in by[(0, 2)]["path"]
     grid = endpoint_grid(T.format_text(t))
     assert (grid[("gpu0", "gpu4")], grid[("gpu2", "gpu7")], grid[("gpu0", "gpu2")]) == ("SW12", "SW12", "PC1")
+    # NVML was asked whether the domains are joined, said no, and nothing is left unsaid
+    assert nvml.p2p_asked and t.warnings == [] and not [l for l in t.links if l.kind == "nvlink-assumed"]
     assert nvml.shut
 
 
@@ -730,6 +754,116 @@ def test_gpus_off_the_switches_are_off_the_fabric(tmp_path, monkeypatch):
     assert [d.name for d in t.devices if d.kind == "switch"] == ["nvswitch"]
     assert [link_between(t, f"gpu{k}", "nvswitch") and link_between(t, f"gpu{k}", "nvswitch").bridges
             for k in range(8)] == [12, 12, None, None, 6, 6, None, None]
+
+
+def test_hgx_h100_is_one_fabric(tmp_path, monkeypatch):
+    # HGX H100: 8 GPUs, each with 18 NVLinks spread over the board's 4 NVSwitches
+    # (every GPU on every switch): one fabric of 450 GB/s a GPU each way.
+    fake_sysfs(tmp_path, 2, cores_per_node=4, gpus_per_node=4, nvme_node=0, nic_node=1)
+    gpus = [f"0000:{0x10 + k:02x}:00.0" for k in range(8)]
+    spread = [NVSWITCHES[0]] * 5 + [NVSWITCHES[1]] * 4 + [NVSWITCHES[2]] * 4 + [NVSWITCHES[3]] * 5
+    nvml = _FakeNvml({}, switch_links={g: spread for g in gpus})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    assert [d.name for d in t.devices if d.kind == "switch"] == ["nvswitch"]
+    for k in range(8):
+        link = link_between(t, f"gpu{k}", "nvswitch")
+        assert (link.kind, link.bridges, link.gbps) == ("nvlink", 18, 450.0), link
+    plan = t.plan(T.even_all_to_all(8, 1_000_000, 256), "relay")
+    assert plan["route_count"]["direct"] == 56 and t.warnings == [] and not nvml.p2p_asked  # one fabric: nothing to ask
+    assert nvml.shut
+
+
+DGX2_SWITCHES = [f"0000:{0xc0 + s:02x}:00.0" for s in range(12)]
+
+
+def dgx2_nvml(tmp_path, **fake):
+    """A DGX-2-like node: 16 V100s, 8 on each of 2 NUMA nodes and 2 baseboards; each GPU
+    has 6 NVLinks, one to each of its board's 6 NVSwitches, and switch s of board 0 is
+    trunked to switch s of board 1 (which no GPU's NVLinks show)."""
+    fake_sysfs(tmp_path, 2, cores_per_node=4, gpus_per_node=8, nvme_node=0, nic_node=1)
+    gpus = [f"0000:{0x10 + k:02x}:00.0" for k in range(16)]
+    boards = [DGX2_SWITCHES[:6], DGX2_SWITCHES[6:]]
+    return gpus, _FakeNvml({}, switch_links={g: boards[k // 8] for k, g in enumerate(gpus)},
+                           trunks={(boards[0][s], boards[1][s]) for s in range(6)}, **fake)
+
+
+def one_fabric_by_hand(gpus: int, bridges: int) -> T.Topology:
+    devices = [T.Device(f"gpu{k}", "gpu") for k in range(gpus)] + [T.Device("nvswitch", "switch")]
+    links = [T.Link(k, gpus, T.NVLINK_GBPS * bridges, 1.0, "nvlink", bridges) for k in range(gpus)]
+    return T.Topology("by hand", devices, links)
+
+
+def test_dgx2_baseboards_joined_through_their_trunk(tmp_path, monkeypatch):
+    # The two baseboards' switches share no GPU, so they were two fabrics and the 64
+    # pairs across the boards had no NVLink route: PCIe peer links or host memory
+    # instead of the trunk. NVML's NVLink P2P status says they are joined.
+    gpus, nvml = dgx2_nvml(tmp_path)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    use_fake_cudart(monkeypatch, _FakeCudart(gpus, {(a, b) for a in gpus for b in gpus if a < b}))
+    t = T.discover(str(tmp_path))
+    assert [d.name for d in t.devices if d.kind == "switch"] == ["nvswitch0", "nvswitch1"]
+    for k in range(16):
+        link = link_between(t, f"gpu{k}", f"nvswitch{k // 8}")
+        assert (link.kind, link.bridges, link.gbps) == ("nvlink", 6, 150.0), link
+    trunk = link_between(t, "nvswitch0", "nvswitch1")
+    assert trunk is not None, "the baseboards are not joined"
+    assert (trunk.kind, trunk.bridges, trunk.gbps) == ("nvlink-assumed", 48, 1200.0)  # as wide as a board's GPUs
+    assert not [l for l in t.links if l.kind == "pcie-p2p"] and t.warnings == []
+    m = T.even_all_to_all(16, 1_000_000, 256)
+    plan = t.plan(m, "direct")
+    assert plan["route_count"]["direct"] == 240
+    by = {(r["src"], r["dst"]): r for r in plan["routes"]}
+    assert by[(0, 8)]["path"] == [t.index(n) for n in ("gpu0", "nvswitch0", "nvswitch1", "gpu8")]
+    assert by[(0, 7)]["path"] == [t.index(n) for n in ("gpu0", "nvswitch0", "gpu7")]
+    # a trunk that does not block: every pair over NVLink takes what it would on one
+    # 16-GPU fabric, plus the trunk's hop latency
+    alone = one_fabric_by_hand(16, 6).plan(m, "direct")["seconds"]
+    assert alone < plan["seconds"] <= alone + 2e-6
+    relay = t.plan(m, "relay")
+    assert relay["seconds"] <= plan["seconds"]
+    grid = endpoint_grid(T.format_text(t))
+    assert (grid[("gpu0", "gpu8")], grid[("gpu15", "gpu3")], grid[("gpu0", "gpu7")]) == ("SW6", "SW6", "SW6")
+    assert nvml.shut
+
+
+@pytest.mark.parametrize("p2p_status", [False, "raises"], ids=["old-pynvml", "old-driver"])
+def test_fabrics_stay_apart_with_a_warning_where_nvml_cannot_say(tmp_path, monkeypatch, p2p_status):
+    gpus, nvml = dgx2_nvml(tmp_path, p2p_status=p2p_status)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    assert [d.name for d in t.devices if d.kind == "switch"] == ["nvswitch0", "nvswitch1"]
+    assert link_between(t, "nvswitch0", "nvswitch1") is None
+    why = "no nvmlDeviceGetP2PStatus" if p2p_status is False else "nvmlDeviceGetP2PStatus: Function Not Found"
+    assert len(t.warnings) == 1 and "2 NVSwitch fabrics" in t.warnings[0] and why in t.warnings[0], t.warnings
+    text = T.format_text(t)
+    assert f"warning: {t.warnings[0]}" in text
+    grid = endpoint_grid(text)
+    assert (grid[("gpu0", "gpu8")], grid[("gpu0", "gpu7")]) == ("SYS", "SW6")  # across the sockets' PCIe
+    assert nvml.shut
+
+
+def test_fabrics_bridged_by_one_pair_stay_apart(tmp_path, monkeypatch):
+    # Two switch domains whose only NVLink across is a bridge between gpu0 and gpu2:
+    # that pair's NVLink path is the bridge, not a trunk, and no other pair has one, so
+    # the domains stay apart (an all-pairs path across would have joined them).
+    gpus, _ = dgx_a100_nvml(tmp_path)
+    domain = {g: (0 if k in (0, 1, 4, 5) else 1) for k, g in enumerate(gpus)}
+    switches = [NVSWITCHES[:3], NVSWITCHES[3:]]
+    nvml = _FakeNvml({(gpus[0], gpus[2]): 2},
+                     switch_links={g: [s for s in switches[domain[g]] for _ in range(4)] for g in gpus})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    assert link_between(t, "nvswitch0", "nvswitch1") is None and t.warnings == []
+    assert (link_between(t, "gpu0", "gpu2").kind, link_between(t, "gpu0", "gpu2").bridges) == ("nvlink", 2)
+    assert frozenset((gpus[0], gpus[2])) not in nvml.p2p_asked  # the bridge's own pair says nothing of switches
+    # the same with every pair across also trunked: joined
+    nvml = _FakeNvml({(gpus[0], gpus[2]): 2},
+                     switch_links={g: [s for s in switches[domain[g]] for _ in range(4)] for g in gpus},
+                     trunks={(switches[0][0], switches[1][0])})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    assert link_between(t, "nvswitch0", "nvswitch1").bridges == 48  # 4 GPUs of 12 NVLinks a side
 
 
 class _FakeCudart(types.ModuleType):

@@ -72,6 +72,8 @@ NUMA_GBPS = 20.0
 NVLINK_GBPS = 25.0
 NVML_NVLINK_MAX_LINKS = 18                 # nvml.h; H100 has all 18
 NVML_NVLINK_DEVICE_TYPE_SWITCH = 2         # nvml.h's nvmlIntNvLinkDeviceType_t
+NVML_P2P_CAPS_INDEX_NVLINK = 2             # nvml.h's nvmlGpuP2PCapsIndex_t
+NVML_P2P_STATUS_OK = 0                     # nvml.h's nvmlGpuP2PStatus_t
 
 
 class TopologyError(ValueError):
@@ -126,6 +128,8 @@ class Topology:
     nvme: list[tuple[str, int]] = field(default_factory=list)   # (name, numa node)
     nics: list[tuple[str, int]] = field(default_factory=list)
     source: str = ""
+    # what discovery could not tell and modelled one way anyway; `hps topology` prints them
+    warnings: list[str] = field(default_factory=list)
 
     # ---- structure
     @property
@@ -501,7 +505,11 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
     importable and a driver answers (gpus=True); otherwise none: NVLinks between two GPUs
     link them, NVLinks to NVSwitches link the GPU to its fabric's switch device
     ("nvswitch", or "nvswitch0", "nvswitch1" ... with several: GPUs whose NVLinks end at
-    a common switch are one fabric), NVLINK_GBPS a link. Pairs the CUDA runtime reports peer access between (cuda-python's
+    a common switch are one fabric), NVLINK_GBPS a link. Fabrics whose GPUs NVML says
+    reach each other over NVLink (switches trunked to each other, as DGX-2's two
+    baseboards are) get an assumed trunk between their switch devices
+    (_joined_fabrics); where NVML cannot say, they stay apart and the topology's
+    warnings say so. Pairs the CUDA runtime reports peer access between (cuda-python's
     P2P attributes) and NVLink does not join get a PCIe peer link. With no GPU and
     host_partitions_if_no_gpu > 0, host partitions over the memory of the first node
     with cores.
@@ -541,24 +549,45 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
         gbps = _pcie_gbps(d)
         host = cpu_index.get(n, 0)
         links.append(Link(len(devices) - 1, host, gbps or PCIE_GBPS, 1.0, "pcie" if gbps else "pcie-assumed"))
+    warnings: list[str] = []
     if gpus and gpu_dirs:
         bus_ids = [os.path.basename(d) for d in gpu_dirs]
         first_gpu = len(nodes)
         nv = _nvml_links(bus_ids, sysfs)
+        warnings += nv.warnings
         links += [Link(first_gpu + a, first_gpu + b, NVLINK_GBPS * n, 1.5, "nvlink", n)
                   for (a, b), n in sorted(nv.between.items())]
         nvlinked = {(first_gpu + a, first_gpu + b) for a, b in nv.between}
         fabrics = sorted({f for f in nv.fabric.values()})
+        switch_of: dict[int, int] = {}   # fabric -> its switch device
+        on_switch: dict[int, list[int]] = {}
         for f in fabrics:
             # Each fabric's NVSwitches as one device, as examples/topologies/nvswitch.toml
             # has them: every GPU pair on it is two hops apart at the slower GPU's NVLink
             # rate (the switches do not block). GPUs of different fabrics share no switch
-            # and get no NVLink route (_nvml_links says how fabrics are told apart).
+            # and get no NVLink route unless NVML says the fabrics are joined (below;
+            # _nvml_links says how fabrics are told apart).
             devices.append(Device("nvswitch" if len(fabrics) == 1 else f"nvswitch{f}", "switch", -1))
-            on_switch = sorted(k for k, g in nv.fabric.items() if g == f)
-            links += [Link(first_gpu + k, len(devices) - 1, NVLINK_GBPS * nv.to_switch[k], 1.0, "nvlink",
-                           nv.to_switch[k]) for k in on_switch]
-            nvlinked |= {(first_gpu + a, first_gpu + b) for i, a in enumerate(on_switch) for b in on_switch[i + 1:]}
+            switch_of[f] = len(devices) - 1
+            on_switch[f] = sorted(k for k, g in nv.fabric.items() if g == f)
+            links += [Link(first_gpu + k, switch_of[f], NVLINK_GBPS * nv.to_switch[k], 1.0, "nvlink",
+                           nv.to_switch[k]) for k in on_switch[f]]
+            nvlinked |= {(first_gpu + a, first_gpu + b)
+                         for i, a in enumerate(on_switch[f]) for b in on_switch[f][i + 1:]}
+        for f, g in nv.trunks:
+            # NVML shows no NVLink between two switches, so the trunk's width is
+            # assumed: as many NVLinks as the narrower fabric's GPUs have to their
+            # switches, a trunk that does not block. That is DGX-2's (Ishii and Foley,
+            # "NVSwitch and DGX-2", Hot Chips 2018, retold in NVIDIA's blog "NVSwitch
+            # Accelerates NVIDIA DGX-2"): each of a baseboard's 6 NVSwitches has 18
+            # ports, 8 to the board's 8 V100s (each V100's 6 NVLinks go one to each
+            # switch), 8 to its peer on the other board, 2 unused; so 48 NVLinks join the
+            # boards, as many as one board's GPUs have, and the quoted 2.4 TB/s bisection
+            # is those 48 at 25 GB/s each way. The link's kind says its figure is
+            # assumed: a thinner trunk would be slower than modelled.
+            width = min(sum(nv.to_switch[k] for k in on_switch[f]), sum(nv.to_switch[k] for k in on_switch[g]))
+            links.append(Link(switch_of[f], switch_of[g], NVLINK_GBPS * width, 1.0, "nvlink-assumed", width))
+            nvlinked |= {(first_gpu + min(a, b), first_gpu + max(a, b)) for a in on_switch[f] for b in on_switch[g]}
         links += _cuda_peer_links(bus_ids, first_gpu, nvlinked)
     if not gpu_dirs and host_partitions_if_no_gpu > 0:
         # on the first socket: a memory-only node has no core for their load thread
@@ -571,7 +600,7 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
             for c in sorted(glob.glob(os.path.join(sysfs, "class", "net", "*")))
             if os.path.isdir(os.path.join(c, "device"))]
     return Topology("discovered" if sysfs == "/sys" else f"discovered from {sysfs}", devices, links, numa_cores, nvme,
-                    nics, source=sysfs)
+                    nics, source=sysfs, warnings=warnings)
 
 
 def _cuda_runtime():
@@ -627,6 +656,8 @@ class _NvLinks:
     between: dict[tuple[int, int], int]   # (GPU k, GPU r), k < r -> NVLink bridges between them
     to_switch: dict[int, int]              # GPU k -> its NVLinks that end at an NVSwitch
     fabric: dict[int, int] = field(default_factory=dict)  # GPU k on switches -> its fabric, 0, 1 ... by lowest GPU
+    trunks: list[tuple[int, int]] = field(default_factory=list)  # (fabric f, fabric g), f < g: NVML says joined
+    warnings: list[str] = field(default_factory=list)
 
 
 def _bus_id(bus) -> str:
@@ -660,8 +691,8 @@ def _fabrics(switches_of: dict[int, set]) -> dict[int, int]:
     (by its PCI bus id) are on one fabric, and so are GPUs joined through a chain of
     such. Returns GPU -> fabric, numbered 0, 1 ... in order of each fabric's lowest GPU.
     What a GPU's NVLinks do not show is not seen: switches joined only to each other
-    (DGX-2's two baseboards, whose switches are trunked) make two fabrics here, and
-    their GPUs are modelled without NVLink between the halves."""
+    (DGX-2's two baseboards, whose switches are trunked) make two fabrics here;
+    _joined_fabrics asks NVML whether such fabrics are joined."""
     fabric: dict[int, int] = {}
     on_switch: dict = {}   # switch bus id -> a GPU on it
     parent = {k: k for k in switches_of}
@@ -682,12 +713,50 @@ def _fabrics(switches_of: dict[int, set]) -> dict[int, int]:
     return fabric
 
 
+def _joined_fabrics(pynvml, handles: dict, fabric: dict[int, int],
+                    between: dict[tuple[int, int], int]) -> tuple[list[tuple[int, int]], list[str]]:
+    """Which NVSwitch fabrics (_fabrics' GPU -> fabric) are joined by switches trunked to
+    each other, which no GPU's NVLinks show (DGX-2's two baseboards): fabrics f < g are
+    when NVML reports an NVLink P2P path (nvmlDeviceGetP2PStatus, NVLINK index) for every
+    GPU pair across them, leaving out pairs an NVLink bridge joins directly, whose path
+    says nothing of the switches (and if no pair is left, they are not). Returns the
+    joined pairs and warnings: where pynvml or the driver lacks the query, no fabric is
+    joined and a warning says that the fabrics may be joined unseen."""
+    members: dict[int, list[int]] = {}
+    for k, f in sorted(fabric.items()):
+        members.setdefault(f, []).append(k)
+    if len(members) < 2:
+        return [], []
+    status = getattr(pynvml, "nvmlDeviceGetP2PStatus", None)
+
+    def apart(why: str) -> tuple[list, list[str]]:
+        return [], [f"{len(members)} NVSwitch fabrics, and NVML cannot say whether their switches are joined "
+                    f"({why}): modelled apart, the GPUs of different fabrics without an NVLink route (they are "
+                    "joined on a DGX-2, whose two baseboards' switches are trunked)"]
+    if status is None:
+        return apart("this pynvml has no nvmlDeviceGetP2PStatus")
+    joined = []
+    for f in sorted(members):
+        for g in sorted(members):
+            if g <= f:
+                continue
+            pairs = [(a, b) for a in members[f] for b in members[g] if (min(a, b), max(a, b)) not in between]
+            try:
+                if pairs and all(status(handles[a], handles[b], NVML_P2P_CAPS_INDEX_NVLINK) == NVML_P2P_STATUS_OK
+                                 for a, b in pairs):
+                    joined.append((f, g))
+            except pynvml.NVMLError as e:  # a driver older than the pynvml
+                return apart(f"nvmlDeviceGetP2PStatus: {e}")
+    return joined, []
+
+
 def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
     """The NVLinks of the GPUs (sysfs bus ids; GPU k is bus_ids[k]) as NVML reports them:
     bridges between two GPUs, each GPU's NVLinks to NVSwitches (DGX/HGX A100 and
     H100, where no NVLink ends at a GPU) and the fabric those make it part of (_fabrics;
     switches told apart by the PCI bus id NVML gives as each NVLink's far end, those it
-    does not name taken as one switch). Nothing without pynvml or a driver; a GPU NVML
+    does not name taken as one switch), and which fabrics NVML says are joined
+    (_joined_fabrics). Nothing without pynvml or a driver; a GPU NVML
     does not know (bound to another driver such as vfio-pci, or NVML sees no GPU at all)
     has only the NVLinks other GPUs report to it."""
     none = _NvLinks({}, {})
@@ -706,11 +775,13 @@ def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
         seen_from: dict[tuple[int, int], int] = {}   # (GPU k, GPU r) -> k's NVLinks ending at r
         to_switch: dict[int, int] = {}
         switches_of: dict[int, set] = {}   # GPU k -> the bus ids of the NVSwitches its NVLinks end at
+        handles: dict[int, object] = {}
         for k, b in enumerate(bus_ids):
             try:
                 h = pynvml.nvmlDeviceGetHandleByPciBusId(b)
             except pynvml.NVMLError:
                 continue  # its NVLinks to other GPUs are still seen from their ends
+            handles[k] = h
             for link in range(NVML_NVLINK_MAX_LINKS):
                 try:
                     if not pynvml.nvmlDeviceGetNvLinkState(h, link):
@@ -738,7 +809,9 @@ def _nvml_links(bus_ids: list[str], sysfs: str) -> _NvLinks:
         for (k, r), n in seen_from.items():
             pair = (min(k, r), max(k, r))
             between[pair] = max(between.get(pair, 0), n)
-        return _NvLinks(between, to_switch, _fabrics(switches_of))
+        fabric = _fabrics(switches_of)
+        trunks, warnings = _joined_fabrics(pynvml, handles, fabric, between)
+        return _NvLinks(between, to_switch, fabric, trunks, warnings)
     finally:
         pynvml.nvmlShutdown()
 
@@ -828,11 +901,12 @@ def _joined_by(topo: Topology, a: int, b: int) -> str:
 
 
 def format_text(topo: Topology, rows: int = 1_000_000, row_bytes: int = 256) -> str:
-    """What `hps topology` prints: devices, links, the endpoints' link matrix, the routes
-    of an even all-to-all of `rows` rows and the modelled time of each schedule, and
-    the core binding plan."""
+    """What `hps topology` prints: what discovery warns of, devices, links, the
+    endpoints' link matrix, the routes of an even all-to-all of `rows` rows and the
+    modelled time of each schedule, and the core binding plan."""
     ep = topo.endpoints
-    out = [f"topology: {topo.name} (from {topo.source or 'memory'})", ""]
+    out = [f"topology: {topo.name} (from {topo.source or 'memory'})"]
+    out += [f"warning: {w}" for w in topo.warnings] + [""]
     rows_d = [[i, d.name, d.kind, d.numa, len(topo.numa_cores.get(d.numa, []))] for i, d in enumerate(topo.devices)]
     out += _table(["#", "device", "kind", "numa", "cores on its node"], rows_d) + [""]
     rows_l = [[f"{topo.devices[l.a].name}-{topo.devices[l.b].name}", l.kind, l.bridges, f"{l.gbps:g}",
@@ -967,7 +1041,7 @@ def cli(file: str | None, sysfs: str, png: str | None, rows: int) -> str:
     if not topo.endpoints and not file:
         hosts = host_partitions(len(topo.cpu_nodes) or 1, numa_cores=topo.numa_cores)
         topo = Topology(topo.name + " (no GPU: one host partition a NUMA node)", hosts.devices, hosts.links,
-                        topo.numa_cores, topo.nvme, topo.nics, topo.source)
+                        topo.numa_cores, topo.nvme, topo.nics, topo.source, topo.warnings)
     pairs = len(topo.endpoints) ** 2
     if len(topo.endpoints) > 1 and rows < pairs:
         # even_all_to_all gives each pair rows // pairs: fewer would route nothing (and
