@@ -3,6 +3,7 @@ and `hps train` on files of a declared schema."""
 import bz2
 import json
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -383,9 +384,107 @@ def test_distributed_runs_refuse_ranks_with_other_fields(tmp_path):
     base = {"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "torch_threads": 1}
     single = dict(SCHEMA, multi_hot={}, skip=["tags"])
     cfg = TrainConfig.from_dict(dict(base, data={"source": str(tmp_path / "train.csv"), "schema": single}))
-    with pytest.raises(ValueError, match=r"the ranks' data give different fields .*: rank 0: \(1, 1, 0\), "
-                                         r"rank 1: \(1, 2, 0\)"):
-        train(cfg, progress=False, node=_OneRank([(1, 2, 0)]))
+    with pytest.raises(ValueError, match=r"the ranks' data give different fields .*: rank 0: \(1, 1, 0\) from "
+                                         r".*train.csv; rank 1: \(1, 2, 0\) from .*other.csv"):
+        train(cfg, progress=False, node=_OneRank([((1, 2, 0), str(tmp_path / "other.csv"))]))
+    # A rank of no batch at all has no fields (not the Criteo fields its empty source is taken to have).
+    with pytest.raises(ValueError, match=r"different fields .*: rank 0 has no file \(nor batch\) to take them "
+                                         r"from; rank 1: \(1, 2, 0\) from .*other.csv"):
+        train(cfg, progress=False, node=_OneRank([((1, 2, 0), str(tmp_path / "other.csv"))]), train_batches=[])
+    assert not (tmp_path / "ps").exists()
+
+
+class _ThreadRanks:
+    """The ranks of one job as threads of this process: node(rank) stands in for each
+    rank's hps.distributed.Node, whose allgather gives every rank's value in rank order."""
+
+    def __init__(self, size):
+        self.size = size
+        self._values = [None] * size
+        self._barrier = threading.Barrier(size, timeout=120)
+
+    def node(self, rank):
+        ranks = self
+
+        class Node:
+            size = ranks.size
+            machine_ranks = ranks.size
+
+            def allgather(self, channel, value, what, note=None):
+                ranks._values[rank] = value
+                ranks._barrier.wait()
+                every = list(ranks._values)
+                ranks._barrier.wait()  # (each has its copy before the next exchange writes)
+                return every
+        node = Node()
+        node.rank = rank
+        return node
+
+    def train(self, cfg):
+        """train(cfg) on every rank; each rank's exception (None: it returned)."""
+        errors = [None] * self.size
+
+        def run(rank):
+            try:
+                train(cfg, progress=False, node=self.node(rank))
+            except Exception as e:  # noqa: BLE001 - the test looks at each rank's
+                errors[rank] = e  # (one that failed alone leaves the others to the barrier's timeout)
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
+
+
+def test_ranks_with_other_fields_are_refused_naming_the_file_each_took_them_from(tmp_path):
+    # Rank 0 reads a.csv (files[0::2]), rank 1 b.csv: "rest" gives 1 and 2 single-hot
+    # fields. The message named no file ("rank 0: (1, 1, 0), rank 1: (1, 2, 0)").
+    (tmp_path / "a.csv").write_text("click,price,site\n" + "1,2,s1\n" * 20)
+    (tmp_path / "b.csv").write_text("click,price,site,os\n" + "0,3,s2,o2\n" * 20)
+    schema = {"label": "click", "dense": ["price"], "categorical": "rest"}
+    base = {"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "torch_threads": 1}
+    cfg = TrainConfig.from_dict(dict(base, data={"source": [str(tmp_path / "a.csv"), str(tmp_path / "b.csv")],
+                                                 "schema": schema}))
+    errors = _ThreadRanks(2).train(cfg)
+    for e in errors:
+        assert isinstance(e, ValueError)
+        assert re.search(r"the ranks' data give different fields \(dense, single-hot, multi-hot\): rank 0: "
+                         r"\(1, 1, 0\) from \S*a\.csv; rank 1: \(1, 2, 0\) from \S*b\.csv", str(e)), str(e)
+    # More ranks than files: the rank without one is named as such, before any fields are compared.
+    cfg = TrainConfig.from_dict(dict(base, data={"source": str(tmp_path / "a.csv"), "schema": schema}))
+    for e in _ThreadRanks(2).train(cfg):
+        assert isinstance(e, ValueError) and "rank 1: ValueError: rank 1 of 2 gets no file" in str(e), e
+    assert not (tmp_path / "ps").exists()
+
+
+def test_online_ranks_with_other_fields_are_refused_naming_each_ranks_first_file(tmp_path, monkeypatch):
+    # Each rank takes its fields from the first file ready at its own polls: rank 1 from
+    # b.csv (a.csv not written yet), rank 0 from a.csv.
+    from hps.data import GrowingDirectory
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "b.csv").write_text("click,price,site,os\n" + "0,3,s2,o2\n" * 20)
+    first_file = GrowingDirectory.first_file
+    rank_1_has_its_file = threading.Event()
+
+    def first_file_in_rank_order(self):
+        if self.world == 2 and self.rank == 0:
+            assert rank_1_has_its_file.wait(60)
+        path = first_file(self)
+        if self.world == 2 and self.rank == 1 and not rank_1_has_its_file.is_set():
+            (tmp_path / "in" / "a.csv").write_text("click,price,site\n" + "1,2,s1\n" * 20)
+            (tmp_path / "in" / "_DONE").write_text("")
+            rank_1_has_its_file.set()
+        return path
+    monkeypatch.setattr(GrowingDirectory, "first_file", first_file_in_rank_order)
+    cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "torch_threads": 1,
+                                 "online": True, "data": {
+                                     "source": str(tmp_path / "in"), "online_poll": 0.05,
+                                     "schema": {"label": "click", "dense": ["price"], "categorical": "rest"}}})
+    for e in _ThreadRanks(2).train(cfg):
+        assert isinstance(e, ValueError)
+        assert re.search(r"rank 0: \(1, 1, 0\) from \S*in/a\.csv; rank 1: \(1, 2, 0\) from \S*in/b\.csv",
+                         str(e)), str(e)
     assert not (tmp_path / "ps").exists()
 
 

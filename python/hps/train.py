@@ -876,6 +876,35 @@ def _widths(cfg: TrainConfig, source) -> tuple:
     return 13, 26, 0
 
 
+def _widths_origin(source) -> tuple[bool, Optional[str]]:
+    """(whether `source` holds a file or batch, the file _widths takes its fields from:
+    None where they are no file's, as synthetic data's, a libsvm schema's or the batches
+    given in memory's), for the message of ranks whose fields differ. A rank of no file
+    or batch has no fields to compare, whatever _widths assumed for it."""
+    shaped_by = getattr(source, "widths_file", None)
+    if shaped_by is not None:
+        return True, shaped_by()
+    if isinstance(source, (list, tuple)):
+        return bool(source), None
+    files = getattr(source, "files", None)  # (Criteo's readers: its fixed fields, in every file)
+    if files is not None:
+        return bool(files), files[0] if files else None
+    return True, None
+
+
+def _different_fields(every: list) -> str:
+    """The message for ranks whose data give other fields than rank 0's: rank 0's and
+    each differing rank's, with the file each took them from. `every`: each rank's
+    (widths or None for a rank without data, file or None)."""
+    def said(rank: int, widths: Optional[tuple], path: Optional[str]) -> str:
+        if widths is None:
+            return f"rank {rank} has no file (nor batch) to take them from"
+        return f"rank {rank}: {widths}" + (f" from {path}" if path is not None else "")
+    differ = [said(r, *e) for r, e in enumerate(every) if r and e[0] != every[0][0]]
+    return (f"the ranks' data give different fields (dense, single-hot, multi-hot): {said(0, *every[0])}; "
+            + "; ".join(differ) + " (every rank's data must give the same fields)")
+
+
 def _write_json_atomic(path: str, obj: dict) -> None:
     _write_durable(path + ".tmp", json.dumps(obj, indent=1).encode())
     _replace_durable(path + ".tmp", path)
@@ -1253,7 +1282,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         _collective(node, lambda: cfg.admission.check_memory(
             "[admission]", None if node is None else (node.machine_ranks, "MPI's shared-memory communicator"),
             eval_every=cfg.eval_every if eval_batches else 0, pipelined=cfg.pipelined))
-    widths = _collective(node, lambda: _widths(cfg, source))
+    widths, (has_data, shaped_by) = _collective(node, lambda: (_widths(cfg, source), _widths_origin(source)))
     if train_batches is None:
         _check_data_has_examples(cfg, node, rank, world)
     if cfg.data.schema is not None and eval_batches:
@@ -1267,10 +1296,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise ValueError(f"[ps] schedule = 'herald' partitions examples of single-hot fields; this data has "
                          f"{widths[2]} multi-hot field(s) (schedule = 'sequential' trains them)")
     if node is not None:
-        every = node.allgather("train", tuple(widths), "the data's fields")
-        if len(set(every)) > 1:
-            raise ValueError("the ranks' data give different fields (dense, single-hot, multi-hot): "
-                             + ", ".join(f"rank {r}: {w}" for r, w in enumerate(every)))
+        every = node.allgather("train", (tuple(widths) if has_data else None, shaped_by), "the data's fields")
+        if len({w for w, _ in every}) > 1:
+            raise ValueError(_different_fields(every))
         if isinstance(source, hdata.GrowingDirectory):
             source.agree(node)  # one file every rank's files are held to
     number = LAST

@@ -244,6 +244,10 @@ class GrowingDirectory:
         widths = getattr(reader, "widths", None)
         return widths() if widths is not None else (13, 26, 0)
 
+    def widths_file(self) -> Optional[str]:
+        """The file :meth:`widths` takes the model's shape from: :meth:`first_file`."""
+        return self.first_file()
+
     def _reader(self, path: str):
         try:
             return self.open_file(path)

@@ -221,11 +221,15 @@ class _SchemaReader(_Reader):
 
     def widths(self) -> tuple[int, int, int]:
         """(dense features, single-hot fields, multi-hot fields) of the first file with
-        data: the model's shape."""
+        data (:meth:`widths_file`): the model's shape."""
+        layout = self._layout(self.widths_file())
+        return len(layout.dense), len(layout.categorical), len(layout.multi_hot)
+
+    def widths_file(self) -> str:
+        """The file :meth:`widths` takes the model's shape from: the first with data."""
         for path in self.files:
-            layout = self._layout(path)
-            if layout is not None:
-                return len(layout.dense), len(layout.categorical), len(layout.multi_hot)
+            if self._layout(path) is not None:
+                return path
         raise DataError(f"{self.files[0]}: the data holds no examples ({len(self.files)} file(s), each empty): no "
                         f"fields to take the model's shape from", path=self.files[0])
 
@@ -814,6 +818,9 @@ class Libsvm(_SchemaReader):
 
     def widths(self) -> tuple[int, int, int]:
         return 0, 0, len(self.field_names)
+
+    def widths_file(self) -> None:
+        return None  # (the schema's fields, whatever the files hold)
 
     def fields(self) -> tuple:
         return None, [], [], [(name, "") for name in self.field_names]
