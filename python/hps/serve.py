@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import re
 import socket
 import socketserver
@@ -325,17 +326,25 @@ class LookupServer(ThreadingHTTPServer):
         for lst in self._listeners:
             lst.shutdown()
 
-    def server_close(self) -> None:
+    def server_close(self, give_up: Optional[threading.Event] = None) -> None:
         """Stops listening, then waits for the requests using the lookup to return
-        from it (one batch each): the caller may close the lookup next."""
+        from it (one batch each): the caller may close the lookup next. Once give_up
+        is set the wait ends, the requests still under way left counted in
+        requests_using_lookup."""
         with self._unused:
             self._stop.set()
         for lst in self._listeners:
             lst.server_close()
         super().server_close()
         with self._unused:
-            while self._using:
-                self._unused.wait()
+            while self._using and not (give_up is not None and give_up.is_set()):
+                self._unused.wait(None if give_up is None else 0.05)
+
+    @property
+    def requests_using_lookup(self) -> int:
+        """Requests in the lookup now (in its native reads, or a refresh's)."""
+        with self._unused:
+            return self._using
 
 
 class _Listener(socketserver.ThreadingMixIn, socketserver.TCPServer):
@@ -581,15 +590,44 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="2
           f"dim {lookup.dim}) on {' and '.join(server.urls)}{skipped}, at most {max_concurrent} lookups at once "
           f"and {max_connections} connections",
           file=sys.stderr, flush=True)
+    # The first Ctrl-C stops serving (KeyboardInterrupt out of serve_forever); from then on a
+    # Ctrl-C sets a flag rather than raising: raised at any point of the stop it left it half
+    # done (the Lookup's close interrupted while removing its pinned view), or left serve()
+    # while lookups were in native reads. (One handler for both, so that no second
+    # KeyboardInterrupt can slip in before the flag's handler is installed.)
+    stopping, interrupted_again = threading.Event(), threading.Event()
+
+    def on_sigint(signum, frame):
+        if stopping.is_set():
+            interrupted_again.set()
+            return
+        stopping.set()
+        raise KeyboardInterrupt
+
+    sigint = signal.signal(signal.SIGINT, on_sigint)
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
         pass
     finally:
+        stopping.set()  # SIGTERM's stop, or the KeyboardInterrupt's
         try:
-            server.server_close()
+            try:
+                server.server_close(give_up=interrupted_again)
+            finally:
+                # a second Ctrl-C, ending server_close's wait for the lookups under way, still
+                # releases the checkpoint (at once if none is left in a read, else as the last
+                # one returns; a process that exits first leaves its view to the next pin)
+                lookup.close()
+            under_way = server.requests_using_lookup
+            if under_way:
+                # The interpreter's exit with a thread still in a native read aborted the process
+                # (SIGABRT, "terminate called without an active exception": the finalizing
+                # interpreter ends the thread as its read returns, unwinding C++ frames that
+                # cannot be unwound). Exit now, without the interpreter's teardown, as Ctrl-C does.
+                print(f"hps serve: interrupted again: exiting with {under_way} request(s) still in the lookup",
+                      file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(128 + signal.SIGINT)
         finally:
-            # a second Ctrl-C, raised while server_close waits for the lookups under way,
-            # still releases the checkpoint (at once if none is left in a read, else as the
-            # last one returns; a process that exits first leaves its view to the next pin)
-            lookup.close()
+            signal.signal(signal.SIGINT, sigint)
