@@ -2265,6 +2265,125 @@ def test_serve_refuses_a_connection_past_its_limit_with_a_503(job):
         lk.close()
 
 
+@contextlib.contextmanager
+def _serving(job, **kwargs):
+    """A LookupServer of job, made with kwargs, serving on a thread."""
+    from hps.serve import LookupServer
+    lk = hps.Lookup(job, memory_budget="64MiB")
+    srv = LookupServer(lk, ("127.0.0.1", 0), **kwargs)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        lk.close()
+
+
+def _until_closed(sock, timeout=30) -> bytes:
+    """What the server sent before closing sock; socket.timeout if it kept it open."""
+    sock.settimeout(timeout)
+    got = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got
+
+
+def test_serve_bounds_the_threads_of_connections_that_send_nothing_and_closes_them(job):
+    """Every accepted connection got a thread at once, the refused ones too, each waiting
+    idle_timeout (60 s) for a request: connections that send nothing (slowloris) piled up
+    threads without bound, and held every place under max_connections, so that a lookup
+    was answered 503 for as long as they stayed. Now a connection past the limit is refused
+    with a thread only while fewer than max_connections are (closed at once beyond), and a
+    request must arrive within request_timeout."""
+    import socket
+    with _serving(job, max_connections=4, idle_timeout=120, request_timeout=5) as srv:
+        before = threading.active_count()
+        idle = [socket.create_connection(srv.server_address[:2], timeout=30) for _ in range(4 + 20)]
+        try:
+            deadline = time.monotonic() + 30
+            while srv.refused_connections < 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert srv.refused_connections == 20
+            # served and refused ones' threads, 4 each at most (those refused at once have none)
+            assert threading.active_count() - before <= 2 * 4
+            deadline = time.monotonic() + 30  # a lookup is served once the silent ones are closed
+            while (status := request(srv, "POST", "/lookup", b'{"keys": [1]}')[0]) == 503 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert status == 200
+            for sock in idle:  # each closed by the server: a 503 at most, no request having come
+                got = _until_closed(sock)
+                assert got == b"" or got.startswith(b"HTTP/1.1 503 "), got
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_serve_refuses_a_request_timeout_that_is_not_a_number_of_seconds(job):
+    with hps.Lookup(job, memory_budget="64MiB") as lk:
+        _refuses_each(lk, "request_timeout", (float("inf"), 2 * threading.TIMEOUT_MAX, float("nan"), 0, -1.0),
+                      "must be a number of seconds above 0, at most ")
+
+
+def test_serve_closes_a_request_sent_a_byte_at_a_time_past_its_request_timeout(job):
+    """Each read waited idle_timeout for its next byte only: a client sending a byte of its
+    headers, or of its body, more often than that held its thread, and its place under
+    max_connections, for good. Now the whole request has request_timeout from its first byte."""
+    import socket
+    with _serving(job, idle_timeout=120, request_timeout=1) as srv:
+        head = b"POST /lookup HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+        for sent, trickled in [(b"", head + b"X-Pad: " + b"x" * 1000), (head + b"\r\n", b"{" * 100)]:
+            with socket.create_connection(srv.server_address[:2], timeout=30) as sock:
+                sock.sendall(sent)
+                deadline = time.monotonic() + 30
+                closed = False
+                for byte in trickled:
+                    if time.monotonic() > deadline:
+                        break
+                    try:
+                        sock.sendall(bytes([byte]))
+                    except (BrokenPipeError, ConnectionResetError):
+                        closed = True
+                        break
+                    sock.settimeout(0.1)  # a byte each 0.1 s, well within idle_timeout
+                    try:
+                        closed = sock.recv(1, socket.MSG_PEEK) is not None
+                        break  # answered, or closed (b"")
+                    except TimeoutError:
+                        pass
+                assert closed, "the server kept the connection open"
+                got = _until_closed(sock)
+                if sent:  # its headers whole: the body's time out is answered
+                    assert got.startswith(b"HTTP/1.1 408 ") and b"100 bytes declared, not all sent within 1 s" \
+                        in got, got
+        assert request(srv, "GET", "/health")[0] == 200
+
+
+def test_serve_answers_a_connection_past_its_limit_without_waiting_for_its_body(job):
+    """A connection past max_connections waited idle_timeout for a body its client did
+    not send, holding its thread, and read a body it refused whole into memory (64 MiB
+    each at most); now it has REFUSED_REQUEST_TIMEOUT to send it, is read a piece at a
+    time, and is answered 503 either way."""
+    import http.client
+    import socket
+    from hps.serve import REFUSED_REQUEST_TIMEOUT
+    assert REFUSED_REQUEST_TIMEOUT <= 5
+    with _serving(job, max_connections=1, idle_timeout=120, request_timeout=60) as srv:
+        kept = http.client.HTTPConnection(*srv.server_address[:2], timeout=30)
+        kept.request("GET", "/health")
+        r = kept.getresponse()
+        assert r.status == 200
+        r.read()
+        head = b"POST /lookup HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        with socket.create_connection(srv.server_address[:2], timeout=30) as sock:
+            sock.sendall(head + b'{"keys": [')  # 10 of 100 bytes, then silence
+            got = _until_closed(sock, timeout=30)  # within the idle and the request timeouts
+        assert got.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in got, got
+        kept.close()
+
+
 def test_hps_serve_command_serves_until_terminated(job):
     import re
     import signal
@@ -2487,6 +2606,8 @@ def test_hps_serve_names_an_address_it_cannot_listen_on_and_releases_the_checkpo
     assert "max_concurrent = 0: must be >= 1" in capsys.readouterr().err
     assert main(["serve", str(job), "--max-connections", "0", "--memory-budget", "64MiB"]) == 2
     assert "max_connections = 0: must be >= 1" in capsys.readouterr().err
+    assert main(["serve", str(job), "--request-timeout", "0", "--memory-budget", "64MiB"]) == 2
+    assert "request_timeout = 0.0: must be a number of seconds above 0" in capsys.readouterr().err
     assert not os.path.exists(job / jobdir.READERS)
     assert main(["serve", str(job), "--port", "70000"]) == 2
     assert "--port 70000: a TCP port, 0-65535 (0: any free one)" in capsys.readouterr().err

@@ -406,7 +406,8 @@ def cmd_size(a) -> int:
 def cmd_serve(a) -> int:
     from hps.serve import serve
     serve(a.path, host=a.host, port=a.port, memory_budget=a.memory_budget, max_concurrent=a.max_concurrent,
-          refresh_every=a.refresh_every, quiet=not a.log, max_connections=a.max_connections)
+          refresh_every=a.refresh_every, quiet=not a.log, max_connections=a.max_connections,
+          request_timeout=a.request_timeout)
     return 0
 
 
@@ -465,6 +466,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--max-concurrent", type=int, default=8, help="lookups at once; more are answered 429")
     v.add_argument("--max-connections", type=int, default=64,
                    help="connections open at once, idle kept-alive ones included; more are answered 503 and closed")
+    v.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a request has to send its line, headers and body, from its first byte "
+                        "(a new connection's first: from connecting); then it is closed")
     v.add_argument("--refresh-every", type=float, default=0.0,
                    help="seconds between moves to a newer checkpoint (0: only on POST /refresh)")
     v.add_argument("--log", action="store_true", help="log every request to stderr")

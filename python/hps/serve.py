@@ -4,7 +4,9 @@ The server is the standard library's ThreadingHTTPServer: nothing to install on
 any Python (a fresh Debian 12's included), maintained with CPython, and enough
 for a local sidecar, since the lookups themselves release the GIL in SSD-PS.
 A thread per connection, at most ``max_connections`` of them (one more has its
-request answered 503 and is closed), and at most ``max_concurrent`` lookups at
+request answered 503 and is closed: at most as many again at once, each given
+REFUSED_REQUEST_TIMEOUT; past that one is closed as it is accepted), each request
+given ``request_timeout`` from its first byte, and at most ``max_concurrent`` lookups at
 once, each from its keys parsed to its answer encoded: one more is answered 429
 at once rather than queued without bound.
 
@@ -23,8 +25,8 @@ at once rather than queued without bound.
                    (open now), max_connections, refused_connections (503s for that limit)
 Errors are JSON {"error": "..."}, http.server's own too (send_error): 400 malformed (naming the field or key index),
 404 unknown path, 405 wrong method (with Allow), 408 a body not all sent within the idle
-timeout (60 s; a connection idle that long is closed), 411 no Content-Length, 413 too many keys or
-bytes, 415 other content types, 429 over the concurrency limit, 500 a failure of
+timeout (60 s; a connection idle that long is closed) or the request timeout (30 s), 411
+no Content-Length, 413 too many keys or bytes, 415 other content types, 429 over the concurrency limit, 500 a failure of
 the lookup or the refresh (logged to stderr; a failed refresh keeps the checkpoint),
 503 a request while the server stops (server_close waits for those using the lookup)
 or on a connection past max_connections (with Retry-After).
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import re
@@ -40,6 +43,7 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
@@ -49,6 +53,7 @@ from hps.lookup import Lookup
 
 MAX_KEYS = 1 << 20          # keys in one request
 MAX_BODY = 64 << 20         # bytes of one request body (JSON keys take up to ~21 bytes each)
+REFUSED_REQUEST_TIMEOUT = 1.0  # seconds a connection past max_connections has to send its request
 
 
 class HttpError(Exception):
@@ -201,16 +206,60 @@ def _serving(lookup: Lookup) -> str:
         return "serving no checkpoint until a refresh succeeds"
 
 
-class LookupServer(ThreadingHTTPServer):
+class _Connections:
+    """The accepting loop's part of LookupServer and of its _Listeners: each connection
+    is counted against the owner's max_connections before a thread is started for it,
+    and one past both limits gets no thread."""
+
+    owner: "LookupServer"
+
+    def process_request(self, request, client_address) -> None:
+        admitted = self.owner.connection_opened()
+        if admitted is None:
+            _refuse_unread(request, self.owner.over_limit_error())
+            self.shutdown_request(request)
+            return
+        try:
+            threading.Thread(target=self._connection, args=(request, client_address, admitted), daemon=True,
+                             name="hps-serve-connection").start()
+        except BaseException:  # no thread (the system's limit): socketserver closes the connection
+            self.owner.connection_closed(admitted)
+            raise
+
+    def _connection(self, request, client_address, admitted: bool) -> None:
+        try:
+            _Handler(request, client_address, self.owner, admitted)
+        except Exception:  # noqa: BLE001 - as socketserver's own threads: reported, the server goes on
+            self.handle_error(request, client_address)
+        finally:
+            self.owner.connection_closed(admitted)
+            self.shutdown_request(request)
+
+
+def _refuse_unread(sock: socket.socket, error: HttpError) -> None:
+    """Writes error's answer if the socket's buffer takes it at once; the request is not read."""
+    body = _json_bytes({"error": str(error)})
+    head = (f"HTTP/1.1 {error.status} {BaseHTTPRequestHandler.responses[error.status][0]}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in error.headers.items()) + "\r\n")
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(head.encode() + body)
+
+
+class LookupServer(_Connections, ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, lookup: Lookup, address=("127.0.0.1", 0), max_concurrent: int = 8,
                  refresh_every: float = 0.0, quiet: bool = True, idle_timeout: float = 60.0,
-                 max_connections: int = 64):
+                 max_connections: int = 64, request_timeout: float = 30.0):
         # (inf, or anything past TIMEOUT_MAX, was taken, and then each connection's
         # settimeout raised OverflowError: every request dropped unanswered, with a traceback)
         if not 0 < idle_timeout <= threading.TIMEOUT_MAX:
             raise ValueError(f"idle_timeout = {idle_timeout}: must be a number of seconds above 0, at most "
+                             f"{threading.TIMEOUT_MAX:.0f}")
+        if not 0 < request_timeout <= threading.TIMEOUT_MAX:
+            raise ValueError(f"request_timeout = {request_timeout}: must be a number of seconds above 0, at most "
                              f"{threading.TIMEOUT_MAX:.0f}")
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent = {max_concurrent}: must be >= 1")
@@ -229,14 +278,24 @@ class LookupServer(ThreadingHTTPServer):
         self._rejected_lock = threading.Lock()  # += from the handlers' threads
         # Connections open now, each with its thread (a kept-alive one idle up to
         # idle_timeout): one past max_connections has its request answered 503 and is
-        # closed, so that clients' idle pools cannot pile up threads without bound.
+        # closed, so that clients' idle pools cannot pile up threads without bound. The
+        # refused ones have threads too, for at most REFUSED_REQUEST_TIMEOUT each, and at
+        # most max_connections of them at once: one more is closed by the accepting loop
+        # itself (a 503 written if the socket takes it, its request unread), so that
+        # connections that send nothing cannot pile up threads either.
         self.max_connections = max_connections
         self.connections = 0
         self.refused_connections = 0
+        self._refusing = 0
         self._connections_lock = threading.Lock()
         # A connection that sends nothing for this long is closed: a client that stalls
         # mid-request (a Content-Length it never fills) would hold its thread for good.
         self.idle_timeout = idle_timeout
+        # A request's line, headers and body must all arrive within this long of its first
+        # byte (a new connection's first request: of connecting): one sent a byte at a time,
+        # each within idle_timeout of the last, held its thread, and its connection's place
+        # under max_connections, for as long as its client liked (slowloris).
+        self.request_timeout = request_timeout
         self._stop = threading.Event()
         # Requests using the lookup now (its native reads under way): server_close waits
         # for them, so that the lookup is closed, and the process exits, with none in a
@@ -283,18 +342,34 @@ class LookupServer(ThreadingHTTPServer):
                 self._using -= 1
                 self._unused.notify_all()
 
-    def connection_opened(self) -> bool:
-        """Counts a new connection in; False (and counted as refused) past max_connections."""
-        with self._connections_lock:
-            if self.connections >= self.max_connections:
-                self.refused_connections += 1
-                return False
-            self.connections += 1
-            return True
+    @property
+    def owner(self) -> "LookupServer":
+        return self  # the server whose connections _Connections.process_request counts
 
-    def connection_closed(self) -> None:
+    def connection_opened(self) -> Optional[bool]:
+        """Counts a new connection in: True if served, False if past max_connections (its
+        request to be answered 503), None if as many are being refused already (to be
+        closed at once)."""
         with self._connections_lock:
-            self.connections -= 1
+            if self.connections < self.max_connections:
+                self.connections += 1
+                return True
+            self.refused_connections += 1
+            if self._refusing < self.max_connections:
+                self._refusing += 1
+                return False
+            return None
+
+    def connection_closed(self, admitted: bool) -> None:
+        with self._connections_lock:
+            if admitted:
+                self.connections -= 1
+            else:
+                self._refusing -= 1
+
+    def over_limit_error(self) -> HttpError:
+        return HttpError(503, f"{self.max_connections} connections open, the server's limit: retry, or reuse a "
+                              f"connection kept alive", {"Retry-After": 1})
 
     def count_rejected(self) -> None:
         with self._rejected_lock:
@@ -347,7 +422,7 @@ class LookupServer(ThreadingHTTPServer):
             return self._using
 
 
-class _Listener(socketserver.ThreadingMixIn, socketserver.TCPServer):
+class _Listener(_Connections, socketserver.TCPServer):
     """Another address of a LookupServer's host, on its own listening socket: each
     connection is handled as one of the LookupServer's (its lookup, limits, counters)."""
     daemon_threads = True
@@ -359,25 +434,73 @@ class _Listener(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.socket = sock
         self.owner = owner
 
-    def finish_request(self, request, client_address) -> None:
-        self.RequestHandlerClass(request, client_address, self.owner)
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads, each given at most the idle timeout and at most the time
+    left to the request read now (handler.deadline, of time.monotonic(); None between
+    requests). A timeout raises TimeoutError naming the bound that was hit."""
+
+    def __init__(self, sock: socket.socket, handler: "_Handler"):
+        super().__init__()
+        self._sock = sock
+        self._handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        idle = self._handler.server.idle_timeout
+        timeout, bound = idle, idle
+        if self._handler.deadline is not None:
+            left = self._handler.deadline - time.monotonic()
+            if left < idle:
+                timeout, bound = left, self._handler.request_timeout
+        if timeout <= 0:
+            raise TimeoutError(f"not all sent within {bound:g} s")
+        self._sock.settimeout(timeout)
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise TimeoutError(f"not all sent within {bound:g} s") from None
+        finally:
+            self._sock.settimeout(idle)  # the answer's writes
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: LookupServer
     protocol_version = "HTTP/1.1"
 
+    def __init__(self, request, client_address, server, admitted: bool = True):
+        self._over_limit = not admitted
+        self._accepted = time.monotonic()
+        # a refused connection is not waited for beyond a short bound: it holds a thread
+        self.request_timeout = (server.request_timeout if admitted else
+                                min(server.request_timeout, REFUSED_REQUEST_TIMEOUT))
+        self.deadline: Optional[float] = None
+        super().__init__(request, client_address, server)
+
     def setup(self) -> None:
         self.timeout = self.server.idle_timeout  # the socket's, set by the base class's setup
         super().setup()
+        self.rfile.close()  # the base class's, without the request's deadline
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
 
     def handle(self) -> None:
-        self._over_limit = not self.server.connection_opened()
-        try:
-            super().handle()
-        finally:
-            if not self._over_limit:
-                self.server.connection_closed()
+        """The base class's loop of requests, each given request_timeout from its first
+        byte (the first request: from connecting); between them the connection may be
+        idle for idle_timeout."""
+        self.deadline = self._accepted + self.request_timeout
+        self.close_connection = True
+        self.handle_one_request()
+        while not self.close_connection:
+            self.deadline = None
+            try:
+                if not self.rfile.peek(1):
+                    break  # the client closed it
+            except OSError:  # TimeoutError (idle_timeout) included
+                break
+            self.deadline = time.monotonic() + self.request_timeout
+            self.handle_one_request()
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         if not self.server.quiet:
@@ -414,10 +537,11 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client left
 
-    def _body(self, required: bool = True) -> bytes:
-        """The request's body. Without Content-Length or Transfer-Encoding a request has
-        none (RFC 9112 6.3): only /lookup, whose keys are its body, refuses that.
-        Chunked bodies are not read: 411 (left unread, they would be taken for a request)."""
+    def _body(self, required: bool = True, keep: bool = True) -> bytes:
+        """The request's body (b"" if not keep: read and dropped, a piece at a time). Without
+        Content-Length or Transfer-Encoding a request has none (RFC 9112 6.3): only
+        /lookup, whose keys are its body, refuses that. Chunked bodies are not read: 411
+        (left unread, they would be taken for a request)."""
         lengths = self.headers.get_all("Content-Length", [])
         if len(set(lengths)) > 1:  # which one frames the body is unknowable (RFC 9112 6.3)
             raise HttpError(400, f"Content-Length given {len(lengths)} times, differing: {', '.join(lengths)}")
@@ -439,12 +563,17 @@ class _Handler(BaseHTTPRequestHandler):
         if n > MAX_BODY:
             raise HttpError(413, f"body of {n} bytes, more than {MAX_BODY}")
         try:
-            body = self.rfile.read(n)
-        except TimeoutError:
-            raise HttpError(408, f"body: {n} bytes declared, not all sent within {self.server.idle_timeout:g} s") \
-                from None
-        if len(body) != n:  # the client closed its side early: a short body is not the request
-            raise HttpError(400, f"body: {n} bytes declared, {len(body)} sent before the client closed")
+            if keep:
+                body = self.rfile.read(n)
+                got = len(body)
+            else:
+                body, got = b"", 0
+                while got < n and (piece := self.rfile.read(min(n - got, 1 << 16))):
+                    got += len(piece)
+        except TimeoutError as e:
+            raise HttpError(408, f"body: {n} bytes declared, {e}") from None
+        if got != n:  # the client closed its side early: a short body is not the request
+            raise HttpError(400, f"body: {n} bytes declared, {got} sent before the client closed")
         return body
 
     def _handle(self, method: str) -> None:
@@ -452,10 +581,10 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         self._answered = False
         try:
-            if self._over_limit:  # its request read first, as any refused one's (below)
-                self._body(required=False)
-                raise HttpError(503, f"{self.server.max_connections} connections open, the server's limit: "
-                                     f"retry, or reuse a connection kept alive", {"Retry-After": 1})
+            if self._over_limit:  # its request read first, as any refused one's (below), and dropped
+                with contextlib.suppress(HttpError):  # framing or time out: answered 503 all the same
+                    self._body(required=False, keep=False)
+                raise self.server.over_limit_error()
             # A refused request's body is read first (any method's: Content-Length frames them
             # all): a connection closed with bytes unread is reset, and the answer may be lost.
             if path not in routes:
@@ -569,7 +698,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="256MiB",
           max_concurrent: int = 8, refresh_every: float = 0.0, quiet: bool = False,
-          max_connections: int = 64) -> None:
+          max_connections: int = 64, request_timeout: float = 30.0) -> None:
     """Serves the job at path until interrupted (SIGINT / SIGTERM)."""
     import signal
     if not 0 <= port <= 65535:
@@ -577,7 +706,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8470, memory_budget="2
     lookup = Lookup(path, memory_budget=memory_budget)
     try:
         server = LookupServer(lookup, (host, port), max_concurrent, refresh_every, quiet,
-                              max_connections=max_connections)
+                              max_connections=max_connections, request_timeout=request_timeout)
     except OSError as e:  # the address: in use, or not this host's
         lookup.close()
         raise OSError(e.errno, f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
