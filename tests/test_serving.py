@@ -2439,6 +2439,30 @@ def test_server_close_waits_for_the_lookups_under_way_and_refuses_new_ones(serve
     assert not closing.is_alive() and first[0][0] == 200
 
 
+def test_server_close_waits_for_a_refresh_under_way(job, monkeypatch):
+    """--refresh-every's refreshes were not counted among the requests using the lookup:
+    server_close returned with one in its native reads, and hps serve closed the Lookup
+    and exited under it (SIGABRT at the interpreter's exit, as with a lookup's read)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_refresh(self):
+        entered.set()
+        assert release.wait(30)
+        return False
+
+    monkeypatch.setattr(hps.Lookup, "refresh", slow_refresh)
+    with _serving(job, refresh_every=0.01) as srv:
+        assert entered.wait(30)
+        srv.shutdown()
+        closing = threading.Thread(target=srv.server_close)
+        closing.start()
+        closing.join(0.5)
+        waited = closing.is_alive()
+        release.set()
+        closing.join(30)
+        assert waited and not closing.is_alive()
+
+
 def test_a_second_interrupt_while_hps_serve_waits_for_its_lookups_still_releases_the_checkpoint(job, monkeypatch):
     """A first Ctrl-C stops serving and server_close waits for the lookups under way; a
     second one, raised in that wait, left serve() without closing the Lookup, so its

@@ -320,7 +320,13 @@ class LookupServer(_Connections, ThreadingHTTPServer):
     def _refresh_loop(self, every: float) -> None:
         while not self._stop.wait(every):
             try:
-                self.lookup.refresh()
+                # counted as a request using the lookup, so that server_close waits for it: the
+                # process exiting with this thread in a refresh's native reads aborted, as with
+                # a lookup's (serve's note on os._exit)
+                with self.using_lookup() as lookup:
+                    lookup.refresh()
+            except HttpError:
+                break  # the server is stopping
             except Exception as e:  # noqa: BLE001 - keep serving the checkpoint it has
                 if self._stop.is_set():
                     break  # the server stopped and closed the lookup meanwhile
