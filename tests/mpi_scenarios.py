@@ -383,6 +383,8 @@ def run_train(node, out: str, args) -> None:
     cfg.eval_every = args.eval_every
     if args.herald:
         cfg.ps.schedule, cfg.ps.worker_cache_rows = "herald", args.herald
+    if args.device_capacity:
+        cfg.ps.device_capacity = args.device_capacity
     cfg.ps.lookahead = args.lookahead
     if args.admission:
         cfg.admission = admission_config(args.admission)
@@ -619,12 +621,27 @@ def main() -> None:
     ap.add_argument("--sparse-codec", default="none", help="[distributed] sparse_rows and sparse_grads")
     ap.add_argument("--herald", type=int, default=0, metavar="ROWS",
                     help="schedule = 'herald' with caches of ROWS rows a rank")
+    ap.add_argument("--device-capacity", type=int, default=0, help="[ps] device_capacity (rows a device)")
     ap.add_argument("--fail-ranks", default="", help="heraldretry: the ranks (comma-separated) whose MEM-PS is "
                     "full once")
     args = ap.parse_args()
     from hps.distributed import DistributedConfig, Node
     node = Node(DistributedConfig(ranks_per_node=args.ranks_per_node, timeout=args.timeout))
     os.makedirs(args.out, exist_ok=True)
+    import hps.train
+    abort_rank = hps.train._abort_rank
+
+    def recorded_abort(node_, e):
+        # The error this rank ends the job with, written before its MPI_Abort (which
+        # ends the process before the handler below could); the first only (another
+        # stage that raised after it, its consequence, would truncate the file).
+        try:
+            with open(os.path.join(args.out, f"rank{node.rank}.raised"), "x") as f:
+                f.write(f"{type(e).__name__}: {e}\n")
+        except FileExistsError:
+            pass
+        abort_rank(node_, e)
+    hps.train._abort_rank = recorded_abort
     try:
         globals()[f"run_{args.scenario}"](node, args.out, args)
     except BaseException as e:

@@ -911,6 +911,30 @@ def test_a_nan_sparse_gradient_ends_a_herald_job_before_the_shared_gradients_cro
     _assert_rank_1s_nan_ended_the_job(p, "herald shared gradients")
 
 
+def test_a_herald_step_past_device_capacity_ends_the_job_on_every_rank_naming_the_settings(tmp_path):
+    """Step 2 of a Herald job would fetch about 900 rows onto rank 0 beside its cache's
+    512, more than its table's device_capacity = 1100. The leader refused it while it
+    scheduled the step, on its own: its MPI_Abort ended the job, and rank 1 died saying
+    nothing of why. Now the step's plan parts carry the refusal, every rank raises it
+    alike, and step 1's checkpoint is kept: resumed with room, the job trains on."""
+    from hps.train import load_trainer_state
+    p = scenario(2, "train", tmp_path, "--steps", 4, "--herald", 512, "--device-capacity", 1100,
+                 "--checkpoint-every", 1, "--timeout", 60, check=False, timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    assert "waited" not in p.stderr, p.stderr[-3000:]
+    said = re.compile(r"ValueError: a step may fetch \d+ rows onto rank 0, whose cache holds 512 \(worker_cache_rows "
+                      r"= 512\), more than \[ps\] device_capacity = 1100 together; raise device_capacity or lower "
+                      r"worker_cache_rows")
+    for rank in range(2):
+        raised = tmp_path / f"rank{rank}.raised"
+        assert raised.exists(), (rank, p.stderr[-3000:])
+        assert said.fullmatch(raised.read_text().strip()), (rank, raised.read_text())
+        assert load_trainer_state(str(tmp_path / "job" / f"rank{rank}"))["batches_done"] == 1
+        raised.unlink()
+    scenario(2, "train", tmp_path, "--steps", 4, "--herald", 512, "--checkpoint-every", 1, "--resume", timeout=200)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["batches"] for r in range(2)] == [4, 4]
+
+
 def test_refuse_nonfinite_counts_values_and_keys_and_lets_numbers_pass():
     from hps.distributed.sparse import refuse_nonfinite
     keys = np.array([5, 9, 11, 13], np.uint64)

@@ -19,7 +19,9 @@ every step; the others learn only their part of the plan:
   left them, for a flush in the meantime (as hps.worker_caches does on a node);
 - partition (first in the train stage, where every rank's cache agrees with the
   snapshot before the step): the leader sends each rank its plan part (``plan``
-  bytes): the rank of each of its examples; for
+  bytes), or its refusal of the step (a step that would fetch more rows onto a
+  rank than ``device_capacity`` holds beside its cache), which every rank raises
+  alike: the rank of each of its examples; for
   each key it will train (ascending), its trainers (a bit a rank) and where its
   row comes from when the rank's cache lacks it; the rows it serves to others;
   the rows its evictions lost; and, when its table must be compacted, the keys
@@ -65,11 +67,12 @@ LEADER = 0  # the rank that holds the snapshot and plans every step
 # A plan part's source of a key a rank trains: the rank whose cache serves its row
 # (< 64), _OWNER + the owner whose MEM-PS does, or _HELD (the rank's cache holds it).
 _OWNER, _HELD = 64, 255
-# A plan part's fields, in order (hps.distributed.herald._pack): the counts, the
-# ranks of the rank's examples, its trained keys' trainer bits and sources, the rows
-# it serves (keys, how many to each rank, whether from its cache), the keys its
-# evictions lost, and the keys its cache holds when its table is compacted.
-_PART = (np.int64, np.uint8, np.uint8, np.uint8, np.uint64, np.int64, np.bool_, np.uint64, np.uint64)
+# A plan part's fields, in order (hps.distributed.herald._pack): the leader's refusal
+# of the step (its message, UTF-8; empty: none), the counts, the ranks of the rank's
+# examples, its trained keys' trainer bits and sources, the rows it serves (keys, how
+# many to each rank, whether from its cache), the keys its evictions lost, and the
+# keys its cache holds when its table is compacted.
+_PART = (np.uint8, np.int64, np.uint8, np.uint8, np.uint8, np.uint64, np.int64, np.bool_, np.uint64, np.uint64)
 _COUNTS = ("plan_pulls", "plan_peer_pulls", "plan_shared", "distinct", "cached", "table_rows")
 
 
@@ -174,6 +177,8 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             self._tables = [[0, self._table_rows] for _ in range(node.size)]
         self._init_made_order()  # the leader keeps the caches' keys before each pending step
         self._init_fail_stop()
+        # Leader: why it refused a step (every step after it is refused alike), else None.
+        self._refusal = None
         self._dirty = False
         self.counts = {"batches": 0, "examples_sent": 0, "examples_kept": 0, "ps_loads": 0, "peer_fetches": 0,
                        "rows_served": 0, "primary_steps": 0, "replica_copies": 0, "evict_pushes": 0,
@@ -196,9 +201,10 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
                 continue
             keys = held[r]
             if len(keys) + incoming > self.device_capacity:
-                raise ValueError(f"a step may fetch {incoming} rows onto rank {r}, whose cache holds {len(keys)}, "
-                                 f"more than device_capacity = {self.device_capacity} together; raise "
-                                 f"device_capacity or lower worker_cache_rows")
+                raise ValueError(f"a step may fetch {incoming} rows onto rank {r}, whose cache holds {len(keys)} "
+                                 f"(worker_cache_rows = {self.capacity}), more than [ps] device_capacity = "
+                                 f"{self.device_capacity} together; raise device_capacity or lower "
+                                 f"worker_cache_rows")
             rows = min(rebuilt_table_rows(rows, len(keys), incoming), self.device_capacity)
             table[:] = [len(keys), rows]
             out[r] = (keys, rows)
@@ -348,7 +354,10 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             parts = held = None
             if self.leader:
                 held = self.herald.cached_by_worker()
-                parts = self._plan_parts(pre, held)
+                parts = self._plan_parts(pre, held) if self._refusal is None else None
+                if parts is None:
+                    parts = [_pack([np.frombuffer(self._refusal.encode(), np.uint8)] +
+                                   [np.empty(0, t) for t in _PART[1:]])] * self.node.size
             return self._made_one(held), parts
 
     def _plan_parts(self, pre: HeraldPrefetched, held: list) -> list:
@@ -357,7 +366,14 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         W = self.node.size
         uniq, inverse, examples = pre.uniq, pre.inverse, pre.examples
         fields = examples.shape[1]
-        compact = self._compactions(most_fetched(len(examples), fields, W, len(uniq)), held)
+        try:
+            compact = self._compactions(most_fetched(len(examples), fields, W, len(uniq)), held)
+        except ValueError as e:
+            # Raised here, on the leader alone, it ended the job (MPI_Abort) with the
+            # other ranks saying nothing of it: the step's plan parts carry it to every
+            # rank, which raises it in the step's partition (_start).
+            self._refusal = str(e)
+            return None
         origin = np.repeat(np.arange(W, dtype=np.int32), np.diff(pre.starts))  # the rank that read each example
         plan = self.herald.schedule(examples, upcoming=pre.upcoming, origin=origin)
         fetches = np.diff(plan.fetch_offsets).astype(np.int64)
@@ -384,7 +400,8 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             compact_keys, table_rows = compact.get(r, (np.empty(0, np.uint64), 0))
             counts = np.array([plan.pulls, plan.peer_pulls, plan.shared, plan.distinct,
                                self.herald.cached_count(r), table_rows], np.int64)
-            parts.append(_pack([counts, plan.assignment[pre.starts[r]:pre.starts[r + 1]].astype(np.uint8),
+            parts.append(_pack([np.empty(0, np.uint8), counts,
+                                plan.assignment[pre.starts[r]:pre.starts[r + 1]].astype(np.uint8),
                                 bits[trained], source[trained, r], fk[served],
                                 np.bincount(fdest[served], minlength=W).astype(np.int64), src[served] >= 0,
                                 plan.lost_keys[plan.lost_from == r], compact_keys]))
@@ -454,7 +471,9 @@ class HeraldDistBatch(BatchBase):
         W, me = node.size, node.rank
         blocks, self._parts = self._parts, None
         part = _unpack(s._from_leader("train", blocks, "plan", "herald plan parts", np.empty(0, np.uint8)), _PART)
-        counts, dest, bits, source, served, serve_counts, from_peer, self._lost, held = part
+        refusal, counts, dest, bits, source, served, serve_counts, from_peer, self._lost, held = part
+        if len(refusal):
+            raise ValueError(refusal.tobytes().decode())
         got = dict(zip(_COUNTS, counts.tolist()))
         if got["table_rows"]:
             s._compact(held, got["table_rows"])
