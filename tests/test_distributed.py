@@ -277,6 +277,25 @@ def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_p
         assert state["rank_examples"] == {"rank": r, "world": 2, "examples": (6 if r == 0 else 4) * per_rank}
 
 
+
+def test_a_resumed_herald_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_path):
+    """As above with schedule = "herald", whose steps train examples the other ranks
+    read. A rank skipped as many of its batches as the job had taken steps: resumed,
+    rank 1 skipped the two batches it had never trained (the job trained 384 of its 480
+    examples). Now it counts the examples of its own data it read into the job's
+    steps, wherever they were trained."""
+    from hps.train import load_trainer_state
+    per_rank = 48
+    scenario(2, "train", tmp_path / "job", "--steps", 4, "--per-rank", per_rank, "--uneven", "--herald", 256)
+    scenario(2, "train", tmp_path / "job", "--steps", 6, "--per-rank", per_rank, "--uneven", "--herald", 256,
+             "--resume")
+    reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["examples"] for r in reports] == [(6 + 4) * per_rank] * 2  # rank 0's 6 batches, rank 1's 4
+    assert reports[0]["batches"] == 6
+    for r in range(2):
+        state = load_trainer_state(str(tmp_path / "job" / "job" / f"rank{r}"))
+        assert state["rank_examples"] == {"rank": r, "world": 2, "examples": (6 if r == 0 else 4) * per_rank}
+
 # ---------------------------------------------------------------- admission: the job's counts
 
 @pytest.mark.parametrize("world,extra,resume", [(2, (), True), (3, ("--multi-hot", "--uneven"), False)])

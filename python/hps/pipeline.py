@@ -110,6 +110,8 @@ class Loaded:
     data: Any                  # the reader's batch (labels, dense, keys)
     batch: WorkingBatch        # the batch's working set (any kind: device tier, in place, distributed)
     minibatches: list          # one index array per device
+    read: Any = None           # the reader's batch, where a batch that moves examples between
+    #                            ranks (Herald's) made data the examples this rank trains
 
 
 TrainStep = Callable[[Loaded], None]
@@ -219,7 +221,7 @@ class Pipeline:
             loaded.minibatches = self._timed("train", partition)
             exchanged = getattr(loaded.batch, "exchanged", None)
             if exchanged is not None:  # the examples this rank trains now
-                loaded.data = exchanged
+                loaded.read, loaded.data = loaded.data, exchanged
         self._timed("train", self.train_step, loaded)
         self._timed("train", loaded.batch.apply)
 

@@ -631,10 +631,10 @@ class Trainer:
             self.model.embedding.frozen_key = ADMISSION_DEFAULT_KEY
         self.batches_done = 0
         self.examples_done = 0
-        # In a job, the examples of this rank's own data trained (examples_done is the
-        # job's): where a resumed rank picks up in its data. Not with Herald's schedule,
-        # whose steps train examples other ranks read.
-        self.rank_examples_done: Optional[int] = 0 if cfg.ps.schedule != "herald" else None
+        # In a job, the examples of this rank's own data trained, by whichever rank
+        # (examples_done is the job's; Herald's schedule moves examples between ranks):
+        # where a resumed rank picks up in its data.
+        self.rank_examples_done: Optional[int] = 0
         self.history: list[dict] = []
         #: Online: each step's logits as (rows, logits) a mini-batch, taken before its update; None: not kept.
         self.step_logits: Optional[list] = None
@@ -1425,8 +1425,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         trainer.batches_done += 1
         n = getattr(loaded.data, "total_examples", len(loaded.data.labels))
         trainer.examples_done += n
-        if trainer.rank_examples_done is not None:
-            trainer.rank_examples_done += len(loaded.data.labels)
+        if trainer.rank_examples_done is not None:  # (read: this rank's own, where data came from others)
+            trainer.rank_examples_done += len((loaded.data if loaded.read is None else loaded.read).labels)
         if online is not None:
             _score_online(trainer, online, loaded.data, time.perf_counter() - t_start)
         if trainer.thread_tuner is not None:
