@@ -302,6 +302,33 @@ def run_heraldpush(node, out: str, args) -> None:
     server.close()
 
 
+def run_heraldflush(node, out: str, args) -> None:
+    """Two Herald steps of herald_step_keys (caches of --herald rows), a pull (a
+    flush), a step of one example a rank (keys 1 + rank, 2, 3), a pull again; each
+    rank saves its flushed_rows after each pull, and rank 0 the rows of keys
+    0..149 at the end."""
+    import hps
+    from hps.distributed.herald import HeraldServer
+    server = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
+                                                        budget="1MiB")), node, args.herald)
+    flushed = []
+    for step in range(2):
+        keys = herald_step_keys(node.rank, step)
+        herald_step(server, server.prefetch(keys), keys)
+    server.pull(np.arange(150, dtype=np.uint64))
+    flushed.append(server.stats()["herald"]["flushed_rows"])
+    keys = np.array([[1 + node.rank, 2, 3]], np.uint64)
+    herald_step(server, server.prefetch(keys), keys)
+    final = server.pull(np.arange(150, dtype=np.uint64))
+    h = server.stats()["herald"]
+    flushed.append(h["flushed_rows"])
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"flushed_rows": flushed, "evict_pushes": h["evict_pushes"], "peer_fetches": h["peer_fetches"]}, f)
+    if node.rank == 0:
+        np.save(os.path.join(out, "final.npy"), final)
+    server.close()
+
+
 def herald_server(node, out: str):
     """A HeraldServer with caches of 20 rows and 1 MiB of MEM-PS a rank (the
     hand-driven Herald scenarios')."""
@@ -585,7 +612,8 @@ def run_sketchmemory(node, out: str, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldtable",
+    ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldflush",
+                                         "heraldtable",
                                          "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
                                          "otherseed", "pushstep"])
     ap.add_argument("out")

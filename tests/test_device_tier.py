@@ -69,6 +69,25 @@ def pinned_batch():
     return cache, keys, batch
 
 
+def test_the_trained_bits_go_through_the_bindings_and_only_on_a_tier_that_tracks_them():
+    tier, opt = make_tier()
+    keys = np.arange(1, 5, dtype=np.uint64)
+    for call in (lambda: tier.trained(keys, None), lambda: tier.set_trained(keys, None, True), tier.take_trained):
+        with pytest.raises(RuntimeError, match="track_trained is off"):
+            call()
+    tier = _core.DeviceTier(2, 64, opt, use_cuda=False, track_trained=True)
+    owners = np.array([0, 1, 1, 0], np.int32)
+    tier.insert(keys, np.zeros((4, opt.row_floats), np.float32), owners, opt.row_floats)
+    tier.set_trained(keys[1:3], owners[1:3], True)
+    assert tier.trained(keys, owners).tolist() == [False, True, True, False]
+    assert not tier.trained(keys[1:2], np.zeros(1, np.int32))[0]  # a bit is its copy's on the device named
+    taken, on = tier.take_trained()
+    assert sorted(zip(taken.tolist(), on.tolist())) == [(2, 1), (3, 1)] and on.dtype == np.int32
+    assert len(tier.take_trained()[0]) == 0 and not tier.trained(keys, owners).any()
+    with pytest.raises(TypeError, match="owners must be None or a 1-D int32 array"):
+        tier.trained(keys, owners[:2])
+
+
 def test_a_host_batch_release_that_fails_raises_and_is_counted():
     cache, keys, batch = pinned_batch()
     assert cache.stats()["failed_releases"] == 0

@@ -438,6 +438,33 @@ def test_a_direct_push_between_herald_steps_empties_the_caches_and_the_steps_aft
     assert herald["batches"] == 4 and herald["evict_pushes"] > 0 and herald["peer_fetches"] > 0
 
 
+@pytest.mark.parametrize("rows", [1000, 20])  # no evictions; evictions and peer fetches
+def test_a_herald_flush_writes_only_the_rows_trained_since_the_last_one(tmp_path, rows):
+    """A flush (a pull, a checkpoint) wrote every cached row to its owner, changed
+    or not: every checkpoint wrote the whole caches, and an export's delta listed
+    rows that had not changed. The ranks' tables keep a trained bit a row now: after
+    a step of keys 1..world, 2 and 3, those alone are written, once each, and the
+    rows end as one process's."""
+    world = 2
+    scenario(world, "heraldflush", tmp_path, "--herald", rows)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    flushed = np.array([g["flushed_rows"] for g in got])
+    first = np.unique(np.concatenate([sc.herald_step_keys(r, s).reshape(-1) for r in range(world) for s in range(2)]))
+    if rows == 1000:
+        assert flushed[:, 0].sum() == len(first)  # every key trained, all cached
+    else:
+        assert sum(g["evict_pushes"] for g in got) > 0 and sum(g["peer_fetches"] for g in got) > 0
+    assert (flushed[:, 1] - flushed[:, 0]).sum() == len({2, 3} | set(range(1, world + 1)))
+    ref = hps.ParameterServer(sc.ps_config(str(tmp_path / "reference"), "adagrad", budget="1MiB"))
+    for step in range(3):
+        keys = np.concatenate([(sc.herald_step_keys(r, step) if step < 2 else
+                                np.array([[1 + r, 2, 3]], np.uint64)).reshape(-1) for r in range(world)])
+        ref.push(keys, sc.key_gradient(keys))
+    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), ref.pull(np.arange(150, dtype=np.uint64)),
+                               rtol=1e-5, atol=1e-6)
+    ref.close()
+
+
 def test_a_compacted_herald_table_holds_only_the_keys_its_cache_holds(tmp_path):
     """A compaction rebuilds a rank's table (the tier that holds its cache's rows)
     with the keys the cache holds and nothing else: the rows of keys it evicted

@@ -707,6 +707,33 @@ def test_a_delta_read_a_few_rows_at_a_time_holds_exactly_the_rows_updated_since(
     assert meta["ranks"][0]["since_sequence"] < meta["ranks"][0]["max_sequence"]
 
 
+def test_a_delta_of_a_herald_job_holds_only_the_rows_trained_since(tmp_path):
+    """Herald's caches wrote every cached row at each checkpoint, changed or not, so
+    a delta listed every cached key; it holds the keys trained since the consumer's
+    position now."""
+    from hps.export import export
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=0.5), devices=2,
+                                    schedule="herald", worker_cache_rows=1000)
+    ps = hps.ParameterServer(cfg)
+
+    def step(examples):
+        with ps.batch(examples) as b:
+            for w, idx in enumerate(b.partition()):
+                k = examples[idx].reshape(-1)
+                b.push(k, np.ones((len(k), 4), np.float32), worker=w)
+
+    step(np.arange(1, 201, dtype=np.uint64).reshape(100, 2))
+    ps.checkpoint()
+    assert export(cfg.path, tmp_path / "e1", "t-herald")["rows"] == 200
+    step(np.array([[3, 4], [150, 7]], np.uint64))
+    ps.checkpoint()
+    ps.close()
+    meta, table = read_export(export(cfg.path, tmp_path / "e2", "t-herald")["job"] and tmp_path / "e2")
+    assert not meta["full"] and sorted(table["key"]) == [3, 4, 7, 150]
+    want, _ = server_rows(tmp_path / "job", np.array(table["key"], np.uint64))
+    np.testing.assert_array_equal(np.array(table["embedding"], np.float32), want)
+
+
 @pytest.mark.parametrize("damage", ["checkpoint", "world", "ranks", "ranks[0].max_sequence", "ranks short"])
 def test_a_position_missing_a_field_is_refused_naming_the_file_and_the_field(tmp_path, capsys, damage):
     """A consumer's position missing a field that export or inspect reads raised a bare

@@ -693,8 +693,8 @@ def test_each_devices_gradient_table_is_sized_for_the_keys_it_sums_after_the_tab
     at most the rows' table, or up to four times that (size_gradients), also in the
     tables that replace the caches' when they grow."""
     new_tier = ParameterServer._new_tier
-    monkeypatch.setattr(ParameterServer, "_new_tier", lambda ps, rows: _TierThatRecordsItsGradientTables(
-        new_tier(ps, rows), rows, ps.config.devices))
+    monkeypatch.setattr(ParameterServer, "_new_tier", lambda ps, rows, **kw: _TierThatRecordsItsGradientTables(
+        new_tier(ps, rows, **kw), rows, ps.config.devices))
     ps = server(tmp_path / "a", "herald")
     wide = [np.arange(512, dtype=np.uint64).reshape(64, 8) + 10_000 * (i + 1) for i in range(2)]  # 128 keys a device
     for keys in trace(batches=8) + wide + trace(batches=8, seed=1):
@@ -834,3 +834,117 @@ def test_device_capacity_bounds_the_caches_tables(tmp_path):
     with pytest.raises(ValueError, match="more than device_capacity = 100"):
         ps.batch(ps.prefetch(wide))
     run(ps, batches[:2])  # refused before it was scheduled: the caches go on
+
+
+def recording_writes(ps):
+    """The keys each write of rows below the caches gets (flushes and eviction
+    pushes: MemCache.keep_updated), a list a call."""
+    written = []
+    keep_updated = ps._cache.keep_updated
+    ps._cache.keep_updated = lambda keys, rows: (written.append(np.array(keys)), keep_updated(keys, rows))[1]
+    return written
+
+
+def test_a_flush_writes_only_the_rows_trained_since_the_last_one(tmp_path):
+    """A flush wrote every cached row, changed or not: every checkpoint wrote the
+    whole caches again, and an export's delta listed rows that had not changed."""
+    batches = trace(batches=8)
+    ps = run(server(tmp_path / "a", "herald", rows=400), batches[:6])
+    ps.checkpoint()
+    first = ps.stats()["device"]["herald"]["flushed_rows"]
+    cached = np.unique(np.concatenate([ps._herald.herald.cached(w) for w in range(4)]))
+    small = batches[6][:4]  # a batch of a few keys, which stay cached (the caches have room)
+    run(ps, [small])
+    assert len(np.unique(small)) < len(cached)
+    written = recording_writes(ps)
+    ps.checkpoint()
+    h = ps.stats()["device"]["herald"]
+    assert h["evict_pushes"] == 0
+    assert sorted(np.concatenate(written).tolist()) == np.unique(small).tolist()
+    assert h["flushed_rows"] - first == len(np.unique(small))
+    assert ps._herald.flush() == 0  # and nothing again
+    # Nothing lost: the rows end as the sequential schedule's.
+    run(ps, batches[7:])
+    seq = run(server(tmp_path / "s", "sequential"), batches[:6] + [small] + batches[7:])
+    np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
+
+
+def test_a_batch_that_steps_no_row_leaves_nothing_to_flush(tmp_path):
+    """A batch whose examples got no gradients (read only) fetched rows and changed
+    none: the flush after it wrote every cached row all the same."""
+    batches = trace(batches=4)
+    ps = run(server(tmp_path / "a", "herald"), batches[:3])
+    ps.checkpoint()
+    flushes = ps.stats()["device"]["herald"]["flushes"]
+    b = ps.batch(ps.prefetch(batches[3]))
+    for w, idx in enumerate(b.partition()):
+        b.pull(batches[3][idx].reshape(-1), worker=w)
+    b.apply()
+    b.write_back()
+    h = ps.stats()["device"]["herald"]
+    assert h["ps_loads"] + h["peer_fetches"] > 0
+    written = recording_writes(ps)
+    before = h["evict_pushes"]
+    assert ps._herald.flush() == 0
+    assert ps._herald.flush() == 0
+    h = ps.stats()["device"]["herald"]
+    assert h["flushes"] == flushes + 1 and sum(len(k) for k in written) == 0 and h["evict_pushes"] == before
+
+
+def run_some(ps, batches, seen, pull_every=3):
+    """run()'s steps, but each worker pushes the gradients of a part of its keys
+    only (a third of them left out, another third each batch), so that rows the
+    caches fetched stay unchanged; every pull_every batches, the rows of every key
+    of the trace pulled into `seen` (through MEM-PS: a flush first)."""
+    devices = ps.config.devices
+    probe = np.unique(np.concatenate([k.reshape(-1) for k in batches]))
+    for i, keys in enumerate(batches):
+        b = ps.batch(ps.prefetch(keys))
+        parts = b.partition() if hasattr(b, "partition") else np.array_split(np.arange(len(keys)), devices)
+        for w, idx in enumerate(parts):
+            k = keys[idx].reshape(-1)
+            k = k[(k // np.uint64(7) + np.uint64(i)) % np.uint64(3) != 0]
+            if len(k):  # (far from a gradient of zero, where a step would leave a row's bits as they were)
+                b.push(k, (0.3 * b.pull(k, worker=w) + 1.0).astype(np.float32), worker=w)
+        b.apply()
+        b.write_back()
+        if i % pull_every == 0 or i == len(batches) - 1:
+            seen.append(ps.pull(probe))
+    return ps
+
+
+def test_a_flush_writes_changed_rows_only_and_misses_none(tmp_path):
+    """Through peer fetches of rows their fetcher does not step (the fetched copy is
+    as new as its source), evictions and table rebuilds: each flush writes rows
+    that differ from MEM-PS's copy only, and every pull between the batches reads
+    what the sequential schedule's does."""
+    batches = trace(batches=30)
+    ps = server(tmp_path / "a", "herald", rows=20)
+    caches = ps._herald
+    flush, keep_updated = caches.flush, ps._cache.keep_updated
+    flushing, unchanged, written = [False], [], []
+
+    def recorded_flush():
+        flushing[0] = True
+        try:
+            return flush()
+        finally:
+            flushing[0] = False
+
+    def recorded_write(keys, rows):
+        if flushing[0]:  # MEM-PS's copies before the flush writes them
+            before = ps._cache.pull(np.array(keys), pin=False, dtype=np.float32)[0]
+            unchanged.append(int(np.all(np.asarray(rows).view(np.uint32) == before.view(np.uint32), axis=1).sum()))
+            written.append(len(keys))
+        return keep_updated(keys, rows)
+
+    caches.flush, ps._cache.keep_updated = recorded_flush, recorded_write
+    her, seq = [], []
+    run_some(ps, batches, her)
+    h = ps.stats()["device"]["herald"]
+    assert h["peer_fetches"] > 0 and h["evict_pushes"] > 0 and h["compactions"] > 0
+    assert sum(written) == h["flushed_rows"] > 0 and sum(unchanged) == 0
+    run_some(server(tmp_path / "s", "sequential"), batches, seq)
+    assert len(her) == len(seq)
+    for i, (a, b) in enumerate(zip(her, seq)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"pull {i}")

@@ -97,6 +97,10 @@ struct DeviceTierOptions {
   // device-tier path ran W4s at 0.75x the in-place one with them). false:
   // copies, as a GPU must hold them (the tests run the copying path this way).
   bool bind_host_rows = true;
+  // Keep each table row's trained bit (TakeTrained): Herald's caches, whose
+  // rows outlive their batches, write only the rows trained since they last
+  // wrote them. Off, the calls on the bits throw and Apply costs nothing more.
+  bool track_trained = false;
 };
 
 struct TransferMatrix {
@@ -233,6 +237,25 @@ class DeviceTier {
   // where !binds_host_rows(). Clear forgets them (the caller writes nothing back:
   // Apply stepped them where they lie).
   virtual void BindHostRows(const uint64_t* keys, uint64_t n, const int32_t* owners, uint8_t* const* rows) = 0;
+
+  // The trained bits (options.track_trained; else std::logic_error), for
+  // rows that stay in the tables between batches (Herald's caches): a row's
+  // bit says it changed since it was last written below the tier (to MEM-PS).
+  // Apply sets the bits of the rows it steps; CopyRowsAt gives each row it
+  // overwrites its source's bit (a replica is as new as its primary); Insert
+  // and Assign clear the bits of the rows they write (a row from MEM-PS), and
+  // Clear every bit. A row fetched from a peer is as new as its source: the
+  // caller reads the source's bit (Trained) and sets the copy's (SetTrained).
+  // A key's bit is its row's on `owners` (null: the modulo hash), as Insert's;
+  // a key not in that table reads 0 and is not set. Rows bound from MEM-PS
+  // (BindHostRows) have no bits. Each call costs O(n), never a scan of a table.
+  virtual void Trained(const uint64_t* keys, uint64_t n, const int32_t* owners, uint8_t* trained) const = 0;
+  virtual void SetTrained(const uint64_t* keys, uint64_t n, const int32_t* owners, bool trained) = 0;
+  // The (key, device) of every row whose bit is set, each device's in no fixed
+  // order, and clears them all (the caller writes those rows below, or sets
+  // them again if it could not). A row that stayed in a table after its cache
+  // dropped the key (stale) keeps its bit: the caller knows which copies are live.
+  virtual void TakeTrained(std::vector<uint64_t>* keys, std::vector<int32_t>* owners) = 0;
 
   virtual TransferMatrix transfers() const = 0;
   // Empty (links = 0) without routes.

@@ -1431,9 +1431,9 @@ class ParameterServer:
         devices, links = topo._native()
         return _core.TierRoutes(devices, links, g, _PLAN_PAIR_BYTES, host and self.config.topology is not None), topo
 
-    def _new_tier(self, capacity: int):
+    def _new_tier(self, capacity: int, track_trained: bool = False):
         return _core.DeviceTier(self.config.devices, capacity, self._native_opt, threads=self.config.device_threads,
-                                routes=self._routes)
+                                routes=self._routes, track_trained=track_trained)
 
     def _fit_tier(self, slot: _TierSlot, most: int) -> None:
         """Grows the slot's (empty) device tables until the batch, `most` keys on

@@ -26,9 +26,20 @@ from peers, copied to keep replicas equal, written to MEM-PS (evictions and
 flushes), and the transfer matrix of all of it (with the tier's own counts of
 gradients sent to primaries and embeddings read).
 
-MEM-PS holds stale copies of cached rows: ``flush()`` writes every cached row
-to MEM-PS (the caches keep them, clean as far as MEM-PS is concerned); the
-parameter server calls it before a pull (an evaluation) and a checkpoint.
+MEM-PS holds stale copies of cached rows: ``flush()`` writes to MEM-PS the
+cached rows trained since they were last written there (the caches keep them,
+clean as far as MEM-PS is concerned); the others' stored copies equal the
+cached ones. The parameter server calls it before a pull (an evaluation) and a
+checkpoint. Which rows those are the tier's tables say: each row has a trained
+bit (hps._core.DeviceTier's ``take_trained``), set by the step that changes
+it and by the replica copy after it, carried by a fetch from a peer (the copy
+is as new as its source), cleared by a load from MEM-PS and by a flush. Writing
+every cached row made each checkpoint write the whole caches again and an
+export's delta list rows that had not changed; a list of trained keys kept in
+Python, cut to the cached ones every few batches (a read of the whole
+snapshot), slowed the MPI job (1c5833b, reverted by 44f8008). The bits cost a
+batch the rows it touches; a flush, the rows it writes and a pass over the
+caches' keys (which trained copies are live: ``live_trained``).
 
 Physical rows follow the scheduler's snapshot: a row a device no longer holds
 stays in its table (stale, never read: a fetch overwrites it) until the table
@@ -121,6 +132,26 @@ def rebuilt_table_rows(table_rows: int, live: int, incoming: int) -> int:
     return table_rows
 
 
+def live_trained(keys: np.ndarray, owners: np.ndarray, held: list) -> tuple[np.ndarray, np.ndarray]:
+    """Of the trained rows (keys[i] on worker owners[i]: a tier's take_trained),
+    each key once, from its lowest worker whose cache holds it (held[w]: worker
+    w's keys): the rows a flush writes. A row its cache dropped stays in the
+    table, stale, bit and all (a newer copy may live on another worker, or the
+    eviction that lost the key's last copy wrote it below): it is left out, and
+    so is a row a batch not yet applied fetched (its source is read)."""
+    live = np.zeros(len(keys), bool)
+    for w, h in enumerate(held):
+        mine = np.flatnonzero(owners == w)
+        if len(mine) and len(h):
+            live[mine] = np.isin(keys[mine], h)
+    keys, owners = keys[live], owners[live]
+    order = np.lexsort((owners, keys))
+    keys, owners = keys[order], owners[order]
+    first = np.ones(len(keys), bool)
+    first[1:] = keys[1:] != keys[:-1]
+    return keys[first], owners[first]
+
+
 def most_fetched(n_examples: int, fields: int, workers: int, distinct: int) -> int:
     """The most rows one worker can fetch for a batch: the keys of its share
     of the examples (Herald gives each ceil(n / W) at most), or the batch's
@@ -149,7 +180,7 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         self._row_floats = ps.row_floats
         # Tables grow when a batch's fetches would fill one past 0.7 (schedule), up to device_capacity.
         self._table_rows = min(first_table_rows(capacity), device_capacity)
-        self._tier = ps._new_tier(self._table_rows)
+        self._tier = ps._new_tier(self._table_rows, track_trained=True)
         self._gradient_slots = np.full(workers, self._table_rows, np.int64)  # each device's gradient table's
         # The tables as the scheduled batches will leave them, under _scheduling:
         # each device's rows, live or stale, once they have fetched (an upper
@@ -159,7 +190,7 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         self._planned_present = np.zeros(workers, np.int64)
         self._planned_rows = self._table_rows
         self._init_fail_stop()
-        self._dirty = False  # some cached row is newer than MEM-PS's copy
+        self._dirty = False  # a batch applied since the last flush (else no row's trained bit is set)
         self.moved_rows = np.zeros((workers, workers), np.uint64)  # whole rows copied device to device
         self.counts = {"batches": 0, "ps_loads": 0, "peer_fetches": 0, "replica_copies": 0,
                        "evict_pushes": 0, "flushes": 0, "flushed_rows": 0, "compactions": 0,
@@ -201,20 +232,23 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         """At a batch's start (the batch before it applied): each device's table
         holds the keys `held` gives it and no stale rows, in tables of
         `table_rows` rows."""
-        rows = [self._tier.rows(k, np.full(len(k), w, np.int32), self._row_floats) for w, k in enumerate(held)]
+        owners = [np.full(len(k), w, np.int32) for w, k in enumerate(held)]
+        rows = [self._tier.rows(k, o, self._row_floats) for k, o in zip(held, owners)]
+        trained = [self._tier.trained(k, o) for k, o in zip(held, owners)]  # the rows keep their bits
         if table_rows != self._table_rows:
             rows_before, bytes_before = self._tier.transfers()
             self._tier_before = (rows_before, bytes_before) if self._tier_before is None else \
                 (self._tier_before[0] + rows_before, self._tier_before[1] + bytes_before)
-            self._tier = self._ps._new_tier(table_rows)
+            self._tier = self._ps._new_tier(table_rows, track_trained=True)
             self._table_rows = table_rows
             self._gradient_slots[:] = table_rows
             self.counts["table_growths"] += 1
         else:
             self._tier.clear()
-        for w, (k, r) in enumerate(zip(held, rows)):
+        for k, o, r, t in zip(held, owners, rows, trained):
             if len(k):
-                self._tier.insert(k, r, np.full(len(k), w, np.int32), self._row_floats)
+                self._tier.insert(k, r, o, self._row_floats)
+                self._tier.set_trained(k[t], o[t], True)
         self.counts["compactions"] += 1
 
     # ------------------------------------------------------------ MEM-PS
@@ -236,21 +270,24 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         self._ps._cache.keep_updated(keys, np.ascontiguousarray(rows))
 
     def flush(self) -> int:
-        """Every cached row to MEM-PS, one copy a key; returns how many: the
-        caches as the last batch applied left them (the snapshot before the
-        batches scheduled since, a batch in its step among them)."""
+        """The cached rows trained since they were last written to MEM-PS, there,
+        one copy a key; returns how many: the caches as the last batch applied
+        left them (the snapshot before the batches scheduled since, a batch in
+        its step among them)."""
         with self._lock:
             self.check()
             if not self._dirty:
                 return 0
-            with self._scheduling:
-                held = self._as_applied(self.herald.cached_by_worker)
-            keys = np.concatenate(held) if held else np.empty(0, np.uint64)
-            owners = np.repeat(np.arange(self.workers, dtype=np.int32), [len(k) for k in held])
-            keys, first = np.unique(keys, return_index=True)  # a key once, from its lowest holder
-            owners = owners[first]
-            rows = self._tier.rows(keys, owners, self._row_floats)
-            self._to_mem(keys, rows)
+            trained, on = self._tier.take_trained()
+            try:
+                with self._scheduling:
+                    held = self._as_applied(self.herald.cached_by_worker)
+                keys, owners = live_trained(trained, on, held)
+                rows = self._tier.rows(keys, owners, self._row_floats)
+                self._to_mem(keys, rows)
+            except BaseException:
+                self._tier.set_trained(trained, on, True)  # not written: the next flush tries again
+                raise
             self._dirty = False
             self.counts["flushes"] += 1
             self.counts["flushed_rows"] += len(keys)
@@ -372,14 +409,19 @@ class HeraldBatch(BatchBase):
         if len(fk):
             rows = np.empty((len(fk), c._row_floats), np.float32)
             from_ps = src < 0
+            trained = np.empty(0, np.int64)  # the fetches whose source's row is trained
             if from_ps.any():
                 rows[from_ps] = c._ps._cache.read_pinned(fk[from_ps]).view(np.float32)
             if (~from_ps).any():
                 rows[~from_ps] = c._tier.rows(fk[~from_ps], src[~from_ps], c._row_floats)
                 c.moved_rows += np.bincount(src[~from_ps].astype(np.int64) * W + dest[~from_ps],
                                             minlength=W * W).reshape(W, W).astype(np.uint64)
-            c._tier.assign(fk, rows, dest, c._row_floats)  # a stale copy is overwritten
+                # A peer's row is as new as its source, relative to MEM-PS: its trained bit goes with it.
+                trained = np.flatnonzero(~from_ps)[c._tier.trained(fk[~from_ps], src[~from_ps])]
+            c._tier.assign(fk, rows, dest, c._row_floats)  # a stale copy is overwritten (its bit cleared)
             c._tier.insert(fk, rows, dest, c._row_floats)  # the others join the table
+            if len(trained):
+                c._tier.set_trained(fk[trained], dest[trained], True)
             c.counts["ps_loads"] += int(from_ps.sum())
             c.counts["peer_fetches"] += int((~from_ps).sum())
         c._tier.bind(self._bound_keys, self._bound_owners)
@@ -493,6 +535,7 @@ class HeraldBatch(BatchBase):
                 lost = self._plan.lost_keys
                 if len(lost):
                     c._to_mem(lost, c._tier.rows(lost, self._plan.lost_from, c._row_floats))
+                    c._tier.set_trained(lost, self._plan.lost_from, False)  # written
                     c.counts["evict_pushes"] += len(lost)
             except BaseException:
                 self.abort()

@@ -930,13 +930,14 @@ PYBIND11_MODULE(_core, m) {
   py::class_<hps::DeviceTier>(m, "DeviceTier")
       .def(py::init([](int32_t devices, uint64_t capacity, const hps::SparseOptimizer& optimizer, bool use_cuda,
                        int32_t threads, const TierRoutesHandle* routes, const std::vector<int32_t>& cuda_devices,
-                       bool bind_host_rows) {
+                       bool bind_host_rows, bool track_trained) {
              return hps::DeviceTier::New({devices, capacity, optimizer, use_cuda, threads,
-                                          routes ? routes->routes : nullptr, cuda_devices, bind_host_rows});
+                                          routes ? routes->routes : nullptr, cuda_devices, bind_host_rows,
+                                          track_trained});
            }),
            py::arg("devices"), py::arg("capacity"), py::arg("optimizer"), py::arg("use_cuda") = true,
            py::arg("threads") = 0, py::arg("routes") = nullptr, py::arg("cuda_devices") = std::vector<int32_t>{},
-           py::arg("bind_host_rows") = true)
+           py::arg("bind_host_rows") = true, py::arg("track_trained") = false)
       .def_property_readonly("binds_host_rows", &hps::DeviceTier::binds_host_rows)
       .def_property_readonly("devices", &hps::DeviceTier::devices)
       .def_property_readonly("row_floats", &hps::DeviceTier::row_floats)
@@ -1043,6 +1044,33 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         t.Clear();
       })
+      .def("trained", [](const hps::DeviceTier& t, const py::array& keys, const py::object& owners) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const int32_t* o = OwnersArg(owners, n);
+        py::array_t<bool> out(static_cast<py::ssize_t>(n));
+        t.Trained(k, n, o, reinterpret_cast<uint8_t*>(out.mutable_data()));
+        return out;
+      }, py::arg("keys"), py::arg("owners"), "(n,) bool: whether each key's row on its owner is trained since "
+                                               "it was last written below the tier")
+      .def("set_trained", [](hps::DeviceTier& t, const py::array& keys, const py::object& owners, bool trained) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        const int32_t* o = OwnersArg(owners, n);
+        py::gil_scoped_release release;
+        t.SetTrained(k, n, o, trained);
+      }, py::arg("keys"), py::arg("owners"), py::arg("trained"))
+      .def("take_trained", [](hps::DeviceTier& t) {
+        std::vector<uint64_t> keys;
+        std::vector<int32_t> owners;
+        {
+          py::gil_scoped_release release;
+          t.TakeTrained(&keys, &owners);
+        }
+        py::array_t<uint64_t> k(static_cast<py::ssize_t>(keys.size()));
+        py::array_t<int32_t> o(static_cast<py::ssize_t>(owners.size()));
+        std::memcpy(k.mutable_data(), keys.data(), keys.size() * sizeof(uint64_t));
+        std::memcpy(o.mutable_data(), owners.data(), owners.size() * sizeof(int32_t));
+        return py::make_tuple(k, o);
+      }, "(keys, owners): every row whose trained bit is set; the bits are cleared")
       .def("set_gradient_capacity", [](hps::DeviceTier& t, int32_t device, uint64_t capacity) {
         py::gil_scoped_release release;
         t.SetGradientCapacity(device, capacity);

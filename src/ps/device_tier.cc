@@ -19,6 +19,43 @@
 namespace hps {
 namespace {
 
+// One device's trained bits (DeviceTier::Trained): the keys whose rows have
+// the bit set, as a set that is added to and removed from in O(1) and read
+// out whole in O(its size), never in the table's (the index points into the
+// list; a removal moves the last key into the hole).
+class TrainedRows {
+ public:
+  bool Has(uint64_t key) const { return index_.Find(key) != detail::KeyIndex::kNone; }
+  void Set(uint64_t key) {
+    if (index_.Find(key) == detail::KeyIndex::kNone) {
+      index_.Upsert(key, static_cast<uint32_t>(keys_.size()));
+      keys_.push_back(key);
+    }
+  }
+  void Unset(uint64_t key) {
+    const uint32_t at = index_.Erase(key);
+    if (at == detail::KeyIndex::kNone) return;
+    const uint64_t last = keys_.back();
+    keys_.pop_back();
+    if (at < keys_.size()) {
+      keys_[at] = last;
+      index_.Upsert(last, at);
+    }
+  }
+  void Put(uint64_t key, bool trained) { trained ? Set(key) : Unset(key); }
+  uint64_t size() const { return keys_.size(); }
+  const std::vector<uint64_t>& keys() const { return keys_; }
+  void Clear() {
+    if (keys_.empty()) return;
+    keys_.clear();
+    index_ = detail::KeyIndex();
+  }
+
+ private:
+  detail::KeyIndex index_;  // key -> its place in keys_
+  std::vector<uint64_t> keys_;
+};
+
 class Tier final : public DeviceTier {
  public:
   explicit Tier(const DeviceTierOptions& o) : o_(o), row_floats_(o.optimizer.row_floats()) {
@@ -47,6 +84,7 @@ class Tier final : public DeviceTier {
       grads_.push_back(NewHashTable(t));
       grad_options_.push_back(t);
     }
+    if (o.track_trained) trained_.resize(static_cast<size_t>(o.devices));
     kind_ = cuda ? "cuda" : "cpu";
     matrix_.devices = o.devices;
     matrix_.rows.assign(static_cast<size_t>(o.devices) * o.devices, 0);
@@ -96,9 +134,16 @@ class Tier final : public DeviceTier {
     if (host_rows_) throw std::logic_error("device tier insert: the tier is bound to host rows; Clear it first");
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
+    std::vector<uint8_t> written;
     for (int32_t d = 0; d < o_.devices; ++d) {
       if (parts.size[d] == 0) continue;
-      rows_[d]->insert(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
+      if (trained_.empty()) {
+        rows_[d]->insert(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
+        continue;
+      }
+      written.assign(parts.size[d], 0);
+      rows_[d]->insert(parts.keys[d], parts.size[d], parts.rows[d], written.data());
+      ClearWritten(d, parts.keys[d], parts.size[d], written);  // (a present key keeps its row and its bit)
     }
   }
 
@@ -118,9 +163,16 @@ class Tier final : public DeviceTier {
     }
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
     uint64_t assigned = 0;
+    std::vector<uint8_t> written;
     for (int32_t d = 0; d < o_.devices; ++d) {
       if (parts.size[d] == 0) continue;
-      assigned += rows_[d]->assign(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
+      if (trained_.empty()) {
+        assigned += rows_[d]->assign(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
+        continue;
+      }
+      written.assign(parts.size[d], 0);
+      assigned += rows_[d]->assign(parts.keys[d], parts.size[d], parts.rows[d], written.data());
+      ClearWritten(d, parts.keys[d], parts.size[d], written);
     }
     return assigned;
   }
@@ -258,13 +310,24 @@ class Tier final : public DeviceTier {
 
   void CopyRowsAt(const int64_t* from, const int64_t* to, uint64_t n) override {
     CheckBound("copy");
-    if (BoundInPlace()) return in_place_->CopyRows(from, to, n);
-    std::vector<float> rows(n * static_cast<uint64_t>(row_floats_));
-    RowsAt(from, n, rows.data());
-    std::vector<uint64_t> keys;
-    std::vector<int32_t> owners;
-    KeysAt(to, n, &keys, &owners, "copy");
-    Assign(keys.data(), n, rows.data(), owners.empty() ? nullptr : owners.data());
+    if (BoundInPlace()) {
+      in_place_->CopyRows(from, to, n);
+    } else {
+      std::vector<float> rows(n * static_cast<uint64_t>(row_floats_));
+      RowsAt(from, n, rows.data());
+      std::vector<uint64_t> keys;
+      std::vector<int32_t> owners;
+      KeysAt(to, n, &keys, &owners, "copy");
+      Assign(keys.data(), n, rows.data(), owners.empty() ? nullptr : owners.data());
+    }
+    // Each copy takes its source's bit, in order as the rows went. (The
+    // positions were checked above, and host rows have no bits.)
+    if (trained_.empty() || host_rows_) return;
+    for (uint64_t i = 0; i < n; ++i) {
+      const auto f = static_cast<uint64_t>(from[i]), t = static_cast<uint64_t>(to[i]);
+      const bool trained = trained_[static_cast<size_t>(BoundOwner(f))].Has(bound_keys_[f]);
+      trained_[static_cast<size_t>(BoundOwner(t))].Put(bound_keys_[t], trained);
+    }
   }
 
   void Rows(const uint64_t* keys, uint64_t n, float* rows, const int32_t* owners) const override {
@@ -299,6 +362,66 @@ class Tier final : public DeviceTier {
       rows_[d]->clear();
       grads_[d]->clear();
     }
+    for (TrainedRows& t : trained_) t.Clear();
+  }
+
+  void Trained(const uint64_t* keys, uint64_t n, const int32_t* owners, uint8_t* trained) const override {
+    CheckTracked("trained");
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const TrainedRows& bits = trained_[static_cast<size_t>(d)];
+      for (uint64_t j = 0; j < parts.size[static_cast<size_t>(d)]; ++j) {
+        trained[parts.Index(d, j)] = bits.Has(parts.keys[d][j]) ? 1 : 0;
+      }
+    }
+  }
+
+  void SetTrained(const uint64_t* keys, uint64_t n, const int32_t* owners, bool trained) override {
+    CheckTracked("set trained");
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    std::vector<uint8_t> found;
+    std::vector<float*> at;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      TrainedRows& bits = trained_[static_cast<size_t>(d)];
+      if (!trained) {
+        for (uint64_t j = 0; j < size; ++j) bits.Unset(parts.keys[d][j]);
+        continue;
+      }
+      // Only rows the table holds: a bit without a row would be taken later
+      // for a key the device cannot read.
+      found.assign(size, 0);
+      if (kind_ == "cpu") {
+        at.resize(size);
+        rows_[d]->row_addresses(parts.keys[d], size, at.data());
+        for (uint64_t j = 0; j < size; ++j) found[j] = at[j] != nullptr;
+      } else {
+        std::vector<float> scratch(size);
+        rows_[d]->find_columns(parts.keys[d], size, 1, scratch.data(), found.data());
+      }
+      for (uint64_t j = 0; j < size; ++j) {
+        if (found[j]) bits.Set(parts.keys[d][j]);
+      }
+    }
+  }
+
+  void TakeTrained(std::vector<uint64_t>* keys, std::vector<int32_t>* owners) override {
+    CheckTracked("take trained");
+    uint64_t total = 0;
+    for (const TrainedRows& t : trained_) total += t.size();
+    keys->clear();
+    owners->clear();
+    keys->reserve(total);
+    owners->reserve(total);
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const std::vector<uint64_t>& set = trained_[static_cast<size_t>(d)].keys();
+      keys->insert(keys->end(), set.begin(), set.end());
+      owners->insert(owners->end(), set.size(), d);
+    }
+    for (TrainedRows& t : trained_) t.Clear();
   }
 
   void SetGradientCapacity(int32_t device, uint64_t capacity) override {
@@ -516,6 +639,11 @@ class Tier final : public DeviceTier {
       in_place_->Apply(&stepped);
       updated.reserve(stepped.size());
       for (int64_t p : stepped) updated.push_back(bound_keys_[static_cast<uint64_t>(p)]);
+      if (!trained_.empty() && !host_rows_) {
+        for (int64_t p : stepped) {
+          trained_[static_cast<size_t>(BoundOwner(static_cast<uint64_t>(p)))].Set(bound_keys_[static_cast<uint64_t>(p)]);
+        }
+      }
       if (positions) positions->insert(positions->end(), stepped.begin(), stepped.end());
     }
     const size_t by_key = updated.size();  // the keys stepped from the gradient tables start here
@@ -530,6 +658,9 @@ class Tier final : public DeviceTier {
       grads.resize(n * dim);
       updated.resize(at + grads_[d]->export_rows(updated.data() + at, grads.data(), n));
       grads_[d]->clear();
+      if (!trained_.empty()) {
+        for (size_t j = at; j < updated.size(); ++j) trained_[static_cast<size_t>(d)].Set(updated[j]);
+      }
     }
     if (positions && updated.size() > by_key) {
       const size_t at = positions->size();
@@ -673,6 +804,22 @@ class Tier final : public DeviceTier {
                             "; insert the batch's working set first");
   }
 
+  void CheckTracked(const char* what) const {
+    if (trained_.empty()) {
+      throw std::logic_error("device tier " + std::string(what) + ": the tier keeps no trained bits "
+                             "(DeviceTierOptions::track_trained is off)");
+    }
+  }
+
+  // Clears the bits of device d's rows that a load just wrote (written[j]: keys[j]'s row).
+  void ClearWritten(int32_t d, const uint64_t* keys, uint64_t n, const std::vector<uint8_t>& written) {
+    TrainedRows& bits = trained_[static_cast<size_t>(d)];
+    if (bits.size() == 0) return;
+    for (uint64_t j = 0; j < n; ++j) {
+      if (written[j]) bits.Unset(keys[j]);
+    }
+  }
+
   void CheckWorker(int32_t worker) const {
     if (worker < 0 || worker >= o_.devices) {
       throw std::invalid_argument("device tier: worker " + std::to_string(worker) + " is not a device in [0, " +
@@ -722,6 +869,7 @@ class Tier final : public DeviceTier {
   mutable std::unique_ptr<detail::KeyIndex> bound_index_;
   std::unique_ptr<detail::BatchRows> in_place_;
   bool host_rows_ = false;  // BindHostRows: in_place_ points at the caller's rows, the tables are empty
+  std::vector<TrainedRows> trained_;  // each device's trained bits; empty without options.track_trained
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -11,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "hps/device_tier.h"
@@ -413,6 +415,105 @@ TEST(DeviceTier, AKeyBoundOnTwoDevicesIsReadOnEachAndSteppedOnOneThenCopied) {
     EXPECT_EQ(m.rows, (std::vector<uint64_t>{2, 0, 1, 1}));
     const int64_t outside = 3;
     EXPECT_THROW(tier->CopyRowsAt(&mine0, &outside, 1), std::out_of_range);
+  }
+}
+
+// Herald's caches keep rows between batches and write below only those
+// trained since they last did: each row's bit follows what changes it.
+std::vector<uint8_t> TrainedOf(const DeviceTier& tier, const std::vector<uint64_t>& keys,
+                               const std::vector<int32_t>& owners) {
+  std::vector<uint8_t> out(keys.size(), 2);
+  tier.Trained(keys.data(), keys.size(), owners.data(), out.data());
+  return out;
+}
+
+std::vector<std::pair<uint64_t, int32_t>> Taken(DeviceTier& tier) {
+  std::vector<uint64_t> keys;
+  std::vector<int32_t> owners;
+  tier.TakeTrained(&keys, &owners);
+  EXPECT_EQ(keys.size(), owners.size());
+  std::vector<std::pair<uint64_t, int32_t>> out;
+  for (size_t i = 0; i < keys.size(); ++i) out.emplace_back(keys[i], owners[i]);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(DeviceTier, TrainedBitsAreSetBySteppedAndCopiedRowsAndClearedByLoadsAndTakes) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  // Key 7 on devices 0 and 1 (its primary 0), 9 on 1, 11 on 0.
+  const std::vector<uint64_t> keys = {7, 7, 9, 11};
+  const std::vector<int32_t> owners = {0, 1, 1, 0};
+  std::vector<float> rows(keys.size() * static_cast<size_t>(width));
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  const std::vector<float> g = {0.5f, -0.25f, 1.0f, 2.0f};
+  using Pairs = std::vector<std::pair<uint64_t, int32_t>>;
+  for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "in place" : "through the row mover (gradient tables)");
+    DeviceTierOptions o{2, 64, opt, false, 1, in_place ? nullptr : TwoHostRoutes(), {}};
+    o.track_trained = true;
+    auto tier = DeviceTier::New(o);
+    ASSERT_EQ(tier->reads_in_place(), in_place);
+    tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+    EXPECT_EQ(TrainedOf(*tier, keys, owners), (std::vector<uint8_t>{0, 0, 0, 0}));  // loaded: as MEM-PS has them
+    tier->Bind(keys.data(), keys.size(), owners.data());
+    const int64_t at7 = 0, at7_on_1 = 1, at11 = 3;
+    tier->AccumulateAt(1, &at7, 1, g.data(), {});
+    EXPECT_EQ(tier->Apply(), std::vector<uint64_t>{7});
+    EXPECT_EQ(TrainedOf(*tier, keys, owners), (std::vector<uint8_t>{1, 0, 0, 0}));  // stepped on its primary
+    tier->CopyRowsAt(&at7, &at7_on_1, 1);
+    EXPECT_EQ(TrainedOf(*tier, keys, owners), (std::vector<uint8_t>{1, 1, 0, 0}));  // the replica as new
+    tier->CopyRowsAt(&at11, &at7_on_1, 1);  // a clean row copied over a trained one makes it clean
+    EXPECT_EQ(TrainedOf(*tier, keys, owners), (std::vector<uint8_t>{1, 0, 0, 0}));
+    tier->CopyRowsAt(&at7, &at7_on_1, 1);
+
+    // A load (Assign: 7 on device 1 from MEM-PS; Insert: 13, new on 0) writes clean rows;
+    // an Insert of a present key keeps its row, and its bit.
+    tier->Assign(keys.data() + 1, 1, rows.data() + width, owners.data() + 1);
+    const std::vector<uint64_t> more = {7, 13};
+    const std::vector<int32_t> on0 = {0, 0};
+    std::vector<float> more_rows(2 * static_cast<size_t>(width));
+    opt.initial_rows(more.data(), 2, more_rows.data());
+    tier->Insert(more.data(), 2, more_rows.data(), on0.data());
+    EXPECT_EQ(TrainedOf(*tier, {7, 7, 9, 11, 13}, {0, 1, 1, 0, 0}), (std::vector<uint8_t>{1, 0, 0, 0, 0}));
+
+    // A fetched row takes its source's bit (SetTrained); only rows a table holds take one.
+    tier->SetTrained(keys.data() + 2, 1, owners.data() + 2, true);
+    const uint64_t absent = 12;
+    const int32_t one = 1;
+    tier->SetTrained(&absent, 1, &one, true);
+    EXPECT_EQ(TrainedOf(*tier, {9, 12}, {1, 1}), (std::vector<uint8_t>{1, 0}));
+
+    // Taken once, with every bit cleared; a key's bit is its copy's on the device named.
+    EXPECT_EQ(Taken(*tier), (Pairs{{7, 0}, {9, 1}}));
+    EXPECT_EQ(Taken(*tier), Pairs{});
+    EXPECT_EQ(TrainedOf(*tier, keys, owners), (std::vector<uint8_t>{0, 0, 0, 0}));
+    tier->SetTrained(keys.data(), keys.size(), owners.data(), true);
+    tier->SetTrained(keys.data() + 1, 1, owners.data() + 1, false);
+    EXPECT_EQ(Taken(*tier), (Pairs{{7, 0}, {9, 1}, {11, 0}}));
+    tier->SetTrained(keys.data(), keys.size(), owners.data(), true);
+    tier->Clear();
+    tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+    EXPECT_EQ(Taken(*tier), Pairs{});  // Clear took every bit with the rows
+  }
+}
+
+TEST(DeviceTier, TrainedBitsAreRefusedByATierThatDoesNotTrackThem) {
+  const SparseOptimizer opt = AdaGrad(4);
+  auto tier = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
+  const uint64_t key = 5;
+  uint8_t bit = 0;
+  std::vector<uint64_t> keys;
+  std::vector<int32_t> owners;
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { tier->Trained(&key, 1, nullptr, &bit); }, [&] { tier->SetTrained(&key, 1, nullptr, true); },
+           [&] { tier->TakeTrained(&keys, &owners); }}) {
+    try {
+      call();
+      ADD_FAILURE() << "a tier without track_trained must refuse the trained bits";
+    } catch (const std::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("track_trained is off"), std::string::npos) << e.what();
+    }
   }
 }
 

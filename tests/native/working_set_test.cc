@@ -1191,6 +1191,13 @@ class ApplyFailingTier final : public DeviceTier {
   void BindHostRows(const uint64_t* k, uint64_t n, const int32_t* o, uint8_t* const* rows) override {
     tier_->BindHostRows(k, n, o, rows);
   }
+  void Trained(const uint64_t* k, uint64_t n, const int32_t* o, uint8_t* trained) const override {
+    tier_->Trained(k, n, o, trained);
+  }
+  void SetTrained(const uint64_t* k, uint64_t n, const int32_t* o, bool trained) override {
+    tier_->SetTrained(k, n, o, trained);
+  }
+  void TakeTrained(std::vector<uint64_t>* k, std::vector<int32_t>* o) override { tier_->TakeTrained(k, o); }
   TransferMatrix transfers() const override { return tier_->transfers(); }
   LinkCounters link_counters() const override { return tier_->link_counters(); }
   void ResetTransfers() override { tier_->ResetTransfers(); }

@@ -33,8 +33,10 @@ every step; the others learn only their part of the plan:
   so that the keys every rank trains do not all sum on rank 0), which sends the
   sum back, and each trainer steps its own copy; a row no cache holds any more
   goes to its owner's MEM-PS; pulls (an
-  evaluation) and checkpoints first write every cached row to its owner (the
-  leader names which rank writes which).
+  evaluation) and checkpoints first write to its owner every cached row
+  trained since it was last written there: each rank's table keeps a trained
+  bit a row (hps.worker_caches), the ranks send the leader the keys of theirs,
+  and the leader names which rank writes which (a copy its cache holds).
 
 So the job computes what the sequential one does, up to the order in which floats
 are summed (tests/test_distributed.py runs both on 2 and 4 ranks). The leader's
@@ -59,8 +61,8 @@ from hps.distributed.sparse import (DistributedServer, FreshRows, _StepData, own
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
-from hps.worker_caches import (first_table_rows, most_fetched, needs_rebuild, primaries, rebuilt_table_rows,
-                               size_gradients)
+from hps.worker_caches import (first_table_rows, live_trained, most_fetched, needs_rebuild, primaries,
+                               rebuilt_table_rows, size_gradients)
 
 
 LEADER = 0  # the rank that holds the snapshot and plans every step
@@ -186,7 +188,8 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
                        "plan_shared": 0, "distinct": 0}
 
     def _new_tier(self, rows: int):
-        return _core.DeviceTier(1, rows, self.local._native_opt, threads=self.local.config.device_threads)
+        return _core.DeviceTier(1, rows, self.local._native_opt, threads=self.local.config.device_threads,
+                                track_trained=True)
 
     # ------------------------------------------------------------ state
     def _compactions(self, incoming: int, held: list) -> dict:
@@ -214,6 +217,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         """Drops the table's stale rows (keeps `keys`, the ones this rank's cache
         holds), in a table of `table_rows` rows."""
         rows = self._tier.rows(keys, None, self._row_floats)
+        trained = self._tier.trained(keys, None)  # the rows keep their bits
         if table_rows != self._table_rows:
             self._tier = self._new_tier(table_rows)
             self._table_rows = table_rows
@@ -222,6 +226,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             self._tier.clear()
         if len(keys):
             self._tier.insert(keys, rows, None, self._row_floats)
+            self._tier.set_trained(keys[trained], None, True)
         self._present = len(keys)
         self.counts["compactions"] += 1
 
@@ -247,23 +252,34 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         return got[LEADER]
 
     def flush(self) -> None:
-        """Every cached row to its owner's MEM-PS, one copy a key, from the lowest
-        rank that holds it (collective; the caches keep the rows)."""
+        """The cached rows trained since they were last written to their owners'
+        MEM-PS, there, one copy a key, from the lowest rank whose cache holds it
+        (collective; the caches keep the rows). Each rank sends the leader the
+        keys of its rows whose trained bit is set; the leader keeps those its
+        snapshot (as the last step applied left it) has on the rank."""
         with self._lock:
             self.check()
             if not self._dirty:
                 return
-            blocks = []
-            if self.leader:
-                written = np.empty(0, np.uint64)
-                with self._scheduling:  # the caches as the last step applied left them
-                    cached = self._as_applied(self.herald.cached_by_worker)
-                for held in cached:
-                    blocks.append(held[~np.isin(held, written, assume_unique=True)])
-                    written = np.union1d(written, held)
-            mine = self._from_leader("train", blocks, "plan", "flush keys", np.empty(0, np.uint64))
-            rows = self._tier.rows(mine, None, self._row_floats)
-            self._to_owners(mine, rows, "flush")
+            trained, _ = self._tier.take_trained()
+            try:
+                empty = np.empty(0, np.uint64)
+                # (keys, as a flush's own to the owners: only the leader sends plan bytes)
+                got = self.node.alltoallv("train", [trained if r == LEADER else empty for r in range(self.node.size)],
+                                          "sparse_keys", "flush trained keys")
+                blocks = []
+                if self.leader:
+                    with self._scheduling:  # the caches as the last step applied left them
+                        held = self._as_applied(self.herald.cached_by_worker)
+                    ranks = np.repeat(np.arange(self.node.size, dtype=np.int32), [len(k) for k in got])
+                    keys, ranks = live_trained(np.concatenate(got), ranks, held)
+                    blocks = [keys[ranks == r] for r in range(self.node.size)]
+                mine = self._from_leader("train", blocks, "plan", "flush keys", empty)
+                rows = self._tier.rows(mine, None, self._row_floats)
+                self._to_owners(mine, rows, "flush")
+            except BaseException:
+                self._tier.set_trained(trained, None, True)  # not written (the job fails: see fail())
+                raise
             self._dirty = False
             self.counts["flushes"] += 1
             self.counts["flushed_rows"] += len(mine)
@@ -535,8 +551,12 @@ class HeraldDistBatch(BatchBase):
         s.counts["rows_served"] += len(served)
         if len(want):
             k = self._mine[want]
-            s._tier.assign(k, fetched, None, s._row_floats)  # a stale copy is overwritten
+            s._tier.assign(k, fetched, None, s._row_floats)  # a stale copy is overwritten (its bit cleared)
             s._tier.insert(k, fetched, None, s._row_floats)
+            # A peer's row may be newer than its owner's MEM-PS copy; its bit did not
+            # travel with it. Marked trained: this rank steps every key it fetched
+            # this step anyway, and a flush before that reads the source's copy.
+            s._tier.set_trained(k[peer], None, True)
             s._present += len(want)
             s.counts["ps_loads"] += int((~peer).sum())
             s.counts["peer_fetches"] += int(peer.sum())
@@ -637,6 +657,7 @@ class HeraldDistBatch(BatchBase):
         lost = self._lost
         rows = s._tier.rows(lost, None, s._row_floats) if len(lost) else np.empty((0, s._row_floats), np.float32)
         s._to_owners(lost, rows, "herald evicted")
+        s._tier.set_trained(lost, None, False)  # written
         s.counts["evict_pushes"] += len(lost)
 
     def write_back(self) -> None:
