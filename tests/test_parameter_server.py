@@ -364,7 +364,7 @@ def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
         assert os.listdir(checkpoints) == [f"{number:06d}"]
 
     write_job(1, 1)
-    with pytest.raises(ValueError, match="job.json: not a job record"):
+    with pytest.raises(ValueError, match="job.json: not JSON"):
         (job / "job.json").write_text("{")
         hps.ParameterServer.open(rank0)
     assert sorted(os.listdir(checkpoints)) == names
@@ -395,6 +395,41 @@ def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
     ps = hps.ParameterServer.open(rank1)
     assert ps.checkpoint_number == 1
     ps.close()
+
+
+@pytest.mark.parametrize("record,named", [
+    ("{", "not JSON"),
+    ("[2, 1]", "not a job record (a JSON list, not an object)"),
+    ('{"checkpoint": 1}', "no field 'world'"),
+    ('{"world": 1}', "no field 'checkpoint'"),
+    ('{"world": "one", "checkpoint": 1}', "field 'world' must be a number of ranks >= 1, got 'one'"),
+    ('{"world": 0, "checkpoint": 1}', "field 'world' must be a number of ranks >= 1, got 0"),
+    ('{"world": 1, "checkpoint": "1"}', "field 'checkpoint' must be a checkpoint number or null, got '1'"),
+    ('{"world": 1, "checkpoint": 1.5}', "field 'checkpoint' must be a checkpoint number or null, got 1.5"),
+    ('{"world": 1, "checkpoint": 1, "step": "4"}', "field 'step' must be a number of batches or null, got '4'"),
+    ('{"world": 1, "checkpoint": 1, "run": 7}', "field 'run' must be a run id or null, got 7"),
+])
+def test_a_damaged_job_json_is_named_alike_by_the_job_s_readers_and_a_rank_s_server(tmp_path, record, named):
+    """job.json is parsed once (hps.jobdir.read_job_record): hps inspect, export and
+    Lookup (read_job) and a server opened on a rank's directory refuse a damaged
+    one with the same error, naming the file and the field. Parsed twice, the
+    readers let a checkpoint "1" through to fail later unnamed and gave int()'s
+    bare message for a world "one", while the server took "1" for 1."""
+    from hps.jobdir import read_job
+    job = tmp_path / "job"
+    rank0 = job / "rank0"
+    ps = hps.ParameterServer(config(rank0))
+    ps.push(np.arange(4, dtype=np.uint64), np.ones((4, DIM), np.float32))
+    assert ps.checkpoint(keep_previous=True) == 1
+    ps.close()
+    (job / "job.json").write_text(record)
+    with pytest.raises(ValueError) as by_reader:
+        read_job(str(job))
+    with pytest.raises(ValueError) as by_server:
+        hps.ParameterServer.open(rank0)
+    assert str(by_reader.value) == str(by_server.value)
+    assert str(by_reader.value).startswith(f"{job / 'job.json'}: {named}"), str(by_reader.value)
+    assert os.listdir(rank0 / "checkpoints") == ["000001"]  # (the refused open dropped nothing)
 
 
 def test_errors_name_what_is_wrong(tmp_path):

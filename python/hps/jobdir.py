@@ -204,6 +204,36 @@ def read_json(path: str):
         raise ValueError(f"{path}: not JSON ({e})") from None
 
 
+def _whole_number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_job_record(manifest: str) -> dict:
+    """job.json at path `manifest`, checked: the one parse of it (hps.jobdir's
+    readers, and a ParameterServer opened on a rank's directory, which opens at
+    the checkpoint it names), so a damaged one is named alike everywhere. Its
+    fields: ``world`` (ranks, >= 1), ``checkpoint`` (the number every rank
+    finished; null before the first), and optionally ``step`` (a number or null)
+    and ``run`` (a string or null); others are kept as they are. Raises
+    ValueError naming the file and the field; FileNotFoundError as open does."""
+    job = read_json(manifest)
+    if not isinstance(job, dict):
+        raise ValueError(f"{manifest}: not a job record (a JSON {type(job).__name__}, not an object)")
+    for name in ("world", "checkpoint"):
+        if name not in job:
+            raise ValueError(f"{manifest}: no field '{name}'")
+    checks = {"world": (job["world"], _whole_number(job["world"]) and job["world"] >= 1, "a number of ranks >= 1"),
+              "checkpoint": (job["checkpoint"], job["checkpoint"] is None or _whole_number(job["checkpoint"]),
+                             "a checkpoint number or null"),
+              "step": (job.get("step"), job.get("step") is None or _whole_number(job.get("step")),
+                       "a number of batches or null"),
+              RUN: (job.get(RUN), job.get(RUN) is None or isinstance(job.get(RUN), str), "a run id or null")}
+    for name, (value, sound, what) in checks.items():
+        if not sound:
+            raise ValueError(f"{manifest}: field '{name}' must be {what}, got {value!r}")
+    return job
+
+
 def read_job(root: str) -> Job:
     """The job at root as it is now. Raises FileNotFoundError when root holds
     neither a job nor a parameter server, ValueError for a format this build
@@ -213,12 +243,9 @@ def read_job(root: str) -> Job:
         raise FileNotFoundError(f"{root} is a file, not a job directory: give the job's path ([ps] path)")
     manifest = os.path.join(root, JOB_MANIFEST)
     if os.path.exists(manifest):
-        job = read_json(manifest)
-        for name in ("world", "checkpoint"):
-            if name not in job:
-                raise ValueError(f"{manifest}: no field '{name}'")
+        job = read_job_record(manifest)
         meta_path = os.path.join(root, "rank0", METADATA)
-        distributed, world, number, step = True, int(job["world"]), job["checkpoint"], job.get("step")
+        distributed, world, number, step = True, job["world"], job["checkpoint"], job.get("step")
         run = job.get(RUN)
     else:
         meta_path = os.path.join(root, METADATA)

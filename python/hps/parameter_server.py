@@ -450,28 +450,22 @@ def _job_checkpoint(path: str) -> Optional[tuple]:
     """(job.json's path, the checkpoint it names) when the directory `path` is rank r
     of an MPI job (``<job>/rank<r>``, r below job.json's world) and job.json names
     one; else None (no job there, a directory of no rank of it, none finished yet).
-    Raises ValueError for a job.json that is no job record: which checkpoint the
-    rank must keep is unknown then."""
+    Raises ValueError (hps.jobdir.read_job_record's, naming the file and field) for
+    a job.json that is no job record: which checkpoint the rank must keep is
+    unknown then."""
+    from hps.jobdir import read_job_record  # (hps.jobdir reads on top of this module)
     path = os.path.realpath(path)
     name = os.path.basename(path)
     if not (name.startswith("rank") and name[4:].isdigit()):
         return None
     manifest = os.path.join(os.path.dirname(path), JOB_MANIFEST)
     try:
-        with open(manifest, "rb") as f:
-            data = f.read()
+        job = read_job_record(manifest)
     except FileNotFoundError:
         return None
-    try:
-        job = json.loads(data)
-        world, number = int(job["world"]), job["checkpoint"]
-        number = None if number is None else int(number)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{manifest}: not a job record ({type(e).__name__}: {e}); {path} is a rank of that job, "
-                         f"whose checkpoint it names: nothing was opened") from None
-    if int(name[4:]) >= world or number is None:
+    if int(name[4:]) >= job["world"] or job["checkpoint"] is None:
         return None
-    return manifest, number
+    return manifest, job["checkpoint"]
 
 
 def _remove_tree(path: str) -> None:

@@ -82,7 +82,7 @@ import numpy as np
 
 from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
-                        read_job, read_json, replay_manifest, write_trainer_state)
+                        read_job, read_job_record, read_json, replay_manifest, write_trainer_state)
 from hps.parameter_server import (CHECKPOINTS, JOB_MANIFEST, METADATA, RUN, SERVER_STEP, WRITER_LOCK, PathInUseError,
                                   _lock_path, _remove_tree, _replace_durable, _sync_dir, _write_durable, bound_store,
                                   check_store_digest, checkpoint_step, new_run_id, write_store_digest)
@@ -521,9 +521,7 @@ def remove_old(root: str, hold: Optional[Hold] = None) -> None:
     the root's too: let go and taken again by the removal, a server opened in
     between made it refuse (the next run removed it)."""
     from hps.train import _discard_run
-    manifest = os.path.join(root, JOB_MANIFEST)
-    with open(manifest) as f:
-        job = json.load(f)
+    job = read_job_record(os.path.join(root, JOB_MANIFEST))
     old = job.get(RESHARDED)
     if not old:
         return
