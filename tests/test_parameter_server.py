@@ -397,6 +397,59 @@ def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
     ps.close()
 
 
+def test_a_rank_opened_directly_keeps_the_checkpoint_job_json_names_through_its_writes(tmp_path):
+    """A rank of a 2-rank job (job.json names checkpoint 1) opened directly, pushed
+    to and checkpointed: a plain checkpoint() dropped checkpoint 1, and the job
+    could no longer resume or be served. It is refused, naming the job, writing
+    nothing; checkpoint(keep_previous=True) (the job's own protocol) and
+    prune_checkpoints() keep checkpoint 1, which the next open goes back to; so do
+    an open at another checkpoint and a start over (checkpoint=None)."""
+    import json
+    job = tmp_path / "job"
+    rank0 = job / "rank0"
+    probe = np.arange(300, dtype=np.uint64)
+    ps = hps.ParameterServer(config(rank0))
+    for keys, grads in random_steps(3, 5):
+        ps.push(keys, grads)
+    assert ps.checkpoint(keep_previous=True) == 1
+    at_first = ps.pull(probe)
+    ps.close()
+    (job / "job.json").write_text(json.dumps({"world": 2, "step": 5, "checkpoint": 1}))
+    checkpoints = rank0 / "checkpoints"
+    listing = sorted(os.listdir(rank0)), sorted(os.listdir(checkpoints))
+
+    ps = hps.ParameterServer.open(rank0)
+    ps.push(probe[:8], np.ones((8, DIM), np.float32))
+    with pytest.raises(ValueError, match=rf"checkpoint: {rank0} is a rank of the job at {job}, whose "
+                                         rf"{job / 'job.json'} names checkpoint 1.*Nothing was written"):
+        ps.checkpoint()
+    assert (sorted(os.listdir(rank0)), sorted(os.listdir(checkpoints))) == listing
+    assert ps.checkpoint(keep_previous=True) == 2
+    ps.prune_checkpoints()
+    assert sorted(os.listdir(checkpoints)) == ["000001", "000002"]
+    ps.close()
+    ps = hps.ParameterServer.open(rank0)  # at job.json's, as the job resumes every rank
+    assert ps.checkpoint_number == 1
+    np.testing.assert_array_equal(ps.pull(probe), at_first)
+    ps.close()
+    assert os.listdir(checkpoints) == ["000001"]
+
+    hps.ParameterServer(config(rank0), checkpoint=None).close()  # a start over keeps it too
+    assert os.listdir(checkpoints) == ["000001"]
+    ps = hps.ParameterServer(config(rank0), checkpoint=1)
+    np.testing.assert_array_equal(ps.pull(probe), at_first)
+    ps.close()
+
+    # Once job.json names no checkpoint of the rank (none yet, or no rank of the job), it is its own.
+    (job / "job.json").write_text(json.dumps({"world": 1, "step": 5, "checkpoint": 1}))
+    rank1 = job / "rank1"
+    ps = hps.ParameterServer(config(rank1))
+    ps.push(probe[:4], np.ones((4, DIM), np.float32))
+    assert ps.checkpoint() == 1 and ps.checkpoint() == 2
+    ps.close()
+    assert os.listdir(rank1 / "checkpoints") == ["000002"]
+
+
 @pytest.mark.parametrize("record,named", [
     ("{", "not JSON"),
     ("[2, 1]", "not a job record (a JSON list, not an object)"),

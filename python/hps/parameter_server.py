@@ -907,7 +907,8 @@ class ParameterServer:
         (the last finished one, which the metadata names; a rank of an MPI job's:
         the one its job.json names, module docstring), a number (an MPI job
         rolls every rank back to the one all of them finished), or None (none:
-        the server starts empty, as new). Opening drops every other checkpoint.
+        the server starts empty, as new). Opening drops every other checkpoint
+        (on a rank of an MPI job, but the one job.json names: checkpoint()).
         None, or a number before the last finished checkpoint, starts a new run
         (its id in the metadata; docs/serving.md): the numbers come again.
         ``before_restore``: called with the stored metadata (None for a new path)
@@ -1115,12 +1116,17 @@ class ParameterServer:
         return number
 
     def _prune(self, keep: Optional[int]) -> None:
-        """Removes every snapshot but checkpoint `keep` (and unfinished ones)."""
+        """Removes every snapshot but checkpoint `keep` (and unfinished ones), and but
+        the one job.json names where the path is a rank of an MPI job: the job
+        resumes every rank at that one, whatever this rank's server did since (a
+        checkpoint of its own that job.json does not name yet, a rollback, a start
+        over), so a rank without it could never rejoin the job."""
         root = os.path.join(self.config.path, CHECKPOINTS)
         if not os.path.isdir(root):
             return
-        kept = None if keep is None else f"{keep:06d}"
-        gone = [name for name in sorted(os.listdir(root)) if name != kept]
+        named = _job_checkpoint(self.config.path)
+        kept = {f"{number:06d}" for number in (keep, None if named is None else named[1]) if number is not None}
+        gone = [name for name in sorted(os.listdir(root)) if name not in kept]
         for name in gone:
             _remove_tree(os.path.join(root, name))
         if gone:
@@ -1128,7 +1134,8 @@ class ParameterServer:
 
     def prune_checkpoints(self) -> None:
         """Drops the checkpoints before the last finished one (checkpoint(keep_previous=True)
-        kept them: an MPI job drops them once job.json names the new one)."""
+        kept them: an MPI job drops them once job.json names the new one), but
+        the one job.json names, on a rank of an MPI job."""
         with self._load_lock:
             self._prune(keep=self._checkpoint)
 
@@ -1469,7 +1476,28 @@ class ParameterServer:
         before that last step leaves the previous checkpoint as the one to open.
         The previous snapshot is dropped after, unless ``keep_previous`` (an MPI
         job keeps it until every rank has finished this one: prune_checkpoints()).
-        Waits for a batch in flight to finish."""
+        Waits for a batch in flight to finish.
+
+        On a rank of an MPI job (``<job>/rank<r>``, r below job.json's world, opened
+        directly: ``ParameterServer.open("<job>/rank0")``) whose job.json names a
+        checkpoint, a checkpoint without ``keep_previous`` is refused with
+        ValueError, writing nothing (the pushes stay in the open server): the job's
+        checkpoint is the one job.json names, which every rank resumes at, so one
+        rank's own would not be the job's, and dropping job.json's would leave the
+        job unable to resume or be served. ``keep_previous=True`` is the job's own
+        protocol (hps train's ranks): the rank keeps job.json's checkpoint beside
+        the new one, and opens at job.json's again (dropping the new one) until
+        job.json names it. To change one rank on its own, copy its directory
+        elsewhere and open the copy."""
+        named = _job_checkpoint(self.config.path)
+        if named is not None and not keep_previous:
+            manifest, number = named
+            raise ValueError(
+                f"checkpoint: {self.config.path} is a rank of the job at {os.path.dirname(manifest)}, whose "
+                f"{manifest} names checkpoint {number}, the one every rank resumes at: a checkpoint of this rank "
+                f"alone would not be the job's, and would drop checkpoint {number}, so that the job could not "
+                f"resume. Nothing was written. Train the job (hps train --resume) to change it, or copy this "
+                f"directory elsewhere and open the copy")
         with self._load_lock:
             for slot in self._slots:
                 slot.free.wait()
