@@ -466,7 +466,8 @@ def test_the_rank_directories_a_reshard_to_one_process_left_are_not_removed_unde
 def test_a_lookup_of_a_rank_directory_serves_on_when_the_directory_is_removed(tmp_path, two_ranks, monkeypatch):
     """hps serve takes no writer lock (it reads a pinned view: hard links, files held
     open), so the removal of the rank directories does not wait for it: the rows it
-    serves stay the checkpoint's, those not read before included."""
+    serves stay the checkpoint's, those not read before included. (Opened before the
+    reshard: once its switch is made, a rank directory is refused, no rank of a job.)"""
     from hps import reshard
     from hps.jobdir import latest_records, open_store, pin
     from hps.lookup import Lookup
@@ -478,11 +479,13 @@ def test_a_lookup_of_a_rank_directory_serves_on_when_the_directory_is_removed(tm
         rows, found = store.get(keys)
         assert found.all()
         del store
-    monkeypatch.setattr(reshard, "remove_old_ranks", lambda root, hold=None: None)
-    reshard.to_one_process(str(root))
-    monkeypatch.undo()
     lookup = Lookup(root / "rank1", "64MiB")
     try:
+        monkeypatch.setattr(reshard, "remove_old_ranks", lambda root, hold=None: None)
+        reshard.to_one_process(str(root))
+        monkeypatch.undo()
+        with pytest.raises(FileNotFoundError, match="before its reshard to one process"):
+            Lookup(root / "rank1", "64MiB")
         half = len(keys) // 2
         assert lookup.lookup(keys[:half])[1].all()
         reshard.remove_old_ranks(str(root))

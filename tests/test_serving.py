@@ -422,6 +422,61 @@ def test_inspect_of_a_server_with_no_checkpoint_yet(tmp_path, capsys):
     assert report["checkpoint"] is None and report["step"] is None and report["rows"] == 0
 
 
+def test_a_rank_directory_is_read_at_the_checkpoint_job_json_names_or_refused_once_no_rank(tmp_path, capsys):
+    """hps inspect, hps serve (hps.Lookup) and hps export given one rank's directory of
+    a job. Rank 0's metadata names checkpoint 1 and job.json 2 (an old rank after a
+    reshard's switch, before the job's server opened it): they read 2, the job's,
+    which the rank holds, as the job and a server opened there do; they read 1,
+    stale, without a word. A directory that is no rank of the job any more (past
+    job.json's world; beside the record of a reshard to one process) is refused,
+    naming it and what to read instead: it was read as if it were the job's."""
+    from hps.parameter_server import METADATA
+    root = tmp_path / "job"
+    keys = np.arange(40, dtype=np.uint64)
+    rows = {}
+    for r in range(2):
+        ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(root / f"rank{r}"),
+                                                           optimizer=hps.SGD(lr=1.0)))
+        for number in (1, 2):
+            ps.push(keys, np.full((len(keys), 4), number, np.float32))
+            assert ps.checkpoint(keep_previous=True) == number
+            rows[r, number] = ps.pull(keys)
+        ps.close()
+    meta = json.loads((root / "rank0" / METADATA).read_text())
+    (root / "rank0" / METADATA).write_text(json.dumps({**meta, "checkpoint": 1}))
+    (root / "job.json").write_text(json.dumps({"world": 2, "step": 2, "checkpoint": 2, "run": "job-run"}))
+
+    assert main(["inspect", str(root / "rank0"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == 2
+    with hps.Lookup(root / "rank0", memory_budget="64MiB") as lk:
+        got, found = lk.lookup(keys)
+        assert lk.checkpoint == 2 and found.all()
+        np.testing.assert_array_equal(got, rows[0, 2])
+    assert main(["export", str(root / "rank0"), "--to", str(tmp_path / "e")]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == 2
+    assert sorted(os.listdir(root / "rank0" / "checkpoints")) == ["000001", "000002"]  # (read, none dropped)
+
+    (root / "job.json").write_text(json.dumps({"world": 1, "step": 2, "checkpoint": 2, "run": "job-run"}))
+    no_rank = (f"{root / 'rank1'} is no rank of the job at {root}, which has 1 ranks ({root / 'job.json'}): "
+               f"what it holds is what a reshard left to remove or is writing, not the job's checkpoint; read the "
+               f"job at {root}, or one of its ranks' directories (rank0 to rank0)")
+    for command in (["inspect", str(root / "rank1")], ["export", str(root / "rank1"), "--to", str(tmp_path / "f")]):
+        assert main(command) == 2
+        assert no_rank in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match=re.escape(no_rank)):
+        hps.Lookup(root / "rank1", memory_budget="64MiB")
+    with hps.Lookup(root / "rank0", memory_budget="64MiB") as lk:  # (a rank of it still)
+        assert lk.checkpoint == 2
+
+    os.replace(root / "job.json", root / "resharded-from.json")  # (to_one_process's switch)
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"{root / 'rank0'} was rank 0 of the job at {root} before its reshard to one process "
+            f"({root / 'resharded-from.json'}): what it holds is left for removal, not the job's checkpoint; read "
+            f"the parameter server at {root}")):
+        hps.Lookup(root / "rank0", memory_budget="64MiB")
+    assert main(["inspect", str(root / "rank0")]) == 2
+
+
 def test_a_damaged_json_file_of_the_job_is_named(job, tmp_path, capsys):
     """hps inspect, export and serve said only 'Unterminated string starting at:
     line 23 column 3' of a damaged metadata file or export position, naming no file."""

@@ -7,7 +7,9 @@ or under mpiexec ``job.json`` and one such server per rank in ``rank<r>/``
 inspect``, ``hps export``, ``hps.Lookup``) only ever read finished checkpoints:
 
 - The checkpoint to read is the one the job names: ``job.json``'s ``checkpoint``
-  in a job (every rank finished it), else the metadata's. A checkpoint directory
+  in a job (every rank finished it), else the metadata's; of one rank's directory
+  (``<job>/rank<r>``) read on its own, job.json's too, and a directory that is no
+  rank of its job any more (a reshard's leftover) is refused (read_job). A checkpoint directory
   never changes once renamed into place; training only deletes it whole, once a
   later one is named.
 - ``pin()`` takes a private view of it: hard links to the parameter files its
@@ -48,6 +50,7 @@ from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, MET
 
 READERS = ".hps-readers"        # the private views, in the job's root
 EXPORTS = "exports"             # the export consumers' positions, in the job's root
+RESHARDED_FILE = "resharded-from.json"  # a one-process server's root: the job.json of the job it was resharded from
 STORE_DIR = "ssd"
 MANIFEST = "MANIFEST"
 MARKER = "STORE"
@@ -234,10 +237,44 @@ def read_job_record(manifest: str) -> dict:
     return job
 
 
+def _rank_checkpoint(root: str, own: Optional[int]) -> Optional[int]:
+    """The checkpoint to read of the parameter server at root, whose metadata names
+    `own`: where root is rank r of a job (``<job>/rank<r>``, r below job.json's
+    world), the one job.json names, which the job resumes every rank at (its
+    metadata may name another: an old rank after a reshard's switch names the
+    checkpoint before it, a rank that got further than job.json one the job
+    drops); else `own`. Raises FileNotFoundError for a rank directory that is no
+    rank of its job any more (r at or past job.json's world, or beside the
+    record of a reshard to one process): what it holds is what a reshard left to
+    remove (or is writing), not the job's, and was read silently as if it were."""
+    path = os.path.realpath(root)
+    name, parent = os.path.basename(path), os.path.dirname(path)
+    if not (name.startswith("rank") and name[4:].isdigit()):
+        return own
+    rank = int(name[4:])
+    manifest = os.path.join(parent, JOB_MANIFEST)
+    try:
+        job = read_job_record(manifest)
+    except FileNotFoundError:
+        if os.path.exists(os.path.join(parent, RESHARDED_FILE)):
+            raise FileNotFoundError(
+                f"{root} was rank {rank} of the job at {parent} before its reshard to one process "
+                f"({os.path.join(parent, RESHARDED_FILE)}): what it holds is left for removal, not the job's "
+                f"checkpoint; read the parameter server at {parent}") from None
+        return own
+    if rank >= job["world"]:
+        raise FileNotFoundError(
+            f"{root} is no rank of the job at {parent}, which has {job['world']} ranks ({manifest}): what it "
+            f"holds is what a reshard left to remove or is writing, not the job's checkpoint; read the job at "
+            f"{parent}, or one of its ranks' directories (rank0 to rank{job['world'] - 1})")
+    return job["checkpoint"]
+
+
 def read_job(root: str) -> Job:
     """The job at root as it is now. Raises FileNotFoundError when root holds
     neither a job nor a parameter server, ValueError for a format this build
-    does not read."""
+    does not read. root may be one rank's directory (``<job>/rank<r>``), read as
+    one parameter server at the checkpoint job.json names (_rank_checkpoint)."""
     root = os.fspath(root)
     if os.path.exists(root) and not os.path.isdir(root):  # a config or a checkpoint's file given by mistake
         raise FileNotFoundError(f"{root} is a file, not a job directory: give the job's path ([ps] path)")
@@ -258,7 +295,7 @@ def read_job(root: str) -> Job:
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{meta_path}: format {meta.get('format')}, this build reads {FORMAT_VERSION}")
     if not distributed:
-        number, run = meta.get("checkpoint"), meta.get(RUN)
+        number, run = _rank_checkpoint(root, meta.get("checkpoint")), meta.get(RUN)
     config = ParameterServerConfig.from_dict({**meta["config"], "path": root}, source=meta_path)
     return Job(root, distributed, world, number, step, config, meta, run)
 

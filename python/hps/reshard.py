@@ -81,14 +81,13 @@ from typing import Optional
 import numpy as np
 
 from hps.distributed.sparse import owner_ranks
-from hps.jobdir import (MANIFEST, MARKER, STORE_DIR, TRAINER_STATE, file_name, latest_records, open_store, pin,
-                        read_job, read_job_record, read_json, replay_manifest, write_trainer_state)
+from hps.jobdir import (MANIFEST, MARKER, RESHARDED_FILE, STORE_DIR, TRAINER_STATE, file_name, latest_records,
+                        open_store, pin, read_job, read_job_record, read_json, replay_manifest, write_trainer_state)
 from hps.parameter_server import (CHECKPOINTS, JOB_MANIFEST, METADATA, RUN, SERVER_STEP, WRITER_LOCK, PathInUseError,
                                   _lock_path, _remove_tree, _replace_durable, _sync_dir, _write_durable, bound_store,
                                   check_store_digest, checkpoint_step, new_run_id, write_store_digest)
 
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
-RESHARDED_FILE = "resharded-from.json"  # a one-process server's root: the job.json of the job it was resharded from
 _CHUNK = 1 << 16               # rows moved per get / put
 
 
