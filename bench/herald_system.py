@@ -20,8 +20,11 @@ Counted (the same batches, so the same on every round; the figures are the last 
   MEM-PS -> devices   rows loaded onto devices: sequential, every batch's distinct keys;
                       herald, the rows no cache held (ps_loads)
   devices -> MEM-PS   rows written back: sequential, every batch's distinct keys (each
-                      got a gradient); herald, rows evicted from their last cache and
-                      the caches' flushes before each evaluation and checkpoint
+                      got a gradient); herald, rows evicted from their last cache
+                      trained since their last write (the others, the same as
+                      below, are dropped unwritten: evict_clean_dropped), and the
+                      rows the caches' flushes before each evaluation and
+                      checkpoint write (those trained since their last write)
   between devices     rows and bytes of the transfer matrix off its diagonal: embeddings
                       pulled and gradients pushed (dim floats a row), and for herald the
                       whole rows (embedding and optimizer state) of peer fetches and

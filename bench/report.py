@@ -797,6 +797,12 @@ def max_over_mean(vals) -> str:
     return f"{max(vals) / (sum(vals) / len(vals)):.2f}" if sum(vals) else "-"
 
 
+def clean_dropped(h: dict) -> str:
+    """The evicted rows dropped unwritten (not trained since their last write), where
+    the line counts them (lines before that wrote every evicted row)."""
+    return f" ({h['evict_clean_dropped']:,} clean ones dropped unwritten)" if "evict_clean_dropped" in h else ""
+
+
 def render_w7s(o: dict) -> list[str]:
     c, res = o["config"], o["results"]
     seq, her = res["sequential"], res["herald"]
@@ -834,7 +840,8 @@ def render_w7s(o: dict) -> list[str]:
     if h:
         out += ["", f"Herald's rows: {h['ps_loads']:,} from MEM-PS and {h['peer_fetches']:,} from peers "
                 f"(the plan's {h['plan_pulls']:,} pulls), {h['replica_copies']:,} replica copies (keys trained on "
-                f"several devices), {h['evict_pushes']:,} evicted to MEM-PS, {h['flushed_rows']:,} flushed; "
+                f"several devices), {h['evict_pushes']:,} evicted to MEM-PS"
+                f"{clean_dropped(h)}, {h['flushed_rows']:,} flushed; "
                 f"{h['compactions']} table rebuilds; scheduler snapshot {h['scheduler_bytes'] / 1e6:,.1f} MB."]
     mpi = o.get("mpi")
     if mpi:

@@ -302,28 +302,37 @@ def run_heraldpush(node, out: str, args) -> None:
     server.close()
 
 
+def heraldflush_last_keys(rank: int) -> np.ndarray:
+    """The heraldflush scenario's last step's keys on a rank: 20 of its own, not
+    seen before (7 examples, the last key twice), which fill a cache of 20 rows."""
+    return (200 + 20 * rank + np.minimum(np.arange(21), 19)).astype(np.uint64).reshape(7, 3)
+
+
 def run_heraldflush(node, out: str, args) -> None:
     """Two Herald steps of herald_step_keys (caches of --herald rows), a pull (a
-    flush), a step of one example a rank (keys 1 + rank, 2, 3), a pull again; each
-    rank saves its flushed_rows after each pull, and rank 0 the rows of keys
-    0..149 at the end."""
+    flush), a step of one example a rank (keys 1 + rank, 2, 3), a pull again, then
+    a step of heraldflush_last_keys (the caches drop the flushed rows) and a pull;
+    each rank saves its flushed_rows after each pull, its evict_pushes and
+    evict_clean_dropped before and after the last step, and rank 0 the rows of
+    keys 0..299 at the end."""
     import hps
     from hps.distributed.herald import HeraldServer
     server = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
                                                         budget="1MiB")), node, args.herald)
-    flushed = []
+    flushed, evicted = [], []
     for step in range(2):
         keys = herald_step_keys(node.rank, step)
         herald_step(server, server.prefetch(keys), keys)
     server.pull(np.arange(150, dtype=np.uint64))
     flushed.append(server.stats()["herald"]["flushed_rows"])
-    keys = np.array([[1 + node.rank, 2, 3]], np.uint64)
-    herald_step(server, server.prefetch(keys), keys)
-    final = server.pull(np.arange(150, dtype=np.uint64))
-    h = server.stats()["herald"]
-    flushed.append(h["flushed_rows"])
+    for keys in (np.array([[1 + node.rank, 2, 3]], np.uint64), heraldflush_last_keys(node.rank)):
+        herald_step(server, server.prefetch(keys), keys)
+        final = server.pull(np.arange(300, dtype=np.uint64))
+        h = server.stats()["herald"]
+        flushed.append(h["flushed_rows"])
+        evicted.append([h["evict_pushes"], h["evict_clean_dropped"]])
     with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
-        json.dump({"flushed_rows": flushed, "evict_pushes": h["evict_pushes"], "peer_fetches": h["peer_fetches"]}, f)
+        json.dump({"flushed_rows": flushed, "evicted": evicted, "peer_fetches": h["peer_fetches"]}, f)
     if node.rank == 0:
         np.save(os.path.join(out, "final.npy"), final)
     server.close()

@@ -439,28 +439,38 @@ def test_a_direct_push_between_herald_steps_empties_the_caches_and_the_steps_aft
 
 
 @pytest.mark.parametrize("rows", [1000, 20])  # no evictions; evictions and peer fetches
-def test_a_herald_flush_writes_only_the_rows_trained_since_the_last_one(tmp_path, rows):
+def test_a_herald_flush_and_eviction_write_only_the_rows_trained_since_the_last_write(tmp_path, rows):
     """A flush (a pull, a checkpoint) wrote every cached row to its owner, changed
     or not: every checkpoint wrote the whole caches, and an export's delta listed
     rows that had not changed. The ranks' tables keep a trained bit a row now: after
-    a step of keys 1..world, 2 and 3, those alone are written, once each, and the
-    rows end as one process's."""
+    a step of keys 1..world, 2 and 3, those alone are written, once each. An
+    eviction push wrote every row whose last copy a cache dropped, clean or not:
+    with caches of 20 rows, a last step of 20 new keys a rank drops the rows the
+    pull before it flushed, without a write (the steps before it pushed dirty
+    ones). The rows end as one process's."""
     world = 2
     scenario(world, "heraldflush", tmp_path, "--herald", rows)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     flushed = np.array([g["flushed_rows"] for g in got])
+    evicted = np.array([g["evicted"] for g in got])  # (rank, step, [pushes, clean dropped])
     first = np.unique(np.concatenate([sc.herald_step_keys(r, s).reshape(-1) for r in range(world) for s in range(2)]))
+    again = len({2, 3} | set(range(1, world + 1)))
     if rows == 1000:
         assert flushed[:, 0].sum() == len(first)  # every key trained, all cached
+        assert evicted.sum() == 0
     else:
-        assert sum(g["evict_pushes"] for g in got) > 0 and sum(g["peer_fetches"] for g in got) > 0
-    assert (flushed[:, 1] - flushed[:, 0]).sum() == len({2, 3} | set(range(1, world + 1)))
+        assert evicted[:, 0, 0].sum() > 0 and sum(g["peer_fetches"] for g in got) > 0
+        # The last step: the new keys fit; the caches drop every other row, flushed by the pull before it.
+        pushes, dropped = (evicted[:, 1] - evicted[:, 0]).sum(axis=0)
+        assert pushes == 0 and dropped > 0
+    assert (flushed[:, 1] - flushed[:, 0]).sum() == again
+    assert (flushed[:, 2] - flushed[:, 1]).sum() == 20 * world  # the last step's keys, all trained
     ref = hps.ParameterServer(sc.ps_config(str(tmp_path / "reference"), "adagrad", budget="1MiB"))
-    for step in range(3):
-        keys = np.concatenate([(sc.herald_step_keys(r, step) if step < 2 else
-                                np.array([[1 + r, 2, 3]], np.uint64)).reshape(-1) for r in range(world)])
+    for step in range(4):
+        keys = np.concatenate([(sc.herald_step_keys(r, step) if step < 2 else np.array([[1 + r, 2, 3]], np.uint64)
+                                if step == 2 else sc.heraldflush_last_keys(r)).reshape(-1) for r in range(world)])
         ref.push(keys, sc.key_gradient(keys))
-    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), ref.pull(np.arange(150, dtype=np.uint64)),
+    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), ref.pull(np.arange(300, dtype=np.uint64)),
                                rtol=1e-5, atol=1e-6)
     ref.close()
 

@@ -89,7 +89,10 @@ def test_batches_scheduled_ahead_train_what_the_sequential_schedule_trains(tmp_p
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7, err_msg=f"pull inside batch {3 * i}")
     np.testing.assert_allclose(all_rows(her, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
     h = her.stats()["device"]["herald"]
-    assert h["evict_pushes"] > 0 and h["compactions"] > 0 and h["table_growths"] > 0 and h["flushes"] > 10
+    # Rows were evicted: those the pulls (every third batch) had flushed, and not
+    # trained since, without a write.
+    assert h["evict_clean_dropped"] > 0
+    assert h["compactions"] > 0 and h["table_growths"] > 0 and h["flushes"] > 10
 
 
 def budget_for(rows, row_bytes=32):
@@ -913,16 +916,18 @@ def run_some(ps, batches, seen, pull_every=3):
     return ps
 
 
-def test_a_flush_writes_changed_rows_only_and_misses_none(tmp_path):
+def test_flushes_and_evictions_write_changed_rows_only_and_miss_none(tmp_path):
     """Through peer fetches of rows their fetcher does not step (the fetched copy is
-    as new as its source), evictions and table rebuilds: each flush writes rows
-    that differ from MEM-PS's copy only, and every pull between the batches reads
-    what the sequential schedule's does."""
+    as new as its source), evictions and table rebuilds: each flush, and each
+    eviction push (which wrote every row a cache dropped the last copy of, clean
+    ones too), writes rows that differ from MEM-PS's copy only, and every pull
+    between the batches reads what the sequential schedule's does."""
     batches = trace(batches=30)
     ps = server(tmp_path / "a", "herald", rows=20)
     caches = ps._herald
     flush, keep_updated = caches.flush, ps._cache.keep_updated
-    flushing, unchanged, written = [False], [], []
+    flushing = [False]
+    unchanged, written = {"flush": [], "evict": []}, {"flush": [], "evict": []}
 
     def recorded_flush():
         flushing[0] = True
@@ -932,19 +937,53 @@ def test_a_flush_writes_changed_rows_only_and_misses_none(tmp_path):
             flushing[0] = False
 
     def recorded_write(keys, rows):
-        if flushing[0]:  # MEM-PS's copies before the flush writes them
-            before = ps._cache.pull(np.array(keys), pin=False, dtype=np.float32)[0]
-            unchanged.append(int(np.all(np.asarray(rows).view(np.uint32) == before.view(np.uint32), axis=1).sum()))
-            written.append(len(keys))
+        kind = "flush" if flushing[0] else "evict"
+        before = ps._cache.pull(np.array(keys), pin=False, dtype=np.float32)[0]  # MEM-PS's copies before the write
+        unchanged[kind].append(int(np.all(np.asarray(rows).view(np.uint32) == before.view(np.uint32), axis=1).sum()))
+        written[kind].append(len(keys))
         return keep_updated(keys, rows)
 
     caches.flush, ps._cache.keep_updated = recorded_flush, recorded_write
     her, seq = [], []
     run_some(ps, batches, her)
     h = ps.stats()["device"]["herald"]
-    assert h["peer_fetches"] > 0 and h["evict_pushes"] > 0 and h["compactions"] > 0
-    assert sum(written) == h["flushed_rows"] > 0 and sum(unchanged) == 0
+    assert h["peer_fetches"] > 0 and h["compactions"] > 0
+    assert sum(written["flush"]) == h["flushed_rows"] > 0 and sum(unchanged["flush"]) == 0
+    assert sum(written["evict"]) == h["evict_pushes"] > 0 and sum(unchanged["evict"]) == 0
+    assert h["evict_clean_dropped"] > 0
     run_some(server(tmp_path / "s", "sequential"), batches, seq)
     assert len(her) == len(seq)
     for i, (a, b) in enumerate(zip(her, seq)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"pull {i}")
+
+
+def test_an_eviction_writes_the_rows_trained_since_they_were_last_written_only(tmp_path):
+    """A row whose last copy a cache drops went to MEM-PS, changed or not. Now: rows
+    trained and then flushed (keys 5, 6) and a row loaded and never trained (key
+    10) are dropped without a write, and counted; trained rows (7, 8, 9) are
+    written, and every row ends as the sequential schedule leaves it."""
+    # (keys, the keys given a gradient) a batch; one device whose cache holds 2 rows.
+    steps = [([5, 6], [5, 6]), ([7, 8], [7, 8]), ([9, 10], [9]), ([11, 12], [11, 12])]
+    her = server(tmp_path / "h", "herald", devices=1, rows=2)
+    seq = server(tmp_path / "s", "sequential", devices=1)
+    written = recording_writes(her)
+    got = []
+    for i, (keys, trained) in enumerate(steps):
+        for ps in (her, seq):
+            b = ps.batch(ps.prefetch(np.array([keys], np.uint64)))
+            if hasattr(b, "partition"):
+                b.partition()
+            k = np.array(trained, np.uint64)
+            b.push(k, (0.3 * b.pull(k, worker=0) + 1.0).astype(np.float32), worker=0)
+            b.apply()
+            b.write_back()
+        if i == 0:
+            her.checkpoint()  # 5 and 6 written: clean
+            written.clear()
+        h = her.stats()["device"]["herald"]
+        got.append((sorted(np.concatenate(written).tolist()) if written else [], h["evict_pushes"],
+                    h["evict_clean_dropped"]))
+        written.clear()
+    assert got == [([], 0, 0), ([], 0, 2), ([7, 8], 2, 2), ([9], 3, 3)]
+    keys = np.arange(5, 13, dtype=np.uint64)
+    np.testing.assert_allclose(her.pull(keys), seq.pull(keys), rtol=1e-6, atol=1e-7)

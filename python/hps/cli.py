@@ -176,7 +176,7 @@ def _summary_table(summary: dict) -> str:
     if her:
         rows.append(("herald: rows from MEM-PS, peers", f"{her['ps_loads']:,} of {her['distinct']:,} batch keys, "
                      f"{her['peer_fetches']:,} from peers, {her['replica_copies']:,} replica copies, "
-                     f"{her['evict_pushes']:,} evicted to MEM-PS"))
+                     f"{her['evict_pushes']:,} evicted to MEM-PS, {her['evict_clean_dropped']:,} clean ones dropped"))
     if "examples_sent" in (her or {}):
         rows.append(("herald: examples moved", f"{her['examples_sent']:,} sent to other ranks, "
                      f"{her['examples_kept']:,} kept"))

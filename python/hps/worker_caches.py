@@ -10,9 +10,11 @@ Each device (a worker) keeps a cache of rows, and the Herald scheduler
 - which rows each device fetches: from the peer device holding the latest
   version (a row copied device to device) or from MEM-PS;
 - which rows the caches drop: a device above ``worker_cache_rows`` drops its
-  least recently trained keys, and a dirty row no cache holds any more is
+  least recently trained keys, and a dirty row no cache holds any more (one
+  trained since it was last written below: its trained bit, below) is
   written to MEM-PS (the on-demand push; to SSD-PS if MEM-PS does not hold
-  the key: see ``_to_mem``).
+  the key: see ``_to_mem``); a clean one is dropped unwritten
+  (``evict_clean_dropped``), as Herald pushes dirty rows only.
 
 Under BSP every device that trains a key holds its latest version after the
 batch: the key's gradients from all of them are summed on one of them (the
@@ -33,7 +35,9 @@ cached ones. The parameter server calls it before a pull (an evaluation) and a
 checkpoint. Which rows those are the tier's tables say: each row has a trained
 bit (hps._core.DeviceTier's ``take_trained``), set by the step that changes
 it and by the replica copy after it, carried by a fetch from a peer (the copy
-is as new as its source), cleared by a load from MEM-PS and by a flush. Writing
+is as new as its source), cleared by a load from MEM-PS and by a write (a
+flush's or an eviction's: an evicted row is written only if its bit is set,
+the bit of its last copy, which every live copy of the key shares). Writing
 every cached row made each checkpoint write the whole caches again and an
 export's delta list rows that had not changed; a list of trained keys kept in
 Python, cut to the cached ones every few batches (a read of the whole
@@ -193,8 +197,8 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         self._dirty = False  # a batch applied since the last flush (else no row's trained bit is set)
         self.moved_rows = np.zeros((workers, workers), np.uint64)  # whole rows copied device to device
         self.counts = {"batches": 0, "ps_loads": 0, "peer_fetches": 0, "replica_copies": 0,
-                       "evict_pushes": 0, "flushes": 0, "flushed_rows": 0, "compactions": 0,
-                       "table_growths": 0, "plan_pulls": 0, "plan_peer_pulls": 0, "plan_pushes": 0,
+                       "evict_pushes": 0, "evict_clean_dropped": 0, "flushes": 0, "flushed_rows": 0,
+                       "compactions": 0, "table_growths": 0, "plan_pulls": 0, "plan_peer_pulls": 0, "plan_pushes": 0,
                        "plan_shared": 0, "distinct": 0}
         self._tier_before = None  # transfer counts of the tiers replaced when the tables grew
 
@@ -532,10 +536,17 @@ class HeraldBatch(BatchBase):
                     c._tier.copy_rows_at(self._replica_from, self._replica_to)
                     c.moved_rows += self._replica_moves
                     c.counts["replica_copies"] += len(self._replica_to)
-                lost = self._plan.lost_keys
+                lost, lost_from = self._plan.lost_keys, self._plan.lost_from
                 if len(lost):
-                    c._to_mem(lost, c._tier.rows(lost, self._plan.lost_from, c._row_floats))
-                    c._tier.set_trained(lost, self._plan.lost_from, False)  # written
+                    # Only a trained row differs from its copy below the caches (the
+                    # bit of the last copy, the key's latest version, which every
+                    # live copy shares: a replica takes its primary's).
+                    dirty = c._tier.trained(lost, lost_from)
+                    lost, lost_from = lost[dirty], lost_from[dirty]
+                    c.counts["evict_clean_dropped"] += int((~dirty).sum())
+                if len(lost):
+                    c._to_mem(lost, c._tier.rows(lost, lost_from, c._row_floats))
+                    c._tier.set_trained(lost, lost_from, False)  # written
                     c.counts["evict_pushes"] += len(lost)
             except BaseException:
                 self.abort()

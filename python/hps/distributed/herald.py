@@ -32,7 +32,8 @@ every step; the others learn only their part of the plan:
   them (its primary, the trainer its hash picks: hps.worker_caches.primaries,
   so that the keys every rank trains do not all sum on rank 0), which sends the
   sum back, and each trainer steps its own copy; a row no cache holds any more
-  goes to its owner's MEM-PS; pulls (an
+  goes to its owner's MEM-PS if trained since it was last written there (else
+  it is dropped: evict_clean_dropped); pulls (an
   evaluation) and checkpoints first write to its owner every cached row
   trained since it was last written there: each rank's table keeps a trained
   bit a row (hps.worker_caches), the ranks send the leader the keys of theirs,
@@ -184,8 +185,8 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         self._dirty = False
         self.counts = {"batches": 0, "examples_sent": 0, "examples_kept": 0, "ps_loads": 0, "peer_fetches": 0,
                        "rows_served": 0, "primary_steps": 0, "replica_copies": 0, "evict_pushes": 0,
-                       "flushes": 0, "flushed_rows": 0, "compactions": 0, "plan_pulls": 0, "plan_peer_pulls": 0,
-                       "plan_shared": 0, "distinct": 0}
+                       "evict_clean_dropped": 0, "flushes": 0, "flushed_rows": 0, "compactions": 0, "plan_pulls": 0,
+                       "plan_peer_pulls": 0, "plan_shared": 0, "distinct": 0}
 
     def _new_tier(self, rows: int):
         return _core.DeviceTier(1, rows, self.local._native_opt, threads=self.local.config.device_threads,
@@ -654,7 +655,11 @@ class HeraldDistBatch(BatchBase):
             s._tier.apply()
         s.counts["primary_steps"] += int(mine.sum())
         # Rows no cache holds any more: from the rank that dropped the last copy to the owner.
+        # The trained ones only: an untrained row equals its owner's copy.
         lost = self._lost
+        dirty = s._tier.trained(lost, None) if len(lost) else np.empty(0, bool)
+        s.counts["evict_clean_dropped"] += int((~dirty).sum())
+        lost = lost[dirty]
         rows = s._tier.rows(lost, None, s._row_floats) if len(lost) else np.empty((0, s._row_floats), np.float32)
         s._to_owners(lost, rows, "herald evicted")
         s._tier.set_trained(lost, None, False)  # written
