@@ -1166,6 +1166,39 @@ timeout = 120
         assert train["malformed_examples"][:2] == first and len(train["malformed_examples"]) == 4
 
 
+DAMAGED_JOBS = [("{", "not JSON"),
+                ("[2, 1]", "not a job record (a JSON list, not an object)"),
+                ('{"checkpoint": 1}', "no field 'world'"),
+                ('{"world": "one", "checkpoint": null}', "field 'world' must be a number of ranks >= 1, got 'one'"),
+                ('{"world": 2, "checkpoint": "1"}', "field 'checkpoint' must be a checkpoint number or null, got '1'")]
+
+
+@pytest.mark.parametrize("schedule,record,named", [("sequential", *d) for d in DAMAGED_JOBS] +
+                         [("herald", *d) for d in DAMAGED_JOBS[1::3]])  # (Herald's ranks check it alike: two)
+def test_a_damaged_job_json_ends_the_job_naming_the_file_and_field(tmp_path, schedule, record, named):
+    """A job of ranks resumed on a damaged job.json: rank 0 parsed it itself, so the
+    job ended on json's message without the file, a bare TypeError (a list, a world
+    "one") or KeyError, and a checkpoint "1" was taken as the one to roll back to.
+    It now reads it with hps.jobdir.read_job_record: every rank exits 2 naming the
+    file and the field, and nothing of the job is changed."""
+    path = tmp_path / "job"
+    for r in range(2):
+        (path / f"rank{r}").mkdir(parents=True)
+        (path / f"rank{r}" / "marker").write_text(f"rank {r}'s files")
+    (path / "job.json").write_text(record)
+
+    def files():
+        return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    before = files()
+    cfg = _write_config(tmp_path, "damaged", path, 4096, every=8)
+    if schedule == "herald":
+        cfg.write_text(cfg.read_text().replace('mem_budget = "1MiB"', 'mem_budget = "1MiB"\nschedule = "herald"'))
+    p = _hps_train(2, cfg, "--resume", check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert f"{path / 'job.json'}: {named}" in p.stderr, p.stderr[-3000:]
+    assert files() == before
+
+
 def test_a_rank_killed_in_the_middle_of_a_checkpoint_rolls_every_rank_back(tmp_path):
     """Rank 1 dies (SIGKILL) while making checkpoint 2, after rank 0 finished its
     own: job.json names checkpoint 1, the one every rank finished. --resume rolls

@@ -493,6 +493,29 @@ def test_a_hierarchical_resume_is_refused_on_another_layout_or_a_missing_block(t
 
 
 @needs_mpi
+@pytest.mark.parametrize("record,named", [
+    ("[2, 1]", "not a job record (a JSON list, not an object)"),
+    ('{"checkpoint": 1}', "no field 'world'"),
+    ('{"world": "one", "checkpoint": 1}', "field 'world' must be a number of ranks >= 1, got 'one'"),
+    ('{"world": 2, "checkpoint": "1"}', "field 'checkpoint' must be a checkpoint number or null, got '1'"),
+])
+def test_a_hierarchical_resume_on_a_damaged_job_json_names_the_file_and_field(tmp_path, record, named):
+    # Every rank read job.json on its own terms: a list ended in a bare AttributeError,
+    # a world missing or "one" was called a job of None or 'one' trainer ranks, and a
+    # checkpoint "1" got through to the trainers. hps.jobdir.read_job_record names
+    # the file and the field, and the job is left as it was. (Not JSON was named already.)
+    (tmp_path / "job" / "rank0").mkdir(parents=True)
+    (tmp_path / "job" / "rank0" / "marker").write_text("the rank's files")
+    (tmp_path / "job" / "job.json").write_text(record)
+    before = {str(p.relative_to(tmp_path / "job")): p.read_bytes() for p in sorted((tmp_path / "job").rglob("*"))
+              if p.is_file()}
+    err = _run_until_it_ends(tmp_path, 4, 2, 1, *RESUMED, "resume=1")
+    assert f"{tmp_path / 'job' / 'job.json'}: {named}" in err, err[-3000:]
+    assert {str(p.relative_to(tmp_path / "job")): p.read_bytes() for p in sorted((tmp_path / "job").rglob("*"))
+            if p.is_file()} == before
+
+
+@needs_mpi
 def test_a_trainer_that_stops_reducing_gradients_ends_the_job_naming_the_all_reduce(tmp_path):
     # One group of two trainers, no group PS; trainer 1 hangs instead of all-reducing
     # the trainer-held gradients: the blocking all-reduce left trainer 0 waiting for

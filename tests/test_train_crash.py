@@ -325,3 +325,40 @@ def test_a_diverged_run_stops_before_a_nan_reaches_the_job(tmp_path, capsys):
     state = parameters(str(path))
     assert np.isfinite(state["rows"]).all()
     assert all(torch.isfinite(v).all() for v in state["mlp"].values())
+
+
+# Damaged job.json files, with what hps.jobdir.read_job_record names in each.
+DAMAGED_JOBS = [
+    ("{", "not JSON"),
+    ("[2, 1]", "not a job record (a JSON list, not an object)"),
+    ('{"checkpoint": 1}', "no field 'world'"),
+    ('{"world": "one", "checkpoint": null}', "field 'world' must be a number of ranks >= 1, got 'one'"),
+    ('{"world": 2, "checkpoint": "1"}', "field 'checkpoint' must be a checkpoint number or null, got '1'"),
+]
+
+
+def job_files(root):
+    """Every file under root with its bytes: what a refused run must leave as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("record,named", DAMAGED_JOBS)
+def test_a_damaged_job_json_is_named_and_the_job_left_as_it_was(tmp_path, capsys, record, named):
+    """One process given a job's directory whose job.json is damaged: the trainer
+    parsed it itself, so a list or a missing world ended in a bare TypeError or
+    KeyError (a traceback, exit 1), not JSON in json's message without the file,
+    a world "one" was told to run under ``mpiexec -n one`` and a checkpoint "1"
+    (without --resume) under ``mpiexec -n 2``. It now reads it with
+    hps.jobdir.read_job_record: exit 2 naming the file and the field, with nothing
+    of the job changed."""
+    path = tmp_path / "ps"
+    (path / "rank0").mkdir(parents=True)
+    (path / "rank0" / "marker").write_text("the rank's files")
+    (path / "job.json").write_text(record)
+    before = job_files(path)
+    cfg = write_config(tmp_path, "damaged", path)
+    for flags in (["--resume"], []):
+        assert main(["train", "--config", str(cfg), "--no-progress", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert f"hps train: {path / 'job.json'}: {named}" in err, (flags, err)
+        assert job_files(path) == before, flags

@@ -46,7 +46,7 @@ from hps.config import check_fields, is_int, is_number, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
 from hps.distributed.comm import RankFailure, local_ranks_from_environment
 from hps.errors import DivergedError
-from hps.jobdir import HT_LAYOUT, TRAINER_STATE, read_json, write_trainer_state  # in each checkpoint's directory
+from hps.jobdir import HT_LAYOUT, TRAINER_STATE, read_job_record, write_trainer_state  # (those two: in a checkpoint)
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, LAST, METADATA, RUN, WRITER_LOCK,
                                   ParameterServer, ParameterServerConfig, _lock_path, _remove_tree, _replace_durable,
@@ -557,8 +557,7 @@ class Trainer:
         path = ps_cfg.path
         job = os.path.join(cfg.ps.path, JOB_MANIFEST)
         if node is None and os.path.exists(job):
-            with open(job) as f:
-                manifest = json.load(f)
+            manifest = read_job_record(job)  # (damaged: named, before anything of the job is touched)
             world = manifest["world"]
             if not resume or manifest.get("checkpoint") is None:
                 raise ValueError(f"{cfg.ps.path} holds a distributed job of {world} ranks; run it with "
@@ -730,7 +729,8 @@ class Trainer:
             raise RuntimeError(f"the ranks' checkpoints disagree ({detail})")
         if self.node.rank == 0:
             manifest = os.path.join(self.cfg.ps.path, JOB_MANIFEST)
-            run = read_json(manifest).get(RUN) or new_run_id()  # the job's run goes on (a job.json before ids: one now)
+            # The job's run goes on (a job.json before ids: one now).
+            run = read_job_record(manifest).get(RUN) or new_run_id()
             _write_json_atomic(manifest, {"world": self.node.size, "step": self.batches_done, "checkpoint": number,
                                           RUN: run})
         self.node.allgather("train", None, "checkpoint recorded in job.json")
@@ -957,7 +957,7 @@ def _job_still_at(root: str, world: int, checkpoint: Optional[int]):
     names this job's world and the checkpoint its ranks roll back to."""
     def check(meta: Optional[dict]) -> None:
         try:
-            job = read_json(os.path.join(root, JOB_MANIFEST))
+            job = read_job_record(os.path.join(root, JOB_MANIFEST))
         except FileNotFoundError:
             job = {}
         if job.get("world") != world or job.get("checkpoint") != checkpoint:
@@ -1085,8 +1085,7 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool, widths: Optional[tu
         manifest = os.path.join(root, JOB_MANIFEST)
         job = None
         if os.path.exists(manifest):
-            with open(manifest) as f:
-                job = json.load(f)
+            job = read_job_record(manifest)  # (damaged: named, before anything of the job is touched)
         if resume and job is not None:  # (past both worlds: no directory a reshard takes or removes)
             _remove_lock_only_ranks(root, max(job["world"], node.size))
         if resume and job is not None and job["world"] != node.size and job.get("checkpoint") is not None:

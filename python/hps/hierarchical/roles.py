@@ -586,14 +586,14 @@ def _check_resumable(train_cfg, roles: Roles) -> None:
     trainer ranks cannot resume (hps.train would reshard its embeddings, but not the
     group PSs' blocks or the centre)."""
     import os
-    from hps.jobdir import JOB_MANIFEST, read_json
+    from hps.jobdir import JOB_MANIFEST, read_job_record
     manifest = os.path.join(train_cfg.ps.path, JOB_MANIFEST)
     if not os.path.exists(manifest):
         return
-    job = read_json(manifest)
+    job = read_job_record(manifest)  # (damaged: every rank names the file and the field)
     trainers = roles.groups * roles.trainers
-    if job.get("checkpoint") is not None and job.get("world") != trainers:
-        raise ValueError(f"--resume: the job at {train_cfg.ps.path} ran {job.get('world')} trainer rank(s) "
+    if job["checkpoint"] is not None and job["world"] != trainers:
+        raise ValueError(f"--resume: the job at {train_cfg.ps.path} ran {job['world']} trainer rank(s) "
                          f"({manifest}), this [hierarchical] layout of {roles.world} ranks has {trainers} "
                          f"({roles.groups} group(s) of {roles.trainers}): a hierarchical job cannot be resharded "
                          f"onto another number of ranks; resume it with its own layout and mpiexec -n")
