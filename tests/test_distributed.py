@@ -260,15 +260,19 @@ def test_a_rank_whose_multi_hot_bags_are_all_empty_trains_as_one_process(tmp_pat
     _assert_job_equals_single(tmp_path, world, steps, batches)
 
 
-def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_path):
+@pytest.mark.parametrize("schedule", [[], ["--herald", 256]], ids=["sequential", "herald"])
+def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_path, schedule):
     """Rank 1's data ends two steps before rank 0's (it takes part in them empty);
     resumed with more data on each rank (a directory that grew, a larger --examples),
     rank 1 goes on from its third batch. It skipped as many of its batches as the job
-    had taken steps, and lost the two it never trained."""
+    had taken steps, and lost the two it never trained (under Herald, whose steps
+    train examples the other ranks read, the job trained 384 of its 480 examples):
+    now it counts the examples of its own data it read into the job's steps,
+    wherever they were trained."""
     from hps.train import load_trainer_state
     per_rank = 48
-    scenario(2, "train", tmp_path / "job", "--steps", 4, "--per-rank", per_rank, "--uneven")
-    scenario(2, "train", tmp_path / "job", "--steps", 6, "--per-rank", per_rank, "--uneven", "--resume")
+    scenario(2, "train", tmp_path / "job", "--steps", 4, "--per-rank", per_rank, "--uneven", *schedule)
+    scenario(2, "train", tmp_path / "job", "--steps", 6, "--per-rank", per_rank, "--uneven", *schedule, "--resume")
     reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["examples"] for r in reports] == [(6 + 4) * per_rank] * 2  # rank 0's 6 batches, rank 1's 4
     assert reports[0]["batches"] == 6
@@ -276,25 +280,6 @@ def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_p
         state = load_trainer_state(str(tmp_path / "job" / "job" / f"rank{r}"))
         assert state["rank_examples"] == {"rank": r, "world": 2, "examples": (6 if r == 0 else 4) * per_rank}
 
-
-
-def test_a_resumed_herald_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_path):
-    """As above with schedule = "herald", whose steps train examples the other ranks
-    read. A rank skipped as many of its batches as the job had taken steps: resumed,
-    rank 1 skipped the two batches it had never trained (the job trained 384 of its 480
-    examples). Now it counts the examples of its own data it read into the job's
-    steps, wherever they were trained."""
-    from hps.train import load_trainer_state
-    per_rank = 48
-    scenario(2, "train", tmp_path / "job", "--steps", 4, "--per-rank", per_rank, "--uneven", "--herald", 256)
-    scenario(2, "train", tmp_path / "job", "--steps", 6, "--per-rank", per_rank, "--uneven", "--herald", 256,
-             "--resume")
-    reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["examples"] for r in reports] == [(6 + 4) * per_rank] * 2  # rank 0's 6 batches, rank 1's 4
-    assert reports[0]["batches"] == 6
-    for r in range(2):
-        state = load_trainer_state(str(tmp_path / "job" / "job" / f"rank{r}"))
-        assert state["rank_examples"] == {"rank": r, "world": 2, "examples": (6 if r == 0 else 4) * per_rank}
 
 # ---------------------------------------------------------------- admission: the job's counts
 
