@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -461,6 +462,34 @@ def test_the_rank_directories_a_reshard_to_one_process_left_are_not_removed_unde
     assert not os.path.exists(root / "rank0") and not os.path.exists(root / "rank1")
     assert not os.path.exists(root / reshard.RESHARDED_FILE)
     assert dense_states(root, 1)[0]["batches_done"] == STEPS + 2
+
+
+@pytest.mark.parametrize("damage, named", [
+    (b"{not json", "not JSON"),
+    (b"[2, 4]", r"not a job record \(a JSON list, not an object\)"),
+    (b'{"checkpoint": 4}', "no field 'world'"),
+    (b'{"world": "2", "checkpoint": 4}', "field 'world' must be a number of ranks >= 1, got '2'"),
+    (b'{"world": 1.5, "checkpoint": 4}', "field 'world' must be a number of ranks >= 1, got 1.5"),
+])
+def test_a_damaged_record_of_a_reshard_to_one_process_is_named_and_nothing_is_removed(tmp_path, two_ranks,
+                                                                                      monkeypatch, damage, named):
+    """2 -> 1, the job died right after the switch, and resharded-from.json (the old
+    job.json, which names the rank directories to remove) is damaged: the next
+    one-process hps train --resume raises ValueError naming the file and the field,
+    and removes nothing. It was read with a bare json.load(...)["world"]: a
+    KeyError, TypeError or JSONDecodeError that named no file."""
+    from hps import reshard
+    old = copy_of(two_ranks, tmp_path)
+    root = old / "job"
+    monkeypatch.setattr(reshard, "remove_old_ranks", lambda root, hold=None: None)
+    reshard.to_one_process(str(root))
+    monkeypatch.undo()
+    record = root / reshard.RESHARDED_FILE
+    record.write_bytes(damage)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(record))}: {named}"):
+        one_process(root, STEPS + 2, resume=True)
+    assert record.read_bytes() == damage
+    assert os.path.isdir(root / "rank0") and os.path.isdir(root / "rank1")
 
 
 def test_a_lookup_of_a_rank_directory_serves_on_when_the_directory_is_removed(tmp_path, two_ranks, monkeypatch):

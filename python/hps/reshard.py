@@ -589,12 +589,13 @@ def remove_old_ranks(root: str, hold: Optional[Hold] = None) -> None:
     """What a job resharded to one process (to_one_process) left: its rank
     directories, then the record of it. Run again by each one-process run (a crash
     may cut it short). `hold`: to_one_process's, which holds the rank directories;
-    without it each is locked for its removal (_remove_server_dir)."""
+    without it each is locked for its removal (_remove_server_dir). The record is
+    the old job's job.json, so read_job_record checks it: a damaged one raises
+    ValueError naming the file and the field, before anything is removed."""
     record = os.path.join(root, RESHARDED_FILE)
     if not os.path.exists(record):
         return
-    with open(record) as f:
-        world = int(json.load(f)["world"])
+    world = read_job_record(record)["world"]
     for r in range(world):
         _remove_server_dir(_rank_dir(root, r), f"rank {r} of the job at {root} before its reshard to one process",
                            hold)
