@@ -851,7 +851,66 @@ def test_a_rank_whose_train_step_raises_ends_the_job_naming_the_rank_and_the_err
     assert p.returncode != 0
     assert "hps.distributed: rank 1 of 2: RuntimeError: rank 1's step 3 failed; aborting the job" in p.stderr, \
         p.stderr[-3000:]
+    assert_aborted_once(p, 1)
     assert "waited" not in p.stderr, p.stderr[-3000:]
+
+
+def assert_aborted_once(p, rank: int) -> None:
+    """Rank `rank` of scenario run `p` said "aborting the job" once: the failure that
+    ended it, not again for a stage that failed after it (abort_job)."""
+    said = re.findall(rf"hps\.distributed: rank {rank} of \d+: [^\n]*; aborting the job", p.stderr)
+    assert len(said) == 1, p.stderr[-3000:]
+
+
+def test_a_ranks_second_failure_during_its_abort_is_said_as_coming_after_the_first(monkeypatch):
+    """Two stages of a rank fail, the second in the moment before the first's
+    MPI_Abort ends the process (its exchanges or batches went with the first): each
+    said "...; aborting the job", and the second read as a second cause (a Herald
+    job's NaN said it twice, by the train stage and the writer). Now only the first
+    says it; the second is marked as coming after it (the same reason: not again),
+    and each still ends the job. (A communicator whose Abort returns: the real one
+    ends the process, before the second could be seen deterministically.)"""
+    import io
+    import threading
+    from hps.distributed.comm import abort_job
+
+    class Stderr(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.said = threading.Event()
+
+        def write(self, text):
+            n = super().write(text)
+            self.said.set()
+            return n
+
+    class World:
+        def __init__(self):
+            self.codes, self.ended = [], threading.Event()
+
+        def Abort(self, code):  # noqa: N802 (mpi4py's name)
+            self.codes.append(code)
+            if threading.current_thread() is first:
+                self.ended.wait(30)  # the first abort still under way while the others come
+
+    err, world = Stderr(), World()
+    monkeypatch.setattr(sys, "stderr", err)
+    first = threading.Thread(target=abort_job, args=(world, "rank 1 of 2: RuntimeError: step 3 failed", 1))
+    first.start()
+    try:
+        assert err.said.wait(30)
+        abort_job(world, "rank 1 of 2: OSError: the loader's exchange broke", 1)
+        abort_job(world, "rank 1 of 2: RuntimeError: step 3 failed", 1)
+    finally:
+        world.ended.set()
+        first.join()
+    assert err.getvalue().splitlines() == [
+        "rank 1 of 2: RuntimeError: step 3 failed; aborting the job",
+        "rank 1 of 2: OSError: the loader's exchange broke (after the failure above, whose abort of the job is "
+        "under way)"]
+    assert world.codes == [1, 1, 1]
+    abort_job(world, "rank 1 of 2: ValueError: another job's", 70)  # (the first one's Abort returned: over)
+    assert err.getvalue().splitlines()[-1] == "rank 1 of 2: ValueError: another job's; aborting the job"
 
 
 def assert_every_rank_raised(out, p, said: str, ranks: int) -> None:
@@ -938,6 +997,7 @@ def _assert_rank_1s_nan_ended_the_job(p, traffic: str) -> None:
     assert re.search(rf"hps\.distributed: rank 1 of 2: DivergedError: {traffic}: 1 non-finite value in the "
                      r"gradients of 1 key \(key \d+ first: nan\): training diverged .*; aborting the job",
                      p.stderr), p.stderr[-3000:]
+    assert_aborted_once(p, 1)
     assert "waited" not in p.stderr, p.stderr[-3000:]
 
 

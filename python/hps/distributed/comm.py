@@ -21,15 +21,38 @@ from hps.errors import HpsError
 COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "plan", "dense", "control", "admission")
 
 
+# The abort under way in this process: its reason, once abort_job has said it.
+_abort_lock = threading.Lock()
+_aborting: Optional[str] = None
+
+
 def abort_job(world, why: str, code: int = 70) -> None:
-    """Writes `why` on stderr and ends every rank of `world`'s job (MPI_Abort)."""
-    sys.stderr.write(f"{why}; aborting the job\n")
+    """Writes `why` on stderr and ends every rank of `world`'s job (MPI_Abort).
+    Only the first call of the process says "aborting the job": in the moment
+    before its MPI_Abort, another stage of the rank fails too (its step's
+    exchanges or batches went with the first failure), and a second such line
+    read as a second cause. A later call's reason is written marked as coming
+    after it (once the same reason: nothing); it ends the job as the first."""
+    global _aborting
+    with _abort_lock:
+        first = _aborting
+        if first is None:
+            _aborting = why
+    if first is None:
+        sys.stderr.write(f"{why}; aborting the job\n")
+    elif why != first:
+        sys.stderr.write(f"{why} (after the failure above, whose abort of the job is under way)\n")
     sys.stderr.flush()
     # MPI_Abort has mpiexec's proxy kill the ranks and stop forwarding their
     # output, and CI runs lost this line to that race twice; a moment lets the
     # proxy carry the reason out before the abort reaches it.
     time.sleep(1.0)
-    world.Abort(code)
+    try:
+        world.Abort(code)
+    finally:
+        if first is None:
+            with _abort_lock:  # (only a fake communicator's Abort returns: its next abort is a first)
+                _aborting = None
 
 
 class RankFailure(HpsError):
