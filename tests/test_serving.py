@@ -2466,6 +2466,34 @@ def test_serve_answers_a_connection_past_its_limit_without_waiting_for_its_body(
         kept.close()
 
 
+def test_serve_closes_a_connection_whose_client_does_not_take_its_answer(job):
+    """A client that sent a lookup and then did not read its answer (larger than the sockets'
+    buffers) held its thread, and its place under max_connections, for idle_timeout (60 s)
+    per write of the answer, and a client reading a little now and then for longer (a slow
+    read). Now the answer must be taken whole within request_timeout of its first byte, or
+    the connection is closed and counted in unsent_answers."""
+    import socket
+    with _serving(job, idle_timeout=120, request_timeout=2) as srv:
+        keys = np.arange(1, 1 + (1 << 19), dtype="<u8")  # an answer of 8.5 MiB (dim 4)
+        head = (b"POST /lookup HTTP/1.1\r\nContent-Type: application/octet-stream\r\n"
+                b"Content-Length: %d\r\n\r\n" % keys.nbytes)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window offered
+            sock.settimeout(30)
+            sock.connect(srv.server_address[:2])
+            sock.sendall(head + keys.tobytes())  # and never a byte read
+            deadline = time.monotonic() + 30  # well past request_timeout, well short of idle_timeout
+            while srv.connections and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert srv.connections == 0, "the server still holds a connection whose client takes no answer"
+            assert srv.unsent_answers == 1
+        finally:
+            sock.close()
+        status, _, body = request(srv, "GET", "/stats")
+        assert status == 200 and json.loads(body)["unsent_answers"] == 1
+
+
 def test_hps_serve_command_serves_until_terminated(job):
     import re
     import signal

@@ -468,7 +468,8 @@ def parser() -> argparse.ArgumentParser:
                    help="connections open at once, idle kept-alive ones included; more are answered 503 and closed")
     v.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds a request has to send its line, headers and body, from its first byte "
-                        "(a new connection's first: from connecting); then it is closed")
+                        "(a new connection's first: from connecting), and its client to take the answer, "
+                        "from the answer's first byte; then it is closed")
     v.add_argument("--refresh-every", type=float, default=0.0,
                    help="seconds between moves to a newer checkpoint (0: only on POST /refresh)")
     v.add_argument("--log", action="store_true", help="log every request to stderr")

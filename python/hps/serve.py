@@ -6,9 +6,10 @@ for a local sidecar, since the lookups themselves release the GIL in SSD-PS.
 A thread per connection, at most ``max_connections`` of them (one more has its
 request answered 503 and is closed: at most as many again at once, each given
 REFUSED_REQUEST_TIMEOUT; past that one is closed as it is accepted), each request
-given ``request_timeout`` from its first byte, and at most ``max_concurrent`` lookups at
-once, each from its keys parsed to its answer encoded: one more is answered 429
-at once rather than queued without bound.
+given ``request_timeout`` from its first byte, each answer ``request_timeout`` from
+its first byte written (a client that does not take it is closed), and at most
+``max_concurrent`` lookups at once, each from its keys parsed to its answer encoded:
+one more is answered 429 at once rather than queued without bound.
 
     POST /lookup   keys in; rows and found out. Content-Type:
                    application/json: {"keys": [int, ...]} -> {"rows": [[float] * dim, ...],
@@ -22,7 +23,9 @@ at once rather than queued without bound.
     POST /refresh  moves to the job's newer checkpoint: {"moved": bool, "checkpoint": N}
     GET  /health   {"checkpoint", "step", "world", "dim"} (HEAD: its headers)
     GET  /stats    Lookup.stats(), and the server's: rejected (429s), max_concurrent, connections
-                   (open now), max_connections, refused_connections (503s for that limit)
+                   (open now), max_connections, refused_connections (503s for that limit),
+                   unsent_answers (connections closed with an answer their client did not
+                   take within the request timeout)
 Errors are JSON {"error": "..."}, http.server's own too (send_error): 400 malformed (naming the field or key index),
 404 unknown path, 405 wrong method (with Allow), 408 a body not all sent within the idle
 timeout (60 s; a connection idle that long is closed) or the request timeout (30 s), 411
@@ -296,6 +299,11 @@ class LookupServer(_Connections, ThreadingHTTPServer):
         # each within idle_timeout of the last, held its thread, and its connection's place
         # under max_connections, for as long as its client liked (slowloris).
         self.request_timeout = request_timeout
+        # Answers not all taken by their client within request_timeout of their first byte
+        # (_DeadlineWriter), their connections closed: a client that sends a lookup and
+        # reads its answer slowly, or not at all, held its thread, and its place under
+        # max_connections, for idle_timeout per write of the answer (slow read).
+        self.unsent_answers = 0
         self._stop = threading.Event()
         # Requests using the lookup now (its native reads under way): server_close waits
         # for them, so that the lookup is closed, and the process exits, with none in a
@@ -380,6 +388,10 @@ class LookupServer(_Connections, ThreadingHTTPServer):
     def count_rejected(self) -> None:
         with self._rejected_lock:
             self.rejected += 1
+
+    def count_unsent_answer(self) -> None:
+        with self._rejected_lock:
+            self.unsent_answers += 1
 
     @property
     def url(self) -> str:
@@ -469,7 +481,58 @@ class _DeadlineReader(io.RawIOBase):
         except TimeoutError:
             raise TimeoutError(f"not all sent within {bound:g} s") from None
         finally:
-            self._sock.settimeout(idle)  # the answer's writes
+            self._sock.settimeout(idle)  # the base class's, should anything but these two use the socket
+
+
+class _AnswerTimeout(TimeoutError):
+    """An answer its client did not take in time: the connection is closed unanswered."""
+
+
+class _DeadlineWriter(io.BufferedIOBase):
+    """A connection's writes. An answer (handler.answer_deadline, of time.monotonic(), set
+    by _Handler._send as it starts writing one; None outside) must be taken whole by its
+    client within the handler's request_timeout of its first byte, and each send waits at
+    most the idle timeout for the client to take more: past either, the answer is counted
+    in the server's unsent_answers and _AnswerTimeout raised. The answer has a deadline
+    of its own, not what is left of its request's: the lookup's time is the server's, and
+    a request read near its deadline would leave its answer next to none."""
+
+    def __init__(self, sock: socket.socket, handler: "_Handler"):
+        super().__init__()
+        self._sock = sock
+        self._handler = handler
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        idle = self._handler.server.idle_timeout
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                timeout, bound = idle, idle
+                if self._handler.answer_deadline is not None:
+                    left = self._handler.answer_deadline - time.monotonic()
+                    if left < idle:
+                        timeout, bound = left, self._handler.request_timeout
+                if timeout <= 0:
+                    raise self._timed_out(bound)
+                # send, not sendall: sendall's timeout bounds the whole call, which would cut
+                # an answer its client takes steadily for longer than idle (a request_timeout
+                # above idle_timeout), and let one taken a byte at a time keep idle per write
+                self._sock.settimeout(timeout)
+                try:
+                    sent = self._sock.send(view)
+                except TimeoutError:
+                    raise self._timed_out(bound) from None
+                view = view[sent:]
+        finally:
+            self._sock.settimeout(idle)
+        return len(data)
+
+    def _timed_out(self, bound: float) -> _AnswerTimeout:
+        self._handler.server.count_unsent_answer()
+        return _AnswerTimeout(f"the answer not all taken by the client within {bound:g} s")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -483,6 +546,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.request_timeout = (server.request_timeout if admitted else
                                 min(server.request_timeout, REFUSED_REQUEST_TIMEOUT))
         self.deadline: Optional[float] = None
+        self.answer_deadline: Optional[float] = None
         super().__init__(request, client_address, server)
 
     def setup(self) -> None:
@@ -490,6 +554,8 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         self.rfile.close()  # the base class's, without the request's deadline
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
+        self.wfile.close()  # the base class's, without the answer's deadline
+        self.wfile = _DeadlineWriter(self.connection, self)
 
     def handle(self) -> None:
         """The base class's loop of requests, each given request_timeout from its first
@@ -514,16 +580,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: bytes, content_type: str = "application/json", headers=None) -> None:
         self._answered = True
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        for k, v in (headers or {}).items():
-            self.send_header(k, str(v))
-        self.end_headers()
-        if self.command != "HEAD":  # HEAD: GET's headers, no body
-            self.wfile.write(body)
+        self.answer_deadline = time.monotonic() + self.request_timeout
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            for k, v in (headers or {}).items():
+                self.send_header(k, str(v))
+            self.end_headers()
+            if self.command != "HEAD":  # HEAD: GET's headers, no body
+                self.wfile.write(body)
+        except _AnswerTimeout:
+            self.close_connection = True  # the answer is cut short: the connection cannot carry another
+            raise
+        finally:
+            self.answer_deadline = None
 
     def _json(self, status: int, obj, headers=None) -> None:
         self._send(status, _json_bytes(obj), headers=headers)
@@ -625,15 +698,16 @@ class _Handler(BaseHTTPRequestHandler):
                               "max_concurrent": self.server.max_concurrent,
                               "connections": self.server.connections,
                               "max_connections": self.server.max_connections,
-                              "refused_connections": self.server.refused_connections}
+                              "refused_connections": self.server.refused_connections,
+                              "unsent_answers": self.server.unsent_answers}
                 self._json(200, answer)
         except HttpError as e:
             self.close_connection = True  # the body may be unread: the connection cannot carry another request
             if e.status >= 500:
                 print(f"hps serve: {self.command} {path}: {e}", file=sys.stderr, flush=True)
             self._json(e.status, {"error": str(e)}, e.headers)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True  # the client left: no one to answer
+        except (BrokenPipeError, ConnectionResetError, _AnswerTimeout):
+            self.close_connection = True  # the client left, or does not take its answer: no one to answer
         except Exception as e:  # noqa: BLE001 - answered, not a dropped connection with a traceback
             self.close_connection = True
             print(f"hps serve: {self.command} {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
