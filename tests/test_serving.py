@@ -2841,7 +2841,10 @@ def test_lookup_bench_quick_with_hps_train_writing_checkpoints_meanwhile():
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     w = out["writer"]
-    assert w["mode"] == "train" and w["checkpoints"] >= 1 and w["batches_checkpointed"] >= 2
+    # (at least one checkpoint, of at least one batch: the first lands at the next step
+    # that --checkpoint-every divides, and how many more come while the lookups run
+    # depends on the machine's load; >= 2 batches failed on a loaded machine)
+    assert w["mode"] == "train" and w["checkpoints"] >= 1 and w["batches_checkpointed"] >= 1
     assert w["examples_checkpointed"] == 256 * w["batches_checkpointed"]
     r = out["results"]["hps/zipf"]
     assert r["batches"] == 20 and r["refreshes"] >= 1  # the lookup moved to a checkpoint hps train wrote

@@ -453,6 +453,18 @@ class _Listener(_Connections, socketserver.TCPServer):
         self.owner = owner
 
 
+def _wait_for(handler: "_Handler", deadline: Optional[float]) -> tuple[float, float]:
+    """How long a connection's next read or send may wait: the idle timeout, or what
+    is left to `deadline` (of time.monotonic(); None: no deadline) where that is less;
+    and the bound that wait enforces, for the timeout's message."""
+    idle = handler.server.idle_timeout
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left < idle:
+            return left, handler.request_timeout
+    return idle, idle
+
+
 class _DeadlineReader(io.RawIOBase):
     """A connection's reads, each given at most the idle timeout and at most the time
     left to the request read now (handler.deadline, of time.monotonic(); None between
@@ -468,11 +480,7 @@ class _DeadlineReader(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         idle = self._handler.server.idle_timeout
-        timeout, bound = idle, idle
-        if self._handler.deadline is not None:
-            left = self._handler.deadline - time.monotonic()
-            if left < idle:
-                timeout, bound = left, self._handler.request_timeout
+        timeout, bound = _wait_for(self._handler, self._handler.deadline)
         if timeout <= 0:
             raise TimeoutError(f"not all sent within {bound:g} s")
         self._sock.settimeout(timeout)
@@ -510,11 +518,7 @@ class _DeadlineWriter(io.BufferedIOBase):
         view = memoryview(data).cast("B")
         try:
             while view:
-                timeout, bound = idle, idle
-                if self._handler.answer_deadline is not None:
-                    left = self._handler.answer_deadline - time.monotonic()
-                    if left < idle:
-                        timeout, bound = left, self._handler.request_timeout
+                timeout, bound = _wait_for(self._handler, self._handler.answer_deadline)
                 if timeout <= 0:
                     raise self._timed_out(bound)
                 # send, not sendall: sendall's timeout bounds the whole call, which would cut
