@@ -1678,10 +1678,12 @@ def request(srv, method, path, body=None, content_type="application/json", heade
     h = dict(headers or {})
     if body is not None:
         h["Content-Type"] = content_type
-    conn.request(method, path, body=body, headers=h)
-    r = conn.getresponse()
-    data = r.read()
-    conn.close()
+    try:  # closed on a refusal too: a socket left to the collector warns in whichever test comes next
+        conn.request(method, path, body=body, headers=h)
+        r = conn.getresponse()
+        data = r.read()
+    finally:
+        conn.close()
     return r.status, dict(r.getheaders()), data
 
 
@@ -2372,6 +2374,17 @@ def _until_closed(sock, timeout=30) -> bytes:
     return got
 
 
+def _lookup_status(srv):
+    """A lookup's status, or None for a connection closed unanswered: while as many refused
+    connections as max_connections hold threads, the next is closed at once, and the client
+    may see that as a broken pipe while it sends (this happened in CI)."""
+    import http.client
+    try:
+        return request(srv, "POST", "/lookup", b'{"keys": [1]}')[0]
+    except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+        return None
+
+
 def test_serve_bounds_the_threads_of_connections_that_send_nothing_and_closes_them(job):
     """Every accepted connection got a thread at once, the refused ones too, each waiting
     idle_timeout (60 s) for a request: connections that send nothing (slowloris) piled up
@@ -2391,8 +2404,7 @@ def test_serve_bounds_the_threads_of_connections_that_send_nothing_and_closes_th
             # served and refused ones' threads, 4 each at most (those refused at once have none)
             assert threading.active_count() - before <= 2 * 4
             deadline = time.monotonic() + 30  # a lookup is served once the silent ones are closed
-            while (status := request(srv, "POST", "/lookup", b'{"keys": [1]}')[0]) == 503 \
-                    and time.monotonic() < deadline:
+            while (status := _lookup_status(srv)) != 200 and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert status == 200
             for sock in idle:  # each closed by the server: a 503 at most, no request having come
