@@ -96,7 +96,10 @@
 // its old room is in that band. The key index takes 4 bytes a slot (the
 // record's position and, above it, a fingerprint of the key in the bits
 // positions leave free) at load 0.55 to 0.8, erased slots (tombstones)
-// counted until the index is rebuilt from the log at the next compaction. So
+// counted until the index is rebuilt from the log at the next compaction; a
+// rebuild leaves room for as many erased slots as came since the one before
+// (sized without them, an index the erases had filled was refilled at its
+// size, full again a batch later: a rebuild every batch or two). So
 // a key takes 1.25 to 1.4 x 9 bytes of log and 5 to 7.5 bytes of index, and
 // a shared one some 23 to 64 bytes more of side table: about 19 bytes a
 // cached key for W = 8 and 17 to 18 for W = 64 (a replay of Zipf(1.05)

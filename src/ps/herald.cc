@@ -413,11 +413,17 @@ struct Herald::Snapshot final : Herald::Impl {
     return table;
   }
 
-  // Slots for `entries` keys below kMaxLoad, tombstones counted: grown to
-  // kGrownLoad where the live ones alone pass kMaxLoad, else the same size.
-  uint64_t SlotsFor(uint64_t entries) const {
-    if (static_cast<double>(entries) <= kMaxLoad * static_cast<double>(index.size())) return index.size();
-    return std::max<uint64_t>(kMinSlots, static_cast<uint64_t>(static_cast<double>(entries) / kGrownLoad));
+  // Slots for `entries` keys below kMaxLoad with room for `tombstones` more:
+  // the erases since the last rebuild, as many as are likely before the next.
+  // The same size where both fit, else grown to kGrownLoad of the entries, or
+  // past it to fit the tombstones as well. (Sized for the entries alone, an
+  // index rebuilt for room that the erases had filled was refilled in place,
+  // full again a batch or two later: a full rebuild every other batch.)
+  uint64_t SlotsFor(uint64_t entries, uint64_t tombstones) const {
+    const auto room = static_cast<double>(entries + tombstones);
+    if (room <= kMaxLoad * static_cast<double>(index.size())) return index.size();
+    return std::max({kMinSlots, static_cast<uint64_t>(static_cast<double>(entries) / kGrownLoad),
+                     static_cast<uint64_t>(room / kMaxLoad) + 1});
   }
 
   // The slot holding the record at `pos` (key hashing to `hash`).
@@ -463,7 +469,7 @@ struct Herald::Snapshot final : Herald::Impl {
         std::min(kMaxRecords, keep ? cap : static_cast<uint64_t>((1 + kRoomBand / 2) * static_cast<double>(want)));
     if (cap != room) space.records.reserve(room);
     space.runs.reserve(runs.size() + extra_runs);
-    space.slots = SlotsFor(live + pending + largest);
+    space.slots = SlotsFor(live + pending + largest, tombs);
     space.limit = room + largest;
     space.pending = pending;
     space.table = TableFor(space.slots);
@@ -783,7 +789,7 @@ struct Herald::Snapshot final : Herald::Impl {
       // positions up to log.size() + total - 1.
       if (total > 0 && (static_cast<double>(used + tombs + total) > kMaxLoad * static_cast<double>(index.size()) ||
                         log.size() + total - 1 > MaxPos())) {
-        const uint64_t slots = SlotsFor(used + total);
+        const uint64_t slots = SlotsFor(used + total, tombs);
         pos_bits_before = pos_bits;
         used_before = used;
         tombs_before = tombs;
