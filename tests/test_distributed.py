@@ -913,6 +913,61 @@ def test_a_ranks_second_failure_during_its_abort_is_said_as_coming_after_the_fir
     assert err.getvalue().splitlines()[-1] == "rank 1 of 2: ValueError: another job's; aborting the job"
 
 
+def test_a_ranks_traceback_is_printed_once_with_the_line_that_says_its_failure(monkeypatch):
+    """_abort_rank prints the failure's traceback, then abort_job says it. A stage
+    whose error comes again in the moment before the first's MPI_Abort ends the
+    process (the writer raising the train stage's error, which the pipeline's
+    on_error heard first) printed the whole traceback a second time, though
+    abort_job said its reason once; it now goes with the line: each traceback once,
+    a second failure's before its "(after the failure above ...)" line."""
+    import io
+    import threading
+    from hps.distributed.comm import Node
+    from hps.train import _abort_rank
+
+    class World:
+        def __init__(self):
+            self.codes, self.ended = [], threading.Event()
+
+        def Abort(self, code):  # noqa: N802 (mpi4py's name)
+            self.codes.append(code)
+            if threading.current_thread() is first:
+                self.ended.wait(30)  # the first abort still under way while the others come
+
+    class OneRank:
+        rank, size, abort = 1, 2, Node.abort
+
+    def raised(error):
+        try:
+            raise error
+        except Exception as e:  # noqa: BLE001 - (its traceback is what is printed)
+            return e
+
+    node = OneRank()
+    node.world = World()
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    step, loader = raised(RuntimeError("step 3 failed")), raised(OSError("the loader's exchange broke"))
+    first = threading.Thread(target=_abort_rank, args=(node, step))
+    first.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "aborting the job" not in err.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _abort_rank(node, step)  # (the writer re-raising the train stage's error)
+        _abort_rank(node, loader)
+    finally:
+        node.world.ended.set()
+        first.join()
+    text = err.getvalue()
+    assert text.count("Traceback (most recent call last)") == 2, text
+    assert text.count("RuntimeError: step 3 failed\n") == 1, text
+    assert text.count("OSError: the loader's exchange broke\n") == 1, text
+    assert text.index("RuntimeError: step 3 failed\n") < text.index("RuntimeError: step 3 failed; aborting")
+    assert text.index("OSError: the loader's exchange broke\n") < text.index("(after the failure above")
+    assert node.world.codes == [1, 1, 1]
+
+
 def assert_every_rank_raised(out, p, said: str, ranks: int) -> None:
     """Every rank of scenario run `p` raised an error whose text holds `said`: read
     from each rank's own file (mpi_scenarios writes rankN.raised), since mpiexec may

@@ -1326,12 +1326,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
 def _abort_rank(node: Node, e: BaseException) -> None:
     """e ended this rank's part of the job: its traceback and the abort of every
     rank (naming this one and e), since the peers would wait for it forever.
-    A KeyboardInterrupt or SystemExit is left to end the process as it would."""
+    A KeyboardInterrupt or SystemExit is left to end the process as it would.
+    The traceback goes with abort_job's line (once a reason): the same error
+    may come here twice, from two stages (a Herald job's NaN gradients: the
+    train stage, then the writer), and its traceback was printed each time."""
     if not isinstance(e, Exception):
         return
     import traceback
-    traceback.print_exception(e)
-    node.abort(f"{type(e).__name__}: {e}", code=1)
+    node.abort(f"{type(e).__name__}: {e}", code=1, detail="".join(traceback.format_exception(e)))
 
 
 def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, eval_batches: list) -> dict:

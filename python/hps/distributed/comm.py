@@ -26,22 +26,25 @@ _abort_lock = threading.Lock()
 _aborting: Optional[str] = None
 
 
-def abort_job(world, why: str, code: int = 70) -> None:
+def abort_job(world, why: str, code: int = 70, detail: str = "") -> None:
     """Writes `why` on stderr and ends every rank of `world`'s job (MPI_Abort).
     Only the first call of the process says "aborting the job": in the moment
     before its MPI_Abort, another stage of the rank fails too (its step's
     exchanges or batches went with the first failure), and a second such line
     read as a second cause. A later call's reason is written marked as coming
-    after it (once the same reason: nothing); it ends the job as the first."""
+    after it (once the same reason: nothing); it ends the job as the first.
+    `detail` (a failure's traceback) is written just before the line, and only
+    where the line is: a stage that raised the first failure's error again
+    printed its whole traceback a second time."""
     global _aborting
     with _abort_lock:
         first = _aborting
         if first is None:
             _aborting = why
     if first is None:
-        sys.stderr.write(f"{why}; aborting the job\n")
+        sys.stderr.write(f"{detail}{why}; aborting the job\n")
     elif why != first:
-        sys.stderr.write(f"{why} (after the failure above, whose abort of the job is under way)\n")
+        sys.stderr.write(f"{detail}{why} (after the failure above, whose abort of the job is under way)\n")
     sys.stderr.flush()
     # MPI_Abort has mpiexec's proxy kill the ranks and stop forwarding their
     # output, and CI runs lost this line to that race twice; a moment lets the
@@ -255,9 +258,9 @@ class Node:
         self._watchdog = _Watchdog(self, self.config.timeout)
 
     # -- failure
-    def abort(self, why: str, code: int = 70) -> None:
-        """Says why on stderr and ends every rank of the job (MPI_Abort)."""
-        abort_job(self.world, f"hps.distributed: rank {self.rank} of {self.size}: {why}", code)
+    def abort(self, why: str, code: int = 70, detail: str = "") -> None:
+        """Says why on stderr (after `detail`: abort_job) and ends every rank of the job (MPI_Abort)."""
+        abort_job(self.world, f"hps.distributed: rank {self.rank} of {self.size}: {why}", code, detail)
 
     def guard(self, what: str):
         return self._watchdog.guard(what)

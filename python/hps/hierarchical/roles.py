@@ -538,9 +538,8 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
         # the processes that hold them.)
         import traceback
         from hps.distributed.comm import abort_job
-        traceback.print_exc()
         abort_job(world, f"hps.hierarchical: rank {roles.rank} ({_role_name(roles)}): {type(e).__name__}: {e}",
-                  code=1)
+                  code=1, detail=traceback.format_exc())
         raise  # (abort_job does not return; a fake communicator's might)
     job_comms.free()
     return result
