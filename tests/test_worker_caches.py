@@ -558,13 +558,28 @@ def test_rows_move_from_the_device_holding_them_and_replicas_from_the_keys_prima
     assert (h["peer_fetches"], h["replica_copies"], h["ps_loads"], h["cached"]) == (1, 1, 4, [2, 3])
 
 
-def test_rows_evicted_from_their_last_cache_go_to_mem_ps_counted_a_row_each(tmp_path):
+@pytest.mark.parametrize("flushed", [False, True])
+def test_rows_evicted_from_their_last_cache_go_to_mem_ps_counted_a_row_each(tmp_path, flushed):
+    """Keys 5 and 6 evicted from their last cache by batch [7, 8]: trained since
+    their last write, each is written to MEM-PS and counted in evict_pushes; flushed
+    in between (a pull), each is dropped unwritten (evict_clean_dropped). The only
+    push count in the stats is of rows written: the plan's own count ("plan_pushes",
+    the replay's model: every row a peer fetch needs and every key no cache holds
+    any more, as if each were dirty and went through the PS) counted the clean ones
+    as pushes too, beside evict_pushes."""
     batches = [np.array([[5, 6]], np.uint64), np.array([[7, 8]], np.uint64)]
-    seq = run(server(tmp_path / "s", "sequential", devices=1), batches)
-    her = run(server(tmp_path / "h", "herald", devices=1, rows=2), batches)
-    h = her.stats()["device"]["herald"]
-    assert (h["evict_pushes"], h["plan_pushes"], h["flushes"], h["cached"]) == (2, 2, 0, [2])
+    seq = run(server(tmp_path / "s", "sequential", devices=1), batches[:1])
+    her = run(server(tmp_path / "h", "herald", devices=1, rows=2), batches[:1])
     keys = np.array([5, 6, 7, 8], np.uint64)
+    if flushed:
+        her.pull(keys[:2])
+    run(seq, batches[1:])
+    run(her, batches[1:])
+    h = her.stats()["device"]["herald"]
+    written = 0 if flushed else 2
+    assert (h["evict_pushes"], h["evict_clean_dropped"], h["flushes"], h["cached"]) == \
+        (written, 2 - written, int(flushed), [2])
+    assert {k: v for k, v in h.items() if "push" in k} == {"evict_pushes": written}
     np.testing.assert_allclose(her.pull(keys), seq.pull(keys), rtol=1e-6)
 
 

@@ -162,8 +162,11 @@ struct HeraldPlan {
 
   uint64_t pulls = 0;         // fetches, from peers and the PS
   uint64_t peer_pulls = 0;    // of them, served by a peer's cache
+  // The replay's model of pushes (bench/herald_replay.py), where every row a
+  // batch trained is dirty: the scheduler does not see which rows were written
+  // since (hps.worker_caches writes the trained ones only, and counts those).
   uint64_t pushes = 0;        // rows sent to the PS, eviction pushes included
-  uint64_t evict_pushes = 0;  // of them, dirty rows evicted from their last holder
+  uint64_t evict_pushes = 0;  // of them, rows evicted from their last holder (each taken as dirty)
   uint64_t shared = 0;        // gradient rows exchanged for keys several workers train
   uint64_t distinct = 0;      // distinct keys in the batch
   uint64_t examples_moved = 0;  // examples given an origin that go to another worker

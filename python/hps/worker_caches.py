@@ -25,8 +25,10 @@ floats are summed.
 
 What moves is counted: ``stats()`` gives the rows loaded from MEM-PS, fetched
 from peers, copied to keep replicas equal, written to MEM-PS (evictions and
-flushes), and the transfer matrix of all of it (with the tier's own counts of
-gradients sent to primaries and embeddings read).
+flushes: ``evict_pushes`` and ``flushed_rows``, the only push counts), and the
+transfer matrix of all of it (with the tier's own counts of gradients sent to
+primaries and embeddings read). The plan's pulls, peer pulls and shared keys
+(``plan_*``) are what the scheduler planned, which the moves match.
 
 MEM-PS holds stale copies of cached rows: ``flush()`` writes to MEM-PS the
 cached rows trained since they were last written there (the caches keep them,
@@ -198,7 +200,7 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         self.moved_rows = np.zeros((workers, workers), np.uint64)  # whole rows copied device to device
         self.counts = {"batches": 0, "ps_loads": 0, "peer_fetches": 0, "replica_copies": 0,
                        "evict_pushes": 0, "evict_clean_dropped": 0, "flushes": 0, "flushed_rows": 0,
-                       "compactions": 0, "table_growths": 0, "plan_pulls": 0, "plan_peer_pulls": 0, "plan_pushes": 0,
+                       "compactions": 0, "table_growths": 0, "plan_pulls": 0, "plan_peer_pulls": 0,
                        "plan_shared": 0, "distinct": 0}
         self._tier_before = None  # transfer counts of the tiers replaced when the tables grew
 
@@ -433,7 +435,10 @@ class HeraldBatch(BatchBase):
         c.counts["batches"] += 1
         c.counts["plan_pulls"] += plan.pulls
         c.counts["plan_peer_pulls"] += plan.peer_pulls
-        c.counts["plan_pushes"] += plan.pushes
+        # (Not the plan's pushes: the replay's model (bench/herald_replay.py), a row a
+        # peer fetch needs and every key no cache holds any more, each as if dirty and
+        # sent to the PS. Here a peer fetch goes device to device and a clean evicted
+        # row is dropped unwritten: the rows written are evict_pushes and flushed_rows.)
         c.counts["plan_shared"] += plan.shared
         c.counts["distinct"] += plan.distinct
 
