@@ -1,6 +1,7 @@
 """The node parameter server against a plain in-memory table of the same optimizer."""
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -332,9 +333,9 @@ def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
     opened at its metadata's, the job's was dropped and the job could not resume.
     Here rank 0 finished checkpoint 2 (its metadata names it), job.json names 1 (the
     job died before naming 2); and the other way round, a reshard's switch: job.json
-    names 2, the metadata 1. A rank job.json lacks (r >= world) or a directory of
-    another name opens at its metadata's; a job.json that is no record is named, and
-    a checkpoint job.json names that the rank lacks is refused: nothing dropped."""
+    names 2, the metadata 1. A job.json that is no record is named, and a checkpoint
+    job.json names that the rank lacks is refused: nothing dropped. (A rank job.json
+    lacks, r >= world: test_a_directory_no_rank_of_its_job_is_refused_as_its_readers_refuse_it.)"""
     import json
     job = tmp_path / "job"
     rank0 = job / "rank0"
@@ -385,17 +386,6 @@ def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
     write_job(1, 2)
     opens_at(2)
 
-    # No rank of the job (its world is 1 rank): its metadata's checkpoint.
-    rank1 = job / "rank1"
-    ps = hps.ParameterServer(config(rank1))
-    ps.push(probe[:4], np.ones((4, DIM), np.float32))
-    assert ps.checkpoint() == 1
-    ps.close()
-    write_job(1, 7)
-    ps = hps.ParameterServer.open(rank1)
-    assert ps.checkpoint_number == 1
-    ps.close()
-
 
 def test_a_rank_opened_directly_keeps_the_checkpoint_job_json_names_through_its_writes(tmp_path):
     """A rank of a 2-rank job (job.json names checkpoint 1) opened directly, pushed
@@ -440,14 +430,66 @@ def test_a_rank_opened_directly_keeps_the_checkpoint_job_json_names_through_its_
     np.testing.assert_array_equal(ps.pull(probe), at_first)
     ps.close()
 
-    # Once job.json names no checkpoint of the rank (none yet, or no rank of the job), it is its own.
-    (job / "job.json").write_text(json.dumps({"world": 1, "step": 5, "checkpoint": 1}))
+    # Once job.json names no checkpoint of the rank (none yet), it is its own.
+    (job / "job.json").write_text(json.dumps({"world": 2, "step": 0, "checkpoint": None}))
     rank1 = job / "rank1"
     ps = hps.ParameterServer(config(rank1))
     ps.push(probe[:4], np.ones((4, DIM), np.float32))
     assert ps.checkpoint() == 1 and ps.checkpoint() == 2
     ps.close()
     assert os.listdir(rank1 / "checkpoints") == ["000002"]
+
+
+def test_a_directory_no_rank_of_its_job_is_refused_as_its_readers_refuse_it(tmp_path):
+    """``<job>/rank1`` once the job has 1 rank (a reshard to fewer ranks left it to
+    remove), a new ``<job>/rank2`` of it, and a rank directory beside a reshard to
+    one process's resharded-from.json: hps inspect, export and Lookup refuse each
+    (hps.jobdir), naming the directory and the job. A ParameterServer opened there
+    resumed at the directory's own checkpoint (or made a new server) and took writes
+    that nothing of the job reads, and that the next resume removes or a reshard to
+    more ranks empties. It is refused alike (FileNotFoundError naming the directory,
+    job.json and its world), at every checkpoint asked for, changing nothing; a new
+    directory is not made."""
+    import json
+    from hps.jobdir import RESHARDED_FILE, read_job
+    job = tmp_path / "job"
+    rank1 = job / "rank1"
+    probe = np.arange(50, dtype=np.uint64)
+    ps = hps.ParameterServer(config(rank1))  # (rank 1 of a job of 2 ranks)
+    ps.push(probe, np.ones((len(probe), DIM), np.float32))
+    assert ps.checkpoint(keep_previous=True) == 1
+    ps.close()
+    (job / "job.json").write_text(json.dumps({"world": 1, "step": 5, "checkpoint": 1}))
+
+    def listing():
+        return sorted(str(p.relative_to(job)) for p in job.rglob("*"))
+    before = listing()
+    no_rank = (f"{rank1} is no rank of the job at {job}, which has 1 ranks ({job / 'job.json'}): what it holds "
+               f"is what a reshard left to remove or is writing, not the job's checkpoint")
+    with pytest.raises(FileNotFoundError, match=re.escape(no_rank)):
+        read_job(str(rank1))  # (the readers' refusal)
+    for opening in (lambda: hps.ParameterServer.open(rank1), lambda: hps.ParameterServer(config(rank1)),
+                    lambda: hps.ParameterServer(config(rank1), checkpoint=1),
+                    lambda: hps.ParameterServer(config(rank1), checkpoint=None)):
+        with pytest.raises(FileNotFoundError, match=re.escape(no_rank) + r".*open the job at .*rank0 to rank0"):
+            opening()
+        assert listing() == before
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{job / 'rank2'} is no rank of the job at {job}")):
+        hps.ParameterServer(config(job / "rank2"))
+    assert listing() == before  # (rank2 not made)
+
+    (job / "job.json").rename(job / RESHARDED_FILE)  # (a reshard to one process's switch)
+    before = listing()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{rank1} was rank 1 of the job at {job} before its "
+                                                          f"reshard to one process ({job / RESHARDED_FILE})")):
+        hps.ParameterServer.open(rank1)
+    assert listing() == before
+
+    (job / RESHARDED_FILE).rename(job / "job.json")
+    (job / "job.json").write_text(json.dumps({"world": 2, "step": 5, "checkpoint": 1}))  # (a rank of it again)
+    ps = hps.ParameterServer.open(rank1)
+    assert ps.checkpoint_number == 1
+    ps.close()
 
 
 @pytest.mark.parametrize("record,named", [

@@ -420,27 +420,26 @@ def _listing(path) -> list:
 
 @contextlib.contextmanager
 def _a_server_open_on(path):
-    """A parameter server open at path (as a run of that rank holds it) while the
-    body runs; the body done, the server must not have been disturbed: its files
-    are as they were, and it checkpoints (a server whose files went from under it
-    fails there)."""
-    import hps
-    server = hps.ParameterServer.open(path)
+    """path's writer lock held while the body runs, as a parameter server open there
+    holds it; the body done, its files must be as they were. (The directories these
+    tests hold are no rank of the job when the body runs, where a ParameterServer
+    refuses to open: held since before, by a server opened while it was a rank, or
+    by another reshard.)"""
+    from hps.parameter_server import _lock_path
+    fd = _lock_path(str(path))
     try:
         listing = _listing(path)
         yield
         assert os.path.isdir(path) and _listing(path) == listing
-        server.push(np.arange(4, dtype=np.uint64), np.ones((4, server.dim), np.float32))
-        assert server.checkpoint() is not None
     finally:
-        server.close()
+        os.close(fd)
 
 
 def test_the_rank_directories_a_reshard_to_one_process_left_are_not_removed_under_a_server(tmp_path, two_ranks,
                                                                                              monkeypatch):
     """2 -> 1, the job died right after the switch (resharded-from.json written, the
-    rank directories still there), and a server is open on rank 1's (an hps train
-    or ParameterServer of it): the next one-process hps train --resume is refused,
+    rank directories still there), and a server holds rank 1's (opened before the
+    switch: _a_server_open_on): the next one-process hps train --resume is refused,
     naming the directory, and leaves it whole; once the server is closed the rank
     directories go. Removed without their locks, the server's files went from
     under it."""
@@ -529,7 +528,7 @@ def test_a_lookup_of_a_rank_directory_serves_on_when_the_directory_is_removed(tm
 def test_the_rank_directories_a_reshard_to_fewer_ranks_left_are_not_removed_under_a_server(tmp_path, two_ranks,
                                                                                              monkeypatch):
     """2 -> 1 rank under mpiexec, the job died right after job.json's switch (rank 1's
-    directory still there), and a server is open on it: the next resume (rank 0's
+    directory still there), and a server holds it (_a_server_open_on): the next resume (rank 0's
     _prepare_job) is refused, naming it, and leaves it whole; once closed, it goes."""
     from hps import reshard
     from hps.train import _prepare_job
@@ -896,9 +895,10 @@ def test_a_consumer_of_a_rank_directory_gets_every_row_across_a_reshard(tmp_path
 
 def test_a_commit_refuses_a_new_rank_whose_checkpoint_went_meanwhile(tmp_path, two_ranks):
     """2 -> 3 by the steps, rank 2's directory locked only while it is written: a
-    server that opens it after (its metadata names no checkpoint yet, so the open
-    drops every checkpoint there, the reshard's too) and closes before the commit
-    takes it leaves rank 2 without checkpoint K+1. The commit refuses to switch,
+    server that opened it after (its metadata names no checkpoint yet, so the open
+    dropped every checkpoint there, the reshard's too; now refused, rank 2 being no
+    rank of the job yet) or anything else that takes checkpoint K+1 before the
+    commit leaves rank 2 without it. The commit refuses to switch,
     naming it, and the old job stays as it was; switched, job.json named a
     checkpoint that rank 2 lacks, and the job could not resume."""
     import hps
@@ -907,9 +907,14 @@ def test_a_commit_refuses_a_new_rank_whose_checkpoint_went_meanwhile(tmp_path, t
     root = old / "job"
     before = reshard.check_source(str(root))
     done = [reshard.write_rank(str(root), 3, r) for r in range(3)]
-    hps.ParameterServer.open(root / "rank2").close()  # (the window: after rank 2's write, before the commit)
+    # The window, after rank 2's write and before the commit: a server opening rank 2
+    # (no rank of the job yet) dropped the checkpoint just written; it is refused now,
+    # but what else takes it (a crash, a hand) leaves the same.
+    with pytest.raises(FileNotFoundError, match=f"{root / 'rank2'} is no rank of the job at {root}"):
+        hps.ParameterServer.open(root / "rank2")
     gone = root / "rank2" / "checkpoints" / f"{done[0][1]:06d}"
-    assert not os.path.exists(gone)
+    assert os.path.isdir(gone)
+    shutil.rmtree(gone)
     with pytest.raises(FileNotFoundError, match=f"rank 2 of the job at {root} as resharded: {gone} is gone"):
         reshard.commit(str(root), 3, before, done[0][1])
     assert json.loads((root / "job.json").read_text())["world"] == 2
@@ -1064,23 +1069,28 @@ def test_a_rank_directory_missing_the_checkpoint_job_json_names_is_refused_and_k
     assert _listing(root / "rank0") == before
 
 
-def test_a_rank_directory_no_rank_of_the_job_opens_at_its_own_checkpoint(tmp_path, two_ranks, monkeypatch):
+def test_a_rank_directory_no_rank_of_the_job_is_refused_after_a_reshard(tmp_path, two_ranks, monkeypatch):
     """After a reshard to 1 rank, old rank 1's directory (left for removal) is no rank
-    of the job: job.json's checkpoint does not apply to it, and it opens at its own."""
+    of the job: opened, it resumed at its own checkpoint and took writes that the
+    next resume removed, while hps inspect, export and Lookup refuse it. A
+    ParameterServer opened there is refused alike, naming it and job.json, and the
+    next resume removes it."""
     import hps
     from hps import reshard
-    from hps.jobdir import read_job
+    from hps.train import _prepare_job
     old = copy_of(two_ranks, tmp_path)
     root = old / "job"
-    number = read_job(str(root)).checkpoint
     monkeypatch.setattr(reshard, "remove_old", lambda root, hold=None: None)  # (rank 1 left for removal)
     reshard_in_process(root, 1)
     monkeypatch.undo()
-    server = hps.ParameterServer.open(root / "rank1")
-    try:
-        assert server.checkpoint_number == number
-    finally:
-        server.close()
+    before = _listing(root / "rank1")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{root / 'rank1'} is no rank of the job at {root}, which "
+                                                          f"has 1 ranks ({root / 'job.json'})")):
+        hps.ParameterServer.open(root / "rank1")
+    assert _listing(root / "rank1") == before
+    number = json.loads((root / "job.json").read_text())["checkpoint"]
+    assert _prepare_job(sc.train_config(str(root)), _OneRank(), resume=True) == number
+    assert not os.path.exists(root / "rank1")
 
 
 def test_reading_a_rank_directory_after_the_switch_deletes_nothing(tmp_path, two_ranks):

@@ -237,6 +237,36 @@ def read_job_record(manifest: str) -> dict:
     return job
 
 
+def no_rank_of_its_job(root: str) -> Optional[tuple]:
+    """(why, instead) when the directory root is no rank of its job any more, else
+    None (a rank of it, or no job's rank directory at all): ``<job>/rank<r>`` with
+    r at or past job.json's world, or beside the record of a reshard to one
+    process. What it holds is what a reshard left to remove (or is writing), not
+    the job's: the readers refuse it (_rank_checkpoint), and so does a
+    ParameterServer opened there. `why` says so, naming root, the job and its
+    record (job.json and its world); `instead` names what to use ("the job at
+    ..."). Raises ValueError for a damaged job.json (read_job_record)."""
+    path = os.path.realpath(root)
+    name, parent = os.path.basename(path), os.path.dirname(path)
+    if not (name.startswith("rank") and name[4:].isdigit()):
+        return None
+    rank = int(name[4:])
+    manifest = os.path.join(parent, JOB_MANIFEST)
+    try:
+        job = read_job_record(manifest)
+    except FileNotFoundError:
+        if os.path.exists(os.path.join(parent, RESHARDED_FILE)):
+            return (f"{root} was rank {rank} of the job at {parent} before its reshard to one process "
+                    f"({os.path.join(parent, RESHARDED_FILE)}): what it holds is left for removal, not the job's "
+                    f"checkpoint", f"the parameter server at {parent}")
+        return None
+    if rank >= job["world"]:
+        return (f"{root} is no rank of the job at {parent}, which has {job['world']} ranks ({manifest}): what it "
+                f"holds is what a reshard left to remove or is writing, not the job's checkpoint",
+                f"the job at {parent}, or one of its ranks' directories (rank0 to rank{job['world'] - 1})")
+    return None
+
+
 def _rank_checkpoint(root: str, own: Optional[int]) -> Optional[int]:
     """The checkpoint to read of the parameter server at root, whose metadata names
     `own`: where root is rank r of a job (``<job>/rank<r>``, r below job.json's
@@ -244,30 +274,18 @@ def _rank_checkpoint(root: str, own: Optional[int]) -> Optional[int]:
     metadata may name another: an old rank after a reshard's switch names the
     checkpoint before it, a rank that got further than job.json one the job
     drops); else `own`. Raises FileNotFoundError for a rank directory that is no
-    rank of its job any more (r at or past job.json's world, or beside the
-    record of a reshard to one process): what it holds is what a reshard left to
-    remove (or is writing), not the job's, and was read silently as if it were."""
+    rank of its job any more (no_rank_of_its_job), which was read silently as if
+    it were the job's."""
+    refused = no_rank_of_its_job(root)
+    if refused is not None:
+        why, instead = refused
+        raise FileNotFoundError(f"{why}; read {instead}")
     path = os.path.realpath(root)
     name, parent = os.path.basename(path), os.path.dirname(path)
-    if not (name.startswith("rank") and name[4:].isdigit()):
-        return own
-    rank = int(name[4:])
     manifest = os.path.join(parent, JOB_MANIFEST)
-    try:
-        job = read_job_record(manifest)
-    except FileNotFoundError:
-        if os.path.exists(os.path.join(parent, RESHARDED_FILE)):
-            raise FileNotFoundError(
-                f"{root} was rank {rank} of the job at {parent} before its reshard to one process "
-                f"({os.path.join(parent, RESHARDED_FILE)}): what it holds is left for removal, not the job's "
-                f"checkpoint; read the parameter server at {parent}") from None
+    if not (name.startswith("rank") and name[4:].isdigit()) or not os.path.exists(manifest):
         return own
-    if rank >= job["world"]:
-        raise FileNotFoundError(
-            f"{root} is no rank of the job at {parent}, which has {job['world']} ranks ({manifest}): what it "
-            f"holds is what a reshard left to remove or is writing, not the job's checkpoint; read the job at "
-            f"{parent}, or one of its ranks' directories (rank0 to rank{job['world'] - 1})")
-    return job["checkpoint"]
+    return read_job_record(manifest)["checkpoint"]
 
 
 def read_job(root: str) -> Job:

@@ -49,7 +49,9 @@ last checkpoint opens at the one job.json names, as the job's own resume does:
 its metadata may name another (a reshard's switch leaves an old rank's at K where
 job.json names K+1; a crash between the rank's checkpoint and job.json's rewrite
 leaves it at K+1 where job.json names K), and opened there the job's checkpoint
-went.
+went. A directory that is no rank of its job any more (r at or past job.json's
+world, or beside a reshard to one process's resharded-from.json: what a reshard
+left to remove, or is writing) is refused, as hps.jobdir's readers refuse it.
 """
 from __future__ import annotations
 
@@ -466,6 +468,21 @@ def _job_checkpoint(path: str) -> Optional[tuple]:
     if int(name[4:]) >= job["world"] or job["checkpoint"] is None:
         return None
     return manifest, job["checkpoint"]
+
+
+def _refuse_no_rank_of_its_job(path: str) -> None:
+    """Raises FileNotFoundError (naming the directory, job.json and its world) where
+    path is a rank directory of a job that is no rank of it any more (past
+    job.json's world, or beside a reshard to one process's record:
+    hps.jobdir.no_rank_of_its_job), as the readers refuse it. Opened, it resumed
+    at its own checkpoint and took writes that nothing of the job reads, and that
+    the next resume removes (or a reshard to more ranks empties)."""
+    from hps.jobdir import no_rank_of_its_job  # (hps.jobdir reads on top of this module)
+    refused = no_rank_of_its_job(path)
+    if refused is not None:
+        why, instead = refused
+        raise FileNotFoundError(f"{why}; nothing was opened there: open {instead} (to keep what it holds, copy the "
+                                f"directory elsewhere and open the copy)")
 
 
 def _remove_tree(path: str) -> None:
@@ -924,6 +941,8 @@ class ParameterServer:
         self._native_opt = native_optimizer(config.dim, config.optimizer, config.initializer, config.seed)
         self.row_floats = self._native_opt.row_floats
         row_bytes = 4 * self.row_floats
+        if not os.path.isdir(config.path):
+            _refuse_no_rank_of_its_job(config.path)  # (before anything is made there; again under its lock)
         os.makedirs(config.path, exist_ok=True)
         # Released by close(), or when the server is collected without it.
         self._release_path = weakref.finalize(self, os.close, _lock_path(config.path))
@@ -935,6 +954,9 @@ class ParameterServer:
 
     def _open(self, config: ParameterServerConfig, partitioner, checkpoint, row_bytes: int,
               before_restore) -> None:
+        # Under the path's lock: a reshard holds its directories while it switches
+        # the job's world (a held one is refused above, naming the reshard).
+        _refuse_no_rank_of_its_job(config.path)
         meta = self._check_path()
         if before_restore is not None:
             before_restore(meta)
