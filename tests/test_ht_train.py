@@ -516,6 +516,42 @@ def test_a_hierarchical_resume_on_a_damaged_job_json_names_the_file_and_field(tm
 
 
 @needs_mpi
+@pytest.mark.parametrize("record,named", [
+    ("[2, 1]", "not a job record (a JSON list, not an object)"),
+    ('{"world": "one", "checkpoint": 1}', "field 'world' must be a number of ranks >= 1, got 'one'"),
+])
+def test_hps_train_resumes_a_hierarchical_job_on_a_damaged_job_json_exiting_2(tmp_path, record, named):
+    """mpiexec hps train --resume with [hierarchical] on a damaged job.json: every
+    rank read it, raised, and ended the job through abort_job (exit 1, "aborting the
+    job"), where every other hps train --resume exits 2 naming the file and the
+    field. The ranks now agree on the refusal (an allgather before anything else of
+    the job) and raise it on every rank: exit 2, the same message, the job's files as
+    they were, no abort."""
+    job = tmp_path / "run"
+    (job / "rank0").mkdir(parents=True)
+    (job / "rank0" / "marker").write_text("the rank's files")
+    (job / "job.json").write_text(record)
+    before = {str(p.relative_to(job)): p.read_bytes() for p in sorted(job.rglob("*")) if p.is_file()}
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text(f'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{job}"\nmem_budget = "1MiB"\n'
+                   '[data]\nbatch_size = 128\ntrain_examples = 512\neval_examples = 128\n'
+                   '[hierarchical]\ngroup_ps = 1\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    p = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
+                          "--no-progress", "--resume"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    try:
+        _, err = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        p.terminate()  # (mpiexec ends its ranks on SIGTERM)
+        pytest.fail(f"the job hung: {p.communicate()[1][-3000:]}")
+    assert p.returncode == 2, err[-3000:]
+    assert f"{job / 'job.json'}: {named}" in err, err[-3000:]
+    assert "aborting the job" not in err, err[-3000:]
+    assert {str(p.relative_to(job)): p.read_bytes() for p in sorted(job.rglob("*")) if p.is_file()} == before
+
+
+@needs_mpi
 def test_a_trainer_that_stops_reducing_gradients_ends_the_job_naming_the_all_reduce(tmp_path):
     # One group of two trainers, no group PS; trainer 1 hangs instead of all-reducing
     # the trainer-held gradients: the blocking all-reduce left trainer 0 waiting for

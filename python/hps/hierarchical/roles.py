@@ -521,10 +521,10 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
     cfg.check()
     world = comm if comm is not None else MPI.COMM_WORLD
     roles = Roles.layout(world.Get_size(), world.Get_rank(), cfg)
+    if resume:  # (before the try: refused alike on every rank, nothing of the job is left waiting)
+        _agree_resumable(world, train_cfg, roles)
     job_comms = _JobComms()
     try:
-        if resume:
-            _check_resumable(train_cfg, roles)
         result = _run_role(world, roles, job_comms, train_cfg, cfg, resume=resume, progress=progress,
                            train_batches=train_batches, eval_batches=eval_batches, return_mlp=return_mlp)
     except Exception as e:  # noqa: BLE001 - the job's other ranks would wait for this one for ever
@@ -578,6 +578,31 @@ def _role_name(roles: Roles) -> str:
     if roles.role == "centre":
         return "the EASGD centre"
     return f"{'trainer' if roles.role == 'trainer' else 'group PS'} {roles.index} of group {roles.group}"
+
+
+def _agree_resumable(world, train_cfg, roles: Roles) -> None:
+    """_check_resumable on every rank, then the ranks' verdicts exchanged: if it
+    failed on any rank, every rank raises ValueError naming the ranks and the
+    error (hps train exits 2, as on every other --resume refusal: a damaged
+    job.json named with the file and the field), before anything of the job is
+    made or touched. Raised on one rank only, the others would wait for it in the
+    job's first exchanges: so it went through abort_job (exit 1, "aborting the
+    job") like a failure inside the job."""
+    if world.Get_size() == 1:
+        _check_resumable(train_cfg, roles)
+        return
+    error = None
+    try:
+        _check_resumable(train_cfg, roles)
+    except Exception as e:  # noqa: BLE001 - the peers wait for this rank's word
+        error = f"{type(e).__name__}: {e}"
+    ranks: dict = {}
+    for r, e in enumerate(world.allgather(error)):
+        if e is not None:
+            ranks.setdefault(e, []).append(r)
+    if ranks:  # (every rank reads the same job.json: one error, said once)
+        raise ValueError("; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}"
+                                   for e, rs in ranks.items()))
 
 
 def _check_resumable(train_cfg, roles: Roles) -> None:
