@@ -255,6 +255,7 @@ class DeviceTier {
   // order, and clears them all (the caller writes those rows below, or sets
   // them again if it could not). A row that stayed in a table after its cache
   // dropped the key (stale) keeps its bit: the caller knows which copies are live.
+  // It costs the most bits held since the last take or Clear, never the tables' rows.
   virtual void TakeTrained(std::vector<uint64_t>* keys, std::vector<int32_t>* owners) = 0;
 
   virtual TransferMatrix transfers() const = 0;

@@ -20,40 +20,98 @@ namespace hps {
 namespace {
 
 // One device's trained bits (DeviceTier::Trained): the keys whose rows have
-// the bit set, as a set that is added to and removed from in O(1) and read
-// out whole in O(its size), never in the table's (the index points into the
-// list; a removal moves the last key into the hole).
+// the bit set, in an open-addressing set of the keys alone (linear probing on
+// Mix64; kEmptyKey, which CheckKeys refuses as a key, marks a free slot). The
+// sets hold every row trained since the last flush, megabytes the CPU's
+// caches miss, and a batch asks them about each row it steps and copies, so
+// a probe reads one cache line and the loops over many keys prefetch a few
+// keys ahead (a KeyIndex with a list of its keys beside it read two lines a
+// probe, one after the other, and cost Herald's batches milliseconds). A
+// removal shifts the rest of its probe run back into the hole (no
+// tombstones). The keys are read out by a pass over the slots, which Clear
+// sizes for the keys it cleared: a take costs about the most keys held since
+// the last one, never the table's rows.
 class TrainedRows {
  public:
-  bool Has(uint64_t key) const { return index_.Find(key) != detail::KeyIndex::kNone; }
-  void Set(uint64_t key) {
-    if (index_.Find(key) == detail::KeyIndex::kNone) {
-      index_.Upsert(key, static_cast<uint32_t>(keys_.size()));
-      keys_.push_back(key);
+  bool Has(uint64_t key) const {
+    if (size_ == 0) return false;
+    for (uint64_t i = Home(key);; i = (i + 1) & mask_) {
+      if (slots_[i] == key) return true;
+      if (slots_[i] == kEmptyKey) return false;
     }
+  }
+  // Asks for the cache line where key's probe starts, so that a call a few
+  // keys later does not wait for it.
+  void Prefetch(uint64_t key) const {
+    if (mask_ != 0) __builtin_prefetch(&slots_[Home(key)]);
+  }
+  void Set(uint64_t key) {
+    if ((size_ + 1) * 10 > Capacity() * 7) Grow();
+    uint64_t i = Home(key);
+    for (; slots_[i] != kEmptyKey; i = (i + 1) & mask_) {
+      if (slots_[i] == key) return;
+    }
+    slots_[i] = key;
+    ++size_;
   }
   void Unset(uint64_t key) {
-    const uint32_t at = index_.Erase(key);
-    if (at == detail::KeyIndex::kNone) return;
-    const uint64_t last = keys_.back();
-    keys_.pop_back();
-    if (at < keys_.size()) {
-      keys_[at] = last;
-      index_.Upsert(last, at);
+    if (size_ == 0) return;
+    uint64_t hole = Home(key);
+    for (; slots_[hole] != key; hole = (hole + 1) & mask_) {
+      if (slots_[hole] == kEmptyKey) return;
     }
+    for (uint64_t j = (hole + 1) & mask_; slots_[j] != kEmptyKey; j = (j + 1) & mask_) {
+      // A key may fill the hole unless its home lies in (hole, j]: a probe
+      // for it would then stop at the hole.
+      const uint64_t home = Home(slots_[j]);
+      const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+      if (stays) continue;
+      slots_[hole] = slots_[j];
+      hole = j;
+    }
+    slots_[hole] = kEmptyKey;
+    --size_;
   }
   void Put(uint64_t key, bool trained) { trained ? Set(key) : Unset(key); }
-  uint64_t size() const { return keys_.size(); }
-  const std::vector<uint64_t>& keys() const { return keys_; }
+  uint64_t size() const { return size_; }
+  // Appends every key in the set to keys, in no fixed order.
+  void AppendTo(std::vector<uint64_t>* keys) const {
+    for (uint64_t i = 0; i < Capacity() && size_ != 0; ++i) {
+      if (slots_[i] != kEmptyKey) keys->push_back(slots_[i]);
+    }
+  }
+  // Empties the set, its slots sized for as many keys as it held (the next
+  // interval sets about as many again, with no regrowth on the way).
   void Clear() {
-    if (keys_.empty()) return;
-    keys_.clear();
-    index_ = detail::KeyIndex();
+    if (size_ == 0) return;
+    uint64_t capacity = kMinCapacity;
+    while (size_ * 10 > capacity * 5) capacity *= 2;  // load <= 0.5 at the same size
+    slots_.assign(capacity, kEmptyKey);
+    mask_ = capacity - 1;
+    size_ = 0;
   }
 
  private:
-  detail::KeyIndex index_;  // key -> its place in keys_
-  std::vector<uint64_t> keys_;
+  static constexpr uint64_t kMinCapacity = 16;
+
+  uint64_t Capacity() const { return slots_.size(); }
+  uint64_t Home(uint64_t key) const { return detail::Mix64(key) & mask_; }
+  void Grow() {
+    std::vector<uint64_t> old = std::move(slots_);
+    const uint64_t capacity = old.empty() ? kMinCapacity : 2 * old.size();
+    slots_.assign(capacity, kEmptyKey);
+    mask_ = capacity - 1;
+    for (uint64_t key : old) {
+      if (key == kEmptyKey) continue;
+      uint64_t i = Home(key);
+      while (slots_[i] != kEmptyKey) i = (i + 1) & mask_;
+      slots_[i] = key;
+    }
+  }
+
+  std::vector<uint64_t> slots_;  // a power of two of them, or none
+  uint64_t mask_ = 0;            // slots_.size() - 1 once there are slots
+  uint64_t size_ = 0;
 };
 
 class Tier final : public DeviceTier {
@@ -324,6 +382,10 @@ class Tier final : public DeviceTier {
     // positions were checked above, and host rows have no bits.)
     if (trained_.empty() || host_rows_) return;
     for (uint64_t i = 0; i < n; ++i) {
+      if (i + kTrainedAhead < n) {
+        PrefetchTrained(static_cast<uint64_t>(from[i + kTrainedAhead]));
+        PrefetchTrained(static_cast<uint64_t>(to[i + kTrainedAhead]));
+      }
       const auto f = static_cast<uint64_t>(from[i]), t = static_cast<uint64_t>(to[i]);
       const bool trained = trained_[static_cast<size_t>(BoundOwner(f))].Has(bound_keys_[f]);
       trained_[static_cast<size_t>(BoundOwner(t))].Put(bound_keys_[t], trained);
@@ -371,7 +433,9 @@ class Tier final : public DeviceTier {
     const Parts parts = Partition(keys, n, owners, nullptr, 0);
     for (int32_t d = 0; d < o_.devices; ++d) {
       const TrainedRows& bits = trained_[static_cast<size_t>(d)];
-      for (uint64_t j = 0; j < parts.size[static_cast<size_t>(d)]; ++j) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      for (uint64_t j = 0; j < size; ++j) {
+        if (j + kTrainedAhead < size) bits.Prefetch(parts.keys[d][j + kTrainedAhead]);
         trained[parts.Index(d, j)] = bits.Has(parts.keys[d][j]) ? 1 : 0;
       }
     }
@@ -388,7 +452,10 @@ class Tier final : public DeviceTier {
       if (size == 0) continue;
       TrainedRows& bits = trained_[static_cast<size_t>(d)];
       if (!trained) {
-        for (uint64_t j = 0; j < size; ++j) bits.Unset(parts.keys[d][j]);
+        for (uint64_t j = 0; j < size; ++j) {
+          if (j + kTrainedAhead < size) bits.Prefetch(parts.keys[d][j + kTrainedAhead]);
+          bits.Unset(parts.keys[d][j]);
+        }
         continue;
       }
       // Only rows the table holds: a bit without a row would be taken later
@@ -403,6 +470,7 @@ class Tier final : public DeviceTier {
         rows_[d]->find_columns(parts.keys[d], size, 1, scratch.data(), found.data());
       }
       for (uint64_t j = 0; j < size; ++j) {
+        if (j + kTrainedAhead < size) bits.Prefetch(parts.keys[d][j + kTrainedAhead]);
         if (found[j]) bits.Set(parts.keys[d][j]);
       }
     }
@@ -417,8 +485,8 @@ class Tier final : public DeviceTier {
     keys->reserve(total);
     owners->reserve(total);
     for (int32_t d = 0; d < o_.devices; ++d) {
-      const std::vector<uint64_t>& set = trained_[static_cast<size_t>(d)].keys();
-      keys->insert(keys->end(), set.begin(), set.end());
+      const TrainedRows& set = trained_[static_cast<size_t>(d)];
+      set.AppendTo(keys);
       owners->insert(owners->end(), set.size(), d);
     }
     for (TrainedRows& t : trained_) t.Clear();
@@ -640,8 +708,10 @@ class Tier final : public DeviceTier {
       updated.reserve(stepped.size());
       for (int64_t p : stepped) updated.push_back(bound_keys_[static_cast<uint64_t>(p)]);
       if (!trained_.empty() && !host_rows_) {
-        for (int64_t p : stepped) {
-          trained_[static_cast<size_t>(BoundOwner(static_cast<uint64_t>(p)))].Set(bound_keys_[static_cast<uint64_t>(p)]);
+        for (size_t i = 0; i < stepped.size(); ++i) {
+          if (i + kTrainedAhead < stepped.size()) PrefetchTrained(static_cast<uint64_t>(stepped[i + kTrainedAhead]));
+          const auto p = static_cast<uint64_t>(stepped[i]);
+          trained_[static_cast<size_t>(BoundOwner(p))].Set(bound_keys_[p]);
         }
       }
       if (positions) positions->insert(positions->end(), stepped.begin(), stepped.end());
@@ -659,7 +729,11 @@ class Tier final : public DeviceTier {
       updated.resize(at + grads_[d]->export_rows(updated.data() + at, grads.data(), n));
       grads_[d]->clear();
       if (!trained_.empty()) {
-        for (size_t j = at; j < updated.size(); ++j) trained_[static_cast<size_t>(d)].Set(updated[j]);
+        TrainedRows& bits = trained_[static_cast<size_t>(d)];
+        for (size_t j = at; j < updated.size(); ++j) {
+          if (j + kTrainedAhead < updated.size()) bits.Prefetch(updated[j + kTrainedAhead]);
+          bits.Set(updated[j]);
+        }
       }
     }
     if (positions && updated.size() > by_key) {
@@ -811,11 +885,20 @@ class Tier final : public DeviceTier {
     }
   }
 
+  // How many keys ahead the loops over trained bits ask for the lines their
+  // probes will read (TrainedRows::Prefetch): the misses overlap.
+  static constexpr uint64_t kTrainedAhead = 16;
+
+  void PrefetchTrained(uint64_t position) const {
+    trained_[static_cast<size_t>(BoundOwner(position))].Prefetch(bound_keys_[position]);
+  }
+
   // Clears the bits of device d's rows that a load just wrote (written[j]: keys[j]'s row).
   void ClearWritten(int32_t d, const uint64_t* keys, uint64_t n, const std::vector<uint8_t>& written) {
     TrainedRows& bits = trained_[static_cast<size_t>(d)];
     if (bits.size() == 0) return;
     for (uint64_t j = 0; j < n; ++j) {
+      if (j + kTrainedAhead < n && written[j + kTrainedAhead]) bits.Prefetch(keys[j + kTrainedAhead]);
       if (written[j]) bits.Unset(keys[j]);
     }
   }

@@ -8,6 +8,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
+#include <set>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -495,6 +497,57 @@ TEST(DeviceTier, TrainedBitsAreSetBySteppedAndCopiedRowsAndClearedByLoadsAndTake
     tier->Clear();
     tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
     EXPECT_EQ(Taken(*tier), Pairs{});  // Clear took every bit with the rows
+  }
+}
+
+// Many bits set and cleared in every order (the sets grow, shift probe runs
+// back into the holes a clear leaves, and are emptied by takes and Clear):
+// each call reads as a plain set of (key, device) would.
+TEST(DeviceTier, TrainedBitsOfManyRowsReadAsASetOfThem) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const int32_t width = opt.row_floats();
+  DeviceTierOptions o{2, 8192, opt, false, 1, nullptr, {}};
+  o.track_trained = true;
+  auto tier = DeviceTier::New(o);
+  std::mt19937_64 random(7);
+  std::vector<uint64_t> keys;
+  for (uint64_t k = 1; k <= 1500; ++k) keys.push_back(k);  // neighbours, and keys anywhere
+  for (int i = 0; i < 1500; ++i) keys.push_back(random() >> 1);
+  std::vector<int32_t> owners(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) owners[i] = static_cast<int32_t>(random() % 2);
+  std::vector<float> rows(keys.size() * static_cast<size_t>(width));
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+  std::set<std::pair<uint64_t, int32_t>> model;
+  for (int round = 0; round < 40; ++round) {
+    SCOPED_TRACE(round);
+    std::vector<uint64_t> some;
+    std::vector<int32_t> on;
+    const bool trained = random() % 3 != 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (random() % 4 != 0) continue;
+      some.push_back(keys[i]);
+      on.push_back(owners[i]);
+      if (trained) {
+        model.emplace(keys[i], owners[i]);
+      } else {
+        model.erase({keys[i], owners[i]});
+      }
+    }
+    tier->SetTrained(some.data(), some.size(), on.data(), trained);
+    std::vector<uint8_t> want(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) want[i] = model.count({keys[i], owners[i]}) ? 1 : 0;
+    ASSERT_EQ(TrainedOf(*tier, keys, owners), want);
+    if (round % 10 == 9) {
+      const auto taken = Taken(*tier);
+      ASSERT_EQ(taken, (std::vector<std::pair<uint64_t, int32_t>>(model.begin(), model.end())));
+      model.clear();
+    }
+    if (round == 24) {
+      tier->Clear();
+      tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+      model.clear();
+    }
   }
 }
 
