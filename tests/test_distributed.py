@@ -862,6 +862,22 @@ def assert_aborted_once(p, rank: int) -> None:
     assert len(said) == 1, p.stderr[-3000:]
 
 
+class _WorldWhoseFirstAbortWaits:
+    """A communicator whose Abort returns (the real one ends the process), and
+    waits in the thread `first` until `ended` is set: the first abort still under
+    way while the others come."""
+
+    def __init__(self):
+        import threading
+        self.codes, self.ended, self.first = [], threading.Event(), None
+
+    def Abort(self, code):  # noqa: N802 (mpi4py's name)
+        import threading
+        self.codes.append(code)
+        if threading.current_thread() is self.first:
+            self.ended.wait(30)
+
+
 def test_a_ranks_second_failure_during_its_abort_is_said_as_coming_after_the_first(monkeypatch):
     """Two stages of a rank fail, the second in the moment before the first's
     MPI_Abort ends the process (its exchanges or batches went with the first): each
@@ -884,18 +900,10 @@ def test_a_ranks_second_failure_during_its_abort_is_said_as_coming_after_the_fir
             self.said.set()
             return n
 
-    class World:
-        def __init__(self):
-            self.codes, self.ended = [], threading.Event()
-
-        def Abort(self, code):  # noqa: N802 (mpi4py's name)
-            self.codes.append(code)
-            if threading.current_thread() is first:
-                self.ended.wait(30)  # the first abort still under way while the others come
-
-    err, world = Stderr(), World()
+    err, world = Stderr(), _WorldWhoseFirstAbortWaits()
     monkeypatch.setattr(sys, "stderr", err)
     first = threading.Thread(target=abort_job, args=(world, "rank 1 of 2: RuntimeError: step 3 failed", 1))
+    world.first = first
     first.start()
     try:
         assert err.said.wait(30)
@@ -925,15 +933,6 @@ def test_a_ranks_traceback_is_printed_once_with_the_line_that_says_its_failure(m
     from hps.distributed.comm import Node
     from hps.train import _abort_rank
 
-    class World:
-        def __init__(self):
-            self.codes, self.ended = [], threading.Event()
-
-        def Abort(self, code):  # noqa: N802 (mpi4py's name)
-            self.codes.append(code)
-            if threading.current_thread() is first:
-                self.ended.wait(30)  # the first abort still under way while the others come
-
     class OneRank:
         rank, size, abort = 1, 2, Node.abort
 
@@ -944,11 +943,11 @@ def test_a_ranks_traceback_is_printed_once_with_the_line_that_says_its_failure(m
             return e
 
     node = OneRank()
-    node.world = World()
+    node.world = _WorldWhoseFirstAbortWaits()
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     step, loader = raised(RuntimeError("step 3 failed")), raised(OSError("the loader's exchange broke"))
-    first = threading.Thread(target=_abort_rank, args=(node, step))
+    node.world.first = first = threading.Thread(target=_abort_rank, args=(node, step))
     first.start()
     try:
         deadline = time.monotonic() + 30

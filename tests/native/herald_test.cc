@@ -416,6 +416,18 @@ TEST(Herald, SnapshotMemoryStaysBoundedByTheCaches) {
   EXPECT_LT(most, (keys + 256 * 4) * 4 * 100 / 55 + (keys * 125 / 100 + 64) * 9 * 110 / 100 + 2 * 300 * 8);
 }
 
+// A batch of `examples` examples of 8 keys, key j of an example from field
+// j: r * r / range * 8 + j for r uniform below range, so low r (hot keys) come
+// most often.
+std::vector<uint64_t> SkewedBatch(std::mt19937_64& rng, uint64_t examples, uint64_t range) {
+  std::vector<uint64_t> keys(examples * 8);
+  for (uint64_t j = 0; j < keys.size(); ++j) {
+    const uint64_t r = rng() % range;
+    keys[j] = r * r / range * 8 + j % 8;
+  }
+  return keys;
+}
+
 // Full caches that evict every batch: the slots that the evictions erase
 // (tombstones, until the index is rebuilt) must fit below the index's load
 // limit of 0.8 beside the live keys and a batch's. An index sized for those
@@ -431,11 +443,7 @@ TEST(Herald, TheIndexKeepsRoomForTheErasesBetweenRebuilds) {
   hps::Herald h({.workers = W, .capacity = 550});
   std::mt19937_64 rng(7);
   for (int b = 0; b < 40; ++b) {
-    std::vector<uint64_t> keys(256 * 8);
-    for (uint64_t j = 0; j < keys.size(); ++j) {
-      const uint64_t r = rng() % 20000;
-      keys[j] = r * r / 20000 * 8 + j % 8;  // skewed to low r: hot keys
-    }
+    const std::vector<uint64_t> keys = SkewedBatch(rng, 256, 20000);
     const hps::HeraldPlan p = h.Schedule(keys.data(), 256, 8);
     if (b < 10) continue;  // the caches fill
     std::set<uint64_t> live;
@@ -456,11 +464,7 @@ double BytesPerCachedKey(int32_t workers) {
   hps::Herald h({.workers = workers, .capacity = 3000});
   std::mt19937_64 rng(5);
   for (int b = 0; b < 40; ++b) {
-    std::vector<uint64_t> keys(1024 * 8);
-    for (uint64_t j = 0; j < keys.size(); ++j) {
-      const uint64_t r = rng() % 100000;
-      keys[j] = r * r / 100000 * 8 + j % 8;  // skewed to low r: hot keys
-    }
+    const std::vector<uint64_t> keys = SkewedBatch(rng, 1024, 100000);
     h.Schedule(keys.data(), 1024, 8);
   }
   uint64_t cached = 0;
