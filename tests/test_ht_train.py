@@ -321,31 +321,30 @@ def test_a_rank_that_fails_ends_the_job_naming_why(tmp_path):
     cfg.write_text(f'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{tmp_path / "run"}"\n'
                    'mem_budget = "1MiB"\n[data]\nbatch_size = 128\ntrain_examples = 512\neval_examples = 128\n'
                    '[hierarchical]\ngroup_ps = 1\nplacement = ["ps:vertical"]\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    p = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
-                          "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        _, err = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        p.terminate()  # (mpiexec ends its ranks on SIGTERM)
-        pytest.fail(f"the job hung after its trainer failed: {p.communicate()[1][-3000:]}")
-    assert p.returncode != 0
+    rc, err = _mpiexec_until_it_ends(2, ["-m", "hps.cli", "train", "--config", str(cfg), "--no-progress"], 60)
+    assert rc != 0
     assert ("hps.hierarchical: rank 0 (trainer 0 of group 0): ValueError: [hierarchical] placement names 1 Linear "
             "layers, the MLP has 2; aborting the job") in err, err[-3000:]
 
 
-def _run_until_it_ends(tmp_path, n, *args, limit: float = 90) -> str:
-    """The ht_train scenario on n ranks, which must fail; returns its stderr. A job
-    still running after `limit` seconds is ended and the test fails: it hung."""
+def _mpiexec_until_it_ends(n: int, python_args: list, limit: float) -> tuple[int, str]:
+    """`mpiexec -n n python *python_args`: its exit code and stderr. A job still
+    running after `limit` seconds is ended and the test fails: it hung."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    p = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, SCRIPT, "ht_train", str(tmp_path),
-                          *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, *python_args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
     try:
         _, err = p.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         p.terminate()  # (mpiexec ends its ranks on SIGTERM)
         pytest.fail(f"the job hung: {p.communicate()[1][-3000:]}")
-    assert p.returncode != 0, err[-3000:]
+    return p.returncode, err
+
+
+def _run_until_it_ends(tmp_path, n, *args, limit: float = 90) -> str:
+    """The ht_train scenario on n ranks, which must fail; returns its stderr."""
+    rc, err = _mpiexec_until_it_ends(n, [SCRIPT, "ht_train", str(tmp_path), *map(str, args)], limit)
+    assert rc != 0, err[-3000:]
     return err
 
 
@@ -536,16 +535,9 @@ def test_hps_train_resumes_a_hierarchical_job_on_a_damaged_job_json_exiting_2(tm
     cfg.write_text(f'hidden = [16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{job}"\nmem_budget = "1MiB"\n'
                    '[data]\nbatch_size = 128\ntrain_examples = 512\neval_examples = 128\n'
                    '[hierarchical]\ngroup_ps = 1\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    p = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "hps.cli", "train", "--config", str(cfg),
-                          "--no-progress", "--resume"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env)
-    try:
-        _, err = p.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        p.terminate()  # (mpiexec ends its ranks on SIGTERM)
-        pytest.fail(f"the job hung: {p.communicate()[1][-3000:]}")
-    assert p.returncode == 2, err[-3000:]
+    rc, err = _mpiexec_until_it_ends(2, ["-m", "hps.cli", "train", "--config", str(cfg), "--no-progress", "--resume"],
+                                     90)
+    assert rc == 2, err[-3000:]
     assert f"{job / 'job.json'}: {named}" in err, err[-3000:]
     assert "aborting the job" not in err, err[-3000:]
     assert {str(p.relative_to(job)): p.read_bytes() for p in sorted(job.rglob("*")) if p.is_file()} == before
