@@ -237,24 +237,26 @@ def read_job_record(manifest: str) -> dict:
     return job
 
 
-def no_rank_of_its_job(root: str) -> Optional[tuple]:
-    """(why, instead) when the directory root is no rank of its job any more, else
-    None (a rank of it, or no job's rank directory at all): ``<job>/rank<r>`` with
-    r at or past job.json's world, or beside the record of a reshard to one
-    process. What it holds is what a reshard left to remove (or is writing), not
-    the job's: the readers refuse it (_rank_checkpoint), and so does a
-    ParameterServer opened there. `why` says so, naming root, the job and its
-    record (job.json and its world); `instead` names what to use ("the job at
-    ..."). Raises ValueError for a damaged job.json (read_job_record)."""
+def rank_and_job(root: str) -> Optional[tuple]:
+    """(r, the job's directory, its job.json's path, the record it holds or None
+    where there is none) where the directory root is named ``rank<r>``, else None:
+    the one reading of a rank directory's job (its readers, a ParameterServer
+    opened there). Raises ValueError for a damaged job.json (read_job_record)."""
     path = os.path.realpath(root)
     name, parent = os.path.basename(path), os.path.dirname(path)
     if not (name.startswith("rank") and name[4:].isdigit()):
         return None
-    rank = int(name[4:])
     manifest = os.path.join(parent, JOB_MANIFEST)
     try:
         job = read_job_record(manifest)
     except FileNotFoundError:
+        job = None
+    return int(name[4:]), parent, manifest, job
+
+
+def _refusal(root: str, rank: int, parent: str, manifest: str, job: Optional[dict]) -> Optional[tuple]:
+    """no_rank_of_its_job's answer for rank_and_job(root)'s reading."""
+    if job is None:
         if os.path.exists(os.path.join(parent, RESHARDED_FILE)):
             return (f"{root} was rank {rank} of the job at {parent} before its reshard to one process "
                     f"({os.path.join(parent, RESHARDED_FILE)}): what it holds is left for removal, not the job's "
@@ -267,6 +269,19 @@ def no_rank_of_its_job(root: str) -> Optional[tuple]:
     return None
 
 
+def no_rank_of_its_job(root: str) -> Optional[tuple]:
+    """(why, instead) when the directory root is no rank of its job any more, else
+    None (a rank of it, or no job's rank directory at all): ``<job>/rank<r>`` with
+    r at or past job.json's world, or beside the record of a reshard to one
+    process. What it holds is what a reshard left to remove (or is writing), not
+    the job's: the readers refuse it (_rank_checkpoint), and so does a
+    ParameterServer opened there. `why` says so, naming root, the job and its
+    record (job.json and its world); `instead` names what to use ("the job at
+    ..."). Raises ValueError for a damaged job.json (read_job_record)."""
+    found = rank_and_job(root)
+    return None if found is None else _refusal(root, *found)
+
+
 def _rank_checkpoint(root: str, own: Optional[int]) -> Optional[int]:
     """The checkpoint to read of the parameter server at root, whose metadata names
     `own`: where root is rank r of a job (``<job>/rank<r>``, r below job.json's
@@ -276,16 +291,15 @@ def _rank_checkpoint(root: str, own: Optional[int]) -> Optional[int]:
     drops); else `own`. Raises FileNotFoundError for a rank directory that is no
     rank of its job any more (no_rank_of_its_job), which was read silently as if
     it were the job's."""
-    refused = no_rank_of_its_job(root)
+    found = rank_and_job(root)
+    if found is None:
+        return own
+    refused = _refusal(root, *found)
     if refused is not None:
         why, instead = refused
         raise FileNotFoundError(f"{why}; read {instead}")
-    path = os.path.realpath(root)
-    name, parent = os.path.basename(path), os.path.dirname(path)
-    manifest = os.path.join(parent, JOB_MANIFEST)
-    if not (name.startswith("rank") and name[4:].isdigit()) or not os.path.exists(manifest):
-        return own
-    return read_job_record(manifest)["checkpoint"]
+    job = found[3]
+    return own if job is None else job["checkpoint"]
 
 
 def read_job(root: str) -> Job:

@@ -455,17 +455,12 @@ def _job_checkpoint(path: str) -> Optional[tuple]:
     Raises ValueError (hps.jobdir.read_job_record's, naming the file and field) for
     a job.json that is no job record: which checkpoint the rank must keep is
     unknown then."""
-    from hps.jobdir import read_job_record  # (hps.jobdir reads on top of this module)
-    path = os.path.realpath(path)
-    name = os.path.basename(path)
-    if not (name.startswith("rank") and name[4:].isdigit()):
+    from hps.jobdir import rank_and_job  # (hps.jobdir reads on top of this module)
+    found = rank_and_job(path)
+    if found is None:
         return None
-    manifest = os.path.join(os.path.dirname(path), JOB_MANIFEST)
-    try:
-        job = read_job_record(manifest)
-    except FileNotFoundError:
-        return None
-    if int(name[4:]) >= job["world"] or job["checkpoint"] is None:
+    rank, _, manifest, job = found
+    if job is None or rank >= job["world"] or job["checkpoint"] is None:
         return None
     return manifest, job["checkpoint"]
 
