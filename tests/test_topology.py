@@ -827,6 +827,33 @@ def test_dgx2_baseboards_joined_through_their_trunk(tmp_path, monkeypatch):
     assert nvml.shut
 
 
+@pytest.mark.parametrize("joined", ["all pairs", "chain"])
+def test_a_fabric_shares_its_switch_ports_among_its_trunks(tmp_path, monkeypatch, joined):
+    # Three boards of 4 GPUs, each GPU with 6 NVLinks, one to each of its board's 6
+    # switches. Each trunk was assumed as wide as a board's 24 GPU links, so a board
+    # joined to two others had 48 NVLinks of trunk from switches whose ports are 24
+    # (a DGX-2 switch: 8 to GPUs, 8 to the other board). Each fabric's share is its
+    # links over the trunks it has.
+    fake_sysfs(tmp_path, 2, cores_per_node=4, gpus_per_node=6, nvme_node=0, nic_node=1)
+    gpus = [f"0000:{0x10 + k:02x}:00.0" for k in range(12)]
+    boards = [[f"0000:{0xc0 + 6 * b + s:02x}:00.0" for s in range(6)] for b in range(3)]
+    pairs = [(0, 1), (0, 2), (1, 2)] if joined == "all pairs" else [(0, 1), (1, 2)]
+    nvml = _FakeNvml({}, switch_links={g: boards[k // 4] for k, g in enumerate(gpus)},
+                     trunks={(boards[a][s], boards[b][s]) for a, b in pairs for s in range(6)})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    t = T.discover(str(tmp_path))
+    assert [d.name for d in t.devices if d.kind == "switch"] == ["nvswitch0", "nvswitch1", "nvswitch2"]
+    widths = {(a, b): getattr(link_between(t, f"nvswitch{a}", f"nvswitch{b}"), "bridges", None)
+              for a, b in [(0, 1), (0, 2), (1, 2)]}
+    if joined == "all pairs":  # every board joined to two: 24 / 2 a trunk
+        assert widths == {(0, 1): 12, (0, 2): 12, (1, 2): 12}
+    else:  # the middle board's 24 shared by its two trunks; nothing joins the ends directly
+        assert widths == {(0, 1): 12, (0, 2): None, (1, 2): 12}
+    for a, b in pairs:
+        assert link_between(t, f"nvswitch{a}", f"nvswitch{b}").gbps == 12 * T.NVLINK_GBPS
+    assert nvml.shut
+
+
 @pytest.mark.parametrize("p2p_status", [False, "raises"], ids=["old-pynvml", "old-driver"])
 def test_fabrics_stay_apart_with_a_warning_where_nvml_cannot_say(tmp_path, monkeypatch, p2p_status):
     gpus, nvml = dgx2_nvml(tmp_path, p2p_status=p2p_status)

@@ -574,6 +574,7 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
                            nv.to_switch[k]) for k in on_switch[f]]
             nvlinked |= {(first_gpu + a, first_gpu + b)
                          for i, a in enumerate(on_switch[f]) for b in on_switch[f][i + 1:]}
+        joined_to = {f: sum(f in t for t in nv.trunks) for f in fabrics}
         for f, g in nv.trunks:
             # NVML shows no NVLink between two switches, so the trunk's width is
             # assumed: as many NVLinks as the narrower fabric's GPUs have to their
@@ -584,8 +585,13 @@ def discover(sysfs: str = "/sys", gpus: bool = True, host_partitions_if_no_gpu: 
             # switch), 8 to its peer on the other board, 2 unused; so 48 NVLinks join the
             # boards, as many as one board's GPUs have, and the quoted 2.4 TB/s bisection
             # is those 48 at 25 GB/s each way. The link's kind says its figure is
-            # assumed: a thinner trunk would be slower than modelled.
-            width = min(sum(nv.to_switch[k] for k in on_switch[f]), sum(nv.to_switch[k] for k in on_switch[g]))
+            # assumed: a thinner trunk would be slower than modelled. A fabric joined
+            # to several others shares its switches' ports among their trunks, so
+            # each trunk gets its share of those NVLinks (each full width, three
+            # joined fabrics had twice the ports a switch has to give).
+            # (at least one link, however many share it)
+            width = max(1, min(sum(nv.to_switch[k] for k in on_switch[f]) // joined_to[f],
+                               sum(nv.to_switch[k] for k in on_switch[g]) // joined_to[g]))
             links.append(Link(switch_of[f], switch_of[g], NVLINK_GBPS * width, 1.0, "nvlink-assumed", width))
             nvlinked |= {(first_gpu + min(a, b), first_gpu + max(a, b)) for a in on_switch[f] for b in on_switch[g]}
         links += _cuda_peer_links(bus_ids, first_gpu, nvlinked)
