@@ -338,6 +338,48 @@ def run_heraldflush(node, out: str, args) -> None:
     server.close()
 
 
+def heraldrandom_events(seed: int, steps: int, world: int) -> list:
+    """The heraldrandom scenario's events, drawn from `seed` (every rank and the test
+    draw the same): ("step", keys (n, 3) a rank, n from 0 to 9, some ranks given none),
+    ("pull", keys) (a flush: every rank pulls them), ("push", keys a rank) (a direct
+    push between steps, which empties the caches). Keys from 0..59, skewed to the low
+    ones, so that caches of a few rows evict, fetch from peers and share keys."""
+    rng = np.random.default_rng(seed)
+    events = []
+    for _ in range(steps):
+        n = [int(rng.integers(0, 10)) if rng.random() > 0.15 else 0 for _ in range(world)]
+        events.append(("step", [np.minimum(rng.zipf(1.3, size=(k, 3)) - 1, 59).astype(np.uint64) for k in n]))
+        roll = rng.random()
+        if roll < 0.3:
+            events.append(("pull", np.unique(rng.integers(0, 60, size=int(rng.integers(1, 30)))).astype(np.uint64)))
+        elif roll < 0.4:
+            events.append(("push", [rng.integers(0, 60, size=int(rng.integers(1, 8))).astype(np.uint64)
+                                    for _ in range(world)]))
+    events.append(("pull", np.arange(60, dtype=np.uint64)))
+    return events
+
+
+def run_heraldrandom(node, out: str, args) -> None:
+    """heraldrandom_events(--seed, --steps) driven by hand on caches of --herald rows
+    (every example key's gradient key_gradient's); rank 0 saves every pull's rows
+    and the herald counts."""
+    import hps
+    from hps.distributed.herald import HeraldServer
+    server = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
+                                                        budget="1MiB")), node, args.herald)
+    pulled = []
+    for kind, keys in heraldrandom_events(args.seed, args.steps, node.size):
+        if kind == "step":
+            herald_step(server, server.prefetch(keys[node.rank]), keys[node.rank])
+        elif kind == "push":
+            server.push(keys[node.rank], key_gradient(keys[node.rank]))
+        else:
+            pulled.append(server.pull(keys))
+    if node.rank == 0:
+        np.savez(os.path.join(out, "rank0.npz"), *pulled, herald=np.array(json.dumps(server.stats()["herald"])))
+    server.close()
+
+
 def herald_server(node, out: str):
     """A HeraldServer with caches of 20 rows and 1 MiB of MEM-PS a rank (the
     hand-driven Herald scenarios')."""
@@ -622,7 +664,7 @@ def run_sketchmemory(node, out: str, args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldflush",
-                                         "heraldtable",
+                                         "heraldtable", "heraldrandom",
                                          "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
                                          "otherseed", "pushstep"])
     ap.add_argument("out")
@@ -656,6 +698,7 @@ def main() -> None:
     ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")
     ap.add_argument("--admission", type=int, default=0, metavar="F", help="[admission] threshold = F")
     ap.add_argument("--sparse-codec", default="none", help="[distributed] sparse_rows and sparse_grads")
+    ap.add_argument("--seed", type=int, default=0, help="heraldrandom: the seed of its events")
     ap.add_argument("--herald", type=int, default=0, metavar="ROWS",
                     help="schedule = 'herald' with caches of ROWS rows a rank")
     ap.add_argument("--device-capacity", type=int, default=0, help="[ps] device_capacity (rows a device)")

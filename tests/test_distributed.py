@@ -460,6 +460,32 @@ def test_a_herald_flush_and_eviction_write_only_the_rows_trained_since_the_last_
     ref.close()
 
 
+@pytest.mark.parametrize("world,seed,rows", [(2, 1, 6), (3, 2, 10), (2, 4, 12), (3, 5, 8)])
+def test_random_herald_steps_pulls_and_pushes_read_what_one_server_holds(tmp_path, world, seed, rows):
+    """Steps of random skewed keys on caches of a few rows (evictions, peer fetches,
+    keys several ranks train, ranks given no examples), with flushes (pulls) and
+    direct pushes at random points: every pull reads the rows one server holds
+    that took the same steps and pushes, so no trained row was dropped, left
+    unwritten by a flush or an eviction, or written stale over a newer one."""
+    events = sc.heraldrandom_events(seed, 14, world)
+    scenario(world, "heraldrandom", tmp_path, "--herald", rows, "--seed", seed, "--steps", 14)
+    got = np.load(tmp_path / "rank0.npz")
+    ref = hps.ParameterServer(sc.ps_config(str(tmp_path / "reference"), "adagrad", budget="1MiB"))
+    pulls = 0
+    for kind, keys in events:
+        if kind == "pull":
+            np.testing.assert_allclose(got[f"arr_{pulls}"], ref.pull(keys), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"pull {pulls}")
+            pulls += 1
+        else:
+            flat = np.concatenate([k.reshape(-1) for k in keys])
+            ref.push(flat, sc.key_gradient(flat))
+    ref.close()
+    herald = json.loads(str(got["herald"]))
+    # the draws reach what they are for: evictions, peer fetches and flushes
+    assert herald["evict_pushes"] > 0 and herald["peer_fetches"] > 0 and herald["flushed_rows"] > 0, herald
+
+
 def test_a_compacted_herald_table_holds_only_the_keys_its_cache_holds(tmp_path):
     """A compaction rebuilds a rank's table (the tier that holds its cache's rows)
     with the keys the cache holds and nothing else: the rows of keys it evicted

@@ -597,6 +597,10 @@ class HeraldDistBatch(BatchBase):
         summed here until apply() (where shared keys' sums cross ranks)."""
         self.partition()
         positions = np.asarray(positions, np.int64)
+        if len(positions) == 0:
+            # (a rank the partition gave no example of a key): nothing to add, and no
+            # width to infer, which numpy refuses for (0, -1)
+            return
         grads = np.ascontiguousarray(grads, np.float32).reshape(len(positions), -1)
         self._grads += _core.sum_by_inverse(positions, grads, len(self._mine))
 
