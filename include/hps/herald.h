@@ -156,7 +156,11 @@ struct HeraldPlan {
   std::vector<uint64_t> evicted;  // keys some cache dropped after the batch (a key once)
   // Of them, those no cache holds any more, each with the worker whose
   // eviction dropped its last copy (on demand: the row to push to the PS from
-  // there); in eviction order.
+  // there); in eviction order: worker by worker, each one's oldest batch
+  // first, a batch's keys in the snapshot's order (the order the batch first
+  // had them), but for the batch an eviction stops inside, whose lowest keys
+  // go in the order their selection leaves them. So the list is not sorted by
+  // key within a batch; it is the same on every run of the same batches.
   std::vector<uint64_t> lost_keys;
   std::vector<int32_t> lost_from;
 
