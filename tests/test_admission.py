@@ -83,10 +83,11 @@ def test_a_zero_gradient_leaves_a_row_unchanged(tmp_path, opt):
 
 
 def config(path, threshold=None, examples=BATCH * BATCHES, checkpoint_every=0, eval_every=0, pipelined=False,
-           **extra):
+           lookahead=0, **extra):
     d = {"hidden": [8], "dense_lr": 0.01, "torch_threads": 1, "pipelined": pipelined, "seed": 1,
          "checkpoint_every": checkpoint_every, "eval_every": eval_every,
-         "ps": {"dim": 4, "path": str(path), "mem_budget": "64MiB", "optimizer": {"kind": "adagrad", "lr": 0.05}},
+         "ps": {"dim": 4, "path": str(path), "mem_budget": "64MiB", "optimizer": {"kind": "adagrad", "lr": 0.05},
+                "lookahead": lookahead},
          "data": {"source": "synthetic", "batch_size": BATCH, "train_examples": examples, "eval_examples": 1024,
                   "vocab_sizes": VOCAB}}
     if threshold is not None:
@@ -310,6 +311,16 @@ def test_the_sketch_memory_check_counts_the_copies_of_evaluations_the_read_stage
                                          r"and 2 kept for the next evaluations"):
         config(tmp_path / "c", threshold=2, sketch_bytes="300KiB", eval_every=5, pipelined=True)
     config(tmp_path / "d", threshold=2, sketch_bytes="300KiB", eval_every=10, pipelined=True)  # 3 sketches
+    # A lookahead window past the read queue's 4 batches grows it: 16 + 1 + 1 slots and
+    # 3 held, 21 batches ahead; not pipelined, the window's 16 (the check counted none).
+    with pytest.raises(ValueError, match=r"5 sketches a rank with eval_every = 10: the live one, the evaluation's, "
+                                         r"and 3 kept for the next evaluations, which the read stage passes up to "
+                                         r"21 batches ahead"):
+        config(tmp_path / "e", threshold=2, sketch_bytes="300KiB", eval_every=10, pipelined=True, lookahead=16)
+    with pytest.raises(ValueError, match=r"5 sketches a rank with eval_every = 8: the live one, the evaluation's, "
+                                         r"and 3 kept for the next evaluations, which the read stage passes up to "
+                                         r"16 batches ahead"):
+        config(tmp_path / "f", threshold=2, sketch_bytes="300KiB", eval_every=8, pipelined=False, lookahead=16)
     # train() checks again under MPI with its count of the ranks on the machine.
     from hps.train import AdmissionConfig
     with pytest.raises(ValueError, match=r"\(102,400 bytes a sketch; 3 sketches a rank with eval_every = 20: the live "

@@ -29,7 +29,7 @@ def windows(tmp_path, pipelined, k, n=9):
     return seen
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("k", [0, 1, 3, 7])  # 7: past the read queue's default depth, which grows to it
 def test_each_prefetch_gets_the_next_k_batches_pipelined_or_not(tmp_path, k):
     expect = [(i, None if k == 0 else list(range(i + 1, min(i + 1 + k, 9)))) for i in range(9)]
     assert windows(tmp_path, False, k) == expect
@@ -40,23 +40,26 @@ def test_each_prefetch_gets_the_next_k_batches_pipelined_or_not(tmp_path, k):
 def test_lookahead_is_checked(tmp_path):
     with pytest.raises(ValueError, match=r"lookahead must be an int >= 0 \(batches\), got -1"):
         ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "a"), lookahead=-1))
-    ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "b"), lookahead=5))
-    with pytest.raises(ValueError, match=r"lookahead must be an int in \[0, 4\] \(the read queue's depth\), got 5"):
+    ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "b"), lookahead=65))
+    with pytest.raises(ValueError, match=r"lookahead must be an int in \[0, 64\] \(batches\), got 65"):
         Pipeline(ps, lambda loaded: None)
+    assert Pipeline(ps, lambda loaded: None, lookahead=64).depths == (64, 1, 1)  # the read queue holds the window
+    assert Pipeline(ps, lambda loaded: None, lookahead=2).depths == (4, 1, 1)
+    with pytest.raises(ValueError, match=r"lookahead must be an int in \[0, 2\] \(the read queue's depth\), got 3"):
+        Pipeline(ps, lambda loaded: None, depths=(2, 1, 1), lookahead=3)
     with pytest.raises(TypeError, match=r"upcoming\[1\] must be an array of uint64 or int64, got float64"):
         ps.prefetch(np.array([1, 2], np.uint64), upcoming=[np.array([3], np.uint64), np.array([1.5])])
 
 
 def test_hps_train_refuses_a_window_past_the_read_queue_before_it_makes_the_job(tmp_path):
-    # The pipeline refused lookahead = 5, but only once the server was open: the job's
+    # The pipeline refused lookahead = 65, but only once the server was open: the job's
     # directory was left behind as a run "that ended before its first checkpoint".
     pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
     from hps.train import DataConfig, TrainConfig, train
     path = tmp_path / "ps"
-    cfg = TrainConfig(ps=ParameterServerConfig(dim=4, path=str(path), mem_budget="1MiB", lookahead=5),
+    cfg = TrainConfig(ps=ParameterServerConfig(dim=4, path=str(path), mem_budget="1MiB", lookahead=65),
                       data=DataConfig(batch_size=64, train_examples=128, eval_examples=0), hidden=())
-    with pytest.raises(ValueError, match=r"^\[ps\]: lookahead must be an int in \[0, 4\] \(the read queue's "
-                                         r"depth\), got 5"):
+    with pytest.raises(ValueError, match=r"^\[ps\]: lookahead must be an int in \[0, 64\] \(batches\), got 65"):
         train(cfg, progress=False)
     assert not path.exists()
 
@@ -120,14 +123,15 @@ def test_herald_caches_keep_the_coming_batches_rows(tmp_path):
     assert h2["ps_loads"] < h0["ps_loads"], (h0["ps_loads"], h2["ps_loads"])
 
 
+@pytest.mark.parametrize("k", [3, 9])  # 9: a read queue grown past its default 4
 @pytest.mark.parametrize("cfg", [{"mem_budget": 80 * (4 * 2 * 4 + 112), "cache_policy": "lru"},
                                  {"devices": 2, "schedule": "herald", "worker_cache_rows": 40, "mem_budget": "4MiB"}])
-def test_pipelined_run_equals_the_sequential_one_with_lookahead_on(tmp_path, cfg):
+def test_pipelined_run_equals_the_sequential_one_with_lookahead_on(tmp_path, cfg, k):
     batches = looping()
     rows = []
     for pipelined in (False, True):
         ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / str(pipelined)),
-                                                   optimizer=hps.AdaGrad(lr=0.1), lookahead=3, **cfg))
+                                                   optimizer=hps.AdaGrad(lr=0.1), lookahead=k, **cfg))
         Pipeline(ps, Step()).run([Keys(b) for b in batches], pipelined=pipelined)
         rows.append(ps.pull(np.unique(np.concatenate([b.ravel() for b in batches]))))
     np.testing.assert_array_equal(rows[0], rows[1])

@@ -125,7 +125,7 @@ def test_train_config_schema_errors_name_the_file(tmp_path):
     ("ps", {"optimizer": {"kind": "adagrad", "lr": "0.05"}}, r"\[ps\]: optimizer: lr must be a number, got '0.05'"),
     ("ps", {"seed": -1}, r"\[ps\]: seed must be an integer from 0 to 2\*\*64 - 1, got -1"),
     # (the pipeline refused it only once the server had made the job's directory)
-    ("ps", {"lookahead": 5}, r"\[ps\]: lookahead must be an int in \[0, 4\] \(the read queue's depth\), got 5"),
+    ("ps", {"lookahead": 65}, r"\[ps\]: lookahead must be an int in \[0, 64\] \(batches\), got 65"),
     ("data", {"source": "x.tsv", "format": "parket"}, "data.format must be one of 'tsv', 'parquet', got 'parket'"),
     ("data", {"source": "x.csv", "format": "svm", "schema": {"label": "y"}},
      "data.format must be one of 'csv', 'tsv', 'parquet', 'libsvm' with a schema, got 'svm'"),

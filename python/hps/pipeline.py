@@ -55,6 +55,17 @@ _DONE = object()
 DEPTHS = (4, 1, 1)
 
 
+#: The most batches a lookahead window holds: the read queue grows to hold them.
+MAX_LOOKAHEAD = 64
+
+
+def depths_for(lookahead: int) -> tuple:
+    """The queues' sizes for a lookahead window of `lookahead` batches: DEPTHS, with
+    a read queue that holds the window (the prefetch of batch i waits for batches
+    i+1..i+K to be read)."""
+    return (max(DEPTHS[0], lookahead),) + tuple(DEPTHS[1:])
+
+
 def batches_ahead(depths=DEPTHS) -> int:
     """The most batches a pipelined run's read stage has read past the one being
     trained: one in each queue slot, and one held by each of the reader (read,
@@ -133,7 +144,9 @@ class Pipeline:
     upcoming=[...])``), so that the caches keep rows those batches need. The
     window is always the next K batches (fewer only at the end of the data): the
     prefetch waits for the reader to have read them, so a pipelined run sees the
-    windows a sequential one does. K is at most the read queue's depth.
+    windows a sequential one does. K is at most MAX_LOOKAHEAD; the read queue
+    holds K batches (``depths_for``), or, with ``depths`` given, K is at most its
+    read queue's depth.
 
     ``on_error(e)`` (default None) is called with each exception a stage raises, in
     the thread that raised it, before the run stops its other stages and joins
@@ -143,16 +156,18 @@ class Pipeline:
     """
 
     def __init__(self, ps: ParameterServer, train_step: TrainStep, *, devices: Optional[int] = None,
-                 keys_of: Callable[[Any], np.ndarray] = lambda d: d.keys, depths=DEPTHS,
+                 keys_of: Callable[[Any], np.ndarray] = lambda d: d.keys, depths=None,
                  helper_nice: int = 19, binding=None, lookahead: Optional[int] = None,
                  on_error: Optional[Callable[[BaseException], None]] = None):
         if isinstance(helper_nice, bool) or not isinstance(helper_nice, int) or not 0 <= helper_nice <= 19:
             raise ValueError(f"helper_nice must be an int in [0, 19], got {helper_nice!r}")
         if lookahead is None:
             lookahead = getattr(getattr(ps, "config", None), "lookahead", 0)
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 0 <= lookahead <= depths[0]:
-            raise ValueError(f"lookahead must be an int in [0, {depths[0]}] (the read queue's depth), "
-                             f"got {lookahead!r}")
+        most, why = (MAX_LOOKAHEAD, "batches") if depths is None else (depths[0], "the read queue's depth")
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 0 <= lookahead <= most:
+            raise ValueError(f"lookahead must be an int in [0, {most}] ({why}), got {lookahead!r}")
+        if depths is None:
+            depths = depths_for(lookahead)
         self.lookahead = lookahead
         self.on_error = on_error
         self._upcoming: collections.deque = collections.deque()  # keys of batches read, not yet prefetched

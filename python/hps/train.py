@@ -51,7 +51,7 @@ from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, LAST, METADATA, RUN, WRITER_LOCK,
                                   ParameterServer, ParameterServerConfig, _lock_path, _remove_tree, _replace_durable,
                                   _write_durable, PathInUseError, new_run_id)
-from hps.pipeline import DEPTHS, Loaded, Pipeline, batches_ahead
+from hps.pipeline import MAX_LOOKAHEAD, Loaded, Pipeline, batches_ahead, depths_for
 from hps.tuning import (ThreadTuner, dense_adam, import_torch, keep_freed_memory,  # (also hps.train.X, as before)
                          usable_cpus)
 
@@ -93,10 +93,11 @@ class AdmissionConfig:
     threshold: int = 1                  # occurrences a key needs for a row, 1 to 255; 1: every key, no sketch
     sketch_bytes: Union[int, str] = "4MiB"  # the counting sketch's counters (one byte each)
 
-    def check(self, source: str = "[admission]", eval_every: int = 0, pipelined: bool = True) -> None:
-        """Refuses a bad value, naming it; `eval_every` and `pipelined`: the run's
-        (TrainConfig's), which decide how many sketches a rank holds (check_memory);
-        `eval_every` 0 where the run has no held-out data to evaluate."""
+    def check(self, source: str = "[admission]", eval_every: int = 0, pipelined: bool = True,
+              lookahead: int = 0) -> None:
+        """Refuses a bad value, naming it; `eval_every`, `pipelined` and `lookahead`:
+        the run's (TrainConfig's, [ps]'s), which decide how many sketches a rank holds
+        (check_memory); `eval_every` 0 where the run has no held-out data to evaluate."""
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= 255:
             raise ValueError(f"{source}: admission.threshold must be an int in [1, 255], got {t!r}")
@@ -107,10 +108,10 @@ class AdmissionConfig:
         if b < 4:
             raise ValueError(f"{source}: admission.sketch_bytes must be at least 4 (4 arrays of one-byte "
                              f"counters), got {self.sketch_bytes!r}")
-        self.check_memory(source, eval_every=eval_every, pipelined=pipelined)
+        self.check_memory(source, eval_every=eval_every, pipelined=pipelined, lookahead=lookahead)
 
     def check_memory(self, source: str = "[admission]", machine_ranks: Optional[tuple[int, str]] = None,
-                     eval_every: int = 0, pipelined: bool = True) -> None:
+                     eval_every: int = 0, pipelined: bool = True, lookahead: int = 0) -> None:
         """Refuses sketches that the ranks on this machine cannot all hold: the counters
         are allocated and zeroed whole when training starts, by every rank, and with
         `eval_every` > 0 a rank holds more of them (_sketches_a_rank).
@@ -127,7 +128,7 @@ class AdmissionConfig:
                 raise ValueError(f"{source}: admission.sketch_bytes: the ranks on this machine, each of which "
                                  f"holds a sketch, cannot be counted: {e}") from None
         ranks, counted_by = machine_ranks
-        sketches, why = _sketches_a_rank(eval_every, pipelined)
+        sketches, why = _sketches_a_rank(eval_every, pipelined, lookahead)
         a_rank = b * sketches
         if a_rank * ranks > memory:
             if sketches == 1:
@@ -140,19 +141,21 @@ class AdmissionConfig:
                              f"more than this machine's memory ({memory:,} bytes)")
 
 
-def _sketches_a_rank(eval_every: int, pipelined: bool) -> tuple[int, str]:
+def _sketches_a_rank(eval_every: int, pipelined: bool, lookahead: int = 0) -> tuple[int, str]:
     """(the most sketches a rank holds at once, what they are). Without evaluations in
     the run (eval_every = 0, or no held-out batches) the live sketch. With them
     (hps.admission.Admission): the live one; the evaluation's, built at the first
     evaluation and kept; and the copies of the counters the read stage keeps at each
     multiple of eval_every it counts, until the evaluation there takes its copy (held
     while the evaluation's sketch is restored from it). The read stage counts at most
-    hps.pipeline.batches_ahead() batches past the one trained (none past it when
-    not pipelined), so at the evaluation after batch t the copies are those of t and
-    of the multiples up to t + that many."""
+    hps.pipeline.batches_ahead() batches past the one trained, its read queue
+    grown to a lookahead window of `lookahead` batches (not pipelined: the window's
+    batches, read before the batch before them trains), so at the evaluation after
+    batch t the copies are those of t and of the multiples up to t + that many."""
     if not eval_every:
         return 1, "the live one"
-    ahead = batches_ahead() if pipelined else 0
+    lookahead = lookahead if is_int(lookahead) and lookahead > 0 else 0  # (a bad one is refused by [ps]'s check)
+    ahead = batches_ahead(depths_for(lookahead)) if pipelined else lookahead
     kept = 1 + ahead // eval_every
     if kept == 1:
         return 3, "the live one, the evaluation's, and one kept for the next evaluation"
@@ -164,9 +167,8 @@ def _check_lookahead(ps: ParameterServerConfig, where: str) -> None:
     """Refuses a lookahead window the pipeline cannot fill, naming it. The pipeline
     refuses it too, but only once the server is open: by then the job's directory
     was made, and the next run found a run "that ended before its first checkpoint"."""
-    if is_int(ps.lookahead) and ps.lookahead > DEPTHS[0]:
-        raise ValueError(f"{where}: lookahead must be an int in [0, {DEPTHS[0]}] (the read queue's depth), "
-                         f"got {ps.lookahead!r}")
+    if is_int(ps.lookahead) and ps.lookahead > MAX_LOOKAHEAD:
+        raise ValueError(f"{where}: lookahead must be an int in [0, {MAX_LOOKAHEAD}] (batches), got {ps.lookahead!r}")
 
 
 def _physical_memory() -> Optional[int]:
@@ -337,7 +339,7 @@ class TrainConfig:
             check_fields(AdmissionConfig, adm, source, prefix="admission.")
             adm = AdmissionConfig(**adm)
         adm.check(source, eval_every=d.get("eval_every", 0) if _has_held_out(data) else 0,
-                  pipelined=d.get("pipelined", True))
+                  pipelined=d.get("pipelined", True), lookahead=ps.lookahead)
         if adm.threshold > 1 and ps.optimizer.kind != "sgd" and ps.optimizer.eps == 0 \
                 and getattr(ps.optimizer, "initial_accumulator_value", 0.0) == 0:
             raise ValueError(f"{source}: admission.threshold > 1 drops the default row's gradients, and with "
@@ -1280,7 +1282,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         # command line's flags (eval_every, --sequential) may have changed since.
         _collective(node, lambda: cfg.admission.check_memory(
             "[admission]", None if node is None else (node.machine_ranks, "MPI's shared-memory communicator"),
-            eval_every=cfg.eval_every if eval_batches else 0, pipelined=cfg.pipelined))
+            eval_every=cfg.eval_every if eval_batches else 0, pipelined=cfg.pipelined, lookahead=cfg.ps.lookahead))
     widths, (has_data, shaped_by) = _collective(node, lambda: (_widths(cfg, source), _widths_origin(source)))
     if train_batches is None:
         _check_data_has_examples(cfg, node, rank, world)
