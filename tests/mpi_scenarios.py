@@ -340,7 +340,8 @@ def run_heraldflush(node, out: str, args) -> None:
 
 def heraldrandom_events(seed: int, steps: int, world: int) -> list:
     """The heraldrandom scenario's events, drawn from `seed` (every rank and the test
-    draw the same): ("step", keys (n, 3) a rank, n from 0 to 9, some ranks given none),
+    draw the same): ("step", keys (n, 3) a rank, n from 0 to 9, some ranks given none,
+    and a lookahead window of the next 0 to 3 steps' keys),
     ("pull", keys) (a flush: every rank pulls them), ("push", keys a rank) (a direct
     push between steps, which empties the caches). Keys from 0..59, skewed to the low
     ones, so that caches of a few rows evict, fetch from peers and share keys."""
@@ -348,7 +349,8 @@ def heraldrandom_events(seed: int, steps: int, world: int) -> list:
     events = []
     for _ in range(steps):
         n = [int(rng.integers(0, 10)) if rng.random() > 0.15 else 0 for _ in range(world)]
-        events.append(("step", [np.minimum(rng.zipf(1.3, size=(k, 3)) - 1, 59).astype(np.uint64) for k in n]))
+        events.append(("step", [np.minimum(rng.zipf(1.3, size=(k, 3)) - 1, 59).astype(np.uint64) for k in n],
+                       int(rng.integers(0, 4))))
         roll = rng.random()
         if roll < 0.3:
             events.append(("pull", np.unique(rng.integers(0, 60, size=int(rng.integers(1, 30)))).astype(np.uint64)))
@@ -368,9 +370,14 @@ def run_heraldrandom(node, out: str, args) -> None:
     server = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
                                                         budget="1MiB")), node, args.herald)
     pulled = []
-    for kind, keys in heraldrandom_events(args.seed, args.steps, node.size):
+    events = heraldrandom_events(args.seed, args.steps, node.size)
+    steps = [e for e in events if e[0] == "step"]
+    done = 0
+    for kind, keys, *window in events:
         if kind == "step":
-            herald_step(server, server.prefetch(keys[node.rank]), keys[node.rank])
+            upcoming = [e[1][node.rank] for e in steps[done + 1:done + 1 + window[0]]] if window[0] else None
+            herald_step(server, server.prefetch(keys[node.rank], upcoming=upcoming), keys[node.rank])
+            done += 1
         elif kind == "push":
             server.push(keys[node.rank], key_gradient(keys[node.rank]))
         else:

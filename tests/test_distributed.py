@@ -463,7 +463,7 @@ def test_a_herald_flush_and_eviction_write_only_the_rows_trained_since_the_last_
 @pytest.mark.parametrize("world,seed,rows", [(2, 1, 6), (3, 2, 10), (2, 4, 12), (3, 5, 8)])
 def test_random_herald_steps_pulls_and_pushes_read_what_one_server_holds(tmp_path, world, seed, rows):
     """Steps of random skewed keys on caches of a few rows (evictions, peer fetches,
-    keys several ranks train, ranks given no examples), with flushes (pulls) and
+    keys several ranks train, ranks given no examples, lookahead windows), with flushes (pulls) and
     direct pushes at random points: every pull reads the rows one server holds
     that took the same steps and pushes, so no trained row was dropped, left
     unwritten by a flush or an eviction, or written stale over a newer one."""
@@ -472,7 +472,7 @@ def test_random_herald_steps_pulls_and_pushes_read_what_one_server_holds(tmp_pat
     got = np.load(tmp_path / "rank0.npz")
     ref = hps.ParameterServer(sc.ps_config(str(tmp_path / "reference"), "adagrad", budget="1MiB"))
     pulls = 0
-    for kind, keys in events:
+    for kind, keys, *_ in events:
         if kind == "pull":
             np.testing.assert_allclose(got[f"arr_{pulls}"], ref.pull(keys), rtol=1e-5, atol=1e-6,
                                        err_msg=f"pull {pulls}")
