@@ -644,6 +644,27 @@ def test_a_damaged_key_set_of_a_position_is_named(job, tmp_path):
     assert export(job, tmp_path / "d", "t-damaged")["rows"] == 0
 
 
+def test_export_with_state_of_an_optimizer_that_keeps_none_is_refused_before_writing(tmp_path, capsys):
+    """--with-state of an SGD table (no state after the embedding: k = 0) is refused,
+    naming the optimizer, and writes nothing: before, pyarrow refused the state
+    column of 0 floats (ArrowInvalid) after DIR and part of its first Parquet file
+    were written."""
+    from hps.export import export, read_position
+    root = tmp_path / "sgd"
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=3, path=str(root), optimizer=hps.SGD(lr=1.0)))
+    ps.push(np.arange(5, dtype=np.uint64), np.ones((5, 3), np.float32))
+    ps.checkpoint()
+    ps.close()
+    with pytest.raises(ValueError, match="--with-state: the job's optimizer, sgd, keeps no state after the "
+                                         "embedding; export without --with-state"):
+        export(root, tmp_path / "e", "c", with_state=True)
+    assert not os.path.exists(tmp_path / "e") and read_position(str(root), "c") is None
+    assert main(["export", str(root), "--to", str(tmp_path / "e"), "--with-state"]) == 2
+    assert "keeps no state after the embedding" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "e")
+    assert export(root, tmp_path / "e", "c")["rows"] == 5  # (without it, as before)
+
+
 def test_export_errors_name_the_argument(job, tmp_path, capsys):
     from hps.export import export
     assert main(["export", str(job), "--to", str(tmp_path / "x"), "--consumer", "../up"]) == 2

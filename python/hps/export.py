@@ -201,6 +201,11 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
         job = view.job
         dim, row_bytes = job.config.dim, job.row_bytes
         state_floats = row_bytes // 4 - dim
+        if with_state and not state_floats:
+            # Arrow builds no fixed_size_list of 0 values (refused by its size; given as a
+            # type, the process crashed), and a column of nothing tells the consumer nothing.
+            raise ValueError(f"--with-state: the job's optimizer, {job.config.optimizer.kind}, keeps no state "
+                             f"after the embedding; export without --with-state")
         step = view.step()
         pos = None if full else previous
         if pos is not None:
