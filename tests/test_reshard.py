@@ -735,7 +735,8 @@ def test_a_reshard_refused_before_a_new_rank_is_written_leaves_no_directory_of_i
     directory (to hold it) and was refused at rank 3's. Rank 2's was left holding
     only its lock file, a rank the job does not have and no removal names. It goes
     as the reshard lets go; rank 3's, the server's, stays as it is; one that a rank
-    wrote stays."""
+    wrote goes too when the reshard lets go of it without its switch (the job is the
+    old one, of which it is no rank); after the switch it stays, the job's."""
     from hps import reshard
     from hps.parameter_server import METADATA, WRITER_LOCK, PathInUseError, _lock_path
     old = copy_of(two_ranks, tmp_path)
@@ -762,6 +763,9 @@ def test_a_reshard_refused_before_a_new_rank_is_written_leaves_no_directory_of_i
         reshard.check_source(str(root), hold)
         reshard.take_new_ranks(str(root), 3, hold)
         reshard.write_rank(str(root), 3, 2, held=True)
+        assert (root / "rank2" / METADATA).exists()
+    assert not os.path.exists(root / "rank2")
+    reshard_in_process(root, 3)
     assert (root / "rank2" / METADATA).exists()
 
 

@@ -252,6 +252,39 @@ def test_a_reshard_cut_short_is_finished_by_the_next(table, new_world, written, 
         assert rank_dirs(root) == [f"rank{r}" for r in range(then)]
 
 
+@pytest.mark.parametrize("old_world", [1, 2])
+def test_a_failed_reshard_leaves_no_directory_of_a_rank_the_job_does_not_have(tmp_path, monkeypatch, old_world):
+    """A reshard onto 4 ranks whose rank 3 failed after ranks 0-2 wrote their share:
+    the job stays as it was (old_world ranks), and the new ranks' directories go as
+    the reshard lets go of them. Before, a new rank that had written its
+    checkpoint stayed (only one holding nothing but its lock file went): a
+    directory of no rank of the job, holding a copy of its share of the table,
+    that no later run removed (a resume on old_world ranks, or a reshard onto
+    fewer than 4, never names it)."""
+    root = str(tmp_path / "job")
+    table = {"world": old_world, "dim": 2, "optimizer": hps.AdaGrad(), "keys": np.arange(1, 40, dtype=np.uint64),
+             "absent": np.zeros(0, np.uint64), "seed": 0}
+    make_job(root, table)
+    before = rows_of(root)
+    write_rank = reshard.write_rank
+
+    def write_rank_3_fails(root, world, rank, **kw):
+        if rank == 3:
+            raise Failure("rank 3 died")
+        return write_rank(root, world, rank, **kw)
+
+    monkeypatch.setattr(reshard, "write_rank", write_rank_3_fails)
+    with pytest.raises(Failure):
+        reshard_to(root, 4)
+    monkeypatch.undo()
+    assert job_world(root) == old_world
+    assert rank_dirs(root) == [f"rank{r}" for r in range(old_world)]
+    assert rows_of(root) == before
+    reshard_to(root, 3)  # (and the next reshard writes them anew)
+    assert_at_owners(rows_of(root), before, 3)
+    assert rank_dirs(root) == ["rank0", "rank1", "rank2"]
+
+
 # ---------------------------------------------------------------- serving
 
 def _lookup_budget(root: str, cache_rows: int) -> int:

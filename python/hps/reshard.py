@@ -39,7 +39,10 @@ directory, and keeps its files.
 
 A crash before the switch leaves job.json naming checkpoint K of N ranks, whole:
 the job resumes on N ranks (each old rank rolls back to K and drops the partial
-K+1) or reshards again on M. A crash after it leaves the new job whole; the next
+K+1) or reshards again on M. A failure the reshard's process survives (a rank's
+write raised, the commit refused) also removes the directories of the new ranks
+from N on as the Hold lets go; a process killed leaves them, and a later reshard
+onto as many ranks replaces what they hold. A crash after it leaves the new job whole; the next
 resume removes the old files left over (a reshard again: first, ``finish_removal``).
 The switch rewrites job.json only: an old rank's metadata names K until a server
 opens the rank at K+1, and a new rank's none. Any server opened on a rank's
@@ -104,8 +107,10 @@ class Hold:
 
     A new rank's directory (``take(new_rank=True)``) that holds only its lock file
     when let go (the reshard was refused, or failed, before its rank wrote it; or
-    one an earlier reshard's crash left so) goes then: left, it would be a rank the
-    job does not have, which no later removal names."""
+    one an earlier reshard's crash left so) goes then, and so does one that is no
+    rank of the job then, whatever its rank wrote (the reshard failed before its
+    switch: the job is the old one): left, it would be a rank the job does not
+    have, which no later removal names."""
 
     def __init__(self, root: str):
         self.root = os.fspath(root)  # the job's
@@ -146,7 +151,7 @@ class Hold:
                 continue
             try:
                 if new_rank is not None:
-                    _remove_if_lock_alone(new_rank)
+                    _remove_if_no_rank(new_rank)
             finally:
                 os.close(fd)
 
@@ -155,6 +160,33 @@ class Hold:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _remove_if_no_rank(path: str) -> None:
+    """Removes the directory `path` of a new rank, whose writer lock the caller
+    holds, when it is no rank of the job as job.json names it now: the reshard
+    failed before its switch (a rank's write raised, the commit refused), so the
+    job is the old one, and what the rank wrote there is a copy of its share that
+    no later run names (a resume on the old world, or a reshard onto fewer ranks,
+    never takes it). Else only a directory holding nothing but its lock file goes
+    (_remove_if_lock_alone). The lock file goes last, while held; what cannot be
+    removed stays (a later reshard onto as many ranks empties it) rather than hide
+    the failure under way."""
+    from hps.jobdir import rank_and_job
+    try:
+        found = rank_and_job(path)
+    except (OSError, ValueError):  # (a damaged job.json: named by whatever reads the job next)
+        found = None
+    if found is not None:
+        rank, _, _, job = found
+        if job is None or rank >= job["world"]:
+            try:
+                for name in os.listdir(path):
+                    if name != WRITER_LOCK:
+                        _remove_tree(os.path.join(path, name))
+            except OSError:
+                return
+    _remove_if_lock_alone(path)
 
 
 def _remove_if_lock_alone(path: str) -> None:
