@@ -247,6 +247,8 @@ def test_a_reshard_cut_short_is_finished_by_the_next(table, new_world, written, 
         world = new_world if after_switch or written == new_world else table["world"]
         assert job_world(root) == world
         assert_at_owners(rows_of(root), before, world)
+        if world == table["world"]:  # (failed before its switch: no directory of a rank the job lacks)
+            assert rank_dirs(root) == [f"rank{r}" for r in range(world)]
         reshard_to(root, then)
         assert_at_owners(rows_of(root), before, then)
         assert rank_dirs(root) == [f"rank{r}" for r in range(then)]
