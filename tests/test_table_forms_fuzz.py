@@ -413,3 +413,65 @@ def test_a_full_export_holds_every_trained_row_at_its_owner(table, one_process, 
                 assert t["rank"][i] == rank
                 if with_state:
                     assert np.array(t["state"][i], np.float32).tobytes() == row[4 * dim:], k
+
+
+def _apply_export(copy: dict, directory: str) -> None:
+    """A consumer's copy {key: embedding bytes} updated by an export (docs/serving.md):
+    a full export replaces it; a delta upserts its rows and drops its tombstones' keys."""
+    import pyarrow.parquet as pq
+    with open(os.path.join(directory, "_export.json")) as f:
+        full = json.load(f)["full"]
+    t = pq.read_table(directory).to_pydict()
+    if full:
+        copy.clear()
+    for key, emb, tomb in zip(t["key"], t["embedding"], t["tombstone"]):
+        if tomb:
+            copy.pop(key, None)
+        else:
+            copy[key] = np.array(emb, np.float32).tobytes()
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(table=tables(most_world=3), one_process=st.booleans(), rounds=st.integers(1, 4),
+       max_rows=st.sampled_from([0, 0, 5, 20]), data=st.data())
+def test_a_consumer_s_copy_follows_the_job_through_delta_exports(table, one_process, rounds, max_rows, data):
+    """A consumer that exports after each checkpoint of a job trained on (rows
+    updated, new keys added, and with [ps] max_rows the least recently updated
+    erased: tombstones), applying each delta to its copy, holds exactly the
+    checkpoint's embeddings after every round."""
+    pytest.importorskip("pyarrow")
+    from hps.export import export
+    if one_process:
+        table = {**table, "world": 1}
+    world, dim = table["world"], table["dim"]
+    rng = np.random.default_rng(table["seed"])
+    with scratch() as d:
+        root = os.path.join(d, "job")
+        make_job(root, table, one_process=one_process)
+        servers = [hps.ParameterServer.open(root if one_process else os.path.join(root, f"rank{r}"),
+                                            max_rows=max_rows) for r in range(world)]
+        copy: dict = {}
+        try:
+            for n in range(rounds + 1):
+                if n:  # train on: some of the table's keys and keys it had not, then a checkpoint of the job
+                    pool = np.concatenate([table["keys"], table["absent"],
+                                           np.array(data.draw(st.lists(keys_st, max_size=10)), np.uint64)])
+                    keys = np.unique(pool[rng.random(len(pool)) < 0.4])
+                    owners = owner_ranks(keys, world) if len(keys) else np.zeros(0, np.int64)
+                    numbers = []
+                    for r, ps in enumerate(servers):
+                        mine = keys[owners == r]
+                        ps.push(mine, rng.standard_normal((len(mine), dim)).astype(np.float32))
+                        numbers.append(ps.checkpoint(_save_dense, keep_previous=not one_process))
+                    if not one_process:  # (the job's protocol: job.json names it once every rank has it)
+                        with open(os.path.join(root, "job.json"), "w") as f:
+                            json.dump({"world": world, "step": STEPS + n, "checkpoint": numbers[0],
+                                       "run": "fuzz-run"}, f)
+                        for ps in servers:
+                            ps.prune_checkpoints()
+                export(root, os.path.join(d, f"e{n}"), "fuzz")
+                _apply_export(copy, os.path.join(d, f"e{n}"))
+                assert copy == {k: row[:4 * dim] for k, (_, row, _) in rows_of(root).items()}, n
+        finally:
+            for ps in servers:
+                ps.close()
