@@ -663,6 +663,49 @@ def test_a_prefetch_during_a_batch_sees_its_updates_once_loaded(tmp_path, device
         ps.batch(used)
 
 
+def batch_alongside(ps, prefetched, in_flight):
+    """ps.batch(prefetched, overlap=True) while `in_flight` is not written back
+    (applied, so the new batch may read its rows): made in a thread, so that a
+    batch that waits for that write-back, which only this thread would do, fails
+    the test instead of hanging it."""
+    made = []
+    thread = threading.Thread(target=lambda: made.append(ps.batch(prefetched, overlap=True)), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        in_flight.write_back()
+        thread.join()
+        if made:
+            made[0].abort()
+        raise AssertionError("batch(overlap=True) waited for the write-back of the batch in flight")
+    return made[0]
+
+
+@pytest.mark.parametrize("devices,in_place", [(1, False), (2, False), (1, True)])
+def test_an_overlapped_batch_after_one_made_without_overlap_waits_for_no_write_back(tmp_path, devices, in_place):
+    """A batch made with overlap loads while the batch in flight, made without
+    it, is not yet written back. The second device tier is made then, and the
+    new batch took the first, which the batch in flight held: it waited for its
+    write-back, in one thread forever."""
+    cfg = config(tmp_path / "ps", devices=devices, host_in_place=in_place)
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    (k1, g1), (k2, g2) = random_steps(31, 2, universe=20)
+    first = ps.batch(ps.prefetch(k1))  # without overlap: the server's one device tier
+    first.push(k1, g1)
+    first.apply()
+    ref.push(k1, g1)
+    second = batch_alongside(ps, ps.prefetch(k2), first)
+    np.testing.assert_array_equal(second.pull(k2), ref.pull(k2))
+    second.push(k2, g2)
+    first.write_back()
+    second.finish()
+    ref.push(k2, g2)
+    every = np.arange(20, dtype=np.uint64)
+    np.testing.assert_array_equal(ps.pull(every), ref.pull(every))
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.close()
+
+
 @pytest.mark.parametrize("devices", [2, 1])
 def test_an_overlapped_batch_takes_the_updates_of_the_one_before(tmp_path, devices):
     """The pipeline's order with two device tiers: batch i+1 is loaded while batch i

@@ -1325,6 +1325,10 @@ class ParameterServer:
                 if overlap and len(self._slots) == 1:
                     first = self._slots[0]
                     self._slots.append(_TierSlot(self._new_tier(first.capacity), first.capacity))
+                    # The new tier is free: the batch in flight (one made without
+                    # overlap) may hold the first, and waiting for its write-back
+                    # is what overlap is not to do (in one thread, forever).
+                    self._next_slot = 1
                 for other in ([] if overlap else self._slots):
                     other.free.wait()
                 slot = self._slots[self._next_slot]
