@@ -363,12 +363,18 @@ def heraldrandom_events(seed: int, steps: int, world: int) -> list:
 
 def run_heraldrandom(node, out: str, args) -> None:
     """heraldrandom_events(--seed, --steps) driven by hand on caches of --herald rows
-    (every example key's gradient key_gradient's); rank 0 saves every pull's rows
-    and the herald counts."""
+    (every example key's gradient key_gradient's), or with --sequential on the
+    sequential job's server (DistributedServer) over a MEM-PS of --mem-budget;
+    rank 0 saves every pull's rows and the server's counts."""
     import hps
+    from hps.distributed import DistributedServer
     from hps.distributed.herald import HeraldServer
-    server = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
-                                                        budget="1MiB")), node, args.herald)
+    if args.sequential:
+        server = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
+                                                                 budget=args.mem_budget)), node)
+    else:
+        server = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), "adagrad",
+                                                            budget="1MiB")), node, args.herald)
     pulled = []
     events = heraldrandom_events(args.seed, args.steps, node.size)
     steps = [e for e in events if e[0] == "step"]
@@ -376,14 +382,22 @@ def run_heraldrandom(node, out: str, args) -> None:
     for kind, keys, *window in events:
         if kind == "step":
             upcoming = [e[1][node.rank] for e in steps[done + 1:done + 1 + window[0]]] if window[0] else None
-            herald_step(server, server.prefetch(keys[node.rank], upcoming=upcoming), keys[node.rank])
+            mine = keys[node.rank]
+            if args.sequential:  # a rank trains the examples it read
+                batch = server.batch(server.prefetch(mine.reshape(-1), upcoming=upcoming))
+                batch.push(mine.reshape(-1), key_gradient(mine.reshape(-1)))
+                batch.apply()
+                batch.write_back()
+            else:
+                herald_step(server, server.prefetch(mine, upcoming=upcoming), mine)
             done += 1
         elif kind == "push":
             server.push(keys[node.rank], key_gradient(keys[node.rank]))
         else:
             pulled.append(server.pull(keys))
     if node.rank == 0:
-        np.savez(os.path.join(out, "rank0.npz"), *pulled, herald=np.array(json.dumps(server.stats()["herald"])))
+        stats = server.stats()
+        np.savez(os.path.join(out, "rank0.npz"), *pulled, stats=np.array(json.dumps(stats.get("herald", stats))))
     server.close()
 
 

@@ -481,9 +481,32 @@ def test_random_herald_steps_pulls_and_pushes_read_what_one_server_holds(tmp_pat
             flat = np.concatenate([k.reshape(-1) for k in keys])
             ref.push(flat, sc.key_gradient(flat))
     ref.close()
-    herald = json.loads(str(got["herald"]))
+    herald = json.loads(str(got["stats"]))
     # the draws reach what they are for: evictions, peer fetches and flushes
     assert herald["evict_pushes"] > 0 and herald["peer_fetches"] > 0 and herald["flushed_rows"] > 0, herald
+
+
+@pytest.mark.parametrize("world,seed", [(2, 6), (3, 7)])
+def test_random_steps_pulls_and_pushes_of_the_sequential_job_read_what_one_server_holds(tmp_path, world, seed):
+    """The same random steps, pulls and pushes on the sequential job's servers, each
+    rank's MEM-PS of 2 KiB (7 rows: evictions every step): every pull reads the rows
+    of one server that took the same steps."""
+    events = sc.heraldrandom_events(seed, 14, world)
+    scenario(world, "heraldrandom", tmp_path, "--sequential", "--mem-budget", "2KiB", "--seed", seed, "--steps", 14)
+    got = np.load(tmp_path / "rank0.npz")
+    ref = hps.ParameterServer(sc.ps_config(str(tmp_path / "reference"), "adagrad", budget="1MiB"))
+    pulls = 0
+    for kind, keys, *_ in events:
+        if kind == "pull":
+            np.testing.assert_allclose(got[f"arr_{pulls}"], ref.pull(keys), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"pull {pulls}")
+            pulls += 1
+        else:
+            flat = np.concatenate([k.reshape(-1) for k in keys])
+            ref.push(flat, sc.key_gradient(flat))
+    ref.close()
+    counts = json.loads(str(got["stats"]))["counts"]
+    assert counts["pending_hits"] + counts["ssd_hits"] > 0, counts  # evicted rows read back
 
 
 def test_a_compacted_herald_table_holds_only_the_keys_its_cache_holds(tmp_path):
