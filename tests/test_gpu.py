@@ -206,3 +206,66 @@ def test_a_table_on_another_gpu_leaves_the_callers_current_device(cuda_torch):
     table.find(keys)
     assert torch.cuda.current_device() == 0
     assert torch.empty(1, device="cuda").device.index == 0
+
+
+def _trained_run(tier, opt):
+    """Herald's caches' calls on the trained bits: a load, steps and replica copies of
+    bound positions, a load over trained rows, fetched bits, takes, a Clear. Returns
+    what each read of the bits said."""
+    rng = np.random.default_rng(11)
+    keys = np.unique(rng.integers(1, 1 << 40, 3_000)).astype(np.uint64)
+    keys = np.concatenate([keys, keys[:500]])  # 500 keys on a second device too (replicas)
+    owners = rng.integers(0, tier.devices, len(keys)).astype(np.int32)
+    owners[-500:] = (owners[:500] + 1) % tier.devices
+    rows = opt.initial_rows(keys)
+    said = []
+
+    def read():
+        said.append(tier.trained(keys, owners).tolist())
+
+    def take():
+        k, on = tier.take_trained()
+        said.append(sorted(zip(k.tolist(), on.tolist())))
+
+    tier.insert(keys, rows, owners, opt.row_floats)
+    tier.bind(keys, owners)
+    stepped = rng.choice(len(keys) - 500, 1_000, replace=False).astype(np.int64)
+    tier.accumulate_at(0, stepped, np.ones((len(stepped), opt.dim), np.float32))
+    tier.apply()
+    read()
+    tier.copy_rows_at(np.arange(500, dtype=np.int64), np.arange(len(keys) - 500, len(keys), dtype=np.int64))
+    read()
+    some = rng.choice(len(keys), 700, replace=False)
+    tier.assign(keys[some], rows[some], owners[some], opt.row_floats)  # from MEM-PS: clean
+    read()
+    some = rng.choice(len(keys), 700, replace=False)
+    tier.set_trained(keys[some], owners[some], True)
+    tier.set_trained(np.array([1 << 50], np.uint64), np.zeros(1, np.int32), True)  # not held: no bit
+    read()
+    take()
+    read()
+    tier.set_trained(keys, owners, True)
+    tier.set_trained(keys[some], owners[some], False)
+    take()
+    tier.set_trained(keys, owners, True)
+    tier.clear()
+    tier.insert(keys, rows, owners, opt.row_floats)
+    take()
+    return said
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_cuda_tier_keeps_the_trained_bits_as_host_partitions_do():
+    from hps import _core
+    from hps.optim import native_optimizer
+    opt = native_optimizer(4, hps.AdaGrad(lr=0.1), hps.Uniform(0.5), seed=5)
+    devices = 3
+    gpu = _core.DeviceTier(devices, 8192, opt, use_cuda=True, cuda_devices=[i % GPUS for i in range(devices)],
+                           track_trained=True)
+    assert gpu.kind == "cuda"
+    host = _core.DeviceTier(devices, 8192, opt, use_cuda=False, track_trained=True)
+    assert host.reads_in_place  # the bits of bound positions reached by slot; the GPU's by key
+    got, want = _trained_run(gpu, opt), _trained_run(host, opt)
+    assert got == want
+    assert any(want[0]) and want[-1] == []  # (bits were set, and Clear took them all)

@@ -99,7 +99,9 @@ struct DeviceTierOptions {
   bool bind_host_rows = true;
   // Keep each table row's trained bit (TakeTrained): Herald's caches, whose
   // rows outlive their batches, write only the rows trained since they last
-  // wrote them. Off, the calls on the bits throw and Apply costs nothing more.
+  // wrote them. The bits lie beside the table's slots (a byte per slot, on
+  // the host), so a call that finds a row's slot finds its bit. Off, the
+  // calls on the bits throw and Apply costs nothing more.
   bool track_trained = false;
 };
 
@@ -248,14 +250,15 @@ class DeviceTier {
   // caller reads the source's bit (Trained) and sets the copy's (SetTrained).
   // A key's bit is its row's on `owners` (null: the modulo hash), as Insert's;
   // a key not in that table reads 0 and is not set. Rows bound from MEM-PS
-  // (BindHostRows) have no bits. Each call costs O(n), never a scan of a table.
+  // (BindHostRows) have no bits. Each call costs O(n), never a scan of a table;
+  // Apply and CopyRowsAt on bound positions reach the bits with no lookup.
   virtual void Trained(const uint64_t* keys, uint64_t n, const int32_t* owners, uint8_t* trained) const = 0;
   virtual void SetTrained(const uint64_t* keys, uint64_t n, const int32_t* owners, bool trained) = 0;
   // The (key, device) of every row whose bit is set, each device's in no fixed
   // order, and clears them all (the caller writes those rows below, or sets
   // them again if it could not). A row that stayed in a table after its cache
   // dropped the key (stale) keeps its bit: the caller knows which copies are live.
-  // It costs the most bits held since the last take or Clear, never the tables' rows.
+  // It costs a pass over the bits (a byte per table slot), never the tables' rows.
   virtual void TakeTrained(std::vector<uint64_t>* keys, std::vector<int32_t>* owners) = 0;
 
   virtual TransferMatrix transfers() const = 0;

@@ -16,7 +16,7 @@
 // (unified addressing tells which, so a gather can land in a torch CUDA
 // tensor); keys and flags lie in host memory. On the CPU all lie in host memory.
 //
-// Thread safety: any number of threads may call at once. Reads (find, export)
+// Thread safety: any number of threads may call at once. Reads (find, slots, keys_at, export)
 // share the table; every other call has it to itself. The lock-free CAS scheme
 // works inside a call, where the launcher's threads race for slots.
 #pragma once
@@ -71,8 +71,20 @@ class HashTable {
   // The address of each present key's row in host memory (n; null for an
   // absent key), valid until the key leaves the table (clear): a caller that
   // reads and updates a batch's rows many times looks each key up once.
+  // slots_out (optional, n) gets each one's slot, as slots() gives it.
   // Returns hits. A table in GPU memory throws std::logic_error.
-  virtual uint64_t row_addresses(const uint64_t* keys, uint64_t n, float** rows_out) = 0;
+  virtual uint64_t row_addresses(const uint64_t* keys, uint64_t n, float** rows_out, int64_t* slots_out) = 0;
+
+  // The slot, in [0, capacity()), of each present key (n; -1 for an absent
+  // key). A key keeps its slot until clear (nothing else removes a key), so a
+  // caller may keep something of its own per row in an array beside the
+  // table, indexed by slot (the device tier's trained bits), and reach it
+  // with no second lookup. Returns hits.
+  virtual uint64_t slots(const uint64_t* keys, uint64_t n, int64_t* slots_out) const = 0;
+  // The key in each of the n slots (each in [0, capacity()), else
+  // std::out_of_range; kEmptyKey where a slot is free): the keys of the rows
+  // that a caller's per-slot array names.
+  virtual void keys_at(const int64_t* slots, uint64_t n, uint64_t* keys_out) const = 0;
 
   // Adds deltas (n, row_floats) to the rows of keys; an absent key first gets a
   // zero row. Duplicates sum.

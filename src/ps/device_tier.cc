@@ -19,99 +19,53 @@
 namespace hps {
 namespace {
 
-// One device's trained bits (DeviceTier::Trained): the keys whose rows have
-// the bit set, in an open-addressing set of the keys alone (linear probing on
-// Mix64; kEmptyKey, which CheckKeys refuses as a key, marks a free slot). The
-// sets hold every row trained since the last flush, megabytes the CPU's
-// caches miss, and a batch asks them about each row it steps and copies, so
-// a probe reads one cache line and the loops over many keys prefetch a few
-// keys ahead (a KeyIndex with a list of its keys beside it read two lines a
-// probe, one after the other, and cost Herald's batches milliseconds). A
-// removal shifts the rest of its probe run back into the hole (no
-// tombstones). The keys are read out by a pass over the slots, which Clear
-// sizes for the keys it cleared: a take costs about the most keys held since
-// the last one, never the table's rows.
-class TrainedRows {
- public:
-  bool Has(uint64_t key) const {
-    if (size_ == 0) return false;
-    for (uint64_t i = Home(key);; i = (i + 1) & mask_) {
-      if (slots_[i] == key) return true;
-      if (slots_[i] == kEmptyKey) return false;
-    }
+// One device's trained bits (DeviceTier::Trained): a byte per slot of its
+// rows table, beside the table's slots (HashTable::slots). A call that has a
+// row's slot already (a bound position's: Apply's steps, CopyRowsAt) reads
+// and writes its bit with no lookup at all, and one by key finds the slot in
+// the table it probes anyway; a set of the trained keys beside the tables
+// cost every step a second probe, a second cache miss, that the sequential
+// schedule's batches did not pay. A key keeps its slot until its table's
+// clear, and a free slot's bit is 0 (Clear zeroes the bits with the rows), so
+// a row a load inserts starts clean. `set` counts the bits that are 1, so a
+// device with none is passed over.
+struct TrainedBits {
+  std::vector<uint8_t> bit;  // (the rows table's capacity)
+  uint64_t set = 0;
+
+  bool Has(int64_t slot) const { return slot >= 0 && bit[static_cast<uint64_t>(slot)] != 0; }
+  // A slot of -1 (a key the table does not hold) takes no bit: one without a
+  // row would be taken later for a key the device cannot read.
+  void Put(int64_t slot, bool trained) {
+    if (slot < 0) return;
+    uint8_t& b = bit[static_cast<uint64_t>(slot)];
+    if ((b != 0) == trained) return;
+    b = trained ? 1 : 0;
+    trained ? ++set : --set;
   }
-  // Asks for the cache line where key's probe starts, so that a call a few
-  // keys later does not wait for it.
-  void Prefetch(uint64_t key) const {
-    if (mask_ != 0) __builtin_prefetch(&slots_[Home(key)]);
+  void Prefetch(int64_t slot) const {
+    if (slot >= 0) __builtin_prefetch(&bit[static_cast<uint64_t>(slot)]);
   }
-  void Set(uint64_t key) {
-    if ((size_ + 1) * 10 > Capacity() * 7) Grow();
-    uint64_t i = Home(key);
-    for (; slots_[i] != kEmptyKey; i = (i + 1) & mask_) {
-      if (slots_[i] == key) return;
+  // Appends the slots whose bit is set and clears them all.
+  void Take(std::vector<int64_t>* slots) {
+    if (set == 0) return;
+    const uint64_t n = bit.size();  // a multiple of 8 (the table's buckets)
+    for (uint64_t s = 0; s < n; s += 8) {
+      uint64_t word;
+      std::memcpy(&word, bit.data() + s, sizeof(word));
+      if (word == 0) continue;  // most of the slots
+      for (uint64_t j = 0; j < 8; ++j) {
+        if (bit[s + j] != 0) slots->push_back(static_cast<int64_t>(s + j));
+      }
+      std::memset(bit.data() + s, 0, 8);
     }
-    slots_[i] = key;
-    ++size_;
+    set = 0;
   }
-  void Unset(uint64_t key) {
-    if (size_ == 0) return;
-    uint64_t hole = Home(key);
-    for (; slots_[hole] != key; hole = (hole + 1) & mask_) {
-      if (slots_[hole] == kEmptyKey) return;
-    }
-    for (uint64_t j = (hole + 1) & mask_; slots_[j] != kEmptyKey; j = (j + 1) & mask_) {
-      // A key may fill the hole unless its home lies in (hole, j]: a probe
-      // for it would then stop at the hole.
-      const uint64_t home = Home(slots_[j]);
-      const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
-      if (stays) continue;
-      slots_[hole] = slots_[j];
-      hole = j;
-    }
-    slots_[hole] = kEmptyKey;
-    --size_;
-  }
-  void Put(uint64_t key, bool trained) { trained ? Set(key) : Unset(key); }
-  uint64_t size() const { return size_; }
-  // Appends every key in the set to keys, in no fixed order.
-  void AppendTo(std::vector<uint64_t>* keys) const {
-    for (uint64_t i = 0; i < Capacity() && size_ != 0; ++i) {
-      if (slots_[i] != kEmptyKey) keys->push_back(slots_[i]);
-    }
-  }
-  // Empties the set, its slots sized for as many keys as it held (the next
-  // interval sets about as many again, with no regrowth on the way).
   void Clear() {
-    if (size_ == 0) return;
-    uint64_t capacity = kMinCapacity;
-    while (size_ * 10 > capacity * 5) capacity *= 2;  // load <= 0.5 at the same size
-    slots_.assign(capacity, kEmptyKey);
-    mask_ = capacity - 1;
-    size_ = 0;
+    if (set == 0) return;
+    std::fill(bit.begin(), bit.end(), uint8_t{0});
+    set = 0;
   }
-
- private:
-  static constexpr uint64_t kMinCapacity = 16;
-
-  uint64_t Capacity() const { return slots_.size(); }
-  uint64_t Home(uint64_t key) const { return detail::Mix64(key) & mask_; }
-  void Grow() {
-    std::vector<uint64_t> old = std::move(slots_);
-    const uint64_t capacity = old.empty() ? kMinCapacity : 2 * old.size();
-    slots_.assign(capacity, kEmptyKey);
-    mask_ = capacity - 1;
-    for (uint64_t key : old) {
-      if (key == kEmptyKey) continue;
-      uint64_t i = Home(key);
-      while (slots_[i] != kEmptyKey) i = (i + 1) & mask_;
-      slots_[i] = key;
-    }
-  }
-
-  std::vector<uint64_t> slots_;  // a power of two of them, or none
-  uint64_t mask_ = 0;            // slots_.size() - 1 once there are slots
-  uint64_t size_ = 0;
 };
 
 class Tier final : public DeviceTier {
@@ -142,7 +96,10 @@ class Tier final : public DeviceTier {
       grads_.push_back(NewHashTable(t));
       grad_options_.push_back(t);
     }
-    if (o.track_trained) trained_.resize(static_cast<size_t>(o.devices));
+    if (o.track_trained) {
+      trained_.resize(static_cast<size_t>(o.devices));
+      for (int32_t d = 0; d < o.devices; ++d) trained_[static_cast<size_t>(d)].bit.assign(rows_[d]->capacity(), 0);
+    }
     kind_ = cuda ? "cuda" : "cpu";
     matrix_.devices = o.devices;
     matrix_.rows.assign(static_cast<size_t>(o.devices) * o.devices, 0);
@@ -192,16 +149,10 @@ class Tier final : public DeviceTier {
     if (host_rows_) throw std::logic_error("device tier insert: the tier is bound to host rows; Clear it first");
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
-    std::vector<uint8_t> written;
     for (int32_t d = 0; d < o_.devices; ++d) {
-      if (parts.size[d] == 0) continue;
-      if (trained_.empty()) {
-        rows_[d]->insert(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
-        continue;
-      }
-      written.assign(parts.size[d], 0);
-      rows_[d]->insert(parts.keys[d], parts.size[d], parts.rows[d], written.data());
-      ClearWritten(d, parts.keys[d], parts.size[d], written);  // (a present key keeps its row and its bit)
+      // A row inserted takes a free slot, whose bit is 0 (TrainedBits); a
+      // present key keeps its row and its bit.
+      if (parts.size[d] != 0) rows_[d]->insert(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
     }
   }
 
@@ -221,16 +172,28 @@ class Tier final : public DeviceTier {
     }
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
     uint64_t assigned = 0;
-    std::vector<uint8_t> written;
+    std::vector<uint8_t> found;
+    std::vector<uint64_t> written;
+    std::vector<int64_t> slots;
     for (int32_t d = 0; d < o_.devices; ++d) {
-      if (parts.size[d] == 0) continue;
-      if (trained_.empty()) {
-        assigned += rows_[d]->assign(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      if (trained_.empty() || trained_[static_cast<size_t>(d)].set == 0) {
+        assigned += rows_[d]->assign(parts.keys[d], size, parts.rows[d], nullptr);
         continue;
       }
-      written.assign(parts.size[d], 0);
-      assigned += rows_[d]->assign(parts.keys[d], parts.size[d], parts.rows[d], written.data());
-      ClearWritten(d, parts.keys[d], parts.size[d], written);
+      found.assign(size, 0);
+      assigned += rows_[d]->assign(parts.keys[d], size, parts.rows[d], found.data());
+      // The rows written (from MEM-PS) are clean. (A load's keys are mostly
+      // absent, to be inserted next: only those found are looked up again.)
+      written.clear();
+      for (uint64_t j = 0; j < size; ++j) {
+        if (found[j]) written.push_back(parts.keys[d][j]);
+      }
+      slots.resize(written.size());
+      rows_[d]->slots(written.data(), written.size(), slots.data());
+      TrainedBits& bits = trained_[static_cast<size_t>(d)];
+      for (int64_t slot : slots) bits.Put(slot, false);
     }
     return assigned;
   }
@@ -278,19 +241,34 @@ class Tier final : public DeviceTier {
 
   void Bind(const uint64_t* keys, uint64_t n, const int32_t* owners) override {
     const Parts parts = BindKeys(keys, n, owners, "bind");
+    // With trained bits, each position's slot in its owner's table: Apply and
+    // CopyRowsAt reach the bits of the rows they step and copy by it.
+    const bool slotted = !trained_.empty();
+    if (slotted) bound_slots_.assign(n, -1);
+    std::vector<int64_t> slots;
     if (reads_in_place()) {
       std::vector<float*> at;
       for (int32_t d = 0; d < o_.devices; ++d) {
         const uint64_t size = parts.size[static_cast<size_t>(d)];
         at.resize(size);
-        if (size > 0) rows_[d]->row_addresses(parts.keys[d], size, at.data());
+        slots.resize(slotted ? size : 0);
+        if (size > 0) rows_[d]->row_addresses(parts.keys[d], size, at.data(), slotted ? slots.data() : nullptr);
         for (uint64_t j = 0; j < size; ++j) {
           if (at[j] == nullptr) {
             Unbind();
             NotLoaded(keys, parts.Index(d, j), d);
           }
           in_place_->addresses()[parts.Index(d, j)] = reinterpret_cast<uint8_t*>(at[j]);
+          if (slotted) bound_slots_[parts.Index(d, j)] = slots[j];
         }
+      }
+    } else if (slotted) {
+      for (int32_t d = 0; d < o_.devices; ++d) {
+        const uint64_t size = parts.size[static_cast<size_t>(d)];
+        if (size == 0) continue;
+        slots.resize(size);
+        rows_[d]->slots(parts.keys[d], size, slots.data());
+        for (uint64_t j = 0; j < size; ++j) bound_slots_[parts.Index(d, j)] = slots[j];
       }
     }
     bound_ = true;
@@ -387,8 +365,8 @@ class Tier final : public DeviceTier {
         PrefetchTrained(static_cast<uint64_t>(to[i + kTrainedAhead]));
       }
       const auto f = static_cast<uint64_t>(from[i]), t = static_cast<uint64_t>(to[i]);
-      const bool trained = trained_[static_cast<size_t>(BoundOwner(f))].Has(bound_keys_[f]);
-      trained_[static_cast<size_t>(BoundOwner(t))].Put(bound_keys_[t], trained);
+      const bool trained = trained_[static_cast<size_t>(BoundOwner(f))].Has(bound_slots_[f]);
+      trained_[static_cast<size_t>(BoundOwner(t))].Put(bound_slots_[t], trained);
     }
   }
 
@@ -424,20 +402,25 @@ class Tier final : public DeviceTier {
       rows_[d]->clear();
       grads_[d]->clear();
     }
-    for (TrainedRows& t : trained_) t.Clear();
+    for (TrainedBits& t : trained_) t.Clear();
   }
 
   void Trained(const uint64_t* keys, uint64_t n, const int32_t* owners, uint8_t* trained) const override {
     CheckTracked("trained");
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    std::vector<int64_t> slots;
     for (int32_t d = 0; d < o_.devices; ++d) {
-      const TrainedRows& bits = trained_[static_cast<size_t>(d)];
+      const TrainedBits& bits = trained_[static_cast<size_t>(d)];
       const uint64_t size = parts.size[static_cast<size_t>(d)];
-      for (uint64_t j = 0; j < size; ++j) {
-        if (j + kTrainedAhead < size) bits.Prefetch(parts.keys[d][j + kTrainedAhead]);
-        trained[parts.Index(d, j)] = bits.Has(parts.keys[d][j]) ? 1 : 0;
+      if (size == 0) continue;
+      if (bits.set == 0) {  // (no lookup)
+        for (uint64_t j = 0; j < size; ++j) trained[parts.Index(d, j)] = 0;
+        continue;
       }
+      slots.resize(size);
+      rows_[d]->slots(parts.keys[d], size, slots.data());
+      for (uint64_t j = 0; j < size; ++j) trained[parts.Index(d, j)] = bits.Has(slots[j]) ? 1 : 0;
     }
   }
 
@@ -445,51 +428,35 @@ class Tier final : public DeviceTier {
     CheckTracked("set trained");
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, nullptr, 0);
-    std::vector<uint8_t> found;
-    std::vector<float*> at;
+    std::vector<int64_t> slots;
     for (int32_t d = 0; d < o_.devices; ++d) {
       const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
-      TrainedRows& bits = trained_[static_cast<size_t>(d)];
-      if (!trained) {
-        for (uint64_t j = 0; j < size; ++j) {
-          if (j + kTrainedAhead < size) bits.Prefetch(parts.keys[d][j + kTrainedAhead]);
-          bits.Unset(parts.keys[d][j]);
-        }
-        continue;
-      }
-      // Only rows the table holds: a bit without a row would be taken later
-      // for a key the device cannot read.
-      found.assign(size, 0);
-      if (kind_ == "cpu") {
-        at.resize(size);
-        rows_[d]->row_addresses(parts.keys[d], size, at.data());
-        for (uint64_t j = 0; j < size; ++j) found[j] = at[j] != nullptr;
-      } else {
-        std::vector<float> scratch(size);
-        rows_[d]->find_columns(parts.keys[d], size, 1, scratch.data(), found.data());
-      }
-      for (uint64_t j = 0; j < size; ++j) {
-        if (j + kTrainedAhead < size) bits.Prefetch(parts.keys[d][j + kTrainedAhead]);
-        if (found[j]) bits.Set(parts.keys[d][j]);
-      }
+      TrainedBits& bits = trained_[static_cast<size_t>(d)];
+      if (size == 0 || (!trained && bits.set == 0)) continue;
+      slots.resize(size);
+      rows_[d]->slots(parts.keys[d], size, slots.data());  // -1: a key the table does not hold takes no bit
+      for (uint64_t j = 0; j < size; ++j) bits.Put(slots[j], trained);
     }
   }
 
   void TakeTrained(std::vector<uint64_t>* keys, std::vector<int32_t>* owners) override {
     CheckTracked("take trained");
     uint64_t total = 0;
-    for (const TrainedRows& t : trained_) total += t.size();
+    for (const TrainedBits& t : trained_) total += t.set;
     keys->clear();
     owners->clear();
     keys->reserve(total);
     owners->reserve(total);
+    std::vector<int64_t> slots;
     for (int32_t d = 0; d < o_.devices; ++d) {
-      const TrainedRows& set = trained_[static_cast<size_t>(d)];
-      set.AppendTo(keys);
-      owners->insert(owners->end(), set.size(), d);
+      slots.clear();
+      trained_[static_cast<size_t>(d)].Take(&slots);
+      if (slots.empty()) continue;
+      const size_t at = keys->size();
+      keys->resize(at + slots.size());
+      rows_[d]->keys_at(slots.data(), slots.size(), keys->data() + at);
+      owners->insert(owners->end(), slots.size(), d);
     }
-    for (TrainedRows& t : trained_) t.Clear();
   }
 
   void SetGradientCapacity(int32_t device, uint64_t capacity) override {
@@ -711,7 +678,7 @@ class Tier final : public DeviceTier {
         for (size_t i = 0; i < stepped.size(); ++i) {
           if (i + kTrainedAhead < stepped.size()) PrefetchTrained(static_cast<uint64_t>(stepped[i + kTrainedAhead]));
           const auto p = static_cast<uint64_t>(stepped[i]);
-          trained_[static_cast<size_t>(BoundOwner(p))].Set(bound_keys_[p]);
+          trained_[static_cast<size_t>(BoundOwner(p))].Put(bound_slots_[p], true);
         }
       }
       if (positions) positions->insert(positions->end(), stepped.begin(), stepped.end());
@@ -729,11 +696,10 @@ class Tier final : public DeviceTier {
       updated.resize(at + grads_[d]->export_rows(updated.data() + at, grads.data(), n));
       grads_[d]->clear();
       if (!trained_.empty()) {
-        TrainedRows& bits = trained_[static_cast<size_t>(d)];
-        for (size_t j = at; j < updated.size(); ++j) {
-          if (j + kTrainedAhead < updated.size()) bits.Prefetch(updated[j + kTrainedAhead]);
-          bits.Set(updated[j]);
-        }
+        std::vector<int64_t> slots(updated.size() - at);
+        rows_[d]->slots(updated.data() + at, slots.size(), slots.data());
+        TrainedBits& bits = trained_[static_cast<size_t>(d)];
+        for (int64_t slot : slots) bits.Put(slot, true);
       }
     }
     if (positions && updated.size() > by_key) {
@@ -784,6 +750,7 @@ class Tier final : public DeviceTier {
     host_rows_ = false;
     bound_keys_.clear();
     bound_owners_.clear();
+    bound_slots_.clear();
     bound_index_.reset();
     if (in_place_) in_place_->Reset(0);
   }
@@ -885,22 +852,12 @@ class Tier final : public DeviceTier {
     }
   }
 
-  // How many keys ahead the loops over trained bits ask for the lines their
-  // probes will read (TrainedRows::Prefetch): the misses overlap.
+  // How many rows ahead the loops over bound positions ask for the lines of
+  // their bits (TrainedBits::Prefetch): the misses overlap.
   static constexpr uint64_t kTrainedAhead = 16;
 
   void PrefetchTrained(uint64_t position) const {
-    trained_[static_cast<size_t>(BoundOwner(position))].Prefetch(bound_keys_[position]);
-  }
-
-  // Clears the bits of device d's rows that a load just wrote (written[j]: keys[j]'s row).
-  void ClearWritten(int32_t d, const uint64_t* keys, uint64_t n, const std::vector<uint8_t>& written) {
-    TrainedRows& bits = trained_[static_cast<size_t>(d)];
-    if (bits.size() == 0) return;
-    for (uint64_t j = 0; j < n; ++j) {
-      if (j + kTrainedAhead < n && written[j + kTrainedAhead]) bits.Prefetch(keys[j + kTrainedAhead]);
-      if (written[j]) bits.Unset(keys[j]);
-    }
+    trained_[static_cast<size_t>(BoundOwner(position))].Prefetch(bound_slots_[position]);
   }
 
   void CheckWorker(int32_t worker) const {
@@ -952,7 +909,8 @@ class Tier final : public DeviceTier {
   mutable std::unique_ptr<detail::KeyIndex> bound_index_;
   std::unique_ptr<detail::BatchRows> in_place_;
   bool host_rows_ = false;  // BindHostRows: in_place_ points at the caller's rows, the tables are empty
-  std::vector<TrainedRows> trained_;  // each device's trained bits; empty without options.track_trained
+  std::vector<TrainedBits> trained_;  // each device's trained bits; empty without options.track_trained
+  std::vector<int64_t> bound_slots_;  // with trained_: each bound position's slot in its owner's table (-1: none)
 };
 
 }  // namespace

@@ -179,11 +179,23 @@ class CpuHashTable final : public HashTable {
     });
   }
 
-  uint64_t row_addresses(const uint64_t* keys, uint64_t n, float** rows_out) override {
+  uint64_t row_addresses(const uint64_t* keys, uint64_t n, float** rows_out, int64_t* slots_out) override {
     CheckKeys(keys, n);
     return FindEach(keys, n, [&](const Probe& p) {
       rows_out[p.item] = p.slot >= 0 ? ref_.row(static_cast<uint64_t>(p.slot)) : nullptr;
+      if (slots_out) slots_out[p.item] = p.slot;
     });
+  }
+
+  uint64_t slots(const uint64_t* keys, uint64_t n, int64_t* slots_out) const override {
+    CheckKeys(keys, n);
+    return FindEach(keys, n, [&](const Probe& p) { slots_out[p.item] = p.slot; });
+  }
+
+  void keys_at(const int64_t* slots, uint64_t n, uint64_t* keys_out) const override {
+    CheckSlots(slots, n, ref_.slots);
+    std::shared_lock lock(mutex_);
+    for (uint64_t i = 0; i < n; ++i) keys_out[i] = ref_.keys[static_cast<uint64_t>(slots[i])];
   }
 
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {

@@ -143,6 +143,20 @@ __global__ void ExportKernel(TableRef t, uint64_t* keys_out, float* rows_out, ui
   detail::CopyRow(rows_out + out * t.stride, t.row(s), t.stride);
 }
 
+__global__ void SlotsKernel(TableRef t, const uint64_t* keys, uint64_t n, int64_t* slots, Counters* c) {
+  const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  const int64_t slot = FindSlot(t, keys[i]);
+  if (slot >= 0) Count(&c->counted);
+  slots[i] = slot;
+}
+
+// slots: each checked on the host to lie in [0, t.slots).
+__global__ void KeysAtKernel(TableRef t, const int64_t* slots, uint64_t n, uint64_t* keys) {
+  const uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (i < n) keys[i] = t.keys[slots[i]];
+}
+
 // A device allocation freed with its owner.
 template <class T>
 class DeviceArray {
@@ -216,8 +230,34 @@ class CudaHashTable final : public HashTable {
     return Gather(keys, n, static_cast<uint32_t>(columns), rows_out, found);
   }
 
-  uint64_t row_addresses(const uint64_t*, uint64_t, float**) override {
+  uint64_t row_addresses(const uint64_t*, uint64_t, float**, int64_t*) override {
     throw std::logic_error("hash table on " + device() + ": its rows lie in GPU memory, with no host address");
+  }
+
+  uint64_t slots(const uint64_t* keys, uint64_t n, int64_t* slots_out) const override {
+    std::lock_guard lock(mutex_);
+    CheckKeys(keys, n);
+    if (n == 0) return 0;
+    const detail::CurrentDevice current(device_);
+    auto d_keys = Upload(keys, n);
+    DeviceArray<int64_t> d_slots(n);
+    ResetCounters();
+    SlotsKernel<<<Blocks(n), kBlock>>>(ref_, d_keys->get(), n, d_slots.get(), counters_.get());
+    const Counters c = Finish();
+    d_slots.download(slots_out, n);
+    return c.counted;
+  }
+
+  void keys_at(const int64_t* slots, uint64_t n, uint64_t* keys_out) const override {
+    std::lock_guard lock(mutex_);
+    detail::CheckSlots(slots, n, ref_.slots);
+    if (n == 0) return;
+    const detail::CurrentDevice current(device_);
+    auto d_slots = Upload(slots, n);
+    DeviceArray<uint64_t> d_keys(n);
+    KeysAtKernel<<<Blocks(n), kBlock>>>(ref_, d_slots->get(), n, d_keys.get());
+    Finish();
+    d_keys.download(keys_out, n);
   }
 
   void accumulate(const uint64_t* keys, uint64_t n, const float* deltas) override {

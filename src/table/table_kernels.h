@@ -186,4 +186,14 @@ inline void CheckColumns(int32_t columns, int32_t row_floats) {
   }
 }
 
+// keys_at's slots, checked alike by both launchers (host only).
+inline void CheckSlots(const int64_t* slots, uint64_t n, uint64_t capacity) {
+  for (uint64_t i = 0; i < n; ++i) {
+    if (slots[i] < 0 || static_cast<uint64_t>(slots[i]) >= capacity) {
+      throw std::out_of_range("hash table keys_at: slots[" + std::to_string(i) + "] = " +
+                              std::to_string(slots[i]) + " is outside [0, " + std::to_string(capacity) + ")");
+    }
+  }
+}
+
 }  // namespace hps::detail

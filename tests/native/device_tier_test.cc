@@ -500,53 +500,79 @@ TEST(DeviceTier, TrainedBitsAreSetBySteppedAndCopiedRowsAndClearedByLoadsAndTake
   }
 }
 
-// Many bits set and cleared in every order (the sets grow, shift probe runs
-// back into the holes a clear leaves, and are emptied by takes and Clear):
-// each call reads as a plain set of (key, device) would.
+// Many bits set and cleared in every order (by SetTrained, by the steps of
+// bound positions, by loads over trained rows), taken, and Cleared with the
+// rows: each call reads as a plain set of (key, device) would.
 TEST(DeviceTier, TrainedBitsOfManyRowsReadAsASetOfThem) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();
-  DeviceTierOptions o{2, 8192, opt, false, 1, nullptr, {}};
-  o.track_trained = true;
-  auto tier = DeviceTier::New(o);
-  std::mt19937_64 random(7);
-  std::vector<uint64_t> keys;
-  for (uint64_t k = 1; k <= 1500; ++k) keys.push_back(k);  // neighbours, and keys anywhere
-  for (int i = 0; i < 1500; ++i) keys.push_back(random() >> 1);
-  std::vector<int32_t> owners(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) owners[i] = static_cast<int32_t>(random() % 2);
-  std::vector<float> rows(keys.size() * static_cast<size_t>(width));
-  opt.initial_rows(keys.data(), keys.size(), rows.data());
-  tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
-  std::set<std::pair<uint64_t, int32_t>> model;
-  for (int round = 0; round < 40; ++round) {
-    SCOPED_TRACE(round);
-    std::vector<uint64_t> some;
-    std::vector<int32_t> on;
-    const bool trained = random() % 3 != 0;
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (random() % 4 != 0) continue;
-      some.push_back(keys[i]);
-      on.push_back(owners[i]);
-      if (trained) {
-        model.emplace(keys[i], owners[i]);
-      } else {
-        model.erase({keys[i], owners[i]});
-      }
-    }
-    tier->SetTrained(some.data(), some.size(), on.data(), trained);
-    std::vector<uint8_t> want(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) want[i] = model.count({keys[i], owners[i]}) ? 1 : 0;
-    ASSERT_EQ(TrainedOf(*tier, keys, owners), want);
-    if (round % 10 == 9) {
-      const auto taken = Taken(*tier);
-      ASSERT_EQ(taken, (std::vector<std::pair<uint64_t, int32_t>>(model.begin(), model.end())));
-      model.clear();
-    }
-    if (round == 24) {
-      tier->Clear();
+  for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "in place" : "through the row mover (gradient tables)");
+    DeviceTierOptions o{2, 8192, opt, false, 1, in_place ? nullptr : TwoHostRoutes(), {}};
+    o.track_trained = true;
+    auto tier = DeviceTier::New(o);
+    ASSERT_EQ(tier->reads_in_place(), in_place);
+    std::mt19937_64 random(7);
+    std::vector<uint64_t> keys;
+    for (uint64_t k = 1; k <= 1500; ++k) keys.push_back(k);  // neighbours, and keys anywhere
+    for (int i = 0; i < 1500; ++i) keys.push_back(random() >> 1);
+    std::vector<int32_t> owners(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) owners[i] = static_cast<int32_t>(random() % 2);
+    std::vector<float> rows(keys.size() * static_cast<size_t>(width));
+    opt.initial_rows(keys.data(), keys.size(), rows.data());
+    const auto load = [&] {
       tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
-      model.clear();
+      tier->Bind(keys.data(), keys.size(), owners.data());
+    };
+    load();
+    std::set<std::pair<uint64_t, int32_t>> model;
+    const std::vector<float> grad(static_cast<size_t>(opt.dim), 0.5f);
+    for (int round = 0; round < 40; ++round) {
+      SCOPED_TRACE(round);
+      std::vector<uint64_t> some;
+      std::vector<int32_t> on;
+      std::vector<int64_t> at;
+      const int how = static_cast<int>(random() % 4);  // 0, 1: SetTrained; 2: Apply; 3: Assign
+      const bool trained = how == 2 || (how < 2 && random() % 3 != 0);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (random() % 4 != 0) continue;
+        some.push_back(keys[i]);
+        on.push_back(owners[i]);
+        at.push_back(static_cast<int64_t>(i));
+        if (trained) {
+          model.emplace(keys[i], owners[i]);
+        } else {
+          model.erase({keys[i], owners[i]});
+        }
+      }
+      if (how == 2) {
+        for (int64_t p : at) tier->AccumulateAt(owners[static_cast<size_t>(p)], &p, 1, grad.data(), {});
+        std::vector<int64_t> stepped;
+        EXPECT_EQ(tier->ApplyBound(&stepped).size(), at.size());
+      } else if (how == 3) {
+        const size_t loaded = some.size();
+        for (uint64_t k = 0; k < 20; ++k) {  // and keys the tables do not hold, skipped
+          some.push_back((uint64_t{1} << 62) + k);
+          on.push_back(static_cast<int32_t>(k % 2));
+        }
+        std::vector<float> written(some.size() * static_cast<size_t>(width), 1.0f);
+        ASSERT_EQ(tier->Assign(some.data(), some.size(), written.data(), on.data()), loaded);
+      } else {
+        tier->SetTrained(some.data(), some.size(), on.data(), trained);
+      }
+      std::vector<uint8_t> want(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) want[i] = model.count({keys[i], owners[i]}) ? 1 : 0;
+      ASSERT_EQ(TrainedOf(*tier, keys, owners), want);
+      if (round % 10 == 9) {
+        const auto taken = Taken(*tier);
+        ASSERT_EQ(taken, (std::vector<std::pair<uint64_t, int32_t>>(model.begin(), model.end())));
+        model.clear();
+      }
+      if (round == 24) {
+        tier->Clear();
+        load();
+        model.clear();
+      }
     }
   }
 }

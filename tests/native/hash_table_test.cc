@@ -527,5 +527,59 @@ TEST(HashTable, ClearOfAMostlyEmptyTableZeroesItsRows) {
   EXPECT_EQ(out[0], 1.0f);
 }
 
+// A key's slot (HashTable::slots) names it until clear, whatever joins the
+// table after it, and keys_at reads it back: the device tier keeps its trained
+// bits in an array indexed by these slots.
+TEST(HashTable, SlotsNameEachKeyUntilClearAndKeysAtReadsThemBack) {
+  auto table = Table(3 * kBatch, 2, 2);
+  const auto keys = RandomKeys(kBatch, 1u << 30, 23);
+  std::vector<float> rows(2 * kBatch, 1.0f);
+  table->insert(keys.data(), kBatch / 2, rows.data(), nullptr);
+  std::vector<int64_t> first(kBatch, -2);
+  const uint64_t hits = table->slots(keys.data(), kBatch, first.data());
+  std::vector<int64_t> present;
+  for (uint64_t i = 0; i < kBatch; ++i) {
+    if (first[i] >= 0) present.push_back(first[i]);
+    ASSERT_LT(first[i], static_cast<int64_t>(table->capacity())) << i;
+  }
+  EXPECT_EQ(hits, present.size());
+  EXPECT_EQ(hits, table->size());
+  std::vector<float*> at(kBatch);
+  std::vector<int64_t> with_rows(kBatch, -2);
+  EXPECT_EQ(table->row_addresses(keys.data(), kBatch, at.data(), with_rows.data()), hits);
+  EXPECT_EQ(with_rows, first);
+  for (uint64_t i = 0; i < kBatch; ++i) ASSERT_EQ(at[i] == nullptr, first[i] < 0) << i;
+
+  table->insert(keys.data(), kBatch, rows.data(), nullptr);  // the others join; the first keep their slots
+  std::vector<int64_t> later(kBatch, -2);
+  EXPECT_EQ(table->slots(keys.data(), kBatch, later.data()), table->size());
+  std::vector<int64_t> all;
+  for (uint64_t i = 0; i < kBatch; ++i) {
+    ASSERT_GE(later[i], 0) << i;
+    if (first[i] >= 0) {
+      ASSERT_EQ(later[i], first[i]) << i;
+    }
+    all.push_back(later[i]);
+  }
+  std::vector<uint64_t> back(kBatch, 0);
+  table->keys_at(all.data(), all.size(), back.data());
+  EXPECT_EQ(back, keys);
+
+  table->clear();
+  EXPECT_EQ(table->slots(keys.data(), kBatch, later.data()), 0u);
+  for (int64_t s : later) ASSERT_EQ(s, -1);
+  table->keys_at(all.data(), 3, back.data());
+  for (uint64_t i = 0; i < 3; ++i) EXPECT_EQ(back[i], kEmptyKey);
+
+  for (const int64_t bad : {int64_t{-1}, static_cast<int64_t>(table->capacity())}) {
+    try {
+      table->keys_at(&bad, 1, back.data());
+      ADD_FAILURE() << "keys_at took slot " << bad;
+    } catch (const std::out_of_range& e) {
+      EXPECT_NE(std::string(e.what()).find("slots[0] = " + std::to_string(bad)), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hps
