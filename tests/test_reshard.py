@@ -20,6 +20,7 @@ pytest.importorskip("mpi4py", reason="hps.distributed needs mpi4py (pip install 
 pytest.importorskip("torch")
 import mpi_scenarios as sc  # noqa: E402 (tests/ is on pytest's sys.path; after the skips)
 from mpi_scenarios import MPIEXEC  # noqa: E402
+from table_helpers import rows_of  # noqa: E402
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 
@@ -54,24 +55,6 @@ def old_job(tmp_path, world: int, sync: str = "allreduce"):
     return out
 
 
-def rows_of(root) -> dict:
-    """{key: (rank, whole row bytes, stamp)} of the job's checkpoint, every rank's
-    shard (the stamp: the step of the row's last update, which ttl_steps and
-    max_rows read)."""
-    from hps.jobdir import latest_records, open_store, pin
-    out = {}
-    with pin(str(root)) as view:
-        for rv in view.ranks:
-            keys, _ = latest_records(rv)
-            store = open_store(rv, view.job.row_bytes)
-            rows, found = store.get(keys)
-            stamps, stamped = store.stamps(keys)
-            assert found.all() and stamped.all()
-            for k, row, stamp in zip(keys.tolist(), rows, stamps.tolist()):
-                assert k not in out, f"key {k} on rank {out[k][0]} and rank {rv.rank}"
-                out[k] = (rv.rank, row.tobytes(), stamp)
-            del store
-    return out
 
 
 def dense_states(root, world: int) -> list:

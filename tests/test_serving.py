@@ -19,6 +19,7 @@ pytest.importorskip("pyarrow", reason="hps export writes Parquet through pyarrow
 import hps  # noqa: E402
 from hps import jobdir  # noqa: E402
 from hps.cli import main  # noqa: E402
+from table_helpers import budget_for  # noqa: E402
 
 VOCAB = [50, 200, 1000, 5000] + [300] * 22
 BATCH, BATCHES = 128, 10
@@ -95,20 +96,6 @@ def server_rows(path, keys):
         shutil.rmtree(copy)
 
 
-def budget_for(path, cache_rows):
-    """The memory_budget whose split (hps.lookup's docstring) leaves cache_rows rows to the
-    cache of a Lookup of path: its index, files' metadata, read buffers and calls' working
-    memory (at the default read_threads), the reserve for
-    the next checkpoint (REFRESH_HEADROOM x the index and metadata, and read buffers), and
-    per cached row its bytes, its warm copy in the next cache (a quarter) and its key's."""
-    import math
-    from hps.lookup import REFRESH_HEADROOM, WARM_FRACTION
-    with hps.Lookup(path, memory_budget="1GiB") as lk:
-        m = lk.stats()["memory"]
-    fixed = m["index_bytes"] + m["file_meta_bytes"]
-    per_row = m["cache_row_bytes"] * (1 + 1 / WARM_FRACTION) + 8 / WARM_FRACTION
-    return (fixed + math.ceil(REFRESH_HEADROOM * fixed) + 2 * m["read_buffer_bytes"] + m["call_bytes"]
-            + math.ceil(cache_rows * per_row))
 
 
 class Readers:

@@ -32,7 +32,8 @@ from hypothesis import strategies as st  # noqa: E402
 import hps  # noqa: E402
 from hps import reshard  # noqa: E402
 from hps.distributed.sparse import owner_ranks  # noqa: E402
-from hps.jobdir import latest_records, open_store, pin, write_trainer_state  # noqa: E402
+from hps.jobdir import write_trainer_state  # noqa: E402
+from table_helpers import budget_for, rows_of  # noqa: E402
 
 SETTINGS = dict(derandomize=True, database=None, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -105,22 +106,6 @@ def make_job(root: str, table: dict, one_process: bool = False) -> dict:
     return want
 
 
-def rows_of(root: str) -> dict:
-    """{key: (rank, whole row bytes: embedding and optimizer state, stamp)} of the
-    job's checkpoint, read from every rank's shard; a key on two ranks fails."""
-    out = {}
-    with pin(str(root)) as view:
-        for rv in view.ranks:
-            keys, _ = latest_records(rv)
-            store = open_store(rv, view.job.row_bytes)
-            rows, found = store.get(keys)
-            stamps, stamped = store.stamps(keys)
-            assert found.all() and stamped.all()
-            for k, row, stamp in zip(keys.tolist(), rows, stamps.tolist()):
-                assert k not in out, f"key {k} on rank {out[k][0]} and rank {rv.rank}"
-                out[k] = (rv.rank, row.tobytes(), stamp)
-            del store
-    return out
 
 
 def reshard_to(root: str, world: int) -> None:
@@ -289,17 +274,6 @@ def test_a_failed_reshard_leaves_no_directory_of_a_rank_the_job_does_not_have(tm
 
 # ---------------------------------------------------------------- serving
 
-def _lookup_budget(root: str, cache_rows: int) -> int:
-    """A memory budget whose cache holds about cache_rows rows (hps.lookup's split):
-    lookups then go through a cache that evicts."""
-    import math
-    from hps.lookup import REFRESH_HEADROOM, WARM_FRACTION
-    with hps.Lookup(root, memory_budget="1GiB") as lk:
-        m = lk.stats()["memory"]
-    fixed = m["index_bytes"] + m["file_meta_bytes"]
-    per_row = m["cache_row_bytes"] * (1 + 1 / WARM_FRACTION) + 8 / WARM_FRACTION
-    return (fixed + math.ceil(REFRESH_HEADROOM * fixed) + 2 * m["read_buffer_bytes"] + m["call_bytes"]
-            + math.ceil(cache_rows * per_row))
 
 
 def _queries(draw, table: dict) -> list:
@@ -337,7 +311,7 @@ def test_lookup_and_serve_answer_the_trained_rows(data, table, one_process, cach
         root = os.path.join(d, "job")
         want = make_job(root, table, one_process=one_process)
         dim = table["dim"]
-        budget = "1GiB" if cache_rows is None else _lookup_budget(root, cache_rows)
+        budget = "1GiB" if cache_rows is None else budget_for(root, cache_rows)
         queries = _queries(data.draw, table)
         with hps.Lookup(root, memory_budget=budget) as lk:
             for keys in queries:
