@@ -140,3 +140,20 @@ def test_a_run_stopped_at_random_batches_and_resumed_ends_as_the_uninterrupted_r
             assert torch.equal(b["opt"]["state"][index][name], value), (index, name)
     for name in ("auc", "logloss"):
         assert got["final"].get(name) == want["final"].get(name), name
+
+
+def test_a_run_that_fails_lets_go_of_its_path_while_its_error_is_held(tmp_path):
+    """A failed train() (an interrupt here) closes its server before it raises: its
+    error's traceback, which an interactive session keeps (sys.last_traceback) and
+    pytest.raises keeps here, holds the trainer, whose open server held the path's
+    lock, so a resume in the same process was refused ("another parameter server
+    has this path open (pid <this one>)") until the garbage collector ran."""
+    s = {"pipelined": True, "checkpoint_every": 2, "eval_every": 0, "mem_budget": "40KiB",
+         "cache_policy": "tinylfu-lfu", "devices": 1, "schedule": "sequential", "worker_cache_rows": 64,
+         "lookahead": 0, "optimizer": "adagrad", "batch": 32, "eval_examples": 0, "threshold": 1,
+         "examples": 32 * 6}
+    with pytest.raises(KeyboardInterrupt, match="batch 3") as stopped:
+        train(config(tmp_path / "ps", s, s["examples"]), progress=False, train_batches=interrupted_at(data(s), 3))
+    got = train(config(tmp_path / "ps", s, s["examples"]), resume=True, progress=False)
+    assert (got["batches"], got["started_at"]["batches"]) == (6, 2)
+    assert stopped.value.__traceback__ is not None

@@ -1313,16 +1313,32 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                              "\"cpu\" and dense_replica_per_worker = false")
         dense_hook(trainer)
         _collective(node, trainer.load_dense_state)  # (into the hook's MLP, optimizer and dense sync)
-    if node is not None:
-        _check_resumed_step(trainer)
-        trainer.admission.agree(node)  # one sketch for the job (checkpoints before job-wide counting had one a rank)
-        if trainer.batches_done == 0:
-            trainer.dense_sync.broadcast_parameters()
+    try:
+        if node is not None:
+            _check_resumed_step(trainer)
+            trainer.admission.agree(node)  # one sketch for the job (checkpoints before job-wide counting had one a rank)
+            if trainer.batches_done == 0:
+                trainer.dense_sync.broadcast_parameters()
+            try:
+                return _train(cfg, trainer, progress and node.rank == 0, on_eval, source, eval_batches)
+            except Exception as e:  # noqa: BLE001 - the peers would wait for this rank forever
+                _abort_rank(node, e)
+        return _train(cfg, trainer, progress, on_eval, source, eval_batches)
+    except BaseException:
+        # A run that fails (Ctrl-C too) lets go of its server and path now. Its error's
+        # traceback holds the trainer (an interactive session keeps it), and with it
+        # the open server's lock on the path: a resume in this process was refused as
+        # "another parameter server has this path open", naming this process, until
+        # the garbage collector ran. Closing writes nothing: what the last checkpoint
+        # did not keep is dropped, as a crash drops it, and the pipeline's threads were
+        # joined before its error came here. A close that fails too (a compaction's
+        # error) leaves the server to the collector, as before: the run's own error is
+        # the one to report.
         try:
-            return _train(cfg, trainer, progress and node.rank == 0, on_eval, source, eval_batches)
-        except Exception as e:  # noqa: BLE001 - the peers would wait for this rank forever
-            _abort_rank(node, e)
-    return _train(cfg, trainer, progress, on_eval, source, eval_batches)
+            trainer.ps.close()
+        except Exception:  # noqa: BLE001
+            pass
+        raise
 
 
 def _abort_rank(node: Node, e: BaseException) -> None:
