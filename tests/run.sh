@@ -34,7 +34,9 @@ native() {  # name, extra cmake args...
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHPS_BUILD_TESTS=ON -DHPS_CUDA=OFF "$@" \
     >"build-logs/configure-$(basename "$dir").log"
   cmake --build "$dir"
-  ctest --test-dir "$dir" --output-on-failure
+  # Two tests at a time: the suite's time is mostly one thread each, and every
+  # test writes under a directory of its own process id (tests/native/temp_dir.h).
+  ctest --test-dir "$dir" --output-on-failure -j "$(nproc)"
 }
 step "native tests under AddressSanitizer + UBSan"
 native asan -DHPS_SANITIZE=address,undefined

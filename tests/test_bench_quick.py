@@ -57,26 +57,26 @@ def test_cache_policy_refuses_a_held_out_trace_equal_to_the_tuning_one():
 
 def test_train_quick_against_pytorch():
     pytest.importorskip("torch", reason="the training benchmark needs torch")
-    out = run_json("bench/train_bench.py", "--quick", "--no-torchrec", "--examples", "100000",
+    out = run_json("bench/train_bench.py", "--quick", "--no-torchrec", "--examples", "50000",
                    "--eval-examples", "20000", "--malloc-ab", "--first-layer-ab", timeout=600)
-    assert out["hps"]["examples"] == out["torch"]["examples"] == 100_000
+    assert out["hps"]["examples"] == out["torch"]["examples"] == 50_000
     assert abs(out["auc_difference"]) < 0.002  # same model, same data, same optimizers
     # W9's figures, from the pipeline's own counters and clocks: every batch went
     # through it, each stage (one thread) was busy for a part of the wall time, and
     # the reported bound and ratio are those of the busiest stage.
     p = out["hps"]["pipeline"]
-    assert p["examples"] == 100_000 and p["batches"] == -(-100_000 // 4096)
+    assert p["examples"] == 50_000 and p["batches"] == -(-50_000 // 4096)
     busy = p["busy_seconds"]
     assert set(busy) == {"read", "prefetch", "load", "train", "write_back"}
     for stage, seconds in busy.items():
         assert 0 < seconds <= p["wall_seconds"], (stage, seconds, p["wall_seconds"])
     assert p["bound_by"] == max(busy, key=busy.get)
     assert out["w9_wall_over_slowest_stage"] == pytest.approx(p["wall_seconds"] / max(busy.values()))
-    assert out["hps"]["examples_per_s"] == pytest.approx(100_000 / out["hps"]["seconds"])
+    assert out["hps"]["examples_per_s"] == pytest.approx(50_000 / out["hps"]["seconds"])
     # The bound: the MLP alone ran over the same batches, and each system is a
     # fraction of its rate, round by round.
     alone = out["mlp_alone"]
-    assert alone["examples"] == 100_000 and "auc" not in alone
+    assert alone["examples"] == 50_000 and "auc" not in alone
     for system in ("hps", "torch"):
         assert out["fraction_of_mlp_alone_per_round"][system] == [
             pytest.approx(out[system]["examples_per_s"] / alone["examples_per_s"])]
@@ -84,7 +84,7 @@ def test_train_quick_against_pytorch():
             out[system]["examples_per_s"] / alone["examples_per_s"])
     # --malloc-ab: hps again with glibc's malloc as it comes, the same model trained.
     plain = out["hps_glibc_malloc"]
-    assert plain["examples"] == 100_000 and abs(plain["auc"] - out["hps"]["auc"]) < 0.001
+    assert plain["examples"] == 50_000 and abs(plain["auc"] - out["hps"]["auc"]) < 0.001
     assert plain["malloc"] == {"kept": False, "reason": "keep_freed_memory = false"}
     assert out["hps"]["malloc"]["kept"] is (sys.platform == "linux" and platform.libc_ver()[0] == "glibc")
     assert out["ratio_keep_freed_memory_per_round"] == [
@@ -92,7 +92,7 @@ def test_train_quick_against_pytorch():
     # --first-layer-ab: hps again with torch's nn.Linear as the first layer, the same model
     # trained (the gradients differ only in float rounding).
     linear = out["hps_torch_first_layer"]
-    assert linear["examples"] == 100_000 and abs(linear["auc"] - out["hps"]["auc"]) < 0.001
+    assert linear["examples"] == 50_000 and abs(linear["auc"] - out["hps"]["auc"]) < 0.001
     assert out["ratio_own_first_layer_per_round"] == [
         pytest.approx(out["hps"]["examples_per_s"] / linear["examples_per_s"])]
 
