@@ -88,6 +88,39 @@ def test_the_trained_bits_go_through_the_bindings_and_only_on_a_tier_that_tracks
         tier.trained(keys, owners[:2])
 
 
+def test_rows_trained_and_upsert_go_through_the_bindings_as_the_separate_calls():
+    tier, opt = make_tier()
+    keys = np.arange(1, 5, dtype=np.uint64)
+    rows = np.arange(4 * opt.row_floats, dtype=np.float32).reshape(4, -1)
+    with pytest.raises(RuntimeError, match="track_trained is off"):
+        tier.rows_trained(keys, None, opt.row_floats)
+    with pytest.raises(RuntimeError, match="track_trained is off"):
+        tier.upsert(keys, rows, None, opt.row_floats, np.ones(4, bool))
+    tier.upsert(keys, rows, None, opt.row_floats)  # without bits: assign, then insert
+    np.testing.assert_array_equal(tier.rows(keys, None, opt.row_floats), rows)
+
+    tier = _core.DeviceTier(2, 64, opt, use_cuda=False, track_trained=True)
+    owners = np.array([0, 1, 1, 0], np.int32)
+    tier.insert(keys[:2], np.zeros((2, opt.row_floats), np.float32), owners[:2], opt.row_floats)
+    tier.set_trained(keys[:2], owners[:2], True)
+    # 1 and 2 overwritten (1 clean now, 2 still trained), 3 and 4 inserted (3 trained)
+    tier.upsert(keys, rows, owners, opt.row_floats, np.array([False, True, True, False]))
+    got, trained = tier.rows_trained(keys[::-1].copy(), owners[::-1].copy(), opt.row_floats)
+    np.testing.assert_array_equal(got, rows[::-1])
+    assert trained.dtype == bool and trained.tolist() == [False, True, True, False][::-1]
+    assert trained.tolist() == tier.trained(keys[::-1].copy(), owners[::-1].copy()).tolist()
+    tier.upsert(keys, rows + 1, owners, opt.row_floats, None)  # None: every row clean
+    assert not tier.rows_trained(keys, owners, opt.row_floats)[1].any()
+    with pytest.raises(TypeError, match="trained must be None or a 1-D bool array"):
+        tier.upsert(keys, rows, owners, opt.row_floats, np.ones(3, bool))
+    with pytest.raises(TypeError, match="trained must be None or a 1-D bool array"):
+        tier.upsert(keys, rows, owners, opt.row_floats, np.ones(4, np.uint8))
+    with pytest.raises(ValueError, match="row_floats"):
+        tier.rows_trained(keys, owners, opt.row_floats + 1)
+    with pytest.raises(IndexError, match="is not loaded on device"):
+        tier.rows_trained(np.array([99], np.uint64), np.zeros(1, np.int32), opt.row_floats)
+
+
 def test_a_host_batch_release_that_fails_raises_and_is_counted():
     cache, keys, batch = pinned_batch()
     assert cache.stats()["failed_releases"] == 0

@@ -260,6 +260,23 @@ class DeviceTier {
   // dropped the key (stale) keeps its bit: the caller knows which copies are live.
   // It costs a pass over the bits (a byte per table slot), never the tables' rows.
   virtual void TakeTrained(std::vector<uint64_t>* keys, std::vector<int32_t>* owners) = 0;
+  // Rows and Trained in one call, each key looked up once on its owner: a
+  // peer fetch reads its source's row and bit together (std::logic_error
+  // without track_trained; std::out_of_range names a key not loaded; rows
+  // bound from MEM-PS read 0).
+  virtual void RowsTrained(const uint64_t* keys, uint64_t n, const int32_t* owners, float* rows,
+                           uint8_t* trained) const = 0;
+  // Assign, Insert and SetTrained in one call: writes rows (n, row_floats)
+  // onto the keys' owners, overwriting a loaded key's row (a stale copy) and
+  // inserting the others, and gives each row the bit trained[i] (null: 0, a
+  // row from MEM-PS; a row from a peer takes its source's). Fewer lookups than
+  // the three: a key is found once by the insert, and once more only if it was
+  // loaded already or takes a set bit. Which row and bit a key repeated on
+  // one owner keeps is not defined. TableFullError as Insert's;
+  // std::logic_error on a tier bound to host rows, or for trained given
+  // without track_trained.
+  virtual void Upsert(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners,
+                      const uint8_t* trained) = 0;
 
   virtual TransferMatrix transfers() const = 0;
   // Empty (links = 0) without routes.

@@ -239,8 +239,8 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
         holds the keys `held` gives it and no stale rows, in tables of
         `table_rows` rows."""
         owners = [np.full(len(k), w, np.int32) for w, k in enumerate(held)]
-        rows = [self._tier.rows(k, o, self._row_floats) for k, o in zip(held, owners)]
-        trained = [self._tier.trained(k, o) for k, o in zip(held, owners)]  # the rows keep their bits
+        # The rows keep their bits (read with them: one lookup a key).
+        read = [self._tier.rows_trained(k, o, self._row_floats) for k, o in zip(held, owners)]
         if table_rows != self._table_rows:
             rows_before, bytes_before = self._tier.transfers()
             self._tier_before = (rows_before, bytes_before) if self._tier_before is None else \
@@ -251,10 +251,9 @@ class WorkerCaches(RunsInMadeOrder, StopsAfterAFailedStep):
             self.counts["table_growths"] += 1
         else:
             self._tier.clear()
-        for k, o, r, t in zip(held, owners, rows, trained):
+        for k, o, (r, t) in zip(held, owners, read):
             if len(k):
-                self._tier.insert(k, r, o, self._row_floats)
-                self._tier.set_trained(k[t], o[t], True)
+                self._tier.upsert(k, r, o, self._row_floats, t)
         self.counts["compactions"] += 1
 
     # ------------------------------------------------------------ MEM-PS
@@ -415,21 +414,22 @@ class HeraldBatch(BatchBase):
         if len(fk):
             rows = np.empty((len(fk), c._row_floats), np.float32)
             from_ps = src < 0
-            trained = np.empty(0, np.int64)  # the fetches whose source's row is trained
+            trained = None  # each fetch's source's bit (None: all from MEM-PS, clean)
             if from_ps.any():
                 rows[from_ps] = c._ps._cache.read_pinned(fk[from_ps]).view(np.float32)
-            if (~from_ps).any():
-                rows[~from_ps] = c._tier.rows(fk[~from_ps], src[~from_ps], c._row_floats)
-                c.moved_rows += np.bincount(src[~from_ps].astype(np.int64) * W + dest[~from_ps],
-                                            minlength=W * W).reshape(W, W).astype(np.uint64)
+            peer = ~from_ps
+            if peer.any():
+                peer_src = src[peer]
                 # A peer's row is as new as its source, relative to MEM-PS: its trained bit goes with it.
-                trained = np.flatnonzero(~from_ps)[c._tier.trained(fk[~from_ps], src[~from_ps])]
-            c._tier.assign(fk, rows, dest, c._row_floats)  # a stale copy is overwritten (its bit cleared)
-            c._tier.insert(fk, rows, dest, c._row_floats)  # the others join the table
-            if len(trained):
-                c._tier.set_trained(fk[trained], dest[trained], True)
+                rows[peer], peer_trained = c._tier.rows_trained(fk[peer], peer_src, c._row_floats)
+                c.moved_rows += np.bincount(peer_src.astype(np.int64) * W + dest[peer],
+                                            minlength=W * W).reshape(W, W).astype(np.uint64)
+                trained = np.zeros(len(fk), bool)
+                trained[peer] = peer_trained
+            # A stale copy is overwritten, the others join the table; each row takes its bit.
+            c._tier.upsert(fk, rows, dest, c._row_floats, trained)
             c.counts["ps_loads"] += int(from_ps.sum())
-            c.counts["peer_fetches"] += int((~from_ps).sum())
+            c.counts["peer_fetches"] += int(peer.sum())
         c._tier.bind(self._bound_keys, self._bound_owners)
         self.gathers_into_columns = c._tier.reads_in_place
         c.counts["batches"] += 1

@@ -1058,6 +1058,38 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release release;
         t.SetTrained(k, n, o, trained);
       }, py::arg("keys"), py::arg("owners"), py::arg("trained"))
+      .def("rows_trained", [check_width](const hps::DeviceTier& t, const py::array& keys, const py::object& owners,
+                                         int32_t row_floats) {
+        check_width("row_floats", row_floats, t.row_floats());
+        const auto [k, n] = KeysArg(keys, "keys");
+        const int32_t* o = OwnersArg(owners, n);
+        py::array_t<bool> trained(static_cast<py::ssize_t>(n));
+        auto* bits = reinterpret_cast<uint8_t*>(trained.mutable_data());
+        py::array rows = FilledRows(n, row_floats, [&, k = k, n = n](float* r) { t.RowsTrained(k, n, o, r, bits); });
+        return py::make_tuple(rows, trained);
+      }, py::arg("keys"), py::arg("owners"), py::arg("row_floats"),
+         "(rows (n, row_floats), trained (n,) bool): rows() and trained() with one lookup a key")
+      .def("upsert", [check_width](hps::DeviceTier& t, const py::array& keys, const py::array& rows,
+                                   const py::object& owners, int32_t row_floats, const py::object& trained) {
+        check_width("row_floats", row_floats, t.row_floats());
+        const auto [k, n] = KeysArg(keys, "keys");
+        const float* r = RowsArg(rows, "rows", n, row_floats);
+        const int32_t* o = OwnersArg(owners, n);
+        const uint8_t* b = nullptr;
+        if (!trained.is_none()) {
+          const py::array a = py::array::ensure(trained);
+          if (!a || !HasDtype<bool>(a) || a.ndim() != 1 || static_cast<uint64_t>(a.shape(0)) != n) {
+            throw py::type_error("trained must be None or a 1-D bool array with one entry a key (" +
+                                 std::to_string(n) + ")");
+          }
+          RequireContiguous(a, "trained");
+          b = static_cast<const uint8_t*>(a.data());
+        }
+        py::gil_scoped_release release;
+        t.Upsert(k, n, r, o, b);
+      }, py::arg("keys"), py::arg("rows"), py::arg("owners"), py::arg("row_floats"), py::arg("trained") = py::none(),
+         "assign, insert and set_trained in one call: each row written onto its owner (overwritten where loaded), "
+         "its trained bit trained[i] (None: cleared)")
       .def("take_trained", [](hps::DeviceTier& t) {
         std::vector<uint64_t> keys;
         std::vector<int32_t> owners;

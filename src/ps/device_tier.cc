@@ -459,6 +459,111 @@ class Tier final : public DeviceTier {
     }
   }
 
+  void RowsTrained(const uint64_t* keys, uint64_t n, const int32_t* owners, float* rows,
+                   uint8_t* trained) const override {
+    CheckTracked("rows trained");
+    if (host_rows_) {  // (no bits)
+      Rows(keys, n, rows, owners);
+      std::fill(trained, trained + n, uint8_t{0});
+      return;
+    }
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    const uint64_t row_bytes = static_cast<uint64_t>(row_floats_) * sizeof(float);
+    std::vector<float*> at;
+    std::vector<int64_t> slots;
+    std::vector<float> found_rows;
+    std::vector<uint8_t> found;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      const TrainedBits& bits = trained_[static_cast<size_t>(d)];
+      slots.resize(size);
+      if (kind_ == "cpu") {  // the row's address and its slot from one probe
+        at.resize(size);
+        rows_[d]->row_addresses(parts.keys[d], size, at.data(), slots.data());
+        for (uint64_t j = 0; j < size; ++j) {
+          const uint64_t i = parts.Index(d, j);
+          if (at[j] == nullptr) NotLoaded(keys, i, d);
+          std::memcpy(rows + i * static_cast<uint64_t>(row_floats_), at[j], row_bytes);
+          trained[i] = bits.Has(slots[j]) ? 1 : 0;
+        }
+        continue;
+      }
+      // A table in GPU memory has no host addresses: a find, and the slots where bits are set.
+      found_rows.resize(size * static_cast<uint64_t>(row_floats_));
+      found.resize(size);
+      rows_[d]->find(parts.keys[d], size, found_rows.data(), found.data());
+      if (bits.set != 0) rows_[d]->slots(parts.keys[d], size, slots.data());
+      for (uint64_t j = 0; j < size; ++j) {
+        const uint64_t i = parts.Index(d, j);
+        if (!found[j]) NotLoaded(keys, i, d);
+        std::memcpy(rows + i * static_cast<uint64_t>(row_floats_),
+                    found_rows.data() + j * static_cast<uint64_t>(row_floats_), row_bytes);
+        trained[i] = bits.set != 0 && bits.Has(slots[j]) ? 1 : 0;
+      }
+    }
+  }
+
+  void Upsert(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners,
+              const uint8_t* trained) override {
+    if (host_rows_) throw std::logic_error("device tier upsert: the tier is bound to host rows; Clear it first");
+    if (trained != nullptr) CheckTracked("upsert");
+    CheckKeys(keys, n);
+    const Parts parts = Partition(keys, n, owners, rows, row_floats_);
+    const uint64_t row_bytes = static_cast<uint64_t>(row_floats_) * sizeof(float);
+    std::vector<uint8_t> inserted;
+    std::vector<uint64_t> again, again_keys;  // again: the part's entries to find after the insert
+    std::vector<float*> at;
+    std::vector<int64_t> slots;
+    std::vector<float> present_rows;
+    std::vector<uint64_t> present_keys;
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      const uint64_t size = parts.size[static_cast<size_t>(d)];
+      if (size == 0) continue;
+      inserted.resize(size);
+      // An absent key takes a free slot, whose bit is 0 (TrainedBits).
+      rows_[d]->insert(parts.keys[d], size, parts.rows[d], inserted.data());
+      TrainedBits* bits = trained_.empty() ? nullptr : &trained_[static_cast<size_t>(d)];
+      again.clear();
+      again_keys.clear();
+      for (uint64_t j = 0; j < size; ++j) {
+        if (!inserted[j] || (trained != nullptr && trained[parts.Index(d, j)] != 0)) {
+          again.push_back(j);
+          again_keys.push_back(parts.keys[d][j]);
+        }
+      }
+      if (again.empty()) continue;
+      const uint64_t m = again.size();
+      slots.resize(m);
+      if (kind_ == "cpu") {  // overwrite in place, the bit by the slot found with the row
+        at.resize(m);
+        rows_[d]->row_addresses(again_keys.data(), m, at.data(), slots.data());
+        for (uint64_t k = 0; k < m; ++k) {
+          const uint64_t j = again[k];
+          if (!inserted[j] && at[k] != nullptr) std::memcpy(at[k], parts.rows[d] + j * static_cast<uint64_t>(row_floats_), row_bytes);
+        }
+      } else {
+        present_keys.clear();
+        present_rows.clear();
+        for (uint64_t j : again) {
+          if (inserted[j]) continue;
+          present_keys.push_back(parts.keys[d][j]);
+          const float* r = parts.rows[d] + j * static_cast<uint64_t>(row_floats_);
+          present_rows.insert(present_rows.end(), r, r + row_floats_);
+        }
+        if (!present_keys.empty()) {
+          rows_[d]->assign(present_keys.data(), present_keys.size(), present_rows.data(), nullptr);
+        }
+        if (bits != nullptr) rows_[d]->slots(again_keys.data(), m, slots.data());
+      }
+      if (bits == nullptr) continue;
+      for (uint64_t k = 0; k < m; ++k) {
+        bits->Put(slots[k], trained != nullptr && trained[parts.Index(d, again[k])] != 0);
+      }
+    }
+  }
+
   void SetGradientCapacity(int32_t device, uint64_t capacity) override {
     if (device < 0 || device >= o_.devices) {
       throw std::invalid_argument("device tier: device " + std::to_string(device) + " is outside [0, " +

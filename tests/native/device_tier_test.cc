@@ -577,6 +577,191 @@ TEST(DeviceTier, TrainedBitsOfManyRowsReadAsASetOfThem) {
   }
 }
 
+// RowsTrained and Upsert are the calls Herald's fetches make in one pass each:
+// a tier driven by them reads, row for row and bit for bit, as a twin driven
+// by the separate calls (Rows and Trained; Assign, Insert and SetTrained),
+// through stale copies overwritten, fresh rows inserted, and bits both ways.
+TEST(DeviceTier, RowsTrainedAndUpsertDoWhatTheSeparateCallsDo) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const int32_t width = opt.row_floats();
+  for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "in place" : "through the row mover (gradient tables)");
+    DeviceTierOptions o{3, 4096, opt, false, 1, nullptr, {}};
+    o.track_trained = true;
+    if (!in_place) {
+      o.devices = 2;
+      o.routes = TwoHostRoutes();
+    }
+    const int32_t devices = o.devices;
+    auto joint = DeviceTier::New(o), twin = DeviceTier::New(o);
+    ASSERT_EQ(joint->reads_in_place(), in_place);
+    std::mt19937_64 random(11);
+    std::vector<uint64_t> universe;  // keys a table may hold, each (key, device) once
+    std::vector<int32_t> universe_on;
+    for (uint64_t k = 1; k <= 600; ++k) {
+      universe.push_back(k % 3 == 0 ? random() >> 1 : k);
+      universe_on.push_back(static_cast<int32_t>(random() % static_cast<uint64_t>(devices)));
+    }
+    std::vector<uint8_t> held(universe.size(), 0);  // what the tables hold, as the test knows it
+    for (int round = 0; round < 30; ++round) {
+      SCOPED_TRACE(round);
+      // A fetch: some held (stale copies, overwritten), some not (inserted), each with a bit.
+      std::vector<uint64_t> some;
+      std::vector<int32_t> on;
+      std::vector<size_t> which;
+      for (size_t i = 0; i < universe.size(); ++i) {
+        if (random() % 3 != 0) continue;
+        some.push_back(universe[i]);
+        on.push_back(universe_on[i]);
+        which.push_back(i);
+      }
+      std::vector<float> rows(some.size() * static_cast<size_t>(width));
+      for (float& x : rows) x = static_cast<float>(random() % 1000) / 8.0f;
+      const bool none = round % 5 == 0;  // null bits: every row clean
+      std::vector<uint8_t> bits(some.size(), 0);
+      if (!none) {
+        for (uint8_t& b : bits) b = random() % 2 == 0 ? 1 : 0;
+      }
+      joint->Upsert(some.data(), some.size(), rows.data(), on.data(), none ? nullptr : bits.data());
+      twin->Assign(some.data(), some.size(), rows.data(), on.data());
+      twin->Insert(some.data(), some.size(), rows.data(), on.data());
+      std::vector<uint64_t> set_keys;
+      std::vector<int32_t> set_on;
+      for (size_t j = 0; j < some.size(); ++j) {
+        held[which[j]] = 1;
+        if (bits[j]) {
+          set_keys.push_back(some[j]);
+          set_on.push_back(on[j]);
+        }
+      }
+      twin->SetTrained(set_keys.data(), set_keys.size(), set_on.data(), true);
+      if (round % 7 == 3) {  // bits set outside the loads (a step's), on both
+        std::vector<uint64_t> k;
+        std::vector<int32_t> d;
+        for (size_t i = 0; i < universe.size(); ++i) {
+          if (held[i] && random() % 4 == 0) {
+            k.push_back(universe[i]);
+            d.push_back(universe_on[i]);
+          }
+        }
+        joint->SetTrained(k.data(), k.size(), d.data(), true);
+        twin->SetTrained(k.data(), k.size(), d.data(), true);
+      }
+
+      // Every held row read both ways, in a shuffled order (the owners not in runs).
+      std::vector<uint64_t> keys;
+      std::vector<int32_t> owners;
+      for (size_t i = 0; i < universe.size(); ++i) {
+        if (!held[i]) continue;
+        keys.push_back(universe[i]);
+        owners.push_back(universe_on[i]);
+      }
+      std::vector<size_t> order(keys.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::shuffle(order.begin(), order.end(), random);
+      std::vector<uint64_t> k2(keys.size());
+      std::vector<int32_t> o2(keys.size());
+      for (size_t i = 0; i < order.size(); ++i) {
+        k2[i] = keys[order[i]];
+        o2[i] = owners[order[i]];
+      }
+      std::vector<float> got(k2.size() * static_cast<size_t>(width), -1.0f), want(got.size(), -2.0f);
+      std::vector<uint8_t> got_bits(k2.size(), 2);
+      joint->RowsTrained(k2.data(), k2.size(), o2.data(), got.data(), got_bits.data());
+      twin->Rows(k2.data(), k2.size(), want.data(), o2.data());
+      ASSERT_EQ(got, want);
+      ASSERT_EQ(got_bits, TrainedOf(*twin, k2, o2));
+      ASSERT_EQ(joint->size(), twin->size());
+      if (round % 10 == 9) {
+        ASSERT_EQ(Taken(*joint), Taken(*twin));
+      }
+    }
+
+    // A key its owner does not hold is named; another device's copy does not count.
+    std::vector<uint64_t> keys = {universe[0], 1ull << 61};
+    std::vector<int32_t> owners = {universe_on[0], 0};
+    std::vector<float> out(2 * static_cast<size_t>(width));
+    std::vector<uint8_t> out_bits(2);
+    try {
+      joint->RowsTrained(keys.data(), 2, owners.data(), out.data(), out_bits.data());
+      ADD_FAILURE() << "an absent key must be named";
+    } catch (const std::out_of_range& e) {
+      EXPECT_NE(std::string(e.what()).find("keys[1] = " + std::to_string(1ull << 61)), std::string::npos)
+          << e.what();
+    }
+    const int32_t bad = devices;
+    EXPECT_THROW(joint->RowsTrained(keys.data(), 1, &bad, out.data(), out_bits.data()), std::invalid_argument);
+    EXPECT_THROW(joint->Upsert(keys.data(), 1, out.data(), &bad, nullptr), std::invalid_argument);
+  }
+}
+
+// A table with no room left refuses an Upsert's new key as Insert does; the
+// rows it held before stay readable.
+TEST(DeviceTier, UpsertOfMoreKeysThanATableHoldsIsRefused) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const int32_t width = opt.row_floats();
+  DeviceTierOptions o{1, 8, opt, false, 1, nullptr, {}};
+  o.track_trained = true;
+  auto tier = DeviceTier::New(o);
+  std::vector<uint64_t> keys(9);
+  for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = 100 + i;
+  std::vector<float> rows(keys.size() * static_cast<size_t>(width), 1.0f);
+  tier->Upsert(keys.data(), 8, rows.data(), nullptr, nullptr);
+  EXPECT_THROW(tier->Upsert(keys.data() + 8, 1, rows.data(), nullptr, nullptr), TableFullError);
+  std::vector<float> got(8 * static_cast<size_t>(width));
+  std::vector<uint8_t> bits(8, 2);
+  tier->RowsTrained(keys.data(), 8, nullptr, got.data(), bits.data());
+  EXPECT_EQ(got, std::vector<float>(got.size(), 1.0f));
+  EXPECT_EQ(bits, std::vector<uint8_t>(8, 0));
+}
+
+// Without trained bits Upsert is Assign then Insert, and a bit given is
+// refused; bound to MEM-PS's rows, Upsert is refused as Insert is, and
+// RowsTrained reads the rows where they lie, with no bits.
+TEST(DeviceTier, UpsertAndRowsTrainedWithoutBitsOrOnHostRows) {
+  const SparseOptimizer opt = AdaGrad(2);
+  const int32_t width = opt.row_floats();
+  const std::vector<uint64_t> keys = {5, 6};
+  std::vector<float> rows(2 * static_cast<size_t>(width));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i);
+  const uint8_t bits[2] = {1, 0};
+  {
+    auto tier = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
+    tier->Upsert(keys.data(), 2, rows.data(), nullptr, nullptr);
+    std::vector<float> got(rows.size());
+    tier->Rows(keys.data(), 2, got.data(), nullptr);
+    EXPECT_EQ(got, rows);
+    for (const auto& call : std::vector<std::function<void()>>{
+             [&] { tier->Upsert(keys.data(), 2, rows.data(), nullptr, bits); },
+             [&] {
+               uint8_t out[2];
+               tier->RowsTrained(keys.data(), 2, nullptr, got.data(), out);
+             }}) {
+      try {
+        call();
+        ADD_FAILURE() << "a tier without track_trained must refuse the trained bits";
+      } catch (const std::logic_error& e) {
+        EXPECT_NE(std::string(e.what()).find("track_trained is off"), std::string::npos) << e.what();
+      }
+    }
+  }
+  DeviceTierOptions o{1, 8, opt, false, 1, nullptr, {}};
+  o.track_trained = true;
+  auto tier = DeviceTier::New(o);
+  ASSERT_TRUE(tier->binds_host_rows());
+  std::vector<uint8_t*> at = {reinterpret_cast<uint8_t*>(rows.data()),
+                              reinterpret_cast<uint8_t*>(rows.data() + width)};
+  tier->BindHostRows(keys.data(), 2, nullptr, at.data());
+  EXPECT_THROW(tier->Upsert(keys.data(), 2, rows.data(), nullptr, nullptr), std::logic_error);
+  const uint64_t reversed[2] = {6, 5};
+  std::vector<float> got(rows.size());
+  uint8_t out[2] = {2, 2};
+  tier->RowsTrained(reversed, 2, nullptr, got.data(), out);
+  EXPECT_EQ(std::vector<float>(got.begin(), got.begin() + width), std::vector<float>(rows.begin() + width, rows.end()));
+  EXPECT_EQ(out[0], 0);
+  EXPECT_EQ(out[1], 0);
+}
+
 TEST(DeviceTier, TrainedBitsAreRefusedByATierThatDoesNotTrackThem) {
   const SparseOptimizer opt = AdaGrad(4);
   auto tier = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});

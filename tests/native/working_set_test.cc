@@ -1198,6 +1198,12 @@ class ApplyFailingTier final : public DeviceTier {
     tier_->SetTrained(k, n, o, trained);
   }
   void TakeTrained(std::vector<uint64_t>* k, std::vector<int32_t>* o) override { tier_->TakeTrained(k, o); }
+  void RowsTrained(const uint64_t* k, uint64_t n, const int32_t* o, float* rows, uint8_t* trained) const override {
+    tier_->RowsTrained(k, n, o, rows, trained);
+  }
+  void Upsert(const uint64_t* k, uint64_t n, const float* rows, const int32_t* o, const uint8_t* trained) override {
+    tier_->Upsert(k, n, rows, o, trained);
+  }
   TransferMatrix transfers() const override { return tier_->transfers(); }
   LinkCounters link_counters() const override { return tier_->link_counters(); }
   void ResetTransfers() override { tier_->ResetTransfers(); }
