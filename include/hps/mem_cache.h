@@ -234,22 +234,30 @@ class MemCache {
   // takes the first one whose key is not in the window. The rows so passed
   // over go behind the others of their rank (as recent as a visit would
   // make them; no visit is counted, and the others keep their order), so
-  // that the next eviction's walk starts past them. If the
-  // first kLookaheadScan candidates are all in the window (or all the
-  // shard's unpinned rows are, when fewer), it takes the one among them
-  // needed latest (the latest first occurrence): Belady's choice inside the
-  // window, over the candidates scanned. Access, which pins nothing, also
-  // counts the rest of its own keys as the window's head, each at its next
-  // occurrence in the call: a replayed batch is one the pipeline would have
-  // pinned whole. (A trace replay with a window of K batches sets the keys
-  // of batches i+1..i+K before batch i's Access.)
+  // that the next eviction's walk starts past them. If the first
+  // kLookaheadScan candidates are all in the window, the eviction is forced
+  // to look at the whole shard: it takes a row outside the window there if
+  // one is cached and unpinned (the first in the policy's order as it was at
+  // the window's first forced eviction, then in the order rows were loaded
+  // or unpinned since), else the shard's row needed latest (the latest first
+  // occurrence): Belady's choice inside the window. Access, which pins
+  // nothing, also counts the rest of its own keys as the window's head, each
+  // at its next occurrence in the call: a replayed batch is one the pipeline
+  // would have pinned whole (so a forced eviction passes them over, and
+  // takes the latest of those scanned if only they are left, or more than
+  // kLookaheadScan of them come first). (A trace replay with a window of K
+  // batches sets the keys of batches i+1..i+K before batch i's Access.)
   //
   // Cost: the call is O(n), its keys hashed into per-shard tables outside
   // any lock; an eviction looks up at most kLookaheadScan keys more than
   // without a window (a cost bound, not a tuned rule: on W3's tuning Zipf
   // trace at 1% a limit of 256 often met only window rows and kept 0.976 of
   // Belady at K = 4, 4096 kept 0.995), and an Access with one hashes its own
-  // keys once.
+  // keys once. The first forced eviction of a window lists the shard's rows
+  // (O(shard)); later ones take theirs from that list, kept as rows enter
+  // the order, in amortized O(log shard) (plus the Access call's own keys
+  // passed over, at most kLookaheadScan). The list takes up to 24 bytes a
+  // slot, reserved with the window.
   // Throws std::invalid_argument for the reserved key (naming its index) or
   // n >= 2^32 - 1, changing nothing.
   //

@@ -99,11 +99,12 @@ class MemCache(_core.MemCache):
         A pipeline calls it before pinning batch i, with the keys of batches
         i+1..i+K of its prefetch queue (batch i is kept by its pins). While a window
         is set, an eviction takes the policy's first candidate that is not in it; if
-        the first ``LOOKAHEAD_SCAN`` candidates all are, the one among them needed
-        latest (Belady's choice inside the window). ``access`` also counts the rest
-        of its own keys as the window's head. Until the first call and after
-        ``clear_lookahead()``, eviction is as without lookahead. Safe with concurrent
-        pulls, pins and unpins (each shard swaps its window in under its lock).
+        the first ``LOOKAHEAD_SCAN`` candidates all are, a row of the shard that is
+        not, else the shard's row needed latest (Belady's choice inside the window).
+        ``access`` also counts the rest of its own keys as the window's head. Until
+        the first call and after ``clear_lookahead()``, eviction is as without
+        lookahead. Safe with concurrent pulls, pins and unpins (each shard swaps its
+        window in under its lock).
         Raises ValueError for the reserved key 2**64 - 1 (the window stays as it
         was), TypeError for another dtype.
 

@@ -218,6 +218,19 @@ struct Shard {
   uint64_t hits = 0, misses = 0, evictions = 0, dirty_evictions = 0;
   uint64_t lookahead_spared = 0, lookahead_forced = 0;
   std::vector<uint32_t> passed;  // Victim's scratch: candidates passed over (reserved while a window is set)
+  // Beyond the scan: every ordered row, so that a forced eviction is Belady's
+  // over the whole shard (see Victim). Built at the first forced eviction of
+  // a window; rows entering the order since are appended (Ordered). Entries
+  // go stale as rows are pinned, evicted or erased, and are checked as they
+  // come out (Live). Room for BeyondRoom(capacity) entries is reserved with
+  // the window, so appending never allocates (a release appends midway).
+  struct Beyond {
+    bool built = false;
+    std::vector<uint32_t> spares;  // rows outside the window, in the policy's order then as they entered it
+    size_t head = 0;               // spares before it are taken or stale
+    std::vector<uint64_t> ranked;  // rows in the window: a max-heap of position << 32 | slot
+    std::vector<uint64_t> held;    // Victim's scratch: heap entries of the Access call's own keys
+  } beyond;
 };
 
 // A slot that TakeSlot gave for a new row: a free one, or a victim's, whose
@@ -455,6 +468,7 @@ class ShardedCache final : public MemCache {
             for (uint64_t i : missing.requests(m)) held->push_back(keys[i]);
           } else {
             shard.policy->Add(slot, load_keys[m]);
+            Ordered(shard, slot);
           }
           if (out) {
             for (uint64_t i : missing.requests(m)) std::memcpy(out + i * row_bytes_, row, row_bytes_);
@@ -572,6 +586,7 @@ class ShardedCache final : public MemCache {
         std::memset(RowAt(shard, t.slot), 0, row_bytes_);
         shard.keys[t.slot] = key;
         shard.policy->Add(t.slot, key);
+        Ordered(shard, t.slot);
       }
     }
     return hits;
@@ -771,13 +786,19 @@ class ShardedCache final : public MemCache {
   void SwapWindows(std::vector<Window> windows, bool on) {
     std::lock_guard lookahead_lock(lookahead_mutex_);
     for (size_t s = 0; s < shards_.size() && on; ++s) {  // may throw bad_alloc: before any swap
-      std::lock_guard lock(shards_[s].mutex);
-      shards_[s].passed.reserve(kLookaheadScan);  // Victim's push_back never allocates
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      shard.passed.reserve(kLookaheadScan);  // Victim's and Ordered's push_back never allocate
+      shard.beyond.held.reserve(kLookaheadScan);
+      shard.beyond.spares.reserve(BeyondRoom(shard.capacity));
+      shard.beyond.ranked.reserve(BeyondRoom(shard.capacity));
     }
     for (size_t s = 0; s < shards_.size(); ++s) {
-      std::lock_guard lock(shards_[s].mutex);
-      shards_[s].window.swap(windows[s]);
-      shards_[s].lookahead = on;
+      Shard& shard = shards_[s];
+      std::lock_guard lock(shard.mutex);
+      shard.window.swap(windows[s]);
+      shard.lookahead = on;
+      DropBeyond(shard);  // ranked by the old window: rebuilt at the next forced eviction
     }
   }
 
@@ -877,6 +898,7 @@ class ShardedCache final : public MemCache {
         evicted->Add(shard.keys[t.slot], RowAt(shard, t.slot), row_bytes_);
       } catch (...) {
         shard.policy->Add(t.slot, shard.keys[t.slot]);
+        Ordered(shard, t.slot);
         throw;
       }
       shard.dirty[t.slot] = 0;
@@ -889,9 +911,10 @@ class ShardedCache final : public MemCache {
   }
 
   // Takes the policy's victim out of its order, or with a lookahead window,
-  // the first candidate not in the window (else the one needed latest among
-  // those scanned): see MemCache::SetLookahead. `call` (or null): an Access
-  // call's keys still to come, the window's head. kNoSlot when none is ordered.
+  // the first candidate not in the window, else (BeyondVictim) a row of the
+  // shard not in it or the one needed latest: see MemCache::SetLookahead.
+  // `call` (or null): an Access call's keys still to come, the window's head.
+  // kNoSlot when none is ordered.
   // REQUIRES: shard.mutex held.
   uint32_t Victim(Shard& shard, const CallWindow* call) {
     if (!shard.lookahead || (shard.window.size() == 0 && call == nullptr)) return shard.policy->Evict();
@@ -925,7 +948,11 @@ class ShardedCache final : public MemCache {
     shard.policy->ForEachCandidate(kLookaheadScan, [s = &scan](uint32_t slot) { return s->Visit(slot); });
     if (scan.seen == 0) return kNoSlot;
     if (scan.spare != kNoSlot && scan.seen == 1) return shard.policy->Evict();  // the policy's victim, its own way
-    const uint32_t slot = scan.spare != kNoSlot ? scan.spare : scan.latest;
+    uint32_t slot = scan.spare != kNoSlot ? scan.spare : scan.latest;
+    if (scan.spare == kNoSlot && scan.seen == kLookaheadScan) {  // rows may lie past the scan: look at them all
+      const uint32_t beyond = BeyondVictim(shard, call, &scan.spare);
+      if (beyond != kNoSlot) slot = beyond;
+    }
     // The rows passed over go behind the others of their rank, coldest
     // first, so that they keep their order and the next walk starts past them.
     for (const uint32_t passed : shard.passed) {
@@ -938,6 +965,123 @@ class ShardedCache final : public MemCache {
     }
     shard.policy->Detach(slot);
     return slot;
+  }
+
+  // Room for Shard::Beyond's entries: the build puts in at most one per
+  // slot; past twice that, Ordered drops them and the next forced eviction
+  // builds them anew (O(capacity), amortized over as many appends).
+  static uint64_t BeyondRoom(uint32_t capacity) { return 2 * uint64_t{capacity} + 1; }
+
+  static void DropBeyond(Shard& shard) noexcept {
+    shard.beyond.built = false;
+    shard.beyond.spares.clear();  // keeps the room reserved
+    shard.beyond.ranked.clear();
+    shard.beyond.head = 0;
+  }
+
+  // A row entered the policy's order (inserted, unpinned, or put back): into
+  // Beyond, if built. Never allocates or throws (a release calls it midway).
+  // REQUIRES: shard.mutex held.
+  void Ordered(Shard& shard, uint32_t slot) noexcept {
+    Shard::Beyond& b = shard.beyond;
+    if (!b.built) return;
+    if (b.spares.size() + b.ranked.size() + 1 > BeyondRoom(shard.capacity)) {
+      DropBeyond(shard);
+      return;
+    }
+    const uint32_t position = shard.window.Position(shard.keys[slot]);
+    if (position == Window::kAbsent) {
+      b.spares.push_back(slot);
+    } else {
+      b.ranked.push_back(uint64_t{position} << 32 | slot);
+      std::push_heap(b.ranked.begin(), b.ranked.end());
+    }
+  }
+
+  // Whether slot holds an ordered row (cached, unpinned) at window position
+  // `position` (kAbsent: outside the window). REQUIRES: shard.mutex held.
+  static bool Live(const Shard& shard, uint32_t slot, uint32_t position) {
+    if (slot == kNoSlot) return false;
+    const uint64_t key = shard.keys[slot];
+    return shard.pins[slot] == 0 && shard.where.Find(key) == slot && shard.window.Position(key) == position;
+  }
+
+  // A forced eviction's victim over the whole shard: the first row outside
+  // the window (in the policy's order as of the build, then in the order rows
+  // entered it), else the window's row needed latest; neither an Access
+  // call's own key. kNoSlot when every ordered row is one of those (or more
+  // than kLookaheadScan of the call's keys come first): the scan's choice
+  // stands. *spared: set to the slot when it is outside the window.
+  // Amortized O(log capacity) per eviction, plus at most kLookaheadScan of
+  // the call's own keys looked at. Throws nothing: Beyond's room is reserved.
+  // REQUIRES: shard.mutex held; the window set.
+  uint32_t BeyondVictim(Shard& shard, const CallWindow* call, uint32_t* spared) {
+    Shard::Beyond& b = shard.beyond;
+    if (!b.built) {
+      DropBeyond(shard);
+      struct Build {
+        Shard& shard;
+        bool Visit(uint32_t slot) {
+          const uint32_t position = shard.window.Position(shard.keys[slot]);
+          if (position == Window::kAbsent) {
+            shard.beyond.spares.push_back(slot);
+          } else {
+            shard.beyond.ranked.push_back(uint64_t{position} << 32 | slot);
+          }
+          return true;
+        }
+      } build{shard};
+      shard.policy->ForEachCandidate(shard.capacity, [p = &build](uint32_t slot) { return p->Visit(slot); });
+      std::make_heap(b.ranked.begin(), b.ranked.end());
+      b.built = true;  // (not if the policy's walk threw bad_alloc: the next forced eviction starts over)
+    }
+    auto own = [&](uint32_t slot) {
+      return call != nullptr && call->next.Position(shard.keys[slot]) != Window::kAbsent;
+    };
+    // The spares from head on: taken or stale ones go; the call's own keys
+    // stay, moved up to the first entry not walked, so that head passes all
+    // the others and the next walk meets only those again.
+    uint32_t victim = kNoSlot, skipped = 0;
+    size_t end = b.head;  // entries [head, end) walked
+    for (; end < b.spares.size() && skipped < kLookaheadScan && victim == kNoSlot; ++end) {
+      const uint32_t slot = b.spares[end];
+      if (Live(shard, slot, Window::kAbsent)) {
+        if (own(slot)) {
+          ++skipped;
+          continue;
+        }
+        victim = slot;
+      }
+      b.spares[end] = kNoSlot;
+    }
+    size_t to = end;
+    for (size_t i = end; i-- > b.head;) {
+      if (b.spares[i] != kNoSlot) b.spares[--to] = b.spares[i];
+    }
+    b.head = to;
+    if (victim != kNoSlot) {
+      *spared = victim;
+      return victim;
+    }
+    b.held.clear();
+    while (!b.ranked.empty() && b.held.size() < kLookaheadScan) {
+      std::pop_heap(b.ranked.begin(), b.ranked.end());
+      const uint64_t entry = b.ranked.back();
+      b.ranked.pop_back();
+      const uint32_t slot = static_cast<uint32_t>(entry);
+      if (!Live(shard, slot, static_cast<uint32_t>(entry >> 32))) continue;  // stale
+      if (own(slot)) {
+        b.held.push_back(entry);
+        continue;
+      }
+      victim = slot;
+      break;
+    }
+    for (const uint64_t entry : b.held) {  // back where they were: popped just now, so there is room
+      b.ranked.push_back(entry);
+      std::push_heap(b.ranked.begin(), b.ranked.end());
+    }
+    return victim;
   }
 
   // Undoes TakeSlot while the slot still holds its victim: the victim is
@@ -956,6 +1100,7 @@ class ShardedCache final : public MemCache {
     const uint64_t key = shard.keys[t.slot];
     shard.where.Upsert(key, t.slot);  // the key left this index just now: no growth
     shard.policy->Add(t.slot, key);
+    Ordered(shard, t.slot);
     if (t.dirty) MarkDirty(shard, t.slot);
   }
 
@@ -1100,6 +1245,7 @@ class ShardedCache final : public MemCache {
         } else {
           shard.policy->Reattach(slot);
         }
+        Ordered(shard, slot);
       }
       mine.resize(unpinned);  // shrinking: never allocates
       their_slots.resize(unpinned);

@@ -1249,9 +1249,9 @@ TEST(MemCacheLookahead, EveryRowInTheWindowEvictsTheOneNeededLatest) {
   EXPECT_EQ(cache->stats().lookahead_forced, 1u);
 }
 
-// The scan stops after kLookaheadScan candidates: a row outside the window
-// but beyond them is not found, and the latest-needed row of those scanned goes.
-TEST(MemCacheLookahead, ScanIsBoundedByLookaheadScan) {
+// Forced evictions look past the first kLookaheadScan candidates, at the
+// whole shard: a row outside the window there goes first.
+TEST(MemCacheLookahead, RowOutsideTheWindowBeyondTheScanGoesFirst) {
   const uint32_t scan = MemCache::kLookaheadScan;
   auto cache = TraceCache("lru", scan + 10);
   std::vector<uint64_t> keys(scan + 10);
@@ -1260,8 +1260,91 @@ TEST(MemCacheLookahead, ScanIsBoundedByLookaheadScan) {
   const std::vector<uint64_t> window(keys.begin(), keys.end() - 1);  // all but the most recent
   cache->SetLookahead(window.data(), window.size());
   AccessAll(*cache, {100000});
-  EXPECT_FALSE(cache->Contains(scan)) << "the latest-needed of the first kLookaheadScan candidates";
-  EXPECT_TRUE(cache->Contains(keys.back()));
+  EXPECT_FALSE(cache->Contains(keys.back())) << "the one row outside the window, past the scan";
+  for (uint64_t k : window) ASSERT_TRUE(cache->Contains(k)) << k;
+  EXPECT_EQ(cache->stats().lookahead_spared, 1u);
+  EXPECT_EQ(cache->stats().lookahead_forced, 0u);
+}
+
+// Every row in the window: the one needed latest goes, also when it lies past
+// the first kLookaheadScan candidates (Belady inside the window, whole shard).
+TEST(MemCacheLookahead, LatestNeededBeyondTheScanGoes) {
+  const uint32_t scan = MemCache::kLookaheadScan;
+  auto cache = TraceCache("lru", scan + 10);
+  std::vector<uint64_t> keys(scan + 10);
+  for (uint64_t k = 0; k < keys.size(); ++k) keys[k] = k + 1;
+  AccessAll(*cache, keys);
+  std::vector<uint64_t> window = keys;
+  std::rotate(window.begin() + scan + 4, window.begin() + scan + 5, window.end());  // scan + 5 needed last
+  cache->SetLookahead(window.data(), window.size());
+  AccessAll(*cache, {100000});
+  EXPECT_FALSE(cache->Contains(scan + 5)) << "the latest needed, candidate scan + 5";
+  EXPECT_TRUE(cache->Contains(scan)) << "the latest needed of the first kLookaheadScan candidates stays";
+  EXPECT_EQ(cache->stats().lookahead_forced, 1u);
+}
+
+// Rows that enter the order after a forced eviction looked at the whole
+// shard count in the next ones: a row outside the window, then the row
+// needed latest, both loaded after the window was set.
+TEST(MemCacheLookahead, RowsLoadedUnderTheWindowCountInForcedEvictions) {
+  const uint32_t scan = MemCache::kLookaheadScan;
+  const uint64_t n = scan + 10, later = 200000, outside = 100000;
+  auto cache = TraceCache("lru", n);
+  std::vector<uint64_t> keys(n);
+  for (uint64_t k = 0; k < n; ++k) keys[k] = k + 1;
+  AccessAll(*cache, keys);
+  std::vector<uint64_t> window = keys;
+  window.push_back(later);  // needed after every cached row
+  cache->SetLookahead(window.data(), window.size());
+  AccessAll(*cache, {outside});  // forced: n, needed latest of the rows cached, goes
+  EXPECT_FALSE(cache->Contains(n));
+  AccessAll(*cache, {later});  // outside, loaded since, is the one row not in the window
+  EXPECT_FALSE(cache->Contains(outside));
+  EXPECT_TRUE(cache->Contains(later));
+  AccessAll(*cache, {300000});  // forced: later, loaded since, is needed latest
+  EXPECT_FALSE(cache->Contains(later));
+  for (uint64_t k = 1; k < n; ++k) ASSERT_TRUE(cache->Contains(k)) << k;
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.lookahead_spared, 1u);
+  EXPECT_EQ(st.lookahead_forced, 2u);
+}
+
+// Likewise a row pinned by a forced eviction's Pull and unpinned after it.
+TEST(MemCacheLookahead, RowUnpinnedUnderTheWindowCountsInForcedEvictions) {
+  const uint32_t scan = MemCache::kLookaheadScan;
+  const uint64_t n = scan + 10, later = 200000;
+  Backing backing;
+  auto cache = BackedCache(backing, "lru", n, 1);
+  std::vector<uint64_t> keys(n);
+  for (uint64_t k = 0; k < n; ++k) keys[k] = k + 1;
+  AccessAll(*cache, keys);
+  std::vector<uint64_t> window = keys;
+  window.push_back(later);
+  cache->SetLookahead(window.data(), window.size());
+  cache->Pull(&later, 1, nullptr, /*pin=*/true, nullptr);  // forced: n goes
+  EXPECT_FALSE(cache->Contains(n));
+  cache->Unpin(&later, 1);
+  AccessAll(*cache, {300000});  // forced: later, unpinned since, is needed latest
+  EXPECT_FALSE(cache->Contains(later));
+  for (uint64_t k = 1; k < n; ++k) ASSERT_TRUE(cache->Contains(k)) << k;
+  EXPECT_EQ(cache->stats().lookahead_forced, 2u);
+}
+
+// An Access call's own keys stay past the scan too: needed in the call, they
+// come before any row the window names.
+TEST(MemCacheLookahead, AccessOwnKeysBeyondTheScanStay) {
+  const uint32_t scan = MemCache::kLookaheadScan;
+  const uint64_t n = scan + 10;
+  auto cache = TraceCache("lru", n);
+  std::vector<uint64_t> keys(n);
+  for (uint64_t k = 0; k < n; ++k) keys[k] = k + 1;
+  AccessAll(*cache, keys);
+  std::vector<uint64_t> window(keys.begin(), keys.end() - 2);  // n - 1 and n outside the window
+  window.push_back(n - 1);  // n - 1 in it, needed latest
+  cache->SetLookahead(window.data(), window.size());
+  // 100000 misses: n is needed later in the call, n - 1 is not: n - 1 goes.
+  EXPECT_EQ(AccessAll(*cache, {100000, n}), (std::vector<uint8_t>{0, 1}));
+  EXPECT_FALSE(cache->Contains(n - 1));
   EXPECT_EQ(cache->stats().lookahead_forced, 1u);
 }
 
