@@ -257,7 +257,9 @@ class MemCache {
   // (O(shard)); later ones take theirs from that list, kept as rows enter
   // the order, in amortized O(log shard) (plus the Access call's own keys
   // passed over, at most kLookaheadScan). The list takes up to 24 bytes a
-  // slot, reserved with the window.
+  // slot of the shard, reserved at the first forced eviction (a window whose
+  // evictions all find a row outside it takes none) and kept until
+  // ClearLookahead; it is not counted in the budget.
   // Throws std::invalid_argument for the reserved key (naming its index) or
   // n >= 2^32 - 1, changing nothing.
   //

@@ -222,8 +222,9 @@ struct Shard {
   // over the whole shard (see Victim). Built at the first forced eviction of
   // a window; rows entering the order since are appended (Ordered). Entries
   // go stale as rows are pinned, evicted or erased, and are checked as they
-  // come out (Live). Room for BeyondRoom(capacity) entries is reserved with
-  // the window, so appending never allocates (a release appends midway).
+  // come out (Live). Room for BeyondRoom(capacity) entries is reserved by
+  // the build, so appending never allocates (a release appends midway), and
+  // freed when the window is cleared.
   struct Beyond {
     bool built = false;
     std::vector<uint32_t> spares;  // rows outside the window, in the policy's order then as they entered it
@@ -788,17 +789,17 @@ class ShardedCache final : public MemCache {
     for (size_t s = 0; s < shards_.size() && on; ++s) {  // may throw bad_alloc: before any swap
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
-      shard.passed.reserve(kLookaheadScan);  // Victim's and Ordered's push_back never allocate
+      shard.passed.reserve(kLookaheadScan);  // Victim's push_back never allocates
       shard.beyond.held.reserve(kLookaheadScan);
-      shard.beyond.spares.reserve(BeyondRoom(shard.capacity));
-      shard.beyond.ranked.reserve(BeyondRoom(shard.capacity));
     }
+    std::vector<Shard::Beyond> dropped(on ? 0 : shards_.size());  // freed after, outside the locks
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
       std::lock_guard lock(shard.mutex);
       shard.window.swap(windows[s]);
       shard.lookahead = on;
       DropBeyond(shard);  // ranked by the old window: rebuilt at the next forced eviction
+      if (!on) std::swap(shard.beyond, dropped[s]);  // no window, no forced eviction: its room goes
     }
   }
 
@@ -1013,12 +1014,21 @@ class ShardedCache final : public MemCache {
   // than kLookaheadScan of the call's keys come first): the scan's choice
   // stands. *spared: set to the slot when it is outside the window.
   // Amortized O(log capacity) per eviction, plus at most kLookaheadScan of
-  // the call's own keys looked at. Throws nothing: Beyond's room is reserved.
+  // the call's own keys looked at. Throws nothing: Beyond's room is reserved
+  // by the build, at a window's first forced eviction (not with the window,
+  // so that a window whose evictions all find a row outside it in the scan
+  // costs no room); a build that finds no memory leaves the scan's choice.
   // REQUIRES: shard.mutex held; the window set.
   uint32_t BeyondVictim(Shard& shard, const CallWindow* call, uint32_t* spared) {
     Shard::Beyond& b = shard.beyond;
     if (!b.built) {
       DropBeyond(shard);
+      try {
+        b.spares.reserve(BeyondRoom(shard.capacity));  // Ordered's push_back never allocates
+        b.ranked.reserve(BeyondRoom(shard.capacity));
+      } catch (const std::bad_alloc&) {
+        return kNoSlot;
+      }
       struct Build {
         Shard& shard;
         bool Visit(uint32_t slot) {
@@ -1031,9 +1041,14 @@ class ShardedCache final : public MemCache {
           return true;
         }
       } build{shard};
-      shard.policy->ForEachCandidate(shard.capacity, [p = &build](uint32_t slot) { return p->Visit(slot); });
+      try {
+        shard.policy->ForEachCandidate(shard.capacity, [p = &build](uint32_t slot) { return p->Visit(slot); });
+      } catch (const std::bad_alloc&) {
+        DropBeyond(shard);  // the next forced eviction starts over
+        return kNoSlot;
+      }
       std::make_heap(b.ranked.begin(), b.ranked.end());
-      b.built = true;  // (not if the policy's walk threw bad_alloc: the next forced eviction starts over)
+      b.built = true;
     }
     auto own = [&](uint32_t slot) {
       return call != nullptr && call->next.Position(shard.keys[slot]) != Window::kAbsent;
