@@ -528,7 +528,10 @@ def main() -> int:
                          "scan": getattr(hps.MemCache, "LOOKAHEAD_SCAN", None),
                          "replay": "cache.replay(trace, batches, lookahead=K): set_lookahead(batches i+1..i+K) "
                                    "before batch i's access(), which counts the rest of batch i as the "
-                                   "window's head"},
+                                   "window's head",
+                         "rule": "an eviction takes the policy's first candidate outside the window among "
+                                 "the first `scan`; if all are in it, a row of the shard outside it, else "
+                                 "the shard's row needed latest (Belady inside the window)"},
            "native_config": {"row_bytes": 8, "shards": 1,
                              "other_options": "library defaults (e.g. lru+lfu's lru_fraction)"},
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

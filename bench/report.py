@@ -402,7 +402,10 @@ def render_w3(o: dict) -> list[str]:
         for k, v in (targets or {}).items():
             out.append(f"- Lookahead {k}, {where}: " + listed(v))
     la = o.get("lookahead")
-    if la and la.get("ks"):
+    if la and la.get("ks") and la.get("rule"):
+        out.append(f"- Lookahead replays: {la.get('replay')}; {la['rule'].replace('`scan`', str(la.get('scan')))} "
+                   "(MemCache::kLookaheadScan)")
+    elif la and la.get("ks"):  # lines before 57ac656: the latest-needed of the candidates scanned
         out.append(f"- Lookahead replays: {la.get('replay')}; eviction scans at most {la.get('scan')} "
                    "candidates (MemCache::kLookaheadScan)")
     return out
