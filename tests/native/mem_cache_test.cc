@@ -1389,6 +1389,35 @@ TEST(MemCacheLookahead, SparedRowGoesBehindTheOthers) {
   EXPECT_TRUE(cache->Contains(1)) << "the spared row stayed first in line";
 }
 
+// Two threads pull 30 distinct keys of [0, pulled) a step for 300 steps,
+// checking each row; a third replays (Access) 30 a step, which `replayed`
+// maps to keys no Pull asks for (replayed keys enter with zero rows). Then
+// `done` is set and `prefetch` joined. EXPECTs every pulled row right.
+template <class Replayed>
+void PullAndReplayAlongside(MemCache& cache, uint64_t pulled, Replayed replayed, std::atomic<bool>& done,
+                            std::thread& prefetch) {
+  std::vector<std::thread> threads;
+  std::vector<int> bad(2, 0);
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      for (int step = 0; step < 300; ++step) {
+        std::vector<uint64_t> keys = DistinctDraws(rng, 30, pulled);
+        if (t == 2) {
+          replayed(keys);
+          cache.Access(keys.data(), keys.size(), nullptr);
+          continue;
+        }
+        bad[t] += PullCountingWrongRows(cache, keys);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  done = true;
+  prefetch.join();
+  for (int t = 0; t < 2; ++t) EXPECT_EQ(bad[t], 0) << "puller " << t;
+}
+
 // Under TSan: a prefetch thread replaces the window while others pull, pin,
 // unpin and replay; rows stay right and no pin is lost.
 TEST(MemCacheLookahead, WindowSwapsRaceNothing) {
@@ -1407,27 +1436,9 @@ TEST(MemCacheLookahead, WindowSwapsRaceNothing) {
       (void)cache->stats();
     }
   });
-  std::vector<std::thread> threads;
-  std::vector<int> bad(3, 0);
-  for (int t = 0; t < 3; ++t) {
-    threads.emplace_back([&, t] {
-      std::mt19937_64 rng(t);
-      for (int step = 0; step < 300; ++step) {
-        std::vector<uint64_t> keys = DistinctDraws(rng, 30, 2000);
-        if (t == 2) {
-          // Replayed keys enter with zero rows, so they come from keys no Pull asks for.
-          for (uint64_t& k : keys) k += 2000;
-          cache->Access(keys.data(), keys.size(), nullptr);
-          continue;
-        }
-        bad[t] += PullCountingWrongRows(*cache, keys);
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  done = true;
-  prefetch.join();
-  for (int t = 0; t < 3; ++t) EXPECT_EQ(bad[t], 0);
+  PullAndReplayAlongside(*cache, 2000, [](std::vector<uint64_t>& keys) {
+    for (uint64_t& k : keys) k += 2000;
+  }, done, prefetch);
   const MemCacheStats st = cache->stats();
   EXPECT_EQ(st.pinned, 0u);
   EXPECT_GT(st.lookahead_spared + st.lookahead_forced, 0u);
@@ -1452,29 +1463,11 @@ TEST(MemCacheLookahead, ForcedEvictionsBeyondTheScanRaceNothing) {
       cache->SetLookahead(window.data(), window.size());
     }
   });
-  std::vector<std::thread> threads;
-  std::vector<int> bad(3, 0);
-  for (int t = 0; t < 3; ++t) {
-    threads.emplace_back([&, t] {
-      std::mt19937_64 rng(t);
-      for (int step = 0; step < 300; ++step) {
-        std::vector<uint64_t> keys = DistinctDraws(rng, 30, pulled);
-        if (t == 2) {
-          // Replayed keys enter with zero rows, so they come from keys no Pull asks for.
-          for (uint64_t& k : keys) k = pulled + k % (all - pulled);
-          std::sort(keys.begin(), keys.end());
-          keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
-          cache->Access(keys.data(), keys.size(), nullptr);
-          continue;
-        }
-        bad[t] += PullCountingWrongRows(*cache, keys);
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  done = true;
-  prefetch.join();
-  for (int t = 0; t < 3; ++t) EXPECT_EQ(bad[t], 0);
+  PullAndReplayAlongside(*cache, pulled, [&](std::vector<uint64_t>& keys) {
+    for (uint64_t& k : keys) k = pulled + k % (all - pulled);
+    std::sort(keys.begin(), keys.end());
+    keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  }, done, prefetch);
   const MemCacheStats st = cache->stats();
   EXPECT_EQ(st.pinned, 0u);
   EXPECT_GT(st.lookahead_forced, 0u);
