@@ -1249,14 +1249,27 @@ TEST(MemCacheLookahead, EveryRowInTheWindowEvictsTheOneNeededLatest) {
   EXPECT_EQ(cache->stats().lookahead_forced, 1u);
 }
 
+// Keys 1..n.
+std::vector<uint64_t> KeysFrom1(uint64_t n) {
+  std::vector<uint64_t> keys(n);
+  for (uint64_t k = 0; k < n; ++k) keys[k] = k + 1;
+  return keys;
+}
+
+// A TraceCache of one shard just big enough for keys, which it accessed in
+// order (keys.front() the least recent).
+std::unique_ptr<MemCache> TraceCacheOf(const std::string& policy, const std::vector<uint64_t>& keys) {
+  auto cache = TraceCache(policy, keys.size());
+  AccessAll(*cache, keys);
+  return cache;
+}
+
 // Forced evictions look past the first kLookaheadScan candidates, at the
 // whole shard: a row outside the window there goes first.
 TEST(MemCacheLookahead, RowOutsideTheWindowBeyondTheScanGoesFirst) {
   const uint32_t scan = MemCache::kLookaheadScan;
-  auto cache = TraceCache("lru", scan + 10);
-  std::vector<uint64_t> keys(scan + 10);
-  for (uint64_t k = 0; k < keys.size(); ++k) keys[k] = k + 1;
-  AccessAll(*cache, keys);  // 1 the least recent, scan + 10 the most
+  const std::vector<uint64_t> keys = KeysFrom1(scan + 10);
+  auto cache = TraceCacheOf("lru", keys);  // 1 the least recent, scan + 10 the most
   const std::vector<uint64_t> window(keys.begin(), keys.end() - 1);  // all but the most recent
   cache->SetLookahead(window.data(), window.size());
   AccessAll(*cache, {100000});
@@ -1270,10 +1283,8 @@ TEST(MemCacheLookahead, RowOutsideTheWindowBeyondTheScanGoesFirst) {
 // the first kLookaheadScan candidates (Belady inside the window, whole shard).
 TEST(MemCacheLookahead, LatestNeededBeyondTheScanGoes) {
   const uint32_t scan = MemCache::kLookaheadScan;
-  auto cache = TraceCache("lru", scan + 10);
-  std::vector<uint64_t> keys(scan + 10);
-  for (uint64_t k = 0; k < keys.size(); ++k) keys[k] = k + 1;
-  AccessAll(*cache, keys);
+  const std::vector<uint64_t> keys = KeysFrom1(scan + 10);
+  auto cache = TraceCacheOf("lru", keys);
   std::vector<uint64_t> window = keys;
   std::rotate(window.begin() + scan + 4, window.begin() + scan + 5, window.end());  // scan + 5 needed last
   cache->SetLookahead(window.data(), window.size());
@@ -1289,10 +1300,8 @@ TEST(MemCacheLookahead, LatestNeededBeyondTheScanGoes) {
 TEST(MemCacheLookahead, RowsLoadedUnderTheWindowCountInForcedEvictions) {
   const uint32_t scan = MemCache::kLookaheadScan;
   const uint64_t n = scan + 10, later = 200000, outside = 100000;
-  auto cache = TraceCache("lru", n);
-  std::vector<uint64_t> keys(n);
-  for (uint64_t k = 0; k < n; ++k) keys[k] = k + 1;
-  AccessAll(*cache, keys);
+  const std::vector<uint64_t> keys = KeysFrom1(n);
+  auto cache = TraceCacheOf("lru", keys);
   std::vector<uint64_t> window = keys;
   window.push_back(later);  // needed after every cached row
   cache->SetLookahead(window.data(), window.size());
@@ -1335,10 +1344,8 @@ TEST(MemCacheLookahead, RowUnpinnedUnderTheWindowCountsInForcedEvictions) {
 TEST(MemCacheLookahead, AccessOwnKeysBeyondTheScanStay) {
   const uint32_t scan = MemCache::kLookaheadScan;
   const uint64_t n = scan + 10;
-  auto cache = TraceCache("lru", n);
-  std::vector<uint64_t> keys(n);
-  for (uint64_t k = 0; k < n; ++k) keys[k] = k + 1;
-  AccessAll(*cache, keys);
+  const std::vector<uint64_t> keys = KeysFrom1(n);
+  auto cache = TraceCacheOf("lru", keys);
   std::vector<uint64_t> window(keys.begin(), keys.end() - 2);  // n - 1 and n outside the window
   window.push_back(n - 1);  // n - 1 in it, needed latest
   cache->SetLookahead(window.data(), window.size());
