@@ -474,6 +474,46 @@ def run_heraldretry(node, out: str, args) -> None:
     server.close()
 
 
+def lookaheadorder_keys(world: int, owner: int, rows: int) -> np.ndarray:
+    """rows + 1 keys `owner` owns, ascending: the rows its MEM-PS holds, then one more."""
+    from hps.distributed import owner_ranks
+    keys = np.arange(1, 1000, dtype=np.uint64)
+    return keys[owner_ranks(keys, world) == owner][:rows + 1]
+
+
+def run_lookaheadorder(node, out: str, args) -> None:
+    """On 2 ranks: the owner's (--owner) MEM-PS is full of rows of keys k[0] < ... <
+    k[C-1], all in the job's window, and the window needs them in the opposite
+    order: k[C-1-j] first in batch j, by rank j % 2; the owner needs all of them
+    again in a last batch. Then the owner pulls k[C], outside the window: MEM-PS
+    must evict k[0], needed latest (a window sorted by key value would evict k[C-1],
+    and one that took a key's last batch over the ranks, not its first, would see
+    every key needed in the last batch). The sequential schedule's or, with
+    --herald, Herald's _lookahead (rank 0 leads). The owner saves which keys stay."""
+    import hps
+    from hps.distributed import DistributedServer
+    local = hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), budget=args.mem_budget))
+    if args.herald:
+        from hps.distributed.herald import HeraldServer
+        server = HeraldServer(local, node, args.herald)
+    else:
+        server = DistributedServer(local, node)
+    cache, mine = server.local._cache, node.rank == args.owner
+    rows = int(cache.stats()["capacity"])  # every rank's: the same config
+    keys = lookaheadorder_keys(node.size, args.owner, rows)
+    upcoming = [keys[rows - 1 - j:rows - j] if j % 2 == node.rank else keys[:0] for j in range(rows)]
+    upcoming.append(keys[:rows] if mine else keys[:0])
+    if mine:
+        cache.pull(keys[:rows])  # MEM-PS full, nothing pinned
+    server._lookahead(upcoming)
+    if mine:
+        cache.pull(keys[rows:])
+        with open(os.path.join(out, "owner.json"), "w") as f:
+            json.dump({"keys": keys.tolist(), "cached": [int(k) in cache for k in keys],
+                       "forced": cache.stats()["lookahead_forced"]}, f)
+    server.close()
+
+
 def run_train(node, out: str, args) -> None:
     from hps.train import train
     cfg = train_config(os.path.join(out, "job"), args.dense_sync, args.k, args.hierarchical, args.ranks_per_node,
@@ -687,7 +727,7 @@ def main() -> None:
     ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldflush",
                                          "heraldtable", "heraldrandom",
                                          "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
-                                         "otherseed", "pushstep"])
+                                         "otherseed", "pushstep", "lookaheadorder"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")
@@ -722,6 +762,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="heraldrandom: the seed of its events")
     ap.add_argument("--herald", type=int, default=0, metavar="ROWS",
                     help="schedule = 'herald' with caches of ROWS rows a rank")
+    ap.add_argument("--owner", type=int, default=0, help="lookaheadorder: the rank whose MEM-PS is watched")
     ap.add_argument("--device-capacity", type=int, default=0, help="[ps] device_capacity (rows a device)")
     ap.add_argument("--fail-ranks", default="", help="heraldretry: the ranks (comma-separated) whose MEM-PS is "
                     "full once")

@@ -221,10 +221,12 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
         asks = sum(int((owner_ranks(u, world) != q).sum()) for (t, q), u in distinct.items() if q == r)
         asked = sum(int((owner_ranks(u, world) == r).sum()) for (t, q), u in distinct.items() if q != r)
         # Lookahead: each step a rank also sends the distinct keys of its next 2 batches
-        # to every other rank (sorted, 8 bytes each).
+        # (fewer at the end) to every other rank, 8 bytes each, after their number and
+        # the count of keys each batch needs first (8 bytes each: merge_windows).
+        coming = [[d for d in (1, 2) if (t + d, r) in distinct] for t in range(steps)]
         window = 0 if "--lookahead" not in extra else sum(
-            len(np.unique(np.concatenate([distinct[t + d, r] for d in (1, 2) if (t + d, r) in distinct] or
-                                         [np.empty(0, np.uint64)]))) * 8 * (world - 1) for t in range(steps))
+            (len(np.unique(np.concatenate([distinct[t + d, r] for d in coming[t]] or [np.empty(0, np.uint64)])))
+             + 1 + len(coming[t])) * 8 * (world - 1) for t in range(steps))
         assert b["sparse_keys"] == asks * (8 + 4) + window, f"rank {r}"
         row_bytes = {"none": dim * 4, "bf16": dim * 2, "int8": dim + 4}[codec]  # int8: a float32 scale a row
         assert b["sparse_grads"] == asks * row_bytes, f"rank {r}"
@@ -638,6 +640,22 @@ def _herald_replay(world: int, steps: int, per_rank: int, capacity: int, lookahe
         written = np.union1d(written, held)
     want["flushed_rows"] = np.array(flushed)
     return {"per_rank": {k: v.tolist() for k, v in want.items()}, "totals": totals, "example_cost": cost}
+
+
+@pytest.mark.parametrize("schedule", [[], ["--herald", 20]], ids=["sequential", "herald"])
+@pytest.mark.parametrize("owner", [0, 1])
+def test_an_owners_mem_ps_evicts_the_window_row_the_job_needs_latest(tmp_path, schedule, owner):
+    """Each rank's coming batches go to the owners, whose MEM-PS, when every row it
+    could evict is in the window, evicts the one the job needs latest: the window
+    must follow the global batches (a key's first batch over the ranks), not the
+    keys' values. mpi_scenarios.run_lookaheadorder: the owner's rows k[0] < ... <
+    k[C-1] are needed in the opposite order, so a new row evicts k[0]."""
+    scenario(2, "lookaheadorder", tmp_path, "--mem-budget", "1KiB", "--owner", owner, *schedule)
+    got = json.loads((tmp_path / "owner.json").read_text())
+    rows = len(got["keys"]) - 1
+    assert rows >= 3, rows
+    assert got["forced"] == 1  # every row it could evict was in the window
+    assert got["cached"] == [False] + [True] * rows, got
 
 
 @pytest.mark.parametrize("world,capacity,lookahead,mem_budget,per_rank",

@@ -135,3 +135,63 @@ def test_pipelined_run_equals_the_sequential_one_with_lookahead_on(tmp_path, cfg
         Pipeline(ps, Step()).run([Keys(b) for b in batches], pipelined=pipelined)
         rows.append(ps.pull(np.unique(np.concatenate([b.ravel() for b in batches]))))
     np.testing.assert_array_equal(rows[0], rows[1])
+
+
+# ---- the window across the ranks of an MPI job (hps.distributed: window_keys, merge_windows)
+
+def u64(*keys):
+    return np.array(keys, np.uint64)
+
+
+BIG = 2**64 - 3  # past float64's 53 bits: a key cast through float64 on the way would change
+
+
+def test_the_jobs_window_orders_keys_by_the_first_batch_any_rank_needs_them_in():
+    """Each owner's MEM-PS evicts, of the rows in the window, the one needed latest:
+    its window must follow the batches. 8: rank 0's batch 0 and rank 1's batch 3,
+    so batch 0's place; BIG: the largest key, needed first, not last (sorted by value)."""
+    from hps.distributed.sparse import merge_windows, window_keys
+    rank0 = window_keys([u64(9, 8, 9), u64(2, 9), u64(), np.array([7], np.int64)])
+    rank1 = window_keys([u64(BIG), u64(), u64(), u64(2, 1, 8)])
+    # Each rank sends its batches' counts of keys new to it there, then those keys.
+    assert rank0.dtype == np.uint64 and rank0.tolist() == [4, 2, 1, 0, 1, 8, 9, 2, 7]
+    assert rank1.tolist() == [4, 1, 0, 0, 3, BIG, 1, 2, 8]
+    want = [8, 9, BIG, 2, 1, 7]  # batch 0's keys ascending, batch 1's, batch 3's
+    assert merge_windows([rank0, rank1]).tolist() == want
+    assert merge_windows([rank1, rank0]).tolist() == want
+
+
+def test_an_empty_window_and_a_rank_with_no_coming_batch_add_nothing():
+    from hps.distributed.sparse import merge_windows, window_keys
+    none, empty = window_keys([]), window_keys([u64(), u64()])
+    assert none.tolist() == [0] and empty.tolist() == [2, 0, 0]
+    got = merge_windows([none, empty])
+    assert got.dtype == np.uint64 and got.tolist() == []
+    rank1 = window_keys([u64(5, 3), u64(1)])
+    assert merge_windows([none, rank1]).tolist() == [3, 5, 1]
+    assert merge_windows([empty, rank1, none]).tolist() == [3, 5, 1]
+
+
+def test_a_windows_parts_keep_each_keys_batch():
+    """Herald sends each owner only its keys of a rank's window, with their batches."""
+    from hps.distributed.sparse import merge_windows, owner_ranks, window_keys, window_parts
+    batches = [u64(9, 4), u64(2, 11), u64(7, 4)]
+    world = 2
+    parts = window_parts(window_keys(batches), world)
+    for r, part in enumerate(parts):
+        mine = [b[owner_ranks(b, world) == r] for b in batches]
+        assert part.tolist() == window_keys(mine).tolist(), r
+        assert part[0] == 3 and len(part) > 4, r  # every part has its 3 batches and a key
+    assert merge_windows(parts).tolist() == [4, 9, 2, 11, 7]
+    assert merge_windows(parts + [window_keys([u64(2)])]).tolist()[0] == 2  # 2 is needed at once
+
+
+def test_window_errors_name_the_batch_and_the_rank():
+    from hps.distributed.sparse import merge_windows, window_keys
+    with pytest.raises(TypeError, match=r"upcoming\[1\] must be an array of uint64 or int64 keys, got float64"):
+        window_keys([u64(1), np.array([2.0])])
+    damaged = window_keys([u64(1, 2)])[:-1]  # its counts name a key it does not hold
+    with pytest.raises(RuntimeError, match="rank 1's lookahead window"):
+        merge_windows([window_keys([]), damaged])
+    with pytest.raises(RuntimeError, match="rank 0's lookahead window"):
+        merge_windows([u64()])

@@ -48,7 +48,8 @@ one before it applied. Were every rank to run
 it, every rank's keys would go to every other: W - 1 times the leader's inbound
 keys, and W schedulers' CPU. With ``[ps] lookahead``, every rank's window goes to the
 leader (the scheduler keeps the job's window last) and to the owners (MEM-PS
-keeps it). Multi-hot fields are not taken (hps train refuses them).
+keeps it, in the order the job needs its keys: merge_windows). Multi-hot fields
+are not taken (hps train refuses them).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ from hps import _core
 from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep
 from hps.distributed.comm import Node
 from hps.distributed.sparse import (DistributedServer, FreshRows, _StepData, owner_ranks, rank_positions,
-                                   refuse_nonfinite, window_keys)
+                                   merge_windows, refuse_nonfinite, window_keys, window_parts)
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
@@ -353,15 +354,16 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
 
     def _lookahead(self, upcoming):
         """Every rank's window to the leader, whose scheduler keeps the job's window
-        last, and to the owners, whose MEM-PS keeps the keys they own (collective,
-        prefetch stage); returns the job's window (sorted) on the leader, else None."""
+        last, and to the owners, whose MEM-PS keeps the keys they own in the order
+        the job needs them (collective, prefetch stage); returns the job's window
+        (sorted: the scheduler takes it as a set) on the leader, else None."""
         mine = window_keys(upcoming)
         W, me = self.node.size, self.node.rank
-        owners = owner_ranks(mine, W)
-        blocks = [mine if r == LEADER else mine[owners == r] for r in range(W)]
-        got = np.unique(np.concatenate(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys")))
+        owned = window_parts(mine, W)
+        blocks = [mine if r == LEADER else owned[r] for r in range(W)]
+        got = merge_windows(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"))
         self.local._cache.set_lookahead(got[owner_ranks(got, W) == me] if self.leader else got)
-        return got if self.leader else None
+        return np.sort(got) if self.leader else None
 
     def _schedule(self, pre: HeraldPrefetched) -> tuple:
         """Numbers a step as it is made; the leader schedules it and keeps the

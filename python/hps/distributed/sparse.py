@@ -205,11 +205,56 @@ def rank_positions(keys, uniq: np.ndarray, flat: np.ndarray, inverse: np.ndarray
 
 
 def window_keys(upcoming) -> np.ndarray:
-    """A rank's lookahead window: the distinct keys of its coming batches, sorted."""
-    if not len(upcoming):
-        return np.empty(0, np.uint64)
-    return np.unique(np.concatenate([key_array(u, f"upcoming[{i}]").astype(np.uint64, copy=False).reshape(-1)
-                                     for i, u in enumerate(upcoming)]))
+    """A rank's lookahead window, packed to send (uint64): the number of its coming
+    batches n, then for each of them the count of keys it needs there first (not in
+    an earlier one of them), then those keys, batch by batch (ascending within one).
+    ``merge_windows`` reads it. A key's batch is what orders the owners' windows:
+    the keys alone, sorted by value, would tell MEM-PS nothing of when each is needed."""
+    keys = [key_array(u, f"upcoming[{i}]").astype(np.uint64, copy=False).reshape(-1) for i, u in enumerate(upcoming)]
+    n = len(keys)
+    flat = np.concatenate(keys) if n else np.empty(0, np.uint64)
+    uniq, first = np.unique(flat, return_index=True)  # the first occurrence of each key
+    batch = np.repeat(np.arange(n, dtype=np.int64), [len(k) for k in keys])[first]
+    return _packed_window(n, batch, uniq)
+
+
+def window_parts(window: np.ndarray, world: int) -> list:
+    """A packed window (window_keys) split by owner: rank r's part holds the keys r
+    owns, each with its batch, packed again."""
+    n = int(window[0])
+    counts, keys = window[1:1 + n].astype(np.int64), window[1 + n:]
+    batch, owners = np.repeat(np.arange(n, dtype=np.int64), counts), owner_ranks(keys, world)
+    return [_packed_window(n, batch[owners == r], keys[owners == r]) for r in range(world)]
+
+
+def _packed_window(n: int, batch: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """n, the keys' counts per batch, then the keys by (batch, key) (uint64 each:
+    a key concatenated with int64 counts would be cast to float64)."""
+    order = np.lexsort((keys, batch))
+    head = np.concatenate([[n], np.bincount(batch, minlength=n)]).astype(np.uint64)
+    return np.concatenate([head, keys[order].astype(np.uint64, copy=False)])
+
+
+def merge_windows(windows) -> np.ndarray:
+    """The job's lookahead window from the ranks' packed windows (window_keys): each
+    key once, in the order the job needs them, as MemCache.set_lookahead takes
+    them. The ranks step through global batches together, so a key's place is the
+    first of the coming batches any rank needs it in; within a batch, ascending.
+    RuntimeError, naming the rank, for a window whose counts do not match its keys
+    (another hps version on that rank)."""
+    keys, batch = [np.empty(0, np.uint64)], [np.empty(0, np.int64)]
+    for r, w in enumerate(windows):
+        n = int(w[0]) if len(w) else -1
+        counts = w[1:1 + n].astype(np.int64) if n >= 0 else None
+        if counts is None or (counts < 0).any() or len(w) != 1 + n + int(counts.sum()):
+            raise RuntimeError(f"rank {r}'s lookahead window: {len(w)} words do not match its header "
+                               f"(does that rank run another hps?)")
+        keys.append(w[1 + n:])
+        batch.append(np.repeat(np.arange(n, dtype=np.int64), counts))
+    keys, batch = np.concatenate(keys), np.concatenate(batch)
+    keys = keys[np.lexsort((keys, batch))]
+    _, first = np.unique(keys, return_index=True)  # each key's earliest batch over the ranks
+    return keys[np.sort(first)]
 
 
 class _StepData:
@@ -421,12 +466,12 @@ class DistributedServer:
 
     def _lookahead(self, upcoming) -> np.ndarray:
         """Every rank's window, sent to the owners (collective, prefetch stage): each
-        owner's MEM-PS gets the coming keys it owns; returns the job's window, the
-        union of every rank's (sorted)."""
+        owner's MEM-PS gets the coming keys it owns, in the order the job needs them;
+        returns the job's window, every rank's merged (merge_windows)."""
         mine = window_keys(upcoming)
         W = self.node.size
         everyone = self.node.alltoallv("prefetch", [mine] * W, "sparse_keys", "lookahead keys")
-        window = np.unique(np.concatenate(everyone))
+        window = merge_windows(everyone)
         self.local._cache.set_lookahead(window[owner_ranks(window, W) == self.node.rank])
         return window
 
