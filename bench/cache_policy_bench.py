@@ -42,8 +42,9 @@ Policies, all replayed from a cold cache, every miss inserted (demand paging):
 
 Lookahead (issue 16): the default policy (hps.MemCache's default, tinylfu-lfu) replayed
 again with a lookahead window of K batches (--lookahead, default 1,2,4) through
-cache.replay(trace, batches, lookahead=K): before batch i's access(), set_lookahead gets the
-keys of batches i+1..i+K, as the pipeline's prefetch stage does, and access() counts the rest
+cache.replay(trace, batches, lookahead=K): before batch i's access(), the window holds the
+keys of batches i+1..i+K (slid a batch at a time, the same window as set_lookahead of them
+would give), as the pipeline's prefetch stage does, and access() counts the rest
 of batch i as the window's head (the pipeline pins its batch whole). Evictions then spare the
 rows the window needs (Belady inside it); the policy decides the rest. Batches: the Criteo
 sample's rows in batches of --criteo-batch-rows (512) examples, each row's non-empty
@@ -526,8 +527,8 @@ def main() -> int:
            "lookahead": {"policy": lookahead_policy, "ks": args.ks, "zipf_batch": args.zipf_batch,
                          "criteo_batch_rows": args.criteo_batch_rows,
                          "scan": getattr(hps.MemCache, "LOOKAHEAD_SCAN", None),
-                         "replay": "cache.replay(trace, batches, lookahead=K): set_lookahead(batches i+1..i+K) "
-                                   "before batch i's access(), which counts the rest of batch i as the "
+                         "replay": "cache.replay(trace, batches, lookahead=K): the window of batches i+1..i+K "
+                                   "(slide_lookahead) before batch i's access(), which counts the rest of batch i as the "
                                    "window's head",
                          "rule": "an eviction takes the policy's first candidate outside the window among "
                                  "the first `scan`; if all are in it, a row of the shard outside it, else "

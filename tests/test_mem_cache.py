@@ -477,6 +477,52 @@ def test_replay_never_beats_belady(trace, capacity, batch, lookahead, policy):
     assert cache.stats()["hits"] == int(hits.sum())
 
 
+def _replay_setting_each_window(cache, trace, batch, lookahead):
+    """replay() as before it slid its window: before batch i, set_lookahead of
+    batches i+1..i+lookahead concatenated."""
+    bounds = list(range(0, len(trace), batch)) + [len(trace)]
+    hit = np.zeros(len(trace), bool)
+    for i in range(len(bounds) - 1):
+        cache.set_lookahead(trace[bounds[i + 1]:bounds[min(i + 1 + lookahead, len(bounds) - 1)]])
+        hit[bounds[i]:bounds[i + 1]] = cache.access(trace[bounds[i]:bounds[i + 1]])
+    cache.clear_lookahead()
+    return hit
+
+
+@pytest.mark.parametrize("policy", ["lru", "tinylfu-lfu"])
+@pytest.mark.parametrize("shards", [1, 4])
+def test_replay_slides_its_window_to_the_same_hits_as_setting_each(policy, shards):
+    trace = (np.random.default_rng(8).zipf(1.05, 30000) % 6000).astype(np.uint64)
+    for lookahead in (1, 3, 8):
+        slid = hps.MemCache(ROW, 400, policy=policy, shards=shards)
+        each = hps.MemCache(ROW, 400, policy=policy, shards=shards)
+        got = slid.replay(trace, 700, lookahead=lookahead)
+        want = _replay_setting_each_window(each, trace, 700, lookahead)
+        assert (got == want).all(), lookahead
+        a, b = slid.stats(), each.stats()
+        for name in ("hits", "evictions", "lookahead_spared", "lookahead_forced"):
+            assert a[name] == b[name], (lookahead, name)
+        assert a["lookahead_slides"] == -(-len(trace) // 700) - 1 and b["lookahead_slides"] == 0
+
+
+def test_slide_lookahead_errors_change_nothing():
+    cache = hps.MemCache(ROW, 4, policy="lru")
+    with pytest.raises(ValueError, match="no batch in the window to drop"):
+        cache.pop_lookahead()
+    with pytest.raises(ValueError, match="no batch in the window to drop"):
+        cache.slide_lookahead(u64([1]))
+    cache.push_lookahead(u64([1, 2]))
+    with pytest.raises(ValueError, match=r"keys\[1\] is 0xffffffffffffffff"):
+        cache.slide_lookahead(u64([3, hps.EMPTY_KEY]))
+    with pytest.raises(ValueError, match=r"keys\[0\] is 0xffffffffffffffff"):
+        cache.push_lookahead(u64([hps.EMPTY_KEY]))
+    with pytest.raises(TypeError):
+        cache.slide_lookahead(np.array([1.0]))
+    assert cache.stats()["lookahead_keys"] == 2
+    cache.pop_lookahead()
+    assert cache.stats()["lookahead_keys"] == 0 and cache.stats()["lookahead_slides"] == 1
+
+
 def test_replay_errors():
     cache = hps.MemCache(ROW, 4)
     trace = u64(range(10))

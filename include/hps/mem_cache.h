@@ -95,6 +95,7 @@ struct MemCacheStats {
   uint64_t lookahead_keys = 0;   ///< distinct keys in the lookahead window now (SetLookahead)
   uint64_t lookahead_spared = 0; ///< evictions whose policy victim was in the window: another row went
   uint64_t lookahead_forced = 0; ///< evictions that took a row in the window: every candidate scanned was
+  uint64_t lookahead_slides = 0; ///< PopLookahead and SlideLookahead calls: the window moved on a batch
   uint64_t shards = 0;
   uint64_t arena_bytes = 0;
   int numa_nodes = 1;            ///< the arena is interleaved across them when > 1
@@ -249,11 +250,17 @@ class MemCache {
   // batches sets the keys of batches i+1..i+K before batch i's Access.)
   //
   // Cost: the call is O(n), its keys hashed into per-shard tables outside
-  // any lock; an eviction looks up at most kLookaheadScan keys more than
+  // any lock. A sliding window (PushLookahead, SlideLookahead below) costs
+  // instead the keys of the batches entering and leaving: hashed outside any
+  // lock, then each shard's table changed under its lock in O(its distinct
+  // keys entering and leaving), without allocating (a table short of room is
+  // grown outside the lock first), so a slide per batch costs O(batch), not
+  // O(K x batch). An eviction looks up at most kLookaheadScan keys more than
   // without a window (a cost bound, not a tuned rule: on W3's tuning Zipf
   // trace at 1% a limit of 256 often met only window rows and kept 0.976 of
   // Belady at K = 4, 4096 kept 0.995), and an Access with one hashes its own
-  // keys once. The first forced eviction of a window lists the shard's rows
+  // keys once. The first forced eviction after each change of the window
+  // (set, push, pop or slide: the positions changed) lists the shard's rows
   // (O(shard)); later ones take theirs from that list, kept as rows enter
   // the order, in amortized O(log shard) (plus the Access call's own keys
   // passed over, at most kLookaheadScan). The list takes up to 24 bytes a
@@ -272,6 +279,27 @@ class MemCache {
   // the last one stands in every shard.
   static constexpr uint32_t kLookaheadScan = 4096;
   virtual void SetLookahead(const uint64_t* keys, uint64_t n) = 0;
+  // A sliding window, batch by batch: the window as SetLookahead of its
+  // batches' keys concatenated would set it (the same positions, so the
+  // same evictions), at the cost of the batches entering and leaving
+  // rather than of the whole window. PushLookahead appends one batch's keys
+  // (n, repeats allowed) at the window's end (after ClearLookahead or
+  // before any call: a window of that batch); PopLookahead drops its first
+  // batch (a SetLookahead window is one batch); SlideLookahead is a push
+  // then a pop in one change, so that a concurrent eviction never sees the
+  // window between them: the pipeline's step from batches i+1..i+K to
+  // i+2..i+K+1 (n = 0: no batch enters, at the end of the data).
+  // Memory, not counted in the budget: each batch's distinct keys of a shard
+  // keep an entry (24 bytes: the key's next batch, so that a pop moves it
+  // there), beside each shard's table (20 bytes a slot, at most half full);
+  // a SetLookahead window gets its entries, as one batch, at the first push
+  // or pop after it (O(its keys) then, not at each set).
+  // Throws std::invalid_argument for the reserved key (naming its index),
+  // a window of 2^32 - 1 keys or more, or a pop of a window with no batch,
+  // changing nothing. Thread safety as SetLookahead's.
+  virtual void PushLookahead(const uint64_t* keys, uint64_t n) = 0;
+  virtual void PopLookahead() = 0;
+  virtual void SlideLookahead(const uint64_t* keys, uint64_t n) = 0;
   // Back to eviction without lookahead; the window is dropped.
   virtual void ClearLookahead() = 0;
   // Drops the cached rows of keys, clean or dirty, without the sink: keys

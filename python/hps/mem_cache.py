@@ -30,6 +30,8 @@ class MemCache(_core.MemCache):
     ``set_lookahead(keys)`` tells the cache the keys of the coming batches, so
     that evictions spare them (Belady inside that window), and ``replay(trace,
     batch, lookahead=K)`` replays a trace in batches with such a window of K batches.
+    ``push_lookahead(keys)``, ``pop_lookahead()`` and ``slide_lookahead(keys)``
+    move that window batch by batch, at the cost of the batches entering and leaving.
     ``erase(keys)`` drops cached rows, clean or dirty, without the sink (keys that
     SSD-PS erased), and returns the count dropped; a pinned row stays pinned but gets
     what the loader gives for its key now (for a key SSD-PS erased, its initial row;
@@ -121,11 +123,36 @@ class MemCache(_core.MemCache):
             keys = np.concatenate(parts) if parts else np.empty(0, np.uint64)
         super().set_lookahead(keys)
 
+    def slide_lookahead(self, keys: np.ndarray) -> None:
+        """Slides the lookahead window by one batch: ``keys`` (one batch's, 1-D;
+        empty when no batch enters) join its end and its first batch leaves, as
+        one change. The window is then the one ``set_lookahead`` of its batches'
+        keys concatenated would give (the same evictions follow), but the call
+        costs only the batches entering and leaving, not the whole window.
+        ``push_lookahead(keys)`` appends a batch alone (after ``clear_lookahead()``:
+        a window of that batch), ``pop_lookahead()`` drops the first batch alone; a
+        window that ``set_lookahead`` gave is one batch. ``stats()["lookahead_slides"]``
+        counts the slides and pops. Raises ValueError for the reserved key 2**64 - 1 or
+        for a window with no batch to drop (the window stays as it was).
+
+        >>> import numpy as np, hps
+        >>> cache = hps.MemCache(row_bytes=8, capacity=2, policy="lru")
+        >>> cache.push_lookahead(np.array([1], np.uint64))  # the next batch needs 1
+        >>> cache.push_lookahead(np.array([2], np.uint64))  # the one after, 2
+        >>> cache.slide_lookahead(np.array([], np.uint64))  # batch 1 goes: 2 is needed
+        >>> cache.access(np.array([1, 2, 3], np.uint64)).tolist()  # 3 evicts 1, not 2
+        [False, False, False]
+        >>> 1 in cache, 2 in cache
+        (False, True)
+        """
+        super().slide_lookahead(keys)
+
     def replay(self, trace: np.ndarray, batch: Union[int, Sequence[int]], lookahead: int = 0) -> np.ndarray:
         """Replays ``trace`` (n,) through ``access`` in batches, with a lookahead
-        window of ``lookahead`` batches: before batch i's access, ``set_lookahead``
-        gets the keys of batches i+1..i+lookahead (fewer, then none, at the end), as
-        a pipeline's prefetch stage would; ``access`` counts the rest of batch i as
+        window of ``lookahead`` batches: before batch i's access, the window holds
+        the keys of batches i+1..i+lookahead (fewer, then none, at the end), as
+        a pipeline's prefetch stage would (set before batch 0, then slid batch by
+        batch: ``slide_lookahead``); ``access`` counts the rest of batch i as
         the window's head (the pipeline pins its batch whole). Returns the (n,) hit
         mask. ``batch``: keys per batch (the last may be shorter), or the sizes of
         the batches (summing to n). ``lookahead=0``: ``access`` batch by batch
@@ -159,8 +186,13 @@ class MemCache(_core.MemCache):
         self.clear_lookahead()
         try:
             for i in range(batches):
-                if lookahead:
-                    self.set_lookahead(trace[bounds[i + 1]:bounds[min(i + 1 + lookahead, batches)]])
+                if lookahead and i == 0:  # batches 1..lookahead: the first alone, then each pushed
+                    self.set_lookahead(trace[bounds[min(1, batches)]:bounds[min(2, batches)]])
+                    for j in range(2, min(1 + lookahead, batches)):
+                        self.push_lookahead(trace[bounds[j]:bounds[j + 1]])
+                elif lookahead:  # batch i leaves, batch i + lookahead (or none, at the end) enters
+                    entering = min(i + lookahead, batches)
+                    self.slide_lookahead(trace[bounds[entering]:bounds[min(entering + 1, batches)]])
                 hit[bounds[i]:bounds[i + 1]] = self.access(trace[bounds[i]:bounds[i + 1]])
         finally:
             self.clear_lookahead()

@@ -807,6 +807,20 @@ PYBIND11_MODULE(_core, m) {
         c.SetLookahead(k, n);
       }, py::arg("keys"),
            "the keys of the coming batches, in the order they will be needed; see hps.MemCache.set_lookahead")
+      .def("push_lookahead", [](hps::MemCache& c, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::gil_scoped_release release;
+        c.PushLookahead(k, n);
+      }, py::arg("keys"), "one batch's keys at the lookahead window's end; see hps.MemCache.slide_lookahead")
+      .def("pop_lookahead", [](hps::MemCache& c) {
+        py::gil_scoped_release release;
+        c.PopLookahead();
+      }, "drops the lookahead window's first batch; see hps.MemCache.slide_lookahead")
+      .def("slide_lookahead", [](hps::MemCache& c, const py::array& keys) {
+        const auto [k, n] = KeysArg(keys, "keys");
+        py::gil_scoped_release release;
+        c.SlideLookahead(k, n);
+      }, py::arg("keys"), "push_lookahead(keys) then pop_lookahead(), in one change; see hps.MemCache.slide_lookahead")
       .def("clear_lookahead", [](hps::MemCache& c) {
         py::gil_scoped_release release;
         c.ClearLookahead();
@@ -842,6 +856,7 @@ PYBIND11_MODULE(_core, m) {
         d["lookahead_keys"] = st.lookahead_keys;
         d["lookahead_spared"] = st.lookahead_spared;
         d["lookahead_forced"] = st.lookahead_forced;
+        d["lookahead_slides"] = st.lookahead_slides;
         return d;
       });
 

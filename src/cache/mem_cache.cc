@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <mutex>
 #include <new>
@@ -117,19 +118,27 @@ class Arena {
 static_assert(kNoSlot == detail::KeyIndex::kNone, "a missing key reads as no slot");
 
 // One shard's lookahead window: key -> the position of its first occurrence
-// in SetLookahead's keys (smaller: needed sooner). Open addressing over a
+// in the window's keys (smaller: needed sooner). Open addressing over a
 // power-of-two table at most half full. Also an Access call's own keys in a
 // shard, each at its next position in the call (Set as the call goes on).
+// A sliding window (chained) also keeps, per key, the id of its last entry
+// in the shard's Slide list, and drops keys that leave (Erase).
 class Window {
  public:
   static constexpr uint32_t kAbsent = UINT32_MAX;
+  static constexpr uint64_t kNone = UINT64_MAX;  // Find: no such key
 
-  // Room for `n` distinct keys, none in yet.
-  void Reset(uint64_t n) {
+  // Room for `n` distinct keys, none in yet; chained: with each key's last entry.
+  void Reset(uint64_t n, bool chained = false) {
     uint64_t capacity = 16;
     while (capacity < 2 * n) capacity *= 2;
     keys_.assign(capacity, kEmptyKey);
     positions_.assign(capacity, kAbsent);
+    if (chained) {
+      lasts_.assign(capacity, kNone);
+    } else {
+      lasts_.clear();
+    }
     mask_ = capacity - 1;
     size_ = 0;
   }
@@ -137,45 +146,137 @@ class Window {
   void Build(const std::vector<uint64_t>& keys, const std::vector<uint32_t>& positions) {
     Reset(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
-      uint32_t& at = Entry(keys[i]);
+      uint32_t& at = positions_[Entry(keys[i])];
       if (at == kAbsent) at = positions[i];
     }
   }
   // Puts key at position (kAbsent: no longer in the window). REQUIRES: room
   // (Reset's n counts every key ever Set).
-  void Set(uint64_t key, uint32_t position) { Entry(key) = position; }
+  void Set(uint64_t key, uint32_t position) { positions_[Entry(key)] = position; }
   // The key's position, or kAbsent.
   uint32_t Position(uint64_t key) const {
-    if (size_ == 0) return kAbsent;
+    const uint64_t at = Find(key);
+    return at == kNone ? kAbsent : positions_[at];
+  }
+  // The key's entry in the table, or kNone.
+  uint64_t Find(uint64_t key) const {
+    if (size_ == 0) return kNone;
     for (uint64_t at = detail::Mix64(key) & mask_;; at = (at + 1) & mask_) {
-      if (keys_[at] == key) return positions_[at];
-      if (keys_[at] == kEmptyKey) return kAbsent;
+      if (keys_[at] == key) return at;
+      if (keys_[at] == kEmptyKey) return kNone;
     }
   }
-  uint64_t size() const { return size_; }  // keys ever Set (Build: distinct keys)
+  // The key's entry, inserted (at kAbsent) if new. REQUIRES: room.
+  uint64_t Insert(uint64_t key) { return Entry(key); }
+  uint32_t& PositionAt(uint64_t at) { return positions_[at]; }
+  uint64_t& LastAt(uint64_t at) { return lasts_[at]; }  // REQUIRES: chained
+  // Takes the key at entry `at` out (backward shift: no tombstones, so that
+  // a sliding window's table stays as full as its keys).
+  void EraseAt(uint64_t at) {
+    for (uint64_t next = (at + 1) & mask_; keys_[next] != kEmptyKey; next = (next + 1) & mask_) {
+      const uint64_t home = detail::Mix64(keys_[next]) & mask_;
+      // The key at next stays unless `at` lies on its probe path (home..next, cyclic).
+      const bool stays = at <= next ? (at < home && home <= next) : (at < home || home <= next);
+      if (stays) continue;
+      keys_[at] = keys_[next];
+      positions_[at] = positions_[next];
+      if (!lasts_.empty()) lasts_[at] = lasts_[next];
+      at = next;
+    }
+    keys_[at] = kEmptyKey;
+    positions_[at] = kAbsent;
+    if (!lasts_.empty()) lasts_[at] = kNone;
+    --size_;
+  }
+  // Whether `more` keys can enter without passing half the table.
+  bool Fits(uint64_t more) const { return 2 * (size_ + more) <= keys_.size(); }
+  // A chained copy with room for `more` keys entering.
+  Window Grown(uint64_t more) const {
+    Window grown;
+    grown.Reset(size_ + more, /*chained=*/true);
+    for (uint64_t at = 0; at < keys_.size(); ++at) {
+      if (keys_[at] == kEmptyKey) continue;
+      const uint64_t to = grown.Entry(keys_[at]);
+      grown.positions_[to] = positions_[at];
+      grown.lasts_[to] = lasts_.empty() ? kNone : lasts_[at];
+    }
+    return grown;
+  }
+  // visit(key, position) for each key in.
+  template <class Visit>
+  void ForEach(Visit visit) const {
+    for (uint64_t at = 0; at < keys_.size(); ++at) {
+      if (keys_[at] != kEmptyKey) visit(keys_[at], positions_[at]);
+    }
+  }
+  uint64_t size() const { return size_; }  // keys ever Set (Build: distinct keys; a sliding window: its keys)
   void swap(Window& other) noexcept {
     keys_.swap(other.keys_);
     positions_.swap(other.positions_);
+    lasts_.swap(other.lasts_);
     std::swap(mask_, other.mask_);
     std::swap(size_, other.size_);
   }
 
  private:
-  uint32_t& Entry(uint64_t key) {
+  uint64_t Entry(uint64_t key) {
     uint64_t at = detail::Mix64(key) & mask_;
     while (keys_[at] != kEmptyKey && keys_[at] != key) at = (at + 1) & mask_;
     if (keys_[at] == kEmptyKey) {
       keys_[at] = key;
       ++size_;
     }
-    return positions_[at];
+    return at;
   }
 
   std::vector<uint64_t> keys_;
   std::vector<uint32_t> positions_;
+  std::vector<uint64_t> lasts_;
   uint64_t mask_ = 0;
   uint64_t size_ = 0;
 };
+
+// Window positions count modulo 2^32 - 1 (kAbsent is never one), from a
+// running counter that a sliding window advances batch by batch; a shard
+// compares them relative to its window's head, so the counter may wrap.
+// Every window starts just below the wrap, so that a long run (and the
+// tests) cross it early rather than after 2^32 keys.
+constexpr uint32_t kFirstPosition = Window::kAbsent - 4096;
+// REQUIRES: by < kAbsent (a window holds fewer keys), so one wrap at most.
+inline uint32_t AdvancePosition(uint32_t position, uint64_t by) {
+  const uint64_t advanced = uint64_t{position} + by;  // no division: it runs once a key
+  return static_cast<uint32_t>(advanced >= Window::kAbsent ? advanced - Window::kAbsent : advanced);
+}
+// position's distance from head (both in the window; kAbsent stays).
+inline uint32_t RelativePosition(uint32_t position, uint32_t head) {
+  if (position == Window::kAbsent) return Window::kAbsent;
+  return position >= head ? position - head : position + (Window::kAbsent - head);
+}
+
+// A sliding window's record of one key's first occurrence in one batch (of
+// one shard): the batch's keys are entries in a row, and each entry names the
+// same key's entry in the next batch that has it, so that dropping a batch
+// moves each of its keys to its next occurrence in O(its keys).
+struct SlideEntry {
+  uint64_t key = 0;
+  uint32_t position = 0;
+  uint64_t next = Window::kNone;  // entry id
+};
+
+// A chained copy of a SetLookahead window (one batch, whose entries it never
+// listed), with room for `more` keys entering: each of its keys gets an
+// entry, appended to `entries` (ids from 0).
+Window ChainedCopy(const Window& window, uint64_t more, std::deque<SlideEntry>* entries) {
+  Window chained;
+  chained.Reset(window.size() + more, /*chained=*/true);
+  window.ForEach([&](uint64_t key, uint32_t position) {
+    const uint64_t at = chained.Insert(key);
+    chained.PositionAt(at) = position;
+    chained.LastAt(at) = entries->size();
+    entries->push_back({key, position});
+  });
+  return chained;
+}
 
 // The rest of an Access call's keys in one shard, the head of the lookahead
 // window while the call runs: key -> its next position in the call.
@@ -212,7 +313,13 @@ struct Shard {
   std::vector<uint32_t> dirty_slots;
   std::vector<uint32_t> free;
   std::unique_ptr<CachePolicy> policy;
-  Window window;  // the keys of the coming batches that hash here (SetLookahead)
+  Window window;  // the keys of the coming batches that hash here (SetLookahead, PushLookahead)
+  uint32_t window_head = kFirstPosition;  // the position of the window's first key (all shards')
+  // The sliding window's batches in this shard (see SlideEntry): guarded by
+  // lookahead_mutex_ alone (only calls that change the window use them).
+  std::deque<SlideEntry> entries;     // the batches' entries in a row
+  uint64_t entries_base = 0;          // the id of entries.front()
+  std::deque<uint64_t> batch_entries; // entries per batch, oldest first
   bool lookahead = false;  // SetLookahead was called, and ClearLookahead not since
   uint64_t pinned = 0, dirty_rows = 0;
   uint64_t hits = 0, misses = 0, evictions = 0, dirty_evictions = 0;
@@ -233,6 +340,12 @@ struct Shard {
     std::vector<uint64_t> held;    // Victim's scratch: heap entries of the Access call's own keys
   } beyond;
 };
+
+// key's position in the shard's window from its head (kAbsent: not in it).
+// REQUIRES: shard.mutex held.
+inline uint32_t WindowRank(const Shard& shard, uint64_t key) {
+  return RelativePosition(shard.window.Position(key), shard.window_head);
+}
 
 // A slot that TakeSlot gave for a new row: a free one, or a victim's, whose
 // key and row stay in it until the caller overwrites them, so that GiveBack
@@ -754,55 +867,207 @@ class ShardedCache final : public MemCache {
     return shard.where.Find(key) != kNoSlot;
   }
 
-  void SetLookahead(const uint64_t* keys, uint64_t n) override {
-    if (n > 0) CheckKeys(keys, n);
-    if (n >= uint64_t{UINT32_MAX}) {
-      throw std::invalid_argument("MEM-PS lookahead: " + std::to_string(n) + " keys; at most 2^32 - 2");
-    }
-    SwapWindows(WindowsOf(keys, n), /*on=*/true);
-  }
+  void SetLookahead(const uint64_t* keys, uint64_t n) override { Shift(keys, n, WindowChange::kSet); }
+  void PushLookahead(const uint64_t* keys, uint64_t n) override { Shift(keys, n, WindowChange::kPush); }
+  void PopLookahead() override { Shift(nullptr, 0, WindowChange::kPop); }
+  void SlideLookahead(const uint64_t* keys, uint64_t n) override { Shift(keys, n, WindowChange::kSlide); }
 
-  void ClearLookahead() override { SwapWindows(std::vector<Window>(shards_.size()), /*on=*/false); }
-
-  // The per-shard windows of SetLookahead's keys, built without a lock.
-  std::vector<Window> WindowsOf(const uint64_t* keys, uint64_t n) const {
+  void ClearLookahead() override {
     std::vector<Window> windows(shards_.size());
-    {
-      std::vector<std::vector<uint64_t>> shard_keys(shards_.size());
-      std::vector<std::vector<uint32_t>> positions(shards_.size());
-      for (uint64_t i = 0; i < n; ++i) {
-        const size_t s = ShardOf(keys[i]);
-        shard_keys[s].push_back(keys[i]);
-        positions[s].push_back(static_cast<uint32_t>(i));
+    std::vector<Shard::Beyond> dropped(shards_.size());  // freed after, outside the locks
+    std::vector<std::deque<SlideEntry>> entries(shards_.size());
+    std::lock_guard lookahead_lock(lookahead_mutex_);
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      Shard& shard = shards_[s];
+      {
+        std::lock_guard lock(shard.mutex);
+        shard.window.swap(windows[s]);
+        shard.window_head = kFirstPosition;
+        shard.lookahead = false;
+        DropBeyond(shard);
+        std::swap(shard.beyond, dropped[s]);  // no window, no forced eviction: its room goes
       }
-      for (size_t s = 0; s < shards_.size(); ++s) {
-        if (!shard_keys[s].empty()) windows[s].Build(shard_keys[s], positions[s]);
-      }
+      entries[s].swap(shard.entries);
+      shard.entries_base = 0;
+      shard.batch_entries.clear();
     }
-    return windows;
+    batch_lengths_.clear();
+    unlisted_ = false;
+    window_length_ = 0;
+    window_head_ = kFirstPosition;
   }
 
-  // Each shard's window in under its lock; the old ones are freed after,
-  // outside the locks.
-  void SwapWindows(std::vector<Window> windows, bool on) {
+ private:
+  enum class WindowChange { kSet, kPush, kPop, kSlide };
+
+  // SetLookahead (the window anew: one batch), PushLookahead (a batch at its
+  // end), PopLookahead (its first batch out) or SlideLookahead (push, then
+  // pop). The entering keys are hashed and the entries listed without a
+  // lock; each shard then takes its share of the change under its lock:
+  // the whole table for a set, else O(its distinct keys entering and
+  // leaving) table updates, which never allocate (a table short of room is
+  // grown outside the lock first). The leaving batch's entries are freed
+  // after. Beyond is dropped, as a window's positions changed.
+  void Shift(const uint64_t* keys, uint64_t n, WindowChange change) {
+    if (n > 0) CheckKeys(keys, n);
+    const bool set = change == WindowChange::kSet;
+    const bool push = change != WindowChange::kPop;
+    const bool pop = change == WindowChange::kPop || change == WindowChange::kSlide;
     std::lock_guard lookahead_lock(lookahead_mutex_);
-    for (size_t s = 0; s < shards_.size() && on; ++s) {  // may throw bad_alloc: before any swap
-      Shard& shard = shards_[s];
+    if (pop && batch_lengths_.empty()) throw std::invalid_argument("MEM-PS lookahead: no batch in the window to drop");
+    const uint64_t length = (set ? 0 : window_length_) + n;
+    if (length >= uint64_t{UINT32_MAX}) {
+      throw std::invalid_argument("MEM-PS lookahead: " + std::to_string(length) +
+                                  " keys in the window; at most 2^32 - 2");
+    }
+    for (Shard& shard : shards_) {  // may throw bad_alloc: before any change
       std::lock_guard lock(shard.mutex);
       shard.passed.reserve(kLookaheadScan);  // Victim's push_back never allocates
       shard.beyond.held.reserve(kLookaheadScan);
     }
-    std::vector<Shard::Beyond> dropped(on ? 0 : shards_.size());  // freed after, outside the locks
+    const uint32_t head = set ? kFirstPosition : window_head_;
+    const uint32_t tail = AdvancePosition(head, set ? 0 : window_length_);  // the entering batch's first position
+    // Each shard's entering keys at their first occurrence in the batch.
+    struct Plan {
+      Window seen;                    // the entering keys (a set: the new window)
+      std::vector<std::pair<uint64_t, uint32_t>> distinct;  // each key at its first position (not for a set)
+      Window grown;                   // the shard's window with room for them (if short of it, or listed)
+      bool grow = false;
+      // A window that SetLookahead gave, listed (ChainedCopy) at the first push or pop after it.
+      std::deque<SlideEntry> listed;
+      std::deque<uint64_t> listed_batches;
+    };
+    std::vector<Plan> plans(shards_.size());
+    {
+      // Each shard's keys and their positions copied out in one pass, so
+      // that the shards' passes below read their own keys, not all of them.
+      std::vector<std::vector<uint64_t>> shard_keys(shards_.size());
+      std::vector<std::vector<uint32_t>> positions(shards_.size());
+      uint32_t position = tail;
+      for (uint64_t i = 0; i < n; ++i) {  // n = 0 for a pop
+        const size_t s = ShardOf(keys[i]);
+        shard_keys[s].push_back(keys[i]);
+        positions[s].push_back(position);
+        position = position == Window::kAbsent - 1 ? 0 : position + 1;
+      }
+      for (size_t s = 0; s < shards_.size(); ++s) {
+        Plan& plan = plans[s];
+        plan.seen.Reset(shard_keys[s].size());
+        for (size_t j = 0; j < shard_keys[s].size(); ++j) {
+          uint32_t& first = plan.seen.PositionAt(plan.seen.Insert(shard_keys[s][j]));
+          if (first != Window::kAbsent) continue;  // a repeat in the batch
+          first = positions[s][j];
+          if (!set) plan.distinct.emplace_back(shard_keys[s][j], first);
+        }
+        if (set) continue;
+        // The shard's window is read without its lock: only the holder of
+        // lookahead_mutex_ writes a window.
+        if (unlisted_) {
+          plan.grown = ChainedCopy(shards_[s].window, plan.distinct.size(), &plan.listed);
+          plan.listed_batches.assign(1, plan.listed.size());
+          plan.grow = true;
+        } else if (!shards_[s].window.Fits(plan.distinct.size())) {
+          plan.grown = shards_[s].window.Grown(plan.distinct.size());
+          plan.grow = true;
+        }
+      }
+    }
+    if (unlisted_ && !set) {  // the set window's entries, as its one batch (its table swaps in below)
+      for (size_t s = 0; s < shards_.size(); ++s) {
+        shards_[s].entries.swap(plans[s].listed);
+        shards_[s].entries_base = 0;
+        shards_[s].batch_entries.swap(plans[s].listed_batches);
+      }
+    }
+    if (push && !set) {
+      // Appended here, outside the locks; taken back if memory runs out.
+      const size_t batches = batch_lengths_.size();
+      std::vector<std::pair<size_t, size_t>> sizes;  // each shard's entries and batch_entries before
+      try {
+        sizes.reserve(shards_.size());
+        for (const Shard& shard : shards_) sizes.emplace_back(shard.entries.size(), shard.batch_entries.size());
+        batch_lengths_.push_back(n);
+        for (size_t s = 0; s < shards_.size(); ++s) {
+          Shard& shard = shards_[s];
+          for (const auto& [key, position] : plans[s].distinct) shard.entries.push_back({key, position});
+          shard.batch_entries.push_back(plans[s].distinct.size());
+        }
+      } catch (...) {
+        batch_lengths_.resize(std::min(batches, batch_lengths_.size()));
+        for (size_t s = 0; s < sizes.size(); ++s) {
+          shards_[s].entries.resize(sizes[s].first);
+          shards_[s].batch_entries.resize(sizes[s].second);
+        }
+        throw;
+      }
+    }
+    std::deque<uint64_t> set_lengths(set ? 1 : 0, n);  // a set's one batch (allocated before any change)
+    const uint32_t new_head = pop ? AdvancePosition(head, batch_lengths_.front()) : head;
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
+      Plan& plan = plans[s];
       std::lock_guard lock(shard.mutex);
-      shard.window.swap(windows[s]);
-      shard.lookahead = on;
-      DropBeyond(shard);  // ranked by the old window: rebuilt at the next forced eviction
-      if (!on) std::swap(shard.beyond, dropped[s]);  // no window, no forced eviction: its room goes
+      if (set) {
+        shard.window.swap(plan.seen);
+      } else {
+        if (plan.grow) shard.window.swap(plan.grown);
+        Window& window = shard.window;
+        // The entering keys: new ones at their position, the others linked from their last entry.
+        uint64_t id = shard.entries_base + shard.entries.size() - plan.distinct.size();
+        for (const auto& [key, position] : plan.distinct) {
+          uint64_t at = window.Find(key);
+          if (at == Window::kNone) {
+            at = window.Insert(key);
+            window.PositionAt(at) = position;
+          } else {
+            shard.entries[window.LastAt(at) - shard.entries_base].next = id;
+          }
+          window.LastAt(at) = id++;
+        }
+        // The leaving keys: each to its next occurrence, or out.
+        for (uint64_t e = 0; pop && e < shard.batch_entries.front(); ++e) {
+          const SlideEntry& leaving = shard.entries[e];
+          const uint64_t at = window.Find(leaving.key);
+          if (leaving.next == Window::kNone) {
+            window.EraseAt(at);
+          } else {
+            window.PositionAt(at) = shard.entries[leaving.next - shard.entries_base].position;
+          }
+        }
+      }
+      shard.window_head = new_head;
+      shard.lookahead = true;
+      DropBeyond(shard);  // ranked by the old positions: rebuilt at the next forced eviction
     }
+    for (size_t s = 0; s < shards_.size(); ++s) {  // the old tables and the leaving entries go, outside the locks
+      Shard& shard = shards_[s];
+      if (set) {
+        shard.entries.swap(plans[s].listed);  // none: listed at the first push or pop
+        shard.entries_base = 0;
+        shard.batch_entries.swap(plans[s].listed_batches);
+      } else if (pop) {
+        const uint64_t leaving = shard.batch_entries.front();
+        shard.entries.erase(shard.entries.begin(), shard.entries.begin() + static_cast<std::ptrdiff_t>(leaving));
+        shard.entries_base += leaving;
+        shard.batch_entries.pop_front();
+      }
+    }
+    unlisted_ = set;
+    if (set) {
+      batch_lengths_.swap(set_lengths);
+      window_length_ = n;
+    } else {
+      window_length_ += n;
+      if (pop) {
+        window_length_ -= batch_lengths_.front();
+        batch_lengths_.pop_front();
+        ++lookahead_slides_;
+      }
+    }
+    window_head_ = new_head;
   }
 
+ public:
   void CountFailedRelease() override { ++failed_releases_; }
 
   uint32_t row_bytes() const override { return row_bytes_; }
@@ -826,6 +1091,7 @@ class ShardedCache final : public MemCache {
       st.lookahead_spared += shard.lookahead_spared;
       st.lookahead_forced += shard.lookahead_forced;
     }
+    st.lookahead_slides = lookahead_slides_.load();
     std::lock_guard miss_lock(miss_mutex_);
     st.rows_loaded = rows_loaded_;
     st.rows_flushed = rows_flushed_;
@@ -930,7 +1196,7 @@ class ShardedCache final : public MemCache {
         const uint64_t key = shard.keys[slot];
         uint64_t rank = call ? call->next.Position(key) : Window::kAbsent;
         if (rank == Window::kAbsent) {
-          const uint32_t position = shard.window.Position(key);
+          const uint32_t position = WindowRank(shard, key);
           if (position == Window::kAbsent) {
             spare = slot;
             return false;
@@ -990,7 +1256,7 @@ class ShardedCache final : public MemCache {
       DropBeyond(shard);
       return;
     }
-    const uint32_t position = shard.window.Position(shard.keys[slot]);
+    const uint32_t position = WindowRank(shard, shard.keys[slot]);
     if (position == Window::kAbsent) {
       b.spares.push_back(slot);
     } else {
@@ -1004,7 +1270,7 @@ class ShardedCache final : public MemCache {
   static bool Live(const Shard& shard, uint32_t slot, uint32_t position) {
     if (slot == kNoSlot) return false;
     const uint64_t key = shard.keys[slot];
-    return shard.pins[slot] == 0 && shard.where.Find(key) == slot && shard.window.Position(key) == position;
+    return shard.pins[slot] == 0 && shard.where.Find(key) == slot && WindowRank(shard, key) == position;
   }
 
   // A forced eviction's victim over the whole shard: the first row outside
@@ -1032,7 +1298,7 @@ class ShardedCache final : public MemCache {
       struct Build {
         Shard& shard;
         bool Visit(uint32_t slot) {
-          const uint32_t position = shard.window.Position(shard.keys[slot]);
+          const uint32_t position = WindowRank(shard, shard.keys[slot]);
           if (position == Window::kAbsent) {
             shard.beyond.spares.push_back(slot);
           } else {
@@ -1284,6 +1550,13 @@ class ShardedCache final : public MemCache {
   std::vector<Shard> shards_;
   mutable std::mutex miss_mutex_;  // loads, inserts, evictions and flushes
   std::mutex lookahead_mutex_;     // one SetLookahead swaps its windows in at a time
+  // The lookahead window's batches (guarded by lookahead_mutex_): each one's
+  // keys, oldest first; their sum; the position of the first one's first key.
+  std::deque<uint64_t> batch_lengths_;
+  bool unlisted_ = false;  // the window is SetLookahead's, its entries not listed yet
+  uint64_t window_length_ = 0;
+  uint32_t window_head_ = kFirstPosition;
+  std::atomic<uint64_t> lookahead_slides_{0};  // PopLookahead and SlideLookahead calls
   uint64_t rows_loaded_ = 0, rows_flushed_ = 0;  // guarded by miss_mutex_
   std::atomic<uint64_t> failed_releases_{0};
 };

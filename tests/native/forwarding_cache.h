@@ -40,6 +40,9 @@ class ForwardingCache : public MemCache {
     return cache_->MarkUpdated(k, n, at);
   }
   void SetLookahead(const uint64_t* k, uint64_t n) override { cache_->SetLookahead(k, n); }
+  void PushLookahead(const uint64_t* k, uint64_t n) override { cache_->PushLookahead(k, n); }
+  void PopLookahead() override { cache_->PopLookahead(); }
+  void SlideLookahead(const uint64_t* k, uint64_t n) override { cache_->SlideLookahead(k, n); }
   void ClearLookahead() override { cache_->ClearLookahead(); }
   uint64_t Erase(const uint64_t* k, uint64_t n) override { return cache_->Erase(k, n); }
   bool Contains(uint64_t key) const override { return cache_->Contains(key); }

@@ -1480,6 +1480,198 @@ TEST(MemCacheLookahead, ForcedEvictionsBeyondTheScanRaceNothing) {
   EXPECT_GT(st.lookahead_forced, 0u);
 }
 
+// ---- sliding lookahead windows (PushLookahead, PopLookahead, SlideLookahead)
+
+// Random batches of a trace: `count` of them, of up to `most` keys drawn
+// skewed from [1, universe]; or (whole) each the universe shuffled, less a
+// few keys, so that windows cover almost every cached row (forced evictions
+// past the scan, both outside the window and Belady's).
+std::vector<std::vector<uint64_t>> RandomBatches(std::mt19937_64& rng, size_t count, uint64_t most,
+                                                 uint64_t universe, bool whole) {
+  std::vector<std::vector<uint64_t>> batches(count);
+  for (auto& batch : batches) {
+    if (whole) {
+      batch = KeysFrom1(universe);
+      std::shuffle(batch.begin(), batch.end(), rng);
+      batch.resize(universe - rng() % 8);
+    } else {
+      batch = ZipfLikeTrace(1 + rng() % most, universe, rng());
+    }
+  }
+  return batches;
+}
+
+// The distinct keys of batch, at most `most` of them: what a test pins.
+std::vector<uint64_t> FirstDistinct(const std::vector<uint64_t>& batch, size_t most) {
+  std::vector<uint64_t> keys;
+  for (const uint64_t k : batch) {
+    if (keys.size() == most) break;
+    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  }
+  return keys;
+}
+
+class SlidingLookahead : public ::testing::TestWithParam<std::tuple<std::string, uint32_t>> {};
+
+// A cache whose window slides batch by batch evicts exactly as one given
+// the same batches concatenated (SetLookahead) before each batch, under the
+// same accesses, pins and unpins: the same rows cached and the same counts
+// after every batch, also in windows past kLookaheadScan rows a shard.
+TEST_P(SlidingLookahead, SlidingEvictsAsSettingTheConcatenation) {
+  const auto& [policy, shards] = GetParam();
+  uint64_t forced = 0, spared = 0;
+  for (int round = 0; round < 9; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    std::mt19937_64 rng(1000 * shards + round);
+    const bool past_scan = round % 3 == 2;
+    const uint64_t capacity = past_scan ? shards * (MemCache::kLookaheadScan + 300) : 20 + rng() % 300;
+    const uint64_t universe = past_scan ? capacity + 600 : capacity * (2 + rng() % 4);
+    const size_t k = 1 + rng() % (past_scan ? 3 : 6);
+    const size_t count = past_scan ? 7 : 40;
+    const auto batches = RandomBatches(rng, count, 1 + capacity / 2, universe, past_scan);
+    Backing slid_backing, set_backing;
+    auto slid = BackedCache(slid_backing, policy, capacity, shards);
+    auto set = BackedCache(set_backing, policy, capacity, shards);
+    std::vector<uint64_t> pinned;  // the previous batch's pins, released after this batch's (the pipeline's overlap)
+    for (size_t i = 0; i < count; ++i) {
+      // The window: batches i+1..i+k.
+      std::vector<uint64_t> window;
+      for (size_t j = i + 1; j <= i + k && j < count; ++j) window.insert(window.end(), batches[j].begin(), batches[j].end());
+      set->SetLookahead(window.data(), window.size());
+      if (i == 0) {
+        for (size_t j = 1; j <= k && j < count; ++j) {
+          if (j == 1 && round % 2 == 1) {
+            slid->SetLookahead(batches[j].data(), batches[j].size());  // a window of one batch, pushed onto
+          } else {
+            slid->PushLookahead(batches[j].data(), batches[j].size());
+          }
+        }
+      } else if (i + k < count) {
+        slid->SlideLookahead(batches[i + k].data(), batches[i + k].size());
+      } else {  // no batch enters at the end of the data
+        if (rng() % 2 == 0) {
+          slid->PopLookahead();
+        } else {
+          slid->SlideLookahead(nullptr, 0);  // an empty batch in, the first out
+        }
+      }
+      const std::vector<uint64_t>& batch = batches[i];
+      std::vector<uint64_t> pins = FirstDistinct(batch, past_scan ? 50 : capacity / (4 * shards));
+      const int op = static_cast<int>(rng() % 3);
+      for (MemCache* cache : {slid.get(), set.get()}) {
+        if (op == 0 || past_scan) {
+          AccessAll(*cache, batch);
+        } else {
+          cache->Pull(batch.data(), batch.size() / 2, nullptr, /*pin=*/false, nullptr);
+        }
+        if (op != 2) cache->Pin(pins.data(), pins.size(), nullptr, nullptr);
+        if (!pinned.empty()) cache->Unpin(pinned.data(), pinned.size());
+      }
+      pinned = op != 2 ? pins : std::vector<uint64_t>{};
+      const MemCacheStats a = slid->stats(), b = set->stats();
+      ASSERT_EQ(a.hits, b.hits) << "batch " << i;
+      ASSERT_EQ(a.evictions, b.evictions) << "batch " << i;
+      ASSERT_EQ(a.lookahead_spared, b.lookahead_spared) << "batch " << i;
+      ASSERT_EQ(a.lookahead_forced, b.lookahead_forced) << "batch " << i;
+      ASSERT_EQ(a.lookahead_keys, b.lookahead_keys) << "batch " << i;
+      for (uint64_t key = 1; key <= universe; ++key) {
+        ASSERT_EQ(slid->Contains(key), set->Contains(key)) << "batch " << i << " key " << key;
+      }
+    }
+    if (past_scan) {
+      forced += slid->stats().lookahead_forced;
+      spared += slid->stats().lookahead_spared;
+    }
+  }
+  EXPECT_GT(forced, 0u) << "no window past the scan forced an eviction";
+  EXPECT_GT(spared, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, SlidingLookahead,
+                         ::testing::Combine(::testing::Values("lru", "tinylfu-lfu"), ::testing::Values(1u, 4u)));
+
+// A key leaves the window with the last batch that has it, and a key in a
+// later batch moves to it: after the pops, only the key needed soonest stays.
+TEST(MemCacheLookahead, PoppedBatchesTakeTheirKeysAlong) {
+  auto cache = TraceCache("lru", 3);
+  AccessAll(*cache, {1, 2, 3});  // 1 the least recent
+  const std::vector<uint64_t> first = {1, 2}, second = {2};
+  cache->PushLookahead(first.data(), first.size());
+  cache->PushLookahead(second.data(), second.size());
+  EXPECT_EQ(cache->stats().lookahead_keys, 2u);
+  cache->PopLookahead();  // 1 leaves, 2 stays (the second batch)
+  EXPECT_EQ(cache->stats().lookahead_keys, 1u);
+  AccessAll(*cache, {4});  // 1 goes: outside the window now
+  EXPECT_FALSE(cache->Contains(1));
+  EXPECT_TRUE(cache->Contains(2));
+  EXPECT_EQ(cache->stats().lookahead_slides, 1u) << "the pop; pushes only grow the window";
+}
+
+TEST(MemCacheLookahead, PopOfAnEmptyWindowIsRefused) {
+  auto cache = TraceCache("lru", 4);
+  EXPECT_THROW(cache->PopLookahead(), std::invalid_argument);
+  EXPECT_THROW(cache->SlideLookahead(nullptr, 0), std::invalid_argument);
+  const std::vector<uint64_t> keys = {1, 2};
+  cache->SetLookahead(keys.data(), keys.size());
+  cache->PopLookahead();  // the set window is one batch
+  EXPECT_EQ(cache->stats().lookahead_keys, 0u);
+  EXPECT_THROW(cache->PopLookahead(), std::invalid_argument);
+  cache->PushLookahead(keys.data(), keys.size());
+  cache->ClearLookahead();
+  EXPECT_THROW(cache->PopLookahead(), std::invalid_argument);
+  EXPECT_EQ(cache->stats().lookahead_slides, 1u) << "refused calls count no slide";
+}
+
+TEST(MemCacheLookahead, ReservedKeyInASlideIsRefusedAndTheWindowStays) {
+  auto cache = TraceCache("lru", 4);
+  const std::vector<uint64_t> first = {1, 2}, second = {3};
+  cache->PushLookahead(first.data(), first.size());
+  cache->PushLookahead(second.data(), second.size());
+  const std::vector<uint64_t> bad = {4, kEmptyKey};
+  EXPECT_THROW(cache->PushLookahead(bad.data(), bad.size()), std::invalid_argument);
+  EXPECT_THROW(cache->SlideLookahead(bad.data(), bad.size()), std::invalid_argument);
+  EXPECT_EQ(cache->stats().lookahead_keys, 3u);
+  cache->PopLookahead();
+  EXPECT_EQ(cache->stats().lookahead_keys, 1u) << "the batches are the two pushed";
+  cache->PopLookahead();
+  EXPECT_THROW(cache->PopLookahead(), std::invalid_argument);
+}
+
+// Under TSan and ASan: as above, with a window that slides batch by batch
+// (tables grown outside the shard locks, keys moved and dropped under them)
+// over rows both in and past the scan.
+TEST(MemCacheLookahead, WindowSlidesRaceNothing) {
+  const uint64_t capacity = MemCache::kLookaheadScan + 300, pulled = capacity + 600, all = pulled + 600;
+  Backing backing;
+  auto cache = BackedCache(backing, "tinylfu-lfu", capacity, 2);
+  std::mt19937_64 rng(7);
+  auto batch = [&] {
+    std::vector<uint64_t> keys(200 + rng() % 3000);
+    for (uint64_t& k : keys) k = rng() % all;
+    return keys;
+  };
+  for (int j = 0; j < 4; ++j) {
+    const std::vector<uint64_t> keys = batch();
+    cache->PushLookahead(keys.data(), keys.size());
+  }
+  std::atomic<bool> done{false};
+  std::thread prefetch([&] {
+    while (!done.load()) {
+      const std::vector<uint64_t> keys = batch();
+      cache->SlideLookahead(keys.data(), keys.size());
+      (void)cache->stats();
+    }
+  });
+  PullAndReplayAlongside(*cache, pulled, [&](std::vector<uint64_t>& keys) {
+    for (uint64_t& k : keys) k = pulled + k % (all - pulled);
+    std::sort(keys.begin(), keys.end());
+    keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  }, done, prefetch);
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.pinned, 0u);
+  EXPECT_GT(st.lookahead_slides, 4u);
+}
+
 // ---- the deferred order (src/cache/cache_policy.cc, DeferredOrder)
 
 // Until the cache first fills, lru only stamps visits; the order it builds
