@@ -195,3 +195,36 @@ def test_window_errors_name_the_batch_and_the_rank():
         merge_windows([window_keys([]), damaged])
     with pytest.raises(RuntimeError, match="rank 0's lookahead window"):
         merge_windows([u64()])
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_prefetch_slides_the_mem_ps_window(tmp_path, pipelined):
+    # Each prefetch after the first gets the last window shifted by one batch (the
+    # same arrays), so MEM-PS's window slides (or, at the end, drops its first batch)
+    # instead of being set anew.
+    cfg = {"mem_budget": 80 * (4 * 2 * 4 + 112), "cache_policy": "lru"}
+    ps, _ = run_loop(tmp_path, str(pipelined), 3, pipelined=pipelined, **cfg)
+    assert ps.stats()["mem"]["lookahead_slides"] == len(looping()) - 1
+
+
+def test_prefetch_sets_the_window_unless_it_is_the_last_one_shifted(tmp_path):
+    ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "a"), mem_budget="1MiB"))
+    a, b, c = (np.array([[i, 100 + i]], np.uint64) for i in range(3))
+
+    def prefetch(upcoming):
+        ps.prefetch(np.array([[7, 8]], np.uint64), upcoming=upcoming).release()
+        m = ps.stats()["mem"]
+        return m["lookahead_slides"], m["lookahead_keys"]
+
+    assert prefetch([a, b]) == (0, 4)  # set
+    assert prefetch([b, c]) == (1, 4)  # slid: a out, c in
+    assert prefetch([b, c]) == (1, 4)  # the same window (a prefetch tried again)
+    assert prefetch([c.copy(), a]) == (1, 4)  # another array where c was: set anew
+    assert prefetch([a]) == (2, 2)     # the end of the data: the first batch out
+    assert prefetch([]) == (3, 0)
+    assert prefetch([a, b, c]) == (3, 6)
+    assert prefetch([c, a]) == (3, 4)  # not the last window shifted: set
+    assert prefetch([a, b]) == (4, 4)
+    with pytest.raises(ValueError, match="0xffffffffffffffff"):
+        prefetch([b, np.array([hps.EMPTY_KEY], np.uint64)])
+    assert prefetch([b, c]) == (5, 4), "a refused slide left the window as it was"

@@ -1004,6 +1004,7 @@ class ParameterServer:
                         "expired": 0, "capped": 0}
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
                                loader=self._backing, sink=self._backing, prefault=config.prefault)
+        self._window = None  # the arrays of prefetch's last lookahead window (None: not known)
         # With one host partition, batches train on MEM-PS's pinned rows (HostBatch).
         self._in_place = (config.host_in_place and config.devices == 1 and partitioner is None
                           and not herald and _core.cuda_device_count() < 1)
@@ -1232,13 +1233,19 @@ class ParameterServer:
         that a later batch(prefetched) finds them in memory. Runs alongside a batch
         in flight: the pipeline's pull stage. ``upcoming``: the keys of the batches
         after this one (the pipeline's lookahead window), which the caches keep
-        when they must evict."""
-        upcoming = self._check_upcoming(upcoming)
-        if upcoming is not None:  # MEM-PS keeps the coming batches' rows when it must evict
-            self._cache.set_lookahead(upcoming)
+        when they must evict. A list that is the last one's shifted by one batch
+        (its arrays from the second on, the same objects, then at most one more)
+        slides MEM-PS's window (``stats()["mem"]["lookahead_slides"]``) rather than
+        hashing every batch of it again: an array passed again must hold the same
+        keys it held when it was first passed."""
+        window = self._check_upcoming(upcoming)
+        if window is not None:  # MEM-PS keeps the coming batches' rows when it must evict
+            self._move_window(*window)
         if self._herald is not None:
             pre = self._pin_examples(keys)
-            pre.upcoming = upcoming
+            if window is not None:
+                window = np.concatenate(window[1]) if window[1] else np.empty(0, np.uint64)
+            pre.upcoming = window
             return pre
         if not self._in_place:
             return self._pin_working_set(keys)
@@ -1247,9 +1254,34 @@ class ParameterServer:
         self._count(mem_hits=int(hit.sum()))
         return Prefetched(self, uniq, flat, inverse, addresses)
 
+    def _move_window(self, given: list, keys: list) -> None:
+        """MEM-PS's lookahead window to the batches `given` (`keys`: each one's
+        keys as a uint64 array; both from _check_upcoming): slid by one batch when
+        they follow the window's batches (the arrays prefetch was given, by
+        identity), else set anew, batch by batch, so that the next call can slide it."""
+        window = self._window
+
+        def same(a, b) -> bool:
+            return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+        if window is not None and same(given, window):
+            pass  # the window it holds (a prefetch tried again)
+        elif window and len(window) - 1 <= len(given) <= len(window) and same(given[:len(window) - 1], window[1:]):
+            if len(given) == len(window):
+                self._cache.slide_lookahead(keys[-1])
+            else:
+                self._cache.pop_lookahead()  # the end of the data: no batch enters
+        else:
+            self._window = None  # not known until the calls below are made
+            self._cache.set_lookahead(keys[0] if keys else np.empty(0, np.uint64))
+            for k in keys[1:]:
+                self._cache.push_lookahead(k)
+        self._window = list(given)
+
     @staticmethod
-    def _check_upcoming(upcoming) -> Optional[np.ndarray]:
-        """The lookahead window's keys, flattened into one uint64 array (None: none)."""
+    def _check_upcoming(upcoming) -> Optional[tuple]:
+        """The lookahead window's batches: (the arrays given, each flattened to a
+        uint64 array), or None for none."""
         if upcoming is None:
             return None
         if not isinstance(upcoming, (list, tuple)):
@@ -1260,7 +1292,7 @@ class ParameterServer:
                 raise TypeError(f"upcoming[{i}] must be an array of uint64 or int64, got "
                                 f"{getattr(k, 'dtype', type(k).__name__)}")
             parts.append(np.ascontiguousarray(k).reshape(-1).view(np.uint64))
-        return np.concatenate(parts) if parts else np.empty(0, np.uint64)
+        return list(upcoming), parts
 
     def _pin_examples(self, keys: np.ndarray) -> "Prefetched":
         """prefetch() for Herald's worker caches: the distinct keys pinned in

@@ -331,11 +331,13 @@ class Pipeline:
                 data = self._timed("read", next, it, _DONE)
                 if data is _DONE:
                     break
-                ahead.append(data)
+                # Each batch's keys taken once: the same arrays in each window let
+                # prefetch slide MEM-PS's window rather than set it anew.
+                ahead.append((data, self.keys_of(data) if self.lookahead else None))
             if not ahead:
                 return
-            data = ahead.popleft()
-            upcoming = [self.keys_of(d) for d in ahead] if self.lookahead else None
+            data, _ = ahead.popleft()
+            upcoming = [keys for _, keys in ahead] if self.lookahead else None
             prefetched = self._prefetch(data, upcoming=upcoming)
             loaded = self._timed("load", self._load, data, prefetched)
             try:
