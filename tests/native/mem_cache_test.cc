@@ -1638,16 +1638,18 @@ TEST(MemCacheLookahead, ReservedKeyInASlideIsRefusedAndTheWindowStays) {
 }
 
 // Under TSan and ASan: as above, with a window that slides batch by batch
-// (tables grown outside the shard locks, keys moved and dropped under them)
-// over rows both in and past the scan.
+// (tables grown outside the shard locks, keys moved and dropped under them),
+// some batches naming every key, so that evictions past the scan are forced
+// and the whole-shard lists are built and dropped by slides.
 TEST(MemCacheLookahead, WindowSlidesRaceNothing) {
   const uint64_t capacity = MemCache::kLookaheadScan + 300, pulled = capacity + 600, all = pulled + 600;
   Backing backing;
-  auto cache = BackedCache(backing, "tinylfu-lfu", capacity, 2);
+  auto cache = BackedCache(backing, "tinylfu-lfu", capacity, 1);
   std::mt19937_64 rng(7);
   auto batch = [&] {
-    std::vector<uint64_t> keys(200 + rng() % 3000);
-    for (uint64_t& k : keys) k = rng() % all;
+    std::vector<uint64_t> keys(rng() % 3 == 0 ? all : 200 + rng() % 3000);
+    for (uint64_t k = 0; k < keys.size(); ++k) keys[k] = keys.size() == all ? k : rng() % all;
+    std::shuffle(keys.begin(), keys.end(), rng);
     return keys;
   };
   for (int j = 0; j < 4; ++j) {
