@@ -1425,6 +1425,16 @@ void PullAndReplayAlongside(MemCache& cache, uint64_t pulled, Replayed replayed,
   for (int t = 0; t < 2; ++t) EXPECT_EQ(bad[t], 0) << "puller " << t;
 }
 
+// PullAndReplayAlongside's `replayed` for keys in [pulled, all): each drawn
+// key moved there, repeats dropped.
+auto ReplayedIn(uint64_t pulled, uint64_t all) {
+  return [pulled, all](std::vector<uint64_t>& keys) {
+    for (uint64_t& k : keys) k = pulled + k % (all - pulled);
+    std::sort(keys.begin(), keys.end());
+    keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  };
+}
+
 // Under TSan: a prefetch thread replaces the window while others pull, pin,
 // unpin and replay; rows stay right and no pin is lost.
 TEST(MemCacheLookahead, WindowSwapsRaceNothing) {
@@ -1470,11 +1480,7 @@ TEST(MemCacheLookahead, ForcedEvictionsBeyondTheScanRaceNothing) {
       cache->SetLookahead(window.data(), window.size());
     }
   });
-  PullAndReplayAlongside(*cache, pulled, [&](std::vector<uint64_t>& keys) {
-    for (uint64_t& k : keys) k = pulled + k % (all - pulled);
-    std::sort(keys.begin(), keys.end());
-    keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
-  }, done, prefetch);
+  PullAndReplayAlongside(*cache, pulled, ReplayedIn(pulled, all), done, prefetch);
   const MemCacheStats st = cache->stats();
   EXPECT_EQ(st.pinned, 0u);
   EXPECT_GT(st.lookahead_forced, 0u);
@@ -1664,11 +1670,7 @@ TEST(MemCacheLookahead, WindowSlidesRaceNothing) {
       (void)cache->stats();
     }
   });
-  PullAndReplayAlongside(*cache, pulled, [&](std::vector<uint64_t>& keys) {
-    for (uint64_t& k : keys) k = pulled + k % (all - pulled);
-    std::sort(keys.begin(), keys.end());
-    keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
-  }, done, prefetch);
+  PullAndReplayAlongside(*cache, pulled, ReplayedIn(pulled, all), done, prefetch);
   const MemCacheStats st = cache->stats();
   EXPECT_EQ(st.pinned, 0u);
   EXPECT_GT(st.lookahead_slides, 4u);
