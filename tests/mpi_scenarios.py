@@ -557,6 +557,15 @@ def run_train(node, out: str, args) -> None:
                 raise CorruptionError("rank 1's store: a damaged checkpoint")
             raise OSError(28, "No space left on device")
         hps.train.ParameterServer = failing_open
+    if args.fresh_windows:
+        # Each window's arrays copied: never the last window shifted (by identity), so
+        # every rank sets its window anew each batch rather than sliding it.
+        from hps.distributed.herald import HeraldServer
+        from hps.distributed.sparse import DistributedServer
+        for cls in (DistributedServer, HeraldServer):
+            def copying(server, keys, upcoming=None, _prefetch=cls.prefetch):
+                return _prefetch(server, keys, None if upcoming is None else [u.copy() for u in upcoming])
+            cls.prefetch = copying
     batches = global_batches(args.steps, args.per_rank, node.size, multi_hot=args.multi_hot,
                              empty_bags_at=args.empty_bags_at)
     mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
@@ -617,6 +626,8 @@ def run_train(node, out: str, args) -> None:
                    "herald": summary["ps"].get("herald"), "admission": summary["admission"],
                    "codecs": summary["ps"]["distributed"]["codecs"],
                    "fresh_rows": summary["ps"]["distributed"]["fresh_rows_sent_as_bits"],
+                   "mem": {k: summary["ps"]["mem"][k] for k in ("hits", "misses", "evictions", "lookahead_slides",
+                                                                "lookahead_spared", "lookahead_forced")},
                    "evals": [{k: h.get(k) for k in ("batches", "auc", "logloss")} for h in summary["history"]]}, f)
 
 
@@ -745,6 +756,8 @@ def main() -> None:
     ap.add_argument("--empty-bags-at", type=int, default=-1, help="the step whose last rank's multi-hot bags are "
                     "all empty")
     ap.add_argument("--mem-budget", default="256KiB")
+    ap.add_argument("--fresh-windows", action="store_true",
+                    help="train: each prefetch's lookahead window as fresh arrays (set anew, never slid)")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--how", default="hang")
     ap.add_argument("--checkpoint-every", type=int, default=0)

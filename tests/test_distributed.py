@@ -220,13 +220,21 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
     for r, b in enumerate(sent):
         asks = sum(int((owner_ranks(u, world) != q).sum()) for (t, q), u in distinct.items() if q == r)
         asked = sum(int((owner_ranks(u, world) == r).sum()) for (t, q), u in distinct.items() if q != r)
-        # Lookahead: each step a rank also sends the distinct keys of its next 2 batches
-        # (fewer at the end) to every other rank, 8 bytes each, after their number and
-        # the count of keys each batch needs first (8 bytes each: merge_windows).
-        coming = [[d for d in (1, 2) if (t + d, r) in distinct] for t in range(steps)]
-        window = 0 if "--lookahead" not in extra else sum(
-            (len(np.unique(np.concatenate([distinct[t + d, r] for d in coming[t]] or [np.empty(0, np.uint64)])))
-             + 1 + len(coming[t])) * 8 * (world - 1) for t in range(steps))
+        # Lookahead: each step a rank also sends every other rank the distinct keys it
+        # owns of each batch the rank's window gained, 8 bytes each, after the message's
+        # kind, its number of batches and each one's count of keys (8 bytes each:
+        # pack_window): at the first step its next 2 batches (set), then, as the window
+        # slides, the one that enters (none at the end of the data). The owners slid
+        # their MEM-PS windows at every step after the first.
+        window = 0
+        for t in range(steps if "--lookahead" in extra else 0):
+            gained = [u for u in ((t + 1, t + 2) if t == 0 else (t + 2,)) if (u, r) in distinct]
+            for o in range(world):
+                if o != r:
+                    owned = sum(int((owner_ranks(distinct[u, r], world) == o).sum()) for u in gained)
+                    window += (2 + len(gained) + owned) * 8
+        if "--lookahead" in extra:
+            assert reports[r]["mem"]["lookahead_slides"] == steps - 1, f"rank {r}"
         assert b["sparse_keys"] == asks * (8 + 4) + window, f"rank {r}"
         row_bytes = {"none": dim * 4, "bf16": dim * 2, "int8": dim + 4}[codec]  # int8: a float32 scale a row
         assert b["sparse_grads"] == asks * row_bytes, f"rank {r}"
@@ -342,6 +350,8 @@ def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extr
     batches = _single_process_reference(tmp_path, world, steps, per_rank, "--uneven" in extra)
     _assert_job_equals_single(tmp_path, world, steps, batches)  # the final checkpoint flushed the caches
     reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(world)]
+    if "--lookahead" in extra:  # each owner's MEM-PS window slid at every step after the first
+        assert [rep["mem"]["lookahead_slides"] for rep in reports] == [steps - 1] * world
     h = [rep["herald"] for rep in reports]
     # Every rank planned the same steps; what moved is what the plan said.
     assert len({(x["plan_pulls"], x["plan_shared"], x["distinct"]) for x in h}) == 1
@@ -656,6 +666,40 @@ def test_an_owners_mem_ps_evicts_the_window_row_the_job_needs_latest(tmp_path, s
     assert rows >= 3, rows
     assert got["forced"] == 1  # every row it could evict was in the window
     assert got["cached"] == [False] + [True] * rows, got
+
+
+@pytest.mark.parametrize("schedule", [[], ["--herald", 150]], ids=["sequential", "herald"])
+def test_owners_slide_their_windows_and_evict_as_setting_them_each_batch(tmp_path, schedule):
+    """The pipeline's windows are the last ones shifted by a batch: each rank sends
+    its owners only the batch that enters, and each owner's MEM-PS slides its window
+    (a slide a batch after the first; Herald's leader still gives its scheduler the
+    job's window). The same job whose windows are fresh arrays each batch sets them
+    anew every batch but the last: the same evictions, rows and MLP, bit for bit. (The sequential
+    pipeline: a pipelined one's evictions follow its threads' pace.)"""
+    import torch
+    from hps.train import load_trainer_state
+    steps, per_rank, world = 6, 48, 2
+    common = ("--steps", steps, "--per-rank", per_rank, "--lookahead", 2, "--mem-budget", "96KiB", "--sequential",
+              *schedule)
+    scenario(world, "train", tmp_path / "slid", *common)
+    scenario(world, "train", tmp_path / "set", *common, "--fresh-windows")
+    mem = {run: [json.loads((tmp_path / run / f"rank{r}.json").read_text())["mem"] for r in range(world)]
+           for run in ("slid", "set")}
+    assert [m["lookahead_slides"] for m in mem["slid"]] == [steps - 1] * world
+    # Fresh arrays: set anew, but for the last window, empty: the one before less its
+    # batch (nothing to compare by identity), popped.
+    assert [m["lookahead_slides"] for m in mem["set"]] == [1] * world
+    assert all(m["evictions"] > 0 for m in mem["slid"]) and sum(m["lookahead_spared"] for m in mem["slid"]) > 0
+    for slid, set_ in zip(mem["slid"], mem["set"]):
+        assert {k: v for k, v in slid.items() if k != "lookahead_slides"} == \
+            {k: v for k, v in set_.items() if k != "lookahead_slides"}
+    keys = np.unique(np.concatenate([b.all_keys().ravel() for b in sc.global_batches(steps, per_rank, world)]))
+    for r in range(world):
+        runs = [str(tmp_path / run / "job" / f"rank{r}") for run in ("slid", "set")]
+        np.testing.assert_array_equal(*[_ps_rows(p, keys) for p in runs], err_msg=f"rank {r}")
+        states = [load_trainer_state(p)["mlp"] for p in runs]
+        for name, value in states[0].items():
+            torch.testing.assert_close(states[1][name], value, rtol=0, atol=0, msg=f"rank {r}: {name}")
 
 
 @pytest.mark.parametrize("world,capacity,lookahead,mem_budget,per_rank",

@@ -137,7 +137,7 @@ def test_pipelined_run_equals_the_sequential_one_with_lookahead_on(tmp_path, cfg
     np.testing.assert_array_equal(rows[0], rows[1])
 
 
-# ---- the window across the ranks of an MPI job (hps.distributed: window_keys, merge_windows)
+# ---- the window across the ranks of an MPI job (hps.distributed.sparse: WindowSender, OwnerWindows)
 
 def u64(*keys):
     return np.array(keys, np.uint64)
@@ -146,55 +146,156 @@ def u64(*keys):
 BIG = 2**64 - 3  # past float64's 53 bits: a key cast through float64 on the way would change
 
 
+class WindowCalls:
+    """A MemCache's lookahead calls, kept batch by batch: the window they give."""
+
+    def __init__(self):
+        self.batches, self.calls = [], []
+
+    def set_lookahead(self, keys):
+        self.calls.append("set")
+        self.batches = [keys.tolist()]
+
+    def push_lookahead(self, keys):
+        self.calls.append("push")
+        self.batches.append(keys.tolist())
+
+    def pop_lookahead(self):
+        self.calls.append("pop")
+        self.batches.pop(0)
+
+    def slide_lookahead(self, keys):
+        self.calls.append("slide")
+        self.batches = self.batches[1:] + [keys.tolist()]
+
+    def window(self) -> list:
+        """The keys in the order of their first need (what evictions compare)."""
+        return list(dict.fromkeys(k for b in self.batches for k in b))
+
+
+def owner_window(windows: list, world: int = 1):
+    """The window rank 0 of `world` keeps of ranks' windows, sent (set) once."""
+    from hps.distributed.sparse import OwnerWindows, WindowSender
+    owner, cache = OwnerWindows(len(windows)), WindowCalls()
+    owner.update([WindowSender().blocks(w, world)[0] for w in windows], cache)
+    return cache
+
+
 def test_the_jobs_window_orders_keys_by_the_first_batch_any_rank_needs_them_in():
     """Each owner's MEM-PS evicts, of the rows in the window, the one needed latest:
     its window must follow the batches. 8: rank 0's batch 0 and rank 1's batch 3,
     so batch 0's place; BIG: the largest key, needed first, not last (sorted by value)."""
-    from hps.distributed.sparse import merge_windows, window_keys
-    rank0 = window_keys([u64(9, 8, 9), u64(2, 9), u64(), np.array([7], np.int64)])
-    rank1 = window_keys([u64(BIG), u64(), u64(), u64(2, 1, 8)])
-    # Each rank sends its batches' counts of keys new to it there, then those keys.
-    assert rank0.dtype == np.uint64 and rank0.tolist() == [4, 2, 1, 0, 1, 8, 9, 2, 7]
-    assert rank1.tolist() == [4, 1, 0, 0, 3, BIG, 1, 2, 8]
+    from hps.distributed.sparse import WINDOW_SET, WindowSender
+    rank0 = [u64(9, 8, 9), u64(2, 9), u64(), np.array([7], np.int64)]
+    rank1 = [u64(BIG), u64(), u64(), u64(2, 1, 8)]
+    # A window set anew: its kind, its batches' counts of distinct keys, then those keys.
+    sent = WindowSender().blocks(rank0, 1)[0]
+    assert sent.dtype == np.uint64 and sent.tolist() == [WINDOW_SET, 4, 2, 2, 0, 1, 8, 9, 2, 9, 7]
     want = [8, 9, BIG, 2, 1, 7]  # batch 0's keys ascending, batch 1's, batch 3's
-    assert merge_windows([rank0, rank1]).tolist() == want
-    assert merge_windows([rank1, rank0]).tolist() == want
+    for ranks in ([rank0, rank1], [rank1, rank0]):
+        cache = owner_window(ranks)
+        assert cache.window() == want and cache.calls == ["set", "push", "push", "push"]
+        assert cache.batches == [[8, 9, BIG], [2, 9], [], [1, 2, 7, 8]]
 
 
 def test_an_empty_window_and_a_rank_with_no_coming_batch_add_nothing():
-    from hps.distributed.sparse import merge_windows, window_keys
-    none, empty = window_keys([]), window_keys([u64(), u64()])
-    assert none.tolist() == [0] and empty.tolist() == [2, 0, 0]
-    got = merge_windows([none, empty])
-    assert got.dtype == np.uint64 and got.tolist() == []
-    rank1 = window_keys([u64(5, 3), u64(1)])
-    assert merge_windows([none, rank1]).tolist() == [3, 5, 1]
-    assert merge_windows([empty, rank1, none]).tolist() == [3, 5, 1]
+    assert owner_window([[], []]).batches == [[]]
+    assert owner_window([[], [u64(), u64()]]).batches == [[], []]
+    rank1 = [u64(5, 3), u64(1)]
+    assert owner_window([[], rank1]).window() == [3, 5, 1]
+    assert owner_window([[u64(), u64()], rank1, []]).window() == [3, 5, 1]
 
 
-def test_a_windows_parts_keep_each_keys_batch():
-    """Herald sends each owner only its keys of a rank's window, with their batches."""
-    from hps.distributed.sparse import merge_windows, owner_ranks, window_keys, window_parts
-    batches = [u64(9, 4), u64(2, 11), u64(7, 4)]
+def test_a_shifted_window_sends_the_entering_batch_and_the_owner_slides():
+    """The pipeline's windows, the same arrays shifted by one batch: a rank sends only
+    the batch that enters, and the owner's MEM-PS slides (keeping 9, which leaves with
+    batch 0 but is needed again in batch 1), to the window setting it anew gives. A
+    rank that sets its window anew while the other slides has the owner set it anew
+    from both; a batch entering a rank's shorter window lands inside the owner's, not
+    at its end: set anew too."""
+    from hps.distributed.sparse import WINDOW_SET, WINDOW_SLIDE, OwnerWindows, WindowSender
+    a = [u64(9, 8), u64(2, 9), u64(4), u64(6, 9), u64(3)]
+    b = [u64(BIG), u64(5), u64(4, 1), u64(8), u64(7)]
+    senders, owner, cache = [WindowSender(), WindowSender()], OwnerWindows(2), WindowCalls()
+
+    def move(windows: list) -> list:
+        sent = [s.blocks(w, 1)[0] for s, w in zip(senders, windows)]
+        owner.update(sent, cache)
+        assert cache.batches == owner_window(windows).batches  # what setting it anew gives
+        return sent
+
+    move([a[0:3], b[0:3]])
+    sent = move([a[1:4], b[1:4]])
+    assert [m.tolist() for m in sent] == [[WINDOW_SLIDE, 1, 2, 6, 9], [WINDOW_SLIDE, 1, 1, 8]]
+    assert cache.calls[-1] == "slide" and cache.window() == [2, 5, 9, 1, 4, 6, 8]
+    move([a[2:5], b[2:5]])
+    assert cache.calls[-1] == "slide"
+    move([a[3:5], b[3:5]])  # the end of the data: nothing enters
+    assert cache.calls[-1] == "pop"
+    b3 = [u64(8), u64(7)]  # rank 1's arrays anew (the same keys): it sets, rank 0 slides
+    sent = move([a[4:5], b3[1:]])
+    assert sent[0].tolist() == [WINDOW_SLIDE, 0] and sent[1].tolist() == [WINDOW_SET, 1, 1, 7]
+    assert cache.calls[-1] == "set"
+    assert cache.calls.count("slide") == 2 and cache.calls.count("pop") == 1
+    # Rank 1 sets a window of one batch; both slide, a batch entering each: rank 1's
+    # is the owner's batch 1 of 2, not its last.
+    c = [u64(1), u64(2), u64(3)]
+    move([a[2:4], c[0:1]])
+    move([a[3:5], c[1:2]])
+    assert cache.calls[-2:] == ["set", "push"]
+    assert cache.calls.count("slide") == 2
+
+
+def test_the_leader_is_sent_every_key_and_the_owners_theirs():
+    """Herald's leader gets every rank's whole batches (its scheduler takes the job's
+    window as a set) and keeps in MEM-PS those it owns; the other owners get theirs."""
+    from hps.distributed.sparse import OwnerWindows, WindowSender, owner_ranks, unpack_window
     world = 2
-    parts = window_parts(window_keys(batches), world)
-    for r, part in enumerate(parts):
-        mine = [b[owner_ranks(b, world) == r] for b in batches]
-        assert part.tolist() == window_keys(mine).tolist(), r
-        assert part[0] == 3 and len(part) > 4, r  # every part has its 3 batches and a key
-    assert merge_windows(parts).tolist() == [4, 9, 2, 11, 7]
-    assert merge_windows(parts + [window_keys([u64(2)])]).tolist()[0] == 2  # 2 is needed at once
+    batches = [u64(9, 4), u64(2, 11), u64(7, 4)]
+    blocks = WindowSender().blocks(batches, world, whole=0)
+    assert [k.tolist() for k in unpack_window(blocks[0], 0)[1]] == [[4, 9], [2, 11], [4, 7]]
+    for r in range(world):
+        owner, cache = OwnerWindows(1, (lambda k, r=r: owner_ranks(k, world) == r) if r == 0 else None), WindowCalls()
+        owner.update([blocks[r]], cache)
+        want = [sorted(int(k) for k in b if owner_ranks(u64(k), world)[0] == r) for b in batches]
+        assert cache.batches == want, r
+        assert owner.keys().tolist() == ([2, 4, 7, 9, 11] if r == 0 else sorted({k for b in want for k in b})), r
 
 
 def test_window_errors_name_the_batch_and_the_rank():
-    from hps.distributed.sparse import merge_windows, window_keys
+    from hps.distributed.sparse import WINDOW_SLIDE, OwnerWindows, WindowSender, pack_window
     with pytest.raises(TypeError, match=r"upcoming\[1\] must be an array of uint64 or int64 keys, got float64"):
-        window_keys([u64(1), np.array([2.0])])
-    damaged = window_keys([u64(1, 2)])[:-1]  # its counts name a key it does not hold
-    with pytest.raises(RuntimeError, match="rank 1's lookahead window"):
-        merge_windows([window_keys([]), damaged])
+        WindowSender().blocks([u64(1), np.array([2.0])], 1)
+    with pytest.raises(TypeError, match="upcoming must be a list of key arrays"):
+        WindowSender().blocks(u64(1), 1)
+    damaged = WindowSender().blocks([u64(1, 2)], 1)[0][:-1]  # its counts name a key it does not hold
+    good = WindowSender().blocks([], 1)[0]
+    with pytest.raises(RuntimeError, match="rank 1's lookahead window: 4 words do not match"):
+        OwnerWindows(2).update([good, damaged], WindowCalls())
     with pytest.raises(RuntimeError, match="rank 0's lookahead window"):
-        merge_windows([u64()])
+        OwnerWindows(1).update([u64()], WindowCalls())
+    with pytest.raises(RuntimeError, match="rank 0's lookahead window"):  # a slide carries one batch at most
+        OwnerWindows(1).update([pack_window(WINDOW_SLIDE, [u64(1), u64(2)])], WindowCalls())
+    with pytest.raises(RuntimeError, match="rank 1's lookahead window slid from a window it never sent"):
+        OwnerWindows(2).update([good, pack_window(WINDOW_SLIDE, [u64(1)])], WindowCalls())
+
+
+def test_an_owner_whose_window_call_raised_sets_the_next_one_anew():
+    """A MemCache call that raised (a reserved key) leaves MEM-PS's window unknown:
+    the next update sets it from the ranks' windows, even where every rank slid."""
+    from hps.distributed.sparse import OwnerWindows, WindowSender
+
+    class Refusing(WindowCalls):
+        def slide_lookahead(self, keys):
+            raise ValueError("refused")
+
+    w = [u64(1), u64(2), u64(3), u64(4)]
+    sender, owner, cache = WindowSender(), OwnerWindows(1), Refusing()
+    owner.update([sender.blocks(w[0:2], 1)[0]], cache)
+    with pytest.raises(ValueError, match="refused"):
+        owner.update([sender.blocks(w[1:3], 1)[0]], cache)
+    owner.update([sender.blocks(w[2:4], 1)[0]], cache)
+    assert cache.calls[-2:] == ["set", "push"] and cache.batches == [[3], [4]]
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

@@ -48,7 +48,8 @@ one before it applied. Were every rank to run
 it, every rank's keys would go to every other: W - 1 times the leader's inbound
 keys, and W schedulers' CPU. With ``[ps] lookahead``, every rank's window goes to the
 leader (the scheduler keeps the job's window last) and to the owners (MEM-PS
-keeps it, in the order the job needs its keys: merge_windows). Multi-hot fields
+keeps it, in the order the job needs its keys: OwnerWindows; a window moved on a
+batch sends only the batch that enters). Multi-hot fields
 are not taken (hps train refuses them).
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ from hps import _core
 from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep
 from hps.distributed.comm import Node
 from hps.distributed.sparse import (DistributedServer, FreshRows, _StepData, owner_ranks, rank_positions,
-                                   merge_windows, refuse_nonfinite, window_keys, window_parts)
+                                   OwnerWindows, refuse_nonfinite)
 from hps.herald import Herald
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer
@@ -355,15 +356,20 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
     def _lookahead(self, upcoming):
         """Every rank's window to the leader, whose scheduler keeps the job's window
         last, and to the owners, whose MEM-PS keeps the keys they own in the order
-        the job needs them (collective, prefetch stage); returns the job's window
-        (sorted: the scheduler takes it as a set) on the leader, else None."""
-        mine = window_keys(upcoming)
+        the job needs them (collective, prefetch stage; OwnerWindows: only the
+        batches that changed travel); returns the job's window (sorted: the
+        scheduler takes it as a set) on the leader, else None."""
+        blocks = self._window_sender.blocks(upcoming, self.node.size, whole=LEADER)
+        self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"),
+                                   self.local._cache)
+        return self._owner_windows.keys() if self.leader else None
+
+    def _make_owner_windows(self) -> OwnerWindows:
+        # The leader is sent every rank's whole batches (the scheduler's window): its
+        # MEM-PS keeps those it owns. (Called by DistributedServer.__init__, before
+        # self.leader is set.)
         W, me = self.node.size, self.node.rank
-        owned = window_parts(mine, W)
-        blocks = [mine if r == LEADER else owned[r] for r in range(W)]
-        got = merge_windows(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"))
-        self.local._cache.set_lookahead(got[owner_ranks(got, W) == me] if self.leader else got)
-        return np.sort(got) if self.leader else None
+        return OwnerWindows(W, (lambda keys: owner_ranks(keys, W) == me) if me == LEADER else None)
 
     def _schedule(self, pre: HeraldPrefetched) -> tuple:
         """Numbers a step as it is made; the leader schedules it and keeps the

@@ -204,57 +204,128 @@ def rank_positions(keys, uniq: np.ndarray, flat: np.ndarray, inverse: np.ndarray
     return pos
 
 
-def window_keys(upcoming) -> np.ndarray:
-    """A rank's lookahead window, packed to send (uint64): the number of its coming
-    batches n, then for each of them the count of keys it needs there first (not in
-    an earlier one of them), then those keys, batch by batch (ascending within one).
-    ``merge_windows`` reads it. A key's batch is what orders the owners' windows:
-    the keys alone, sorted by value, would tell MEM-PS nothing of when each is needed."""
-    keys = [key_array(u, f"upcoming[{i}]").astype(np.uint64, copy=False).reshape(-1) for i, u in enumerate(upcoming)]
-    n = len(keys)
-    flat = np.concatenate(keys) if n else np.empty(0, np.uint64)
-    uniq, first = np.unique(flat, return_index=True)  # the first occurrence of each key
-    batch = np.repeat(np.arange(n, dtype=np.int64), [len(k) for k in keys])[first]
-    return _packed_window(n, batch, uniq)
+WINDOW_SET, WINDOW_SLIDE = 0, 1  # a lookahead message's kind: the rank's window anew, or moved on a batch
 
 
-def window_parts(window: np.ndarray, world: int) -> list:
-    """A packed window (window_keys) split by owner: rank r's part holds the keys r
-    owns, each with its batch, packed again."""
-    n = int(window[0])
-    counts, keys = window[1:1 + n].astype(np.int64), window[1 + n:]
-    batch, owners = np.repeat(np.arange(n, dtype=np.int64), counts), owner_ranks(keys, world)
-    return [_packed_window(n, batch[owners == r], keys[owners == r]) for r in range(world)]
+def pack_window(kind: int, batches: list) -> np.ndarray:
+    """A lookahead message (uint64): its kind, the number of batches n it carries,
+    each one's count of keys, then the keys batch by batch (uint64 each: a key
+    concatenated with int64 counts would be cast to float64). WINDOW_SET: every
+    batch of the rank's window; WINDOW_SLIDE: its first batch left, and the batch
+    that enters (n = 1, or n = 0 at the end of the data)."""
+    head = np.array([kind, len(batches), *[len(b) for b in batches]], np.uint64)
+    return np.concatenate([head, *[b.astype(np.uint64, copy=False) for b in batches]])
 
 
-def _packed_window(n: int, batch: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """n, the keys' counts per batch, then the keys by (batch, key) (uint64 each:
-    a key concatenated with int64 counts would be cast to float64)."""
-    order = np.lexsort((keys, batch))
-    head = np.concatenate([[n], np.bincount(batch, minlength=n)]).astype(np.uint64)
-    return np.concatenate([head, keys[order].astype(np.uint64, copy=False)])
+def unpack_window(buf: np.ndarray, rank: int) -> tuple:
+    """(kind, batches) of a pack_window message from `rank`. RuntimeError, naming
+    the rank, for a message whose header does not match its keys (another hps
+    version on that rank)."""
+    n = int(buf[1]) if len(buf) >= 2 else -1
+    counts = buf[2:2 + n].astype(np.int64) if 0 <= n <= len(buf) - 2 else None
+    if (counts is None or int(buf[0]) not in (WINDOW_SET, WINDOW_SLIDE) or (counts < 0).any()
+            or len(buf) != 2 + n + int(counts.sum()) or (int(buf[0]) == WINDOW_SLIDE and n > 1)):
+        raise RuntimeError(f"rank {rank}'s lookahead window: {len(buf)} words do not match its header "
+                           f"(does that rank run another hps?)")
+    return int(buf[0]), np.split(buf[2 + n:], np.cumsum(counts)[:-1]) if n else []
 
 
-def merge_windows(windows) -> np.ndarray:
-    """The job's lookahead window from the ranks' packed windows (window_keys): each
-    key once, in the order the job needs them, as MemCache.set_lookahead takes
-    them. The ranks step through global batches together, so a key's place is the
-    first of the coming batches any rank needs it in; within a batch, ascending.
-    RuntimeError, naming the rank, for a window whose counts do not match its keys
-    (another hps version on that rank)."""
-    keys, batch = [np.empty(0, np.uint64)], [np.empty(0, np.int64)]
-    for r, w in enumerate(windows):
-        n = int(w[0]) if len(w) else -1
-        counts = w[1:1 + n].astype(np.int64) if n >= 0 else None
-        if counts is None or (counts < 0).any() or len(w) != 1 + n + int(counts.sum()):
-            raise RuntimeError(f"rank {r}'s lookahead window: {len(w)} words do not match its header "
-                               f"(does that rank run another hps?)")
-        keys.append(w[1 + n:])
-        batch.append(np.repeat(np.arange(n, dtype=np.int64), counts))
-    keys, batch = np.concatenate(keys), np.concatenate(batch)
-    keys = keys[np.lexsort((keys, batch))]
-    _, first = np.unique(keys, return_index=True)  # each key's earliest batch over the ranks
-    return keys[np.sort(first)]
+class WindowSender:
+    """A rank's side of the lookahead exchange: what its window's owners are sent
+    at each prefetch. A window that is the last one shifted by one batch (its
+    arrays from the second on, the same objects, then at most one more: as
+    ParameterServer._move_window tells, and the pipeline's windows are) sends only
+    the batch that enters (WINDOW_SLIDE); any other sends every batch (WINDOW_SET).
+    A batch goes as its distinct keys, ascending."""
+
+    def __init__(self):
+        self._last: Optional[list] = None  # the arrays of the window last sent
+
+    def batches(self, upcoming) -> tuple:
+        """(kind, batches) for the window `upcoming` (a list of key arrays)."""
+        if not isinstance(upcoming, (list, tuple)):
+            raise TypeError(f"upcoming must be a list of key arrays (the next batches'), got {type(upcoming).__name__}")
+        given, last = list(upcoming), self._last
+
+        def same(a, b) -> bool:
+            return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+        # The window last sent again (a prefetch given it twice) is set anew: sliding
+        # it would take its own batches for new ones.
+        if last and not same(given, last) and len(last) - 1 <= len(given) <= len(last) \
+                and same(given[:len(last) - 1], last[1:]):
+            kind, first = WINDOW_SLIDE, len(last) - 1
+        else:
+            kind, first = WINDOW_SET, 0
+        batches = [np.unique(key_array(u, f"upcoming[{i}]").astype(np.uint64, copy=False).reshape(-1))
+                   for i, u in enumerate(given[first:], first)]
+        self._last = given
+        return kind, batches
+
+    def blocks(self, upcoming, world: int, whole: Optional[int] = None) -> list:
+        """The messages (pack_window) to each rank: the keys it owns of the batches
+        sent, each with its batch; rank `whole` (Herald's leader) gets all of them."""
+        kind, batches = self.batches(upcoming)
+        owners = [owner_ranks(b, world) for b in batches]
+        return [pack_window(kind, batches if r == whole else [b[o == r] for b, o in zip(batches, owners)])
+                for r in range(world)]
+
+
+class OwnerWindows:
+    """An owner's side of the lookahead exchange: each rank's window as its
+    messages built it (the keys this owner was sent of each of its batches), and
+    MEM-PS's window, whose batch j holds the keys this owner owns of every rank's
+    batch j, ascending. A key's first place there is so the first of the job's
+    coming batches any rank needs it in (the ranks step through global batches
+    together), so the row MEM-PS evicts from the window is the one the job needs
+    latest. When every rank slid, MEM-PS's window slides by the entering batch's
+    keys (their union over the ranks; O(batch)); when any rank set its window anew,
+    it is set anew from every rank's batches, batch by batch (O(K x batch)): the
+    same positions either way (MemCache.slide_lookahead), so the same evictions.
+    ``mine``: which keys of the batches received this owner owns (None: all)."""
+
+    def __init__(self, world: int, mine=None):
+        self._ranks: list = [[] for _ in range(world)]  # per rank: the keys received of each of its batches
+        self._mine = mine
+        self._stale = False  # MEM-PS's window may not be the ranks' (a call to it raised): set it anew
+
+    def update(self, messages: list, cache) -> None:
+        """The ranks' messages (pack_window, rank by rank) to `cache`'s window."""
+        got = [unpack_window(m, r) for r, m in enumerate(messages)]
+        for r, (kind, _) in enumerate(got):
+            if kind == WINDOW_SLIDE and not self._ranks[r]:
+                raise RuntimeError(f"rank {r}'s lookahead window slid from a window it never sent "
+                                   f"(does that rank run another hps?)")
+        length = max(map(len, self._ranks))  # MEM-PS's window's batches
+        # A batch entering a shorter window than the longest (a rank that set a short
+        # one, then slid) lands inside MEM-PS's window, not at its end: set anew.
+        slide = not self._stale and all(kind == WINDOW_SLIDE and (not new or len(self._ranks[r]) == length)
+                                        for r, (kind, new) in enumerate(got))
+        # The ranks' windows are what they sent, whatever MEM-PS makes of them below:
+        # the next messages build on them.
+        for r, (kind, new) in enumerate(got):
+            self._ranks[r] = (self._ranks[r][1:] if kind == WINDOW_SLIDE else []) + new
+        self._stale = True
+        if slide:
+            entering = [self._owned(new[0]) for _, new in got if new]
+            if entering:
+                cache.slide_lookahead(np.unique(np.concatenate(entering)))
+            else:
+                cache.pop_lookahead()  # the end of the data: no batch enters
+        else:
+            batches = [np.unique(np.concatenate([self._owned(b[j]) for b in self._ranks if len(b) > j]))
+                       for j in range(max(map(len, self._ranks)))]
+            cache.set_lookahead(batches[0] if batches else np.empty(0, np.uint64))
+            for b in batches[1:]:
+                cache.push_lookahead(b)
+        self._stale = False
+
+    def _owned(self, keys: np.ndarray) -> np.ndarray:
+        return keys if self._mine is None else keys[self._mine(keys)]
+
+    def keys(self) -> np.ndarray:
+        """Every key of the ranks' windows as received, once, sorted."""
+        return np.unique(np.concatenate([np.empty(0, np.uint64)] + [k for b in self._ranks for k in b]))
 
 
 class _StepData:
@@ -382,6 +453,8 @@ class DistributedServer:
         self.fresh_rows = FreshRows(local._native_opt, self.dim, self.rows_codec)  # untrained rows as a bit
         self._check_initial_rows()
         self.grads_codec = RowCodec(sparse_grads, self.dim)  # sparse_grads: gradients to the owners
+        self._window_sender = WindowSender()  # lookahead: this rank's windows to the owners
+        self._owner_windows = self._make_owner_windows()  # and the ranks' windows as this owner's MEM-PS keeps them
 
     # -- exchange helpers
     def _send_keys(self, stage: str, keys: np.ndarray, what: str):
@@ -464,16 +537,16 @@ class DistributedServer:
             raise
         return DistPrefetched(uniq, order, counts, asked, local, flat, inverse)
 
-    def _lookahead(self, upcoming) -> np.ndarray:
-        """Every rank's window, sent to the owners (collective, prefetch stage): each
-        owner's MEM-PS gets the coming keys it owns, in the order the job needs them;
-        returns the job's window, every rank's merged (merge_windows)."""
-        mine = window_keys(upcoming)
-        W = self.node.size
-        everyone = self.node.alltoallv("prefetch", [mine] * W, "sparse_keys", "lookahead keys")
-        window = merge_windows(everyone)
-        self.local._cache.set_lookahead(window[owner_ranks(window, W) == self.node.rank])
-        return window
+    def _lookahead(self, upcoming) -> None:
+        """Every rank's window to the owners (collective, prefetch stage): each one
+        sent the keys it owns of the batches that changed, and its MEM-PS keeps the
+        coming keys it owns in the order the job needs them (OwnerWindows)."""
+        blocks = self._window_sender.blocks(upcoming, self.node.size)
+        self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"),
+                                   self.local._cache)
+
+    def _make_owner_windows(self) -> OwnerWindows:
+        return OwnerWindows(self.node.size)
 
     def batch(self, pre: DistPrefetched, overlap: bool = False) -> DistBatch:
         """The load stage: the union this rank was asked for goes onto its device
