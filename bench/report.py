@@ -7,7 +7,7 @@
 
 Every benchmark prints one JSON line with a "provenance" object (bench/_provenance.py:
 commit, uncommitted files, date, machine, command). `--add` files each such line under
-docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w4a, w4f, w4l, w5, w6, w7, w7s, w8, w10, w11, w11w, w11m, w12, w13, and reader, told apart by the line's
+docs/results/<workload>.jsonl (w1, w2, w3, w4, w4s, w4m, w4a, w4f, w4l, w5, w6, w7, w7s, w8, w10, w11, w11w, w11m, w12, w13, reader and ps_lookahead, told apart by the line's
 "benchmark" field); it refuses --quick lines and lines without provenance, since a table
 must come from a real run of a recorded command.
 
@@ -35,7 +35,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "docs", "results")
-WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w4a", "w4f", "w4l", "w5", "w6", "w7", "w7s", "w8", "w10", "w11", "w11w", "w11m", "w12", "w13", "reader")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w4s", "w4m", "w4a", "w4f", "w4l", "w5", "w6", "w7", "w7s", "w8", "w10", "w11", "w11w", "w11m", "w12", "w13", "reader", "ps_lookahead")
 REGION = re.compile(r"<!-- report:(?P<id>[A-Za-z0-9_]+) -->\n(?P<body>.*?)<!-- /report:(?P=id) -->", re.S)
 OPEN = re.compile(r"<!-- (/?)report:([A-Za-z0-9_]+) -->")
 
@@ -59,6 +59,8 @@ def workload_of(line: dict) -> str | None:
         return "w4a"
     if name.startswith("W4") and line.get("first_layer_ab"):  # train_bench.py --first-layer-ab: the same
         return "w4f"
+    if name == "parameter_server prefetch lookahead":  # parameter_server_bench.py --lookahead
+        return "ps_lookahead"
     if name == "first layer's input gradient":  # bench/first_layer_bench.py: W4's first layer, two products
         return "w4l"
     for prefix, wid in (("W10", "w10"), ("W11", "w11"), ("W12", "w12"), ("W13", "w13"), ("W1", "w1"), ("W2", "w2"), ("W3", "w3"), ("W4s", "w4s"), ("W4m", "w4m"), ("W4", "w4"),
@@ -1109,9 +1111,39 @@ def render_w4l(o: dict) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ prefetch with a lookahead window
+def render_ps_lookahead(o: dict) -> list[str]:
+    examples, fields = o["batch"]
+    d = o["distinct_keys"]
+    out = [f"ParameterServer.prefetch + release, ms a batch: median (min-max) over {o['batches']} batches x "
+           f"{o['rounds']} rounds; batches of {examples:,} x {fields} keys from Zipf({o['zipf_a']}) over "
+           f"{o['universe']:,} keys (~{d['a_batch_median']:,} distinct a batch, {d['a_round']:,} a round), "
+           f"MEM-PS of {o['mem_capacity_rows']:,} rows starting empty each run, every key on SSD-PS. "
+           "\"/ no window\": the variant's median over K = 0's, per round. MEM-PS's counters are of one run "
+           "(the one with the median hits of the rounds').", ""]
+    base = o["variants"].get("K=0")
+    rows = []
+    for name, v in o["variants"].items():
+        t = v["ms_a_batch"]
+        runs = sorted(v["mem"], key=lambda m: m["hits"])
+        run = runs[(len(runs) - 1) // 2]  # one run's counters, which add up (misses + hits: the keys)
+
+        def counter(c):
+            return f"{run[c]:,}"
+
+        ratio = "-" if base is None or name == "K=0" else per_round(
+            [a / b for a, b in zip(v["ms_a_batch_round_medians"], base["ms_a_batch_round_medians"])])
+        rows.append([str(v["k"]), v["window"], spread(t["median"], t["min"], t["max"], ".1f"), ratio,
+                     counter("hits"), counter("misses"), counter("evictions"), counter("lookahead_spared"),
+                     counter("lookahead_forced"), counter("lookahead_slides")])
+    return out + table(["K", "window", "ms a batch", "/ no window", "hits", "misses", "evictions", "spared",
+                        "forced", "slides"], rows)
+
+
 RENDER = {"w1": render_w1, "w2": render_w2, "w3": render_w3, "w4": render_w4, "w4s": render_w4, "w4m": render_w4, "w4a": render_w4,
           "w4f": render_w4, "w4l": render_w4l, "w5": render_w5, "w6": render_w6, "w7": render_w7, "w7s": render_w7s, "w8": render_w8, "w12": render_w12,
-          "w10": render_w10, "w11": render_w11, "w11w": render_w11, "w11m": render_w11, "w13": render_w13, "reader": render_reader}
+          "w10": render_w10, "w11": render_w11, "w11w": render_w11, "w11m": render_w11, "w13": render_w13, "reader": render_reader,
+          "ps_lookahead": render_ps_lookahead}
 
 
 # ------------------------------------------------------------------ regions

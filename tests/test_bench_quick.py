@@ -324,3 +324,41 @@ def test_first_layer_quick():
         assert 0 < wide[side]["min_ms"] <= wide[side]["median_ms"] <= wide[side]["max_ms"]
     assert wide["padded_weight_grad_ratio"] == round(
         wide["torch_weight_grad"]["median_ms"] / wide["padded_weight_grad"]["median_ms"], 2)
+
+
+def test_parameter_server_lookahead_quick():
+    """parameter_server_bench.py --lookahead: every variant ran every round over the
+    same batches, and MEM-PS's counters show what each window did: none for K = 0,
+    a slide a batch for the pipeline's slid window, one (the pop at the end of the
+    data) for a window set anew, and the same evictions from both (they hold the
+    same keys: mem_cache_test's SlidingLookahead)."""
+    out = run_json("bench/parameter_server_bench.py", "--quick", "--lookahead", "0,2,4", timeout=120)
+    assert out["benchmark"] == "parameter_server prefetch lookahead" and out["quick"] is True
+    assert "--lookahead" in out["provenance"]["command"] and out["provenance"]["commit"]
+    batches, rounds = out["batches"], out["rounds"]
+    assert batches >= 2 and rounds >= 2 and out["ks"] == [0, 2, 4]
+    assert list(out["variants"]) == ["K=0", "K=2 slid", "K=2 set", "K=4 slid", "K=4 set"]
+    distinct = out["distinct_keys"]
+    assert out["mem_capacity_rows"] < distinct["a_round"]  # MEM-PS cannot hold a round: it evicts
+    for name, v in out["variants"].items():
+        t = v["ms_a_batch"]
+        assert 0 < t["min"] <= t["median"] <= t["max"], name
+        assert len(v["ms_a_batch_round_medians"]) == len(v["mem"]) == rounds
+        for m in v["mem"]:
+            assert m["hits"] + m["misses"] == distinct["a_run"], name  # each batch's distinct keys pinned once
+            assert m["ssd_rows_read"] == m["misses"], name  # the store holds every key: a miss reads it
+            # Every key of the round was loaded, and at most the capacity stays cached.
+            assert m["evictions"] >= distinct["a_round"] - out["mem_capacity_rows"], name
+            assert m["lookahead_spared"] + m["lookahead_forced"] <= m["evictions"], name
+            if v["k"] == 0:
+                assert v["window"] == "none"
+                assert m["lookahead_spared"] == m["lookahead_forced"] == m["lookahead_slides"] == 0
+            elif v["window"] == "slid":
+                assert m["lookahead_slides"] == batches - 1
+            else:
+                assert v["window"] == "set" and m["lookahead_slides"] == 1
+    for k in (2, 4):
+        slid, reset = out["variants"][f"K={k} slid"]["mem"], out["variants"][f"K={k} set"]["mem"]
+        for a, b in zip(slid, reset):
+            assert {c: n for c, n in a.items() if c != "lookahead_slides"} == \
+                   {c: n for c, n in b.items() if c != "lookahead_slides"}

@@ -173,6 +173,45 @@ def test_w4_reports_the_device_tier_path_beside_the_in_place_one(tree):
            "(rounds: 0.90, 0.80)" in w4
 
 
+def test_ps_lookahead_prefetch_with_a_window_table(tree):
+    """parameter_server_bench.py --lookahead: a row per variant, ms a batch with its
+    range, each round's median over K = 0's, and MEM-PS's counters of one run (the
+    one with the median hits: its counters add up); a --quick line is refused."""
+    with open(tree / "benchmarks.md", "a") as f:
+        f.write("<!-- report:ps_lookahead -->\n<!-- /report:ps_lookahead -->\n")
+
+    def mem(hits, evictions, spared, forced, slides):
+        return {"hits": hits, "misses": 1000 - hits, "evictions": evictions, "lookahead_spared": spared,
+                "lookahead_forced": forced, "lookahead_slides": slides}
+
+    def variant(k, window, ms, rounds, runs):
+        return {"k": k, "window": window, "ms_a_batch": ms, "ms_a_batch_round_medians": rounds, "mem": runs}
+
+    line = {"benchmark": "parameter_server prefetch lookahead", "quick": False, "dim": 16, "zipf_a": 1.05,
+            "universe": 1_000_000, "batch": [4096, 26], "batches": 32, "rounds": 2, "ks": [0, 8],
+            "distinct_keys": {"a_batch_median": 32003, "a_run": 1000, "a_round": 386837},
+            "mem_capacity_rows": 128000,
+            "variants": {
+                "K=0": variant(0, "none", {"median": 10.0, "min": 8.0, "max": 20.0}, [10.0, 12.0],
+                               [mem(500, 300, 0, 0, 0)] * 2),
+                "K=8 slid": variant(8, "slid", {"median": 15.0, "min": 9.5, "max": 30.0}, [15.0, 18.0],
+                                    [mem(600, 200, 90, 1, 31), mem(610, 190, 95, 1, 31)]),
+                "K=8 set": variant(8, "set", {"median": 40.0, "min": 20.0, "max": 80.0}, [40.0, 36.0],
+                                   [mem(600, 200, 90, 1, 1)] * 2)},
+            "provenance": prov(command="python3 bench/parameter_server_bench.py --lookahead 0,8")}
+    assert report.workload_of(line) == "ps_lookahead"
+    out = rendered(tree, "ps_lookahead", line)
+    assert "over 32 batches x 2 rounds; batches of 4,096 x 26 keys" in out
+    assert "MEM-PS of 128,000 rows" in out and "`python3 bench/parameter_server_bench.py --lookahead 0,8`" in out
+    assert "| 0 | none | 10.0 (8.0-20.0) | - | 500 | 500 | 300 | 0 | 0 | 0 |" in out
+    assert "| 8 | slid | 15.0 (9.5-30.0) | 1.50 (rounds: 1.50, 1.50) | 600 | 400 | 200 | 90 | 1 | 31 |" in out
+    assert "| 8 | set | 40.0 (20.0-80.0) | 3.50 (rounds: 4.00, 3.00) | 600 | 400 | 200 | 90 | 1 | 1 |" in out
+    # A --quick line is refused: the docs report full runs only.
+    quick = tree / "quick.json"
+    quick.write_text(json.dumps({**line, "quick": True}) + "\n")
+    assert run(tree, "--add", str(quick)) == 2
+
+
 def test_w4f_and_w4l_the_first_layer_a_b_and_its_products(tree):
     with open(tree / "benchmarks.md", "a") as f:
         f.write("<!-- report:w4f -->\n<!-- /report:w4f -->\n<!-- report:w4l -->\n<!-- /report:w4l -->\n")
