@@ -149,11 +149,9 @@ class Tier final : public DeviceTier {
     if (host_rows_) throw std::logic_error("device tier insert: the tier is bound to host rows; Clear it first");
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, rows, row_floats_);
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      // A row inserted takes a free slot, whose bit is 0 (TrainedBits); a
-      // present key keeps its row and its bit.
-      if (parts.size[d] != 0) rows_[d]->insert(parts.keys[d], parts.size[d], parts.rows[d], nullptr);
-    }
+    // A row inserted takes a free slot, whose bit is 0 (TrainedBits); a
+    // present key keeps its row and its bit.
+    parts.ForEach([&](int32_t d, uint64_t size) { rows_[d]->insert(parts.keys[d], size, parts.rows[d], nullptr); });
   }
 
   uint64_t Assign(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners) override {
@@ -175,12 +173,10 @@ class Tier final : public DeviceTier {
     std::vector<uint8_t> found;
     std::vector<uint64_t> written;
     std::vector<int64_t> slots;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
+    parts.ForEach([&](int32_t d, uint64_t size) {
       if (trained_.empty() || trained_[static_cast<size_t>(d)].set == 0) {
         assigned += rows_[d]->assign(parts.keys[d], size, parts.rows[d], nullptr);
-        continue;
+        return;
       }
       found.assign(size, 0);
       assigned += rows_[d]->assign(parts.keys[d], size, parts.rows[d], found.data());
@@ -194,7 +190,7 @@ class Tier final : public DeviceTier {
       rows_[d]->slots(written.data(), written.size(), slots.data());
       TrainedBits& bits = trained_[static_cast<size_t>(d)];
       for (int64_t slot : slots) bits.Put(slot, false);
-    }
+    });
     return assigned;
   }
 
@@ -225,11 +221,10 @@ class Tier final : public DeviceTier {
     if (mover_) return MovedAccumulate(worker, keys, n, grads, owners);
     const int32_t dim = o_.optimizer.dim;
     const Parts parts = Partition(keys, n, owners, grads, dim);
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      if (parts.size[d] == 0) continue;
-      grads_[d]->accumulate(parts.keys[d], parts.size[d], parts.rows[d]);
-      Count(worker, d, parts.size[d], parts.size[d] * dim * sizeof(float));
-    }
+    parts.ForEach([&](int32_t d, uint64_t size) {
+      grads_[d]->accumulate(parts.keys[d], size, parts.rows[d]);
+      Count(worker, d, size, size * dim * sizeof(float));
+    });
   }
 
   std::vector<uint64_t> Apply() override { return Step(nullptr); }
@@ -248,11 +243,10 @@ class Tier final : public DeviceTier {
     std::vector<int64_t> slots;
     if (reads_in_place()) {
       std::vector<float*> at;
-      for (int32_t d = 0; d < o_.devices; ++d) {
-        const uint64_t size = parts.size[static_cast<size_t>(d)];
+      parts.ForEach([&](int32_t d, uint64_t size) {
         at.resize(size);
         slots.resize(slotted ? size : 0);
-        if (size > 0) rows_[d]->row_addresses(parts.keys[d], size, at.data(), slotted ? slots.data() : nullptr);
+        rows_[d]->row_addresses(parts.keys[d], size, at.data(), slotted ? slots.data() : nullptr);
         for (uint64_t j = 0; j < size; ++j) {
           if (at[j] == nullptr) {
             Unbind();
@@ -261,15 +255,13 @@ class Tier final : public DeviceTier {
           in_place_->addresses()[parts.Index(d, j)] = reinterpret_cast<uint8_t*>(at[j]);
           if (slotted) bound_slots_[parts.Index(d, j)] = slots[j];
         }
-      }
+      });
     } else if (slotted) {
-      for (int32_t d = 0; d < o_.devices; ++d) {
-        const uint64_t size = parts.size[static_cast<size_t>(d)];
-        if (size == 0) continue;
+      parts.ForEach([&](int32_t d, uint64_t size) {
         slots.resize(size);
         rows_[d]->slots(parts.keys[d], size, slots.data());
         for (uint64_t j = 0; j < size; ++j) bound_slots_[parts.Index(d, j)] = slots[j];
-      }
+      });
     }
     bound_ = true;
   }
@@ -289,14 +281,14 @@ class Tier final : public DeviceTier {
       }
     }
     const Parts parts = BindKeys(keys, n, owners, "bind host rows");
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      if (parts.size[static_cast<size_t>(d)] > o_.capacity) {
+    parts.ForEach([&](int32_t d, uint64_t size) {
+      if (size > o_.capacity) {
         Unbind();
         throw TableFullError("device tier bind host rows: device " + std::to_string(d) + " would own " +
-                             std::to_string(parts.size[static_cast<size_t>(d)]) + " keys, over its capacity of " +
-                             std::to_string(o_.capacity) + " rows");
+                             std::to_string(size) + " keys, over its capacity of " + std::to_string(o_.capacity) +
+                             " rows");
       }
-    }
+    });
     std::copy(rows, rows + n, in_place_->addresses());
     host_rows_ = true;
     bound_ = true;
@@ -410,18 +402,16 @@ class Tier final : public DeviceTier {
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, nullptr, 0);
     std::vector<int64_t> slots;
-    for (int32_t d = 0; d < o_.devices; ++d) {
+    parts.ForEach([&](int32_t d, uint64_t size) {
       const TrainedBits& bits = trained_[static_cast<size_t>(d)];
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
       if (bits.set == 0) {  // (no lookup)
         for (uint64_t j = 0; j < size; ++j) trained[parts.Index(d, j)] = 0;
-        continue;
+        return;
       }
       slots.resize(size);
       rows_[d]->slots(parts.keys[d], size, slots.data());
       for (uint64_t j = 0; j < size; ++j) trained[parts.Index(d, j)] = bits.Has(slots[j]) ? 1 : 0;
-    }
+    });
   }
 
   void SetTrained(const uint64_t* keys, uint64_t n, const int32_t* owners, bool trained) override {
@@ -429,14 +419,13 @@ class Tier final : public DeviceTier {
     CheckKeys(keys, n);
     const Parts parts = Partition(keys, n, owners, nullptr, 0);
     std::vector<int64_t> slots;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
+    parts.ForEach([&](int32_t d, uint64_t size) {
       TrainedBits& bits = trained_[static_cast<size_t>(d)];
-      if (size == 0 || (!trained && bits.set == 0)) continue;
+      if (!trained && bits.set == 0) return;
       slots.resize(size);
       rows_[d]->slots(parts.keys[d], size, slots.data());  // -1: a key the table does not hold takes no bit
       for (uint64_t j = 0; j < size; ++j) bits.Put(slots[j], trained);
-    }
+    });
   }
 
   void TakeTrained(std::vector<uint64_t>* keys, std::vector<int32_t>* owners) override {
@@ -474,9 +463,7 @@ class Tier final : public DeviceTier {
     std::vector<int64_t> slots;
     std::vector<float> found_rows;
     std::vector<uint8_t> found;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
+    parts.ForEach([&](int32_t d, uint64_t size) {
       const TrainedBits& bits = trained_[static_cast<size_t>(d)];
       slots.resize(size);
       if (kind_ == "cpu") {  // the row's address and its slot from one probe
@@ -488,7 +475,7 @@ class Tier final : public DeviceTier {
           std::memcpy(rows + i * static_cast<uint64_t>(row_floats_), at[j], row_bytes);
           trained[i] = bits.Has(slots[j]) ? 1 : 0;
         }
-        continue;
+        return;
       }
       // A table in GPU memory has no host addresses: a find, and the slots where bits are set.
       found_rows.resize(size * static_cast<uint64_t>(row_floats_));
@@ -502,7 +489,7 @@ class Tier final : public DeviceTier {
                     found_rows.data() + j * static_cast<uint64_t>(row_floats_), row_bytes);
         trained[i] = bits.set != 0 && bits.Has(slots[j]) ? 1 : 0;
       }
-    }
+    });
   }
 
   void Upsert(const uint64_t* keys, uint64_t n, const float* rows, const int32_t* owners,
@@ -518,9 +505,7 @@ class Tier final : public DeviceTier {
     std::vector<int64_t> slots;
     std::vector<float> present_rows;
     std::vector<uint64_t> present_keys;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
+    parts.ForEach([&](int32_t d, uint64_t size) {
       inserted.resize(size);
       // An absent key takes a free slot, whose bit is 0 (TrainedBits).
       rows_[d]->insert(parts.keys[d], size, parts.rows[d], inserted.data());
@@ -533,7 +518,7 @@ class Tier final : public DeviceTier {
           again_keys.push_back(parts.keys[d][j]);
         }
       }
-      if (again.empty()) continue;
+      if (again.empty()) return;
       const uint64_t m = again.size();
       slots.resize(m);
       if (kind_ == "cpu") {  // overwrite in place, the bit by the slot found with the row
@@ -557,11 +542,11 @@ class Tier final : public DeviceTier {
         }
         if (bits != nullptr) rows_[d]->slots(again_keys.data(), m, slots.data());
       }
-      if (bits == nullptr) continue;
+      if (bits == nullptr) return;
       for (uint64_t k = 0; k < m; ++k) {
         bits->Put(slots[k], trained != nullptr && trained[parts.Index(d, again[k])] != 0);
       }
-    }
+    });
   }
 
   void SetGradientCapacity(int32_t device, uint64_t capacity) override {
@@ -591,9 +576,8 @@ class Tier final : public DeviceTier {
   }
 
  private:
-  // Keys (and their rows of `width` floats, when given) split by owner, with
-  // each one's index in the call.
-  // A batch's keys (and rows) split by owner. With one device the one part is
+  // A batch's keys (and their rows of `width` floats, when given) split by
+  // owner, with each one's index in the call. With one device the one part is
   // the caller's arrays, not a copy of them.
   struct Parts {
     std::vector<const uint64_t*> keys;
@@ -607,6 +591,15 @@ class Tier final : public DeviceTier {
     // input, with no copy of its keys and rows.
     bool runs = false;
     uint64_t Index(int32_t d, uint64_t j) const { return runs ? start[static_cast<size_t>(d)] + j : index[d][j]; }
+    // Calls part(d, size) for each device d that holds keys of the batch, in
+    // device order: the walk of every call that splits a batch by owner, so
+    // that a device given no keys is never called with an empty part.
+    template <typename Part>
+    void ForEach(Part&& part) const {
+      for (size_t d = 0; d < size.size(); ++d) {
+        if (size[d] != 0) part(static_cast<int32_t>(d), size[d]);
+      }
+    }
   };
 
   Parts Partition(const uint64_t* keys, uint64_t n, const int32_t* owners, const float* rows, int32_t width) const {
@@ -671,9 +664,7 @@ class Tier final : public DeviceTier {
     const Parts parts = Partition(keys, n, owners, nullptr, 0);
     std::vector<float> found_rows;
     std::vector<uint8_t> found;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
+    parts.ForEach([&](int32_t d, uint64_t size) {
       found.resize(size);
       if (parts.runs) {  // straight into out (which may be the GPU's memory: accepts_gpu_memory)
         const uint64_t at = parts.start[static_cast<size_t>(d)];
@@ -691,7 +682,7 @@ class Tier final : public DeviceTier {
         }
       }
       sent(d, size);
-    }
+    });
   }
 
   const RoutePlan& Plan() const { return o_.routes ? o_.routes->plan : direct_; }
@@ -710,9 +701,7 @@ class Tier final : public DeviceTier {
     std::vector<const uint8_t*> sp(e, nullptr);
     std::vector<uint8_t*> rp(e, nullptr);
     std::vector<uint8_t> found;
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
+    parts.ForEach([&](int32_t d, uint64_t size) {
       float* segment = mover_->Buffer(d, detail::RowMover::kSend, size * dim);
       found.resize(size);
       rows_[d]->find_columns(parts.keys[d], size, static_cast<int32_t>(dim), segment, found.data());
@@ -722,15 +711,12 @@ class Tier final : public DeviceTier {
       }
       sp[static_cast<size_t>(d)] = reinterpret_cast<const uint8_t*>(segment);
       bytes[static_cast<size_t>(d) * e + static_cast<size_t>(worker)] = size * dim * sizeof(float);
-    }
+    });
     float* received = mover_->Buffer(worker, detail::RowMover::kReceive, n * dim);
     rp[static_cast<size_t>(worker)] = reinterpret_cast<uint8_t*>(received);
     mover_->Exchange(Plan(), bytes, sp, rp);
     mover_->ScatterOut(worker, order.data(), n, dim, received, out);
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size > 0) Count(d, worker, size, size * dim * sizeof(float));
-    }
+    parts.ForEach([&](int32_t d, uint64_t size) { Count(d, worker, size, size * dim * sizeof(float)); });
   }
 
   // Accumulate across devices: the worker gathers its gradients into owner
@@ -743,30 +729,25 @@ class Tier final : public DeviceTier {
     const auto dim = static_cast<uint32_t>(o_.optimizer.dim);
     std::vector<uint64_t> bytes(e * e, 0), order;
     order.reserve(n);
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
+    parts.ForEach([&](int32_t d, uint64_t size) {
       for (uint64_t j = 0; j < size; ++j) order.push_back(parts.Index(d, j));
       bytes[static_cast<size_t>(worker) * e + static_cast<size_t>(d)] = size * dim * sizeof(float);
-    }
+    });
     float* sent = mover_->Buffer(worker, detail::RowMover::kSend, n * dim);
     mover_->GatherIn(worker, order.data(), n, dim, grads, sent);
     std::vector<const uint8_t*> sp(e, nullptr);
     std::vector<uint8_t*> rp(e, nullptr);
     sp[static_cast<size_t>(worker)] = reinterpret_cast<const uint8_t*>(sent);
     std::vector<float*> received(static_cast<size_t>(o_.devices), nullptr);
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
+    parts.ForEach([&](int32_t d, uint64_t size) {
       received[static_cast<size_t>(d)] = mover_->Buffer(d, detail::RowMover::kReceive, size * dim);
       rp[static_cast<size_t>(d)] = reinterpret_cast<uint8_t*>(received[static_cast<size_t>(d)]);
-    }
+    });
     mover_->Exchange(Plan(), bytes, sp, rp);
-    for (int32_t d = 0; d < o_.devices; ++d) {
-      const uint64_t size = parts.size[static_cast<size_t>(d)];
-      if (size == 0) continue;
+    parts.ForEach([&](int32_t d, uint64_t size) {
       grads_[d]->accumulate(parts.keys[d], size, received[static_cast<size_t>(d)]);
       Count(worker, d, size, size * dim * sizeof(float));
-    }
+    });
   }
 
   // Apply's steps: the positions' sums (a bound in-place tier), then the
@@ -837,8 +818,10 @@ class Tier final : public DeviceTier {
     Parts parts = Partition(keys, n, owners, nullptr, 0);  // checks the owners
     bound_keys_.assign(keys, keys + n);
     bound_owners_.assign(o_.devices > 1 ? n : 0, 0);
-    for (int32_t d = 0; d < o_.devices && o_.devices > 1; ++d) {
-      for (uint64_t j = 0; j < parts.size[static_cast<size_t>(d)]; ++j) bound_owners_[parts.Index(d, j)] = d;
+    if (o_.devices > 1) {
+      parts.ForEach([&](int32_t d, uint64_t size) {
+        for (uint64_t j = 0; j < size; ++j) bound_owners_[parts.Index(d, j)] = d;
+      });
     }
     if (reads_in_place()) {
       if (!in_place_) in_place_ = std::make_unique<detail::BatchRows>(o_.optimizer, "device tier");
