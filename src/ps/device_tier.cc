@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "hps/hash_table.h"
@@ -338,16 +339,8 @@ class Tier final : public DeviceTier {
 
   void CopyRowsAt(const int64_t* from, const int64_t* to, uint64_t n) override {
     CheckBound("copy");
-    if (BoundInPlace()) {
-      in_place_->CopyRows(from, to, n);
-    } else {
-      std::vector<float> rows(n * static_cast<uint64_t>(row_floats_));
-      RowsAt(from, n, rows.data());
-      std::vector<uint64_t> keys;
-      std::vector<int32_t> owners;
-      KeysAt(to, n, &keys, &owners, "copy");
-      Assign(keys.data(), n, rows.data(), owners.empty() ? nullptr : owners.data());
-    }
+    if (!BoundInPlace()) return CopyRowsByKey(from, to, n);
+    in_place_->CopyRows(from, to, n);
     // Each copy takes its source's bit, in order as the rows went. (The
     // positions were checked above, and host rows have no bits.)
     if (trained_.empty() || host_rows_) return;
@@ -359,6 +352,37 @@ class Tier final : public DeviceTier {
       const auto f = static_cast<uint64_t>(from[i]), t = static_cast<uint64_t>(to[i]);
       const bool trained = trained_[static_cast<size_t>(BoundOwner(f))].Has(bound_slots_[f]);
       trained_[static_cast<size_t>(BoundOwner(t))].Put(bound_slots_[t], trained);
+    }
+  }
+
+  // CopyRowsAt on tables: every source's row (and bit) is read before any
+  // target is written (Assign, by key), so a pair whose source an earlier
+  // pair wrote reads that pair's source instead, as the copies in order
+  // would have left it.
+  void CopyRowsByKey(const int64_t* from, const int64_t* to, uint64_t n) {
+    std::vector<int64_t> sources(from, from + n);
+    std::unordered_map<int64_t, int64_t> given;  // a target written so far -> the source its row is now
+    for (uint64_t i = 0; i < n; ++i) {
+      if (const auto it = given.find(from[i]); it != given.end()) sources[i] = it->second;
+      given[to[i]] = sources[i];
+    }
+    std::vector<float> rows(n * static_cast<uint64_t>(row_floats_));
+    RowsAt(sources.data(), n, rows.data());
+    std::vector<uint64_t> keys;
+    std::vector<int32_t> owners;
+    KeysAt(to, n, &keys, &owners, "copy");
+    std::vector<uint8_t> trained;  // the sources' bits, before Assign clears the targets'
+    if (!trained_.empty()) {
+      trained.resize(n);
+      for (uint64_t i = 0; i < n; ++i) {
+        const auto s = static_cast<uint64_t>(sources[i]);
+        trained[i] = trained_[static_cast<size_t>(BoundOwner(s))].Has(bound_slots_[s]) ? 1 : 0;
+      }
+    }
+    Assign(keys.data(), n, rows.data(), owners.empty() ? nullptr : owners.data());
+    for (uint64_t i = 0; i < trained.size(); ++i) {
+      const auto t = static_cast<uint64_t>(to[i]);
+      trained_[static_cast<size_t>(BoundOwner(t))].Put(bound_slots_[t], trained[i] != 0);
     }
   }
 

@@ -500,6 +500,42 @@ TEST(DeviceTier, TrainedBitsAreSetBySteppedAndCopiedRowsAndClearedByLoadsAndTake
   }
 }
 
+// CopyRowsAt copies pair by pair in order: a position an earlier pair wrote
+// gives a later pair what it was given, one written later gives its old row,
+// and each bit goes with its row. Through the row mover too, where the tier
+// reads every source before it writes any target.
+TEST(DeviceTier, CopyRowsAtFollowsAChainInOrder) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const auto width = static_cast<size_t>(opt.row_floats());
+  // Key 7 on devices 0 and 1, 9 on 1, 11 on 0; each position's row its own.
+  const std::vector<uint64_t> keys = {7, 7, 9, 11};
+  const std::vector<int32_t> owners = {0, 1, 1, 0};
+  std::vector<float> rows(keys.size() * width);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i);
+  const auto row = [&](size_t p) { return std::vector<float>(rows.begin() + p * width, rows.begin() + (p + 1) * width); };
+  for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "in place" : "through the row mover");
+    DeviceTierOptions o{2, 64, opt, false, 1, in_place ? nullptr : TwoHostRoutes(), {}};
+    o.track_trained = true;
+    auto tier = DeviceTier::New(o);
+    ASSERT_EQ(tier->reads_in_place(), in_place);
+    tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+    tier->Bind(keys.data(), keys.size(), owners.data());
+    tier->SetTrained(keys.data() + 1, 1, owners.data() + 1, true);  // 7 on device 1 only
+    // 7@1 onto 9, then 11 onto 7@1, then 7@1 (11's row by then) onto 7@0.
+    const int64_t from[3] = {1, 3, 1}, to[3] = {2, 1, 0};
+    tier->CopyRowsAt(from, to, 3);
+    std::vector<float> got(keys.size() * width);
+    const int64_t all[4] = {0, 1, 2, 3};
+    tier->RowsAt(all, 4, got.data());
+    const std::vector<float> want[4] = {row(3), row(3), row(1), row(3)};
+    for (size_t p = 0; p < 4; ++p) {
+      EXPECT_EQ(std::vector<float>(got.begin() + p * width, got.begin() + (p + 1) * width), want[p]) << p;
+    }
+    EXPECT_EQ(TrainedOf(*tier, keys, owners), (std::vector<uint8_t>{0, 0, 1, 0}));  // 9 took 7@1's bit
+  }
+}
+
 // Many bits set and cleared in every order (by SetTrained, by the steps of
 // bound positions, by loads over trained rows), taken, and Cleared with the
 // rows: each call reads as a plain set of (key, device) would.
