@@ -400,16 +400,29 @@ def _crashed_after_3(tmp_path, n, *args):
     assert job["step"] == 3, job
 
 
+@pytest.fixture(scope="module")
+def crashed_resumed_job(tmp_path_factory):
+    """The RESUMED job on 4 ranks (two groups of a trainer and a group PS) crashed
+    after its checkpoint at batch 3, made once for the module (a 4-rank job): each
+    test that resumes it, or is refused, works on a copy of its directory."""
+    if not ms.MPI_READY:
+        pytest.skip(ms.MPI_MISSING)
+    crashed = tmp_path_factory.mktemp("crashed_resumed_job")
+    _crashed_after_3(crashed, 4, 2, 1, *RESUMED)
+    return crashed / "job"
+
+
 @needs_mpi
-def test_a_resumed_allreduce_job_ends_as_the_job_run_straight(tmp_path):
+def test_a_resumed_allreduce_job_ends_as_the_job_run_straight(tmp_path, crashed_resumed_job):
     # Two groups of a trainer and a group PS, averaged every 2 steps. Crashed after its
     # checkpoint at batch 3, the job resumes there: the group PSs' blocks and their Adam
     # state, the steps and the averages' phase (the next at batch 4, not 5) come back,
     # so it ends with the straight run's bits and AUC.
+    import shutil
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    straight.mkdir(), resumed.mkdir()
+    straight.mkdir()
     ref = _run(straight, 4, 2, 1, *RESUMED)
-    _crashed_after_3(resumed, 4, 2, 1, *RESUMED)
+    shutil.copytree(crashed_resumed_job, resumed / "job")
     got = _run(resumed, 4, 2, 1, *RESUMED, "resume=1")
     for r in (1, 3):  # the group PSs
         assert got[r]["resumed"] and got[r]["steps"] == ref[r]["steps"] == 6
@@ -445,15 +458,12 @@ def test_a_resumed_easgd_job_starts_from_the_checkpointed_centre(tmp_path):
 
 
 @needs_mpi
-def test_a_hierarchical_resume_is_refused_on_another_layout_or_a_missing_block(tmp_path):
+def test_a_hierarchical_resume_is_refused_on_another_layout_or_a_missing_block(tmp_path, crashed_resumed_job):
     import shutil
-    crashed = tmp_path / "crashed"
-    crashed.mkdir()
-    _crashed_after_3(crashed, 4, 2, 1, *RESUMED)
 
     def resume(name, n, *args):
         case = tmp_path / name
-        shutil.copytree(crashed / "job", case / "job")
+        shutil.copytree(crashed_resumed_job, case / "job")
         return _run_until_it_ends(case, n, *args, "steps=6", "checkpoint_every=3", "resume=1")
 
     # Another placement of the MLP over the group PSs.
@@ -473,7 +483,7 @@ def test_a_hierarchical_resume_is_refused_on_another_layout_or_a_missing_block(t
     # One process without [hierarchical] (which would reshard the trainers' embeddings and lose the rest).
     from hps.train import train
     case = tmp_path / "one"
-    shutil.copytree(crashed / "job", case / "job")
+    shutil.copytree(crashed_resumed_job, case / "job")
     before = (case / "job" / "job.json").read_text()
     with pytest.raises(ValueError, match=r"is a hierarchical job \(\S+/rank0/checkpoints/\d+/hierarchical.json\): it "
                                          r"cannot be resharded onto another number of ranks; nothing was resharded"):
@@ -482,7 +492,7 @@ def test_a_hierarchical_resume_is_refused_on_another_layout_or_a_missing_block(t
     assert (case / "job" / "job.json").read_text() == before
     # Group 1's first trainer (rank 2, trainer rank 1 of the job) lacks its group PS's blocks.
     case = tmp_path / "missing"
-    shutil.copytree(crashed / "job", case / "job")
+    shutil.copytree(crashed_resumed_job, case / "job")
     from hps.jobdir import read_job
     blocks = os.path.join(read_job(str(case / "job")).checkpoint_dir(1), "group-ps0.pt")
     os.remove(blocks)
