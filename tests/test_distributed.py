@@ -1435,14 +1435,28 @@ def test_a_rank_killed_in_the_middle_of_a_checkpoint_rolls_every_rank_back(tmp_p
             os.listdir(tmp_path / "straight" / "job" / f"rank{r}" / "checkpoints")
 
 
+FAILED_BEFORE_FIRST_CHECKPOINT = ("--steps", 6, "--per-rank", 48, "--checkpoint-every", 4)
+
+
+@pytest.fixture(scope="module")
+def failed_before_first_checkpoint(tmp_path_factory):
+    """The job whose rank 1's data fails at step 2, before its first checkpoint
+    (step 4), made once for the module: each rerun of it works on a copy."""
+    out = tmp_path_factory.mktemp("failed_before_first_checkpoint")
+    p = scenario(2, "train", out, *FAILED_BEFORE_FIRST_CHECKPOINT, "--fail-at-step", 2, check=False)
+    assert p.returncode != 0  # (MPI_Abort may cut the traceback short: its text is not checked)
+    return out
+
+
 @pytest.mark.parametrize("rerun", ["plain", "--resume"])
-def test_a_job_that_failed_before_its_first_checkpoint_is_started_over(tmp_path, rerun):
+def test_a_job_that_failed_before_its_first_checkpoint_is_started_over(tmp_path, failed_before_first_checkpoint,
+                                                                       rerun):
     """Rank 1's data fails at step 2, before the first checkpoint (step 4): the
     job ends, and the next run, --resume or not, starts it over from batch 0."""
+    import shutil
     from hps.train import load_trainer_state
-    common = ("--steps", 6, "--per-rank", 48, "--checkpoint-every", 4)
-    p = scenario(2, "train", tmp_path, *common, "--fail-at-step", 2, check=False)
-    assert p.returncode != 0  # (MPI_Abort may cut the traceback short: its text is not checked)
+    common = FAILED_BEFORE_FIRST_CHECKPOINT
+    shutil.copytree(failed_before_first_checkpoint, tmp_path, dirs_exist_ok=True)
     job = json.loads((tmp_path / "job" / "job.json").read_text())
     failed = job.pop("run")
     assert job == {"world": 2, "step": 0, "checkpoint": None}
