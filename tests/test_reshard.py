@@ -37,6 +37,12 @@ def two_ranks(tmp_path_factory):
     return old_job(tmp_path_factory.mktemp("two_ranks"), 2)
 
 
+@pytest.fixture(scope="module")
+def two_ranks_kstep(tmp_path_factory):
+    """A k-step Adam job (k = 3) of 2 ranks checkpointed at step STEPS, made once (tests copy it)."""
+    return old_job(tmp_path_factory.mktemp("two_ranks_kstep"), 2, sync="kstep")
+
+
 def copy_of(job, tmp_path):
     shutil.copytree(job, tmp_path / "old")
     return tmp_path / "old"
@@ -153,12 +159,12 @@ def load_old_dense(root, world: int) -> list:
     return dense_states(root, world)
 
 
-def test_kstep_dense_state_is_averaged_over_the_old_ranks(tmp_path):
+def test_kstep_dense_state_is_averaged_over_the_old_ranks(tmp_path, two_ranks_kstep):
     """k-step Adam keeps m per rank (k = 3; the job's last checkpoint follows its
     final merge, so x and v agree): each new rank starts from the old ranks'
     mean m, and x and v as they were."""
     import torch
-    old = old_job(tmp_path, 2, sync="kstep")
+    old = copy_of(two_ranks_kstep, tmp_path)
     states = dense_states(old / "job", 2)
     ms = [s["opt"]["state"][0]["m"] for s in states]
     assert not torch.equal(ms[0], ms[1])
@@ -704,9 +710,9 @@ def test_a_config_the_job_cannot_resume_with_is_refused_before_the_reshard(tmp_p
     assert rows_of(old / "job") == before
 
 
-def test_a_kstep_job_does_not_reshard_to_one_process(tmp_path):
+def test_a_kstep_job_does_not_reshard_to_one_process(tmp_path, two_ranks_kstep):
     from hps import reshard
-    old = old_job(tmp_path, 2, sync="kstep")
+    old = copy_of(two_ranks_kstep, tmp_path)
     listing = sorted(os.listdir(old / "job"))
     with pytest.raises(ValueError, match="k-step Adam"):
         reshard.to_one_process(str(old / "job"))
