@@ -8,6 +8,12 @@ from hps.parameter_server import ParameterServer, ParameterServerConfig
 from hps.pipeline import Pipeline
 
 
+# MEM-PS of 80 rows of 4 * 2 floats (AdaGrad at dim 4), charged 112 bytes each, and
+# ROOM bytes more for the lookahead window (the rows the same with it or without).
+ROOM = 64 << 10
+EIGHTY_ROWS = {"mem_budget": 80 * (4 * 2 * 4 + 112) + ROOM, "lookahead_room": ROOM, "cache_policy": "lru"}
+
+
 class Data:
     def __init__(self, i):
         self.keys = np.array([[i, 1000 + i]], np.uint64)
@@ -106,7 +112,7 @@ def test_mem_ps_keeps_the_coming_batches_rows(tmp_path):
     # MEM-PS of 80 rows (LRU) for a loop of 96 keys, 32 keys a batch.
     # Stage after stage: pipelined, when a write-back unpins a batch's rows races the next
     # prefetch's evictions, so which rows stay (not their values) changes run to run.
-    cfg = {"mem_budget": 80 * (4 * 2 * 4 + 112), "cache_policy": "lru"}
+    cfg = EIGHTY_ROWS
     plain, rows0 = run_loop(tmp_path, "k0", 0, pipelined=False, **cfg)
     ahead, rows2 = run_loop(tmp_path, "k2", 2, pipelined=False, **cfg)
     np.testing.assert_array_equal(rows0, rows2)  # which rows stay in memory changes no value
@@ -124,7 +130,7 @@ def test_herald_caches_keep_the_coming_batches_rows(tmp_path):
 
 
 @pytest.mark.parametrize("k", [3, 9])  # 9: a read queue grown past its default 4
-@pytest.mark.parametrize("cfg", [{"mem_budget": 80 * (4 * 2 * 4 + 112), "cache_policy": "lru"},
+@pytest.mark.parametrize("cfg", [EIGHTY_ROWS,
                                  {"devices": 2, "schedule": "herald", "worker_cache_rows": 40, "mem_budget": "4MiB"}])
 def test_pipelined_run_equals_the_sequential_one_with_lookahead_on(tmp_path, cfg, k):
     batches = looping()
@@ -303,13 +309,13 @@ def test_prefetch_slides_the_mem_ps_window(tmp_path, pipelined):
     # Each prefetch after the first gets the last window shifted by one batch (the
     # same arrays), so MEM-PS's window slides (or, at the end, drops its first batch)
     # instead of being set anew.
-    cfg = {"mem_budget": 80 * (4 * 2 * 4 + 112), "cache_policy": "lru"}
-    ps, _ = run_loop(tmp_path, str(pipelined), 3, pipelined=pipelined, **cfg)
+    ps, _ = run_loop(tmp_path, str(pipelined), 3, pipelined=pipelined, **EIGHTY_ROWS)
     assert ps.stats()["mem"]["lookahead_slides"] == len(looping()) - 1
 
 
 def test_prefetch_sets_the_window_unless_it_is_the_last_one_shifted(tmp_path):
-    ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "a"), mem_budget="1MiB"))
+    ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "a"), mem_budget="1MiB",
+                                               lookahead_room="64KiB"))  # (lookahead = 0: "auto" gives none)
     a, b, c = (np.array([[i, 100 + i]], np.uint64) for i in range(3))
 
     def prefetch(upcoming):
@@ -329,3 +335,45 @@ def test_prefetch_sets_the_window_unless_it_is_the_last_one_shifted(tmp_path):
     with pytest.raises(ValueError, match="0xffffffffffffffff"):
         prefetch([b, np.array([hps.EMPTY_KEY], np.uint64)])
     assert prefetch([b, c]) == (5, 4), "a refused slide left the window as it was"
+
+
+@pytest.mark.parametrize("room", ["auto", "64KiB"])
+def test_mem_ps_with_lookahead_stays_within_its_budget(tmp_path, room):
+    # The window's memory (tables, entries, what forced evictions list) is a share of
+    # mem_budget: the rows get the rest, and the window never holds more than its share.
+    budget = 256 << 10
+    ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / room), optimizer=hps.AdaGrad(lr=0.1),
+                                               mem_budget=budget, lookahead=3, lookahead_room=room,
+                                               cache_policy="lru"))
+    held = []
+    real = ps.prefetch
+
+    def prefetch(keys, upcoming=None):
+        pre = real(keys, upcoming=upcoming)
+        held.append(ps.stats()["mem"]["lookahead_bytes"])
+        return pre
+
+    ps.prefetch = prefetch
+    # A loop over more keys than the rows: evictions meet the window.
+    m = ps.stats()["mem"]
+    batches = looping(batches=4 * m["capacity"] // 32, keys=m["capacity"] + 48)
+    Pipeline(ps, Step()).run([Keys(b) for b in batches], pipelined=False)
+    m = ps.stats()["mem"]
+    row_charge = 4 * 2 * 4 + 112  # the row (AdaGrad at dim 4) and its bookkeeping (capacity_for_budget)
+    assert m["lookahead_room"] > 0
+    assert m["capacity"] * row_charge + m["lookahead_room"] <= budget
+    assert 0 < max(held) <= m["lookahead_room"], (held, m["lookahead_room"])
+    assert m["lookahead_forced"] + m["lookahead_spared"] > 0  # the window met evictions
+
+
+def test_lookahead_room_is_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"lookahead_room = '2MiB' is more than mem_budget = '1MiB'"):
+        ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "a"), mem_budget="1MiB",
+                                              lookahead_room="2MiB"))
+    with pytest.raises(ValueError, match=r"lookahead_room"):
+        ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "b"), lookahead_room="lots"))
+    # No room (lookahead = 0, "auto"): a window is refused, naming what it needs and the room.
+    ps = ParameterServer(ParameterServerConfig(dim=4, path=str(tmp_path / "c"), mem_budget="1MiB"))
+    with pytest.raises(hps.CacheFullError, match=r"more than its room of 0 bytes"):
+        ps.prefetch(np.array([[7, 8]], np.uint64), upcoming=[np.array([[1, 2]], np.uint64)])
+    assert ps.stats()["mem"]["lookahead_bytes"] == 0

@@ -24,12 +24,16 @@ OPTIMIZERS = {"sgd": lambda: hps.SGD(lr=0.3), "adagrad": lambda: hps.AdaGrad(lr=
               "rowwise_adagrad": lambda: hps.RowWiseAdaGrad(lr=0.2), "adam": lambda: hps.Adam(lr=0.05)}
 
 
+ROOM = 64 << 10  # MEM-PS's lookahead room: the windows drawn take at most this
+
+
 def budget_for(rows: int, row_bytes: int) -> int:
-    """The smallest MEM-PS budget that holds `rows` rows (bookkeeping included)."""
+    """The smallest MEM-PS budget that holds `rows` rows (bookkeeping included)
+    besides a lookahead room of ROOM bytes."""
     per_row = 1
     while _core.MemCache.capacity_for_budget(per_row, row_bytes) < 1:
         per_row += 1
-    return rows * per_row
+    return rows * per_row + ROOM
 
 
 class Reference:
@@ -88,7 +92,7 @@ class Run:
         self.cfg = hps.ParameterServerConfig(
             dim=self.dim, path=path, seed=5, optimizer=OPTIMIZERS[opt](),
             mem_budget=budget_for(2 * MOST_DISTINCT + self.draw(st.integers(0, 6), "spare rows"), row_bytes),
-            cache_policy=self.draw(st.sampled_from(hps.mem_cache.POLICIES), "cache_policy"),
+            cache_policy=self.draw(st.sampled_from(hps.mem_cache.POLICIES), "cache_policy"), lookahead_room=ROOM,
             devices=self.devices, host_in_place=in_place,
             write_buffer_rows=self.draw(st.sampled_from([1, 3, 16]), "write_buffer_rows"),
             ssd=hps.SsdOptions(file_records=self.draw(st.sampled_from([2, 4, 8]), "file_records"),

@@ -33,6 +33,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
 import hps  # noqa: E402
 from hps.mem_cache import POLICIES  # noqa: E402
+from hps.config import parse_bytes  # noqa: E402
 from hps.train import TrainConfig, load_trainer_state, train  # noqa: E402
 
 # 26 fields (the trainer's widths for batches given as an iterator are Criteo's):
@@ -43,12 +44,17 @@ OPTIMIZERS = {"sgd": {"lr": 0.05}, "adagrad": {"lr": 0.05}, "rowwise_adagrad": {
               "adam": {"lr": 0.01}}
 
 
+ROOM = 512 << 10  # MEM-PS's lookahead room: 6 batches of 64 examples take less
+
+
 def config(path, s: dict, examples: int) -> TrainConfig:
     return TrainConfig.from_dict({
         "hidden": [8], "dense_lr": 0.01, "torch_threads": 1,  # sums in one order: compared bit for bit
         "pipelined": s["pipelined"], "checkpoint_every": s["checkpoint_every"], "eval_every": s["eval_every"],
         "keep_freed_memory": False,
-        "ps": {"dim": 4, "path": str(path), "mem_budget": s["mem_budget"], "cache_policy": s["cache_policy"],
+        # MEM-PS's rows as s["mem_budget"] holds them, and ROOM more for the lookahead window.
+        "ps": {"dim": 4, "path": str(path), "mem_budget": parse_bytes(s["mem_budget"], "mem_budget") + ROOM,
+               "lookahead_room": ROOM, "cache_policy": s["cache_policy"],
                "devices": s["devices"], "schedule": s["schedule"], "worker_cache_rows": s["worker_cache_rows"],
                "lookahead": s["lookahead"], "write_buffer_rows": 32,
                "optimizer": {"kind": s["optimizer"], **OPTIMIZERS[s["optimizer"]]},

@@ -1028,7 +1028,10 @@ def herald_invariant_run(path, workers, rows, mem_budget, steps, flaky_write=Non
     appends to."""
     probe = np.unique(np.concatenate([s[0].reshape(-1) for s in steps]))
     seq = server(path / "seq", "sequential", devices=workers, mem_budget=mem_budget)
-    her = server(path / "her", "herald", devices=workers, rows=rows, mem_budget=mem_budget)
+    # MEM-PS's rows as for seq, and a room for the lookahead window that some steps give.
+    room = 256 << 10
+    her = server(path / "her", "herald", devices=workers, rows=rows,
+                 mem_budget=hps.config.parse_bytes(mem_budget, "mem_budget") + room, lookahead_room=room)
     caches = her._herald
 
     def below(ps):  # full rows (embedding and optimizer state) below the device tier

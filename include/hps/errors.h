@@ -28,8 +28,10 @@ class IoError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A MEM-PS call that would need more slots than the unpinned ones of a shard.
-// The message says how many rows the batch needs and how many are pinned.
+// A MEM-PS call that would need more slots than the unpinned ones of a shard
+// (the message says how many rows the batch needs and how many are pinned),
+// or a lookahead window more bytes than its room in the budget (the message
+// says both).
 class CacheFullError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -78,6 +78,12 @@ struct MemCacheOptions {
   /// (W4s's timed loop had spent much of its prefetch thread's CPU there: lines 9
   /// in docs/benchmarks.md).
   bool prefault = false;
+  /// Bytes the lookahead window may hold (see SetLookahead, "Memory"): a share
+  /// of the byte budget that the rows do not get (the rows' capacity is sized
+  /// for the budget less this room). 0: no window may be set (a cache that
+  /// never gets one); MemCache::kUnboundedRoom: no bound, for a cache sized in
+  /// rows rather than bytes.
+  uint64_t lookahead_room = 0;
 };
 
 struct MemCacheStats {
@@ -96,6 +102,9 @@ struct MemCacheStats {
   uint64_t lookahead_spared = 0; ///< evictions whose policy victim was in the window: another row went
   uint64_t lookahead_forced = 0; ///< evictions that took a row in the window: every candidate scanned was
   uint64_t lookahead_slides = 0; ///< PopLookahead and SlideLookahead calls: the window moved on a batch
+  uint64_t lookahead_bytes = 0;  ///< bytes the window holds now: tables, entries, Beyond, scratch (SetLookahead)
+  uint64_t lookahead_room = 0;   ///< MemCacheOptions::lookahead_room: lookahead_bytes never passes it
+  uint64_t lookahead_no_room = 0; ///< forced evictions that took the scan's choice: no room left for Beyond
   uint64_t shards = 0;
   uint64_t arena_bytes = 0;
   int numa_nodes = 1;            ///< the arena is interleaved across them when > 1
@@ -141,8 +150,16 @@ class MemCache {
   // Throws std::invalid_argument for bad options. The loader and sink may be
   // empty for a cache that only replays traces (Access).
   static std::unique_ptr<MemCache> New(const MemCacheOptions& options, RowLoader loader, RowSink sink);
-  // Rows that a byte budget holds, counting each row's bookkeeping.
+  // Rows that a byte budget holds, counting each row's bookkeeping. A cache
+  // with a lookahead room is given the rows of its budget less the room.
   static uint64_t CapacityForBudget(uint64_t budget_bytes, uint32_t row_bytes);
+  // MemCacheOptions::lookahead_room: no bound.
+  static constexpr uint64_t kUnboundedRoom = UINT64_MAX;
+  // The most a window holds in a cache of `capacity` rows and `shards` (0:
+  // the default count) besides its keys' tables and entries: Beyond and the
+  // eviction scratch (see SetLookahead, "Memory"). A room of this plus the
+  // keys' share never leaves a forced eviction without Beyond.
+  static uint64_t LookaheadBaseRoom(uint64_t capacity, uint32_t shards = 0);
 
   virtual ~MemCache() = default;
 
@@ -266,9 +283,26 @@ class MemCache {
   // passed over, at most kLookaheadScan). The list takes up to 24 bytes a
   // slot of the shard, reserved at the first forced eviction (a window whose
   // evictions all find a row outside it takes none) and kept until
-  // ClearLookahead; it is not counted in the budget.
+  // ClearLookahead, or until a change of the window needs its room.
+  //
+  // Memory: what the window holds between calls is stats().lookahead_bytes,
+  // which never passes MemCacheOptions::lookahead_room (a share of the
+  // budget: the rows get the rest): the shards' tables (12 bytes a slot, 20
+  // once the window slides; a power of two at least twice the shard's keys,
+  // at least 16), the sliding window's entries (see PushLookahead), the
+  // eviction scratch (4 bytes a slot, up to kLookaheadScan: at most 16 KiB a
+  // shard) and Beyond (24 bytes a slot of the shard, and 8 bytes for two
+  // slots, up to kLookaheadScan, of its own scratch). A change of the window
+  // whose tables, entries and scratch would pass the room throws
+  // CacheFullError naming both, changing nothing. Beyond takes the room left:
+  // a change drops it if the window needs that room (every change makes
+  // the next forced eviction rebuild it anyway), and a forced eviction that
+  // finds too little room left takes the scan's choice instead
+  // (stats().lookahead_no_room). Not counted: a call's scratch, O(its keys),
+  // freed before it returns (as a Pull's is).
   // Throws std::invalid_argument for the reserved key (naming its index) or
-  // n >= 2^32 - 1, changing nothing.
+  // n >= 2^32 - 1, and CacheFullError for a window that would pass its room,
+  // changing nothing.
   //
   // Thread safety: each shard's window is guarded by the shard's lock, like
   // its slots: a call builds the new windows without a lock, then swaps each
@@ -289,18 +323,22 @@ class MemCache {
   // then a pop in one change, so that a concurrent eviction never sees the
   // window between them: the pipeline's step from batches i+1..i+K to
   // i+2..i+K+1 (n = 0: no batch enters, at the end of the data).
-  // Memory, not counted in the budget: each batch's distinct keys of a shard
-  // keep an entry (24 bytes: the key's next batch, so that a pop moves it
-  // there), beside each shard's table (20 bytes a slot, at most half full);
-  // a SetLookahead window gets its entries, as one batch, at the first push
-  // or pop after it (O(its keys) then, not at each set).
+  // Memory (in stats().lookahead_bytes, see SetLookahead): each batch's
+  // distinct keys of a shard keep an entry (24 bytes: the key's next batch,
+  // so that a pop moves it there; held in chunks of 64 a shard), beside
+  // each shard's table (20 bytes a slot, at most half full), and 8 bytes a
+  // batch a shard; a SetLookahead window gets its entries, as one batch, at
+  // the first push or pop after it (O(its keys) then, not at each set).
   // Throws std::invalid_argument for the reserved key (naming its index),
   // a window of 2^32 - 1 keys or more, or a pop of a window with no batch,
+  // and CacheFullError for a window that would pass its room (a pop too,
+  // the first after a SetLookahead: it lists the set window's entries),
   // changing nothing. Thread safety as SetLookahead's.
   virtual void PushLookahead(const uint64_t* keys, uint64_t n) = 0;
   virtual void PopLookahead() = 0;
   virtual void SlideLookahead(const uint64_t* keys, uint64_t n) = 0;
-  // Back to eviction without lookahead; the window is dropped.
+  // Back to eviction without lookahead; the window is dropped and its memory
+  // freed (lookahead_bytes 0).
   virtual void ClearLookahead() = 0;
   // Drops the cached rows of keys, clean or dirty, without the sink: keys
   // that SSD-PS erased (SsdStore::Bound), whose next Pull loads them anew.

@@ -42,6 +42,13 @@ class MemCache(_core.MemCache):
     ``prefault=True`` writes every page of the arena when the cache is built: the
     whole budget is resident at once, and no pull waits on the kernel's first
     touch of a fresh page (``[ps] prefault`` in a ParameterServerConfig).
+    ``lookahead_room``: bytes the lookahead window may hold (its tables, entries, the
+    whole-shard list of its forced evictions and their scratch: ``stats()["lookahead_bytes"]``,
+    never more than ``stats()["lookahead_room"]``). With ``budget`` it comes out of the
+    budget (the rows get the rest) and defaults to 0: no window may be set. With
+    ``capacity`` (rows, no byte bound) it defaults to no bound. A window that would pass
+    its room raises CacheFullError naming both, and stays as it was.
+    ``MemCache.lookahead_base_room(capacity)`` is what a window holds besides its keys.
     A call that raises (``CacheFullError``, or what the loader or sink raised) holds
     no pin and loses no dirty row: its victims stay cached and dirty, so it can be
     retried; ``stats()["failed_releases"]`` counts host batches whose release failed.
@@ -57,14 +64,24 @@ class MemCache(_core.MemCache):
     def __init__(self, row_bytes: int, capacity: Optional[int] = None, *,
                  budget: Union[int, str, None] = None, policy: str = "tinylfu-lfu", shards: int = 0,
                  lru_fraction: float = 0.5, loader: Optional[Callable] = None,
-                 sink: Optional[Callable] = None, huge_pages: bool = True, prefault: bool = False):
+                 sink: Optional[Callable] = None, huge_pages: bool = True, prefault: bool = False,
+                 lookahead_room: Union[int, str, None] = None):
         if (capacity is None) == (budget is None):
             raise ValueError("give exactly one of capacity (rows) and budget (bytes, e.g. '8GiB')")
+        if lookahead_room is None:
+            room = 0 if budget is not None else _core.MemCache.UNBOUNDED_ROOM
+        else:
+            room = parse_bytes(lookahead_room, "lookahead_room")
         if budget is not None:
-            capacity = _core.MemCache.capacity_for_budget(parse_bytes(budget, "budget"), row_bytes)
+            total = parse_bytes(budget, "budget")
+            if room > total:
+                raise ValueError(f"lookahead_room {lookahead_room!r} is more than the budget {budget!r}")
+            capacity = _core.MemCache.capacity_for_budget(total - room, row_bytes)
             if capacity == 0:
-                raise ValueError(f"budget {budget!r} holds no row of {row_bytes} bytes")
-        super().__init__(row_bytes, capacity, policy, shards, lru_fraction, loader, sink, huge_pages, prefault)
+                raise ValueError(f"budget {budget!r} holds no row of {row_bytes} bytes"
+                                 + (f" besides a lookahead_room of {lookahead_room!r}" if room else ""))
+        super().__init__(row_bytes, capacity, policy, shards, lru_fraction, loader, sink, huge_pages, prefault,
+                         room)
         self._built = True
 
     def pull(self, keys: np.ndarray, pin: bool = False, dtype=np.uint8) -> tuple[np.ndarray, np.ndarray]:

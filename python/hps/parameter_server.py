@@ -223,6 +223,22 @@ class SsdOptions:
     require_direct_io: bool = False  # a refused O_DIRECT raises hps.IoError instead of warning
 
 
+def mem_lookahead_room(config: "ParameterServerConfig", row_bytes: int) -> int:
+    """Bytes of ``config.mem_budget`` that MEM-PS keeps for its lookahead window
+    (``lookahead_room``; "auto": none with ``lookahead = 0``, else a 16th of the budget
+    for the window's keys, tables and entries at about 100 bytes a key, plus what its
+    forced evictions may list, ``MemCache.lookahead_base_room`` of the rows the rest
+    holds at most). The rows get the rest."""
+    if config.lookahead_room != "auto":
+        return parse_bytes(config.lookahead_room, "lookahead_room")
+    if not config.lookahead:
+        return 0
+    budget = parse_bytes(config.mem_budget, "mem_budget")
+    keys = budget // 16
+    rows = _core.MemCache.capacity_for_budget(budget - keys, row_bytes)  # at least the rows the rest holds
+    return min(budget, keys + _core.MemCache.lookahead_base_room(rows))
+
+
 @dataclass
 class ParameterServerConfig:
     """What a parameter server is. ``dim``, ``optimizer`` (its kind), ``initializer``
@@ -251,6 +267,10 @@ class ParameterServerConfig:
     worker_cache_rows: int = 1 << 16    # schedule = "herald": rows a device's cache keeps between batches
     lookahead: int = 0                  # batches ahead whose keys the caches keep when they must evict
                                         # (the pipeline's prefetch passes them; 0: the policy alone decides)
+    lookahead_room: Union[int, str] = "auto"  # bytes of mem_budget for MEM-PS's lookahead window (the rows
+                                        # get the rest; stats()["mem"]["lookahead_bytes"] never passes it):
+                                        # "auto": none with lookahead = 0, else a 16th of mem_budget for the
+                                        # window's keys and what its forced evictions list (24 B a row)
     ttl_steps: int = 0                  # bounded tables: a row not updated for more than this many steps
                                         # (batches) is erased at the next checkpoint; 0: never
     max_rows: int = 0                   # and at most this many rows are kept (per rank under mpiexec), the
@@ -306,6 +326,14 @@ class ParameterServerConfig:
             parse_bytes(self.mem_budget, "mem_budget")
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}{e}") from None
+        if self.lookahead_room != "auto":
+            try:
+                room = parse_bytes(self.lookahead_room, "lookahead_room")
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}{e} (or \"auto\")") from None
+            if room > parse_bytes(self.mem_budget, "mem_budget"):
+                raise ValueError(f"{where}lookahead_room = {self.lookahead_room!r} is more than mem_budget = "
+                                 f"{self.mem_budget!r}: it is a share of it")
         if self.cache_policy not in POLICIES:
             raise ValueError(f"{where}cache_policy must be one of {', '.join(POLICIES)}, got {self.cache_policy!r}")
         whole("devices", self.devices, 1)
@@ -1003,7 +1031,8 @@ class ParameterServer:
         self._counts = {"mem_hits": 0, "pulls": 0, "pushes": 0, "batches": 0, "checkpoints": 0,
                         "expired": 0, "capped": 0}
         self._cache = MemCache(row_bytes, budget=config.mem_budget, policy=config.cache_policy,
-                               loader=self._backing, sink=self._backing, prefault=config.prefault)
+                               loader=self._backing, sink=self._backing, prefault=config.prefault,
+                               lookahead_room=mem_lookahead_room(config, row_bytes))
         self._window = None  # the arrays of prefetch's last lookahead window (None: not known)
         # With one host partition, batches train on MEM-PS's pinned rows (HostBatch).
         self._in_place = (config.host_in_place and config.devices == 1 and partitioner is None

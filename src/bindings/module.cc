@@ -704,7 +704,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<hps::MemCache>(m, "MemCache")
       .def(py::init([](uint32_t row_bytes, uint64_t capacity, const std::string& policy, uint32_t shards,
                        double lru_fraction, py::object loader, py::object sink, bool huge_pages,
-                       bool prefault) {
+                       bool prefault, uint64_t lookahead_room) {
              hps::MemCacheOptions o;
              o.row_bytes = row_bytes;
              o.capacity = capacity;
@@ -713,15 +713,20 @@ PYBIND11_MODULE(_core, m) {
              o.lru_fraction = lru_fraction;
              o.huge_pages = huge_pages;
              o.prefault = prefault;
+             o.lookahead_room = lookahead_room;
              return hps::MemCache::New(o, LoaderArg(std::move(loader), row_bytes),
                                        SinkArg(std::move(sink), row_bytes));
            }),
            py::arg("row_bytes"), py::arg("capacity"), py::arg("policy") = "lru+lfu", py::arg("shards") = 0,
            py::arg("lru_fraction") = 0.5, py::arg("loader") = py::none(), py::arg("sink") = py::none(),
-           py::arg("huge_pages") = true, py::arg("prefault") = false, py::keep_alive<1, 7>(),
+           py::arg("huge_pages") = true, py::arg("prefault") = false, py::arg("lookahead_room") = 0,
+           py::keep_alive<1, 7>(),
            py::keep_alive<1, 8>())  // a BackingStore lives as long as the cache
       .def_static("capacity_for_budget", &hps::MemCache::CapacityForBudget, py::arg("budget_bytes"),
                   py::arg("row_bytes"))
+      .def_static("lookahead_base_room", &hps::MemCache::LookaheadBaseRoom, py::arg("capacity"),
+                  py::arg("shards") = 0)
+      .def_property_readonly_static("UNBOUNDED_ROOM", [](py::object) { return hps::MemCache::kUnboundedRoom; })
       .def_property_readonly("row_bytes", &hps::MemCache::row_bytes)
       .def("pull", [](hps::MemCache& c, const py::array& keys, bool pin) {
         const auto [k, n] = KeysArg(keys, "keys");
@@ -857,6 +862,9 @@ PYBIND11_MODULE(_core, m) {
         d["lookahead_spared"] = st.lookahead_spared;
         d["lookahead_forced"] = st.lookahead_forced;
         d["lookahead_slides"] = st.lookahead_slides;
+        d["lookahead_bytes"] = st.lookahead_bytes;
+        d["lookahead_room"] = st.lookahead_room;
+        d["lookahead_no_room"] = st.lookahead_no_room;
         return d;
       });
 

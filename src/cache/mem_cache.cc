@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <deque>
 #include <filesystem>
+#include <memory>  // std::unique_ptr (SlideEntries's chunks)
 #include <mutex>
 #include <new>
 #include <span>
@@ -210,6 +210,11 @@ class Window {
     }
   }
   uint64_t size() const { return size_; }  // keys ever Set (Build: distinct keys; a sliding window: its keys)
+  // What the table holds: 12 bytes a slot, 20 chained.
+  uint64_t Bytes() const {
+    return keys_.capacity() * sizeof(uint64_t) + positions_.capacity() * sizeof(uint32_t) +
+           lasts_.capacity() * sizeof(uint64_t);
+  }
   void swap(Window& other) noexcept {
     keys_.swap(other.keys_);
     positions_.swap(other.positions_);
@@ -263,10 +268,81 @@ struct SlideEntry {
   uint64_t next = Window::kNone;  // entry id
 };
 
+// A vector's capacity once `needed` elements are in: Reserve's growth,
+// which the window's memory check predicts before a change (see Shift).
+inline uint64_t GrownCapacity(uint64_t capacity, uint64_t needed) {
+  return needed <= capacity ? capacity : std::max(needed, 2 * capacity);
+}
+
+// Makes room for `more` elements in v as GrownCapacity says. May throw
+// bad_alloc, having changed nothing.
+template <class T>
+void Reserve(std::vector<T>& v, uint64_t more) {
+  v.reserve(GrownCapacity(v.capacity(), v.size() + more));
+}
+
+// A sliding window's entries of one shard, oldest first, in chunks of
+// kChunk, so that a pop frees whole chunks and the memory held is known
+// before a change (BytesAfter): a deque's blocks and map are its library's.
+class SlideEntries {
+ public:
+  static constexpr uint64_t kChunk = 64;  // 1.5 KiB: a small cache's room need not hold a big one
+
+  uint64_t size() const { return size_; }
+  SlideEntry& operator[](uint64_t i) {
+    const uint64_t at = head_ + i;
+    return chunks_[at / kChunk][at % kChunk];
+  }
+  // May throw bad_alloc, having changed nothing.
+  void push_back(const SlideEntry& entry) {
+    if (head_ + size_ == chunks_.size() * kChunk) {
+      Reserve(chunks_, 1);
+      chunks_.push_back(std::make_unique<SlideEntry[]>(kChunk));  // (no throw after the reserve but the chunk's)
+    }
+    (*this)[size_] = entry;
+    ++size_;
+  }
+  // Drops the first n entries.
+  void pop_front(uint64_t n) {
+    head_ += n;
+    size_ -= n;
+    const uint64_t dead = head_ / kChunk;
+    chunks_.erase(chunks_.begin(), chunks_.begin() + static_cast<std::ptrdiff_t>(dead));
+    head_ -= dead * kChunk;
+  }
+  // Keeps the first n entries (n <= size()).
+  void truncate(uint64_t n) {
+    size_ = n;
+    chunks_.resize((head_ + n + kChunk - 1) / kChunk);
+  }
+  void swap(SlideEntries& other) noexcept {
+    chunks_.swap(other.chunks_);
+    std::swap(head_, other.head_);
+    std::swap(size_, other.size_);
+  }
+  uint64_t Bytes() const { return BytesOf(chunks_.capacity(), chunks_.size()); }
+  // Bytes() once `pushed` entries are appended, then the first `popped` dropped.
+  uint64_t BytesAfter(uint64_t pushed, uint64_t popped) const {
+    uint64_t chunks = chunks_.size(), capacity = chunks_.capacity();
+    const uint64_t needed = (head_ + size_ + pushed + kChunk - 1) / kChunk;
+    while (chunks < needed) capacity = GrownCapacity(capacity, ++chunks);  // as push_back grows it
+    return BytesOf(capacity, chunks - (head_ + popped) / kChunk);
+  }
+
+ private:
+  static uint64_t BytesOf(uint64_t capacity, uint64_t chunks) {
+    return capacity * sizeof(std::unique_ptr<SlideEntry[]>) + chunks * kChunk * sizeof(SlideEntry);
+  }
+
+  std::vector<std::unique_ptr<SlideEntry[]>> chunks_;
+  uint64_t head_ = 0;  // entries of chunks_[0] before the first
+  uint64_t size_ = 0;
+};
+
 // A chained copy of a SetLookahead window (one batch, whose entries it never
 // listed), with room for `more` keys entering: each of its keys gets an
 // entry, appended to `entries` (ids from 0).
-Window ChainedCopy(const Window& window, uint64_t more, std::deque<SlideEntry>* entries) {
+Window ChainedCopy(const Window& window, uint64_t more, SlideEntries* entries) {
   Window chained;
   chained.Reset(window.size() + more, /*chained=*/true);
   window.ForEach([&](uint64_t key, uint32_t position) {
@@ -317,13 +393,13 @@ struct Shard {
   uint32_t window_head = kFirstPosition;  // the position of the window's first key (all shards')
   // The sliding window's batches in this shard (see SlideEntry): guarded by
   // lookahead_mutex_ alone (only calls that change the window use them).
-  std::deque<SlideEntry> entries;     // the batches' entries in a row
-  uint64_t entries_base = 0;          // the id of entries.front()
-  std::deque<uint64_t> batch_entries; // entries per batch, oldest first
+  SlideEntries entries;               // the batches' entries in a row
+  uint64_t entries_base = 0;          // the id of entries[0]
+  std::vector<uint64_t> batch_entries; // entries per batch, oldest first (a few: erased from the front)
   bool lookahead = false;  // SetLookahead was called, and ClearLookahead not since
   uint64_t pinned = 0, dirty_rows = 0;
   uint64_t hits = 0, misses = 0, evictions = 0, dirty_evictions = 0;
-  uint64_t lookahead_spared = 0, lookahead_forced = 0;
+  uint64_t lookahead_spared = 0, lookahead_forced = 0, lookahead_no_room = 0;
   std::vector<uint32_t> passed;  // Victim's scratch: candidates passed over (reserved while a window is set)
   // Beyond the scan: every ordered row, so that a forced eviction is Belady's
   // over the whole shard (see Victim). Built at the first forced eviction of
@@ -339,6 +415,10 @@ struct Shard {
     std::vector<uint64_t> ranked;  // rows in the window: a max-heap of position << 32 | slot
     std::vector<uint64_t> held;    // Victim's scratch: heap entries of the Access call's own keys
   } beyond;
+  // What Beyond's spares, ranked and held hold (capacities), in the cache's
+  // lookahead_bytes_: guarded by mutex, and changed only under miss_mutex_
+  // too (every eviction holds it), so that Shift can take their room back.
+  uint64_t beyond_bytes = 0;
 };
 
 // key's position in the shard's window from its head (kAbsent: not in it).
@@ -367,15 +447,16 @@ struct SinkBatch {
 };
 
 class ShardedCache final : public MemCache {
+  friend class MemCache;  // LookaheadBaseRoom: the sizes of the window's structures
+
  public:
   ShardedCache(const MemCacheOptions& o, RowLoader loader, RowSink sink)
       : row_bytes_(o.row_bytes),
         loader_(std::move(loader)),
         sink_(std::move(sink)),
-        arena_(o.capacity * o.row_bytes, o.huge_pages, o.prefault) {
-    uint64_t shards = o.shards;
-    if (shards == 0) shards = std::clamp<uint64_t>(o.capacity / 4096, 1, 64);
-    shards = std::min<uint64_t>(shards, o.capacity);
+        arena_(o.capacity * o.row_bytes, o.huge_pages, o.prefault),
+        room_(o.lookahead_room) {
+    const uint64_t shards = ShardCount(o.capacity, o.shards);
     shards_ = std::vector<Shard>(shards);
     uint64_t offset = 0;
     for (uint64_t s = 0; s < shards; ++s) {
@@ -393,6 +474,12 @@ class ShardedCache final : public MemCache {
       for (uint32_t i = 0; i < shard.capacity; ++i) shard.free[i] = shard.capacity - 1 - i;
       shard.policy = detail::NewCachePolicy(o.policy, shard.capacity, o.lru_fraction);
     }
+  }
+
+  // MemCacheOptions::shards as the cache takes it (0: one per 4096 rows, at most 64).
+  static uint64_t ShardCount(uint64_t capacity, uint32_t shards) {
+    const uint64_t count = shards == 0 ? std::clamp<uint64_t>(capacity / 4096, 1, 64) : shards;
+    return std::min<uint64_t>(count, capacity);
   }
 
   uint64_t Pull(const uint64_t* keys, uint64_t n, uint8_t* out, bool pin, uint8_t* hit) override {
@@ -875,7 +962,10 @@ class ShardedCache final : public MemCache {
   void ClearLookahead() override {
     std::vector<Window> windows(shards_.size());
     std::vector<Shard::Beyond> dropped(shards_.size());  // freed after, outside the locks
-    std::vector<std::deque<SlideEntry>> entries(shards_.size());
+    std::vector<std::vector<uint32_t>> passed(shards_.size());
+    std::vector<SlideEntries> entries(shards_.size());
+    std::vector<std::vector<uint64_t>> batch_entries(shards_.size());
+    std::vector<uint64_t> batch_lengths;
     std::lock_guard lookahead_lock(lookahead_mutex_);
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
@@ -886,12 +976,17 @@ class ShardedCache final : public MemCache {
         shard.lookahead = false;
         DropBeyond(shard);
         std::swap(shard.beyond, dropped[s]);  // no window, no forced eviction: its room goes
+        shard.passed.swap(passed[s]);
+        lookahead_bytes_ -= shard.beyond_bytes;
+        shard.beyond_bytes = 0;
       }
       entries[s].swap(shard.entries);
       shard.entries_base = 0;
-      shard.batch_entries.clear();
+      shard.batch_entries.swap(batch_entries[s]);
     }
-    batch_lengths_.clear();
+    batch_lengths_.swap(batch_lengths);
+    lookahead_bytes_ -= window_bytes_;
+    window_bytes_ = 0;
     unlisted_ = false;
     window_length_ = 0;
     window_head_ = kFirstPosition;
@@ -899,6 +994,17 @@ class ShardedCache final : public MemCache {
 
  private:
   enum class WindowChange { kSet, kPush, kPop, kSlide };
+
+  // A shard's entering keys at their first occurrence in the batch (Shift).
+  struct Plan {
+    Window seen;                    // the entering keys (a set: the new window)
+    std::vector<std::pair<uint64_t, uint32_t>> distinct;  // each key at its first position (not for a set)
+    Window grown;                   // the shard's window with room for them (if short of it, or listed)
+    bool grow = false;
+    // A window that SetLookahead gave, listed (ChainedCopy) at the first push or pop after it.
+    SlideEntries listed;
+    std::vector<uint64_t> listed_batches;
+  };
 
   // SetLookahead (the window anew: one batch), PushLookahead (a batch at its
   // end), PopLookahead (its first batch out) or SlideLookahead (push, then
@@ -920,23 +1026,8 @@ class ShardedCache final : public MemCache {
       throw std::invalid_argument("MEM-PS lookahead: " + std::to_string(length) +
                                   " keys in the window; at most 2^32 - 2");
     }
-    for (Shard& shard : shards_) {  // may throw bad_alloc: before any change
-      std::lock_guard lock(shard.mutex);
-      shard.passed.reserve(kLookaheadScan);  // Victim's push_back never allocates
-      shard.beyond.held.reserve(kLookaheadScan);
-    }
     const uint32_t head = set ? kFirstPosition : window_head_;
     const uint32_t tail = AdvancePosition(head, set ? 0 : window_length_);  // the entering batch's first position
-    // Each shard's entering keys at their first occurrence in the batch.
-    struct Plan {
-      Window seen;                    // the entering keys (a set: the new window)
-      std::vector<std::pair<uint64_t, uint32_t>> distinct;  // each key at its first position (not for a set)
-      Window grown;                   // the shard's window with room for them (if short of it, or listed)
-      bool grow = false;
-      // A window that SetLookahead gave, listed (ChainedCopy) at the first push or pop after it.
-      std::deque<SlideEntry> listed;
-      std::deque<uint64_t> listed_batches;
-    };
     std::vector<Plan> plans(shards_.size());
     {
       // Each shard's keys and their positions copied out in one pass, so
@@ -972,6 +1063,29 @@ class ShardedCache final : public MemCache {
         }
       }
     }
+    const uint64_t need = WindowBytesAfter(plans, set, push, pop);
+    if (need > room_) {
+      throw CacheFullError("MEM-PS lookahead: the window would hold " + std::to_string(need) +
+                           " bytes (its keys' tables and entries, and the eviction scratch), more than its room of " +
+                           std::to_string(room_) + " bytes in the budget (lookahead_room); give it more room, "
+                           "or a shorter window (the window stays as it was)");
+    }
+    const uint64_t reserved = TakeWindowRoom(need);
+    try {
+      ShiftWithin(n, set, push, pop, head, plans);
+    } catch (...) {
+      SettleWindowRoom(reserved);
+      throw;
+    }
+    SettleWindowRoom(reserved);
+  }
+
+  // Shift's change, once its memory is in the room. REQUIRES: lookahead_mutex_ held.
+  void ShiftWithin(uint64_t n, bool set, bool push, bool pop, uint32_t head, std::vector<Plan>& plans) {
+    for (Shard& shard : shards_) {  // may throw bad_alloc: before any change
+      std::lock_guard lock(shard.mutex);
+      shard.passed.reserve(ScanSlots(shard.capacity));  // Victim's push_back never allocates
+    }
     if (unlisted_ && !set) {  // the set window's entries, as its one batch (its table swaps in below)
       for (size_t s = 0; s < shards_.size(); ++s) {
         shards_[s].entries.swap(plans[s].listed);
@@ -986,22 +1100,24 @@ class ShardedCache final : public MemCache {
       try {
         sizes.reserve(shards_.size());
         for (const Shard& shard : shards_) sizes.emplace_back(shard.entries.size(), shard.batch_entries.size());
+        Reserve(batch_lengths_, 1);  // as WindowBytesAfter predicts
         batch_lengths_.push_back(n);
         for (size_t s = 0; s < shards_.size(); ++s) {
           Shard& shard = shards_[s];
           for (const auto& [key, position] : plans[s].distinct) shard.entries.push_back({key, position});
+          Reserve(shard.batch_entries, 1);
           shard.batch_entries.push_back(plans[s].distinct.size());
         }
       } catch (...) {
         batch_lengths_.resize(std::min(batches, batch_lengths_.size()));
         for (size_t s = 0; s < sizes.size(); ++s) {
-          shards_[s].entries.resize(sizes[s].first);
+          shards_[s].entries.truncate(sizes[s].first);
           shards_[s].batch_entries.resize(sizes[s].second);
         }
         throw;
       }
     }
-    std::deque<uint64_t> set_lengths(set ? 1 : 0, n);  // a set's one batch (allocated before any change)
+    std::vector<uint64_t> set_lengths(set ? 1 : 0, n);  // a set's one batch (allocated before any change)
     const uint32_t new_head = pop ? AdvancePosition(head, batch_lengths_.front()) : head;
     for (size_t s = 0; s < shards_.size(); ++s) {
       Shard& shard = shards_[s];
@@ -1047,9 +1163,9 @@ class ShardedCache final : public MemCache {
         shard.batch_entries.swap(plans[s].listed_batches);
       } else if (pop) {
         const uint64_t leaving = shard.batch_entries.front();
-        shard.entries.erase(shard.entries.begin(), shard.entries.begin() + static_cast<std::ptrdiff_t>(leaving));
+        shard.entries.pop_front(leaving);
         shard.entries_base += leaving;
-        shard.batch_entries.pop_front();
+        shard.batch_entries.erase(shard.batch_entries.begin());
       }
     }
     unlisted_ = set;
@@ -1060,11 +1176,99 @@ class ShardedCache final : public MemCache {
       window_length_ += n;
       if (pop) {
         window_length_ -= batch_lengths_.front();
-        batch_lengths_.pop_front();
+        batch_lengths_.erase(batch_lengths_.begin());
         ++lookahead_slides_;
       }
     }
     window_head_ = new_head;
+  }
+
+  // Slots of Victim's scratch: `passed` holds at most the candidates one
+  // walk visits, and Beyond's `held` at most the entries of `ranked`.
+  static uint64_t ScanSlots(uint32_t capacity) { return std::min<uint64_t>(kLookaheadScan, capacity); }
+  static uint64_t HeldSlots(uint32_t capacity) { return std::min<uint64_t>(kLookaheadScan, BeyondRoom(capacity)); }
+  static uint64_t ScratchBytes(uint32_t capacity) { return ScanSlots(capacity) * sizeof(uint32_t); }
+  // Beyond's spares, ranked and held, reserved (at the first forced eviction).
+  static uint64_t BeyondBytes(uint32_t capacity) {
+    return BeyondRoom(capacity) * (sizeof(uint32_t) + sizeof(uint64_t)) + HeldSlots(capacity) * sizeof(uint64_t);
+  }
+
+  // What the window holds now, Beyond's lists aside: the shards' tables,
+  // entries and scratch, and the batches' counts. REQUIRES: lookahead_mutex_
+  // held (only its holder changes these, or the scratch's capacity).
+  uint64_t WindowBytes() const {
+    uint64_t bytes = batch_lengths_.capacity() * sizeof(uint64_t);
+    for (const Shard& shard : shards_) {
+      bytes += shard.window.Bytes() + shard.entries.Bytes() + shard.batch_entries.capacity() * sizeof(uint64_t) +
+               shard.passed.capacity() * sizeof(uint32_t);
+    }
+    return bytes;
+  }
+
+  // WindowBytes() once Shift has made its change (exactly: each structure
+  // grows as Reserve says). REQUIRES: lookahead_mutex_ held.
+  uint64_t WindowBytesAfter(const std::vector<Plan>& plans, bool set, bool push, bool pop) const {
+    uint64_t bytes = sizeof(uint64_t) * (set    ? 1  // set_lengths
+                                         : push ? GrownCapacity(batch_lengths_.capacity(), batch_lengths_.size() + 1)
+                                                : batch_lengths_.capacity());
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      const Shard& shard = shards_[s];
+      const Plan& plan = plans[s];
+      bytes += set ? plan.seen.Bytes() : plan.grow ? plan.grown.Bytes() : shard.window.Bytes();
+      if (!set) {  // (a set's entries are none until the next push or pop)
+        const SlideEntries& entries = unlisted_ ? plan.listed : shard.entries;
+        const std::vector<uint64_t>& batches = unlisted_ ? plan.listed_batches : shard.batch_entries;
+        bytes += entries.BytesAfter(push ? plan.distinct.size() : 0, pop ? batches.front() : 0);
+        bytes += sizeof(uint64_t) *
+                 (push ? GrownCapacity(batches.capacity(), batches.size() + 1) : batches.capacity());
+      }
+      bytes += std::max<uint64_t>(shard.passed.capacity(), ScanSlots(shard.capacity)) * sizeof(uint32_t);
+    }
+    return bytes;
+  }
+
+  // Takes `delta` bytes of the room for the window if they are free.
+  bool TryTakeRoom(uint64_t delta) {
+    uint64_t used = lookahead_bytes_.load();
+    do {
+      if (delta > room_ - used) return false;  // (used <= room_: every increase comes through here)
+    } while (!lookahead_bytes_.compare_exchange_weak(used, used + delta));
+    return true;
+  }
+
+  // Takes what a change of the window to `need` bytes (<= room_) adds, and
+  // returns what the window is counted at since: max(need, its bytes now).
+  // If Beyond's lists hold that room, they go first: the change drops them
+  // anyway, and the next forced eviction rebuilds them in the room left.
+  // REQUIRES: lookahead_mutex_ held.
+  uint64_t TakeWindowRoom(uint64_t need) {
+    if (need <= window_bytes_) return window_bytes_;
+    if (TryTakeRoom(need - window_bytes_)) return need;
+    std::vector<Shard::Beyond> freed(shards_.size());  // outside the locks
+    {
+      std::lock_guard miss_lock(miss_mutex_);  // no eviction lists a shard meanwhile
+      for (size_t s = 0; s < shards_.size(); ++s) {
+        Shard& shard = shards_[s];
+        std::lock_guard lock(shard.mutex);
+        DropBeyond(shard);
+        shard.beyond.spares.swap(freed[s].spares);
+        shard.beyond.ranked.swap(freed[s].ranked);
+        shard.beyond.held.swap(freed[s].held);
+        lookahead_bytes_ -= shard.beyond_bytes;
+        shard.beyond_bytes = 0;
+      }
+      // The room holds the window's need alone, and no Beyond is left to take it.
+      lookahead_bytes_ += need - window_bytes_;
+    }
+    return need;
+  }
+
+  // Counts the window at what it holds after a change for which `reserved`
+  // bytes were counted. REQUIRES: lookahead_mutex_ held.
+  void SettleWindowRoom(uint64_t reserved) {
+    const uint64_t held = WindowBytes();
+    lookahead_bytes_ += held - reserved;  // (modulo 2^64: a decrease too)
+    window_bytes_ = held;
   }
 
  public:
@@ -1090,8 +1294,11 @@ class ShardedCache final : public MemCache {
       st.lookahead_keys += shard.window.size();
       st.lookahead_spared += shard.lookahead_spared;
       st.lookahead_forced += shard.lookahead_forced;
+      st.lookahead_no_room += shard.lookahead_no_room;
     }
     st.lookahead_slides = lookahead_slides_.load();
+    st.lookahead_bytes = lookahead_bytes_.load();
+    st.lookahead_room = room_;
     std::lock_guard miss_lock(miss_mutex_);
     st.rows_loaded = rows_loaded_;
     st.rows_flushed = rows_flushed_;
@@ -1239,6 +1446,15 @@ class ShardedCache final : public MemCache {
   // builds them anew (O(capacity), amortized over as many appends).
   static uint64_t BeyondRoom(uint32_t capacity) { return 2 * uint64_t{capacity} + 1; }
 
+  // Counts Beyond's lists at what they hold, `reserved` having been counted.
+  // REQUIRES: shard.mutex and miss_mutex_ held.
+  void SettleBeyondRoom(Shard& shard, uint64_t reserved) noexcept {
+    const uint64_t held = shard.beyond.spares.capacity() * sizeof(uint32_t) +
+                          (shard.beyond.ranked.capacity() + shard.beyond.held.capacity()) * sizeof(uint64_t);
+    lookahead_bytes_ += held - reserved;  // (modulo 2^64)
+    shard.beyond_bytes = held;
+  }
+
   static void DropBeyond(Shard& shard) noexcept {
     shard.beyond.built = false;
     shard.beyond.spares.clear();  // keeps the room reserved
@@ -1289,12 +1505,20 @@ class ShardedCache final : public MemCache {
     Shard::Beyond& b = shard.beyond;
     if (!b.built) {
       DropBeyond(shard);
+      const uint64_t want = BeyondBytes(shard.capacity);  // (Shift's fallback frees it whole, or none)
+      if (want > shard.beyond_bytes && !TryTakeRoom(want - shard.beyond_bytes)) {
+        ++shard.lookahead_no_room;
+        return kNoSlot;
+      }
       try {
         b.spares.reserve(BeyondRoom(shard.capacity));  // Ordered's push_back never allocates
         b.ranked.reserve(BeyondRoom(shard.capacity));
+        b.held.reserve(HeldSlots(shard.capacity));     // nor the walk's below
       } catch (const std::bad_alloc&) {
+        SettleBeyondRoom(shard, std::max(want, shard.beyond_bytes));
         return kNoSlot;
       }
+      SettleBeyondRoom(shard, std::max(want, shard.beyond_bytes));
       struct Build {
         Shard& shard;
         bool Visit(uint32_t slot) {
@@ -1552,10 +1776,16 @@ class ShardedCache final : public MemCache {
   std::mutex lookahead_mutex_;     // one SetLookahead swaps its windows in at a time
   // The lookahead window's batches (guarded by lookahead_mutex_): each one's
   // keys, oldest first; their sum; the position of the first one's first key.
-  std::deque<uint64_t> batch_lengths_;
+  std::vector<uint64_t> batch_lengths_;  // (a few: erased from the front)
   bool unlisted_ = false;  // the window is SetLookahead's, its entries not listed yet
   uint64_t window_length_ = 0;
   uint32_t window_head_ = kFirstPosition;
+  // The window's memory (see MemCache::SetLookahead, "Memory"): its room, and
+  // what it holds, Beyond's lists (Shard::beyond_bytes) and the rest
+  // (window_bytes_, guarded by lookahead_mutex_) together.
+  const uint64_t room_;
+  std::atomic<uint64_t> lookahead_bytes_{0};
+  uint64_t window_bytes_ = 0;
   std::atomic<uint64_t> lookahead_slides_{0};  // PopLookahead and SlideLookahead calls
   uint64_t rows_loaded_ = 0, rows_flushed_ = 0;  // guarded by miss_mutex_
   std::atomic<uint64_t> failed_releases_{0};
@@ -1588,6 +1818,17 @@ std::vector<std::string> CachePolicyNames() { return {"lru", "lfu", "lru+lfu", "
 
 uint64_t MemCache::CapacityForBudget(uint64_t budget_bytes, uint32_t row_bytes) {
   return budget_bytes / (row_bytes + kOverheadPerRow);
+}
+
+uint64_t MemCache::LookaheadBaseRoom(uint64_t capacity, uint32_t shards) {
+  if (capacity == 0) return 0;
+  const uint64_t count = ShardedCache::ShardCount(capacity, shards);
+  uint64_t bytes = 0;
+  for (uint64_t s = 0; s < count; ++s) {
+    const auto shard_capacity = static_cast<uint32_t>(capacity / count + (s < capacity % count ? 1 : 0));
+    bytes += ShardedCache::BeyondBytes(shard_capacity) + ShardedCache::ScratchBytes(shard_capacity);
+  }
+  return bytes;
 }
 
 std::unique_ptr<MemCache> MemCache::New(const MemCacheOptions& options, RowLoader loader, RowSink sink) {

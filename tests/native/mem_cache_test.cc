@@ -85,6 +85,9 @@ MemCacheOptions EightByteRows(uint64_t capacity, uint32_t shards, CachePolicyKin
   o.capacity = capacity;
   o.shards = shards;
   o.policy = policy;
+  // The window's memory unbounded: these tests are of its evictions
+  // (MemCacheLookaheadRoom is of its memory).
+  o.lookahead_room = MemCache::kUnboundedRoom;
   return o;
 }
 
@@ -2073,6 +2076,209 @@ TEST(PolicySegments, WTinyLfuWalksItsWindowThenProbationThenProtected) {
   EXPECT_EQ(walk(), (std::vector<uint32_t>{0, 9, 8, 1, 2, 3, 4, 5, 6, 7}));
   EXPECT_EQ(policy->Evict(), 0u);
   EXPECT_EQ(walk(), (std::vector<uint32_t>{8, 9, 1, 2, 3, 4, 5, 6, 7})) << "9 went to the probation's front";
+}
+
+
+// ---- The window's memory (MemCache::SetLookahead, "Memory") ----
+
+// A trace cache of one LRU shard whose window may hold `room` bytes.
+std::unique_ptr<MemCache> RoomyCache(uint64_t capacity, uint64_t room) {
+  MemCacheOptions o = EightByteRows(capacity, 1, CachePolicyKind::kLru);
+  o.lookahead_room = room;
+  return MemCache::New(o, nullptr, nullptr);
+}
+
+// The sizes of the window's structures: a table's slot (12 bytes, 20 once
+// it slides), an entry of a sliding window (in chunks of 64, each chunk
+// behind an 8-byte pointer), a batch's count of keys.
+constexpr uint64_t kSetSlot = 12, kSlidingSlot = 20, kEntry = 24, kChunk = 64, kPointer = 8, kCount = 8;
+
+// The eviction scratch of a shard: 4 bytes a candidate a walk may pass over.
+uint64_t ScratchOf(uint64_t capacity) { return 4 * std::min<uint64_t>(MemCache::kLookaheadScan, capacity); }
+
+// Beyond's lists: room for 2 x capacity + 1 entries of 4 and 8 bytes, and its
+// walk's scratch, 8 bytes an entry it may hold.
+uint64_t BeyondOf(uint64_t capacity) {
+  return (2 * capacity + 1) * 12 + 8 * std::min<uint64_t>(MemCache::kLookaheadScan, 2 * capacity + 1);
+}
+
+std::vector<uint64_t> KeysFrom(uint64_t first, uint64_t n) {
+  std::vector<uint64_t> keys(n);
+  for (uint64_t k = 0; k < n; ++k) keys[k] = first + k;
+  return keys;
+}
+
+TEST(MemCacheLookaheadRoom, SetWindowCountsItsTableAndScratch) {
+  auto cache = RoomyCache(64, MemCache::kUnboundedRoom);
+  EXPECT_EQ(cache->stats().lookahead_bytes, 0u);
+  EXPECT_EQ(cache->stats().lookahead_room, MemCache::kUnboundedRoom);
+  std::vector<uint64_t> keys = KeysFrom1(10);
+  keys.insert(keys.end(), {1, 2});  // 12 keys, 10 distinct
+  cache->SetLookahead(keys.data(), keys.size());
+  // A table of 32 slots (a power of two, at least twice its 12 keys), the one batch's count, the scratch.
+  EXPECT_EQ(cache->stats().lookahead_bytes, 32 * kSetSlot + kCount + ScratchOf(64));
+  cache->ClearLookahead();
+  EXPECT_EQ(cache->stats().lookahead_bytes, 0u);
+}
+
+// Pushes, slides and pops change the count by what their tables, entries
+// and counts take and free.
+TEST(MemCacheLookaheadRoom, SlidingWindowCountsItsEntriesAsTheyComeAndGo) {
+  auto cache = RoomyCache(64, MemCache::kUnboundedRoom);
+  const std::vector<uint64_t> b1 = KeysFrom(1, 300), b2 = KeysFrom(301, 300), b3 = KeysFrom(601, 300);
+  const uint64_t scratch = ScratchOf(64), chunk = kChunk * kEntry;
+  cache->PushLookahead(b1.data(), b1.size());
+  // 1024 slots for 300 keys; 300 entries in 5 chunks (room for 8 pointers: doubled as they came); one count a
+  // batch, in the shard and the cache.
+  EXPECT_EQ(cache->stats().lookahead_bytes, 1024 * kSlidingSlot + 5 * chunk + 8 * kPointer + 2 * kCount + scratch);
+  cache->PushLookahead(b2.data(), b2.size());
+  // 2048 slots; 600 entries in 10 chunks, room for 16 pointers; room for 2 counts each.
+  EXPECT_EQ(cache->stats().lookahead_bytes, 2048 * kSlidingSlot + 10 * chunk + 16 * kPointer + 4 * kCount + scratch);
+  cache->SlideLookahead(b3.data(), b3.size());
+  // 900 entries in 15 chunks, then b1's 300 go and free the 4 chunks they alone used; room for 4 counts each.
+  EXPECT_EQ(cache->stats().lookahead_bytes, 2048 * kSlidingSlot + 11 * chunk + 16 * kPointer + 8 * kCount + scratch);
+  EXPECT_EQ(cache->stats().lookahead_keys, 600u);
+  cache->PopLookahead();  // b2's 300 go (from entry 44 of the first chunk): 5 chunks more
+  EXPECT_EQ(cache->stats().lookahead_bytes, 2048 * kSlidingSlot + 6 * chunk + 16 * kPointer + 8 * kCount + scratch);
+  EXPECT_EQ(cache->stats().lookahead_keys, 300u);
+  // A set window gets its entries at the next push: listed as its batch, then the push's.
+  cache->SetLookahead(b1.data(), b1.size());
+  EXPECT_EQ(cache->stats().lookahead_bytes, 1024 * kSetSlot + kCount + scratch);
+  cache->PushLookahead(b2.data(), b2.size());
+  EXPECT_EQ(cache->stats().lookahead_bytes, 2048 * kSlidingSlot + 10 * chunk + 16 * kPointer + 4 * kCount + scratch);
+  cache->ClearLookahead();
+  EXPECT_EQ(cache->stats().lookahead_bytes, 0u);
+}
+
+// A change whose window would pass the room is refused, naming both, and
+// the window stays: its keys, its bytes and its evictions.
+TEST(MemCacheLookaheadRoom, WindowPastItsRoomIsRefusedAndStays) {
+  const uint64_t one = 16 * kSetSlot + kCount + ScratchOf(4);  // a set window of one key: the least table
+  auto cache = RoomyCache(4, one);
+  const std::vector<uint64_t> first = {1};
+  cache->SetLookahead(first.data(), first.size());
+  EXPECT_EQ(cache->stats().lookahead_bytes, one);
+  const std::vector<uint64_t> nine = KeysFrom1(9);  // 32 slots
+  const uint64_t need = 32 * kSetSlot + kCount + ScratchOf(4);
+  try {
+    cache->SetLookahead(nine.data(), nine.size());
+    FAIL() << "a window past its room was set";
+  } catch (const CacheFullError& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(need) + " bytes"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("room of " + std::to_string(one) + " bytes"), std::string::npos) << e.what();
+  }
+  const std::vector<uint64_t> second = {2};
+  EXPECT_THROW(cache->PushLookahead(second.data(), second.size()), CacheFullError);  // its entries, chained
+  EXPECT_THROW(cache->SlideLookahead(second.data(), second.size()), CacheFullError);
+  EXPECT_EQ(cache->stats().lookahead_bytes, one);
+  EXPECT_EQ(cache->stats().lookahead_keys, 1u);
+  EXPECT_EQ(cache->stats().lookahead_slides, 0u);
+  AccessAll(*cache, {1, 2, 3, 4, 5});  // 5 evicts the least recent row outside the window: 2, not 1
+  EXPECT_TRUE(cache->Contains(1));
+  EXPECT_FALSE(cache->Contains(2));
+  EXPECT_EQ(cache->stats().lookahead_spared, 1u);
+  // A pop right after a set lists the set window's entries first (see PushLookahead): room too.
+  EXPECT_THROW(cache->PopLookahead(), CacheFullError);
+  EXPECT_EQ(cache->stats().lookahead_keys, 1u);
+  cache->ClearLookahead();
+  EXPECT_EQ(cache->stats().lookahead_bytes, 0u);
+}
+
+// No room (the default): no window, not even an empty one; eviction as without.
+TEST(MemCacheLookaheadRoom, NoRoomNoWindow) {
+  MemCacheOptions o = EightByteRows(4, 1, CachePolicyKind::kLru);
+  o.lookahead_room = MemCacheOptions{}.lookahead_room;
+  auto cache = MemCache::New(o, nullptr, nullptr);
+  EXPECT_EQ(cache->stats().lookahead_room, 0u);
+  const std::vector<uint64_t> first = {1};
+  EXPECT_THROW(cache->SetLookahead(first.data(), first.size()), CacheFullError);
+  EXPECT_THROW(cache->SetLookahead(nullptr, 0), CacheFullError);
+  EXPECT_THROW(cache->PushLookahead(first.data(), first.size()), CacheFullError);
+  EXPECT_EQ(cache->stats().lookahead_bytes, 0u);
+  AccessAll(*cache, {1, 2, 3, 4, 5});
+  EXPECT_FALSE(cache->Contains(1)) << "plain LRU";
+  EXPECT_EQ(cache->stats().lookahead_spared + cache->stats().lookahead_forced, 0u);
+}
+
+// Beyond takes the room the window leaves: all of it listed when there is
+// room, the scan's choice when there is none, and given back when a change
+// of the window needs it.
+TEST(MemCacheLookaheadRoom, BeyondTakesTheRoomLeftOrNone) {
+  const uint32_t scan = MemCache::kLookaheadScan;
+  const uint64_t capacity = scan + 10;
+  const std::vector<uint64_t> keys = KeysFrom1(capacity);
+  const std::vector<uint64_t> window = KeysFrom1(scan);  // the first candidates: 8192 slots
+  const uint64_t small = 8192 * kSetSlot + kCount + ScratchOf(capacity);
+  const std::vector<uint64_t> wider = KeysFrom1(scan + 1);  // 16384 slots
+  const uint64_t large = 16384 * kSetSlot + kCount + ScratchOf(capacity);
+  // The wider window fits the larger room below, but only once Beyond has given its room back.
+  ASSERT_GT(small + BeyondOf(capacity), large);
+  for (const uint64_t room : {small, small + BeyondOf(capacity)}) {
+    SCOPED_TRACE(room);
+    MemCacheOptions o = EightByteRows(capacity, 1, CachePolicyKind::kLru);
+    o.lookahead_room = room;
+    auto cache = MemCache::New(o, nullptr, nullptr);
+    AccessAll(*cache, keys);  // 1 the least recent
+    cache->SetLookahead(window.data(), window.size());
+    AccessAll(*cache, {100000});  // the first kLookaheadScan candidates are all in the window: forced
+    const MemCacheStats st = cache->stats();
+    EXPECT_LE(st.lookahead_bytes, room);
+    if (room == small) {
+      EXPECT_EQ(st.lookahead_no_room, 1u);
+      EXPECT_EQ(st.lookahead_bytes, small);
+      EXPECT_FALSE(cache->Contains(scan)) << "the scan's choice: the latest needed of those it saw";
+      EXPECT_TRUE(cache->Contains(scan + 1));
+      EXPECT_EQ(st.lookahead_forced, 1u);
+    } else {
+      EXPECT_EQ(st.lookahead_no_room, 0u);
+      EXPECT_EQ(st.lookahead_bytes, small + BeyondOf(capacity));
+      EXPECT_FALSE(cache->Contains(scan + 1)) << "Beyond's: the first row outside the window";
+      EXPECT_TRUE(cache->Contains(scan));
+      EXPECT_EQ(st.lookahead_spared, 1u);
+      cache->SetLookahead(wider.data(), wider.size());  // only Beyond's room lets it in: Beyond goes
+      EXPECT_EQ(cache->stats().lookahead_bytes, large);
+      EXPECT_EQ(cache->stats().lookahead_keys, scan + 1);
+    }
+    cache->ClearLookahead();
+    EXPECT_EQ(cache->stats().lookahead_bytes, 0u);
+  }
+}
+
+
+// Window changes that need Beyond's room, racing forced evictions that list
+// shards into it: the count stays within the room, and comes back to 0.
+TEST(MemCacheLookaheadRoom, ChangesRacingBeyondStayInTheRoom) {
+  const uint32_t scan = MemCache::kLookaheadScan;
+  const uint64_t capacity = scan + 10;
+  const std::vector<uint64_t> keys = KeysFrom1(capacity);
+  const std::vector<uint64_t> window = KeysFrom1(scan), wider = KeysFrom1(scan + 1);
+  const uint64_t room = 8192 * kSetSlot + kCount + ScratchOf(capacity) + BeyondOf(capacity);
+  MemCacheOptions o = EightByteRows(capacity, 1, CachePolicyKind::kLru);
+  o.lookahead_room = room;
+  auto cache = MemCache::New(o, nullptr, nullptr);
+  cache->SetLookahead(window.data(), window.size());
+  std::atomic<bool> done{false};
+  std::atomic<uint64_t> over{0};
+  std::thread changes([&] {
+    for (int i = 0; !done.load(); ++i) {
+      const std::vector<uint64_t>& next = i % 2 ? wider : window;
+      cache->SetLookahead(next.data(), next.size());
+      if (cache->stats().lookahead_bytes > room) ++over;
+    }
+  });
+  for (uint64_t round = 0; round < 6; ++round) {
+    AccessAll(*cache, keys);  // 1 the least recent: the first candidates are in either window
+    AccessAll(*cache, {1000000 + round});
+    if (cache->stats().lookahead_bytes > room) ++over;
+  }
+  done = true;
+  changes.join();
+  const MemCacheStats st = cache->stats();
+  EXPECT_EQ(over.load(), 0u);
+  EXPECT_LE(st.lookahead_bytes, room);
+  cache->ClearLookahead();
+  EXPECT_EQ(cache->stats().lookahead_bytes, 0u) << "every byte counted in was counted out";
+  if (st.lookahead_forced + st.lookahead_spared == 0) GTEST_SKIP() << "no eviction met the window";
 }
 
 }  // namespace
