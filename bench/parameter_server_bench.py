@@ -218,14 +218,18 @@ def lookahead_main(a):
     count = a.batches or (6 if a.quick else 32)
     rounds = a.rounds or (2 if a.quick else 5)
     row_cost = DIM * 2 * 4 + 112  # row bytes + MEM-PS bookkeeping (MemCache.capacity_for_budget)
+    # The window's memory is inside mem_budget (lookahead_room): every variant gets
+    # the same room on top of the rows', so K = 0 and each K hold the same rows.
+    room = (8 if a.quick else 192) << 20
     workdir = a.dir or scratch_dir("ps-lookahead-")
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "store")
-    cfg = hps.ParameterServerConfig(dim=DIM, path=path, optimizer=hps.AdaGrad(lr=0.05), mem_budget=rows * row_cost)
+    cfg = hps.ParameterServerConfig(dim=DIM, path=path, optimizer=hps.AdaGrad(lr=0.05),
+                                    mem_budget=rows * row_cost + room, lookahead_room=room)
     variants = lookahead_variants(ks)
     out = {"benchmark": "parameter_server prefetch lookahead", "dim": DIM, "optimizer": "adagrad", "zipf_a": ZIPF_A,
            "universe": universe, "batch": [examples, LOOKAHEAD_FIELDS], "batches": count, "rounds": rounds,
-           "ks": ks, "quick": a.quick, "seed": a.seed, "variants": {}}
+           "ks": ks, "lookahead_room": room, "quick": a.quick, "seed": a.seed, "variants": {}}
     t0 = time.time()
     try:
         ps = hps.ParameterServer(cfg)  # every key once: a miss reads SSD-PS, as in training past the warm-up
@@ -287,6 +291,9 @@ def main():
     batch_keys = 20_000 if a.quick else a.batch_keys
     u_mem, u_ssd = (100_000, 1_000_000) if a.quick else (1_000_000, 10_000_000)
     row_cost = DIM * 2 * 4 + 112  # row bytes + MEM-PS bookkeeping (MemCache.capacity_for_budget)
+    # The window's memory is inside mem_budget (lookahead_room): every variant gets
+    # the same room on top of the rows', so K = 0 and each K hold the same rows.
+    room = (8 if a.quick else 192) << 20
     workdir = a.dir or scratch_dir("ps-bench-")
     os.makedirs(workdir, exist_ok=True)
     out = {"benchmark": "parameter_server throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
