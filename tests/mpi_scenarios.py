@@ -81,12 +81,19 @@ def key_gradient(keys: np.ndarray) -> np.ndarray:
     return (0.5 * np.sin(k * np.arange(1, DIM + 1))).astype(np.float32)
 
 
+#: MEM-PS's room for a lookahead window (ParameterServerConfig.lookahead_room),
+#: on top of a scenario's budget for rows: a few batches' keys of these jobs.
+WINDOW_ROOM = 1 << 20
+
+
 def ps_config(path: str, optimizer: str = "adagrad", budget: str = "16KiB"):
     import hps
     opt = hps.AdaGrad(lr=0.1) if optimizer == "adagrad" else hps.Adam(lr=0.01)
-    # A budget of a few dozen rows: pulls and pushes go through SSD-PS too.
-    return hps.ParameterServerConfig(dim=DIM, path=path, optimizer=opt, mem_budget=budget, seed=3,
-                                    write_buffer_rows=16)
+    # A budget of a few dozen rows: pulls and pushes go through SSD-PS too. A
+    # lookahead window's room comes on top of it, so the rows stay as many.
+    return hps.ParameterServerConfig(dim=DIM, path=path, optimizer=opt, seed=3, write_buffer_rows=16,
+                                    mem_budget=hps.config.parse_bytes(budget) + WINDOW_ROOM,
+                                    lookahead_room=WINDOW_ROOM)
 
 
 def global_batches(steps: int, per_rank: int, world: int, seed: int = 5, multi_hot: bool = False,
@@ -525,6 +532,10 @@ def run_train(node, out: str, args) -> None:
     if args.device_capacity:
         cfg.ps.device_capacity = args.device_capacity
     cfg.ps.lookahead = args.lookahead
+    if args.lookahead:
+        from hps.config import parse_bytes
+        cfg.ps.mem_budget = parse_bytes(cfg.ps.mem_budget) + WINDOW_ROOM
+        cfg.ps.lookahead_room = WINDOW_ROOM
     if args.admission:
         cfg.admission = admission_config(args.admission)
     cfg.distributed.sparse_rows = cfg.distributed.sparse_grads = args.sparse_codec
