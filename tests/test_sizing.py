@@ -155,6 +155,26 @@ def test_size_json_parses_and_is_consistent(tmp_path, capsys):
     assert not (tmp_path / "job").exists()  # sizing writes nothing
 
 
+def test_size_leaves_the_lookahead_room_out_of_the_rows(tmp_path, capsys):
+    """With a lookahead window, MEM-PS's rows get the budget less the window's room
+    (lookahead_room): hps size gives the rows the real server holds, and says so."""
+    cfg = write_config(tmp_path)
+    Path(cfg).write_text(Path(cfg).read_text().replace("[ps]\n", "[ps]\nlookahead = 4\n"))
+    assert main(["size", "--config", cfg, "--sample", "5000", "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)["mem"]
+    from hps.parameter_server import ParameterServer
+    from hps.train import TrainConfig
+    ps = ParameterServer(TrainConfig.from_toml(cfg).ps)
+    try:
+        real = ps.stats()["mem"]
+    finally:
+        ps.close()
+    assert m["lookahead_room_bytes"] == real["lookahead_room"] > 0
+    assert m["capacity_rows"] == real["capacity"] < hps.MemCache(128, budget="2MiB").stats()["capacity"]
+    assert main(["size", "--config", cfg, "--sample", "5000"]) == 0
+    assert "for the lookahead window" in capsys.readouterr().out
+
+
 def test_size_table_and_whole_data_sample(tmp_path, capsys):
     """A sample of the whole run counts its rows instead of extrapolating."""
     cfg = write_config(tmp_path, budget="64MiB", optimizer="sgd")

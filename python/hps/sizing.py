@@ -471,7 +471,9 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
 
     # MEM-PS
     budget = parse_bytes(ps.mem_budget, "mem_budget")
-    capacity = mem_capacity(budget, row_bytes)
+    from hps.parameter_server import mem_lookahead_room
+    room = mem_lookahead_room(ps, row_bytes)  # the lookahead window's part of the budget
+    capacity = mem_capacity(budget - room, row_bytes)
     overhead = mem_overhead_per_row(row_bytes)
     hit = estimate_hit_rate(smp, capacity, ps.cache_policy, rows, run_batches, in_flight)
     every = cfg.checkpoint_every or run_batches
@@ -479,7 +481,7 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
     kept, peak = bound["rows_kept"], bound["rows_peak"]
     cached_rows = min(capacity, kept)
     mem = {"budget_bytes": budget, "row_bytes": row_bytes, "overhead_bytes_per_row": overhead,
-           "bytes_per_row": row_bytes + overhead, "capacity_rows": capacity,
+           "bytes_per_row": row_bytes + overhead, "lookahead_room_bytes": room, "capacity_rows": capacity,
            "arena_bytes": capacity * row_bytes, "cached_rows_at_end": cached_rows,
            "bytes_at_end": cached_rows * (row_bytes + overhead), "policy": ps.cache_policy}
 
@@ -580,7 +582,9 @@ def format_table(e: dict) -> str:
                                     f"{r['bounds']['rows_peak']:,} between checkpoints")]
           if r["bounds"]["rows_kept"] < r["rows"] else []),
         ("MEM-PS budget", f"{_size(m['budget_bytes'])} = {m['capacity_rows']:,} rows of {m['bytes_per_row']} B "
-                          f"(row {m['row_bytes']} + bookkeeping {m['overhead_bytes_per_row']})"),
+                          f"(row {m['row_bytes']} + bookkeeping {m['overhead_bytes_per_row']})"
+                          + (f", less {_size(m['lookahead_room_bytes'])} for the lookahead window"
+                             if m["lookahead_room_bytes"] else "")),
         ("MEM-PS rows cached at the end", f"{m['cached_rows_at_end']:,} ({_size(m['bytes_at_end'])})"),
         ("MEM-PS hit rate (estimate)", rate),
         ("SSD-PS bytes per row", f"{s['disk_bytes_per_row']:.1f} (row {s['row_bytes']} + key 8 + block CRC, "
