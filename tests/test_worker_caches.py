@@ -632,6 +632,12 @@ def test_positions_finds_each_key_of_the_batch_the_largest_too(tmp_path):
     with pytest.raises(KeyError, match="key 5 is not in this batch"):
         b.positions(np.array([2, 5], np.uint64))
     b.finish()
+    # A batch of no examples has no key: any key is named (there is no position to search).
+    b = ps.batch(ps.prefetch(np.zeros((0, 2), np.uint64)))
+    with pytest.raises(KeyError, match="key 5 is not in this batch"):
+        b.pull(np.array([5], np.uint64), worker=1)
+    assert b.positions(np.zeros(0, np.int64)).tolist() == []
+    b.finish()
 
 
 def test_apply_steps_once_and_write_back_waits_for_it(tmp_path):

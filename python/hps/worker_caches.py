@@ -458,6 +458,10 @@ class HeraldBatch(BatchBase):
                         and np.array_equal(mine, keys):
                     return at
         flat = flat.astype(np.uint64, copy=False)
+        if len(self.keys) == 0:  # a batch of no examples: no position to clip a search to
+            if len(flat):
+                raise KeyError(f"key {int(flat[0])} is not in this batch")
+            return np.zeros(0, np.int64)
         if self._sorted is None:
             self._sorted = np.argsort(self.keys)
         at = np.searchsorted(self.keys, flat, sorter=self._sorted)
