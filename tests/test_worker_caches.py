@@ -318,6 +318,46 @@ def test_a_step_failing_halfway_stops_the_caches_and_names_its_error(tmp_path):
         ps.batch(ps.prefetch(batches[2])).partition()
 
 
+class _TierWhoseFetchFails:
+    """The device tier, but the upsert of a batch's fetched rows raises (a device out of memory)."""
+
+    def __init__(self, tier):
+        self._tier = tier
+
+    def __getattr__(self, name):
+        return getattr(self._tier, name)
+
+    def upsert(self, *args):
+        raise MemoryError("device 1 out of memory")
+
+
+def test_a_batch_whose_fetch_fails_serves_no_rows_after_it(tmp_path):
+    """A start that fails halfway (the fetched rows not in the tables, the tables
+    still bound to the batch before) stops the caches; the batch's own calls after
+    it refuse too: they read and stepped the batch before's rows by this batch's
+    positions, and apply returned as if the step had been taken."""
+    ps = server(tmp_path / "a", "herald")
+    batches = trace(batches=3)
+    run(ps, batches[:1])
+    b = ps.batch(ps.prefetch(batches[1]))
+    real = ps._herald._tier
+    ps._herald._tier = _TierWhoseFetchFails(real)
+    with pytest.raises(MemoryError, match="device 1 out of memory"):
+        b.partition()
+    ps._herald._tier = real
+    stopped = r"stopped after a failed batch \(MemoryError: device 1 out of memory\)"
+    with pytest.raises(RuntimeError, match=stopped):
+        b.partition()
+    with pytest.raises(RuntimeError, match=stopped):
+        b.pull(batches[1][0], worker=0)
+    with pytest.raises(RuntimeError, match=stopped):
+        b.apply()
+    b.abort()
+    assert ps._herald_active == 0 and ps.stats()["mem"]["pinned"] == 0
+    with pytest.raises(RuntimeError, match="stopped after a failed batch"):
+        ps.pull(batches[0].reshape(-1))
+
+
 def test_a_key_outside_the_batch_is_named(tmp_path):
     ps = server(tmp_path / "a", "herald")
     b = ps.batch(ps.prefetch(np.array([[1, 2], [3, 4]], np.uint64)))

@@ -401,7 +401,6 @@ class HeraldBatch(BatchBase):
 
     def _start(self) -> None:
         c, plan, W = self._caches, self._plan, self._caches.workers
-        self._started = True
         if self._rebuild is not None:
             c._rebuild(*self._rebuild)
             self._rebuild = None
@@ -441,6 +440,10 @@ class HeraldBatch(BatchBase):
         # row is dropped unwritten: the rows written are evict_pushes and flushed_rows.)
         c.counts["plan_shared"] += plan.shared
         c.counts["distinct"] += plan.distinct
+        # Last: a start that failed halfway left the tables bound to the batch
+        # before (or half-fetched) and stopped the caches; the calls after it
+        # run partition() again, which then refuses rather than serve those rows.
+        self._started = True
 
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """Where each of keys (any shape, flattened) is among the batch's keys:
