@@ -900,9 +900,12 @@ def test_device_capacity_bounds_the_caches_tables(tmp_path):
     assert free.stats()["device"]["herald"]["table_rows"] > 100  # the same trace grows them past it
     np.testing.assert_allclose(all_rows(ps, batches), all_rows(free, batches), rtol=1e-6, atol=1e-7)
     wide = np.arange(1, 1 + 4 * 200, dtype=np.uint64).reshape(-1, 4) * 11  # 200 examples of new keys
+    made, step = ps.stats()["counts"]["batches"], ps.step
     with pytest.raises(ValueError, match="more than device_capacity = 100"):
         ps.batch(ps.prefetch(wide))
+    assert (ps.stats()["counts"]["batches"], ps.step) == (made, step)  # not made: neither counted
     run(ps, batches[:2])  # refused before it was scheduled: the caches go on
+    assert (ps.stats()["counts"]["batches"], ps.step) == (made + 2, step + 2)
 
 
 def recording_writes(ps):

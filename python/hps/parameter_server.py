@@ -1370,13 +1370,18 @@ class ParameterServer:
         if prefetched._ps is not self or prefetched._used:
             raise ValueError("batch: a Prefetched can be used once, with the server that made it")
         prefetched._used = True
-        if new_step:
-            self._advance_step()
         if self._herald is not None:
             with self._host_batches:
                 self._herald_active += 1
+            b = HeraldBatch(self._herald, prefetched)
+            # Counted once made: a batch the caches refuse (device_capacity) is
+            # not, as the device tier's prefetch refuses one before its step.
+            if new_step:
+                self._advance_step()
             self._count(batches=1)
-            return HeraldBatch(self._herald, prefetched)
+            return b
+        if new_step:
+            self._advance_step()
         if self._in_place:
             return self._host_batch(prefetched, overlap)
         uniq, ws = prefetched.keys, prefetched.working_set
