@@ -716,6 +716,31 @@ def test_a_batch_aborted_after_it_applied_only_lets_go_of_its_pins(tmp_path):
     np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
 
 
+def test_a_release_whose_unpin_fails_still_lets_a_checkpoint_run(tmp_path):
+    """The batch counts as done when its unpin throws: a checkpoint waits until no
+    Herald batch is active, and waited forever for one whose release had failed."""
+    batches = trace(batches=3)
+    ps = server(tmp_path / "a", "herald")
+    run(ps, batches[:1])
+    b = ps.batch(ps.prefetch(batches[1]))
+    train_batch(b, batches[1])
+    b.apply()
+    unpin = ps._cache.unpin
+
+    def fails(keys, *args):
+        unpin(keys, *args)
+        raise RuntimeError("a key was unpinned by something else")
+
+    ps._cache.unpin = fails
+    with pytest.raises(RuntimeError, match="unpinned by something else"):
+        b.write_back()
+    ps._cache.unpin = unpin
+    assert ps._herald_active == 0
+    b.write_back()  # done: nothing more
+    ps.checkpoint()
+    run(ps, batches[2:])
+
+
 def test_a_batch_whose_schedule_fails_after_the_snapshot_took_it_stops_the_caches(tmp_path, monkeypatch):
     from hps.worker_caches import HeraldBatch
     ps = server(tmp_path / "a", "herald")

@@ -587,5 +587,9 @@ class HeraldBatch(BatchBase):
 
     def _release(self) -> None:
         self._done = True
-        self._caches._ps._cache.unpin(self.keys)
-        self._caches._ps._herald_batch_done()
+        try:
+            self._caches._ps._cache.unpin(self.keys)
+        finally:
+            # Even when the unpin throws (a key something else unpinned): a
+            # checkpoint waits until no batch is active, and this one is done.
+            self._caches._ps._herald_batch_done()
