@@ -700,6 +700,36 @@ def test_apply_steps_once_and_write_back_waits_for_it(tmp_path):
     np.testing.assert_allclose(all_rows(ps, batches), all_rows(seq, batches), rtol=1e-6, atol=1e-7)
 
 
+def test_a_released_batch_serves_no_rows(tmp_path):
+    """After write_back or abort a batch's positions name rows the tables may hold
+    for the next batch by then: its calls refuse, as the device tier's batches do,
+    and an apply after an abort before it applied steps nothing."""
+    batches = trace(batches=4)
+    ps = server(tmp_path / "a", "herald")
+    run(ps, batches[:1])
+    b = ps.batch(ps.prefetch(batches[1]))
+    w = next(w for w, idx in enumerate(b.partition()) if 0 in idx)  # the worker of example 0
+    train_batch(b, batches[1])
+    b.finish()
+    following = ps.batch(ps.prefetch(batches[2]))
+    following.partition()  # the tables bound to its rows
+    k = batches[1][0]
+    released = "a call after its release"
+    with pytest.raises(RuntimeError, match=released):
+        b.pull(k, worker=w)
+    with pytest.raises(RuntimeError, match=released):
+        b.gather(np.zeros(len(k), np.int64), worker=w)
+    with pytest.raises(RuntimeError, match=released):
+        b.push(k, np.zeros((len(k), 4), np.float32), worker=w)
+    b.apply()  # applied: nothing more
+    train_batch(following, batches[2])
+    following.finish()
+    aborted = ps.batch(ps.prefetch(batches[3]))
+    aborted.abort()  # before its start: the caches stop
+    with pytest.raises(RuntimeError, match=released):
+        aborted.apply()
+
+
 def test_a_batch_aborted_after_it_applied_only_lets_go_of_its_pins(tmp_path):
     """An abort after apply (a with block whose body failed after finishing the step's
     apply) keeps the caches: they match the scheduler."""

@@ -393,6 +393,10 @@ class HeraldBatch(BatchBase):
     def partition(self) -> list:
         """Fetches the batch's rows (after the batch before it applied); returns
         each device's example indices (the pipeline's mini-batches)."""
+        if self._done:  # every call comes here first
+            # The tables are bound to the next batch's rows by then (the
+            # device tier's batches refuse too: their rows are gone).
+            raise RuntimeError("Herald batch: a call after its release (write_back or abort)")
         if not self._started:
             self._caches._begin(self._number)
             with self._caches.step():
