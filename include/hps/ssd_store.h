@@ -70,7 +70,10 @@ struct SsdStoreStats {
   std::string last_error;            ///< the message of the last failed compaction
   uint64_t cleanup_failures = 0;     ///< removals of unlisted files, or directory syncs after a
                                      ///< commit that stands, that failed (written to stderr; the
-                                     ///< commit stands, and the next one syncs the directory again)
+                                     ///< commit stands, and the next one syncs the directory again);
+                                     ///< and removals of the files of a failed put, compaction or
+                                     ///< bound that failed (stderr; its own error is raised, and
+                                     ///< open removes the file)
   bool compaction_running = false;   ///< a compaction is planned or under way
   double compaction_lock_max_us = 0; ///< longest a compaction held readers off (one file swap)
   uint64_t index_bytes = 0;     ///< memory of the key index

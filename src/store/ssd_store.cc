@@ -313,7 +313,9 @@ class FileStore final : public SsdStore {
         std::unique_lock lock(mutex_);
         for (uint32_t handle : handles) RemoveEntry(handle);
       }
-      for (const Written& w : written) fs::remove(w.file->path());
+      std::vector<std::string> paths;
+      for (const Written& w : written) paths.push_back(w.file->path());
+      RemoveAfterFailure(paths, "put");
       throw;
     }
     for (size_t f = 0; f < written.size(); ++f) {  // one file at a time, so readers wait one file's indexing at most
@@ -729,6 +731,23 @@ class FileStore final : public SsdStore {
     }
   }
 
+  // Removes the files a failed `operation` wrote, which nothing lists, while
+  // its error is in flight: the caller rethrows that error, which names the
+  // file and the cause. A removal that fails as well must not take its place
+  // (the throwing fs::remove's filesystem_error did): its file is only a
+  // stray, which open removes. So it goes to stderr (hps has no logger) and
+  // the stats, and the other files are still removed.
+  void RemoveAfterFailure(const std::vector<std::string>& paths, const char* operation) {
+    for (const std::string& path : paths) {
+      std::error_code error;
+      fs::remove(path, error);
+      if (!error) continue;
+      ++counters_.cleanup_failures;
+      std::fprintf(stderr, "hps: ssd store %s: remove %s after a failed %s: %s; open removes it\n",
+                   options_.path.c_str(), path.c_str(), operation, error.message().c_str());
+    }
+  }
+
   // Bound() with put_mutex_ held and no compaction under way, so that only
   // gets run beside it. Everything is read, and the cut stamp's survivors
   // written, before the index changes: a failure until then changes nothing.
@@ -874,7 +893,9 @@ class FileStore final : public SsdStore {
           outputs.push_back({sequence, WriteFile(image, sequence, cut_stamp, *io, &bytes)});
         }
       } catch (...) {
-        for (const Output& out : outputs) fs::remove(out.file->path());
+        std::vector<std::string> paths;
+        for (const Output& out : outputs) paths.push_back(out.file->path());
+        RemoveAfterFailure(paths, "bound");
         throw;
       }
     }
@@ -1093,7 +1114,7 @@ class FileStore final : public SsdStore {
       CheckDirectReads(*file);
       return file;
     } catch (...) {
-      fs::remove(path);
+      RemoveAfterFailure({path}, "write");
       throw;
     }
   }
@@ -1207,7 +1228,9 @@ class FileStore final : public SsdStore {
       // it after a crash): its files stay, and an open that finds them
       // unlisted removes them. The victims stay either way.
       if (!commit_may_stand) {
-        for (const Output& out : outputs) fs::remove(out.file->path());
+        std::vector<std::string> paths;
+        for (const Output& out : outputs) paths.push_back(out.file->path());
+        RemoveAfterFailure(paths, "compaction");
       }
       throw;
     }

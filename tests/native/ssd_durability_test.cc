@@ -6,10 +6,11 @@
 // power loss after the commit returns leaves a MANIFEST pointing at empty or
 // missing files.
 //
-// This binary defines fdatasync, fsync, ftruncate and close itself: the
+// This binary defines fdatasync, fsync, ftruncate, close, remove and unlink itself: the
 // store's calls (it is linked in statically) come here, are logged with the
 // path of their descriptor (or fail, where a test asks), and go on to the
 // kernel.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <sys/syscall.h>
@@ -188,6 +189,34 @@ extern "C" int fsync(int fd) {
   return static_cast<int>(syscall(SYS_fsync, fd));
 }
 
+// The next removal (remove or unlink) of a path ending so fails with EIO.
+std::string fail_removal_of;  // guarded by sync_fault_mutex
+
+bool RemovalFails(const char* path) {
+  std::lock_guard lock(sync_fault_mutex);
+  if (fail_removal_of.empty() || !EndsWith(path, fail_removal_of)) return false;
+  fail_removal_of.clear();
+  return true;
+}
+
+extern "C" int remove(const char* path) noexcept {
+  static const auto real = reinterpret_cast<int (*)(const char*)>(dlsym(RTLD_NEXT, "remove"));
+  if (RemovalFails(path)) {
+    errno = EIO;
+    return -1;
+  }
+  return real(path);
+}
+
+extern "C" int unlink(const char* path) noexcept {
+  static const auto real = reinterpret_cast<int (*)(const char*)>(dlsym(RTLD_NEXT, "unlink"));
+  if (RemovalFails(path)) {
+    errno = EIO;
+    return -1;
+  }
+  return real(path);
+}
+
 // Descriptors of this process open on paths ending so.
 int OpenDescriptorsOf(const std::string& end) {
   int count = 0;
@@ -219,6 +248,7 @@ class SsdDurabilityTest : public ::testing::Test {
       std::lock_guard lock(sync_fault_mutex);
       fail_fsync_of.clear();
       fsync_fault_skips = 0;
+      fail_removal_of.clear();
     }
     fs::remove_all(dir_);
   }
@@ -462,6 +492,39 @@ TEST_F(SsdDurabilityTest, APutTakesTheRecordIdsOfAllItsFilesBeforeACompactionCan
   EXPECT_EQ(Found(*store, 1, 5), 4u);
   EXPECT_EQ(Found(*store, 101, 109), 8u);
   EXPECT_EQ(store->stats().files, 4u);
+}
+
+// A put that fails (here: its two files would need more record ids than the
+// store has) removes the files it wrote. When a removal fails too, the put's
+// own error still surfaces: the filesystem_error of a throwing removal took
+// its place, and the caller learnt only that a file could not be removed.
+// The other file is still removed; the one left is a stray that open removes.
+TEST_F(SsdDurabilityTest, APutWhoseCleanupFailsTooRaisesItsOwnError) {
+  detail::ssd_store_test_seams.max_files = 1;
+  auto store = Open();
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    fail_removal_of = "/000000000001.hpf";
+  }
+  try {
+    Put(*store, 1, 9);  // two files: 1 and 2
+    ADD_FAILURE() << "a put of more files than record ids succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_EQ(dynamic_cast<const fs::filesystem_error*>(&e), nullptr) << "the cleanup's error surfaced: " << e.what();
+    EXPECT_NE(std::string(e.what()).find("files would be live; raise file_records"), std::string::npos) << e.what();
+  }
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    EXPECT_TRUE(fail_removal_of.empty()) << "the put removed no file";
+  }
+  EXPECT_EQ(store->stats().cleanup_failures, 1u);
+  EXPECT_EQ(Files(), std::vector<std::string>{dir_ + "/000000000001.hpf"});
+  EXPECT_EQ(Found(*store, 1, 9), 0u);
+  store.reset();
+  detail::ssd_store_test_seams.max_files = 0;
+  store = Open();
+  EXPECT_TRUE(Files().empty()) << "open left the stray";
+  EXPECT_EQ(Found(*store, 1, 9), 0u);
 }
 
 // A commit whose sync fails leaves its append in the log; the writer cuts it
