@@ -553,3 +553,19 @@ def test_a_flipped_row_byte_fails_the_get_that_reads_it(tmp_path, use_io_uring, 
         with pytest.raises(hps.CorruptionError, match=rf"{re.escape(victim)}: .*rows block {block} .*CRC mismatch"):
             hps.SsdStore(path, row_bytes, verify_rows_on_open=True, use_io_uring=use_io_uring,
                          direct_io=direct_io)
+
+
+def test_a_rolled_manifest_replays_in_python():
+    """The store rolls a long MANIFEST into one log opened by a base record
+    (commits, highest sequence; docs/ssd_format.md, "Manifest"). jobdir's replay,
+    which pins checkpoints and reshards stores, refused that record's type."""
+    import struct
+
+    from hps import jobdir
+    base = struct.pack("<BQQ", 4, 41, 9)
+    rolled = struct.pack("<II", len(base), jobdir.crc32c(base)) + base + jobdir.encode_manifest({3: 10, 7: 4})
+    assert jobdir.replay_manifest(rolled) == {3: 10, 7: 4}
+    assert jobdir.committed_length(rolled) == len(rolled)
+    # Anywhere else a base record is damage, as natively.
+    with pytest.raises(ValueError, match="record at byte 34: unknown type 4"):
+        jobdir.replay_manifest(jobdir.encode_manifest({3: 10}) + rolled)

@@ -74,6 +74,8 @@ struct SsdStoreStats {
                                      ///< and removals of the files of a failed put, compaction or
                                      ///< bound that failed (stderr; its own error is raised, and
                                      ///< open removes the file)
+  uint64_t manifest_rolls = 0;       ///< rewrites of MANIFEST as one record of the live files, since open
+  uint64_t manifest_roll_failures = 0;  ///< rolls that failed (written to stderr; the commit stands)
   bool compaction_running = false;   ///< a compaction is planned or under way
   double compaction_lock_max_us = 0; ///< longest a compaction held readers off (one file swap)
   uint64_t index_bytes = 0;     ///< memory of the key index

@@ -92,6 +92,7 @@ def crc32c(data: bytes) -> int:
 
 
 _COMMIT = 3  # a MANIFEST record's type: the files added and deleted before it are live
+_BASE = 4  # ... the commit count and highest sequence that open a rolled MANIFEST (no files)
 
 
 def _manifest_records(data: bytes):
@@ -124,6 +125,8 @@ def replay_manifest(data: bytes, where: str = MANIFEST) -> dict:
             pending.pop(struct.unpack_from("<Q", payload, 1)[0], None)
         elif kind == _COMMIT and length == 1:
             live = dict(pending)
+        elif kind == _BASE and length == 17 and at == 0:
+            pass  # the store rolled its log: the adds after it are the files live then
         else:
             raise ValueError(f"{where}: record at byte {at}: unknown type {kind} of length {length}")
     return live

@@ -611,6 +611,8 @@ PYBIND11_MODULE(_core, m) {
         d["compacted_records"] = st.compacted_records;
         d["compaction_failures"] = st.compaction_failures;
         d["cleanup_failures"] = st.cleanup_failures;
+        d["manifest_rolls"] = st.manifest_rolls;
+        d["manifest_roll_failures"] = st.manifest_roll_failures;
         d["last_error"] = st.last_error;
         d["compaction_running"] = st.compaction_running;
         d["compaction_lock_max_us"] = st.compaction_lock_max_us;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -34,6 +35,8 @@ uint32_t EditLength(uint8_t edit) {
       return 9;
     case ManifestEdit::kCommit:
       return 1;
+    case ManifestEdit::kBase:
+      return 17;
   }
   return 0;
 }
@@ -123,6 +126,10 @@ ManifestReplay ReplayManifest(const std::string& path) {
         throw CorruptionError(where + "adds file " + std::to_string(seq) + ", which is live");
       }
       pending.max_sequence = std::max(pending.max_sequence, seq);
+    } else if (edit == ManifestEdit::kBase) {
+      if (at != 0) throw CorruptionError(where + "a base record, which only opens a rolled log");
+      pending.commits = Field(payload, 0);
+      pending.max_sequence = Field(payload, 1);
     } else if (edit == ManifestEdit::kDropFile) {
       const uint64_t seq = Field(payload, 0);
       if (pending.live_files.erase(seq) == 0) {
@@ -139,16 +146,60 @@ ManifestReplay ReplayManifest(const std::string& path) {
   return replay;
 }
 
-ManifestWriter::ManifestWriter(const std::string& path, uint64_t valid_bytes)
-    : path_(path), bytes_(valid_bytes) {
+uint64_t RolledManifestBytes(const ManifestState& state) {
+  return kRecordHeaderBytes + EditLength(static_cast<uint8_t>(ManifestEdit::kBase)) +
+         state.live_files.size() * (kRecordHeaderBytes + EditLength(static_cast<uint8_t>(ManifestEdit::kAddFile))) +
+         kRecordHeaderBytes + EditLength(static_cast<uint8_t>(ManifestEdit::kCommit));
+}
+
+namespace {
+
+std::string RollPath(const std::string& path) { return path + ".tmp"; }
+
+std::string DirectoryOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// Makes the directory's entries durable: a roll's rename.
+void SyncDirectoryOf(const std::string& path) {
+  const std::string dir = DirectoryOf(path);
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) ThrowErrno("open directory", dir);
+  const int rc = fsync(fd);
+  const int error = errno;
+  close(fd);
+  errno = error;
+  if (rc != 0) ThrowErrno("sync directory", dir);
+}
+
+void WriteFully(int fd, const std::string& path, const std::vector<uint8_t>& bytes, uint64_t offset) {
+  for (uint64_t done = 0; done < bytes.size();) {
+    const ssize_t w = pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      ThrowErrno("write", path);
+    }
+    done += static_cast<uint64_t>(w);
+  }
+}
+
+}  // namespace
+
+ManifestWriter::ManifestWriter(const std::string& path, const ManifestReplay& replay, uint64_t roll_floor_bytes)
+    : path_(path), roll_floor_bytes_(roll_floor_bytes), bytes_(replay.valid_bytes), state_(replay.state) {
   fd_ = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) ThrowErrno("open", path);
-  if (ftruncate(fd_, static_cast<off_t>(valid_bytes)) != 0 || fdatasync(fd_) != 0) {
+  if (ftruncate(fd_, static_cast<off_t>(replay.valid_bytes)) != 0 || fdatasync(fd_) != 0) {
     const int error = errno;
     close(fd_);
     errno = error;
     ThrowErrno("cut back to the last commit", path);
   }
+  // A roll cut short by a crash; never read, and the next roll writes over
+  // it anyway, so a failure to remove it changes nothing.
+  unlink(RollPath(path).c_str());
 }
 
 ManifestWriter::~ManifestWriter() {
@@ -170,12 +221,28 @@ void ManifestWriter::Append(ManifestEdit edit, const std::vector<uint64_t>& fiel
 
 void ManifestWriter::AddFile(uint64_t sequence, uint64_t records) {
   Append(ManifestEdit::kAddFile, {sequence, records});
+  pending_edits_.push_back({ManifestEdit::kAddFile, sequence, records});
 }
 
-void ManifestWriter::DropFile(uint64_t sequence) { Append(ManifestEdit::kDropFile, {sequence}); }
+void ManifestWriter::DropFile(uint64_t sequence) {
+  Append(ManifestEdit::kDropFile, {sequence});
+  pending_edits_.push_back({ManifestEdit::kDropFile, sequence, 0});
+}
 
 void ManifestWriter::Commit() {
   failed_commit_may_stand_ = false;
+  // A roll whose directory sync failed: its rename may not be durable, and
+  // a crash would bring back the log it replaced, without this commit.
+  if (directory_sync_pending_) {
+    try {
+      SyncDirectoryOf(path_);
+    } catch (...) {
+      pending_.clear();
+      pending_edits_.clear();
+      throw;
+    }
+    directory_sync_pending_ = false;
+  }
   Append(ManifestEdit::kCommit, {});
   // A failed append must be cut off before the next one goes after it:
   // replay takes a damaged record followed by sound ones for damage inside
@@ -183,6 +250,7 @@ void ManifestWriter::Commit() {
   if (cut_pending_) {
     if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) {
       pending_.clear();
+      pending_edits_.clear();
       ThrowErrno("cut off the failed append before this commit", path_);
     }
     cut_pending_ = false;
@@ -194,6 +262,7 @@ void ManifestWriter::Commit() {
     const int error = errno;
     cut_pending_ = ftruncate(fd_, static_cast<off_t>(bytes_)) != 0;  // retried by the next commit
     pending_.clear();
+    pending_edits_.clear();
     errno = error;
     ThrowErrno(what, path_);
   };
@@ -212,6 +281,57 @@ void ManifestWriter::Commit() {
   }
   bytes_ += pending_.size();
   pending_.clear();
+  for (const Edit& e : pending_edits_) {
+    if (e.edit == ManifestEdit::kAddFile) {
+      state_.live_files[e.sequence] = e.records;
+      state_.max_sequence = std::max(state_.max_sequence, e.sequence);
+    } else {
+      state_.live_files.erase(e.sequence);
+    }
+  }
+  pending_edits_.clear();
+  state_.commits += 1;
+  if (bytes_ > std::max(roll_floor_bytes_, kManifestRollFactor * RolledManifestBytes(state_))) Roll();
+}
+
+// The steps in this order keep a whole log under the name at every point: the
+// rolled log is durable before the rename puts it there, and until the
+// directory sync makes the rename durable, a crash brings back the old log,
+// whose last commit is this one too.
+void ManifestWriter::Roll() {
+  const std::string tmp = RollPath(path_);
+  std::vector<uint8_t> log;
+  std::swap(log, pending_);  // empty: Append encodes into pending_
+  Append(ManifestEdit::kBase, {state_.commits - 1, state_.max_sequence});
+  for (const auto& [sequence, records] : state_.live_files) Append(ManifestEdit::kAddFile, {sequence, records});
+  Append(ManifestEdit::kCommit, {});
+  std::swap(log, pending_);
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    roll_error_ = tmp + ": open: " + std::strerror(errno);
+    return;
+  }
+  try {
+    WriteFully(fd, tmp, log, 0);
+    if (fdatasync(fd) != 0) ThrowErrno("sync", tmp);
+    if (std::rename(tmp.c_str(), path_.c_str()) != 0) ThrowErrno("rename over " + path_, tmp);
+  } catch (const std::exception& e) {
+    close(fd);
+    unlink(tmp.c_str());  // a failure leaves a stray the next writer removes
+    roll_error_ = e.what();
+    return;
+  }
+  // The name now holds the rolled log: append there from now on.
+  close(fd_);
+  fd_ = fd;
+  bytes_ = log.size();
+  ++rolls_;
+  try {
+    SyncDirectoryOf(path_);
+  } catch (const std::exception& e) {
+    directory_sync_pending_ = true;  // before the next commit's append
+    roll_error_ = e.what();
+  }
 }
 
 }  // namespace hps::detail

@@ -241,7 +241,9 @@ class FileStore final : public SsdStore {
     }
     stamp_ = stamp;  // puts go on from the newest file's: stamps never go back
     for (const fs::path& stray : strays) fs::remove(stray);
-    manifest_ = std::make_unique<ManifestWriter>(manifest, replay.valid_bytes);
+    const uint64_t roll_floor = detail::ssd_store_test_seams.manifest_roll_floor_bytes;
+    manifest_ = std::make_unique<ManifestWriter>(manifest, replay,
+                                                 roll_floor > 0 ? roll_floor : detail::kManifestRollFloorBytes);
     SyncDirectory(dir);  // the removals above, and MANIFEST's name when it was just created
     if (options_.background_compaction) compactor_ = std::thread([this] { CompactorLoop(); });
   }
@@ -536,6 +538,8 @@ class FileStore final : public SsdStore {
     s.compacted_records = counters_.compacted_records;
     s.compaction_failures = counters_.compaction_failures;
     s.cleanup_failures = counters_.cleanup_failures;
+    s.manifest_rolls = counters_.manifest_rolls;
+    s.manifest_roll_failures = counters_.manifest_roll_failures;
     s.compaction_lock_max_us = counters_.compaction_lock_max_ns / 1000.0;
     {
       std::lock_guard lock(compaction_mutex_);
@@ -593,6 +597,7 @@ class FileStore final : public SsdStore {
     std::atomic<uint64_t> rows_written{0}, bytes_written{0}, rows_read{0}, bytes_read{0};
     std::atomic<uint64_t> compactions{0}, compacted_records{0}, compaction_failures{0}, cleanup_failures{0};
     std::atomic<uint64_t> compaction_lock_max_ns{0};
+    std::atomic<uint64_t> manifest_rolls{0}, manifest_roll_failures{0};
     std::atomic<uint64_t> bound_expired{0}, bound_capped{0}, bound_files_dropped{0}, bound_records_rewritten{0};
   };
   // A file Bound() took out of the store; the next commit drops it from the
@@ -684,7 +689,7 @@ class FileStore final : public SsdStore {
       for (const Dropped& d : dropped_) {
         if (d.committed) manifest_->DropFile(d.file->header().sequence);
       }
-      manifest_->Commit();
+      CommitManifest();
       ++commits_;
     }
     {
@@ -700,6 +705,20 @@ class FileStore final : public SsdStore {
       std::vector<std::string> paths;
       for (const Dropped& d : std::exchange(dropped_, {})) paths.push_back(d.file->path());
       RemoveUnlisted(paths);
+    }
+  }
+
+  // Commits the manifest's buffered edits (ManifestWriter::Commit), which
+  // may roll it. A failed roll fails nothing: the commit stands in the log as
+  // it was, and the next commit tries again. REQUIRES: manifest_mutex_ held.
+  void CommitManifest() {
+    manifest_->Commit();
+    counters_.manifest_rolls = manifest_->rolls();
+    const std::string roll_error = manifest_->TakeRollError();
+    if (!roll_error.empty()) {
+      ++counters_.manifest_roll_failures;
+      std::fprintf(stderr, "hps: ssd store %s: rolling MANIFEST failed: %s; the commit stands, and the next one "
+                   "tries again\n", options_.path.c_str(), roll_error.c_str());
     }
   }
 
@@ -1213,7 +1232,7 @@ class FileStore final : public SsdStore {
       for (const Output& out : outputs) manifest_->AddFile(out.sequence, out.count);
       for (const auto& victim : sources) manifest_->DropFile(victim->header().sequence);
       try {
-        manifest_->Commit();
+        CommitManifest();
       } catch (...) {
         commit_may_stand = manifest_->failed_commit_may_stand();
         throw;

@@ -1,6 +1,7 @@
 // Test seams of SSD-PS (src/store/ssd_store.cc), for tests that must bring
 // about an ordering that otherwise only a race between a put and a
-// compaction reaches (tests/native/ssd_durability_test.cc). Not for use
+// compaction reaches (tests/native/ssd_durability_test.cc), or a state that
+// otherwise takes a store's lifetime to reach. Not for use
 // outside tests. Set them before opening a store and reset them after.
 #pragma once
 
@@ -17,6 +18,10 @@ struct SsdStoreTestSeams {
   // Runs inside each put with more than one file, before each file after the
   // first enters the index, with no lock held but the put's own.
   std::function<void()> put_between_files;
+  // The size past which MANIFEST is rolled however small its rolled log
+  // (0: detail::kManifestRollFloorBytes), so that a test rolls it within a
+  // few commits. Read at open.
+  uint64_t manifest_roll_floor_bytes = 0;
 };
 
 extern SsdStoreTestSeams ssd_store_test_seams;

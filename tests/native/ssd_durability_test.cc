@@ -139,8 +139,21 @@ int SyncFault(const std::string& path) {
   return sync_error;
 }
 
+// At the next fdatasync of a path ending in crash_image_at, the directory
+// crash_image_of is copied to crash_image_dir: what a crash right then may
+// leave (the sync itself not yet done).
+std::string crash_image_at, crash_image_of, crash_image_dir;  // guarded by sync_fault_mutex
+
+void TakeCrashImage(const std::string& path) {
+  std::lock_guard lock(sync_fault_mutex);
+  if (crash_image_at.empty() || !EndsWith(path, crash_image_at)) return;
+  crash_image_at.clear();
+  std::filesystem::copy(crash_image_of, crash_image_dir, std::filesystem::copy_options::recursive);
+}
+
 extern "C" int fdatasync(int fd) {
   LogSync(fd, true);
+  TakeCrashImage(PathOf(fd));
   first_gate.PassIfArmed(PathOf(fd));
   second_gate.PassIfArmed(PathOf(fd));
   if (fail_next_fdatasync.exchange(false)) {
@@ -249,8 +262,10 @@ class SsdDurabilityTest : public ::testing::Test {
       fail_fsync_of.clear();
       fsync_fault_skips = 0;
       fail_removal_of.clear();
+      crash_image_at.clear();
     }
     fs::remove_all(dir_);
+    fs::remove_all(dir_ + "-crash");
   }
 
   std::unique_ptr<SsdStore> Open() const {
@@ -527,6 +542,67 @@ TEST_F(SsdDurabilityTest, APutWhoseCleanupFailsTooRaisesItsOwnError) {
   EXPECT_EQ(Found(*store, 1, 9), 0u);
 }
 
+// A MANIFEST roll writes the last commit's state to MANIFEST.tmp, syncs it
+// and renames it over the log. A crash before the rename leaves the old log
+// and the unsynced MANIFEST.tmp: the store reopens to the last commit, and
+// the leftover goes.
+TEST_F(SsdDurabilityTest, ACrashBeforeAManifestRollsRenameReopensToTheLastCommit) {
+  detail::ssd_store_test_seams.manifest_roll_floor_bytes = 256;
+  std::string image = dir_ + "-crash";
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    crash_image_at = "/MANIFEST.tmp";
+    crash_image_of = dir_;
+    crash_image_dir = image;
+  }
+  auto store = Open();
+  Put(*store, 1, 9);  // two files
+  store->Commit();
+  while (store->stats().commits < 200 && store->stats().manifest_rolls == 0) store->Commit();
+  ASSERT_EQ(store->stats().manifest_rolls, 1u) << "no roll after 200 commits";
+  const uint64_t commits = store->stats().commits;
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    ASSERT_TRUE(crash_image_at.empty()) << "the roll synced no MANIFEST.tmp";
+  }
+  store.reset();
+  ASSERT_TRUE(fs::exists(image + "/MANIFEST.tmp"));
+  detail::ssd_store_test_seams = {};
+  dir_.swap(image);
+  auto crashed = Open();
+  dir_.swap(image);
+  EXPECT_EQ(crashed->stats().commits, commits);
+  EXPECT_EQ(Found(*crashed, 1, 9), 8u);
+  EXPECT_FALSE(fs::exists(image + "/MANIFEST.tmp"));
+}
+
+// A roll that fails (here its MANIFEST.tmp's sync) fails nothing: the commit
+// stands in the log as it was, the failure is counted, MANIFEST.tmp goes, and
+// a later commit rolls.
+TEST_F(SsdDurabilityTest, AFailedManifestRollLeavesTheCommitStandingAndIsRetried) {
+  detail::ssd_store_test_seams.manifest_roll_floor_bytes = 256;
+  FailNextSyncOf("/MANIFEST.tmp", EIO);
+  auto store = Open();
+  Put(*store, 1, 9);  // two files
+  store->Commit();
+  while (store->stats().commits < 200 && store->stats().manifest_roll_failures == 0) {
+    ASSERT_NO_THROW(store->Commit());
+  }
+  ASSERT_EQ(store->stats().manifest_roll_failures, 1u) << "no roll after 200 commits";
+  EXPECT_EQ(store->stats().manifest_rolls, 0u);
+  EXPECT_FALSE(fs::exists(dir_ + "/MANIFEST.tmp"));
+  Put(*store, 9, 13);
+  store->Commit();
+  while (store->stats().commits < 400 && store->stats().manifest_rolls == 0) store->Commit();
+  EXPECT_EQ(store->stats().manifest_rolls, 1u);
+  EXPECT_EQ(store->stats().manifest_roll_failures, 1u);
+  const uint64_t commits = store->stats().commits;
+  store.reset();
+  store = Open();
+  EXPECT_EQ(store->stats().commits, commits);
+  EXPECT_EQ(Found(*store, 1, 13), 12u);
+}
+
 // A commit whose sync fails leaves its append in the log; the writer cuts it
 // off, and when that cut fails too, the next commit cuts it before its own
 // append. Otherwise that append, written at the end of the last commit and
@@ -535,7 +611,7 @@ TEST_F(SsdDurabilityTest, APutWhoseCleanupFailsTooRaisesItsOwnError) {
 TEST_F(SsdDurabilityTest, AFailedCommitThatCouldNotBeCutIsCutByTheNext) {
   fs::create_directories(dir_);
   const std::string path = (fs::path(dir_) / "MANIFEST").string();
-  detail::ManifestWriter w(path, 0);
+  detail::ManifestWriter w(path, {});
   w.AddFile(1, 10);
   w.Commit();
   w.AddFile(2, 20);

@@ -453,7 +453,7 @@ TEST_F(ManifestTest, MissingManifestIsAnEmptyStore) {
 TEST_F(ManifestTest, ReplaysCommittedEditsOnly) {
   const std::string path = Path("MANIFEST");
   {
-    ManifestWriter w(path, 0);
+    ManifestWriter w(path, {});
     w.AddFile(1, 100);
     w.AddFile(2, 50);
     w.Commit();
@@ -473,7 +473,7 @@ TEST_F(ManifestTest, ReplaysCommittedEditsOnly) {
 // Writes a MANIFEST of two commits, file 1 (100 bytes) and then `second`'s
 // edits; returns the bytes of the first commit.
 uint64_t WriteTwoCommits(const std::string& path, const std::function<void(ManifestWriter&)>& second) {
-  ManifestWriter w(path, 0);
+  ManifestWriter w(path, {});
   w.AddFile(1, 100);
   w.Commit();
   const uint64_t first_commit_bytes = w.bytes();
@@ -500,7 +500,7 @@ TEST_F(ManifestTest, TornLastCommitFallsBackToThePreviousOne) {
     ASSERT_EQ(r.ignored_bytes, cut - first_commit_bytes);
     // Appending after a replay cuts the torn tail off first.
     {
-      ManifestWriter w(torn, r.valid_bytes);
+      ManifestWriter w(torn, r);
       w.AddFile(7, 1);
       w.Commit();
     }
@@ -523,7 +523,7 @@ TEST_F(ManifestTest, AppendingAfterATornTailOfWholeEditsCutsThemOff) {
   const ManifestReplay torn = ReplayManifest(path);
   ASSERT_EQ(torn.valid_bytes, first_commit_bytes);
   {
-    ManifestWriter w(path, torn.valid_bytes);
+    ManifestWriter w(path, torn);
     EXPECT_EQ(fs::file_size(path), first_commit_bytes);
     w.Commit();  // a commit with no edits, as a store's commit with no puts
   }
@@ -537,7 +537,7 @@ TEST_F(ManifestTest, AppendingAfterATornTailOfWholeEditsCutsThemOff) {
 // where each of its records starts.
 std::vector<uint64_t> WriteThreeCommits(const std::string& path) {
   {
-    ManifestWriter w(path, 0);
+    ManifestWriter w(path, {});
     w.AddFile(1, 10);
     w.Commit();
     w.AddFile(2, 20);
@@ -599,7 +599,7 @@ TEST_F(ManifestTest, DamageBeforeTheLastRecordIsCorruption) {
 TEST_F(ManifestTest, ContradictoryCommittedEditsAreCorruption) {
   const std::string path = Path("MANIFEST");
   {
-    ManifestWriter w(path, 0);
+    ManifestWriter w(path, {});
     w.DropFile(5);
     w.Commit();
   }
@@ -608,6 +608,102 @@ TEST_F(ManifestTest, ContradictoryCommittedEditsAreCorruption) {
     ADD_FAILURE() << "replayed a drop of an unknown file";
   } catch (const CorruptionError& e) {
     EXPECT_NE(std::string(e.what()).find("drops file 5, which is not live"), std::string::npos);
+  }
+}
+
+// A log that every commit only appended to grew for the life of a store,
+// and every open replayed all of it. The writer now rolls it past its bound:
+// after each commit it is within max(floor, 4 x its rolled size), and it
+// replays to the state of its last commit, the count of commits and the
+// highest sequence committed (here a file dropped since) included.
+TEST_F(ManifestTest, ARolledLogStaysUnderItsBoundAndReplaysToTheLastCommit) {
+  const std::string path = Path("MANIFEST");
+  constexpr uint64_t kFloor = 512;
+  std::map<uint64_t, uint64_t> live;
+  uint64_t commits = 0;
+  ManifestWriter w(path, {}, kFloor);
+  auto commit = [&] {
+    w.Commit();
+    ++commits;
+    ManifestState state;
+    state.live_files = live;
+    ASSERT_LE(fs::file_size(path), std::max(kFloor, kManifestRollFactor * RolledManifestBytes(state)))
+        << "after commit " << commits;
+  };
+  for (uint64_t seq = 1; seq <= 300; ++seq) {  // three files live at most
+    w.AddFile(seq, seq * 10);
+    live[seq] = seq * 10;
+    if (seq > 3) {
+      w.DropFile(seq - 3);
+      live.erase(seq - 3);
+    }
+    commit();
+  }
+  EXPECT_GT(w.rolls(), 0u);
+  EXPECT_EQ(w.TakeRollError(), "");
+  // The highest sequence, then dropped: only the base record of a rolled log
+  // still knows it.
+  w.AddFile(1000, 1);
+  commit();
+  w.DropFile(1000);
+  commit();
+  for (const uint64_t rolls = w.rolls(); w.rolls() == rolls && commits < 1000;) commit();
+  const ManifestReplay r = ReplayManifest(path);
+  EXPECT_EQ(r.state.live_files, live);
+  EXPECT_EQ(r.state.commits, commits);
+  EXPECT_EQ(r.state.max_sequence, 1000u);
+  EXPECT_EQ(r.ignored_bytes, 0u);
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  // A writer of the replayed log goes on appending to the rolled one.
+  {
+    ManifestWriter again(path, r, kFloor);
+    again.AddFile(1001, 5);
+    again.Commit();
+  }
+  live[1001] = 5;
+  EXPECT_EQ(ReplayManifest(path).state.live_files, live);
+  EXPECT_EQ(ReplayManifest(path).state.commits, commits + 1);
+}
+
+// A crash before a roll's rename leaves MANIFEST.tmp beside the log, whole
+// or not: replay never reads it, and the next writer removes it.
+TEST_F(ManifestTest, ARollCutShortByACrashIsNeverReadAndIsRemoved) {
+  const std::string path = Path("MANIFEST");
+  {
+    ManifestWriter w(path, {});
+    w.AddFile(1, 10);
+    w.Commit();
+  }
+  std::ofstream(path + ".tmp", std::ios::binary) << "half a rolled log";
+  const ManifestReplay r = ReplayManifest(path);
+  EXPECT_EQ(r.state.live_files, (std::map<uint64_t, uint64_t>{{1, 10}}));
+  ManifestWriter w(path, r);
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
+// A base record opens a rolled log and nowhere else: one further on is
+// damage, which replay must not take for a state to jump to.
+TEST_F(ManifestTest, ABaseRecordAfterTheStartIsCorruption) {
+  const std::string path = Path("MANIFEST");
+  {
+    ManifestWriter w(path, {});
+    w.AddFile(1, 10);
+    w.Commit();
+  }
+  uint8_t record[8 + 17] = {};
+  const uint32_t length = 17;
+  record[8] = static_cast<uint8_t>(ManifestEdit::kBase);
+  const uint32_t crc = Crc32c(record + 8, length);
+  std::memcpy(record, &length, 4);
+  std::memcpy(record + 4, &crc, 4);
+  const uint64_t at = fs::file_size(path);
+  std::ofstream(path, std::ios::binary | std::ios::app).write(reinterpret_cast<const char*>(record), sizeof record);
+  try {
+    ReplayManifest(path);
+    ADD_FAILURE() << "replayed a base record in the middle of a log";
+  } catch (const CorruptionError& e) {
+    EXPECT_NE(std::string(e.what()).find("record at byte " + std::to_string(at) + ": a base record"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -17,6 +17,7 @@
 
 #include "format/param_file.h"  // ParamFile::kKeyChunk
 #include "hps/ssd_store.h"
+#include "store/ssd_store_testing.h"
 #include "temp_dir.h"
 
 namespace hps {
@@ -29,7 +30,10 @@ class SsdStoreTest : public ::testing::Test {
   void SetUp() override {
     dir_ = test_support::FreshTestDir("hps-ssd-store-test");
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override {
+    detail::ssd_store_test_seams = {};
+    fs::remove_all(dir_);
+  }
 
   SsdStoreOptions Options(uint64_t file_records) const {
     SsdStoreOptions o;
@@ -191,6 +195,39 @@ TEST_F(SsdStoreTest, CommitsCountEachManifestCommitOnce) {
   EXPECT_EQ(store->stats().commits, 2u);
   store->Commit();
   EXPECT_EQ(store->stats().commits, 3u);
+}
+
+// Every commit appended to MANIFEST and nothing rewrote it: it grew for the
+// life of a store, and each open replayed all of it. Now the store rolls it
+// past its bound (here a floor of 1 KiB, which the few live files' rolled
+// log stays under), counting each roll, and a reopen finds the last commit's
+// rows and count of commits.
+TEST_F(SsdStoreTest, AStoreCommittedManyTimesKeepsItsManifestUnderItsBound) {
+  detail::ssd_store_test_seams.manifest_roll_floor_bytes = 1024;
+  const std::string manifest = (fs::path(dir_) / "MANIFEST").string();
+  SsdStoreOptions o = Options(4);
+  o.compaction_trigger = 2;  // compactions keep the live files few
+  uint64_t commits = 0;
+  {
+    auto store = SsdStore::Open(o);
+    for (uint32_t version = 1; version <= 200; ++version) {
+      Put(*store, {version % 8, 100 + version % 3}, version);
+      store->Commit();
+      ASSERT_LE(fs::file_size(manifest), 1024u) << "after commit " << version;
+    }
+    EXPECT_GT(store->stats().manifest_rolls, 0u);
+    EXPECT_EQ(store->stats().manifest_roll_failures, 0u);
+    commits = store->stats().commits;
+  }
+  auto store = SsdStore::Open(o);
+  EXPECT_EQ(store->stats().commits, commits);
+  EXPECT_EQ(store->stats().manifest_rolls, 0u) << "counted since open";
+  std::vector<int64_t> want;
+  for (uint64_t key = 0; key < 8; ++key) want.push_back(key == 0 ? 200 : 192 + key);
+  for (uint64_t key = 100; key < 103; ++key) want.push_back(static_cast<int64_t>(98 + key));  // 198, 199, 200
+  std::vector<uint64_t> keys = Range(0, 8);
+  for (uint64_t key = 100; key < 103; ++key) keys.push_back(key);
+  EXPECT_EQ(Versions(*store, keys), want);
 }
 
 // rows_read and bytes_requested are what read amplification divides by:
