@@ -377,3 +377,78 @@ def test_lookahead_room_is_checked(tmp_path):
     with pytest.raises(hps.CacheFullError, match=r"more than its room of 0 bytes"):
         ps.prefetch(np.array([[7, 8]], np.uint64), upcoming=[np.array([[1, 2]], np.uint64)])
     assert ps.stats()["mem"]["lookahead_bytes"] == 0
+
+
+def train_config(path, budget, lookahead=2, room="auto", dim=4, **data):
+    from hps.train import DataConfig, TrainConfig
+    return TrainConfig(ps=ParameterServerConfig(dim=dim, path=str(path), mem_budget=budget, lookahead=lookahead,
+                                                lookahead_room=room),
+                       data=DataConfig(**{"batch_size": 256, "train_examples": 1536, "eval_examples": 0, **data}),
+                       hidden=())
+
+
+def test_hps_train_sizes_the_window_room_for_its_batches(tmp_path, monkeypatch):
+    # 256 examples of 26 keys a batch, mostly distinct (large vocabularies), 4 batches
+    # ahead: a window of some 1.8 MB, past the room "auto" gave a server alone (a 16th of
+    # the budget and the whole-shard lists' room, 1.4 MB), so the run's first full
+    # window raised CacheFullError. hps train sizes the room for its batches instead.
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    from hps.train import train, window_batch_keys
+    held = []
+    real = ParameterServer.prefetch
+
+    def prefetch(self, keys, upcoming=None):
+        pre = real(self, keys, upcoming=upcoming)
+        held.append((self.stats()["mem"]["lookahead_bytes"], self.stats()["mem"]["lookahead_room"]))
+        return pre
+
+    monkeypatch.setattr(ParameterServer, "prefetch", prefetch)
+    budget = 12 << 20
+    cfg = train_config(tmp_path / "ps", budget, lookahead=4, dim=64, train_examples=256 * 7,
+                       vocab_sizes=[1 << 24] * 26)
+    assert window_batch_keys(cfg, (13, 26, 0)) == (256 * 26, True)
+    summary = train(cfg, progress=False)
+    mem = summary["ps"]["mem"]
+    room = mem["lookahead_room"]
+    assert budget // 16 < room < budget
+    from hps.parameter_server import mem_lookahead_room
+    assert max(b for b, _ in held) > mem_lookahead_room(cfg.ps, 64 * 2 * 4)  # past a server's "auto" alone
+    assert max(b for b, _ in held) <= room and {r for _, r in held} == {room}
+    assert mem["lookahead_slides"] > 0  # the window slid along the run, within its room
+    assert mem["capacity"] == hps.MemCache.capacity_for_budget(budget - room, 64 * 2 * 4)
+
+
+def test_hps_train_refuses_a_window_room_the_budget_cannot_hold_before_it_makes_the_job(tmp_path):
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    from hps.train import train
+    path = tmp_path / "ps"
+    with pytest.raises(ValueError, match=r"^\[ps\]: lookahead = 2 keeps a window of 2 batches of up to 6,656 keys; "
+                                         r"lookahead_room = 'auto' sizes its room at [\d,]+ bytes, more than "
+                                         r"mem_budget = 1048576 \(1,048,576 bytes\): raise mem_budget"):
+        train(train_config(path, 1 << 20), progress=False)
+    assert not path.exists()
+    # A room that fits but leaves no row: refused too, naming it.
+    from hps.train import check_lookahead_room
+    cfg = train_config(path, 1 << 20, room=(1 << 20) - 100)  # less than a row is left (32 bytes, 112 of bookkeeping)
+    with pytest.raises(ValueError, match=r"lookahead_room = 1048476 is 1,048,476 bytes, which leaves mem_budget = "
+                                         r"1048576 \(1,048,576 bytes\) no MEM-PS row"):
+        check_lookahead_room(cfg, (256 * 26, True))
+    with pytest.raises(ValueError, match=r"no MEM-PS row"):
+        train(cfg, progress=False)
+    assert not path.exists()
+    # An explicit room is the user's: kept as given (the config's check bounds it by the budget).
+    cfg = train_config(path, 1 << 20, room="64KiB")
+    assert check_lookahead_room(cfg, (256 * 26, True)) == 64 << 10
+
+
+def test_a_window_of_bags_of_no_fixed_length_keeps_at_least_the_budgets_16th(tmp_path):
+    from hps.train import lookahead_room, window_batch_keys
+    from hps.parameter_server import mem_lookahead_room
+    cfg = train_config(tmp_path / "ps", 64 << 20, multi_hot=[[1000, 3.0]])
+    assert window_batch_keys(cfg, (13, 26, 1)) == (256 * 26, False)  # Poisson bags: no bound
+    sixteenth = mem_lookahead_room(cfg.ps, 32)
+    assert lookahead_room(cfg, window_batch_keys(cfg, (13, 26, 1))) == sixteenth
+    cfg.data.bag_length = "fixed"  # 3 keys a bag
+    assert window_batch_keys(cfg, (13, 26, 1)) == (256 * 29, True)
+    assert lookahead_room(cfg, (256 * 29, True)) == mem_lookahead_room(cfg.ps, 32, 256 * 29)
+    assert window_batch_keys(cfg, (13, 26, 1), world=4) == (4 * 256 * 29, True)

@@ -157,22 +157,35 @@ def test_size_json_parses_and_is_consistent(tmp_path, capsys):
 
 def test_size_leaves_the_lookahead_room_out_of_the_rows(tmp_path, capsys):
     """With a lookahead window, MEM-PS's rows get the budget less the window's room
-    (lookahead_room): hps size gives the rows the real server holds, and says so."""
-    cfg = write_config(tmp_path)
+    (lookahead_room, "auto": sized by hps train for its batches): hps size gives the room
+    and rows the run's server holds, and says so."""
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    from hps.train import TrainConfig, train
+    cfg = write_config(tmp_path, budget="16MiB", examples=2048)
     Path(cfg).write_text(Path(cfg).read_text().replace("[ps]\n", "[ps]\nlookahead = 4\n"))
-    assert main(["size", "--config", cfg, "--sample", "5000", "--json"]) == 0
+    assert main(["size", "--config", cfg, "--sample", "2048", "--json"]) == 0
     m = json.loads(capsys.readouterr().out)["mem"]
-    from hps.parameter_server import ParameterServer
-    from hps.train import TrainConfig
-    ps = ParameterServer(TrainConfig.from_toml(cfg).ps)
-    try:
-        real = ps.stats()["mem"]
-    finally:
-        ps.close()
-    assert m["lookahead_room_bytes"] == real["lookahead_room"] > 0
-    assert m["capacity_rows"] == real["capacity"] < hps.MemCache(128, budget="2MiB").stats()["capacity"]
-    assert main(["size", "--config", cfg, "--sample", "5000"]) == 0
+    real = train(TrainConfig.from_toml(cfg), progress=False)["ps"]["mem"]
+    assert m["lookahead_room_bytes"] == real["lookahead_room"] > (16 << 20) // 16
+    assert m["capacity_rows"] == real["capacity"] < hps.MemCache(128, budget="16MiB").stats()["capacity"]
+    assert main(["size", "--config", cfg, "--sample", "2048"]) == 0
     assert "for the lookahead window" in capsys.readouterr().out
+
+
+def test_size_refuses_a_window_room_as_the_run_does(tmp_path, capsys):
+    """A budget that cannot hold the room hps train sizes for its window: hps size says
+    so as the run would, rather than size rows the run never has."""
+    pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    from hps.train import TrainConfig, train
+    cfg = write_config(tmp_path, budget="2MiB", examples=2048)
+    Path(cfg).write_text(Path(cfg).read_text().replace("[ps]\n", "[ps]\nlookahead = 4\n"))
+    assert main(["size", "--config", cfg, "--sample", "2048"]) == 2
+    err = capsys.readouterr().err
+    with pytest.raises(ValueError) as e:
+        train(TrainConfig.from_toml(cfg), progress=False)
+    assert "lookahead = 4 keeps a window of 4 batches of up to 13,312 keys" in str(e.value)
+    assert str(e.value) in err
+    assert not (tmp_path / "job").exists()
 
 
 def test_size_table_and_whole_data_sample(tmp_path, capsys):

@@ -160,6 +160,15 @@ class MemCache {
   // eviction scratch (see SetLookahead, "Memory"). A room of this plus the
   // keys' share never leaves a forced eviction without Beyond.
   static uint64_t LookaheadBaseRoom(uint64_t capacity, uint32_t shards = 0);
+  // The most a window of `batches` batches of at most `batch_keys` keys each
+  // (repeats counted) holds in such a cache besides LookaheadBaseRoom: its
+  // tables, entries and batch counts, through any set, push, pop or slide
+  // that keeps it at `batches` batches or fewer (a slide's table has room
+  // for the batch entering too). A room of this plus LookaheadBaseRoom never
+  // refuses such a window: a caller that knows its batches' size sizes the
+  // room from it rather than from its budget.
+  static uint64_t LookaheadWindowRoom(uint64_t batch_keys, uint32_t batches, uint64_t capacity,
+                                      uint32_t shards = 0);
 
   virtual ~MemCache() = default;
 

@@ -48,7 +48,9 @@ class MemCache(_core.MemCache):
     budget (the rows get the rest) and defaults to 0: no window may be set. With
     ``capacity`` (rows, no byte bound) it defaults to no bound. A window that would pass
     its room raises CacheFullError naming both, and stays as it was.
-    ``MemCache.lookahead_base_room(capacity)`` is what a window holds besides its keys.
+    ``MemCache.lookahead_base_room(capacity)`` is what a window holds besides its keys, and
+    ``MemCache.lookahead_window_room(batch_keys, batches, capacity)`` the most its keys hold
+    in a window of that many batches of at most ``batch_keys`` keys each.
     A call that raises (``CacheFullError``, or what the loader or sink raised) holds
     no pin and loses no dirty row: its victims stay cached and dirty, so it can be
     retried; ``stats()["failed_releases"]`` counts host batches whose release failed.

@@ -223,17 +223,24 @@ class SsdOptions:
     require_direct_io: bool = False  # a refused O_DIRECT raises hps.IoError instead of warning
 
 
-def mem_lookahead_room(config: "ParameterServerConfig", row_bytes: int) -> int:
+def mem_lookahead_room(config: "ParameterServerConfig", row_bytes: int, batch_keys: Optional[int] = None) -> int:
     """Bytes of ``config.mem_budget`` that MEM-PS keeps for its lookahead window
-    (``lookahead_room``; "auto": none with ``lookahead = 0``, else a 16th of the budget
-    for the window's keys, tables and entries at about 100 bytes a key, plus what its
-    forced evictions may list, ``MemCache.lookahead_base_room`` of the rows the rest
-    holds at most). The rows get the rest."""
+    (``lookahead_room``; "auto": none with ``lookahead = 0``, else room for what its
+    forced evictions may list, ``MemCache.lookahead_base_room`` of the rows the budget
+    holds at most, plus, for the window's keys, tables and entries: with `batch_keys`
+    (the most keys a batch gives MEM-PS, repeats counted: `hps train` knows them) the
+    most ``lookahead`` such batches hold, ``MemCache.lookahead_window_room``, else a
+    16th of the budget). The rows get the rest."""
     if config.lookahead_room != "auto":
         return parse_bytes(config.lookahead_room, "lookahead_room")
     if not config.lookahead:
         return 0
     budget = parse_bytes(config.mem_budget, "mem_budget")
+    if batch_keys is not None:
+        rows = _core.MemCache.capacity_for_budget(budget, row_bytes)  # at least the rows the rest holds
+        # (may pass the budget: the caller refuses it, naming the window, hps.train's check)
+        return (_core.MemCache.lookahead_window_room(batch_keys, config.lookahead, rows)
+                + _core.MemCache.lookahead_base_room(rows))
     keys = budget // 16
     rows = _core.MemCache.capacity_for_budget(budget - keys, row_bytes)  # at least the rows the rest holds
     return min(budget, keys + _core.MemCache.lookahead_base_room(rows))
@@ -269,8 +276,9 @@ class ParameterServerConfig:
                                         # (the pipeline's prefetch passes them; 0: the policy alone decides)
     lookahead_room: Union[int, str] = "auto"  # bytes of mem_budget for MEM-PS's lookahead window (the rows
                                         # get the rest; stats()["mem"]["lookahead_bytes"] never passes it):
-                                        # "auto": none with lookahead = 0, else a 16th of mem_budget for the
-                                        # window's keys and what its forced evictions list (24 B a row)
+                                        # "auto": none with lookahead = 0, else room for the window's keys
+                                        # (hps train: the most its batches hold; alone: a 16th of
+                                        # mem_budget) and what its forced evictions list (24 B a row)
     ttl_steps: int = 0                  # bounded tables: a row not updated for more than this many steps
                                         # (batches) is erased at the next checkpoint; 0: never
     max_rows: int = 0                   # and at most this many rows are kept (per rank under mpiexec), the

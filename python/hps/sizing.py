@@ -199,13 +199,14 @@ class Sample:
     exhausted: bool               # the stream ended within the sample
     most_per_device: int = 0      # the largest share of one batch's distinct keys on one device
     most_fetched: int = 0         # schedule = "herald": the most rows one device can fetch for a batch
+    widths: tuple = (13, 26, 0)   # the data's (dense features, single-hot fields, multi-hot fields)
 
 
 def read_sample(cfg, sample: int = DEFAULT_SAMPLE) -> Sample:
     """The first ``sample`` examples of cfg's training data (a hps.train.TrainConfig):
     synthetic or files, epochs and shuffle included; an online directory's files present."""
     from hps import _core
-    from hps.train import _train_source
+    from hps.train import _train_source, _widths
     if sample < 1:
         raise ValueError(f"--sample: must be >= 1 examples, got {sample}")
     source = _train_source(dataclasses.replace(cfg, online=False), 0, 1)
@@ -241,7 +242,7 @@ def read_sample(cfg, sample: int = DEFAULT_SAMPLE) -> Sample:
         _, idx = np.unique(keys, return_index=True)
         first.append(np.sort(idx))
         length.append(len(keys))
-    return Sample(examples, batches, first, length, exhausted, most, fetched)
+    return Sample(examples, batches, first, length, exhausted, most, fetched, tuple(_widths(cfg, source)))
 
 
 def run_examples(cfg, smp: Sample) -> Optional[int]:
@@ -471,8 +472,9 @@ def estimate(cfg, rows: Optional[int] = None, sample: int = DEFAULT_SAMPLE, in_f
 
     # MEM-PS
     budget = parse_bytes(ps.mem_budget, "mem_budget")
-    from hps.parameter_server import mem_lookahead_room
-    room = mem_lookahead_room(ps, row_bytes)  # the lookahead window's part of the budget
+    from hps.train import check_lookahead_room, window_batch_keys
+    # The lookahead window's part of the budget, as hps train sizes (or refuses) it.
+    room = check_lookahead_room(cfg, window_batch_keys(cfg, smp.widths))
     capacity = mem_capacity(budget - room, row_bytes)
     overhead = mem_overhead_per_row(row_bytes)
     hit = estimate_hit_rate(smp, capacity, ps.cache_policy, rows, run_batches, in_flight)

@@ -50,7 +50,7 @@ from hps.jobdir import HT_LAYOUT, TRAINER_STATE, read_job_record, write_trainer_
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, LAST, METADATA, RUN, WRITER_LOCK,
                                   ParameterServer, ParameterServerConfig, _lock_path, _remove_tree, _replace_durable,
-                                  _write_durable, PathInUseError, new_run_id)
+                                  _write_durable, PathInUseError, mem_lookahead_room, new_run_id)
 from hps.pipeline import MAX_LOOKAHEAD, Loaded, Pipeline, batches_ahead, depths_for
 from hps.tuning import (ThreadTuner, dense_adam, import_torch, keep_freed_memory,  # (also hps.train.X, as before)
                          usable_cpus)
@@ -169,6 +169,71 @@ def _check_lookahead(ps: ParameterServerConfig, where: str) -> None:
     was made, and the next run found a run "that ended before its first checkpoint"."""
     if is_int(ps.lookahead) and ps.lookahead > MAX_LOOKAHEAD:
         raise ValueError(f"{where}: lookahead must be an int in [0, {MAX_LOOKAHEAD}] (batches), got {ps.lookahead!r}")
+
+
+def window_batch_keys(cfg: "TrainConfig", widths: tuple, world: int = 1, batches=None) -> tuple[int, bool]:
+    """(the most keys one batch of the lookahead window gives a rank's MEM-PS, repeats
+    counted; whether that is a bound). A batch gives batch_size examples of `widths`'
+    single-hot fields, one key each, and its multi-hot bags; under mpiexec an owner's
+    batch j holds the keys it owns of every one of the `world` ranks' batch j. A bag's
+    length is bounded only for synthetic bags of bag_length = "fixed": other bags
+    (Poisson, geometric, a file's multi-hot columns) are left out, and the count is no
+    bound. `batches`: the batches train() was given (a list: their largest; another
+    iterable: no bound known)."""
+    if batches is not None:
+        if not isinstance(batches, (list, tuple)):
+            return cfg.data.batch_size * widths[1] * world, False
+        most = max((b.all_keys().size for b in batches), default=0)
+        return most * world, True
+    d = cfg.data
+    per_example, bounded = widths[1], True
+    if widths[2]:
+        if d.source == "synthetic" and d.schema is None and d.bag_length == "fixed":
+            per_example += sum(int(round(mean)) for _, mean in d.multi_hot)
+        else:
+            bounded = False
+    return d.batch_size * per_example * world, bounded
+
+
+def lookahead_room(cfg: "TrainConfig", window: tuple) -> int:
+    """Bytes of [ps] mem_budget that a rank's MEM-PS keeps for the lookahead window
+    (hps.parameter_server.mem_lookahead_room): "auto" sizes it for `lookahead` batches
+    of `window` = window_batch_keys(...). Where those keys are no bound (multi-hot bags
+    of no fixed length), the larger of that and the budget's 16th."""
+    ps = cfg.ps
+    row_bytes = _row_bytes(ps)
+    keys, bounded = window
+    room = mem_lookahead_room(ps, row_bytes, keys)
+    return room if bounded else max(room, mem_lookahead_room(ps, row_bytes))
+
+
+def check_lookahead_room(cfg: "TrainConfig", window: tuple, where: str = "[ps]") -> int:
+    """lookahead_room(cfg, window), refused (ValueError, naming lookahead, lookahead_room,
+    mem_budget and the bytes) where it passes mem_budget or leaves MEM-PS no row: the
+    run would otherwise end at its first batch's window (CacheFullError) or not open."""
+    ps = cfg.ps
+    room = lookahead_room(cfg, window)
+    if not room:
+        return room
+    budget = parse_bytes(ps.mem_budget, "mem_budget")
+    row_bytes = _row_bytes(ps)
+    if room <= budget and _core.MemCache.capacity_for_budget(budget - room, row_bytes) > 0:
+        return room
+    keys, bounded = window
+    held = (f"lookahead_room = {ps.lookahead_room!r} is {room:,} bytes" if ps.lookahead_room != "auto" else
+            f"lookahead_room = 'auto' sizes its room at {room:,} bytes")
+    over = (f"more than mem_budget = {ps.mem_budget!r} ({budget:,} bytes)" if room > budget else
+            f"which leaves mem_budget = {ps.mem_budget!r} ({budget:,} bytes) no MEM-PS row "
+            f"({row_bytes:,} bytes a row, before its bookkeeping)")
+    raise ValueError(f"{where}: lookahead = {ps.lookahead} keeps a window of {ps.lookahead} batches of "
+                     f"{'up to' if bounded else 'at least'} {keys:,} keys; {held}, {over}: raise mem_budget, "
+                     f"or lower lookahead or batch_size")
+
+
+def _row_bytes(ps: ParameterServerConfig) -> int:
+    """A MEM-PS row's bytes: the row and its optimizer state (as ParameterServer stores it)."""
+    from hps.optim import native_optimizer
+    return 4 * int(native_optimizer(ps.dim, ps.optimizer, ps.initializer, ps.seed).row_floats)
 
 
 def _physical_memory() -> Optional[int]:
@@ -533,13 +598,16 @@ class Trainer:
     with the other ranks' (DenseSync)."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, node: Optional[Node] = None,
-                 checkpoint: Union[int, None, str] = LAST, widths: tuple = (13, 26, 0), defer_dense: bool = False):
+                 checkpoint: Union[int, None, str] = LAST, widths: tuple = (13, 26, 0), defer_dense: bool = False,
+                 window_room: Optional[int] = None):
         """``checkpoint``: in a job, the checkpoint job.json names (None: none yet),
         to which this rank rolls back; alone, LAST (the last one finished). ``widths``:
         the data's dense features, single-hot and multi-hot fields (Criteo's by default).
         ``defer_dense``: a resumed MLP, its optimizer and dense sync are loaded by
         :meth:`load_dense_state`, once a dense hook has replaced them (hps.hierarchical's
-        split MLP saves a state the unsplit one cannot take)."""
+        split MLP saves a state the unsplit one cannot take). ``window_room``: the bytes
+        of [ps] lookahead_room = "auto" (train's check_lookahead_room; None: sized for the
+        data config's batches, window_batch_keys)."""
         torch = import_torch()
         from hps.torch import CtrModel, DeviceReplicas
         self.torch = torch
@@ -556,6 +624,12 @@ class Trainer:
             # the rank's own store serves the keys it owns as in a sequential job.
             ps_cfg = dataclasses.replace(cfg.ps, path=os.path.join(cfg.ps.path, f"rank{node.rank}"),
                                          schedule="sequential")
+        if cfg.ps.lookahead and cfg.ps.lookahead_room == "auto":
+            # The room this run's window needs, not the budget's 16th a server alone takes:
+            # a window past that room raised CacheFullError at the first batch.
+            if window_room is None:
+                window_room = lookahead_room(cfg, window_batch_keys(cfg, widths, 1 if node is None else node.size))
+            ps_cfg = dataclasses.replace(ps_cfg, lookahead_room=window_room)
         path = ps_cfg.path
         job = os.path.join(cfg.ps.path, JOB_MANIFEST)
         if node is None and os.path.exists(job):
@@ -1302,11 +1376,18 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
             raise ValueError(_different_fields(every))
         if isinstance(source, hdata.GrowingDirectory):
             source.agree(node)  # one file every rank's files are held to
+    window_room = None
+    if cfg.ps.lookahead:  # refused before the job's directory is made, not at the first batch's window
+        window = window_batch_keys(cfg, widths, world, train_batches)
+        if node is not None and train_batches is not None:  # each rank's own batches: the job's largest
+            every = node.allgather("train", window, "the lookahead window's batch keys")
+            window = (max(k for k, _ in every), all(b for _, b in every))
+        window_room = _collective(node, lambda: check_lookahead_room(cfg, window))
     number = LAST
     if node is not None:
         number = _prepare_job(cfg, node, resume, tuple(widths))
     trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths,
-                                                defer_dense=dense_hook is not None))
+                                                defer_dense=dense_hook is not None, window_room=window_room))
     if dense_hook is not None:
         if len(trainer.replicas) > 1 or trainer.model.device.type != "cpu":
             raise ValueError("[hierarchical] splits one dense model on the CPU a trainer: set model_devices = "

@@ -728,6 +728,8 @@ PYBIND11_MODULE(_core, m) {
                   py::arg("row_bytes"))
       .def_static("lookahead_base_room", &hps::MemCache::LookaheadBaseRoom, py::arg("capacity"),
                   py::arg("shards") = 0)
+      .def_static("lookahead_window_room", &hps::MemCache::LookaheadWindowRoom, py::arg("batch_keys"),
+                  py::arg("batches"), py::arg("capacity"), py::arg("shards") = 0)
       .def_property_readonly_static("UNBOUNDED_ROOM", [](py::object) { return hps::MemCache::kUnboundedRoom; })
       .def_property_readonly("row_bytes", &hps::MemCache::row_bytes)
       .def("pull", [](hps::MemCache& c, const py::array& keys, bool pin) {

@@ -1831,6 +1831,23 @@ uint64_t MemCache::LookaheadBaseRoom(uint64_t capacity, uint32_t shards) {
   return bytes;
 }
 
+uint64_t MemCache::LookaheadWindowRoom(uint64_t batch_keys, uint32_t batches, uint64_t capacity, uint32_t shards) {
+  if (capacity == 0 || batches == 0) return 0;
+  const uint64_t count = ShardedCache::ShardCount(capacity, shards);
+  const uint64_t keys = (uint64_t{batches} + 1) * batch_keys;  // a slide's table has room for the entering batch
+  // Tables: a shard's is a power of two at least twice its keys (and 16): under
+  // four times its keys, or 16; 20 bytes a slot chained (12 before).
+  const uint64_t slots = 4 * keys + 16 * count;
+  // Entries: 24 bytes for each batch's distinct keys, in chunks of kChunk a shard,
+  // the first and last partly used (and one more while a change's are appended);
+  // the chunk list's capacity at most twice the chunks it ever held.
+  const uint64_t chunks = keys / SlideEntries::kChunk + 3 * count;
+  // Batch counts: each shard's and the window's, a vector of at most twice batches + 1.
+  const uint64_t counts = 2 * (uint64_t{batches} + 1) * (count + 1);
+  return slots * (2 * sizeof(uint64_t) + sizeof(uint32_t)) + chunks * SlideEntries::kChunk * sizeof(SlideEntry) +
+         2 * chunks * sizeof(std::unique_ptr<SlideEntry[]>) + counts * sizeof(uint64_t);
+}
+
 std::unique_ptr<MemCache> MemCache::New(const MemCacheOptions& options, RowLoader loader, RowSink sink) {
   if (options.row_bytes == 0) throw std::invalid_argument("MEM-PS: row_bytes must be > 0");
   if (options.capacity == 0) {

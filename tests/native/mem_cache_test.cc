@@ -2281,5 +2281,79 @@ TEST(MemCacheLookaheadRoom, ChangesRacingBeyondStayInTheRoom) {
   if (st.lookahead_forced + st.lookahead_spared == 0) GTEST_SKIP() << "no eviction met the window";
 }
 
+// LookaheadWindowRoom is a bound: a window of at most K batches of B keys each,
+// set anew, pushed, slid and popped the pipeline's way, with forced evictions
+// listing shards (Beyond), never needs more than it plus LookaheadBaseRoom.
+// The batches' keys are all distinct (the tables' and entries' worst case) or
+// repeat; one shard (every key in it) or the default count.
+TEST(MemCacheLookaheadRoom, WindowRoomHoldsAnyWindowOfThatSize) {
+  struct Case {
+    uint64_t capacity;
+    uint32_t shards;
+    uint32_t batches;
+    uint64_t batch_keys;
+    uint64_t universe;  // keys drawn from [1, universe]: small, they repeat
+  };
+  // Fewer rows than the window's keys: every eviction meets the window.
+  for (const Case& c : {Case{2000, 1, 4, 700, uint64_t{1} << 40}, Case{20000, 0, 8, 3000, uint64_t{1} << 40},
+                        Case{1000, 0, 8, 500, 2000}, Case{3000, 0, 1, 4100, uint64_t{1} << 40},
+                        Case{9000, 0, 16, 700, uint64_t{1} << 40}}) {
+    SCOPED_TRACE(::testing::Message() << c.capacity << " rows, " << c.shards << " shards, " << c.batches
+                                      << " batches of " << c.batch_keys << " keys");
+    const uint64_t room = MemCache::LookaheadWindowRoom(c.batch_keys, c.batches, c.capacity, c.shards) +
+                          MemCache::LookaheadBaseRoom(c.capacity, c.shards);
+    MemCacheOptions o = EightByteRows(c.capacity, c.shards, CachePolicyKind::kLru);
+    o.lookahead_room = room;
+    auto cache = MemCache::New(o, nullptr, nullptr);
+    std::mt19937_64 rng(c.capacity + c.batches);
+    auto batch = [&] {
+      std::vector<uint64_t> keys(c.batch_keys - rng() % 3);  // at most batch_keys, some fewer
+      for (uint64_t& k : keys) k = 1 + rng() % c.universe;
+      return keys;
+    };
+    std::vector<std::vector<uint64_t>> window;
+    uint64_t most = 0;
+    for (uint32_t step = 0; step < 2 * c.batches + 12; ++step) {
+      if (step % 11 == 10) {  // set anew, batch by batch, as a prefetch whose window is not the last one shifted
+        cache->SetLookahead(window.front().data(), window.front().size());
+        for (size_t b = 1; b < window.size(); ++b) cache->PushLookahead(window[b].data(), window[b].size());
+      } else if (window.size() < c.batches) {
+        window.push_back(batch());
+        if (window.size() == 1) {
+          cache->SetLookahead(window[0].data(), window[0].size());
+        } else {
+          cache->PushLookahead(window.back().data(), window.back().size());
+        }
+      } else {
+        window.erase(window.begin());
+        window.push_back(batch());
+        cache->SlideLookahead(window.back().data(), window.back().size());
+      }
+      AccessAll(*cache, window.back());  // the cache fills with rows of the window: evictions meet it
+      most = std::max(most, cache->stats().lookahead_bytes);
+    }
+    for (; !window.empty(); window.erase(window.begin())) {  // the end of the data
+      cache->PopLookahead();
+      most = std::max(most, cache->stats().lookahead_bytes);
+    }
+    const MemCacheStats st = cache->stats();
+    EXPECT_LE(most, room);
+    EXPECT_GT(st.lookahead_slides, 0u);
+    EXPECT_GT(st.lookahead_forced + st.lookahead_spared, 0u) << "the window met evictions";
+  }
+}
+
+// The bound grows with the window's keys and batches, about 104 bytes a key of K + 1
+// batches (docs/training.md), and is 0 for no window.
+TEST(MemCacheLookaheadRoom, WindowRoomCountsTheWindowsKeys) {
+  EXPECT_EQ(MemCache::LookaheadWindowRoom(1000, 0, 100000), 0u);
+  EXPECT_EQ(MemCache::LookaheadWindowRoom(1000, 4, 0), 0u);
+  const uint64_t four = MemCache::LookaheadWindowRoom(100000, 4, 1 << 20);
+  EXPECT_LT(MemCache::LookaheadWindowRoom(50000, 4, 1 << 20), four);
+  EXPECT_LT(MemCache::LookaheadWindowRoom(100000, 2, 1 << 20), four);
+  EXPECT_GE(four, 5 * 100000 * (4 * 20 + 24));
+  EXPECT_LE(four, 5 * 100000 * (4 * 20 + 24) * 11 / 10);
+}
+
 }  // namespace
 }  // namespace hps
