@@ -29,13 +29,19 @@ _aborting: Optional[str] = None
 def abort_job(world, why: str, code: int = 70, detail: str = "") -> None:
     """Writes `why` on stderr and ends every rank of `world`'s job (MPI_Abort).
     Only the first call of the process says "aborting the job": in the moment
-    before its MPI_Abort, another stage of the rank fails too (its step's
+    before the abort ends it, another stage of the rank fails too (its step's
     exchanges or batches went with the first failure), and a second such line
     read as a second cause. A later call's reason is written marked as coming
     after it (once the same reason: nothing); it ends the job as the first.
     `detail` (a failure's traceback) is written just before the line, and only
     where the line is: a stage that raised the first failure's error again
-    printed its whole traceback a second time."""
+    printed its whole traceback a second time.
+
+    MPICH's MPI_Abort returns: mpiexec's proxy kills the ranks a moment later.
+    So the abort stays under way once said, for the rest of the process: a
+    stage that fails after the first Abort returned (the train loop's own
+    handler, reporting the error the train stage raised) would otherwise say
+    "aborting the job" a second time."""
     global _aborting
     with _abort_lock:
         first = _aborting
@@ -50,12 +56,7 @@ def abort_job(world, why: str, code: int = 70, detail: str = "") -> None:
     # output, and CI runs lost this line to that race twice; a moment lets the
     # proxy carry the reason out before the abort reaches it.
     time.sleep(1.0)
-    try:
-        world.Abort(code)
-    finally:
-        if first is None:
-            with _abort_lock:  # (only a fake communicator's Abort returns: its next abort is a first)
-                _aborting = None
+    world.Abort(code)
 
 
 class RankFailure(HpsError):

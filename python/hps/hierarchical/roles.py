@@ -540,7 +540,7 @@ def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = Fal
         from hps.distributed.comm import abort_job
         abort_job(world, f"hps.hierarchical: rank {roles.rank} ({_role_name(roles)}): {type(e).__name__}: {e}",
                   code=1, detail=traceback.format_exc())
-        raise  # (abort_job does not return; a fake communicator's might)
+        raise  # (MPICH's MPI_Abort returns: the launcher ends the process a moment later)
     job_comms.free()
     return result
 
