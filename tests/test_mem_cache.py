@@ -144,6 +144,23 @@ def test_pinned_rows_stay_and_a_batch_too_big_fails_cleanly():
     cache.pull(u64([200, 201, 202]), pin=True)  # fits now
 
 
+def test_an_unpinned_pull_past_every_pinned_slot_stores_its_dirty_rows():
+    """With every slot pinned, an unpinned pull serves its new rows uncached; a row
+    the loader marked dirty (nowhere else yet) goes to the sink before the pull
+    returns, so that no later pull loads another row for its key."""
+    backing = Backing()
+    backing.rows[4] = 44  # stored: loaded clean, not stored again
+    cache = hps.MemCache(ROW, 2, policy="lru", shards=1, loader=backing.loader, sink=backing.sink)
+    cache.pull(u64([1, 2]), pin=True)
+    rows, hit = cache.pull(u64([3, 4]), dtype=np.uint64)
+    assert rows[:, 0].tolist() == [3000, 44] and hit.tolist() == [False, False]
+    assert 3 not in cache and 4 not in cache
+    assert backing.rows[3] == 3000 and backing.sunk == 1
+    cache.unpin(u64([1, 2]))
+    cache.flush_dirty()
+    assert sorted(backing.rows) == [1, 2, 3, 4]
+
+
 def test_pin_without_copy_pins_hits_and_misses_alike():
     backing = Backing()
     cache = hps.MemCache(ROW, 10, policy="lru", shards=1, loader=backing.loader, sink=backing.sink)

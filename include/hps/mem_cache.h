@@ -176,6 +176,9 @@ class MemCache {
   // the others come from the loader (one call, distinct keys) and enter the
   // cache. With pin, every row of keys is pinned once per occurrence and
   // stays cached until WriteBack or Unpin. hit[i] (optional) = 1 for hits.
+  // Without pin, a new row whose shard has every slot pinned is copied out
+  // uncached; if the loader marked it dirty (its only copy), the sink stores
+  // it before the call returns.
   // Throws CacheFullError when a shard has too few unpinned slots for its
   // share of the new rows, and passes on what the loader or sink throws;
   // either way the call holds no pin and no dirty row is lost (the victims

@@ -19,7 +19,8 @@ class MemCache(_core.MemCache):
     from ``loader(keys) -> (rows, dirty)`` in one call and enter the cache,
     evicting by ``policy`` (one of POLICIES); an evicted dirty row goes to
     ``sink(keys, rows)`` before the call returns (a ``_core.BackingStore`` may be
-    both loader and sink: the parameter server's, native). Pinned rows stay until
+    both loader and sink: the parameter server's, native), as does a dirty row that
+    an unpinned pull serves uncached, its shard's slots all pinned. Pinned rows stay until
     ``write_back(keys, rows)`` (which marks them dirty) or ``unpin(keys)``; a key
     not pinned makes either raise ValueError, changing nothing, and one that another
     thread unpinned during the call makes it raise RuntimeError naming it, once the

@@ -627,6 +627,17 @@ class ShardedCache final : public MemCache {
           taken[s].push_back(t);  // kNoSlot and not pin: every row pinned, this one is served uncached
         }
       }
+      // A row served uncached that the loader marked dirty exists nowhere
+      // else: the sink stores it with the victims, under the miss lock, so
+      // that the key's next miss loads this row rather than a new one.
+      for (size_t s = 0; s < shards_.size(); ++s) {
+        for (size_t j = 0; j < taken[s].size(); ++j) {
+          const size_t m = new_by_shard[s][j];
+          if (taken[s][j].slot == kNoSlot && dirty[m]) {
+            evicted.Add(load_keys[m], rows.data() + m * row_bytes_, row_bytes_);
+          }
+        }
+      }
       Sink(&evicted);
     } catch (...) {
       for (size_t s = 0; s < shards_.size(); ++s) {

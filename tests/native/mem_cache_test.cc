@@ -611,6 +611,52 @@ TEST(MemCache, SinkThatThrowsOnEvictionLosesNoRow) {
   for (uint64_t k = 1; k <= 4; ++k) EXPECT_EQ(backing.rows.at(k), k * 10 + 1) << k;
 }
 
+// An unpinned pull that finds every slot of its shard pinned serves its new
+// rows uncached; one the loader marked dirty (nowhere else yet) goes to the
+// sink before the call returns, a clean one does not. If the sink throws,
+// the call throws and the next pull loads the key anew.
+TEST(MemCache, UncachedDirtyRowOfAnUnpinnedPullGoesToTheSink) {
+  Backing backing;
+  backing.rows[4] = 44;  // stored: the loader gives it clean
+  auto cache = BackedCache(backing, "lru", 2, 1);
+  const std::vector<uint64_t> pinned = {1, 2};
+  cache->Pull(pinned.data(), pinned.size(), nullptr, /*pin=*/true, nullptr);
+  const std::vector<uint64_t> keys = {3, 4, 3};
+  uint64_t got[3] = {};
+
+  backing.sink_down = true;
+  EXPECT_THROW(cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(got), /*pin=*/false, nullptr),
+               std::runtime_error);
+  EXPECT_EQ(backing.rows.count(3), 0u);
+  EXPECT_EQ(cache->stats().pinned, 2u);
+  EXPECT_EQ(cache->stats().dirty, 2u);
+
+  backing.sink_down = false;
+  const uint64_t sunk = backing.sunk;
+  EXPECT_EQ(cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(got), /*pin=*/false, nullptr), 0u);
+  EXPECT_EQ(got[0], 3000u);
+  EXPECT_EQ(got[1], 44u);
+  EXPECT_EQ(got[2], 3000u);
+  EXPECT_FALSE(cache->Contains(3));
+  EXPECT_FALSE(cache->Contains(4));
+  EXPECT_EQ(backing.sunk, sunk + 1) << "key 3 once; key 4 is stored already";
+  ASSERT_EQ(backing.rows.count(3), 1u) << "the loader's dirty row of key 3 was dropped";
+  EXPECT_EQ(backing.rows.at(3), 3000u);
+  EXPECT_EQ(backing.rows.at(4), 44u);
+  MemCacheStats st = cache->stats();
+  EXPECT_EQ(st.evictions, 0u);
+  EXPECT_EQ(st.dirty_evictions, 0u);
+  EXPECT_EQ(st.dirty, 2u);  // 1 and 2, pinned
+
+  cache->Unpin(pinned.data(), pinned.size());
+  cache->FlushDirty();
+  uint64_t row = 0;
+  const uint64_t three = 3;
+  cache->Pull(&three, 1, reinterpret_cast<uint8_t*>(&row), /*pin=*/false, nullptr);
+  EXPECT_EQ(row, 3000u);
+  EXPECT_EQ(cache->stats().dirty, 0u) << "key 3 comes back stored, clean";
+}
+
 TEST(MemCache, FlushWhoseSinkThrowsKeepsTheRowsDirty) {
   Backing backing;
   auto cache = FourDirtyRows(backing);
