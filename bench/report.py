@@ -1123,7 +1123,8 @@ def render_ps_lookahead(o: dict) -> list[str]:
            "(the one with the median hits of the rounds').", ""]
     base = o["variants"].get("K=0")
     rows = []
-    for name, v in o["variants"].items():
+    # By K, slid before set (a JSON line's keys come back sorted as strings: "K=16" before "K=4").
+    for name, v in sorted(o["variants"].items(), key=lambda nv: (nv[1]["k"], nv[1]["window"] != "slid")):
         t = v["ms_a_batch"]
         runs = sorted(v["mem"], key=lambda m: m["hits"])
         run = runs[(len(runs) - 1) // 2]  # one run's counters, which add up (misses + hits: the keys)
