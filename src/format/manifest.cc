@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 
+#include "util/block_io.h"
 #include "util/crc32c.h"
 #include "format/param_file.h"  // CorruptionError, ReadFully
 #include "util/errors.h"       // ThrowErrno
@@ -163,27 +164,7 @@ std::string DirectoryOf(const std::string& path) {
 }
 
 // Makes the directory's entries durable: a roll's rename.
-void SyncDirectoryOf(const std::string& path) {
-  const std::string dir = DirectoryOf(path);
-  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) ThrowErrno("open directory", dir);
-  const int rc = fsync(fd);
-  const int error = errno;
-  close(fd);
-  errno = error;
-  if (rc != 0) ThrowErrno("sync directory", dir);
-}
-
-void WriteFully(int fd, const std::string& path, const std::vector<uint8_t>& bytes, uint64_t offset) {
-  for (uint64_t done = 0; done < bytes.size();) {
-    const ssize_t w = pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      ThrowErrno("write", path);
-    }
-    done += static_cast<uint64_t>(w);
-  }
-}
+void SyncDirectoryOf(const std::string& path) { detail::SyncDirectory(DirectoryOf(path)); }
 
 }  // namespace
 
@@ -312,7 +293,7 @@ void ManifestWriter::Roll() {
     return;
   }
   try {
-    WriteFully(fd, tmp, log, 0);
+    detail::WriteFully(fd, tmp, 0, log.data(), log.size());
     if (fdatasync(fd) != 0) ThrowErrno("sync", tmp);
     if (std::rename(tmp.c_str(), path_.c_str()) != 0) ThrowErrno("rename over " + path_, tmp);
   } catch (const std::exception& e) {

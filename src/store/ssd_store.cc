@@ -51,18 +51,8 @@ constexpr int kStoreVersion = 1;
 // several times a lookup's cache budget (bench/lookup_bench.py --cgroup).
 constexpr uint64_t kReadWaveBytes = uint64_t{4} << 20;
 
+using detail::SyncDirectory;
 using detail::ThrowErrno;
-
-// Makes the directory's entries (created and removed files) durable.
-void SyncDirectory(const std::string& dir) {
-  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) ThrowErrno("open directory", dir);
-  const int rc = fsync(fd);
-  const int error = errno;
-  close(fd);
-  errno = error;
-  if (rc != 0) ThrowErrno("sync directory", dir);
-}
 
 // Creates `dir` and its missing parents, and makes their names durable: an
 // fsync of a new directory does not persist its entry in the one above it

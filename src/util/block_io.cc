@@ -1,5 +1,6 @@
 #include "util/block_io.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,6 +54,16 @@ void WriteFully(int fd, const std::string& path, uint64_t offset, const void* da
     offset += static_cast<uint64_t>(w);
     bytes -= static_cast<uint64_t>(w);
   }
+}
+
+void SyncDirectory(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) ThrowErrno("open directory", dir);
+  const int rc = fsync(fd);
+  const int error = errno;
+  close(fd);
+  errno = error;
+  if (rc != 0) ThrowErrno("sync directory", dir);
 }
 
 namespace {

@@ -22,6 +22,9 @@ namespace hps::detail {
 void ReadFully(int fd, const std::string& path, uint64_t offset, void* data, uint64_t bytes);
 // Writes exactly `bytes` at `offset`, retrying short writes; IoError names the file.
 void WriteFully(int fd, const std::string& path, uint64_t offset, const void* data, uint64_t bytes);
+// Makes a directory's entries (files created, renamed or removed in it)
+// durable: fsync of the directory; IoError names it.
+void SyncDirectory(const std::string& dir);
 
 struct IoRequest {
   int fd;
