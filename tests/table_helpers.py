@@ -25,14 +25,14 @@ def rows_of(root) -> dict:
     return out
 
 
-def budget_for(path, cache_rows):
+def budget_for(path, cache_rows, read_threads=4):
     """The memory_budget whose split (hps.lookup's docstring) leaves cache_rows rows to the
     cache of a Lookup of path: its index, files' metadata, read buffers and calls' working
-    memory (at the default read_threads), the reserve for
+    memory (at read_threads, the default 4), the reserve for
     the next checkpoint (REFRESH_HEADROOM x the index and metadata, and read buffers), and
     per cached row its bytes, its warm copy in the next cache (a quarter) and its key's."""
     from hps.lookup import REFRESH_HEADROOM, WARM_FRACTION
-    with hps.Lookup(path, memory_budget="1GiB") as lk:
+    with hps.Lookup(path, memory_budget="1GiB", read_threads=read_threads) as lk:
         m = lk.stats()["memory"]
     fixed = m["index_bytes"] + m["file_meta_bytes"]
     per_row = m["cache_row_bytes"] * (1 + 1 / WARM_FRACTION) + 8 / WARM_FRACTION

@@ -1558,6 +1558,34 @@ def test_a_refresh_moves_to_the_checkpoint_of_the_job_resharded_meanwhile(job, t
         lk.close()
 
 
+def test_a_refresh_to_a_job_resharded_to_more_ranks_counts_their_read_buffers(job, tmp_path, monkeypatch):
+    """Every rank's store keeps a reader per read thread, so a job resharded from one
+    process to 2 ranks needs twice the read buffers. The refresh's check for room beside
+    the served checkpoint counted the served one's buffers for the new one's: with the
+    index fitting (as it does for a job of millions of keys; here the reserve holds twice
+    the index, REFRESH_HEADROOM), the refresh opened the new checkpoint beside a full cache
+    and held the extra buffers past the budget. It now refreshes without overlap."""
+    from hps import reshard
+    monkeypatch.setattr(hps.lookup, "REFRESH_HEADROOM", 2.0)
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    rows, threads = 400_000, 8  # a cache large enough beside the new checkpoint's own split
+    lk = hps.Lookup(copy, memory_budget=budget_for(copy, rows, threads), read_threads=threads)
+    try:
+        assert lk.stats()["cache"]["capacity"] == rows
+        # the cache full (misses are cached too) and as many keys kept to warm the next one as it takes
+        lk.lookup(np.arange(1, 2 * rows + 1, dtype=np.uint64) + np.uint64(1 << 40))
+        old = reshard.check_source(str(copy))
+        written = [reshard.write_rank(str(copy), 2, r) for r in range(2)]
+        reshard.commit(str(copy), 2, old, written[0][1])
+        assert lk.refresh() and lk.world == 2
+        assert_within_budget(lk)
+        assert lk.stats()["blocking_refreshes"] == 1  # no room for its buffers beside the served one
+        assert lk.lookup(trained_keys())[1].all()
+    finally:
+        lk.close()
+
+
 def test_a_refresh_moves_to_a_run_started_over_in_the_same_path(tmp_path):
     """A server started over at the served path (ParameterServer(config,
     checkpoint=None): every old checkpoint dropped, a new run) numbers its

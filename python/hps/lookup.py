@@ -116,6 +116,11 @@ def _read_slot_bytes(row_bytes: int, dim: int) -> int:
             + READ_KEYS * (2 * row_bytes + 4 * (dim + 1) + _READ_BYTES_PER_KEY))
 
 
+def _read_buffer_bytes(job: jobdir.Job, read_threads: int) -> int:
+    """The read buffers of job's checkpoint: every rank's store keeps a reader per concurrent read."""
+    return job.world * read_threads * _read_slot_bytes(job.row_bytes, job.config.dim)
+
+
 class _Plan:
     """A checkpoint's split of the budget (module docstring), in bytes."""
 
@@ -158,7 +163,7 @@ class _Generation:
         row_bytes = job.row_bytes
         self.cached_row_bytes = 4 * (self.dim + 1)  # the embedding, then 1.0 if stored (0.0: a cached miss)
         row_cost = self.row_cost(self.cached_row_bytes)
-        buffers = self.world * read_threads * _read_slot_bytes(row_bytes, self.dim)
+        buffers = _read_buffer_bytes(job, read_threads)
         calls = (read_threads + 1) * _call_bytes(self.dim)  # + 1: the refresh warming its cache
         self.stores = [jobdir.open_store(rv, row_bytes) for rv in view.ranks]
         ssd = [s.stats() for s in self.stores]
@@ -587,7 +592,11 @@ class Lookup:
             try:
                 with self._lock:
                     recent = np.unique(self._recent[:self._recent_n])
-                fits = current.next_fixed_estimate(view) <= current.plan.next_fixed - current.plan.buffers
+                # The new checkpoint's own read buffers, not the served one's: a job resharded
+                # to more ranks has a store, and its readers, per rank (the reserve holds the
+                # served one's, so the check let the difference pass the budget).
+                fits = (current.next_fixed_estimate(view) + _read_buffer_bytes(view.job, self._read_threads)
+                        <= current.plan.next_fixed)
             except BaseException:
                 view.close()
                 raise
