@@ -2261,6 +2261,43 @@ def test_serve_labels_each_answer_with_the_checkpoint_it_was_read_from(tmp_path)
         lk.close()
 
 
+def test_serve_answers_health_with_one_checkpoint_s_fields(job, tmp_path):
+    """GET /health read the Lookup's checkpoint, step, world and dim one property at a
+    time: a refresh finishing in between (--refresh-every's, on another thread) answered
+    checkpoint 6 with the world of the job resharded to 2 ranks since. Here the refresh
+    runs the moment the handler has read which checkpoint is served."""
+    import threading
+    from hps import reshard
+    from hps.serve import LookupServer
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    lk = hps.Lookup(copy, memory_budget="64MiB")
+    srv = LookupServer(lk, ("127.0.0.1", 0))
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        old = reshard.check_source(str(copy))
+        written = [reshard.write_rank(str(copy), 2, r) for r in range(2)]
+        reshard.commit(str(copy), 2, old, written[0][1])
+        served, refreshed = lk._served, []
+
+        def served_then_refresh():
+            gen = served()
+            if not refreshed:
+                refreshed.append(lk.refresh())
+            return gen
+        lk._served = served_then_refresh
+        status, _, body = request(srv, "GET", "/health")
+        assert status == 200 and refreshed == [True] and (lk.checkpoint, lk.world) == (7, 2)
+        assert json.loads(body) == {"checkpoint": 6, "step": BATCHES, "world": 1, "dim": 4}
+        status, _, body = request(srv, "GET", "/health")
+        assert status == 200 and json.loads(body) == lk.served() and json.loads(body)["world"] == 2
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        lk.close()
+
+
 def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
     import threading
     import hps.serve

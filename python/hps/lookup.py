@@ -676,6 +676,13 @@ class Lookup:
     def world(self) -> int:
         return self._served().world
 
+    def served(self) -> dict:
+        """{"checkpoint", "step", "world", "dim"} of the checkpoint served, all read from
+        it: read one property after another, a refresh finishing in between paired one
+        checkpoint's number with the next one's step and world."""
+        gen = self._served()
+        return {"checkpoint": gen.checkpoint, "step": gen.step, "world": gen.world, "dim": gen.dim}
+
     def stats(self) -> dict:
         """The checkpoint served, its rows, counters, and ``memory``: the budget's
         parts in bytes (index, files' metadata, read buffers, refresh reserve, the

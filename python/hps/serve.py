@@ -693,8 +693,8 @@ class _Handler(BaseHTTPRequestHandler):
                     answer = {"moved": moved, "checkpoint": lookup.checkpoint}
                 self._json(200, answer)
             elif path == "/health":
-                with self.server.using_lookup() as s:
-                    answer = {"checkpoint": s.checkpoint, "step": s.step, "world": s.world, "dim": s.dim}
+                with self.server.using_lookup() as lookup:
+                    answer = lookup.served()  # one checkpoint's, whatever a refresh does meanwhile
                 self._json(200, answer)
             else:
                 with self.server.using_lookup() as lookup:
