@@ -304,6 +304,54 @@ def test_an_owner_whose_window_call_raised_sets_the_next_one_anew():
     assert cache.calls[-2:] == ["set", "push"] and cache.batches == [[3], [4]]
 
 
+class OneRank:
+    """hps.distributed's Node for a job of one rank, without MPI: each exchange
+    gives back what it was given, and is written down by name."""
+    rank, size, nodes = 0, 1, 1
+
+    def __init__(self):
+        self.exchanges = []
+
+    def alltoallv(self, stage, blocks, kind, what):
+        self.exchanges.append(what)
+        return [b.copy() for b in blocks]
+
+    def allgather(self, stage, obj, what, note=None):
+        self.exchanges.append(what)
+        return [obj]
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "herald"])
+def test_an_mpi_prefetch_whose_window_passes_its_room_is_tried_again_without_an_exchange(tmp_path, schedule):
+    """An owner's window past MEM-PS's lookahead_room raises CacheFullError, which
+    the pipeline's prefetch waits out and tries again with the same keys, as when
+    the pins find MEM-PS full. The first try's exchanges are done and the other
+    ranks wait in the next one: the retry must run none. It ran the lookahead
+    exchange again, which met the peers' key exchange (each took the other's
+    keys for its own kind of message)."""
+    from hps.distributed.sparse import DistributedServer
+    from hps.mem_cache import CacheFullError
+    cfg = ParameterServerConfig(dim=4, path=str(tmp_path / schedule), optimizer=hps.AdaGrad(lr=0.1),
+                                mem_budget="1MiB", lookahead=1, lookahead_room="4KiB")
+    node = OneRank()
+    if schedule == "herald":
+        from hps.distributed.herald import HeraldServer
+        server = HeraldServer(ParameterServer(cfg), node, capacity=64)
+        keys = np.arange(1, 9, dtype=np.uint64).reshape(4, 2)
+    else:
+        server = DistributedServer(ParameterServer(cfg), node)
+        keys = np.arange(1, 9, dtype=np.uint64)
+    setup = len(node.exchanges)
+    upcoming = [np.arange(100, 20_100, dtype=np.uint64)]  # far past 4 KiB of window tables
+    for attempt in range(2):
+        with pytest.raises(CacheFullError):
+            server.prefetch(keys, upcoming=upcoming)
+        # Each exchange of the prefetch once, as the peers whose windows fit ran them.
+        assert node.exchanges[setup:] == (["lookahead keys", "herald example keys", "herald keys to their owners"]
+                                          if schedule == "herald" else ["lookahead keys", "prefetch keys"]), attempt
+    server.close()
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_prefetch_slides_the_mem_ps_window(tmp_path, pipelined):
     # Each prefetch after the first gets the last window shifted by one batch (the

@@ -321,6 +321,10 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         self._retry = None
         parts, mine, window = exchange
         try:
+            # MEM-PS's window with the pins, after the exchanges: a window past its room
+            # raises CacheFullError as a pin does, tried again by the retry alone.
+            if upcoming is not None:
+                self._owner_windows.apply(self.local._cache)
             self.local._cache.pin(mine)
         except CacheFullError:
             self._retry = (keys, exchange)
@@ -337,7 +341,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         """The prefetch's collectives: (every rank's example keys on the leader,
         else None; the keys this rank owns, sorted; the job's window on the leader)."""
         W = self.node.size
-        window = self._lookahead(upcoming) if upcoming is not None else None
+        window = self._send_window(upcoming) if upcoming is not None else None
         # A rank's distinct keys (8 bytes each) and where each example's are among
         # them (2 bytes a key while a rank has at most 65,536 distinct keys, else 4):
         # about a third of the bytes of the keys themselves.
@@ -353,15 +357,14 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         asked = self._send_keys("prefetch", uniq, "herald keys to their owners")[3]
         return parts, np.unique(np.concatenate(asked)), window
 
-    def _lookahead(self, upcoming):
+    def _send_window(self, upcoming):
         """Every rank's window to the leader, whose scheduler keeps the job's window
         last, and to the owners, whose MEM-PS keeps the keys they own in the order
         the job needs them (collective, prefetch stage; OwnerWindows: only the
-        batches that changed travel); returns the job's window (sorted: the
-        scheduler takes it as a set) on the leader, else None."""
+        batches that changed travel; prefetch gives them to MEM-PS); returns the
+        job's window (sorted: the scheduler takes it as a set) on the leader, else None."""
         blocks = self._window_sender.blocks(upcoming, self.node.size, whole=LEADER)
-        self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"),
-                                   self.local._cache)
+        self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"))
         return self._owner_windows.keys() if self.leader else None
 
     def _make_owner_windows(self) -> OwnerWindows:

@@ -287,10 +287,16 @@ class OwnerWindows:
     def __init__(self, world: int, mine=None):
         self._ranks: list = [[] for _ in range(world)]  # per rank: the keys received of each of its batches
         self._mine = mine
-        self._stale = False  # MEM-PS's window may not be the ranks' (a call to it raised): set it anew
+        # What MEM-PS's window is owed (apply): None, nothing; ("slide", keys or None: the
+        # end of the data); ("set",): set anew, also where a call to it raised (unknown).
+        self._owed: Optional[tuple] = None
 
-    def update(self, messages: list, cache) -> None:
-        """The ranks' messages (pack_window, rank by rank) to `cache`'s window."""
+    def update(self, messages: list, cache=None) -> None:
+        """The ranks' messages (pack_window, rank by rank) to their windows; with
+        `cache`, to its window too (apply). The prefetch applies them apart, with
+        its pins: a MemCache call that raises CacheFullError (a window past its
+        room) must leave the exchange done, since the pipeline tries that prefetch
+        again and the other ranks have gone on to its next exchange."""
         got = [unpack_window(m, r) for r, m in enumerate(messages)]
         for r, (kind, _) in enumerate(got):
             if kind == WINDOW_SLIDE and not self._ranks[r]:
@@ -298,18 +304,35 @@ class OwnerWindows:
                                    f"(does that rank run another hps?)")
         length = max(map(len, self._ranks))  # MEM-PS's window's batches
         # A batch entering a shorter window than the longest (a rank that set a short
-        # one, then slid) lands inside MEM-PS's window, not at its end: set anew.
-        slide = not self._stale and all(kind == WINDOW_SLIDE and (not new or len(self._ranks[r]) == length)
-                                        for r, (kind, new) in enumerate(got))
+        # one, then slid) lands inside MEM-PS's window, not at its end: set anew. So
+        # does a window that MEM-PS does not hold yet (owed).
+        slide = self._owed is None and all(kind == WINDOW_SLIDE and (not new or len(self._ranks[r]) == length)
+                                           for r, (kind, new) in enumerate(got))
         # The ranks' windows are what they sent, whatever MEM-PS makes of them below:
         # the next messages build on them.
         for r, (kind, new) in enumerate(got):
             self._ranks[r] = (self._ranks[r][1:] if kind == WINDOW_SLIDE else []) + new
-        self._stale = True
         if slide:
             entering = [self._owned(new[0]) for _, new in got if new]
-            if entering:
-                cache.slide_lookahead(np.unique(np.concatenate(entering)))
+            self._owed = ("slide", np.unique(np.concatenate(entering)) if entering else None)
+        else:
+            self._owed = ("set",)
+        if cache is not None:
+            self.apply(cache)
+
+    def apply(self, cache) -> None:
+        """`cache`'s window to the ranks' windows as last updated (a no-op where it
+        is already): slid by the entering batches' keys it owns (their union over the
+        ranks; O(batch)) when every rank slid, else set anew from every rank's batches,
+        batch by batch (O(K x batch)). A call that raises leaves the window to be set
+        anew by the next apply (MemCache changes nothing then)."""
+        owed = self._owed
+        if owed is None:
+            return
+        self._owed = ("set",)  # a call below that raises leaves MEM-PS's window unknown
+        if owed[0] == "slide":
+            if owed[1] is not None:
+                cache.slide_lookahead(owed[1])
             else:
                 cache.pop_lookahead()  # the end of the data: no batch enters
         else:
@@ -318,7 +341,7 @@ class OwnerWindows:
             cache.set_lookahead(batches[0] if batches else np.empty(0, np.uint64))
             for b in batches[1:]:
                 cache.push_lookahead(b)
-        self._stale = False
+        self._owed = None
 
     def _owned(self, keys: np.ndarray) -> np.ndarray:
         return keys if self._mine is None else keys[self._mine(keys)]
@@ -520,30 +543,41 @@ class DistributedServer:
         was asked for. A CacheFullError leaves the exchange done; the pipeline's
         retry with the same keys only pins again. ``upcoming`` (lookahead): the
         keys of this rank's next batches, which go to their owners too, so that
-        each owner's MEM-PS keeps them when it must evict."""
+        each owner's MEM-PS keeps them when it must evict. Its window is given to
+        MEM-PS with the pins, after the exchanges: a window past its room raises
+        CacheFullError as a pin does, and the retry tries it again without an
+        exchange (its peers are in the next one)."""
         if self._retry is not None and self._retry[0] is keys:
             exchange = self._retry[1]
         else:
             if upcoming is not None:
-                self._lookahead(upcoming)
+                self._send_window(upcoming)
             exchange = self._send_keys("prefetch", keys, "prefetch keys")
         self._retry = None
         uniq, order, counts, asked, flat, inverse = exchange
         union = np.unique(np.concatenate(asked)) if asked else np.empty(0, np.uint64)
         try:
+            if upcoming is not None:
+                self._owner_windows.apply(self.local._cache)
             local = self.local.prefetch(union)
         except CacheFullError:
             self._retry = (keys, exchange)
             raise
         return DistPrefetched(uniq, order, counts, asked, local, flat, inverse)
 
-    def _lookahead(self, upcoming) -> None:
+    def _lookahead(self, upcoming):
+        """_send_window, and MEM-PS's window given the result at once (prefetch
+        gives it with its pins instead)."""
+        window = self._send_window(upcoming)
+        self._owner_windows.apply(self.local._cache)
+        return window
+
+    def _send_window(self, upcoming):
         """Every rank's window to the owners (collective, prefetch stage): each one
-        sent the keys it owns of the batches that changed, and its MEM-PS keeps the
-        coming keys it owns in the order the job needs them (OwnerWindows)."""
+        sent the keys it owns of the batches that changed, for its MEM-PS to keep
+        the coming keys it owns in the order the job needs them (OwnerWindows.apply)."""
         blocks = self._window_sender.blocks(upcoming, self.node.size)
-        self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"),
-                                   self.local._cache)
+        self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"))
 
     def _make_owner_windows(self) -> OwnerWindows:
         return OwnerWindows(self.node.size)
