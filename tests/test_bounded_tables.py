@@ -484,6 +484,7 @@ def test_a_job_resharded_onto_fewer_ranks_keeps_the_cap_in_its_checkpoint(tmp_pa
     ps.close()
     old = reshard.check_source(str(root))  # to 2 ranks at checkpoint 2, about cap / 2 rows each
     done = [reshard.write_rank(str(root), 2, r) for r in range(2)]
+    assert sum(rows for _, _, rows in done) == cap
     reshard.commit(str(root), 2, old, done[0][1])
     more = np.arange(1000, 1000 + 4 * cap, dtype=np.uint64)
     for r in range(2):  # step 2: each rank fills up to the cap with new keys of its own
@@ -495,9 +496,10 @@ def test_a_job_resharded_onto_fewer_ranks_keeps_the_cap_in_its_checkpoint(tmp_pa
         rank.close()
     job = read_job(str(root))
     (root / JOB_MANIFEST).write_text(json.dumps({"world": 2, "step": 2, "checkpoint": 3, RUN: job.run}))
-    _, number, _ = reshard.to_one_process(str(root))
+    _, number, rows = reshard.to_one_process(str(root))
     ps = hps.ParameterServer.open(root)
     assert ps.checkpoint_number == number and len(ps._ssd) == cap
+    assert rows == cap  # what hps train says is "now in one process": the rows kept, not the 2 x cap put
     stamps, found = ps._ssd.stamps(keys)
     assert not found.any()  # the oldest (step 1's) went first
     ps.close()

@@ -379,7 +379,7 @@ def take_new_ranks(root: str, world: int, hold: Hold) -> None:
 
 def write_rank(root: str, world: int, rank: int, one_process: bool = False, held: bool = False) -> tuple:
     """Step 2 (module docstring) for new rank `rank` of `world`; returns (the old
-    checkpoint, the new one's number, rows written). `one_process` (world 1, rank
+    checkpoint, the new one's number, the rows it holds: those bound_store kept). `one_process` (world 1, rank
     0): the rows go to a parameter server at the root (to_one_process).
     `held`: the reshard's rank 0 holds the directory written (take_new_ranks;
     to_one_process the root) until the commit's end, as hps train's does; it is
@@ -455,7 +455,6 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False, held
                                  f"store does not find it")
             parts.append((np.asarray(stamps, np.uint64), np.full(len(mine), len(sources), np.int64), mine))
             sources.append((rv, src))
-        written = 0
         if parts:
             stamps, which, keys = (np.concatenate(x) for x in zip(*parts))
             order = np.lexsort((keys, which, stamps))
@@ -471,7 +470,6 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False, held
                         raise ValueError(f"{rv.source}: key {int(k[~found][0])} is in a parameter file but the "
                                          f"store does not find it")
                     out.put(k, rows)
-                    written += len(k)
         del sources
         states = [_load_state(os.path.join(job.checkpoint_dir(r), TRAINER_STATE)) for r in range(job.world)]
         merged = merge_dense(states)
@@ -481,6 +479,9 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False, held
         # max_rows is per rank and hard at each checkpoint, this one too: onto fewer
         # ranks, a rank gets several old ranks' rows (up to their caps together).
         bound_store(out, step, job.config.ttl_steps, job.config.max_rows)
+        # What the checkpoint holds, not what was put: onto fewer ranks, max_rows may
+        # erase rows again (hps train says "N rows now on M ranks").
+        kept = len(out)
         out.commit()
         del out
         with open(os.path.join(tmp, STORE_DIR, MANIFEST), "rb") as f:  # (closed: the store's last word)
@@ -498,7 +499,7 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False, held
             meta = {**job.metadata, "checkpoint": number, "step": step, RUN: run_id}
             _write_durable(os.path.join(root, METADATA + ".tmp"), json.dumps(meta, indent=1).encode())
             _replace_durable(os.path.join(root, METADATA + ".tmp"), os.path.join(root, METADATA))
-        return view.checkpoint, number, written
+        return view.checkpoint, number, kept
     finally:
         if lock is not None:
             os.close(lock)
@@ -576,7 +577,7 @@ def remove_old(root: str, hold: Optional[Hold] = None) -> None:
 def to_one_process(root: str, hold: Optional[Hold] = None) -> tuple:
     """Reshards the job of N ranks at root into one parameter server at root (module
     docstring); returns (the old job as check_source gives it, the new checkpoint,
-    rows written). Raises ValueError for a k-step Adam job, before writing anything.
+    the rows it holds). Raises ValueError for a k-step Adam job, before writing anything.
     The job's directories are held (Hold) until it returns; given `hold`, until the
     caller releases it (before it opens the server at root)."""
     if hold is None:
@@ -594,7 +595,7 @@ def to_one_process(root: str, hold: Optional[Hold] = None) -> tuple:
     # metadata is there would drop the checkpoint being written, or (opened after)
     # race the switch and the removal of the rank directories.
     hold.take(root, f"the parameter server at {root} as resharded")
-    _, number, written = write_rank(root, 1, 0, one_process=True, held=True)
+    _, number, rows = write_rank(root, 1, 0, one_process=True, held=True)
     manifest = os.path.join(root, JOB_MANIFEST)
     current = read_job(root)
     if (current.world, current.checkpoint) != (old["world"], old["checkpoint"]):
@@ -602,7 +603,7 @@ def to_one_process(root: str, hold: Optional[Hold] = None) -> tuple:
                            f"{current.checkpoint}, was {old['world']} at {old['checkpoint']}); resume it again")
     _replace_durable(manifest, os.path.join(root, RESHARDED_FILE))  # the switch
     remove_old_ranks(root, hold)
-    return old, number, written
+    return old, number, rows
 
 
 def finish_removal(root: str) -> None:
