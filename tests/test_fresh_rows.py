@@ -90,6 +90,12 @@ def test_a_block_that_does_not_match_the_keys_asked_is_refused():
         fresh.unpack(keys, [sent[:-1]])
     with pytest.raises(RuntimeError, match="of 11 rows as sent"):  # asked for another key count
         fresh.unpack([np.arange(11, dtype=np.uint64)], [sent])
+    # The rank whose block it is, named: blocks come from every rank at once.
+    both = [keys[0], keys[0]]
+    with pytest.raises(RuntimeError, match="^rank 1's rows: a block of 1 bytes cannot mark 10 rows"):
+        fresh.unpack(both, [sent, sent[:1]])
+    with pytest.raises(RuntimeError, match="^rank 1's rows: a block that marks 1 of 10 rows as sent holds 31 "):
+        fresh.unpack(both, [sent, sent[:-1]])
 
 
 @pytest.mark.parametrize("optimizer", [SGD(), AdaGrad(initial_accumulator_value=0.1), RowWiseAdaGrad(), Adam()],

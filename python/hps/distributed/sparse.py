@@ -125,20 +125,23 @@ class FreshRows:
                 for (mark, _), b in zip(marks, kept)]
 
     def unpack(self, keys: list, blocks: list) -> list:
-        """The rows (n, width) float32 of keys[r] from what rank r sent (pack's)."""
+        """The rows (n, width) float32 of keys[r] from what rank r sent (pack's).
+        RuntimeError, naming the rank, for a block that does not match the keys."""
         out = []
-        for k, buf in zip(keys, blocks):
+        for r, (k, buf) in enumerate(zip(keys, blocks)):
             n = len(k)
             head = (n + 7) // 8
             if len(buf) < head:
-                raise RuntimeError(f"a block of {len(buf)} bytes cannot mark {n} rows")
+                raise RuntimeError(f"rank {r}'s rows: a block of {len(buf)} bytes cannot mark {n} rows (does that "
+                                   f"rank run another hps?)")
             mark = np.unpackbits(buf[:head], count=n, bitorder="little").astype(bool)
             sent = n - int(mark.sum())
             body = buf[head:].tobytes()  # a copy: the received offset need not be aligned
             row_bytes = 4 * self.width if self.codec is None else self.codec.row_bytes
             if len(body) != sent * row_bytes:
-                raise RuntimeError(f"a block that marks {sent} of {n} rows as sent holds {len(body)} bytes of "
-                                   f"rows, not {sent * row_bytes}")
+                raise RuntimeError(f"rank {r}'s rows: a block that marks {sent} of {n} rows as sent holds "
+                                   f"{len(body)} bytes of rows, not {sent * row_bytes} (does that rank run "
+                                   f"another hps?)")
             if self.codec is None or self.codec.spec == "none":
                 got = np.frombuffer(body, np.float32).reshape(sent, self.width)
             else:
