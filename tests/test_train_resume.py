@@ -148,18 +148,46 @@ def test_a_run_stopped_at_random_batches_and_resumed_ends_as_the_uninterrupted_r
         assert got["final"].get(name) == want["final"].get(name), name
 
 
+# One setting of 6 batches, checkpoints every 2, for the tests of one case.
+SMALL = {"pipelined": True, "checkpoint_every": 2, "eval_every": 0, "mem_budget": "40KiB",
+         "cache_policy": "tinylfu-lfu", "devices": 1, "schedule": "sequential", "worker_cache_rows": 64,
+         "lookahead": 0, "optimizer": "adagrad", "batch": 32, "eval_examples": 0, "threshold": 1,
+         "examples": 32 * 6}
+
+
 def test_a_run_that_fails_lets_go_of_its_path_while_its_error_is_held(tmp_path):
     """A failed train() (an interrupt here) closes its server before it raises: its
     error's traceback, which an interactive session keeps (sys.last_traceback) and
     pytest.raises keeps here, holds the trainer, whose open server held the path's
     lock, so a resume in the same process was refused ("another parameter server
     has this path open (pid <this one>)") until the garbage collector ran."""
-    s = {"pipelined": True, "checkpoint_every": 2, "eval_every": 0, "mem_budget": "40KiB",
-         "cache_policy": "tinylfu-lfu", "devices": 1, "schedule": "sequential", "worker_cache_rows": 64,
-         "lookahead": 0, "optimizer": "adagrad", "batch": 32, "eval_examples": 0, "threshold": 1,
-         "examples": 32 * 6}
+    s = dict(SMALL)
     with pytest.raises(KeyboardInterrupt, match="batch 3") as stopped:
         train(config(tmp_path / "ps", s, s["examples"]), progress=False, train_batches=interrupted_at(data(s), 3))
     got = train(config(tmp_path / "ps", s, s["examples"]), resume=True, progress=False)
     assert (got["batches"], got["started_at"]["batches"]) == (6, 2)
     assert stopped.value.__traceback__ is not None
+
+
+def test_a_run_that_fails_to_set_up_lets_go_of_its_path_while_its_error_is_held(tmp_path):
+    """A run that fails once its server is open, before it trains, closes the server
+    too: a resume with another `hidden` (whose MLP cannot take the checkpoint's, found
+    as the Trainer loads it) and a dense hook that raises. Their errors' tracebacks
+    hold the trainer, whose open server held the path's lock, so the corrected run in
+    the same process was refused ("another parameter server has this path open (pid
+    <this one>)") until the garbage collector ran."""
+    s = dict(SMALL)
+    path = tmp_path / "ps"
+    train(config(path, s, s["batch"] * 2), progress=False)
+    wider = config(path, s, s["examples"])
+    wider.hidden = (16,)
+    with pytest.raises(RuntimeError, match="size mismatch") as refused:
+        train(wider, resume=True, progress=False)
+
+    def hook(trainer):
+        raise ValueError("the hook failed")
+    with pytest.raises(ValueError, match="the hook failed") as hooked:
+        train(config(path, s, s["examples"]), resume=True, progress=False, dense_hook=hook)
+    got = train(config(path, s, s["examples"]), resume=True, progress=False)
+    assert (got["batches"], got["started_at"]["batches"]) == (6, 2)
+    assert refused.value.__traceback__ is not None and hooked.value.__traceback__ is not None

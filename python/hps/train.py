@@ -609,7 +609,6 @@ class Trainer:
         of [ps] lookahead_room = "auto" (train's check_lookahead_room; None: sized for the
         data config's batches, window_batch_keys)."""
         torch = import_torch()
-        from hps.torch import CtrModel, DeviceReplicas
         self.torch = torch
         self.cfg = cfg
         self.node = node
@@ -675,6 +674,28 @@ class Trainer:
         self.ps = ParameterServer(ps_cfg, checkpoint=checkpoint, before_restore=unchanged)
         self.ps_open_seconds = time.perf_counter() - opened  # a prefault's cost shows here, not in training
         self.local_ps = self.ps
+        try:
+            self._set_up(node, widths, defer_dense, checkpoint)
+        except BaseException:
+            # Failed with the server open (a resume whose MLP cannot take the checkpoint's:
+            # another `hidden`): closed now, as train() closes a run that fails. The error's
+            # traceback holds this trainer (an interactive session keeps it), and with it
+            # the server's lock on the path, so the corrected run in this process was
+            # refused ("another parameter server has this path open") until the garbage
+            # collector ran. Closing writes nothing; a close that fails too leaves the
+            # server to the collector: the setup's error is the one to report.
+            try:
+                self.local_ps.close()
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+
+    def _set_up(self, node: Optional[Node], widths: tuple, defer_dense: bool,
+                checkpoint: Union[int, None, str]) -> None:
+        """The rest of __init__, once the parameter server is open: the model, its
+        replicas and optimizers, admission, and a resumed run's dense state."""
+        from hps.torch import CtrModel, DeviceReplicas
+        torch, cfg = self.torch, self.cfg
         self.widths = widths
         self.model = CtrModel(self.ps, num_fields=widths[1], num_dense=widths[0], hidden=cfg.hidden, seed=cfg.seed,
                               num_bags=widths[2], pooling=cfg.pooling)
@@ -1388,13 +1409,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         number = _prepare_job(cfg, node, resume, tuple(widths))
     trainer = _collective(node, lambda: Trainer(cfg, resume=resume, node=node, checkpoint=number, widths=widths,
                                                 defer_dense=dense_hook is not None, window_room=window_room))
-    if dense_hook is not None:
-        if len(trainer.replicas) > 1 or trainer.model.device.type != "cpu":
-            raise ValueError("[hierarchical] splits one dense model on the CPU a trainer: set model_devices = "
-                             "\"cpu\" and dense_replica_per_worker = false")
-        dense_hook(trainer)
-        _collective(node, trainer.load_dense_state)  # (into the hook's MLP, optimizer and dense sync)
     try:
+        if dense_hook is not None:  # (in the try: a hook that fails closes the server too)
+            if len(trainer.replicas) > 1 or trainer.model.device.type != "cpu":
+                raise ValueError("[hierarchical] splits one dense model on the CPU a trainer: set model_devices = "
+                                 "\"cpu\" and dense_replica_per_worker = false")
+            dense_hook(trainer)
+            _collective(node, trainer.load_dense_state)  # (into the hook's MLP, optimizer and dense sync)
         if node is not None:
             _check_resumed_step(trainer)
             trainer.admission.agree(node)  # one sketch for the job (checkpoints before job-wide counting had one a rank)
