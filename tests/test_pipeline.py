@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +19,8 @@ from hps.train import DataConfig, TrainConfig, auc, load_trainer_state, train  #
 
 SMALL_VOCAB = [50, 200, 1000, 50_000] + [3000] * 22
 GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"  # where keep_freed_memory sets malloc
+# Host partitions on this topology's routes: a device tier that holds copies of MEM-PS's rows.
+TOPOLOGY = Path(__file__).resolve().parents[1] / "examples" / "topologies" / "pcie_only.toml"
 
 
 def config(path, **kw):
@@ -51,6 +54,48 @@ def test_pipelined_training_equals_sequential_exactly(tmp_path, devices):
     assert all(v >= 0 for v in p["busy_seconds"].values())
     # The cache was too small for the run: rows went to SSD-PS and came back.
     assert pip["ps"]["counts"]["ssd_hits"] > 0 and pip["ps"]["mem"]["dirty_evictions"] > 0
+
+
+def test_a_pipelined_runs_evaluations_read_what_a_sequential_runs_read(tmp_path, monkeypatch):
+    """eval_every's evaluations pull from MEM-PS in the train step of batch t, while
+    the writer writes batch t - 1 back: on a tier that holds copies of the rows (GPUs;
+    here host partitions with a topology's routes), they read its rows half written or
+    not at all, as the writer's pace had it, and their metrics differed from a
+    sequential run's. Here the writer holds batch 3's write-back until the train step
+    of batch 4 (an evaluation) reads the server or waits for the write-backs before it."""
+    def copies(path, pipelined):
+        cfg = config(path, pipelined=pipelined, devices=2, eval_every=4)
+        cfg.ps.topology = str(TOPOLOGY)
+        return cfg
+    seq = train(copies(tmp_path / "seq", pipelined=False), progress=False)
+
+    reading = threading.Event()
+    write_backs = []
+    write_back, evaluate = hps.parameter_server.Batch.write_back, hps.train.Trainer.evaluate
+    wait_for_write_backs = getattr(hps.pipeline.Pipeline, "wait_for_write_backs", None)
+
+    def held_write_back(self):
+        if threading.current_thread().name == "hps-writer":
+            write_backs.append(self)
+            if len(write_backs) == 3:
+                assert reading.wait(timeout=60)
+        write_back(self)
+
+    def reads(method):
+        def wrapped(self, *args):
+            reading.set()
+            return method(self, *args)
+        return wrapped
+
+    monkeypatch.setattr(hps.parameter_server.Batch, "write_back", held_write_back)
+    monkeypatch.setattr(hps.train.Trainer, "evaluate", reads(evaluate))
+    if wait_for_write_backs is not None:
+        monkeypatch.setattr(hps.pipeline.Pipeline, "wait_for_write_backs", reads(wait_for_write_backs))
+    pip = train(copies(tmp_path / "pip", pipelined=True), progress=False)
+
+    def metrics(summary):
+        return [(h["batches"], h["auc"], h["logloss"]) for h in summary["history"]]
+    assert len(pip["history"]) == 4 and metrics(pip) == metrics(seq)
 
 
 def test_resume_continues_to_the_same_result(tmp_path):

@@ -184,6 +184,8 @@ class Pipeline:
         self._lock = threading.Lock()
         self._written_back = threading.Condition(self._lock)  # a batch let go of its pins
         self._in_flight = 0  # prefetched batches not yet written back
+        self._applied_not_written = 0  # batches the train stage applied, not yet written back
+        self._stop: Optional[threading.Event] = None  # a pipelined run's: set when its stages stop
 
     # ------------------------------------------------------------ stages
     def _timed(self, stage: str, fn, *args, **kwargs):
@@ -213,6 +215,21 @@ class Pipeline:
                 self.stats.cpu_seconds["train"] -= cpu
                 self.stats.set_aside_seconds += wall
 
+    def wait_for_write_backs(self) -> None:
+        """Waits until the batches trained before the one in the train step are
+        written back. A pipelined run writes a batch back while the next one trains,
+        so a read of the server in the step (hps train's periodic evaluations, which
+        pull from MEM-PS) found the rows of the batch before half written, or not at
+        all, as the writer's pace had it: its metrics differed from a sequential run's
+        and from run to run. After this wait the server holds what a sequential run's
+        holds there: every batch before applied and written back, the one in the step
+        not applied. Returns at once when the run's stages are stopping (a stage
+        failed: its error ends the run). REQUIRES: called in the train step (the
+        thread that runs it)."""
+        with self._lock:
+            while self._applied_not_written and not (self._stop is not None and self._stop.is_set()):
+                self._written_back.wait(timeout=0.1)
+
     def _load(self, data, prefetched, overlap: bool = False) -> Loaded:
         b = self.ps.batch(prefetched, overlap=overlap)
         with self._lock:  # waiting for the previous write-back is not work
@@ -239,6 +256,8 @@ class Pipeline:
                 loaded.read, loaded.data = loaded.data, exchanged
         self._timed("train", self.train_step, loaded)
         self._timed("train", loaded.batch.apply)
+        with self._lock:
+            self._applied_not_written += 1
 
     def _write_back(self, loaded: Loaded) -> None:
         self._timed("write_back", loaded.batch.write_back)
@@ -246,6 +265,7 @@ class Pipeline:
             self.stats.batches += 1
             self.stats.examples += len(loaded.data.labels)
             self._in_flight -= 1
+            self._applied_not_written -= 1
             self._written_back.notify_all()
 
     def _prefetch(self, data, stop: Optional[threading.Event] = None, upcoming=None):
@@ -310,6 +330,8 @@ class Pipeline:
     # ------------------------------------------------------------ runs
     def run(self, source: Iterable, pipelined: bool = True) -> PipelineStats:
         self._in_flight = 0  # whatever a previous run left in flight it released
+        self._applied_not_written = 0
+        self._stop = None
         t0 = time.perf_counter()
         try:
             if pipelined:
@@ -356,6 +378,7 @@ class Pipeline:
         q_read, q_prefetch, q_load = (queue.Queue(maxsize=d) for d in self.depths)
         q_write_back: queue.Queue = queue.Queue(maxsize=1)
         stop = threading.Event()
+        self._stop = stop
         errors: list[BaseException] = []
 
         def put(q, item):

@@ -1584,6 +1584,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             inner(loaded)
             if cfg.eval_every and trainer.batches_done % cfg.eval_every == 0:
                 with untimed(), pipeline.set_aside():  # (not the train stage's busy time: see set_aside)
+                    pipeline.wait_for_write_backs()  # MEM-PS as a sequential run has it here
                     record_eval()
             if cfg.checkpoint_every and trainer.batches_done % cfg.checkpoint_every == 0:
                 # The batch in flight is written back after this step returns; the
