@@ -2191,18 +2191,28 @@ def test_serve_refuses_a_refresh_interval_that_is_not_a_number_of_seconds(job, c
     assert not os.path.exists(job / jobdir.READERS)
 
 
-def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_path):
-    """A POST /refresh that raised (the job's metadata damaged, or the job gone) got
-    no answer: the connection was dropped and the traceback went to stderr."""
-    import threading
+@contextlib.contextmanager
+def serving_a_copy(job, tmp_path):
+    """(the copy of `job` under tmp_path, its Lookup, a LookupServer of it serving on
+    a thread); stopped and closed after."""
     from hps.serve import LookupServer
     copy = tmp_path / "job"
     shutil.copytree(job, copy)
     lk = hps.Lookup(copy, memory_budget="64MiB")
     srv = LookupServer(lk, ("127.0.0.1", 0))
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    t.start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
+        yield copy, lk, srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        lk.close()
+
+
+def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_path):
+    """A POST /refresh that raised (the job's metadata damaged, or the job gone) got
+    no answer: the connection was dropped and the traceback went to stderr."""
+    with serving_a_copy(job, tmp_path) as (copy, lk, srv):
         meta = copy / "hps-parameter-server.json"
         meta.write_text(meta.read_text()[:100])
         status, _, data = request(srv, "POST", "/refresh", b"")
@@ -2211,10 +2221,6 @@ def test_serve_answers_a_failed_refresh_with_a_500_and_keeps_serving(job, tmp_pa
                                                     f"{meta}: not JSON")
         status, _, data = request(srv, "POST", "/lookup", b'{"keys": [1]}')
         assert status == 200 and json.loads(data)["checkpoint"] == 6
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        lk.close()
 
 
 def test_serve_labels_each_answer_with_the_checkpoint_it_was_read_from(tmp_path):
@@ -2266,16 +2272,8 @@ def test_serve_answers_health_with_one_checkpoint_s_fields(job, tmp_path):
     time: a refresh finishing in between (--refresh-every's, on another thread) answered
     checkpoint 6 with the world of the job resharded to 2 ranks since. Here the refresh
     runs the moment the handler has read which checkpoint is served."""
-    import threading
     from hps import reshard
-    from hps.serve import LookupServer
-    copy = tmp_path / "job"
-    shutil.copytree(job, copy)
-    lk = hps.Lookup(copy, memory_budget="64MiB")
-    srv = LookupServer(lk, ("127.0.0.1", 0))
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    t.start()
-    try:
+    with serving_a_copy(job, tmp_path) as (copy, lk, srv):
         old = reshard.check_source(str(copy))
         written = [reshard.write_rank(str(copy), 2, r) for r in range(2)]
         reshard.commit(str(copy), 2, old, written[0][1])
@@ -2292,10 +2290,6 @@ def test_serve_answers_health_with_one_checkpoint_s_fields(job, tmp_path):
         assert json.loads(body) == {"checkpoint": 6, "step": BATCHES, "world": 1, "dim": 4}
         status, _, body = request(srv, "GET", "/health")
         assert status == 200 and json.loads(body) == lk.served() and json.loads(body)["world"] == 2
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        lk.close()
 
 
 def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
