@@ -404,9 +404,8 @@ def _crashed_after_3(tmp_path, n, *args):
 def crashed_resumed_job(tmp_path_factory):
     """The RESUMED job on 4 ranks (two groups of a trainer and a group PS) crashed
     after its checkpoint at batch 3, made once for the module (a 4-rank job): each
-    test that resumes it, or is refused, works on a copy of its directory."""
-    if not ms.MPI_READY:
-        pytest.skip(ms.MPI_MISSING)
+    test that resumes it, or is refused, works on a copy of its directory. (Its
+    tests are needs_mpi: they skip before it is made.)"""
     crashed = tmp_path_factory.mktemp("crashed_resumed_job")
     _crashed_after_3(crashed, 4, 2, 1, *RESUMED)
     return crashed / "job"
