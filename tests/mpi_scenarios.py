@@ -496,7 +496,7 @@ def run_lookaheadorder(node, out: str, args) -> None:
     must evict k[0], needed latest (a window sorted by key value would evict k[C-1],
     and one that took a key's last batch over the ranks, not its first, would see
     every key needed in the last batch). The sequential schedule's or, with
-    --herald, Herald's _lookahead (rank 0 leads). The owner saves which keys stay."""
+    --herald, Herald's _send_window (rank 0 leads). The owner saves which keys stay."""
     import hps
     from hps.distributed import DistributedServer
     local = hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), budget=args.mem_budget))
@@ -512,7 +512,8 @@ def run_lookaheadorder(node, out: str, args) -> None:
     upcoming.append(keys[:rows] if mine else keys[:0])
     if mine:
         cache.pull(keys[:rows])  # MEM-PS full, nothing pinned
-    server._lookahead(upcoming)
+    server._send_window(upcoming)  # as a prefetch does, without its pins
+    server._owner_windows.apply(cache)
     if mine:
         cache.pull(keys[rows:])
         with open(os.path.join(out, "owner.json"), "w") as f:

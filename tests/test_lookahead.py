@@ -183,7 +183,8 @@ def owner_window(windows: list, world: int = 1):
     """The window rank 0 of `world` keeps of ranks' windows, sent (set) once."""
     from hps.distributed.sparse import OwnerWindows, WindowSender
     owner, cache = OwnerWindows(len(windows)), WindowCalls()
-    owner.update([WindowSender().blocks(w, world)[0] for w in windows], cache)
+    owner.update([WindowSender().blocks(w, world)[0] for w in windows])
+    owner.apply(cache)
     return cache
 
 
@@ -226,7 +227,8 @@ def test_a_shifted_window_sends_the_entering_batch_and_the_owner_slides():
 
     def move(windows: list) -> list:
         sent = [s.blocks(w, 1)[0] for s, w in zip(senders, windows)]
-        owner.update(sent, cache)
+        owner.update(sent)
+        owner.apply(cache)
         assert cache.batches == owner_window(windows).batches  # what setting it anew gives
         return sent
 
@@ -262,7 +264,8 @@ def test_the_leader_is_sent_every_key_and_the_owners_theirs():
     assert [k.tolist() for k in unpack_window(blocks[0], 0)[1]] == [[4, 9], [2, 11], [4, 7]]
     for r in range(world):
         owner, cache = OwnerWindows(1, (lambda k, r=r: owner_ranks(k, world) == r) if r == 0 else None), WindowCalls()
-        owner.update([blocks[r]], cache)
+        owner.update([blocks[r]])
+        owner.apply(cache)
         want = [sorted(int(k) for k in b if owner_ranks(u64(k), world)[0] == r) for b in batches]
         assert cache.batches == want, r
         assert owner.keys().tolist() == ([2, 4, 7, 9, 11] if r == 0 else sorted({k for b in want for k in b})), r
@@ -277,13 +280,13 @@ def test_window_errors_name_the_batch_and_the_rank():
     damaged = WindowSender().blocks([u64(1, 2)], 1)[0][:-1]  # its counts name a key it does not hold
     good = WindowSender().blocks([], 1)[0]
     with pytest.raises(RuntimeError, match="rank 1's lookahead window: 4 words do not match"):
-        OwnerWindows(2).update([good, damaged], WindowCalls())
+        OwnerWindows(2).update([good, damaged])
     with pytest.raises(RuntimeError, match="rank 0's lookahead window"):
-        OwnerWindows(1).update([u64()], WindowCalls())
+        OwnerWindows(1).update([u64()])
     with pytest.raises(RuntimeError, match="rank 0's lookahead window"):  # a slide carries one batch at most
-        OwnerWindows(1).update([pack_window(WINDOW_SLIDE, [u64(1), u64(2)])], WindowCalls())
+        OwnerWindows(1).update([pack_window(WINDOW_SLIDE, [u64(1), u64(2)])])
     with pytest.raises(RuntimeError, match="rank 1's lookahead window slid from a window it never sent"):
-        OwnerWindows(2).update([good, pack_window(WINDOW_SLIDE, [u64(1)])], WindowCalls())
+        OwnerWindows(2).update([good, pack_window(WINDOW_SLIDE, [u64(1)])])
 
 
 def test_an_owner_whose_window_call_raised_sets_the_next_one_anew():
@@ -297,10 +300,13 @@ def test_an_owner_whose_window_call_raised_sets_the_next_one_anew():
 
     w = [u64(1), u64(2), u64(3), u64(4)]
     sender, owner, cache = WindowSender(), OwnerWindows(1), Refusing()
-    owner.update([sender.blocks(w[0:2], 1)[0]], cache)
+    owner.update([sender.blocks(w[0:2], 1)[0]])
+    owner.apply(cache)
+    owner.update([sender.blocks(w[1:3], 1)[0]])
     with pytest.raises(ValueError, match="refused"):
-        owner.update([sender.blocks(w[1:3], 1)[0]], cache)
-    owner.update([sender.blocks(w[2:4], 1)[0]], cache)
+        owner.apply(cache)
+    owner.update([sender.blocks(w[2:4], 1)[0]])
+    owner.apply(cache)
     assert cache.calls[-2:] == ["set", "push"] and cache.batches == [[3], [4]]
 
 

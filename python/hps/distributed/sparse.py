@@ -294,12 +294,12 @@ class OwnerWindows:
         # end of the data); ("set",): set anew, also where a call to it raised (unknown).
         self._owed: Optional[tuple] = None
 
-    def update(self, messages: list, cache=None) -> None:
-        """The ranks' messages (pack_window, rank by rank) to their windows; with
-        `cache`, to its window too (apply). The prefetch applies them apart, with
-        its pins: a MemCache call that raises CacheFullError (a window past its
-        room) must leave the exchange done, since the pipeline tries that prefetch
-        again and the other ranks have gone on to its next exchange."""
+    def update(self, messages: list) -> None:
+        """The ranks' messages (pack_window, rank by rank) to their windows. MEM-PS
+        gets the result later (apply, with the prefetch's pins): a MemCache call
+        that raises CacheFullError (a window past its room) must leave the exchange
+        done, since the pipeline tries that prefetch again and the other ranks have
+        gone on to its next exchange."""
         got = [unpack_window(m, r) for r, m in enumerate(messages)]
         for r, (kind, _) in enumerate(got):
             if kind == WINDOW_SLIDE and not self._ranks[r]:
@@ -320,8 +320,6 @@ class OwnerWindows:
             self._owed = ("slide", np.unique(np.concatenate(entering)) if entering else None)
         else:
             self._owed = ("set",)
-        if cache is not None:
-            self.apply(cache)
 
     def apply(self, cache) -> None:
         """`cache`'s window to the ranks' windows as last updated (a no-op where it
@@ -567,13 +565,6 @@ class DistributedServer:
             self._retry = (keys, exchange)
             raise
         return DistPrefetched(uniq, order, counts, asked, local, flat, inverse)
-
-    def _lookahead(self, upcoming):
-        """_send_window, and MEM-PS's window given the result at once (prefetch
-        gives it with its pins instead)."""
-        window = self._send_window(upcoming)
-        self._owner_windows.apply(self.local._cache)
-        return window
 
     def _send_window(self, upcoming):
         """Every rank's window to the owners (collective, prefetch stage): each one
