@@ -1256,3 +1256,39 @@ def test_random_evictions_peer_fetches_and_flushes_keep_every_rows_latest_versio
     # The runs did what the check is about: rows evicted, written and dropped,
     # fetched from peers, kept through rebuilt and grown tables, and flushes failed.
     assert all(ran.values()), ran
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_caches_name_the_failure_that_stopped_them_not_the_aborts_after_it(tmp_path, monkeypatch, pipelined):
+    """A batch whose start fails stops the caches, naming its error; the pipeline then
+    aborts that batch (pipelined, the batches made after it too), and each abort stops
+    the caches again. The first reason is the cause: an abort's took its place, so
+    every later call said only that a batch was aborted."""
+    from hps.data import Batch
+    from hps.pipeline import Pipeline
+    from hps.worker_caches import HeraldBatch
+    ps = server(tmp_path / "a", "herald")
+    data = [Batch(np.zeros(len(k), np.float32), np.zeros((len(k), 1), np.float32), k) for k in trace(batches=8)]
+    start, starts = HeraldBatch._start, []
+
+    def fails_at_batch_3(self):
+        starts.append(self)
+        if len(starts) == 4:
+            raise MemoryError("device 1 out of memory")
+        start(self)
+
+    def step(loaded):
+        b = loaded.batch
+        for w, idx in enumerate(loaded.minibatches):
+            k = loaded.data.keys[idx].reshape(-1)
+            b.push(k, (0.3 * b.pull(k, worker=w) + 0.02).astype(np.float32), worker=w)
+
+    monkeypatch.setattr(HeraldBatch, "_start", fails_at_batch_3)
+    with pytest.raises(MemoryError, match="device 1 out of memory"):
+        Pipeline(ps, step, devices=4).run(iter(data), pipelined=pipelined)
+    assert ps._herald_active == 0 and ps.stats()["mem"]["pinned"] == 0
+    stopped = r"stopped after a failed batch \(MemoryError: device 1 out of memory\)"
+    with pytest.raises(RuntimeError, match=stopped):
+        ps.pull(data[0].keys.reshape(-1))
+    with pytest.raises(RuntimeError, match=stopped):
+        ps.checkpoint()

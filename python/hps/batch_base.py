@@ -110,7 +110,12 @@ class StopsAfterAFailedStep:
             raise RuntimeError(f"{self._what} stopped after a failed batch ({self._failed}); {self._resume_hint}")
 
     def fail(self, why: str) -> None:
-        self._failed = why
+        """Stops the owner for `why`; the first reason stays. A failed step is
+        followed by the aborts of its batch and of those made after it (the
+        pipeline's cleanup), each a reason to stop too: the last one's took the
+        cause's place, and every later call said only that a batch was aborted."""
+        if self._failed is None:
+            self._failed = why
 
     @contextmanager
     def step(self, check: bool = True):

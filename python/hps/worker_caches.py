@@ -543,8 +543,6 @@ class HeraldBatch(BatchBase):
             return
         self.partition()
         c = self._caches
-        # The real exception is the reason recorded: the abort inside marks a
-        # scheduled batch failed first, and step() overwrites that on the way out.
         with c.step(check=False):
             try:
                 c._tier.apply()
@@ -564,7 +562,10 @@ class HeraldBatch(BatchBase):
                     c._to_mem(lost, c._tier.rows(lost, lost_from, c._row_floats))
                     c._tier.set_trained(lost, lost_from, False)  # written
                     c.counts["evict_pushes"] += len(lost)
-            except BaseException:
+            except BaseException as e:
+                # The error is the reason recorded (the first stands), not the
+                # abort's that releases the batch.
+                c.fail(f"{type(e).__name__}: {e}")
                 self.abort()
                 raise
             c._dirty = True
