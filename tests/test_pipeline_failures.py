@@ -171,3 +171,44 @@ def test_an_interrupt_between_a_batchs_step_and_its_write_back_writes_it_back(tm
     assert not checkpointed.is_alive(), "the checkpoint waited for good for a batch dropped by the interrupt"
     keys, rows = rows_after(tmp_path / "ref", data[:k + 1], **kw)
     np.testing.assert_array_equal(ps.pull(keys), rows)
+
+
+@pytest.mark.parametrize("tier", [*TIERS, "in-place", "herald"])
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_an_abort_that_fails_in_the_cleanup_leaves_the_steps_error_and_the_cleanup_whole(
+        tmp_path, monkeypatch, capfd, pipelined, tier):
+    """Batch k's step fails; the cleanup aborts it (pipelined, the batches queued behind
+    it too), and each abort fails after letting go of its batch (an unpin of a key
+    something else unpinned, say). The run raises the step's error, the aborts' go to
+    stderr, and the cleanup goes on: no stage is left running and nothing stays
+    pinned. (The first abort's error took the step's place and, pipelined, cut the
+    cleanup short: the stages went on running, the queued batches kept their pins.)"""
+    from hps.parameter_server import Batch, HostBatch
+    from hps.worker_caches import HeraldBatch
+    k = 3
+    kw = {"in-place": dict(devices=1), "herald": dict(devices=2, schedule="herald", worker_cache_rows=16)}.get(
+        tier) or dict(TIERS[tier], host_in_place=False)
+    ps = server(tmp_path / "a", **kw)
+
+    def failing(abort):
+        def wrapped(self):
+            abort(self)
+            raise RuntimeError("a key was unpinned by something else")
+        return wrapped
+
+    for cls in (Batch, HostBatch, HeraldBatch):
+        monkeypatch.setattr(cls, "abort", failing(cls.abort))
+    trained = [0]
+
+    def step(loaded):
+        if trained[0] == k:
+            raise ValueError(f"the step of batch {k} failed")
+        push_ones(loaded)
+        trained[0] += 1
+
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="the step of batch 3 failed"):
+        Pipeline(ps, step).run([Data(i) for i in range(10)], pipelined=pipelined)
+    assert "a key was unpinned by something else" in capfd.readouterr().err
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    assert ps.stats()["mem"]["pinned"] == 0

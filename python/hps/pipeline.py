@@ -128,6 +128,13 @@ class Loaded:
 TrainStep = Callable[[Loaded], None]
 
 
+def _report_cleanup_error(e: BaseException, failure: Optional[BaseException]) -> None:
+    """A cleanup's error, while `failure` ends the run: to stderr (hps has no logger)."""
+    print(f"hps pipeline: a batch's cleanup failed too, after {type(failure).__name__}: {failure}",
+          file=sys.stderr)
+    traceback.print_exception(e)
+
+
 class Pipeline:
     """Runs `train_step` over the batches of `source` through the four stages.
 
@@ -327,6 +334,23 @@ class Pipeline:
         except Exception:  # noqa: BLE001 - the stage's own error is what run() raises
             traceback.print_exc()
 
+    @staticmethod
+    def _let_go(release, failure: Optional[BaseException], left: Optional[list] = None) -> None:
+        """Cleanup after a failure: release() (a batch's abort, a prefetch's release).
+        An error of its own (an unpin of a key something else unpinned) must not
+        take the place of the error that ends the run, which says what failed: it
+        took it, and in a pipelined run it also cut the cleanup short (stages left
+        running, queued batches keeping their pins). It goes to stderr while
+        `failure` is in flight, else into `left` (the run raises it, having no
+        other error)."""
+        try:
+            release()
+        except Exception as e:  # noqa: BLE001 - reported, the cleanup goes on
+            if failure is None and left is not None:
+                left.append(e)
+            else:
+                _report_cleanup_error(e, failure)
+
     # ------------------------------------------------------------ runs
     def run(self, source: Iterable, pipelined: bool = True) -> PipelineStats:
         self._in_flight = 0  # whatever a previous run left in flight it released
@@ -365,10 +389,10 @@ class Pipeline:
             try:
                 self._train(loaded)
                 self._write_back(loaded)
-            except BaseException:
+            except BaseException as e:
                 # Not written back (a failed step, an interrupt): the batch lets go
                 # of its pins and device tier, keeping a step it applied.
-                loaded.batch.abort()
+                self._let_go(loaded.batch.abort, e)
                 raise
 
     def _run_pipelined(self, it: Iterator) -> None:
@@ -491,6 +515,8 @@ class Pipeline:
         for t in threads:
             t.start()
         held = None  # the batch the train stage holds, not yet handed to the writer
+        failure: Optional[BaseException] = None  # the train stage's error
+        left: list[BaseException] = []  # the cleanup's own errors, where nothing else failed
         try:
             while True:
                 loaded = get(q_load)
@@ -508,6 +534,7 @@ class Pipeline:
                     break
                 held = None
         except BaseException as e:
+            failure = e
             self._failed(e)  # (the train stage: before the joins below)
             raise
         finally:
@@ -515,6 +542,10 @@ class Pipeline:
             put(q_write_back, _DONE)
             write_back.join()
             stop.set()
+
+            def let_go(release):
+                # (a stage's error, if not the train stage's: the first, as run() raises)
+                self._let_go(release, failure if failure is not None else (errors[0] if errors else None), left)
 
             def let_go_of(queues):
                 """Whatever waits in the queues lets go of its pins and device tier
@@ -526,9 +557,9 @@ class Pipeline:
                         except queue.Empty:
                             break
                         if isinstance(item, Loaded):
-                            item.batch.abort()
+                            let_go(item.batch.abort)
                         elif isinstance(item, tuple):
-                            item[1].release()
+                            let_go(item[1].release)
 
             # Batches trained and not written back (the writer failed) go in the
             # order they trained, and then the one the train stage held (its step
@@ -539,7 +570,7 @@ class Pipeline:
             # holding copies).
             let_go_of([q_write_back])
             if held is not None:
-                held.batch.abort()  # nothing, if the writer took it before the interrupt
+                let_go(held.batch.abort)  # nothing, if the writer took it before the interrupt
             # The loader may be waiting in ps.batch, with no way out, for a device
             # tier (or a host batch's turn) that a queued batch holds: the queues
             # let go while the stages stop, not only after.
@@ -549,4 +580,8 @@ class Pipeline:
                     t.join(timeout=0.1)
             let_go_of([q_prefetch, q_load])  # what a stage put as the stop came
         if errors:
+            for e in left:
+                _report_cleanup_error(e, errors[0])
             raise errors[0]
+        if left:
+            raise left[0]
