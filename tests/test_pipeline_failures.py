@@ -212,3 +212,66 @@ def test_an_abort_that_fails_in_the_cleanup_leaves_the_steps_error_and_the_clean
     assert "a key was unpinned by something else" in capfd.readouterr().err
     assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
     assert ps.stats()["mem"]["pinned"] == 0
+
+
+class _Failing:
+    """A batch's native part (or Herald's tier) whose optimizer step raises (a device
+    lost mid-step) and whose release raises after releasing (an unpin of a key
+    something else unpinned)."""
+
+    def __init__(self, real, release):
+        self._real = real
+        self._release = release
+
+    def __getattr__(self, name):
+        if name == self._release:
+            def released(*args):
+                getattr(self._real, name)(*args)
+                raise RuntimeError("a key was unpinned by something else")
+            return released
+        return getattr(self._real, name)
+
+    def apply(self):
+        raise OSError("device 2 lost")
+
+
+def failing_batch(tmp_path, tier, monkeypatch):
+    """A batch of `tier` that took its gradients, whose apply and release fail."""
+    kw = {"in-place": dict(devices=1), "herald": dict(devices=2, schedule="herald", worker_cache_rows=16)}.get(
+        tier) or dict(TIERS[tier], host_in_place=False)
+    ps = server(tmp_path / "a", **kw)
+    data = Data(1)
+    b = ps.batch(ps.prefetch(data.keys))
+    parts = b.partition() if tier == "herald" else np.array_split(np.arange(2), ps.config.devices)
+    push_ones(Loaded(data, b, parts))
+    if tier == "herald":
+        ps._herald._tier = _Failing(ps._herald._tier, "")
+        monkeypatch.setattr(ps, "_cache", _Failing(ps._cache, "unpin"))
+    elif tier == "in-place":
+        b._native = _Failing(b._native, "release")
+    else:
+        b._ws = _Failing(b._ws, "abort")
+    return ps, b
+
+
+@pytest.mark.parametrize("tier", [*TIERS, "in-place", "herald"])
+def test_a_failed_apply_raises_its_error_when_the_release_after_it_fails_too(tmp_path, monkeypatch, capfd, tier):
+    """apply() releases a batch whose step failed; a release that fails as well is
+    written to stderr, and the step's error is the one raised (the release's took its
+    place: the caller learnt that a key was unpinned, not that a device was lost)."""
+    ps, b = failing_batch(tmp_path, tier, monkeypatch)
+    with pytest.raises(OSError, match="device 2 lost"):
+        b.apply()
+    assert "a key was unpinned by something else" in capfd.readouterr().err
+    assert ps.stats()["mem"]["pinned"] == 0
+
+
+@pytest.mark.parametrize("tier", [*TIERS, "in-place", "herald"])
+def test_a_with_block_that_fails_raises_its_error_when_the_abort_after_it_fails_too(tmp_path, monkeypatch, capfd,
+                                                                                    tier):
+    ps, b = failing_batch(tmp_path, tier, monkeypatch)
+    with pytest.raises(ValueError, match="the step failed"):
+        with b:
+            raise ValueError("the step failed")
+    assert "a key was unpinned by something else" in capfd.readouterr().err
+    assert ps.stats()["mem"]["pinned"] == 0

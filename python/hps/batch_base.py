@@ -7,7 +7,9 @@ made and run later in that order."""
 from __future__ import annotations
 
 import collections
+import sys
 import threading
+import traceback
 from contextlib import contextmanager
 from typing import Optional
 
@@ -28,6 +30,25 @@ def prefetched_positions(flat: np.ndarray, prefetched: np.ndarray, inverse: np.n
     if flat.nbytes == prefetched.nbytes and np.array_equal(flat.view(prefetched.dtype), prefetched):
         return inverse
     return None
+
+
+def report_cleanup_error(e: BaseException, failure: Optional[BaseException]) -> None:
+    """A cleanup's error `e`, while `failure` is the error raised: to stderr (hps
+    has no logger)."""
+    print(f"hps: a cleanup failed too, after {type(failure).__name__}: {failure}", file=sys.stderr)
+    traceback.print_exception(e)
+
+
+def release_after(failure: BaseException, release) -> None:
+    """Cleanup while `failure` is in flight (a batch's abort after its step
+    failed): release(). An error of its own goes to stderr, not in the place of
+    `failure`, which says what failed: a release that failed too (an unpin of a
+    key something else unpinned) told the caller that, and not that a device
+    was lost."""
+    try:
+        release()
+    except Exception as e:  # noqa: BLE001 - reported; failure is what the caller raises
+        report_cleanup_error(e, failure)
 
 
 class BatchBase:
@@ -88,7 +109,7 @@ class BatchBase:
         if exc_type is None:
             self.finish()
         else:
-            self.abort()
+            release_after(exc, self.abort)  # the block's error stands
 
 
 class StopsAfterAFailedStep:

@@ -82,7 +82,7 @@ from hps.mem_cache import POLICIES, MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 from hps.ssd_store import SsdStore
 from hps.batch_base import BatchBase as _BatchBase
-from hps.batch_base import prefetched_positions
+from hps.batch_base import prefetched_positions, release_after
 from hps.worker_caches import HeraldBatch, WorkerCaches
 
 METADATA = "hps-parameter-server.json"
@@ -790,8 +790,8 @@ class Batch(_BatchBase):
             return
         try:
             self._ws.apply()
-        except BaseException:
-            self.abort()
+        except BaseException as e:
+            release_after(e, self.abort)  # the step's error stands
             raise
         self._applied = True
 
@@ -906,8 +906,8 @@ class HostBatch(_BatchBase):
             self._catch_up()
             with self._ps._rows_lock:
                 self._native.apply()
-        except BaseException:
-            self.abort()
+        except BaseException as e:
+            release_after(e, self.abort)  # the step's error stands
             raise
         self._applied.set()
 

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
+from hps.batch_base import report_cleanup_error
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer, WorkingBatch
 
@@ -126,13 +127,6 @@ class Loaded:
 
 
 TrainStep = Callable[[Loaded], None]
-
-
-def _report_cleanup_error(e: BaseException, failure: Optional[BaseException]) -> None:
-    """A cleanup's error, while `failure` ends the run: to stderr (hps has no logger)."""
-    print(f"hps pipeline: a batch's cleanup failed too, after {type(failure).__name__}: {failure}",
-          file=sys.stderr)
-    traceback.print_exception(e)
 
 
 class Pipeline:
@@ -349,7 +343,7 @@ class Pipeline:
             if failure is None and left is not None:
                 left.append(e)
             else:
-                _report_cleanup_error(e, failure)
+                report_cleanup_error(e, failure)
 
     # ------------------------------------------------------------ runs
     def run(self, source: Iterable, pipelined: bool = True) -> PipelineStats:
@@ -581,7 +575,7 @@ class Pipeline:
             let_go_of([q_prefetch, q_load])  # what a stage put as the stop came
         if errors:
             for e in left:
-                _report_cleanup_error(e, errors[0])
+                report_cleanup_error(e, errors[0])
             raise errors[0]
         if left:
             raise left[0]

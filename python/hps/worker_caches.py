@@ -71,7 +71,7 @@ from typing import Optional
 
 import numpy as np
 
-from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep, prefetched_positions
+from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep, prefetched_positions, release_after
 from hps.data.keys import mix64
 from hps.herald import Herald
 
@@ -566,7 +566,7 @@ class HeraldBatch(BatchBase):
                 # The error is the reason recorded (the first stands), not the
                 # abort's that releases the batch.
                 c.fail(f"{type(e).__name__}: {e}")
-                self.abort()
+                release_after(e, self.abort)
                 raise
             c._dirty = True
             c._finished(self._number)
