@@ -275,3 +275,34 @@ def test_a_with_block_that_fails_raises_its_error_when_the_abort_after_it_fails_
             raise ValueError("the step failed")
     assert "a key was unpinned by something else" in capfd.readouterr().err
     assert ps.stats()["mem"]["pinned"] == 0
+
+
+@pytest.mark.parametrize("tier", ["bound", "in-place", "herald"])
+def test_a_batch_whose_load_fails_raises_its_error_when_the_release_after_it_fails_too(tmp_path, monkeypatch, capfd,
+                                                                                       tier):
+    """ps.batch() lets go of a prefetch whose load failed (a device out of memory);
+    a release that fails as well is written to stderr, and the load's error is the
+    one raised (the release's took its place)."""
+    import hps.parameter_server as hps_ps
+    from hps.worker_caches import HeraldBatch
+    kw = {"in-place": dict(devices=1), "herald": dict(devices=2, schedule="herald", worker_cache_rows=16)}.get(
+        tier) or dict(TIERS[tier], host_in_place=False)
+    ps = server(tmp_path / "a", **kw)
+
+    def fails(*args, **kwargs):
+        raise MemoryError("device 1 out of memory")
+
+    pre = ps.prefetch(Data(1).keys)
+    if tier == "herald":
+        monkeypatch.setattr(HeraldBatch, "_copies_of", fails)  # after the snapshot took the batch
+        monkeypatch.setattr(ps, "_cache", _Failing(ps._cache, "unpin"))
+    elif tier == "in-place":
+        monkeypatch.setattr(hps_ps.HostBatch, "__init__", fails)
+        monkeypatch.setattr(ps, "_cache", _Failing(ps._cache, "unpin"))
+    else:
+        monkeypatch.setattr(ps, "_fit_tier", fails)
+        pre.working_set = _Failing(pre.working_set, "abort")
+    with pytest.raises(MemoryError, match="device 1 out of memory"):
+        ps.batch(pre)
+    assert "a key was unpinned by something else" in capfd.readouterr().err
+    assert ps.stats()["mem"]["pinned"] == 0

@@ -1423,8 +1423,8 @@ class ParameterServer:
                 self._next_slot = (self._next_slot + 1) % len(self._slots)
                 b = Batch(self, prefetched, slot)
                 self._last_batch = b
-        except BaseException:
-            ws.abort()  # nothing, if the load released it
+        except BaseException as e:
+            release_after(e, ws.abort)  # nothing, if the load released it; the load's error stands
             raise
         self._count(batches=1)
         b.wait_seconds = waited
@@ -1448,8 +1448,8 @@ class ParameterServer:
                     self._host_batch_done()
                     raise
                 self._last_batch = b
-        except BaseException:
-            self._cache.unpin(prefetched.keys)
+        except BaseException as e:
+            release_after(e, lambda: self._cache.unpin(prefetched.keys))  # the error stands
             raise
         self._count(batches=1)
         b.wait_seconds = waited

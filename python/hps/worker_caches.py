@@ -340,7 +340,7 @@ class HeraldBatch(BatchBase):
             if self._number is not None:  # the snapshot moved on without this batch's rows
                 caches.fail(f"{type(e).__name__} after a batch was scheduled: {e}")
                 caches._finished(self._number)
-            self._release()
+            release_after(e, self._release)  # the schedule's error stands
             raise
 
     # ------------------------------------------------------------ schedule, then fetch
