@@ -306,3 +306,37 @@ def test_a_batch_whose_load_fails_raises_its_error_when_the_release_after_it_fai
         ps.batch(pre)
     assert "a key was unpinned by something else" in capfd.readouterr().err
     assert ps.stats()["mem"]["pinned"] == 0
+
+
+@pytest.mark.parametrize("tier", ["bound", "copies", "in-place"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_batch_whose_load_fails_counts_neither_a_batch_nor_a_step(tmp_path, monkeypatch, pipelined, tier):
+    """The server's step (batches made: what [ps] ttl_steps counts and a checkpoint
+    keeps) and its count of batches name the batches trained after batch k's load
+    failed (a device out of memory). The step was advanced before the load, and
+    stayed one ahead of the batches for good."""
+    import hps.parameter_server as hps_ps
+    k = 3
+    kw = dict(devices=1) if tier == "in-place" else dict(TIERS[tier], host_in_place=False)
+    ps = server(tmp_path / "a", **kw)
+    loads = [0]
+
+    def failing(load):
+        def wrapped(*args, **kwargs):
+            loads[0] += 1
+            if loads[0] == k + 1:
+                raise MemoryError("device 1 out of memory")
+            return load(*args, **kwargs)
+        return wrapped
+
+    if tier == "in-place":
+        monkeypatch.setattr(hps_ps, "HostBatch", failing(hps_ps.HostBatch))
+    else:
+        monkeypatch.setattr(ps, "_fit_tier", failing(ps._fit_tier))
+    with pytest.raises(MemoryError, match="device 1 out of memory"):
+        Pipeline(ps, push_ones).run([Data(i) for i in range(8)], pipelined=pipelined)
+    assert ps.stats()["counts"]["batches"] == k and ps.step == k
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.checkpoint()
+    ps.close()
+    assert ParameterServer.open(str(tmp_path / "a")).step == k

@@ -1382,17 +1382,22 @@ class ParameterServer:
             with self._host_batches:
                 self._herald_active += 1
             b = HeraldBatch(self._herald, prefetched)
-            # Counted once made: a batch the caches refuse (device_capacity) is
-            # not, as the device tier's prefetch refuses one before its step.
-            if new_step:
-                self._advance_step()
-            self._count(batches=1)
-            return b
+        elif self._in_place:
+            b = self._host_batch(prefetched, overlap)
+        else:
+            b = self._tier_batch(prefetched, overlap)
+        # Counted once made: a batch the caches refuse (device_capacity) or whose
+        # load fails (a device out of memory) is not, as the device tier's
+        # prefetch refuses one before its step. (The step went before the load,
+        # and stayed one ahead of the batches made for good.)
         if new_step:
             self._advance_step()
-        if self._in_place:
-            return self._host_batch(prefetched, overlap)
-        uniq, ws = prefetched.keys, prefetched.working_set
+        self._count(batches=1)
+        return b
+
+    def _tier_batch(self, prefetched: Prefetched, overlap: bool) -> Batch:
+        """batch() on a device tier: the working set loaded onto a free one."""
+        ws = prefetched.working_set
         waited = time.perf_counter()
         try:
             with self._load_lock:
@@ -1426,7 +1431,6 @@ class ParameterServer:
         except BaseException as e:
             release_after(e, ws.abort)  # nothing, if the load released it; the load's error stands
             raise
-        self._count(batches=1)
         b.wait_seconds = waited
         return b
 
@@ -1451,7 +1455,6 @@ class ParameterServer:
         except BaseException as e:
             release_after(e, lambda: self._cache.unpin(prefetched.keys))  # the error stands
             raise
-        self._count(batches=1)
         b.wait_seconds = waited
         return b
 
