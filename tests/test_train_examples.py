@@ -103,6 +103,29 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(capsys, tmp_path):
     assert (stored_checkpoint(str(tmp_path / "ps")), summary.stat().st_mtime_ns) == kept  # no new checkpoint
 
 
+
+def test_resuming_a_run_finished_by_a_run_that_failed_after_its_checkpoint_shows_no_older_summary(
+        capsys, tmp_path, monkeypatch):
+    """A resumed run trains to its last checkpoint and fails before it writes its
+    summary (a crash, a full disk): train-summary.json is still the one of the run
+    before it. Resumed again with nothing left to train, the run said it was finished
+    at the checkpoint's 4,000 examples and showed that older summary as its own: the
+    final AUC of 2,000 examples, "batches": 2."""
+    import hps.train
+    rc, first, err = run(capsys, tmp_path, "--examples", "2000")
+    assert rc == 0, err
+    with monkeypatch.context() as m:
+        def fails(*args):
+            raise OSError("no space left on device")
+        m.setattr(hps.train, "_malformed_report", fails)  # after the final checkpoint, before the summary
+        rc, _, err = run(capsys, tmp_path, "--examples", "4000", "--resume")
+        assert rc != 0 and "no space left on device" in err
+    assert stored_checkpoint(str(tmp_path / "ps"))[1] is not None
+    rc, line, err = run(capsys, tmp_path, "--examples", "4000", "--resume")
+    assert rc == 0, err
+    assert "is finished: 4,000 examples in 4 batches" in err
+    assert line is None or line.get("final", {}).get("batches") in (None, 4), line
+
 @pytest.mark.skipif(not os.path.exists(SAMPLE), reason="../shared/data/criteo-sample is absent")
 def test_examples_on_files_trains_the_first_n_or_says_the_files_hold_fewer(capsys, tmp_path):
     big = ("--mem-budget", "4MiB")  # Criteo's 26 fields

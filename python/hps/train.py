@@ -1729,12 +1729,17 @@ def _tier_counters(s: dict) -> dict:
 
 def _finished_before(cfg: TrainConfig, trainer: Trainer) -> dict:
     """A resumed run whose data has nothing left: the job is left as it is, and the
-    summary is the one of the run that finished it, marked ``finished_before``."""
+    summary is the one of the run that finished it (if it wrote one), marked
+    ``finished_before``."""
     path = os.path.join(trainer.state_dir, SUMMARY)
     summary = None
     if os.path.exists(path):
         with open(path) as f:
             summary = json.load(f)
+        if (summary.get("examples"), summary.get("batches")) != (trainer.examples_done, trainer.batches_done):
+            # An older run's: the run that made the last checkpoint failed before it
+            # wrote its own (a crash, a full disk), and its summary was shown as this one's.
+            summary = None
     trainer.ps.close()
     if trainer.node is not None:
         trainer.node.close()
