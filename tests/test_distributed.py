@@ -1246,6 +1246,79 @@ def test_refuse_nonfinite_counts_values_and_keys_and_lets_numbers_pass():
         refuse_nonfinite(grads, keys, "push gradients")
 
 
+def test_refuse_nonfinite_under_bf16_refuses_the_finite_values_bf16_rounds_to_infinity():
+    """bfloat16 rounds a float32 from 0x7F7F8000 on (about 3.3962e38, below float32's
+    largest) up to an infinity: under [distributed] sparse_grads = "bf16" those are
+    refused as an infinity is, naming the key; the largest value bf16 keeps finite
+    passes, and under the other codecs (which carry such a value as a number) it does too."""
+    from hps.distributed.sparse import refuse_nonfinite
+    from hps.hierarchical.codecs import BFloat16
+    keys = np.array([5, 9, 11], np.uint64)
+    grads = np.ones((3, 2), np.float32)
+    largest = np.float32(BFloat16.largest_finite_input)
+    grads[1, 0], grads[2, 1] = largest, -largest
+    refuse_nonfinite(grads, keys, "push gradients", "bf16")
+    assert np.isfinite(BFloat16().decode(BFloat16().encode(grads))).all()
+    grads[2, 1] = -np.nextafter(largest, np.float32(np.inf))  # 0x7F7F8000: rounds to -inf
+    grads[1, 1] = np.nan
+    for codec in ("none", "int8"):  # (the NaN alone)
+        with pytest.raises(hps.errors.DivergedError, match=r"1 non-finite value in the gradients of 1 key \(key 9 "):
+            refuse_nonfinite(grads, keys, "push gradients", codec)
+    with pytest.raises(hps.errors.DivergedError,
+                       match=r"^push gradients: 2 values in the gradients of 2 keys \(key 9 first: nan\) that "
+                             r"bfloat16 rounds to an infinity \(past 3\.396177e\+38\) or that are not a number: "
+                             r"training diverged \(\[distributed\] sparse_grads = 'bf16' would carry them into the "
+                             r"owners' rows\)$"):
+        refuse_nonfinite(grads, keys, "push gradients", "bf16")
+    grads[1, 1] = 0.0
+    with pytest.raises(hps.errors.DivergedError, match=r"1 value in the gradients of 1 key \(key 11 first: "
+                                                       r"-3\.39617\d*e\+38\) that bfloat16 rounds to an infinity"):
+        refuse_nonfinite(grads, keys, "push gradients", "bf16")
+
+
+class _OneRankNode:
+    """hps.distributed's Node for a job of one rank, without MPI: each exchange gives
+    back what it was given."""
+    rank, size, nodes = 0, 1, 1
+
+    def alltoallv(self, stage, blocks, kind, what):
+        return [b.copy() for b in blocks]
+
+    def allgather(self, stage, obj, what, note=None):
+        return [obj]
+
+
+@pytest.mark.parametrize("how", ["push", "batch"])
+def test_a_finite_sparse_gradient_that_bf16_rounds_to_infinity_is_refused_before_any_owner_steps(tmp_path, how):
+    """A sparse gradient of 3.4e38 (float32's largest) is finite, so the check for
+    non-finite gradients let it by; the bf16 codec of [distributed] sparse_grads then
+    rounded it to an infinity on its way, and its owner stepped the key's row with it
+    (AdaGrad: a row of NaN, which every later pull and checkpoint held). It is refused
+    now, as a NaN is, naming the key, before the exchange: the row is as it was."""
+    from hps.distributed.sparse import DistributedServer
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.AdaGrad(lr=0.1), seed=3)
+    server = DistributedServer(hps.ParameterServer(cfg), _OneRankNode(), sparse_grads="bf16")
+    keys = np.array([5, 9], np.uint64)
+    before = server.pull(keys)
+    grads = np.ones((2, 4), np.float32)
+    grads[1, 2] = np.finfo(np.float32).max
+    said = (r"^push gradients: 1 value in the gradients of 1 key \(key 9 first: 3\.4028235e\+38\) that bfloat16 "
+            r"rounds to an infinity")
+    with pytest.raises(hps.errors.DivergedError, match=said):
+        if how == "push":
+            server.push(keys, grads)
+        else:
+            pre = server.prefetch(keys)
+            batch = server.batch(pre)
+            batch.push(keys, grads)
+            try:
+                batch.finish()
+            finally:
+                pre.release()
+    np.testing.assert_array_equal(server.pull(keys), before)
+    server.close()
+
+
 def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
     """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_* (a mkstemp name) behind
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an

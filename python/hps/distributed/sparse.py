@@ -156,22 +156,38 @@ class FreshRows:
         return out
 
 
-def refuse_nonfinite(grads: np.ndarray, keys: np.ndarray, what: str) -> None:
+def refuse_nonfinite(grads: np.ndarray, keys: np.ndarray, what: str, codec: str = "none") -> None:
     """Raises DivergedError where the gradients (n, dim) of keys (n,) hold a NaN or
     an infinity, naming `what` (the traffic), how many values and keys, and the
     first key. Checked before the gradients leave the rank, whatever codec carries
     them: int8 cannot encode one, and bf16 or none would carry it into the owners'
-    rows, which every later step and checkpoint would then hold as NaN."""
-    finite = np.isfinite(grads)
-    if finite.all():
+    rows, which every later step and checkpoint would then hold as NaN. `codec`
+    ([distributed] sparse_grads): under "bf16" a finite value past
+    BFloat16.largest_finite_input is refused too, since the codec rounds it to an
+    infinity, which the owner would step its row with."""
+    largest = None
+    if codec == "bf16":
+        from hps.hierarchical.codecs import BFloat16
+        largest = BFloat16.largest_finite_input
+        # (False for a NaN and an infinity too: one pass, as np.isfinite's)
+        ok = np.abs(grads) <= np.float32(largest)
+    else:
+        ok = np.isfinite(grads)
+    if ok.all():
         return
-    bad_rows = ~finite.all(axis=1)
+    bad_rows = ~ok.all(axis=1)
     first = int(np.flatnonzero(bad_rows)[0])
-    values, rows = int(finite.size - np.count_nonzero(finite)), int(bad_rows.sum())
-    raise DivergedError(f"{what}: {values} non-finite value{'s' if values != 1 else ''} in the gradients of {rows} "
-                        f"key{'s' if rows != 1 else ''} (key {int(keys[first])} first: "
-                        f"{grads[first][~finite[first]][0]}): training diverged (no codec of [distributed] "
-                        f"sparse_grads carries a value that is not a number to the owners' rows)")
+    values, rows = int(ok.size - np.count_nonzero(ok)), int(bad_rows.sum())
+    plural = "s" if values != 1 else ""
+    keys_said = f"{rows} key{'s' if rows != 1 else ''} (key {int(keys[first])} first: {grads[first][~ok[first]][0]!s})"
+    if np.isfinite(grads[~ok]).any():
+        raise DivergedError(f"{what}: {values} value{plural} in the gradients of {keys_said} that bfloat16 rounds "
+                            f"to an infinity (past {largest:.7g}) or that {'is' if values == 1 else 'are'} not a "
+                            f"number: training diverged ([distributed] sparse_grads = 'bf16' would carry "
+                            f"{'it' if values == 1 else 'them'} into the owners' rows)")
+    raise DivergedError(f"{what}: {values} non-finite value{plural} in the gradients of {keys_said}: training "
+                        f"diverged (no codec of [distributed] sparse_grads carries a value that is not a number to "
+                        f"the owners' rows)")
 
 
 def key_array(keys, what: str) -> np.ndarray:
@@ -426,7 +442,7 @@ class DistBatch:
         try:
             # Before the first exchange: the peers wait in it for this rank, whose
             # error ends the job (hps train's on_error) naming it.
-            refuse_nonfinite(self.grads, self.keys, "push gradients")
+            refuse_nonfinite(self.grads, self.keys, "push gradients", self.server.grads_codec.spec)
             in_send_order = pre.order
             touched = self.touched[in_send_order]
             grads = self.grads[in_send_order]
@@ -525,7 +541,7 @@ class DistributedServer:
             raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
         if grads.shape != (len(keys), self.dim):
             raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
-        refuse_nonfinite(grads, keys, "push gradients")
+        refuse_nonfinite(grads, keys, "push gradients", self.grads_codec.spec)
         owners = owner_ranks(keys, self.node.size)
         order = np.argsort(owners, kind="stable")
         cuts = np.cumsum(np.bincount(owners, minlength=self.node.size))[:-1]

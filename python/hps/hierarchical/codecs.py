@@ -124,6 +124,9 @@ class NoCodec(Codec):
 
 class BFloat16(Codec):
     name = "bf16"
+    # The largest float32 that rounds to a finite bfloat16 (0x7F7F7FFF): from
+    # 0x7F7F8000 on, the rounding carries into the exponent and gives infinity.
+    largest_finite_input = float(np.array(0x7F7F7FFF, np.uint32).view(np.float32))
 
     def encode(self, x: np.ndarray) -> Encoded:
         x = _check_input(x, self.name, "x")
