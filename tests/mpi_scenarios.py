@@ -553,7 +553,8 @@ def run_train(node, out: str, args) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return snapshot(ps, dst)
         ParameterServer._snapshot_store = dying
-    if args.rank1_config and node.rank == 1:  # rank 1 given another config (another file on its host, say)
+    if args.rank1_config in ("dense_lr", "sparse_grads") and node.rank == 1:
+        # rank 1 given another config (another file on its host, say)
         if args.rank1_config == "dense_lr":
             cfg.dense_lr = 0.1
         else:
@@ -581,6 +582,9 @@ def run_train(node, out: str, args) -> None:
     batches = global_batches(args.steps, args.per_rank, node.size, multi_hot=args.multi_hot,
                              empty_bags_at=args.empty_bags_at)
     mine = [rank_part(b, node.rank, args.per_rank) for b in batches]
+    if args.rank1_config == "multi_hot" and node.rank == 1:  # rank 1's data has two multi-hot fields more
+        mine = [rank_part(b, node.rank, args.per_rank)
+                for b in global_batches(args.steps, args.per_rank, node.size, multi_hot=True)]
     if args.uneven and node.rank == node.size - 1:
         mine = mine[:-2]  # this rank's data ends two steps early
     if args.fail_at_step and node.rank == 1:
@@ -779,7 +783,8 @@ def main() -> None:
     ap.add_argument("--fail-at-step", type=int, default=0)
     ap.add_argument("--fail-in-step", type=int, default=0, help="rank 1's train stage raises at that step")
     ap.add_argument("--nan-grad-at-step", type=int, default=0, help="rank 1's sparse gradients of that step hold a NaN")
-    ap.add_argument("--rank1-config", default="", help="rank 1 runs another 'dense_lr' or 'sparse_grads'")
+    ap.add_argument("--rank1-config", default="", help="rank 1 runs another 'dense_lr' or 'sparse_grads', or "
+                    "trains on data of other fields ('multi_hot')")
     ap.add_argument("--fail-open", default="", help="rank 1's server fails to open: 'disk' (OSError) or 'corrupt'")
     ap.add_argument("--lookahead", type=int, default=0, help="[ps] lookahead (batches)")
     ap.add_argument("--admission", type=int, default=0, metavar="F", help="[admission] threshold = F")

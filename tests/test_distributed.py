@@ -1154,6 +1154,22 @@ def test_ranks_given_different_configs_are_refused_naming_the_setting(tmp_path, 
     assert not (tmp_path / "job").exists()
 
 
+def test_a_herald_job_whose_ranks_data_give_other_fields_is_refused_on_every_rank(tmp_path):
+    """Rank 1's data has two multi-hot fields, rank 0's none, under schedule =
+    "herald" (which trains single-hot fields only). Rank 1 refused its multi-hot
+    fields on its own, before the ranks compare their data's fields, and rank 0
+    waited in that comparison until the watchdog's timeout, which said only that a
+    rank had hung. Now every rank raises at once, naming both ranks' fields."""
+    p = scenario(2, "train", tmp_path, "--herald", 150, "--rank1-config", "multi_hot", "--timeout", 20,
+                 check=False, timeout=120)
+    assert p.returncode != 0
+    assert "waited" not in p.stderr, p.stderr[-3000:]
+    said = ("ValueError: the ranks' data give different fields (dense, single-hot, multi-hot): rank 0: (13, 26, 0); "
+            "rank 1: (13, 26, 2) (every rank's data must give the same fields)")
+    assert_every_rank_raised(tmp_path, p, said, 2)
+    assert not (tmp_path / "job").exists()
+
+
 def test_the_settings_ranks_must_share_leave_out_only_the_machines_own():
     from hps.train import MACHINE_SETTINGS, _job_settings
     cfg = sc.train_config("/tmp/unused")

@@ -1381,22 +1381,29 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     widths, (has_data, shaped_by) = _collective(node, lambda: (_widths(cfg, source), _widths_origin(source)))
     if train_batches is None:
         _check_data_has_examples(cfg, node, rank, world)
-    if cfg.data.schema is not None and eval_batches:
-        b = eval_batches[0]
-        got = (b.dense.shape[1], b.keys.shape[1], len(getattr(b, "bags", ())))
-        if got != tuple(widths):
-            raise ValueError(f"{cfg.data.eval_source}: the schema gives {got[0]} dense, {got[1]} categorical and "
-                             f"{got[2]} multi-hot fields here, the training data {widths[0]}, {widths[1]} and "
-                             f"{widths[2]}")
-    if cfg.ps.schedule == "herald" and widths[2]:
-        raise ValueError(f"[ps] schedule = 'herald' partitions examples of single-hot fields; this data has "
-                         f"{widths[2]} multi-hot field(s) (schedule = 'sequential' trains them)")
     if node is not None:
+        # The ranks' fields are compared before the checks of them below, which every
+        # rank makes together (_collective): a check that refused one rank's fields
+        # on its own (rank 1's multi-hot fields under schedule = 'herald') left the
+        # other ranks waiting in this exchange until the watchdog's timeout.
         every = node.allgather("train", (tuple(widths) if has_data else None, shaped_by), "the data's fields")
         if len({w for w, _ in every}) > 1:
             raise ValueError(_different_fields(every))
         if isinstance(source, hdata.GrowingDirectory):
             source.agree(node)  # one file every rank's files are held to
+
+    def check_fields() -> None:
+        if cfg.data.schema is not None and eval_batches:  # (each rank's own held-out files)
+            b = eval_batches[0]
+            got = (b.dense.shape[1], b.keys.shape[1], len(getattr(b, "bags", ())))
+            if got != tuple(widths):
+                raise ValueError(f"{cfg.data.eval_source}: the schema gives {got[0]} dense, {got[1]} categorical "
+                                 f"and {got[2]} multi-hot fields here, the training data {widths[0]}, {widths[1]} "
+                                 f"and {widths[2]}")
+        if cfg.ps.schedule == "herald" and widths[2]:
+            raise ValueError(f"[ps] schedule = 'herald' partitions examples of single-hot fields; this data has "
+                             f"{widths[2]} multi-hot field(s) (schedule = 'sequential' trains them)")
+    _collective(node, check_fields)
     window_room = None
     if cfg.ps.lookahead:  # refused before the job's directory is made, not at the first batch's window
         window = window_batch_keys(cfg, widths, world, train_batches)
