@@ -396,12 +396,17 @@ def test_distributed_runs_refuse_ranks_with_other_fields(tmp_path):
 
 class _ThreadRanks:
     """The ranks of one job as threads of this process: node(rank) stands in for each
-    rank's hps.distributed.Node, whose allgather gives every rank's value in rank order."""
+    rank's hps.distributed.Node, whose allgather gives every rank's value in rank order.
+    A rank that has left train() (raised or returned) never comes to an exchange: the
+    ranks waiting in one for it raise _LeftWaiting, where MPI's would wait until the
+    watchdog's timeout."""
 
     def __init__(self, size):
         self.size = size
-        self._values = [None] * size
-        self._barrier = threading.Barrier(size, timeout=120)
+        self._cond = threading.Condition()
+        self._exchanges = []    # each exchange's values, rank by rank (_UNSET: not come yet)
+        self._entered = [0] * size  # exchanges each rank has come to
+        self._left = []         # ranks that have left train()
 
     def node(self, rank):
         ranks = self
@@ -411,30 +416,90 @@ class _ThreadRanks:
             machine_ranks = ranks.size
 
             def allgather(self, channel, value, what, note=None):
-                ranks._values[rank] = value
-                ranks._barrier.wait()
-                every = list(ranks._values)
-                ranks._barrier.wait()  # (each has its copy before the next exchange writes)
-                return every
+                return ranks._allgather(rank, value, what)
         node = Node()
         node.rank = rank
         return node
 
+    def _allgather(self, rank, value, what):
+        with self._cond:
+            n = self._entered[rank]
+            self._entered[rank] += 1
+            if n == len(self._exchanges):
+                self._exchanges.append([_UNSET] * self.size)
+            values = self._exchanges[n]
+            values[rank] = value
+            self._cond.notify_all()
+
+            def came() -> bool:
+                return all(v is not _UNSET for v in values)
+            if not self._cond.wait_for(lambda: came() or self._left, timeout=120):
+                raise TimeoutError(f"rank {rank}: {what}: the other ranks never came")
+            if not came():
+                raise _LeftWaiting(f"rank {rank} waits in {what} for rank {self._left[0]}, which has left the job")
+            return list(values)
+
     def train(self, cfg):
-        """train(cfg) on every rank; each rank's exception (None: it returned)."""
+        """train(cfg) on every rank (cfg: one config, or a list of one a rank); each
+        rank's exception (None: it returned)."""
+        cfgs = cfg if isinstance(cfg, list) else [cfg] * self.size
         errors = [None] * self.size
 
         def run(rank):
             try:
-                train(cfg, progress=False, node=self.node(rank))
+                train(cfgs[rank], progress=False, node=self.node(rank))
             except Exception as e:  # noqa: BLE001 - the test looks at each rank's
-                errors[rank] = e  # (one that failed alone leaves the others to the barrier's timeout)
+                errors[rank] = e
+            finally:
+                with self._cond:
+                    self._left.append(rank)
+                    self._cond.notify_all()
         threads = [threading.Thread(target=run, args=(r,)) for r in range(self.size)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return errors
+
+
+_UNSET = object()
+
+
+class _LeftWaiting(Exception):
+    """A rank of _ThreadRanks waited in an exchange for a rank that had left."""
+
+
+def test_a_rank_given_another_config_that_its_own_checks_refuse_is_told_the_configs_differ(tmp_path):
+    """Rank 1 runs schedule = "herald" with sparse_grads = "bf16" (another config file
+    on its host), which train() refuses under mpiexec. It refused it on its own,
+    before the ranks compare their configs, and rank 0 waited in that exchange until
+    the watchdog's timeout, which said only that a rank had hung. Now the configs
+    are compared first: every rank raises, naming the settings that differ."""
+    def config(schedule, codec):
+        return TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps"), "schedule": schedule},
+                                      "torch_threads": 1, "distributed": {"sparse_grads": codec}})
+    errors = _ThreadRanks(2).train([config("sequential", "none"), config("herald", "bf16")])
+    for e in errors:
+        assert isinstance(e, ValueError), repr(e)
+        assert str(e).startswith("the ranks run different configs (distributed.sparse_grads = 'none' on rank 0, "
+                                 "'bf16' on rank 1; ps.schedule = 'sequential' on rank 0, 'herald' on rank 1)"), e
+    assert not (tmp_path / "ps").exists()
+
+
+def test_a_rank_whose_machine_lacks_the_gpus_of_its_model_devices_ends_every_rank_naming_it(tmp_path, monkeypatch):
+    """model_devices is a machine's own setting: rank 1 asks for GPUs its machine lacks
+    (torch sees none). It refused them on its own, before the ranks' first exchange,
+    and rank 0 waited in it until the watchdog's timeout. Now every rank raises at
+    once, naming rank 1 and what it lacks."""
+    torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install torch)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (every rank's machine: rank 0 trains on the CPU)
+    cfgs = [TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps"), "devices": 2},
+                                   "torch_threads": 1, "model_devices": devices}) for devices in ("cpu", "cuda")]
+    for e in _ThreadRanks(2).train(cfgs):
+        assert isinstance(e, ValueError), repr(e)
+        assert str(e) == ('rank 1: ValueError: model_devices = "cuda" trains worker g on GPU g: [ps] devices = 2 '
+                          'needs 2 GPU(s), and torch sees 0'), e
+    assert not (tmp_path / "ps").exists()
 
 
 def test_ranks_with_other_fields_are_refused_naming_the_file_each_took_them_from(tmp_path):

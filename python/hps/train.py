@@ -1343,11 +1343,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     rank calls train() with the same cfg; `train_batches` are this rank's.
     `dense_hook(trainer)`, called once the Trainer is made, may replace its MLP,
     optimizer and dense sync (hps.hierarchical's split MLP does)."""
-    _check_lookahead(cfg.ps, "[ps]")
-    if cfg.model_devices == "cuda":
-        worker_devices(cfg, import_torch())  # GPUs this machine lacks: refused before the job's directory is made
     if node is None and launched_by_mpi():
         node = Node(cfg.distributed)
+    if node is not None:
+        # First: each check below refuses a config on the rank that runs it, and a rank
+        # given another config (another file on its host) refused its own while the
+        # other ranks waited in this exchange until the watchdog's timeout.
+        _check_same_config(cfg, node)
+    _check_lookahead(cfg.ps, "[ps]")
+    # GPUs this machine lacks: refused before the job's directory is made, on every rank
+    # at once (model_devices is a machine's own setting: one rank alone may lack them).
+    _collective(node, lambda: worker_devices(cfg, import_torch()) if cfg.model_devices == "cuda" else None)
     if cfg.ps.schedule == "herald" and node is not None and \
             (cfg.distributed.sparse_rows, cfg.distributed.sparse_grads) != ("none", "none"):
         raise ValueError("[distributed] sparse_rows and sparse_grads compress the sequential job's embeddings and "
@@ -1363,8 +1369,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise ValueError(f"[ps] ttl_steps = {cfg.ps.ttl_steps} and max_rows = {cfg.ps.max_rows}: bounded tables "
                          f"need schedule = 'sequential' (Herald's worker caches hold rows between batches)")
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
-    if node is not None:
-        _check_same_config(cfg, node)
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \
         _collective(node, lambda: _train_source(cfg, rank, world))
