@@ -714,14 +714,18 @@ def run_fail(node, out: str, args) -> None:
 
 def run_rowbytes(node, out: str, args) -> None:
     """One alltoallv whose rows are 16 bytes on rank 0 and 12 on rank 1 (a peer of
-    another layout); each rank writes what it received or the error it raised."""
+    another layout); each rank writes what it received or the error it raised. Then
+    one whose rows of another size go one way only: rank 0 sends rows, rank 1 none."""
     width = 4 if node.rank == 0 else 3
-    blocks = [np.full((2, width), node.rank + 1, np.float32) for _ in range(node.size)]
-    try:
-        got = node.alltoallv("train", blocks, "sparse_grads", "push gradients")
-        result = {"error": None, "shapes": [list(g.shape) for g in got]}
-    except Exception as e:  # noqa: BLE001 - written for the test
-        result = {"error": f"{type(e).__name__}: {e}"}
+    result = {}
+    for name, rows in (("error", 2), ("one_way", 2 if node.rank == 0 else 0)):
+        blocks = [np.full((rows, width), node.rank + 1, np.float32) for _ in range(node.size)]
+        try:
+            got = node.alltoallv("train", blocks, "sparse_grads", "push gradients")
+            result[name] = None
+            result[f"{name}_shapes"] = [list(g.shape) for g in got]
+        except Exception as e:  # noqa: BLE001 - written for the test
+            result[name] = f"{type(e).__name__}: {e}"
     with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -1186,10 +1186,18 @@ def test_an_exchange_whose_ranks_send_rows_of_other_sizes_is_refused_not_misread
     with an MPI error, and rank 0 took rank 1's 24 bytes for 2 rows of 16, the rest of
     its buffer whatever memory held. Both refuse it now, naming the sizes."""
     scenario(2, "rowbytes", tmp_path, timeout=120)
-    errors = [json.loads((tmp_path / f"rank{r}.json").read_text())["error"] for r in range(2)]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    errors = [g["error"] for g in got]
     assert errors[0] == ("RankFailure: push gradients: rank 1 sends 2 rows of 12 bytes, and this rank (rank 0) "
                          "takes rows of 16 bytes: the ranks run other versions of hps or configs"), errors
     assert errors[1].startswith("RankFailure: push gradients: rank 0 sends 2 rows of 16 bytes"), errors
+    # Rows one way only (rank 0 sends 2, rank 1 none): only the receiver refused them, and
+    # the sender went on into the exchange (RankFailure is raised on every rank alike).
+    one_way = [g["one_way"] for g in got]
+    assert one_way[1] == ("RankFailure: push gradients: rank 0 sends 2 rows of 16 bytes, and this rank (rank 1) "
+                          "takes rows of 12 bytes: the ranks run other versions of hps or configs"), one_way
+    assert one_way[0] == ("RankFailure: push gradients: this rank (rank 0) sends rank 1 2 rows of 16 bytes, and rank "
+                          "1 takes rows of 12 bytes: the ranks run other versions of hps or configs"), one_way
 
 
 @pytest.mark.parametrize("codec", ["int8", "bf16", "none"])

@@ -289,12 +289,19 @@ class Node:
         with self.guard(f"{what} (counts)"):
             comm.Alltoall(header, got)
         recv_counts = np.ascontiguousarray(got[:, 0])
-        other = np.flatnonzero((got[:, 1] != row_bytes) & (recv_counts > 0))
+        # Refused by both ends of a pair whose rows differ in size, whichever way rows go:
+        # the receiver alone refused rows that came one way, and the sender, told
+        # nothing, went on into the exchange (and past it, its rows sent into the void).
+        other = np.flatnonzero((got[:, 1] != row_bytes) & ((recv_counts > 0) | (send_counts > 0)))
         if len(other):
             r = int(other[0])
-            raise RankFailure(f"{what}: rank {r} sends {int(recv_counts[r])} rows of {int(got[r, 1])} bytes, and "
-                              f"this rank (rank {self.rank}) takes rows of {row_bytes} bytes: the ranks run other "
-                              f"versions of hps or configs")
+            if recv_counts[r] > 0:
+                raise RankFailure(f"{what}: rank {r} sends {int(recv_counts[r])} rows of {int(got[r, 1])} bytes, "
+                                  f"and this rank (rank {self.rank}) takes rows of {row_bytes} bytes: the ranks run "
+                                  f"other versions of hps or configs")
+            raise RankFailure(f"{what}: this rank (rank {self.rank}) sends rank {r} {int(send_counts[r])} rows of "
+                              f"{row_bytes} bytes, and rank {r} takes rows of {int(got[r, 1])} bytes: the ranks run "
+                              f"other versions of hps or configs")
         if max(int(send_counts.sum()), int(recv_counts.sum())) * row_bytes >= 2**31:
             raise ValueError(f"{what}: a batch of {send_counts.sum()} / {recv_counts.sum()} rows of {row_bytes} "
                              f"bytes passes MPI's 2 GiB message limit; use smaller batches")
