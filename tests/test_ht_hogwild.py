@@ -240,3 +240,35 @@ def test_a_resumed_job_of_two_nets_goes_on_from_its_checkpoint(tmp_path):
     a, b = np.load(resumed / "mlp0.npz"), np.load(resumed / "mlp1.npz")
     for name in a.files:
         assert a[name].tobytes() == b[name].tobytes(), name
+
+
+@pytest.mark.parametrize("nets", [1, 2])
+def test_a_diverged_hogwild_run_stops_before_a_nan_reaches_the_job(tmp_path, nets):
+    # An example whose dense feature is NaN in batch 3: its loss is NaN. Trainer.step
+    # stops the run at that batch (DivergedError) before its gradients reach a row or
+    # a weight; the Hogwild step, which takes its place, went on: its net stepped the
+    # NaN into the shared MLP, pushed it into the embedding rows, and the run
+    # checkpointed them and ended as if it had trained.
+    import dataclasses
+    import hps
+    path = tmp_path / "ps"
+    cfg = dataclasses.replace(ms.train_config(str(path)), checkpoint_every=1)
+    batches = ms.global_batches(5, 48, 1)
+    batches[2].dense[5, 0] = np.nan  # worker 0's mini-batch (rows 0..23), net 0's slice
+
+    def hook(trainer) -> None:
+        live = _flatten(list(trainer.model.mlp.parameters()))
+        install(trainer, nets, lambda ps: dense_adam(ps, trainer.cfg.dense_lr), live)
+
+    with pytest.raises(hps.errors.DivergedError, match=r"^batch 3: the loss is nan \(worker 0, Hogwild net 0\): "
+                                                       r"training diverged \(a learning rate too high\? dense_lr = "):
+        train(cfg, progress=False, train_batches=batches, dense_hook=hook)
+    state = load_trainer_state(str(path))  # the last finished checkpoint (batch 2): numbers only
+    assert state["batches_done"] == 2
+    assert all(torch.isfinite(v).all() for v in state["mlp"].values())
+    keys = np.unique(np.concatenate([b.keys.ravel() for b in batches]))
+    ps = hps.ParameterServer.open(str(path))
+    try:
+        assert np.isfinite(ps.pull(keys)).all()
+    finally:
+        ps.close()

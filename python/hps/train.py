@@ -856,9 +856,7 @@ class Trainer:
             labels = torch.from_numpy(examples.labels[rows]).to(logits.device, non_blocking=True)
             loss = self.loss_fn(logits, labels) / n
             if not torch.isfinite(loss):  # before backward: no NaN reaches a row, the MLP or a checkpoint
-                raise DivergedError(f"batch {self.batches_done + 1}: the loss is {loss.item()} (worker {worker}): "
-                                    f"training diverged (a learning rate too high? dense_lr = {self.cfg.dense_lr}, "
-                                    f"[ps.optimizer] lr = {self.cfg.ps.optimizer.lr})")
+                raise _diverged(self, loss.item(), f"worker {worker}")
             loss.backward()
             if self.step_logits is not None:
                 self.step_logits.append((idx, logits.detach().cpu().numpy()))
@@ -942,6 +940,15 @@ def worker_devices(cfg: TrainConfig, torch) -> list:
         raise ValueError(f"model_devices = \"cuda\" trains worker g on GPU g: [ps] devices = {g} needs {g} GPU(s), "
                          f"and torch sees {gpus}")
     return [f"cuda:{w}" for w in range(g)]
+
+
+def _diverged(trainer, loss: float, where: str) -> DivergedError:
+    """The error of a step whose loss is not a number (`where`: the model call's
+    worker, and Hogwild net), raised before its backward pass (hps.hierarchical.hogwild's
+    step too): no NaN reaches a row, the MLP or a checkpoint."""
+    return DivergedError(f"batch {trainer.batches_done + 1}: the loss is {loss} ({where}): training diverged (a "
+                         f"learning rate too high? dense_lr = {trainer.cfg.dense_lr}, [ps.optimizer] lr = "
+                         f"{trainer.cfg.ps.optimizer.lr})")
 
 
 def _as_slice(idx: np.ndarray):

@@ -148,19 +148,26 @@ class HogwildNets:
             model.mlp = mlp
             self._tap.x = None
 
-    def _net_step(self, r: int, pieces: list, n: int, loss_fn):
+    def _net_step(self, r: int, pieces: list, n: int, loss_fn, trainer):
         """Thread r: forward and backward of its slice, a piece a model call of
         Trainer.step it meets (with one net, the same sums in the same order), the
         group's all-reduce of its gradients (T > 1), then its optimizer's step on
-        the shared memory. Returns each piece's input gradient and logits."""
+        the shared memory. Returns each piece's input gradient and logits. A loss
+        that is not a number raises DivergedError before its backward pass, as
+        Trainer.step does (the nets that stepped meanwhile stepped on numbers; the
+        batch's embedding gradients are pushed only once every net has returned)."""
+        from hps.train import _diverged
         net, params, opt = self.nets[r], self.params[r], self.optimizers[r]
         for p in params:
             p.grad = None
         out = []
-        for x, labels in pieces:
+        for x, labels, worker in pieces:
             x = x.detach().requires_grad_(True)  # a leaf of this thread's own graph
             logits = net(x).squeeze(1)
-            (loss_fn(logits, labels) / n).backward()
+            loss = loss_fn(logits, labels) / n
+            if not torch.isfinite(loss):
+                raise _diverged(trainer, loss.item(), f"worker {worker}, Hogwild net {r}")
+            loss.backward()
             out.append((x.grad, logits.detach()))
         if self.group_comms is not None and params:
             buf = np.concatenate([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).numpy()
@@ -182,7 +189,7 @@ class HogwildNets:
         examples = loaded.data
         n = max(getattr(examples, "total_examples", len(examples.labels)), 1)
         emb = trainer.model.embedding
-        xs, rows = [], []
+        xs, rows, workers = [], [], []
         with self._tapped(trainer.model) as tap:
             for worker, idx, batch in trainer._calls(loaded, examples):  # (Trainer.step's model calls)
                 emb.attach(batch, worker)
@@ -194,6 +201,7 @@ class HogwildNets:
                     trainer.model(keys, torch.from_numpy(examples.dense[idx]))
                 xs.append(tap.x)
                 rows.append(idx)
+                workers.append(worker)
         # The batch's rows (mini-batch after mini-batch) cut into R contiguous slices;
         # a slice is a piece a mini-batch it meets. (A net with an empty slice still
         # runs: with T > 1 its all-reduce needs it, and it steps on the group's sum.)
@@ -204,8 +212,8 @@ class HogwildNets:
         plan = [[(k, max(cuts[r], starts[k]) - starts[k], min(cuts[r + 1], starts[k + 1]) - starts[k])
                  for k in range(len(rows)) if max(cuts[r], starts[k]) < min(cuts[r + 1], starts[k + 1])]
                 for r in range(self.R)]
-        futures = [self._pool.submit(self._net_step, r, [(xs[k].detach()[lo:hi], labels[k][lo:hi])
-                                                         for k, lo, hi in plan[r]], n, trainer.loss_fn)
+        futures = [self._pool.submit(self._net_step, r, [(xs[k].detach()[lo:hi], labels[k][lo:hi], workers[k])
+                                                         for k, lo, hi in plan[r]], n, trainer.loss_fn, trainer)
                    for r in range(self.R)]
         results = [f.result() for f in futures]  # re-raises a net's error here
         for r in range(self.R):
