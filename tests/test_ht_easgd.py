@@ -399,3 +399,42 @@ def test_a_background_correction_keeps_the_steps_taken_while_it_was_in_flight():
     np.testing.assert_array_equal(client.snapshots[0], 2.0)
     assert avg.corrections == 1
     avg.finish()
+
+
+def test_a_centre_part_that_fails_fails_the_centre_at_once(mailbox):
+    # The centre serves each part of the model (the trainers' layers, each group PS's
+    # blocks) from a thread of its own. A part whose thread failed (here: a rank that
+    # speaks as another group) was reported only once every other part had ended,
+    # and they serve until the job releases them: the centre kept serving, its error
+    # unsaid, while the failed part's groups waited for answers until their timeout
+    # and ended the job saying the centre had died or hung.
+    import threading
+    from hps.hierarchical.easgd import _TAG
+    from hps.hierarchical.roles import HierarchicalConfig, Roles, _serve_centre
+    cfg = HierarchicalConfig(groups=2, group_ps=1, timeout=5.0)
+    roles = Roles.layout(5, 4, cfg)  # trainers 0 and 2, group PSs 1 and 3, the centre 4
+    other = _Mailbox()  # part 1's communicator (part 0's: the fixture's)
+    comms = [mailbox.comm(4), other.comm(4)]
+    mailbox.comm(0).send({"centre": np.zeros(3, np.float32), "exchanges": 0}, dest=4, tag=40)
+    other.comm(1).send({"centre": np.zeros(2, np.float32), "exchanges": 0}, dest=4, tag=40)
+    mailbox.comm(2).send(("exchange", 0, None), dest=4, tag=_TAG)  # rank 2 is group 1's trainer
+    result: dict = {}
+
+    def centre():
+        try:
+            result["summary"] = _serve_centre(roles, cfg, comms)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            result["error"] = e
+
+    t = threading.Thread(target=centre, daemon=True)
+    t.start()
+    try:
+        t.join(timeout=30.0)  # (a hang guard: part 1 serves on until released)
+        assert not t.is_alive(), "the centre went on serving after part 0 failed"
+        assert isinstance(result.get("error"), ValueError), result
+        assert "EASGD centre: rank 2 spoke as group 0 (rank 0)" in str(result["error"])
+    finally:  # part 1's groups stop and the job releases it: its thread ends
+        for rank, group in ((1, 0), (3, 1)):
+            other.comm(rank).send(("stop", group, None), dest=4, tag=_TAG)
+        other.comm(0).send(("release", None, None), dest=4, tag=_TAG)
+        t.join(timeout=30.0)

@@ -477,33 +477,49 @@ def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
     counter = ByteCounter()
     parts = 1 + roles.group_ps
     errors: list = []
+    ended = threading.Condition()  # a part's thread ended, or failed
+    finished: list = []
     centres: list = [None] * parts
     starts: list = [None] * parts  # each part's first centre (a CRC-32 of its bytes) and exchanges
 
     def run(k: int) -> None:
         try:
-            comm = easgd_comms[k]
-            # The first state: group 0's replica of part k (from its holder), or a resumed
-            # job's checkpointed centre (from trainer rank 0). Sleeps between probes, as
-            # every wait of the centre.
-            start = poll.recv(comm, MPI.ANY_SOURCE, 40)
-            ranks = [roles.trainer_ranks(g)[0] if k == 0 else roles.ps_ranks(g)[k - 1] for g in range(roles.groups)]
-            centres[k] = EasgdCentre(comm, start["centre"].copy(), ranks, EasgdConfig(cfg.alpha, cfg.period), codecs,
-                                     counter)
-            centres[k].load_state_dict(start)
-            starts[k] = {"crc32": zlib.crc32(start["centre"].tobytes()), "exchanges": int(start["exchanges"])}
-            # Until trainer rank 0 releases it: its last checkpoint, after the groups stopped, asks for the centre.
-            centres[k].serve(timeout=max(cfg.timeout, 3600.0), until_released=True)
+            serve_part(k)
         except BaseException as e:  # noqa: BLE001 - reported below, in the main thread
-            errors.append(e)
+            with ended:
+                errors.append(e)
+        finally:
+            with ended:
+                finished.append(k)
+                ended.notify_all()
 
-    threads = [threading.Thread(target=run, args=(k,), name=f"hps-centre-{k}") for k in range(parts)]
+    def serve_part(k: int) -> None:
+        comm = easgd_comms[k]
+        # The first state: group 0's replica of part k (from its holder), or a resumed
+        # job's checkpointed centre (from trainer rank 0). Sleeps between probes, as
+        # every wait of the centre.
+        start = poll.recv(comm, MPI.ANY_SOURCE, 40)
+        ranks = [roles.trainer_ranks(g)[0] if k == 0 else roles.ps_ranks(g)[k - 1] for g in range(roles.groups)]
+        centres[k] = EasgdCentre(comm, start["centre"].copy(), ranks, EasgdConfig(cfg.alpha, cfg.period), codecs,
+                                 counter)
+        centres[k].load_state_dict(start)
+        starts[k] = {"crc32": zlib.crc32(start["centre"].tobytes()), "exchanges": int(start["exchanges"])}
+        # Until trainer rank 0 releases it: its last checkpoint, after the groups stopped, asks for the centre.
+        centres[k].serve(timeout=max(cfg.timeout, 3600.0), until_released=True)
+
+    # (Daemons: a failed part ends the job while the others still serve.)
+    threads = [threading.Thread(target=run, args=(k,), name=f"hps-centre-{k}", daemon=True) for k in range(parts)]
     for t in threads:
         t.start()
+    with ended:
+        # A part that failed is raised at once (the caller ends the job naming it): the
+        # other parts serve until the job releases them, and the failed part's groups,
+        # unanswered, would end the job at their timeout saying the centre died or hung.
+        ended.wait_for(lambda: errors or len(finished) == parts)
+        if errors:
+            raise errors[0]
     for t in threads:
         t.join()
-    if errors:
-        raise errors[0]
     return {"role": "centre", "exchanges": sum(c.easgd.exchanges for c in centres if c is not None), "starts": starts,
             "bytes": counter.as_dict(), "cpu_seconds": time.process_time() - cpu0,
             "wall_seconds": time.perf_counter() - wall0}
