@@ -236,7 +236,9 @@ class EasgdCentre:
     centre.
 
     A group sends its replica through the ``averaging`` codec; the centre returns
-    d = x - c through it too; the group applies x -= alpha d."""
+    d = x - c through it too; the group applies x -= alpha d' and the centre
+    c += alpha d', d' what the codec delivers of d (d itself with ``none``), so that
+    the sum of the replicas and the centre is kept through a lossy codec too."""
 
     def __init__(self, comm, x0: np.ndarray, group_ranks: Sequence[int], config: EasgdConfig,
                  codecs: Optional[CodecStreams] = None, counter: Optional[ByteCounter] = None):
@@ -281,7 +283,7 @@ class EasgdCentre:
                 live.discard(g)
                 self.comm.send(None, dest=src, tag=_TAG)
             elif self.easgd.config.mode == "async":
-                self.comm.send(self._encode(g, self.easgd.difference(g, decode(enc))), dest=src, tag=_TAG)
+                self.comm.send(self._answer(g, decode(enc), self.easgd.centre), dest=src, tag=_TAG)
                 continue
             else:
                 pending[g] = decode(enc)
@@ -309,14 +311,20 @@ class EasgdCentre:
         """One sync round: every pending replica against the same centre, answered."""
         before = self.easgd.centre.copy()
         for h, xh in sorted(pending.items()):
-            d = xh - before
-            self.easgd.centre += np.float32(self.easgd.config.alpha) * d
-            self.easgd.exchanges += 1
-            self.comm.send(self._encode(h, d), dest=self.ranks[h], tag=_TAG)
+            self.comm.send(self._answer(h, xh, before), dest=self.ranks[h], tag=_TAG)
         pending.clear()
 
-    def _encode(self, g: int, d: np.ndarray):
-        return self.counter.encode(self.codecs.get("averaging", ("centre", g)), "averaging", d)
+    def _answer(self, g: int, x: np.ndarray, centre: np.ndarray):
+        """The answer to group g's replica x, against `centre`: d = x - c through the
+        averaging codec. The centre moves by alpha times what the group gets of d (its
+        decoding), not d itself: with a lossy codec an exchange would otherwise make or
+        lose alpha (d - d') of the model, where what one side loses the other gains."""
+        e = self.easgd
+        e._check(g, x)
+        enc = self.counter.encode(self.codecs.get("averaging", ("centre", g)), "averaging", x - centre)
+        e.centre += np.float32(e.config.alpha) * decode(enc)
+        e.exchanges += 1
+        return enc
 
 
 class EasgdClient:
