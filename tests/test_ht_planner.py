@@ -233,3 +233,13 @@ def test_hps_plan_names_a_bad_model_or_batch_field(tmp_path, capsys, toml, messa
     cfg.write_text(toml)
     assert main(["plan", "--config", str(cfg)]) == 2
     assert capsys.readouterr().err.strip() == f"hps plan: {cfg}: {message}"
+
+
+def test_hps_plan_names_a_placement_the_widths_do_not_allow(tmp_path, capsys):
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text('hidden = [32]\n[ps]\ndim = 8\n[hierarchical]\ngroup_ps = 2\nplacement = ["trainer", '
+                   '"ps:vertical"]\n')
+    assert main(["plan", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hps plan: {cfg}: [hierarchical] placement ['trainer', 'ps:vertical'] does not fit the MLP: a Linear 1 "
+        f"(layer 1, 32 -> 1)'s output width of 1 cannot be split over 2 group PSs (one column each at least)")

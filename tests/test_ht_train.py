@@ -581,3 +581,27 @@ def test_a_group_root_that_stops_landing_corrections_ends_the_job_naming_the_bro
     assert ("BroadcastTimeout: whether an average's correction is ready: the broadcast from rank 0 over ranks [0, 1] "
             "did not complete within 2 s (a rank died, hung or stopped taking part); aborting the job") in err, \
         err[-3000:]
+
+
+def test_a_placement_that_cannot_be_split_so_is_refused_naming_the_field():
+    # A pair's second half must be the next layer, split horizontally: known from the
+    # config alone, but refused only on the trainers, once the job had started and its
+    # data and parameter server were open, as "plan: Linear 0 (...) is paired" (no
+    # field named, and through the job's abort rather than hps train's config errors).
+    HierarchicalConfig.from_dict({"group_ps": 1, "placement": ["ps:vertical:pair", "ps:horizontal", "trainer"]})
+    for placement, j, got in [(["ps:vertical:pair", "trainer"], 0, "'trainer'"),
+                              (["trainer", "ps:vertical:pair"], 1, "nothing (it is the last)"),
+                              (["ps:vertical:pair", "ps:vertical:pair", "ps:horizontal"], 0, "'ps:vertical:pair'")]:
+        with pytest.raises(ValueError, match=re.escape(
+                f"[hierarchical]: placement[{j}] = 'ps:vertical:pair' pairs its layer with the next one, which must "
+                f"be 'ps:horizontal' (the pair's second half), got {got}")):
+            HierarchicalConfig.from_dict({"group_ps": 1, "placement": placement})
+    # What the MLP's widths decide is found with the MLP, and named with the field too.
+    from torch import nn
+    from hps.hierarchical.roles import _plan_for
+    mlp = nn.Sequential(nn.Linear(4, 2), nn.ReLU(), nn.Linear(2, 1))
+    cfg = HierarchicalConfig.from_dict({"group_ps": 3, "placement": ["ps:vertical", "trainer"]})
+    with pytest.raises(ValueError, match=re.escape(
+            "[hierarchical] placement ['ps:vertical', 'trainer'] does not fit the MLP: a Linear 0 (layer 0, 4 -> 2)'s "
+            "output width of 2 cannot be split over 3 group PSs")):
+        _plan_for(mlp, cfg)

@@ -409,7 +409,10 @@ def plan_of_config(path) -> PlanResult:
         if len(ht.placement) != len(shapes):
             raise ValueError(f"{where} names {len(ht.placement)} Linear layers, the MLP has {len(shapes)}")
         fixed = SplitPlan([parse_placement(s, f"{where}[{j}]") for j, s in enumerate(ht.placement)], ht.group_ps)
-        segments(_shape_only(shapes), fixed)  # the split MLP's own checks, as the run makes them
+        try:  # the split MLP's own checks, as the run makes them
+            segments(_shape_only(shapes), fixed)
+        except ValueError as e:
+            raise ValueError(f"{where} {list(ht.placement)!r} does not fit the MLP: {e}") from None
         given = "the config's placement, not the planner's"
     else:
         return plan(shapes, cfg)

@@ -147,8 +147,13 @@ class HierarchicalConfig:
         if not isinstance(self.placement, (list, tuple)):  # (a string would be read a letter a layer)
             raise ValueError(f"{source}: placement must be a list, one place a Linear layer (e.g. "
                              f"[\"ps:vertical\", \"trainer\"]; [] for the planner's), got {self.placement!r}")
-        for j, s in enumerate(self.placement):
-            place = parse_placement(s, f"{source}: placement[{j}]")
+        places = [parse_placement(s, f"{source}: placement[{j}]") for j, s in enumerate(self.placement)]
+        for j, (s, place) in enumerate(zip(self.placement, places)):
+            # (What the widths decide is checked with the MLP: _plan_for.)
+            if place.pair and (j + 1 == len(places) or places[j + 1] != parse_placement("ps:horizontal")):
+                got = "nothing (it is the last)" if j + 1 == len(places) else repr(self.placement[j + 1])
+                raise ValueError(f"{source}: placement[{j}] = {s!r} pairs its layer with the next one, which must be "
+                                 f"'ps:horizontal' (the pair's second half), got {got}")
             # (A run with group_ps = 0 keeps every layer on the trainer: a placement on
             # a group PS would be ignored without a word.)
             if place.where == "ps" and self.group_ps == 0:
@@ -388,11 +393,17 @@ def _plan_for(mlp, cfg: HierarchicalConfig):
     if cfg.group_ps == 0:
         return SplitPlan([FcPlacement() for _ in shapes], 1)
     if cfg.placement:
+        from hps.hierarchical.split_mlp import segments
         if len(cfg.placement) != len(shapes):
             raise ValueError(f"[hierarchical] placement names {len(cfg.placement)} Linear layers, the MLP has "
                              f"{len(shapes)}")
-        return SplitPlan([parse_placement(s, f"[hierarchical] placement[{j}]") for j, s in
-                          enumerate(cfg.placement)], cfg.group_ps)
+        fixed = SplitPlan([parse_placement(s, f"[hierarchical] placement[{j}]") for j, s in
+                           enumerate(cfg.placement)], cfg.group_ps)
+        try:  # (here, not in SplitTrainer: the error names the field)
+            segments(mlp, fixed)
+        except ValueError as e:
+            raise ValueError(f"[hierarchical] placement {list(cfg.placement)!r} does not fit the MLP: {e}") from None
+        return fixed
     return plan(shapes, cfg.planner_config()).plan
 
 
