@@ -478,3 +478,41 @@ def test_an_exchange_through_a_lossy_codec_keeps_the_sum(mailbox, codec, mode):
     assert not np.array_equal(x, np.array([4.0, 0.013, -0.77, 1.0 / 3, 1e-3], np.float32))  # (they moved)
     # (Up to float32 rounding of values below 4: 2**-22 each side.)
     np.testing.assert_allclose(x.astype(np.float64) + served["centre"], total, rtol=0, atol=2 * 2.0**-22)
+
+
+def test_a_finished_average_keeps_its_exchanges_and_phase_for_a_resumed_run():
+    # A run's last checkpoint comes after its averaging finished; a finished run is
+    # resumed to train further (hps train --resume with more examples). That checkpoint
+    # held no background state: the resumed run counted its exchanges from 0 again
+    # (beside the corrections, which it kept: a summary of 1 exchange and 3
+    # corrections) and restarted the period, the next exchange a period after the
+    # resume rather than where the run left it.
+    from hps.hierarchical.easgd import BackgroundEasgd, GroupAverage
+
+    class Client:  # the centre at 0: d = x
+        config, group = EasgdConfig(alpha=0.5, period=2), 0
+
+        def __init__(self):
+            self.exchanges = 0
+
+        def exchange(self, x, apply_to):
+            apply_to -= np.float32(self.config.alpha) * x
+            self.exchanges += 1
+
+        def stop(self):
+            pass
+
+    live = np.full(3, 8.0, np.float32)
+    first = GroupAverage(live, BackgroundEasgd(Client(), live, wait=True))
+    for _ in range(5):  # exchanges after steps 2 and 4
+        first.step()
+    first.finish()
+    assert (first.background.client.exchanges, first.corrections) == (2, 2)
+    state = first.state_dict()  # (the final checkpoint's)
+
+    resumed = GroupAverage(live, BackgroundEasgd(Client(), live, wait=True))
+    resumed.load_state_dict(state)
+    assert (resumed.background.client.exchanges, resumed.corrections) == (2, 2)
+    resumed.step()  # step 6: the period's phase goes on from step 5
+    assert (resumed.background.client.exchanges, resumed.corrections) == (3, 3)
+    resumed.finish()

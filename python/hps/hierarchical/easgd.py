@@ -398,6 +398,7 @@ class BackgroundEasgd:
         self._busy = False        # an exchange in flight
         self._cv = threading.Condition()
         self._closing = False
+        self._drained = False     # the thread has ended (drain)
         self._stopped = False
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"hps-easgd-g{client.group}", daemon=True)
@@ -421,8 +422,13 @@ class BackgroundEasgd:
     def state_dict(self) -> dict:
         """For a checkpoint, at a step boundary: waits for the exchange due or in flight
         (so that the centre holds no half of an exchange the checkpoint lacks), then the
-        local steps, the steps the exchanges covered and the correction not yet taken."""
-        self.wait_idle()
+        local steps, the steps the exchanges covered and the correction not yet taken.
+        After :meth:`drain` the thread has ended (nothing in flight, nothing will start):
+        the same, without waiting (the last correction taken, an exchange may be due)."""
+        if self._drained:
+            self._raise()
+        else:
+            self.wait_idle()
         with self._cv:
             return {"steps": self._steps, "done": self._done, "exchanges": self.client.exchanges,
                     "pending": None if self._pending is None else self._pending.copy()}
@@ -479,6 +485,7 @@ class BackgroundEasgd:
             self._closing = True
             self._cv.notify_all()
         self._thread.join()
+        self._drained = True
         self._raise()
 
     def close(self) -> None:
@@ -549,9 +556,10 @@ class GroupAverage:
 
     def state_dict(self) -> dict:
         """For a checkpoint, at a step boundary, on every copy (the root's holds its
-        background exchange's)."""
+        background exchange's; after :meth:`finish` too: a finished run resumed to
+        train further counts on from its exchanges, in the period's phase)."""
         return {"corrections": self.corrections,
-                "background": None if self.background is None or self.finished else self.background.state_dict()}
+                "background": None if self.background is None else self.background.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.corrections = int(state["corrections"])
