@@ -243,3 +243,16 @@ def test_hps_plan_names_a_placement_the_widths_do_not_allow(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"hps plan: {cfg}: [hierarchical] placement ['trainer', 'ps:vertical'] does not fit the MLP: a Linear 1 "
         f"(layer 1, 32 -> 1)'s output width of 1 cannot be split over 2 group PSs (one column each at least)")
+
+
+def test_a_refinement_cut_short_by_its_time_limit_says_so_rather_than_that_nothing_fits():
+    # The rules keep both layers on the trainer, which has 10 kB; one move (the first
+    # layer whole on a PS) fits. With no time to refine, the planner said "no placement
+    # fits ... add group PSs or memory": the limit that stopped it went unnamed.
+    shapes = [(100, 100), (100, 1)]
+    fits = plan(shapes, PlannerConfig(group_ps=2, trainer_memory=1e4, time_limit=60))
+    assert fits.plan.fcs[0].where == "ps" and fits.nodes[0].memory <= 1e4
+    with pytest.raises(PlanError, match=r"^no placement found that fits within \[hierarchical.planner\] time_limit = "
+                                        r"0 s of refinement \(0 moves\): the trainer needs 0.1 MB .* but has 0.0 MB "
+                                        r"\(trainer_memory\); raise time_limit"):
+        plan(shapes, PlannerConfig(group_ps=2, trainer_memory=1e4, time_limit=0))

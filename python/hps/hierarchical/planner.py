@@ -104,6 +104,7 @@ class PlanResult:
     moves: int = 0            # refinement moves taken
     shapes: list = field(default_factory=list)
     given: str = ""           # not the planner's: where the config fixes the placement (plan_of_config)
+    timed_out: bool = False   # the refinement stopped at time_limit (a move might still have helped)
 
 
 def linear_shapes(seq) -> list:
@@ -315,7 +316,11 @@ def refine(shapes: list, start: SplitPlan, cfg: PlannerConfig) -> PlanResult:
     plan = start
     score, nodes, worst = _score(shapes, plan, cfg)
     moves = 0
-    while time.monotonic() < deadline:
+    timed_out = False
+    while True:
+        if time.monotonic() >= deadline:
+            timed_out = True
+            break
         # Operators that load the bottleneck node (or, while a node is over its memory,
         # that one). Every Linear loads the trainer: its own run there, and a PS-held
         # one's tensors pass through its link.
@@ -336,7 +341,7 @@ def refine(shapes: list, start: SplitPlan, cfg: PlannerConfig) -> PlanResult:
             break
         score, plan, nodes, worst = best
         moves += 1
-    return PlanResult(plan, nodes, worst.time_s, worst.name, moves, list(shapes))
+    return PlanResult(plan, nodes, worst.time_s, worst.name, moves, list(shapes), timed_out=timed_out)
 
 
 def plan(shapes: list, cfg: PlannerConfig) -> PlanResult:
@@ -351,10 +356,15 @@ def plan(shapes: list, cfg: PlannerConfig) -> PlanResult:
     for n in result.nodes:
         cap = cfg.trainer_memory if n.name == "trainer" else cfg.ps_memory
         if n.memory > cap:
-            raise PlanError(f"no placement fits: {_node_label(n.name)} needs {n.memory / 1e6:,.1f} MB for the "
+            # (Cut short by the time limit, the search may not have reached a plan that fits.)
+            head, advice = (f"no placement found that fits within [hierarchical.planner] time_limit = "
+                            f"{cfg.time_limit:g} s of refinement ({result.moves} moves)", "raise time_limit, ")
+            if not result.timed_out:
+                head, advice = "no placement fits", ""
+            raise PlanError(f"{head}: {_node_label(n.name)} needs {n.memory / 1e6:,.1f} MB for the "
                             f"weights and optimizer state of {', '.join(n.layers)} but has "
                             f"{cap / 1e6:,.1f} MB ({'trainer_memory' if n.name == 'trainer' else 'ps_memory'}); "
-                            f"add group PSs or memory, or use smaller layers")
+                            f"{advice}add group PSs or memory, or use smaller layers")
     return result
 
 
