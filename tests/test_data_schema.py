@@ -446,6 +446,27 @@ def test_parquet_errors_name_row_group_row_and_column(tmp_path):
         list(SchemaParquet(r, schema))
 
 
+@pytest.mark.parametrize("column", ["click", "price"])
+def test_parquet_number_as_text_that_is_not_utf8_is_a_data_error_naming_it(tmp_path, column):
+    # Parquet readers do not check string columns for UTF-8: a label or dense value
+    # stored as text that is not UTF-8 raised UnicodeDecodeError, naming no file, row
+    # or column, and skip_malformed could not skip it. It is a malformed row, quoted
+    # as bytes.
+    p = tmp_path / "latin.parquet"
+    cols = {"click": pa.array(["1", "0", "1"]), "price": pa.array(["3.5", "2", "7"]), "site": ["a", "b", "c"]}
+    cols[column] = pa.array([b"1", b"\xff\xfe", b"0"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table(cols), p)
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site"]}
+    why = "is not 0 or 1" if column == "click" else "is not a number"
+    with pytest.raises(DataError) as e:
+        list(SchemaParquet(p, schema))
+    assert str(e.value) == f"{p}: row group 0, row 2: column {column!r}: b'\\xff\\xfe' {why}"
+    assert (e.value.path, e.value.line, e.value.field) == (str(p), 2, column)
+    reader = SchemaParquet(p, schema, skip_malformed=True)
+    labels = read_all(reader)[0]
+    assert len(labels) == 2 and reader.malformed == 1
+
+
 # ------------------------------------------------------------------ libsvm
 
 def test_libsvm_fields_by_index_range(tmp_path):

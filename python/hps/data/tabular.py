@@ -104,7 +104,9 @@ def _numeric(pa, arr, name: str, path: str) -> tuple[np.ndarray, np.ndarray, np.
         pass
     values = np.full(len(arr), np.nan)
     bad = np.zeros(len(arr), bool)
-    for i, v in enumerate(arr.to_pylist()):  # only a block that holds a bad value comes here
+    # As bytes: Parquet does not check that a string column holds UTF-8, and such a
+    # value is a bad one (the cast to string below refuses it), not a UnicodeDecodeError.
+    for i, v in enumerate(arr.cast(pa.binary()).to_pylist()):  # only a block that holds a bad value comes here
         if v is None:
             continue
         try:
@@ -180,6 +182,7 @@ class _Converted:
         k = len(layout.categorical)
         self.bags = tuple(_bags(pa, get(i), sep, k + j, names[i], path) for j, (i, sep) in enumerate(layout.multi_hot))
         self.get = get
+        self._pa = pa
         self.names = names
 
     def bad_rows(self) -> np.ndarray:
@@ -192,7 +195,13 @@ class _Converted:
             if bad[r]:
                 if name is None:
                     return None, why
-                value = self.get(i)[int(r)].as_py()
+                scalar = self.get(i)[int(r)]
+                if isinstance(scalar, self._pa.DictionaryScalar):
+                    scalar = scalar.value
+                try:
+                    value = scalar.as_py()
+                except UnicodeDecodeError:  # Parquet does not check that a string column holds UTF-8
+                    value = scalar.cast(self._pa.binary()).as_py()
                 return name, f"{_shown(value)} {why}"
         raise AssertionError("row is not bad")
 
