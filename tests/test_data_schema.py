@@ -518,6 +518,23 @@ def test_libsvm_errors_name_line_and_feature(tmp_path):
 
 
 
+def test_libsvm_token_of_more_than_three_parts_is_malformed(tmp_path):
+    # A feature is index:value or libFFM's field:index:value. A token of more colons
+    # ("1:2:3:4", "7:3:1:2") was read as the index between its last two and the value
+    # after them, the rest dropped without a word: a misparse, not a feature.
+    p = tmp_path / "colons.svm"
+    p.write_text("1 3:1\n0 1:2:3:4\n1 7:3:1\n0 :3:1:2\n")
+    with pytest.raises(DataError) as e:
+        list(Libsvm(p))
+    assert str(e.value) == f"{p}:2: '1:2:3:4' is not index:value or field:index:value"
+    assert (e.value.path, e.value.line) == (str(p), 2)
+    r = Libsvm(p, skip_malformed=True)
+    _, _, _, (bag,), batches = read_all(r)
+    assert r.malformed == 2
+    assert [b.locate(i) for b in batches for i in range(len(b))] == [(str(p), 1), (str(p), 3)]
+    np.testing.assert_array_equal(bag.keys, [ref_key(0, "3"), ref_key(0, "3")])  # (7:3:1: field 7, index 3)
+
+
 # A bad line 9 and a later bad line 30 (see the test below): line, message.
 LIBSVM_EARLIER = {"no-field": ("1 3:1 30:1", "feature index 30 is in no field of data.schema.fields"),
                   "value": ("1 3:x", "'3:x': the value is not a number")}

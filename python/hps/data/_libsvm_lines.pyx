@@ -85,7 +85,7 @@ def parse_lines(const uint8_t[:] block, const int64_t[:] starts, const int64_t[:
     """Lines block[starts[i]:ends[i]] (without their line ends). Returns (kind (n,)
     uint8: BLANK, EXAMPLE or BAD; labels (n,) float32, set for examples; feature_line,
     index, value: one entry a feature of the examples, in line order)."""
-    cdef Py_ssize_t n = starts.shape[0], i, a, z, t, ta, tz, colon, kstart, j
+    cdef Py_ssize_t n = starts.shape[0], i, a, z, t, ta, tz, colon, kstart, j, colons
     cdef int lab
     cdef uint64_t index
     cdef double x
@@ -134,13 +134,16 @@ def parse_lines(const uint8_t[:] block, const int64_t[:] starts, const int64_t[:
                 break
             tz = t
             colon = -1
+            colons = 0
             kstart = t
             while tz < z and not _space(block[tz]):
                 if block[tz] == 58:  # ':'
                     kstart = colon + 1 if colon >= 0 else t
                     colon = tz
+                    colons += 1
                 tz += 1
-            if colon < 0 or colon == kstart:  # no ':', or an empty index
+            # no ':', an empty index, or more parts than field:index:value
+            if colon < 0 or colon == kstart or colons > 2:
                 ok = False
                 break
             # the index: [0-9]+ below 2**63 (leading zeros of any count)

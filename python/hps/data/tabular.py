@@ -809,8 +809,9 @@ class Libsvm(_SchemaReader):
     Without ``fields`` every index is one field, "features". Each field is a bag
     (``Batch.bags``) of its indices' keys (:func:`hps.data.value_keys` of the index's
     decimal text) weighted by their values; ``keys`` and ``dense`` have no columns.
-    Labels: 0, 1, -1 (as 0) or +1. Errors: ``train.svm:5: '3:x': the value is not a
-    number``. A ``#`` starts a comment; blank lines are skipped. Lines end at "\\n"
+    Labels: 0, 1, -1 (as 0) or +1. A feature is ``idx:val``, or libFFM's
+    ``field:idx:val`` (its field left to ``fields``); a token of more colons is
+    malformed. Errors: ``train.svm:5: '3:x': the value is not a number``. A ``#`` starts a comment; blank lines are skipped. Lines end at "\\n"
     ("\\r\\n" too), or at a lone "\\r" in a file whose first 64 KiB hold a "\\r" and
     no "\\n" (classic Mac OS line ends)."""
 
@@ -947,7 +948,9 @@ class Libsvm(_SchemaReader):
             if not colon:
                 return f"{_shown(p)} is not index:value"
             if b":" in k:  # libFFM's field:index:value: the field is the schema's to say
-                k = k.rpartition(b":")[2]
+                field, _, k = k.rpartition(b":")
+                if b":" in field:  # (not the index between the last two colons, the rest dropped)
+                    return f"{_shown(p)} is not index:value or field:index:value"
             if not _UINT_RE.fullmatch(k):
                 return f"{_shown(p)}: the index is not a non-negative integer"
             try:
