@@ -1655,3 +1655,68 @@ def test_owner_ranks_spread_keys_independently_of_the_device_hash():
     # Within one rank, the device tier's mix64(k) mod 2 still splits the keys evenly.
     devices = mix64(keys[ranks == 0]) % np.uint64(2)
     assert 0.48 < devices.mean() < 0.52
+
+
+FILES_TOML = """
+hidden = [8]
+dense_lr = 0.01
+torch_threads = 1
+
+[ps]
+dim = 4
+path = "{path}"
+mem_budget = "1MiB"
+
+[data]
+source = "data/*.tsv"
+batch_size = 64
+
+[distributed]
+timeout = 60
+"""
+
+
+def test_ranks_that_list_different_data_files_are_refused_naming_one(tmp_path):
+    """Each rank lists the data files itself and reads files[rank::world] of its list.
+    Ranks whose lists differ (a relative glob in another working directory, a part
+    written while the job started) read overlapping or missing shards: here rank 0
+    listed p0, p1 and rank 1 p0, p1, p2, so rank 1 read p1 alone and p2 went unread,
+    without a word. Every rank now refuses it before anything is written, naming a
+    file one rank lists and another does not."""
+    pytest.importorskip("torch", reason="hps train needs torch")
+    gen = hps.data.SyntheticCriteo(seed=3, batch_size=64)
+    for wdir, parts in (("a", 2), ("b", 3)):
+        (tmp_path / wdir / "data").mkdir(parents=True)
+        for i in range(parts):
+            gen.write_tsv(str(tmp_path / wdir / "data" / f"p{i}.tsv"), 128)
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(FILES_TOML.format(path=tmp_path / "job"))
+    train = [sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress"]
+    p = mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train,
+               check=False, timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    said = ("the ranks list different data files (data.source = 'data/*.tsv'): data/p2.tsv is rank 1's file 3 "
+            "of 3 and not among rank 0's 2")
+    assert said in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "job").exists()
+
+
+def test_the_file_lists_of_ranks_are_compared_by_files_and_order():
+    from hps.train import _check_same_files
+
+    class Gathered:  # a node whose allgather gives these lists
+        def __init__(self, lists):
+            self.lists = lists
+
+        def allgather(self, *args):
+            return self.lists
+
+    cfg = sc.train_config("/tmp/unused")
+    cfg.data.source = ["d/*.tsv"]
+    _check_same_files(cfg, Gathered([["a", "b"], ["a", "b"]]), None)
+    _check_same_files(cfg, Gathered([None, None]), None)  # synthetic data, a growing directory
+    with pytest.raises(ValueError, match=r"different data files \(data.source = 'd/\*.tsv'\): b is rank 0's file 2 "
+                                         r"of 3 and not among rank 2's 2"):
+        _check_same_files(cfg, Gathered([["a", "b", "c"], ["a", "b", "c"], ["a", "c"]]), None)
+    with pytest.raises(ValueError, match=r"the same files in another order: file 1 is a on rank 0, b on rank 1"):
+        _check_same_files(cfg, Gathered([["a", "b"], ["b", "a"]]), None)

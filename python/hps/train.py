@@ -1009,6 +1009,39 @@ def _different_fields(every: list) -> str:
             + "; ".join(differ) + " (every rank's data must give the same fields)")
 
 
+def _check_same_files(cfg: TrainConfig, node: Node, source) -> None:
+    """Every rank must list the same data files in the same order: each lists them itself
+    and reads files[rank::world] of its own list, so ranks whose lists differ (a relative
+    glob in another working directory, a part written while the job started) read
+    overlapping shards and leave others unread, without a word. Raises on every rank,
+    naming a file where the lists part. A source without a file list (synthetic data, a
+    growing directory, which shares its files by name) has nothing to check."""
+    every = node.allgather("train", getattr(source, "all_files", None), "the data files")
+    first = every[0]
+    for r, mine in enumerate(every):
+        if mine == first:
+            continue
+        if first is None or mine is None:
+            raise ValueError(f"the ranks read different kinds of data: rank 0 "
+                             f"{'no files' if first is None else 'files'}, rank {r} "
+                             f"{'no files' if mine is None else 'files'}")
+        theirs, ours = set(first), set(mine)
+        extra = next(((i, f) for i, f in enumerate(mine) if f not in theirs), None)
+        lacking = next(((i, f) for i, f in enumerate(first) if f not in ours), None)
+        if extra is not None:
+            where = f"{extra[1]} is rank {r}'s file {extra[0] + 1} of {len(mine)} and not among rank 0's {len(first)}"
+        elif lacking is not None:
+            where = f"{lacking[1]} is rank 0's file {lacking[0] + 1} of {len(first)} and not among rank {r}'s " \
+                f"{len(mine)}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(first, mine)) if a != b)
+            where = f"the same files in another order: file {i + 1} is {first[i]} on rank 0, {mine[i]} on rank {r}"
+        raise ValueError(f"the ranks list different data files (data.source = {_source_name(cfg.data.source)!r}): "
+                         f"{where}; rank r reads files[r::world] of its own list, so the ranks would read "
+                         f"overlapping files and leave others unread: give every rank the same files (absolute "
+                         f"paths; no file added while the job starts)")
+
+
 def _write_json_atomic(path: str, obj: dict) -> None:
     _write_durable(path + ".tmp", json.dumps(obj, indent=1).encode())
     _replace_durable(path + ".tmp", path)
@@ -1379,6 +1412,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \
         _collective(node, lambda: _train_source(cfg, rank, world))
+    if node is not None and train_batches is None:
+        _check_same_files(cfg, node, source)
     eval_batches = list(eval_batches) if eval_batches is not None else _collective(node, lambda: _eval_batches(cfg))
     if cfg.admission.threshold > 1:
         # Checked again with what this run does. Reading the config could count the

@@ -406,7 +406,10 @@ class _Reader(abc.ABC):
                  drop_last: bool = False, skip_malformed: bool = False):
         self._pa = _pyarrow()
         _check_batching(batch_size, rank, world)
-        self.files: list[str] = shard_files(list_files(paths), rank, world)
+        #: Every node's files, in order: node ``rank`` of ``world`` reads ``all_files[rank::world]``
+        #: (``files``), so every node must list the same ones.
+        self.all_files: list[str] = list_files(paths)
+        self.files: list[str] = shard_files(self.all_files, rank, world)
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
         self.skip_malformed = bool(skip_malformed)
