@@ -67,6 +67,23 @@ def test_skip_examples_starts_inside_a_batch():
     assert list(hdata.skip_examples(gen, 10)) == []
 
 
+def test_a_batch_cut_by_the_count_or_the_resume_point_still_names_its_rows_lines(tmp_path):
+    # Batch.rows dropped the batch's sources: the batch FirstExamples cut (--examples)
+    # and the first batch a resumed run trained (skip_examples) could not say where
+    # their rows came from (locate: "the batch's sources do not cover its rows").
+    gen = hdata.SyntheticCriteo(seed=3, batch_size=4, examples=10, vocab_sizes=[7, 9])
+    where = [b.locate(i) for b in gen for i in range(len(b))]
+    assert [b.locate(i) for b in hdata.FirstExamples(gen, 6) for i in range(len(b))] == where[:6]
+    assert [b.locate(i) for b in hdata.skip_examples(gen, 6) for i in range(len(b))] == where[6:]
+    # A batch over two files: the cut keeps each row's own file and line.
+    for name in ("a.tsv", "b.tsv"):
+        hdata.SyntheticCriteo(seed=3, batch_size=4).write_tsv(str(tmp_path / name), 3)
+    reader = hdata.CriteoTsv([str(tmp_path / "a.tsv"), str(tmp_path / "b.tsv")], batch_size=4)
+    rest = list(hdata.skip_examples(reader, 2))
+    assert [b.locate(i) for b in rest for i in range(len(b))] == \
+        [(str(tmp_path / "a.tsv"), 3), (str(tmp_path / "b.tsv"), 1), (str(tmp_path / "b.tsv"), 2),
+         (str(tmp_path / "b.tsv"), 3)]
+
 def test_summary_table_and_json_line_report_the_same_ssd_traffic(capsys, tmp_path):
     rc, line, err = run(capsys, tmp_path, "--examples", "3000")
     assert rc == 0, err

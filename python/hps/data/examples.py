@@ -79,13 +79,15 @@ class Batch:
         return np.concatenate([self.keys.reshape(-1)] + [b.keys for b in self.bags])
 
     def rows(self, idx: np.ndarray) -> "Batch":
-        """The batch of rows ``idx`` (consecutive, increasing: a mini-batch's share); sources dropped."""
+        """The batch of rows ``idx`` (consecutive, increasing: a mini-batch's share, the
+        batch that --examples or a resume point cuts), with the sources of those rows."""
         if len(idx) == 0:
             return Batch(self.labels[:0], self.dense[:0], self.keys[:0], (), tuple(b.rows(0, 0) for b in self.bags))
         a, z = int(idx[0]), int(idx[-1]) + 1
         if z - a != len(idx):
             raise ValueError("rows: idx must be consecutive")
-        return Batch(self.labels[a:z], self.dense[a:z], self.keys[a:z], (), tuple(b.rows(a, z) for b in self.bags))
+        return Batch(self.labels[a:z], self.dense[a:z], self.keys[a:z], _spans(self.sources, a, z),
+                     tuple(b.rows(a, z) for b in self.bags))
 
     def locate(self, i: int) -> tuple[str, int]:
         """(path, line) of row ``i``: where to look when that example misbehaves."""
@@ -96,6 +98,20 @@ class Batch:
                 return s.path, s.first_line + i
             i -= s.count
         raise IndexError("the batch's sources do not cover its rows")
+
+
+def _spans(sources, a: int, z: int) -> tuple:
+    """The sources of rows a..z-1 of rows that ``sources`` cover in order (none if they do
+    not cover them all: a batch made without sources)."""
+    if sum(s.count for s in sources) < z:
+        return ()
+    out, start = [], 0
+    for s in sources:
+        lo, hi = max(a, start), min(z, start + s.count)
+        if lo < hi:
+            out.append(Source(s.path, s.first_line + lo - start, hi - lo))
+        start += s.count
+    return tuple(out)
 
 
 class _Piece:
