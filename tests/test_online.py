@@ -139,6 +139,14 @@ def test_stop_conditions_marker_examples_idle(tmp_path):
     assert 0.3 <= time.monotonic() - t0
 
 
+def test_the_batch_cut_to_the_examples_asked_still_names_its_rows_lines(tmp_path):
+    # The cut batch had lost its sources: locate() raised for its rows.
+    (tmp_path / "a.csv").write_text(HEADER + "".join(rows(30, 4)))
+    (tmp_path / "b.csv").write_text(HEADER + "".join(rows(30, 5)))
+    (tmp_path / "_DONE").write_text("")
+    last = list(GrowingDirectory(tmp_path, csv_reader, poll=0.05, idle=None, examples=37))[-1]
+    assert [last.locate(i) for i in range(len(last))] == [(str(tmp_path / "b.csv"), line) for line in range(2, 9)]
+
 def test_idle_does_not_end_the_source_on_a_file_that_appeared_but_is_not_ready_yet(tmp_path):
     # b.csv is written while a.csv is read: the next poll sees it for the first time (not
     # ready: its size must hold across two polls), and the idle time, shorter than a poll,

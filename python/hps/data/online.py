@@ -48,7 +48,6 @@ import time
 import warnings
 from typing import Callable, Iterator, Optional
 
-from hps.data.epochs import _take
 from hps.data.examples import Batch
 from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, _visible
 
@@ -287,7 +286,7 @@ class GrowingDirectory:
                     if self.examples is not None and self.examples_read + len(batch) >= self.examples:
                         keep = self.examples - self.examples_read
                         if keep < len(batch):
-                            batch = _take(batch, np.arange(keep))
+                            batch = batch.rows(np.arange(keep))  # (with its rows' sources)
                         self.examples_read += len(batch)
                         yield batch
                         return
