@@ -5,6 +5,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import threading
 import time
 
@@ -212,6 +213,26 @@ def test_lines_skipped_in_every_file_add_up(tmp_path):
         assert [m.split(":", 2)[1] for m in src.malformed_examples] == ["2", "23", "12"]
         assert [os.path.basename(m.split(":")[0]) for m in src.malformed_examples] == ["a.csv", "a.csv", "b.csv"]
 
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_empty_csv_file_in_a_growing_directory_warns_and_the_others_are_read(tmp_path, compressed):
+    # A file without a byte (an empty partition's part) warns and gives no rows in a
+    # finite data set. Here checking its fields raised AttributeError ('NoneType' object
+    # has no attribute 'names'), naming no file, and ended the run.
+    from hps.data import EmptyFileWarning
+    (tmp_path / "a.csv").write_text(HEADER + "".join(rows(10, 4)))
+    empty = tmp_path / ("b.csv.gz" if compressed else "b.csv")
+    if compressed:
+        with gzip.open(empty, "wb"):
+            pass
+    else:
+        empty.write_bytes(b"")
+    (tmp_path / "c.csv").write_text(HEADER + "".join(rows(10, 5)))
+    (tmp_path / "_DONE").write_text("")
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05)
+    with pytest.warns(EmptyFileWarning, match=re.escape(str(empty))):
+        assert sum(len(b) for b in src) == 20
+    assert [os.path.basename(f) for f in src.files_read] == ["a.csv", empty.name, "c.csv"]
 
 def test_a_file_of_other_fields_is_a_data_error_naming_it_and_the_first_file(tmp_path):
     # Each file has a reader of its own, which checks only its one file: with categorical =

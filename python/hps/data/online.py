@@ -311,6 +311,8 @@ class GrowingDirectory:
         if fields is None:  # (the Criteo readers: fixed fields)
             return
         got = fields()
+        if got is None:  # a file without data (0 bytes): no rows, so no fields to hold to the first file's
+            return
         reference = self._reference or self._first
         if self._fields is None and reference is not None and reference != path:
             # The file widths() gave the model's shape by (rank 0's, agree()), which may

@@ -242,10 +242,15 @@ class _SchemaReader(_Reader):
         raise DataError(f"{self.files[0]}: the data holds no examples ({len(self.files)} file(s), each empty): no "
                         f"fields to take the model's shape from", path=self.files[0])
 
-    def fields(self) -> tuple:
-        """The first file's fields (label, dense, categorical and multi-hot column names, the
-        last with their separators): what every file of a data set must give alike."""
-        return self._layout(self.files[0]).names()
+    def fields(self) -> Optional[tuple]:
+        """The fields of the first file with data (label, dense, categorical and multi-hot
+        column names, the last with their separators): what every file of a data set must
+        give alike; None when no file has any (a file of 0 bytes has no fields to give)."""
+        for path in self.files:
+            layout = self._layout(path)
+            if layout is not None:
+                return layout.names()
+        return None
 
     def _same_fields(self, layout, path: str) -> None:
         names = layout.names()
