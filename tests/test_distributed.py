@@ -1701,22 +1701,57 @@ def test_ranks_that_list_different_data_files_are_refused_naming_one(tmp_path):
     assert not (tmp_path / "job").exists()
 
 
-def test_the_file_lists_of_ranks_are_compared_by_files_and_order():
-    from hps.train import _check_same_files
+def test_where_the_file_lists_of_two_ranks_part():
+    from hps.train import _where_lists_part
+    assert _where_lists_part(["a", "b", "c"], ["a", "c"], 2) == "b is rank 0's file 2 of 3 and not among rank 2's 2"
+    assert _where_lists_part(["a"], ["a", "c"], 1) == "c is rank 1's file 2 of 2 and not among rank 0's 1"
+    assert _where_lists_part(["a", "b"], ["b", "a"], 1) == \
+        "the same files in another order: file 1 is a on rank 0, b on rank 1"
+    assert _where_lists_part(None, ["a"], 1) == "rank 0 reads no files, rank 1 files"
 
-    class Gathered:  # a node whose allgather gives these lists
-        def __init__(self, lists):
-            self.lists = lists
+SCHEMA_TOML = """
+hidden = [8]
+dense_lr = 0.01
+torch_threads = 1
 
-        def allgather(self, *args):
-            return self.lists
+[ps]
+dim = 4
+path = "{path}"
+mem_budget = "1MiB"
 
-    cfg = sc.train_config("/tmp/unused")
-    cfg.data.source = ["d/*.tsv"]
-    _check_same_files(cfg, Gathered([["a", "b"], ["a", "b"]]), None)
-    _check_same_files(cfg, Gathered([None, None]), None)  # synthetic data, a growing directory
-    with pytest.raises(ValueError, match=r"different data files \(data.source = 'd/\*.tsv'\): b is rank 0's file 2 "
-                                         r"of 3 and not among rank 2's 2"):
-        _check_same_files(cfg, Gathered([["a", "b", "c"], ["a", "b", "c"], ["a", "c"]]), None)
-    with pytest.raises(ValueError, match=r"the same files in another order: file 1 is a on rank 0, b on rank 1"):
-        _check_same_files(cfg, Gathered([["a", "b"], ["b", "a"]]), None)
+[data]
+source = "{data}"
+batch_size = 16
+
+[data.schema]
+label = "click"
+dense = ["price"]
+categorical = "rest"
+
+[distributed]
+timeout = 60
+"""
+
+
+def test_ranks_whose_files_give_other_fields_are_refused_naming_both_files(tmp_path):
+    """Each rank held its files to its own first file's fields, and the ranks compared
+    only how many fields there are: rank 1's file with the columns of rank 0's in
+    another order (site, os against os, site) trained its os values as field 0, which
+    on rank 0 is the site, without a word. One process reading both files refuses the
+    second; the ranks now do too, before anything is written."""
+    pytest.importorskip("torch", reason="hps train needs torch")
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = "".join(f"{i % 2},{i},s{i % 5},o{i % 3}\n" for i in range(64))
+    (data / "p0.csv").write_text("click,price,site,os\n" + rows)
+    (data / "p1.csv").write_text("click,price,os,site\n" + rows)
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(SCHEMA_TOML.format(path=tmp_path / "job", data=data))
+    p = mpirun(2, sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress", check=False,
+               timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    said = (f"the ranks' data give other fields: rank 0's {data / 'p0.csv'} label 'click', dense ['price'], "
+            f"categorical ['site', 'os'], multi-hot []; rank 1's {data / 'p1.csv'} label 'click', dense ['price'], "
+            f"categorical ['os', 'site'], multi-hot []")
+    assert said in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "job").exists()

@@ -1017,29 +1017,48 @@ def _check_same_files(cfg: TrainConfig, node: Node, source) -> None:
     naming a file where the lists part. A source without a file list (synthetic data, a
     growing directory, which shares its files by name) has nothing to check."""
     every = node.allgather("train", getattr(source, "all_files", None), "the data files")
-    first = every[0]
     for r, mine in enumerate(every):
-        if mine == first:
-            continue
-        if first is None or mine is None:
-            raise ValueError(f"the ranks read different kinds of data: rank 0 "
-                             f"{'no files' if first is None else 'files'}, rank {r} "
-                             f"{'no files' if mine is None else 'files'}")
-        theirs, ours = set(first), set(mine)
-        extra = next(((i, f) for i, f in enumerate(mine) if f not in theirs), None)
-        lacking = next(((i, f) for i, f in enumerate(first) if f not in ours), None)
-        if extra is not None:
-            where = f"{extra[1]} is rank {r}'s file {extra[0] + 1} of {len(mine)} and not among rank 0's {len(first)}"
-        elif lacking is not None:
-            where = f"{lacking[1]} is rank 0's file {lacking[0] + 1} of {len(first)} and not among rank {r}'s " \
-                f"{len(mine)}"
-        else:
-            i = next(i for i, (a, b) in enumerate(zip(first, mine)) if a != b)
-            where = f"the same files in another order: file {i + 1} is {first[i]} on rank 0, {mine[i]} on rank {r}"
-        raise ValueError(f"the ranks list different data files (data.source = {_source_name(cfg.data.source)!r}): "
-                         f"{where}; rank r reads files[r::world] of its own list, so the ranks would read "
-                         f"overlapping files and leave others unread: give every rank the same files (absolute "
-                         f"paths; no file added while the job starts)")
+        if mine != every[0]:
+            raise ValueError(f"the ranks list different data files (data.source = "
+                             f"{_source_name(cfg.data.source)!r}): {_where_lists_part(every[0], mine, r)}; rank r "
+                             f"reads files[r::world] of its own list, so the ranks would read overlapping files "
+                             f"and leave others unread: give every rank the same files (absolute paths; no file "
+                             f"added while the job starts)")
+
+
+def _check_same_field_names(node: Node, source) -> None:
+    """Each rank holds its files to its own first file's fields, and the ranks compare how
+    many fields their data give (_different_fields): a rank whose files have the columns
+    in another order (site, os against os, site) trained one column's values as another's
+    field, without a word. Raises on every rank, naming both ranks' first files. (Criteo's
+    fields are fixed; a growing directory holds every rank's files to rank 0's first.)"""
+    def names():
+        fields = getattr(source, "fields", None)
+        got = fields() if callable(fields) else None  # (the first file with data's)
+        return got, source.widths_file() if got is not None else None
+    every = node.allgather("train", _collective(node, names), "the data's field names")
+    first, where = every[0]
+    for r, (mine, my_where) in enumerate(every):
+        if first is not None and mine is not None and mine != first:
+            from hps.data.tabular import _describe
+            raise ValueError(f"the ranks' data give other fields: rank 0's {where} {_describe(first)}; rank "
+                             f"{r}'s {my_where} {_describe(mine)} (every file of a data set must give the same "
+                             f"fields, in the same order)")
+
+
+def _where_lists_part(first: Optional[list], mine: Optional[list], r: int) -> str:
+    """Where rank r's file list differs from rank 0's, for _check_same_files' message."""
+    if first is None or mine is None:
+        return f"rank 0 reads {'no ' if first is None else ''}files, rank {r} {'no ' if mine is None else ''}files"
+    theirs, ours = set(first), set(mine)
+    extra = next(((i, f) for i, f in enumerate(mine) if f not in theirs), None)
+    lacking = next(((i, f) for i, f in enumerate(first) if f not in ours), None)
+    if extra is not None:
+        return f"{extra[1]} is rank {r}'s file {extra[0] + 1} of {len(mine)} and not among rank 0's {len(first)}"
+    if lacking is not None:
+        return f"{lacking[1]} is rank 0's file {lacking[0] + 1} of {len(first)} and not among rank {r}'s {len(mine)}"
+    i = next(i for i, (a, b) in enumerate(zip(first, mine)) if a != b)
+    return f"the same files in another order: file {i + 1} is {first[i]} on rank 0, {mine[i]} on rank {r}"
 
 
 def _write_json_atomic(path: str, obj: dict) -> None:
@@ -1435,6 +1454,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         every = node.allgather("train", (tuple(widths) if has_data else None, shaped_by), "the data's fields")
         if len({w for w, _ in every}) > 1:
             raise ValueError(_different_fields(every))
+        _check_same_field_names(node, source)
         if isinstance(source, hdata.GrowingDirectory):
             source.agree(node)  # one file every rank's files are held to
 
