@@ -350,6 +350,23 @@ def test_eval_data_with_other_fields_is_refused_before_training(tmp_path):
     assert not (tmp_path / "ps").exists()
 
 
+def test_eval_data_with_the_columns_in_another_order_is_refused_before_training(tmp_path):
+    # The same counts of fields, so the check above let it by: the held-out rows' os
+    # values were scored as the training data's site field, and its AUC meant nothing.
+    (tmp_path / "train.csv").write_text("click,price,site,os\n" + "1,2,s1,ios\n0,3,s2,and\n" * 10)
+    (tmp_path / "eval.csv").write_text("click,price,os,site\n" + "1,2,ios,s1\n0,3,and,s2\n" * 10)
+    schema = {"label": "click", "dense": ["price"], "categorical": "rest"}
+    cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "torch_threads": 1,
+                                 "data": {"source": str(tmp_path / "train.csv"), "eval_source":
+                                          str(tmp_path / "eval.csv"), "schema": schema}})
+    with pytest.raises(ValueError) as e:
+        train(cfg, progress=False)
+    assert str(e.value) == (f"{tmp_path / 'eval.csv'}: the schema gives other fields here than in the training "
+                            f"data's {tmp_path / 'train.csv'} (label 'click', dense ['price'], categorical ['os', "
+                            f"'site'], multi-hot [] against label 'click', dense ['price'], categorical ['site', "
+                            f"'os'], multi-hot [])")
+    assert not (tmp_path / "ps").exists()
+
 def test_hps_train_on_synthetic_multi_hot_fields(tmp_path):
     cfg = TrainConfig.from_dict({
         "ps": {"dim": DIM, "path": str(tmp_path / "ps"), "mem_budget": "16MiB"},

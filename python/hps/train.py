@@ -554,6 +554,8 @@ def _eval_batches(cfg: TrainConfig) -> list:
         if n >= d.eval_examples:
             break
     out.malformed, out.malformed_examples = reader.malformed, list(reader.malformed_examples)
+    if d.schema is not None and out:  # what the training data's fields are held to (_check_eval_fields)
+        out.fields, out.fields_file = reader.fields(), reader.widths_file()
     if not out:  # (evaluations would score nothing and report no AUC, as if none were asked for)
         raise ValueError(f"{_source_name(d.eval_source)}: the held-out data (data.eval_source) holds no examples "
                          f"({len(reader.files)} file(s)" + (f", {reader.malformed:,} malformed line(s) skipped"
@@ -569,9 +571,26 @@ def _has_held_out(d: DataConfig) -> bool:
 
 
 class _EvalBatches(list):
-    """The held-out batches, and the malformed lines skipped reading them (skip_malformed)."""
+    """The held-out batches, the malformed lines skipped reading them (skip_malformed),
+    and a schema's fields of the first file with data (None: Criteo's) and that file."""
     malformed = 0
     malformed_examples: list = []
+    fields: Optional[tuple] = None
+    fields_file: Optional[str] = None
+
+
+def _check_eval_fields(source, eval_batches) -> None:
+    """Raises ValueError unless the held-out data give the training data's fields (names
+    and order), as every file of one data set must: the counts alone let eval data of the
+    columns in another order by, and its rows were scored with one column's values as
+    another's field."""
+    got = getattr(eval_batches, "fields", None)
+    fields = getattr(source, "fields", None)
+    want = fields() if got is not None and callable(fields) else None
+    if want is not None and got != want:
+        from hps.data.tabular import _describe
+        raise ValueError(f"{eval_batches.fields_file}: the schema gives other fields here than in the training "
+                         f"data's {source.widths_file()} ({_describe(got)} against {_describe(want)})")
 
 
 def _malformed_report(cfg: TrainConfig, source, eval_batches) -> Optional[dict]:
@@ -1466,6 +1485,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                 raise ValueError(f"{cfg.data.eval_source}: the schema gives {got[0]} dense, {got[1]} categorical "
                                  f"and {got[2]} multi-hot fields here, the training data {widths[0]}, {widths[1]} "
                                  f"and {widths[2]}")
+            _check_eval_fields(source, eval_batches)
         if cfg.ps.schedule == "herald" and widths[2]:
             raise ValueError(f"[ps] schedule = 'herald' partitions examples of single-hot fields; this data has "
                              f"{widths[2]} multi-hot field(s) (schedule = 'sequential' trains them)")
