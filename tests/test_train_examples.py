@@ -107,6 +107,31 @@ def test_resume_with_more_examples_picks_up_after_a_short_last_batch(capsys, tmp
     assert line["pipeline"]["examples"] == 2500
 
 
+def test_resume_refuses_data_files_not_in_the_order_the_run_read_them(capsys, tmp_path):
+    # A resumed run skips the examples done, which is right only if the data comes in the
+    # order it came before. A file added where the listing sorts it before one read (day2
+    # between day1 and day3) moved the examples: the resumed run skipped day1 and half of
+    # day2, never trained the half of day3 it had not, and trained day2's rest, without a
+    # word. A file added after the ones read only adds examples.
+    files = TOML.replace("vocab_sizes = [50, 200, 1000, 5000]\n", "")
+    data = tmp_path / "data"
+    data.mkdir()
+    gen = hdata.SyntheticCriteo(seed=3, batch_size=500)
+    for name in ("day1.tsv", "day3.tsv"):
+        gen.write_tsv(str(data / name), 1000)
+    big = ("--mem-budget", "4MiB", "--batch-size", "500", "--data", str(data))
+    rc, line, err = run(capsys, tmp_path, "--examples", "1500", *big, toml=files)
+    assert rc == 0, err
+    gen.write_tsv(str(data / "day4.tsv"), 1000)
+    rc, line, err = run(capsys, tmp_path, "--examples", "2000", "--resume", *big, toml=files)
+    assert rc == 0, err
+    assert line["final"]["examples"] == 2000 and line["pipeline"]["examples"] == 500
+    gen.write_tsv(str(data / "day2.tsv"), 1000)
+    rc, line, err = run(capsys, tmp_path, "--examples", "3000", "--resume", *big, toml=files)
+    assert rc == 2
+    assert (f"--resume: the data files are not those the run resumed from read, in its order: file 2 is "
+            f"{data / 'day2.tsv'} here, {data / 'day3.tsv'} there") in err, err
+
 def test_resuming_a_finished_run_says_so_and_changes_nothing(capsys, tmp_path):
     rc, first, err = run(capsys, tmp_path, "--examples", "2000")
     assert rc == 0, err

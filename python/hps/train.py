@@ -759,6 +759,9 @@ class Trainer:
         #: Online, a growing directory: the source, whose files read (in order) each checkpoint keeps ...
         self.online_source = None
         self.online_files: Optional[list] = None  # ... and a resumed run's, for _train to replay
+        #: Files: this rank's data files in the order it reads them, which each checkpoint keeps ...
+        self.data_files: Optional[list] = None
+        self.resumed_data_files: Optional[dict] = None  # ... and a resumed run's, for _train to check
         #: More files for each checkpoint, written in its directory after the dense state and
         #: before the checkpoint is named (hps.hierarchical: the group PSs' blocks, the centre's).
         self.checkpoint_files: Optional[Callable[[str], None]] = None
@@ -790,6 +793,7 @@ class Trainer:
         self.history = state.get("history", [])
         self.online_state = state.get("online_window")
         self.online_files = state.get("online_files")
+        self.resumed_data_files = state.get("data_files")
         self.admission.load_state_dict(state.get("admission", {"threshold": 1, "default_reads": 0, "eval_reads": 0,
                                                               "eval_default_reads": 0, "sketch": None}))
 
@@ -822,6 +826,9 @@ class Trainer:
             state["dense_sync"] = self.dense_sync.state_dict()
         if self.online_window is not None:
             state["online_window"] = self.online_window.state_dict()
+        if self.data_files is not None:
+            rank, world = (self.node.rank, self.node.size) if self.node is not None else (0, 1)
+            state["data_files"] = {"rank": rank, "world": world, "files": list(self.data_files)}
         if self.online_source is not None:  # (read ahead of this batch too: replayed in the same order)
             state["online_files"] = [os.path.basename(p) for p in list(self.online_source.files_read)]
         if self.admission.enabled:  # the sketch's counters: a resumed run admits as this one would
@@ -1536,6 +1543,32 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise
 
 
+def _check_resumed_files(cfg: TrainConfig, trainer: Trainer) -> None:
+    """Raises ValueError unless this rank's data files are those the run it resumes read,
+    in its order (more after them only in one unshuffled pass): it skips the examples done,
+    which is right only if they come in the order they came before. A file added where the
+    listing sorts it before one read (day2 between day1 and day3) moved the examples, and
+    the run skipped some it had not trained and trained others twice. A checkpoint of
+    another number of ranks, or of before this check, has no list to hold them to."""
+    before = trainer.resumed_data_files
+    rank, world = (trainer.node.rank, trainer.node.size) if trainer.node is not None else (0, 1)
+    if not trainer.examples_done or before is None or (before["rank"], before["world"]) != (rank, world):
+        return
+    was, now = before["files"], trainer.data_files
+    d = cfg.data
+    appended = d.epochs == 1 and not d.shuffle_buffer  # (more files after: the examples done come first)
+    if now == was or (appended and now[:len(was)] == was):
+        return
+    i = next((i for i, (a, b) in enumerate(zip(now, was)) if a != b), min(len(now), len(was)))
+    where = f"file {i + 1} is {now[i] if i < len(now) else 'none'} here, {was[i] if i < len(was) else 'none'} there"
+    raise ValueError(f"--resume: the data files are not those the run resumed from read, in its order: {where} "
+                     f"({len(now)} file(s) here, {len(was)} there{f' on rank {rank}' if world > 1 else ''}); the "
+                     f"resumed run skips the {trainer.examples_done:,} examples done, which is right only if the "
+                     f"data comes in the same order" + ("" if appended else " (new files too change the order "
+                                                        "with data.epochs > 1 or a shuffle_buffer)")
+                     + ": give it the files it read, or start a new run")
+
+
 def _abort_rank(node: Node, e: BaseException) -> None:
     """e ended this rank's part of the job: its traceback and the abort of every
     rank (naming this one and e), since the peers would wait for it forever.
@@ -1560,6 +1593,11 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         trainer.online_source = source
         if trainer.online_files:  # the files the run resumed from read, first and in its order
             source.replay(trainer.online_files)
+    elif isinstance(getattr(source, "files", None), list):
+        # (local files by their real paths: a run resumed from another directory, or given them
+        # by another name, reads the same files)
+        trainer.data_files = [f if "://" in f else os.path.realpath(f) for f in source.files]
+        _check_resumed_files(cfg, trainer)
     if node is None:
         # Skipped by examples, not batches: the run resumed from may have ended on a
         # short batch (its --examples smaller than this run's).
