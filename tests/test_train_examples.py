@@ -126,11 +126,18 @@ def test_resume_refuses_data_files_not_in_the_order_the_run_read_them(capsys, tm
     rc, line, err = run(capsys, tmp_path, "--examples", "2000", "--resume", *big, toml=files)
     assert rc == 0, err
     assert line["final"]["examples"] == 2000 and line["pipeline"]["examples"] == 500
+    # The data set moved: the same files by name, in the same order, resume.
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    rc, line, err = run(capsys, tmp_path, "--examples", "2500", "--resume", *big[:-1], str(moved), toml=files)
+    assert rc == 0, err
+    assert line["final"]["examples"] == 2500 and line["pipeline"]["examples"] == 500
+    moved.rename(data)
     gen.write_tsv(str(data / "day2.tsv"), 1000)
-    rc, line, err = run(capsys, tmp_path, "--examples", "3000", "--resume", *big, toml=files)
+    rc, line, err = run(capsys, tmp_path, "--examples", "3500", "--resume", *big, toml=files)
     assert rc == 2
     assert (f"--resume: the data files are not those the run resumed from read, in its order: file 2 is "
-            f"{data / 'day2.tsv'} here, {data / 'day3.tsv'} there") in err, err
+            f"{data / 'day2.tsv'} here, {moved / 'day3.tsv'} there") in err, err  # (the last run read them there)
 
 def test_resuming_a_finished_run_says_so_and_changes_nothing(capsys, tmp_path):
     rc, first, err = run(capsys, tmp_path, "--examples", "2000")

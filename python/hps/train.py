@@ -1543,6 +1543,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise
 
 
+def _file_name(path: str) -> str:
+    """A data file's name (a URL's whole: it names no local directory)."""
+    return path if "://" in path else os.path.basename(path)
+
+
 def _check_resumed_files(cfg: TrainConfig, trainer: Trainer) -> None:
     """Raises ValueError unless this rank's data files are those the run it resumes read,
     in its order (more after them only in one unshuffled pass): it skips the examples done,
@@ -1555,11 +1560,14 @@ def _check_resumed_files(cfg: TrainConfig, trainer: Trainer) -> None:
     if not trainer.examples_done or before is None or (before["rank"], before["world"]) != (rank, world):
         return
     was, now = before["files"], trainer.data_files
+    # By name: a data set moved or copied elsewhere (another disk, another machine)
+    # resumes as it was; its files' order is what the examples done depend on.
+    names_was, names_now = [_file_name(f) for f in was], [_file_name(f) for f in now]
     d = cfg.data
     appended = d.epochs == 1 and not d.shuffle_buffer  # (more files after: the examples done come first)
-    if now == was or (appended and now[:len(was)] == was):
+    if names_now == names_was or (appended and names_now[:len(was)] == names_was):
         return
-    i = next((i for i, (a, b) in enumerate(zip(now, was)) if a != b), min(len(now), len(was)))
+    i = next((i for i, (a, b) in enumerate(zip(names_now, names_was)) if a != b), min(len(now), len(was)))
     where = f"file {i + 1} is {now[i] if i < len(now) else 'none'} here, {was[i] if i < len(was) else 'none'} there"
     raise ValueError(f"--resume: the data files are not those the run resumed from read, in its order: {where} "
                      f"({len(now)} file(s) here, {len(was)} there{f' on rank {rank}' if world > 1 else ''}); the "
@@ -1594,8 +1602,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
         if trainer.online_files:  # the files the run resumed from read, first and in its order
             source.replay(trainer.online_files)
     elif isinstance(getattr(source, "files", None), list):
-        # (local files by their real paths: a run resumed from another directory, or given them
-        # by another name, reads the same files)
+        # (local files by their real paths, which the refusal names; compared by name)
         trainer.data_files = [f if "://" in f else os.path.realpath(f) for f in source.files]
         _check_resumed_files(cfg, trainer)
     if node is None:
