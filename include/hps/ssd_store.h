@@ -73,7 +73,9 @@ struct SsdStoreStats {
                                      ///< commit stands, and the next one syncs the directory again);
                                      ///< and removals of the files of a failed put, compaction or
                                      ///< bound that failed (stderr; its own error is raised, and
-                                     ///< open removes the file)
+                                     ///< open removes the file); and removals at open of unlisted
+                                     ///< files or a MANIFEST.tmp that failed (stderr; nothing reads
+                                     ///< them, the open goes on, and the next open tries again)
   uint64_t manifest_rolls = 0;       ///< rewrites of MANIFEST as one record of the live files, since open
   uint64_t manifest_roll_failures = 0;  ///< rolls that failed (written to stderr; the commit stands)
   bool compaction_running = false;   ///< a compaction is planned or under way

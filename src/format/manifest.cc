@@ -179,8 +179,9 @@ ManifestWriter::ManifestWriter(const std::string& path, const ManifestReplay& re
     ThrowErrno("cut back to the last commit", path);
   }
   // A roll cut short by a crash; never read, and the next roll writes over
-  // it anyway, so a failure to remove it changes nothing.
-  unlink(RollPath(path).c_str());
+  // it anyway, so a failure to remove it changes nothing (but is reported).
+  const std::string stray = RollPath(path);
+  if (unlink(stray.c_str()) != 0 && errno != ENOENT) stray_error_ = stray + ": remove: " + std::strerror(errno);
 }
 
 ManifestWriter::~ManifestWriter() {

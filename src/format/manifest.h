@@ -67,7 +67,7 @@ class ManifestWriter {
   // accepted, cutting off whatever follows; creates the file if missing.
   // `replay.state` is the state it rolls from. Rolls once the log passes
   // max(roll_floor_bytes, kManifestRollFactor x its rolled size). Removes a
-  // MANIFEST.tmp that a roll cut short left behind.
+  // MANIFEST.tmp that a roll cut short left behind (see TakeStrayError).
   ManifestWriter(const std::string& path, const ManifestReplay& replay,
                  uint64_t roll_floor_bytes = kManifestRollFloorBytes);
   ~ManifestWriter();
@@ -90,6 +90,10 @@ class ManifestWriter {
   uint64_t rolls() const { return rolls_; }
   // Why the last roll failed, once ("" when none failed since the last call).
   std::string TakeRollError() { return std::exchange(roll_error_, ""); }
+  // Why the constructor could not remove a MANIFEST.tmp left behind, once
+  // ("" when there was none, or it went). Nothing reads that file, and the
+  // next roll writes over it, so it fails nothing; the caller reports it.
+  std::string TakeStrayError() { return std::exchange(stray_error_, ""); }
 
  private:
   struct Edit {
@@ -111,6 +115,7 @@ class ManifestWriter {
   ManifestState state_;           // as of the last commit
   uint64_t rolls_ = 0;
   std::string roll_error_;
+  std::string stray_error_;
 };
 
 }  // namespace hps::detail

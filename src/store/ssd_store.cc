@@ -230,10 +230,20 @@ class FileStore final : public SsdStore {
       opened.ForEachKeyChunk([&](const uint64_t* keys, uint64_t first, uint64_t n) { Index(handle, keys, first, n); });
     }
     stamp_ = stamp;  // puts go on from the newest file's: stamps never go back
-    for (const fs::path& stray : strays) fs::remove(stray);
+    // A stray that cannot be removed (EIO, EACCES) must not fail the open of
+    // a sound store: nothing reads it (only the files MANIFEST lists are
+    // opened, and its sequence is never given again: next_sequence_ is past
+    // every file here), and every open tries again. So it is counted as the
+    // other cleanups are.
+    for (const fs::path& stray : strays) {
+      std::error_code error;
+      fs::remove(stray, error);
+      if (error) NoteOpenCleanupFailure(stray.string() + ": remove: " + error.message());
+    }
     const uint64_t roll_floor = detail::ssd_store_test_seams.manifest_roll_floor_bytes;
     manifest_ = std::make_unique<ManifestWriter>(manifest, replay,
                                                  roll_floor > 0 ? roll_floor : detail::kManifestRollFloorBytes);
+    if (const std::string error = manifest_->TakeStrayError(); !error.empty()) NoteOpenCleanupFailure(error);
     SyncDirectory(dir);  // the removals above, and MANIFEST's name when it was just created
     if (options_.background_compaction) compactor_ = std::thread([this] { CompactorLoop(); });
   }
@@ -738,6 +748,14 @@ class FileStore final : public SsdStore {
                    "again, and open removes any file left behind\n",
                    options_.path.c_str(), failure.c_str());
     }
+  }
+
+  // A leftover that open could not remove (a stray file, a roll's
+  // MANIFEST.tmp): to stderr (hps has no logger) and the stats.
+  void NoteOpenCleanupFailure(const std::string& failure) {
+    ++counters_.cleanup_failures;
+    std::fprintf(stderr, "hps: ssd store %s: %s, at open; nothing reads it, and the next open removes it\n",
+                 options_.path.c_str(), failure.c_str());
   }
 
   // Removes the files a failed `operation` wrote, which nothing lists, while

@@ -542,6 +542,74 @@ TEST_F(SsdDurabilityTest, APutWhoseCleanupFailsTooRaisesItsOwnError) {
   EXPECT_EQ(Found(*store, 1, 9), 0u);
 }
 
+// Open removes the files MANIFEST does not list (here an uncommitted put's).
+// One whose removal fails (EIO, EACCES) failed the open of a sound store with
+// the throwing removal's filesystem_error. Nothing reads it (its sequence is
+// not given again), so the open goes on, counts it, and the next open removes it.
+TEST_F(SsdDurabilityTest, AStrayWhoseRemovalFailsAtOpenFailsNothingAndTheNextOpenRemovesIt) {
+  auto store = Open();
+  Put(*store, 1, 9);  // files 1 and 2
+  store->Commit();
+  Put(*store, 9, 13);  // file 3, never committed
+  store.reset();
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    fail_removal_of = "/000000000003.hpf";
+  }
+  try {
+    store = Open();
+  } catch (const std::exception& e) {
+    FAIL() << "the open failed: " << e.what();
+  }
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    EXPECT_TRUE(fail_removal_of.empty()) << "open did not try to remove the stray";
+  }
+  EXPECT_EQ(store->stats().cleanup_failures, 1u);
+  EXPECT_EQ(Files(), (std::vector<std::string>{dir_ + "/000000000001.hpf", dir_ + "/000000000002.hpf",
+                                               dir_ + "/000000000003.hpf"}));
+  EXPECT_EQ(Found(*store, 1, 9), 8u);
+  EXPECT_EQ(Found(*store, 9, 13), 0u);
+  Put(*store, 20, 24);  // a new sequence, not the stray's
+  store->Commit();
+  store.reset();
+  store = Open();
+  EXPECT_EQ(store->stats().cleanup_failures, 0u);
+  EXPECT_EQ(Files(), (std::vector<std::string>{dir_ + "/000000000001.hpf", dir_ + "/000000000002.hpf",
+                                               dir_ + "/000000000004.hpf"}));
+  EXPECT_EQ(Found(*store, 1, 9), 8u);
+  EXPECT_EQ(Found(*store, 9, 13), 0u);
+  EXPECT_EQ(Found(*store, 20, 24), 4u);
+}
+
+// A MANIFEST.tmp that a roll cut short left behind is never read; a failure
+// to remove it at open went unreported. It fails nothing, is counted, and
+// the next open removes it.
+TEST_F(SsdDurabilityTest, ALeftoverManifestTmpWhoseRemovalFailsIsCountedAndRemovedByTheNextOpen) {
+  auto store = Open();
+  Put(*store, 1, 9);
+  store->Commit();
+  store.reset();
+  std::ofstream(dir_ + "/MANIFEST.tmp") << "a roll cut short";
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    fail_removal_of = "/MANIFEST.tmp";
+  }
+  store = Open();
+  {
+    std::lock_guard lock(sync_fault_mutex);
+    EXPECT_TRUE(fail_removal_of.empty()) << "open did not try to remove MANIFEST.tmp";
+  }
+  EXPECT_EQ(store->stats().cleanup_failures, 1u);
+  EXPECT_TRUE(fs::exists(dir_ + "/MANIFEST.tmp"));
+  EXPECT_EQ(Found(*store, 1, 9), 8u);
+  store.reset();
+  store = Open();
+  EXPECT_EQ(store->stats().cleanup_failures, 0u);
+  EXPECT_FALSE(fs::exists(dir_ + "/MANIFEST.tmp"));
+  EXPECT_EQ(Found(*store, 1, 9), 8u);
+}
+
 // A MANIFEST roll writes the last commit's state to MANIFEST.tmp, syncs it
 // and renames it over the log. A crash before the rename leaves the old log
 // and the unsynced MANIFEST.tmp: the store reopens to the last commit, and
