@@ -144,6 +144,11 @@ def mpi_job(tmp_path_factory):
     return train_mpi(tmp_path_factory.mktemp("mpi"), "job")
 
 
+def views(root):
+    """The private views pinned in the job at root (without their lock files)."""
+    return [n for n in os.listdir(os.path.join(root, jobdir.READERS)) if not n.endswith(jobdir.LOCK_SUFFIX)]
+
+
 def flip(path, offset):
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -1069,6 +1074,99 @@ def test_a_pin_that_finds_the_step_gone_as_training_moves_on_pins_the_next_check
     assert not os.path.exists(copy / jobdir.READERS)
 
 
+# A reader that pins the job at argv[1] (as the PID argv[2], when given: the PID it has
+# in its own PID namespace), prints its view, and at a line on stdin dies without closing it.
+PIN_AND_DIE = """import os, sys
+from hps import jobdir
+if len(sys.argv) > 2:
+    os.getpid = lambda: int(sys.argv[2])
+view = jobdir.pin(sys.argv[1])
+print(view.directory, flush=True)
+sys.stdin.readline()
+os._exit(0)
+"""
+
+
+def small_job(root):
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(root)))
+    ps.push(np.arange(5, dtype=np.uint64), np.ones((5, 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    return root
+
+
+def pinning_reader(command):
+    """A reader running command (PIN_AND_DIE's), and the view it pinned."""
+    p = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    directory = p.stdout.readline().strip()
+    assert os.path.isdir(directory), f"the reader pinned nothing (exit {p.poll()})"
+    return p, directory
+
+
+def die(reader):
+    reader.stdin.write("\n")
+    reader.stdin.close()
+    assert reader.wait(timeout=30) == 0
+    reader.stdout.close()
+
+
+def test_a_pin_removes_a_view_whose_reader_died_and_keeps_a_live_ones_whatever_their_pids_say_here(tmp_path):
+    """A pin removes the views of readers that died. It judged them by the PID in
+    the view's name, alive in its own PID namespace: a live reader in another one
+    (a container sharing the directory), whose PID this namespace does not have,
+    lost its view under it; a dead reader whose PID another process had here kept
+    its view, and the pruned checkpoints' files it links, for as long as that one
+    lived. Each reader now holds a lock on its view, which the kernel drops when
+    it dies. (The readers here take the PIDs they would have in another namespace.)"""
+    root = small_job(tmp_path / "job")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its PID is no process's now
+    other = subprocess.Popen(["sleep", "120"])  # a live process that is no reader
+    live = dead = None
+    try:
+        live, live_view = pinning_reader([sys.executable, "-c", PIN_AND_DIE, str(root), str(gone.pid)])
+        dead, dead_view = pinning_reader([sys.executable, "-c", PIN_AND_DIE, str(root), str(other.pid)])
+        die(dead)
+        with jobdir.pin(root) as view:
+            assert os.path.isdir(live_view), "a live reader's view was removed"
+            assert not os.path.exists(dead_view), "a dead reader's view was kept"
+            assert sorted(os.listdir(root / jobdir.READERS)) == sorted(
+                os.path.basename(v) + end for v in (live_view, view.directory) for end in ("", jobdir.LOCK_SUFFIX))
+        die(live)
+        with jobdir.pin(root):
+            assert not os.path.exists(live_view)
+        assert not os.path.exists(root / jobdir.READERS)
+    finally:
+        for p in (live, dead, other):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_pin_removes_the_view_of_a_reader_that_died_in_another_pid_namespace(tmp_path):
+    """A reader in a PID namespace of its own (unshare: a container sharing the
+    job's directory) is PID 1 there, and PID 1 is alive here: its view outlived it."""
+    unshare = shutil.which("unshare")
+    ns = [unshare, "--user", "--map-root-user", "--pid", "--fork"] if unshare else []
+    if not ns or subprocess.run(ns + ["true"], capture_output=True).returncode != 0:
+        pytest.skip("no unprivileged PID namespaces here (unshare --user --pid)")
+    root = small_job(tmp_path / "job")
+    reader, view = pinning_reader(ns + [sys.executable, "-c", PIN_AND_DIE, str(root)])
+    try:
+        assert os.path.basename(view).startswith("1-")
+        with jobdir.pin(root):
+            assert os.path.isdir(view), "a live reader's view was removed"
+        die(reader)
+        with jobdir.pin(root):
+            assert not os.path.exists(view), "a dead reader's view was kept"
+        assert not os.path.exists(root / jobdir.READERS)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+
+
 def test_hps_train_at_a_path_another_server_holds_is_refused_and_removes_nothing(tmp_path, capsys):
     """Two hps train runs at one path used to run until both wrote the same
     parameter file; the second is refused naming the holder, whether it would
@@ -1214,7 +1312,7 @@ def test_refresh_moves_to_the_newer_checkpoint_while_lookups_go_on(tmp_path, mon
         assert all(np.array_equal(r, old) or np.array_equal(r, new) for r in results)
         np.testing.assert_array_equal(lk.lookup(keys)[0], new)
         assert not lk.refresh()  # nothing newer
-        assert len(os.listdir(path / jobdir.READERS)) == 1  # the old view is gone
+        assert len(views(path)) == 1  # the old view is gone
         assert lk.stats()["refreshes"] == 1 and lk.stats()["blocking_refreshes"] == 0
         assert_within_budget(lk)  # the two checkpoints held at once included
     finally:
@@ -1324,7 +1422,7 @@ def test_a_refresh_with_no_room_beside_the_served_checkpoint_frees_it_first(tmp_
         # never both checkpoints at once: the peak is one checkpoint's parts, its cache full at most
         assert m["peak_held_bytes"] <= m["index_bytes"] + m["file_meta_bytes"] + m["read_buffer_bytes"] \
             + m["call_bytes"] + m["cache_budget_bytes"] + m["warm_keys_bytes"] + m["refresh_reserve_bytes"]
-        assert len(os.listdir(path / jobdir.READERS)) == 1
+        assert len(views(path)) == 1
     finally:
         lk.close()
 
@@ -1416,7 +1514,7 @@ def test_a_refresh_that_fails_keeps_serving_and_unpins_the_new_checkpoint(tmp_pa
             monkeypatch.setattr(hps.lookup._Generation, "next_fixed_estimate", lambda self, view: 1 << 40)
         with pytest.raises(hps.CorruptionError, match="rows block 0 .* fails its CRC-32C check"):
             lk.refresh()
-        assert len(os.listdir(os.path.join(cfg.path, jobdir.READERS))) == 1  # the served view alone
+        assert len(views(cfg.path)) == 1  # the served view alone
         answer = []
         t = threading.Thread(target=lambda: answer.append(lk.lookup_with_checkpoint(keys)), daemon=True)
         t.start()
@@ -1553,7 +1651,7 @@ def test_a_refresh_moves_to_the_checkpoint_of_the_job_resharded_meanwhile(job, t
         rows, found = lk.lookup(keys)
         assert found.all()
         np.testing.assert_array_equal(rows, want)  # the rows resharded, each read from its new owner
-        assert len(os.listdir(copy / jobdir.READERS)) == 1
+        assert len(views(copy)) == 1
     finally:
         lk.close()
 
@@ -1612,7 +1710,7 @@ def test_a_refresh_moves_to_a_run_started_over_in_the_same_path(tmp_path):
         np.testing.assert_array_equal(rows[:10], new)
         assert not np.array_equal(rows[:10], old[:10])
         assert not lk.refresh()  # nothing newer now
-        assert len(os.listdir(os.path.join(cfg.path, jobdir.READERS))) == 1
+        assert len(views(cfg.path)) == 1
 
 
 def test_close_during_a_refresh_leaves_no_checkpoint_pinned(tmp_path):

@@ -28,12 +28,18 @@ inspect``, ``hps export``, ``hps.Lookup``) only ever read finished checkpoints:
   the view's, never the job's. Its errors name the checkpoint's files
   (``RankView.source_names``), since the view's go with it.
 
-Views a crashed reader left behind are removed by the next pin (their process is
-gone); ``View.close()`` removes its own.
+Views a crashed reader left behind are removed by the next pin; ``View.close()``
+removes its own. Each view's reader holds an flock on the view's lock file
+(``<pid>-<id>.lock`` beside it) for as long as it reads it, and the kernel drops
+it when the reader dies: so a view is taken for dead when its lock can be had,
+whatever PID namespace its reader ran in (a container sharing the job's
+directory) and whatever process has its PID now.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -49,6 +55,7 @@ from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, MET
                                   _write_durable, check_store_digest)
 
 READERS = ".hps-readers"        # the private views, in the job's root
+LOCK_SUFFIX = ".lock"           # <view>.lock, beside each view: flock'ed by its reader while it lives
 EXPORTS = "exports"             # the export consumers' positions, in the job's root
 RESHARDED_FILE = "resharded-from.json"  # a one-process server's root: the job.json of the job it was resharded from
 STORE_DIR = "ssd"
@@ -446,6 +453,7 @@ class View:
     checkpoint: int
     directory: str
     ranks: list = field(default_factory=list)
+    lock: int = -1           # the descriptor holding the flock on directory's lock file (_private_directory)
 
     def step(self) -> Optional[int]:
         """The training step of the checkpoint pinned (step_of's), read from the view:
@@ -455,7 +463,8 @@ class View:
         return _step_in(self.directory)
 
     def close(self) -> None:
-        _remove_private(self.directory)
+        _remove_private(self.directory, self.lock)
+        self.lock = -1
 
     def __enter__(self) -> "View":
         return self
@@ -464,9 +473,66 @@ class View:
         self.close()
 
 
-def _remove_private(directory: str) -> None:
-    """A private directory, and .hps-readers once empty (another reader's may remain)."""
+def _private_directory(root: str, tag: str = "") -> tuple[str, int]:
+    """A new private directory in root's .hps-readers, <pid>-<tag><id>, and the
+    descriptor of its lock file (<directory>.lock), flock'ed: the directory is this
+    process's until _remove_private, or its death (the kernel drops the lock).
+
+    The lock file comes first, locked, and then the directory: a directory whose
+    lock file is missing is never one being made. A sweeper that opened the new
+    lock file before this process locked it may take it for a dead reader's and
+    remove it; then the name is no longer this file, and another is made."""
+    readers = os.path.join(root, READERS)
+    while True:
+        os.makedirs(readers, exist_ok=True)
+        directory = os.path.join(readers, f"{os.getpid()}-{tag}{uuid.uuid4().hex[:12]}")
+        lock = directory + LOCK_SUFFIX
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)  # O_RDWR: NFS locks need write access
+        except FileNotFoundError:
+            continue  # .hps-readers removed meanwhile by a reader that found it empty
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a sweeper holds it
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    raise
+                # A filesystem with no flock: a view with no lock file, judged by its PID.
+                _remove_private(directory, fd)
+                fd = -1
+                os.makedirs(directory)
+                return directory, fd
+            if _names(lock, fd):
+                os.mkdir(directory)
+                return directory, fd
+        except BaseException:
+            _remove_private(directory, fd)
+            raise
+        os.close(fd)
+
+
+# flock's errors on a filesystem that takes no locks (some FUSE and network mounts).
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether path still names the file open at fd."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
+def _remove_private(directory: str, lock: int = -1) -> None:
+    """A private directory, its lock file (lock: its descriptor, closed last, so
+    that no sweeper takes the directory while it goes), and .hps-readers once
+    empty (another reader's may remain)."""
     shutil.rmtree(directory, ignore_errors=True)
+    if lock >= 0:
+        with contextlib.suppress(OSError):
+            if _names(directory + LOCK_SUFFIX, lock):
+                os.unlink(directory + LOCK_SUFFIX)
+        os.close(lock)
     try:
         os.rmdir(os.path.dirname(directory))
     except OSError:
@@ -484,13 +550,52 @@ def _process_alive(pid: int) -> bool:
 
 
 def _remove_dead_views(root: str) -> None:
+    """Removes the views in root's .hps-readers whose reader is gone: those whose
+    lock file's flock can be had (the kernel dropped it at the reader's death).
+    A PID says nothing here: a live reader in another PID namespace (a container
+    sharing the directory) has a PID this one may not have, and a dead reader's
+    PID may be another process's now. Only a view with no lock file (made by an
+    hps from before the locks) is judged by its PID, as then."""
     readers = os.path.join(root, READERS)
-    if not os.path.isdir(readers):
+    try:
+        names = set(os.listdir(readers))
+    except (FileNotFoundError, NotADirectoryError):
         return
-    for name in os.listdir(readers):
+    for name in names:
         pid = name.split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
-            shutil.rmtree(os.path.join(readers, name), ignore_errors=True)
+        # Never this process's own: under NFS, flock is emulated with POSIX locks,
+        # which one process never conflicts with itself on (and which closing any of
+        # its descriptors of the file drops).
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        path = os.path.join(readers, name)
+        if name.endswith(LOCK_SUFFIX):
+            _remove_if_unlocked(path[:-len(LOCK_SUFFIX)])
+        elif name + LOCK_SUFFIX not in names and not os.path.exists(path + LOCK_SUFFIX):
+            if not _process_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_if_unlocked(directory: str) -> None:
+    """Removes directory and its lock file if the lock can be had (its reader is
+    gone), holding the lock while it does."""
+    lock = directory + LOCK_SUFFIX
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return  # removed meanwhile (or not ours to judge)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # its reader lives, in whichever PID namespace (or no lock says otherwise)
+        if not _names(lock, fd):
+            return  # another sweeper removed it first
+        shutil.rmtree(directory, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+    finally:
+        os.close(fd)
 
 
 def link_checkpoint(source: str, dst: str, check_digest: bool = True) -> dict:
@@ -541,9 +646,8 @@ def pin(root: str, attempts: int = 100, check_digest: bool = True) -> View:
         job = read_job(root)
         if job.checkpoint is None:
             raise FileNotFoundError(f"{root}: the job has no finished checkpoint yet")
-        directory = os.path.join(root, READERS, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        os.makedirs(directory)
-        view = View(job, job.checkpoint, directory)
+        directory, lock = _private_directory(root)
+        view = View(job, job.checkpoint, directory, lock=lock)
         try:
             for r in range(job.world):
                 source = os.path.join(job.checkpoint_dir(r), STORE_DIR)
@@ -816,8 +920,7 @@ def inspect(root: str, verify: bool = False) -> dict:
         report["rows"] = sum(e.get("rows", 0) for e in report["ranks"])
         if verify:
             problems, checked = [], 0
-            scratch = os.path.join(job.root, READERS, f"{os.getpid()}-verify-{uuid.uuid4().hex[:12]}")
-            os.makedirs(scratch)
+            scratch, scratch_lock = _private_directory(job.root, "verify-")
             try:
                 for r in range(job.world):
                     for number in _checkpoint_numbers(job.rank_dir(r)):
@@ -825,7 +928,7 @@ def inspect(root: str, verify: bool = False) -> dict:
                         problems += p
                         checked += n
             finally:
-                _remove_private(scratch)
+                _remove_private(scratch, scratch_lock)
             report["verify"] = {"files_checked": checked, "problems": problems, "ok": not problems}
     finally:
         if view is not None:
