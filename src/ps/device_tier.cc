@@ -7,7 +7,6 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 #include <vector>
 
 #include "hps/hash_table.h"
@@ -360,11 +359,37 @@ class Tier final : public DeviceTier {
   // pair wrote reads that pair's source instead, as the copies in order
   // would have left it.
   void CopyRowsByKey(const int64_t* from, const int64_t* to, uint64_t n) {
+    // The targets written so far, by position (copy_given_: the source each
+    // one's row is now, kNone where none; put back to kNone below). This runs
+    // for every batch's replica copies (WorkerCaches.apply on a tier of GPUs,
+    // or of host partitions through the row mover), where a hash map built per
+    // call cost its allocations and misses.
+    const uint64_t size = bound_keys_.size();
+    const auto bound = [size](int64_t p) { return static_cast<uint64_t>(p) < size; };
+    if (copy_given_.size() < size) copy_given_.resize(size, detail::KeyIndex::kNone);
     std::vector<int64_t> sources(from, from + n);
-    std::unordered_map<int64_t, int64_t> given;  // a target written so far -> the source its row is now
+    // Positions outside the bound keys, which RowsAt and KeysAt name below:
+    // they chain as the others do, so that the error is the same. (A source
+    // outside is not kept: RowsAt names its pair, or an earlier one, before
+    // any later pair could read it.)
+    std::map<int64_t, int64_t> outside;
     for (uint64_t i = 0; i < n; ++i) {
-      if (const auto it = given.find(from[i]); it != given.end()) sources[i] = it->second;
-      given[to[i]] = sources[i];
+      if (bound(from[i])) {
+        const uint32_t given = copy_given_[static_cast<uint64_t>(from[i])];
+        if (given != detail::KeyIndex::kNone) sources[i] = given;
+      } else if (const auto it = outside.find(from[i]); it != outside.end()) {
+        sources[i] = it->second;
+      }
+      if (!bound(to[i])) {
+        outside[to[i]] = sources[i];
+      } else if (bound(sources[i])) {
+        copy_given_[static_cast<uint64_t>(to[i])] = static_cast<uint32_t>(sources[i]);
+      } else {
+        copy_given_[static_cast<uint64_t>(to[i])] = detail::KeyIndex::kNone;
+      }
+    }
+    for (uint64_t i = 0; i < n; ++i) {
+      if (bound(to[i])) copy_given_[static_cast<uint64_t>(to[i])] = detail::KeyIndex::kNone;
     }
     std::vector<float> rows(n * static_cast<uint64_t>(row_floats_));
     RowsAt(sources.data(), n, rows.data());
@@ -1023,6 +1048,7 @@ class Tier final : public DeviceTier {
   bool host_rows_ = false;  // BindHostRows: in_place_ points at the caller's rows, the tables are empty
   std::vector<TrainedBits> trained_;  // each device's trained bits; empty without options.track_trained
   std::vector<int64_t> bound_slots_;  // with trained_: each bound position's slot in its owner's table (-1: none)
+  std::vector<uint32_t> copy_given_;  // CopyRowsByKey's, by position: all kNone between calls
 };
 
 }  // namespace
