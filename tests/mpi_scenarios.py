@@ -627,6 +627,20 @@ def run_train(node, out: str, args) -> None:
                 batch.grads[np.flatnonzero(batch.touched)[0], 1] = np.nan
             return apply(batch)
         DistBatch.apply = diverged_apply
+    if args.huge_shared_grad_at_step:
+        # Herald: from that step on, at the first step a key is trained on both
+        # ranks, each rank's gradients of such keys are 3e38: finite (each rank's
+        # check lets them by), but their sum at the key's primary is an infinity.
+        from hps.distributed.herald import HeraldDistBatch
+        herald_apply, steps = HeraldDistBatch._apply, [0]
+
+        def overflowing_apply(batch, *a):
+            steps[0] += 1
+            shared = batch._trains.sum(axis=1) > 1
+            if steps[0] >= args.huge_shared_grad_at_step and shared.any():
+                batch._grads[shared] = 3e38
+            return herald_apply(batch, *a)
+        HeraldDistBatch._apply = overflowing_apply
     evals = [rank_part(b, node.rank, args.per_rank) for b in global_batches(2, args.per_rank, node.size, seed=77)] \
         if args.eval_every else []
     summary = train(cfg, resume=args.resume, progress=False, train_batches=mine, eval_batches=evals, node=node)
@@ -787,6 +801,8 @@ def main() -> None:
     ap.add_argument("--fail-at-step", type=int, default=0)
     ap.add_argument("--fail-in-step", type=int, default=0, help="rank 1's train stage raises at that step")
     ap.add_argument("--nan-grad-at-step", type=int, default=0, help="rank 1's sparse gradients of that step hold a NaN")
+    ap.add_argument("--huge-shared-grad-at-step", type=int, default=0,
+                    help="Herald: from that step, the first one with keys both ranks train, their gradients are 3e38")
     ap.add_argument("--rank1-config", default="", help="rank 1 runs another 'dense_lr' or 'sparse_grads', or "
                     "trains on data of other fields ('multi_hot')")
     ap.add_argument("--fail-open", default="", help="rank 1's server fails to open: 'disk' (OSError) or 'corrupt'")

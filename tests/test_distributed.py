@@ -1234,6 +1234,23 @@ def test_a_nan_sparse_gradient_ends_a_herald_job_before_the_shared_gradients_cro
     _assert_rank_1s_nan_ended_the_job(p, "herald shared gradients")
 
 
+def test_a_herald_sum_that_overflows_at_a_primary_ends_the_job_before_any_trainer_steps(tmp_path):
+    """A key both ranks train gets 3e38 from each: finite, so each rank's check lets
+    it by, but its primary's sum (the trainers' step) is an infinity. Every trainer
+    stepped its copy with it, and only the next batch's loss, NaN, stopped the job,
+    the rows of NaN made (a checkpoint between would have kept them, and a row no
+    later loss reads would have gone unnoticed). Now each trainer's step refuses the
+    sum, naming the key, and the job ends at once."""
+    p = scenario(2, "train", tmp_path, "--steps", 6, "--herald", 150, "--huge-shared-grad-at-step", 3,
+                 "--timeout", 60, check=False, timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    assert re.search(r"hps\.distributed: rank [01] of 2: DivergedError: (device tier apply|apply_summed_gradients): "
+                     r"\d+ non-finite values? in the summed gradients of \d+ keys? \(key \d+ first: inf\): training "
+                     r"diverged .*no row was stepped; aborting the job", p.stderr), p.stderr[-3000:]
+    for unsaid in ("waited", "the loss is", "RuntimeWarning"):  # (numpy's, of the sum)
+        assert unsaid not in p.stderr, p.stderr[-3000:]
+
+
 def test_a_herald_step_past_device_capacity_ends_the_job_on_every_rank_naming_the_settings(tmp_path):
     """Step 2 of a Herald job would fetch about 900 rows onto rank 0 beside its cache's
     512, more than its table's device_capacity = 1100. The leader refused it while it
@@ -1340,6 +1357,63 @@ def test_a_finite_sparse_gradient_that_bf16_rounds_to_infinity_is_refused_before
             finally:
                 pre.release()
     np.testing.assert_array_equal(server.pull(keys), before)
+    server.close()
+
+
+class _TwinRanksNode:
+    """hps.distributed's Node for a job of 2 ranks without MPI, seen from rank 0,
+    whose peer does what it does with keys that rank 0 owns: rank 1 sends rank 0
+    the keys, positions and gradients rank 0 sends itself, and, owning none of the
+    keys, no rows."""
+    rank, size, nodes = 0, 2, 1
+
+    def alltoallv(self, stage, blocks, kind, what):
+        if kind == "sparse_rows":
+            return [blocks[0].copy(), np.empty(0, np.uint8)]
+        assert len(blocks[1]) == 0, f"{what}: a key of rank 1's"
+        return [blocks[0].copy(), blocks[0].copy()]
+
+    def allgather(self, stage, obj, what, note=None):
+        return [obj, obj]
+
+
+def _keys_of_rank_0(n: int, world: int) -> np.ndarray:
+    from hps.distributed.sparse import owner_ranks
+    keys = np.arange(1, 64, dtype=np.uint64)
+    return keys[owner_ranks(keys, world) == 0][:n]
+
+
+@pytest.mark.parametrize("node,how", [("one", "push"), ("twin", "push"), ("twin", "batch")])
+def test_a_sparse_gradient_sum_that_overflows_at_the_owner_is_refused_naming_the_key(tmp_path, node, how):
+    """Finite gradients of one key, 2e38 each, that meet at its owner (twice in one
+    push on one rank, or from two ranks) sum to an infinity there: each rank's check
+    let them by, and the owner stepped the row to -inf (then NaN), which every later
+    pull and checkpoint held. The owner's step refuses the sum now, naming the key,
+    before any row changes, and leaves nothing pinned."""
+    from hps.distributed.sparse import DistributedServer
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), seed=3,
+                                    mem_budget="1MiB")
+    world = 1 if node == "one" else 2
+    server = DistributedServer(hps.ParameterServer(cfg), _OneRankNode() if node == "one" else _TwinRanksNode())
+    fine, big = _keys_of_rank_0(2, world)
+    keys = np.array([fine, big] + ([big] if node == "one" else []), np.uint64)
+    before = server.local.pull(np.array([fine, big], np.uint64))
+    grads = np.ones((len(keys), 4), np.float32)
+    grads[1:] = 2e38
+    with pytest.raises(hps.errors.DivergedError, match=rf" apply: 4 non-finite values in the summed gradients of 1 "
+                                                       rf"key \(key {big} first: inf\): training diverged"):
+        if how == "push":
+            server.push(keys, grads)
+        else:
+            pre = server.prefetch(keys)
+            batch = server.batch(pre)
+            batch.push(keys, grads)
+            try:
+                batch.finish()
+            finally:
+                pre.release()
+    np.testing.assert_array_equal(server.local.pull(np.array([fine, big], np.uint64)), before)
+    assert server.local.stats()["mem"]["pinned"] == 0
     server.close()
 
 

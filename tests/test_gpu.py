@@ -80,6 +80,34 @@ def test_optimizers_match_the_cpu(optimizer):
         cpu.push(keys, grads)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_a_gradient_sum_that_overflows_is_refused_on_the_gpu_as_on_the_cpu(tmp_path, device):
+    """Key 5's two gradients, 2e38 each, sum to an infinity: the CUDA tables' step
+    refuses it, naming the key, before any row changes, as the CPU's does; then a
+    GPU tier's batch (the same check on its gradient table)."""
+    table = hps.EmbeddingTable(1_000, 4, optimizer=hps.AdaGrad(0.1), seed=3, device=device)
+    keys = np.array([6, 5, 5], np.uint64)
+    before = table.pull(np.array([5, 6], np.uint64))
+    grads = np.ones((3, 4), np.float32)
+    grads[1:, 2] = 2e38
+    with pytest.raises(hps.DivergedError, match=r"^apply_gradients: 1 non-finite value in the summed gradients of 1 "
+                                                r"key \(key 5 first: inf\)"):
+        table.push(keys, grads)
+    np.testing.assert_array_equal(table.pull(np.array([5, 6], np.uint64)), before)
+    if device == "cpu":
+        return
+    ps = one_device_server(tmp_path / "ps", hps.AdaGrad(0.1))
+    before = ps.pull(np.array([5, 6], np.uint64))
+    with pytest.raises(hps.DivergedError, match=r"apply_summed_gradients: 1 non-finite value in the summed "
+                                                r"gradients of 1 key \(key 5 first: inf\)"):
+        ps.push(keys, grads)
+    np.testing.assert_array_equal(ps.pull(np.array([5, 6], np.uint64)), before)
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.close()
+
+
 # ---- the GPUs' row mover and the CUDA executor (issues 15 and 17). A one-GPU
 # machine stands for a node: several endpoints share GPU 0 (cuda_devices).
 

@@ -113,6 +113,35 @@ def test_an_aborted_batch_changes_nothing(tmp_path, in_place):
     assert ps.stats()["mem"]["pinned"] == 0
 
 
+@pytest.mark.parametrize("devices,in_place", [(1, True), (1, False), (2, False)])
+def test_a_gradient_sum_that_overflows_is_refused_naming_the_key_and_no_row_steps(tmp_path, devices, in_place):
+    """Key 5's two gradients in one push, 2e38 each, are finite, but their sum is an
+    infinity: the step made the row -inf (and NaN at the next one), which every later
+    pull and checkpoint held, with no error; so did a NaN pushed. The step refuses
+    the sum now, naming the key, before any row of the push changes (key 6, whose
+    sum is finite, neither), and the server trains on."""
+    cfg = config(tmp_path / "ps", devices=devices, host_in_place=in_place, optimizer=hps.SGD(lr=0.5))
+    ps = hps.ParameterServer(cfg)
+    distinct = np.array([5, 6], np.uint64)
+    before = ps.pull(distinct)
+    keys = np.array([6, 5, 5], np.uint64)
+    grads = np.ones((3, DIM), np.float32)
+    grads[1:] = 2e38
+    with pytest.raises(hps.DivergedError, match=r" apply: 4 non-finite values in the summed gradients of 1 key "
+                                                r"\(key 5 first: inf\): training diverged"):
+        ps.push(keys, grads)
+    grads[1:] = 1.0
+    grads[2, 3] = np.nan
+    with pytest.raises(hps.DivergedError, match=r"1 non-finite value in the summed gradients of 1 key \(key 5 "
+                                                r"first: nan\)"):
+        ps.push(keys, grads)
+    np.testing.assert_array_equal(ps.pull(distinct), before)
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.push(keys, np.ones((3, DIM), np.float32))
+    np.testing.assert_array_equal(ps.pull(distinct), before - 0.5 * np.array([[2.0], [1.0]], np.float32))
+    ps.close()
+
+
 CRASHER = textwrap.dedent("""
     import sys, numpy as np, hps
     sys.path.insert(0, {tests!r})

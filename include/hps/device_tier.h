@@ -170,7 +170,9 @@ class DeviceTier {
   virtual void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
                           const int32_t* owners) = 0;
   // Applies the optimizer once to every key with gradients and clears them;
-  // returns those keys (each once).
+  // returns those keys (each once). A key whose sum holds a NaN or an
+  // infinity (finite gradients can overflow in their sum) makes it throw
+  // DivergedError, naming the key, before any row steps.
   virtual std::vector<uint64_t> Apply() = 0;
   // The full rows (n, row_floats) of loaded keys, read on their owners (the
   // write-back's read; not counted as transfers). std::out_of_range names a
@@ -328,7 +330,8 @@ class HostBatch {
   // positions (repeats sum up).
   void Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout = {});
   // One optimizer step per key that got gradients, on its MEM-PS row; the
-  // gradients are cleared. Returns how many keys it stepped.
+  // gradients are cleared. Returns how many keys it stepped. DivergedError,
+  // naming the key, for a sum that holds a NaN or an infinity: no row steps.
   uint64_t Apply();
   // The full rows (n, row_floats) at positions, as they are now.
   void Rows(const int64_t* positions, uint64_t n, float* rows) const;

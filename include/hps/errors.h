@@ -37,4 +37,13 @@ class CacheFullError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An optimizer step refused because a gradient it would apply holds a NaN or
+// an infinity: one pushed so, or finite ones whose sum overflowed (duplicate
+// keys of a push, the ranks' gradients of a key at its owner). Raised before
+// the step changes any row; the message names the key.
+class DivergedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 }  // namespace hps

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "hps/errors.h"  // TableFullError
+#include "hps/errors.h"  // TableFullError, DivergedError
 #include "hps/keys.h"    // kEmptyKey, CheckKeys, UniqueKeys, SumByInverse
 #include "hps/optimizer.h"
 
@@ -102,15 +102,24 @@ class HashTable {
                               float* embeddings_out) = 0;
 
   // Sums grads (n, opt.dim) per distinct key and applies the optimizer once per
-  // key; absent keys are initialised first, as in lookup_or_init.
+  // key; absent keys are initialised first, as in lookup_or_init. A key whose
+  // sum holds a NaN or an infinity (refuse_nonfinite) makes it throw
+  // DivergedError before any row changes.
   virtual void apply_gradients(const uint64_t* keys, uint64_t n, const float* grads,
                                const SparseOptimizer& opt) = 0;
 
   // The same, with the gradients already summed per key in `sums` (a table of
   // the same kind and device, rows of opt.dim floats): the device tier's
   // gradient table, applied without copying it out and summing it again.
-  // Throws std::invalid_argument when `sums` is not such a table.
+  // Throws std::invalid_argument when `sums` is not such a table, and
+  // DivergedError, changing no row, when a sum is not finite.
   virtual void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) = 0;
+
+  // Throws DivergedError when a row holds a NaN or an infinity, naming
+  // `what`, how many values and keys, and the first key (in slot order): a
+  // gradient-sum table's check, which a caller applying several of them
+  // makes on each before applying any (the apply makes it again).
+  virtual void refuse_nonfinite(const std::string& what) const = 0;
 
   // Writes up to max_rows (key, row) pairs; returns how many. The CPU table
   // writes them in slot order; the CUDA table's threads claim output places

@@ -18,7 +18,11 @@ class DivergedError(HpsError):
     high, most often). Raised before that batch's gradients reach any row or
     parameter, so the job keeps its last finished checkpoint as it was. Under
     hps.distributed also a sparse gradient that is not a number, raised before it
-    leaves its rank for the key's owner (hps.distributed.sparse.refuse_nonfinite)."""
+    leaves its rank for the key's owner (hps.distributed.sparse.refuse_nonfinite).
+    Also a sparse gradient sum that is not a number where the optimizer steps it:
+    one pushed so, or finite gradients of a key that overflowed in their sum (a
+    push's duplicate keys, the ranks' gradients at the key's owner, Herald's
+    primary): raised by the step, naming the key, before it changes any row."""
 
 
 class IoPathWarning(RuntimeWarning):

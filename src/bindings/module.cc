@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <string>
 
@@ -416,6 +417,15 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<hps::TableFullError>(m, "TableFullError", hps_error.ptr());
   py::register_exception<hps::CorruptionError>(m, "CorruptionError", hps_error.ptr());
   py::register_exception<hps::IoError>(m, "IoError", hps_error.ptr());
+  // DivergedError is Python's (hps.errors, where its docstring says every case:
+  // a loss that is not a number is found in Python), raised from here too.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const hps::DivergedError& e) {
+      PyErr_SetString(py::module_::import("hps.errors").attr("DivergedError").ptr(), e.what());
+    }
+  });
 
   m.def("cuda_compiled", &hps::CudaCompiled, "Whether this build has the CUDA launchers.");
   m.def("liburing_compiled", [] { return bool{HPS_HAVE_LIBURING}; },

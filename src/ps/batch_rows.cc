@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "table/nonfinite.h"
 #include "table/optimizer_kernels.h"
 #include "table/table_kernels.h"
 
@@ -185,7 +186,16 @@ void BatchRows::Accumulate(const int64_t* positions, uint64_t n, const float* gr
   });
 }
 
-uint64_t BatchRows::Apply(std::vector<int64_t>* stepped) {
+void BatchRows::RefuseNonFinite(const uint64_t* keys) const {
+  // The rows that got no gradient sum to zero: one pass over them all.
+  if (AnyNonFinite(grads_.data(), grads_.size())) {
+    detail::RefuseNonFinite(who_ + " apply", keys, grads_.data(), rows_.size(),
+                            static_cast<uint32_t>(optimizer_.dim));
+  }
+}
+
+uint64_t BatchRows::Apply(const uint64_t* keys, std::vector<int64_t>* stepped) {
+  RefuseNonFinite(keys);  // before any row steps: all or nothing
   const uint32_t dim = static_cast<uint32_t>(optimizer_.dim);
   const uint64_t row_bytes = sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats());
   const uint64_t size = rows_.size();

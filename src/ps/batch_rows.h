@@ -35,8 +35,13 @@ class BatchRows {
   void Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout);
   // One optimizer step per row that got gradients, in place; the gradients
   // are cleared. Appends the positions stepped to `stepped` (if given), in
-  // order; returns how many.
-  uint64_t Apply(std::vector<int64_t>* stepped = nullptr);
+  // order; returns how many. A sum that is not finite (RefuseNonFinite) makes
+  // it throw DivergedError first, changing nothing. keys: each position's key
+  // (size()), for the error.
+  uint64_t Apply(const uint64_t* keys, std::vector<int64_t>* stepped = nullptr);
+  // Throws DivergedError, naming the first such position's key (keys: each
+  // position's), where a gradient sum holds a NaN or an infinity.
+  void RefuseNonFinite(const uint64_t* keys) const;
   // The full rows (n, row_floats) at positions, as they are now.
   void Rows(const int64_t* positions, uint64_t n, float* rows) const;
   // Overwrites the full row at to[i] with the one at from[i], in order

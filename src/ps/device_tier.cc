@@ -804,9 +804,10 @@ class Tier final : public DeviceTier {
   std::vector<uint64_t> Step(std::vector<int64_t>* positions) {
     const int32_t dim = o_.optimizer.dim;
     std::vector<uint64_t> updated;
+    RefuseNonFiniteSums();
     if (BoundInPlace()) {
       std::vector<int64_t> stepped;
-      in_place_->Apply(&stepped);
+      in_place_->Apply(bound_keys_.data(), &stepped);
       updated.reserve(stepped.size());
       for (int64_t p : stepped) updated.push_back(bound_keys_[static_cast<uint64_t>(p)]);
       if (!trained_.empty() && !host_rows_) {
@@ -843,6 +844,20 @@ class Tier final : public DeviceTier {
       PositionsOf(updated.data() + by_key, updated.size() - by_key, positions->data() + at, "apply");
     }
     return updated;
+  }
+
+  // A step is all or nothing: where its sums lie in more than one place (the
+  // positions' and a gradient table, or the tables of several devices), each
+  // is checked before any steps, since each place's Apply refuses only its own
+  // (and checks again: a second pass over the sums, where they are split).
+  void RefuseNonFiniteSums() const {
+    int places = BoundInPlace() ? 1 : 0;
+    for (int32_t d = 0; d < o_.devices; ++d) places += grads_[d]->size() != 0;
+    if (places < 2) return;
+    if (BoundInPlace()) in_place_->RefuseNonFinite(bound_keys_.data());
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      if (grads_[d]->size() != 0) grads_[d]->refuse_nonfinite("device tier apply (device " + std::to_string(d) + ")");
+    }
   }
 
   // Bind's and BindHostRows's common part: the checks, the keys by position
@@ -1184,7 +1199,7 @@ void HostBatch::Accumulate(const int64_t* positions, uint64_t n, const float* gr
 
 uint64_t HostBatch::Apply() {
   CheckLive("apply");
-  return rows_->Apply();
+  return rows_->Apply(keys_.data());
 }
 
 void HostBatch::Rows(const int64_t* positions, uint64_t n, float* rows) const {

@@ -29,6 +29,7 @@
 #include "format/key_index.h"
 #include "util/mix64.h"
 #include "util/parallel.h"
+#include "table/nonfinite.h"
 #include "table/table_kernels.h"
 
 namespace hps {
@@ -249,7 +250,7 @@ class CpuHashTable final : public HashTable {
     // the gradient, so duplicates must meet before the optimizer sees them.
     CpuHashTable sums(std::max<uint64_t>(2 * n, 64), opt.dim, threads_);
     sums.accumulate(keys, n, grads);
-    ApplySums(sums, opt);
+    ApplySums(sums, opt, "apply_gradients");
   }
 
   void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) override {
@@ -263,7 +264,12 @@ class CpuHashTable final : public HashTable {
                                   std::to_string(sums.row_floats()));
     }
     std::shared_lock sums_lock(cpu->mutex_);
-    ApplySums(*cpu, opt);
+    ApplySums(*cpu, opt, "apply_summed_gradients");
+  }
+
+  void refuse_nonfinite(const std::string& what) const override {
+    std::shared_lock lock(mutex_);
+    RefuseNonFiniteRows(what);
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -325,8 +331,31 @@ class CpuHashTable final : public HashTable {
   }
 
  private:
-  // REQUIRES: sums holds each key once (a table does).
-  void ApplySums(const CpuHashTable& sums, const SparseOptimizer& opt) {
+  // REQUIRES: mutex_ held, shared or not.
+  void RefuseNonFiniteRows(const std::string& what) const {
+    // The occupied slots' rows, found by their keys as ApplySums finds them: a
+    // gradient table has as many slots as its tier's rows, mostly free.
+    const uint32_t stride = ref_.stride;
+    const int parts = PartsFor(ref_.slots, threads_);
+    std::vector<uint8_t> bad(static_cast<size_t>(parts), 0);
+    RunParts(parts, [&](int part) {
+      bool any = false;
+      const uint64_t end = PartBegin(ref_.slots, part + 1, parts);
+      for (uint64_t s = PartBegin(ref_.slots, part, parts); s < end; ++s) {
+        if (ref_.keys[s] != kEmptyKey) any |= AnyNonFinite(ref_.row(s), stride);
+      }
+      bad[static_cast<size_t>(part)] = any;
+    });
+    for (uint8_t b : bad) {
+      if (b) RefuseNonFinite(what, ref_.keys, ref_.rows, ref_.slots, stride);
+    }
+  }
+
+  // REQUIRES: sums holds each key once (a table does), its lock held (or it is
+  // the call's own). A sum that is not finite refuses the whole call, before
+  // this table's lock is taken and any row steps.
+  void ApplySums(const CpuHashTable& sums, const SparseOptimizer& opt, const char* what) {
+    sums.RefuseNonFiniteRows(what);
     std::unique_lock lock(mutex_);
     const TableRef& s = sums.ref_;
     // Each distinct key is one slot of `sums`, so threads splitting its slots

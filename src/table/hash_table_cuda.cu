@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "hps/hash_table.h"
+#include "table/nonfinite.h"
 #include "table/table_kernels.h"
 #include "util/cuda_check.h"
 
@@ -129,6 +130,20 @@ __global__ void ApplyKernel(TableRef t, TableRef sums, SparseOptimizer opt, Coun
     Count(&c->claimed);
   }
   detail::ApplyUpdate(opt, t.row(slot), sums.row(s));
+}
+
+// One thread per slot: counts (in c->counted) the keys whose row holds a NaN
+// or an infinity (its exponent bits all ones).
+__global__ void NonFiniteKernel(TableRef t, Counters* c) {
+  const uint64_t s = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (s >= t.slots || t.keys[s] == kEmptyKey) return;
+  const float* row = t.row(s);
+  for (uint32_t j = 0; j < t.stride; ++j) {
+    if ((__float_as_uint(row[j]) & 0x7f800000u) == 0x7f800000u) {
+      Count(&c->counted);
+      return;
+    }
+  }
 }
 
 __global__ void ExportKernel(TableRef t, uint64_t* keys_out, float* rows_out, uint64_t max_rows,
@@ -325,7 +340,7 @@ class CudaHashTable final : public HashTable {
     if (n == 0) return;
     CudaHashTable sums(std::max<uint64_t>(2 * n, 64), opt.dim, device_);
     sums.accumulate(keys, n, grads);
-    ApplySums(sums, opt);
+    ApplySums(sums, opt, "apply_gradients");
   }
 
   void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) override {
@@ -341,7 +356,12 @@ class CudaHashTable final : public HashTable {
     // The sums' slots are read by the kernel: no call on that table meanwhile
     // (as the CPU table holds its lock shared).
     std::lock_guard sums_lock(cuda->mutex_);
-    ApplySums(*cuda, opt);
+    ApplySums(*cuda, opt, "apply_summed_gradients");
+  }
+
+  void refuse_nonfinite(const std::string& what) const override {
+    std::lock_guard lock(mutex_);
+    RefuseNonFiniteRows(what);
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -372,8 +392,25 @@ class CudaHashTable final : public HashTable {
   }
 
  private:
-  // REQUIRES: mutex_ held; sums holds each key once (a table does).
-  void ApplySums(const CudaHashTable& sums, const SparseOptimizer& opt) {
+  // REQUIRES: mutex_ held.
+  void RefuseNonFiniteRows(const std::string& what) const {
+    const detail::CurrentDevice current(device_);
+    ResetCounters();
+    NonFiniteKernel<<<Blocks(ref_.slots), kBlock>>>(ref_, counters_.get());
+    if (Finish().counted == 0) return;
+    // Seldom: the table to the host, for the message to name the key.
+    std::vector<uint64_t> keys(ref_.slots);
+    std::vector<float> rows(ref_.slots * ref_.stride);
+    keys_.download(keys.data(), keys.size());
+    rows_.download(rows.data(), rows.size());
+    detail::RefuseNonFinite(what, keys.data(), rows.data(), ref_.slots, ref_.stride);
+  }
+
+  // REQUIRES: mutex_ and sums' held (or sums the call's own); sums holds each
+  // key once (a table does). A sum that is not finite refuses the whole call
+  // before any row steps.
+  void ApplySums(const CudaHashTable& sums, const SparseOptimizer& opt, const char* what) {
+    sums.RefuseNonFiniteRows(what);
     const detail::CurrentDevice current(device_);
     ResetCounters();
     ApplyKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());

@@ -886,6 +886,48 @@ TEST(DeviceTier, GradientTablesOfABatchsSizeStepAsTheRowsSizeDoes) {
   EXPECT_THROW(tier->Accumulate(0, many.data(), many.size(), many_g.data(), nullptr), TableFullError);
 }
 
+// Key 11's gradients from two workers, 3e38 each, overflow in their sum on
+// device 1; key 10's, on device 0, do not. The step refuses the batch, naming
+// key 11, before either row steps: device 0's table, applied first, was
+// stepped before device 1's refused (its own check alone comes too late).
+TEST(DeviceTier, ASumThatIsNotFiniteOnOneDeviceStepsNoRowOnAny) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  std::vector<uint64_t> keys = {10, 11};
+  const int32_t owners[2] = {0, 1};
+  std::vector<float> rows(keys.size() * width);
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+  tier->Insert(keys.data(), keys.size(), rows.data(), owners);
+  std::vector<float> g = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 3e38f, 1.0f, 1.0f};
+  tier->Accumulate(0, keys.data(), 2, g.data(), owners);
+  tier->Accumulate(1, keys.data(), 2, g.data(), owners);
+  try {
+    tier->Apply();
+    ADD_FAILURE() << "a sum of inf was stepped";
+  } catch (const DivergedError& e) {
+    EXPECT_STREQ(e.what(), "device tier apply (device 1): 1 non-finite value in the summed gradients of 1 key (key "
+                           "11 first: inf): training diverged (a gradient pushed so, or finite ones whose sum "
+                           "overflowed); no row was stepped");
+  }
+  std::vector<float> after(rows.size());
+  tier->Rows(keys.data(), keys.size(), after.data(), owners);
+  EXPECT_EQ(after, rows);
+
+  // Bound to positions, the same: the sums at the positions are refused.
+  auto bound = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
+  bound->Insert(keys.data(), keys.size(), rows.data(), owners);
+  bound->Bind(keys.data(), keys.size(), owners);
+  const int64_t at[2] = {0, 1};
+  bound->AccumulateAt(0, at, 2, g.data(), {});
+  bound->AccumulateAt(1, at, 2, g.data(), {});
+  std::vector<int64_t> stepped;
+  EXPECT_THROW(bound->ApplyBound(&stepped), DivergedError);
+  EXPECT_TRUE(stepped.empty());
+  bound->Rows(keys.data(), keys.size(), after.data(), owners);
+  EXPECT_EQ(after, rows);
+}
+
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();
@@ -1143,6 +1185,39 @@ TEST(HostBatch, GetsAndAccumulatesRowsLaidOutInAWiderMatrix) {
               std::string::npos) << e.what();
   }
   EXPECT_THROW(batch.Accumulate(at.data(), 4, grads_wide.data(), RowLayout{2, 3}), std::invalid_argument);
+}
+
+// A key's gradients that overflow in their sum (or a NaN pushed) made its
+// MEM-PS row -inf or NaN. The step refuses them now, naming the key, before
+// any pinned row steps, and the batch releases as one that never stepped.
+TEST(HostBatch, ASumThatIsNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
+  RowStore store(AdaGrad(6));
+  const SparseOptimizer& opt = store.opt;
+  const int32_t width = opt.row_floats();
+  auto cache = store.Cache(64);
+  std::vector<uint64_t> keys = {11, 12, 13};
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
+  HostBatch batch(*cache, keys.data(), keys.size(), opt);
+  std::vector<float> before(keys.size() * width), after(keys.size() * width);
+  const std::vector<int64_t> all = {0, 1, 2};
+  batch.Rows(all.data(), all.size(), before.data());
+  const std::vector<int64_t> at = {0, 2, 2};
+  std::vector<float> g(at.size() * 6, 0.25f);
+  g[6 + 5] = g[12 + 5] = -2e38f;  // key 13's last float (past the groups of four): -inf when summed
+  batch.Accumulate(at.data(), at.size(), g.data());
+  try {
+    batch.Apply();
+    ADD_FAILURE() << "a sum of -inf was stepped";
+  } catch (const DivergedError& e) {
+    EXPECT_STREQ(e.what(), "host batch apply: 1 non-finite value in the summed gradients of 1 key (key 13 first: "
+                           "-inf): training diverged (a gradient pushed so, or finite ones whose sum overflowed); "
+                           "no row was stepped");
+  }
+  batch.Rows(all.data(), all.size(), after.data());
+  EXPECT_EQ(after, before);
+  EXPECT_TRUE(batch.UpdatedKeys().empty());
+  batch.Release();
+  EXPECT_EQ(cache->stats().pinned, 0u);
 }
 
 TEST(HostBatch, TakesTheAddressesThatPinGave) {

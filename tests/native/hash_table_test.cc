@@ -8,6 +8,7 @@
 #include <map>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -192,6 +193,56 @@ TEST(HashTable, SummedGradientsStepLikeRawOnes) {
     FAIL() << "a table's own rows were applied as its sums";
   } catch (const std::invalid_argument& e) {
     EXPECT_STREQ(e.what(), "apply_summed_gradients: sums must be another table");
+  }
+}
+
+// Finite gradients of one key that overflow in their sum (or a NaN pushed)
+// made its row -inf or NaN with no error. The step refuses the call now,
+// naming the key, before any row changes; a finite sum of the same call too.
+TEST(HashTable, ASumThatIsNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
+  SparseOptimizer opt;
+  opt.dim = 5;  // a whole group of four floats and one more: both loops of the check
+  opt.opt.kind = OptimizerKind::kAdaGrad;
+  opt.opt.lr = 0.1f;
+  // Past 4096 x 16 floats of sums the check runs in parts on two threads.
+  for (const uint64_t n : {uint64_t{3}, kBatch}) {
+    SCOPED_TRACE("n " + std::to_string(n));
+    auto keys = RandomKeys(n, 1u << 30, 13);
+    keys[0] = 77;  // 77's gradients overflow, the others' are fine
+    keys[n - 1] = 77;
+    std::vector<float> grads(opt.dim * n, 0.5f);
+    for (int32_t j = 0; j < opt.dim; ++j) grads[j] = grads[(n - 1) * opt.dim + j] = 3e38f;
+    auto table = Table(4 * n, opt.row_floats(), 2);
+    std::vector<float> before(opt.dim * n), after(opt.dim * n);
+    table->lookup_or_init(keys.data(), n, opt, before.data());
+    try {
+      table->apply_gradients(keys.data(), n, grads.data(), opt);
+      ADD_FAILURE() << "a sum of inf was stepped";
+    } catch (const DivergedError& e) {
+      EXPECT_STREQ(e.what(), "apply_gradients: 5 non-finite values in the summed gradients of 1 key (key 77 first: "
+                             "inf): training diverged (a gradient pushed so, or finite ones whose sum overflowed); "
+                             "no row was stepped");
+    }
+    table->lookup_or_init(keys.data(), n, opt, after.data());
+    EXPECT_EQ(before, after);
+
+    // Summed in a table of their own: the last float of one row a NaN.
+    auto sums = Table(4 * n, opt.dim, 2);
+    grads[0] = grads[(n - 1) * opt.dim] = 0.5f;
+    grads[opt.dim - 1] = grads[n * opt.dim - 1] = 0.5f;
+    grads[opt.dim + opt.dim - 1] = std::nanf("");
+    sums->accumulate(keys.data(), n, grads.data());
+    EXPECT_THROW(sums->refuse_nonfinite("sums"), DivergedError);
+    try {
+      table->apply_summed_gradients(*sums, opt);
+      ADD_FAILURE() << "a sum of inf was stepped";
+    } catch (const DivergedError& e) {
+      const std::string said = e.what();
+      EXPECT_EQ(said.rfind("apply_summed_gradients: 4 non-finite values in the summed gradients of 2 keys (key ", 0),
+                0u) << said;
+    }
+    table->lookup_or_init(keys.data(), n, opt, after.data());
+    EXPECT_EQ(before, after);
   }
 }
 

@@ -657,7 +657,11 @@ class HeraldDistBatch(BatchBase):
             at = np.flatnonzero(trainers[:, r])
             first = lowest[at] == r
             total[at[first]] = part[first]
-            total[at[~first]] += part[~first]
+            # Finite gradients can overflow in their sum: every trainer's step
+            # refuses that key's infinity (DivergedError, naming it) before any row
+            # changes, so numpy's warning would only say it first.
+            with np.errstate(over="ignore"):
+                total[at[~first]] += part[~first]
         out = [total[trainers[:, r]] if r != me else total[:0] for r in range(W)]
         sums_in = node.alltoallv("train", out, "sparse_grads", "herald summed gradients")
         self._grads[mine] = total

@@ -462,6 +462,8 @@ class DistBatch:
         except BaseException:
             self.local.abort()
             raise
+        # The owner's sums of every rank's gradients: a key whose sum overflowed is
+        # refused there (DivergedError, naming it) before any row steps.
         self.local.apply()
 
     def write_back(self) -> None:
