@@ -1417,6 +1417,37 @@ def test_a_sparse_gradient_sum_that_overflows_at_the_owner_is_refused_naming_the
     server.close()
 
 
+def test_a_dense_gradient_sum_that_overflows_is_refused_before_the_gradients_change():
+    """The all-reduce sums the ranks' dense gradients: finite ones (2e38 on each of
+    two ranks) can sum to an infinity, which the optimizer then stepped every
+    rank's parameters with. Every rank holds the same sum and refuses it now, alike,
+    naming the parameter, before any gradient is written; so does k-step Adam's
+    merge of the parameters and their v."""
+    import torch
+    from hps.distributed import DenseSync
+    w = torch.nn.Parameter(torch.zeros(3))
+    b = torch.nn.Parameter(torch.zeros(2, 2))
+    w.grad = torch.ones(3)
+    b.grad = torch.tensor([[1.0, 2e38], [3e38, 1.0]])
+    sync = DenseSync(_TwoEqualRanks("allreduce"), [w, b], lr=0.1)
+    with pytest.raises(hps.errors.DivergedError,
+                       match=r"^dense gradient all-reduce: 2 non-finite values summed over the ranks \(dense "
+                             r"parameter 1 of 2, shape \(2, 2\), first: inf\): training diverged"), \
+            np.errstate(over="ignore"):  # (the fake all-reduce's numpy sum; MPI's says nothing)
+        sync.reduce_gradients()
+    assert torch.equal(w.grad, torch.ones(3)) and torch.equal(b.grad, torch.tensor([[1.0, 2e38], [3e38, 1.0]]))
+
+    sync = DenseSync(_TwoEqualRanks("kstep"), [w, b], lr=0.1)
+    sync.make_optimizer(None)
+    with torch.no_grad():
+        w.fill_(3e38)
+    with pytest.raises(hps.errors.DivergedError, match=r"^k-step Adam merge: 3 non-finite values summed over the "
+                                                       r"ranks \(dense parameter 0 of 2, shape \(3,\), first: inf\)"), \
+            np.errstate(over="ignore"):
+        sync.merge()
+    assert torch.equal(w.detach(), torch.full((3,), 3e38)) and sync.merges == 0
+
+
 def test_an_aborted_job_of_the_suite_leaves_no_topology_file_in_tmp(tmp_path):
     """Each job the suite aborted left MPICH's /tmp/hydra_hwloc_xmlfile_* (a mkstemp name) behind
     (hydra removes it only on a clean exit). tests/conftest.py gives mpiexec an

@@ -20,6 +20,27 @@ def _flat(tensors) -> np.ndarray:
     return np.concatenate([t.detach().reshape(-1).to("cpu", torch.float32).numpy() for t in tensors])
 
 
+def _refuse_nonfinite(flat: np.ndarray, tensors, what: str, v_from: Optional[int] = None) -> None:
+    """Raises DivergedError where the all-reduced `flat` (the tensors' values, in
+    order) holds a NaN or an infinity, naming `what`, how many values, and the
+    first one's tensor: dense parameter i (its place among them) and its shape,
+    or from tensor `v_from` on, k-step Adam's v of parameter i - v_from. Finite
+    values of the ranks can overflow in their sum; every rank holds the same sum,
+    so every rank raises alike, before any tensor is written."""
+    ok = np.isfinite(flat)
+    if ok.all():
+        return
+    from hps.errors import DivergedError
+    first = int(np.argmin(ok))
+    i = int(np.searchsorted(np.cumsum([t.numel() for t in tensors]), first, side="right"))
+    n = len(tensors) if v_from is None else v_from
+    which = f"dense parameter {i} of {n}" if i < n else f"k-step Adam's v of dense parameter {i - n} of {n}"
+    bad = int(ok.size - np.count_nonzero(ok))
+    raise DivergedError(f"{what}: {bad} non-finite value{'s' if bad != 1 else ''} summed over the ranks ({which}, "
+                        f"shape {tuple(tensors[i].shape)}, first: {flat[first]!s}): training diverged (finite "
+                        f"values of the ranks can overflow in their sum); no dense parameter was changed")
+
+
 def _unflat(flat: np.ndarray, tensors) -> None:
     """flat's values back into the tensors, on their devices, in their dtypes (copy_)."""
     import torch
@@ -141,6 +162,7 @@ class DenseSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = _flat(grads)
         self.node.allreduce("train", flat, "dense", "dense gradient all-reduce", self.config.hierarchical)
+        _refuse_nonfinite(flat, self.params, "dense gradient all-reduce")  # before the optimizer can step them
         for p, g in zip(self.params, grads):
             p.grad = g
         with torch.no_grad():
@@ -164,6 +186,7 @@ class DenseSync:
         flat = np.concatenate([_flat(self.params), _flat(vs)])
         self.node.allreduce("train", flat, "dense", "k-step Adam merge", self.config.hierarchical)
         flat /= self.node.size
+        _refuse_nonfinite(flat, self.params + vs, "k-step Adam merge", v_from=len(self.params))
         n = sum(p.numel() for p in self.params)
         with torch.no_grad():
             _unflat(flat[:n], self.params)
