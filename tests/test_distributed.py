@@ -1417,6 +1417,121 @@ def test_a_sparse_gradient_sum_that_overflows_at_the_owner_is_refused_naming_the
     server.close()
 
 
+class _LosesItsPeer(_OneRankNode):
+    """A one-rank node whose exchange `what` fails (a peer gone)."""
+
+    def __init__(self, what: str):
+        self.failing = what
+
+    def alltoallv(self, stage, blocks, kind, what):
+        if what == self.failing:
+            raise ConnectionError(f"{what}: rank 1 is gone")
+        return super().alltoallv(stage, blocks, kind, what)
+
+
+def _failing_release(obj, name: str):
+    """obj.name() releases, then raises (an unpin of a key something else unpinned)."""
+    real = getattr(obj, name)
+
+    def released():
+        real()
+        raise RuntimeError("a key was unpinned by something else")
+    setattr(obj, name, released)
+
+
+@pytest.mark.parametrize("exchange", ["load rows", "push gradients"])
+def test_a_rank_batch_whose_abort_fails_after_its_exchange_failed_raises_the_exchange_s_error(tmp_path, capfd,
+                                                                                            monkeypatch, exchange):
+    """A rank's batch aborts its owner's batch when an exchange fails (the load's
+    rows, apply's gradients); an abort that failed too (an unpin of a key something
+    else unpinned) took the place of the exchange's error, so the job said a key was
+    unpinned, not that a peer was gone. The exchange's error stands now, and the
+    abort's goes to stderr."""
+    from hps.distributed.sparse import DistributedServer
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), mem_budget="1MiB")
+    server = DistributedServer(hps.ParameterServer(cfg), _LosesItsPeer(exchange))
+    made = server.local.batch
+
+    def batch(*args, **kw):
+        b = made(*args, **kw)
+        _failing_release(b, "abort")
+        return b
+    monkeypatch.setattr(server.local, "batch", batch)
+    keys = np.array([3, 4], np.uint64)
+    pre = server.prefetch(keys)
+    with pytest.raises(ConnectionError, match=f"{exchange}: rank 1 is gone"):
+        b = server.batch(pre)
+        b.push(keys, np.ones((2, 4), np.float32))
+        b.apply()
+    assert "a key was unpinned by something else" in capfd.readouterr().err
+    pre.release()
+    assert server.local.stats()["mem"]["pinned"] == 0
+    server.close()
+
+
+def test_a_herald_step_whose_release_fails_after_its_schedule_failed_raises_the_schedule_s_error(tmp_path, capfd,
+                                                                                                 monkeypatch):
+    """A Herald step whose schedule fails releases its pins and stops the server; a
+    release that failed too took the place of the schedule's error and left the
+    server running, though the leader's tables may have taken the step. The
+    schedule's error stands now, the server stops for it, and the release's error
+    goes to stderr."""
+    from hps.distributed.herald import HeraldServer
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.AdaGrad(lr=0.1),
+                                    mem_budget="1MiB")
+    server = HeraldServer(hps.ParameterServer(cfg), _OneRankNode(), capacity=64)
+    pre = server.prefetch(np.arange(1, 9, dtype=np.uint64).reshape(4, 2))
+
+    def schedule(pre):
+        raise MemoryError("the leader's plan")
+    monkeypatch.setattr(server, "_schedule", schedule)
+    _failing_release(pre, "release")
+    with pytest.raises(MemoryError, match="the leader's plan"):
+        server.batch(pre)
+    assert "a key was unpinned by something else" in capfd.readouterr().err
+    with pytest.raises(RuntimeError, match=r"stopped after a failed batch \(MemoryError while a step was scheduled"):
+        server.check()
+    assert server.local.stats()["mem"]["pinned"] == 0
+    server.close()
+
+
+class _FlushLosesItsPeer(_OneRankNode):
+    """A one-rank node whose exchange of a flush's keys fails (a peer gone)."""
+
+    def alltoallv(self, stage, blocks, kind, what):
+        if what == "flush trained keys":
+            raise ConnectionError(f"{what}: rank 1 is gone")
+        return super().alltoallv(stage, blocks, kind, what)
+
+
+def test_a_herald_flush_whose_bits_fail_to_return_after_its_exchange_failed_raises_the_exchange_s_error(
+        tmp_path, capfd):
+    """A Herald flush whose exchange fails gives the rows it took their trained bits
+    back; a call that failed there too took the place of the exchange's error. The
+    exchange's error stands now, and the other goes to stderr."""
+    from hps.distributed.herald import HeraldServer
+
+    class BitsFail:
+        def __init__(self, real):
+            self._real = real
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+        def set_trained(self, *args):
+            self._real.set_trained(*args)
+            raise RuntimeError("the tier's bits could not be set")
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.AdaGrad(lr=0.1),
+                                    mem_budget="1MiB")
+    server = HeraldServer(hps.ParameterServer(cfg), _FlushLosesItsPeer(), capacity=64)
+    server._tier = BitsFail(server._tier)
+    server._dirty = True
+    with pytest.raises(ConnectionError, match="flush trained keys: rank 1 is gone"):
+        server.flush()
+    assert "the tier's bits could not be set" in capfd.readouterr().err
+    server.close()
+
+
 def test_a_dense_gradient_sum_that_overflows_is_refused_before_the_gradients_change():
     """The all-reduce sums the ranks' dense gradients: finite ones (2e38 on each of
     two ranks) can sum to an infinity, which the optimizer then stepped every

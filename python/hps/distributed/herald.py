@@ -57,7 +57,7 @@ from __future__ import annotations
 import numpy as np
 
 from hps import _core
-from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep
+from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep, release_after
 from hps.distributed.comm import Node
 from hps.distributed.sparse import (DistributedServer, FreshRows, _StepData, owner_ranks, rank_positions,
                                    OwnerWindows, refuse_nonfinite)
@@ -280,8 +280,9 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
                 mine = self._from_leader("train", blocks, "plan", "flush keys", empty)
                 rows = self._tier.rows(mine, None, self._row_floats)
                 self._to_owners(mine, rows, "flush")
-            except BaseException:
-                self._tier.set_trained(trained, None, True)  # not written (the job fails: see fail())
+            except BaseException as e:
+                # Not written (the job fails: see fail()); the flush's error stands.
+                release_after(e, lambda: self._tier.set_trained(trained, None, True))
                 raise
             self._dirty = False
             self.counts["flushes"] += 1
@@ -476,7 +477,7 @@ class HeraldDistBatch(BatchBase):
             self._number, self._parts = server._schedule(pre)
         except BaseException as e:
             self._done = True
-            pre.release()
+            release_after(e, pre.release)  # the schedule's error stands, and stops the server below
             if server._failed is None:  # the leader's tables may have taken the step
                 server.fail(f"{type(e).__name__} while a step was scheduled: {e}")
             raise

@@ -14,7 +14,7 @@ from hps.distributed.comm import Node
 from hps.errors import DivergedError
 from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import CacheFullError
-from hps.batch_base import prefetched_positions
+from hps.batch_base import prefetched_positions, release_after
 from hps.parameter_server import ParameterServer
 
 class RowCodec:
@@ -459,8 +459,8 @@ class DistBatch:
             for src in range(node.size):
                 if len(idx_in[src]):
                     self.local.push(pre.asked[src][idx_in[src]], grads_in[src])
-        except BaseException:
-            self.local.abort()
+        except BaseException as e:
+            release_after(e, self.local.abort)  # the exchange's error stands
             raise
         # The owner's sums of every rank's gradients: a key whose sum overflowed is
         # refused there (DivergedError, naming it) before any row steps.
@@ -602,8 +602,8 @@ class DistributedServer:
         try:
             rows_out = [local.pull(a) for a in pre.asked]
             rows = self._return_rows("load", pre.keys, pre.order, pre.counts, pre.asked, rows_out, "load rows")
-        except BaseException:
-            local.abort()
+        except BaseException as e:
+            release_after(e, local.abort)  # the exchange's error stands
             raise
         return DistBatch(self, local, pre, rows)
 
