@@ -395,6 +395,54 @@ def test_tsv_first_error_is_the_lowest_lines_at_any_block_and_batch_size(tmp_pat
             np.testing.assert_allclose(dense[:, 2], np.log1p(good).astype(np.float32), rtol=1e-6)
 
 
+def _first_examples_and_what_was_said(reader, n):
+    """(batch sizes of FirstExamples(reader, n), the malformed lines counted; or the error raised)."""
+    try:
+        sizes = [len(b) for b in hps.data.FirstExamples(reader, n)]
+    except DataError as e:
+        return str(e)
+    return sizes, reader.malformed
+
+
+@pytest.mark.parametrize("kind", ["tsv", "parquet"])
+def test_a_malformed_line_past_the_first_examples_asked_is_neither_raised_nor_counted(tmp_path, kind):
+    # The readers parse a whole block (4 MiB of TSV, a Parquet batch of 65,536 rows) at
+    # once and raised or counted every bad line in it: --examples 100 over a file whose
+    # line 151 is bad failed naming line 151, which it never trains, and with
+    # skip_malformed counted it as skipped.
+    pytest.importorskip("pyarrow")
+    lines = [line(label=str(i % 2)) for i in range(300)]
+    lines[151 - 1] = line(I4="x")
+    if kind == "tsv":
+        path = write(tmp_path / "m.tsv", lines)
+        sizes = [dict(block_bytes=4 << 20), dict(block_bytes=1000)]
+        open_reader = CriteoTsv
+        named = f"{path}:151: field I4: 'x' is not an integer"
+    else:
+        pq = pytest.importorskip("pyarrow.parquet")
+        pa = pytest.importorskip("pyarrow")
+        path = str(tmp_path / "m.parquet")
+        table = _sample_table(pa, [line(label=str(i % 2)) for i in range(300)])
+        table = table.set_column(COLUMNS.index("I4"), "I4", pa.array([1.5 if i != 150 else float("inf")
+                                                                       for i in range(300)]))
+        pq.write_table(table, path, row_group_size=200)
+        sizes = [dict(read_rows=65536), dict(read_rows=7)]
+        open_reader = CriteoParquet
+        named = f"{path}: row 151: field I4: inf is not a finite number"
+    for options in sizes:
+        for batch_size in (50, 4096):
+            for skip in (False, True):
+                def first(n):
+                    return _first_examples_and_what_was_said(open_reader(path, batch_size, skip_malformed=skip,
+                                                                         **options), n)
+                assert first(100) == ([50, 50] if batch_size == 50 else [100], 0), (options, batch_size, skip)
+                assert first(150) == ([50, 50, 50] if batch_size == 50 else [150], 0), (options, batch_size, skip)
+                assert first(120) == ([50, 50, 20] if batch_size == 50 else [120], 0), (options, batch_size, skip)
+                # The line before the 151st example is reached: raised, or counted.
+                assert first(151) == (([50, 50, 50, 1] if batch_size == 50 else [151], 1) if skip else named), \
+                    (options, batch_size, skip)
+
+
 def test_gzip_tsv(tmp_path):
     pytest.importorskip("pyarrow")
     text = "".join(line(label=str(i % 2)) + "\n" for i in range(20))

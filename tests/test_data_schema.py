@@ -230,6 +230,44 @@ def test_csv_first_error_is_the_lowest_lines_at_any_block_and_batch_size(tmp_pat
             assert r.malformed_examples == examples, (block_bytes, batch_size)
 
 
+@pytest.mark.parametrize("kind", ["csv", "parquet", "libsvm"])
+def test_a_malformed_line_past_the_first_examples_asked_is_neither_raised_nor_counted(tmp_path, kind):
+    # A block is parsed whole (1 MiB of CSV, 65,536 Parquet rows): --examples and
+    # eval_examples raised, or counted as skipped, a bad line past the examples they read.
+    from hps.data import FirstExamples
+    schema = {"label": "click", "dense": ["price"], "categorical": ["site"]}
+    if kind == "csv":
+        p = tmp_path / "m.csv"
+        p.write_text("click,price,site\n" + "".join(f"{i % 2},{'x' if i == 150 else i},s{i}\n" for i in range(300)))
+        named, options = f"{p}:152: column 'price': 'x' is not a number", [{}, dict(block_bytes=256)]
+    elif kind == "parquet":
+        p = tmp_path / "m.parquet"
+        pq.write_table(pa.table({"click": [i % 2 for i in range(300)],
+                                 "price": [str(i) if i != 150 else "x" for i in range(300)],
+                                 "site": [f"s{i}" for i in range(300)]}), p, row_group_size=200)
+        named, options = f"{p}: row group 0, row 151: column 'price': 'x' is not a number", [{}, dict(read_rows=7)]
+    else:
+        p = tmp_path / "m.svm"
+        p.write_text("".join(f"{i % 2} {i}:{'x' if i == 150 else 1}\n" for i in range(300)))
+        schema, options = None, [{}]
+        named = f"{p}:151: '150:x': the value is not a number"
+    for option in options:
+        for batch_size in (50, 4096):
+            for skip in (False, True):
+                def first(n):
+                    reader = open_schema(p, schema, batch_size, skip_malformed=skip, **option) if schema else \
+                        Libsvm(p, None, batch_size, skip_malformed=skip)
+                    try:
+                        return [len(b) for b in FirstExamples(reader, n)], reader.malformed
+                    except DataError as e:
+                        return str(e)
+                at = (option, batch_size, skip)
+                assert first(100) == ([50, 50] if batch_size == 50 else [100], 0), at
+                assert first(150) == ([50, 50, 50] if batch_size == 50 else [150], 0), at
+                assert first(120) == ([50, 50, 20] if batch_size == 50 else [120], 0), at
+                assert first(151) == (([50, 50, 50, 1] if batch_size == 50 else [151], 1) if skip else named), at
+
+
 def test_dense_values_past_float32s_range_are_refused(tmp_path):
     # Dense values read as they are are stored as float32: a finite double that
     # would round to inf there is refused, naming line and column, as a non-number

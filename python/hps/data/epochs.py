@@ -14,6 +14,7 @@ from typing import Iterator
 import numpy as np
 
 from hps.data.examples import Bags, Batch, _check_batching
+from hps.data.files import _Reader
 
 
 def _take(batch: Batch, idx: np.ndarray) -> Batch:
@@ -136,7 +137,10 @@ class FirstExamples:
         self.examples_seen = 0
         if self.examples == 0:
             return
-        for batch in self.source:
+        # A reader ends its pass at the count: a malformed line past the examples taken,
+        # in a block parsed whole, is then neither raised nor counted (_Reader._pass).
+        batches = self.source._pass(self.examples) if isinstance(self.source, _Reader) else self.source
+        for batch in batches:
             left = self.examples - self.examples_seen
             if len(batch) > left:
                 batch = batch.rows(np.arange(left))

@@ -10,7 +10,7 @@ into batches of ``batch_size`` rows, so the batches do not depend on the block s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -164,19 +164,29 @@ def _batch_of(pieces: list[_Piece]) -> Batch:
                  tuple(Bags.concat([p.bags[j] for p in pieces]) for j in range(len(pieces[0].bags))))
 
 
-def _rebatch(pieces: Iterable[_Piece], batch_size: int, drop_last: bool) -> Iterator[Batch]:
-    """Cuts a stream of pieces of any length into batches of batch_size rows."""
+def _rebatch(pieces: Iterable[_Piece], batch_size: int, drop_last: bool,
+             limit: Optional[int] = None) -> Iterator[Batch]:
+    """Cuts a stream of pieces of any length into batches of batch_size rows; with a
+    ``limit``, ends at that many rows (the batch that reaches it cut short) without
+    asking ``pieces`` for more."""
+    if limit == 0:
+        return
     pending: list[_Piece] = []
     have = 0
     for piece in pieces:
         while len(piece):
             take = min(batch_size - have, len(piece))
+            if limit is not None:
+                take = min(take, limit)
+                limit -= take
             head, piece = piece.split(take)
             pending.append(head)
             have += take
-            if have == batch_size:
+            if have == batch_size or limit == 0:
                 yield _batch_of(pending)
                 pending, have = [], 0
+                if limit == 0:
+                    return
     if have and not drop_last:
         yield _batch_of(pending)
 

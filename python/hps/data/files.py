@@ -399,6 +399,24 @@ def _shown(value) -> str:
     return repr(value)
 
 
+def _rows_before(piece: _Piece, places: list, order: dict) -> list[int]:
+    """For each of ``places`` ((file's index in ``order``, line) of a malformed line, in
+    increasing order), how many of the piece's rows come before it in the pass: the rows
+    of a piece lie in (file, line) order. One walk over both (a dirty block has a span of
+    rows between each two bad lines)."""
+    out, n, i, sources = [], 0, 0, piece.sources
+    for place in places:
+        while i < len(sources) and (order.get(sources[i].path, -1),
+                                    sources[i].first_line + sources[i].count - 1) < place:
+            n += sources[i].count
+            i += 1
+        inside = 0
+        if i < len(sources) and (order.get(sources[i].path, -1), sources[i].first_line) < place:
+            inside = place[1] - sources[i].first_line  # (within this span: the same file)
+        out.append(n + inside)
+    return out
+
+
 class _Reader(abc.ABC):
     """What the file readers share: file list, batching and the malformed-line count."""
 
@@ -419,11 +437,21 @@ class _Reader(abc.ABC):
         self.malformed_examples: list[str] = []
         #: Examples yielded in the current or last pass.
         self.examples_read = 0
+        self._held: list[DataError] = []  # malformed lines found, not reached yet (_reached)
+        self._found = 0  # malformed lines found in this pass, reached or not
 
     def __iter__(self) -> Iterator[Batch]:
         """One pass over this node's files; each call starts again from the first file."""
+        return self._pass(None)
+
+    def _pass(self, examples: Optional[int]) -> Iterator[Batch]:
+        """One pass that ends after its first ``examples`` examples (None: all of them), the
+        batch that reaches the count cut to it: what :class:`hps.data.FirstExamples` reads
+        (``--examples``, ``eval_examples``). A malformed line after the last example taken
+        is neither raised nor counted, though its block was parsed."""
         self.malformed, self.malformed_examples, self.examples_read = 0, [], 0
-        for batch in _rebatch(self._pieces(), self.batch_size, self.drop_last):
+        pieces = self._reached(self._pieces(), examples)
+        for batch in _rebatch(pieces, self.batch_size, self.drop_last, examples):
             self.examples_read += len(batch)
             yield batch
 
@@ -432,12 +460,64 @@ class _Reader(abc.ABC):
         return {"files": len(self.files), "examples_read": self.examples_read, "malformed": self.malformed}
 
     def _bad(self, error: DataError) -> None:
-        """A malformed line: raise, or count it when skipping."""
+        """A malformed line, found where its block is parsed: held until the pass reaches
+        it (_reached), then raised, or counted when skipping. Blocks are parsed whole, so a
+        pass that stops at its first N examples parsed lines it never reaches."""
+        self._held.append(error)
+        self._found += 1
+
+    def _report(self, error: DataError) -> None:
         if not self.skip_malformed:
             raise error
         self.malformed += 1
         if len(self.malformed_examples) < MAX_MALFORMED_EXAMPLES:
             self.malformed_examples.append(str(error))
+
+    def _reached(self, pieces: Iterator[_Piece], examples: Optional[int]) -> Iterator[_Piece]:
+        """``pieces`` (this node's files' rows, in order), each malformed line held by _bad
+        raised or counted before the piece holding the first row after it: one the pass
+        takes no row after (past its first ``examples`` examples) goes unsaid. Those of a
+        pass's end, or of a failure while reading, are reported there (before the error
+        raised). Each time in (file, line) order, so that the lowest line's is raised."""
+        order = {path: i for i, path in enumerate(self.files)}
+
+        def place(error: DataError) -> tuple:
+            # (a line of unknown place is reported at once, as before anything else)
+            return (order.get(error.path, -1), -1 if error.line is None else error.line)
+
+        self._held, self._found = [], 0
+        taken = 0  # rows given so far
+        try:
+            while True:
+                try:
+                    piece = next(pieces, None)
+                except Exception as e:  # noqa: BLE001 - the lines found before it come first
+                    failed = e
+                else:
+                    failed = None
+                if failed is not None or piece is None:
+                    break
+                if self._held:
+                    self._held.sort(key=place)
+                    room = len(piece) if examples is None else min(len(piece), examples - taken)
+                    later = []
+                    for error, at in zip(self._held, _rows_before(piece, [place(e) for e in self._held], order),
+                                         strict=True):
+                        if at < room:  # a row after it is taken
+                            self._report(error)
+                        elif at == len(piece):  # after this piece's rows
+                            later.append(error)
+                        # (else past the examples asked, where the pass ends)
+                    self._held = later
+                taken += len(piece)
+                yield piece
+            for error in sorted(self._held, key=place):
+                self._report(error)
+            self._held = []
+            if failed is not None:
+                raise failed
+        finally:
+            pieces.close()
 
     @abc.abstractmethod
     def _pieces(self) -> Iterator[_Piece]:

@@ -385,7 +385,7 @@ class SchemaCsv(_SchemaReader):
                 _warn_empty(path, "a header, no rows")
                 continue
             # A line after the header gives a row or a malformed line (raised, or counted).
-            rows, malformed_before = 0, self.malformed
+            rows, malformed_before = 0, self._found  # (lines found, reached or not)
             block = max(self.block_bytes, 2 * first_bytes)
             resume = [2 if self.schema.header else 1]  # the first line not delivered yet
             counted: set = set()  # lines of a wrong field count already counted as malformed
@@ -407,7 +407,7 @@ class SchemaCsv(_SchemaReader):
                             raise DataError(f"{path}: cannot read at or after line {resume[0]}: {why} ({e})",
                                             path=path, line=resume[0]) from e
                         block = min(4 * block, _MAX_BLOCK_BYTES)
-            if self.schema.header and not rows and self.malformed == malformed_before:
+            if self.schema.header and not rows and self._found == malformed_before:
                 _warn_empty(path, "a header, no rows")
 
     def _file_pieces(self, path: str, names: list, layout, block: int, resume: list, counted: set,
