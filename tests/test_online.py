@@ -148,6 +148,25 @@ def test_the_batch_cut_to_the_examples_asked_still_names_its_rows_lines(tmp_path
     last = list(GrowingDirectory(tmp_path, csv_reader, poll=0.05, idle=None, examples=37))[-1]
     assert [last.locate(i) for i in range(len(last))] == [(str(tmp_path / "b.csv"), line) for line in range(2, 9)]
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_bad_line_past_the_examples_asked_is_neither_raised_nor_counted(tmp_path, skip):
+    # A file's reader parses a block whole: online_examples = 20 over a file whose 31st
+    # row is bad raised naming it (or counted it as skipped), though the run reads 20.
+    bad = "2,1,s1,t1\n"  # a label that is not 0 or 1
+    (tmp_path / "a.csv").write_text(HEADER + "".join(rows(30, 4)) + bad + "".join(rows(5, 5)))
+    (tmp_path / "_DONE").write_text("")
+    src = GrowingDirectory(tmp_path, lambda path: open_schema([path], SCHEMA, 16, skip_malformed=skip), poll=0.05,
+                           examples=20)
+    assert [len(b) for b in src] == [16, 4] and src.malformed == 0
+    src = GrowingDirectory(tmp_path, lambda path: open_schema([path], SCHEMA, 16, skip_malformed=skip), poll=0.05,
+                           examples=31)
+    if skip:
+        assert [len(b) for b in src] == [16, 15] and src.malformed == 1
+    else:
+        with pytest.raises(DataError, match=r"a.csv:32: column 'click': '2' is not 0 or 1"):
+            list(src)
+
+
 def test_idle_does_not_end_the_source_on_a_file_that_appeared_but_is_not_ready_yet(tmp_path):
     # b.csv is written while a.csv is read: the next poll sees it for the first time (not
     # ready: its size must hold across two polls), and the idle time, shorter than a poll,

@@ -270,6 +270,50 @@ multi_hot = {{ tags = "|" }}
     assert summary["skipped_lines"]["eval"]["malformed"] == 1
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_hps_train_neither_raises_nor_counts_a_bad_line_past_the_examples_it_reads(tmp_path, capsys, skip):
+    # --examples and eval_examples read the first N examples, but the readers parse a
+    # block (1 MiB) whole: a bad line past the N-th failed the run naming a line it never
+    # trains (in the check that the data holds an example too, which reads one batch),
+    # and with skip_malformed was reported as skipped.
+    from hps.cli import main
+    write_csv(tmp_path / "train.csv", 300, 7)
+    write_csv(tmp_path / "eval.csv", 100, 8)
+    for name, bad in (("train.csv", 31), ("eval.csv", 41)):  # (line 1 is the header)
+        lines = (tmp_path / name).read_text().splitlines()
+        lines[bad - 1] = "2,1,s1,t1"  # a label that is not 0 or 1
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    config = tmp_path / "run.toml"
+    config.write_text(f"""hidden = [8]
+torch_threads = 1
+[ps]
+dim = {DIM}
+path = "{tmp_path / 'run'}"
+mem_budget = "8MiB"
+[data]
+source = "{tmp_path / 'train.csv'}"
+eval_source = "{tmp_path / 'eval.csv'}"
+batch_size = 64
+eval_examples = 39
+skip_malformed = {'true' if skip else 'false'}
+[data.schema]
+label = "click"
+dense = ["price"]
+categorical = ["site"]
+multi_hot = {{ tags = "|" }}
+""")
+    assert main(["train", "--config", str(config), "--no-progress", "--examples", "29"]) == 0, \
+        capsys.readouterr().err
+    err = capsys.readouterr().err
+    with open(tmp_path / "run" / "train-summary.json") as f:
+        summary = json.load(f)
+    assert summary["examples"] == 29 and summary["final"]["eval_examples"] == 39
+    assert "is not 0 or 1" not in err
+    if skip:
+        assert summary["skipped_lines"] == {"train": {"malformed": 0, "malformed_examples": []},
+                                            "eval": {"malformed": 0, "malformed_examples": []}}
+
+
 def test_hps_version(capsys):
     from hps.cli import main
     with pytest.raises(SystemExit) as e:

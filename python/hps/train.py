@@ -513,7 +513,9 @@ def _check_data_has_examples(cfg: TrainConfig, node: Optional[Node], rank: int, 
 
     def first_example() -> tuple[bool, int, int]:
         reader = _one_pass(cfg, 0, 1) if growing else _one_pass(cfg, rank, world)
-        batches = iter(reader)
+        # Files: up to the first example, so that a malformed line after it (in the same
+        # block, or the same batch) is not raised here by a run that trains fewer examples.
+        batches = iter(reader if growing else hdata.FirstExamples(reader, 1))
         try:
             return next(batches, None) is not None, len(reader.files_read if growing else reader.files), \
                 reader.malformed
@@ -542,17 +544,13 @@ def _eval_batches(cfg: TrainConfig) -> list:
                                           part="eval", zipf_a=d.zipf_a, **kw))
     if not d.eval_source or d.eval_examples == 0:  # 0: no held-out examples, as synthetic data's
         return []
-    out, n = _EvalBatches(), 0
+    out = _EvalBatches()
     reader = hdata.open_criteo(d.eval_source, d.batch_size, format=d.format, skip_malformed=d.skip_malformed) \
         if d.schema is None else hdata.open_schema(d.eval_source, d.schema, d.batch_size, format=d.format,
                                                    skip_malformed=d.skip_malformed)
-    for b in reader:
-        if n + len(b) > d.eval_examples:  # the batch that crosses the count cut short, as train_examples'
-            b = b.rows(np.arange(d.eval_examples - n))
-        out.append(b)
-        n += len(b)
-        if n >= d.eval_examples:
-            break
+    # The batch that crosses the count cut short, as train_examples'; a malformed line past
+    # the count, in a block read whole, is neither raised nor counted.
+    out.extend(hdata.FirstExamples(reader, d.eval_examples))
     out.malformed, out.malformed_examples = reader.malformed, list(reader.malformed_examples)
     if d.schema is not None and out:  # what the training data's fields are held to (_check_eval_fields)
         out.fields, out.fields_file = reader.fields(), reader.widths_file()

@@ -49,7 +49,7 @@ import warnings
 from typing import Callable, Iterator, Optional
 
 from hps.data.examples import Batch
-from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, _visible
+from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, _Reader, _visible
 
 import numpy as np
 
@@ -282,7 +282,10 @@ class GrowingDirectory:
             try:
                 reader = self._reader(path)
                 self._check_fields(reader, path)
-                for batch in reader:
+                # A reader ends its pass at the examples left: a malformed line past them, in a
+                # block parsed whole, is neither raised nor counted (_Reader._pass).
+                left = None if self.examples is None else self.examples - self.examples_read
+                for batch in reader._pass(left) if isinstance(reader, _Reader) and left is not None else reader:
                     if self.examples is not None and self.examples_read + len(batch) >= self.examples:
                         keep = self.examples - self.examples_read
                         if keep < len(batch):
