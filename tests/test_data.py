@@ -779,7 +779,7 @@ def test_a_glob_leaves_out_the_markers_spark_and_hadoop_write_beside_the_data(tm
             assert found("_temporary/*") == ["_temporary/part-9.csv"]
             assert found("**/.*") == [".part-0.csv.crc", "sub/.part-1.csv.crc"]
             assert list_files(f"{base}/_SUCCESS") == [f"{base}/_SUCCESS"]
-            assert [f.rsplit("/", 1)[1] for f in list_files(base)] == ["part-0.csv"]
+            assert [f.rsplit(base + "/", 1)[1] for f in list_files(base)] == ["part-0.csv", "sub/part-1.csv"]
             with pytest.raises(FileNotFoundError, match="no data file in"):
                 list_files(f"{base}/*S")  # only _SUCCESS matches: no data file
 
@@ -795,6 +795,38 @@ def test_a_local_double_star_glob_reaches_every_depth_as_a_url_glob_does(tmp_pat
         assert local == sorted(str(tmp_path / n) for n in names[:3])
         url = list_files(f"memory://{root}/**/*.tsv")
         assert [u.rsplit(root + "/", 1)[1] for u in url] == [os.path.relpath(p, tmp_path) for p in local]
+
+
+def test_a_directory_gives_its_files_at_every_depth_in_the_order_of_its_double_star_glob(tmp_path):
+    # A directory listed its top level alone: --data DIR over a partitioned data set
+    # (day=.../part-0.tsv) read the files beside the partitions and left the partitions
+    # out without a word, and a directory of partitions alone was "no data file in" it.
+    # Names starting with "." or "_" are left out at every depth, directories too.
+    names = ["top.tsv", "day=1/a.tsv", "day=2/hour=3/b.tsv", "day=10/c.tsv", "_SUCCESS", "day=1/_SUCCESS",
+             "day=2/.b.tsv.crc", ".ipynb_checkpoints/top-checkpoint.tsv", "_temporary/0/part-9.tsv",
+             "day=3/_temporary/part-8.tsv"]
+    data = ["day=1/a.tsv", "day=10/c.tsv", "day=2/hour=3/b.tsv", "top.tsv"]
+    root = "/hps-test-directory-depth"
+    with _empty_files_local_and_in_memory(tmp_path, root, names):
+        for base in (str(tmp_path), f"memory://{root}"):
+            assert [f.rsplit(base + "/", 1)[1] for f in list_files(base)] == data, base
+            assert list_files(base) == list_files(f"{base}/**"), base
+            # Partitions alone (no file at the top): their files.
+            assert [f.rsplit(base + "/", 1)[1] for f in list_files(f"{base}/day=2")] == ["day=2/hour=3/b.tsv"], base
+            with pytest.raises(FileNotFoundError, match=r"no data file in .*day=3"):
+                list_files(f"{base}/day=3")  # (its one file under _temporary/)
+    # A link to a directory is followed, as a glob follows it; one to a directory above
+    # it is refused, naming it, where its files would repeat without end.
+    os.makedirs(tmp_path / "d" / "day=1")
+    (tmp_path / "d" / "day=1" / "a.tsv").write_text("")
+    os.makedirs(tmp_path / "elsewhere" / "day=2")
+    (tmp_path / "elsewhere" / "day=2" / "b.tsv").write_text("")
+    os.symlink(tmp_path / "elsewhere" / "day=2", tmp_path / "d" / "day=2")
+    assert list_files(tmp_path / "d") == [str(tmp_path / "d" / "day=1" / "a.tsv"),
+                                          str(tmp_path / "d" / "day=2" / "b.tsv")]
+    os.symlink(tmp_path / "d", tmp_path / "d" / "day=1" / "loop")
+    with pytest.raises(ValueError, match=r"d/day=1/loop: a link to .*d, a directory that holds it"):
+        list_files(tmp_path / "d")
 
 
 def test_open_criteo_picks_the_reader(tmp_path):

@@ -681,6 +681,27 @@ def test_hps_train_on_data_without_an_example_fails_naming_it_and_writes_nothing
     assert not any((tmp_path / f"r{i}").exists() for i in range(1, 5))
 
 
+def test_hps_train_refuses_a_ps_path_inside_a_data_directory(tmp_path):
+    # A directory gives its files at every depth: a run whose [ps] path is inside it
+    # would read its own checkpoints as data once it resumes (and a growing directory
+    # as it writes them). A hidden name (".run", "_run") is left out of the listing.
+    (tmp_path / "data" / "day=1").mkdir(parents=True)
+    write_csv(tmp_path / "data" / "day=1" / "train.csv", 50, 2)
+    write_csv(tmp_path / "other.csv", 50, 3)
+    for source, key in ((tmp_path / "data", "source"), (tmp_path / "data" / "day=1", "eval_source")):
+        data = {"source": str(tmp_path / "other.csv"), "schema": SCHEMA, key: str(source)}
+        cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "data" / "day=1" / "run")},
+                                     "torch_threads": 1, "data": data}, "run.toml")
+        with pytest.raises(ValueError, match=rf"\[ps\] path .*data/day=1/run is inside the data directory "
+                                             rf"{re.escape(str(source))} \(data.{key}\)"):
+            train(cfg, progress=False)
+    assert not (tmp_path / "data" / "day=1" / "run").exists()
+    cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "data" / ".run")}, "torch_threads": 1,
+                                 "hidden": [8], "data": {"source": str(tmp_path / "data"), "schema": SCHEMA}},
+                                "run.toml")
+    assert train(cfg, progress=False)["examples"] == 50
+
+
 @pytest.mark.parametrize("toml, message", [
     ("ps = 3\n", r"\[ps\]: must be a table, got 3"),
     ("data = 3\n[ps]\ndim = 4\npath = 'p'\n", "data must be a table, got 3"),

@@ -491,6 +491,26 @@ def _one_pass(cfg: TrainConfig, rank: int, world: int):
                              skip_malformed=d.skip_malformed)
 
 
+def _check_job_outside_data(cfg: TrainConfig) -> None:
+    """Raises ValueError when [ps] path is inside a local data directory (data.source or
+    data.eval_source) under names that directory's listing takes (none starting with "."
+    or "_"): a directory gives its files at every depth, so a resumed run would list the
+    job's own checkpoints among its data (and a growing directory would read them as the
+    run writes them)."""
+    job = os.path.realpath(cfg.ps.path)
+    for name in ("source", "eval_source"):
+        given = getattr(cfg.data, name)
+        for path in given if isinstance(given, (list, tuple)) else [given] if given else []:
+            path = os.fspath(path)
+            if path == "synthetic" or "://" in path or not os.path.isdir(path):
+                continue
+            inside = os.path.relpath(job, os.path.realpath(path)).split(os.sep)
+            if inside[0] != ".." and all(hdata.files._visible(part) for part in inside if part != "."):
+                raise ValueError(f"[ps] path {cfg.ps.path} is inside the data directory {path} (data.{name}), "
+                                 f"whose files are read at every depth: the run's checkpoints would be read "
+                                 f"as data; put the job elsewhere, or under a name starting with '.' or '_'")
+
+
 def _source_name(source) -> str:
     """[data] source or eval_source as a message names it (a path, a glob, or a list of them)."""
     return ", ".join(map(os.fspath, source)) if isinstance(source, (list, tuple)) else os.fspath(source)
@@ -1452,6 +1472,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise ValueError(f"[ps] ttl_steps = {cfg.ps.ttl_steps} and max_rows = {cfg.ps.max_rows}: bounded tables "
                          f"need schedule = 'sequential' (Herald's worker caches hold rows between batches)")
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
+    if train_batches is None:
+        _check_job_outside_data(cfg)
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \
         _collective(node, lambda: _train_source(cfg, rank, world))

@@ -109,15 +109,42 @@ def _wildcard_visible(pattern: str, match: str) -> bool:
                for part, name in pairs)
 
 
+def _walk(top: str) -> list[str]:
+    """The files under directory ``top`` at every depth (a partitioned data set's
+    day=.../part-0.parquet), in sorted order, which is its ``top/**`` glob's: names
+    starting with "." or "_" left out, directories too (_temporary/, .ipynb_checkpoints/).
+    Links are followed, as a glob follows them; a link to a directory that holds it
+    is a ValueError naming it (its files would repeat without end)."""
+    found: list[str] = []
+
+    def visit(directory: str, above: frozenset) -> None:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not _visible(entry.name):
+                    continue
+                if entry.is_dir():
+                    real = os.path.realpath(entry.path)
+                    if real in above:
+                        raise ValueError(f"{entry.path}: a link to {real}, a directory that holds it: the data "
+                                         f"files under it would be listed without end")
+                    visit(entry.path, above | {real})
+                elif entry.is_file():
+                    found.append(entry.path)
+
+    visit(top, frozenset({os.path.realpath(top)}))
+    return sorted(found)
+
+
 def _expand(path: str) -> list[str]:
     if _is_url(path):
         fs, p = _fsspec().core.url_to_fs(path)
         if _glob.has_magic(p):
             found = sorted(fs.unstrip_protocol(q) for q in fs.glob(p)
                            if _wildcard_visible(p, q) and not fs.isdir(q))
-        elif fs.isdir(p):
-            found = sorted(fs.unstrip_protocol(q) for q in fs.ls(p, detail=False)
-                           if _visible(q) and not fs.isdir(q))
+        elif fs.isdir(p):  # every depth, as _walk
+            top = p.rstrip("/")
+            found = sorted(fs.unstrip_protocol(q) for q in fs.find(p, withdirs=False)
+                           if all(_visible(name) for name in q[len(top):].strip("/").split("/")))
         elif fs.exists(p):
             return [path]
         else:
@@ -127,8 +154,7 @@ def _expand(path: str) -> list[str]:
         found = sorted(q for q in _glob.glob(path, recursive=True)
                        if _wildcard_visible(path.replace(os.sep, "/"), q.replace(os.sep, "/")) and os.path.isfile(q))
     elif os.path.isdir(path):
-        found = sorted(os.path.join(path, q) for q in os.listdir(path)
-                       if _visible(q) and os.path.isfile(os.path.join(path, q)))
+        found = _walk(path)
     elif os.path.isfile(path):
         return [path]
     else:
@@ -143,9 +169,11 @@ def list_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
     Globs and directories expand to their files in sorted order (so every node
     sees the same list); ``**`` in a glob matches any number of directories,
-    local or URL; a list keeps its order. Names starting with ``.`` or ``_``
-    (Spark's and Hadoop's ``_SUCCESS``, ``_committed_*``, ``.crc`` files,
-    ``_temporary/``) are left out of a directory and out of what a wildcard
+    local or URL; a directory gives its files at every depth, as ``DIR/**`` does
+    (a partitioned data set's ``day=.../part-0.parquet``); a list keeps its order.
+    Names starting with ``.`` or ``_`` (Spark's and Hadoop's ``_SUCCESS``,
+    ``_committed_*``, ``.crc`` files, ``_temporary/``, ``.ipynb_checkpoints/``)
+    are left out of a directory at every depth and out of what a wildcard
     matches (``out/*``, ``out/**/*.csv``), as pyarrow datasets leave them out; a
     file named as it is (``out/_SUCCESS``), or by a wildcard that starts with the
     same character (``out/_part-*``), is read. A file named twice (a directory and a
