@@ -121,6 +121,43 @@ def test_files_that_appear_during_the_run_are_read_whole_in_name_order(tmp_path)
     assert src.examples_read == sum(expected.values())
 
 
+def test_files_in_subdirectories_are_read_in_the_order_a_finite_directory_lists_them(tmp_path):
+    # A growing directory listed its top level alone: the files of a writer that puts
+    # them in partitions or buckets (Spark's day=.../part-0, Flink's 2026-01-01--12/)
+    # were never read, without a word, and the source ended at its idle time. Hidden
+    # names ("_spark_metadata/", Flink's ".part-1.inprogress") and temporary suffixes
+    # are left out at every depth, directories too.
+    from hps.data import list_files
+    from hps.data.online import owner
+    (tmp_path / "day=1").mkdir()
+    (tmp_path / "day=2" / "hour=3").mkdir(parents=True)
+    (tmp_path / "top.csv").write_text(HEADER + "".join(rows(10, 1)))
+    (tmp_path / "day=1" / "part-0.csv").write_text(HEADER + "".join(rows(20, 2)))
+    (tmp_path / "day=2" / "hour=3" / "part-0.csv").write_text(HEADER + "".join(rows(30, 3)))
+    names = ["day=1/part-0.csv", "day=2/hour=3/part-0.csv", "top.csv"]
+    assert [os.path.relpath(f, tmp_path) for f in list_files(tmp_path)] == names
+    for junk in ("_spark_metadata/0", "day=1/.part-1.csv.inprogress", "day=3.tmp/part-0.csv", "day=1/x.csv.tmp"):
+        (tmp_path / junk).parent.mkdir(exist_ok=True)
+        (tmp_path / junk).write_text("not,a,csv,file,at,all\n")
+    (tmp_path / "_DONE").write_text("")
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05)
+    assert sum(len(b) for b in src) == 60
+    assert [os.path.relpath(f, tmp_path) for f in src.files_read] == names
+    # Shared between ranks by the name in the directory (two files are part-0.csv).
+    assert owner("day=1/part-0.csv", 2) != owner("day=2/hour=3/part-0.csv", 2)  # (blake2b of these names)
+    read = []
+    for rank in (0, 1):
+        part = GrowingDirectory(tmp_path, csv_reader, poll=0.05, rank=rank, world=2)
+        assert sum(len(b) for b in part) == sum(n for f, n in zip(names, (20, 30, 10)) if owner(f, 2) == rank)
+        read += [os.path.relpath(f, tmp_path) for f in part.files_read]
+    assert sorted(read) == names
+    # A resumed run replays the names files_read gave, subdirectories and all.
+    again = GrowingDirectory(tmp_path, csv_reader, poll=0.05)
+    again.replay([src.name(f) for f in src.files_read][::-1])
+    assert sum(len(b) for b in again) == 60
+    assert [os.path.relpath(f, tmp_path) for f in again.files_read] == names[::-1]
+
+
 def test_stop_conditions_marker_examples_idle(tmp_path):
     (tmp_path / "a.csv").write_text(HEADER + "".join(rows(30, 4)))
     (tmp_path / "b.csv").write_text(HEADER + "".join(rows(30, 5)))

@@ -848,7 +848,7 @@ class Trainer:
             rank, world = (self.node.rank, self.node.size) if self.node is not None else (0, 1)
             state["data_files"] = {"rank": rank, "world": world, "files": list(self.data_files)}
         if self.online_source is not None:  # (read ahead of this batch too: replayed in the same order)
-            state["online_files"] = [os.path.basename(p) for p in list(self.online_source.files_read)]
+            state["online_files"] = [self.online_source.name(p) for p in list(self.online_source.files_read)]
         if self.admission.enabled:  # the sketch's counters: a resumed run admits as this one would
             state["admission"] = self.admission.state_dict()
         buf = io.BytesIO()

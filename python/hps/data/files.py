@@ -17,7 +17,7 @@ import os
 import re
 import warnings
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -112,27 +112,41 @@ def _wildcard_visible(pattern: str, match: str) -> bool:
 def _walk(top: str) -> list[str]:
     """The files under directory ``top`` at every depth (a partitioned data set's
     day=.../part-0.parquet), in sorted order, which is its ``top/**`` glob's: names
-    starting with "." or "_" left out, directories too (_temporary/, .ipynb_checkpoints/).
-    Links are followed, as a glob follows them; a link to a directory that holds it
-    is a ValueError naming it (its files would repeat without end)."""
-    found: list[str] = []
+    starting with "." or "_" left out, directories too (_temporary/, .ipynb_checkpoints/)."""
+    return sorted(entry.path for _, entry in _walk_entries(top, _visible))
 
-    def visit(directory: str, above: frozenset) -> None:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if not _visible(entry.name):
-                    continue
+
+def _walk_entries(top: str, keep: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry]]:
+    """(name under ``top``, names joined by "/"; its os.DirEntry) of each file under
+    directory ``top`` at every depth, where ``keep`` takes the file's name and each of
+    its directories'. Links are followed, as a glob follows them; a link to a directory
+    that holds it is a ValueError naming it (its files would repeat without end). A
+    directory below ``top`` that is gone by the time it is listed is passed over (a
+    growing directory's writer may remove its own); ``top``'s own listing raises OSError."""
+    def visit(directory: str, prefix: str, above: frozenset):
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except FileNotFoundError:
+            if not prefix:
+                raise
+            return
+        for entry in entries:
+            if not keep(entry.name):
+                continue
+            try:
                 if entry.is_dir():
                     real = os.path.realpath(entry.path)
                     if real in above:
                         raise ValueError(f"{entry.path}: a link to {real}, a directory that holds it: the data "
                                          f"files under it would be listed without end")
-                    visit(entry.path, above | {real})
+                    yield from visit(entry.path, prefix + entry.name + "/", above | {real})
                 elif entry.is_file():
-                    found.append(entry.path)
+                    yield prefix + entry.name, entry
+            except FileNotFoundError:  # (removed since the listing)
+                continue
 
-    visit(top, frozenset({os.path.realpath(top)}))
-    return sorted(found)
+    yield from visit(top, "", frozenset({os.path.realpath(top)}))
 
 
 def _expand(path: str) -> list[str]:

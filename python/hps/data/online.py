@@ -4,11 +4,17 @@ A writer drops files into a directory while the trainer runs; each new file is
 read once, whole, through the reader its kind takes (Criteo TSV/Parquet, or a
 schema's CSV/Parquet/libsvm), and training goes on until a stop condition.
 
+Which files. Those at every depth, as a finite directory lists them
+(:func:`hps.data.list_files`): a writer's partitions or buckets (``day=1/part-0.csv``)
+too. A file's *name* is its path under the directory ("day=1/part-0.csv"): what
+files are ordered, shared between ranks and replayed by.
+
 When a file is taken (the half-written rule). A file is *ready* when its name
-is visible (no leading ``.`` or ``_``: ``_SUCCESS`` and the marker are not data),
-does not end in a temporary suffix (:data:`TEMPORARY_SUFFIXES`: ``.tmp``,
-``.part``, ``.partial``, ``.inprogress``, ``.crdownload``, ``.copying``), and its
-size and modification time are the same in two polls in a row. Writers should
+and its directories' are visible (no leading ``.`` or ``_``: ``_SUCCESS``, the
+marker, ``_spark_metadata/`` are not data), none ends in a temporary suffix
+(:data:`TEMPORARY_SUFFIXES`: ``.tmp``, ``.part``, ``.partial``, ``.inprogress``,
+``.crdownload``, ``.copying``), and its size and modification time are the same
+in two polls in a row. Writers should
 write under a temporary suffix (or a dot name) and rename when done; the size
 rule only catches a writer that pauses no longer than a poll interval.
 
@@ -49,7 +55,7 @@ import warnings
 from typing import Callable, Iterator, Optional
 
 from hps.data.examples import Batch
-from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, _Reader, _visible
+from hps.data.files import MAX_MALFORMED_EXAMPLES, DataError, _Reader, _visible, _walk_entries
 
 import numpy as np
 
@@ -131,22 +137,24 @@ class GrowingDirectory:
         self._replay: list = []  # replay(): names a run before this one read, in its order
 
     def _scan(self) -> dict:
+        """name -> (size, mtime_ns) of the candidate files at every depth, by their names
+        under the directory ("day=1/part-0.csv"), as a finite directory lists them."""
         out = {}
         try:
-            entries = list(os.scandir(self.directory))
+            for name, entry in _walk_entries(self.directory, _candidate):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:  # renamed or removed since the listing
+                    continue
+                out[name] = (st.st_size, st.st_mtime_ns)
         except OSError as e:
             raise DataError(f"online data: cannot list {self.directory}: {e}", path=self.directory) from e
-        for entry in entries:
-            if not _candidate(entry.name):
-                continue
-            try:
-                if not entry.is_file():
-                    continue
-                st = entry.stat()
-            except FileNotFoundError:  # renamed or removed since the listing
-                continue
-            out[entry.name] = (st.st_size, st.st_mtime_ns)
         return out
+
+    def name(self, path: str) -> str:
+        """A file's name in the directory, the one ranks share files by and replay()
+        takes: its path under the directory, names joined by "/" ("day=1/part-0.csv")."""
+        return os.path.relpath(path, self.directory).replace(os.sep, "/")
 
     def _marked(self) -> bool:
         return self.marker is not None and os.path.exists(os.path.join(self.directory, self.marker))
@@ -229,7 +237,7 @@ class GrowingDirectory:
         ranks without an error. Collective: every rank of ``node`` (a
         hps.distributed Node) calls it, after widths()."""
         first = self.first_file()
-        names = node.allgather("train", None if first is None else os.path.basename(first),
+        names = node.allgather("train", None if first is None else self.name(first),
                                "the online data's first file")
         if names[0] is not None:
             self._reference = os.path.join(self.directory, names[0])
@@ -267,14 +275,14 @@ class GrowingDirectory:
         files = _chain_first(earlier, (p for p in self._files() if p not in earlier))
         replayed = set(earlier[:len(self._replay)])
         for path in files:
-            if owner(os.path.basename(path), self.world) != self.rank:
+            name = self.name(path)
+            if owner(name, self.world) != self.rank:
                 continue
             if path in replayed and not os.path.exists(path):
                 raise DataError(f"{path}: read before the checkpoint this run resumes from, and gone since: the "
                                 f"resumed run cannot skip the examples done (it needs the files read so far, "
                                 f"unchanged)", path=path)
             self.files_read.append(path)
-            name = os.path.basename(path)
             opened = self._stat(path)
             if opened is not None:
                 self._read_stats[name] = opened
