@@ -290,6 +290,36 @@ def test_an_empty_csv_file_in_a_growing_directory_warns_and_the_others_are_read(
         assert sum(len(b) for b in src) == 20
     assert [os.path.basename(f) for f in src.files_read] == ["a.csv", empty.name, "c.csv"]
 
+def test_an_empty_first_file_does_not_shape_the_model_the_first_file_with_fields_does(tmp_path):
+    # widths() took the model's shape from the first file ready, and a file without a
+    # byte (an empty partition's part, first in name order or first written) has no
+    # fields: "the data holds no examples (1 file(s), each empty)", and the run ended,
+    # where the next file would have shaped it. It now waits for a file with fields.
+    from hps.data import EmptyFileWarning
+    (tmp_path / "a.csv").write_bytes(b"")
+    src = GrowingDirectory(tmp_path, csv_reader, poll=0.05, idle=None)
+
+    def writer():
+        time.sleep(0.3)
+        (tmp_path / "b.csv").write_text(HEADER + "".join(rows(10, 1)))
+        (tmp_path / "_DONE").write_text("")
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert src.widths() == (1, 1, 1)
+    finally:
+        t.join()
+    assert src.widths_file() == str(tmp_path / "b.csv")
+    with pytest.warns(EmptyFileWarning, match=re.escape(str(tmp_path / "a.csv"))):
+        assert sum(len(b) for b in src) == 10
+    assert [os.path.basename(f) for f in src.files_read] == ["a.csv", "b.csv"]
+    # Empty files alone until the stop condition: named as such.
+    os.remove(tmp_path / "b.csv")
+    with pytest.raises(DataError, match=r"the online data gave no file with data before the stop condition "
+                                        r"\(1 file\(s\) read, each empty\): no fields to take the model's shape from"):
+        GrowingDirectory(tmp_path, csv_reader, poll=0.05).widths()
+
+
 def test_a_file_of_other_fields_is_a_data_error_naming_it_and_the_first_file(tmp_path):
     # Each file has a reader of its own, which checks only its one file: with categorical =
     # "rest" a file of one more column reached the model as keys of another width ("keys

@@ -42,9 +42,10 @@ seconds pass with no new ready file and no file appearing or changing (a
 file seen but not yet ready is waited for); ``examples`` examples were read (the last
 batch is cut to that number). A file's batches never span two files.
 
-Every file must give the fields of the first one (the file :meth:`GrowingDirectory.widths`
-shaped the model by; under mpiexec rank 0's, :meth:`GrowingDirectory.agree`), as in a finite
-data set: one that does not is a DataError naming it.
+Every file must give the fields of the first one with fields (the file
+:meth:`GrowingDirectory.widths` shaped the model by, waiting past files without a byte;
+under mpiexec rank 0's, :meth:`GrowingDirectory.agree`), as in a finite data set: one that
+does not is a DataError naming it.
 """
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ class GrowingDirectory:
         self._read_stats: dict = {}  # name -> (size, mtime_ns) when this rank's reader opened it
         self._fields: Optional[tuple] = None
         self._first: Optional[str] = None
+        self._early: list = []  # the files first_file() took, the last of them _first
         self._reference: Optional[str] = None  # agree(): the file every rank's files are held to
         self._replay: list = []  # replay(): names a run before this one read, in its order
 
@@ -212,10 +214,23 @@ class GrowingDirectory:
         return st.st_size, st.st_mtime_ns
 
     def first_file(self) -> Optional[str]:
-        """The first file that becomes ready (waiting for it, up to the stop
-        condition), kept for the pass that follows; None when the source ends first."""
+        """The first file that becomes ready and gives fields (waiting for it, up to the
+        stop condition): the one the model's shape is taken from. A file without a byte
+        (an empty partition's part) has none, and the next is waited for; with readers
+        of fixed fields (Criteo's, which have no ``fields()``), the first file. The files
+        taken are kept for the pass that follows; None when the source ends first."""
         if self._first is None:
-            self._first = next(self._files(), None)
+            self._early = []
+            files = self._files()
+            try:
+                for path in files:
+                    self._early.append(path)
+                    fields = getattr(self._reader(path), "fields", None)
+                    if fields is None or fields() is not None:
+                        self._first = path
+                        break
+            finally:
+                files.close()
         return self._first
 
     def replay(self, names) -> None:
@@ -245,6 +260,10 @@ class GrowingDirectory:
     def widths(self) -> tuple:
         """(dense, single-hot, multi-hot) fields of the first file's reader (waiting for it)."""
         first = self.first_file()
+        if first is None and self._early:
+            raise DataError(f"{self.directory}: the online data gave no file with data before the stop condition "
+                            f"({len(self._early)} file(s) read, each empty): no fields to take the model's shape "
+                            f"from", path=self.directory)
         if first is None:
             raise FileNotFoundError(f"online data: no file appeared in {self.directory} before the stop condition")
         reader = self._reader(first)
@@ -268,10 +287,10 @@ class GrowingDirectory:
         self.malformed, self.malformed_examples = 0, []
         self.changed_after_read, self._read_stats = [], {}
         self._fields = None  # (path, fields) of the pass's first file (_check_fields)
-        # The files a run before read (replay()), then the one widths() found, then whatever follows.
+        # The files a run before read (replay()), then those first_file() took (any without
+        # fields, then the one widths() shaped the model by), then whatever follows.
         earlier = [os.path.join(self.directory, n) for n in self._replay]
-        if self._first is not None and self._first not in earlier:
-            earlier.append(self._first)
+        earlier += [p for p in self._early if p not in earlier]
         files = _chain_first(earlier, (p for p in self._files() if p not in earlier))
         replayed = set(earlier[:len(self._replay)])
         for path in files:
