@@ -411,6 +411,28 @@ def test_eval_data_with_the_columns_in_another_order_is_refused_before_training(
                             f"'os'], multi-hot [])")
     assert not (tmp_path / "ps").exists()
 
+def test_eval_data_is_held_to_the_fields_of_a_growing_directory_too(tmp_path):
+    # The held-out fields were compared with a finite data set's (above), not with a
+    # growing directory's, which had no fields(): eval.csv's os values were scored as
+    # the site field the online run trained.
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_text("click,price,site,os\n" + "1,2,s1,ios\n0,3,s2,and\n" * 10)
+    (tmp_path / "in" / "_DONE").write_text("")
+    (tmp_path / "eval.csv").write_text("click,price,os,site\n" + "1,2,ios,s1\n0,3,and,s2\n" * 10)
+    schema = {"label": "click", "dense": ["price"], "categorical": "rest"}
+    cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "ps")}, "torch_threads": 1,
+                                 "online": True, "data": {"source": str(tmp_path / "in"), "online_poll": 0.05,
+                                                          "eval_source": str(tmp_path / "eval.csv"),
+                                                          "schema": schema}})
+    with pytest.raises(ValueError) as e:
+        train(cfg, progress=False)
+    assert str(e.value) == (f"{tmp_path / 'eval.csv'}: the schema gives other fields here than in the training "
+                            f"data's {tmp_path / 'in' / 'a.csv'} (label 'click', dense ['price'], categorical ['os', "
+                            f"'site'], multi-hot [] against label 'click', dense ['price'], categorical ['site', "
+                            f"'os'], multi-hot [])")
+    assert not (tmp_path / "ps").exists()
+
+
 def test_hps_train_on_synthetic_multi_hot_fields(tmp_path):
     cfg = TrainConfig.from_dict({
         "ps": {"dim": DIM, "path": str(tmp_path / "ps"), "mem_budget": "16MiB"},

@@ -1075,7 +1075,8 @@ def _check_same_field_names(node: Node, source) -> None:
     many fields their data give (_different_fields): a rank whose files have the columns
     in another order (site, os against os, site) trained one column's values as another's
     field, without a word. Raises on every rank, naming both ranks' first files. (Criteo's
-    fields are fixed; a growing directory holds every rank's files to rank 0's first.)"""
+    fields are fixed; a growing directory's are its first file's with fields, and agree()
+    then holds every rank's files to rank 0's.)"""
     def names():
         fields = getattr(source, "fields", None)
         got = fields() if callable(fields) else None  # (the first file with data's)

@@ -45,7 +45,8 @@ batch is cut to that number). A file's batches never span two files.
 Every file must give the fields of the first one with fields (the file
 :meth:`GrowingDirectory.widths` shaped the model by, waiting past files without a byte;
 under mpiexec rank 0's, :meth:`GrowingDirectory.agree`), as in a finite data set: one that
-does not is a DataError naming it.
+does not is a DataError naming it. :meth:`GrowingDirectory.fields` gives them, to which
+``hps train`` holds the held-out data.
 """
 from __future__ import annotations
 
@@ -269,6 +270,15 @@ class GrowingDirectory:
         reader = self._reader(first)
         widths = getattr(reader, "widths", None)
         return widths() if widths is not None else (13, 26, 0)
+
+    def fields(self) -> Optional[tuple]:
+        """The fields every file must give (a schema reader's ``fields()``): those of the
+        file the model's shape is taken from (under mpiexec rank 0's, :meth:`agree`), to
+        which held-out data is held as a finite data set's are; None for readers of fixed
+        fields (Criteo's) or when no file came."""
+        reference = self._reference or self.first_file()
+        fields = None if reference is None else getattr(self._reader(reference), "fields", None)
+        return fields() if fields is not None else None
 
     def widths_file(self) -> Optional[str]:
         """The file :meth:`widths` takes the model's shape from: :meth:`first_file`."""
