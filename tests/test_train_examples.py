@@ -139,6 +139,25 @@ def test_resume_refuses_data_files_not_in_the_order_the_run_read_them(capsys, tm
     assert (f"--resume: the data files are not those the run resumed from read, in its order: file 2 is "
             f"{data / 'day2.tsv'} here, {moved / 'day3.tsv'} there") in err, err  # (the last run read them there)
 
+def test_resume_holds_a_partitioned_data_set_to_its_files_paths_under_the_directory(capsys, tmp_path):
+    # A partitioned set repeats base names (day=1/part-0, day=3/part-0): a partition added
+    # before one read moves the examples as a file would, and is refused by its path.
+    files = TOML.replace("vocab_sizes = [50, 200, 1000, 5000]\n", "")
+    data = tmp_path / "data"
+    gen = hdata.SyntheticCriteo(seed=3, batch_size=500)
+    for day in ("day=1", "day=3"):
+        (data / day).mkdir(parents=True)
+        gen.write_tsv(str(data / day / "part-0.tsv"), 1000)
+    big = ("--mem-budget", "4MiB", "--batch-size", "500", "--data", str(data))
+    rc, line, err = run(capsys, tmp_path, "--examples", "1500", *big, toml=files)
+    assert rc == 0, err
+    (data / "day=2").mkdir()
+    gen.write_tsv(str(data / "day=2" / "part-0.tsv"), 1000)
+    rc, line, err = run(capsys, tmp_path, "--examples", "2000", "--resume", *big, toml=files)
+    assert rc == 2
+    assert (f"file 2 is {data / 'day=2' / 'part-0.tsv'} here, {data / 'day=3' / 'part-0.tsv'} there") in err, err
+
+
 def test_resuming_a_finished_run_says_so_and_changes_nothing(capsys, tmp_path):
     rc, first, err = run(capsys, tmp_path, "--examples", "2000")
     assert rc == 0, err

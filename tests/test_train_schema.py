@@ -724,6 +724,28 @@ def test_hps_train_refuses_a_ps_path_inside_a_data_directory(tmp_path):
     assert train(cfg, progress=False)["examples"] == 50
 
 
+def test_hps_train_refuses_held_out_data_inside_the_training_data_directory(tmp_path):
+    # The training directory's listing takes data/eval/ too: its examples would be
+    # trained on, and the evaluations would score what the model was fitted to.
+    (tmp_path / "data" / "eval").mkdir(parents=True)
+    write_csv(tmp_path / "data" / "train.csv", 50, 2)
+    write_csv(tmp_path / "data" / "eval" / "held.csv", 50, 3)
+    for held in (tmp_path / "data" / "eval", tmp_path / "data" / "eval" / "held.csv"):
+        cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "run")}, "torch_threads": 1,
+                                     "data": {"source": str(tmp_path / "data"), "schema": SCHEMA,
+                                              "eval_source": str(held)}}, "run.toml")
+        with pytest.raises(ValueError, match=rf"data.eval_source {re.escape(str(held))} is inside the training "
+                                             rf"data directory {re.escape(str(tmp_path / 'data'))}"):
+            train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "data" / "eval").rename(tmp_path / "data" / "_eval")  # a name the listing leaves out
+    cfg = TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "run")}, "torch_threads": 1,
+                                 "hidden": [8], "data": {"source": str(tmp_path / "data"), "schema": SCHEMA,
+                                                         "eval_source": str(tmp_path / "data" / "_eval")}},
+                                "run.toml")
+    assert train(cfg, progress=False)["examples"] == 50
+
+
 @pytest.mark.parametrize("toml, message", [
     ("ps = 3\n", r"\[ps\]: must be a table, got 3"),
     ("data = 3\n[ps]\ndim = 4\npath = 'p'\n", "data must be a table, got 3"),

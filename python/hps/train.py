@@ -496,19 +496,39 @@ def _check_job_outside_data(cfg: TrainConfig) -> None:
     data.eval_source) under names that directory's listing takes (none starting with "."
     or "_"): a directory gives its files at every depth, so a resumed run would list the
     job's own checkpoints among its data (and a growing directory would read them as the
-    run writes them)."""
+    run writes them). So is held-out data inside the training data's directory."""
     job = os.path.realpath(cfg.ps.path)
     for name in ("source", "eval_source"):
-        given = getattr(cfg.data, name)
-        for path in given if isinstance(given, (list, tuple)) else [given] if given else []:
-            path = os.fspath(path)
-            if path == "synthetic" or "://" in path or not os.path.isdir(path):
-                continue
-            inside = os.path.relpath(job, os.path.realpath(path)).split(os.sep)
-            if inside[0] != ".." and all(hdata.files._visible(part) for part in inside if part != "."):
+        for path in _local_dirs(getattr(cfg.data, name)):
+            if _listed_under(job, path):
                 raise ValueError(f"[ps] path {cfg.ps.path} is inside the data directory {path} (data.{name}), "
                                  f"whose files are read at every depth: the run's checkpoints would be read "
                                  f"as data; put the job elsewhere, or under a name starting with '.' or '_'")
+    # Held-out data the training data's listing takes (data/eval/ under data/) would be
+    # trained on, and the evaluations would score examples the model was fitted to.
+    evals = cfg.data.eval_source if isinstance(cfg.data.eval_source, (list, tuple)) else \
+        [cfg.data.eval_source] if cfg.data.eval_source else []
+    for held in (os.fspath(e) for e in evals):
+        if "://" in held or not os.path.exists(held):
+            continue
+        for path in _local_dirs(cfg.data.source):
+            if _listed_under(os.path.realpath(held), path):
+                raise ValueError(f"data.eval_source {held} is inside the training data directory {path} "
+                                 f"(data.source), whose files are read at every depth: the held-out examples "
+                                 f"would be trained on; move them out, or under a name starting with '.' or '_'")
+
+
+def _local_dirs(given) -> list:
+    """The local directories among [data] source or eval_source (a path or a list)."""
+    paths = given if isinstance(given, (list, tuple)) else [given] if given else []
+    return [p for p in map(os.fspath, paths) if p != "synthetic" and "://" not in p and os.path.isdir(p)]
+
+
+def _listed_under(path: str, directory: str) -> bool:
+    """Whether `path` (real) lies under `directory` by names its listing takes (none
+    starting with "." or "_")."""
+    inside = os.path.relpath(path, os.path.realpath(directory)).split(os.sep)
+    return inside[0] != ".." and all(hdata.files._visible(part) for part in inside if part != ".")
 
 
 def _source_name(source) -> str:
@@ -1473,8 +1493,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise ValueError(f"[ps] ttl_steps = {cfg.ps.ttl_steps} and max_rows = {cfg.ps.max_rows}: bounded tables "
                          f"need schedule = 'sequential' (Herald's worker caches hold rows between batches)")
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
-    if train_batches is None:
-        _check_job_outside_data(cfg)
+    if train_batches is None:  # (every rank: one machine alone may hold the directories so)
+        _collective(node, lambda: _check_job_outside_data(cfg))
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \
         _collective(node, lambda: _train_source(cfg, rank, world))
@@ -1564,9 +1584,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise
 
 
-def _file_name(path: str) -> str:
-    """A data file's name (a URL's whole: it names no local directory)."""
-    return path if "://" in path else os.path.basename(path)
+def _file_names(paths: list) -> list:
+    """Data files' names where they lie: local files by their paths under the
+    directory the list has in common (a partitioned set repeats base names:
+    day=1/part-0, day=2/part-0), URLs whole (they name no local directory)."""
+    local = [p for p in paths if "://" not in p]
+    root = (os.path.commonpath(local) if len(local) > 1 else os.path.dirname(local[0])) if local else ""
+    return [p if "://" in p else os.path.relpath(p, root) for p in paths]
 
 
 def _check_resumed_files(cfg: TrainConfig, trainer: Trainer) -> None:
@@ -1581,9 +1605,10 @@ def _check_resumed_files(cfg: TrainConfig, trainer: Trainer) -> None:
     if not trainer.examples_done or before is None or (before["rank"], before["world"]) != (rank, world):
         return
     was, now = before["files"], trainer.data_files
-    # By name: a data set moved or copied elsewhere (another disk, another machine)
-    # resumes as it was; its files' order is what the examples done depend on.
-    names_was, names_now = [_file_name(f) for f in was], [_file_name(f) for f in now]
+    # By name under the files' common directory: a data set moved or copied elsewhere
+    # (another disk, another machine) resumes as it was; its files' order is what the
+    # examples done depend on.
+    names_was, names_now = _file_names(was), _file_names(now)
     d = cfg.data
     appended = d.epochs == 1 and not d.shuffle_buffer  # (more files after: the examples done come first)
     if names_now == names_was or (appended and names_now[:len(was)] == names_was):
