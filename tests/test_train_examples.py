@@ -148,14 +148,20 @@ def test_resume_holds_a_partitioned_data_set_to_its_files_paths_under_the_direct
     for day in ("day=1", "day=3"):
         (data / day).mkdir(parents=True)
         gen.write_tsv(str(data / day / "part-0.tsv"), 1000)
-    big = ("--mem-budget", "4MiB", "--batch-size", "500", "--data", str(data))
-    rc, line, err = run(capsys, tmp_path, "--examples", "1500", *big, toml=files)
+    gen.write_tsv(str(data / "day=1" / "part-1.tsv"), 1000)
+    big = ("--mem-budget", "4MiB", "--batch-size", "500", "--data", str(data / "day=1"))
+    rc, line, err = run(capsys, tmp_path, "--examples", "500", *big, toml=files)
     assert rc == 0, err
+    # The whole set now, day=1 still first: the files read come first, by their paths.
+    big = big[:-1] + (str(data),)
+    rc, line, err = run(capsys, tmp_path, "--examples", "1500", "--resume", *big, toml=files)
+    assert rc == 0, err
+    assert line["final"]["examples"] == 1500 and line["pipeline"]["examples"] == 1000
     (data / "day=2").mkdir()
     gen.write_tsv(str(data / "day=2" / "part-0.tsv"), 1000)
     rc, line, err = run(capsys, tmp_path, "--examples", "2000", "--resume", *big, toml=files)
     assert rc == 2
-    assert (f"file 2 is {data / 'day=2' / 'part-0.tsv'} here, {data / 'day=3' / 'part-0.tsv'} there") in err, err
+    assert (f"file 3 is {data / 'day=2' / 'part-0.tsv'} here, {data / 'day=3' / 'part-0.tsv'} there") in err, err
 
 
 def test_resuming_a_finished_run_says_so_and_changes_nothing(capsys, tmp_path):

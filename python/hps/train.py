@@ -1584,13 +1584,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise
 
 
-def _file_names(paths: list) -> list:
-    """Data files' names where they lie: local files by their paths under the
-    directory the list has in common (a partitioned set repeats base names:
-    day=1/part-0, day=2/part-0), URLs whole (they name no local directory)."""
+def _name_depth(paths: list) -> int:
+    """How many path components name the local files of a list apart: their depth
+    under the directory they have in common (1 for a single file)."""
     local = [p for p in paths if "://" not in p]
-    root = (os.path.commonpath(local) if len(local) > 1 else os.path.dirname(local[0])) if local else ""
-    return [p if "://" in p else os.path.relpath(p, root) for p in paths]
+    if len(local) < 2:
+        return 1
+    root = os.path.commonpath(local)
+    return max(len(os.path.relpath(p, root).split(os.sep)) for p in local)
+
+
+def _file_names(paths: list, depth: int) -> list:
+    """Data files' names where they lie: local files by their last `depth` path
+    components (a partitioned set repeats base names: day=1/part-0, day=2/part-0),
+    URLs whole (they name no local directory)."""
+    return [p if "://" in p else "/".join(p.split(os.sep)[-depth:]) for p in paths]
 
 
 def _check_resumed_files(cfg: TrainConfig, trainer: Trainer) -> None:
@@ -1608,7 +1616,8 @@ def _check_resumed_files(cfg: TrainConfig, trainer: Trainer) -> None:
     # By name under the files' common directory: a data set moved or copied elsewhere
     # (another disk, another machine) resumes as it was; its files' order is what the
     # examples done depend on.
-    names_was, names_now = _file_names(was), _file_names(now)
+    depth = max(_name_depth(was), _name_depth(now))  # (a partition added deepens the list's root)
+    names_was, names_now = _file_names(was, depth), _file_names(now, depth)
     d = cfg.data
     appended = d.epochs == 1 and not d.shuffle_buffer  # (more files after: the examples done come first)
     if names_now == names_was or (appended and names_now[:len(was)] == names_was):
