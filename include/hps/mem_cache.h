@@ -288,7 +288,12 @@ class MemCache {
   // without a window (a cost bound, not a tuned rule: on W3's tuning Zipf
   // trace at 1% a limit of 256 often met only window rows and kept 0.976 of
   // Belady at K = 4, 4096 kept 0.995), and an Access with one hashes its own
-  // keys once. The first forced eviction after each change of the window
+  // keys once. Outside Access, a walk skips the candidates that an earlier
+  // walk under the same window passed over whole, where the policy can tell
+  // (tinylfu-lfu: its rows of one estimate, until a row enters them): a
+  // shard whose coldest rows are all in the window walks them once a
+  // window, not once an eviction (it evicts alike). The first forced
+  // eviction after each change of the window
   // (set, push, pop or slide: the positions changed) lists the shard's rows
   // (O(shard)); later ones take theirs from that list, kept as rows enter
   // the order, in amortized O(log shard) (plus the Access call's own keys

@@ -690,6 +690,42 @@ class TinyLfuLfu final : public CachePolicy {
     lists_.Remove(bucket_[slot], slot);
     lists_.PushFront(bucket_[slot], slot);
   }
+  // ForEachCandidate, bucket by bucket: a bucket is a run (Defer moves a row
+  // to its front, so deferring a whole bucket from its back on leaves it as
+  // it was). Passed whole, a bucket is marked for the epoch until a row
+  // enters it (Push): rows leaving it or moving in it leave the rest passed.
+  Walk WalkCandidates(uint32_t limit, uint64_t epoch, const std::function<bool(uint32_t)>& visit) override {
+    BuildOrder();
+    if (epoch != 0 && epoch != passed_epoch_) {
+      std::fill(std::begin(passed_), std::end(passed_), 0);
+      passed_epoch_ = epoch;
+    }
+    Walk walk;
+    uint32_t left = limit;
+    for (int word = 0; word < kWords; ++word) {
+      for (uint64_t bits = occupied_[word]; bits != 0; bits &= bits - 1) {
+        if (left == 0) return walk;
+        const int b = word * 64 + __builtin_ctzll(bits);
+        const uint32_t size = lists_.size(b);
+        const uint64_t mark = uint64_t{1} << (b % 64);
+        if (epoch != 0 && (passed_[b / 64] & mark) != 0 && size <= left) {
+          walk.skipped += size;
+          left -= size;
+          continue;
+        }
+        uint32_t visited = 0;
+        for (uint32_t slot = lists_.Back(b); slot != kNoSlot && left > 0; slot = lists_.Prev(slot)) {
+          --left;
+          ++visited;
+          if (!visit(slot)) return walk;
+        }
+        if (visited < size) return walk;  // cut short by the limit
+        walk.whole += size;  // every run visited before this one was passed whole too
+        if (epoch != 0) passed_[b / 64] |= mark;
+      }
+    }
+    return walk;
+  }
 
  private:
   // Estimates are at most 255, so the LFU order is a bucket per estimate,
@@ -703,6 +739,7 @@ class TinyLfuLfu final : public CachePolicy {
   }
   void Push(uint32_t slot, uint32_t estimate) {
     const int b = static_cast<int>(std::min<uint32_t>(estimate, kBuckets - 1));
+    passed_[b / 64] &= ~(uint64_t{1} << (b % 64));  // a row enters: WalkCandidates must visit b again
     lists_.PushFront(b, slot);
     bucket_[slot] = static_cast<uint8_t>(b);
     occupied_[b / 64] |= uint64_t{1} << (b % 64);
@@ -731,6 +768,9 @@ class TinyLfuLfu final : public CachePolicy {
   HistorySketch sketch_;
   DeferredOrder deferred_;
   uint64_t occupied_[kWords] = {0, 0, 0, 0};
+  // WalkCandidates's marks: the buckets a walk of passed_epoch_ passed whole, no row entered since.
+  uint64_t passed_[kWords] = {0, 0, 0, 0};
+  uint64_t passed_epoch_ = 0;
 };
 
 }  // namespace

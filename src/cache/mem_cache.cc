@@ -391,6 +391,9 @@ struct Shard {
   std::unique_ptr<CachePolicy> policy;
   Window window;  // the keys of the coming batches that hash here (SetLookahead, PushLookahead)
   uint32_t window_head = kFirstPosition;  // the position of the window's first key (all shards')
+  // Changes with every change of the window: the policy's walk may skip the
+  // runs a walk of the same epoch passed over (CachePolicy::WalkCandidates).
+  uint64_t window_epoch = 1;
   // The sliding window's batches in this shard (see SlideEntry): guarded by
   // lookahead_mutex_ alone (only calls that change the window use them).
   SlideEntries entries;               // the batches' entries in a row
@@ -985,6 +988,7 @@ class ShardedCache final : public MemCache {
         shard.window.swap(windows[s]);
         shard.window_head = kFirstPosition;
         shard.lookahead = false;
+        ++shard.window_epoch;
         DropBeyond(shard);
         std::swap(shard.beyond, dropped[s]);  // no window, no forced eviction: its room goes
         shard.passed.swap(passed[s]);
@@ -1164,6 +1168,7 @@ class ShardedCache final : public MemCache {
       }
       shard.window_head = new_head;
       shard.lookahead = true;
+      ++shard.window_epoch;
       DropBeyond(shard);  // ranked by the old positions: rebuilt at the next forced eviction
     }
     for (size_t s = 0; s < shards_.size(); ++s) {  // the old tables and the leaving entries go, outside the locks
@@ -1430,18 +1435,32 @@ class ShardedCache final : public MemCache {
     } scan{shard, call};
     shard.passed.clear();
     // One pointer captured: the std::function holds it without allocating.
-    shard.policy->ForEachCandidate(kLookaheadScan, [s = &scan](uint32_t slot) { return s->Visit(slot); });
-    if (scan.seen == 0) return kNoSlot;
-    if (scan.spare != kNoSlot && scan.seen == 1) return shard.policy->Evict();  // the policy's victim, its own way
+    const std::function<bool(uint32_t)> visit = [s = &scan](uint32_t slot) { return s->Visit(slot); };
+    // An Access call's own keys change as it goes: its walks promise nothing.
+    CachePolicy::Walk walk = shard.policy->WalkCandidates(kLookaheadScan, call ? 0 : shard.window_epoch, visit);
+    if (scan.spare == kNoSlot && walk.skipped > 0) {
+      // Every row is in the window, and those skipped may hold the one needed
+      // latest: the walk again, each row visited (rare: the cache holds
+      // little but the window's rows).
+      scan.seen = 0;
+      scan.spare = scan.latest = kNoSlot;
+      scan.latest_rank = 0;
+      shard.passed.clear();
+      walk = shard.policy->WalkCandidates(kLookaheadScan, 0, visit);
+    }
+    const uint32_t seen = scan.seen + walk.skipped;
+    if (seen == 0) return kNoSlot;
+    if (scan.spare != kNoSlot && seen == 1) return shard.policy->Evict();  // the policy's victim, its own way
     uint32_t slot = scan.spare != kNoSlot ? scan.spare : scan.latest;
-    if (scan.spare == kNoSlot && scan.seen == kLookaheadScan) {  // rows may lie past the scan: look at them all
+    if (scan.spare == kNoSlot && seen == kLookaheadScan) {  // rows may lie past the scan: look at them all
       const uint32_t beyond = BeyondVictim(shard, call, &scan.spare);
       if (beyond != kNoSlot) slot = beyond;
     }
     // The rows passed over go behind the others of their rank, coldest
-    // first, so that they keep their order and the next walk starts past them.
-    for (const uint32_t passed : shard.passed) {
-      if (passed != slot) shard.policy->Defer(passed);
+    // first, so that they keep their order and the next walk starts past them
+    // (those of whole runs are there already).
+    for (size_t i = walk.whole; i < shard.passed.size(); ++i) {
+      if (shard.passed[i] != slot) shard.policy->Defer(shard.passed[i]);
     }
     if (scan.spare != kNoSlot) {
       ++shard.lookahead_spared;

@@ -1445,6 +1445,34 @@ TEST(MemCacheLookahead, SparedRowGoesBehindTheOthers) {
   EXPECT_TRUE(cache->Contains(1)) << "the spared row stayed first in line";
 }
 
+// tinylfu-lfu's walks skip the rows of one estimate that a walk under the
+// same window passed over whole (CachePolicy::WalkCandidates): a new window
+// walks them again. 1 and 2 (visited once) are in the first window, passed
+// over for 3 (visited 3 times); in the second window, 2 is the first row
+// outside it.
+TEST(MemCacheLookahead, RowsPassedOverUnderAnOldWindowAreWalkedAgain) {
+  Backing backing;
+  auto cache = BackedCache(backing, "tinylfu-lfu", 4, 1);
+  const auto pull = [&](std::vector<uint64_t> keys) {  // unpinned: each occurrence a visit
+    std::vector<uint64_t> rows(keys.size());
+    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), false, nullptr);
+  };
+  pull({3, 3, 3});
+  pull({4, 4, 4});
+  pull({1});
+  pull({2});
+  const std::vector<uint64_t> first = {1, 2}, second = {1, 4};
+  cache->SetLookahead(first.data(), first.size());
+  pull({5, 5});  // estimate 2: it enters a run of its own
+  ASSERT_FALSE(cache->Contains(3));
+  ASSERT_TRUE(cache->Contains(1) && cache->Contains(2));
+  cache->SetLookahead(second.data(), second.size());
+  pull({6, 6});
+  EXPECT_FALSE(cache->Contains(2)) << "the least visited row outside the window";
+  EXPECT_TRUE(cache->Contains(1) && cache->Contains(4) && cache->Contains(5) && cache->Contains(6));
+  EXPECT_EQ(cache->stats().lookahead_spared, 2u);
+}
+
 // Two threads pull 30 distinct keys of [0, pulled) a step for 300 steps,
 // checking each row; a third replays (Access) 30 a step, which `replayed`
 // maps to keys no Pull asks for (replayed keys enter with zero rows). Then
@@ -2045,6 +2073,125 @@ TEST_P(PolicyWalk, WalksNameTheOrderedRowsInOrderAndEvictTakesTheFirst) {
         last[slot] = ++clock;
       }
     }
+  }
+}
+
+// A lookahead eviction's walk (WalkCandidates, as MemCache's Victim makes
+// it: the walk again, unskipped, when no row outside the window came; no
+// Defer of the rows of whole runs) against the walk it stands for
+// (ForEachCandidate, every row visited and every passed row deferred), on
+// twin policies told the same: each eviction takes the same row, and the two
+// orders stay the same. Windows are drawn so that whole runs of rows in them
+// are common (most keys in, a few buckets of tinylfu-lfu's estimates), and
+// each lasts some evictions (an epoch), so that tinylfu-lfu skips runs.
+TEST_P(PolicyWalk, WalksSkippingPassedRunsEvictAsWalksVisitingEveryRow) {
+  const CachePolicyKind kind = ParseCachePolicy(GetParam());
+  constexpr uint32_t kSlots = 48;
+  const uint32_t capacity = kind == CachePolicyKind::kTinyLfuLfu ? 1024 : kSlots;
+  auto skipping = detail::NewCachePolicy(kind, capacity, 0.5);
+  auto visiting = detail::NewCachePolicy(kind, capacity, 0.5);
+  const auto both = [&](auto change) {
+    change(*skipping);
+    change(*visiting);
+  };
+  enum State { kFree, kOrdered, kPinned };
+  std::vector<State> state(kSlots, kFree);
+  std::vector<uint64_t> key_of(kSlots, 0);
+  std::mt19937_64 rng(29);
+  uint64_t epoch = 1, share = 90, skipped = 0;  // share: the percent of keys in the window
+  const auto in_window = [&](uint64_t key) { return (key * 0x9E3779B97F4A7C15ULL + epoch) % 100 < share; };
+  const auto slots_in = [&](State st) {
+    std::vector<uint32_t> out;
+    for (uint32_t slot = 0; slot < kSlots; ++slot) {
+      if (state[slot] == st) out.push_back(slot);
+    }
+    return out;
+  };
+  const auto pick = [&](const std::vector<uint32_t>& from) { return from[rng() % from.size()]; };
+  // An eviction under the window, each policy walked its way; the slot freed, or kNoSlot.
+  const auto evict = [&](int step) -> uint32_t {
+    const uint32_t limit = std::vector<uint32_t>{1, 3, 8, 20, UINT32_MAX}[rng() % 5];
+    std::vector<uint32_t> passed, visited;
+    uint32_t spare = detail::kNoSlot, spare_visiting = detail::kNoSlot;
+    const std::function<bool(uint32_t)> skip_visit = [&](uint32_t slot) {
+      passed.push_back(slot);
+      if (in_window(key_of[slot])) return true;
+      spare = slot;
+      return false;
+    };
+    detail::CachePolicy::Walk walk = skipping->WalkCandidates(limit, epoch, skip_visit);
+    skipped += walk.skipped;
+    if (spare == detail::kNoSlot && walk.skipped > 0) {
+      passed.clear();
+      walk = skipping->WalkCandidates(limit, 0, skip_visit);
+      EXPECT_EQ(walk.skipped, 0u) << "step " << step << ": epoch 0 skips nothing";
+    }
+    visiting->ForEachCandidate(limit, [&](uint32_t slot) {
+      visited.push_back(slot);
+      if (in_window(key_of[slot])) return true;
+      spare_visiting = slot;
+      return false;
+    });
+    EXPECT_EQ(spare, spare_visiting) << "step " << step;
+    EXPECT_EQ(passed.size() + walk.skipped, visited.size()) << "step " << step << ": rows seen";
+    if (spare == detail::kNoSlot) {
+      EXPECT_EQ(passed, visited) << "step " << step;
+    }
+    EXPECT_LE(walk.whole, passed.size()) << "step " << step;
+    if (visited.empty()) return detail::kNoSlot;
+    // The row taken: the spare, else any the walk saw (MemCache's latest needed, or Beyond's).
+    const uint32_t victim = spare_visiting != detail::kNoSlot ? spare_visiting : visited[rng() % visited.size()];
+    for (size_t i = walk.whole; i < passed.size(); ++i) {
+      if (passed[i] != victim) skipping->Defer(passed[i]);
+    }
+    for (const uint32_t slot : visited) {
+      if (slot != victim) visiting->Defer(slot);
+    }
+    both([&](detail::CachePolicy& p) { p.Detach(victim); });
+    state[victim] = kFree;
+    return victim;
+  };
+  uint64_t next_key = 1;
+  for (int step = 0; step < 20000; ++step) {
+    const int op = static_cast<int>(rng() % 100);
+    const std::vector<uint32_t> ordered = slots_in(kOrdered), pinned = slots_in(kPinned);
+    if (op < 50) {  // a miss, its key visited 1 to 3 times before: a free slot, or a victim's
+      std::vector<uint32_t> free = slots_in(kFree);
+      if (free.empty()) free.assign(1, evict(step));
+      if (free[0] == detail::kNoSlot) continue;  // every row pinned
+      const uint32_t slot = pick(free);
+      const uint64_t key = next_key++;
+      for (uint64_t r = rng() % 3; r-- > 0;) both([&](detail::CachePolicy& p) { p.Record(key); });
+      both([&](detail::CachePolicy& p) { p.Record(key); });
+      key_of[slot] = key;
+      both([&](detail::CachePolicy& p) { p.Add(slot, key); });
+      state[slot] = kOrdered;
+    } else if (op < 62 && !ordered.empty()) {  // a hit
+      const uint32_t slot = pick(ordered);
+      both([&](detail::CachePolicy& p) { p.Record(key_of[slot]); });
+      both([&](detail::CachePolicy& p) { p.Touch(slot); });
+    } else if (op < 70 && !ordered.empty()) {  // a pin
+      const uint32_t slot = pick(ordered);
+      both([&](detail::CachePolicy& p) { p.Record(key_of[slot]); });
+      both([&](detail::CachePolicy& p) { p.Detach(slot); });
+      state[slot] = kPinned;
+    } else if (op < 78 && !pinned.empty()) {  // its unpin
+      const uint32_t slot = pick(pinned);
+      both([&](detail::CachePolicy& p) { p.Reattach(slot); });
+      state[slot] = kOrdered;
+    } else if (op < 81) {  // the window moves on
+      ++epoch;
+      share = std::vector<uint64_t>{0, 50, 90, 95, 100}[rng() % 5];
+    } else {
+      evict(step);
+    }
+    ASSERT_EQ(CandidateOrder(*skipping), CandidateOrder(*visiting)) << "step " << step;
+    ASSERT_FALSE(HasFailure()) << "step " << step;
+  }
+  if (kind == CachePolicyKind::kTinyLfuLfu) {
+    EXPECT_GT(skipped, 1000u) << "the walks skipped runs they had passed";
+  } else {
+    EXPECT_EQ(skipped, 0u) << "a policy without runs visits every row";
   }
 }
 
