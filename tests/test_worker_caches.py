@@ -1217,6 +1217,29 @@ def herald_invariant_run(path, workers, rows, mem_budget, steps, flaky_write=Non
     return her.stats()["device"]["herald"]
 
 
+def wide_batches_grow_the_tables(seed=5):
+    """A case for the random-evictions test whose tables must grow: 2 workers with caches of
+    24 rows (tables of first_table_rows(24) = 64 rows) and two batches of 24
+    examples of 48 new keys. Each worker fetches its share's 24 keys (12
+    examples, most_fetched), so the second batch finds 24 rows in each table:
+    24 + 24 > 0.7 * 64 rebuilds the tables, and its 24 live rows and 24 incoming
+    ones fill more than half of 64 rows (rebuilt_table_rows): 128. The first is
+    made ahead of the second, whose rebuild is planned at its schedule; its
+    flushes (one failing halfway) and the checkpoint come after it grew. Random
+    batches as the generated cases' (fixed seed) follow."""
+    rng = np.random.default_rng(seed)
+    wide = [np.arange(start, start + 48, dtype=np.uint64).reshape(24, 2) * 7 + 1000 for start in (0, 48)]
+    # (examples, pushed, ahead, lookahead, mid, after, fail, checkpoint)
+    steps = [(wide[0], rng.random((24, 2)) < 0.9, True, False, False, False, False, False),
+             (wide[1], rng.random((24, 2)) < 0.9, False, False, True, True, True, True)]
+    for _ in range(10):
+        n = int(rng.integers(1, 25))
+        examples = (np.minimum(rng.zipf(1.1, size=(n, 2)), 80) * 7 + 3).astype(np.uint64)
+        flags = (bool(rng.integers(0, k) == 0) for k in (2, 2, 4, 3, 2, 10))  # each one time in k
+        steps.append((examples, rng.random((n, 2)) < 0.9, *flags))
+    return 2, 24, "4MiB", steps
+
+
 def test_random_evictions_peer_fetches_and_flushes_keep_every_rows_latest_version_in_one_place():
     """The trained bits decide what a flush and an eviction write: a trained row
     dropped unwritten, or a stale one written over a newer, would leave MEM-PS or
@@ -1227,6 +1250,15 @@ def test_random_evictions_peer_fetches_and_flushes_keep_every_rows_latest_versio
     halfway, at random."""
     ran = {"evict_pushes": 0, "evict_clean_dropped": 0, "peer_fetches": 0, "compactions": 0, "table_growths": 0,
            "failed_flushes": 0}
+
+    def run_case(workers, rows, mem_budget, steps):
+        failed = []
+        with tempfile.TemporaryDirectory() as path:
+            h = herald_invariant_run(pathlib.Path(path), workers, rows, mem_budget, steps, failed)
+        assert h["batches"] == len(steps)
+        for name in ran:
+            ran[name] += len(failed) if name == "failed_flushes" else h[name]
+        return h
 
     @hypothesis.settings(max_examples=150, deadline=None, derandomize=True, database=None,
                          suppress_health_check=[hypothesis.HealthCheck.too_slow])
@@ -1245,17 +1277,22 @@ def test_random_evictions_peer_fetches_and_flushes_keep_every_rows_latest_versio
             steps.append((examples, pushed, *data.draw(st.tuples(*one_in), "flags")))
         distinct = max(len(np.unique(s[0])) for s in steps)
         mem_budget = data.draw(st.sampled_from([budget_for(2 * distinct + 2), "4MiB"]), "mem_budget")
-        failed = []
-        with tempfile.TemporaryDirectory() as path:
-            h = herald_invariant_run(pathlib.Path(path), workers, rows, mem_budget, steps, failed)
-        assert h["batches"] == len(steps)
-        for name in ran:
-            ran[name] += len(failed) if name == "failed_flushes" else h[name]
+        run_case(workers, rows, mem_budget, steps)
 
     check()
     # The runs did what the check is about: rows evicted, written and dropped,
-    # fetched from peers, kept through rebuilt and grown tables, and flushes failed.
-    assert all(ran.values()), ran
+    # fetched from peers, kept through rebuilt tables, and flushes failed.
+    assert all(ran[name] for name in ran if name != "table_growths"), ran
+    # Tables grow in few generated cases (7 in 150 run alone at c9cd3c9: caches of
+    # 24 rows, few workers, batches of many distinct keys), and which cases Hypothesis
+    # generates depends on the process, derandomize or not: now and then it draws
+    # an integer from the constants of the loaded modules that are neither
+    # installed nor tests (hps itself where it is not installed in site-packages,
+    # the bench/ scripts some tests import). So the tests run before this one
+    # changed its cases: after the Lookup tests (which import hps.lookup and
+    # hps.serve) no table grew. Grown tables are checked in a case that grows
+    # them, whatever Hypothesis draws.
+    assert run_case(*wide_batches_grow_the_tables())["table_growths"] >= 1, "the wide batches grew no table"
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
