@@ -1950,10 +1950,14 @@ def test_serve_writes_a_diverged_row_as_valid_json_and_lists_it(tmp_path):
     binary answer carries the float32 values themselves."""
     import threading
     from hps.serve import LookupServer
-    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=1.0)))
+    # A push of gradients that are not finite is refused (DivergedError): finite ones
+    # diverge the rows, as training does. lr x g overflows to an infinity (row 1's
+    # -inf, +inf), and a second step of the other sign makes row 0's -inf a NaN.
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=10.0)))
     keys = np.array([1, 2, 3], np.uint64)
-    grads = np.array([[np.nan, 0, 0, 0], [0, np.inf, -np.inf, 0], [0.5, 0.5, 0.5, 0.5]], np.float32)
-    ps.push(keys, grads)
+    big = np.float32(3e38)
+    ps.push(keys, np.array([[big, 0, 0, 0], [0, big, -big, 0], [0.05, 0.05, 0.05, 0.05]], np.float32))
+    ps.push(keys[:1], np.array([[-big, 0, 0, 0]], np.float32))
     ps.checkpoint()
     want = ps.pull(keys)
     ps.close()
