@@ -552,8 +552,20 @@ def test_a_compacted_herald_table_holds_only_the_keys_its_cache_holds(tmp_path):
     assert kinds == [{"grown", "same size"}] * world
 
 
+HERALDRETRY_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def heraldretry_plain(tmp_path_factory):
+    """The heraldretry job whose MEM-PS is never full, made once for the module: each
+    case compares its retried job with it (and only reads it)."""
+    out = tmp_path_factory.mktemp("heraldretry_plain")
+    scenario(2, "heraldretry", out, "--steps", HERALDRETRY_STEPS)
+    return out
+
+
 @pytest.mark.parametrize("failing", ["0,1", "1"])
-def test_a_herald_prefetch_retried_after_mem_ps_was_full_only_pins_again(tmp_path, failing):
+def test_a_herald_prefetch_retried_after_mem_ps_was_full_only_pins_again(tmp_path, heraldretry_plain, failing):
     """A prefetch whose pin finds MEM-PS full keeps its exchange (the example keys
     sent to the leader, the distinct keys to their owners); the retry with the
     same keys object only pins again. So every rank sends the bytes of a job whose
@@ -562,12 +574,11 @@ def test_a_herald_prefetch_retried_after_mem_ps_was_full_only_pins_again(tmp_pat
     where rank 1 alone does, it would wait in a collective the others never enter,
     and the watchdog ends the job after --timeout seconds."""
     from hps.distributed import COMM_KINDS
-    world, steps = 2, 3
-    scenario(world, "heraldretry", tmp_path / "plain", "--steps", steps)
+    world, steps = 2, HERALDRETRY_STEPS
     scenario(world, "heraldretry", tmp_path / "retried", "--steps", steps, "--fail-ranks", failing, "--timeout", 10)
     full = {int(r) for r in failing.split(",")}
     for r in range(world):
-        plain, retried = (np.load(tmp_path / run / f"rank{r}.npz") for run in ("plain", "retried"))
+        plain, retried = (np.load(d / f"rank{r}.npz") for d in (heraldretry_plain, tmp_path / "retried"))
         # MEM-PS was full once where the test made it so (else the retry went untested).
         assert int(retried["full"]) == (r in full) and int(plain["full"]) == 0, f"rank {r}"
         sent = dict(zip(COMM_KINDS, retried["bytes"].tolist()))
