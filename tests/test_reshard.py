@@ -43,6 +43,15 @@ def two_ranks_kstep(tmp_path_factory):
     return old_job(tmp_path_factory.mktemp("two_ranks_kstep"), 2, sync="kstep")
 
 
+@pytest.fixture(scope="module")
+def two_ranks_admission(tmp_path_factory):
+    """A job of 2 ranks with [admission] threshold = 3 checkpointed at step STEPS, made
+    once (tests copy it)."""
+    out = tmp_path_factory.mktemp("two_ranks_admission") / "old"
+    scenario(2, out, "--steps", STEPS, "--admission", 3)
+    return out
+
+
 def copy_of(job, tmp_path):
     shutil.copytree(job, tmp_path / "old")
     return tmp_path / "old"
@@ -598,7 +607,8 @@ def one_process(path, steps: int, resume: bool, admission: int = 0) -> dict:
 
 
 @pytest.mark.parametrize("admission", [0, 3])
-def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ranks, admission, capsys):
+def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ranks, two_ranks_admission, admission,
+                                                               capsys):
     """N -> 1: a 2-rank job resumed by hps train --resume without mpiexec becomes one
     parameter server at the job's root: every row whole (optimizer state too), the
     dense state (MLP, Adam's moments and step) and the admission sketch as they
@@ -608,11 +618,7 @@ def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ran
     import torch
     from hps import reshard
     from hps.train import load_trainer_state
-    if admission:
-        old = tmp_path / "old"
-        scenario(2, old, "--steps", STEPS, "--admission", admission)
-    else:
-        old = copy_of(two_ranks, tmp_path)
+    old = copy_of(two_ranks_admission if admission else two_ranks, tmp_path)
     before = rows_of(old / "job")
     before_dense = dense_states(old / "job", 2)[0]
     shutil.copytree(old, tmp_path / "via_train")
@@ -662,7 +668,8 @@ def test_a_job_resumed_in_one_process_trains_on_as_one_process(tmp_path, two_ran
 
 
 @pytest.mark.parametrize("change", ["dim", "admission", "sketch_bytes", "hidden", "fields", "dense_sync"])
-def test_a_config_the_job_cannot_resume_with_is_refused_before_the_reshard(tmp_path, two_ranks, change):
+def test_a_config_the_job_cannot_resume_with_is_refused_before_the_reshard(tmp_path, two_ranks, two_ranks_admission,
+                                                                          change):
     """A resume on another number of ranks whose config the old job's checkpoint does
     not fit (another [ps] dim, [admission] threshold or sketch size, MLP hidden
     layers, data fields, [distributed] dense_sync) is refused before the reshard,
@@ -671,11 +678,7 @@ def test_a_config_the_job_cannot_resume_with_is_refused_before_the_reshard(tmp_p
     ranks) and only then fail to open or load it, or at the first step."""
     import dataclasses
     from hps.train import AdmissionConfig, _prepare_job, train
-    if change == "sketch_bytes":
-        old = tmp_path / "old"
-        scenario(2, old, "--steps", STEPS, "--admission", 3)
-    else:
-        old = copy_of(two_ranks, tmp_path)
+    old = copy_of(two_ranks_admission if change == "sketch_bytes" else two_ranks, tmp_path)
     before = rows_of(old / "job")
     listing = sorted(os.listdir(old / "job"))
     cfg = sc.train_config(str(old / "job"))
