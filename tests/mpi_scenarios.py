@@ -767,7 +767,7 @@ def run_sketchmemory(node, out: str, args) -> None:
         json.dump({"error": error}, f)
 
 
-def main() -> None:
+def parse_args(argv: list):
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldflush",
                                          "heraldtable", "heraldrandom",
@@ -816,7 +816,11 @@ def main() -> None:
     ap.add_argument("--device-capacity", type=int, default=0, help="[ps] device_capacity (rows a device)")
     ap.add_argument("--fail-ranks", default="", help="heraldretry: the ranks (comma-separated) whose MEM-PS is "
                     "full once")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run_job(args) -> None:
+    """One job (scenario) on a Node of its own, closed at its end."""
     from hps.distributed import DistributedConfig, Node
     node = Node(DistributedConfig(ranks_per_node=args.ranks_per_node, timeout=args.timeout))
     os.makedirs(args.out, exist_ok=True)
@@ -843,6 +847,55 @@ def main() -> None:
             f.write(f"{type(e).__name__}: {e}\n")
         raise
     node.close()
+    hps.train._abort_rank = abort_rank  # (a batch's next job records its own)
+
+
+# ---------------------------------------------------------------- several jobs in one launch
+
+# What a batch may run: jobs that end normally and leave nothing of theirs behind in
+# the process (no option below, which patches hps or fails on purpose; no --resume,
+# which a test means to start in processes of its own).
+BATCH_SCENARIOS = ("train", "kstep")
+NOT_IN_A_BATCH = ("die_at_checkpoint", "rank1_config", "fail_open", "fresh_windows", "fail_at_step", "fail_in_step",
+                  "nan_grad_at_step", "resume")
+
+
+def batch_jobs(jobs: list) -> list:
+    """The parsed args of each job ([scenario, out, *options]) of a batch; refuses a
+    job a batch may not run, naming it."""
+    parsed = []
+    for i, job in enumerate(jobs):
+        args = parse_args([str(a) for a in job])
+        bad = [o for o in NOT_IN_A_BATCH if getattr(args, o)]
+        if args.scenario not in BATCH_SCENARIOS or bad:
+            raise SystemExit(f"mpi_scenarios.py batch: job {i} ({' '.join(map(str, job))}) cannot share its "
+                             f"processes: {bad or args.scenario}; launch it alone")
+        parsed.append(args)
+    return parsed
+
+
+def run_batch(path: str) -> None:
+    """``mpi_scenarios.py batch FILE``: the jobs FILE (JSON) lists, one after the
+    other in the same ranks, each as its own launch would run it, with a Node of
+    its own; the launch's import of torch, hps and mpi4py (most of a small job's
+    CPU time) is then paid once. Each rank marks each job begun and done in FILE's
+    directory (``began<i>.rank<r>``, ``done<i>.rank<r>``), so that the launcher
+    can tell the job that failed from those that never began."""
+    from mpi4py import MPI
+    with open(path) as f:
+        jobs = batch_jobs(json.load(f))
+    rank, where = MPI.COMM_WORLD.Get_rank(), os.path.dirname(os.path.abspath(path))
+    for i, args in enumerate(jobs):
+        open(os.path.join(where, f"began{i}.rank{rank}"), "w").close()
+        run_job(args)
+        open(os.path.join(where, f"done{i}.rank{rank}"), "w").close()
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["batch"]:
+        run_batch(sys.argv[2])
+    else:
+        run_job(parse_args(sys.argv[1:]))
 
 
 if __name__ == "__main__":

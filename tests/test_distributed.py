@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -19,6 +20,59 @@ import mpi_scenarios as sc  # noqa: E402 (tests/ is on pytest's sys.path; after 
 from mpi_scenarios import MPIEXEC, mpirun, scenario  # noqa: E402
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+
+
+# ---------------------------------------------------------------- jobs that share a launch
+
+class Batches:
+    """The jobs of this module that end normally and patch nothing (BATCHED, below),
+    run in one launch a world size (mpi_scenarios.py batch), made when a test first
+    asks for one: each rank then imports torch, hps and mpi4py once (about 2.8 s of
+    CPU time, most of a small job's) rather than once a job. The first job of a
+    launch runs in fresh processes, each other one after those before it, as in a
+    process that runs jobs one after another (hps.distributed.Node.close). A job that
+    failed fails its test with the launch's output; a job that never began (an
+    earlier one failed) runs alone, as every job did before."""
+
+    def __init__(self, root, jobs):
+        self.root = root
+        self.jobs: dict = {}  # world -> [(scenario, *options)], in launch order
+        for world, job in jobs:
+            self.jobs.setdefault(world, []).append(tuple(map(str, job)))
+        self.launches: dict = {}  # world -> the launch's CompletedProcess
+
+    def job(self, out, world: int, name: str, *args) -> None:
+        """Scenario `name` with `args` on `world` ranks: its files at `out`, a copy of
+        those its job wrote in the launch."""
+        key = (name, *map(str, args))
+        assert key in self.jobs.get(world, []), f"{world} ranks, {key}: not in BATCHED (or launch it with scenario)"
+        where, jobs = self.root / f"world{world}", self.jobs[world]
+        if world not in self.launches:
+            where.mkdir()
+            (where / "jobs.json").write_text(json.dumps([[job[0], str(where / f"job{i}"), *job[1:]]
+                                                         for i, job in enumerate(jobs)]))
+            self.launches[world] = mpirun(world, sys.executable, sc.SCRIPT, "batch", where / "jobs.json",
+                                          timeout=600, check=False)
+        p = self.launches[world]
+
+        def marked(what: str, i: int) -> list:
+            return [(where / f"{what}{i}.rank{r}").exists() for r in range(world)]
+        i = jobs.index(key)
+        failed = f"mpiexec -n {world} {sc.SCRIPT} batch exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\n" \
+                 f"stderr:\n{p.stderr[-5000:]}"
+        if all(marked("done", i)):
+            # (a launch that failed after its last job: no later job's test would say so)
+            assert p.returncode == 0 or not all(marked("done", len(jobs) - 1)), failed
+            shutil.copytree(where / f"job{i}", out, dirs_exist_ok=True)
+        elif any(marked("began", i)) or not any(marked("began", 0)):
+            raise AssertionError(f"job {i} ({' '.join(key)}) of the launch: {failed}")
+        else:
+            scenario(world, name, out, *args)
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    return Batches(tmp_path_factory.mktemp("batched"), BATCHED)
 
 
 # ---------------------------------------------------------------- sparse: remote pull and push
@@ -173,7 +227,7 @@ def _assert_job_equals_single(tmp_path, world: int, steps: int, batches) -> dict
     return single
 
 
-@pytest.mark.parametrize("world,extra", [
+ALLREDUCE_CASES = [
     (2, ()),
     (4, ("--sequential", "--uneven", "--hierarchical", "--ranks-per-node", "2")),
     # A budget for little more than one batch in flight: prefetches wait for write-backs
@@ -186,11 +240,14 @@ def _assert_job_equals_single(tmp_path, world: int, steps: int, batches) -> dict
     # Codecs on the sparse traffic: rows and gradients between ranks as bf16, then int8.
     (2, ("--sparse-codec", "bf16")),
     (3, ("--sparse-codec", "int8")),
-])
-def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, world, extra):
+]
+
+
+@pytest.mark.parametrize("world,extra", ALLREDUCE_CASES)
+def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, batched, world, extra):
     from hps.distributed import owner_ranks
     steps, per_rank = 6, 48
-    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, *extra)
+    batched.job(tmp_path / "job", world, "train", "--steps", steps, "--per-rank", per_rank, *extra)
     uneven, multi_hot = "--uneven" in extra, "--multi-hot" in extra
     batches = _single_process_reference(tmp_path, world, steps, per_rank, uneven, multi_hot)
     codec = extra[extra.index("--sparse-codec") + 1] if "--sparse-codec" in extra else "none"
@@ -255,15 +312,15 @@ def test_allreduce_training_equals_one_process_over_global_batches(tmp_path, wor
             assert b["dense"] == steps * n_params * 4
 
 
-def test_a_rank_whose_multi_hot_bags_are_all_empty_trains_as_one_process(tmp_path):
+def test_a_rank_whose_multi_hot_bags_are_all_empty_trains_as_one_process(tmp_path, batched):
     """At step 2 rank 1's examples have no multi-hot key (a file's short last batch of
     rows without tags, say): its lookups gather no row and send back no gradient. The
     distributed batch's accumulate reshaped the empty gradients to (0, -1), which numpy
     refuses, and the job aborted; one process's native batch took them."""
     from hps.train import train
     world, steps, per_rank = 2, 4, 16
-    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--multi-hot",
-             "--empty-bags-at", 2)
+    batched.job(tmp_path / "job", world, "train", "--steps", steps, "--per-rank", per_rank, "--multi-hot",
+                "--empty-bags-at", 2)
     batches = sc.global_batches(steps, per_rank, world, multi_hot=True, empty_bags_at=2)
     assert len(sc.rank_part(batches[2], 1, per_rank).all_keys()) == per_rank * 26  # its single-hot keys alone
     train(sc.train_config(str(tmp_path / "single")), progress=False, train_batches=batches, eval_batches=[])
@@ -294,7 +351,7 @@ def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_p
 # ---------------------------------------------------------------- admission: the job's counts
 
 @pytest.mark.parametrize("world,extra,resume", [(2, (), True), (3, ("--multi-hot", "--uneven"), False)])
-def test_admission_counts_the_jobs_keys_as_one_process_over_global_batches(tmp_path, world, extra, resume):
+def test_admission_counts_the_jobs_keys_as_one_process_over_global_batches(tmp_path, batched, world, extra, resume):
     """[admission] threshold = 3 under mpiexec counts the job's keys (every rank's
     sketch counts each global step's keys of every rank): the job admits, reads the
     default row and drops gradients exactly where one process trained on the global
@@ -308,7 +365,7 @@ def test_admission_counts_the_jobs_keys_as_one_process_over_global_batches(tmp_p
         scenario(world, "train", tmp_path / "job", "--steps", steps - 2, "--checkpoint-every", 2, *args)
         scenario(world, "train", tmp_path / "job", "--steps", steps, "--checkpoint-every", 2, "--resume", *args)
     else:
-        scenario(world, "train", tmp_path / "job", "--steps", steps, *args)
+        batched.job(tmp_path / "job", world, "train", "--steps", steps, *args)
     batches = _single_process_reference(tmp_path, world, steps, per_rank, uneven, multi_hot, admission=f)
     _assert_job_equals_single(tmp_path, world, steps, batches)
 
@@ -336,9 +393,11 @@ def test_admission_counts_the_jobs_keys_as_one_process_over_global_batches(tmp_p
 
 # ---------------------------------------------------------------- Herald: examples to the rows
 
-@pytest.mark.parametrize("world,extra", [(2, ()), (4, ("--sequential", "--uneven")), (2, ("--lookahead", "3")),
-                                         (2, ("--mem-budget", "84KiB"))])
-def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extra):
+HERALD_CASES = [(2, ()), (4, ("--sequential", "--uneven")), (2, ("--lookahead", "3")), (2, ("--mem-budget", "84KiB"))]
+
+
+@pytest.mark.parametrize("world,extra", HERALD_CASES)
+def test_herald_job_equals_one_process_over_global_batches(tmp_path, batched, world, extra):
     """BSP with Herald's schedule (ranks with caches of 150 rows, smaller than a step's
     keys: evictions every step) ends with the parameters of one process trained on the
     global batches, as the sequential job does. Also where MEM-PS holds little more
@@ -346,7 +405,7 @@ def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extr
     caches drop reach their owners without a pin, which found no room beside the next
     step's prefetch (CacheFullError)."""
     steps, per_rank = 6, 48
-    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--herald", 150, *extra)
+    batched.job(tmp_path / "job", world, "train", "--steps", steps, "--per-rank", per_rank, "--herald", 150, *extra)
     batches = _single_process_reference(tmp_path, world, steps, per_rank, "--uneven" in extra)
     _assert_job_equals_single(tmp_path, world, steps, batches)  # the final checkpoint flushed the caches
     reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(world)]
@@ -367,14 +426,15 @@ def test_herald_job_equals_one_process_over_global_batches(tmp_path, world, extr
     assert all(x["scheduler_bytes"] == 0 for x in h[1:]) and all(rep["bytes_sent"]["plan"] == 0 for rep in reports[1:])
 
 
-def test_herald_evaluations_inside_a_step_see_what_the_sequential_job_sees(tmp_path):
+def test_herald_evaluations_inside_a_step_see_what_the_sequential_job_sees(tmp_path, batched):
     """An evaluation in a step's hook pulls while the leader has scheduled the next
     step (the pipeline's load stage makes it): the caches flush the rows as the last
     applied step left them, evicted ones included, so every evaluation of the job
     equals the sequential job's (up to the order floats are summed in)."""
     steps, per_rank = 8, 48
     for schedule, extra in (("seq", ()), ("her", ("--herald", 150))):
-        scenario(2, "train", tmp_path / schedule, "--steps", steps, "--per-rank", per_rank, "--eval-every", 2, *extra)
+        batched.job(tmp_path / schedule, 2, "train", "--steps", steps, "--per-rank", per_rank, "--eval-every", 2,
+                    *extra)
     seq, her = (json.loads((tmp_path / s / "rank0.json").read_text()) for s in ("seq", "her"))
     assert [e["batches"] for e in her["evals"]] == [e["batches"] for e in seq["evals"]] == [2, 4, 6, 8, 8]
     for a, b in zip(seq["evals"], her["evals"]):
@@ -385,13 +445,13 @@ def test_herald_evaluations_inside_a_step_see_what_the_sequential_job_sees(tmp_p
     assert her["herald"]["evict_pushes"] > 0 and her["herald"]["flushes"] == 5
 
 
-def test_a_herald_rank_given_no_examples_still_takes_part(tmp_path):
+def test_a_herald_rank_given_no_examples_still_takes_part(tmp_path, batched):
     """Steps of fewer examples than ranks (1 a rank, and the last rank's data ended two
     steps early: 3 examples for 4 ranks) leave a rank with no examples and no keys to
     train; the job still ends with one process's parameters."""
     world, steps, per_rank = 4, 4, 1
-    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--herald", 150,
-             "--uneven")
+    batched.job(tmp_path / "job", world, "train", "--steps", steps, "--per-rank", per_rank, "--herald", 150,
+                "--uneven")
     batches = _single_process_reference(tmp_path, world, steps, per_rank, True)
     assert min(len(b) for b in batches) < world
     _assert_job_equals_single(tmp_path, world, steps, batches)
@@ -713,10 +773,12 @@ def test_owners_slide_their_windows_and_evict_as_setting_them_each_batch(tmp_pat
             torch.testing.assert_close(states[1][name], value, rtol=0, atol=0, msg=f"rank {r}: {name}")
 
 
-@pytest.mark.parametrize("world,capacity,lookahead,mem_budget,per_rank",
-                         [(3, 400, 2, "192KiB", 72), (2, 5000, 0, "256KiB", 48)])
-def test_each_herald_rank_moves_and_steps_what_the_leaders_plan_gives_it(tmp_path, world, capacity, lookahead,
-                                                                          mem_budget, per_rank):
+PLAN_CASES = [(3, 400, 2, "192KiB", 72), (2, 5000, 0, "256KiB", 48)]
+
+
+@pytest.mark.parametrize("world,capacity,lookahead,mem_budget,per_rank", PLAN_CASES)
+def test_each_herald_rank_moves_and_steps_what_the_leaders_plan_gives_it(tmp_path, batched, world, capacity,
+                                                                          lookahead, mem_budget, per_rank):
     """Every rank's share of the work is the plan's, rank by rank, not only in sum:
     the examples it keeps and sends, the rows it loads, fetches and serves (a
     peer's from its cache, an owner's from its MEM-PS), the shared keys it sums
@@ -734,8 +796,8 @@ def test_each_herald_rank_moves_and_steps_what_the_leaders_plan_gives_it(tmp_pat
     elsewhere, 3 ranks of 48 or 64 examples do at every capacity from 300 to 1,000,
     and of 72 examples at 350 to 450 rows do not.)"""
     steps = 6
-    scenario(world, "train", tmp_path / "job", "--steps", steps, "--per-rank", per_rank, "--herald", capacity,
-             "--lookahead", lookahead, "--mem-budget", mem_budget)
+    batched.job(tmp_path / "job", world, "train", "--steps", steps, "--per-rank", per_rank, "--herald", capacity,
+                "--lookahead", lookahead, "--mem-budget", mem_budget)
     h = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text())["herald"] for r in range(world)]
     want = _herald_replay(world, steps, per_rank, capacity, lookahead)
     for name, counts in want["per_rank"].items():
@@ -777,12 +839,19 @@ def _kstep_reference(world: int, steps: int, k: int, beta1: float, beta2: float 
     return {name: np.array(a) for name, a in out.items()}  # (steps, world, n)
 
 
-@pytest.mark.parametrize("world,k,beta1,hier", [(2, 3, 0.0, False), (4, 2, 0.9, True), (3, 1, 0.0, False)])
-def test_kstep_adam_matches_algorithm_2_step_by_step(tmp_path, world, k, beta1, hier):
-    steps = 7
-    args = ["--steps", steps, "--k", k, "--beta1", beta1] + (["--hierarchical", "--ranks-per-node", "2"]
-                                                               if hier else [])
-    scenario(world, "kstep", tmp_path, *args)
+KSTEP_CASES = [(2, 3, 0.0, False), (4, 2, 0.9, True), (3, 1, 0.0, False)]
+KSTEP_STEPS = 7
+
+
+def _kstep_args(k: int, beta1: float, hier: bool) -> list:
+    return ["--steps", KSTEP_STEPS, "--k", k, "--beta1", beta1] + (["--hierarchical", "--ranks-per-node", "2"]
+                                                                     if hier else [])
+
+
+@pytest.mark.parametrize("world,k,beta1,hier", KSTEP_CASES)
+def test_kstep_adam_matches_algorithm_2_step_by_step(tmp_path, batched, world, k, beta1, hier):
+    steps = KSTEP_STEPS
+    batched.job(tmp_path, world, "kstep", *_kstep_args(k, beta1, hier))
     ref = _kstep_reference(world, steps, k, beta1)
     for r in range(world):
         got = np.load(tmp_path / f"rank{r}.npz")
@@ -799,6 +868,20 @@ def test_kstep_adam_matches_algorithm_2_step_by_step(tmp_path, world, k, beta1, 
     apart = [t for t in range(steps) if (t + 1) % k]
     if apart:
         assert np.ptp(xs[:, apart], axis=0).max() > 1e-3
+
+
+# The jobs the batched fixture runs (Batches), each with the options its test above
+# gives it: a launch a world size, its jobs in this order.
+BATCHED = ([(w, ("train", "--steps", 6, "--per-rank", 48, *extra)) for w, extra in ALLREDUCE_CASES] +
+           [(2, ("train", "--steps", 4, "--per-rank", 16, "--multi-hot", "--empty-bags-at", 2)),
+            (3, ("train", "--steps", 6, "--per-rank", 48, "--admission", 3, "--multi-hot", "--uneven"))] +
+           [(w, ("train", "--steps", 6, "--per-rank", 48, "--herald", 150, *extra)) for w, extra in HERALD_CASES] +
+           [(2, ("train", "--steps", 8, "--per-rank", 48, "--eval-every", 2, *extra))
+            for extra in ((), ("--herald", 150))] +
+           [(4, ("train", "--steps", 4, "--per-rank", 1, "--herald", 150, "--uneven"))] +
+           [(w, ("train", "--steps", 6, "--per-rank", per_rank, "--herald", capacity, "--lookahead", lookahead,
+                 "--mem-budget", mem_budget)) for w, capacity, lookahead, mem_budget, per_rank in PLAN_CASES] +
+           [(w, ("kstep", *_kstep_args(k, beta1, hier))) for w, k, beta1, hier in KSTEP_CASES])
 
 
 @pytest.mark.parametrize("beta2,flush", [(0.0, False), (0.5, False), (0.9, True)])
