@@ -328,7 +328,7 @@ def test_a_rank_whose_multi_hot_bags_are_all_empty_trains_as_one_process(tmp_pat
 
 
 @pytest.mark.parametrize("schedule", [[], ["--herald", 256]], ids=["sequential", "herald"])
-def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_path, schedule):
+def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_path, batched, schedule):
     """Rank 1's data ends two steps before rank 0's (it takes part in them empty);
     resumed with more data on each rank (a directory that grew, a larger --examples),
     rank 1 goes on from its third batch. It skipped as many of its batches as the job
@@ -338,7 +338,7 @@ def test_a_resumed_rank_picks_up_after_its_own_examples_not_the_jobs_steps(tmp_p
     wherever they were trained."""
     from hps.train import load_trainer_state
     per_rank = 48
-    scenario(2, "train", tmp_path / "job", "--steps", 4, "--per-rank", per_rank, "--uneven", *schedule)
+    batched.job(tmp_path / "job", 2, "train", "--steps", 4, "--per-rank", per_rank, "--uneven", *schedule)
     scenario(2, "train", tmp_path / "job", "--steps", 6, "--per-rank", per_rank, "--uneven", *schedule, "--resume")
     reports = [json.loads((tmp_path / "job" / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["examples"] for r in reports] == [(6 + 4) * per_rank] * 2  # rank 0's 6 batches, rank 1's 4
@@ -362,7 +362,7 @@ def test_admission_counts_the_jobs_keys_as_one_process_over_global_batches(tmp_p
     uneven, multi_hot = "--uneven" in extra, "--multi-hot" in extra
     args = ("--per-rank", per_rank, "--admission", f, *extra)
     if resume:
-        scenario(world, "train", tmp_path / "job", "--steps", steps - 2, "--checkpoint-every", 2, *args)
+        batched.job(tmp_path / "job", world, "train", "--steps", steps - 2, "--checkpoint-every", 2, *args)
         scenario(world, "train", tmp_path / "job", "--steps", steps, "--checkpoint-every", 2, "--resume", *args)
     else:
         batched.job(tmp_path / "job", world, "train", "--steps", steps, *args)
@@ -740,7 +740,7 @@ def test_an_owners_mem_ps_evicts_the_window_row_the_job_needs_latest(tmp_path, s
 
 
 @pytest.mark.parametrize("schedule", [[], ["--herald", 150]], ids=["sequential", "herald"])
-def test_owners_slide_their_windows_and_evict_as_setting_them_each_batch(tmp_path, schedule):
+def test_owners_slide_their_windows_and_evict_as_setting_them_each_batch(tmp_path, batched, schedule):
     """The pipeline's windows are the last ones shifted by a batch: each rank sends
     its owners only the batch that enters, and each owner's MEM-PS slides its window
     (a slide a batch after the first; Herald's leader still gives its scheduler the
@@ -752,7 +752,7 @@ def test_owners_slide_their_windows_and_evict_as_setting_them_each_batch(tmp_pat
     steps, per_rank, world = 6, 48, 2
     common = ("--steps", steps, "--per-rank", per_rank, "--lookahead", 2, "--mem-budget", "96KiB", "--sequential",
               *schedule)
-    scenario(world, "train", tmp_path / "slid", *common)
+    batched.job(tmp_path / "slid", world, "train", *common)
     scenario(world, "train", tmp_path / "set", *common, "--fresh-windows")
     mem = {run: [json.loads((tmp_path / run / f"rank{r}.json").read_text())["mem"] for r in range(world)]
            for run in ("slid", "set")}
@@ -881,7 +881,14 @@ BATCHED = ([(w, ("train", "--steps", 6, "--per-rank", 48, *extra)) for w, extra 
            [(4, ("train", "--steps", 4, "--per-rank", 1, "--herald", 150, "--uneven"))] +
            [(w, ("train", "--steps", 6, "--per-rank", per_rank, "--herald", capacity, "--lookahead", lookahead,
                  "--mem-budget", mem_budget)) for w, capacity, lookahead, mem_budget, per_rank in PLAN_CASES] +
-           [(w, ("kstep", *_kstep_args(k, beta1, hier))) for w, k, beta1, hier in KSTEP_CASES])
+           [(w, ("kstep", *_kstep_args(k, beta1, hier))) for w, k, beta1, hier in KSTEP_CASES] +
+           # The first runs of jobs a test then resumes in a launch of its own, and the job whose
+           # windows slide (its twin with windows set anew patches hps: a launch of its own).
+           [(2, ("train", "--steps", 4, "--per-rank", 48, "--uneven", *schedule))
+            for schedule in ((), ("--herald", 256))] +
+           [(2, ("train", "--steps", 4, "--checkpoint-every", 2, "--per-rank", 48, "--admission", 3))] +
+           [(2, ("train", "--steps", 6, "--per-rank", 48, "--lookahead", 2, "--mem-budget", "96KiB", "--sequential",
+                 *schedule)) for schedule in ((), ("--herald", 150))])
 
 
 @pytest.mark.parametrize("beta2,flush", [(0.0, False), (0.5, False), (0.9, True)])
