@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 
@@ -30,44 +31,52 @@ class Batches:
     asks for one: each rank then imports torch, hps and mpi4py once (about 2.8 s of
     CPU time, most of a small job's) rather than once a job. The first job of a
     launch runs in fresh processes, each other one after those before it, as in a
-    process that runs jobs one after another (hps.distributed.Node.close). A job that
-    failed fails its test with the launch's output; a job that never began (an
-    earlier one failed) runs alone, as every job did before."""
+    process that runs jobs one after another (hps.distributed.Node.close). Where a
+    launch failed, each job it did not finish runs alone, as every job did before;
+    the job that failed there (a rank raised in it; else the last that every rank
+    began and not every rank ended: one that hung past the launch's timeout, say)
+    fails its test with the launch's output even if it passes alone."""
 
     def __init__(self, root, jobs):
         self.root = root
         self.jobs: dict = {}  # world -> [(scenario, *options)], in launch order
         for world, job in jobs:
             self.jobs.setdefault(world, []).append(tuple(map(str, job)))
-        self.launches: dict = {}  # world -> the launch's CompletedProcess
+        self.launches: dict = {}  # world -> (the launch's CompletedProcess, the job it failed in or None)
 
     def job(self, out, world: int, name: str, *args) -> None:
         """Scenario `name` with `args` on `world` ranks: its files at `out`, a copy of
         those its job wrote in the launch."""
         key = (name, *map(str, args))
         assert key in self.jobs.get(world, []), f"{world} ranks, {key}: not in BATCHED (or launch it with scenario)"
-        where, jobs = self.root / f"world{world}", self.jobs[world]
+        where, jobs, i = self.root / f"world{world}", self.jobs[world], self.jobs[world].index(key)
+
+        def marked(what: str, j: int) -> bool:
+            return all((where / f"{what}{j}.rank{r}").exists() for r in range(world))
         if world not in self.launches:
             where.mkdir()
-            (where / "jobs.json").write_text(json.dumps([[job[0], str(where / f"job{i}"), *job[1:]]
-                                                         for i, job in enumerate(jobs)]))
-            self.launches[world] = mpirun(world, sys.executable, sc.SCRIPT, "batch", where / "jobs.json",
-                                          timeout=600, check=False)
-        p = self.launches[world]
-
-        def marked(what: str, i: int) -> list:
-            return [(where / f"{what}{i}.rank{r}").exists() for r in range(world)]
-        i = jobs.index(key)
-        failed = f"mpiexec -n {world} {sc.SCRIPT} batch exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\n" \
-                 f"stderr:\n{p.stderr[-5000:]}"
-        if all(marked("done", i)):
-            # (a launch that failed after its last job: no later job's test would say so)
-            assert p.returncode == 0 or not all(marked("done", len(jobs) - 1)), failed
+            (where / "jobs.json").write_text(json.dumps([[job[0], str(where / f"job{j}"), *job[1:]]
+                                                         for j, job in enumerate(jobs)]))
+            try:
+                p = mpirun(world, sys.executable, sc.SCRIPT, "batch", where / "jobs.json", timeout=600, check=False)
+            except subprocess.TimeoutExpired as e:  # (a job hung: the marks name it)
+                def text(x) -> str:  # (TimeoutExpired's streams are bytes, text=True or not)
+                    return x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                p = subprocess.CompletedProcess(e.cmd, -9, text(e.stdout),
+                                                f"{text(e.stderr)}\n(killed after {e.timeout:g} s)")
+            raised = [j for j in range(len(jobs)) if list((where / f"job{j}").glob("rank*.raised"))]
+            cut = [j for j in range(len(jobs)) if marked("began", j) and not marked("done", j)]
+            self.launches[world] = (p, (raised[:1] or cut[-1:] or [None])[0] if p.returncode else None)
+        p, failed = self.launches[world]
+        said = f"{'' if failed is None else f'job {failed} of '}mpiexec -n {world} {sc.SCRIPT} batch " \
+               f"{where / 'jobs.json'} failed (exit {p.returncode})\nstdout:\n{p.stdout[-3000:]}\n" \
+               f"stderr:\n{p.stderr[-5000:]}"
+        assert p.returncode == 0 or failed is not None, said  # (failed before its first job, or after its last)
+        if marked("done", i):
             shutil.copytree(where / f"job{i}", out, dirs_exist_ok=True)
-        elif any(marked("began", i)) or not any(marked("began", 0)):
-            raise AssertionError(f"job {i} ({' '.join(key)}) of the launch: {failed}")
-        else:
-            scenario(world, name, out, *args)
+            return
+        scenario(world, name, out, *args)  # (its own error, if it fails alone too)
+        assert i != failed, f"{' '.join(key)}: passed alone, but {said}"
 
 
 @pytest.fixture(scope="module")
