@@ -1456,18 +1456,24 @@ def test_a_finite_sparse_gradient_that_bf16_rounds_to_infinity_is_refused_before
     said = (r"^push gradients: 1 value in the gradients of 1 key \(key 9 first: 3\.4028235e\+38\) that bfloat16 "
             r"rounds to an infinity")
     with pytest.raises(hps.errors.DivergedError, match=said):
-        if how == "push":
-            server.push(keys, grads)
-        else:
-            pre = server.prefetch(keys)
-            batch = server.batch(pre)
-            batch.push(keys, grads)
-            try:
-                batch.finish()
-            finally:
-                pre.release()
+        _push_by(server, how, keys, grads)
     np.testing.assert_array_equal(server.pull(keys), before)
     server.close()
+
+
+def _push_by(server, how: str, keys: np.ndarray, grads: np.ndarray) -> None:
+    """grads to keys through `server`: its push ("push"), or a batch's ("batch":
+    prefetch, batch, push, finish, the prefetch released whatever happens)."""
+    if how == "push":
+        server.push(keys, grads)
+        return
+    pre = server.prefetch(keys)
+    batch = server.batch(pre)
+    batch.push(keys, grads)
+    try:
+        batch.finish()
+    finally:
+        pre.release()
 
 
 class _TwinRanksNode:
@@ -1512,16 +1518,7 @@ def test_a_sparse_gradient_sum_that_overflows_at_the_owner_is_refused_naming_the
     grads[1:] = 2e38
     with pytest.raises(hps.errors.DivergedError, match=rf" apply: 4 non-finite values in the summed gradients of 1 "
                                                        rf"key \(key {big} first: inf\): training diverged"):
-        if how == "push":
-            server.push(keys, grads)
-        else:
-            pre = server.prefetch(keys)
-            batch = server.batch(pre)
-            batch.push(keys, grads)
-            try:
-                batch.finish()
-            finally:
-                pre.release()
+        _push_by(server, how, keys, grads)
     np.testing.assert_array_equal(server.local.pull(np.array([fine, big], np.uint64)), before)
     assert server.local.stats()["mem"]["pinned"] == 0
     server.close()

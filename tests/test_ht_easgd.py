@@ -272,6 +272,23 @@ def mailbox(monkeypatch):
     return box
 
 
+def serving(centre, daemon: bool = False):
+    """centre.serve() in a thread: (the thread, a dict its result lands in, under
+    "centre", or its error, under "error")."""
+    import threading
+    served: dict = {}
+
+    def serve():
+        try:
+            served["centre"] = centre.serve(timeout=5.0)
+        except BaseException as e:  # noqa: BLE001 - the caller checks it
+            served["error"] = e
+
+    t = threading.Thread(target=serve, daemon=daemon)
+    t.start()
+    return t, served
+
+
 def test_sync_centre_finishes_a_round_when_a_group_stops_while_another_waits(mailbox):
     # Group 0 stops after one round; group 1 has sent its second exchange before group
     # 0's stop reaches the centre. That round is group 1's alone now: the centre must
@@ -282,17 +299,8 @@ def test_sync_centre_finishes_a_round_when_a_group_stops_while_another_waits(mai
     cfg = EasgdConfig(alpha=0.5, mode="sync")
     centre = EasgdCentre(mailbox.comm(2), np.zeros(3, np.float32), [0, 1], cfg)
     clients = [EasgdClient(mailbox.comm(g), 2, g, cfg, timeout=5.0) for g in range(2)]
-    served: dict = {}
-
-    def serve():
-        try:
-            served["centre"] = centre.serve(timeout=5.0)
-        except BaseException as e:  # noqa: BLE001 - checked below
-            served["error"] = e
-
     xs = [np.full(3, 2.0, np.float32), np.full(3, 4.0, np.float32)]
-    t = threading.Thread(target=serve)
-    t.start()
+    t, served = serving(centre)
     first = [threading.Thread(target=clients[g].exchange, args=(xs[g],)) for g in range(2)]
     for th in first:
         th.start()
@@ -457,16 +465,7 @@ def test_an_exchange_through_a_lossy_codec_keeps_the_sum(mailbox, codec, mode):
     c0 = np.array([0.3, -0.1, 0.0, 2.0, 1e-3], np.float32)
     centre = EasgdCentre(mailbox.comm(1), c0, [0], cfg, codecs)
     client = EasgdClient(mailbox.comm(0), 1, 0, cfg, CodecStreams({"averaging": codec}), timeout=5.0)
-    served: dict = {}
-
-    def serve():
-        try:
-            served["centre"] = centre.serve(timeout=5.0)
-        except BaseException as e:  # noqa: BLE001 - checked below
-            served["error"] = e
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
+    t, served = serving(centre, daemon=True)
     x = np.array([4.0, 0.013, -0.77, 1.0 / 3, 1e-3], np.float32)
     total = x.astype(np.float64) + c0
     for _ in range(3):
