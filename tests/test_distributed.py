@@ -1984,7 +1984,11 @@ def test_owner_ranks_spread_keys_independently_of_the_device_hash():
     assert 0.48 < devices.mean() < 0.52
 
 
-FILES_TOML = """
+def run_toml(path, source: str, batch_size: int, schema: str = "") -> str:
+    """An hps train config of the ranks' file tests: their job at `path`, [data]
+    source and batch_size, and `schema` ([data.schema]'s lines) where given."""
+    schema = f"\n[data.schema]\n{schema}" if schema else ""
+    return f"""
 hidden = [8]
 dense_lr = 0.01
 torch_threads = 1
@@ -1995,9 +1999,9 @@ path = "{path}"
 mem_budget = "1MiB"
 
 [data]
-source = "data/*.tsv"
-batch_size = 64
-
+source = "{source}"
+batch_size = {batch_size}
+{schema}
 [distributed]
 timeout = 60
 """
@@ -2017,7 +2021,7 @@ def test_ranks_that_list_different_data_files_are_refused_naming_one(tmp_path):
         for i in range(parts):
             gen.write_tsv(str(tmp_path / wdir / "data" / f"p{i}.tsv"), 128)
     cfg = tmp_path / "train.toml"
-    cfg.write_text(FILES_TOML.format(path=tmp_path / "job"))
+    cfg.write_text(run_toml(tmp_path / "job", "data/*.tsv", 64))
     train = [sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress"]
     p = mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train,
                check=False, timeout=200)
@@ -2036,29 +2040,6 @@ def test_where_the_file_lists_of_two_ranks_part():
         "the same files in another order: file 1 is a on rank 0, b on rank 1"
     assert _where_lists_part(None, ["a"], 1) == "rank 0 reads no files, rank 1 files"
 
-SCHEMA_TOML = """
-hidden = [8]
-dense_lr = 0.01
-torch_threads = 1
-
-[ps]
-dim = 4
-path = "{path}"
-mem_budget = "1MiB"
-
-[data]
-source = "{data}"
-batch_size = 16
-
-[data.schema]
-label = "click"
-dense = ["price"]
-categorical = "rest"
-
-[distributed]
-timeout = 60
-"""
-
 
 def test_ranks_whose_files_give_other_fields_are_refused_naming_both_files(tmp_path):
     """Each rank held its files to its own first file's fields, and the ranks compared
@@ -2073,7 +2054,7 @@ def test_ranks_whose_files_give_other_fields_are_refused_naming_both_files(tmp_p
     (data / "p0.csv").write_text("click,price,site,os\n" + rows)
     (data / "p1.csv").write_text("click,price,os,site\n" + rows)
     cfg = tmp_path / "train.toml"
-    cfg.write_text(SCHEMA_TOML.format(path=tmp_path / "job", data=data))
+    cfg.write_text(run_toml(tmp_path / "job", data, 16, 'label = "click"\ndense = ["price"]\ncategorical = "rest"\n'))
     p = mpirun(2, sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress", check=False,
                timeout=200)
     assert p.returncode != 0, p.stderr[-3000:]

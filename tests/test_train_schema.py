@@ -226,6 +226,30 @@ def test_data_flag_over_a_synthetic_config_refuses_its_synthetic_fields_naming_t
     assert not (tmp_path / "ps").exists()
 
 
+def malformed_csv_run(tmp_path, data_lines: str):
+    """run.toml in tmp_path: train.csv with eval.csv held out (the schema of
+    write_csv), the job at run/, and `data_lines` more of [data]."""
+    config = tmp_path / "run.toml"
+    config.write_text(f"""hidden = [8]
+torch_threads = 1
+[ps]
+dim = {DIM}
+path = "{tmp_path / 'run'}"
+mem_budget = "8MiB"
+[data]
+source = "{tmp_path / 'train.csv'}"
+eval_source = "{tmp_path / 'eval.csv'}"
+batch_size = 64
+{data_lines}
+[data.schema]
+label = "click"
+dense = ["price"]
+categorical = ["site"]
+multi_hot = {{ tags = "|" }}
+""")
+    return config
+
+
 def test_hps_train_reports_the_lines_skip_malformed_left_out(tmp_path, capsys):
     # With skip_malformed = true a run had trained on fewer examples than the files
     # hold without a word of it: neither the table nor train-summary.json counted
@@ -239,24 +263,7 @@ def test_hps_train_reports_the_lines_skip_malformed_left_out(tmp_path, capsys):
         for i in bad:
             lines[i - 1] = "2,1,s1,t1"  # a label that is not 0 or 1
         (tmp_path / name).write_text("\n".join(lines) + "\n")
-    config = tmp_path / "run.toml"
-    config.write_text(f"""hidden = [8]
-torch_threads = 1
-[ps]
-dim = {DIM}
-path = "{tmp_path / 'run'}"
-mem_budget = "8MiB"
-[data]
-source = "{tmp_path / 'train.csv'}"
-eval_source = "{tmp_path / 'eval.csv'}"
-batch_size = 64
-skip_malformed = true
-[data.schema]
-label = "click"
-dense = ["price"]
-categorical = ["site"]
-multi_hot = {{ tags = "|" }}
-""")
+    config = malformed_csv_run(tmp_path, "skip_malformed = true")
     assert main(["train", "--config", str(config), "--no-progress"]) == 0
     err = capsys.readouterr().err
     first = f"{tmp_path / 'train.csv'}:5: column 'click': '2' is not 0 or 1"
@@ -283,25 +290,7 @@ def test_hps_train_neither_raises_nor_counts_a_bad_line_past_the_examples_it_rea
         lines = (tmp_path / name).read_text().splitlines()
         lines[bad - 1] = "2,1,s1,t1"  # a label that is not 0 or 1
         (tmp_path / name).write_text("\n".join(lines) + "\n")
-    config = tmp_path / "run.toml"
-    config.write_text(f"""hidden = [8]
-torch_threads = 1
-[ps]
-dim = {DIM}
-path = "{tmp_path / 'run'}"
-mem_budget = "8MiB"
-[data]
-source = "{tmp_path / 'train.csv'}"
-eval_source = "{tmp_path / 'eval.csv'}"
-batch_size = 64
-eval_examples = 39
-skip_malformed = {'true' if skip else 'false'}
-[data.schema]
-label = "click"
-dense = ["price"]
-categorical = ["site"]
-multi_hot = {{ tags = "|" }}
-""")
+    config = malformed_csv_run(tmp_path, f"eval_examples = 39\nskip_malformed = {'true' if skip else 'false'}")
     assert main(["train", "--config", str(config), "--no-progress", "--examples", "29"]) == 0, \
         capsys.readouterr().err
     err = capsys.readouterr().err
