@@ -2858,50 +2858,83 @@ def test_a_second_interrupt_while_lookups_are_in_reads_exits_without_the_interpr
     assert signal.getsignal(signal.SIGINT) is sigint  # restored on the way out
 
 
+# `hps serve` whose first lookup stays in the lookup: it reads its keys natively again
+# and again, and once the Lookup is closed under it waits for good, as a read that has
+# not returned; it says on stderr when it is under way, and when server_close begins
+# waiting for it.
+SERVE_WITH_A_LOOKUP_UNDER_WAY = """import sys, threading
+from hps.cli import main
+from hps.lookup import Lookup
+from hps.serve import LookupServer
+read, close = Lookup.lookup_with_checkpoint, LookupServer.server_close
+def in_reads(self, keys):
+    print("test: a lookup under way", file=sys.stderr, flush=True)
+    try:
+        while True:
+            read(self, keys)
+    except ValueError:  # the Lookup closed
+        threading.Event().wait()
+def closing(self, **kwargs):
+    print("test: server_close waits", file=sys.stderr, flush=True)
+    close(self, **kwargs)
+Lookup.lookup_with_checkpoint = in_reads
+LookupServer.server_close = closing
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_hps_serve_interrupted_twice_under_lookups_exits_without_an_abort(job):
     """`hps serve` hammered with lookups, then two SIGINTs in quick succession: it aborted
     (SIGABRT, 'terminate called without an active exception') in about a third of the
-    runs. Skipped unless the second SIGINT came while a lookup was under way."""
+    runs. The second SIGINT comes once server_close waits for a lookup under way (the
+    server says when each began; the lookup never returns): the server exits at once,
+    130, naming it. (Sent by timing under lookups of many clients, it came while none
+    was under way in some runs, the test skipped, and under load in most.)"""
     import http.client
-    import re
+    import queue
     import signal
     keys = np.arange(20000, dtype="<u8").tobytes()
-    raced = 0
-    for _ in range(4):
-        with _hps_serve([sys.executable, "-m", "hps.cli", "serve", str(job), "--port", "0",
-                         "--memory-budget", "64MiB", "--max-concurrent", "16"]) as (p, line):
-            host, port = re.search(r"on http://([0-9.]+):([0-9]+)", line).groups()
-            stop = threading.Event()
+    with _hps_serve([sys.executable, "-c", SERVE_WITH_A_LOOKUP_UNDER_WAY, "serve", str(job), "--port", "0",
+                     "--memory-budget", "64MiB"]) as (p, line):
+        host, port = re.search(r"on http://([0-9.]+):([0-9]+)", line).groups()
+        lines: queue.Queue = queue.Queue()
+        printed = []
 
-            def hammer():
-                while not stop.is_set():
-                    c = http.client.HTTPConnection(host, int(port), timeout=10)
-                    with contextlib.suppress(Exception):
-                        while not stop.is_set():
-                            c.request("POST", "/lookup", keys, {"Content-Type": "application/octet-stream"})
-                            r = c.getresponse()
-                            r.read()
-                            if r.status != 200:
-                                break
-                    c.close()
-            clients = [threading.Thread(target=hammer, daemon=True) for _ in range(8)]
-            for t in clients:
-                t.start()
-            time.sleep(0.5)
-            p.send_signal(signal.SIGINT)
-            time.sleep(0.01)
-            p.send_signal(signal.SIGINT)
-            rc = p.wait(timeout=60)
-            err = p.stderr.read()
-            stop.set()
-            for t in clients:
-                t.join(30)
-        # 130: its exit on the second; -SIGINT: the second came once it had stopped, and
-        # interrupted the interpreter's exit, as Ctrl-C does (not an abort)
-        assert rc in (0, 130, -signal.SIGINT) and "terminate called" not in err, (rc, err[-2000:])
-        raced += "interrupted again" in err
-    if not raced:
-        pytest.skip("no second SIGINT arrived while a lookup was under way")
+        def read_stderr():
+            for text in p.stderr:
+                lines.put(text)
+            lines.put("")  # it exited
+
+        def said(what):
+            while True:
+                try:
+                    text = lines.get(timeout=60)
+                except queue.Empty:
+                    pytest.fail(f"hps serve did not say {what!r} within 60 s: {''.join(printed)}")
+                printed.append(text)
+                if text.startswith(what):
+                    return
+                assert text, f"hps serve exited ({p.poll()}) before it said {what!r}: {''.join(printed)}"
+
+        def client():
+            c = http.client.HTTPConnection(host, int(port), timeout=120)
+            with contextlib.suppress(Exception):  # no answer: the server exits under it
+                c.request("POST", "/lookup", keys, {"Content-Type": "application/octet-stream"})
+                c.getresponse().read()
+            c.close()
+        threads = [threading.Thread(target=read_stderr, daemon=True), threading.Thread(target=client, daemon=True)]
+        for t in threads:
+            t.start()
+        said("test: a lookup under way")
+        p.send_signal(signal.SIGINT)
+        said("test: server_close waits")
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=60)
+        for t in threads:
+            t.join(30)
+        err = "".join(printed) + "".join(lines.get() for _ in range(lines.qsize()))
+    assert rc == 130 and "terminate called" not in err, (rc, err[-2000:])
+    assert "hps serve: interrupted again: exiting with 1 request(s) still in the lookup" in err, err[-2000:]
 
 
 def test_hps_serve_names_an_address_it_cannot_listen_on_and_releases_the_checkpoint(job, capsys):
