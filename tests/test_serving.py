@@ -1148,9 +1148,13 @@ def test_a_pin_removes_the_view_of_a_reader_that_died_in_another_pid_namespace(t
     """A reader in a PID namespace of its own (unshare: a container sharing the
     job's directory) is PID 1 there, and PID 1 is alive here: its view outlived it."""
     unshare = shutil.which("unshare")
-    ns = [unshare, "--user", "--map-root-user", "--pid", "--fork"] if unshare else []
-    if not ns or subprocess.run(ns + ["true"], capture_output=True).returncode != 0:
-        pytest.skip("no unprivileged PID namespaces here (unshare --user --pid)")
+    if unshare is None:
+        pytest.skip("no unshare(1) on PATH (util-linux) to start a reader in a PID namespace of its own")
+    ns = [unshare, "--user", "--map-root-user", "--pid", "--fork"]
+    probe = subprocess.run(ns + ["true"], capture_output=True, text=True)
+    if probe.returncode != 0:  # unprivileged user namespaces off (sysctl, or a container's seccomp profile)
+        pytest.skip(f"this machine refuses an unprivileged user and PID namespace: `{' '.join(ns)} true` "
+                    f"exited {probe.returncode}: {probe.stderr.strip() or '(nothing on stderr)'}")
     root = small_job(tmp_path / "job")
     reader, view = pinning_reader(ns + [sys.executable, "-c", PIN_AND_DIE, str(root)])
     try:
