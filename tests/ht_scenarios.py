@@ -399,9 +399,12 @@ def run_ht_jobs(comm, out: str, jobs: int, groups: int, group_ps: int, placement
     communicators are made: hps.train.train raises; its error is reported too."""
     import json
     import hps.train
+    from mpi4py import MPI
     held = _take_every_comm(MOST_COMMS)
     counts = comm.allgather(len(held))
-    report = {"limit": len(held) < MOST_COMMS and len(set(counts)) == 1}
+    # (what the test's skip names where there is no cap to fill, or the ranks' differ)
+    report = {"limit": len(held) < MOST_COMMS and len(set(counts)) == 1, "counts": counts,
+              "library": " ".join(MPI.Get_library_version().split("\n", 1)[0].split())}
     if report["limit"]:
         for c in held[-SPARE_COMMS:]:
             c.Free()

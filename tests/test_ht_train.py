@@ -374,8 +374,13 @@ def test_jobs_one_after_another_in_a_process_free_their_communicators(tmp_path, 
     p = ms.mpirun(ranks, sys.executable, SCRIPT, "ht_jobs", tmp_path, 3, *args, timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-5000:]
     comms = [json.loads((tmp_path / f"comms{r}.json").read_text()) for r in range(ranks)]
-    if not comms[0]["limit"]:
-        pytest.skip(f"this MPI lets a process hold {sc.MOST_COMMS} communicators or more")
+    if not comms[0]["limit"]:  # the MPI's, not the test's: no cap below MOST_COMMS, or ranks whose caps differ
+        counts, library = comms[0]["counts"], comms[0]["library"]
+        if min(counts) >= sc.MOST_COMMS:
+            pytest.skip(f"{library}: no cap to fill, each rank took {sc.MOST_COMMS} communicators (Dups of "
+                        f"COMM_SELF) and none was refused; MPICH's is 2048")
+        pytest.skip(f"{library}: the ranks took different numbers of communicators before one was refused "
+                    f"({counts}), so the ids left free differ from rank to rank")
     for r, c in enumerate(comms):
         assert c["before"] == c["after"] == sc.SPARE_COMMS, (r, c)
     failed = 1 if "fail_job=1" in args else None
