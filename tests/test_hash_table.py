@@ -118,6 +118,9 @@ def test_full_table_raises_and_keeps_what_fit():
     np.testing.assert_array_equal(rows, rows_of(stored, 1))
     # Present keys are still found and updated in a full table.
     t.accumulate(stored[:2], np.ones((2, 1), np.float32))
+    rows, found = t.find(stored[:2])
+    assert found.all() and len(t) == 8
+    np.testing.assert_array_equal(rows, rows_of(stored[:2], 1) + 1)
     assert isinstance(hps.TableFullError("x"), hps.HpsError)
 
 
@@ -315,6 +318,24 @@ TableMachine.TestCase.settings = settings(
     max_examples=40, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_table_against_dict_model = TableMachine.TestCase
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("op", ["insert", "accumulate"])
+def test_the_model_s_full_table_step_in_a_built_sequence(op, threads):
+    """The machine's steps into a full table (check_full), which its random
+    sequences take or not by their draws: two batches of MULTI_THREAD_BATCH keys
+    of a universe of 7000, about 5300 distinct keys the first, about 6600 both,
+    past the table's 6000 slots."""
+    m = TableMachine()
+    m.create(threads=threads)
+    m.insert(seed=1, size=MULTI_THREAD_BATCH, universe=7000)
+    assert len(m.model) < TableMachine.CAPACITY
+    getattr(m, op)(seed=2, size=MULTI_THREAD_BATCH, universe=7000)
+    assert len(m.model) == TableMachine.CAPACITY  # the table filled up: check_full compared it
+    m.size_matches()
+    m.export_matches()
+    m.find(seed=3, size=MULTI_THREAD_BATCH, universe=7000)
 
 
 def test_unique_keys_and_sum_by_inverse_round_trip():
