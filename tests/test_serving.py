@@ -3047,7 +3047,9 @@ def test_lookup_bench_quick_with_a_writer_checkpointing_meanwhile():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["writer"]["pushes"] >= 1 and out["writer"]["checkpoints"] == out["writer"]["pushes"] // 2
     r = out["results"]["hps/zipf"]
-    assert r["batches"] == 20 and r["refreshes"] >= 0 and "rocksdb/zipf" not in out["results"]
+    # (how many refreshes find a newer checkpoint depends on the machine's load: not asserted)
+    assert r["batches"] == 20 and "rocksdb/zipf" not in out["results"]
+    assert r["memory"]["peak_held_bytes"] <= out["memory_budget_bytes"]  # the served checkpoint and the next
 
 
 def test_lookup_bench_quick_with_hps_train_writing_checkpoints_meanwhile():
