@@ -264,7 +264,7 @@ def node_round(res: dict, rate: float, problems: list) -> list | None:
     if not ps or t is None:
         return None
     from hps.hierarchical.planner import load_plan_config, node_costs
-    from hps.hierarchical.roles import parse_placement
+    from hps.hierarchical.roles import parse_placement, placement_name
     from hps.hierarchical.split_mlp import SplitPlan
     from hps.config import load_toml
     name = res["workload"]
@@ -272,7 +272,7 @@ def node_round(res: dict, rate: float, problems: list) -> list | None:
     cfg.trainer_flops = cfg.ps_flops = rate
     placement = load_toml(res["toml"])["hierarchical"]["placement"]
     plan = SplitPlan([parse_placement(s) for s in placement], cfg.group_ps)
-    ran = [f"{p.where}:{p.split}{':pair' if p.pair else ''}" for p in plan.fcs]
+    ran = [placement_name(p) for p in plan.fcs]  # (as the job's summary names them)
     if ran != res["plan"]:
         problems.append(f"{name}: the job reports plan {res['plan']}, its config places {ran}")
     modelled = node_costs(shapes, plan, cfg)

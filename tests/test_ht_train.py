@@ -174,7 +174,7 @@ def test_every_trainer_uses_one_plan_whatever_its_own_planner_would_give(tmp_pat
     # the trainers' layers and all-reduces no longer matched (a crash or a hang). Trainer 1's
     # planner is made to give another plan here: the job uses trainer 0's everywhere.
     out = _run(tmp_path, 3, 1, 1, "-", "plan_alone_on=1")
-    assert out[0]["hierarchical"]["plan"] == out[1]["hierarchical"]["plan"] != ["ps:vertical", "trainer:none"]
+    assert out[0]["hierarchical"]["plan"] == out[1]["hierarchical"]["plan"] != ["ps:vertical", "trainer"]
     assert out[2]["role"] == "group_ps" and out[2]["steps"] == sc.HT_STEPS
     a, b = np.load(tmp_path / "mlp0.npz"), np.load(tmp_path / "mlp1.npz")
     for name in a.files:
@@ -205,6 +205,20 @@ def test_hps_train_runs_a_hierarchical_config(tmp_path):
     m = re.search(r"gradients ([\d.]+) -> ([\d.]+) MB", line)
     assert m and float(m.group(2)) < float(m.group(1))  # bf16 on the wire
     assert out["final"]["examples"] == 1024
+
+
+@needs_mpi
+def test_hps_train_prints_the_plan_as_the_placement_is_written(tmp_path):
+    # A layer held whole by group PS 0 ("ps:whole:0") was printed "ps:none", which names no
+    # placement and not the PS, and a trainer's layer "trainer:none": the summary's plan and
+    # the printed line now spell each place as [hierarchical] placement does.
+    placement = ["ps:whole:0", "trainer", "trainer"]
+    line, out = hps_train(tmp_path, 2, 'hidden = [32, 16]\ntorch_threads = 1\n[ps]\ndim = 4\npath = "{path}"\n'
+                          'mem_budget = "1MiB"\n[data]\nbatch_size = 256\ntrain_examples = 512\n'
+                          f'eval_examples = 256\n[hierarchical]\ngroup_ps = 1\nplacement = {json.dumps(placement)}\n')
+    assert "; plan ps:whole:0, trainer, trainer;" in line, line
+    assert out["hierarchical"]["plan"] == placement
+    assert [parse_placement(s) for s in out["hierarchical"]["plan"]] == [F("ps", "none", ps=0), F(), F()]
 
 
 @needs_mpi
@@ -473,8 +487,8 @@ def test_a_hierarchical_resume_is_refused_on_another_layout_or_a_missing_block(t
     # Another placement of the MLP over the group PSs.
     err = resume("placement", 4, 2, 1, "ps:horizontal,trainer", "across=allreduce", "period=2")
     assert re.search(r"--resume: the checkpoint's split of the MLP \(\S+/rank0/checkpoints/\d+/hierarchical.json, "
-                     r"rank 0\) is \['ps:vertical', 'trainer:none'\], this run's placement gives "
-                     r"\['ps:horizontal', 'trainer:none'\]", err), err[-3000:]
+                     r"rank 0\) is \['ps:vertical', 'trainer'\], this run's placement gives "
+                     r"\['ps:horizontal', 'trainer'\]", err), err[-3000:]
     # The same trainer ranks, grouped otherwise (one group of 2 trainers and 2 group PSs).
     err = resume("groups", 4, 1, 2, "ps:vertical,trainer")
     assert re.search(r"the checkpoint's \[hierarchical\] layout \(\S+hierarchical.json, rank 0\) is not this run's: "

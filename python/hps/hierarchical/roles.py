@@ -84,7 +84,7 @@ from hps.hierarchical.easgd import (AllreduceAverage, BackgroundEasgd, EasgdCent
                                     GroupAverage, allreduce_within, bcast_within, centre_state,
                                     check_averaging_codec, release_centre)
 
-__all__ = ["HierarchicalConfig", "Roles", "parse_placement", "train_hierarchical", "ACROSS"]
+__all__ = ["HierarchicalConfig", "Roles", "parse_placement", "placement_name", "train_hierarchical", "ACROSS"]
 
 ACROSS = ("easgd", "allreduce")  # [hierarchical] across: how the groups' replicas meet
 HOGWILD_TAG = 1000  # + r: Hogwild net r's requests to the group PSs and their replies (the trainer's own: tag 1)
@@ -205,6 +205,17 @@ def parse_placement(s: str, where: str = "placement"):
             return FcPlacement("ps", "none", ps=int(parts[2]))
     raise ValueError(f"{where}: cannot read {s!r}; write 'trainer', 'ps:vertical', 'ps:vertical:pair', "
                      f"'ps:horizontal' or 'ps:whole:Q'")
+
+
+def placement_name(p) -> str:
+    """One Linear's place as the config writes it (parse_placement's inverse): "trainer",
+    "ps:vertical", "ps:vertical:pair", "ps:horizontal" or "ps:whole:Q". The summary and
+    the errors name a plan so: where/split ("ps:none") named no placement, nor the PS."""
+    if p.where == "trainer":
+        return "trainer"
+    if p.split == "none":
+        return f"ps:whole:{p.ps}"
+    return f"ps:{p.split}{':pair' if p.pair else ''}"
 
 
 @dataclass
@@ -662,10 +673,7 @@ def _plan_dict(plan) -> dict:
 
 
 def _plan_names(plan) -> list:
-    def name(p) -> str:
-        whole = p.where == "ps" and p.split == "none"  # (which PS holds it)
-        return f"{p.where}:{p.split}{':pair' if p.pair else ''}{f':{p.ps}' if whole else ''}"
-    return [name(p) for p in plan.fcs]
+    return [placement_name(p) for p in plan.fcs]
 
 
 def _resumed_plan(directory: str, roles: Roles, cfg: HierarchicalConfig, mlp):
@@ -824,7 +832,7 @@ def _run_role(world, roles: Roles, job_comms: _JobComms, train_cfg, cfg: Hierarc
     mlp = {n: v for n, (v, _) in split.full_state().items()} if return_mlp else None
     split.stop()
     summary["hierarchical"] = {"roles": roles.describe(), "group": roles.group, "trainer": roles.index,
-                               "plan": [f"{p.where}:{p.split}{':pair' if p.pair else ''}" for p in made["plan"].fcs],
+                               "plan": _plan_names(made["plan"]),
                                "bytes": split.counter.as_dict(), "exchanges": exchanges,
                                "corrections": corrections, "cpu_seconds": cpu_seconds,
                                "wall_seconds": wall_seconds, "nets": cfg.nets}
