@@ -53,7 +53,7 @@ def test_node_costs_refuses_a_plan_the_split_mlp_would():
     cfg = PlannerConfig(group_ps=1)
     with pytest.raises(ValueError, match="places 2 Linear layers, the shapes have 3"):
         node_costs([(4, 8), (8, 2), (2, 1)], SplitPlan([F(), F()], 1), cfg)
-    with pytest.raises(ValueError, match=r"Linear 1 \(layer 1, 8 -> 2\) is paired but is the last Linear"):
+    with pytest.raises(ValueError, match=r"fc1 \(8 -> 2, module 2 of the Sequential\) is paired but is the last Linear"):
         node_costs([(4, 8), (8, 2)], SplitPlan([F(), F("ps", "vertical", pair=True)], 1), cfg)
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         node_costs([(4, 8)], SplitPlan([F()], 1), PlannerConfig(group_ps=1, bandwidth=0))
@@ -241,8 +241,9 @@ def test_hps_plan_names_a_placement_the_widths_do_not_allow(tmp_path, capsys):
                    '"ps:vertical"]\n')
     assert main(["plan", "--config", str(cfg)]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"hps plan: {cfg}: [hierarchical] placement ['trainer', 'ps:vertical'] does not fit the MLP: a Linear 1 "
-        f"(layer 1, 32 -> 1)'s output width of 1 cannot be split over 2 group PSs (one column each at least)")
+        f"hps plan: {cfg}: [hierarchical] placement ['trainer', 'ps:vertical'] does not fit the MLP: plan: fc1 "
+        f"(32 -> 1, module 2 of the Sequential): its output width of 1 cannot be split over 2 group PSs (one column "
+        f"each at least)")
 
 
 def test_a_refinement_cut_short_by_its_time_limit_says_so_rather_than_that_nothing_fits():
@@ -256,3 +257,27 @@ def test_a_refinement_cut_short_by_its_time_limit_says_so_rather_than_that_nothi
                                         r"0 s of refinement \(0 moves\): the trainer needs 0.1 MB .* but has 0.0 MB "
                                         r"\(trainer_memory\); raise time_limit"):
         plan(shapes, PlannerConfig(group_ps=2, trainer_memory=1e4, time_limit=0))
+
+
+def test_hps_plan_names_a_layer_as_the_run_does_and_as_its_table_does(tmp_path, capsys):
+    # hps plan checked a placement against a Sequential of the Linears alone, the run
+    # against the model's MLP (a ReLU after each hidden Linear): the same refusal named
+    # the last Linear "layer 2" in hps plan and "layer 4" in the run, and neither is
+    # "fc2", its row in hps plan's table (placement[2] in the config).
+    import hps.hierarchical.roles as roles
+    from hps.hierarchical.roles import HierarchicalConfig
+    from hps.torch import mlp
+    placement = ["trainer", "trainer", "ps:vertical"]
+    cfg = tmp_path / "ht.toml"
+    cfg.write_text(f'hidden = [32, 16]\n[ps]\ndim = 8\n[hierarchical]\ngroup_ps = 2\nplacement = {placement!r}\n'
+                   .replace("'", '"'))
+    assert main(["plan", "--config", str(cfg)]) == 2
+    planned = capsys.readouterr().err.strip()
+    with pytest.raises(ValueError) as ran:
+        roles._plan_for(mlp(26 * 8 + 13, [32, 16]), HierarchicalConfig(group_ps=2, placement=placement))
+    assert planned == f"hps plan: {cfg}: {ran.value}"
+    assert "plan: fc2 (16 -> 1, module 4 of the Sequential): its output width of 1 cannot be split over 2 group " \
+           "PSs" in planned, planned
+    cfg.write_text(cfg.read_text().replace('"ps:vertical"]', '"ps:whole:1"]'))
+    assert main(["plan", "--config", str(cfg)]) == 0
+    assert "\nfc2        16 -> 1       group PS 1       whole\n" in capsys.readouterr().out

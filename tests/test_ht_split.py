@@ -85,7 +85,7 @@ def test_a_dead_group_ps_fails_the_job_in_bounded_time_naming_it(tmp_path, how):
     assert p.returncode != 0
     assert took < 30
     if how == "hang":
-        assert "group PS 1 (rank 2) did not answer the forward pass of layer 0 within 2 s" in p.stderr
+        assert "group PS 1 (rank 2) did not answer the forward pass of fc0 within 2 s" in p.stderr
     else:
         # MPICH's launcher ends the job as soon as a rank dies and says by which signal;
         # it names the pid of a process it cleaned up, so the job's start names the
@@ -172,22 +172,22 @@ def test_bad_plans_are_refused_naming_the_layer():
     seq, _ = sc.models()["vertical_horizontal"]
     with pytest.raises(ValueError, match="the plan places 2 Linear layers, the Sequential has 5"):
         segments(seq, SplitPlan([F(), F()], 2))
-    with pytest.raises(ValueError, match=r"Linear 1 \(layer 2, 16 -> 4\) and Linear 2 break the co-partition "
-                                         r"rule"):
+    with pytest.raises(ValueError, match=r"fc1 \(16 -> 4, module 2 of the Sequential\) and fc2 break the "
+                                         r"co-partition rule"):
         segments(seq, SplitPlan([F(), F("ps", "vertical", pair=True), F("ps", "horizontal"), F(), F()], 2))
-    with pytest.raises(ValueError, match=r"Linear 0 \(layer 0, 6 -> 16\) is paired: it must be split vertically "
+    with pytest.raises(ValueError, match=r"fc0 \(6 -> 16, module 0 of the Sequential\) is paired: it must be split vertically "
                                          r"and the next Linear horizontally"):
         segments(seq, SplitPlan([F("ps", "vertical", pair=True), F("ps", "vertical"), F(), F(), F()], 2))
-    with pytest.raises(ValueError, match=r"Linear 4 \(layer 7, 3 -> 1\)'s output width of 1 cannot be split over 3 "
-                                         r"group PSs"):
+    with pytest.raises(ValueError, match=r"fc4 \(3 -> 1, module 7 of the Sequential\): its output width of 1 cannot be "
+                                         r"split over 3 group PSs"):
         segments(seq, SplitPlan([F(), F(), F(), F(), F("ps", "vertical")], 3))
-    with pytest.raises(ValueError, match="Linear 4 .* is paired but is the last Linear"):
+    with pytest.raises(ValueError, match="fc4 .* is paired but is the last Linear"):
         segments(seq, SplitPlan([F(), F(), F(), F(), F("ps", "vertical", pair=True)], 1))
-    with pytest.raises(ValueError, match=r"Linear 0 .*: ps 2 out of range \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"fc0 .*: ps 2 out of range \[0, 2\)"):
         segments(seq, SplitPlan([F("ps", "none", ps=2), F(), F(), F(), F()], 2))
-    with pytest.raises(ValueError, match="Linear 0 .* runs on the trainer, so it cannot be split"):
+    with pytest.raises(ValueError, match="fc0 .* runs on the trainer, so it cannot be split"):
         segments(seq, SplitPlan([F("trainer", "vertical"), F(), F(), F(), F()], 2))
-    with pytest.raises(TypeError, match="layer 1 of the Sequential is Dropout"):
+    with pytest.raises(TypeError, match="module 1 of the Sequential is Dropout"):
         segments(nn.Sequential(nn.Linear(2, 2), nn.Dropout()), SplitPlan([F()], 2))
 
 

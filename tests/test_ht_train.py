@@ -621,6 +621,6 @@ def test_a_placement_that_cannot_be_split_so_is_refused_naming_the_field():
     mlp = nn.Sequential(nn.Linear(4, 2), nn.ReLU(), nn.Linear(2, 1))
     cfg = HierarchicalConfig.from_dict({"group_ps": 3, "placement": ["ps:vertical", "trainer"]})
     with pytest.raises(ValueError, match=re.escape(
-            "[hierarchical] placement ['ps:vertical', 'trainer'] does not fit the MLP: a Linear 0 (layer 0, 4 -> 2)'s "
-            "output width of 2 cannot be split over 3 group PSs")):
+            "[hierarchical] placement ['ps:vertical', 'trainer'] does not fit the MLP: plan: fc0 (4 -> 2, module 0 of the "
+            "Sequential): its output width of 2 cannot be split over 3 group PSs")):
         _plan_for(mlp, cfg)

@@ -6,7 +6,9 @@ layers are split over the group's parameter servers, and traffic is compressed.
 
 The package by concern: :mod:`~hps.hierarchical.codecs` (bf16, int8 per row,
 top-k with error feedback; bytes counted per traffic kind), :mod:`~hps.hierarchical.easgd`
-(the elastic update between group replicas and a centre), :mod:`~hps.hierarchical.split_mlp`
+(the elastic update between group replicas and a centre), :mod:`~hps.hierarchical.placement`
+(a placement plan and its checks against the Linears' widths, without torch),
+:mod:`~hps.hierarchical.split_mlp`
 (an MLP's Linear layers placed on the trainer or split over the group PSs; torch,
 imported from that module only), :mod:`~hps.hierarchical.planner` (the placement:
 rules, then greedy refinement against the modelled bottleneck; ``hps plan``),

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from hps.errors import HpsError
-from hps.hierarchical.split_mlp import FcPlacement, SplitPlan, segments
+# (Not split_mlp, which imports torch: hps plan, and a config's check, need none.)
+from hps.hierarchical.placement import FcPlacement, SplitPlan, check_plan
 
 __all__ = ["PlannerConfig", "NodeCost", "PlanResult", "PlanError", "tag", "costs", "node_costs", "refine", "plan",
            "format_plan", "linear_shapes", "load_plan_config", "plan_of_config"]
@@ -230,7 +231,7 @@ def node_costs(shapes: list, plan: SplitPlan, cfg: PlannerConfig) -> list:
     if len(plan.fcs) != len(shapes):
         raise ValueError(f"node_costs: the plan places {len(plan.fcs)} Linear layers, the shapes have "
                          f"{len(shapes)}")
-    segments(_shape_only(shapes), plan)  # the split MLP's own checks, with its message
+    check_plan(shapes, plan)  # the split MLP's own checks, with its message
     return [{"node": n.name, "layers": list(n.layers), "flops": n.flops, "cpu_s": n.cpu_s,
              "net_bytes": n.net_bytes, "net_s": n.net_s, "memory": n.memory, "time_s": n.time_s}
             for n in costs(shapes, plan, cfg)]
@@ -251,7 +252,7 @@ def _score(shapes, plan, cfg):
 
 
 def _valid(shapes: list, plan: SplitPlan, seen: Optional[dict] = None) -> bool:
-    """Whether `plan` passes split_mlp's checks for a Sequential of these shapes.
+    """Whether `plan` passes the split MLP's checks (placement.check_plan) for these shapes.
     ``seen``: the answers so far for these shapes (one refinement meets a plan many
     times), kept by the caller for its own search: a cache here for the process
     grew with every plan made in it."""
@@ -259,19 +260,13 @@ def _valid(shapes: list, plan: SplitPlan, seen: Optional[dict] = None) -> bool:
     hit = seen.get(key) if seen is not None else None
     if hit is None:
         try:
-            segments(_shape_only(shapes), plan)
+            check_plan(shapes, plan)
             hit = True
         except ValueError:
             hit = False
         if seen is not None:
             seen[key] = hit
     return hit
-
-
-def _shape_only(shapes):
-    """A Sequential of Linears on the meta device: shapes without weights."""
-    from torch import nn
-    return nn.Sequential(*[nn.Linear(i, o, device="meta") for i, o in shapes])
 
 
 def _moves(plan: SplitPlan, j: int) -> list:
@@ -419,8 +414,8 @@ def plan_of_config(path) -> PlanResult:
         if len(ht.placement) != len(shapes):
             raise ValueError(f"{where} names {len(ht.placement)} Linear layers, the MLP has {len(shapes)}")
         fixed = SplitPlan([parse_placement(s, f"{where}[{j}]") for j, s in enumerate(ht.placement)], ht.group_ps)
-        try:  # the split MLP's own checks, as the run makes them
-            segments(_shape_only(shapes), fixed)
+        try:  # the split MLP's own checks, as the run makes them (on the model's MLP: fc<j> is module 2j)
+            check_plan(shapes, fixed)
         except ValueError as e:
             raise ValueError(f"{where} {list(ht.placement)!r} does not fit the MLP: {e}") from None
         given = "the config's placement, not the planner's"

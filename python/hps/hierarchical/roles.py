@@ -190,7 +190,7 @@ class HierarchicalConfig:
 
 def parse_placement(s: str, where: str = "placement"):
     """One Linear's place from its config string."""
-    from hps.hierarchical.split_mlp import FcPlacement
+    from hps.hierarchical.placement import FcPlacement  # (no torch: the config is checked without it)
     if not isinstance(s, str):
         raise ValueError(f"{where}: expected a string like 'ps:vertical', got {s!r}")
     parts = s.split(":")

@@ -46,14 +46,14 @@ from torch import nn
 from hps.distributed import poll
 from hps.errors import HpsError
 from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
+# (The plan and its checks need no torch: a config is checked, and hps plan plans, without it.)
+from hps.hierarchical.placement import FcPlacement, SplitPlan, blocks, check_plan
 
 __all__ = ["FcPlacement", "SplitPlan", "Segment", "segments", "blocks", "GroupPsServer", "SplitTrainer",
            "LocalTransport", "MpiTransport", "GroupPsTimeout", "FINISH_WAITS", "serve", "assemble_state", "shared_copy", "ELEMENTWISE"]
 
 # Activations that act on each value alone, so that a PS may apply them to its block.
 ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.GELU, nn.ELU, nn.SiLU, nn.Identity)
-WHERE = ("trainer", "ps")
-SPLITS = ("none", "vertical", "horizontal")
 
 
 DEFER = "defer"  # GroupPsServer.handle's answer to a step request that waits for the group's other trainers
@@ -69,24 +69,6 @@ class GroupPsTimeout(HpsError):
     """A group PS did not answer within the timeout (it died or hung)."""
 
 
-@dataclass(frozen=True)
-class FcPlacement:
-    where: str = "trainer"   # "trainer" or "ps"
-    split: str = "none"      # on a PS: "none" (one PS holds it), "vertical" (output columns), "horizontal" (input rows)
-    ps: int = 0              # split "none" on a PS: the group PS that holds the layer
-    pair: bool = False       # co-partitioned with the next Linear (this vertical, the next horizontal)
-
-
-@dataclass
-class SplitPlan:
-    fcs: list                # one FcPlacement per nn.Linear, in order
-    group_ps: int = 2        # group PSs that share the PS-held layers
-
-    @classmethod
-    def all_trainer(cls, seq: nn.Sequential, group_ps: int = 2) -> "SplitPlan":
-        return cls([FcPlacement() for _ in linear_indices(seq)], group_ps)
-
-
 @dataclass
 class Segment:
     """Modules [start, stop) of the Sequential that run together on one side."""
@@ -95,6 +77,7 @@ class Segment:
     stop: int
     fcs: tuple = ()          # the Linears' positions in the Sequential
     placement: Optional[FcPlacement] = None
+    name: str = ""           # a PS segment's Linears as hps plan names them: "fc1", "fc0+fc1" (a pair)
 
 
 def linear_indices(seq: nn.Sequential) -> list:
@@ -105,59 +88,23 @@ def linear_indices(seq: nn.Sequential) -> list:
         if isinstance(m, nn.Linear):
             out.append(i)
         elif not isinstance(m, ELEMENTWISE):
-            raise TypeError(f"layer {i} of the Sequential is {type(m).__name__}: only nn.Linear and element-wise "
+            raise TypeError(f"module {i} of the Sequential is {type(m).__name__}: only nn.Linear and element-wise "
                             f"activations ({', '.join(t.__name__ for t in ELEMENTWISE)}) can be placed")
     if not out:
         raise ValueError("the Sequential has no nn.Linear to place")
     return out
 
 
-def blocks(n: int, parts: int, what: str = "width") -> list:
-    """[lo, hi) of `parts` contiguous blocks of n, the first n % parts one longer."""
-    if n < parts:
-        raise ValueError(f"a {what} of {n} cannot be split over {parts} group PSs (one column each at least)")
-    sizes = [n // parts + (i < n % parts) for i in range(parts)]
-    ends = np.cumsum([0] + sizes)
-    return [(int(ends[i]), int(ends[i + 1])) for i in range(parts)]
-
-
 def segments(seq: nn.Sequential, plan: SplitPlan) -> list:
-    """Checks `plan` against `seq` and cuts the Sequential into segments; errors name
-    the Linear (by its position among the Linears and in the Sequential)."""
+    """Checks `plan` against `seq` (placement.check_plan: errors name the Linear as hps
+    plan does, fc<j>, and its module in the Sequential) and cuts the Sequential into
+    segments."""
     fcs = linear_indices(seq)
     if not isinstance(plan, SplitPlan):
         raise TypeError(f"plan must be a SplitPlan, got {type(plan).__name__}")
     if len(plan.fcs) != len(fcs):
         raise ValueError(f"the plan places {len(plan.fcs)} Linear layers, the Sequential has {len(fcs)}")
-    P = plan.group_ps
-    if not (isinstance(P, int) and P >= 1):
-        raise ValueError(f"plan: group_ps must be an int >= 1, got {P!r}")
-    for j, (i, pl) in enumerate(zip(fcs, plan.fcs)):
-        lin = seq[i]
-        name = f"Linear {j} (layer {i}, {lin.in_features} -> {lin.out_features})"
-        if pl.where not in WHERE or pl.split not in SPLITS:
-            raise ValueError(f"plan: {name}: where must be one of {WHERE} and split one of {SPLITS}, got "
-                             f"{pl.where!r}, {pl.split!r}")
-        if pl.where == "trainer" and (pl.split != "none" or pl.pair):
-            raise ValueError(f"plan: {name} runs on the trainer, so it cannot be split or paired")
-        if pl.where == "ps" and pl.split == "none" and not 0 <= pl.ps < P:
-            raise ValueError(f"plan: {name}: ps {pl.ps} out of range [0, {P})")
-        if pl.split == "vertical":
-            blocks(lin.out_features, P, f"{name}'s output width")
-        if pl.split == "horizontal":
-            blocks(lin.in_features, P, f"{name}'s input width")
-        if pl.pair:
-            if j + 1 == len(fcs):
-                raise ValueError(f"plan: {name} is paired but is the last Linear")
-            nxt, npl = seq[fcs[j + 1]], plan.fcs[j + 1]
-            if pl.split != "vertical" or npl.where != "ps" or npl.split != "horizontal" or npl.pair:
-                raise ValueError(f"plan: {name} is paired: it must be split vertically and the next Linear "
-                                 f"horizontally (and not paired itself), got {pl.split!r} then {npl.where!r} "
-                                 f"{npl.split!r}")
-            if not (lin.out_features > lin.in_features and nxt.out_features < nxt.in_features):
-                raise ValueError(f"plan: {name} and Linear {j + 1} break the co-partition rule (the first output "
-                                 f"wider than its input, the second narrower): {lin.in_features} -> "
-                                 f"{lin.out_features} -> {nxt.out_features}")
+    check_plan([(seq[i].in_features, seq[i].out_features) for i in fcs], plan, fcs)
     out: list = []
     pos, j = 0, 0
     while j < len(fcs):
@@ -168,10 +115,10 @@ def segments(seq: nn.Sequential, plan: SplitPlan) -> list:
         if pos < i:
             out.append(Segment("local", pos, i))
         if pl.pair:
-            out.append(Segment("pair", i, fcs[j + 1] + 1, (i, fcs[j + 1]), pl))
+            out.append(Segment("pair", i, fcs[j + 1] + 1, (i, fcs[j + 1]), pl, f"fc{j}+fc{j + 1}"))
             pos, j = fcs[j + 1] + 1, j + 2
         else:
-            out.append(Segment("fc", i, i + 1, (i,), pl))
+            out.append(Segment("fc", i, i + 1, (i,), pl, f"fc{j}"))
             pos, j = i + 1, j + 1
     if pos < len(seq):
         out.append(Segment("local", pos, len(seq)))
@@ -447,11 +394,12 @@ class _RemoteSegment(nn.Module):
     def extra_repr(self) -> str:
         pl = self.seg.placement
         how = "pair" if self.seg.kind == "pair" else pl.split
-        return f"layers {self.seg.start}..{self.seg.stop - 1} on group PS(s) {self.parts}, split {how}"
+        return (f"{self.seg.name} (modules {self.seg.start}..{self.seg.stop - 1}) on group PS(s) {self.parts}, "
+                f"split {how}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_width:
-            raise ValueError(f"layer {self.seg.start}: input of shape {tuple(x.shape)}, expected (B, "
+            raise ValueError(f"{self.seg.name}: input of shape {tuple(x.shape)}, expected (B, "
                              f"{self.in_width})")
         if not torch.is_grad_enabled():  # evaluation: no backward will come
             return self.forward_remote(x.detach(), next(self.calls), keep=False)
@@ -481,7 +429,7 @@ class _RemoteSegment(nn.Module):
             enc = t.counter.encode(t.codecs.get("activations", ("fwd", *self.stream, self.seg.start, p, part.shape)),
                                    "activations", part)
             t.transport.post(p, ("forward", self.seg.start, call, enc, keep))
-        ys = [decode(t.transport.wait(p, f"the forward pass of layer {self.seg.start}")) for p in self.parts]
+        ys = [decode(t.transport.wait(p, f"the forward pass of {self.seg.name}")) for p in self.parts]
         if self.seg.kind == "fc" and self.seg.placement.split == "vertical":
             y = np.concatenate(ys, axis=1)
         else:
@@ -501,7 +449,7 @@ class _RemoteSegment(nn.Module):
             enc = t.counter.encode(t.codecs.get("gradients", ("bwd", *self.stream, self.seg.start, p, part.shape)),
                                    "gradients", part)
             t.transport.post(p, ("backward", self.seg.start, call, enc, want_dx))
-        dxs = [t.transport.wait(p, f"the backward pass of layer {self.seg.start}") for p in self.parts]
+        dxs = [t.transport.wait(p, f"the backward pass of {self.seg.name}") for p in self.parts]
         if not want_dx:
             return None
         dxs = [decode(d) for d in dxs]
