@@ -555,6 +555,36 @@ def test_libsvm_errors_name_line_and_feature(tmp_path):
                                     f"{p}:5: feature index 30 is in no field of data.schema.fields"]
 
 
+@pytest.mark.parametrize("token,message", [("12:x", "'12:x': the value is not a number"),
+                                           ("12:inf", "'12:inf': the value is not finite"),
+                                           ("2:12:1e39", "'2:12:1e39': the value is past float32's range"),
+                                           ("12:1:x", "'12:1:x': the value is not a number")])
+def test_libsvm_value_errors_name_the_field_of_their_index(tmp_path, token, message):
+    # A malformed value raised DataError whose field was None, though its token's index
+    # says which of data.schema.fields it is in (the CSV, Parquet and Criteo readers name
+    # the column): the field named is the one holding the index (libFFM's own field
+    # number, 2 in 2:12:1e39, is the file's, not the schema's).
+    p = tmp_path / "bad.svm"
+    p.write_text(f"1 3:1 12:1\n0 3:1 {token}\n")
+    schema = {"fields": {"user": [0, 9], "item": [10, 19]}}
+    with pytest.raises(DataError, match=re.escape(f"bad.svm:2: {message}")) as e:
+        list(Libsvm(p, schema))
+    want = "user" if token == "12:1:x" else "item"  # (12:1:x is field 12, index 1)
+    assert (e.value.path, e.value.line, e.value.field) == (str(p), 2, want)
+    with pytest.raises(DataError) as e:  # without fields every index is in one, "features"
+        list(Libsvm(p))
+    assert (e.value.line, e.value.field) == (2, "features")
+    # An index that cannot be read, or that is in no field, leaves none to name.
+    p.write_text("1 3:1\n0 x:1\n")
+    with pytest.raises(DataError, match="the index is not a non-negative integer") as e:
+        list(Libsvm(p, schema))
+    assert (e.value.line, e.value.field) == (2, None)
+    p.write_text("1 3:1\n0 30:x\n")
+    with pytest.raises(DataError, match="'30:x': the value is not a number") as e:
+        list(Libsvm(p, schema))
+    assert (e.value.line, e.value.field) == (2, None)
+
+
 
 def test_libsvm_token_of_more_than_three_parts_is_malformed(tmp_path):
     # A feature is index:value or libFFM's field:index:value. A token of more colons

@@ -34,7 +34,9 @@ class DataError(ValueError):
     """Malformed input, with the place it was found.
 
     ``path``, ``line`` (1-based line of a TSV file, or 1-based row of a Parquet
-    file) and ``field`` (a column name such as "I5") are None when unknown.
+    file) and ``field`` (a column name such as "I5"; in libsvm text the field of
+    data.schema.fields that holds the bad feature's index, or for an index in none
+    of them that index) are None when unknown.
     """
 
     def __init__(self, message: str, *, path: Optional[str] = None, line: Optional[int] = None,

@@ -887,12 +887,13 @@ class Libsvm(_SchemaReader):
         errors = []
         for i in np.flatnonzero(kind == _libsvm_lines.BAD):
             text = block[starts[i]:ends[i]].split(b"#", 1)[0].strip()
-            message = self._parse_line(text)
-            if not isinstance(message, str):
+            parsed = self._parse_line_at(text)
+            if not isinstance(parsed[0], str):
                 raise RuntimeError(f"{path}:{first_line + i}: the compiled libsvm parser rejects a line that "
                                    f"_parse_line accepts (a bug in hps.data._libsvm_lines)")
+            message, index = parsed
             ln = first_line + int(i)
-            errors.append(DataError(f"{path}:{ln}: {message}", path=path, line=ln))
+            errors.append(DataError(f"{path}:{ln}: {message}", path=path, line=ln, field=self._field_of(index)))
         example = kind == _libsvm_lines.EXAMPLE
         row_of = np.cumsum(example) - 1  # a line's row among the block's examples
         piece = self._assemble(path, first_line + np.flatnonzero(example), labels[example], row_of[f_line],
@@ -941,33 +942,49 @@ class Libsvm(_SchemaReader):
         return _Piece(np.asarray(labels, np.float32), np.zeros((n, 0), np.float32), np.zeros((n, 0), np.uint64),
                       _sources_of(path, lines), bags)
 
+    def _field_of(self, index: Optional[int]) -> Optional[str]:
+        """The name of the field of data.schema.fields that holds feature index
+        `index` ("features" without fields), or None (no index, or in no field)."""
+        if index is None:
+            return None
+        at = int(np.searchsorted(self._lo, index, side="right")) - 1
+        return self.field_names[self._field[at]] if at >= 0 and index <= self._hi[at] else None
+
     @staticmethod
     def _parse_line(text: bytes):
         """(label, indices, values) of a line, or the message of what is wrong."""
+        parsed = Libsvm._parse_line_at(text)
+        return parsed[0] if isinstance(parsed[0], str) else parsed
+
+    @staticmethod
+    def _parse_line_at(text: bytes):
+        """_parse_line's, but what is wrong as (message, the bad token's index or None
+        where it has none to read), for the error to name the index's field."""
         parts = text.split()
         if parts[0] not in _LABELS:
-            return f"label {_shown(parts[0])} is not 0, 1, -1 or +1"
+            return f"label {_shown(parts[0])} is not 0, 1, -1 or +1", None
         idx, val = [], []
         for p in parts[1:]:
             k, colon, v = p.rpartition(b":")
             if not colon:
-                return f"{_shown(p)} is not index:value"
+                return f"{_shown(p)} is not index:value", None
             if b":" in k:  # libFFM's field:index:value: the field is the schema's to say
                 field, _, k = k.rpartition(b":")
                 if b":" in field:  # (not the index between the last two colons, the rest dropped)
-                    return f"{_shown(p)} is not index:value or field:index:value"
+                    return f"{_shown(p)} is not index:value or field:index:value", None
             if not _UINT_RE.fullmatch(k):
-                return f"{_shown(p)}: the index is not a non-negative integer"
+                return f"{_shown(p)}: the index is not a non-negative integer", None
+            index = int(k) if int(k) < 1 << 63 else None  # (past int64: in no field)
             try:
                 x = float(v)
             except ValueError:
-                return f"{_shown(p)}: the value is not a number"
+                return f"{_shown(p)}: the value is not a number", index
             if not np.isfinite(x):
-                return f"{_shown(p)}: the value is not finite"
+                return f"{_shown(p)}: the value is not finite", index
             if abs(x) >= FLOAT32_OVERFLOW:  # stored as float32, where it would be inf
-                return f"{_shown(p)}: the value is past float32's range (+-3.4028235e38)"
-            if int(k) >= 1 << 63:
-                return f"{_shown(p)}: the index is past 2**63 - 1"
+                return f"{_shown(p)}: the value is past float32's range (+-3.4028235e38)", index
+            if index is None:
+                return f"{_shown(p)}: the index is past 2**63 - 1", None
             idx.append(int(k))
             val.append(x)
         return _LABELS[parts[0]], idx, val
