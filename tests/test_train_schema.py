@@ -2,6 +2,7 @@
 and `hps train` on files of a declared schema."""
 import bz2
 import json
+import os
 import re
 import threading
 
@@ -711,6 +712,43 @@ def test_hps_train_refuses_a_ps_path_inside_a_data_directory(tmp_path):
                                  "hidden": [8], "data": {"source": str(tmp_path / "data"), "schema": SCHEMA}},
                                 "run.toml")
     assert train(cfg, progress=False)["examples"] == 50
+
+
+def test_hps_train_refuses_a_report_directory_inside_a_data_directory(tmp_path, capsys):
+    # --report DIR inside the data: the plots written there at the run's end were listed
+    # as data by the next run or a --resume (a directory gives its files at every depth),
+    # as the [ps] path's checkpoints would be, which is refused; so is the report now,
+    # however the path is spelled (through a link, with "..", relative), naming both paths.
+    from hps.cli import main
+    pytest.importorskip("matplotlib")
+    (tmp_path / "data" / "day=1").mkdir(parents=True)
+    write_csv(tmp_path / "data" / "day=1" / "train.csv", 50, 2)
+    write_csv(tmp_path / "held.csv", 50, 3)
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    csv = ["--label", "click", "--dense", "price", "--no-progress", "--batch-size", "25"]
+    for report, data, eval_data in [
+            (tmp_path / "data" / "plots", tmp_path / "data", tmp_path / "held.csv"),
+            (tmp_path / "link" / "day=1" / "plots", tmp_path / "data", tmp_path / "held.csv"),
+            (tmp_path / "data" / "x" / ".." / "plots", tmp_path / "link", tmp_path / "held.csv"),
+            (tmp_path / "data" / "day=1", tmp_path / "held.csv", tmp_path / "data")]:
+        key = "source" if data.name != "held.csv" else "eval_source"
+        given = tmp_path / "data" if key == "eval_source" else data
+        assert main(["train", "--data", str(data), "--eval-data", str(eval_data), "--path", str(tmp_path / "run"),
+                     "--report", str(report), *csv]) == 2, report
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"hps train: --report {report} is inside the data directory {given} (data.{key}), whose files are "
+            f"read at every depth: the report's plots would be read as data; write them elsewhere, or under a "
+            f"name starting with '.' or '_'")
+        assert not (tmp_path / "run").exists() and not (tmp_path / "data" / "plots").exists()
+    relative = os.path.relpath(tmp_path / "data" / "plots")
+    assert main(["train", "--data", str(tmp_path / "data"), "--path", str(tmp_path / "run"), "--report", relative,
+                 *csv]) == 2
+    assert f"--report {relative} is inside the data directory {tmp_path / 'data'}" in capsys.readouterr().err
+    # Beside the data, or under a name the listing leaves out, it is written.
+    for report in (tmp_path / "plots", tmp_path / "data" / "_plots"):
+        assert main(["train", "--data", str(tmp_path / "data"), "--path", str(tmp_path / f"run-{report.name}"),
+                     "--report", str(report), *csv]) == 0
+        assert json.loads(capsys.readouterr().out)["report"] and any(report.iterdir())
 
 
 def test_hps_train_refuses_held_out_data_inside_the_training_data_directory(tmp_path):

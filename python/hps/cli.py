@@ -270,6 +270,9 @@ def cmd_train(a) -> int:
         cfg.data.eval_source = a.eval_data
     _apply_flags(cfg, a, os.fspath(a.config) if a.config is not None else "")
     _apply_online_flags(cfg, a)
+    if a.report:  # (before training: the plots are written at its end)
+        from hps.train import check_output_outside_data
+        check_output_outside_data(cfg, a.report, "--report", "the report's plots", "write them elsewhere")
     if ht is None:
         summary = train(cfg, resume=a.resume, progress=not a.no_progress)
     else:

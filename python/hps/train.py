@@ -497,13 +497,8 @@ def _check_job_outside_data(cfg: TrainConfig) -> None:
     or "_"): a directory gives its files at every depth, so a resumed run would list the
     job's own checkpoints among its data (and a growing directory would read them as the
     run writes them). So is held-out data inside the training data's directory."""
-    job = os.path.realpath(cfg.ps.path)
-    for name in ("source", "eval_source"):
-        for path in _local_dirs(getattr(cfg.data, name)):
-            if _listed_under(job, path):
-                raise ValueError(f"[ps] path {cfg.ps.path} is inside the data directory {path} (data.{name}), "
-                                 f"whose files are read at every depth: the run's checkpoints would be read "
-                                 f"as data; put the job elsewhere, or under a name starting with '.' or '_'")
+    check_output_outside_data(cfg, cfg.ps.path, "[ps] path", "the run's checkpoints",
+                              "put the job elsewhere")
     # Held-out data the training data's listing takes (data/eval/ under data/) would be
     # trained on, and the evaluations would score examples the model was fitted to.
     evals = cfg.data.eval_source if isinstance(cfg.data.eval_source, (list, tuple)) else \
@@ -516,6 +511,22 @@ def _check_job_outside_data(cfg: TrainConfig) -> None:
                 raise ValueError(f"data.eval_source {held} is inside the training data directory {path} "
                                  f"(data.source), whose files are read at every depth: the held-out examples "
                                  f"would be trained on; move them out, or under a name starting with '.' or '_'")
+
+
+def check_output_outside_data(cfg: TrainConfig, output, named: str, what: str, instead: str) -> None:
+    """Raises ValueError when `output` (a directory the run writes, `named` so by the
+    message: "[ps] path", "--report") is inside a local data directory (data.source or
+    data.eval_source) under names its listing takes: a directory gives its files at
+    every depth, so `what` it holds would be read as data by a later run or a resume
+    (a growing directory: as they are written). Compared by real paths, so that a
+    link or ".." does not hide it."""
+    real = os.path.realpath(output)
+    for name in ("source", "eval_source"):
+        for path in _local_dirs(getattr(cfg.data, name)):
+            if _listed_under(real, path):
+                raise ValueError(f"{named} {os.fspath(output)} is inside the data directory {path} (data.{name}), "
+                                 f"whose files are read at every depth: {what} would be read as data; {instead}, "
+                                 f"or under a name starting with '.' or '_'")
 
 
 def _local_dirs(given) -> list:
