@@ -714,6 +714,44 @@ def test_hps_train_refuses_a_ps_path_inside_a_data_directory(tmp_path):
     assert train(cfg, progress=False)["examples"] == 50
 
 
+def test_hps_train_refuses_outputs_and_held_out_data_a_data_directory_reaches_through_a_link(tmp_path, capsys):
+    # A directory's listing follows links: data/more -> elsewhere/ lists elsewhere/run/...
+    # too. The checks compared the job's (the report's, the held-out data's) real path
+    # with the data directory's alone, so one under a link's target passed: a --resume
+    # read the job's checkpoints as data, and held-out examples were trained on.
+    from hps.cli import main
+    (tmp_path / "data").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    write_csv(tmp_path / "data" / "train.csv", 50, 2)
+    write_csv(tmp_path / "held.csv", 50, 3)
+    (tmp_path / "data" / "more").symlink_to(tmp_path / "elsewhere")
+    data = {"source": str(tmp_path / "data"), "schema": SCHEMA}
+
+    def config(path, **more):
+        return TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(path)}, "torch_threads": 1, "hidden": [8],
+                                      "data": {**data, **more}}, "run.toml")
+
+    job = tmp_path / "elsewhere" / "run"
+    with pytest.raises(ValueError, match=rf"^\[ps\] path {re.escape(str(job))} is inside the data directory "
+                                         rf"{re.escape(str(tmp_path / 'data'))} \(data.source\), whose files are "
+                                         rf"read at every depth"):
+        train(config(job), progress=False)
+    assert not job.exists()
+    report = tmp_path / "elsewhere" / "plots"
+    assert main(["train", "--data", str(tmp_path / "data"), "--path", str(tmp_path / "run"), "--report", str(report),
+                 "--label", "click", "--dense", "price", "--no-progress"]) == 2
+    assert f"--report {report} is inside the data directory {tmp_path / 'data'}" in capsys.readouterr().err
+    (tmp_path / "held.csv").rename(tmp_path / "elsewhere" / "held.csv")
+    with pytest.raises(ValueError, match=rf"data.eval_source {re.escape(str(tmp_path / 'elsewhere' / 'held.csv'))} "
+                                         rf"is inside the training data directory"):
+        train(config(tmp_path / "run", eval_source=str(tmp_path / "elsewhere" / "held.csv")), progress=False)
+    assert not (tmp_path / "run").exists()
+    # A link under a name the listing leaves out is not followed: the job may lie there.
+    (tmp_path / "data" / "more").rename(tmp_path / "data" / "_more")
+    assert train(config(job, eval_source=str(tmp_path / "elsewhere" / "held.csv")), progress=False)["examples"] == 50
+    assert train(config(job), resume=True, progress=False)["examples"] == 50
+
+
 def test_hps_train_refuses_a_report_directory_inside_a_data_directory(tmp_path, capsys):
     # --report DIR inside the data: the plots written there at the run's end were listed
     # as data by the next run or a --resume (a directory gives its files at every depth),

@@ -537,9 +537,13 @@ def _local_dirs(given) -> list:
 
 def _listed_under(path: str, directory: str) -> bool:
     """Whether `path` (real) lies under `directory` by names its listing takes (none
-    starting with "." or "_")."""
-    inside = os.path.relpath(path, os.path.realpath(directory)).split(os.sep)
-    return inside[0] != ".." and all(hdata.files._visible(part) for part in inside if part != ".")
+    starting with "." or "_"): under its real path, or under the target of a link
+    to a directory that its listing follows."""
+    for root in hdata.files._listed_roots(directory):
+        inside = os.path.relpath(path, root).split(os.sep)
+        if inside[0] != ".." and all(hdata.files._visible(part) for part in inside if part != "."):
+            return True
+    return False
 
 
 def _source_name(source) -> str:

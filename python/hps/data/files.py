@@ -180,6 +180,39 @@ def _expand(path: str) -> list[str]:
     return found
 
 
+def _listed_roots(top: str) -> list[str]:
+    """The real paths of the directories whose files a listing of directory ``top``
+    takes at every depth: ``top``'s own, and the target of each link to a directory
+    that the listing follows (under names it takes, as _walk follows them). A check
+    that a path is no data compares it with each: the real path of ``top`` alone
+    missed one reached through a link (data/more -> elsewhere/)."""
+    roots = [os.path.realpath(top)]
+
+    def visit(directory: str, above: frozenset) -> None:
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError:  # (gone, or unreadable: the listing names it)
+            return
+        for entry in entries:
+            if not _visible(entry.name):
+                continue
+            try:
+                if not entry.is_dir():
+                    continue
+                real = os.path.realpath(entry.path)
+                if real in above:  # (a link to a directory that holds it: the listing refuses it)
+                    continue
+                if entry.is_symlink():
+                    roots.append(real)
+                visit(entry.path, above | {real})
+            except OSError:
+                continue
+
+    visit(top, frozenset(roots))
+    return roots
+
+
 def list_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> list[str]:
     """Data files named by ``paths``: a path, glob or directory, or a list of them.
 
