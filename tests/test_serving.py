@@ -657,6 +657,28 @@ def test_export_with_state_of_an_optimizer_that_keeps_none_is_refused_before_wri
     assert export(root, tmp_path / "e", "c")["rows"] == 5  # (without it, as before)
 
 
+def test_export_refuses_a_directory_inside_the_job(tmp_path, capsys):
+    """--to inside the job's own directory: an export into <job>/checkpoints/ was removed
+    without a word by the job's next checkpoint (it keeps only its own there), and the
+    job's directory is the server's throughout. Refused however the path is spelled (a
+    link, ".."), naming both."""
+    from hps.export import export
+    root = tmp_path / "job"
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=3, path=str(root), optimizer=hps.SGD(lr=1.0)))
+    ps.push(np.arange(5, dtype=np.uint64), np.ones((5, 3), np.float32))
+    ps.checkpoint()
+    (tmp_path / "link").symlink_to(root)
+    for to in (root / "checkpoints" / "e", root / "e", tmp_path / "link" / "e", tmp_path / "x" / ".." / "job" / "e"):
+        with pytest.raises(ValueError, match=f"^--to {re.escape(str(to))} is inside the job's directory "
+                                             f"{re.escape(str(root))}: "):
+            export(root, to, "c")
+        assert not os.path.exists(to)
+    assert main(["export", str(root), "--to", str(root / "checkpoints" / "e")]) == 2
+    assert f"--to {root / 'checkpoints' / 'e'} is inside the job's directory {root}" in capsys.readouterr().err
+    ps.close()
+    assert export(root, tmp_path / "e", "c")["rows"] == 5  # (beside it, as before)
+
+
 def test_export_errors_name_the_argument(job, tmp_path, capsys):
     from hps.export import export
     assert main(["export", str(job), "--to", str(tmp_path / "x"), "--consumer", "../up"]) == 2

@@ -149,6 +149,7 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
         raise ValueError(f"chunk_rows = {chunk_rows!r}: must be an int >= 1")
     _check_to(to)
+    _check_to_outside(root, to)
     exports = os.path.join(root, jobdir.EXPORTS)
     # Nothing is written before the job has a finished checkpoint: a directory that
     # training has yet to start in must stay empty (it refuses a non-empty one).
@@ -163,6 +164,16 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
 def _check_to(to: str) -> None:
     if os.path.exists(to) and (not os.path.isdir(to) or set(os.listdir(to)) - {TO_LOCK}):
         raise ValueError(f"--to {to}: exists and is not an empty directory; give a new one for each export")
+
+
+def _check_to_outside(root: str, to: str) -> None:
+    """Refuses ``to`` inside the job's directory, compared by real paths (a link or ".."
+    spelled it otherwise): the directory is the server's, and its next checkpoint
+    removes what it does not know under checkpoints/ (an export there was lost)."""
+    real, job = os.path.realpath(to), os.path.realpath(root)
+    if os.path.commonpath([real, job]) == job:
+        raise ValueError(f"--to {to} is inside the job's directory {root}: the directory is the parameter "
+                         f"server's (a checkpoint removes what it does not know in checkpoints/); give one outside it")
 
 
 def _lock_to(to: str) -> int:
