@@ -1441,6 +1441,21 @@ class _OneRankNode:
         return [obj]
 
 
+def test_a_new_jobs_directory_is_durable_once_its_record_is_written(tmp_path, monkeypatch):
+    """Rank 0 makes a new job's directory (and any above it) and writes job.json
+    there; the directories' entries were never synced in their parents, so a
+    power loss could take the job, its checkpoints with it, after they finished
+    (an fsync of a directory does not persist its own entry). The calls are
+    logged (tests/durable_names.py): the page cache hides this from a reopen."""
+    from durable_names import NameLog
+    from hps.train import _prepare_job
+    log = NameLog(monkeypatch)
+    cfg = sc.train_config(str(tmp_path / "new" / "job"))
+    assert _prepare_job(cfg, _OneRankNode(), resume=False) is None
+    assert os.path.exists(tmp_path / "new" / "job" / "job.json")
+    assert log.unsynced(tmp_path) == []
+
+
 @pytest.mark.parametrize("how", ["push", "batch"])
 def test_a_finite_sparse_gradient_that_bf16_rounds_to_infinity_is_refused_before_any_owner_steps(tmp_path, how):
     """A sparse gradient of 3.4e38 (float32's largest) is finite, so the check for

@@ -356,6 +356,24 @@ def test_a_checkpoint_outlives_the_compactions_that_delete_its_files(tmp_path):
     np.testing.assert_array_equal(ps.pull(probe), reference(cfg).pull(probe))
 
 
+def test_a_finished_checkpoint_survives_a_power_loss_from_the_directories_made_for_its_path(tmp_path,
+                                                                                            monkeypatch):
+    """Every directory entry that a finished checkpoint is reached by is synced
+    before checkpoint() returns: the directories made for a new path (and above
+    it) too. Their names were never synced, so a power loss after the checkpoint
+    returned could take the whole job directory (an fsync of a directory does not
+    persist its own entry in the one above it). The page cache hides this from
+    any reopen, so the calls are logged (tests/durable_names.py)."""
+    from durable_names import NameLog
+    log = NameLog(monkeypatch)
+    ps = hps.ParameterServer(config(tmp_path / "new" / "deeper" / "ps"))
+    for keys, grads in random_steps(9, 10):
+        ps.push(keys, grads)
+    ps.checkpoint()
+    ps.close()
+    assert log.unsynced(tmp_path) == []
+
+
 def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
     """A server at ``<job>/rank<r>`` (r below job.json's world) opened at its last
     checkpoint opens at the one job.json names, which the job resumes every rank at:

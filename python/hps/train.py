@@ -49,8 +49,8 @@ from hps.errors import DivergedError
 from hps.jobdir import HT_LAYOUT, TRAINER_STATE, read_job_record, write_trainer_state  # (those two: in a checkpoint)
 from hps.metrics import auc, logloss
 from hps.parameter_server import (CHECKPOINTS, FORMAT_VERSION, JOB_MANIFEST, LAST, METADATA, RUN, WRITER_LOCK,
-                                  ParameterServer, ParameterServerConfig, _lock_path, _remove_tree, _replace_durable,
-                                  _write_durable, PathInUseError, mem_lookahead_room, new_run_id)
+                                  ParameterServer, ParameterServerConfig, _lock_path, _make_dirs_durable, _remove_tree,
+                                  _replace_durable, _write_durable, PathInUseError, mem_lookahead_room, new_run_id)
 from hps.pipeline import MAX_LOOKAHEAD, Loaded, Pipeline, batches_ahead, depths_for
 from hps.tuning import (ThreadTuner, dense_adam, import_torch, keep_freed_memory,  # (also hps.train.X, as before)
                          usable_cpus)
@@ -1351,7 +1351,7 @@ def _prepare_job(cfg: TrainConfig, node: Node, resume: bool, widths: Optional[tu
             _notice(f"--resume: {root} holds no job yet: starting from batch 0")
         if os.path.exists(root) and os.listdir(root):
             raise ValueError(f"{root} is not empty; pass --resume to continue the job there, or give a new path")
-        os.makedirs(root, exist_ok=True)
+        _make_dirs_durable(root)
         _write_json_atomic(manifest, {"world": node.size, "step": 0, "checkpoint": None, RUN: new_run_id()})
         return None
     try:
