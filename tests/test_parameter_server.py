@@ -359,18 +359,22 @@ def test_a_checkpoint_outlives_the_compactions_that_delete_its_files(tmp_path):
 def test_a_finished_checkpoint_survives_a_power_loss_from_the_directories_made_for_its_path(tmp_path,
                                                                                             monkeypatch):
     """Every directory entry that a finished checkpoint is reached by is synced
-    before checkpoint() returns: the directories made for a new path (and above
-    it) too. Their names were never synced, so a power loss after the checkpoint
-    returned could take the whole job directory (an fsync of a directory does not
-    persist its own entry in the one above it). The page cache hides this from
+    before the metadata names it (a rename, which may reach the disk before any
+    sync): the directories made for a new path (and above it) and checkpoints/
+    too. Their names were synced late or never, so a power loss could take the
+    whole job directory after the checkpoint returned (an fsync of a directory
+    does not persist its own entry in the one above it), or leave metadata naming
+    a checkpoint that checkpoints/ was lost with. The page cache hides this from
     any reopen, so the calls are logged (tests/durable_names.py)."""
     from durable_names import NameLog
     log = NameLog(monkeypatch)
-    ps = hps.ParameterServer(config(tmp_path / "new" / "deeper" / "ps"))
+    path = tmp_path / "new" / "deeper" / "ps"
+    ps = hps.ParameterServer(config(path))
     for keys, grads in random_steps(9, 10):
         ps.push(keys, grads)
     ps.checkpoint()
     ps.close()
+    assert log.unsynced(tmp_path, before=log.index_of_entry(path / hps.parameter_server.METADATA)) == []
     assert log.unsynced(tmp_path) == []
 
 

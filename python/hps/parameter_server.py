@@ -1632,6 +1632,9 @@ class ParameterServer:
             tmp = final + ".tmp"
             for leftover in (tmp, final):  # of a checkpoint that a crash left unfinished
                 _remove_tree(leftover)
+            # checkpoints/ (made by the first checkpoint) is named in the path before the
+            # metadata's rename, which may reach the disk before any sync, names a checkpoint in it.
+            _make_dirs_durable(os.path.dirname(final))
             os.makedirs(os.path.join(tmp, _STORE_DIR))
             write_store_digest(tmp, self._snapshot_store(os.path.join(tmp, _STORE_DIR)))
             _write_durable(os.path.join(tmp, SERVER_STEP), json.dumps({"step": self._step}).encode())
