@@ -214,6 +214,30 @@ def test_a_reshard_cut_short_before_the_switch_leaves_the_old_job_resumable(tmp_
         assert json.loads((old / f"rank{r}.json").read_text())["finished_before"]["batches"] == STEPS + 2
 
 
+@pytest.mark.parametrize("old_world,new_world", [(1, 2), (2, 3), (2, 1)])
+def test_what_the_switch_names_survives_a_power_loss(tmp_path, two_ranks, monkeypatch, old_world, new_world):
+    """Every directory entry of the resharded job is synced before the switch (the
+    rename of job.json, or of it to resharded-from.json), which may reach the disk
+    before any sync and is followed by the removal of the old job's files. A new
+    rank's metadata and checkpoints/ were never synced in its directory: a power
+    loss after the reshard could leave the job naming a checkpoint that the rank
+    lost, and the old job's files removed. The page cache hides this from any
+    reopen, so the calls are logged (tests/durable_names.py)."""
+    from durable_names import NameLog
+    from hps import reshard
+    old = copy_of(two_ranks, tmp_path) if old_world == 2 else old_job(tmp_path, old_world)
+    root = old / "job"
+    log = NameLog(monkeypatch)
+    if new_world == 1:
+        reshard.to_one_process(str(root))
+        switch = root / "resharded-from.json"
+    else:
+        reshard_in_process(root, new_world)
+        switch = root / "job.json"
+    assert log.unsynced(root, before=log.index_of_entry(switch)) == []
+    assert log.unsynced(root) == []
+
+
 @pytest.mark.parametrize("missing", ["parameter file", "dense state", "checkpoint"])
 def test_an_incomplete_checkpoint_is_named_and_nothing_is_written(tmp_path, two_ranks, missing):
     from hps import reshard

@@ -87,8 +87,9 @@ from hps.distributed.sparse import owner_ranks
 from hps.jobdir import (MANIFEST, MARKER, RESHARDED_FILE, STORE_DIR, TRAINER_STATE, file_name, latest_records,
                         open_store, pin, read_job, read_job_record, read_json, replay_manifest, write_trainer_state)
 from hps.parameter_server import (CHECKPOINTS, JOB_MANIFEST, METADATA, RUN, SERVER_STEP, WRITER_LOCK, PathInUseError,
-                                  _lock_path, _remove_tree, _replace_durable, _sync_dir, _write_durable, bound_store,
-                                  check_store_digest, checkpoint_step, new_run_id, write_store_digest)
+                                  _lock_path, _make_dirs_durable, _remove_tree, _replace_durable, _sync_dir,
+                                  _write_durable, bound_store, check_store_digest, checkpoint_step, new_run_id,
+                                  write_store_digest)
 
 RESHARDED = "resharded_from"   # job.json: the world and checkpoint the job was resharded from
 _CHUNK = 1 << 16               # rows moved per get / put
@@ -373,7 +374,7 @@ def take_new_ranks(root: str, world: int, hold: Hold) -> None:
     for r in range(world):
         if job.distributed and r < job.world:
             continue  # (an old rank's: check_source holds it)
-        os.makedirs(_rank_dir(root, r), exist_ok=True)
+        _make_dirs_durable(_rank_dir(root, r))  # (synced in the root before the switch names it)
         hold.take(_rank_dir(root, r), f"rank {r} of the job at {root} as resharded", new_rank=True)
 
 
@@ -403,7 +404,7 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False, held
             # No rank of the old job, so check_source's Hold has it not: what is there an earlier
             # reshard that did not finish left, unless a server is open there (a run or another
             # reshard), whose files must not go from under it. (take_new_ranks checked that.)
-            os.makedirs(rank_dir, exist_ok=True)
+            _make_dirs_durable(rank_dir)
             if not held:
                 try:
                     lock = _lock_path(rank_dir, doing=f"resharding the job at {root}")
@@ -495,6 +496,10 @@ def write_rank(root: str, world: int, rank: int, one_process: bool = False, held
         _sync_dir(tmp)
         os.rename(tmp, final)
         _sync_dir(os.path.dirname(final))
+        # The metadata and checkpoints/ made above in a new rank's directory: synced there
+        # before the switch (a rename that may reach the disk first) names the checkpoint,
+        # and the old job's files go.
+        _sync_dir(rank_dir)
         if one_process:  # the root's server names it (read only once job.json is gone)
             meta = {**job.metadata, "checkpoint": number, "step": step, RUN: run_id}
             _write_durable(os.path.join(root, METADATA + ".tmp"), json.dumps(meta, indent=1).encode())
