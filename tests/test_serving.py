@@ -562,6 +562,26 @@ def test_a_full_export_holds_every_row_of_the_checkpoint(job, tmp_path, capsys):
     assert not meta2["full"] and meta2["since_checkpoint"] == 6 and meta2["rows"] == 0 and table2["key"] == []
 
 
+def test_an_export_is_durable_before_its_position_moves(job, tmp_path, monkeypatch):
+    """The position moves (the rename of exports/<consumer>.json: the export's
+    commit point, which may reach the disk before any sync) only once every entry
+    the export made is synced: the output directory (and any made above it) and
+    exports/. They were not synced in their parents: a power loss could keep the
+    moved position and lose the rows' files, and the next delta skipped those rows.
+    The page cache hides this from any reader, so the calls are logged
+    (tests/durable_names.py)."""
+    from durable_names import NameLog
+    from hps.export import TO_LOCK, export
+    root = tmp_path / "job"
+    shutil.copytree(job, root, ignore=shutil.ignore_patterns("exports"))
+    log = NameLog(monkeypatch)
+    export(root, tmp_path / "out" / "first", "t-durable")
+    position = root / "exports" / "t-durable.json"
+    lock_files = (".hps-writer.lock", TO_LOCK)
+    assert log.unsynced(tmp_path, before=log.index_of_entry(position), ignore=lock_files) == []
+    assert log.unsynced(tmp_path, ignore=lock_files) == []
+
+
 def test_int8_rows_are_within_half_a_scale_of_the_embedding(job, tmp_path):
     from hps.export import export
     export(job, tmp_path / "f", "t-f32", full=True)

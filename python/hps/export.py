@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from hps import jobdir
-from hps.parameter_server import PathInUseError, _replace_durable, _sync_dir, _write_durable
+from hps.parameter_server import PathInUseError, _make_dirs_durable, _replace_durable, _sync_dir, _write_durable
 
 EXPORT_META = "_export.json"    # in the output directory, written last
 TO_LOCK = ".hps-export.lock"    # in the output directory: flock'ed while an export writes there (kept)
@@ -155,7 +155,7 @@ def export(root, to, consumer: str = "default", *, full: bool = False, int8: boo
     # training has yet to start in must stay empty (it refuses a non-empty one).
     if jobdir.read_job(root).checkpoint is None:
         raise FileNotFoundError(f"{root}: the job has no finished checkpoint yet")
-    os.makedirs(exports, exist_ok=True)
+    _make_dirs_durable(exports)  # (synced in the root before a position there counts)
     with open(os.path.join(exports, f"{consumer}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one export of a consumer at a time; other consumers run freely
         return _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_rows)
@@ -184,7 +184,9 @@ def _lock_to(to: str) -> int:
     emulates flock with a write lock, which a directory cannot be opened for. It
     stays (pyarrow skips names that begin with '.'): removed, a later export could
     lock a new file of that name while one that opened the old one still writes."""
-    os.makedirs(to, exist_ok=True)
+    # Synced in its parent (and any directory made above it) before the position moves:
+    # a power loss after that could otherwise keep the position and lose the rows' files.
+    _make_dirs_durable(to)
     fd = os.open(os.path.join(to, TO_LOCK), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
