@@ -200,6 +200,42 @@ def test_resuming_a_run_finished_by_a_run_that_failed_after_its_checkpoint_shows
     assert "is finished: 4,000 examples in 4 batches" in err
     assert line is None or line.get("final", {}).get("batches") in (None, 4), line
 
+
+def test_resuming_a_run_whose_summary_a_full_disk_cut_short_says_it_is_finished(capsys, tmp_path, monkeypatch):
+    """A run's disk fills (RLIMIT_FSIZE: a write past it fails with EFBIG) as it
+    writes train-summary.json, after its final checkpoint. The summary was written
+    in place: the run that failed had emptied the one before and left a few bytes
+    of its own, and resuming the finished run then failed on them (a JSON error)
+    until the file was removed by hand. Written aside and renamed over, it is the
+    whole summary before, or the whole one after."""
+    import resource
+    import signal
+    import hps.train
+    rc, first, err = run(capsys, tmp_path, "--examples", "2000")
+    assert rc == 0, err
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails; the process goes on)
+    try:
+        with monkeypatch.context() as m:  # (called after the final checkpoint, before the summary)
+            m.setattr(hps.train, "_malformed_report",
+                      lambda *args: resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1])))
+            rc, _, err = run(capsys, tmp_path, "--examples", "4000", "--resume")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, xfsz)
+    assert rc != 0 and "File too large" in err, err
+    summary = tmp_path / "ps" / "train-summary.json"
+    json.loads(summary.read_text())  # whole
+    rc, line, err = run(capsys, tmp_path, "--examples", "4000", "--resume")
+    assert rc == 0, err
+    assert "is finished: 4,000 examples in 4 batches" in err
+    # One that an older hps left cut short is taken for none.
+    summary.write_text(summary.read_text()[:64])
+    rc, line, err = run(capsys, tmp_path, "--examples", "4000", "--resume")
+    assert rc == 0, err
+    assert "is finished: 4,000 examples in 4 batches" in err
+
+
 @pytest.mark.skipif(not os.path.exists(SAMPLE), reason="../shared/data/criteo-sample is absent")
 def test_examples_on_files_trains_the_first_n_or_says_the_files_hold_fewer(capsys, tmp_path):
     big = ("--mem-budget", "4MiB")  # Criteo's 26 fields

@@ -1889,8 +1889,10 @@ def _train(cfg: TrainConfig, trainer: Trainer, progress: bool, on_eval, source, 
             and trainer.examples_done < asked * cfg.data.epochs:
         summary["short"] = (f"the data held {trainer.examples_done:,} examples, fewer than the "
                             f"{asked * cfg.data.epochs:,} asked" + (f" ({asked:,} a pass, {cfg.data.epochs} epochs)" if cfg.data.epochs > 1 else ""))
-    with open(os.path.join(trainer.state_dir, SUMMARY), "w") as f:
-        json.dump(_jsonable(summary), f, indent=1)
+    # Written aside, then renamed over: in place, a full disk or a crash in the middle
+    # left the summary before emptied and a few bytes of this one, which a resume of the
+    # finished run (_finished_before) could not read.
+    _write_json_atomic(os.path.join(trainer.state_dir, SUMMARY), _jsonable(summary))
     trainer.ps.close()
     if node is not None:
         node.close()
@@ -1942,8 +1944,11 @@ def _finished_before(cfg: TrainConfig, trainer: Trainer) -> dict:
     path = os.path.join(trainer.state_dir, SUMMARY)
     summary = None
     if os.path.exists(path):
-        with open(path) as f:
-            summary = json.load(f)
+        try:
+            with open(path) as f:
+                summary = json.load(f)
+        except ValueError:  # cut short (an older hps wrote it in place: see _train's end): as gone
+            summary = {}
         if (summary.get("examples"), summary.get("batches")) != (trainer.examples_done, trainer.batches_done):
             # An older run's: the run that made the last checkpoint failed before it
             # wrote its own (a crash, a full disk), and its summary was shown as this one's.
