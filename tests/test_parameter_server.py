@@ -378,6 +378,49 @@ def test_a_finished_checkpoint_survives_a_power_loss_from_the_directories_made_f
     assert log.unsynced(tmp_path) == []
 
 
+def test_a_checkpoint_whose_metadata_sync_failed_is_not_removed_by_the_next_one(tmp_path, monkeypatch):
+    """Checkpoint 2's metadata is renamed into place, then the sync of its directory
+    fails (EIO): checkpoint() raises, and the metadata names 2 (the rename may
+    stand). The server still took 1 for its last, so the next checkpoint was
+    numbered 2 again and removed checkpoint 2 as a leftover first: failing too
+    (ENOSPC in its snapshot, here), it left metadata naming a checkpoint that was
+    gone, and the server would not open. It is numbered 3 now, and the server
+    opens at 2."""
+    import errno
+    import json
+    from hps import parameter_server as hps_ps
+    cfg = config(tmp_path / "ps")
+    ps, ref = hps.ParameterServer(cfg), reference(cfg)
+    probe = np.arange(300, dtype=np.uint64)
+    for seed in (10, 11):
+        for keys, grads in random_steps(seed, 10):
+            ps.push(keys, grads)
+            ref.push(keys, grads)
+        if seed == 10:
+            assert ps.checkpoint() == 1
+    at_two = ref.pull(probe)
+    metadata, real_sync = os.path.join(cfg.path, hps_ps.METADATA), hps_ps._sync_dir
+
+    def sync_fails_once_the_metadata_names_2(path):
+        with open(metadata) as f:
+            if os.path.samefile(path, cfg.path) and json.load(f)["checkpoint"] == 2:
+                raise OSError(errno.EIO, "sync directory: Input/output error", path)
+        real_sync(path)
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    for failing, fn, said in (("_sync_dir", sync_fails_once_the_metadata_names_2, "Input/output error"),
+                              ("_snapshot_store", no_space, "No space left")):
+        with monkeypatch.context() as m:
+            m.setattr(hps_ps if failing == "_sync_dir" else hps.ParameterServer, failing, fn)
+            with pytest.raises(OSError, match=said):
+                ps.checkpoint()
+    ps.close()
+    ps = hps.ParameterServer.open(cfg.path)
+    assert ps.checkpoint_number == 2
+    np.testing.assert_array_equal(ps.pull(probe), at_two)
+
+
 def test_a_rank_of_a_job_opens_at_the_checkpoint_job_json_names(tmp_path):
     """A server at ``<job>/rank<r>`` (r below job.json's world) opened at its last
     checkpoint opens at the one job.json names, which the job resumes every rank at:

@@ -1149,6 +1149,14 @@ class ParameterServer:
         _write_durable(path + ".tmp", json.dumps(meta, indent=1).encode())
         _replace_durable(path + ".tmp", path)
 
+    def _stored_checkpoint(self) -> Optional[int]:
+        """The checkpoint the metadata file names now (None: none, or unreadable)."""
+        try:
+            with open(self._metadata_path(), "rb") as f:
+                return json.loads(f.read()).get("checkpoint")
+        except (OSError, ValueError, AttributeError):
+            return None
+
     # ------------------------------------------------------------ checkpoints
     @property
     def checkpoint_number(self) -> Optional[int]:
@@ -1643,7 +1651,15 @@ class ParameterServer:
             _sync_dir(tmp)
             os.rename(tmp, final)
             _sync_dir(os.path.dirname(final))
-            self._write_metadata(number)  # the commit point
+            try:
+                self._write_metadata(number)  # the commit point
+            except BaseException:
+                # The rename may have been made before what failed (the sync of its
+                # directory): the metadata names `number` then, and the next checkpoint,
+                # numbered `number` again, would remove it as a leftover first.
+                if self._stored_checkpoint() == number:
+                    self._checkpoint = number
+                raise
             self._checkpoint = number
             self._count(checkpoints=1)
             if not keep_previous:
