@@ -237,6 +237,125 @@ def run_badkeys(node, out: str, args) -> None:
     server.close()
 
 
+def raised_by(call) -> str:
+    """What call() raised, as "Type: message" ("" for nothing)."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - written for the test
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def run_onerankrefuses(node, out: str, args) -> None:
+    """Calls of a DistributedServer and of its batches that the last rank alone
+    refuses, for its own input (a float key, a reserved key, gradients of another
+    shape or not finite, a window of float keys, a source that raises); every
+    rank catches what its call raised and goes on to the next. Each rank writes
+    what each call raised, and whether the rows of the keys pulled first are as
+    they were after them: no refused call changed a row."""
+    import hps
+    from hps.data import Batch
+    from hps.distributed import DistributedServer
+    bad = node.rank == node.size - 1
+    server = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), budget="1MiB")),
+                               node)
+    keys = np.arange(1, 41, dtype=np.uint64)
+    grads = np.ones((len(keys), DIM), np.float32)
+    nan = grads.copy()
+    nan[3, 1] = np.nan
+    reserved = np.append(keys, np.uint64(hps.EMPTY_KEY))
+    before = server.pull(keys)
+
+    def prefetched(k, upcoming=None):
+        server.prefetch(k, upcoming=upcoming).release()
+
+    def step(g):
+        pre = server.prefetch(keys)
+        try:
+            batch = server.batch(pre)
+            batch.push(keys, g)
+            batch.finish()
+        finally:
+            pre.release()
+
+    def source():
+        yield Batch(np.zeros(2, np.float32), np.zeros((2, 1), np.float32), keys[:4].reshape(2, 2))
+        if bad:
+            raise ValueError("line 3 of this rank's data is malformed")
+        yield Batch(np.zeros(2, np.float32), np.zeros((2, 1), np.float32), keys[4:8].reshape(2, 2))
+    empty = Batch(np.zeros(0, np.float32), np.zeros((0, 1), np.float32), np.zeros((0, 2), np.uint64))
+    calls = {"pull float keys": lambda: server.pull(keys.astype(np.float64) if bad else keys),
+             "pull reserved key": lambda: server.pull(reserved if bad else keys),
+             "push grads of another shape": lambda: server.push(keys, grads[1:] if bad else grads),
+             "push nan": lambda: server.push(keys, nan if bad else grads),
+             "push reserved key": lambda: server.push(reserved if bad else keys,
+                                                      np.ones((len(reserved) if bad else len(keys), DIM), np.float32)),
+             "prefetch float keys": lambda: prefetched(keys.astype(np.float64) if bad else keys),
+             "lookahead float keys": lambda: prefetched(keys, [keys.astype(np.float64) if bad else keys]),
+             "batch nan": lambda: step(nan if bad else grads),
+             "source raises": lambda: list(server.aligned(source(), empty))}
+    errors = {name: raised_by(call) for name, call in calls.items()}
+    same = bool(np.array_equal(server.pull(keys), before))  # (the job goes on)
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"errors": errors, "rows_as_before": same}, f)
+    server.close()
+
+
+def run_heraldonerankrefuses(node, out: str, args) -> None:
+    """As onerankrefuses with schedule = 'herald' (caches of 20 rows): the last
+    rank's prefetch of keys of one field a row (not (n, fields)), with a reserved key, of another
+    number of fields than the other ranks' (which the leader, rank 0, finds), its
+    push of a NaN gradient; then a step every rank takes (the job goes on), a step
+    whose last rank's gradients hold a NaN, and a pull, which every rank refuses
+    alike after that failed step. Last, on a server of its own, a step whose last
+    rank is given one example less than it prefetched. Each rank writes what each
+    call raised."""
+    import hps
+    from hps.data import Batch
+    from hps.distributed.herald import HeraldServer
+    bad = node.rank == node.size - 1
+    server = herald_server(node, out)
+    keys = herald_step_keys(node.rank, 0)
+    flat = keys.reshape(-1)
+    nan = key_gradient(flat)
+    nan[0, 0] = np.nan
+    reserved = np.append(keys[:-1], np.array([[1, 2, hps.EMPTY_KEY]], np.uint64), 0)
+
+    def prefetched(k):
+        server.prefetch(k).release()
+
+    def step(on, nan_here: bool = False, examples: int = len(keys)):
+        batch = on.batch(on.prefetch(keys))
+        try:
+            batch.bind(Batch(np.zeros(examples, np.float32), np.zeros((examples, 1), np.float32), keys[:examples]))
+            batch.partition()
+            mine = np.ascontiguousarray(batch.exchanged.keys).view(np.uint64).reshape(-1)
+            g = key_gradient(mine)
+            if nan_here and len(g):
+                g[0, 0] = np.nan
+            batch.push(mine, g)
+            batch.apply()
+            batch.write_back()
+        except BaseException:
+            batch.abort()
+            raise
+    calls = {"prefetch one key an example": lambda: prefetched(flat if bad else keys),
+             "prefetch reserved key": lambda: prefetched(reserved if bad else keys),
+             "prefetch another number of fields": lambda: prefetched(keys[:, :2] if bad else keys),
+             "push nan": lambda: server.push(flat, nan if bad else key_gradient(flat)),
+             "step": lambda: step(server),
+             "step nan": lambda: step(server, nan_here=bad),
+             "pull after the failed step": lambda: server.pull(flat)}
+    errors = {name: raised_by(call) for name, call in calls.items()}
+    server.close()
+    other = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"other{node.rank}"), budget="1MiB")),
+                         node, 20)
+    errors["step of one example less"] = raised_by(lambda: step(other, examples=len(keys) - bad))
+    other.close()
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"errors": errors}, f)
+
+
 def run_distbatch(node, out: str, args) -> None:
     """A rank's DistBatch finds its keys' positions from the prefetch for a run of
     the prefetched keys (a worker's share, a view), by a search for a copy of
@@ -769,7 +888,8 @@ def run_sketchmemory(node, out: str, args) -> None:
 
 def parse_args(argv: list):
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "heraldkeys", "heraldpush", "heraldflush",
+    ap.add_argument("scenario", choices=["pullpush", "distbatch", "badkeys", "onerankrefuses", "heraldonerankrefuses",
+                                         "heraldkeys", "heraldpush", "heraldflush",
                                          "heraldtable", "heraldrandom",
                                          "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
                                          "otherseed", "pushstep", "lookaheadorder"])

@@ -151,6 +151,89 @@ def test_keys_neither_uint64_nor_int64_are_refused_not_cast(tmp_path):
         assert np.asarray(got["rows"]).shape == (2, sc.DIM)
 
 
+# What the last rank raises in each call of onerankrefuses (its own error), and the
+# exchange its peers name with it.
+ONE_RANK_REFUSES = {
+    "pull float keys": ("pull keys", "TypeError: pull keys must be an array of uint64 or int64 keys, got float64"),
+    "pull reserved key": ("pull keys", "ValueError: pull keys: key 0xffffffffffffffff is reserved (the empty-slot "
+                                       "sentinel)"),
+    "push grads of another shape": ("push keys", "ValueError: grads must have shape (40, 4), got (39, 4)"),
+    "push nan": ("push keys", "DivergedError: push gradients: 1 non-finite value in the gradients of 1 key (key 4 "
+                              "first: nan): training diverged"),
+    "push reserved key": ("push keys", "ValueError: push keys: key 0xffffffffffffffff is reserved (the empty-slot "
+                                       "sentinel)"),
+    "prefetch float keys": ("prefetch keys", "TypeError: prefetch keys must be an array of uint64 or int64 keys, "
+                                             "got float64"),
+    "lookahead float keys": ("lookahead keys", "TypeError: upcoming[0] must be an array of uint64 or int64 keys, got "
+                                               "float64"),
+    "batch nan": ("push positions", "DivergedError: push gradients: 1 non-finite value in the gradients of 1 key "
+                                    "(key 4 first: nan): training diverged")}
+
+
+def test_a_call_the_last_rank_alone_refuses_is_refused_on_every_rank_naming_it(tmp_path):
+    """A direct user's call that one rank refuses for its own input (its keys, its
+    gradients, its window, its data): that rank raised before the call's first
+    exchange and went on, while the others waited in the exchange for it, until
+    the watchdog's timeout ended the job (or until the rank's next call met them
+    there, each taking the other's call for its own). A reserved key in a push
+    reached its owner, which refused it after the exchange, alone, while the other
+    owners stepped their keys. The refusal is told in the exchange now: every rank
+    raises, the last rank its error, the others RankFailure naming it and the
+    error; no row changes, and the job goes on."""
+    world = 3
+    p = scenario(world, "onerankrefuses", tmp_path, "--timeout", 30, check=False, timeout=200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    last = got[-1]["errors"]
+    for name, (what, said) in ONE_RANK_REFUSES.items():
+        assert last[name].startswith(said), (name, last[name])
+        for r in range(world - 1):
+            assert got[r]["errors"][name] == (f"RankFailure: {what}: rank {world - 1} failed before the exchange "
+                                              f"({last[name]}): every rank gives it up"), (r, name)
+    assert last["source raises"] == "ValueError: line 3 of this rank's data is malformed"
+    for r in range(world - 1):
+        assert got[r]["errors"]["source raises"] == (f"RankFailure: read: rank {world - 1}'s data failed (ValueError: "
+                                                     f"line 3 of this rank's data is malformed): every rank stops"), r
+    assert [g["rows_as_before"] for g in got] == [True] * world
+
+
+def test_a_herald_call_one_rank_refuses_is_refused_on_every_rank_naming_it(tmp_path):
+    """As above with schedule = 'herald': rank 1's keys of one field, with a
+    reserved key, or of other fields than rank 0's (which the leader alone saw: it
+    raised in its prefetch, after the exchanges, and rank 1 waited in the step's
+    first), its push of a NaN gradient, its step's NaN gradient (after which every
+    rank's server stops alike: a pull is refused on every rank, with no exchange),
+    and its step given one example less than it prefetched (refused after the
+    step's plan reached it)."""
+    p = scenario(2, "heraldonerankrefuses", tmp_path, "--timeout", 30, check=False, timeout=200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    leader, last = (json.loads((tmp_path / f"rank{r}.json").read_text())["errors"] for r in range(2))
+
+    def named(what: str, by: int, error: str) -> str:
+        return f"RankFailure: {what}: rank {by} failed before the exchange ({error}): every rank gives it up"
+    assert last["prefetch one key an example"] == ("ValueError: schedule = 'herald' takes (n_examples, fields) uint64 "
+                                                   "keys, got uint64 (39,)")
+    assert re.fullmatch(r"ValueError: keys\[\d+\] is 0xffffffffffffffff \(-1 as int64\), the reserved empty-slot "
+                        r"key; .*", last["prefetch reserved key"]), last
+    for name in ("prefetch one key an example", "prefetch reserved key"):
+        assert leader[name] == named("herald example keys", 1, last[name]), name
+    fields = "ValueError: herald example keys: the ranks' examples have other numbers of fields: rank 0's 3, rank 1's 2"
+    assert leader["prefetch another number of fields"] == fields
+    assert last["prefetch another number of fields"] == named("herald keys to their owners", 0, fields)
+    assert last["push nan"].startswith("DivergedError: push gradients: 1 non-finite value"), last
+    assert leader["push nan"] == named("push keys", 1, last["push nan"])
+    assert leader["step"] == last["step"] == ""
+    assert last["step nan"].startswith("DivergedError: herald shared gradients: 1 non-finite value"), last
+    assert leader["step nan"] == named("herald shared gradients", 1, last["step nan"])
+    short = "RuntimeError: the Herald plan places 13 examples of rank 1, which has 12 this step"
+    assert last["step of one example less"] == short
+    assert leader["step of one example less"] == named("herald examples (keys)", 1, short)
+    for rank, errors in enumerate((leader, last)):
+        assert errors["pull after the failed step"] == (f"RuntimeError: the rank's Herald cache stopped after a failed "
+                                                        f"batch ({errors['step nan']}); rerun the job with --resume "
+                                                        f"from its last checkpoint"), rank
+
+
 def test_ranks_whose_servers_make_other_initial_rows_are_refused(tmp_path):
     """A rank makes the untrained rows it pulls (hps.distributed.FreshRows): a rank
     whose server has another seed would make other rows than their owner holds, so
@@ -1440,6 +1523,9 @@ class _OneRankNode:
     def allgather(self, stage, obj, what, note=None):
         return [obj]
 
+    def give_up(self, stage, what, failed):
+        raise failed  # (no peer to tell)
+
 
 def test_a_new_jobs_directory_is_durable_once_its_record_is_written(tmp_path, monkeypatch):
     """Rank 0 makes a new job's directory (and any above it) and writes job.json
@@ -1510,6 +1596,9 @@ class _TwinRanksNode:
 
     def allgather(self, stage, obj, what, note=None):
         return [obj, obj]
+
+    def give_up(self, stage, what, failed):
+        raise failed  # (its peer, doing what it does, fails alike)
 
 
 def _keys_of_rank_0(n: int, world: int) -> np.ndarray:

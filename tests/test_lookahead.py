@@ -326,6 +326,9 @@ class OneRank:
         self.exchanges.append(what)
         return [obj]
 
+    def give_up(self, stage, what, failed):
+        raise failed  # (no peer to tell)
+
 
 @pytest.mark.parametrize("schedule", ["sequential", "herald"])
 def test_an_mpi_prefetch_whose_window_passes_its_room_is_tried_again_without_an_exchange(tmp_path, schedule):

@@ -11,7 +11,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 import numpy as np
 
@@ -60,8 +60,26 @@ def abort_job(world, why: str, code: int = 70, detail: str = "") -> None:
 
 
 class RankFailure(HpsError):
-    """The ranks disagree about the job (world size, checkpoint step), or are out of
-    step (Node.allgather): raised on every rank alike, no exchange is owed after it."""
+    """The ranks disagree about the job (world size, checkpoint step) or are out of
+    step (Node.allgather), raised on every rank alike; or a peer failed before an
+    exchange, raised on every rank but that one, which raises its own error
+    (Node.give_up). No exchange is owed after it."""
+
+
+def raised_on_every_rank(e: BaseException) -> bool:
+    """Whether every rank of the job raised with `e`, so that no exchange is owed
+    after it: a RankFailure, or the error of a rank whose peers heard of it in an
+    exchange and raised RankFailure there (Node.give_up)."""
+    return isinstance(e, RankFailure) or getattr(e, "_hps_raised_on_every_rank", False)
+
+
+def mark_raised_on_every_rank(e: BaseException) -> BaseException:
+    """e, marked as raised_on_every_rank's."""
+    try:
+        e._hps_raised_on_every_rank = True
+    except AttributeError:  # (an exception type without a __dict__)
+        pass
+    return e
 
 
 def launched_by_mpi() -> bool:
@@ -271,23 +289,39 @@ class Node:
             self.bytes_sent[kind] += int(nbytes)
 
     # -- collectives
-    def alltoallv(self, stage: str, blocks: Sequence[np.ndarray], kind: str, what: str) -> list[np.ndarray]:
+    def alltoallv(self, stage: str, blocks: Optional[Sequence[np.ndarray]], kind: str, what: str,
+                  failed: Optional[Exception] = None) -> list[np.ndarray]:
         """Sends blocks[r] to rank r; returns what each rank sent here, in rank
-        order. Blocks share one dtype and trailing shape."""
+        order. Blocks share one dtype and trailing shape.
+
+        ``failed``: the error this rank raised while it made its blocks (None is
+        passed for them), for its peers to hear in the exchange's first step
+        rather than wait in it for a rank that has left: every rank then gives
+        the exchange up and raises, this one `failed`, the others RankFailure
+        naming it (give_up). A rank's checks of its own input (its keys, its
+        gradients) are made before its first exchange and told there, at no cost
+        of a collective of their own."""
         MPI = self.MPI
         comm = self.comms[stage]
-        first = blocks[self.rank]
-        tail = first.shape[1:]
-        row_bytes = first.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
+        if failed is None:
+            first = blocks[self.rank]
+            tail = first.shape[1:]
+            row_bytes = first.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
+            send_counts = np.array([len(b) for b in blocks], np.int64)
+        else:
+            row_bytes, send_counts = 0, np.zeros(self.size, np.int64)
         # Each block's rows and bytes a row: the receiver sizes its buffer from the
         # rows, so a peer whose rows are of another size (another hps version's
         # layout) is refused here, rather than its bytes read as rows of this size
-        # (MPI fills a larger buffer in part, without a word).
-        send_counts = np.array([len(b) for b in blocks], np.int64)
-        header = np.stack([send_counts, np.full(self.size, row_bytes, np.int64)], axis=1)
+        # (MPI fills a larger buffer in part, without a word). Then whether the
+        # sender failed before the exchange (`failed`).
+        header = np.stack([send_counts, np.full(self.size, row_bytes, np.int64),
+                           np.full(self.size, failed is not None, np.int64)], axis=1)
         got = np.empty_like(header)
         with self.guard(f"{what} (counts)"):
             comm.Alltoall(header, got)
+        if failed is not None or got[:, 2].any():
+            self._given_up(comm, what, failed)
         recv_counts = np.ascontiguousarray(got[:, 0])
         # Refused by both ends of a pair whose rows differ in size, whichever way rows go:
         # the receiver alone refused rows that came one way, and the sender, told
@@ -315,6 +349,27 @@ class Node:
                            [recv, (rb.astype(np.int32), rd.astype(np.int32)), MPI.BYTE])
         self.count(kind, int(sb.sum() - sb[self.rank]))
         return np.split(recv, np.cumsum(recv_counts)[:-1])
+
+    def give_up(self, stage: str, what: str, failed: Exception) -> NoReturn:
+        """This rank failed (`failed`) before exchange `what` on stage `stage`'s
+        communicator, the next one its peers meet it in: it takes part in the
+        exchange's first step only, to tell them, and every rank raises there
+        (alltoallv's `failed`). Call it where the error is caught."""
+        self.alltoallv(stage, None, "", what, failed=failed)
+        raise AssertionError("unreachable: alltoallv raises for a rank that failed")  # pragma: no cover
+
+    def _given_up(self, comm, what: str, failed: Optional[Exception]) -> NoReturn:
+        """Every rank, once some rank failed before exchange `what` (alltoallv's
+        header said so): the ranks' errors, gathered on the exchange's own
+        communicator; this rank's own error is raised again, else RankFailure
+        naming each rank that failed and its error."""
+        mine = None if failed is None else f"{type(failed).__name__}: {failed}"
+        with self.guard(f"{what} (errors)"):
+            every = comm.allgather(mine)
+        if failed is not None:
+            raise mark_raised_on_every_rank(failed)
+        said = "; ".join(f"rank {r} failed before the exchange ({e})" for r, e in enumerate(every) if e is not None)
+        raise RankFailure(f"{what}: {said}: every rank gives it up")
 
     def allreduce(self, stage: str, buf: np.ndarray, kind: str, what: str, hierarchical: bool = False) -> np.ndarray:
         """Sums buf over the ranks, in place. `hierarchical` goes across nodes, then

@@ -294,12 +294,21 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         return super().pull(keys)
 
     def push(self, keys: np.ndarray, grads: np.ndarray, *, step: bool = True) -> None:
-        """As DistributedServer.push; the caches are written to the owners and
-        emptied first (the step goes to the owners' rows)."""
+        """As DistributedServer.push; the caches are written to the owners first,
+        and emptied once the keys and gradients have crossed (the step goes to the
+        owners' rows; a push refused before that leaves them as they were)."""
         with self._lock:
             self.flush()
-            if self._made != self._applied:
-                raise RuntimeError(f"push with {self._made - self._applied} Herald steps made and not applied")
+        super().push(keys, grads, step=step)  # (its checks and _check_push, on every rank together)
+
+    def _check_push(self) -> None:
+        if self._made != self._applied:
+            raise RuntimeError(f"push with {self._made - self._applied} Herald steps made and not applied")
+
+    def _push_exchanged(self) -> None:
+        # Emptied once the push's keys and gradients have crossed (a push refused
+        # before changes no row: the caches stay), before any owner steps a row.
+        with self._lock:
             if self.leader:
                 self.herald.clear()
                 for table in self._tables:
@@ -307,14 +316,11 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             self._tier.clear()
             self._present = 0
             self._cached = 0
-        super().push(keys, grads, step=step)
 
     def prefetch(self, keys: np.ndarray, upcoming=None) -> HeraldPrefetched:
         """This rank's example keys to the leader, its distinct keys to their
-        owners; this rank pins the keys it was sent."""
-        if not isinstance(keys, np.ndarray) or keys.ndim != 2 or keys.dtype not in (np.uint64, np.int64):
-            raise ValueError(f"schedule = 'herald' takes (n_examples, fields) uint64 keys, got "
-                             f"{getattr(keys, 'dtype', type(keys).__name__)} {getattr(keys, 'shape', '')}")
+        owners; this rank pins the keys it was sent. Keys or a window this rank
+        refuses are refused on every rank, before either is sent (Node.give_up)."""
         if self._retry is not None and self._retry[0] is keys:
             exchange = self._retry[1]  # the exchange of a prefetch that found MEM-PS full: only pin again
         else:
@@ -340,32 +346,60 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
 
     def _exchange(self, keys: np.ndarray, upcoming) -> tuple:
         """The prefetch's collectives: (every rank's example keys on the leader,
-        else None; the keys this rank owns, sorted; the job's window on the leader)."""
+        else None; the keys this rank owns, sorted; the job's window on the leader).
+        This rank's keys and window are checked before the first, and a refusal
+        told there: one refused after the window was sent (a reserved key) left
+        the peers waiting in the next exchange."""
         W = self.node.size
-        window = self._send_window(upcoming) if upcoming is not None else None
-        # A rank's distinct keys (8 bytes each) and where each example's are among
-        # them (2 bytes a key while a rank has at most 65,536 distinct keys, else 4):
-        # about a third of the bytes of the keys themselves.
-        flat = np.ascontiguousarray(keys).view(np.uint64)
-        uniq, inverse = _core.unique_keys(flat.reshape(-1))
-        where = inverse.astype(np.uint16 if len(uniq) <= 1 << 16 else np.uint32)
-        sent = _pack([np.array([flat.shape[1], where.itemsize], np.int64), uniq, where])
-        got = self.node.alltoallv("prefetch", [sent if r == LEADER else sent[:0] for r in range(W)],
-                                  "sparse_keys", "herald example keys")
-        parts = None
-        if self.leader:
-            parts = [_example_keys(buf, r) for r, buf in enumerate(got)]
-        asked = self._send_keys("prefetch", uniq, "herald keys to their owners")[3]
+        try:
+            if not isinstance(keys, np.ndarray) or keys.ndim != 2 or keys.dtype not in (np.uint64, np.int64):
+                raise ValueError(f"schedule = 'herald' takes (n_examples, fields) uint64 keys, got "
+                                 f"{getattr(keys, 'dtype', type(keys).__name__)} {getattr(keys, 'shape', '')}")
+            windows = None if upcoming is None else self._window_blocks(upcoming)
+            # A rank's distinct keys (8 bytes each) and where each example's are among
+            # them (2 bytes a key while a rank has at most 65,536 distinct keys, else 4):
+            # about a third of the bytes of the keys themselves.
+            flat = np.ascontiguousarray(keys).view(np.uint64)
+            uniq, inverse = _core.unique_keys(flat.reshape(-1))  # (names a reserved key)
+            where = inverse.astype(np.uint16 if len(uniq) <= 1 << 16 else np.uint32)
+            sent = _pack([np.array([flat.shape[1], where.itemsize], np.int64), uniq, where])
+            to_owners = self._keys_to_owners(uniq, "herald keys to their owners")
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            self._window_sender.forget()
+            self.node.give_up("prefetch", "herald example keys" if upcoming is None else "lookahead keys", e)
+        try:
+            window = self._send_window(upcoming, windows) if upcoming is not None else None
+            got = self.node.alltoallv("prefetch", [sent if r == LEADER else sent[:0] for r in range(W)],
+                                      "sparse_keys", "herald example keys")
+            parts, failed = None, None
+            if self.leader:
+                try:
+                    parts = [_example_keys(buf, r) for r, buf in enumerate(got)]
+                    if len({p.shape[1] for p in parts}) > 1:  # (the global batch is one array of examples)
+                        raise ValueError("herald example keys: the ranks' examples have other numbers of fields: "
+                                         + ", ".join(f"rank {r}'s {p.shape[1]}" for r, p in enumerate(parts)))
+                except Exception as e:  # noqa: BLE001 - told to the peers (the leader alone found it), then raised
+                    failed = e
+            what = "herald keys to their owners"
+            if failed is not None:
+                self.node.give_up("prefetch", what, failed)
+            asked = self.node.alltoallv("prefetch", to_owners[3], "sparse_keys", what)
+        except BaseException:
+            self._window_sender.forget()  # (the owners may not have had the window)
+            raise
         return parts, np.unique(np.concatenate(asked)), window
 
-    def _send_window(self, upcoming):
+    def _window_blocks(self, upcoming) -> list:
+        # (the leader gets every rank's whole batches: the scheduler's window)
+        return self._window_sender.blocks(upcoming, self.node.size, whole=LEADER)
+
+    def _send_window(self, upcoming, blocks=None):
         """Every rank's window to the leader, whose scheduler keeps the job's window
         last, and to the owners, whose MEM-PS keeps the keys they own in the order
         the job needs them (collective, prefetch stage; OwnerWindows: only the
         batches that changed travel; prefetch gives them to MEM-PS); returns the
         job's window (sorted: the scheduler takes it as a set) on the leader, else None."""
-        blocks = self._window_sender.blocks(upcoming, self.node.size, whole=LEADER)
-        self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"))
+        super()._send_window(upcoming, blocks)
         return self._owner_windows.keys() if self.leader else None
 
     def _make_owner_windows(self) -> OwnerWindows:
@@ -490,8 +524,10 @@ class HeraldDistBatch(BatchBase):
     # ------------------------------------------------------------ partition
     def partition(self) -> list:
         if self._lost is None:
-            self.server._begin(self._number)
-            with self.server.step():
+            # Whatever fails in the step fails the server (StopsAfterAFailedStep), on
+            # every rank: each rank's failure before an exchange is told there
+            # (Node.give_up), and every rank raises.
+            with self.server.step(check=False):
                 self._start()
         return self._minibatches
 
@@ -499,61 +535,73 @@ class HeraldDistBatch(BatchBase):
         s, node = self.server, self.server.node
         W, me = node.size, node.rank
         blocks, self._parts = self._parts, None
+        try:
+            s._begin(self._number)  # (this rank's server stopped, or its steps out of order)
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            node.give_up("train", "herald plan parts", e)
         part = _unpack(s._from_leader("train", blocks, "plan", "herald plan parts", np.empty(0, np.uint8)), _PART)
         refusal, counts, dest, bits, source, served, serve_counts, from_peer, self._lost, held = part
         if len(refusal):
             raise ValueError(refusal.tobytes().decode())
-        got = dict(zip(_COUNTS, counts.tolist()))
-        if got["table_rows"]:
-            s._compact(held, got["table_rows"])
-        s._cached = got["cached"]
+        try:
+            got = dict(zip(_COUNTS, counts.tolist()))
+            if got["table_rows"]:
+                s._compact(held, got["table_rows"])
+            s._cached = got["cached"]
 
-        # The examples to the ranks the schedule gives them (each rank's in its order).
-        data = self._data
-        if len(dest) != len(data.labels):
-            raise RuntimeError(f"the Herald plan places {len(dest)} examples of rank {me}, which has "
-                               f"{len(data.labels)} this step")
-        order = np.argsort(dest, kind="stable")
-        cuts = np.cumsum(np.bincount(dest, minlength=W))[:-1]
-        dense = np.ascontiguousarray(data.dense, np.float32)
-        got_keys = node.alltoallv("train", np.split(np.ascontiguousarray(data.keys)[order], cuts), "examples",
-                                  "herald examples (keys)")
+            # The examples to the ranks the schedule gives them (each rank's in its order).
+            data = self._data
+            if data is None:
+                raise RuntimeError(f"rank {me}'s Herald step was given no examples (bind them before partition)")
+            if len(dest) != len(data.labels):
+                raise RuntimeError(f"the Herald plan places {len(dest)} examples of rank {me}, which has "
+                                   f"{len(data.labels)} this step")
+            order = np.argsort(dest, kind="stable")
+            cuts = np.cumsum(np.bincount(dest, minlength=W))[:-1]
+            dense = np.ascontiguousarray(data.dense, np.float32)
+            example_keys = np.split(np.ascontiguousarray(data.keys)[order], cuts)
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            node.give_up("train", "herald examples (keys)", e)
+        got_keys = node.alltoallv("train", example_keys, "examples", "herald examples (keys)")
         got_dense = node.alltoallv("train", np.split(dense[order], cuts), "examples", "herald examples (dense)")
         got_labels = node.alltoallv("train", np.split(np.ascontiguousarray(data.labels, np.float32)[order], cuts),
                                     "examples", "herald examples (labels)")
-        from hps.data import Batch
-        mine = Batch(np.concatenate(got_labels), np.concatenate(got_dense), np.concatenate(got_keys))
-        total = getattr(data, "total_examples", len(data.labels))
-        self.exchanged = _StepData(mine, total)
-        self._minibatches = [np.arange(len(mine.labels))]
-        s.counts["examples_sent"] += int((dest != me).sum())
-        s.counts["examples_kept"] += int((dest == me).sum())
+        try:
+            from hps.data import Batch
+            mine = Batch(np.concatenate(got_labels), np.concatenate(got_dense), np.concatenate(got_keys))
+            total = getattr(data, "total_examples", len(data.labels))
+            self.exchanged = _StepData(mine, total)
+            self._minibatches = [np.arange(len(mine.labels))]
+            s.counts["examples_sent"] += int((dest != me).sum())
+            s.counts["examples_kept"] += int((dest == me).sum())
 
-        # The keys this rank trains (ascending, as the plan part lists them), their
-        # trainers, and their primaries (the trainer the key's hash picks, which sums
-        # its gradients: hps.worker_caches.primaries).
-        self._flat = np.ascontiguousarray(mine.keys).view(np.uint64).reshape(-1)
-        self._mine, self._inverse = np.unique(self._flat, return_inverse=True)
-        self._inverse = self._inverse.reshape(-1)
-        if len(self._mine) != len(source):
-            raise RuntimeError(f"the Herald plan gives rank {me} {len(source)} keys to train; its examples "
-                               f"have {len(self._mine)}")
-        self._trains = np.unpackbits(bits.reshape(len(source), (W + 7) // 8), axis=1, count=W,
-                                     bitorder="little").astype(bool)  # (keys, W); a rank may train none
-        self._primary = primaries(self._mine, self._trains)
-        self._grads = np.zeros((len(self._mine), s._tier.dim), np.float32)
-        size_gradients(s._tier, s._gradient_slots, [len(self._mine)], s._table_rows)
+            # The keys this rank trains (ascending, as the plan part lists them), their
+            # trainers, and their primaries (the trainer the key's hash picks, which sums
+            # its gradients: hps.worker_caches.primaries).
+            self._flat = np.ascontiguousarray(mine.keys).view(np.uint64).reshape(-1)
+            self._mine, self._inverse = np.unique(self._flat, return_inverse=True)
+            self._inverse = self._inverse.reshape(-1)
+            if len(self._mine) != len(source):
+                raise RuntimeError(f"the Herald plan gives rank {me} {len(source)} keys to train; its examples "
+                                   f"have {len(self._mine)}")
+            self._trains = np.unpackbits(bits.reshape(len(source), (W + 7) // 8), axis=1, count=W,
+                                         bitorder="little").astype(bool)  # (keys, W); a rank may train none
+            self._primary = primaries(self._mine, self._trains)
+            self._grads = np.zeros((len(self._mine), s._tier.dim), np.float32)
+            size_gradients(s._tier, s._gradient_slots, [len(self._mine)], s._table_rows)
 
-        # Rows: each rank serves, in the order each destination lists them, the
-        # fetches the plan gives it, from its cache or from its MEM-PS (owner).
-        rows_out = np.empty((len(served), s._row_floats), np.float32)
-        if from_peer.any():
-            rows_out[from_peer] = s._tier.rows(served[from_peer], None, s._row_floats)
-        if (~from_peer).any():
-            rows_out[~from_peer] = s.local._cache.read_pinned(served[~from_peer]).view(np.float32)
-        cuts = np.cumsum(serve_counts)[:-1]
-        sent = node.alltoallv("train", s.fetched_rows.pack(np.split(served, cuts), np.split(rows_out, cuts), me),
-                              "sparse_rows", "herald fetched rows")
+            # Rows: each rank serves, in the order each destination lists them, the
+            # fetches the plan gives it, from its cache or from its MEM-PS (owner).
+            rows_out = np.empty((len(served), s._row_floats), np.float32)
+            if from_peer.any():
+                rows_out[from_peer] = s._tier.rows(served[from_peer], None, s._row_floats)
+            if (~from_peer).any():
+                rows_out[~from_peer] = s.local._cache.read_pinned(served[~from_peer]).view(np.float32)
+            cuts = np.cumsum(serve_counts)[:-1]
+            rows_blocks = s.fetched_rows.pack(np.split(served, cuts), np.split(rows_out, cuts), me)
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            node.give_up("train", "herald fetched rows", e)
+        sent = node.alltoallv("train", rows_blocks, "sparse_rows", "herald fetched rows")
         want = np.flatnonzero(source != _HELD)  # my fetches, ascending by key
         peer, server = source[want] < _OWNER, source[want] % _OWNER
         asked = [self._mine[want][server == r] for r in range(W)]  # rank r served mine ascending by key
@@ -638,11 +686,14 @@ class HeraldDistBatch(BatchBase):
         # alike, from the same sum): the primary need not ship the stepped rows,
         # twice the floats of a gradient with AdaGrad's or Adam's state.
         # Refused before the first exchange, as the sequential job's push: a NaN
-        # would reach the primary's sum and so every trainer's copy of the key. The
-        # peers wait in the exchange for this rank, whose error ends the job (hps
-        # train's on_error) naming it.
-        refuse_nonfinite(self._grads, self._mine, "herald shared gradients")
+        # would reach the primary's sum and so every trainer's copy of the key. Told
+        # in the exchange: every rank raises, this one its error, the others
+        # RankFailure naming it (they waited in it for a rank that had left).
         primary = self._primary
+        try:
+            refuse_nonfinite(self._grads, self._mine, "herald shared gradients")
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            node.give_up("train", "herald shared gradients", e)
         blocks = [self._grads[primary == p] if p != me else self._grads[:0] for p in range(W)]
         grads_in = node.alltoallv("train", blocks, "sparse_grads", "herald shared gradients")
         mine = primary == me
@@ -670,17 +721,22 @@ class HeraldDistBatch(BatchBase):
             if r != me and len(sums_in[r]):
                 self._grads[primary == r] = sums_in[r]
                 s.counts["replica_copies"] += len(sums_in[r])
-        if len(self._mine):
-            s._tier.accumulate_at(0, np.arange(len(self._mine)), self._grads)
-            s._tier.apply()
-        s.counts["primary_steps"] += int(mine.sum())
-        # Rows no cache holds any more: from the rank that dropped the last copy to the owner.
-        # The trained ones only: an untrained row equals its owner's copy.
-        lost = self._lost
-        dirty = s._tier.trained(lost, None) if len(lost) else np.empty(0, bool)
-        s.counts["evict_clean_dropped"] += int((~dirty).sum())
-        lost = lost[dirty]
-        rows = s._tier.rows(lost, None, s._row_floats) if len(lost) else np.empty((0, s._row_floats), np.float32)
+        try:
+            # A sum that overflowed is refused by its trainers alone (DivergedError):
+            # told in the evicted rows' exchange, which the others wait in.
+            if len(self._mine):
+                s._tier.accumulate_at(0, np.arange(len(self._mine)), self._grads)
+                s._tier.apply()
+            s.counts["primary_steps"] += int(mine.sum())
+            # Rows no cache holds any more: from the rank that dropped the last copy to the owner.
+            # The trained ones only: an untrained row equals its owner's copy.
+            lost = self._lost
+            dirty = s._tier.trained(lost, None) if len(lost) else np.empty(0, bool)
+            s.counts["evict_clean_dropped"] += int((~dirty).sum())
+            lost = lost[dirty]
+            rows = s._tier.rows(lost, None, s._row_floats) if len(lost) else np.empty((0, s._row_floats), np.float32)
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            node.give_up("train", "herald evicted keys", e)
         s._to_owners(lost, rows, "herald evicted")
         s._tier.set_trained(lost, None, False)  # written
         s.counts["evict_pushes"] += len(lost)

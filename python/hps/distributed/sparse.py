@@ -10,7 +10,7 @@ import numpy as np
 
 from hps import _core
 from hps.data.keys import mix64
-from hps.distributed.comm import Node
+from hps.distributed.comm import Node, RankFailure, mark_raised_on_every_rank
 from hps.errors import DivergedError
 from hps.hash_table import EMPTY_KEY
 from hps.mem_cache import CacheFullError
@@ -281,6 +281,11 @@ class WindowSender:
         self._last = given
         return kind, batches
 
+    def forget(self) -> None:
+        """The last window is not known to have reached the owners (its exchange
+        failed): the next one is set anew."""
+        self._last = None
+
     def blocks(self, upcoming, world: int, whole: Optional[int] = None) -> list:
         """The messages (pack_window) to each rank: the keys it owns of the batches
         sent, each with its batch; rank `whole` (Herald's leader) gets all of them."""
@@ -440,18 +445,21 @@ class DistBatch:
         applies one step per key (collective)."""
         node, pre = self.server.node, self.pre
         try:
-            # Before the first exchange: the peers wait in it for this rank, whose
-            # error ends the job (hps train's on_error) naming it.
-            refuse_nonfinite(self.grads, self.keys, "push gradients", self.server.grads_codec.spec)
-            in_send_order = pre.order
-            touched = self.touched[in_send_order]
-            grads = self.grads[in_send_order]
-            bounds = np.concatenate([[0], np.cumsum(pre.counts)])
-            idx_blocks, grad_blocks = [], []
-            for r in range(node.size):
-                t = np.flatnonzero(touched[bounds[r]:bounds[r + 1]])
-                idx_blocks.append(t.astype(np.int32))
-                grad_blocks.append(grads[bounds[r]:bounds[r + 1]][t])
+            try:
+                # Before the first exchange, and told there: every rank's batch is
+                # aborted, this rank raising its error, the others RankFailure.
+                refuse_nonfinite(self.grads, self.keys, "push gradients", self.server.grads_codec.spec)
+                in_send_order = pre.order
+                touched = self.touched[in_send_order]
+                grads = self.grads[in_send_order]
+                bounds = np.concatenate([[0], np.cumsum(pre.counts)])
+                idx_blocks, grad_blocks = [], []
+                for r in range(node.size):
+                    t = np.flatnonzero(touched[bounds[r]:bounds[r + 1]])
+                    idx_blocks.append(t.astype(np.int32))
+                    grad_blocks.append(grads[bounds[r]:bounds[r + 1]][t])
+            except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+                node.give_up("train", "push positions", e)
             idx_in = node.alltoallv("train", idx_blocks, "sparse_keys", "push positions")
             codec = self.server.grads_codec
             grads_in = codec.unpack(node.alltoallv("train", codec.pack(grad_blocks, node.rank), "sparse_grads",
@@ -499,10 +507,12 @@ class DistributedServer:
         self._owner_windows = self._make_owner_windows()  # and the ranks' windows as this owner's MEM-PS keeps them
 
     # -- exchange helpers
-    def _send_keys(self, stage: str, keys: np.ndarray, what: str):
-        """keys' distinct ones (sorted) to their owners: (uniq, order, counts,
-        asked, flat, inverse), flat the keys as given, flattened, and inverse
-        where each is among uniq (numpy's unique finds it for less than without)."""
+    def _keys_to_owners(self, keys, what: str) -> tuple:
+        """keys' distinct ones (sorted), grouped by owner for _send_keys: (uniq,
+        order, counts, blocks, flat, inverse), blocks[r] the keys to rank r, flat
+        the keys as given, flattened, and inverse where each is among uniq (numpy's
+        unique finds it for less than without). Keys refused (key_array, a reserved
+        key) raise, naming `what`."""
         flat = key_array(keys, what).astype(np.uint64, copy=False).ravel()
         uniq, inverse = np.unique(flat, return_inverse=True)
         if len(uniq) and uniq[-1] == EMPTY_KEY:
@@ -511,14 +521,30 @@ class DistributedServer:
         order = np.argsort(owners, kind="stable")
         counts = np.bincount(owners, minlength=self.node.size)
         blocks = np.split(uniq[order], np.cumsum(counts)[:-1])
+        return uniq, order, counts, blocks, flat, inverse.reshape(-1)
+
+    def _send_keys(self, stage: str, keys: np.ndarray, what: str):
+        """keys' distinct ones (sorted) to their owners: (uniq, order, counts,
+        asked, flat, inverse), as _keys_to_owners. Keys this rank refuses are
+        refused on every rank, in the exchange (Node.give_up)."""
+        try:
+            uniq, order, counts, blocks, flat, inverse = self._keys_to_owners(keys, what)
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            self.node.give_up(stage, what, e)
         asked = self.node.alltoallv(stage, blocks, "sparse_keys", what)
-        return uniq, order, counts, asked, flat, inverse.reshape(-1)
+        return uniq, order, counts, asked, flat, inverse
 
     def _return_rows(self, stage: str, uniq, order, counts, asked, rows_out, what: str) -> np.ndarray:
-        """rows_out[r] (the rows of asked[r], the keys rank r asked this owner for) to
-        the ranks that asked; returns the rows of uniq, whose uniq[order] went to
-        their owners, counts[r] to rank r."""
-        sent = self.node.alltoallv(stage, self.fresh_rows.pack(asked, rows_out, self.node.rank), "sparse_rows", what)
+        """rows_out() (its [r]: the rows of asked[r], the keys rank r asked this owner
+        for) to the ranks that asked; returns the rows of uniq, whose uniq[order]
+        went to their owners, counts[r] to rank r. An owner whose rows_out() raises
+        (its reads: the keys were exchanged) tells the ranks in the exchange, and
+        every rank raises (Node.give_up)."""
+        try:
+            blocks = self.fresh_rows.pack(asked, rows_out(), self.node.rank)
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            self.node.give_up(stage, what, e)
+        sent = self.node.alltoallv(stage, blocks, "sparse_rows", what)
         mine = np.split(uniq[order], np.cumsum(counts)[:-1])
         rows_in = self.fresh_rows.unpack(mine, sent)
         rows = np.empty((len(uniq), self.dim), np.float32)
@@ -528,29 +554,38 @@ class DistributedServer:
     # -- the collective API
     def pull(self, keys: np.ndarray) -> np.ndarray:
         """Rows (n, dim) of keys, from their owners, as of the last finished batch."""
-        keys = key_array(keys, "pull keys")
         uniq, order, counts, asked, _, inverse = self._send_keys("train", keys, "pull keys")
-        rows = self._return_rows("train", uniq, order, counts, asked, [self.local.pull(a) for a in asked], "pull rows")
-        return rows[inverse].reshape(keys.shape + (self.dim,))
+        rows = self._return_rows("train", uniq, order, counts, asked, lambda: [self.local.pull(a) for a in asked],
+                                 "pull rows")
+        return rows[inverse].reshape(np.shape(keys) + (self.dim,))
 
     def push(self, keys: np.ndarray, grads: np.ndarray, *, step: bool = True) -> None:
         """Sums the gradients every rank pushes for each key at its owner, which
         applies one step per key: as one ParameterServer.push of all ranks' pairs
-        (``step``: as ParameterServer.push's; every rank passes the same)."""
-        keys = key_array(keys, "push keys").astype(np.uint64, copy=False)
-        grads = np.asarray(grads)
-        if grads.dtype != np.float32:
-            raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
-        if grads.shape != (len(keys), self.dim):
-            raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
-        refuse_nonfinite(grads, keys, "push gradients", self.grads_codec.spec)
-        owners = owner_ranks(keys, self.node.size)
-        order = np.argsort(owners, kind="stable")
-        cuts = np.cumsum(np.bincount(owners, minlength=self.node.size))[:-1]
-        keys_in = self.node.alltoallv("train", np.split(keys[order], cuts), "sparse_keys", "push keys")
+        (``step``: as ParameterServer.push's; every rank passes the same). Keys or
+        gradients this rank refuses are refused on every rank, before any is sent
+        (Node.give_up): this rank raises its error, the others RankFailure."""
         codec = self.grads_codec
+        try:
+            keys = key_array(keys, "push keys").astype(np.uint64, copy=False)
+            grads = np.asarray(grads)
+            if grads.dtype != np.float32:
+                raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
+            if grads.shape != (len(keys), self.dim):
+                raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
+            if len(keys) and (keys == EMPTY_KEY).any():  # (its owner's push refused it, after the exchange)
+                raise ValueError(f"push keys: key {EMPTY_KEY:#x} is reserved (the empty-slot sentinel)")
+            refuse_nonfinite(grads, keys, "push gradients", codec.spec)
+            self._check_push()
+            owners = owner_ranks(keys, self.node.size)
+            order = np.argsort(owners, kind="stable")
+            cuts = np.cumsum(np.bincount(owners, minlength=self.node.size))[:-1]
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            self.node.give_up("train", "push keys", e)
+        keys_in = self.node.alltoallv("train", np.split(keys[order], cuts), "sparse_keys", "push keys")
         grads_in = codec.unpack(self.node.alltoallv("train", codec.pack(np.split(grads[order], cuts), self.node.rank),
                                                     "sparse_grads", "push gradients"))
+        self._push_exchanged()
         k = np.concatenate(keys_in)
         # Also with no pair for this rank: a push is a step of every rank's server (the
         # step [ps] ttl_steps counts), as one ParameterServer.push of the job's pairs.
@@ -565,13 +600,12 @@ class DistributedServer:
         each owner's MEM-PS keeps them when it must evict. Its window is given to
         MEM-PS with the pins, after the exchanges: a window past its room raises
         CacheFullError as a pin does, and the retry tries it again without an
-        exchange (its peers are in the next one)."""
+        exchange (its peers are in the next one). Keys or a window this rank
+        refuses are refused on every rank, before either is sent (Node.give_up)."""
         if self._retry is not None and self._retry[0] is keys:
             exchange = self._retry[1]
         else:
-            if upcoming is not None:
-                self._send_window(upcoming)
-            exchange = self._send_keys("prefetch", keys, "prefetch keys")
+            exchange = self._exchange(keys, upcoming)
         self._retry = None
         uniq, order, counts, asked, flat, inverse = exchange
         union = np.unique(np.concatenate(asked)) if asked else np.empty(0, np.uint64)
@@ -584,11 +618,37 @@ class DistributedServer:
             raise
         return DistPrefetched(uniq, order, counts, asked, local, flat, inverse)
 
-    def _send_window(self, upcoming):
+    def _exchange(self, keys, upcoming) -> tuple:
+        """The prefetch's exchanges (_send_window's, then _send_keys'), their
+        checks made first: a rank that refused its keys after its window was
+        sent left its peers waiting in the keys' exchange."""
+        try:
+            window = None if upcoming is None else self._window_blocks(upcoming)
+            sent = self._keys_to_owners(keys, "prefetch keys")
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            self._window_sender.forget()
+            self.node.give_up("prefetch", "prefetch keys" if upcoming is None else "lookahead keys", e)
+        try:
+            if window is not None:
+                self._send_window(upcoming, window)
+            uniq, order, counts, blocks, flat, inverse = sent
+            asked = self.node.alltoallv("prefetch", blocks, "sparse_keys", "prefetch keys")
+        except BaseException:
+            self._window_sender.forget()  # (the owners may not have had the window)
+            raise
+        return uniq, order, counts, asked, flat, inverse
+
+    def _window_blocks(self, upcoming) -> list:
+        """What _send_window sends each rank of the window `upcoming` (WindowSender.blocks)."""
+        return self._window_sender.blocks(upcoming, self.node.size)
+
+    def _send_window(self, upcoming, blocks: Optional[list] = None):
         """Every rank's window to the owners (collective, prefetch stage): each one
-        sent the keys it owns of the batches that changed, for its MEM-PS to keep
-        the coming keys it owns in the order the job needs them (OwnerWindows.apply)."""
-        blocks = self._window_sender.blocks(upcoming, self.node.size)
+        sent the keys it owns of the batches that changed (`blocks`, else
+        _window_blocks'), for its MEM-PS to keep the coming keys it owns in the
+        order the job needs them (OwnerWindows.apply)."""
+        if blocks is None:
+            blocks = self._window_blocks(upcoming)
         self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"))
 
     def _make_owner_windows(self) -> OwnerWindows:
@@ -597,31 +657,55 @@ class DistributedServer:
     def batch(self, pre: DistPrefetched, overlap: bool = False) -> DistBatch:
         """The load stage: the union this rank was asked for goes onto its device
         tier, and once its previous batch is applied (or, without `overlap`,
-        written back) the rows go to the ranks that asked."""
-        local = self.local.batch(pre.local, overlap=overlap)
+        written back) the rows go to the ranks that asked. A rank whose load fails
+        tells the ranks in the exchange, and every rank raises (Node.give_up)."""
+        made = []
+
+        def rows_out() -> list:
+            made.append(self.local.batch(pre.local, overlap=overlap))
+            return [made[0].pull(a) for a in pre.asked]
         try:
-            rows_out = [local.pull(a) for a in pre.asked]
             rows = self._return_rows("load", pre.keys, pre.order, pre.counts, pre.asked, rows_out, "load rows")
         except BaseException as e:
-            release_after(e, local.abort)  # the exchange's error stands
+            if made:
+                release_after(e, made[0].abort)  # the exchange's error stands
             raise
-        return DistBatch(self, local, pre, rows)
+        return DistBatch(self, made[0], pre, rows)
 
     def aligned(self, source: Iterable, empty) -> Iterator[_StepData]:
         """This rank's examples batches in lockstep with the other ranks': a rank whose
         data ends first takes part with empty batches until every rank's has ended.
-        `empty` is an empty hps.data.Batch of the source's shape."""
+        `empty` is an empty hps.data.Batch of the source's shape. A source that
+        raises on one rank (a malformed line of its own data) ends every rank's:
+        that rank raises its error, the others RankFailure naming it (they waited
+        in the next step's exchange for a rank that had left)."""
         it = iter(source)
         done = False
         while True:
-            examples = None if done else next(it, None)
+            failed = None
+            try:
+                examples = None if done else next(it, None)
+            except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+                failed, examples = e, None
             done = examples is None
             n = 0 if done else len(examples)
-            flags = np.array([0 if done else 1, n], np.int64)
+            flags = np.array([0 if done else 1, n, failed is not None], np.int64)
             self.node.allreduce("read", flags, "control", "read (who still has data)")
+            if flags[2]:
+                self._read_failed(failed)
             if flags[0] == 0:
                 return
             yield _StepData(empty if done else examples, int(flags[1]))
+
+    def _read_failed(self, failed: Optional[Exception]) -> None:
+        """aligned(), once a rank's source raised: the ranks' errors, gathered; this
+        rank's own raised again, else RankFailure naming the ranks that failed."""
+        mine = None if failed is None else f"{type(failed).__name__}: {failed}"
+        every = self.node.allgather("read", mine, "read (the ranks' errors)")
+        if failed is not None:
+            raise mark_raised_on_every_rank(failed)
+        said = "; ".join(f"rank {r}'s data failed ({e})" for r, e in enumerate(every) if e is not None)
+        raise RankFailure(f"read: {said}: every rank stops")
 
     def checkpoint(self, save=None, *, keep_previous: bool = False) -> int:
         """This rank's ParameterServer.checkpoint (local: the job's consistency is
@@ -630,6 +714,14 @@ class DistributedServer:
 
     def prune_checkpoints(self) -> None:
         self.local.prune_checkpoints()
+
+    def _check_push(self) -> None:
+        """A subclass's checks before a push (raise to refuse it), made with push's
+        own checks, which every rank hears of before any key is sent."""
+
+    def _push_exchanged(self) -> None:
+        """A subclass's work once a push's keys and gradients have crossed, before
+        this rank's server steps the keys it owns."""
 
     def _check_initial_rows(self) -> None:
         """Refuses ranks whose servers make other initial rows (another dim,
