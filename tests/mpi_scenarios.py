@@ -252,11 +252,20 @@ def run_onerankrefuses(node, out: str, args) -> None:
     shape or not finite, a window of float keys, a source that raises); every
     rank catches what its call raised and goes on to the next. Each rank writes
     what each call raised, and whether the rows of the keys pulled first are as
-    they were after them: no refused call changed a row."""
+    they were after them: no refused call changed a row. First, a server whose
+    codec the last rank alone refuses; last, a Node whose config it refuses."""
     import hps
     from hps.data import Batch
-    from hps.distributed import DistributedServer
+    from hps.distributed import DistributedConfig, DistributedServer, Node
     bad = node.rank == node.size - 1
+
+    def refused_server():
+        ps = hps.ParameterServer(ps_config(os.path.join(out, f"refused{node.rank}")))
+        try:
+            DistributedServer(ps, node, sparse_rows="zstd" if bad else "none")
+        finally:
+            ps.close()
+    refused = raised_by(refused_server)
     server = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), budget="1MiB")),
                                node)
     keys = np.arange(1, 41, dtype=np.uint64)
@@ -294,7 +303,9 @@ def run_onerankrefuses(node, out: str, args) -> None:
              "lookahead float keys": lambda: prefetched(keys, [keys.astype(np.float64) if bad else keys]),
              "batch nan": lambda: step(nan if bad else grads),
              "source raises": lambda: list(server.aligned(source(), empty))}
-    errors = {name: raised_by(call) for name, call in calls.items()}
+    errors = {"server codec": refused, **{name: raised_by(call) for name, call in calls.items()}}
+    # Last: on a rank that refused it alone, the others waited in its communicators' Dup, with no watchdog.
+    errors["node config"] = raised_by(lambda: Node(DistributedConfig(timeout=-1.0 if bad else 10.0)).close())
     same = bool(np.array_equal(server.pull(keys), before))  # (the job goes on)
     with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
         json.dump({"errors": errors, "rows_as_before": same}, f)
@@ -302,8 +313,9 @@ def run_onerankrefuses(node, out: str, args) -> None:
 
 
 def run_heraldonerankrefuses(node, out: str, args) -> None:
-    """As onerankrefuses with schedule = 'herald' (caches of 20 rows): the last
-    rank's prefetch of keys of one field a row (not (n, fields)), with a reserved key, of another
+    """As onerankrefuses with schedule = 'herald' (caches of 20 rows): first, a
+    server the last rank refuses (a cache of no rows); the last rank's prefetch of
+    keys of one field a row (not (n, fields)), with a reserved key, of another
     number of fields than the other ranks' (which the leader, rank 0, finds), its
     push of a NaN gradient; then a step every rank takes (the job goes on), a step
     whose last rank's gradients hold a NaN, and a pull, which every rank refuses
@@ -314,6 +326,14 @@ def run_heraldonerankrefuses(node, out: str, args) -> None:
     from hps.data import Batch
     from hps.distributed.herald import HeraldServer
     bad = node.rank == node.size - 1
+
+    def refused_server():
+        ps = hps.ParameterServer(ps_config(os.path.join(out, f"refused{node.rank}")))
+        try:
+            HeraldServer(ps, node, 0 if bad else 20)
+        finally:
+            ps.close()
+    refused = raised_by(refused_server)
     server = herald_server(node, out)
     keys = herald_step_keys(node.rank, 0)
     flat = keys.reshape(-1)
@@ -346,7 +366,7 @@ def run_heraldonerankrefuses(node, out: str, args) -> None:
              "step": lambda: step(server),
              "step nan": lambda: step(server, nan_here=bad),
              "pull after the failed step": lambda: server.pull(flat)}
-    errors = {name: raised_by(call) for name, call in calls.items()}
+    errors = {"server of no cache rows": refused, **{name: raised_by(call) for name, call in calls.items()}}
     server.close()
     other = HeraldServer(hps.ParameterServer(ps_config(os.path.join(out, f"other{node.rank}"), budget="1MiB")),
                          node, 20)

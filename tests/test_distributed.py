@@ -154,6 +154,7 @@ def test_keys_neither_uint64_nor_int64_are_refused_not_cast(tmp_path):
 # What the last rank raises in each call of onerankrefuses (its own error), and the
 # exchange its peers name with it.
 ONE_RANK_REFUSES = {
+    "server codec": ("", "ValueError: unknown codec 'zstd'"),
     "pull float keys": ("pull keys", "TypeError: pull keys must be an array of uint64 or int64 keys, got float64"),
     "pull reserved key": ("pull keys", "ValueError: pull keys: key 0xffffffffffffffff is reserved (the empty-slot "
                                        "sentinel)"),
@@ -171,14 +172,15 @@ ONE_RANK_REFUSES = {
 
 
 def test_a_call_the_last_rank_alone_refuses_is_refused_on_every_rank_naming_it(tmp_path):
-    """A direct user's call that one rank refuses for its own input (its keys, its
-    gradients, its window, its data): that rank raised before the call's first
-    exchange and went on, while the others waited in the exchange for it, until
-    the watchdog's timeout ended the job (or until the rank's next call met them
-    there, each taking the other's call for its own). A reserved key in a push
-    reached its owner, which refused it after the exchange, alone, while the other
-    owners stepped their keys. The refusal is told in the exchange now: every rank
-    raises, the last rank its error, the others RankFailure naming it and the
+    """A direct user's call that one rank refuses for its own input (its node's
+    config, its server's codec, its keys, its gradients, its window, its data):
+    that rank raised before the call's first exchange and went on, while the others
+    waited in the exchange for it, until the watchdog's timeout ended the job (for
+    a node's config, for ever: no watchdog runs yet), or until the rank's next call
+    met them there, each taking the other's call for its own. A reserved key in a
+    push reached its owner, which refused it after the exchange, alone, while the
+    other owners stepped their keys. The refusal is told in the exchange now: every
+    rank raises, the last rank its error, the others RankFailure naming it and the
     error; no row changes, and the job goes on."""
     world = 3
     p = scenario(world, "onerankrefuses", tmp_path, "--timeout", 30, check=False, timeout=200)
@@ -188,29 +190,41 @@ def test_a_call_the_last_rank_alone_refuses_is_refused_on_every_rank_naming_it(t
     for name, (what, said) in ONE_RANK_REFUSES.items():
         assert last[name].startswith(said), (name, last[name])
         for r in range(world - 1):
-            assert got[r]["errors"][name] == (f"RankFailure: {what}: rank {world - 1} failed before the exchange "
-                                              f"({last[name]}): every rank gives it up"), (r, name)
+            named = (f"RankFailure: {what}: rank {world - 1} failed before the exchange ({last[name]}): every rank "
+                     f"gives it up") if what else (f"RankFailure: DistributedServer: rank {world - 1} refused its "
+                                                   f"arguments ({last[name]}): every rank's server is refused")
+            assert got[r]["errors"][name] == named, (r, name)
     assert last["source raises"] == "ValueError: line 3 of this rank's data is malformed"
     for r in range(world - 1):
         assert got[r]["errors"]["source raises"] == (f"RankFailure: read: rank {world - 1}'s data failed (ValueError: "
                                                      f"line 3 of this rank's data is malformed): every rank stops"), r
     assert [g["rows_as_before"] for g in got] == [True] * world
+    config = "ValueError: [distributed]: timeout must be > 0 seconds, got -1.0"
+    assert last["node config"] == config
+    for r in range(world - 1):
+        assert got[r]["errors"]["node config"] == (f"RankFailure: hps.distributed.Node: rank {world - 1} refused its "
+                                                   f"config ({config}): every rank's node is refused"), r
 
 
 def test_a_herald_call_one_rank_refuses_is_refused_on_every_rank_naming_it(tmp_path):
-    """As above with schedule = 'herald': rank 1's keys of one field, with a
-    reserved key, or of other fields than rank 0's (which the leader alone saw: it
-    raised in its prefetch, after the exchanges, and rank 1 waited in the step's
-    first), its push of a NaN gradient, its step's NaN gradient (after which every
-    rank's server stops alike: a pull is refused on every rank, with no exchange),
-    and its step given one example less than it prefetched (refused after the
-    step's plan reached it)."""
+    """As above with schedule = 'herald': rank 1's server of a cache of no rows
+    (refused after the servers' first exchange, rank 0 gone on to its first
+    call), its keys of one field, with a reserved key, or of other fields than
+    rank 0's (which the leader alone saw: it raised in its prefetch, after the
+    exchanges, and rank 1 waited in the step's first), its push of a NaN gradient,
+    its step's NaN gradient (after which every rank's server stops alike: a pull
+    is refused on every rank, with no exchange), and its step given one example
+    less than it prefetched (refused after the step's plan reached it)."""
     p = scenario(2, "heraldonerankrefuses", tmp_path, "--timeout", 30, check=False, timeout=200)
     assert p.returncode == 0, p.stderr[-3000:]
     leader, last = (json.loads((tmp_path / f"rank{r}.json").read_text())["errors"] for r in range(2))
 
     def named(what: str, by: int, error: str) -> str:
         return f"RankFailure: {what}: rank {by} failed before the exchange ({error}): every rank gives it up"
+    no_rows = "ValueError: worker_cache_rows must be >= 1 with schedule = 'herald', got 0"
+    assert last["server of no cache rows"] == no_rows
+    assert leader["server of no cache rows"] == (f"RankFailure: HeraldServer: rank 1 refused its arguments "
+                                                 f"({no_rows}): every rank's server is refused")
     assert last["prefetch one key an example"] == ("ValueError: schedule = 'herald' takes (n_examples, fields) uint64 "
                                                    "keys, got uint64 (39,)")
     assert re.fullmatch(r"ValueError: keys\[\d+\] is 0xffffffffffffffff \(-1 as int64\), the reserved empty-slot "
@@ -1564,6 +1578,34 @@ def test_a_finite_sparse_gradient_that_bf16_rounds_to_infinity_is_refused_before
         _push_by(server, how, keys, grads)
     np.testing.assert_array_equal(server.pull(keys), before)
     server.close()
+
+
+class _RecordingOneRankNode(_OneRankNode):
+    """A one-rank node that writes down each allgather by name."""
+
+    def __init__(self):
+        self.exchanges = []
+
+    def allgather(self, stage, obj, what, note=None):
+        self.exchanges.append(what)
+        return [obj]
+
+
+def test_hps_train_setup_owes_no_exchange_after_a_server_a_rank_refused(tmp_path):
+    """A rank that refuses its DistributedServer's arguments (a codec) says so in the
+    servers' first exchange, where its peers raise RankFailure naming it (the
+    onerankrefuses scenario). hps train's setup (_collective) then took that rank's
+    own error for one its peers had not heard of, and waited for them in an
+    exchange of its own, which they, past their RankFailure, never entered. It
+    passes the error on now, as it passes on a RankFailure."""
+    from hps.distributed.sparse import DistributedServer
+    from hps.train import _collective
+    node = _RecordingOneRankNode()
+    ps = hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps")))
+    with pytest.raises(ValueError, match=r"^unknown codec 'zstd'"):
+        _collective(node, lambda: DistributedServer(ps, node, sparse_rows="zstd"))
+    assert node.exchanges == ["the ranks' initial rows"]
+    ps.close()
 
 
 def _push_by(server, how: str, keys: np.ndarray, grads: np.ndarray) -> None:

@@ -217,31 +217,50 @@ def test_bad_settings_are_named(tmp_path):
                         partitioner=lambda keys, g: keys % g)
 
 
+class _OneRank:
+    """hps.distributed's Node for a job of one rank, without MPI, that writes down
+    its exchanges by name."""
+    rank, size, nodes = 0, 1, 1
+
+    def __init__(self):
+        self.exchanges = []
+
+    def allgather(self, stage, obj, what, note=None):
+        self.exchanges.append(what)
+        return [obj]
+
+
 @pytest.mark.parametrize("bound", [{"ttl_steps": 5}, {"max_rows": 100}])
 def test_herald_across_ranks_refuses_a_rank_server_with_bounded_tables(tmp_path, bound):
     """Each rank's server runs 'sequential' behind HeraldServer's cache, so its own
     check lets ttl_steps and max_rows through; its checkpoint would erase keys the
     rank's cache still holds, and the next flush would bring them back. Refused
-    before anything touches the node (hps train refuses the config sooner)."""
+    in the servers' first exchange, which tells the other ranks (a rank that
+    refused it alone before it left them waiting there), and nothing after it
+    (hps train refuses the config sooner)."""
     from hps.distributed.herald import HeraldServer
     local = server(tmp_path / "rank0", "sequential", devices=1, **bound)
+    node = _OneRank()
     try:
         with pytest.raises(ValueError, match=rf"ttl_steps = {bound.get('ttl_steps', 0)} and max_rows = "
                                              rf"{bound.get('max_rows', 0)}: bounded tables need schedule = "
                                              r"'sequential'"):
-            HeraldServer(local, node=None, capacity=20)
+            HeraldServer(local, node=node, capacity=20)
+        assert node.exchanges == ["the ranks' initial rows"]
     finally:
         local.close()
 
 
 def test_herald_across_ranks_refuses_a_cache_larger_than_device_capacity(tmp_path):
     """The rank's server runs 'sequential', so its own check lets a cache larger
-    than device_capacity through; refused before anything touches the node."""
+    than device_capacity through; refused in the servers' first exchange, as above."""
     from hps.distributed.herald import HeraldServer
     local = server(tmp_path / "rank0", "sequential", devices=1, device_capacity=100)
+    node = _OneRank()
     try:
         with pytest.raises(ValueError, match="worker_cache_rows = 200 is more than device_capacity = 100"):
-            HeraldServer(local, node=None, capacity=200)
+            HeraldServer(local, node=node, capacity=200)
+        assert node.exchanges == ["the ranks' initial rows"]
     finally:
         local.close()
 

@@ -44,7 +44,7 @@ from hps.data.synthetic import BAG_LENGTHS, MAX_MEAN_BAG_LENGTH, MAX_VOCABULARY
 from hps.data.keys import ADMISSION_DEFAULT_KEY
 from hps.config import check_fields, is_int, is_number, load_toml, parse_bytes
 from hps.distributed import DenseSync, DistributedConfig, DistributedServer, Node, launched_by_mpi
-from hps.distributed.comm import RankFailure, local_ranks_from_environment
+from hps.distributed.comm import local_ranks_from_environment, raised_on_every_rank
 from hps.errors import DivergedError
 from hps.jobdir import HT_LAYOUT, TRAINER_STATE, read_job_record, write_trainer_state  # (those two: in a checkpoint)
 from hps.metrics import auc, logloss
@@ -1288,15 +1288,16 @@ def _collective(node: Optional[Node], fn):
     left its peers waiting here until the watchdog's timeout). fn may run
     collectives itself (the Trainer's servers check their initial rows): a rank
     that failed before one meets its peers there, where Node.allgather raises
-    RankFailure on every rank, naming what failed; that is passed on as it is."""
+    RankFailure on every rank, naming what failed, or where every rank raises,
+    having heard of it (Node.give_up); that is passed on as it is."""
     if node is None:
         return fn()
     result, error = None, None
     try:
         result = fn()
-    except RankFailure:
-        raise  # every rank raised it in the same exchange: none is owed here
     except Exception as e:  # noqa: BLE001 - the peers wait here for this rank's word
+        if raised_on_every_rank(e):
+            raise  # every rank raised in the same exchange: none is owed here
         error = f"{type(e).__name__}: {e}"
     errors = node.allgather("train", error, "setup", note=error and f"rank {node.rank}: {error}")
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]

@@ -245,20 +245,33 @@ class Node:
         from mpi4py import MPI
         self.MPI = MPI
         self.config = config or DistributedConfig()
-        self.config.check()
         world = comm if comm is not None else MPI.COMM_WORLD
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise RuntimeError("hps.distributed needs an MPI with MPI_THREAD_MULTIPLE (the pipeline's stages "
-                               "run collectives from their own threads)")
         self.world = world
         self.rank, self.size = world.Get_rank(), world.Get_size()
+        rpn = self.config.ranks_per_node
+        # Checked on every rank, then told in the ranks' first exchange (before any
+        # watchdog runs): a rank that refused its own config (its own file) left
+        # the others waiting in the communicators' Dup for ever.
+        failed = None
+        try:
+            self.config.check()
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                raise RuntimeError("hps.distributed needs an MPI with MPI_THREAD_MULTIPLE (the pipeline's stages "
+                                   "run collectives from their own threads)")
+            if rpn and self.size % rpn:
+                raise ValueError(f"[distributed] ranks_per_node = {rpn} does not divide the {self.size} ranks")
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            failed = e
+        every = world.allgather(None if failed is None else f"{type(failed).__name__}: {failed}")
+        if failed is not None:
+            raise mark_raised_on_every_rank(failed)
+        refused = [f"rank {r} refused its config ({e})" for r, e in enumerate(every) if e is not None]
+        if refused:
+            raise RankFailure(f"hps.distributed.Node: {'; '.join(refused)}: every rank's node is refused")
         self.comms = {stage: world.Dup() for stage in self.STAGES}
         self.bytes_sent = {kind: 0 for kind in COMM_KINDS}
         self._bytes_lock = threading.Lock()
-        rpn = self.config.ranks_per_node
         if rpn:
-            if self.size % rpn:
-                raise ValueError(f"[distributed] ranks_per_node = {rpn} does not divide the {self.size} ranks")
             self.node_comm = world.Split(self.rank // rpn, self.rank)
         else:
             self.node_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)

@@ -145,23 +145,10 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
     _resume_hint = "rerun the job with --resume from its last checkpoint"
 
     def __init__(self, local: ParameterServer, node: Node, capacity: int, example_bytes: int = 0):
-        ps = local.config
-        if ps.ttl_steps or ps.max_rows:
-            # The rank's server runs 'sequential' behind this cache, so its own check
-            # let them through: its checkpoint would erase keys the cache still holds,
-            # and the next flush would bring them back.
-            raise ValueError(f"[ps] ttl_steps = {ps.ttl_steps} and max_rows = {ps.max_rows}: bounded "
-                             f"tables need schedule = 'sequential' (Herald's caches hold rows between steps)")
-        if capacity > ps.device_capacity:  # (the rank's server runs 'sequential': its check did not see it)
-            raise ValueError(f"worker_cache_rows = {capacity} is more than device_capacity = {ps.device_capacity} "
-                             f"(rows a device) with schedule = 'herald': a rank's cache must fit in its table; "
-                             f"lower worker_cache_rows or raise device_capacity")
-        super().__init__(local, node)
-        if capacity < 1:
-            raise ValueError(f"worker_cache_rows must be >= 1 with schedule = 'herald', got {capacity}")
-        if example_bytes < 0:
-            raise ValueError(f"example_bytes must be >= 0, got {example_bytes}")
         self.capacity = capacity
+        self._example_bytes = example_bytes  # (both checked by _check_arguments, on every rank together)
+        super().__init__(local, node)
+        ps = local.config
         self.leader = node.rank == LEADER
         self._row_floats = local.row_floats
         # Fetched rows move whole (with the optimizer's state); those never trained, as a bit.
@@ -170,7 +157,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         # pulled, its floats with the optimizer's state: the partition keeps an
         # example on the rank that read it unless that many more of its keys
         # are cached elsewhere (hps.herald.Herald's example_cost).
-        self.example_cost = min(65536.0, example_bytes / (4 * self._row_floats))
+        self.example_cost = min(65536.0, self._example_bytes / (4 * self._row_floats))
         self.herald = Herald(node.size, capacity, example_cost=self.example_cost) if self.leader else None
         self.device_capacity = ps.device_capacity  # the most rows a rank's table has
         self._table_rows = min(first_table_rows(capacity), self.device_capacity)
@@ -189,6 +176,26 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
                        "rows_served": 0, "primary_steps": 0, "replica_copies": 0, "evict_pushes": 0,
                        "evict_clean_dropped": 0, "flushes": 0, "flushed_rows": 0, "compactions": 0, "plan_pulls": 0,
                        "plan_peer_pulls": 0, "plan_shared": 0, "distinct": 0}
+
+    def _check_arguments(self) -> None:
+        """The checks of this rank's arguments, which DistributedServer makes with
+        the ranks' first exchange: refused on one rank before it, they left the
+        others waiting there (or, after it, in the first step's)."""
+        ps, capacity = self.local.config, self.capacity
+        if ps.ttl_steps or ps.max_rows:
+            # The rank's server runs 'sequential' behind this cache, so its own check
+            # let them through: its checkpoint would erase keys the cache still holds,
+            # and the next flush would bring them back.
+            raise ValueError(f"[ps] ttl_steps = {ps.ttl_steps} and max_rows = {ps.max_rows}: bounded "
+                             f"tables need schedule = 'sequential' (Herald's caches hold rows between steps)")
+        if capacity > ps.device_capacity:  # (the rank's server runs 'sequential': its check did not see it)
+            raise ValueError(f"worker_cache_rows = {capacity} is more than device_capacity = {ps.device_capacity} "
+                             f"(rows a device) with schedule = 'herald': a rank's cache must fit in its table; "
+                             f"lower worker_cache_rows or raise device_capacity")
+        if capacity < 1:
+            raise ValueError(f"worker_cache_rows must be >= 1 with schedule = 'herald', got {capacity}")
+        if self._example_bytes < 0:
+            raise ValueError(f"example_bytes must be >= 0, got {self._example_bytes}")
 
     def _new_tier(self, rows: int):
         return _core.DeviceTier(1, rows, self.local._native_opt, threads=self.local.config.device_threads,

@@ -499,10 +499,17 @@ class DistributedServer:
         self.config = local.config
         self.dim = local.dim
         self._retry: Optional[tuple] = None  # the exchange of a prefetch that hit CacheFullError
-        self.rows_codec = RowCodec(sparse_rows, self.dim)  # [distributed] sparse_rows: rows to the askers
+        # Refused together with the ranks' initial rows, the servers' first exchange:
+        # a rank that refused its own arguments before it left its peers waiting there.
+        failed = None
+        try:
+            self.rows_codec = RowCodec(sparse_rows, self.dim)  # [distributed] sparse_rows: rows to the askers
+            self.grads_codec = RowCodec(sparse_grads, self.dim)  # sparse_grads: gradients to the owners
+            self._check_arguments()
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            failed = e
+        self._check_initial_rows(failed)
         self.fresh_rows = FreshRows(local._native_opt, self.dim, self.rows_codec)  # untrained rows as a bit
-        self._check_initial_rows()
-        self.grads_codec = RowCodec(sparse_grads, self.dim)  # sparse_grads: gradients to the owners
         self._window_sender = WindowSender()  # lookahead: this rank's windows to the owners
         self._owner_windows = self._make_owner_windows()  # and the ranks' windows as this owner's MEM-PS keeps them
 
@@ -723,14 +730,27 @@ class DistributedServer:
         """A subclass's work once a push's keys and gradients have crossed, before
         this rank's server steps the keys it owns."""
 
-    def _check_initial_rows(self) -> None:
+    def _check_arguments(self) -> None:
+        """A subclass's checks of its own arguments (raise to refuse them), made on
+        every rank before the ranks compare their initial rows."""
+
+    def _check_initial_rows(self, failed: Optional[Exception] = None) -> None:
         """Refuses ranks whose servers make other initial rows (another dim,
         initializer, seed or optimizer): a rank makes the untrained rows it asked an
         owner for (FreshRows), so they must be the owner's. Collective: the first
-        exchange of the job's servers."""
+        exchange of the job's servers. `failed`: this rank's refusal of its own
+        arguments, raised here, once the peers have heard it (they raise
+        RankFailure naming it)."""
         probe = np.array([0, 1, 0x9E3779B97F4A7C15], np.uint64)
-        mine = self.local._native_opt.initial_rows(probe).tobytes()
-        every = self.node.allgather("train", mine, "the ranks' initial rows")
+        mine = None if failed is not None else self.local._native_opt.initial_rows(probe).tobytes()
+        said = None if failed is None else f"{type(failed).__name__}: {failed}"
+        every = self.node.allgather("train", (mine, said), "the ranks' initial rows")
+        if failed is not None:
+            raise mark_raised_on_every_rank(failed)
+        refused = [f"rank {r} refused its arguments ({e})" for r, (_, e) in enumerate(every) if e is not None]
+        if refused:
+            raise RankFailure(f"{type(self).__name__}: {'; '.join(refused)}: every rank's server is refused")
+        every = [rows for rows, _ in every]
         other = [r for r, theirs in enumerate(every) if theirs != every[0]]
         if other:
             raise ValueError(f"rank {other[0]}'s parameter server makes other initial rows than rank 0's (its "
