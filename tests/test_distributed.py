@@ -1581,14 +1581,22 @@ def test_a_finite_sparse_gradient_that_bf16_rounds_to_infinity_is_refused_before
 
 
 class _RecordingOneRankNode(_OneRankNode):
-    """A one-rank node that writes down each allgather by name."""
+    """A one-rank node that writes down each exchange by name (give_up's too)."""
 
     def __init__(self):
         self.exchanges = []
 
+    def alltoallv(self, stage, blocks, kind, what):
+        self.exchanges.append(what)
+        return super().alltoallv(stage, blocks, kind, what)
+
     def allgather(self, stage, obj, what, note=None):
         self.exchanges.append(what)
         return [obj]
+
+    def give_up(self, stage, what, failed):
+        self.exchanges.append(f"{what} (given up)")
+        raise failed
 
 
 def test_hps_train_setup_owes_no_exchange_after_a_server_a_rank_refused(tmp_path):
@@ -1606,6 +1614,28 @@ def test_hps_train_setup_owes_no_exchange_after_a_server_a_rank_refused(tmp_path
         _collective(node, lambda: DistributedServer(ps, node, sparse_rows="zstd"))
     assert node.exchanges == ["the ranks' initial rows"]
     ps.close()
+
+
+def test_a_herald_step_whose_start_failed_is_refused_again_with_no_exchange(tmp_path):
+    """A Herald step whose start failed (its rank given no examples to move) failed
+    on every rank, told in its exchanges (Node.give_up), and stopped the servers.
+    Started again (a later call of the step: gather, apply), it is refused as the
+    stopped server, with no exchange: the peers, past the step, are in none of it."""
+    from hps.distributed.herald import HeraldServer
+    node = _RecordingOneRankNode()
+    server = HeraldServer(hps.ParameterServer(hps.ParameterServerConfig(
+        dim=4, path=str(tmp_path / "ps"), optimizer=hps.AdaGrad(lr=0.1), mem_budget="1MiB")), node, 20)
+    batch = server.batch(server.prefetch(np.arange(1, 7, dtype=np.uint64).reshape(3, 2)))
+    with pytest.raises(RuntimeError, match="was given no examples"):
+        batch.partition()
+    assert node.exchanges[-2:] == ["herald plan parts", "herald examples (keys) (given up)"]
+    node.exchanges.clear()
+    with pytest.raises(RuntimeError, match=r"stopped after a failed batch \(RuntimeError: rank 0's Herald step was "
+                                           r"given no examples"):
+        batch.partition()
+    assert node.exchanges == []
+    batch.abort()
+    server.close()
 
 
 def _push_by(server, how: str, keys: np.ndarray, grads: np.ndarray) -> None:

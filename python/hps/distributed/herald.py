@@ -510,7 +510,9 @@ class HeraldDistBatch(BatchBase):
         self.wait_seconds = 0.0
         self.exchanged = None  # the examples this rank trains (hps.pipeline takes them as the batch's data)
         self._data = None
-        self._lost = None  # the keys this rank's evictions lost, from its plan part (set: partitioned)
+        self._lost = None  # the keys this rank's evictions lost, from its plan part
+        self._started = False  # partition() began the step's exchanges
+        self._minibatches = None  # set: partitioned
         self._number = None  # set: scheduled (the leader's snapshot has taken this step)
         self._applied = False
         self._done = False
@@ -530,12 +532,18 @@ class HeraldDistBatch(BatchBase):
 
     # ------------------------------------------------------------ partition
     def partition(self) -> list:
-        if self._lost is None:
+        if not self._started:
+            self._started = True
             # Whatever fails in the step fails the server (StopsAfterAFailedStep), on
             # every rank: each rank's failure before an exchange is told there
             # (Node.give_up), and every rank raises.
             with self.server.step(check=False):
                 self._start()
+        elif self._minibatches is None:
+            # Its start failed, on every rank: raised again as the stopped server's,
+            # with no exchange (the peers, past the step, are in none of it).
+            self.server.check()
+            raise RuntimeError("a Herald step whose start failed was started again")
         return self._minibatches
 
     def _start(self) -> None:
