@@ -64,9 +64,12 @@ struct SsdStoreStats {
   uint64_t bytes_read = 0;      ///< bytes read from files by get
   uint64_t bytes_requested = 0; ///< rows_read * row_bytes; read amplification = bytes_read / this
   uint64_t commits = 0;
-  uint64_t compactions = 0;          ///< compaction runs that committed
+  uint64_t compactions = 0;          ///< compaction runs that committed (a run swaps its victims in
+                                     ///< chunks, a manifest commit each: it counts once, from its first)
   uint64_t compacted_records = 0;    ///< live records rewritten by them
-  uint64_t compaction_failures = 0;  ///< runs that failed and changed nothing (see last_error)
+  uint64_t compaction_failures = 0;  ///< runs stopped by a failed chunk, which changed nothing (the
+                                     ///< chunks before it stand: such a run is a compaction too; see
+                                     ///< last_error)
   std::string last_error;            ///< the message of the last failed compaction
   uint64_t cleanup_failures = 0;     ///< removals of unlisted files, or directory syncs after a
                                      ///< commit that stands, that failed (written to stderr; the

@@ -1091,6 +1091,10 @@ class FileStore final : public SsdStore {
       error = e.what();
       ++counters_.compaction_failures;
     }
+    // A run counts once, however many chunks it swapped in (each its own
+    // manifest commit), once one has: a run stopped at a later chunk is a
+    // compaction and a failure both.
+    if (done > 0) ++counters_.compactions;
     std::unique_lock lock(mutex_);
     for (size_t c = done; c < job.chunks.size(); ++c) {
       for (uint32_t h : job.chunks[c]) Entry(h).victim = false;
@@ -1292,7 +1296,6 @@ class FileStore final : public SsdStore {
     for (const auto& victim : sources) victim_paths.push_back(victim->path());
     RemoveUnlisted(victim_paths);
     counters_.bytes_written += bytes;
-    ++counters_.compactions;
     counters_.compacted_records += kept.size();
   }
 

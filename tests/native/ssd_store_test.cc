@@ -316,6 +316,55 @@ TEST_F(SsdStoreTest, CompactMovesTheLiveRecordsOfFilesMoreThanHalfStale) {
   EXPECT_EQ(Versions(*store, Range(1, 13)), (std::vector<int64_t>{2, 2, 1, 1, 2, 2, 2, 1, 2, 2, 2, 1}));
 }
 
+// compactions counts runs, as its stats line says, not the chunks a run
+// swaps in one manifest commit each: one Compact() over eight victims in two
+// chunks is one compaction. A run whose second chunk fails still counts (its
+// first chunk stands) and is a failure too; its rows all read, before and
+// after a reopen.
+TEST_F(SsdStoreTest, CompactionsCountsRunsNotTheirChunks) {
+  // Eight files of four keys, each three quarters stale: eight victims with
+  // one live record each, in two chunks of about one file of live records.
+  auto stale_all_but_every_fourth = [&](SsdStore& store, uint32_t version) {
+    std::vector<uint64_t> again;
+    for (uint64_t key = 1; key <= 32; ++key) {
+      if (key % 4 != 0) again.push_back(key);
+    }
+    Put(store, again, version);
+    store.Commit();
+  };
+  std::vector<int64_t> want(32, 2);
+  for (size_t i = 3; i < 32; i += 4) want[i] = 1;
+  {
+    auto store = SsdStore::Open(Options(4));
+    Put(*store, Range(1, 33), 1);
+    store->Commit();
+    stale_all_but_every_fourth(*store, 2);
+    const uint64_t commits = store->stats().commits;
+    store->Compact();
+    SsdStoreStats s = store->stats();
+    ASSERT_EQ(s.commits, commits + 3) << "Compact's own commit and one per chunk: two chunks";
+    EXPECT_EQ(s.compacted_records, 8u);
+    EXPECT_EQ(s.compactions, 1u) << "one Compact(), one run";
+
+    // Again over the eight files the same keys take, their second output in the way.
+    Put(*store, Range(1, 33), 1);
+    store->Commit();
+    stale_all_but_every_fourth(*store, 2);
+    const std::string blocker = BlockNextFile(/*ahead=*/1);
+    EXPECT_THROW(store->Compact(), IoError);
+    fs::remove(blocker);
+    s = store->stats();
+    EXPECT_EQ(s.compactions, 2u) << "its first chunk committed";
+    EXPECT_EQ(s.compaction_failures, 1u);
+    EXPECT_NE(s.last_error.find(blocker + ": create: File exists"), std::string::npos) << s.last_error;
+    EXPECT_EQ(Versions(*store, Range(1, 33)), want);
+    store->Commit();
+  }
+  auto store = SsdStore::Open(Options(4));
+  EXPECT_EQ(Versions(*store, Range(1, 33)), want);
+  EXPECT_EQ(Files().size(), store->stats().files) << "no file of the failed chunk left behind";
+}
+
 // Open indexes a file's keys a chunk at a time (ParamFile::kKeyChunk): each
 // chunk's keys must point at their own slots, not the first chunk's.
 TEST_F(SsdStoreTest, AReopenedFileOfSeveralKeyChunksServesEveryRow) {
