@@ -61,8 +61,10 @@ struct SsdStoreStats {
   uint64_t rows_written = 0;
   uint64_t bytes_written = 0;
   uint64_t rows_read = 0;
-  uint64_t bytes_read = 0;      ///< bytes read from files by get
-  uint64_t bytes_requested = 0; ///< rows_read * row_bytes; read amplification = bytes_read / this
+  uint64_t bytes_read = 0;      ///< bytes of rows blocks read from files: by get, and by compaction
+                                ///< and Bound for the rows they rewrite (not the keys they read)
+  uint64_t bytes_requested = 0; ///< rows_read * row_bytes; gets' read amplification = bytes_read /
+                                ///< this, over a span in which no compaction or Bound ran
   uint64_t commits = 0;
   uint64_t compactions = 0;          ///< compaction runs that committed (a run swaps its victims in
                                      ///< chunks, a manifest commit each: it counts once, from its first)
@@ -82,11 +84,12 @@ struct SsdStoreStats {
   uint64_t manifest_rolls = 0;       ///< rewrites of MANIFEST as one record of the live files, since open
   uint64_t manifest_roll_failures = 0;  ///< rolls that failed (written to stderr; the commit stands)
   bool compaction_running = false;   ///< a compaction is planned or under way
-  double compaction_lock_max_us = 0; ///< longest a compaction held readers off (one file swap)
+  double compaction_lock_max_us = 0; ///< longest a compaction held readers off (one chunk's swap)
   uint64_t index_bytes = 0;     ///< memory of the key index
   std::string io_path;          ///< how gets and puts moved rows: "io_uring" or "pread", "+O_DIRECT"
                                 ///< when direct; the fallback's name once any of them fell back
-                                ///< (compaction reads its victims with pread, on the same descriptors)
+                                ///< (compaction and Bound move their rows the same way, through the
+                                ///< same pool; only the keys they read go by pread)
   std::string io_fallback;      ///< io_fallback()
   uint64_t stamp = 0;           ///< stamp(): what puts write now
   uint64_t bound_expired = 0;   ///< keys Bound() erased for a stamp below its min_stamp, all calls
@@ -126,7 +129,8 @@ class SsdStore {
   // live and the trigger. Its victims are rewritten in chunks of about one
   // file of live records, each swapped in by its own manifest commit, so a
   // crash at any instant reopens to a committed state. A compaction that
-  // fails is counted in the stats and leaves the committed state as it was;
+  // fails is counted in the stats; the chunk that failed changes nothing, and
+  // the chunks before it stand;
   // the commit() it ran in (background_compaction = false) or the next one
   // (on the background thread, which also writes a line to stderr) throws
   // IoError for it, once, after its own commit is durable. A chunk whose
