@@ -423,14 +423,21 @@ class FileStore final : public SsdStore {
         }
       }
     }
+    // The commit stands either way; a compaction's failure is told once.
+    std::string failure;
     if (run_here) {
       put_lock.unlock();
       const std::string error = RunCompaction(std::move(job));
-      FinishCompaction(error, error.empty() ? "" : "the compaction this commit ran failed: " + error);
+      // This commit's own to raise, so kept here: left in unreported_failure_
+      // (the background thread's slot), a commit on another thread could take
+      // it first, raising a failure not its own while this one returned.
+      FinishCompaction(error);
+      if (!error.empty()) failure = "the compaction this commit ran failed: " + error;
+      if (detail::ssd_store_test_seams.commit_after_its_compaction) {
+        detail::ssd_store_test_seams.commit_after_its_compaction();
+      }
     }
-    // The commit stands either way; a compaction's failure is told once.
-    std::string failure;
-    {
+    if (failure.empty()) {
       std::lock_guard lock(compaction_mutex_);
       failure = std::exchange(unreported_failure_, "");
     }
@@ -1104,7 +1111,7 @@ class FileStore final : public SsdStore {
   }
 
   // `failure`: what the next commit() is to raise for the error ("" when
-  // the caller raises it itself, as Compact() does).
+  // the caller raises it itself, as Compact() and an inline commit do).
   void FinishCompaction(const std::string& error = "", const std::string& failure = "") {
     {
       std::lock_guard lock(compaction_mutex_);

@@ -18,6 +18,10 @@ struct SsdStoreTestSeams {
   // Runs inside each put with more than one file, before each file after the
   // first enters the index, with no lock held but the put's own.
   std::function<void()> put_between_files;
+  // Runs inside a commit() that ran a compaction itself (background_compaction
+  // = false), once the compaction has finished and before the commit reports
+  // how it went, with no lock held: where another thread's commit may land.
+  std::function<void()> commit_after_its_compaction;
   // The size past which MANIFEST is rolled however small its rolled log
   // (0: detail::kManifestRollFloorBytes), so that a test rolls it within a
   // few commits. Read at open.

@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "format/param_file.h"  // ParamFile::kKeyChunk
@@ -513,6 +514,46 @@ TEST_F(SsdStoreTest, ABoundWhoseRewriteFailsLeavesNoFile) {
 }
 
 // ------------------------------------------------------------------ races
+
+// A compaction that a commit ran itself (background_compaction = false) and
+// that failed is that commit's to raise. It went through the slot where the
+// background thread leaves its failures for the next commit, so a commit on
+// another thread that landed between the two took it: that commit raised a
+// failure not its own (its own compaction had gone through), and the commit
+// whose compaction failed returned as if it had not.
+TEST_F(SsdStoreTest, ACommitsOwnCompactionFailureIsRaisedByThatCommitNotAnother) {
+  SsdStoreOptions options = Options(4);
+  options.compaction_trigger = 1.5;
+  auto store = SsdStore::Open(options);
+  Put(*store, Range(1, 9), 1);
+  store->Commit();
+  Put(*store, {1, 2, 3, 5, 6, 7}, 2);  // 14 records on disk for 8 live: over the trigger
+  const std::string blocker = BlockNextFile();  // the compaction's output
+  bool landed = false;
+  std::string other_commit = "returned";
+  detail::ssd_store_test_seams.commit_after_its_compaction = [&] {
+    if (std::exchange(landed, true)) return;  // the other commit's own compaction
+    fs::remove(blocker);
+    try {
+      store->Commit();  // the other thread's: its compaction goes through
+    } catch (const IoError& e) {
+      other_commit = std::string("raised: ") + e.what();
+    }
+  };
+  try {
+    store->Commit();
+    ADD_FAILURE() << "the commit whose compaction failed returned";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("the compaction this commit ran failed: " + blocker), std::string::npos)
+        << e.what();
+  }
+  ASSERT_TRUE(landed);
+  EXPECT_EQ(other_commit, "returned");
+  const SsdStoreStats s = store->stats();
+  EXPECT_EQ(s.compaction_failures, 1u);
+  EXPECT_EQ(s.compactions, 1u);
+  EXPECT_EQ(Versions(*store, Range(1, 9)), (std::vector<int64_t>{2, 2, 2, 1, 2, 2, 2, 1}));
+}
 
 // A put lands while a background compaction runs: the copies it supersedes
 // in victims not yet rewritten are the committed ones, so the compaction
