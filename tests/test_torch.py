@@ -525,3 +525,31 @@ def test_an_error_of_the_push_at_a_passs_end_reaches_backwards_caller_and_a_fail
     # life of the process; they go once torch frees the pass.
     assert ht._PENDING == {}
     ps.close()
+
+
+def test_copying_or_pickling_a_module_is_refused_naming_what_to_save(tmp_path):
+    """A module's rows live in the server, which a copy cannot take (a second server
+    over the same files): deepcopy, pickle and torch.save of the module said "cannot
+    pickle 'hps._core.SparseOptimizer' object". They are refused naming the module and
+    what to do; the state_dict (the dense parameters) saves and loads, and a deepcopy
+    that shares the module (DeviceReplicas' memo) works."""
+    import copy
+    import io
+    import pickle
+    ps = make_ps(tmp_path)
+    model = ht.CtrModel(ps, num_fields=2, num_dense=1, hidden=(4,))
+    for what, call in [("deepcopy", lambda: copy.deepcopy(model)), ("pickle", lambda: pickle.dumps(model.embedding)),
+                       ("torch.save", lambda: torch.save(model, io.BytesIO()))]:
+        with pytest.raises(TypeError, match=r"hps.torch.EmbeddingBag .*ParameterServer.*state_dict\(\).*"
+                                            r"ps.checkpoint\(\)"):
+            call()
+    shared = {id(model.embedding): model.embedding}
+    twin = copy.deepcopy(model, shared)
+    assert twin.embedding is model.embedding and twin.mlp[0].weight is not model.mlp[0].weight
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    twin.load_state_dict(torch.load(buf))
+    keys, dense = torch.tensor([[1, 2]]), torch.ones(1, 1)
+    assert torch.equal(twin(keys, dense), model(keys, dense))
+    ps.close()

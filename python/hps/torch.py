@@ -437,6 +437,16 @@ class _FirstLayerOnPooled(torch.autograd.Function):
         return (grad_dense, grad_weight, grad_bias, *grads)
 
 
+# A module's rows live in its server, which a copy cannot take: deepcopy and pickle
+# failed on the server's native optimizer ("cannot pickle 'hps._core.SparseOptimizer'
+# object"), naming neither the module nor what to save instead.
+_NOT_COPIED = ("hps.torch.EmbeddingBag cannot be copied or pickled: it holds no weight, its rows live in its "
+               "ParameterServer, which a copy cannot take (a second server over the same files). Save the dense "
+               "parameters with the model's state_dict() and the rows with ps.checkpoint() (hps.ParameterServer.open "
+               "resumes them); to copy a model, share the module: copy.deepcopy(model, {id(bag): bag}), as "
+               "DeviceReplicas' shared= does")
+
+
 class EmbeddingBag(nn.Module):
     """nn.EmbeddingBag-like pooling over rows kept in `ps`.
 
@@ -474,6 +484,13 @@ class EmbeddingBag(nn.Module):
         self.anchor = torch.zeros(1, requires_grad=True)
         self.batch: Optional[WorkingBatch] = None
         self.worker = 0
+
+    def __deepcopy__(self, memo):
+        # (A deepcopy that shares the module finds it in memo and never gets here.)
+        raise TypeError(_NOT_COPIED)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPIED)
 
     def attach(self, batch, worker: int = 0) -> None:
         """Serves lookups from `batch` (a WorkingBatch: any kind of batch) for
