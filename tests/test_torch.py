@@ -553,3 +553,26 @@ def test_copying_or_pickling_a_module_is_refused_naming_what_to_save(tmp_path):
     keys, dense = torch.tensor([[1, 2]]), torch.ones(1, 1)
     assert torch.equal(twin(keys, dense), model(keys, dense))
     ps.close()
+
+
+def test_ctr_model_takes_an_empty_batch_and_names_its_keys(tmp_path):
+    """No example: a (0,) output and no row trained, as on a batch (the server's path
+    reshaped (0, fields * dim) to (0, -1), which torch refuses). Keys of another dtype
+    are refused naming CtrModel's argument, keys (not EmbeddingBag's input)."""
+    ps = make_ps(tmp_path)
+    for bags in (0, 1):
+        model = ht.CtrModel(ps, num_fields=2, num_dense=1, hidden=(4,), num_bags=bags)
+        keys, dense = torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 1)
+        inputs = [(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), None)] if bags else None
+        out = model(keys, dense, inputs)
+        assert out.shape == (0,)
+        out.sum().backward()
+    with pytest.raises(TypeError, match="keys must be an int64 tensor.*got torch.int32"):
+        model(torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 1), inputs)
+    with ps.batch(np.arange(4, dtype=np.uint64)) as b:
+        model = ht.CtrModel(ps, num_fields=2, num_dense=1, hidden=(4,))
+        model.embedding.attach(b)
+        with pytest.raises(TypeError, match="keys must be an int64 tensor.*got torch.int32"):
+            model(torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 1))
+        model.embedding.attach(None)
+    ps.close()

@@ -565,6 +565,8 @@ class CtrModel(nn.Module):
         The logits come out on the MLP's device, wherever keys and dense are."""
         if keys.dim() != 2 or keys.shape[1] != self.num_fields:
             raise ValueError(f"keys must have shape (B, {self.num_fields}), got {tuple(keys.shape)}")
+        if keys.dtype != torch.int64:  # (named here: the lookups would name EmbeddingBag's input)
+            raise TypeError(f"keys must be an int64 tensor of keys (uint64 keys bit-cast), got {keys.dtype}")
         if dense.dim() != 2 or dense.shape != (keys.shape[0], self.num_dense):
             raise ValueError(f"dense must have shape ({keys.shape[0]}, {self.num_dense}) (keys' B, num_dense), "
                              f"got {tuple(dense.shape)}")
@@ -577,7 +579,7 @@ class CtrModel(nn.Module):
             # distributed server are set on self.embedding).
             be = self.bag_embedding
             be.ps, be.batch, be.worker, be.frozen_key = emb.ps, emb.batch, emb.worker, emb.frozen_key
-            pooled = [emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1)] if self.num_fields else []
+            pooled = [self._fields(keys)] if self.num_fields else []
             pooled += [be(k, o, per_sample_weights=w) for k, o, w in bags]
             pooled = [p.to(device) for p in pooled]
             first = self._first_layer(device)
@@ -595,8 +597,13 @@ class CtrModel(nn.Module):
             x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
                                        emb.frozen_key, device)
             return self.mlp(x).squeeze(1)
-        pooled = emb(keys.reshape(-1, 1)).reshape(keys.shape[0], -1).to(device)
+        pooled = self._fields(keys).to(device)
         return self.mlp(torch.cat([pooled, dense.to(device, torch.float32)], dim=1)).squeeze(1)
+
+    def _fields(self, keys: torch.Tensor) -> torch.Tensor:
+        """The single-hot fields' rows, (B, num_fields * dim), pooled a field at a time.
+        (The width spelled out: for B = 0, torch refuses -1 as ambiguous.)"""
+        return self.embedding(keys.reshape(-1, 1)).reshape(keys.shape[0], self.num_fields * self.embedding.dim)
 
     def _first_layer(self, device: torch.device) -> Optional[nn.Linear]:
         """The MLP's first layer where _FirstLayer (with multi-hot fields,
