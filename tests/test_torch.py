@@ -576,3 +576,50 @@ def test_ctr_model_takes_an_empty_batch_and_names_its_keys(tmp_path):
             model(torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 1))
         model.embedding.attach(None)
     ps.close()
+
+
+def test_gradients_asked_of_other_tensors_train_no_row(tmp_path):
+    """torch.autograd.grad, or backward(inputs=...), asks for the gradients of the
+    tensors it names and of no others: nn.EmbeddingBag's weight gets no .grad then. A
+    lookup's backward ran for them (per_sample_weights' gradient, the MLP's through
+    CtrModel's first layer) and pushed the rows' gradients all the same: a gradient
+    penalty or a saliency read of the weights took an optimizer step a key."""
+    ps = make_ps(tmp_path)
+    bag = ht.EmbeddingBag(ps)
+    keys, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    ids = np.array([1, 2, 3], np.uint64)
+    before = ps.pull(ids)
+    w = torch.tensor([0.5, 2.0, 1.0], requires_grad=True)
+    ref = torch_twin(ps, 4)
+    (g,) = torch.autograd.grad(bag(keys, offsets, per_sample_weights=w).sum(), [w])
+    (g_ref,) = torch.autograd.grad(ref(keys, offsets, per_sample_weights=w).sum(), [w])
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+    assert ref.weight.grad is None
+    np.testing.assert_array_equal(ps.pull(ids), before, err_msg="autograd.grad w.r.t. per_sample_weights")
+    bag(keys, offsets, per_sample_weights=w).sum().backward(inputs=[w])
+    np.testing.assert_array_equal(ps.pull(ids), before, err_msg="backward(inputs=[per_sample_weights])")
+
+    # CtrModel in a batch: its first layer's backward runs for the MLP's gradients.
+    model = ht.CtrModel(ps, num_fields=2, num_dense=1, hidden=(4,))
+    ctr_keys, dense = torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 1)
+    ids = np.array([1, 2, 3, 4], np.uint64)
+    before = ps.pull(ids)
+    for how in ("autograd.grad", "backward(inputs=mlp)"):
+        with ps.batch(ctr_keys.numpy()) as b:
+            model.embedding.attach(b)
+            loss = model(ctr_keys, dense).sum()
+            assert "_FirstLayerBackward" in graph_nodes(loss)
+            if how == "autograd.grad":
+                grads = torch.autograd.grad(loss, list(model.mlp.parameters()))
+                assert all(g is not None for g in grads)
+            else:
+                loss.backward(inputs=list(model.mlp.parameters()))
+            model.embedding.attach(None)
+        np.testing.assert_array_equal(ps.pull(ids), before, err_msg=how)
+    # A plain backward trains them as before.
+    with ps.batch(ctr_keys.numpy()) as b:
+        model.embedding.attach(b)
+        model(ctr_keys, dense).sum().backward()
+        model.embedding.attach(None)
+    assert not np.array_equal(ps.pull(ids), before)
+    ps.close()

@@ -67,6 +67,30 @@ def _keys_of(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy().view(np.uint64)
 
 
+def _anchored(anchor: torch.Tensor) -> torch.Tensor:
+    """A lookup's first input: a view of its module's anchor, so that its backward
+    can ask whether the pass trains the rows (_trains_rows). (Of the anchor itself,
+    a leaf, torch answers no question inside torch.autograd.grad.)"""
+    return anchor.view(1)
+
+
+def _trains_rows() -> bool:
+    """Whether the backward pass running the lookup's backward (which calls this)
+    trains its rows: whether it runs the node of the lookup's first input (_anchored).
+    .backward() runs every node; torch.autograd.grad, and backward(inputs=...) without
+    the anchor, only those the gradients asked for need: a lookup's backward runs for
+    its per_sample_weights' gradient, or for the MLP's through CtrModel's first layer,
+    and nn.EmbeddingBag's weight takes no gradient then. (A torch without the query:
+    every pass trains.)"""
+    current, will_run = (getattr(torch._C, name, None) for name in
+                         ("_current_autograd_node", "_will_engine_execute_node"))
+    node = current() if current is not None and will_run is not None else None
+    if node is None:
+        return True
+    anchor = node.next_functions[0][0]
+    return anchor is None or will_run(anchor)
+
+
 # The gradients the lookups of each backward pass (torch's graph task) pushed, by
 # pass: {server: [(keys, grads), ...]}, pushed at the pass's end (_push_pass). The
 # lock: a pass on several devices runs backwards on several threads. (Reentrant: a
@@ -171,6 +195,8 @@ class _PooledLookup(torch.autograd.Function):
         grad_weights = None
         if ctx.rows is not None:
             grad_weights = (ctx.rows * elem).sum(1)
+        if not _trains_rows():  # (the pass asked for per_sample_weights' gradient alone)
+            return None, None, None, None, grad_weights, None, None
         if weights.numel():
             elem = elem * weights.unsqueeze(1)
         incoming = elem is grad_out  # (a single-hot lookup's gradient, as autograd handed it)
@@ -259,6 +285,8 @@ class _InputWithFields(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x):
+        if not _trains_rows():
+            return (None,) * 8
         if grad_x.device.type != "cpu" or not ctx.batch.gathers_into_columns:
             fields = ctx.keys.shape[1]
             grads = grad_x[:, :ctx.width].to(torch.float32).contiguous().view(-1, ctx.width // fields)
@@ -268,7 +296,7 @@ class _InputWithFields(torch.autograd.Function):
                     grads = grads.clone()  # (not in autograd's tensor: see below)
                 grads[torch.from_numpy(drop).to(grads.device)] = 0.0
             ctx.batch.accumulate_tensor(ctx.positions, grads, worker=ctx.worker)
-            return None, None, None, None, None, None, None, None
+            return (None,) * 8
         grads_t = grad_x.detach().to(torch.float32).contiguous()
         grads = grads_t.numpy()
         if ctx.frozen_key is not None:  # its columns
@@ -281,7 +309,7 @@ class _InputWithFields(torch.autograd.Function):
             dim = ctx.width // fields
             grads[(drop // fields)[:, None], ((drop % fields) * dim)[:, None] + np.arange(dim)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width], worker=ctx.worker)
-        return None, None, None, None, None, None, None, None
+        return (None,) * 8
 
 
 # The narrow kernels' threads, whatever torch's: on W4l's shapes (4096 x 429, 16 units,
@@ -399,17 +427,21 @@ class _FirstLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):
         x, weight = ctx.saved_tensors
+        trains = _trains_rows()  # (else the pass asked for the weight's and bias's gradients alone)
         if ctx.narrow:
             grad_weight, grad_bias = _narrow_weight_grads(grad_h, x, *ctx.needs_input_grad[8:10])
-            grads = _narrow_input_grad(grad_h, weight, ctx.width)  # (B, fields * dim)
+            grads = _narrow_input_grad(grad_h, weight, ctx.width) if trains else None  # (B, fields * dim)
         else:
             grad_weight = _weight_grad(grad_h, x) if ctx.needs_input_grad[8] else None
             grad_bias = grad_h.sum(0) if ctx.needs_input_grad[9] else None
-            grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy()  # (B, fields * dim), contiguous
+            # (B, fields * dim), contiguous
+            grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy() if trains else None
+        if not trains:
+            return (None,) * 8 + (grad_weight, grad_bias)
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
             grads.reshape(-1, ctx.dim)[_occurrences(ctx.keys, ctx.frozen_key)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads, worker=ctx.worker)
-        return None, None, None, None, None, None, None, None, grad_weight, grad_bias
+        return (None,) * 8 + (grad_weight, grad_bias)
 
 
 class _FirstLayerOnPooled(torch.autograd.Function):
@@ -541,7 +573,7 @@ class EmbeddingBag(nn.Module):
         else:
             raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()} dimensions")
         counts = np.bincount(bag, minlength=bags).astype(np.int64)
-        return _PooledLookup.apply(self.anchor, self, keys, bag, per_sample_weights, counts, input.device)
+        return _PooledLookup.apply(_anchored(self.anchor), self, keys, bag, per_sample_weights, counts, input.device)
 
 
 class CtrModel(nn.Module):
@@ -591,11 +623,11 @@ class CtrModel(nn.Module):
             first = self._first_layer(device)
             if first is not None:
                 return self._after_first_layer(
-                    _FirstLayer.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
-                                      emb.frozen_key, isinstance(first, NarrowLinear) and first.runs_kernels(),
-                                      first.weight, first.bias))
-            x = _InputWithFields.apply(emb.anchor, emb.batch, emb.worker, emb.dim, _keys_of(keys), dense.cpu(),
-                                       emb.frozen_key, device)
+                    _FirstLayer.apply(_anchored(emb.anchor), emb.batch, emb.worker, emb.dim, _keys_of(keys),
+                                      dense.cpu(), emb.frozen_key, isinstance(first, NarrowLinear)
+                                      and first.runs_kernels(), first.weight, first.bias))
+            x = _InputWithFields.apply(_anchored(emb.anchor), emb.batch, emb.worker, emb.dim,
+                                       _keys_of(keys), dense.cpu(), emb.frozen_key, device)
             return self.mlp(x).squeeze(1)
         pooled = self._fields(keys).to(device)
         return self.mlp(torch.cat([pooled, dense.to(device, torch.float32)], dim=1)).squeeze(1)
