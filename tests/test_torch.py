@@ -623,3 +623,48 @@ def test_gradients_asked_of_other_tensors_train_no_row(tmp_path):
         model.embedding.attach(None)
     assert not np.array_equal(ps.pull(ids), before)
     ps.close()
+
+
+def test_a_pass_into_a_batch_and_to_the_server_directly_is_refused(tmp_path):
+    """Two modules on one server, one attached to its batch and one not (forgotten):
+    the pass's end pushed the other's gradients to the server, whose push waits for
+    the batch in flight to finish, which waits for this backward, forever. It is
+    refused, naming the fix, and nothing reaches the server (the batch, aborted by
+    its with block, drops the rest)."""
+    import threading
+    ps = make_ps(tmp_path)
+    user, item = ht.EmbeddingBag(ps), ht.EmbeddingBag(ps)
+    keys = torch.tensor([[1, 2], [3, 4]])
+    ids = np.array([1, 2, 3, 4], np.uint64)
+    before = ps.pull(ids)
+    raised = []
+
+    def backward():
+        try:
+            (user(keys).sum() + item(keys).sum()).backward()
+        except RuntimeError as e:
+            raised.append(e)
+    with pytest.raises(RuntimeError, match="batch abort"):
+        with ps.batch(keys.numpy()) as b:
+            user.attach(b)
+            t = threading.Thread(target=backward, daemon=True)
+            t.start()
+            t.join(timeout=60)  # (a hang guard: the push waited for this batch)
+            assert not t.is_alive(), "the backward pass still waits for the batch it is part of"
+            user.attach(None)
+            assert len(raised) == 1
+            raise RuntimeError("batch abort")
+    assert "attach" in str(raised[0]) and "to the server directly" in str(raised[0])
+    np.testing.assert_array_equal(ps.pull(ids), before)
+    assert ht._PENDING == {}
+    # Both attached, or neither: the pass trains.
+    with ps.batch(keys.numpy()) as b:
+        user.attach(b)
+        item.attach(b)
+        (user(keys).sum() + item(keys).sum()).backward()
+        user.attach(None)
+        item.attach(None)
+    np.testing.assert_allclose(ps.pull(ids), before - 2 * 0.5, rtol=1e-6)
+    (user(keys).sum() + item(keys).sum()).backward()
+    np.testing.assert_allclose(ps.pull(ids), before - 4 * 0.5, rtol=1e-5)
+    ps.close()

@@ -91,6 +91,13 @@ def _trains_rows() -> bool:
     return anchor is None or will_run(anchor)
 
 
+def _graph_task() -> int:
+    """The running backward pass's id (torch's graph task), or -1 outside one (or
+    in a torch without graph task ids)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
 # The gradients the lookups of each backward pass (torch's graph task) pushed, by
 # pass: {server: [(keys, grads), ...]}, pushed at the pass's end (_push_pass). The
 # lock: a pass on several devices runs backwards on several threads. (Reentrant: a
@@ -98,6 +105,17 @@ def _trains_rows() -> bool:
 # any thread, at any decref, in principle while this thread holds the lock.)
 _PENDING: dict = {}
 _PENDING_LOCK = threading.RLock()
+# The last backward pass whose lookups went into a batch, by server (id): a pass that
+# also pushes to that server directly is refused at its end (_push_pass).
+_BATCHED: dict = {}
+
+
+def _into_batch(ps) -> None:
+    """A lookup's gradients went into a batch of ps in the running pass."""
+    task = _graph_task()
+    if task >= 0:
+        with _PENDING_LOCK:
+            _BATCHED[id(ps)] = task
 
 
 def _push(ps, keys: np.ndarray, grads: np.ndarray) -> None:
@@ -109,8 +127,7 @@ def _push(ps, keys: np.ndarray, grads: np.ndarray) -> None:
     per lookup stepped a key in two lookups twice: the same as one step under SGD,
     not under AdaGrad or Adam. Outside a backward pass (or a torch without graph task
     ids) at once, as ParameterServer.push alone."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    task = current() if current is not None else -1
+    task = _graph_task()
     if task < 0:
         ps.push(keys, grads)
         return
@@ -143,6 +160,15 @@ def _push_pass(task: int) -> None:
     first pushes), summed per key: one push, one step, a server."""
     with _PENDING_LOCK:
         by_server = _PENDING.pop(task)
+        both = any(_BATCHED.get(id(ps)) == task for ps in by_server)
+    if both:
+        # The push waits for the server's batch in flight to finish, and that batch
+        # (the one this pass accumulates into) finishes after this pass: forever.
+        raise RuntimeError(
+            "hps.torch: this backward pass's lookups went both into a batch of a parameter server (a module "
+            "attached to it) and to the server directly (a module on the same server with no batch attached), "
+            "whose push would wait for that batch, which waits for this pass; nothing was pushed. Attach every "
+            "hps.torch module on the server to the batch (module.attach(batch, worker)) or none")
     for ps, parts in by_server.items():
         if len(parts) == 1:
             keys, grads = parts[0]
@@ -210,6 +236,7 @@ class _PooledLookup(torch.autograd.Function):
             elem[drop] = 0.0
         if ctx.batch is not None:
             ctx.batch.accumulate(ctx.positions, elem, worker=ctx.worker)  # summed per key as they arrive
+            _into_batch(module.ps)
         else:
             # One pass in C++: torch's index_add_ took 4x as long on these shapes.
             _push(module.ps, ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
@@ -280,13 +307,15 @@ class _InputWithFields(torch.autograd.Function):
     the copies of the gradient slice."""
 
     @staticmethod
-    def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, device):
+    def forward(ctx, anchor, ps, batch, worker, dim, keys, dense, frozen_key, device):
+        ctx.ps = ps
         return _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, device)
 
     @staticmethod
     def backward(ctx, grad_x):
         if not _trains_rows():
-            return (None,) * 8
+            return (None,) * 9
+        _into_batch(ctx.ps)
         if grad_x.device.type != "cpu" or not ctx.batch.gathers_into_columns:
             fields = ctx.keys.shape[1]
             grads = grad_x[:, :ctx.width].to(torch.float32).contiguous().view(-1, ctx.width // fields)
@@ -296,7 +325,7 @@ class _InputWithFields(torch.autograd.Function):
                     grads = grads.clone()  # (not in autograd's tensor: see below)
                 grads[torch.from_numpy(drop).to(grads.device)] = 0.0
             ctx.batch.accumulate_tensor(ctx.positions, grads, worker=ctx.worker)
-            return (None,) * 8
+            return (None,) * 9
         grads_t = grad_x.detach().to(torch.float32).contiguous()
         grads = grads_t.numpy()
         if ctx.frozen_key is not None:  # its columns
@@ -309,7 +338,7 @@ class _InputWithFields(torch.autograd.Function):
             dim = ctx.width // fields
             grads[(drop // fields)[:, None], ((drop % fields) * dim)[:, None] + np.arange(dim)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width], worker=ctx.worker)
-        return (None,) * 8
+        return (None,) * 9
 
 
 # The narrow kernels' threads, whatever torch's: on W4l's shapes (4096 x 429, 16 units,
@@ -416,7 +445,8 @@ class _FirstLayer(torch.autograd.Function):
     over input rows padded to a multiple of 64 bytes (_model_input, _weight_grad)."""
 
     @staticmethod
-    def forward(ctx, anchor, batch, worker, dim, keys, dense, frozen_key, narrow, weight, bias):
+    def forward(ctx, anchor, ps, batch, worker, dim, keys, dense, frozen_key, narrow, weight, bias):
+        ctx.ps = ps
         x = _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, torch.device("cpu"), padded=not narrow)
         ctx.save_for_backward(x, weight)
         ctx.narrow = narrow
@@ -429,19 +459,20 @@ class _FirstLayer(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         trains = _trains_rows()  # (else the pass asked for the weight's and bias's gradients alone)
         if ctx.narrow:
-            grad_weight, grad_bias = _narrow_weight_grads(grad_h, x, *ctx.needs_input_grad[8:10])
+            grad_weight, grad_bias = _narrow_weight_grads(grad_h, x, *ctx.needs_input_grad[9:11])
             grads = _narrow_input_grad(grad_h, weight, ctx.width) if trains else None  # (B, fields * dim)
         else:
-            grad_weight = _weight_grad(grad_h, x) if ctx.needs_input_grad[8] else None
-            grad_bias = grad_h.sum(0) if ctx.needs_input_grad[9] else None
+            grad_weight = _weight_grad(grad_h, x) if ctx.needs_input_grad[9] else None
+            grad_bias = grad_h.sum(0) if ctx.needs_input_grad[10] else None
             # (B, fields * dim), contiguous
             grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy() if trains else None
         if not trains:
-            return (None,) * 8 + (grad_weight, grad_bias)
+            return (None,) * 9 + (grad_weight, grad_bias)
+        _into_batch(ctx.ps)
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
             grads.reshape(-1, ctx.dim)[_occurrences(ctx.keys, ctx.frozen_key)] = 0.0
         ctx.batch.accumulate(ctx.positions, grads, worker=ctx.worker)
-        return (None,) * 8 + (grad_weight, grad_bias)
+        return (None,) * 9 + (grad_weight, grad_bias)
 
 
 class _FirstLayerOnPooled(torch.autograd.Function):
@@ -623,10 +654,10 @@ class CtrModel(nn.Module):
             first = self._first_layer(device)
             if first is not None:
                 return self._after_first_layer(
-                    _FirstLayer.apply(_anchored(emb.anchor), emb.batch, emb.worker, emb.dim, _keys_of(keys),
+                    _FirstLayer.apply(_anchored(emb.anchor), emb.ps, emb.batch, emb.worker, emb.dim, _keys_of(keys),
                                       dense.cpu(), emb.frozen_key, isinstance(first, NarrowLinear)
                                       and first.runs_kernels(), first.weight, first.bias))
-            x = _InputWithFields.apply(_anchored(emb.anchor), emb.batch, emb.worker, emb.dim,
+            x = _InputWithFields.apply(_anchored(emb.anchor), emb.ps, emb.batch, emb.worker, emb.dim,
                                        _keys_of(keys), dense.cpu(), emb.frozen_key, device)
             return self.mlp(x).squeeze(1)
         pooled = self._fields(keys).to(device)
