@@ -278,3 +278,27 @@ def test_a_renamed_flag_or_key_would_be_caught(capsys):
     with pytest.raises(AttributeError):
         _resolve("hps.train.NoSuchName")
     assert isinstance(parser(), argparse.ArgumentParser)
+
+
+# ---------------------------------------------------------------- the guides' Python
+
+# The guides whose ```python blocks run as written, one after another in one namespace
+# (the other guides' blocks are sketches, with names the text defines: keys, grads).
+RUNNABLE = ["README.md", "docs/training.md"]
+
+
+@pytest.mark.parametrize("guide", RUNNABLE)
+def test_the_python_a_guide_shows_runs_as_written(guide, tmp_path, capsys):
+    """Each block of the guide run as a user pastes it, its /tmp paths moved under
+    tmp_path; a print's output is what its comment says."""
+    text = (ROOT / guide).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, f"{guide} shows no Python"
+    if "import torch" in "".join(blocks) or "hps.torch" in "".join(blocks):
+        pytest.importorskip("torch", reason=f"{guide}'s Python needs torch")
+    source = "\n".join(blocks)
+    source = re.sub(r'"/tmp/([\w.-]+)"', lambda m: repr(str(tmp_path / m.group(1))), source)
+    exec(compile(source, guide, "exec"), {"__name__": "__guide__"})
+    printed = capsys.readouterr().out.splitlines()
+    said = [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s*#\s*(.*)$", source, re.M)]
+    assert printed == said

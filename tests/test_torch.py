@@ -1,4 +1,6 @@
 """hps.torch: EmbeddingBag over a ParameterServer against torch.nn.EmbeddingBag."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -668,3 +670,35 @@ def test_a_pass_into_a_batch_and_to_the_server_directly_is_refused(tmp_path):
     (user(keys).sum() + item(keys).sum()).backward()
     np.testing.assert_allclose(ps.pull(ids), before - 4 * 0.5, rtol=1e-5)
     ps.close()
+
+
+def test_micro_batches_in_one_batch_take_one_step_and_without_one_a_step_each(tmp_path):
+    """docs/training.md, "In your own trainer": gradients accumulated torch's way (two
+    backward passes, one opt.step) reach the rows, inside one batch, as one AdaGrad
+    step a key on their sum, as torch's Adagrad steps an nn.EmbeddingBag; without a
+    batch each backward pass is a step of its own (AdaGrad's state updated twice)."""
+    vocab = 6
+    keys = torch.tensor([[0, 1, 2], [1, 3, 4], [1, 5, 0], [2, 2, 3]])
+    scale = torch.arange(1, DIM + 1, dtype=torch.float32)
+    for in_batch in (True, False):
+        ps = hps.ParameterServer(hps.ParameterServerConfig(dim=DIM, path=str(tmp_path / f"ps{in_batch}"),
+                                                           optimizer=hps.AdaGrad(lr=0.1), mem_budget="4MiB"))
+        bag = ht.EmbeddingBag(ps)
+        ref = torch.nn.EmbeddingBag(vocab, DIM)
+        with torch.no_grad():
+            ref.weight.copy_(torch.from_numpy(ps.pull(np.arange(vocab, dtype=np.uint64))))
+        opt = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+        for part in (slice(0, 2), slice(2, 4)):
+            ((ref(keys[part]) * scale) ** 2).sum().backward()
+            if not in_batch:
+                opt.step()
+                opt.zero_grad()
+        opt.step()
+        with ps.batch(keys.numpy()) if in_batch else contextlib.nullcontext() as b:
+            bag.attach(b)
+            for part in (slice(0, 2), slice(2, 4)):
+                ((bag(keys[part]) * scale) ** 2).sum().backward()
+            bag.attach(None)
+        torch.testing.assert_close(torch.from_numpy(ps.pull(np.arange(vocab, dtype=np.uint64))), ref.weight.detach(),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"in_batch={in_batch}: {m}")
+        ps.close()
