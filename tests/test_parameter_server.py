@@ -142,6 +142,18 @@ def test_a_gradient_sum_that_overflows_is_refused_naming_the_key_and_no_row_step
     ps.close()
 
 
+def test_eps_0_is_refused_where_the_server_is_made(tmp_path):
+    """eps = 0 with a sum of squares (AdaGrad's, from initial_accumulator_value 0) or a
+    second moment (Adam's) still 0 stepped a key pushed with a zero gradient by 0 / 0:
+    NaN for good. hps train refused it only under admission; a ParameterServer made
+    directly took it. Refused where the optimizer is made, naming eps, before the
+    server makes anything at its path."""
+    for optimizer in (hps.AdaGrad(eps=0.0), hps.RowWiseAdaGrad(eps=0.0), hps.Adam(eps=0.0)):
+        with pytest.raises(ValueError, match=r"optimizer: eps must be a finite number > 0"):
+            hps.ParameterServer(config(tmp_path / "ps", optimizer=optimizer))
+        assert not (tmp_path / "ps").exists()
+
+
 CRASHER = textwrap.dedent("""
     import sys, numpy as np, hps
     sys.path.insert(0, {tests!r})

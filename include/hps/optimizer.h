@@ -28,7 +28,7 @@ struct OptimizerOptions {
   float lr = 0.01f;                  ///< learning rate, > 0
   float beta1 = 0.9f;                ///< Adam first-moment decay, in [0, 1)
   float beta2 = 0.999f;              ///< Adam second-moment decay, in [0, 1)
-  float eps = 1e-8f;                 ///< added to the denominator, >= 0
+  float eps = 1e-8f;                 ///< added to the denominator, > 0 (0 / 0 at a zero gradient); SGD: unused
   float initial_accumulator = 0.0f;  ///< AdaGrad starting sum of squares, >= 0
 };
 
@@ -45,7 +45,10 @@ struct SparseOptimizer {
 
   // Floats per row: the embedding plus this optimizer's state.
   int32_t row_floats() const;
-  // Throws std::invalid_argument naming the bad field.
+  // Throws std::invalid_argument naming the bad field: lr and eps finite and
+  // > 0 (SGD's eps, unused, >= 0), betas in [0, 1), initial_accumulator and
+  // the initializer's scale finite and >= 0. Every table, tier and batch validates the optimizer it
+  // is given, and the Python API's (hps.optim.native_optimizer) is made here.
   void validate() const;
   // Writes the initial rows (n, row_floats) of `keys`; the reference for what
   // lookup_or_init stores. Pure and thread-safe.

@@ -46,7 +46,16 @@ void SparseOptimizer::validate() const {
   if (dim > kMaxDim) fail("dim must be at most " + std::to_string(kMaxDim) + ", got " + std::to_string(dim));
   StateFloats(opt.kind, dim);  // throws on an unknown kind
   if (!(opt.lr > 0.0f) || !std::isfinite(opt.lr)) fail("lr must be a finite number > 0");
-  if (!(opt.eps >= 0.0f) || !std::isfinite(opt.eps)) fail("eps must be a finite number >= 0");
+  // eps = 0 divides 0 by 0 where a row's sum of squares (AdaGrad's, from
+  // initial_accumulator 0) or second moment (Adam's) is still 0 and its
+  // gradient is 0 (a key pushed with a zero gradient: NaN for good). SGD does
+  // not read it.
+  if (opt.kind == OptimizerKind::kSgd) {
+    if (!(opt.eps >= 0.0f) || !std::isfinite(opt.eps)) fail("eps must be a finite number >= 0");
+  } else if (!(opt.eps > 0.0f) || !std::isfinite(opt.eps)) {
+    fail("eps must be a finite number > 0 (with eps = 0, " + ToString(opt.kind) +
+         " can step a zero gradient by 0 / 0)");
+  }
   if (!(opt.beta1 >= 0.0f && opt.beta1 < 1.0f)) fail("beta1 must be in [0, 1)");
   if (!(opt.beta2 >= 0.0f && opt.beta2 < 1.0f)) fail("beta2 must be in [0, 1)");
   if (!(opt.initial_accumulator >= 0.0f) || !std::isfinite(opt.initial_accumulator)) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
 #include <stdexcept>
@@ -400,16 +401,29 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
 // Each bad setting is refused by name, and the edges of the documented ranges
-// are accepted (Adam with beta1 = beta2 = 0 is the sign of the gradient).
+// are accepted (Adam with beta1 = beta2 = 0 is the sign of the gradient). eps =
+// 0 was an edge too: with v (or AdaGrad's h) still 0, a zero gradient stepped
+// the row by 0 / 0, NaN for good; SGD, which does not read it, takes it.
 TEST(Optimizer, ValidateRefusesEachBadSettingAndAcceptsTheEdges) {
-  SparseOptimizer ok = Optimizer(OptimizerKind::kAdam, 0.01f, 0.0f, 0.0f, 0.0f);
+  SparseOptimizer ok = Optimizer(OptimizerKind::kAdam, 0.01f, std::numeric_limits<float>::denorm_min(), 0.0f, 0.0f);
   ok.opt.initial_accumulator = 0.0f;
   EXPECT_NO_THROW(ok.validate());
+  EXPECT_NO_THROW(Optimizer(OptimizerKind::kSgd, 0.01f, 0.0f).validate());
   const std::vector<std::pair<std::string, void (*)(SparseOptimizer&)>> bad = {
       {"dim must be > 0", [](SparseOptimizer& o) { o.dim = 0; }},
       {"lr must be a finite number > 0", [](SparseOptimizer& o) { o.opt.lr = 0.0f; }},
       {"lr must be a finite number > 0", [](SparseOptimizer& o) { o.opt.lr = INFINITY; }},
-      {"eps must be a finite number >= 0", [](SparseOptimizer& o) { o.opt.eps = -1e-8f; }},
+      {"eps must be a finite number > 0 (with eps = 0, adam can", [](SparseOptimizer& o) { o.opt.eps = 0.0f; }},
+      {"eps must be a finite number > 0 (with eps = 0, adam can", [](SparseOptimizer& o) { o.opt.eps = -1e-8f; }},
+      {"eps must be a finite number > 0 (with eps = 0, adam can", [](SparseOptimizer& o) { o.opt.eps = NAN; }},
+      {"eps must be a finite number > 0 (with eps = 0, adagrad can", [](SparseOptimizer& o) {
+         o.opt.kind = OptimizerKind::kAdaGrad;
+         o.opt.eps = 0.0f;
+       }},
+      {"eps must be a finite number >= 0", [](SparseOptimizer& o) {
+         o.opt.kind = OptimizerKind::kSgd;
+         o.opt.eps = -1.0f;
+       }},
       {"beta1 must be in [0, 1)", [](SparseOptimizer& o) { o.opt.beta1 = 1.0f; }},
       {"beta2 must be in [0, 1)", [](SparseOptimizer& o) { o.opt.beta2 = 1.0f; }},
       {"beta2 must be in [0, 1)", [](SparseOptimizer& o) { o.opt.beta2 = -0.1f; }},
