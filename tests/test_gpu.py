@@ -108,6 +108,44 @@ def test_a_gradient_sum_that_overflows_is_refused_on_the_gpu_as_on_the_cpu(tmp_p
     ps.close()
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+@pytest.mark.parametrize("optimizer, grad, said", [
+    (hps.SGD(lr=10.0), 1e38, "its embedding, column 2, would be -inf"),
+    (hps.AdaGrad(lr=0.1), 1e20, "its AdaGrad sum of squared gradients, column 2, would be inf"),
+    (hps.Adam(lr=0.1), 1e30, "its Adam second moment, column 2, would be inf"),
+], ids=["sgd", "adagrad", "adam"])
+def test_a_step_that_would_leave_a_row_not_finite_is_refused_on_the_gpu_as_on_the_cpu(tmp_path, device, optimizer,
+                                                                                     grad, said):
+    """Key 5's gradient sum is finite, its step is not (SGD's lr * g, the squares of
+    AdaGrad and Adam): the CUDA tables' step runs every step dry first and refuses it,
+    naming the key and the value, before any row changes, as the CPU's does; key 7,
+    which the table lacks, is not claimed. Then a GPU tier's batch."""
+    table = hps.EmbeddingTable(1_000, 4, optimizer=optimizer, seed=3, device=device)
+    keys = np.array([6, 5], np.uint64)
+    before = table.pull(keys)
+    grads = np.ones((2, 4), np.float32)
+    grads[1, 2] = grad
+    with pytest.raises(hps.DivergedError, match=rf"^apply_gradients: the step of 1 key would leave a value that is "
+                                                rf"not finite in its row \(key 5 first: {said}\)"):
+        table.push(keys, grads)
+    np.testing.assert_array_equal(table.pull(keys), before)
+    with pytest.raises(hps.DivergedError, match=r"\(key 7 first: "):
+        table.push(np.array([7], np.uint64), grads[1:])
+    assert len(table) == 2
+    if device == "cpu":
+        return
+    ps = one_device_server(tmp_path / "ps", optimizer)
+    before = ps.pull(keys)
+    with pytest.raises(hps.DivergedError, match=rf"apply_summed_gradients: the step of 1 key would leave a value "
+                                                rf"that is not finite in its row \(key 5 first: {said}\)"):
+        ps.push(keys, grads)
+    np.testing.assert_array_equal(ps.pull(keys), before)
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.close()
+
+
 # ---- the GPUs' row mover and the CUDA executor (issues 15 and 17). A one-GPU
 # machine stands for a node: several endpoints share GPU 0 (cuda_devices).
 

@@ -145,6 +145,37 @@ def test_push_of_unseen_keys_starts_from_their_initial_rows():
     np.testing.assert_allclose(emb.pull(keys), init - 1.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("optimizer, grad, said", [
+    (hps.SGD(lr=10.0), 1e38, "its embedding, column 1, would be -inf"),
+    (hps.AdaGrad(lr=0.1), 1e20, "its AdaGrad sum of squared gradients, column 1, would be inf"),
+    (hps.RowWiseAdaGrad(lr=0.1), 1e20, "its row-wise AdaGrad sum of squared gradients would be inf"),
+    (hps.Adam(lr=0.1), 1e30, "its Adam second moment, column 1, would be inf"),
+], ids=["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_a_step_that_would_leave_a_row_not_finite_is_refused_naming_the_key(optimizer, grad, said):
+    """A finite gradient can still step a row past float32: SGD's lr * g (-inf), the
+    squares of AdaGrad and Adam (a sum of squares or second moment of inf, after which
+    the row never moves again). The row was stored and served so, with no error. The
+    step refuses the push now, naming the key and the value, before any row changes;
+    a key the table lacks is not made either; then the table trains on."""
+    emb = hps.EmbeddingTable(64, 4, optimizer=optimizer, seed=3)
+    keys = np.array([5, 6], np.uint64)
+    emb.pull(keys)
+    before, _ = emb.table.find(keys)
+    grads = np.ones((2, 4), np.float32)
+    grads[1, 1] = grad
+    with pytest.raises(hps.DivergedError, match=rf"^apply_gradients: the step of 1 key would leave a value that is "
+                                                rf"not finite in its row \(key 6 first: {said}\): training diverged "
+                                                rf"\(a learning rate, or finite gradient sums, too large for "
+                                                rf"float32\); no row was stepped$"):
+        emb.push(keys, grads)
+    np.testing.assert_array_equal(emb.table.find(keys)[0], before)
+    with pytest.raises(hps.DivergedError, match=r"the step of 1 key .* \(key 7 first: "):
+        emb.push(np.array([7], np.uint64), grads[1:])
+    assert len(emb) == 2
+    emb.push(keys, np.ones((2, 4), np.float32))
+    assert np.isfinite(emb.table.find(keys)[0]).all()
+
+
 # ---------------------------------------------------------------- initialiser
 
 @pytest.mark.parametrize("init, scale", [("uniform", 0.05), ("normal", 0.2), ("zeros", 0.0)])

@@ -142,6 +142,32 @@ def test_a_gradient_sum_that_overflows_is_refused_naming_the_key_and_no_row_step
     ps.close()
 
 
+@pytest.mark.parametrize("devices,in_place", [(1, True), (1, False), (2, False)])
+def test_a_step_that_would_leave_a_row_not_finite_is_refused_naming_the_key_and_no_row_steps(tmp_path, devices,
+                                                                                           in_place):
+    """Key 5's gradient sum, 2e20 a value, is finite, but its square is not: AdaGrad's
+    sum of squares became inf, after which the row never moved again (lr * g / inf),
+    and every later pull and checkpoint held it, with no error. The step refuses it
+    now, naming the key and the value, before any row of the push changes (key 6's
+    neither), and the server trains on: the rows then step as from where they were."""
+    cfg = config(tmp_path / "ps", devices=devices, host_in_place=in_place, optimizer=hps.AdaGrad(lr=0.1))
+    ps = hps.ParameterServer(cfg)
+    distinct = np.array([5, 6], np.uint64)
+    before = ps.pull(distinct)
+    keys = np.array([6, 5, 5], np.uint64)
+    grads = np.ones((3, DIM), np.float32)
+    grads[1:] = 1e20
+    with pytest.raises(hps.DivergedError, match=r" apply: the step of 1 key would leave a value that is not finite "
+                                                r"in its row \(key 5 first: its AdaGrad sum of squared gradients, "
+                                                r"column 0, would be inf\): training diverged"):
+        ps.push(keys, grads)
+    np.testing.assert_array_equal(ps.pull(distinct), before)
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.push(keys, np.ones((3, DIM), np.float32))  # sums 1 and 2: each row steps by lr g / sqrt(g * g) = 0.1
+    np.testing.assert_allclose(ps.pull(distinct), before - np.float32(0.1), rtol=0, atol=1e-6)
+    ps.close()
+
+
 def test_eps_0_is_refused_where_the_server_is_made(tmp_path):
     """eps = 0 with a sum of squares (AdaGrad's, from initial_accumulator_value 0) or a
     second moment (Adam's) still 0 stepped a key pushed with a zero gradient by 0 / 0:

@@ -103,8 +103,10 @@ class HashTable {
 
   // Sums grads (n, opt.dim) per distinct key and applies the optimizer once per
   // key; absent keys are initialised first, as in lookup_or_init. A key whose
-  // sum holds a NaN or an infinity (refuse_nonfinite) makes it throw
-  // DivergedError before any row changes.
+  // sum holds a NaN or an infinity (refuse_nonfinite), or whose step would
+  // leave a value of its row that is not finite (a finite sum too large for
+  // lr, or for the optimizer's squares: refuse_nonfinite_steps), makes it
+  // throw DivergedError before any row changes (or any absent key is claimed).
   virtual void apply_gradients(const uint64_t* keys, uint64_t n, const float* grads,
                                const SparseOptimizer& opt) = 0;
 
@@ -112,7 +114,8 @@ class HashTable {
   // the same kind and device, rows of opt.dim floats): the device tier's
   // gradient table, applied without copying it out and summing it again.
   // Throws std::invalid_argument when `sums` is not such a table, and
-  // DivergedError, changing no row, when a sum is not finite.
+  // DivergedError, changing no row, when a sum is not finite or a step would
+  // leave a row that is not.
   virtual void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) = 0;
 
   // Throws DivergedError when a row holds a NaN or an infinity, naming
@@ -120,6 +123,16 @@ class HashTable {
   // gradient-sum table's check, which a caller applying several of them
   // makes on each before applying any (the apply makes it again).
   virtual void refuse_nonfinite(const std::string& what) const = 0;
+
+  // Throws DivergedError where apply_summed_gradients(sums, opt) would: a sum
+  // that holds a NaN or an infinity (sums.refuse_nonfinite), or a key whose
+  // step would leave a value of its row here (of its initial row, where this
+  // table lacks the key) that is not finite, naming `what`, how many keys,
+  // the first (in the sums' slot order) and the value. Changes nothing: the
+  // steps are run dry. For a caller applying several tables' sums, each
+  // checked before any is applied (the apply checks again).
+  virtual void refuse_nonfinite_steps(const HashTable& sums, const SparseOptimizer& opt,
+                                      const std::string& what) const = 0;
 
   // Writes up to max_rows (key, row) pairs; returns how many. The CPU table
   // writes them in slot order; the CUDA table's threads claim output places

@@ -22,9 +22,11 @@ class DivergedError(HpsError):
     Also a sparse gradient sum that is not a number where the optimizer steps it:
     one pushed so, or finite gradients of a key that overflowed in their sum (a
     push's duplicate keys, the ranks' gradients at the key's owner, Herald's
-    primary): raised by the step, naming the key, before it changes any row. And
-    under hps.distributed the dense gradients all-reduced, or k-step Adam's merge,
-    that overflowed: raised on every rank alike, before any parameter changes."""
+    primary): raised by the step, naming the key, before it changes any row; as is
+    a finite sum whose step would leave a value of the row that is not finite (SGD's
+    lr * g, the squares of AdaGrad and Adam past float32's range). And under
+    hps.distributed the dense gradients all-reduced, or k-step Adam's merge, that
+    overflowed: raised on every rank alike, before any parameter changes."""
 
 
 class IoPathWarning(RuntimeWarning):

@@ -186,33 +186,76 @@ void BatchRows::Accumulate(const int64_t* positions, uint64_t n, const float* gr
   });
 }
 
-void BatchRows::RefuseNonFinite(const uint64_t* keys) const {
+void BatchRows::RefuseNonFiniteSums(const uint64_t* keys) const {
   // The rows that got no gradient sum to zero: one pass over them all.
   if (AnyNonFinite(grads_.data(), grads_.size())) {
-    detail::RefuseNonFinite(who_ + " apply", keys, grads_.data(), rows_.size(),
-                            static_cast<uint32_t>(optimizer_.dim));
+    detail::RefuseNonFinite(who_ + " apply", keys, grads_.data(), rows_.size(), static_cast<uint32_t>(optimizer_.dim));
   }
 }
 
-uint64_t BatchRows::Apply(const uint64_t* keys, std::vector<int64_t>* stepped) {
-  RefuseNonFinite(keys);  // before any row steps: all or nothing
+void BatchRows::RefuseNonFiniteStep(const uint64_t* keys, uint64_t count) const {
+  const uint32_t dim = static_cast<uint32_t>(optimizer_.dim);
+  for (uint64_t p = 0; p < rows_.size(); ++p) {
+    if (touched_[p] && !StepStaysFinite(optimizer_, RowValues{Row(p)}, grads_.data() + p * dim)) {
+      detail::RefuseNonFiniteStep(who_ + " apply", count, keys[p], optimizer_, Row(p), grads_.data() + p * dim);
+    }
+  }
+  detail::RefuseNonFiniteStep(who_ + " apply", 0, 0, optimizer_, nullptr, nullptr);  // (not reached)
+}
+
+void BatchRows::RefuseNonFinite(const uint64_t* keys) const {
+  RefuseNonFiniteSums(keys);
+  // Then every step, run dry, before any row steps.
   const uint32_t dim = static_cast<uint32_t>(optimizer_.dim);
   const uint64_t row_bytes = sizeof(float) * static_cast<uint64_t>(optimizer_.row_floats());
   const uint64_t size = rows_.size();
-  uint64_t count = 0;
+  uint64_t bad = 0;
   for (uint64_t p = 0; p < size; ++p) {
+    if (p + kLookahead < size && touched_[p + kLookahead]) {
+      const char* ahead = reinterpret_cast<const char*>(rows_[p + kLookahead]);
+      for (uint64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line);
+    }
+    if (touched_[p]) bad += !StepStaysFinite(optimizer_, RowValues{Row(p)}, grads_.data() + p * dim);
+  }
+  if (bad != 0) RefuseNonFiniteStep(keys, bad);
+}
+
+uint64_t BatchRows::Apply(const uint64_t* keys, std::vector<int64_t>* stepped) {
+  RefuseNonFiniteSums(keys);
+  const uint32_t dim = static_cast<uint32_t>(optimizer_.dim);
+  const uint32_t width = static_cast<uint32_t>(optimizer_.row_floats());
+  const uint64_t row_bytes = sizeof(float) * uint64_t{width};
+  const uint64_t size = rows_.size();
+  uint64_t count = 0;
+  for (uint64_t p = 0; p < size; ++p) count += touched_[p];
+  // All or nothing: each row is copied to a journal as it steps, and a step
+  // that leaves a value not finite (ApplyUpdateFinite) puts every row back.
+  // (A dry run of each step first, to write none until all were known to be
+  // finite, cost as much again as the step, its square roots and divisions.)
+  const CompactScratch journal(count * width);
+  uint64_t bad = 0;
+  for (uint64_t p = 0, k = 0; p < size; ++p) {
     if (p + kLookahead < size && touched_[p + kLookahead]) {
       const char* ahead = reinterpret_cast<const char*>(rows_[p + kLookahead]);
       for (uint64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line, 1);
     }
     if (!touched_[p]) continue;
-    float* grad = grads_.data() + p * dim;
-    ApplyUpdate(optimizer_, Row(p), grad);
-    ZeroRow(grad, dim);
+    std::memcpy(journal.data() + k++ * width, Row(p), row_bytes);
+    bad += !ApplyUpdateFinite(optimizer_, Row(p), grads_.data() + p * dim);
+  }
+  if (bad != 0) {
+    for (uint64_t p = 0, k = 0; p < size; ++p) {
+      if (touched_[p]) std::memcpy(Row(p), journal.data() + k++ * width, row_bytes);
+    }
+    RefuseNonFiniteStep(keys, bad);
+  }
+  if (stepped) stepped->reserve(stepped->size() + count);
+  for (uint64_t p = 0; p < size; ++p) {
+    if (!touched_[p]) continue;
+    ZeroRow(grads_.data() + p * dim, dim);
     touched_[p] = 0;
     updated_[p] = 1;
     if (stepped) stepped->push_back(static_cast<int64_t>(p));
-    ++count;
   }
   return count;
 }

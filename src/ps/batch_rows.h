@@ -35,12 +35,14 @@ class BatchRows {
   void Accumulate(const int64_t* positions, uint64_t n, const float* grads, RowLayout layout);
   // One optimizer step per row that got gradients, in place; the gradients
   // are cleared. Appends the positions stepped to `stepped` (if given), in
-  // order; returns how many. A sum that is not finite (RefuseNonFinite) makes
-  // it throw DivergedError first, changing nothing. keys: each position's key
-  // (size()), for the error.
+  // order; returns how many. A sum that is not finite, or a step that would
+  // leave a row not finite (RefuseNonFinite), makes it throw DivergedError
+  // first, changing nothing. keys: each position's key (size()), for the error.
   uint64_t Apply(const uint64_t* keys, std::vector<int64_t>* stepped = nullptr);
   // Throws DivergedError, naming the first such position's key (keys: each
-  // position's), where a gradient sum holds a NaN or an infinity.
+  // position's), where a gradient sum holds a NaN or an infinity, or where a
+  // step would leave a value of its row that is not finite (a finite sum too
+  // large for the learning rate or the optimizer's squares).
   void RefuseNonFinite(const uint64_t* keys) const;
   // The full rows (n, row_floats) at positions, as they are now.
   void Rows(const int64_t* positions, uint64_t n, float* rows) const;
@@ -53,6 +55,11 @@ class BatchRows {
   const std::vector<uint8_t>& updated() const { return updated_; }
 
  private:
+  // RefuseNonFinite's first half: the gradient sums.
+  void RefuseNonFiniteSums(const uint64_t* keys) const;
+  // Throws DivergedError naming the first position whose step would leave a
+  // value not finite, and `count` such positions. REQUIRES: there is one.
+  [[noreturn]] void RefuseNonFiniteStep(const uint64_t* keys, uint64_t count) const;
   // The layout with its stride filled in; std::invalid_argument if n rows do not fit it.
   RowLayout CheckLayout(RowLayout layout, uint64_t n, const char* what) const;
   float* Row(uint64_t position) const { return reinterpret_cast<float*>(rows_[position]); }

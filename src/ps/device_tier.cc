@@ -849,14 +849,19 @@ class Tier final : public DeviceTier {
   // A step is all or nothing: where its sums lie in more than one place (the
   // positions' and a gradient table, or the tables of several devices), each
   // is checked before any steps, since each place's Apply refuses only its own
-  // (and checks again: a second pass over the sums, where they are split).
+  // (and checks again: a second pass over the sums and the steps run dry,
+  // where they are split). The sums first, then the steps.
   void RefuseNonFiniteSums() const {
     int places = BoundInPlace() ? 1 : 0;
     for (int32_t d = 0; d < o_.devices; ++d) places += grads_[d]->size() != 0;
     if (places < 2) return;
+    const auto what = [](int32_t d) { return "device tier apply (device " + std::to_string(d) + ")"; };
+    for (int32_t d = 0; d < o_.devices; ++d) {
+      if (grads_[d]->size() != 0) grads_[d]->refuse_nonfinite(what(d));
+    }
     if (BoundInPlace()) in_place_->RefuseNonFinite(bound_keys_.data());
     for (int32_t d = 0; d < o_.devices; ++d) {
-      if (grads_[d]->size() != 0) grads_[d]->refuse_nonfinite("device tier apply (device " + std::to_string(d) + ")");
+      if (grads_[d]->size() != 0) rows_[d]->refuse_nonfinite_steps(*grads_[d], o_.optimizer, what(d));
     }
   }
 

@@ -255,21 +255,24 @@ class CpuHashTable final : public HashTable {
 
   void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) override {
     CheckOptimizer(opt);
-    // Its own lock taken shared for the sums, then exclusive for the rows.
-    if (&sums == this) throw std::invalid_argument("apply_summed_gradients: sums must be another table");
-    const auto* cpu = dynamic_cast<const CpuHashTable*>(&sums);
-    if (cpu == nullptr || sums.row_floats() != opt.dim) {
-      throw std::invalid_argument("apply_summed_gradients: sums must be a CPU table with rows of dim = " +
-                                  std::to_string(opt.dim) + " floats, got " + sums.device() + " with " +
-                                  std::to_string(sums.row_floats()));
-    }
-    std::shared_lock sums_lock(cpu->mutex_);
-    ApplySums(*cpu, opt, "apply_summed_gradients");
+    const CpuHashTable& cpu = CheckSums(sums, opt, "apply_summed_gradients");
+    std::shared_lock sums_lock(cpu.mutex_);
+    ApplySums(cpu, opt, "apply_summed_gradients");
   }
 
   void refuse_nonfinite(const std::string& what) const override {
     std::shared_lock lock(mutex_);
     RefuseNonFiniteRows(what);
+  }
+
+  void refuse_nonfinite_steps(const HashTable& sums, const SparseOptimizer& opt,
+                              const std::string& what) const override {
+    CheckOptimizer(opt);
+    const CpuHashTable& cpu = CheckSums(sums, opt, "refuse_nonfinite_steps");
+    std::shared_lock sums_lock(cpu.mutex_);
+    cpu.RefuseNonFiniteRows(what);
+    std::shared_lock lock(mutex_);
+    RefuseNonFiniteSteps(cpu, opt, what);
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -351,21 +354,68 @@ class CpuHashTable final : public HashTable {
     }
   }
 
+  // REQUIRES: mutex_ and sums' held, shared or not. Each key's step run dry
+  // (its row, or its initial row where this table lacks it), found as
+  // ApplySums finds them, without claiming a slot.
+  void RefuseNonFiniteSteps(const CpuHashTable& sums, const SparseOptimizer& opt, const std::string& what) const {
+    const TableRef& s = sums.ref_;
+    const int parts = PartsFor(s.slots, threads_);
+    std::vector<uint8_t> bad(static_cast<size_t>(parts), 0);
+    RunParts(parts, [&](int part) {
+      uint64_t slot = PartBegin(s.slots, part, parts);
+      bool any = false;
+      Pipeline(
+          ref_, PartBegin(s.slots, part + 1, parts) - slot, /*row_write=*/false,
+          [&slot] { return slot++; }, [&s](uint64_t i) { return s.keys[i]; },
+          [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
+          [&](const Probe& p) {
+            const float* grad = s.row(p.item);
+            any |= p.slot >= 0 ? !StepStaysFinite(opt, RowValues{ref_.row(static_cast<uint64_t>(p.slot))}, grad)
+                               : !StepStaysFinite(opt, InitialRowValue{&opt, p.key}, grad);
+          });
+      bad[static_cast<size_t>(part)] = any;
+    });
+    for (uint8_t b : bad) {
+      if (b) detail::RefuseNonFiniteSteps(what, ref_, s, opt);
+    }
+  }
+
+  // apply_summed_gradients' and refuse_nonfinite_steps' sums: a CPU table with
+  // rows of opt.dim floats, else std::invalid_argument.
+  const CpuHashTable& CheckSums(const HashTable& sums, const SparseOptimizer& opt, const char* what) const {
+    // Its own lock would be taken shared for the sums, then again for the rows.
+    if (&sums == this) throw std::invalid_argument(std::string(what) + ": sums must be another table");
+    const auto* cpu = dynamic_cast<const CpuHashTable*>(&sums);
+    if (cpu == nullptr || sums.row_floats() != opt.dim) {
+      throw std::invalid_argument(std::string(what) + ": sums must be a CPU table with rows of dim = " +
+                                  std::to_string(opt.dim) + " floats, got " + sums.device() + " with " +
+                                  std::to_string(sums.row_floats()));
+    }
+    return *cpu;
+  }
+
   // REQUIRES: sums holds each key once (a table does), its lock held (or it is
-  // the call's own). A sum that is not finite refuses the whole call, before
-  // this table's lock is taken and any row steps.
+  // the call's own). A sum that is not finite refuses the whole call before
+  // any row steps; a step that leaves a row not finite, once the others have
+  // stepped: every row stepped is put back (a journal of them), every key
+  // claimed freed, and the call refused as if it had been run dry first.
   void ApplySums(const CpuHashTable& sums, const SparseOptimizer& opt, const char* what) {
     sums.RefuseNonFiniteRows(what);
     std::unique_lock lock(mutex_);
     const TableRef& s = sums.ref_;
+    const uint32_t stride = ref_.stride;
     // Each distinct key is one slot of `sums`, so threads splitting its slots
     // never share a key.
     const int parts = PartsFor(s.slots, threads_);
     std::vector<uint64_t> claimed(static_cast<size_t>(parts), 0);
     std::vector<uint64_t> full(static_cast<size_t>(parts), 0);
+    std::vector<uint64_t> bad(static_cast<size_t>(parts), 0);
+    std::vector<Journal> journals(static_cast<size_t>(parts));
     RunParts(parts, [&](int part) {
       uint64_t slot = PartBegin(s.slots, part, parts);
-      uint64_t cl = 0, f = 0;
+      uint64_t cl = 0, f = 0, b = 0;
+      Journal& journal = journals[static_cast<size_t>(part)];
+      journal.Reserve(sums.size() / static_cast<uint64_t>(parts) + 64, stride);
       Pipeline(
           ref_, PartBegin(s.slots, part + 1, parts) - slot, /*row_write=*/true,
           [&slot] { return slot++; }, [&s](uint64_t i) { return s.keys[i]; },
@@ -376,17 +426,57 @@ class CpuHashTable final : public HashTable {
               return;
             }
             float* row = ref_.row(static_cast<uint64_t>(p.slot));
+            journal.Keep(p.slot, p.claimed, row, stride);
             if (p.claimed) {
               InitRow(opt, p.key, row);
               ++cl;
             }
-            ApplyUpdate(opt, row, s.row(p.item));
+            b += !ApplyUpdateFinite(opt, row, s.row(p.item));
           });
       claimed[static_cast<size_t>(part)] = cl;
       full[static_cast<size_t>(part)] = f;
+      bad[static_cast<size_t>(part)] = b;
     });
+    if (Sum(bad) != 0) {
+      for (const Journal& journal : journals) journal.PutBack(ref_);
+      detail::RefuseNonFiniteSteps(what, ref_, s, opt);
+    }
     Settle(Sum(claimed), Sum(full));
   }
+
+  // The rows a call stepped, as they were: each stepped slot, in order, and
+  // the row it held, or (~slot) a slot the call claimed, free before it.
+  struct Journal {
+    std::vector<int64_t> slots;
+    std::vector<float> rows;
+
+    void Reserve(uint64_t n, uint32_t stride) {
+      slots.reserve(n);
+      rows.reserve(n * stride);
+    }
+    void Keep(int64_t slot, bool claimed, const float* row, uint32_t stride) {
+      slots.push_back(claimed ? ~slot : slot);
+      if (claimed) return;
+      const size_t at = rows.size();
+      rows.resize(at + stride);
+      std::memcpy(rows.data() + at, row, stride * sizeof(float));
+    }
+    // REQUIRES: the table's lock held exclusively. A claimed slot is free
+    // again (its key empty, its row zero, as free slots are): a claim never
+    // moves another key, so the keys are as they were before the call.
+    void PutBack(const TableRef& t) const {
+      const float* from = rows.data();
+      for (int64_t slot : slots) {
+        if (slot < 0) {
+          t.keys[static_cast<uint64_t>(~slot)] = kEmptyKey;
+          ZeroRow(t.row(static_cast<uint64_t>(~slot)), t.stride);
+          continue;
+        }
+        std::memcpy(t.row(static_cast<uint64_t>(slot)), from, t.stride * sizeof(float));
+        from += t.stride;
+      }
+    }
+  };
 
   void FillKeysEmpty() {
     const int parts = PartsFor(ref_.slots / 512, threads_);

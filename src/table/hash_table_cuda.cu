@@ -33,6 +33,7 @@ struct Counters {
   unsigned long long claimed;
   unsigned long long counted;
   unsigned long long full;
+  unsigned long long diverged;  // CheckSumsKernel's steps that would leave a row not finite
 };
 
 __device__ void Count(unsigned long long* c) { atomicAdd(c, 1ULL); }
@@ -144,6 +145,29 @@ __global__ void NonFiniteKernel(TableRef t, Counters* c) {
       return;
     }
   }
+}
+
+// One thread per slot of the gradient-sum table, before ApplyKernel: counts
+// the sums that hold a NaN or an infinity (c->counted), and the keys whose
+// step, run dry on their row (or their initial row, where the table lacks
+// them: nothing is claimed), would leave a value that is not finite
+// (c->diverged).
+__global__ void CheckSumsKernel(TableRef t, TableRef sums, SparseOptimizer opt, Counters* c) {
+  const uint64_t s = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
+  if (s >= sums.slots) return;
+  const uint64_t key = sums.keys[s];
+  if (key == kEmptyKey) return;
+  const float* grad = sums.row(s);
+  for (uint32_t j = 0; j < sums.stride; ++j) {
+    if (detail::NotFinite(grad[j])) {
+      Count(&c->counted);
+      return;
+    }
+  }
+  const int64_t slot = FindSlot(t, key);
+  const bool ok = slot >= 0 ? detail::StepStaysFinite(opt, detail::RowValues{t.row(slot)}, grad)
+                            : detail::StepStaysFinite(opt, detail::InitialRowValue{&opt, key}, grad);
+  if (!ok) Count(&c->diverged);
 }
 
 __global__ void ExportKernel(TableRef t, uint64_t* keys_out, float* rows_out, uint64_t max_rows,
@@ -347,21 +371,26 @@ class CudaHashTable final : public HashTable {
     if (&sums == this) throw std::invalid_argument("apply_summed_gradients: sums must be another table");
     std::lock_guard lock(mutex_);
     CheckOptimizer(opt);
-    const auto* cuda = dynamic_cast<const CudaHashTable*>(&sums);
-    if (cuda == nullptr || cuda->device_ != device_ || sums.row_floats() != opt.dim) {
-      throw std::invalid_argument("apply_summed_gradients: sums must be a table on " + device() +
-                                  " with rows of dim = " + std::to_string(opt.dim) + " floats, got " +
-                                  sums.device() + " with " + std::to_string(sums.row_floats()));
-    }
+    const CudaHashTable& cuda = CheckSums(sums, opt, "apply_summed_gradients");
     // The sums' slots are read by the kernel: no call on that table meanwhile
     // (as the CPU table holds its lock shared).
-    std::lock_guard sums_lock(cuda->mutex_);
-    ApplySums(*cuda, opt, "apply_summed_gradients");
+    std::lock_guard sums_lock(cuda.mutex_);
+    ApplySums(cuda, opt, "apply_summed_gradients");
   }
 
   void refuse_nonfinite(const std::string& what) const override {
     std::lock_guard lock(mutex_);
     RefuseNonFiniteRows(what);
+  }
+
+  void refuse_nonfinite_steps(const HashTable& sums, const SparseOptimizer& opt,
+                              const std::string& what) const override {
+    if (&sums == this) throw std::invalid_argument("refuse_nonfinite_steps: sums must be another table");
+    std::lock_guard lock(mutex_);
+    CheckOptimizer(opt);
+    const CudaHashTable& cuda = CheckSums(sums, opt, "refuse_nonfinite_steps");
+    std::lock_guard sums_lock(cuda.mutex_);  // (as apply_summed_gradients takes them)
+    RefuseNonFiniteSums(cuda, opt, what);
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -406,11 +435,48 @@ class CudaHashTable final : public HashTable {
     detail::RefuseNonFinite(what, keys.data(), rows.data(), ref_.slots, ref_.stride);
   }
 
+  // apply_summed_gradients' and refuse_nonfinite_steps' sums: a table on this
+  // device with rows of opt.dim floats, else std::invalid_argument.
+  const CudaHashTable& CheckSums(const HashTable& sums, const SparseOptimizer& opt, const char* what) const {
+    const auto* cuda = dynamic_cast<const CudaHashTable*>(&sums);
+    if (cuda == nullptr || cuda->device_ != device_ || sums.row_floats() != opt.dim) {
+      throw std::invalid_argument(std::string(what) + ": sums must be a table on " + device() +
+                                  " with rows of dim = " + std::to_string(opt.dim) + " floats, got " +
+                                  sums.device() + " with " + std::to_string(sums.row_floats()));
+    }
+    return *cuda;
+  }
+
+  // REQUIRES: mutex_ and sums' held (or sums the call's own). The sums' check
+  // (as RefuseNonFiniteRows') and every step's, run dry, in one kernel and one
+  // sync; the tables come to the host only to name the key.
+  void RefuseNonFiniteSums(const CudaHashTable& sums, const SparseOptimizer& opt, const std::string& what) const {
+    const detail::CurrentDevice current(device_);
+    ResetCounters();
+    CheckSumsKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());
+    const Counters c = Finish();
+    if (c.counted == 0 && c.diverged == 0) return;
+    // Seldom: the tables to the host, for the message to name the key.
+    std::vector<uint64_t> sum_keys(sums.ref_.slots);
+    std::vector<float> sum_rows(sums.ref_.slots * sums.ref_.stride);
+    sums.keys_.download(sum_keys.data(), sum_keys.size());
+    sums.rows_.download(sum_rows.data(), sum_rows.size());
+    if (c.counted != 0) {
+      detail::RefuseNonFinite(what, sum_keys.data(), sum_rows.data(), sums.ref_.slots, sums.ref_.stride);
+    }
+    std::vector<uint64_t> keys(ref_.slots);
+    std::vector<float> rows(ref_.slots * ref_.stride);
+    keys_.download(keys.data(), keys.size());
+    rows_.download(rows.data(), rows.size());
+    detail::RefuseNonFiniteSteps(what, TableRef{keys.data(), rows.data(), ref_.slots, ref_.stride},
+                                 TableRef{sum_keys.data(), sum_rows.data(), sums.ref_.slots, sums.ref_.stride}, opt);
+  }
+
   // REQUIRES: mutex_ and sums' held (or sums the call's own); sums holds each
-  // key once (a table does). A sum that is not finite refuses the whole call
-  // before any row steps.
+  // key once (a table does). A sum that is not finite, or a step that would
+  // leave a row not finite, refuses the whole call before any row steps.
   void ApplySums(const CudaHashTable& sums, const SparseOptimizer& opt, const char* what) {
-    sums.RefuseNonFiniteRows(what);
+    RefuseNonFiniteSums(sums, opt, what);
     const detail::CurrentDevice current(device_);
     ResetCounters();
     ApplyKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());

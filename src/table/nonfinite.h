@@ -3,11 +3,20 @@
 // such a sum makes its row NaN for good (SGD: -inf, then inf - inf at the
 // next step), and every later pull and checkpoint holds it. Checked once a
 // step, over the sums, before any row changes; the caller's lock covers them.
+//
+// Then the steps themselves: a finite sum can still step a row past float32's
+// range (SGD's lr * g, AdaGrad's and Adam's g * g), after which the row is
+// -inf, or its sum of squares inf and the row never moves again. Each step is
+// run dry first (StepStaysFinite, optimizer_kernels.h), and refused, before
+// any row changes, if it would leave a value that is not finite.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <string>
+
+#include "hps/optimizer.h"
+#include "table/table_kernels.h"  // TableRef
 
 namespace hps::detail {
 
@@ -42,5 +51,21 @@ inline bool AnyNonFinite(const float* values, uint64_t n) {
 // first: inf): ...". REQUIRES: AnyNonFinite found one among them.
 [[noreturn]] void RefuseNonFinite(const std::string& what, const uint64_t* keys, const float* sums, uint64_t n,
                                   uint32_t dim);
+
+// Throws DivergedError for steps that would leave a row not finite: `keys` of
+// them, the first `key`, whose row is `row` (nullptr: the key's initial row,
+// for a table that lacks it) and gradient sum `grad`: "<what>: the step of N
+// keys would leave a value that is not finite in their rows (key X first: its
+// AdaGrad sum of squared gradients, column 2, would be inf): ...". REQUIRES:
+// that step is one (StepStaysFinite is false).
+[[noreturn]] void RefuseNonFiniteStep(const std::string& what, uint64_t keys, uint64_t key, const SparseOptimizer& opt,
+                                      const float* row, const float* grad);
+
+// The same for a table's step with a table of sums (both in host memory; rows
+// of opt.row_floats() and opt.dim floats), counting the keys and naming the
+// first in the sums' slot order, as apply_summed_gradients steps them (a key
+// the table lacks from its initial row). REQUIRES: some step is one.
+[[noreturn]] void RefuseNonFiniteSteps(const std::string& what, const TableRef& table, const TableRef& sums,
+                                       const SparseOptimizer& opt);
 
 }  // namespace hps::detail

@@ -928,6 +928,48 @@ TEST(DeviceTier, ASumThatIsNotFiniteOnOneDeviceStepsNoRowOnAny) {
   EXPECT_EQ(after, rows);
 }
 
+// Key 11's gradient sum on device 1 is finite (1e20), but its square is not:
+// AdaGrad's sum of squares would be inf, after which the row never moves
+// again. Key 10's step, on device 0, is fine. The step refuses the batch,
+// naming key 11, before either row steps: device 0's table, applied first,
+// was stepped before device 1's refused (its own check alone comes too late).
+TEST(DeviceTier, AStepThatWouldLeaveARowNotFiniteOnOneDeviceStepsNoRowOnAny) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  std::vector<uint64_t> keys = {10, 11};
+  const int32_t owners[2] = {0, 1};
+  std::vector<float> rows(keys.size() * width);
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+  tier->Insert(keys.data(), keys.size(), rows.data(), owners);
+  const std::vector<float> g = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1e20f, 1.0f, 1.0f};
+  tier->Accumulate(0, keys.data(), 2, g.data(), owners);
+  try {
+    tier->Apply();
+    ADD_FAILURE() << "a step to a value that is not finite was taken";
+  } catch (const DivergedError& e) {
+    EXPECT_STREQ(e.what(), "device tier apply (device 1): the step of 1 key would leave a value that is not finite "
+                           "in its row (key 11 first: its AdaGrad sum of squared gradients, column 1, would be inf): "
+                           "training diverged (a learning rate, or finite gradient sums, too large for float32); no "
+                           "row was stepped");
+  }
+  std::vector<float> after(rows.size());
+  tier->Rows(keys.data(), keys.size(), after.data(), owners);
+  EXPECT_EQ(after, rows);
+
+  // Bound to positions, the same: the steps at the positions are refused.
+  auto bound = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
+  bound->Insert(keys.data(), keys.size(), rows.data(), owners);
+  bound->Bind(keys.data(), keys.size(), owners);
+  const int64_t at[2] = {0, 1};
+  bound->AccumulateAt(0, at, 2, g.data(), {});
+  std::vector<int64_t> stepped;
+  EXPECT_THROW(bound->ApplyBound(&stepped), DivergedError);
+  EXPECT_TRUE(stepped.empty());
+  bound->Rows(keys.data(), keys.size(), after.data(), owners);
+  EXPECT_EQ(after, rows);
+}
+
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();
@@ -1212,6 +1254,41 @@ TEST(HostBatch, ASumThatIsNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
     EXPECT_STREQ(e.what(), "host batch apply: 1 non-finite value in the summed gradients of 1 key (key 13 first: "
                            "-inf): training diverged (a gradient pushed so, or finite ones whose sum overflowed); "
                            "no row was stepped");
+  }
+  batch.Rows(all.data(), all.size(), after.data());
+  EXPECT_EQ(after, before);
+  EXPECT_TRUE(batch.UpdatedKeys().empty());
+  batch.Release();
+  EXPECT_EQ(cache->stats().pinned, 0u);
+}
+
+// A key's finite gradient sum whose step overflows (AdaGrad's square of
+// 1e20) made its MEM-PS row's sum of squares inf, after which the row never
+// moved again. The step refuses it now, naming the key, before any pinned row
+// steps, and the batch releases as one that never stepped.
+TEST(HostBatch, AStepThatWouldLeaveARowNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
+  RowStore store(AdaGrad(6));
+  const SparseOptimizer& opt = store.opt;
+  const int32_t width = opt.row_floats();
+  auto cache = store.Cache(64);
+  std::vector<uint64_t> keys = {11, 12, 13};
+  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
+  HostBatch batch(*cache, keys.data(), keys.size(), opt);
+  std::vector<float> before(keys.size() * width), after(keys.size() * width);
+  const std::vector<int64_t> all = {0, 1, 2};
+  batch.Rows(all.data(), all.size(), before.data());
+  const std::vector<int64_t> at = {0, 2, 1};
+  std::vector<float> g(at.size() * 6, 0.25f);
+  g[6 + 5] = -1e20f;  // key 13's last float: its square is inf
+  batch.Accumulate(at.data(), at.size(), g.data());
+  try {
+    batch.Apply();
+    ADD_FAILURE() << "a step to a value that is not finite was taken";
+  } catch (const DivergedError& e) {
+    EXPECT_STREQ(e.what(), "host batch apply: the step of 1 key would leave a value that is not finite in its row "
+                           "(key 13 first: its AdaGrad sum of squared gradients, column 5, would be inf): training "
+                           "diverged (a learning rate, or finite gradient sums, too large for float32); no row was "
+                           "stepped");
   }
   batch.Rows(all.data(), all.size(), after.data());
   EXPECT_EQ(after, before);

@@ -2,6 +2,7 @@
 // ThreadSanitizer (HPS_SANITIZE): every call below spans several threads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -244,6 +245,77 @@ TEST(HashTable, ASumThatIsNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
     }
     table->lookup_or_init(keys.data(), n, opt, after.data());
     EXPECT_EQ(before, after);
+  }
+}
+
+// A finite gradient sum can still step a row past float32's range: SGD's
+// lr * g (lr 10, g 1e38: -inf), AdaGrad's and Adam's squares (g 1e20, 1e30: a
+// sum of squares or second moment of inf, after which the row never moves
+// again). Such a row was stored, served and checkpointed with no error. The
+// step refuses the call now, naming the key and the value, before any row
+// changes; a key the table lacks is not claimed either.
+TEST(HashTable, AStepThatWouldLeaveARowNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
+  struct Case {
+    OptimizerKind kind;
+    float lr, g;
+    const char* said;
+  };
+  const Case cases[] = {
+      {OptimizerKind::kSgd, 10.0f, 1e38f, "its embedding, column 2, would be -inf"},
+      {OptimizerKind::kAdaGrad, 0.1f, 1e20f, "its AdaGrad sum of squared gradients, column 2, would be inf"},
+      {OptimizerKind::kRowWiseAdaGrad, 0.1f, 1e20f, "its row-wise AdaGrad sum of squared gradients would be inf"},
+      {OptimizerKind::kAdam, 0.1f, 1e30f, "its Adam second moment, column 2, would be inf"},
+  };
+  const std::string tail = "): training diverged (a learning rate, or finite gradient sums, too large for float32); "
+                           "no row was stepped";
+  for (const Case& c : cases) {
+    SparseOptimizer opt;
+    opt.dim = 5;
+    opt.opt.kind = c.kind;
+    opt.opt.lr = c.lr;
+    const int32_t width = opt.row_floats();
+    // Past 4096 x 16 floats of sums the check runs in parts on two threads.
+    for (const uint64_t n : {uint64_t{3}, kBatch}) {
+      SCOPED_TRACE(ToString(c.kind) + ", n " + std::to_string(n));
+      auto keys = RandomKeys(n, 1u << 30, 17);
+      keys[0] = 77;  // 77's step overflows, the others' are fine
+      std::vector<float> grads(opt.dim * n, 0.5f);
+      grads[2] = c.g;
+      auto table = Table(4 * n, width, 2);
+      std::vector<float> emb(opt.dim * n), before(width * n), after(width * n);
+      table->lookup_or_init(keys.data(), n, opt, emb.data());
+      table->find(keys.data(), n, before.data(), nullptr);
+      const uint64_t size = table->size();
+      try {
+        table->apply_gradients(keys.data(), n, grads.data(), opt);
+        ADD_FAILURE() << "a step to a value that is not finite was taken";
+      } catch (const DivergedError& e) {
+        EXPECT_EQ(std::string(e.what()), "apply_gradients: the step of 1 key would leave a value that is not finite "
+                                         "in its row (key 77 first: " + std::string(c.said) + tail);
+      }
+      table->find(keys.data(), n, after.data(), nullptr);
+      EXPECT_EQ(before, after);
+
+      // Summed in a table of their own, and a key the table lacks (99: its step
+      // from its initial row overflows too).
+      keys[n - 1] = 99;
+      std::copy(grads.begin(), grads.begin() + opt.dim, grads.end() - opt.dim);
+      auto sums = Table(4 * n, opt.dim, 2);
+      sums->accumulate(keys.data(), n, grads.data());
+      try {
+        table->apply_summed_gradients(*sums, opt);
+        ADD_FAILURE() << "a step to a value that is not finite was taken";
+      } catch (const DivergedError& e) {
+        const std::string said = e.what();
+        EXPECT_EQ(said.rfind("apply_summed_gradients: the step of 2 keys would leave a value that is not finite in "
+                             "their rows (key ", 0), 0u) << said;
+      }
+      table->find(keys.data(), n - 1, after.data(), nullptr);
+      EXPECT_EQ(std::vector<float>(before.begin(), before.end() - width),
+                std::vector<float>(after.begin(), after.end() - width));
+      EXPECT_EQ(table->size(), size);
+      EXPECT_EQ(table->find(keys.data() + n - 1, 1, after.data(), nullptr), 0u);
+    }
   }
 }
 
