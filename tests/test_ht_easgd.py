@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -477,6 +478,69 @@ def test_an_exchange_through_a_lossy_codec_keeps_the_sum(mailbox, codec, mode):
     assert not np.array_equal(x, np.array([4.0, 0.013, -0.77, 1.0 / 3, 1e-3], np.float32))  # (they moved)
     # (Up to float32 rounding of values below 4: 2**-22 each side.)
     np.testing.assert_allclose(x.astype(np.float64) + served["centre"], total, rtol=0, atol=2 * 2.0**-22)
+
+
+def test_a_replica_that_bf16_rounds_to_an_infinity_is_refused_before_it_leaves(mailbox):
+    # 3.4e38 is a finite float32, but past bfloat16's largest finite value: the bf16
+    # averaging codec carried it to the centre as inf, which made the centre inf (and
+    # its snapshot, which checkpoints hold) and the group's replica -inf, with no
+    # error. The group refuses it now, naming the value, before it leaves; a NaN in
+    # the replica alike, under any codec. Nothing moves.
+    from hps.errors import DivergedError
+    from hps.hierarchical.codecs import CodecStreams
+    from hps.hierarchical.easgd import EasgdCentre, EasgdClient
+    cfg = EasgdConfig(alpha=0.5)
+    c0 = np.zeros(4, np.float32)
+    centre = EasgdCentre(mailbox.comm(1), c0, [0], cfg, CodecStreams({"averaging": "bf16"}))
+    client = EasgdClient(mailbox.comm(0), 1, 0, cfg, CodecStreams({"averaging": "bf16"}), timeout=5.0)
+    t, served = serving(centre, daemon=True)
+    x = np.array([1.0, 3.4e38, -2.0, 0.5], np.float32)
+    kept = x.copy()
+    with pytest.raises(DivergedError, match=r"^EASGD exchange of group 0: the replica holds 1 value that bfloat16 "
+                                            r"rounds to an infinity \(past 3.396177e\+38\) or that is not a number "
+                                            r"\(index 1 first: 3.4e\+38\): training diverged \(\[hierarchical\] "
+                                            r"averaging = 'bf16' carries such values to the centre"):
+        client.exchange(x)
+    x[3] = np.nan
+    with pytest.raises(DivergedError, match=r"the replica holds 2 values that bfloat16 rounds .* \(index 1 first"):
+        client.exchange(x)
+    plain = EasgdClient(mailbox.comm(0), 1, 0, cfg, timeout=5.0)
+    with pytest.raises(DivergedError, match=r"the replica holds 1 value that is not finite \(index 3 first: nan\)"):
+        plain.exchange(np.where(np.isnan(x), x, kept))
+    np.testing.assert_array_equal(x[:3], kept[:3])
+    client.stop()
+    t.join(timeout=10.0)
+    assert not t.is_alive() and "error" not in served, served
+    np.testing.assert_array_equal(served["centre"], c0)
+    assert centre.easgd.exchanges == 0
+
+
+@pytest.mark.parametrize("codec", ["none", "bf16"])
+def test_a_difference_from_the_centre_that_is_not_finite_is_refused_by_the_centre(mailbox, codec):
+    # The replica and the centre are finite, but 3e38 - (-3e38) is not (and 3.3e38 -
+    # (-1e37), bf16 rounds to inf): the centre moved to inf and answered inf, which
+    # made the group's replica -inf. The centre refuses it now, before it moves, and
+    # sends the refusal to the group, whose exchange raises it too.
+    from hps.errors import DivergedError
+    from hps.hierarchical.codecs import CodecStreams
+    from hps.hierarchical.easgd import EasgdCentre, EasgdClient
+    cfg = EasgdConfig(alpha=0.5)
+    c0 = np.array([0.0, -3e38 if codec == "none" else -1e37, 1.0], np.float32)
+    centre = EasgdCentre(mailbox.comm(1), c0, [0], cfg, CodecStreams({"averaging": codec}))
+    client = EasgdClient(mailbox.comm(0), 1, 0, cfg, CodecStreams({"averaging": codec}), timeout=5.0)
+    t, served = serving(centre, daemon=True)
+    x = np.array([1.0, 3e38 if codec == "none" else 3.3e38, 2.0], np.float32)
+    sent = x.copy()
+    said = r"that is not finite" if codec == "none" else r"that bfloat16 rounds to an infinity"
+    refused = rf"^EASGD centre, the exchange of group 0 \(rank 0\): its difference from the centre holds 1 value {said}"
+    with pytest.raises(DivergedError, match=refused):
+        client.exchange(x)
+    t.join(timeout=10.0)
+    assert not t.is_alive()
+    assert isinstance(served.get("error"), DivergedError) and re.match(refused, str(served["error"])), served
+    np.testing.assert_array_equal(x, sent)
+    np.testing.assert_array_equal(centre.easgd.centre, c0)
+    assert centre.easgd.exchanges == 0
 
 
 def test_a_finished_average_keeps_its_exchanges_and_phase_for_a_resumed_run():

@@ -56,7 +56,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["TRAFFIC_KINDS", "PER_EXAMPLE_KINDS", "Encoded", "Codec", "NoCodec", "BFloat16", "Int8RowScale", "TopK",
-           "ByteCounter", "CodecStreams", "decode", "make_codec"]
+           "ByteCounter", "CodecStreams", "decode", "make_codec", "refuse_unsendable"]
 
 TRAFFIC_KINDS = ("activations", "gradients", "averaging", "sparse_rows", "sparse_grads")
 # Kinds whose messages hold a batch's examples, other ones every step: no top-k residual.
@@ -146,6 +146,34 @@ class BFloat16(Codec):
         if a.dtype != np.uint16 or a.size != math.prod(enc.shape):
             raise ValueError(f"bf16.decode: {a.size} values of {a.dtype} for shape {enc.shape} (expected uint16)")
         return (a.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(enc.shape)
+
+
+def refuse_unsendable(x: np.ndarray, codec: str, what: str, why: str) -> None:
+    """Raises DivergedError where x (float32, any shape) holds a NaN or an infinity,
+    or, under the codec named "bf16", a finite value that bfloat16 rounds to an
+    infinity (past BFloat16.largest_finite_input): "<what> holds N values that ...
+    (index I first: V): training diverged (<why>)", `why` saying where the codec
+    would carry them. For a sender to call before x leaves it: bf16 and none carry such a
+    value as it is (int8 refuses one, top-k sends it). One pass over x."""
+    flat = x.reshape(-1)
+    if codec == "bf16":
+        ok = np.abs(flat) <= np.float32(BFloat16.largest_finite_input)  # (False for a NaN too)
+    else:
+        ok = np.isfinite(flat)
+    if ok.all():
+        return
+    from hps.errors import DivergedError
+    bad = np.flatnonzero(~ok)
+    n, first = len(bad), int(bad[0])
+    said = "1 value" if n == 1 else f"{n} values"
+    is_are = "is" if n == 1 else "are"
+    if codec == "bf16" and np.isfinite(flat[bad]).any():
+        kind = (f"that bfloat16 rounds to an infinity (past {BFloat16.largest_finite_input:.7g}) or that {is_are} "
+                f"not a number")
+    else:
+        kind = "that " + is_are + " not finite"
+    raise DivergedError(f"{what} holds {said} {kind} (index {first} first: {flat[first]!s}): training diverged "
+                        f"({why})")
 
 
 class Int8RowScale(Codec):

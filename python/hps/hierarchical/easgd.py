@@ -42,8 +42,8 @@ import numpy as np
 
 from hps.config import is_int, is_number
 from hps.distributed import poll
-from hps.errors import HpsError
-from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
+from hps.errors import DivergedError, HpsError
+from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode, refuse_unsendable
 
 __all__ = ["EasgdConfig", "Easgd", "EasgdCentre", "EasgdClient", "BackgroundEasgd", "GroupAverage", "AllreduceAverage",
            "CentreTimeout", "CollectiveTimeout", "AllreduceTimeout", "BroadcastTimeout", "allreduce_within",
@@ -318,10 +318,25 @@ class EasgdCentre:
         """The answer to group g's replica x, against `centre`: d = x - c through the
         averaging codec. The centre moves by alpha times what the group gets of d (its
         decoding), not d itself: with a lossy codec an exchange would otherwise make or
-        lose alpha (d - d') of the model, where what one side loses the other gains."""
+        lose alpha (d - d') of the model, where what one side loses the other gains.
+
+        A d that is not finite (x and c finite, of opposite signs, past half float32's
+        range), or that bf16 would round to an infinity, made the centre and then the
+        group inf: refused (DivergedError) before the centre moves, and sent to the
+        group as its answer, whose exchange raises it too."""
         e = self.easgd
         e._check(g, x)
-        enc = self.counter.encode(self.codecs.get("averaging", ("centre", g)), "averaging", x - centre)
+        with np.errstate(over="ignore", invalid="ignore"):  # (refused just below)
+            d = x - centre
+        spec = self.codecs.spec["averaging"]
+        try:
+            refuse_unsendable(d, spec, f"EASGD centre, the exchange of group {g} (rank {self.ranks[g]}): its "
+                                       f"difference from the centre", f"[hierarchical] averaging = {spec!r} carries "
+                                       f"such values to the group, and the centre moves by them; it did not")
+        except DivergedError as refused:
+            self.comm.send(refused, dest=self.ranks[g], tag=_TAG)
+            raise
+        enc = self.counter.encode(self.codecs.get("averaging", ("centre", g)), "averaging", d)
         e.centre += np.float32(e.config.alpha) * decode(enc)
         e.exchanges += 1
         return enc
@@ -345,10 +360,20 @@ class EasgdClient:
     def exchange(self, x: np.ndarray, apply_to: Optional[np.ndarray] = None) -> None:
         """Sends x; applies -alpha d to `apply_to` (default x) when the centre answers.
         With a snapshot as x and the live parameters as apply_to, training goes on
-        meanwhile (ShadowSync)."""
+        meanwhile (ShadowSync). DivergedError, before x leaves, where x holds a value
+        that is not finite or that the bf16 codec would round to an infinity (the
+        centre, then every group, would hold it), and where the centre refused the
+        exchange (its difference from x not finite); x and apply_to unchanged."""
+        spec = self.codecs.spec["averaging"]
+        refuse_unsendable(x, spec, f"EASGD exchange of group {self.group}: the replica",
+                          f"[hierarchical] averaging = {spec!r} carries such values to the centre, and from there "
+                          f"to every group")
         enc = self.counter.encode(self.codecs.get("averaging", ("group", self.group)), "averaging", x)
         self.comm.send(("exchange", self.group, enc), dest=self.centre, tag=_TAG)
-        d = decode(_wait(self.comm, self.centre, _TAG, self.timeout, f"EASGD exchange of group {self.group}"))
+        answer = _wait(self.comm, self.centre, _TAG, self.timeout, f"EASGD exchange of group {self.group}")
+        if isinstance(answer, DivergedError):  # the centre refused it (EasgdCentre._answer)
+            raise answer
+        d = decode(answer)
         target = x if apply_to is None else apply_to
         target -= np.float32(self.config.alpha) * d
         self.exchanges += 1
