@@ -221,7 +221,6 @@ void BatchRows::RefuseNonFinite(const uint64_t* keys) const {
 }
 
 uint64_t BatchRows::Apply(const uint64_t* keys, std::vector<int64_t>* stepped) {
-  RefuseNonFiniteSums(keys);
   const uint32_t dim = static_cast<uint32_t>(optimizer_.dim);
   const uint32_t width = static_cast<uint32_t>(optimizer_.row_floats());
   const uint64_t row_bytes = sizeof(float) * uint64_t{width};
@@ -232,6 +231,10 @@ uint64_t BatchRows::Apply(const uint64_t* keys, std::vector<int64_t>* stepped) {
   // that leaves a value not finite (ApplyUpdateFinite) puts every row back.
   // (A dry run of each step first, to write none until all were known to be
   // finite, cost as much again as the step, its square roots and divisions.)
+  // A gradient sum that is not finite leaves a value of its row so under every
+  // optimizer (each sum's float reaches a value the step sets: SGD's row, the
+  // AdaGrads' squares, Adam's moments), so it needs no pass of its own: the
+  // sums are read only to name the cause once a step has failed.
   const CompactScratch journal(count * width);
   uint64_t bad = 0;
   for (uint64_t p = 0, k = 0; p < size; ++p) {
@@ -247,6 +250,7 @@ uint64_t BatchRows::Apply(const uint64_t* keys, std::vector<int64_t>* stepped) {
     for (uint64_t p = 0, k = 0; p < size; ++p) {
       if (touched_[p]) std::memcpy(Row(p), journal.data() + k++ * width, row_bytes);
     }
+    RefuseNonFiniteSums(keys);  // the cause named, if it was a sum
     RefuseNonFiniteStep(keys, bad);
   }
   if (stepped) stepped->reserve(stepped->size() + count);

@@ -336,6 +336,12 @@ class CpuHashTable final : public HashTable {
  private:
   // REQUIRES: mutex_ held, shared or not.
   void RefuseNonFiniteRows(const std::string& what) const {
+    if (HasNonFiniteRows()) RefuseNonFinite(what, ref_.keys, ref_.rows, ref_.slots, ref_.stride);
+  }
+
+  // REQUIRES: mutex_ held, shared or not. Whether an occupied slot's row holds
+  // a NaN or an infinity.
+  bool HasNonFiniteRows() const {
     // The occupied slots' rows, found by their keys as ApplySums finds them: a
     // gradient table has as many slots as its tier's rows, mostly free.
     const uint32_t stride = ref_.stride;
@@ -350,8 +356,9 @@ class CpuHashTable final : public HashTable {
       bad[static_cast<size_t>(part)] = any;
     });
     for (uint8_t b : bad) {
-      if (b) RefuseNonFinite(what, ref_.keys, ref_.rows, ref_.slots, stride);
+      if (b) return true;
     }
+    return false;
   }
 
   // REQUIRES: mutex_ and sums' held, shared or not. Each key's step run dry
@@ -395,12 +402,15 @@ class CpuHashTable final : public HashTable {
   }
 
   // REQUIRES: sums holds each key once (a table does), its lock held (or it is
-  // the call's own). A sum that is not finite refuses the whole call before
-  // any row steps; a step that leaves a row not finite, once the others have
-  // stepped: every row stepped is put back (a journal of them), every key
-  // claimed freed, and the call refused as if it had been run dry first.
+  // the call's own). A sum that is not finite, or a step that leaves a row not
+  // finite, refuses the whole call once the others have stepped: every row
+  // stepped is put back (a journal of them), every key claimed freed, and the
+  // call refused as if it had been checked first. A sum that is not finite
+  // leaves a value of its row so under every optimizer (each of its floats
+  // reaches a value the step sets), so the sums are read for it only where a
+  // step failed, or where the table had no room for a key and no step read
+  // its sum.
   void ApplySums(const CpuHashTable& sums, const SparseOptimizer& opt, const char* what) {
-    sums.RefuseNonFiniteRows(what);
     std::unique_lock lock(mutex_);
     const TableRef& s = sums.ref_;
     const uint32_t stride = ref_.stride;
@@ -437,8 +447,10 @@ class CpuHashTable final : public HashTable {
       full[static_cast<size_t>(part)] = f;
       bad[static_cast<size_t>(part)] = b;
     });
-    if (Sum(bad) != 0) {
+    const bool failed = Sum(bad) != 0;
+    if (failed || (Sum(full) != 0 && sums.HasNonFiniteRows())) {
       for (const Journal& journal : journals) journal.PutBack(ref_);
+      sums.RefuseNonFiniteRows(what);  // the cause named, if it was a sum
       detail::RefuseNonFiniteSteps(what, ref_, s, opt);
     }
     Settle(Sum(claimed), Sum(full));
