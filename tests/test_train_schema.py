@@ -811,6 +811,58 @@ def test_hps_train_refuses_held_out_data_inside_the_training_data_directory(tmp_
     assert train(cfg, progress=False)["examples"] == 50
 
 
+def test_hps_train_refuses_outputs_and_held_out_data_a_data_glob_lists(tmp_path, capsys):
+    # A glob's listing ("data/**", "data/*/*", "data/*.csv") takes what it matches at
+    # the depth its parts reach: the checks looked at directories alone, so a job, a
+    # report or held-out data that a glob source lists went by (a --resume read the
+    # checkpoints as data; the held-out examples were trained on). They are now refused
+    # where the glob, as list_files expands it, lists a file there (through a link too),
+    # and not where it lists none (a depth it does not reach, a name its wildcards leave out).
+    from hps.cli import main
+    (tmp_path / "data" / "day=1").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    write_csv(tmp_path / "data" / "day=1" / "train.csv", 50, 2)
+    write_csv(tmp_path / "data" / "held.csv", 50, 3)
+    (tmp_path / "data" / "more").symlink_to(tmp_path / "elsewhere")
+    data = tmp_path / "data"
+
+    def config(source, path, **more):
+        return TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(path)}, "torch_threads": 1, "hidden": [8],
+                                      "data": {"source": str(source), "schema": SCHEMA, **more}}, "run.toml")
+
+    for source, job in ((data / "**", data / "run"), (data / "*" / "*", data / "run"),
+                        (data / "**" / "*.csv", tmp_path / "elsewhere" / "run"), (data / "*", data)):
+        with pytest.raises(ValueError, match=rf"^\[ps\] path {re.escape(str(job))} is inside what the data glob "
+                                             rf"{re.escape(str(source))} \(data.source\) lists, whose files are "
+                                             rf"read: the run's checkpoints would be read as data; put the job "
+                                             rf"elsewhere, or under a name starting with '.' or '_'$"):
+            train(config(source, job), progress=False)
+        assert not (tmp_path / "elsewhere" / "run").exists() and not (data / "run").exists(), source
+    report = data / "day=2" / "plots"
+    assert main(["train", "--data", str(data / "**" / "*.csv"), "--path", str(tmp_path / "run"), "--report",
+                 str(report), "--label", "click", "--dense", "price", "--no-progress"]) == 2
+    assert f"--report {report} is inside what the data glob {data / '**' / '*.csv'} (data.source) lists" \
+        in capsys.readouterr().err
+    write_csv(tmp_path / "elsewhere" / "train.csv", 50, 4)
+    for source, held, taken in ((data / "*" / "*.csv", data / "day=1" / "train.csv", ""),
+                                (data / "**", data / "day=1", f" ({data / 'day=1' / 'train.csv'})"),
+                                (data / "**" / "train.csv", tmp_path / "elsewhere" / "*.csv",
+                                 f" ({tmp_path / 'elsewhere' / 'train.csv'})")):
+        with pytest.raises(ValueError, match=rf"^data.eval_source {re.escape(str(held))} is among the files of "
+                                             rf"the training data glob {re.escape(str(source))} \(data.source\)"
+                                             rf"{re.escape(taken)}: the held-out examples would be trained on"):
+            train(config(source, tmp_path / "run", eval_source=str(held)), progress=False)
+    (tmp_path / "elsewhere" / "train.csv").unlink()
+    assert not (tmp_path / "run").exists()
+    # Where the glob lists none of it, the job runs, and its resume reads no file of
+    # it: a depth "data/*" does not reach, a name "*/train.csv" or "*.csv" does not
+    # match, a name its wildcards leave out.
+    for source, job in ((data / "**", data / "_run"), (data / "*", data / "run"),
+                        (data / "*" / "train.csv", data / "day=1" / "run"), (data / "*.csv", data / "run2")):
+        examples = train(config(source, job), progress=False)["examples"]
+        assert train(config(source, job), resume=True, progress=False)["examples"] == examples, source
+
+
 @pytest.mark.parametrize("toml, message", [
     ("ps = 3\n", r"\[ps\]: must be a table, got 3"),
     ("data = 3\n[ps]\ndim = 4\npath = 'p'\n", "data must be a table, got 3"),

@@ -494,9 +494,10 @@ def _one_pass(cfg: TrainConfig, rank: int, world: int):
 def _check_job_outside_data(cfg: TrainConfig) -> None:
     """Raises ValueError when [ps] path is inside a local data directory (data.source or
     data.eval_source) under names that directory's listing takes (none starting with "."
-    or "_"): a directory gives its files at every depth, so a resumed run would list the
-    job's own checkpoints among its data (and a growing directory would read them as the
-    run writes them). So is held-out data inside the training data's directory."""
+    or "_"), or where a local glob among them would list files: a directory gives its
+    files at every depth, so a resumed run would list the job's own checkpoints among
+    its data (and a growing directory would read them as the run writes them). So is
+    held-out data inside the training data's directory, or among its glob's files."""
     check_output_outside_data(cfg, cfg.ps.path, "[ps] path", "the run's checkpoints",
                               "put the job elsewhere")
     # Held-out data the training data's listing takes (data/eval/ under data/) would be
@@ -504,12 +505,22 @@ def _check_job_outside_data(cfg: TrainConfig) -> None:
     evals = cfg.data.eval_source if isinstance(cfg.data.eval_source, (list, tuple)) else \
         [cfg.data.eval_source] if cfg.data.eval_source else []
     for held in (os.fspath(e) for e in evals):
-        if "://" in held or not os.path.exists(held):
+        if "://" in held:
             continue
-        for path in _local_dirs(cfg.data.source):
-            if _listed_under(os.path.realpath(held), path):
-                raise ValueError(f"data.eval_source {held} is inside the training data directory {path} "
-                                 f"(data.source), whose files are read at every depth: the held-out examples "
+        for path, is_glob in _local_sources(cfg.data.source):
+            if not is_glob:
+                # (a glob of held-out files: each of them; else the directory or file as named)
+                named = _held_files(held) if not os.path.exists(held) else [held]
+                if any(_listed_under(os.path.realpath(f), path) for f in named):
+                    raise ValueError(f"data.eval_source {held} is inside the training data directory {path} "
+                                     f"(data.source), whose files are read at every depth: the held-out examples "
+                                     f"would be trained on; move them out, or under a name starting with '.' or '_'")
+                continue
+            taken = next((f for f in _held_files(held)
+                          if hdata.files._glob_takes(path, os.path.realpath(f), below=False)), None)
+            if taken is not None:
+                raise ValueError(f"data.eval_source {held} is among the files of the training data glob {path} "
+                                 f"(data.source){'' if taken == held else f' ({taken})'}: the held-out examples "
                                  f"would be trained on; move them out, or under a name starting with '.' or '_'")
 
 
@@ -518,21 +529,37 @@ def check_output_outside_data(cfg: TrainConfig, output, named: str, what: str, i
     message: "[ps] path", "--report") is inside a local data directory (data.source or
     data.eval_source) under names its listing takes: a directory gives its files at
     every depth, so `what` it holds would be read as data by a later run or a resume
-    (a growing directory: as they are written). Compared by real paths, so that a
-    link or ".." does not hide it."""
+    (a growing directory: as they are written). So is one where a local glob among
+    them would list a file it holds ("data/**" or "data/*/*" takes data/run/'s), as
+    list_files expands it. Compared by real paths, so that a link or ".." does not hide it."""
     real = os.path.realpath(output)
     for name in ("source", "eval_source"):
-        for path in _local_dirs(getattr(cfg.data, name)):
-            if _listed_under(real, path):
+        for path, is_glob in _local_sources(getattr(cfg.data, name)):
+            if is_glob and hdata.files._glob_takes(path, real, below=True):
+                raise ValueError(f"{named} {os.fspath(output)} is inside what the data glob {path} (data.{name}) "
+                                 f"lists, whose files are read: {what} would be read as data; {instead}, or under "
+                                 f"a name starting with '.' or '_'")
+            if not is_glob and _listed_under(real, path):
                 raise ValueError(f"{named} {os.fspath(output)} is inside the data directory {path} (data.{name}), "
                                  f"whose files are read at every depth: {what} would be read as data; {instead}, "
                                  f"or under a name starting with '.' or '_'")
 
 
-def _local_dirs(given) -> list:
-    """The local directories among [data] source or eval_source (a path or a list)."""
+def _local_sources(given) -> list:
+    """(path, whether a glob) of each local glob or directory among [data] source or
+    eval_source (a path or a list), told apart as list_files tells them."""
     paths = given if isinstance(given, (list, tuple)) else [given] if given else []
-    return [p for p in map(os.fspath, paths) if p != "synthetic" and "://" not in p and os.path.isdir(p)]
+    return [(p, hdata.files._glob.has_magic(p)) for p in map(os.fspath, paths)
+            if p != "synthetic" and "://" not in p and (hdata.files._glob.has_magic(p) or os.path.isdir(p))]
+
+
+def _held_files(held: str) -> list:
+    """The files held-out data names (a file, a directory's, a glob's), as listed; none
+    where it names none (its reader names that)."""
+    try:
+        return hdata.files._expand(held)
+    except (OSError, ValueError):
+        return []
 
 
 def _listed_under(path: str, directory: str) -> bool:

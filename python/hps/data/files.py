@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import bz2
+import fnmatch
 import glob as _glob
 import gzip
 import os
@@ -186,9 +187,17 @@ def _listed_roots(top: str) -> list[str]:
     that the listing follows (under names it takes, as _walk follows them). A check
     that a path is no data compares it with each: the real path of ``top`` alone
     missed one reached through a link (data/more -> elsewhere/)."""
-    roots = [os.path.realpath(top)]
+    return [os.path.realpath(top)] + [real for _, real in _linked_dirs(top)]
 
-    def visit(directory: str, above: frozenset) -> None:
+
+def _linked_dirs(top: str, depth: Optional[int] = None) -> Iterator[tuple[list, str]]:
+    """(the names from ``top`` down to it, its real path) of each link to a directory
+    under directory ``top``, through directories and links under names a listing
+    takes (none starting with "." or "_"), as _walk and a glob's wildcards follow
+    them; only the first ``depth`` levels below ``top`` (None: every level)."""
+    def visit(directory: str, names: list, above: frozenset):
+        if depth is not None and len(names) >= depth:
+            return
         try:
             with os.scandir(directory) as it:
                 entries = list(it)
@@ -204,13 +213,50 @@ def _listed_roots(top: str) -> list[str]:
                 if real in above:  # (a link to a directory that holds it: the listing refuses it)
                     continue
                 if entry.is_symlink():
-                    roots.append(real)
-                visit(entry.path, above | {real})
+                    yield names + [entry.name], real
+                yield from visit(entry.path, names + [entry.name], above | {real})
             except OSError:
                 continue
 
-    visit(top, frozenset(roots))
-    return roots
+    yield from visit(top, [], frozenset({os.path.realpath(top)}))
+
+
+def _glob_takes(pattern: str, path: str, below: bool) -> bool:
+    """Whether the local glob ``pattern``, as list_files expands it, lists the file at
+    ``path`` (a real path), or with ``below``, a file under the directory ``path``
+    under some names (one a run has yet to write there): its names from the glob's
+    fixed directories ("data" of "data/**/*.csv"), by their real path or through a
+    link below them that the glob's wildcards follow, must match the glob's parts,
+    each name a wildcard matches one a listing takes (_wildcard_visible)."""
+    parts = pattern.split(os.sep)
+    fixed = next(i for i, part in enumerate(parts) if _glob.has_magic(part))
+    top = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else os.curdir)
+    wild = [part for part in parts[fixed:] if part]
+    # A link deeper than the glob's parts reach is never followed: "**" reaches any depth.
+    reach = None if "**" in wild else len(wild) - 1
+    for names, real in [([], os.path.realpath(top))] + list(_linked_dirs(top, reach)):
+        inside = os.path.relpath(path, real)
+        if inside.split(os.sep)[0] == "..":
+            continue
+        if _parts_match(wild, names + ([] if inside == os.curdir else inside.split(os.sep)), below):
+            return True
+    return False
+
+
+def _parts_match(parts: list, names: list, below: bool) -> bool:
+    """Whether a glob's parts match ``names`` ("**" any number of them), and with
+    ``below``, ``names`` followed by one or more names of a run's choosing."""
+    if not names:
+        # Any part matches some name (a wildcard's, one that a listing takes); "**" none too.
+        return bool(parts) if below else all(part == "**" for part in parts)
+    if not parts:
+        return False
+    part, name = parts[0], names[0]
+    if part == "**":
+        return _parts_match(parts[1:], names, below) or (_visible(name) and _parts_match(parts, names[1:], below))
+    if _glob.has_magic(part) and name[:1] in (".", "_") and not part.startswith(name[0]):
+        return False  # (_wildcard_visible)
+    return fnmatch.fnmatchcase(name, part) and _parts_match(parts[1:], names[1:], below)
 
 
 def list_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> list[str]:
