@@ -2212,6 +2212,34 @@ def test_ranks_that_list_different_data_files_are_refused_naming_one(tmp_path):
     assert not (tmp_path / "job").exists()
 
 
+@pytest.mark.parametrize("hierarchical", ["", "[hierarchical]\ngroup_ps = 1\n"], ids=["train", "hierarchical"])
+def test_a_report_directory_one_rank_finds_inside_the_data_is_refused_on_every_rank(tmp_path, hierarchical):
+    """`hps train --report DIR` checked DIR against the data directories on each rank
+    before train(), on its own: a relative DIR that on rank 0's host (its working
+    directory) leads into the data while on rank 1's it does not was refused by rank 0
+    alone, and rank 1 waited for it in the job's first exchange for good (a
+    hierarchical job's group PS too). The check is now one of the setup checks that
+    every rank makes together: both refuse, naming the rank and the directory."""
+    pytest.importorskip("torch", reason="hps train needs torch")
+    gen = hps.data.SyntheticCriteo(seed=3, batch_size=64)
+    (tmp_path / "data").mkdir()
+    for i in range(2):
+        gen.write_tsv(str(tmp_path / "data" / f"p{i}.tsv"), 128)
+    for wdir in ("a", "b"):
+        (tmp_path / wdir).mkdir()
+    (tmp_path / "a" / "plots").symlink_to(tmp_path / "data" / "plots")  # rank 0's plots: inside the data
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(run_toml(tmp_path / "job", tmp_path / "data", 64) + hierarchical)
+    train = [sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress", "--report", "plots"]
+    p = mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train,
+               check=False, timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    said = (f"hps train: rank 0: ValueError: --report plots is inside the data directory {tmp_path / 'data'} "
+            f"(data.source), whose files are read at every depth: the report's plots would be read as data")
+    assert p.stderr.count(said) == 2, p.stderr[-3000:]  # rank 0's word, said by both ranks
+    assert not (tmp_path / "job").exists() and not (tmp_path / "data" / "plots").exists()
+
+
 def test_where_the_file_lists_of_two_ranks_part():
     from hps.train import _where_lists_part
     assert _where_lists_part(["a", "b", "c"], ["a", "c"], 2) == "b is rank 0's file 2 of 3 and not among rank 2's 2"

@@ -270,14 +270,15 @@ def cmd_train(a) -> int:
         cfg.data.eval_source = a.eval_data
     _apply_flags(cfg, a, os.fspath(a.config) if a.config is not None else "")
     _apply_online_flags(cfg, a)
-    if a.report:  # (before training: the plots are written at its end)
-        from hps.train import check_output_outside_data
-        check_output_outside_data(cfg, a.report, "--report", "the report's plots", "write them elsewhere")
+    # --report DIR is checked before training (the plots are written at its end), with
+    # the job's directories: under mpiexec by every rank together, since a rank that
+    # refused it alone left the others waiting for it.
+    report = a.report or None
     if ht is None:
-        summary = train(cfg, resume=a.resume, progress=not a.no_progress)
+        summary = train(cfg, resume=a.resume, progress=not a.no_progress, report=report)
     else:
         from hps.hierarchical.roles import train_hierarchical
-        summary = train_hierarchical(cfg, ht, resume=a.resume, progress=not a.no_progress)
+        summary = train_hierarchical(cfg, ht, resume=a.resume, progress=not a.no_progress, report=report)
         if summary.get("role") in ("group_ps", "centre"):
             return 0
     if summary.get("distributed", {}).get("rank", 0) != 0:

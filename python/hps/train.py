@@ -1501,10 +1501,14 @@ def _check_resumed_step(trainer: Trainer) -> None:
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
           on_eval: Optional[Callable[[dict], None]] = None, train_batches=None, eval_batches=None,
-          node: Optional[Node] = None, dense_hook: Optional[Callable] = None) -> dict:
+          node: Optional[Node] = None, dense_hook: Optional[Callable] = None, report=None) -> dict:
     """Trains per `cfg`; returns the summary (also written to <path>/train-summary.json).
     `train_batches` / `eval_batches` (iterables of hps.data.Batch) replace the
     sources cfg.data names: a benchmark feeds both sides the same batches from memory.
+    `report`: the directory the caller writes the run's plots to once it returns
+    (hps train --report), refused where the data's listing would take them
+    (check_output_outside_data) before anything is written: under mpiexec by every
+    rank together, as the job's [ps] path is.
 
     Under mpiexec (or given a `node`) this is one rank of a distributed job: every
     rank calls train() with the same cfg; `train_batches` are this rank's.
@@ -1536,8 +1540,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         raise ValueError(f"[ps] ttl_steps = {cfg.ps.ttl_steps} and max_rows = {cfg.ps.max_rows}: bounded tables "
                          f"need schedule = 'sequential' (Herald's worker caches hold rows between batches)")
     rank, world = (node.rank, node.size) if node is not None else (0, 1)
-    if train_batches is None:  # (every rank: one machine alone may hold the directories so)
-        _collective(node, lambda: _check_job_outside_data(cfg))
+    def check_outside_data() -> None:
+        if train_batches is None:
+            _check_job_outside_data(cfg)
+        if report is not None:
+            check_output_outside_data(cfg, report, "--report", "the report's plots", "write them elsewhere")
+    # Every rank, together: one machine alone may hold the directories so (a relative
+    # --report leads into the data from one rank's working directory only).
+    _collective(node, check_outside_data)
     # The inputs first: a bad data path fails here, before anything is written.
     source = train_batches if train_batches is not None else \
         _collective(node, lambda: _train_source(cfg, rank, world))

@@ -548,19 +548,20 @@ def _serve_centre(roles: Roles, cfg: HierarchicalConfig, easgd_comms) -> dict:
 
 
 def train_hierarchical(train_cfg, cfg: HierarchicalConfig, *, resume: bool = False, progress: bool = True,
-                       train_batches=None, eval_batches=None, comm=None, return_mlp: bool = False) -> dict:
+                       train_batches=None, eval_batches=None, comm=None, return_mlp: bool = False,
+                       report=None) -> dict:
     """One rank of an HT job (every rank calls it with the same configs). Trainers
     return hps.train.train's summary with a "hierarchical" entry (roles, plan,
     bytes per traffic kind; with `return_mlp` the group's whole MLP, its PSs' blocks
     put back together, as {name: array}); group PSs and the centre return what they
-    did."""
+    did. `report`: as hps.train.train's, checked by every rank of the job."""
     from mpi4py import MPI
 
     cfg.check()
     world = comm if comm is not None else MPI.COMM_WORLD
     roles = Roles.layout(world.Get_size(), world.Get_rank(), cfg)
-    if resume:  # (before the try: refused alike on every rank, nothing of the job is left waiting)
-        _agree_resumable(world, train_cfg, roles)
+    if resume or report is not None:  # (before the try: refused alike on every rank, nothing is left waiting)
+        _agree_before_job(world, train_cfg, roles, resume, report)
     job_comms = _JobComms()
     try:
         result = _run_role(world, roles, job_comms, train_cfg, cfg, resume=resume, progress=progress,
@@ -618,20 +619,28 @@ def _role_name(roles: Roles) -> str:
     return f"{'trainer' if roles.role == 'trainer' else 'group PS'} {roles.index} of group {roles.group}"
 
 
-def _agree_resumable(world, train_cfg, roles: Roles) -> None:
-    """_check_resumable on every rank, then the ranks' verdicts exchanged: if it
-    failed on any rank, every rank raises ValueError naming the ranks and the
-    error (hps train exits 2, as on every other --resume refusal: a damaged
-    job.json named with the file and the field), before anything of the job is
-    made or touched. Raised on one rank only, the others would wait for it in the
+def _agree_before_job(world, train_cfg, roles: Roles, resume: bool, report) -> None:
+    """_check_resumable (with `resume`) and the check of the --report directory
+    (hps.train.check_output_outside_data) on every rank, then the ranks' verdicts
+    exchanged: if one failed on any rank, every rank raises ValueError naming the
+    ranks and the error (hps train exits 2, as on every other --resume refusal: a
+    damaged job.json named with the file and the field), before anything of the job
+    is made or touched. Raised on one rank only, the others would wait for it in the
     job's first exchanges: so it went through abort_job (exit 1, "aborting the
-    job") like a failure inside the job."""
+    job") like a failure inside the job. (The report's path may lead into the data
+    from one rank's working directory alone.)"""
+    def check() -> None:
+        if resume:
+            _check_resumable(train_cfg, roles)
+        if report is not None:
+            from hps.train import check_output_outside_data
+            check_output_outside_data(train_cfg, report, "--report", "the report's plots", "write them elsewhere")
     if world.Get_size() == 1:
-        _check_resumable(train_cfg, roles)
+        check()
         return
     error = None
     try:
-        _check_resumable(train_cfg, roles)
+        check()
     except Exception as e:  # noqa: BLE001 - the peers wait for this rank's word
         error = f"{type(e).__name__}: {e}"
     ranks: dict = {}
