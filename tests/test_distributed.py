@@ -2212,6 +2212,37 @@ def test_ranks_that_list_different_data_files_are_refused_naming_one(tmp_path):
     assert not (tmp_path / "job").exists()
 
 
+def test_ranks_whose_files_of_one_name_differ_are_refused_and_copies_train(tmp_path):
+    """The ranks compared their lists of file names alone: a relative glob in two
+    working directories gives the same names for different files (here rank 1's
+    data/p1.tsv is another data set's part, of other rows), and each rank read its
+    own share of its own files: the job trained on a mix of two data sets, without a
+    word. Each local file's size is now compared too (a copy of the data, anywhere, is
+    of the same size), and the ranks refuse, naming the file and both real paths; a
+    copy of the data in the other working directory trains."""
+    pytest.importorskip("torch", reason="hps train needs torch")
+    for wdir, seed in (("a", 3), ("b", 4)):
+        (tmp_path / wdir / "data").mkdir(parents=True)
+        for i in range(2):
+            hps.data.SyntheticCriteo(seed=3 if i == 0 else seed, batch_size=64).write_tsv(
+                str(tmp_path / wdir / "data" / f"p{i}.tsv"), 128 if i == 0 or wdir == "a" else 96)
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(run_toml(tmp_path / "job", "data/*.tsv", 64))
+    train = [sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress"]
+    p = mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train,
+               check=False, timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    size = (tmp_path / "a" / "data" / "p1.tsv").stat().st_size
+    said = (f"the ranks' data files differ (data.source = 'data/*.tsv'): data/p1.tsv is {size:,} bytes on rank 0 "
+            f"({tmp_path / 'a' / 'data' / 'p1.tsv'}) and {(tmp_path / 'b' / 'data' / 'p1.tsv').stat().st_size:,} "
+            f"bytes on rank 1 ({tmp_path / 'b' / 'data' / 'p1.tsv'})")
+    assert said in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "job").exists()
+    shutil.copy(tmp_path / "a" / "data" / "p1.tsv", tmp_path / "b" / "data" / "p1.tsv")
+    mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train, timeout=200)
+    assert json.loads((tmp_path / "job" / "rank0" / "train-summary.json").read_text())["examples"] == 256
+
+
 @pytest.mark.parametrize("hierarchical", ["", "[hierarchical]\ngroup_ps = 1\n"], ids=["train", "hierarchical"])
 def test_a_report_directory_one_rank_finds_inside_the_data_is_refused_on_every_rank(tmp_path, hierarchical):
     """`hps train --report DIR` checked DIR against the data directories on each rank

@@ -1119,17 +1119,51 @@ def _check_same_files(cfg: TrainConfig, node: Node, source) -> None:
     """Every rank must list the same data files in the same order: each lists them itself
     and reads files[rank::world] of its own list, so ranks whose lists differ (a relative
     glob in another working directory, a part written while the job started) read
-    overlapping shards and leave others unread, without a word. Raises on every rank,
-    naming a file where the lists part. A source without a file list (synthetic data, a
-    growing directory, which shares its files by name) has nothing to check."""
-    every = node.allgather("train", getattr(source, "all_files", None), "the data files")
-    for r, mine in enumerate(every):
-        if mine != every[0]:
+    overlapping shards and leave others unread, without a word. So must each local file
+    be of one size on every rank: a relative path names another file in another working
+    directory (or on another host), and lists of the same names then read shards of
+    different data sets, also without a word (copies of the data, at one place or at
+    several, are of one size). Raises on every rank, naming a file where the lists
+    part. A source without a file list (synthetic data, a growing directory, which
+    shares its files by name) has nothing to check."""
+    files = getattr(source, "all_files", None)
+    every = node.allgather("train", None if files is None else (files, [_file_size(f) for f in files]),
+                           "the data files")
+    lists = [None if e is None else e[0] for e in every]
+    for r, mine in enumerate(lists):
+        if mine != lists[0]:
             raise ValueError(f"the ranks list different data files (data.source = "
-                             f"{_source_name(cfg.data.source)!r}): {_where_lists_part(every[0], mine, r)}; rank r "
+                             f"{_source_name(cfg.data.source)!r}): {_where_lists_part(lists[0], mine, r)}; rank r "
                              f"reads files[r::world] of its own list, so the ranks would read overlapping files "
                              f"and leave others unread: give every rank the same files (absolute paths; no file "
                              f"added while the job starts)")
+    if files is None:
+        return
+    for r, (_, sizes) in enumerate(every):
+        i = next((i for i, (a, b) in enumerate(zip(every[0][1], sizes)) if a and a[0] != b[0]), None)
+        if i is not None:
+            (size0, real0), (size, real) = every[0][1][i], sizes[i]
+            raise ValueError(f"the ranks' data files differ (data.source = {_source_name(cfg.data.source)!r}): "
+                             f"{files[i]} is {_size_name(size0)} on rank 0 ({real0}) and {_size_name(size)} on "
+                             f"rank {r} ({real}): they would read parts of different data as one data set; give "
+                             f"every rank the same files (absolute paths, or copies; none written while the job "
+                             f"starts)")
+
+
+def _file_size(path: str) -> Optional[tuple]:
+    """(size in bytes or None where it is gone, real path) of a local data file, for
+    _check_same_files; None for a URL (one object, whichever rank reads it)."""
+    if "://" in path:
+        return None
+    try:
+        size = os.stat(path).st_size
+    except OSError:  # (gone since the listing: its reader names it)
+        size = None
+    return size, os.path.realpath(path)
+
+
+def _size_name(size: Optional[int]) -> str:
+    return "missing" if size is None else f"{size:,} bytes"
 
 
 def _check_same_field_names(node: Node, source) -> None:
