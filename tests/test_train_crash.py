@@ -216,6 +216,63 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
+DIE_BEFORE_RENAME = textwrap.dedent("""
+    import json, os, signal, sys
+    from hps import parameter_server as server, train as htrain
+    from hps.cli import main
+    name, checkpoint = sys.argv[2], sys.argv[3]
+
+    def dying(replace):
+        def replace_or_die(src, dst):  # killed between the write aside and the rename
+            if os.path.basename(dst) == name and (checkpoint == "any" or
+                                                  json.dumps(json.load(open(src))["checkpoint"]) == checkpoint):
+                os.kill(os.getpid(), signal.SIGKILL)
+            replace(src, dst)
+        return replace_or_die
+
+    server._replace_durable = dying(server._replace_durable)
+    htrain._replace_durable = dying(htrain._replace_durable)
+    sys.exit(main(["train", "--config", sys.argv[1], "--no-progress"]))
+""")
+
+
+@pytest.mark.parametrize("name, checkpoint, rerun", [
+    ("hps-parameter-server.json", "null", []),  # the new server's first metadata
+    ("hps-parameter-server.json", "1", []),  # the first checkpoint's commit: the rerun starts over
+    ("train-summary.json", "any", ["--resume"]),  # the summary of a run that finished its data
+], ids=["first-metadata", "first-checkpoint", "summary"])
+def test_what_a_kill_leaves_written_aside_is_removed_by_the_next_run(tmp_path, name, checkpoint, rerun):
+    # A file written aside and renamed over (the metadata, the run's summary) stays as
+    # NAME.tmp when the run is killed in between. A discarded run's removal and the
+    # server's check of a new path knew nothing of them: the new server refused its
+    # path ("not empty and holds no parameter server") for good, and so did the rerun
+    # that starts over a run that never checkpointed; a finished run's summary.tmp
+    # stayed for good. The next run at the path now removes them.
+    path = tmp_path / "ps"
+    cfg = write_config(tmp_path, "run", path, every=2, examples=BATCH * 4)
+    killed = subprocess.run([sys.executable, "-c", DIE_BEFORE_RENAME, str(cfg), name, checkpoint],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (path / f"{name}.tmp").exists()
+    again = subprocess.run(command(cfg, *rerun), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not list(path.rglob("*.tmp")), sorted(path.rglob("*.tmp"))
+    assert load_trainer_state(str(path))["batches_done"] == 4
+
+
+def test_a_discarded_run_leaves_nothing_it_wrote_aside(tmp_path):
+    # An MPI job that never checkpointed is started over rank by rank (_discard_run),
+    # and a rank's directory left with anything in it kept the job's directory "not
+    # empty": the rerun was refused for good where a rank had been killed between
+    # writing its metadata (or summary) aside and the rename.
+    from hps.train import METADATA, SUMMARY, _discard_run
+    (tmp_path / "checkpoints").mkdir()
+    for name in (METADATA, METADATA + ".tmp", SUMMARY + ".tmp"):
+        (tmp_path / name).write_text("{}")
+    _discard_run(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="needs POSIX resource limits")
 def test_a_full_disk_fails_naming_the_file_and_resume_ends_as_the_uninterrupted_run(tmp_path, straight):
     path = tmp_path / "ps"

@@ -1120,6 +1120,10 @@ class ParameterServer:
     def _check_path(self) -> Optional[dict]:
         """The stored metadata, or None when the path is new; raises if it holds something else."""
         meta_path = self._metadata_path()
+        # The metadata written aside by a run killed before its rename (_write_metadata):
+        # nothing reads it, and the run's lock is this server's now. Left, the path held
+        # "something else" for good where it was the new server's first metadata.
+        _remove_tree(meta_path + ".tmp")
         if not os.path.exists(meta_path):
             if set(os.listdir(self.config.path)) - {WRITER_LOCK}:
                 raise ValueError(f"{self.config.path} is not empty and holds no parameter server "

@@ -772,6 +772,10 @@ class Trainer:
             unchanged = _job_still_at(cfg.ps.path, node.size, checkpoint)
         self.ps = ParameterServer(ps_cfg, checkpoint=checkpoint, before_restore=unchanged)
         self.ps_open_seconds = time.perf_counter() - opened  # a prefault's cost shows here, not in training
+        # A summary written aside by a run killed before its rename (_write_json_atomic):
+        # the server holds the path's lock now, and a resume that finds the data done
+        # writes none, so it stayed for good.
+        _remove_tree(os.path.join(path, SUMMARY + ".tmp"))
         self.local_ps = self.ps
         try:
             self._set_up(node, widths, defer_dense, checkpoint)
@@ -1291,7 +1295,9 @@ def _discard_run(path: str, held: bool = False) -> None:
             raise PathInUseError(f"{path} holds a run that has not finished a checkpoint and is still running: it "
                                  f"was not removed. {e}") from None
     try:
-        names = (METADATA, "ssd", "ssd.restore", CHECKPOINTS, SUMMARY, TRAINER_STATE)
+        # (with what a run killed between a write aside and its rename left: _write_json_atomic)
+        names = (METADATA, METADATA + ".tmp", "ssd", "ssd.restore", CHECKPOINTS, SUMMARY, SUMMARY + ".tmp",
+                 TRAINER_STATE)
         for name in names if held else names + (WRITER_LOCK,):
             _remove_tree(os.path.join(path, name))
     finally:
