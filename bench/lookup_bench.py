@@ -68,6 +68,11 @@ Workload:
     Training then resumes and runs for the whole bench; the lookup refreshes to its
     checkpoints. `writer` reports its checkpoints, batches and examples trained, and
     each hps run its refreshes.
+  * --min-refreshes N (with a writer; default 1 with --quick, else 0): an hps run's
+    refresher goes on after its lookups until it has moved to a newer checkpoint N
+    times (at most REFRESH_WAIT_S seconds, then the bench fails), so that a CI run
+    shows a refresh however slowly a loaded machine's writer checkpoints; the
+    lookups' figures are taken before that wait.
 
   * --cgroup LIMIT: every run in a memory cgroup of its own with that hard limit
     (bench/ssd_store_bench.py's MemCgroup, v1 or v2): hps's run in a forked process,
@@ -98,6 +103,7 @@ from hps.data import mix64
 SEED = 0x5EED_4321
 ZIPF_A = 1.05
 ZIPF_PERM = 2654435761  # prime; rank r -> index (r * P) mod N
+REFRESH_WAIT_S = 120  # the longest an hps run waits for its --min-refreshes after its lookups
 
 
 def keys_of(idx: np.ndarray) -> np.ndarray:
@@ -411,7 +417,7 @@ def _cgroup_bytes(cg, peak: bool) -> int:
 
 
 def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, refresh_s: float = 0.0,
-            cg=None) -> dict:
+            cg=None, min_refreshes: int = 0) -> dict:
     import gc
     import hps
     try:  # loaded by the Lookup to read hps train's step: code, loaded before the baseline (docstring)
@@ -463,9 +469,17 @@ def run_hps(job: str, budget: int, batches: list, warmup: list, clients: int, re
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    # (--min-refreshes: the writer's next checkpoint may come after the lookups ended)
+    deadline = time.monotonic() + REFRESH_WAIT_S
+    while helper and len(refresh_times) < min_refreshes and time.monotonic() < deadline:
+        time.sleep(refresh_s)
     done.set()
     if helper:
         helper.join()
+    if len(refresh_times) < min_refreshes:
+        raise SystemExit(f"lookup_bench: the lookup refreshed to a newer checkpoint {len(refresh_times)} time(s), "
+                         f"--min-refreshes is {min_refreshes}: the writer made none in {REFRESH_WAIT_S} s after "
+                         f"the lookups")
     s = lk.stats()
     rss_growth = _status_bytes("VmHWM") - rss0 if hwm_reset else None
     cg_growth = _cgroup_bytes(cg, peak=True) - cg0 if cg is not None else None
@@ -613,6 +627,9 @@ def main(argv=None) -> int:
                     help="the writer's pushes (push) or batches (train) per checkpoint")
     ap.add_argument("--train-batch", type=int, default=1024, help="examples a batch of --writer train")
     ap.add_argument("--refresh-s", type=float, default=0.5, help="seconds between the lookup's refreshes (--writer)")
+    ap.add_argument("--min-refreshes", type=int,
+                    help="refreshes to a newer checkpoint an hps run waits for after its lookups (--writer; "
+                         "default 1 with --quick, else 0)")
     ap.add_argument("--cgroup", metavar="LIMIT", help="run every store's runs in a memory cgroup with this hard "
                                                         "limit (e.g. 512MiB); needs root and a memory controller")
     ap.add_argument("--repeats", type=int, help="runs of each store per distribution, interleaved (default 3; "
@@ -627,6 +644,10 @@ def main(argv=None) -> int:
         a.rows, a.batches, a.warmup, a.clients, a.memory_ratio = 200_000, 20, 5, 2, 1.0
     if a.repeats is None:
         a.repeats = 1 if a.quick else 3
+    if a.min_refreshes is None:
+        a.min_refreshes = 1 if a.quick and a.writer else 0
+    if a.min_refreshes < 0 or (a.min_refreshes and not a.writer):
+        ap.error(f"--min-refreshes must be >= 0, and needs --writer (got {a.min_refreshes})")
     cgroups = None
     if a.cgroup is not None:
         from hps.config import parse_bytes
@@ -656,7 +677,7 @@ def main(argv=None) -> int:
             build_s = make_job(job, a.rows, a.dim)
         budget = int(a.rows * a.dim * 4 / a.memory_ratio)
         out = {"bench": "lookup", "benchmark": "W11 lookup", "quick": a.quick, "repeats": a.repeats, "rows": a.rows, "dim": a.dim, "batch_keys": a.batch_keys, "batches": a.batches,
-               "clients": a.clients, "memory_budget_bytes": budget, "memory_ratio": a.memory_ratio,
+               "clients": a.clients, "min_refreshes": a.min_refreshes, "memory_budget_bytes": budget, "memory_ratio": a.memory_ratio,
                "build_s": build_s, "cgroup_limit_bytes": cgroups.limit if cgroups else None, "results": {}}
         if "rocksdb" in stores:
             log("RocksDB bulk load (SstFileWriter, ingest)")
@@ -688,9 +709,10 @@ def main(argv=None) -> int:
                                 res = run_rocks(rdb, budget, batches, warmup, a.clients, cg)
                             elif cg is not None:
                                 res = in_cgroup(cg, run_hps, job, budget, batches, warmup, a.clients,
-                                                a.refresh_s if writer else 0.0, cg)
+                                                a.refresh_s if writer else 0.0, cg, a.min_refreshes)
                             else:
-                                res = run_hps(job, budget, batches, warmup, a.clients, a.refresh_s if writer else 0.0)
+                                res = run_hps(job, budget, batches, warmup, a.clients, a.refresh_s if writer else 0.0,
+                                              min_refreshes=a.min_refreshes)
                             if cg is not None:
                                 res["cgroup"] = RunCgroups.result(cg)
                         finally:
