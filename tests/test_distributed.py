@@ -2200,16 +2200,25 @@ def test_ranks_that_list_different_data_files_are_refused_naming_one(tmp_path):
         (tmp_path / wdir / "data").mkdir(parents=True)
         for i in range(parts):
             gen.write_tsv(str(tmp_path / wdir / "data" / f"p{i}.tsv"), 128)
-    cfg = tmp_path / "train.toml"
-    cfg.write_text(run_toml(tmp_path / "job", "data/*.tsv", 64))
-    train = [sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress"]
-    p = mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train,
-               check=False, timeout=200)
-    assert p.returncode != 0, p.stderr[-3000:]
+    p = train_in_two_working_directories(tmp_path)
     said = ("the ranks list different data files (data.source = 'data/*.tsv'): data/p2.tsv is rank 1's file 3 "
             "of 3 and not among rank 0's 2")
     assert said in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "job").exists()
+
+
+def train_in_two_working_directories(tmp_path, refused=True):
+    """`hps train` of data/*.tsv under mpiexec, rank 0 in tmp_path/a and rank 1 in
+    tmp_path/b, the job at tmp_path/job: the finished mpiexec, which must have failed
+    (refused), or else succeeded."""
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(run_toml(tmp_path / "job", "data/*.tsv", 64))
+    train = [sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress"]
+    p = mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train,
+               check=not refused, timeout=200)
+    if refused:
+        assert p.returncode != 0, p.stderr[-3000:]
+    return p
 
 
 def test_ranks_whose_files_of_one_name_differ_are_refused_and_copies_train(tmp_path):
@@ -2226,12 +2235,7 @@ def test_ranks_whose_files_of_one_name_differ_are_refused_and_copies_train(tmp_p
         for i in range(2):
             hps.data.SyntheticCriteo(seed=3 if i == 0 else seed, batch_size=64).write_tsv(
                 str(tmp_path / wdir / "data" / f"p{i}.tsv"), 128 if i == 0 or wdir == "a" else 96)
-    cfg = tmp_path / "train.toml"
-    cfg.write_text(run_toml(tmp_path / "job", "data/*.tsv", 64))
-    train = [sys.executable, "-m", "hps.cli", "train", "--config", cfg, "--no-progress"]
-    p = mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train,
-               check=False, timeout=200)
-    assert p.returncode != 0, p.stderr[-3000:]
+    p = train_in_two_working_directories(tmp_path)
     size = (tmp_path / "a" / "data" / "p1.tsv").stat().st_size
     said = (f"the ranks' data files differ (data.source = 'data/*.tsv'): data/p1.tsv is {size:,} bytes on rank 0 "
             f"({tmp_path / 'a' / 'data' / 'p1.tsv'}) and {(tmp_path / 'b' / 'data' / 'p1.tsv').stat().st_size:,} "
@@ -2239,7 +2243,7 @@ def test_ranks_whose_files_of_one_name_differ_are_refused_and_copies_train(tmp_p
     assert said in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "job").exists()
     shutil.copy(tmp_path / "a" / "data" / "p1.tsv", tmp_path / "b" / "data" / "p1.tsv")
-    mpirun(1, "-wdir", tmp_path / "a", *train, ":", "-n", 1, "-wdir", tmp_path / "b", *train, timeout=200)
+    train_in_two_working_directories(tmp_path, refused=False)
     assert json.loads((tmp_path / "job" / "rank0" / "train-summary.json").read_text())["examples"] == 256
 
 

@@ -886,11 +886,12 @@ TEST(DeviceTier, GradientTablesOfABatchsSizeStepAsTheRowsSizeDoes) {
   EXPECT_THROW(tier->Accumulate(0, many.data(), many.size(), many_g.data(), nullptr), TableFullError);
 }
 
-// Key 11's gradients from two workers, 3e38 each, overflow in their sum on
-// device 1; key 10's, on device 0, do not. The step refuses the batch, naming
-// key 11, before either row steps: device 0's table, applied first, was
-// stepped before device 1's refused (its own check alone comes too late).
-TEST(DeviceTier, ASumThatIsNotFiniteOnOneDeviceStepsNoRowOnAny) {
+// Keys 10 and 11 on devices 0 and 1, AdaGrad rows of dim 4, each given `g`
+// (their gradients, dim floats a key) by `workers` workers. Apply must refuse
+// the batch with `message`, before either row steps: device 0's table,
+// applied first, was stepped before device 1's refused (its own check alone
+// comes too late). So must ApplyBound, with the keys bound to positions.
+void ExpectApplyRefusedOnEveryDevice(const std::vector<float>& g, int workers, const char* message) {
   const SparseOptimizer opt = AdaGrad(4);
   const int32_t width = opt.row_floats();
   std::vector<uint64_t> keys = {10, 11};
@@ -899,28 +900,22 @@ TEST(DeviceTier, ASumThatIsNotFiniteOnOneDeviceStepsNoRowOnAny) {
   opt.initial_rows(keys.data(), keys.size(), rows.data());
   auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
   tier->Insert(keys.data(), keys.size(), rows.data(), owners);
-  std::vector<float> g = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 3e38f, 1.0f, 1.0f};
-  tier->Accumulate(0, keys.data(), 2, g.data(), owners);
-  tier->Accumulate(1, keys.data(), 2, g.data(), owners);
+  for (int w = 0; w < workers; ++w) tier->Accumulate(w, keys.data(), 2, g.data(), owners);
   try {
     tier->Apply();
-    ADD_FAILURE() << "a sum of inf was stepped";
+    ADD_FAILURE() << "a batch that should be refused was stepped";
   } catch (const DivergedError& e) {
-    EXPECT_STREQ(e.what(), "device tier apply (device 1): 1 non-finite value in the summed gradients of 1 key (key "
-                           "11 first: inf): training diverged (a gradient pushed so, or finite ones whose sum "
-                           "overflowed); no row was stepped");
+    EXPECT_STREQ(e.what(), message);
   }
   std::vector<float> after(rows.size());
   tier->Rows(keys.data(), keys.size(), after.data(), owners);
   EXPECT_EQ(after, rows);
 
-  // Bound to positions, the same: the sums at the positions are refused.
   auto bound = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
   bound->Insert(keys.data(), keys.size(), rows.data(), owners);
   bound->Bind(keys.data(), keys.size(), owners);
   const int64_t at[2] = {0, 1};
-  bound->AccumulateAt(0, at, 2, g.data(), {});
-  bound->AccumulateAt(1, at, 2, g.data(), {});
+  for (int w = 0; w < workers; ++w) bound->AccumulateAt(w, at, 2, g.data(), {});
   std::vector<int64_t> stepped;
   EXPECT_THROW(bound->ApplyBound(&stepped), DivergedError);
   EXPECT_TRUE(stepped.empty());
@@ -928,46 +923,24 @@ TEST(DeviceTier, ASumThatIsNotFiniteOnOneDeviceStepsNoRowOnAny) {
   EXPECT_EQ(after, rows);
 }
 
+// Key 11's gradients from two workers, 3e38 each, overflow in their sum on
+// device 1; key 10's, on device 0, do not.
+TEST(DeviceTier, ASumThatIsNotFiniteOnOneDeviceStepsNoRowOnAny) {
+  ExpectApplyRefusedOnEveryDevice({0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 3e38f, 1.0f, 1.0f}, 2,
+                                  "device tier apply (device 1): 1 non-finite value in the summed gradients of 1 key "
+                                  "(key 11 first: inf): training diverged (a gradient pushed so, or finite ones whose "
+                                  "sum overflowed); no row was stepped");
+}
+
 // Key 11's gradient sum on device 1 is finite (1e20), but its square is not:
 // AdaGrad's sum of squares would be inf, after which the row never moves
-// again. Key 10's step, on device 0, is fine. The step refuses the batch,
-// naming key 11, before either row steps: device 0's table, applied first,
-// was stepped before device 1's refused (its own check alone comes too late).
+// again. Key 10's step, on device 0, is fine.
 TEST(DeviceTier, AStepThatWouldLeaveARowNotFiniteOnOneDeviceStepsNoRowOnAny) {
-  const SparseOptimizer opt = AdaGrad(4);
-  const int32_t width = opt.row_floats();
-  std::vector<uint64_t> keys = {10, 11};
-  const int32_t owners[2] = {0, 1};
-  std::vector<float> rows(keys.size() * width);
-  opt.initial_rows(keys.data(), keys.size(), rows.data());
-  auto tier = DeviceTier::New({2, 64, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
-  tier->Insert(keys.data(), keys.size(), rows.data(), owners);
-  const std::vector<float> g = {0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1e20f, 1.0f, 1.0f};
-  tier->Accumulate(0, keys.data(), 2, g.data(), owners);
-  try {
-    tier->Apply();
-    ADD_FAILURE() << "a step to a value that is not finite was taken";
-  } catch (const DivergedError& e) {
-    EXPECT_STREQ(e.what(), "device tier apply (device 1): the step of 1 key would leave a value that is not finite "
-                           "in its row (key 11 first: its AdaGrad sum of squared gradients, column 1, would be inf): "
-                           "training diverged (a learning rate, or finite gradient sums, too large for float32); no "
-                           "row was stepped");
-  }
-  std::vector<float> after(rows.size());
-  tier->Rows(keys.data(), keys.size(), after.data(), owners);
-  EXPECT_EQ(after, rows);
-
-  // Bound to positions, the same: the steps at the positions are refused.
-  auto bound = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
-  bound->Insert(keys.data(), keys.size(), rows.data(), owners);
-  bound->Bind(keys.data(), keys.size(), owners);
-  const int64_t at[2] = {0, 1};
-  bound->AccumulateAt(0, at, 2, g.data(), {});
-  std::vector<int64_t> stepped;
-  EXPECT_THROW(bound->ApplyBound(&stepped), DivergedError);
-  EXPECT_TRUE(stepped.empty());
-  bound->Rows(keys.data(), keys.size(), after.data(), owners);
-  EXPECT_EQ(after, rows);
+  ExpectApplyRefusedOnEveryDevice({0.5f, 0.5f, 0.5f, 0.5f, 1.0f, 1e20f, 1.0f, 1.0f}, 1,
+                                  "device tier apply (device 1): the step of 1 key would leave a value that is not "
+                                  "finite in its row (key 11 first: its AdaGrad sum of squared gradients, column 1, "
+                                  "would be inf): training diverged (a learning rate, or finite gradient sums, too "
+                                  "large for float32); no row was stepped");
 }
 
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
