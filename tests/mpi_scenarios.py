@@ -376,6 +376,54 @@ def run_heraldonerankrefuses(node, out: str, args) -> None:
         json.dump({"errors": errors}, f)
 
 
+def only(args, calls: dict) -> dict:
+    """calls, or those --only names (comma-separated): a case run on its own."""
+    names = [n for n in args.only.split(",") if n]
+    return {n: c for n, c in calls.items() if not names or n in names}
+
+
+def run_alltoallvrefuses(node, out: str, args) -> None:
+    """Node.alltoallv calls that the last rank alone refuses after their counts
+    crossed, with the others' own checks passing: its rows of another size (12
+    bytes, 16 elsewhere), sent to rank 1 alone while ranks 0 and 1 exchange among
+    themselves (rank 0 has no traffic with it), then to every rank; its 2 GiB to
+    send (a third to each rank), or to receive (1 GiB from each other rank): views
+    (np.broadcast_to) of 16 bytes, never copied. Last, under a limit of 1 KiB, an
+    exchange each rank's part of which fits though the ranks' largest blocks
+    together do not. Each rank writes what each call raised."""
+    from hps.distributed import comm
+    me, world, last = node.rank, node.size, node.size - 1
+
+    def rows(n: int):
+        return np.full((n, 3 if me == last else 4), me + 1, np.float32)
+
+    def big(n: int):
+        return np.broadcast_to(np.zeros((1, 16), np.uint8), (n, 16))
+
+    def exchange(blocks):
+        return lambda: node.alltoallv("train", blocks, "sparse_grads", "push gradients")
+    apart = {0: 1, 1: 0, last: 1}  # the one rank each sends rows to
+    third = 2**31 // (16 * world) + 1
+    calls = {"rows of another size to rank 1 alone": exchange([rows(2 if r == apart[me] else 0) for r in range(world)]),
+             "rows of another size": exchange([rows(2) for _ in range(world)]),
+             "sends past 2 GiB": exchange([big(third if me == last else 0) for _ in range(world)]),
+             "receives past 2 GiB": exchange([big(2**30 // 16 if r == last and me != last else 0)
+                                             for r in range(world)])}
+    errors = {name: raised_by(call) for name, call in only(args, calls).items()}
+    limit = getattr(comm, "MESSAGE_LIMIT", None)
+    comm.MESSAGE_LIMIT = 1024
+    try:  # rank r sends rank r + 1 640 bytes: 1280 of the ranks' largest blocks together
+        got = node.alltoallv("train", [big(40 if r == me + 1 else 0) for r in range(world)], "sparse_grads",
+                             "push gradients")
+        errors["fits under the limit"] = [len(g) for g in got]
+    except Exception as e:  # noqa: BLE001 - written for the test
+        errors["fits under the limit"] = f"{type(e).__name__}: {e}"
+    finally:
+        comm.MESSAGE_LIMIT = limit
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"errors": errors}, f)
+
+
 def run_distbatch(node, out: str, args) -> None:
     """A rank's DistBatch finds its keys' positions from the prefetch for a run of
     the prefetched keys (a worker's share, a view), by a search for a copy of
@@ -912,7 +960,7 @@ def parse_args(argv: list):
                                          "heraldkeys", "heraldpush", "heraldflush",
                                          "heraldtable", "heraldrandom",
                                          "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
-                                         "otherseed", "pushstep", "lookaheadorder"])
+                                         "otherseed", "pushstep", "lookaheadorder", "alltoallvrefuses"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")
@@ -954,6 +1002,8 @@ def parse_args(argv: list):
                     help="schedule = 'herald' with caches of ROWS rows a rank")
     ap.add_argument("--owner", type=int, default=0, help="lookaheadorder: the rank whose MEM-PS is watched")
     ap.add_argument("--device-capacity", type=int, default=0, help="[ps] device_capacity (rows a device)")
+    ap.add_argument("--only", default="", help="alltoallvrefuses: the cases to run (comma-separated names; "
+                    "default: all)")
     ap.add_argument("--fail-ranks", default="", help="heraldretry: the ranks (comma-separated) whose MEM-PS is "
                     "full once")
     return ap.parse_args(argv)

@@ -248,6 +248,36 @@ def test_a_herald_call_one_rank_refuses_is_refused_on_every_rank_naming_it(tmp_p
                                                         f"from its last checkpoint"), rank
 
 
+def test_an_exchange_the_last_rank_alone_refuses_is_refused_on_every_rank(tmp_path):
+    """Node.alltoallv's refusals after the counts crossed were each rank's own: rows
+    of another size only by the two ranks of a pair they went between, MPI's 2 GiB
+    limit only by the rank that sent or received that much. The others went on
+    into the exchange and waited there until the watchdog's timeout (rank 0, which
+    sends the odd rank nothing; every rank but the one past the limit). Every rank
+    refuses them now: the header carries every rank's row size and largest block,
+    and a rank past the limit tells the others. An exchange each rank's part of
+    which fits goes on (under a limit of 1 KiB that the ranks' largest blocks
+    together pass, each rank checks its own and they agree)."""
+    world = 3
+    p = scenario(world, "alltoallvrefuses", tmp_path, "--timeout", 30, check=False, timeout=200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text())["errors"] for r in range(world)]
+    sizes = ("RankFailure: push gradients: the ranks' rows differ in size (rank 0's 16 bytes, rank 1's 16 bytes, "
+             "rank 2's 12 bytes): the ranks run other versions of hps or configs")
+    for name in ("rows of another size to rank 1 alone", "rows of another size"):
+        assert [g[name] for g in got] == [sizes] * world, name
+    limit = {"sends past 2 GiB": "ValueError: push gradients: this rank sends 134217729 rows of 16 bytes, past MPI's "
+                                 "2 GiB message limit; use smaller batches",
+             "receives past 2 GiB": "ValueError: push gradients: this rank receives 134217728 rows of 16 bytes, past "
+                                    "MPI's 2 GiB message limit; use smaller batches"}
+    for name, said in limit.items():
+        assert got[-1][name] == said, name
+        for r in range(world - 1):
+            assert got[r][name] == (f"RankFailure: push gradients: rank {world - 1} failed before the exchange "
+                                    f"({said}): every rank gives it up"), (r, name)
+    assert [g["fits under the limit"] for g in got] == [[0, 0, 0], [40, 0, 0], [0, 40, 0]]
+
+
 def test_ranks_whose_servers_make_other_initial_rows_are_refused(tmp_path):
     """A rank makes the untrained rows it pulls (hps.distributed.FreshRows): a rank
     whose server has another seed would make other rows than their owner holds, so
@@ -1396,17 +1426,11 @@ def test_an_exchange_whose_ranks_send_rows_of_other_sizes_is_refused_not_misread
     its buffer whatever memory held. Both refuse it now, naming the sizes."""
     scenario(2, "rowbytes", tmp_path, timeout=120)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    errors = [g["error"] for g in got]
-    assert errors[0] == ("RankFailure: push gradients: rank 1 sends 2 rows of 12 bytes, and this rank (rank 0) "
-                         "takes rows of 16 bytes: the ranks run other versions of hps or configs"), errors
-    assert errors[1].startswith("RankFailure: push gradients: rank 0 sends 2 rows of 16 bytes"), errors
-    # Rows one way only (rank 0 sends 2, rank 1 none): only the receiver refused them, and
-    # the sender went on into the exchange (RankFailure is raised on every rank alike).
-    one_way = [g["one_way"] for g in got]
-    assert one_way[1] == ("RankFailure: push gradients: rank 0 sends 2 rows of 16 bytes, and this rank (rank 1) "
-                          "takes rows of 12 bytes: the ranks run other versions of hps or configs"), one_way
-    assert one_way[0] == ("RankFailure: push gradients: this rank (rank 0) sends rank 1 2 rows of 16 bytes, and rank "
-                          "1 takes rows of 12 bytes: the ranks run other versions of hps or configs"), one_way
+    # And rows one way only (rank 0 sends 2, rank 1 none): the same on both ranks.
+    said = ("RankFailure: push gradients: the ranks' rows differ in size (rank 0's 16 bytes, rank 1's 12 bytes): the "
+            "ranks run other versions of hps or configs")
+    for name in ("error", "one_way"):
+        assert [g[name] for g in got] == [said, said], name
 
 
 @pytest.mark.parametrize("codec", ["int8", "bf16", "none"])

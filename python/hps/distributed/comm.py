@@ -18,6 +18,10 @@ import numpy as np
 from hps.config import is_int, is_number
 from hps.errors import HpsError
 
+# MPI's counts and offsets are ints: an exchange's bytes to or from one rank must be
+# fewer (Node.alltoallv).
+MESSAGE_LIMIT = 2**31
+
 COMM_KINDS = ("sparse_keys", "sparse_rows", "sparse_grads", "examples", "plan", "dense", "control", "admission")
 
 
@@ -303,9 +307,10 @@ class Node:
 
     # -- collectives
     def alltoallv(self, stage: str, blocks: Optional[Sequence[np.ndarray]], kind: str, what: str,
-                  failed: Optional[Exception] = None) -> list[np.ndarray]:
+                  failed: Optional[Exception] = None, tell: int = 0,
+                  heard: Optional[np.ndarray] = None) -> list[np.ndarray]:
         """Sends blocks[r] to rank r; returns what each rank sent here, in rank
-        order. Blocks share one dtype and trailing shape.
+        order. Blocks share one dtype and trailing shape, on every rank.
 
         ``failed``: the error this rank raised while it made its blocks (None is
         passed for them), for its peers to hear in the exchange's first step
@@ -313,45 +318,63 @@ class Node:
         the exchange up and raises, this one `failed`, the others RankFailure
         naming it (give_up). A rank's checks of its own input (its keys, its
         gradients) are made before its first exchange and told there, at no cost
-        of a collective of their own."""
+        of a collective of their own. So is what every rank refuses of the
+        exchange itself (rows of other sizes, MPI's 2 GiB limit): every rank
+        raises, none waits in the exchange for one that refused it.
+
+        ``tell``: an int64 this rank tells every rank in that first step (at no
+        cost); ``heard`` (W,), if given, gets each rank's, in rank order."""
         MPI = self.MPI
         comm = self.comms[stage]
+        largest = 0  # the bytes of this rank's largest block
         if failed is None:
             first = blocks[self.rank]
             tail = first.shape[1:]
             row_bytes = first.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
             send_counts = np.array([len(b) for b in blocks], np.int64)
-        else:
-            row_bytes, send_counts = 0, np.zeros(self.size, np.int64)
-        # Each block's rows and bytes a row: the receiver sizes its buffer from the
-        # rows, so a peer whose rows are of another size (another hps version's
-        # layout) is refused here, rather than its bytes read as rows of this size
-        # (MPI fills a larger buffer in part, without a word). Then whether the
-        # sender failed before the exchange (`failed`).
-        header = np.stack([send_counts, np.full(self.size, row_bytes, np.int64),
-                           np.full(self.size, failed is not None, np.int64)], axis=1)
+            largest = int(send_counts.max()) * row_bytes
+            if int(send_counts.sum()) * row_bytes >= MESSAGE_LIMIT:
+                failed = ValueError(f"{what}: this rank sends {int(send_counts.sum())} rows of {row_bytes} bytes, "
+                                    f"past MPI's 2 GiB message limit; use smaller batches")
+        if failed is not None:
+            row_bytes, send_counts, largest = 0, np.zeros(self.size, np.int64), 0
+        # To each rank: the rows of its block and the bytes a row (the receiver sizes
+        # its buffer from the rows, so a peer whose rows are of another size, another
+        # hps version's layout, is refused rather than its bytes read as rows of this
+        # size: MPI fills a larger buffer in part, without a word); whether this rank
+        # failed before the exchange (`failed`); the bytes of its largest block (MPI's
+        # limit, below); and `tell`. The same to every rank but the rows.
+        header = np.stack([send_counts] + [np.full(self.size, v, np.int64)
+                                           for v in (row_bytes, failed is not None, largest, tell)], axis=1)
         got = np.empty_like(header)
         with self.guard(f"{what} (counts)"):
             comm.Alltoall(header, got)
         if failed is not None or got[:, 2].any():
             self._given_up(comm, what, failed)
+        if heard is not None:
+            heard[:] = got[:, 4]
         recv_counts = np.ascontiguousarray(got[:, 0])
-        # Refused by both ends of a pair whose rows differ in size, whichever way rows go:
-        # the receiver alone refused rows that came one way, and the sender, told
-        # nothing, went on into the exchange (and past it, its rows sent into the void).
-        other = np.flatnonzero((got[:, 1] != row_bytes) & ((recv_counts > 0) | (send_counts > 0)))
-        if len(other):
-            r = int(other[0])
-            if recv_counts[r] > 0:
-                raise RankFailure(f"{what}: rank {r} sends {int(recv_counts[r])} rows of {int(got[r, 1])} bytes, "
-                                  f"and this rank (rank {self.rank}) takes rows of {row_bytes} bytes: the ranks run "
-                                  f"other versions of hps or configs")
-            raise RankFailure(f"{what}: this rank (rank {self.rank}) sends rank {r} {int(send_counts[r])} rows of "
-                              f"{row_bytes} bytes, and rank {r} takes rows of {int(got[r, 1])} bytes: the ranks run "
-                              f"other versions of hps or configs")
-        if max(int(send_counts.sum()), int(recv_counts.sum())) * row_bytes >= 2**31:
-            raise ValueError(f"{what}: a batch of {send_counts.sum()} / {recv_counts.sum()} rows of {row_bytes} "
-                             f"bytes passes MPI's 2 GiB message limit; use smaller batches")
+        # Every rank's row size is in the header, so every rank refuses rows of
+        # other sizes alike, whichever ranks they would go between: the two ends of
+        # a pair refused them alone, and a third rank waited in the exchange for
+        # them until the watchdog's timeout.
+        if (got[:, 1] != got[0, 1]).any():
+            sizes = ", ".join(f"rank {r}'s {int(b)} bytes" for r, b in enumerate(got[:, 1]))
+            raise RankFailure(f"{what}: the ranks' rows differ in size ({sizes}): the ranks run other versions of hps "
+                              f"or configs")
+        # MPI's counts and offsets are ints of bytes: no rank sends (checked above,
+        # before the header) or receives 2 GiB. A rank's receipts are at most the
+        # ranks' largest blocks together, which every rank has heard: under the
+        # limit (any exchange of less than 2 GiB), no rank need check. Past it (the
+        # exchange moves that much), each rank checks its own, and the ranks agree
+        # in a collective of their own before any rank sends a row: a rank that
+        # refused its receipts alone left the others in the exchange.
+        if int(got[:, 3].sum()) >= MESSAGE_LIMIT:
+            over = None
+            if int(recv_counts.sum()) * row_bytes >= MESSAGE_LIMIT:
+                over = ValueError(f"{what}: this rank receives {int(recv_counts.sum())} rows of {row_bytes} bytes, "
+                                  f"past MPI's 2 GiB message limit; use smaller batches")
+            self.confirm(stage, what, over)
         send = np.ascontiguousarray(np.concatenate(blocks)) if len(blocks) else first
         recv = np.empty((int(recv_counts.sum()),) + tail, first.dtype)
         sb, rb = send_counts * row_bytes, recv_counts * row_bytes
@@ -371,11 +394,25 @@ class Node:
         self.alltoallv(stage, None, "", what, failed=failed)
         raise AssertionError("unreachable: alltoallv raises for a rank that failed")  # pragma: no cover
 
+    def confirm(self, stage: str, what: str, failed: Optional[Exception] = None) -> None:
+        """A collective of its own, on stage `stage`'s communicator, where a rank
+        may have failed after a call's last exchange (`failed`: its error, else
+        None): returns on every rank when none did; else every rank raises, this
+        one `failed`, the others RankFailure naming each rank that failed. For
+        what only some calls need (a step whose sums may overflow): a call's
+        checks of its own input are told in its first exchange (alltoallv)."""
+        comm = self.comms[stage]
+        flag = np.array([failed is not None], np.int64)
+        with self.guard(f"{what} (check)"):
+            comm.Allreduce(self.MPI.IN_PLACE, flag, op=self.MPI.MAX)
+        if flag[0]:
+            self._given_up(comm, what, failed)
+
     def _given_up(self, comm, what: str, failed: Optional[Exception]) -> NoReturn:
         """Every rank, once some rank failed before exchange `what` (alltoallv's
-        header said so): the ranks' errors, gathered on the exchange's own
-        communicator; this rank's own error is raised again, else RankFailure
-        naming each rank that failed and its error."""
+        header said so, or confirm's collective): the ranks' errors, gathered on
+        the exchange's own communicator; this rank's own error is raised again,
+        else RankFailure naming each rank that failed and its error."""
         mine = None if failed is None else f"{type(failed).__name__}: {failed}"
         with self.guard(f"{what} (errors)"):
             every = comm.allgather(mine)
