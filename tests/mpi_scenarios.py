@@ -424,6 +424,119 @@ def run_alltoallvrefuses(node, out: str, args) -> None:
         json.dump({"errors": errors}, f)
 
 
+def run_ownerrefuses(node, out: str, args) -> None:
+    """DistributedServer calls refused after their last exchange, by the last rank
+    alone, as an owner: its prefetch's working set past its device_capacity (its
+    server's batches use a device tier: host_in_place = false), and, last, its
+    prefetch's MEM-PS full (CacheFullError), not tried again: its next call is the
+    next step's. Every rank catches what its
+    call raised and goes on to the next. Each rank writes what each call raised,
+    and whether the rows of the keys are as they were before the calls but the last
+    step: no refused call changed a row."""
+    import dataclasses
+    import hps
+    from hps.distributed import DistributedServer
+    from hps.mem_cache import CacheFullError
+    bad = node.rank == node.size - 1
+    cfg = ps_config(os.path.join(out, f"ps{node.rank}"), budget="1MiB")
+    server = DistributedServer(hps.ParameterServer(dataclasses.replace(cfg, host_in_place=not bad)), node)
+    keys = np.arange(1, 41, dtype=np.uint64)
+    grads = np.ones((len(keys), DIM), np.float32)
+    before = server.pull(keys)
+
+    def step(k, g):
+        pre = server.prefetch(k)
+        try:
+            batch = server.batch(pre)
+            batch.push(k, g)
+            batch.finish()
+        finally:
+            pre.release()
+
+    def past_device_capacity():
+        room = server.local.config.device_capacity
+        if bad:
+            server.local.config.device_capacity = 4
+        try:
+            step(keys, grads)
+        finally:
+            server.local.config.device_capacity = room
+
+    def full_once(k):
+        def no_room(*a, **kw):
+            raise CacheFullError("MEM-PS is full (mpi_scenarios: ownerrefuses)")
+        if bad:
+            server.local.prefetch = no_room  # this instance's, this once
+        try:
+            step(k, grads)
+        finally:
+            if bad:
+                del server.local.prefetch
+    calls = {"prefetch past device_capacity": past_device_capacity}
+    errors = {name: raised_by(call) for name, call in only(args, calls).items()}
+    same = bool(np.array_equal(server.pull(keys), before))
+    if not args.only or "prefetch full and not tried again" in args.only.split(","):
+        errors["prefetch full and not tried again"] = raised_by(lambda: full_once(keys.copy()))
+        errors["the next step"] = raised_by(lambda: step(keys.copy(), grads))
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"errors": errors, "rows_as_before": same}, f)
+    server.close()
+
+
+def run_heraldrefusesafter(node, out: str, args) -> None:
+    """HeraldServer steps refused after their prefetch's exchanges by one rank
+    alone, each on a server of its own (a failed step stops it): the last rank's pin of its keys in MEM-PS
+    fails (OSError: its SSD's read, say); it finds MEM-PS full (CacheFullError)
+    and does not try again: its next call is the next step's. Each rank writes
+    what each step raised."""
+    from hps.data import Batch
+    from hps.mem_cache import CacheFullError
+    bad = node.rank == node.size - 1
+    keys = herald_step_keys(node.rank, 0)
+
+    def step(server, k):
+        batch = server.batch(server.prefetch(k))
+        try:
+            batch.bind(Batch(np.zeros(len(k), np.float32), np.zeros((len(k), 1), np.float32), k))
+            batch.partition()
+            mine = np.ascontiguousarray(batch.exchanged.keys).view(np.uint64).reshape(-1)
+            batch.push(mine, key_gradient(mine))
+            batch.apply()
+            batch.write_back()
+        except BaseException:
+            batch.abort()
+            raise
+
+    def failing(error):
+        def fails(*a, **kw):
+            raise error
+        return fails
+
+    def pin_raises(server):
+        if bad:
+            server.local._cache.pin = failing(OSError(5, "Input/output error (mpi_scenarios)"))
+        step(server, keys)
+
+    def full_once(server):
+        if bad:
+            server.local._cache.pin = failing(CacheFullError("MEM-PS is full (mpi_scenarios)"))
+        try:
+            step(server, keys.copy())
+        finally:
+            if bad:
+                del server.local._cache.pin
+    errors = {}
+    for n, (name, call) in enumerate(only(args, {"pin raises": pin_raises,
+                                                 "prefetch full and not tried again": full_once}).items()):
+        server = herald_server(node, os.path.join(out, f"case{n}"))
+        errors[name] = raised_by(lambda: call(server))
+        if name == "prefetch full and not tried again":
+            errors["the next step"] = raised_by(lambda: step(server, keys.copy()))
+        server.close()
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump({"errors": errors}, f)
+
+
 def run_distbatch(node, out: str, args) -> None:
     """A rank's DistBatch finds its keys' positions from the prefetch for a run of
     the prefetched keys (a worker's share, a view), by a search for a copy of
@@ -960,7 +1073,8 @@ def parse_args(argv: list):
                                          "heraldkeys", "heraldpush", "heraldflush",
                                          "heraldtable", "heraldrandom",
                                          "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
-                                         "otherseed", "pushstep", "lookaheadorder", "alltoallvrefuses"])
+                                         "otherseed", "pushstep", "lookaheadorder", "alltoallvrefuses",
+                                         "ownerrefuses", "heraldrefusesafter"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")
@@ -1002,8 +1116,8 @@ def parse_args(argv: list):
                     help="schedule = 'herald' with caches of ROWS rows a rank")
     ap.add_argument("--owner", type=int, default=0, help="lookaheadorder: the rank whose MEM-PS is watched")
     ap.add_argument("--device-capacity", type=int, default=0, help="[ps] device_capacity (rows a device)")
-    ap.add_argument("--only", default="", help="alltoallvrefuses: the cases to run (comma-separated names; "
-                    "default: all)")
+    ap.add_argument("--only", default="", help="alltoallvrefuses, ownerrefuses, heraldrefusesafter: the cases "
+                    "to run (comma-separated names; default: all)")
     ap.add_argument("--fail-ranks", default="", help="heraldretry: the ranks (comma-separated) whose MEM-PS is "
                     "full once")
     return ap.parse_args(argv)

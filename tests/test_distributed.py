@@ -278,6 +278,59 @@ def test_an_exchange_the_last_rank_alone_refuses_is_refused_on_every_rank(tmp_pa
     assert [g["fits under the limit"] for g in got] == [[0, 0, 0], [40, 0, 0], [0, 40, 0]]
 
 
+# What the last rank raises in each call of ownerrefuses (its own error), and the
+# exchange its peers name with it.
+OWNER_REFUSES = {
+    "prefetch past device_capacity": ("load rows", "ValueError: a batch of 14 distinct keys puts 14 on one device, "
+                                                   "more than device_capacity = 4; raise device_capacity"),
+    "prefetch full and not tried again": ("load rows", "CacheFullError: MEM-PS is full (mpi_scenarios: "
+                                                       "ownerrefuses)")}
+
+
+def test_a_call_the_last_rank_refuses_as_an_owner_is_refused_on_every_rank_naming_it(tmp_path):
+    """A DistributedServer call the last rank refused as an owner, after the call's
+    last exchange: its prefetch's working set past its device_capacity, or its
+    MEM-PS full (CacheFullError) and the prefetch not tried again, raised there
+    while the others' prefetches went on and their batches waited for its rows
+    until the watchdog's timeout. Now the batch raises the failed pins on every
+    rank (a prefetch not tried again is told by the rank's next one, which goes
+    on): every rank raises, the last rank its error, the others RankFailure
+    naming it; no row changes, and the next step goes on."""
+    world = 3
+    p = scenario(world, "ownerrefuses", tmp_path, "--timeout", 30, check=False, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for name, (what, said) in OWNER_REFUSES.items():
+        assert got[-1]["errors"][name] == said, name
+        for r in range(world - 1):
+            assert got[r]["errors"][name] == (f"RankFailure: {what}: rank {world - 1} failed before the exchange "
+                                              f"({said}): every rank gives it up"), (r, name)
+    assert [g["errors"]["the next step"] for g in got] == [""] * world
+    assert [g["rows_as_before"] for g in got] == [True] * world
+
+
+def test_a_herald_step_one_rank_fails_after_its_prefetch_fails_on_every_rank_naming_it(tmp_path):
+    """A Herald step that one rank failed after the prefetch's exchanges, each on a
+    server of its own: rank 1's pins raised in its prefetch (a read, or MEM-PS
+    full and not tried again), on that rank alone, and the other's step waited for
+    the plan until the watchdog's timeout. The step raises it on every rank now, in its first exchange; the
+    servers stop alike (a prefetch not tried again is told by the rank's next one,
+    whose step every rank then refuses as the stopped server's)."""
+    p = scenario(2, "heraldrefusesafter", tmp_path, "--timeout", 30, check=False, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    leader, last = (json.loads((tmp_path / f"rank{r}.json").read_text())["errors"] for r in range(2))
+
+    def named(by: int, error: str) -> str:
+        return f"RankFailure: herald plan parts: rank {by} failed before the exchange ({error}): every rank gives it up"
+    assert last["pin raises"] == "OSError: [Errno 5] Input/output error (mpi_scenarios)"
+    assert leader["pin raises"] == named(1, last["pin raises"])
+    assert last["prefetch full and not tried again"] == "CacheFullError: MEM-PS is full (mpi_scenarios)"
+    assert leader["prefetch full and not tried again"] == named(1, last["prefetch full and not tried again"])
+    for rank, errors in enumerate((leader, last)):
+        assert errors["the next step"].startswith("RuntimeError: the rank's Herald cache stopped after a failed "
+                                                  "batch ("), rank
+
+
 def test_ranks_whose_servers_make_other_initial_rows_are_refused(tmp_path):
     """A rank makes the untrained rows it pulls (hps.distributed.FreshRows): a rank
     whose server has another seed would make other rows than their owner holds, so

@@ -126,6 +126,7 @@ class HeraldPrefetched:
         self.uniq = uniq           # leader: the global batch's distinct keys, in order of first appearance
         self.inverse = inverse     # leader: (N * F,) each example key's place in uniq
         self.upcoming = None       # leader: the job's lookahead window
+        self.failed = None         # why this rank's pins failed (none held): its step raises it
         self._cache = cache
         self._released = False
 
@@ -327,23 +328,31 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
     def prefetch(self, keys: np.ndarray, upcoming=None) -> HeraldPrefetched:
         """This rank's example keys to the leader, its distinct keys to their
         owners; this rank pins the keys it was sent. Keys or a window this rank
-        refuses are refused on every rank, before either is sent (Node.give_up)."""
+        refuses are refused on every rank, before either is sent (Node.give_up).
+        A pin that fails after the exchanges is the step's failure, told in its
+        first exchange (as DistributedServer.prefetch's: the peers' steps wait
+        there); a CacheFullError not tried again, by the next prefetch."""
         if self._retry is not None and self._retry[0] is keys:
             exchange = self._retry[1]  # the exchange of a prefetch that found MEM-PS full: only pin again
         else:
+            self._give_up_retry()
             exchange = self._exchange(keys, upcoming)
         self._retry = None
         parts, mine, window = exchange
+        failed = None
         try:
             # MEM-PS's window with the pins, after the exchanges: a window past its room
             # raises CacheFullError as a pin does, tried again by the retry alone.
             if upcoming is not None:
                 self._owner_windows.apply(self.local._cache)
             self.local._cache.pin(mine)
-        except CacheFullError:
-            self._retry = (keys, exchange)
+        except CacheFullError as e:
+            self._retry = (keys, exchange, e)
             raise
+        except Exception as e:  # noqa: BLE001 - raised by the step, on every rank (HeraldDistBatch._start)
+            mine, failed = np.empty(0, np.uint64), e  # (a pin that raises holds none)
         pre = HeraldPrefetched(mine, self.local._cache)
+        pre.failed = failed
         if self.leader:
             pre.examples = np.concatenate(parts)
             pre.starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
@@ -395,6 +404,12 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             self._window_sender.forget()  # (the owners may not have had the window)
             raise
         return parts, np.unique(np.concatenate(asked)), window
+
+    def _tell_abandoned(self, error: Exception) -> None:
+        # The peers' steps wait for the leader's plan, and fail there: each stops its
+        # server (StopsAfterAFailedStep), and so does this rank.
+        self.fail(f"{type(error).__name__} in a prefetch not tried again: {error}")
+        self.node.give_up("train", "herald plan parts", error)
 
     def _window_blocks(self, upcoming) -> list:
         # (the leader gets every rank's whole batches: the scheduler's window)
@@ -516,6 +531,9 @@ class HeraldDistBatch(BatchBase):
         self._number = None  # set: scheduled (the leader's snapshot has taken this step)
         self._applied = False
         self._done = False
+        # Its pins' failure: raised by the step's start, in its first exchange, on
+        # every rank (the others' steps wait there).
+        self._failure = pre.failed
         try:
             self._number, self._parts = server._schedule(pre)
         except BaseException as e:
@@ -552,6 +570,8 @@ class HeraldDistBatch(BatchBase):
         blocks, self._parts = self._parts, None
         try:
             s._begin(self._number)  # (this rank's server stopped, or its steps out of order)
+            if self._failure is not None:  # (its pins)
+                raise self._failure
         except Exception as e:  # noqa: BLE001 - told to the peers, then raised
             node.give_up("train", "herald plan parts", e)
         part = _unpack(s._from_leader("train", blocks, "plan", "herald plan parts", np.empty(0, np.uint8)), _PART)

@@ -398,7 +398,7 @@ class DistPrefetched:
     """The keys of a rank's examples batch, sent to their owners, and the owner's
     pins of what the ranks asked it for."""
 
-    def __init__(self, uniq, order, counts, asked, local, flat, inverse):
+    def __init__(self, uniq, order, counts, asked, local, flat, inverse, failed: Optional[Exception] = None):
         self.keys = uniq                # this rank's distinct keys, sorted
         self.order = order              # uniq[order] is the send order (grouped by owner)
         self.counts = counts            # keys sent to each owner
@@ -406,9 +406,13 @@ class DistPrefetched:
         self.local = local              # the local server's Prefetched (the union of asked)
         self.flat = flat                # the batch's keys as prefetched, flattened
         self.inverse = inverse          # where each of them is among uniq
+        # Why this owner's pins failed (then local is None): raised by its batch, in
+        # the exchange its peers' batches wait in.
+        self.failed = failed
 
     def release(self) -> None:
-        self.local.release()
+        if self.local is not None:
+            self.local.release()
 
 
 class DistBatch:
@@ -608,10 +612,18 @@ class DistributedServer:
         MEM-PS with the pins, after the exchanges: a window past its room raises
         CacheFullError as a pin does, and the retry tries it again without an
         exchange (its peers are in the next one). Keys or a window this rank
-        refuses are refused on every rank, before either is sent (Node.give_up)."""
+        refuses are refused on every rank, before either is sent (Node.give_up).
+
+        After the exchange, the peers' prefetches have returned, and their batches
+        will wait for this owner's rows. So its pins' other failures (a working set
+        past device_capacity, a read of SSD-PS) are raised by its batch, in that
+        wait, on every rank (this prefetch returns); and a CacheFullError not
+        tried again (the next prefetch is given other keys) is told there by the
+        next prefetch, before its own exchange."""
         if self._retry is not None and self._retry[0] is keys:
             exchange = self._retry[1]
         else:
+            self._give_up_retry()
             exchange = self._exchange(keys, upcoming)
         self._retry = None
         uniq, order, counts, asked, flat, inverse = exchange
@@ -620,10 +632,37 @@ class DistributedServer:
             if upcoming is not None:
                 self._owner_windows.apply(self.local._cache)
             local = self.local.prefetch(union)
-        except CacheFullError:
-            self._retry = (keys, exchange)
+        except CacheFullError as e:
+            self._retry = (keys, exchange, e)
             raise
+        except Exception as e:  # noqa: BLE001 - raised by the batch, on every rank
+            # After the exchange, the peers' prefetches went on, and each batch waits
+            # for this rank's rows: its batch raises this there (Node.give_up). Raised
+            # here, it left them waiting until the watchdog's timeout.
+            return DistPrefetched(uniq, order, counts, asked, None, flat, inverse, failed=e)
         return DistPrefetched(uniq, order, counts, asked, local, flat, inverse)
+
+    def _give_up_retry(self) -> None:
+        """A prefetch that raised CacheFullError and is not tried again (this call
+        is not its retry): the peers' prefetches went on, and their batches wait
+        for this rank in their first exchange. Told there (as a load that failed:
+        they raise RankFailure naming its error), and this rank goes on with the
+        call. Raised at the prefetch, it left them waiting until the watchdog's
+        timeout, or until this rank's next call met them there."""
+        if self._retry is None:
+            return
+        error = self._retry[2]
+        self._retry = None
+        try:
+            self._tell_abandoned(error)
+        except BaseException as e:
+            if e is not error:
+                raise
+
+    def _tell_abandoned(self, error: Exception) -> None:
+        """Tells the peers, where their batches wait, that this rank's last
+        prefetch failed (`error`, which Node.give_up raises here again)."""
+        self.node.give_up("load", "load rows", error)
 
     def _exchange(self, keys, upcoming) -> tuple:
         """The prefetch's exchanges (_send_window's, then _send_keys'), their
@@ -669,6 +708,8 @@ class DistributedServer:
         made = []
 
         def rows_out() -> list:
+            if pre.failed is not None:
+                raise pre.failed
             made.append(self.local.batch(pre.local, overlap=overlap))
             return [made[0].pull(a) for a in pre.asked]
         try:
