@@ -427,21 +427,24 @@ def run_alltoallvrefuses(node, out: str, args) -> None:
 def run_ownerrefuses(node, out: str, args) -> None:
     """DistributedServer calls refused after their last exchange, by the last rank
     alone, as an owner: its prefetch's working set past its device_capacity (its
-    server's batches use a device tier: host_in_place = false), and, last, its
-    prefetch's MEM-PS full (CacheFullError), not tried again: its next call is the
-    next step's. Every rank catches what its
+    server's batches use a device tier: host_in_place = false), the sum of every
+    rank's finite gradients of a key it owns that overflows (3e38 three times) in a
+    push and in a batch, and, last, its prefetch's MEM-PS full (CacheFullError),
+    not tried again: its next call is the next step's. Every rank catches what its
     call raised and goes on to the next. Each rank writes what each call raised,
     and whether the rows of the keys are as they were before the calls but the last
     step: no refused call changed a row."""
     import dataclasses
     import hps
-    from hps.distributed import DistributedServer
+    from hps.distributed import DistributedServer, owner_ranks
     from hps.mem_cache import CacheFullError
     bad = node.rank == node.size - 1
     cfg = ps_config(os.path.join(out, f"ps{node.rank}"), budget="1MiB")
     server = DistributedServer(hps.ParameterServer(dataclasses.replace(cfg, host_in_place=not bad)), node)
     keys = np.arange(1, 41, dtype=np.uint64)
     grads = np.ones((len(keys), DIM), np.float32)
+    huge = grads.copy()
+    huge[np.flatnonzero(owner_ranks(keys, node.size) == node.size - 1)[0]] = 3e38
     before = server.pull(keys)
 
     def step(k, g):
@@ -472,7 +475,9 @@ def run_ownerrefuses(node, out: str, args) -> None:
         finally:
             if bad:
                 del server.local.prefetch
-    calls = {"prefetch past device_capacity": past_device_capacity}
+    calls = {"prefetch past device_capacity": past_device_capacity,
+             "push whose sum overflows": lambda: server.push(keys, huge),
+             "batch whose sum overflows": lambda: step(keys, huge)}
     errors = {name: raised_by(call) for name, call in only(args, calls).items()}
     same = bool(np.array_equal(server.pull(keys), before))
     if not args.only or "prefetch full and not tried again" in args.only.split(","):

@@ -2,6 +2,7 @@
 checked against a single-process reference (tests/mpi_scenarios.py runs the ranks)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -283,8 +284,13 @@ def test_an_exchange_the_last_rank_alone_refuses_is_refused_on_every_rank(tmp_pa
 OWNER_REFUSES = {
     "prefetch past device_capacity": ("load rows", "ValueError: a batch of 14 distinct keys puts 14 on one device, "
                                                    "more than device_capacity = 4; raise device_capacity"),
+    "push whose sum overflows": ("push sums", "DivergedError: push gradients: 4 values of the sums of 1 key (key 7 "
+                                              "first: inf) at their owner, rank 2, overflow float32: training "
+                                              "diverged (finite gradients whose sum overflowed); no rank's owner "
+                                              "stepped a key"),
     "prefetch full and not tried again": ("load rows", "CacheFullError: MEM-PS is full (mpi_scenarios: "
                                                        "ownerrefuses)")}
+OWNER_REFUSES["batch whose sum overflows"] = OWNER_REFUSES["push whose sum overflows"]
 
 
 def test_a_call_the_last_rank_refuses_as_an_owner_is_refused_on_every_rank_naming_it(tmp_path):
@@ -292,9 +298,13 @@ def test_a_call_the_last_rank_refuses_as_an_owner_is_refused_on_every_rank_namin
     last exchange: its prefetch's working set past its device_capacity, or its
     MEM-PS full (CacheFullError) and the prefetch not tried again, raised there
     while the others' prefetches went on and their batches waited for its rows
-    until the watchdog's timeout. Now the batch raises the failed pins on every
+    until the watchdog's timeout; a key it owns whose sum of every rank's finite
+    gradients overflows (in a push, in a batch) was refused by it alone, and the
+    other owners stepped their keys. Now the batch raises the failed pins on every
     rank (a prefetch not tried again is told by the rank's next one, which goes
-    on): every rank raises, the last rank its error, the others RankFailure
+    on), and where the ranks' gradients could overflow (each rank tells a bound
+    in the step's first exchange) the owners check their sums and agree before any
+    steps: every rank raises, the last rank its error, the others RankFailure
     naming it; no row changes, and the next step goes on."""
     world = 3
     p = scenario(world, "ownerrefuses", tmp_path, "--timeout", 30, check=False, timeout=300)
@@ -1608,7 +1618,9 @@ class _OneRankNode:
     back what it was given."""
     rank, size, nodes = 0, 1, 1
 
-    def alltoallv(self, stage, blocks, kind, what):
+    def alltoallv(self, stage, blocks, kind, what, tell=0, heard=None):
+        if heard is not None:
+            heard[:] = tell
         return [b.copy() for b in blocks]
 
     def allgather(self, stage, obj, what, note=None):
@@ -1616,6 +1628,10 @@ class _OneRankNode:
 
     def give_up(self, stage, what, failed):
         raise failed  # (no peer to tell)
+
+    def confirm(self, stage, what, failed=None):
+        if failed is not None:
+            raise failed
 
 
 def test_a_new_jobs_directory_is_durable_once_its_record_is_written(tmp_path, monkeypatch):
@@ -1737,7 +1753,9 @@ class _TwinRanksNode:
     keys, no rows."""
     rank, size, nodes = 0, 2, 1
 
-    def alltoallv(self, stage, blocks, kind, what):
+    def alltoallv(self, stage, blocks, kind, what, tell=0, heard=None):
+        if heard is not None:
+            heard[:] = tell
         if kind == "sparse_rows":
             return [blocks[0].copy(), np.empty(0, np.uint8)]
         assert len(blocks[1]) == 0, f"{what}: a key of rank 1's"
@@ -1748,6 +1766,10 @@ class _TwinRanksNode:
 
     def give_up(self, stage, what, failed):
         raise failed  # (its peer, doing what it does, fails alike)
+
+    def confirm(self, stage, what, failed=None):
+        if failed is not None:
+            raise failed
 
 
 def _keys_of_rank_0(n: int, world: int) -> np.ndarray:
@@ -1761,8 +1783,9 @@ def test_a_sparse_gradient_sum_that_overflows_at_the_owner_is_refused_naming_the
     """Finite gradients of one key, 2e38 each, that meet at its owner (twice in one
     push on one rank, or from two ranks) sum to an infinity there: each rank's check
     let them by, and the owner stepped the row to -inf (then NaN), which every later
-    pull and checkpoint held. The owner's step refuses the sum now, naming the key,
-    before any row changes, and leaves nothing pinned."""
+    pull and checkpoint held. The owner refuses the sum now, naming the key, before
+    any row changes, and leaves nothing pinned: the ranks' bounds on their gradients
+    let it overflow, so the owner sums and checks its keys before any owner steps."""
     from hps.distributed.sparse import DistributedServer
     cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), seed=3,
                                     mem_budget="1MiB")
@@ -1773,12 +1796,36 @@ def test_a_sparse_gradient_sum_that_overflows_at_the_owner_is_refused_naming_the
     before = server.local.pull(np.array([fine, big], np.uint64))
     grads = np.ones((len(keys), 4), np.float32)
     grads[1:] = 2e38
-    with pytest.raises(hps.errors.DivergedError, match=rf" apply: 4 non-finite values in the summed gradients of 1 "
-                                                       rf"key \(key {big} first: inf\): training diverged"):
+    with pytest.raises(hps.errors.DivergedError, match=rf"push gradients: 4 values of the sums of 1 key \(key {big} "
+                                                       rf"first: inf\) at their owner, rank 0, overflow float32: "
+                                                       rf"training diverged"):
         _push_by(server, how, keys, grads)
     np.testing.assert_array_equal(server.local.pull(np.array([fine, big], np.uint64)), before)
     assert server.local.stats()["mem"]["pinned"] == 0
     server.close()
+
+
+@pytest.mark.parametrize("how", ["push", "batch"])
+def test_a_sparse_step_whose_sums_may_overflow_and_do_not_steps_as_one_server(tmp_path, how):
+    """Gradients of 1e38 from two ranks let a key's sum overflow as far as their
+    bounds tell (past a quarter of float32's largest value): the owner sums and
+    checks its keys before it steps, and, the sums finite (2e38), steps them as one
+    server given every rank's pairs does."""
+    from hps.distributed.sparse import DistributedServer
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), seed=3,
+                                    mem_budget="1MiB")
+    server = DistributedServer(hps.ParameterServer(cfg), _TwinRanksNode())
+    ref = hps.ParameterServer(dataclasses.replace(cfg, path=str(tmp_path / "reference")))
+    keys = _keys_of_rank_0(3, 2)
+    grads = np.ones((len(keys), 4), np.float32)
+    grads[1] = 1e38
+    _push_by(server, how, keys, grads)
+    ref.push(np.concatenate([keys, keys]), np.concatenate([grads, grads]))  # (rank 1 pushes what rank 0 does)
+    got = server.local.pull(keys)
+    assert np.isfinite(got).all() and got[1, 0] < -9e37, got
+    np.testing.assert_array_equal(got, ref.pull(keys))
+    server.close()
+    ref.close()
 
 
 class _LosesItsPeer(_OneRankNode):
@@ -1787,10 +1834,10 @@ class _LosesItsPeer(_OneRankNode):
     def __init__(self, what: str):
         self.failing = what
 
-    def alltoallv(self, stage, blocks, kind, what):
+    def alltoallv(self, stage, blocks, kind, what, **told):
         if what == self.failing:
             raise ConnectionError(f"{what}: rank 1 is gone")
-        return super().alltoallv(stage, blocks, kind, what)
+        return super().alltoallv(stage, blocks, kind, what, **told)
 
 
 def _failing_release(obj, name: str):

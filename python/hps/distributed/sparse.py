@@ -190,6 +190,46 @@ def refuse_nonfinite(grads: np.ndarray, keys: np.ndarray, what: str, codec: str 
                         f"the owners' rows)")
 
 
+# Finite gradients of a key summed at its owner overflow only past float32's largest
+# value. Each rank tells the others in a step's first exchange a bound on its part of
+# any key's sum (sum_bound): where the ranks' bounds together stay under a quarter of
+# it (any sane step's: the owners' sums in float32 stay under it for fewer than 50
+# million rows of one key), no sum can overflow, and the owners step with no check
+# between them. Past it, each owner sums and checks its keys before any steps, and
+# the ranks agree (DistributedServer._summed).
+_SUM_BOUND = float(np.finfo(np.float32).max) / 4
+
+
+def sum_bound(grads: np.ndarray, repeats: int) -> int:
+    """A rank's bound on its part of any key's sum (its largest |gradient| times
+    `repeats`, the most rows it sends of one key), as Node.alltoallv's `tell` (the
+    float64's bits). `grads` holds no NaN (refuse_nonfinite)."""
+    largest = max(float(grads.max()), -float(grads.min())) if grads.size else 0.0
+    return int(np.array([largest * repeats], np.float64).view(np.int64)[0])
+
+
+def may_overflow(heard: np.ndarray) -> bool:
+    """Whether the ranks' bounds (sum_bound's, as heard) let a key's sum overflow:
+    the same on every rank (the same floats, summed in rank order)."""
+    return float(np.ascontiguousarray(heard, np.int64).view(np.float64).sum()) >= _SUM_BOUND
+
+
+def refuse_overflow(sums: np.ndarray, keys: np.ndarray, what: str, rank: int) -> None:
+    """Raises DivergedError where the owner's sums (n, dim) of every rank's finite
+    gradients of keys (n,) overflowed, naming `what`, the owner (`rank`), how many
+    values and keys, and the first key."""
+    ok = np.isfinite(sums)
+    if ok.all():
+        return
+    bad_rows = ~ok.all(axis=1)
+    first = int(np.flatnonzero(bad_rows)[0])
+    values, rows = int(ok.size - np.count_nonzero(ok)), int(bad_rows.sum())
+    raise DivergedError(f"{what}: {values} value{'s' if values != 1 else ''} of the sums of {rows} "
+                        f"key{'s' if rows != 1 else ''} (key {int(keys[first])} first: "
+                        f"{sums[first][~ok[first]][0]!s}) at their owner, rank {rank}, overflow float32: training "
+                        f"diverged (finite gradients whose sum overflowed); no rank's owner stepped a key")
+
+
 def key_array(keys, what: str) -> np.ndarray:
     """keys as an array, refused (TypeError naming `what`) unless uint64 or int64 (uint64
     keys bit-cast), as hps.ParameterServer refuses them: a cast to uint64 would make a
@@ -453,6 +493,7 @@ class DistBatch:
                 # Before the first exchange, and told there: every rank's batch is
                 # aborted, this rank raising its error, the others RankFailure.
                 refuse_nonfinite(self.grads, self.keys, "push gradients", self.server.grads_codec.spec)
+                bound = sum_bound(self.grads, 1)  # (a key's gradients are summed here: one row a key)
                 in_send_order = pre.order
                 touched = self.touched[in_send_order]
                 grads = self.grads[in_send_order]
@@ -464,18 +505,26 @@ class DistBatch:
                     grad_blocks.append(grads[bounds[r]:bounds[r + 1]][t])
             except Exception as e:  # noqa: BLE001 - told to the peers, then raised
                 node.give_up("train", "push positions", e)
-            idx_in = node.alltoallv("train", idx_blocks, "sparse_keys", "push positions")
+            heard = np.empty(node.size, np.int64)
+            idx_in = node.alltoallv("train", idx_blocks, "sparse_keys", "push positions", tell=bound, heard=heard)
             codec = self.server.grads_codec
             grads_in = codec.unpack(node.alltoallv("train", codec.pack(grad_blocks, node.rank), "sparse_grads",
                                                    "push gradients"))
-            for src in range(node.size):
-                if len(idx_in[src]):
-                    self.local.push(pre.asked[src][idx_in[src]], grads_in[src])
+            if may_overflow(heard):
+                k, g = self.server._summed([pre.asked[src][idx_in[src]] for src in range(node.size)], grads_in)
+                if len(k):
+                    self.local.push(k, g)
+            else:
+                for src in range(node.size):
+                    if len(idx_in[src]):
+                        self.local.push(pre.asked[src][idx_in[src]], grads_in[src])
         except BaseException as e:
             release_after(e, self.local.abort)  # the exchange's error stands
             raise
         # The owner's sums of every rank's gradients: a key whose sum overflowed is
-        # refused there (DivergedError, naming it) before any row steps.
+        # refused there (DivergedError, naming it) before any row steps, which,
+        # where the ranks' bounds let no sum overflow (may_overflow), is not told:
+        # its sum was checked above on every rank together.
         self.local.apply()
 
     def write_back(self) -> None:
@@ -562,6 +611,27 @@ class DistributedServer:
         rows[order] = np.concatenate(rows_in) if rows_in else rows
         return rows
 
+    def _summed(self, keys_in: list, grads_in: list) -> tuple:
+        """Where a step's sums may overflow (may_overflow, the same on every rank):
+        this owner's keys (keys_in[r], from rank r) and their sums of every rank's
+        gradients (grads_in[r]), in rank order, checked before any owner steps, and
+        refused on every rank where one owner's overflowed (Node.confirm): that
+        owner raises DivergedError, the others RankFailure naming it, and no owner
+        steps a key. Before, the owner refused its keys alone, after the last
+        exchange, and the others stepped theirs. Returns (keys, sums), a row a key,
+        for the owner's server to step (so no sum of its own can overflow)."""
+        failed = sums = uniq = None
+        try:
+            k = np.concatenate([np.asarray(a, np.uint64) for a in keys_in])
+            g = np.concatenate([np.asarray(a, np.float32).reshape(-1, self.dim) for a in grads_in])
+            uniq, inverse = np.unique(k, return_inverse=True)
+            sums = _core.sum_by_inverse(inverse.reshape(-1).astype(np.int64), np.ascontiguousarray(g), len(uniq))
+            refuse_overflow(sums, uniq, "push gradients", self.node.rank)
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            failed = e
+        self.node.confirm("train", "push sums", failed)
+        return uniq, sums
+
     # -- the collective API
     def pull(self, keys: np.ndarray) -> np.ndarray:
         """Rows (n, dim) of keys, from their owners, as of the last finished batch."""
@@ -587,20 +657,26 @@ class DistributedServer:
             if len(keys) and (keys == EMPTY_KEY).any():  # (its owner's push refused it, after the exchange)
                 raise ValueError(f"push keys: key {EMPTY_KEY:#x} is reserved (the empty-slot sentinel)")
             refuse_nonfinite(grads, keys, "push gradients", codec.spec)
+            bound = sum_bound(grads, len(keys))  # (a key's rows are summed at its owner)
             self._check_push()
             owners = owner_ranks(keys, self.node.size)
             order = np.argsort(owners, kind="stable")
             cuts = np.cumsum(np.bincount(owners, minlength=self.node.size))[:-1]
         except Exception as e:  # noqa: BLE001 - told to the peers, then raised
             self.node.give_up("train", "push keys", e)
-        keys_in = self.node.alltoallv("train", np.split(keys[order], cuts), "sparse_keys", "push keys")
+        heard = np.empty(self.node.size, np.int64)
+        keys_in = self.node.alltoallv("train", np.split(keys[order], cuts), "sparse_keys", "push keys", tell=bound,
+                                      heard=heard)
         grads_in = codec.unpack(self.node.alltoallv("train", codec.pack(np.split(grads[order], cuts), self.node.rank),
                                                     "sparse_grads", "push gradients"))
+        if may_overflow(heard):
+            k, g = self._summed(keys_in, grads_in)
+        else:
+            k = np.concatenate(keys_in)
+            g = np.ascontiguousarray(np.concatenate(grads_in)) if len(k) else np.empty((0, self.dim), np.float32)
         self._push_exchanged()
-        k = np.concatenate(keys_in)
         # Also with no pair for this rank: a push is a step of every rank's server (the
         # step [ps] ttl_steps counts), as one ParameterServer.push of the job's pairs.
-        g = np.ascontiguousarray(np.concatenate(grads_in)) if len(k) else np.empty((0, self.dim), np.float32)
         self.local.push(k, g, step=step)
 
     def prefetch(self, keys: np.ndarray, upcoming=None) -> DistPrefetched:
