@@ -490,7 +490,8 @@ def run_ownerrefuses(node, out: str, args) -> None:
 
 def run_heraldrefusesafter(node, out: str, args) -> None:
     """HeraldServer steps refused after their prefetch's exchanges by one rank
-    alone, each on a server of its own (a failed step stops it): the last rank's pin of its keys in MEM-PS
+    alone, each on a server of its own (a failed step stops it): the leader's
+    schedule raises (RuntimeError); the last rank's pin of its keys in MEM-PS
     fails (OSError: its SSD's read, say); it finds MEM-PS full (CacheFullError)
     and does not try again: its next call is the next step's. Each rank writes
     what each step raised."""
@@ -517,6 +518,11 @@ def run_heraldrefusesafter(node, out: str, args) -> None:
             raise error
         return fails
 
+    def schedule_raises(server):
+        if node.rank == 0:
+            server.herald.schedule = failing(RuntimeError("the schedule failed (mpi_scenarios)"))
+        step(server, keys)
+
     def pin_raises(server):
         if bad:
             server.local._cache.pin = failing(OSError(5, "Input/output error (mpi_scenarios)"))
@@ -531,7 +537,8 @@ def run_heraldrefusesafter(node, out: str, args) -> None:
             if bad:
                 del server.local._cache.pin
     errors = {}
-    for n, (name, call) in enumerate(only(args, {"pin raises": pin_raises,
+    for n, (name, call) in enumerate(only(args, {"leader's schedule raises": schedule_raises,
+                                                 "pin raises": pin_raises,
                                                  "prefetch full and not tried again": full_once}).items()):
         server = herald_server(node, os.path.join(out, f"case{n}"))
         errors[name] = raised_by(lambda: call(server))

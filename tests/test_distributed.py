@@ -321,9 +321,11 @@ def test_a_call_the_last_rank_refuses_as_an_owner_is_refused_on_every_rank_namin
 
 def test_a_herald_step_one_rank_fails_after_its_prefetch_fails_on_every_rank_naming_it(tmp_path):
     """A Herald step that one rank failed after the prefetch's exchanges, each on a
-    server of its own: rank 1's pins raised in its prefetch (a read, or MEM-PS
-    full and not tried again), on that rank alone, and the other's step waited for
-    the plan until the watchdog's timeout. The step raises it on every rank now, in its first exchange; the
+    server of its own: the leader's schedule raised in its batch (other than its
+    refusal of a step past device_capacity, which the plan carries), or rank 1's
+    pins raised in its prefetch (a read, or MEM-PS full and not tried again), on
+    that rank alone, and the other's step waited for the plan until the watchdog's
+    timeout. The step raises it on every rank now, in its first exchange; the
     servers stop alike (a prefetch not tried again is told by the rank's next one,
     whose step every rank then refuses as the stopped server's)."""
     p = scenario(2, "heraldrefusesafter", tmp_path, "--timeout", 30, check=False, timeout=300)
@@ -332,6 +334,8 @@ def test_a_herald_step_one_rank_fails_after_its_prefetch_fails_on_every_rank_nam
 
     def named(by: int, error: str) -> str:
         return f"RankFailure: herald plan parts: rank {by} failed before the exchange ({error}): every rank gives it up"
+    assert leader["leader's schedule raises"] == "RuntimeError: the schedule failed (mpi_scenarios)"
+    assert last["leader's schedule raises"] == named(0, leader["leader's schedule raises"])
     assert last["pin raises"] == "OSError: [Errno 5] Input/output error (mpi_scenarios)"
     assert leader["pin raises"] == named(1, last["pin raises"])
     assert last["prefetch full and not tried again"] == "CacheFullError: MEM-PS is full (mpi_scenarios)"

@@ -172,6 +172,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         self._init_fail_stop()
         # Leader: why it refused a step (every step after it is refused alike), else None.
         self._refusal = None
+        self._schedule_failure = None  # leader: the error its scheduler raised (every later step fails with it)
         self._dirty = False
         self.counts = {"batches": 0, "examples_sent": 0, "examples_kept": 0, "ps_loads": 0, "peer_fetches": 0,
                        "rows_served": 0, "primary_steps": 0, "replica_copies": 0, "evict_pushes": 0,
@@ -433,17 +434,28 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
 
     def _schedule(self, pre: HeraldPrefetched) -> tuple:
         """Numbers a step as it is made; the leader schedules it and keeps the
-        caches' keys before it. Returns (number, the plan parts or None)."""
+        caches' keys before it. Returns (number, the plan parts or None, the
+        leader's scheduling error or None). That error is the step's, raised in
+        its first exchange (HeraldDistBatch._start), where the other ranks' steps
+        wait for the leader's plan: raised here, on the leader alone, it left them
+        waiting until the watchdog's timeout. Every later step the leader makes
+        carries it too: its snapshot may hold part of the failed one."""
         self.check()
         with self._scheduling:
-            parts = held = None
+            parts = held = failure = None
             if self.leader:
-                held = self.herald.cached_by_worker()
-                parts = self._plan_parts(pre, held) if self._refusal is None else None
-                if parts is None:
+                failure = self._schedule_failure
+                try:
+                    if failure is None:
+                        held = self.herald.cached_by_worker()
+                        parts = self._plan_parts(pre, held) if self._refusal is None else None
+                except Exception as e:  # noqa: BLE001 - the step's failure, on every rank
+                    held, failure = None, e
+                    self._schedule_failure = e
+                if parts is None and failure is None:
                     parts = [_pack([np.frombuffer(self._refusal.encode(), np.uint8)] +
                                    [np.empty(0, t) for t in _PART[1:]])] * self.node.size
-            return self._made_one(held), parts
+            return self._made_one(held), parts, failure
 
     def _plan_parts(self, pre: HeraldPrefetched, held: list) -> list:
         """Leader: schedules the step and cuts the plan into each rank's part (_PART);
@@ -531,11 +543,13 @@ class HeraldDistBatch(BatchBase):
         self._number = None  # set: scheduled (the leader's snapshot has taken this step)
         self._applied = False
         self._done = False
-        # Its pins' failure: raised by the step's start, in its first exchange, on
-        # every rank (the others' steps wait there).
+        # Its pins' failure or the leader's schedule's: raised by the step's start,
+        # in its first exchange, on every rank (the others' steps wait there).
         self._failure = pre.failed
         try:
-            self._number, self._parts = server._schedule(pre)
+            self._number, self._parts, failure = server._schedule(pre)
+            if failure is not None:
+                self._failure = failure
         except BaseException as e:
             self._done = True
             release_after(e, pre.release)  # the schedule's error stands, and stops the server below
@@ -570,7 +584,7 @@ class HeraldDistBatch(BatchBase):
         blocks, self._parts = self._parts, None
         try:
             s._begin(self._number)  # (this rank's server stopped, or its steps out of order)
-            if self._failure is not None:  # (its pins)
+            if self._failure is not None:  # (its pins, or the leader's schedule)
                 raise self._failure
         except Exception as e:  # noqa: BLE001 - told to the peers, then raised
             node.give_up("train", "herald plan parts", e)
