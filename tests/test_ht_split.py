@@ -362,3 +362,60 @@ def test_a_group_ps_that_never_finishes_fails_the_trainer_after_the_finish_bound
     with pytest.raises(GroupPsTimeout, match=r"group PS 0 \(rank 5\) did not answer the optimizer step within 1 s"):
         tr.ps_step()
     assert 1.0 <= ps.now < 1.1
+
+
+def test_a_value_the_codec_would_carry_as_an_infinity_is_refused_before_it_is_sent():
+    """Activations and gradients crossed to and from the group PSs unchecked: a
+    finite value past 3.396e38 went through the bf16 codec as an infinity (and
+    one past float32's range through any), and the group PS's weights, or the
+    trainer's, stepped with it (NaN, caught a batch later by the loss). Now the
+    sender refuses it, naming the segment and where: the trainer before it
+    sends, a group PS with its refusal as the answer, which the trainer raises."""
+    from hps.errors import DivergedError
+
+    def local(codecs):
+        seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        with torch.no_grad():
+            seq[0].weight.copy_(torch.tensor([[3.995, 0.0], [0.0, 1.0]]))
+            seq[1].weight.fill_(1.0)
+            for m in seq:
+                m.bias.zero_()
+        plan = SplitPlan([F("ps", "none", ps=0), F()], 1)
+        server = GroupPsServer(seq, plan, 0, sc.make_optimizer, CodecStreams(codecs))
+        return SplitTrainer(seq, plan, LocalTransport([server]), CodecStreams(codecs)), server
+
+    bf16 = {"activations": "bf16", "gradients": "bf16"}
+    # The trainer's input to the PS's layer: nothing leaves.
+    tr, ps = local(bf16)
+    with pytest.raises(DivergedError, match=r"^fc0: its input, for group PS\(s\) \[0\] holds 1 value that bfloat16 "
+                                            r"rounds to an infinity .*\(index 1 first: 3\.4e\+38\): training diverged "
+                                            r"\(\[hierarchical\] activations = 'bf16' carries such values"):
+        tr(torch.tensor([[1.0, 3.4e38]]))
+    assert ps.saved == {} and tr.counter.as_dict()["activations"]["before"] == 0
+    # The PS's output (3.995 x 2^126 = 3.3985e38, finite in float32): its refusal is the answer.
+    tr, ps = local(bf16)
+    with pytest.raises(DivergedError, match=r"^group PS 0, fc0: its output for rank 0 holds 1 value that bfloat16 "
+                                            r"rounds to an infinity .*\(index 0 first: 3\.3985.*e\+38\)"):
+        tr(torch.tensor([[2.0 ** 126, 1.0]]))
+    assert ps.saved == {}
+    # Under no codec, a float32 infinity (3.995 x 2e38).
+    tr, ps = local({})
+    with pytest.raises(DivergedError, match=r"^group PS 0, fc0: its output for rank 0 holds 1 value that is not "
+                                            r"finite \(index 0 first: inf\).*activations = 'none'"), \
+            np.errstate(over="ignore"):
+        tr(torch.tensor([[2e38, 1.0]]))
+    # The trainer's gradient of the PS's output (the loss's 3.4e38 through weights of 1): nothing leaves.
+    tr, ps = local(bf16)
+    out = tr(torch.tensor([[1.0, 1.0]]))
+    with pytest.raises(DivergedError, match=r"^fc0: the gradient of its output, for group PS\(s\) \[0\] holds 2 "
+                                            r"values that bfloat16 rounds .*gradients = 'bf16'"):
+        out.backward(torch.tensor([[3.4e38]]))
+    assert all(p.grad is None or torch.equal(p.grad, torch.zeros_like(p)) for p in ps.optimizer.params)
+    # The PS's gradient of its input (3.995 x 2^126): its refusal is the answer.
+    tr, ps = local(bf16)
+    x = torch.tensor([[1.0, 1.0]], requires_grad=True)
+    out = tr(x)
+    with pytest.raises(DivergedError, match=r"^group PS 0, fc0: the gradient of its input for rank 0 holds 1 value "
+                                            r"that bfloat16 rounds"):
+        out.backward(torch.tensor([[2.0 ** 126]]))
+    assert x.grad is None

@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from hps.distributed import poll
-from hps.errors import HpsError
-from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode
+from hps.errors import DivergedError, HpsError
+from hps.hierarchical.codecs import ByteCounter, CodecStreams, decode, refuse_unsendable
 # (The plan and its checks need no torch: a config is checked, and hps plan plans, without it.)
 from hps.hierarchical.placement import FcPlacement, SplitPlan, blocks, check_plan
 
@@ -205,6 +205,20 @@ class GroupPsServer:
         x = t.detach().contiguous().numpy()
         return self.counter.encode(self.codecs.get(kind, key + (x.shape,)), kind, x)  # a stream a shape
 
+    def _unsendable(self, kind: str, t: torch.Tensor, what: str) -> Optional[DivergedError]:
+        """The refusal of t (refuse_unsendable: a value that is not finite, or that the
+        bf16 codec rounds to an infinity), which the trainer raises as its answer;
+        None where t can go. The trainer's weights (its layers after this one's, or
+        before) would step with the infinity and go NaN."""
+        spec = self.codecs.spec[kind]
+        try:
+            refuse_unsendable(t.detach().numpy(), spec, f"group PS {self.index}, {what}",
+                              f"[hierarchical] {kind} = {spec!r} carries such values to the trainer; the group "
+                              f"PS sent its refusal instead")
+        except DivergedError as refused:
+            return refused
+        return None
+
     def handle(self, src: int, msg: tuple):
         op = msg[0]
         if op == "forward":
@@ -212,6 +226,9 @@ class GroupPsServer:
             x = torch.from_numpy(decode(enc).copy()).requires_grad_(keep)
             with torch.set_grad_enabled(keep):  # in-process, this runs inside the trainer's autograd Function
                 y = self.shards[seg](x)
+            refused = self._unsendable("activations", y, f"{self.segments[seg].name}: its output for rank {src}")
+            if refused is not None:
+                return refused
             if keep:  # for the backward pass; evaluation sends keep = False
                 self.saved[src, call, seg] = (x, y)
             return self._encode("activations", ("fwd", src, seg), y)
@@ -220,7 +237,11 @@ class GroupPsServer:
             x, y = self.saved.pop((src, call, seg))
             with torch.enable_grad():
                 y.backward(torch.from_numpy(decode(enc).copy()))
-            return self._encode("gradients", ("bwd", src, seg), x.grad) if want_dx else None
+            if not want_dx:
+                return None
+            refused = self._unsendable("gradients", x.grad, f"{self.segments[seg].name}: the gradient of its input "
+                                                            f"for rank {src}")
+            return refused if refused is not None else self._encode("gradients", ("bwd", src, seg), x.grad)
         if op == "step":
             self._asked += 1
             if self._asked < self.trainers:
@@ -364,6 +385,15 @@ def serve(comm, server: GroupPsServer, trainers: int, idle_timeout: Optional[flo
 # ---------------------------------------------------------------- the trainer
 
 
+def _answers(replies: list) -> list:
+    """The group PSs' replies, every one waited for (none left for a later call to
+    take); the first refusal among them (GroupPsServer._unsendable) raised."""
+    for r in replies:
+        if isinstance(r, DivergedError):
+            raise r
+    return replies
+
+
 class _RemoteFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, remote):
@@ -414,6 +444,14 @@ class _RemoteSegment(nn.Module):
         twin.stream = (net,)
         return twin
 
+    def _refuse(self, xs: np.ndarray, kind: str, what: str, there: str) -> None:
+        """DivergedError, before anything is sent, where xs holds a value that is not
+        finite or that the bf16 codec would round to an infinity (refuse_unsendable)."""
+        spec = self._trainer[0].codecs.spec[kind]
+        refuse_unsendable(xs, spec, f"{self.seg.name}: {what}, for group PS(s) {self.parts}",
+                          f"[hierarchical] {kind} = {spec!r} carries such values to the group PSs, {there}; "
+                          f"nothing was sent")
+
     def _in_blocks(self):
         P = self._trainer[0].plan.group_ps
         return blocks(self.in_width, P)
@@ -423,13 +461,15 @@ class _RemoteSegment(nn.Module):
         t = self._trainer[0]
         horizontal = self.seg.kind == "fc" and self.seg.placement.split == "horizontal"
         xs = x.contiguous().numpy()
+        self._refuse(xs, "activations", "its input", "whose weights' gradients and the trainer's output")
         ins = self._in_blocks() if horizontal else None
         for k, p in enumerate(self.parts):
             part = np.ascontiguousarray(xs[:, ins[k][0]:ins[k][1]]) if horizontal else xs
             enc = t.counter.encode(t.codecs.get("activations", ("fwd", *self.stream, self.seg.start, p, part.shape)),
                                    "activations", part)
             t.transport.post(p, ("forward", self.seg.start, call, enc, keep))
-        ys = [decode(t.transport.wait(p, f"the forward pass of {self.seg.name}")) for p in self.parts]
+        ys = [decode(y) for y in _answers([t.transport.wait(p, f"the forward pass of {self.seg.name}")
+                                           for p in self.parts])]
         if self.seg.kind == "fc" and self.seg.placement.split == "vertical":
             y = np.concatenate(ys, axis=1)
         else:
@@ -442,6 +482,7 @@ class _RemoteSegment(nn.Module):
         t = self._trainer[0]
         vertical = self.seg.kind == "fc" and self.seg.placement.split == "vertical"
         dys = dy.numpy()
+        self._refuse(dys, "gradients", "the gradient of its output", "whose weights step with them")
         outs = blocks(self.out_width, t.plan.group_ps) if vertical else None
         for k, p in enumerate(self.parts):
             part = np.ascontiguousarray(dys[:, outs[k][0]:outs[k][1]]) if vertical else dys
@@ -449,7 +490,7 @@ class _RemoteSegment(nn.Module):
             enc = t.counter.encode(t.codecs.get("gradients", ("bwd", *self.stream, self.seg.start, p, part.shape)),
                                    "gradients", part)
             t.transport.post(p, ("backward", self.seg.start, call, enc, want_dx))
-        dxs = [t.transport.wait(p, f"the backward pass of {self.seg.name}") for p in self.parts]
+        dxs = _answers([t.transport.wait(p, f"the backward pass of {self.seg.name}") for p in self.parts])
         if not want_dx:
             return None
         dxs = [decode(d) for d in dxs]
