@@ -579,3 +579,36 @@ def test_a_finished_average_keeps_its_exchanges_and_phase_for_a_resumed_run():
     resumed.step()  # step 6: the period's phase goes on from step 5
     assert (resumed.background.client.exchanges, resumed.corrections) == (3, 3)
     resumed.finish()
+
+
+def test_a_synchronous_average_whose_sum_overflows_is_refused_before_the_replica_changes(monkeypatch):
+    """AllreduceAverage summed the groups' replicas in float32, in place: finite
+    values (3e38 in each of two groups) summed to an infinity, and every group's
+    replica went inf; a NaN of one group's went to all. Every rank holds the same
+    sum and refuses it now, alike, naming the average and the value, before its
+    replica changes."""
+    from hps.errors import DivergedError
+    from hps.hierarchical import easgd
+
+    class TwoGroups:  # the communicator of two groups holding equal replicas
+        def Get_size(self):
+            return 2
+
+    def doubled(comm, buf, timeout, what, ranks=None):  # their sum
+        buf *= np.float32(2.0)
+
+    monkeypatch.setattr(easgd, "allreduce_within", doubled)
+    live = np.array([1.0, 3e38, -3e38], np.float32)
+    average = easgd.AllreduceAverage(live, TwoGroups(), period=1, ranks=[0, 4])
+    with pytest.raises(DivergedError, match=r"^the synchronous average across groups \(average 1, over ranks "
+                                            r"\[0, 4\]\): the mean of the groups' replicas holds 2 values that are "
+                                            r"not finite \(index 1 first: inf\): training diverged \(finite values "
+                                            r"of the groups can overflow"), np.errstate(over="ignore"):
+        average.step()
+    assert np.array_equal(live, np.array([1.0, 3e38, -3e38], np.float32)) and average.corrections == 0
+    live[1:] = [np.nan, 2.0]  # a NaN of one group's
+    with pytest.raises(DivergedError, match=r"holds 1 value that is not finite \(index 1 first: nan\)"):
+        average.step()
+    live[1] = 5.0
+    average.step()  # finite: the mean of two equal replicas, where they were
+    assert np.array_equal(live, np.array([1.0, 5.0, 2.0], np.float32)) and average.corrections == 1

@@ -645,8 +645,19 @@ class AllreduceAverage:
 
     def _average(self) -> None:
         if self.live.size:
-            allreduce_within(self.comm, self.live, self.timeout, self.what, self.ranks)
-            self.live *= np.float32(1.0 / self.groups)
+            # Summed in a copy: the float32 sum of the groups' finite replicas can
+            # overflow (and a NaN of one group's spreads to all), and the replicas then
+            # stepped from an infinity. Every rank holds the same sum, so every rank
+            # refuses it alike, before its replica changes. (A copy of the replica is
+            # small beside the all-reduce that moves it.)
+            total = self.live.copy()
+            allreduce_within(self.comm, total, self.timeout, self.what, self.ranks)
+            with np.errstate(over="ignore", invalid="ignore"):  # (refused just below)
+                total *= np.float32(1.0 / self.groups)
+            refuse_unsendable(total, "none", f"{self.what} (average {self.corrections + 1}, over ranks "
+                                             f"{_named(self.comm, self.ranks)}): the mean of the groups' replicas",
+                              "finite values of the groups can overflow in their float32 sum; no replica changed")
+            self.live[...] = total
             self.counter.add("averaging", 2 * self.live.nbytes, 2 * self.live.nbytes)
         self.corrections += 1
         self._averaged_at = self.steps
