@@ -1202,10 +1202,13 @@ TEST(HostBatch, GetsAndAccumulatesRowsLaidOutInAWiderMatrix) {
   EXPECT_THROW(batch.Accumulate(at.data(), 4, grads_wide.data(), RowLayout{2, 3}), std::invalid_argument);
 }
 
-// A key's gradients that overflow in their sum (or a NaN pushed) made its
-// MEM-PS row -inf or NaN. The step refuses them now, naming the key, before
-// any pinned row steps, and the batch releases as one that never stepped.
-TEST(HostBatch, ASumThatIsNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
+// Keys 11, 12, 13 pinned in MEM-PS (AdaGrad rows of dim 6) and a host batch
+// of them given a gradient of 0.25 a float at positions `at`, but the floats
+// `set` (index into the gradients, value): Apply must refuse the batch with
+// `message`, before any pinned row steps, and the batch release as one that
+// never stepped.
+void ExpectHostBatchApplyRefused(const std::vector<int64_t>& at, const std::vector<std::pair<size_t, float>>& set,
+                                 const char* message) {
   RowStore store(AdaGrad(6));
   const SparseOptimizer& opt = store.opt;
   const int32_t width = opt.row_floats();
@@ -1216,17 +1219,14 @@ TEST(HostBatch, ASumThatIsNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
   std::vector<float> before(keys.size() * width), after(keys.size() * width);
   const std::vector<int64_t> all = {0, 1, 2};
   batch.Rows(all.data(), all.size(), before.data());
-  const std::vector<int64_t> at = {0, 2, 2};
   std::vector<float> g(at.size() * 6, 0.25f);
-  g[6 + 5] = g[12 + 5] = -2e38f;  // key 13's last float (past the groups of four): -inf when summed
+  for (const auto& [i, v] : set) g[i] = v;
   batch.Accumulate(at.data(), at.size(), g.data());
   try {
     batch.Apply();
-    ADD_FAILURE() << "a sum of -inf was stepped";
+    ADD_FAILURE() << "a batch that should be refused was stepped";
   } catch (const DivergedError& e) {
-    EXPECT_STREQ(e.what(), "host batch apply: 1 non-finite value in the summed gradients of 1 key (key 13 first: "
-                           "-inf): training diverged (a gradient pushed so, or finite ones whose sum overflowed); "
-                           "no row was stepped");
+    EXPECT_STREQ(e.what(), message);
   }
   batch.Rows(all.data(), all.size(), after.data());
   EXPECT_EQ(after, before);
@@ -1235,39 +1235,26 @@ TEST(HostBatch, ASumThatIsNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
   EXPECT_EQ(cache->stats().pinned, 0u);
 }
 
+// A key's gradients that overflow in their sum (or a NaN pushed) made its
+// MEM-PS row -inf or NaN. The step refuses them now, naming the key.
+TEST(HostBatch, ASumThatIsNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
+  // Key 13's last float (past the groups of four) twice: -inf when summed.
+  ExpectHostBatchApplyRefused({0, 2, 2}, {{6 + 5, -2e38f}, {12 + 5, -2e38f}},
+                              "host batch apply: 1 non-finite value in the summed gradients of 1 key (key 13 first: "
+                              "-inf): training diverged (a gradient pushed so, or finite ones whose sum overflowed); "
+                              "no row was stepped");
+}
+
 // A key's finite gradient sum whose step overflows (AdaGrad's square of
 // 1e20) made its MEM-PS row's sum of squares inf, after which the row never
-// moved again. The step refuses it now, naming the key, before any pinned row
-// steps, and the batch releases as one that never stepped.
+// moved again. The step refuses it now, naming the key.
 TEST(HostBatch, AStepThatWouldLeaveARowNotFiniteIsRefusedNamingTheKeyAndNoRowSteps) {
-  RowStore store(AdaGrad(6));
-  const SparseOptimizer& opt = store.opt;
-  const int32_t width = opt.row_floats();
-  auto cache = store.Cache(64);
-  std::vector<uint64_t> keys = {11, 12, 13};
-  cache->Pull(keys.data(), keys.size(), nullptr, /*pin=*/true, nullptr);
-  HostBatch batch(*cache, keys.data(), keys.size(), opt);
-  std::vector<float> before(keys.size() * width), after(keys.size() * width);
-  const std::vector<int64_t> all = {0, 1, 2};
-  batch.Rows(all.data(), all.size(), before.data());
-  const std::vector<int64_t> at = {0, 2, 1};
-  std::vector<float> g(at.size() * 6, 0.25f);
-  g[6 + 5] = -1e20f;  // key 13's last float: its square is inf
-  batch.Accumulate(at.data(), at.size(), g.data());
-  try {
-    batch.Apply();
-    ADD_FAILURE() << "a step to a value that is not finite was taken";
-  } catch (const DivergedError& e) {
-    EXPECT_STREQ(e.what(), "host batch apply: the step of 1 key would leave a value that is not finite in its row "
-                           "(key 13 first: its AdaGrad sum of squared gradients, column 5, would be inf): training "
-                           "diverged (a learning rate, or finite gradient sums, too large for float32); no row was "
-                           "stepped");
-  }
-  batch.Rows(all.data(), all.size(), after.data());
-  EXPECT_EQ(after, before);
-  EXPECT_TRUE(batch.UpdatedKeys().empty());
-  batch.Release();
-  EXPECT_EQ(cache->stats().pinned, 0u);
+  // Key 13's last float: its square is inf.
+  ExpectHostBatchApplyRefused({0, 2, 1}, {{6 + 5, -1e20f}},
+                              "host batch apply: the step of 1 key would leave a value that is not finite in its row "
+                              "(key 13 first: its AdaGrad sum of squared gradients, column 5, would be inf): training "
+                              "diverged (a learning rate, or finite gradient sums, too large for float32); no row was "
+                              "stepped");
 }
 
 TEST(HostBatch, TakesTheAddressesThatPinGave) {
