@@ -702,3 +702,73 @@ def test_micro_batches_in_one_batch_take_one_step_and_without_one_a_step_each(tm
         torch.testing.assert_close(torch.from_numpy(ps.pull(np.arange(vocab, dtype=np.uint64))), ref.weight.detach(),
                                    rtol=1e-5, atol=1e-6, msg=lambda m: f"in_batch={in_batch}: {m}")
         ps.close()
+
+
+def _finishes(scenario, timeout=60):
+    """scenario() in a thread of its own: what it returned or raised, or an
+    AssertionError where it still runs after `timeout` seconds (a hang guard: the
+    suite goes on, the thread is left waiting)."""
+    import threading
+    done = []
+
+    def run():
+        try:
+            done.append(("returned", scenario()))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            done.append(("raised", e))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the backward pass still waits for a batch that waits for it"
+    return done[0]
+
+
+@pytest.mark.parametrize("host_in_place", [True, False])
+@pytest.mark.parametrize("how", ["inside", "forward_before", "applied", "pipeline"])
+def test_a_backward_pass_of_a_module_with_no_batch_attached_while_a_batch_of_its_server_is_open_is_refused(
+        tmp_path, host_in_place, how):
+    """A module with no batch attached pushes its gradients to the server at the
+    pass's end, and the server's push waits for every batch made to finish: one
+    that this thread has yet to step (inside its with block, whether the forward
+    ran there or before it; made here and applied, not yet written back; a
+    pipeline's, in its train step) finishes after this pass, so the backward hung.
+    It is refused at once, naming the module and the fix, and nothing reaches the
+    server; the module trains once the batch is finished."""
+    from types import SimpleNamespace
+    from hps.pipeline import Pipeline
+    ps = make_ps(tmp_path, host_in_place=host_in_place)
+    bag = ht.EmbeddingBag(ps)
+    keys = torch.tensor([[1, 2], [3, 4]])
+    ids = np.array([1, 2, 3, 4], np.uint64)
+    before = ps.pull(ids)
+
+    def scenario():
+        if how == "inside":
+            with ps.batch(keys.numpy()):
+                bag(keys).sum().backward()
+        elif how == "forward_before":
+            loss = bag(keys).sum()
+            with ps.batch(keys.numpy()):
+                loss.backward()
+        elif how == "applied":
+            b = ps.batch(keys.numpy())
+            b.apply()
+            try:
+                bag(keys).sum().backward()
+            finally:
+                b.write_back()
+        else:
+            def step(loaded):
+                bag(keys).sum().backward()
+            Pipeline(ps, step, devices=1).run([SimpleNamespace(keys=keys.numpy(), labels=np.zeros(2))])
+    outcome, error = _finishes(scenario)
+    assert outcome == "raised" and isinstance(error, RuntimeError), (outcome, error)
+    said = str(error)
+    assert "EmbeddingBag(dim=8, mode='sum')" in said and repr(ps) in said, said
+    assert "no batch attached" in said and "module.attach(batch, worker)" in said, said
+    np.testing.assert_array_equal(ps.pull(ids), before)
+    assert ht._PENDING == {}
+    bag(keys).sum().backward()  # the batch finished: the pass's push goes ahead
+    np.testing.assert_allclose(ps.pull(ids), before - 0.5, rtol=1e-6)
+    ps.close()
+

@@ -97,6 +97,13 @@ class BatchBase:
         import torch
         self.accumulate(positions, grads.detach().to("cpu", torch.float32).contiguous().numpy(), worker=worker)
 
+    def _stage(self) -> Optional[str]:
+        """Where the batch is: "made" (its step not yet applied), "applied" (not yet
+        written back), or None (written back, or aborted). What a push of its server
+        waits for (ParameterServer._batch_in_the_way); the batches
+        ParameterServer.batch makes say it."""
+        return None
+
     def finish(self) -> None:
         """apply(), then write_back()."""
         self.apply()

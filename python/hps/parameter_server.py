@@ -811,6 +811,9 @@ class Batch(_BatchBase):
             raise
         self._applied = True
 
+    def _stage(self) -> Optional[str]:
+        return None if self._done else "applied" if self._applied else "made"
+
     def write_back(self) -> None:
         """The updated rows back to MEM-PS (dirty), the others' pins released
         (their rows unchanged), the device tier freed for the next batch."""
@@ -926,6 +929,9 @@ class HostBatch(_BatchBase):
             release_after(e, self.abort)  # the step's error stands
             raise
         self._applied.set()
+
+    def _stage(self) -> Optional[str]:
+        return None if self._done else "applied" if self._applied.is_set() else "made"
 
     def write_back(self) -> None:
         """Unpins the rows, the updated ones dirty: MEM-PS holds them already."""
@@ -1070,6 +1076,10 @@ class ParameterServer:
         self._slots = [] if self._in_place or herald else [_TierSlot(self._new_tier(capacity), capacity)]
         self._next_slot = 0
         self._last_batch: Optional[Union[Batch, HostBatch]] = None
+        # batch()'s batches, with the thread that made each, until collected: those
+        # not yet written back are what a push waits for (_batch_in_the_way).
+        self._made = weakref.WeakSet()
+        self._made_lock = threading.Lock()
         self._host_batches = threading.Condition()  # guards _host_active
         self._host_active = 0  # host batches not yet written back
         self._rows_lock = threading.Lock()  # a host batch's apply against pull()'s copy of the rows
@@ -1397,7 +1407,31 @@ class ParameterServer:
         flight to be written back, or, with ``overlap`` (the pipeline's way), only
         for the one before it: two device tiers take turns, and the new batch
         takes the updates of the one in flight from it when that one applies them."""
-        return self._batch(keys, overlap=overlap, new_step=True)
+        b = self._batch(keys, overlap=overlap, new_step=True)
+        b._made_on = threading.get_ident()
+        with self._made_lock:
+            self._made.add(b)
+        return b
+
+    def _batch_in_the_way(self) -> Optional[str]:
+        """Why a push from this thread would wait forever (None: it would not, or
+        would wait for another thread only). A push waits until every batch made
+        is written back. One not yet applied is applied by the thread that trains
+        it, the one a trainer pushes from (inside its with block, in a pipeline's
+        train step); one applied, not yet written back, by the thread that made it
+        (a with block's finish), unless another writes it back (the pipeline's
+        writer). hps.torch refuses a push then, rather than wait for a batch that
+        waits for it."""
+        here = threading.get_ident()
+        with self._made_lock:
+            made = list(self._made)
+        for b in made:
+            stage = b._stage()
+            if stage == "made":
+                return "made and not yet applied"
+            if stage == "applied" and b._made_on == here:
+                return "applied on this thread and not yet written back"
+        return None
 
     def _batch(self, keys: Union[np.ndarray, "Prefetched"], *, overlap: bool,
                new_step: bool) -> Union[Batch, HostBatch]:

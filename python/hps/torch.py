@@ -118,7 +118,39 @@ def _into_batch(ps) -> None:
             _BATCHED[id(ps)] = task
 
 
-def _push(ps, keys: np.ndarray, grads: np.ndarray) -> None:
+def _named(module) -> str:
+    """A module as errors name it: its kind, dim and pooling, and its server."""
+    return f"hps.torch.EmbeddingBag(dim={module.dim}, mode={module.mode!r}) on {module.ps!r}"
+
+
+def _refuse_direct_push(module) -> None:
+    """Raises where the server's push of a module with no batch attached would wait
+    forever: the push waits for every batch of the server to finish, and one of
+    them (ParameterServer._batch_in_the_way) finishes only after this thread goes
+    on: a backward inside the batch's with block (its forward there or before it),
+    in a pipeline's train step. The backward hung there, in one thread."""
+    in_the_way = getattr(module.ps, "_batch_in_the_way", None)
+    why = in_the_way() if in_the_way is not None else None
+    if why is not None:
+        raise RuntimeError(
+            f"hps.torch: {_named(module)} has no batch attached, so its gradients go to the server directly, whose "
+            f"push waits for every batch of the server to finish; a batch of it is open ({why}) and finishes only "
+            f"after this backward pass: the push would wait forever. Nothing was pushed. Attach the module to the "
+            f"batch (module.attach(batch, worker)), or run the backward pass once the batch is finished (after its "
+            f"with block)")
+
+
+def _to_batch(module, batch, positions, grads, worker: int, tensor: bool = False) -> None:
+    """A lookup's gradients, laid out as the batch gave its rows, to that batch:
+    added there (accumulate_tensor for a tensor)."""
+    if tensor:
+        batch.accumulate_tensor(positions, grads, worker=worker)
+    else:
+        batch.accumulate(positions, grads, worker=worker)
+    _into_batch(module.ps)
+
+
+def _push(module, keys: np.ndarray, grads: np.ndarray) -> None:
     """Sends a lookup's gradients (its distinct keys') to ps: inside a backward pass,
     at the pass's end, summed per key with those of the pass's other lookups (a
     model's other modules, one module's other lookups), so that each key takes one
@@ -126,7 +158,10 @@ def _push(ps, keys: np.ndarray, grads: np.ndarray) -> None:
     optimizer do, and the pass is one step of the server ([ps] ttl_steps). A push
     per lookup stepped a key in two lookups twice: the same as one step under SGD,
     not under AdaGrad or Adam. Outside a backward pass (or a torch without graph task
-    ids) at once, as ParameterServer.push alone."""
+    ids) at once, as ParameterServer.push alone. Refused at once where the push
+    would wait for a batch that waits for this pass (_refuse_direct_push)."""
+    _refuse_direct_push(module)
+    ps = module.ps
     task = _graph_task()
     if task < 0:
         ps.push(keys, grads)
@@ -235,11 +270,10 @@ class _PooledLookup(torch.autograd.Function):
                 elem = elem.copy()
             elem[drop] = 0.0
         if ctx.batch is not None:
-            ctx.batch.accumulate(ctx.positions, elem, worker=ctx.worker)  # summed per key as they arrive
-            _into_batch(module.ps)
+            _to_batch(module, ctx.batch, ctx.positions, elem, ctx.worker)  # summed per key as they arrive
         else:
             # One pass in C++: torch's index_add_ took 4x as long on these shapes.
-            _push(module.ps, ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
+            _push(module, ctx.uniq, _core.sum_by_inverse(ctx.inverse, elem, len(ctx.uniq)))
         return None, None, None, None, grad_weights, None, None
 
 
@@ -307,15 +341,14 @@ class _InputWithFields(torch.autograd.Function):
     the copies of the gradient slice."""
 
     @staticmethod
-    def forward(ctx, anchor, ps, batch, worker, dim, keys, dense, frozen_key, device):
-        ctx.ps = ps
+    def forward(ctx, anchor, module, batch, worker, dim, keys, dense, frozen_key, device):
+        ctx.module = module
         return _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, device)
 
     @staticmethod
     def backward(ctx, grad_x):
         if not _trains_rows():
             return (None,) * 9
-        _into_batch(ctx.ps)
         if grad_x.device.type != "cpu" or not ctx.batch.gathers_into_columns:
             fields = ctx.keys.shape[1]
             grads = grad_x[:, :ctx.width].to(torch.float32).contiguous().view(-1, ctx.width // fields)
@@ -324,7 +357,7 @@ class _InputWithFields(torch.autograd.Function):
                 if len(drop) and _same_storage(grads, grad_x):
                     grads = grads.clone()  # (not in autograd's tensor: see below)
                 grads[torch.from_numpy(drop).to(grads.device)] = 0.0
-            ctx.batch.accumulate_tensor(ctx.positions, grads, worker=ctx.worker)
+            _to_batch(ctx.module, ctx.batch, ctx.positions, grads, ctx.worker, tensor=True)
             return (None,) * 9
         grads_t = grad_x.detach().to(torch.float32).contiguous()
         grads = grads_t.numpy()
@@ -337,7 +370,7 @@ class _InputWithFields(torch.autograd.Function):
             fields = ctx.keys.shape[1]
             dim = ctx.width // fields
             grads[(drop // fields)[:, None], ((drop % fields) * dim)[:, None] + np.arange(dim)] = 0.0
-        ctx.batch.accumulate(ctx.positions, grads[:, :ctx.width], worker=ctx.worker)
+        _to_batch(ctx.module, ctx.batch, ctx.positions, grads[:, :ctx.width], ctx.worker)
         return (None,) * 9
 
 
@@ -445,8 +478,8 @@ class _FirstLayer(torch.autograd.Function):
     over input rows padded to a multiple of 64 bytes (_model_input, _weight_grad)."""
 
     @staticmethod
-    def forward(ctx, anchor, ps, batch, worker, dim, keys, dense, frozen_key, narrow, weight, bias):
-        ctx.ps = ps
+    def forward(ctx, anchor, module, batch, worker, dim, keys, dense, frozen_key, narrow, weight, bias):
+        ctx.module = module
         x = _model_input(ctx, batch, worker, dim, keys, dense, frozen_key, torch.device("cpu"), padded=not narrow)
         ctx.save_for_backward(x, weight)
         ctx.narrow = narrow
@@ -468,10 +501,9 @@ class _FirstLayer(torch.autograd.Function):
             grads = grad_h.detach().mm(weight.detach()[:, :ctx.width]).numpy() if trains else None
         if not trains:
             return (None,) * 9 + (grad_weight, grad_bias)
-        _into_batch(ctx.ps)
         if ctx.frozen_key is not None:  # its rows, in place (this backward made them)
             grads.reshape(-1, ctx.dim)[_occurrences(ctx.keys, ctx.frozen_key)] = 0.0
-        ctx.batch.accumulate(ctx.positions, grads, worker=ctx.worker)
+        _to_batch(ctx.module, ctx.batch, ctx.positions, grads, ctx.worker)
         return (None,) * 9 + (grad_weight, grad_bias)
 
 
@@ -527,6 +559,8 @@ class EmbeddingBag(nn.Module):
     is one, else as a ps.push at the end of the backward pass, summed per key
     with the pass's other lookups (of any module on that server): one optimizer
     step a key on its summed gradient, and one step of the server ([ps] ttl_steps).
+    A backward pass of a module with no batch attached while a batch of its server
+    is open (whose push would wait for it, forever) is refused (RuntimeError).
     """
 
     def __init__(self, ps: ParameterServer, mode: str = "sum", padding_key: Optional[int] = None):
@@ -654,10 +688,10 @@ class CtrModel(nn.Module):
             first = self._first_layer(device)
             if first is not None:
                 return self._after_first_layer(
-                    _FirstLayer.apply(_anchored(emb.anchor), emb.ps, emb.batch, emb.worker, emb.dim, _keys_of(keys),
+                    _FirstLayer.apply(_anchored(emb.anchor), emb, emb.batch, emb.worker, emb.dim, _keys_of(keys),
                                       dense.cpu(), emb.frozen_key, isinstance(first, NarrowLinear)
                                       and first.runs_kernels(), first.weight, first.bias))
-            x = _InputWithFields.apply(_anchored(emb.anchor), emb.ps, emb.batch, emb.worker, emb.dim,
+            x = _InputWithFields.apply(_anchored(emb.anchor), emb, emb.batch, emb.worker, emb.dim,
                                        _keys_of(keys), dense.cpu(), emb.frozen_key, device)
             return self.mlp(x).squeeze(1)
         pooled = self._fields(keys).to(device)

@@ -572,6 +572,9 @@ class HeraldBatch(BatchBase):
             c._finished(self._number)
         self._applied = True
 
+    def _stage(self) -> Optional[str]:
+        return None if self._done else "applied" if self._applied else "made"
+
     def write_back(self) -> None:
         """Unpins the batch's keys in MEM-PS (their rows stay in the caches)."""
         if self._done:
