@@ -772,3 +772,136 @@ def test_a_backward_pass_of_a_module_with_no_batch_attached_while_a_batch_of_its
     np.testing.assert_allclose(ps.pull(ids), before - 0.5, rtol=1e-6)
     ps.close()
 
+
+def _scaled_run(tmp_path, name, steps, scaler=None, in_batch=None, skip_first=False):
+    """CtrModel trained over `steps` (SGD on the rows and the MLP, which scaling
+    changes, as AdaGrad and Adam would not): without a scaler as docs/training.md's
+    own trainer does, or with torch.amp.GradScaler and an hps.torch.SparseStep.
+    in_batch: None, no batch (backward is the rows' step), else each step inside a
+    batch, host_in_place = in_batch. Returns the server, the model and the losses."""
+    ps = make_ps(tmp_path / name, lr=0.3, host_in_place=bool(in_batch))
+    model = ht.CtrModel(ps, num_fields=3, num_dense=2, hidden=(16,), seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rows = ht.SparseStep(model) if scaler is not None else None
+    loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
+    losses = []
+    for step in steps:
+        rng = np.random.default_rng(step)
+        keys = torch.from_numpy(rng.integers(0, 40, (64, 3)))
+        dense = torch.from_numpy(rng.standard_normal((64, 2)).astype(np.float32))
+        labels = torch.from_numpy((rng.random(64) < 0.5).astype(np.float32))
+        with ps.batch(keys.numpy()) if in_batch is not None else contextlib.nullcontext() as b:
+            model.embedding.attach(b)
+            opt.zero_grad()
+            loss = loss_fn(model(keys, dense), labels)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.step(rows)
+                scaler.update()
+            model.embedding.attach(None)
+        losses.append(loss.item())
+    return ps, model, losses
+
+
+def _assert_same_training(a, b):
+    (ps_a, model_a, losses_a), (ps_b, model_b, losses_b) = a, b
+    np.testing.assert_allclose(losses_a, losses_b, rtol=1e-5)
+    ids = np.arange(40, dtype=np.uint64)
+    np.testing.assert_allclose(ps_a.pull(ids), ps_b.pull(ids), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_batch", [None, True, False])
+def test_a_grad_scaler_trains_the_rows_as_training_without_one(tmp_path, in_batch):
+    """docs/training.md, "In your own trainer": torch.amp.GradScaler scales the loss
+    (65536 here), so every gradient backward computes. The rows took theirs as
+    computed: a step 65536 times too long. With a SparseStep the rows' gradients
+    wait for scaler.step(rows), which unscales them as it unscales the MLP's, and
+    the run is the run without a scaler, to float tolerance: without a batch and
+    inside one (on a host batch and through the device tier)."""
+    plain = _scaled_run(tmp_path, "plain", range(3), in_batch=in_batch)
+    scaled = _scaled_run(tmp_path, "scaled", range(3), torch.amp.GradScaler("cpu"), in_batch=in_batch)
+    _assert_same_training(plain, scaled)
+
+
+@pytest.mark.parametrize("in_batch", [None, True, False])
+def test_a_step_the_grad_scaler_skips_is_skipped_by_the_rows(tmp_path, in_batch):
+    """A scale that overflows (infinite, here: every gradient is inf or NaN) makes
+    the scaler skip the step and lower the scale. The rows took the step anyway, or
+    refused it as diverged (DivergedError), ending the run where the scaler would
+    have gone on. With a SparseStep the rows skip it too and keep their values; the
+    run after it is the run without a scaler over the same later batches."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=float("inf"))
+    ps, model, _ = _scaled_run(tmp_path, "skipped", [0], scaler, in_batch=in_batch)
+    fresh_ps, fresh_model, _ = _scaled_run(tmp_path, "fresh", [], in_batch=in_batch)
+    ids = np.arange(40, dtype=np.uint64)
+    np.testing.assert_array_equal(ps.pull(ids), fresh_ps.pull(ids))  # no row stepped
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+    ps.close()
+    fresh_ps.close()
+    scaler = torch.amp.GradScaler("cpu", init_scale=float("inf"))
+    steps = [0, 1, 2]
+
+    class Rescaled:  # the scaler after its skip, at a scale that fits
+        def __iter__(self):
+            for i, step in enumerate(steps):
+                yield step
+                if i == 0:
+                    assert scaler.get_scale() == float("inf") * 0.5  # update() backed off
+                    scaler.update(2.0 ** 10)
+    scaled = _scaled_run(tmp_path, "scaled", Rescaled(), scaler, in_batch=in_batch)
+    plain = _scaled_run(tmp_path, "plain", steps[1:], in_batch=in_batch)
+    _assert_same_training((scaled[0], scaled[1], scaled[2][1:]), plain)
+
+
+def test_the_grad_scaler_sees_the_rows_gradients(tmp_path):
+    """Rows alone, no dense optimizer: a gradient of the rows that overflows makes
+    scaler.step(rows) skip their step and scaler.update() lower the scale, as it
+    would for an nn.EmbeddingBag's weight in a torch optimizer. Without a scaler
+    rows.step() takes the held gradients as they are. A step whose push would wait
+    for a batch that waits for it is refused as backward's is; the scale the scaler
+    handed that step was left on it, and the next step, without a scaler, divided
+    by it."""
+    ps = make_ps(tmp_path)
+    bag = ht.EmbeddingBag(ps)
+    rows = ht.SparseStep(bag)
+    keys = torch.tensor([[1, 2], [3, 4]])
+    ids = np.array([1, 2, 3, 4], np.uint64)
+    before = ps.pull(ids)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler.scale(bag(keys).sum() * 2.0 ** 120).backward()  # gradients 2**136: inf in float32
+    np.testing.assert_array_equal(ps.pull(ids), before)  # held until the step
+    scaler.step(rows)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 15
+    np.testing.assert_array_equal(ps.pull(ids), before)
+    scaler.scale(bag(keys).sum()).backward()
+    scaler.step(rows)
+    scaler.update()
+    np.testing.assert_allclose(ps.pull(ids), before - 0.5, rtol=1e-6)
+    bag(keys).sum().backward()
+    rows.step()
+    np.testing.assert_allclose(ps.pull(ids), before - 1.0, rtol=1e-6)
+    # Its push waits for a batch of the server open on this thread as backward's
+    # does: refused, and the scaler's scale and verdict not left to the next step.
+    with pytest.raises(RuntimeError, match="batch abort"):
+        with ps.batch(keys.numpy()):
+            scaler.scale(bag(keys).sum()).backward()
+            outcome, error = _finishes(lambda: scaler.step(rows))  # (the hang guard)
+            assert outcome == "raised" and "EmbeddingBag(dim=8, mode='sum')" in str(error), (outcome, error)
+            assert "has no batch attached" in str(error)
+            raise RuntimeError("batch abort")
+    np.testing.assert_allclose(ps.pull(ids), before - 1.0, rtol=1e-6)
+    bag(keys).sum().backward()
+    rows.step()
+    np.testing.assert_allclose(ps.pull(ids), before - 1.5, rtol=1e-6)
+    rows.release()  # backward is the rows' step again
+    bag(keys).sum().backward()
+    np.testing.assert_allclose(ps.pull(ids), before - 2.0, rtol=1e-6)
+    ps.close()

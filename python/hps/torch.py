@@ -6,6 +6,8 @@ holds no weight: its forward pulls the rows of the batch's keys from the paramet
 server (from the device tier while a batch is attached, from MEM-PS otherwise) and
 its backward pushes their gradients back, where the sparse optimizer steps once per
 key. Dense parameters stay ordinary torch parameters for any torch optimizer.
+``SparseStep`` holds the rows' gradients until a step of its own, for
+``torch.amp.GradScaler``, which unscales them and skips the steps it skips.
 
 ``CtrModel`` is the reference click-through-rate model: one pooled embedding per
 categorical field, concatenated with the dense features, through an MLP to a logit.
@@ -26,7 +28,7 @@ from torch import nn
 from hps import _core
 from hps.parameter_server import ParameterServer, WorkingBatch, working_batch
 
-__all__ = ["EmbeddingBag", "CtrModel", "DeviceReplicas", "NarrowLinear", "WorkerShares", "mlp"]
+__all__ = ["EmbeddingBag", "CtrModel", "DeviceReplicas", "NarrowLinear", "SparseStep", "WorkerShares", "mlp"]
 
 
 def mlp(in_width: int, hidden: Sequence[int], seed: int = 0, narrow_kernels: bool = False) -> nn.Sequential:
@@ -142,7 +144,11 @@ def _refuse_direct_push(module) -> None:
 
 def _to_batch(module, batch, positions, grads, worker: int, tensor: bool = False) -> None:
     """A lookup's gradients, laid out as the batch gave its rows, to that batch:
-    added there (accumulate_tensor for a tensor)."""
+    added there (accumulate_tensor for a tensor), or held by the module's
+    SparseStep until its step."""
+    if module._held is not None:
+        module._held._hold(module, batch, positions, grads, worker, tensor)
+        return
     if tensor:
         batch.accumulate_tensor(positions, grads, worker=worker)
     else:
@@ -158,8 +164,12 @@ def _push(module, keys: np.ndarray, grads: np.ndarray) -> None:
     optimizer do, and the pass is one step of the server ([ps] ttl_steps). A push
     per lookup stepped a key in two lookups twice: the same as one step under SGD,
     not under AdaGrad or Adam. Outside a backward pass (or a torch without graph task
-    ids) at once, as ParameterServer.push alone. Refused at once where the push
-    would wait for a batch that waits for this pass (_refuse_direct_push)."""
+    ids) at once, as ParameterServer.push alone. Held by the module's SparseStep
+    until its step, if it has one. Refused at once where the push would wait for a
+    batch that waits for this pass (_refuse_direct_push)."""
+    if module._held is not None:
+        module._held._hold(module, None, keys, grads, 0, False)
+        return
     _refuse_direct_push(module)
     ps = module.ps
     task = _graph_task()
@@ -558,9 +568,10 @@ class EmbeddingBag(nn.Module):
     parameter server on backward: into the attached batch (``attach``) if there
     is one, else as a ps.push at the end of the backward pass, summed per key
     with the pass's other lookups (of any module on that server): one optimizer
-    step a key on its summed gradient, and one step of the server ([ps] ttl_steps).
-    A backward pass of a module with no batch attached while a batch of its server
-    is open (whose push would wait for it, forever) is refused (RuntimeError).
+    step a key on its summed gradient, and one step of the server ([ps] ttl_steps);
+    or, for a module of a SparseStep, at its step. A backward pass of a module with
+    no batch attached while a batch of its server is open (whose push would wait
+    for it, forever) is refused (RuntimeError).
     """
 
     def __init__(self, ps: ParameterServer, mode: str = "sum", padding_key: Optional[int] = None):
@@ -581,6 +592,9 @@ class EmbeddingBag(nn.Module):
         self.anchor = torch.zeros(1, requires_grad=True)
         self.batch: Optional[WorkingBatch] = None
         self.worker = 0
+        # The SparseStep that holds this module's gradients until its step (None: they
+        # go to the server as backward computes them).
+        self._held: Optional["SparseStep"] = None
 
     def __deepcopy__(self, memo):
         # (A deepcopy that shares the module finds it in memo and never gets here.)
@@ -676,6 +690,7 @@ class CtrModel(nn.Module):
             # distributed server are set on self.embedding).
             be = self.bag_embedding
             be.ps, be.batch, be.worker, be.frozen_key = emb.ps, emb.batch, emb.worker, emb.frozen_key
+            be._held = emb._held
             pooled = [self._fields(keys)] if self.num_fields else []
             pooled += [be(k, o, per_sample_weights=w) for k, o, w in bags]
             pooled = [p.to(device) for p in pooled]
@@ -720,6 +735,156 @@ class CtrModel(nn.Module):
         """Where the MLP's parameters are (the CPU for an MLP without any)."""
         p = next(self.mlp.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
+
+
+class SparseStep:
+    """The rows' step of a model's hps.torch modules, taken where a torch
+    optimizer's step is: at ``step()``, for ``torch.amp.GradScaler``.
+
+    Without one, backward is the rows' step (at the pass's end, or at the end of
+    the attached batch), before a scaler has looked at any gradient: the rows took
+    the scaled gradients, and the steps the scaler skips. Made over a model (or
+    modules), its hps.torch modules hold their gradients, as backward computes
+    them, until ``step()``; ``scaler.step(rows)`` hands it the scale and whether
+    any gradient, the rows' included, is inf or NaN, as to torch's fused
+    optimizers. The gradients are divided by the scale, as the scaler divides the
+    dense ones, and sent on: summed per key into one push a server, or into the
+    batch each lookup read (the batch steps them when it ends, so step() before
+    its with block ends). Where the scaler skips the step they are dropped, and
+    ``scaler.update()`` lowers the scale for the rows' inf or NaN as for the
+    dense ones'::
+
+        rows = hps.torch.SparseStep(model)
+        scaler.scale(loss).backward()   # the rows' gradients held, scaled
+        scaler.step(opt)
+        scaler.step(rows)               # unscaled and sent, or dropped with a skipped step
+        scaler.update()
+
+    ``step()`` without a scaler sends them as they are; ``zero_grad()`` drops
+    them. The gradients held for a server since the last step go to it as one
+    push: one step a key on their sum, as torch's optimizers step a weight on the
+    gradients accumulated since their last step (without a SparseStep each
+    backward pass steps the rows). ``release()`` gives the modules back their
+    own steps."""
+
+    # GradScaler.step(rows) calls step() whatever it found, with grad_scale (None
+    # where scaler.unscale_(rows) unscaled the gradients already) and found_inf set.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, model):
+        modules = [model] if isinstance(model, nn.Module) else list(model)
+        bags = []
+        for m in modules:
+            for sub in m.modules():
+                if isinstance(sub, EmbeddingBag) and all(sub is not b for b in bags):
+                    bags.append(sub)
+        if not bags:
+            raise ValueError("SparseStep: the modules given hold no hps.torch.EmbeddingBag")
+        for b in bags:
+            if b._held is not None and b._held is not self and b._held._pieces:
+                raise ValueError(f"SparseStep: {_named(b)} is another SparseStep's, which holds gradients not yet "
+                                 f"stepped: call its step() or zero_grad() first")
+        for b in bags:
+            b._held = self
+        self.modules = bags
+        self._lock = threading.Lock()  # (lookups on several devices hold from several threads)
+        self._pieces: list = []  # (module, batch or None, positions or keys, worker, tensor)
+        # The gradients held, each a placeholder parameter's .grad: what GradScaler reads
+        # and unscales (unscale_), as an optimizer's.
+        self.param_groups = [{"params": []}]
+
+    def _hold(self, module, batch, where, grads, worker: int, tensor: bool) -> None:
+        """A lookup's gradients: into `batch` at positions `where`, or (batch None)
+        to the module's server for keys `where`. A copy: the scaler unscales it in
+        place, and a lookup's gradient may be autograd's own tensor."""
+        if isinstance(grads, np.ndarray):
+            g = torch.from_numpy(np.array(grads, dtype=np.float32, order="C"))
+        else:
+            g = grads.detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
+        p = torch.zeros((), device=g.device).expand(g.shape)  # (no memory of its own)
+        p.grad = g
+        with self._lock:
+            self._pieces.append((module, batch, where, worker, tensor))
+            self.param_groups[0]["params"].append(p)
+
+    def _take(self) -> list:
+        with self._lock:
+            pieces, params = self._pieces, self.param_groups[0]["params"]
+            self._pieces, self.param_groups[0]["params"] = [], []
+        return [piece + (p.grad,) for piece, p in zip(pieces, params)]
+
+    def step(self, closure=None):
+        """Sends the gradients held, divided by the scaler's scale (GradScaler.step),
+        or drops them where the scaler found inf or NaN. A push that would wait for
+        a batch that waits for this thread is refused first (RuntimeError), and
+        nothing is sent."""
+        try:
+            return self._step(closure)
+        except BaseException:
+            # GradScaler takes grad_scale and found_inf away after a step that returns;
+            # left after one that raised, the next step would read them (a scale
+            # squared, a skip that is not this step's).
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+
+    def _step(self, closure):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        pieces = self._take()
+        if found_inf is not None and float(found_inf):
+            return loss  # the step the scaler skips
+        inverse = None if scale is None else scale.double().reciprocal().float()  # (as GradScaler.unscale_)
+        into, direct = [], {}
+        for module, batch, where, worker, tensor, g in pieces:
+            if inverse is not None:
+                g = g * inverse.to(g.device)
+            if batch is not None:
+                into.append((batch, where, g, worker, tensor))
+            else:
+                direct.setdefault(module.ps, []).append((module, where, g))
+        batched = {id(module.ps) for module, batch, *_ in pieces if batch is not None}
+        for ps, parts in direct.items():
+            _refuse_direct_push(parts[0][0])
+            if id(ps) in batched:  # (a server that does not say which batches are open)
+                raise RuntimeError(
+                    f"hps.torch: SparseStep holds gradients into a batch of {ps!r} and, from {_named(parts[0][0])}, "
+                    f"which has no batch attached, to the server directly, whose push would wait for that batch, "
+                    f"which waits for this step; nothing was sent. Attach every hps.torch module on the server to "
+                    f"the batch (module.attach(batch, worker)) or none")
+        for batch, where, g, worker, tensor in into:
+            if tensor:
+                batch.accumulate_tensor(where, g, worker=worker)
+            else:
+                batch.accumulate(where, g.numpy(), worker=worker)
+        for ps, parts in direct.items():
+            if len(parts) == 1:
+                keys, grads = parts[0][1], parts[0][2].numpy()
+            else:
+                keys, inverse_keys = _core.unique_keys(np.concatenate([k for _, k, _ in parts]))
+                grads = _core.sum_by_inverse(inverse_keys, np.concatenate([g.numpy() for _, _, g in parts]), len(keys))
+            ps.push(keys, np.ascontiguousarray(grads))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients held."""
+        self._take()
+
+    def release(self) -> None:
+        """The modules' gradients go to their servers as backward computes them again
+        (ValueError while gradients are held: step() or zero_grad() first)."""
+        if self._pieces:
+            raise ValueError("SparseStep.release: gradients are held, not yet stepped: call step() or zero_grad() "
+                             "first")
+        for b in self.modules:
+            if b._held is self:
+                b._held = None
+
+    def __repr__(self) -> str:
+        return f"SparseStep({len(self.modules)} hps.torch module(s), {len(self._pieces)} gradient(s) held)"
 
 
 class WorkerShares:
