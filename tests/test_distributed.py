@@ -1118,6 +1118,74 @@ def test_kstep_adam_keeps_a_parameter_whose_gradient_stays_zero_finite(beta2, fl
         torch.set_flush_denormal(False)
 
 
+def _kstep_adam_reference_step(params, state, lr, b1, b2, eps):
+    """KStepAdam.step as it was before it checked the gradients (torch's ops in its
+    order), for a bit-for-bit comparison."""
+    import torch
+    with torch.no_grad():
+        for p in params:
+            st = state.setdefault(p, {"m": torch.zeros_like(p), "v": torch.full_like(p, eps)})
+            g = p.grad
+            st["m"].mul_(b1).add_(g, alpha=1 - b1)
+            st["v"].mul_(b2).addcmul_(g, g, value=1 - b2).clamp_min_(torch.finfo(p.dtype).tiny)
+            p.addcdiv_(st["m"], st["v"].sqrt(), value=-lr)
+
+
+def _bits(t):
+    import torch
+    return t.detach().contiguous().view(torch.int32)  # (-0.0 and 0.0 told apart, NaNs by their bits)
+
+
+@pytest.mark.parametrize("bad", [1e20, -1e20, float("inf"), float("nan")])
+def test_kstep_adam_refuses_a_gradient_whose_square_overflows_before_any_parameter_changes(bad):
+    """A gradient past 1.8e19 made g^2, and with it v, an infinity: from then on
+    m / sqrt(v) is 0 (the parameter never moves) or NaN, and the model was kept so
+    without a word. The step is refused (DivergedError, naming the parameter), all or
+    nothing: the parameter stepped before the bad one is unchanged too, as are m and v."""
+    import torch
+    from hps.distributed import KStepAdam
+    from hps.errors import DivergedError
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.nn.Parameter(torch.randn(4, 3, generator=gen)), torch.nn.Parameter(torch.randn(3, generator=gen))]
+    opt = KStepAdam(xs, lr=0.01, beta1=0.5, beta2=0.999, eps=1e-8)
+    for x in xs:
+        x.grad = torch.randn(x.shape, generator=gen)
+    opt.step()
+    for x in xs:
+        x.grad = torch.randn(x.shape, generator=gen)
+    xs[1].grad[1] = bad
+    before = [_bits(t).clone() for x in xs for t in (x, opt.state[x]["m"], opt.state[x]["v"])]
+    with pytest.raises(DivergedError, match=r"^k-step Adam step: dense parameter 1 of 2 \(shape \(3,\)\) has .*: "
+                                            r"training diverged; no dense parameter was changed$"):
+        opt.step()
+    after = [_bits(t) for x in xs for t in (x, opt.state[x]["m"], opt.state[x]["v"])]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_kstep_adam_steps_bit_for_bit_as_before_its_gradient_check():
+    """The check reads the gradients and changes nothing: parameters, m and v after
+    each of a few steps are those of the step without it, bit for bit, large
+    gradients (1e15, under the bound) and zeros among them."""
+    import torch
+    from hps.distributed import KStepAdam
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(16, 9), (16,), (1, 16), (1,)]
+    xs = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ref = [torch.nn.Parameter(x.detach().clone()) for x in xs]
+    opt, state = KStepAdam(xs, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8), {}
+    for step in range(6):
+        for x, r in zip(xs, ref):
+            g = torch.randn(x.shape, generator=gen) * (1e15 if step == 2 else 1.0)
+            g[g.abs() < 0.3] = 0.0
+            x.grad, r.grad = g.clone(), g.clone()
+        opt.step()
+        _kstep_adam_reference_step(ref, state, 0.01, 0.9, 0.99, 1e-8)
+        for x, r in zip(xs, ref):
+            assert torch.equal(_bits(x), _bits(r)), step
+            assert torch.equal(_bits(opt.state[x]["m"]), _bits(state[r]["m"])), step
+            assert torch.equal(_bits(opt.state[x]["v"]), _bits(state[r]["v"])), step
+
+
 @pytest.mark.parametrize("setting,value,message", [
     ("lr", -0.1, "lr must be a finite number >= 0, got -0.1"), ("lr", float("nan"), "lr must be a finite number"),
     ("beta1", 1.0, "beta1 must be in [0, 1), got 1.0"), ("beta2", -0.5, "beta2 must be in [0, 1), got -0.5"),

@@ -26,7 +26,9 @@ class DivergedError(HpsError):
     a finite sum whose step would leave a value of the row that is not finite (SGD's
     lr * g, the squares of AdaGrad and Adam past float32's range). And under
     hps.distributed the dense gradients all-reduced, or k-step Adam's merge, that
-    overflowed: raised on every rank alike, before any parameter changes."""
+    overflowed: raised on every rank alike, before any parameter changes; and a
+    k-step Adam step whose gradients' squares could overflow its v (or that holds a
+    NaN or an infinity), raised by the rank's step before any parameter changes."""
 
 
 class IoPathWarning(RuntimeWarning):

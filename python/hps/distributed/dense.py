@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import numpy as np
 
@@ -51,6 +51,84 @@ def _unflat(flat: np.ndarray, tensors) -> None:
         at += n
 
 
+# k-step Adam's v is a running mean of squared gradients, b2 v + (1 - b2) g^2: a
+# gradient past the square root of the dtype's largest value (float32's: |g| past
+# 1.8e19) made g^2, and with it v, an infinity, after which m / sqrt(v) is 0 (the
+# parameter never moves again) or NaN, and the checkpoint kept it so. A step is
+# refused where a gradient tensor's sum of squares passes the largest value / 2^8
+# (float32: 1.3e36; so is any |g| past 1.15e18). The sum is at least each of its
+# squares, so every square that reaches v is under that bound, and v, a mean of eps
+# and such squares (the merge's too: a mean of the ranks' v), stays under it but for
+# rounding: each step's few roundings add a few parts in 2^24 / (1 - b2) at most,
+# which the 2^8 of headroom covers for any beta2 that float32 holds apart from 1, as
+# it covers the merge's float32 sum of the ranks' v for most jobs (a sum that
+# overflows there is refused, on every rank alike). m, a mean of 0 and such
+# gradients (b1 m + (1 - b1) g), cannot overflow either; the step lr m / sqrt(v) is
+# at most lr / sqrt(1 - b2) for b1 = 0 (v >= (1 - b2) g^2). A NaN or an infinity in
+# a gradient makes its sum one, refused too. The sum is one BLAS dot product a
+# tensor, one read of the gradients: on W4's MLP (429-512-256-1, 2 cores) 35 us with
+# the gradients out of cache, +10% to +16% of the step; the largest |g| took 1.5 to
+# 2 times as long (torch.aminmax, amax of abs), 12 to 20 times by
+# torch._foreach_norm(ord=inf), and a check of every parameter, m and v after the
+# step cost +70%. On a GPU the step waits for the sums (one copy to the host).
+_SQUARES_HEADROOM = 2.0 ** 8
+_SQUARES_LIMIT: dict = {}  # dtype: the largest sum of squares of one of its gradient tensors that a step takes
+
+
+def _refuse_overflowing_gradients(param_groups, torch) -> None:
+    """Raises DivergedError, before any parameter, m or v changes (all or nothing),
+    where a gradient's sum of squares passes the dtype's largest value / 2^8 or is
+    not a number: its squares in v could overflow (see above). For a dtype of less
+    range than float32's (float16: its sum of squares passes 65504 long before a
+    square does) the largest square stands for the sum. Names the dense parameter
+    (its place among all of the optimizer's, its shape) and its largest |gradient|.
+    Each rank decides on its own gradients (k-step Adam's are not all-reduced, and
+    a decision of every rank alike would cost an exchange a step, which k-step Adam
+    exists to save): under hps train a rank that raises ends the job, every rank,
+    as a loss that is not a number does, before a merge or checkpoint (collectives)
+    can hold its step."""
+    params, sums = [], []
+    for group in param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.dtype == torch.float32 or g.dtype == torch.float64:
+                f = g if g.dim() == 1 else g.reshape(-1)
+                sums.append(torch.dot(f, f))
+            else:
+                sums.append(g.abs().amax().float().square())
+            params.append(p)
+    if not params:
+        return
+    if not sums[0].is_cpu and len({(s.device, s.dtype) for s in sums}) == 1:
+        said = torch.stack(sums).tolist()  # (one wait for the device, not one a tensor)
+    else:
+        said = [s.item() for s in sums]
+    for p, s in zip(params, said):
+        limit = _SQUARES_LIMIT.get(p.dtype)
+        if limit is None:
+            limit = _SQUARES_LIMIT[p.dtype] = float(torch.finfo(p.dtype).max) / _SQUARES_HEADROOM
+        if not s <= limit:  # (a NaN too)
+            _refuse_gradient(param_groups, p, s, limit, torch)
+
+
+def _refuse_gradient(param_groups, p, s: float, limit: float, torch) -> NoReturn:
+    """_refuse_overflowing_gradients's error, for parameter p, its gradient's sum of squares s."""
+    from hps.errors import DivergedError
+    params = [q for group in param_groups for q in group["params"]]
+    i = next(i for i, q in enumerate(params) if q is p)
+    g = p.grad
+    bad = ~torch.isfinite(g)
+    if bool(bad.any()):
+        why = f"a non-finite gradient (first: {float(g[bad].reshape(-1)[0])!s})"
+    else:
+        why = (f"gradients whose sum of squares is {s:.4g} (largest |gradient| {float(g.abs().max()):.4g}), past "
+               f"{limit:.4g}: their squares in v could overflow {p.dtype}")
+    raise DivergedError(f"k-step Adam step: dense parameter {i} of {len(params)} (shape {tuple(p.shape)}) has "
+                        f"{why}: training diverged; no dense parameter was changed")
+
+
 @functools.lru_cache(maxsize=None)
 def kstep_adam_class():
     """KStepAdam (a torch.optim.Optimizer; made on first use so that the core
@@ -68,7 +146,11 @@ def kstep_adam_class():
         smallest normal value. A parameter whose gradient stays 0 (a dead ReLU
         unit's weights) saw v decay to 0 (beta2 <= 0.5 after a few dozen steps,
         any beta2 where denormals are flushed) and m / sqrt(v) = 0 / 0 made it NaN.
-        Every k steps DenseSync averages x and v over the ranks; m stays local."""
+        A step whose gradients' squares could overflow v (a gradient tensor's sum of
+        squares past the dtype's largest value / 2^8: float32's 1.3e36), or that
+        holds a NaN or an infinity, raises DivergedError before any parameter
+        changes (_refuse_overflowing_gradients). Every k steps DenseSync averages x
+        and v over the ranks; m stays local."""
 
         def __init__(self, params, lr: float = 1e-3, beta1: float = 0.0, beta2: float = 0.999,
                      eps: float = 1e-8):
@@ -87,6 +169,7 @@ def kstep_adam_class():
 
         @torch.no_grad()
         def step(self, closure=None):
+            _refuse_overflowing_gradients(self.param_groups, torch)  # (before any parameter, m or v changes)
             for group in self.param_groups:
                 lr, b1, b2, eps = group["lr"], group["beta1"], group["beta2"], group["eps"]
                 for p in group["params"]:
