@@ -387,11 +387,12 @@ def test_eval_examples_of_0_read_no_held_out_batch_and_a_negative_count_is_refus
     and the sketch check counted evaluation sketches for a run that scores none. A
     negative count was taken as it came."""
     from hps.train import _eval_batches
-    tsv = tmp_path / "day_0.tsv"
+    tsv, held = tmp_path / "day_0.tsv", tmp_path / "day_1.tsv"
     row = "\t".join(["1"] + ["1"] * 13 + ["68fd1e64"] * 26)
     tsv.write_text((row + "\n") * 8)
+    held.write_text((row + "\n") * 8)
     d = {"eval_every": 20, "pipelined": False, "ps": {"dim": 4, "path": str(tmp_path / "a")},
-         "data": {"source": str(tsv), "eval_source": str(tsv), "batch_size": 4},
+         "data": {"source": str(tsv), "eval_source": str(held), "batch_size": 4},
          "admission": {"threshold": 2, "sketch_bytes": "400KiB"}}
     with pytest.raises(ValueError, match="3 sketches a rank"):  # 1 MiB machine (no_launcher)
         TrainConfig.from_dict(d)
