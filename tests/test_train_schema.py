@@ -811,6 +811,52 @@ def test_hps_train_refuses_held_out_data_inside_the_training_data_directory(tmp_
     assert train(cfg, progress=False)["examples"] == 50
 
 
+def test_hps_train_refuses_held_out_data_that_is_a_training_file(tmp_path, monkeypatch, capsys):
+    # eval_source = "./a.csv" with source = "a.csv" (or a link to it, a hard link, a
+    # directory or glob of held-out data that holds a training file) trained and
+    # evaluated on the same rows: the reported AUC was a training AUC. Refused before
+    # anything is written, naming both fields and the files, compared as the same file.
+    from hps.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    write_csv(tmp_path / "a.csv", 50, 2)
+    write_csv(tmp_path / "b.csv", 50, 3)
+    write_csv(tmp_path / "data" / "c.csv", 50, 4)
+    write_csv(tmp_path / "data" / "train" / "d.csv", 50, 5)
+    (tmp_path / "link.csv").symlink_to(tmp_path / "a.csv")
+    os.link(tmp_path / "a.csv", tmp_path / "hard.csv")
+
+    def config(source, held):
+        return TrainConfig.from_dict({"ps": {"dim": DIM, "path": str(tmp_path / "run")}, "torch_threads": 1,
+                                      "hidden": [8], "data": {"source": source, "schema": SCHEMA,
+                                                              "eval_source": held}}, "run.toml")
+
+    for source, held, said in [
+            ("a.csv", "./a.csv", "data.eval_source ./a.csv is a file of the training data, data.source a.csv"),
+            ("a.csv", str(tmp_path / "a.csv"), f"data.eval_source {tmp_path / 'a.csv'} is a file of the training "
+                                               f"data, data.source a.csv"),
+            ("a.csv", "link.csv", "data.eval_source link.csv is a file of the training data, data.source a.csv"),
+            ("a.csv", "hard.csv", "data.eval_source hard.csv is a file of the training data, data.source a.csv"),
+            (["b.csv", "a.csv"], f"../{tmp_path.name}/a.csv",
+             f"data.eval_source ../{tmp_path.name}/a.csv is a file of the training data, data.source a.csv"),
+            ("data/c.csv", "data", "data.eval_source data (data/c.csv) is a file of the training data, "
+                                   "data.source data/c.csv"),
+            ("data/train", "data", "data.eval_source data (data/train/d.csv) is a file of the training data, "
+                                   "data.source data/train (data/train/d.csv)")]:
+        with pytest.raises(ValueError, match=rf"^{re.escape(said)}: the evaluations would score examples the "
+                                             rf"model is trained on"):
+            train(config(source, held), progress=False)
+        assert not (tmp_path / "run").exists(), (source, held)
+    assert main(["train", "--data", "a.csv", "--eval-data", "./a.csv", "--path", "run", "--label", "click",
+                 "--dense", "price", "--no-progress"]) == 2
+    assert "hps train: data.eval_source ./a.csv is a file of the training data, data.source a.csv: " \
+        in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    # Files of their own: trained and evaluated.
+    summary = train(config("a.csv", "b.csv"), progress=False)
+    assert summary["examples"] == 50 and summary["final"]["eval_examples"] == 50
+
+
 def test_hps_train_refuses_outputs_and_held_out_data_a_data_glob_lists(tmp_path, capsys):
     # A glob's listing ("data/**", "data/*/*", "data/*.csv") takes what it matches at
     # the depth its parts reach: the checks looked at directories alone, so a job, a

@@ -497,7 +497,8 @@ def _check_job_outside_data(cfg: TrainConfig) -> None:
     or "_"), or where a local glob among them would list files: a directory gives its
     files at every depth, so a resumed run would list the job's own checkpoints among
     its data (and a growing directory would read them as the run writes them). So is
-    held-out data inside the training data's directory, or among its glob's files."""
+    held-out data inside the training data's directory, or among its glob's files, or
+    that names a training file (_check_held_out_files_untrained)."""
     check_output_outside_data(cfg, cfg.ps.path, "[ps] path", "the run's checkpoints",
                               "put the job elsewhere")
     # Held-out data the training data's listing takes (data/eval/ under data/) would be
@@ -522,6 +523,47 @@ def _check_job_outside_data(cfg: TrainConfig) -> None:
                 raise ValueError(f"data.eval_source {held} is among the files of the training data glob {path} "
                                  f"(data.source){'' if taken == held else f' ({taken})'}: the held-out examples "
                                  f"would be trained on; move them out, or under a name starting with '.' or '_'")
+    _check_held_out_files_untrained(cfg, evals)
+
+
+def _check_held_out_files_untrained(cfg: TrainConfig, evals: list) -> None:
+    """Raises ValueError where a local file of the held-out data (data.eval_source: a
+    file, or a directory's or glob's) is a file of the training data (data.source, as
+    listed), naming both fields and the files: the run evaluated rows it trained on,
+    and reported their AUC, a training AUC, as held-out. Compared as the same file
+    (os.stat's device and inode, os.path.samefile's), however spelled: "./a.csv" and
+    "a.csv", a link, a hard link. The checks above find held-out files under the
+    training data's directories and globs; this one the training files named one by
+    one, and held-out directories and globs that list training files."""
+    held_files = [(held, f) for held in (os.fspath(e) for e in evals) if "://" not in held
+                  for f in _held_files(held)]
+    if not held_files:
+        return
+    trained: dict = {}
+    given = cfg.data.source if isinstance(cfg.data.source, (list, tuple)) else [cfg.data.source]
+    for src in (os.fspath(p) for p in given):
+        if src == "synthetic" or "://" in src:
+            continue
+        for f in _held_files(src):
+            identity = _file_identity(f)
+            if identity is not None:
+                trained.setdefault(identity, (src, f))
+    for held, f in held_files:
+        src, t = trained.get(_file_identity(f), (None, None))
+        if src is not None:
+            raise ValueError(f"data.eval_source {held}{'' if f == held else f' ({f})'} is a file of the training "
+                             f"data, data.source {src}{'' if t == src else f' ({t})'}: the evaluations would score "
+                             f"examples the model is trained on, their AUC a training AUC; hold out files the "
+                             f"training data does not name")
+
+
+def _file_identity(path: str) -> Optional[tuple]:
+    """(device, inode) of the file at path (os.path.samefile's), None where it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def check_output_outside_data(cfg: TrainConfig, output, named: str, what: str, instead: str) -> None:
