@@ -939,6 +939,25 @@ def run_train(node, out: str, args) -> None:
                 batch.grads[np.flatnonzero(batch.touched)[0], 1] = np.nan
             return apply(batch)
         DistBatch.apply = diverged_apply
+    if args.huge_dense_grad_at_step and node.rank == 1:
+        # Rank 1's first dense gradient of that step holds 1e20 (its square past
+        # float32's range; a step that diverged with a finite loss), the other ranks'
+        # are as trained: k-step Adam's gradients are each rank's own.
+        from hps.distributed.dense import DenseSync
+        make = DenseSync.make_optimizer
+
+        def making(sync, factory):
+            opt = make(sync, factory)
+            step, steps = opt.step, [0]
+
+            def diverging_step(*a, **kw):
+                steps[0] += 1
+                if steps[0] == args.huge_dense_grad_at_step:
+                    next(p for p in sync.params if p.grad is not None).grad.view(-1)[0] = 1e20
+                return step(*a, **kw)
+            opt.step = diverging_step
+            return opt
+        DenseSync.make_optimizer = making
     if args.huge_shared_grad_at_step:
         # Herald: from that step on, at the first step a key is trained on both
         # ranks, each rank's gradients of such keys are 3e38: finite (each rank's
@@ -1115,6 +1134,8 @@ def parse_args(argv: list):
     ap.add_argument("--fail-at-step", type=int, default=0)
     ap.add_argument("--fail-in-step", type=int, default=0, help="rank 1's train stage raises at that step")
     ap.add_argument("--nan-grad-at-step", type=int, default=0, help="rank 1's sparse gradients of that step hold a NaN")
+    ap.add_argument("--huge-dense-grad-at-step", type=int, default=0,
+                    help="rank 1's first dense gradient of that step holds 1e20")
     ap.add_argument("--huge-shared-grad-at-step", type=int, default=0,
                     help="Herald: from that step, the first one with keys both ranks train, their gradients are 3e38")
     ap.add_argument("--rank1-config", default="", help="rank 1 runs another 'dense_lr' or 'sparse_grads', or "

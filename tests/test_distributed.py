@@ -1591,6 +1591,24 @@ def _assert_rank_1s_nan_ended_the_job(p, traffic: str) -> None:
     assert "waited" not in p.stderr, p.stderr[-3000:]
 
 
+def test_a_kstep_dense_gradient_whose_square_overflows_ends_the_job_before_a_merge_or_checkpoint(tmp_path):
+    """Rank 1's dense gradient of step 3 holds 1e20 (k-step Adam's gradients are each
+    rank's own). Its square made v an infinity, the parameter never moved again, and
+    the job finished and kept that model. Now rank 1's step refuses it before any
+    parameter changes and the job ends at once, naming the rank and the parameter;
+    the merge of step 3 and the checkpoint of step 4 never happen: job.json keeps step 2."""
+    p = scenario(2, "train", tmp_path, "--steps", 6, "--dense-sync", "kstep", "--k", 3, "--checkpoint-every", 2,
+                 "--huge-dense-grad-at-step", 3, "--timeout", 60, check=False, timeout=200)
+    assert p.returncode != 0, p.stderr[-3000:]
+    assert re.search(r"hps\.distributed: rank 1 of 2: DivergedError: k-step Adam step: dense parameter 0 of \d+ "
+                     r"\(shape \(\d+, \d+\)\) has gradients whose sum of squares is [^;]*: training diverged; no "
+                     r"dense parameter was changed; aborting the job", p.stderr), p.stderr[-3000:]
+    assert_aborted_once(p, 1)
+    assert "waited" not in p.stderr, p.stderr[-3000:]
+    with open(tmp_path / "job" / "job.json") as f:
+        assert json.load(f)["step"] == 2
+
+
 def test_a_nan_sparse_gradient_ends_a_herald_job_before_the_shared_gradients_cross(tmp_path):
     """As above with schedule = "herald": rank 1's gradients of step 3 hold a NaN.
     Herald's exchange of shared keys' gradients carried it to the key's primary,
