@@ -1673,6 +1673,27 @@ def test_refuse_nonfinite_counts_values_and_keys_and_lets_numbers_pass():
         refuse_nonfinite(grads, keys, "push gradients")
 
 
+@pytest.mark.parametrize("codec", ["none", "bf16"])
+def test_refuse_nonfinite_returns_the_largest_magnitude_and_refuses_a_lone_nan_or_infinity(codec):
+    """refuse_nonfinite reads the gradients' largest and smallest value only (the
+    bound each rank tells in a step's first exchange: sum_bound), where an isfinite
+    pass read them first: a NaN alone, +inf alone and -inf alone among numbers are
+    each refused through that reading, with the message of the pass (under bf16
+    too); numbers give their largest |value| (0.0 for no gradient)."""
+    from hps.distributed.sparse import refuse_nonfinite
+    keys = np.array([5, 9, 11], np.uint64)
+    grads = np.array([[1.0, -2.0], [0.5, 0.0], [1.5, -0.25]], np.float32)
+    assert refuse_nonfinite(grads, keys, "push gradients", codec) == 2.0
+    assert refuse_nonfinite(-grads, keys, "push gradients", codec) == 2.0
+    assert refuse_nonfinite(np.empty((0, 2), np.float32), keys[:0], "push gradients", codec) == 0.0
+    for bad in (np.nan, np.inf, -np.inf):
+        odd = grads.copy()
+        odd[1, 1] = bad
+        said = r"^push gradients: 1 non-finite value in the gradients of 1 key \(key 9 first: " + str(bad)
+        with pytest.raises(hps.errors.DivergedError, match=said):
+            refuse_nonfinite(odd, keys, "push gradients", codec)
+
+
 def test_refuse_nonfinite_under_bf16_refuses_the_finite_values_bf16_rounds_to_infinity():
     """bfloat16 rounds a float32 from 0x7F7F8000 on (about 3.3962e38, below float32's
     largest) up to an infinity: under [distributed] sparse_grads = "bf16" those are

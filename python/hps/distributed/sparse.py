@@ -156,7 +156,7 @@ class FreshRows:
         return out
 
 
-def refuse_nonfinite(grads: np.ndarray, keys: np.ndarray, what: str, codec: str = "none") -> None:
+def refuse_nonfinite(grads: np.ndarray, keys: np.ndarray, what: str, codec: str = "none") -> float:
     """Raises DivergedError where the gradients (n, dim) of keys (n,) hold a NaN or
     an infinity, naming `what` (the traffic), how many values and keys, and the
     first key. Checked before the gradients leave the rank, whatever codec carries
@@ -164,17 +164,23 @@ def refuse_nonfinite(grads: np.ndarray, keys: np.ndarray, what: str, codec: str 
     rows, which every later step and checkpoint would then hold as NaN. `codec`
     ([distributed] sparse_grads): under "bf16" a finite value past
     BFloat16.largest_finite_input is refused too, since the codec rounds it to an
-    infinity, which the owner would step its row with."""
-    largest = None
+    infinity, which the owner would step its row with.
+
+    Returns the largest |gradient| (0.0 for none), for sum_bound: the check is
+    the gradients' largest and smallest value (numpy's max and min propagate a
+    NaN), which the bound reads anyway: no np.isfinite pass, with its mask as
+    large as the gradients, reads them before; the values and keys are counted
+    only for the error."""
     if codec == "bf16":
         from hps.hierarchical.codecs import BFloat16
         largest = BFloat16.largest_finite_input
-        # (False for a NaN and an infinity too: one pass, as np.isfinite's)
-        ok = np.abs(grads) <= np.float32(largest)
     else:
-        ok = np.isfinite(grads)
-    if ok.all():
-        return
+        largest = float(np.finfo(np.float32).max)  # (|x| <= it: x is finite)
+    top, bottom = (float(grads.max()), float(grads.min())) if grads.size else (0.0, 0.0)
+    if top <= largest and -bottom <= largest:  # (False for a NaN)
+        return max(top, -bottom)
+    # (False for a NaN and an infinity too, under either test)
+    ok = np.abs(grads) <= np.float32(largest) if codec == "bf16" else np.isfinite(grads)
     bad_rows = ~ok.all(axis=1)
     first = int(np.flatnonzero(bad_rows)[0])
     values, rows = int(ok.size - np.count_nonzero(ok)), int(bad_rows.sum())
@@ -200,11 +206,10 @@ def refuse_nonfinite(grads: np.ndarray, keys: np.ndarray, what: str, codec: str 
 _SUM_BOUND = float(np.finfo(np.float32).max) / 4
 
 
-def sum_bound(grads: np.ndarray, repeats: int) -> int:
-    """A rank's bound on its part of any key's sum (its largest |gradient| times
-    `repeats`, the most rows it sends of one key), as Node.alltoallv's `tell` (the
-    float64's bits). `grads` holds no NaN (refuse_nonfinite)."""
-    largest = max(float(grads.max()), -float(grads.min())) if grads.size else 0.0
+def sum_bound(largest: float, repeats: int) -> int:
+    """A rank's bound on its part of any key's sum (its largest |gradient|, as
+    refuse_nonfinite returns it, times `repeats`, the most rows it sends of one
+    key), as Node.alltoallv's `tell` (the float64's bits)."""
     return int(np.array([largest * repeats], np.float64).view(np.int64)[0])
 
 
@@ -492,8 +497,8 @@ class DistBatch:
             try:
                 # Before the first exchange, and told there: every rank's batch is
                 # aborted, this rank raising its error, the others RankFailure.
-                refuse_nonfinite(self.grads, self.keys, "push gradients", self.server.grads_codec.spec)
-                bound = sum_bound(self.grads, 1)  # (a key's gradients are summed here: one row a key)
+                largest = refuse_nonfinite(self.grads, self.keys, "push gradients", self.server.grads_codec.spec)
+                bound = sum_bound(largest, 1)  # (a key's gradients are summed here: one row a key)
                 in_send_order = pre.order
                 touched = self.touched[in_send_order]
                 grads = self.grads[in_send_order]
@@ -656,8 +661,8 @@ class DistributedServer:
                 raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
             if len(keys) and (keys == EMPTY_KEY).any():  # (its owner's push refused it, after the exchange)
                 raise ValueError(f"push keys: key {EMPTY_KEY:#x} is reserved (the empty-slot sentinel)")
-            refuse_nonfinite(grads, keys, "push gradients", codec.spec)
-            bound = sum_bound(grads, len(keys))  # (a key's rows are summed at its owner)
+            largest = refuse_nonfinite(grads, keys, "push gradients", codec.spec)
+            bound = sum_bound(largest, len(keys))  # (a key's rows are summed at its owner)
             self._check_push()
             owners = owner_ranks(keys, self.node.size)
             order = np.argsort(owners, kind="stable")
