@@ -429,7 +429,9 @@ def run_ownerrefuses(node, out: str, args) -> None:
     alone, as an owner: its prefetch's working set past its device_capacity (its
     server's batches use a device tier: host_in_place = false), the sum of every
     rank's finite gradients of a key it owns that overflows (3e38 three times) in a
-    push and in a batch, and, last, its prefetch's MEM-PS full (CacheFullError),
+    push and in a batch; what rank 0, as if it ran another hps, sends it malformed
+    (a word or a byte more): a lookahead window, a pull's rows (and the pull after
+    it), a batch's rows; and, last, its prefetch's MEM-PS full (CacheFullError),
     not tried again: its next call is the next step's. Every rank catches what its
     call raised and goes on to the next. Each rank writes what each call raised,
     and whether the rows of the keys are as they were before the calls but the last
@@ -475,9 +477,32 @@ def run_ownerrefuses(node, out: str, args) -> None:
         finally:
             if bad:
                 del server.local.prefetch
+    def sent_malformed(call, attribute: str, owner, word):
+        """call(), rank 0's `attribute` of `owner` (a method that makes the blocks
+        of an exchange) adding `word` to its block to the last rank."""
+        if node.rank == 0:
+            real = getattr(owner, attribute)
+
+            def malformed(*a):
+                blocks = list(real(*a))
+                blocks[-1] = np.append(blocks[-1], word)
+                return blocks
+            setattr(owner, attribute, malformed)  # this instance's, this once
+        try:
+            return call()
+        finally:
+            if node.rank == 0:
+                delattr(owner, attribute)
     calls = {"prefetch past device_capacity": past_device_capacity,
              "push whose sum overflows": lambda: server.push(keys, huge),
-             "batch whose sum overflows": lambda: step(keys, huge)}
+             "batch whose sum overflows": lambda: step(keys, huge),
+             "lookahead window sent malformed": lambda: sent_malformed(
+                 lambda: server.prefetch(keys, upcoming=[keys]).release(), "_window_blocks", server, np.uint64(7)),
+             "pull rows sent malformed": lambda: sent_malformed(lambda: server.pull(keys), "pack",
+                                                                server.fresh_rows, np.uint8(0)),
+             "the pull after it": lambda: server.pull(keys),
+             "batch rows sent malformed": lambda: sent_malformed(lambda: step(keys, grads), "pack",
+                                                                 server.fresh_rows, np.uint8(0))}
     errors = {name: raised_by(call) for name, call in only(args, calls).items()}
     same = bool(np.array_equal(server.pull(keys), before))
     if not args.only or "prefetch full and not tried again" in args.only.split(","):

@@ -305,16 +305,40 @@ def test_a_call_the_last_rank_refuses_as_an_owner_is_refused_on_every_rank_namin
     on), and where the ranks' gradients could overflow (each rank tells a bound
     in the step's first exchange) the owners check their sums and agree before any
     steps: every rank raises, the last rank its error, the others RankFailure
-    naming it; no row changes, and the next step goes on."""
+    naming it; no row changes, and the next step goes on.
+
+    So does what the last rank refuses of what rank 0 sends it (another hps's
+    layout): a lookahead window (refused between the prefetch's exchanges: the
+    others waited in its next one until the watchdog's timeout) and a batch's rows
+    (after the load's exchange: the others' batches waited in their apply until
+    the watchdog's timeout), told where the others wait; a pull's rows, after which
+    the others went on none the wiser, are told in the last rank's next exchange,
+    which every rank gives up."""
+    from hps.distributed import owner_ranks
     world = 3
     p = scenario(world, "ownerrefuses", tmp_path, "--timeout", 30, check=False, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    for name, (what, said) in OWNER_REFUSES.items():
+    # (keys 1..40, untrained: rank 0 sends the last rank its window's keys that rank
+    # owns, and the rows it asked rank 0 for as a bit each, and a word or byte more)
+    owners = owner_ranks(np.arange(1, 41, dtype=np.uint64), world)
+    malformed_rows = (f"RuntimeError: rank 0's rows: a block that marks 0 of {int((owners == 0).sum())} rows as sent "
+                      f"holds 1 bytes of rows, not 0 (does that rank run another hps?)")
+    refused = {**OWNER_REFUSES,
+               "lookahead window sent malformed": (
+                   "prefetch keys", f"RuntimeError: rank 0's lookahead window: {4 + int((owners == world - 1).sum())} "
+                                    f"words do not match its header (does that rank run another hps?)"),
+               "batch rows sent malformed": ("push positions", malformed_rows)}
+    for name, (what, said) in refused.items():
         assert got[-1]["errors"][name] == said, name
         for r in range(world - 1):
             assert got[r]["errors"][name] == (f"RankFailure: {what}: rank {world - 1} failed before the exchange "
                                               f"({said}): every rank gives it up"), (r, name)
+    assert got[-1]["errors"]["pull rows sent malformed"] == malformed_rows
+    assert [g["errors"]["pull rows sent malformed"] for g in got[:-1]] == [""] * (world - 1)
+    after = malformed_rows.replace("RuntimeError: ", "RuntimeError after pull rows: ", 1)
+    told = f"RankFailure: pull keys: rank {world - 1} failed before the exchange ({after}): every rank gives it up"
+    assert [g["errors"]["the pull after it"] for g in got] == [told] * world
     assert [g["errors"]["the next step"] for g in got] == [""] * world
     assert [g["rows_as_before"] for g in got] == [True] * world
 

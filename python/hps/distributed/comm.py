@@ -70,6 +70,11 @@ class RankFailure(HpsError):
     (Node.give_up). No exchange is owed after it."""
 
 
+class _FailedAfter(Exception):
+    """A rank's failure after a call's last exchange, told in its next exchange
+    (Node.owe): its text names the error and the exchange it followed."""
+
+
 def raised_on_every_rank(e: BaseException) -> bool:
     """Whether every rank of the job raised with `e`, so that no exchange is owed
     after it: a RankFailure, or the error of a rank whose peers heard of it in an
@@ -291,6 +296,12 @@ class Node:
         self.nodes = self.cross_comm.Get_size()
         self.uniform_nodes = len(set(sizes)) == 1
         self._closed = False
+        # This rank's failures after a call's last exchange, which its peers have not
+        # heard of (owe): by stage, the one its next exchange there tells; and the
+        # one its peers wait for in an exchange it will not make, with the thread
+        # whose next collective tells it there.
+        self._owed: dict = {}
+        self._owed_waiting: Optional[tuple] = None  # (thread, stage, what, failed)
         self._watchdog = _Watchdog(self, self.config.timeout)
 
     # -- failure
@@ -326,6 +337,11 @@ class Node:
         cost); ``heard`` (W,), if given, gets each rank's, in rank order."""
         MPI = self.MPI
         comm = self.comms[stage]
+        self._tell_waiting()
+        if failed is None:
+            # A failure of this rank after a call's last exchange on this communicator
+            # (owe): this exchange, every rank's next one there, is given up.
+            failed = self._owed.pop(stage, None)
         largest = 0  # the bytes of this rank's largest block
         if failed is None:
             first = blocks[self.rank]
@@ -394,6 +410,45 @@ class Node:
         self.alltoallv(stage, None, "", what, failed=failed)
         raise AssertionError("unreachable: alltoallv raises for a rank that failed")  # pragma: no cover
 
+    def owe(self, stage: str, after: str, failed: Exception) -> None:
+        """This rank failed (`failed`, which it raises) after exchange `after`, the
+        last of its call on stage `stage`'s communicator, where its peers' calls
+        returned, none the wiser. Its next exchange there (alltoallv), which is
+        every rank's next one there, is given up on every rank: every rank raises
+        RankFailure naming this rank and `failed`, this one too (it raised `failed`
+        already). No collective is added to a call that succeeds; rather than
+        going on unaware, or pairing that exchange with another call of this
+        rank's (one it skipped after its failure), the peers hear of it there."""
+        self._owed.setdefault(stage, _FailedAfter(f"{type(failed).__name__} after {after}: {failed}"))
+
+    def owe_waiting(self, stage: str, what: str, failed: Exception) -> None:
+        """This rank failed (`failed`, which it raises) after its call's last
+        exchange, where its peers went on into exchange `what` on stage `stage`'s
+        communicator, which this rank will not make (a later exchange of the same
+        batch, which failed here), and wait there. This rank's next collective,
+        made from this thread, first tells them there (give_up: they raise
+        RankFailure naming this rank and `failed`), then goes on. From this thread
+        alone: a pipeline's other stages use their communicators from threads of
+        their own, and its stage that raised makes no collective again (hps train
+        ends the job for it)."""
+        if self._owed_waiting is None:
+            # (the thread itself: an ident may be a dead thread's, given to a new one)
+            self._owed_waiting = (threading.current_thread(), stage, what, failed)
+
+    def _tell_waiting(self) -> None:
+        """What owe_waiting recorded, told to the peers where they wait, if this
+        thread recorded it; this rank goes on."""
+        owed = self._owed_waiting
+        if owed is None or owed[0] is not threading.current_thread():
+            return
+        self._owed_waiting = None
+        _, stage, what, failed = owed
+        try:
+            self.give_up(stage, what, failed)
+        except BaseException as e:
+            if e is not failed:
+                raise
+
     def confirm(self, stage: str, what: str, failed: Optional[Exception] = None) -> None:
         """A collective of its own, on stage `stage`'s communicator, where a rank
         may have failed after a call's last exchange (`failed`: its error, else
@@ -402,6 +457,7 @@ class Node:
         what only some calls need (a step whose sums may overflow): a call's
         checks of its own input are told in its first exchange (alltoallv)."""
         comm = self.comms[stage]
+        self._tell_waiting()
         flag = np.array([failed is not None], np.int64)
         with self.guard(f"{what} (check)"):
             comm.Allreduce(self.MPI.IN_PLACE, flag, op=self.MPI.MAX)
@@ -413,10 +469,11 @@ class Node:
         header said so, or confirm's collective): the ranks' errors, gathered on
         the exchange's own communicator; this rank's own error is raised again,
         else RankFailure naming each rank that failed and its error."""
-        mine = None if failed is None else f"{type(failed).__name__}: {failed}"
+        owed = isinstance(failed, _FailedAfter)  # (raised by this rank already, in the call it failed)
+        mine = None if failed is None else str(failed) if owed else f"{type(failed).__name__}: {failed}"
         with self.guard(f"{what} (errors)"):
             every = comm.allgather(mine)
-        if failed is not None:
+        if failed is not None and not owed:
             raise mark_raised_on_every_rank(failed)
         said = "; ".join(f"rank {r} failed before the exchange ({e})" for r, e in enumerate(every) if e is not None)
         raise RankFailure(f"{what}: {said}: every rank gives it up")
@@ -424,6 +481,7 @@ class Node:
     def allreduce(self, stage: str, buf: np.ndarray, kind: str, what: str, hierarchical: bool = False) -> np.ndarray:
         """Sums buf over the ranks, in place. `hierarchical` goes across nodes, then
         within them, over communicators of their own: only the train stage uses it."""
+        self._tell_waiting()
         with self.guard(what):
             if hierarchical:
                 hierarchical_allreduce(buf, self.node_comm, self.cross_comm, lambda n: self.count(kind, n),
@@ -441,6 +499,7 @@ class Node:
         exchange), and every rank raises RankFailure naming each rank's operation
         and `note` (what failed), rather than take one operation's objects for
         another's and wait in the next exchange for a rank that has left."""
+        self._tell_waiting()
         with self.guard(what):
             every = self.comms[stage].allgather((what, note, obj))
         if len({w for w, _, _ in every}) > 1:
@@ -453,6 +512,8 @@ class Node:
         rank's exchanges are over (again: a no-op). MPI caps the communicators a
         process holds (MPICH: 2048), and a process may run one job after another.
         Collective: every rank of the job closes its node."""
+        if not self._closed:
+            self._tell_waiting()  # (the peers wait in an exchange, not here)
         self._watchdog.stop()
         if self._closed:
             return

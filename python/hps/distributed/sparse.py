@@ -599,21 +599,37 @@ class DistributedServer:
         asked = self.node.alltoallv(stage, blocks, "sparse_keys", what)
         return uniq, order, counts, asked, flat, inverse
 
-    def _return_rows(self, stage: str, uniq, order, counts, asked, rows_out, what: str) -> np.ndarray:
+    def _return_rows(self, stage: str, uniq, order, counts, asked, rows_out, what: str,
+                     waiting: Optional[tuple] = None) -> np.ndarray:
         """rows_out() (its [r]: the rows of asked[r], the keys rank r asked this owner
         for) to the ranks that asked; returns the rows of uniq, whose uniq[order]
         went to their owners, counts[r] to rank r. An owner whose rows_out() raises
         (its reads: the keys were exchanged) tells the ranks in the exchange, and
-        every rank raises (Node.give_up)."""
+        every rank raises (Node.give_up).
+
+        A rank that refuses the rows it was sent (a block another hps wrote)
+        raises alone, after the call's last exchange: its peers hear of it from
+        its Node (Node.owe), at no cost to a call that succeeds: in its next
+        exchange on `stage`'s communicator, or, `waiting` (stage, exchange), in
+        the exchange its peers go on into and wait in (their batch's apply) by
+        its next collective (Node.owe_waiting). Before, they went on none the
+        wiser, or waited there until the watchdog's timeout."""
         try:
             blocks = self.fresh_rows.pack(asked, rows_out(), self.node.rank)
         except Exception as e:  # noqa: BLE001 - told to the peers, then raised
             self.node.give_up(stage, what, e)
         sent = self.node.alltoallv(stage, blocks, "sparse_rows", what)
-        mine = np.split(uniq[order], np.cumsum(counts)[:-1])
-        rows_in = self.fresh_rows.unpack(mine, sent)
-        rows = np.empty((len(uniq), self.dim), np.float32)
-        rows[order] = np.concatenate(rows_in) if rows_in else rows
+        try:
+            mine = np.split(uniq[order], np.cumsum(counts)[:-1])
+            rows_in = self.fresh_rows.unpack(mine, sent)
+            rows = np.empty((len(uniq), self.dim), np.float32)
+            rows[order] = np.concatenate(rows_in) if rows_in else rows
+        except Exception as e:  # noqa: BLE001 - owed to the peers, then raised
+            if waiting is None:
+                self.node.owe(stage, what, e)
+            else:
+                self.node.owe_waiting(*waiting, e)
+            raise
         return rows
 
     def _summed(self, keys_in: list, grads_in: list) -> tuple:
@@ -757,7 +773,7 @@ class DistributedServer:
             self.node.give_up("prefetch", "prefetch keys" if upcoming is None else "lookahead keys", e)
         try:
             if window is not None:
-                self._send_window(upcoming, window)
+                self._send_window(upcoming, window, then="prefetch keys")
             uniq, order, counts, blocks, flat, inverse = sent
             asked = self.node.alltoallv("prefetch", blocks, "sparse_keys", "prefetch keys")
         except BaseException:
@@ -769,14 +785,23 @@ class DistributedServer:
         """What _send_window sends each rank of the window `upcoming` (WindowSender.blocks)."""
         return self._window_sender.blocks(upcoming, self.node.size)
 
-    def _send_window(self, upcoming, blocks: Optional[list] = None):
+    def _send_window(self, upcoming, blocks: Optional[list] = None, then: Optional[str] = None):
         """Every rank's window to the owners (collective, prefetch stage): each one
         sent the keys it owns of the batches that changed (`blocks`, else
         _window_blocks'), for its MEM-PS to keep the coming keys it owns in the
-        order the job needs them (OwnerWindows.apply)."""
+        order the job needs them (OwnerWindows.apply). `then`: the prefetch
+        exchange that follows, where a rank that refuses what it was sent (a
+        window another hps wrote) tells its peers (Node.give_up): they have gone
+        on into it, and waited there until the watchdog's timeout."""
         if blocks is None:
             blocks = self._window_blocks(upcoming)
-        self._owner_windows.update(self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys"))
+        got = self.node.alltoallv("prefetch", blocks, "sparse_keys", "lookahead keys")
+        try:
+            self._owner_windows.update(got)
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            if then is None:
+                raise
+            self.node.give_up("prefetch", then, e)
 
     def _make_owner_windows(self) -> OwnerWindows:
         return OwnerWindows(self.node.size)
@@ -794,7 +819,10 @@ class DistributedServer:
             made.append(self.local.batch(pre.local, overlap=overlap))
             return [made[0].pull(a) for a in pre.asked]
         try:
-            rows = self._return_rows("load", pre.keys, pre.order, pre.counts, pre.asked, rows_out, "load rows")
+            # (a rank that refuses the rows it was sent: its peers' batches go on to
+            # their apply, whose first exchange they wait in)
+            rows = self._return_rows("load", pre.keys, pre.order, pre.counts, pre.asked, rows_out, "load rows",
+                                     waiting=("train", "push positions"))
         except BaseException as e:
             if made:
                 release_after(e, made[0].abort)  # the exchange's error stands
