@@ -518,8 +518,12 @@ def run_heraldrefusesafter(node, out: str, args) -> None:
     alone, each on a server of its own (a failed step stops it): the leader's
     schedule raises (RuntimeError); the last rank's pin of its keys in MEM-PS
     fails (OSError: its SSD's read, say); it finds MEM-PS full (CacheFullError)
-    and does not try again: its next call is the next step's. Each rank writes
-    what each step raised."""
+    and does not try again: its next call is the next step's. Then calls the
+    last rank fails after their last exchange: the rows rank 0, as if it ran
+    another hps, sends it in a step's partition (a byte more); its keep of the
+    rows sent to it as an owner (OSError: its SSD-PS's write) in a step (the
+    evicted rows) and in a pull's flush after a step. Each rank writes what each
+    call raised, and what the next step raised after some of them."""
     from hps.data import Batch
     from hps.mem_cache import CacheFullError
     bad = node.rank == node.size - 1
@@ -561,14 +565,46 @@ def run_heraldrefusesafter(node, out: str, args) -> None:
         finally:
             if bad:
                 del server.local._cache.pin
+    def fetched_rows_malformed(server):
+        if node.rank == 0:
+            real = server.fetched_rows.pack
+
+            def malformed(*a):
+                blocks = real(*a)
+                blocks[-1] = np.append(blocks[-1], np.uint8(0))
+                return blocks
+            server.fetched_rows.pack = malformed  # this instance's, this once
+        try:
+            step(server, keys)
+        finally:
+            if node.rank == 0:
+                del server.fetched_rows.pack
+
+    def keep_fails(server):
+        if bad:
+            server.local._cache.keep_updated = failing(OSError(5, "Input/output error (mpi_scenarios: keep)"))
+
+    def evicted_kept_fails(server):
+        keep_fails(server)
+        step(server, keys)
+
+    def flushed_kept_fails(server):
+        step(server, keys)
+        keep_fails(server)
+        server.pull(keys.reshape(-1))
     errors = {}
     for n, (name, call) in enumerate(only(args, {"leader's schedule raises": schedule_raises,
                                                  "pin raises": pin_raises,
-                                                 "prefetch full and not tried again": full_once}).items()):
+                                                 "prefetch full and not tried again": full_once,
+                                                 "fetched rows sent malformed": fetched_rows_malformed,
+                                                 "evicted rows kept fail": evicted_kept_fails,
+                                                 "flushed rows kept fail": flushed_kept_fails}).items()):
         server = herald_server(node, os.path.join(out, f"case{n}"))
         errors[name] = raised_by(lambda: call(server))
         if name == "prefetch full and not tried again":
             errors["the next step"] = raised_by(lambda: step(server, keys.copy()))
+        elif name not in ("leader's schedule raises", "pin raises"):
+            errors[f"the step after {name}"] = raised_by(lambda: step(server, keys.copy()))
         server.close()
     with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
         json.dump({"errors": errors}, f)

@@ -351,13 +351,25 @@ def test_a_herald_step_one_rank_fails_after_its_prefetch_fails_on_every_rank_nam
     that rank alone, and the other's step waited for the plan until the watchdog's
     timeout. The step raises it on every rank now, in its first exchange; the
     servers stop alike (a prefetch not tried again is told by the rank's next one,
-    whose step every rank then refuses as the stopped server's)."""
+    whose step every rank then refuses as the stopped server's).
+
+    Then calls rank 1 failed after their last exchange: the rows rank 0 sent it in
+    a step's partition (another hps's layout), where rank 0's step went on to its
+    apply and waited in its first exchange until the watchdog's timeout; its keep
+    of the rows sent to it as their owner (its SSD-PS's write), in a pull's flush,
+    where rank 0 went on into the pull's exchange and waited there, and in a step's
+    apply (the evicted rows), after which rank 1's server stopped alone and its
+    next step was refused before its first exchange, rank 0's waiting for its plan
+    until the watchdog's timeout. Now rank 1 tells rank 0 in the exchange rank 0
+    waits in (the partition's failure by rank 1's next collective), or, its server
+    stopped alone, in its next step's first exchange: rank 0 raises RankFailure
+    naming rank 1's error, and both servers stop."""
     p = scenario(2, "heraldrefusesafter", tmp_path, "--timeout", 30, check=False, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     leader, last = (json.loads((tmp_path / f"rank{r}.json").read_text())["errors"] for r in range(2))
 
-    def named(by: int, error: str) -> str:
-        return f"RankFailure: herald plan parts: rank {by} failed before the exchange ({error}): every rank gives it up"
+    def named(by: int, error: str, what: str = "herald plan parts") -> str:
+        return f"RankFailure: {what}: rank {by} failed before the exchange ({error}): every rank gives it up"
     assert leader["leader's schedule raises"] == "RuntimeError: the schedule failed (mpi_scenarios)"
     assert last["leader's schedule raises"] == named(0, leader["leader's schedule raises"])
     assert last["pin raises"] == "OSError: [Errno 5] Input/output error (mpi_scenarios)"
@@ -367,6 +379,23 @@ def test_a_herald_step_one_rank_fails_after_its_prefetch_fails_on_every_rank_nam
     for rank, errors in enumerate((leader, last)):
         assert errors["the next step"].startswith("RuntimeError: the rank's Herald cache stopped after a failed "
                                                   "batch ("), rank
+    malformed = last["fetched rows sent malformed"]
+    assert re.fullmatch(r"RuntimeError: rank 0's rows: a block that marks 0 of \d+ rows as sent holds 1 bytes of "
+                        r"rows, not 0 \(does that rank run another hps\?\)", malformed), malformed
+    assert leader["fetched rows sent malformed"] == named(1, malformed, "herald shared gradients")
+    kept = "OSError: [Errno 5] Input/output error (mpi_scenarios: keep)"
+    assert last["flushed rows kept fail"] == last["evicted rows kept fail"] == kept
+    assert leader["flushed rows kept fail"] == named(1, kept, "pull keys")
+    assert leader["evicted rows kept fail"] == ""  # (its step applied; rank 1's stopped)
+    stopped = "RuntimeError: the rank's Herald cache stopped after a failed batch ({}); rerun the job with --resume " \
+              "from its last checkpoint"
+    assert last["the step after fetched rows sent malformed"] == stopped.format(malformed)
+    assert leader["the step after fetched rows sent malformed"] == stopped.format(
+        leader["fetched rows sent malformed"])
+    for name in ("evicted rows kept fail", "flushed rows kept fail"):
+        said = stopped.format(f"OSError while the rows sent to their owner were kept: {kept[len('OSError: '):]}")
+        assert last[f"the step after {name}"] == said, name
+        assert leader[f"the step after {name}"] == named(1, said), name
 
 
 def test_ranks_whose_servers_make_other_initial_rows_are_refused(tmp_path):

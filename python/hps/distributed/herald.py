@@ -58,7 +58,7 @@ import numpy as np
 
 from hps import _core
 from hps.batch_base import BatchBase, RunsInMadeOrder, StopsAfterAFailedStep, release_after
-from hps.distributed.comm import Node
+from hps.distributed.comm import Node, raised_on_every_rank
 from hps.distributed.sparse import (DistributedServer, FreshRows, _StepData, owner_ranks, rank_positions,
                                    OwnerWindows, refuse_nonfinite)
 from hps.herald import Herald
@@ -254,8 +254,18 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         keys_in = self.node.alltoallv("train", np.split(keys[order], cuts), "sparse_keys", f"{what} keys")
         rows_in = self.node.alltoallv("train", np.split(rows[order], cuts), "sparse_rows", f"{what} rows")
         k = np.concatenate(keys_in)
-        if len(k):
-            self.local._cache.keep_updated(k, np.ascontiguousarray(np.concatenate(rows_in)))
+        try:
+            if len(k):
+                self.local._cache.keep_updated(k, np.ascontiguousarray(np.concatenate(rows_in)))
+        except Exception as e:
+            # (its sink's write: SSD-PS's; it cannot raise CacheFullError) On this rank
+            # alone, after the exchange: the ranks that sent the rows count them
+            # written, and no later flush writes them again, so this server stops. Its
+            # stop is told in its next exchange on the train communicator (a step's
+            # plan, a flush: HeraldDistBatch._start, _flush_then), where the peers'
+            # servers stop too.
+            self.fail(f"{type(e).__name__} while the rows sent to their owner were kept: {e}")
+            raise
         return len(k)
 
     def _from_leader(self, stage: str, blocks, kind: str, what: str, empty: np.ndarray) -> np.ndarray:
@@ -299,7 +309,7 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
 
     # ------------------------------------------------------------ the collective API
     def pull(self, keys: np.ndarray) -> np.ndarray:
-        self.flush()
+        self._flush_then("pull keys")
         return super().pull(keys)
 
     def push(self, keys: np.ndarray, grads: np.ndarray, *, step: bool = True) -> None:
@@ -307,8 +317,23 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         and emptied once the keys and gradients have crossed (the step goes to the
         owners' rows; a push refused before that leaves them as they were)."""
         with self._lock:
-            self.flush()
+            self._flush_then("push keys")
         super().push(keys, grads, step=step)  # (its checks and _check_push, on every rank together)
+
+    def _flush_then(self, then: str) -> None:
+        """flush(), in a call that goes on into exchange `then` on the train
+        communicator. A flush that fails on this rank alone (its server stopped,
+        perhaps on this rank alone; its keep of the rows sent to it as an owner,
+        after the flush's last exchange) is told to the peers in their next
+        exchange there: the flush's own, where it was not dirty, or `then`
+        (Node.give_up). Raised alone, it left them waiting in it until the
+        watchdog's timeout."""
+        try:
+            self.flush()
+        except Exception as e:  # noqa: BLE001 - told to the peers, then raised
+            if raised_on_every_rank(e):
+                raise
+            self.node.give_up("train", then, e)
 
     def _check_push(self) -> None:
         if self._made != self._applied:
@@ -385,7 +410,8 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
             self._window_sender.forget()
             self.node.give_up("prefetch", "herald example keys" if upcoming is None else "lookahead keys", e)
         try:
-            window = self._send_window(upcoming, windows) if upcoming is not None else None
+            window = self._send_window(upcoming, windows, then="herald example keys") if upcoming is not None \
+                else None
             got = self.node.alltoallv("prefetch", [sent if r == LEADER else sent[:0] for r in range(W)],
                                       "sparse_keys", "herald example keys")
             parts, failed = None, None
@@ -416,13 +442,14 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         # (the leader gets every rank's whole batches: the scheduler's window)
         return self._window_sender.blocks(upcoming, self.node.size, whole=LEADER)
 
-    def _send_window(self, upcoming, blocks=None):
+    def _send_window(self, upcoming, blocks=None, then=None):
         """Every rank's window to the leader, whose scheduler keeps the job's window
         last, and to the owners, whose MEM-PS keeps the keys they own in the order
         the job needs them (collective, prefetch stage; OwnerWindows: only the
         batches that changed travel; prefetch gives them to MEM-PS); returns the
-        job's window (sorted: the scheduler takes it as a set) on the leader, else None."""
-        super()._send_window(upcoming, blocks)
+        job's window (sorted: the scheduler takes it as a set) on the leader, else
+        None. `then`: as DistributedServer._send_window's."""
+        super()._send_window(upcoming, blocks, then)
         return self._owner_windows.keys() if self.leader else None
 
     def _make_owner_windows(self) -> OwnerWindows:
@@ -439,11 +466,16 @@ class HeraldServer(RunsInMadeOrder, StopsAfterAFailedStep, DistributedServer):
         its first exchange (HeraldDistBatch._start), where the other ranks' steps
         wait for the leader's plan: raised here, on the leader alone, it left them
         waiting until the watchdog's timeout. Every later step the leader makes
-        carries it too: its snapshot may hold part of the failed one."""
-        self.check()
+        carries it too: its snapshot may hold part of the failed one.
+
+        A stopped server schedules nothing, and its step's start raises its stop
+        there too (_begin), where the peers' steps wait: a server stops on one
+        rank alone where it failed after a step's or flush's last exchange (an
+        owner's keep of the rows sent to it), and its step, refused here, left
+        them waiting for its plan until the watchdog's timeout."""
         with self._scheduling:
             parts = held = failure = None
-            if self.leader:
+            if self.leader and self._failed is None:
                 failure = self._schedule_failure
                 try:
                     if failure is None:
@@ -651,28 +683,36 @@ class HeraldDistBatch(BatchBase):
         except Exception as e:  # noqa: BLE001 - told to the peers, then raised
             node.give_up("train", "herald fetched rows", e)
         sent = node.alltoallv("train", rows_blocks, "sparse_rows", "herald fetched rows")
-        want = np.flatnonzero(source != _HELD)  # my fetches, ascending by key
-        peer, server = source[want] < _OWNER, source[want] % _OWNER
-        asked = [self._mine[want][server == r] for r in range(W)]  # rank r served mine ascending by key
-        rows_in = s.fetched_rows.unpack(asked, sent)
-        fetched = np.empty((len(want), s._row_floats), np.float32)
-        for r in range(W):
-            fetched[server == r] = rows_in[r]
-        s.counts["rows_served"] += len(served)
-        if len(want):
-            k = self._mine[want]
-            s._tier.assign(k, fetched, None, s._row_floats)  # a stale copy is overwritten (its bit cleared)
-            s._tier.insert(k, fetched, None, s._row_floats)
-            # A peer's row may be newer than its owner's MEM-PS copy; its bit did not
-            # travel with it. Marked trained: this rank steps every key it fetched
-            # this step anyway, and a flush before that reads the source's copy.
-            s._tier.set_trained(k[peer], None, True)
-            s._present += len(want)
-            s.counts["ps_loads"] += int((~peer).sum())
-            s.counts["peer_fetches"] += int(peer.sum())
-        # By position from here: the rows are read (into a model input's columns
-        # where the tier reads in place) and stepped with no key looked up again.
-        s._tier.bind(self._mine, None)
+        try:
+            want = np.flatnonzero(source != _HELD)  # my fetches, ascending by key
+            peer, server = source[want] < _OWNER, source[want] % _OWNER
+            asked = [self._mine[want][server == r] for r in range(W)]  # rank r served mine ascending by key
+            rows_in = s.fetched_rows.unpack(asked, sent)
+            fetched = np.empty((len(want), s._row_floats), np.float32)
+            for r in range(W):
+                fetched[server == r] = rows_in[r]
+            s.counts["rows_served"] += len(served)
+            if len(want):
+                k = self._mine[want]
+                s._tier.assign(k, fetched, None, s._row_floats)  # a stale copy is overwritten (its bit cleared)
+                s._tier.insert(k, fetched, None, s._row_floats)
+                # A peer's row may be newer than its owner's MEM-PS copy; its bit did not
+                # travel with it. Marked trained: this rank steps every key it fetched
+                # this step anyway, and a flush before that reads the source's copy.
+                s._tier.set_trained(k[peer], None, True)
+                s._present += len(want)
+                s.counts["ps_loads"] += int((~peer).sum())
+                s.counts["peer_fetches"] += int(peer.sum())
+            # By position from here: the rows are read (into a model input's columns
+            # where the tier reads in place) and stepped with no key looked up again.
+            s._tier.bind(self._mine, None)
+        except Exception as e:  # noqa: BLE001 - owed to the peers, then raised
+            # On this rank alone (rows another hps sent it; its table's), after the
+            # partition's last exchange: the peers' steps go on to their apply and
+            # wait in its first exchange, which this rank's will not make. Its next
+            # collective tells them there (Node.owe_waiting): every server stops.
+            node.owe_waiting("train", "herald shared gradients", e)
+            raise
         self.gathers_into_columns = s._tier.reads_in_place
         s.counts["batches"] += 1
         for name in ("plan_pulls", "plan_peer_pulls", "plan_shared", "distinct"):
