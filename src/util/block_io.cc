@@ -126,8 +126,7 @@ class UringIo final : public BlockIo {
 
   void Run(std::vector<IoRequest>& requests, bool write) {
     write_ = write;
-    pending_done_.clear();
-    asked_again_.clear();
+    pending_.clear();
     size_t next = 0, in_flight = 0;
     int refusals = 0;  // submits refused in a row with nothing in the kernel
     try {
@@ -171,9 +170,10 @@ class UringIo final : public BlockIo {
           ++seen;
           auto* r = static_cast<IoRequest*>(io_uring_cqe_get_data(cqe));
           const int res = cqe->res;
-          const uint64_t done = pending_done_[r];
+          Pending& pending = pending_.find(r)->second;  // Queue's: found, so nothing here allocates
+          const uint64_t done = pending.done;
           if (res == -EINTR || res == -EAGAIN) {
-            const int asked = ++asked_again_[r];
+            const int asked = ++pending.asked_again;
             if (asked > kAskAgainRetries) {
               io_uring_cq_advance(&ring_, seen);
               --in_flight;
@@ -184,7 +184,7 @@ class UringIo final : public BlockIo {
             Queue(r, r->bytes - done, done);  // the same operation again
             continue;
           }
-          if (res > 0) asked_again_.erase(r);  // it moved: a later -EAGAIN or -EINTR starts a new count
+          if (res > 0) pending.asked_again = 0;  // it moved: a later -EAGAIN or -EINTR starts a new count
           if (res < 0) {
             io_uring_cq_advance(&ring_, seen);
             --in_flight;
@@ -207,7 +207,7 @@ class UringIo final : public BlockIo {
           if (total < r->bytes) {
             Queue(r, r->bytes - total, total);  // short: ask for the rest
           } else {
-            pending_done_.erase(r);
+            pending_.erase(r);
             --in_flight;
           }
         }
@@ -245,7 +245,14 @@ class UringIo final : public BlockIo {
 
   // Queues `bytes` of r starting `done` bytes in; operations longer than
   // kMaxOpBytes finish as a series of short ones.
+  // Its entry in pending_ goes in first: that insertion is the one step that
+  // may fail (bad_alloc), and an operation already in the submission queue
+  // when it did would reach the kernel with Drain's next submit uncounted,
+  // so unwaited for: the kernel would then move bytes into or out of a
+  // buffer its caller had freed, and hand its completion to the ring's next
+  // call, whose requests it is not.
   void Queue(IoRequest* r, uint64_t bytes, uint64_t done) {
+    pending_[r].done = done;
     bytes = std::min(bytes, kMaxOpBytes);
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (sqe == nullptr) {  // full: hand the queued ones to the kernel first
@@ -259,7 +266,6 @@ class UringIo final : public BlockIo {
       io_uring_prep_read(sqe, r->fd, r->buffer + done, static_cast<unsigned>(bytes), r->offset + done);
     }
     io_uring_sqe_set_data(sqe, r);
-    pending_done_[r] = done;
   }
 
   [[noreturn]] static void ThrowUring(const char* what, int res, const std::string& path,
@@ -271,8 +277,14 @@ class UringIo final : public BlockIo {
   bool ready_ = false;
   bool write_ = false;
   bool reusable_ = true;
-  std::unordered_map<IoRequest*, uint64_t> pending_done_;  // bytes already moved
-  std::unordered_map<IoRequest*, int> asked_again_;        // -EAGAIN or -EINTR completions in a row
+  // Each request with an operation queued or in the kernel. One map, not one
+  // per field: a completion then finds its request's entry, and allocates
+  // nothing that could fail between reaping it and advancing past it.
+  struct Pending {
+    uint64_t done = 0;    // bytes already moved
+    int asked_again = 0;  // -EAGAIN or -EINTR completions in a row
+  };
+  std::unordered_map<IoRequest*, Pending> pending_;
 };
 #endif
 

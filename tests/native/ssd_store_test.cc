@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "failing_allocations.h"  // replaces operator new: in this one file of the binary
 #include "format/param_file.h"  // ParamFile::kKeyChunk
 #include "hps/ssd_store.h"
 #include "store/ssd_store_testing.h"
@@ -414,6 +415,27 @@ TEST_F(SsdStoreTest, AFileCutShortUnderAnOpenStoreIsNamedWithWhereItEnds) {
           << e.what();
     }
   }
+}
+
+// A get through io_uring that runs out of memory, at any allocation, leaves
+// its ring fit for the next call. An operation queued just before a failed
+// allocation went to the kernel uncounted: the failed call did not wait for
+// it, so the kernel read into a buffer its caller had freed, and the next
+// call through that ring took its completion for one of its own (here: the
+// next get waited for good).
+TEST_F(SsdStoreTest, AGetThatRunsOutOfMemoryAnywhereLeavesItsRingWorking) {
+  SsdStoreOptions options = Options(8);
+  options.direct_io = false;  // the page cache: reads finish at once, so several complete per wait
+  auto store = SsdStore::Open(options);
+  if (store->stats().io_path.rfind("io_uring", 0) != 0) GTEST_SKIP() << "no io_uring here";
+  const std::vector<uint64_t> keys = Range(1, 401);  // fifty files, a read each
+  Put(*store, keys, 1);
+  test_support::ForEveryAllocation([&](uint64_t k) {
+    const test_support::FailingAllocationCall call = test_support::CallFailingAllocation(k, [&] { Versions(*store, keys); });
+    EXPECT_FALSE(call.refused) << call.error;
+    EXPECT_EQ(Versions(*store, keys), std::vector<int64_t>(keys.size(), 1));
+    return call;
+  });
 }
 
 // A put that would take more files than record ids can address fails before
