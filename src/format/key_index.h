@@ -301,6 +301,33 @@ class CompactKeyIndex {
 
   uint64_t size() const { return size_; }
 
+  // Room for inserts made where a failure must not be (a put's keys entering
+  // the index one file at a time): NewKeyShards lists the shard of each of
+  // keys[0, n) that the index lacks (the keys distinct), and Reserve grows
+  // each listed shard to take as many more keys as it is listed times. Until
+  // something else inserts, upserting those keys then grows nothing, so
+  // allocates nothing and cannot throw. Reserve moves no key: when it throws
+  // (bad_alloc; length_error past kMaxCapacity), the shards it grew are only
+  // larger. NewKeyShards may be called under a reader's lock, Reserve needs
+  // the writer's; both may be called in pieces, a shard list per call.
+  void NewKeyShards(const uint64_t* keys, uint64_t n, std::vector<uint16_t>* shards) const {
+    for (uint64_t i = 0; i < n; ++i) {
+      if (Find(keys[i]) == kNone) shards->push_back(static_cast<uint16_t>(Mix64(keys[i]) >> kRestBits));
+    }
+  }
+  void Reserve(std::vector<uint16_t>* shards) {  // sorts *shards
+    std::sort(shards->begin(), shards->end());
+    for (size_t i = 0; i < shards->size();) {
+      size_t end = i;
+      while (end < shards->size() && (*shards)[end] == (*shards)[i]) ++end;
+      Shard& s = shards_[(*shards)[i]];
+      uint64_t capacity = s.mask == 0 ? kMinCapacity : s.capacity();
+      while ((s.size + (end - i)) * 5 > capacity * 4) capacity *= 2;  // Upsert's bound, for the last of them
+      if (capacity != s.capacity()) GrowTo(&s, capacity);
+      i = end;
+    }
+  }
+
   // The slots and the shard table.
   uint64_t memory_bytes() const {
     uint64_t bytes = shards_.size() * sizeof(Shard);
@@ -339,8 +366,10 @@ class CompactKeyIndex {
     for (uint64_t i = 0; i < capacity; ++i) s->slots[i].value = kNone;
   }
 
-  static void Grow(Shard* s) {
-    const uint64_t capacity = s->mask == 0 ? kMinCapacity : 2 * s->capacity();
+  static void Grow(Shard* s) { GrowTo(s, s->mask == 0 ? kMinCapacity : 2 * s->capacity()); }
+
+  // capacity: a power of two above s's.
+  static void GrowTo(Shard* s, uint64_t capacity) {
     if (capacity > kMaxCapacity) throw std::length_error("CompactKeyIndex: a shard past 2^32 slots");
     Shard grown;
     Allocate(&grown, capacity);

@@ -272,16 +272,18 @@ class FileStore final : public SsdStore {
         if (last.Find(keys[i]) == i) order.push_back(static_cast<uint32_t>(i));
       }
     }
-    // Write every file first; only a fully written batch enters the index, so
-    // a failed put (a full disk, say) changes nothing.
+    // Write every file first, and take everything the index needs for them
+    // (record ids, room for new keys); only then does the batch enter the
+    // index, which can then not fail. So a failed put (a full disk, out of
+    // memory) changes nothing and leaves no file, and a put that returns has
+    // put every row: never some keys' new rows beside others' old ones, in
+    // gets or in the next commit.
     const uint32_t row_bytes = options_.row_bytes;
-    struct Written {
-      uint64_t sequence;
-      std::shared_ptr<const ParamFile> file;
-      std::vector<uint64_t> keys;
-    };
-    std::vector<Written> written;
+    const uint64_t files = (order.size() + options_.file_records - 1) / options_.file_records;
+    std::vector<PutFile> written;
     std::vector<uint32_t> handles;  // written's, taken together
+    written.reserve(files);  // a file written is in `written`, so removed if the put fails
+    handles.reserve(files);  // an entry added is in `handles`, so removed too
     uint64_t bytes = 0;
     try {
       auto io = io_pool_.Acquire();
@@ -294,9 +296,29 @@ class FileStore final : public SsdStore {
           file_keys[j] = keys[i];
           std::memcpy(image.row(j), rows + i * row_bytes, row_bytes);
         }
+        std::vector<uint64_t> written_keys(file_keys, file_keys + count);
         const uint64_t sequence = next_sequence_++;
-        written.push_back({sequence, WriteFile(image, sequence, stamp, *io, &bytes),
-                           std::vector<uint64_t>(file_keys, file_keys + count)});
+        written.push_back({sequence, WriteFile(image, sequence, stamp, *io, &bytes), std::move(written_keys)});
+      }
+      // The batch's keys that the index lacks, by shard, and those whose
+      // current copy a compaction under way is to carry over, found while
+      // gets go on: only this put adds keys, and only Plan, which waits for
+      // it, marks victims, so both lists hold until it has indexed.
+      std::vector<uint16_t> new_key_shards;
+      std::vector<uint64_t> victim_keys;
+      {
+        std::shared_lock lock(mutex_);
+        const bool compacting = std::any_of(by_sequence_.begin(), by_sequence_.end(),
+                                            [&](const auto& file) { return Entry(file.second).victim; });
+        for (const PutFile& w : written) {
+          index_.NewKeyShards(w.keys.data(), w.keys.size(), &new_key_shards);
+          for (uint64_t key : w.keys) {
+            const uint32_t id = compacting ? index_.Find(key) : KeyIndex::kNone;
+            if (id != KeyIndex::kNone && Entry(static_cast<uint32_t>(id / slots_per_file_)).victim) {
+              victim_keys.push_back(key);
+            }
+          }
+        }
       }
       // Every file's handle (its record ids) in this one lock section: a
       // compaction takes handles for its outputs meanwhile, and one that
@@ -308,7 +330,15 @@ class FileStore final : public SsdStore {
                                  " files would be live; raise file_records");
       }
       uncommitted_.reserve(uncommitted_.size() + written.size());
-      for (const Written& w : written) handles.push_back(AddEntry(w.sequence, w.file, false));
+      free_handles_.reserve(free_handles_.size() + written.size());  // RemoveEntry's, below, should this fail
+      index_.Reserve(&new_key_shards);
+      // Index records the first copy of each such key that a put supersedes;
+      // its entry is made here, empty (kNone), so that Index allocates none.
+      // One left empty by a put that failed, or whose key a chunk swapped out
+      // of its victim meanwhile, matches no record id: it carries nothing
+      // over, and the run's end clears it with the rest.
+      for (uint64_t key : victim_keys) superseded_victim_copies_.try_emplace(key, KeyIndex::kNone);
+      for (const PutFile& w : written) handles.push_back(AddEntry(w.sequence, w.file, false));
       uncommitted_.insert(uncommitted_.end(), handles.begin(), handles.end());
     } catch (...) {
       if (!handles.empty()) {
@@ -316,15 +346,11 @@ class FileStore final : public SsdStore {
         for (uint32_t handle : handles) RemoveEntry(handle);
       }
       std::vector<std::string> paths;
-      for (const Written& w : written) paths.push_back(w.file->path());
+      for (const PutFile& w : written) paths.push_back(w.file->path());
       RemoveAfterFailure(paths, "put");
       throw;
     }
-    for (size_t f = 0; f < written.size(); ++f) {  // one file at a time, so readers wait one file's indexing at most
-      if (f > 0 && detail::ssd_store_test_seams.put_between_files) detail::ssd_store_test_seams.put_between_files();
-      std::unique_lock lock(mutex_);
-      Index(handles[f], written[f].keys);
-    }
+    IndexPut(handles, written);
     counters_.rows_written += order.size();
     counters_.bytes_written += bytes;
   }
@@ -607,6 +633,12 @@ class FileStore final : public SsdStore {
     std::atomic<uint64_t> manifest_rolls{0}, manifest_roll_failures{0};
     std::atomic<uint64_t> bound_expired{0}, bound_capped{0}, bound_files_dropped{0}, bound_records_rewritten{0};
   };
+  // A file a put wrote, with its keys by slot.
+  struct PutFile {
+    uint64_t sequence;
+    std::shared_ptr<const ParamFile> file;
+    std::vector<uint64_t> keys;
+  };
   // A file Bound() took out of the store; the next commit drops it from the
   // manifest (when it was listed) and deletes it.
   struct Dropped {
@@ -621,24 +653,27 @@ class FileStore final : public SsdStore {
     return static_cast<uint32_t>(handle * slots_per_file_ + slot);
   }
 
-  // REQUIRES: mutex_ held exclusively (or the constructor).
+  // Changes nothing when it throws (a new handle's slot or by_sequence_'s
+  // node failing to allocate): a caller that removes the entries it added
+  // knows of every one. REQUIRES: mutex_ held exclusively (or the constructor).
   uint32_t AddEntry(uint64_t sequence, std::shared_ptr<const ParamFile> file, bool committed) {
-    uint32_t handle;
-    if (!free_handles_.empty()) {
-      handle = free_handles_.back();
-      free_handles_.pop_back();
-    } else {
-      if (entries_.size() >= max_handles_) {
-        throw std::runtime_error("ssd store: more than " + std::to_string(max_handles_) +
-                                 " files live; raise file_records");
-      }
-      handle = static_cast<uint32_t>(entries_.size());
-      entries_.emplace_back();
+    const bool reused = !free_handles_.empty();
+    if (!reused && entries_.size() >= max_handles_) {
+      throw std::runtime_error("ssd store: more than " + std::to_string(max_handles_) +
+                               " files live; raise file_records");
     }
+    const uint32_t handle = reused ? free_handles_.back() : static_cast<uint32_t>(entries_.size());
+    if (!reused) entries_.emplace_back();
+    try {
+      by_sequence_.emplace(sequence, handle);
+    } catch (...) {
+      if (!reused) entries_.pop_back();
+      throw;
+    }
+    if (reused) free_handles_.pop_back();
     records_on_disk_ += file->header().records;
     const uint64_t stamp = file->stamp();
     entries_[handle] = FileEntry{std::move(file), sequence, 0, stamp, committed, false};
-    by_sequence_.emplace(sequence, handle);
     return handle;
   }
 
@@ -651,20 +686,34 @@ class FileStore final : public SsdStore {
     free_handles_.push_back(handle);
   }
 
-  // Points the index at every record of a file; the copies it supersedes go
-  // stale. A superseded copy in a compaction's victim is remembered: it may
-  // be the committed copy, which the compaction must carry over.
-  // REQUIRES: mutex_ held exclusively.
-  void Index(uint32_t handle, const std::vector<uint64_t>& keys) { Index(handle, keys.data(), 0, keys.size()); }
-
-  // The same for slots [first, first + n), whose keys are keys[0, n).
+  // Points the index at the records of slots [first, first + n) of a file,
+  // whose keys are keys[0, n); the copies they supersede go stale. The first
+  // superseded copy of a key in a compaction's victim is remembered: it may
+  // be the committed copy, which the compaction must carry over. Put, which
+  // indexes while a compaction runs, has made room for every key and made
+  // each such key's entry in superseded_victim_copies_, so that nothing here
+  // allocates (at open, no file is a victim). REQUIRES: mutex_ held exclusively.
   void Index(uint32_t handle, const uint64_t* keys, uint64_t first, uint64_t n) {
     for (uint64_t i = 0; i < n; ++i) {
       const uint32_t old = index_.Upsert(keys[i], RecordId(handle, first + i));
       if (old == KeyIndex::kNone) continue;
       FileEntry& was = Entry(static_cast<uint32_t>(old / slots_per_file_));
       was.stale += 1;
-      if (was.victim) superseded_victim_copies_.try_emplace(keys[i], old);
+      if (!was.victim) continue;
+      const auto it = superseded_victim_copies_.find(keys[i]);
+      if (it != superseded_victim_copies_.end() && it->second == KeyIndex::kNone) it->second = old;
+    }
+  }
+
+  // Points the index at a put's files, one at a time, so that readers wait
+  // one file's keys at most. noexcept: a throw here would leave the batch
+  // half indexed, its first files serving gets and going into the next
+  // commit; Put took all this needs first.
+  void IndexPut(const std::vector<uint32_t>& handles, const std::vector<PutFile>& written) noexcept {
+    for (size_t f = 0; f < written.size(); ++f) {
+      if (f > 0 && detail::ssd_store_test_seams.put_between_files) detail::ssd_store_test_seams.put_between_files();
+      std::unique_lock lock(mutex_);
+      Index(handles[f], written[f].keys.data(), 0, written[f].keys.size());
     }
   }
 

@@ -16,7 +16,8 @@ struct SsdStoreTestSeams {
   // Read at open.
   uint64_t max_files = 0;
   // Runs inside each put with more than one file, before each file after the
-  // first enters the index, with no lock held but the put's own.
+  // first enters the index, with no lock held but the put's own. Must not
+  // throw: nothing may fail there (a throw ends the process).
   std::function<void()> put_between_files;
   // Runs inside a commit() that ran a compaction itself (background_compaction
   // = false), once the compaction has finished and before the commit reports

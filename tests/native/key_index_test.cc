@@ -206,6 +206,31 @@ TEST(ReleaseWholePages, LeavesOnlyThePartialPagesAtTheEndsResident) {
   munmap(raw, pages * page);
 }
 
+// A put makes room for its new keys before any enters the index, so that
+// entering them cannot fail (run out of memory) halfway. Room for the keys
+// the index lacks only, each in its own shard: here 70 new keys of one
+// shard, which grows from 64 slots to 128 at once, and one in an empty shard.
+TEST(CompactKeyIndex, ReserveMakesRoomSoThatUpsertingTheNewKeysGrowsNothing) {
+  CompactKeyIndex index;
+  std::vector<uint64_t> keys;
+  for (uint64_t i = 0; i < 100; ++i) keys.push_back(Unmix64(Hash(7, i, i * 977)));
+  keys.push_back(Unmix64(Hash(9, 0, 1)));
+  for (uint64_t i = 0; i < 30; ++i) index.Upsert(keys[i], static_cast<uint32_t>(i));
+  const uint64_t before = index.memory_bytes();
+  std::vector<uint16_t> shards;
+  index.NewKeyShards(keys.data(), 30, &shards);  // all present: no room needed
+  EXPECT_TRUE(shards.empty());
+  index.NewKeyShards(keys.data(), keys.size(), &shards);
+  EXPECT_EQ(shards.size(), 71u);
+  index.Reserve(&shards);
+  const uint64_t reserved = index.memory_bytes();
+  EXPECT_EQ(reserved - before, (128 - 64 + 16) * sizeof(CompactKeyIndex::Slot));
+  for (uint64_t i = 0; i < keys.size(); ++i) index.Upsert(keys[i], static_cast<uint32_t>(1000 + i));
+  EXPECT_EQ(index.memory_bytes(), reserved);
+  EXPECT_EQ(index.size(), keys.size());
+  for (uint64_t i = 0; i < keys.size(); ++i) EXPECT_EQ(index.Find(keys[i]), 1000 + i) << i;
+}
+
 TEST(CompactKeyIndex, RefusesTheEmptyMarkerAsAValue) {
   CompactKeyIndex index;
   EXPECT_THROW(index.Upsert(1, CompactKeyIndex::kNone), std::invalid_argument);

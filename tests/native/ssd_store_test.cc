@@ -417,6 +417,61 @@ TEST_F(SsdStoreTest, AFileCutShortUnderAnOpenStoreIsNamedWithWhereItEnds) {
   }
 }
 
+// A put writes its files, then points the index at them, file by file. When
+// an allocation failed in that second part (a shard of the index growing),
+// the put threw with its first files indexed: later gets read the new rows of
+// some keys and the old of others, and the next commit made that durable. At
+// every allocation the put makes, failing it must leave the rows, the files
+// and the counts as they were, in the open store and after a commit and a
+// reopen; a put that returns must have put every row.
+TEST_F(SsdStoreTest, APutThatRunsOutOfMemoryAnywhereChangesNothing) {
+  const SsdStoreOptions options = Options(8);
+  auto store = SsdStore::Open(options);
+  Put(*store, Range(1, 21), 1);  // three files
+  store->Commit();
+  const std::vector<uint64_t> keys = Range(11, 41);  // four files: ten keys over, twenty new
+  const std::vector<uint8_t> rows = Rows(keys, 2);
+  const std::vector<uint64_t> every = Range(1, 41);
+  std::vector<int64_t> before(40, -1), after(40, 2);
+  std::fill(before.begin(), before.begin() + 20, 1);
+  std::fill(after.begin(), after.begin() + 10, 1);
+  const std::vector<std::string> files = Files();
+  const SsdStoreStats was = store->stats();
+  auto expect_unchanged = [&](const char* when) {
+    SCOPED_TRACE(when);
+    EXPECT_EQ(Versions(*store, every), before);
+    EXPECT_EQ(Files(), files);
+    const SsdStoreStats s = store->stats();
+    EXPECT_EQ(s.files, was.files);
+    EXPECT_EQ(s.live_records, was.live_records);
+    EXPECT_EQ(s.stale_records, was.stale_records);
+  };
+  test_support::ForEveryAllocation([&](uint64_t k) {
+    const test_support::FailingAllocationCall call =
+        test_support::CallFailingAllocation(k, [&] { store->Put(keys.data(), keys.size(), rows.data()); });
+    if (call.ran_out || call.refused) {
+      EXPECT_FALSE(call.refused) << call.error;
+      expect_unchanged("after the failed put");
+      store->Commit();
+      store.reset();
+      store = SsdStore::Open(options);
+      expect_unchanged("after a commit and a reopen");
+    } else {
+      EXPECT_EQ(Versions(*store, every), after);
+      if (!call.past_its_allocations) {  // an allocation that may fail failed: back to before
+        store.reset();
+        store = SsdStore::Open(options);
+      }
+    }
+    return call;
+  });
+  store->Commit();
+  store.reset();
+  store = SsdStore::Open(options);
+  EXPECT_EQ(Versions(*store, every), after);
+  EXPECT_EQ(store->stats().stale_records, 10u);
+}
+
 // A get through io_uring that runs out of memory, at any allocation, leaves
 // its ring fit for the next call. An operation queued just before a failed
 // allocation went to the kernel uncounted: the failed call did not wait for
