@@ -71,8 +71,11 @@ struct SsdStoreStats {
   uint64_t compacted_records = 0;    ///< live records rewritten by them
   uint64_t compaction_failures = 0;  ///< runs stopped by a failed chunk, which changed nothing (the
                                      ///< chunks before it stand: such a run is a compaction too; see
-                                     ///< last_error)
+                                     ///< last_error), or that met a damaged file and went on without it
   std::string last_error;            ///< the message of the last failed compaction
+  uint64_t corrupt_files = 0;        ///< files a compaction found damaged since open (a rows block or
+                                     ///< the keys failing their CRC) and left as they are, still in
+                                     ///< the store; see Commit()
   uint64_t cleanup_failures = 0;     ///< removals of unlisted files, or directory syncs after a
                                      ///< commit that stands, that failed (written to stderr; the
                                      ///< commit stands, and the next one syncs the directory again);
@@ -133,7 +136,14 @@ class SsdStore {
   // the chunks before it stand;
   // the commit() it ran in (background_compaction = false) or the next one
   // (on the background thread, which also writes a line to stderr) throws
-  // IoError for it, once, after its own commit is durable. A chunk whose
+  // IoError for it, once, after its own commit is durable. A victim that
+  // fails its checks (a rows block, naming the key, or its keys) is no such
+  // failure of the run: the file is left as it is, still in the store (its
+  // sound rows read, a get of a bad block's row raises CorruptionError, and
+  // no row whose only copy it holds is dropped), and the run goes on
+  // without it; that commit raises CorruptionError naming the file, once,
+  // and the compactions later commits start pass the file over while they
+  // would have to read it (stats().corrupt_files; open forgets this). A chunk whose
   // manifest commit is synced has taken effect: a failure to delete its
   // victims, or to sync their deletion, is no failure (a line on stderr; the
   // next commit syncs the directory again; open removes what is left).
@@ -143,7 +153,11 @@ class SsdStore {
   virtual void Commit() = 0;
   // Commits, then rewrites the live records of every file more than half
   // stale, in the calling thread (after any compaction under way); afterwards
-  // no file is more than half stale. Throws IoError if it fails.
+  // no file is more than half stale. Throws IoError if it fails, and
+  // CorruptionError naming the file (and the block and key) if a file fails
+  // its checks: that file is left as it is, the others are compacted all
+  // the same. It tries files earlier compactions set aside again (those
+  // whose bad rows puts have superseded since go then).
   virtual void Compact() = 0;
   // Returns once no compaction is under way.
   virtual void WaitForCompaction() = 0;

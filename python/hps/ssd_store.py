@@ -49,7 +49,9 @@ class SsdStore(_core.SsdStore):
     it once per store (``use_io_uring`` / ``direct_io`` = False choose the
     fallbacks without one; ``require_direct_io`` makes a refused O_DIRECT an
     ``hps.IoError``). A compaction that fails raises ``hps.IoError`` from the
-    next ``commit()`` (after that commit is durable), once.
+    next ``commit()`` (after that commit is durable), once; one that finds a
+    file damaged raises ``hps.CorruptionError`` naming it, leaves it as it is
+    (``stats()["corrupt_files"]``) and compacts the other files.
     Any method may be called from any thread; gets run in parallel.
     """
 

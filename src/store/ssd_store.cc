@@ -150,6 +150,37 @@ std::string ProbeDirectIo(const std::string& dir) {
   return "O_DIRECT refused by the filesystem at " + dir + ": " + std::strerror(errno);
 }
 
+// What a compaction found damaged in a file, which it then sets aside
+// (FileStore::SetAside) rather than fail on it at every run.
+enum class Damage : uint8_t {
+  kNone,
+  kRows,  // a rows block failed its CRC, or the rows region ends early
+  kKeys,  // the keys failed their CRC: no record of the file can be told live
+};
+
+// A compaction's victim that failed its checks; the CorruptionError's message
+// names the file and what failed (the block and the key, for a rows block).
+class DamagedVictim : public CorruptionError {
+ public:
+  DamagedVictim(const CorruptionError& error, uint32_t victim, Damage what)
+      : CorruptionError(error), handle(victim), damage(what) {}
+  uint32_t handle;
+  Damage damage;
+};
+
+// What stopped a compaction run, or the first damaged file it went on
+// without: the message, and whether a file failed its checks
+// (CorruptionError) rather than a call (IoError).
+struct CompactionError {
+  std::string message;  // "": none
+  bool corruption = false;
+  bool empty() const { return message.empty(); }
+  [[noreturn]] void Throw(const std::string& what) const {
+    if (corruption) throw CorruptionError(what);
+    throw IoError(what);
+  }
+};
+
 // Record ids: handle * slots_per_file_ + slot, 32 bits, so that the index takes
 // 12 bytes a slot. Handles are reused once their file is gone.
 class FileStore final : public SsdStore {
@@ -439,36 +470,39 @@ class FileStore final : public SsdStore {
     {
       std::lock_guard lock(compaction_mutex_);
       if (!compaction_active_ && OverTrigger()) {
-        compaction_active_ = true;
         job = Plan(/*to_trigger=*/true);
-        if (options_.background_compaction) {
-          job_ = std::move(job);
-          compaction_cv_.notify_all();
-        } else {
-          run_here = true;
+        // None when files set aside as damaged hold the excess (Plan).
+        if (!job.chunks.empty()) {
+          compaction_active_ = true;
+          if (options_.background_compaction) {
+            job_ = std::move(job);
+            compaction_cv_.notify_all();
+          } else {
+            run_here = true;
+          }
         }
       }
     }
     // The commit stands either way; a compaction's failure is told once.
-    std::string failure;
+    CompactionError failure;
     if (run_here) {
       put_lock.unlock();
-      const std::string error = RunCompaction(std::move(job));
+      const CompactionError error = RunCompaction(std::move(job));
       // This commit's own to raise, so kept here: left in unreported_failure_
       // (the background thread's slot), a commit on another thread could take
       // it first, raising a failure not its own while this one returned.
       FinishCompaction(error);
-      if (!error.empty()) failure = "the compaction this commit ran failed: " + error;
+      if (!error.empty()) failure = {"the compaction this commit ran failed: " + error.message, error.corruption};
       if (detail::ssd_store_test_seams.commit_after_its_compaction) {
         detail::ssd_store_test_seams.commit_after_its_compaction();
       }
     }
     if (failure.empty()) {
       std::lock_guard lock(compaction_mutex_);
-      failure = std::exchange(unreported_failure_, "");
+      failure = std::exchange(unreported_failure_, {});
     }
     if (!failure.empty()) {
-      throw IoError("ssd store " + options_.path + ": " + failure +
+      failure.Throw("ssd store " + options_.path + ": " + failure.message +
                     " (this commit is durable, and no committed row was lost; a later commit over "
                     "compaction_trigger compacts again)");
     }
@@ -488,9 +522,9 @@ class FileStore final : public SsdStore {
       FinishCompaction();
       throw;
     }
-    const std::string error = RunCompaction(std::move(job));
+    const CompactionError error = RunCompaction(std::move(job));
     FinishCompaction(error);
-    if (!error.empty()) throw IoError(error);
+    if (!error.empty()) error.Throw(error.message);
   }
 
   void WaitForCompaction() override {
@@ -598,6 +632,7 @@ class FileStore final : public SsdStore {
     for (const auto& [sequence, handle] : by_sequence_) {
       s.stale_records += Entry(handle).stale;
       s.disk_bytes += Entry(handle).file->layout().file_bytes();
+      s.corrupt_files += Entry(handle).damage != Damage::kNone;
     }
     return s;
   }
@@ -617,6 +652,7 @@ class FileStore final : public SsdStore {
     uint64_t stamp = 0;      // the file's (ParamFile::stamp), kept here for Bound's grouping
     bool committed = false;
     bool victim = false;     // being compacted away
+    Damage damage = Damage::kNone;  // what a compaction found damaged in it (SetAside)
   };
   // A compaction: victims in chunks; each chunk's live records become new
   // files (sequences reserved at planning, so they order before any later
@@ -1042,14 +1078,25 @@ class FileStore final : public SsdStore {
   // Chooses the victims: every committed file more than half stale, and,
   // when `to_trigger` and that would still leave disk use above the
   // trigger, the most stale of the rest (under uniform updates every file
-  // goes stale at the same pace and few ever pass half). REQUIRES:
+  // goes stale at the same pace and few ever pass half). May choose none
+  // when `to_trigger`: files set aside as damaged may hold the excess. REQUIRES:
   // put_mutex_ held (no put between the commit and the reserved sequences).
   CompactionJob Plan(bool to_trigger) {
     std::unique_lock lock(mutex_);
     std::vector<uint32_t> candidates;
     for (const auto& [sequence, handle] : by_sequence_) {
       const FileEntry& e = Entry(handle);
-      if (e.committed && e.stale > 0) candidates.push_back(handle);
+      if (!e.committed || e.stale == 0) continue;
+      // A file set aside as damaged fails every run that reads it again:
+      // those a commit starts pass it over while they would have to (while
+      // it holds a live record, in a bad block or not; always, when its keys
+      // failed), so that one damaged file does not fail them all. Compact()
+      // tries it again.
+      if (to_trigger && (e.damage == Damage::kKeys ||
+                         (e.damage == Damage::kRows && e.stale < e.file->header().records))) {
+        continue;
+      }
+      candidates.push_back(handle);
     }
     auto stale_fraction = [&](uint32_t h) {
       return static_cast<double>(Entry(h).stale) / static_cast<double>(Entry(h).file->header().records);
@@ -1102,7 +1149,7 @@ class FileStore final : public SsdStore {
       CompactionJob job = std::move(*job_);
       job_.reset();
       lock.unlock();
-      const std::string error = RunCompaction(std::move(job));
+      const CompactionError error = RunCompaction(std::move(job));
       // Puts committed during the run may have pushed disk use over the
       // trigger again; with nothing uncommitted, a new job can be planned.
       std::unique_lock put_lock(put_mutex_);
@@ -1113,44 +1160,68 @@ class FileStore final : public SsdStore {
         again = uncommitted_.empty();
       }
       if (again && OverTrigger()) {
-        job_ = Plan(/*to_trigger=*/true);
-        continue;
+        CompactionJob next = Plan(/*to_trigger=*/true);
+        if (!next.chunks.empty()) {  // else looping here would plan the same nothing for good
+          job_ = std::move(next);
+          continue;
+        }
       }
       lock.unlock();
       put_lock.unlock();
-      std::string failure;
+      CompactionError failure;
       if (!error.empty()) {
-        failure = "a background compaction failed: " + error;
+        failure = {"a background compaction failed: " + error.message, error.corruption};
         // hps has no logger; the next commit() raises this as well.
-        std::fprintf(stderr, "hps: ssd store %s: %s\n", options_.path.c_str(), failure.c_str());
+        std::fprintf(stderr, "hps: ssd store %s: %s\n", options_.path.c_str(), failure.message.c_str());
       }
       FinishCompaction(error, failure);
       lock.lock();
     }
   }
 
-  // Runs a planned job chunk by chunk. Returns "" or the error that stopped
-  // it (also counted in the stats); a failed chunk changes nothing, the
-  // chunks before it stay done.
-  std::string RunCompaction(CompactionJob job) {
-    std::string error;
+  // Runs a planned job chunk by chunk. Returns the error that stopped it, or
+  // else the first damaged file it met, or nothing (either is counted in the
+  // stats); a failed chunk changes nothing, the chunks before it stay done.
+  // A victim that fails its checks is set aside (SetAside) and its chunk run
+  // again without it: reading it would fail every compaction from then on,
+  // and the other files' stale records would pile up behind it.
+  CompactionError RunCompaction(CompactionJob job) {
+    CompactionError error;
     size_t done = 0;
+    bool swapped = false;  // a chunk committed
     try {
       for (; done < job.chunks.size(); ++done) {
         {
           std::lock_guard lock(compaction_mutex_);
           if (stopping_) break;
         }
-        CompactChunk(job.chunks[done], &job);
+        std::vector<uint32_t>& chunk = job.chunks[done];
+        while (!chunk.empty()) {
+          try {
+            CompactChunk(chunk, &job);
+            swapped = true;
+            break;
+          } catch (const DamagedVictim& e) {  // thrown before the chunk wrote anything
+            SetAside(e.handle, e.damage);
+            chunk.erase(std::find(chunk.begin(), chunk.end(), e.handle));
+            if (error.empty()) {
+              error = {std::string(e.what()) +
+                           "; compaction left that file as it is (its sound rows still read) and went on "
+                           "without it; compactions at commit pass it over, compact() tries it again",
+                       true};
+            }
+          }
+        }
       }
     } catch (const std::exception& e) {
-      error = e.what();
-      ++counters_.compaction_failures;
+      error = {error.empty() ? e.what() : e.what() + std::string(" (before it, this run met: ") + error.message + ")",
+               false};
     }
+    if (!error.empty()) ++counters_.compaction_failures;
     // A run counts once, however many chunks it swapped in (each its own
     // manifest commit), once one has: a run stopped at a later chunk is a
     // compaction and a failure both.
-    if (done > 0) ++counters_.compactions;
+    if (swapped) ++counters_.compactions;
     std::unique_lock lock(mutex_);
     for (size_t c = done; c < job.chunks.size(); ++c) {
       for (uint32_t h : job.chunks[c]) Entry(h).victim = false;
@@ -1159,16 +1230,30 @@ class FileStore final : public SsdStore {
     return error;
   }
 
-  // `failure`: what the next commit() is to raise for the error ("" when
+  // `failure`: what the next commit() is to raise for the error (none when
   // the caller raises it itself, as Compact() and an inline commit do).
-  void FinishCompaction(const std::string& error = "", const std::string& failure = "") {
+  void FinishCompaction(const CompactionError& error = {}, const CompactionError& failure = {}) {
     {
       std::lock_guard lock(compaction_mutex_);
       compaction_active_ = false;
-      if (!error.empty()) last_error_ = error;
+      if (!error.empty()) last_error_ = error.message;
       if (!failure.empty()) unreported_failure_ = failure;
     }
     compaction_cv_.notify_all();
+  }
+
+  // Leaves a victim found damaged as it is: its records stay in the index and
+  // on disk (a get of a sound row reads it, one of a bad block raises
+  // CorruptionError naming the file, the block and the key, and nothing
+  // drops a row whose only copy it holds), no longer a victim of this run,
+  // and marked so that the runs commits start pass it over (Plan). Its
+  // copies that puts superseded meanwhile, remembered for the run, are still
+  // in it. Open forgets the mark, and its first run meets the damage again.
+  void SetAside(uint32_t handle, Damage damage) {
+    std::unique_lock lock(mutex_);
+    FileEntry& e = Entry(handle);
+    e.victim = false;
+    if (e.damage != Damage::kKeys) e.damage = damage;
   }
 
   // Notes that rows move through the page cache although the options asked
@@ -1229,9 +1314,16 @@ class FileStore final : public SsdStore {
     // takes it), each block checked against its CRC; the keys, 8 bytes a
     // record, are read whole and checked against theirs. The same BlockIo
     // writes the new files.
+    // A victim that fails its checks throws DamagedVictim, before anything is
+    // written: RunCompaction sets it aside and runs the chunk again.
     auto io = io_pool_.Acquire();
     for (size_t v = 0; v < victims.size(); ++v) {
-      const std::vector<uint64_t> keys = sources[v]->ReadKeys();
+      std::vector<uint64_t> keys;
+      try {
+        keys = sources[v]->ReadKeys();
+      } catch (const CorruptionError& e) {
+        throw DamagedVictim(e, victims[v], Damage::kKeys);
+      }
       std::vector<uint64_t> slots, slot_keys;
       {
         std::shared_lock lock(mutex_);
@@ -1254,8 +1346,12 @@ class FileStore final : public SsdStore {
       detail::AlignedBuffer buffer(plan.bytes);
       std::vector<detail::IoRequest> reads;
       sources[v]->AddReads(plan, buffer.data(), &reads);
-      io->ReadAll(reads);
-      sources[v]->CopyRows(plan, buffer.data(), slots.data(), slot_keys.data(), slots.size(), rows.data() + before);
+      try {
+        io->ReadAll(reads);  // a file cut short is CorruptionError too
+        sources[v]->CopyRows(plan, buffer.data(), slots.data(), slot_keys.data(), slots.size(), rows.data() + before);
+      } catch (const CorruptionError& e) {
+        throw DamagedVictim(e, victims[v], Damage::kRows);
+      }
       counters_.bytes_read += plan.bytes;
     }
     // New files, synced; on failure they go and nothing else changed.
@@ -1385,7 +1481,7 @@ class FileStore final : public SsdStore {
   bool stopping_ = false;
   std::optional<CompactionJob> job_;  // handed to the background thread
   std::string last_error_;
-  std::string unreported_failure_;  // a compaction's failure the next commit() raises
+  CompactionError unreported_failure_;  // a compaction's failure the next commit() raises
   std::thread compactor_;
 
   bool direct_ = false;  // O_DIRECT asked for, and the filesystem took it at open

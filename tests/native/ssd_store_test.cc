@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "failing_allocations.h"  // replaces operator new: in this one file of the binary
-#include "format/param_file.h"  // ParamFile::kKeyChunk
+#include "format/param_file.h"  // ParamFile::kKeyChunk, ParamFileLayout
 #include "hps/ssd_store.h"
 #include "store/ssd_store_testing.h"
 #include "temp_dir.h"
@@ -415,6 +415,172 @@ TEST_F(SsdStoreTest, AFileCutShortUnderAnOpenStoreIsNamedWithWhereItEnds) {
           << e.what();
     }
   }
+}
+
+// Flips a byte of the row at `slot` of the parameter file at `path` (of
+// `records` rows of 16 bytes), as a failing disk might: its block no longer
+// matches its CRC.
+void FlipRowByte(const std::string& path, uint64_t records, uint64_t slot) {
+  const detail::ParamFileLayout layout{16, records};
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(layout.row_offset(slot) + 5));
+  const char byte = static_cast<char>(f.get() ^ 0x5A);
+  f.seekp(static_cast<std::streamoff>(layout.row_offset(slot) + 5));
+  f.put(byte);
+  ASSERT_TRUE(f.flush()) << path;
+}
+
+// The exception a get of `key` raised, with its message; "" when it read.
+std::string GetError(SsdStore& store, uint64_t key, bool* corruption) {
+  try {
+    Versions(store, {key});
+    return "";
+  } catch (const std::exception& e) {
+    *corruption = dynamic_cast<const CorruptionError*>(&e) != nullptr;
+    return e.what();
+  }
+}
+
+// A compaction that meets a rows block failing its CRC raises CorruptionError
+// naming the file, the block and the key, not IoError. It used to stop the
+// whole run there, and every compaction after it chose the same file and
+// failed the same way, so the store's disk use grew without bound. Now that
+// file is left as it is (its row stays in the store, and its gets keep
+// raising CorruptionError: nothing drops it), the run goes on without it,
+// commits' compactions pass it over while it holds a live row, and Compact()
+// tries it again, which succeeds once puts have superseded its bad rows.
+// On both I/O paths.
+TEST_F(SsdStoreTest, ACompactionMeetingACorruptBlockSetsItsFileAsideAndGoesOn) {
+  for (const bool uring : {false, true}) {
+    SCOPED_TRACE(uring ? "io_uring" : "pread");
+    fs::remove_all(dir_);
+    SsdStoreOptions options = Options(512);  // 8 KiB of rows a file: slots 0..255 in block 0
+    options.use_io_uring = uring;
+    const std::vector<uint64_t> a = Range(1, 513), b = Range(1001, 1513), c = Range(2001, 2513);
+    std::vector<uint64_t> most, a_left, bc_left;  // three quarters of each file, and the rest
+    for (const auto* keys : {&a, &b, &c}) {
+      for (uint64_t key : *keys) (key % 4 != 0 ? most : keys == &a ? a_left : bc_left).push_back(key);
+    }
+    std::vector<uint64_t> every = a;
+    every.insert(every.end(), b.begin(), b.end());
+    every.insert(every.end(), c.begin(), c.end());
+    auto expect_versions = [&](SsdStore& store, const std::vector<uint64_t>& keys, int64_t version) {
+      EXPECT_EQ(Versions(store, keys), std::vector<int64_t>(keys.size(), version));
+    };
+    {
+      auto store = SsdStore::Open(options);
+      if (uring && store->stats().io_path.rfind("io_uring", 0) != 0) GTEST_SKIP() << "no io_uring here";
+      Put(*store, a, 1);  // file 1
+      Put(*store, b, 1);  // 2
+      Put(*store, c, 1);  // 3
+      store->Commit();
+      Put(*store, most, 2);  // files 4..6: files 1..3 three quarters stale
+      store->Commit();
+    }
+    const std::string victim = (fs::path(dir_) / "000000000001.hpf").string();
+    FlipRowByte(victim, 512, 3);  // key 4's row, which is live, in block 0
+    const std::string bad_block = victim + ": rows block 0 (file offset ";
+    auto expect_named = [&](const std::string& message) {
+      EXPECT_NE(message.find(bad_block), std::string::npos) << message;
+      EXPECT_NE(message.find("reading key 4 "), std::string::npos) << message;
+    };
+    options.compaction_trigger = 1.5;  // 2688 records on disk for 1536 live: the next commit compacts
+    auto store = SsdStore::Open(options);
+    try {
+      store->Commit();
+      ADD_FAILURE() << "a compaction over a corrupt block raised nothing";
+    } catch (const std::exception& e) {
+      EXPECT_NE(dynamic_cast<const CorruptionError*>(&e), nullptr) << "not a CorruptionError: " << e.what();
+      expect_named(e.what());
+    }
+    SsdStoreStats s = store->stats();
+    EXPECT_EQ(s.compaction_failures, 1u);
+    EXPECT_EQ(s.corrupt_files, 1u);
+    expect_named(s.last_error);
+    EXPECT_EQ(s.compactions, 1u) << "the other victims were compacted all the same";
+    EXPECT_EQ(s.compacted_records, 256u) << "b's and c's live quarters";
+    EXPECT_TRUE(fs::exists(victim));
+    EXPECT_EQ(s.files, 5u) << "a's file, the put's three, and b's and c's output";
+    // Key 4's only copy is damaged: it still raises, naming where, and does not vanish.
+    bool corruption = false;
+    const std::string error = GetError(*store, 4, &corruption);
+    EXPECT_TRUE(corruption) << error;
+    expect_named(error);
+    EXPECT_EQ(store->size(), 1536u);
+    expect_versions(*store, std::vector<uint64_t>(a_left.begin() + 64, a_left.end()), 1);  // a's block 1
+    expect_versions(*store, bc_left, 1);
+    expect_versions(*store, most, 2);
+
+    // Commits go on, and so do their compactions, without meeting it again.
+    EXPECT_NO_THROW(store->Commit());
+    Put(*store, b, 3);  // the output wholly stale, files 4..6 two thirds
+    Put(*store, c, 3);
+    EXPECT_NO_THROW(store->Commit());
+    s = store->stats();
+    EXPECT_EQ(s.compactions, 2u);
+    EXPECT_EQ(s.compaction_failures, 1u) << s.last_error;
+    EXPECT_EQ(s.corrupt_files, 1u);
+    EXPECT_TRUE(fs::exists(victim));
+    expect_versions(*store, b, 3);
+
+    // A reopen still finds key 4 there, damaged.
+    store.reset();
+    store = SsdStore::Open(options);
+    corruption = false;
+    expect_named(GetError(*store, 4, &corruption));
+    EXPECT_TRUE(corruption);
+    // Compact() tries the file again, which still fails on it alone...
+    try {
+      store->Compact();
+      ADD_FAILURE() << "Compact() over a corrupt block raised nothing";
+    } catch (const std::exception& e) {
+      EXPECT_NE(dynamic_cast<const CorruptionError*>(&e), nullptr) << "not a CorruptionError: " << e.what();
+      expect_named(e.what());
+    }
+    EXPECT_TRUE(fs::exists(victim));
+    // ...until puts supersede the rows of its bad block: then it goes.
+    Put(*store, std::vector<uint64_t>(a_left.begin(), a_left.begin() + 64), 4);
+    EXPECT_NO_THROW(store->Compact());
+    EXPECT_FALSE(fs::exists(victim));
+    EXPECT_EQ(store->stats().corrupt_files, 0u);
+    store->Commit();
+    store.reset();
+    store = SsdStore::Open(options);
+    expect_versions(*store, std::vector<uint64_t>(a_left.begin(), a_left.begin() + 64), 4);
+    expect_versions(*store, std::vector<uint64_t>(a_left.begin() + 64, a_left.end()), 1);
+    expect_versions(*store, bc_left, 3);
+    EXPECT_EQ(store->size(), 1536u);
+    EXPECT_EQ(Files().size(), store->stats().files);
+  }
+}
+
+// A file set aside as damaged may hold all of the stale records that put the
+// store over compaction_trigger; a commit then has nothing to compact, and
+// must start nothing: an empty job on the background thread would plan the
+// same empty job again and again, for good.
+TEST_F(SsdStoreTest, ADamagedFileHoldingTheExcessStartsNoCompaction) {
+  SsdStoreOptions options = Options(4);
+  options.background_compaction = true;
+  options.compaction_trigger = 1.5;
+  auto store = SsdStore::Open(options);
+  Put(*store, Range(1, 5), 1);  // one file, one block
+  store->Commit();
+  FlipRowByte((fs::path(dir_) / "000000000001.hpf").string(), 4, 3);  // key 4's row
+  Put(*store, {1, 2, 3}, 2);
+  store->Commit();  // 7 records on disk for 4 live: compacts the first file, which fails its CRC
+  store->WaitForCompaction();
+  EXPECT_THROW(store->Commit(), CorruptionError);
+  EXPECT_FALSE(store->stats().compaction_running);
+  EXPECT_NO_THROW(store->Commit());
+  const SsdStoreStats s = store->stats();
+  EXPECT_FALSE(s.compaction_running);
+  EXPECT_EQ(s.corrupt_files, 1u);
+  EXPECT_EQ(s.compaction_failures, 1u);
+  EXPECT_EQ(s.compactions, 0u);
+  EXPECT_EQ(Versions(*store, {1, 2, 3}), (std::vector<int64_t>{2, 2, 2}));
+  bool corruption = false;
+  GetError(*store, 4, &corruption);
+  EXPECT_TRUE(corruption);
 }
 
 // A put writes its files, then points the index at them, file by file. When
