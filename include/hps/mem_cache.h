@@ -105,6 +105,8 @@ struct MemCacheStats {
   uint64_t lookahead_bytes = 0;  ///< bytes the window holds now: tables, entries, Beyond, scratch (SetLookahead)
   uint64_t lookahead_room = 0;   ///< MemCacheOptions::lookahead_room: lookahead_bytes never passes it
   uint64_t lookahead_no_room = 0; ///< forced evictions that took the scan's choice: no room left for Beyond
+  uint64_t lookahead_visited = 0; ///< candidates the evictions' walks looked up in the window (SetLookahead)
+  uint64_t lookahead_skipped = 0; ///< candidates they skipped, unlooked: passed whole by a walk of the same window
   uint64_t shards = 0;
   uint64_t arena_bytes = 0;
   int numa_nodes = 1;            ///< the arena is interleaved across them when > 1

@@ -70,7 +70,8 @@ INDEX_HEAP_FACTOR = 1.2
 # a retired checkpoint's are carried into the next one's, so that stats() counts them
 # over the Lookup's life, as it does lookups and refreshes.
 CACHE_COUNTERS = ("hits", "misses", "evictions", "dirty_evictions", "rows_loaded", "rows_flushed",
-                  "failed_releases", "lookahead_spared", "lookahead_forced")
+                  "failed_releases", "lookahead_spared", "lookahead_forced", "lookahead_visited",
+                  "lookahead_skipped")
 _M_MMAP_THRESHOLD = -3      # <malloc.h>
 _MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept fixed
 # hps::detail::CompactKeyIndex (src/format/key_index.h): 2^16 shards of 10-byte

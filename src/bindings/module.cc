@@ -880,6 +880,8 @@ PYBIND11_MODULE(_core, m) {
         d["lookahead_bytes"] = st.lookahead_bytes;
         d["lookahead_room"] = st.lookahead_room;
         d["lookahead_no_room"] = st.lookahead_no_room;
+        d["lookahead_visited"] = st.lookahead_visited;
+        d["lookahead_skipped"] = st.lookahead_skipped;
         return d;
       });
 

@@ -403,6 +403,7 @@ struct Shard {
   uint64_t pinned = 0, dirty_rows = 0;
   uint64_t hits = 0, misses = 0, evictions = 0, dirty_evictions = 0;
   uint64_t lookahead_spared = 0, lookahead_forced = 0, lookahead_no_room = 0;
+  uint64_t lookahead_visited = 0, lookahead_skipped = 0;  // Victim's walks: rows looked up, rows skipped
   std::vector<uint32_t> passed;  // Victim's scratch: candidates passed over (reserved while a window is set)
   // Beyond the scan: every ordered row, so that a forced eviction is Belady's
   // over the whole shard (see Victim). Built at the first forced eviction of
@@ -1316,6 +1317,8 @@ class ShardedCache final : public MemCache {
       st.lookahead_spared += shard.lookahead_spared;
       st.lookahead_forced += shard.lookahead_forced;
       st.lookahead_no_room += shard.lookahead_no_room;
+      st.lookahead_visited += shard.lookahead_visited;
+      st.lookahead_skipped += shard.lookahead_skipped;
     }
     st.lookahead_slides = lookahead_slides_.load();
     st.lookahead_bytes = lookahead_bytes_.load();
@@ -1447,6 +1450,7 @@ class ShardedCache final : public MemCache {
       // Every row is in the window, and those skipped may hold the one needed
       // latest: the walk again, each row visited (rare: the cache holds
       // little but the window's rows).
+      shard.lookahead_visited += scan.seen;
       scan.seen = 0;
       scan.spare = scan.latest = kNoSlot;
       scan.latest_rank = 0;
@@ -1454,6 +1458,8 @@ class ShardedCache final : public MemCache {
       walk = shard.policy->WalkCandidates(kLookaheadScan, 0, visit);
     }
     const uint32_t seen = scan.seen + walk.skipped;
+    shard.lookahead_visited += scan.seen;
+    shard.lookahead_skipped += walk.skipped;
     if (seen == 0) return kNoSlot;
     if (scan.spare != kNoSlot && seen == 1) return shard.policy->Evict();  // the policy's victim, its own way
     uint32_t slot = scan.spare != kNoSlot ? scan.spare : scan.latest;
