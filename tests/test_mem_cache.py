@@ -447,6 +447,55 @@ def test_clear_lookahead_is_eviction_without_it():
         assert cleared.stats()["lookahead_spared"] == 0
 
 
+@settings(max_examples=80, deadline=None)
+@given(trace=st.lists(st.integers(0, 40), min_size=1, max_size=300), capacity=st.integers(2, 24),
+       windows=st.lists(st.lists(st.integers(0, 40), max_size=40), min_size=1, max_size=6),
+       every=st.integers(1, 60), policy=st.sampled_from(hps.MemCache.POLICIES))
+def test_pulls_whose_walks_skip_passed_runs_evict_as_accesses_that_walk_every_row(trace, capacity, windows,
+                                                                                 every, policy):
+    """A pull's lookahead walk skips the runs of the policy's order that an earlier
+    walk under the same window passed over whole; an access's walks skip nothing
+    (its own keys change as it goes: one key a call, none is left to come). Key by
+    key, under the same windows (set anew every `every` keys), the two caches hit
+    and hold the same keys."""
+    backing = Backing()
+    pulled = hps.MemCache(ROW, capacity, policy=policy, shards=1, loader=backing.loader, sink=backing.sink)
+    accessed = hps.MemCache(ROW, capacity, policy=policy, shards=1)
+    for i, key in enumerate(trace):
+        if i % every == 0:
+            window = u64(windows[i // every % len(windows)])
+            pulled.set_lookahead(window)
+            accessed.set_lookahead(window)
+        _, hit = pulled.pull(u64([key]))
+        assert hit.tolist() == accessed.access(u64([key])).tolist(), i
+        assert [k in pulled for k in range(41)] == [k in accessed for k in range(41)], i
+    a, b = pulled.stats(), accessed.stats()
+    for name in ("hits", "evictions", "lookahead_spared", "lookahead_forced"):
+        assert a[name] == b[name], name
+    assert b["lookahead_skipped"] == 0
+
+
+@pytest.mark.parametrize("policy", hps.MemCache.POLICIES)
+def test_evictions_under_one_window_look_its_rows_up_once(policy):
+    """mem_cache_test's EvictionsUnderOneWindowLookUpItsRowsOnce through hps.MemCache:
+    the coldest rows (a, then d) are all in the window, b's (visited twice) go, 16
+    evictions in one pull; a window row is looked up at most twice, not once an
+    eviction (stats()["lookahead_visited"]), the walks skipping the runs passed."""
+    backing = Backing()
+    cache = hps.MemCache(ROW, 64, policy=policy, shards=1, loader=backing.loader, sink=backing.sink)
+    a, b, d = u64(range(1, 17)), u64(range(101, 117)), u64(range(201, 233))
+    for keys in (a, b, b, d):
+        cache.pull(keys)
+    window = np.concatenate([a, d])
+    cache.set_lookahead(window)
+    cache.pull(u64(range(301, 317)))
+    s = cache.stats()
+    assert s["evictions"] == 16
+    assert all(k in cache for k in window.tolist()) and not any(k in cache for k in b.tolist())
+    assert s["lookahead_visited"] <= 2 * (len(window) + 16)
+    assert (s["lookahead_skipped"] == 0) if policy == "lru" else (s["lookahead_skipped"] >= 14 * len(a))
+
+
 def test_set_lookahead_errors_change_nothing():
     cache = hps.MemCache(ROW, 4)
     cache.set_lookahead(u64([1, 2]))

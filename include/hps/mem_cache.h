@@ -291,10 +291,13 @@ class MemCache {
   // trace at 1% a limit of 256 often met only window rows and kept 0.976 of
   // Belady at K = 4, 4096 kept 0.995), and an Access with one hashes its own
   // keys once. Outside Access, a walk skips the candidates that an earlier
-  // walk under the same window passed over whole, where the policy can tell
-  // (tinylfu-lfu: its rows of one estimate, until a row enters them): a
+  // walk under the same window passed over whole, in runs the policy keeps
+  // (until a row enters them: lfu's rows of one count, lru+lfu's LFU rows of
+  // one count and its LRU, w-tinylfu's segments, tinylfu-lfu's rows of one
+  // estimate; lru's passed rows go to its front, behind every other): a
   // shard whose coldest rows are all in the window walks them once a
-  // window, not once an eviction (it evicts alike). The first forced
+  // window, not once an eviction (it evicts alike; stats().lookahead_visited
+  // and lookahead_skipped count the rows). The first forced
   // eviction after each change of the window
   // (set, push, pop or slide: the positions changed) lists the shard's rows
   // (O(shard)); later ones take theirs from that list, kept as rows enter

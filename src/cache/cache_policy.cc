@@ -14,10 +14,10 @@ namespace {
 // one of the lists at a time, so one pair of arrays serves them all.
 class SlotLists {
  public:
-  SlotLists(uint32_t capacity, int lists)
+  SlotLists(uint32_t capacity, uint32_t lists)
       : prev_(capacity, kNoSlot), next_(capacity, kNoSlot), heads_(lists), sizes_(lists, 0) {}
 
-  void PushFront(int list, uint32_t slot) {
+  void PushFront(uint32_t list, uint32_t slot) {
     Ends& e = heads_[list];
     prev_[slot] = kNoSlot;
     next_[slot] = e.front;
@@ -26,7 +26,7 @@ class SlotLists {
     if (e.back == kNoSlot) e.back = slot;
     ++sizes_[list];
   }
-  void Remove(int list, uint32_t slot) {
+  void Remove(uint32_t list, uint32_t slot) {
     Ends& e = heads_[list];
     if (prev_[slot] != kNoSlot) next_[prev_[slot]] = next_[slot]; else e.front = next_[slot];
     if (next_[slot] != kNoSlot) prev_[next_[slot]] = prev_[slot]; else e.back = prev_[slot];
@@ -38,9 +38,9 @@ class SlotLists {
     __builtin_prefetch(&prev_[slot], 1);
     __builtin_prefetch(&next_[slot], 1);
   }
-  uint32_t Back(int list) const { return heads_[list].back; }
+  uint32_t Back(uint32_t list) const { return heads_[list].back; }
   uint32_t Prev(uint32_t slot) const { return prev_[slot]; }
-  uint32_t size(int list) const { return sizes_[list]; }
+  uint32_t size(uint32_t list) const { return sizes_[list]; }
 
  private:
   struct Ends {
@@ -62,7 +62,7 @@ class CandidateFeed {
     return visit_(slot) && left_ > 0;
   }
   // A list's slots from its back (the least recent) on, but `skip`.
-  bool List(const SlotLists& lists, int list, uint32_t skip = kNoSlot) {
+  bool List(const SlotLists& lists, uint32_t list, uint32_t skip = kNoSlot) {
     for (uint32_t slot = lists.Back(list); slot != kNoSlot; slot = lists.Prev(slot)) {
       if (slot != skip && !(*this)(slot)) return false;
     }
@@ -72,6 +72,83 @@ class CandidateFeed {
  private:
   uint32_t left_;
   const std::function<bool(uint32_t)>& visit_;
+};
+
+// WalkCandidates's marks: the runs that a walk of epoch E passed over whole,
+// no row having entered them since (a run is a list of the policy's order
+// that Defer, applied to each of its rows in the order walked, leaves as it
+// was: see the policies). Walks of E skip them; the first walk of another
+// epoch drops them.
+class PassedRuns {
+ public:
+  explicit PassedRuns(uint64_t runs) : bits_((runs + 63) / 64, 0) {}
+  // A walk of `epoch` starts (0: one that promises nothing, and marks nothing).
+  void Start(uint64_t epoch) {
+    if (epoch == 0 || epoch == epoch_) return;
+    if (marked_) std::fill(bits_.begin(), bits_.end(), 0);
+    marked_ = false;
+    epoch_ = epoch;
+  }
+  bool operator[](uint64_t run) const { return (bits_[run / 64] >> (run % 64) & 1) != 0; }
+  void Mark(uint64_t run) {
+    bits_[run / 64] |= uint64_t{1} << (run % 64);
+    marked_ = true;
+  }
+  // A row enters the run: a walk must visit it again. Never allocates.
+  void Clear(uint64_t run) { bits_[run / 64] &= ~(uint64_t{1} << (run % 64)); }
+
+ private:
+  std::vector<uint64_t> bits_;
+  uint64_t epoch_ = 0;
+  bool marked_ = false;
+};
+
+// A WalkCandidates walk, run by run: each call returns whether the walk goes
+// on (false: the visitor stopped it, or the limit).
+class RunWalk {
+ public:
+  RunWalk(uint32_t limit, uint64_t epoch, const std::function<bool(uint32_t)>& visit)
+      : left_(limit), marking_(epoch != 0), visit_(visit) {}
+  // Whether the runs passed whole are to be marked (and marked ones skipped).
+  bool marking() const { return marking_; }
+  // One row on its own (w-tinylfu's first candidate).
+  bool Row(uint32_t slot) {
+    if (left_ == 0) return false;
+    --left_;
+    ++visited_;
+    return visit_(slot);
+  }
+  // A run, the list's rows from its back on but `skip` (visited already, by
+  // Row): skipped, unvisited, if `passed` (PassedRuns) and the limit left
+  // holds it. True when it was passed whole, skipped or visited.
+  bool Run(const SlotLists& lists, uint32_t list, bool passed, uint32_t skip = kNoSlot) {
+    if (left_ == 0) return false;
+    const uint32_t size = lists.size(list) - (skip != kNoSlot ? 1 : 0);
+    if (marking_ && passed && size <= left_) {
+      walk_.skipped += size;
+      left_ -= size;
+      return true;
+    }
+    uint32_t visited = 0;
+    for (uint32_t slot = lists.Back(list); slot != kNoSlot && left_ > 0; slot = lists.Prev(slot)) {
+      if (slot == skip) continue;
+      --left_;
+      ++visited;
+      ++visited_;
+      if (!visit_(slot)) return false;
+    }
+    return visited == size;  // else cut short by the limit
+  }
+  // Every row visited so far is of runs passed whole (CachePolicy::Walk::whole).
+  void Whole() { walk_.whole = visited_; }
+  CachePolicy::Walk walk() const { return walk_; }
+
+ private:
+  uint32_t left_;
+  bool marking_;
+  const std::function<bool(uint32_t)>& visit_;
+  uint32_t visited_ = 0;
+  CachePolicy::Walk walk_;
 };
 
 // Until a cache is full nothing is evicted, so ordering every visit is work
@@ -124,91 +201,150 @@ class DeferredOrder {
   bool deferring_ = true;
 };
 
-// A binary min-heap of slots by (frequency, last visit), with each slot's
-// position kept so that a visit or removal is O(log n).
-class FrequencyHeap {
+// Slots by (count, last push), least first: the order a min-heap keyed so
+// would pop them in, kept as a list per count in use (the most recent push at
+// its front), a min-heap of those lists by count, and a table from count to
+// list. A push or removal is O(1), plus O(log counts in use) when a count's
+// first row enters or its last leaves; rows of one count are one list, which
+// a lookahead walk skips whole (CachePolicy::WalkCandidates), where a heap of
+// the rows would have to walk them. Room for every slot and every list up
+// front (a list in use holds a row): Push never allocates, so that MEM-PS can
+// put a row back in the order on a path that must not throw.
+class FrequencyLists {
  public:
-  // Room for every slot up front: Push never allocates, so that MEM-PS can
-  // put a row back in the order on a path that must not throw.
-  explicit FrequencyHeap(uint32_t capacity) : pos_(capacity, kAbsent), freq_(capacity, 0), tick_(capacity, 0) {
+  // `extra` lists beside the counts' (numbered from capacity on) are the
+  // owner's to use through lists(), for rows not in the counts' order.
+  explicit FrequencyLists(uint32_t capacity, uint32_t extra = 0)
+      : lists_(capacity, capacity + extra), freq_(capacity, 0), list_of_(capacity, kNoSlot), count_(capacity, 0),
+        heap_pos_(capacity, kNoSlot) {
     heap_.reserve(capacity);
+    int bits = 1;  // a table at most two thirds full: a short probe
+    while ((uint64_t{1} << bits) < uint64_t{capacity} + capacity / 2 + 1) ++bits;
+    table_.assign(size_t{1} << bits, 0);
+    shift_ = 64 - bits;
+    for (uint32_t list = capacity; list-- > 0;) {  // the free lists, chained through heap_pos_
+      heap_pos_[list] = free_;
+      free_ = list;
+    }
   }
 
   uint32_t& freq(uint32_t slot) { return freq_[slot]; }
-  bool contains(uint32_t slot) const { return pos_[slot] != kAbsent; }
+  bool contains(uint32_t slot) const { return list_of_[slot] != kNoSlot; }  // in the counts' order
   bool empty() const { return heap_.empty(); }
+  const SlotLists& lists() const { return lists_; }
+  SlotLists& lists() { return lists_; }  // for the extra lists alone
 
-  void Push(uint32_t slot, uint64_t tick) {
-    tick_[slot] = tick;
-    pos_[slot] = static_cast<uint32_t>(heap_.size());
-    heap_.push_back(slot);
-    Up(pos_[slot]);
+  // To the front of its count's list (the most recent); returns the list.
+  uint32_t Push(uint32_t slot) {
+    uint32_t list = Find(freq_[slot]);
+    if (list == kNoSlot) {
+      list = free_;
+      free_ = heap_pos_[list];
+      count_[list] = freq_[slot];
+      Insert(list);
+      heap_pos_[list] = static_cast<uint32_t>(heap_.size());
+      heap_.push_back(list);
+      Up(heap_pos_[list]);
+    }
+    lists_.PushFront(list, slot);
+    list_of_[slot] = list;
+    return list;
   }
   void Remove(uint32_t slot) {
-    const uint32_t at = pos_[slot];
+    const uint32_t list = list_of_[slot];
+    lists_.Remove(list, slot);
+    list_of_[slot] = kNoSlot;
+    if (lists_.size(list) > 0) return;
+    Erase(list);
+    const uint32_t at = heap_pos_[list];
     const uint32_t last = heap_.back();
     heap_.pop_back();
-    pos_[slot] = kAbsent;
     if (at < heap_.size()) {
       heap_[at] = last;
-      pos_[last] = at;
+      heap_pos_[last] = at;
       Up(at);
-      Down(pos_[last]);
+      Down(heap_pos_[last]);
     }
+    heap_pos_[list] = free_;
+    free_ = list;
+  }
+  // Remove and Push, the count kept, the list too: the rest of it keeps its order.
+  void ToFront(uint32_t slot) {
+    lists_.Remove(list_of_[slot], slot);
+    lists_.PushFront(list_of_[slot], slot);
   }
   uint32_t PopMin() {
-    const uint32_t slot = heap_.front();
+    const uint32_t slot = lists_.Back(heap_.front());
     Remove(slot);
     return slot;
   }
-  // Feeds the slots in the order PopMin would take them, without taking
-  // any: best first over the tree, a frontier of positions (O(k log k) for
-  // the first k).
-  bool InOrder(CandidateFeed& feed) const {
+  // each(list) for the lists in use, least count first, until it returns
+  // false: best first over the heap, a frontier of positions (O(k log k) for
+  // the first k lists). False when each stopped it.
+  template <typename Each>
+  bool InOrder(Each each) {
     if (heap_.empty()) return true;
-    const auto after = [this](uint32_t a, uint32_t b) { return Less(heap_[b], heap_[a]); };
-    std::vector<uint32_t> frontier{0};
-    while (!frontier.empty()) {
-      std::pop_heap(frontier.begin(), frontier.end(), after);
-      const uint32_t at = frontier.back();
-      frontier.pop_back();
-      if (!feed(heap_[at])) return false;
+    const auto after = [this](uint32_t a, uint32_t b) { return count_[heap_[b]] < count_[heap_[a]]; };
+    frontier_.assign(1, 0);
+    while (!frontier_.empty()) {
+      std::pop_heap(frontier_.begin(), frontier_.end(), after);
+      const uint32_t at = frontier_.back();
+      frontier_.pop_back();
+      if (!each(heap_[at])) return false;
       for (const uint64_t child : {2 * uint64_t{at} + 1, 2 * uint64_t{at} + 2}) {
         if (child >= heap_.size()) continue;
-        frontier.push_back(static_cast<uint32_t>(child));
-        std::push_heap(frontier.begin(), frontier.end(), after);
+        frontier_.push_back(static_cast<uint32_t>(child));
+        std::push_heap(frontier_.begin(), frontier_.end(), after);
       }
     }
     return true;
   }
-  // Gives every slot in the heap the frequency freq_of(slot) and restores the
-  // order bottom-up: O(n), cheaper than n removals and pushes.
-  template <typename F>
-  void Rekey(F freq_of) {
-    for (uint32_t slot : heap_) freq_[slot] = freq_of(slot);
-    for (uint32_t at = static_cast<uint32_t>(heap_.size() / 2); at-- > 0;) Down(at);
-  }
 
  private:
-  static constexpr uint32_t kAbsent = UINT32_MAX;
-
-  bool Less(uint32_t a, uint32_t b) const {
-    return freq_[a] != freq_[b] ? freq_[a] < freq_[b] : tick_[a] < tick_[b];
+  // The table: open addressing, linear probing; an entry is a list + 1 (0: empty).
+  size_t Home(uint32_t count) const { return static_cast<size_t>((count * 0x9E3779B97F4A7C15ULL) >> shift_); }
+  uint32_t Find(uint32_t count) const {
+    const size_t mask = table_.size() - 1;
+    for (size_t i = Home(count);; i = (i + 1) & mask) {
+      if (table_[i] == 0) return kNoSlot;
+      if (count_[table_[i] - 1] == count) return table_[i] - 1;
+    }
+  }
+  void Insert(uint32_t list) {
+    const size_t mask = table_.size() - 1;
+    size_t i = Home(count_[list]);
+    while (table_[i] != 0) i = (i + 1) & mask;
+    table_[i] = list + 1;
+  }
+  // Backward-shift deletion: the entries after it in its probe run move up
+  // where their probe allows, so no tombstone is left.
+  void Erase(uint32_t list) {
+    const size_t mask = table_.size() - 1;
+    size_t i = Home(count_[list]);
+    while (table_[i] != list + 1) i = (i + 1) & mask;
+    for (size_t j = (i + 1) & mask; table_[j] != 0; j = (j + 1) & mask) {
+      const size_t home = Home(count_[table_[j] - 1]);
+      if (((j - home) & mask) >= ((j - i) & mask)) {
+        table_[i] = table_[j];
+        i = j;
+      }
+    }
+    table_[i] = 0;
   }
   void Up(uint32_t at) {
     while (at > 0) {
       const uint32_t parent = (at - 1) / 2;
-      if (!Less(heap_[at], heap_[parent])) break;
+      if (count_[heap_[parent]] <= count_[heap_[at]]) break;
       Swap(at, parent);
       at = parent;
     }
   }
   void Down(uint32_t at) {
     for (;;) {
-      const uint32_t left = 2 * at + 1, right = left + 1;
+      const uint64_t left = 2 * uint64_t{at} + 1, right = left + 1;
       uint32_t least = at;
-      if (left < heap_.size() && Less(heap_[left], heap_[least])) least = left;
-      if (right < heap_.size() && Less(heap_[right], heap_[least])) least = right;
+      if (left < heap_.size() && count_[heap_[left]] < count_[heap_[least]]) least = static_cast<uint32_t>(left);
+      if (right < heap_.size() && count_[heap_[right]] < count_[heap_[least]]) least = static_cast<uint32_t>(right);
       if (least == at) return;
       Swap(at, least);
       at = least;
@@ -216,18 +352,27 @@ class FrequencyHeap {
   }
   void Swap(uint32_t a, uint32_t b) {
     std::swap(heap_[a], heap_[b]);
-    pos_[heap_[a]] = a;
-    pos_[heap_[b]] = b;
+    heap_pos_[heap_[a]] = a;
+    heap_pos_[heap_[b]] = b;
   }
 
-  std::vector<uint32_t> heap_;
-  std::vector<uint32_t> pos_;
-  std::vector<uint32_t> freq_;
-  std::vector<uint64_t> tick_;
+  SlotLists lists_;                // a list per count in use
+  std::vector<uint32_t> freq_;     // per slot: its count (kept while out of the order)
+  std::vector<uint32_t> list_of_;  // per slot: its list, kNoSlot when out
+  std::vector<uint32_t> count_;    // per list: the count of its rows
+  std::vector<uint32_t> heap_pos_; // per list: its place in heap_ (free: the next free list)
+  std::vector<uint32_t> heap_;     // the lists in use, a min-heap by count
+  std::vector<uint32_t> table_;
+  int shift_ = 0;
+  uint32_t free_ = kNoSlot;
+  std::vector<uint32_t> frontier_;  // InOrder's scratch
 };
 
 // Its order is recency alone, so a deferred build gives the order eager
-// visits would have.
+// visits would have. Its walks skip nothing (WalkCandidates): Defer sends a
+// row passed over to the front, so a walk meets the rows an earlier one
+// passed only after every other row, and its one list passed whole is a walk
+// that found no row outside the window (made again, unskipped).
 class Lru final : public CachePolicy {
  public:
   explicit Lru(uint32_t capacity) : lists_(capacity, 1), deferred_(capacity) {}
@@ -272,100 +417,127 @@ class Lru final : public CachePolicy {
   DeferredOrder deferred_;
 };
 
+// Runs (WalkCandidates): the rows of one count. Defer moves a row to the
+// front of its count's list, so deferring a whole list from its back on
+// leaves it as it was.
 class Lfu final : public CachePolicy {
  public:
-  explicit Lfu(uint32_t capacity) : heap_(capacity) {}
+  explicit Lfu(uint32_t capacity) : lfu_(capacity), passed_(capacity) {}
   void Add(uint32_t slot, uint64_t) override {
-    heap_.freq(slot) = 1;
-    heap_.Push(slot, ++tick_);
+    lfu_.freq(slot) = 1;
+    Push(slot);
   }
   void Touch(uint32_t slot) override {
-    heap_.Remove(slot);
+    lfu_.Remove(slot);
     Reattach(slot);
   }
-  void Detach(uint32_t slot) override { heap_.Remove(slot); }
+  void Detach(uint32_t slot) override { lfu_.Remove(slot); }
   void Reattach(uint32_t slot) override {
-    ++heap_.freq(slot);
-    heap_.Push(slot, ++tick_);
+    ++lfu_.freq(slot);
+    Push(slot);
   }
-  uint32_t Evict() override { return heap_.empty() ? kNoSlot : heap_.PopMin(); }
+  uint32_t Evict() override { return lfu_.empty() ? kNoSlot : lfu_.PopMin(); }
   // By (count, recency), least first.
   void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) override {
     CandidateFeed feed(limit, visit);
-    heap_.InOrder(feed);
+    lfu_.InOrder([&](uint32_t list) { return feed.List(lfu_.lists(), list); });
   }
   // The same count, a new last visit.
-  void Defer(uint32_t slot) override {
-    heap_.Remove(slot);
-    heap_.Push(slot, ++tick_);
+  void Defer(uint32_t slot) override { lfu_.ToFront(slot); }
+  Walk WalkCandidates(uint32_t limit, uint64_t epoch, const std::function<bool(uint32_t)>& visit) override {
+    passed_.Start(epoch);
+    RunWalk walk(limit, epoch, visit);
+    lfu_.InOrder([&](uint32_t list) {
+      if (!walk.Run(lfu_.lists(), list, passed_[list])) return false;
+      if (walk.marking()) passed_.Mark(list);
+      walk.Whole();
+      return true;
+    });
+    return walk.walk();
   }
 
  private:
-  FrequencyHeap heap_;
-  uint64_t tick_ = 0;
+  void Push(uint32_t slot) { passed_.Clear(lfu_.Push(slot)); }
+
+  FrequencyLists lfu_;
+  PassedRuns passed_;  // by list
 };
 
 // The paper's: visits go to the LRU; the LRU's overflow goes to the LFU, the
-// LFU's minimum leaves. Counts follow a row while it is cached.
+// LFU's minimum leaves. Counts follow a row while it is cached. Runs
+// (WalkCandidates): the LFU's rows of one count, as Lfu's, and the LRU,
+// whose rows Defer moves to its front.
 class LruLfu final : public CachePolicy {
  public:
   LruLfu(uint32_t capacity, double lru_fraction)
-      : lists_(capacity, 1),
-        heap_(capacity),
-        lru_capacity_(std::max<uint32_t>(1, static_cast<uint32_t>(std::lround(capacity * lru_fraction)))) {}
+      : lfu_(capacity, 1),
+        lru_(capacity),
+        lru_capacity_(std::max<uint32_t>(1, static_cast<uint32_t>(std::lround(capacity * lru_fraction)))),
+        passed_(uint64_t{capacity} + 1) {}
 
   void Add(uint32_t slot, uint64_t) override {
-    heap_.freq(slot) = 1;
-    lists_.PushFront(0, slot);
-    Spill();
+    lfu_.freq(slot) = 1;
+    PushLru(slot);
   }
   void Touch(uint32_t slot) override {
     Detach(slot);
     Reattach(slot);
   }
   void Detach(uint32_t slot) override {
-    if (heap_.contains(slot)) heap_.Remove(slot); else lists_.Remove(0, slot);
+    if (lfu_.contains(slot)) lfu_.Remove(slot); else lfu_.lists().Remove(lru_, slot);
   }
   void Reattach(uint32_t slot) override {
-    ++heap_.freq(slot);
-    lists_.PushFront(0, slot);
-    Spill();
+    ++lfu_.freq(slot);
+    PushLru(slot);
   }
   uint32_t Evict() override {
-    if (!heap_.empty()) return heap_.PopMin();
-    const uint32_t slot = lists_.Back(0);
-    if (slot != kNoSlot) lists_.Remove(0, slot);
+    if (!lfu_.empty()) return lfu_.PopMin();
+    const uint32_t slot = lfu_.lists().Back(lru_);
+    if (slot != kNoSlot) lfu_.lists().Remove(lru_, slot);
     return slot;
   }
   // The LFU's rows by count, then the LRU's, least recent first.
   void ForEachCandidate(uint32_t limit, const std::function<bool(uint32_t)>& visit) override {
     CandidateFeed feed(limit, visit);
-    if (heap_.InOrder(feed)) feed.List(lists_, 0);
+    if (lfu_.InOrder([&](uint32_t list) { return feed.List(lfu_.lists(), list); })) feed.List(lfu_.lists(), lru_);
   }
   // In the LFU, the same count and a new last visit; in the LRU, its front.
   void Defer(uint32_t slot) override {
-    if (heap_.contains(slot)) {
-      heap_.Remove(slot);
-      heap_.Push(slot, ++tick_);
+    if (lfu_.contains(slot)) {
+      lfu_.ToFront(slot);
     } else {
-      lists_.Remove(0, slot);
-      lists_.PushFront(0, slot);
+      lfu_.lists().Remove(lru_, slot);
+      lfu_.lists().PushFront(lru_, slot);
     }
+  }
+  Walk WalkCandidates(uint32_t limit, uint64_t epoch, const std::function<bool(uint32_t)>& visit) override {
+    passed_.Start(epoch);
+    RunWalk walk(limit, epoch, visit);
+    const auto run = [&](uint32_t list) {
+      if (!walk.Run(lfu_.lists(), list, passed_[list])) return false;
+      if (walk.marking()) passed_.Mark(list);
+      walk.Whole();
+      return true;
+    };
+    if (lfu_.InOrder(run)) run(lru_);
+    return walk.walk();
   }
 
  private:
-  void Spill() {
-    while (lists_.size(0) > lru_capacity_) {
-      const uint32_t slot = lists_.Back(0);
-      lists_.Remove(0, slot);
-      heap_.Push(slot, ++tick_);
+  void PushLru(uint32_t slot) {
+    lfu_.lists().PushFront(lru_, slot);
+    passed_.Clear(lru_);
+    while (lfu_.lists().size(lru_) > lru_capacity_) {  // the LRU's overflow
+      const uint32_t oldest = lfu_.lists().Back(lru_);
+      lfu_.lists().Remove(lru_, oldest);
+      passed_.Clear(lfu_.Push(oldest));
     }
   }
 
-  SlotLists lists_;
-  FrequencyHeap heap_;
+  FrequencyLists lfu_;  // its lists hold the LRU too, as list lru_
+  uint32_t lru_;
   uint32_t lru_capacity_;
-  uint64_t tick_ = 0;
+  PassedRuns passed_;  // by list, lru_ the LRU's
 };
 
 // Count-min sketch of 4-bit-saturating counters (held in bytes), halved
@@ -465,6 +637,27 @@ class WTinyLfu final : public CachePolicy {
     lists_.Remove(segment_[slot], slot);
     lists_.PushFront(segment_[slot], slot);
   }
+  // ForEachCandidate, segment by segment: a segment is a run (Defer moves a
+  // row to its front, so deferring a whole segment from its back on, the
+  // first candidate wherever it is in that order, leaves it as it was).
+  // The first candidate is always visited (the duel may name another row
+  // than the last walk's); the rows before it count as passed whole only
+  // once its segment is.
+  Walk WalkCandidates(uint32_t limit, uint64_t epoch, const std::function<bool(uint32_t)>& visit) override {
+    passed_.Start(epoch);
+    RunWalk walk(limit, epoch, visit);
+    const uint32_t first = Victim();
+    if (first == kNoSlot || !walk.Row(first)) return walk.walk();
+    bool first_passed = false;  // its segment passed whole
+    for (const uint8_t segment : {kWindow, kProbation, kProtected}) {
+      const bool holds_first = segment == segment_[first];
+      if (!walk.Run(lists_, segment, passed_[segment], holds_first ? first : kNoSlot)) break;
+      if (walk.marking()) passed_.Mark(segment);
+      first_passed |= holds_first;
+      if (first_passed) walk.Whole();
+    }
+    return walk.walk();
+  }
   uint32_t Evict() override {
     const uint32_t main_victim = MainVictim();
     const uint32_t candidate = lists_.Back(kWindow);
@@ -509,6 +702,7 @@ class WTinyLfu final : public CachePolicy {
   void Push(uint8_t segment, uint32_t slot) {
     lists_.PushFront(segment, slot);
     segment_[slot] = segment;
+    passed_.Clear(segment);  // a row enters: WalkCandidates must visit the segment again
   }
   void Move(uint32_t slot, uint8_t to) {
     lists_.Remove(segment_[slot], slot);
@@ -526,6 +720,7 @@ class WTinyLfu final : public CachePolicy {
   FrequencySketch sketch_;
   uint32_t window_capacity_;
   uint32_t protected_capacity_;
+  PassedRuns passed_{3};  // by segment
 };
 
 // Count-min sketch for an approximate whole-history LFU: unlike
@@ -696,35 +891,17 @@ class TinyLfuLfu final : public CachePolicy {
   // enters it (Push): rows leaving it or moving in it leave the rest passed.
   Walk WalkCandidates(uint32_t limit, uint64_t epoch, const std::function<bool(uint32_t)>& visit) override {
     BuildOrder();
-    if (epoch != 0 && epoch != passed_epoch_) {
-      std::fill(std::begin(passed_), std::end(passed_), 0);
-      passed_epoch_ = epoch;
-    }
-    Walk walk;
-    uint32_t left = limit;
+    passed_.Start(epoch);
+    RunWalk walk(limit, epoch, visit);
     for (int word = 0; word < kWords; ++word) {
       for (uint64_t bits = occupied_[word]; bits != 0; bits &= bits - 1) {
-        if (left == 0) return walk;
         const int b = word * 64 + __builtin_ctzll(bits);
-        const uint32_t size = lists_.size(b);
-        const uint64_t mark = uint64_t{1} << (b % 64);
-        if (epoch != 0 && (passed_[b / 64] & mark) != 0 && size <= left) {
-          walk.skipped += size;
-          left -= size;
-          continue;
-        }
-        uint32_t visited = 0;
-        for (uint32_t slot = lists_.Back(b); slot != kNoSlot && left > 0; slot = lists_.Prev(slot)) {
-          --left;
-          ++visited;
-          if (!visit(slot)) return walk;
-        }
-        if (visited < size) return walk;  // cut short by the limit
-        walk.whole += size;  // every run visited before this one was passed whole too
-        if (epoch != 0) passed_[b / 64] |= mark;
+        if (!walk.Run(lists_, b, passed_[b])) return walk.walk();
+        if (walk.marking()) passed_.Mark(b);
+        walk.Whole();
       }
     }
-    return walk;
+    return walk.walk();
   }
 
  private:
@@ -739,7 +916,7 @@ class TinyLfuLfu final : public CachePolicy {
   }
   void Push(uint32_t slot, uint32_t estimate) {
     const int b = static_cast<int>(std::min<uint32_t>(estimate, kBuckets - 1));
-    passed_[b / 64] &= ~(uint64_t{1} << (b % 64));  // a row enters: WalkCandidates must visit b again
+    passed_.Clear(b);  // a row enters: WalkCandidates must visit b again
     lists_.PushFront(b, slot);
     bucket_[slot] = static_cast<uint8_t>(b);
     occupied_[b / 64] |= uint64_t{1} << (b % 64);
@@ -768,9 +945,7 @@ class TinyLfuLfu final : public CachePolicy {
   HistorySketch sketch_;
   DeferredOrder deferred_;
   uint64_t occupied_[kWords] = {0, 0, 0, 0};
-  // WalkCandidates's marks: the buckets a walk of passed_epoch_ passed whole, no row entered since.
-  uint64_t passed_[kWords] = {0, 0, 0, 0};
-  uint64_t passed_epoch_ = 0;
+  PassedRuns passed_{kBuckets};  // by bucket
 };
 
 }  // namespace

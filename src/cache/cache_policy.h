@@ -55,12 +55,15 @@ class CachePolicy {
   // ForEachCandidate for a lookahead eviction's walk, whose visitor returns
   // true for each row it passes over, and gives each row the same answer
   // while `epoch` stays the same (0: no such promise). A policy whose order
-  // comes in runs (tinylfu-lfu's rows of one estimate) may skip, unvisited,
-  // a run whose rows a walk of the same epoch all passed over, if no row has
-  // entered it since and the limit left holds all its rows: each would be
-  // passed again. (In bench/parameter_server_bench.py --lookahead at K = 16,
-  // 29M of the walks' 30M visits were of such runs, walked again eviction
-  // after eviction.)
+  // comes in runs (lists that Defer only rotates: lfu's and lru+lfu's rows of
+  // one count and lru+lfu's LRU, w-tinylfu's segments, tinylfu-lfu's rows of
+  // one estimate) may skip, unvisited, a run whose rows a walk of the same
+  // epoch all passed over, if no row has entered it since and the limit left
+  // holds all its rows: each would be passed again. (In
+  // bench/parameter_server_bench.py --lookahead at K = 16, 29M of tinylfu-lfu's
+  // walks' 30M visits were of such runs, walked again eviction after
+  // eviction; lfu, lru+lfu and w-tinylfu walked theirs so until they skipped
+  // them too.)
   struct Walk {
     uint32_t skipped = 0;  // rows skipped so: counted against the limit, never visited
     // The first `whole` rows visited are whole runs passed over, which Defer

@@ -27,9 +27,10 @@ using detail::kNoSlot;
 
 // Bytes of bookkeeping per row besides the row itself: the hash map's node
 // and bucket (~40), key, pins and flags (~14), the policy's links, counts and
-// heap position (~28; ~46 for tinylfu-lfu, whose sketch takes 18 of them,
-// and 8 more for lru and tinylfu-lfu until the cache first fills: the
-// deferred order's stamps),
+// lists (~8 for lru; ~46 for tinylfu-lfu, whose sketch takes 18 of them; up
+// to ~52 for lfu and lru+lfu, whose lists of one count take a list's ends,
+// count and heap and table entries a slot; and 8 more for lru and tinylfu-lfu
+// until the cache first fills: the deferred order's stamps),
 // with some slack for the allocator.
 constexpr uint64_t kOverheadPerRow = 112;
 constexpr uint64_t kSinkBatchRows = 16384;
