@@ -297,7 +297,10 @@ class MemCache {
   // estimate; lru's passed rows go to its front, behind every other): a
   // shard whose coldest rows are all in the window walks them once a
   // window, not once an eviction (it evicts alike; stats().lookahead_visited
-  // and lookahead_skipped count the rows). The first forced
+  // and lookahead_skipped count the rows). A walk that skipped some and
+  // found only window rows is made again, unskipped (the latest needed may
+  // be among those skipped), and the walks after it skip nothing until one
+  // finds a row outside the window. The first forced
   // eviction after each change of the window
   // (set, push, pop or slide: the positions changed) lists the shard's rows
   // (O(shard)); later ones take theirs from that list, kept as rows enter

@@ -395,6 +395,9 @@ struct Shard {
   // Changes with every change of the window: the policy's walk may skip the
   // runs a walk of the same epoch passed over (CachePolicy::WalkCandidates).
   uint64_t window_epoch = 1;
+  // The epoch whose last walk found only window rows (0: none): its next
+  // walks skip nothing, until one finds a row outside the window (see Victim).
+  uint64_t unskipped_epoch = 0;
   // The sliding window's batches in this shard (see SlideEntry): guarded by
   // lookahead_mutex_ alone (only calls that change the window use them).
   SlideEntries entries;               // the batches' entries in a row
@@ -1446,11 +1449,16 @@ class ShardedCache final : public MemCache {
     // One pointer captured: the std::function holds it without allocating.
     const std::function<bool(uint32_t)> visit = [s = &scan](uint32_t slot) { return s->Visit(slot); };
     // An Access call's own keys change as it goes: its walks promise nothing.
-    CachePolicy::Walk walk = shard.policy->WalkCandidates(kLookaheadScan, call ? 0 : shard.window_epoch, visit);
+    // Nor does a walk right after one that found only window rows: the next
+    // likely finds only them too, and would be made again (below) after
+    // skipping, a shard that holds little but the window's rows walking
+    // twice an eviction.
+    const bool skip = call == nullptr && shard.unskipped_epoch != shard.window_epoch;
+    CachePolicy::Walk walk = shard.policy->WalkCandidates(kLookaheadScan, skip ? shard.window_epoch : 0, visit);
+    shard.unskipped_epoch = scan.spare == kNoSlot ? shard.window_epoch : 0;
     if (scan.spare == kNoSlot && walk.skipped > 0) {
       // Every row is in the window, and those skipped may hold the one needed
-      // latest: the walk again, each row visited (rare: the cache holds
-      // little but the window's rows).
+      // latest: the walk again, each row visited.
       shard.lookahead_visited += scan.seen;
       scan.seen = 0;
       scan.spare = scan.latest = kNoSlot;

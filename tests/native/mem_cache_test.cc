@@ -1328,6 +1328,36 @@ TEST_P(Lookahead, EvictionsUnderOneWindowLookUpItsRowsOnce) {
   }
 }
 
+// Every row in the window, more of them than a walk looks at: each eviction
+// of the call is forced (Beyond's). A walk that skipped runs and found no row
+// outside the window is made again, unskipped; the walks after it skip
+// nothing until one finds such a row, so each eviction walks kLookaheadScan
+// rows once, not the runs left unmarked past the first walk's limit and then
+// kLookaheadScan again.
+TEST_P(Lookahead, ForcedEvictionsWalkOnceAnEviction) {
+  constexpr uint64_t kRows = MemCache::kLookaheadScan + 200;
+  Backing backing;
+  auto cache = BackedCache(backing, GetParam(), kRows, 1);
+  for (uint64_t visits = 0; visits < 4; ++visits) {  // key k visited k % 4 + 1 times: runs of each count
+    std::vector<uint64_t> keys;
+    for (uint64_t k = 0; k < kRows; ++k) {
+      if (k % 4 >= visits) keys.push_back(k);
+    }
+    std::vector<uint64_t> rows(keys.size());
+    cache->Pull(keys.data(), keys.size(), reinterpret_cast<uint8_t*>(rows.data()), false, nullptr);
+  }
+  std::vector<uint64_t> window(kRows + 8), fresh(8);
+  for (uint64_t k = 0; k < window.size(); ++k) window[k] = k;
+  for (uint64_t i = 0; i < fresh.size(); ++i) fresh[i] = kRows + i;
+  cache->SetLookahead(window.data(), window.size());
+  std::vector<uint64_t> rows(fresh.size());
+  cache->Pull(fresh.data(), fresh.size(), reinterpret_cast<uint8_t*>(rows.data()), false, nullptr);
+  const MemCacheStats st = cache->stats();
+  ASSERT_EQ(st.evictions, fresh.size());
+  EXPECT_EQ(st.lookahead_forced, fresh.size());
+  EXPECT_LE(st.lookahead_visited, st.evictions * MemCache::kLookaheadScan);
+}
+
 INSTANTIATE_TEST_SUITE_P(All, Lookahead, ::testing::Values("lru", "lfu", "lru+lfu", "w-tinylfu", "tinylfu-lfu"));
 
 // Every row in the window: the one needed latest goes (Belady inside it).
