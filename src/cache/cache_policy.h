@@ -62,8 +62,9 @@ class CachePolicy {
   // holds all its rows: each would be passed again. (In
   // bench/parameter_server_bench.py --lookahead at K = 16, 29M of tinylfu-lfu's
   // walks' 30M visits were of such runs, walked again eviction after
-  // eviction; lfu, lru+lfu and w-tinylfu walked theirs so until they skipped
-  // them too.)
+  // eviction; lfu, lru+lfu and w-tinylfu walked theirs the same way, 189 to
+  // 647 rows an eviction at K = 32 on a trace of that shape, until they
+  // skipped them too.)
   struct Walk {
     uint32_t skipped = 0;  // rows skipped so: counted against the limit, never visited
     // The first `whole` rows visited are whole runs passed over, which Defer
