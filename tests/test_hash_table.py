@@ -124,18 +124,24 @@ def test_full_table_raises_and_keeps_what_fit():
     assert isinstance(hps.TableFullError("x"), hps.HpsError)
 
 
-@pytest.mark.parametrize("op", ["accumulate", "lookup_or_init", "apply_gradients"])
-def test_full_table_raises_for_every_claiming_op(op):
+@pytest.mark.parametrize("op, said, kept", [
+    ("accumulate", r"4 key\(s\) found no free slot", 8),
+    ("lookup_or_init", r"4 key\(s\) found no free slot", 8),
+    # A step is all or nothing: the keys that found a slot are not kept either.
+    ("apply_gradients", r"the step needs a slot for each of 12 keys the table lacks, and 8 are free \(capacity 8, "
+                        r"size 0\); no row was stepped", 0),
+])
+def test_full_table_raises_for_every_claiming_op(op, said, kept):
     emb = hps.EmbeddingTable(8, 2, optimizer=hps.SGD())
     keys = u64(range(12))
-    with pytest.raises(hps.TableFullError, match=r"4 key\(s\) found no free slot"):
+    with pytest.raises(hps.TableFullError, match=said):
         if op == "accumulate":
             emb.table.accumulate(keys, np.ones((12, emb.table.row_floats), np.float32))
         elif op == "lookup_or_init":
             emb.pull(keys)
         else:
             emb.push(keys, np.ones((12, 2), np.float32))
-    assert len(emb) == 8
+    assert len(emb) == kept
 
 
 # ---------------------------------------------------------------- bad input

@@ -176,6 +176,56 @@ def test_a_step_that_would_leave_a_row_not_finite_is_refused_naming_the_key(opti
     assert np.isfinite(emb.table.find(keys)[0]).all()
 
 
+def rows_by_key(table):
+    """A table's keys, sorted, and their rows."""
+    keys, rows = table.export()
+    order = np.argsort(keys)
+    return keys[order], rows[order]
+
+
+def push_that_fills_the_table_midway(device, threads, present):
+    """A table of `present` keys and a push of those and more keys it lacks than it
+    has free slots. The push must be refused, changing no row and claiming no slot;
+    with room made (its rows moved to a larger table), the push again steps each key
+    once, as in a table that had room from the start."""
+    optimizer = hps.AdaGrad(lr=0.1)
+    emb = hps.EmbeddingTable(present, 4, optimizer=optimizer, seed=3, threads=threads, device=device)
+    free = emb.table.capacity - present
+    assert free > 0
+    keys = np.arange(1, present + free + 6, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    emb.pull(keys[:present])
+    before = rows_by_key(emb.table)
+    grads = (np.arange(len(keys) * 4, dtype=np.float32).reshape(-1, 4) % 5) + np.float32(0.25)
+    with pytest.raises(hps.TableFullError) as full:
+        emb.push(keys, grads)
+    assert len(emb) == present
+    after = rows_by_key(emb.table)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+    assert str(full.value) == (f"apply_gradients: hash table full: the step needs a slot for each of {free + 5} keys "
+                               f"the table lacks, and {free} are free (capacity {emb.table.capacity}, size "
+                               f"{present}); no row was stepped")
+
+    larger = hps.EmbeddingTable(2 * len(keys), 4, optimizer=optimizer, seed=3, threads=threads, device=device)
+    roomy = hps.EmbeddingTable(2 * len(keys), 4, optimizer=optimizer, seed=3, threads=threads, device=device)
+    larger.table.insert(*emb.table.export())
+    roomy.pull(keys[:present])
+    larger.push(keys, grads)
+    roomy.push(keys, grads)
+    for got, want in zip(rows_by_key(larger.table), rows_by_key(roomy.table)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("threads, present", [(1, 3), (2, 5_997)], ids=["one_thread", "two_threads"])
+def test_a_push_that_fills_the_table_midway_steps_no_row_and_its_retry_steps_each_key_once(threads, present):
+    """A push claims a slot for each key the table lacks as it steps the keys: where the
+    table filled midway, the keys stepped before the full one kept their step (and
+    their slots), the rest had none, and the TableFullError did not say which, so a
+    retry after making room stepped the first ones twice. (5,997 keys: the step runs in
+    parts on two threads.)"""
+    push_that_fills_the_table_midway("cpu", threads, present)
+
+
 # ---------------------------------------------------------------- initialiser
 
 @pytest.mark.parametrize("init, scale", [("uniform", 0.05), ("normal", 0.2), ("zeros", 0.0)])

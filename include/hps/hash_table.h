@@ -106,16 +106,19 @@ class HashTable {
   // sum holds a NaN or an infinity (refuse_nonfinite), or whose step would
   // leave a value of its row that is not finite (a finite sum too large for
   // lr, or for the optimizer's squares: refuse_nonfinite_steps), makes it
-  // throw DivergedError before any row changes (or any absent key is claimed).
+  // throw DivergedError before any row changes (or any absent key is claimed);
+  // more absent keys than free slots make it throw TableFullError so, naming
+  // both ("no row was stepped"): a retry after making room steps each key once.
   virtual void apply_gradients(const uint64_t* keys, uint64_t n, const float* grads,
                                const SparseOptimizer& opt) = 0;
 
   // The same, with the gradients already summed per key in `sums` (a table of
   // the same kind and device, rows of opt.dim floats): the device tier's
   // gradient table, applied without copying it out and summing it again.
-  // Throws std::invalid_argument when `sums` is not such a table, and
-  // DivergedError, changing no row, when a sum is not finite or a step would
-  // leave a row that is not.
+  // Throws std::invalid_argument when `sums` is not such a table, and,
+  // changing no row, DivergedError when a sum is not finite or a step would
+  // leave a row that is not, TableFullError when its keys this table lacks
+  // outnumber its free slots.
   virtual void apply_summed_gradients(const HashTable& sums, const SparseOptimizer& opt) = 0;
 
   // Throws DivergedError when a row holds a NaN or an infinity, naming

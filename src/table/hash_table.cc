@@ -402,14 +402,17 @@ class CpuHashTable final : public HashTable {
   }
 
   // REQUIRES: sums holds each key once (a table does), its lock held (or it is
-  // the call's own). A sum that is not finite, or a step that leaves a row not
-  // finite, refuses the whole call once the others have stepped: every row
-  // stepped is put back (a journal of them), every key claimed freed, and the
-  // call refused as if it had been checked first. A sum that is not finite
-  // leaves a value of its row so under every optimizer (each of its floats
-  // reaches a value the step sets), so the sums are read for it only where a
-  // step failed, or where the table had no room for a key and no step read
-  // its sum.
+  // the call's own). A sum that is not finite, a step that leaves a row not
+  // finite, or a key that finds no free slot refuses the whole call once the
+  // others have stepped: every row stepped is put back (a journal of them),
+  // every key claimed freed, and the call refused as if it had been checked
+  // first, so that a retry (after making room) steps each key once. A sum
+  // that is not finite leaves a value of its row so under every optimizer
+  // (each of its floats reaches a value the step sets), so the sums are read
+  // for it only where a step failed, or where the table had no room for a key
+  // and no step read its sum. (Claiming every key the table lacks before any
+  // steps would cost a second probe of each key a call that succeeds; the
+  // journal, kept anyway, costs nothing more.)
   void ApplySums(const CpuHashTable& sums, const SparseOptimizer& opt, const char* what) {
     std::unique_lock lock(mutex_);
     const TableRef& s = sums.ref_;
@@ -448,12 +451,16 @@ class CpuHashTable final : public HashTable {
       bad[static_cast<size_t>(part)] = b;
     });
     const bool failed = Sum(bad) != 0;
-    if (failed || (Sum(full) != 0 && sums.HasNonFiniteRows())) {
+    if (failed || Sum(full) != 0) {
       for (const Journal& journal : journals) journal.PutBack(ref_);
-      sums.RefuseNonFiniteRows(what);  // the cause named, if it was a sum
-      detail::RefuseNonFiniteSteps(what, ref_, s, opt);
+      if (failed || sums.HasNonFiniteRows()) {
+        sums.RefuseNonFiniteRows(what);  // the cause named, if it was a sum
+        detail::RefuseNonFiniteSteps(what, ref_, s, opt);
+      }
+      // Every key the table lacks was claimed or found no slot.
+      RefuseFullStep(what, Sum(claimed) + Sum(full), ref_.slots, size());
     }
-    Settle(Sum(claimed), Sum(full));
+    size_.fetch_add(Sum(claimed), std::memory_order_relaxed);
   }
 
   // The rows a call stepped, as they were: each stepped slot, in order, and

@@ -196,4 +196,20 @@ inline void CheckSlots(const int64_t* slots, uint64_t n, uint64_t capacity) {
   }
 }
 
+// Throws TableFullError for a step (apply_gradients, apply_summed_gradients)
+// that needs a slot for more keys the table lacks than it has free: "<what>:
+// hash table full: the step needs a slot for each of 7 keys the table lacks,
+// and 2 are free (capacity 8, size 6); no row was stepped". A claim fails
+// only when no slot of the table is free (the probe goes all the way round),
+// so a step whose keys the table lacks number no more than its free slots
+// finds a slot for each. Both launchers, host only; the table is as it was.
+[[noreturn]] inline void RefuseFullStep(const std::string& what, uint64_t lacking, uint64_t capacity,
+                                        uint64_t size) {
+  const uint64_t free = capacity - size;
+  throw TableFullError(what + ": hash table full: the step needs a slot for each of " + std::to_string(lacking) +
+                       (lacking == 1 ? " key" : " keys") + " the table lacks, and " + std::to_string(free) +
+                       (free == 1 ? " is" : " are") + " free (capacity " + std::to_string(capacity) + ", size " +
+                       std::to_string(size) + "); no row was stepped");
+}
+
 }  // namespace hps::detail

@@ -319,6 +319,96 @@ TEST(HashTable, AStepThatWouldLeaveARowNotFiniteIsRefusedNamingTheKeyAndNoRowSte
   }
 }
 
+// Every key's row, by key: the whole table, as export_rows gives it.
+std::map<uint64_t, std::vector<float>> RowsByKey(const HashTable& table) {
+  const uint64_t n = table.size();
+  const auto width = static_cast<uint64_t>(table.row_floats());
+  std::vector<uint64_t> keys(n);
+  std::vector<float> rows(n * width);
+  EXPECT_EQ(table.export_rows(keys.data(), rows.data(), n), n);
+  std::map<uint64_t, std::vector<float>> by_key;
+  for (uint64_t i = 0; i < n; ++i) by_key[keys[i]].assign(rows.begin() + i * width, rows.begin() + (i + 1) * width);
+  return by_key;
+}
+
+// How many keys have another row in `b` than in `a`, or a row in one only.
+uint64_t RowsChanged(const std::map<uint64_t, std::vector<float>>& a, const std::map<uint64_t, std::vector<float>>& b) {
+  uint64_t changed = 0;
+  for (const auto& [key, row] : a) {
+    const auto it = b.find(key);
+    changed += it == b.end() || it->second != row;
+  }
+  for (const auto& [key, row] : b) changed += a.count(key) == 0;
+  return changed;
+}
+
+// A step claims a slot for each key the table lacks as it steps the keys.
+// Where the table filled midway, the keys met before the full one kept their
+// step (and their slots) and the rest had none, and the caller, told only that
+// the table was full, could not tell which: a retry after making room stepped
+// the first ones twice. The step is refused now with no row stepped and no
+// slot claimed, and a retry in a table with room steps each key once.
+TEST(HashTable, AStepThatFillsTheTableMidwayStepsNoRowAndClaimsNoSlot) {
+  SparseOptimizer opt;
+  opt.dim = 3;
+  opt.opt.kind = OptimizerKind::kAdaGrad;
+  opt.opt.lr = 0.1f;
+  const int32_t width = opt.row_floats();
+  // kBatch: past 4096 x 16 slots of sums, the step runs in parts on two threads.
+  for (const uint64_t present : {uint64_t{3}, kBatch - 3}) {
+    for (const int32_t threads : {1, 2}) {
+      SCOPED_TRACE(std::to_string(present) + " keys present, " + std::to_string(threads) + " threads");
+      auto table = Table(present, width, threads);
+      const uint64_t free = table->capacity() - present;  // 5, or 3
+      ASSERT_GT(free, 0u);
+      const uint64_t lacking = free + 5;
+      std::vector<uint64_t> keys(present + lacking);
+      for (uint64_t i = 0; i < keys.size(); ++i) keys[i] = (i + 1) * 0x9E3779B97F4A7C15ULL;
+      std::vector<float> emb(present * opt.dim);
+      table->lookup_or_init(keys.data(), present, opt, emb.data());
+      const auto before = RowsByKey(*table);
+      std::vector<float> grads(keys.size() * opt.dim);
+      for (uint64_t i = 0; i < grads.size(); ++i) grads[i] = 0.25f + static_cast<float>(i % 5);
+      const std::string said = ": hash table full: the step needs a slot for each of " + std::to_string(lacking) +
+                               " keys the table lacks, and " + std::to_string(free) + " are free (capacity " +
+                               std::to_string(table->capacity()) + ", size " + std::to_string(present) +
+                               "); no row was stepped";
+      try {
+        table->apply_gradients(keys.data(), keys.size(), grads.data(), opt);
+        ADD_FAILURE() << "a step the table had no room for was taken";
+      } catch (const TableFullError& e) {
+        EXPECT_EQ(std::string(e.what()), "apply_gradients" + said);
+      }
+      EXPECT_EQ(table->size(), present);
+      EXPECT_EQ(RowsChanged(before, RowsByKey(*table)), 0u);
+
+      auto sums = Table(4 * keys.size(), opt.dim, threads);
+      sums->accumulate(keys.data(), keys.size(), grads.data());
+      try {
+        table->apply_summed_gradients(*sums, opt);
+        ADD_FAILURE() << "a step the table had no room for was taken";
+      } catch (const TableFullError& e) {
+        EXPECT_EQ(std::string(e.what()), "apply_summed_gradients" + said);
+      }
+      EXPECT_EQ(table->size(), present);
+      EXPECT_EQ(RowsChanged(before, RowsByKey(*table)), 0u);
+
+      // Room made (the rows moved to a larger table), the step again: each
+      // key steps once, as in a table that had room from the start.
+      auto larger = Table(2 * keys.size(), width, threads);
+      auto roomy = Table(2 * keys.size(), width, threads);
+      std::vector<uint64_t> held(present);
+      std::vector<float> rows(present * width);
+      ASSERT_EQ(table->export_rows(held.data(), rows.data(), present), present);
+      larger->insert(held.data(), present, rows.data(), nullptr);
+      roomy->lookup_or_init(keys.data(), present, opt, emb.data());
+      larger->apply_gradients(keys.data(), keys.size(), grads.data(), opt);
+      roomy->apply_gradients(keys.data(), keys.size(), grads.data(), opt);
+      EXPECT_EQ(RowsChanged(RowsByKey(*roomy), RowsByKey(*larger)), 0u);
+    }
+  }
+}
+
 TEST(HashTable, ClearZeroesRows) {
   auto table = Table(2 * kBatch, 2, 2);
   const auto keys = RandomKeys(kBatch, 1u << 30, 9);
@@ -597,7 +687,7 @@ TEST(HashTable, OneFullBucketFindsEveryKeyAndRefusesTheNinth) {
   auto full = Table(8, 1, 1);
   std::vector<float> ones(9, 1.0f);
   EXPECT_THROW(full->apply_gradients(keys.data(), 9, ones.data(), sgd), TableFullError);
-  EXPECT_EQ(full->size(), 8u);
+  EXPECT_EQ(full->size(), 0u);  // a step is all or nothing: the 8 keys that found slots are not kept either
 }
 
 // A probe that runs off the last slot goes on at slot 0: with the last of two
