@@ -146,6 +146,19 @@ def test_a_step_that_would_leave_a_row_not_finite_is_refused_on_the_gpu_as_on_th
     ps.close()
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_a_push_that_fills_the_table_midway_steps_no_row_on_the_gpu_as_on_the_cpu(device):
+    """The CUDA table's step claimed the slots of the keys it lacked in the kernel
+    that stepped every key: where the table filled, some keys kept their step and
+    the rest had none. Its check before the step (every key looked up, and every
+    step run dry) counts the keys it lacks now and refuses the push before any row
+    changes, as the CPU table's step does."""
+    from test_optimizers import push_that_fills_the_table_midway
+    push_that_fills_the_table_midway(device, 0, 5_997)
+
+
 # ---- the GPUs' row mover and the CUDA executor (issues 15 and 17). A one-GPU
 # machine stands for a node: several endpoints share GPU 0 (cuda_devices).
 

@@ -172,7 +172,9 @@ class DeviceTier {
   // Applies the optimizer once to every key with gradients and clears them;
   // returns those keys (each once). A key whose sum holds a NaN or an
   // infinity (finite gradients can overflow in their sum) makes it throw
-  // DivergedError, naming the key, before any row steps.
+  // DivergedError, naming the key, before any row steps; so does a device
+  // whose table has fewer free slots than the keys with gradients that it
+  // lacks, TableFullError. Refused, the gradients still wait.
   virtual std::vector<uint64_t> Apply() = 0;
   // The full rows (n, row_floats) of loaded keys, read on their owners (the
   // write-back's read; not counted as transfers). std::out_of_range names a

@@ -105,7 +105,7 @@ class HashTable {
   // key; absent keys are initialised first, as in lookup_or_init. A key whose
   // sum holds a NaN or an infinity (refuse_nonfinite), or whose step would
   // leave a value of its row that is not finite (a finite sum too large for
-  // lr, or for the optimizer's squares: refuse_nonfinite_steps), makes it
+  // lr, or for the optimizer's squares: refuse_failing_steps), makes it
   // throw DivergedError before any row changes (or any absent key is claimed);
   // more absent keys than free slots make it throw TableFullError so, naming
   // both ("no row was stepped"): a retry after making room steps each key once.
@@ -127,15 +127,17 @@ class HashTable {
   // makes on each before applying any (the apply makes it again).
   virtual void refuse_nonfinite(const std::string& what) const = 0;
 
-  // Throws DivergedError where apply_summed_gradients(sums, opt) would: a sum
-  // that holds a NaN or an infinity (sums.refuse_nonfinite), or a key whose
-  // step would leave a value of its row here (of its initial row, where this
-  // table lacks the key) that is not finite, naming `what`, how many keys,
-  // the first (in the sums' slot order) and the value. Changes nothing: the
-  // steps are run dry. For a caller applying several tables' sums, each
-  // checked before any is applied (the apply checks again).
-  virtual void refuse_nonfinite_steps(const HashTable& sums, const SparseOptimizer& opt,
-                                      const std::string& what) const = 0;
+  // Throws where apply_summed_gradients(sums, opt) would, naming `what`:
+  // DivergedError for a sum that holds a NaN or an infinity
+  // (sums.refuse_nonfinite), or a key whose step would leave a value of its
+  // row here (of its initial row, where this table lacks the key) that is not
+  // finite, naming how many keys, the first (in the sums' slot order) and the
+  // value; then TableFullError where the sums' keys this table lacks
+  // outnumber its free slots. Changes nothing: the steps are run dry, and no
+  // slot is claimed. For a caller applying several tables' sums, each checked
+  // before any is applied (the apply checks again).
+  virtual void refuse_failing_steps(const HashTable& sums, const SparseOptimizer& opt,
+                                    const std::string& what) const = 0;
 
   // Writes up to max_rows (key, row) pairs; returns how many. The CPU table
   // writes them in slot order; the CUDA table's threads claim output places

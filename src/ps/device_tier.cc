@@ -804,7 +804,7 @@ class Tier final : public DeviceTier {
   std::vector<uint64_t> Step(std::vector<int64_t>* positions) {
     const int32_t dim = o_.optimizer.dim;
     std::vector<uint64_t> updated;
-    RefuseNonFiniteSums();
+    RefuseFailingSteps();
     if (BoundInPlace()) {
       std::vector<int64_t> stepped;
       in_place_->Apply(bound_keys_.data(), &stepped);
@@ -850,8 +850,10 @@ class Tier final : public DeviceTier {
   // positions' and a gradient table, or the tables of several devices), each
   // is checked before any steps, since each place's Apply refuses only its own
   // (and checks again: a second pass over the sums and the steps run dry,
-  // where they are split). The sums first, then the steps.
-  void RefuseNonFiniteSums() const {
+  // where they are split). The sums first, then the steps, and with them the
+  // room each device's table has for the keys it lacks: a device whose table
+  // fills would leave the devices before it stepped.
+  void RefuseFailingSteps() const {
     int places = BoundInPlace() ? 1 : 0;
     for (int32_t d = 0; d < o_.devices; ++d) places += grads_[d]->size() != 0;
     if (places < 2) return;
@@ -861,7 +863,7 @@ class Tier final : public DeviceTier {
     }
     if (BoundInPlace()) in_place_->RefuseNonFinite(bound_keys_.data());
     for (int32_t d = 0; d < o_.devices; ++d) {
-      if (grads_[d]->size() != 0) rows_[d]->refuse_nonfinite_steps(*grads_[d], o_.optimizer, what(d));
+      if (grads_[d]->size() != 0) rows_[d]->refuse_failing_steps(*grads_[d], o_.optimizer, what(d));
     }
   }
 

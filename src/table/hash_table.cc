@@ -265,14 +265,14 @@ class CpuHashTable final : public HashTable {
     RefuseNonFiniteRows(what);
   }
 
-  void refuse_nonfinite_steps(const HashTable& sums, const SparseOptimizer& opt,
-                              const std::string& what) const override {
+  void refuse_failing_steps(const HashTable& sums, const SparseOptimizer& opt,
+                            const std::string& what) const override {
     CheckOptimizer(opt);
-    const CpuHashTable& cpu = CheckSums(sums, opt, "refuse_nonfinite_steps");
+    const CpuHashTable& cpu = CheckSums(sums, opt, "refuse_failing_steps");
     std::shared_lock sums_lock(cpu.mutex_);
     cpu.RefuseNonFiniteRows(what);
     std::shared_lock lock(mutex_);
-    RefuseNonFiniteSteps(cpu, opt, what);
+    RefuseFailingSteps(cpu, opt, what);
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -363,31 +363,37 @@ class CpuHashTable final : public HashTable {
 
   // REQUIRES: mutex_ and sums' held, shared or not. Each key's step run dry
   // (its row, or its initial row where this table lacks it), found as
-  // ApplySums finds them, without claiming a slot.
-  void RefuseNonFiniteSteps(const CpuHashTable& sums, const SparseOptimizer& opt, const std::string& what) const {
+  // ApplySums finds them, without claiming a slot; and the keys this table
+  // lacks counted, against its free slots.
+  void RefuseFailingSteps(const CpuHashTable& sums, const SparseOptimizer& opt, const std::string& what) const {
     const TableRef& s = sums.ref_;
     const int parts = PartsFor(s.slots, threads_);
     std::vector<uint8_t> bad(static_cast<size_t>(parts), 0);
+    std::vector<uint64_t> lacking(static_cast<size_t>(parts), 0);
     RunParts(parts, [&](int part) {
       uint64_t slot = PartBegin(s.slots, part, parts);
       bool any = false;
+      uint64_t absent = 0;
       Pipeline(
           ref_, PartBegin(s.slots, part + 1, parts) - slot, /*row_write=*/false,
           [&slot] { return slot++; }, [&s](uint64_t i) { return s.keys[i]; },
           [this](Probe& p) { p.slot = FindSlot(ref_, p.key, p.home); },
           [&](const Probe& p) {
             const float* grad = s.row(p.item);
+            absent += p.slot < 0;
             any |= p.slot >= 0 ? !StepStaysFinite(opt, RowValues{ref_.row(static_cast<uint64_t>(p.slot))}, grad)
                                : !StepStaysFinite(opt, InitialRowValue{&opt, p.key}, grad);
           });
       bad[static_cast<size_t>(part)] = any;
+      lacking[static_cast<size_t>(part)] = absent;
     });
     for (uint8_t b : bad) {
       if (b) detail::RefuseNonFiniteSteps(what, ref_, s, opt);
     }
+    if (Sum(lacking) > ref_.slots - size()) RefuseFullStep(what, Sum(lacking), ref_.slots, size());
   }
 
-  // apply_summed_gradients' and refuse_nonfinite_steps' sums: a CPU table with
+  // apply_summed_gradients' and refuse_failing_steps' sums: a CPU table with
   // rows of opt.dim floats, else std::invalid_argument.
   const CpuHashTable& CheckSums(const HashTable& sums, const SparseOptimizer& opt, const char* what) const {
     // Its own lock would be taken shared for the sums, then again for the rows.

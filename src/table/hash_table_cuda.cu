@@ -34,6 +34,7 @@ struct Counters {
   unsigned long long counted;
   unsigned long long full;
   unsigned long long diverged;  // CheckSumsKernel's steps that would leave a row not finite
+  unsigned long long lacking;   // CheckSumsKernel's keys the table lacks, each of which its step claims
 };
 
 __device__ void Count(unsigned long long* c) { atomicAdd(c, 1ULL); }
@@ -148,10 +149,10 @@ __global__ void NonFiniteKernel(TableRef t, Counters* c) {
 }
 
 // One thread per slot of the gradient-sum table, before ApplyKernel: counts
-// the sums that hold a NaN or an infinity (c->counted), and the keys whose
+// the sums that hold a NaN or an infinity (c->counted), the keys whose
 // step, run dry on their row (or their initial row, where the table lacks
 // them: nothing is claimed), would leave a value that is not finite
-// (c->diverged).
+// (c->diverged), and the keys the table lacks (c->lacking).
 __global__ void CheckSumsKernel(TableRef t, TableRef sums, SparseOptimizer opt, Counters* c) {
   const uint64_t s = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x;
   if (s >= sums.slots) return;
@@ -165,6 +166,7 @@ __global__ void CheckSumsKernel(TableRef t, TableRef sums, SparseOptimizer opt, 
     }
   }
   const int64_t slot = FindSlot(t, key);
+  if (slot < 0) Count(&c->lacking);
   const bool ok = slot >= 0 ? detail::StepStaysFinite(opt, detail::RowValues{t.row(slot)}, grad)
                             : detail::StepStaysFinite(opt, detail::InitialRowValue{&opt, key}, grad);
   if (!ok) Count(&c->diverged);
@@ -383,14 +385,14 @@ class CudaHashTable final : public HashTable {
     RefuseNonFiniteRows(what);
   }
 
-  void refuse_nonfinite_steps(const HashTable& sums, const SparseOptimizer& opt,
-                              const std::string& what) const override {
-    if (&sums == this) throw std::invalid_argument("refuse_nonfinite_steps: sums must be another table");
+  void refuse_failing_steps(const HashTable& sums, const SparseOptimizer& opt,
+                            const std::string& what) const override {
+    if (&sums == this) throw std::invalid_argument("refuse_failing_steps: sums must be another table");
     std::lock_guard lock(mutex_);
     CheckOptimizer(opt);
-    const CudaHashTable& cuda = CheckSums(sums, opt, "refuse_nonfinite_steps");
+    const CudaHashTable& cuda = CheckSums(sums, opt, "refuse_failing_steps");
     std::lock_guard sums_lock(cuda.mutex_);  // (as apply_summed_gradients takes them)
-    RefuseNonFiniteSums(cuda, opt, what);
+    RefuseFailingSteps(cuda, opt, what);
   }
 
   uint64_t export_rows(uint64_t* keys_out, float* rows_out, uint64_t max_rows) const override {
@@ -435,7 +437,7 @@ class CudaHashTable final : public HashTable {
     detail::RefuseNonFinite(what, keys.data(), rows.data(), ref_.slots, ref_.stride);
   }
 
-  // apply_summed_gradients' and refuse_nonfinite_steps' sums: a table on this
+  // apply_summed_gradients' and refuse_failing_steps' sums: a table on this
   // device with rows of opt.dim floats, else std::invalid_argument.
   const CudaHashTable& CheckSums(const HashTable& sums, const SparseOptimizer& opt, const char* what) const {
     const auto* cuda = dynamic_cast<const CudaHashTable*>(&sums);
@@ -448,14 +450,20 @@ class CudaHashTable final : public HashTable {
   }
 
   // REQUIRES: mutex_ and sums' held (or sums the call's own). The sums' check
-  // (as RefuseNonFiniteRows') and every step's, run dry, in one kernel and one
-  // sync; the tables come to the host only to name the key.
-  void RefuseNonFiniteSums(const CudaHashTable& sums, const SparseOptimizer& opt, const std::string& what) const {
+  // (as RefuseNonFiniteRows'), every step's, run dry, and the room for the
+  // keys this table lacks, in one kernel and one sync; the tables come to the
+  // host only to name the key.
+  void RefuseFailingSteps(const CudaHashTable& sums, const SparseOptimizer& opt, const std::string& what) const {
     const detail::CurrentDevice current(device_);
     ResetCounters();
     CheckSumsKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());
     const Counters c = Finish();
-    if (c.counted == 0 && c.diverged == 0) return;
+    if (c.counted == 0 && c.diverged == 0) {
+      // ApplyKernel claims a slot for each key the table lacks as it steps the
+      // keys: where one found none, the others' steps would stand.
+      if (c.lacking > ref_.slots - size_) detail::RefuseFullStep(what, c.lacking, ref_.slots, size_);
+      return;
+    }
     // Seldom: the tables to the host, for the message to name the key.
     std::vector<uint64_t> sum_keys(sums.ref_.slots);
     std::vector<float> sum_rows(sums.ref_.slots * sums.ref_.stride);
@@ -473,10 +481,11 @@ class CudaHashTable final : public HashTable {
   }
 
   // REQUIRES: mutex_ and sums' held (or sums the call's own); sums holds each
-  // key once (a table does). A sum that is not finite, or a step that would
-  // leave a row not finite, refuses the whole call before any row steps.
+  // key once (a table does). A sum that is not finite, a step that would
+  // leave a row not finite, or more keys the table lacks than it has free
+  // slots refuses the whole call before any row steps.
   void ApplySums(const CudaHashTable& sums, const SparseOptimizer& opt, const char* what) {
-    RefuseNonFiniteSums(sums, opt, what);
+    RefuseFailingSteps(sums, opt, what);
     const detail::CurrentDevice current(device_);
     ResetCounters();
     ApplyKernel<<<Blocks(sums.ref_.slots), kBlock>>>(ref_, sums.ref_, opt, counters_.get());

@@ -943,6 +943,69 @@ TEST(DeviceTier, AStepThatWouldLeaveARowNotFiniteOnOneDeviceStepsNoRowOnAny) {
                                   "large for float32); no row was stepped");
 }
 
+// Every row a tier holds, by key.
+std::map<uint64_t, std::vector<float>> TierRows(const DeviceTier& tier) {
+  const uint64_t n = tier.size();
+  const auto width = static_cast<uint64_t>(tier.row_floats());
+  std::vector<uint64_t> keys(n);
+  std::vector<float> rows(n * width);
+  EXPECT_EQ(tier.ReadBack(keys.data(), rows.data(), n), n);
+  std::map<uint64_t, std::vector<float>> by_key;
+  for (uint64_t i = 0; i < n; ++i) by_key[keys[i]].assign(rows.begin() + i * width, rows.begin() + (i + 1) * width);
+  return by_key;
+}
+
+// Keys the tier was not given (30, 31) get gradients on device 1, whose table
+// has one slot free. Its apply refused the step (TableFullError), but device
+// 0's, applied first, had stepped key 10, and a device's own table kept the
+// steps of the keys it met before it filled: the caller could not tell which
+// rows stepped. No row steps on any device now and no slot is claimed; the
+// gradients wait, and an Apply again refuses again, stepping nothing twice.
+// With one device, its table's own apply refuses the step the same way.
+TEST(DeviceTier, AStepThatFindsNoSlotOnOneDeviceStepsNoRowOnAny) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  for (const int32_t devices : {2, 1}) {
+    SCOPED_TRACE(std::to_string(devices) + " devices");
+    const int32_t last = devices - 1;
+    std::vector<uint64_t> keys = {10, 20, 21, 22, 23, 24, 25, 26};  // 7 on the last device, its table of 8 slots
+    std::vector<int32_t> owners(keys.size(), last);
+    if (devices == 2) owners[0] = 0;
+    std::vector<float> rows(keys.size() * width);
+    opt.initial_rows(keys.data(), keys.size(), rows.data());
+    auto tier = DeviceTier::New({devices, 8, opt, /*use_cuda=*/false, /*threads=*/1, nullptr, {}});
+    tier->SetGradientCapacity(last, 64);  // room for every gradient: the rows' table is the one that fills
+    // (one device: key 10 is not loaded either)
+    const uint64_t loaded = devices == 2 ? keys.size() : keys.size() - 1;
+    tier->Insert(keys.data() + keys.size() - loaded, loaded, rows.data() + (keys.size() - loaded) * width,
+                 owners.data() + keys.size() - loaded);
+    const auto before = TierRows(*tier);
+    std::vector<uint64_t> pushed = keys;
+    pushed.insert(pushed.end(), {30, 31});
+    std::vector<int32_t> pushed_owners = owners;
+    pushed_owners.insert(pushed_owners.end(), {last, last});
+    std::vector<float> g(pushed.size() * 4);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+    tier->Accumulate(0, pushed.data(), pushed.size(), g.data(), pushed_owners.data());
+    const std::string said = devices == 2 ? "device tier apply (device 1): hash table full: the step needs a slot for "
+                                            "each of 2 keys the table lacks, and 1 is free (capacity 8, size 7); no "
+                                            "row was stepped"
+                                          : "apply_summed_gradients: hash table full: the step needs a slot for each "
+                                            "of 3 keys the table lacks, and 1 is free (capacity 8, size 7); no row "
+                                            "was stepped";
+    for (int again = 0; again < 2; ++again) {
+      try {
+        tier->Apply();
+        ADD_FAILURE() << "a step a table had no room for was taken";
+      } catch (const TableFullError& e) {
+        EXPECT_EQ(std::string(e.what()), said);
+      }
+      EXPECT_EQ(tier->size(), loaded);
+      EXPECT_EQ(TierRows(*tier), before);
+    }
+  }
+}
+
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();
