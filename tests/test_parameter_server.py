@@ -1048,3 +1048,152 @@ def test_a_closed_server_says_so(tmp_path):
             call()
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         hps.ParameterServer(config(tmp_path / "ps")).no_such_thing  # (the path was released: it opens again)
+
+
+HANG = 60  # seconds: a call still running by then waits for good
+
+
+def finishes(call, timeout=HANG):
+    """call() on a thread of its own: ("returned", its value) or ("raised", its
+    error); an AssertionError where it still runs after `timeout` seconds (a hang
+    guard: the suite goes on, the thread is left waiting)."""
+    done = []
+
+    def run():
+        try:
+            done.append(("returned", call()))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            done.append(("raised", e))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the call still waits for a batch that waits for this thread"
+    return done[0]
+
+
+# The server's kinds of batch: on MEM-PS's rows, on a device tier, on Herald's worker caches.
+BATCH_KINDS = {"in-place": ("HostBatch", dict(host_in_place=True)), "tier": ("Batch", dict(host_in_place=False)),
+               "herald": ("HeraldBatch", dict(schedule="herald"))}
+
+
+@pytest.mark.parametrize("kind,call", [(k, c) for k in BATCH_KINDS for c in ("push", "batch", "checkpoint")
+                                       if (k, c) != ("herald", "batch")])  # (a Herald batch waits for none)
+def test_a_call_that_waits_for_a_batch_whose_with_block_this_thread_is_in_is_refused_naming_it(tmp_path, kind,
+                                                                                                 call):
+    """push, batch (without overlap) and checkpoint wait for the batches in flight
+    to be written back; one whose with block this thread is in is written back
+    when the thread leaves the block, so each waited forever, in one thread. Each
+    is refused at once, naming the call, the batch and what to do, and leaves
+    nothing behind: the batch goes on and takes its step, and the call goes ahead
+    once the block is left. (A Herald push in the block started its batch out of
+    order, was refused, and its abort stopped the caches for good; a Herald batch
+    waits for none.)"""
+    name, options = BATCH_KINDS[kind]
+    ps = hps.ParameterServer(config(tmp_path / "ps", optimizer=hps.SGD(lr=0.5), **options))
+    keys = np.array([1, 2, 3], np.uint64)
+    ones = np.ones((3, DIM), np.float32)
+    before = ps.pull(keys)
+    calls = {"push": lambda: ps.push(keys, ones), "batch": lambda: ps.batch(keys).finish(), "checkpoint": ps.checkpoint}
+
+    def in_the_block():
+        with ps.batch(keys) as b:
+            try:
+                calls[call]()
+            except RuntimeError as e:
+                refused = e
+            else:
+                refused = None
+            b.push(keys, ones)
+        return refused
+    outcome, refused = finishes(in_the_block)
+    assert outcome == "returned" and isinstance(refused, RuntimeError), (outcome, refused)
+    said = str(refused)
+    assert said.startswith(f"ParameterServer.{call} "), said
+    assert f"the {name} of 3 keys made by batch() is open on this thread, in its with block (not yet applied)" \
+        in said, said
+    fix = {"push": "Push the gradients into that batch (batch.push(keys, grads)",
+           "batch": "Nothing was made. Finish that batch first (leave its with block)",
+           "checkpoint": "Nothing was written. Checkpoint once that batch is finished (after its with block)"}[call]
+    assert fix in said, said
+    np.testing.assert_allclose(ps.pull(keys), before - 0.5, rtol=1e-6)  # the batch's step alone
+    if call == "checkpoint":
+        assert ps.checkpoint() == 1  # the refused one wrote none
+    else:
+        calls[call]()
+        if call == "push":
+            np.testing.assert_allclose(ps.pull(keys), before - 1.0, rtol=1e-6)
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.close()
+
+
+@pytest.mark.parametrize("kind", ["in-place", "tier"])
+def test_an_overlapped_batch_that_waits_for_batches_this_thread_holds_is_refused_naming_them(tmp_path, kind):
+    """batch(overlap=True) waits for one of the two batches in flight (in place),
+    or for the device tier it takes next, the two taking turns: held by batches
+    whose with blocks this thread is in, it waited forever. Refused at once,
+    making nothing (its prefetch let go); beside one such batch, with the other
+    tier or turn free, it is made as ever."""
+    name, options = BATCH_KINDS[kind]
+    ps = hps.ParameterServer(config(tmp_path / "ps", optimizer=hps.SGD(lr=0.5), **options))
+    keys = np.array([1, 2, 3], np.uint64)
+
+    def in_the_blocks():
+        with ps.batch(keys, overlap=True):
+            if kind == "in-place":
+                try:
+                    with ps.batch(keys[:2], overlap=True):  # beside the one in flight: made
+                        ps.batch(keys, overlap=True)
+                except RuntimeError as e:  # (which aborts the inner block's batch: its step would wait for
+                    return e               # the outer's, applied when this thread leaves that block)
+            else:
+                ps.batch(keys[:2], overlap=True).abort()  # the other tier: made (then free again)
+                try:
+                    ps.batch(keys, overlap=True)  # the tier this block's batch holds: its turn
+                except RuntimeError as e:
+                    return e
+    outcome, refused = finishes(in_the_blocks)
+    assert outcome == "returned" and isinstance(refused, RuntimeError), (outcome, refused)
+    said = str(refused)
+    waits = {"in-place": "waits for one of the two batches in flight to be written back (at most two are)",
+             "tier": "waits for the device tier it takes next (the two tiers take turns) to be free"}[kind]
+    assert said.startswith(f"ParameterServer.batch(overlap=True) {waits}, and the {name} of "), said
+    assert "is open on this thread, in its with block (not yet applied" in said, said
+    assert "Nothing was made." in said, said
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.batch(keys, overlap=True).finish()  # (the blocks left: it goes ahead)
+    ps.close()
+
+
+@pytest.mark.parametrize("kind", ["in-place", "tier"])
+@pytest.mark.parametrize("call", ["push", "batch", "checkpoint"])
+def test_a_call_waits_for_a_batch_another_thread_holds_and_goes_ahead_once_it_is_written_back(tmp_path, kind,
+                                                                                              call):
+    """A batch whose with block another thread is in is written back when that
+    thread goes on: this thread's push, batch or checkpoint waits for it (not
+    refused), then goes ahead."""
+    ps = hps.ParameterServer(config(tmp_path / "ps", optimizer=hps.SGD(lr=0.5), **BATCH_KINDS[kind][1]))
+    keys = np.array([1, 2, 3], np.uint64)
+    ones = np.ones((3, DIM), np.float32)
+    before = ps.pull(keys)
+    made, go = threading.Event(), threading.Event()
+
+    def other():
+        with ps.batch(keys) as b:
+            made.set()
+            go.wait(HANG)
+            b.push(keys, ones)
+    holder = threading.Thread(target=other, daemon=True)
+    holder.start()
+    assert made.wait(HANG)
+    calls = {"push": lambda: ps.push(keys, ones), "batch": lambda: ps.batch(keys).finish(), "checkpoint": ps.checkpoint}
+    done = []
+    waiting = threading.Thread(target=lambda: done.append(finishes(calls[call])), daemon=True)
+    waiting.start()
+    waiting.join(0.3)  # (time to reach its wait: if it returned or raised meanwhile, the asserts below say so)
+    go.set()
+    holder.join(HANG)
+    waiting.join(HANG)
+    assert not holder.is_alive() and not waiting.is_alive()
+    assert done[0][0] == "returned", done
+    np.testing.assert_allclose(ps.pull(keys), before - (1.0 if call == "push" else 0.5), rtol=1e-6)
+    ps.close()

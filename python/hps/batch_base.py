@@ -59,6 +59,8 @@ class BatchBase:
     #: model's input) natively; else a lookup gathers into a tensor of its own
     #: (gather_tensor) and the model's input is put together from it.
     gathers_into_columns = False
+    #: (thread id, how) of the thread that holds the batch (holding), or None.
+    _held_by: Optional[tuple] = None
 
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """The keys themselves (flattened): gather and accumulate look them up."""
@@ -110,13 +112,38 @@ class BatchBase:
         self.write_back()
 
     def __enter__(self):
+        self._held_by = (threading.get_ident(), "its with block")  # (held_here: this thread finishes it at the end)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.finish()
-        else:
-            release_after(exc, self.abort)  # the block's error stands
+        try:
+            if exc_type is None:
+                self.finish()
+            else:
+                release_after(exc, self.abort)  # the block's error stands
+        finally:
+            self._held_by = None
+
+
+@contextmanager
+def holding(batch, where: str):
+    """Marks `batch` as held by this thread for the block (`where` says how, for
+    errors): the thread finishes it only after the block, so a call of its server
+    from this thread that waits for it to be written back would wait forever
+    (ParameterServer refuses one: held_here). A with block of a batch holds it;
+    so does the pipeline's train step, which applies the batch once the step returns."""
+    before = getattr(batch, "_held_by", None)
+    batch._held_by = (threading.get_ident(), where)
+    try:
+        yield batch
+    finally:
+        batch._held_by = before
+
+
+def held_here(batch) -> Optional[str]:
+    """How this thread holds `batch` (holding's `where`), or None: not this thread."""
+    held = getattr(batch, "_held_by", None)
+    return held[1] if held is not None and held[0] == threading.get_ident() else None
 
 
 class StopsAfterAFailedStep:

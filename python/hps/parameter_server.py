@@ -82,7 +82,7 @@ from hps.mem_cache import POLICIES, MemCache
 from hps.optim import SGD, AdaGrad, Adam, Normal, RowWiseAdaGrad, Uniform, Zeros, native_optimizer
 from hps.ssd_store import SsdStore
 from hps.batch_base import BatchBase as _BatchBase
-from hps.batch_base import prefetched_positions, release_after
+from hps.batch_base import held_here, prefetched_positions, release_after
 from hps.worker_caches import HeraldBatch, WorkerCaches
 
 METADATA = "hps-parameter-server.json"
@@ -1077,7 +1077,7 @@ class ParameterServer:
         self._next_slot = 0
         self._last_batch: Optional[Union[Batch, HostBatch]] = None
         # batch()'s batches, with the thread that made each, until collected: those
-        # not yet written back are what a push waits for (_batch_in_the_way).
+        # not yet written back are what a push waits for (_batch_in_the_way, _held_here).
         self._made = weakref.WeakSet()
         self._made_lock = threading.Lock()
         self._host_batches = threading.Condition()  # guards _host_active
@@ -1292,13 +1292,32 @@ class ParameterServer:
         """Sums the gradients (n, dim) of each distinct key and applies one optimizer step.
         A push is one step of the server (``step``, which [ps] ttl_steps counts), as a
         batch is; ``step=False``: a part of the step counted last (a push that belongs
-        to the batch or push before it)."""
+        to the batch or push before it). It waits for every batch made to be written
+        back: refused (RuntimeError) where this thread holds one (its with block, a
+        pipeline's train step: ParameterServer.batch), which would be forever."""
         keys = np.asarray(keys)
         grads = np.asarray(grads)
         if grads.dtype != np.float32:
             raise TypeError(f"grads must be an array of float32, got {grads.dtype}")
         if grads.ndim != 2 or grads.shape != (len(keys), self.dim):
             raise ValueError(f"grads must have shape ({len(keys)}, {self.dim}), got {grads.shape}")
+        held = self._held_here()
+        fix = ("Nothing was pushed.", "Push the gradients into that batch (batch.push(keys, grads) or "
+               "batch.accumulate; an hps.torch module: module.attach(batch, worker)), or push once it is finished "
+               "(after {where}).")
+        if self._herald is not None:
+            # Herald's batches wait for none: the push's batch started out of order,
+            # was refused, and its abort stopped the caches.
+            held = [b for b in held if b._stage() == "made"]
+            if held:
+                self._refuse_waiting_for(held, "ParameterServer.push", "is a batch of its own, which starts only "
+                                         "once every batch made before it has applied its step", "applies its step",
+                                         *fix, never="this call's batch could not start (refused out of order, "
+                                         "it stopped the worker caches)")
+        elif held:
+            self._refuse_waiting_for(held, "ParameterServer.push",
+                                     "waits for every batch of the server to be written back", "is written back",
+                                     *fix)
         with self._batch(keys, overlap=False, new_step=step) as b:
             b.push(keys, grads)
         self._count(pushes=1)
@@ -1406,7 +1425,22 @@ class ParameterServer:
         with block) writes the updated rows back. This waits for the batch in
         flight to be written back, or, with ``overlap`` (the pipeline's way), only
         for the one before it: two device tiers take turns, and the new batch
-        takes the updates of the one in flight from it when that one applies them."""
+        takes the updates of the one in flight from it when that one applies them.
+
+        A batch this waits for that this thread writes back (one whose with block
+        is open here, the batch of a pipeline's train step running here) would be
+        waited for forever: that is refused (RuntimeError), making nothing."""
+        held = self._held_here() if self._herald is None else []  # (Herald's batches wait for none)
+        if held and not overlap:
+            self._refuse_waiting_for(held, "ParameterServer.batch",
+                                     "(without overlap) waits for the batch in flight to be written back",
+                                     "is written back", "Nothing was made.", "Finish that batch first (leave {where}).")
+        if len(held) > 1 and self._in_place:
+            # (A device tier's: the tier it takes next, known under the load lock: _tier_batch.)
+            self._refuse_waiting_for(held, "ParameterServer.batch(overlap=True)",
+                                     "waits for one of the two batches in flight to be written back (at most two "
+                                     "are)", "is written back", "Nothing was made.",
+                                     "Finish one of them first (leave {where}).")
         b = self._batch(keys, overlap=overlap, new_step=True)
         b._made_on = threading.get_ident()
         with self._made_lock:
@@ -1432,6 +1466,32 @@ class ParameterServer:
             if stage == "applied" and b._made_on == here:
                 return "applied on this thread and not yet written back"
         return None
+
+    def _held_here(self) -> list:
+        """batch()'s batches not yet written back that this thread holds
+        (batch_base.holding: a with block of theirs open here, the pipeline's train
+        step running here): this thread writes them back only once it goes on, so
+        a call of its that waits for one would wait forever. Only those: a batch
+        another thread finishes (a pipeline's, the loader's and the writer's) is
+        waited for as ever."""
+        with self._made_lock:
+            made = list(self._made)
+        return [b for b in made if b._stage() is not None and held_here(b) is not None]
+
+    @staticmethod
+    def _refuse_waiting_for(held: list, call: str, waits: str, until: str, done: str, fix: str,
+                            never: str = "this call would wait for it forever") -> None:
+        """Raises RuntimeError: `call` `waits` for a batch of `held` (_held_here),
+        which `until` only after this thread goes on, so `never`. Names the batch
+        and what to do (`fix`, where "{where}" is how this thread holds it)."""
+        b = held[0]
+        where = held_here(b)
+        stage = "not yet applied" if b._stage() == "made" else "applied, not yet written back"
+        more = f"; and {len(held) - 1} more that this thread holds" if len(held) > 1 else ""
+        raise RuntimeError(
+            f"{call} {waits}, and the {type(b).__name__} of {len(b.keys)} keys made by batch() is open on this "
+            f"thread, in {where} ({stage}{more}): it {until} only after this thread leaves {where}, so "
+            f"{never}. {done} {fix.format(where=where)}")
 
     def _batch(self, keys: Union[np.ndarray, "Prefetched"], *, overlap: bool,
                new_step: bool) -> Union[Batch, HostBatch]:
@@ -1473,6 +1533,13 @@ class ParameterServer:
                 for other in ([] if overlap else self._slots):
                     other.free.wait()
                 slot = self._slots[self._next_slot]
+                if overlap and not slot.free.is_set():
+                    held = [b for b in self._held_here() if b._slot is slot]
+                    if held:
+                        self._refuse_waiting_for(
+                            held, "ParameterServer.batch(overlap=True)",
+                            "waits for the device tier it takes next (the two tiers take turns) to be free",
+                            "is written back", "Nothing was made.", "Finish that batch first (leave {where}).")
                 slot.free.wait()
                 waited = time.perf_counter() - waited
                 slot.free.clear()
@@ -1636,7 +1703,8 @@ class ParameterServer:
         before that last step leaves the previous checkpoint as the one to open.
         The previous snapshot is dropped after, unless ``keep_previous`` (an MPI
         job keeps it until every rank has finished this one: prune_checkpoints()).
-        Waits for a batch in flight to finish.
+        Waits for a batch in flight to finish (refused, RuntimeError, where this
+        thread holds it: ParameterServer.batch).
 
         On a rank of an MPI job (``<job>/rank<r>``, r below job.json's world, opened
         directly: ``ParameterServer.open("<job>/rank0")``) whose job.json names a
@@ -1658,6 +1726,11 @@ class ParameterServer:
                 f"alone would not be the job's, and would drop checkpoint {number}, so that the job could not "
                 f"resume. Nothing was written. Train the job (hps train --resume) to change it, or copy this "
                 f"directory elsewhere and open the copy")
+        held = self._held_here()
+        if held:
+            self._refuse_waiting_for(held, "ParameterServer.checkpoint",
+                                     "waits for every batch of the server to be written back", "is written back",
+                                     "Nothing was written.", "Checkpoint once that batch is finished (after {where}).")
         with self._load_lock:
             for slot in self._slots:
                 slot.free.wait()
