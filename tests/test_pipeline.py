@@ -716,3 +716,115 @@ def test_thread_tuner_leaves_the_evaluations_out_of_its_probes(tmp_path, monkeyp
         torch.set_num_threads(threads)
     assert got["chosen"] == 2 and got["passes"] == 1
     assert got["examples_per_s"]["2"] == pytest.approx(1.2 * got["examples_per_s"]["1"])
+
+
+HANG = 60  # seconds: a run still going by then waits for good
+
+
+def finishes(call, timeout=HANG):
+    """call() on a thread of its own: ("returned", its value) or ("raised", its
+    error); an AssertionError where it still runs after `timeout` seconds (a hang
+    guard: the suite goes on, the thread is left waiting)."""
+    done = []
+
+    def run():
+        try:
+            done.append(("returned", call()))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            done.append(("raised", e))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "still waiting, for good"
+    return done[0]
+
+
+def small_server(path, in_place):
+    return hps.ParameterServer(hps.ParameterServerConfig(dim=4, path=str(path), optimizer=hps.SGD(lr=0.5),
+                                                         mem_budget="1MiB", host_in_place=in_place))
+
+
+BATCH_KEYS = np.array([[1, 2], [3, 4]], np.uint64)
+
+
+def three_batches():
+    return [SimpleNamespace(keys=BATCH_KEYS, labels=np.zeros(2, np.float32)) for _ in range(3)]
+
+
+def push_halves(loaded):
+    """Each worker's mini-batch pushes gradients of 1 into the step's batch."""
+    for w, idx in enumerate(loaded.minibatches):
+        k = loaded.data.keys[idx].reshape(-1)
+        loaded.batch.push(k, np.ones((len(k), 4), np.float32), worker=w)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_train_steps_call_that_waits_for_its_own_batch_is_refused_and_the_run_goes_on(tmp_path, in_place,
+                                                                                         pipelined):
+    """The train step's batch is applied on the step's thread once the step
+    returns, and written back after: the step's push, batch or checkpoint of
+    that server waited for it forever (pipelined or not). Each is refused,
+    naming the train step's batch; the run goes on and trains every batch."""
+    ps = small_server(tmp_path / "ps", in_place)
+    ids = np.unique(BATCH_KEYS)
+    before = ps.pull(ids)
+    refused = []
+
+    def step(loaded):
+        for call in (lambda: ps.push(ids, np.ones((4, 4), np.float32)), lambda: ps.batch(ids).finish(),
+                     ps.checkpoint):
+            try:
+                call()
+            except RuntimeError as e:
+                refused.append(str(e))
+        push_halves(loaded)
+    outcome, error = finishes(lambda: hps.pipeline.Pipeline(ps, step).run(three_batches(), pipelined=pipelined))
+    assert outcome == "returned", error
+    assert len(refused) == 9, refused
+    name = "HostBatch" if in_place else "Batch"
+    for said, call in zip(refused, ["push", "batch", "checkpoint"] * 3):
+        assert said.startswith(f"ParameterServer.{call} "), said
+        assert f"the {name} of 4 keys made by batch() is open on this thread, in the pipeline's train step (not " \
+               f"yet applied): it is written back only after this thread leaves the pipeline's train step" in said, said
+    np.testing.assert_allclose(ps.pull(ids), before - 1.5, rtol=1e-6)  # the three batches' steps alone
+    assert ps.checkpoint() == 1 and ps.stats()["mem"]["pinned"] == 0
+    ps.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_another_threads_push_and_checkpoint_wait_for_the_pipelines_batches_and_go_ahead(tmp_path, in_place,
+                                                                                        pipelined):
+    """A push or a checkpoint from a thread of its own while the pipeline trains
+    (its batches made, trained and written back by the pipeline's threads)
+    waits for the batches in flight and goes ahead: not refused."""
+    ps = small_server(tmp_path / "ps", in_place)
+    ids = np.unique(BATCH_KEYS)
+    before = ps.pull(ids)
+    in_step, go = threading.Event(), threading.Event()
+
+    def step(loaded):
+        if not in_step.is_set():
+            in_step.set()
+            go.wait(HANG)
+        push_halves(loaded)
+    pipeline = hps.pipeline.Pipeline(ps, step)
+    run = []
+    runner = threading.Thread(target=lambda: run.append(finishes(lambda: pipeline.run(three_batches(),
+                                                                                      pipelined=pipelined))),
+                              daemon=True)
+    runner.start()
+    assert in_step.wait(HANG)
+    done = []
+    caller = threading.Thread(target=lambda: done.append(finishes(
+        lambda: (ps.push(ids, np.ones((4, 4), np.float32)), ps.checkpoint()))), daemon=True)
+    caller.start()
+    caller.join(0.3)  # (time to reach the wait: had it returned or raised meanwhile, the asserts below say so)
+    go.set()
+    runner.join(HANG)
+    caller.join(HANG)
+    assert not runner.is_alive() and not caller.is_alive()
+    assert run[0][0] == "returned" and done == [("returned", (None, 1))], (run, done)
+    np.testing.assert_allclose(ps.pull(ids), before - 2.0, rtol=1e-6)  # three batches and the push
+    ps.close()

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from hps.batch_base import report_cleanup_error
+from hps.batch_base import holding, report_cleanup_error
 from hps.mem_cache import CacheFullError
 from hps.parameter_server import ParameterServer, WorkingBatch
 
@@ -245,7 +245,10 @@ class Pipeline:
         moves its rows first, here: they are the batches' before it, trained
         (its schedule ran in the load stage: it reads keys only). The caller
         aborts the batch if this raises (once the batches before it are
-        written back: it may have applied its step)."""
+        written back: it may have applied its step). The step holds the batch
+        (batch_base.holding): the server refuses a call of the step that would
+        wait for its write-back (a push, a batch, a checkpoint), which comes only
+        after the step."""
         partition = getattr(loaded.batch, "partition", None)
         if partition is not None:
             bind = getattr(loaded.batch, "bind", None)
@@ -255,7 +258,8 @@ class Pipeline:
             exchanged = getattr(loaded.batch, "exchanged", None)
             if exchanged is not None:  # the examples this rank trains now
                 loaded.read, loaded.data = loaded.data, exchanged
-        self._timed("train", self.train_step, loaded)
+        with holding(loaded.batch, "the pipeline's train step"):
+            self._timed("train", self.train_step, loaded)
         self._timed("train", loaded.batch.apply)
         with self._lock:
             self._applied_not_written += 1
