@@ -682,6 +682,48 @@ def run_heraldpush(node, out: str, args) -> None:
     server.close()
 
 
+def run_openbatchpush(node, out: str, args) -> None:
+    """DistributedServer pushes that would wait for an open batch: an hps.torch
+    module with no batch attached, its backward inside a batch made on every
+    rank; then a direct push once the batch applied, with the last rank alone not
+    yet having written it back (a write-back is a rank's own). Each rank writes
+    what each push raised and whether the rows are as before it; after each, the
+    batch finishes and the same push goes ahead."""
+    import torch
+    import hps
+    import hps.torch as ht
+    from hps.distributed import DistributedServer
+    ds = DistributedServer(hps.ParameterServer(ps_config(os.path.join(out, f"ps{node.rank}"), budget="1MiB")), node)
+    keys = np.array([[1, 2], [3, 4]], np.uint64)
+    ids = np.unique(keys)
+    bag = ht.EmbeddingBag(ds)
+    got = {}
+
+    def backward():
+        bag(torch.from_numpy(keys.astype(np.int64))).sum().backward()
+    before = ds.pull(ids)
+    batch = ds.batch(ds.prefetch(keys))
+    got["backward in a batch"] = raised_by(backward)
+    batch.finish()  # (no gradient: no row steps)
+    got["rows as before the backward"] = bool(np.array_equal(ds.pull(ids), before))
+    backward()  # the batch finished: the push goes ahead
+    got["backward after it"] = bool(not np.array_equal(ds.pull(ids), before))
+    before = ds.pull(ids)
+    batch = ds.batch(ds.prefetch(keys))
+    batch.apply()
+    if node.rank != node.size - 1:
+        batch.write_back()
+    ones = np.ones((len(ids), DIM), np.float32)
+    got["push of an applied batch"] = raised_by(lambda: ds.push(ids, ones))
+    batch.write_back()
+    got["rows as before the push"] = bool(np.array_equal(ds.pull(ids), before))
+    ds.push(ids, ones)
+    got["push after it"] = bool(not np.array_equal(ds.pull(ids), before))
+    with open(os.path.join(out, f"rank{node.rank}.json"), "w") as f:
+        json.dump(got, f)
+    ds.close()
+
+
 def heraldflush_last_keys(rank: int) -> np.ndarray:
     """The heraldflush scenario's last step's keys on a rank: 20 of its own, not
     seen before (7 examples, the last key twice), which fill a cache of 20 rows."""
@@ -1166,7 +1208,7 @@ def parse_args(argv: list):
                                          "heraldtable", "heraldrandom",
                                          "heraldretry", "train", "kstep", "allreduce", "unevenallreduce", "fail", "sketchmemory", "rowbytes",
                                          "otherseed", "pushstep", "lookaheadorder", "alltoallvrefuses",
-                                         "ownerrefuses", "heraldrefusesafter"])
+                                         "ownerrefuses", "heraldrefusesafter", "openbatchpush"])
     ap.add_argument("out")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--optimizer", default="adagrad")

@@ -120,6 +120,38 @@ def test_a_push_is_a_step_of_every_rank_s_server(tmp_path):
     assert steps == [3, 3]
 
 
+def test_a_push_that_would_wait_for_an_open_batch_is_refused_on_every_rank(tmp_path):
+    """A rank's push steps its owned keys with its server's push, which waits for
+    every batch of that server to be written back: a batch not yet applied (this
+    thread applies it, after the push), or applied and not yet written back by
+    this thread, never is. An hps.torch module with no batch attached, its
+    backward inside a batch, hung every rank there, after the push's exchanges.
+    Such a push is refused before the first, on every rank, whichever ranks see
+    it: here the backward's on each, then a direct push with the batch applied
+    and written back on every rank but the last (which raises its error, the
+    others RankFailure naming it). Nothing is pushed; once the batch is finished
+    the same push goes ahead."""
+    world = 2
+    p = scenario(world, "openbatchpush", tmp_path, "--timeout", 30, check=False, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    said = "RuntimeError: DistributedServer.push: each owner steps its keys with its server's push, which waits " \
+           "for every batch of the server to be written back; a batch of this rank's is open ({}) and is finished " \
+           "only after this push, on the thread that trains it: the push would wait for it forever. Nothing was " \
+           "pushed, on any rank."
+    for r in range(world):
+        assert got[r]["backward in a batch"].startswith(said.format("made and not yet applied")), \
+            (r, got[r]["backward in a batch"])
+    last = got[-1]["push of an applied batch"]
+    assert last.startswith(said.format("applied on this thread and not yet written back")), last
+    for r in range(world - 1):
+        assert got[r]["push of an applied batch"] == f"RankFailure: push keys: rank {world - 1} failed before the " \
+                                                      f"exchange ({last}): every rank gives it up", r
+    for r in range(world):
+        assert all(got[r][k] for k in ("rows as before the backward", "backward after it", "rows as before the push",
+                                       "push after it")), (r, got[r])
+
+
 def test_a_rank_batch_takes_its_positions_from_the_prefetch_or_searches_for_them(tmp_path):
     """hps.torch looks up a worker's share of the examples (a view of the prefetched
     keys): its positions are the prefetch's, not searched again; a copy of the

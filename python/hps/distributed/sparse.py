@@ -873,8 +873,27 @@ class DistributedServer:
         self.local.prune_checkpoints()
 
     def _check_push(self) -> None:
-        """A subclass's checks before a push (raise to refuse it), made with push's
-        own checks, which every rank hears of before any key is sent."""
+        """Checks before a push (raise to refuse it; a subclass adds its own), made
+        with push's own checks, which every rank hears of before any key is sent.
+
+        A push's owners step their keys with the local server's push, which waits
+        for every batch of it to be written back (ParameterServer._batch_in_the_way
+        says which would never be). A batch made and not yet applied is applied by
+        this thread, after the push: a push is collective on the train stage's
+        exchanges, as a batch's apply is, so no other thread may apply one
+        meanwhile. One applied and not yet written back is written back by the
+        thread that made it, unless another does (the pipeline's writer). The push
+        waited for it forever, after its exchanges: an hps.torch module with no
+        batch attached, its backward inside a batch, hung every rank. Refused
+        here, on every rank, whichever ranks see it."""
+        why = self.local._batch_in_the_way()
+        if why is not None:
+            raise RuntimeError(
+                f"DistributedServer.push: each owner steps its keys with its server's push, which waits for every "
+                f"batch of the server to be written back; a batch of this rank's is open ({why}) and is finished "
+                f"only after this push, on the thread that trains it: the push would wait for it forever. Nothing "
+                f"was pushed, on any rank. Push the gradients into the batch (batch.push(keys, grads); an "
+                f"hps.torch module: module.attach(batch, worker)), or push once the batch is finished")
 
     def _push_exchanged(self) -> None:
         """A subclass's work once a push's keys and gradients have crossed, before
