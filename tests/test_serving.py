@@ -1816,6 +1816,69 @@ def test_a_lookup_under_way_when_the_lookup_closes_returns_its_answer(job):
         lk.lookup(keys)
 
 
+def _in_forks(n, child, timeout=120):
+    """Runs child(i) in n forked processes; returns each one's outcome ("ok" or its
+    error's repr). A child never returns into pytest: it leaves with os._exit."""
+    import warnings
+    pids, pipes = [], []
+    for i in range(n):
+        r, w = os.pipe()
+        with warnings.catch_warnings():  # (3.12+: a fork with threads about warns)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            outcome = "ok"
+            try:
+                child(i)
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                outcome = repr(e)
+            finally:
+                os.write(w, outcome.encode()[:4000])
+                os._exit(0)
+        os.close(w)
+        pids.append(pid)
+        pipes.append(r)
+    outcomes, deadline = [], time.monotonic() + timeout
+    for pid, r in zip(pids, pipes):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+            time.sleep(0.01)
+        with os.fdopen(r, "rb") as f:
+            outcomes.append(f.read().decode() or "killed: no answer in time")
+    return outcomes
+
+
+def test_a_lookup_opened_before_a_fork_serves_each_process_on_readers_of_its_own(job):
+    """A Lookup opened before os.fork (a pre-forking server's preload, multiprocessing's
+    fork) gave its children the parent's SSD-PS readers, io_uring rings included: two
+    processes reading through one ring failed each other's reads (an IoError, 'io_uring
+    submission queue stays full', naming a checkpoint's file as if it were at fault), and
+    a child's close() removed the view the parent still served. Each process now reads
+    through a view and readers of its own, opened at its first call."""
+    keys = trained_keys()
+    lk = hps.Lookup(job, memory_budget=budget_for(job, 64))  # most of each batch is read from SSD-PS
+    try:
+        want, found = lk.lookup(keys)
+        assert found.all()
+        parent_views = views(job)
+
+        def child(i):
+            rng = np.random.default_rng(i)
+            for _ in range(40):
+                idx = rng.choice(len(keys), 512)
+                rows, got, checkpoint, _ = lk.lookup_with_checkpoint(keys[idx])
+                assert checkpoint == 6 and got.all() and np.array_equal(rows, want[idx]), "rows differ"
+            lk.close()
+        assert _in_forks(3, child) == ["ok"] * 3
+        assert views(job) == parent_views  # the parent's view stays; each child's went with it
+        np.testing.assert_array_equal(lk.lookup(keys)[0], want)
+    finally:
+        lk.close()
+    assert not os.path.exists(job / jobdir.READERS)
+
+
 def test_lookup_refuses_bad_keys_naming_them(job, tmp_path):
     with hps.Lookup(job, memory_budget=budget_for(job, 64)) as lk:
         with pytest.raises(ValueError, match=r"key -5 at index 1"):

@@ -310,6 +310,34 @@ class _Generation:
         if not keep_view:
             self.view.close()
 
+    def abandon(self) -> None:
+        """In a child of the process that opened it: drops this process's copies of the
+        stores (their io_uring rings are the parent's too) and of the cache, and of the
+        view's lock; the view itself, still the parent's, stays."""
+        self.stores = []
+        self.cache = None
+        if self.view.lock >= 0:
+            os.close(self.view.lock)  # (the flock stays the parent's: its descriptor holds it)
+            self.view.lock = -1
+
+
+# Forks of this process that this one is a child of (os.register_at_fork): a Lookup
+# opened at another count was opened by an ancestor, whose readers it must not use
+# (Lookup._here). _fork_lock is made anew in each child: a thread of the parent may
+# have held it at the fork.
+_forks = 0
+_fork_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _forks, _fork_lock
+    _forks += 1
+    _fork_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def steady_heap() -> None:
     """Fixes glibc's mmap threshold at its initial 128 KiB. Left to itself, glibc
@@ -373,7 +401,9 @@ class Lookup:
     so that freed temporaries leave the resident set instead of the budget's margin.
 
     Thread-safe: up to ``read_threads`` lookups run in parallel (the SSD-PS reads
-    without the GIL), more wait for one of them to return.
+    without the GIL), more wait for one of them to return. Fork-safe: in a child of
+    the process that opened it, the first call pins the job's last checkpoint anew,
+    with readers and a cache of the child's own (_here).
 
     The checkpoint is pinned (hps.jobdir: hard links in <path>/.hps-readers), so
     training may prune it while it is served; ``close()`` releases it (once a refresh
@@ -389,8 +419,16 @@ class Lookup:
         self._policy = cache_policy
         self._read_threads = read_threads
         steady_heap()
-        self._reads = threading.BoundedSemaphore(read_threads)
-        self._calls = threading.BoundedSemaphore(read_threads)  # calls working at once (_call_bytes each)
+        self._fork = _forks  # the fork of this process that opened it (_here)
+        self._start()
+        self._current = self._open()
+        self._new_ring(self._current)
+        self._note(self._current)
+
+    def _start(self) -> None:
+        """The state of a Lookup serving nothing yet: its locks and counters."""
+        self._reads = threading.BoundedSemaphore(self._read_threads)
+        self._calls = threading.BoundedSemaphore(self._read_threads)  # calls working at once (_call_bytes each)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # a swap waits for the old generation's lookups
         self._swapping = False
@@ -411,9 +449,40 @@ class Lookup:
         self._carried_cache = dict.fromkeys(CACHE_COUNTERS, 0)
         self._carried_ssd_bytes = 0
         self._peak = 0    # the most held at once, by the split's accounting
-        self._current = self._open()
-        self._new_ring(self._current)
-        self._note(self._current)
+
+    def _here(self, reopen: bool = True) -> None:
+        """Makes the Lookup this process's before a call: one opened before os.fork
+        (a pre-forking server's preload, multiprocessing's fork) left the child the
+        parent's SSD-PS readers, whose io_uring rings the two processes then shared,
+        failing each other's reads ("submission queue stays full", naming a checkpoint's
+        file), and the parent's pinned view, which the child's close() removed. The
+        child drops its copies of them (the view stays the parent's) and pins the job's
+        last checkpoint anew, with readers, cache and counters of its own; not
+        `reopen`: it serves nothing (close())."""
+        if self._fork == _forks:
+            return
+        with _fork_lock:
+            if self._fork == _forks:
+                return
+            inherited, unserved = self._current, self._unserved
+            if inherited is not None:
+                inherited.abandon()
+            # (the parent's locks may have been held by threads the fork did not copy)
+            self._start()
+            try:
+                if inherited is None or not reopen:  # closed stays closed; unserved, the next refresh() opens
+                    self._unserved = unserved if reopen else None
+                    return
+                try:
+                    self._current = self._open()
+                except BaseException as e:  # serving nothing: the next refresh() opens the job's last one
+                    self._unserved = (f"opening it in process {os.getpid()}, forked from the one that opened it, "
+                                      f"failed ({type(e).__name__}: {e})")
+                    raise
+                self._new_ring(self._current)
+                self._note(self._current)
+            finally:  # (only now: the child's other threads wait above until it serves)
+                self._fork = _forks
 
     def _open(self, view: Optional[jobdir.View] = None) -> _Generation:
         view = jobdir.pin(self.path) if view is None else view
@@ -446,6 +515,7 @@ class Lookup:
 
     # ------------------------------------------------------------ generations
     def _acquire(self) -> _Generation:
+        self._here()
         with self._lock:
             while self._swapping:
                 self._idle.wait()
@@ -544,6 +614,7 @@ class Lookup:
         bad = np.flatnonzero(keys == np.uint64(EMPTY_KEY))
         if len(bad):
             raise ValueError(f"keys: index {int(bad[0])} holds the reserved key 2^64-1 (hps.EMPTY_KEY)")
+        self._here()  # (before self._calls: in a child of the process that opened it, the parent's)
         with self._calls:
             gen = self._acquire()
             try:
@@ -572,6 +643,7 @@ class Lookup:
         """Moves to the job's last finished checkpoint if it is newer than the one
         served (a later one, or one of another run: the job started over in this
         path); returns whether it moved. Lookups go on meanwhile (class docstring)."""
+        self._here()
         with self._refresh_lock:
             job = jobdir.read_job(self.path)
             with self._lock:
@@ -656,6 +728,7 @@ class Lookup:
         return keys
 
     def _served(self) -> _Generation:
+        self._here()
         gen = self._current
         if gen is None:
             raise self._none_served()
@@ -727,6 +800,7 @@ class Lookup:
             self._release(gen)
 
     def close(self) -> None:
+        self._here(reopen=False)  # (a child closing the Lookup its parent opened leaves the parent's view)
         # After a refresh under way on another thread: it would otherwise swap its new
         # checkpoint into a closed Lookup and leave that checkpoint pinned.
         with self._refresh_lock:
