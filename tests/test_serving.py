@@ -896,6 +896,36 @@ def test_chunk_rows_that_is_not_a_positive_int_is_refused_naming_it(tmp_path):
     assert export(cfg.path, tmp_path / "e", "t-chunk-arg", chunk_rows=np.int64(2))["rows"] == 3
 
 
+def test_an_export_that_fails_midway_leaves_no_parquet_file_behind(job, tmp_path, monkeypatch):
+    """A read failing partway through a rank's rows (a rows block failing its CRC) left
+    that rank's Parquet file closed, footer and all, on the rows written so far: a
+    well-formed file that any Parquet reader of DIR took for the export, with no sign
+    of the rows missing but the absent _export.json; and DIR, not empty, could not be
+    exported to again. The failed export now removes its files, DIR keeps its lock
+    file alone (empty, as a new export takes it), and nothing of it reads as rows."""
+    import hps.export
+    from hps.export import export
+    real = jobdir.open_store
+
+    class FailsSecondRead:
+        def __init__(self, store):
+            self.store, self.reads = store, 0
+
+        def get(self, keys, dtype):
+            self.reads += 1
+            if self.reads == 2:
+                raise hps.CorruptionError("000000000049.hpf: rows block 1 (file offset 16384) CRC mismatch")
+            return self.store.get(keys, dtype)
+    monkeypatch.setattr(hps.export.jobdir, "open_store", lambda *a, **kw: FailsSecondRead(real(*a, **kw)))
+    with pytest.raises(hps.CorruptionError, match="CRC mismatch"):
+        export(job, tmp_path / "e", "t-midway", chunk_rows=1000)
+    assert os.listdir(tmp_path / "e") == [".hps-export.lock"]
+    assert not (job / "exports" / "t-midway.json").exists()
+    monkeypatch.setattr(hps.export.jobdir, "open_store", real)
+    meta, table = read_export(export(job, tmp_path / "e", "t-midway", chunk_rows=1000)["job"] and tmp_path / "e")
+    assert meta["full"] and len(table["key"]) == meta["rows"] > 1000
+
+
 def test_a_key_of_a_parameter_file_that_the_store_cannot_read_fails_the_export(job, tmp_path, monkeypatch):
     """The keys come from the live files, the rows from the store's index: a key the
     index lacks is damage, raised naming the store and the key, not a zero row

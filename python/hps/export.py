@@ -20,6 +20,7 @@ no longer include it.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -232,45 +233,67 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
                 "ranks": [], "rows": 0, "tombstones": 0, "unix_time": time.time()}
         tag = f"{view.checkpoint:06d}-{uuid.uuid4().hex[:8]}"
         new_keys_files = []
-        for rv in view.ranks:
-            keys, seqs = jobdir.latest_records(rv)
-            since = None if pos is None else pos["ranks"][rv.rank]["max_sequence"]
-            changed = keys if since is None else keys[seqs > np.uint64(since)]
-            gone = np.empty(0, np.uint64)
-            if pos is not None:
-                seen = [_load_key_set(os.path.join(exports, pos["ranks"][rv.rank]["keys"]), consumer)] \
-                    if pos["ranks"][rv.rank].get("keys") else []
-                seen += _readable_key_sets(exports, unsettled.get(rv.rank, []))
-                if seen:  # (each set sorted and distinct: merged only after a failed export)
-                    seen = seen[0] if len(seen) == 1 else np.unique(np.concatenate(seen))
-                    gone = np.setdiff1d(seen, keys, assume_unique=True)
-            name = f"part-rank{rv.rank:05d}.parquet"
-            store = jobdir.open_store(rv, row_bytes)
-            with pq.ParquetWriter(os.path.join(to, name), sch) as writer:
-                for at in range(0, len(changed), chunk_rows):
-                    chunk = changed[at:at + chunk_rows]
-                    with rv.source_names():  # a CRC failure names the checkpoint's file
-                        rows, found = store.get(chunk, np.float32)
-                    if not found.all():
-                        raise RuntimeError(f"{rv.source}: key {int(chunk[~found][0])} is in a parameter file but "
-                                           f"not in the store's index")
-                    writer.write_table(_table(sch, chunk, rows, dim, step, rv.rank, int8, with_state))
-                if len(gone):
-                    writer.write_table(_table(sch, gone, None, dim, step, rv.rank, int8, with_state, True))
-            del store
-            _fsync(os.path.join(to, name))
-            keys_name = f"{consumer}.{tag}.rank{rv.rank:05d}.keys.npy"
-            buf = _npy_bytes(keys)  # sorted, distinct
-            _write_durable(os.path.join(exports, keys_name), buf)
-            new_keys_files.append(keys_name)
-            meta["ranks"].append({"rank": rv.rank, "file": name, "rows": int(len(changed)),
-                                  "tombstones": int(len(gone)), "live_rows": int(len(keys)),
-                                  "max_sequence": max(rv.files, default=0),
-                                  "since_sequence": since})
-            meta["rows"] += int(len(changed))
-            meta["tombstones"] += int(len(gone))
-        _sync_dir(exports)  # the key sets' names, before _export.json says the export is whole
-        _write_durable(os.path.join(to, EXPORT_META), json.dumps(meta, indent=1).encode())
+        # DIR's files are written under names Parquet readers skip, and take their own names
+        # once every rank's is whole, just before _export.json: a read failing partway (a rows
+        # block's CRC) closed its rank's file, footer and all, as a well-formed Parquet file of
+        # the rows written so far, which a reader of DIR took for the export. An export that
+        # fails before _export.json removes them (DIR's lock file alone stays: DIR is empty).
+        staged: list = []  # (the path written, its name once whole)
+        try:
+            for rv in view.ranks:
+                keys, seqs = jobdir.latest_records(rv)
+                since = None if pos is None else pos["ranks"][rv.rank]["max_sequence"]
+                changed = keys if since is None else keys[seqs > np.uint64(since)]
+                gone = np.empty(0, np.uint64)
+                if pos is not None:
+                    seen = [_load_key_set(os.path.join(exports, pos["ranks"][rv.rank]["keys"]), consumer)] \
+                        if pos["ranks"][rv.rank].get("keys") else []
+                    seen += _readable_key_sets(exports, unsettled.get(rv.rank, []))
+                    if seen:  # (each set sorted and distinct: merged only after a failed export)
+                        seen = seen[0] if len(seen) == 1 else np.unique(np.concatenate(seen))
+                        gone = np.setdiff1d(seen, keys, assume_unique=True)
+                name = f"part-rank{rv.rank:05d}.parquet"
+                part = os.path.join(to, f".{name}.tmp")
+                staged.append((part, name))
+                store = jobdir.open_store(rv, row_bytes)
+                with pq.ParquetWriter(part, sch) as writer:
+                    for at in range(0, len(changed), chunk_rows):
+                        chunk = changed[at:at + chunk_rows]
+                        with rv.source_names():  # a CRC failure names the checkpoint's file
+                            rows, found = store.get(chunk, np.float32)
+                        if not found.all():
+                            raise RuntimeError(f"{rv.source}: key {int(chunk[~found][0])} is in a parameter file but "
+                                               f"not in the store's index")
+                        writer.write_table(_table(sch, chunk, rows, dim, step, rv.rank, int8, with_state))
+                    if len(gone):
+                        writer.write_table(_table(sch, gone, None, dim, step, rv.rank, int8, with_state, True))
+                del store
+                _fsync(part)
+                keys_name = f"{consumer}.{tag}.rank{rv.rank:05d}.keys.npy"
+                buf = _npy_bytes(keys)  # sorted, distinct
+                _write_durable(os.path.join(exports, keys_name), buf)
+                new_keys_files.append(keys_name)
+                meta["ranks"].append({"rank": rv.rank, "file": name, "rows": int(len(changed)),
+                                      "tombstones": int(len(gone)), "live_rows": int(len(keys)),
+                                      "max_sequence": max(rv.files, default=0),
+                                      "since_sequence": since})
+                meta["rows"] += int(len(changed))
+                meta["tombstones"] += int(len(gone))
+            for part, name in staged:
+                os.replace(part, os.path.join(to, name))
+            _sync_dir(to)  # the parts' names, and
+            _sync_dir(exports)  # the key sets', before _export.json says the export is whole
+            meta_tmp = os.path.join(to, EXPORT_META + ".tmp")
+            staged.append((meta_tmp, None))
+            _write_durable(meta_tmp, json.dumps(meta, indent=1).encode())
+            os.replace(meta_tmp, os.path.join(to, EXPORT_META))  # (written whole, then named)
+        except BaseException:
+            for part, name in staged:
+                for path in (part, name and os.path.join(to, name)):
+                    if path:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(path)
+            raise
         _sync_dir(to)
         position = {"consumer": consumer, "checkpoint": view.checkpoint, "step": step, "world": job.world,
                     "run": job.run, "to": os.path.abspath(to), "unix_time": meta["unix_time"],
