@@ -926,10 +926,12 @@ def test_an_export_that_fails_midway_leaves_no_parquet_file_behind(job, tmp_path
     assert meta["full"] and len(table["key"]) == meta["rows"] > 1000
 
 
-def test_a_key_of_a_parameter_file_that_the_store_cannot_read_fails_the_export(job, tmp_path, monkeypatch):
+def test_a_key_of_a_parameter_file_that_the_store_cannot_read_fails_the_export(job, tmp_path, monkeypatch, capsys):
     """The keys come from the live files, the rows from the store's index: a key the
     index lacks is damage, raised naming the store and the key, not a zero row
-    exported; and the consumer's position stays where it was."""
+    exported; and the consumer's position stays where it was. Damage is a
+    CorruptionError, which hps export reports in a line and exit 1 as it does a
+    failed CRC (a RuntimeError, it left main() as a traceback)."""
     import hps.export
     from hps.export import export
     real = jobdir.latest_records
@@ -938,8 +940,13 @@ def test_a_key_of_a_parameter_file_that_the_store_cannot_read_fails_the_export(j
         keys, seqs = real(rv)
         return np.append(keys, np.uint64(12345)), np.append(seqs, seqs.max())
     monkeypatch.setattr(hps.export.jobdir, "latest_records", with_a_stray_key)
-    with pytest.raises(RuntimeError, match=r"/ssd: key 12345 is in a parameter file but not in the store's index"):
+    stray = r"/ssd: key 12345 is in a parameter file but not in the store's index"
+    with pytest.raises(hps.CorruptionError, match=stray):
         export(job, tmp_path / "e", "t-stray", full=True)
+    assert not (job / "exports" / "t-stray.json").exists()
+    capsys.readouterr()
+    assert main(["export", str(job), "--to", str(tmp_path / "e"), "--consumer", "t-stray", "--full"]) == 1
+    assert re.search(r"hps export: CorruptionError: .*" + stray, capsys.readouterr().err)
     assert not (job / "exports" / "t-stray.json").exists()
 
 

@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from hps import jobdir
+from hps.errors import CorruptionError
 from hps.parameter_server import PathInUseError, _make_dirs_durable, _replace_durable, _sync_dir, _write_durable
 
 EXPORT_META = "_export.json"    # in the output directory, written last
@@ -262,8 +263,8 @@ def _export_locked(root, to, consumer, exports, full, int8, with_state, chunk_ro
                         with rv.source_names():  # a CRC failure names the checkpoint's file
                             rows, found = store.get(chunk, np.float32)
                         if not found.all():
-                            raise RuntimeError(f"{rv.source}: key {int(chunk[~found][0])} is in a parameter file but "
-                                               f"not in the store's index")
+                            raise CorruptionError(f"{rv.source}: key {int(chunk[~found][0])} is in a parameter file "
+                                                  f"but not in the store's index")
                         writer.write_table(_table(sch, chunk, rows, dim, step, rv.rank, int8, with_state))
                     if len(gone):
                         writer.write_table(_table(sch, gone, None, dim, step, rv.rank, int8, with_state, True))
