@@ -1986,9 +1986,10 @@ def test_serve_answers_json_and_binary_lookups(server, job):
     np.testing.assert_array_equal(rows[:500], want)
     assert list(body[501 * 16:]) == [1] * 500 + [0]
     status, _, body = request(server, "GET", "/health")
-    assert status == 200 and json.loads(body) == {"checkpoint": 6, "step": BATCHES, "world": 1, "dim": 4}
+    assert status == 200 and json.loads(body) == {"run": jobdir.read_job(job).run, "checkpoint": 6, "step": BATCHES,
+                                                  "world": 1, "dim": 4}
     status, _, body = request(server, "POST", "/refresh", b"")
-    assert status == 200 and json.loads(body) == {"moved": False, "checkpoint": 6}
+    assert status == 200 and json.loads(body) == {"moved": False, "checkpoint": 6, "run": jobdir.read_job(job).run}
     status, _, body = request(server, "GET", "/stats")
     assert status == 200 and json.loads(body)["lookups"] == 2
 
@@ -2206,7 +2207,7 @@ def test_serve_listens_on_every_address_of_a_host_name(job, monkeypatch):
         try:
             port = srv.server_address[1]
             for host in ("::1", "127.0.0.1"):
-                assert health_at(host, port) == (200, {"checkpoint": 6, "step": BATCHES, "world": 1, "dim": 4})
+                assert health_at(host, port) == (200, lk.served()) and lk.served()["checkpoint"] == 6
             assert srv.urls == [f"http://[::1]:{port}", f"http://127.0.0.1:{port}"] and srv.unavailable == []
         finally:
             srv.shutdown()  # every address's loop, not only the first's
@@ -2344,7 +2345,7 @@ def test_serve_takes_a_post_without_a_body_where_none_is_read(server):
         out = r.status, json.loads(r.read())
         conn.close()
         return out
-    assert bare_post("/refresh") == (200, {"moved": False, "checkpoint": 6})
+    assert bare_post("/refresh") == (200, {"moved": False, "checkpoint": 6, "run": server.lookup.served()["run"]})
     status, doc = bare_post("/health")
     assert status == 405 and doc["error"] == "POST /health: use GET"
     status, doc = bare_post("/lookup")  # where the keys are the body, it is still required
@@ -2536,9 +2537,52 @@ def test_serve_answers_health_with_one_checkpoint_s_fields(job, tmp_path):
         lk._served = served_then_refresh
         status, _, body = request(srv, "GET", "/health")
         assert status == 200 and refreshed == [True] and (lk.checkpoint, lk.world) == (7, 2)
-        assert json.loads(body) == {"checkpoint": 6, "step": BATCHES, "world": 1, "dim": 4}
+        assert json.loads(body) == {"run": jobdir.read_job(job).run, "checkpoint": 6, "step": BATCHES, "world": 1,
+                                    "dim": 4}
         status, _, body = request(srv, "GET", "/health")
         assert status == 200 and json.loads(body) == lk.served() and json.loads(body)["world"] == 2
+
+
+def test_serve_names_the_run_of_the_checkpoint_it_serves(tmp_path):
+    """A job started over in its path numbers its checkpoints from 1 again: a server
+    left on the old run's checkpoint 2 answered /health and every lookup as
+    "checkpoint": 2, as one on the new run's checkpoint 2 did, with other rows, and
+    nothing it said told them apart. The answers name the run too."""
+    from hps.serve import LookupServer
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "ps"), optimizer=hps.SGD(lr=0.5), mem_budget="1MiB")
+    keys = np.arange(1, 101, dtype=np.uint64)
+
+    def two_checkpoints(ps, sign):
+        for _ in range(2):
+            ps.push(keys, sign * np.ones((len(keys), 4), np.float32))
+            ps.checkpoint()
+        ps.close()
+    two_checkpoints(hps.ParameterServer(cfg), 1)
+    old_run = jobdir.read_job(cfg.path).run
+    with hps.Lookup(cfg.path, memory_budget="64MiB") as old:
+        two_checkpoints(hps.ParameterServer(cfg, checkpoint=None), -1)  # started over: a new run
+        new_run = jobdir.read_job(cfg.path).run
+        assert new_run != old_run
+        with hps.Lookup(cfg.path, memory_budget="64MiB") as new:
+            assert old.checkpoint == new.checkpoint == 2 and old.step == new.step is None
+            assert not np.array_equal(old.lookup(keys)[0], new.lookup(keys)[0])
+            assert (old.served()["run"], new.served()["run"]) == (old_run, new_run)
+            assert old.lookup_served(keys)[2] == old.served() and old.stats()["run"] == old_run
+        srv = LookupServer(old, ("127.0.0.1", 0))
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            status, _, body = request(srv, "GET", "/health")
+            assert status == 200 and json.loads(body) == {"run": old_run, "checkpoint": 2, "step": None, "world": 1,
+                                                          "dim": 4}
+            status, _, body = request(srv, "POST", "/lookup", b'{"keys": [1]}')
+            assert status == 200 and json.loads(body)["run"] == old_run
+            status, headers, _ = request(srv, "POST", "/lookup", keys[:1].tobytes(), "application/octet-stream")
+            assert status == 200 and headers["X-Hps-Run"] == old_run
+            status, _, body = request(srv, "POST", "/refresh")
+            assert status == 200 and json.loads(body) == {"moved": True, "checkpoint": 2, "run": new_run}
+        finally:
+            srv.shutdown()
+            srv.server_close()
 
 
 def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
@@ -2555,14 +2599,14 @@ def test_serve_limits_keys_and_concurrent_lookups(server, monkeypatch):
     status, _, data = request(server, "POST", "/lookup", json.dumps({"keys": list(range(30))}))
     assert status == 413 and "body of 120 bytes, more than 100" in json.loads(data)["error"]
     entered, release = threading.Event(), threading.Event()
-    real = server.lookup.lookup_with_checkpoint
+    real = server.lookup.lookup_served
 
     def slow(keys):
         entered.set()
         release.wait(30)
         return real(keys)
 
-    monkeypatch.setattr(server.lookup, "lookup_with_checkpoint", slow)
+    monkeypatch.setattr(server.lookup, "lookup_served", slow)
     first = []
     t = threading.Thread(target=lambda: first.append(request(server, "POST", "/lookup", b'{"keys": [1]}')))
     t.start()
@@ -2844,14 +2888,14 @@ def test_server_close_waits_for_the_lookups_under_way_and_refuses_new_ones(serve
     a request on a connection kept alive meanwhile is answered 503."""
     import http.client
     entered, release = threading.Event(), threading.Event()
-    real = server.lookup.lookup_with_checkpoint
+    real = server.lookup.lookup_served
 
     def slow(keys):
         entered.set()
         assert release.wait(30)
         return real(keys)
 
-    monkeypatch.setattr(server.lookup, "lookup_with_checkpoint", slow)
+    monkeypatch.setattr(server.lookup, "lookup_served", slow)
     host, port = server.server_address[:2]
     kept = http.client.HTTPConnection(host, port, timeout=30)
     kept.request("GET", "/health")
@@ -2968,7 +3012,7 @@ def test_a_second_interrupt_while_lookups_are_in_reads_exits_without_the_interpr
         exits.append(code)
         raise Exited
 
-    monkeypatch.setattr(Lookup, "lookup_with_checkpoint", in_a_read)
+    monkeypatch.setattr(Lookup, "lookup_served", in_a_read)
     monkeypatch.setattr(LookupServer, "serve_forever", serving)
     monkeypatch.setattr(LookupServer, "server_close", close)
     monkeypatch.setattr(os, "_exit", fake_exit)
@@ -3013,7 +3057,7 @@ SERVE_WITH_A_LOOKUP_UNDER_WAY = """import sys, threading
 from hps.cli import main
 from hps.lookup import Lookup
 from hps.serve import LookupServer
-read, close = Lookup.lookup_with_checkpoint, LookupServer.server_close
+read, close = Lookup.lookup_served, LookupServer.server_close
 def in_reads(self, keys):
     print("test: a lookup under way", file=sys.stderr, flush=True)
     try:
@@ -3024,7 +3068,7 @@ def in_reads(self, keys):
 def closing(self, **kwargs):
     print("test: server_close waits", file=sys.stderr, flush=True)
     close(self, **kwargs)
-Lookup.lookup_with_checkpoint = in_reads
+Lookup.lookup_served = in_reads
 LookupServer.server_close = closing
 sys.exit(main(sys.argv[1:]))
 """
@@ -3303,7 +3347,7 @@ def test_serve_answers_a_large_body_it_refuses_before_closing(server, method, pa
 def test_serve_answers_a_lookup_that_failed_with_a_500(server, monkeypatch):
     def fails(keys):
         raise RuntimeError("the disk went away")
-    monkeypatch.setattr(server.lookup, "lookup_with_checkpoint", fails)
+    monkeypatch.setattr(server.lookup, "lookup_served", fails)
     status, _, data = request(server, "POST", "/lookup", b'{"keys": [1]}')
     assert status == 500 and json.loads(data) == {"error": "RuntimeError: the disk went away"}
     monkeypatch.undo()

@@ -160,6 +160,7 @@ class _Generation:
         self.world = job.world
         self.checkpoint = view.checkpoint
         self.step = view.step()
+        self.run = job.run  # None: a job written before runs had ids
         self._reads = reads
         row_bytes = job.row_bytes
         self.cached_row_bytes = 4 * (self.dim + 1)  # the embedding, then 1.0 if stored (0.0: a cached miss)
@@ -187,6 +188,11 @@ class _Generation:
         self._pulls = 0
         self._stats_wanted = 0
         self._between = threading.Condition()
+
+    def served(self) -> dict:
+        """Lookup.served() of this checkpoint."""
+        return {"run": self.run, "checkpoint": self.checkpoint, "step": self.step, "world": self.world,
+                "dim": self.dim}
 
     def older_than(self, run: Optional[str], checkpoint: Optional[int]) -> bool:
         """Whether checkpoint `checkpoint` of run `run` is newer than this one: a later
@@ -602,6 +608,13 @@ class Lookup:
         """(rows, found, checkpoint, step): lookup()'s answer and the checkpoint it was
         read from. Read apart, a refresh finishing between the two would pair one
         checkpoint's rows with the next one's number."""
+        rows, found, served = self.lookup_served(keys)
+        return rows, found, served["checkpoint"], served["step"]
+
+    def lookup_served(self, keys) -> tuple[np.ndarray, np.ndarray, dict]:
+        """(rows, found, served): lookup()'s answer and served() of the checkpoint it was
+        read from, its run included: a checkpoint's number alone does not name it, since
+        a job started over in its path (or rolled back, or resharded) numbers them anew."""
         keys = np.asarray(keys)
         if keys.ndim != 1:
             raise ValueError(f"keys: a 1-D array, not of shape {keys.shape}")
@@ -619,9 +632,9 @@ class Lookup:
             gen = self._acquire()
             try:
                 if len(keys) == 0:  # counted below like any other (it returned before, uncounted)
-                    result = np.empty((0, gen.dim), np.float32), np.empty(0, bool), gen.checkpoint, gen.step
+                    result = np.empty((0, gen.dim), np.float32), np.empty(0, bool), gen.served()
                 else:
-                    result = (*gen.lookup(keys), gen.checkpoint, gen.step)
+                    result = (*gen.lookup(keys), gen.served())
             finally:
                 self._release(gen)
         with self._lock:
@@ -751,11 +764,12 @@ class Lookup:
         return self._served().world
 
     def served(self) -> dict:
-        """{"checkpoint", "step", "world", "dim"} of the checkpoint served, all read from
-        it: read one property after another, a refresh finishing in between paired one
-        checkpoint's number with the next one's step and world."""
-        gen = self._served()
-        return {"checkpoint": gen.checkpoint, "step": gen.step, "world": gen.world, "dim": gen.dim}
+        """{"run", "checkpoint", "step", "world", "dim"} of the checkpoint served, all read
+        from it: read one property after another, a refresh finishing in between paired one
+        checkpoint's number with the next one's step and world. The run tells a checkpoint
+        from another of the same number: a job started over in its path, rolled back or
+        resharded numbers its checkpoints anew (None: a job written before runs had ids)."""
+        return self._served().served()
 
     def stats(self) -> dict:
         """The checkpoint served, its rows, counters, and ``memory``: the budget's
@@ -789,8 +803,7 @@ class Lookup:
             memory["within_budget"] = memory["peak_held_bytes"] <= self._budget \
                 and memory["total_bytes"] <= self._budget
             cache.update({k: int(cache[k]) + carried_cache[k] for k in CACHE_COUNTERS})
-            return {"checkpoint": gen.checkpoint, "step": gen.step, "world": gen.world, "dim": gen.dim,
-                    "memory_budget": self._budget, "memory": memory, "cache": cache,
+            return {**gen.served(), "memory_budget": self._budget, "memory": memory, "cache": cache,
                     "rows": int(sum(len(s) for s in gen.stores)),
                     "index_bytes": plan.index,
                     "ssd_bytes_read": carried_ssd_bytes + int(sum(s["bytes_read"] for s in ssd)),

@@ -13,15 +13,15 @@ one more is answered 429 at once rather than queued without bound.
 
     POST /lookup   keys in; rows and found out. Content-Type:
                    application/json: {"keys": [int, ...]} -> {"rows": [[float] * dim, ...],
-                     "found": [bool, ...], "checkpoint": N, "step": S, "nonfinite": [int, ...]}
+                     "found": [bool, ...], "checkpoint": N, "step": S, "run": R, "nonfinite": [int, ...]}
                      (a NaN or infinity in a row, which JSON cannot hold, is null, and
                      "nonfinite" lists the indices of the rows that held one)
                    application/octet-stream: little-endian uint64 keys -> n * dim float32
                      rows (little-endian), then n bytes of found (0/1); headers
-                     X-Hps-Dim, X-Hps-Checkpoint, X-Hps-Step (absent where the job records
-                     no step)
-    POST /refresh  moves to the job's newer checkpoint: {"moved": bool, "checkpoint": N}
-    GET  /health   {"checkpoint", "step", "world", "dim"} (HEAD: its headers)
+                     X-Hps-Dim, X-Hps-Checkpoint, X-Hps-Step, X-Hps-Run (the last two
+                     absent where the job records none)
+    POST /refresh  moves to the job's newer checkpoint: {"moved": bool, "checkpoint": N, "run": R}
+    GET  /health   {"run", "checkpoint", "step", "world", "dim"} (HEAD: its headers)
     GET  /stats    Lookup.stats(), and the server's: rejected (429s), max_concurrent, connections
                    (open now), max_connections, refused_connections (503s for that limit),
                    unsent_answers (connections closed with an answer their client did not
@@ -690,7 +690,8 @@ class _Handler(BaseHTTPRequestHandler):
                     except Exception as e:  # noqa: BLE001 - the checkpoint served stays, as with --refresh-every
                         raise HttpError(500, f"refresh failed, {_serving(lookup)}: "
                                              f"{type(e).__name__}: {e}") from None
-                    answer = {"moved": moved, "checkpoint": lookup.checkpoint}
+                    served = lookup.served()
+                    answer = {"moved": moved, "checkpoint": served["checkpoint"], "run": served["run"]}
                 self._json(200, answer)
             elif path == "/health":
                 with self.server.using_lookup() as lookup:
@@ -737,21 +738,23 @@ class _Handler(BaseHTTPRequestHandler):
             del body
             with self.server.using_lookup() as lookup:
                 # the checkpoint the rows were read from: lookup.checkpoint, read after, may be a newer one's
-                rows, found, checkpoint, step = lookup.lookup_with_checkpoint(keys)
+                rows, found, served = lookup.lookup_served(keys)
             del keys
             if kind == "application/json":
                 rows_json, nonfinite = _rows_json(rows)
                 del rows
-                answer = _json_bytes({"rows": rows_json, "found": found.tolist(), "checkpoint": checkpoint,
-                                      "step": step, "nonfinite": nonfinite})
+                answer = _json_bytes({"rows": rows_json, "found": found.tolist(), "checkpoint": served["checkpoint"],
+                                      "step": served["step"], "run": served["run"], "nonfinite": nonfinite})
                 del rows_json
                 content_type, headers = "application/json", None
             else:
                 answer = rows.astype("<f4").tobytes() + found.astype(np.uint8).tobytes()
                 content_type = "application/octet-stream"
-                headers = {"X-Hps-Dim": rows.shape[1], "X-Hps-Checkpoint": checkpoint}
-                if step is not None:  # the job records no step (JSON's "step": null): no header
-                    headers["X-Hps-Step"] = step
+                headers = {"X-Hps-Dim": rows.shape[1], "X-Hps-Checkpoint": served["checkpoint"]}
+                # absent where the job records none (JSON's null)
+                for name, field in (("X-Hps-Step", "step"), ("X-Hps-Run", "run")):
+                    if served[field] is not None:
+                        headers[name] = served[field]
         finally:
             self.server.slots.release()
         self._send(200, answer, content_type, headers)
