@@ -879,6 +879,37 @@ def test_a_position_missing_a_field_is_refused_naming_the_file_and_the_field(tmp
     assert export(cfg.path, tmp_path / "e3", "c", full=True)["rows"] == 3
 
 
+@pytest.mark.parametrize("field, value", [("checkpoint", None), ("checkpoint", "6"), ("world", "1"),
+                                          ("ranks[0].max_sequence", -1), ("ranks[0].max_sequence", None),
+                                          ("ranks[0].keys", 5)])
+def test_a_position_field_of_another_type_is_refused_naming_the_file_and_the_field(tmp_path, capsys, field, value):
+    """A position's field present but of another type raised a TypeError or an
+    OverflowError naming neither the file nor the field (a traceback from hps export),
+    or read "a job of 1 ranks, the job now has 1" ("world": "1"); a null max_sequence
+    was taken for no position and the delta silently made a full one."""
+    from hps.export import export
+    cfg = hps.ParameterServerConfig(dim=4, path=str(tmp_path / "job"), optimizer=hps.SGD(lr=0.5))
+    ps = hps.ParameterServer(cfg)
+    ps.push(np.arange(1, 4, dtype=np.uint64), np.ones((3, 4), np.float32))
+    ps.checkpoint()
+    ps.close()
+    export(cfg.path, tmp_path / "e1", "c")
+    where = tmp_path / "job" / "exports" / "c.json"
+    pos = json.loads(where.read_text())
+    if field.startswith("ranks[0]."):
+        pos["ranks"][0][field.split(".")[1]] = value
+    else:
+        pos[field] = value
+    where.write_text(json.dumps(pos))
+    want = f"{where}: field '{field}' must be"
+    with pytest.raises(ValueError, match=re.escape(want) + r".*damaged export position: remove it, then export "
+                                                           r"with --full"):
+        export(cfg.path, tmp_path / "e2", "c")
+    capsys.readouterr()
+    assert main(["export", cfg.path, "--to", str(tmp_path / "e3"), "--consumer", "c"]) == 2
+    assert want in capsys.readouterr().err
+
+
 def test_chunk_rows_that_is_not_a_positive_int_is_refused_naming_it(tmp_path):
     """chunk_rows=True was taken as 1 (a bool is an int): the export ran a row at a
     time instead of refusing the argument, as 0 and the other arguments are refused;

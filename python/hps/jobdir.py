@@ -744,6 +744,19 @@ def read_export_position(path: str) -> dict:
     for i, r in enumerate(ranks):
         if not isinstance(r, dict) or "max_sequence" not in r:
             raise ValueError(f"{path}: ranks[{i}] has no field 'max_sequence' ({damaged})")
+    # Each field of the type export reads it as: another (null, a string, a negative
+    # number) raised a TypeError or OverflowError naming neither the file nor the field.
+    checks = [("checkpoint", pos["checkpoint"], _whole_number(pos["checkpoint"]), "a checkpoint number"),
+              ("world", pos["world"], _whole_number(pos["world"]) and pos["world"] >= 1, "a number of ranks >= 1"),
+              (RUN, pos.get(RUN), pos.get(RUN) is None or isinstance(pos.get(RUN), str), "a run id or null")]
+    for i, r in enumerate(ranks):
+        checks += [(f"ranks[{i}].max_sequence", r["max_sequence"], _whole_number(r["max_sequence"]),
+                    "a file sequence number"),
+                   (f"ranks[{i}].keys", r.get("keys"), r.get("keys") is None or isinstance(r.get("keys"), str),
+                    "a key set's file name or null")]
+    for name, value, sound, what in checks:
+        if not sound:
+            raise ValueError(f"{path}: field '{name}' must be {what}, got {value!r} ({damaged})")
     return pos
 
 
