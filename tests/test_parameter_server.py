@@ -168,6 +168,29 @@ def test_a_step_that_would_leave_a_row_not_finite_is_refused_naming_the_key_and_
     ps.close()
 
 
+@pytest.mark.parametrize("topology", [None, "figure1.toml"])
+def test_a_push_of_a_key_not_in_the_batch_is_refused_and_the_batch_trains_on(tmp_path, topology):
+    """A batch's push of a key it does not hold: host partitions that step the rows in
+    place refused it, but through executed routes (figure1's; every CUDA tier too) the
+    tier summed its gradient, and the batch's apply stepped its rows and claimed one for
+    the key before it named the key (IndexError), releasing the batch. Both refuse the
+    push now, naming the key, and add nothing of it: the batch trains on."""
+    topo = None if topology is None else os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                                      "examples", "topologies", topology)
+    ps = hps.ParameterServer(config(tmp_path / "ps", devices=8, topology=topo, optimizer=hps.SGD(lr=0.5)))
+    keys = np.arange(1, 20, dtype=np.uint64)
+    before = ps.pull(keys)
+    b = ps.batch(keys)
+    assert b.gathers_into_columns == (topology is None)  # in place, or through the row mover
+    with pytest.raises(IndexError, match=r"^device tier accumulate: keys\[1\] = 999 is not among the 19 keys bound$"):
+        b.push(np.array([3, 999], np.uint64), np.ones((2, DIM), np.float32))
+    b.push(keys[:2], np.ones((2, DIM), np.float32))
+    b.finish()
+    np.testing.assert_array_equal(ps.pull(keys), before - np.float32(0.5) * (np.arange(19) < 2)[:, None])
+    assert ps.stats()["mem"]["pinned"] == 0
+    ps.close()
+
+
 def test_eps_0_is_refused_where_the_server_is_made(tmp_path):
     """eps = 0 with a sum of squares (AdaGrad's, from initial_accumulator_value 0) or a
     second moment (Adam's) still 0 stepped a key pushed with a zero gradient by 0 / 0:

@@ -166,7 +166,12 @@ class DeviceTier {
   virtual void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings,
                    const int32_t* owners) = 0;
   // Worker `worker` sends gradients (n, dim) of keys to their owners, which
-  // sum them (duplicates and other workers' included) until Apply.
+  // sum them (duplicates and other workers' included) until Apply. After
+  // Bind, keys are the bound ones: std::out_of_range names one that is not
+  // ("device tier accumulate: keys[1] = 999 is not among the 19 keys bound"),
+  // and, where the gradients sum in tables (!reads_in_place),
+  // std::invalid_argument one whose owner here is not a device it is bound
+  // on; refused so, the call adds nothing.
   virtual void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
                           const int32_t* owners) = 0;
   // Applies the optimizer once to every key with gradients and clears them;

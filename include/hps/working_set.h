@@ -124,7 +124,9 @@ class WorkingSet {
   // Worker `worker` pulls the embeddings (n, dim) of keys (each a key of the
   // batch; std::out_of_range names one that is not).
   void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings, Memory memory = Memory::kHost);
-  // Worker `worker` sends gradients (n, dim) of keys to their owners.
+  // Worker `worker` sends gradients (n, dim) of keys to their owners (each a
+  // key of the batch; std::out_of_range names one that is not, and nothing of
+  // the call is sent).
   void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
                   Memory memory = Memory::kHost);
   // positions[i]: where keys[i] is among keys(). std::out_of_range names a

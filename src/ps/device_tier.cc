@@ -218,13 +218,11 @@ class Tier final : public DeviceTier {
       PositionsOf(keys, n, positions.data(), "accumulate");
       return AccumulateAt(worker, positions.data(), n, grads, RowLayout{});
     }
-    if (mover_) return MovedAccumulate(worker, keys, n, grads, owners);
-    const int32_t dim = o_.optimizer.dim;
-    const Parts parts = Partition(keys, n, owners, grads, dim);
-    parts.ForEach([&](int32_t d, uint64_t size) {
-      grads_[d]->accumulate(parts.keys[d], size, parts.rows[d]);
-      Count(worker, d, size, size * dim * sizeof(float));
-    });
+    // Into the gradient tables, where Apply would step any key (claiming a
+    // row for one its owner lacks): a bound batch's keys only, each on the
+    // device it is bound on, as the in-place sums take them.
+    if (bound_) RefuseUnbound(keys, n, owners);
+    AccumulateKeys(worker, keys, n, grads, owners);
   }
 
   std::vector<uint64_t> Apply() override { return Step(nullptr); }
@@ -324,7 +322,7 @@ class Tier final : public DeviceTier {
     std::vector<uint64_t> keys;
     std::vector<int32_t> owners;
     KeysAt(positions, n, &keys, &owners, "accumulate");
-    Accumulate(worker, keys.data(), n, grads, owners.empty() ? nullptr : owners.data());
+    AccumulateKeys(worker, keys.data(), n, grads, owners.empty() ? nullptr : owners.data());  // bound, as checked
   }
 
   void RowsAt(const int64_t* positions, uint64_t n, float* rows) const override {
@@ -768,6 +766,41 @@ class Tier final : public DeviceTier {
     parts.ForEach([&](int32_t d, uint64_t size) { Count(d, worker, size, size * dim * sizeof(float)); });
   }
 
+  // Accumulate into the gradient tables (keys bound, where the tier is).
+  void AccumulateKeys(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads, const int32_t* owners) {
+    if (mover_) return MovedAccumulate(worker, keys, n, grads, owners);
+    const int32_t dim = o_.optimizer.dim;
+    const Parts parts = Partition(keys, n, owners, grads, dim);
+    parts.ForEach([&](int32_t d, uint64_t size) {
+      grads_[d]->accumulate(parts.keys[d], size, parts.rows[d]);
+      Count(worker, d, size, size * dim * sizeof(float));
+    });
+  }
+
+  // Throws, before anything is added, for a key of an accumulate by key that
+  // the batch did not bind (std::out_of_range, as PositionsOf's) or bound on
+  // another device than its owner there (std::invalid_argument). An owner
+  // outside the devices is left to Partition to name.
+  void RefuseUnbound(const uint64_t* keys, uint64_t n, const int32_t* owners) const {
+    const detail::KeyIndex& index = BoundKeys();
+    for (uint64_t i = 0; i < n; ++i) {
+      uint32_t at = index.Find(keys[i]);
+      if (at == detail::KeyIndex::kNone) NotBound(keys, i, "accumulate");
+      if (o_.devices == 1 || (owners == nullptr && bound_by_hash_)) continue;  // the hash's owner, both times
+      const int32_t d = owners ? owners[i] : ModuloOwner(keys[i], o_.devices);
+      const uint32_t first = at;
+      while (at != detail::KeyIndex::kNone && bound_owners_[at] != d) {  // a key bound on several devices
+        at = bound_again_.empty() ? detail::KeyIndex::kNone : bound_again_[at];
+      }
+      if (at == detail::KeyIndex::kNone && d >= 0 && d < o_.devices) {
+        throw std::invalid_argument("device tier accumulate: owners[" + std::to_string(i) + "] = " +
+                                    std::to_string(d) + ", but keys[" + std::to_string(i) + "] = " +
+                                    std::to_string(keys[i]) + " is bound on device " +
+                                    std::to_string(bound_owners_[first]));
+      }
+    }
+  }
+
   // Accumulate across devices: the worker gathers its gradients into owner
   // order in a buffer of its own, the exchange carries each owner's segment
   // to it, and each owner sums what it received.
@@ -888,6 +921,7 @@ class Tier final : public DeviceTier {
     Unbind();
     Parts parts = Partition(keys, n, owners, nullptr, 0);  // checks the owners
     bound_keys_.assign(keys, keys + n);
+    bound_by_hash_ = owners == nullptr;
     bound_owners_.assign(o_.devices > 1 ? n : 0, 0);
     if (o_.devices > 1) {
       parts.ForEach([&](int32_t d, uint64_t size) {
@@ -911,6 +945,7 @@ class Tier final : public DeviceTier {
     bound_owners_.clear();
     bound_slots_.clear();
     bound_index_.reset();
+    bound_again_.clear();
     if (in_place_) in_place_->Reset(0);
   }
 
@@ -928,22 +963,38 @@ class Tier final : public DeviceTier {
     }
   }
 
-  // The bound keys' key -> position index, built when a call by key first needs it.
-  const detail::KeyIndex& BoundIndex(const char* what) const {
+  // The bound keys' key -> position index, built when a call by key first
+  // needs it: a key bound on several devices at its last position, the
+  // positions before chained in bound_again_ (empty where no key repeats).
+  const detail::KeyIndex& BoundKeys() const {
     if (!bound_index_) {
+      bound_again_.clear();  // (a build that ran out of memory may have begun it)
       auto index = std::make_unique<detail::KeyIndex>(bound_keys_.size());
       for (uint64_t i = 0; i < bound_keys_.size(); ++i) {
         const uint32_t before = index->Upsert(bound_keys_[i], static_cast<uint32_t>(i));
-        if (before != detail::KeyIndex::kNone) {  // which copy a key names is not defined
-          throw std::logic_error("device tier " + std::string(what) + " by key: key " +
-                                 std::to_string(bound_keys_[i]) + " is bound on devices " +
-                                 std::to_string(BoundOwner(before)) + " and " + std::to_string(BoundOwner(i)) +
-                                 "; reach a key bound on several devices by position");
+        if (before == detail::KeyIndex::kNone) continue;
+        if (bound_again_.empty()) {
+          bound_again_.assign(bound_keys_.size(), detail::KeyIndex::kNone);
+          first_repeat_ = i;
         }
+        bound_again_[i] = before;
       }
       bound_index_ = std::move(index);
     }
     return *bound_index_;
+  }
+
+  // The same, for the calls that find one position a key: std::logic_error
+  // where a key is bound on several devices.
+  const detail::KeyIndex& BoundIndex(const char* what) const {
+    const detail::KeyIndex& index = BoundKeys();
+    if (!bound_again_.empty()) {  // which copy a key names is not defined
+      const uint64_t i = first_repeat_;
+      throw std::logic_error("device tier " + std::string(what) + " by key: key " + std::to_string(bound_keys_[i]) +
+                             " is bound on devices " + std::to_string(BoundOwner(bound_again_[i])) + " and " +
+                             std::to_string(BoundOwner(i)) + "; reach a key bound on several devices by position");
+    }
+    return index;
   }
 
   // Where each of keys (n, bound) is among the bound keys.
@@ -951,13 +1002,15 @@ class Tier final : public DeviceTier {
     const detail::KeyIndex& index = BoundIndex(what);
     for (uint64_t i = 0; i < n; ++i) {
       const uint32_t at = index.Find(keys[i]);
-      if (at == detail::KeyIndex::kNone) {
-        throw std::out_of_range("device tier " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
-                                std::to_string(keys[i]) + " is not among the " + std::to_string(bound_keys_.size()) +
-                                " keys bound");
-      }
+      if (at == detail::KeyIndex::kNone) NotBound(keys, i, what);
       positions[i] = at;
     }
+  }
+
+  [[noreturn]] void NotBound(const uint64_t* keys, uint64_t i, const char* what) const {
+    throw std::out_of_range("device tier " + std::string(what) + ": keys[" + std::to_string(i) + "] = " +
+                            std::to_string(keys[i]) + " is not among the " + std::to_string(bound_keys_.size()) +
+                            " keys bound");
   }
 
   // The bound keys at positions, and their owners (left empty with one device).
@@ -1066,6 +1119,9 @@ class Tier final : public DeviceTier {
   std::vector<uint64_t> bound_keys_;
   std::vector<int32_t> bound_owners_;
   mutable std::unique_ptr<detail::KeyIndex> bound_index_;
+  mutable std::vector<uint32_t> bound_again_;  // with bound_index_: a repeated key's position before, else kNone
+  mutable uint64_t first_repeat_ = 0;          // the first position whose key repeats one before it
+  bool bound_by_hash_ = false;                 // bound with the modulo hash's owners
   std::unique_ptr<detail::BatchRows> in_place_;
   bool host_rows_ = false;  // BindHostRows: in_place_ points at the caller's rows, the tables are empty
   std::vector<TrainedBits> trained_;  // each device's trained bits; empty without options.track_trained

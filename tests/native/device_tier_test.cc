@@ -1006,6 +1006,73 @@ TEST(DeviceTier, AStepThatFindsNoSlotOnOneDeviceStepsNoRowOnAny) {
   }
 }
 
+// A gradient pushed by key for a key the batch did not bind: the in-place
+// sums have no place for it (std::out_of_range, nothing added), but a tier
+// whose rows cross a row mover (every CUDA tier, host partitions with
+// executed routes) added it to its owner's gradient table, and its Apply
+// stepped the bound keys' rows and the stray key's (claiming a slot for it)
+// before it named the key. Both refuse the call now, with one message, and
+// add nothing of it; through the row mover so does a bound key sent to
+// another device than the one it is bound on (its step would claim a row
+// there). A key bound on two devices is still reached by key with its owner.
+TEST(DeviceTier, AccumulateByKeyRefusesAKeyNotBoundAndAddsNothing) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  const std::vector<uint64_t> keys = {10, 11, 12};
+  const std::vector<int32_t> owners = {0, 1, 1};
+  std::vector<float> rows(keys.size() * width);
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  const std::vector<float> g = {0.5f, -0.25f, 1.0f, 2.0f, 1.0f, 1.0f, -1.0f, 0.5f};
+  for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "in place" : "through the row mover");
+    auto tier = DeviceTier::New({2, 64, opt, false, 1, in_place ? nullptr : TwoHostRoutes(), {}});
+    ASSERT_EQ(tier->reads_in_place(), in_place);
+    tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+    tier->Bind(keys.data(), keys.size(), owners.data());
+    const auto before = TierRows(*tier);
+    const std::vector<uint64_t> stray = {11, 999};
+    const std::vector<int32_t> stray_owners = {1, 1};
+    try {
+      tier->Accumulate(0, stray.data(), stray.size(), g.data(), stray_owners.data());
+      ADD_FAILURE() << "a key not bound was accumulated";
+    } catch (const std::out_of_range& e) {
+      EXPECT_STREQ(e.what(), "device tier accumulate: keys[1] = 999 is not among the 3 keys bound");
+    }
+    if (!in_place) {
+      const std::vector<uint64_t> elsewhere = {11, 10};  // 10 is bound on device 0
+      try {
+        tier->Accumulate(0, elsewhere.data(), elsewhere.size(), g.data(), stray_owners.data());
+        ADD_FAILURE() << "a key sent to a device it is not bound on was accumulated";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_STREQ(e.what(), "device tier accumulate: owners[1] = 1, but keys[1] = 10 is bound on device 0");
+      }
+    }
+    std::vector<int64_t> positions;
+    std::vector<uint64_t> stepped;
+    EXPECT_NO_THROW(stepped = tier->ApplyBound(&positions));
+    EXPECT_TRUE(stepped.empty());  // nothing of the refused calls waited
+    EXPECT_TRUE(positions.empty());
+    EXPECT_EQ(tier->size(), keys.size());
+    EXPECT_EQ(TierRows(*tier), before);
+  }
+
+  // Key 7 bound on both devices: by key, its owner picks the copy.
+  const std::vector<uint64_t> twice = {7, 7};
+  const std::vector<int32_t> both = {0, 1};
+  std::vector<float> twice_rows(twice.size() * width);
+  opt.initial_rows(twice.data(), twice.size(), twice_rows.data());
+  auto tier = DeviceTier::New({2, 64, opt, false, 1, TwoHostRoutes(), {}});
+  tier->Insert(twice.data(), twice.size(), twice_rows.data(), both.data());
+  tier->Bind(twice.data(), twice.size(), both.data());
+  tier->Accumulate(0, twice.data(), 1, g.data(), both.data() + 1);
+  EXPECT_EQ(tier->Apply(), std::vector<uint64_t>{7});
+  std::vector<float> got(twice_rows.size());
+  const int64_t at[2] = {0, 1};
+  tier->RowsAt(at, 2, got.data());
+  EXPECT_TRUE(std::equal(got.begin(), got.begin() + width, twice_rows.begin()));  // device 0's copy did not step
+  EXPECT_NE(got[static_cast<size_t>(width)], twice_rows[static_cast<size_t>(width)]);
+}
+
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();

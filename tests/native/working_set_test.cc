@@ -627,6 +627,48 @@ TEST(WorkingSet, CallsByKeyFindEachKeyOnItsOwnerInAnyOrder) {
   }
 }
 
+// A push of a key the batch does not hold, its owners from the modulo hash:
+// on a tier whose rows cross a row mover (a CUDA tier, host partitions with
+// executed routes) it was added to the gradient tables, and Apply stepped
+// the batch's rows before it named the key, then released the batch. Every
+// tier refuses the push now, naming the key, and adds nothing of it: the
+// batch goes on, and its Apply steps what the other pushes sent.
+TEST(WorkingSet, APushOfAKeyNotInTheBatchIsRefusedOnEveryTierAndAddsNothing) {
+  const SparseOptimizer opt = AdaGrad(2);
+  Topology t;
+  t.devices = {{"h0", DeviceKind::kHost, 0}, {"h1", DeviceKind::kHost, 0}, {"mem", DeviceKind::kCpu, 0}};
+  t.links = {{0, 2, 1, 0.5, "memcpy"}, {1, 2, 1, 0.5, "memcpy"}};
+  const auto routes = PlanTierRoutes(t, 2, 1 << 20, /*execute=*/true);
+  const std::vector<uint64_t> keys = {1, 2, 3};
+  const Step s = MakeStep({1, 2, 1}, opt.dim, 0.5f);
+  RowStore reference_store(opt);
+  auto reference = reference_store.Cache(16);
+  HostStep(*reference, opt, s);
+  for (const int way : {0, 1, 2}) {
+    SCOPED_TRACE(way == 0 ? "bound to host rows" : way == 1 ? "copies, in place" : "through the row mover");
+    auto tier = DeviceTier::New({2, 16, opt, /*use_cuda=*/false, /*threads=*/1, way == 2 ? routes : nullptr, {},
+                                 /*bind_host_rows=*/way == 0});
+    RowStore store(opt);
+    auto cache = store.Cache(16);
+    WorkingSet ws(*cache, opt, 2, keys.data(), keys.size());
+    ws.Load(*tier, nullptr);
+    EXPECT_EQ(ws.reads_in_place(), way != 2);
+    const std::vector<uint64_t> stray = {2, 999};
+    const std::vector<float> g(stray.size() * 2, 1.0f);
+    try {
+      ws.Accumulate(0, stray.data(), stray.size(), g.data());
+      ADD_FAILURE() << "a key not in the batch was pushed";
+    } catch (const std::out_of_range& e) {
+      EXPECT_STREQ(e.what(), "device tier accumulate: keys[1] = 999 is not among the 3 keys bound");
+    }
+    ws.Accumulate(1, s.keys.data(), s.keys.size(), s.grads.data());
+    EXPECT_EQ(ws.Apply(), 2u);
+    ws.WriteBack();
+    EXPECT_EQ(CachedRows(*cache, keys), CachedRows(*reference, keys));
+    EXPECT_EQ(cache->stats().pinned, 0u);
+  }
+}
+
 TEST(WorkingSet, ATierThatHoldsRowsIsRefused) {
   const SparseOptimizer opt = AdaGrad(2);
   RowStore store(opt);
