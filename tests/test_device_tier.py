@@ -57,6 +57,36 @@ def test_a_width_that_is_not_the_tiers_is_refused_before_any_row_moves():
     assert len(tier.apply()) == 0
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_an_accumulate_a_gradient_table_has_no_room_for_adds_nothing(devices):
+    """Device `last`'s gradient table of 8 slots holds 6 keys' sums; a call that needs a
+    slot for 3 or 4 keys more (8 twice) added the gradients of the keys that found one,
+    and device 0 its key's, before TableFullError: a retry after making room added them
+    twice, and the apply stepped keys the caller was told were refused. Refused whole
+    now, before any device adds; the apply steps what the other calls sent."""
+    opt = native_optimizer(DIM, hps.SGD(lr=0.5), hps.Uniform(0.5), seed=3)
+    tier = _core.DeviceTier(devices, 64, opt, use_cuda=False, threads=1)
+    last = devices - 1
+    keys = np.arange(1, 12, dtype=np.uint64)
+    owners = np.full(len(keys), last, np.int32)
+    owners[0] = 0  # key 1 on device 0 (with one device, on the table that fills)
+    rows = opt.initial_rows(keys)
+    tier.insert(keys, rows, owners, DIM)
+    tier.set_gradient_capacity(last, 8)
+    tier.accumulate(0, keys[1:7], np.ones((6, DIM), np.float32), owners[1:7], DIM)
+    lacking = 3 if devices == 2 else 4
+    refused = np.array([1, 2, 8, 9, 8, 10], np.uint64)
+    for _ in range(2):
+        with pytest.raises(hps.TableFullError, match=rf"^device tier accumulate \(device {last}\): gradient table "
+                           rf"full: the call needs a slot for each of {lacking} keys the table lacks, and 2 are free "
+                           r"\(capacity 8, size 6\); no gradient was added$"):
+            tier.accumulate(last, refused, np.ones((6, DIM), np.float32), owners[refused.astype(np.int64) - 1], DIM)
+    assert sorted(tier.apply().tolist()) == list(range(2, 8))
+    stepped = rows.copy()
+    stepped[1:7] -= np.float32(0.5)
+    np.testing.assert_array_equal(tier.rows(keys, owners, DIM), stepped)
+
+
 def pinned_batch():
     opt = native_optimizer(2, hps.SGD(lr=0.5), hps.Uniform(0.5), seed=4)
     cache = hps.MemCache(4 * opt.row_floats, capacity=16,

@@ -166,12 +166,14 @@ class DeviceTier {
   virtual void Get(int32_t worker, const uint64_t* keys, uint64_t n, float* embeddings,
                    const int32_t* owners) = 0;
   // Worker `worker` sends gradients (n, dim) of keys to their owners, which
-  // sum them (duplicates and other workers' included) until Apply. After
-  // Bind, keys are the bound ones: std::out_of_range names one that is not
-  // ("device tier accumulate: keys[1] = 999 is not among the 19 keys bound"),
-  // and, where the gradients sum in tables (!reads_in_place),
-  // std::invalid_argument one whose owner here is not a device it is bound
-  // on; refused so, the call adds nothing.
+  // sum them (duplicates and other workers' included) until Apply. A call is
+  // all or nothing: refused, it adds nothing on any device. After Bind, keys
+  // are the bound ones: std::out_of_range names one that is not ("device tier
+  // accumulate: keys[1] = 999 is not among the 19 keys bound"), and, where
+  // the gradients sum in tables (!reads_in_place), std::invalid_argument one
+  // whose owner here is not a device it is bound on. TableFullError where a
+  // device's gradient table has fewer free slots than the call's keys it
+  // lacks (each counted once).
   virtual void Accumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
                           const int32_t* owners) = 0;
   // Applies the optimizer once to every key with gradients and clears them;
@@ -193,8 +195,9 @@ class DeviceTier {
   // to a multiple of 8), between batches: std::logic_error while gradients wait
   // for Apply. Apply reads every slot of a gradient table, so a tier whose rows
   // persist between batches (Herald's caches) sizes these for the keys a batch
-  // sums on each device, not for its rows. At first they have `capacity` slots,
-  // as the rows do.
+  // sums on each device, not for its rows (an Accumulate or AccumulateAt they
+  // have no room for is refused whole, TableFullError). At first they have
+  // `capacity` slots, as the rows do.
   virtual void SetGradientCapacity(int32_t device, uint64_t capacity) = 0;
 
   // Positional access to one batch's working set, as a HostBatch has it.

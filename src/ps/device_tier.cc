@@ -771,9 +771,44 @@ class Tier final : public DeviceTier {
     if (mover_) return MovedAccumulate(worker, keys, n, grads, owners);
     const int32_t dim = o_.optimizer.dim;
     const Parts parts = Partition(keys, n, owners, grads, dim);
+    RefuseFullGradients(parts);
     parts.ForEach([&](int32_t d, uint64_t size) {
       grads_[d]->accumulate(parts.keys[d], size, parts.rows[d]);
       Count(worker, d, size, size * dim * sizeof(float));
+    });
+  }
+
+  // An accumulate is all or nothing: a gradient table that fills adds the
+  // keys it met before (and the devices before it all of theirs), so that a
+  // retry after making room would add those twice. Each device whose table
+  // could fill counts the keys of the call it lacks (each once) against its
+  // free slots, before any device adds; a claim fails only when no slot is
+  // free (the probe goes all the way round), so no fewer suffice. A table
+  // that has room for every entry of the call, or for every key bound on its
+  // device (a bound batch's only), cannot fill: no lookup.
+  void RefuseFullGradients(const Parts& parts) const {
+    std::vector<int64_t> slots;
+    std::vector<uint64_t> lacking;
+    parts.ForEach([&](int32_t d, uint64_t size) {
+      const HashTable& table = *grads_[d];
+      const uint64_t room = table.capacity() - table.size();
+      if (size <= room || (bound_ && bound_per_device_[static_cast<size_t>(d)] <= table.capacity())) return;
+      slots.resize(size);
+      table.slots(parts.keys[d], size, slots.data());
+      lacking.clear();
+      for (uint64_t j = 0; j < size; ++j) {
+        if (slots[j] < 0) lacking.push_back(parts.keys[d][j]);
+      }
+      if (lacking.size() <= room) return;
+      std::sort(lacking.begin(), lacking.end());  // (a key repeated in the call takes one slot)
+      lacking.erase(std::unique(lacking.begin(), lacking.end()), lacking.end());
+      if (lacking.size() <= room) return;
+      throw TableFullError("device tier accumulate (device " + std::to_string(d) +
+                           "): gradient table full: the call needs a slot for each of " +
+                           std::to_string(lacking.size()) + (lacking.size() == 1 ? " key" : " keys") +
+                           " the table lacks, and " + std::to_string(room) + (room == 1 ? " is" : " are") +
+                           " free (capacity " + std::to_string(table.capacity()) + ", size " +
+                           std::to_string(table.size()) + "); no gradient was added");
     });
   }
 
@@ -807,6 +842,7 @@ class Tier final : public DeviceTier {
   void MovedAccumulate(int32_t worker, const uint64_t* keys, uint64_t n, const float* grads,
                        const int32_t* owners) {
     const Parts parts = Partition(keys, n, owners, nullptr, 0);
+    RefuseFullGradients(parts);
     const auto e = static_cast<size_t>(endpoints_);
     const auto dim = static_cast<uint32_t>(o_.optimizer.dim);
     std::vector<uint64_t> bytes(e * e, 0), order;
@@ -922,6 +958,7 @@ class Tier final : public DeviceTier {
     Parts parts = Partition(keys, n, owners, nullptr, 0);  // checks the owners
     bound_keys_.assign(keys, keys + n);
     bound_by_hash_ = owners == nullptr;
+    bound_per_device_ = parts.size;
     bound_owners_.assign(o_.devices > 1 ? n : 0, 0);
     if (o_.devices > 1) {
       parts.ForEach([&](int32_t d, uint64_t size) {
@@ -946,6 +983,7 @@ class Tier final : public DeviceTier {
     bound_slots_.clear();
     bound_index_.reset();
     bound_again_.clear();
+    bound_per_device_.clear();
     if (in_place_) in_place_->Reset(0);
   }
 
@@ -1121,6 +1159,7 @@ class Tier final : public DeviceTier {
   mutable std::unique_ptr<detail::KeyIndex> bound_index_;
   mutable std::vector<uint32_t> bound_again_;  // with bound_index_: a repeated key's position before, else kNone
   mutable uint64_t first_repeat_ = 0;          // the first position whose key repeats one before it
+  std::vector<uint64_t> bound_per_device_;     // the keys bound on each device: its gradient table's most
   bool bound_by_hash_ = false;                 // bound with the modulo hash's owners
   std::unique_ptr<detail::BatchRows> in_place_;
   bool host_rows_ = false;  // BindHostRows: in_place_ points at the caller's rows, the tables are empty

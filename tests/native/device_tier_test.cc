@@ -1073,6 +1073,82 @@ TEST(DeviceTier, AccumulateByKeyRefusesAKeyNotBoundAndAddsNothing) {
   EXPECT_NE(got[static_cast<size_t>(width)], twice_rows[static_cast<size_t>(width)]);
 }
 
+// An accumulate whose keys a device's gradient table has no room for: the
+// devices before it had added their gradients, and the table those of the
+// keys it met before it filled, then TableFullError; a retry after making
+// room added them twice. Refused whole now, before any device adds: nothing
+// of the call waits for Apply. A call that repeats keys the table lacks
+// needs a slot for each once. By key and by position, with and without a
+// row mover.
+TEST(DeviceTier, AnAccumulateAGradientTableHasNoRoomForAddsNothing) {
+  const SparseOptimizer opt = AdaGrad(4);
+  const int32_t width = opt.row_floats();
+  std::vector<uint64_t> keys = {10, 20, 21, 22, 23, 24, 25, 30, 31, 32};
+  std::vector<int32_t> owners(keys.size(), 1);
+  owners[0] = 0;
+  std::vector<float> rows(keys.size() * width);
+  opt.initial_rows(keys.data(), keys.size(), rows.data());
+  const auto position = [&](uint64_t key) {
+    return static_cast<int64_t>(std::find(keys.begin(), keys.end(), key) - keys.begin());
+  };
+  // (keys, owner of each): the first fills 6 of device 1's 8 gradient slots,
+  // the second needs 3 more (30, 31, 32), the third 2 (30 three times, 31).
+  const std::vector<std::vector<uint64_t>> calls = {
+      {20, 21, 22, 23, 24, 25}, {10, 21, 30, 31, 30, 32}, {30, 30, 30, 31}};
+  const auto owners_of = [&](const std::vector<uint64_t>& call) {
+    std::vector<int32_t> o;
+    for (uint64_t k : call) o.push_back(owners[static_cast<size_t>(position(k))]);
+    return o;
+  };
+  const auto grads_of = [](const std::vector<uint64_t>& call, float scale) {
+    std::vector<float> g(call.size() * 4);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = scale * (0.25f * static_cast<float>(i % 7) - 0.5f);
+    return g;
+  };
+  // The reference: tables with room, given the first and third calls.
+  auto reference = DeviceTier::New({2, 64, opt, false, 1, nullptr, {}});
+  reference->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+  for (const size_t c : {0u, 2u}) {
+    reference->Accumulate(0, calls[c].data(), calls[c].size(), grads_of(calls[c], 1.0f + c).data(),
+                          owners_of(calls[c]).data());
+  }
+  reference->Apply();
+  const auto want = TierRows(*reference);
+
+  for (const int way : {0, 1, 2}) {
+    const bool moved = way != 0, bound = way == 2;
+    SCOPED_TRACE(std::string(moved ? "through the row mover" : "on the tables") + (bound ? ", by position" : ", by key"));
+    auto tier = DeviceTier::New({2, 64, opt, false, 1, moved ? TwoHostRoutes() : nullptr, {}});
+    ASSERT_FALSE(tier->reads_in_place() && bound);
+    tier->SetGradientCapacity(1, 8);
+    tier->Insert(keys.data(), keys.size(), rows.data(), owners.data());
+    if (bound) tier->Bind(keys.data(), keys.size(), owners.data());  // 9 keys on device 1, 8 gradient slots
+    const auto accumulate = [&](size_t c) {
+      const std::vector<float> g = grads_of(calls[c], 1.0f + c);
+      if (!bound) return tier->Accumulate(0, calls[c].data(), calls[c].size(), g.data(), owners_of(calls[c]).data());
+      std::vector<int64_t> at;
+      for (uint64_t k : calls[c]) at.push_back(position(k));
+      tier->AccumulateAt(0, at.data(), at.size(), g.data(), {});
+    };
+    accumulate(0);
+    for (int again = 0; again < 2; ++again) {
+      try {
+        accumulate(1);
+        ADD_FAILURE() << "an accumulate a gradient table had no room for was taken";
+      } catch (const TableFullError& e) {
+        EXPECT_STREQ(e.what(), "device tier accumulate (device 1): gradient table full: the call needs a slot for "
+                               "each of 3 keys the table lacks, and 2 are free (capacity 8, size 6); no gradient "
+                               "was added");
+      }
+    }
+    accumulate(2);
+    std::vector<uint64_t> stepped = tier->Apply();
+    std::sort(stepped.begin(), stepped.end());
+    EXPECT_EQ(stepped, (std::vector<uint64_t>{20, 21, 22, 23, 24, 25, 30, 31}));
+    EXPECT_EQ(TierRows(*tier), want);
+  }
+}
+
 TEST(DeviceTier, AssignOverwritesOnlyLoadedKeys) {
   const SparseOptimizer opt = AdaGrad(2);
   const int32_t width = opt.row_floats();
