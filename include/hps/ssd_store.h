@@ -76,6 +76,8 @@ struct SsdStoreStats {
   uint64_t corrupt_files = 0;        ///< files a compaction found damaged since open (a rows block or
                                      ///< the keys failing their CRC) and left as they are, still in
                                      ///< the store; see Commit()
+  uint64_t unreadable_files = 0;     ///< the same for files the device failed to read, twice (EIO:
+                                     ///< a bad sector)
   uint64_t cleanup_failures = 0;     ///< removals of unlisted files, or directory syncs after a
                                      ///< commit that stands, that failed (written to stderr; the
                                      ///< commit stands, and the next one syncs the directory again);
@@ -143,7 +145,10 @@ class SsdStore {
   // no row whose only copy it holds is dropped), and the run goes on
   // without it; that commit raises CorruptionError naming the file, once,
   // and the compactions later commits start pass the file over while they
-  // would have to read it (stats().corrupt_files; open forgets this). A chunk whose
+  // would have to read it (stats().corrupt_files; open forgets this). So too
+  // for a victim whose read the device fails twice (EIO: a bad sector; one
+  // that passes is asked again), raised as IoError naming the offset
+  // (stats().unreadable_files). A chunk whose
   // manifest commit is synced has taken effect: a failure to delete its
   // victims, or to sync their deletion, is no failure (a line on stderr; the
   // next commit syncs the directory again; open removes what is left).
@@ -155,7 +160,8 @@ class SsdStore {
   // stale, in the calling thread (after any compaction under way); afterwards
   // no file is more than half stale. Throws IoError if it fails, and
   // CorruptionError naming the file (and the block and key) if a file fails
-  // its checks: that file is left as it is, the others are compacted all
+  // its checks (IoError naming the offset if the device fails its read
+  // twice): that file is left as it is, the others are compacted all
   // the same. It tries files earlier compactions set aside again (those
   // whose bad rows puts have superseded since go then).
   virtual void Compact() = 0;

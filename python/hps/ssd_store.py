@@ -51,7 +51,9 @@ class SsdStore(_core.SsdStore):
     ``hps.IoError``). A compaction that fails raises ``hps.IoError`` from the
     next ``commit()`` (after that commit is durable), once; one that finds a
     file damaged raises ``hps.CorruptionError`` naming it, leaves it as it is
-    (``stats()["corrupt_files"]``) and compacts the other files.
+    (``stats()["corrupt_files"]``) and compacts the other files, and one whose
+    read of a file the device fails twice (a bad sector) does the same with
+    ``hps.IoError`` (``stats()["unreadable_files"]``).
     Any method may be called from any thread; gets run in parallel.
     """
 

@@ -625,6 +625,7 @@ PYBIND11_MODULE(_core, m) {
         d["manifest_roll_failures"] = st.manifest_roll_failures;
         d["last_error"] = st.last_error;
         d["corrupt_files"] = st.corrupt_files;
+        d["unreadable_files"] = st.unreadable_files;
         d["compaction_running"] = st.compaction_running;
         d["compaction_lock_max_us"] = st.compaction_lock_max_us;
         d["index_bytes"] = st.index_bytes;

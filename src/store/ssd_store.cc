@@ -150,23 +150,45 @@ std::string ProbeDirectIo(const std::string& dir) {
   return "O_DIRECT refused by the filesystem at " + dir + ": " + std::strerror(errno);
 }
 
-// What a compaction found damaged in a file, which it then sets aside
+// Where a compaction found a file damaged, which it then sets aside
 // (FileStore::SetAside) rather than fail on it at every run.
 enum class Damage : uint8_t {
   kNone,
-  kRows,  // a rows block failed its CRC, or the rows region ends early
-  kKeys,  // the keys failed their CRC: no record of the file can be told live
+  kRows,  // a rows block failed its CRC or its read, or the rows region ends early
+  kKeys,  // the keys failed their CRC or their read: no record of the file can be told live
 };
 
-// A compaction's victim that failed its checks; the CorruptionError's message
-// names the file and what failed (the block and the key, for a rows block).
-class DamagedVictim : public CorruptionError {
+// A file that failed a read: its checks (a CorruptionError), or the device,
+// twice (an IoError: a bad sector). The message is the error's, which names
+// the file and what failed (the block and the key; the offset).
+class DamagedFile : public std::runtime_error {
  public:
-  DamagedVictim(const CorruptionError& error, uint32_t victim, Damage what)
-      : CorruptionError(error), handle(victim), damage(what) {}
+  DamagedFile(const std::string& what, uint32_t file, Damage where, bool read_failed)
+      : std::runtime_error(what), handle(file), damage(where), unreadable(read_failed) {}
   uint32_t handle;
   Damage damage;
+  bool unreadable;  // the device failed the read, rather than the checks the bytes
 };
+
+// Runs `read` (a read of a file's keys, or of rows and their checks, which
+// can run again), asking once more when the device fails it: a fault that
+// passes is no damage, while a bad sector fails again, and every later
+// compaction would meet it. Throws DamagedFile for a failed check
+// or a second failed read.
+template <typename Read>
+void ReadOrDamaged(uint32_t handle, Damage where, Read&& read) {
+  try {
+    try {
+      read();
+    } catch (const IoError&) {
+      read();
+    }
+  } catch (const CorruptionError& e) {
+    throw DamagedFile(e.what(), handle, where, false);
+  } catch (const IoError& e) {
+    throw DamagedFile(std::string(e.what()) + " (read twice)", handle, where, true);
+  }
+}
 
 // What stopped a compaction run, or the first damaged file it went on
 // without: the message, and whether a file failed its checks
@@ -632,7 +654,8 @@ class FileStore final : public SsdStore {
     for (const auto& [sequence, handle] : by_sequence_) {
       s.stale_records += Entry(handle).stale;
       s.disk_bytes += Entry(handle).file->layout().file_bytes();
-      s.corrupt_files += Entry(handle).damage != Damage::kNone;
+      s.corrupt_files += Entry(handle).corrupt;
+      s.unreadable_files += Entry(handle).unreadable;
     }
     return s;
   }
@@ -652,7 +675,9 @@ class FileStore final : public SsdStore {
     uint64_t stamp = 0;      // the file's (ParamFile::stamp), kept here for Bound's grouping
     bool committed = false;
     bool victim = false;     // being compacted away
-    Damage damage = Damage::kNone;  // what a compaction found damaged in it (SetAside)
+    Damage damage = Damage::kNone;  // where a compaction found it damaged (SetAside)
+    bool corrupt = false;     // ... failing its checks
+    bool unreadable = false;  // ... the device failing its reads
   };
   // A compaction: victims in chunks; each chunk's live records become new
   // files (sequences reserved at planning, so they order before any later
@@ -1182,9 +1207,10 @@ class FileStore final : public SsdStore {
   // Runs a planned job chunk by chunk. Returns the error that stopped it, or
   // else the first damaged file it met, or nothing (either is counted in the
   // stats); a failed chunk changes nothing, the chunks before it stay done.
-  // A victim that fails its checks is set aside (SetAside) and its chunk run
-  // again without it: reading it would fail every compaction from then on,
-  // and the other files' stale records would pile up behind it.
+  // A victim that fails its checks, or a read twice, is set aside (SetAside)
+  // and its chunk run again without it: reading it would fail every
+  // compaction from then on, and the other files' stale records would pile
+  // up behind it.
   CompactionError RunCompaction(CompactionJob job) {
     CompactionError error;
     size_t done = 0;
@@ -1201,14 +1227,14 @@ class FileStore final : public SsdStore {
             CompactChunk(chunk, &job);
             swapped = true;
             break;
-          } catch (const DamagedVictim& e) {  // thrown before the chunk wrote anything
-            SetAside(e.handle, e.damage);
+          } catch (const DamagedFile& e) {  // thrown before the chunk wrote anything
+            SetAside(e.handle, e.damage, e.unreadable);
             chunk.erase(std::find(chunk.begin(), chunk.end(), e.handle));
             if (error.empty()) {
               error = {std::string(e.what()) +
                            "; compaction left that file as it is (its sound rows still read) and went on "
                            "without it; compactions at commit pass it over, compact() tries it again",
-                       true};
+                       !e.unreadable};
             }
           }
         }
@@ -1244,16 +1270,23 @@ class FileStore final : public SsdStore {
 
   // Leaves a victim found damaged as it is: its records stay in the index and
   // on disk (a get of a sound row reads it, one of a bad block raises
-  // CorruptionError naming the file, the block and the key, and nothing
-  // drops a row whose only copy it holds), no longer a victim of this run,
-  // and marked so that the runs commits start pass it over (Plan). Its
-  // copies that puts superseded meanwhile, remembered for the run, are still
-  // in it. Open forgets the mark, and its first run meets the damage again.
-  void SetAside(uint32_t handle, Damage damage) {
+  // CorruptionError naming the file, the block and the key, or IoError naming
+  // the offset, and nothing drops a row whose only copy it holds), no longer
+  // a victim of this run, and marked so that the runs commits start pass it
+  // over (Plan). Its copies that puts superseded meanwhile, remembered for
+  // the run, are still in it. Open forgets the mark, and its first run meets
+  // the damage again.
+  void SetAside(uint32_t handle, Damage damage, bool unreadable) {
     std::unique_lock lock(mutex_);
     FileEntry& e = Entry(handle);
     e.victim = false;
-    if (e.damage != Damage::kKeys) e.damage = damage;
+    MarkDamaged(&e, damage, unreadable);
+  }
+
+  // REQUIRES: mutex_ held exclusively.
+  static void MarkDamaged(FileEntry* e, Damage damage, bool unreadable) {
+    if (e->damage != Damage::kKeys) e->damage = damage;
+    (unreadable ? e->unreadable : e->corrupt) = true;
   }
 
   // Notes that rows move through the page cache although the options asked
@@ -1314,16 +1347,13 @@ class FileStore final : public SsdStore {
     // takes it), each block checked against its CRC; the keys, 8 bytes a
     // record, are read whole and checked against theirs. The same BlockIo
     // writes the new files.
-    // A victim that fails its checks throws DamagedVictim, before anything is
-    // written: RunCompaction sets it aside and runs the chunk again.
+    // A victim that fails its checks, or a read twice, throws DamagedFile,
+    // before anything is written: RunCompaction sets it aside and runs the
+    // chunk again.
     auto io = io_pool_.Acquire();
     for (size_t v = 0; v < victims.size(); ++v) {
       std::vector<uint64_t> keys;
-      try {
-        keys = sources[v]->ReadKeys();
-      } catch (const CorruptionError& e) {
-        throw DamagedVictim(e, victims[v], Damage::kKeys);
-      }
+      ReadOrDamaged(victims[v], Damage::kKeys, [&] { keys = sources[v]->ReadKeys(); });
       std::vector<uint64_t> slots, slot_keys;
       {
         std::shared_lock lock(mutex_);
@@ -1346,12 +1376,10 @@ class FileStore final : public SsdStore {
       detail::AlignedBuffer buffer(plan.bytes);
       std::vector<detail::IoRequest> reads;
       sources[v]->AddReads(plan, buffer.data(), &reads);
-      try {
+      ReadOrDamaged(victims[v], Damage::kRows, [&] {
         io->ReadAll(reads);  // a file cut short is CorruptionError too
         sources[v]->CopyRows(plan, buffer.data(), slots.data(), slot_keys.data(), slots.size(), rows.data() + before);
-      } catch (const CorruptionError& e) {
-        throw DamagedVictim(e, victims[v], Damage::kRows);
-      }
+      });
       counters_.bytes_read += plan.bytes;
     }
     // New files, synced; on failure they go and nothing else changed.

@@ -3,7 +3,7 @@
 // -EBUSY: completions to reap first), a completion of -EAGAIN (the operation
 // did nothing: ask again) or -EINTR (interrupted before it moved anything), a read or write that moves fewer bytes than asked,
 // and on the pread path a call interrupted (EINTR) or cut short; on both, a
-// read the device fails (EIO). A put must
+// read the device fails (EIO), once or, for a bad sector, at every try. A put must
 // still write every byte (a reopen reads each row back), a get must read
 // every byte, and a refusal that does not pass must fail naming the file,
 // neither hang nor leave requests behind for the next call.
@@ -20,8 +20,10 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -45,6 +47,34 @@ std::atomic<int> short_completions{0};    // the next reads or writes of 8 KiB o
 std::atomic<int> interrupted_calls{0};    // pread or pwrite fails with EINTR
 std::atomic<int> short_calls{0};          // pread or pwrite of 8 KiB or more moves half
 std::atomic<int> failed_reads{0};         // the next reads (io_uring or pread) fail with EIO
+
+// A bad sector: every read (io_uring or pread) of the file named
+// bad_sector_file that overlaps bytes [bad_sector_begin, bad_sector_end)
+// fails with EIO, for as long as it is set. Set and reset with no call of
+// the store under way (the store's own threads read it under the mutex).
+std::mutex bad_sector_mutex;
+std::string bad_sector_file;  // "": none
+uint64_t bad_sector_begin = 0, bad_sector_end = 0;
+std::atomic<int> bad_sector_reads{0};  // the reads it failed
+
+void SetBadSector(const std::string& file, uint64_t begin, uint64_t end) {
+  std::lock_guard lock(bad_sector_mutex);
+  bad_sector_file = file;
+  bad_sector_begin = begin;
+  bad_sector_end = end;
+}
+
+// Whether a read of `bytes` at `offset` of `fd` meets the bad sector.
+bool OnBadSector(int fd, uint64_t offset, uint64_t bytes) {
+  std::lock_guard lock(bad_sector_mutex);
+  if (bad_sector_file.empty() || offset >= bad_sector_end || offset + bytes <= bad_sector_begin) return false;
+  char link[64], path[4096];
+  std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  const ssize_t n = readlink(link, path, sizeof path - 1);
+  if (n <= 0 || std::string(path, static_cast<size_t>(n)) != bad_sector_file) return false;
+  ++bad_sector_reads;
+  return true;
+}
 
 // Half of `bytes`, a multiple of 4 KiB (as O_DIRECT needs); 0 below 8 KiB.
 uint64_t Half(uint64_t bytes) { return bytes >= 8192 ? bytes / 2 / 4096 * 4096 : 0; }
@@ -77,7 +107,7 @@ extern "C" int io_uring_submit(io_uring* ring) {
   for (unsigned i = ring->sq.sqe_head; i != ring->sq.sqe_tail; ++i) {
     io_uring_sqe* sqe = &ring->sq.sqes[i & ring->sq.ring_mask];
     if (sqe->opcode != IORING_OP_READ && sqe->opcode != IORING_OP_WRITE) continue;
-    if (sqe->opcode == IORING_OP_READ && Take(failed_reads)) {
+    if (sqe->opcode == IORING_OP_READ && (OnBadSector(sqe->fd, sqe->off, sqe->len) || Take(failed_reads))) {
       Scribble(sqe, 0, sqe->len);
       sqe->len = 0;
       failed.push_back(sqe->user_data);
@@ -123,7 +153,7 @@ extern "C" ssize_t pread(int fd, void* data, size_t bytes, off_t offset) {
     errno = EINTR;
     return -1;
   }
-  if (Take(failed_reads)) {
+  if (OnBadSector(fd, static_cast<uint64_t>(offset), bytes) || Take(failed_reads)) {
     errno = EIO;
     return -1;
   }
@@ -151,17 +181,18 @@ class SsdIoFaultTest : public ::testing::Test {
   void TearDown() override {
     submit_refusals = again_completions = interrupted_completions = short_completions = interrupted_calls =
         short_calls = failed_reads = 0;
+    SetBadSector("", 0, 0);
     fs::remove_all(dir_);
   }
 
   // 1024 records a file: 16 KiB of rows, read whole by a get of all its keys.
-  std::unique_ptr<SsdStore> Open(bool uring) const {
+  std::unique_ptr<SsdStore> Open(bool uring, double compaction_trigger = 100) const {
     SsdStoreOptions o;
     o.path = dir_;
     o.row_bytes = kRowBytes;
     o.file_records = 1024;
     o.background_compaction = false;
-    o.compaction_trigger = 100;
+    o.compaction_trigger = compaction_trigger;
     o.use_io_uring = uring;
     return SsdStore::Open(o);
   }
@@ -389,6 +420,127 @@ TEST_F(SsdIoFaultTest, AReadTheDeviceFailsNamesTheFileAndTheOffset) {
     }
     EXPECT_EQ(failed_reads, 0);
     ExpectRows(*store, {key});  // the fault passed: the row reads
+  }
+}
+// A compaction victim that the device fails to read at every try (a bad
+// sector, in its rows or its keys) used to stop the run as IoError, and
+// every later compaction chose the same file first and failed the same
+// way: the stale records of every other file piled up behind it, and every
+// commit raised. Now the file is read once more, then set aside as a
+// damaged file is (left as it is, still in the store: its readable rows
+// read, a get of an unreadable one raises IoError naming where), the run
+// compacts the other victims without it, and the commit raises IoError
+// naming the file and the offset once; later commits' compactions pass it
+// over, and Compact() tries it again, which succeeds once the disk reads.
+TEST_F(SsdIoFaultTest, ACompactionVictimThatCannotBeReadIsSetAsideAndTheOthersCompact) {
+  // 1024 records of 16 bytes: the keys at [4096, 12288), the rows from
+  // 16384, key k of file 1 at slot k - 1 (4 KiB blocks of 256 rows).
+  const struct {
+    const char* name;
+    uint64_t begin, end;
+  } regions[] = {{"rows block 0", 16384, 20480}, {"keys", 4096, 12288}};
+  for (const bool uring : {false, true}) {
+    for (const auto& region : regions) {
+      SCOPED_TRACE(std::string(uring ? "io_uring, " : "pread, ") + region.name);
+      fs::remove_all(dir_);
+      const std::vector<uint64_t> a = Range(1, 1025), b = Range(2001, 3025), c = Range(4001, 5025);
+      std::vector<uint64_t> most, a_left, bc_left;  // three quarters of each file, and the rest
+      for (const auto* keys : {&a, &b, &c}) {
+        for (uint64_t key : *keys) (key % 4 != 0 ? most : keys == &a ? a_left : bc_left).push_back(key);
+      }
+      {
+        auto store = Open(uring);
+        if (uring && !OnUring(*store)) break;  // the pread path ran already
+        Put(*store, a);  // file 1
+        Put(*store, b);  // 2
+        Put(*store, c);  // 3
+        store->Commit();
+        Put(*store, most);  // files 4..6: files 1..3 three quarters stale
+        store->Commit();
+      }
+      const std::string victim = (fs::path(dir_) / "000000000001.hpf").string();
+      auto store = Open(uring, 1.5);  // 5376 records on disk for 3072 live: the next commit compacts
+      SetBadSector(victim, region.begin, region.end);
+      try {
+        store->Commit();
+        ADD_FAILURE() << "a compaction whose victim could not be read raised nothing";
+      } catch (const IoError& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find(victim + ": "), std::string::npos) << what;
+        EXPECT_NE(what.find("at byte " + std::to_string(region.begin)), std::string::npos) << what;
+        EXPECT_NE(what.find(std::strerror(EIO)), std::string::npos) << what;
+      }
+      EXPECT_GE(bad_sector_reads.load(), 2) << "read once more before it is set aside";
+      SsdStoreStats s = store->stats();
+      EXPECT_EQ(s.unreadable_files, 1u);
+      EXPECT_EQ(s.corrupt_files, 0u);
+      EXPECT_EQ(s.compactions, 1u) << "the other victims were compacted all the same: " << s.last_error;
+      EXPECT_EQ(s.compacted_records, 512u) << "b's and c's live quarters";
+      EXPECT_EQ(s.compaction_failures, 1u);
+      EXPECT_TRUE(fs::exists(victim));
+      EXPECT_EQ(store->size(), 3072u);
+      ExpectRows(*store, bc_left);
+      ExpectRows(*store, most);
+      if (region.begin == 16384) {  // key 4's only copy lies on the bad sector: raises, and does not vanish
+        const uint64_t key = 4;
+        std::vector<uint8_t> out(kRowBytes);
+        EXPECT_THROW(store->Get(&key, 1, out.data(), nullptr), IoError);
+        ExpectRows(*store, std::vector<uint64_t>(a_left.begin() + 64, a_left.end()));  // its other blocks
+      } else {
+        ExpectRows(*store, a_left);  // gets read no keys
+      }
+
+      // Commits go on, and so do their compactions, without trying it again.
+      bad_sector_reads = 0;
+      EXPECT_NO_THROW(store->Commit());
+      Put(*store, b);  // the output wholly stale, files 4..6 two thirds
+      Put(*store, c);
+      EXPECT_NO_THROW(store->Commit());
+      s = store->stats();
+      EXPECT_EQ(s.compactions, 2u);
+      EXPECT_EQ(s.compaction_failures, 1u) << s.last_error;
+      EXPECT_EQ(bad_sector_reads.load(), 0);
+      EXPECT_TRUE(fs::exists(victim));
+
+      // Once the disk reads it again, Compact() compacts it.
+      SetBadSector("", 0, 0);
+      EXPECT_NO_THROW(store->Compact());
+      EXPECT_FALSE(fs::exists(victim));
+      EXPECT_EQ(store->stats().unreadable_files, 0u);
+      store->Commit();
+      store.reset();
+      store = Open(uring);
+      ExpectRows(*store, a_left);
+      ExpectRows(*store, b);
+      ExpectRows(*store, c);
+      ExpectRows(*store, most);
+      EXPECT_EQ(store->size(), 3072u);
+    }
+  }
+}
+
+// A read of a victim that the device fails once (a fault that passes) is
+// asked again: the compaction goes through, and sets nothing aside.
+TEST_F(SsdIoFaultTest, ACompactionVictimReadThatFailsOnceIsReadAgain) {
+  for (const bool uring : {false, true}) {
+    SCOPED_TRACE(uring ? "io_uring" : "pread");
+    fs::remove_all(dir_);
+    auto store = Open(uring);
+    if (uring && !OnUring(*store)) continue;
+    const std::vector<uint64_t> keys = Range(1, 1025);
+    Put(*store, keys);  // file 1
+    store->Commit();
+    Put(*store, Range(1, 769));  // file 1 three quarters stale
+    store->Commit();
+    failed_reads = 1;
+    EXPECT_NO_THROW(store->Compact());
+    EXPECT_EQ(failed_reads, 0);
+    const SsdStoreStats s = store->stats();
+    EXPECT_EQ(s.compactions, 1u);
+    EXPECT_EQ(s.compaction_failures, 0u) << s.last_error;
+    EXPECT_EQ(s.unreadable_files, 0u);
+    EXPECT_FALSE(fs::exists(fs::path(dir_) / "000000000001.hpf"));
+    ExpectRows(*store, keys);
   }
 }
 
