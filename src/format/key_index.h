@@ -328,6 +328,22 @@ class CompactKeyIndex {
     }
   }
 
+  // Calls fn(key, value) for each key whose value lies in [first, end), in
+  // no order: a scan of every slot, for what must learn a file's keys
+  // without reading them (SSD-PS, once they failed their CRC or the device
+  // failed their read). A slot keeps the key's hash, whose inverse is the key.
+  template <typename Fn>
+  void ForEachValueIn(uint32_t first, uint64_t end, Fn&& fn) const {
+    for (uint64_t shard = 0; shard < kShards; ++shard) {
+      const Shard& s = shards_[shard];
+      for (uint64_t i = 0; i < s.capacity(); ++i) {
+        const Slot& slot = s.slots[i];
+        if (slot.value == kNone || slot.value < first || slot.value >= end) continue;
+        fn(Unmix64(shard << kRestBits | uint64_t{slot.hi} << 32 | slot.lo), slot.value);
+      }
+    }
+  }
+
   // The slots and the shard table.
   uint64_t memory_bytes() const {
     uint64_t bytes = shards_.size() * sizeof(Shard);

@@ -1,6 +1,6 @@
 // KeyIndex (MEM-PS's slots, small indexes) and CompactKeyIndex (SSD-PS's index,
 // which keeps 48 bits of a key's hash instead of the key): both must be exact.
-// The keys here are made from chosen hashes (Mix64 inverted), so that they
+// The keys here are made from chosen hashes (Unmix64), so that they
 // share a shard, a home slot, or all but a few bits of their hashes.
 #include <gtest/gtest.h>
 
@@ -18,23 +18,6 @@
 
 namespace hps::detail {
 namespace {
-
-// The inverse of x -> x * c mod 2^64 for odd c (Newton's iteration).
-uint64_t InverseOdd(uint64_t c) {
-  uint64_t inv = c;  // right to 3 bits; each step doubles them
-  for (int i = 0; i < 5; ++i) inv *= 2 - c * inv;
-  return inv;
-}
-
-// The key whose Mix64 is h: x ^= x >> 33 is its own inverse on 64 bits.
-uint64_t Unmix64(uint64_t h) {
-  h ^= h >> 33;
-  h *= InverseOdd(0xc4ceb9fe1a85ec53ULL);
-  h ^= h >> 33;
-  h *= InverseOdd(0xff51afd7ed558ccdULL);
-  h ^= h >> 33;
-  return h;
-}
 
 uint64_t Hash(uint64_t shard16, uint64_t hi16, uint64_t lo32) { return shard16 << 48 | hi16 << 32 | lo32; }
 
@@ -229,6 +212,29 @@ TEST(CompactKeyIndex, ReserveMakesRoomSoThatUpsertingTheNewKeysGrowsNothing) {
   EXPECT_EQ(index.memory_bytes(), reserved);
   EXPECT_EQ(index.size(), keys.size());
   for (uint64_t i = 0; i < keys.size(); ++i) EXPECT_EQ(index.Find(keys[i]), 1000 + i) << i;
+}
+
+// SSD-PS learns the live keys of a file whose keys it cannot read from its
+// index, which keeps hashes: every key whose value is in the range, named
+// exactly (keys of shared shards and homes among them), and no other.
+TEST(CompactKeyIndex, ForEachValueInNamesTheKeysOfARangeOfValues) {
+  CompactKeyIndex index;
+  std::vector<uint64_t> keys;
+  for (uint64_t i = 0; i < 50; ++i) keys.push_back(Unmix64(Hash(7, i, 5 + i % 2)));  // one shard, two homes
+  std::mt19937_64 rng(3);
+  for (uint64_t i = 0; i < 2000; ++i) keys.push_back(rng() >> 1);
+  for (uint64_t i = 0; i < keys.size(); ++i) index.Upsert(keys[i], static_cast<uint32_t>(i));
+  index.Erase(keys[40]);
+  std::unordered_map<uint64_t, uint32_t> seen;
+  index.ForEachValueIn(30, 1030, [&](uint64_t key, uint32_t value) { EXPECT_TRUE(seen.emplace(key, value).second); });
+  EXPECT_EQ(seen.size(), 999u);
+  for (uint32_t i = 30; i < 1030; ++i) {
+    if (i == 40) {
+      EXPECT_EQ(seen.count(keys[i]), 0u);
+    } else {
+      EXPECT_EQ(seen[keys[i]], i) << i;
+    }
+  }
 }
 
 TEST(CompactKeyIndex, RefusesTheEmptyMarkerAsAValue) {
