@@ -643,6 +643,56 @@ def test_a_compaction_meeting_a_flipped_row_byte_raises_corruption_and_compacts_
         assert store.stats()["live_records"] == 400
 
 
+def test_a_bound_cutting_through_a_flipped_row_byte_leaves_the_cut_undone_and_is_told_once(tmp_path):
+    """A checkpoint of a bounded table bounds the store, then commits it. When
+    the rows a bound's cap would rewrite held a flipped byte, bound() raised
+    hps.CorruptionError and changed nothing, at every checkpoint from then on.
+    Now it takes the older stamps all the same and leaves the cut undone (the
+    file as it is: its bad row still raises, its sound rows read), and the
+    commit after it raises hps.CorruptionError naming the file, the block and
+    the key, once: the next checkpoint's bound and commit go through."""
+    path = tmp_path / "s"
+    row_bytes = 64  # 64 rows a block
+    store = hps.SsdStore(path, row_bytes, file_records=200, compaction_trigger=100)
+
+    def rows(keys):
+        return np.stack([np.full(16, float(k), np.float32) for k in keys])
+
+    for stamp, first in ((1, 0), (2, 1000), (3, 2000)):  # files 1, 2, 3
+        store.set_stamp(stamp)
+        keys = u64(range(first, first + 200))
+        store.put(keys, rows(keys))
+    store.commit()
+    victim = "000000000002.hpf"  # key 1000 + s at slot s
+    rows_offset = 3 * 4096  # header, 1600 bytes of keys, 16 bytes of block CRCs
+    with open(path / victim, "r+b") as f:
+        f.seek(rows_offset + 150 * row_bytes + 5)  # key 1150's row, in block 2
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    named = rf"{re.escape(victim)}: rows block 2 \(file offset {rows_offset + 2 * 4096}\).* reading key 11\d\d\b"
+
+    # 600 keys, at most 300: stamp 1 goes whole, then stamp 2 would be cut
+    # (1000..1099 erased, 1100..1199 rewritten, block 2 among them).
+    gone = store.bound(0, 300)
+    np.testing.assert_array_equal(gone["capped"], u64(range(200)))
+    assert (gone["files_dropped"], gone["records_rewritten"]) == (1, 0)
+    with pytest.raises(hps.CorruptionError, match=r"bound\(\) met a damaged file: .*" + named):
+        store.commit()
+    store.commit()  # told once
+    assert store.stats()["corrupt_files"] == 1
+    gone = store.bound(0, 300)  # the next checkpoint's: the cut is left undone again, silently
+    assert len(gone["capped"]) == 0
+    store.commit()
+    assert len(store) == 400
+    with pytest.raises(hps.CorruptionError, match=named):
+        store.get(u64([1150]), np.float32)
+    sound = u64(range(1000, 1128))  # blocks 0 and 1
+    got, found = store.get(sound, np.float32)
+    assert found.all()
+    np.testing.assert_array_equal(got, rows(sound))
+
+
 def test_a_rolled_manifest_replays_in_python():
     """The store rolls a long MANIFEST into one log opened by a base record
     (commits, highest sequence; docs/ssd_format.md, "Manifest"). jobdir's replay,

@@ -73,9 +73,9 @@ struct SsdStoreStats {
                                      ///< chunks before it stand: such a run is a compaction too; see
                                      ///< last_error), or that met a damaged file and went on without it
   std::string last_error;            ///< the message of the last failed compaction
-  uint64_t corrupt_files = 0;        ///< files a compaction found damaged since open (a rows block or
-                                     ///< the keys failing their CRC) and left as they are, still in
-                                     ///< the store; see Commit()
+  uint64_t corrupt_files = 0;        ///< files a compaction or Bound() found damaged since open (a
+                                     ///< rows block or the keys failing their CRC) and left as they
+                                     ///< are, still in the store; see Commit()
   uint64_t unreadable_files = 0;     ///< the same for files the device failed to read, twice (EIO:
                                      ///< a bad sector)
   uint64_t cleanup_failures = 0;     ///< removals of unlisted files, or directory syncs after a
@@ -148,7 +148,8 @@ class SsdStore {
   // would have to read it (stats().corrupt_files; open forgets this). So too
   // for a victim whose read the device fails twice (EIO: a bad sector; one
   // that passes is asked again), raised as IoError naming the offset
-  // (stats().unreadable_files). A chunk whose
+  // (stats().unreadable_files). A damaged file that Bound() met is raised
+  // the same way, once (see Bound()). A chunk whose
   // manifest commit is synced has taken effect: a failure to delete its
   // victims, or to sync their deletion, is no failure (a line on stderr; the
   // next commit syncs the directory again; open removes what is left).
@@ -186,6 +187,15 @@ class SsdStore {
   // in the one stamp the cap cuts through are rewritten into new files of
   // that stamp. Waits for a compaction under way and holds off puts
   // meanwhile; a failure (a full disk while rewriting) changes nothing.
+  // A damaged file fails no Bound: one whose keys fail their CRC (or their
+  // read, twice) has its live keys taken from the index; one of the cut
+  // stamp whose survivors cannot be read (a rows block failing its CRC, or
+  // its read twice) is left as it is, none of its keys erased and none of
+  // its rows moved (its sound rows read, a get of a bad one raises naming
+  // the key), and the other files are bounded as if it were not there, so
+  // that the store may keep more than max_live keys until puts supersede
+  // its bad rows. The next Commit() raises CorruptionError (IoError, for a
+  // failed read) naming such a file, once, as it does a compaction's.
   virtual SsdBoundResult Bound(uint64_t min_stamp, uint64_t max_live) = 0;
 
   virtual uint64_t size() const = 0;

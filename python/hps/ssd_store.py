@@ -53,7 +53,8 @@ class SsdStore(_core.SsdStore):
     file damaged raises ``hps.CorruptionError`` naming it, leaves it as it is
     (``stats()["corrupt_files"]``) and compacts the other files, and one whose
     read of a file the device fails twice (a bad sector) does the same with
-    ``hps.IoError`` (``stats()["unreadable_files"]``).
+    ``hps.IoError`` (``stats()["unreadable_files"]``). A ``bound()`` that meets
+    such a file bounds the others without it and the next ``commit()`` says so.
     Any method may be called from any thread; gets run in parallel.
     """
 

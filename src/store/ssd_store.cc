@@ -150,7 +150,7 @@ std::string ProbeDirectIo(const std::string& dir) {
   return "O_DIRECT refused by the filesystem at " + dir + ": " + std::strerror(errno);
 }
 
-// Where a compaction found a file damaged, which it then sets aside
+// Where a compaction or Bound found a file damaged, which it then sets aside
 // (FileStore::SetAside) rather than fail on it at every run.
 enum class Damage : uint8_t {
   kNone,
@@ -173,7 +173,7 @@ class DamagedFile : public std::runtime_error {
 // Runs `read` (a read of a file's keys, or of rows and their checks, which
 // can run again), asking once more when the device fails it: a fault that
 // passes is no damage, while a bad sector fails again, and every later
-// compaction would meet it. Throws DamagedFile for a failed check
+// compaction or Bound would meet it. Throws DamagedFile for a failed check
 // or a second failed read.
 template <typename Read>
 void ReadOrDamaged(uint32_t handle, Damage where, Read&& read) {
@@ -190,8 +190,8 @@ void ReadOrDamaged(uint32_t handle, Damage where, Read&& read) {
   }
 }
 
-// What stopped a compaction run, or the first damaged file it went on
-// without: the message, and whether a file failed its checks
+// What stopped a compaction run, or the first damaged file it (or a Bound)
+// went on without: the message, and whether a file failed its checks
 // (CorruptionError) rather than a call (IoError).
 struct CompactionError {
   std::string message;  // "": none
@@ -202,6 +202,9 @@ struct CompactionError {
     throw IoError(what);
   }
 };
+
+// Ends what a commit raises of a compaction's failure.
+constexpr const char* kCompactsAgain = "; a later commit over compaction_trigger compacts again";
 
 // Record ids: handle * slots_per_file_ + slot, 32 bits, so that the index takes
 // 12 bytes a slot. Handles are reused once their file is gone.
@@ -514,7 +517,9 @@ class FileStore final : public SsdStore {
       // (the background thread's slot), a commit on another thread could take
       // it first, raising a failure not its own while this one returned.
       FinishCompaction(error);
-      if (!error.empty()) failure = {"the compaction this commit ran failed: " + error.message, error.corruption};
+      if (!error.empty()) {
+        failure = {"the compaction this commit ran failed: " + error.message + kCompactsAgain, error.corruption};
+      }
       if (detail::ssd_store_test_seams.commit_after_its_compaction) {
         detail::ssd_store_test_seams.commit_after_its_compaction();
       }
@@ -525,8 +530,7 @@ class FileStore final : public SsdStore {
     }
     if (!failure.empty()) {
       failure.Throw("ssd store " + options_.path + ": " + failure.message +
-                    " (this commit is durable, and no committed row was lost; a later commit over "
-                    "compaction_trigger compacts again)");
+                    " (this commit is durable, and no committed row was lost)");
     }
   }
 
@@ -594,14 +598,15 @@ class FileStore final : public SsdStore {
       compaction_active_ = true;
     }
     SsdBoundResult result;
+    CompactionError damage;  // the next commit raises it, as it does a background compaction's
     try {
       std::lock_guard put_lock(put_mutex_);
-      result = BoundLocked(min_stamp, max_live);
+      result = BoundLocked(min_stamp, max_live, &damage);
     } catch (...) {
       FinishCompaction();
       throw;
     }
-    FinishCompaction();
+    FinishCompaction({}, damage);
     counters_.bound_expired += result.expired.size();
     counters_.bound_capped += result.capped.size();
     counters_.bound_files_dropped += result.files_dropped;
@@ -675,7 +680,7 @@ class FileStore final : public SsdStore {
     uint64_t stamp = 0;      // the file's (ParamFile::stamp), kept here for Bound's grouping
     bool committed = false;
     bool victim = false;     // being compacted away
-    Damage damage = Damage::kNone;  // where a compaction found it damaged (SetAside)
+    Damage damage = Damage::kNone;  // where a compaction or Bound found it damaged (SetAside)
     bool corrupt = false;     // ... failing its checks
     bool unreadable = false;  // ... the device failing its reads
   };
@@ -895,7 +900,24 @@ class FileStore final : public SsdStore {
   // Bound() with put_mutex_ held and no compaction under way, so that only
   // gets run beside it. Everything is read, and the cut stamp's survivors
   // written, before the index changes: a failure until then changes nothing.
-  SsdBoundResult BoundLocked(uint64_t min_stamp, uint64_t max_live) {
+  // A damaged file fails no Bound (as it would every Bound after it: every
+  // checkpoint of a bounded table). A file whose keys cannot be read has its
+  // live keys taken from the index, which holds them all the same (checked
+  // at open, or taken from a put or compaction in memory). When some of the
+  // cut's survivors cannot be read (a rows block failing its CRC, the device
+  // failing its read twice), the cut is left undone: an erased key stays
+  // erased only once every file holding a copy of it is dropped, and the
+  // file holding those rows can be neither dropped (its rows would be lost)
+  // nor rewritten, while keys of its stamp or a later one may have stale
+  // copies in it. The drops of older stamps go on (they hold no key of a
+  // later stamp: ssd_format.md's invariant); that file is set aside as a
+  // compaction sets one aside (its sound rows read, a get of a bad one
+  // raises naming the key), and the store keeps fewer than the cut stamp's
+  // keys above max_live, until puts supersede the rows it could not read
+  // or the cap grows to take that stamp whole, which reads no row.
+  // `report`: what the next commit is to raise of the damaged files met
+  // that nothing had set aside for that cause before (so once).
+  SsdBoundResult BoundLocked(uint64_t min_stamp, uint64_t max_live, CompactionError* report) {
     struct Group {
       std::vector<uint32_t> files;
       uint64_t live = 0;
@@ -942,19 +964,40 @@ class FileStore final : public SsdStore {
     SsdBoundResult result;
     if (drops.empty() && cut == nullptr) return result;
 
+    // A file's live records: its keys read (and checked), each kept where
+    // the index points at its slot; or, when they cannot be read, the keys
+    // that the index points into the file.
+    std::vector<MetDamage> met;
     struct Source {
       uint32_t handle;
       std::shared_ptr<const ParamFile> file;
-      std::vector<uint64_t> keys;
+      std::vector<std::pair<uint64_t, uint64_t>> live;  // (key, slot)
     };
     auto source = [&](uint32_t h) {
-      std::shared_ptr<const ParamFile> file;
+      Source s{h, nullptr, {}};
       {
         std::shared_lock lock(mutex_);
-        file = Entry(h).file;
+        s.file = Entry(h).file;
       }
-      std::vector<uint64_t> keys = file->ReadKeys();
-      return Source{h, std::move(file), std::move(keys)};
+      std::vector<uint64_t> keys;
+      bool read = true;
+      try {
+        ReadOrDamaged(h, Damage::kKeys, [&] { keys = s.file->ReadKeys(); });
+      } catch (const DamagedFile& e) {
+        read = false;
+        met.push_back({e, IsNews(e)});
+      }
+      std::shared_lock lock(mutex_);
+      if (read) {
+        for (uint64_t slot = 0; slot < keys.size(); ++slot) {
+          if (index_.Find(keys[slot]) == RecordId(h, slot)) s.live.emplace_back(keys[slot], slot);
+        }
+      } else {
+        const uint32_t first = RecordId(h, 0);
+        index_.ForEachValueIn(first, uint64_t{first} + slots_per_file_,
+                              [&](uint64_t key, uint32_t id) { s.live.emplace_back(key, id - first); });
+      }
+      return s;
     };
     std::vector<Source> dropped;
     for (const Drop& d : drops) dropped.push_back(source(d.handle));
@@ -974,16 +1017,12 @@ class FileStore final : public SsdStore {
     };
     std::vector<Output> outputs;
     uint64_t bytes = 0;
+    bool cut_left = false;  // left undone: survivors that cannot be read
     if (cut != nullptr) {
       std::vector<Kept> cut_live;
       for (uint32_t h : cut->files) {
         cut_files.push_back(source(h));
-        const Source& f = cut_files.back();
-        std::shared_lock lock(mutex_);
-        for (uint64_t slot = 0; slot < f.keys.size(); ++slot) {
-          const uint32_t id = RecordId(h, slot);
-          if (index_.Find(f.keys[slot]) == id) cut_live.push_back({f.keys[slot], id});
-        }
+        for (const auto& [key, slot] : cut_files.back().live) cut_live.push_back({key, RecordId(h, slot)});
       }
       std::sort(cut_live.begin(), cut_live.end(), [](const Kept& a, const Kept& b) { return a.key < b.key; });
       for (uint64_t i = 0; i < cut_live.size(); ++i) {
@@ -1020,33 +1059,46 @@ class FileStore final : public SsdStore {
         detail::AlignedBuffer buffer(plan.bytes);
         std::vector<detail::IoRequest> reads;
         file.AddReads(plan, buffer.data(), &reads);
-        io->ReadAll(reads);
-        file.CopyRows(plan, buffer.data(), slots.data(), slot_keys.data(), slots.size(), rows.data() + begin * row_bytes);
+        try {
+          ReadOrDamaged(handle, Damage::kRows, [&] {
+            io->ReadAll(reads);
+            file.CopyRows(plan, buffer.data(), slots.data(), slot_keys.data(), slots.size(),
+                          rows.data() + begin * row_bytes);
+          });
+        } catch (const DamagedFile& e) {
+          met.push_back({e, IsNews(e)});
+          cut_left = true;
+          break;
+        }
         counters_.bytes_read += plan.bytes;
         begin = end;
       }
-      try {
-        for (uint64_t begin = 0; begin < kept.size(); begin += options_.file_records) {
-          const uint64_t count = std::min<uint64_t>(options_.file_records, kept.size() - begin);
-          detail::ParamFileImage image(row_bytes, count);
-          for (uint64_t j = 0; j < count; ++j) {
-            image.keys()[j] = kept[begin + j].key;
-            std::memcpy(image.row(j), rows.data() + (begin + j) * row_bytes, row_bytes);
+      if (cut_left) {
+        cut = nullptr;
+      } else {
+        try {
+          for (uint64_t begin = 0; begin < kept.size(); begin += options_.file_records) {
+            const uint64_t count = std::min<uint64_t>(options_.file_records, kept.size() - begin);
+            detail::ParamFileImage image(row_bytes, count);
+            for (uint64_t j = 0; j < count; ++j) {
+              image.keys()[j] = kept[begin + j].key;
+              std::memcpy(image.row(j), rows.data() + (begin + j) * row_bytes, row_bytes);
+            }
+            const uint64_t sequence = next_sequence_++;
+            outputs.push_back({sequence, WriteFile(image, sequence, cut_stamp, *io, &bytes)});
           }
-          const uint64_t sequence = next_sequence_++;
-          outputs.push_back({sequence, WriteFile(image, sequence, cut_stamp, *io, &bytes)});
+        } catch (...) {
+          std::vector<std::string> paths;
+          for (const Output& out : outputs) paths.push_back(out.file->path());
+          RemoveAfterFailure(paths, "bound");
+          throw;
         }
-      } catch (...) {
-        std::vector<std::string> paths;
-        for (const Output& out : outputs) paths.push_back(out.file->path());
-        RemoveAfterFailure(paths, "bound");
-        throw;
       }
     }
 
     // Nothing below throws but bad_alloc, which the reserves take first.
     uint64_t dropped_records = 0;
-    for (const Source& f : dropped) dropped_records += f.keys.size();
+    for (const Source& f : dropped) dropped_records += f.live.size();
     result.expired.reserve(dropped_records);
     result.capped.reserve(dropped_records + cut_away.size());
     dropped_.reserve(dropped_.size() + dropped.size() + cut_files.size());
@@ -1065,10 +1117,10 @@ class FileStore final : public SsdStore {
       const Source& f = dropped[d];
       std::vector<uint64_t>& out = drops[d].expired ? result.expired : result.capped;
       std::unique_lock lock(mutex_);
-      for (uint64_t slot = 0; slot < f.keys.size(); ++slot) {
-        if (index_.Find(f.keys[slot]) != RecordId(f.handle, slot)) continue;  // a stale copy
-        index_.Erase(f.keys[slot]);
-        out.push_back(f.keys[slot]);
+      for (const auto& [key, slot] : f.live) {
+        if (index_.Find(key) != RecordId(f.handle, slot)) continue;  // a stale copy
+        index_.Erase(key);
+        out.push_back(key);
       }
       forget(f.handle);
       ++result.files_dropped;
@@ -1092,7 +1144,43 @@ class FileStore final : public SsdStore {
     counters_.bytes_written += bytes;
     std::sort(result.expired.begin(), result.expired.end());
     std::sort(result.capped.begin(), result.capped.end());
+
+    // The damaged files that stay (those of a cut left undone) are set aside;
+    // those never set aside for their cause before are told, once.
+    std::string message;
+    {
+      std::unique_lock lock(mutex_);
+      for (const MetDamage& m : met) {
+        const bool stays = cut_left && std::any_of(cut_files.begin(), cut_files.end(),
+                                                   [&](const Source& f) { return f.handle == m.error.handle; });
+        if (stays) MarkDamaged(&Entry(m.error.handle), m.error.damage, m.error.unreadable);
+        if (!m.news) continue;
+        if (message.empty()) report->corruption = !m.error.unreadable;
+        message += std::string(message.empty() ? "" : "; ") + m.error.what();
+        if (m.error.damage == Damage::kKeys) {
+          message += "; bound() found the file's live keys in the index instead";
+        } else {
+          message += "; bound() left the cut of stamp " + std::to_string(cut_stamp) +
+                     " undone (the file as it is: its sound rows still read), so the store keeps " +
+                     std::to_string(index_.size()) + " keys, over max_live = " + std::to_string(max_live) +
+                     ", until puts supersede the rows it could not read";
+        }
+      }
+    }
+    if (!message.empty()) report->message = "bound() met a damaged file: " + message;
     return result;
+  }
+
+  // A damaged file Bound met, and whether nothing had set it aside for that
+  // cause and that part (its keys, or only its rows) before: it is told once.
+  struct MetDamage {
+    DamagedFile error;
+    bool news;
+  };
+  bool IsNews(const DamagedFile& e) const {
+    std::shared_lock lock(mutex_);
+    const FileEntry& f = Entry(e.handle);
+    return !(e.unreadable ? f.unreadable : f.corrupt) || f.damage < e.damage;
   }
 
   bool OverTrigger() const {
@@ -1195,7 +1283,7 @@ class FileStore final : public SsdStore {
       put_lock.unlock();
       CompactionError failure;
       if (!error.empty()) {
-        failure = {"a background compaction failed: " + error.message, error.corruption};
+        failure = {"a background compaction failed: " + error.message + kCompactsAgain, error.corruption};
         // hps has no logger; the next commit() raises this as well.
         std::fprintf(stderr, "hps: ssd store %s: %s\n", options_.path.c_str(), failure.message.c_str());
       }
@@ -1263,7 +1351,15 @@ class FileStore final : public SsdStore {
       std::lock_guard lock(compaction_mutex_);
       compaction_active_ = false;
       if (!error.empty()) last_error_ = error.message;
-      if (!failure.empty()) unreported_failure_ = failure;
+      // After any the next commit has yet to raise, which it must not hide
+      // (a background run's, before a Bound's; that one's type stands).
+      if (!failure.empty()) {
+        if (unreported_failure_.empty()) {
+          unreported_failure_ = failure;
+        } else {
+          unreported_failure_.message += "; and then: " + failure.message;
+        }
+      }
     }
     compaction_cv_.notify_all();
   }

@@ -583,6 +583,144 @@ TEST_F(SsdStoreTest, ADamagedFileHoldingTheExcessStartsNoCompaction) {
   EXPECT_TRUE(corruption);
 }
 
+// Flips a byte of the key at `slot` of the parameter file at `path` (of
+// `records` rows of 16 bytes): the keys no longer match their CRC.
+void FlipKeyByte(const std::string& path, uint64_t records, uint64_t slot) {
+  const detail::ParamFileLayout layout{16, records};
+  const auto at = static_cast<std::streamoff>(layout.keys_offset() + slot * sizeof(uint64_t) + 1);
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at);
+  const char byte = static_cast<char>(f.get() ^ 0x5A);
+  f.seekp(at);
+  f.put(byte);
+  ASSERT_TRUE(f.flush()) << path;
+}
+
+// Bound drops the files of the stamps it erases whole, reading only their
+// keys to find which of them are live. When those keys failed their CRC,
+// Bound raised CorruptionError and changed nothing, at every call: every
+// checkpoint of a bounded table failed from then on, and a reopen failed on
+// the same keys. The index holds every live key of the file (checked at
+// open, or taken from a put in memory), so Bound takes them from there: it
+// erases exactly the file's live keys (those that later files superseded
+// stay), drops the file, and the next commit names it, once.
+TEST_F(SsdStoreTest, ABoundDroppingAFileWhoseKeysFailTheirCrcErasesItsLiveKeysAllTheSame) {
+  const SsdStoreOptions options = Options(512);
+  {
+    auto store = SsdStore::Open(options);
+    store->SetStamp(1);
+    Put(*store, Range(1, 513), 1);  // file 1
+    store->SetStamp(2);
+    Put(*store, Range(1, 101), 2);  // superseding file 1's first 100
+    Put(*store, Range(1001, 1513), 2);
+    store->Commit();
+  }
+  auto store = SsdStore::Open(options);
+  const std::string file = (fs::path(dir_) / "000000000001.hpf").string();
+  FlipKeyByte(file, 512, 200);
+  SsdBoundResult r;
+  ASSERT_NO_THROW(r = store->Bound(2, 0));
+  EXPECT_EQ(r.expired, Range(101, 513));
+  EXPECT_EQ(r.files_dropped, 1u);
+  EXPECT_EQ(store->size(), 612u);
+  try {
+    store->Commit();
+    ADD_FAILURE() << "a bound over a file whose keys failed their CRC was never told";
+  } catch (const CorruptionError& e) {
+    EXPECT_NE(std::string(e.what()).find(file + ": "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("keys CRC mismatch"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(store->Commit());
+  EXPECT_FALSE(fs::exists(file));
+  store.reset();
+  store = SsdStore::Open(options);
+  EXPECT_EQ(Versions(*store, Range(1, 101)), std::vector<int64_t>(100, 2));
+  EXPECT_EQ(Versions(*store, Range(101, 513)), std::vector<int64_t>(412, -1));
+  EXPECT_EQ(Versions(*store, Range(1001, 1513)), std::vector<int64_t>(512, 2));
+  EXPECT_EQ(store->size(), 612u);
+}
+
+// Bound rewrites the live rows that stay in the stamp its cap cuts through.
+// When a block of them failed its CRC, Bound raised CorruptionError and
+// changed nothing, at every call: every checkpoint of a bounded table failed
+// from then on. Now the cut is left undone (an erasure lasts only once every
+// file holding a copy of the key is dropped, and that file can be neither
+// dropped nor rewritten), the older stamps are bounded all the same, and
+// the file is left as it is, as a compaction leaves it: its sound rows
+// read, a get of a bad one raises CorruptionError naming the key. The next
+// commit names it, once; Bounds that meet it again go on without it,
+// silently; once puts have superseded its bad rows, the cut goes through it.
+TEST_F(SsdStoreTest, ABoundCuttingThroughACorruptBlockLeavesTheCutUndoneAndBoundsTheRest) {
+  const SsdStoreOptions options = Options(512);  // two blocks of rows a file, 256 rows each
+  auto store = SsdStore::Open(options);
+  store->SetStamp(1);
+  Put(*store, Range(3001, 3257), 1);  // file 1
+  store->SetStamp(2);
+  Put(*store, Range(513, 1025), 2);  // file 2: key k at slot k - 513
+  Put(*store, Range(1, 513), 2);     // file 3
+  store->SetStamp(3);
+  Put(*store, Range(2001, 2513), 3);  // file 4
+  store->Commit();
+  const std::string file = (fs::path(dir_) / "000000000002.hpf").string();
+  FlipRowByte(file, 512, 300);  // key 813's row, in block 1
+  auto expect_named = [&](const std::string& message, const std::string& key) {
+    EXPECT_NE(message.find(file + ": rows block 1 (file offset "), std::string::npos) << message;
+    EXPECT_NE(message.find("reading key " + key), std::string::npos) << message;
+  };
+  // A cap of 896 takes stamp 1 whole, then cuts stamp 2: 1..640 would go,
+  // 641..1024 (file 2's slots 128..511, blocks 0 and 1) be rewritten.
+  SsdBoundResult r;
+  ASSERT_NO_THROW(r = store->Bound(0, 896));
+  EXPECT_EQ(r.capped, Range(3001, 3257));
+  EXPECT_EQ(r.files_dropped, 1u);
+  EXPECT_EQ(r.records_rewritten, 0u);
+  EXPECT_EQ(store->size(), 1536u);
+  bool corruption = false;
+  expect_named(GetError(*store, 813, &corruption), "813");
+  EXPECT_TRUE(corruption);
+  EXPECT_EQ(Versions(*store, Range(513, 769)), std::vector<int64_t>(256, 2));  // its block 0
+  EXPECT_EQ(Versions(*store, Range(1, 513)), std::vector<int64_t>(512, 2));
+  try {
+    store->Commit();
+    ADD_FAILURE() << "a bound over a corrupt block was never told";
+  } catch (const CorruptionError& e) {
+    expect_named(e.what(), "");
+    EXPECT_NE(std::string(e.what()).find("1536 keys, over max_live = 896"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(store->Commit());
+  EXPECT_EQ(store->stats().corrupt_files, 1u);
+  EXPECT_FALSE(fs::exists(fs::path(dir_) / "000000000001.hpf"));
+
+  // Met again, the cut is left undone again, silently.
+  ASSERT_NO_THROW(r = store->Bound(0, 896));
+  EXPECT_TRUE(r.capped.empty());
+  EXPECT_NO_THROW(store->Commit());
+
+  // A reopen reads the file as it was left.
+  store.reset();
+  store = SsdStore::Open(options);
+  EXPECT_EQ(store->size(), 1536u);
+  EXPECT_EQ(Versions(*store, Range(1, 769)), std::vector<int64_t>(768, 2));
+  EXPECT_EQ(Versions(*store, Range(3001, 3257)), std::vector<int64_t>(256, -1));
+  corruption = false;
+  expect_named(GetError(*store, 813, &corruption), "813");
+
+  // Its bad block superseded, the cut goes through it: 1..640 go, 641..768 are rewritten.
+  store->SetStamp(4);
+  Put(*store, Range(769, 1025), 4);
+  ASSERT_NO_THROW(r = store->Bound(0, 896));
+  EXPECT_EQ(r.capped, Range(1, 641));
+  EXPECT_EQ(r.records_rewritten, 128u);
+  EXPECT_NO_THROW(store->Commit());
+  EXPECT_FALSE(fs::exists(file));
+  store.reset();
+  store = SsdStore::Open(options);
+  EXPECT_EQ(Versions(*store, Range(1, 641)), std::vector<int64_t>(640, -1));
+  EXPECT_EQ(Versions(*store, Range(641, 769)), std::vector<int64_t>(128, 2));
+  EXPECT_EQ(Versions(*store, Range(769, 1025)), std::vector<int64_t>(256, 4));
+  EXPECT_EQ(store->size(), 896u);
+}
+
 // A put writes its files, then points the index at them, file by file. When
 // an allocation failed in that second part (a shard of the index growing),
 // the put threw with its first files indexed: later gets read the new rows of
