@@ -302,30 +302,45 @@ class CompactKeyIndex {
   uint64_t size() const { return size_; }
 
   // Room for inserts made where a failure must not be (a put's keys entering
-  // the index one file at a time): NewKeyShards lists the shard of each of
-  // keys[0, n) that the index lacks (the keys distinct), and Reserve grows
-  // each listed shard to take as many more keys as it is listed times. Until
-  // something else inserts, upserting those keys then grows nothing, so
-  // allocates nothing and cannot throw. Reserve moves no key: when it throws
-  // (bad_alloc; length_error past kMaxCapacity), the shards it grew are only
-  // larger. NewKeyShards may be called under a reader's lock, Reserve needs
-  // the writer's; both may be called in pieces, a shard list per call.
-  void NewKeyShards(const uint64_t* keys, uint64_t n, std::vector<uint16_t>* shards) const {
+  // the index one file at a time): CountNewKeys adds to (*counts)[s] (kShards
+  // entries) the keys of keys[0, n) in shard s that the index lacks (the keys
+  // distinct) and returns how many it added, and Reserve grows each shard s
+  // to take counts[s] more keys. Until something else inserts, upserting
+  // those keys then grows nothing, so allocates nothing and cannot throw.
+  // CountNewKeys may be called under a reader's lock, Reserve needs the
+  // writer's; both may be called in pieces. Reserve's pieces keep readers
+  // from waiting for all the growth of a big put at once (its shards pass
+  // their load together): it grows shards from `shard` on until it has
+  // allocated max_slots slots (one shard at least) or looked at max_slots
+  // shards, and returns the shard to go on from (kShards: done). It moves no
+  // key: when it throws (bad_alloc; length_error past kMaxCapacity), the
+  // shards it grew are only larger.
+  static constexpr uint64_t kShards = uint64_t{1} << 16;
+  uint64_t CountNewKeys(const uint64_t* keys, uint64_t n, std::vector<uint32_t>* counts) const {
+    counts->resize(kShards);
+    uint64_t added = 0;
+    constexpr uint64_t kAhead = 8;  // probes in flight: each likely misses the cache
     for (uint64_t i = 0; i < n; ++i) {
-      if (Find(keys[i]) == kNone) shards->push_back(static_cast<uint16_t>(Mix64(keys[i]) >> kRestBits));
+      if (i + kAhead < n) Prefetch(keys[i + kAhead]);
+      if (Find(keys[i]) != kNone) continue;
+      ++(*counts)[Mix64(keys[i]) >> kRestBits];
+      ++added;
     }
+    return added;
   }
-  void Reserve(std::vector<uint16_t>* shards) {  // sorts *shards
-    std::sort(shards->begin(), shards->end());
-    for (size_t i = 0; i < shards->size();) {
-      size_t end = i;
-      while (end < shards->size() && (*shards)[end] == (*shards)[i]) ++end;
-      Shard& s = shards_[(*shards)[i]];
+  uint64_t Reserve(const std::vector<uint32_t>& counts, uint64_t shard, uint64_t max_slots) {
+    uint64_t grown = 0;
+    const uint64_t end = std::min(kShards, shard + max_slots);
+    for (; shard < end && grown < max_slots; ++shard) {
+      if (counts[shard] == 0) continue;
+      Shard& s = shards_[shard];
       uint64_t capacity = s.mask == 0 ? kMinCapacity : s.capacity();
-      while ((s.size + (end - i)) * 5 > capacity * 4) capacity *= 2;  // Upsert's bound, for the last of them
-      if (capacity != s.capacity()) GrowTo(&s, capacity);
-      i = end;
+      while ((s.size + counts[shard]) * 5 > capacity * 4) capacity *= 2;  // Upsert's bound, for the last of them
+      if (capacity == s.capacity()) continue;
+      GrowTo(&s, capacity);
+      grown += capacity;
     }
+    return shard;
   }
 
   // Calls fn(key, value) for each key whose value lies in [first, end), in
@@ -363,7 +378,7 @@ class CompactKeyIndex {
  private:
   static constexpr int kShardBits = 16;
   static constexpr int kRestBits = 64 - kShardBits;
-  static constexpr uint64_t kShards = uint64_t{1} << kShardBits;
+  static_assert(kShards == uint64_t{1} << kShardBits);
   static constexpr uint64_t kMinCapacity = 16;
   // Homes are lo & mask: a shard stays below 2^32 slots (2^48 keys in all).
   static constexpr uint64_t kMaxCapacity = uint64_t{1} << 32;

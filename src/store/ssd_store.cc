@@ -50,6 +50,11 @@ constexpr int kStoreVersion = 1;
 // which is what the drive needs; 64 MiB had gets no faster and their buffers
 // several times a lookup's cache budget (bench/lookup_bench.py --cgroup).
 constexpr uint64_t kReadWaveBytes = uint64_t{4} << 20;
+// The index's room for a put's new keys is made in pieces of about this many
+// slots (10 bytes each) allocated and copied, or shards looked at, each piece
+// under the writer's lock: a reader waits for one piece at most (under a
+// millisecond), less than for a file's keys entering the index (65536 keys).
+constexpr uint64_t kReservePieceSlots = uint64_t{1} << 16;
 
 using detail::SyncDirectory;
 using detail::ThrowErrno;
@@ -356,18 +361,19 @@ class FileStore final : public SsdStore {
         const uint64_t sequence = next_sequence_++;
         written.push_back({sequence, WriteFile(image, sequence, stamp, *io, &bytes), std::move(written_keys)});
       }
-      // The batch's keys that the index lacks, by shard, and those whose
-      // current copy a compaction under way is to carry over, found while
-      // gets go on: only this put adds keys, and only Plan, which waits for
-      // it, marks victims, so both lists hold until it has indexed.
-      std::vector<uint16_t> new_key_shards;
+      // The batch's keys that the index lacks, counted by shard, and those
+      // whose current copy a compaction under way is to carry over, found
+      // while gets go on: only this put adds keys, and only Plan, which waits
+      // for it, marks victims, so both hold until it has indexed.
+      std::vector<uint32_t> new_keys;  // by shard
+      uint64_t new_key_count = 0;
       std::vector<uint64_t> victim_keys;
       {
         std::shared_lock lock(mutex_);
         const bool compacting = std::any_of(by_sequence_.begin(), by_sequence_.end(),
                                             [&](const auto& file) { return Entry(file.second).victim; });
         for (const PutFile& w : written) {
-          index_.NewKeyShards(w.keys.data(), w.keys.size(), &new_key_shards);
+          new_key_count += index_.CountNewKeys(w.keys.data(), w.keys.size(), &new_keys);
           for (uint64_t key : w.keys) {
             const uint32_t id = compacting ? index_.Find(key) : KeyIndex::kNone;
             if (id != KeyIndex::kNone && Entry(static_cast<uint32_t>(id / slots_per_file_)).victim) {
@@ -375,6 +381,15 @@ class FileStore final : public SsdStore {
             }
           }
         }
+      }
+      // Room in the index for the new keys, a piece at a time, each its own
+      // lock section: growing every shard a big put touches at once (a
+      // copy of much of the index, when its shards pass their load together)
+      // made readers wait for all of it. Nothing else inserts meanwhile, so
+      // the room holds; a piece that fails only leaves shards larger.
+      for (uint64_t shard = 0; new_key_count > 0 && shard < detail::CompactKeyIndex::kShards;) {
+        std::unique_lock lock(mutex_);
+        shard = index_.Reserve(new_keys, shard, kReservePieceSlots);
       }
       // Every file's handle (its record ids) in this one lock section: a
       // compaction takes handles for its outputs meanwhile, and one that
@@ -387,7 +402,6 @@ class FileStore final : public SsdStore {
       }
       uncommitted_.reserve(uncommitted_.size() + written.size());
       free_handles_.reserve(free_handles_.size() + written.size());  // RemoveEntry's, below, should this fail
-      index_.Reserve(&new_key_shards);
       // Index records the first copy of each such key that a put supersedes;
       // its entry is made here, empty (kNone), so that Index allocates none.
       // One left empty by a put that failed, or whose key a chunk swapped out

@@ -193,6 +193,8 @@ TEST(ReleaseWholePages, LeavesOnlyThePartialPagesAtTheEndsResident) {
 // entering them cannot fail (run out of memory) halfway. Room for the keys
 // the index lacks only, each in its own shard: here 70 new keys of one
 // shard, which grows from 64 slots to 128 at once, and one in an empty shard.
+// Made in pieces, each under its own lock: a piece stops once it has
+// allocated its slots (one shard at least) or looked at as many shards.
 TEST(CompactKeyIndex, ReserveMakesRoomSoThatUpsertingTheNewKeysGrowsNothing) {
   CompactKeyIndex index;
   std::vector<uint64_t> keys;
@@ -200,14 +202,22 @@ TEST(CompactKeyIndex, ReserveMakesRoomSoThatUpsertingTheNewKeysGrowsNothing) {
   keys.push_back(Unmix64(Hash(9, 0, 1)));
   for (uint64_t i = 0; i < 30; ++i) index.Upsert(keys[i], static_cast<uint32_t>(i));
   const uint64_t before = index.memory_bytes();
-  std::vector<uint16_t> shards;
-  index.NewKeyShards(keys.data(), 30, &shards);  // all present: no room needed
-  EXPECT_TRUE(shards.empty());
-  index.NewKeyShards(keys.data(), keys.size(), &shards);
-  EXPECT_EQ(shards.size(), 71u);
-  index.Reserve(&shards);
+  std::vector<uint32_t> counts;
+  EXPECT_EQ(index.CountNewKeys(keys.data(), 30, &counts), 0u);  // all present: no room needed
+  EXPECT_EQ(counts.size(), CompactKeyIndex::kShards);
+  EXPECT_EQ(index.CountNewKeys(keys.data(), keys.size(), &counts), 71u);
+  EXPECT_EQ(counts[7], 70u);
+  EXPECT_EQ(counts[9], 1u);
+  EXPECT_EQ(index.Reserve(counts, 0, 16), 8u) << "shard 7's 128 slots fill the piece";
+  EXPECT_EQ(index.memory_bytes() - before, (128 - 64) * sizeof(CompactKeyIndex::Slot));
+  EXPECT_EQ(index.Reserve(counts, 8, 16), 10u) << "shard 9's 16";
+  EXPECT_EQ(index.Reserve(counts, 10, 16), 26u) << "16 shards looked at, none grown";
+  uint64_t shard = 26;
+  while (shard < CompactKeyIndex::kShards) shard = index.Reserve(counts, shard, 1 << 12);
   const uint64_t reserved = index.memory_bytes();
   EXPECT_EQ(reserved - before, (128 - 64 + 16) * sizeof(CompactKeyIndex::Slot));
+  EXPECT_EQ(index.Reserve(counts, 0, CompactKeyIndex::kShards), CompactKeyIndex::kShards);
+  EXPECT_EQ(index.memory_bytes(), reserved) << "room made once";
   for (uint64_t i = 0; i < keys.size(); ++i) index.Upsert(keys[i], static_cast<uint32_t>(1000 + i));
   EXPECT_EQ(index.memory_bytes(), reserved);
   EXPECT_EQ(index.size(), keys.size());
